@@ -1,0 +1,100 @@
+"""Control-plane activities: provider and cluster calls, each one thin.
+
+Run by the control-plane worker on task queue ``gpufleet``. Secrets (provider
+credentials, join-token values) exist only inside these functions.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.env import FleetEnv
+from activities.errors import typed_errors
+from activities.models import (
+    DeleteMachineInput,
+    IssueJoinTokenInput,
+    PrepareNodeInput,
+    ProvisionMachineInput,
+    RemoveNodeInput,
+    ResolveSiteInput,
+    RevokeJoinTokenInput,
+    WaitForRegistrationInput,
+)
+from fleet.config import Site
+from fleet.models import Machine, Node
+from providers.cluster.base import JoinTokenRef
+
+
+class ControlPlaneActivities:
+    def __init__(self, env: FleetEnv) -> None:
+        self.env = env
+
+    def all(self) -> list:
+        return [
+            self.resolve_site,
+            self.provision_machine,
+            self.delete_machine,
+            self.issue_join_token,
+            self.revoke_join_token,
+            self.wait_for_registration,
+            self.prepare_node,
+            self.remove_node,
+        ]
+
+    # -- provider ---------------------------------------------------------------------
+    @activity.defn
+    @typed_errors
+    def resolve_site(self, input: ResolveSiteInput) -> Site:
+        """The site's config, or InvalidRequest naming ``site`` when unknown."""
+        return self.env.site(input.site)
+
+    @activity.defn
+    @typed_errors
+    def provision_machine(self, input: ProvisionMachineInput) -> Machine:
+        return self.env.provider(input.site).create_machine(input.spec, input.idempotency_key)
+
+    @activity.defn
+    @typed_errors
+    def delete_machine(self, input: DeleteMachineInput) -> None:
+        self.env.provider(input.site).delete_machine(input.machine_id)
+
+    # -- cluster ----------------------------------------------------------------------
+    @activity.defn
+    def issue_join_token(self, input: IssueJoinTokenInput) -> JoinTokenRef:
+        return self.env.cluster.create_join_token(input.node_name, input.machine_id, input.ttl_seconds)
+
+    @activity.defn
+    def revoke_join_token(self, input: RevokeJoinTokenInput) -> None:
+        self.env.cluster.revoke_join_token(input.token_id)
+
+    @activity.defn
+    def wait_for_registration(self, input: WaitForRegistrationInput) -> Node:
+        """Poll the cluster until the node registers and is Ready, or the deadline."""
+        while True:
+            node = self.env.cluster.get_node(input.node_name)
+            if node is not None and node.ready:
+                return node
+            if datetime.now(timezone.utc) >= input.deadline:
+                raise ApplicationError(
+                    f"node {input.node_name} did not register by {input.deadline.isoformat()}",
+                    type="RegistrationTimeout",
+                    non_retryable=True,
+                )
+            activity.heartbeat()
+            time.sleep(input.poll_seconds)
+
+    @activity.defn
+    def prepare_node(self, input: PrepareNodeInput) -> Node:
+        """Our labels and taints on the node; touches no other key."""
+        cluster = self.env.cluster
+        if input.labels:
+            cluster.label_node(input.node_name, input.labels)
+        return cluster.set_taints(input.node_name, add=input.add_taints, remove=input.remove_taints)
+
+    @activity.defn
+    def remove_node(self, input: RemoveNodeInput) -> None:
+        self.env.cluster.remove_node(input.node_name)

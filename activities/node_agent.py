@@ -1,0 +1,35 @@
+"""Node-local activities, run by the node agent on task queue ``node/<name>``."""
+
+from __future__ import annotations
+
+from temporalio import activity
+
+from activities.models import ProbeGpusInput, ProbeResult, SmokeResult, SmokeTestInput
+from providers.gpu import GpuBackend
+
+
+class NodeAgentActivities:
+    def __init__(self, node_name: str, gpus: GpuBackend) -> None:
+        self.node_name = node_name
+        self.gpus = gpus
+
+    def all(self) -> list:
+        return [self.probe_gpus, self.smoke_test]
+
+    @activity.defn
+    def probe_gpus(self, input: ProbeGpusInput) -> ProbeResult:
+        return ProbeResult(node_name=self.node_name, boot_id=self.gpus.boot_id(), gpus=self.gpus.probe())
+
+    @activity.defn
+    def smoke_test(self, input: SmokeTestInput) -> SmokeResult:
+        """All GPUs visible, clean counters, and each GPU computes correctly."""
+        gpus = self.gpus.probe()
+        failures = []
+        if len(gpus) != input.expected_gpus:
+            failures.append(f"{len(gpus)} of {input.expected_gpus} GPUs visible")
+        for gpu in gpus:
+            failures += [f"GPU {gpu.index}: {problem}" for problem in gpu.problems()]
+            activity.heartbeat(gpu.index)
+            if not gpu.lost and (problem := self.gpus.compute_check(gpu.index)):
+                failures.append(problem)
+        return SmokeResult(passed=not failures, gpus_seen=len(gpus), boot_id=self.gpus.boot_id(), failures=failures)

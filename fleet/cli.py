@@ -1,0 +1,317 @@
+"""``gpufleet``: the operator's command line."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import uuid
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fleet.config import ConfigError, load_config
+from fleet.settings import Settings
+
+app = typer.Typer(help="gpufleet: one Kubernetes cluster, GPU nodes at many providers, run by Temporal.",
+                  no_args_is_help=True, pretty_exceptions_show_locals=False)
+config_app = typer.Typer(help="Fleet configuration (sites.yaml).", no_args_is_help=True)
+sim_app = typer.Typer(help="Change the simulated world while the dev stack runs.", no_args_is_help=True)
+app.add_typer(config_app, name="config")
+app.add_typer(sim_app, name="sim")
+
+console = Console()
+err = Console(stderr=True)
+
+Address = Annotated[str, typer.Option("--address", envvar="TEMPORAL_ADDRESS", help="Temporal frontend host:port")]
+StateDir = Annotated[Path, typer.Option("--state-dir", envvar="GPUFLEET_STATE_DIR", help="where sim and dev state live")]
+ConfigPath = Annotated[Optional[str], typer.Option("--config", envvar="GPUFLEET_CONFIG",
+                                                   help="sites.yaml (default: the built-in simulated fleet)")]
+
+
+def _settings(address: str = "localhost:7233", state_dir: Path = Path(".gpufleet"), config: str | None = None) -> Settings:
+    return Settings.from_env(address=address, state_dir=state_dir, config=config)
+
+
+def _fail(message: str, code: int = 1) -> None:
+    err.print(f"[red]error:[/] {message}")
+    raise typer.Exit(code)
+
+
+# -- dev stack -------------------------------------------------------------------------------
+@app.command()
+def dev(
+    state_dir: StateDir = Path(".gpufleet"),
+    config: ConfigPath = None,
+    port: Annotated[int, typer.Option(help="Temporal frontend port")] = 7233,
+    ui_port: Annotated[int, typer.Option(help="Temporal UI port")] = 8233,
+) -> None:
+    """Run the dev stack: Temporal dev server + UI, control-plane worker, simulated fleet."""
+    from fleet.dev import run_dev
+
+    try:
+        load_config(config)
+    except ConfigError as error:
+        _report_config(error)
+    raise typer.Exit(run_dev(_settings(state_dir=state_dir, config=config), port=port, ui_port=ui_port))
+
+
+# -- config ----------------------------------------------------------------------------------
+def _report_config(error: ConfigError) -> None:
+    err.print(f"[red]{error.source}: invalid fleet config[/]")
+    for problem in error.problems:
+        err.print(f"  {problem}")
+    raise typer.Exit(2)
+
+
+@config_app.command("check")
+def config_check(file: Annotated[Path, typer.Argument(help="sites.yaml to check")]) -> None:
+    """Validate a fleet config; exit 2 naming the site and field of every problem."""
+    try:
+        config = load_config(file)
+    except ConfigError as error:
+        _report_config(error)
+    console.print(f"[green]ok[/]: {len(config.sites)} sites, {len(config.accounts)} accounts ({config.mode} mode)")
+
+
+async def _connect(settings: Settings):
+    from fleet.temporal import connect
+
+    try:
+        return await connect(settings)
+    except RuntimeError as error:
+        _fail(f"cannot reach Temporal at {settings.address} ({error}); is `gpufleet dev` running?")
+
+
+# -- joining ---------------------------------------------------------------------------------
+@app.command()
+def join(
+    site: Annotated[str, typer.Option(help="site to add nodes at")],
+    count: Annotated[int, typer.Option(help="how many nodes")] = 1,
+    wait: Annotated[bool, typer.Option(help="wait and show progress until every node is ready")] = False,
+    request: Annotated[Optional[str], typer.Option(help="request id (default: random)")] = None,
+    address: Address = "localhost:7233",
+) -> None:
+    """Join nodes at a site: one NodeJoin workflow per node."""
+    if count < 1:
+        _fail("--count: must be at least 1", 2)
+    asyncio.run(_join(_settings(address), site, count, wait, request or uuid.uuid4().hex[:8]))
+
+
+async def _join(settings: Settings, site: str, count: int, wait: bool, request: str) -> None:
+    from rich.live import Live
+    from temporalio.client import WorkflowFailureError
+    from temporalio.common import WorkflowIDConflictPolicy
+
+    from fleet.naming import join_workflow_id
+    from workflows.models import JoinProgress, NodeJoinInput, NodeJoinResult
+
+    client = await _connect(settings)
+    handles = []
+    for i in range(count):
+        workflow_id = join_workflow_id(site, request if count == 1 else f"{request}-{i}")
+        handles.append(await client.start_workflow(
+            "NodeJoin", NodeJoinInput(site=site).model_dump(mode="json"), id=workflow_id,
+            task_queue=settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            static_summary=f"join a node at {site}", result_type=NodeJoinResult,
+        ))
+        console.print(f"started [bold]{workflow_id}[/]")
+    if not wait:
+        return
+
+    def render(states: dict[str, str]) -> Table:
+        table = Table("workflow", "step")
+        for wid, step in states.items():
+            table.add_row(wid, step)
+        return table
+
+    states = {h.id: "starting" for h in handles}
+    failures = []
+    with Live(render(states), console=console, refresh_per_second=4) as live:
+        pending = {h.id: asyncio.ensure_future(h.result()) for h in handles}
+        while pending:
+            await asyncio.wait(pending.values(), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+            for handle in handles:
+                task = pending.get(handle.id)
+                if task is None:
+                    continue
+                if task.done():
+                    pending.pop(handle.id)
+                    try:
+                        result = task.result()
+                        states[handle.id] = "[green]ready[/] " + ", ".join(n.node_name for n in result.nodes)
+                    except WorkflowFailureError as error:
+                        cause = error.cause
+                        kind = getattr(cause, "type", None) or type(cause).__name__
+                        states[handle.id] = f"[red]{kind}[/]: {cause}"
+                        failures.append((handle.id, kind, str(cause)))
+                else:
+                    try:
+                        states[handle.id] = (await handle.query("progress", result_type=JoinProgress)).step
+                    except Exception:  # noqa: BLE001 - a query can race the workflow's first task
+                        pass
+            live.update(render(states))
+    if failures:
+        for wid, kind, message in failures:
+            err.print(f"[red]{wid} failed: {kind}: {message}[/]")
+        raise typer.Exit(1)
+
+
+# -- looking at the fleet --------------------------------------------------------------------
+def _env(state_dir: Path, config: str | None):
+    from activities.env import FleetEnv
+
+    try:
+        return FleetEnv.from_settings(_settings(state_dir=state_dir, config=config))
+    except ConfigError as error:
+        _report_config(error)
+
+
+@app.command()
+def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
+    """Every site: provider, GPUs, price, min/max, nodes now (and the sim's knobs)."""
+    env = _env(state_dir, config)
+    nodes = env.cluster.list_nodes()
+    table = Table("site", "provider", "region", "geo", "GPU", "$/GPU-h", "type", "min", "max", "nodes", title="sites")
+    sim = {row["name"]: row for row in env.world.sites()} if env.world else {}
+    if sim:
+        for column in ("capacity", "quota", "latency", "reachable"):
+            table.add_column(column)
+    for site in env.config.sites:
+        here = [n for n in nodes if n.labels.get("gpufleet.io/site") == site.name]
+        row = [site.name, site.provider, site.region, site.geography or "", f"{site.gpus_per_machine}x {site.gpu}",
+               f"{site.price_per_gpu_hour:.2f}", site.capacity_type.value, str(site.min_nodes), str(site.max_nodes),
+               f"{sum(n.ready for n in here)}/{len(here)}"]
+        if site.name in sim:
+            s = sim[site.name]
+            row += [str(s["capacity"]), str(s["quota"]), f"{s['api_latency_ms']} ms",
+                    "[red]no[/]" if s["unreachable"] else "yes"]
+        table.add_row(*row)
+    console.print(table)
+
+
+@app.command()
+def nodes(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
+    """Cluster nodes with their site, readiness and taints."""
+    env = _env(state_dir, config)
+    table = Table("node", "site", "provider", "GPU", "ready", "schedulable", "taints", "machine", title="nodes")
+    for node in env.cluster.list_nodes():
+        table.add_row(node.name, node.labels.get("gpufleet.io/site", ""), node.labels.get("gpufleet.io/provider", ""),
+                      node.labels.get("nvidia.com/gpu.product", ""), "yes" if node.ready else "[red]no[/]",
+                      "[yellow]cordoned[/]" if node.unschedulable else "yes", ", ".join(node.taints), node.machine_id)
+    console.print(table)
+
+
+@app.command("search-attributes")
+def register_search_attributes(address: Address = "localhost:7233") -> None:
+    """Register gpufleet's search attributes on the namespace (idempotent)."""
+    from fleet import search_attributes
+
+    async def go() -> list[str]:
+        return await search_attributes.ensure_registered(await _connect(_settings(address)))
+
+    added = asyncio.run(go())
+    console.print(f"added: {', '.join(added)}" if added else "all search attributes already registered")
+
+
+# -- the simulated world ---------------------------------------------------------------------
+def _world(state_dir: Path, config: str | None):
+    env = _env(state_dir, config)
+    if env.world is None:
+        _fail("`gpufleet sim` needs a config in sim mode", 2)
+    return env.world
+
+
+def _site_knob(state_dir: Path, config: str | None, site: str, **fields) -> None:
+    try:
+        _world(state_dir, config).set_site(site, **fields)
+    except KeyError:
+        _fail(f"unknown site {site!r}", 2)
+    console.print(f"{site}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+
+
+@sim_app.command("capacity")
+def sim_capacity(site: str, machines: int, state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
+    """How many more machines a site can sell (0 = NoCapacity)."""
+    _site_knob(state_dir, config, site, capacity=machines)
+
+
+@sim_app.command("quota")
+def sim_quota(site: str, machines: int, state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
+    """How many machines the account may run at the site (reaching it = OverQuota)."""
+    _site_knob(state_dir, config, site, quota=machines)
+
+
+@sim_app.command("latency")
+def sim_latency(site: str, ms: int, state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
+    """Provider API latency for the site."""
+    _site_knob(state_dir, config, site, api_latency_ms=ms)
+
+
+@sim_app.command("unreachable")
+def sim_unreachable(
+    site: str,
+    restore: Annotated[bool, typer.Option("--restore", help="make it reachable again")] = False,
+    state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
+) -> None:
+    """Cut the site's machines off the control plane (agents stop, nodes go NotReady)."""
+    _site_knob(state_dir, config, site, unreachable=0 if restore else 1)
+
+
+@sim_app.command("revoke")
+def sim_revoke(
+    account: str,
+    restore: Annotated[bool, typer.Option("--restore", help="make the credentials valid again")] = False,
+    state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
+) -> None:
+    """Revoke an account's credentials: every call to it answers BadCredentials."""
+    try:
+        _world(state_dir, config).set_credentials_valid(account, restore)
+    except KeyError:
+        _fail(f"unknown account {account!r}", 2)
+    console.print(f"{account}: credentials {'valid' if restore else 'revoked'}")
+
+
+@sim_app.command("fault")
+def sim_fault(
+    node: Annotated[str, typer.Argument(help="node (machine) name")],
+    gpu: Annotated[int, typer.Option(help="GPU index")] = 0,
+    xid: Annotated[Optional[int], typer.Option(help="inject this XID")] = None,
+    kind: Annotated[str, typer.Option(help="xid, ecc, remap_pending, remap_failure, lost, nvlink_down, hot, compute")] = "xid",
+    clears_on: Annotated[str, typer.Option(help="weakest repair that fixes it: reset, reboot, reinstall, never")] = "reset",
+    state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
+) -> None:
+    """Break one simulated GPU."""
+    world = _world(state_dir, config)
+    machine = world.machine_by_name(node)
+    if machine is None:
+        _fail(f"no simulated machine named {node!r}", 2)
+    value = xid if xid is not None else 1
+    try:
+        world.inject_fault(machine["id"], gpu, kind if xid is None else "xid", value, clears_on)
+    except (KeyError, ValueError) as error:
+        _fail(str(error), 2)
+    console.print(f"{node} GPU {gpu}: {'XID ' + str(xid) if xid is not None else kind} (clears on {clears_on})")
+
+
+@sim_app.command("machines")
+def sim_machines(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
+                 all_: Annotated[bool, typer.Option("--all", help="include deleted")] = False) -> None:
+    """Machines the simulated providers hold."""
+    world = _world(state_dir, config)
+    table = Table("machine", "name", "site", "type", "reboots", "deleted", title="simulated machines")
+    for m in world.machines(include_deleted=all_):
+        table.add_row(m["id"], m["name"], m["site"], m["instance_type"], str(m["reboots"]),
+                      "yes" if m["deleted_at"] else "")
+    console.print(table)
+
+
+def main() -> None:  # pragma: no cover - console script shim
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(app())

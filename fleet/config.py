@@ -1,0 +1,186 @@
+"""Fleet configuration (``sites.yaml``): accounts and sites.
+
+``load_config`` turns every problem into one ``ConfigError`` whose lines each
+name the site (or account) and the field, so ``gpufleet config check`` can
+print them and exit 2.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from fleet.models import CapacityType, CredentialsRef
+
+PROVIDERS = ("aws", "lambda", "nebius", "hetzner", "own-dc")
+
+#: The built-in simulated fleet that ``gpufleet dev`` runs when no file is given.
+DEFAULT_CONFIG = "default_sites.yaml"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SimSiteSettings(_Strict):
+    """How the simulated provider behaves for one site (sim mode only)."""
+
+    capacity: int = Field(8, ge=0, description="machines the site can still sell")
+    quota: int = Field(16, ge=0, description="machines the account may run at this site")
+    api_latency_ms: int = Field(0, ge=0)
+    boot_seconds: float = Field(1.0, ge=0)
+    interruption_risk: float = Field(0.0, ge=0, le=1)
+
+
+class Account(_Strict):
+    name: str
+    provider: Literal["aws", "lambda", "nebius", "hetzner", "own-dc"]
+    credentials: CredentialsRef | None = None
+    #: Provider-specific knobs (API endpoint, project id, BMC inventory...).
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class Site(_Strict):
+    name: str
+    provider: Literal["aws", "lambda", "nebius", "hetzner", "own-dc"]
+    account: str
+    region: str
+    geography: str | None = None
+    gpu: str
+    gpus_per_machine: int = Field(ge=1)
+    gpu_memory_gb: int = Field(0, ge=0)
+    instance_type: str
+    price_per_gpu_hour: float = Field(ge=0)
+    capacity_type: CapacityType = CapacityType.ON_DEMAND
+    min_nodes: int = Field(0, ge=0)
+    max_nodes: int = Field(ge=0)
+    image: str = ""
+    sim: SimSiteSettings = Field(default_factory=SimSiteSettings)
+
+    @model_validator(mode="after")
+    def _min_not_above_max(self) -> "Site":
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) is greater than max_nodes ({self.max_nodes})")
+        return self
+
+
+class FleetConfig(_Strict):
+    #: ``sim`` drives every site through the simulated provider and cluster.
+    mode: Literal["sim", "real"] = "sim"
+    accounts: list[Account] = Field(default_factory=list)
+    sites: list[Site] = Field(default_factory=list)
+
+    def site(self, name: str) -> Site:
+        for site in self.sites:
+            if site.name == name:
+                return site
+        raise KeyError(name)
+
+    def account(self, name: str) -> Account:
+        for account in self.accounts:
+            if account.name == name:
+                return account
+        raise KeyError(name)
+
+    def account_for(self, site: Site) -> Account:
+        return self.account(site.account)
+
+
+class ConfigError(ValueError):
+    """One or more problems in a fleet config; each line names where."""
+
+    def __init__(self, source: str, problems: list[str]) -> None:
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: " + "; ".join(problems))
+
+
+def _where(raw: dict[str, Any], loc: tuple[Any, ...]) -> str:
+    """``sites[1] (hetzner-fsn1).price_per_gpu_hour`` from a pydantic error location."""
+    parts: list[str] = []
+    node: Any = raw
+    for step in loc:
+        if isinstance(step, int):
+            name = node[step].get("name") if isinstance(node, list) and isinstance(node[step], dict) else None
+            parts[-1] += f"[{step}]" + (f" ({name})" if name else "")
+            node = node[step] if isinstance(node, list) and step < len(node) else None
+        else:
+            if step in ("function-after",) or str(step).startswith(("function-", "literal[")):
+                continue
+            parts.append(str(step))
+            node = node.get(step) if isinstance(node, dict) else None
+    return ".".join(parts)
+
+
+def parse_config(raw: Any, source: str = "<config>") -> FleetConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(source, ["the file must be a mapping with 'sites' (and 'accounts')"])
+    try:
+        config = FleetConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            where = _where(raw, err["loc"]) or "(top level)"
+            message = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                message = "unknown key"
+            elif err["type"] == "literal_error" and err["loc"][-1] == "provider":
+                message = f"unknown provider {err.get('input')!r}; expected one of {', '.join(PROVIDERS)}"
+            elif err["type"] == "missing" and err["loc"][-1] == "account":
+                message = "missing account reference"
+            problems.append(f"{where}: {message}")
+        raise ConfigError(source, problems) from None
+    problems = _cross_check(config)
+    if problems:
+        raise ConfigError(source, problems)
+    return config
+
+
+def _cross_check(config: FleetConfig) -> list[str]:
+    problems: list[str] = []
+    seen: set[str] = set()
+    for i, account in enumerate(config.accounts):
+        if account.name in seen:
+            problems.append(f"accounts[{i}] ({account.name}).name: duplicate account")
+        seen.add(account.name)
+        if config.mode == "real" and account.credentials is None:
+            problems.append(f"accounts[{i}] ({account.name}).credentials: missing credentials reference")
+    accounts = {a.name: a for a in config.accounts}
+    seen = set()
+    for i, site in enumerate(config.sites):
+        where = f"sites[{i}] ({site.name})"
+        if site.name in seen:
+            problems.append(f"{where}.name: duplicate site")
+        seen.add(site.name)
+        account = accounts.get(site.account)
+        if account is None:
+            problems.append(f"{where}.account: unknown account reference {site.account!r}")
+        elif account.provider != site.provider:
+            problems.append(
+                f"{where}.account: account {site.account!r} is a {account.provider} account, site is {site.provider}"
+            )
+    return problems
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> FleetConfig:
+    """Load ``path``, or ``$GPUFLEET_CONFIG``, or the built-in simulated fleet."""
+    path = path or os.environ.get("GPUFLEET_CONFIG")
+    if path:
+        source = str(path)
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(source, [f"cannot read: {exc.strerror}"]) from None
+    else:
+        source = f"(built-in) {DEFAULT_CONFIG}"
+        text = resources.files("fleet").joinpath(DEFAULT_CONFIG).read_text()
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
+    return parse_config(raw, source)

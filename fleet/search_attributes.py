@@ -1,0 +1,51 @@
+"""The one registry of search attribute keys gpufleet uses.
+
+The SQLite dev server allows 10 custom Keyword attributes and 3 of each other
+type per namespace; this list stays inside that. ``ensure_registered`` adds the
+missing ones (an existing dev-server database ignores ``--search-attribute``).
+"""
+
+from __future__ import annotations
+
+from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
+from temporalio.client import Client
+from temporalio.common import SearchAttributeKey
+
+SITE = SearchAttributeKey.for_keyword("Site")
+PROVIDER = SearchAttributeKey.for_keyword("Provider")
+ACCOUNT = SearchAttributeKey.for_keyword("Account")
+NODE_NAME = SearchAttributeKey.for_keyword("NodeName")
+#: Lifecycle word of the thing the workflow drives: provisioning, ready, needs-person, ...
+FLEET_STATE = SearchAttributeKey.for_keyword("FleetState")
+REPAIR_RUNG = SearchAttributeKey.for_keyword("RepairRung")
+MODEL = SearchAttributeKey.for_keyword("Model")
+MODEL_VERSION = SearchAttributeKey.for_keyword("ModelVersion")
+GPU_INDEX = SearchAttributeKey.for_int("GpuIndex")
+
+ALL: list[SearchAttributeKey] = [
+    SITE, PROVIDER, ACCOUNT, NODE_NAME, FLEET_STATE, REPAIR_RUNG, MODEL, MODEL_VERSION, GPU_INDEX,
+]
+
+def dev_server_flags() -> list[str]:
+    """``--search-attribute Name=Type`` flags for a new dev-server database."""
+    flags = []
+    for key in ALL:
+        flags += ["--search-attribute", f"{key.name}={key.indexed_value_type.name.removeprefix('INDEXED_VALUE_TYPE_').title()}"]
+    return flags
+
+
+async def ensure_registered(client: Client) -> list[str]:
+    """Register every missing key; returns the names it added."""
+    existing = await client.operator_service.list_search_attributes(
+        ListSearchAttributesRequest(namespace=client.namespace)
+    )
+    missing = {
+        key.name: key.indexed_value_type.value
+        for key in ALL
+        if key.name not in existing.custom_attributes
+    }
+    if missing:
+        await client.operator_service.add_search_attributes(
+            AddSearchAttributesRequest(namespace=client.namespace, search_attributes=missing)
+        )
+    return sorted(missing)

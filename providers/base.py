@@ -1,0 +1,69 @@
+"""The one interface every GPU provider implements, and its error taxonomy.
+
+Modelled on Karpenter's CloudProvider: a handful of verbs. Every method is
+synchronous (the SDKs are) and runs inside a Temporal activity thread. Each
+adapter maps its provider's error codes, as data in one table, to the
+exceptions re-exported here; provider quirks stay inside the adapter module.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from fleet.errors import (
+    BadCredentials,
+    InvalidRequest,
+    NoCapacity,
+    NotFound,
+    OverQuota,
+    ProviderError,
+    Transient,
+)
+from fleet.models import Machine, MachineSpec, Offer
+
+__all__ = [
+    "Provider",
+    "ProviderError",
+    "NoCapacity",
+    "OverQuota",
+    "BadCredentials",
+    "Transient",
+    "InvalidRequest",
+    "NotFound",
+]
+
+
+@runtime_checkable
+class Provider(Protocol):
+    """One provider account at one site (region)."""
+
+    #: Provider kind: aws, lambda, nebius, hetzner, own-dc.
+    name: str
+
+    def create_machine(self, spec: MachineSpec, idempotency_key: str) -> Machine:
+        """Create a machine, or return the one already created for this key."""
+        ...
+
+    def delete_machine(self, machine_id: str) -> None:
+        """Delete (or return to the pool). Deleting a gone machine succeeds."""
+        ...
+
+    def get_machine(self, machine_id: str) -> Machine:
+        """The machine as the provider sees it; ``NotFound`` when unknown."""
+        ...
+
+    def list_machines(self) -> list[Machine]:
+        """Machines this control plane created at this site."""
+        ...
+
+    def reboot_machine(self, machine_id: str) -> None:
+        """Hard reboot (power cycle where the provider distinguishes)."""
+        ...
+
+    def reinstall_machine(self, machine_id: str) -> None:
+        """Reimage the machine from its image; its node re-joins afterwards."""
+        ...
+
+    def list_offers(self) -> list[Offer]:
+        """What this site can sell now, with availability."""
+        ...

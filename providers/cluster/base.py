@@ -1,0 +1,382 @@
+"""The cluster port: what the control plane needs from Kubernetes.
+
+Two implementations: the simulated cluster (``providers.cluster.sim``) and the
+official-client adapter (``providers.cluster.kubernetes``). Both pass the same
+contract tests. Methods are synchronous and run in activity threads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from datetime import datetime
+from typing import Callable, Iterable, Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, Field
+
+from fleet.errors import NotFound
+from fleet.models import Node
+
+#: Taint every new node carries until its smoke test passes.
+UNPROVEN_TAINT = "gpufleet.io/unproven:NoSchedule"
+LABEL_SITE = "gpufleet.io/site"
+LABEL_PROVIDER = "gpufleet.io/provider"
+LABEL_REGION = "topology.kubernetes.io/region"
+LABEL_GPU_PRODUCT = "nvidia.com/gpu.product"
+LABEL_MODEL = "gpufleet.io/model"
+#: Where the machine id sits on a Node when the node (or its agent) sets it.
+ANNOTATION_MACHINE_ID = "gpufleet.io/machine-id"
+#: The serving pod template that ``apply_serving`` wrote, and the one before it.
+ANNOTATION_TEMPLATE = "gpufleet.io/template"
+ANNOTATION_PREVIOUS_TEMPLATE = "gpufleet.io/previous-template"
+GPU_RESOURCE = "nvidia.com/gpu"
+#: The port every serving Service exposes (the container port may differ).
+SERVING_PORT = 8000
+MAX_JOIN_TOKEN_TTL_S = 3600
+
+
+class NodeNotFound(NotFound, LookupError):
+    """The node does not exist (a ``LookupError`` too, for plain callers)."""
+
+
+class ServingNotFound(NotFound, LookupError):
+    """No serving Deployment for this model at this site."""
+
+
+class JoinTokenRef(BaseModel):
+    """What workflows may hold of a join token: never the secret."""
+
+    token_id: str
+    node_name: str
+    expires_at: datetime
+
+
+class DrainPod(BaseModel):
+    namespace: str
+    name: str
+    #: Why it was skipped or blocked (the PDB's message); empty when evicted.
+    reason: str = ""
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class DrainResult(BaseModel):
+    node: str
+    evicted: list[DrainPod] = Field(default_factory=list)
+    #: Deleted past their PodDisruptionBudget (only with ``force=True``).
+    deleted: list[DrainPod] = Field(default_factory=list)
+    #: Left alone: DaemonSet-owned and mirror (static) pods.
+    skipped: list[DrainPod] = Field(default_factory=list)
+    #: Still on the node at the deadline, each with the reason.
+    blocked: list[DrainPod] = Field(default_factory=list)
+    completed: bool = False
+    elapsed_s: float = 0.0
+
+
+class ServingSpec(BaseModel):
+    """One model served at one site: a Deployment and a Service named ``serving_name``."""
+
+    model: str
+    site: str
+    image: str
+    replicas: int = Field(1, ge=0)
+    gpus_per_replica: int = Field(1, ge=0)
+    args: list[str] = Field(default_factory=list)
+    #: Path of the weights on the node; mounted read-only at the same path and
+    #: passed as ``MODEL_WEIGHTS``.
+    weights_path: str = ""
+    env: dict[str, str] = Field(default_factory=dict)
+    #: The container's HTTP port (the Service always listens on ``SERVING_PORT``).
+    port: int = Field(SERVING_PORT, ge=1, le=65535)
+
+
+class ServingStatus(BaseModel):
+    model: str
+    site: str
+    name: str
+    image: str = ""
+    #: What the spec asks for.
+    desired_replicas: int = 0
+    generation: int = 0
+    observed_generation: int = 0
+    #: Pods that exist / run the newest template / are available.
+    replicas: int = 0
+    updated_replicas: int = 0
+    available_replicas: int = 0
+    #: The newest template is fully rolled out and every replica is available.
+    ready: bool = False
+    #: A previous template is kept, so ``rollback_serving`` can go back to it.
+    can_rollback: bool = False
+
+
+class SiteRoute(BaseModel):
+    weight: int = Field(ge=0, le=1_000_000)
+    healthy: bool = True
+    draining: bool = False
+    #: The open incident at this site (id or one line), empty when none.
+    incident: str = ""
+
+
+class RoutingTable(BaseModel):
+    model: str
+    #: Bumped by one on every change; unchanged when the same table is written again.
+    version: int
+    sites: dict[str, SiteRoute] = Field(default_factory=dict)
+
+
+class AccessRule(BaseModel):
+    """One (verb, group, resource, subresource, namespace) the adapter uses."""
+
+    verb: str
+    group: str
+    resource: str
+    subresource: str = ""
+    #: "" = cluster-wide (cluster-scoped resource, or every namespace).
+    namespace: str = ""
+    purpose: str = ""
+
+
+@runtime_checkable
+class Cluster(Protocol):
+    def create_join_token(self, node_name: str, machine_id: str, ttl_seconds: int) -> JoinTokenRef:
+        """Create a single-use token for one machine and hand it to that machine's
+        bootstrap channel. Only a hash of the secret is kept; the secret is never
+        returned."""
+        ...
+
+    def revoke_join_token(self, token_id: str) -> None:
+        """Delete the token (used or not). Revoking a gone token succeeds."""
+        ...
+
+    def get_node(self, name: str) -> Node | None:
+        """The node, or None when it has not registered (or was removed)."""
+        ...
+
+    def list_nodes(self, selector: dict[str, str] | None = None) -> list[Node]:
+        ...
+
+    def label_node(self, name: str, labels: dict[str, str]) -> Node:
+        """Merge our labels; touches no other key. Idempotent."""
+        ...
+
+    def set_taints(self, name: str, add: list[str] = (), remove: list[str] = ()) -> Node:
+        """Add/remove taints given as ``key[=value]:Effect``. Idempotent."""
+        ...
+
+    def cordon(self, name: str, unschedulable: bool = True) -> Node:
+        ...
+
+    def remove_node(self, name: str) -> None:
+        """Delete the Node object. Removing a gone node succeeds."""
+        ...
+
+    def annotate_node(self, name: str, annotations: dict[str, str | None]) -> dict[str, str]:
+        """Merge our annotations (``None`` removes one); returns all the node's annotations."""
+        ...
+
+    def drain_node(
+        self, name: str, deadline_s: float, force: bool = False, heartbeat: Callable[[], None] | None = None
+    ) -> DrainResult:
+        """Cordon, then evict every pod but DaemonSet and mirror pods through the
+        Eviction API, retrying PDB refusals with backoff until ``deadline_s``.
+        With ``force``, pods still refused at the deadline are deleted (PDB
+        bypassed). ``heartbeat`` is called between rounds (activity heartbeats)."""
+        ...
+
+    # -- per-site serving -----------------------------------------------------------------
+    def apply_serving(self, spec: ServingSpec) -> ServingStatus:
+        """Create or update the model's Deployment and Service at the site. A changed
+        template keeps the one before it for ``rollback_serving``. Idempotent."""
+        ...
+
+    def scale_serving(self, model: str, site: str, replicas: int) -> ServingStatus:
+        ...
+
+    def serving_status(self, model: str, site: str) -> ServingStatus | None:
+        ...
+
+    def rollback_serving(self, model: str, site: str) -> ServingStatus:
+        """Back to the previous template (which becomes the one to roll back to).
+        ``ServingNotFound`` when there is no Deployment, ``ValueError`` when no previous template."""
+        ...
+
+    def delete_serving(self, model: str, site: str) -> None:
+        """Delete the Deployment and Service. Deleting gone ones succeeds."""
+        ...
+
+    # -- routing --------------------------------------------------------------------------
+    def set_routing_weights(
+        self,
+        model: str,
+        weights: dict[str, int],
+        healthy: dict[str, bool] | None = None,
+        draining: dict[str, bool] | None = None,
+        incident: dict[str, str] | None = None,
+    ) -> RoutingTable:
+        """Write the whole table for ``model`` (sites missing from ``weights`` are
+        dropped) in one atomic write; writing the same table again changes nothing."""
+        ...
+
+    def get_routing(self, model: str) -> RoutingTable | None:
+        ...
+
+
+# -- shared helpers ---------------------------------------------------------------------
+def dns_label(value: str, max_len: int = 63) -> str:
+    """A DNS-1035 label (lowercase, ``[a-z0-9-]``, starts with a letter) for ``value``.
+    Names cut to fit get a short hash so two long names stay distinct."""
+    slug = re.sub(r"[^a-z0-9]+", "-", value.lower()).strip("-") or "x"
+    if not slug[0].isalpha():
+        slug = f"m-{slug}"
+    if len(slug) > max_len:
+        digest = hashlib.sha256(value.encode()).hexdigest()[:8]
+        slug = f"{slug[: max_len - 9].rstrip('-')}-{digest}"
+    return slug
+
+
+def serving_name(model: str, site: str) -> str:
+    """Deployment and Service name for ``model`` at ``site``: ``<model>-<site>``."""
+    return dns_label(f"{model}-{site}")
+
+
+def parse_taint(taint: str) -> tuple[str, str, str]:
+    """``key[=value]:Effect`` → (key, value, effect)."""
+    key_value, sep, effect = taint.rpartition(":")
+    if not sep or effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute") or not key_value:
+        raise ValueError(f"taint {taint!r} is not key[=value]:NoSchedule|PreferNoSchedule|NoExecute")
+    key, _, value = key_value.partition("=")
+    return key, value, effect
+
+
+def format_taint(key: str, value: str | None, effect: str) -> str:
+    return f"{key}={value}:{effect}" if value else f"{key}:{effect}"
+
+
+def apply_taints(current: list[str], add: Iterable[str] = (), remove: Iterable[str] = ()) -> list[str]:
+    """The taint list after the change; a taint is identified by key and effect."""
+    add, remove = list(add), list(remove)
+
+    def ident(taint: str) -> tuple[str, str]:
+        key, _value, effect = parse_taint(taint)
+        return key, effect
+
+    drop = {ident(t) for t in [*add, *remove]}
+    # A taint already there exactly as asked keeps its place (no needless write).
+    kept = [t for t in current if ident(t) not in drop or t in add]
+    for taint in add:
+        if taint not in kept:
+            kept.append(taint)
+    return kept
+
+
+def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def serving_capacity(nodes: Iterable[Node], site: str, gpus_per_replica: int) -> int:
+    """How many replicas the site's nodes can hold (what both the simulated cluster
+    and the test API server's scheduler assume): ready, schedulable nodes at the
+    site with no NoSchedule/NoExecute taint, GPUs divided per replica."""
+    total = 0
+    for node in nodes:
+        if node.labels.get(LABEL_SITE) != site or not node.ready or node.unschedulable:
+            continue
+        if any(parse_taint(t)[2] in ("NoSchedule", "NoExecute") for t in node.taints):
+            continue
+        total += node.gpus_allocatable // gpus_per_replica if gpus_per_replica else 1_000
+    return total
+
+
+class PodInfo(BaseModel):
+    namespace: str
+    name: str
+    owner_kinds: list[str] = Field(default_factory=list)
+    mirror: bool = False
+
+
+EvictOutcome = Literal["evicted", "gone", "blocked"]
+
+
+def run_drain(
+    node: str,
+    deadline_s: float,
+    force: bool,
+    *,
+    list_pods: Callable[[], list[PodInfo]],
+    evict: Callable[[str, str], tuple[EvictOutcome, str]],
+    delete: Callable[[str, str], None],
+    heartbeat: Callable[[], None] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> DrainResult:
+    """The drain loop both implementations share (the node is already cordoned).
+
+    1. Skip DaemonSet-owned and mirror pods; evict the rest, retrying refusals
+       (PDB: HTTP 429) with exponential backoff until the deadline.
+    2. Wait, until the deadline, for evicted pods to leave the node.
+    3. At the deadline: with ``force`` delete the pods still refused; otherwise
+       report them, with the last refusal's reason, as blocked.
+    """
+    start = clock()
+    deadline = start + max(deadline_s, 0.0)
+    result = DrainResult(node=node)
+    pending: dict[str, PodInfo] = {}
+    for pod in list_pods():
+        if pod.mirror:
+            result.skipped.append(DrainPod(namespace=pod.namespace, name=pod.name, reason="mirror pod"))
+        elif "DaemonSet" in pod.owner_kinds:
+            result.skipped.append(DrainPod(namespace=pod.namespace, name=pod.name, reason="DaemonSet pod"))
+        else:
+            pending[f"{pod.namespace}/{pod.name}"] = pod
+    reasons: dict[str, str] = {}
+    delay = 0.1
+
+    def pause() -> bool:
+        nonlocal delay
+        left = deadline - clock()
+        if left <= 0:
+            return False
+        if heartbeat:
+            heartbeat()
+        sleep(min(delay, left))
+        delay = min(delay * 2, 2.0)
+        return True
+
+    while pending:
+        for key, pod in list(pending.items()):
+            outcome, reason = evict(pod.namespace, pod.name)
+            if outcome == "blocked":
+                reasons[key] = reason
+            else:
+                del pending[key]
+                reasons.pop(key, None)
+                result.evicted.append(DrainPod(namespace=pod.namespace, name=pod.name))
+        if not pending or not pause():
+            break
+
+    # Evicted pods terminate gracefully; the node is drained when they are gone.
+    evicted = {p.key for p in result.evicted}
+    terminating: set[str] = set()
+    delay = 0.1
+    while evicted:
+        present = {f"{p.namespace}/{p.name}" for p in list_pods()}
+        terminating = evicted & present
+        if not terminating or not pause():
+            break
+
+    if force:
+        for key, pod in list(pending.items()):
+            delete(pod.namespace, pod.name)
+            result.deleted.append(DrainPod(namespace=pod.namespace, name=pod.name, reason=reasons.get(key, "")))
+        pending.clear()
+    for key, pod in sorted(pending.items()):
+        result.blocked.append(DrainPod(namespace=pod.namespace, name=pod.name, reason=reasons.get(key, "")))
+    for key in sorted(terminating):
+        namespace, _, name = key.partition("/")
+        result.blocked.append(DrainPod(namespace=namespace, name=name, reason="evicted but still terminating"))
+    result.completed = not result.blocked
+    result.elapsed_s = round(clock() - start, 3)
+    return result

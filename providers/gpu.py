@@ -1,0 +1,169 @@
+"""What a node agent knows about its GPUs: NVML for health, CUDA for a compute check.
+
+``GpuBackend`` is implemented by ``NvmlBackend`` (a real node, through
+``pynvml`` from nvidia-ml-py and the CUDA driver API via ctypes) and by
+``providers.sim.SimGpuBackend`` (a simulated node with injectable faults).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Protocol
+
+from fleet.models import GpuHealth, XidEvent
+
+
+def read_boot_id() -> str:
+    """The kernel's boot ID: changes on every boot, proves a reboot happened."""
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+class GpuBackend(Protocol):
+    def boot_id(self) -> str: ...
+
+    def probe(self) -> list[GpuHealth]: ...
+
+    def compute_check(self, index: int) -> str | None:
+        """None when GPU ``index`` computes correctly, else why not."""
+        ...
+
+
+class NvmlBackend:
+    """A real node's GPUs. XID events are collected by a background waiter on
+    ``nvmlEventSetWait`` and reported (then forgotten) by the next probe."""
+
+    def __init__(self) -> None:
+        import pynvml
+
+        self.nvml = pynvml
+        pynvml.nvmlInit()
+        self._xids: dict[int, list[XidEvent]] = {}
+        self._lock = threading.Lock()
+        self._watcher: threading.Thread | None = None
+
+    def boot_id(self) -> str:
+        return read_boot_id()
+
+    def watch_xids(self) -> None:
+        """Start the XID event waiter thread (once)."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._wait_for_xids, name="nvml-xid", daemon=True)
+            self._watcher.start()
+
+    def _wait_for_xids(self) -> None:
+        nvml = self.nvml
+        events = nvml.nvmlEventSetCreate()
+        for i in range(nvml.nvmlDeviceGetCount()):
+            try:
+                nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(i), nvml.nvmlEventTypeXidCriticalError, events)
+            except nvml.NVMLError:
+                continue  # some GPUs (or vGPUs) do not support XID events
+        while True:
+            try:
+                data = nvml.nvmlEventSetWait(events, 5000)
+            except nvml.NVMLError_Timeout:
+                continue
+            except nvml.NVMLError:
+                return
+            index = nvml.nvmlDeviceGetIndex(data.device)
+            with self._lock:
+                self._xids.setdefault(index, []).append(
+                    XidEvent(xid=int(data.eventData), at=datetime.now(timezone.utc), message="nvmlEventTypeXidCriticalError")
+                )
+
+    def probe(self) -> list[GpuHealth]:
+        nvml = self.nvml
+        report = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            try:
+                handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                uuid = nvml.nvmlDeviceGetUUID(handle)
+            except nvml.NVMLError as error:
+                lost = getattr(error, "value", None) == nvml.NVML_ERROR_GPU_IS_LOST
+                report.append(GpuHealth(index=i, uuid=f"unknown-{i}", lost=lost))
+                continue
+            health = GpuHealth(index=i, uuid=uuid, name=_optional(nvml.nvmlDeviceGetName, handle) or "")
+            memory = _optional(nvml.nvmlDeviceGetMemoryInfo, handle)
+            health.memory_gb = round(memory.total / 2**30, 1) if memory else 0
+            health.temperature_c = _optional(nvml.nvmlDeviceGetTemperature, handle, nvml.NVML_TEMPERATURE_GPU) or 0
+            health.slowdown_temperature_c = (
+                _optional(nvml.nvmlDeviceGetTemperatureThreshold, handle, nvml.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN) or 0
+            )
+            health.ecc_uncorrected = (
+                _optional(
+                    nvml.nvmlDeviceGetTotalEccErrors, handle, nvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, nvml.NVML_VOLATILE_ECC
+                )
+                or 0
+            )
+            remap = _optional(nvml.nvmlDeviceGetRemappedRows, handle)
+            if remap:
+                _corr, _unc, pending, failure = remap
+                health.remapped_rows_pending, health.remapped_rows_failure = bool(pending), bool(failure)
+            health.nvlink_down = sum(
+                1
+                for link in range(nvml.NVML_NVLINK_MAX_LINKS)
+                if _optional(nvml.nvmlDeviceGetNvLinkState, handle, link) == nvml.NVML_FEATURE_DISABLED
+            )
+            action = _optional(nvml.nvmlDeviceGetFieldValues, handle, [nvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
+            if action and action[0].nvmlReturn == nvml.NVML_SUCCESS:
+                health.recovery_action = int(action[0].value.uiVal)
+            with self._lock:
+                health.xid_events = self._xids.pop(i, [])
+            report.append(health)
+        return report
+
+    def compute_check(self, index: int) -> str | None:
+        return cuda_memory_check(index)
+
+
+def _optional(call, *args):
+    """NVML calls a GPU or driver may not support answer None, not an error."""
+    try:
+        return call(*args)
+    except Exception:  # noqa: BLE001 - NVMLError_NotSupported and friends
+        return None
+
+
+def cuda_memory_check(index: int, words: int = 1 << 24) -> str | None:
+    """Allocate 64 MiB on the GPU, have the GPU fill it, read it back, compare.
+
+    Uses the CUDA driver API (libcuda, present wherever the driver is), so the
+    agent needs no CUDA toolkit or framework. Note: ordinal ``index`` is CUDA's
+    enumeration, which matches NVML's when CUDA_DEVICE_ORDER=PCI_BUS_ID.
+    """
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError as error:
+        return f"libcuda not loadable: {error}"
+
+    def check(result: int, what: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"{what} failed with CUDA error {result}")
+
+    device, context, buffer = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+    pattern = 0x5A5AA5A5
+    try:
+        check(cuda.cuInit(0), "cuInit")
+        check(cuda.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
+        check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+        try:
+            check(cuda.cuCtxPushCurrent_v2(context), "cuCtxPushCurrent")
+            check(cuda.cuMemAlloc_v2(ctypes.byref(buffer), ctypes.c_size_t(words * 4)), "cuMemAlloc")
+            try:
+                check(cuda.cuMemsetD32_v2(buffer, ctypes.c_uint(pattern), ctypes.c_size_t(words)), "cuMemsetD32")
+                host = (ctypes.c_uint32 * words)()
+                check(cuda.cuMemcpyDtoH_v2(host, buffer, ctypes.c_size_t(words * 4)), "cuMemcpyDtoH")
+                bad = sum(1 for value in host[:: 4096] if value != pattern)
+                if bad:
+                    return f"GPU {index}: {bad} sampled words read back wrong"
+            finally:
+                cuda.cuMemFree_v2(buffer)
+                cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
+        finally:
+            cuda.cuDevicePrimaryCtxRelease_v2(device)
+    except RuntimeError as error:
+        return f"GPU {index}: {error}"
+    return None

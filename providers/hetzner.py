@@ -1,0 +1,345 @@
+"""Hetzner Cloud adapter, over the official ``hcloud`` SDK (REST + JSON).
+
+Hetzner quirks this module absorbs:
+
+* **No idempotency keys.** Server names are unique per project, so the node
+  name (``spec.name``) is the idempotency key: create looks the name up
+  first, and a ``uniqueness_error`` answer (a concurrent create won the race)
+  means "already exists, return it". A server of that name that carries
+  another site's label is refused with ``InvalidRequest``.
+* **The SDK retries by itself** (``conflict``, ``rate_limit_exceeded``,
+  ``timeout``, ``bad_gateway``, 502/504) for up to five tries with backoff
+  capped at 60 s. Temporal owns retries here, so the adapter switches that off
+  (a private attribute of ``hcloud``'s client; there is no public knob).
+* **Errors** come as ``{"error": {"code", "message", "details"}}`` with an
+  HTTP status; ``APIException.code`` is the machine word and the only thing
+  classified (table ``ERRORS``). A body that is not JSON gives the HTTP status
+  as an ``int`` code (table ``HTTP_STATUS_ERRORS``); a 404 without a Hetzner
+  body is *not* read as "server gone" (a wrong ``api_endpoint`` says 404 too).
+* **Reboot is ``reset``** (cut power, start again). Hetzner's ``reboot`` is an
+  ACPI request a wedged GPU host ignores, and the port asks for a hard reboot.
+* **Reinstall is ``rebuild``** from the server's own image (falling back to the
+  site's image when the server's image was deleted). The id stays the same.
+* Reset and rebuild return an *action*; the adapter waits for it, bounded by
+  ``action_wait_s``; a timeout is ``Transient``. Create and delete do not wait
+  (capacity and quota errors are synchronous answers to ``POST /servers``).
+* Machines are labelled ``gpufleet.io/site=<site>``; ``list_machines`` selects
+  on that label. ``spec.tags`` become labels too (Hetzner's label syntax).
+* No spot market: every machine and offer is on-demand. Offers come from the
+  server type's per-location entry (``available``, ``deprecation``); the price
+  is the site's configured price (Hetzner bills in EUR, net/gross).
+
+Account options: ``api_endpoint`` (default the public API), ``image``
+(default ``ubuntu-24.04``; ``spec.image`` and ``site.image`` win),
+``ssh_keys`` (names or ids), ``user_data``, ``action_wait_s`` (300),
+``poll_interval_s`` (1.0), ``timeout_s`` (HTTP timeout, 30).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import requests
+from hcloud import APIException, Client
+from hcloud.actions import ActionFailedException, ActionTimeoutException, BoundAction
+from hcloud.images import Image
+from hcloud.locations import Location
+from hcloud.server_types import ServerType
+from hcloud.servers import BoundServer, Server
+from hcloud.ssh_keys import SSHKey
+
+from fleet.config import Account, Site
+from fleet.errors import (
+    BadCredentials,
+    InvalidRequest,
+    NoCapacity,
+    NotFound,
+    OverQuota,
+    ProviderError,
+    Transient,
+)
+from fleet.models import CapacityType, Machine, MachineSpec, Offer
+from providers.credentials import read_secret
+
+PROVIDER = "hetzner"
+DEFAULT_ENDPOINT = "https://api.hetzner.cloud/v1"
+DEFAULT_IMAGE = "ubuntu-24.04"
+#: Label every server this control plane creates carries; list_machines selects on it.
+SITE_LABEL = "gpufleet.io/site"
+
+#: Hetzner error code (``error.code`` in the JSON body) -> taxonomy class.
+ERRORS: dict[str, type[ProviderError]] = {
+    "resource_unavailable": NoCapacity,
+    "placement_error": NoCapacity,
+    "no_space_left_in_location": NoCapacity,
+    "resource_limit_exceeded": OverQuota,
+    "unauthorized": BadCredentials,
+    "forbidden": BadCredentials,
+    "token_readonly": BadCredentials,
+    "rate_limit_exceeded": Transient,
+    "conflict": Transient,
+    "locked": Transient,
+    "server_error": Transient,
+    "service_error": Transient,
+    "maintenance": Transient,
+    "timeout": Transient,
+    "bad_gateway": Transient,
+    "invalid_input": InvalidRequest,
+    "json_error": InvalidRequest,
+    "uniqueness_error": InvalidRequest,
+    "protected": InvalidRequest,
+    "invalid_server_type": InvalidRequest,
+    "unsupported_error": InvalidRequest,
+    "not_found": NotFound,
+}
+
+#: HTTP status -> class, for answers without a Hetzner JSON error body.
+HTTP_STATUS_ERRORS: dict[int, type[ProviderError]] = {
+    400: InvalidRequest,
+    401: BadCredentials,
+    403: BadCredentials,
+    422: InvalidRequest,
+}
+
+#: Hetzner server status -> Machine.state.
+STATES: dict[str, str] = {
+    "initializing": "pending",
+    "starting": "pending",
+    "running": "running",
+    "stopping": "stopped",
+    "off": "stopped",
+    "rebuilding": "rebooting",
+    "migrating": "running",
+    "deleting": "terminated",
+    "unknown": "pending",
+}
+
+
+def classify(code: str | int, message: str) -> ProviderError:
+    """The taxonomy exception for one Hetzner error code; unknown -> Transient."""
+    table: dict[Any, type[ProviderError]] = HTTP_STATUS_ERRORS if isinstance(code, int) else ERRORS
+    cls = table.get(code)
+    if cls is None:
+        return Transient(f"unclassified Hetzner error {code!r}: {message}", provider=PROVIDER, code=str(code))
+    return cls(f"{message} ({code})", provider=PROVIDER, code=str(code))
+
+
+@contextmanager
+def _translated(action: str) -> Iterator[None]:
+    """Turn SDK and transport failures inside the block into the taxonomy."""
+    try:
+        yield
+    except ProviderError:
+        raise
+    except APIException as exc:
+        raise classify(exc.code, f"{action}: {exc.message}") from exc
+    except ActionFailedException as exc:
+        error = exc.action.error or {}
+        code = error.get("code") or "action_failed"
+        raise classify(code, f"{action}: {error.get('message', 'action failed')}") from exc
+    except ActionTimeoutException as exc:
+        raise Transient(f"{action}: action still running", provider=PROVIDER, code="action_timeout") from exc
+    except requests.RequestException as exc:
+        raise Transient(
+            f"{action}: {type(exc).__name__} talking to the Hetzner API", provider=PROVIDER, code="connection_error"
+        ) from exc
+
+
+def _server_id(machine_id: str) -> int | None:
+    """Hetzner ids are integers; anything else cannot name a server."""
+    return int(machine_id) if machine_id.isdigit() else None
+
+
+def _image(ref: str) -> Image:
+    return Image(id=int(ref)) if ref.isdigit() else Image(name=ref)
+
+
+def _ssh_key(ref: Any) -> SSHKey:
+    text = str(ref)
+    return SSHKey(id=int(text)) if text.isdigit() else SSHKey(name=text)
+
+
+class HetznerProvider:
+    """One Hetzner Cloud project (API token) at one location (``site.region``)."""
+
+    name = PROVIDER
+
+    def __init__(self, site: Site, account: Account) -> None:
+        self.site = site
+        self.account = account
+        self._options = dict(account.options)
+
+    # -- plumbing -----------------------------------------------------------
+
+    def _option(self, key: str, default: Any) -> Any:
+        value = self._options.get(key)
+        return default if value is None else value
+
+    def _client(self) -> Client:
+        """A fresh SDK client; reads the token now, makes no call yet."""
+        token = read_secret(self.account.credentials, provider=PROVIDER)
+        poll = float(self._option("poll_interval_s", 1.0))
+        client = Client(
+            token=token,
+            api_endpoint=str(self._option("api_endpoint", DEFAULT_ENDPOINT)).rstrip("/"),
+            application_name="gpufleet",
+            poll_interval=poll,
+            poll_max_retries=max(1, math.ceil(float(self._option("action_wait_s", 300)) / poll)),
+            timeout=float(self._option("timeout_s", 30)),
+        )
+        # Temporal retries; the SDK's own loop would hide Transient errors for a minute.
+        base = getattr(client, "_client", None)
+        if base is not None and hasattr(base, "_retry_max_retries"):
+            base._retry_max_retries = 0
+        return client
+
+    def _machine(self, server: BoundServer | Server) -> Machine:
+        server_type = getattr(server, "server_type", None)
+        return Machine(
+            id=str(server.id),
+            name=server.name or "",
+            site=self.site.name,
+            provider=PROVIDER,
+            instance_type=(server_type.name if server_type is not None else "") or "",
+            state=STATES.get(server.status or "unknown", "pending"),
+            capacity_type=CapacityType.ON_DEMAND,
+            created_at=server.created,
+        )
+
+    def _labels(self, spec: MachineSpec) -> dict[str, str]:
+        return {**spec.tags, SITE_LABEL: self.site.name}
+
+    def _create_image(self, spec: MachineSpec) -> str:
+        return spec.image or self.site.image or str(self._option("image", DEFAULT_IMAGE))
+
+    def _wait(self, action: BoundAction) -> None:
+        action.wait_until_finished()
+
+    # -- the Provider verbs ---------------------------------------------------
+
+    def create_machine(self, spec: MachineSpec, idempotency_key: str) -> Machine:
+        """Create ``spec.name``; the name is the idempotency key (see module doc)."""
+        client = self._client()
+        with _translated("create server"):
+            server = client.servers.get_by_name(spec.name)
+            if server is None:
+                server = self._create(client, spec)
+            return self._owned(server)
+
+    def _create(self, client: Client, spec: MachineSpec) -> BoundServer:
+        ssh_keys = [_ssh_key(ref) for ref in self._option("ssh_keys", [])]
+        try:
+            response = client.servers.create(
+                name=spec.name,
+                server_type=ServerType(name=spec.instance_type or self.site.instance_type),
+                image=_image(self._create_image(spec)),
+                location=Location(name=spec.region or self.site.region),
+                labels=self._labels(spec),
+                ssh_keys=ssh_keys or None,
+                user_data=self._options.get("user_data"),
+            )
+        except APIException as exc:
+            if exc.code != "uniqueness_error":
+                raise
+            # A concurrent create of the same name won the race: that server is ours.
+            existing = client.servers.get_by_name(spec.name)
+            if existing is None:
+                raise
+            return existing
+        return response.server
+
+    def _owned(self, server: BoundServer) -> Machine:
+        """Refuse a same-named server that another site created."""
+        site = (server.labels or {}).get(SITE_LABEL)
+        if site != self.site.name:
+            raise InvalidRequest(
+                f"a server named {server.name!r} already exists and is not labelled {SITE_LABEL}={self.site.name}",
+                provider=PROVIDER,
+                code="name_taken",
+            )
+        return self._machine(server)
+
+    def delete_machine(self, machine_id: str) -> None:
+        server_id = _server_id(machine_id)
+        if server_id is None:
+            return
+        client = self._client()
+        try:
+            with _translated("delete server"):
+                client.servers.delete(Server(id=server_id))
+        except NotFound:
+            return
+
+    def get_machine(self, machine_id: str) -> Machine:
+        server_id = _server_id(machine_id)
+        if server_id is None:
+            raise NotFound(f"no Hetzner server {machine_id!r}", provider=PROVIDER, code="not_found")
+        client = self._client()
+        with _translated("get server"):
+            return self._machine(client.servers.get_by_id(server_id))
+
+    def list_machines(self) -> list[Machine]:
+        client = self._client()
+        with _translated("list servers"):
+            servers = client.servers.get_all(label_selector=f"{SITE_LABEL}={self.site.name}")
+        return [self._machine(server) for server in servers]
+
+    def reboot_machine(self, machine_id: str) -> None:
+        """Hard reboot: Hetzner ``reset`` (power cut), not the ACPI ``reboot``."""
+        server = Server(id=self._existing_id(machine_id))
+        client = self._client()
+        with _translated("reset server"):
+            self._wait(client.servers.reset(server))
+
+    def reinstall_machine(self, machine_id: str) -> None:
+        """``rebuild`` from the server's own image; same id, fresh disk."""
+        server_id = self._existing_id(machine_id)
+        client = self._client()
+        with _translated("rebuild server"):
+            server = client.servers.get_by_id(server_id)
+            image = server.image
+            target = Image(id=image.id) if image is not None and image.id else _image(self._site_image())
+            self._wait(client.servers.rebuild(server, target).action)
+
+    def _site_image(self) -> str:
+        return self.site.image or str(self._option("image", DEFAULT_IMAGE))
+
+    def _existing_id(self, machine_id: str) -> int:
+        server_id = _server_id(machine_id)
+        if server_id is None:
+            raise NotFound(f"no Hetzner server {machine_id!r}", provider=PROVIDER, code="not_found")
+        return server_id
+
+    def list_offers(self) -> list[Offer]:
+        """The site's server type at its location, if Hetzner lists it there."""
+        client = self._client()
+        with _translated("list server types"):
+            server_type = client.server_types.get_by_name(self.site.instance_type)
+        if server_type is None:
+            return []
+        return [self._offer(available=self._sells_here(server_type))]
+
+    def _sells_here(self, server_type: Any) -> bool:
+        for entry in server_type.locations or []:
+            if entry.location.name != self.site.region:
+                continue
+            return entry.deprecation is None and entry.available is not False
+        return False
+
+    def _offer(self, *, available: bool) -> Offer:
+        site = self.site
+        return Offer(
+            site=site.name,
+            provider=PROVIDER,
+            instance_type=site.instance_type,
+            gpu=site.gpu,
+            gpus=site.gpus_per_machine,
+            gpu_memory_gb=site.gpu_memory_gb,
+            price_per_gpu_hour=site.price_per_gpu_hour,
+            capacity_type=CapacityType.ON_DEMAND,
+            available=available,
+            region=site.region,
+        )

@@ -1,0 +1,458 @@
+"""Own data centre adapter: a pool of bare-metal machines driven through Redfish.
+
+Configuration
+    ``account.options["machines"]``: the inventory, a list of
+    ``{name, bmc_url, system_id?}``. ``name`` is the machine id the control plane
+    sees; ``bmc_url`` is the BMC's Redfish root (``https://10.0.0.5``); ``system_id``
+    is the ``/redfish/v1/Systems/<id>`` member, found by listing the collection
+    when the BMC manages exactly one system.
+    ``account.credentials`` names a secret holding ``user:password`` for the BMCs
+    (HTTP basic auth). Other options: ``state_file`` (allocation state, default
+    ``~/.local/state/gpufleet/own-dc-<account>.json``), ``verify_tls`` (default
+    true; BMCs often have self-signed certificates), ``timeout`` (seconds, default
+    30), ``boot_grace_seconds`` (how long a machine we just powered on may still
+    report ``Off`` and count as ``pending``, default 600).
+
+Quirks
+    * Allocation lives in a local JSON state file, not on the BMC: writing
+      ``AssetTag`` is optional in Redfish and many BMCs (and sushy-tools) refuse it.
+      The file is locked with ``flock`` and replaced atomically, so concurrent
+      activities on one host are safe; run the own-dc activities on one worker
+      host, or put the file on storage every worker shares.
+    * ``create_machine`` reserves the first free machine under the idempotency key
+      (a repeat with the same key returns the same machine), sets a one-time PXE
+      boot (``Boot.BootSourceOverrideTarget=Pxe``, ``BootSourceOverrideEnabled=Once``)
+      and powers it on (or restarts it if it is already on), so the machine
+      installs from the PXE/provisioning service and joins as ``spec.name``. If a
+      BMC call fails the reservation is released and the error raised.
+    * No free machine -> ``NoCapacity`` (code ``pool-exhausted``). There is no
+      quota: own-dc never raises ``OverQuota``.
+    * ``reboot_machine`` uses ``ComputerSystem.Reset`` with the first of ForceRestart,
+      PowerCycle, GracefulRestart that the BMC allows (from
+      ``ResetType@Redfish.AllowableValues`` or the action's ``@Redfish.ActionInfo``;
+      all are assumed when the BMC publishes neither); none allowed ->
+      ``InvalidRequest``. A machine that is off is powered on instead.
+    * ``reinstall_machine`` = one-time PXE override + the same reset.
+    * ``delete_machine`` powers the machine off (ForceOff, else GracefulShutdown)
+      and returns it to the pool. Unknown or unallocated machines are already gone.
+    * ``get_machine`` of a machine in the pool (not allocated) is ``NotFound``.
+    * Errors are classified by HTTP status (``HTTP_ERRORS``): 401/403 ->
+      ``BadCredentials``, 404 -> ``NotFound``, 400/405/501 (unsupported action or
+      value) -> ``InvalidRequest``, 409/412/429 and other 5xx, timeouts and
+      connection errors -> ``Transient``. The Redfish MessageId goes into ``code``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+from urllib.parse import urljoin
+
+import httpx
+
+from fleet.config import Account, Site
+from fleet.errors import (
+    BadCredentials,
+    InvalidRequest,
+    NoCapacity,
+    NotFound,
+    ProviderError,
+    Transient,
+)
+from fleet.models import Machine, MachineSpec, Offer
+from providers.credentials import read_secret
+
+PROVIDER = "own-dc"
+
+#: HTTP status from a BMC -> taxonomy; other 5xx and anything unlisted: Transient.
+HTTP_ERRORS: dict[int, type[ProviderError]] = {
+    400: InvalidRequest,
+    401: BadCredentials,
+    403: BadCredentials,
+    404: NotFound,
+    405: InvalidRequest,
+    409: Transient,
+    412: Transient,
+    429: Transient,
+    501: InvalidRequest,  # the BMC does not implement this action or value
+}
+
+#: Reset types, most preferred first.
+REBOOT_TYPES = ("ForceRestart", "PowerCycle", "GracefulRestart")
+POWER_ON_TYPES = ("On", "ForceOn")
+POWER_OFF_TYPES = ("ForceOff", "GracefulShutdown")
+
+#: Redfish PowerState -> Machine.state.
+STATES = {
+    "On": "running",
+    "PoweringOn": "pending",
+    "Off": "stopped",
+    "PoweringOff": "stopped",
+    "Paused": "stopped",
+}
+
+
+@dataclass(frozen=True)
+class BmcMachine:
+    name: str
+    bmc_url: str
+    system_id: str | None = None
+
+
+def choose_reset_type(allowed: list[str] | None, preference: tuple[str, ...]) -> str | None:
+    """The first preferred reset type the BMC allows; ``None`` when none is.
+
+    ``allowed`` is ``None`` when the BMC does not publish its allowable values."""
+    if allowed is None:
+        return preference[0]
+    return next((t for t in preference if t in allowed), None)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat()
+
+
+def _parse_inventory(account: Account) -> dict[str, BmcMachine]:
+    machines: dict[str, BmcMachine] = {}
+    for i, entry in enumerate(account.options.get("machines") or []):
+        if not isinstance(entry, dict) or not entry.get("name") or not entry.get("bmc_url"):
+            raise InvalidRequest(
+                f"account {account.name}: options.machines[{i}] needs name and bmc_url",
+                provider=PROVIDER,
+                code="config/machines",
+            )
+        machines[str(entry["name"])] = BmcMachine(
+            name=str(entry["name"]),
+            bmc_url=str(entry["bmc_url"]).rstrip("/"),
+            system_id=str(entry["system_id"]) if entry.get("system_id") else None,
+        )
+    return machines
+
+
+class _StateFile:
+    """``{"allocations": {machine: {...}}}`` in a JSON file, under an exclusive lock."""
+
+    _locks: dict[str, threading.Lock] = {}
+    _locks_guard = threading.Lock()
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def _thread_lock(self) -> threading.Lock:
+        with self._locks_guard:
+            return self._locks.setdefault(str(self.path), threading.Lock())
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self._thread_lock(), open(f"{self.path}.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[dict[str, Any]]:
+        """The state, locked; written back if the block completes."""
+        with self._locked():
+            state = self._read()
+            yield state
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(state, indent=2, sort_keys=True))
+            os.replace(tmp, self.path)
+
+    def read(self) -> dict[str, Any]:
+        with self._locked():
+            return self._read()
+
+    def _read(self) -> dict[str, Any]:
+        try:
+            state = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            state = {}
+        state.setdefault("allocations", {})
+        return state
+
+
+class _Bmc:
+    """Redfish calls for one machine, with errors mapped to the taxonomy."""
+
+    def __init__(self, machine: BmcMachine, client: httpx.Client) -> None:
+        self.machine = machine
+        self.client = client
+        self._system_url: str | None = None
+
+    def _url(self, path: str) -> str:
+        return urljoin(self.machine.bmc_url + "/", path.lstrip("/"))
+
+    def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        what = f"{self.machine.name}: {method} {path}"
+        try:
+            response = self.client.request(method, self._url(path), json=body)
+        except httpx.TimeoutException as exc:
+            raise Transient(f"BMC {what}: timeout", provider=PROVIDER, code="timeout") from exc
+        except httpx.TransportError as exc:
+            code = type(exc).__name__
+            raise Transient(f"BMC {what}: {code}", provider=PROVIDER, code=code) from exc
+        if response.is_success:
+            return response.json() if response.content else {}
+        raise self._error(response, what)
+
+    @staticmethod
+    def _error(response: httpx.Response, what: str) -> ProviderError:
+        try:
+            error = response.json().get("error") or {}
+        except (ValueError, AttributeError):
+            error = {}
+        info = error.get("@Message.ExtendedInfo") or [{}]
+        message_id = (info[0] if isinstance(info[0], dict) else {}).get("MessageId") or error.get("code") or ""
+        code = f"HTTP {response.status_code} {message_id}".strip()
+        cls = HTTP_ERRORS.get(response.status_code, Transient)
+        return cls(f"BMC {what}: {code}: {error.get('message', '')}", provider=PROVIDER, code=code)
+
+    def system_url(self) -> str:
+        if self._system_url:
+            return self._system_url
+        if self.machine.system_id:
+            self._system_url = f"/redfish/v1/Systems/{self.machine.system_id}"
+            return self._system_url
+        members = self.request("GET", "/redfish/v1/Systems").get("Members", [])
+        if len(members) != 1:
+            raise InvalidRequest(
+                f"BMC of {self.machine.name} manages {len(members)} systems; set system_id in the inventory",
+                provider=PROVIDER,
+                code="config/system_id",
+            )
+        self._system_url = members[0]["@odata.id"]
+        return self._system_url
+
+    def system(self) -> dict[str, Any]:
+        return self.request("GET", self.system_url())
+
+    def _allowed_reset_types(self, action: dict[str, Any]) -> list[str] | None:
+        if "ResetType@Redfish.AllowableValues" in action:
+            return list(action["ResetType@Redfish.AllowableValues"])
+        info_url = action.get("@Redfish.ActionInfo")
+        if info_url:
+            for parameter in self.request("GET", info_url).get("Parameters", []):
+                if parameter.get("Name") == "ResetType" and "AllowableValues" in parameter:
+                    return list(parameter["AllowableValues"])
+        return None
+
+    def reset(self, system: dict[str, Any], preference: tuple[str, ...]) -> str:
+        action = (system.get("Actions") or {}).get("#ComputerSystem.Reset") or {}
+        allowed = self._allowed_reset_types(action)
+        reset_type = choose_reset_type(allowed, preference)
+        if reset_type is None:
+            raise InvalidRequest(
+                f"BMC of {self.machine.name} allows none of {', '.join(preference)} (allows {allowed})",
+                provider=PROVIDER,
+                code="ResetTypeNotAllowed",
+            )
+        target = action.get("target") or f"{self.system_url()}/Actions/ComputerSystem.Reset"
+        self.request("POST", target, {"ResetType": reset_type})
+        return reset_type
+
+    def boot(self, system: dict[str, Any]) -> None:
+        """Restart the machine, or power it on when it is off."""
+        if system.get("PowerState") in ("Off", "PoweringOff"):
+            self.reset(system, POWER_ON_TYPES)
+        else:
+            self.reset(system, REBOOT_TYPES)
+
+    def pxe_once(self, system: dict[str, Any]) -> None:
+        allowed = (system.get("Boot") or {}).get("BootSourceOverrideTarget@Redfish.AllowableValues")
+        if allowed is not None and "Pxe" not in allowed:
+            raise InvalidRequest(
+                f"BMC of {self.machine.name} cannot boot from PXE (allows {allowed})",
+                provider=PROVIDER,
+                code="PxeNotAllowed",
+            )
+        self.request(
+            "PATCH",
+            self.system_url(),
+            {"Boot": {"BootSourceOverrideTarget": "Pxe", "BootSourceOverrideEnabled": "Once"}},
+        )
+
+
+class OwnDcProvider:
+    """A pool of owned machines behind Redfish BMCs, for one site."""
+
+    name = PROVIDER
+
+    def __init__(self, site: Site, account: Account) -> None:
+        self.site = site
+        self.account = account
+        self.options = dict(account.options)
+        self.inventory = _parse_inventory(account)
+        default_state = Path("~/.local/state/gpufleet").expanduser() / f"own-dc-{account.name}.json"
+        self.state = _StateFile(Path(self.options.get("state_file") or default_state).expanduser())
+
+    # -- plumbing ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _bmc(self, machine_id: str) -> Iterator[_Bmc]:
+        secret = read_secret(self.account.credentials, provider=PROVIDER)
+        user, sep, password = secret.partition(":")
+        if not sep or not user:
+            ref = self.account.credentials.describe() if self.account.credentials else "(none)"
+            raise BadCredentials(
+                f"credentials reference {ref} must hold user:password", provider=PROVIDER, code="MalformedCredentials"
+            )
+        with httpx.Client(
+            auth=(user, password),
+            verify=bool(self.options.get("verify_tls", True)),
+            timeout=float(self.options.get("timeout", 30)),
+            follow_redirects=True,
+            headers={"Accept": "application/json"},
+        ) as client:
+            yield _Bmc(self.inventory[machine_id], client)
+
+    def _allocation(self, machine_id: str) -> dict[str, Any]:
+        allocation = self.state.read()["allocations"].get(machine_id) if machine_id in self.inventory else None
+        if not allocation:
+            raise NotFound(f"own-dc machine {machine_id} is not allocated", provider=PROVIDER, code="not-allocated")
+        return allocation
+
+    def _mark(self, machine_id: str, key: str, **changes: Any) -> None:
+        with self.state.transaction() as state:
+            allocation = state["allocations"].get(machine_id)
+            if allocation and allocation.get("key") == key:
+                allocation.update(changes)
+
+    def _machine(self, machine_id: str, allocation: dict[str, Any], power_state: str | None) -> Machine:
+        state = STATES.get(power_state or "", "pending")
+        booted = allocation.get("booted_at")
+        if state == "stopped" and booted:
+            age = time.time() - datetime.fromisoformat(booted).timestamp()
+            if age < float(self.options.get("boot_grace_seconds", 600)):
+                state = "pending"
+        if allocation.get("status") != "allocated":
+            state = "pending"
+        return Machine(
+            id=machine_id,
+            name=allocation.get("name", ""),
+            site=allocation.get("site", self.site.name),
+            provider=PROVIDER,
+            instance_type=allocation.get("instance_type", self.site.instance_type),
+            state=state,
+            capacity_type=self.site.capacity_type,
+            created_at=datetime.fromisoformat(allocation["allocated_at"]) if allocation.get("allocated_at") else None,
+        )
+
+    def _reserve(self, spec: MachineSpec, key: str) -> tuple[str, bool]:
+        """(machine id, already provisioned) for this key; reserves a free machine if needed."""
+        with self.state.transaction() as state:
+            allocations = state["allocations"]
+            for machine_id, allocation in allocations.items():
+                if allocation.get("key") == key and machine_id in self.inventory:
+                    return machine_id, allocation.get("status") == "allocated"
+            free = [m for m in self.inventory if m not in allocations]
+            if not free:
+                raise NoCapacity(
+                    f"own-dc pool of account {self.account.name}: all {len(self.inventory)} machines allocated",
+                    provider=PROVIDER,
+                    code="pool-exhausted",
+                )
+            allocations[free[0]] = {
+                "key": key,
+                "name": spec.name,
+                "site": self.site.name,
+                "instance_type": spec.instance_type or self.site.instance_type,
+                "status": "provisioning",
+                "allocated_at": _now(),
+            }
+            return free[0], False
+
+    def _release(self, machine_id: str, key: str | None = None) -> None:
+        with self.state.transaction() as state:
+            allocation = state["allocations"].get(machine_id)
+            if allocation and (key is None or allocation.get("key") == key):
+                del state["allocations"][machine_id]
+
+    # -- Provider ---------------------------------------------------------------
+
+    def create_machine(self, spec: MachineSpec, idempotency_key: str) -> Machine:
+        machine_id, done = self._reserve(spec, idempotency_key)
+        if done:
+            return self.get_machine(machine_id)
+        try:
+            with self._bmc(machine_id) as bmc:
+                system = bmc.system()
+                bmc.pxe_once(system)
+                bmc.boot(system)
+        except ProviderError:
+            self._release(machine_id, idempotency_key)
+            raise
+        self._mark(machine_id, idempotency_key, status="allocated", booted_at=_now())
+        return self._machine(machine_id, self._allocation(machine_id), "PoweringOn")
+
+    def delete_machine(self, machine_id: str) -> None:
+        try:
+            self._allocation(machine_id)
+        except NotFound:
+            return
+        try:
+            with self._bmc(machine_id) as bmc:
+                system = bmc.system()
+                if system.get("PowerState") not in ("Off", "PoweringOff"):
+                    bmc.reset(system, POWER_OFF_TYPES)
+        except NotFound:
+            pass  # the BMC no longer knows the system: nothing to power off
+        self._release(machine_id)
+
+    def get_machine(self, machine_id: str) -> Machine:
+        allocation = self._allocation(machine_id)
+        with self._bmc(machine_id) as bmc:
+            power_state = bmc.system().get("PowerState")
+        return self._machine(machine_id, allocation, power_state)
+
+    def list_machines(self) -> list[Machine]:
+        allocations = self.state.read()["allocations"]
+        return [
+            self.get_machine(machine_id)
+            for machine_id, allocation in allocations.items()
+            if machine_id in self.inventory and allocation.get("site") == self.site.name
+        ]
+
+    def reboot_machine(self, machine_id: str) -> None:
+        allocation = self._allocation(machine_id)
+        with self._bmc(machine_id) as bmc:
+            bmc.boot(bmc.system())
+        self._mark(machine_id, allocation["key"], booted_at=_now())
+
+    def reinstall_machine(self, machine_id: str) -> None:
+        allocation = self._allocation(machine_id)
+        with self._bmc(machine_id) as bmc:
+            system = bmc.system()
+            bmc.pxe_once(system)
+            bmc.boot(system)
+        self._mark(machine_id, allocation["key"], booted_at=_now())
+
+    def list_offers(self) -> list[Offer]:
+        allocations = self.state.read()["allocations"]
+        free = sum(1 for m in self.inventory if m not in allocations)
+        return [
+            Offer(
+                site=self.site.name,
+                provider=PROVIDER,
+                instance_type=self.site.instance_type,
+                gpu=self.site.gpu,
+                gpus=self.site.gpus_per_machine,
+                gpu_memory_gb=self.site.gpu_memory_gb,
+                price_per_gpu_hour=self.site.price_per_gpu_hour,
+                capacity_type=self.site.capacity_type,
+                available=free > 0,
+                region=self.site.region,
+            )
+        ]

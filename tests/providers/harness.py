@@ -1,0 +1,56 @@
+"""What the provider contract suite needs from each adapter's test harness.
+
+A harness points a real adapter at a local fake that speaks the provider's real
+wire format. Harness fixtures are named ``<provider>_harness`` (``own_dc_harness``
+for own-dc) and are function-scoped: each test gets a clean fake world.
+
+Optional attributes the contract suite uses when present:
+
+* ``error_kinds``: the kinds ``fail_next_create`` supports (default: all of
+  ``ERROR_KINDS``); a kind the provider cannot produce is skipped.
+* ``secret``: the credential value the adapter reads, so the suite can check
+  that it never appears in returned models or error messages.
+* ``unknown_id``: a well-formed machine id the fake does not know (default
+  ``"does-not-exist-0000"``).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Protocol, runtime_checkable
+
+from fleet.errors import BadCredentials, InvalidRequest, NoCapacity, OverQuota, ProviderError, Transient
+from fleet.models import MachineSpec
+from providers.base import Provider
+
+#: Error kinds ``fail_next_create`` understands, and the class each must raise.
+ERROR_KINDS: dict[str, type[ProviderError]] = {
+    "NoCapacity": NoCapacity,
+    "OverQuota": OverQuota,
+    "BadCredentials": BadCredentials,
+    "Transient": Transient,
+    "InvalidRequest": InvalidRequest,
+}
+
+
+@runtime_checkable
+class Harness(Protocol):
+    #: The adapter under test, pointed at the fake.
+    provider: Provider
+    #: A MachineSpec the fake accepts.
+    spec: MachineSpec
+
+    def fail_next_create(self, kind: str) -> None:
+        """Make the fake answer the next create with the provider's real error for ``kind``."""
+        ...
+
+    def machine_count(self) -> int:
+        """Live machines in the fake."""
+        ...
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

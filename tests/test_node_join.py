@@ -1,0 +1,213 @@
+"""NodeJoin end to end on a real Temporal dev server and the simulated fleet."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import subprocess
+import sys
+
+import pytest
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ApplicationError
+
+from fleet.naming import node_name_for
+from providers.cluster.base import UNPROVEN_TAINT
+from tests.conftest import Stack, run_node_host, wait_for
+from workers.control_plane import build_worker
+from workflows.models import NodeJoinResult
+
+FAST = {"timeouts": {"registration_seconds": 3, "smoke_test_seconds": 5, "heartbeat_seconds": 2}}
+
+
+async def failure_of(handle) -> ApplicationError:
+    with pytest.raises(WorkflowFailureError) as caught:
+        await handle.result()
+    assert isinstance(caught.value.cause, ApplicationError)
+    return caught.value.cause
+
+
+def readable_history(history: dict) -> str:
+    """History JSON with every payload's base64 data decoded, so a search sees values."""
+    decoded: list[str] = []
+
+    def walk(node) -> None:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if key == "data" and isinstance(value, str):
+                    decoded.append(base64.b64decode(value).decode(errors="replace"))
+                else:
+                    walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+
+    walk(history)
+    return json.dumps(history) + "\n".join(decoded)
+
+
+def provider_calls(stack: Stack) -> int:
+    return stack.world.calls("acct-a") + stack.world.calls("acct-b")
+
+
+async def test_join_happy_path(stack: Stack) -> None:
+    handle = await stack.start_join({"site": "site-a"}, request="happy")
+    result = NodeJoinResult.model_validate(await handle.result())
+    (node,) = result.nodes
+    assert node.node_name == node_name_for("site-a", "join/site-a/happy")
+    assert node.gpus == 2
+
+    joined = stack.cluster.get_node(node.node_name)
+    assert joined.ready
+    assert joined.labels["gpufleet.io/site"] == "site-a"
+    assert joined.labels["gpufleet.io/provider"] == "lambda"
+    assert joined.labels["topology.kubernetes.io/region"] == "us-east-1"
+    assert joined.labels["nvidia.com/gpu.product"] == "H100"
+    assert UNPROVEN_TAINT not in joined.taints, "admitted nodes lose the unproven taint"
+    assert [m["id"] for m in stack.world.machines("site-a")] == [node.machine_id]
+
+    # Operators find it by search attribute (visibility is eventually consistent).
+    query = f'WorkflowId = "{handle.id}" AND Site = "site-a" AND NodeName = "{node.node_name}" AND FleetState = "ready"'
+
+    async def listed() -> list:
+        return [w async for w in stack.client.list_workflows(query)]
+
+    for _ in range(50):
+        if await listed():
+            break
+        await asyncio.sleep(0.1)
+    assert len(await listed()) == 1
+
+
+async def test_join_fans_out_for_count(stack: Stack) -> None:
+    handle = await stack.start_join({"site": "site-b", "count": 3}, request="three")
+    result = NodeJoinResult.model_validate(await handle.result())
+    assert len({n.node_name for n in result.nodes}) == 3
+    assert len(stack.world.machines("site-b")) == 3
+    assert all(stack.cluster.get_node(n.node_name).ready for n in result.nodes)
+
+
+@pytest.mark.parametrize(
+    "raw, field",
+    [
+        ({"site": "atlantis"}, "site"),
+        ({"site": "site-a", "count": 0}, "count"),
+        ({"site": 5}, "site"),
+        ({"sites": "site-a"}, "sites"),
+        ({"site": "site-a", "token_ttl_seconds": 7200}, "token_ttl_seconds"),
+        ({"site": "site-a", "timeouts": {"registration_seconds": -1}}, "timeouts.registration_seconds"),
+    ],
+)
+async def test_bad_input_fails_fast_naming_the_field_and_calls_no_provider(stack: Stack, raw, field) -> None:
+    handle = await stack.start_join(raw)
+    error = await failure_of(handle)
+    assert error.non_retryable
+    assert error.type in ("InvalidInput", "InvalidRequest")
+    assert field in str(error)
+    assert provider_calls(stack) == 0
+    assert stack.world.machines(include_deleted=True) == []
+
+
+async def test_no_capacity_is_a_typed_failure_and_leaks_nothing(stack: Stack) -> None:
+    stack.world.set_site("site-a", capacity=0)
+    error = await failure_of(await stack.start_join({"site": "site-a"}))
+    assert error.type == "NoCapacity"
+    assert error.non_retryable
+    assert stack.world.machines(include_deleted=True) == []
+    assert stack.world.calls("acct-a", "create") == 1, "NoCapacity is not retried at the same offer"
+
+
+async def test_over_quota_and_bad_credentials_are_typed(stack: Stack) -> None:
+    stack.world.set_site("site-a", quota=0)
+    assert (await failure_of(await stack.start_join({"site": "site-a"}))).type == "OverQuota"
+    stack.world.set_credentials_valid("acct-b", False)
+    assert (await failure_of(await stack.start_join({"site": "site-b"}))).type == "BadCredentials"
+    assert stack.world.calls("acct-b", "create") == 1, "BadCredentials is never retried"
+    assert stack.world.machines(include_deleted=True) == []
+
+
+async def test_registration_timeout_deletes_the_machine(stack: Stack) -> None:
+    stack.world.set_site("site-a", unreachable=1)  # the machine boots but never dials home
+    error = await failure_of(await stack.start_join({"site": "site-a", **FAST}))
+    assert error.type == "RegistrationTimeout"
+    assert stack.world.machines("site-a") == [], "no live machine is left behind"
+    (deleted,) = stack.world.machines("site-a", include_deleted=True)
+    assert deleted["deleted_at"] is not None
+    assert stack.world.site_row("site-a")["capacity"] == 8, "capacity returned to the provider"
+
+
+async def test_failed_smoke_test_never_admits_and_deletes_the_machine(stack: Stack) -> None:
+    stack.world.set_site("site-a", boot_seconds=1.0)
+    handle = await stack.start_join({"site": "site-a", **FAST})
+    machine = await wait_for(lambda: stack.world.machines("site-a"))
+    stack.world.inject_fault(machine[0]["id"], 1, "compute", clears_on="never")
+    name = machine[0]["name"]
+    admitted = []
+
+    async def watch() -> None:  # the node must never be schedulable without the taint
+        while True:
+            node = stack.cluster.get_node(name)
+            if node and UNPROVEN_TAINT not in node.taints and "gpufleet.io/site" in node.labels:
+                admitted.append(node)
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.create_task(watch())
+    error = await failure_of(handle)
+    watcher.cancel()
+    assert error.type == "SmokeTestFailed"
+    assert "GPU 1" in str(error)
+    assert admitted == []
+    assert stack.cluster.get_node(name) is None
+    assert stack.world.machines("site-a") == []
+
+
+async def test_worker_killed_after_provider_create_joins_exactly_one_machine(fleet_world: Stack) -> None:
+    """SIGKILL the control-plane worker while the create call is in flight."""
+    stack = fleet_world
+    stack.world.set_site("site-a", api_latency_ms=3000)  # the reply takes 1.5 s after the machine exists
+    stop = asyncio.Event()
+    host = await run_node_host(stack.client, stack.settings, stop)
+    worker = subprocess.Popen([sys.executable, "-m", "workers.control_plane"], env=stack.settings_env())
+    try:
+        handle = await stack.start_join(
+            {"site": "site-a", "timeouts": {"provision_seconds": 4}}, request="crash"
+        )
+        await wait_for(lambda: stack.world.machines("site-a"), timeout=30)
+        worker.kill()
+        worker.wait()
+        stack.world.set_site("site-a", api_latency_ms=0)
+        async with build_worker(stack.client, stack.settings):
+            result = NodeJoinResult.model_validate(await handle.result())
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        stop.set()
+        await host
+    machines = stack.world.machines("site-a", include_deleted=True)
+    assert len(machines) == 1
+    assert machines[0]["id"] == result.nodes[0].machine_id
+    assert stack.world.calls("acct-a", "create") == 2, "the create was retried, idempotently"
+    assert stack.cluster.get_node(result.nodes[0].node_name).ready
+
+
+async def test_join_token_never_enters_workflow_history(fleet_world: Stack) -> None:
+    """Read the token where the machine reads it, then look for it in history."""
+    stack = fleet_world
+    async with build_worker(stack.client, stack.settings):
+        handle = await stack.start_join({"site": "site-a"}, request="secret")
+        rows = await wait_for(lambda: stack.world.query("SELECT machine_id, token FROM bootstrap"), timeout=30)
+        token = rows[0]["token"]
+        token_id, _, secret = token.partition(".")
+        stop = asyncio.Event()
+        host = await run_node_host(stack.client, stack.settings, stop)  # now the machine may boot
+        try:
+            await handle.result()
+        finally:
+            stop.set()
+            await host
+    history = readable_history((await handle.fetch_history()).to_json_dict())
+    assert token_id in history, "the token is referenced by id"
+    assert secret not in history
+    stored = stack.world.query("SELECT * FROM join_tokens WHERE id=?", token_id)
+    assert stored == [] or secret not in json.dumps(dict(stored[0])), "only a hash is stored"

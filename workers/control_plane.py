@@ -1,0 +1,55 @@
+"""The control-plane worker: every workflow, and the provider/cluster activities.
+
+    python -m workers.control_plane   # TEMPORAL_ADDRESS, GPUFLEET_STATE_DIR, GPUFLEET_CONFIG
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from concurrent.futures import ThreadPoolExecutor
+
+from temporalio.client import Client
+from temporalio.worker import Worker
+
+from activities.control_plane import ControlPlaneActivities
+from activities.env import FleetEnv
+from fleet.settings import Settings
+from fleet.temporal import connect, tracing_interceptors
+from workflows import ALL_WORKFLOWS
+
+log = logging.getLogger("gpufleet.control_plane")
+
+
+def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None) -> Worker:
+    env = env or FleetEnv.from_settings(settings)
+    return Worker(
+        client,
+        task_queue=settings.task_queue,
+        workflows=ALL_WORKFLOWS,
+        activities=ControlPlaneActivities(env).all(),
+        # Provider SDKs block: activities are sync and run in these threads.
+        activity_executor=ThreadPoolExecutor(max_workers=128, thread_name_prefix="activity"),
+        max_concurrent_activities=128,
+        interceptors=tracing_interceptors(),
+    )
+
+
+async def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s control-plane %(levelname)s %(message)s")
+    settings = Settings.from_env()
+    client = await connect(settings)
+    worker = build_worker(client, settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("polling task queue %s at %s", settings.task_queue, settings.address)
+    async with worker:
+        await stop.wait()
+    log.info("stopped")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

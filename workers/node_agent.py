@@ -1,0 +1,156 @@
+"""The node agent: a Temporal worker on each GPU node, polling ``node/<name>``.
+
+It dials out to Temporal (no inbound port on the node). On a real node:
+
+    python -m workers.node_agent --node-name "$NODE_NAME"
+
+In sim mode one process hosts the agents of every simulated node and also
+plays each simulated machine's boot: after its boot time a machine reads the
+join token from its bootstrap channel and registers (what kubelet does), then
+its agent starts; a reboot or an unreachable site stops the agent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from temporalio.client import Client
+from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
+
+from activities.node_agent import NodeAgentActivities
+from fleet.config import load_config
+from fleet.settings import Settings, node_queue
+from fleet.temporal import connect, tracing_interceptors
+from providers.gpu import GpuBackend
+
+log = logging.getLogger("gpufleet.node_agent")
+
+
+def build_agent(client: Client, node_name: str, gpus: GpuBackend, executor: ThreadPoolExecutor) -> Worker:
+    return Worker(
+        client,
+        task_queue=node_queue(node_name),
+        activities=NodeAgentActivities(node_name, gpus).all(),
+        activity_executor=executor,
+        max_concurrent_activities=4,
+        # One poller per node keeps a host of hundreds of simulated agents light.
+        activity_task_poller_behavior=PollerBehaviorSimpleMaximum(1),
+        interceptors=tracing_interceptors(),
+    )
+
+
+class SimNodeHost:
+    """Every simulated machine's boot, kubelet registration and node agent."""
+
+    def __init__(self, client: Client, settings: Settings, poll_seconds: float = 0.2) -> None:
+        from providers.cluster.sim import SimCluster
+        from providers.sim import SimWorld
+
+        self.client = client
+        self.world = SimWorld(settings.sim_db)
+        self.world.seed(load_config(settings.config))
+        self.cluster = SimCluster(self.world)
+        self.poll_seconds = poll_seconds
+        self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="agent")
+        self.agents: dict[str, tuple[str, Worker, asyncio.Task]] = {}  # machine id → (boot id, worker, task)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            while not stop.is_set():
+                await asyncio.to_thread(self._sync_kubelets)
+                await self._sync_agents()
+                try:
+                    await asyncio.wait_for(stop.wait(), self.poll_seconds)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            await asyncio.gather(*(self._stop_agent(m) for m in list(self.agents)))
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _up_machines(self) -> dict[str, tuple[str, str]]:
+        """machine id → (node name, boot id) for machines booted at reachable sites."""
+        now = time.time()
+        unreachable = {row["name"] for row in self.world.sites() if row["unreachable"]}
+        return {
+            row["id"]: (row["name"], row["boot_id"])
+            for row in self.world.machines()
+            if row["boot_at"] <= now and row["site"] not in unreachable
+        }
+
+    def _sync_kubelets(self) -> None:
+        from providers.cluster.sim import JoinRejected
+
+        up = self._up_machines()
+        nodes = {n.machine_id: n for n in self.cluster.list_nodes()}
+        for machine_id, (name, boot_id) in up.items():
+            node = nodes.get(machine_id)
+            if node is None:
+                token = self.world.take_bootstrap_token(machine_id)
+                if token:
+                    gpus = len(self.world.gpu_health(machine_id))
+                    try:
+                        self.cluster.register_with_token(machine_id, token, boot_id, gpus)
+                        log.info("node %s registered", name)
+                    except JoinRejected as error:
+                        log.warning("machine %s: join rejected: %s", machine_id, error)
+            elif not node.ready or node.boot_id != boot_id:
+                self.cluster.set_node_status(node.name, ready=True, boot_id=boot_id)
+        for machine_id, node in nodes.items():
+            if machine_id not in up and node.ready:
+                self.cluster.set_node_status(node.name, ready=False)
+
+    async def _sync_agents(self) -> None:
+        from providers.sim import SimGpuBackend
+
+        up = self._up_machines()
+        registered = {n.machine_id for n in await asyncio.to_thread(self.cluster.list_nodes)}
+        for machine_id in list(self.agents):
+            boot_id = self.agents[machine_id][0]
+            if machine_id not in up or up[machine_id][1] != boot_id:
+                await self._stop_agent(machine_id)
+        for machine_id, (name, boot_id) in up.items():
+            if machine_id in registered and machine_id not in self.agents:
+                worker = build_agent(self.client, name, SimGpuBackend(self.world, machine_id), self.executor)
+                self.agents[machine_id] = (boot_id, worker, asyncio.create_task(worker.run()))
+                log.info("agent for %s up (boot %s)", name, boot_id[:8])
+
+    async def _stop_agent(self, machine_id: str) -> None:
+        _boot, worker, task = self.agents.pop(machine_id)
+        await worker.shutdown()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--node-name", help="this node's Kubernetes name (real mode)")
+    parser.add_argument("--sim", action="store_true", help="host every simulated node's agent")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s node-agent %(levelname)s %(message)s")
+    settings = Settings.from_env()
+    client = await connect(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if args.sim:
+        await SimNodeHost(client, settings).run(stop)
+        return
+    if not args.node_name:
+        parser.error("--node-name is required outside --sim")
+    from providers.gpu import NvmlBackend
+
+    gpus = NvmlBackend()
+    gpus.watch_xids()
+    worker = build_agent(client, args.node_name, gpus, ThreadPoolExecutor(max_workers=4))
+    log.info("agent for %s polling %s", args.node_name, node_queue(args.node_name))
+    async with worker:
+        await stop.wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

@@ -1,0 +1,257 @@
+"""NodeJoin (id ``join/<site>/<request>``): one machine from provider to serving.
+
+The runbook: resolve the site → provision (the workflow id is the provider's
+idempotency key) → issue a join token to the machine → wait for it to register
+→ label it and taint it unproven → smoke test on the node's own queue → lift
+the taint. Anything failing after the machine exists deletes the machine: a
+failed join leaks nothing and never admits the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, FailureError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import (
+        DeleteMachineInput,
+        IssueJoinTokenInput,
+        PrepareNodeInput,
+        ProvisionMachineInput,
+        RemoveNodeInput,
+        ResolveSiteInput,
+        RevokeJoinTokenInput,
+        SmokeResult,
+        SmokeTestInput,
+        WaitForRegistrationInput,
+    )
+    from fleet import search_attributes as sa
+    from fleet.config import Site
+    from fleet.errors import NON_RETRYABLE_TYPES
+    from fleet.models import Machine, MachineSpec, Node
+    from fleet.naming import node_name_for
+    from fleet.settings import node_queue
+    from providers.cluster.base import (
+        LABEL_GPU_PRODUCT,
+        LABEL_PROVIDER,
+        LABEL_REGION,
+        LABEL_SITE,
+        UNPROVEN_TAINT,
+        JoinTokenRef,
+    )
+    from workflows.inputs import parse_input
+    from workflows.models import JoinedNode, JoinProgress, NodeJoinInput, NodeJoinResult
+
+#: Provider calls: transient errors back off up to a minute, a bounded number of times.
+PROVIDER_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2,
+    maximum_interval=timedelta(seconds=60),
+    maximum_attempts=8,
+    non_retryable_error_types=NON_RETRYABLE_TYPES,
+)
+CLUSTER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
+QUICK = timedelta(seconds=60)
+
+
+def failure_type(error: BaseException) -> str:
+    """The ApplicationError type at the root of an activity/child failure."""
+    while isinstance(error, FailureError):
+        if isinstance(error, ApplicationError) and error.type:
+            return error.type
+        if isinstance(error, (ActivityError, ChildWorkflowError)) and error.cause is not None:
+            error = error.cause
+            continue
+        break
+    return type(error).__name__
+
+
+def failure_message(error: BaseException) -> str:
+    while isinstance(error, (ActivityError, ChildWorkflowError)) and error.cause is not None:
+        error = error.cause
+    return str(error)
+
+
+@workflow.defn(name="NodeJoin")
+class NodeJoin:
+    def __init__(self) -> None:
+        self._progress = JoinProgress(step="starting")
+
+    @workflow.query
+    def progress(self) -> JoinProgress:
+        return self._progress
+
+    def _step(self, step: str, detail: str = "") -> None:
+        if self._progress.step not in ("starting", step):
+            self._progress.done.append(self._progress.step)
+        self._progress.step = step
+        lines = [f"**{step}**" + (f": {detail}" if detail else "")]
+        if self._progress.node_name:
+            lines.append(f"node `{self._progress.node_name}` machine `{self._progress.machine_id or '-'}`")
+        lines += [f"- done: {s}" for s in self._progress.done]
+        workflow.set_current_details("\n".join(lines))
+
+    @workflow.run
+    async def run(self, raw: dict[str, Any]) -> NodeJoinResult:
+        request = parse_input(NodeJoinInput, raw)
+        if request.count > 1:
+            return await self._join_many(request)
+        try:
+            return NodeJoinResult(nodes=[await self._join_one(request)])
+        except (ActivityError, ApplicationError) as error:
+            # One typed failure for callers: the root cause's type, where it happened.
+            step = self._progress.step
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("failed")])
+            kind, message = failure_type(error), failure_message(error)
+            self._step("failed", f"{kind} while {step}: {message}")
+            raise ApplicationError(f"{kind} while {step}: {message}", type=kind, non_retryable=True) from error
+
+    async def _join_many(self, request: NodeJoinInput) -> NodeJoinResult:
+        """One child join per node, so each machine has its own id and history."""
+        self._step("joining", f"{request.count} nodes at {request.site}")
+        base = workflow.info().workflow_id
+        single = request.model_copy(update={"count": 1})
+        children = [
+            workflow.execute_child_workflow(
+                NodeJoin.run, single.model_dump(mode="json"), id=f"{base}/{i}",
+                static_summary=f"join node {i + 1} of {request.count} at {request.site}",
+            )
+            for i in range(request.count)
+        ]
+        results = await asyncio.gather(*children, return_exceptions=True)
+        joined = [node for r in results if isinstance(r, NodeJoinResult) for node in r.nodes]
+        failed = [r for r in results if isinstance(r, BaseException)]
+        if failed:
+            raise ApplicationError(
+                f"{len(joined)} of {request.count} nodes joined; first failure: {failure_message(failed[0])}",
+                {"joined": [n.model_dump(mode="json") for n in joined]},
+                type=failure_type(failed[0]),
+                non_retryable=True,
+            )
+        return NodeJoinResult(nodes=joined)
+
+    async def _join_one(self, request: NodeJoinInput) -> JoinedNode:
+        join_id = workflow.info().workflow_id
+        timeouts = request.timeouts
+        heartbeat = timedelta(seconds=timeouts.heartbeat_seconds)
+        node_name = node_name_for(request.site, join_id)
+        self._progress.node_name = node_name
+
+        self._step("resolving site", request.site)
+        site: Site = await workflow.execute_activity(
+            "resolve_site", ResolveSiteInput(site=request.site), result_type=Site,
+            start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=f"look up site {request.site}",
+        )
+        workflow.upsert_search_attributes([
+            sa.SITE.value_set(site.name), sa.PROVIDER.value_set(site.provider), sa.ACCOUNT.value_set(site.account),
+            sa.NODE_NAME.value_set(node_name), sa.FLEET_STATE.value_set("provisioning"),
+        ])
+
+        self._step("provisioning", f"{site.instance_type} at {site.provider} {site.region}")
+        spec = MachineSpec(
+            name=node_name, site=site.name, region=site.region, instance_type=site.instance_type, gpu=site.gpu,
+            gpus=site.gpus_per_machine, capacity_type=site.capacity_type, image=site.image,
+            tags={"gpufleet.io/join": join_id, "gpufleet.io/site": site.name},
+        )
+        machine: Machine = await workflow.execute_activity(
+            "provision_machine", ProvisionMachineInput(site=site.name, spec=spec, idempotency_key=join_id),
+            result_type=Machine, start_to_close_timeout=timedelta(seconds=timeouts.provision_seconds),
+            retry_policy=PROVIDER_RETRY, summary=f"create {site.instance_type} at {site.name}",
+        )
+        self._progress.machine_id = machine.id
+
+        token: JoinTokenRef | None = None
+        try:
+            self._step("issuing join token")
+            token = await workflow.execute_activity(
+                "issue_join_token",
+                IssueJoinTokenInput(node_name=node_name, machine_id=machine.id, ttl_seconds=request.token_ttl_seconds),
+                result_type=JoinTokenRef, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary="single-use join token, handed to the machine",
+            )
+
+            self._step("waiting for registration", f"until {timeouts.registration_seconds:.0f}s")
+            deadline = workflow.now() + timedelta(seconds=timeouts.registration_seconds)
+            await workflow.execute_activity(
+                "wait_for_registration", WaitForRegistrationInput(node_name=node_name, deadline=deadline),
+                result_type=Node, start_to_close_timeout=timedelta(seconds=timeouts.registration_seconds + 60),
+                heartbeat_timeout=heartbeat, retry_policy=CLUSTER_RETRY, summary=f"wait for {node_name} to register",
+            )
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("registered")])
+
+            self._step("labelling", "unproven taint until the smoke test passes")
+            await workflow.execute_activity(
+                "prepare_node",
+                PrepareNodeInput(
+                    node_name=node_name, add_taints=[UNPROVEN_TAINT],
+                    labels={LABEL_SITE: site.name, LABEL_PROVIDER: site.provider, LABEL_REGION: site.region,
+                            LABEL_GPU_PRODUCT: site.gpu},
+                ),
+                result_type=Node, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary="label site/provider/region/GPU, taint unproven",
+            )
+
+            self._step("smoke test", f"on {node_queue(node_name)}")
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("proving")])
+            smoke: SmokeResult = await workflow.execute_activity(
+                "smoke_test", SmokeTestInput(expected_gpus=site.gpus_per_machine), result_type=SmokeResult,
+                task_queue=node_queue(node_name),
+                schedule_to_close_timeout=timedelta(seconds=timeouts.smoke_test_seconds),
+                start_to_close_timeout=timedelta(seconds=min(timeouts.smoke_test_seconds, 300)),
+                heartbeat_timeout=heartbeat,
+                retry_policy=RetryPolicy(maximum_attempts=3), summary="GPUs visible, counters clean, compute check",
+            )
+            if not smoke.passed:
+                raise ApplicationError(
+                    f"smoke test failed on {node_name}: " + "; ".join(smoke.failures),
+                    {"failures": smoke.failures}, type="SmokeTestFailed", non_retryable=True,
+                )
+
+            self._step("admitting", "remove the unproven taint")
+            await workflow.execute_activity(
+                "prepare_node", PrepareNodeInput(node_name=node_name, labels={}, remove_taints=[UNPROVEN_TAINT]),
+                result_type=Node, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary="admit: remove unproven taint",
+            )
+        except (FailureError, asyncio.CancelledError):
+            step = self._progress.step
+            await self._clean_up(site, machine, node_name)
+            self._progress.step = step  # report where it failed, not the clean-up
+            raise
+        finally:
+            if token is not None:
+                await self._revoke(token)
+
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("ready")])
+        self._step("ready", f"{site.gpus_per_machine}x {site.gpu}")
+        return JoinedNode(
+            node_name=node_name, machine_id=machine.id, site=site.name, provider=site.provider,
+            gpus=site.gpus_per_machine,
+        )
+
+    async def _clean_up(self, site: Site, machine: Machine, node_name: str) -> None:
+        """Never leave a machine behind: node object out, machine deleted."""
+        self._step("cleaning up", f"deleting machine {machine.id}")
+        try:
+            await workflow.execute_activity(
+                "remove_node", RemoveNodeInput(node_name=node_name), start_to_close_timeout=QUICK,
+                retry_policy=CLUSTER_RETRY, summary=f"remove node {node_name}",
+            )
+            await workflow.execute_activity(
+                "delete_machine", DeleteMachineInput(site=site.name, machine_id=machine.id),
+                start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=f"delete machine {machine.id}",
+            )
+        except ActivityError as error:
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("needs-person")])
+            workflow.logger.error("could not delete machine %s: %s", machine.id, failure_message(error))
+
+    async def _revoke(self, token: JoinTokenRef) -> None:
+        await workflow.execute_activity(
+            "revoke_join_token", RevokeJoinTokenInput(token_id=token.token_id), start_to_close_timeout=QUICK,
+            retry_policy=CLUSTER_RETRY, summary="revoke the join token",
+        )
