@@ -73,7 +73,11 @@ class ControlPlaneActivities:
 
     @activity.defn
     def wait_for_registration(self, input: WaitForRegistrationInput) -> Node:
-        """Poll the cluster until the node registers and is Ready, or the deadline."""
+        """Poll the cluster until the node registers and is Ready, or the deadline.
+
+        Polls fast at first (a warm machine registers within a second) and backs
+        off to ``poll_seconds``."""
+        interval = 0.05
         while True:
             node = self.env.cluster.get_node(input.node_name)
             if node is not None and node.ready:
@@ -85,7 +89,8 @@ class ControlPlaneActivities:
                     non_retryable=True,
                 )
             activity.heartbeat()
-            time.sleep(input.poll_seconds)
+            time.sleep(interval)
+            interval = min(interval * 2, input.poll_seconds)
 
     @activity.defn
     def prepare_node(self, input: PrepareNodeInput) -> Node:

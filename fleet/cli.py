@@ -24,7 +24,7 @@ app.add_typer(config_app, name="config")
 app.add_typer(sim_app, name="sim")
 
 console = Console()
-err = Console(stderr=True)
+err = Console(stderr=True, soft_wrap=True)
 
 Address = Annotated[str, typer.Option("--address", envvar="TEMPORAL_ADDRESS", help="Temporal frontend host:port")]
 StateDir = Annotated[Path, typer.Option("--state-dir", envvar="GPUFLEET_STATE_DIR", help="where sim and dev state live")]

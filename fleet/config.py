@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleet.models import CapacityType, CredentialsRef
 
@@ -61,12 +61,6 @@ class Site(_Strict):
     max_nodes: int = Field(ge=0)
     image: str = ""
     sim: SimSiteSettings = Field(default_factory=SimSiteSettings)
-
-    @model_validator(mode="after")
-    def _min_not_above_max(self) -> "Site":
-        if self.min_nodes > self.max_nodes:
-            raise ValueError(f"min_nodes ({self.min_nodes}) is greater than max_nodes ({self.max_nodes})")
-        return self
 
 
 class FleetConfig(_Strict):
@@ -157,6 +151,8 @@ def _cross_check(config: FleetConfig) -> list[str]:
         if site.name in seen:
             problems.append(f"{where}.name: duplicate site")
         seen.add(site.name)
+        if site.min_nodes > site.max_nodes:
+            problems.append(f"{where}.min_nodes: min_nodes ({site.min_nodes}) is greater than max_nodes ({site.max_nodes})")
         account = accounts.get(site.account)
         if account is None:
             problems.append(f"{where}.account: unknown account reference {site.account!r}")

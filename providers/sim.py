@@ -102,9 +102,11 @@ class SimWorld:
         try:
             yield conn
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
+        if conn.in_transaction:  # executescript() commits by itself
+            conn.execute("COMMIT")
 
     def query(self, sql: str, *args: Any) -> list[sqlite3.Row]:
         return self._conn().execute(sql, args).fetchall()

@@ -15,7 +15,7 @@ from typing import Callable, Iterable, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
-from fleet.errors import NotFound
+from fleet.errors import InvalidRequest, NotFound
 from fleet.models import Node
 
 #: Taint every new node carries until its smoke test passes.
@@ -42,6 +42,10 @@ class NodeNotFound(NotFound, LookupError):
 
 class ServingNotFound(NotFound, LookupError):
     """No serving Deployment for this model at this site."""
+
+
+class NoPreviousTemplate(InvalidRequest, ValueError):
+    """``rollback_serving`` with nothing to roll back to."""
 
 
 class JoinTokenRef(BaseModel):
@@ -272,19 +276,47 @@ def apply_taints(current: list[str], add: Iterable[str] = (), remove: Iterable[s
     return kept
 
 
+def routing_sites(
+    weights: dict[str, int],
+    healthy: dict[str, bool] | None = None,
+    draining: dict[str, bool] | None = None,
+    incident: dict[str, str] | None = None,
+) -> dict[str, SiteRoute]:
+    """The per-site routes of ``set_routing_weights`` (both implementations)."""
+    healthy, draining, incident = healthy or {}, draining or {}, incident or {}
+    unknown = (set(healthy) | set(draining) | set(incident)) - set(weights)
+    if unknown:
+        raise ValueError(f"health given for sites without a weight: {sorted(unknown)}")
+    return {
+        site: SiteRoute(
+            weight=weight,
+            healthy=healthy.get(site, True),
+            draining=draining.get(site, False),
+            incident=incident.get(site, ""),
+        )
+        for site, weight in sorted(weights.items())
+    }
+
+
 def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
+
+
+def _repels_serving(taint: str) -> bool:
+    key, _value, effect = parse_taint(taint)
+    # Serving pods tolerate the usual GPU-node taint ``nvidia.com/gpu:NoSchedule``.
+    return effect in ("NoSchedule", "NoExecute") and not (key == GPU_RESOURCE and effect == "NoSchedule")
 
 
 def serving_capacity(nodes: Iterable[Node], site: str, gpus_per_replica: int) -> int:
     """How many replicas the site's nodes can hold (what both the simulated cluster
     and the test API server's scheduler assume): ready, schedulable nodes at the
-    site with no NoSchedule/NoExecute taint, GPUs divided per replica."""
+    site with no NoSchedule/NoExecute taint (but ``nvidia.com/gpu:NoSchedule``), GPUs divided per replica."""
     total = 0
     for node in nodes:
         if node.labels.get(LABEL_SITE) != site or not node.ready or node.unschedulable:
             continue
-        if any(parse_taint(t)[2] in ("NoSchedule", "NoExecute") for t in node.taints):
+        if any(_repels_serving(t) for t in node.taints):
             continue
         total += node.gpus_allocatable // gpus_per_replica if gpus_per_replica else 1_000
     return total

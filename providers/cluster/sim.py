@@ -3,6 +3,13 @@
 The machine's half of joining (reading the bootstrap token and registering,
 which kubelet does for real) is ``register_with_token``, called by the
 simulated node host.
+
+Pods, PodDisruptionBudgets, serving Deployments and the routing table live in
+the tables created below. The simulated scheduler is ``serving_capacity``: a
+serving Deployment's replicas are available as far as the site's ready,
+schedulable, untainted nodes have GPUs for them; its rollout is instant.
+``add_pod``/``set_pdb``/``delete_pod`` are the test- and CLI-facing knobs that
+mirror what the tests' fake API server offers.
 """
 
 from __future__ import annotations
@@ -13,20 +20,60 @@ import json
 import secrets
 import string
 import time
+from typing import Callable
 
 from fleet.models import Node
-from providers.cluster.base import JoinTokenRef
+from providers.cluster.base import (
+    MAX_JOIN_TOKEN_TTL_S,
+    DrainResult,
+    EvictOutcome,
+    JoinTokenRef,
+    NodeNotFound,
+    NoPreviousTemplate,
+    PodInfo,
+    RoutingTable,
+    ServingNotFound,
+    ServingSpec,
+    ServingStatus,
+    SiteRoute,
+    apply_taints,
+    routing_sites,
+    run_drain,
+    selector_matches,
+    serving_capacity,
+    serving_name,
+)
 from providers.sim import SimWorld, _utc
+
+CLUSTER_SCHEMA = """
+CREATE TABLE IF NOT EXISTS node_annotations (
+    name TEXT PRIMARY KEY, annotations TEXT
+);
+CREATE TABLE IF NOT EXISTS pods (
+    namespace TEXT, name TEXT, node TEXT, labels TEXT, owner_kind TEXT,
+    mirror INTEGER DEFAULT 0, phase TEXT DEFAULT 'Running',
+    PRIMARY KEY (namespace, name)
+);
+CREATE TABLE IF NOT EXISTS pdbs (
+    namespace TEXT, name TEXT, selector TEXT, min_available INTEGER, max_unavailable INTEGER,
+    PRIMARY KEY (namespace, name)
+);
+CREATE TABLE IF NOT EXISTS serving (
+    model TEXT, site TEXT, name TEXT, template TEXT, previous_template TEXT,
+    replicas INTEGER, generation INTEGER,
+    PRIMARY KEY (model, site)
+);
+CREATE TABLE IF NOT EXISTS routing (
+    model TEXT PRIMARY KEY, version INTEGER, sites TEXT
+);
+"""
+
+#: What the Eviction API answers when a PodDisruptionBudget refuses (HTTP 429).
+PDB_REFUSAL = "The disruption budget {pdb} needs {need} healthy pods and has {have} currently"
 
 
 def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def _taint_key(taint: str) -> str:
-    """``key[=value]:Effect`` → ``key:Effect`` (what identifies a taint)."""
-    key_value, _, effect = taint.partition(":")
-    return f"{key_value.split('=')[0]}:{effect}"
 
 
 class JoinRejected(Exception):
@@ -36,11 +83,13 @@ class JoinRejected(Exception):
 class SimCluster:
     def __init__(self, world: SimWorld) -> None:
         self.world = world
+        with self.world.tx() as db:
+            db.executescript(CLUSTER_SCHEMA)
 
     # -- join tokens ------------------------------------------------------------------
     def create_join_token(self, node_name: str, machine_id: str, ttl_seconds: int) -> JoinTokenRef:
-        if not 0 < ttl_seconds <= 3600:
-            raise ValueError("join token TTL must be within (0, 3600] seconds")
+        if not 0 < ttl_seconds <= MAX_JOIN_TOKEN_TTL_S:
+            raise ValueError(f"join token TTL must be within (0, {MAX_JOIN_TOKEN_TTL_S}] seconds")
         # Same shape as a Kubernetes bootstrap token: [a-z0-9]{6}.[a-z0-9]{16}
         alphabet = string.ascii_lowercase + string.digits
         token_id = "".join(secrets.choice(alphabet) for _ in range(6))
@@ -119,7 +168,7 @@ class SimCluster:
         with self.world.tx() as db:
             row = db.execute(f"SELECT {column} FROM nodes WHERE name=?", (name,)).fetchone()
             if row is None:
-                raise LookupError(f"node {name} not found")
+                raise NodeNotFound(f"node {name} not found", provider="sim", code="404")
             db.execute(f"UPDATE nodes SET {column}=? WHERE name=?", (change(row[0]), name))
         return self.get_node(name)
 
@@ -127,12 +176,7 @@ class SimCluster:
         return self._update(name, "labels", lambda old: json.dumps({**json.loads(old), **labels}))
 
     def set_taints(self, name: str, add: list[str] = (), remove: list[str] = ()) -> Node:
-        def change(old: str) -> str:
-            drop = {_taint_key(t) for t in [*add, *remove]}
-            kept = [t for t in json.loads(old) if _taint_key(t) not in drop]
-            return json.dumps(kept + list(add))
-
-        return self._update(name, "taints", change)
+        return self._update(name, "taints", lambda old: json.dumps(apply_taints(json.loads(old), add, remove)))
 
     def cordon(self, name: str, unschedulable: bool = True) -> Node:
         return self._update(name, "unschedulable", lambda _old: int(unschedulable))
@@ -140,3 +184,223 @@ class SimCluster:
     def remove_node(self, name: str) -> None:
         with self.world.tx() as db:
             db.execute("DELETE FROM nodes WHERE name=?", (name,))
+            db.execute("DELETE FROM node_annotations WHERE name=?", (name,))
+
+    def annotate_node(self, name: str, annotations: dict[str, str | None]) -> dict[str, str]:
+        with self.world.tx() as db:
+            if not db.execute("SELECT 1 FROM nodes WHERE name=?", (name,)).fetchone():
+                raise NodeNotFound(f"node {name} not found", provider="sim", code="404")
+            row = db.execute("SELECT annotations FROM node_annotations WHERE name=?", (name,)).fetchone()
+            current = json.loads(row[0]) if row else {}
+            for key, value in annotations.items():
+                if value is None:
+                    current.pop(key, None)
+                else:
+                    current[key] = value
+            db.execute(
+                "INSERT OR REPLACE INTO node_annotations(name, annotations) VALUES (?, ?)", (name, json.dumps(current))
+            )
+        return current
+
+    # -- pods and PodDisruptionBudgets (what workloads put on nodes) ----------------------
+    def add_pod(
+        self,
+        node: str,
+        name: str,
+        namespace: str = "default",
+        labels: dict[str, str] | None = None,
+        owner_kind: str = "ReplicaSet",
+        mirror: bool = False,
+        phase: str = "Running",
+    ) -> None:
+        """Test/CLI knob: a pod bound to ``node`` (``owner_kind`` "DaemonSet" is left
+        alone by drains, as are ``mirror`` pods)."""
+        with self.world.tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO pods(namespace, name, node, labels, owner_kind, mirror, phase)"
+                " VALUES (?,?,?,?,?,?,?)",
+                (namespace, name, node, json.dumps(labels or {}), owner_kind, int(mirror), phase),
+            )
+
+    def delete_pod(self, namespace: str, name: str) -> bool:
+        with self.world.tx() as db:
+            return db.execute("DELETE FROM pods WHERE namespace=? AND name=?", (namespace, name)).rowcount > 0
+
+    def pods(self, node: str | None = None) -> list[PodInfo]:
+        sql, args = "SELECT * FROM pods", []
+        if node is not None:
+            sql, args = sql + " WHERE node=?", [node]
+        return [
+            PodInfo(namespace=r["namespace"], name=r["name"], owner_kinds=[r["owner_kind"]] if r["owner_kind"] else [],
+                    mirror=bool(r["mirror"]))
+            for r in self.world.query(sql + " ORDER BY namespace, name", *args)
+        ]
+
+    def set_pdb(
+        self,
+        namespace: str,
+        name: str,
+        selector: dict[str, str],
+        min_available: int | None = None,
+        max_unavailable: int | None = None,
+    ) -> None:
+        """Test/CLI knob: a PodDisruptionBudget (integer minAvailable or maxUnavailable)."""
+        if (min_available is None) == (max_unavailable is None):
+            raise ValueError("give exactly one of min_available and max_unavailable")
+        with self.world.tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO pdbs(namespace, name, selector, min_available, max_unavailable)"
+                " VALUES (?,?,?,?,?)",
+                (namespace, name, json.dumps(selector), min_available, max_unavailable),
+            )
+
+    def delete_pdb(self, namespace: str, name: str) -> None:
+        with self.world.tx() as db:
+            db.execute("DELETE FROM pdbs WHERE namespace=? AND name=?", (namespace, name))
+
+    def _evict(self, namespace: str, name: str) -> tuple[EvictOutcome, str]:
+        """The Eviction API, simulated: refuse while the pod's PDB allows no disruption."""
+        with self.world.tx() as db:
+            pod = db.execute("SELECT * FROM pods WHERE namespace=? AND name=?", (namespace, name)).fetchone()
+            if pod is None:
+                return "gone", ""
+            if pod["phase"] not in ("Succeeded", "Failed"):
+                labels = json.loads(pod["labels"])
+                budgets = [
+                    b for b in db.execute("SELECT * FROM pdbs WHERE namespace=?", (namespace,)).fetchall()
+                    if selector_matches(json.loads(b["selector"]), labels)
+                ]
+                if len(budgets) > 1:
+                    return "blocked", "This pod has more than one PodDisruptionBudget, which the eviction " \
+                                      "subresource does not support."
+                if budgets:
+                    budget = budgets[0]
+                    selector = json.loads(budget["selector"])
+                    matching = [
+                        p for p in db.execute("SELECT * FROM pods WHERE namespace=?", (namespace,)).fetchall()
+                        if selector_matches(selector, json.loads(p["labels"])) and p["phase"] not in ("Succeeded", "Failed")
+                    ]
+                    healthy = sum(p["phase"] == "Running" for p in matching)
+                    if budget["min_available"] is not None:
+                        need = budget["min_available"]
+                    else:
+                        need = max(0, len(matching) - budget["max_unavailable"])
+                    if healthy - need <= 0:
+                        return "blocked", PDB_REFUSAL.format(pdb=budget["name"], need=need, have=healthy)
+            db.execute("DELETE FROM pods WHERE namespace=? AND name=?", (namespace, name))
+        return "evicted", ""
+
+    def drain_node(
+        self, name: str, deadline_s: float, force: bool = False, heartbeat: Callable[[], None] | None = None
+    ) -> DrainResult:
+        self.cordon(name)
+        return run_drain(
+            name, deadline_s, force,
+            list_pods=lambda: self.pods(name),
+            evict=self._evict,
+            delete=lambda namespace, pod: self.delete_pod(namespace, pod) and None,
+            heartbeat=heartbeat,
+        )
+
+    # -- serving ----------------------------------------------------------------------
+    @staticmethod
+    def _template(spec: ServingSpec) -> str:
+        return json.dumps(spec.model_dump(exclude={"model", "site", "replicas"}), sort_keys=True)
+
+    def _serving_row(self, model: str, site: str):
+        rows = self.world.query("SELECT * FROM serving WHERE model=? AND site=?", model, site)
+        return rows[0] if rows else None
+
+    def _serving_status(self, row) -> ServingStatus:
+        template = json.loads(row["template"])
+        capacity = serving_capacity(self.list_nodes(), row["site"], template["gpus_per_replica"])
+        desired = row["replicas"]
+        available = min(desired, capacity)
+        return ServingStatus(
+            model=row["model"], site=row["site"], name=row["name"], image=template["image"],
+            desired_replicas=desired, generation=row["generation"], observed_generation=row["generation"],
+            replicas=desired, updated_replicas=desired, available_replicas=available, ready=available == desired,
+            can_rollback=bool(row["previous_template"]),
+        )
+
+    def apply_serving(self, spec: ServingSpec) -> ServingStatus:
+        template = self._template(spec)
+        with self.world.tx() as db:
+            row = db.execute("SELECT * FROM serving WHERE model=? AND site=?", (spec.model, spec.site)).fetchone()
+            if row is None:
+                db.execute(
+                    "INSERT INTO serving(model, site, name, template, previous_template, replicas, generation)"
+                    " VALUES (?,?,?,?,NULL,?,1)",
+                    (spec.model, spec.site, serving_name(spec.model, spec.site), template, spec.replicas),
+                )
+            elif row["template"] != template or row["replicas"] != spec.replicas:
+                previous = row["template"] if row["template"] != template else row["previous_template"]
+                db.execute(
+                    "UPDATE serving SET template=?, previous_template=?, replicas=?, generation=generation+1"
+                    " WHERE model=? AND site=?",
+                    (template, previous, spec.replicas, spec.model, spec.site),
+                )
+        return self.serving_status(spec.model, spec.site)
+
+    def serving_status(self, model: str, site: str) -> ServingStatus | None:
+        row = self._serving_row(model, site)
+        return self._serving_status(row) if row else None
+
+    def _serving_or_raise(self, db, model: str, site: str):
+        row = db.execute("SELECT * FROM serving WHERE model=? AND site=?", (model, site)).fetchone()
+        if row is None:
+            raise ServingNotFound(f"no serving of {model} at {site}", provider="sim", code="404")
+        return row
+
+    def scale_serving(self, model: str, site: str, replicas: int) -> ServingStatus:
+        if replicas < 0:
+            raise ValueError("replicas must be >= 0")
+        with self.world.tx() as db:
+            row = self._serving_or_raise(db, model, site)
+            if row["replicas"] != replicas:
+                db.execute(
+                    "UPDATE serving SET replicas=?, generation=generation+1 WHERE model=? AND site=?",
+                    (replicas, model, site),
+                )
+        return self.serving_status(model, site)
+
+    def rollback_serving(self, model: str, site: str) -> ServingStatus:
+        with self.world.tx() as db:
+            row = self._serving_or_raise(db, model, site)
+            if not row["previous_template"]:
+                raise NoPreviousTemplate(f"{row['name']}: no previous template to roll back to", provider="sim")
+            db.execute(
+                "UPDATE serving SET template=?, previous_template=?, generation=generation+1 WHERE model=? AND site=?",
+                (row["previous_template"], row["template"], model, site),
+            )
+        return self.serving_status(model, site)
+
+    def delete_serving(self, model: str, site: str) -> None:
+        with self.world.tx() as db:
+            db.execute("DELETE FROM serving WHERE model=? AND site=?", (model, site))
+
+    # -- routing ----------------------------------------------------------------------
+    def set_routing_weights(
+        self,
+        model: str,
+        weights: dict[str, int],
+        healthy: dict[str, bool] | None = None,
+        draining: dict[str, bool] | None = None,
+        incident: dict[str, str] | None = None,
+    ) -> RoutingTable:
+        sites = routing_sites(weights, healthy, draining, incident)
+        wanted = json.dumps({site: route.model_dump() for site, route in sites.items()}, sort_keys=True)
+        with self.world.tx() as db:
+            row = db.execute("SELECT version, sites FROM routing WHERE model=?", (model,)).fetchone()
+            if row is not None and row["sites"] == wanted:
+                return RoutingTable(model=model, version=row["version"], sites=sites)
+            version = (row["version"] if row else 0) + 1
+            db.execute("INSERT OR REPLACE INTO routing(model, version, sites) VALUES (?,?,?)", (model, version, wanted))
+        return RoutingTable(model=model, version=version, sites=sites)
+
+    def get_routing(self, model: str) -> RoutingTable | None:
+        rows = self.world.query("SELECT version, sites FROM routing WHERE model=?", model)
+        if not rows:
+            return None
+        sites = {site: SiteRoute.model_validate(r) for site, r in json.loads(rows[0]["sites"]).items()}
+        return RoutingTable(model=model, version=rows[0]["version"], sites=sites)

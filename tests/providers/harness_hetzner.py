@@ -12,6 +12,7 @@ from fleet.config import Account, Site
 from fleet.models import CredentialsRef, MachineSpec
 from providers.hetzner import HetznerProvider
 from tests.providers.fake_hetzner import FakeHetzner, server_type
+from tests.providers.harness import Harness
 
 TOKEN_ENV = "GPUFLEET_TEST_HCLOUD_TOKEN"
 SERVER_TYPE = "gx-l40s-1"
@@ -56,6 +57,13 @@ class HetznerHarness:
     spec: MachineSpec
     fake: FakeHetzner
     token: str
+    #: A well-formed id the fake does not know.
+    unknown_id: str = "999999"
+
+    @property
+    def secret(self) -> str:
+        """The credential the adapter reads; must never show up in models or errors."""
+        return self.token
 
     def fail_next_create(self, kind: str) -> None:
         self.fake.fail_next("POST /servers", kind)
@@ -80,7 +88,9 @@ def hetzner_harness(monkeypatch: pytest.MonkeyPatch) -> Iterator[HetznerHarness]
         gpus=site.gpus_per_machine,
         tags={"gpufleet.io/pool": "default"},
     )
+    harness = HetznerHarness(provider=provider, spec=spec, fake=fake, token=token)
     try:
-        yield HetznerHarness(provider=provider, spec=spec, fake=fake, token=token)
+        assert isinstance(harness, Harness)
+        yield harness
     finally:
         fake.stop()

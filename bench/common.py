@@ -1,0 +1,68 @@
+"""Shared set-up for benchmarks: one dev server, one simulated fleet, one process."""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import AsyncIterator, Awaitable, Callable
+
+import yaml
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from fleet import search_attributes
+from fleet.dev import temporal_binary
+from fleet.settings import Settings
+
+
+def fleet(sites: int = 5, capacity: int = 100, latency_ms: int = 0, boot_seconds: float = 0.0) -> dict:
+    """A zero-latency simulated fleet with ``sites`` sites."""
+    return {
+        "mode": "sim",
+        "accounts": [{"name": f"acct-{i}", "provider": "lambda", "credentials": {"env": "X"}} for i in range(sites)],
+        "sites": [
+            {"name": f"site-{i}", "provider": "lambda", "account": f"acct-{i}", "region": "r", "gpu": "H100",
+             "gpu_memory_gb": 80, "gpus_per_machine": 8, "instance_type": "gpu_8x_h100",
+             "price_per_gpu_hour": 2.0 + i / 10, "max_nodes": capacity,
+             "sim": {"capacity": capacity, "quota": capacity, "api_latency_ms": latency_ms, "boot_seconds": boot_seconds}}
+            for i in range(sites)
+        ],
+    }
+
+
+@asynccontextmanager
+async def bench_env(fleet_config: dict) -> AsyncIterator[tuple[WorkflowEnvironment, Settings]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "sites.yaml"
+        path.write_text(yaml.safe_dump(fleet_config))
+        env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=temporal_binary(), data_converter=pydantic_data_converter,
+            search_attributes=search_attributes.ALL, dev_server_log_level="error",
+        )
+        try:
+            settings = Settings(
+                address=env.client.service_client.config.target_host, state_dir=Path(tmp),
+                config=str(path), task_queue=f"bench-{uuid.uuid4().hex[:6]}",
+            )
+            yield env, settings
+        finally:
+            await env.shutdown()
+
+
+async def timed(run: Callable[[], Awaitable[object]]) -> float:
+    start = time.perf_counter()
+    await run()
+    return time.perf_counter() - start
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def run(main: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(main())

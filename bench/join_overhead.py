@@ -1,0 +1,74 @@
+"""50 concurrent NodeJoins vs a baseline of the same number of no-op activities.
+
+Both run on the same dev server in the same process, alternating, so machine
+noise hits both. NodeJoin runs 8 activities per node (resolve, provision,
+token, wait for registration, label/taint, smoke test on the node's queue,
+admit, revoke); the baseline workflow runs 8 no-op activities.
+
+    python -m bench.join_overhead [--nodes 50] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from temporalio.worker import Worker
+
+from bench.baseline import NoopSteps, noop
+from bench.common import bench_env, fleet, median, run, timed
+from workers.control_plane import build_worker
+
+ACTIVITIES_PER_JOIN = 8
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nodes", type=int, default=50)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    n = args.nodes
+    async with bench_env(fleet(sites=5, capacity=n * args.rounds)) as (env, settings):
+        client = env.client
+        # The simulated nodes live in their own process, as under `gpufleet dev`.
+        host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim"],
+                                env={**os.environ, **settings.env()})
+        baseline_queue = f"{settings.task_queue}-baseline"
+        baseline_worker = Worker(client, task_queue=baseline_queue, workflows=[NoopSteps], activities=[noop],
+                                 activity_executor=ThreadPoolExecutor(128), max_concurrent_activities=128)
+
+        async def baseline() -> None:
+            await asyncio.gather(*[
+                client.execute_workflow(NoopSteps.run, ACTIVITIES_PER_JOIN, id=f"noop-{uuid.uuid4().hex}",
+                                        task_queue=baseline_queue)
+                for _ in range(n)
+            ])
+
+        async def joins() -> None:
+            await asyncio.gather(*[
+                client.execute_workflow("NodeJoin", {"site": f"site-{i % 5}"}, id=f"join/site-{i % 5}/{uuid.uuid4().hex[:8]}",
+                                        task_queue=settings.task_queue)
+                for i in range(n)
+            ])
+
+        base_times, join_times = [], []
+        async with build_worker(client, settings), baseline_worker:
+            await baseline()  # warm-up: connections, sandbox imports
+            for _ in range(args.rounds):
+                base_times.append(await timed(baseline))
+                join_times.append(await timed(joins))
+        host.terminate()
+        host.wait()
+    b, j = median(base_times), median(join_times)
+    print(f"{n} concurrent workflows x {ACTIVITIES_PER_JOIN} activities, {args.rounds} rounds (median)")
+    print(f"  baseline (no-op activities): {b:.2f} s   rounds: {', '.join(f'{t:.2f}' for t in base_times)}")
+    print(f"  NodeJoin (sim, 0 latency):   {j:.2f} s   rounds: {', '.join(f'{t:.2f}' for t in join_times)}")
+    print(f"  ratio NodeJoin / baseline:   {j / b:.2f}   (target <= 1.3)")
+
+
+if __name__ == "__main__":
+    run(main)

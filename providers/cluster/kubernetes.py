@@ -1,0 +1,876 @@
+"""The cluster port over the official ``kubernetes`` client.
+
+Every call goes through the generated client (paths, auth, TLS, kubeconfig) but
+reads and writes plain JSON (``_preload_content=False``), so fields newer than
+the client's models survive a read-modify-write.
+
+Objects this adapter owns
+-------------------------
+* Join tokens: a bootstrap token Secret ``kube-system/bootstrap-token-<id>``
+  (type ``bootstrap.kubernetes.io/token``, ``expiration`` at most one hour
+  away, usable for authentication and signing, extra group
+  ``system:bootstrappers:kubeadm:default-node-token`` so the usual
+  kubelet-bootstrap CSR bindings apply).
+* The bootstrap channel: the full token (``<id>.<secret>``) reaches the
+  machine only through the Secret ``gpufleet-bootstrap/gpufleet-bootstrap-<machine>``
+  (``bootstrap_secret_name``; keys ``token``, ``node-name``, ``expiration``,
+  label ``gpufleet.io/token-id``). The machine's bootstrap fetch, the one thing
+  that can prove it is that machine (a provider user-data step, or an endpoint
+  that checks the provider's instance identity), calls ``take_bootstrap_token``
+  once: it reads the Secret and deletes it under a resourceVersion
+  precondition, so a second reader gets nothing. Workflows only ever hold the
+  ``JoinTokenRef``. ``revoke_join_token`` deletes both Secrets (404 = done);
+  the join workflow revokes as soon as the node registered (kubelet then holds
+  its own certificate) or the join failed.
+* Nodes: only our labels, annotations and taints are touched (label and
+  annotation patches are merges; taints are read-modify-write under the
+  node's resourceVersion, retried on 409).
+* Serving: per model and site a Deployment and a Service named
+  ``serving_name(model, site)`` in the adapter's namespace. The pod template we
+  rendered is kept in the annotation ``gpufleet.io/template`` and the one before
+  it in ``gpufleet.io/previous-template``; ``rollback_serving`` swaps them.
+* Routing: per model one Gateway API ``HTTPRoute`` (``<model>``, one
+  backendRef per site Service, weighted) and the ConfigMap ``gpufleet-routing``
+  (key ``<model>``: JSON ``{"model", "version", "sites": {site: {weight,
+  healthy, draining, incident}}}``). Each is written by one
+  resourceVersion-checked replace, and only when its content changes.
+
+``ACCESS`` is the one list of every API permission this adapter uses;
+``providers.cluster.check`` asks the cluster about each, and the RBAC
+manifests in ``deploy/kubernetes/rbac.yaml`` grant exactly these.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import re
+import secrets
+import string
+import time
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+import urllib3
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.utils import parse_quantity
+
+from fleet.errors import BadCredentials, InvalidRequest, NotFound, Transient
+from fleet.models import Node
+from providers.cluster.base import (
+    ANNOTATION_MACHINE_ID,
+    ANNOTATION_PREVIOUS_TEMPLATE,
+    ANNOTATION_TEMPLATE,
+    GPU_RESOURCE,
+    LABEL_MODEL,
+    LABEL_PROVIDER,
+    LABEL_SITE,
+    MAX_JOIN_TOKEN_TTL_S,
+    SERVING_PORT,
+    AccessRule,
+    DrainResult,
+    EvictOutcome,
+    JoinTokenRef,
+    NodeNotFound,
+    NoPreviousTemplate,
+    PodInfo,
+    RoutingTable,
+    ServingNotFound,
+    ServingSpec,
+    ServingStatus,
+    SiteRoute,
+    apply_taints,
+    dns_label,
+    format_taint,
+    parse_taint,
+    routing_sites,
+    run_drain,
+    serving_name,
+)
+
+PROVIDER = "kubernetes"
+TOKEN_NAMESPACE = "kube-system"
+BOOTSTRAP_NAMESPACE = "gpufleet-bootstrap"
+ROUTING_CONFIGMAP = "gpufleet-routing"
+LABEL_TOKEN_ID = "gpufleet.io/token-id"
+ANNOTATION_NODE_NAME = "gpufleet.io/node-name"
+ANNOTATION_MODEL = "gpufleet.io/model"
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+JOIN_GROUP = "system:bootstrappers:kubeadm:default-node-token"
+GATEWAY_GROUP = "gateway.networking.k8s.io"
+GATEWAY_VERSION = "v1"
+MERGE = "application/merge-patch+json"
+STRATEGIC = "application/strategic-merge-patch+json"
+#: Stands for the adapter's namespace in ``ACCESS``.
+SERVING_NS = "{namespace}"
+
+_TOKEN_ID = re.compile(r"^[a-z0-9]{6}$")
+
+
+def _rule(verb: str, group: str, resource: str, namespace: str, purpose: str, sub: str = "") -> AccessRule:
+    return AccessRule(verb=verb, group=group, resource=resource, subresource=sub, namespace=namespace, purpose=purpose)
+
+
+#: Every (verb, group, resource, subresource, namespace) the adapter calls.
+#: Namespace "" means cluster-wide (a ClusterRole); ``SERVING_NS`` is the
+#: adapter's own namespace. ``check_access`` and the RBAC test read this table.
+ACCESS: tuple[AccessRule, ...] = (
+    _rule("get", "", "nodes", "", "get_node, set_taints"),
+    _rule("list", "", "nodes", "", "list_nodes"),
+    _rule("patch", "", "nodes", "", "labels, annotations, taints, cordon"),
+    _rule("delete", "", "nodes", "", "remove_node"),
+    _rule("list", "", "pods", "", "drain: pods on the node (every namespace)"),
+    _rule("create", "", "pods", "", "drain: Eviction API", sub="eviction"),
+    _rule("delete", "", "pods", "", "drain --force: delete past the PDB"),
+    _rule("create", "", "secrets", TOKEN_NAMESPACE, "join token: bootstrap token Secret"),
+    _rule("delete", "", "secrets", TOKEN_NAMESPACE, "join token: revoke"),
+    _rule("create", "", "secrets", BOOTSTRAP_NAMESPACE, "join token: bootstrap channel"),
+    _rule("get", "", "secrets", BOOTSTRAP_NAMESPACE, "bootstrap channel: fetch, replace"),
+    _rule("list", "", "secrets", BOOTSTRAP_NAMESPACE, "join token: revoke (by token id)"),
+    _rule("delete", "", "secrets", BOOTSTRAP_NAMESPACE, "bootstrap channel: revoke, fetch once"),
+    _rule("get", "apps", "deployments", SERVING_NS, "serving status"),
+    _rule("create", "apps", "deployments", SERVING_NS, "apply_serving"),
+    _rule("update", "apps", "deployments", SERVING_NS, "apply_serving, rollback_serving"),
+    _rule("patch", "apps", "deployments", SERVING_NS, "scale_serving"),
+    _rule("delete", "apps", "deployments", SERVING_NS, "delete_serving"),
+    _rule("get", "", "services", SERVING_NS, "apply_serving"),
+    _rule("create", "", "services", SERVING_NS, "apply_serving"),
+    _rule("patch", "", "services", SERVING_NS, "apply_serving"),
+    _rule("delete", "", "services", SERVING_NS, "delete_serving"),
+    _rule("get", "", "configmaps", SERVING_NS, "routing table"),
+    _rule("create", "", "configmaps", SERVING_NS, "routing table"),
+    _rule("update", "", "configmaps", SERVING_NS, "routing table (resourceVersion-checked)"),
+    _rule("get", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights"),
+    _rule("create", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights"),
+    _rule("update", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights (resourceVersion-checked)"),
+)
+
+
+def access_table(namespace: str = "gpufleet") -> list[AccessRule]:
+    """``ACCESS`` with the adapter's namespace filled in."""
+    return [r.model_copy(update={"namespace": namespace}) if r.namespace == SERVING_NS else r for r in ACCESS]
+
+
+# -- connecting ------------------------------------------------------------------------
+def load_api_client(kubeconfig: str | None = None, context: str | None = None) -> k8s.ApiClient:
+    """``kubeconfig`` (and ``context``) if given; else the in-cluster service
+    account when running in a pod; else ``$KUBECONFIG`` / ``~/.kube/config``."""
+    if kubeconfig:
+        return k8s_config.new_client_from_config(config_file=kubeconfig, context=context)
+    if os.environ.get("KUBERNETES_SERVICE_HOST") and not context:
+        configuration = k8s.Configuration()
+        k8s_config.load_incluster_config(client_configuration=configuration)
+        return k8s.ApiClient(configuration)
+    return k8s_config.new_client_from_config(context=context)
+
+
+# -- naming ----------------------------------------------------------------------------
+def _name_part(value: str) -> str:
+    return re.sub(r"[^a-z0-9.-]+", "-", value.lower()).strip("-.") or "x"
+
+
+def bootstrap_secret_name(machine_id: str) -> str:
+    """The bootstrap channel Secret of a machine (what its bootstrap fetch reads)."""
+    return f"gpufleet-bootstrap-{_name_part(machine_id)}"[:253]
+
+
+def _label_value(value: str) -> str:
+    """A valid label value (≤63, alphanumerics at both ends)."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", value)[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"))
+
+
+def _is_subset(want: Any, have: Any) -> bool:
+    """Whether ``have`` holds everything in ``want`` (the server may add defaults)."""
+    if isinstance(want, dict):
+        return isinstance(have, dict) and all(_is_subset(v, have.get(k)) for k, v in want.items())
+    if isinstance(want, list):
+        return isinstance(have, list) and len(want) == len(have) and all(map(_is_subset, want, have))
+    return want == have
+
+
+# -- rendering (deploy/kubernetes/serving-template.yaml and httproute-template.yaml
+#    show the same objects; a test keeps them in step) ------------------------------------
+def _serving_labels(spec_model: str, site: str) -> dict[str, str]:
+    return {LABEL_MODEL: _label_value(dns_label(spec_model)), LABEL_SITE: _label_value(site)}
+
+
+def render_pod_template(spec: ServingSpec) -> dict[str, Any]:
+    labels = {**_serving_labels(spec.model, spec.site), "app.kubernetes.io/managed-by": "gpufleet"}
+    env = [{"name": "MODEL_NAME", "value": spec.model}]
+    if spec.weights_path:
+        env.append({"name": "MODEL_WEIGHTS", "value": spec.weights_path})
+    env += [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
+    gpus = str(spec.gpus_per_replica)
+    container: dict[str, Any] = {
+        "name": "server",
+        "image": spec.image,
+        "args": list(spec.args),
+        "env": env,
+        "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
+        "resources": {"requests": {GPU_RESOURCE: gpus}, "limits": {GPU_RESOURCE: gpus}},
+    }
+    pod: dict[str, Any] = {
+        "nodeSelector": {LABEL_SITE: spec.site},
+        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        "containers": [container],
+    }
+    if spec.weights_path:
+        container["volumeMounts"] = [{"name": "weights", "mountPath": spec.weights_path, "readOnly": True}]
+        pod["volumes"] = [{"name": "weights", "hostPath": {"path": spec.weights_path, "type": "Directory"}}]
+    return {"metadata": {"labels": labels}, "spec": pod}
+
+
+def render_deployment(spec: ServingSpec, namespace: str) -> dict[str, Any]:
+    template = render_pod_template(spec)
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {
+            "name": serving_name(spec.model, spec.site),
+            "namespace": namespace,
+            "labels": {**_serving_labels(spec.model, spec.site), "app.kubernetes.io/managed-by": "gpufleet"},
+            "annotations": {ANNOTATION_MODEL: spec.model, ANNOTATION_TEMPLATE: _canonical(template)},
+        },
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": _serving_labels(spec.model, spec.site)},
+            # GPUs are scarce: replace pods one at a time rather than surge.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "template": template,
+        },
+    }
+
+
+def render_service(model: str, site: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": serving_name(model, site),
+            "namespace": namespace,
+            "labels": {**_serving_labels(model, site), "app.kubernetes.io/managed-by": "gpufleet"},
+            "annotations": {ANNOTATION_MODEL: model},
+        },
+        "spec": {
+            "selector": _serving_labels(model, site),
+            "ports": [{"name": "http", "port": SERVING_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_httproute_spec(model: str, sites: dict[str, SiteRoute], gateway: str, gateway_namespace: str) -> dict:
+    return {
+        "parentRefs": [
+            {"group": GATEWAY_GROUP, "kind": "Gateway", "name": gateway, "namespace": gateway_namespace}
+        ],
+        "rules": [
+            {
+                "matches": [{"path": {"type": "PathPrefix", "value": f"/{dns_label(model)}"}}],
+                "backendRefs": [
+                    {
+                        "group": "",
+                        "kind": "Service",
+                        "name": serving_name(model, site),
+                        "port": SERVING_PORT,
+                        "weight": route.weight,
+                    }
+                    for site, route in sorted(sites.items())
+                ],
+            }
+        ],
+    }
+
+
+def render_httproute(
+    model: str, sites: dict[str, SiteRoute], namespace: str, gateway: str, gateway_namespace: str
+) -> dict[str, Any]:
+    name = dns_label(model)
+    return {
+        "apiVersion": f"{GATEWAY_GROUP}/{GATEWAY_VERSION}",
+        "kind": "HTTPRoute",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {LABEL_MODEL: _label_value(name), "app.kubernetes.io/managed-by": "gpufleet"},
+            "annotations": {ANNOTATION_MODEL: model},
+        },
+        "spec": render_httproute_spec(model, sites, gateway, gateway_namespace),
+    }
+
+
+# -- errors ----------------------------------------------------------------------------
+def _status_of(error: ApiException) -> dict[str, Any]:
+    try:
+        body = json.loads(error.body or b"{}")
+        return body if isinstance(body, dict) else {}
+    except (TypeError, ValueError):
+        return {}
+
+
+def _message(error: ApiException) -> str:
+    status = _status_of(error)
+    causes = [c.get("message", "") for c in (status.get("details") or {}).get("causes") or [] if c.get("message")]
+    return "; ".join(causes) or status.get("message") or error.reason or f"HTTP {error.status}"
+
+
+def _translate(error: Exception, what: str) -> Exception:
+    if isinstance(error, ApiException):
+        code, message = error.status, f"{what}: {_message(error)}"
+        if code in (401, 403):
+            return BadCredentials(message, provider=PROVIDER, code=str(code))
+        if code == 404:
+            return NotFound(message, provider=PROVIDER, code="404")
+        if code in (400, 405, 415, 422):
+            return InvalidRequest(message, provider=PROVIDER, code=str(code))
+        return Transient(message, provider=PROVIDER, code=str(code))
+    return Transient(f"{what}: {error}", provider=PROVIDER, code=type(error).__name__)
+
+
+class _Conflict(Exception):
+    pass
+
+
+_RETRY_CONFLICTS = 8
+
+
+class KubernetesCluster:
+    def __init__(
+        self,
+        api_client: k8s.ApiClient | None = None,
+        kubeconfig: str | None = None,
+        namespace: str = "gpufleet",
+        *,
+        context: str | None = None,
+        gateway: str = "gpufleet",
+        gateway_namespace: str | None = None,
+        bootstrap_namespace: str = BOOTSTRAP_NAMESPACE,
+    ) -> None:
+        self.api_client = api_client or load_api_client(kubeconfig, context)
+        self.namespace = namespace
+        self.gateway = gateway
+        self.gateway_namespace = gateway_namespace or namespace
+        self.bootstrap_namespace = bootstrap_namespace
+        self.core = k8s.CoreV1Api(self.api_client)
+        self.apps = k8s.AppsV1Api(self.api_client)
+        self.custom = k8s.CustomObjectsApi(self.api_client)
+
+    # -- plumbing -------------------------------------------------------------------------
+    def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Call ``fn`` and return the response body as JSON; API errors stay ``ApiException``."""
+        try:
+            response = fn(*args, _preload_content=False, **kwargs)
+        except ApiException:
+            raise
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise _translate(error, what) from error
+        data = response.data
+        return json.loads(data) if data else {}
+
+    def _do(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """``_call`` with every API error turned into the fleet taxonomy."""
+        try:
+            return self._call(what, fn, *args, **kwargs)
+        except ApiException as error:
+            raise _translate(error, what) from error
+
+    def _get(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+        try:
+            return self._call(what, fn, *args, **kwargs)
+        except ApiException as error:
+            if error.status == 404:
+                return None
+            raise _translate(error, what) from error
+
+    def _delete(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+        """Delete; ``False`` when it was already gone."""
+        try:
+            self._call(what, fn, *args, **kwargs)
+            return True
+        except ApiException as error:
+            if error.status == 404:
+                return False
+            raise _translate(error, what) from error
+
+    def _write(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """A write whose 409 (conflict / already exists) the caller retries."""
+        try:
+            return self._call(what, fn, *args, **kwargs)
+        except ApiException as error:
+            if error.status == 409:
+                raise _Conflict(_message(error)) from error
+            raise _translate(error, what) from error
+
+    # -- join tokens ----------------------------------------------------------------------
+    def create_join_token(self, node_name: str, machine_id: str, ttl_seconds: int) -> JoinTokenRef:
+        if not 0 < ttl_seconds <= MAX_JOIN_TOKEN_TTL_S:
+            raise ValueError(f"join token TTL must be within (0, {MAX_JOIN_TOKEN_TTL_S}] seconds")
+        alphabet = string.ascii_lowercase + string.digits
+        token_id = "".join(secrets.choice(alphabet) for _ in range(6))
+        token_secret = "".join(secrets.choice(alphabet) for _ in range(16))
+        # Whole seconds, rounded down: never later than asked.
+        expires_at = datetime.fromtimestamp(int(time.time()) + ttl_seconds, timezone.utc)
+        expiration = expires_at.strftime("%Y-%m-%dT%H:%M:%SZ")
+        annotations = {ANNOTATION_NODE_NAME: node_name, ANNOTATION_MACHINE_ID: machine_id}
+        token = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": f"bootstrap-token-{token_id}",
+                "namespace": TOKEN_NAMESPACE,
+                "labels": {LABEL_TOKEN_ID: token_id, "app.kubernetes.io/managed-by": "gpufleet"},
+                "annotations": annotations,
+            },
+            "type": "bootstrap.kubernetes.io/token",
+            "stringData": {
+                "description": f"gpufleet join of {node_name}",
+                "token-id": token_id,
+                "token-secret": token_secret,
+                "expiration": expiration,
+                "usage-bootstrap-authentication": "true",
+                "usage-bootstrap-signing": "true",
+                "auth-extra-groups": JOIN_GROUP,
+            },
+        }
+        self._do("create bootstrap token", self.core.create_namespaced_secret, TOKEN_NAMESPACE, token)
+        try:
+            self._put_bootstrap_channel(machine_id, node_name, f"{token_id}.{token_secret}", token_id, expiration)
+        except BaseException:
+            self._delete("delete bootstrap token", self.core.delete_namespaced_secret,
+                         f"bootstrap-token-{token_id}", TOKEN_NAMESPACE)
+            raise
+        return JoinTokenRef(token_id=token_id, node_name=node_name, expires_at=expires_at)
+
+    def _put_bootstrap_channel(self, machine_id: str, node_name: str, token: str, token_id: str, exp: str) -> None:
+        name = bootstrap_secret_name(machine_id)
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": name,
+                "namespace": self.bootstrap_namespace,
+                "labels": {LABEL_TOKEN_ID: token_id, "app.kubernetes.io/managed-by": "gpufleet"},
+                "annotations": {ANNOTATION_NODE_NAME: node_name, ANNOTATION_MACHINE_ID: machine_id},
+            },
+            "type": "Opaque",
+            "stringData": {"token": token, "node-name": node_name, "expiration": exp},
+        }
+        for _ in range(_RETRY_CONFLICTS):
+            try:
+                self._write("create bootstrap channel", self.core.create_namespaced_secret,
+                            self.bootstrap_namespace, body)
+                return
+            except _Conflict:
+                # An older token's channel for this machine: that token is superseded.
+                old = self._get("read bootstrap channel", self.core.read_namespaced_secret,
+                                name, self.bootstrap_namespace)
+                if old is None:
+                    continue
+                old_id = ((old.get("metadata") or {}).get("labels") or {}).get(LABEL_TOKEN_ID, "")
+                if _TOKEN_ID.match(old_id) and old_id != token_id:
+                    self._delete("revoke superseded token", self.core.delete_namespaced_secret,
+                                 f"bootstrap-token-{old_id}", TOKEN_NAMESPACE)
+                self._delete("delete superseded bootstrap channel", self.core.delete_namespaced_secret,
+                             name, self.bootstrap_namespace)
+        raise Transient(f"bootstrap channel {name} kept conflicting", provider=PROVIDER, code="409")
+
+    def take_bootstrap_token(self, machine_id: str) -> str | None:
+        """The machine's side: read its token once (the Secret is deleted)."""
+        name = bootstrap_secret_name(machine_id)
+        secret = self._get("read bootstrap channel", self.core.read_namespaced_secret, name, self.bootstrap_namespace)
+        if secret is None:
+            return None
+        version = secret["metadata"].get("resourceVersion")
+        try:
+            self._write("take bootstrap channel", self.core.delete_namespaced_secret, name, self.bootstrap_namespace,
+                        body={"preconditions": {"resourceVersion": version}})
+        except _Conflict:
+            return None  # someone else took (or replaced) it first
+        except NotFound:
+            return None
+        value = (secret.get("data") or {}).get("token")
+        return base64.b64decode(value).decode() if value else None
+
+    def revoke_join_token(self, token_id: str) -> None:
+        if not _TOKEN_ID.match(token_id):
+            raise ValueError(f"not a bootstrap token id: {token_id!r}")
+        self._delete("revoke bootstrap token", self.core.delete_namespaced_secret,
+                     f"bootstrap-token-{token_id}", TOKEN_NAMESPACE)
+        channels = self._do("list bootstrap channels", self.core.list_namespaced_secret, self.bootstrap_namespace,
+                            label_selector=f"{LABEL_TOKEN_ID}={token_id}")
+        for item in channels.get("items", []):
+            self._delete("revoke bootstrap channel", self.core.delete_namespaced_secret,
+                         item["metadata"]["name"], self.bootstrap_namespace)
+
+    # -- nodes ----------------------------------------------------------------------------
+    @staticmethod
+    def _node(obj: dict[str, Any]) -> Node:
+        meta, spec, status = obj.get("metadata") or {}, obj.get("spec") or {}, obj.get("status") or {}
+        labels = meta.get("labels") or {}
+        annotations = meta.get("annotations") or {}
+        conditions = status.get("conditions") or []
+        gpus = (status.get("allocatable") or {}).get(GPU_RESOURCE, "0")
+        created = meta.get("creationTimestamp")
+        return Node(
+            name=meta["name"],
+            machine_id=annotations.get(ANNOTATION_MACHINE_ID) or labels.get(ANNOTATION_MACHINE_ID)
+            or _machine_from_provider_id(spec.get("providerID", "")),
+            site=labels.get(LABEL_SITE, ""),
+            provider=labels.get(LABEL_PROVIDER, ""),
+            labels=labels,
+            taints=[format_taint(t["key"], t.get("value"), t["effect"]) for t in spec.get("taints") or []],
+            ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions),
+            unschedulable=bool(spec.get("unschedulable")),
+            boot_id=(status.get("nodeInfo") or {}).get("bootID", ""),
+            gpus_allocatable=int(parse_quantity(gpus)),
+            registered_at=datetime.fromisoformat(created.replace("Z", "+00:00")) if created else None,
+        )
+
+    def _read_node(self, name: str) -> dict[str, Any]:
+        node = self._get(f"read node {name}", self.core.read_node, name)
+        if node is None:
+            raise NodeNotFound(f"node {name} not found", provider=PROVIDER, code="404")
+        return node
+
+    def _patch_node(self, name: str, body: dict[str, Any], content_type: str) -> dict[str, Any]:
+        try:
+            return self._call(f"patch node {name}", self.core.patch_node, name, body, _content_type=content_type)
+        except ApiException as error:
+            if error.status == 404:
+                raise NodeNotFound(f"node {name} not found", provider=PROVIDER, code="404") from error
+            if error.status == 409:
+                raise _Conflict(_message(error)) from error
+            raise _translate(error, f"patch node {name}") from error
+
+    def get_node(self, name: str) -> Node | None:
+        node = self._get(f"read node {name}", self.core.read_node, name)
+        return self._node(node) if node else None
+
+    def list_nodes(self, selector: dict[str, str] | None = None) -> list[Node]:
+        label_selector = ",".join(f"{k}={v}" for k, v in sorted((selector or {}).items()))
+        nodes = self._do("list nodes", self.core.list_node, label_selector=label_selector or None)
+        return sorted((self._node(n) for n in nodes.get("items", [])), key=lambda n: n.name)
+
+    def label_node(self, name: str, labels: dict[str, str]) -> Node:
+        return self._node(self._patch_node(name, {"metadata": {"labels": dict(labels)}}, STRATEGIC))
+
+    def annotate_node(self, name: str, annotations: dict[str, str | None]) -> dict[str, str]:
+        node = self._patch_node(name, {"metadata": {"annotations": dict(annotations)}}, MERGE)
+        return dict(node["metadata"].get("annotations") or {})
+
+    def set_taints(self, name: str, add: list[str] = (), remove: list[str] = ()) -> Node:
+        for _ in range(_RETRY_CONFLICTS):
+            node = self._read_node(name)
+            raw = (node.get("spec") or {}).get("taints") or []
+            by_text = {format_taint(t["key"], t.get("value"), t["effect"]): t for t in raw}
+            current = list(by_text)
+            wanted = apply_taints(current, add, remove)
+            if wanted == current:
+                return self._node(node)
+            taints = []
+            for text in wanted:
+                if text in by_text:
+                    taints.append(by_text[text])  # keeps timeAdded and friends
+                else:
+                    key, value, effect = parse_taint(text)
+                    taints.append({"key": key, "effect": effect, **({"value": value} if value else {})})
+            body = {
+                "metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
+                "spec": {"taints": taints or None},
+            }
+            try:
+                return self._node(self._patch_node(name, body, MERGE))
+            except _Conflict:
+                continue
+        raise Transient(f"node {name}: taints kept conflicting", provider=PROVIDER, code="409")
+
+    def cordon(self, name: str, unschedulable: bool = True) -> Node:
+        body = {"spec": {"unschedulable": True if unschedulable else None}}
+        return self._node(self._patch_node(name, body, MERGE))
+
+    def remove_node(self, name: str) -> None:
+        self._delete(f"delete node {name}", self.core.delete_node, name)
+
+    # -- drain ----------------------------------------------------------------------------
+    def _pods_on(self, node: str) -> list[PodInfo]:
+        pods = self._do(f"list pods on {node}", self.core.list_pod_for_all_namespaces,
+                        field_selector=f"spec.nodeName={node}")
+        found = []
+        for pod in pods.get("items", []):
+            meta = pod["metadata"]
+            found.append(PodInfo(
+                namespace=meta["namespace"],
+                name=meta["name"],
+                owner_kinds=[o.get("kind", "") for o in meta.get("ownerReferences") or []],
+                mirror=MIRROR_ANNOTATION in (meta.get("annotations") or {}),
+            ))
+        return found
+
+    def _evict(self, namespace: str, name: str) -> tuple[EvictOutcome, str]:
+        body = {"apiVersion": "policy/v1", "kind": "Eviction", "metadata": {"name": name, "namespace": namespace}}
+        try:
+            self._call(f"evict {namespace}/{name}", self.core.create_namespaced_pod_eviction, name, namespace, body)
+            return "evicted", ""
+        except ApiException as error:
+            if error.status == 404:
+                return "gone", ""
+            if error.status in (401, 403):
+                raise _translate(error, f"evict {namespace}/{name}") from error
+            # 429: a PodDisruptionBudget allows no disruption now; 500: more than
+            # one PDB matches; anything else: retried until the deadline too.
+            return "blocked", _message(error)
+        except Transient as error:
+            return "blocked", str(error)
+
+    def _delete_pod(self, namespace: str, name: str) -> None:
+        self._delete(f"delete pod {namespace}/{name}", self.core.delete_namespaced_pod, name, namespace)
+
+    def drain_node(
+        self, name: str, deadline_s: float, force: bool = False, heartbeat: Callable[[], None] | None = None
+    ) -> DrainResult:
+        self.cordon(name)
+        return run_drain(
+            name, deadline_s, force,
+            list_pods=lambda: self._pods_on(name),
+            evict=self._evict,
+            delete=self._delete_pod,
+            heartbeat=heartbeat,
+        )
+
+    # -- serving --------------------------------------------------------------------------
+    def _read_deployment(self, name: str) -> dict[str, Any] | None:
+        return self._get(f"read deployment {name}", self.apps.read_namespaced_deployment, name, self.namespace)
+
+    def apply_serving(self, spec: ServingSpec) -> ServingStatus:
+        desired = render_deployment(spec, self.namespace)
+        name = desired["metadata"]["name"]
+        template_json = desired["metadata"]["annotations"][ANNOTATION_TEMPLATE]
+        for _ in range(_RETRY_CONFLICTS):
+            current = self._read_deployment(name)
+            try:
+                if current is None:
+                    self._write(f"create deployment {name}", self.apps.create_namespaced_deployment,
+                                self.namespace, desired)
+                    break
+                annotations = current["metadata"].get("annotations") or {}
+                live = annotations.get(ANNOTATION_TEMPLATE) or _canonical(current["spec"].get("template"))
+                if (
+                    annotations.get(ANNOTATION_TEMPLATE) == template_json
+                    and current["spec"].get("replicas") == spec.replicas
+                    and _is_subset(desired["metadata"]["labels"], current["metadata"].get("labels"))
+                ):
+                    break
+                body = current
+                body["metadata"].setdefault("labels", {}).update(desired["metadata"]["labels"])
+                body["metadata"]["annotations"] = {**annotations, ANNOTATION_MODEL: spec.model}
+                if live != template_json:
+                    body["metadata"]["annotations"][ANNOTATION_PREVIOUS_TEMPLATE] = live
+                    body["metadata"]["annotations"][ANNOTATION_TEMPLATE] = template_json
+                    body["spec"]["template"] = desired["spec"]["template"]
+                    body["spec"]["strategy"] = desired["spec"]["strategy"]
+                body["spec"]["replicas"] = spec.replicas
+                body.pop("status", None)
+                self._write(f"update deployment {name}", self.apps.replace_namespaced_deployment,
+                            name, self.namespace, body)
+                break
+            except _Conflict:
+                continue
+        else:
+            raise Transient(f"deployment {name} kept conflicting", provider=PROVIDER, code="409")
+        self._apply_service(spec.model, spec.site)
+        return self._status_or_raise(spec.model, spec.site)
+
+    def _apply_service(self, model: str, site: str) -> None:
+        desired = render_service(model, site, self.namespace)
+        name = desired["metadata"]["name"]
+        for _ in range(_RETRY_CONFLICTS):
+            current = self._get(f"read service {name}", self.core.read_namespaced_service, name, self.namespace)
+            if current is None:
+                try:
+                    self._write(f"create service {name}", self.core.create_namespaced_service, self.namespace, desired)
+                    return
+                except _Conflict:
+                    continue
+            if _is_subset(desired["spec"], current.get("spec")) and _is_subset(
+                desired["metadata"]["labels"], current["metadata"].get("labels")
+            ):
+                return
+            patch = {"metadata": {"labels": desired["metadata"]["labels"]}, "spec": desired["spec"]}
+            self._do(f"patch service {name}", self.core.patch_namespaced_service, name, self.namespace, patch,
+                     _content_type=MERGE)
+            return
+
+    def _status(self, model: str, site: str, deployment: dict[str, Any]) -> ServingStatus:
+        meta, spec, status = deployment["metadata"], deployment.get("spec") or {}, deployment.get("status") or {}
+        desired = spec.get("replicas", 1)
+        containers = ((spec.get("template") or {}).get("spec") or {}).get("containers") or [{}]
+        generation = meta.get("generation", 0)
+        observed = status.get("observedGeneration", 0)
+        replicas = status.get("replicas", 0)
+        updated = status.get("updatedReplicas", 0)
+        available = status.get("availableReplicas", 0)
+        return ServingStatus(
+            model=model, site=site, name=meta["name"], image=containers[0].get("image", ""),
+            desired_replicas=desired, generation=generation, observed_generation=observed,
+            replicas=replicas, updated_replicas=updated, available_replicas=available,
+            ready=observed >= generation and replicas == updated == available == desired,
+            can_rollback=bool((meta.get("annotations") or {}).get(ANNOTATION_PREVIOUS_TEMPLATE)),
+        )
+
+    def serving_status(self, model: str, site: str) -> ServingStatus | None:
+        deployment = self._read_deployment(serving_name(model, site))
+        return self._status(model, site, deployment) if deployment else None
+
+    def _status_or_raise(self, model: str, site: str) -> ServingStatus:
+        status = self.serving_status(model, site)
+        if status is None:
+            raise ServingNotFound(f"no serving of {model} at {site}", provider=PROVIDER, code="404")
+        return status
+
+    def scale_serving(self, model: str, site: str, replicas: int) -> ServingStatus:
+        if replicas < 0:
+            raise ValueError("replicas must be >= 0")
+        name = serving_name(model, site)
+        try:
+            deployment = self._call(f"scale deployment {name}", self.apps.patch_namespaced_deployment, name,
+                                    self.namespace, {"spec": {"replicas": replicas}}, _content_type=MERGE)
+        except ApiException as error:
+            if error.status == 404:
+                raise ServingNotFound(f"no serving of {model} at {site}", provider=PROVIDER, code="404") from error
+            raise _translate(error, f"scale deployment {name}") from error
+        return self._status(model, site, deployment)
+
+    def rollback_serving(self, model: str, site: str) -> ServingStatus:
+        name = serving_name(model, site)
+        for _ in range(_RETRY_CONFLICTS):
+            current = self._read_deployment(name)
+            if current is None:
+                raise ServingNotFound(f"no serving of {model} at {site}", provider=PROVIDER, code="404")
+            annotations = current["metadata"].get("annotations") or {}
+            previous = annotations.get(ANNOTATION_PREVIOUS_TEMPLATE)
+            if not previous:
+                raise NoPreviousTemplate(f"{name}: no previous template to roll back to", provider=PROVIDER)
+            live = annotations.get(ANNOTATION_TEMPLATE) or _canonical(current["spec"].get("template"))
+            current["metadata"]["annotations"] = {
+                **annotations, ANNOTATION_TEMPLATE: previous, ANNOTATION_PREVIOUS_TEMPLATE: live,
+            }
+            current["spec"]["template"] = json.loads(previous)
+            current.pop("status", None)
+            try:
+                deployment = self._write(f"roll back deployment {name}", self.apps.replace_namespaced_deployment,
+                                         name, self.namespace, current)
+            except _Conflict:
+                continue
+            return self._status(model, site, deployment)
+        raise Transient(f"deployment {name} kept conflicting", provider=PROVIDER, code="409")
+
+    def delete_serving(self, model: str, site: str) -> None:
+        name = serving_name(model, site)
+        self._delete(f"delete deployment {name}", self.apps.delete_namespaced_deployment, name, self.namespace)
+        self._delete(f"delete service {name}", self.core.delete_namespaced_service, name, self.namespace)
+
+    # -- routing --------------------------------------------------------------------------
+    def set_routing_weights(
+        self,
+        model: str,
+        weights: dict[str, int],
+        healthy: dict[str, bool] | None = None,
+        draining: dict[str, bool] | None = None,
+        incident: dict[str, str] | None = None,
+    ) -> RoutingTable:
+        sites = routing_sites(weights, healthy, draining, incident)
+        self._write_httproute(model, sites)
+        return self._write_routing_table(model, sites)
+
+    def _write_httproute(self, model: str, sites: dict[str, SiteRoute]) -> None:
+        name = dns_label(model)
+        spec = render_httproute_spec(model, sites, self.gateway, self.gateway_namespace)
+        args = (GATEWAY_GROUP, GATEWAY_VERSION, self.namespace, "httproutes")
+        for _ in range(_RETRY_CONFLICTS):
+            current = self._get(f"read httproute {name}", self.custom.get_namespaced_custom_object, *args, name)
+            try:
+                if current is None:
+                    body = render_httproute(model, sites, self.namespace, self.gateway, self.gateway_namespace)
+                    self._write(f"create httproute {name}", self.custom.create_namespaced_custom_object, *args, body)
+                    return
+                if _is_subset(spec, current.get("spec")):
+                    return
+                current["spec"] = spec
+                current.pop("status", None)
+                self._write(f"update httproute {name}", self.custom.replace_namespaced_custom_object,
+                            *args, name, current)
+                return
+            except _Conflict:
+                continue
+        raise Transient(f"httproute {name} kept conflicting", provider=PROVIDER, code="409")
+
+    def _read_routing_configmap(self) -> dict[str, Any] | None:
+        return self._get("read routing table", self.core.read_namespaced_config_map, ROUTING_CONFIGMAP, self.namespace)
+
+    def _write_routing_table(self, model: str, sites: dict[str, SiteRoute]) -> RoutingTable:
+        key = dns_label(model)
+        wanted = {site: route.model_dump() for site, route in sorted(sites.items())}
+        for _ in range(_RETRY_CONFLICTS):
+            current = self._read_routing_configmap()
+            entry = _routing_entry(current, key)
+            if entry is not None and entry.get("sites") == wanted:
+                return RoutingTable(model=model, version=entry["version"], sites=sites)
+            version = (entry or {}).get("version", 0) + 1
+            value = _canonical({"model": model, "version": version, "sites": wanted})
+            try:
+                if current is None:
+                    body = {
+                        "apiVersion": "v1",
+                        "kind": "ConfigMap",
+                        "metadata": {
+                            "name": ROUTING_CONFIGMAP,
+                            "namespace": self.namespace,
+                            "labels": {"app.kubernetes.io/managed-by": "gpufleet"},
+                        },
+                        "data": {key: value},
+                    }
+                    self._write("create routing table", self.core.create_namespaced_config_map, self.namespace, body)
+                else:
+                    current["data"] = {**(current.get("data") or {}), key: value}
+                    self._write("update routing table", self.core.replace_namespaced_config_map,
+                                ROUTING_CONFIGMAP, self.namespace, current)
+            except _Conflict:
+                continue
+            return RoutingTable(model=model, version=version, sites=sites)
+        raise Transient("routing table kept conflicting", provider=PROVIDER, code="409")
+
+    def get_routing(self, model: str) -> RoutingTable | None:
+        entry = _routing_entry(self._read_routing_configmap(), dns_label(model))
+        if entry is None:
+            return None
+        sites = {site: SiteRoute.model_validate(route) for site, route in entry.get("sites", {}).items()}
+        return RoutingTable(model=model, version=entry["version"], sites=sites)
+
+
+def _routing_entry(configmap: dict[str, Any] | None, key: str) -> dict[str, Any] | None:
+    if configmap is None:
+        return None
+    raw = (configmap.get("data") or {}).get(key)
+    if not raw:
+        return None
+    try:
+        entry = json.loads(raw)
+    except ValueError:
+        return None
+    return entry if isinstance(entry, dict) and isinstance(entry.get("version"), int) else None
+
+
+def _machine_from_provider_id(provider_id: str) -> str:
+    """``aws:///us-east-1a/i-0abc`` → ``i-0abc``; ``hcloud://123`` → ``123`` (best effort)."""
+    if not provider_id:
+        return ""
+    _scheme, _, rest = provider_id.partition("://")
+    parts = [p for p in (rest or provider_id).split("/") if p]
+    return parts[-1] if parts else ""

@@ -1,0 +1,136 @@
+"""Fixtures: the fake API server, the two cluster implementations, and a harness
+that puts nodes, pods and PDBs into either world the same way."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+
+from providers.cluster.base import LABEL_PROVIDER, LABEL_SITE, PodInfo
+from providers.cluster.kubernetes import KubernetesCluster, access_table
+from providers.cluster.sim import SimCluster
+from providers.sim import SimWorld
+from tests.cluster.fake_apiserver import FakeKube
+
+
+def _covered(request: tuple[str, str, str, str, str], namespace: str) -> bool:
+    verb, group, resource, sub, ns = request
+    return any(
+        (r.verb, r.group, r.resource, r.subresource) == (verb, group, resource, sub)
+        and (r.namespace == "" or r.namespace == ns)
+        for r in access_table(namespace)
+    )
+
+
+@pytest.fixture
+def fake():
+    server = FakeKube().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def kube(fake):
+    """The adapter against the fake server. Afterwards: every request it made is
+    in the adapter's access table (so the RBAC manifests cover it)."""
+    cluster = KubernetesCluster(api_client=fake.api_client(), namespace="gpufleet")
+    yield cluster
+    cluster.api_client.close()
+    uncovered = {r for r in fake.requests if r[2] != "selfsubjectaccessreviews" and not _covered(r, "gpufleet")}
+    assert not uncovered, f"requests outside providers.cluster.kubernetes.ACCESS: {sorted(uncovered)}"
+
+
+@pytest.fixture
+def world(tmp_path):
+    return SimWorld(tmp_path / "sim.db")
+
+
+@pytest.fixture
+def sim(world):
+    return SimCluster(world)
+
+
+class SimHarness:
+    kind = "sim"
+
+    def __init__(self, cluster: SimCluster) -> None:
+        self.cluster = cluster
+
+    def add_node(self, name: str, site: str = "site-a", gpus: int = 8, ready: bool = True,
+                 machine_id: str = "", boot_id: str = "boot-1") -> None:
+        machine_id = machine_id or f"m-{name}"
+        ref = self.cluster.create_join_token(name, machine_id, 600)
+        token = self.cluster.world.take_bootstrap_token(machine_id)
+        self.cluster.register_with_token(machine_id, token, boot_id, gpus)
+        self.cluster.revoke_join_token(ref.token_id)
+        self.cluster.label_node(name, {LABEL_SITE: site, LABEL_PROVIDER: "sim"})
+        if not ready:
+            self.cluster.set_node_status(name, ready=False)
+
+    def set_ready(self, name: str, ready: bool) -> None:
+        self.cluster.set_node_status(name, ready=ready)
+
+    def add_pod(self, node: str, name: str, namespace: str = "default", labels: dict | None = None,
+                owner_kind: str = "ReplicaSet", mirror: bool = False) -> None:
+        self.cluster.add_pod(node, name, namespace, labels, owner_kind, mirror)
+
+    def set_pdb(self, namespace: str, name: str, selector: dict, min_available: int | None = None,
+                max_unavailable: int | None = None) -> None:
+        self.cluster.set_pdb(namespace, name, selector, min_available, max_unavailable)
+
+    def delete_pdb(self, namespace: str, name: str) -> None:
+        self.cluster.delete_pdb(namespace, name)
+
+    def pods(self, node: str) -> list[PodInfo]:
+        return self.cluster.pods(node)
+
+    def take_bootstrap_token(self, machine_id: str) -> str | None:
+        return self.cluster.world.take_bootstrap_token(machine_id)
+
+
+class KubeHarness:
+    kind = "kubernetes"
+
+    def __init__(self, cluster: KubernetesCluster, fake: FakeKube) -> None:
+        self.cluster = cluster
+        self.fake = fake
+
+    def add_node(self, name: str, site: str = "site-a", gpus: int = 8, ready: bool = True,
+                 machine_id: str = "", boot_id: str = "boot-1") -> None:
+        self.fake.add_node(name, {LABEL_SITE: site, LABEL_PROVIDER: "sim"}, gpus=gpus, ready=ready,
+                           provider_id=f"sim:///zone-1/{machine_id or f'm-{name}'}", boot_id=boot_id)
+
+    def set_ready(self, name: str, ready: bool) -> None:
+        self.fake.set_node_ready(name, ready)
+
+    def add_pod(self, node: str, name: str, namespace: str = "default", labels: dict | None = None,
+                owner_kind: str = "ReplicaSet", mirror: bool = False) -> None:
+        self.fake.add_pod(node, name, namespace, labels, owner_kind, mirror)
+
+    def set_pdb(self, namespace: str, name: str, selector: dict, min_available: int | None = None,
+                max_unavailable: int | None = None) -> None:
+        self.fake.set_pdb(namespace, name, selector, min_available, max_unavailable)
+
+    def delete_pdb(self, namespace: str, name: str) -> None:
+        self.fake.delete_pdb(namespace, name)
+
+    def pods(self, node: str) -> list[PodInfo]:
+        return [PodInfo(namespace=p["metadata"]["namespace"], name=p["metadata"]["name"])
+                for p in self.fake.objects("", "pods") if p["spec"]["nodeName"] == node]
+
+    def take_bootstrap_token(self, machine_id: str) -> str | None:
+        return self.cluster.take_bootstrap_token(machine_id)
+
+
+@pytest.fixture(params=["sim", "kubernetes"])
+def harness(request):
+    """The contract suite runs once per implementation."""
+    if request.param == "sim":
+        return SimHarness(request.getfixturevalue("sim"))
+    return KubeHarness(request.getfixturevalue("kube"), request.getfixturevalue("fake"))
+
+
+@pytest.fixture
+def unique():
+    return uuid.uuid4().hex[:6]

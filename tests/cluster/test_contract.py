@@ -1,0 +1,337 @@
+"""The cluster port's contract: the simulated cluster and the Kubernetes adapter
+(against the fake API server) must both pass every test here."""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from providers.cluster.base import (
+    LABEL_SITE,
+    UNPROVEN_TAINT,
+    Cluster,
+    NodeNotFound,
+    NoPreviousTemplate,
+    ServingNotFound,
+    ServingSpec,
+    serving_name,
+)
+
+
+def test_both_implement_the_port(harness):
+    assert isinstance(harness.cluster, Cluster)
+
+
+# -- join tokens -------------------------------------------------------------------------
+def test_join_token_reaches_only_the_bootstrap_channel_once(harness):
+    before = datetime.now(timezone.utc)
+    ref = harness.cluster.create_join_token("gpu-1", "m-1", 600)
+    assert ref.node_name == "gpu-1"
+    assert len(ref.token_id) == 6 and ref.token_id.isalnum()
+    assert before + timedelta(seconds=595) <= ref.expires_at <= before + timedelta(seconds=601)
+    assert "secret" not in ref.model_dump_json()
+    token = harness.take_bootstrap_token("m-1")
+    token_id, _, secret = token.partition(".")
+    assert token_id == ref.token_id and len(secret) == 16
+    assert harness.take_bootstrap_token("m-1") is None
+
+
+@pytest.mark.parametrize("ttl", [0, -5, 3601, 86400])
+def test_join_token_ttl_is_at_most_an_hour(harness, ttl):
+    with pytest.raises(ValueError):
+        harness.cluster.create_join_token("gpu-1", "m-1", ttl)
+
+
+def test_revoke_join_token_is_idempotent_and_closes_the_channel(harness):
+    ref = harness.cluster.create_join_token("gpu-1", "m-1", 3600)
+    harness.cluster.revoke_join_token(ref.token_id)
+    harness.cluster.revoke_join_token(ref.token_id)
+    assert harness.take_bootstrap_token("m-1") is None
+
+
+# -- nodes --------------------------------------------------------------------------------
+def test_get_node_maps_the_node(harness):
+    assert harness.cluster.get_node("gpu-1") is None
+    harness.add_node("gpu-1", site="site-a", gpus=8, machine_id="m-77", boot_id="boot-xyz")
+    node = harness.cluster.get_node("gpu-1")
+    assert node.name == "gpu-1"
+    assert node.ready and not node.unschedulable
+    assert node.gpus_allocatable == 8
+    assert node.site == "site-a" and node.labels[LABEL_SITE] == "site-a"
+    assert node.provider == "sim"
+    assert node.machine_id == "m-77"
+    assert node.boot_id == "boot-xyz"
+    assert node.registered_at is not None
+    harness.set_ready("gpu-1", False)
+    assert not harness.cluster.get_node("gpu-1").ready
+
+
+def test_list_nodes_by_label(harness):
+    harness.add_node("a-1", site="site-a")
+    harness.add_node("a-2", site="site-a")
+    harness.add_node("b-1", site="site-b")
+    assert [n.name for n in harness.cluster.list_nodes()] == ["a-1", "a-2", "b-1"]
+    assert [n.name for n in harness.cluster.list_nodes({LABEL_SITE: "site-a"})] == ["a-1", "a-2"]
+    assert harness.cluster.list_nodes({LABEL_SITE: "nowhere"}) == []
+
+
+def test_labels_merge_and_are_idempotent(harness):
+    harness.add_node("gpu-1")
+    first = harness.cluster.label_node("gpu-1", {"gpufleet.io/state": "proving"})
+    again = harness.cluster.label_node("gpu-1", {"gpufleet.io/state": "proving"})
+    assert first.labels == again.labels
+    assert again.labels["gpufleet.io/state"] == "proving"
+    assert again.labels[LABEL_SITE] == "site-a"  # not ours to drop
+    assert again.labels["kubernetes.io/hostname"] == "gpu-1"
+    changed = harness.cluster.label_node("gpu-1", {"gpufleet.io/state": "ready"})
+    assert changed.labels["gpufleet.io/state"] == "ready"
+
+
+def test_taints_add_remove_idempotent(harness):
+    harness.add_node("gpu-1")
+    node = harness.cluster.set_taints("gpu-1", add=[UNPROVEN_TAINT, "other=x:NoExecute"])
+    assert sorted(node.taints) == sorted([UNPROVEN_TAINT, "other=x:NoExecute"])
+    assert harness.cluster.set_taints("gpu-1", add=[UNPROVEN_TAINT]).taints == node.taints
+    # Same key and effect with a new value replaces the taint.
+    node = harness.cluster.set_taints("gpu-1", add=["other=y:NoExecute"])
+    assert sorted(node.taints) == sorted([UNPROVEN_TAINT, "other=y:NoExecute"])
+    node = harness.cluster.set_taints("gpu-1", remove=[UNPROVEN_TAINT])
+    assert node.taints == ["other=y:NoExecute"]
+    assert harness.cluster.set_taints("gpu-1", remove=[UNPROVEN_TAINT]).taints == ["other=y:NoExecute"]
+    with pytest.raises(ValueError):
+        harness.cluster.set_taints("gpu-1", add=["no-effect"])
+
+
+def test_cordon_and_uncordon(harness):
+    harness.add_node("gpu-1")
+    assert harness.cluster.cordon("gpu-1").unschedulable
+    assert harness.cluster.cordon("gpu-1").unschedulable
+    assert not harness.cluster.cordon("gpu-1", False).unschedulable
+
+
+def test_annotations_merge_and_remove(harness):
+    harness.add_node("gpu-1")
+    first = harness.cluster.annotate_node("gpu-1", {"gpufleet.io/repair": "reboot", "gpufleet.io/x": "1"})
+    assert first["gpufleet.io/repair"] == "reboot" and first["gpufleet.io/x"] == "1"
+    after = harness.cluster.annotate_node("gpu-1", {"gpufleet.io/x": None})
+    assert after["gpufleet.io/repair"] == "reboot" and "gpufleet.io/x" not in after
+
+
+def test_missing_node_is_not_found_and_removal_is_idempotent(harness):
+    for call in (
+        lambda: harness.cluster.label_node("ghost", {"a": "b"}),
+        lambda: harness.cluster.set_taints("ghost", add=[UNPROVEN_TAINT]),
+        lambda: harness.cluster.cordon("ghost"),
+        lambda: harness.cluster.annotate_node("ghost", {"a": "b"}),
+    ):
+        with pytest.raises(NodeNotFound):
+            call()
+    harness.add_node("gpu-1")
+    harness.cluster.remove_node("gpu-1")
+    harness.cluster.remove_node("gpu-1")
+    assert harness.cluster.get_node("gpu-1") is None
+
+
+# -- drain --------------------------------------------------------------------------------
+def test_drain_evicts_workloads_and_leaves_daemonset_and_mirror_pods(harness):
+    harness.add_node("gpu-1")
+    harness.add_node("gpu-2")
+    harness.add_pod("gpu-1", "web-1", labels={"app": "web"})
+    harness.add_pod("gpu-1", "batch-1", namespace="jobs", owner_kind="Job")
+    harness.add_pod("gpu-1", "dcgm-exporter-x", namespace="monitoring", owner_kind="DaemonSet")
+    harness.add_pod("gpu-1", "kube-proxy-gpu-1", namespace="kube-system", owner_kind="Node", mirror=True)
+    harness.add_pod("gpu-2", "web-2", labels={"app": "web"})
+    result = harness.cluster.drain_node("gpu-1", deadline_s=5)
+    assert result.completed and not result.blocked and not result.deleted
+    assert {p.key for p in result.evicted} == {"default/web-1", "jobs/batch-1"}
+    assert {p.key: p.reason for p in result.skipped} == {
+        "monitoring/dcgm-exporter-x": "DaemonSet pod",
+        "kube-system/kube-proxy-gpu-1": "mirror pod",
+    }
+    assert {p.name for p in harness.pods("gpu-1")} == {"dcgm-exporter-x", "kube-proxy-gpu-1"}
+    assert {p.name for p in harness.pods("gpu-2")} == {"web-2"}
+    assert harness.cluster.get_node("gpu-1").unschedulable
+
+
+def test_drain_waits_for_a_pdb_that_frees_up(harness):
+    harness.add_node("gpu-1")
+    harness.add_node("gpu-2")
+    harness.add_pod("gpu-1", "web-1", labels={"app": "web"})
+    harness.set_pdb("default", "web-pdb", {"app": "web"}, min_available=1)
+
+    def replacement_becomes_ready():
+        time.sleep(0.6)
+        harness.add_pod("gpu-2", "web-2", labels={"app": "web"})
+
+    helper = threading.Thread(target=replacement_becomes_ready)
+    helper.start()
+    started = time.monotonic()
+    result = harness.cluster.drain_node("gpu-1", deadline_s=15)
+    helper.join()
+    assert result.completed
+    assert [p.key for p in result.evicted] == ["default/web-1"]
+    assert 0.5 <= time.monotonic() - started < 10
+    assert harness.pods("gpu-1") == []
+
+
+def test_drain_reports_the_pods_a_pdb_keeps_blocking(harness):
+    harness.add_node("gpu-1")
+    harness.add_pod("gpu-1", "db-0", namespace="data", labels={"app": "db"})
+    harness.add_pod("gpu-1", "free-1", labels={"app": "free"})
+    harness.set_pdb("data", "db-pdb", {"app": "db"}, max_unavailable=0)
+    heartbeats = []
+    result = harness.cluster.drain_node("gpu-1", deadline_s=0.8, heartbeat=lambda: heartbeats.append(1))
+    assert not result.completed
+    assert [p.key for p in result.evicted] == ["default/free-1"]
+    assert [p.key for p in result.blocked] == ["data/db-0"]
+    assert "db-pdb" in result.blocked[0].reason
+    assert 0.7 <= result.elapsed_s < 5
+    assert heartbeats
+    assert [p.name for p in harness.pods("gpu-1")] == ["db-0"]
+
+
+def test_drain_force_deletes_past_the_pdb_only_when_asked(harness):
+    harness.add_node("gpu-1")
+    harness.add_pod("gpu-1", "db-0", namespace="data", labels={"app": "db"})
+    harness.set_pdb("data", "db-pdb", {"app": "db"}, min_available=1)
+    result = harness.cluster.drain_node("gpu-1", deadline_s=0.3, force=True)
+    assert result.completed and not result.blocked
+    assert [p.key for p in result.deleted] == ["data/db-0"]
+    assert "db-pdb" in result.deleted[0].reason
+    assert harness.pods("gpu-1") == []
+
+
+def test_drain_of_an_empty_node_completes_at_once(harness):
+    harness.add_node("gpu-1")
+    result = harness.cluster.drain_node("gpu-1", deadline_s=0)
+    assert result.completed and result.evicted == [] and result.elapsed_s < 1
+
+
+# -- serving ------------------------------------------------------------------------------
+def _spec(**overrides):
+    values = dict(model="llama-3-8b", site="site-a", image="vllm:0.6", replicas=2, gpus_per_replica=4,
+                  args=["--max-model-len", "8192"], weights_path="/models/llama-3-8b")
+    values.update(overrides)
+    return ServingSpec(**values)
+
+
+def _wait_ready(cluster, model, site, ready=True, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        status = cluster.serving_status(model, site)
+        if status.ready == ready or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
+
+
+def test_serving_rolls_out_where_the_site_has_gpus(harness):
+    harness.add_node("gpu-1", site="site-a", gpus=8)
+    harness.add_node("gpu-b", site="site-b", gpus=8)
+    assert harness.cluster.serving_status("llama-3-8b", "site-a") is None
+    status = harness.cluster.apply_serving(_spec())
+    assert status.name == serving_name("llama-3-8b", "site-a") == "llama-3-8b-site-a"
+    assert status.image == "vllm:0.6" and status.desired_replicas == 2
+    status = _wait_ready(harness.cluster, "llama-3-8b", "site-a")
+    assert status.ready and status.available_replicas == 2 and status.updated_replicas == 2
+    assert status.observed_generation >= status.generation
+    assert not status.can_rollback
+    # Three replicas of 4 GPUs do not fit on one 8-GPU node.
+    status = harness.cluster.scale_serving("llama-3-8b", "site-a", 3)
+    status = _wait_ready(harness.cluster, "llama-3-8b", "site-a", ready=False)
+    assert not status.ready and status.desired_replicas == 3 and status.available_replicas == 2
+    harness.add_node("gpu-2", site="site-a", gpus=8)
+    assert _wait_ready(harness.cluster, "llama-3-8b", "site-a").available_replicas == 3
+
+
+def test_serving_on_cordoned_or_unproven_nodes_is_not_available(harness):
+    harness.add_node("gpu-1", site="site-a", gpus=8)
+    harness.cluster.set_taints("gpu-1", add=[UNPROVEN_TAINT])
+    harness.cluster.apply_serving(_spec(replicas=1))
+    status = _wait_ready(harness.cluster, "llama-3-8b", "site-a", ready=False)
+    assert status.available_replicas == 0
+    harness.cluster.set_taints("gpu-1", remove=[UNPROVEN_TAINT])
+    assert _wait_ready(harness.cluster, "llama-3-8b", "site-a").ready
+    harness.cluster.cordon("gpu-1")
+    assert not _wait_ready(harness.cluster, "llama-3-8b", "site-a", ready=False).ready
+
+
+def test_apply_serving_is_idempotent(harness):
+    harness.add_node("gpu-1", site="site-a")
+    first = harness.cluster.apply_serving(_spec())
+    again = harness.cluster.apply_serving(_spec())
+    assert again.generation == first.generation
+    assert not again.can_rollback
+
+
+def test_rollback_goes_back_to_the_previous_template(harness):
+    harness.add_node("gpu-1", site="site-a")
+    with pytest.raises(ServingNotFound):
+        harness.cluster.rollback_serving("llama-3-8b", "site-a")
+    harness.cluster.apply_serving(_spec(image="vllm:0.6"))
+    with pytest.raises(NoPreviousTemplate):
+        harness.cluster.rollback_serving("llama-3-8b", "site-a")
+    # Scaling is not a new template.
+    harness.cluster.scale_serving("llama-3-8b", "site-a", 1)
+    assert not harness.cluster.serving_status("llama-3-8b", "site-a").can_rollback
+    updated = harness.cluster.apply_serving(_spec(image="vllm:0.7", replicas=1))
+    assert updated.image == "vllm:0.7" and updated.can_rollback
+    rolled = harness.cluster.rollback_serving("llama-3-8b", "site-a")
+    assert rolled.image == "vllm:0.6" and rolled.generation > updated.generation
+    assert rolled.desired_replicas == 1
+    # Rolling back again returns to the newer template, like `kubectl rollout undo`.
+    assert harness.cluster.rollback_serving("llama-3-8b", "site-a").image == "vllm:0.7"
+
+
+def test_scale_and_delete_serving(harness):
+    with pytest.raises(ServingNotFound):
+        harness.cluster.scale_serving("llama-3-8b", "site-a", 2)
+    harness.add_node("gpu-1", site="site-a")
+    harness.cluster.apply_serving(_spec(replicas=1))
+    status = harness.cluster.scale_serving("llama-3-8b", "site-a", 0)
+    assert status.desired_replicas == 0
+    assert _wait_ready(harness.cluster, "llama-3-8b", "site-a").ready  # zero of zero
+    harness.cluster.delete_serving("llama-3-8b", "site-a")
+    harness.cluster.delete_serving("llama-3-8b", "site-a")
+    assert harness.cluster.serving_status("llama-3-8b", "site-a") is None
+
+
+def test_serving_names_are_dns_labels(harness):
+    harness.add_node("gpu-1", site="site-a")
+    status = harness.cluster.apply_serving(_spec(model="meta-llama/Llama-3.1-70B-Instruct", replicas=1))
+    assert status.name == "meta-llama-llama-3-1-70b-instruct-site-a"
+    assert harness.cluster.serving_status("meta-llama/Llama-3.1-70B-Instruct", "site-a").name == status.name
+
+
+# -- routing ------------------------------------------------------------------------------
+def test_routing_versions_bump_once_per_change_and_not_on_repeats(harness):
+    assert harness.cluster.get_routing("llama-3-8b") is None
+    first = harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 80, "site-b": 20})
+    assert first.version == 1
+    assert {s: r.weight for s, r in first.sites.items()} == {"site-a": 80, "site-b": 20}
+    assert all(r.healthy and not r.draining and not r.incident for r in first.sites.values())
+    assert harness.cluster.set_routing_weights("llama-3-8b", {"site-b": 20, "site-a": 80}).version == 1
+    second = harness.cluster.set_routing_weights(
+        "llama-3-8b", {"site-a": 100, "site-b": 0},
+        healthy={"site-b": False}, draining={"site-b": True}, incident={"site-b": "inc-42"},
+    )
+    assert second.version == 2
+    table = harness.cluster.get_routing("llama-3-8b")
+    assert table == second
+    assert table.sites["site-b"].incident == "inc-42" and not table.sites["site-b"].healthy
+    assert table.sites["site-b"].draining
+    # Health alone is a change too.
+    assert harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 100, "site-b": 0}).version == 3
+    # Models are independent.
+    assert harness.cluster.set_routing_weights("mistral-7b", {"site-a": 1}).version == 1
+    assert harness.cluster.get_routing("llama-3-8b").version == 3
+
+
+def test_routing_rejects_bad_input(harness):
+    with pytest.raises(ValueError):
+        harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 1}, healthy={"site-z": True})
+    with pytest.raises(ValueError):
+        harness.cluster.set_routing_weights("llama-3-8b", {"site-a": -1})
+    assert harness.cluster.get_routing("llama-3-8b") is None

@@ -1,0 +1,107 @@
+"""``gpufleet config check``: every problem names the site and the field; exit 2."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from fleet.cli import app
+from fleet.config import ConfigError, load_config
+from tests.conftest import TEST_FLEET
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def check(tmp_path: Path, fleet: dict) -> tuple[int, str]:
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(fleet))
+    result = CliRunner().invoke(app, ["config", "check", str(path)])
+    return result.exit_code, result.output
+
+
+def broken(change) -> dict:
+    fleet = copy.deepcopy(TEST_FLEET)
+    change(fleet)
+    return fleet
+
+
+CASES = {
+    "min above max": (lambda f: f["sites"][1].update(min_nodes=9, max_nodes=3),
+                      ["sites[1] (site-b).min_nodes", "min_nodes (9) is greater than max_nodes (3)"]),
+    "unknown provider": (lambda f: f["sites"][0].update(provider="azure"),
+                         ["sites[0] (site-a).provider", "unknown provider 'azure'"]),
+    "duplicate site": (lambda f: f["sites"].append(copy.deepcopy(f["sites"][0])),
+                       ["sites[2] (site-a).name", "duplicate site"]),
+    "negative price": (lambda f: f["sites"][1].update(price_per_gpu_hour=-1),
+                       ["sites[1] (site-b).price_per_gpu_hour", "greater than or equal to 0"]),
+    "missing account reference": (lambda f: f["sites"][0].pop("account"),
+                                  ["sites[0] (site-a).account", "missing account reference"]),
+    "unknown account": (lambda f: f["sites"][0].update(account="nobody"),
+                        ["sites[0] (site-a).account", "unknown account reference 'nobody'"]),
+    "unknown key": (lambda f: f["sites"][1].update(gpu_count=8),
+                    ["sites[1] (site-b).gpu_count", "unknown key"]),
+    "unknown key in sim block": (lambda f: f["sites"][0]["sim"].update(capacty=3),
+                                 ["sites[0] (site-a).sim.capacty", "unknown key"]),
+}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_config_check_names_site_and_field(tmp_path: Path, name: str) -> None:
+    change, expected = CASES[name]
+    code, output = check(tmp_path, broken(change))
+    assert code == 2, output
+    for text in expected:
+        assert text in output
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    def two_problems(f):
+        f["sites"][0]["price_per_gpu_hour"] = -2
+        f["sites"][1]["provider"] = "gcp"
+
+    code, output = check(tmp_path, broken(two_problems))
+    assert code == 2
+    assert "site-a" in output and "site-b" in output
+
+
+def test_shipped_configs_are_valid() -> None:
+    example = load_config(REPO / "deploy" / "sites.example.yaml")
+    assert example.mode == "real" and len({s.provider for s in example.sites}) == 5
+    builtin = load_config(None)
+    assert builtin.mode == "sim"
+    assert len(builtin.sites) >= 5 and len({s.provider for s in builtin.sites}) >= 4
+    assert {"spot", "owned"} <= {s.capacity_type.value for s in builtin.sites}
+    assert len({s.price_per_gpu_hour for s in builtin.sites}) == len(builtin.sites)
+
+
+def test_real_mode_needs_credentials_references(tmp_path: Path) -> None:
+    fleet = broken(lambda f: (f.update(mode="real"), f["accounts"][0].pop("credentials")))
+    code, output = check(tmp_path, fleet)
+    assert code == 2
+    assert "accounts[0] (acct-a).credentials" in output
+
+
+def test_unreadable_and_non_yaml_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.yaml")
+    (tmp_path / "bad.yaml").write_text("sites: [unclosed")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(tmp_path / "bad.yaml")
+
+
+def test_console_script_exit_code(tmp_path: Path) -> None:
+    """The installed command, as a person runs it."""
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(broken(lambda f: f["sites"][0].update(min_nodes=5, max_nodes=1))))
+    bad = subprocess.run([sys.executable, "-m", "fleet.cli", "config", "check", str(path)], capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "site-a" in bad.stderr and "max_nodes" in bad.stderr
+    good = subprocess.run([sys.executable, "-m", "fleet.cli", "config", "check", str(REPO / "deploy/sites.example.yaml")],
+                          capture_output=True, text=True)
+    assert good.returncode == 0, good.stderr

@@ -1,0 +1,93 @@
+"""``gpufleet dev`` as a person runs it: up, join, Ctrl-C, up again, resumed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import write_fleet
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gpufleet(env: dict, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fleet.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def start_dev(env: dict, port: int, ui_port: int, log: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fleet.cli", "dev", "--port", str(port), "--ui-port", str(ui_port)],
+        env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 60
+    while "gpufleet dev is up" not in log.read_text():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    return proc
+
+
+def stop_dev(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for status in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = status.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(status.parent.name))
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
+    port, ui_port = free_port(), free_port()
+    env = {**os.environ, "GPUFLEET_STATE_DIR": str(tmp_path / "state"), "GPUFLEET_CONFIG": str(write_fleet(tmp_path)),
+           "TEMPORAL_ADDRESS": f"127.0.0.1:{port}", "COLUMNS": "200"}
+    env.pop("GPUFLEET_TASK_QUEUE", None)
+
+    dev = start_dev(env, port, ui_port, tmp_path / "dev1.log")
+    children = children_of(dev.pid)
+    assert len(children) == 3, "temporal server, control-plane worker, node-agent host"
+    assert f"http://127.0.0.1:{ui_port}" in (tmp_path / "dev1.log").read_text()
+    done = gpufleet(env, "join", "--site", "site-a", "--wait")
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    # A join that cannot finish yet: its machines cannot reach the control plane.
+    assert gpufleet(env, "sim", "unreachable", "site-b").returncode == 0
+    assert gpufleet(env, "join", "--site", "site-b", "--request", "across-restart").returncode == 0
+    time.sleep(2)
+    stop_dev(dev)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in children), "every child stopped"
+    assert (tmp_path / "state" / "temporal.db").exists()
+
+    dev = start_dev(env, port, ui_port, tmp_path / "dev2.log")
+    try:
+        assert gpufleet(env, "sim", "unreachable", "site-b", "--restore").returncode == 0
+        result = subprocess.run(
+            [sys.executable, "-m", "fleet.cli", "join", "--site", "site-b", "--request", "across-restart", "--wait"],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "ready" in result.stdout
+        nodes = gpufleet(env, "nodes")
+        assert nodes.stdout.count("site-a") >= 1 and nodes.stdout.count("site-b") >= 1
+    finally:
+        stop_dev(dev)
