@@ -1,0 +1,16 @@
+"""Thin Temporal activities. ``control_plane_activities`` is what the
+control-plane worker registers; add a new activity class to it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from activities.env import FleetEnv
+
+
+def control_plane_activities(env: "FleetEnv") -> list[Callable]:
+    from activities.control_plane import ControlPlaneActivities
+
+    classes = [ControlPlaneActivities]
+    return [fn for cls in classes for fn in cls(env).all()]

@@ -15,15 +15,25 @@ import asyncio
 import os
 import subprocess
 import sys
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from temporalio.worker import Worker
 
+from activities.env import FleetEnv
 from bench.baseline import NoopSteps, noop
 from bench.common import bench_env, fleet, median, run, timed
 from workers.control_plane import build_worker
 
 ACTIVITIES_PER_JOIN = 8
+
+
+def retire_all(env: FleetEnv) -> None:
+    """Delete every machine and node, so agents do not pile up across rounds."""
+    for node in env.cluster.list_nodes():
+        env.cluster.remove_node(node.name)
+    for machine in env.world.machines():
+        env.provider(machine["site"]).delete_machine(machine["id"])
 
 
 async def main() -> None:
@@ -55,18 +65,25 @@ async def main() -> None:
                 for i in range(n)
             ])
 
-        base_times, join_times = [], []
+        fleet_env = FleetEnv.from_settings(settings)
+        base_times, join_times, base_cpu, join_cpu = [], [], [], []
         async with build_worker(client, settings), baseline_worker:
             await baseline()  # warm-up: connections, sandbox imports
             for _ in range(args.rounds):
+                cpu = time.process_time()
                 base_times.append(await timed(baseline))
+                base_cpu.append(time.process_time() - cpu)
+                cpu = time.process_time()
                 join_times.append(await timed(joins))
+                join_cpu.append(time.process_time() - cpu)
+                await asyncio.to_thread(retire_all, fleet_env)  # each round starts from an empty fleet
         host.terminate()
         host.wait()
     b, j = median(base_times), median(join_times)
     print(f"{n} concurrent workflows x {ACTIVITIES_PER_JOIN} activities, {args.rounds} rounds (median)")
     print(f"  baseline (no-op activities): {b:.2f} s   rounds: {', '.join(f'{t:.2f}' for t in base_times)}")
     print(f"  NodeJoin (sim, 0 latency):   {j:.2f} s   rounds: {', '.join(f'{t:.2f}' for t in join_times)}")
+    print(f"  worker CPU s per round:      baseline {median(base_cpu):.2f}, NodeJoin {median(join_cpu):.2f}")
     print(f"  ratio NodeJoin / baseline:   {j / b:.2f}   (target <= 1.3)")
 
 

@@ -6,13 +6,18 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-cluster_app = typer.Typer(help="The Kubernetes cluster gpufleet runs (real mode).", no_args_is_help=True)
+cluster_app = typer.Typer(no_args_is_help=True)
+
+
+@cluster_app.callback()
+def cluster() -> None:
+    """The Kubernetes cluster gpufleet runs (real mode)."""
 
 
 @cluster_app.command("check")
 def check(
     kubeconfig: str = typer.Option(None, "--kubeconfig", envvar="KUBECONFIG",
-                                   help="kubeconfig file (default: in-cluster, then ~/.kube/config)"),
+                                   help="kubeconfig file(s), ':'-separated (default: in-cluster, then ~/.kube/config)"),
     context: str = typer.Option(None, "--context", help="kubeconfig context"),
     namespace: str = typer.Option("gpufleet", "--namespace", "-n", help="namespace of serving and routing objects"),
 ) -> None:
@@ -26,7 +31,7 @@ def check(
 
     console = Console()
     try:
-        api_client = load_api_client(kubeconfig.split(":")[0] if kubeconfig else None, context)
+        api_client = load_api_client(kubeconfig, context)
         rows = check_access(api_client, namespace)
     except Exception as error:  # noqa: BLE001 - unreachable, bad kubeconfig, refused: one line, exit 2
         console.print(f"[red]cannot check the cluster:[/red] {type(error).__name__}: {error}".splitlines()[0])

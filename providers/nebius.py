@@ -63,6 +63,7 @@ from nebius.aio.idempotency import HEADER as IDEMPOTENCY_HEADER
 from nebius.aio.operation import Operation
 from nebius.aio.request import RequestError as SDKRequestError
 from nebius.aio.service_error import RequestError
+from nebius.aio.token.options import OPTION_MAX_RETRIES, OPTION_REPORT_ERROR
 from nebius.api.nebius.common.v1 import GetByNameRequest, ResourceMetadata
 from nebius.api.nebius.compute.v1 import (
     AttachedDiskSpec,
@@ -113,6 +114,10 @@ USER_AGENT = "gpufleet/0.1"
 SITE_LABEL = "gpufleet.io/site"
 #: Namespace for turning a caller's idempotency key into the UUID Nebius expects.
 KEY_NAMESPACE = uuid.UUID("6b1d2c1e-5f43-4f4e-9b53-8d1f0a1c9e77")
+
+#: A failed token exchange (service-account credentials) fails the call at once
+#: instead of being retried in the background until the deadline.
+AUTH_OPTIONS = {OPTION_REPORT_ERROR: "1", OPTION_MAX_RETRIES: "1"}
 
 #: ``ServiceError.details`` oneof field -> class. Decides before the gRPC code.
 DETAIL_ERRORS: dict[str, type[ProviderError]] = {
@@ -247,6 +252,7 @@ class NebiusProvider:
             "timeout": timeout,
             "per_retry_timeout": timeout,
             "auth_timeout": timeout,
+            "auth_options": dict(AUTH_OPTIONS),
             "retries": int(self._option("sdk_retries", 0)),
         }
 
@@ -330,6 +336,7 @@ class NebiusProvider:
             poll_per_retry_timeout=timeout,
             poll_retries=int(self._option("sdk_retries", 0)),
             auth_timeout=timeout,
+            auth_options=dict(AUTH_OPTIONS),
         )
 
     # -- mapping -------------------------------------------------------------
@@ -409,14 +416,12 @@ class NebiusProvider:
                 operation = s.instances.create(
                     request, metadata=[(IDEMPOTENCY_HEADER, idempotency_uuid(idempotency_key))], **kwargs
                 ).wait()
-            except RequestError as exc:
+                self._wait(operation)
+            except RequestError as exc:  # the call, or its operation
                 if not _is_already_exists(exc):
                     raise
-                found = s.instances.get_by_name(
-                    GetByNameRequest(parent_id=request.metadata.parent_id, name=spec.name), **kwargs
-                ).wait()
-                return self._owned(found)
-            self._wait(operation)
+                by_name = GetByNameRequest(parent_id=request.metadata.parent_id, name=spec.name)
+                return self._owned(s.instances.get_by_name(by_name, **kwargs).wait())
             instance = s.instances.get(GetInstanceRequest(id=operation.resource_id), **kwargs).wait()
             return self._owned(instance)
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from temporalio.client import Client
 from temporalio.worker import Worker
 
-from activities.control_plane import ControlPlaneActivities
+from activities import control_plane_activities
 from activities.env import FleetEnv
 from fleet.settings import Settings
 from fleet.temporal import connect, tracing_interceptors
@@ -28,7 +28,7 @@ def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None
         client,
         task_queue=settings.task_queue,
         workflows=ALL_WORKFLOWS,
-        activities=ControlPlaneActivities(env).all(),
+        activities=control_plane_activities(env),
         # Provider SDKs block: activities are sync and run in these threads.
         activity_executor=ThreadPoolExecutor(max_workers=128, thread_name_prefix="activity"),
         max_concurrent_activities=128,

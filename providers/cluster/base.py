@@ -146,9 +146,10 @@ class AccessRule(BaseModel):
 @runtime_checkable
 class Cluster(Protocol):
     def create_join_token(self, node_name: str, machine_id: str, ttl_seconds: int) -> JoinTokenRef:
-        """Create a single-use token for one machine and hand it to that machine's
-        bootstrap channel. Only a hash of the secret is kept; the secret is never
-        returned."""
+        """Create a token for one machine (TTL at most an hour) and hand it to that
+        machine's bootstrap channel, which gives it out once. The secret is never
+        returned (the sim keeps only its hash; Kubernetes keeps it in the bootstrap
+        token Secret in kube-system, as the API server needs it)."""
         ...
 
     def revoke_join_token(self, token_id: str) -> None:
@@ -163,7 +164,8 @@ class Cluster(Protocol):
         ...
 
     def label_node(self, name: str, labels: dict[str, str]) -> Node:
-        """Merge our labels; touches no other key. Idempotent."""
+        """Merge our labels; touches no other key. Idempotent. (A ``None`` value
+        removes that label, as in a merge patch.)"""
         ...
 
     def set_taints(self, name: str, add: list[str] = (), remove: list[str] = ()) -> Node:

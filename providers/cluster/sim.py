@@ -173,7 +173,11 @@ class SimCluster:
         return self.get_node(name)
 
     def label_node(self, name: str, labels: dict[str, str]) -> Node:
-        return self._update(name, "labels", lambda old: json.dumps({**json.loads(old), **labels}))
+        def change(old: str) -> str:
+            merged = {**json.loads(old), **labels}
+            return json.dumps({k: v for k, v in merged.items() if v is not None})
+
+        return self._update(name, "labels", change)
 
     def set_taints(self, name: str, add: list[str] = (), remove: list[str] = ()) -> Node:
         return self._update(name, "taints", lambda old: json.dumps(apply_taints(json.loads(old), add, remove)))

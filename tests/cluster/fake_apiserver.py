@@ -12,8 +12,8 @@ It keeps the real API's semantics for what the adapter uses:
   selectors (``metadata.name``, ``metadata.namespace``, pods' ``spec.nodeName``
   and ``status.phase``; anything else is a 400 as on a real server);
 * JSON merge patch, strategic merge patch (lists with a patch merge key merge
-  by it) and JSON patch; a JSON object sent as ``json-patch+json`` is refused
-  as the real server does (the generated client's default for dict bodies);
+  by it; refused for custom resources) and JSON patch (an object instead of a
+  list is refused as the real server does);
 * Secrets' ``stringData`` folded into base64 ``data``;
 * the Eviction subresource (policy/v1): 429 while the pod's
   PodDisruptionBudget allows no disruption, 500 for more than one PDB; PDB
@@ -369,7 +369,10 @@ class FakeKube:
                 "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
                 "allocatable": {"cpu": "64", GPU_RESOURCE: str(gpus)},
                 "capacity": {"cpu": "64", GPU_RESOURCE: str(gpus)},
-                "nodeInfo": {"bootID": boot_id, "kubeletVersion": "v1.31.0"},
+                "nodeInfo": {"architecture": "amd64", "bootID": boot_id, "containerRuntimeVersion": "containerd://1.7",
+                             "kernelVersion": "6.8.0", "kubeProxyVersion": "", "kubeletVersion": "v1.31.0",
+                             "machineID": machine_id or name, "operatingSystem": "linux",
+                             "osImage": "Ubuntu 24.04", "systemUUID": machine_id or name},
             },
         }
         return self.put("", "nodes", node)

@@ -88,6 +88,8 @@ def test_labels_merge_and_are_idempotent(harness):
     assert again.labels["kubernetes.io/hostname"] == "gpu-1"
     changed = harness.cluster.label_node("gpu-1", {"gpufleet.io/state": "ready"})
     assert changed.labels["gpufleet.io/state"] == "ready"
+    removed = harness.cluster.label_node("gpu-1", {"gpufleet.io/state": None})
+    assert "gpufleet.io/state" not in removed.labels and removed.labels[LABEL_SITE] == "site-a"
 
 
 def test_taints_add_remove_idempotent(harness):

@@ -151,6 +151,9 @@ class FakeHetzner:
         self.resets: dict[int, int] = {}
         self.rebuilds: dict[int, list[Any]] = {}
         self._armed: dict[str, list[tuple[int, Any]]] = {}
+        #: Keep every action "running" (to test the adapter's bounded wait).
+        self.hold_actions = False
+        self._failing_actions: list[dict[str, Any]] = []
         self._ids = itertools.count(4711)
         self._action_ids = itertools.count(90001)
         self._lock = threading.Lock()
@@ -181,6 +184,11 @@ class FakeHetzner:
         """Answer the next ``route`` with exactly this status and JSON body."""
         with self._lock:
             self._armed.setdefault(route, []).append((status, body))
+
+    def fail_next_action(self, code: str, message: str) -> None:
+        """The next action polled ends in ``status: error`` with this error."""
+        with self._lock:
+            self._failing_actions.append({"code": code, "message": message, "details": {}})
 
     def live_servers(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -348,7 +356,12 @@ class FakeHetzner:
         action = self.actions.get(int(raw_id)) if raw_id.isdigit() else None
         if action is None:
             return _error(404, "not_found", f"action with ID '{raw_id}' not found", None)
-        action.update(status="success", progress=100, finished=_now())
+        if self.hold_actions:
+            return 200, {"action": copy.deepcopy(action)}
+        if action["status"] == "running" and self._failing_actions:
+            action.update(status="error", progress=100, finished=_now(), error=self._failing_actions.pop(0))
+        elif action["status"] == "running":
+            action.update(status="success", progress=100, finished=_now())
         return 200, {"action": copy.deepcopy(action)}
 
 

@@ -25,6 +25,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import grpc
+import jwt
 from nebius.api._registry import REGISTRY
 from nebius.api.nebius.common.v1 import (
     BadRequest,
@@ -50,6 +51,7 @@ from nebius.api.nebius.compute.v1 import (
     Preset,
     PresetResources,
 )
+from nebius.api.nebius.iam.v1 import CreateTokenResponse
 from nebius.base._service_error import grpc_status_of_errors, pbrpc_status_of_errors
 
 State = InstanceStatus.InstanceState
@@ -168,6 +170,13 @@ CREATE_FAILURES: dict[str, tuple[str, Callable[[], Failure]]] = {
 }
 
 
+#: Methods callable without a bearer token.
+PUBLIC_METHODS = {"TokenExchangeService.Exchange"}
+
+#: The audience Nebius' token service expects in a service account's JWT.
+TOKEN_AUDIENCE = "token-service.iam.new.nebiuscloud.net"
+
+
 def platform(name: str, presets: dict[str, int], gpu_memory_gb: int, preemptible: bool = True) -> Platform:
     return Platform(
         metadata=ResourceMetadata(id=f"computeplatform-{name}", parent_id="project-e00public", name=name),
@@ -203,6 +212,8 @@ class FakeNebius:
         #: Keep every operation running (to test the adapter's bounded wait).
         self.hold_operations = False
         self.max_page_size = 100
+        #: Service-account keys the token exchange accepts: key id -> (account id, public key PEM).
+        self.service_account_keys: dict[str, tuple[str, bytes]] = {}
         self._by_key: dict[str, str] = {}
         self._finishers: dict[str, Callable[[], Failure | None]] = {}
         self._armed: dict[str, list[tuple[str, Failure]]] = {}
@@ -217,6 +228,7 @@ class FakeNebius:
                 }),
                 self._handlers("nebius.compute.v1.PlatformService", {"List": self._list_platforms}),
                 self._handlers("nebius.common.v1.OperationService", {"Get": self._get_operation}),
+                self._handlers("nebius.iam.v1.TokenExchangeService", {"Exchange": self._exchange}),
             ]
         )
         self.port = self._server.add_insecure_port("127.0.0.1:0")
@@ -264,7 +276,7 @@ class FakeNebius:
             metadata = dict(context.invocation_metadata())
             with self._lock:
                 self.calls[name] += 1
-                if metadata.get("authorization") != f"Bearer {self.token}":
+                if name not in PUBLIC_METHODS and metadata.get("authorization") != f"Bearer {self.token}":
                     unauthenticated().abort(context)
                 armed = self._armed.get(name)
                 if armed and armed[0][0] == "rpc":
@@ -424,6 +436,25 @@ class FakeNebius:
             self.power_cycles[request.id] += 1
         self._set_state(request.id, State.STARTING)
         return self._operation(request.id, "Start instance", lambda: self._set_state(request.id, State.RUNNING))
+
+    # -- TokenExchangeService -------------------------------------------------
+
+    def _exchange(self, request: Any, metadata: dict[str, str]) -> Any:
+        """Trade a service account's signed JWT for the bearer token the fake accepts."""
+        try:
+            kid = jwt.get_unverified_header(request.subject_token)["kid"]
+            account_id, public_key = self.service_account_keys[kid]
+            claims = jwt.decode(request.subject_token, public_key, algorithms=["RS256"], audience=TOKEN_AUDIENCE)
+        except (jwt.PyJWTError, KeyError):
+            return unauthenticated()
+        if claims.get("sub") != account_id:
+            return unauthenticated()
+        return CreateTokenResponse(
+            access_token=self.token,
+            issued_token_type="urn:ietf:params:oauth:token-type:access_token",
+            token_type="Bearer",
+            expires_in=3600,
+        )
 
     # -- PlatformService -----------------------------------------------------
 

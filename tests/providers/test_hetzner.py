@@ -191,6 +191,31 @@ def test_unknown_server_type_is_invalid_request(hetzner_harness: HetznerHarness)
     assert info.value.code == "invalid_input"
 
 
+def test_a_failed_action_is_classified_by_its_error_code(hetzner_harness: HetznerHarness) -> None:
+    h = hetzner_harness
+    machine = h.provider.create_machine(h.spec, "key-1")
+    h.fake.fail_next_action("locked", "server is locked by another action")
+    with pytest.raises(Transient) as info:
+        h.provider.reboot_machine(machine.id)
+    assert info.value.code == "locked"
+    h.fake.fail_next_action("image_unavailable", "image is not available")
+    with pytest.raises(Transient) as unknown:
+        h.provider.reinstall_machine(machine.id)
+    assert unknown.value.code == "image_unavailable"  # unknown code: Transient, raw code kept
+
+
+def test_action_wait_is_bounded(hetzner_harness: HetznerHarness) -> None:
+    h = hetzner_harness
+    provider = HetznerProvider(make_site(), make_account(h.fake.url, action_wait_s=0.2))
+    machine = provider.create_machine(h.spec, "key-1")
+    h.fake.hold_actions = True
+    started = time.monotonic()
+    with pytest.raises(Transient) as info:
+        provider.reboot_machine(machine.id)
+    assert info.value.code == "action_timeout"
+    assert time.monotonic() - started < 3
+
+
 def test_error_tables_are_data_and_cover_the_brief() -> None:
     assert all(issubclass(cls, ProviderError) for cls in ERRORS.values())
     assert all(issubclass(cls, ProviderError) for cls in HTTP_STATUS_ERRORS.values())

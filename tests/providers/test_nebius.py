@@ -341,23 +341,49 @@ def test_malformed_service_account_json_is_bad_credentials(
     assert not h.fake.calls
 
 
-def test_service_account_json_becomes_a_service_account_reader(tmp_path) -> None:
+def _service_account_json(kid: str, account_id: str) -> tuple[str, bytes]:
+    """A Nebius credentials.json body, and the public key to register with the fake."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import rsa
-    from nebius.base.service_account.service_account import Reader
 
     key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
     pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     ).decode()
-    subject = {"alg": "RS256", "private-key": pem, "kid": "publickey-e00abc",
-               "iss": "serviceaccount-e00abc", "sub": "serviceaccount-e00abc"}
+    public = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    subject = {"alg": "RS256", "private-key": pem, "kid": kid, "iss": account_id, "sub": account_id}
+    return json.dumps({"subject-credentials": subject}), public
+
+
+def test_service_account_credentials_are_exchanged_for_a_token(nebius_harness: NebiusHarness, tmp_path) -> None:
+    h = nebius_harness
+    body, public = _service_account_json("publickey-e00abc", "serviceaccount-e00abc")
+    h.fake.service_account_keys["publickey-e00abc"] = ("serviceaccount-e00abc", public)
     path = tmp_path / "credentials.json"
-    path.write_text(json.dumps({"subject-credentials": subject}))
-    account = make_account("127.0.0.1:1").model_copy(update={"credentials": CredentialsRef(file=str(path))})
-    reader = NebiusProvider(make_site(), account)._credentials()
-    assert isinstance(reader, Reader)
-    assert reader.read().service_account_id == "serviceaccount-e00abc"
+    path.write_text(body)
+    account = make_account(h.fake.address).model_copy(update={"credentials": CredentialsRef(file=str(path))})
+    provider = NebiusProvider(make_site(), account)
+    machine = provider.create_machine(h.spec, "key-1")
+    assert h.fake.calls["TokenExchangeService.Exchange"] >= 1
+    assert provider.get_machine(machine.id).id == machine.id
+    private_key = json.loads(body)["subject-credentials"]["private-key"]
+    assert "PRIVATE KEY" not in machine.model_dump_json() and private_key not in machine.model_dump_json()
+
+
+def test_service_account_the_token_service_refuses_is_bad_credentials(nebius_harness: NebiusHarness, tmp_path) -> None:
+    h = nebius_harness
+    body, _ = _service_account_json("publickey-e00unknown", "serviceaccount-e00abc")
+    path = tmp_path / "credentials.json"
+    path.write_text(body)
+    account = make_account(h.fake.address).model_copy(update={"credentials": CredentialsRef(file=str(path))})
+    started = time.monotonic()
+    with pytest.raises(BadCredentials) as info:
+        NebiusProvider(make_site(), account).list_machines()
+    assert info.value.code == "UNAUTHENTICATED"
+    assert time.monotonic() - started < 5  # reported at once, not retried until the deadline
+    assert h.fake.calls["InstanceService.List"] == 0
 
 
 def test_error_tables_are_data_and_cover_the_brief() -> None:

@@ -65,6 +65,8 @@ def test_choose_reset_type(allowed: list[str] | None, expected: str | None) -> N
 
 
 def test_create_allocates_sets_pxe_once_and_powers_on(own_dc_harness: OwnDcHarness) -> None:
+    # Emulated power changes land 1-11 s later, so an earlier test may have left it on.
+    own_dc_harness.proxy.once(rewrite_system(lambda s: s.update(PowerState="Off")))
     machine = own_dc_harness.provider.create_machine(own_dc_harness.spec, "k1")
     assert machine.id == SYSTEMS[0]["name"] and machine.state == "pending"
     patch = sent(own_dc_harness, "PATCH")

@@ -1,0 +1,130 @@
+"""deploy/kubernetes/ against the adapter: RBAC grants exactly ``ACCESS``, and
+the serving / HTTPRoute templates are what the adapter renders."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from string import Template
+
+import pytest
+import yaml
+
+from providers.cluster.base import ANNOTATION_TEMPLATE, ServingSpec, SiteRoute, dns_label, serving_name
+from providers.cluster.kubernetes import (
+    access_table,
+    render_deployment,
+    render_httproute,
+    render_service,
+)
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
+
+
+def _docs(name: str) -> list[dict]:
+    return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+
+
+def _granted(docs: list[dict], purpose: str) -> set[tuple[str, str, str, str, str]]:
+    granted = set()
+    for doc in docs:
+        if doc["kind"] not in ("Role", "ClusterRole"):
+            continue
+        if doc["metadata"].get("labels", {}).get("gpufleet.io/rbac-for") != purpose:
+            continue
+        namespace = doc["metadata"].get("namespace", "") if doc["kind"] == "Role" else ""
+        for rule in doc["rules"]:
+            assert "resourceNames" not in rule
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    base, _, sub = resource.partition("/")
+                    for verb in rule["verbs"]:
+                        granted.add((verb, group, base, sub, namespace))
+    return granted
+
+
+def test_rbac_grants_exactly_the_adapters_verbs():
+    granted = _granted(_docs("rbac.yaml"), "cluster-adapter")
+    used = {(r.verb, r.group, r.resource, r.subresource, r.namespace) for r in access_table("gpufleet")}
+    assert granted - used == set(), "granted but never used"
+    assert used - granted == set(), "used but not granted"
+
+
+def test_every_adapter_role_is_bound_to_the_control_plane():
+    docs = _docs("rbac.yaml")
+    roles = {(d["kind"], d["metadata"]["name"], d["metadata"].get("namespace", "")) for d in docs
+             if d["kind"] in ("Role", "ClusterRole")
+             and d["metadata"].get("labels", {}).get("gpufleet.io/rbac-for") == "cluster-adapter"}
+    bound = set()
+    for doc in docs:
+        if doc["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        if {"kind": "ServiceAccount", "name": "gpufleet-control-plane", "namespace": "gpufleet"} in doc["subjects"]:
+            ref = doc["roleRef"]
+            bound.add((ref["kind"], ref["name"], doc["metadata"].get("namespace", "")))
+    assert roles <= bound
+    accounts = {(d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs if d["kind"] == "ServiceAccount"}
+    assert accounts == {("gpufleet-control-plane", "gpufleet"), ("gpufleet-node-agent", "gpufleet")}
+
+
+def test_control_plane_deployment():
+    (deployment,) = _docs("control-plane.yaml")
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "gpufleet-control-plane"
+    (container,) = pod["containers"]
+    assert container["image"] == "gpufleet:latest"
+    assert container["command"] == ["python", "-m", "workers.control_plane"]
+    env = {e["name"] for e in container["env"]}
+    assert {"TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "GPUFLEET_TASK_QUEUE", "GPUFLEET_CONFIG"} <= env
+
+
+def test_node_agent_daemonset_runs_on_gpu_nodes_including_unproven():
+    (daemonset,) = _docs("node-agent.yaml")
+    assert daemonset["kind"] == "DaemonSet"
+    pod = daemonset["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "gpufleet-node-agent"
+    terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    keys = {e["key"] for t in terms for e in t["matchExpressions"]}
+    assert keys == {"nvidia.com/gpu.present", "gpufleet.io/site"}
+    assert {"key": "gpufleet.io/unproven", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    (container,) = pod["containers"]
+    assert container["image"] == "gpufleet:latest"
+    assert container["command"] == ["python", "-m", "workers.node_agent", "--node-name", "$(NODE_NAME)"]
+    node_name = next(e for e in container["env"] if e["name"] == "NODE_NAME")
+    assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+def test_kustomization_lists_the_applied_files():
+    (kustomization,) = _docs("kustomization.yaml")
+    for name in kustomization["resources"]:
+        assert (DEPLOY / name).exists()
+    assert "serving-template.yaml" not in kustomization["resources"]
+
+
+@pytest.mark.parametrize("model", ["llama-3-8b", "meta-llama/Llama-3.1-70B"])
+def test_serving_template_is_what_the_adapter_renders(model):
+    spec = ServingSpec(model=model, site="aws-use1", image="vllm/vllm-openai:v0.6.3", replicas=3,
+                       gpus_per_replica=8, args=["--tensor-parallel-size", "8"], weights_path="/models/w", port=8080)
+    text = Template((DEPLOY / "serving-template.yaml").read_text()).substitute(
+        NAME=serving_name(model, spec.site), NAMESPACE="gpufleet", MODEL=json.dumps(model),
+        MODEL_LABEL=dns_label(model), SITE=spec.site, REPLICAS=spec.replicas, IMAGE=spec.image,
+        ARGS_JSON=json.dumps(spec.args), WEIGHTS_PATH=spec.weights_path, PORT=spec.port,
+        GPUS=spec.gpus_per_replica,
+    )
+    deployment, service = [d for d in yaml.safe_load_all(text) if d]
+    rendered = render_deployment(spec, "gpufleet")
+    del rendered["metadata"]["annotations"][ANNOTATION_TEMPLATE]
+    assert deployment == rendered
+    assert service == render_service(model, spec.site, "gpufleet")
+
+
+def test_httproute_template_is_what_the_adapter_renders():
+    model = "llama-3-8b"
+    sites = {"aws-use1": SiteRoute(weight=70), "hetzner-fsn1": SiteRoute(weight=30)}
+    text = Template((DEPLOY / "httproute-template.yaml").read_text()).substitute(
+        MODEL=model, MODEL_LABEL=dns_label(model), NAMESPACE="gpufleet", GATEWAY="gpufleet",
+        SERVICE_A=serving_name(model, "aws-use1"), WEIGHT_A=70,
+        SERVICE_B=serving_name(model, "hetzner-fsn1"), WEIGHT_B=30,
+    )
+    (route,) = [d for d in yaml.safe_load_all(text) if d]
+    assert route == render_httproute(model, sites, "gpufleet", "gpufleet", "gpufleet")
