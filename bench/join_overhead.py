@@ -45,7 +45,7 @@ async def main() -> None:
     async with bench_env(fleet(sites=5, capacity=n * args.rounds)) as (env, settings):
         client = env.client
         # The simulated nodes live in their own process, as under `gpufleet dev`.
-        host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim"],
+        host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"],
                                 env={**os.environ, **settings.env()})
         baseline_queue = f"{settings.task_queue}-baseline"
         baseline_worker = Worker(client, task_queue=baseline_queue, workflows=[NoopSteps], activities=[noop],

@@ -198,11 +198,11 @@ class AwsProvider:
 
     # -- plumbing ---------------------------------------------------------------
 
-    def _session(self) -> tuple[str, boto3.Session]:
-        """(credential fingerprint, session); the secret is read on every call."""
+    def _credentials(self) -> tuple[str, dict[str, Any]]:
+        """(fingerprint, boto3.Session arguments); the secret is read on every call."""
         profile = self.options.get("profile")
         if profile:
-            return f"profile:{profile}", _boto3_session(profile_name=profile)
+            return f"profile:{profile}", {"profile_name": profile}
         secret = read_secret(self.account.credentials, provider=PROVIDER)
         parts = secret.split(":")
         if len(parts) not in (2, 3) or not all(parts):
@@ -213,19 +213,15 @@ class AwsProvider:
                 code="MalformedCredentials",
             )
         fingerprint = hashlib.sha256(secret.encode()).hexdigest()
-        session = _boto3_session(
-            aws_access_key_id=parts[0],
-            aws_secret_access_key=parts[1],
-            aws_session_token=parts[2] if len(parts) == 3 else None,
-        )
-        return fingerprint, session
+        return fingerprint, {
+            "aws_access_key_id": parts[0],
+            "aws_secret_access_key": parts[1],
+            "aws_session_token": parts[2] if len(parts) == 3 else None,
+        }
 
     def _client(self) -> Any:
         """An EC2 client for the current credentials, cached while they do not change."""
-        try:
-            fingerprint, session = self._session()
-        except bce.BotoCoreError as exc:
-            raise _translate(exc, "session") from exc
+        fingerprint, credentials = self._credentials()
         attempts = int(self.options.get("max_attempts", 1))
         connect_timeout = float(self.options.get("connect_timeout", 10))
         read_timeout = float(self.options.get("read_timeout", 60))
@@ -240,6 +236,7 @@ class AwsProvider:
                 read_timeout=read_timeout,
             )
             try:
+                session = _boto3_session(**credentials)
                 client = session.client("ec2", region_name=self.site.region, endpoint_url=endpoint, config=config)
             except bce.BotoCoreError as exc:
                 raise _translate(exc, "client") from exc

@@ -380,7 +380,8 @@ class NebiusProvider:
 
     def _create_request(self, spec: MachineSpec) -> CreateInstanceRequest:
         platform, preset = self._platform_preset(spec.instance_type or self.site.instance_type)
-        interface: dict[str, Any] = {"name": "eth0", "subnet_id": self._required("subnet_id"), "ip_address": IPAddress()}
+        subnet_id = self._required("subnet_id")
+        interface: dict[str, Any] = {"name": "eth0", "subnet_id": subnet_id, "ip_address": IPAddress()}
         if self._option("public_ip", True):
             interface["public_ip_address"] = PublicIPAddress()
         fields: dict[str, Any] = {
@@ -476,7 +477,8 @@ class NebiusProvider:
                     code="unmanaged_boot_disk",
                 )
             self._stop(s, machine_id)
-            fresh = ManagedDisk(boot.managed_disk, name=_next_disk_name(boot.managed_disk.name, instance.metadata.name))
+            new_name = _next_disk_name(boot.managed_disk.name, instance.metadata.name)
+            fresh = ManagedDisk(boot.managed_disk, name=new_name)
             spec = InstanceSpec(instance.spec, boot_disk=AttachedDiskSpec(boot, managed_disk=fresh))
             request = UpdateInstanceRequest(metadata=instance.metadata, spec=spec)
             self._wait(s.instances.update(request, **kwargs).wait())

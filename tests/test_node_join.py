@@ -211,3 +211,14 @@ async def test_join_token_never_enters_workflow_history(fleet_world: Stack) -> N
     assert secret not in history
     stored = stack.world.query("SELECT * FROM join_tokens WHERE id=?", token_id)
     assert stored == [] or secret not in json.dumps(dict(stored[0])), "only a hash is stored"
+
+
+async def test_cancelled_join_deletes_its_machine(stack: Stack) -> None:
+    stack.world.set_site("site-b", unreachable=1)
+    handle = await stack.start_join({"site": "site-b"})
+    await wait_for(lambda: stack.world.machines("site-b"), timeout=30)
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError):
+        await handle.result()
+    await wait_for(lambda: not stack.world.machines("site-b"), timeout=30)
+    assert len(stack.world.machines("site-b", include_deleted=True)) == 1

@@ -129,6 +129,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--node-name", help="this node's Kubernetes name (real mode)")
     parser.add_argument("--sim", action="store_true", help="host every simulated node's agent")
+    parser.add_argument("--poll-seconds", type=float, default=0.2, help="sim: how often machines are checked")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node-agent %(levelname)s %(message)s")
     settings = Settings.from_env()
@@ -138,7 +139,7 @@ async def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if args.sim:
-        await SimNodeHost(client, settings).run(stop)
+        await SimNodeHost(client, settings, poll_seconds=args.poll_seconds).run(stop)
         return
     if not args.node_name:
         parser.error("--node-name is required outside --sim")

@@ -352,8 +352,11 @@ class KubernetesCluster:
         gateway: str = "gpufleet",
         gateway_namespace: str | None = None,
         bootstrap_namespace: str = BOOTSTRAP_NAMESPACE,
+        request_timeout_s: float = 30.0,
     ) -> None:
         self.api_client = api_client or load_api_client(kubeconfig, context)
+        #: (connect, read) timeout of every call, so a hung API server cannot hold an activity forever.
+        self.request_timeout = (min(10.0, request_timeout_s), request_timeout_s)
         self.namespace = namespace
         self.gateway = gateway
         self.gateway_namespace = gateway_namespace or namespace
@@ -366,7 +369,7 @@ class KubernetesCluster:
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Call ``fn`` and return the response body as JSON; API errors stay ``ApiException``."""
         try:
-            response = fn(*args, _preload_content=False, **kwargs)
+            response = fn(*args, _preload_content=False, _request_timeout=self.request_timeout, **kwargs)
         except ApiException:
             raise
         except (urllib3.exceptions.HTTPError, OSError) as error:

@@ -36,6 +36,7 @@ import copy
 import json
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -264,6 +265,8 @@ class FakeKube:
         self.writes: list[tuple[str, str]] = []
         self.denied: list[dict[str, str | None]] = []
         self.rollout_delay_s = 0.0
+        #: Seconds every response is held back (a slow or hung API server).
+        self.response_delay_s = 0.0
         self._spec_changed_at: dict[tuple[str, str], float] = {}
         self._remove_at: dict[tuple[str, str, str, str], float] = {}
         self.server: ThreadingHTTPServer | None = None
@@ -298,8 +301,14 @@ class FakeKube:
 
             do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+
+            def handle_error(self, request: Any, client_address: Any) -> None:
+                if not isinstance(sys.exc_info()[1], ConnectionError):  # a client that gave up is fine
+                    super().handle_error(request, client_address)
+
+        self.server = Server(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.02},
                                        name="fake-kube", daemon=True)
         self.thread.start()
@@ -431,6 +440,8 @@ class FakeKube:
 
     # -- request handling ------------------------------------------------------------------
     def handle(self, method: str, raw_path: str, content_type: str, raw: bytes) -> tuple[int, dict[str, Any]]:
+        if self.response_delay_s:
+            time.sleep(self.response_delay_s)
         url = urlparse(raw_path)
         query = {k: v[-1] for k, v in parse_qs(url.query).items()}
         try:
@@ -443,6 +454,8 @@ class FakeKube:
                 return self._dispatch(method, url.path, query, content_type.split(";")[0].strip(), body)
             except ApiError as error:
                 return error.code, error.status()
+            except Exception as error:  # noqa: BLE001 - a bug here must show up as such in the test
+                return 500, ApiError(500, "InternalError", f"fake API server bug: {error!r}").status()
 
     def _dispatch(self, method: str, path: str, query: dict[str, str], ctype: str, body: Any):
         if path == "/version":

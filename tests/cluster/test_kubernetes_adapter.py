@@ -326,6 +326,15 @@ def test_unreachable_api_is_transient(fake):
         cluster.get_node("gpu-1")
 
 
+def test_a_hung_api_server_times_out_as_transient(fake):
+    cluster = KubernetesCluster(api_client=fake.api_client(), request_timeout_s=0.2)
+    fake.response_delay_s = 1.0
+    started = time.monotonic()
+    with pytest.raises(Transient):
+        cluster.get_node("gpu-1")
+    assert time.monotonic() - started < 5
+
+
 def test_forbidden_is_bad_credentials(kube, fake):
     original = fake._dispatch
 

@@ -302,7 +302,12 @@ class FakeHetzner:
             },
             "private_net": [],
             "server_type": copy.deepcopy(stype),
-            "datacenter": {"id": 4, "name": f"{location}-dc14", "description": "DC 14", "location": LOCATIONS[location]},
+            "datacenter": {
+                "id": 4,
+                "name": f"{location}-dc14",
+                "description": "DC 14",
+                "location": LOCATIONS[location],
+            },
             "location": copy.deepcopy(LOCATIONS[location]),
             "image": copy.deepcopy(image),
             "iso": None,
@@ -376,12 +381,14 @@ def _error(status: int, code: str, message: str, details: Any):
 
 
 def _invalid(field: str, message: str):
-    return _error(400, "invalid_input", f"invalid input in field '{field}'", {"fields": [{"name": field, "messages": [message]}]})
+    details = {"fields": [{"name": field, "messages": [message]}]}
+    return _error(400, "invalid_input", f"invalid input in field '{field}'", details)
 
 
 def _handler_for(fake: FakeHetzner) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        disable_nagle_algorithm = True
 
         def _serve(self) -> None:
             url = urlparse(self.path)

@@ -151,7 +151,9 @@ def bad_state(resource_id: str, message: str) -> Failure:
     return Failure(
         grpc.StatusCode.FAILED_PRECONDITION,
         message,
-        _service_error("BadResourceState", bad_resource_state=BadResourceState(resource_id=resource_id, message=message)),
+        _service_error(
+            "BadResourceState", bad_resource_state=BadResourceState(resource_id=resource_id, message=message)
+        ),
     )
 
 
@@ -182,7 +184,10 @@ def platform(name: str, presets: dict[str, int], gpu_memory_gb: int, preemptible
         metadata=ResourceMetadata(id=f"computeplatform-{name}", parent_id="project-e00public", name=name),
         spec=PlatformSpec(
             presets=[
-                Preset(name=p, resources=PresetResources(gpu_count=g, vcpu_count=16 * max(g, 1), memory_gibibytes=200 * max(g, 1)))
+                Preset(
+                    name=p,
+                    resources=PresetResources(gpu_count=g, vcpu_count=16 * max(g, 1), memory_gibibytes=200 * max(g, 1)),
+                )
                 for p, g in presets.items()
             ],
             human_readable_name=name.upper(),
@@ -371,7 +376,11 @@ class FakeNebius:
                 spec=request.spec,
                 status=InstanceStatus(state=State.CREATING, reconciling=True),
             )
-            operation = self._operation(instance_id, "Create instance", lambda: self._set_state(instance_id, State.RUNNING))
+
+            def finish() -> None:
+                self._set_state(instance_id, State.RUNNING)
+
+            operation = self._operation(instance_id, "Create instance", finish)
         self._by_key[key] = operation.id
         return operation
 
@@ -381,7 +390,8 @@ class FakeNebius:
         if not request.metadata.name:
             return bad_request("metadata.name", "name is required")
         for instance in self.instances.values():
-            if instance.metadata.parent_id == request.metadata.parent_id and instance.metadata.name == request.metadata.name:
+            same = (instance.metadata.parent_id, instance.metadata.name)
+            if same == (request.metadata.parent_id, request.metadata.name):
                 return already_exists(instance.metadata.id)
         resources = request.spec.resources
         known = {p.metadata.name: {s.name for s in p.spec.presets} for p in self.platforms}

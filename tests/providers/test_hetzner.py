@@ -24,7 +24,6 @@ from tests.providers.harness_hetzner import (
     TOKEN_ENV,
     HetznerHarness,
     default_server_types,
-    hetzner_harness,  # noqa: F401 - fixture
     make_account,
     make_site,
 )

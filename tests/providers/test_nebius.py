@@ -45,7 +45,6 @@ from tests.providers.harness_nebius import (
     default_platforms,
     make_account,
     make_site,
-    nebius_harness,  # noqa: F401 - fixture
 )
 
 
