@@ -10,7 +10,9 @@ if TYPE_CHECKING:
 
 
 def control_plane_activities(env: "FleetEnv") -> list[Callable]:
+    from activities.capacity import CapacityActivities
     from activities.control_plane import ControlPlaneActivities
+    from activities.repair import RepairActivities
 
-    classes = [ControlPlaneActivities]
+    classes = [ControlPlaneActivities, CapacityActivities, RepairActivities]
     return [fn for cls in classes for fn in cls(env).all()]

@@ -55,11 +55,18 @@ class ControlPlaneActivities:
     @activity.defn
     @typed_errors
     def provision_machine(self, input: ProvisionMachineInput) -> Machine:
+        self.env.check_account(input.site, input.spec.instance_type)  # blocked account/offer: no provider call
         return self.env.provider(input.site).create_machine(input.spec, input.idempotency_key)
 
     @activity.defn
     @typed_errors
     def delete_machine(self, input: DeleteMachineInput) -> None:
+        site = self.env.site(input.site)
+        if self.env.accounts.get(site.account).state == "credentials-revoked":
+            # No call to a revoked account: the ProviderAccount entity runs it after the fix.
+            self.env.accounts.queue_delete(site.name, site.account, input.machine_id)
+            activity.logger.warning("delete of %s queued until %s credentials are rotated", input.machine_id, site.account)
+            return
         self.env.provider(input.site).delete_machine(input.machine_id)
 
     # -- cluster ----------------------------------------------------------------------

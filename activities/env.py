@@ -9,14 +9,19 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fleet.config import FleetConfig, load_config
-from fleet.errors import InvalidRequest
+from fleet.errors import BadCredentials, InvalidRequest, OverQuota
+from fleet.models import AccountState
 from fleet.settings import Settings
 from providers import make_provider
 from providers.base import Provider
 from providers.cluster.base import Cluster
 from providers.sim import SimWorld
+
+if TYPE_CHECKING:
+    from activities.account_store import AccountStore
 
 
 @dataclass
@@ -27,6 +32,7 @@ class FleetEnv:
     world: SimWorld | None = None
     _providers: dict[str, Provider] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _accounts: "AccountStore | None" = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "FleetEnv":
@@ -48,7 +54,35 @@ class FleetEnv:
             known = ", ".join(s.name for s in self.config.sites)
             raise InvalidRequest(f"site: unknown site {name!r}; known sites: {known}") from None
 
-    def provider(self, site_name: str) -> Provider:
+    @property
+    def accounts(self) -> "AccountStore":
+        """The account guard's store (see activities.account_store for where it lives)."""
+        from activities.account_store import AccountStore
+
+        with self._lock:
+            if self._accounts is None:
+                path = self.settings.sim_db if self.world is not None else self.settings.state_dir / "accounts.db"
+                self._accounts = AccountStore(path)
+            return self._accounts
+
+    def check_account(self, site_name: str, instance_type: str | None = None) -> None:
+        """Raise before any provider call to an account a person must fix first."""
+        site = self.site(site_name)
+        record = self.accounts.get(site.account)
+        if record.state == AccountState.CREDENTIALS_REVOKED:
+            raise BadCredentials(
+                f"account {site.account}: credentials revoked; no calls until a person rotates them",
+                provider=site.provider, code="gpufleet/account-revoked",
+            )
+        if instance_type is not None and f"{site.name}/{instance_type}" in record.blocked_offers:
+            raise OverQuota(
+                f"account {site.account}: over quota for {instance_type} at {site.name}; waiting for a person",
+                provider=site.provider, code="gpufleet/quota-blocked",
+            )
+
+    def provider(self, site_name: str, *, guard: bool = True) -> Provider:
+        if guard:
+            self.check_account(site_name)
         with self._lock:
             if site_name not in self._providers:
                 site = self.site(site_name)

@@ -7,6 +7,7 @@ from datetime import datetime
 from pydantic import BaseModel, Field
 
 from fleet.models import GpuHealth, MachineSpec
+from fleet.repair_policy import RepairSettings
 
 
 class ResolveSiteInput(BaseModel):
@@ -64,6 +65,8 @@ class ProbeResult(BaseModel):
 
 class SmokeTestInput(BaseModel):
     expected_gpus: int = Field(ge=1)
+    #: Check only these GPUs' counters and compute (all must still be visible); None = every GPU.
+    only_gpus: list[int] | None = None
 
 
 class SmokeResult(BaseModel):
@@ -71,3 +74,101 @@ class SmokeResult(BaseModel):
     gpus_seen: int
     boot_id: str = ""
     failures: list[str] = Field(default_factory=list)
+
+
+# -- GPU repair ---------------------------------------------------------------------------
+class HealthReport(BaseModel):
+    """What a node agent sends its Node entity when its GPUs' health changed."""
+
+    node_name: str
+    boot_id: str
+    gpus: list[GpuHealth] = Field(default_factory=list)
+
+
+class ResetGpuInput(BaseModel):
+    index: int = Field(ge=0)
+
+
+class ReinstallDriverInput(BaseModel):
+    pass
+
+
+class NodeFactsInput(BaseModel):
+    node_name: str
+
+
+class NodeFacts(BaseModel):
+    """The node as the cluster and the config see it, with the repair settings."""
+
+    node_name: str
+    found: bool = False
+    site: str = ""
+    provider: str = ""
+    machine_id: str = ""
+    gpus: int = 0
+    boot_id: str = ""
+    ready: bool = False
+    #: Joined and proven (site label set, no unproven taint): repairs may start.
+    admitted: bool = False
+    settings: RepairSettings = Field(default_factory=RepairSettings)
+
+
+class SiteHealthInput(BaseModel):
+    site: str
+    node_name: str
+
+
+class SiteHealth(BaseModel):
+    site: str
+    nodes: int
+    #: Other nodes at the site that are not ready or cordoned.
+    unhealthy_others: int
+
+
+class ContainInput(BaseModel):
+    node_name: str
+    gpu: int
+    rung: str
+    drain_seconds: float = 240
+
+
+class ContainResult(BaseModel):
+    evicted: int = 0
+    blocked: list[str] = Field(default_factory=list)
+    completed: bool = True
+
+
+class UncontainInput(BaseModel):
+    node_name: str
+    gpu: int
+
+
+class UncontainResult(BaseModel):
+    #: The node is schedulable again (no other GPU on it is still fenced).
+    uncordoned: bool
+    still_fenced: list[int] = Field(default_factory=list)
+
+
+class RestartMachineInput(BaseModel):
+    site: str
+    machine_id: str
+    node_name: str
+    #: The boot id before the restart: a retried call that finds it changed does nothing.
+    boot_id_before: str
+
+
+class WaitForBootInput(BaseModel):
+    node_name: str
+    boot_id_before: str
+    deadline: datetime
+    poll_seconds: float = 1.0
+
+
+class RetireMachineInput(BaseModel):
+    site: str
+    machine_id: str
+    node_name: str
+
+
+class ReplacementSitesInput(BaseModel):
+    site: str

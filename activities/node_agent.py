@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 from temporalio import activity
+from temporalio.exceptions import ApplicationError
 
-from activities.models import ProbeGpusInput, ProbeResult, SmokeResult, SmokeTestInput
+from activities.models import (
+    ProbeGpusInput,
+    ProbeResult,
+    ReinstallDriverInput,
+    ResetGpuInput,
+    SmokeResult,
+    SmokeTestInput,
+)
 from providers.gpu import GpuBackend
 
 
@@ -14,7 +22,7 @@ class NodeAgentActivities:
         self.gpus = gpus
 
     def all(self) -> list:
-        return [self.probe_gpus, self.smoke_test]
+        return [self.probe_gpus, self.smoke_test, self.reset_gpu, self.reinstall_driver]
 
     @activity.defn
     def probe_gpus(self, input: ProbeGpusInput) -> ProbeResult:
@@ -28,8 +36,26 @@ class NodeAgentActivities:
         if len(gpus) != input.expected_gpus:
             failures.append(f"{len(gpus)} of {input.expected_gpus} GPUs visible")
         for gpu in gpus:
+            if input.only_gpus is not None and gpu.index not in input.only_gpus:
+                continue
             failures += [f"GPU {gpu.index}: {problem}" for problem in gpu.problems()]
             activity.heartbeat(gpu.index)
             if not gpu.lost and (problem := self.gpus.compute_check(gpu.index)):
                 failures.append(problem)
         return SmokeResult(passed=not failures, gpus_seen=len(gpus), boot_id=self.gpus.boot_id(), failures=failures)
+
+    @activity.defn
+    def reset_gpu(self, input: ResetGpuInput) -> str:
+        """``nvidia-smi -r -i N``. Refused while processes still hold the GPU: that is
+        not retried here (the workflow decides: the rung failed)."""
+        try:
+            return self.gpus.reset_gpu(input.index)
+        except RuntimeError as error:
+            raise ApplicationError(str(error), type="GpuResetFailed", non_retryable=True) from error
+
+    @activity.defn
+    def reinstall_driver(self, input: ReinstallDriverInput) -> str:
+        try:
+            return self.gpus.reinstall_driver()
+        except RuntimeError as error:
+            raise ApplicationError(str(error), type="DriverReinstallFailed", non_retryable=True) from error

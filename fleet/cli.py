@@ -22,6 +22,9 @@ config_app = typer.Typer(help="Fleet configuration (sites.yaml).", no_args_is_he
 sim_app = typer.Typer(help="Change the simulated world while the dev stack runs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(sim_app, name="sim")
+from fleet.cli_cluster import cluster_app  # noqa: E402 - sub-apps register after the main app
+
+app.add_typer(cluster_app, name="cluster")
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)

@@ -16,6 +16,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleet.models import CapacityType, CredentialsRef
+from fleet.repair_policy import RepairSettings
 
 PROVIDERS = ("aws", "lambda", "nebius", "hetzner", "own-dc")
 
@@ -45,6 +46,27 @@ class Account(_Strict):
     options: dict[str, Any] = Field(default_factory=dict)
 
 
+class ObjectStore(_Strict):
+    """An S3-compatible bucket (AWS S3, Nebius, Hetzner object storage, MinIO...).
+
+    ``credentials`` is a reference whose value is either JSON
+    ``{"access_key_id": ..., "secret_access_key": ..., "session_token": ...}`` or
+    ``ACCESS_KEY_ID:SECRET_ACCESS_KEY``; without it boto3's default chain is used
+    (instance role, ``AWS_*`` env). Read inside activities only.
+    """
+
+    endpoint_url: str | None = None
+    bucket: str = Field(min_length=1)
+    region: str = "us-east-1"
+    #: Key prefix inside the bucket ("" or ending in "/").
+    prefix: str = ""
+    credentials: CredentialsRef | None = None
+    addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    #: ``store``: the store checks each upload's ChecksumSHA256 (AWS S3 does);
+    #: ``read-back``: stream the copy back and hash it (stores that ignore checksums).
+    checksum_verification: Literal["store", "read-back"] = "store"
+
+
 class Site(_Strict):
     name: str
     provider: Literal["aws", "lambda", "nebius", "hetzner", "own-dc"]
@@ -61,13 +83,19 @@ class Site(_Strict):
     max_nodes: int = Field(ge=0)
     image: str = ""
     sim: SimSiteSettings = Field(default_factory=SimSiteSettings)
+    #: Where this site's model weights are replicated to (rule 10); optional.
+    object_store: ObjectStore | None = None
 
 
 class FleetConfig(_Strict):
     #: ``sim`` drives every site through the simulated provider and cluster.
     mode: Literal["sim", "real"] = "sim"
+    #: POSTed (JSON) when a person must act, e.g. an account is quota-blocked or its credentials revoked.
+    notify_webhook: str | None = None
     accounts: list[Account] = Field(default_factory=list)
     sites: list[Site] = Field(default_factory=list)
+    #: GPU repair ladder thresholds and timeouts.
+    repair: RepairSettings = Field(default_factory=RepairSettings)
 
     def site(self, name: str) -> Site:
         for site in self.sites:

@@ -121,6 +121,8 @@ class GpuHealth(BaseModel):
     ecc_uncorrected: int = 0
     remapped_rows_pending: bool = False
     remapped_rows_failure: bool = False
+    #: Older (pre-Ampere) GPUs: ECC page retirement waiting for a reset.
+    retired_pages_pending: bool = False
     nvlink_down: int = 0
     xid_events: list[XidEvent] = Field(default_factory=list)
     #: NVML's GPU recovery action where the driver exposes it (0 = none).
@@ -138,6 +140,8 @@ class GpuHealth(BaseModel):
             found.append("row remapping failed")
         if self.remapped_rows_pending:
             found.append("row remap pending (needs reset)")
+        if self.retired_pages_pending:
+            found.append("page retirement pending (needs reset)")
         if self.nvlink_down:
             found.append(f"{self.nvlink_down} NVLink links down")
         if self.slowdown_temperature_c and self.temperature_c >= self.slowdown_temperature_c:

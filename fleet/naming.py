@@ -12,3 +12,19 @@ def node_name_for(site: str, join_id: str) -> str:
 
 def join_workflow_id(site: str, request: str) -> str:
     return f"join/{site}/{request}"
+
+
+def account_workflow_id(provider: str, account: str) -> str:
+    return f"account/{provider}/{account}"
+
+
+def site_workflow_id(site: str) -> str:
+    return f"site/{site}"
+
+
+def capacity_workflow_id(request: str) -> str:
+    return f"capacity/{request}"
+
+
+def reclaim_workflow_id(node_name: str) -> str:
+    return f"reclaim/{node_name}"

@@ -30,6 +30,14 @@ class GpuBackend(Protocol):
         """None when GPU ``index`` computes correctly, else why not."""
         ...
 
+    def reset_gpu(self, index: int) -> str:
+        """Reset one GPU (``nvidia-smi -r -i N``); raises when it cannot (processes hold it)."""
+        ...
+
+    def reinstall_driver(self) -> str:
+        """Reinstall the GPU driver on this node; raises when it cannot."""
+        ...
+
 
 class NvmlBackend:
     """A real node's GPUs. XID events are collected by a background waiter on
@@ -110,6 +118,8 @@ class NvmlBackend:
             action = _optional(nvml.nvmlDeviceGetFieldValues, handle, [nvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
             if action and action[0].nvmlReturn == nvml.NVML_SUCCESS:
                 health.recovery_action = int(action[0].value.uiVal)
+            retired = _optional(nvml.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+            health.retired_pages_pending = bool(retired) and retired == nvml.NVML_FEATURE_ENABLED
             with self._lock:
                 health.xid_events = self._xids.pop(i, [])
             report.append(health)
@@ -117,6 +127,29 @@ class NvmlBackend:
 
     def compute_check(self, index: int) -> str | None:
         return cuda_memory_check(index)
+
+    def reset_gpu(self, index: int) -> str:
+        """``nvidia-smi -r -i N``: fails while any process still holds the GPU."""
+        import subprocess
+
+        done = subprocess.run(["nvidia-smi", "-r", "-i", str(index)], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"GPU {index}: nvidia-smi -r failed: {(done.stderr or done.stdout).strip()}")
+        return done.stdout.strip() or f"GPU {index} reset"
+
+    def reinstall_driver(self) -> str:
+        """Run the site's driver reinstall command (``GPUFLEET_DRIVER_REINSTALL_CMD``)."""
+        import os
+        import shlex
+        import subprocess
+
+        command = os.environ.get("GPUFLEET_DRIVER_REINSTALL_CMD")
+        if not command:
+            raise RuntimeError("no driver reinstall command configured (GPUFLEET_DRIVER_REINSTALL_CMD)")
+        done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=3600)
+        if done.returncode != 0:
+            raise RuntimeError(f"driver reinstall failed: {(done.stderr or done.stdout).strip()[-500:]}")
+        return "driver reinstalled"
 
 
 def _optional(call, *args):

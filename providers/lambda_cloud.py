@@ -118,6 +118,8 @@ def _error(response: httpx.Response, what: str, overrides: dict[str, type[Provid
         body = response.json().get("error") or {}
     except (ValueError, AttributeError):
         body = {}
+    if not isinstance(body, dict):
+        body = {}
     code = str(body.get("code") or f"http-{response.status_code}")
     cls = classify(response.status_code, code, overrides)
     message = f"Lambda {what}: HTTP {response.status_code} {code}: {body.get('message', '')}"

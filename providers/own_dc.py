@@ -180,6 +180,12 @@ class _StateFile:
             state = json.loads(self.path.read_text())
         except FileNotFoundError:
             state = {}
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"own-dc state file {self.path} is not valid JSON; repair it by hand",
+                provider=PROVIDER,
+                code="state-file",
+            ) from exc
         state.setdefault("allocations", {})
         return state
 
@@ -204,9 +210,12 @@ class _Bmc:
         except httpx.TransportError as exc:
             code = type(exc).__name__
             raise Transient(f"BMC {what}: {code}", provider=PROVIDER, code=code) from exc
-        if response.is_success:
+        if not response.is_success:
+            raise self._error(response, what)
+        try:
             return response.json() if response.content else {}
-        raise self._error(response, what)
+        except ValueError as exc:
+            raise Transient(f"BMC {what}: answer is not JSON", provider=PROVIDER, code="bad-body") from exc
 
     @staticmethod
     def _error(response: httpx.Response, what: str) -> ProviderError:
@@ -214,8 +223,11 @@ class _Bmc:
             error = response.json().get("error") or {}
         except (ValueError, AttributeError):
             error = {}
+        if not isinstance(error, dict):
+            error = {}
         info = error.get("@Message.ExtendedInfo") or [{}]
-        message_id = (info[0] if isinstance(info[0], dict) else {}).get("MessageId") or error.get("code") or ""
+        first = info[0] if isinstance(info, list) and isinstance(info[0], dict) else {}
+        message_id = first.get("MessageId") or error.get("code") or ""
         code = f"HTTP {response.status_code} {message_id}".strip()
         cls = HTTP_ERRORS.get(response.status_code, Transient)
         return cls(f"BMC {what}: {code}: {error.get('message', '')}", provider=PROVIDER, code=code)

@@ -56,6 +56,9 @@ CREATE TABLE IF NOT EXISTS nodes (
     unschedulable INTEGER DEFAULT 0, ready INTEGER DEFAULT 1, boot_id TEXT,
     gpus INTEGER, registered_at REAL
 );
+CREATE TABLE IF NOT EXISTS reclaim_notices (
+    machine_id TEXT PRIMARY KEY, posted_at REAL, terminate_at REAL
+);
 CREATE TABLE IF NOT EXISTS join_tokens (
     id TEXT PRIMARY KEY, secret_sha256 TEXT, node_name TEXT, machine_id TEXT,
     expires_at REAL, used_at REAL
@@ -148,7 +151,8 @@ class SimWorld:
 
     def inject_fault(self, machine_id: str, gpu: int, kind: str, value: int = 1, clears_on: str = "reset") -> None:
         """Break a GPU. ``kind``: xid, ecc, remap_pending, remap_failure, lost,
-        nvlink_down, hot, compute, recovery_action. ``clears_on``: the weakest
+        nvlink_down, hot, compute, recovery_action, retired_pending, held (processes
+        hold the GPU: a reset is refused). ``clears_on``: the weakest
         repair rung that fixes it (reset, reboot, reinstall, never)."""
         if clears_on not in RUNGS:
             raise ValueError(f"clears_on must be one of {RUNGS}")
@@ -171,6 +175,24 @@ class SimWorld:
             args.append(gpu)
         with self.tx() as db:
             return db.execute(sql, args).rowcount
+
+    def post_reclaim_notice(self, machine_id: str, seconds: float = 120) -> float:
+        """The provider announces it will reclaim this (spot) machine in ``seconds``
+        (AWS spot/instance-action, GCP preempted). Returns the termination time."""
+        if self.machine(machine_id) is None:
+            raise KeyError(machine_id)
+        now = _now()
+        with self.tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO reclaim_notices(machine_id, posted_at, terminate_at) VALUES (?,?,?)",
+                (machine_id, now, now + seconds),
+            )
+        return now + seconds
+
+    def reclaim_notice(self, machine_id: str) -> float | None:
+        """When the machine will be reclaimed, if a notice was posted (what IMDS answers)."""
+        rows = self.query("SELECT terminate_at FROM reclaim_notices WHERE machine_id=?", machine_id)
+        return rows[0][0] if rows else None
 
     # -- what tests and the CLI read ----------------------------------------------
     def calls(self, account: str, op: str | None = None) -> int:
@@ -234,8 +256,17 @@ class SimWorld:
                     health.temperature_c = health.slowdown_temperature_c + value
                 elif kind == "recovery_action":
                     health.recovery_action = value
+                elif kind == "retired_pending":
+                    health.retired_pages_pending = True
+                # kind "held": processes hold the GPU (a reset fails); invisible to NVML health.
             report.append(health)
         return report
+
+    def gpu_held(self, machine_id: str, gpu: int) -> bool:
+        """Whether processes hold the GPU (a ``held`` fault), so ``nvidia-smi -r`` refuses."""
+        return bool(self.query(
+            "SELECT 1 FROM gpu_faults WHERE machine_id=? AND idx=? AND kind='held'", machine_id, gpu
+        ))
 
     def compute_ok(self, machine_id: str, gpu: int) -> bool:
         return not self.query(
@@ -409,3 +440,15 @@ class SimGpuBackend:
 
     def compute_check(self, index: int) -> str | None:
         return None if self.world.compute_ok(self.machine_id, index) else f"GPU {index}: compute check produced wrong results"
+
+    def reset_gpu(self, index: int) -> str:
+        """``nvidia-smi -r -i N``, simulated: refused while processes hold the GPU."""
+        if self.world.gpu_held(self.machine_id, index):
+            raise RuntimeError(f"GPU {index}: reset refused, processes still hold the GPU")
+        cleared = self.world.clear_faults(self.machine_id, "reset", index)
+        return f"GPU {index} reset ({cleared} simulated faults cleared)"
+
+    def reinstall_driver(self) -> str:
+        """Driver reinstall, simulated: clears what a reinstall clears, boot id unchanged."""
+        cleared = self.world.clear_faults(self.machine_id, "reinstall")
+        return f"driver reinstalled ({cleared} simulated faults cleared)"

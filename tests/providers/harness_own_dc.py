@@ -159,9 +159,7 @@ class OwnDcHarness:
             provider="own-dc",
             credentials=CredentialsRef(env=CREDENTIALS_ENV),
             options={
-                "machines": [
-                    {"name": s["name"], "bmc_url": proxy.url, "system_id": s["uuid"]} for s in SYSTEMS
-                ],
+                "machines": [{"name": s["name"], "bmc_url": proxy.url, "system_id": s["uuid"]} for s in SYSTEMS],
                 "state_file": str(self.state_file),
                 "timeout": 10,
             },
@@ -209,7 +207,9 @@ class OwnDcHarness:
         """Another tenant holds every free machine."""
         state = {"allocations": self.allocations()}
         for s in SYSTEMS:
-            state["allocations"].setdefault(s["name"], {"key": BLOCKER, "name": "other", "site": "other", "status": "allocated"})
+            state["allocations"].setdefault(
+                s["name"], {"key": BLOCKER, "name": "other", "site": "other", "status": "allocated"}
+            )
         self.state_file.parent.mkdir(parents=True, exist_ok=True)
         self.state_file.write_text(json.dumps(state))
 
@@ -223,9 +223,7 @@ class OwnDcHarness:
 
 
 @pytest.fixture
-def own_dc_harness(
-    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> OwnDcHarness:
+def own_dc_harness(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> OwnDcHarness:
     proxy = shared_bmc(request.config)
     proxy.reset()
     monkeypatch.setenv(CREDENTIALS_ENV, SECRET)

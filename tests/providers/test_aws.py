@@ -155,7 +155,9 @@ def test_reinstall_replaces_the_root_volume_from_the_launch_ami(aws_harness: Aws
         "<startTime>2026-01-01T00:00:00Z</startTime><deleteReplacedRootVolume>true</deleteReplacedRootVolume>"
         "</replaceRootVolumeTask></CreateReplaceRootVolumeTaskResponse>"
     )
-    aws_harness.proxy.once(answer("CreateReplaceRootVolumeTask", Reply(200, body.encode(), {"Content-Type": "text/xml"})))
+    aws_harness.proxy.once(
+        answer("CreateReplaceRootVolumeTask", Reply(200, body.encode(), {"Content-Type": "text/xml"}))
+    )
     aws_harness.provider.reinstall_machine(machine.id)
     [task] = aws_harness.requests("CreateReplaceRootVolumeTask")
     assert task["InstanceId"] == machine.id

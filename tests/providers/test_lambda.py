@@ -95,7 +95,10 @@ def test_classify_table() -> None:
     assert classify(429, "global/invalid-parameters") is Transient
     assert classify(503, "provider/internal-unavailable") is Transient
     assert classify(400, "something/new") is Transient
-    assert classify(404, "global/object-does-not-exist", {"global/object-does-not-exist": InvalidRequest}) is InvalidRequest
+    assert (
+        classify(404, "global/object-does-not-exist", {"global/object-does-not-exist": InvalidRequest})
+        is InvalidRequest
+    )
 
 
 def test_wrong_api_key_is_bad_credentials(lambda_harness: LambdaHarness, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -73,7 +73,11 @@ def test_create_allocates_sets_pxe_once_and_powers_on(own_dc_harness: OwnDcHarne
     assert patch == [{"Boot": {"BootSourceOverrideTarget": "Pxe", "BootSourceOverrideEnabled": "Once"}}]
     assert sent(own_dc_harness, "POST", "/ComputerSystem.Reset") == [{"ResetType": "On"}]
     allocation = own_dc_harness.allocations()[machine.id]
-    assert (allocation["key"], allocation["name"], allocation["status"]) == ("k1", own_dc_harness.spec.name, "allocated")
+    assert (allocation["key"], allocation["name"], allocation["status"]) == (
+        "k1",
+        own_dc_harness.spec.name,
+        "allocated",
+    )
 
 
 def test_create_restarts_a_machine_that_is_already_on(own_dc_harness: OwnDcHarness) -> None:
@@ -224,7 +228,9 @@ def test_system_id_is_discovered_when_the_bmc_has_one_system(own_dc_harness: Own
     own_dc_harness.proxy.once(one_member)
     machine = provider.create_machine(own_dc_harness.spec, "k2")
     assert machine.id == "solo"
-    assert any(r.path.endswith(f"{SYSTEMS[2]['uuid']}/Actions/ComputerSystem.Reset") for r in own_dc_harness.proxy.requests)
+    assert any(
+        r.path.endswith(f"{SYSTEMS[2]['uuid']}/Actions/ComputerSystem.Reset") for r in own_dc_harness.proxy.requests
+    )
 
 
 def test_bad_inventory_is_invalid_request(own_dc_harness: OwnDcHarness) -> None:

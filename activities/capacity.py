@@ -1,0 +1,230 @@
+"""Capacity activities: the provider catalog, the account guard, sites, drains, webhooks.
+
+Run by the control-plane worker. Every provider call here goes through
+``FleetEnv.provider`` (which refuses a revoked account before an SDK is touched),
+except ``check_credentials``: the one cheap authenticated call a person asks for
+when they say the credentials are fixed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+from temporalio import activity
+from temporalio.common import WorkflowIDConflictPolicy
+
+from activities.account_store import AccountRecord, CatalogEntry
+from activities.capacity_models import (
+    AccountInput,
+    AccountRecordInput,
+    Catalog,
+    DrainNodeInput,
+    GetCatalogInput,
+    NotifyInput,
+    ReportAccountInput,
+    RetireMachineInput,
+    SignalSitesInput,
+    SiteNode,
+    SiteNodesInput,
+)
+from activities.env import FleetEnv
+from activities.errors import typed_errors
+from fleet.errors import BadCredentials, FleetError
+from fleet.models import AccountState
+from fleet.naming import account_workflow_id, site_workflow_id
+from fleet.placement import AccountView
+from providers.cluster.base import LABEL_SITE, UNPROVEN_TAINT, DrainResult
+
+
+class CapacityActivities:
+    def __init__(self, env: FleetEnv) -> None:
+        self.env = env
+
+    def all(self) -> list:
+        return [
+            self.get_catalog,
+            self.report_account,
+            self.write_account_state,
+            self.check_credentials,
+            self.run_queued_deletes,
+            self.notify_person,
+            self.wake_waiting_requests,
+            self.drain_within,
+            self.site_nodes,
+            self.signal_sites,
+            self.retire_machine,
+            self.fleet_sites,
+        ]
+
+    # -- catalog ----------------------------------------------------------------------------
+    def _refresh(self) -> list[CatalogEntry]:
+        """List every site's offers; a revoked account is skipped without a call."""
+        sites = self.env.config.sites
+
+        def one(site) -> CatalogEntry:
+            entry = CatalogEntry(site=site.name, refreshed_at=time.time())
+            try:
+                entry.offers = self.env.provider(site.name).list_offers()
+            except FleetError as error:
+                entry.error_type, entry.error = error.type_name, str(error)
+            return entry
+
+        with ThreadPoolExecutor(max_workers=min(16, max(1, len(sites)))) as pool:
+            entries = list(pool.map(one, sites))
+        for entry in entries:
+            self.env.accounts.put_catalog(entry)
+        return entries
+
+    @activity.defn
+    async def get_catalog(self, input: GetCatalogInput) -> Catalog:
+        """Offers of every site (stored ones when fresh), with account states.
+
+        A site whose account answers BadCredentials is reported to its
+        ProviderAccount entity here, so a refresh alone stops further calls."""
+        entries = await asyncio.to_thread(self.env.accounts.catalog)
+        known = {e.site for e in entries}
+        oldest = min((e.refreshed_at for e in entries), default=0.0)
+        stale = time.time() - oldest > input.max_age_seconds
+        if input.force or stale or known != {s.name for s in self.env.config.sites}:
+            entries = await asyncio.to_thread(self._refresh)
+        catalog = Catalog(sites=self.env.config.sites, refreshed_at=min((e.refreshed_at for e in entries), default=0))
+        for entry in entries:
+            catalog.offers += entry.offers
+            if entry.error_type:
+                catalog.errors[entry.site] = f"{entry.error_type}: {entry.error}"
+                if entry.error_type == "BadCredentials" and "gpufleet/account-revoked" not in entry.error:
+                    site = self.env.site(entry.site)
+                    await self._report(ReportAccountInput(account=site.account, kind="BadCredentials",
+                                                          message=entry.error))
+        for record in await asyncio.to_thread(self.env.accounts.all):
+            catalog.accounts[record.name] = AccountView(state=record.state, blocked_offers=record.blocked_offers)
+        return catalog
+
+    # -- the account guard ------------------------------------------------------------------
+    async def _report(self, input: ReportAccountInput) -> None:
+        account = self.env.config.account(input.account)
+        store = self.env.accounts
+        if input.kind == "BadCredentials":
+            await asyncio.to_thread(store.mark_revoked, account.name, account.provider, input.message)
+        else:
+            await asyncio.to_thread(store.block_offer, account.name, account.provider, input.offer, input.message)
+        # The entity is the record people see; the store above already stops calls.
+        await activity.client().start_workflow(
+            "ProviderAccount", {"account": account.name, "provider": account.provider},
+            id=account_workflow_id(account.provider, account.name), task_queue=activity.info().task_queue,
+            start_signal="report", start_signal_args=[input.model_dump(mode="json")],
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            static_summary=f"{account.provider} account {account.name}",
+        )
+
+    @activity.defn
+    async def report_account(self, input: ReportAccountInput) -> None:
+        """OverQuota / BadCredentials seen: block in the store now, tell the entity."""
+        await self._report(input)
+
+    @activity.defn
+    def write_account_state(self, input: AccountRecordInput) -> None:
+        """The ProviderAccount entity's write-through to the store activities check."""
+        current = self.env.accounts.get(input.account)
+        since = current.since if current.state == input.state else time.time()
+        self.env.accounts.put(AccountRecord(
+            name=input.account, provider=input.provider, state=input.state, blocked_offers=input.blocked_offers,
+            reason=input.reason, since=since if input.state != AccountState.HEALTHY else None,
+        ))
+
+    @activity.defn
+    @typed_errors
+    def check_credentials(self, input: AccountInput) -> str:
+        """One cheap authenticated call (list offers at one of its sites), past the guard."""
+        sites = [s for s in self.env.config.sites if s.account == input.account]
+        if not sites:
+            raise BadCredentials(f"account {input.account}: no site uses it, nothing to check with")
+        offers = self.env.provider(sites[0].name, guard=False).list_offers()
+        return f"{sites[0].name}: authenticated, {len(offers)} offers"
+
+    @activity.defn
+    @typed_errors
+    def run_queued_deletes(self, input: AccountInput) -> list[str]:
+        """The deletes queued while the account was revoked (the store says healthy now)."""
+        done = []
+        for pending in self.env.accounts.pending_deletes(input.account):
+            self.env.provider(pending.site).delete_machine(pending.machine_id)
+            self.env.accounts.done_delete(pending.machine_id)
+            done.append(pending.machine_id)
+            activity.heartbeat(len(done))
+        return done
+
+    @activity.defn
+    async def notify_person(self, input: NotifyInput) -> bool:
+        """POST to the configured webhook; no webhook configured: nothing to do."""
+        url = self.env.config.notify_webhook
+        if not url:
+            return False
+        async with httpx.AsyncClient(timeout=10) as http:
+            response = await http.post(url, json=input.model_dump(mode="json"))
+            response.raise_for_status()
+        return True
+
+    @activity.defn
+    async def wake_waiting_requests(self) -> int:
+        """Signal every running AcquireCapacity: offers changed, look again."""
+        client = activity.client()
+        woken = 0
+        query = 'WorkflowType = "AcquireCapacity" AND ExecutionStatus = "Running"'
+        async for wf in client.list_workflows(query):
+            try:
+                await client.get_workflow_handle(wf.id, run_id=wf.run_id).signal("offers_changed")
+                woken += 1
+            except Exception:  # noqa: BLE001 - it may have finished meanwhile
+                pass
+        return woken
+
+    # -- sites and nodes --------------------------------------------------------------------
+    @activity.defn
+    def fleet_sites(self) -> list:
+        return [s.model_dump(mode="json") for s in self.env.config.sites]
+
+    @activity.defn
+    def site_nodes(self, input: SiteNodesInput) -> list[SiteNode]:
+        site = self.env.site(input.site)
+        return [
+            SiteNode(node_name=n.name, machine_id=n.machine_id, ready=n.ready, unproven=UNPROVEN_TAINT in n.taints,
+                     registered_at=n.registered_at, price_per_gpu_hour=site.price_per_gpu_hour)
+            for n in self.env.cluster.list_nodes({LABEL_SITE: site.name})
+        ]
+
+    @activity.defn
+    async def signal_sites(self, input: SignalSitesInput) -> list[str]:
+        """Signal-with-start ``site/<name>`` with ``reconcile`` (the reconcile sweep)."""
+        client = activity.client()
+        names = input.sites or [s.name for s in self.env.config.sites]
+        for name in names:
+            await client.start_workflow(
+                "Site", {"site": name}, id=site_workflow_id(name), task_queue=activity.info().task_queue,
+                start_signal="reconcile", id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                static_summary=f"site {name}: min/max reconcile",
+            )
+        return names
+
+    @activity.defn
+    def drain_within(self, input: DrainNodeInput) -> DrainResult:
+        """Cordon and evict through the Eviction API (PDBs honoured) until the deadline."""
+        return self.env.cluster.drain_node(
+            input.node_name, input.deadline_seconds, force=input.force, heartbeat=activity.heartbeat
+        )
+
+    @activity.defn
+    @typed_errors
+    def retire_machine(self, input: RetireMachineInput) -> None:
+        """Node object out, machine deleted (queued if the account is revoked)."""
+        self.env.cluster.remove_node(input.node_name)
+        if not input.machine_id:
+            return
+        site = self.env.site(input.site)
+        if self.env.accounts.get(site.account).state == AccountState.CREDENTIALS_REVOKED:
+            self.env.accounts.queue_delete(site.name, site.account, input.machine_id)
+            return
+        self.env.provider(site.name).delete_machine(input.machine_id)

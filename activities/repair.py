@@ -1,0 +1,190 @@
+"""Control-plane activities of the GPU repair ladder: facts, contain, restart, retire.
+
+Run by the control-plane worker. Node-local steps (GPU reset, driver
+reinstall, smoke test) are in ``activities.node_agent``. Every activity here is
+idempotent, so a retried attempt after a worker crash changes nothing twice.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.env import FleetEnv
+from activities.errors import typed_errors
+from activities.models import (
+    ContainInput,
+    ContainResult,
+    NodeFacts,
+    NodeFactsInput,
+    ReplacementSitesInput,
+    RestartMachineInput,
+    RetireMachineInput,
+    SiteHealth,
+    SiteHealthInput,
+    UncontainInput,
+    UncontainResult,
+    WaitForBootInput,
+)
+from fleet.errors import NotFound
+from fleet.models import Node
+from providers.cluster.base import ANNOTATION_MACHINE_ID, LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
+
+#: One annotation per fenced GPU: ``gpufleet.io/fenced-gpu-<i>: <rung>``. The node's
+#: device plugin treats a fenced GPU as unhealthy (not allocatable).
+FENCE_PREFIX = "gpufleet.io/fenced-gpu-"
+
+
+def fence_key(gpu: int) -> str:
+    return f"{FENCE_PREFIX}{gpu}"
+
+
+class RepairActivities:
+    def __init__(self, env: FleetEnv) -> None:
+        self.env = env
+
+    def all(self) -> list:
+        return [
+            self.node_facts,
+            self.site_health,
+            self.contain_gpu,
+            self.uncontain_gpu,
+            self.reboot_machine,
+            self.reinstall_machine,
+            self.wait_for_boot,
+            self.retire_machine,
+            self.replacement_sites,
+        ]
+
+    # -- facts ------------------------------------------------------------------------
+    @activity.defn
+    def node_facts(self, input: NodeFactsInput) -> NodeFacts:
+        settings = self.env.config.repair
+        node = self.env.cluster.get_node(input.node_name)
+        if node is None:
+            return NodeFacts(node_name=input.node_name, found=False, settings=settings)
+        site = node.site or node.labels.get(LABEL_SITE, "")
+        machine_id = node.machine_id
+        if not machine_id:
+            try:
+                machine_id = self.env.cluster.annotate_node(node.name, {}).get(ANNOTATION_MACHINE_ID, "")
+            except NotFound:
+                machine_id = ""
+        gpus = node.gpus_allocatable
+        if site:
+            try:
+                gpus = self.env.site(site).gpus_per_machine
+            except Exception:  # noqa: BLE001 - a site gone from the config: keep the node's count
+                pass
+        return NodeFacts(
+            node_name=node.name, found=True, site=site,
+            provider=node.provider or node.labels.get(LABEL_PROVIDER, ""), machine_id=machine_id, gpus=gpus,
+            boot_id=node.boot_id, ready=node.ready,
+            admitted=bool(site) and UNPROVEN_TAINT not in node.taints, settings=settings,
+        )
+
+    @activity.defn
+    def site_health(self, input: SiteHealthInput) -> SiteHealth:
+        nodes = self.env.cluster.list_nodes({LABEL_SITE: input.site})
+        others = [n for n in nodes if n.name != input.node_name]
+        unhealthy = sum(1 for n in others if not n.ready or n.unschedulable)
+        return SiteHealth(site=input.site, nodes=len(nodes), unhealthy_others=unhealthy)
+
+    # -- contain ----------------------------------------------------------------------
+    @activity.defn
+    @typed_errors
+    def contain_gpu(self, input: ContainInput) -> ContainResult:
+        """Fence the GPU, then drain the node's pods honoring PodDisruptionBudgets.
+
+        The cluster port cannot tell which pod holds which GPU, so pods are
+        drained node-wide and the node is cordoned (``drain_node`` cordons
+        first) for every rung; un-containing uncordons only when no GPU of the
+        node is still fenced.
+        """
+        cluster = self.env.cluster
+        cluster.annotate_node(input.node_name, {fence_key(input.gpu): input.rung})
+        drain = getattr(cluster, "drain_node", None)
+        if drain is None:
+            cluster.cordon(input.node_name, True)
+            return ContainResult()
+        result = drain(input.node_name, input.drain_seconds, False, activity.heartbeat)
+        return ContainResult(
+            evicted=len(result.evicted), blocked=[f"{p.key}: {p.reason}" for p in result.blocked],
+            completed=result.completed,
+        )
+
+    @activity.defn
+    @typed_errors
+    def uncontain_gpu(self, input: UncontainInput) -> UncontainResult:
+        cluster = self.env.cluster
+        annotations = cluster.annotate_node(input.node_name, {fence_key(input.gpu): None})
+        still = sorted(int(k.removeprefix(FENCE_PREFIX)) for k in annotations if k.startswith(FENCE_PREFIX))
+        if still:
+            return UncontainResult(uncordoned=False, still_fenced=still)
+        cluster.cordon(input.node_name, False)
+        return UncontainResult(uncordoned=True)
+
+    # -- restart ----------------------------------------------------------------------
+    def _restart(self, input: RestartMachineInput, op: str) -> str:
+        """Reboot/reinstall at most once per boot: a retry that finds the boot id
+        changed, or the machine already restarting, does not restart it again."""
+        provider = self.env.provider(input.site)
+        node = self.env.cluster.get_node(input.node_name)
+        if node is not None and node.boot_id and node.boot_id != input.boot_id_before:
+            return f"already restarted (boot {node.boot_id[:8]})"
+        if provider.get_machine(input.machine_id).state in ("rebooting", "pending"):
+            return "already restarting"
+        getattr(provider, f"{op}_machine")(input.machine_id)
+        return f"{op} requested"
+
+    @activity.defn
+    @typed_errors
+    def reboot_machine(self, input: RestartMachineInput) -> str:
+        return self._restart(input, "reboot")
+
+    @activity.defn
+    @typed_errors
+    def reinstall_machine(self, input: RestartMachineInput) -> str:
+        return self._restart(input, "reinstall")
+
+    @activity.defn
+    def wait_for_boot(self, input: WaitForBootInput) -> Node:
+        """Until the node is Ready with a boot id other than ``boot_id_before``."""
+        interval = 0.05
+        while True:
+            node = self.env.cluster.get_node(input.node_name)
+            if node is not None and node.ready and node.boot_id and node.boot_id != input.boot_id_before:
+                return node
+            if datetime.now(timezone.utc) >= input.deadline:
+                raise ApplicationError(
+                    f"node {input.node_name} did not come back with a new boot id by {input.deadline.isoformat()}",
+                    type="BootTimeout", non_retryable=True,
+                )
+            activity.heartbeat()
+            time.sleep(interval)
+            interval = min(interval * 2, input.poll_seconds)
+
+    # -- replace ----------------------------------------------------------------------
+    @activity.defn
+    @typed_errors
+    def retire_machine(self, input: RetireMachineInput) -> None:
+        self.env.cluster.remove_node(input.node_name)
+        if input.machine_id:
+            self.env.provider(input.site).delete_machine(input.machine_id)
+
+    @activity.defn
+    def replacement_sites(self, input: ReplacementSitesInput) -> list[str]:
+        """The same site first, then other sites with the same GPU, cheapest first."""
+        config = self.env.config
+        try:
+            here = config.site(input.site)
+        except KeyError:
+            return []
+        others = sorted(
+            (s for s in config.sites if s.name != here.name and s.gpu == here.gpu),
+            key=lambda s: (s.price_per_gpu_hour, s.name),
+        )
+        return [here.name, *(s.name for s in others)]

@@ -1,0 +1,267 @@
+"""Repair policy: which fault needs which repair, and when repeats escalate.
+
+Pure data and functions (no Temporal, no I/O), so the Node entity and
+GpuRepair workflows can call them deterministically and tests can check the
+table without a server.
+
+The ladder (product rule 4) is ordered: a cheaper rung is tried first and a
+rung is left only when its proof failed::
+
+    reset  <  reboot  <  reinstall  <  replace
+
+Sources for the table below:
+
+- [NV] NVIDIA, "XID Errors" catalog, the "Immediate action" column
+  (https://docs.nvidia.com/deploy/xid-errors/): RESET_GPU, RESTART_BM / reboot
+  (power cycle), CONTACT_SUPPORT, or "none / application" for errors the
+  application caused.
+- [EKS] Amazon EKS node monitoring agent, default GPU conditions and repair
+  actions (https://docs.aws.amazon.com/eks/latest/userguide/node-health.html).
+- [NVML] NVML API reference: ``nvmlDeviceGetRemappedRows``,
+  ``nvmlDeviceGetRetiredPagesPendingStatus``, ``NVML_ERROR_GPU_IS_LOST`` and the
+  field ``NVML_FI_DEV_GET_GPU_RECOVERY_ACTION`` (values of
+  ``nvmlDeviceGpuRecoveryAction_t``).
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.models import GpuHealth
+
+
+class Rung(StrEnum):
+    RESET = "reset"
+    REBOOT = "reboot"
+    REINSTALL = "reinstall"
+    REPLACE = "replace"
+
+    @property
+    def level(self) -> int:
+        return LADDER.index(self)
+
+    @property
+    def node_level(self) -> bool:
+        """Rungs that disrupt the whole node (serialized by the Node entity)."""
+        return self is not Rung.RESET
+
+    def next(self) -> "Rung | None":
+        i = self.level + 1
+        return LADDER[i] if i < len(LADDER) else None
+
+
+LADDER: list[Rung] = [Rung.RESET, Rung.REBOOT, Rung.REINSTALL, Rung.REPLACE]
+
+
+def higher(a: Rung | None, b: Rung | None) -> Rung | None:
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a if a.level >= b.level else b
+
+
+#: XID → the rung it starts at; ``None`` = the application's problem: count it, repair nothing.
+XID_RUNG: dict[int, Rung | None] = {
+    # -- the application's fault [NV: action "none" / restart the app] [EKS: event only] --
+    13: None,  # Graphics Engine Exception: usually an app bug (illegal instruction, out-of-range access)
+    31: None,  # GPU memory page fault: an app touched an invalid address
+    43: None,  # GPU stopped processing: the app was killed / hit a user fault
+    45: None,  # Preemptive cleanup after a previous error or an app being killed
+    # -- GPU reset [NV: RESET_GPU] --
+    48: Rung.RESET,  # Double-bit ECC error (DBE)
+    63: Rung.RESET,  # ECC page retirement / row-remap recording event: reset applies the remap
+    64: Rung.RESET,  # ECC page retirement / row-remapper recording failure
+    94: Rung.RESET,  # Contained ECC error: the affected app died, the GPU needs a reset
+    95: Rung.RESET,  # Uncontained ECC error: every app on the GPU is affected, reset the GPU
+    119: Rung.RESET,  # GSP RPC timeout
+    120: Rung.RESET,  # GSP error
+    140: Rung.RESET,  # Unrecovered ECC error
+    # -- node reboot / power cycle [NV: RESTART_BM / reboot] [EKS: Reboot] --
+    74: Rung.REBOOT,  # NVLink error: link training / fatal NVLink error
+    79: Rung.REBOOT,  # GPU has fallen off the bus: only a (cold) reboot brings it back
+}
+
+#: ``nvmlDeviceGpuRecoveryAction_t`` [NVML]: when the driver says what to do, that wins.
+RECOVERY_ACTION_RUNG: dict[int, Rung | None] = {
+    0: None,  # NVML_GPU_RECOVERY_ACTION_NONE
+    1: Rung.RESET,  # NVML_GPU_RECOVERY_ACTION_GPU_RESET
+    2: Rung.REBOOT,  # NVML_GPU_RECOVERY_ACTION_NODE_REBOOT
+    3: Rung.RESET,  # NVML_GPU_RECOVERY_ACTION_DRAIN_P2P: drain peer-to-peer work, then reset
+    4: Rung.RESET,  # NVML_GPU_RECOVERY_ACTION_DRAIN_AND_RESET
+}
+
+
+class Finding(BaseModel):
+    """What one GPU's health says should happen."""
+
+    index: int
+    #: Where the ladder starts; None = nothing to repair.
+    rung: Rung | None = None
+    reasons: list[str] = Field(default_factory=list)
+    #: XIDs that need a repair, and XIDs that are the application's (count only).
+    fatal_xids: list[int] = Field(default_factory=list)
+    app_xids: list[int] = Field(default_factory=list)
+    #: XIDs the table does not know: logged and counted, not repaired.
+    unknown_xids: list[int] = Field(default_factory=list)
+
+
+def classify(health: GpuHealth, xids: list[int] | None = None) -> Finding:
+    """Classify one GPU. ``xids`` overrides ``health.xid_events`` (only the new ones)."""
+    finding = Finding(index=health.index)
+    rung: Rung | None = None
+    for xid in health_xids(health) if xids is None else xids:
+        if xid not in XID_RUNG:
+            finding.unknown_xids.append(xid)
+            continue
+        xid_rung = XID_RUNG[xid]
+        if xid_rung is None:
+            finding.app_xids.append(xid)
+        else:
+            finding.fatal_xids.append(xid)
+            finding.reasons.append(f"XID {xid}")
+            rung = higher(rung, xid_rung)
+    for condition, condition_rung in conditions(health).items():
+        finding.reasons.append(condition)
+        rung = higher(rung, condition_rung)
+    if health.recovery_action:
+        action = RECOVERY_ACTION_RUNG.get(health.recovery_action, Rung.REBOOT)
+        finding.reasons.append(f"driver recovery action {health.recovery_action}")
+        # The driver knows best: its action replaces what the table inferred
+        # (a row-remap failure still means replace: no reset brings rows back).
+        if action is not None:
+            rung = Rung.REPLACE if health.remapped_rows_failure else action
+    finding.rung = rung
+    return finding
+
+
+def health_xids(health: GpuHealth) -> list[int]:
+    return [event.xid for event in health.xid_events]
+
+
+def conditions(health: GpuHealth) -> dict[str, Rung]:
+    """Counter / state problems (not XIDs) and the rung each starts at."""
+    found: dict[str, Rung] = {}
+    if health.remapped_rows_failure:
+        found["row remapping failed"] = Rung.REPLACE  # [NV] no spare rows left: the board must go
+    if health.lost:
+        found["GPU is lost"] = Rung.REBOOT  # [NVML] NVML_ERROR_GPU_IS_LOST: like XID 79
+    if health.nvlink_down:
+        found[f"{health.nvlink_down} NVLink links down"] = Rung.REBOOT  # like XID 74
+    if health.remapped_rows_pending:
+        found["row remap pending"] = Rung.RESET  # [NVML] a pending remap is applied by a GPU reset
+    if health.retired_pages_pending:
+        found["page retirement pending"] = Rung.RESET  # [NVML] pre-Ampere: applied at the next reset
+    if health.ecc_uncorrected:
+        found[f"{health.ecc_uncorrected} uncorrected ECC errors"] = Rung.RESET  # volatile count: a reset clears it
+    if health.slowdown_temperature_c and health.temperature_c >= health.slowdown_temperature_c:
+        # Heat is rarely fixed by a reset, but the ladder escalates if the proof keeps failing.
+        found["temperature at slowdown threshold"] = Rung.RESET
+    return found
+
+
+def fingerprint(boot_id: str, gpus: list[GpuHealth]) -> str:
+    """What a report must differ in to be sent again (temperature only as hot/not hot)."""
+    parts = [boot_id]
+    for g in sorted(gpus, key=lambda g: g.index):
+        hot = bool(g.slowdown_temperature_c and g.temperature_c >= g.slowdown_temperature_c)
+        xids = ",".join(f"{e.xid}@{e.at.timestamp():.6f}" for e in g.xid_events)
+        parts.append(
+            f"{g.index}:{g.uuid}:{int(g.lost)}:{g.ecc_uncorrected}:{int(g.remapped_rows_pending)}:"
+            f"{int(g.remapped_rows_failure)}:{int(g.retired_pages_pending)}:{g.nvlink_down}:{int(hot)}:"
+            f"{g.recovery_action}:{xids}"
+        )
+    return "|".join(parts)
+
+
+# -- escalation -------------------------------------------------------------------------
+class RepairThresholds(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    #: The same fatal XID on one GPU this many times inside the window → replace.
+    same_xid_limit: int = Field(5, ge=1)
+    same_xid_window_seconds: float = Field(24 * 3600, gt=0)
+    #: This many remediations on one node inside the window → replace.
+    node_remediation_limit: int = Field(5, ge=1)
+    node_remediation_window_seconds: float = Field(7 * 24 * 3600, gt=0)
+    #: Per-node repair stops at a site when more than this share of its nodes is unhealthy.
+    site_unhealthy_fraction: float = Field(0.2, ge=0, le=1)
+
+
+class XidHit(BaseModel):
+    gpu: int
+    xid: int
+    at: float
+
+
+class Ledger(BaseModel):
+    """The Node entity's memory of faults and repairs (carried across continue-as-new)."""
+
+    xid_hits: list[XidHit] = Field(default_factory=list)
+    remediations: list[float] = Field(default_factory=list)
+    app_xids: dict[str, int] = Field(default_factory=dict)
+
+    def prune(self, now: float, limits: RepairThresholds) -> None:
+        self.xid_hits = [h for h in self.xid_hits if now - h.at < limits.same_xid_window_seconds]
+        self.remediations = [t for t in self.remediations if now - t < limits.node_remediation_window_seconds]
+
+    def record_xids(self, gpu: int, xids: list[int], now: float) -> None:
+        self.xid_hits += [XidHit(gpu=gpu, xid=x, at=now) for x in xids]
+
+    def record_app_xids(self, xids: list[int]) -> None:
+        for x in xids:
+            self.app_xids[str(x)] = self.app_xids.get(str(x), 0) + 1
+
+    def record_remediation(self, now: float) -> None:
+        self.remediations.append(now)
+
+    def escalate(self, finding: Finding, now: float, limits: RepairThresholds) -> tuple[Rung | None, str]:
+        """The rung to start at, after repeat-fault escalation, and why it escalated."""
+        if finding.rung is None:
+            return None, ""
+        self.prune(now, limits)
+        for xid in set(finding.fatal_xids):
+            hits = sum(1 for h in self.xid_hits if h.gpu == finding.index and h.xid == xid)
+            if hits >= limits.same_xid_limit:
+                return Rung.REPLACE, f"XID {xid} hit GPU {finding.index} {hits} times in the window"
+        # This repair would be one more remediation.
+        if len(self.remediations) + 1 >= limits.node_remediation_limit:
+            return Rung.REPLACE, f"{len(self.remediations) + 1} remediations on this node in the window"
+        return finding.rung, ""
+
+
+class RepairTimeouts(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    contain_seconds: float = Field(300, gt=0)
+    #: How long a drain may wait on PodDisruptionBudgets before reporting blocked pods.
+    drain_seconds: float = Field(240, gt=0)
+    reset_seconds: float = Field(300, gt=0)
+    reboot_seconds: float = Field(900, gt=0)
+    reinstall_seconds: float = Field(3600, gt=0)
+    replace_seconds: float = Field(3600, gt=0)
+    smoke_test_seconds: float = Field(600, gt=0)
+    heartbeat_seconds: float = Field(30, gt=0)
+
+    def rung_seconds(self, rung: Rung) -> float:
+        return {
+            Rung.RESET: self.reset_seconds, Rung.REBOOT: self.reboot_seconds,
+            Rung.REINSTALL: self.reinstall_seconds, Rung.REPLACE: self.replace_seconds,
+        }[rung]
+
+
+class RepairSettings(BaseModel):
+    """``repair:`` in sites.yaml. Every number here is configurable (tests make them small)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    thresholds: RepairThresholds = Field(default_factory=RepairThresholds)
+    timeouts: RepairTimeouts = Field(default_factory=RepairTimeouts)
+    #: The highest rung the ladder may climb to; past it the GPU stays contained for a person.
+    max_rung: Rung = Rung.REPLACE
+    #: ``provider`` (reimage through the provider API) or ``agent`` (driver reinstall on the node).
+    reinstall_via: str = Field("provider", pattern="^(provider|agent)$")
+    #: While a finding waits (node still joining, site over its cap), look again this often.
+    recheck_seconds: float = Field(30, gt=0)

@@ -1,0 +1,299 @@
+"""ModelRollout's pure parts: the input, manifest checks, batch planning, the
+health-gate verdict and the per-site progress table. No Temporal, no I/O.
+
+A rollout (``rollout/<model>/<version>``) replicates the weights to every target
+site's object store, then updates the canary site(s), then the rest in batches,
+each site passing its health gate (readiness + probe requests + bake) before the
+next batch starts (product rules 10 and 11).
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+from typing import Iterable
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from fleet.config import ObjectStore
+
+SHA256_HEX = r"^[0-9a-f]{64}$"
+MiB = 1024 * 1024
+#: S3 allows at most this many parts in one multipart upload.
+MAX_PARTS = 10_000
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class WeightFile(_Strict):
+    #: Relative to the manifest's source prefix, e.g. ``model-00001-of-00004.safetensors``.
+    path: str = Field(min_length=1)
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=SHA256_HEX, description="lowercase hex sha256 of the whole file")
+
+    @field_validator("path")
+    @classmethod
+    def _relative(cls, path: str) -> str:
+        if path.startswith("/") or ".." in path.split("/"):
+            raise ValueError("must be a relative path without '..'")
+        return path
+
+
+class WeightsManifest(_Strict):
+    source: ObjectStore
+    files: list[WeightFile] = Field(min_length=1)
+
+    @field_validator("files")
+    @classmethod
+    def _unique(cls, files: list[WeightFile]) -> list[WeightFile]:
+        seen: set[str] = set()
+        for f in files:
+            if f.path in seen:
+                raise ValueError(f"duplicate file {f.path!r}")
+            seen.add(f.path)
+        return files
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+class HealthGate(_Strict):
+    #: How long the updated Deployment has to become fully ready.
+    ready_timeout_seconds: float = Field(600, gt=0)
+    #: Probe requests sent to the site's Service after it is ready (and again after the bake).
+    probe_requests: int = Field(10, ge=0, le=1000)
+    #: Largest share of failed probes that still passes (0 = every probe must succeed).
+    max_error_rate: float = Field(0.0, ge=0, le=1)
+    #: Watch time after the first gate, before the site counts as done.
+    bake_seconds: float = Field(300, ge=0)
+    probe_timeout_seconds: float = Field(30, gt=0)
+
+
+class Strategy(_Strict):
+    #: Updated first, one at a time; default: the first target site.
+    canary_sites: list[str] = Field(default_factory=list)
+    #: Sites updated together after the canary; one batch in flight at a time.
+    batch_size: int = Field(1, ge=1)
+    gate: HealthGate = Field(default_factory=HealthGate)
+    #: How often a site under evacuation is re-checked while it waits.
+    evacuation_poll_seconds: float = Field(60, gt=0)
+
+
+class Replication(_Strict):
+    #: Multipart part size (S3 wants >= 5 MiB except for the last part); also the memory bound.
+    part_size_bytes: int = Field(64 * MiB, ge=1)
+    #: Read size while streaming/hashing.
+    chunk_size_bytes: int = Field(1 * MiB, ge=1)
+    #: Parts uploaded concurrently per file (memory: concurrency x part size).
+    concurrency: int = Field(4, ge=1, le=32)
+    #: Optional cap on bytes/s per site (0 = none), so a copy does not saturate a site's link.
+    bandwidth_limit_bytes_per_s: int = Field(0, ge=0)
+    heartbeat_seconds: float = Field(30, gt=0)
+    timeout_seconds: float = Field(6 * 3600, gt=0)
+
+
+class SiteTarget(_Strict):
+    site: str = Field(min_length=1)
+    replicas: int = Field(ge=0)
+
+
+class RolloutInput(_Strict):
+    """Start with plain JSON (see ``gpufleet rollout start FILE``)."""
+
+    model: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    version: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    weights: WeightsManifest
+    image: str = Field(min_length=1)
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    gpus_per_replica: int = Field(1, ge=0)
+    port: int = Field(8000, ge=1, le=65535)
+    sites: list[SiteTarget] = Field(min_length=1)
+    strategy: Strategy = Field(default_factory=Strategy)
+    replication: Replication = Field(default_factory=Replication)
+    #: Where the weights appear on the node (``<weights_root>/<model>/<version>``).
+    weights_root: str = "/models"
+
+    @model_validator(mode="after")
+    def _check(self) -> "RolloutInput":
+        names = [t.site for t in self.sites]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"sites: listed more than once: {', '.join(dupes)}")
+        if all(t.replicas == 0 for t in self.sites):
+            raise ValueError("sites: zero replicas everywhere")
+        unknown = [c for c in self.strategy.canary_sites if c not in names]
+        if unknown:
+            raise ValueError(f"strategy.canary_sites: not among the target sites: {', '.join(unknown)}")
+        return self
+
+    @property
+    def rollout_id(self) -> str:
+        return rollout_id(self.model, self.version)
+
+    @property
+    def canaries(self) -> list[str]:
+        return list(self.strategy.canary_sites) or [self.sites[0].site]
+
+    def replicas(self, site: str) -> int:
+        return next(t.replicas for t in self.sites if t.site == site)
+
+    @property
+    def weights_path(self) -> str:
+        return f"{self.weights_root.rstrip('/')}/{self.model}/{self.version}"
+
+    def dest_prefix(self, store: ObjectStore) -> str:
+        """Key prefix of this version's weights in a site's store."""
+        return f"{store.prefix}models/{self.model}/{self.version}/"
+
+
+def rollout_id(model: str, version: str) -> str:
+    return f"rollout/{model}/{version}"
+
+
+def check_sites(request: RolloutInput, stores: dict[str, ObjectStore | None], known: Iterable[str]) -> list[str]:
+    """Problems that need the fleet config: unknown sites, sites without an object store."""
+    known = set(known)
+    problems = []
+    for i, target in enumerate(request.sites):
+        if target.site not in known:
+            problems.append(f"sites[{i}].site: unknown site {target.site!r}; known sites: {', '.join(sorted(known))}")
+        elif stores.get(target.site) is None:
+            problems.append(f"sites[{i}].site: site {target.site!r} has no object_store configured for weights")
+    return problems
+
+
+def plan_batches(sites: list[str], canaries: list[str], batch_size: int) -> list[list[str]]:
+    """Each canary alone first, then the other sites in order, ``batch_size`` at a time."""
+    rest = [s for s in sites if s not in canaries]
+    return [[c] for c in canaries] + [rest[i:i + batch_size] for i in range(0, len(rest), batch_size)]
+
+
+def next_batch(queue: list[str], evacuating: Iterable[str], batch_size: int) -> tuple[list[str], list[str]]:
+    """(the next batch, the sites deferred because they are under evacuation).
+
+    Sites keep their queue order; a deferred site stays queued for a later batch."""
+    evacuating = set(evacuating)
+    deferred = [s for s in queue if s in evacuating]
+    ready = [s for s in queue if s not in evacuating]
+    return ready[:batch_size], deferred
+
+
+class ProbeResult(BaseModel):
+    site: str
+    sent: int = 0
+    errors: int = 0
+    #: The first few error messages.
+    samples: list[str] = Field(default_factory=list)
+
+
+class GateVerdict(BaseModel):
+    passed: bool
+    reason: str
+
+
+def evaluate_gate(gate: HealthGate, ready: bool, probe: ProbeResult | None) -> GateVerdict:
+    """Readiness, then the probe error rate against ``max_error_rate``."""
+    if not ready:
+        return GateVerdict(passed=False, reason="serving is not ready")
+    if probe is None or gate.probe_requests == 0:
+        return GateVerdict(passed=True, reason="ready (no probes configured)")
+    if probe.sent < gate.probe_requests:
+        return GateVerdict(passed=False, reason=f"only {probe.sent} of {gate.probe_requests} probes could be sent")
+    rate = probe.errors / probe.sent if probe.sent else 1.0
+    detail = f"{probe.errors} of {probe.sent} probes failed ({rate:.0%}, allowed {gate.max_error_rate:.0%})"
+    if rate > gate.max_error_rate + 1e-9:
+        sample = f": {probe.samples[0]}" if probe.samples else ""
+        return GateVerdict(passed=False, reason=detail + sample)
+    return GateVerdict(passed=True, reason=detail)
+
+
+def part_size_for(size: int, part_size: int) -> int:
+    """The part size to use for a file: ``part_size``, raised so the file fits in MAX_PARTS parts."""
+    return max(part_size, math.ceil(size / MAX_PARTS))
+
+
+class SiteState(StrEnum):
+    PENDING = "pending"
+    REPLICATING = "replicating"
+    REPLICATED = "replicated"
+    DEFERRED = "deferred"
+    UPDATING = "updating"
+    GATING = "gating"
+    BAKING = "baking"
+    DONE = "done"
+    FAILED = "failed"
+    ROLLING_BACK = "rolling-back"
+    ROLLED_BACK = "rolled-back"
+    SKIPPED = "skipped"
+
+
+#: States in which the site's Deployment may already run the new version.
+TOUCHED = {SiteState.UPDATING, SiteState.GATING, SiteState.BAKING, SiteState.DONE}
+
+
+class SiteProgress(BaseModel):
+    site: str
+    replicas: int
+    canary: bool = False
+    state: SiteState = SiteState.PENDING
+    bytes_total: int = 0
+    #: Bytes replicated (copied or found already there), known when replication ends.
+    bytes_done: int = 0
+    files_total: int = 0
+    files_done: int = 0
+    #: The Deployment generation before the update (None: the model was not served there).
+    previous_generation: int | None = None
+    previous_image: str = ""
+    detail: str = ""
+
+
+class RolloutProgress(BaseModel):
+    rollout_id: str
+    model: str
+    version: str
+    phase: str = "starting"
+    paused: bool = False
+    aborting: bool = False
+    batch: int = 0
+    batches: int = 0
+    sites: list[SiteProgress] = Field(default_factory=list)
+    reason: str = ""
+
+    def site(self, name: str) -> SiteProgress:
+        return next(s for s in self.sites if s.site == name)
+
+
+class RolloutResult(BaseModel):
+    rollout_id: str
+    #: completed, completed-with-failures, aborted
+    outcome: str
+    sites: list[SiteProgress]
+    reason: str = ""
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render_details(progress: RolloutProgress) -> str:
+    """Markdown for ``set_current_details``: the phase, then a site x state table."""
+    head = f"**{progress.phase}**" + (" (paused)" if progress.paused else "") + (" (aborting)" if progress.aborting else "")
+    if progress.batches:
+        head += f" - batch {progress.batch} of {progress.batches}"
+    lines = [head]
+    if progress.reason:
+        lines.append(progress.reason)
+    lines += ["", "| site | replicas | state | weights | detail |", "|---|---|---|---|---|"]
+    for s in progress.sites:
+        name = s.site + (" (canary)" if s.canary else "")
+        weights = f"{s.files_done}/{s.files_total} files, {_size(s.bytes_done)}/{_size(s.bytes_total)}"
+        lines.append(f"| {name} | {s.replicas} | {s.state.value} | {weights} | {s.detail.replace('|', '/')} |")
+    return "\n".join(lines)
