@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 
 import pytest
@@ -119,3 +120,45 @@ def test_full_cycle_never_shows_the_credential(harness: Harness) -> None:
     assert len(models) >= 4
     for model in models:
         assert not leaks(secret, model.model_dump_json())
+
+
+def test_activity_payloads_never_carry_the_credential(harness: Harness, tmp_path) -> None:
+    """What Temporal would store: every activity input, result and failure of a
+    create/get/delete cycle, encoded by the worker's data converter."""
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.control_plane import ControlPlaneActivities
+    from activities.env import FleetEnv
+    from activities.models import DeleteMachineInput, ProvisionMachineInput
+    from fleet.config import FleetConfig
+    from fleet.settings import Settings
+
+    secret = getattr(harness, "secret", None)
+    if not secret:
+        pytest.skip("harness does not expose its secret")
+    site = harness.spec.site
+    config = FleetConfig(mode="real", sites=[harness.provider.site], accounts=[harness.provider.account])
+    env = FleetEnv(settings=Settings(state_dir=tmp_path), config=config, cluster=None)  # type: ignore[arg-type]
+    env._providers[site] = harness.provider  # the adapter pointed at its fake
+    activities = ControlPlaneActivities(env)
+    run = ActivityEnvironment().run  # a sync test: no event loop here, as in the worker's threads
+    payloads: list = []
+
+    create = ProvisionMachineInput(site=site, spec=harness.spec, idempotency_key=key())
+    machine = run(activities.provision_machine, create)
+    delete = DeleteMachineInput(site=site, machine_id=machine.id)
+    run(activities.delete_machine, delete)
+    payloads += [create, machine, delete]
+
+    if "BadCredentials" in getattr(harness, "error_kinds", ERROR_KINDS):
+        harness.fail_next_create("BadCredentials")
+        with pytest.raises(ApplicationError) as failure:
+            run(activities.provision_machine, create.model_copy(update={"idempotency_key": key()}))
+        assert failure.value.type == "BadCredentials" and failure.value.non_retryable
+        payloads += [str(failure.value), *failure.value.details]
+
+    encoded = asyncio.run(pydantic_data_converter.encode(payloads))
+    for payload in encoded:
+        assert not leaks(secret, payload.data.decode(errors="replace"))
