@@ -13,6 +13,8 @@ def control_plane_activities(env: "FleetEnv") -> list[Callable]:
     from activities.capacity import CapacityActivities
     from activities.control_plane import ControlPlaneActivities
     from activities.repair import RepairActivities
+    from activities.serving import ServingActivities
+    from activities.weights import WeightsActivities
 
-    classes = [ControlPlaneActivities, CapacityActivities, RepairActivities]
+    classes = [ControlPlaneActivities, CapacityActivities, RepairActivities, WeightsActivities, ServingActivities]
     return [fn for cls in classes for fn in cls(env).all()]

@@ -17,7 +17,7 @@ from temporalio import activity
 from temporalio.common import WorkflowIDConflictPolicy
 
 from activities.account_store import AccountRecord, CatalogEntry
-from activities.capacity_models import (
+from workflows.capacity_models import (
     AccountInput,
     AccountRecordInput,
     Catalog,

@@ -164,11 +164,5 @@ class WaitForBootInput(BaseModel):
     poll_seconds: float = 1.0
 
 
-class RetireMachineInput(BaseModel):
-    site: str
-    machine_id: str
-    node_name: str
-
-
 class ReplacementSitesInput(BaseModel):
     site: str

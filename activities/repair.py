@@ -22,7 +22,6 @@ from activities.models import (
     NodeFactsInput,
     ReplacementSitesInput,
     RestartMachineInput,
-    RetireMachineInput,
     SiteHealth,
     SiteHealthInput,
     UncontainInput,
@@ -55,7 +54,6 @@ class RepairActivities:
             self.reboot_machine,
             self.reinstall_machine,
             self.wait_for_boot,
-            self.retire_machine,
             self.replacement_sites,
         ]
 
@@ -167,14 +165,7 @@ class RepairActivities:
             time.sleep(interval)
             interval = min(interval * 2, input.poll_seconds)
 
-    # -- replace ----------------------------------------------------------------------
-    @activity.defn
-    @typed_errors
-    def retire_machine(self, input: RetireMachineInput) -> None:
-        self.env.cluster.remove_node(input.node_name)
-        if input.machine_id:
-            self.env.provider(input.site).delete_machine(input.machine_id)
-
+    # -- replace (retiring the old machine is CapacityActivities.retire_machine) ----------------------------------------------------------------------
     @activity.defn
     def replacement_sites(self, input: ReplacementSitesInput) -> list[str]:
         """The same site first, then other sites with the same GPU, cheapest first."""

@@ -22,9 +22,17 @@ config_app = typer.Typer(help="Fleet configuration (sites.yaml).", no_args_is_he
 sim_app = typer.Typer(help="Change the simulated world while the dev stack runs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(sim_app, name="sim")
+from fleet import cli_capacity  # noqa: E402 - capacity, schedules, accounts, sim reclaim
+
+app.command("capacity")(cli_capacity.capacity)
+app.add_typer(cli_capacity.schedules_app, name="schedules")
+app.add_typer(cli_capacity.accounts_app, name="accounts")
+cli_capacity.add_sim_commands(sim_app)
 from fleet.cli_cluster import cluster_app  # noqa: E402 - sub-apps register after the main app
 
 app.add_typer(cluster_app, name="cluster")
+app.add_typer(__import__("fleet.cli_rollout", fromlist=["rollout_app"]).rollout_app, name="rollout")
+app.add_typer(__import__("fleet.cli_repair", fromlist=["repair_app"]).repair_app, name="repair")
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)

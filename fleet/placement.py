@@ -207,3 +207,18 @@ def offers_from_config(sites: list[Site], available: bool = True) -> list[Offer]
 
 def expired(until: datetime, now: datetime) -> bool:
     return now >= until
+
+
+def surplus_to_retire(nodes: list, n: int) -> list:
+    """The ``n`` nodes to retire above a site's max: most expensive first, then newest.
+
+    ``nodes`` have ``price_per_gpu_hour`` and ``registered_at`` (None sorts oldest)."""
+    if n <= 0:
+        return []
+    epoch = datetime.min.replace(tzinfo=None)
+
+    def when(node) -> datetime:
+        at = node.registered_at
+        return at.replace(tzinfo=None) if at is not None else epoch
+
+    return sorted(nodes, key=lambda node: (node.price_per_gpu_hour, when(node), node.node_name), reverse=True)[:n]

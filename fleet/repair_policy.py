@@ -244,6 +244,8 @@ class RepairTimeouts(BaseModel):
     replace_seconds: float = Field(3600, gt=0)
     smoke_test_seconds: float = Field(600, gt=0)
     heartbeat_seconds: float = Field(30, gt=0)
+    #: One provider API call (reboot/reinstall request): a crashed worker's call is retried after this.
+    provider_call_seconds: float = Field(120, gt=0)
 
     def rung_seconds(self, rung: Rung) -> float:
         return {

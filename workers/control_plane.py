@@ -9,6 +9,7 @@ import asyncio
 import logging
 import signal
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from temporalio.client import Client
 from temporalio.worker import Worker
@@ -22,8 +23,26 @@ from workflows import ALL_WORKFLOWS
 log = logging.getLogger("gpufleet.control_plane")
 
 
+def precompile_workflows() -> None:
+    """Byte-compile the workflow modules once.
+
+    The sandbox re-imports a workflow's module for every workflow run; with
+    PYTHONDONTWRITEBYTECODE set (common in containers and CI) each of those
+    imports compiled the source again. A read-only install just skips this.
+    """
+    import compileall
+
+    import workflows
+
+    try:
+        compileall.compile_dir(Path(workflows.__file__).parent, quiet=2)
+    except OSError:
+        pass
+
+
 def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None) -> Worker:
     env = env or FleetEnv.from_settings(settings)
+    precompile_workflows()
     return Worker(
         client,
         task_queue=settings.task_queue,

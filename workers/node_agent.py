@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,18 +53,23 @@ class SimNodeHost:
         from providers.sim import SimWorld
 
         self.client = client
+        self.settings = settings
         self.world = SimWorld(settings.sim_db)
         self.world.seed(load_config(settings.config))
         self.cluster = SimCluster(self.world)
         self.poll_seconds = poll_seconds
         self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="agent")
         self.agents: dict[str, tuple[str, Worker, asyncio.Task]] = {}  # machine id → (boot id, worker, task)
+        #: GPU health probe interval for every agent (None: ``GPUFLEET_HEALTH_SECONDS``, default 5).
+        self.health_seconds: float | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         try:
             while not stop.is_set():
                 await asyncio.to_thread(self._sync_kubelets)
                 await self._sync_agents()
+                await self._watch_reclaims()
+                await self._report_health()
                 try:
                     await asyncio.wait_for(stop.wait(), self.poll_seconds)
                 except asyncio.TimeoutError:
@@ -119,6 +125,37 @@ class SimNodeHost:
                 self.agents[machine_id] = (boot_id, worker, asyncio.create_task(worker.run()))
                 log.info("agent for %s up (boot %s)", name, boot_id[:8])
 
+    async def _watch_reclaims(self) -> None:
+        """Each running agent's spot watcher, against the simulated provider's notices."""
+        from workers.reclaim_watch import ReclaimWatcher
+
+        if not hasattr(self, "reclaims"):
+            self.reclaims = ReclaimWatcher(self.client, self.settings.task_queue)
+        def notices() -> list[tuple]:
+            rows = [self.world.machine(m) for m in list(self.agents)]
+            return [(r["name"], r["site"], r["id"], self.world.reclaim_notice(r["id"])) for r in rows if r is not None]
+
+        for name, site, machine_id, terminate_at in await asyncio.to_thread(notices):
+            await self.reclaims.check(name, site, machine_id, lambda t=terminate_at: t)
+
+    async def _report_health(self) -> None:
+        """Each running agent's GPU health probe; a changed report goes to its Node entity."""
+        from providers.sim import SimGpuBackend
+        from workers.health_report import DEFAULT_HEALTH_SECONDS, HealthReporter
+
+        if not hasattr(self, "health"):
+            self.health = HealthReporter(self.client, self.settings.task_queue,
+                                         self.health_seconds or DEFAULT_HEALTH_SECONDS)
+        if not self.agents:
+            return
+        names = {row["id"]: row["name"] for row in await asyncio.to_thread(self.world.machines)}
+        probes = {}
+        for machine_id in self.agents:
+            if machine_id in names:
+                backend = SimGpuBackend(self.world, machine_id)
+                probes[names[machine_id]] = lambda b=backend: (b.boot_id(), b.probe())
+        await self.health.check(probes)
+
     async def _stop_agent(self, machine_id: str) -> None:
         _boot, worker, task = self.agents.pop(machine_id)
         await worker.shutdown()
@@ -150,6 +187,13 @@ async def main() -> None:
     worker = build_agent(client, args.node_name, gpus, ThreadPoolExecutor(max_workers=4))
     log.info("agent for %s polling %s", args.node_name, node_queue(args.node_name))
     async with worker:
+        if spot := os.environ.get("GPUFLEET_SPOT_NOTICE"):  # aws | gcp: watch for reclaim notices
+            from workers.reclaim_watch import watch_real_node
+
+            asyncio.create_task(watch_real_node(client, settings.task_queue, args.node_name, spot, stop))
+        from workers.health_report import watch_real_node as watch_health
+
+        asyncio.create_task(watch_health(client, settings.task_queue, args.node_name, gpus, stop))
         await stop.wait()
 
 

@@ -34,7 +34,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.config import Site
     from fleet.errors import NON_RETRYABLE_TYPES
     from fleet.models import Machine, MachineSpec, Node
-    from fleet.naming import node_name_for
+    from fleet.naming import node_name_for, site_workflow_id
     from fleet.settings import node_queue
     from providers.cluster.base import (
         LABEL_GPU_PRODUCT,
@@ -228,11 +228,22 @@ class NodeJoin:
                 await self._revoke(token)
 
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("ready")])
+        if workflow.patched("tell-site-entity"):
+            await self._tell_site(site.name, node_name, machine.id, "ready")
         self._step("ready", f"{site.gpus_per_machine}x {site.gpu}")
         return JoinedNode(
             node_name=node_name, machine_id=machine.id, site=site.name, provider=site.provider,
             gpus=site.gpus_per_machine,
         )
+
+    async def _tell_site(self, site: str, node_name: str, machine_id: str, state: str) -> None:
+        """Tell the Site entity (when it runs; the reconcile sweep starts it) about a transition."""
+        try:
+            await workflow.get_external_workflow_handle(site_workflow_id(site)).signal(
+                "node_transition", {"node_name": node_name, "state": state, "machine_id": machine_id}
+            )
+        except Exception:  # noqa: BLE001 - no Site entity running: it counts the cluster when it starts
+            pass
 
     async def _clean_up(self, site: Site, machine: Machine, node_name: str) -> None:
         """Never leave a machine behind: node object out, machine deleted."""

@@ -1,4 +1,4 @@
-"""Inputs and results of the capacity activities and workflows (one model each)."""
+"""Inputs and results of the capacity workflows and their activities (one model each)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,166 @@
+"""Serving activities for ModelRollout: the site's Deployment through the cluster
+port (``env.cluster``), the health-gate probe, and whether a site is under
+evacuation. Each is thin and idempotent under retries.
+
+Evacuation (until the ``Site`` entity drives it) is read from the model's routing
+table through the cluster port: a site whose route is ``draining`` or carries an
+``incident`` is under evacuation. ``site_evacuations`` is the one place to change
+when the Site entity takes this over.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+from pydantic import BaseModel
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+from activities.env import FleetEnv
+from activities.errors import typed_errors
+from fleet.config import ObjectStore
+from fleet.rollout import ProbeResult
+from providers.cluster.base import ServingSpec, ServingStatus
+
+
+class ResolveRolloutSitesInput(BaseModel):
+    sites: list[str]
+
+
+class RolloutSites(BaseModel):
+    #: Every site in the fleet config.
+    known: list[str]
+    #: The asked-for sites that exist, with their object store (None: none configured).
+    stores: dict[str, ObjectStore | None]
+
+
+class ServingRef(BaseModel):
+    model: str
+    site: str
+
+
+class UpdateServingInput(BaseModel):
+    spec: ServingSpec
+
+
+class WaitServingInput(BaseModel):
+    model: str
+    site: str
+    #: Absolute, so a retried attempt keeps the original deadline.
+    deadline: datetime
+    poll_seconds: float = 2.0
+
+
+class ProbeServingInput(BaseModel):
+    model: str
+    site: str
+    requests: int
+    timeout_seconds: float = 30
+
+
+class RollbackSiteInput(BaseModel):
+    model: str
+    site: str
+    #: The Deployment existed before the rollout: go back to its previous template.
+    #: Otherwise the rollout created it: delete it.
+    had_previous: bool
+    #: The generation our update produced; a higher one means the rollback already happened.
+    updated_generation: int = 0
+
+
+class EvacuationInput(BaseModel):
+    model: str
+    sites: list[str]
+
+
+class ServingActivities:
+    def __init__(self, env: FleetEnv) -> None:
+        self.env = env
+        self._probe = None
+
+    def all(self) -> list:
+        return [
+            self.resolve_rollout_sites, self.serving_snapshot, self.update_serving, self.wait_serving_ready,
+            self.probe_serving, self.rollback_site, self.site_evacuations,
+        ]
+
+    @property
+    def prober(self):
+        if self._probe is None:
+            if self.env.world is not None:
+                from providers.serving_probe import SimProbe
+
+                self._probe = SimProbe(self.env.world, self.env.cluster)
+            else:
+                from providers.serving_probe import HttpProbe
+
+                self._probe = HttpProbe()
+        return self._probe
+
+    @activity.defn
+    def resolve_rollout_sites(self, input: ResolveRolloutSitesInput) -> RolloutSites:
+        sites = {s.name: s for s in self.env.config.sites}
+        return RolloutSites(
+            known=sorted(sites), stores={name: sites[name].object_store for name in input.sites if name in sites},
+        )
+
+    @activity.defn
+    @typed_errors
+    def serving_snapshot(self, input: ServingRef) -> ServingStatus | None:
+        return self.env.cluster.serving_status(input.model, input.site)
+
+    @activity.defn
+    @typed_errors
+    def update_serving(self, input: UpdateServingInput) -> ServingStatus:
+        """Create or update the Deployment (idempotent: the same spec changes nothing).
+        The rolling update surges (new pods before old ones go) per the cluster adapter."""
+        return self.env.cluster.apply_serving(input.spec)
+
+    @activity.defn
+    @typed_errors
+    def wait_serving_ready(self, input: WaitServingInput) -> ServingStatus:
+        interval = 0.05
+        while True:
+            status = self.env.cluster.serving_status(input.model, input.site)
+            if status is not None and status.ready and status.observed_generation >= status.generation:
+                return status
+            if datetime.now(timezone.utc) >= input.deadline:
+                seen = (f"{status.available_replicas}/{status.desired_replicas} replicas available, "
+                        f"{status.updated_replicas} updated") if status else "no Deployment"
+                raise ApplicationError(
+                    f"{input.model} at {input.site} not ready by {input.deadline.isoformat()}: {seen}",
+                    type="ServingNotReady", non_retryable=True,
+                )
+            activity.heartbeat()
+            time.sleep(interval)
+            interval = min(interval * 2, input.poll_seconds)
+
+    @activity.defn
+    @typed_errors
+    def probe_serving(self, input: ProbeServingInput) -> ProbeResult:
+        return self.prober.probe(input.model, input.site, input.requests, input.timeout_seconds)
+
+    @activity.defn
+    @typed_errors
+    def rollback_site(self, input: RollbackSiteInput) -> ServingStatus | None:
+        cluster = self.env.cluster
+        if not input.had_previous:
+            cluster.delete_serving(input.model, input.site)
+            return None
+        status = cluster.serving_status(input.model, input.site)
+        if status is not None and input.updated_generation and status.generation > input.updated_generation:
+            return status  # a retried attempt: the rollback already happened
+        return cluster.rollback_serving(input.model, input.site)
+
+    @activity.defn
+    @typed_errors
+    def site_evacuations(self, input: EvacuationInput) -> dict[str, str]:
+        """site -> why it is under evacuation, for the asked sites that are."""
+        table = self.env.cluster.get_routing(input.model)
+        out: dict[str, str] = {}
+        for site in input.sites:
+            route = table.sites.get(site) if table else None
+            if route is not None and (route.draining or route.incident):
+                out[site] = route.incident or "draining"
+        return out

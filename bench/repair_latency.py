@@ -1,0 +1,130 @@
+"""Fault report → contained latency, next to the Temporal signal round-trip.
+
+Joins a simulated fleet (the node host in its own process, as under
+``gpufleet dev``), then, one fault at a time, breaks a GPU (XID 48), sends the
+node's health report to its Node entity exactly as the agent does
+(signal-with-start), and times until the node is cordoned (the drain started).
+Each repair runs to the end (reset → proof → un-contain) before the next fault.
+
+Interleaved with each fault, on the same dev server and worker process:
+
+- signal round-trip: signal a workflow, then query until it saw the signal;
+- signal → activity: signal a workflow that runs one no-op activity per signal.
+
+The agent's probe interval (``GPUFLEET_HEALTH_SECONDS``, 5 s by default) adds
+up to one interval of detection before the report; it is not in these numbers.
+
+    python -m bench.repair_latency [--faults 50] [--nodes 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from temporalio.worker import Worker
+
+from activities.env import FleetEnv
+from activities.models import HealthReport
+from bench.common import bench_env, fleet, run
+from bench.echo import Echo, mark, ran
+from providers.sim import SimGpuBackend
+from workers.control_plane import build_worker
+from workers.health_report import send_report
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+
+
+async def poll(predicate, timeout: float = 30, interval: float = 0.005) -> None:
+    deadline = time.perf_counter() + timeout
+    while not await asyncio.to_thread(predicate):
+        if time.perf_counter() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(interval)
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--faults", type=int, default=50)
+    parser.add_argument("--nodes", type=int, default=25)
+    args = parser.parse_args()
+    config = fleet(sites=5, capacity=args.nodes)
+    config["repair"] = {"timeouts": {"drain_seconds": 1, "smoke_test_seconds": 10, "heartbeat_seconds": 5}}
+    async with bench_env(config) as (env, settings):
+        client = env.client
+        host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"],
+                                env={**os.environ, **settings.env(), "GPUFLEET_HEALTH_SECONDS": "3600"})
+        base_queue = f"{settings.task_queue}-echo"
+        echo_worker = Worker(client, task_queue=base_queue, workflows=[Echo], activities=[mark],
+                             activity_executor=ThreadPoolExecutor(8))
+        fleet_env = FleetEnv.from_settings(settings)
+        cluster, world = fleet_env.cluster, fleet_env.world
+        contain, rtt, sig_act = [], [], []
+        try:
+            async with build_worker(client, settings), echo_worker:
+                joins = [
+                    client.execute_workflow("NodeJoin", {"site": f"site-{i % 5}"},
+                                            id=f"join/site-{i % 5}/{uuid.uuid4().hex[:8]}", task_queue=settings.task_queue)
+                    for i in range(args.nodes)
+                ]
+                nodes = [r["nodes"][0] for r in await asyncio.gather(*joins)]
+                echo = await client.start_workflow(Echo.run, False, id=f"echo-{uuid.uuid4().hex[:6]}", task_queue=base_queue)
+                echo_act = await client.start_workflow(Echo.run, True, id=f"echo-act-{uuid.uuid4().hex[:6]}",
+                                                       task_queue=base_queue)
+                # Warm-up: every Node entity exists (the agents' first reports), sandbox imports done.
+                for seq in range(1, 4):
+                    await echo.signal(Echo.ping, seq)
+                    await echo_act.signal(Echo.ping, seq)
+                await asyncio.sleep(1.0)
+                for i in range(args.faults):
+                    seq = 100 + i
+                    # -- baseline: signal round-trip (signal, then query until seen)
+                    start = time.perf_counter()
+                    await echo.signal(Echo.ping, seq)
+                    while await echo.query(Echo.last) != seq:
+                        await asyncio.sleep(0.002)
+                    rtt.append(time.perf_counter() - start)
+                    # -- baseline: signal → one activity ran
+                    start = time.perf_counter()
+                    await echo_act.signal(Echo.ping, seq)
+                    while seq not in ran:
+                        await asyncio.sleep(0.002)
+                    sig_act.append(ran[seq] - start)
+                    # -- the fault: report → contained (cordon/drain started)
+                    node = nodes[i % len(nodes)]
+                    gpu = (i // len(nodes)) % node["gpus"]
+                    name, machine_id = node["node_name"], node["machine_id"]
+                    world.inject_fault(machine_id, gpu, "xid", 48, clears_on="reset")
+                    backend = SimGpuBackend(world, machine_id)
+                    report = HealthReport(node_name=name, boot_id=backend.boot_id(), gpus=backend.probe())
+                    start = time.perf_counter()
+                    await send_report(client, settings.task_queue, report)
+                    await poll(lambda: cluster.get_node(name).unschedulable)
+                    contain.append(time.perf_counter() - start)
+                    result = await client.get_workflow_handle(f"repair/{name}/gpu{gpu}").result()
+                    assert result["outcome"] == "repaired", result
+                    await poll(lambda: not cluster.get_node(name).unschedulable)
+        finally:
+            host.terminate()
+            host.wait()
+    ms = lambda v: f"{v * 1000:7.1f} ms"  # noqa: E731
+    print(f"{args.faults} faults on {args.nodes} nodes (one at a time), same dev server and worker")
+    print(f"  {'':34s}{'p50':>10s}{'p99':>10s}")
+    print(f"  {'signal round-trip (query sees it)':34s}{ms(statistics.median(rtt))}{ms(pct(rtt, 99))}")
+    print(f"  {'signal -> one activity ran':34s}{ms(statistics.median(sig_act))}{ms(pct(sig_act, 99))}")
+    print(f"  {'fault report -> contained':34s}{ms(statistics.median(contain))}{ms(pct(contain, 99))}")
+    print(f"  ratio contained / signal->activity (p50): {statistics.median(contain) / statistics.median(sig_act):.1f}")
+    ok = statistics.median(contain) < 1.0 and pct(contain, 99) < 2.0
+    print(f"  target p50 < 1 s, p99 < 2 s: {'met' if ok else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    run(main)

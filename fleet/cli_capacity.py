@@ -1,0 +1,313 @@
+"""``gpufleet capacity``, ``gpufleet schedules ...``, ``gpufleet accounts ...``, ``gpufleet sim reclaim``."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from fleet.settings import Settings
+
+console = Console()
+err = Console(stderr=True, soft_wrap=True)
+
+Address = Annotated[str, typer.Option("--address", envvar="TEMPORAL_ADDRESS", help="Temporal frontend host:port")]
+ConfigPath = Annotated[Optional[str], typer.Option("--config", envvar="GPUFLEET_CONFIG", help="sites.yaml")]
+StateDir = Annotated[Path, typer.Option("--state-dir", envvar="GPUFLEET_STATE_DIR", help="where sim and dev state live")]
+
+schedules_app = typer.Typer(help="Temporal Schedules for the periodic work.", no_args_is_help=True)
+accounts_app = typer.Typer(help="Provider accounts: what waits for a person, and telling gpufleet it is fixed.",
+                           no_args_is_help=True)
+
+#: Schedule id → (workflow type, workflow id, what it does).
+SCHEDULES = {
+    "gpufleet-site-reconcile": ("SiteSweep", "site-sweep", "reconcile every site's min/max"),
+    "gpufleet-catalog-refresh": ("CatalogRefresh", "catalog-refresh", "refresh provider offers, wake waiting requests"),
+}
+
+
+def _settings(address: str, config: str | None = None) -> Settings:
+    return Settings.from_env(address=address, config=config)
+
+
+async def _connect(settings: Settings):
+    from fleet.temporal import connect
+
+    try:
+        return await connect(settings)
+    except RuntimeError as error:
+        err.print(f"[red]error:[/] cannot reach Temporal at {settings.address} ({error}); is `gpufleet dev` running?")
+        raise typer.Exit(1) from None
+
+
+# -- capacity ------------------------------------------------------------------------------
+def capacity(
+    gpu: Annotated[Optional[str], typer.Option(help="GPU type, e.g. H100")] = None,
+    gpu_class: Annotated[Optional[list[str]], typer.Option("--gpu-class", help="acceptable GPU types (repeat)")] = None,
+    count: Annotated[int, typer.Option(help="nodes wanted")] = 1,
+    geo: Annotated[Optional[list[str]], typer.Option(help="allowed geography tag (repeat)")] = None,
+    site: Annotated[Optional[list[str]], typer.Option(help="allowed site (repeat)")] = None,
+    max_price: Annotated[Optional[float], typer.Option(help="max $ per GPU-hour")] = None,
+    spend_cap: Annotated[Optional[float], typer.Option(help="max $ per hour for the whole request")] = None,
+    min_gpu_memory: Annotated[int, typer.Option(help="GPU memory floor (GB)")] = 0,
+    on_demand: Annotated[bool, typer.Option("--on-demand", help="no spot (on-demand and owned only)")] = False,
+    deadline: Annotated[float, typer.Option(help="give up after this many seconds")] = 3600,
+    request: Annotated[Optional[str], typer.Option(help="request id (default: random)")] = None,
+    wait: Annotated[bool, typer.Option(help="show progress until done")] = True,
+    address: Address = "localhost:7233",
+) -> None:
+    """Acquire nodes: cheapest qualifying offers first, falling back across providers."""
+    constraints: dict = {"gpu_memory_gb_min": min_gpu_memory}
+    if gpu:
+        constraints["gpu"] = gpu
+    if gpu_class:
+        constraints["gpu_class"] = gpu_class
+    if geo:
+        constraints["geographies"] = geo
+    if site:
+        constraints["sites"] = site
+    if max_price is not None:
+        constraints["max_price_per_gpu_hour"] = max_price
+    if spend_cap is not None:
+        constraints["spend_cap_per_hour"] = spend_cap
+    if on_demand:
+        constraints["capacity_types"] = ["on-demand", "owned"]
+    raw = {"constraints": constraints, "count": count, "deadline_seconds": deadline}
+    from workflows.capacity_models import CapacityRequest
+
+    try:
+        CapacityRequest.model_validate(raw)
+    except Exception as error:  # noqa: BLE001 - show the validation problem, exit 2
+        err.print(f"[red]invalid request:[/] {error}")
+        raise typer.Exit(2) from None
+    code = asyncio.run(_capacity(_settings(address), raw, request or uuid.uuid4().hex[:8], wait))
+    raise typer.Exit(code)
+
+
+async def _capacity(settings: Settings, raw: dict, request: str, wait: bool) -> int:
+    from rich.live import Live
+    from temporalio.client import WorkflowFailureError
+    from temporalio.common import WorkflowIDConflictPolicy
+
+    from workflows.capacity_models import CapacityProgress, CapacityResult
+    from fleet.naming import capacity_workflow_id
+
+    client = await _connect(settings)
+    handle = await client.start_workflow(
+        "AcquireCapacity", raw, id=capacity_workflow_id(request), task_queue=settings.task_queue,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING, result_type=CapacityResult,
+        static_summary=f"capacity: {raw['count']} x {raw['constraints'].get('gpu') or 'any GPU'}",
+    )
+    console.print(f"started [bold]{handle.id}[/]")
+    if not wait:
+        return 0
+    result_task = asyncio.ensure_future(handle.result())
+    with Live(console=console, refresh_per_second=4) as live:
+        while not result_task.done():
+            try:
+                p = await handle.query("progress", result_type=CapacityProgress)
+                table = Table(title=f"{handle.id}: {p.step} — {p.joined} of {p.requested} joined")
+                table.add_column("")
+                table.add_column("")
+                for c in p.candidates[:5]:
+                    table.add_row("candidate", c)
+                for c in p.in_flight:
+                    table.add_row("joining", c)
+                for r in p.rejected:
+                    table.add_row("[dim]rejected[/]", r)
+                for a in p.attempts[-5:]:
+                    table.add_row("tried", f"{a.offer}: {a.outcome}")
+                live.update(table)
+            except Exception:  # noqa: BLE001 - the first task may not have run yet
+                pass
+            await asyncio.wait([result_task], timeout=0.5)
+    try:
+        result = result_task.result()
+    except WorkflowFailureError as error:
+        err.print(f"[red]{getattr(error.cause, 'type', '')}[/]: {error.cause}")
+        return 1
+    for node in result.nodes:
+        console.print(f"[green]joined[/] {node.node_name} at {node.site} ({node.gpus} GPUs)")
+    console.print(f"{len(result.nodes)} of {result.requested} joined, ${result.cost_per_hour:.2f}/h")
+    for why in result.why:
+        console.print(f"  [yellow]{why}[/]")
+    return 0 if result.complete else 3
+
+
+# -- schedules -----------------------------------------------------------------------------
+async def apply_schedules(client, task_queue: str, site_every: float, catalog_every: float) -> list[tuple[str, str]]:
+    """Create or update each schedule (overlap SKIP). Returns (id, "created"|"updated")."""
+    from temporalio.client import (
+        Schedule,
+        ScheduleActionStartWorkflow,
+        ScheduleIntervalSpec,
+        ScheduleOverlapPolicy,
+        SchedulePolicy,
+        ScheduleSpec,
+        ScheduleUpdate,
+    )
+    from temporalio.service import RPCError, RPCStatusCode
+
+    every = {"gpufleet-site-reconcile": site_every, "gpufleet-catalog-refresh": catalog_every}
+    done = []
+    for schedule_id, (workflow_type, workflow_id, what) in SCHEDULES.items():
+        schedule = Schedule(
+            action=ScheduleActionStartWorkflow(workflow_type, None, id=workflow_id, task_queue=task_queue,
+                                               static_summary=what),
+            spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=every[schedule_id]))]),
+            policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
+        )
+        handle = client.get_schedule_handle(schedule_id)
+        try:
+            await handle.describe()
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND:
+                raise
+            await client.create_schedule(schedule_id, schedule)
+            done.append((schedule_id, "created"))
+            continue
+        await handle.update(lambda _input, s=schedule: ScheduleUpdate(schedule=s))
+        done.append((schedule_id, "updated"))
+    return done
+
+
+@schedules_app.command("apply")
+def schedules_apply(
+    site_every: Annotated[float, typer.Option(help="seconds between site reconcile sweeps")] = 300,
+    catalog_every: Annotated[float, typer.Option(help="seconds between catalog refreshes")] = 600,
+    address: Address = "localhost:7233",
+) -> None:
+    """Create or update (idempotently) the reconcile-sweep and catalog-refresh Schedules."""
+    settings = _settings(address)
+
+    async def go():
+        return await apply_schedules(await _connect(settings), settings.task_queue, site_every, catalog_every)
+
+    for schedule_id, what in asyncio.run(go()):
+        console.print(f"{what} [bold]{schedule_id}[/]")
+
+
+@schedules_app.command("list")
+def schedules_list(address: Address = "localhost:7233") -> None:
+    """gpufleet's Schedules, their interval and next run."""
+    settings = _settings(address)
+
+    async def go():
+        client = await _connect(settings)
+        rows = []
+        async for entry in await client.list_schedules():
+            if entry.id not in SCHEDULES:
+                continue
+            desc = await client.get_schedule_handle(entry.id).describe()
+            every = ", ".join(f"{i.every.total_seconds():.0f}s" for i in desc.schedule.spec.intervals)
+            upcoming = desc.info.next_action_times[:1]
+            rows.append((entry.id, SCHEDULES[entry.id][0], every, upcoming[0].isoformat() if upcoming else "-",
+                         "paused" if desc.schedule.state.paused else "active"))
+        return rows
+
+    table = Table("schedule", "workflow", "every", "next", "state", title="schedules")
+    for row in asyncio.run(go()):
+        table.add_row(*row)
+    console.print(table)
+
+
+# -- accounts ------------------------------------------------------------------------------
+def _account_id(account: str, config: str | None) -> str:
+    from fleet.config import load_config
+    from fleet.naming import account_workflow_id
+
+    try:
+        provider = load_config(config).account(account).provider
+    except KeyError:
+        err.print(f"[red]error:[/] unknown account {account!r}")
+        raise typer.Exit(2) from None
+    return account_workflow_id(provider, account)
+
+
+@accounts_app.command("list")
+def accounts_list(
+    needs_person: Annotated[bool, typer.Option("--needs-person", help="only those waiting for a person")] = False,
+    address: Address = "localhost:7233",
+) -> None:
+    """Every ProviderAccount entity and its state."""
+    from workflows.capacity_models import AccountStatus
+
+    settings = _settings(address)
+
+    async def go():
+        client = await _connect(settings)
+        query = 'WorkflowType = "ProviderAccount" AND ExecutionStatus = "Running"'
+        if needs_person:
+            query += ' AND FleetState = "needs-person"'
+        rows = []
+        async for wf in client.list_workflows(query):
+            s = await client.get_workflow_handle(wf.id).query("status", result_type=AccountStatus)
+            rows.append((wf.id, s.state.value, s.since, ", ".join(s.blocked_offers), s.reason))
+        return rows
+
+    table = Table("account", "state", "since", "quota-blocked offers", "reason", title="provider accounts")
+    for row in asyncio.run(go()):
+        table.add_row(*row)
+    console.print(table)
+
+
+@accounts_app.command("quota-raised")
+def accounts_quota_raised(
+    account: str,
+    offer: Annotated[Optional[list[str]], typer.Option(help="offer site/instance-type (repeat; default all)")] = None,
+    address: Address = "localhost:7233", config: ConfigPath = None,
+) -> None:
+    """Tell gpufleet a person raised the quota: the offers sell again."""
+    _update(address, _account_id(account, config), "quota_raised", {"offers": offer or []})
+
+
+@accounts_app.command("credentials-rotated")
+def accounts_credentials_rotated(account: str, address: Address = "localhost:7233", config: ConfigPath = None) -> None:
+    """Tell gpufleet the credentials are fixed (checked with one call before it is accepted)."""
+    _update(address, _account_id(account, config), "credentials_rotated", None)
+
+
+def _update(address: str, workflow_id: str, update: str, arg) -> None:
+    from temporalio.client import WorkflowUpdateFailedError
+
+    from workflows.capacity_models import AccountStatus
+
+    settings = _settings(address)
+
+    async def go():
+        handle = (await _connect(settings)).get_workflow_handle(workflow_id)
+        args = [] if arg is None else [arg]
+        return await handle.execute_update(update, *args, result_type=AccountStatus)
+
+    try:
+        status = asyncio.run(go())
+    except WorkflowUpdateFailedError as error:
+        err.print(f"[red]rejected:[/] {error.cause}")
+        raise typer.Exit(1) from None
+    console.print(f"{workflow_id}: [bold]{status.state.value}[/]")
+
+
+# -- sim -----------------------------------------------------------------------------------
+def add_sim_commands(sim_app: typer.Typer) -> None:
+    @sim_app.command("reclaim")
+    def sim_reclaim(
+        node: Annotated[str, typer.Argument(help="node (machine) name")],
+        seconds: Annotated[float, typer.Option(help="notice before the machine is taken")] = 120,
+        state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
+    ) -> None:
+        """Post a spot reclaim notice for a simulated machine (its agent starts SpotReclaim)."""
+        from activities.env import FleetEnv
+
+        env = FleetEnv.from_settings(Settings.from_env(state_dir=state_dir, config=config))
+        machine = env.world.machine_by_name(node) if env.world else None
+        if machine is None:
+            err.print(f"[red]error:[/] no simulated machine named {node!r}")
+            raise typer.Exit(2)
+        env.world.post_reclaim_notice(machine["id"], seconds)
+        console.print(f"{node}: reclaim notice, taken in {seconds:.0f}s")

@@ -1,0 +1,133 @@
+"""A simulated fleet for the capacity tests: four sites at four accounts, unique names per test
+(entity workflow ids such as ``site/<name>`` and ``account/<provider>/<name>`` live on the
+session's one dev server, so every test gets its own)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import yaml
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from activities.env import FleetEnv
+from fleet.settings import Settings
+from providers.cluster.sim import SimCluster
+from providers.sim import SimWorld
+from tests.conftest import run_node_host
+from workers.control_plane import build_worker
+from workflows import ALL_WORKFLOWS
+
+HISTORIES = Path(__file__).parent / "histories"
+RECORD = os.environ.get("GPUFLEET_RECORD") == "1"
+#: Short everything: the sim boots in 0.1 s.
+FAST_JOIN = {"registration_seconds": 10, "smoke_test_seconds": 10, "heartbeat_seconds": 5}
+
+
+def capacity_fleet(uid: str, **site_overrides: dict[str, Any]) -> dict[str, Any]:
+    def site(name, provider, account, geo, price, capacity_type="on-demand", risk=0.0):
+        s = {"name": f"{name}-{uid}", "provider": provider, "account": f"{account}-{uid}", "region": "r1",
+             "geography": geo, "gpu": "H100", "gpu_memory_gb": 80, "gpus_per_machine": 2,
+             "instance_type": f"{name}.2xh100", "price_per_gpu_hour": price, "capacity_type": capacity_type,
+             "max_nodes": 8, "sim": {"capacity": 4, "quota": 8, "boot_seconds": 0.1, "interruption_risk": risk}}
+        s.update(site_overrides.get(name, {}))
+        return s
+
+    return {
+        "mode": "sim",
+        "accounts": [
+            {"name": f"a-{uid}", "provider": "lambda", "credentials": {"env": "K"}},
+            {"name": f"b-{uid}", "provider": "nebius", "credentials": {"env": "K"}},
+            {"name": f"c-{uid}", "provider": "aws", "credentials": {"env": "K"}},
+            {"name": f"d-{uid}", "provider": "hetzner", "credentials": {"env": "K"}},
+        ],
+        "sites": [
+            site("cheap", "lambda", "a", "us-east", 2.0),
+            site("mid", "nebius", "b", "eu", 2.5),
+            site("dear", "aws", "c", "us-east", 3.5),
+            # Spot: $1.50, risk 0.8 → ranks as $2.70 (between mid and dear).
+            site("spot", "hetzner", "d", "eu", 1.5, "spot", 0.8),
+        ],
+    }
+
+
+@dataclass
+class CapStack:
+    client: Client
+    settings: Settings
+    world: SimWorld
+    cluster: SimCluster
+    env: FleetEnv
+    uid: str
+
+    def site(self, name: str) -> str:
+        return f"{name}-{self.uid}"
+
+    def account(self, letter: str) -> str:
+        return f"{letter}-{self.uid}"
+
+    def offer(self, name: str) -> str:
+        return f"{name}-{self.uid}/{name}.2xh100"
+
+    async def request(self, raw: dict[str, Any], name: str = "req") -> WorkflowHandle:
+        raw = {"join_timeouts": FAST_JOIN, **raw}
+        return await self.client.start_workflow(
+            "AcquireCapacity", raw, id=f"capacity/{name}-{self.uid}-{uuid.uuid4().hex[:4]}",
+            task_queue=self.settings.task_queue,
+        )
+
+    async def refresh_catalog(self) -> int:
+        return await self.client.execute_workflow(
+            "CatalogRefresh", None, id=f"catalog-refresh-{uuid.uuid4().hex[:8]}", task_queue=self.settings.task_queue
+        )
+
+    def account_handle(self, provider: str, letter: str) -> WorkflowHandle:
+        return self.client.get_workflow_handle(f"account/{provider}/{self.account(letter)}")
+
+    async def listed(self, query: str, timeout: float = 15) -> list:
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            found = [w async for w in self.client.list_workflows(query)]
+            if found or asyncio.get_running_loop().time() > deadline:
+                return found
+            await asyncio.sleep(0.1)
+
+
+async def open_stack(client: Client, address: str, tmp_path: Path, fleet: dict | None = None,
+                     uid: str | None = None) -> AsyncIterator[CapStack]:
+    uid = uid or uuid.uuid4().hex[:6]
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(fleet or capacity_fleet(uid)))
+    settings = Settings(address=address, task_queue=f"cap-{uid}", state_dir=tmp_path, config=str(path))
+    env = FleetEnv.from_settings(settings)
+    stack = CapStack(client, settings, env.world, env.cluster, env, uid)
+    stop = asyncio.Event()
+    host = await run_node_host(client, settings, stop)
+    try:
+        async with build_worker(client, settings):
+            yield stack
+            # Entities never end by themselves: stop this test's before its worker goes.
+            async for wf in client.list_workflows(f'TaskQueue = "{settings.task_queue}" AND ExecutionStatus = "Running"'):
+                try:
+                    await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("test over")
+                except Exception:  # noqa: BLE001
+                    pass
+    finally:
+        stop.set()
+        await host
+
+
+async def replay_and_record(handle: WorkflowHandle, name: str) -> None:
+    """Replay this run's history against today's code; keep it when recording."""
+    history = await handle.fetch_history()
+    await Replayer(workflows=ALL_WORKFLOWS, data_converter=pydantic_data_converter).replay_workflow(history)
+    if RECORD:
+        HISTORIES.mkdir(exist_ok=True)
+        (HISTORIES / f"{name}.json").write_text(json.dumps(history.to_json_dict(), indent=1))

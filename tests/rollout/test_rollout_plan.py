@@ -1,0 +1,98 @@
+"""ModelRollout's pure parts, without Temporal."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from fleet.config import ObjectStore
+from fleet.rollout import (
+    HealthGate,
+    ProbeResult,
+    RolloutInput,
+    RolloutProgress,
+    SiteProgress,
+    SiteState,
+    check_sites,
+    evaluate_gate,
+    next_batch,
+    part_size_for,
+    plan_batches,
+    render_details,
+)
+
+SHA = "a" * 64
+
+
+def raw(**overrides) -> dict:
+    base = {
+        "model": "llm", "version": "v2", "image": "img:v2",
+        "weights": {"source": {"bucket": "src"}, "files": [{"path": "w.bin", "size": 10, "sha256": SHA}]},
+        "sites": [{"site": "a", "replicas": 2}, {"site": "b", "replicas": 1}],
+    }
+    base.update(overrides)
+    return base
+
+
+def test_valid_input_defaults() -> None:
+    request = RolloutInput.model_validate(raw())
+    assert request.rollout_id == "rollout/llm/v2"
+    assert request.canaries == ["a"]
+    assert request.weights_path == "/models/llm/v2"
+    assert request.dest_prefix(ObjectStore(bucket="x", prefix="p/")) == "p/models/llm/v2/"
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"weights": {"source": {"bucket": "s"}, "files": [{"path": "w", "size": 1}]}}, "sha256"),
+    ({"weights": {"source": {"bucket": "s"}, "files": [{"path": "w", "size": 1, "sha256": "xyz"}]}}, "sha256"),
+    ({"weights": {"source": {"bucket": "s"}, "files": [{"path": "../w", "size": 1, "sha256": SHA}]}}, "path"),
+    ({"weights": {"source": {"bucket": "s"}, "files": []}}, "files"),
+    ({"sites": [{"site": "a", "replicas": 0}, {"site": "b", "replicas": 0}]}, "zero replicas everywhere"),
+    ({"sites": [{"site": "a", "replicas": 1}, {"site": "a", "replicas": 1}]}, "more than once"),
+    ({"strategy": {"canary_sites": ["zz"]}}, "canary_sites"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_bad_manifests_rejected(change: dict, field: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        RolloutInput.model_validate(raw(**change))
+    assert field in str(caught.value)
+
+
+def test_check_sites() -> None:
+    request = RolloutInput.model_validate(raw(sites=[{"site": "a", "replicas": 1}, {"site": "nope", "replicas": 1},
+                                                     {"site": "c", "replicas": 1}]))
+    problems = check_sites(request, {"a": ObjectStore(bucket="x"), "c": None}, ["a", "c"])
+    assert len(problems) == 2
+    assert "unknown site 'nope'" in problems[0]
+    assert "no object_store" in problems[1]
+
+
+def test_plan_batches_and_deferral() -> None:
+    assert plan_batches(["a", "b", "c", "d", "e"], ["b"], 2) == [["b"], ["a", "c"], ["d", "e"]]
+    assert plan_batches(["a", "b"], ["a", "b"], 3) == [["a"], ["b"]]
+    batch, deferred = next_batch(["c", "d", "e"], {"d"}, 2)
+    assert batch == ["c", "e"] and deferred == ["d"]
+    assert next_batch(["d"], {"d"}, 2) == ([], ["d"])
+
+
+def test_gate_verdicts() -> None:
+    gate = HealthGate(probe_requests=10, max_error_rate=0.1)
+    assert not evaluate_gate(gate, False, None).passed
+    assert evaluate_gate(gate, True, ProbeResult(site="a", sent=10, errors=1)).passed
+    verdict = evaluate_gate(gate, True, ProbeResult(site="a", sent=10, errors=2, samples=["HTTP 500"]))
+    assert not verdict.passed and "2 of 10" in verdict.reason and "HTTP 500" in verdict.reason
+    assert not evaluate_gate(gate, True, ProbeResult(site="a", sent=3, errors=0)).passed
+    assert evaluate_gate(HealthGate(probe_requests=0), True, None).passed
+
+
+def test_part_size_fits_max_parts() -> None:
+    assert part_size_for(100, 64) == 64
+    assert part_size_for(10_000 * 64 + 1, 64) == 65
+
+
+def test_details_table() -> None:
+    progress = RolloutProgress(rollout_id="rollout/llm/v2", model="llm", version="v2", phase="canary", batch=1,
+                               batches=2, sites=[SiteProgress(site="a", replicas=2, canary=True,
+                                                              state=SiteState.GATING, bytes_total=2048, files_total=1)])
+    text = render_details(progress)
+    assert "| a (canary) | 2 | gating |" in text and "batch 1 of 2" in text

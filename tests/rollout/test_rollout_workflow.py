@@ -1,0 +1,161 @@
+"""ModelRollout end to end: real Temporal dev server, simulated cluster, moto S3 stores."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
+
+from fleet.rollout import RolloutProgress, RolloutResult
+from tests.conftest import wait_for
+from tests.rollout.conftest import MODEL, RolloutStack
+
+
+async def progress(handle) -> RolloutProgress | None:
+    try:
+        return await handle.query("progress", result_type=RolloutProgress)
+    except Exception:  # noqa: BLE001 - the first workflow task may not have run yet
+        return None
+
+
+async def until(handle, predicate, timeout: float = 30) -> RolloutProgress:
+    """Poll the progress query until ``predicate(progress)``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        p = await progress(handle)
+        if p is not None and predicate(p):
+            return p
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"condition not met; last progress: {p}")
+        await asyncio.sleep(0.1)
+
+
+def states(p: RolloutProgress) -> dict[str, str]:
+    return {s.site: s.state.value for s in p.sites}
+
+
+async def failure_of(handle) -> ApplicationError:
+    with pytest.raises(WorkflowFailureError) as caught:
+        await handle.result()
+    assert isinstance(caught.value.cause, ApplicationError)
+    return caught.value.cause
+
+
+async def test_rollout_happy_path(rollout_stack: RolloutStack) -> None:
+    stack = rollout_stack
+    stack.serve_v1(["site-a"])  # site-b gets the model for the first time
+    handle = await stack.start(stack.request({"site-a": 2, "site-b": 1}), "happy")
+    result = RolloutResult.model_validate(await handle.result())
+    assert result.outcome == "completed"
+    assert {s.site: s.state.value for s in result.sites} == {"site-a": "done", "site-b": "done"}
+    assert stack.image("site-a") == "img:v2" and stack.image("site-b") == "img:v2"
+    status = stack.cluster.serving_status(MODEL, "site-a")
+    assert status.desired_replicas == 2 and status.can_rollback
+    for site in ("site-a", "site-b"):
+        store = stack.stores[site]
+        listed = stack.s3.client(store).list_objects_v2(Bucket=store.bucket, Prefix="models/llm/v2/")
+        assert {o["Key"].rsplit("/", 1)[1] for o in listed["Contents"]} == {f["path"] for f in stack.files}
+    untouched = stack.stores["site-c"]
+    assert stack.s3.client(untouched).list_objects_v2(Bucket=untouched.bucket).get("KeyCount", 0) == 0
+
+    query = f'WorkflowId = "{handle.id}" AND Model = "{MODEL}" AND ModelVersion = "v2" AND FleetState = "completed"'
+
+    async def listed() -> list:
+        return [w async for w in stack.client.list_workflows(query)]
+
+    for _ in range(50):
+        if await listed():
+            break
+        await asyncio.sleep(0.1)
+    assert len(await listed()) == 1
+    description = await handle.describe()
+    details = description.raw_description.workflow_extended_info  # noqa: F841 - exists on this server
+    # The operator's table: sites x state.
+    p = await progress(handle)
+    assert states(p) == {"site-a": "done", "site-b": "done"}
+
+
+async def test_bad_input_rejected_before_copying(rollout_stack: RolloutStack) -> None:
+    stack = rollout_stack
+    bad = stack.request({"site-a": 1, "nowhere": 1})
+    error = await failure_of(await stack.start(bad, "unknown-site"))
+    assert error.type == "InvalidInput" and "unknown site 'nowhere'" in str(error)
+    missing = stack.request({"site-a": 1})
+    del missing["weights"]["files"][0]["sha256"]
+    assert (await failure_of(await stack.start(missing, "no-sha"))).type == "InvalidInput"
+    zero = stack.request({"site-a": 0, "site-b": 0})
+    assert "zero replicas" in str(await failure_of(await stack.start(zero, "zero")))
+    store = stack.stores["site-a"]
+    assert stack.s3.client(store).list_objects_v2(Bucket=store.bucket).get("KeyCount", 0) == 0
+
+
+async def test_canary_fails_gate_rolled_back_others_untouched(rollout_stack: RolloutStack) -> None:
+    stack = rollout_stack
+    stack.serve_v1(["site-a", "site-b", "site-c"])
+    stack.probe.set_error_rate(MODEL, "site-b", 0.6, image="img:v2")  # the new build answers 500s
+    raw = stack.request({"site-a": 2, "site-b": 2, "site-c": 1}, canary_sites=["site-b"])
+    error = await failure_of(await stack.start(raw, "canary-fails"))
+    assert error.type == "RolloutFailed"
+    assert "site-b" in str(error) and "3 of 5 probes failed" in str(error) and "rolled back" in str(error)
+    assert stack.image("site-b") == "img:v1", "the canary is back on the previous version"
+    for site in ("site-a", "site-c"):
+        status = stack.cluster.serving_status(MODEL, site)
+        assert status.image == "img:v1" and status.generation == 1, f"{site} was touched"
+
+
+async def test_abort_midway_rolls_back_updated_sites(rollout_stack: RolloutStack) -> None:
+    stack = rollout_stack
+    stack.serve_v1(["site-a", "site-b", "site-c"])
+    # site-c is under evacuation: the rollout updates a and b, then waits for c.
+    stack.cluster.set_routing_weights(MODEL, {"site-a": 1, "site-b": 1, "site-c": 0}, draining={"site-c": True})
+    handle = await stack.start(stack.request({"site-a": 1, "site-b": 1, "site-c": 1}), "abort")
+    p = await until(handle, lambda p: states(p) == {"site-a": "done", "site-b": "done", "site-c": "deferred"})
+    assert "under evacuation" in p.site("site-c").detail
+    assert stack.image("site-a") == stack.image("site-b") == "img:v2"
+    await handle.execute_update("abort", "bad numbers on the dashboard")
+    result = RolloutResult.model_validate(await handle.result())
+    assert result.outcome == "aborted"
+    assert {s.site: s.state.value for s in result.sites} == {
+        "site-a": "rolled-back", "site-b": "rolled-back", "site-c": "skipped"}
+    assert [stack.image(s) for s in ("site-a", "site-b", "site-c")] == ["img:v1"] * 3
+    assert stack.cluster.serving_status(MODEL, "site-c").generation == 1
+    with pytest.raises((WorkflowUpdateFailedError, RPCError)):  # finished: rejected
+        await handle.execute_update("abort", "again")
+
+
+async def test_pause_holds_and_resume_continues(rollout_stack: RolloutStack) -> None:
+    stack = rollout_stack
+    stack.serve_v1(["site-a", "site-b"])
+    handle = await stack.start(stack.request({"site-a": 1, "site-b": 1}, gate={"bake_seconds": 0}), "pause")
+    await until(handle, lambda p: p.phase != "starting")
+    await handle.execute_update("pause", "change freeze")
+    with pytest.raises(WorkflowUpdateFailedError):
+        await handle.execute_update("pause")  # the validator: already paused
+    p = await until(handle, lambda p: p.phase == "paused")
+    assert p.paused and all(s.state.value == "replicated" for s in p.sites), states(p)
+    # Held: nothing updated while paused (replication done, canary not started).
+    for _ in range(5):
+        assert stack.image("site-a") == "img:v1"
+        await asyncio.sleep(0.1)
+    await handle.execute_update("resume")
+    result = RolloutResult.model_validate(await handle.result())
+    assert result.outcome == "completed" and stack.image("site-b") == "img:v2"
+    with pytest.raises((WorkflowUpdateFailedError, RPCError)):
+        await handle.execute_update("resume")  # finished
+
+
+async def test_evacuated_site_deferred_until_restored(rollout_stack: RolloutStack) -> None:
+    stack = rollout_stack
+    stack.serve_v1(["site-a", "site-b", "site-c"])
+    stack.cluster.set_routing_weights(MODEL, {"site-a": 1, "site-b": 0, "site-c": 1}, incident={"site-b": "inc-7"})
+    raw = stack.request({"site-a": 1, "site-b": 1, "site-c": 1}, gate={"bake_seconds": 0})
+    handle = await stack.start(raw, "evacuated")
+    # site-c (after site-b in the queue) goes first; site-b waits.
+    await until(handle, lambda p: states(p) == {"site-a": "done", "site-b": "deferred", "site-c": "done"})
+    assert stack.image("site-b") == "img:v1"
+    stack.cluster.set_routing_weights(MODEL, {"site-a": 1, "site-b": 1, "site-c": 1})
+    result = RolloutResult.model_validate(await handle.result())
+    assert result.outcome == "completed" and stack.image("site-b") == "img:v2"

@@ -1,0 +1,152 @@
+"""Weights replication against moto S3 in server mode (two site stores + a source)."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import tracemalloc
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities import weights
+from activities.weights import Checkpoint, ReplicateInput, Replicator, WeightsActivities
+from fleet.config import ObjectStore
+from fleet.rollout import Replication, WeightFile
+from tests.rollout.conftest import MotoS3, put_files
+
+KiB = 1024
+
+
+def make_input(source: ObjectStore, files: list[dict], site: str = "site-a", **options) -> ReplicateInput:
+    opts = {"part_size_bytes": 64 * KiB, "chunk_size_bytes": 16 * KiB, "concurrency": 2, **options}
+    return ReplicateInput(site=site, source=source, files=[WeightFile(**f) for f in files],
+                          dest_prefix="models/llm/v2/", options=Replication(**opts))
+
+
+def replicator(s3: MotoS3, input: ReplicateInput, dest: ObjectStore, **kwargs) -> Replicator:
+    return Replicator(input, dest, s3.client(input.source), s3.client(dest), **kwargs)
+
+
+def versions(s3: MotoS3, store: ObjectStore, key: str) -> int:
+    listed = s3.client(store).list_object_versions(Bucket=store.bucket, Prefix=key)
+    return len([v for v in listed.get("Versions", []) if v["Key"] == key])
+
+
+@pytest.fixture
+def source(moto_s3: MotoS3) -> ObjectStore:
+    return moto_s3.bucket(moto_s3.store(0))
+
+
+FILES = {"config.json": 1_500, "a.safetensors": 300 * KiB, "b.safetensors": 200 * KiB + 7}
+
+
+def test_replicate_to_two_stores_and_skip_on_rerun(moto_s3: MotoS3, source: ObjectStore) -> None:
+    files = put_files(moto_s3, source, FILES)
+    dests = [moto_s3.bucket(moto_s3.store(0, checksum_verification="read-back")), moto_s3.bucket(moto_s3.store(1))]
+    for dest in dests:
+        result = replicator(moto_s3, make_input(source, files), dest).run()
+        assert set(result.files.values()) == {"copied"}
+        assert result.bytes_copied == sum(FILES.values())
+        client = moto_s3.client(dest)
+        for f in files:
+            head = client.head_object(Bucket=dest.bucket, Key=f"models/llm/v2/{f['path']}")
+            assert head["ContentLength"] == f["size"] and head["Metadata"]["sha256"] == f["sha256"]
+            body = client.get_object(Bucket=dest.bucket, Key=f"models/llm/v2/{f['path']}")["Body"].read()
+            import hashlib
+            assert hashlib.sha256(body).hexdigest() == f["sha256"]
+        again = replicator(moto_s3, make_input(source, files), dest).run()
+        assert set(again.files.values()) == {"skipped"} and again.bytes_copied == 0
+
+
+def test_corrupted_copy_is_recopied_and_second_mismatch_fails(moto_s3: MotoS3, source: ObjectStore, monkeypatch) -> None:
+    files = put_files(moto_s3, source, FILES, seed=1)
+    dest = moto_s3.bucket(moto_s3.store(1, checksum_verification="read-back"))
+
+    def flip_first_attempt(site, path, attempt, data):
+        return (bytes([data[0] ^ 0xFF]) + data[1:]) if path == "a.safetensors" and attempt == 1 else data
+
+    monkeypatch.setattr(weights, "TRANSIT_FAULT", flip_first_attempt)
+    result = replicator(moto_s3, make_input(source, files), dest).run()
+    assert result.files == {"config.json": "copied", "a.safetensors": "recopied", "b.safetensors": "copied"}
+
+    dest2 = moto_s3.bucket(moto_s3.store(1, checksum_verification="read-back"))
+    monkeypatch.setattr(weights, "TRANSIT_FAULT", lambda site, path, attempt, data:
+                        data[:-1] + b"\x00" if path == "config.json" else data)
+    with pytest.raises(ApplicationError) as caught:
+        replicator(moto_s3, make_input(source, files), dest2).run()
+    assert caught.value.type == "ChecksumMismatch" and caught.value.non_retryable
+
+
+def test_source_not_matching_manifest_fails_site(moto_s3: MotoS3, source: ObjectStore) -> None:
+    files = put_files(moto_s3, source, {"w.bin": 10_000})
+    files[0]["sha256"] = "0" * 64
+    dest = moto_s3.bucket(moto_s3.store(1))
+    with pytest.raises(ApplicationError) as caught:
+        replicator(moto_s3, make_input(source, files), dest).run()
+    assert caught.value.type == "ChecksumMismatch"
+    listed = moto_s3.client(dest).list_objects_v2(Bucket=dest.bucket)
+    assert listed.get("KeyCount", 0) == 0, "a failed copy leaves nothing behind"
+
+
+class Crash(BaseException):
+    """The worker dying: nothing in the activity catches it."""
+
+
+def test_resume_from_heartbeat_details(moto_s3: MotoS3, source: ObjectStore, tmp_path) -> None:
+    """A crash mid-copy: the retried attempt starts from the last heartbeat, skips the
+    finished files without touching them and continues the open multipart upload."""
+    files = put_files(moto_s3, source, {"one.bin": 100 * KiB, "two.bin": 640 * KiB, "three.bin": 50 * KiB}, seed=2)
+    dest = moto_s3.bucket(moto_s3.store(1), versioned=True)
+
+    class Env:  # the slice of FleetEnv the activity uses
+        def site(self, name):
+            return type("S", (), {"object_store": dest})()
+
+    acts = WeightsActivities(Env())  # type: ignore[arg-type]
+    input = make_input(source, files, concurrency=1)
+    beats: list[dict] = []
+
+    def on_heartbeat(*details):
+        beats.append(details[0])
+        current = details[0].get("current") or {}
+        if current.get("path") == "two.bin" and len(current.get("parts", [])) >= 3:
+            raise Crash()
+
+    first = ActivityEnvironment()
+    first.on_heartbeat = on_heartbeat
+    with pytest.raises(Crash):
+        first.run(acts.replicate_weights, input)
+    last = Checkpoint.model_validate(beats[-1])
+    assert last.done == {"one.bin": "copied"} and len(last.current.parts) >= 3
+
+    parts_seen: list[int] = []
+    second = ActivityEnvironment()
+    second.info = dataclasses.replace(second.info, heartbeat_details=[beats[-1]])
+    second.on_heartbeat = lambda *d: parts_seen.append(
+        len(d[0]["current"]["parts"]) if (d[0].get("current") or {}).get("path") == "two.bin" else 99)
+    result = second.run(acts.replicate_weights, input)
+    assert result.resumed
+    assert result.files == {"one.bin": "resumed", "two.bin": "copied", "three.bin": "copied"}
+    assert versions(moto_s3, dest, "models/llm/v2/one.bin") == 1, "a finished file is not copied again"
+    assert parts_seen and min(parts_seen) >= 3, "the open upload continued after its finished parts"
+    import hashlib
+    body = moto_s3.client(dest).get_object(Bucket=dest.bucket, Key="models/llm/v2/two.bin")["Body"].read()
+    assert hashlib.sha256(body).hexdigest() == files[1]["sha256"]
+
+
+def test_large_file_streams_in_constant_memory(moto_s3: MotoS3, source: ObjectStore) -> None:
+    size = 6 * 1024 * KiB
+    files = put_files(moto_s3, source, {"big.bin": size}, seed=3)
+    dest = moto_s3.bucket(moto_s3.store(1, checksum_verification="read-back"))
+    input = make_input(source, files, part_size_bytes=128 * KiB, chunk_size_bytes=32 * KiB, concurrency=2)
+    rep = replicator(moto_s3, input, dest)
+    tracemalloc.start()
+    try:
+        result = rep.run()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert result.files == {"big.bin": "copied"}
+    assert peak < size / 4, f"peak {peak} bytes while copying a {size}-byte file"

@@ -1,0 +1,165 @@
+"""AcquireCapacity and ProviderAccount on the real dev server and the simulated providers."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+from temporalio.client import WorkflowUpdateFailedError
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
+
+from workflows.capacity_models import AccountStatus, CapacityProgress, CapacityResult
+from activities.control_plane import ControlPlaneActivities
+from activities.models import DeleteMachineInput
+from tests.capacity_fleet import CapStack, open_stack, replay_and_record
+from tests.conftest import wait_for
+
+
+@pytest.fixture
+async def cap(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[CapStack]:
+    address = temporal_env.client.service_client.config.target_host
+    async for stack in open_stack(temporal_env.client, address, tmp_path):
+        yield stack
+
+
+async def result_of(handle) -> CapacityResult:
+    return CapacityResult.model_validate(await handle.result())
+
+
+async def progress(handle) -> CapacityProgress:
+    return await handle.query("progress", result_type=CapacityProgress)
+
+
+async def test_no_capacity_at_first_choice_uses_the_second(cap: CapStack) -> None:
+    await cap.refresh_catalog()  # the catalog still says the cheapest site has capacity
+    cap.world.set_site(cap.site("cheap"), capacity=0)
+    handle = await cap.request({"constraints": {"gpu": "H100"}, "count": 1, "catalog_max_age_seconds": 600})
+    result = await result_of(handle)
+    assert result.complete
+    assert [n.site for n in result.nodes] == [cap.site("mid")]
+    assert [(a.offer, a.outcome) for a in result.attempts] == [
+        (cap.offer("cheap"), "NoCapacity"), (cap.offer("mid"), "joined"),
+    ]
+    assert cap.world.calls(cap.account("a"), "create") == 1
+    assert cap.cluster.get_node(result.nodes[0].node_name).ready
+    await replay_and_record(handle, "capacity_no_capacity_fallback")
+
+
+async def test_over_quota_blocks_the_offer_until_a_person_raises_it(cap: CapStack) -> None:
+    cap.world.set_site(cap.site("cheap"), quota=0)
+    handle = await cap.request({"constraints": {"gpu": "H100"}, "count": 1})
+    result = await result_of(handle)
+    assert [n.site for n in result.nodes] == [cap.site("mid")]
+    assert result.attempts[0].outcome == "OverQuota"
+
+    account = cap.account_handle("lambda", "a")
+    listed = await cap.listed(f'WorkflowId = "{account.id}" AND FleetState = "needs-person"')
+    assert len(listed) == 1, "the UI lists the account as waiting for a person"
+    status = await account.query("status", result_type=AccountStatus)
+    assert status.state == "quota-blocked"
+    assert list(status.blocked_offers) == [cap.offer("cheap")]
+
+    # Blocked: a second request does not even try the cheapest offer (no provider call).
+    creates = cap.world.calls(cap.account("a"), "create")
+    second = await result_of(await cap.request({"constraints": {"gpu": "H100"}, "count": 1}))
+    assert second.nodes[0].site == cap.site("mid")
+    assert cap.world.calls(cap.account("a"), "create") == creates
+
+    with pytest.raises(WorkflowUpdateFailedError):  # the validator names what is blocked
+        await account.execute_update("quota_raised", {"offers": ["nope/x"]})
+    cap.world.set_site(cap.site("cheap"), quota=8)
+    cleared = AccountStatus.model_validate(await account.execute_update("quota_raised", {"offers": []}))
+    assert cleared.state == "healthy" and cleared.blocked_offers == {}
+    assert await cap.listed(f'WorkflowId = "{account.id}" AND FleetState = "healthy"')
+    third = await result_of(await cap.request({"constraints": {"gpu": "H100"}, "count": 1}))
+    assert third.nodes[0].site == cap.site("cheap")
+    await replay_and_record(handle, "capacity_over_quota")
+    await replay_and_record(account, "account_quota_raised")
+
+
+async def test_revoked_credentials_stop_every_call_until_rotated(cap: CapStack) -> None:
+    a = cap.account("a")
+    # A machine at the account, to be deleted while the account is revoked.
+    (machine,) = [m for m in (await result_of(await cap.request({"constraints": {"sites": [cap.site("cheap")]}}))).nodes]
+    cap.world.set_credentials_valid(a, False)
+    handle = await cap.request({"constraints": {"gpu": "H100"}, "count": 1})
+    result = await result_of(handle)
+    assert result.nodes[0].site == cap.site("mid")
+    assert result.attempts[0].outcome == "BadCredentials"
+    account = cap.account_handle("lambda", "a")
+    await wait_for(lambda: cap.env.accounts.get(a).state == "credentials-revoked")
+    calls = cap.world.calls(a)
+
+    # Nothing calls the account now: requests, catalog refreshes, deletes.
+    again = await result_of(await cap.request({"constraints": {"gpu": "H100"}, "count": 1}))
+    assert again.nodes[0].site == cap.site("mid")
+    await cap.refresh_catalog()
+    acts = ControlPlaneActivities(cap.env)
+    ActivityEnvironment().run(acts.delete_machine, DeleteMachineInput(site=cap.site("cheap"),
+                                                                            machine_id=machine.machine_id))
+    assert cap.world.calls(a) == calls, "zero provider calls to a revoked account"
+    assert cap.world.machine(machine.machine_id)["deleted_at"] is None, "the delete is queued"
+    assert [p.machine_id for p in cap.env.accounts.pending_deletes(a)] == [machine.machine_id]
+    status = await account.query("status", result_type=AccountStatus)
+    assert status.state == "credentials-revoked"
+
+    with pytest.raises(WorkflowUpdateFailedError):  # still bad at the provider: not accepted
+        await account.execute_update("credentials_rotated")
+    assert (await account.query("status", result_type=AccountStatus)).state == "credentials-revoked"
+    cap.world.set_credentials_valid(a, True)
+    rotated = AccountStatus.model_validate(await account.execute_update("credentials_rotated"))
+    assert rotated.state == "healthy"
+    assert cap.world.machine(machine.machine_id)["deleted_at"] is not None, "the queued delete ran after the fix"
+    assert cap.env.accounts.pending_deletes(a) == []
+    await replay_and_record(handle, "capacity_bad_credentials")
+    await replay_and_record(account, "account_credentials_rotated")
+
+
+async def test_all_exhausted_waits_and_resumes_when_capacity_appears(cap: CapStack) -> None:
+    for site in ("cheap", "mid", "dear", "spot"):
+        cap.world.set_site(cap.site(site), capacity=0)
+    handle = await cap.request({"constraints": {"gpu": "H100"}, "count": 1, "backoff_seconds": 120,
+                                "deadline_seconds": 300})
+    await cap.listed(f'WorkflowId = "{handle.id}" AND FleetState = "waiting-for-capacity"')
+    waiting = await progress(handle)
+    assert waiting.step == "waiting for capacity"
+    assert any("no capacity" in r for r in waiting.rejected)
+    cap.world.set_site(cap.site("dear"), capacity=1)
+    assert await cap.refresh_catalog() >= 1  # wakes the waiting request long before its backoff
+    result = await result_of(handle)
+    assert [n.site for n in result.nodes] == [cap.site("dear")]
+    await replay_and_record(handle, "capacity_wait_then_resume")
+
+
+async def test_spend_cap_and_max_price_are_respected(cap: CapStack) -> None:
+    # cheap: 2 GPUs x $2.00 = $4/h per machine; mid $5/h; dear $7/h (above max price).
+    handle = await cap.request({
+        "constraints": {"gpu": "H100", "max_price_per_gpu_hour": 3.0, "spend_cap_per_hour": 9.5,
+                        "capacity_types": ["on-demand"]},
+        "count": 3, "deadline_seconds": 2, "backoff_seconds": 1,
+    })
+    result = await result_of(handle)
+    assert not result.complete
+    assert len(result.nodes) == 2 and result.cost_per_hour <= 9.5
+    assert "1 of 3 not joined" in result.why[0]
+    assert any("spend cap" in w for w in result.why)
+    assert any(cap.offer("dear") in w and "max" in w for w in result.why)
+    assert cap.world.calls(cap.account("c"), "create") == 0
+
+
+async def test_geography_is_respected(cap: CapStack) -> None:
+    result = await result_of(await cap.request({"constraints": {"gpu": "H100", "geographies": ["eu"],
+                                                                "capacity_types": ["on-demand"]}, "count": 2}))
+    assert {n.site for n in result.nodes} == {cap.site("mid")}
+    assert cap.world.calls(cap.account("a"), "create") == 0
+
+
+async def test_invalid_request_fails_the_request(cap: CapStack) -> None:
+    from temporalio.client import WorkflowFailureError
+
+    handle = await cap.request({"constraints": {"gpu": "H100", "gpu_class": ["H200"]}})
+    with pytest.raises(WorkflowFailureError) as caught:
+        await handle.result()
+    assert caught.value.cause.type == "InvalidInput"

@@ -1,0 +1,234 @@
+"""The per-GPU repair ladder end to end: real dev server, simulated fleet and GPUs."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from datetime import datetime, timezone
+
+import pytest
+from typer.testing import CliRunner
+from temporalio.client import WorkflowExecutionStatus
+
+from activities.models import HealthReport
+from activities.repair import fence_key
+from fleet.cli import app
+from fleet.models import GpuHealth, XidEvent
+from fleet.repair_policy import Rung
+from tests.conftest import Stack
+from tests.repair_helpers import (
+    eventually,
+    exists,
+    join_node,
+    ladder,
+    make_stack,
+    node_status,
+    repair_fleet,
+    repair_handle,
+    repair_result,
+    repair_settings,
+    running_stack,
+    start_host,
+)
+from workers.control_plane import build_worker
+from workers.health_report import send_report
+from workflows.repair_models import SkipToInput
+
+
+@pytest.fixture
+async def rstack(temporal_env, tmp_path):
+    async for stack in running_stack(temporal_env.client, tmp_path):
+        yield stack
+
+
+def cordoned(stack: Stack, node: str) -> bool:
+    n = stack.cluster.get_node(node)
+    return bool(n and n.unschedulable)
+
+
+async def history_order(stack: Stack, workflow_id: str) -> list[str]:
+    """Activity types in the order they were scheduled."""
+    history = await stack.client.get_workflow_handle(workflow_id).fetch_history()
+    return [e.activity_task_scheduled_event_attributes.activity_type.name
+            for e in history.events if e.HasField("activity_task_scheduled_event_attributes")]
+
+
+async def test_xid48_reset_fixes_and_node_serves_only_after_proof(rstack: Stack) -> None:
+    node = await join_node(rstack)
+    seen_cordoned = []
+
+    async def watch() -> None:
+        while True:
+            seen_cordoned.append(cordoned(rstack, node.node_name))
+            await asyncio.sleep(0.02)
+
+    watcher = asyncio.create_task(watch())
+    rstack.world.inject_fault(node.machine_id, 0, "xid", 48, clears_on="reset")
+    result = await repair_result(rstack, node.node_name, 0)
+    watcher.cancel()
+    assert result.outcome == "repaired"
+    assert [(a.rung, a.outcome) for a in result.attempts] == [(Rung.RESET, "passed")]
+    assert True in seen_cordoned, "the node was contained"
+    assert not cordoned(rstack, node.node_name), "and serves again"
+    order = await history_order(rstack, f"repair/{node.node_name}/gpu0")
+    assert order.index("contain_gpu") < order.index("reset_gpu") < order.index("smoke_test") < order.index("uncontain_gpu")
+    assert rstack.world.machine(node.machine_id)["reboots"] == 0
+    assert rstack.world.gpu_health(node.machine_id)[0].xid_events == []
+    annotations = rstack.cluster.annotate_node(node.node_name, {})
+    assert fence_key(0) not in annotations
+
+
+async def test_reset_failing_its_proof_climbs_to_reboot(rstack: Stack) -> None:
+    node = await join_node(rstack)
+    rstack.world.inject_fault(node.machine_id, 1, "xid", 48, clears_on="reboot")
+    result = await repair_result(rstack, node.node_name, 1)
+    assert [(a.rung, a.outcome) for a in result.attempts] == [(Rung.RESET, "failed"), (Rung.REBOOT, "passed")]
+    assert "XID 48" in result.attempts[0].detail
+    assert rstack.world.machine(node.machine_id)["reboots"] == 1
+    assert not cordoned(rstack, node.node_name)
+    assert rstack.cluster.get_node(node.node_name).ready
+
+
+async def test_xid79_starts_at_reboot(rstack: Stack) -> None:
+    node = await join_node(rstack)
+    boot_before = rstack.cluster.get_node(node.node_name).boot_id
+    rstack.world.inject_fault(node.machine_id, 0, "xid", 79, clears_on="reboot")
+    result = await repair_result(rstack, node.node_name, 0)
+    assert [(a.rung, a.outcome) for a in result.attempts] == [(Rung.REBOOT, "passed")]
+    assert "reset_gpu" not in await history_order(rstack, f"repair/{node.node_name}/gpu0")
+    assert rstack.cluster.get_node(node.node_name).boot_id != boot_before, "boot id changed"
+    assert rstack.world.machine(node.machine_id)["reboots"] == 1
+
+
+async def test_two_faults_on_one_node_cost_one_reboot(rstack: Stack) -> None:
+    node = await join_node(rstack)
+    rstack.world.inject_fault(node.machine_id, 0, "xid", 79, clears_on="reboot")
+    rstack.world.inject_fault(node.machine_id, 1, "lost", clears_on="reboot")
+    first, second = await asyncio.gather(
+        repair_result(rstack, node.node_name, 0), repair_result(rstack, node.node_name, 1)
+    )
+    assert {first.outcome, second.outcome} == {"repaired"}
+    outcomes = sorted(a.outcome for r in (first, second) for a in r.attempts)
+    assert outcomes == ["covered", "passed"], "one repair rebooted, the other was covered by it"
+    assert rstack.world.machine(node.machine_id)["reboots"] == 1
+    assert not cordoned(rstack, node.node_name)
+
+
+async def test_remap_failure_replaces_the_machine(rstack: Stack) -> None:
+    node = await join_node(rstack)
+    rstack.world.inject_fault(node.machine_id, 0, "remap_failure", clears_on="never")
+    result = await repair_result(rstack, node.node_name, 0, timeout=90)
+    assert result.outcome == "replaced"
+    assert [a.rung for a in result.attempts] == [Rung.REPLACE]
+    new = rstack.cluster.get_node(result.replacement_node)
+    assert new is not None and new.ready and new.site == "site-a"
+    assert rstack.cluster.get_node(node.node_name) is None, "old node removed"
+    assert rstack.world.machine(node.machine_id)["deleted_at"] is not None, "old machine deleted"
+    entity = rstack.client.get_workflow_handle(f"node/{node.node_name}")
+    await asyncio.wait_for(entity.result(), 30)  # the old node's entity ends: gone
+
+
+async def test_application_xid_never_starts_a_repair(rstack: Stack) -> None:
+    node = await join_node(rstack)
+    rstack.world.inject_fault(node.machine_id, 0, "xid", 13, clears_on="reset")
+    status = await eventually(lambda: _app_xids_counted(rstack, node.node_name))
+    assert status.active_repairs == {}
+    assert not await exists(repair_handle(rstack, node.node_name, 0))
+    assert not cordoned(rstack, node.node_name)
+
+
+async def _app_xids_counted(stack: Stack, node: str):
+    status = await node_status(stack, node)
+    return status if status and status.app_xids.get("13") == 1 else None
+
+
+async def test_reports_for_unknown_node_or_gpu_are_ignored(rstack: Stack) -> None:
+    node = await join_node(rstack)
+    now = datetime.now(timezone.utc)
+    bad = GpuHealth(index=7, uuid="GPU-ghost", xid_events=[XidEvent(xid=79, at=now)])
+    await send_report(rstack.client, rstack.settings.task_queue,
+                      HealthReport(node_name=node.node_name, boot_id="b", gpus=[bad]))
+    ghost = HealthReport(node_name="ghost-node", boot_id="b", gpus=[bad.model_copy(update={"index": 0})])
+    await send_report(rstack.client, rstack.settings.task_queue, ghost)
+    status = await asyncio.wait_for(rstack.client.get_workflow_handle("node/ghost-node").result(), 30)
+    assert "does not know" in " ".join(status["log"])
+    known = await eventually(lambda: _logged(rstack, node.node_name, "unknown GPU 7"))
+    assert known.active_repairs == {}
+    assert not await exists(repair_handle(rstack, node.node_name, 7))
+    assert not await exists(repair_handle(rstack, "ghost-node", 0))
+
+
+async def _logged(stack: Stack, node: str, text: str):
+    status = await node_status(stack, node)
+    return status if status and any(text in line for line in status.log) else None
+
+
+async def test_failing_proof_keeps_the_node_out_and_operator_controls(temporal_env, tmp_path) -> None:
+    async for stack in running_stack(temporal_env.client, tmp_path, repair_fleet(max_rung="reboot")):
+        node = await join_node(stack)
+        stack.world.inject_fault(node.machine_id, 0, "compute", clears_on="never")
+        stack.world.inject_fault(node.machine_id, 0, "ecc", 3, clears_on="never")
+        state = await eventually(lambda: _exhausted(stack, node.node_name), timeout=60)
+        assert [(a.rung, a.outcome) for a in state.attempts] == [(Rung.RESET, "failed"), (Rung.REBOOT, "failed")]
+        assert cordoned(stack, node.node_name), "a node that fails its proof stays out"
+        handle = repair_handle(stack, node.node_name, 0)
+        address = ["--address", stack.settings.address]
+        shown = await asyncio.to_thread(CliRunner().invoke, app, ["repair", "show", node.node_name, "0", *address])
+        assert shown.exit_code == 0, shown.output
+        assert "exhausted" in shown.output and "reboot" in shown.output
+        listed = await asyncio.to_thread(CliRunner().invoke, app, ["repair", "list", *address])
+        assert listed.exit_code == 0, listed.output
+        refused = await asyncio.to_thread(CliRunner().invoke, app, ["repair", "skip-to", node.node_name, "0", "warp", *address])
+        assert refused.exit_code == 2
+        # Operator: hold, then skip back to reset after the GPU was fixed by hand.
+        held = await handle.execute_update("hold", result_type=None)
+        assert held["held"]
+        with pytest.raises(Exception):
+            await handle.execute_update("skip_to", {"rung": "teleport"})
+        stack.world.clear_faults(node.machine_id, "never")
+        await handle.execute_update("skip_to", SkipToInput(rung=Rung.RESET))
+        await asyncio.sleep(0.5)
+        assert cordoned(stack, node.node_name), "held: still contained, nothing done"
+        await handle.execute_update("release")
+        result = await asyncio.wait_for(handle.result(), 30)
+        assert result["outcome"] == "repaired"
+        assert not cordoned(stack, node.node_name)
+        with pytest.raises(Exception):
+            await handle.execute_update("hold")  # validator: the repair is over
+
+
+async def _exhausted(stack: Stack, node: str):
+    state = await ladder(stack, node, 0)
+    return state if state and state.outcome == "exhausted" else None
+
+
+async def test_worker_killed_mid_ladder_resumes_without_a_second_reboot(temporal_env, tmp_path) -> None:
+    stack = make_stack(temporal_env.client, repair_settings(temporal_env.client, tmp_path))
+    stop, host = await start_host(stack)
+    worker = subprocess.Popen([sys.executable, "-m", "workers.control_plane"], env=stack.settings_env())
+    try:
+        node = await join_node(stack)
+        stack.world.set_site("site-a", boot_seconds=3.0)  # the reboot takes a while
+        stack.world.inject_fault(node.machine_id, 0, "xid", 79, clears_on="reboot")
+        await eventually(lambda: _rebooting(stack, node.machine_id), timeout=40)
+        worker.kill()
+        worker.wait()
+        async with build_worker(stack.client, stack.settings):
+            before = await ladder(stack, node.node_name, 0)  # answered by the new worker, after replay
+            result = await repair_result(stack, node.node_name, 0)
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        stop.set()
+        await host
+    assert before is None or before.rung == Rung.REBOOT
+    assert [(a.rung, a.outcome) for a in result.attempts] == [(Rung.REBOOT, "passed")]
+    assert stack.world.machine(node.machine_id)["reboots"] == 1, "no duplicate reboot"
+    assert not cordoned(stack, node.node_name)
+    desc = await stack.client.get_workflow_handle(f"node/{node.node_name}").describe()
+    assert desc.status == WorkflowExecutionStatus.RUNNING
+
+
+async def _rebooting(stack: Stack, machine_id: str) -> bool:
+    return stack.world.machine(machine_id)["reboots"] >= 1

@@ -1,0 +1,144 @@
+"""Site entity (min/max), SpotReclaim, and the entities' continue-as-new."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from workflows.capacity_models import AccountStatus, SiteStatus, SpotReclaimResult
+from fleet import search_attributes
+from fleet.dev import temporal_binary
+from tests.capacity_fleet import FAST_JOIN, CapStack, capacity_fleet, open_stack, replay_and_record
+from tests.conftest import wait_for
+
+FILL = {"join_timeouts": FAST_JOIN, "backoff_seconds": 1}
+
+
+@pytest.fixture
+async def cap(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[CapStack]:
+    uid = uuid.uuid4().hex[:6]
+    fleet = capacity_fleet(uid, cheap={"min_nodes": 2, "max_nodes": 3}, mid={"max_nodes": 1})
+    address = temporal_env.client.service_client.config.target_host
+    async for stack in open_stack(temporal_env.client, address, tmp_path, fleet, uid):
+        yield stack
+
+
+def live(stack: CapStack, site: str) -> list:
+    return stack.world.machines(stack.site(site))
+
+
+async def start_site(stack: CapStack, name: str, **extra):
+    return await stack.client.start_workflow(
+        "Site", {"site": stack.site(name), "fill_request": FILL, "drain_seconds": 5, **extra},
+        id=f"site/{stack.site(name)}", task_queue=stack.settings.task_queue,
+    )
+
+
+async def test_site_below_min_fills_and_above_max_retires_the_newest(cap: CapStack) -> None:
+    # Below min (2): the entity acquires at its own site only.
+    handle = await start_site(cap, "cheap")
+    await wait_for(lambda: len(live(cap, "cheap")) == 2, timeout=30)
+    await wait_for(lambda: all(n.ready for n in cap.cluster.list_nodes({"gpufleet.io/site": cap.site("cheap")}))
+                   and len(cap.cluster.list_nodes({"gpufleet.io/site": cap.site("cheap")})) == 2, timeout=30)
+    assert live(cap, "mid") == [] and live(cap, "dear") == []
+
+    # Above max (1) at mid: join two, then the sweep reconciles; the newest goes.
+    await cap.client.execute_workflow("NodeJoin", {"site": cap.site("mid"), "timeouts": FAST_JOIN},
+                                      id=f"join/{cap.site('mid')}/first", task_queue=cap.settings.task_queue)
+    await cap.client.execute_workflow("NodeJoin", {"site": cap.site("mid"), "timeouts": FAST_JOIN},
+                                      id=f"join/{cap.site('mid')}/second", task_queue=cap.settings.task_queue)
+    first, second = live(cap, "mid")
+    await cap.client.execute_workflow("SiteSweep", {"sites": [cap.site("mid")]}, id=f"sweep-{cap.uid}",
+                                      task_queue=cap.settings.task_queue)
+    mid = cap.client.get_workflow_handle(f"site/{cap.site('mid')}")
+    await wait_for(lambda: [m["id"] for m in live(cap, "mid")] == [first["id"]], timeout=30)
+    assert cap.cluster.get_node(second["name"]) is None
+    status = await mid.query("status", result_type=SiteStatus)
+    assert status.max_nodes == 1
+    await wait_for(lambda: status.last, timeout=5)
+    await replay_and_record(handle, "site_fill_below_min")
+    await replay_and_record(mid, "site_retire_above_max")
+
+
+async def test_spot_reclaim_drains_honoring_pdb_and_replaces_elsewhere(cap: CapStack) -> None:
+    spot = cap.site("spot")
+    await cap.client.execute_workflow("NodeJoin", {"site": spot, "timeouts": FAST_JOIN}, id=f"join/{spot}/r1",
+                                      task_queue=cap.settings.task_queue)
+    (machine,) = live(cap, "spot")
+    node = machine["name"]
+    for pod in ("web-1", "web-2"):
+        cap.cluster.add_pod(node, pod, labels={"app": "web"})
+    cap.cluster.set_pdb("default", "web", {"app": "web"}, min_available=1)
+
+    cap.world.post_reclaim_notice(machine["id"], seconds=20)  # the node agent's watcher starts SpotReclaim
+    handle = cap.client.get_workflow_handle(f"reclaim/{node}")
+    await wait_for(lambda: [p.name for p in cap.cluster.pods(node)] in (["web-1"], ["web-2"]), timeout=20)
+    # The PDB holds the last pod while no other replica runs; the replacement joins meanwhile.
+    replacement = await wait_for(lambda: [n for n in cap.cluster.list_nodes() if n.name != node and n.ready], timeout=20)
+    assert len(cap.cluster.pods(node)) == 1, "PDB honoured: the last replica stays until another runs"
+    cap.cluster.add_pod(replacement[0].name, "web-3", labels={"app": "web"})  # rescheduled on the new node
+
+    result = SpotReclaimResult.model_validate(await handle.result())
+    assert result.drained and result.blocked == []
+    (new,) = result.replacement.nodes
+    assert new.site != spot and new.site == cap.site("cheap")
+    assert cap.cluster.get_node(node) is None
+    assert cap.world.machine(machine["id"])["deleted_at"] is not None
+    await replay_and_record(handle, "spot_reclaim")
+
+
+async def test_entities_continue_as_new(tmp_path: Path) -> None:
+    """A dev server of its own, suggesting continue-as-new after 40 events."""
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_binary(), data_converter=pydantic_data_converter,
+        search_attributes=search_attributes.ALL, dev_server_log_level="error",
+        dev_server_extra_args=["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=40"],
+    )
+    try:
+        address = env.client.service_client.config.target_host
+        async for stack in open_stack(env.client, address, tmp_path):
+            site = await start_site(stack, "dear")
+            for i in range(25):
+                await site.signal("node_transition", {"node_name": f"n{i}", "state": "ready"})
+            await wait_for(lambda: True)
+
+            async def runs(handle) -> int:
+                return len([w async for w in env.client.list_workflows(f'WorkflowId = "{handle.id}"')])
+
+            for _ in range(100):
+                if await runs(site) > 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert await runs(site) > 1, "the Site entity continued as new"
+            status = await site.query("status", result_type=SiteStatus)
+            assert status.site == stack.site("dear")
+            desc = await site.describe()
+            assert desc.status == WorkflowExecutionStatus.RUNNING
+
+            # ProviderAccount: many reports (new offers each time) → continues as new, state kept.
+            stack.world.set_site(stack.site("cheap"), quota=0)
+            account = stack.account_handle("lambda", "a")
+            await env.client.start_workflow(
+                "ProviderAccount", {"account": stack.account("a"), "provider": "lambda"}, id=account.id,
+                task_queue=stack.settings.task_queue,
+            )
+            for i in range(12):
+                await account.signal("report", {"account": stack.account("a"), "kind": "OverQuota",
+                                                "offer": f"x{i}/t", "message": "quota"})
+            for _ in range(150):
+                if await runs(account) > 1:
+                    break
+                await asyncio.sleep(0.1)
+            assert await runs(account) > 1, "the ProviderAccount entity continued as new"
+            status = await account.query("status", result_type=AccountStatus)
+            await wait_for(lambda: True)
+            assert status.state == "quota-blocked" and len(status.blocked_offers) >= 1
+    finally:
+        await env.shutdown()

@@ -1,0 +1,209 @@
+"""ProviderAccount (entity, id ``account/<provider>/<account>``): what a person must fix.
+
+States: ``healthy``; ``quota-blocked`` (which offers, since when: the rest of the
+account still sells); ``credentials-revoked`` (nothing may call the account).
+Workflows report problems with the ``report`` signal (through the
+``report_account`` activity, which also blocks the account in the guard store at
+once). A person clears them with updates:
+
+- ``quota_raised`` {"offers": [...]} (empty = all): the offers sell again.
+- ``credentials_rotated``: accepted only after one cheap authenticated call
+  succeeds; then the deletes queued while revoked run.
+
+Every change is written through to the guard store that activities check, the
+search attribute ``FleetState`` is ``needs-person`` while anything is blocked
+(the UI lists them), a webhook is POSTed when a person is needed, and waiting
+AcquireCapacity requests are woken when something is unblocked. Continues as
+new when the server suggests it.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.capacity_models import (
+        AccountInput,
+        AccountRecordInput,
+        AccountStatus,
+        NotifyInput,
+        ProviderAccountInput,
+        QuotaRaised,
+        ReportAccountInput,
+    )
+    from fleet import search_attributes as sa
+    from fleet.models import AccountState
+    from workflows.inputs import parse_input
+    from workflows.node_join import QUICK, failure_message
+
+STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
+#: The credential check: one attempt per person's request (a wrong key is not transient).
+CHECK_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=["BadCredentials", "InvalidRequest"])
+NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_attempts=5)
+
+
+@workflow.defn(name="ProviderAccount")
+class ProviderAccount:
+    def __init__(self) -> None:
+        self._reports: list[ReportAccountInput] = []
+        self._status: AccountStatus | None = None
+        self._busy = 0
+
+    # -- what workflows and people send ---------------------------------------------------
+    @workflow.signal
+    def report(self, raw: dict[str, Any]) -> None:
+        self._reports.append(ReportAccountInput.model_validate(raw))
+
+    @workflow.query
+    def status(self) -> AccountStatus:
+        assert self._status is not None
+        return self._status
+
+    @workflow.update
+    async def quota_raised(self, raw: dict[str, Any] | None = None) -> AccountStatus:
+        status = self._status
+        request = QuotaRaised.model_validate(raw or {})
+        offers = request.offers or list(status.blocked_offers)
+        for offer in offers:
+            status.blocked_offers.pop(offer, None)
+        self._log(f"quota raised for {', '.join(offers)}")
+        if status.state == AccountState.QUOTA_BLOCKED and not status.blocked_offers:
+            self._set(AccountState.HEALTHY, "")
+        await self._persist()
+        await self._wake()
+        return status
+
+    @quota_raised.validator
+    def _check_quota_raised(self, raw: dict[str, Any] | None = None) -> None:
+        request = QuotaRaised.model_validate(raw or {})  # a bad payload rejects the update
+        status = self._status
+        if status is None or not status.blocked_offers:
+            raise ValueError(f"account {status.account if status else '?'} has no quota-blocked offer")
+        unknown = [o for o in request.offers if o not in status.blocked_offers]
+        if unknown:
+            raise ValueError(f"not blocked: {', '.join(unknown)}; blocked: {', '.join(status.blocked_offers)}")
+
+    @workflow.update
+    async def credentials_rotated(self) -> AccountStatus:
+        status = self._status
+        try:
+            checked = await workflow.execute_activity(
+                "check_credentials", AccountInput(account=status.account), result_type=str,
+                start_to_close_timeout=QUICK, retry_policy=CHECK_RETRY,
+                summary=f"one authenticated call to {status.account}",
+            )
+        except ActivityError as error:
+            self._log(f"credentials still rejected: {failure_message(error)}")
+            raise ApplicationError(
+                f"credentials for {status.account} still rejected: {failure_message(error)}",
+                type="BadCredentials", non_retryable=True,
+            ) from None
+        self._log(f"credentials rotated ({checked})")
+        self._set(AccountState.QUOTA_BLOCKED if status.blocked_offers else AccountState.HEALTHY,
+                  status.reason if status.blocked_offers else "")
+        await self._persist()
+        deleted: list[str] = await workflow.execute_activity(
+            "run_queued_deletes", AccountInput(account=status.account), result_type=list[str],
+            start_to_close_timeout=timedelta(minutes=10), heartbeat_timeout=timedelta(seconds=60),
+            retry_policy=STORE_RETRY, summary="run the deletes queued while revoked",
+        )
+        if deleted:
+            self._log(f"ran {len(deleted)} queued deletes: {', '.join(deleted)}")
+        await self._wake()
+        return status
+
+    @credentials_rotated.validator
+    def _check_rotated(self) -> None:
+        if self._status is None or self._status.state != AccountState.CREDENTIALS_REVOKED:
+            raise ValueError("credentials are not revoked")
+
+    # -- the entity loop ------------------------------------------------------------------
+    @workflow.run
+    async def run(self, raw: dict[str, Any]) -> None:
+        args = parse_input(ProviderAccountInput, raw)
+        self._status = args.status or AccountStatus(account=args.account, provider=args.provider)
+        workflow.upsert_search_attributes([
+            sa.ACCOUNT.value_set(args.account), sa.PROVIDER.value_set(args.provider),
+            sa.FLEET_STATE.value_set(self._fleet_state()),
+        ])
+        self._show()
+        while True:
+            await workflow.wait_condition(
+                lambda: bool(self._reports) or workflow.info().is_continue_as_new_suggested()
+            )
+            if self._reports:
+                await self._apply(self._reports.pop(0))
+                continue
+            await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self._reports)
+            workflow.continue_as_new({"account": args.account, "provider": args.provider,
+                                      "status": self._status.model_dump(mode="json")})
+
+    async def _apply(self, report: ReportAccountInput) -> None:
+        status = self._status
+        before = (status.state, set(status.blocked_offers))
+        now = workflow.now().isoformat(timespec="seconds")
+        if report.kind == "BadCredentials":
+            self._set(AccountState.CREDENTIALS_REVOKED, report.message)
+        else:
+            status.blocked_offers.setdefault(report.offer or "(account)", now)
+            if status.state == AccountState.HEALTHY:
+                self._set(AccountState.QUOTA_BLOCKED, report.message)
+        if (status.state, set(status.blocked_offers)) == before:
+            return
+        self._log(f"{report.kind}: {report.message}")
+        await self._persist()
+        await workflow.execute_activity(
+            "notify_person",
+            NotifyInput(subject=f"{status.provider} account {status.account}: {status.state.value}",
+                        workflow_id=workflow.info().workflow_id, details=status.model_dump(mode="json")),
+            result_type=bool, start_to_close_timeout=QUICK, retry_policy=NOTIFY_RETRY,
+            summary="webhook: a person is needed",
+        )
+
+    # -- helpers ----------------------------------------------------------------------------
+    def _set(self, state: AccountState, reason: str) -> None:
+        status = self._status
+        if status.state != state:
+            status.since = workflow.now().isoformat(timespec="seconds") if state != AccountState.HEALTHY else ""
+        status.state, status.reason = state, reason
+
+    def _log(self, line: str) -> None:
+        self._status.history = [*self._status.history[-19:], f"{workflow.now().isoformat(timespec='seconds')} {line}"]
+
+    def _fleet_state(self) -> str:
+        return "healthy" if self._status.state == AccountState.HEALTHY else "needs-person"
+
+    def _show(self) -> None:
+        s = self._status
+        lines = [f"**{s.state.value}**" + (f" since {s.since}" if s.since else "")]
+        if s.reason:
+            lines.append(s.reason)
+        lines += [f"- quota-blocked: {offer} (since {since})" for offer, since in s.blocked_offers.items()]
+        if s.state == AccountState.CREDENTIALS_REVOKED:
+            lines.append("a person must rotate the credentials, then send the `credentials_rotated` update")
+        elif s.blocked_offers:
+            lines.append("a person must raise the quota, then send the `quota_raised` update")
+        lines += [f"- {h}" for h in s.history[-5:]]
+        workflow.set_current_details("\n".join(lines))
+
+    async def _persist(self) -> None:
+        s = self._status
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(self._fleet_state())])
+        self._show()
+        await workflow.execute_activity(
+            "write_account_state",
+            AccountRecordInput(account=s.account, provider=s.provider, state=s.state,
+                               blocked_offers=list(s.blocked_offers), reason=s.reason),
+            start_to_close_timeout=QUICK, retry_policy=STORE_RETRY, summary=f"account guard: {s.state.value}",
+        )
+
+    async def _wake(self) -> None:
+        await workflow.execute_activity(
+            "wake_waiting_requests", start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+            summary="offers changed: wake waiting requests",
+        )

@@ -1,0 +1,265 @@
+"""AcquireCapacity (id ``capacity/<request>``): ranked fallback across sites and providers.
+
+The runbook: read the catalog → rank the offers for the request's constraints
+(fleet.placement) → join the best candidate through a NodeJoin child, several
+nodes at once (bounded) → on each failure apply the three-error rule:
+
+- NoCapacity: that offer is out of the ranking for a while (TTL); next candidate.
+- OverQuota: the account's ProviderAccount entity blocks that offer until a
+  person raises the quota; next candidate.
+- BadCredentials: the account is revoked (no activity calls it any more, from
+  any workflow); next candidate.
+- InvalidRequest: the request is wrong; fail it with the reason.
+
+When nothing qualifies it waits ("waiting for capacity", with every reason),
+backing off 5 → 30 min, and looks again early when offers change (a catalog
+refresh, an account unblocked) — until the deadline, then returns what joined.
+The spend cap is checked against joined plus in-flight machines, so it is never
+exceeded.
+
+CatalogRefresh (id ``catalog-refresh``, run by a Schedule): refresh every site's
+offers and wake the waiting requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import datetime, timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ApplicationError, ChildWorkflowError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.capacity_models import (
+        Attempt,
+        CapacityProgress,
+        CapacityRequest,
+        CapacityResult,
+        Catalog,
+        GetCatalogInput,
+        ReportAccountInput,
+    )
+    from fleet import search_attributes as sa
+    from fleet.models import AccountState
+    from fleet.naming import join_workflow_id
+    from fleet.placement import AccountView, Candidate, Placement, rank
+    from workflows.inputs import parse_input
+    from workflows.models import JoinedNode, NodeJoinResult
+    from workflows.node_join import PROVIDER_RETRY, QUICK, NodeJoin, failure_message, failure_type
+
+ACCOUNT_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
+FATAL = ("InvalidRequest", "InvalidInput")
+
+
+@workflow.defn(name="AcquireCapacity")
+class AcquireCapacity:
+    def __init__(self) -> None:
+        self._progress = CapacityProgress(step="starting")
+        self._offers_changed = 0
+        self._fleet_state = ""
+
+    @workflow.signal
+    def offers_changed(self) -> None:
+        """A catalog refresh or an unblocked account: look again now."""
+        self._offers_changed += 1
+
+    @workflow.query
+    def progress(self) -> CapacityProgress:
+        return self._progress
+
+    # -- operator surface -----------------------------------------------------------------
+    def _state(self, state: str) -> None:
+        if state != self._fleet_state:
+            self._fleet_state = state
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(state)])
+
+    def _show(self, step: str, placement: Placement | None = None, detail: str = "") -> None:
+        p = self._progress
+        p.step = step
+        if placement is not None:
+            p.candidates = [f"{c.key} ${c.effective_price:.2f}/GPU-h" for c in placement.candidates]
+            p.rejected = placement.reasons()
+        lines = [f"**{step}**" + (f": {detail}" if detail else ""), f"joined {p.joined} of {p.requested}"]
+        if p.in_flight:
+            lines.append("joining: " + ", ".join(p.in_flight))
+        if p.candidates:
+            lines.append("candidates: " + "; ".join(p.candidates[:5]))
+        lines += [f"- not {r}" for r in p.rejected]
+        lines += [f"- tried {a.offer}: {a.outcome}" + (f" ({a.message})" if a.message else "") for a in p.attempts[-10:]]
+        workflow.set_current_details("\n".join(lines))
+
+    # -- the runbook ----------------------------------------------------------------------
+    @workflow.run
+    async def run(self, raw: dict[str, Any]) -> CapacityResult:
+        req = parse_input(CapacityRequest, raw)
+        self._req = req
+        start = workflow.now()
+        deadline = start + timedelta(seconds=req.deadline_seconds)
+        request_id = workflow.info().workflow_id.removeprefix("capacity/").replace("/", "-")
+        self._progress.requested = req.count
+        self._state("acquiring")
+        #: offer key → (until, why) it is out of the ranking.
+        self._excluded: dict[str, tuple[datetime, str]] = {
+            e.offer: (start + timedelta(seconds=e.seconds), e.reason) for e in req.exclude
+        }
+        joined: list[JoinedNode] = []
+        costs: dict[str, float] = {}
+        in_flight: dict[asyncio.Task, Candidate] = {}
+        attempts: list[Attempt] = self._progress.attempts
+        other_failures = 0
+        seq = 0
+        backoff = req.backoff_seconds
+        fatal: str | None = None
+
+        self._show("reading the catalog")
+        catalog = await self._catalog(req.catalog_max_age_seconds, force=False)
+        accounts = dict(catalog.accounts)
+
+        def placement() -> Placement:
+            now = workflow.now()
+            excluded = {k: why for k, (until, why) in self._excluded.items() if until > now}
+            spent = sum(costs.values()) + sum(c.machine_cost_per_hour for c in in_flight.values())
+            cap = req.constraints.spend_cap_per_hour
+            return rank(catalog.offers, catalog.sites, req.constraints, accounts, excluded,
+                        budget_left=None if cap is None else cap - spent)
+
+        fatal_kind = ""
+        while len(joined) < req.count and fatal is None and other_failures <= req.max_other_failures:
+            ranked = placement()
+            while len(in_flight) < req.concurrency and len(joined) + len(in_flight) < req.count and ranked.candidates:
+                best = ranked.candidates[0]
+                seq += 1
+                join_id = join_workflow_id(best.offer.site, f"{request_id}-{seq}")
+                in_flight[asyncio.create_task(self._join(best, join_id))] = best
+                self._progress.in_flight = [c.key for c in in_flight.values()]
+                ranked = placement()
+            if not in_flight:
+                now = workflow.now()
+                if now >= deadline:
+                    break
+                wait = min(timedelta(seconds=backoff), deadline - now)
+                self._progress.wait_until = now + wait
+                self._state("waiting-for-capacity")
+                self._show("waiting for capacity", ranked,
+                           f"look again at {(now + wait).isoformat(timespec='seconds')} or when offers change")
+                seen = self._offers_changed
+                try:
+                    await workflow.wait_condition(lambda: self._offers_changed != seen, timeout=wait,
+                                                  timeout_summary="wait for capacity (backoff)")
+                except asyncio.TimeoutError:
+                    backoff = min(backoff * 2, req.max_backoff_seconds)
+                self._progress.wait_until = None
+                self._state("acquiring")
+                catalog = await self._catalog(req.catalog_max_age_seconds, force=True)
+                accounts = dict(catalog.accounts)
+                continue
+            self._show("joining", ranked, f"{len(in_flight)} in flight")
+            done, _ = await workflow.wait(list(in_flight), return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                cand = in_flight.pop(task)
+                self._progress.in_flight = [c.key for c in in_flight.values()]
+                error = task.exception()
+                if error is None:
+                    node: JoinedNode = task.result()
+                    joined.append(node)
+                    costs[node.node_name] = cand.machine_cost_per_hour
+                    self._progress.joined = len(joined)
+                    attempts.append(Attempt(offer=cand.key, outcome="joined", message=node.node_name))
+                    backoff = req.backoff_seconds
+                    continue
+                kind, message = failure_type(error), failure_message(error)
+                attempts.append(Attempt(offer=cand.key, outcome=kind, message=message))
+                now = workflow.now()
+                if kind == "NoCapacity":
+                    until = now + timedelta(seconds=req.unavailable_ttl_seconds)
+                    self._excluded[cand.key] = (until, f"no capacity (until {until.isoformat(timespec='seconds')})")
+                elif kind == "OverQuota":
+                    view = accounts.setdefault(cand.account, AccountView())
+                    view.blocked_offers = [*view.blocked_offers, cand.key]
+                    await self._report(cand.account, "OverQuota", cand.key, message)
+                elif kind == "BadCredentials":
+                    accounts[cand.account] = AccountView(state=AccountState.CREDENTIALS_REVOKED)
+                    await self._report(cand.account, "BadCredentials", cand.key, message)
+                elif kind in FATAL:
+                    fatal = f"{kind} at {cand.key}: {message}"
+                    fatal_kind = kind
+                else:  # smoke test, registration timeout, retries exhausted: count it, try elsewhere
+                    other_failures += 1
+                    until = now + timedelta(seconds=req.unavailable_ttl_seconds)
+                    self._excluded[cand.key] = (until, f"last join failed: {kind}")
+
+        if fatal is not None:
+            for task in in_flight:
+                task.cancel()
+            await asyncio.gather(*in_flight, return_exceptions=True)
+            self._state("failed")
+            self._show("failed", None, fatal)
+            raise ApplicationError(fatal, type=fatal_kind, non_retryable=True)
+        if in_flight:  # gave up on other failures: let the ones in flight finish
+            for task in await asyncio.gather(*in_flight, return_exceptions=True):
+                if isinstance(task, JoinedNode):
+                    joined.append(task)
+        result = CapacityResult(
+            requested=req.count, nodes=joined, complete=len(joined) >= req.count, attempts=attempts,
+            cost_per_hour=round(sum(costs.values()), 6),
+        )
+        if not result.complete:
+            final = placement()
+            result.why = [f"{req.count - len(joined)} of {req.count} not joined by the deadline"
+                          if workflow.now() >= deadline else
+                          f"{req.count - len(joined)} of {req.count} not joined: too many failed joins"]
+            result.why += final.reasons() or ["no offer qualifies"]
+        self._state("done" if result.complete else "partial")
+        self._show("done" if result.complete else "partial", None,
+                   f"{len(joined)} of {req.count} joined, ${result.cost_per_hour:.2f}/h")
+        return result
+
+    async def _join(self, cand: Candidate, join_id: str) -> JoinedNode:
+        raw: dict[str, Any] = {"site": cand.offer.site}
+        if self._req.join_timeouts is not None:
+            raw["timeouts"] = self._req.join_timeouts.model_dump(mode="json")
+        result: NodeJoinResult = await workflow.execute_child_workflow(
+            NodeJoin.run, raw, id=join_id, result_type=NodeJoinResult,
+            static_summary=f"join a node at {cand.offer.site} ({cand.offer.instance_type}, "
+                           f"${cand.offer.price_per_gpu_hour:.2f}/GPU-h)",
+        )
+        return result.nodes[0]
+
+    async def _catalog(self, max_age: float, force: bool) -> Catalog:
+        return await workflow.execute_activity(
+            "get_catalog", GetCatalogInput(max_age_seconds=max_age, force=force), result_type=Catalog,
+            start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
+            summary="provider catalog: offers, account states",
+        )
+
+    async def _report(self, account: str, kind: str, offer: str, message: str) -> None:
+        await workflow.execute_activity(
+            "report_account", ReportAccountInput(account=account, kind=kind, offer=offer, message=message),
+            start_to_close_timeout=QUICK, retry_policy=ACCOUNT_RETRY,
+            summary=f"{kind}: tell account/{account}",
+        )
+
+
+@workflow.defn(name="CatalogRefresh")
+class CatalogRefresh:
+    """Refresh every site's offers, then wake requests waiting for capacity."""
+
+    @workflow.run
+    async def run(self, raw: dict[str, Any] | None = None) -> int:
+        workflow.set_current_details("**refreshing the provider catalog**")
+        catalog: Catalog = await workflow.execute_activity(
+            "get_catalog", GetCatalogInput(force=True), result_type=Catalog, start_to_close_timeout=QUICK,
+            retry_policy=PROVIDER_RETRY, summary="list every site's offers",
+        )
+        woken: int = await workflow.execute_activity(
+            "wake_waiting_requests", start_to_close_timeout=QUICK, retry_policy=ACCOUNT_RETRY,
+            summary="signal waiting AcquireCapacity workflows",
+        )
+        available = sum(o.available for o in catalog.offers)
+        workflow.set_current_details(
+            f"**done**: {len(catalog.offers)} offers ({available} available), {len(catalog.errors)} sites failed, "
+            f"{woken} waiting requests woken"
+        )
+        return woken

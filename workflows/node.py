@@ -1,0 +1,330 @@
+"""Node (entity, id ``node/<name>``): one node's state, its health, its repairs.
+
+The node agent signal-with-starts it with a ``health_report`` whenever its
+GPUs' health changed. The entity classifies each GPU (``fleet.repair_policy``),
+escalates repeat faults, and starts one GpuRepair child per sick GPU. It owns
+the node's single disruptive-action slot: children ask for it before a reset,
+reboot, reinstall or replace, and an action that started after a child's fault
+was detected covers that child (two GPUs failing together → one reboot). When
+too many of a site's nodes are unhealthy it stops repairing there and hands the
+decision to the Site entity. It continues as new when the server suggests it
+and no repair is running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import WorkflowIDReusePolicy
+from temporalio.workflow import ParentClosePolicy
+from temporalio.exceptions import FailureError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import HealthReport, NodeFacts, NodeFactsInput, SiteHealth, SiteHealthInput
+    from fleet import search_attributes as sa
+    from fleet.models import GpuHealth
+    from fleet.repair_policy import Finding, Ledger, Rung, classify, conditions
+    from workflows.inputs import parse_input
+    from workflows.node_join import CLUSTER_RETRY, QUICK, failure_message
+    from workflows.repair import repair_workflow_id
+    from workflows.repair_models import (
+        GpuRepairInput,
+        GpuRepairResult,
+        NodeAction,
+        NodeActionDone,
+        NodeActionGrant,
+        NodeActionRequest,
+        NodeCarry,
+        NodeEntityInput,
+        NodeStatus,
+    )
+
+#: Bounded memory: XID event keys remembered for de-duplication, log lines kept.
+MAX_SEEN = 512
+MAX_LOG = 20
+
+
+def node_workflow_id(node_name: str) -> str:
+    return f"node/{node_name}"
+
+
+def _xid_key(gpu: GpuHealth, index: int) -> str:
+    event = gpu.xid_events[index]
+    return f"{gpu.index}:{event.xid}:{event.at.timestamp():.6f}"
+
+
+def _condition_words(gpu: GpuHealth) -> list[str]:
+    words = sorted(conditions(gpu))
+    if gpu.recovery_action:
+        words.append(f"recovery action {gpu.recovery_action}")
+    return words
+
+
+@workflow.defn(name="Node")
+class NodeEntity:
+    def __init__(self) -> None:
+        self._node = ""
+        self._carry = NodeCarry()
+        self._pending: list[HealthReport] = []
+        self._latest: dict[int, GpuHealth] = {}
+        self._facts: NodeFacts | None = None
+        self._active: dict[int, str] = {}
+        #: GPU → the finding waiting for a recheck (node still joining, site over its cap).
+        self._deferred: dict[int, Finding] = {}
+        self._requests: list[NodeActionRequest] = []
+        self._holder: str | None = None
+        self._actions: list[NodeAction] = []
+        self._wake = False
+        self._gone = False
+
+    # -- signals and queries ---------------------------------------------------------------
+    @workflow.signal
+    def health_report(self, report: HealthReport) -> None:
+        self._pending.append(report)
+
+    @workflow.signal
+    def node_action_request(self, request: NodeActionRequest) -> None:
+        self._requests.append(request)
+
+    @workflow.signal
+    def node_action_done(self, done: NodeActionDone) -> None:
+        self._finish_action(done.repair_id)
+
+    @workflow.query
+    def status(self) -> NodeStatus:
+        return NodeStatus(
+            node_name=self._node, state=self._carry.state, site=self._facts.site if self._facts else "",
+            boot_id=self._carry.boot_id, reports=self._carry.reports,
+            active_repairs={str(k): v for k, v in self._active.items()}, app_xids=self._carry.ledger.app_xids,
+            remediations=len(self._carry.ledger.remediations), node_actions=self._actions,
+            deferred=sorted(self._deferred), log=self._carry.log,
+        )
+
+    # -- the loop --------------------------------------------------------------------------
+    def _log(self, line: str, warn: bool = False) -> None:
+        (workflow.logger.warning if warn else workflow.logger.info)("node %s: %s", self._node, line)
+        self._carry.log = [*self._carry.log, line][-MAX_LOG:]
+
+    def _set_state(self, state: str, detail: str = "") -> None:
+        if state != self._carry.state:
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(state)])
+        self._carry.state = state
+        lines = [f"**{state}**" + (f": {detail}" if detail else "")]
+        if self._active:
+            lines += [f"- GPU {gpu}: repair `{wid}`" for gpu, wid in sorted(self._active.items())]
+        if self._holder:
+            lines.append(f"node action slot held by `{self._holder}`")
+        workflow.set_current_details("\n".join(lines))
+
+    @workflow.run
+    async def run(self, raw: dict[str, Any]) -> NodeStatus:
+        inp = parse_input(NodeEntityInput, raw)
+        self._node = inp.node_name
+        if inp.carry is not None:
+            self._carry = inp.carry
+        workflow.upsert_search_attributes([
+            sa.NODE_NAME.value_set(self._node), sa.FLEET_STATE.value_set(self._carry.state),
+        ])
+        recheck_at = None
+        while True:
+            timeout = None
+            if self._deferred and self._facts is not None:
+                timeout = timedelta(seconds=self._facts.settings.recheck_seconds)
+            try:
+                await workflow.wait_condition(
+                    lambda: bool(self._pending or self._wake or (self._requests and self._holder is None)),
+                    timeout=timeout,
+                )
+            except asyncio.TimeoutError:
+                recheck_at = workflow.now()
+            self._wake = False
+            await self._grant_next()
+            while self._pending:
+                await self._handle(self._pending.pop(0))
+            if recheck_at is not None:
+                recheck_at = None
+                await self._recheck()
+            if self._gone and not self._active:
+                self._set_state("gone", "replaced or removed")
+                return self.status()
+            if (
+                workflow.info().is_continue_as_new_suggested()
+                and not self._active and not self._pending and not self._requests and self._holder is None
+            ):
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                if not self._pending and not self._requests:
+                    workflow.continue_as_new(NodeEntityInput(node_name=self._node, carry=self._carry).model_dump(mode="json"))
+
+    # -- health reports --------------------------------------------------------------------
+    async def _handle(self, report: HealthReport) -> None:
+        if report.node_name != self._node:
+            self._log(f"ignored a report for node {report.node_name!r}", warn=True)
+            return
+        carry, now = self._carry, workflow.now()
+        carry.reports += 1
+        if report.boot_id and report.boot_id != carry.boot_id:
+            if carry.boot_id:
+                self._log(f"boot id changed {carry.boot_id[:8]} → {report.boot_id[:8]}")
+            carry.boot_id = report.boot_id
+        findings: list[Finding] = []
+        seen = set(carry.seen_xids)
+        for gpu in report.gpus:
+            self._latest[gpu.index] = gpu
+            new_xids = []
+            for i, event in enumerate(gpu.xid_events):
+                key = _xid_key(gpu, i)
+                if key not in seen:
+                    seen.add(key)
+                    carry.seen_xids.append(key)
+                    new_xids.append(event.xid)
+            words = _condition_words(gpu)
+            new_words = set(words) - set(carry.baseline.get(str(gpu.index), []))
+            carry.baseline[str(gpu.index)] = words
+            finding = classify(gpu, xids=new_xids)
+            carry.ledger.record_app_xids(finding.app_xids)
+            if finding.app_xids:
+                self._log(f"GPU {gpu.index}: application XID {finding.app_xids} counted, no repair")
+            if finding.unknown_xids:
+                self._log(f"GPU {gpu.index}: XID {finding.unknown_xids} not in the table, counted, no repair")
+            carry.ledger.record_xids(gpu.index, finding.fatal_xids, now.timestamp())
+            if finding.rung is not None and (finding.fatal_xids or new_words):
+                findings.append(finding)
+        carry.seen_xids = carry.seen_xids[-MAX_SEEN:]
+        for finding in findings:
+            await self._act(finding)
+
+    async def _recheck(self) -> None:
+        """Deferred findings: act if the GPU is still sick, forget them if it healed."""
+        for index, finding in sorted(self._deferred.items()):
+            latest = self._latest.get(index)
+            if latest is not None and not latest.problems():
+                self._deferred.pop(index)
+                self._log(f"GPU {index}: healed while waiting, no repair")
+                continue
+            await self._act(finding)
+
+    async def _refresh_facts(self) -> NodeFacts:
+        self._facts = await workflow.execute_activity(
+            "node_facts", NodeFactsInput(node_name=self._node), result_type=NodeFacts,
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="node, site, repair settings",
+        )
+        if self._facts.site:
+            workflow.upsert_search_attributes([sa.SITE.value_set(self._facts.site)])
+        return self._facts
+
+    async def _act(self, finding: Finding) -> None:
+        index = finding.index
+        self._deferred.pop(index, None)
+        if index in self._active:
+            self._log(f"GPU {index}: {', '.join(finding.reasons)} while its repair runs; the repair handles it")
+            return
+        facts = await self._refresh_facts()
+        if not facts.found:
+            self._log("health report for a node the cluster does not know: ignored", warn=True)
+            self._gone = True
+            return
+        if not 0 <= index < facts.gpus:
+            self._log(f"health report for unknown GPU {index} (node has {facts.gpus}): ignored", warn=True)
+            return
+        if not facts.admitted:
+            self._deferred[index] = finding
+            self._set_state(self._carry.state, f"GPU {index} sick while the node is still joining; waiting")
+            return
+        settings = facts.settings
+        health: SiteHealth = await workflow.execute_activity(
+            "site_health", SiteHealthInput(site=facts.site, node_name=self._node), result_type=SiteHealth,
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"unhealthy nodes at {facts.site}",
+        )
+        share = (health.unhealthy_others + 1) / max(health.nodes, 1)
+        if health.unhealthy_others >= 1 and share > settings.thresholds.site_unhealthy_fraction:
+            self._deferred[index] = finding
+            self._set_state("awaiting-site", f"{share:.0%} of {facts.site} unhealthy: the Site entity decides")
+            self._log(f"GPU {index}: {share:.0%} of {facts.site} unhealthy, repair deferred to site/{facts.site}")
+            await self._tell_site(facts.site, index, share)
+            return
+        now = workflow.now()
+        rung, why = self._carry.ledger.escalate(finding, now.timestamp(), settings.thresholds)
+        self._carry.ledger.record_remediation(now.timestamp())
+        repair_id = repair_workflow_id(self._node, index)
+        try:
+            handle = await workflow.start_child_workflow(
+                "GpuRepair",
+                GpuRepairInput(
+                    node_name=self._node, gpu=index, site=facts.site, machine_id=facts.machine_id, gpus=facts.gpus,
+                    rung=rung, reasons=finding.reasons, escalated_because=why, detected_at=now, settings=settings,
+                ).model_dump(mode="json"),
+                id=repair_id, result_type=GpuRepairResult,
+                parent_close_policy=ParentClosePolicy.ABANDON,
+                id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
+                static_summary=f"repair {self._node} GPU {index}: {', '.join(finding.reasons)}",
+            )
+        except FailureError as error:  # already running (e.g. started by an operator)
+            self._log(f"GPU {index}: could not start {repair_id}: {failure_message(error)}", warn=True)
+            return
+        self._active[index] = repair_id
+        self._log(f"GPU {index}: {', '.join(finding.reasons)} → {repair_id} at {rung}" + (f" ({why})" if why else ""))
+        self._set_state("repairing", f"GPU {index} at {rung}")
+        asyncio.create_task(self._watch(index, repair_id, handle))
+
+    async def _watch(self, index: int, repair_id: str, handle) -> None:
+        try:
+            result: GpuRepairResult = await handle
+            self._log(f"GPU {index}: {repair_id} ended {result.outcome}")
+            if result.outcome == "replaced":
+                self._gone = True
+        except FailureError as error:
+            self._log(f"GPU {index}: {repair_id} failed: {failure_message(error)}", warn=True)
+        self._active.pop(index, None)
+        if self._holder == repair_id:
+            self._finish_action(repair_id)
+        if not self._active:
+            self._set_state("gone" if self._gone else "ready")
+        self._wake = True
+
+    async def _tell_site(self, site: str, gpu: int, share: float) -> None:
+        try:
+            await workflow.get_external_workflow_handle(f"site/{site}").signal(
+                "node_transition", {"node_name": self._node, "state": "unhealthy",
+                                    "machine_id": self._facts.machine_id if self._facts else ""},
+            )
+        except FailureError as error:
+            self._log(f"site/{site} not told ({failure_message(error)})")
+
+    # -- the node's one disruptive-action slot ----------------------------------------------
+    def _finish_action(self, repair_id: str) -> None:
+        for action in self._actions:
+            if action.repair_id == repair_id and action.finished_at is None:
+                action.finished_at = workflow.now()
+        if self._holder == repair_id:
+            self._holder = None
+            self._wake = True
+
+    async def _grant_next(self) -> None:
+        while self._requests and self._holder is None:
+            request = self._requests.pop(0)
+            covering = [
+                a for a in self._actions
+                if a.finished_at is not None and a.rung.level >= request.rung.level
+                and a.started_at >= request.detected_at and a.repair_id != request.repair_id
+            ]
+            handle = workflow.get_external_workflow_handle(request.repair_id)
+            if covering:
+                by = covering[-1]
+                grant = NodeActionGrant(go=False, covered_by=by.rung,
+                                        detail=f"covered by the {by.rung} for {by.repair_id}")
+            else:
+                self._holder = request.repair_id
+                self._actions = [*self._actions, NodeAction(repair_id=request.repair_id, rung=request.rung,
+                                                            started_at=workflow.now())][-MAX_LOG:]
+                grant = NodeActionGrant(go=True)
+            try:
+                await handle.signal("node_action_grant", grant)
+            except FailureError as error:
+                self._log(f"{request.repair_id} gone before its grant: {failure_message(error)}", warn=True)
+                if self._holder == request.repair_id:
+                    self._finish_action(request.repair_id)
+            if grant.go:
+                self._set_state(self._carry.state, f"{request.rung} for {request.repair_id}")

@@ -1,0 +1,15 @@
+"""Every workflow the control-plane worker runs. Add a new workflow here."""
+
+from workflows.account import ProviderAccount
+from workflows.capacity import AcquireCapacity, CatalogRefresh
+from workflows.node import NodeEntity
+from workflows.node_join import NodeJoin
+from workflows.reclaim import SpotReclaim
+from workflows.repair import GpuRepair
+from workflows.rollout import ModelRollout
+from workflows.site import SiteEntity, SiteSweep
+
+ALL_WORKFLOWS = [
+    NodeJoin, AcquireCapacity, CatalogRefresh, ProviderAccount, SiteEntity, SiteSweep, SpotReclaim,
+    NodeEntity, GpuRepair, ModelRollout,
+]

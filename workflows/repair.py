@@ -1,0 +1,373 @@
+"""GpuRepair (id ``repair/<node>/gpu<i>``): the repair ladder for one GPU.
+
+The runbook: contain (fence the GPU, drain the node's pods honoring PDBs,
+cordon) → recover at the current rung (reset → reboot → reinstall → replace)
+→ prove (smoke test on the node's own queue) → pass: un-contain, the node
+serves again; fail: climb one rung. A rung is left only when its proof failed.
+Node-level actions take the node's one slot from the Node entity (the parent),
+so two GPUs failing together cost one reboot, not two.
+
+Operators: updates ``hold`` / ``release`` / ``skip_to`` (validated), query
+``ladder``. A held ladder stays contained and does nothing at the next step.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.capacity_models import RetireMachineInput
+    from activities.models import (
+        ContainInput,
+        ContainResult,
+        NodeFacts,
+        NodeFactsInput,
+        ReinstallDriverInput,
+        ReplacementSitesInput,
+        ResetGpuInput,
+        RestartMachineInput,
+        SmokeResult,
+        SmokeTestInput,
+        UncontainInput,
+        UncontainResult,
+        WaitForBootInput,
+    )
+    from fleet import search_attributes as sa
+    from fleet.repair_policy import Rung
+    from fleet.settings import node_queue
+    from workflows.inputs import parse_input
+    from workflows.models import NodeJoinResult
+    from workflows.node_join import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, failure_message, failure_type
+    from workflows.repair_models import (
+        Attempt,
+        GpuRepairInput,
+        GpuRepairResult,
+        LadderState,
+        NodeActionDone,
+        NodeActionGrant,
+        NodeActionRequest,
+        SkipToInput,
+    )
+
+NODE_RETRY = RetryPolicy(maximum_attempts=2, non_retryable_error_types=["GpuResetFailed", "DriverReinstallFailed"])
+
+
+def repair_workflow_id(node_name: str, gpu: int) -> str:
+    return f"repair/{node_name}/gpu{gpu}"
+
+
+@workflow.defn(name="GpuRepair")
+class GpuRepair:
+    def __init__(self) -> None:
+        self._state: LadderState | None = None
+        self._grant: NodeActionGrant | None = None
+        self._input: GpuRepairInput | None = None
+
+    # -- operator surface ---------------------------------------------------------------
+    @workflow.query
+    def ladder(self) -> LadderState:
+        if self._state is None:
+            raise ApplicationError("repair not started yet", type="NotStarted")
+        return self._state
+
+    def _require_running(self) -> None:
+        if self._state is None or self._state.done:
+            raise ValueError("the repair is not running")
+
+    @workflow.update
+    def hold(self) -> LadderState:
+        self._state.held = True
+        self._details()
+        return self._state
+
+    @hold.validator
+    def _validate_hold(self) -> None:
+        self._require_running()
+
+    @workflow.update
+    def release(self) -> LadderState:
+        self._state.held = False
+        self._details()
+        return self._state
+
+    @release.validator
+    def _validate_release(self) -> None:
+        self._require_running()
+
+    @workflow.update
+    def skip_to(self, input: SkipToInput) -> LadderState:
+        self._state.skip_to = input.rung
+        self._details()
+        return self._state
+
+    @skip_to.validator
+    def _validate_skip_to(self, input: SkipToInput) -> None:
+        self._require_running()
+        if self._state.outcome == "replaced":
+            raise ValueError("the node was already replaced")
+
+    @workflow.signal
+    def node_action_grant(self, grant: NodeActionGrant) -> None:
+        self._grant = grant
+
+    # -- the ladder ---------------------------------------------------------------------
+    def _step(self, step: str, detail: str = "") -> None:
+        self._state.step = step
+        self._details(detail)
+
+    def _details(self, detail: str = "") -> None:
+        s = self._state
+        lines = [f"**{s.step}** at rung **{s.rung}**" + (f": {detail}" if detail else "")]
+        lines.append(f"node `{s.node_name}` GPU {s.gpu}: " + ", ".join(s.reasons))
+        if s.held:
+            lines.append("**held by an operator** (contained, doing nothing)")
+        if s.skip_to:
+            lines.append(f"operator asked to skip to {s.skip_to}")
+        lines += [f"- {a.rung}: {a.outcome}" + (f" ({a.detail})" if a.detail else "") for a in s.attempts]
+        workflow.set_current_details("\n".join(lines))
+
+    def _set_fleet_state(self, word: str) -> None:
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(word), sa.REPAIR_RUNG.value_set(self._state.rung.value)])
+
+    @workflow.run
+    async def run(self, raw: dict[str, Any]) -> GpuRepairResult:
+        inp = parse_input(GpuRepairInput, raw)
+        self._input = inp
+        settings = inp.settings
+        max_rung = settings.max_rung
+        rung = inp.rung if inp.rung.level <= max_rung.level else max_rung
+        self._state = LadderState(node_name=inp.node_name, gpu=inp.gpu, rung=rung, step="containing",
+                                  reasons=list(inp.reasons))
+        if inp.escalated_because:
+            self._state.reasons.append(f"escalated: {inp.escalated_because}")
+        workflow.upsert_search_attributes([
+            sa.NODE_NAME.value_set(inp.node_name), sa.SITE.value_set(inp.site), sa.GPU_INDEX.value_set(inp.gpu),
+            sa.REPAIR_RUNG.value_set(rung.value), sa.FLEET_STATE.value_set("containing"),
+        ])
+
+        await self._hold_point()
+        self._step("containing", "fence the GPU, drain its pods (PDBs honoured), cordon")
+        contained: ContainResult = await workflow.execute_activity(
+            "contain_gpu",
+            ContainInput(node_name=inp.node_name, gpu=inp.gpu, rung=rung.value,
+                         drain_seconds=settings.timeouts.drain_seconds),
+            result_type=ContainResult,
+            start_to_close_timeout=timedelta(seconds=settings.timeouts.contain_seconds),
+            heartbeat_timeout=timedelta(seconds=settings.timeouts.heartbeat_seconds),
+            retry_policy=CLUSTER_RETRY, summary=f"contain GPU {inp.gpu}: fence, drain, cordon",
+        )
+        if contained.blocked:
+            self._state.reasons.append(f"drain left {len(contained.blocked)} pods (PDB): {contained.blocked[0]}")
+
+        while True:
+            await self._hold_point()
+            if self._state.skip_to is not None:
+                rung, self._state.skip_to = self._state.skip_to, None
+            self._state.rung = rung
+            attempt = Attempt(rung=rung, started_at=workflow.now())
+            self._state.attempts.append(attempt)
+            self._set_fleet_state("repairing")
+            self._step("recovering", f"{rung}")
+
+            ok, outcome, detail = await self._recover(rung, len(self._state.attempts))
+            if outcome == "replaced":
+                attempt.outcome, attempt.detail, attempt.finished_at = "replaced", detail, workflow.now()
+                return self._finish("replaced")
+            if ok:
+                await self._hold_point()
+                self._set_fleet_state("proving")
+                self._step("proving", f"smoke test on {node_queue(inp.node_name)}")
+                proved, proof = await self._prove()
+                ok, detail = proved, (f"{detail}; " if detail else "") + proof
+            attempt.finished_at = workflow.now()
+            attempt.outcome = ("covered" if outcome == "covered" else "passed") if ok else "failed"
+            attempt.detail = detail
+            if ok:
+                await self._hold_point()
+                self._step("un-containing", "unfence the GPU, uncordon when no other GPU is fenced")
+                await workflow.execute_activity(
+                    "uncontain_gpu", UncontainInput(node_name=inp.node_name, gpu=inp.gpu),
+                    result_type=UncontainResult, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                    summary=f"un-contain GPU {inp.gpu}",
+                )
+                return self._finish("repaired")
+            if self._state.skip_to is not None:
+                continue
+            nxt = rung.next()
+            if nxt is None or nxt.level > max_rung.level:
+                # Stay contained; a person decides (skip_to re-enters the ladder).
+                self._set_fleet_state("needs-person")
+                self._state.outcome = "exhausted"
+                self._step("exhausted", f"no rung above {rung} allowed (max {max_rung}); node stays contained")
+                await workflow.wait_condition(lambda: self._state.skip_to is not None)
+                self._state.outcome = ""
+                continue
+            rung = nxt
+
+    def _finish(self, outcome: str) -> GpuRepairResult:
+        self._state.outcome, self._state.done = outcome, True
+        self._set_fleet_state("ready" if outcome == "repaired" else outcome)
+        self._step(outcome)
+        return GpuRepairResult(
+            node_name=self._state.node_name, gpu=self._state.gpu, outcome=outcome, rung=self._state.rung,
+            attempts=self._state.attempts, replacement_node=self._state.replacement_node,
+        )
+
+    async def _hold_point(self) -> None:
+        if self._state.held:
+            self._set_fleet_state("held")
+            self._details("held")
+            await workflow.wait_condition(lambda: not self._state.held)
+
+    # -- recover --------------------------------------------------------------------------
+    async def _acquire(self, rung: Rung) -> NodeActionGrant:
+        """The node's disruptive-action slot from the Node entity (none without a parent)."""
+        parent = workflow.info().parent
+        if parent is None:
+            return NodeActionGrant(go=True)
+        self._grant = None
+        self._step("waiting for the node", f"{rung} needs the node's action slot")
+        await workflow.get_external_workflow_handle(parent.workflow_id).signal(
+            "node_action_request",
+            NodeActionRequest(repair_id=workflow.info().workflow_id, rung=rung,
+                              detected_at=self._input.detected_at or workflow.info().start_time),
+        )
+        await workflow.wait_condition(lambda: self._grant is not None)
+        return self._grant
+
+    async def _release(self, rung: Rung, ok: bool) -> None:
+        parent = workflow.info().parent
+        if parent is not None:
+            await workflow.get_external_workflow_handle(parent.workflow_id).signal(
+                "node_action_done", NodeActionDone(repair_id=workflow.info().workflow_id, rung=rung, ok=ok),
+            )
+
+    async def _recover(self, rung: Rung, attempt_no: int) -> tuple[bool, str, str]:
+        """(recovered, outcome word, detail). Failures are outcomes, not exceptions."""
+        grant = await self._acquire(rung)
+        if not grant.go:
+            if grant.covered_by == Rung.REPLACE:
+                return True, "replaced", grant.detail
+            return True, "covered", grant.detail
+        ok = False
+        try:
+            self._step("recovering", f"{rung}")
+            if rung == Rung.RESET:
+                detail = await self._reset()
+            elif rung == Rung.REPLACE:
+                detail = await self._replace(attempt_no)
+                ok = True
+                return True, "replaced", detail
+            else:
+                detail = await self._restart(rung)
+            ok = True
+            return True, "recovered", detail
+        except (ActivityError, ChildWorkflowError, ApplicationError) as error:
+            return False, "failed", f"{failure_type(error)}: {failure_message(error)}"
+        finally:
+            await self._release(rung, ok)
+
+    async def _reset(self) -> str:
+        inp = self._input
+        return await workflow.execute_activity(
+            "reset_gpu", ResetGpuInput(index=inp.gpu), result_type=str, task_queue=node_queue(inp.node_name),
+            schedule_to_close_timeout=timedelta(seconds=inp.settings.timeouts.reset_seconds),
+            retry_policy=NODE_RETRY, summary=f"nvidia-smi -r -i {inp.gpu}",
+        )
+
+    async def _facts(self) -> NodeFacts:
+        return await workflow.execute_activity(
+            "node_facts", NodeFactsInput(node_name=self._input.node_name), result_type=NodeFacts,
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="node, site and boot id",
+        )
+
+    async def _restart(self, rung: Rung) -> str:
+        """Reboot or reinstall, then wait for the node to come back with another boot id."""
+        inp, timeouts = self._input, self._input.settings.timeouts
+        if rung == Rung.REINSTALL and inp.settings.reinstall_via == "agent":
+            return await workflow.execute_activity(
+                "reinstall_driver", ReinstallDriverInput(), result_type=str, task_queue=node_queue(inp.node_name),
+                schedule_to_close_timeout=timedelta(seconds=timeouts.reinstall_seconds),
+                heartbeat_timeout=timedelta(seconds=timeouts.heartbeat_seconds) if timeouts.reinstall_seconds > 60 else None,
+                retry_policy=NODE_RETRY, summary="reinstall the GPU driver on the node",
+            )
+        facts = await self._facts()
+        if not facts.found:
+            raise ApplicationError(f"node {inp.node_name} is gone", type="NodeGone", non_retryable=True)
+        machine_id = facts.machine_id or inp.machine_id
+        said: str = await workflow.execute_activity(
+            f"{rung}_machine",
+            RestartMachineInput(site=inp.site, machine_id=machine_id, node_name=inp.node_name,
+                                boot_id_before=facts.boot_id),
+            result_type=str, start_to_close_timeout=timedelta(seconds=timeouts.provider_call_seconds),
+            retry_policy=PROVIDER_RETRY, summary=f"{rung} machine {machine_id} (boot {facts.boot_id[:8]})",
+        )
+        self._step("recovering", f"{rung}: waiting for a new boot id")
+        seconds = timeouts.rung_seconds(rung)
+        await workflow.execute_activity(
+            "wait_for_boot",
+            WaitForBootInput(node_name=inp.node_name, boot_id_before=facts.boot_id,
+                             deadline=workflow.now() + timedelta(seconds=seconds), poll_seconds=1.0),
+            start_to_close_timeout=timedelta(seconds=seconds + 60),
+            heartbeat_timeout=timedelta(seconds=timeouts.heartbeat_seconds),
+            retry_policy=CLUSTER_RETRY, summary=f"wait for {inp.node_name} to boot again",
+        )
+        return said
+
+    async def _replace(self, attempt_no: int) -> str:
+        """Join one node at the same site (else another allowed one), then retire this one."""
+        inp = self._input
+        sites: list[str] = await workflow.execute_activity(
+            "replacement_sites", ReplacementSitesInput(site=inp.site), result_type=list[str],
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="where a replacement may go",
+        )
+        failures = []
+        joined = None
+        for site in sites:
+            self._step("recovering", f"replace: joining a node at {site}")
+            try:
+                result: NodeJoinResult = await workflow.execute_child_workflow(
+                    "NodeJoin", {"site": site},
+                    id=f"join/{site}/replace-{inp.node_name}-gpu{inp.gpu}-{attempt_no}",
+                    result_type=NodeJoinResult, static_summary=f"replacement for {inp.node_name}",
+                )
+                joined = result.nodes[0]
+                break
+            except ChildWorkflowError as error:
+                failures.append(f"{site}: {failure_type(error)}")
+        if joined is None:
+            raise ApplicationError("no replacement joined: " + "; ".join(failures), type="NoReplacement",
+                                   non_retryable=True)
+        self._state.replacement_node = joined.node_name
+        self._step("recovering", f"replace: retiring {inp.node_name}")
+        facts = await self._facts()
+        await workflow.execute_activity(
+            "retire_machine",
+            RetireMachineInput(site=inp.site, node_name=inp.node_name, machine_id=facts.machine_id or inp.machine_id),
+            start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
+            summary=f"retire {inp.node_name}: node out, machine deleted",
+        )
+        return f"replaced by {joined.node_name} at {joined.site}"
+
+    # -- prove ----------------------------------------------------------------------------
+    async def _prove(self) -> tuple[bool, str]:
+        inp, timeouts = self._input, self._input.settings.timeouts
+        try:
+            smoke: SmokeResult = await workflow.execute_activity(
+                "smoke_test", SmokeTestInput(expected_gpus=inp.gpus, only_gpus=[inp.gpu]), result_type=SmokeResult,
+                task_queue=node_queue(inp.node_name),
+                schedule_to_close_timeout=timedelta(seconds=timeouts.smoke_test_seconds),
+                start_to_close_timeout=timedelta(seconds=min(timeouts.smoke_test_seconds, 300)),
+                heartbeat_timeout=timedelta(seconds=timeouts.heartbeat_seconds),
+                retry_policy=RetryPolicy(maximum_attempts=3), summary=f"prove GPU {inp.gpu}: counters, compute",
+            )
+        except ActivityError as error:
+            return False, f"smoke test did not run: {failure_type(error)}: {failure_message(error)}"
+        if smoke.passed:
+            return True, "smoke test passed"
+        return False, "smoke test failed: " + "; ".join(smoke.failures)

@@ -1,0 +1,127 @@
+"""Inputs, signals, queries and results of the Node entity and GpuRepair."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.repair_policy import Ledger, RepairSettings, Rung
+
+
+class NodeCarry(BaseModel):
+    """What a Node entity hands to its next run on continue-as-new."""
+
+    ledger: Ledger = Field(default_factory=Ledger)
+    seen_xids: list[str] = Field(default_factory=list)
+    baseline: dict[str, list[str]] = Field(default_factory=dict)
+    boot_id: str = ""
+    reports: int = 0
+    state: str = "ready"
+    log: list[str] = Field(default_factory=list)
+
+
+class NodeEntityInput(BaseModel):
+    """Start with plain JSON: ``{"node_name": "site-a-1a2b3c4d"}`` (the agent's signal-with-start does)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    node_name: str = Field(min_length=1)
+    carry: NodeCarry | None = None
+
+
+class NodeActionRequest(BaseModel):
+    """A GpuRepair asks its Node entity for the node's one disruptive-action slot."""
+
+    repair_id: str
+    rung: Rung
+    #: When the fault was detected: an action of at least this rung started later covers it.
+    detected_at: datetime
+
+
+class NodeActionGrant(BaseModel):
+    #: True: go ahead (and signal node_action_done after). False: already covered.
+    go: bool
+    covered_by: Rung | None = None
+    detail: str = ""
+
+
+class NodeActionDone(BaseModel):
+    repair_id: str
+    rung: Rung
+    ok: bool = True
+
+
+class NodeAction(BaseModel):
+    repair_id: str
+    rung: Rung
+    started_at: datetime
+    finished_at: datetime | None = None
+
+
+class NodeStatus(BaseModel):
+    node_name: str
+    state: str
+    site: str = ""
+    boot_id: str = ""
+    reports: int = 0
+    #: GPU index → repair workflow id.
+    active_repairs: dict[str, str] = Field(default_factory=dict)
+    app_xids: dict[str, int] = Field(default_factory=dict)
+    remediations: int = 0
+    node_actions: list[NodeAction] = Field(default_factory=list)
+    deferred: list[int] = Field(default_factory=list)
+    #: The last few things the entity decided (ignored reports, deferrals...).
+    log: list[str] = Field(default_factory=list)
+
+
+class GpuRepairInput(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    node_name: str = Field(min_length=1)
+    gpu: int = Field(ge=0)
+    site: str = Field(min_length=1)
+    machine_id: str = ""
+    gpus: int = Field(1, ge=1)
+    rung: Rung = Rung.RESET
+    reasons: list[str] = Field(default_factory=list)
+    escalated_because: str = ""
+    detected_at: datetime | None = None
+    settings: RepairSettings = Field(default_factory=RepairSettings)
+
+
+class Attempt(BaseModel):
+    rung: Rung
+    started_at: datetime
+    finished_at: datetime | None = None
+    #: passed, failed (recovery or proof), covered (another repair's action did it), replaced.
+    outcome: str = "running"
+    detail: str = ""
+
+
+class LadderState(BaseModel):
+    node_name: str
+    gpu: int
+    rung: Rung
+    step: str
+    held: bool = False
+    skip_to: Rung | None = None
+    done: bool = False
+    #: repaired, replaced, exhausted (contained, needs a person), gone.
+    outcome: str = ""
+    reasons: list[str] = Field(default_factory=list)
+    attempts: list[Attempt] = Field(default_factory=list)
+    replacement_node: str = ""
+
+
+class SkipToInput(BaseModel):
+    rung: Rung
+
+
+class GpuRepairResult(BaseModel):
+    node_name: str
+    gpu: int
+    outcome: str
+    rung: Rung
+    attempts: list[Attempt] = Field(default_factory=list)
+    replacement_node: str = ""

@@ -1,0 +1,447 @@
+"""ModelRollout (id ``rollout/<model>/<version>``): a model version onto its sites.
+
+The runbook (product rules 10 and 11):
+
+1. validate: the manifest (every file has a sha256), the sites (known, with an
+   object store), replicas (not zero everywhere) - before anything is copied;
+2. replicate the weights to every target site's object store, sites in
+   parallel, each verified by checksum (``replicate_weights``); a site whose
+   copy fails twice is failed (a failed canary stops the rollout);
+3. canary site(s), one at a time: update the Deployment (surge: the old
+   replicas serve until the new ones are ready), wait until ready, probe,
+   bake, probe again. A failed gate rolls that site back and stops;
+4. the other sites in batches of ``batch_size``, one batch in flight at a
+   time, each site gated the same way; a site under evacuation is deferred and
+   stays queued until it is restored.
+
+Operators: ``pause`` (holds before the next batch; replication goes on),
+``resume``, ``abort`` (stops and rolls back every site already updated), all
+updates with validators; the ``progress`` query; current details show the
+site x state table; search attributes ``Model``, ``ModelVersion``, ``FleetState``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any, Optional
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.serving import (
+        EvacuationInput,
+        ProbeServingInput,
+        ResolveRolloutSitesInput,
+        RollbackSiteInput,
+        RolloutSites,
+        ServingRef,
+        UpdateServingInput,
+        WaitServingInput,
+    )
+    from activities.weights import ReplicateInput, ReplicateResult
+    from fleet import search_attributes as sa
+    from fleet.errors import NON_RETRYABLE_TYPES
+    from fleet.rollout import (
+        TOUCHED,
+        ProbeResult,
+        RolloutInput,
+        RolloutProgress,
+        RolloutResult,
+        SiteProgress,
+        SiteState,
+        check_sites,
+        evaluate_gate,
+        next_batch,
+        render_details,
+    )
+    from providers.cluster.base import ServingSpec, ServingStatus
+    from workflows.inputs import parse_input
+
+QUICK = timedelta(seconds=60)
+CLUSTER_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
+    non_retryable_error_types=NON_RETRYABLE_TYPES,
+)
+REPLICATE_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), backoff_coefficient=2, maximum_interval=timedelta(seconds=60),
+    maximum_attempts=20, non_retryable_error_types=[*NON_RETRYABLE_TYPES, "ChecksumMismatch"],
+)
+
+
+def _root(error: BaseException) -> tuple[str, str]:
+    """(type, message) of the failure at the root of an activity error."""
+    while isinstance(error, ActivityError) and error.cause is not None:
+        error = error.cause
+    kind = error.type if isinstance(error, ApplicationError) and error.type else type(error).__name__
+    return kind, str(error)
+
+
+class _Aborted(Exception):
+    pass
+
+
+class _SiteFailed(Exception):
+    def __init__(self, site: str, reason: str) -> None:
+        super().__init__(f"{site}: {reason}")
+        self.site, self.reason = site, reason
+
+
+@workflow.defn(name="ModelRollout")
+class ModelRollout:
+    def __init__(self) -> None:
+        self._p: RolloutProgress | None = None
+        self._req: RolloutInput | None = None
+        self._stores: dict = {}
+        self._updated_generation: dict[str, int] = {}
+        self._paused = False
+        self._abort = False
+        self._abort_reason = ""
+        self._finished = False
+
+    # -- operator surface -----------------------------------------------------------------
+    @workflow.query
+    def progress(self) -> RolloutProgress | None:
+        return self._p
+
+    def _accepting(self) -> None:
+        if self._p is None:
+            raise ValueError("the rollout is still starting")
+        if self._finished:
+            raise ValueError(f"the rollout has finished ({self._p.phase})")
+        if self._abort:
+            raise ValueError("the rollout is being aborted")
+
+    @workflow.update
+    async def pause(self, reason: str = "") -> RolloutProgress:
+        self._paused = True
+        self._p.paused = True
+        self._p.reason = f"paused by operator{': ' + reason if reason else ''}"
+        self._show()
+        return self._p
+
+    @pause.validator
+    def _validate_pause(self, reason: str = "") -> None:
+        self._accepting()
+        if self._paused:
+            raise ValueError("already paused")
+
+    @workflow.update
+    async def resume(self, reason: str = "") -> RolloutProgress:
+        self._paused = False
+        self._p.paused = False
+        self._p.reason = f"resumed by operator{': ' + reason if reason else ''}"
+        self._show()
+        return self._p
+
+    @resume.validator
+    def _validate_resume(self, reason: str = "") -> None:
+        self._accepting()
+        if not self._paused:
+            raise ValueError("not paused")
+
+    @workflow.update
+    async def abort(self, reason: str = "") -> RolloutProgress:
+        """Stop and roll back every site already updated; returns at once (watch ``progress``)."""
+        self._abort = True
+        self._abort_reason = reason or "aborted by operator"
+        self._p.aborting = True
+        self._show()
+        return self._p
+
+    @abort.validator
+    def _validate_abort(self, reason: str = "") -> None:
+        self._accepting()
+
+    # -- helpers --------------------------------------------------------------------------
+    def _show(self) -> None:
+        if self._p is not None:
+            workflow.set_current_details(render_details(self._p))
+
+    def _phase(self, phase: str, reason: str | None = None) -> None:
+        self._p.phase = phase
+        if reason is not None:
+            self._p.reason = reason
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(phase)])
+        self._show()
+
+    def _set(self, site: str, state: SiteState, detail: str | None = None) -> SiteProgress:
+        progress = self._p.site(site)
+        progress.state = state
+        if detail is not None:
+            progress.detail = detail
+        self._show()
+        return progress
+
+    def _check_abort(self) -> None:
+        if self._abort:
+            raise _Aborted()
+
+    async def _checkpoint(self) -> None:
+        """Between batches: honour abort, hold while paused."""
+        self._check_abort()
+        if self._paused:
+            phase = self._p.phase
+            self._phase("paused")
+            await workflow.wait_condition(lambda: not self._paused or self._abort)
+            self._check_abort()
+            self._phase(phase)
+
+    async def _sleep_unless_aborted(self, seconds: float, summary: str) -> None:
+        try:
+            await workflow.wait_condition(lambda: self._abort, timeout=timedelta(seconds=seconds), timeout_summary=summary)
+        except asyncio.TimeoutError:
+            pass
+        self._check_abort()
+
+    # -- the runbook ----------------------------------------------------------------------
+    @workflow.run
+    async def run(self, raw: dict[str, Any]) -> RolloutResult:
+        request = parse_input(RolloutInput, raw)
+        self._req = request
+        canaries = request.canaries
+        files, total = len(request.weights.files), request.weights.total_bytes
+        self._p = RolloutProgress(
+            rollout_id=request.rollout_id, model=request.model, version=request.version,
+            sites=[SiteProgress(site=t.site, replicas=t.replicas, canary=t.site in canaries, bytes_total=total,
+                                files_total=files) for t in request.sites],
+        )
+        workflow.upsert_search_attributes([
+            sa.MODEL.value_set(request.model), sa.MODEL_VERSION.value_set(request.version),
+        ])
+        self._phase("validating")
+        sites: RolloutSites = await workflow.execute_activity(
+            "resolve_rollout_sites", ResolveRolloutSitesInput(sites=[t.site for t in request.sites]),
+            result_type=RolloutSites, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            summary="look up target sites and their object stores",
+        )
+        problems = check_sites(request, sites.stores, sites.known)
+        if problems:
+            self._finished = True
+            self._phase("failed", "; ".join(problems))
+            raise ApplicationError("invalid ModelRollout: " + "; ".join(problems), {"problems": problems},
+                                   type="InvalidInput", non_retryable=True)
+        self._stores = sites.stores
+
+        try:
+            await self._replicate()
+            await self._roll_out()
+        except _Aborted:
+            return await self._finish_abort()
+        except _SiteFailed as failure:
+            self._finished = True
+            message = f"{failure.site} failed: {failure.reason}"
+            self._phase("failed", message)
+            raise ApplicationError(message, {"site": failure.site, "reason": failure.reason},
+                                   type="RolloutFailed", non_retryable=True) from None
+        self._finished = True
+        failed = [s.site for s in self._p.sites if s.state != SiteState.DONE]
+        outcome = "completed-with-failures" if failed else "completed"
+        self._phase(outcome, f"not updated: {', '.join(failed)}" if failed else "every site serves " + request.version)
+        return RolloutResult(rollout_id=request.rollout_id, outcome=outcome, sites=self._p.sites, reason=self._p.reason)
+
+    # -- 1. weights -----------------------------------------------------------------------
+    async def _replicate(self) -> None:
+        self._phase("replicating")
+        tasks = [asyncio.ensure_future(self._replicate_site(t.site)) for t in self._req.sites]
+        await workflow.wait_condition(lambda: self._abort or all(t.done() for t in tasks))
+        if self._abort:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise _Aborted()
+        failed = [s for s in self._req.canaries if self._p.site(s).state == SiteState.FAILED]
+        if failed:
+            raise _SiteFailed(failed[0], "weights replication: " + self._p.site(failed[0]).detail)
+
+    async def _replicate_site(self, site: str) -> None:
+        request, options = self._req, self._req.replication
+        store = self._stores[site]
+        self._set(site, SiteState.REPLICATING)
+        try:
+            result: ReplicateResult = await workflow.execute_activity(
+                "replicate_weights",
+                ReplicateInput(site=site, source=request.weights.source, files=request.weights.files,
+                               dest_prefix=request.dest_prefix(store), options=options),
+                result_type=ReplicateResult, activity_id=f"replicate/{site}",
+                start_to_close_timeout=timedelta(seconds=options.timeout_seconds),
+                heartbeat_timeout=timedelta(seconds=options.heartbeat_seconds), retry_policy=REPLICATE_RETRY,
+                summary=f"copy {len(request.weights.files)} weight files to {site} (s3://{store.bucket})",
+            )
+        except ActivityError as error:
+            kind, message = _root(error)
+            self._set(site, SiteState.FAILED, f"{kind}: {message}")
+            return
+        progress = self._set(
+            site, SiteState.REPLICATED,
+            f"weights: {sum(v in ('copied', 'recopied') for v in result.files.values())} copied, "
+            f"{sum(v == 'skipped' for v in result.files.values())} already there",
+        )
+        progress.bytes_done, progress.files_done = result.bytes_total, len(result.files)
+        self._show()
+
+    # -- 2. + 3. serving ------------------------------------------------------------------
+    async def _roll_out(self) -> None:
+        request = self._req
+        canaries = request.canaries
+        queue = [t.site for t in request.sites
+                 if t.site not in canaries and self._p.site(t.site).state == SiteState.REPLICATED]
+        size = request.strategy.batch_size
+        self._p.batches = len(canaries) + -(-len(queue) // size)
+        for canary in canaries:
+            await self._checkpoint()
+            self._phase("canary")
+            await self._wait_until_not_evacuating(canary)
+            await self._run_batch([canary])
+        while queue:
+            await self._checkpoint()
+            self._phase("rolling-out")
+            evacuating = await self._evacuations(queue)
+            batch, deferred = next_batch(queue, evacuating, size)
+            for site in queue:
+                if site in deferred:
+                    self._set(site, SiteState.DEFERRED, f"under evacuation ({evacuating[site]}); queued until restored")
+                elif self._p.site(site).state == SiteState.DEFERRED:
+                    self._set(site, SiteState.REPLICATED, "restored; queued")
+            if not batch:
+                await self._sleep_unless_aborted(request.strategy.evacuation_poll_seconds, "wait for evacuated sites")
+                continue
+            await self._run_batch(batch)
+            queue = [s for s in queue if s not in batch]
+
+    async def _evacuations(self, sites: list[str]) -> dict[str, str]:
+        return await workflow.execute_activity(
+            "site_evacuations", EvacuationInput(model=self._req.model, sites=sites), result_type=dict[str, str],
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="which sites are under evacuation",
+        )
+
+    async def _wait_until_not_evacuating(self, site: str) -> None:
+        while True:
+            evacuating = await self._evacuations([site])
+            if site not in evacuating:
+                return
+            self._set(site, SiteState.DEFERRED, f"under evacuation ({evacuating[site]}); waiting until restored")
+            await self._sleep_unless_aborted(self._req.strategy.evacuation_poll_seconds, f"wait for {site}")
+
+    async def _run_batch(self, batch: list[str]) -> None:
+        self._p.batch += 1
+        self._show()
+        results = await asyncio.gather(*[self._update_site(site) for site in batch], return_exceptions=True)
+        if self._abort or any(isinstance(r, _Aborted) for r in results):
+            raise _Aborted()
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    async def _update_site(self, site: str) -> None:
+        """Update, wait ready, probe, bake, probe; a failure rolls this site back."""
+        request, gate = self._req, self._req.strategy.gate
+        store = self._stores[site]
+        progress = self._set(site, SiteState.UPDATING, f"to {request.image}")
+        before: Optional[ServingStatus] = await workflow.execute_activity(
+            "serving_snapshot", ServingRef(model=request.model, site=site), result_type=Optional[ServingStatus],
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"current serving at {site}",
+        )
+        progress.previous_generation = before.generation if before else None
+        progress.previous_image = before.image if before else ""
+        self._check_abort()
+        env = {
+            **request.env,
+            "MODEL_NAME": request.model,
+            "MODEL_VERSION": request.version,
+            "WEIGHTS_URI": f"s3://{store.bucket}/{request.dest_prefix(store)}",
+        }
+        if store.endpoint_url:
+            env["AWS_ENDPOINT_URL_S3"] = store.endpoint_url
+        spec = ServingSpec(
+            model=request.model, site=site, image=request.image, replicas=request.replicas(site),
+            gpus_per_replica=request.gpus_per_replica, args=request.args, weights_path=request.weights_path,
+            env=env, port=request.port,
+        )
+        try:
+            status: ServingStatus = await workflow.execute_activity(
+                "update_serving", UpdateServingInput(spec=spec), result_type=ServingStatus,
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary=f"{request.model} {request.version} at {site}: {spec.replicas} replicas (surge)",
+            )
+            if before is None or status.generation != before.generation:
+                self._updated_generation[site] = status.generation  # changed: rollback has something to undo
+            self._set(site, SiteState.UPDATING, "waiting for the rollout")
+            await workflow.execute_activity(
+                "wait_serving_ready",
+                WaitServingInput(model=request.model, site=site,
+                                 deadline=workflow.now() + timedelta(seconds=gate.ready_timeout_seconds)),
+                result_type=ServingStatus, start_to_close_timeout=timedelta(seconds=gate.ready_timeout_seconds + 60),
+                heartbeat_timeout=timedelta(seconds=30), retry_policy=CLUSTER_RETRY,
+                summary=f"wait until {site} is ready",
+            )
+            self._check_abort()
+            await self._gate(site, "gate")
+            if gate.bake_seconds > 0:
+                self._set(site, SiteState.BAKING, f"{gate.bake_seconds:.0f}s")
+                await self._sleep_unless_aborted(gate.bake_seconds, f"bake {site}")
+                await self._gate(site, "after bake")
+        except ActivityError as error:
+            kind, message = _root(error)
+            await self._rollback(site, f"{kind}: {message}")
+            raise _SiteFailed(site, f"{kind}: {message}; rolled back") from None
+        except _SiteFailed as failure:
+            await self._rollback(site, failure.reason)
+            raise _SiteFailed(site, failure.reason + "; rolled back") from None
+        self._set(site, SiteState.DONE, f"serving {request.version}")
+
+    async def _gate(self, site: str, when: str) -> None:
+        gate = self._req.strategy.gate
+        self._set(site, SiteState.GATING, f"{gate.probe_requests} probe requests ({when})")
+        probe: ProbeResult | None = None
+        if gate.probe_requests:
+            probe = await workflow.execute_activity(
+                "probe_serving",
+                ProbeServingInput(model=self._req.model, site=site, requests=gate.probe_requests,
+                                  timeout_seconds=gate.probe_timeout_seconds),
+                result_type=ProbeResult,
+                start_to_close_timeout=timedelta(seconds=gate.probe_timeout_seconds * gate.probe_requests + 60),
+                retry_policy=CLUSTER_RETRY, summary=f"{gate.probe_requests} probe requests to {site}",
+            )
+        verdict = evaluate_gate(gate, True, probe)
+        self._check_abort()
+        if not verdict.passed:
+            raise _SiteFailed(site, f"health gate ({when}): {verdict.reason}")
+        self._set(site, SiteState.GATING, f"gate passed ({when}): {verdict.reason}")
+
+    async def _rollback(self, site: str, reason: str) -> None:
+        if site not in self._updated_generation:
+            self._set(site, SiteState.ROLLED_BACK, f"{reason} (the Deployment was not changed)")
+            return
+        progress = self._set(site, SiteState.ROLLING_BACK, reason)
+        try:
+            await workflow.execute_activity(
+                "rollback_site",
+                RollbackSiteInput(model=self._req.model, site=site, had_previous=progress.previous_generation is not None,
+                                  updated_generation=self._updated_generation.get(site, 0)),
+                result_type=Optional[ServingStatus], start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary=f"roll {site} back to " + (progress.previous_image or "nothing (remove)"),
+            )
+        except ActivityError as error:
+            kind, message = _root(error)
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("needs-person")])
+            self._set(site, SiteState.FAILED, f"{reason}; rollback failed: {kind}: {message}")
+            return
+        self._set(site, SiteState.ROLLED_BACK, reason)
+
+    async def _finish_abort(self) -> RolloutResult:
+        self._phase("aborting", self._abort_reason)
+        touched = [s.site for s in self._p.sites if s.site in self._updated_generation
+                   and (s.state in TOUCHED or s.state == SiteState.ROLLING_BACK)]
+        for site in reversed(touched):
+            await self._rollback(site, self._abort_reason)
+        for s in self._p.sites:
+            if s.state not in (SiteState.ROLLED_BACK, SiteState.FAILED):
+                s.state = SiteState.SKIPPED
+        self._finished = True
+        self._p.aborting = False
+        self._phase("aborted", f"{self._abort_reason}; rolled back: {', '.join(touched) or 'none'}")
+        return RolloutResult(rollout_id=self._p.rollout_id, outcome="aborted", sites=self._p.sites,
+                             reason=self._p.reason)
