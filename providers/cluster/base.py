@@ -95,6 +95,9 @@ class ServingSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     #: The container's HTTP port (the Service always listens on ``SERVING_PORT``).
     port: int = Field(SERVING_PORT, ge=1, le=65535)
+    #: Extra replicas a rollout may start before old ones stop: > 0 loses no
+    #: capacity during an update (needs spare GPUs); 0 replaces one at a time.
+    max_surge: int = Field(1, ge=0)
 
 
 class ServingStatus(BaseModel):

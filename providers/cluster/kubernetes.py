@@ -242,8 +242,10 @@ def render_deployment(spec: ServingSpec, namespace: str) -> dict[str, Any]:
         "spec": {
             "replicas": spec.replicas,
             "selector": {"matchLabels": _serving_labels(spec.model, spec.site)},
-            # GPUs are scarce: replace pods one at a time rather than surge.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            # Surge keeps serving capacity during an update; without spare GPUs
+            # (max_surge 0) pods are replaced one at a time instead.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {
+                "maxSurge": spec.max_surge, "maxUnavailable": 0 if spec.max_surge else 1}},
             "template": template,
         },
     }
