@@ -16,16 +16,13 @@ next change, and the catalog refreshes itself.
 from __future__ import annotations
 
 import json
-import sqlite3
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 from pydantic import BaseModel, Field
 
 from fleet.models import AccountState, Offer
+from providers.sqlite import SqliteDb
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS account_states (
@@ -64,32 +61,9 @@ class CatalogEntry(BaseModel):
     refreshed_at: float = 0.0
 
 
-class AccountStore:
+class AccountStore(SqliteDb):
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._local = threading.local()
-        self._conn().executescript(SCHEMA)
-
-    def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-            conn.row_factory = sqlite3.Row
-            conn.execute("PRAGMA journal_mode=WAL")
-            self._local.conn = conn
-        return conn
-
-    @contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        conn.execute("COMMIT")
+        super().__init__(path, SCHEMA)
 
     # -- account states ------------------------------------------------------------------
     def get(self, name: str) -> AccountRecord:
@@ -106,7 +80,7 @@ class AccountStore:
         return [self.get(n) for n in names]
 
     def put(self, record: AccountRecord) -> None:
-        with self._tx() as db:
+        with self.tx() as db:
             db.execute(
                 "INSERT OR REPLACE INTO account_states(name, provider, state, blocked_offers, reason, since)"
                 " VALUES (?,?,?,?,?,?)",
@@ -132,7 +106,7 @@ class AccountStore:
 
     # -- deletes queued while an account is revoked ----------------------------------------
     def queue_delete(self, site: str, account: str, machine_id: str) -> None:
-        with self._tx() as db:
+        with self.tx() as db:
             db.execute(
                 "INSERT OR IGNORE INTO pending_deletes(machine_id, site, account, queued_at) VALUES (?,?,?,?)",
                 (machine_id, site, account, time.time()),
@@ -145,12 +119,12 @@ class AccountStore:
         return [PendingDelete(**dict(r)) for r in self._conn().execute(sql + " ORDER BY queued_at", args)]
 
     def done_delete(self, machine_id: str) -> None:
-        with self._tx() as db:
+        with self.tx() as db:
             db.execute("DELETE FROM pending_deletes WHERE machine_id=?", (machine_id,))
 
     # -- catalog ---------------------------------------------------------------------------
     def put_catalog(self, entry: CatalogEntry) -> None:
-        with self._tx() as db:
+        with self.tx() as db:
             db.execute(
                 "INSERT OR REPLACE INTO catalog(site, offers, error_type, error, refreshed_at) VALUES (?,?,?,?,?)",
                 (entry.site, json.dumps([o.model_dump(mode="json") for o in entry.offers]), entry.error_type,

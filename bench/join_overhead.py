@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from temporalio.worker import Worker
 
 from activities.env import FleetEnv
-from bench.baseline import NoopSteps, noop
+from bench.baseline import NoopSteps, NoopStepsWithMetadata, noop
 from bench.common import bench_env, fleet, median, run, timed
 from workers.control_plane import build_worker
 
@@ -48,15 +48,18 @@ async def main() -> None:
         host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"],
                                 env={**os.environ, **settings.env()})
         baseline_queue = f"{settings.task_queue}-baseline"
-        baseline_worker = Worker(client, task_queue=baseline_queue, workflows=[NoopSteps], activities=[noop],
+        baseline_worker = Worker(client, task_queue=baseline_queue, workflows=[NoopSteps, NoopStepsWithMetadata], activities=[noop],
                                  activity_executor=ThreadPoolExecutor(128), max_concurrent_activities=128)
 
-        async def baseline() -> None:
+        async def baseline(workflow=NoopSteps) -> None:
             await asyncio.gather(*[
-                client.execute_workflow(NoopSteps.run, ACTIVITIES_PER_JOIN, id=f"noop-{uuid.uuid4().hex}",
+                client.execute_workflow(workflow.run, ACTIVITIES_PER_JOIN, id=f"noop-{uuid.uuid4().hex}",
                                         task_queue=baseline_queue)
                 for _ in range(n)
             ])
+
+        async def baseline_with_metadata() -> None:
+            await baseline(NoopStepsWithMetadata)
 
         async def joins() -> None:
             await asyncio.gather(*[
@@ -66,13 +69,14 @@ async def main() -> None:
             ])
 
         fleet_env = FleetEnv.from_settings(settings)
-        base_times, join_times, base_cpu, join_cpu = [], [], [], []
+        base_times, meta_times, join_times, base_cpu, join_cpu = [], [], [], [], []
         async with build_worker(client, settings), baseline_worker:
             await baseline()  # warm-up: connections, sandbox imports
             for _ in range(args.rounds):
                 cpu = time.process_time()
                 base_times.append(await timed(baseline))
                 base_cpu.append(time.process_time() - cpu)
+                meta_times.append(await timed(baseline_with_metadata))
                 cpu = time.process_time()
                 join_times.append(await timed(joins))
                 join_cpu.append(time.process_time() - cpu)
@@ -82,9 +86,13 @@ async def main() -> None:
     b, j = median(base_times), median(join_times)
     print(f"{n} concurrent workflows x {ACTIVITIES_PER_JOIN} activities, {args.rounds} rounds (median)")
     print(f"  baseline (no-op activities): {b:.2f} s   rounds: {', '.join(f'{t:.2f}' for t in base_times)}")
+    m = median(meta_times)
+    print(f"  baseline + UI metadata:      {m:.2f} s   rounds: {', '.join(f'{t:.2f}' for t in meta_times)}"
+          "   (summaries, current details, search attributes)")
     print(f"  NodeJoin (sim, 0 latency):   {j:.2f} s   rounds: {', '.join(f'{t:.2f}' for t in join_times)}")
     print(f"  worker CPU s per round:      baseline {median(base_cpu):.2f}, NodeJoin {median(join_cpu):.2f}")
     print(f"  ratio NodeJoin / baseline:   {j / b:.2f}   (target <= 1.3)")
+    print(f"  ratio NodeJoin / baseline + UI metadata: {j / m:.2f}")
 
 
 if __name__ == "__main__":

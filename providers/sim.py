@@ -8,19 +8,17 @@ for every simulated site; it raises the same taxonomy a real adapter does.
 
 from __future__ import annotations
 
-import json
 import sqlite3
-import threading
 import time
 import uuid
-from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from fleet.config import Account, FleetConfig, Site
 from fleet.errors import BadCredentials, InvalidRequest, NoCapacity, NotFound, OverQuota
 from fleet.models import CapacityType, GpuHealth, Machine, MachineSpec, Offer, XidEvent
+from providers.sqlite import SqliteDb
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sites (
@@ -77,42 +75,11 @@ def _utc(ts: float | None) -> datetime | None:
     return datetime.fromtimestamp(ts, timezone.utc) if ts is not None else None
 
 
-class SimWorld:
+class SimWorld(SqliteDb):
     """Handle on ``sim.db``. Safe to use from many threads and processes."""
 
     def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._local = threading.local()
-        self._conn().executescript(SCHEMA)
-
-    # -- storage -----------------------------------------------------------------
-    def _conn(self) -> sqlite3.Connection:
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = sqlite3.connect(self.path, timeout=30, isolation_level=None, check_same_thread=False)
-            conn.row_factory = sqlite3.Row
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
-            self._local.conn = conn
-        return conn
-
-    @contextmanager
-    def tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, taken up front so concurrent writers queue."""
-        conn = self._conn()
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            yield conn
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
-        if conn.in_transaction:  # executescript() commits by itself
-            conn.execute("COMMIT")
-
-    def query(self, sql: str, *args: Any) -> list[sqlite3.Row]:
-        return self._conn().execute(sql, args).fetchall()
+        super().__init__(path, SCHEMA)
 
     # -- setup -------------------------------------------------------------------
     def seed(self, config: FleetConfig) -> None:
