@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from datetime import timedelta
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -12,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fleet.schedules import SCHEDULES, apply_schedules
 from fleet.settings import Settings
 
 console = Console()
@@ -26,12 +26,6 @@ accounts_app = typer.Typer(help="Provider accounts: what waits for a person, and
                            no_args_is_help=True)
 
 #: Schedule id → (workflow type, workflow id, what it does).
-SCHEDULES = {
-    "gpufleet-site-reconcile": ("SiteSweep", "site-sweep", "reconcile every site's min/max"),
-    "gpufleet-catalog-refresh": ("CatalogRefresh", "catalog-refresh", "refresh provider offers, wake waiting requests"),
-}
-
-
 def _settings(address: str, config: str | None = None) -> Settings:
     return Settings.from_env(address=address, config=config)
 
@@ -141,42 +135,6 @@ async def _capacity(settings: Settings, raw: dict, request: str, wait: bool) -> 
 
 
 # -- schedules -----------------------------------------------------------------------------
-async def apply_schedules(client, task_queue: str, site_every: float, catalog_every: float) -> list[tuple[str, str]]:
-    """Create or update each schedule (overlap SKIP). Returns (id, "created"|"updated")."""
-    from temporalio.client import (
-        Schedule,
-        ScheduleActionStartWorkflow,
-        ScheduleIntervalSpec,
-        ScheduleOverlapPolicy,
-        SchedulePolicy,
-        ScheduleSpec,
-        ScheduleUpdate,
-    )
-    from temporalio.service import RPCError, RPCStatusCode
-
-    every = {"gpufleet-site-reconcile": site_every, "gpufleet-catalog-refresh": catalog_every}
-    done = []
-    for schedule_id, (workflow_type, workflow_id, what) in SCHEDULES.items():
-        schedule = Schedule(
-            action=ScheduleActionStartWorkflow(workflow_type, None, id=workflow_id, task_queue=task_queue,
-                                               static_summary=what),
-            spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=every[schedule_id]))]),
-            policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
-        )
-        handle = client.get_schedule_handle(schedule_id)
-        try:
-            await handle.describe()
-        except RPCError as error:
-            if error.status != RPCStatusCode.NOT_FOUND:
-                raise
-            await client.create_schedule(schedule_id, schedule)
-            done.append((schedule_id, "created"))
-            continue
-        await handle.update(lambda _input, s=schedule: ScheduleUpdate(schedule=s))
-        done.append((schedule_id, "updated"))
-    return done
-
-
 @schedules_app.command("apply")
 def schedules_apply(
     site_every: Annotated[float, typer.Option(help="seconds between site reconcile sweeps")] = 300,

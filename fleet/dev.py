@@ -20,6 +20,7 @@ from pathlib import Path
 from rich.console import Console
 
 from fleet import search_attributes
+from fleet.schedules import apply_schedules
 from fleet.settings import Settings
 from fleet.temporal import connect
 
@@ -55,6 +56,7 @@ async def _wait_for_server(settings: Settings, timeout: float = 60) -> None:
             added = await search_attributes.ensure_registered(client)
             if added:
                 console.print(f"registered search attributes: {', '.join(added)}")
+            await apply_schedules(client, settings.task_queue, site_every=300, catalog_every=600)
             return
         except Exception:  # noqa: BLE001 - not up yet
             if time.monotonic() > deadline:

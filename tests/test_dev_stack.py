@@ -67,6 +67,8 @@ def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
     children = children_of(dev.pid)
     assert len(children) == 3, "temporal server, control-plane worker, node-agent host"
     assert f"http://127.0.0.1:{ui_port}" in (tmp_path / "dev1.log").read_text()
+    schedules = gpufleet(env, "schedules", "list")
+    assert "gpufleet-site-reconcile" in schedules.stdout and "gpufleet-catalog-refresh" in schedules.stdout
     done = gpufleet(env, "join", "--site", "site-a", "--wait")
     assert done.returncode == 0, done.stdout + done.stderr
 

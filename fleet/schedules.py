@@ -1,0 +1,47 @@
+"""The Temporal Schedules for gpufleet's periodic work, applied idempotently
+(``gpufleet schedules apply``; ``gpufleet dev`` applies them at start)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+SCHEDULES = {
+    "gpufleet-site-reconcile": ("SiteSweep", "site-sweep", "reconcile every site's min/max"),
+    "gpufleet-catalog-refresh": ("CatalogRefresh", "catalog-refresh", "refresh provider offers, wake waiting requests"),
+}
+
+
+async def apply_schedules(client, task_queue: str, site_every: float, catalog_every: float) -> list[tuple[str, str]]:
+    """Create or update each schedule (overlap SKIP). Returns (id, "created"|"updated")."""
+    from temporalio.client import (
+        Schedule,
+        ScheduleActionStartWorkflow,
+        ScheduleIntervalSpec,
+        ScheduleOverlapPolicy,
+        SchedulePolicy,
+        ScheduleSpec,
+        ScheduleUpdate,
+    )
+    from temporalio.service import RPCError, RPCStatusCode
+
+    every = {"gpufleet-site-reconcile": site_every, "gpufleet-catalog-refresh": catalog_every}
+    done = []
+    for schedule_id, (workflow_type, workflow_id, what) in SCHEDULES.items():
+        schedule = Schedule(
+            action=ScheduleActionStartWorkflow(workflow_type, None, id=workflow_id, task_queue=task_queue,
+                                               static_summary=what),
+            spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=every[schedule_id]))]),
+            policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
+        )
+        handle = client.get_schedule_handle(schedule_id)
+        try:
+            await handle.describe()
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND:
+                raise
+            await client.create_schedule(schedule_id, schedule)
+            done.append((schedule_id, "created"))
+            continue
+        await handle.update(lambda _input, s=schedule: ScheduleUpdate(schedule=s))
+        done.append((schedule_id, "updated"))
+    return done
