@@ -96,3 +96,16 @@ def test_details_table() -> None:
                                                               state=SiteState.GATING, bytes_total=2048, files_total=1)])
     text = render_details(progress)
     assert "| a (canary) | 2 | gating |" in text and "batch 1 of 2" in text
+
+
+def test_shipped_example_rollout_is_valid() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    from fleet.rollout import RolloutInput
+
+    example = Path(__file__).resolve().parents[2] / "deploy" / "rollout.example.yaml"
+    rollout = RolloutInput.model_validate(yaml.safe_load(example.read_text()))
+    assert rollout.strategy.canary_sites == ["aws-us-east-1"]
+    assert {s.site for s in rollout.sites} >= set(rollout.strategy.canary_sites)
