@@ -12,9 +12,11 @@ if TYPE_CHECKING:
 def control_plane_activities(env: "FleetEnv") -> list[Callable]:
     from activities.capacity import CapacityActivities
     from activities.control_plane import ControlPlaneActivities
+    from activities.evacuation import EvacuationActivities
     from activities.repair import RepairActivities
     from activities.serving import ServingActivities
     from activities.weights import WeightsActivities
 
-    classes = [ControlPlaneActivities, CapacityActivities, RepairActivities, WeightsActivities, ServingActivities]
+    classes = [ControlPlaneActivities, CapacityActivities, RepairActivities, WeightsActivities, ServingActivities,
+               EvacuationActivities]
     return [fn for cls in classes for fn in cls(env).all()]

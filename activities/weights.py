@@ -5,11 +5,18 @@ site's store, one file at a time, streaming (memory is bounded by
 ``concurrency x part_size``, never by the file):
 
 - a file already at the destination with the manifest's sha256 (our ``sha256``
-  metadata, or the store's own full-object ChecksumSHA256) is skipped;
+  metadata, or the store's own full-object ChecksumSHA256) is skipped; one
+  ListObjectsV2 of the destination prefix says which files may be there (only
+  those are HEADed);
 - the sha256 is computed while the bytes stream through; each upload carries its
-  ChecksumSHA256 (whole object for a single PUT, per part for multipart) so a
-  store that checks it (AWS S3) rejects corrupted bytes; for stores configured
-  ``checksum_verification: read-back`` the copy is streamed back and hashed;
+  ChecksumSHA256 in a signed header (for a single PUT that same digest; for
+  multipart, each part's, hashed in the part's upload thread) so a store that
+  checks it (AWS S3) rejects corrupted bytes; for stores configured
+  ``checksum_verification: read-back`` the copy is streamed back and hashed.
+  Because that checksum covers the body, the SDK does not hash the body again
+  to sign it (``payload_signing_enabled: False``: what botocore already does over
+  TLS when a checksum header is present). Bytes are copied once, from the
+  source's chunks into the buffer that is sent;
 - a mismatch deletes the bad copy and copies the file again; a second mismatch
   fails the site (``ChecksumMismatch``, non-retryable);
 - heartbeat details (``Checkpoint``) carry the finished files, bytes done and the
@@ -124,20 +131,39 @@ def _credentials(store: ObjectStore) -> dict[str, str]:
     return {"aws_access_key_id": key_id, "aws_secret_access_key": key}
 
 
+_session_lock = threading.Lock()
+_session: Any = None
+
+
 def make_s3_client(store: ObjectStore, pool: int = 16):
+    """A client for ``store``. Clients share one boto3 session (a new session parses
+    the S3 service model again: ~0.1 s of CPU per client); creating a client from
+    it is not thread-safe, so that is done under a lock. The clients themselves are."""
+    global _session
     import boto3
     from botocore.config import Config
 
     config = Config(
         region_name=store.region,
         retries={"max_attempts": 4, "mode": "standard"},
-        s3={"addressing_style": store.addressing_style},
+        s3={
+            "addressing_style": store.addressing_style,
+            # Every body we send carries its ChecksumSHA256 in a signed header (and
+            # read-back stores are read back), so the SDK need not SHA256 the body a
+            # second time to sign it; botocore already skips that over TLS when a
+            # checksum header is present, this extends it to plain-HTTP endpoints.
+            "payload_signing_enabled": False,
+        },
         max_pool_connections=pool,
         # We send our own SHA256 checksums; no extra CRC32 pass over every body.
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
-    return boto3.session.Session().client("s3", endpoint_url=store.endpoint_url, config=config, **_credentials(store))
+    credentials = _credentials(store)
+    with _session_lock:
+        if _session is None:
+            _session = boto3.session.Session()
+        return _session.client("s3", endpoint_url=store.endpoint_url, config=config, **credentials)
 
 
 def classify(error: Exception, what: str) -> Exception:
@@ -201,6 +227,8 @@ class Replicator:
         self._last_beat = 0.0
         self.throttle = _Throttle(self.opts.bandwidth_limit_bytes_per_s)
         self.copied = self.skipped = 0
+        self._listing: dict[str, int] | None = None
+        self._list_failed = False
 
     # -- helpers ----------------------------------------------------------------------
     def beat(self, force: bool = False) -> None:
@@ -237,8 +265,8 @@ class Replicator:
         finally:
             body.close()
 
-    def _transit(self, f: WeightFile, attempt: int, data: bytes) -> bytes:
-        return TRANSIT_FAULT(self.input.site, f.path, attempt, data) if TRANSIT_FAULT else data
+    def _transit(self, f: WeightFile, attempt: int, data: bytearray) -> bytes | bytearray:
+        return TRANSIT_FAULT(self.input.site, f.path, attempt, bytes(data)) if TRANSIT_FAULT else data
 
     # -- the copy ---------------------------------------------------------------------
     def run(self) -> ReplicateResult:
@@ -259,7 +287,7 @@ class Replicator:
 
     def _replicate_file(self, f: WeightFile) -> str:
         while True:
-            resuming = self.cp.current is not None and self.cp.current.path == f.path
+            resuming = self._resumable(f)
             if not resuming and not self.cp.mismatches.get(f.path) and self._already_there(f):
                 self.cp.bytes_done += f.size
                 self.skipped += f.size
@@ -285,9 +313,49 @@ class Replicator:
                         {"site": self.input.site, "path": f.path}, type="ChecksumMismatch", non_retryable=True,
                     ) from None
 
+    def _resumable(self, f: WeightFile) -> bool:
+        """Whether the checkpoint holds an open upload of ``f`` that can be continued.
+
+        One that is gone (the attempt that died completed it, or it was aborted) or
+        was cut into other parts is dropped, its parts no longer count as done, and
+        the file is looked for at the destination before it is copied again."""
+        upload = self.cp.current
+        if upload is None or upload.path != f.path:
+            return False
+        usable = upload.part_size == part_size_for(f.size, self.opts.part_size_bytes)
+        if usable:
+            try:
+                self.dst.list_parts(Bucket=self.dest.bucket, Key=self._dst_key(f), UploadId=upload.upload_id)
+            except Exception:  # noqa: BLE001 - gone or unreadable: start the file again
+                usable = False
+        if not usable:
+            self.cp.bytes_done -= sum(p.size for p in upload.parts)
+            self.cp.current = None
+        return usable
+
+    def _listed(self) -> dict[str, int] | None:
+        """Key -> size of what is under the destination prefix: one paginated
+        ListObjectsV2 instead of a HEAD per file. None when the store will not list
+        (then every file is HEADed, as a store without ListBucket needs)."""
+        if self._listing is None and not self._list_failed:
+            try:
+                sizes: dict[str, int] = {}
+                pages = self.dst.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.dest.bucket, Prefix=self.input.dest_prefix)
+                for page in pages:
+                    for obj in page.get("Contents", []):
+                        sizes[obj["Key"]] = obj["Size"]
+                self._listing = sizes
+            except Exception:  # noqa: BLE001 - fall back to HEAD, which classifies its own errors
+                self._list_failed = True
+        return self._listing
+
     def _already_there(self, f: WeightFile) -> bool:
         from botocore.exceptions import ClientError
 
+        listed = self._listed()
+        if listed is not None and listed.get(self._dst_key(f)) != f.size:
+            return False  # absent, or another size: no need to ask about it
         try:
             head = self.dst.head_object(Bucket=self.dest.bucket, Key=self._dst_key(f), ChecksumMode="ENABLED")
         except ClientError as error:
@@ -309,16 +377,22 @@ class Replicator:
             self._copy_multipart(f, attempt, part_size)
 
     def _copy_single(self, f: WeightFile, attempt: int) -> None:
-        digest, data = hashlib.sha256(), bytearray()
-        for chunk in self._stream(f):
-            digest.update(chunk)
-            data += chunk
-            self.throttle(len(chunk))
-            self.beat()
-        self._check_source(f, len(data), digest)
+        # One buffer of the manifest's size, filled in place: no growing and no
+        # bytes() copy; a bytearray body goes out in one sendall.
+        digest, data, size = hashlib.sha256(), bytearray(f.size), 0
+        with memoryview(data) as view:
+            for chunk in self._stream(f):
+                digest.update(chunk)
+                end = size + len(chunk)
+                if end <= f.size:
+                    view[size:end] = chunk
+                size = end
+                self.throttle(len(chunk))
+                self.beat()
+        self._check_source(f, size, digest)
         self._call(
             f"write s3://{self.dest.bucket}/{self._dst_key(f)}", self.dst.put_object,
-            Bucket=self.dest.bucket, Key=self._dst_key(f), Body=self._transit(f, attempt, bytes(data)),
+            Bucket=self.dest.bucket, Key=self._dst_key(f), Body=self._transit(f, attempt, data),
             ChecksumSHA256=b64_digest(digest.digest()), Metadata={"sha256": f.sha256},
         )
         self.cp.bytes_done += f.size
@@ -331,14 +405,8 @@ class Replicator:
 
     def _copy_multipart(self, f: WeightFile, attempt: int, part_size: int) -> None:
         bucket, key = self.dest.bucket, self._dst_key(f)
+        # An open upload in the checkpoint was checked by _resumable.
         upload = self.cp.current if self.cp.current and self.cp.current.path == f.path else None
-        if upload is not None and upload.part_size != part_size:
-            upload = None
-        if upload is not None:
-            try:
-                self.dst.list_parts(Bucket=bucket, Key=key, UploadId=upload.upload_id)
-            except Exception:  # noqa: BLE001 - gone or unreadable: start the file again
-                upload = None
         if upload is None:
             created = self._call(
                 f"start upload s3://{bucket}/{key}", self.dst.create_multipart_upload,
@@ -351,6 +419,7 @@ class Replicator:
             if part.number != len(parts) + 1:
                 break
             parts.append(part)
+        self.cp.bytes_done -= sum(p.size for p in upload.parts) - sum(p.size for p in parts)  # sent again
         upload.parts = parts
         offset = sum(p.size for p in parts)
         self.cp.current = upload
@@ -363,12 +432,14 @@ class Replicator:
             with ThreadPoolExecutor(self.opts.concurrency, thread_name_prefix="s3-part") as pool:
                 inflight: set[Future] = set()
                 number = len(parts) + 1
-                buffer = bytearray()
+                # The part being filled, in place: memory is at most `concurrency` parts
+                # in flight plus this one.
+                buffer: bytearray | None = None
+                filled = 0
 
                 def submit(data: bytearray, n: int) -> None:
-                    checksum = b64_digest(hashlib.sha256(data).digest())
-                    body = self._transit(f, attempt, bytes(data))
-                    inflight.add(pool.submit(self._upload_part, bucket, key, upload.upload_id, n, body, checksum))
+                    collect(block=False)
+                    inflight.add(pool.submit(self._upload_part, f, attempt, bucket, key, upload.upload_id, n, data))
 
                 def collect(block: bool) -> None:
                     while inflight and (block or len(inflight) >= self.opts.concurrency):
@@ -383,18 +454,23 @@ class Replicator:
                 for chunk in self._stream(f, offset):
                     digest.update(chunk)
                     size += len(chunk)
-                    buffer += chunk
+                    rest = memoryview(chunk)
+                    while rest:
+                        if buffer is None:
+                            buffer, filled = bytearray(part_size), 0
+                        n = min(len(rest), part_size - filled)
+                        buffer[filled:filled + n] = rest[:n]
+                        filled += n
+                        rest = rest[n:]
+                        if filled == part_size:
+                            submit(buffer, number)
+                            buffer, number = None, number + 1
                     self.throttle(len(chunk))
-                    while len(buffer) >= part_size:
-                        collect(block=False)
-                        submit(buffer[:part_size], number)
-                        del buffer[:part_size]
-                        number += 1
                     self.beat()
-                if buffer:
-                    collect(block=False)
+                if buffer is not None:
+                    del buffer[filled:]
                     submit(buffer, number)
-                    buffer = bytearray()
+                    buffer = None
                 collect(block=True)
             self._check_source(f, size, digest)
         except ChecksumMismatch:
@@ -409,12 +485,17 @@ class Replicator:
             ]},
         )
 
-    def _upload_part(self, bucket: str, key: str, upload_id: str, number: int, body: bytes, checksum: str) -> Part:
+    def _upload_part(self, f: WeightFile, attempt: int, bucket: str, key: str, upload_id: str, number: int,
+                     data: bytearray) -> Part:
+        # Hashed here, in the part's thread (hashlib releases the GIL), while the
+        # reader fills the next part.
+        checksum = b64_digest(hashlib.sha256(data).digest())
         response = self._call(
             f"upload part {number} of s3://{bucket}/{key}", self.dst.upload_part,
-            Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=body, ChecksumSHA256=checksum,
+            Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number,
+            Body=self._transit(f, attempt, data), ChecksumSHA256=checksum,
         )
-        return Part(number=number, etag=response["ETag"], checksum=checksum, size=len(body))
+        return Part(number=number, etag=response["ETag"], checksum=checksum, size=len(data))
 
     def _abort(self, bucket: str, key: str, upload_id: str) -> None:
         try:

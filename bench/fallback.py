@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
+import subprocess
+import sys
 import uuid
 
 from activities.env import FleetEnv
 from bench.common import bench_env, fleet, median, run, timed
 from workers.control_plane import build_worker
-from workers.node_agent import SimNodeHost
 
 SKIPPED = 4
 
@@ -38,8 +40,9 @@ async def main() -> None:
         client = env.client
         world_env = FleetEnv.from_settings(settings)
         world = world_env.world
-        stop = asyncio.Event()
-        host = asyncio.create_task(SimNodeHost(client, settings, poll_seconds=0.05).run(stop))
+        # The simulated nodes live in their own process, as under `gpufleet dev`.
+        host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"],
+                                env={**os.environ, **settings.env()})
         queue = settings.task_queue
 
         async def direct() -> None:
@@ -79,8 +82,8 @@ async def main() -> None:
             )
             await client.execute_workflow("CatalogRefresh", None, id="catalog-refresh-bench-2", task_queue=queue)
             revoked_calls = world.calls("acct-4") - before
-        stop.set()
-        await host
+        host.terminate()
+        host.wait()
     d, f = median(direct_times), median(fallback_times)
     print(f"fallback over {SKIPPED} NoCapacity candidates, {args.rounds} rounds (median), zero-latency sim")
     print(f"  attempts (last round):        {' → '.join(attempts[-1])}")

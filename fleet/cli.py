@@ -33,6 +33,7 @@ from fleet.cli_cluster import cluster_app  # noqa: E402 - sub-apps register afte
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(__import__("fleet.cli_rollout", fromlist=["rollout_app"]).rollout_app, name="rollout")
 app.add_typer(__import__("fleet.cli_repair", fromlist=["repair_app"]).repair_app, name="repair")
+app.add_typer(__import__("fleet.cli_gameday", fromlist=["gameday_app"]).gameday_app, name="gameday")
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)

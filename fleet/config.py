@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from fleet.incident import IncidentSettings
 from fleet.models import CapacityType, CredentialsRef
 from fleet.repair_policy import RepairSettings
 
@@ -85,6 +86,11 @@ class Site(_Strict):
     sim: SimSiteSettings = Field(default_factory=SimSiteSettings)
     #: Where this site's model weights are replicated to (rule 10); optional.
     object_store: ObjectStore | None = None
+    #: Compliance geography: this site's replicas may only move to sites of the same
+    #: ``geography`` (an evacuation never takes them out of it). Needs ``geography``.
+    compliance: bool = False
+    #: Provider-incident rule for this site; replaces the top-level ``incident:`` block.
+    incident: IncidentSettings | None = None
 
 
 class FleetConfig(_Strict):
@@ -96,6 +102,11 @@ class FleetConfig(_Strict):
     sites: list[Site] = Field(default_factory=list)
     #: GPU repair ladder thresholds and timeouts.
     repair: RepairSettings = Field(default_factory=RepairSettings)
+    #: Provider-incident rule (fleet.incident) for every site without its own ``incident:``.
+    incident: IncidentSettings = Field(default_factory=IncidentSettings)
+
+    def incident_for(self, site: Site) -> IncidentSettings:
+        return site.incident or self.incident
 
     def site(self, name: str) -> Site:
         for site in self.sites:
@@ -181,6 +192,8 @@ def _cross_check(config: FleetConfig) -> list[str]:
         seen.add(site.name)
         if site.min_nodes > site.max_nodes:
             problems.append(f"{where}.min_nodes: min_nodes ({site.min_nodes}) is greater than max_nodes ({site.max_nodes})")
+        if site.compliance and not site.geography:
+            problems.append(f"{where}.compliance: a compliance site needs a geography")
         account = accounts.get(site.account)
         if account is None:
             problems.append(f"{where}.account: unknown account reference {site.account!r}")

@@ -42,5 +42,9 @@ class SqliteDb:
         if conn.in_transaction:  # executescript() commits by itself
             conn.execute("COMMIT")
 
+    def data_version(self) -> int:
+        """Changes whenever another connection (any process or thread) commits."""
+        return self._conn().execute("PRAGMA data_version").fetchone()[0]
+
     def query(self, sql: str, *args: Any) -> list[sqlite3.Row]:
         return self._conn().execute(sql, args).fetchall()

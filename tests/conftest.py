@@ -116,8 +116,19 @@ async def stack(fleet_world: Stack) -> AsyncIterator[Stack]:
     fleet_world.host_stop = stop
     async with build_worker(client, settings):
         yield fleet_world
+        await terminate_running(client, settings.task_queue)
     stop.set()
     await host
+
+
+async def terminate_running(client: Client, task_queue: str) -> None:
+    """Entities (``site/<name>``, ``node/<name>``) never end by themselves and their ids are
+    shared by every test on the session's dev server: stop this test's before its worker goes."""
+    async for wf in client.list_workflows(f'TaskQueue = "{task_queue}" AND ExecutionStatus = "Running"'):
+        try:
+            await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("test over")
+        except Exception:  # noqa: BLE001 - ended meanwhile
+            pass
 
 
 async def wait_for(predicate, timeout: float = 10, interval: float = 0.05):

@@ -30,6 +30,8 @@ REPAIR = {
 def repair_fleet(**repair: Any) -> dict[str, Any]:
     fleet = copy.deepcopy(TEST_FLEET)
     fleet["repair"] = {**copy.deepcopy(REPAIR), **repair}
+    # Repairs are admitted by the Site entity at once (no settle wait for a burst of failures).
+    fleet["incident"] = {"settle_seconds": 0}
     return fleet
 
 
@@ -113,6 +115,9 @@ async def running_stack(client: Client, tmp_path: Path, fleet: dict[str, Any] | 
     try:
         async with build_worker(client, stack.settings):
             yield stack
+            from tests.conftest import terminate_running
+
+            await terminate_running(client, stack.settings.task_queue)
     finally:
         stop.set()
         await host

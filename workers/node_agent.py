@@ -62,14 +62,29 @@ class SimNodeHost:
         self.agents: dict[str, tuple[str, Worker, asyncio.Task]] = {}  # machine id → (boot id, worker, task)
         #: GPU health probe interval for every agent (None: ``GPUFLEET_HEALTH_SECONDS``, default 5).
         self.health_seconds: float | None = None
+        self._next_boot = float("inf")  # when the next booting machine comes up
+        self._next_health = 0.0
+
+    def _health_interval(self) -> float:
+        from workers.health_report import DEFAULT_HEALTH_SECONDS
+
+        return self.health_seconds or DEFAULT_HEALTH_SECONDS
 
     async def run(self, stop: asyncio.Event) -> None:
+        seen = None
         try:
             while not stop.is_set():
-                await asyncio.to_thread(self._sync_kubelets)
-                await self._sync_agents()
-                await self._watch_reclaims()
-                await self._report_health()
+                # A full pass only when the world changed or a machine finished booting:
+                # polling fast must stay cheap, it shares two cores with the server.
+                stamp = (self.world.data_version(), time.time() >= self._next_boot)
+                if stamp != seen:
+                    seen = (stamp[0], False)
+                    await asyncio.to_thread(self._sync_kubelets)
+                    await self._sync_agents()
+                    await self._watch_reclaims()
+                if self.agents and time.monotonic() >= self._next_health:
+                    self._next_health = time.monotonic() + min(1.0, self._health_interval())
+                    await self._report_health()
                 try:
                     await asyncio.wait_for(stop.wait(), self.poll_seconds)
                 except asyncio.TimeoutError:
@@ -82,9 +97,11 @@ class SimNodeHost:
         """machine id → (node name, boot id) for machines booted at reachable sites."""
         now = time.time()
         unreachable = {row["name"] for row in self.world.sites() if row["unreachable"]}
+        machines = self.world.machines()
+        self._next_boot = min((row["boot_at"] for row in machines if row["boot_at"] > now), default=float("inf"))
         return {
             row["id"]: (row["name"], row["boot_id"])
-            for row in self.world.machines()
+            for row in machines
             if row["boot_at"] <= now and row["site"] not in unreachable
         }
 

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleet.config import Site
 from fleet.models import AccountState, Offer
 from fleet.placement import AccountView, Constraints
+from workflows.evacuation_models import IncidentCarry, IncidentView
 from workflows.models import JoinedNode, JoinTimeouts
 
 
@@ -182,6 +183,10 @@ class SiteInput(BaseModel):
     #: Passed to the AcquireCapacity it starts (tests shorten them).
     fill_request: dict = Field(default_factory=dict)
     drain_seconds: float = Field(300, ge=0)
+    #: Provider incidents: state carried over continue-as-new, and fields merged into the
+    #: SiteEvacuation input it starts (``settings``, ``capacity_request``; tests shorten them).
+    incident: IncidentCarry | None = None
+    evacuation: dict = Field(default_factory=dict)
 
 
 class NodeTransition(BaseModel):
@@ -198,6 +203,8 @@ class SiteStatus(BaseModel):
     filling: str = ""
     retiring: list[str] = Field(default_factory=list)
     last: str = ""
+    #: Provider incidents (fleet.incident): the open one, failures in the window, past ones.
+    incident: IncidentView | None = None
 
 
 class SpotReclaimInput(BaseModel):

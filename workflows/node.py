@@ -7,7 +7,8 @@ the node's single disruptive-action slot: children ask for it before a reset,
 reboot, reinstall or replace, and an action that started after a child's fault
 was detected covers that child (two GPUs failing together → one reboot). When
 too many of a site's nodes are unhealthy it stops repairing there and hands the
-decision to the Site entity. It continues as new when the server suggests it
+decision to the Site entity: every repair is first admitted by ``site/<site>``
+(``admit_repair``), which holds it while its provider-incident rule is tripped. It continues as new when the server suggests it
 and no repair is running.
 """
 
@@ -18,9 +19,9 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import WorkflowIDReusePolicy
+from temporalio.common import RetryPolicy, WorkflowIDReusePolicy
 from temporalio.workflow import ParentClosePolicy
-from temporalio.exceptions import FailureError
+from temporalio.exceptions import ActivityError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import HealthReport, NodeFacts, NodeFactsInput, SiteHealth, SiteHealthInput
@@ -30,6 +31,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import parse_input
     from workflows.node_join import CLUSTER_RETRY, QUICK, failure_message
     from workflows.repair import repair_workflow_id
+    from workflows.evacuation_models import AdmitRepairInput, RepairDecision
     from workflows.repair_models import (
         GpuRepairInput,
         GpuRepairResult,
@@ -41,6 +43,11 @@ with workflow.unsafe.imports_passed_through():
         NodeEntityInput,
         NodeStatus,
     )
+
+#: Workflow patch: repairs are admitted by the Site entity (provider incidents, fleet.incident).
+ADMISSION_PATCH = "site-admission"
+ADMISSION_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10),
+                              maximum_attempts=3)
 
 #: Bounded memory: XID event keys remembered for de-duplication, log lines kept.
 MAX_SEEN = 512
@@ -234,17 +241,35 @@ class NodeEntity:
             self._set_state(self._carry.state, f"GPU {index} sick while the node is still joining; waiting")
             return
         settings = facts.settings
-        health: SiteHealth = await workflow.execute_activity(
-            "site_health", SiteHealthInput(site=facts.site, node_name=self._node), result_type=SiteHealth,
-            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"unhealthy nodes at {facts.site}",
-        )
-        share = (health.unhealthy_others + 1) / max(health.nodes, 1)
-        if health.unhealthy_others >= 1 and share > settings.thresholds.site_unhealthy_fraction:
-            self._deferred[index] = finding
-            self._set_state("awaiting-site", f"{share:.0%} of {facts.site} unhealthy: the Site entity decides")
-            self._log(f"GPU {index}: {share:.0%} of {facts.site} unhealthy, repair deferred to site/{facts.site}")
-            await self._tell_site(facts.site, index, share)
-            return
+        if workflow.patched(ADMISSION_PATCH):
+            # The Site entity owns the incident rule (fleet.incident): it admits or holds this repair.
+            try:
+                decision: RepairDecision = await workflow.execute_activity(
+                    "admit_repair", AdmitRepairInput(site=facts.site, node_name=self._node, gpu=index,
+                                                     reasons=finding.reasons),
+                    result_type=RepairDecision, start_to_close_timeout=timedelta(minutes=2),
+                    retry_policy=ADMISSION_RETRY, summary=f"site/{facts.site}: repair or provider incident?",
+                )
+            except ActivityError as error:
+                decision = RepairDecision(repair=True, why=f"site/{facts.site} did not answer "
+                                                           f"({failure_message(error)}): repairing")
+            if not decision.repair:
+                self._deferred[index] = finding
+                self._set_state("awaiting-site", f"{facts.site}: {decision.incident or decision.why}; no new repairs")
+                self._log(f"GPU {index}: held by site/{facts.site}: {decision.incident} {decision.why}".strip())
+                return
+        else:
+            health: SiteHealth = await workflow.execute_activity(
+                "site_health", SiteHealthInput(site=facts.site, node_name=self._node), result_type=SiteHealth,
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"unhealthy nodes at {facts.site}",
+            )
+            share = (health.unhealthy_others + 1) / max(health.nodes, 1)
+            if health.unhealthy_others >= 1 and share > settings.thresholds.site_unhealthy_fraction:
+                self._deferred[index] = finding
+                self._set_state("awaiting-site", f"{share:.0%} of {facts.site} unhealthy: the Site entity decides")
+                self._log(f"GPU {index}: {share:.0%} of {facts.site} unhealthy, repair deferred to site/{facts.site}")
+                await self._tell_site(facts.site, index, share)
+                return
         now = workflow.now()
         rung, why = self._carry.ledger.escalate(finding, now.timestamp(), settings.thresholds)
         self._carry.ledger.record_remediation(now.timestamp())

@@ -1,6 +1,7 @@
 """Every workflow the control-plane worker runs. Add a new workflow here."""
 
 from workflows.account import ProviderAccount
+from workflows.evacuation import SiteEvacuation
 from workflows.capacity import AcquireCapacity, CatalogRefresh
 from workflows.node import NodeEntity
 from workflows.node_join import NodeJoin
@@ -11,5 +12,5 @@ from workflows.site import SiteEntity, SiteSweep
 
 ALL_WORKFLOWS = [
     NodeJoin, AcquireCapacity, CatalogRefresh, ProviderAccount, SiteEntity, SiteSweep, SpotReclaim,
-    NodeEntity, GpuRepair, ModelRollout,
+    NodeEntity, GpuRepair, ModelRollout, SiteEvacuation,
 ]

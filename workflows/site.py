@@ -8,7 +8,23 @@ Min/max come from the fleet config. Node workflows tell it their transitions
 - above max: drain (PDBs honoured) and retire the surplus, most expensive first,
   then newest.
 
-Continues as new when the server suggests it (node map and counters carried).
+Provider incidents (product rule 5, ``fleet.incident``; recorded as patch
+``incident-v1``): the entity also
+
+- answers ``admit_repair`` (update) from its Node entities before any GPU
+  repair: the failure goes into the site's window; a short settle lets a burst
+  arrive; while the rule is tripped or an incident is open the answer is "hold"
+  (no new repairs here);
+- every ``check_seconds`` probes its nodes (NotReady, not cordoned = unreachable)
+  and the provider API (Transient failures for longer than T trip too);
+- on a trip records the incident, holds the site's running GpuRepairs (each
+  finishes its current rung), and starts SiteEvacuation ``evacuate/<site>/<n>``;
+  a second trip while it runs starts nothing. When the evacuation ends the
+  incident closes and held repairs are released. No min/max fill or retire
+  while an incident is open.
+
+Continues as new when the server suggests it (node map, counters and incident
+state carried; never while a fill or an evacuation runs).
 
 SiteSweep (id ``site-sweep``, run by a Schedule): signal-with-start every site's
 entity with ``reconcile``.
@@ -44,6 +60,22 @@ with workflow.unsafe.imports_passed_through():
     from providers.cluster.base import DrainResult
     from workflows.inputs import parse_input
     from workflows.node_join import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, failure_message
+    from fleet.incident import Failure, IncidentSettings, Verdict, evaluate, record
+    from workflows.evacuation import evacuation_workflow_id
+    from workflows.evacuation_models import (
+        AdmitRepairInput,
+        EvacuationResult,
+        HoldRepairsInput,
+        IncidentCarry,
+        IncidentRecord,
+        IncidentView,
+        RepairDecision,
+        SiteProbe,
+        SiteRef,
+    )
+
+#: Workflow patch: incident detection, repair admission and evacuation in the Site entity.
+INCIDENT_PATCH = "incident-v1"
 
 RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 
@@ -54,6 +86,14 @@ class SiteEntity:
         self._wanted = True
         self._status: SiteStatus | None = None
         self._fill: asyncio.Task | None = None
+        # -- provider incidents --
+        self._incident_settings: IncidentSettings | None = None
+        self._inc = IncidentCarry()
+        self._open: IncidentRecord | None = None
+        self._trip = False
+        self._evac: asyncio.Task | None = None
+        self._verdict: Verdict | None = None
+        self._node_count = 0
 
     @workflow.signal
     def reconcile(self) -> None:
@@ -68,7 +108,51 @@ class SiteEntity:
 
     @workflow.query
     def status(self) -> SiteStatus:
+        if self._status is not None and self._incident_settings is not None:
+            v = self._verdict
+            self._status.incident = IncidentView(
+                open=self._open, failing=v.failing if v else [], threshold=v.threshold if v else 0,
+                site_nodes=self._node_count, api_failing_since=self._inc.api_failing_since,
+                history=self._inc.history,
+            )
         return self._status
+
+    @workflow.update
+    async def admit_repair(self, req: AdmitRepairInput) -> RepairDecision:
+        """A Node entity asks before a GPU repair: repair, or hold for the site's incident."""
+        await workflow.wait_condition(lambda: self._incident_settings is not None)
+        s = self._incident_settings
+        if self._open is not None:
+            return RepairDecision(repair=False, incident=self._open.id, why="incident open: no new repairs here")
+        now = workflow.now().timestamp()
+        detail = f"GPU {req.gpu}: {', '.join(req.reasons)}"
+        self._inc.failures = record(self._inc.failures, Failure(node=req.node_name, at=now, detail=detail), now, s)
+        self._evaluate()
+        if self._open is None and s.settle_seconds > 0:
+            try:
+                await workflow.wait_condition(lambda: self._open is not None,
+                                              timeout=timedelta(seconds=s.settle_seconds),
+                                              timeout_summary="settle: more failures at this site?")
+            except asyncio.TimeoutError:
+                pass
+        if self._open is not None:
+            return RepairDecision(repair=False, incident=self._open.id, why=self._open.reason)
+        v = self._verdict
+        return RepairDecision(repair=True, why=f"{len(v.failing)} failing, trips at {v.threshold}")
+
+    def _site_nodes(self) -> int:
+        return max(self._node_count, len(self._status.nodes) if self._status else 0)
+
+    def _evaluate(self) -> None:
+        """Run the rule; a trip opens the incident (the loop starts the evacuation)."""
+        now = workflow.now().timestamp()
+        self._verdict = v = evaluate(self._inc.failures, self._site_nodes(), now, self._incident_settings,
+                                     self._inc.api_failing_since)
+        if v.trip and self._open is None:
+            self._inc.count += 1
+            self._open = IncidentRecord(id=evacuation_workflow_id(self._args.site, self._inc.count),
+                                        reason=v.reason, opened_at=workflow.now())
+            self._trip = True
 
     @workflow.run
     async def run(self, raw: dict[str, Any]) -> None:
@@ -87,22 +171,101 @@ class SiteEntity:
             sa.SITE.value_set(site.name), sa.PROVIDER.value_set(site.provider), sa.ACCOUNT.value_set(site.account),
             sa.FLEET_STATE.value_set("reconciling"),
         ])
+        incidents = workflow.patched(INCIDENT_PATCH)
+        if incidents:
+            if args.incident is not None:
+                self._inc = args.incident
+            self._incident_settings = await workflow.execute_activity(
+                "incident_settings", SiteRef(site=site.name), result_type=IncidentSettings,
+                start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
+                summary=f"incident rule of {site.name}",
+            )
+        next_reconcile = workflow.now() + timedelta(seconds=args.reconcile_seconds)
         while True:
+            timeout = args.reconcile_seconds
+            if incidents:
+                timeout = min(timeout, self._incident_settings.check_seconds)
             try:
                 await workflow.wait_condition(
-                    lambda: self._wanted or workflow.info().is_continue_as_new_suggested(),
-                    timeout=timedelta(seconds=args.reconcile_seconds), timeout_summary="next reconcile",
+                    lambda: self._wanted or self._trip or workflow.info().is_continue_as_new_suggested(),
+                    timeout=timedelta(seconds=timeout), timeout_summary="next reconcile",
                 )
             except asyncio.TimeoutError:
-                self._wanted = True
+                if not incidents or workflow.now() >= next_reconcile:
+                    self._wanted = True
+                if incidents:
+                    await self._probe()
+            if self._trip:
+                await self._start_evacuation()
             if self._wanted:
                 self._wanted = False
+                next_reconcile = workflow.now() + timedelta(seconds=args.reconcile_seconds)
                 await self._reconcile()
-            if workflow.info().is_continue_as_new_suggested() and self._fill is None:
+            if workflow.info().is_continue_as_new_suggested() and self._fill is None and self._evac is None:
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                workflow.continue_as_new(args.model_copy(update={
-                    "nodes": self._status.nodes, "fills": self._fills,
-                }).model_dump(mode="json"))
+                update = {"nodes": self._status.nodes, "fills": self._fills}
+                if incidents:
+                    update["incident"] = self._inc
+                workflow.continue_as_new(args.model_copy(update=update).model_dump(mode="json"))
+
+    # -- provider incidents -----------------------------------------------------------------
+    async def _probe(self) -> None:
+        """Unreachable nodes and the provider API, into the incident rule."""
+        if self._open is not None:
+            return
+        probe: SiteProbe = await workflow.execute_activity(
+            "incident_probe", SiteRef(site=self._site.name), result_type=SiteProbe, start_to_close_timeout=QUICK,
+            retry_policy=CLUSTER_RETRY, summary=f"unreachable nodes and provider API at {self._site.name}",
+        )
+        now = workflow.now().timestamp()
+        s = self._incident_settings
+        self._node_count = len(probe.nodes)
+        for node in probe.nodes:
+            if not node.ready and not node.unproven and not node.unschedulable:
+                self._inc.failures = record(self._inc.failures, Failure(node=node.name, at=now, kind="unreachable",
+                                                                        detail="NotReady"), now, s)
+        if probe.api_ok or probe.api_error_type != "Transient":
+            self._inc.api_failing_since = None
+        elif self._inc.api_failing_since is None:
+            self._inc.api_failing_since = now
+        self._evaluate()
+
+    async def _start_evacuation(self) -> None:
+        self._trip = False
+        incident = self._open
+        site = self._site.name
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("incident")])
+        self._show(f"provider incident: {incident.reason}; evacuating ({incident.id})")
+        await workflow.execute_activity(
+            "hold_site_repairs", HoldRepairsInput(site=site, hold=True), result_type=list[str],
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            summary=f"running repairs at {site}: finish the rung, then hold",
+        )
+        raw = {**self._args.evacuation, "site": site, "reason": incident.reason}
+
+        async def evacuate() -> None:
+            try:
+                result: EvacuationResult = await workflow.execute_child_workflow(
+                    "SiteEvacuation", raw, id=incident.id, result_type=EvacuationResult,
+                    parent_close_policy=ParentClosePolicy.ABANDON,
+                    static_summary=f"evacuate {site}: {incident.reason}",
+                )
+                incident.outcome = result.outcome
+            except Exception as error:  # noqa: BLE001 - a failed evacuation closes the incident for a person
+                incident.outcome = f"failed: {failure_message(error)}"
+            incident.closed_at = workflow.now()
+            self._inc.history = [*self._inc.history, incident][-10:]
+            self._inc.failures = []
+            self._inc.api_failing_since = None
+            self._open = None
+            await workflow.execute_activity(
+                "hold_site_repairs", HoldRepairsInput(site=site, hold=False), result_type=list[str],
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"release held repairs at {site}",
+            )
+            self._evac = None
+            self._wanted = True
+
+        self._evac = asyncio.create_task(evacuate())
 
     def _show(self, line: str) -> None:
         s = self._status
@@ -122,6 +285,10 @@ class SiteEntity:
         )
         s.nodes = {n.node_name: ("ready" if n.ready and not n.unproven else "joining") for n in nodes}
         count = len(nodes)
+        self._node_count = count
+        if self._open is not None:
+            self._show(f"{count} nodes; incident {self._open.id} open: no fill or retire")
+            return
         if self._fill is not None:
             self._show(f"{count} nodes; filling")
             return

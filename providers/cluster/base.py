@@ -34,6 +34,8 @@ GPU_RESOURCE = "nvidia.com/gpu"
 #: The port every serving Service exposes (the container port may differ).
 SERVING_PORT = 8000
 MAX_JOIN_TOKEN_TTL_S = 3600
+#: The name of the fleet-wide per-site routing document (``set_site_routes``); no model is named so.
+SITE_ROUTES = "_sites"
 
 
 class NodeNotFound(NotFound, LookupError):
@@ -117,6 +119,8 @@ class ServingStatus(BaseModel):
     ready: bool = False
     #: A previous template is kept, so ``rollback_serving`` can go back to it.
     can_rollback: bool = False
+    #: GPUs each replica asks for (from the pod template).
+    gpus_per_replica: int = 0
 
 
 class SiteRoute(BaseModel):
@@ -230,6 +234,19 @@ class Cluster(Protocol):
         ...
 
     def get_routing(self, model: str) -> RoutingTable | None:
+        ...
+
+    def list_serving(self, site: str | None = None) -> list[ServingStatus]:
+        """Every serving Deployment we manage (at ``site`` when given), by model then site."""
+        ...
+
+    def set_site_routes(self, sites: dict[str, SiteRoute]) -> RoutingTable:
+        """Publish the fleet-wide per-site document (weight, healthy, draining, incident
+        of every site: what a site-first front door reads) in one atomic write; the
+        version bumps once per change, not on repeats. ``model`` is ``SITE_ROUTES``."""
+        ...
+
+    def get_site_routes(self) -> RoutingTable | None:
         ...
 
 

@@ -81,6 +81,7 @@ from providers.cluster.base import (
     ServingNotFound,
     ServingSpec,
     ServingStatus,
+    SITE_ROUTES,
     SiteRoute,
     apply_taints,
     dns_label,
@@ -132,6 +133,7 @@ ACCESS: tuple[AccessRule, ...] = (
     _rule("list", "", "secrets", BOOTSTRAP_NAMESPACE, "join token: revoke (by token id)"),
     _rule("delete", "", "secrets", BOOTSTRAP_NAMESPACE, "bootstrap channel: revoke, fetch once"),
     _rule("get", "apps", "deployments", SERVING_NS, "serving status"),
+    _rule("list", "apps", "deployments", SERVING_NS, "list_serving (site evacuation)"),
     _rule("create", "apps", "deployments", SERVING_NS, "apply_serving"),
     _rule("update", "apps", "deployments", SERVING_NS, "apply_serving, rollback_serving"),
     _rule("patch", "apps", "deployments", SERVING_NS, "scale_serving"),
@@ -727,6 +729,7 @@ class KubernetesCluster:
             replicas=replicas, updated_replicas=updated, available_replicas=available,
             ready=observed >= generation and replicas == updated == available == desired,
             can_rollback=bool((meta.get("annotations") or {}).get(ANNOTATION_PREVIOUS_TEMPLATE)),
+            gpus_per_replica=_gpus_of(containers[0]),
         )
 
     def serving_status(self, model: str, site: str) -> ServingStatus | None:
@@ -819,8 +822,8 @@ class KubernetesCluster:
     def _read_routing_configmap(self) -> dict[str, Any] | None:
         return self._get("read routing table", self.core.read_namespaced_config_map, ROUTING_CONFIGMAP, self.namespace)
 
-    def _write_routing_table(self, model: str, sites: dict[str, SiteRoute]) -> RoutingTable:
-        key = dns_label(model)
+    def _write_routing_table(self, model: str, sites: dict[str, SiteRoute], key: str | None = None) -> RoutingTable:
+        key = key or dns_label(model)
         wanted = {site: route.model_dump() for site, route in sorted(sites.items())}
         for _ in range(_RETRY_CONFLICTS):
             current = self._read_routing_configmap()
@@ -857,6 +860,43 @@ class KubernetesCluster:
             return None
         sites = {site: SiteRoute.model_validate(route) for site, route in entry.get("sites", {}).items()}
         return RoutingTable(model=model, version=entry["version"], sites=sites)
+
+    # -- additive: listing serving, the fleet-wide site routes -----------------------------
+    def list_serving(self, site: str | None = None) -> list[ServingStatus]:
+        selector = "app.kubernetes.io/managed-by=gpufleet"
+        if site is not None:
+            selector += f",{LABEL_SITE}={_label_value(site)}"
+        listed = self._do("list deployments", self.apps.list_namespaced_deployment, self.namespace,
+                          label_selector=selector)
+        out = []
+        for item in listed.get("items") or []:
+            meta = item.get("metadata") or {}
+            labels = meta.get("labels") or {}
+            model = (meta.get("annotations") or {}).get(ANNOTATION_MODEL) or labels.get(LABEL_MODEL, "")
+            where = labels.get(LABEL_SITE, "")
+            if model and where and (site is None or where == site):
+                out.append(self._status(model, where, item))
+        return sorted(out, key=lambda s: (s.model, s.site))
+
+    def set_site_routes(self, sites: dict[str, SiteRoute]) -> RoutingTable:
+        # One key of the routing ConfigMap; a leading underscore is never a model's DNS label.
+        return self._write_routing_table(SITE_ROUTES, dict(sites), key=SITE_ROUTES)
+
+    def get_site_routes(self) -> RoutingTable | None:
+        entry = _routing_entry(self._read_routing_configmap(), SITE_ROUTES)
+        if entry is None:
+            return None
+        sites = {site: SiteRoute.model_validate(route) for site, route in entry.get("sites", {}).items()}
+        return RoutingTable(model=SITE_ROUTES, version=entry["version"], sites=sites)
+
+
+def _gpus_of(container: dict[str, Any]) -> int:
+    resources = container.get("resources") or {}
+    value = (resources.get("limits") or {}).get(GPU_RESOURCE) or (resources.get("requests") or {}).get(GPU_RESOURCE)
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def _routing_entry(configmap: dict[str, Any] | None, key: str) -> dict[str, Any] | None:

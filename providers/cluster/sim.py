@@ -34,6 +34,7 @@ from providers.cluster.base import (
     RoutingTable,
     ServingNotFound,
     ServingSpec,
+    SITE_ROUTES,
     ServingStatus,
     SiteRoute,
     apply_taints,
@@ -324,7 +325,7 @@ class SimCluster:
             model=row["model"], site=row["site"], name=row["name"], image=template["image"],
             desired_replicas=desired, generation=row["generation"], observed_generation=row["generation"],
             replicas=desired, updated_replicas=desired, available_replicas=available, ready=available == desired,
-            can_rollback=bool(row["previous_template"]),
+            can_rollback=bool(row["previous_template"]), gpus_per_replica=template["gpus_per_replica"],
         )
 
     def apply_serving(self, spec: ServingSpec) -> ServingStatus:
@@ -408,3 +409,20 @@ class SimCluster:
             return None
         sites = {site: SiteRoute.model_validate(r) for site, r in json.loads(rows[0]["sites"]).items()}
         return RoutingTable(model=model, version=rows[0]["version"], sites=sites)
+
+    # -- additive: listing serving, the fleet-wide site routes -----------------------------
+    def list_serving(self, site: str | None = None) -> list[ServingStatus]:
+        sql, args = "SELECT * FROM serving", []
+        if site is not None:
+            sql, args = sql + " WHERE site=?", [site]
+        return [self._serving_status(r) for r in self.world.query(sql + " ORDER BY model, site", *args)]
+
+    def set_site_routes(self, sites: dict[str, SiteRoute]) -> RoutingTable:
+        weights = {name: route.weight for name, route in sites.items()}
+        return self.set_routing_weights(
+            SITE_ROUTES, weights, healthy={n: r.healthy for n, r in sites.items()},
+            draining={n: r.draining for n, r in sites.items()}, incident={n: r.incident for n, r in sites.items()},
+        )
+
+    def get_site_routes(self) -> RoutingTable | None:
+        return self.get_routing(SITE_ROUTES)

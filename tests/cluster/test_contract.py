@@ -337,3 +337,40 @@ def test_routing_rejects_bad_input(harness):
     with pytest.raises(ValueError):
         harness.cluster.set_routing_weights("llama-3-8b", {"site-a": -1})
     assert harness.cluster.get_routing("llama-3-8b") is None
+
+
+# -- listing serving, fleet-wide site routes (site evacuation) ------------------------------
+def test_list_serving_by_site(harness):
+    harness.add_node("gpu-1", site="site-a")
+    harness.add_node("gpu-2", site="site-b")
+    assert harness.cluster.list_serving() == []
+    harness.cluster.apply_serving(_spec(model="meta-llama/Llama-3.1-70B-Instruct", replicas=1))
+    harness.cluster.apply_serving(_spec(site="site-b", replicas=1))
+    harness.cluster.apply_serving(_spec(replicas=1))
+    listed = harness.cluster.list_serving()
+    assert [(s.model, s.site) for s in listed] == [
+        ("llama-3-8b", "site-a"), ("llama-3-8b", "site-b"), ("meta-llama/Llama-3.1-70B-Instruct", "site-a"),
+    ]
+    assert all(s.gpus_per_replica == 4 and s.desired_replicas == 1 for s in listed)
+    at_b = harness.cluster.list_serving("site-b")
+    assert [(s.model, s.site) for s in at_b] == [("llama-3-8b", "site-b")]
+    assert harness.cluster.serving_status("llama-3-8b", "site-b").gpus_per_replica == 4
+
+
+def test_site_routes_are_one_versioned_document(harness):
+    from providers.cluster.base import SITE_ROUTES, SiteRoute
+
+    assert harness.cluster.get_site_routes() is None
+    first = harness.cluster.set_site_routes({"site-a": SiteRoute(weight=100), "site-b": SiteRoute(weight=100)})
+    assert first.version == 1 and first.model == SITE_ROUTES
+    assert harness.cluster.set_site_routes({"site-b": SiteRoute(weight=100), "site-a": SiteRoute(weight=100)}).version == 1
+    second = harness.cluster.set_site_routes({
+        "site-a": SiteRoute(weight=100),
+        "site-b": SiteRoute(weight=0, healthy=False, draining=True, incident="evacuate/site-b/1"),
+    })
+    assert second.version == 2
+    table = harness.cluster.get_site_routes()
+    assert table.sites["site-b"].incident == "evacuate/site-b/1" and table.sites["site-b"].draining
+    # The site document is not a model's table, and a model's table does not touch it.
+    harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 1})
+    assert harness.cluster.get_site_routes().version == 2

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import threading
 import tracemalloc
 
 import pytest
+from botocore.exceptions import ClientError
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
@@ -150,3 +152,63 @@ def test_large_file_streams_in_constant_memory(moto_s3: MotoS3, source: ObjectSt
         tracemalloc.stop()
     assert result.files == {"big.bin": "copied"}
     assert peak < size / 4, f"peak {peak} bytes while copying a {size}-byte file"
+
+
+def test_checkpointed_upload_that_was_completed_is_not_copied_again(moto_s3: MotoS3, source: ObjectStore) -> None:
+    """The worker died after completing a multipart upload but before the heartbeat
+    that says so: the retry finds the upload gone, looks at the destination, and
+    skips the file instead of copying it again."""
+    files = put_files(moto_s3, source, {"one.bin": 10 * KiB, "two.bin": 320 * KiB}, seed=4)
+    dest = moto_s3.bucket(moto_s3.store(1), versioned=True)
+    input = make_input(source, files, concurrency=1)
+    beats: list[dict] = []
+    replicator(moto_s3, input, dest, heartbeat=lambda cp: beats.append(cp.model_dump(mode="json"))).run()
+    last_open = [b for b in beats if (b.get("current") or {}).get("path") == "two.bin"][-1]
+    assert len(last_open["current"]["parts"]) == 5 and "two.bin" not in last_open["done"]
+
+    resumed: list[Checkpoint] = []
+    result = replicator(moto_s3, input, dest, checkpoint=Checkpoint.model_validate(last_open),
+                        heartbeat=lambda cp: resumed.append(cp.model_copy(deep=True))).run()
+    assert result.files == {"one.bin": "resumed", "two.bin": "skipped"}
+    assert versions(moto_s3, dest, "models/llm/v2/two.bin") == 1, "a finished file is not copied again"
+    assert resumed[-1].bytes_done == resumed[-1].bytes_total, "the dropped upload's parts are not counted twice"
+
+
+class Counting:
+    """A boto3 client that counts the calls made through it (and can refuse some)."""
+
+    def __init__(self, client, refuse: set[str] = frozenset()) -> None:
+        self.client, self.refuse, self.calls = client, refuse, collections.Counter()
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.client, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args, **kwargs):
+            self.calls[name] += 1
+            if name in self.refuse:
+                raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"},
+                                   "ResponseMetadata": {"HTTPStatusCode": 403}}, name)
+            return attr(*args, **kwargs)
+        return call
+
+
+def test_one_listing_instead_of_a_head_per_file(moto_s3: MotoS3, source: ObjectStore) -> None:
+    files = put_files(moto_s3, source, FILES, seed=5)
+    dest = moto_s3.bucket(moto_s3.store(1))
+
+    def run(dst: Counting):
+        return Replicator(make_input(source, files), dest, moto_s3.client(source), dst).run()
+
+    fresh = Counting(moto_s3.client(dest))
+    assert set(run(fresh).files.values()) == {"copied"}
+    assert fresh.calls["get_paginator"] == 1 and fresh.calls["head_object"] == 0, "nothing there: nothing HEADed"
+
+    present = Counting(moto_s3.client(dest))
+    assert set(run(present).files.values()) == {"skipped"}
+    assert present.calls["head_object"] == len(files), "listed with the right size: HEAD for the checksum"
+
+    unlisted = Counting(moto_s3.client(dest), refuse={"get_paginator"})
+    assert set(run(unlisted).files.values()) == {"skipped"}, "a store that will not list: a HEAD per file"
+    assert unlisted.calls["head_object"] == len(files)

@@ -1,0 +1,203 @@
+"""Provider-incident activities: repair admission through the Site entity, the
+site probe, holding repairs, routing weights, serving moves, recovery. Each is
+thin and idempotent under retries.
+"""
+
+from __future__ import annotations
+
+from temporalio import activity
+from temporalio.client import WithStartWorkflowOperation
+from temporalio.common import WorkflowIDConflictPolicy
+
+from activities.env import FleetEnv
+from activities.errors import typed_errors
+from fleet.config import Site
+from fleet.errors import FleetError, Transient
+from fleet.incident import IncidentSettings, SiteFacts
+from fleet.naming import site_workflow_id
+from providers.cluster.base import LABEL_SITE, UNPROVEN_TAINT, RoutingTable, ServingStatus, SiteRoute, serving_capacity
+from workflows.evacuation_models import (
+    AdmitRepairInput,
+    EvacuationFacts,
+    FreeGpusInput,
+    HoldRepairsInput,
+    ProbeNode,
+    RecoveryProbe,
+    RepairDecision,
+    ScaleInput,
+    SiteProbe,
+    SiteRef,
+    SiteWeightInput,
+    SiteWeightResult,
+    UncordonInput,
+)
+
+
+def site_facts(site: Site) -> SiteFacts:
+    return SiteFacts(name=site.name, geography=site.geography, compliance=site.compliance,
+                     gpus_per_machine=site.gpus_per_machine, price_per_gpu_hour=site.price_per_gpu_hour)
+
+
+def scaled(weight: int, percent: int) -> int:
+    if percent <= 0 or weight <= 0:
+        return 0
+    return max(1, -(-weight * percent // 100))
+
+
+class EvacuationActivities:
+    def __init__(self, env: FleetEnv) -> None:
+        self.env = env
+
+    def all(self) -> list:
+        return [
+            self.admit_repair, self.incident_settings, self.incident_probe, self.hold_site_repairs,
+            self.evacuation_facts, self.set_site_weight, self.free_gpus, self.scale_serving,
+            self.uncordon_nodes, self.recovery_probe,
+        ]
+
+    # -- the Site entity's side ---------------------------------------------------------------
+    @activity.defn
+    async def admit_repair(self, input: AdmitRepairInput) -> RepairDecision:
+        """Ask ``site/<site>`` (started if needed) whether this GPU may be repaired now."""
+        client = activity.client()
+        start = WithStartWorkflowOperation(
+            "Site", {"site": input.site}, id=site_workflow_id(input.site), task_queue=activity.info().task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            static_summary=f"site {input.site}: min/max reconcile, incidents",
+        )
+        return await client.execute_update_with_start_workflow(
+            "admit_repair", input, start_workflow_operation=start, result_type=RepairDecision,
+        )
+
+    @activity.defn
+    @typed_errors
+    def incident_settings(self, input: SiteRef) -> IncidentSettings:
+        return self.env.config.incident_for(self.env.site(input.site))
+
+    def _nodes(self, site: str) -> list[ProbeNode]:
+        return [
+            ProbeNode(name=n.name, ready=n.ready, unproven=UNPROVEN_TAINT in n.taints or not n.labels.get(LABEL_SITE),
+                      unschedulable=n.unschedulable, machine_id=n.machine_id)
+            for n in self.env.cluster.list_nodes({LABEL_SITE: site})
+        ]
+
+    def _api(self, site: str) -> tuple[bool, str, str]:
+        try:
+            self.env.provider(site).list_machines()
+            return True, "", ""
+        except FleetError as error:
+            return False, error.type_name, str(error)
+        except Exception as error:  # noqa: BLE001 - an SDK error nobody classified is Transient
+            return False, Transient.__name__, str(error)
+
+    @activity.defn
+    def incident_probe(self, input: SiteRef) -> SiteProbe:
+        """The site's nodes (ready, cordoned) and whether its provider API answers."""
+        ok, kind, message = self._api(input.site)
+        return SiteProbe(nodes=self._nodes(input.site), api_ok=ok, api_error_type=kind, api_error=message)
+
+    @activity.defn
+    async def hold_site_repairs(self, input: HoldRepairsInput) -> list[str]:
+        """Hold (or release) every running GpuRepair at the site: a held ladder finishes
+        its current rung, then waits contained. Returns the repairs it reached."""
+        client = activity.client()
+        query = f'WorkflowType = "GpuRepair" AND Site = "{input.site}" AND ExecutionStatus = "Running"'
+        reached = []
+        async for wf in client.list_workflows(query):
+            try:
+                await client.get_workflow_handle(wf.id, run_id=wf.run_id).execute_update(
+                    "hold" if input.hold else "release")
+                reached.append(wf.id)
+            except Exception as error:  # noqa: BLE001 - finished meanwhile, or already held/released
+                activity.logger.info("%s not %s: %s", wf.id, "held" if input.hold else "released", error)
+        return reached
+
+    # -- SiteEvacuation -----------------------------------------------------------------------
+    @activity.defn
+    @typed_errors
+    def evacuation_facts(self, input: SiteRef) -> EvacuationFacts:
+        site = self.env.site(input.site)
+        cluster = self.env.cluster
+        serving = cluster.list_serving()
+        here = [s for s in serving if s.site == site.name]
+        models = sorted({s.model for s in here})
+        return EvacuationFacts(
+            site=site_facts(site), sites=[site_facts(s) for s in self.env.config.sites],
+            settings=self.env.config.incident_for(site), here=here,
+            elsewhere=[s for s in serving if s.site != site.name and s.model in models],
+            site_routes=cluster.get_site_routes(), model_routes={m: cluster.get_routing(m) for m in models},
+            nodes=self._nodes(site.name),
+        )
+
+    @activity.defn
+    @typed_errors
+    def set_site_weight(self, input: SiteWeightInput) -> SiteWeightResult:
+        """The site's weight at ``percent`` of what it was, with healthy/draining/incident:
+        each model's table and the fleet-wide site document, each one atomic write."""
+        cluster = self.env.cluster
+        result = SiteWeightResult(site_routes_version=0)
+        route = dict(healthy=input.healthy, draining=input.draining, incident=input.incident)
+        for model, original in sorted(input.original_models.items()):
+            table: RoutingTable | None = cluster.get_routing(model)
+            sites = dict(table.sites) if table else {}
+            if not sites:  # no table yet: every site serving the model at full weight
+                sites = {s.site: SiteRoute(weight=100) for s in cluster.list_serving() if s.model == model}
+            weight = scaled(original, input.percent)
+            sites[input.site] = SiteRoute(weight=weight, **route)
+            written = cluster.set_routing_weights(
+                model, {k: v.weight for k, v in sites.items()}, healthy={k: v.healthy for k, v in sites.items()},
+                draining={k: v.draining for k, v in sites.items()}, incident={k: v.incident for k, v in sites.items()},
+            )
+            result.model_versions[model] = written.version
+            result.weights[model] = weight
+        doc = cluster.get_site_routes()
+        sites = dict(doc.sites) if doc else {}
+        for name in input.all_sites:
+            sites.setdefault(name, SiteRoute(weight=100))
+        sites[input.site] = SiteRoute(weight=scaled(input.original_site, input.percent), **route)
+        result.site_routes_version = cluster.set_site_routes(sites).version
+        return result
+
+    @activity.defn
+    @typed_errors
+    def free_gpus(self, input: FreeGpusInput) -> dict[str, int]:
+        """GPUs at each site not asked for by a serving Deployment (ready, schedulable nodes)."""
+        cluster = self.env.cluster
+        nodes = cluster.list_nodes()
+        serving = cluster.list_serving()
+        out = {}
+        for site in input.sites:
+            total = serving_capacity(nodes, site, 1)
+            used = sum(s.desired_replicas * s.gpus_per_replica for s in serving if s.site == site)
+            out[site] = max(0, total - used)
+        return out
+
+    @activity.defn
+    @typed_errors
+    def scale_serving(self, input: ScaleInput) -> ServingStatus:
+        return self.env.cluster.scale_serving(input.model, input.site, input.replicas)
+
+    @activity.defn
+    @typed_errors
+    def uncordon_nodes(self, input: UncordonInput) -> list[str]:
+        done = []
+        for name in input.nodes:
+            if self.env.cluster.get_node(name) is not None:
+                self.env.cluster.cordon(name, False)
+                done.append(name)
+        return done
+
+    @activity.defn
+    def recovery_probe(self, input: SiteRef) -> RecoveryProbe:
+        """Recovered when the provider API answers and every node's agent is back (Ready)."""
+        ok, kind, message = self._api(input.site)
+        if not ok:
+            return RecoveryProbe(recovered=False, detail=f"provider API: {kind}: {message}")
+        nodes = self._nodes(input.site)
+        if not nodes:
+            return RecoveryProbe(recovered=False, detail="no nodes at the site")
+        down = [n.name for n in nodes if not n.ready]
+        if down:
+            return RecoveryProbe(recovered=False, detail=f"{len(down)} of {len(nodes)} nodes not ready")
+        return RecoveryProbe(recovered=True, detail=f"API answers, {len(nodes)} nodes ready")
+

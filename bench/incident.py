@@ -1,0 +1,153 @@
+"""Provider-incident reaction time: threshold crossed → routing weight 0, and →
+replacement capacity requested, p50 over repeated drills, against the signal
+round-trip measured in the same run.
+
+Each drill uses its own pair of sites (S: 3 nodes serving a model that fills them;
+T: one full node serving the same model). Faults are injected on 3 of S's nodes;
+two health reports go first (their repairs wait in the Site entity's settle), and
+the clock starts when the third report — the one that crosses the threshold — is
+sent. Stops: S's weight is 0 in the fleet-wide site routes, and the evacuation's
+AcquireCapacity for T exists. The node host runs in its own process, as under
+``gpufleet dev``.
+
+    python -m bench.incident [--drills 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+from temporalio.worker import Worker
+
+from activities.env import FleetEnv
+from activities.models import HealthReport
+from bench.common import bench_env, fleet, run
+from bench.echo import Echo, mark
+from providers.cluster.base import ServingSpec
+from providers.sim import SimGpuBackend
+from workers.control_plane import build_worker
+from workers.health_report import send_report
+
+
+async def until(predicate, timeout: float = 30, interval: float = 0.005) -> float:
+    """Poll (in a thread) until truthy; returns perf_counter() when it was seen."""
+    deadline = time.perf_counter() + timeout
+    while not await predicate():
+        if time.perf_counter() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(interval)
+    return time.perf_counter()
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--drills", type=int, default=5)
+    args = parser.parse_args()
+    config = fleet(sites=2 * args.drills, capacity=8)
+    # Long settle: the first two failures wait in the Site entity; the third trips it.
+    config["incident"] = {"settle_seconds": 60, "check_seconds": 3600, "probe_seconds": 3600}
+    async with bench_env(config) as (env, settings):
+        client = env.client
+        host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"],
+                                env={**os.environ, **settings.env(), "GPUFLEET_HEALTH_SECONDS": "3600"})
+        echo_queue = f"{settings.task_queue}-echo"
+        echo_worker = Worker(client, task_queue=echo_queue, workflows=[Echo], activities=[mark],
+                             activity_executor=ThreadPoolExecutor(8))
+        fleet_env = FleetEnv.from_settings(settings)
+        cluster, world = fleet_env.cluster, fleet_env.world
+        rtt, weight0, capacity = [], [], []
+        queue = settings.task_queue
+        try:
+            async with build_worker(client, settings), echo_worker:
+                joins = []
+                for d in range(args.drills):
+                    s, t = f"site-{2 * d}", f"site-{2 * d + 1}"
+                    joins.append(client.execute_workflow("NodeJoin", {"site": s, "count": 3},
+                                                         id=f"join/{s}/{uuid.uuid4().hex[:6]}", task_queue=queue))
+                    joins.append(client.execute_workflow("NodeJoin", {"site": t},
+                                                         id=f"join/{t}/{uuid.uuid4().hex[:6]}", task_queue=queue))
+                await asyncio.gather(*joins)
+                for d in range(args.drills):
+                    s, t = f"site-{2 * d}", f"site-{2 * d + 1}"
+                    cluster.apply_serving(ServingSpec(model=f"llm-{d}", site=s, image="vllm", replicas=3, gpus_per_replica=8))
+                    cluster.apply_serving(ServingSpec(model=f"llm-{d}", site=t, image="vllm", replicas=1, gpus_per_replica=8))
+                    await client.execute_workflow("SiteSweep", {"sites": [s]}, id=f"sweep-{s}", task_queue=queue)
+                echo = await client.start_workflow(Echo.run, False, id=f"echo-{uuid.uuid4().hex[:6]}",
+                                                   task_queue=echo_queue)
+                for seq in range(1, 4):  # warm-up
+                    await echo.signal(Echo.ping, seq)
+                await asyncio.sleep(1.0)
+
+                async def report(machine: dict) -> None:
+                    backend = SimGpuBackend(world, machine["id"])
+                    await send_report(client, queue, HealthReport(node_name=machine["name"], boot_id=backend.boot_id(),
+                                                                 gpus=backend.probe()))
+
+                for d in range(args.drills):
+                    s, t = f"site-{2 * d}", f"site-{2 * d + 1}"
+                    seq = 100 + d
+                    start = time.perf_counter()
+                    await echo.signal(Echo.ping, seq)
+                    while await echo.query(Echo.last) != seq:
+                        await asyncio.sleep(0.002)
+                    rtt.append(time.perf_counter() - start)
+
+                    machines = world.machines(s)
+                    for m in machines[:3]:
+                        world.inject_fault(m["id"], 0, "xid", 79, clears_on="reboot")
+                    for m in machines[:2]:
+                        await report(m)
+                    site_handle = client.get_workflow_handle(f"site/{s}")
+
+                    async def held() -> bool:
+                        status = await site_handle.query("status")
+                        return len(((status or {}).get("incident") or {}).get("failing") or []) >= 2
+
+                    await until(held)
+                    start = time.perf_counter()
+                    await report(machines[2])
+
+                    async def weight_zero() -> bool:
+                        doc = await asyncio.to_thread(cluster.get_site_routes)
+                        return bool(doc and s in doc.sites and doc.sites[s].weight == 0)
+
+                    evac_child = f"capacity/evacuate-{s}-1"
+
+                    async def capacity_started() -> bool:
+                        try:
+                            await client.get_workflow_handle(evac_child).describe()
+                            return True
+                        except Exception:  # noqa: BLE001 - not started yet
+                            return False
+
+                    weight0.append(await until(weight_zero) - start)
+                    try:
+                        capacity.append(await until(capacity_started, timeout=15) - start)
+                    except TimeoutError:
+                        progress = await client.get_workflow_handle(f"evacuate/{s}/1").query("progress")
+                        raise SystemExit(f"no capacity request: {progress}") from None
+                    print(f"  drill {d + 1}: weight 0 after {weight0[-1] * 1000:.0f} ms, capacity requested after "
+                          f"{capacity[-1] * 1000:.0f} ms", flush=True)
+        finally:
+            host.terminate()
+            host.wait()
+    ms = lambda v: f"{v * 1000:8.1f} ms"  # noqa: E731
+    p50 = statistics.median
+    print(f"{args.drills} incident drills (3 of 3 nodes fail at a site), same dev server and worker")
+    print(f"  {'signal round-trip (baseline)':40s}{ms(p50(rtt))}")
+    print(f"  {'threshold crossed -> routing weight 0':40s}{ms(p50(weight0))}   ratio {p50(weight0) / p50(rtt):.1f}x")
+    print(f"  {'threshold crossed -> capacity requested':40s}{ms(p50(capacity))}   ratio {p50(capacity) / p50(rtt):.1f}x")
+    ok = p50(weight0) < 2.0 and p50(capacity) < 5.0
+    print(f"  targets p50 < 2 s (weight 0) and < 5 s (capacity): {'met' if ok else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,216 @@
+"""Provider incidents (product rule 5): when many nodes at one site fail together
+it is the provider, not N GPUs, so per-node repair stops there and the site is
+evacuated.
+
+Pure data and functions (no Temporal, no I/O): the Site entity and SiteEvacuation
+call them deterministically and tests check them without a server.
+
+The rule (per site, every number configurable in ``sites.yaml``)::
+
+    trip when  distinct unhealthy-or-unreachable nodes whose failure was first seen
+               inside the last ``window_seconds``  >=  max(min_nodes, ceil(fraction * site nodes))
+    or when    every provider call for the site's account has failed as Transient
+               for longer than ``api_failure_seconds``
+
+Defaults 3 nodes / 30 % / 5 min. Anchors: Karpenter and EKS node auto-repair stop
+repairing when more than 20 % of a pool is unhealthy; NVIDIA NVSentinel's breaker
+trips at 50 % of nodes in 5 minutes; medik8s' NodeHealthCheck keeps at least 51 %
+healthy. 30 % with a floor of 3 nodes sits between them, and the floor stops a
+small site (2 nodes) from calling one bad GPU an incident. Unlike NVSentinel's
+breaker, which a person resets, an incident here closes itself by proof: the
+site's nodes answer again and pass smoke tests, then traffic returns in steps.
+
+Compliance geography: a site with ``compliance: true`` (and a ``geography``) keeps
+its replicas inside its geography; an evacuation never moves them out of it and
+waits for a person when nothing compliant can take them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class IncidentSettings(BaseModel):
+    """``incident:`` at the top of sites.yaml (every site) or on one site (replaces it for that site)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: False: never trip at this site (failures are always repaired one by one).
+    enabled: bool = True
+    #: Trip at max(min_nodes, ceil(fraction × site nodes)) failed nodes inside the window.
+    min_nodes: int = Field(3, ge=1)
+    fraction: float = Field(0.3, gt=0, le=1)
+    window_seconds: float = Field(300, gt=0)
+    #: Every provider call for the site's account failing as Transient this long also trips.
+    api_failure_seconds: float = Field(600, gt=0)
+    #: A repair request waits this long for other failures at the site before it is admitted
+    #: (node agents report every few seconds, unsynchronized: a burst is seen over a few seconds).
+    settle_seconds: float = Field(10, ge=0)
+    #: How often the Site entity looks for unreachable nodes and probes the provider API.
+    check_seconds: float = Field(30, gt=0)
+    #: SiteEvacuation: replicas elsewhere must be ready within this; nodes drain within drain_seconds.
+    ready_seconds: float = Field(900, gt=0)
+    drain_seconds: float = Field(300, ge=0)
+    #: Replacement capacity: AcquireCapacity's deadline.
+    capacity_deadline_seconds: float = Field(1800, gt=0)
+    #: Recovery probe interval while the site is down.
+    probe_seconds: float = Field(30, gt=0)
+    #: Routing weight comes back in these steps (percent of the weight before the incident) ...
+    restore_steps: list[int] = Field(default_factory=lambda: [10, 50, 100], min_length=1)
+    #: ... with this long between steps.
+    bake_seconds: float = Field(300, ge=0)
+    #: Smoke test on each node before the site serves again.
+    smoke_test_seconds: float = Field(600, gt=0)
+
+
+class Failure(BaseModel):
+    """One node seen unhealthy (a GPU fault asking for repair) or unreachable (NotReady)."""
+
+    node: str
+    #: Epoch seconds (workflow time) the failure was first seen.
+    at: float
+    kind: Literal["gpu", "unreachable"] = "gpu"
+    detail: str = ""
+
+
+class Verdict(BaseModel):
+    trip: bool
+    reason: str = ""
+    #: Distinct nodes failed inside the window.
+    failing: list[str] = Field(default_factory=list)
+    threshold: int = 0
+
+
+def trip_threshold(site_nodes: int, settings: IncidentSettings) -> int:
+    """max(N, X % of the site), rounded up: 8 nodes at 30 % → max(3, 3) = 3; 20 nodes → 6."""
+    share = math.ceil(settings.fraction * max(site_nodes, 0) - 1e-9)
+    return max(settings.min_nodes, share)
+
+
+def recent(failures: list[Failure], now: float, settings: IncidentSettings) -> list[Failure]:
+    """Failures first seen inside the window (the rest no longer count)."""
+    return [f for f in failures if 0 <= now - f.at <= settings.window_seconds]
+
+
+def evaluate(
+    failures: list[Failure],
+    site_nodes: int,
+    now: float,
+    settings: IncidentSettings,
+    api_failing_since: float | None = None,
+) -> Verdict:
+    """Whether the site is having a provider incident now."""
+    threshold = trip_threshold(site_nodes, settings)
+    failing = sorted({f.node for f in recent(failures, now, settings)})
+    if not settings.enabled:
+        return Verdict(trip=False, failing=failing, threshold=threshold, reason="incident detection disabled")
+    if len(failing) >= threshold:
+        return Verdict(
+            trip=True, failing=failing, threshold=threshold,
+            reason=f"{len(failing)} of {site_nodes} nodes unhealthy or unreachable within "
+                   f"{settings.window_seconds:g}s (threshold {threshold})",
+        )
+    if api_failing_since is not None and now - api_failing_since >= settings.api_failure_seconds:
+        return Verdict(
+            trip=True, failing=failing, threshold=threshold,
+            reason=f"every provider call failed (Transient) for {now - api_failing_since:.0f}s "
+                   f"(limit {settings.api_failure_seconds:g}s)",
+        )
+    return Verdict(trip=False, failing=failing, threshold=threshold)
+
+
+def record(failures: list[Failure], failure: Failure, now: float, settings: IncidentSettings) -> list[Failure]:
+    """Add a failure unless the node already has one in the window; drop expired ones."""
+    kept = recent(failures, now, settings)
+    if any(f.node == failure.node for f in kept):
+        return kept
+    return [*kept, failure]
+
+
+# -- evacuation planning -------------------------------------------------------------------
+class SiteFacts(BaseModel):
+    """What the planner needs of one site."""
+
+    name: str
+    geography: str | None = None
+    compliance: bool = False
+    gpus_per_machine: int = 1
+    price_per_gpu_hour: float = 0.0
+
+
+def allowed_targets(failed: SiteFacts, candidates: list[SiteFacts]) -> list[SiteFacts]:
+    """Where the failed site's replicas may go: any other site, or inside its
+    geography when it is a compliance site."""
+    others = [s for s in candidates if s.name != failed.name]
+    if failed.compliance:
+        return [s for s in others if failed.geography and s.geography == failed.geography]
+    return others
+
+
+class Deficit(BaseModel):
+    model: str
+    replicas: int = Field(ge=0)
+    gpus_per_replica: int = Field(1, ge=0)
+    #: Sites that may take this model's replicas (already have its Deployment, allowed by compliance).
+    targets: list[str] = Field(default_factory=list)
+
+
+class Plan(BaseModel):
+    #: model → site → replicas to add there.
+    moves: dict[str, dict[str, int]] = Field(default_factory=dict)
+    #: model → replicas with no room yet.
+    missing: dict[str, int] = Field(default_factory=dict)
+    #: model → why nothing may take it (no allowed target at all).
+    impossible: dict[str, str] = Field(default_factory=dict)
+
+    def missing_gpus(self, deficits: list[Deficit]) -> int:
+        per = {d.model: d.gpus_per_replica for d in deficits}
+        return sum(n * per.get(m, 1) for m, n in self.missing.items())
+
+
+def plan_moves(deficits: list[Deficit], free_gpus: dict[str, int], prefer: list[str] | None = None) -> Plan:
+    """Place each model's missing replicas on its targets' free GPUs, the most free
+    first (ties: ``prefer`` order, then name). Deterministic."""
+    free = dict(free_gpus)
+    order = {name: i for i, name in enumerate(prefer or [])}
+    plan = Plan()
+    for d in sorted(deficits, key=lambda d: (-d.replicas * max(d.gpus_per_replica, 1), d.model)):
+        if d.replicas == 0:
+            continue
+        if not d.targets:
+            plan.impossible[d.model] = "no other site may serve it (no Deployment there, or compliance)"
+            plan.missing[d.model] = d.replicas
+            continue
+        left = d.replicas
+        while left:
+            room = [t for t in d.targets if free.get(t, 0) >= max(d.gpus_per_replica, 0) and
+                    (d.gpus_per_replica > 0 or t in free)]
+            if not room:
+                break
+            best = sorted(room, key=lambda t: (-free.get(t, 0), order.get(t, len(order)), t))[0]
+            plan.moves.setdefault(d.model, {})
+            plan.moves[d.model][best] = plan.moves[d.model].get(best, 0) + 1
+            free[best] = free.get(best, 0) - d.gpus_per_replica
+            left -= 1
+        if left:
+            plan.missing[d.model] = left
+    return plan
+
+
+def nodes_needed(missing_gpus: int, gpus_per_machine: int) -> int:
+    return math.ceil(missing_gpus / max(gpus_per_machine, 1)) if missing_gpus > 0 else 0
+
+
+def restore_weights(original: int, steps: list[int]) -> list[int]:
+    """The weights routing climbs back through: 100 with steps 10/50/100 → [10, 50, 100].
+    Every step is at least 1 while the original is positive; the last is the original."""
+    if original <= 0:
+        return [0]
+    out = [max(1, math.ceil(original * min(p, 100) / 100)) for p in steps]
+    out = sorted(set(out))
+    if out[-1] != original:
+        out.append(original)
+    return out

@@ -1,0 +1,177 @@
+"""Shared set-up for the provider-incident tests: a four-site fleet with unique
+names per test (entity ids ``site/<name>`` live on the session's one dev server),
+short incident timers, the control-plane worker and the simulated node host."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import yaml
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from activities.env import FleetEnv
+from fleet.settings import Settings
+from providers.cluster.base import ServingSpec
+from providers.cluster.sim import SimCluster
+from providers.sim import SimWorld
+from workers.control_plane import build_worker
+from workers.node_agent import SimNodeHost
+from workflows import ALL_WORKFLOWS
+from workflows.evacuation_models import EvacuationProgress
+
+HISTORIES = Path(__file__).parent / "histories"
+RECORD = os.environ.get("GPUFLEET_RECORD") == "1"
+FAST_JOIN = {"registration_seconds": 15, "smoke_test_seconds": 10, "heartbeat_seconds": 5}
+#: Everything short: the sim boots in 0.1 s.
+INCIDENT = {
+    "min_nodes": 3, "fraction": 0.3, "window_seconds": 30, "settle_seconds": 1.5, "check_seconds": 0.5,
+    "probe_seconds": 0.5, "bake_seconds": 0.3, "drain_seconds": 2, "ready_seconds": 30,
+    "capacity_deadline_seconds": 60, "smoke_test_seconds": 10,
+}
+REPAIR = {
+    "timeouts": {"contain_seconds": 10, "drain_seconds": 1, "reset_seconds": 5, "reboot_seconds": 15,
+                 "reinstall_seconds": 15, "replace_seconds": 60, "smoke_test_seconds": 6, "heartbeat_seconds": 3,
+                 "provider_call_seconds": 4},
+    "recheck_seconds": 0.5,
+}
+
+
+def incident_fleet(uid: str, incident: dict | None = None, **site_overrides: dict[str, Any]) -> dict[str, Any]:
+    def site(name, provider, account, geo, price):
+        s = {"name": f"{name}-{uid}", "provider": provider, "account": f"{account}-{uid}", "region": "r1",
+             "geography": geo, "gpu": "H100", "gpu_memory_gb": 80, "gpus_per_machine": 2,
+             "instance_type": f"{name}.2xh100", "price_per_gpu_hour": price, "max_nodes": 10,
+             "sim": {"capacity": 10, "quota": 12, "boot_seconds": 0.1}}
+        s.update(site_overrides.get(name, {}))
+        return s
+
+    return {
+        "mode": "sim",
+        "incident": {**INCIDENT, **(incident or {})},
+        "repair": REPAIR,
+        "accounts": [
+            {"name": f"a-{uid}", "provider": "lambda", "credentials": {"env": "K"}},
+            {"name": f"b-{uid}", "provider": "nebius", "credentials": {"env": "K"}},
+            {"name": f"c-{uid}", "provider": "aws", "credentials": {"env": "K"}},
+            {"name": f"d-{uid}", "provider": "hetzner", "credentials": {"env": "K"}},
+        ],
+        "sites": [
+            site("a", "lambda", "a", "us-east", 2.0),
+            {**site("b", "nebius", "b", "eu", 2.5), "compliance": True, **site_overrides.get("b", {})},
+            site("c", "aws", "c", "us-east", 3.0),
+            site("d", "hetzner", "d", "eu", 2.2),
+        ],
+    }
+
+
+@dataclass
+class IncStack:
+    client: Client
+    settings: Settings
+    world: SimWorld
+    cluster: SimCluster
+    uid: str
+
+    def site(self, name: str) -> str:
+        return f"{name}-{self.uid}"
+
+    async def join(self, name: str, count: int = 1) -> list[str]:
+        site = self.site(name)
+        await self.client.execute_workflow(
+            "NodeJoin", {"site": site, "count": count, "timeouts": FAST_JOIN},
+            id=f"join/{site}/{uuid.uuid4().hex[:6]}", task_queue=self.settings.task_queue,
+        )
+        return [m["id"] for m in self.world.machines(site)]
+
+    def serve(self, model: str, name: str, replicas: int, gpus: int = 2) -> None:
+        self.cluster.apply_serving(ServingSpec(model=model, site=self.site(name), image="vllm:1", replicas=replicas,
+                                               gpus_per_replica=gpus))
+
+    async def start_site(self, name: str, **extra) -> WorkflowHandle:
+        return await self.client.start_workflow(
+            "Site", {"site": self.site(name), "fill_request": {"join_timeouts": FAST_JOIN},
+                     "evacuation": {"capacity_request": {"join_timeouts": FAST_JOIN, "backoff_seconds": 1}},
+                     **extra},
+            id=f"site/{self.site(name)}", task_queue=self.settings.task_queue,
+        )
+
+    async def workflows(self, kind: str, name: str) -> list:
+        query = f'WorkflowType = "{kind}" AND Site = "{self.site(name)}"'
+        return [w async for w in self.client.list_workflows(query)]
+
+    def evacuation(self, name: str, n: int = 1) -> WorkflowHandle:
+        return self.client.get_workflow_handle(f"evacuate/{self.site(name)}/{n}")
+
+    async def progress(self, name: str, n: int = 1) -> EvacuationProgress | None:
+        try:
+            return await self.evacuation(name, n).query("progress", result_type=EvacuationProgress)
+        except Exception:  # noqa: BLE001 - not started yet
+            return None
+
+
+async def open_incident_stack(client: Client, tmp_path: Path, fleet: dict | None = None,
+                              uid: str | None = None, terminate: bool = True) -> AsyncIterator[IncStack]:
+    uid = uid or uuid.uuid4().hex[:6]
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(fleet or incident_fleet(uid)))
+    settings = Settings(address=client.service_client.config.target_host, task_queue=f"inc-{uid}",
+                        state_dir=tmp_path, config=str(path))
+    env = FleetEnv.from_settings(settings)
+    stack = IncStack(client, settings, env.world, env.cluster, uid)
+    stop = asyncio.Event()
+    host = SimNodeHost(client, settings, poll_seconds=0.05)
+    host.health_seconds = 0.2
+    host_task = asyncio.create_task(host.run(stop))
+    try:
+        async with build_worker(client, settings):
+            yield stack
+            if not terminate:  # a "killed" worker: leave the workflows for the next one
+                return
+            async for wf in client.list_workflows(f'TaskQueue = "{settings.task_queue}" AND ExecutionStatus = "Running"'):
+                try:
+                    await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("test over")
+                except Exception:  # noqa: BLE001
+                    pass
+    finally:
+        stop.set()
+        await host_task
+
+
+async def poll(predicate, timeout: float = 30, interval: float = 0.1):
+    """Until the async ``predicate()`` is truthy; returns its value."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(interval)
+
+
+async def activity_inputs(handle: WorkflowHandle, activity_type: str) -> list[dict]:
+    """The inputs of every ``activity_type`` the workflow scheduled, in order."""
+    history = await handle.fetch_history()
+    out = []
+    for e in history.events:
+        if e.HasField("activity_task_scheduled_event_attributes"):
+            attrs = e.activity_task_scheduled_event_attributes
+            if attrs.activity_type.name == activity_type:
+                out.append(json.loads(attrs.input.payloads[0].data))
+    return out
+
+
+async def replay_and_record(handle: WorkflowHandle, name: str) -> None:
+    history = await handle.fetch_history()
+    await Replayer(workflows=ALL_WORKFLOWS, data_converter=pydantic_data_converter).replay_workflow(history)
+    if RECORD:
+        HISTORIES.mkdir(exist_ok=True)
+        (HISTORIES / f"{name}.json").write_text(json.dumps(history.to_json_dict(), indent=1))

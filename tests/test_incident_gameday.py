@@ -1,0 +1,39 @@
+"""``gpufleet gameday provider-loss`` against a running (test) stack: it breaks the
+site, watches the evacuation through to the restore, and prints the durations."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+from tests.evacuation_helpers import IncStack, open_incident_stack
+
+
+async def test_gameday_provider_loss_measures_the_timeline(temporal_env, tmp_path) -> None:
+    async for inc in open_incident_stack(temporal_env.client, tmp_path):
+        a = inc.site("a")
+        await inc.join("a", 3)
+        await inc.join("d", 1)
+        inc.serve("llm", "a", replicas=1)
+        inc.serve("llm", "d", replicas=0)
+        out = tmp_path / "gameday.json"
+        env = {**os.environ, **inc.settings.env()}
+        proc = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "fleet.cli", "gameday", "provider-loss", "--site", a, "--heal-after", "0.2",
+             "--timeout", "90", "--json", str(out)],
+            env=env, capture_output=True, text=True, timeout=120,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "measured durations" in proc.stdout
+        report = json.loads(out.read_text())
+        marks = report["sites"][a]["seconds_after_break"]
+        assert report["sites"][a]["outcome"] == "restored"
+        order = ["detected", "weight 0", "replicas ready elsewhere", "drained", "recovered", "restored"]
+        assert [m for m in order if m in marks] == order
+        assert [marks[m] for m in order] == sorted(marks[m] for m in order)
+        assert inc.world.site_row(a)["unreachable"] == 0
+        assert isinstance(inc, IncStack)
