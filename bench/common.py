@@ -16,7 +16,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from fleet import search_attributes
-from fleet.dev import temporal_binary
+from fleet.dev import dev_server_tuning_flags, temporal_binary
 from fleet.settings import Settings
 
 
@@ -43,6 +43,7 @@ async def bench_env(fleet_config: dict) -> AsyncIterator[tuple[WorkflowEnvironme
         env = await WorkflowEnvironment.start_local(
             dev_server_existing_path=temporal_binary(), data_converter=pydantic_data_converter,
             search_attributes=search_attributes.ALL, dev_server_log_level="error",
+            dev_server_extra_args=dev_server_tuning_flags(),
         )
         try:
             settings = Settings(

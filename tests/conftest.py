@@ -18,7 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.env import FleetEnv
 from fleet import search_attributes
-from fleet.dev import temporal_binary
+from fleet.dev import dev_server_tuning_flags, temporal_binary
 from fleet.settings import Settings
 from providers.cluster.sim import SimCluster
 from providers.sim import SimWorld
@@ -52,6 +52,7 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
         data_converter=pydantic_data_converter,
         search_attributes=search_attributes.ALL,
         dev_server_log_level="error",
+        dev_server_extra_args=dev_server_tuning_flags(),
     )
     try:
         yield env

@@ -14,7 +14,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from workflows.capacity_models import AccountStatus, SiteStatus, SpotReclaimResult
 from fleet import search_attributes
-from fleet.dev import temporal_binary
+from fleet.dev import dev_server_tuning_flags, temporal_binary
 from tests.capacity_fleet import FAST_JOIN, CapStack, capacity_fleet, open_stack, replay_and_record
 from tests.conftest import wait_for
 
@@ -99,7 +99,8 @@ async def test_entities_continue_as_new(tmp_path: Path) -> None:
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(), data_converter=pydantic_data_converter,
         search_attributes=search_attributes.ALL, dev_server_log_level="error",
-        dev_server_extra_args=["--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=40"],
+        dev_server_extra_args=[*dev_server_tuning_flags(),
+                               "--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=40"],
     )
     try:
         address = env.client.service_client.config.target_host
