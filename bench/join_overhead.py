@@ -46,7 +46,9 @@ async def main() -> None:
         client = env.client
         # The simulated nodes live in their own process, as under `gpufleet dev`.
         host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"],
-                                env={**os.environ, **settings.env()})
+                                # Health reports off: each would start the node's Node entity, which is
+                                # the agent's work, not the join's (bench/repair_latency.py covers it).
+                                env={**os.environ, **settings.env(), "GPUFLEET_HEALTH_SECONDS": "0"})
         baseline_queue = f"{settings.task_queue}-baseline"
         baseline_worker = Worker(client, task_queue=baseline_queue, workflows=[NoopSteps, NoopStepsWithMetadata], activities=[noop],
                                  activity_executor=ThreadPoolExecutor(128), max_concurrent_activities=128)

@@ -60,7 +60,8 @@ class SimNodeHost:
         self.poll_seconds = poll_seconds
         self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="agent")
         self.agents: dict[str, tuple[str, Worker, asyncio.Task]] = {}  # machine id → (boot id, worker, task)
-        #: GPU health probe interval for every agent (None: ``GPUFLEET_HEALTH_SECONDS``, default 5).
+        #: GPU health probe interval for every agent (None: ``GPUFLEET_HEALTH_SECONDS``, default 5;
+        #: 0 turns health reports off).
         self.health_seconds: float | None = None
         self._next_boot = float("inf")  # when the next booting machine comes up
         self._next_health = 0.0
@@ -82,7 +83,7 @@ class SimNodeHost:
                     await asyncio.to_thread(self._sync_kubelets)
                     await self._sync_agents()
                     await self._watch_reclaims()
-                if self.agents and time.monotonic() >= self._next_health:
+                if self.agents and self._health_interval() > 0 and time.monotonic() >= self._next_health:
                     self._next_health = time.monotonic() + min(1.0, self._health_interval())
                     await self._report_health()
                 try:

@@ -166,6 +166,7 @@ class NodeJoin:
         self._progress.machine_id = machine.id
 
         token: JoinTokenRef | None = None
+        told_site = False
         try:
             self._step("issuing join token")
             token = await workflow.execute_activity(
@@ -213,11 +214,18 @@ class NodeJoin:
                 )
 
             self._step("admitting", "remove the unproven taint")
-            await workflow.execute_activity(
+            admit = workflow.execute_activity(
                 "prepare_node", PrepareNodeInput(node_name=node_name, labels={}, remove_taints=[UNPROVEN_TAINT]),
                 result_type=Node, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                 summary="admit: remove unproven taint",
             )
+            if workflow.patched("admit-together"):
+                # The token was spent at registration and the Site entity only counts:
+                # neither has to wait for the admission, so all three share one round trip.
+                await asyncio.gather(admit, self._revoke(token), self._tell_site(site.name, node_name, machine.id, "ready"))
+                token, told_site = None, True
+            else:
+                await admit
         except (FailureError, asyncio.CancelledError):
             step = self._progress.step
             await self._clean_up(site, machine, node_name)
@@ -228,7 +236,7 @@ class NodeJoin:
                 await self._revoke(token)
 
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("ready")])
-        if workflow.patched("tell-site-entity"):
+        if not told_site and workflow.patched("tell-site-entity"):
             await self._tell_site(site.name, node_name, machine.id, "ready")
         self._step("ready", f"{site.gpus_per_machine}x {site.gpu}")
         return JoinedNode(
