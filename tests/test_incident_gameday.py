@@ -37,3 +37,36 @@ async def test_gameday_provider_loss_measures_the_timeline(temporal_env, tmp_pat
         assert [marks[m] for m in order] == sorted(marks[m] for m in order)
         assert inc.world.site_row(a)["unreachable"] == 0
         assert isinstance(inc, IncStack)
+
+
+async def test_gameday_region_loss_evacuates_every_site_of_the_geography(temporal_env, tmp_path) -> None:
+    async for inc in open_incident_stack(temporal_env.client, tmp_path):
+        a, c = inc.site("a"), inc.site("c")
+        await inc.join("a", 3)
+        await inc.join("c", 3)
+        await inc.join("d", 1)
+        inc.serve("llm", "a", replicas=1)
+        inc.serve("llm", "c", replicas=1)
+        inc.serve("llm", "d", replicas=0)
+        out = tmp_path / "region.json"
+        env = {**os.environ, **inc.settings.env()}
+        proc = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", "fleet.cli", "gameday", "region-loss", "--geo", "us-east", "--heal-after", "0.2",
+             "--timeout", "120", "--json", str(out)],
+            env=env, capture_output=True, text=True, timeout=180,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        report = json.loads(out.read_text())
+        assert set(report["sites"]) == {a, c}, "both us-east sites were broken, nothing else"
+        for site in (a, c):
+            marks = report["sites"][site]["seconds_after_break"]
+            assert report["sites"][site]["outcome"] == "restored"
+            assert marks["weight 0"] <= marks["drained"]
+            assert inc.world.site_row(site)["unreachable"] == 0
+        assert inc.world.site_row(inc.site("d"))["unreachable"] == 0
+        unknown = await asyncio.to_thread(
+            subprocess.run, [sys.executable, "-m", "fleet.cli", "gameday", "region-loss", "--geo", "mars"],
+            env=env, capture_output=True, text=True, timeout=60,
+        )
+        assert unknown.returncode == 2 and "mars" in unknown.stderr
