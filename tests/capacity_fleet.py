@@ -5,8 +5,6 @@ session's one dev server, so every test gets its own)."""
 from __future__ import annotations
 
 import asyncio
-import json
-import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +12,6 @@ from typing import Any, AsyncIterator
 
 import yaml
 from temporalio.client import Client, WorkflowHandle
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer
 
 from activities.env import FleetEnv
 from fleet.settings import Settings
@@ -23,10 +19,8 @@ from providers.cluster.sim import SimCluster
 from providers.sim import SimWorld
 from tests.conftest import run_node_host
 from workers.control_plane import build_worker
-from workflows import ALL_WORKFLOWS
+from tests.replay import replay_and_record  # noqa: F401 - used by the scenario tests
 
-HISTORIES = Path(__file__).parent / "histories"
-RECORD = os.environ.get("GPUFLEET_RECORD") == "1"
 #: Short everything: the sim boots in 0.1 s.
 FAST_JOIN = {"registration_seconds": 10, "smoke_test_seconds": 10, "heartbeat_seconds": 5}
 
@@ -122,12 +116,3 @@ async def open_stack(client: Client, address: str, tmp_path: Path, fleet: dict |
     finally:
         stop.set()
         await host
-
-
-async def replay_and_record(handle: WorkflowHandle, name: str) -> None:
-    """Replay this run's history against today's code; keep it when recording."""
-    history = await handle.fetch_history()
-    await Replayer(workflows=ALL_WORKFLOWS, data_converter=pydantic_data_converter).replay_workflow(history)
-    if RECORD:
-        HISTORIES.mkdir(exist_ok=True)
-        (HISTORIES / f"{name}.json").write_text(json.dumps(history.to_json_dict(), indent=1))

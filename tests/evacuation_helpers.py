@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +13,6 @@ from typing import Any, AsyncIterator
 
 import yaml
 from temporalio.client import Client, WorkflowHandle
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer
 
 from activities.env import FleetEnv
 from fleet.settings import Settings
@@ -23,12 +20,10 @@ from providers.cluster.base import ServingSpec
 from providers.cluster.sim import SimCluster
 from providers.sim import SimWorld
 from workers.control_plane import build_worker
+from tests.replay import replay_and_record  # noqa: F401 - used by the scenario tests
 from workers.node_agent import SimNodeHost
-from workflows import ALL_WORKFLOWS
 from workflows.evacuation_models import EvacuationProgress
 
-HISTORIES = Path(__file__).parent / "histories"
-RECORD = os.environ.get("GPUFLEET_RECORD") == "1"
 FAST_JOIN = {"registration_seconds": 15, "smoke_test_seconds": 10, "heartbeat_seconds": 5}
 #: Everything short: the sim boots in 0.1 s.
 INCIDENT = {
@@ -167,11 +162,3 @@ async def activity_inputs(handle: WorkflowHandle, activity_type: str) -> list[di
             if attrs.activity_type.name == activity_type:
                 out.append(json.loads(attrs.input.payloads[0].data))
     return out
-
-
-async def replay_and_record(handle: WorkflowHandle, name: str) -> None:
-    history = await handle.fetch_history()
-    await Replayer(workflows=ALL_WORKFLOWS, data_converter=pydantic_data_converter).replay_workflow(history)
-    if RECORD:
-        HISTORIES.mkdir(exist_ok=True)
-        (HISTORIES / f"{name}.json").write_text(json.dumps(history.to_json_dict(), indent=1))

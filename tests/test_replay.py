@@ -1,29 +1,32 @@
-"""Determinism: recorded histories must replay against today's workflow code.
+"""Determinism: every recorded history must replay against today's workflow code.
 
-Recorded with ``GPUFLEET_RECORD=1 pytest tests/test_replay.py``; commit the
-files under tests/histories/ together with the workflow change they belong to.
+NodeJoin's histories are recorded here (``GPUFLEET_RECORD=1 pytest
+tests/test_replay.py``); the other workflows' scenario tests record theirs
+through ``tests.replay.replay_and_record``. Commit the files under
+tests/histories/ together with the workflow change they belong to.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 from temporalio.client import WorkflowFailureError
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer
 
 from tests.conftest import Stack, wait_for
-from workflows import ALL_WORKFLOWS
+from tests.replay import HISTORIES, replay_and_record, replay_file
 
-HISTORIES = Path(__file__).parent / "histories"
-RECORD = os.environ.get("GPUFLEET_RECORD") == "1"
-
-
-def replayer() -> Replayer:
-    return Replayer(workflows=ALL_WORKFLOWS, data_converter=pydantic_data_converter)
+#: Histories each workflow's tests must have recorded (old ones stay: they guard in-flight runs).
+EXPECTED = {
+    "node_join_happy", "node_join_count2", "node_join_smoke_failed",
+    "node_join_happy_admit_together", "node_join_count2_admit_together", "node_join_smoke_failed_admit_together",
+    "capacity_no_capacity_fallback", "capacity_over_quota", "capacity_bad_credentials", "capacity_wait_then_resume",
+    "account_quota_raised", "account_credentials_rotated", "site_fill_below_min", "site_retire_above_max",
+    "spot_reclaim",
+    "gpu_repair_reset", "gpu_repair_reboot_after_reset", "gpu_repair_covered", "node_entity_two_repairs",
+    "rollout_happy", "rollout_canary_failed", "rollout_aborted",
+    "site_evacuation_restored", "site_incident_tripped", "site_evacuation_resumed",
+}
 
 
 async def _scenarios(stack: Stack) -> dict[str, object]:
@@ -43,23 +46,13 @@ async def _scenarios(stack: Stack) -> dict[str, object]:
 
 async def test_fresh_histories_replay(stack: Stack) -> None:
     for name, handle in (await _scenarios(stack)).items():
-        history = await handle.fetch_history()
-        await replayer().replay_workflow(history)
-        if RECORD:
-            HISTORIES.mkdir(exist_ok=True)
-            (HISTORIES / f"{name}.json").write_text(json.dumps(history.to_json_dict(), indent=1))
+        await replay_and_record(handle, name)
 
 
 @pytest.mark.parametrize("path", sorted(HISTORIES.glob("*.json")), ids=lambda p: p.stem)
 async def test_recorded_history_replays(path: Path) -> None:
-    from temporalio.client import WorkflowHistory
-
-    data = json.loads(path.read_text())
-    workflow_id = data["events"][0]["workflowExecutionStartedEventAttributes"].get("workflowId", path.stem)
-    await replayer().replay_workflow(WorkflowHistory.from_json(workflow_id, data))
+    await replay_file(path)
 
 
 def test_histories_are_recorded() -> None:
-    assert {p.stem for p in HISTORIES.glob("*.json")} >= {
-        "node_join_happy", "node_join_count2", "node_join_smoke_failed",
-    }
+    assert {p.stem for p in HISTORIES.glob("*.json")} >= EXPECTED

@@ -1,30 +1,13 @@
-"""Determinism of the Node entity and GpuRepair: recorded histories replay against today's code.
+"""Determinism of the Node entity and GpuRepair: fresh histories replay against today's code.
 
-Recorded with ``GPUFLEET_RECORD=1 pytest tests/test_replay_repair.py``; commit the
-files under tests/histories/ together with the workflow change they belong to.
+Record with ``GPUFLEET_RECORD=1 pytest tests/test_replay_repair.py`` and commit the files
+under tests/histories/ with the workflow change; tests/test_replay.py replays them all.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
-import pytest
-from temporalio.client import WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Replayer
-
+from tests.replay import replay_and_record
 from tests.repair_helpers import join_node, repair_handle, repair_result, running_stack
-from workflows import ALL_WORKFLOWS
-
-HISTORIES = Path(__file__).parent / "histories"
-RECORD = os.environ.get("GPUFLEET_RECORD") == "1"
-NAMES = {"gpu_repair_reset", "gpu_repair_reboot_after_reset", "gpu_repair_covered", "node_entity_two_repairs"}
-
-
-def replayer() -> Replayer:
-    return Replayer(workflows=ALL_WORKFLOWS, data_converter=pydantic_data_converter)
 
 
 async def test_fresh_repair_histories_replay(temporal_env, tmp_path) -> None:
@@ -46,18 +29,4 @@ async def test_fresh_repair_histories_replay(temporal_env, tmp_path) -> None:
             "node_entity_two_repairs": stack.client.get_workflow_handle(f"node/{a.node_name}"),
         }
         for name, handle in handles.items():
-            history = await handle.fetch_history()
-            await replayer().replay_workflow(history)
-            if RECORD:
-                HISTORIES.mkdir(exist_ok=True)
-                (HISTORIES / f"{name}.json").write_text(json.dumps(history.to_json_dict(), indent=1))
-
-
-@pytest.mark.parametrize("name", sorted(NAMES))
-async def test_recorded_repair_history_replays(name: str) -> None:
-    path = HISTORIES / f"{name}.json"
-    if not path.exists():
-        pytest.fail(f"{path} missing: record with GPUFLEET_RECORD=1")
-    data = json.loads(path.read_text())
-    workflow_id = data["events"][0]["workflowExecutionStartedEventAttributes"].get("workflowId", name)
-    await replayer().replay_workflow(WorkflowHistory.from_json(workflow_id, data))
+            await replay_and_record(handle, name)

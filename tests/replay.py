@@ -1,0 +1,41 @@
+"""Determinism checks shared by every workflow's tests.
+
+A scenario test replays its fresh history against today's code with
+``replay_and_record``; run with ``GPUFLEET_RECORD=1`` it also writes the history
+to tests/histories/, where ``tests/test_replay.py`` replays every recorded file.
+Commit recorded files together with the workflow change they belong to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from temporalio.client import WorkflowHandle, WorkflowHistory
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.worker import Replayer
+
+from workflows import ALL_WORKFLOWS
+
+HISTORIES = Path(__file__).parent / "histories"
+RECORD = os.environ.get("GPUFLEET_RECORD") == "1"
+
+
+def replayer() -> Replayer:
+    return Replayer(workflows=ALL_WORKFLOWS, data_converter=pydantic_data_converter)
+
+
+async def replay_and_record(handle: WorkflowHandle, name: str) -> None:
+    """Replay this run's history against today's code; keep it when recording."""
+    history = await handle.fetch_history()
+    await replayer().replay_workflow(history)
+    if RECORD:
+        HISTORIES.mkdir(exist_ok=True)
+        (HISTORIES / f"{name}.json").write_text(json.dumps(history.to_json_dict(), indent=1))
+
+
+async def replay_file(path: Path) -> None:
+    data = json.loads(path.read_text())
+    workflow_id = data["events"][0]["workflowExecutionStartedEventAttributes"].get("workflowId", path.stem)
+    await replayer().replay_workflow(WorkflowHistory.from_json(workflow_id, data))
