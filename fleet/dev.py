@@ -97,15 +97,16 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233) -> int:
                                           start_new_session=True)
 
     def stop_all() -> None:
+        # Workers first, while the server still answers their last calls; then the server.
         for name in reversed(list(children)):
             proc = children[name]
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
-        for name in reversed(list(children)):
             try:
-                children[name].wait(timeout=15)
+                proc.wait(timeout=15)
             except subprocess.TimeoutExpired:
-                children[name].kill()
+                proc.kill()
+                proc.wait()
         console.print("[dim]stopped: " + ", ".join(children) + "[/]")
 
     interrupted = False
