@@ -222,3 +222,15 @@ async def test_cancelled_join_deletes_its_machine(stack: Stack) -> None:
         await handle.result()
     await wait_for(lambda: not stack.world.machines("site-b"), timeout=30)
     assert len(stack.world.machines("site-b", include_deleted=True)) == 1
+
+
+async def test_join_cancelled_mid_create_still_deletes_the_machine(stack: Stack) -> None:
+    """The cancel lands while the provider is still answering the create call."""
+    stack.world.set_site("site-b", api_latency_ms=3000)  # the machine exists 1.5 s before the reply
+    handle = await stack.start_join({"site": "site-b"})
+    await wait_for(lambda: stack.world.machines("site-b"), timeout=30)
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError):
+        await handle.result()
+    assert stack.world.machines("site-b") == [], "deleted before the join reported cancelled"
+    assert len(stack.world.machines("site-b", include_deleted=True)) == 1

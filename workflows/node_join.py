@@ -158,11 +158,19 @@ class NodeJoin:
             gpus=site.gpus_per_machine, capacity_type=site.capacity_type, image=site.image,
             tags={"gpufleet.io/join": join_id, "gpufleet.io/site": site.name},
         )
-        machine: Machine = await workflow.execute_activity(
+        provisioning = workflow.start_activity(
             "provision_machine", ProvisionMachineInput(site=site.name, spec=spec, idempotency_key=join_id),
             result_type=Machine, start_to_close_timeout=timedelta(seconds=timeouts.provision_seconds),
             retry_policy=PROVIDER_RETRY, summary=f"create {site.instance_type} at {site.name}",
         )
+        try:
+            # Shielded: a join cancelled mid-create must still learn the machine to delete it.
+            machine: Machine = await asyncio.shield(provisioning)
+        except asyncio.CancelledError:
+            machine = await provisioning
+            self._progress.machine_id = machine.id
+            await self._clean_up(site, machine, node_name)
+            raise
         self._progress.machine_id = machine.id
 
         token: JoinTokenRef | None = None
