@@ -13,65 +13,23 @@ from __future__ import annotations
 import time
 from datetime import datetime, timezone
 
-from pydantic import BaseModel
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
-from fleet.config import ObjectStore
+from activities.rollout_models import (
+    EvacuationInput,
+    ProbeServingInput,
+    ResolveRolloutSitesInput,
+    RollbackSiteInput,
+    RolloutSites,
+    ServingRef,
+    UpdateServingInput,
+    WaitServingInput,
+)
 from fleet.rollout import ProbeResult
-from providers.cluster.base import ServingSpec, ServingStatus
-
-
-class ResolveRolloutSitesInput(BaseModel):
-    sites: list[str]
-
-
-class RolloutSites(BaseModel):
-    #: Every site in the fleet config.
-    known: list[str]
-    #: The asked-for sites that exist, with their object store (None: none configured).
-    stores: dict[str, ObjectStore | None]
-
-
-class ServingRef(BaseModel):
-    model: str
-    site: str
-
-
-class UpdateServingInput(BaseModel):
-    spec: ServingSpec
-
-
-class WaitServingInput(BaseModel):
-    model: str
-    site: str
-    #: Absolute, so a retried attempt keeps the original deadline.
-    deadline: datetime
-    poll_seconds: float = 2.0
-
-
-class ProbeServingInput(BaseModel):
-    model: str
-    site: str
-    requests: int
-    timeout_seconds: float = 30
-
-
-class RollbackSiteInput(BaseModel):
-    model: str
-    site: str
-    #: The Deployment existed before the rollout: go back to its previous template.
-    #: Otherwise the rollout created it: delete it.
-    had_previous: bool
-    #: The generation our update produced; a higher one means the rollback already happened.
-    updated_generation: int = 0
-
-
-class EvacuationInput(BaseModel):
-    model: str
-    sites: list[str]
+from providers.cluster.base import ServingStatus
 
 
 class ServingActivities:

@@ -37,15 +37,15 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
-from pydantic import BaseModel, Field
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
+from activities.rollout_models import Checkpoint, OpenUpload, Part, ReplicateInput, ReplicateResult
 from fleet.config import ObjectStore
 from fleet.errors import BadCredentials, InvalidRequest, NotFound, Transient
-from fleet.rollout import Replication, WeightFile, part_size_for
+from fleet.rollout import WeightFile, part_size_for
 from providers.credentials import read_secret
 
 #: Test hook: ``fn(site, path, attempt, data) -> data`` applied to bytes on their way
@@ -54,52 +54,6 @@ TRANSIT_FAULT: Callable[[str, str, int, bytes], bytes] | None = None
 
 #: Error codes with which a store refuses bytes whose checksum does not match.
 DIGEST_ERRORS = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "InvalidChecksum"}
-
-
-class ReplicateInput(BaseModel):
-    site: str
-    source: ObjectStore
-    files: list[WeightFile]
-    #: Key prefix at the destination (the source keys are ``source.prefix + path``).
-    dest_prefix: str
-    options: Replication = Field(default_factory=Replication)
-
-
-class Part(BaseModel):
-    number: int
-    etag: str
-    checksum: str
-    size: int
-
-
-class OpenUpload(BaseModel):
-    path: str
-    upload_id: str
-    part_size: int
-    attempt: int = 1
-    parts: list[Part] = Field(default_factory=list)
-
-
-class Checkpoint(BaseModel):
-    """Heartbeat details: where a retried attempt continues from."""
-
-    done: dict[str, str] = Field(default_factory=dict)
-    bytes_done: int = 0
-    bytes_total: int = 0
-    files_total: int = 0
-    current: OpenUpload | None = None
-    mismatches: dict[str, int] = Field(default_factory=dict)
-
-
-class ReplicateResult(BaseModel):
-    site: str
-    #: path -> copied | recopied | skipped (already there) | resumed (finished by an earlier attempt)
-    files: dict[str, str]
-    bytes_total: int
-    bytes_copied: int
-    bytes_skipped: int
-    #: This attempt continued from an earlier attempt's heartbeat.
-    resumed: bool = False
 
 
 class ChecksumMismatch(Exception):

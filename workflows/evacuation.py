@@ -58,7 +58,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from workflows.inputs import parse_input
     from workflows.node_join import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, failure_message, failure_type
-    from activities.serving import WaitServingInput
+    from activities.rollout_models import WaitServingInput
     from providers.cluster.base import DrainResult, ServingStatus
 
 

@@ -31,7 +31,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.serving import (
+    from activities.rollout_models import (
         EvacuationInput,
         ProbeServingInput,
         ResolveRolloutSitesInput,
@@ -41,7 +41,7 @@ with workflow.unsafe.imports_passed_through():
         UpdateServingInput,
         WaitServingInput,
     )
-    from activities.weights import ReplicateInput, ReplicateResult
+    from activities.rollout_models import ReplicateInput, ReplicateResult
     from fleet import search_attributes as sa
     from fleet.errors import NON_RETRYABLE_TYPES
     from fleet.rollout import (

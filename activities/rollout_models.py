@@ -1,0 +1,108 @@
+"""Inputs and results of the rollout activities (weights replication and per-site
+serving), importable by workflows without the activity code behind them."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from pydantic import BaseModel, Field
+
+from fleet.config import ObjectStore
+from fleet.rollout import Replication, WeightFile
+from providers.cluster.base import ServingSpec
+
+
+class ReplicateInput(BaseModel):
+    site: str
+    source: ObjectStore
+    files: list[WeightFile]
+    #: Key prefix at the destination (the source keys are ``source.prefix + path``).
+    dest_prefix: str
+    options: Replication = Field(default_factory=Replication)
+
+
+class Part(BaseModel):
+    number: int
+    etag: str
+    checksum: str
+    size: int
+
+
+class OpenUpload(BaseModel):
+    path: str
+    upload_id: str
+    part_size: int
+    attempt: int = 1
+    parts: list[Part] = Field(default_factory=list)
+
+
+class Checkpoint(BaseModel):
+    """Heartbeat details: where a retried attempt continues from."""
+
+    done: dict[str, str] = Field(default_factory=dict)
+    bytes_done: int = 0
+    bytes_total: int = 0
+    files_total: int = 0
+    current: OpenUpload | None = None
+    mismatches: dict[str, int] = Field(default_factory=dict)
+
+
+class ReplicateResult(BaseModel):
+    site: str
+    #: path -> copied | recopied | skipped (already there) | resumed (finished by an earlier attempt)
+    files: dict[str, str]
+    bytes_total: int
+    bytes_copied: int
+    bytes_skipped: int
+    #: This attempt continued from an earlier attempt's heartbeat.
+    resumed: bool = False
+
+
+class ResolveRolloutSitesInput(BaseModel):
+    sites: list[str]
+
+
+class RolloutSites(BaseModel):
+    #: Every site in the fleet config.
+    known: list[str]
+    #: The asked-for sites that exist, with their object store (None: none configured).
+    stores: dict[str, ObjectStore | None]
+
+
+class ServingRef(BaseModel):
+    model: str
+    site: str
+
+
+class UpdateServingInput(BaseModel):
+    spec: ServingSpec
+
+
+class WaitServingInput(BaseModel):
+    model: str
+    site: str
+    #: Absolute, so a retried attempt keeps the original deadline.
+    deadline: datetime
+    poll_seconds: float = 2.0
+
+
+class ProbeServingInput(BaseModel):
+    model: str
+    site: str
+    requests: int
+    timeout_seconds: float = 30
+
+
+class RollbackSiteInput(BaseModel):
+    model: str
+    site: str
+    #: The Deployment existed before the rollout: go back to its previous template.
+    #: Otherwise the rollout created it: delete it.
+    had_previous: bool
+    #: The generation our update produced; a higher one means the rollback already happened.
+    updated_generation: int = 0
+
+
+class EvacuationInput(BaseModel):
+    model: str
+    sites: list[str]
