@@ -321,9 +321,32 @@ def sim_machines(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = N
     console.print(table)
 
 
-def main() -> None:  # pragma: no cover - console script shim
-    app()
+def main() -> None:
+    """The ``gpufleet`` console script.
+
+    Ends the process with ``os._exit`` once the command is done and its output and
+    traces are flushed: the Temporal client's native threads can abort CPython's
+    finalization of a short-lived process ("PyGILState_Release ... finalizing",
+    temporalio/sdk-python#300), turning a successful command into exit code -6.
+    """
+    import os
+    import traceback
+
+    try:
+        app()
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except BaseException:  # noqa: BLE001 - shown like the interpreter would, then a clean exit
+        traceback.print_exc()
+        code = 1
+    from fleet.temporal import flush_tracing
+
+    flush_tracing()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(app())
+    main()

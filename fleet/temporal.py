@@ -42,6 +42,14 @@ def tracing_interceptors() -> list[Interceptor]:
     return [TracingInterceptor()]
 
 
+def flush_tracing() -> None:
+    """Export buffered spans now (before a process ends without atexit handlers)."""
+    if _tracing_ready:
+        from opentelemetry import trace
+
+        trace.get_tracer_provider().shutdown()
+
+
 async def connect(settings: Settings | None = None) -> Client:
     settings = settings or Settings.from_env()
     return await Client.connect(
