@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import sys
+import subprocess
+import os
 import statistics
 import tempfile
 import time
@@ -53,6 +56,16 @@ async def bench_env(fleet_config: dict) -> AsyncIterator[tuple[WorkflowEnvironme
             yield env, settings
         finally:
             await env.shutdown()
+
+
+def start_node_host(settings: Settings, health_seconds: float | None = None) -> subprocess.Popen:
+    """The simulated nodes in their own process, as under ``gpufleet dev``, polling fast.
+
+    ``health_seconds``: the agents' probe interval (0: no health reports)."""
+    env = {**os.environ, **settings.env()}
+    if health_seconds is not None:
+        env["GPUFLEET_HEALTH_SECONDS"] = str(health_seconds)
+    return subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"], env=env)
 
 
 async def timed(run: Callable[[], Awaitable[object]]) -> float:

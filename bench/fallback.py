@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import subprocess
-import sys
 import uuid
 
 from activities.env import FleetEnv
-from bench.common import bench_env, fleet, median, run, timed
+from bench.common import bench_env, fleet, median, run, start_node_host, timed
 from workers.control_plane import build_worker
 
 SKIPPED = 4
@@ -40,9 +37,7 @@ async def main() -> None:
         client = env.client
         world_env = FleetEnv.from_settings(settings)
         world = world_env.world
-        # The simulated nodes live in their own process, as under `gpufleet dev`.
-        host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"],
-                                env={**os.environ, **settings.env()})
+        host = start_node_host(settings)
         queue = settings.task_queue
 
         async def direct() -> None:

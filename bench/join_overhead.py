@@ -13,8 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +20,7 @@ from temporalio.worker import Worker
 
 from activities.env import FleetEnv
 from bench.baseline import NoopSteps, NoopStepsWithMetadata, noop
-from bench.common import bench_env, fleet, median, run, timed
+from bench.common import bench_env, fleet, median, run, start_node_host, timed
 from workers.control_plane import build_worker
 
 ACTIVITIES_PER_JOIN = 8
@@ -51,10 +49,9 @@ async def main() -> None:
     async with bench_env(fleet(sites=5, capacity=n * args.rounds)) as (env, settings):
         client = env.client
         # The simulated nodes live in their own process, as under `gpufleet dev`.
-        host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"],
-                                # Health reports off: each would start the node's Node entity, which is
-                                # the agent's work, not the join's (bench/repair_latency.py covers it).
-                                env={**os.environ, **settings.env(), "GPUFLEET_HEALTH_SECONDS": "0"})
+        # Health reports off: each would start the node's Node entity, which is the
+        # agent's work, not the join's (bench/repair_latency.py covers it).
+        host = start_node_host(settings, health_seconds=0)
         baseline_queue = f"{settings.task_queue}-baseline"
         baseline_worker = Worker(client, task_queue=baseline_queue, workflows=[NoopSteps, NoopStepsWithMetadata], activities=[noop],
                                  activity_executor=ThreadPoolExecutor(128), max_concurrent_activities=128)

@@ -21,10 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import subprocess
-import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +29,7 @@ from temporalio.worker import Worker
 
 from activities.env import FleetEnv
 from activities.models import HealthReport
-from bench.common import bench_env, fleet, run
+from bench.common import bench_env, fleet, run, start_node_host
 from bench.echo import Echo, mark, ran
 from providers.sim import SimGpuBackend
 from workers.control_plane import build_worker
@@ -63,8 +60,7 @@ async def main() -> None:
     config["incident"] = {"settle_seconds": 0, "enabled": False}
     async with bench_env(config) as (env, settings):
         client = env.client
-        host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"],
-                                env={**os.environ, **settings.env(), "GPUFLEET_HEALTH_SECONDS": "3600"})
+        host = start_node_host(settings, health_seconds=3600)
         base_queue = f"{settings.task_queue}-echo"
         echo_worker = Worker(client, task_queue=base_queue, workflows=[Echo], activities=[mark],
                              activity_executor=ThreadPoolExecutor(8))
