@@ -6,15 +6,17 @@ credentials, join-token values) exist only inside these functions.
 
 from __future__ import annotations
 
-import time
-from datetime import datetime, timezone
+import asyncio
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
+from activities.waiting import poll_until
 from activities.models import (
+    AdmitNodeInput,
     DeleteMachineInput,
     IssueJoinTokenInput,
     PrepareNodeInput,
@@ -26,7 +28,8 @@ from activities.models import (
 )
 from fleet.config import Site
 from fleet.models import Machine, Node
-from providers.cluster.base import JoinTokenRef
+from fleet.naming import site_workflow_id
+from providers.cluster.base import UNPROVEN_TAINT, JoinTokenRef
 
 
 class ControlPlaneActivities:
@@ -42,6 +45,7 @@ class ControlPlaneActivities:
             self.revoke_join_token,
             self.wait_for_registration,
             self.prepare_node,
+            self.admit_node,
             self.remove_node,
         ]
 
@@ -80,24 +84,16 @@ class ControlPlaneActivities:
 
     @activity.defn
     def wait_for_registration(self, input: WaitForRegistrationInput) -> Node:
-        """Poll the cluster until the node registers and is Ready, or the deadline.
+        """Poll the cluster until the node registers and is Ready, or the deadline."""
 
-        Polls fast at first (a warm machine registers within a second) and backs
-        off to ``poll_seconds``."""
-        interval = 0.05
-        while True:
+        def registered() -> Node | None:
             node = self.env.cluster.get_node(input.node_name)
-            if node is not None and node.ready:
-                return node
-            if datetime.now(timezone.utc) >= input.deadline:
-                raise ApplicationError(
-                    f"node {input.node_name} did not register by {input.deadline.isoformat()}",
-                    type="RegistrationTimeout",
-                    non_retryable=True,
-                )
-            activity.heartbeat()
-            time.sleep(interval)
-            interval = min(interval * 2, input.poll_seconds)
+            return node if node is not None and node.ready else None
+
+        return poll_until(registered, input.deadline, input.poll_seconds, lambda: ApplicationError(
+            f"node {input.node_name} did not register by {input.deadline.isoformat()}",
+            type="RegistrationTimeout", non_retryable=True,
+        ))
 
     @activity.defn
     def prepare_node(self, input: PrepareNodeInput) -> Node:
@@ -106,6 +102,22 @@ class ControlPlaneActivities:
         if input.labels:
             cluster.label_node(input.node_name, input.labels)
         return cluster.set_taints(input.node_name, add=input.add_taints, remove=input.remove_taints)
+
+    @activity.defn
+    async def admit_node(self, input: AdmitNodeInput) -> Node:
+        """Lift the unproven taint, then tell the Site entity the node is ready.
+
+        Told from here rather than by a signal from the join: a workflow's signal
+        costs the join another workflow task, on the server and on the worker."""
+        node = await asyncio.to_thread(self.env.cluster.set_taints, input.node_name, remove=[UNPROVEN_TAINT])
+        transition = {"node_name": input.node_name, "state": "ready", "machine_id": input.machine_id}
+        try:
+            await activity.client().get_workflow_handle(site_workflow_id(input.site)).signal("node_transition", transition)
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND:
+                raise
+            # No Site entity running: it counts the cluster when it starts.
+        return node
 
     @activity.defn
     def remove_node(self, input: RemoveNodeInput) -> None:

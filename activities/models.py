@@ -49,6 +49,12 @@ class PrepareNodeInput(BaseModel):
     remove_taints: list[str] = Field(default_factory=list)
 
 
+class AdmitNodeInput(BaseModel):
+    node_name: str
+    site: str
+    machine_id: str
+
+
 class RemoveNodeInput(BaseModel):
     node_name: str
 

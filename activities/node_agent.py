@@ -5,6 +5,7 @@ from __future__ import annotations
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.waiting import Liveness
 from activities.models import (
     ProbeGpusInput,
     ProbeResult,
@@ -31,6 +32,7 @@ class NodeAgentActivities:
     @activity.defn
     def smoke_test(self, input: SmokeTestInput) -> SmokeResult:
         """All GPUs visible, clean counters, and each GPU computes correctly."""
+        liveness = Liveness()
         gpus = self.gpus.probe()
         failures = []
         if len(gpus) != input.expected_gpus:
@@ -39,7 +41,7 @@ class NodeAgentActivities:
             if input.only_gpus is not None and gpu.index not in input.only_gpus:
                 continue
             failures += [f"GPU {gpu.index}: {problem}" for problem in gpu.problems()]
-            activity.heartbeat(gpu.index)
+            liveness.beat(gpu.index)
             if not gpu.lost and (problem := self.gpus.compute_check(gpu.index)):
                 failures.append(problem)
         return SmokeResult(passed=not failures, gpus_seen=len(gpus), boot_id=self.gpus.boot_id(), failures=failures)

@@ -7,14 +7,12 @@ idempotent, so a retried attempt after a worker crash changes nothing twice.
 
 from __future__ import annotations
 
-import time
-from datetime import datetime, timezone
-
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
+from activities.waiting import poll_until
 from activities.models import (
     ContainInput,
     ContainResult,
@@ -151,19 +149,15 @@ class RepairActivities:
     @activity.defn
     def wait_for_boot(self, input: WaitForBootInput) -> Node:
         """Until the node is Ready with a boot id other than ``boot_id_before``."""
-        interval = 0.05
-        while True:
+        def rebooted() -> Node | None:
             node = self.env.cluster.get_node(input.node_name)
-            if node is not None and node.ready and node.boot_id and node.boot_id != input.boot_id_before:
-                return node
-            if datetime.now(timezone.utc) >= input.deadline:
-                raise ApplicationError(
-                    f"node {input.node_name} did not come back with a new boot id by {input.deadline.isoformat()}",
-                    type="BootTimeout", non_retryable=True,
-                )
-            activity.heartbeat()
-            time.sleep(interval)
-            interval = min(interval * 2, input.poll_seconds)
+            fresh = node is not None and node.ready and node.boot_id and node.boot_id != input.boot_id_before
+            return node if fresh else None
+
+        return poll_until(rebooted, input.deadline, input.poll_seconds, lambda: ApplicationError(
+            f"node {input.node_name} did not come back with a new boot id by {input.deadline.isoformat()}",
+            type="BootTimeout", non_retryable=True,
+        ))
 
     # -- replace (retiring the old machine is CapacityActivities.retire_machine) ----------------------------------------------------------------------
     @activity.defn

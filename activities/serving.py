@@ -10,14 +10,12 @@ when the Site entity takes this over.
 
 from __future__ import annotations
 
-import time
-from datetime import datetime, timezone
-
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
+from activities.waiting import poll_until
 from activities.rollout_models import (
     EvacuationInput,
     ProbeServingInput,
@@ -78,21 +76,23 @@ class ServingActivities:
     @activity.defn
     @typed_errors
     def wait_serving_ready(self, input: WaitServingInput) -> ServingStatus:
-        interval = 0.05
-        while True:
-            status = self.env.cluster.serving_status(input.model, input.site)
-            if status is not None and status.ready and status.observed_generation >= status.generation:
-                return status
-            if datetime.now(timezone.utc) >= input.deadline:
-                seen = (f"{status.available_replicas}/{status.desired_replicas} replicas available, "
-                        f"{status.updated_replicas} updated") if status else "no Deployment"
-                raise ApplicationError(
-                    f"{input.model} at {input.site} not ready by {input.deadline.isoformat()}: {seen}",
-                    type="ServingNotReady", non_retryable=True,
-                )
-            activity.heartbeat()
-            time.sleep(interval)
-            interval = min(interval * 2, input.poll_seconds)
+        last: list[ServingStatus | None] = [None]
+
+        def ready() -> ServingStatus | None:
+            status = last[0] = self.env.cluster.serving_status(input.model, input.site)
+            done = status is not None and status.ready and status.observed_generation >= status.generation
+            return status if done else None
+
+        def not_ready() -> ApplicationError:
+            status = last[0]
+            seen = (f"{status.available_replicas}/{status.desired_replicas} replicas available, "
+                    f"{status.updated_replicas} updated") if status else "no Deployment"
+            return ApplicationError(
+                f"{input.model} at {input.site} not ready by {input.deadline.isoformat()}: {seen}",
+                type="ServingNotReady", non_retryable=True,
+            )
+
+        return poll_until(ready, input.deadline, input.poll_seconds, not_ready)
 
     @activity.defn
     @typed_errors

@@ -118,17 +118,24 @@ async def _join(settings: Settings, site: str, count: int, wait: bool, request: 
     from temporalio.client import WorkflowFailureError
     from temporalio.common import WorkflowIDConflictPolicy
 
+    from fleet import search_attributes
     from fleet.naming import join_workflow_id
     from workflows.models import JoinProgress, NodeJoinInput, NodeJoinResult
 
     client = await _connect(settings)
+    try:
+        known = load_config(settings.config).site(site)
+    except (ConfigError, KeyError):
+        known = None  # the join itself names what is wrong
     handles = []
     for i in range(count):
         workflow_id = join_workflow_id(site, request if count == 1 else f"{request}-{i}")
+        attributes = (search_attributes.join_start_attributes(site, known.provider, known.account, workflow_id)
+                      if known else None)
         handles.append(await client.start_workflow(
             "NodeJoin", NodeJoinInput(site=site).model_dump(mode="json"), id=workflow_id,
             task_queue=settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            static_summary=f"join a node at {site}", result_type=NodeJoinResult,
+            static_summary=f"join a node at {site}", result_type=NodeJoinResult, search_attributes=attributes,
         ))
         console.print(f"started [bold]{workflow_id}[/]")
     if not wait:

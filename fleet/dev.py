@@ -9,6 +9,7 @@ every child; running again resumes open workflows from the SQLite file.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import signal
@@ -44,6 +45,9 @@ DEV_SERVER_DYNAMIC_CONFIG = {
     "history.transferProcessorMaxPollRPS": 1000,
     "history.timerProcessorMaxPollRPS": 1000,
     "history.visibilityProcessorMaxPollRPS": 1000,
+    "matching.numTaskqueueReadPartitions": 1,
+    "matching.numTaskqueueWritePartitions": 1,
+    "system.forceSearchAttributesCacheRefreshOnRead": False,
 }
 
 
@@ -51,7 +55,7 @@ def dev_server_tuning_flags() -> list[str]:
     """``--dynamic-config-value`` flags for every dev server gpufleet starts."""
     flags = []
     for key, value in DEV_SERVER_DYNAMIC_CONFIG.items():
-        flags += ["--dynamic-config-value", f"{key}={value}"]
+        flags += ["--dynamic-config-value", f"{key}={json.dumps(value)}"]
     return flags
 
 

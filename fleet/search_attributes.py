@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
 from temporalio.client import Client
-from temporalio.common import SearchAttributeKey
+from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+
+from fleet.naming import node_name_for
 
 SITE = SearchAttributeKey.for_keyword("Site")
 PROVIDER = SearchAttributeKey.for_keyword("Provider")
@@ -25,6 +27,21 @@ GPU_INDEX = SearchAttributeKey.for_int("GpuIndex")
 ALL: list[SearchAttributeKey] = [
     SITE, PROVIDER, ACCOUNT, NODE_NAME, FLEET_STATE, REPAIR_RUNG, MODEL, MODEL_VERSION, GPU_INDEX,
 ]
+
+def join_attributes(site: str, provider: str, account: str, join_id: str) -> list[SearchAttributePair]:
+    """What a NodeJoin shows from its first moment: site, provider, account, node name, provisioning."""
+    return [
+        SearchAttributePair(SITE, site), SearchAttributePair(PROVIDER, provider),
+        SearchAttributePair(ACCOUNT, account), SearchAttributePair(NODE_NAME, node_name_for(site, join_id)),
+        SearchAttributePair(FLEET_STATE, "provisioning"),
+    ]
+
+
+def join_start_attributes(site: str, provider: str, account: str, join_id: str) -> TypedSearchAttributes:
+    """For whoever starts a NodeJoin and knows its site: set at start they cost no
+    visibility write of their own, and the join upserts only what differs."""
+    return TypedSearchAttributes(join_attributes(site, provider, account, join_id))
+
 
 def dev_server_flags() -> list[str]:
     """``--search-attribute Name=Type`` flags for a new dev-server database."""

@@ -156,10 +156,9 @@ class SimWorld(SqliteDb):
             )
         return now + seconds
 
-    def reclaim_notice(self, machine_id: str) -> float | None:
-        """When the machine will be reclaimed, if a notice was posted (what IMDS answers)."""
-        rows = self.query("SELECT terminate_at FROM reclaim_notices WHERE machine_id=?", machine_id)
-        return rows[0][0] if rows else None
+    def reclaim_notices(self) -> dict[str, float]:
+        """machine id → termination time, for every posted notice (what each machine's IMDS answers)."""
+        return {row[0]: row[1] for row in self.query("SELECT machine_id, terminate_at FROM reclaim_notices")}
 
     # -- what tests and the CLI read ----------------------------------------------
     def calls(self, account: str, op: str | None = None) -> int:
@@ -241,6 +240,10 @@ class SimWorld(SqliteDb):
         )
 
     # -- the machine's side of bootstrap (sim kubelet) ------------------------------
+    def bootstrap_waiting(self) -> set[str]:
+        """Machines whose join token waits in their bootstrap channel."""
+        return {row[0] for row in self.query("SELECT machine_id FROM bootstrap")}
+
     def take_bootstrap_token(self, machine_id: str) -> str | None:
         with self.tx() as db:
             row = db.execute("SELECT token FROM bootstrap WHERE machine_id=?", (machine_id,)).fetchone()

@@ -44,6 +44,14 @@ async def test_no_capacity_at_first_choice_uses_the_second(cap: CapStack) -> Non
     ]
     assert cap.world.calls(cap.account("a"), "create") == 1
     assert cap.cluster.get_node(result.nodes[0].node_name).ready
+    # Each join was started carrying its site's search attributes: findable by Site from the start.
+    query = f'WorkflowType = "NodeJoin" AND Site IN ("{cap.site("cheap")}", "{cap.site("mid")}")'
+    joins = [w async for w in cap.client.list_workflows(query)]
+    assert len(joins) == 2
+    for join in joins:
+        started = (await cap.client.get_workflow_handle(join.id).fetch_history()).events[0]
+        fields = started.workflow_execution_started_event_attributes.search_attributes.indexed_fields
+        assert {"Site", "Provider", "Account", "NodeName", "FleetState"} <= set(fields)
     await replay_and_record(handle, "capacity_no_capacity_fallback")
 
 

@@ -9,9 +9,11 @@ import subprocess
 import sys
 
 import pytest
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowFailureError
 from temporalio.exceptions import ApplicationError
 
+from fleet import search_attributes as sa
 from fleet.naming import node_name_for
 from providers.cluster.base import UNPROVEN_TAINT
 from tests.conftest import Stack, run_node_host, wait_for
@@ -49,6 +51,46 @@ def readable_history(history: dict) -> str:
 
 def provider_calls(stack: Stack) -> int:
     return stack.world.calls("acct-a") + stack.world.calls("acct-b")
+
+
+def upserted_keys(history) -> list[set[str]]:
+    return [
+        set(e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields)
+        for e in history.events
+        if e.event_type == EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES
+    ]
+
+
+async def test_join_started_with_its_search_attributes_writes_only_what_changes(stack: Stack) -> None:
+    """The CLI and AcquireCapacity start a join with its site's search attributes: an
+    operator finds it by Site and NodeName from the start, and the join itself writes
+    only its state changes and whatever the starter got wrong."""
+    join_id = "join/site-a/with-attributes"
+    handle = await stack.client.start_workflow(
+        "NodeJoin", {"site": "site-a"}, id=join_id, task_queue=stack.settings.task_queue,
+        search_attributes=sa.join_start_attributes("site-a", "lambda", "acct-a", join_id),
+    )
+    started = (await handle.describe()).typed_search_attributes
+    assert started[sa.NODE_NAME] == node_name_for("site-a", join_id)
+    assert started[sa.FLEET_STATE] == "provisioning"
+    await handle.result()
+    own = [keys - {"TemporalChangeVersion"} for keys in upserted_keys(await handle.fetch_history())]
+    assert [keys for keys in own if keys] == [{"FleetState"}] * 3  # registered, proving, ready
+
+    # A starter with a stale idea of the site: the join corrects just that.
+    stale_id = "join/site-a/stale-attributes"
+    stale = await stack.client.start_workflow(
+        "NodeJoin", {"site": "site-a"}, id=stale_id, task_queue=stack.settings.task_queue,
+        search_attributes=sa.join_start_attributes("site-a", "aws", "acct-a", stale_id),
+    )
+    await stale.result()
+    assert upserted_keys(await stale.fetch_history())[0] == {"Provider"}
+    assert (await stale.describe()).typed_search_attributes[sa.PROVIDER] == "lambda"
+
+    # Started without them (the temporal CLI): the join sets all five itself.
+    bare = await stack.start_join({"site": "site-a"}, request="bare-attributes")
+    await bare.result()
+    assert upserted_keys(await bare.fetch_history())[0] == {"Site", "Provider", "Account", "NodeName", "FleetState"}
 
 
 async def test_join_happy_path(stack: Stack) -> None:

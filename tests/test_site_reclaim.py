@@ -67,6 +67,32 @@ async def test_site_below_min_fills_and_above_max_retires_the_newest(cap: CapSta
     await replay_and_record(mid, "site_retire_above_max")
 
 
+async def test_a_join_tells_its_site_entity_at_once(cap: CapStack) -> None:
+    """A node joined from outside the entity (CLI, temporal CLI) is in its status
+    when the join ends, not at the next reconcile minutes later."""
+    site = await start_site(cap, "dear", reconcile_seconds=3600)
+    await wait_for(lambda: True)
+
+    async def status() -> SiteStatus:
+        return await site.query("status", result_type=SiteStatus)
+
+    for _ in range(100):
+        if (await status()).last:
+            break
+        await asyncio.sleep(0.1)
+    assert (await status()).nodes == {}
+    joined = await cap.client.execute_workflow(
+        "NodeJoin", {"site": cap.site("dear"), "timeouts": FAST_JOIN}, id=f"join/{cap.site('dear')}/told",
+        task_queue=cap.settings.task_queue,
+    )
+    node_name = joined["nodes"][0]["node_name"]
+    for _ in range(100):
+        if (await status()).nodes.get(node_name) == "ready":
+            break
+        await asyncio.sleep(0.1)
+    assert (await status()).nodes == {node_name: "ready"}
+
+
 async def test_spot_reclaim_drains_honoring_pdb_and_replaces_elsewhere(cap: CapStack) -> None:
     spot = cap.site("spot")
     await cap.client.execute_workflow("NodeJoin", {"site": spot, "timeouts": FAST_JOIN}, id=f"join/{spot}/r1",

@@ -80,8 +80,8 @@ class SimNodeHost:
                 stamp = (self.world.data_version(), time.time() >= self._next_boot)
                 if stamp != seen:
                     seen = (stamp[0], False)
-                    await asyncio.to_thread(self._sync_kubelets)
-                    await self._sync_agents()
+                    up, registered = await asyncio.to_thread(self._sync_kubelets)
+                    await self._sync_agents(up, registered)
                     await self._watch_reclaims()
                 if self.agents and self._health_interval() > 0 and time.monotonic() >= self._next_health:
                     self._next_health = time.monotonic() + min(1.0, self._health_interval())
@@ -106,19 +106,24 @@ class SimNodeHost:
             if row["boot_at"] <= now and row["site"] not in unreachable
         }
 
-    def _sync_kubelets(self) -> None:
+    def _sync_kubelets(self) -> tuple[dict[str, tuple[str, str]], set[str]]:
+        """Each booted machine's kubelet: register with its join token, report Ready.
+        Returns the machines that are up and the ids of those registered."""
         from providers.cluster.sim import JoinRejected
 
         up = self._up_machines()
-        nodes = {n.machine_id: n for n in self.cluster.list_nodes()}
+        nodes = self.cluster.kubelet_view()
+        registered = set(nodes)
+        waiting = self.world.bootstrap_waiting()
         for machine_id, (name, boot_id) in up.items():
             node = nodes.get(machine_id)
             if node is None:
-                token = self.world.take_bootstrap_token(machine_id)
+                token = self.world.take_bootstrap_token(machine_id) if machine_id in waiting else None
                 if token:
                     gpus = len(self.world.gpu_health(machine_id))
                     try:
                         self.cluster.register_with_token(machine_id, token, boot_id, gpus)
+                        registered.add(machine_id)
                         log.info("node %s registered", name)
                     except JoinRejected as error:
                         log.warning("machine %s: join rejected: %s", machine_id, error)
@@ -127,12 +132,12 @@ class SimNodeHost:
         for machine_id, node in nodes.items():
             if machine_id not in up and node.ready:
                 self.cluster.set_node_status(node.name, ready=False)
+        return up, registered
 
-    async def _sync_agents(self) -> None:
+    async def _sync_agents(self, up: dict[str, tuple[str, str]], registered: set[str]) -> None:
+        """An agent for each registered machine that is up; a rebooted machine's agent restarts."""
         from providers.sim import SimGpuBackend
 
-        up = self._up_machines()
-        registered = {n.machine_id for n in await asyncio.to_thread(self.cluster.list_nodes)}
         for machine_id in list(self.agents):
             boot_id = self.agents[machine_id][0]
             if machine_id not in up or up[machine_id][1] != boot_id:
@@ -150,8 +155,9 @@ class SimNodeHost:
         if not hasattr(self, "reclaims"):
             self.reclaims = ReclaimWatcher(self.client, self.settings.task_queue)
         def notices() -> list[tuple]:
-            rows = [self.world.machine(m) for m in list(self.agents)]
-            return [(r["name"], r["site"], r["id"], self.world.reclaim_notice(r["id"])) for r in rows if r is not None]
+            posted = self.world.reclaim_notices()
+            rows = [self.world.machine(m) for m in posted if m in self.agents]
+            return [(r["name"], r["site"], r["id"], posted[r["id"]]) for r in rows if r is not None]
 
         for name, site, machine_id, terminate_at in await asyncio.to_thread(notices):
             await self.reclaims.check(name, site, machine_id, lambda t=terminate_at: t)

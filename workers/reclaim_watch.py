@@ -1,6 +1,6 @@
 """The node agent's spot-reclaim watcher: notice seen → signal-with-start SpotReclaim.
 
-- Sim: ``SimWorld.reclaim_notice(machine_id)`` (``gpufleet sim reclaim NODE`` posts one).
+- Sim: ``SimWorld.reclaim_notices()`` (``gpufleet sim reclaim NODE`` posts one).
 - AWS: IMDSv2 ``/latest/meta-data/spot/instance-action`` (404 until a notice;
   then ``{"action": "terminate", "time": "2026-...Z"}``).
 - GCP: ``computeMetadata/v1/instance/preempted`` answers ``TRUE`` (30 s notice).

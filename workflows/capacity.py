@@ -222,6 +222,7 @@ class AcquireCapacity:
             raw["timeouts"] = self._req.join_timeouts.model_dump(mode="json")
         result: NodeJoinResult = await workflow.execute_child_workflow(
             NodeJoin.run, raw, id=join_id, result_type=NodeJoinResult,
+            search_attributes=sa.join_start_attributes(cand.offer.site, cand.offer.provider, cand.account, join_id),
             static_summary=f"join a node at {cand.offer.site} ({cand.offer.instance_type}, "
                            f"${cand.offer.price_per_gpu_hour:.2f}/GPU-h)",
         )

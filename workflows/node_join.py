@@ -19,6 +19,7 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
+        AdmitNodeInput,
         DeleteMachineInput,
         IssueJoinTokenInput,
         PrepareNodeInput,
@@ -55,6 +56,12 @@ PROVIDER_RETRY = RetryPolicy(
     maximum_attempts=8,
     non_retryable_error_types=NON_RETRYABLE_TYPES,
 )
+#: Workflow patches, newest first. ``admit-tells-site``: the admit activity tells the
+#: Site entity. Histories recorded before it replay through the older branches:
+#: ``admit-together`` (admit, revoke and a signal to the Site in one round trip) and
+#: ``tell-site-entity`` (the signal after the admission).
+ADMIT_TELLS_SITE = "admit-tells-site"
+
 CLUSTER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 QUICK = timedelta(seconds=60)
 
@@ -147,10 +154,13 @@ class NodeJoin:
             "resolve_site", ResolveSiteInput(site=request.site), result_type=Site,
             start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=f"look up site {request.site}",
         )
-        workflow.upsert_search_attributes([
-            sa.SITE.value_set(site.name), sa.PROVIDER.value_set(site.provider), sa.ACCOUNT.value_set(site.account),
-            sa.NODE_NAME.value_set(node_name), sa.FLEET_STATE.value_set("provisioning"),
-        ])
+        # A starter that knew the site set these at start (``sa.join_start_attributes``): upsert what differs.
+        started_with = workflow.info().typed_search_attributes
+        changed = [pair.key.value_set(pair.value)
+                   for pair in sa.join_attributes(site.name, site.provider, site.account, join_id)
+                   if started_with.get(pair.key) != pair.value]
+        if changed:
+            workflow.upsert_search_attributes(changed)
 
         self._step("provisioning", f"{site.instance_type} at {site.provider} {site.region}")
         spec = MachineSpec(
@@ -222,18 +232,23 @@ class NodeJoin:
                 )
 
             self._step("admitting", "remove the unproven taint")
-            admit = workflow.execute_activity(
-                "prepare_node", PrepareNodeInput(node_name=node_name, labels={}, remove_taints=[UNPROVEN_TAINT]),
-                result_type=Node, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
-                summary="admit: remove unproven taint",
-            )
-            if workflow.patched("admit-together"):
-                # The token was spent at registration and the Site entity only counts:
-                # neither has to wait for the admission, so all three share one round trip.
-                await asyncio.gather(admit, self._revoke(token), self._tell_site(site.name, node_name, machine.id, "ready"))
+            if workflow.patched(ADMIT_TELLS_SITE):
+                # The token was spent at registration: revoking it need not wait for the admission.
+                await asyncio.gather(
+                    workflow.execute_activity(
+                        "admit_node", AdmitNodeInput(node_name=node_name, site=site.name, machine_id=machine.id),
+                        result_type=Node, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                        summary="admit: remove unproven taint, tell the Site entity",
+                    ),
+                    self._revoke(token),
+                )
+                token, told_site = None, True
+            elif workflow.patched("admit-together"):
+                await asyncio.gather(self._untaint(node_name), self._revoke(token),
+                                     self._tell_site(site.name, node_name, machine.id, "ready"))
                 token, told_site = None, True
             else:
-                await admit
+                await self._untaint(node_name)
         except (FailureError, asyncio.CancelledError):
             step = self._progress.step
             await self._clean_up(site, machine, node_name)
@@ -250,6 +265,14 @@ class NodeJoin:
         return JoinedNode(
             node_name=node_name, machine_id=machine.id, site=site.name, provider=site.provider,
             gpus=site.gpus_per_machine,
+        )
+
+    async def _untaint(self, node_name: str) -> None:
+        """Admission before ``admit-tells-site``: the taint lifted by the generic node patch."""
+        await workflow.execute_activity(
+            "prepare_node", PrepareNodeInput(node_name=node_name, labels={}, remove_taints=[UNPROVEN_TAINT]),
+            result_type=Node, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            summary="admit: remove unproven taint",
         )
 
     async def _tell_site(self, site: str, node_name: str, machine_id: str, state: str) -> None:

@@ -20,7 +20,7 @@ import json
 import secrets
 import string
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from fleet.models import Node
 from providers.cluster.base import (
@@ -76,6 +76,12 @@ PDB_REFUSAL = "The disruption budget {pdb} needs {need} healthy pods and has {ha
 def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
+
+
+class KubeletView(NamedTuple):
+    name: str
+    ready: bool
+    boot_id: str
 
 class JoinRejected(Exception):
     pass
@@ -158,6 +164,11 @@ class SimCluster:
     def get_node(self, name: str) -> Node | None:
         rows = self.world.query("SELECT * FROM nodes WHERE name=?", name)
         return self._node(rows[0]) if rows else None
+
+    def kubelet_view(self) -> dict[str, KubeletView]:
+        """machine id → what each node's kubelet knows of itself (cheaper than list_nodes)."""
+        rows = self.world.query("SELECT machine_id, name, ready, boot_id FROM nodes")
+        return {r["machine_id"]: KubeletView(r["name"], bool(r["ready"]), r["boot_id"] or "") for r in rows}
 
     def list_nodes(self, selector: dict[str, str] | None = None) -> list[Node]:
         nodes = [self._node(r) for r in self.world.query("SELECT * FROM nodes ORDER BY name")]

@@ -1,0 +1,56 @@
+"""Waiting inside an activity: poll with backoff, heartbeat only once the wait is long.
+
+Each heartbeat is a write to the workflow's state on the server. An activity
+that finishes within its first second has nothing to prove, so heartbeats
+start after a grace period (a quarter of the heartbeat timeout, at most 1 s):
+a worker that dies is still noticed within the heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+from typing import Callable, TypeVar
+
+from temporalio import activity
+from temporalio.exceptions import ApplicationError
+
+T = TypeVar("T")
+
+GRACE_SECONDS = 1.0
+FIRST_POLL_SECONDS = 0.05
+
+
+class Liveness:
+    """Heartbeats for one activity execution; create it when the activity starts."""
+
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+        timeout = activity.info().heartbeat_timeout
+        self._grace = min(GRACE_SECONDS, timeout.total_seconds() / 4) if timeout else GRACE_SECONDS
+
+    def beat(self, *details: object) -> None:
+        if time.monotonic() - self._start >= self._grace:
+            activity.heartbeat(*details)
+
+
+def poll_until(
+    check: Callable[[], T | None],
+    deadline: datetime,
+    poll_seconds: float,
+    timed_out: Callable[[], ApplicationError],
+) -> T:
+    """``check()`` until it returns something, polling fast at first (a warm machine
+    answers within a second) and backing off to ``poll_seconds``; past ``deadline``
+    raise ``timed_out()``."""
+    liveness = Liveness()
+    interval = FIRST_POLL_SECONDS
+    while True:
+        found = check()
+        if found is not None:
+            return found
+        if datetime.now(timezone.utc) >= deadline:
+            raise timed_out()
+        liveness.beat()
+        time.sleep(interval)
+        interval = min(interval * 2, poll_seconds)
