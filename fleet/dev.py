@@ -37,10 +37,16 @@ def temporal_binary() -> str:
     return found
 
 
-#: The dev server runs one history shard, and each shard's task-queue readers poll
-#: at most 20 times a second by default: under steady load every workflow task,
-#: timer and visibility update then waits ~40 ms for its reader's next slot. A real
-#: cluster spreads that over hundreds of shards; the dev server gets a higher cap.
+#: - The dev server runs one history shard, and each shard's task-queue readers poll
+#:   at most 20 times a second by default: under steady load every workflow task,
+#:   timer and visibility update then waits ~40 ms for its reader's next slot. A real
+#:   cluster spreads that over hundreds of shards; the dev server gets a higher cap.
+#: - One partition per task queue: every node agent polls a queue of its own
+#:   (``node/<name>``) that sees a few tasks a day; four partitions each made every
+#:   new node's queue cost four times the loads on a single-host server.
+#: - The CLI's dev server re-reads the search-attribute registry on every use (so a
+#:   key is usable the instant it is created); cached, each upsert costs less.
+#:   ``search_attributes.ensure_registered`` waits for a new key to be usable.
 DEV_SERVER_DYNAMIC_CONFIG = {
     "history.transferProcessorMaxPollRPS": 1000,
     "history.timerProcessorMaxPollRPS": 1000,

@@ -7,9 +7,13 @@ missing ones (an existing dev-server database ignores ``--search-attribute``).
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest, ListSearchAttributesRequest
 from temporalio.client import Client
 from temporalio.common import SearchAttributeKey, SearchAttributePair, TypedSearchAttributes
+from temporalio.service import RPCError
 
 from fleet.naming import node_name_for
 
@@ -51,8 +55,10 @@ def dev_server_flags() -> list[str]:
     return flags
 
 
-async def ensure_registered(client: Client) -> list[str]:
-    """Register every missing key; returns the names it added."""
+async def ensure_registered(client: Client, settle_seconds: float = 60) -> list[str]:
+    """Register every missing key and wait until the server accepts them; returns the
+    names it added. (gpufleet's dev servers cache search attributes instead of
+    re-reading them on every use, so a new key takes a few seconds to be usable.)"""
     existing = await client.operator_service.list_search_attributes(
         ListSearchAttributesRequest(namespace=client.namespace)
     )
@@ -65,4 +71,18 @@ async def ensure_registered(client: Client) -> list[str]:
         await client.operator_service.add_search_attributes(
             AddSearchAttributesRequest(namespace=client.namespace, search_attributes=missing)
         )
+        await _until_usable(client, sorted(missing), settle_seconds)
     return sorted(missing)
+
+
+async def _until_usable(client: Client, names: list[str], timeout: float) -> None:
+    query = " AND ".join(f"{name} IS NULL" for name in names)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            await client.count_workflows(query)
+            return
+        except RPCError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.5)
