@@ -32,6 +32,7 @@ from providers.cluster.base import ServingSpec
 from providers.sim import SimGpuBackend
 from workers.control_plane import build_worker
 from workers.health_report import send_report
+from workers.workflow_runner import workflow_runner
 
 
 async def until(predicate, timeout: float = 30, interval: float = 0.005) -> float:
@@ -56,7 +57,7 @@ async def main() -> None:
         host = start_node_host(settings, health_seconds=3600)
         echo_queue = f"{settings.task_queue}-echo"
         echo_worker = Worker(client, task_queue=echo_queue, workflows=[Echo], activities=[mark],
-                             activity_executor=ThreadPoolExecutor(8))
+                             workflow_runner=workflow_runner(client.data_converter), activity_executor=ThreadPoolExecutor(8))
         fleet_env = FleetEnv.from_settings(settings)
         cluster, world = fleet_env.cluster, fleet_env.world
         rtt, weight0, capacity = [], [], []

@@ -8,7 +8,7 @@ site's search attributes); the baseline workflow runs 8 no-op activities. Each r
 the baseline, then the joins: the ratio is taken per round (neighbours share
 the machine's mood) and the median of those is reported.
 
-    python -m bench.join_overhead [--nodes 50] [--rounds 5]
+    python -m bench.join_overhead [--nodes 50] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from fleet.naming import join_workflow_id
 from bench.baseline import NoopSteps, NoopStepsWithMetadata, noop
 from bench.common import bench_env, fleet, median, run, start_node_host, timed
 from workers.control_plane import build_worker
+from workers.workflow_runner import workflow_runner
 
 ACTIVITIES_PER_JOIN = 8
 
@@ -48,7 +49,7 @@ def retire_all(env: FleetEnv) -> None:
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nodes", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     n = args.nodes
     config = fleet(sites=5, capacity=n * (args.rounds + 1))
@@ -61,6 +62,7 @@ async def main() -> None:
         host = start_node_host(settings, health_seconds=0)
         baseline_queue = f"{settings.task_queue}-baseline"
         baseline_worker = Worker(client, task_queue=baseline_queue, workflows=[NoopSteps, NoopStepsWithMetadata], activities=[noop],
+                                 workflow_runner=workflow_runner(client.data_converter),
                                  activity_executor=ThreadPoolExecutor(128), max_concurrent_activities=128)
 
         async def baseline(workflow=NoopSteps) -> None:

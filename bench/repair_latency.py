@@ -34,6 +34,7 @@ from bench.echo import Echo, mark, ran
 from providers.sim import SimGpuBackend
 from workers.control_plane import build_worker
 from workers.health_report import send_report
+from workers.workflow_runner import workflow_runner
 
 def pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
@@ -63,7 +64,7 @@ async def main() -> None:
         host = start_node_host(settings, health_seconds=3600)
         base_queue = f"{settings.task_queue}-echo"
         echo_worker = Worker(client, task_queue=base_queue, workflows=[Echo], activities=[mark],
-                             activity_executor=ThreadPoolExecutor(8))
+                             workflow_runner=workflow_runner(client.data_converter), activity_executor=ThreadPoolExecutor(8))
         fleet_env = FleetEnv.from_settings(settings)
         cluster, world = fleet_env.cluster, fleet_env.world
         contain, rtt, sig_act = [], [], []

@@ -18,6 +18,7 @@ from activities import control_plane_activities
 from activities.env import FleetEnv
 from fleet.settings import Settings
 from fleet.temporal import connect, tracing_interceptors
+from workers.workflow_runner import workflow_runner
 from workflows import ALL_WORKFLOWS
 
 log = logging.getLogger("gpufleet.control_plane")
@@ -52,6 +53,7 @@ def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None
         activity_executor=ThreadPoolExecutor(max_workers=128, thread_name_prefix="activity"),
         max_concurrent_activities=128,
         interceptors=tracing_interceptors(),
+        workflow_runner=workflow_runner(client.data_converter),
     )
 
 
