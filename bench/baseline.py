@@ -6,6 +6,9 @@ from datetime import timedelta
 
 from temporalio import activity, workflow
 
+with workflow.unsafe.imports_passed_through():
+    from fleet import search_attributes as sa
+
 
 @activity.defn
 def noop(step: int) -> int:
@@ -28,8 +31,6 @@ class NoopStepsWithMetadata:
 
     @workflow.run
     async def run(self, steps: int) -> None:
-        from fleet import search_attributes as sa
-
         workflow.upsert_search_attributes([
             sa.SITE.value_set("bench"), sa.PROVIDER.value_set("bench"), sa.ACCOUNT.value_set("bench"),
             sa.NODE_NAME.value_set("bench"), sa.FLEET_STATE.value_set("provisioning"),
