@@ -3,7 +3,8 @@
 The runbook: resolve the site → provision (the workflow id is the provider's
 idempotency key) → issue a join token to the machine → wait for it to register
 → label it and taint it unproven → smoke test on the node's own queue → lift
-the taint. Anything failing after the machine exists deletes the machine: a
+the taint (the admit activity also tells the Site entity) while the spent token
+is revoked. Anything failing after the machine exists deletes the machine: a
 failed join leaks nothing and never admits the node.
 """
 
