@@ -76,15 +76,15 @@ class ServingActivities:
     @activity.defn
     @typed_errors
     def wait_serving_ready(self, input: WaitServingInput) -> ServingStatus:
-        last: list[ServingStatus | None] = [None]
+        status: ServingStatus | None = None
 
         def ready() -> ServingStatus | None:
-            status = last[0] = self.env.cluster.serving_status(input.model, input.site)
+            nonlocal status
+            status = self.env.cluster.serving_status(input.model, input.site)
             done = status is not None and status.ready and status.observed_generation >= status.generation
             return status if done else None
 
         def not_ready() -> ApplicationError:
-            status = last[0]
             seen = (f"{status.available_replicas}/{status.desired_replicas} replicas available, "
                     f"{status.updated_replicas} updated") if status else "no Deployment"
             return ApplicationError(

@@ -68,6 +68,19 @@ def start_node_host(settings: Settings, health_seconds: float | None = None) -> 
     return subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"], env=env)
 
 
+def echo_worker(client, task_queue: str):
+    """The signal-baseline worker (bench.echo), configured like the control-plane worker."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from temporalio.worker import Worker
+
+    from bench.echo import Echo, mark
+    from workers.workflow_runner import workflow_runner
+
+    return Worker(client, task_queue=task_queue, workflows=[Echo], activities=[mark],
+                  workflow_runner=workflow_runner(client.data_converter), activity_executor=ThreadPoolExecutor(8))
+
+
 async def timed(run: Callable[[], Awaitable[object]]) -> float:
     start = time.perf_counter()
     await run()

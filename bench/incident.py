@@ -20,19 +20,15 @@ import asyncio
 import statistics
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-
-from temporalio.worker import Worker
 
 from activities.env import FleetEnv
 from activities.models import HealthReport
-from bench.common import bench_env, fleet, run, start_node_host
-from bench.echo import Echo, mark
+from bench.common import bench_env, echo_worker, fleet, run, start_node_host
+from bench.echo import Echo
 from providers.cluster.base import ServingSpec
 from providers.sim import SimGpuBackend
 from workers.control_plane import build_worker
 from workers.health_report import send_report
-from workers.workflow_runner import workflow_runner
 
 
 async def until(predicate, timeout: float = 30, interval: float = 0.005) -> float:
@@ -56,14 +52,13 @@ async def main() -> None:
         client = env.client
         host = start_node_host(settings, health_seconds=3600)
         echo_queue = f"{settings.task_queue}-echo"
-        echo_worker = Worker(client, task_queue=echo_queue, workflows=[Echo], activities=[mark],
-                             workflow_runner=workflow_runner(client.data_converter), activity_executor=ThreadPoolExecutor(8))
+        signal_worker = echo_worker(client, echo_queue)
         fleet_env = FleetEnv.from_settings(settings)
         cluster, world = fleet_env.cluster, fleet_env.world
         rtt, weight0, capacity = [], [], []
         queue = settings.task_queue
         try:
-            async with build_worker(client, settings), echo_worker:
+            async with build_worker(client, settings), signal_worker:
                 joins = []
                 for d in range(args.drills):
                     s, t = f"site-{2 * d}", f"site-{2 * d + 1}"

@@ -24,17 +24,15 @@ import asyncio
 import statistics
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from temporalio.worker import Worker
 
 from activities.env import FleetEnv
 from activities.models import HealthReport
-from bench.common import bench_env, fleet, run, start_node_host
-from bench.echo import Echo, mark, ran
+from bench.common import bench_env, echo_worker, fleet, run, start_node_host
+from bench.echo import Echo, ran
 from providers.sim import SimGpuBackend
 from workers.control_plane import build_worker
 from workers.health_report import send_report
-from workers.workflow_runner import workflow_runner
+
 
 def pct(values: list[float], p: float) -> float:
     ordered = sorted(values)
@@ -63,13 +61,12 @@ async def main() -> None:
         client = env.client
         host = start_node_host(settings, health_seconds=3600)
         base_queue = f"{settings.task_queue}-echo"
-        echo_worker = Worker(client, task_queue=base_queue, workflows=[Echo], activities=[mark],
-                             workflow_runner=workflow_runner(client.data_converter), activity_executor=ThreadPoolExecutor(8))
+        signal_worker = echo_worker(client, base_queue)
         fleet_env = FleetEnv.from_settings(settings)
         cluster, world = fleet_env.cluster, fleet_env.world
         contain, rtt, sig_act = [], [], []
         try:
-            async with build_worker(client, settings), echo_worker:
+            async with build_worker(client, settings), signal_worker:
                 joins = [
                     client.execute_workflow("NodeJoin", {"site": f"site-{i % 5}"},
                                             id=f"join/site-{i % 5}/{uuid.uuid4().hex[:8]}", task_queue=settings.task_queue)

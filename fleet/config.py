@@ -46,6 +46,11 @@ class Account(_Strict):
     #: Provider-specific knobs (API endpoint, project id, BMC inventory...).
     options: dict[str, Any] = Field(default_factory=dict)
 
+    def option(self, key: str, default: Any) -> Any:
+        """An option's value; ``default`` when it is missing or null."""
+        value = self.options.get(key)
+        return default if value is None else value
+
 
 class ObjectStore(_Strict):
     """An S3-compatible bucket (AWS S3, Nebius, Hetzner object storage, MinIO...).

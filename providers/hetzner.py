@@ -170,25 +170,20 @@ class HetznerProvider:
     def __init__(self, site: Site, account: Account) -> None:
         self.site = site
         self.account = account
-        self._options = dict(account.options)
 
     # -- plumbing -----------------------------------------------------------
-
-    def _option(self, key: str, default: Any) -> Any:
-        value = self._options.get(key)
-        return default if value is None else value
 
     def _client(self) -> Client:
         """A fresh SDK client; reads the token now, makes no call yet."""
         token = read_secret(self.account.credentials, provider=PROVIDER)
-        poll = float(self._option("poll_interval_s", 1.0))
+        poll = float(self.account.option("poll_interval_s", 1.0))
         client = Client(
             token=token,
-            api_endpoint=str(self._option("api_endpoint", DEFAULT_ENDPOINT)).rstrip("/"),
+            api_endpoint=str(self.account.option("api_endpoint", DEFAULT_ENDPOINT)).rstrip("/"),
             application_name="gpufleet",
             poll_interval=poll,
-            poll_max_retries=max(1, math.ceil(float(self._option("action_wait_s", 300)) / poll)),
-            timeout=float(self._option("timeout_s", 30)),
+            poll_max_retries=max(1, math.ceil(float(self.account.option("action_wait_s", 300)) / poll)),
+            timeout=float(self.account.option("timeout_s", 30)),
         )
         # Temporal retries; the SDK's own loop would hide Transient errors for a minute.
         base = getattr(client, "_client", None)
@@ -213,7 +208,7 @@ class HetznerProvider:
         return {**spec.tags, SITE_LABEL: self.site.name}
 
     def _create_image(self, spec: MachineSpec) -> str:
-        return spec.image or self.site.image or str(self._option("image", DEFAULT_IMAGE))
+        return spec.image or self.site.image or str(self.account.option("image", DEFAULT_IMAGE))
 
     def _wait(self, action: BoundAction) -> None:
         action.wait_until_finished()
@@ -230,7 +225,7 @@ class HetznerProvider:
             return self._owned(server)
 
     def _create(self, client: Client, spec: MachineSpec) -> BoundServer:
-        ssh_keys = [_ssh_key(ref) for ref in self._option("ssh_keys", [])]
+        ssh_keys = [_ssh_key(ref) for ref in self.account.option("ssh_keys", [])]
         try:
             response = client.servers.create(
                 name=spec.name,
@@ -239,7 +234,7 @@ class HetznerProvider:
                 location=Location(name=spec.region or self.site.region),
                 labels=self._labels(spec),
                 ssh_keys=ssh_keys or None,
-                user_data=self._options.get("user_data"),
+                user_data=self.account.options.get("user_data"),
             )
         except APIException as exc:
             if exc.code != "uniqueness_error":
@@ -305,7 +300,7 @@ class HetznerProvider:
             self._wait(client.servers.rebuild(server, target).action)
 
     def _site_image(self) -> str:
-        return self.site.image or str(self._option("image", DEFAULT_IMAGE))
+        return self.site.image or str(self.account.option("image", DEFAULT_IMAGE))
 
     def _existing_id(self, machine_id: str) -> int:
         server_id = _server_id(machine_id)

@@ -228,16 +228,11 @@ class NebiusProvider:
     def __init__(self, site: Site, account: Account) -> None:
         self.site = site
         self.account = account
-        self._options = dict(account.options)
 
     # -- configuration --------------------------------------------------------
 
-    def _option(self, key: str, default: Any) -> Any:
-        value = self._options.get(key)
-        return default if value is None else value
-
     def _required(self, key: str) -> str:
-        value = self._options.get(key)
+        value = self.account.options.get(key)
         if not value:
             raise InvalidRequest(
                 f"account {self.account.name!r}: options.{key} is required for Nebius",
@@ -247,17 +242,17 @@ class NebiusProvider:
         return str(value)
 
     def _call_kwargs(self) -> dict[str, Any]:
-        timeout = float(self._option("request_timeout_s", 30))
+        timeout = float(self.account.option("request_timeout_s", 30))
         return {
             "timeout": timeout,
             "per_retry_timeout": timeout,
             "auth_timeout": timeout,
             "auth_options": dict(AUTH_OPTIONS),
-            "retries": int(self._option("sdk_retries", 0)),
+            "retries": int(self.account.option("sdk_retries", 0)),
         }
 
     def _platform_preset(self, instance_type: str) -> tuple[str, str]:
-        mapped = self._option("instance_types", {}).get(instance_type)
+        mapped = self.account.option("instance_types", {}).get(instance_type)
         if mapped:
             return str(mapped["platform"]), str(mapped["preset"])
         platform, dot, preset = instance_type.partition(".")
@@ -270,7 +265,7 @@ class NebiusProvider:
         return platform, preset
 
     def _instance_type_of(self, platform: str, preset: str) -> str:
-        for name, mapped in self._option("instance_types", {}).items():
+        for name, mapped in self.account.option("instance_types", {}).items():
             if mapped.get("platform") == platform and mapped.get("preset") == preset:
                 return str(name)
         return f"{platform}.{preset}" if preset else platform
@@ -303,12 +298,12 @@ class NebiusProvider:
         kwargs: dict[str, Any] = {
             "credentials": credentials,
             "user_agent_prefix": USER_AGENT,
-            "domain": str(self._option("domain", DEFAULT_DOMAIN)),
+            "domain": str(self.account.option("domain", DEFAULT_DOMAIN)),
         }
-        address = self._options.get("address")
+        address = self.account.options.get("address")
         if address:
             kwargs["resolver"] = Constant(str(address))
-        if self._options.get("insecure"):
+        if self.account.options.get("insecure"):
             kwargs["options"] = [(INSECURE, True)]
         return kwargs
 
@@ -328,13 +323,13 @@ class NebiusProvider:
 
     def _wait(self, operation: Operation[Any]) -> None:
         """Poll ``operation`` to its end, bounded; a failed one raises via ``_translated``."""
-        timeout = float(self._option("request_timeout_s", 30))
+        timeout = float(self.account.option("request_timeout_s", 30))
         operation.sync_wait(
-            interval=float(self._option("poll_interval_s", 2)),
-            timeout=float(self._option("operation_wait_s", 600)),
+            interval=float(self.account.option("poll_interval_s", 2)),
+            timeout=float(self.account.option("operation_wait_s", 600)),
             poll_iteration_timeout=timeout,
             poll_per_retry_timeout=timeout,
-            poll_retries=int(self._option("sdk_retries", 0)),
+            poll_retries=int(self.account.option("sdk_retries", 0)),
             auth_timeout=timeout,
             auth_options=dict(AUTH_OPTIONS),
         )
@@ -366,14 +361,14 @@ class NebiusProvider:
         return self._machine(instance)
 
     def _boot_disk(self, spec: MachineSpec) -> DiskSpec:
-        image = spec.image or self.site.image or str(self._option("image_family", DEFAULT_IMAGE_FAMILY))
+        image = spec.image or self.site.image or str(self.account.option("image_family", DEFAULT_IMAGE_FAMILY))
         source: dict[str, Any] = (
             {"source_image_id": image}
             if image.startswith("computeimage-")
             else {"source_image_family": SourceImageFamily(image_family=image)}
         )
         return DiskSpec(
-            size_gibibytes=int(self._option("boot_disk_gib", 200)),
+            size_gibibytes=int(self.account.option("boot_disk_gib", 200)),
             type=DiskSpec.DiskType.NETWORK_SSD,
             **source,
         )
@@ -382,7 +377,7 @@ class NebiusProvider:
         platform, preset = self._platform_preset(spec.instance_type or self.site.instance_type)
         subnet_id = self._required("subnet_id")
         interface: dict[str, Any] = {"name": "eth0", "subnet_id": subnet_id, "ip_address": IPAddress()}
-        if self._option("public_ip", True):
+        if self.account.option("public_ip", True):
             interface["public_ip_address"] = PublicIPAddress()
         fields: dict[str, Any] = {
             "resources": ResourcesSpec(platform=platform, preset=preset),
@@ -396,8 +391,8 @@ class NebiusProvider:
         if spec.capacity_type == CapacityType.SPOT:
             fields["preemptible"] = PreemptibleSpec(on_preemption=PreemptibleSpec.PreemptionPolicy.STOP)
         for option in ("service_account_id", "user_data"):
-            if self._options.get(option):
-                fields["cloud_init_user_data" if option == "user_data" else option] = str(self._options[option])
+            if self.account.options.get(option):
+                fields["cloud_init_user_data" if option == "user_data" else option] = str(self.account.options[option])
         return CreateInstanceRequest(
             metadata=ResourceMetadata(
                 parent_id=self._required("parent_id"),

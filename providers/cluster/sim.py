@@ -77,11 +77,11 @@ def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-
 class KubeletView(NamedTuple):
     name: str
     ready: bool
     boot_id: str
+
 
 class JoinRejected(Exception):
     pass
