@@ -17,7 +17,7 @@ from temporalio import activity
 from temporalio.common import WorkflowIDConflictPolicy
 
 from activities.account_store import AccountRecord, CatalogEntry
-from workflows.capacity_models import (
+from fleet.messages.capacity import (
     AccountInput,
     AccountRecordInput,
     Catalog,
@@ -36,7 +36,7 @@ from fleet.errors import BadCredentials, FleetError
 from fleet.models import AccountState
 from fleet.naming import account_workflow_id, site_workflow_id
 from fleet.placement import AccountView
-from providers.cluster.base import LABEL_SITE, UNPROVEN_TAINT, DrainResult
+from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, DrainResult
 
 
 class CapacityActivities:

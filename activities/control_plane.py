@@ -29,7 +29,7 @@ from activities.models import (
 from fleet.config import Site
 from fleet.models import Machine, Node
 from fleet.naming import site_workflow_id
-from providers.cluster.base import UNPROVEN_TAINT, JoinTokenRef
+from fleet.cluster import UNPROVEN_TAINT, JoinTokenRef
 
 
 class ControlPlaneActivities:

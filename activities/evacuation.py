@@ -15,8 +15,9 @@ from fleet.config import Site
 from fleet.errors import FleetError, Transient
 from fleet.incident import IncidentSettings, SiteFacts
 from fleet.naming import site_workflow_id
-from providers.cluster.base import LABEL_SITE, UNPROVEN_TAINT, RoutingTable, ServingStatus, SiteRoute, serving_capacity
-from workflows.evacuation_models import (
+from providers.cluster.base import serving_capacity
+from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, RoutingTable, ServingStatus, SiteRoute
+from fleet.messages.evacuation import (
     AdmitRepairInput,
     EvacuationFacts,
     FreeGpusInput,

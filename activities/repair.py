@@ -28,7 +28,7 @@ from activities.models import (
 )
 from fleet.errors import NotFound
 from fleet.models import Node
-from providers.cluster.base import ANNOTATION_MACHINE_ID, LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
+from fleet.cluster import ANNOTATION_MACHINE_ID, LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
 
 #: One annotation per fenced GPU: ``gpufleet.io/fenced-gpu-<i>: <rung>``. The node's
 #: device plugin treats a fenced GPU as unhealthy (not allocatable).

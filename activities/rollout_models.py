@@ -9,7 +9,7 @@ from pydantic import BaseModel, Field
 
 from fleet.config import ObjectStore
 from fleet.rollout import Replication, WeightFile
-from providers.cluster.base import ServingSpec
+from fleet.cluster import ServingSpec
 
 
 class ReplicateInput(BaseModel):

@@ -27,7 +27,7 @@ from activities.rollout_models import (
     WaitServingInput,
 )
 from fleet.rollout import ProbeResult
-from providers.cluster.base import ServingStatus
+from fleet.cluster import ServingStatus
 
 
 class ServingActivities:

@@ -19,7 +19,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from fleet import search_attributes
-from fleet.dev import dev_server_tuning_flags, temporal_binary
+from cli.dev import dev_server_tuning_flags, temporal_binary
 from fleet.settings import Settings
 
 

@@ -25,7 +25,7 @@ from activities.env import FleetEnv
 from activities.models import HealthReport
 from bench.common import bench_env, echo_worker, fleet, run, start_node_host
 from bench.echo import Echo
-from providers.cluster.base import ServingSpec
+from fleet.cluster import ServingSpec
 from providers.sim import SimGpuBackend
 from workers.control_plane import build_worker
 from workers.health_report import send_report

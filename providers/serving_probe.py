@@ -19,7 +19,8 @@ from __future__ import annotations
 import os
 
 from fleet.rollout import ProbeResult
-from providers.cluster.base import SERVING_PORT, Cluster, serving_name
+from providers.cluster.base import Cluster, serving_name
+from fleet.cluster import SERVING_PORT
 from providers.sim import SimWorld
 
 PROBE_SCHEMA = """

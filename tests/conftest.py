@@ -18,7 +18,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from activities.env import FleetEnv
 from fleet import search_attributes
-from fleet.dev import dev_server_tuning_flags, temporal_binary
+from cli.dev import dev_server_tuning_flags, temporal_binary
 from fleet.settings import Settings
 from providers.cluster.sim import SimCluster
 from providers.sim import SimWorld

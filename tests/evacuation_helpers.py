@@ -16,13 +16,13 @@ from temporalio.client import Client, WorkflowHandle
 
 from activities.env import FleetEnv
 from fleet.settings import Settings
-from providers.cluster.base import ServingSpec
+from fleet.cluster import ServingSpec
 from providers.cluster.sim import SimCluster
 from providers.sim import SimWorld
 from workers.control_plane import build_worker
 from tests.replay import replay_and_record  # noqa: F401 - used by the scenario tests
 from workers.node_agent import SimNodeHost
-from workflows.evacuation_models import EvacuationProgress
+from fleet.messages.evacuation import EvacuationProgress
 
 FAST_JOIN = {"registration_seconds": 15, "smoke_test_seconds": 10, "heartbeat_seconds": 5}
 #: Everything short: the sim boots in 0.1 s.

@@ -16,8 +16,8 @@ from activities.env import FleetEnv
 from fleet.settings import Settings
 from tests.conftest import TEST_FLEET, Stack, write_fleet
 from workers.node_agent import SimNodeHost
-from workflows.models import JoinedNode, NodeJoinResult
-from workflows.repair_models import GpuRepairResult, LadderState, NodeStatus
+from fleet.messages.join import JoinedNode, NodeJoinResult
+from fleet.messages.repair import GpuRepairResult, LadderState, NodeStatus
 
 REPAIR = {
     "timeouts": {"contain_seconds": 10, "drain_seconds": 1, "reset_seconds": 5, "reboot_seconds": 15,

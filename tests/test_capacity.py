@@ -10,7 +10,7 @@ import pytest
 from temporalio.client import WorkflowUpdateFailedError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
-from workflows.capacity_models import AccountStatus, CapacityProgress, CapacityResult
+from fleet.messages.capacity import AccountStatus, CapacityProgress, CapacityResult
 from activities.control_plane import ControlPlaneActivities
 from activities.models import DeleteMachineInput
 from tests.capacity_fleet import CapStack, open_stack, replay_and_record

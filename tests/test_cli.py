@@ -9,17 +9,17 @@ import sys
 from temporalio.testing import ActivityEnvironment
 
 from activities.models import ProbeGpusInput, SmokeTestInput
-from fleet.dev import temporal_binary
+from cli.dev import temporal_binary
 from activities.node_agent import NodeAgentActivities
 from providers.sim import SimGpuBackend
 from tests.conftest import Stack
-from workflows.models import NodeJoinResult
+from fleet.messages.join import NodeJoinResult
 
 
 async def gpufleet(stack: Stack, *args: str) -> subprocess.CompletedProcess:
     env = {**stack.settings_env(), "COLUMNS": "200"}
     return await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "fleet.cli", *args], env=env, capture_output=True, text=True, timeout=120
+        subprocess.run, [sys.executable, "-m", "cli", *args], env=env, capture_output=True, text=True, timeout=120
     )
 
 
@@ -83,7 +83,7 @@ async def test_tracing_is_off_by_default_and_exports_when_configured(stack: Stac
     quiet = await gpufleet(stack, "join", "--site", "site-a", "--request", "quiet", "--wait")
     assert quiet.returncode == 0 and "trace_id" not in quiet.stdout
     env_run = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "fleet.cli", "join", "--site", "site-a", "--request", "traced", "--wait"],
+        subprocess.run, [sys.executable, "-m", "cli", "join", "--site", "site-a", "--request", "traced", "--wait"],
         env={**stack.settings_env(), "OTEL_TRACES_EXPORTER": "console", "OTEL_SERVICE_NAME": "gpufleet-test"},
         capture_output=True, text=True, timeout=120,
     )

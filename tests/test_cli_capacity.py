@@ -26,7 +26,7 @@ async def cap(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterato
 async def gpufleet(stack: CapStack, *args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, **stack.settings.env(), "COLUMNS": "250"}
     return await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-m", "fleet.cli", *args], env=env, capture_output=True, text=True, timeout=120
+        subprocess.run, [sys.executable, "-m", "cli", *args], env=env, capture_output=True, text=True, timeout=120
     )
 
 

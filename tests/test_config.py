@@ -11,7 +11,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from fleet.cli import app
+from cli.main import app
 from fleet.config import ConfigError, load_config
 from tests.conftest import TEST_FLEET
 
@@ -99,9 +99,9 @@ def test_console_script_exit_code(tmp_path: Path) -> None:
     """The installed command, as a person runs it."""
     path = tmp_path / "sites.yaml"
     path.write_text(yaml.safe_dump(broken(lambda f: f["sites"][0].update(min_nodes=5, max_nodes=1))))
-    bad = subprocess.run([sys.executable, "-m", "fleet.cli", "config", "check", str(path)], capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-m", "cli", "config", "check", str(path)], capture_output=True, text=True)
     assert bad.returncode == 2
     assert "site-a" in bad.stderr and "max_nodes" in bad.stderr
-    good = subprocess.run([sys.executable, "-m", "fleet.cli", "config", "check", str(REPO / "deploy/sites.example.yaml")],
+    good = subprocess.run([sys.executable, "-m", "cli", "config", "check", str(REPO / "deploy/sites.example.yaml")],
                           capture_output=True, text=True)
     assert good.returncode == 0, good.stderr

@@ -22,13 +22,13 @@ def free_port() -> int:
 
 
 def gpufleet(env: dict, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fleet.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *args], env=env, capture_output=True, text=True,
                           timeout=timeout)
 
 
 def start_dev(env: dict, port: int, ui_port: int, log: Path) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fleet.cli", "dev", "--port", str(port), "--ui-port", str(ui_port)],
+        [sys.executable, "-m", "cli", "dev", "--port", str(port), "--ui-port", str(ui_port)],
         env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + 60
@@ -84,7 +84,7 @@ def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
     try:
         assert gpufleet(env, "sim", "unreachable", "site-b", "--restore").returncode == 0
         result = subprocess.run(
-            [sys.executable, "-m", "fleet.cli", "join", "--site", "site-b", "--request", "across-restart", "--wait"],
+            [sys.executable, "-m", "cli", "join", "--site", "site-b", "--request", "across-restart", "--wait"],
             env=env, capture_output=True, text=True, timeout=120,
         )
         assert result.returncode == 0, result.stdout + result.stderr

@@ -21,8 +21,8 @@ from tests.evacuation_helpers import (
     poll,
     replay_and_record,
 )
-from workflows.capacity_models import SiteStatus
-from workflows.evacuation_models import EvacuationResult
+from fleet.messages.capacity import SiteStatus
+from fleet.messages.evacuation import EvacuationResult
 
 MODEL = "llm"
 

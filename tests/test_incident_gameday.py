@@ -23,7 +23,7 @@ async def test_gameday_provider_loss_measures_the_timeline(temporal_env, tmp_pat
         env = {**os.environ, **inc.settings.env()}
         proc = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "fleet.cli", "gameday", "provider-loss", "--site", a, "--heal-after", "0.2",
+            [sys.executable, "-m", "cli", "gameday", "provider-loss", "--site", a, "--heal-after", "0.2",
              "--timeout", "90", "--json", str(out)],
             env=env, capture_output=True, text=True, timeout=120,
         )
@@ -52,7 +52,7 @@ async def test_gameday_region_loss_evacuates_every_site_of_the_geography(tempora
         env = {**os.environ, **inc.settings.env()}
         proc = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "fleet.cli", "gameday", "region-loss", "--geo", "us-east", "--heal-after", "0.2",
+            [sys.executable, "-m", "cli", "gameday", "region-loss", "--geo", "us-east", "--heal-after", "0.2",
              "--timeout", "120", "--json", str(out)],
             env=env, capture_output=True, text=True, timeout=180,
         )
@@ -66,7 +66,7 @@ async def test_gameday_region_loss_evacuates_every_site_of_the_geography(tempora
             assert inc.world.site_row(site)["unreachable"] == 0
         assert inc.world.site_row(inc.site("d"))["unreachable"] == 0
         unknown = await asyncio.to_thread(
-            subprocess.run, [sys.executable, "-m", "fleet.cli", "gameday", "region-loss", "--geo", "mars"],
+            subprocess.run, [sys.executable, "-m", "cli", "gameday", "region-loss", "--geo", "mars"],
             env=env, capture_output=True, text=True, timeout=60,
         )
         assert unknown.returncode == 2 and "mars" in unknown.stderr

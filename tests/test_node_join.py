@@ -15,10 +15,10 @@ from temporalio.exceptions import ApplicationError
 
 from fleet import search_attributes as sa
 from fleet.naming import node_name_for
-from providers.cluster.base import UNPROVEN_TAINT
+from fleet.cluster import UNPROVEN_TAINT
 from tests.conftest import Stack, run_node_host, wait_for
 from workers.control_plane import build_worker
-from workflows.models import NodeJoinResult
+from fleet.messages.join import NodeJoinResult
 
 FAST = {"timeouts": {"registration_seconds": 3, "smoke_test_seconds": 5, "heartbeat_seconds": 2}}
 

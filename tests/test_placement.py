@@ -7,7 +7,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from pydantic import ValidationError
 
-from workflows.capacity_models import SiteNode
+from fleet.messages.capacity import SiteNode
 from fleet.config import Site
 from fleet.models import AccountState, CapacityType
 from fleet.placement import AccountView, Constraints, offers_from_config, rank, surplus_to_retire

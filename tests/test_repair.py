@@ -13,7 +13,7 @@ from temporalio.client import WorkflowExecutionStatus
 
 from activities.models import HealthReport
 from activities.repair import fence_key
-from fleet.cli import app
+from cli.main import app
 from fleet.models import GpuHealth, XidEvent
 from fleet.repair_policy import Rung
 from tests.conftest import Stack, terminate_running
@@ -33,7 +33,7 @@ from tests.repair_helpers import (
 )
 from workers.control_plane import build_worker
 from workers.health_report import send_report
-from workflows.repair_models import SkipToInput
+from fleet.messages.repair import SkipToInput
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import uuid
 from temporalio.testing import WorkflowEnvironment
 
 from fleet import search_attributes as sa
-from fleet.dev import dev_server_tuning_flags, temporal_binary
+from cli.dev import dev_server_tuning_flags, temporal_binary
 
 
 async def test_keys_registered_on_a_running_server_are_usable_at_once() -> None:

@@ -12,9 +12,9 @@ from temporalio.client import WorkflowExecutionStatus
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from workflows.capacity_models import AccountStatus, SiteStatus, SpotReclaimResult
+from fleet.messages.capacity import AccountStatus, SiteStatus, SpotReclaimResult
 from fleet import search_attributes
-from fleet.dev import dev_server_tuning_flags, temporal_binary
+from cli.dev import dev_server_tuning_flags, temporal_binary
 from tests.capacity_fleet import FAST_JOIN, CapStack, capacity_fleet, open_stack, replay_and_record
 from tests.conftest import wait_for
 

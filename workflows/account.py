@@ -27,7 +27,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.capacity_models import (
+    from fleet.messages.capacity import (
         AccountInput,
         AccountRecordInput,
         AccountStatus,

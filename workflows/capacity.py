@@ -32,7 +32,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.capacity_models import (
+    from fleet.messages.capacity import (
         Attempt,
         CapacityProgress,
         CapacityRequest,
@@ -46,7 +46,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.naming import join_workflow_id
     from fleet.placement import AccountView, Candidate, Placement, rank
     from workflows.inputs import parse_input
-    from workflows.models import JoinedNode, NodeJoinResult
+    from fleet.messages.join import JoinedNode, NodeJoinResult
     from workflows.node_join import PROVIDER_RETRY, QUICK, NodeJoin, failure_message, failure_type
 
 ACCOUNT_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))

@@ -41,8 +41,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.incident import Deficit, IncidentSettings, Plan, allowed_targets, nodes_needed, plan_moves
     from fleet.settings import node_queue
-    from workflows.capacity_models import CapacityResult, DrainNodeInput, RetireMachineInput, SiteNodesInput, SiteNode
-    from workflows.evacuation_models import (
+    from fleet.messages.capacity import CapacityResult, DrainNodeInput, RetireMachineInput, SiteNodesInput, SiteNode
+    from fleet.messages.evacuation import (
         EvacuationFacts,
         EvacuationProgress,
         EvacuationResult,
@@ -59,7 +59,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import parse_input
     from workflows.node_join import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, failure_message, failure_type
     from activities.rollout_models import WaitServingInput
-    from providers.cluster.base import DrainResult, ServingStatus
+    from fleet.cluster import DrainResult, ServingStatus
 
 
 def evacuation_workflow_id(site: str, n: int) -> str:

@@ -31,8 +31,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import parse_input
     from workflows.node_join import CLUSTER_RETRY, QUICK, failure_message
     from workflows.repair import repair_workflow_id
-    from workflows.evacuation_models import AdmitRepairInput, RepairDecision
-    from workflows.repair_models import (
+    from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
+    from fleet.messages.repair import (
         GpuRepairInput,
         GpuRepairResult,
         NodeAction,

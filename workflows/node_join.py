@@ -38,7 +38,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.models import Machine, MachineSpec, Node
     from fleet.naming import node_name_for, site_workflow_id
     from fleet.settings import node_queue
-    from providers.cluster.base import (
+    from fleet.cluster import (
         LABEL_GPU_PRODUCT,
         LABEL_PROVIDER,
         LABEL_REGION,
@@ -47,7 +47,7 @@ with workflow.unsafe.imports_passed_through():
         JoinTokenRef,
     )
     from workflows.inputs import parse_input
-    from workflows.models import JoinedNode, JoinProgress, NodeJoinInput, NodeJoinResult
+    from fleet.messages.join import JoinedNode, JoinProgress, NodeJoinInput, NodeJoinResult
 
 #: Provider calls: transient errors back off up to a minute, a bounded number of times.
 PROVIDER_RETRY = RetryPolicy(

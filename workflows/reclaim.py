@@ -18,7 +18,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.capacity_models import (
+    from fleet.messages.capacity import (
         CapacityResult,
         DrainNodeInput,
         RetireMachineInput,
@@ -30,7 +30,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.config import Site
     from fleet.naming import capacity_workflow_id
     from fleet.placement import offer_key
-    from providers.cluster.base import DrainResult
+    from fleet.cluster import DrainResult
     from workflows.inputs import parse_input
     from workflows.node_join import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, failure_message
 

@@ -21,7 +21,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.capacity_models import RetireMachineInput
+    from fleet.messages.capacity import RetireMachineInput
     from activities.models import (
         ContainInput,
         ContainResult,
@@ -41,9 +41,9 @@ with workflow.unsafe.imports_passed_through():
     from fleet.repair_policy import Rung
     from fleet.settings import node_queue
     from workflows.inputs import parse_input
-    from workflows.models import NodeJoinResult
+    from fleet.messages.join import NodeJoinResult
     from workflows.node_join import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, failure_message, failure_type
-    from workflows.repair_models import (
+    from fleet.messages.repair import (
         Attempt,
         GpuRepairInput,
         GpuRepairResult,

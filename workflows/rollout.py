@@ -57,7 +57,7 @@ with workflow.unsafe.imports_passed_through():
         next_batch,
         render_details,
     )
-    from providers.cluster.base import ServingSpec, ServingStatus
+    from fleet.cluster import ServingSpec, ServingStatus
     from workflows.inputs import parse_input
 
 QUICK = timedelta(seconds=60)

@@ -42,7 +42,7 @@ from temporalio.exceptions import ActivityError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from workflows.capacity_models import (
+    from fleet.messages.capacity import (
         CapacityResult,
         DrainNodeInput,
         NodeTransition,
@@ -57,12 +57,12 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.config import Site
     from fleet.placement import surplus_to_retire
-    from providers.cluster.base import DrainResult
+    from fleet.cluster import DrainResult
     from workflows.inputs import parse_input
     from workflows.node_join import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, failure_message
     from fleet.incident import Failure, IncidentSettings, Verdict, evaluate, record
     from workflows.evacuation import evacuation_workflow_id
-    from workflows.evacuation_models import (
+    from fleet.messages.evacuation import (
         AdmitRepairInput,
         EvacuationResult,
         HoldRepairsInput,

@@ -17,26 +17,28 @@ from pydantic import BaseModel, Field
 
 from fleet.errors import InvalidRequest, NotFound
 from fleet.models import Node
-
-#: Taint every new node carries until its smoke test passes.
-UNPROVEN_TAINT = "gpufleet.io/unproven:NoSchedule"
-LABEL_SITE = "gpufleet.io/site"
-LABEL_PROVIDER = "gpufleet.io/provider"
-LABEL_REGION = "topology.kubernetes.io/region"
-LABEL_GPU_PRODUCT = "nvidia.com/gpu.product"
-LABEL_MODEL = "gpufleet.io/model"
-#: Where the machine id sits on a Node when the node (or its agent) sets it.
-ANNOTATION_MACHINE_ID = "gpufleet.io/machine-id"
-#: The serving pod template that ``apply_serving`` wrote, and the one before it.
-ANNOTATION_TEMPLATE = "gpufleet.io/template"
-ANNOTATION_PREVIOUS_TEMPLATE = "gpufleet.io/previous-template"
-GPU_RESOURCE = "nvidia.com/gpu"
-#: The port every serving Service exposes (the container port may differ).
-SERVING_PORT = 8000
-MAX_JOIN_TOKEN_TTL_S = 3600
-#: The name of the fleet-wide per-site routing document (``set_site_routes``); no model is named so.
-SITE_ROUTES = "_sites"
-
+from fleet.cluster import (
+    UNPROVEN_TAINT,
+    LABEL_SITE,
+    LABEL_PROVIDER,
+    LABEL_REGION,
+    LABEL_GPU_PRODUCT,
+    LABEL_MODEL,
+    ANNOTATION_MACHINE_ID,
+    ANNOTATION_TEMPLATE,
+    ANNOTATION_PREVIOUS_TEMPLATE,
+    GPU_RESOURCE,
+    SERVING_PORT,
+    MAX_JOIN_TOKEN_TTL_S,
+    SITE_ROUTES,
+    JoinTokenRef,
+    DrainPod,
+    DrainResult,
+    ServingSpec,
+    ServingStatus,
+    SiteRoute,
+    RoutingTable,
+)
 
 class NodeNotFound(NotFound, LookupError):
     """The node does not exist (a ``LookupError`` too, for plain callers)."""
@@ -48,94 +50,6 @@ class ServingNotFound(NotFound, LookupError):
 
 class NoPreviousTemplate(InvalidRequest, ValueError):
     """``rollback_serving`` with nothing to roll back to."""
-
-
-class JoinTokenRef(BaseModel):
-    """What workflows may hold of a join token: never the secret."""
-
-    token_id: str
-    node_name: str
-    expires_at: datetime
-
-
-class DrainPod(BaseModel):
-    namespace: str
-    name: str
-    #: Why it was skipped or blocked (the PDB's message); empty when evicted.
-    reason: str = ""
-
-    @property
-    def key(self) -> str:
-        return f"{self.namespace}/{self.name}"
-
-
-class DrainResult(BaseModel):
-    node: str
-    evicted: list[DrainPod] = Field(default_factory=list)
-    #: Deleted past their PodDisruptionBudget (only with ``force=True``).
-    deleted: list[DrainPod] = Field(default_factory=list)
-    #: Left alone: DaemonSet-owned and mirror (static) pods.
-    skipped: list[DrainPod] = Field(default_factory=list)
-    #: Still on the node at the deadline, each with the reason.
-    blocked: list[DrainPod] = Field(default_factory=list)
-    completed: bool = False
-    elapsed_s: float = 0.0
-
-
-class ServingSpec(BaseModel):
-    """One model served at one site: a Deployment and a Service named ``serving_name``."""
-
-    model: str
-    site: str
-    image: str
-    replicas: int = Field(1, ge=0)
-    gpus_per_replica: int = Field(1, ge=0)
-    args: list[str] = Field(default_factory=list)
-    #: Path of the weights on the node; mounted read-only at the same path and
-    #: passed as ``MODEL_WEIGHTS``.
-    weights_path: str = ""
-    env: dict[str, str] = Field(default_factory=dict)
-    #: The container's HTTP port (the Service always listens on ``SERVING_PORT``).
-    port: int = Field(SERVING_PORT, ge=1, le=65535)
-    #: Extra replicas a rollout may start before old ones stop: > 0 loses no
-    #: capacity during an update (needs spare GPUs); 0 replaces one at a time.
-    max_surge: int = Field(1, ge=0)
-
-
-class ServingStatus(BaseModel):
-    model: str
-    site: str
-    name: str
-    image: str = ""
-    #: What the spec asks for.
-    desired_replicas: int = 0
-    generation: int = 0
-    observed_generation: int = 0
-    #: Pods that exist / run the newest template / are available.
-    replicas: int = 0
-    updated_replicas: int = 0
-    available_replicas: int = 0
-    #: The newest template is fully rolled out and every replica is available.
-    ready: bool = False
-    #: A previous template is kept, so ``rollback_serving`` can go back to it.
-    can_rollback: bool = False
-    #: GPUs each replica asks for (from the pod template).
-    gpus_per_replica: int = 0
-
-
-class SiteRoute(BaseModel):
-    weight: int = Field(ge=0, le=1_000_000)
-    healthy: bool = True
-    draining: bool = False
-    #: The open incident at this site (id or one line), empty when none.
-    incident: str = ""
-
-
-class RoutingTable(BaseModel):
-    model: str
-    #: Bumped by one on every change; unchanged when the same table is written again.
-    version: int
-    sites: dict[str, SiteRoute] = Field(default_factory=dict)
 
 
 class AccessRule(BaseModel):

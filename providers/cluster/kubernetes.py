@@ -61,6 +61,21 @@ from kubernetes.utils import parse_quantity
 from fleet.errors import BadCredentials, InvalidRequest, NotFound, Transient
 from fleet.models import Node
 from providers.cluster.base import (
+    AccessRule,
+    EvictOutcome,
+    NodeNotFound,
+    NoPreviousTemplate,
+    PodInfo,
+    ServingNotFound,
+    apply_taints,
+    dns_label,
+    format_taint,
+    parse_taint,
+    routing_sites,
+    run_drain,
+    serving_name,
+)
+from fleet.cluster import (
     ANNOTATION_MACHINE_ID,
     ANNOTATION_PREVIOUS_TEMPLATE,
     ANNOTATION_TEMPLATE,
@@ -70,26 +85,13 @@ from providers.cluster.base import (
     LABEL_SITE,
     MAX_JOIN_TOKEN_TTL_S,
     SERVING_PORT,
-    AccessRule,
     DrainResult,
-    EvictOutcome,
     JoinTokenRef,
-    NodeNotFound,
-    NoPreviousTemplate,
-    PodInfo,
     RoutingTable,
-    ServingNotFound,
     ServingSpec,
     ServingStatus,
     SITE_ROUTES,
     SiteRoute,
-    apply_taints,
-    dns_label,
-    format_taint,
-    parse_taint,
-    routing_sites,
-    run_drain,
-    serving_name,
 )
 
 PROVIDER = "kubernetes"

@@ -24,25 +24,27 @@ from typing import Callable, NamedTuple
 
 from fleet.models import Node
 from providers.cluster.base import (
-    MAX_JOIN_TOKEN_TTL_S,
-    DrainResult,
     EvictOutcome,
-    JoinTokenRef,
     NodeNotFound,
     NoPreviousTemplate,
     PodInfo,
-    RoutingTable,
     ServingNotFound,
-    ServingSpec,
-    SITE_ROUTES,
-    ServingStatus,
-    SiteRoute,
     apply_taints,
     routing_sites,
     run_drain,
     selector_matches,
     serving_capacity,
     serving_name,
+)
+from fleet.cluster import (
+    MAX_JOIN_TOKEN_TTL_S,
+    DrainResult,
+    JoinTokenRef,
+    RoutingTable,
+    ServingSpec,
+    SITE_ROUTES,
+    ServingStatus,
+    SiteRoute,
 )
 from providers.sim import SimWorld, _utc
 

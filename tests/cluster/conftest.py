@@ -7,7 +7,8 @@ import uuid
 
 import pytest
 
-from providers.cluster.base import LABEL_PROVIDER, LABEL_SITE, PodInfo
+from providers.cluster.base import PodInfo
+from fleet.cluster import LABEL_PROVIDER, LABEL_SITE
 from providers.cluster.kubernetes import KubernetesCluster, access_table
 from providers.cluster.sim import SimCluster
 from providers.sim import SimWorld

@@ -46,7 +46,8 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from fleet.models import Node
-from providers.cluster.base import GPU_RESOURCE, LABEL_SITE, format_taint, serving_capacity
+from providers.cluster.base import format_taint, serving_capacity
+from fleet.cluster import GPU_RESOURCE, LABEL_SITE
 
 #: (group, resource) → (version, kind, namespaced)
 RESOURCES: dict[tuple[str, str], tuple[str, str, bool]] = {

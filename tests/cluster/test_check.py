@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from fleet.cli_cluster import cluster_app
+from cli.cluster import cluster_app
 from providers.cluster.check import check_access
 from providers.cluster.kubernetes import ACCESS
 

@@ -9,16 +9,8 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from providers.cluster.base import (
-    LABEL_SITE,
-    UNPROVEN_TAINT,
-    Cluster,
-    NodeNotFound,
-    NoPreviousTemplate,
-    ServingNotFound,
-    ServingSpec,
-    serving_name,
-)
+from providers.cluster.base import Cluster, NodeNotFound, NoPreviousTemplate, ServingNotFound, serving_name
+from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingSpec
 
 
 def test_both_implement_the_port(harness):
@@ -358,7 +350,7 @@ def test_list_serving_by_site(harness):
 
 
 def test_site_routes_are_one_versioned_document(harness):
-    from providers.cluster.base import SITE_ROUTES, SiteRoute
+    from fleet.cluster import SITE_ROUTES, SiteRoute
 
     assert harness.cluster.get_site_routes() is None
     first = harness.cluster.set_site_routes({"site-a": SiteRoute(weight=100), "site-b": SiteRoute(weight=100)})

@@ -12,7 +12,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from fleet.errors import BadCredentials, Transient
-from providers.cluster.base import (
+from fleet.cluster import (
     ANNOTATION_PREVIOUS_TEMPLATE,
     ANNOTATION_TEMPLATE,
     GPU_RESOURCE,

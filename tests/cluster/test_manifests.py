@@ -10,7 +10,8 @@ from string import Template
 import pytest
 import yaml
 
-from providers.cluster.base import ANNOTATION_TEMPLATE, ServingSpec, SiteRoute, dns_label, serving_name
+from providers.cluster.base import dns_label, serving_name
+from fleet.cluster import ANNOTATION_TEMPLATE, ServingSpec, SiteRoute
 from providers.cluster.kubernetes import (
     access_table,
     render_deployment,

@@ -1,6 +1,6 @@
 """Rollouts update a site's Deployment with surge, so no serving capacity is lost."""
 
-from providers.cluster.base import ServingSpec
+from fleet.cluster import ServingSpec
 from providers.cluster.kubernetes import render_deployment
 
 

@@ -21,7 +21,7 @@ from activities.env import FleetEnv
 from activities.weights import make_s3_client
 from fleet.config import ObjectStore
 from fleet.models import CredentialsRef
-from providers.cluster.base import LABEL_SITE, ServingSpec
+from fleet.cluster import LABEL_SITE, ServingSpec
 from providers.serving_probe import SimProbe
 from tests.conftest import Stack, make_settings
 from workers.control_plane import build_worker

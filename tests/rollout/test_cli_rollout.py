@@ -7,7 +7,7 @@ import json
 
 from typer.testing import CliRunner
 
-from fleet.cli import app
+from cli.main import app
 from tests.rollout.conftest import RolloutStack
 
 

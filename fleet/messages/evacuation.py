@@ -8,7 +8,7 @@ from datetime import datetime
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.incident import Failure, IncidentSettings, SiteFacts
-from providers.cluster.base import RoutingTable, ServingStatus
+from fleet.cluster import RoutingTable, ServingStatus
 
 
 # -- repair admission (Node entity → Site entity) ---------------------------------------------

@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleet.config import Site
 from fleet.models import AccountState, Offer
 from fleet.placement import AccountView, Constraints
-from workflows.evacuation_models import IncidentCarry, IncidentView
-from workflows.models import JoinedNode, JoinTimeouts
+from fleet.messages.evacuation import IncidentCarry, IncidentView
+from fleet.messages.join import JoinedNode, JoinTimeouts
 
 
 # -- activities -----------------------------------------------------------------------------

@@ -6,14 +6,11 @@ import asyncio
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-repair_app = typer.Typer(no_args_is_help=True)
-console = Console()
-err = Console(stderr=True, soft_wrap=True)
+from cli.common import Address, connect, console, err, settings
 
-Address = Annotated[str, typer.Option("--address", envvar="TEMPORAL_ADDRESS", help="Temporal frontend host:port")]
+repair_app = typer.Typer(no_args_is_help=True)
 Node = Annotated[str, typer.Argument(help="node name")]
 Gpu = Annotated[int, typer.Argument(help="GPU index")]
 
@@ -24,14 +21,7 @@ def repair() -> None:
 
 
 async def _client(address: str):
-    from fleet.settings import Settings
-    from fleet.temporal import connect
-
-    try:
-        return await connect(Settings.from_env(address=address))
-    except RuntimeError as error:
-        err.print(f"[red]error:[/] cannot reach Temporal at {address} ({error})")
-        raise typer.Exit(1) from None
+    return await connect(settings(address))
 
 
 def _run(coro) -> None:
@@ -85,7 +75,7 @@ def list_repairs(
 @repair_app.command("show")
 def show(node: Node, gpu: Gpu, address: Address = "localhost:7233") -> None:
     """The ladder of one GPU: current rung and every attempt."""
-    from workflows.repair_models import LadderState
+    from fleet.messages.repair import LadderState
 
     async def go() -> None:
         client = await _client(address)
@@ -97,7 +87,7 @@ def show(node: Node, gpu: Gpu, address: Address = "localhost:7233") -> None:
 @repair_app.command("node")
 def node_status(node: Node, address: Address = "localhost:7233") -> None:
     """The Node entity: state, running repairs, counters, recent decisions."""
-    from workflows.repair_models import NodeStatus
+    from fleet.messages.repair import NodeStatus
 
     async def go() -> None:
         client = await _client(address)
@@ -115,7 +105,7 @@ def node_status(node: Node, address: Address = "localhost:7233") -> None:
 
 
 def _update(node: str, gpu: int, name: str, address: str, arg=None) -> None:
-    from workflows.repair_models import LadderState
+    from fleet.messages.repair import LadderState
 
     async def go() -> None:
         client = await _client(address)
@@ -146,7 +136,7 @@ def skip_to(
 ) -> None:
     """Go to this rung next (also re-enters an exhausted ladder)."""
     from fleet.repair_policy import Rung
-    from workflows.repair_models import SkipToInput
+    from fleet.messages.repair import SkipToInput
 
     try:
         target = Rung(rung)

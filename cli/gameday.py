@@ -16,18 +16,13 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-gameday_app = typer.Typer(no_args_is_help=True)
-console = Console()
-err = Console(stderr=True, soft_wrap=True)
+from cli.common import Address, ConfigPath, StateDir, console, fail, settings
+from cli.common import connect as connect_or_exit
 
-Address = Annotated[str, typer.Option("--address", envvar="TEMPORAL_ADDRESS", help="Temporal frontend host:port")]
-StateDir = Annotated[Path, typer.Option("--state-dir", envvar="GPUFLEET_STATE_DIR", help="where sim and dev state live")]
-ConfigPath = Annotated[Optional[str], typer.Option("--config", envvar="GPUFLEET_CONFIG",
-                                                   help="sites.yaml (default: the built-in simulated fleet)")]
+gameday_app = typer.Typer(no_args_is_help=True)
 HealAfter = Annotated[float, typer.Option(help="seconds after the drain before the site is healed")]
 Timeout = Annotated[float, typer.Option(help="give up after this many seconds")]
 
@@ -77,38 +72,31 @@ def region_loss(
     def sites(cfg) -> list[str]:
         found = [s.name for s in cfg.sites if s.geography == geo]
         if not found:
-            _fail(f"--geo: no site has geography {geo!r}", 2)
+            fail(f"--geo: no site has geography {geo!r}", 2)
         return found
 
     _run_gameday(sites, heal_after, timeout, json_out, address, state_dir, config)
-
-
-def _fail(message: str, code: int = 1) -> None:
-    err.print(f"[red]error:[/] {message}")
-    raise typer.Exit(code)
 
 
 def _known(cfg, site: str) -> str:
     try:
         cfg.site(site)
     except KeyError:
-        _fail(f"--site: unknown site {site!r}; known: {', '.join(s.name for s in cfg.sites)}", 2)
+        fail(f"--site: unknown site {site!r}; known: {', '.join(s.name for s in cfg.sites)}", 2)
     return site
 
 
 def _run_gameday(pick, heal_after, timeout, json_out, address, state_dir, config) -> None:
     from fleet.config import ConfigError, load_config
-    from fleet.settings import Settings
-
-    settings = Settings.from_env(address=address, state_dir=state_dir, config=config)
+    config_ = settings(address, state_dir, config)
     try:
-        cfg = load_config(settings.config)
+        cfg = load_config(config_.config)
     except ConfigError as error:
-        _fail(str(error), 2)
+        fail(str(error), 2)
     if cfg.mode != "sim":
-        _fail("game days break simulated sites only (config mode is not sim)", 2)
+        fail("game days break simulated sites only (config mode is not sim)", 2)
     sites = pick(cfg)
-    report = asyncio.run(_gameday(settings, sites, heal_after, timeout))
+    report = asyncio.run(_gameday(config_, sites, heal_after, timeout))
     console.print(_durations_table(report))
     text = json.dumps(report, indent=2)
     console.print_json(text)
@@ -122,15 +110,11 @@ async def _gameday(settings, sites: list[str], heal_after: float, timeout: float
     from temporalio.common import WorkflowIDConflictPolicy
 
     from fleet.naming import site_workflow_id
-    from fleet.temporal import connect
     from providers.sim import SimWorld
-    from workflows.capacity_models import SiteStatus
-    from workflows.evacuation_models import EvacuationProgress
+    from fleet.messages.capacity import SiteStatus
+    from fleet.messages.evacuation import EvacuationProgress
 
-    try:
-        client = await connect(settings)
-    except RuntimeError as error:
-        _fail(f"cannot reach Temporal at {settings.address} ({error}); is `gpufleet dev` running?")
+    client = await connect_or_exit(settings)
     world = SimWorld(settings.sim_db)
     for site in sites:  # the Site entities watch their sites (the sweep would start them too)
         await client.start_workflow(

@@ -8,38 +8,20 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from cli.common import Address, ConfigPath, StateDir, console, err, fail, sim_world
+from cli.common import connect as _connect
+from cli.common import settings as _settings
 from fleet.schedules import SCHEDULES, apply_schedules
 from fleet.settings import Settings
 
-console = Console()
-err = Console(stderr=True, soft_wrap=True)
-
-Address = Annotated[str, typer.Option("--address", envvar="TEMPORAL_ADDRESS", help="Temporal frontend host:port")]
-ConfigPath = Annotated[Optional[str], typer.Option("--config", envvar="GPUFLEET_CONFIG", help="sites.yaml")]
-StateDir = Annotated[Path, typer.Option("--state-dir", envvar="GPUFLEET_STATE_DIR", help="where sim and dev state live")]
 
 schedules_app = typer.Typer(help="Temporal Schedules for the periodic work.", no_args_is_help=True)
 accounts_app = typer.Typer(help="Provider accounts: what waits for a person, and telling gpufleet it is fixed.",
                            no_args_is_help=True)
 
 #: Schedule id → (workflow type, workflow id, what it does).
-def _settings(address: str, config: str | None = None) -> Settings:
-    return Settings.from_env(address=address, config=config)
-
-
-async def _connect(settings: Settings):
-    from fleet.temporal import connect
-
-    try:
-        return await connect(settings)
-    except RuntimeError as error:
-        err.print(f"[red]error:[/] cannot reach Temporal at {settings.address} ({error}); is `gpufleet dev` running?")
-        raise typer.Exit(1) from None
-
-
 # -- capacity ------------------------------------------------------------------------------
 def capacity(
     gpu: Annotated[Optional[str], typer.Option(help="GPU type, e.g. H100")] = None,
@@ -73,7 +55,7 @@ def capacity(
     if on_demand:
         constraints["capacity_types"] = ["on-demand", "owned"]
     raw = {"constraints": constraints, "count": count, "deadline_seconds": deadline}
-    from workflows.capacity_models import CapacityRequest
+    from fleet.messages.capacity import CapacityRequest
 
     try:
         CapacityRequest.model_validate(raw)
@@ -89,7 +71,7 @@ async def _capacity(settings: Settings, raw: dict, request: str, wait: bool) -> 
     from temporalio.client import WorkflowFailureError
     from temporalio.common import WorkflowIDConflictPolicy
 
-    from workflows.capacity_models import CapacityProgress, CapacityResult
+    from fleet.messages.capacity import CapacityProgress, CapacityResult
     from fleet.naming import capacity_workflow_id
 
     client = await _connect(settings)
@@ -194,7 +176,7 @@ def accounts_list(
     address: Address = "localhost:7233",
 ) -> None:
     """Every ProviderAccount entity and its state."""
-    from workflows.capacity_models import AccountStatus
+    from fleet.messages.capacity import AccountStatus
 
     settings = _settings(address)
 
@@ -234,7 +216,7 @@ def accounts_credentials_rotated(account: str, address: Address = "localhost:723
 def _update(address: str, workflow_id: str, update: str, arg) -> None:
     from temporalio.client import WorkflowUpdateFailedError
 
-    from workflows.capacity_models import AccountStatus
+    from fleet.messages.capacity import AccountStatus
 
     settings = _settings(address)
 
@@ -260,12 +242,9 @@ def add_sim_commands(sim_app: typer.Typer) -> None:
         state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
     ) -> None:
         """Post a spot reclaim notice for a simulated machine (its agent starts SpotReclaim)."""
-        from activities.env import FleetEnv
-
-        env = FleetEnv.from_settings(Settings.from_env(state_dir=state_dir, config=config))
-        machine = env.world.machine_by_name(node) if env.world else None
+        world = sim_world(state_dir, config)
+        machine = world.machine_by_name(node)
         if machine is None:
-            err.print(f"[red]error:[/] no simulated machine named {node!r}")
-            raise typer.Exit(2)
-        env.world.post_reclaim_notice(machine["id"], seconds)
+            fail(f"no simulated machine named {node!r}", 2)
+        world.post_reclaim_notice(machine["id"], seconds)
         console.print(f"{node}: reclaim notice, taken in {seconds:.0f}s")

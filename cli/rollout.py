@@ -8,15 +8,12 @@ from typing import Annotated
 
 import typer
 import yaml
-from rich.console import Console
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-rollout_app = typer.Typer(no_args_is_help=True)
-console = Console()
-err = Console(stderr=True, soft_wrap=True)
+from cli.common import Address, connect, console, err, settings
 
-Address = Annotated[str, typer.Option("--address", envvar="TEMPORAL_ADDRESS", help="Temporal frontend host:port")]
+rollout_app = typer.Typer(no_args_is_help=True)
 Reason = Annotated[str, typer.Option("--reason", help="why (shown in the workflow's details)")]
 RolloutId = Annotated[str, typer.Argument(help="rollout/<model>/<version> (or <model>/<version>)")]
 
@@ -26,21 +23,9 @@ def rollout() -> None:
     """Model rollouts: weights to every site, canary, gated batches, rollback."""
 
 
-def _settings(address: str):
-    from fleet.settings import Settings
-
-    return Settings.from_env(address=address)
-
-
 async def _client(address: str):
-    from fleet.temporal import connect
-
-    settings = _settings(address)
-    try:
-        return await connect(settings), settings
-    except RuntimeError as error:
-        err.print(f"[red]error:[/] cannot reach Temporal at {settings.address} ({error}); is `gpufleet dev` running?")
-        raise typer.Exit(1) from None
+    config = settings(address)
+    return await connect(config), config
 
 
 def _id(rollout_id: str) -> str:

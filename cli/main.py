@@ -3,16 +3,32 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import uuid
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from cli import capacity as capacity_commands
+from cli.cluster import cluster_app
+from cli.common import (
+    Address,
+    ConfigPath,
+    StateDir,
+    console,
+    err,
+    fail,
+    fleet_env,
+    report_config,
+    settings,
+    sim_world,
+)
+from cli.common import connect as connect_or_exit
+from cli.gameday import gameday_app
+from cli.repair import repair_app
+from cli.rollout import rollout_app
 from fleet.config import ConfigError, load_config
 from fleet.settings import Settings
 
@@ -22,35 +38,14 @@ config_app = typer.Typer(help="Fleet configuration (sites.yaml).", no_args_is_he
 sim_app = typer.Typer(help="Change the simulated world while the dev stack runs.", no_args_is_help=True)
 app.add_typer(config_app, name="config")
 app.add_typer(sim_app, name="sim")
-from fleet import cli_capacity  # noqa: E402 - capacity, schedules, accounts, sim reclaim
-
-app.command("capacity")(cli_capacity.capacity)
-app.add_typer(cli_capacity.schedules_app, name="schedules")
-app.add_typer(cli_capacity.accounts_app, name="accounts")
-cli_capacity.add_sim_commands(sim_app)
-from fleet.cli_cluster import cluster_app  # noqa: E402 - sub-apps register after the main app
-
+app.command("capacity")(capacity_commands.capacity)
+app.add_typer(capacity_commands.schedules_app, name="schedules")
+app.add_typer(capacity_commands.accounts_app, name="accounts")
+capacity_commands.add_sim_commands(sim_app)
 app.add_typer(cluster_app, name="cluster")
-app.add_typer(__import__("fleet.cli_rollout", fromlist=["rollout_app"]).rollout_app, name="rollout")
-app.add_typer(__import__("fleet.cli_repair", fromlist=["repair_app"]).repair_app, name="repair")
-app.add_typer(__import__("fleet.cli_gameday", fromlist=["gameday_app"]).gameday_app, name="gameday")
-
-console = Console()
-err = Console(stderr=True, soft_wrap=True)
-
-Address = Annotated[str, typer.Option("--address", envvar="TEMPORAL_ADDRESS", help="Temporal frontend host:port")]
-StateDir = Annotated[Path, typer.Option("--state-dir", envvar="GPUFLEET_STATE_DIR", help="where sim and dev state live")]
-ConfigPath = Annotated[Optional[str], typer.Option("--config", envvar="GPUFLEET_CONFIG",
-                                                   help="sites.yaml (default: the built-in simulated fleet)")]
-
-
-def _settings(address: str = "localhost:7233", state_dir: Path = Path(".gpufleet"), config: str | None = None) -> Settings:
-    return Settings.from_env(address=address, state_dir=state_dir, config=config)
-
-
-def _fail(message: str, code: int = 1) -> None:
-    err.print(f"[red]error:[/] {message}")
-    raise typer.Exit(code)
+app.add_typer(rollout_app, name="rollout")
+app.add_typer(repair_app, name="repair")
+app.add_typer(gameday_app, name="gameday")
 
 
 # -- dev stack -------------------------------------------------------------------------------
@@ -62,21 +57,16 @@ def dev(
     ui_port: Annotated[int, typer.Option(help="Temporal UI port")] = 8233,
 ) -> None:
     """Run the dev stack: Temporal dev server + UI, control-plane worker, simulated fleet."""
-    from fleet.dev import run_dev
+    from cli.dev import run_dev
 
     try:
         load_config(config)
     except ConfigError as error:
-        _report_config(error)
-    raise typer.Exit(run_dev(_settings(state_dir=state_dir, config=config), port=port, ui_port=ui_port))
+        report_config(error)
+    raise typer.Exit(run_dev(settings(state_dir=state_dir, config=config), port=port, ui_port=ui_port))
 
 
 # -- config ----------------------------------------------------------------------------------
-def _report_config(error: ConfigError) -> None:
-    err.print(f"[red]{error.source}: invalid fleet config[/]")
-    for problem in error.problems:
-        err.print(f"  {problem}")
-    raise typer.Exit(2)
 
 
 @config_app.command("check")
@@ -85,17 +75,10 @@ def config_check(file: Annotated[Path, typer.Argument(help="sites.yaml to check"
     try:
         config = load_config(file)
     except ConfigError as error:
-        _report_config(error)
+        report_config(error)
     console.print(f"[green]ok[/]: {len(config.sites)} sites, {len(config.accounts)} accounts ({config.mode} mode)")
 
 
-async def _connect(settings: Settings):
-    from fleet.temporal import connect
-
-    try:
-        return await connect(settings)
-    except RuntimeError as error:
-        _fail(f"cannot reach Temporal at {settings.address} ({error}); is `gpufleet dev` running?")
 
 
 # -- joining ---------------------------------------------------------------------------------
@@ -109,8 +92,8 @@ def join(
 ) -> None:
     """Join nodes at a site: one NodeJoin workflow per node."""
     if count < 1:
-        _fail("--count: must be at least 1", 2)
-    asyncio.run(_join(_settings(address), site, count, wait, request or uuid.uuid4().hex[:8]))
+        fail("--count: must be at least 1", 2)
+    asyncio.run(_join(settings(address), site, count, wait, request or uuid.uuid4().hex[:8]))
 
 
 async def _join(settings: Settings, site: str, count: int, wait: bool, request: str) -> None:
@@ -120,9 +103,9 @@ async def _join(settings: Settings, site: str, count: int, wait: bool, request: 
 
     from fleet import search_attributes
     from fleet.naming import join_workflow_id
-    from workflows.models import JoinProgress, NodeJoinInput, NodeJoinResult
+    from fleet.messages.join import JoinProgress, NodeJoinInput, NodeJoinResult
 
-    client = await _connect(settings)
+    client = await connect_or_exit(settings)
     try:
         known = load_config(settings.config).site(site)
     except (ConfigError, KeyError):
@@ -180,19 +163,12 @@ async def _join(settings: Settings, site: str, count: int, wait: bool, request: 
 
 
 # -- looking at the fleet --------------------------------------------------------------------
-def _env(state_dir: Path, config: str | None):
-    from activities.env import FleetEnv
-
-    try:
-        return FleetEnv.from_settings(_settings(state_dir=state_dir, config=config))
-    except ConfigError as error:
-        _report_config(error)
 
 
 @app.command()
 def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
     """Every site: provider, GPUs, price, min/max, nodes now (and the sim's knobs)."""
-    env = _env(state_dir, config)
+    env = fleet_env(state_dir, config)
     nodes = env.cluster.list_nodes()
     table = Table("site", "provider", "region", "geo", "GPU", "$/GPU-h", "type", "min", "max", "nodes", title="sites")
     sim = {row["name"]: row for row in env.world.sites()} if env.world else {}
@@ -215,7 +191,7 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) ->
 @app.command()
 def nodes(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
     """Cluster nodes with their site, readiness and taints."""
-    env = _env(state_dir, config)
+    env = fleet_env(state_dir, config)
     table = Table("node", "site", "provider", "GPU", "ready", "schedulable", "taints", "machine", title="nodes")
     for node in env.cluster.list_nodes():
         table.add_row(node.name, node.labels.get("gpufleet.io/site", ""), node.labels.get("gpufleet.io/provider", ""),
@@ -230,25 +206,20 @@ def register_search_attributes(address: Address = "localhost:7233") -> None:
     from fleet import search_attributes
 
     async def go() -> list[str]:
-        return await search_attributes.ensure_registered(await _connect(_settings(address)))
+        return await search_attributes.ensure_registered(await connect_or_exit(settings(address)))
 
     added = asyncio.run(go())
     console.print(f"added: {', '.join(added)}" if added else "all search attributes already registered")
 
 
 # -- the simulated world ---------------------------------------------------------------------
-def _world(state_dir: Path, config: str | None):
-    env = _env(state_dir, config)
-    if env.world is None:
-        _fail("`gpufleet sim` needs a config in sim mode", 2)
-    return env.world
 
 
 def _site_knob(state_dir: Path, config: str | None, site: str, **fields) -> None:
     try:
-        _world(state_dir, config).set_site(site, **fields)
+        sim_world(state_dir, config).set_site(site, **fields)
     except KeyError:
-        _fail(f"unknown site {site!r}", 2)
+        fail(f"unknown site {site!r}", 2)
     console.print(f"{site}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
 
 
@@ -288,9 +259,9 @@ def sim_revoke(
 ) -> None:
     """Revoke an account's credentials: every call to it answers BadCredentials."""
     try:
-        _world(state_dir, config).set_credentials_valid(account, restore)
+        sim_world(state_dir, config).set_credentials_valid(account, restore)
     except KeyError:
-        _fail(f"unknown account {account!r}", 2)
+        fail(f"unknown account {account!r}", 2)
     console.print(f"{account}: credentials {'valid' if restore else 'revoked'}")
 
 
@@ -304,15 +275,15 @@ def sim_fault(
     state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
 ) -> None:
     """Break one simulated GPU."""
-    world = _world(state_dir, config)
+    world = sim_world(state_dir, config)
     machine = world.machine_by_name(node)
     if machine is None:
-        _fail(f"no simulated machine named {node!r}", 2)
+        fail(f"no simulated machine named {node!r}", 2)
     value = xid if xid is not None else 1
     try:
         world.inject_fault(machine["id"], gpu, kind if xid is None else "xid", value, clears_on)
     except (KeyError, ValueError) as error:
-        _fail(str(error), 2)
+        fail(str(error), 2)
     console.print(f"{node} GPU {gpu}: {'XID ' + str(xid) if xid is not None else kind} (clears on {clears_on})")
 
 
@@ -320,7 +291,7 @@ def sim_fault(
 def sim_machines(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
                  all_: Annotated[bool, typer.Option("--all", help="include deleted")] = False) -> None:
     """Machines the simulated providers hold."""
-    world = _world(state_dir, config)
+    world = sim_world(state_dir, config)
     table = Table("machine", "name", "site", "type", "reboots", "deleted", title="simulated machines")
     for m in world.machines(include_deleted=all_):
         table.add_row(m["id"], m["name"], m["site"], m["instance_type"], str(m["reboots"]),

@@ -1,0 +1,1 @@
+"""The roof: the `gpufleet` command, the dev stack and game days."""
