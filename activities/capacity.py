@@ -12,7 +12,6 @@ import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 from temporalio import activity
 from temporalio.common import WorkflowIDConflictPolicy
 
@@ -30,6 +29,7 @@ from fleet.messages.capacity import (
     SiteNode,
     SiteNodesInput,
 )
+from activities import notify
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.errors import BadCredentials, FleetError
@@ -37,6 +37,7 @@ from fleet.models import AccountState
 from fleet.naming import account_workflow_id, site_workflow_id
 from fleet.placement import AccountView
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, DrainResult
+from providers.cluster.base import NodeNotFound
 
 
 class CapacityActivities:
@@ -69,7 +70,9 @@ class CapacityActivities:
             try:
                 entry.offers = self.env.provider(site.name).list_offers()
             except FleetError as error:
-                entry.error_type, entry.error = error.type_name, str(error)
+                # The class, not the type workflows see: the guard's own refusal
+                # (AccountRevoked) stays told apart from a provider's BadCredentials.
+                entry.error_type, entry.error = type(error).__name__, str(error)
             return entry
 
         with ThreadPoolExecutor(max_workers=min(16, max(1, len(sites)))) as pool:
@@ -79,11 +82,13 @@ class CapacityActivities:
         return entries
 
     @activity.defn
+    @typed_errors
     async def get_catalog(self, input: GetCatalogInput) -> Catalog:
         """Offers of every site (stored ones when fresh), with account states.
 
-        A site whose account answers BadCredentials is reported to its
-        ProviderAccount entity here, so a refresh alone stops further calls."""
+        A site whose provider answers BadCredentials is reported to its
+        ProviderAccount entity here, so a refresh alone stops further calls; a site
+        the guard skipped (``AccountRevoked``: already reported) is not reported again."""
         entries = await asyncio.to_thread(self.env.accounts.catalog)
         known = {e.site for e in entries}
         oldest = min((e.refreshed_at for e in entries), default=0.0)
@@ -95,7 +100,7 @@ class CapacityActivities:
             catalog.offers += entry.offers
             if entry.error_type:
                 catalog.errors[entry.site] = f"{entry.error_type}: {entry.error}"
-                if entry.error_type == "BadCredentials" and "gpufleet/account-revoked" not in entry.error:
+                if entry.error_type == BadCredentials.__name__:
                     site = self.env.site(entry.site)
                     await self._report(ReportAccountInput(account=site.account, kind="BadCredentials",
                                                           message=entry.error))
@@ -159,14 +164,8 @@ class CapacityActivities:
 
     @activity.defn
     async def notify_person(self, input: NotifyInput) -> bool:
-        """POST to the configured webhook; no webhook configured: nothing to do."""
-        url = self.env.config.notify_webhook
-        if not url:
-            return False
-        async with httpx.AsyncClient(timeout=10) as http:
-            response = await http.post(url, json=input.model_dump(mode="json"))
-            response.raise_for_status()
-        return True
+        """POST to the configured webhook (activities.notify); none configured: nothing to do."""
+        return await notify.post(self.env.config.notify_webhook, input.model_dump(mode="json"))
 
     @activity.defn
     async def wake_waiting_requests(self) -> int:
@@ -188,6 +187,7 @@ class CapacityActivities:
         return [s.model_dump(mode="json") for s in self.env.config.sites]
 
     @activity.defn
+    @typed_errors
     def site_nodes(self, input: SiteNodesInput) -> list[SiteNode]:
         site = self.env.site(input.site)
         return [
@@ -210,21 +210,24 @@ class CapacityActivities:
         return names
 
     @activity.defn
+    @typed_errors
     def drain_within(self, input: DrainNodeInput) -> DrainResult:
-        """Cordon and evict through the Eviction API (PDBs honoured) until the deadline."""
-        return self.env.cluster.drain_node(
-            input.node_name, input.deadline_seconds, force=input.force, heartbeat=activity.heartbeat
-        )
+        """Cordon and evict through the Eviction API (PDBs honoured) until the deadline.
+        A node already gone has nothing left to drain (a reclaim the provider finished first)."""
+        try:
+            return self.env.cluster.drain_node(
+                input.node_name, input.deadline_seconds, force=input.force, heartbeat=activity.heartbeat
+            )
+        except NodeNotFound:
+            return DrainResult(node=input.node_name, completed=True)
 
     @activity.defn
     @typed_errors
     def retire_machine(self, input: RetireMachineInput) -> None:
-        """Node object out, machine deleted (queued if the account is revoked)."""
+        """Machine deleted (queued if the account is revoked), then the Node object out.
+
+        The machine first: it bills until deleted, and a Node that cannot be removed
+        (the cluster refusing) must not keep the delete from running."""
+        if input.machine_id:
+            self.env.delete_machine(input.site, input.machine_id)
         self.env.cluster.remove_node(input.node_name)
-        if not input.machine_id:
-            return
-        site = self.env.site(input.site)
-        if self.env.accounts.get(site.account).state == AccountState.CREDENTIALS_REVOKED:
-            self.env.accounts.queue_delete(site.name, site.account, input.machine_id)
-            return
-        self.env.provider(site.name).delete_machine(input.machine_id)

@@ -12,6 +12,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities import metrics
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.waiting import poll_until
@@ -60,29 +61,29 @@ class ControlPlaneActivities:
     @typed_errors
     def provision_machine(self, input: ProvisionMachineInput) -> Machine:
         self.env.check_account(input.site, input.spec.instance_type)  # blocked account/offer: no provider call
-        return self.env.provider(input.site).create_machine(input.spec, input.idempotency_key)
+        with metrics.capacity_attempt(self.env.site(input.site).provider, input.site):
+            return self.env.provider(input.site).create_machine(input.spec, input.idempotency_key)
 
     @activity.defn
     @typed_errors
     def delete_machine(self, input: DeleteMachineInput) -> None:
-        site = self.env.site(input.site)
-        if self.env.accounts.get(site.account).state == "credentials-revoked":
-            # No call to a revoked account: the ProviderAccount entity runs it after the fix.
-            self.env.accounts.queue_delete(site.name, site.account, input.machine_id)
-            activity.logger.warning("delete of %s queued until %s credentials are rotated", input.machine_id, site.account)
-            return
-        self.env.provider(input.site).delete_machine(input.machine_id)
+        if not self.env.delete_machine(input.site, input.machine_id):
+            activity.logger.warning("delete of %s queued until the credentials of %s are rotated", input.machine_id,
+                                    self.env.site(input.site).account)
 
     # -- cluster ----------------------------------------------------------------------
     @activity.defn
+    @typed_errors
     def issue_join_token(self, input: IssueJoinTokenInput) -> JoinTokenRef:
         return self.env.cluster.create_join_token(input.node_name, input.machine_id, input.ttl_seconds)
 
     @activity.defn
+    @typed_errors
     def revoke_join_token(self, input: RevokeJoinTokenInput) -> None:
         self.env.cluster.revoke_join_token(input.token_id)
 
     @activity.defn
+    @typed_errors
     def wait_for_registration(self, input: WaitForRegistrationInput) -> Node:
         """Poll the cluster until the node registers and is Ready, or the deadline."""
 
@@ -96,6 +97,7 @@ class ControlPlaneActivities:
         ))
 
     @activity.defn
+    @typed_errors
     def prepare_node(self, input: PrepareNodeInput) -> Node:
         """Our labels and taints on the node; touches no other key."""
         cluster = self.env.cluster
@@ -104,6 +106,7 @@ class ControlPlaneActivities:
         return cluster.set_taints(input.node_name, add=input.add_taints, remove=input.remove_taints)
 
     @activity.defn
+    @typed_errors
     async def admit_node(self, input: AdmitNodeInput) -> Node:
         """Lift the unproven taint, then tell the Site entity the node is ready.
 
@@ -122,5 +125,6 @@ class ControlPlaneActivities:
         return node
 
     @activity.defn
+    @typed_errors
     def remove_node(self, input: RemoveNodeInput) -> None:
         self.env.cluster.remove_node(input.node_name)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fleet.config import FleetConfig, load_config
-from fleet.errors import BadCredentials, InvalidRequest, OverQuota
+from fleet.errors import AccountRevoked, InvalidRequest, OfferBlocked
 from fleet.models import AccountState
 from fleet.settings import Settings
 from providers import make_provider
@@ -70,15 +70,26 @@ class FleetEnv:
         site = self.site(site_name)
         record = self.accounts.get(site.account)
         if record.state == AccountState.CREDENTIALS_REVOKED:
-            raise BadCredentials(
+            raise AccountRevoked(
                 f"account {site.account}: credentials revoked; no calls until a person rotates them",
                 provider=site.provider, code="gpufleet/account-revoked",
             )
         if instance_type is not None and f"{site.name}/{instance_type}" in record.blocked_offers:
-            raise OverQuota(
+            raise OfferBlocked(
                 f"account {site.account}: over quota for {instance_type} at {site.name}; waiting for a person",
                 provider=site.provider, code="gpufleet/quota-blocked",
             )
+
+    def delete_machine(self, site_name: str, machine_id: str) -> bool:
+        """Delete the machine, or queue the delete while its account is revoked (rule 6:
+        no call of any kind; the ProviderAccount entity runs the queue once the
+        credentials are rotated). True when it was deleted now, False when queued."""
+        site = self.site(site_name)
+        if self.accounts.get(site.account).state == AccountState.CREDENTIALS_REVOKED:
+            self.accounts.queue_delete(site.name, site.account, machine_id)
+            return False
+        self.provider(site.name).delete_machine(machine_id)
+        return True
 
     def provider(self, site_name: str, *, guard: bool = True) -> Provider:
         if guard:

@@ -3,22 +3,38 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable, TypeVar
 
 from temporalio.exceptions import ApplicationError
 
-from fleet.errors import FleetError, ProviderError
+from fleet.errors import ClusterError, FleetError, ProviderError
 
 F = TypeVar("F", bound=Callable)
 
 
 def as_application_error(error: FleetError) -> ApplicationError:
-    details = {"provider": error.provider, "code": error.code} if isinstance(error, ProviderError) else {}
+    if isinstance(error, ProviderError):
+        details = {"provider": error.provider, "code": error.code}
+    elif isinstance(error, ClusterError):
+        details = {"code": error.code}
+    else:
+        details = {}
     return ApplicationError(str(error), details, type=error.type_name, non_retryable=not error.retryable)
 
 
 def typed_errors(fn: F) -> F:
     """Raise ``FleetError``s as ``ApplicationError(type=<class name>)``."""
+
+    if inspect.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def async_wrapper(*args, **kwargs):
+            try:
+                return await fn(*args, **kwargs)
+            except FleetError as error:
+                raise as_application_error(error) from error
+
+        return async_wrapper  # type: ignore[return-value]
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

@@ -13,7 +13,7 @@ from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.config import Site
 from fleet.errors import FleetError, Transient
-from fleet.incident import IncidentSettings, SiteFacts
+from fleet.incident import IncidentSettings, SiteFacts, recovery, weight_at
 from fleet.naming import site_workflow_id
 from providers.cluster.base import serving_capacity
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, RoutingTable, ServingStatus, SiteRoute
@@ -37,12 +37,6 @@ from fleet.messages.evacuation import (
 def site_facts(site: Site) -> SiteFacts:
     return SiteFacts(name=site.name, geography=site.geography, compliance=site.compliance,
                      gpus_per_machine=site.gpus_per_machine, price_per_gpu_hour=site.price_per_gpu_hour)
-
-
-def scaled(weight: int, percent: int) -> int:
-    if percent <= 0 or weight <= 0:
-        return 0
-    return max(1, -(-weight * percent // 100))
 
 
 class EvacuationActivities:
@@ -92,6 +86,7 @@ class EvacuationActivities:
             return False, Transient.__name__, str(error)
 
     @activity.defn
+    @typed_errors
     def incident_probe(self, input: SiteRef) -> SiteProbe:
         """The site's nodes (ready, cordoned) and whether its provider API answers."""
         ok, kind, message = self._api(input.site)
@@ -143,7 +138,7 @@ class EvacuationActivities:
             sites = dict(table.sites) if table else {}
             if not sites:  # no table yet: every site serving the model at full weight
                 sites = {s.site: SiteRoute(weight=100) for s in cluster.list_serving() if s.model == model}
-            weight = scaled(original, input.percent)
+            weight = weight_at(original, input.percent)
             sites[input.site] = SiteRoute(weight=weight, **route)
             written = cluster.set_routing_weights(
                 model, {k: v.weight for k, v in sites.items()}, healthy={k: v.healthy for k, v in sites.items()},
@@ -155,7 +150,7 @@ class EvacuationActivities:
         sites = dict(doc.sites) if doc else {}
         for name in input.all_sites:
             sites.setdefault(name, SiteRoute(weight=100))
-        sites[input.site] = SiteRoute(weight=scaled(input.original_site, input.percent), **route)
+        sites[input.site] = SiteRoute(weight=weight_at(input.original_site, input.percent), **route)
         result.site_routes_version = cluster.set_site_routes(sites).version
         return result
 
@@ -189,16 +184,11 @@ class EvacuationActivities:
         return done
 
     @activity.defn
+    @typed_errors
     def recovery_probe(self, input: SiteRef) -> RecoveryProbe:
-        """Recovered when the provider API answers and every node's agent is back (Ready)."""
+        """The site's provider API and nodes, judged by ``fleet.incident.recovery``."""
         ok, kind, message = self._api(input.site)
-        if not ok:
-            return RecoveryProbe(recovered=False, detail=f"provider API: {kind}: {message}")
-        nodes = self._nodes(input.site)
-        if not nodes:
-            return RecoveryProbe(recovered=False, detail="no nodes at the site")
-        down = [n.name for n in nodes if not n.ready]
-        if down:
-            return RecoveryProbe(recovered=False, detail=f"{len(down)} of {len(nodes)} nodes not ready")
-        return RecoveryProbe(recovered=True, detail=f"API answers, {len(nodes)} nodes ready")
+        nodes = {} if not ok else {n.name: n.ready for n in self._nodes(input.site)}
+        verdict = recovery(None if ok else f"{kind}: {message}", nodes)
+        return RecoveryProbe(recovered=verdict.recovered, detail=verdict.detail)
 

@@ -63,7 +63,9 @@ class ProbeGpusInput(BaseModel):
     pass
 
 
-class ProbeResult(BaseModel):
+class GpuProbeResult(BaseModel):
+    """What ``probe_gpus`` saw on one node (a model's serving probe is ``fleet.rollout.ProbeResult``)."""
+
     node_name: str
     boot_id: str
     gpus: list[GpuHealth]

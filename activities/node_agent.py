@@ -7,8 +7,8 @@ from temporalio.exceptions import ApplicationError
 
 from activities.waiting import Liveness
 from activities.models import (
+    GpuProbeResult,
     ProbeGpusInput,
-    ProbeResult,
     ReinstallDriverInput,
     ResetGpuInput,
     SmokeResult,
@@ -26,8 +26,8 @@ class NodeAgentActivities:
         return [self.probe_gpus, self.smoke_test, self.reset_gpu, self.reinstall_driver]
 
     @activity.defn
-    def probe_gpus(self, input: ProbeGpusInput) -> ProbeResult:
-        return ProbeResult(node_name=self.node_name, boot_id=self.gpus.boot_id(), gpus=self.gpus.probe())
+    def probe_gpus(self, input: ProbeGpusInput) -> GpuProbeResult:
+        return GpuProbeResult(node_name=self.node_name, boot_id=self.gpus.boot_id(), gpus=self.gpus.probe())
 
     @activity.defn
     def smoke_test(self, input: SmokeTestInput) -> SmokeResult:

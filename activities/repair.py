@@ -28,6 +28,7 @@ from activities.models import (
 )
 from fleet.errors import NotFound
 from fleet.models import Node
+from fleet.replacement import replacement_sites
 from fleet.cluster import ANNOTATION_MACHINE_ID, LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
 
 #: One annotation per fenced GPU: ``gpufleet.io/fenced-gpu-<i>: <rung>``. The node's
@@ -57,6 +58,7 @@ class RepairActivities:
 
     # -- facts ------------------------------------------------------------------------
     @activity.defn
+    @typed_errors
     def node_facts(self, input: NodeFactsInput) -> NodeFacts:
         settings = self.env.config.repair
         node = self.env.cluster.get_node(input.node_name)
@@ -83,6 +85,7 @@ class RepairActivities:
         )
 
     @activity.defn
+    @typed_errors
     def site_health(self, input: SiteHealthInput) -> SiteHealth:
         nodes = self.env.cluster.list_nodes({LABEL_SITE: input.site})
         others = [n for n in nodes if n.name != input.node_name]
@@ -147,6 +150,7 @@ class RepairActivities:
         return self._restart(input, "reinstall")
 
     @activity.defn
+    @typed_errors
     def wait_for_boot(self, input: WaitForBootInput) -> Node:
         """Until the node is Ready with a boot id other than ``boot_id_before``."""
         def rebooted() -> Node | None:
@@ -161,15 +165,13 @@ class RepairActivities:
 
     # -- replace (retiring the old machine is CapacityActivities.retire_machine) ----------------------------------------------------------------------
     @activity.defn
+    @typed_errors
     def replacement_sites(self, input: ReplacementSitesInput) -> list[str]:
-        """The same site first, then other sites with the same GPU, cheapest first."""
+        """Where the replacement may join (``fleet.replacement``: compliance geography);
+        none for a site gone from the config."""
         config = self.env.config
         try:
             here = config.site(input.site)
         except KeyError:
             return []
-        others = sorted(
-            (s for s in config.sites if s.name != here.name and s.gpu == here.gpu),
-            key=lambda s: (s.price_per_gpu_hour, s.name),
-        )
-        return [here.name, *(s.name for s in others)]
+        return replacement_sites(here, config.sites)

@@ -24,14 +24,14 @@ site's store, one file at a time, streaming (memory is bounded by
   died) skips finished files without touching them and continues the open
   upload after its last contiguous finished part.
 
-Credentials are references in the config; they are read here, at call time.
+The store itself (client, credentials read at call time, error map) is
+``providers.object_store``.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
-import json
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -40,20 +40,18 @@ from typing import Any, Callable
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities import metrics
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.rollout_models import Checkpoint, OpenUpload, Part, ReplicateInput, ReplicateResult
 from fleet.config import ObjectStore
-from fleet.errors import BadCredentials, InvalidRequest, NotFound, Transient
+from fleet.errors import InvalidRequest
 from fleet.rollout import WeightFile, part_size_for
-from providers.credentials import read_secret
+from providers.object_store import classify, head, is_digest_error, make_s3_client
 
 #: Test hook: ``fn(site, path, attempt, data) -> data`` applied to bytes on their way
 #: to the destination store (simulates corruption in transit). None in production.
 TRANSIT_FAULT: Callable[[str, str, int, bytes], bytes] | None = None
-
-#: Error codes with which a store refuses bytes whose checksum does not match.
-DIGEST_ERRORS = {"BadDigest", "InvalidDigest", "XAmzContentSHA256Mismatch", "InvalidChecksum"}
 
 
 class ChecksumMismatch(Exception):
@@ -62,86 +60,6 @@ class ChecksumMismatch(Exception):
 
 def b64_digest(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
-
-
-def _credentials(store: ObjectStore) -> dict[str, str]:
-    if store.credentials is None:
-        return {}
-    secret = read_secret(store.credentials, provider="s3").strip()
-    if secret.startswith("{"):
-        try:
-            data = json.loads(secret)
-            out = {"aws_access_key_id": data["access_key_id"], "aws_secret_access_key": data["secret_access_key"]}
-        except (ValueError, KeyError):
-            raise BadCredentials(f"credentials {store.credentials.describe()}: JSON needs access_key_id and "
-                                 "secret_access_key", provider="s3") from None
-        if data.get("session_token"):
-            out["aws_session_token"] = data["session_token"]
-        return out
-    key_id, sep, key = secret.partition(":")
-    if not sep or not key_id or not key:
-        raise BadCredentials(f"credentials {store.credentials.describe()}: expected ACCESS_KEY_ID:SECRET or JSON",
-                             provider="s3")
-    return {"aws_access_key_id": key_id, "aws_secret_access_key": key}
-
-
-_session_lock = threading.Lock()
-_session: Any = None
-
-
-def make_s3_client(store: ObjectStore, pool: int = 16):
-    """A client for ``store``. Clients share one boto3 session (a new session parses
-    the S3 service model again: ~0.1 s of CPU per client); creating a client from
-    it is not thread-safe, so that is done under a lock. The clients themselves are."""
-    global _session
-    import boto3
-    from botocore.config import Config
-
-    config = Config(
-        region_name=store.region,
-        retries={"max_attempts": 4, "mode": "standard"},
-        s3={
-            "addressing_style": store.addressing_style,
-            # Every body we send carries its ChecksumSHA256 in a signed header (and
-            # read-back stores are read back), so the SDK need not SHA256 the body a
-            # second time to sign it; botocore already skips that over TLS when a
-            # checksum header is present, this extends it to plain-HTTP endpoints.
-            "payload_signing_enabled": False,
-        },
-        max_pool_connections=pool,
-        # We send our own SHA256 checksums; no extra CRC32 pass over every body.
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-    credentials = _credentials(store)
-    with _session_lock:
-        if _session is None:
-            _session = boto3.session.Session()
-        return _session.client("s3", endpoint_url=store.endpoint_url, config=config, **credentials)
-
-
-def classify(error: Exception, what: str) -> Exception:
-    """An S3/botocore error as our taxonomy (rule 6)."""
-    from botocore.exceptions import ClientError
-
-    if isinstance(error, ClientError):
-        code = error.response.get("Error", {}).get("Code", "")
-        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
-        message = f"{what}: {code or status} {error.response.get('Error', {}).get('Message', '')}".strip()
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken") or status in (401, 403):
-            return BadCredentials(message, provider="s3", code=code)
-        if code in ("NoSuchKey", "NoSuchBucket", "NoSuchUpload", "404") or status == 404:
-            return NotFound(message, provider="s3", code=code)
-        if status >= 500 or status == 429 or code in ("SlowDown", "RequestTimeout", "Throttling"):
-            return Transient(message, provider="s3", code=code)
-        return InvalidRequest(message, provider="s3", code=code)
-    return Transient(f"{what}: {type(error).__name__}: {error}", provider="s3")
-
-
-def _digest_error(error: Exception) -> bool:
-    from botocore.exceptions import ClientError
-
-    return isinstance(error, ClientError) and error.response.get("Error", {}).get("Code") in DIGEST_ERRORS
 
 
 class _Throttle:
@@ -201,7 +119,7 @@ class Replicator:
         try:
             return fn(**kwargs)
         except Exception as error:  # noqa: BLE001 - classified below
-            if _digest_error(error):
+            if is_digest_error(error):
                 raise ChecksumMismatch(f"{what}: store rejected the checksum") from error
             raise classify(error, what) from error
 
@@ -234,6 +152,7 @@ class Replicator:
             self.cp.done[f.path] = outcome
             self.cp.current = None
             self.beat(force=True)
+        metrics.weights_replicated(self.input.site, self.copied, self.skipped)
         return ReplicateResult(
             site=self.input.site, files=outcomes, bytes_total=self.cp.bytes_total,
             bytes_copied=self.copied, bytes_skipped=self.skipped, resumed=self.resumed,
@@ -305,23 +224,14 @@ class Replicator:
         return self._listing
 
     def _already_there(self, f: WeightFile) -> bool:
-        from botocore.exceptions import ClientError
-
         listed = self._listed()
         if listed is not None and listed.get(self._dst_key(f)) != f.size:
             return False  # absent, or another size: no need to ask about it
-        try:
-            head = self.dst.head_object(Bucket=self.dest.bucket, Key=self._dst_key(f), ChecksumMode="ENABLED")
-        except ClientError as error:
-            if error.response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 404:
-                return False
-            raise classify(error, f"head s3://{self.dest.bucket}/{self._dst_key(f)}") from error
-        except Exception as error:  # noqa: BLE001
-            raise classify(error, f"head s3://{self.dest.bucket}/{self._dst_key(f)}") from error
-        if head.get("ContentLength") != f.size:
+        found = head(self.dst, self.dest.bucket, self._dst_key(f))
+        if found is None or found.get("ContentLength") != f.size:
             return False
         full = b64_digest(bytes.fromhex(f.sha256))
-        return head.get("Metadata", {}).get("sha256") == f.sha256 or head.get("ChecksumSHA256") == full
+        return found.get("Metadata", {}).get("sha256") == f.sha256 or found.get("ChecksumSHA256") == full
 
     def _copy(self, f: WeightFile, attempt: int) -> None:
         part_size = part_size_for(f.size, self.opts.part_size_bytes)

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from cli.common import Address, ConfigPath, StateDir, console, err, fail, sim_world
+from cli.common import Address, ConfigPath, StateDir, console, err, fail, fleet_client, run, sim_world
 from cli.common import connect as _connect
 from cli.common import settings as _settings
 from fleet.schedules import SCHEDULES, apply_schedules
@@ -55,31 +55,25 @@ def capacity(
     if on_demand:
         constraints["capacity_types"] = ["on-demand", "owned"]
     raw = {"constraints": constraints, "count": count, "deadline_seconds": deadline}
+    from client import InvalidArgument
+    from client.fleet import validate
     from fleet.messages.capacity import CapacityRequest
 
-    try:
-        CapacityRequest.model_validate(raw)
-    except Exception as error:  # noqa: BLE001 - show the validation problem, exit 2
-        err.print(f"[red]invalid request:[/] {error}")
+    try:  # before connecting: a bad request exits 2 even without a server
+        validate(CapacityRequest, raw, "request")
+    except InvalidArgument as error:
+        err.print(f"[red]invalid request:[/] {'; '.join(f'{f}: {m}' for f, m in error.problems)}")
         raise typer.Exit(2) from None
-    code = asyncio.run(_capacity(_settings(address), raw, request or uuid.uuid4().hex[:8], wait))
+    code = run(_capacity(_settings(address), raw, request or uuid.uuid4().hex[:8], wait))
     raise typer.Exit(code)
 
 
 async def _capacity(settings: Settings, raw: dict, request: str, wait: bool) -> int:
     from rich.live import Live
     from temporalio.client import WorkflowFailureError
-    from temporalio.common import WorkflowIDConflictPolicy
 
-    from fleet.messages.capacity import CapacityProgress, CapacityResult
-    from fleet.naming import capacity_workflow_id
-
-    client = await _connect(settings)
-    handle = await client.start_workflow(
-        "AcquireCapacity", raw, id=capacity_workflow_id(request), task_queue=settings.task_queue,
-        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING, result_type=CapacityResult,
-        static_summary=f"capacity: {raw['count']} x {raw['constraints'].get('gpu') or 'any GPU'}",
-    )
+    fleet = fleet_client(settings)
+    handle = await fleet.acquire_capacity(raw, request_id=request)
     console.print(f"started [bold]{handle.id}[/]")
     if not wait:
         return 0
@@ -87,7 +81,7 @@ async def _capacity(settings: Settings, raw: dict, request: str, wait: bool) -> 
     with Live(console=console, refresh_per_second=4) as live:
         while not result_task.done():
             try:
-                p = await handle.query("progress", result_type=CapacityProgress)
+                p = await fleet.capacity_progress(handle.id)
                 table = Table(title=f"{handle.id}: {p.step} — {p.joined} of {p.requested} joined")
                 table.add_column("")
                 table.add_column("")
@@ -158,42 +152,19 @@ def schedules_list(address: Address = "localhost:7233") -> None:
 
 
 # -- accounts ------------------------------------------------------------------------------
-def _account_id(account: str, config: str | None) -> str:
-    from fleet.config import load_config
-    from fleet.naming import account_workflow_id
-
-    try:
-        provider = load_config(config).account(account).provider
-    except KeyError:
-        err.print(f"[red]error:[/] unknown account {account!r}")
-        raise typer.Exit(2) from None
-    return account_workflow_id(provider, account)
-
-
 @accounts_app.command("list")
 def accounts_list(
     needs_person: Annotated[bool, typer.Option("--needs-person", help="only those waiting for a person")] = False,
     address: Address = "localhost:7233",
 ) -> None:
     """Every ProviderAccount entity and its state."""
-    from fleet.messages.capacity import AccountStatus
+    from fleet.naming import account_workflow_id
 
-    settings = _settings(address)
-
-    async def go():
-        client = await _connect(settings)
-        query = 'WorkflowType = "ProviderAccount" AND ExecutionStatus = "Running"'
-        if needs_person:
-            query += ' AND FleetState = "needs-person"'
-        rows = []
-        async for wf in client.list_workflows(query):
-            s = await client.get_workflow_handle(wf.id).query("status", result_type=AccountStatus)
-            rows.append((wf.id, s.state.value, s.since, ", ".join(s.blocked_offers), s.reason))
-        return rows
-
+    statuses = run(fleet_client(_settings(address)).accounts(needs_person))
     table = Table("account", "state", "since", "quota-blocked offers", "reason", title="provider accounts")
-    for row in asyncio.run(go()):
-        table.add_row(*row)
+    for s in statuses:
+        table.add_row(account_workflow_id(s.provider, s.account), s.state.value, s.since,
+                      ", ".join(s.blocked_offers), s.reason)
     console.print(table)
 
 
@@ -204,33 +175,27 @@ def accounts_quota_raised(
     address: Address = "localhost:7233", config: ConfigPath = None,
 ) -> None:
     """Tell gpufleet a person raised the quota: the offers sell again."""
-    _update(address, _account_id(account, config), "quota_raised", {"offers": offer or []})
+    _update(address, config, lambda fleet: fleet.quota_raised(account, offer or []))
 
 
 @accounts_app.command("credentials-rotated")
 def accounts_credentials_rotated(account: str, address: Address = "localhost:7233", config: ConfigPath = None) -> None:
     """Tell gpufleet the credentials are fixed (checked with one call before it is accepted)."""
-    _update(address, _account_id(account, config), "credentials_rotated", None)
+    _update(address, config, lambda fleet: fleet.credentials_rotated(account))
 
 
-def _update(address: str, workflow_id: str, update: str, arg) -> None:
-    from temporalio.client import WorkflowUpdateFailedError
-
-    from fleet.messages.capacity import AccountStatus
-
-    settings = _settings(address)
-
-    async def go():
-        handle = (await _connect(settings)).get_workflow_handle(workflow_id)
-        args = [] if arg is None else [arg]
-        return await handle.execute_update(update, *args, result_type=AccountStatus)
+def _update(address: str, config: str | None, call) -> None:
+    from client import InvalidArgument, NotFound, Rejected
+    from fleet.naming import account_workflow_id
 
     try:
-        status = asyncio.run(go())
-    except WorkflowUpdateFailedError as error:
-        err.print(f"[red]rejected:[/] {error.cause}")
+        status = run(call(fleet_client(_settings(address, config=config))))
+    except InvalidArgument as error:
+        fail(str(error), 2)
+    except (Rejected, NotFound) as error:
+        err.print(f"[red]rejected:[/] {error}")
         raise typer.Exit(1) from None
-    console.print(f"{workflow_id}: [bold]{status.state.value}[/]")
+    console.print(f"{account_workflow_id(status.provider, status.account)}: [bold]{status.state.value}[/]")
 
 
 # -- sim -----------------------------------------------------------------------------------

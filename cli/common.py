@@ -3,6 +3,7 @@ settings, the Temporal connection, and how a failure is reported."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
@@ -26,7 +27,8 @@ DEFAULT_STATE_DIR = Path(".gpufleet")
 
 def settings(address: str | None = None, state_dir: Path | None = None, config: str | None = None) -> Settings:
     """The same settings every entry point reads: flags first, then ``TEMPORAL_*``/``GPUFLEET_*``."""
-    return Settings.from_env(address=address, state_dir=state_dir, config=config)
+    # The options' default address yields to a temporal.toml profile (TEMPORAL_PROFILE).
+    return Settings.from_env(address=None if address == DEFAULT_ADDRESS else address, state_dir=state_dir, config=config)
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
@@ -41,14 +43,36 @@ def report_config(error: ConfigError) -> NoReturn:
     raise typer.Exit(2)
 
 
-async def connect(config: Settings):
-    """A Temporal client, or exit 1 saying where the server was expected."""
-    from fleet.temporal import connect as temporal_connect
+def unreachable(error) -> NoReturn:
+    fail(f"cannot reach Temporal at {error.address} ({error.reason}); is `gpufleet dev` running?")
+
+
+def fleet_client(config: Settings):
+    """The client every command steers workflows through (it connects on first use).
+    Imported here, not at the top: commands that never talk to Temporal start quicker."""
+    from client import FleetClient
+
+    return FleetClient(config)
+
+
+def run(coro):
+    """``asyncio.run`` for a command: an unreachable server exits 1 saying where it was expected."""
+    from client import Unreachable
 
     try:
-        return await temporal_connect(config)
-    except RuntimeError as error:
-        fail(f"cannot reach Temporal at {config.address} ({error}); is `gpufleet dev` running?")
+        return asyncio.run(coro)
+    except Unreachable as error:
+        unreachable(error)
+
+
+async def connect(config: Settings):
+    """A Temporal client, or exit 1 saying where the server was expected."""
+    from client import Unreachable
+
+    try:
+        return await fleet_client(config).temporal()
+    except Unreachable as error:
+        unreachable(error)
 
 
 def fleet_env(state_dir: Path | None, config: str | None):

@@ -65,11 +65,13 @@ def dev_server_tuning_flags() -> list[str]:
     return flags
 
 
-def server_command(settings: Settings, port: int, ui_port: int) -> list[str]:
+def server_command(settings: Settings, port: int, ui_port: int, http_port: int = 7243) -> list[str]:
     db = settings.state_dir / "temporal.db"
     command = [
         temporal_binary(), "server", "start-dev",
         "--db-filename", str(db), "--ip", "127.0.0.1", "--port", str(port), "--ui-port", str(ui_port),
+        # The HTTP API (callers without an SDK); unset, the dev server picks a random port.
+        "--http-port", str(http_port),
         "--namespace", settings.namespace, "--log-level", "warn", *dev_server_tuning_flags(),
     ]
     if not db.exists():
@@ -93,9 +95,30 @@ async def _wait_for_server(settings: Settings, timeout: float = 60) -> None:
             await asyncio.sleep(0.5)
 
 
-def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233) -> int:
+#: Each worker's Prometheus port in the dev stack (a busy one is swapped for a free one).
+DEV_METRICS_PORTS = {"control-plane": 9464, "node-agents": 9465}
+
+
+def metrics_port(preferred: int) -> int:
+    """``preferred`` when it is free on loopback, else any free port."""
+    import socket
+
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free port")
+
+
+def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port: int = 7243) -> int:
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     settings = settings.model_copy(update={"address": f"127.0.0.1:{port}", "state_dir": settings.state_dir.resolve()})
+    # The dev server speaks plain gRPC: a shell's Temporal Cloud / mTLS settings must not reach it.
+    for name in [n for n in os.environ if n == "TEMPORAL_API_KEY" or n.startswith(("TEMPORAL_TLS", "TEMPORAL_PROFILE", "TEMPORAL_CONFIG_FILE"))]:
+        os.environ.pop(name)
     env = {**os.environ, **settings.env()}
     logs = settings.state_dir / "logs"
     logs.mkdir(exist_ok=True)
@@ -128,13 +151,21 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        start("temporal", server_command(settings, port, ui_port))
+        start("temporal", server_command(settings, port, ui_port, http_port))
         asyncio.run(_wait_for_server(settings))
-        start("control-plane", [sys.executable, "-m", "workers.control_plane"])
-        start("node-agents", [sys.executable, "-m", "workers.node_agent", "--sim"])
+        metrics = {"control-plane": metrics_port(DEV_METRICS_PORTS["control-plane"]),
+                   "node-agents": metrics_port(DEV_METRICS_PORTS["node-agents"])}
+        env.setdefault("GPUFLEET_METRICS_HOST", "127.0.0.1")
+        start("control-plane", [sys.executable, "-m", "workers.control_plane",
+                                "--metrics-port", str(metrics["control-plane"])])
+        start("node-agents", [sys.executable, "-m", "workers.node_agent", "--sim",
+                              "--metrics-port", str(metrics["node-agents"])])
         console.print(f"[bold green]gpufleet dev is up[/]  (state in {settings.state_dir}, logs in {logs})")
         console.print(f"  Temporal UI      http://127.0.0.1:{ui_port}")
         console.print(f"  Temporal server  {settings.address}")
+        for name, metrics_at in metrics.items():
+            console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  ({name})")
+        console.print(f"  HTTP API         http://127.0.0.1:{http_port}/api/v1/namespaces/{settings.namespace}")
         console.print("  try, in another shell:")
         console.print("    gpufleet sites")
         console.print("    gpufleet join --site lambda-us-east --wait")

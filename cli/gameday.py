@@ -19,8 +19,7 @@ import typer
 from rich.live import Live
 from rich.table import Table
 
-from cli.common import Address, ConfigPath, StateDir, console, fail, settings
-from cli.common import connect as connect_or_exit
+from cli.common import Address, ConfigPath, StateDir, console, fail, fleet_client, run, settings
 
 gameday_app = typer.Typer(no_args_is_help=True)
 HealAfter = Annotated[float, typer.Option(help="seconds after the drain before the site is healed")]
@@ -96,7 +95,7 @@ def _run_gameday(pick, heal_after, timeout, json_out, address, state_dir, config
     if cfg.mode != "sim":
         fail("game days break simulated sites only (config mode is not sim)", 2)
     sites = pick(cfg)
-    report = asyncio.run(_gameday(config_, sites, heal_after, timeout))
+    report = run(_gameday(config_, sites, heal_after, timeout))
     console.print(_durations_table(report))
     text = json.dumps(report, indent=2)
     console.print_json(text)
@@ -107,24 +106,17 @@ def _run_gameday(pick, heal_after, timeout, json_out, address, state_dir, config
 
 
 async def _gameday(settings, sites: list[str], heal_after: float, timeout: float) -> dict:
-    from temporalio.common import WorkflowIDConflictPolicy
-
-    from fleet.naming import site_workflow_id
     from providers.sim import SimWorld
-    from fleet.messages.capacity import SiteStatus
-    from fleet.messages.evacuation import EvacuationProgress
 
-    client = await connect_or_exit(settings)
+    fleet = fleet_client(settings)
+    await fleet.temporal()
     world = SimWorld(settings.sim_db)
     for site in sites:  # the Site entities watch their sites (the sweep would start them too)
-        await client.start_workflow(
-            "Site", {"site": site}, id=site_workflow_id(site), task_queue=settings.task_queue,
-            start_signal="reconcile", id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-        )
+        await fleet.reconcile_site(site)
     # Evacuations already on record, so the game day watches the new one.
     before: dict[str, int] = {}
     for site in sites:
-        status = await client.get_workflow_handle(site_workflow_id(site)).query("status", result_type=SiteStatus)
+        status = await fleet.site_status(site)
         before[site] = len(status.incident.history) if status and status.incident else 0
 
     broke_at = time.time()
@@ -151,8 +143,7 @@ async def _gameday(settings, sites: list[str], heal_after: float, timeout: float
             for site in sites:
                 s = state[site]
                 if not s["evacuation"]:
-                    status = await client.get_workflow_handle(site_workflow_id(site)).query(
-                        "status", result_type=SiteStatus)
+                    status = await fleet.site_status(site)
                     inc = status.incident if status else None
                     if inc and inc.open:
                         s["evacuation"] = inc.open.id
@@ -160,8 +151,7 @@ async def _gameday(settings, sites: list[str], heal_after: float, timeout: float
                         s["evacuation"] = inc.history[-1].id
                 if s["evacuation"]:
                     try:
-                        s["progress"] = await client.get_workflow_handle(s["evacuation"]).query(
-                            "progress", result_type=EvacuationProgress)
+                        s["progress"] = await fleet.evacuation_progress(s["evacuation"])
                     except Exception:  # noqa: BLE001 - its first task has not run yet
                         pass
                 p = s["progress"]

@@ -20,8 +20,10 @@ from cli.common import (
     console,
     err,
     fail,
+    fleet_client,
     fleet_env,
     report_config,
+    run,
     settings,
     sim_world,
 )
@@ -46,6 +48,7 @@ app.add_typer(cluster_app, name="cluster")
 app.add_typer(rollout_app, name="rollout")
 app.add_typer(repair_app, name="repair")
 app.add_typer(gameday_app, name="gameday")
+app.command("top")(__import__("cli.top", fromlist=["top"]).top)  # the live view; its imports load only when used
 
 
 # -- dev stack -------------------------------------------------------------------------------
@@ -55,6 +58,8 @@ def dev(
     config: ConfigPath = None,
     port: Annotated[int, typer.Option(help="Temporal frontend port")] = 7233,
     ui_port: Annotated[int, typer.Option(help="Temporal UI port")] = 8233,
+    http_port: Annotated[Optional[int], typer.Option(
+        help="Temporal HTTP API port, plain JSON (default: --port + 10, i.e. 7243)")] = None,
 ) -> None:
     """Run the dev stack: Temporal dev server + UI, control-plane worker, simulated fleet."""
     from cli.dev import run_dev
@@ -63,7 +68,8 @@ def dev(
         load_config(config)
     except ConfigError as error:
         report_config(error)
-    raise typer.Exit(run_dev(settings(state_dir=state_dir, config=config), port=port, ui_port=ui_port))
+    raise typer.Exit(run_dev(settings(state_dir=state_dir, config=config), port=port, ui_port=ui_port,
+                               http_port=port + 10 if http_port is None else http_port))
 
 
 # -- config ----------------------------------------------------------------------------------
@@ -93,34 +99,25 @@ def join(
     """Join nodes at a site: one NodeJoin workflow per node."""
     if count < 1:
         fail("--count: must be at least 1", 2)
-    asyncio.run(_join(settings(address), site, count, wait, request or uuid.uuid4().hex[:8]))
+    run(_join(settings(address), site, count, wait, request or uuid.uuid4().hex[:8]))
 
 
 async def _join(settings: Settings, site: str, count: int, wait: bool, request: str) -> None:
     from rich.live import Live
     from temporalio.client import WorkflowFailureError
-    from temporalio.common import WorkflowIDConflictPolicy
 
-    from fleet import search_attributes
-    from fleet.naming import join_workflow_id
-    from fleet.messages.join import JoinProgress, NodeJoinInput, NodeJoinResult
+    from client import InvalidArgument
 
-    client = await connect_or_exit(settings)
-    try:
-        known = load_config(settings.config).site(site)
-    except (ConfigError, KeyError):
-        known = None  # the join itself names what is wrong
+    fleet = fleet_client(settings)
     handles = []
     for i in range(count):
-        workflow_id = join_workflow_id(site, request if count == 1 else f"{request}-{i}")
-        attributes = (search_attributes.join_start_attributes(site, known.provider, known.account, workflow_id)
-                      if known else None)
-        handles.append(await client.start_workflow(
-            "NodeJoin", NodeJoinInput(site=site).model_dump(mode="json"), id=workflow_id,
-            task_queue=settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            static_summary=f"join a node at {site}", result_type=NodeJoinResult, search_attributes=attributes,
-        ))
-        console.print(f"started [bold]{workflow_id}[/]")
+        try:
+            handle = await fleet.start_join({"site": site},
+                                            request_id=request if count == 1 else f"{request}-{i}")
+        except InvalidArgument as error:
+            fail(str(error), 2)
+        handles.append(handle)
+        console.print(f"started [bold]{handle.id}[/]")
     if not wait:
         return
 
@@ -152,7 +149,7 @@ async def _join(settings: Settings, site: str, count: int, wait: bool, request: 
                         failures.append((handle.id, kind, str(cause)))
                 else:
                     try:
-                        states[handle.id] = (await handle.query("progress", result_type=JoinProgress)).step
+                        states[handle.id] = (await fleet.join_progress(handle.id)).step
                     except Exception:  # noqa: BLE001 - a query can race the workflow's first task
                         pass
             live.update(render(states))

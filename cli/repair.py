@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from cli.common import Address, connect, console, err, settings
+from cli.common import Address, console, err, fleet_client, run, settings
 
 repair_app = typer.Typer(no_args_is_help=True)
 Node = Annotated[str, typer.Argument(help="node name")]
@@ -20,21 +19,23 @@ def repair() -> None:
     """GPU repair ladders (GpuRepair workflows) and Node entities."""
 
 
-async def _client(address: str):
-    return await connect(settings(address))
+def _fleet(address: str):
+    return fleet_client(settings(address))
 
 
-def _run(coro) -> None:
-    from temporalio.client import WorkflowUpdateFailedError
-    from temporalio.service import RPCError
+def _run(coro):
+    from client import InvalidArgument, NotFound, Rejected
 
     try:
-        asyncio.run(coro)
-    except WorkflowUpdateFailedError as error:
-        err.print(f"[red]refused:[/] {error.cause}")
+        return run(coro)
+    except InvalidArgument as error:
+        err.print(f"[red]error:[/] {error}")
+        raise typer.Exit(2) from None
+    except Rejected as error:
+        err.print(f"[red]refused:[/] {error}")
         raise typer.Exit(1) from None
-    except RPCError as error:
-        err.print(f"[red]error:[/] {error.message}")
+    except NotFound as error:
+        err.print(f"[red]error:[/] {error}")
         raise typer.Exit(1) from None
 
 
@@ -59,7 +60,7 @@ def list_repairs(
     """Repairs, with their node, GPU, rung and state."""
 
     async def go() -> None:
-        client = await _client(address)
+        client = await _fleet(address).temporal()
         query = "WorkflowType = 'GpuRepair'" + ("" if all_ else " AND ExecutionStatus = 'Running'")
         table = Table("workflow", "node", "GPU", "rung", "state", "status")
         async for wf in client.list_workflows(query):
@@ -75,57 +76,33 @@ def list_repairs(
 @repair_app.command("show")
 def show(node: Node, gpu: Gpu, address: Address = "localhost:7233") -> None:
     """The ladder of one GPU: current rung and every attempt."""
-    from fleet.messages.repair import LadderState
-
-    async def go() -> None:
-        client = await _client(address)
-        _show_ladder(await client.get_workflow_handle(f"repair/{node}/gpu{gpu}").query("ladder", result_type=LadderState))
-
-    _run(go())
+    _show_ladder(_run(_fleet(address).repair_ladder(node, gpu)))
 
 
 @repair_app.command("node")
 def node_status(node: Node, address: Address = "localhost:7233") -> None:
     """The Node entity: state, running repairs, counters, recent decisions."""
-    from fleet.messages.repair import NodeStatus
-
-    async def go() -> None:
-        client = await _client(address)
-        s = await client.get_workflow_handle(f"node/{node}").query("status", result_type=NodeStatus)
-        console.print(f"[bold]{s.node_name}[/] ({s.site or 'site unknown'}): {s.state}, boot {s.boot_id[:8]}, "
-                      f"{s.reports} reports, {s.remediations} remediations in the window")
-        for index, wid in sorted(s.active_repairs.items()):
-            console.print(f"  GPU {index}: {wid}")
-        if s.app_xids:
-            console.print("  application XIDs: " + ", ".join(f"{x}×{n}" for x, n in s.app_xids.items()))
-        for line in s.log:
-            console.print(f"  - {line}")
-
-    _run(go())
-
-
-def _update(node: str, gpu: int, name: str, address: str, arg=None) -> None:
-    from fleet.messages.repair import LadderState
-
-    async def go() -> None:
-        client = await _client(address)
-        handle = client.get_workflow_handle(f"repair/{node}/gpu{gpu}")
-        args = [] if arg is None else [arg]
-        _show_ladder(await handle.execute_update(name, *args, result_type=LadderState))
-
-    _run(go())
+    s = _run(_fleet(address).node_status(node))
+    console.print(f"[bold]{s.node_name}[/] ({s.site or 'site unknown'}): {s.state}, boot {s.boot_id[:8]}, "
+                  f"{s.reports} reports, {s.remediations} remediations in the window")
+    for index, wid in sorted(s.active_repairs.items()):
+        console.print(f"  GPU {index}: {wid}")
+    if s.app_xids:
+        console.print("  application XIDs: " + ", ".join(f"{x}×{n}" for x, n in s.app_xids.items()))
+    for line in s.log:
+        console.print(f"  - {line}")
 
 
 @repair_app.command("hold")
 def hold(node: Node, gpu: Gpu, address: Address = "localhost:7233") -> None:
     """Stay contained and do nothing at the next step until released."""
-    _update(node, gpu, "hold", address)
+    _show_ladder(_run(_fleet(address).hold_repair(node, gpu)))
 
 
 @repair_app.command("release")
 def release(node: Node, gpu: Gpu, address: Address = "localhost:7233") -> None:
     """Let a held ladder go on."""
-    _update(node, gpu, "release", address)
+    _show_ladder(_run(_fleet(address).release_repair(node, gpu)))
 
 
 @repair_app.command("skip-to")
@@ -136,11 +113,10 @@ def skip_to(
 ) -> None:
     """Go to this rung next (also re-enters an exhausted ladder)."""
     from fleet.repair_policy import Rung
-    from fleet.messages.repair import SkipToInput
 
     try:
         target = Rung(rung)
     except ValueError:
         err.print(f"[red]error:[/] rung must be one of {', '.join(r.value for r in Rung)}")
         raise typer.Exit(2) from None
-    _update(node, gpu, "skip_to", address, SkipToInput(rung=target))
+    _show_ladder(_run(_fleet(address).skip_repair_to(node, gpu, target)))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Annotated
 
@@ -11,7 +10,7 @@ import yaml
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from cli.common import Address, connect, console, err, settings
+from cli.common import Address, console, err, fleet_client, run, settings
 
 rollout_app = typer.Typer(no_args_is_help=True)
 Reason = Annotated[str, typer.Option("--reason", help="why (shown in the workflow's details)")]
@@ -23,13 +22,10 @@ def rollout() -> None:
     """Model rollouts: weights to every site, canary, gated batches, rollback."""
 
 
-async def _client(address: str):
-    config = settings(address)
-    return await connect(config), config
-
-
 def _id(rollout_id: str) -> str:
-    return rollout_id if rollout_id.startswith("rollout/") else f"rollout/{rollout_id}"
+    from client.fleet import rollout_workflow_id
+
+    return rollout_workflow_id(rollout_id)
 
 
 @rollout_app.command("start")
@@ -38,58 +34,22 @@ def start(
     address: Address = "localhost:7233",
 ) -> None:
     """Start a ModelRollout (idempotent: the same model/version attaches to the running one)."""
-    from pydantic import ValidationError
-
-    from fleet.rollout import RolloutInput
+    from client import InvalidArgument
 
     try:
         raw = yaml.safe_load(file.read_text())
     except (OSError, yaml.YAMLError) as error:
         err.print(f"[red]{file}: cannot read: {error}[/]")
         raise typer.Exit(2) from None
+    fleet = fleet_client(settings(address))
     try:
-        request = RolloutInput.model_validate(raw)
-    except ValidationError as error:
+        handle = run(fleet.start_rollout(raw))
+    except InvalidArgument as error:
         err.print(f"[red]{file}: invalid rollout[/]")
-        for problem in error.errors():
-            where = ".".join(str(p) for p in problem["loc"]) or "(top level)"
-            err.print(f"  {where}: {problem['msg'].removeprefix('Value error, ')}")
+        for where, message in error.problems:
+            err.print(f"  {'(top level)' if where == '(input)' else where}: {message}")
         raise typer.Exit(2) from None
-
-    async def go() -> str:
-        from temporalio.common import WorkflowIDConflictPolicy
-
-        client, settings = await _client(address)
-        handle = await client.start_workflow(
-            "ModelRollout", request.model_dump(mode="json"), id=request.rollout_id, task_queue=settings.task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            static_summary=f"roll {request.model} {request.version} out to {len(request.sites)} sites",
-        )
-        return handle.id
-
-    console.print(f"started [bold]{asyncio.run(go())}[/]")
-
-
-async def _status(address: str, rollout_id: str) -> tuple:
-    from fleet.rollout import RolloutProgress
-
-    client, _ = await _client(address)
-    handle = client.get_workflow_handle(_id(rollout_id))
-    try:
-        description = await handle.describe()
-    except Exception as error:  # noqa: BLE001 - not found, unreachable
-        err.print(f"[red]error:[/] {_id(rollout_id)}: {error}")
-        raise typer.Exit(1) from None
-    progress = await handle.query("progress", result_type=RolloutProgress)
-    live: dict[str, dict] = {}
-    for pending in description.raw_description.pending_activities:
-        if pending.activity_id.startswith("replicate/") and pending.heartbeat_details.payloads:
-            try:
-                (details,) = await client.data_converter.decode(pending.heartbeat_details.payloads)
-                live[pending.activity_id.removeprefix("replicate/")] = details
-            except Exception:  # noqa: BLE001 - unreadable details: show what the query knows
-                pass
-    return description, progress, live
+    console.print(f"started [bold]{handle.id}[/]")
 
 
 @rollout_app.command("status")
@@ -99,9 +59,17 @@ def status(
     address: Address = "localhost:7233",
 ) -> None:
     """Phase, and per site: state, a weights progress bar, and what it is doing."""
-    description, progress, live = asyncio.run(_status(address, rollout_id))
+    from client import NotFound
+
+    try:
+        status_ = run(fleet_client(settings(address)).rollout_status(rollout_id))
+    except NotFound as error:
+        err.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+    progress, live = status_.progress, status_.replicating
     if progress is None:
-        console.print(f"{_id(rollout_id)}: starting ({description.status.name.lower()})")
+        state = status_.status.name.lower() if status_.status else "unknown"
+        console.print(f"{_id(rollout_id)}: starting ({state})")
         return
     if as_json:
         console.print_json(progress.model_dump_json())
@@ -123,22 +91,16 @@ def status(
 
 
 def _update(name: str, rollout_id: str, reason: str, address: str) -> None:
-    async def go():
-        from temporalio.client import WorkflowUpdateFailedError
-        from temporalio.service import RPCError
+    from client import NotFound, Rejected
 
-        client, _ = await _client(address)
-        try:
-            return await client.get_workflow_handle(_id(rollout_id)).execute_update(name, reason)
-        except WorkflowUpdateFailedError as error:
-            err.print(f"[red]{name} rejected:[/] {error.cause}")
-        except RPCError as error:
-            err.print(f"[red]{name} rejected:[/] {error}")
-        raise typer.Exit(1)
-
-    result = asyncio.run(go())
-    phase = result.get("phase") if isinstance(result, dict) else getattr(result, "phase", "")
-    console.print(f"{_id(rollout_id)}: {name} accepted (phase {phase})")
+    fleet = fleet_client(settings(address))
+    call = {"pause": fleet.pause_rollout, "resume": fleet.resume_rollout, "abort": fleet.abort_rollout}[name]
+    try:
+        progress = run(call(rollout_id, reason))
+    except (Rejected, NotFound) as error:
+        err.print(f"[red]{name} rejected:[/] {error}")
+        raise typer.Exit(1) from None
+    console.print(f"{_id(rollout_id)}: {name} accepted (phase {progress.phase})")
 
 
 @rollout_app.command("pause")

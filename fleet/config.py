@@ -102,7 +102,9 @@ class FleetConfig(_Strict):
     #: ``sim`` drives every site through the simulated provider and cluster.
     mode: Literal["sim", "real"] = "sim"
     #: POSTed (JSON) when a person must act, e.g. an account is quota-blocked or its credentials revoked.
-    notify_webhook: str | None = None
+    #: A credentials reference (``{env|file|secret}``) to the URL: a webhook URL usually carries
+    #: its secret in the path, so only the reference travels in config, history and logs.
+    notify_webhook: CredentialsRef | None = None
     accounts: list[Account] = Field(default_factory=list)
     sites: list[Site] = Field(default_factory=list)
     #: GPU repair ladder thresholds and timeouts.

@@ -28,9 +28,11 @@ waits for a person when nothing compliant can take them.
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from fleet import replacement
 
 
 class IncidentSettings(BaseModel):
@@ -143,11 +145,8 @@ class SiteFacts(BaseModel):
 
 def allowed_targets(failed: SiteFacts, candidates: list[SiteFacts]) -> list[SiteFacts]:
     """Where the failed site's replicas may go: any other site, or inside its
-    geography when it is a compliance site."""
-    others = [s for s in candidates if s.name != failed.name]
-    if failed.compliance:
-        return [s for s in others if failed.geography and s.geography == failed.geography]
-    return others
+    geography when it is a compliance site (``fleet.replacement``, the one rule)."""
+    return replacement.allowed_targets(failed, candidates)
 
 
 class Deficit(BaseModel):
@@ -204,13 +203,43 @@ def nodes_needed(missing_gpus: int, gpus_per_machine: int) -> int:
     return math.ceil(missing_gpus / max(gpus_per_machine, 1)) if missing_gpus > 0 else 0
 
 
+def restore_percents(steps: list[int]) -> list[int]:
+    """The percents traffic comes back through: each step kept within 1..100, in
+    order, ending at 100 (10/50 → [10, 50, 100])."""
+    return sorted({min(max(p, 1), 100) for p in steps} | {100})
+
+
+def weight_at(original: int, percent: int) -> int:
+    """A site's routing weight at ``percent`` of ``original``: 0 at 0 %; otherwise rounded
+    up and at least 1, so a site on its way back always gets some traffic."""
+    if original <= 0 or percent <= 0:
+        return 0
+    return max(1, math.ceil(original * min(percent, 100) / 100))
+
+
 def restore_weights(original: int, steps: list[int]) -> list[int]:
     """The weights routing climbs back through: 100 with steps 10/50/100 → [10, 50, 100].
     Every step is at least 1 while the original is positive; the last is the original."""
     if original <= 0:
         return [0]
-    out = [max(1, math.ceil(original * min(p, 100) / 100)) for p in steps]
-    out = sorted(set(out))
-    if out[-1] != original:
-        out.append(original)
-    return out
+    return sorted({weight_at(original, p) for p in restore_percents(steps)})
+
+
+# -- recovery -------------------------------------------------------------------------------
+class Recovery(BaseModel):
+    recovered: bool
+    detail: str
+
+
+def recovery(api_error: str | None, nodes_ready: Mapping[str, bool]) -> Recovery:
+    """Whether a site is back: its provider API answers (``api_error`` None) and it has
+    nodes, every one Ready (its agent reports again). Smoke tests come after this."""
+    if api_error is not None:
+        return Recovery(recovered=False, detail=f"provider API: {api_error}")
+    if not nodes_ready:
+        return Recovery(recovered=False, detail="no nodes at the site")
+    down = sorted(name for name, ready in nodes_ready.items() if not ready)
+    if down:
+        return Recovery(recovered=False, detail=f"{len(down)} of {len(nodes_ready)} nodes not ready: "
+                                                 f"{', '.join(down[:5])}{' …' if len(down) > 5 else ''}")
+    return Recovery(recovered=True, detail=f"API answers, {len(nodes_ready)} nodes ready")

@@ -4,14 +4,28 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+
+# Bounds for what workflows take from outside (inputs, signals, updates): every number
+# has a range, every float is finite, every string a length.
+DAY = 86400.0
+#: Sites, accounts, nodes, machine ids, offer keys: Kubernetes' name limit is plenty.
+Name = Annotated[str, StringConstraints(min_length=1, max_length=253)]
+MaybeName = Annotated[str, StringConstraints(max_length=253)]
+MAX_TEXT = 2000
+#: Free text carried along (a reason, a provider's error message): a long one is cut, never
+#: refused, because senders build these from error messages inside workflow code.
+Text = Annotated[str, AfterValidator(lambda text: text[:MAX_TEXT])]
+#: Epoch seconds between 1970 and 2100.
+EpochSeconds = Annotated[float, Field(ge=0, le=4_102_444_800, allow_inf_nan=False)]
 
 
 class Strict(BaseModel):
-    """Unknown keys are an error, so a typo never silently becomes a default."""
+    """Unknown keys are an error, so a typo never silently becomes a default; floats are finite."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class CapacityType(StrEnum):

@@ -21,16 +21,20 @@ SHA256_HEX = r"^[0-9a-f]{64}$"
 MiB = 1024 * 1024
 #: S3 allows at most this many parts in one multipart upload.
 MAX_PARTS = 10_000
+DAY = 86400
+#: No model's weights come near this (1 PiB); a bigger number is a typo.
+MAX_BYTES = 2**50
+NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class WeightFile(_Strict):
     #: Relative to the manifest's source prefix, e.g. ``model-00001-of-00004.safetensors``.
-    path: str = Field(min_length=1)
-    size: int = Field(ge=0)
+    path: str = Field(min_length=1, max_length=1024)
+    size: int = Field(ge=0, le=MAX_BYTES)
     sha256: str = Field(pattern=SHA256_HEX, description="lowercase hex sha256 of the whole file")
 
     @field_validator("path")
@@ -43,7 +47,7 @@ class WeightFile(_Strict):
 
 class WeightsManifest(_Strict):
     source: ObjectStore
-    files: list[WeightFile] = Field(min_length=1)
+    files: list[WeightFile] = Field(min_length=1, max_length=100_000)
 
     @field_validator("files")
     @classmethod
@@ -62,60 +66,60 @@ class WeightsManifest(_Strict):
 
 class HealthGate(_Strict):
     #: How long the updated Deployment has to become fully ready.
-    ready_timeout_seconds: float = Field(600, gt=0)
+    ready_timeout_seconds: float = Field(600, gt=0, le=DAY)
     #: Probe requests sent to the site's Service after it is ready (and again after the bake).
     probe_requests: int = Field(10, ge=0, le=1000)
     #: Largest share of failed probes that still passes (0 = every probe must succeed).
     max_error_rate: float = Field(0.0, ge=0, le=1)
     #: Watch time after the first gate, before the site counts as done.
-    bake_seconds: float = Field(300, ge=0)
-    probe_timeout_seconds: float = Field(30, gt=0)
+    bake_seconds: float = Field(300, ge=0, le=7 * DAY)
+    probe_timeout_seconds: float = Field(30, gt=0, le=3600)
 
 
 class Strategy(_Strict):
     #: Updated first, one at a time; default: the first target site.
-    canary_sites: list[str] = Field(default_factory=list)
+    canary_sites: list[str] = Field(default_factory=list, max_length=1000)
     #: Sites updated together after the canary; one batch in flight at a time.
-    batch_size: int = Field(1, ge=1)
+    batch_size: int = Field(1, ge=1, le=1000)
     gate: HealthGate = Field(default_factory=HealthGate)
     #: How often a site under evacuation is re-checked while it waits.
-    evacuation_poll_seconds: float = Field(60, gt=0)
+    evacuation_poll_seconds: float = Field(60, gt=0, le=DAY)
 
 
 class Replication(_Strict):
     #: Multipart part size (S3 wants >= 5 MiB except for the last part); also the memory bound.
-    part_size_bytes: int = Field(64 * MiB, ge=1)
+    part_size_bytes: int = Field(64 * MiB, ge=1, le=5 * 1024 * MiB)
     #: Read size while streaming/hashing.
-    chunk_size_bytes: int = Field(1 * MiB, ge=1)
+    chunk_size_bytes: int = Field(1 * MiB, ge=1, le=1024 * MiB)
     #: Parts uploaded concurrently per file (memory: concurrency x part size).
     concurrency: int = Field(4, ge=1, le=32)
     #: Optional cap on bytes/s per site (0 = none), so a copy does not saturate a site's link.
-    bandwidth_limit_bytes_per_s: int = Field(0, ge=0)
-    heartbeat_seconds: float = Field(30, gt=0)
-    timeout_seconds: float = Field(6 * 3600, gt=0)
+    bandwidth_limit_bytes_per_s: int = Field(0, ge=0, le=MAX_BYTES)
+    heartbeat_seconds: float = Field(30, gt=0, le=3600)
+    timeout_seconds: float = Field(6 * 3600, gt=0, le=7 * DAY)
 
 
 class SiteTarget(_Strict):
-    site: str = Field(min_length=1)
-    replicas: int = Field(ge=0)
+    site: str = Field(min_length=1, max_length=253)
+    replicas: int = Field(ge=0, le=10_000)
 
 
 class RolloutInput(_Strict):
     """Start with plain JSON (see ``gpufleet rollout start FILE``)."""
 
-    model: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    version: str = Field(min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    model: str = Field(min_length=1, max_length=128, pattern=NAME)
+    version: str = Field(min_length=1, max_length=128, pattern=NAME)
     weights: WeightsManifest
-    image: str = Field(min_length=1)
-    args: list[str] = Field(default_factory=list)
-    env: dict[str, str] = Field(default_factory=dict)
-    gpus_per_replica: int = Field(1, ge=0)
+    image: str = Field(min_length=1, max_length=1024)
+    args: list[str] = Field(default_factory=list, max_length=1000)
+    env: dict[str, str] = Field(default_factory=dict, max_length=1000)
+    gpus_per_replica: int = Field(1, ge=0, le=64)
     port: int = Field(8000, ge=1, le=65535)
     sites: list[SiteTarget] = Field(min_length=1)
     strategy: Strategy = Field(default_factory=Strategy)
     replication: Replication = Field(default_factory=Replication)
     #: Where the weights appear on the node (``<weights_root>/<model>/<version>``).
-    weights_root: str = "/models"
+    weights_root: str = Field("/models", max_length=1024)
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutInput":

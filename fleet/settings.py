@@ -20,6 +20,18 @@ def node_queue(node_name: str) -> str:
     return f"node/{node_name}"
 
 
+def temporal_profile():
+    """The Temporal client profile as the ``temporal`` CLI would load it: ``temporal.toml``
+    (``TEMPORAL_CONFIG_FILE``, profile ``TEMPORAL_PROFILE``) under the ``TEMPORAL_*``
+    variables (address, namespace, API key, ``TEMPORAL_TLS_*``)."""
+    from temporalio.envconfig import ClientConfigProfile
+
+    try:
+        return ClientConfigProfile.load()
+    except Exception as error:  # the bridge's ConfigError: a bad file or an unknown profile
+        raise ValueError(f"Temporal environment configuration (TEMPORAL_PROFILE / temporal.toml): {error}") from None
+
+
 class Settings(BaseModel):
     address: str = "localhost:7233"
     namespace: str = "default"
@@ -29,9 +41,12 @@ class Settings(BaseModel):
 
     @classmethod
     def from_env(cls, **overrides: object) -> "Settings":
+        profile = temporal_profile()
         env = {
-            "address": os.environ.get("TEMPORAL_ADDRESS"),
-            "namespace": os.environ.get("TEMPORAL_NAMESPACE"),
+            # Temporal's own environment configuration: TEMPORAL_ADDRESS / TEMPORAL_NAMESPACE,
+            # else the profile (TEMPORAL_PROFILE) of temporal.toml (TEMPORAL_CONFIG_FILE).
+            "address": profile.address,
+            "namespace": profile.namespace,
             "task_queue": os.environ.get("GPUFLEET_TASK_QUEUE"),
             "state_dir": os.environ.get("GPUFLEET_STATE_DIR"),
             "config": os.environ.get("GPUFLEET_CONFIG"),

@@ -1,4 +1,5 @@
-"""One way to connect to Temporal: pydantic payloads and OpenTelemetry tracing."""
+"""One way to connect to Temporal: standard environment configuration (TLS, API key),
+pydantic payloads and OpenTelemetry tracing."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import os
 
 from temporalio.client import Client, Interceptor
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import Runtime
 
-from fleet.settings import Settings
+from fleet.settings import Settings, temporal_profile
 
 _tracing_ready = False
 
@@ -50,11 +52,21 @@ def flush_tracing() -> None:
         trace.get_tracer_provider().shutdown()
 
 
-async def connect(settings: Settings | None = None) -> Client:
+async def connect(settings: Settings | None = None, runtime: Runtime | None = None) -> Client:
+    """The one way every client and worker connects.
+
+    Address and namespace come from ``settings`` (flags, else Temporal's environment
+    configuration); the API key, TLS / mTLS files, server name and gRPC metadata from
+    Temporal's standard environment configuration (``TEMPORAL_API_KEY``,
+    ``TEMPORAL_TLS_*``, ``temporal.toml`` profiles), exactly as the ``temporal`` CLI
+    reads them. ``runtime`` carries a worker's metrics telemetry.
+    """
     settings = settings or Settings.from_env()
+    connect_config = dict(temporal_profile().to_client_connect_config())
+    connect_config.update(target_host=settings.address, namespace=settings.namespace)
     return await Client.connect(
-        settings.address,
-        namespace=settings.namespace,
+        **connect_config,
         data_converter=pydantic_data_converter,
         interceptors=tracing_interceptors(),
+        runtime=runtime,
     )

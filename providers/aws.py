@@ -2,7 +2,8 @@
 
 Configuration
     ``account.credentials`` names a secret holding ``ACCESS_KEY_ID:SECRET_ACCESS_KEY``
-    (optionally ``:SESSION_TOKEN`` appended). If ``account.options["profile"]`` is
+    (optionally ``:SESSION_TOKEN`` appended) or the same as JSON (``providers.credentials.aws_keys``,
+    shared with the object stores). If ``account.options["profile"]`` is
     set, that boto3 profile is used instead and no secret is read.
     ``account.options``: ``endpoint_url`` (tests, VPC endpoints), ``subnet_id``,
     ``security_group_ids`` (list), ``key_name``, ``iam_instance_profile`` (name or
@@ -65,7 +66,7 @@ from fleet.errors import (
     Transient,
 )
 from fleet.models import CapacityType, Machine, MachineSpec, Offer
-from providers.credentials import read_secret
+from providers.credentials import aws_keys, read_secret
 
 PROVIDER = "aws"
 
@@ -204,20 +205,8 @@ class AwsProvider:
         if profile:
             return f"profile:{profile}", {"profile_name": profile}
         secret = read_secret(self.account.credentials, provider=PROVIDER)
-        parts = secret.split(":")
-        if len(parts) not in (2, 3) or not all(parts):
-            ref = self.account.credentials.describe() if self.account.credentials else "(none)"
-            raise BadCredentials(
-                f"credentials reference {ref} must hold ACCESS_KEY_ID:SECRET_ACCESS_KEY[:SESSION_TOKEN]",
-                provider=PROVIDER,
-                code="MalformedCredentials",
-            )
-        fingerprint = hashlib.sha256(secret.encode()).hexdigest()
-        return fingerprint, {
-            "aws_access_key_id": parts[0],
-            "aws_secret_access_key": parts[1],
-            "aws_session_token": parts[2] if len(parts) == 3 else None,
-        }
+        keys = aws_keys(secret, self.account.credentials, provider=PROVIDER)
+        return hashlib.sha256(secret.encode()).hexdigest(), keys
 
     def _client(self) -> Any:
         """An EC2 client for the current credentials, cached while they do not change."""

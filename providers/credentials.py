@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -28,6 +29,34 @@ def read_secret(ref: CredentialsRef | None, *, provider: str = "") -> str:
     if not value:
         raise BadCredentials(f"credentials reference {ref.describe()} is missing or empty", provider=provider)
     return value
+
+
+def aws_keys(secret: str, ref: CredentialsRef | None, *, provider: str) -> dict[str, str]:
+    """boto3 arguments from an AWS key secret: ``ACCESS_KEY_ID:SECRET_ACCESS_KEY[:SESSION_TOKEN]``
+    or JSON ``{"access_key_id", "secret_access_key"[, "session_token"]}``.
+
+    A malformed one is ``BadCredentials`` naming the reference, never the secret."""
+    where = ref.describe() if ref is not None else "(none)"
+    secret = secret.strip()
+    if secret.startswith("{"):
+        try:
+            data = json.loads(secret)
+            parts = [data["access_key_id"], data["secret_access_key"], *([data["session_token"]]
+                                                                         if data.get("session_token") else [])]
+        except (ValueError, KeyError, TypeError):
+            parts = []
+    else:
+        parts = secret.split(":")
+    if len(parts) not in (2, 3) or not all(isinstance(p, str) and p for p in parts):
+        raise BadCredentials(
+            f"credentials reference {where} must hold ACCESS_KEY_ID:SECRET_ACCESS_KEY[:SESSION_TOKEN] or JSON "
+            "with access_key_id and secret_access_key",
+            provider=provider, code="MalformedCredentials",
+        )
+    keys = {"aws_access_key_id": parts[0], "aws_secret_access_key": parts[1]}
+    if len(parts) == 3:
+        keys["aws_session_token"] = parts[2]
+    return keys
 
 
 def _read_kubernetes_secret(ref: str) -> str:

@@ -16,6 +16,7 @@ from temporalio.client import WorkflowHandle, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.worker import Replayer
 
+from workers.input_guard import InputGuard
 from workers.workflow_runner import workflow_runner
 from workflows import ALL_WORKFLOWS
 
@@ -25,7 +26,7 @@ RECORD = os.environ.get("GPUFLEET_RECORD") == "1"
 
 def replayer() -> Replayer:
     return Replayer(workflows=ALL_WORKFLOWS, data_converter=pydantic_data_converter,
-                    workflow_runner=workflow_runner(pydantic_data_converter))
+                    interceptors=[InputGuard()], workflow_runner=workflow_runner(pydantic_data_converter))
 
 
 async def replay_and_record(handle: WorkflowHandle, name: str) -> None:

@@ -11,6 +11,7 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.converter import PayloadCodec, SerializationContext, WithSerializationContext
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 
+from workers.start_input import StartInputRunner
 from workers.workflow_runner import ContextFreeRunner, ignores_context, workflow_runner
 
 
@@ -34,11 +35,13 @@ class PerWorkflowKeyCodec(PlainCodec, WithSerializationContext):
 
 def test_gpufleet_converter_takes_the_shortcut() -> None:
     assert ignores_context(pydantic_data_converter)
-    assert isinstance(workflow_runner(pydantic_data_converter), ContextFreeRunner)
+    runner = workflow_runner(pydantic_data_converter)
+    assert isinstance(runner, StartInputRunner) and isinstance(runner.inner, ContextFreeRunner)
 
 
 def test_a_codec_keeps_the_sdk_runner() -> None:
     for codec in (PlainCodec(), PerWorkflowKeyCodec()):
         converter = dataclasses.replace(pydantic_data_converter, payload_codec=codec)
         assert not ignores_context(converter)
-        assert isinstance(workflow_runner(converter), SandboxedWorkflowRunner)
+        runner = workflow_runner(converter)
+        assert isinstance(runner, StartInputRunner) and isinstance(runner.inner, SandboxedWorkflowRunner)

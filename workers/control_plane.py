@@ -1,10 +1,11 @@
 """The control-plane worker: every workflow, and the provider/cluster activities.
 
-    python -m workers.control_plane   # TEMPORAL_ADDRESS, GPUFLEET_STATE_DIR, GPUFLEET_CONFIG
+    python -m workers.control_plane [--metrics-port 9464]   # TEMPORAL_*, GPUFLEET_STATE_DIR, GPUFLEET_CONFIG
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import logging
 import signal
@@ -18,6 +19,8 @@ from activities import control_plane_activities
 from activities.env import FleetEnv
 from fleet.settings import Settings
 from fleet.temporal import connect, tracing_interceptors
+from workers.input_guard import InputGuard
+from workers.metrics import start_metrics, watch_fleet
 from workers.workflow_runner import workflow_runner
 from workflows import ALL_WORKFLOWS
 
@@ -41,6 +44,12 @@ def precompile_workflows() -> None:
         pass
 
 
+def worker_interceptors() -> list:
+    """Every Worker and Replayer running gpufleet's workflows: the input guard first (a bad
+    start, signal or update stops there, before tracing and workflow code), then tracing."""
+    return [InputGuard(), *tracing_interceptors()]
+
+
 def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None) -> Worker:
     env = env or FleetEnv.from_settings(settings)
     precompile_workflows()
@@ -52,16 +61,24 @@ def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None
         # Provider SDKs block: activities are sync and run in these threads.
         activity_executor=ThreadPoolExecutor(max_workers=128, thread_name_prefix="activity"),
         max_concurrent_activities=128,
-        interceptors=tracing_interceptors(),
+        interceptors=worker_interceptors(),
         workflow_runner=workflow_runner(client.data_converter),
     )
 
 
 async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port "
+                        "(default: $GPUFLEET_METRICS_PORT; unset: no metrics endpoint)")
+    args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s control-plane %(levelname)s %(message)s")
     settings = Settings.from_env()
-    client = await connect(settings)
-    worker = build_worker(client, settings)
+    metrics = start_metrics(args.metrics_port, "control-plane")
+    client = await connect(settings, runtime=metrics.runtime if metrics else None)
+    env = FleetEnv.from_settings(settings)
+    if metrics:
+        watch_fleet(env, client, settings.task_queue)
+    worker = build_worker(client, settings, env)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -28,6 +28,7 @@ from fleet.config import load_config
 from fleet.settings import Settings, node_queue
 from fleet.temporal import connect, tracing_interceptors
 from providers.gpu import GpuBackend
+from workers.metrics import agents_running, start_metrics
 
 log = logging.getLogger("gpufleet.node_agent")
 
@@ -191,16 +192,22 @@ async def main() -> None:
     parser.add_argument("--node-name", help="this node's Kubernetes name (real mode)")
     parser.add_argument("--sim", action="store_true", help="host every simulated node's agent")
     parser.add_argument("--poll-seconds", type=float, default=0.2, help="sim: how often machines are checked")
+    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port "
+                        "(default: $GPUFLEET_METRICS_PORT; unset: no metrics endpoint)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node-agent %(levelname)s %(message)s")
     settings = Settings.from_env()
-    client = await connect(settings)
+    metrics = start_metrics(args.metrics_port, "node-agent")
+    client = await connect(settings, runtime=metrics.runtime if metrics else None)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if args.sim:
-        await SimNodeHost(client, settings, poll_seconds=args.poll_seconds).run(stop)
+        host = SimNodeHost(client, settings, poll_seconds=args.poll_seconds)
+        if metrics:
+            agents_running(lambda: len(host.agents))
+        await host.run(stop)
         return
     if not args.node_name:
         parser.error("--node-name is required outside --sim")
@@ -209,6 +216,8 @@ async def main() -> None:
     gpus = NvmlBackend()
     gpus.watch_xids()
     worker = build_agent(client, args.node_name, gpus, ThreadPoolExecutor(max_workers=4))
+    if metrics:
+        agents_running(lambda: 1)
     log.info("agent for %s polling %s", args.node_name, node_queue(args.node_name))
     async with worker:
         if spot := os.environ.get("GPUFLEET_SPOT_NOTICE"):  # aws | gcp: watch for reclaim notices

@@ -25,6 +25,8 @@ from temporalio.worker import (
 from temporalio.worker.workflow_sandbox import SandboxedWorkflowRunner
 from temporalio.workflow import _Definition
 
+from workers.start_input import StartInputRunner
+
 
 def ignores_context(data_converter: DataConverter) -> bool:
     """True when no part of the converter changes with the serialization context."""
@@ -40,7 +42,7 @@ def ignores_context(data_converter: DataConverter) -> bool:
 def workflow_runner(data_converter: DataConverter) -> WorkflowRunner:
     """The runner for a worker (or replayer) using ``data_converter``."""
     sandbox = SandboxedWorkflowRunner()
-    return ContextFreeRunner(sandbox) if ignores_context(data_converter) else sandbox
+    return StartInputRunner(ContextFreeRunner(sandbox) if ignores_context(data_converter) else sandbox)
 
 
 class ContextFreeRunner(WorkflowRunner):

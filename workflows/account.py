@@ -14,11 +14,18 @@ Every change is written through to the guard store that activities check, the
 search attribute ``FleetState`` is ``needs-person`` while anything is blocked
 (the UI lists them), a webhook is POSTed when a person is needed, and waiting
 AcquireCapacity requests are woken when something is unblocked. Continues as
-new when the server suggests it.
+new when the server suggests it, carrying its one state model (``AccountStatus``).
+
+The run loop (reports) and the two updates each change the state and then write it
+to the guard store through an activity: each takes the state lock around that
+change and its write (patch ``account-state-lock``), so the writes land in the
+order of the changes and the store ends equal to the entity.
 """
 
 from __future__ import annotations
 
+import asyncio
+from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -38,13 +45,16 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet import search_attributes as sa
     from fleet.models import AccountState
-    from workflows.inputs import parse_input
-    from workflows.node_join import QUICK, failure_message
+    from workflows.inputs import parse_input, parse_signal
+    from workflows.steps import QUICK, failure_message, show_details
 
 STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 #: The credential check: one attempt per person's request (a wrong key is not transient).
 CHECK_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=["BadCredentials", "InvalidRequest"])
-NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=2), maximum_attempts=5)
+#: A webhook that keeps failing is counted and shown, not waited for: the entity must carry on.
+NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
+#: Workflow patch: the state lock (runs started before it replay without one).
+STATE_LOCK_PATCH = "account-state-lock"
 
 
 @workflow.defn(name="ProviderAccount")
@@ -52,12 +62,14 @@ class ProviderAccount:
     def __init__(self) -> None:
         self._reports: list[ReportAccountInput] = []
         self._status: AccountStatus | None = None
-        self._busy = 0
+        self._lock = asyncio.Lock()
 
     # -- what workflows and people send ---------------------------------------------------
     @workflow.signal
     def report(self, raw: dict[str, Any]) -> None:
-        self._reports.append(ReportAccountInput.model_validate(raw))
+        report = parse_signal(ReportAccountInput, raw, "report")
+        if report is not None:
+            self._reports.append(report)
 
     @workflow.query
     def status(self) -> AccountStatus:
@@ -65,22 +77,24 @@ class ProviderAccount:
         return self._status
 
     @workflow.update
-    async def quota_raised(self, raw: dict[str, Any] | None = None) -> AccountStatus:
+    async def quota_raised(self, raw: Any = None) -> AccountStatus:
         status = self._status
-        request = QuotaRaised.model_validate(raw or {})
-        offers = request.offers or list(status.blocked_offers)
-        for offer in offers:
-            status.blocked_offers.pop(offer, None)
-        self._log(f"quota raised for {', '.join(offers)}")
-        if status.state == AccountState.QUOTA_BLOCKED and not status.blocked_offers:
-            self._set(AccountState.HEALTHY, "")
-        await self._persist()
+        request = parse_input(QuotaRaised, raw or {})
+        # Locked: a report's store write, still in flight, would land after this one and re-block the offers.
+        async with self._locked():
+            offers = request.offers or list(status.blocked_offers)
+            for offer in offers:
+                status.blocked_offers.pop(offer, None)
+            self._log(f"quota raised for {', '.join(offers)}")
+            if status.state == AccountState.QUOTA_BLOCKED and not status.blocked_offers:
+                self._set(AccountState.HEALTHY, "")
+            await self._persist()
         await self._wake()
         return status
 
     @quota_raised.validator
-    def _check_quota_raised(self, raw: dict[str, Any] | None = None) -> None:
-        request = QuotaRaised.model_validate(raw or {})  # a bad payload rejects the update
+    def _check_quota_raised(self, raw: Any = None) -> None:
+        request = parse_input(QuotaRaised, raw or {})  # a bad payload rejects the update, naming the field
         status = self._status
         if status is None or not status.blocked_offers:
             raise ValueError(f"account {status.account if status else '?'} has no quota-blocked offer")
@@ -91,22 +105,28 @@ class ProviderAccount:
     @workflow.update
     async def credentials_rotated(self) -> AccountStatus:
         status = self._status
-        try:
-            checked = await workflow.execute_activity(
-                "check_credentials", AccountInput(account=status.account), result_type=str,
-                start_to_close_timeout=QUICK, retry_policy=CHECK_RETRY,
-                summary=f"one authenticated call to {status.account}",
-            )
-        except ActivityError as error:
-            self._log(f"credentials still rejected: {failure_message(error)}")
-            raise ApplicationError(
-                f"credentials for {status.account} still rejected: {failure_message(error)}",
-                type="BadCredentials", non_retryable=True,
-            ) from None
-        self._log(f"credentials rotated ({checked})")
-        self._set(AccountState.QUOTA_BLOCKED if status.blocked_offers else AccountState.HEALTHY,
-                  status.reason if status.blocked_offers else "")
-        await self._persist()
+        # Locked, check included: a report's store write (still revoked), in flight meanwhile, would land
+        # after this one and leave the guard revoked while the entity says healthy.
+        async with self._locked():
+            if status.state != AccountState.CREDENTIALS_REVOKED:
+                return status  # another rotation finished while this one waited for the lock
+            try:
+                checked = await workflow.execute_activity(
+                    "check_credentials", AccountInput(account=status.account), result_type=str,
+                    start_to_close_timeout=QUICK, retry_policy=CHECK_RETRY,
+                    summary=f"one authenticated call to {status.account}",
+                )
+            except ActivityError as error:
+                self._log(f"credentials still rejected: {failure_message(error)}")
+                raise ApplicationError(
+                    f"credentials for {status.account} still rejected: {failure_message(error)}",
+                    type="BadCredentials", non_retryable=True,
+                ) from None
+            self._log(f"credentials rotated ({checked})")
+            self._set(AccountState.QUOTA_BLOCKED if status.blocked_offers else AccountState.HEALTHY,
+                      status.reason if status.blocked_offers else "")
+            await self._persist()
+        # The queued deletes and the wake-up touch no entity state: no lock (reports go on meanwhile).
         deleted: list[str] = await workflow.execute_activity(
             "run_queued_deletes", AccountInput(account=status.account), result_type=list[str],
             start_to_close_timeout=timedelta(minutes=10), heartbeat_timeout=timedelta(seconds=60),
@@ -124,8 +144,9 @@ class ProviderAccount:
 
     # -- the entity loop ------------------------------------------------------------------
     @workflow.run
-    async def run(self, raw: dict[str, Any]) -> None:
+    async def run(self, raw: Any) -> None:
         args = parse_input(ProviderAccountInput, raw)
+        workflow.patched(STATE_LOCK_PATCH)  # decided (and recorded) once, at the start of the run
         self._status = args.status or AccountStatus(account=args.account, provider=args.provider)
         workflow.upsert_search_attributes([
             sa.ACCOUNT.value_set(args.account), sa.PROVIDER.value_set(args.provider),
@@ -145,27 +166,40 @@ class ProviderAccount:
 
     async def _apply(self, report: ReportAccountInput) -> None:
         status = self._status
-        before = (status.state, set(status.blocked_offers))
-        now = workflow.now().isoformat(timespec="seconds")
-        if report.kind == "BadCredentials":
-            self._set(AccountState.CREDENTIALS_REVOKED, report.message)
-        else:
-            status.blocked_offers.setdefault(report.offer or "(account)", now)
-            if status.state == AccountState.HEALTHY:
-                self._set(AccountState.QUOTA_BLOCKED, report.message)
-        if (status.state, set(status.blocked_offers)) == before:
-            return
-        self._log(f"{report.kind}: {report.message}")
-        await self._persist()
-        await workflow.execute_activity(
-            "notify_person",
-            NotifyInput(subject=f"{status.provider} account {status.account}: {status.state.value}",
-                        workflow_id=workflow.info().workflow_id, details=status.model_dump(mode="json")),
-            result_type=bool, start_to_close_timeout=QUICK, retry_policy=NOTIFY_RETRY,
-            summary="webhook: a person is needed",
-        )
+        # Locked: an update's store write must not land between this change and its write (nor before, older).
+        async with self._locked():
+            before = (status.state, set(status.blocked_offers))
+            now = workflow.now().isoformat(timespec="seconds")
+            if report.kind == "BadCredentials":
+                self._set(AccountState.CREDENTIALS_REVOKED, report.message)
+            else:
+                status.blocked_offers.setdefault(report.offer or "(account)", now)
+                if status.state == AccountState.HEALTHY:
+                    self._set(AccountState.QUOTA_BLOCKED, report.message)
+            if (status.state, set(status.blocked_offers)) == before:
+                return
+            self._log(f"{report.kind}: {report.message}")
+            await self._persist()
+        try:
+            await workflow.execute_activity(
+                "notify_person",
+                NotifyInput(subject=f"{status.provider} account {status.account}: {status.state.value}",
+                            workflow_id=workflow.info().workflow_id, details=status.model_dump(mode="json")),
+                result_type=bool, start_to_close_timeout=QUICK, retry_policy=NOTIFY_RETRY,
+                summary="webhook: a person is needed",
+            )
+        except ActivityError as error:
+            # The entity outlives its notifications: a person still sees the state here and in the UI.
+            status.notify_failures += 1
+            status.notify_error = failure_message(error)
+            self._log(f"webhook failed: {status.notify_error}")
+            self._show()
 
     # -- helpers ----------------------------------------------------------------------------
+    def _locked(self) -> AbstractAsyncContextManager:
+        """The state lock; none for a run started before it (its history interleaved freely)."""
+        return self._lock if workflow.patched(STATE_LOCK_PATCH) else nullcontext()
+
     def _set(self, state: AccountState, reason: str) -> None:
         status = self._status
         if status.state != state:
@@ -180,16 +214,16 @@ class ProviderAccount:
 
     def _show(self) -> None:
         s = self._status
-        lines = [f"**{s.state.value}**" + (f" since {s.since}" if s.since else "")]
-        if s.reason:
-            lines.append(s.reason)
+        lines = [s.reason] if s.reason else []
         lines += [f"- quota-blocked: {offer} (since {since})" for offer, since in s.blocked_offers.items()]
         if s.state == AccountState.CREDENTIALS_REVOKED:
             lines.append("a person must rotate the credentials, then send the `credentials_rotated` update")
         elif s.blocked_offers:
             lines.append("a person must raise the quota, then send the `quota_raised` update")
+        if s.notify_failures:
+            lines.append(f"webhook failed {s.notify_failures} time(s), last: {s.notify_error}")
         lines += [f"- {h}" for h in s.history[-5:]]
-        workflow.set_current_details("\n".join(lines))
+        show_details(s.state.value, *lines, detail=f"since {s.since}" if s.since else "")
 
     async def _persist(self) -> None:
         s = self._status

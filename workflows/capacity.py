@@ -15,7 +15,9 @@ When nothing qualifies it waits ("waiting for capacity", with every reason),
 backing off 5 → 30 min, and looks again early when offers change (a catalog
 refresh, an account unblocked) — until the deadline, then returns what joined.
 The spend cap is checked against joined plus in-flight machines, so it is never
-exceeded.
+exceeded. A long wait continues as new when the server suggests it, right
+after a backoff ends (no join in flight then), carrying what joined, every
+attempt, the excluded offers, the deadline and the join numbering.
 
 CatalogRefresh (id ``catalog-refresh``, run by a Schedule): refresh every site's
 offers and wake the waiting requests.
@@ -29,16 +31,19 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ApplicationError, ChildWorkflowError
+from temporalio.exceptions import ApplicationError
 
 with workflow.unsafe.imports_passed_through():
     from fleet.messages.capacity import (
-        Attempt,
+        CapacityCarry,
         CapacityProgress,
         CapacityRequest,
         CapacityResult,
         Catalog,
+        CatalogRefreshInput,
+        ExcludedOffer,
         GetCatalogInput,
+        JoinAttempt,
         ReportAccountInput,
     )
     from fleet import search_attributes as sa
@@ -47,7 +52,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet.placement import AccountView, Candidate, Placement, rank
     from workflows.inputs import parse_input
     from fleet.messages.join import JoinedNode, NodeJoinResult
-    from workflows.node_join import PROVIDER_RETRY, QUICK, NodeJoin, failure_message, failure_type
+    from workflows.node_join import NodeJoin
+    from workflows.steps import PROVIDER_RETRY, QUICK, failure_message, failure_type, show_details
 
 ACCOUNT_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 FATAL = ("InvalidRequest", "InvalidInput")
@@ -81,40 +87,46 @@ class AcquireCapacity:
         if placement is not None:
             p.candidates = [f"{c.key} ${c.effective_price:.2f}/GPU-h" for c in placement.candidates]
             p.rejected = placement.reasons()
-        lines = [f"**{step}**" + (f": {detail}" if detail else ""), f"joined {p.joined} of {p.requested}"]
+        lines = [f"joined {p.joined} of {p.requested}"]
         if p.in_flight:
             lines.append("joining: " + ", ".join(p.in_flight))
         if p.candidates:
             lines.append("candidates: " + "; ".join(p.candidates[:5]))
         lines += [f"- not {r}" for r in p.rejected]
         lines += [f"- tried {a.offer}: {a.outcome}" + (f" ({a.message})" if a.message else "") for a in p.attempts[-10:]]
-        workflow.set_current_details("\n".join(lines))
+        show_details(step, *lines, detail=detail)
 
     # -- the runbook ----------------------------------------------------------------------
     @workflow.run
-    async def run(self, raw: dict[str, Any]) -> CapacityResult:
+    async def run(self, raw: Any) -> CapacityResult:
         req = parse_input(CapacityRequest, raw)
         self._req = req
         start = workflow.now()
-        deadline = start + timedelta(seconds=req.deadline_seconds)
+        carry = req.carry or CapacityCarry(
+            deadline=start + timedelta(seconds=req.deadline_seconds), backoff_seconds=req.backoff_seconds,
+            excluded=[ExcludedOffer(offer=e.offer, until=start + timedelta(seconds=e.seconds), reason=e.reason)
+                      for e in req.exclude],
+        )
+        deadline = carry.deadline
         request_id = workflow.info().workflow_id.removeprefix("capacity/").replace("/", "-")
         self._progress.requested = req.count
         self._state("acquiring")
         #: offer key → (until, why) it is out of the ranking.
-        self._excluded: dict[str, tuple[datetime, str]] = {
-            e.offer: (start + timedelta(seconds=e.seconds), e.reason) for e in req.exclude
-        }
-        joined: list[JoinedNode] = []
-        costs: dict[str, float] = {}
+        self._excluded: dict[str, tuple[datetime, str]] = {e.offer: (e.until, e.reason) for e in carry.excluded}
+        joined: list[JoinedNode] = list(carry.joined)
+        costs: dict[str, float] = dict(carry.costs)
         in_flight: dict[asyncio.Task, Candidate] = {}
-        attempts: list[Attempt] = self._progress.attempts
-        other_failures = 0
-        seq = 0
-        backoff = req.backoff_seconds
+        attempts: list[JoinAttempt] = self._progress.attempts
+        attempts.extend(carry.attempts)
+        self._progress.joined = len(joined)
+        other_failures = carry.other_failures
+        seq = carry.seq
+        backoff = carry.backoff_seconds
         fatal: str | None = None
 
         self._show("reading the catalog")
-        catalog = await self._catalog(req.catalog_max_age_seconds, force=False)
+        # A continued run resumes right after a backoff, where the catalog is always read afresh.
+        catalog = await self._catalog(req.catalog_max_age_seconds, force=req.carry is not None)
         accounts = dict(catalog.accounts)
 
         def placement() -> Placement:
@@ -151,6 +163,16 @@ class AcquireCapacity:
                 except asyncio.TimeoutError:
                     backoff = min(backoff * 2, req.max_backoff_seconds)
                 self._progress.wait_until = None
+                if workflow.info().is_continue_as_new_suggested():
+                    # Nothing in flight (no child join open to be cut off): the carry is the whole state.
+                    await workflow.wait_condition(workflow.all_handlers_finished)
+                    now = workflow.now()
+                    workflow.continue_as_new(req.model_copy(update={"carry": CapacityCarry(
+                        deadline=deadline, joined=joined, costs=costs, attempts=attempts,
+                        excluded=[ExcludedOffer(offer=k, until=until, reason=why)
+                                  for k, (until, why) in self._excluded.items() if until > now],
+                        other_failures=other_failures, seq=seq, backoff_seconds=backoff,
+                    )}).model_dump(mode="json"))
                 self._state("acquiring")
                 catalog = await self._catalog(req.catalog_max_age_seconds, force=True)
                 accounts = dict(catalog.accounts)
@@ -166,11 +188,11 @@ class AcquireCapacity:
                     joined.append(node)
                     costs[node.node_name] = cand.machine_cost_per_hour
                     self._progress.joined = len(joined)
-                    attempts.append(Attempt(offer=cand.key, outcome="joined", message=node.node_name))
+                    attempts.append(JoinAttempt(offer=cand.key, outcome="joined", message=node.node_name))
                     backoff = req.backoff_seconds
                     continue
                 kind, message = failure_type(error), failure_message(error)
-                attempts.append(Attempt(offer=cand.key, outcome=kind, message=message))
+                attempts.append(JoinAttempt(offer=cand.key, outcome=kind, message=message))
                 now = workflow.now()
                 if kind == "NoCapacity":
                     until = now + timedelta(seconds=req.unavailable_ttl_seconds)
@@ -248,8 +270,9 @@ class CatalogRefresh:
     """Refresh every site's offers, then wake requests waiting for capacity."""
 
     @workflow.run
-    async def run(self, raw: dict[str, Any] | None = None) -> int:
-        workflow.set_current_details("**refreshing the provider catalog**")
+    async def run(self, raw: Any = None) -> int:
+        parse_input(CatalogRefreshInput, raw or {})
+        show_details("refreshing the provider catalog")
         catalog: Catalog = await workflow.execute_activity(
             "get_catalog", GetCatalogInput(force=True), result_type=Catalog, start_to_close_timeout=QUICK,
             retry_policy=PROVIDER_RETRY, summary="list every site's offers",
@@ -259,8 +282,6 @@ class CatalogRefresh:
             summary="signal waiting AcquireCapacity workflows",
         )
         available = sum(o.available for o in catalog.offers)
-        workflow.set_current_details(
-            f"**done**: {len(catalog.offers)} offers ({available} available), {len(catalog.errors)} sites failed, "
-            f"{woken} waiting requests woken"
-        )
+        show_details("done", detail=f"{len(catalog.offers)} offers ({available} available), "
+                                    f"{len(catalog.errors)} sites failed, {woken} waiting requests woken")
         return woken

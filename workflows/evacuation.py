@@ -22,6 +22,11 @@ query):
    Deployments come back, the weight climbs in steps (10 → 50 → 100 % with a bake
    time between), the extra replicas elsewhere go, and the nodes bought for the
    evacuation are retired while their site is above its min.
+
+The waits of steps 2 (no compliant site) and 5 (recovery probes every 30 s, the
+one that runs for days) continue as new when the server suggests it, carrying
+the whole evacuation (``EvacuationCarry``); never while the AcquireCapacity
+child or an activity is open.
 """
 
 from __future__ import annotations
@@ -31,18 +36,17 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ChildWorkflowError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import ResolveSiteInput, SmokeResult, SmokeTestInput
+    from activities.models import ResolveSiteInput
     from fleet.config import Site
     from fleet import search_attributes as sa
     from fleet.incident import Deficit, IncidentSettings, Plan, allowed_targets, nodes_needed, plan_moves
-    from fleet.settings import node_queue
-    from fleet.messages.capacity import CapacityResult, DrainNodeInput, RetireMachineInput, SiteNodesInput, SiteNode
+    from fleet.messages.capacity import CapacityResult, SiteNodesInput, SiteNode
     from fleet.messages.evacuation import (
+        EvacuationCarry,
         EvacuationFacts,
         EvacuationProgress,
         EvacuationResult,
@@ -56,10 +60,21 @@ with workflow.unsafe.imports_passed_through():
         Step,
         UncordonInput,
     )
-    from workflows.inputs import parse_input
-    from workflows.node_join import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, failure_message, failure_type
-    from activities.rollout_models import WaitServingInput
-    from fleet.cluster import DrainResult, ServingStatus
+    from workflows.inputs import check_text, parse_input
+    from workflows.steps import (
+        CLUSTER_RETRY,
+        PROVIDER_RETRY,
+        QUICK,
+        drain_and_retire,
+        drain_node,
+        failure_message,
+        failure_text,
+        failure_type,
+        show_details,
+        smoke_test_node,
+        wait_for_serving,
+    )
+    from fleet.cluster import ServingStatus
 
 
 def evacuation_workflow_id(site: str, n: int) -> str:
@@ -78,27 +93,31 @@ class SiteEvacuation:
         self._abort = ""
         self._retry = 0
         self._acquired: list = []
+        self._bought = 0
+        self._failed_proofs = 0
 
     # -- operator surface -----------------------------------------------------------------
     @workflow.update
-    def declare_recovered(self, note: str = "") -> EvacuationProgress:
+    def declare_recovered(self, note: Any = "") -> EvacuationProgress:
         """The operator says the provider is back: restore now (nodes must still pass smoke tests)."""
         self._recovered = note or "declared recovered by an operator"
         return self._progress
 
     @declare_recovered.validator
-    def _validate_recovered(self, note: str = "") -> None:
+    def _validate_recovered(self, note: Any = "") -> None:
+        check_text("note", note)
         if self._progress is None or self._progress.state in ("restored", "aborted"):
             raise ValueError("the evacuation is not running")
 
     @workflow.update
-    def abort(self, reason: str = "") -> EvacuationProgress:
+    def abort(self, reason: Any = "") -> EvacuationProgress:
         """Stop where it is: nothing more is changed (routing stays as it is now)."""
         self._abort = reason or "aborted by an operator"
         return self._progress
 
     @abort.validator
-    def _validate_abort(self, reason: str = "") -> None:
+    def _validate_abort(self, reason: Any = "") -> None:
+        check_text("reason", reason)
         if self._progress is None or self._progress.state in ("restored", "aborted"):
             raise ValueError("the evacuation is not running")
 
@@ -124,7 +143,7 @@ class SiteEvacuation:
         p = self._progress
         p.step = step
         start = p.timeline[0].at if p.timeline else workflow.now()
-        lines = [f"**{step}**" + (f": {detail}" if detail else "") + f" — evacuating {p.site}"]
+        lines = [f"evacuating {p.site}"]
         if p.needs_person:
             lines.append(f"**needs a person**: {p.needs_person}")
         lines += [
@@ -132,7 +151,7 @@ class SiteEvacuation:
             + (f": {s.detail}" if s.detail else "")
             for s in p.timeline
         ]
-        workflow.set_current_details("\n".join(lines))
+        show_details(step, *lines, detail=detail)
 
     def _check(self) -> None:
         if self._abort:
@@ -148,17 +167,42 @@ class SiteEvacuation:
         self._check()
         return bool(until())
 
+    async def _continue_as_new_if_suggested(self, phase: str) -> None:
+        """Called only where no child and no activity is open: nothing is cut off or orphaned."""
+        if not workflow.info().is_continue_as_new_suggested():
+            return
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        self._check()
+        carry = EvacuationCarry(
+            phase=phase, progress=self._progress, facts=self._facts, settings=self._s,
+            original_models=self._original_models, original_site=self._original_site, all_sites=self._all_sites,
+            acquired=self._acquired, bought=self._bought, failed_proofs=self._failed_proofs, retry=self._retry,
+            recovered=self._recovered,
+        )
+        workflow.continue_as_new(self._args.model_copy(update={"carry": carry}).model_dump(mode="json"))
+
+    def _resume(self, carry: EvacuationCarry) -> None:
+        self._progress, self._facts, self._s = carry.progress, carry.facts, carry.settings
+        self._original_models, self._original_site = carry.original_models, carry.original_site
+        self._all_sites, self._acquired = carry.all_sites, carry.acquired
+        self._bought, self._failed_proofs, self._retry = carry.bought, carry.failed_proofs, carry.retry
+        self._recovered = carry.recovered
+
     # -- the runbook ----------------------------------------------------------------------
     @workflow.run
-    async def run(self, raw: dict[str, Any]) -> EvacuationResult:
+    async def run(self, raw: Any) -> EvacuationResult:
         args = parse_input(SiteEvacuationInput, raw)
         self._args = args
         site = args.site
-        self._progress = EvacuationProgress(site=site)
-        workflow.upsert_search_attributes([sa.SITE.value_set(site), sa.FLEET_STATE.value_set("evacuating")])
-        self._mark("detected", args.reason)
+        if args.carry is not None:
+            self._resume(args.carry)  # search attributes carry over by themselves
+            self._show(self._progress.step)
+        else:
+            self._progress = EvacuationProgress(site=site)
+            workflow.upsert_search_attributes([sa.SITE.value_set(site), sa.FLEET_STATE.value_set("evacuating")])
+            self._mark("detected", args.reason)
         try:
-            await self._evacuate()
+            await self._evacuate(args.carry.phase if args.carry else "")
             outcome = "restored"
             self._state("restored")
             self._mark("restored")
@@ -168,19 +212,37 @@ class SiteEvacuation:
             self._mark("aborted", str(stop))
         return EvacuationResult(site=site, outcome=outcome, timeline=self._progress.timeline)
 
-    async def _evacuate(self) -> None:
-        args, p = self._args, self._progress
-        site = args.site
+    async def _evacuate(self, resume_at: str) -> None:
+        if not resume_at:
+            await self._weight_zero()
+        if resume_at in ("", "placing"):
+            # 2. the deficit, and capacity for it elsewhere.
+            moves = await self._place()
+            # 3. replicas elsewhere, ready.
+            await self._scale_elsewhere(moves)
+            # 4. drain the site.
+            await self._drain()
+        # 5. wait for recovery, 6. restore (smoke tests first; a failure goes back to waiting).
+        while True:
+            await self._wait_recovery()
+            if await self._prove():
+                break
+            # Not yet: back off before the next proof (an operator's declare_recovered skips the wait).
+            self._failed_proofs += 1
+            backoff = min(self._s.probe_seconds * 2 ** self._failed_proofs, 600)
+            await self._wait(backoff, lambda: bool(self._recovered), "back off before the next proof")
+        await self._restore()
+
+    async def _weight_zero(self) -> None:
+        """1. routing weight 0 for new sessions."""
+        site = self._args.site
         facts: EvacuationFacts = await workflow.execute_activity(
             "evacuation_facts", SiteRef(site=site), result_type=EvacuationFacts, start_to_close_timeout=QUICK,
             retry_policy=PROVIDER_RETRY, summary=f"serving, routing and nodes at {site}",
         )
         self._facts = facts
-        s: IncidentSettings = args.settings or facts.settings
-        self._s = s
+        self._s: IncidentSettings = self._args.settings or facts.settings
         incident = workflow.info().workflow_id
-
-        # 1. routing weight 0 for new sessions.
         self._original_models = {}
         for serving in facts.here:
             table = facts.model_routes.get(serving.model)
@@ -193,26 +255,10 @@ class SiteEvacuation:
         self._mark("weight 0", f"{len(self._original_models)} models")
         self._check()
 
-        # 2. the deficit, and capacity for it elsewhere.
-        moves = await self._place()
-        # 3. replicas elsewhere, ready.
-        self._elsewhere_before: dict[tuple[str, str], int] = {
-            (x.model, x.site): x.desired_replicas for x in facts.elsewhere
-        }
-        await self._scale_elsewhere(moves)
-        # 4. drain the site.
-        await self._drain()
-        # 5. wait for recovery, 6. restore (smoke tests first; a failure goes back to waiting).
-        failed_proofs = 0
-        while True:
-            await self._wait_recovery()
-            if await self._prove():
-                break
-            # Not yet: back off before the next proof (an operator's declare_recovered skips the wait).
-            failed_proofs += 1
-            backoff = min(self._s.probe_seconds * 2 ** failed_proofs, 600)
-            await self._wait(backoff, lambda: bool(self._recovered), "back off before the next proof")
-        await self._restore()
+    def _replicas_before(self, model: str, site: str) -> int:
+        """Replicas of ``model`` at another ``site`` before the evacuation moved any there: from
+        the last facts read before the move (a Deployment a person added meanwhile counts)."""
+        return next((x.desired_replicas for x in self._facts.elsewhere if (x.model, x.site) == (model, site)), 0)
 
     async def _weight(self, percent: int, healthy: bool, draining: bool, incident: str) -> SiteWeightResult:
         result: SiteWeightResult = await workflow.execute_activity(
@@ -254,7 +300,6 @@ class SiteEvacuation:
     async def _place(self) -> dict[str, dict[str, int]]:
         p, s, site = self._progress, self._s, self._args.site
         prices = {x.name: x.price_per_gpu_hour for x in self._facts.sites}
-        bought = 0
         while True:
             deficits = self._deficits()
             free = await self._free(deficits)
@@ -274,13 +319,14 @@ class SiteEvacuation:
                     "evacuation_facts", SiteRef(site=site), result_type=EvacuationFacts,
                     start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary="serving again",
                 )
+                await self._continue_as_new_if_suggested("placing")
                 continue
             if p.needs_person:
                 p.needs_person = ""
                 self._state("evacuating")
             missing = plan.missing_gpus(deficits)
-            if missing and bought == 0:
-                bought += 1
+            if missing and self._bought == 0:
+                self._bought += 1
                 await self._acquire(deficits, plan, missing)
                 continue
             if missing:
@@ -314,7 +360,7 @@ class SiteEvacuation:
             self._mark("capacity joined", f"{len(result.nodes)} of {count} nodes")
         except ChildWorkflowError as error:
             self._acquired = []
-            self._mark("capacity failed", f"{failure_type(error)}: {failure_message(error)}")
+            self._mark("capacity failed", failure_text(error))
         self._check()
 
     async def _scale_elsewhere(self, moves: dict[str, dict[str, int]]) -> None:
@@ -322,19 +368,13 @@ class SiteEvacuation:
         waits = []
         for model, where in sorted(moves.items()):
             for target, extra in sorted(where.items()):
-                replicas = self._elsewhere_before.get((model, target), 0) + extra
+                replicas = self._replicas_before(model, target) + extra
                 await self._scale(model, target, replicas)
                 waits.append((model, target))
         self._check()
         for model, target in waits:
             try:
-                await workflow.execute_activity(
-                    "wait_serving_ready", WaitServingInput(model=model, site=target, deadline=deadline,
-                                                           poll_seconds=1.0),
-                    result_type=ServingStatus, start_to_close_timeout=timedelta(seconds=self._s.ready_seconds + 60),
-                    heartbeat_timeout=timedelta(seconds=30), retry_policy=CLUSTER_RETRY,
-                    summary=f"wait for {model} at {target}",
-                )
+                await wait_for_serving(model, target, deadline, poll_seconds=1.0, summary=f"wait for {model} at {target}")
             except ActivityError as error:
                 self._progress.needs_person = f"{model} at {target} not ready: {failure_message(error)}"
                 self._show("replicas elsewhere not all ready; draining anyway")
@@ -352,12 +392,7 @@ class SiteEvacuation:
         blocked = []
 
         async def drain(name: str) -> None:
-            result: DrainResult = await workflow.execute_activity(
-                "drain_within", DrainNodeInput(node_name=name, deadline_seconds=s.drain_seconds),
-                result_type=DrainResult, start_to_close_timeout=timedelta(seconds=s.drain_seconds + 60),
-                heartbeat_timeout=timedelta(seconds=30), retry_policy=CLUSTER_RETRY,
-                summary=f"cordon and drain {name} (PDBs honoured)",
-            )
+            result = await drain_node(name, s.drain_seconds, summary=f"cordon and drain {name} (PDBs honoured)")
             p.drained.append(name)
             blocked.extend(f"{b.key}: {b.reason}" for b in result.blocked)
 
@@ -381,6 +416,8 @@ class SiteEvacuation:
                 break
             self._show("waiting for recovery", probe.detail)
             await self._wait(s.probe_seconds, lambda: bool(self._recovered), "next recovery probe")
+            if not self._recovered:
+                await self._continue_as_new_if_suggested("recovering")
         self._check()
         self._mark("recovered", self._recovered)
 
@@ -397,12 +434,8 @@ class SiteEvacuation:
 
         async def smoke(name: str) -> None:
             try:
-                result: SmokeResult = await workflow.execute_activity(
-                    "smoke_test", SmokeTestInput(expected_gpus=gpus), result_type=SmokeResult,
-                    task_queue=node_queue(name), schedule_to_close_timeout=timedelta(seconds=s.smoke_test_seconds),
-                    start_to_close_timeout=timedelta(seconds=min(s.smoke_test_seconds, 300)),
-                    retry_policy=RetryPolicy(maximum_attempts=2), summary=f"smoke test {name}",
-                )
+                result = await smoke_test_node(name, gpus, timeout_seconds=s.smoke_test_seconds,
+                                               summary=f"smoke test {name}")
                 if not result.passed:
                     failures.append(f"{name}: {'; '.join(result.failures)}")
             except ActivityError as error:
@@ -431,13 +464,8 @@ class SiteEvacuation:
             if here.desired_replicas <= 0:
                 continue
             try:
-                await workflow.execute_activity(
-                    "wait_serving_ready", WaitServingInput(model=here.model, site=site, deadline=deadline,
-                                                           poll_seconds=1.0),
-                    result_type=ServingStatus, start_to_close_timeout=timedelta(seconds=s.ready_seconds + 60),
-                    heartbeat_timeout=timedelta(seconds=30), retry_policy=CLUSTER_RETRY,
-                    summary=f"wait for {here.model} back at {site}",
-                )
+                await wait_for_serving(here.model, site, deadline, poll_seconds=1.0,
+                                       summary=f"wait for {here.model} back at {site}")
             except ActivityError as error:
                 p.needs_person = f"{here.model} at {site} not ready again: {failure_message(error)}"
             self._check()
@@ -453,7 +481,7 @@ class SiteEvacuation:
         # Surplus elsewhere back toward each site's min.
         for model, where in sorted(p.moves.items()):
             for target in sorted(where):
-                await self._scale(model, target, self._elsewhere_before.get((model, target), 0))
+                await self._scale(model, target, self._replicas_before(model, target))
         retired = await self._retire_acquired()
         self._mark("surplus drained", f"{retired} nodes retired")
 
@@ -467,24 +495,11 @@ class SiteEvacuation:
             )
             if len(nodes) <= await self._min_nodes(node.site):
                 continue
-            drained: DrainResult = await workflow.execute_activity(
-                "drain_within", DrainNodeInput(node_name=node.node_name, deadline_seconds=s.drain_seconds),
-                result_type=DrainResult, start_to_close_timeout=timedelta(seconds=s.drain_seconds + 60),
-                heartbeat_timeout=timedelta(seconds=30), retry_policy=CLUSTER_RETRY,
-                summary=f"drain {node.node_name} (bought for the evacuation)",
-            )
-            if not drained.completed:
-                continue
-            try:
-                await workflow.execute_activity(
-                    "retire_machine", RetireMachineInput(site=node.site, node_name=node.node_name,
-                                                         machine_id=node.machine_id),
-                    start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
-                    summary=f"retire {node.node_name}",
-                )
-                retired += 1
-            except ActivityError as error:
-                self._progress.needs_person = f"retire {node.node_name}: {failure_message(error)}"
+            outcome = await drain_and_retire(node.site, node.node_name, node.machine_id, s.drain_seconds,
+                                             why="bought for the evacuation")
+            retired += outcome.retired
+            if outcome.failed:
+                self._progress.needs_person = f"{node.node_name}: {outcome.failed}"
         return retired
 
     async def _min_nodes(self, site: str) -> int:

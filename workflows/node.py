@@ -9,7 +9,8 @@ was detected covers that child (two GPUs failing together → one reboot). When
 too many of a site's nodes are unhealthy it stops repairing there and hands the
 decision to the Site entity: every repair is first admitted by ``site/<site>``
 (``admit_repair``), which holds it while its provider-incident rule is tripped. It continues as new when the server suggests it
-and no repair is running.
+and no repair is running, carrying its one state model (``NodeCarry``: ledger, findings on hold,
+last health, recent node actions).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import HealthReport, NodeFacts, NodeFactsInput, SiteHealth, SiteHealthInput
     from fleet import search_attributes as sa
     from fleet.models import GpuHealth
-    from fleet.repair_policy import Finding, Ledger, Rung, classify, conditions
+    from fleet.repair_policy import Finding, classify, conditions
     from workflows.inputs import parse_input
-    from workflows.node_join import CLUSTER_RETRY, QUICK, failure_message
+    from workflows.steps import CLUSTER_RETRY, QUICK, failure_message, show_details
     from workflows.repair import repair_workflow_id
     from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
     from fleet.messages.repair import (
@@ -74,20 +75,21 @@ def _condition_words(gpu: GpuHealth) -> list[str]:
 class NodeEntity:
     def __init__(self) -> None:
         self._node = ""
+        #: Everything the entity knows, carried over continue-as-new (findings on hold included).
         self._carry = NodeCarry()
-        self._pending: list[HealthReport] = []
-        self._latest: dict[int, GpuHealth] = {}
+        # The cluster's view of the node, read again before each decision (and by each run).
         self._facts: NodeFacts | None = None
+        # In flight: messages not yet handled, running repairs, the action slot. Continue-as-new
+        # waits until all are empty, so none of them needs carrying.
+        self._pending: list[HealthReport] = []
         self._active: dict[int, str] = {}
-        #: GPU → the finding waiting for a recheck (node still joining, site over its cap).
-        self._deferred: dict[int, Finding] = {}
         self._requests: list[NodeActionRequest] = []
         self._holder: str | None = None
-        self._actions: list[NodeAction] = []
         self._wake = False
         self._gone = False
 
     # -- signals and queries ---------------------------------------------------------------
+    # The handlers only queue (none awaits): the loop is the one writer of the state, so no lock.
     @workflow.signal
     def health_report(self, report: HealthReport) -> None:
         self._pending.append(report)
@@ -106,8 +108,8 @@ class NodeEntity:
             node_name=self._node, state=self._carry.state, site=self._facts.site if self._facts else "",
             boot_id=self._carry.boot_id, reports=self._carry.reports,
             active_repairs={str(k): v for k, v in self._active.items()}, app_xids=self._carry.ledger.app_xids,
-            remediations=len(self._carry.ledger.remediations), node_actions=self._actions,
-            deferred=sorted(self._deferred), log=self._carry.log,
+            remediations=len(self._carry.ledger.remediations), node_actions=self._carry.actions,
+            deferred=sorted(self._carry.deferred), log=self._carry.log,
         )
 
     # -- the loop --------------------------------------------------------------------------
@@ -119,15 +121,16 @@ class NodeEntity:
         if state != self._carry.state:
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(state)])
         self._carry.state = state
-        lines = [f"**{state}**" + (f": {detail}" if detail else "")]
-        if self._active:
-            lines += [f"- GPU {gpu}: repair `{wid}`" for gpu, wid in sorted(self._active.items())]
+        self._show(detail)
+
+    def _show(self, detail: str = "") -> None:
+        lines = [f"- GPU {gpu}: repair `{wid}`" for gpu, wid in sorted(self._active.items())]
         if self._holder:
             lines.append(f"node action slot held by `{self._holder}`")
-        workflow.set_current_details("\n".join(lines))
+        show_details(self._carry.state, *lines, detail=detail)
 
     @workflow.run
-    async def run(self, raw: dict[str, Any]) -> NodeStatus:
+    async def run(self, raw: Any) -> NodeStatus:
         inp = parse_input(NodeEntityInput, raw)
         self._node = inp.node_name
         if inp.carry is not None:
@@ -135,10 +138,12 @@ class NodeEntity:
         workflow.upsert_search_attributes([
             sa.NODE_NAME.value_set(self._node), sa.FLEET_STATE.value_set(self._carry.state),
         ])
+        if self._carry.deferred:
+            await self._refresh_facts()  # findings carried on hold: their recheck interval is in the settings
         recheck_at = None
         while True:
             timeout = None
-            if self._deferred and self._facts is not None:
+            if self._carry.deferred and self._facts is not None:
                 timeout = timedelta(seconds=self._facts.settings.recheck_seconds)
             try:
                 await workflow.wait_condition(
@@ -179,7 +184,7 @@ class NodeEntity:
         findings: list[Finding] = []
         seen = set(carry.seen_xids)
         for gpu in report.gpus:
-            self._latest[gpu.index] = gpu
+            self._carry.latest[gpu.index] = gpu
             new_xids = []
             for i, event in enumerate(gpu.xid_events):
                 key = _xid_key(gpu, i)
@@ -205,10 +210,10 @@ class NodeEntity:
 
     async def _recheck(self) -> None:
         """Deferred findings: act if the GPU is still sick, forget them if it healed."""
-        for index, finding in sorted(self._deferred.items()):
-            latest = self._latest.get(index)
+        for index, finding in sorted(self._carry.deferred.items()):
+            latest = self._carry.latest.get(index)
             if latest is not None and not latest.problems():
-                self._deferred.pop(index)
+                self._carry.deferred.pop(index)
                 self._log(f"GPU {index}: healed while waiting, no repair")
                 continue
             await self._act(finding)
@@ -224,7 +229,7 @@ class NodeEntity:
 
     async def _act(self, finding: Finding) -> None:
         index = finding.index
-        self._deferred.pop(index, None)
+        self._carry.deferred.pop(index, None)
         if index in self._active:
             self._log(f"GPU {index}: {', '.join(finding.reasons)} while its repair runs; the repair handles it")
             return
@@ -237,7 +242,7 @@ class NodeEntity:
             self._log(f"health report for unknown GPU {index} (node has {facts.gpus}): ignored", warn=True)
             return
         if not facts.admitted:
-            self._deferred[index] = finding
+            self._carry.deferred[index] = finding
             self._set_state(self._carry.state, f"GPU {index} sick while the node is still joining; waiting")
             return
         settings = facts.settings
@@ -254,7 +259,7 @@ class NodeEntity:
                 decision = RepairDecision(repair=True, why=f"site/{facts.site} did not answer "
                                                            f"({failure_message(error)}): repairing")
             if not decision.repair:
-                self._deferred[index] = finding
+                self._carry.deferred[index] = finding
                 self._set_state("awaiting-site", f"{facts.site}: {decision.incident or decision.why}; no new repairs")
                 self._log(f"GPU {index}: held by site/{facts.site}: {decision.incident} {decision.why}".strip())
                 return
@@ -265,7 +270,7 @@ class NodeEntity:
             )
             share = (health.unhealthy_others + 1) / max(health.nodes, 1)
             if health.unhealthy_others >= 1 and share > settings.thresholds.site_unhealthy_fraction:
-                self._deferred[index] = finding
+                self._carry.deferred[index] = finding
                 self._set_state("awaiting-site", f"{share:.0%} of {facts.site} unhealthy: the Site entity decides")
                 self._log(f"GPU {index}: {share:.0%} of {facts.site} unhealthy, repair deferred to site/{facts.site}")
                 await self._tell_site(facts.site, index, share)
@@ -320,7 +325,7 @@ class NodeEntity:
 
     # -- the node's one disruptive-action slot ----------------------------------------------
     def _finish_action(self, repair_id: str) -> None:
-        for action in self._actions:
+        for action in self._carry.actions:
             if action.repair_id == repair_id and action.finished_at is None:
                 action.finished_at = workflow.now()
         if self._holder == repair_id:
@@ -331,7 +336,7 @@ class NodeEntity:
         while self._requests and self._holder is None:
             request = self._requests.pop(0)
             covering = [
-                a for a in self._actions
+                a for a in self._carry.actions
                 if a.finished_at is not None and a.rung.level >= request.rung.level
                 and a.started_at >= request.detected_at and a.repair_id != request.repair_id
             ]
@@ -342,8 +347,8 @@ class NodeEntity:
                                         detail=f"covered by the {by.rung} for {by.repair_id}")
             else:
                 self._holder = request.repair_id
-                self._actions = [*self._actions, NodeAction(repair_id=request.repair_id, rung=request.rung,
-                                                            started_at=workflow.now())][-MAX_LOG:]
+                action = NodeAction(repair_id=request.repair_id, rung=request.rung, started_at=workflow.now())
+                self._carry.actions = [*self._carry.actions, action][-MAX_LOG:]
                 grant = NodeActionGrant(go=True)
             try:
                 await handle.signal("node_action_grant", grant)

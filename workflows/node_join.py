@@ -15,8 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, FailureError
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
@@ -28,13 +27,10 @@ with workflow.unsafe.imports_passed_through():
         RemoveNodeInput,
         ResolveSiteInput,
         RevokeJoinTokenInput,
-        SmokeResult,
-        SmokeTestInput,
         WaitForRegistrationInput,
     )
     from fleet import search_attributes as sa
     from fleet.config import Site
-    from fleet.errors import NON_RETRYABLE_TYPES
     from fleet.models import Machine, MachineSpec, Node
     from fleet.naming import node_name_for, site_workflow_id
     from fleet.settings import node_queue
@@ -47,42 +43,22 @@ with workflow.unsafe.imports_passed_through():
         JoinTokenRef,
     )
     from workflows.inputs import parse_input
+    from workflows.steps import (
+        CLUSTER_RETRY,
+        PROVIDER_RETRY,
+        QUICK,
+        failure_message,
+        failure_type,
+        show_details,
+        smoke_test_node,
+    )
     from fleet.messages.join import JoinedNode, JoinProgress, NodeJoinInput, NodeJoinResult
 
-#: Provider calls: transient errors back off up to a minute, a bounded number of times.
-PROVIDER_RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1),
-    backoff_coefficient=2,
-    maximum_interval=timedelta(seconds=60),
-    maximum_attempts=8,
-    non_retryable_error_types=NON_RETRYABLE_TYPES,
-)
 #: Workflow patches, newest first. ``admit-tells-site``: the admit activity tells the
 #: Site entity. Histories recorded before it replay through the older branches:
 #: ``admit-together`` (admit, revoke and a signal to the Site in one round trip) and
 #: ``tell-site-entity`` (the signal after the admission).
 ADMIT_TELLS_SITE = "admit-tells-site"
-
-CLUSTER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
-QUICK = timedelta(seconds=60)
-
-
-def failure_type(error: BaseException) -> str:
-    """The ApplicationError type at the root of an activity/child failure."""
-    while isinstance(error, FailureError):
-        if isinstance(error, ApplicationError) and error.type:
-            return error.type
-        if isinstance(error, (ActivityError, ChildWorkflowError)) and error.cause is not None:
-            error = error.cause
-            continue
-        break
-    return type(error).__name__
-
-
-def failure_message(error: BaseException) -> str:
-    while isinstance(error, (ActivityError, ChildWorkflowError)) and error.cause is not None:
-        error = error.cause
-    return str(error)
 
 
 @workflow.defn(name="NodeJoin")
@@ -98,14 +74,15 @@ class NodeJoin:
         if self._progress.step not in ("starting", step):
             self._progress.done.append(self._progress.step)
         self._progress.step = step
-        lines = [f"**{step}**" + (f": {detail}" if detail else "")]
-        if self._progress.node_name:
-            lines.append(f"node `{self._progress.node_name}` machine `{self._progress.machine_id or '-'}`")
-        lines += [f"- done: {s}" for s in self._progress.done]
-        workflow.set_current_details("\n".join(lines))
+        self._show(detail)
+
+    def _show(self, detail: str = "") -> None:
+        p = self._progress
+        lines = [f"node `{p.node_name}` machine `{p.machine_id or '-'}`"] if p.node_name else []
+        show_details(p.step, *lines, *(f"- done: {s}" for s in p.done), detail=detail)
 
     @workflow.run
-    async def run(self, raw: dict[str, Any]) -> NodeJoinResult:
+    async def run(self, raw: Any) -> NodeJoinResult:
         request = parse_input(NodeJoinInput, raw)
         if request.count > 1:
             return await self._join_many(request)
@@ -218,13 +195,9 @@ class NodeJoin:
 
             self._step("smoke test", f"on {node_queue(node_name)}")
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("proving")])
-            smoke: SmokeResult = await workflow.execute_activity(
-                "smoke_test", SmokeTestInput(expected_gpus=site.gpus_per_machine), result_type=SmokeResult,
-                task_queue=node_queue(node_name),
-                schedule_to_close_timeout=timedelta(seconds=timeouts.smoke_test_seconds),
-                start_to_close_timeout=timedelta(seconds=min(timeouts.smoke_test_seconds, 300)),
-                heartbeat_timeout=heartbeat,
-                retry_policy=RetryPolicy(maximum_attempts=3), summary="GPUs visible, counters clean, compute check",
+            smoke = await smoke_test_node(
+                node_name, site.gpus_per_machine, timeout_seconds=timeouts.smoke_test_seconds, heartbeat=heartbeat,
+                summary="GPUs visible, counters clean, compute check",
             )
             if not smoke.passed:
                 raise ApplicationError(

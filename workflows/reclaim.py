@@ -11,28 +11,22 @@ out) mark the node gone: Node object removed, machine deleted.
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timezone
 from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from fleet.messages.capacity import (
-        CapacityResult,
-        DrainNodeInput,
-        RetireMachineInput,
-        SpotReclaimInput,
-        SpotReclaimResult,
-    )
+    from fleet.messages.capacity import CapacityResult, SpotNotice, SpotReclaimInput, SpotReclaimResult
     from activities.models import ResolveSiteInput
     from fleet import search_attributes as sa
     from fleet.config import Site
     from fleet.naming import capacity_workflow_id
     from fleet.placement import offer_key
     from fleet.cluster import DrainResult
-    from workflows.inputs import parse_input
-    from workflows.node_join import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, failure_message
+    from workflows.inputs import parse_input, parse_signal
+    from workflows.steps import PROVIDER_RETRY, QUICK, drain_node, failure_message, retire_machine, show_details
 
 
 @workflow.defn(name="SpotReclaim")
@@ -44,8 +38,9 @@ class SpotReclaim:
     @workflow.signal
     def notice(self, raw: dict[str, Any] | None = None) -> None:
         """The node agent saw the notice (again): a newer termination time wins."""
-        if raw and raw.get("terminate_at"):
-            self._terminate_at = float(raw["terminate_at"])
+        notice = parse_signal(SpotNotice, raw, "notice") if raw is not None else None
+        if notice is not None and notice.terminate_at:
+            self._terminate_at = notice.terminate_at
 
     @workflow.query
     def step(self) -> str:
@@ -53,10 +48,10 @@ class SpotReclaim:
 
     def _show(self, step: str, detail: str = "") -> None:
         self._step = step
-        workflow.set_current_details(f"**{step}**" + (f": {detail}" if detail else ""))
+        show_details(step, detail=detail)
 
     @workflow.run
-    async def run(self, raw: dict[str, Any]) -> SpotReclaimResult:
+    async def run(self, raw: Any) -> SpotReclaimResult:
         args = parse_input(SpotReclaimInput, raw)
         node = args.node_name
         workflow.upsert_search_attributes([
@@ -70,11 +65,8 @@ class SpotReclaim:
         left = max((terminate_at - workflow.now()).total_seconds(), 0.0)
         self._show("draining", f"{node} within {left:.0f}s (PDBs honoured); acquiring a replacement")
 
-        drain = asyncio.create_task(workflow.execute_activity(
-            "drain_within", DrainNodeInput(node_name=node, deadline_seconds=left), result_type=DrainResult,
-            start_to_close_timeout=timedelta(seconds=left + 60), heartbeat_timeout=timedelta(seconds=30),
-            retry_policy=CLUSTER_RETRY, summary=f"cordon and evict {node} before {terminate_at:%H:%M:%S}",
-        ))
+        drain = asyncio.create_task(
+            drain_node(node, left, summary=f"cordon and evict {node} before {terminate_at:%H:%M:%S}"))
         reclaimed = offer_key(site.name, site.instance_type)
         replacement_request = {
             "count": 1,
@@ -100,10 +92,7 @@ class SpotReclaim:
 
         self._show("marking the node gone", node)
         try:
-            await workflow.execute_activity(
-                "retire_machine", RetireMachineInput(site=site.name, node_name=node, machine_id=args.machine_id),
-                start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=f"node {node} gone",
-            )
+            await retire_machine(site.name, node, args.machine_id, summary=f"node {node} gone")
         except ActivityError as error:
             workflow.logger.warning("could not delete reclaimed machine %s: %s", args.machine_id,
                                     failure_message(error))

@@ -21,7 +21,6 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 
 with workflow.unsafe.imports_passed_through():
-    from fleet.messages.capacity import RetireMachineInput
     from activities.models import (
         ContainInput,
         ContainResult,
@@ -31,8 +30,6 @@ with workflow.unsafe.imports_passed_through():
         ReplacementSitesInput,
         ResetGpuInput,
         RestartMachineInput,
-        SmokeResult,
-        SmokeTestInput,
         UncontainInput,
         UncontainResult,
         WaitForBootInput,
@@ -42,7 +39,16 @@ with workflow.unsafe.imports_passed_through():
     from fleet.settings import node_queue
     from workflows.inputs import parse_input
     from fleet.messages.join import NodeJoinResult
-    from workflows.node_join import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, failure_message, failure_type
+    from workflows.steps import (
+        CLUSTER_RETRY,
+        PROVIDER_RETRY,
+        QUICK,
+        failure_text,
+        failure_type,
+        retire_machine,
+        show_details,
+        smoke_test_node,
+    )
     from fleet.messages.repair import (
         Attempt,
         GpuRepairInput,
@@ -82,7 +88,7 @@ class GpuRepair:
     @workflow.update
     def hold(self) -> LadderState:
         self._state.held = True
-        self._details()
+        self._show()
         return self._state
 
     @hold.validator
@@ -92,7 +98,7 @@ class GpuRepair:
     @workflow.update
     def release(self) -> LadderState:
         self._state.held = False
-        self._details()
+        self._show()
         return self._state
 
     @release.validator
@@ -100,13 +106,14 @@ class GpuRepair:
         self._require_running()
 
     @workflow.update
-    def skip_to(self, input: SkipToInput) -> LadderState:
-        self._state.skip_to = input.rung
-        self._details()
+    def skip_to(self, raw: Any) -> LadderState:
+        self._state.skip_to = parse_input(SkipToInput, raw).rung
+        self._show()
         return self._state
 
     @skip_to.validator
-    def _validate_skip_to(self, input: SkipToInput) -> None:
+    def _validate_skip_to(self, raw: Any) -> None:
+        parse_input(SkipToInput, raw)  # an unknown rung is refused naming the field
         self._require_running()
         if self._state.outcome == "replaced":
             raise ValueError("the node was already replaced")
@@ -118,24 +125,23 @@ class GpuRepair:
     # -- the ladder ---------------------------------------------------------------------
     def _step(self, step: str, detail: str = "") -> None:
         self._state.step = step
-        self._details(detail)
+        self._show(detail)
 
-    def _details(self, detail: str = "") -> None:
+    def _show(self, detail: str = "") -> None:
         s = self._state
-        lines = [f"**{s.step}** at rung **{s.rung}**" + (f": {detail}" if detail else "")]
-        lines.append(f"node `{s.node_name}` GPU {s.gpu}: " + ", ".join(s.reasons))
+        lines = [f"node `{s.node_name}` GPU {s.gpu}: " + ", ".join(s.reasons)]
         if s.held:
             lines.append("**held by an operator** (contained, doing nothing)")
         if s.skip_to:
             lines.append(f"operator asked to skip to {s.skip_to}")
         lines += [f"- {a.rung}: {a.outcome}" + (f" ({a.detail})" if a.detail else "") for a in s.attempts]
-        workflow.set_current_details("\n".join(lines))
+        show_details(f"{s.step} at rung {s.rung}", *lines, detail=detail)
 
     def _set_fleet_state(self, word: str) -> None:
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(word), sa.REPAIR_RUNG.value_set(self._state.rung.value)])
 
     @workflow.run
-    async def run(self, raw: dict[str, Any]) -> GpuRepairResult:
+    async def run(self, raw: Any) -> GpuRepairResult:
         inp = parse_input(GpuRepairInput, raw)
         self._input = inp
         settings = inp.settings
@@ -221,7 +227,7 @@ class GpuRepair:
     async def _hold_point(self) -> None:
         if self._state.held:
             self._set_fleet_state("held")
-            self._details("held")
+            self._show("held")
             await workflow.wait_condition(lambda: not self._state.held)
 
     # -- recover --------------------------------------------------------------------------
@@ -268,7 +274,7 @@ class GpuRepair:
             ok = True
             return True, "recovered", detail
         except (ActivityError, ChildWorkflowError, ApplicationError) as error:
-            return False, "failed", f"{failure_type(error)}: {failure_message(error)}"
+            return False, "failed", failure_text(error)
         finally:
             await self._release(rung, ok)
 
@@ -346,28 +352,21 @@ class GpuRepair:
         self._state.replacement_node = joined.node_name
         self._step("recovering", f"replace: retiring {inp.node_name}")
         facts = await self._facts()
-        await workflow.execute_activity(
-            "retire_machine",
-            RetireMachineInput(site=inp.site, node_name=inp.node_name, machine_id=facts.machine_id or inp.machine_id),
-            start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
-            summary=f"retire {inp.node_name}: node out, machine deleted",
-        )
+        await retire_machine(inp.site, inp.node_name, facts.machine_id or inp.machine_id,
+                             summary=f"retire {inp.node_name}: node out, machine deleted")
         return f"replaced by {joined.node_name} at {joined.site}"
 
     # -- prove ----------------------------------------------------------------------------
     async def _prove(self) -> tuple[bool, str]:
         inp, timeouts = self._input, self._input.settings.timeouts
         try:
-            smoke: SmokeResult = await workflow.execute_activity(
-                "smoke_test", SmokeTestInput(expected_gpus=inp.gpus, only_gpus=[inp.gpu]), result_type=SmokeResult,
-                task_queue=node_queue(inp.node_name),
-                schedule_to_close_timeout=timedelta(seconds=timeouts.smoke_test_seconds),
-                start_to_close_timeout=timedelta(seconds=min(timeouts.smoke_test_seconds, 300)),
-                heartbeat_timeout=timedelta(seconds=timeouts.heartbeat_seconds),
-                retry_policy=RetryPolicy(maximum_attempts=3), summary=f"prove GPU {inp.gpu}: counters, compute",
+            smoke = await smoke_test_node(
+                inp.node_name, inp.gpus, only_gpus=[inp.gpu], timeout_seconds=timeouts.smoke_test_seconds,
+                heartbeat=timedelta(seconds=timeouts.heartbeat_seconds),
+                summary=f"prove GPU {inp.gpu}: counters, compute",
             )
         except ActivityError as error:
-            return False, f"smoke test did not run: {failure_type(error)}: {failure_message(error)}"
+            return False, f"smoke test did not run: {failure_text(error)}"
         if smoke.passed:
             return True, "smoke test passed"
         return False, "smoke test failed: " + "; ".join(smoke.failures)

@@ -39,7 +39,6 @@ with workflow.unsafe.imports_passed_through():
         RolloutSites,
         ServingRef,
         UpdateServingInput,
-        WaitServingInput,
     )
     from activities.rollout_models import ReplicateInput, ReplicateResult
     from fleet import search_attributes as sa
@@ -58,25 +57,15 @@ with workflow.unsafe.imports_passed_through():
         render_details,
     )
     from fleet.cluster import ServingSpec, ServingStatus
-    from workflows.inputs import parse_input
+    from workflows.inputs import check_text, parse_input
+    from workflows.steps import CLUSTER_RETRY, QUICK, failure_text, show_details, wait_for_serving
 
-QUICK = timedelta(seconds=60)
-CLUSTER_RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
-    non_retryable_error_types=NON_RETRYABLE_TYPES,
-)
+#: Copying weights: many files over a slow link, so more attempts than a plain provider call;
+#: a checksum mismatch is the source's fault and never passes on a retry.
 REPLICATE_RETRY = RetryPolicy(
     initial_interval=timedelta(seconds=1), backoff_coefficient=2, maximum_interval=timedelta(seconds=60),
     maximum_attempts=20, non_retryable_error_types=[*NON_RETRYABLE_TYPES, "ChecksumMismatch"],
 )
-
-
-def _root(error: BaseException) -> tuple[str, str]:
-    """(type, message) of the failure at the root of an activity error."""
-    while isinstance(error, ActivityError) and error.cause is not None:
-        error = error.cause
-    kind = error.type if isinstance(error, ApplicationError) and error.type else type(error).__name__
-    return kind, str(error)
 
 
 class _Aborted(Exception):
@@ -115,7 +104,7 @@ class ModelRollout:
             raise ValueError("the rollout is being aborted")
 
     @workflow.update
-    async def pause(self, reason: str = "") -> RolloutProgress:
+    async def pause(self, reason: Any = "") -> RolloutProgress:
         self._paused = True
         self._p.paused = True
         self._p.reason = f"paused by operator{': ' + reason if reason else ''}"
@@ -123,13 +112,14 @@ class ModelRollout:
         return self._p
 
     @pause.validator
-    def _validate_pause(self, reason: str = "") -> None:
+    def _validate_pause(self, reason: Any = "") -> None:
+        check_text("reason", reason)
         self._accepting()
         if self._paused:
             raise ValueError("already paused")
 
     @workflow.update
-    async def resume(self, reason: str = "") -> RolloutProgress:
+    async def resume(self, reason: Any = "") -> RolloutProgress:
         self._paused = False
         self._p.paused = False
         self._p.reason = f"resumed by operator{': ' + reason if reason else ''}"
@@ -137,13 +127,14 @@ class ModelRollout:
         return self._p
 
     @resume.validator
-    def _validate_resume(self, reason: str = "") -> None:
+    def _validate_resume(self, reason: Any = "") -> None:
+        check_text("reason", reason)
         self._accepting()
         if not self._paused:
             raise ValueError("not paused")
 
     @workflow.update
-    async def abort(self, reason: str = "") -> RolloutProgress:
+    async def abort(self, reason: Any = "") -> RolloutProgress:
         """Stop and roll back every site already updated; returns at once (watch ``progress``)."""
         self._abort = True
         self._abort_reason = reason or "aborted by operator"
@@ -152,13 +143,16 @@ class ModelRollout:
         return self._p
 
     @abort.validator
-    def _validate_abort(self, reason: str = "") -> None:
+    def _validate_abort(self, reason: Any = "") -> None:
+        check_text("reason", reason)
         self._accepting()
 
     # -- helpers --------------------------------------------------------------------------
     def _show(self) -> None:
         if self._p is not None:
-            workflow.set_current_details(render_details(self._p))
+            # The domain's rendering (fleet.rollout): its first line is the headline show_details writes.
+            head, *rest = render_details(self._p).split("\n")
+            show_details(self._p.phase, *rest, detail=head.removeprefix(f"**{self._p.phase}**").strip())
 
     def _phase(self, phase: str, reason: str | None = None) -> None:
         self._p.phase = phase
@@ -198,7 +192,7 @@ class ModelRollout:
 
     # -- the runbook ----------------------------------------------------------------------
     @workflow.run
-    async def run(self, raw: dict[str, Any]) -> RolloutResult:
+    async def run(self, raw: Any) -> RolloutResult:
         request = parse_input(RolloutInput, raw)
         self._req = request
         canaries = request.canaries
@@ -271,8 +265,7 @@ class ModelRollout:
                 summary=f"copy {len(request.weights.files)} weight files to {site} (s3://{store.bucket})",
             )
         except ActivityError as error:
-            kind, message = _root(error)
-            self._set(site, SiteState.FAILED, f"{kind}: {message}")
+            self._set(site, SiteState.FAILED, failure_text(error))
             return
         progress = self._set(
             site, SiteState.REPLICATED,
@@ -369,14 +362,9 @@ class ModelRollout:
             if before is None or status.generation != before.generation:
                 self._updated_generation[site] = status.generation  # changed: rollback has something to undo
             self._set(site, SiteState.UPDATING, "waiting for the rollout")
-            await workflow.execute_activity(
-                "wait_serving_ready",
-                WaitServingInput(model=request.model, site=site,
-                                 deadline=workflow.now() + timedelta(seconds=gate.ready_timeout_seconds)),
-                result_type=ServingStatus, start_to_close_timeout=timedelta(seconds=gate.ready_timeout_seconds + 60),
-                heartbeat_timeout=timedelta(seconds=30), retry_policy=CLUSTER_RETRY,
-                summary=f"wait until {site} is ready",
-            )
+            await wait_for_serving(request.model, site,
+                                   workflow.now() + timedelta(seconds=gate.ready_timeout_seconds),
+                                   summary=f"wait until {site} is ready")
             self._check_abort()
             await self._gate(site, "gate")
             if gate.bake_seconds > 0:
@@ -384,9 +372,8 @@ class ModelRollout:
                 await self._sleep_unless_aborted(gate.bake_seconds, f"bake {site}")
                 await self._gate(site, "after bake")
         except ActivityError as error:
-            kind, message = _root(error)
-            await self._rollback(site, f"{kind}: {message}")
-            raise _SiteFailed(site, f"{kind}: {message}; rolled back") from None
+            await self._rollback(site, failure_text(error))
+            raise _SiteFailed(site, f"{failure_text(error)}; rolled back") from None
         except _SiteFailed as failure:
             await self._rollback(site, failure.reason)
             raise _SiteFailed(site, failure.reason + "; rolled back") from None
@@ -425,9 +412,8 @@ class ModelRollout:
                 summary=f"roll {site} back to " + (progress.previous_image or "nothing (remove)"),
             )
         except ActivityError as error:
-            kind, message = _root(error)
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("needs-person")])
-            self._set(site, SiteState.FAILED, f"{reason}; rollback failed: {kind}: {message}")
+            self._set(site, SiteState.FAILED, f"{reason}; rollback failed: {failure_text(error)}")
             return
         self._set(site, SiteState.ROLLED_BACK, reason)
 

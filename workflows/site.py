@@ -23,8 +23,11 @@ Provider incidents (product rule 5, ``fleet.incident``; recorded as patch
   incident closes and held repairs are released. No min/max fill or retire
   while an incident is open.
 
-Continues as new when the server suggests it (node map, counters and incident
-state carried; never while a fill or an evacuation runs).
+Continues as new when the server suggests it, carrying its one state model
+(``SiteState``: nodes, counters, the incident rule's failures and the open
+incident, if any); never while a fill or an evacuation runs, and only once every
+handler has finished. An admission still settling then can open an incident: it
+is in the carried state, so the next run starts its evacuation.
 
 SiteSweep (id ``site-sweep``, run by a Schedule): signal-with-start every site's
 entity with ``reconcile``.
@@ -38,29 +41,26 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from fleet.messages.capacity import (
         CapacityResult,
-        DrainNodeInput,
         NodeTransition,
-        RetireMachineInput,
         SignalSitesInput,
         SiteInput,
         SiteNode,
         SiteNodesInput,
+        SiteState,
         SiteStatus,
     )
     from activities.models import ResolveSiteInput
     from fleet import search_attributes as sa
     from fleet.config import Site
     from fleet.placement import surplus_to_retire
-    from fleet.cluster import DrainResult
-    from workflows.inputs import parse_input
-    from workflows.node_join import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, failure_message
-    from fleet.incident import Failure, IncidentSettings, Verdict, evaluate, record
+    from workflows.inputs import parse_input, parse_signal
+    from workflows.steps import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, drain_and_retire, failure_message, show_details
+    from fleet.incident import Failure, IncidentSettings, evaluate, record
     from workflows.evacuation import evacuation_workflow_id
     from fleet.messages.evacuation import (
         AdmitRepairInput,
@@ -83,98 +83,99 @@ RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=time
 @workflow.defn(name="Site")
 class SiteEntity:
     def __init__(self) -> None:
-        self._wanted = True
-        self._status: SiteStatus | None = None
-        self._fill: asyncio.Task | None = None
-        # -- provider incidents --
+        #: Everything the entity knows, carried over continue-as-new (``run`` sets the real one).
+        self.state = SiteState(status=SiteStatus(site=""))
+        # Read again by every run: its input, the site's config and incident rule.
+        self._args: SiteInput | None = None
+        self._site: Site | None = None
         self._incident_settings: IncidentSettings | None = None
-        self._inc = IncidentCarry()
-        self._open: IncidentRecord | None = None
-        self._trip = False
+        # In flight (no continue-as-new while either runs).
+        self._fill: asyncio.Task | None = None
         self._evac: asyncio.Task | None = None
-        self._verdict: Verdict | None = None
-        self._node_count = 0
 
     @workflow.signal
     def reconcile(self) -> None:
-        self._wanted = True
+        self.state.wanted = True
 
     @workflow.signal
     def node_transition(self, raw: dict[str, Any]) -> None:
-        t = NodeTransition.model_validate(raw)
-        if self._status is not None:
-            self._status.nodes[t.node_name] = t.state
-        self._wanted = True
+        t = parse_signal(NodeTransition, raw, "node_transition")
+        if t is None:
+            return
+        self.state.status.nodes[t.node_name] = t.state
+        self.state.wanted = True
 
     @workflow.query
     def status(self) -> SiteStatus:
-        if self._status is not None and self._incident_settings is not None:
-            v = self._verdict
-            self._status.incident = IncidentView(
-                open=self._open, failing=v.failing if v else [], threshold=v.threshold if v else 0,
-                site_nodes=self._node_count, api_failing_since=self._inc.api_failing_since,
-                history=self._inc.history,
-            )
-        return self._status
+        state = self.state
+        if self._incident_settings is None:
+            return state.status
+        inc, v = state.incident, state.incident.verdict
+        return state.status.model_copy(update={"incident": IncidentView(
+            open=inc.open, failing=v.failing if v else [], threshold=v.threshold if v else 0,
+            site_nodes=state.node_count, api_failing_since=inc.api_failing_since, history=inc.history,
+        )})
 
     @workflow.update
     async def admit_repair(self, req: AdmitRepairInput) -> RepairDecision:
         """A Node entity asks before a GPU repair: repair, or hold for the site's incident."""
+        # No lock: every change here is made between awaits, and the settle wait is there to let the other
+        # admissions of a burst change the state meanwhile (a lock would queue the very burst it waits for).
         await workflow.wait_condition(lambda: self._incident_settings is not None)
-        s = self._incident_settings
-        if self._open is not None:
-            return RepairDecision(repair=False, incident=self._open.id, why="incident open: no new repairs here")
+        s, inc = self._incident_settings, self.state.incident  # the run's state is set by now
+        if inc.open is not None:
+            return RepairDecision(repair=False, incident=inc.open.id, why="incident open: no new repairs here")
         now = workflow.now().timestamp()
         detail = f"GPU {req.gpu}: {', '.join(req.reasons)}"
-        self._inc.failures = record(self._inc.failures, Failure(node=req.node_name, at=now, detail=detail), now, s)
+        inc.failures = record(inc.failures, Failure(node=req.node_name, at=now, detail=detail), now, s)
         self._evaluate()
-        if self._open is None and s.settle_seconds > 0:
+        if inc.open is None and s.settle_seconds > 0:
             try:
-                await workflow.wait_condition(lambda: self._open is not None,
+                await workflow.wait_condition(lambda: inc.open is not None,
                                               timeout=timedelta(seconds=s.settle_seconds),
                                               timeout_summary="settle: more failures at this site?")
             except asyncio.TimeoutError:
                 pass
-        if self._open is not None:
-            return RepairDecision(repair=False, incident=self._open.id, why=self._open.reason)
-        v = self._verdict
+        if inc.open is not None:
+            return RepairDecision(repair=False, incident=inc.open.id, why=inc.open.reason)
+        v = inc.verdict
         return RepairDecision(repair=True, why=f"{len(v.failing)} failing, trips at {v.threshold}")
 
     def _site_nodes(self) -> int:
-        return max(self._node_count, len(self._status.nodes) if self._status else 0)
+        return max(self.state.node_count, len(self.state.status.nodes))
 
     def _evaluate(self) -> None:
         """Run the rule; a trip opens the incident (the loop starts the evacuation)."""
-        now = workflow.now().timestamp()
-        self._verdict = v = evaluate(self._inc.failures, self._site_nodes(), now, self._incident_settings,
-                                     self._inc.api_failing_since)
-        if v.trip and self._open is None:
-            self._inc.count += 1
-            self._open = IncidentRecord(id=evacuation_workflow_id(self._args.site, self._inc.count),
-                                        reason=v.reason, opened_at=workflow.now())
-            self._trip = True
+        now, inc = workflow.now().timestamp(), self.state.incident
+        inc.verdict = v = evaluate(inc.failures, self._site_nodes(), now, self._incident_settings,
+                                   inc.api_failing_since)
+        if v.trip and inc.open is None:
+            inc.count += 1
+            inc.open = IncidentRecord(id=evacuation_workflow_id(self._args.site, inc.count), reason=v.reason,
+                                      opened_at=workflow.now())
+            inc.evacuate = True
 
     @workflow.run
-    async def run(self, raw: dict[str, Any]) -> None:
+    async def run(self, raw: Any) -> None:
         args = parse_input(SiteInput, raw)
         self._args = args
-        self._status = SiteStatus(site=args.site, nodes=dict(args.nodes))
+        # Runs from before SiteState carried its parts in separate fields.
+        self.state = args.state or SiteState(status=SiteStatus(site=args.site, nodes=dict(args.nodes)),
+                                             fills=args.fills, incident=args.incident or IncidentCarry())
+        self.state.wanted = True  # every run reconciles first: it reads the site's min/max again
         site: Site = await workflow.execute_activity(
             "resolve_site", ResolveSiteInput(site=args.site), result_type=Site, start_to_close_timeout=QUICK,
             retry_policy=PROVIDER_RETRY, summary=f"min/max of {args.site} from the config",
         )
         self._site = site
-        self._fills = args.fills
-        self._status = SiteStatus(site=site.name, min_nodes=site.min_nodes, max_nodes=site.max_nodes,
-                                  nodes=dict(args.nodes))
+        status = self.state.status
+        status.site, status.min_nodes, status.max_nodes = site.name, site.min_nodes, site.max_nodes
         workflow.upsert_search_attributes([
             sa.SITE.value_set(site.name), sa.PROVIDER.value_set(site.provider), sa.ACCOUNT.value_set(site.account),
             sa.FLEET_STATE.value_set("reconciling"),
         ])
         incidents = workflow.patched(INCIDENT_PATCH)
         if incidents:
-            if args.incident is not None:
-                self._inc = args.incident
             self._incident_settings = await workflow.execute_activity(
                 "incident_settings", SiteRef(site=site.name), result_type=IncidentSettings,
                 start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
@@ -187,52 +188,52 @@ class SiteEntity:
                 timeout = min(timeout, self._incident_settings.check_seconds)
             try:
                 await workflow.wait_condition(
-                    lambda: self._wanted or self._trip or workflow.info().is_continue_as_new_suggested(),
+                    lambda: (self.state.wanted or self.state.incident.evacuate
+                             or workflow.info().is_continue_as_new_suggested()),
                     timeout=timedelta(seconds=timeout), timeout_summary="next reconcile",
                 )
             except asyncio.TimeoutError:
                 if not incidents or workflow.now() >= next_reconcile:
-                    self._wanted = True
+                    self.state.wanted = True
                 if incidents:
                     await self._probe()
-            if self._trip:
+            if self.state.incident.evacuate:
                 await self._start_evacuation()
-            if self._wanted:
-                self._wanted = False
+            if self.state.wanted:
+                self.state.wanted = False
                 next_reconcile = workflow.now() + timedelta(seconds=args.reconcile_seconds)
                 await self._reconcile()
             if workflow.info().is_continue_as_new_suggested() and self._fill is None and self._evac is None:
+                # An admission still settling can open an incident meanwhile: it is in the state, carried.
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                update = {"nodes": self._status.nodes, "fills": self._fills}
-                if incidents:
-                    update["incident"] = self._inc
-                workflow.continue_as_new(args.model_copy(update=update).model_dump(mode="json"))
+                carried = args.model_copy(update={"state": self.state, "nodes": {}, "fills": 0, "incident": None})
+                workflow.continue_as_new(carried.model_dump(mode="json"))
 
     # -- provider incidents -----------------------------------------------------------------
     async def _probe(self) -> None:
         """Unreachable nodes and the provider API, into the incident rule."""
-        if self._open is not None:
+        if self.state.incident.open is not None:
             return
         probe: SiteProbe = await workflow.execute_activity(
             "incident_probe", SiteRef(site=self._site.name), result_type=SiteProbe, start_to_close_timeout=QUICK,
             retry_policy=CLUSTER_RETRY, summary=f"unreachable nodes and provider API at {self._site.name}",
         )
-        now = workflow.now().timestamp()
-        s = self._incident_settings
-        self._node_count = len(probe.nodes)
+        now, s, inc = workflow.now().timestamp(), self._incident_settings, self.state.incident
+        self.state.node_count = len(probe.nodes)
         for node in probe.nodes:
             if not node.ready and not node.unproven and not node.unschedulable:
-                self._inc.failures = record(self._inc.failures, Failure(node=node.name, at=now, kind="unreachable",
-                                                                        detail="NotReady"), now, s)
+                inc.failures = record(inc.failures, Failure(node=node.name, at=now, kind="unreachable",
+                                                            detail="NotReady"), now, s)
         if probe.api_ok or probe.api_error_type != "Transient":
-            self._inc.api_failing_since = None
-        elif self._inc.api_failing_since is None:
-            self._inc.api_failing_since = now
+            inc.api_failing_since = None
+        elif inc.api_failing_since is None:
+            inc.api_failing_since = now
         self._evaluate()
 
     async def _start_evacuation(self) -> None:
-        self._trip = False
-        incident = self._open
+        inc = self.state.incident
+        inc.evacuate = False
+        incident = inc.open
         site = self._site.name
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("incident")])
         self._show(f"provider incident: {incident.reason}; evacuating ({incident.id})")
@@ -254,40 +255,40 @@ class SiteEntity:
             except Exception as error:  # noqa: BLE001 - a failed evacuation closes the incident for a person
                 incident.outcome = f"failed: {failure_message(error)}"
             incident.closed_at = workflow.now()
-            self._inc.history = [*self._inc.history, incident][-10:]
-            self._inc.failures = []
-            self._inc.api_failing_since = None
-            self._open = None
+            inc.history = [*inc.history, incident][-10:]
+            inc.failures = []
+            inc.api_failing_since = None
+            inc.open = None
             await workflow.execute_activity(
                 "hold_site_repairs", HoldRepairsInput(site=site, hold=False), result_type=list[str],
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"release held repairs at {site}",
             )
             self._evac = None
-            self._wanted = True
+            self.state.wanted = True
 
         self._evac = asyncio.create_task(evacuate())
 
     def _show(self, line: str) -> None:
-        s = self._status
+        s = self.state.status
         s.last = line
         ready = sum(state == "ready" for state in s.nodes.values())
-        lines = [f"**{line}**", f"{len(s.nodes)} nodes ({ready} ready), min {s.min_nodes}, max {s.max_nodes}"]
+        lines = [f"{len(s.nodes)} nodes ({ready} ready), min {s.min_nodes}, max {s.max_nodes}"]
         if s.filling:
             lines.append(f"filling: {s.filling}")
         lines += [f"- retiring {n}" for n in s.retiring]
-        workflow.set_current_details("\n".join(lines))
+        show_details(line, *lines)
 
     async def _reconcile(self) -> None:
-        site, s = self._site, self._status
+        site, s = self._site, self.state.status
         nodes: list[SiteNode] = await workflow.execute_activity(
             "site_nodes", SiteNodesInput(site=site.name), result_type=list[SiteNode],
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"nodes at {site.name}",
         )
         s.nodes = {n.node_name: ("ready" if n.ready and not n.unproven else "joining") for n in nodes}
         count = len(nodes)
-        self._node_count = count
-        if self._open is not None:
-            self._show(f"{count} nodes; incident {self._open.id} open: no fill or retire")
+        self.state.node_count = count
+        if self.state.incident.open is not None:
+            self._show(f"{count} nodes; incident {self.state.incident.open.id} open: no fill or retire")
             return
         if self._fill is not None:
             self._show(f"{count} nodes; filling")
@@ -303,14 +304,14 @@ class SiteEntity:
 
     def _start_fill(self, need: int) -> None:
         site = self._site
-        self._fills += 1
-        fill_id = f"capacity/site-{site.name}-{self._fills}"
+        self.state.fills += 1
+        fill_id = f"capacity/site-{site.name}-{self.state.fills}"
         request = {
             "count": need, "reason": f"site {site.name} below min",
             **self._args.fill_request,
             "constraints": {**self._args.fill_request.get("constraints", {}), "sites": [site.name]},
         }
-        self._status.filling = fill_id
+        self.state.status.filling = fill_id
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("filling")])
 
         async def fill() -> None:
@@ -320,41 +321,28 @@ class SiteEntity:
                     parent_close_policy=ParentClosePolicy.ABANDON,
                     static_summary=f"fill {site.name} to its min ({need} nodes)",
                 )
-                self._status.last = f"fill {fill_id}: {len(result.nodes)} of {need} joined"
+                self.state.status.last = f"fill {fill_id}: {len(result.nodes)} of {need} joined"
             except Exception as error:  # noqa: BLE001 - a failed fill is retried by the next reconcile
-                self._status.last = f"fill {fill_id} failed: {failure_message(error)}"
+                self.state.status.last = f"fill {fill_id} failed: {failure_message(error)}"
             finally:
-                self._status.filling = ""
+                self.state.status.filling = ""
                 self._fill = None
-                self._wanted = True
+                self.state.wanted = True
 
         self._fill = asyncio.create_task(fill())
 
     async def _retire(self, surplus: list[SiteNode], count: int) -> None:
-        site, s = self._site, self._status
+        site, s = self._site, self.state.status
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("retiring")])
         s.retiring = [n.node_name for n in surplus]
         self._show(f"above max ({count} > {site.max_nodes}): retiring {len(surplus)}")
         for node in surplus:
-            drained: DrainResult = await workflow.execute_activity(
-                "drain_within", DrainNodeInput(node_name=node.node_name, deadline_seconds=self._args.drain_seconds),
-                result_type=DrainResult, start_to_close_timeout=timedelta(seconds=self._args.drain_seconds + 60),
-                heartbeat_timeout=timedelta(seconds=30), retry_policy=CLUSTER_RETRY,
-                summary=f"drain {node.node_name} (PDBs honoured)",
-            )
-            if not drained.completed:
-                s.last = f"{node.node_name}: drain blocked ({'; '.join(p.reason for p in drained.blocked)}); next reconcile"
-                continue
-            try:
-                await workflow.execute_activity(
-                    "retire_machine", RetireMachineInput(site=site.name, node_name=node.node_name,
-                                                          machine_id=node.machine_id),
-                    start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
-                    summary=f"retire {node.node_name} (machine {node.machine_id})",
-                )
+            outcome = await drain_and_retire(site.name, node.node_name, node.machine_id, self._args.drain_seconds,
+                                             why="above the site's max")
+            if outcome.retired:
                 s.nodes[node.node_name] = "gone"
-            except ActivityError as error:
-                s.last = f"{node.node_name}: retire failed: {failure_message(error)}"
+            else:
+                s.last = f"{node.node_name}: {outcome.blocked or outcome.failed}; next reconcile"
         s.retiring = []
         self._show(f"retired surplus at {site.name}")
 
@@ -364,10 +352,10 @@ class SiteSweep:
     """Signal-with-start every site's entity with ``reconcile``."""
 
     @workflow.run
-    async def run(self, raw: dict[str, Any] | None = None) -> list[str]:
+    async def run(self, raw: Any = None) -> list[str]:
         sites: list[str] = await workflow.execute_activity(
-            "signal_sites", SignalSitesInput(**(raw or {})), result_type=list[str], start_to_close_timeout=QUICK,
+            "signal_sites", parse_input(SignalSitesInput, raw or {}), result_type=list[str], start_to_close_timeout=QUICK,
             retry_policy=RETRY, summary="reconcile every site",
         )
-        workflow.set_current_details(f"**done**: reconcile sent to {len(sites)} sites")
+        show_details("done", detail=f"reconcile sent to {len(sites)} sites")
         return sites

@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.config import Site
-from fleet.models import AccountState, Offer
+from fleet.models import DAY, AccountState, EpochSeconds, MaybeName, Name, Offer, Text
 from fleet.placement import AccountView, Constraints
 from fleet.messages.evacuation import IncidentCarry, IncidentView
 from fleet.messages.join import JoinedNode, JoinTimeouts
@@ -21,6 +21,12 @@ class GetCatalogInput(BaseModel):
     force: bool = False
 
 
+class CatalogRefreshInput(BaseModel):
+    """CatalogRefresh takes nothing (or ``{}``): anything else is a mistake worth saying."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
 class Catalog(BaseModel):
     offers: list[Offer] = Field(default_factory=list)
     sites: list[Site] = Field(default_factory=list)
@@ -31,10 +37,12 @@ class Catalog(BaseModel):
 
 
 class ReportAccountInput(BaseModel):
-    account: str
+    """Also the ProviderAccount ``report`` signal's payload."""
+
+    account: Name
     kind: Literal["OverQuota", "BadCredentials"]
-    offer: str = ""
-    message: str = ""
+    offer: MaybeName = ""
+    message: Text = ""
 
 
 class AccountRecordInput(BaseModel):
@@ -75,7 +83,11 @@ class SiteNode(BaseModel):
 
 
 class SignalSitesInput(BaseModel):
-    sites: list[str] = Field(default_factory=list)  # empty: every site in the config
+    """Also SiteSweep's input."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sites: list[Name] = Field(default_factory=list, max_length=1000)  # empty: every site in the config
 
 
 class RetireMachineInput(BaseModel):
@@ -86,42 +98,68 @@ class RetireMachineInput(BaseModel):
 
 # -- workflows ------------------------------------------------------------------------------
 class Exclusion(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    offer: str
-    reason: str = "excluded by the caller"
-    seconds: float = Field(600, ge=0)
+    offer: Name
+    reason: Text = "excluded by the caller"
+    seconds: float = Field(600, ge=0, le=30 * DAY)
 
 
 class CapacityRequest(BaseModel):
     """Start with plain JSON: ``{"constraints": {"gpu": "H100"}, "count": 4}``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     constraints: Constraints = Field(default_factory=Constraints)
     count: int = Field(1, ge=1, le=256)
     #: Give up (returning what joined) this long after the start.
-    deadline_seconds: float = Field(3600, gt=0)
+    deadline_seconds: float = Field(3600, gt=0, le=30 * DAY)
     #: Joins in flight at once.
     concurrency: int = Field(4, ge=1, le=64)
     #: How long a NoCapacity answer keeps an offer out of the ranking.
-    unavailable_ttl_seconds: float = Field(180, ge=0)
+    unavailable_ttl_seconds: float = Field(180, ge=0, le=7 * DAY)
     #: Waiting for capacity: first backoff, doubling up to the max.
-    backoff_seconds: float = Field(300, gt=0)
-    max_backoff_seconds: float = Field(1800, gt=0)
+    backoff_seconds: float = Field(300, gt=0, le=DAY)
+    max_backoff_seconds: float = Field(1800, gt=0, le=DAY)
     #: Failed joins for reasons other than the three provider errors (smoke test, registration) before giving up.
-    max_other_failures: int = Field(3, ge=0)
-    catalog_max_age_seconds: float = Field(60, ge=0)
-    exclude: list[Exclusion] = Field(default_factory=list)
+    max_other_failures: int = Field(3, ge=0, le=1000)
+    catalog_max_age_seconds: float = Field(60, ge=0, le=DAY)
+    exclude: list[Exclusion] = Field(default_factory=list, max_length=1000)
     join_timeouts: JoinTimeouts | None = None
     #: Ask the Site entity after each join (set by Site itself).
-    reason: str = ""
+    reason: Text = ""
+    #: Set by the workflow itself when it continues as new; never by a caller.
+    carry: CapacityCarry | None = None
 
 
-class Attempt(BaseModel):
+class JoinAttempt(BaseModel):
+    """One join tried at one offer (a repair's try at one rung is ``fleet.messages.repair.Attempt``)."""
+
     offer: str
     outcome: str
     message: str = ""
+
+
+class ExcludedOffer(BaseModel):
+    offer: str
+    until: datetime
+    reason: str
+
+
+class CapacityCarry(BaseModel):
+    """What AcquireCapacity carries over continue-as-new. Taken only while it waits with no
+    join in flight, so the joins it started are all in ``joined`` or ``attempts``."""
+
+    deadline: datetime
+    joined: list[JoinedNode] = Field(default_factory=list)
+    #: node name → machine cost per hour (the spend cap counts them).
+    costs: dict[str, float] = Field(default_factory=dict)
+    attempts: list[JoinAttempt] = Field(default_factory=list)
+    excluded: list[ExcludedOffer] = Field(default_factory=list)
+    other_failures: int = 0
+    #: Joins started so far: the next join's id continues the numbering.
+    seq: int = 0
+    backoff_seconds: float
 
 
 class CapacityResult(BaseModel):
@@ -130,7 +168,7 @@ class CapacityResult(BaseModel):
     complete: bool = False
     #: Why the rest did not join (empty when complete).
     why: list[str] = Field(default_factory=list)
-    attempts: list[Attempt] = Field(default_factory=list)
+    attempts: list[JoinAttempt] = Field(default_factory=list)
     cost_per_hour: float = 0.0
 
 
@@ -141,7 +179,7 @@ class CapacityProgress(BaseModel):
     in_flight: list[str] = Field(default_factory=list)
     candidates: list[str] = Field(default_factory=list)
     rejected: list[str] = Field(default_factory=list)
-    attempts: list[Attempt] = Field(default_factory=list)
+    attempts: list[JoinAttempt] = Field(default_factory=list)
     wait_until: datetime | None = None
 
 
@@ -154,13 +192,16 @@ class AccountStatus(BaseModel):
     since: str = ""
     reason: str = ""
     history: list[str] = Field(default_factory=list)
+    #: Webhook notifications that failed (each after its retries), and the last reason.
+    notify_failures: int = 0
+    notify_error: str = ""
 
 
 class ProviderAccountInput(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    account: str
-    provider: str
+    account: Name
+    provider: Name
     status: AccountStatus | None = None
 
 
@@ -168,31 +209,35 @@ class QuotaRaised(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     #: Offer keys (site/instance-type); empty = every blocked offer.
-    offers: list[str] = Field(default_factory=list)
+    offers: list[Name] = Field(default_factory=list, max_length=1000)
 
 
 class SiteInput(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    site: str
-    #: Carried over continue-as-new.
+    site: Name
+    #: Set by the entity itself when it continues as new; never by a caller.
+    state: SiteState | None = None
+    #: What runs before ``state`` carried (read when a run of theirs continues as new).
     nodes: dict[str, str] = Field(default_factory=dict)
-    fills: int = 0
+    fills: int = Field(0, ge=0, le=10**9)
     #: Seconds between reconciles without a signal.
-    reconcile_seconds: float = Field(300, gt=0)
+    reconcile_seconds: float = Field(300, gt=0, le=DAY)
     #: Passed to the AcquireCapacity it starts (tests shorten them).
     fill_request: dict = Field(default_factory=dict)
-    drain_seconds: float = Field(300, ge=0)
-    #: Provider incidents: state carried over continue-as-new, and fields merged into the
+    drain_seconds: float = Field(300, ge=0, le=DAY)
+    #: Provider incidents: state carried by runs before ``state``, and fields merged into the
     #: SiteEvacuation input it starts (``settings``, ``capacity_request``; tests shorten them).
     incident: IncidentCarry | None = None
     evacuation: dict = Field(default_factory=dict)
 
 
 class NodeTransition(BaseModel):
-    node_name: str
-    state: str
-    machine_id: str = ""
+    """The Site entity's ``node_transition`` signal."""
+
+    node_name: Name
+    state: str = Field(min_length=1, max_length=64)
+    machine_id: MaybeName = ""
 
 
 class SiteStatus(BaseModel):
@@ -207,17 +252,40 @@ class SiteStatus(BaseModel):
     incident: IncidentView | None = None
 
 
+class SiteState(BaseModel):
+    """Everything a Site entity knows, carried whole over continue-as-new (the site's config
+    is read again by each run; a fill or an evacuation in flight blocks continue-as-new)."""
+
+    #: Nodes, min/max, what it is doing (``incident`` is filled in by the ``status`` query).
+    status: SiteStatus
+    #: Fills started so far: the next one's id continues the numbering.
+    fills: int = 0
+    #: A reconcile is due (a signal, a node's transition, a timer, an ended fill or evacuation).
+    wanted: bool = True
+    #: Nodes the last probe or reconcile counted: the incident rule's site size.
+    node_count: int = 0
+    incident: IncidentCarry = Field(default_factory=IncidentCarry)
+
+
 class SpotReclaimInput(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    node_name: Name
+    machine_id: MaybeName = ""
+    site: Name
+    #: When the provider takes the machine (epoch seconds).
+    terminate_at: EpochSeconds
+    #: How long the replacement avoids the reclaimed offer.
+    exclude_seconds: float = Field(1800, ge=0, le=7 * DAY)
+    replacement: dict = Field(default_factory=dict)
+
+
+class SpotNotice(BaseModel):
+    """SpotReclaim's ``notice`` signal: the node agent saw the provider's notice (again)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    node_name: str
-    machine_id: str = ""
-    site: str
-    #: When the provider takes the machine (epoch seconds).
-    terminate_at: float
-    #: How long the replacement avoids the reclaimed offer.
-    exclude_seconds: float = Field(1800, ge=0)
-    replacement: dict = Field(default_factory=dict)
+    terminate_at: EpochSeconds
 
 
 class SpotReclaimResult(BaseModel):

@@ -4,19 +4,24 @@ state, repair admission, SiteEvacuation and its activities (one model each)."""
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.incident import Failure, IncidentSettings, SiteFacts
+from fleet.incident import Failure, IncidentSettings, SiteFacts, Verdict
 from fleet.cluster import RoutingTable, ServingStatus
+from fleet.messages.join import JoinedNode
+from fleet.models import Name, Text
 
 
 # -- repair admission (Node entity → Site entity) ---------------------------------------------
 class AdmitRepairInput(BaseModel):
-    site: str
-    node_name: str
-    gpu: int = 0
-    reasons: list[str] = Field(default_factory=list)
+    """The Site entity's ``admit_repair`` update."""
+
+    site: Name
+    node_name: Name
+    gpu: int = Field(0, ge=0, le=63)
+    reasons: list[Text] = Field(default_factory=list, max_length=1000)
 
 
 class RepairDecision(BaseModel):
@@ -40,12 +45,19 @@ class IncidentRecord(BaseModel):
 
 
 class IncidentCarry(BaseModel):
-    """What a Site entity carries over continue-as-new about incidents."""
+    """A Site entity's incident state (part of ``SiteState``, carried over continue-as-new)."""
 
     count: int = 0
     failures: list[Failure] = Field(default_factory=list)
     api_failing_since: float | None = None
     history: list[IncidentRecord] = Field(default_factory=list)
+    #: The incident not yet closed. An admission can open one while the entity waits for its
+    #: handlers before continuing as new: carried, so the next run still evacuates.
+    open: IncidentRecord | None = None
+    #: ``open`` still waits for its SiteEvacuation to start.
+    evacuate: bool = False
+    #: The rule's last answer (the ``status`` query shows it).
+    verdict: Verdict | None = None
 
 
 class IncidentView(BaseModel):
@@ -85,14 +97,16 @@ class HoldRepairsInput(BaseModel):
 class SiteEvacuationInput(BaseModel):
     """Start with plain JSON: ``{"site": "lambda-us-east", "reason": "manual"}`` (the Site entity does)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    site: str = Field(min_length=1)
-    reason: str = "provider incident"
+    site: Name
+    reason: Text = "provider incident"
     #: Overrides the site's incident settings (tests shorten timers); None = from the config.
     settings: IncidentSettings | None = None
     #: Merged into the AcquireCapacity request (e.g. join_timeouts, backoff_seconds).
     capacity_request: dict = Field(default_factory=dict)
+    #: Set by the workflow itself when it continues as new; never by a caller.
+    carry: EvacuationCarry | None = None
 
 
 class EvacuationFacts(BaseModel):
@@ -171,3 +185,27 @@ class EvacuationResult(BaseModel):
     site: str
     outcome: str  # restored | aborted
     timeline: list[Step] = Field(default_factory=list)
+
+
+class EvacuationCarry(BaseModel):
+    """What SiteEvacuation carries over continue-as-new. Taken only in a wait with no child
+    (AcquireCapacity) and no activity open: looking for a compliant site (``placing``) or
+    waiting for the provider to recover (``recovering``)."""
+
+    phase: Literal["placing", "recovering"]
+    progress: EvacuationProgress
+    #: The facts the runbook acts on (the latest read: the site's Deployments, routing, nodes).
+    facts: EvacuationFacts
+    settings: IncidentSettings
+    #: Weights before the incident, restored at the end.
+    original_models: dict[str, int] = Field(default_factory=dict)
+    original_site: int = 100
+    all_sites: list[str] = Field(default_factory=list)
+    #: Nodes bought for the evacuation (retired at the end while their site is above its min).
+    acquired: list[JoinedNode] = Field(default_factory=list)
+    #: Capacity purchases so far (at most one per evacuation).
+    bought: int = 0
+    failed_proofs: int = 0
+    retry: int = 0
+    #: An operator's ``declare_recovered`` note not yet acted on.
+    recovered: str = ""

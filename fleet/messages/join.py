@@ -4,23 +4,25 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.models import DAY
+
 
 class JoinTimeouts(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    provision_seconds: float = Field(600, gt=0)
-    registration_seconds: float = Field(900, gt=0)
-    smoke_test_seconds: float = Field(600, gt=0)
+    provision_seconds: float = Field(600, gt=0, le=DAY)
+    registration_seconds: float = Field(900, gt=0, le=DAY)
+    smoke_test_seconds: float = Field(600, gt=0, le=DAY)
     #: How soon a dead worker's activity is noticed and retried elsewhere.
-    heartbeat_seconds: float = Field(30, gt=0)
+    heartbeat_seconds: float = Field(30, gt=0, le=3600)
 
 
 class NodeJoinInput(BaseModel):
     """Start with plain JSON: ``{"site": "lambda-us-east"}``."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    site: str = Field(min_length=1)
+    site: str = Field(min_length=1, max_length=253)
     #: More than one: the join fans out to one child NodeJoin per node.
     count: int = Field(1, ge=1, le=64)
     token_ttl_seconds: int = Field(3600, gt=0, le=3600)

@@ -6,11 +6,13 @@ from datetime import datetime
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.repair_policy import Ledger, RepairSettings, Rung
+from fleet.models import GpuHealth, MaybeName, Name, Text
+from fleet.repair_policy import Finding, Ledger, RepairSettings, Rung
 
 
 class NodeCarry(BaseModel):
-    """What a Node entity hands to its next run on continue-as-new."""
+    """Everything a Node entity knows, handed whole to its next run on continue-as-new
+    (it continues only with no repair running, no action slot held and no message waiting)."""
 
     ledger: Ledger = Field(default_factory=Ledger)
     seen_xids: list[str] = Field(default_factory=list)
@@ -19,21 +21,27 @@ class NodeCarry(BaseModel):
     reports: int = 0
     state: str = "ready"
     log: list[str] = Field(default_factory=list)
+    #: GPU → the finding on hold for a recheck (node still joining, site holding repairs).
+    deferred: dict[int, Finding] = Field(default_factory=dict)
+    #: GPU → its last reported health: a recheck forgets a finding whose GPU healed.
+    latest: dict[int, GpuHealth] = Field(default_factory=dict)
+    #: The node's recent disruptive actions: a later one covers a repair detected before it.
+    actions: list[NodeAction] = Field(default_factory=list)
 
 
 class NodeEntityInput(BaseModel):
     """Start with plain JSON: ``{"node_name": "site-a-1a2b3c4d"}`` (the agent's signal-with-start does)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    node_name: str = Field(min_length=1)
+    node_name: Name
     carry: NodeCarry | None = None
 
 
 class NodeActionRequest(BaseModel):
     """A GpuRepair asks its Node entity for the node's one disruptive-action slot."""
 
-    repair_id: str
+    repair_id: Name
     rung: Rung
     #: When the fault was detected: an action of at least this rung started later covers it.
     detected_at: datetime
@@ -43,11 +51,11 @@ class NodeActionGrant(BaseModel):
     #: True: go ahead (and signal node_action_done after). False: already covered.
     go: bool
     covered_by: Rung | None = None
-    detail: str = ""
+    detail: Text = ""
 
 
 class NodeActionDone(BaseModel):
-    repair_id: str
+    repair_id: Name
     rung: Rung
     ok: bool = True
 
@@ -76,16 +84,16 @@ class NodeStatus(BaseModel):
 
 
 class GpuRepairInput(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    node_name: str = Field(min_length=1)
-    gpu: int = Field(ge=0)
-    site: str = Field(min_length=1)
-    machine_id: str = ""
-    gpus: int = Field(1, ge=1)
+    node_name: Name
+    gpu: int = Field(ge=0, le=63)
+    site: Name
+    machine_id: MaybeName = ""
+    gpus: int = Field(1, ge=1, le=64)
     rung: Rung = Rung.RESET
-    reasons: list[str] = Field(default_factory=list)
-    escalated_because: str = ""
+    reasons: list[Text] = Field(default_factory=list, max_length=1000)
+    escalated_because: Text = ""
     detected_at: datetime | None = None
     settings: RepairSettings = Field(default_factory=RepairSettings)
 
@@ -115,6 +123,10 @@ class LadderState(BaseModel):
 
 
 class SkipToInput(BaseModel):
+    """GpuRepair's ``skip_to`` update."""
+
+    model_config = ConfigDict(extra="forbid")
+
     rung: Rung
 
 

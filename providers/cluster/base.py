@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from datetime import datetime
 from typing import Callable, Iterable, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
@@ -18,19 +17,8 @@ from pydantic import BaseModel, Field
 from fleet.errors import InvalidRequest, NotFound
 from fleet.models import Node
 from fleet.cluster import (
-    UNPROVEN_TAINT,
     LABEL_SITE,
-    LABEL_PROVIDER,
-    LABEL_REGION,
-    LABEL_GPU_PRODUCT,
-    LABEL_MODEL,
-    ANNOTATION_MACHINE_ID,
-    ANNOTATION_TEMPLATE,
-    ANNOTATION_PREVIOUS_TEMPLATE,
     GPU_RESOURCE,
-    SERVING_PORT,
-    MAX_JOIN_TOKEN_TTL_S,
-    SITE_ROUTES,
     JoinTokenRef,
     DrainPod,
     DrainResult,

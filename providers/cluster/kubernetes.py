@@ -50,7 +50,7 @@ import secrets
 import string
 import time
 from datetime import datetime, timezone
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import urllib3
 from kubernetes import client as k8s
@@ -58,7 +58,7 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.utils import parse_quantity
 
-from fleet.errors import BadCredentials, InvalidRequest, NotFound, Transient
+from fleet.errors import ClusterConflict, ClusterError, ClusterForbidden, ClusterInvalid, NotFound, Transient
 from fleet.models import Node
 from providers.cluster.base import (
     AccessRule,
@@ -327,15 +327,32 @@ def _message(error: ApiException) -> str:
     return "; ".join(causes) or status.get("message") or error.reason or f"HTTP {error.status}"
 
 
+#: HTTP status -> the permanent answers, each its own non-retryable type. 404 is the
+#: shared ``NotFound``; 409 is ``_Conflict`` inside the adapter (re-read and tried
+#: again, bounded) and ``ClusterConflict`` (retryable) past that. Everything else
+#: (429, 5xx, timeouts, a refused connection, a status nobody listed) is ``Transient``.
+ERROR_STATUSES: dict[int, type[ClusterError]] = {
+    401: ClusterForbidden,
+    403: ClusterForbidden,
+    400: ClusterInvalid,
+    405: ClusterInvalid,
+    406: ClusterInvalid,
+    413: ClusterInvalid,
+    414: ClusterInvalid,
+    415: ClusterInvalid,
+    422: ClusterInvalid,
+}
+
+
 def _translate(error: Exception, what: str) -> Exception:
     if isinstance(error, ApiException):
         code, message = error.status, f"{what}: {_message(error)}"
-        if code in (401, 403):
-            return BadCredentials(message, provider=PROVIDER, code=str(code))
+        if code in ERROR_STATUSES:
+            return ERROR_STATUSES[code](message, code=str(code))
         if code == 404:
             return NotFound(message, provider=PROVIDER, code="404")
-        if code in (400, 405, 415, 422):
-            return InvalidRequest(message, provider=PROVIDER, code=str(code))
+        if code == 409:
+            return ClusterConflict(message, code="409")
         return Transient(message, provider=PROVIDER, code=str(code))
     return Transient(f"{what}: {error}", provider=PROVIDER, code=type(error).__name__)
 
@@ -344,7 +361,11 @@ class _Conflict(Exception):
     pass
 
 
+#: Re-reads of one object after a 409 before the call gives up as ``ClusterConflict``
+#: (a write loses only to another writer, which is done in milliseconds).
 _RETRY_CONFLICTS = 8
+
+T = TypeVar("T")
 
 
 class KubernetesCluster:
@@ -417,6 +438,17 @@ class KubernetesCluster:
                 raise _Conflict(_message(error)) from error
             raise _translate(error, what) from error
 
+    @staticmethod
+    def _retry_on_conflict(what: str, attempt: Callable[[], T]) -> T:
+        """Run ``attempt`` (read, decide, write under the resourceVersion read) again
+        while its write meets a 409; past ``_RETRY_CONFLICTS`` tries, ``ClusterConflict``."""
+        for _ in range(_RETRY_CONFLICTS):
+            try:
+                return attempt()
+            except _Conflict:
+                continue
+        raise ClusterConflict(f"{what} kept conflicting", code="409")
+
     # -- join tokens ----------------------------------------------------------------------
     def create_join_token(self, node_name: str, machine_id: str, ttl_seconds: int) -> JoinTokenRef:
         if not 0 < ttl_seconds <= MAX_JOIN_TOKEN_TTL_S:
@@ -471,24 +503,28 @@ class KubernetesCluster:
             "type": "Opaque",
             "stringData": {"token": token, "node-name": node_name, "expiration": exp},
         }
-        for _ in range(_RETRY_CONFLICTS):
+
+        def create() -> None:
             try:
                 self._write("create bootstrap channel", self.core.create_namespaced_secret,
                             self.bootstrap_namespace, body)
-                return
             except _Conflict:
-                # An older token's channel for this machine: that token is superseded.
-                old = self._get("read bootstrap channel", self.core.read_namespaced_secret,
-                                name, self.bootstrap_namespace)
-                if old is None:
-                    continue
-                old_id = ((old.get("metadata") or {}).get("labels") or {}).get(LABEL_TOKEN_ID, "")
-                if _TOKEN_ID.match(old_id) and old_id != token_id:
-                    self._delete("revoke superseded token", self.core.delete_namespaced_secret,
-                                 f"bootstrap-token-{old_id}", TOKEN_NAMESPACE)
-                self._delete("delete superseded bootstrap channel", self.core.delete_namespaced_secret,
-                             name, self.bootstrap_namespace)
-        raise Transient(f"bootstrap channel {name} kept conflicting", provider=PROVIDER, code="409")
+                self._supersede_channel(name, token_id)
+                raise
+
+        self._retry_on_conflict(f"bootstrap channel {name}", create)
+
+    def _supersede_channel(self, name: str, token_id: str) -> None:
+        """An older token's channel for this machine is in the way: that token is superseded."""
+        old = self._get("read bootstrap channel", self.core.read_namespaced_secret, name, self.bootstrap_namespace)
+        if old is None:
+            return
+        old_id = ((old.get("metadata") or {}).get("labels") or {}).get(LABEL_TOKEN_ID, "")
+        if _TOKEN_ID.match(old_id) and old_id != token_id:
+            self._delete("revoke superseded token", self.core.delete_namespaced_secret,
+                         f"bootstrap-token-{old_id}", TOKEN_NAMESPACE)
+        self._delete("delete superseded bootstrap channel", self.core.delete_namespaced_secret,
+                     name, self.bootstrap_namespace)
 
     def take_bootstrap_token(self, machine_id: str) -> str | None:
         """The machine's side: read its token once (the Secret is deleted)."""
@@ -568,14 +604,16 @@ class KubernetesCluster:
         return sorted((self._node(n) for n in nodes.get("items", [])), key=lambda n: n.name)
 
     def label_node(self, name: str, labels: dict[str, str]) -> Node:
-        return self._node(self._patch_node(name, {"metadata": {"labels": dict(labels)}}, STRATEGIC))
+        body = {"metadata": {"labels": dict(labels)}}
+        return self._node(self._retry_on_conflict(f"node {name}", lambda: self._patch_node(name, body, STRATEGIC)))
 
     def annotate_node(self, name: str, annotations: dict[str, str | None]) -> dict[str, str]:
-        node = self._patch_node(name, {"metadata": {"annotations": dict(annotations)}}, MERGE)
+        body = {"metadata": {"annotations": dict(annotations)}}
+        node = self._retry_on_conflict(f"node {name}", lambda: self._patch_node(name, body, MERGE))
         return dict(node["metadata"].get("annotations") or {})
 
     def set_taints(self, name: str, add: list[str] = (), remove: list[str] = ()) -> Node:
-        for _ in range(_RETRY_CONFLICTS):
+        def attempt() -> Node:
             node = self._read_node(name)
             raw = (node.get("spec") or {}).get("taints") or []
             by_text = {format_taint(t["key"], t.get("value"), t["effect"]): t for t in raw}
@@ -594,15 +632,13 @@ class KubernetesCluster:
                 "metadata": {"resourceVersion": node["metadata"]["resourceVersion"]},
                 "spec": {"taints": taints or None},
             }
-            try:
-                return self._node(self._patch_node(name, body, MERGE))
-            except _Conflict:
-                continue
-        raise Transient(f"node {name}: taints kept conflicting", provider=PROVIDER, code="409")
+            return self._node(self._patch_node(name, body, MERGE))
+
+        return self._retry_on_conflict(f"node {name}: taints", attempt)
 
     def cordon(self, name: str, unschedulable: bool = True) -> Node:
         body = {"spec": {"unschedulable": True if unschedulable else None}}
-        return self._node(self._patch_node(name, body, MERGE))
+        return self._node(self._retry_on_conflict(f"node {name}", lambda: self._patch_node(name, body, MERGE)))
 
     def remove_node(self, name: str) -> None:
         self._delete(f"delete node {name}", self.core.delete_node, name)
@@ -661,52 +697,47 @@ class KubernetesCluster:
         desired = render_deployment(spec, self.namespace)
         name = desired["metadata"]["name"]
         template_json = desired["metadata"]["annotations"][ANNOTATION_TEMPLATE]
-        for _ in range(_RETRY_CONFLICTS):
+
+        def attempt() -> None:
             current = self._read_deployment(name)
-            try:
-                if current is None:
-                    self._write(f"create deployment {name}", self.apps.create_namespaced_deployment,
-                                self.namespace, desired)
-                    break
-                annotations = current["metadata"].get("annotations") or {}
-                live = annotations.get(ANNOTATION_TEMPLATE) or _canonical(current["spec"].get("template"))
-                if (
-                    annotations.get(ANNOTATION_TEMPLATE) == template_json
-                    and current["spec"].get("replicas") == spec.replicas
-                    and _is_subset(desired["metadata"]["labels"], current["metadata"].get("labels"))
-                ):
-                    break
-                body = current
-                body["metadata"].setdefault("labels", {}).update(desired["metadata"]["labels"])
-                body["metadata"]["annotations"] = {**annotations, ANNOTATION_MODEL: spec.model}
-                if live != template_json:
-                    body["metadata"]["annotations"][ANNOTATION_PREVIOUS_TEMPLATE] = live
-                    body["metadata"]["annotations"][ANNOTATION_TEMPLATE] = template_json
-                    body["spec"]["template"] = desired["spec"]["template"]
-                    body["spec"]["strategy"] = desired["spec"]["strategy"]
-                body["spec"]["replicas"] = spec.replicas
-                body.pop("status", None)
-                self._write(f"update deployment {name}", self.apps.replace_namespaced_deployment,
-                            name, self.namespace, body)
-                break
-            except _Conflict:
-                continue
-        else:
-            raise Transient(f"deployment {name} kept conflicting", provider=PROVIDER, code="409")
+            if current is None:
+                self._write(f"create deployment {name}", self.apps.create_namespaced_deployment,
+                            self.namespace, desired)
+                return
+            annotations = current["metadata"].get("annotations") or {}
+            live = annotations.get(ANNOTATION_TEMPLATE) or _canonical(current["spec"].get("template"))
+            if (
+                annotations.get(ANNOTATION_TEMPLATE) == template_json
+                and current["spec"].get("replicas") == spec.replicas
+                and _is_subset(desired["metadata"]["labels"], current["metadata"].get("labels"))
+            ):
+                return
+            body = current
+            body["metadata"].setdefault("labels", {}).update(desired["metadata"]["labels"])
+            body["metadata"]["annotations"] = {**annotations, ANNOTATION_MODEL: spec.model}
+            if live != template_json:
+                body["metadata"]["annotations"][ANNOTATION_PREVIOUS_TEMPLATE] = live
+                body["metadata"]["annotations"][ANNOTATION_TEMPLATE] = template_json
+                body["spec"]["template"] = desired["spec"]["template"]
+                body["spec"]["strategy"] = desired["spec"]["strategy"]
+            body["spec"]["replicas"] = spec.replicas
+            body.pop("status", None)
+            self._write(f"update deployment {name}", self.apps.replace_namespaced_deployment,
+                        name, self.namespace, body)
+
+        self._retry_on_conflict(f"deployment {name}", attempt)
         self._apply_service(spec.model, spec.site)
         return self._status_or_raise(spec.model, spec.site)
 
     def _apply_service(self, model: str, site: str) -> None:
         desired = render_service(model, site, self.namespace)
         name = desired["metadata"]["name"]
-        for _ in range(_RETRY_CONFLICTS):
+
+        def attempt() -> None:
             current = self._get(f"read service {name}", self.core.read_namespaced_service, name, self.namespace)
             if current is None:
-                try:
-                    self._write(f"create service {name}", self.core.create_namespaced_service, self.namespace, desired)
-                    return
-                except _Conflict:
-                    continue
+                self._write(f"create service {name}", self.core.create_namespaced_service, self.namespace, desired)
+                return
             if _is_subset(desired["spec"], current.get("spec")) and _is_subset(
                 desired["metadata"]["labels"], current["metadata"].get("labels")
             ):
@@ -714,7 +745,8 @@ class KubernetesCluster:
             patch = {"metadata": {"labels": desired["metadata"]["labels"]}, "spec": desired["spec"]}
             self._do(f"patch service {name}", self.core.patch_namespaced_service, name, self.namespace, patch,
                      _content_type=MERGE)
-            return
+
+        self._retry_on_conflict(f"service {name}", attempt)
 
     def _status(self, model: str, site: str, deployment: dict[str, Any]) -> ServingStatus:
         meta, spec, status = deployment["metadata"], deployment.get("spec") or {}, deployment.get("status") or {}
@@ -759,7 +791,8 @@ class KubernetesCluster:
 
     def rollback_serving(self, model: str, site: str) -> ServingStatus:
         name = serving_name(model, site)
-        for _ in range(_RETRY_CONFLICTS):
+
+        def attempt() -> ServingStatus:
             current = self._read_deployment(name)
             if current is None:
                 raise ServingNotFound(f"no serving of {model} at {site}", provider=PROVIDER, code="404")
@@ -773,13 +806,11 @@ class KubernetesCluster:
             }
             current["spec"]["template"] = json.loads(previous)
             current.pop("status", None)
-            try:
-                deployment = self._write(f"roll back deployment {name}", self.apps.replace_namespaced_deployment,
-                                         name, self.namespace, current)
-            except _Conflict:
-                continue
+            deployment = self._write(f"roll back deployment {name}", self.apps.replace_namespaced_deployment,
+                                     name, self.namespace, current)
             return self._status(model, site, deployment)
-        raise Transient(f"deployment {name} kept conflicting", provider=PROVIDER, code="409")
+
+        return self._retry_on_conflict(f"deployment {name}", attempt)
 
     def delete_serving(self, model: str, site: str) -> None:
         name = serving_name(model, site)
@@ -803,23 +834,21 @@ class KubernetesCluster:
         name = dns_label(model)
         spec = render_httproute_spec(model, sites, self.gateway, self.gateway_namespace)
         args = (GATEWAY_GROUP, GATEWAY_VERSION, self.namespace, "httproutes")
-        for _ in range(_RETRY_CONFLICTS):
+
+        def attempt() -> None:
             current = self._get(f"read httproute {name}", self.custom.get_namespaced_custom_object, *args, name)
-            try:
-                if current is None:
-                    body = render_httproute(model, sites, self.namespace, self.gateway, self.gateway_namespace)
-                    self._write(f"create httproute {name}", self.custom.create_namespaced_custom_object, *args, body)
-                    return
-                if _is_subset(spec, current.get("spec")):
-                    return
-                current["spec"] = spec
-                current.pop("status", None)
-                self._write(f"update httproute {name}", self.custom.replace_namespaced_custom_object,
-                            *args, name, current)
+            if current is None:
+                body = render_httproute(model, sites, self.namespace, self.gateway, self.gateway_namespace)
+                self._write(f"create httproute {name}", self.custom.create_namespaced_custom_object, *args, body)
                 return
-            except _Conflict:
-                continue
-        raise Transient(f"httproute {name} kept conflicting", provider=PROVIDER, code="409")
+            if _is_subset(spec, current.get("spec")):
+                return
+            current["spec"] = spec
+            current.pop("status", None)
+            self._write(f"update httproute {name}", self.custom.replace_namespaced_custom_object,
+                        *args, name, current)
+
+        self._retry_on_conflict(f"httproute {name}", attempt)
 
     def _read_routing_configmap(self) -> dict[str, Any] | None:
         return self._get("read routing table", self.core.read_namespaced_config_map, ROUTING_CONFIGMAP, self.namespace)
@@ -827,34 +856,33 @@ class KubernetesCluster:
     def _write_routing_table(self, model: str, sites: dict[str, SiteRoute], key: str | None = None) -> RoutingTable:
         key = key or dns_label(model)
         wanted = {site: route.model_dump() for site, route in sorted(sites.items())}
-        for _ in range(_RETRY_CONFLICTS):
+
+        def attempt() -> RoutingTable:
             current = self._read_routing_configmap()
             entry = _routing_entry(current, key)
             if entry is not None and entry.get("sites") == wanted:
                 return RoutingTable(model=model, version=entry["version"], sites=sites)
             version = (entry or {}).get("version", 0) + 1
             value = _canonical({"model": model, "version": version, "sites": wanted})
-            try:
-                if current is None:
-                    body = {
-                        "apiVersion": "v1",
-                        "kind": "ConfigMap",
-                        "metadata": {
-                            "name": ROUTING_CONFIGMAP,
-                            "namespace": self.namespace,
-                            "labels": {"app.kubernetes.io/managed-by": "gpufleet"},
-                        },
-                        "data": {key: value},
-                    }
-                    self._write("create routing table", self.core.create_namespaced_config_map, self.namespace, body)
-                else:
-                    current["data"] = {**(current.get("data") or {}), key: value}
-                    self._write("update routing table", self.core.replace_namespaced_config_map,
-                                ROUTING_CONFIGMAP, self.namespace, current)
-            except _Conflict:
-                continue
+            if current is None:
+                body = {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "metadata": {
+                        "name": ROUTING_CONFIGMAP,
+                        "namespace": self.namespace,
+                        "labels": {"app.kubernetes.io/managed-by": "gpufleet"},
+                    },
+                    "data": {key: value},
+                }
+                self._write("create routing table", self.core.create_namespaced_config_map, self.namespace, body)
+            else:
+                current["data"] = {**(current.get("data") or {}), key: value}
+                self._write("update routing table", self.core.replace_namespaced_config_map,
+                            ROUTING_CONFIGMAP, self.namespace, current)
             return RoutingTable(model=model, version=version, sites=sites)
-        raise Transient("routing table kept conflicting", provider=PROVIDER, code="409")
+
+        return self._retry_on_conflict("routing table", attempt)
 
     def get_routing(self, model: str) -> RoutingTable | None:
         entry = _routing_entry(self._read_routing_configmap(), dns_label(model))

@@ -23,7 +23,9 @@ It keeps the real API's semantics for what the adapter uses:
   ``serving_capacity``, optionally ``rollout_delay_s`` after a spec change;
 * SelfSubjectAccessReview answering allowed unless ``deny(...)``-ed;
 * pods annotated ``fake.gpufleet.io/terminating-seconds`` take that long to go
-  after a delete or eviction (deletionTimestamp set meanwhile).
+  after a delete or eviction (deletionTimestamp set meanwhile);
+* injected answers (``fail``, ``forbid``): an RBAC denial (403), a busy object
+  (409), a sick server (5xx) for one verb on one resource, a number of times.
 
 Every request is recorded as (verb, group, resource, subresource, namespace)
 in ``requests`` so a test can compare what the adapter did with its RBAC table.
@@ -265,6 +267,8 @@ class FakeKube:
         #: (method, path) of every write.
         self.writes: list[tuple[str, str]] = []
         self.denied: list[dict[str, str | None]] = []
+        #: Injected answers (``fail``), checked in order before a request is served.
+        self.faults: list[dict[str, Any]] = []
         self.rollout_delay_s = 0.0
         #: Seconds every response is held back (a slow or hung API server).
         self.response_delay_s = 0.0
@@ -439,6 +443,26 @@ class FakeKube:
         self.denied.append({"verb": verb, "group": group, "resource": resource, "subresource": subresource,
                             "namespace": namespace})
 
+    def fail(self, verb: str, resource: str, code: int, reason: str, message: str = "", *, group: str = "",
+             times: int | None = None) -> None:
+        """The next ``times`` requests (None: every one) for ``verb`` on ``resource`` answer
+        this ``Status`` instead of being served; they are still recorded in ``requests``."""
+        self.faults.append({"verb": verb, "group": group, "resource": resource, "code": code, "reason": reason,
+                            "message": message or f"injected {code} {reason}", "left": times})
+
+    def forbid(self, verb: str, resource: str, group: str = "") -> None:
+        """What an API server without that RBAC grant answers to every such request."""
+        user = "system:serviceaccount:gpufleet:gpufleet-control-plane"
+        self.fail(verb, resource, 403, "Forbidden", f'{resource} is forbidden: User "{user}" cannot {verb} '
+                  f'resource "{resource}" in API group "{group}" at the cluster scope', group=group)
+
+    def _injected(self, verb: str, group: str, resource: str) -> None:
+        for fault in self.faults:
+            if (fault["verb"], fault["group"], fault["resource"]) == (verb, group, resource) and fault["left"] != 0:
+                if fault["left"] is not None:
+                    fault["left"] -= 1
+                raise ApiError(fault["code"], fault["reason"], fault["message"])
+
     # -- request handling ------------------------------------------------------------------
     def handle(self, method: str, raw_path: str, content_type: str, raw: bytes) -> tuple[int, dict[str, Any]]:
         if self.response_delay_s:
@@ -483,6 +507,7 @@ class FakeKube:
         self.requests.append((verb, group, resource, sub, namespace))
         if method != "GET":
             self.writes.append((method, path))
+        self._injected(verb, group, resource)
         if (group, resource) not in RESOURCES:
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
         if verb == "watch":

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from fleet.errors import BadCredentials, Transient
+from fleet.errors import BadCredentials, ClusterForbidden, Transient
 from fleet.cluster import (
     ANNOTATION_PREVIOUS_TEMPLATE,
     ANNOTATION_TEMPLATE,
@@ -335,7 +335,8 @@ def test_a_hung_api_server_times_out_as_transient(fake):
     assert time.monotonic() - started < 5
 
 
-def test_forbidden_is_bad_credentials(kube, fake):
+def test_forbidden_is_cluster_forbidden(kube, fake):
+    """Not BadCredentials: a cluster RBAC gap must never revoke a provider account."""
     original = fake._dispatch
 
     def forbid_nodes(method, path, query, ctype, body):
@@ -346,5 +347,6 @@ def test_forbidden_is_bad_credentials(kube, fake):
         return original(method, path, query, ctype, body)
 
     fake._dispatch = forbid_nodes
-    with pytest.raises(BadCredentials, match="forbidden"):
+    with pytest.raises(ClusterForbidden, match="forbidden") as caught:
         kube.list_nodes()
+    assert not isinstance(caught.value, BadCredentials) and not caught.value.retryable

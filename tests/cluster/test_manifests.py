@@ -73,7 +73,7 @@ def test_control_plane_deployment():
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "gpufleet-control-plane"
     (container,) = pod["containers"]
-    assert container["image"] == "gpufleet:latest"
+    assert container["image"] == "gpufleet-control-plane:latest"
     assert container["command"] == ["python", "-m", "workers.control_plane"]
     env = {e["name"] for e in container["env"]}
     assert {"TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "GPUFLEET_TASK_QUEUE", "GPUFLEET_CONFIG"} <= env
@@ -89,7 +89,7 @@ def test_node_agent_daemonset_runs_on_gpu_nodes_including_unproven():
     assert keys == {"nvidia.com/gpu.present", "gpufleet.io/site"}
     assert {"key": "gpufleet.io/unproven", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     (container,) = pod["containers"]
-    assert container["image"] == "gpufleet:latest"
+    assert container["image"] == "gpufleet-node-agent:latest"
     assert container["command"] == ["python", "-m", "workers.node_agent", "--node-name", "$(NODE_NAME)"]
     node_name = next(e for e in container["env"] if e["name"] == "NODE_NAME")
     assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"

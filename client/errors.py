@@ -1,0 +1,61 @@
+"""What the client raises: one base class, each kind a caller may want to handle."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+
+class FleetClientError(Exception):
+    """Base of every error the gpufleet client raises itself."""
+
+
+class InvalidArgument(FleetClientError, ValueError):
+    """A bad argument, refused before anything was started or sent.
+
+    ``field`` is the first offending field as a dotted path (``count``,
+    ``constraints.gpu``, ``sites.0.replicas``; ``(input)`` for the whole value),
+    ``problems`` every ``(field, message)`` pair.
+    """
+
+    def __init__(self, problems: list[tuple[str, str]], what: str = "") -> None:
+        self.problems = problems
+        self.field = problems[0][0]
+        self.what = what
+        text = "; ".join(f"{field}: {message}" for field, message in problems)
+        super().__init__(f"invalid {what}: {text}" if what else text)
+
+    @classmethod
+    def of(cls, error: ValidationError, what: str = "") -> "InvalidArgument":
+        problems = []
+        for problem in error.errors():
+            field = ".".join(str(p) for p in problem["loc"]) or "(input)"
+            message = "unknown field" if problem["type"] == "extra_forbidden" else problem["msg"]
+            problems.append((field, message.removeprefix("Value error, ")))
+        return cls(problems, what)
+
+
+class Unreachable(FleetClientError, ConnectionError):
+    """Temporal did not answer at the configured address."""
+
+    def __init__(self, address: str, reason: str) -> None:
+        self.address = address
+        self.reason = reason
+        super().__init__(f"cannot reach Temporal at {address} ({reason})")
+
+
+class NotFound(FleetClientError, LookupError):
+    """No such workflow (or no running one where a running one is needed)."""
+
+    def __init__(self, workflow_id: str, detail: str = "") -> None:
+        self.workflow_id = workflow_id
+        super().__init__(detail or f"{workflow_id}: no such workflow")
+
+
+class Rejected(FleetClientError):
+    """The workflow refused an update (its validator, or the handler failed); ``reason`` says why."""
+
+    def __init__(self, workflow_id: str, update: str, reason: str) -> None:
+        self.workflow_id = workflow_id
+        self.update = update
+        self.reason = reason
+        super().__init__(reason)

@@ -1,0 +1,364 @@
+"""``FleetClient``: every operator action on the fleet, as one typed async call.
+
+Starts use the standard workflow ids with ``USE_EXISTING`` (the same call twice
+attaches to the running workflow), the search attributes a workflow shows from
+its first moment, and a static summary for the UI. Inputs are validated with the
+workflow's own pydantic model before anything is sent; the workflow validates
+them again, so a caller without this client (``temporal``, the HTTP API) gets
+the same answer, only later.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from temporalio.client import (
+    Client,
+    WorkflowExecutionStatus,
+    WorkflowHandle,
+    WorkflowUpdateFailedError,
+)
+from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
+from temporalio.service import RPCError, RPCStatusCode
+
+from client.errors import InvalidArgument, NotFound, Rejected, Unreachable
+from fleet import search_attributes as sa
+from fleet.config import ConfigError, FleetConfig, load_config
+from fleet.messages.capacity import AccountStatus, CapacityProgress, CapacityRequest, CapacityResult, QuotaRaised, SiteInput, SiteStatus
+from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, SiteEvacuationInput
+from fleet.messages.join import JoinProgress, NodeJoinInput, NodeJoinResult
+from fleet.messages.repair import LadderState, NodeStatus, SkipToInput
+from fleet.naming import account_workflow_id, capacity_workflow_id, join_workflow_id, site_workflow_id
+from fleet.repair_policy import Rung
+from fleet.rollout import RolloutInput, RolloutProgress, RolloutResult
+from fleet.settings import Settings
+
+M = TypeVar("M", bound=BaseModel)
+USE_EXISTING = WorkflowIDConflictPolicy.USE_EXISTING
+
+
+def manual_evacuation_id(site: str, request_id: str) -> str:
+    """A SiteEvacuation started by a person: its own series beside the Site entity's
+    ``evacuate/<site>/<n>``, so the entity's next incident never collides with it."""
+    return f"evacuate/{site}/manual-{request_id}"
+
+
+def rollout_workflow_id(rollout: str) -> str:
+    """``rollout/<model>/<version>`` from itself or from ``<model>/<version>``."""
+    return rollout if rollout.startswith("rollout/") else f"rollout/{rollout}"
+
+
+def validate(model: type[M], value: M | Mapping[str, Any], what: str | None = None) -> M:
+    """``value`` checked by ``model`` (a model instance is checked again: fields may have
+    been assigned since), or :class:`InvalidArgument` naming each bad field."""
+    raw = value.model_dump(mode="json", exclude_unset=True) if isinstance(value, BaseModel) else value
+    if not isinstance(raw, Mapping):
+        raise InvalidArgument([("(input)", f"expected {model.__name__} or a mapping, got {type(value).__name__}")],
+                              what or model.__name__)
+    try:
+        return model.model_validate(dict(raw))
+    except ValidationError as error:
+        raise InvalidArgument.of(error, what or model.__name__) from None
+
+
+def _text(name: str, value: object) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise InvalidArgument([(name, "must be a non-empty string")])
+    return value
+
+
+def _payload(model: BaseModel) -> dict[str, Any]:
+    """What goes on the wire: plain JSON with only what the caller set."""
+    return model.model_dump(mode="json", exclude_unset=True)
+
+
+@dataclass
+class RolloutStatus:
+    """A rollout as ``describe`` and the ``progress`` query see it, with the bytes each
+    site's replication activity last heartbeated (fresher than the query)."""
+
+    workflow_id: str
+    status: WorkflowExecutionStatus | None
+    progress: RolloutProgress | None
+    replicating: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+class FleetClient:
+    """gpufleet's operator actions. Connects on first use with the same settings as every
+    other entry point (``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, ``GPUFLEET_TASK_QUEUE``,
+    ``GPUFLEET_CONFIG``), so an invalid argument is refused even without a server."""
+
+    def __init__(self, settings: Settings | None = None, temporal: Client | None = None) -> None:
+        self.settings = settings or Settings.from_env()
+        self._client = temporal
+        self._config: FleetConfig | None = None
+
+    async def temporal(self) -> Client:
+        """The Temporal client (pydantic payloads, tracing), connected once."""
+        if self._client is None:
+            from fleet.temporal import connect
+
+            try:
+                self._client = await connect(self.settings)
+            except RuntimeError as error:
+                raise Unreachable(self.settings.address, str(error)) from None
+        return self._client
+
+    def config(self) -> FleetConfig | None:
+        """The fleet config this client was given (None when it cannot be read: the
+        workflows, which read their own, name the problem)."""
+        if self._config is None:
+            try:
+                self._config = load_config(self.settings.config)
+            except ConfigError:
+                return None
+        return self._config
+
+    # -- joins and capacity ----------------------------------------------------------------
+    async def start_join(self, request: NodeJoinInput | Mapping[str, Any], *,
+                         request_id: str) -> WorkflowHandle[Any, NodeJoinResult]:
+        """Start NodeJoin ``join/<site>/<request_id>`` (or attach to it)."""
+        args = validate(NodeJoinInput, request)
+        _text("request_id", request_id)
+        workflow_id = join_workflow_id(args.site, request_id)
+        attributes = None
+        config = self.config()
+        if config is not None:
+            try:
+                site = config.site(args.site)
+            except KeyError:
+                site = None  # the join itself fails naming the unknown site
+            if site is not None:
+                attributes = sa.join_start_attributes(site.name, site.provider, site.account, workflow_id)
+        client = await self.temporal()
+        return await client.start_workflow(
+            "NodeJoin", _payload(args), id=workflow_id, task_queue=self.settings.task_queue,
+            id_conflict_policy=USE_EXISTING, result_type=NodeJoinResult, search_attributes=attributes,
+            static_summary=f"join a node at {args.site}" if args.count == 1 else f"join {args.count} nodes at {args.site}",
+        )
+
+    async def join_progress(self, workflow_id: str) -> JoinProgress:
+        return await self._query(workflow_id, "progress", JoinProgress)
+
+    async def acquire_capacity(self, request: CapacityRequest | Mapping[str, Any], *,
+                               request_id: str) -> WorkflowHandle[Any, CapacityResult]:
+        """Start AcquireCapacity ``capacity/<request_id>`` (or attach to it)."""
+        args = validate(CapacityRequest, request)
+        _text("request_id", request_id)
+        client = await self.temporal()
+        return await client.start_workflow(
+            "AcquireCapacity", _payload(args), id=capacity_workflow_id(request_id),
+            task_queue=self.settings.task_queue, id_conflict_policy=USE_EXISTING, result_type=CapacityResult,
+            static_summary=f"capacity: {args.count} x {args.constraints.gpu or 'any GPU'}",
+        )
+
+    async def capacity_progress(self, workflow_id: str) -> CapacityProgress:
+        return await self._query(workflow_id, "progress", CapacityProgress)
+
+    # -- rollouts --------------------------------------------------------------------------
+    async def start_rollout(self, request: RolloutInput | Mapping[str, Any]) -> WorkflowHandle[Any, RolloutResult]:
+        """Start ModelRollout ``rollout/<model>/<version>`` (the same version attaches)."""
+        args = validate(RolloutInput, request, "rollout")
+        client = await self.temporal()
+        return await client.start_workflow(
+            "ModelRollout", _payload(args), id=args.rollout_id, task_queue=self.settings.task_queue,
+            id_conflict_policy=USE_EXISTING, result_type=RolloutResult,
+            search_attributes=TypedSearchAttributes([SearchAttributePair(sa.MODEL, args.model),
+                                                     SearchAttributePair(sa.MODEL_VERSION, args.version)]),
+            static_summary=f"roll {args.model} {args.version} out to {len(args.sites)} sites",
+        )
+
+    async def rollout_progress(self, rollout: str) -> RolloutProgress | None:
+        """None while the rollout is still starting."""
+        return await self._query(rollout_workflow_id(_text("rollout", rollout)), "progress", RolloutProgress)
+
+    async def rollout_status(self, rollout: str) -> RolloutStatus:
+        workflow_id = rollout_workflow_id(_text("rollout", rollout))
+        client = await self.temporal()
+        handle = client.get_workflow_handle(workflow_id)
+        try:
+            description = await handle.describe()
+        except RPCError as error:
+            raise _rpc(workflow_id, error) from None
+        progress = await self._query(workflow_id, "progress", RolloutProgress)
+        live: dict[str, dict[str, Any]] = {}
+        for pending in description.raw_description.pending_activities:
+            if pending.activity_id.startswith("replicate/") and pending.heartbeat_details.payloads:
+                try:
+                    (details,) = await client.data_converter.decode(pending.heartbeat_details.payloads)
+                    live[pending.activity_id.removeprefix("replicate/")] = details
+                except Exception:  # noqa: BLE001 - unreadable details: the query's numbers stand
+                    pass
+        return RolloutStatus(workflow_id, description.status, progress, live)
+
+    async def pause_rollout(self, rollout: str, reason: str = "") -> RolloutProgress:
+        return await self._update(rollout_workflow_id(_text("rollout", rollout)), "pause", [reason], RolloutProgress)
+
+    async def resume_rollout(self, rollout: str, reason: str = "") -> RolloutProgress:
+        return await self._update(rollout_workflow_id(_text("rollout", rollout)), "resume", [reason], RolloutProgress)
+
+    async def abort_rollout(self, rollout: str, reason: str = "") -> RolloutProgress:
+        return await self._update(rollout_workflow_id(_text("rollout", rollout)), "abort", [reason], RolloutProgress)
+
+    # -- GPU repairs and nodes -------------------------------------------------------------
+    async def repair_ladder(self, node: str, gpu: int) -> LadderState:
+        return await self._query(self._repair_id(node, gpu), "ladder", LadderState)
+
+    async def hold_repair(self, node: str, gpu: int) -> LadderState:
+        """Stay contained and do nothing at the next step until released."""
+        return await self._update(self._repair_id(node, gpu), "hold", [], LadderState)
+
+    async def release_repair(self, node: str, gpu: int) -> LadderState:
+        return await self._update(self._repair_id(node, gpu), "release", [], LadderState)
+
+    async def skip_repair_to(self, node: str, gpu: int, rung: Rung | str | SkipToInput) -> LadderState:
+        """Go to ``rung`` next (also re-enters an exhausted ladder)."""
+        target = rung if isinstance(rung, SkipToInput) else validate(SkipToInput, {"rung": rung})
+        return await self._update(self._repair_id(node, gpu), "skip_to", [target], LadderState)
+
+    async def node_status(self, node: str) -> NodeStatus:
+        from workflows.node import node_workflow_id  # workflow modules only when asked: a quick CLI
+
+        return await self._query(node_workflow_id(_text("node", node)), "status", NodeStatus)
+
+    @staticmethod
+    def _repair_id(node: str, gpu: int) -> str:
+        from workflows.repair import repair_workflow_id
+
+        if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
+            raise InvalidArgument([("gpu", "must be a GPU index (an integer >= 0)")])
+        return repair_workflow_id(_text("node", node), gpu)
+
+    # -- provider accounts -----------------------------------------------------------------
+    async def quota_raised(self, account: str, offers: list[str] | QuotaRaised | None = None, *,
+                           provider: str | None = None) -> AccountStatus:
+        """A person raised the quota: these offers (``site/instance-type``; none = every
+        blocked one) sell again."""
+        request = offers if isinstance(offers, QuotaRaised) else validate(QuotaRaised, {"offers": offers or []})
+        return await self._update(self._account_id(account, provider), "quota_raised",
+                                  [request.model_dump(mode="json")], AccountStatus)
+
+    async def credentials_rotated(self, account: str, *, provider: str | None = None) -> AccountStatus:
+        """The credentials are fixed: accepted after one authenticated call succeeds."""
+        return await self._update(self._account_id(account, provider), "credentials_rotated", [], AccountStatus)
+
+    async def account_status(self, account: str, *, provider: str | None = None) -> AccountStatus:
+        return await self._query(self._account_id(account, provider), "status", AccountStatus)
+
+    async def accounts(self, needs_person: bool = False) -> list[AccountStatus]:
+        """Every running ProviderAccount entity (only those waiting for a person)."""
+        client = await self.temporal()
+        query = 'WorkflowType = "ProviderAccount" AND ExecutionStatus = "Running"'
+        if needs_person:
+            query += ' AND FleetState = "needs-person"'
+        found = []
+        async for wf in client.list_workflows(query):
+            found.append(await self._query(wf.id, "status", AccountStatus))
+        return found
+
+    def _account_id(self, account: str, provider: str | None) -> str:
+        _text("account", account)
+        if provider is None:
+            config = self.config()
+            try:
+                provider = config.account(account).provider if config else None
+            except KeyError:
+                provider = None
+            if provider is None:
+                raise InvalidArgument([("account", f"unknown account {account!r}")])
+        return account_workflow_id(_text("provider", provider), account)
+
+    # -- sites and evacuations -------------------------------------------------------------
+    async def reconcile_site(self, site: str) -> WorkflowHandle[Any, None]:
+        """Tell the Site entity to reconcile now, starting it if it is not running."""
+        args = validate(SiteInput, {"site": _text("site", site)})
+        client = await self.temporal()
+        return await client.start_workflow(
+            "Site", _payload(args), id=site_workflow_id(args.site), task_queue=self.settings.task_queue,
+            start_signal="reconcile", id_conflict_policy=USE_EXISTING,
+            static_summary=f"site {args.site}: min/max reconcile",
+        )
+
+    async def site_status(self, site: str) -> SiteStatus:
+        return await self._query(site_workflow_id(_text("site", site)), "status", SiteStatus)
+
+    async def evacuate_site(self, request: SiteEvacuationInput | Mapping[str, Any], *,
+                            request_id: str) -> WorkflowHandle[Any, EvacuationResult]:
+        """Evacuate a site by hand: SiteEvacuation ``evacuate/<site>/manual-<request_id>``.
+
+        The Site entity does not know about it: its own incident rule still runs."""
+        args = validate(SiteEvacuationInput, request)
+        _text("request_id", request_id)
+        client = await self.temporal()
+        return await client.start_workflow(
+            "SiteEvacuation", _payload(args), id=manual_evacuation_id(args.site, request_id),
+            task_queue=self.settings.task_queue, id_conflict_policy=USE_EXISTING, result_type=EvacuationResult,
+            search_attributes=TypedSearchAttributes([SearchAttributePair(sa.SITE, args.site)]),
+            static_summary=f"evacuate {args.site} by hand: {args.reason}",
+        )
+
+    async def evacuation_progress(self, evacuation_id: str) -> EvacuationProgress | None:
+        return await self._query(_text("evacuation_id", evacuation_id), "progress", EvacuationProgress)
+
+    async def running_evacuation(self, site: str) -> str | None:
+        """The id of the evacuation running at ``site``: the Site entity's open incident,
+        else one started by hand."""
+        _text("site", site)
+        client = await self.temporal()
+        try:
+            status = await self.site_status(site)
+        except NotFound:
+            status = None
+        if status is not None and status.incident is not None and status.incident.open is not None:
+            return status.incident.open.id
+        query = f'WorkflowType = "SiteEvacuation" AND ExecutionStatus = "Running" AND Site = "{site}"'
+        async for wf in client.list_workflows(query, limit=1):
+            return wf.id
+        return None
+
+    async def declare_site_recovered(self, site: str, note: str = "", *,
+                                     evacuation_id: str | None = None) -> EvacuationProgress:
+        """The provider is back: the evacuation restores now (nodes still pass smoke tests)."""
+        workflow_id = evacuation_id or await self._evacuation_of(site)
+        return await self._update(workflow_id, "declare_recovered", [note], EvacuationProgress)
+
+    async def abort_evacuation(self, site: str, reason: str = "", *,
+                               evacuation_id: str | None = None) -> EvacuationProgress:
+        """Stop the evacuation where it is (routing stays as it is now)."""
+        workflow_id = evacuation_id or await self._evacuation_of(site)
+        return await self._update(workflow_id, "abort", [reason], EvacuationProgress)
+
+    async def _evacuation_of(self, site: str) -> str:
+        found = await self.running_evacuation(site)
+        if found is None:
+            raise NotFound(site_workflow_id(site), f"no evacuation is running at {site}")
+        return found
+
+    # -- the two primitives ----------------------------------------------------------------
+    async def _query(self, workflow_id: str, name: str, result_type: type[M]) -> M:
+        client = await self.temporal()
+        try:
+            return await client.get_workflow_handle(workflow_id).query(name, result_type=result_type)
+        except RPCError as error:
+            raise _rpc(workflow_id, error) from None
+
+    async def _update(self, workflow_id: str, name: str, args: list[Any], result_type: type[M]) -> M:
+        client = await self.temporal()
+        try:
+            return await client.get_workflow_handle(workflow_id).execute_update(name, args=args,
+                                                                                  result_type=result_type)
+        except WorkflowUpdateFailedError as error:
+            raise Rejected(workflow_id, name, str(error.cause)) from error
+        except RPCError as error:
+            raise _rpc(workflow_id, error, name) from None
+
+
+def _rpc(workflow_id: str, error: RPCError, update: str | None = None) -> Exception:
+    if error.status == RPCStatusCode.NOT_FOUND:
+        return NotFound(workflow_id, error.message)
+    if update is not None and error.status == RPCStatusCode.FAILED_PRECONDITION:
+        return Rejected(workflow_id, update, error.message)
+    return error

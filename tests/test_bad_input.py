@@ -1,0 +1,157 @@
+"""Nothing wedges on bad input (issue 13): each case an operator met, sent the way an
+operator sends it (raw JSON payloads through a client, or the ``temporal`` CLI).
+
+A bad start fails the workflow at once with a non-retryable ``InvalidInput`` naming
+the field, before any provider call; a bad signal is dropped and the workflow carries
+on; a bad update is refused naming the field. Never a ``WorkflowTaskFailed`` event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+import uuid
+from typing import AsyncIterator
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.exceptions import ApplicationError
+
+from cli.dev import temporal_binary
+from tests.bad_input_helpers import (
+    idle_workflows,
+    invalid_input,
+    processed,
+    raw,
+    start_raw,
+    task_failures,
+    wait_for_async,
+)
+from tests.conftest import Stack
+
+
+@pytest.fixture
+async def idle_fleet(fleet_world: Stack) -> AsyncIterator[Stack]:
+    async with idle_workflows(fleet_world) as stack:
+        yield stack
+
+
+def provider_calls(stack: Stack) -> int:
+    return stack.world.calls("acct-a") + stack.world.calls("acct-b")
+
+
+@pytest.mark.parametrize("workflow_type", ["NodeJoin", "AcquireCapacity"])
+async def test_start_with_anything_but_one_object_fails_fast(stack: Stack, workflow_type: str) -> None:
+    cases = {
+        ('"lambda-us-east"',): "got a string",
+        ('[{"site": "site-a"}]',): "got an array",
+        ("null",): "got null",
+        (): "takes 1 input, got 0",
+        ('{"site": "site-a"}', '{"site": "site-a"}'): "takes 1 input, got 2",
+        # Accepted by the CLI's JSON check, refused by the data converter's parser.
+        ('"\\ud800"',): "cannot be decoded: Invalid JSON",
+    }
+    for inputs, words in cases.items():
+        failure = await invalid_input(await start_raw(stack, workflow_type, *inputs), words)
+        assert failure.message.startswith("invalid input:"), failure.message
+    assert provider_calls(stack) == 0
+    assert stack.world.machines(include_deleted=True) == []
+
+
+@pytest.mark.parametrize("value", ["1e12", "1e400", "-1", "NaN"])
+async def test_join_timeout_out_of_range_fails_before_provisioning(stack: Stack, value: str) -> None:
+    handle = await start_raw(stack, "NodeJoin", '{"site": "site-a", "timeouts": {"registration_seconds": %s}}' % value)
+    await invalid_input(handle, "timeouts.registration_seconds")
+    assert provider_calls(stack) == 0
+    assert stack.world.machines(include_deleted=True) == []
+
+
+async def test_site_sweep_input_of_the_wrong_type(stack: Stack) -> None:
+    await invalid_input(await start_raw(stack, "SiteSweep", '"site-a"'), "got a string")
+    await invalid_input(await start_raw(stack, "SiteSweep", '{"sites": "site-a"}'), "sites")
+    await invalid_input(await start_raw(stack, "SiteSweep", '{"site": ["site-a"]}'), "site: unknown field")
+
+
+async def test_operator_cli_start_with_two_inputs_or_a_string(stack: Stack) -> None:
+    """The exact commands from the issue, through the ``temporal`` CLI."""
+    address = stack.client.service_client.config.target_host
+    for flags in (["--input", '"site-a"'], ["--input", '{"site": "site-a"}', "--input", '{"site": "site-a"}']):
+        workflow_id = f"bad-input/cli/{uuid.uuid4().hex[:8]}"
+        await asyncio.to_thread(subprocess.run, [
+            temporal_binary(), "workflow", "start", "--address", address, "--type", "NodeJoin",
+            "--task-queue", stack.settings.task_queue, "--workflow-id", workflow_id, *flags,
+        ], check=True, capture_output=True)
+        await invalid_input(stack.client.get_workflow_handle(workflow_id), "invalid input")
+    assert stack.world.machines(include_deleted=True) == []
+
+
+async def account_entity(stack: Stack) -> WorkflowHandle:
+    return await start_raw(stack, "ProviderAccount", '{"account": "acct-a", "provider": "lambda"}',
+                           workflow_id=f"account/lambda/acct-a-{uuid.uuid4().hex[:6]}")
+
+
+@pytest.mark.parametrize("payload", ['{"x": 1}', '{"account": "acct-a", "kind": "Broken", "message": "?"}',
+                                     '"OverQuota"', "[]"])
+async def test_account_report_signal_with_a_bad_payload_is_dropped(stack: Stack, payload: str) -> None:
+    handle = await account_entity(stack)
+    await handle.signal("report", raw(payload))
+    await processed(handle, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
+    status = await handle.query("status")
+    assert status["state"] == "healthy"
+    # It carries on: the next good report is applied.
+    await handle.signal("report", {"account": "acct-a", "kind": "OverQuota", "offer": "site-a/gpu_2x_h100",
+                                   "message": "quota reached"})
+    await wait_for_async(lambda: handle.query("status"), lambda s: s["state"] == "quota-blocked")
+    assert await task_failures(handle) == 0
+
+
+async def test_node_transition_with_missing_fields_is_dropped(stack: Stack) -> None:
+    handle = await start_raw(stack, "Site", '{"site": "site-a"}', workflow_id=f"site/site-a-{uuid.uuid4().hex[:6]}")
+    await wait_for_async(lambda: handle.query("status"), lambda s: s is not None)
+    for payload in ('{"node_name": "site-a-1"}', '{"state": "ready"}', '{"node_name": "", "state": "ready"}'):
+        await handle.signal("node_transition", raw(payload))
+        await processed(handle, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
+        assert "site-a-1" not in (await handle.query("status"))["nodes"]
+    assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+    assert await task_failures(handle) == 0
+
+
+async def test_spot_notice_with_a_bad_time_is_dropped(idle_fleet: Stack) -> None:
+    # No activities run here: the reclaim stays at its first step while the notices arrive.
+    stack = idle_fleet
+    terminate_at = time.time() + 3600
+    handle = await stack.client.start_workflow(
+        "SpotReclaim", {"node_name": "site-a-ghost", "site": "site-a", "terminate_at": terminate_at},
+        id=f"reclaim/site-a-ghost-{uuid.uuid4().hex[:6]}", task_queue=stack.settings.task_queue,
+        start_signal="notice", start_signal_args=[raw('{"terminate_at": "soon"}')],
+    )
+    await processed(handle, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
+    for payload in ('{"terminate_at": "soon"}', '{"terminate_at": 1e400}', '"soon"'):
+        await handle.signal("notice", raw(payload))
+        await processed(handle, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
+    assert await handle.query("step")
+    assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+    assert await task_failures(handle) == 0
+
+
+async def test_skip_to_an_unknown_rung_is_refused_naming_the_field(idle_fleet: Stack) -> None:
+    stack = idle_fleet  # the repair waits at its first step while the updates arrive
+    handle = await stack.client.start_workflow(
+        "GpuRepair", {"node_name": "site-a-ghost", "gpu": 0, "site": "site-a"},
+        id=f"repair/site-a-ghost/{uuid.uuid4().hex[:6]}", task_queue=stack.settings.task_queue,
+    )
+    await wait_for_async(lambda: handle.query("ladder"), lambda s: s is not None)
+    for payload, words in (('{"rung": "explode"}', "rung: Input should be"), ('"replace"', "(input)"),
+                           ('{"rung": "reset", "now": true}', "now: unknown field")):
+        with pytest.raises(WorkflowUpdateFailedError) as caught:
+            await handle.execute_update("skip_to", raw(payload))
+        cause = caught.value.cause
+        assert isinstance(cause, ApplicationError) and cause.type == "InvalidInput", cause
+        assert words in cause.message and "Failed decoding" not in cause.message, cause.message
+    with pytest.raises(WorkflowUpdateFailedError) as caught:
+        await handle.execute_update("skip_to", args=[raw('{"rung": "reboot"}'), raw('{"rung": "reboot"}')])
+    assert caught.value.cause.type == "InvalidInput" and "takes 1 input, got 2" in caught.value.cause.message
+    assert (await handle.query("ladder"))["skip_to"] is None
+    assert await task_failures(handle) == 0

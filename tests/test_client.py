@@ -1,0 +1,189 @@
+"""The typed client (``client.FleetClient``) against the dev server and a running worker:
+each call starts its workflow under the standard id with its search attributes, a repeated
+call attaches, and a bad argument is refused, naming the field, before anything starts."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
+from temporalio.testing import WorkflowEnvironment
+
+from client import FleetClient, InvalidArgument, NotFound, Rejected
+from fleet import search_attributes as sa
+from fleet.messages.capacity import AccountStatus, CapacityResult, SiteStatus
+from fleet.messages.evacuation import EvacuationResult
+from fleet.messages.join import NodeJoinResult
+from fleet.models import AccountState
+from fleet.naming import node_name_for
+from tests.capacity_fleet import FAST_JOIN, CapStack, open_stack
+from tests.conftest import Stack
+from tests.evacuation_helpers import IncStack, incident_fleet, open_incident_stack, poll
+
+
+async def never_started(client: Client, workflow_id: str) -> bool:
+    """Describe reads the execution itself (no visibility lag): NOT_FOUND means nothing started."""
+    try:
+        await client.get_workflow_handle(workflow_id).describe()
+    except RPCError as error:
+        return error.status == RPCStatusCode.NOT_FOUND
+    return False
+
+
+async def test_start_join_uses_the_standard_id_attributes_and_attaches(stack: Stack) -> None:
+    fleet = FleetClient(stack.settings, stack.client)
+    request = f"client-{uuid.uuid4().hex[:6]}"
+    handle = await fleet.start_join({"site": "site-a"}, request_id=request)
+    assert handle.id == f"join/site-a/{request}"
+    attributes = (await handle.describe()).typed_search_attributes
+    assert attributes.get(sa.SITE) == "site-a"
+    assert (attributes.get(sa.PROVIDER), attributes.get(sa.ACCOUNT)) == ("lambda", "acct-a")
+    assert attributes.get(sa.NODE_NAME) == node_name_for("site-a", handle.id)
+
+    again = await fleet.start_join({"site": "site-a"}, request_id=request)
+    assert again.run_id == handle.run_id, "a repeated call attaches to the running join"
+    result = await again.result()
+    assert isinstance(result, NodeJoinResult) and result.nodes[0].node_name == node_name_for("site-a", handle.id)
+    assert (await fleet.join_progress(handle.id)).step == "ready"
+
+
+async def test_bad_join_arguments_are_refused_before_anything_starts(stack: Stack) -> None:
+    fleet = FleetClient(stack.settings, stack.client)
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.start_join({"site": "site-a", "count": 0}, request_id="bad-count")
+    assert refused.value.field == "count"
+    assert await never_started(stack.client, "join/site-a/bad-count")
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.start_join({"site": "site-a", "colour": "red"}, request_id="bad-key")
+    assert refused.value.field == "colour" and "unknown field" in str(refused.value)
+    assert await never_started(stack.client, "join/site-a/bad-key")
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.start_join({"site": "site-a"}, request_id="")
+    assert refused.value.field == "request_id"
+    assert stack.world.calls("acct-a") == 0
+
+
+async def test_invalid_arguments_need_no_server() -> None:
+    """Refused before the client even connects (nothing listens at this address)."""
+    from fleet.settings import Settings
+
+    fleet = FleetClient(Settings(address="127.0.0.1:1"))
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.acquire_capacity({"count": 0}, request_id="x")
+    assert refused.value.field == "count"
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.acquire_capacity({"constraints": {"gpu": "H100", "gpu_class": ["H200"]}}, request_id="x")
+    assert refused.value.field == "constraints" and "not both" in str(refused.value)
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.start_rollout({"model": "llm", "version": "bad version!"})
+    assert "version" in [field for field, _ in refused.value.problems]
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.hold_repair("node-1", -1)
+    assert refused.value.field == "gpu"
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.skip_repair_to("node-1", 0, "warp")
+    assert refused.value.field == "rung"
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.quota_raised("nobody")
+    assert refused.value.field == "account"
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.evacuate_site({"site": ""}, request_id="x")
+    assert refused.value.field == "site"
+    assert fleet._client is None, "nothing was sent"
+
+
+@pytest.fixture
+async def cap(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[CapStack]:
+    address = temporal_env.client.service_client.config.target_host
+    async for stack in open_stack(temporal_env.client, address, tmp_path):
+        yield stack
+
+
+async def test_capacity_and_the_account_entity(cap: CapStack) -> None:
+    fleet = FleetClient(cap.settings, cap.client)
+    cheap, mid = cap.site("cheap"), cap.site("mid")
+    cap.world.set_site(cheap, quota=0)  # the cheapest offer answers OverQuota: its account needs a person
+    request = {"constraints": {"gpu": "H100", "sites": [cheap, mid]}, "count": 1, "join_timeouts": FAST_JOIN}
+    handle = await fleet.acquire_capacity(request, request_id=f"client-{cap.uid}")
+    assert handle.id == f"capacity/client-{cap.uid}"
+    again = await fleet.acquire_capacity(request, request_id=f"client-{cap.uid}")
+    assert again.run_id == handle.run_id
+    result = await handle.result()
+    assert isinstance(result, CapacityResult) and result.complete and result.nodes[0].site == mid
+
+    account = cap.account("a")
+    await cap.listed(f'WorkflowId = "account/lambda/{account}" AND FleetState = "needs-person"')
+    blocked = await fleet.account_status(account)
+    assert blocked.state == AccountState.QUOTA_BLOCKED and cap.offer("cheap") in blocked.blocked_offers
+    assert account in [s.account for s in await fleet.accounts(needs_person=True)]
+
+    with pytest.raises(Rejected) as rejected:
+        await fleet.quota_raised(account, ["nowhere/none"])
+    assert "not blocked" in rejected.value.reason
+    status = await fleet.quota_raised(account)
+    assert isinstance(status, AccountStatus) and status.state == AccountState.HEALTHY
+    with pytest.raises(Rejected) as rejected:
+        await fleet.credentials_rotated(account)
+    assert "not revoked" in rejected.value.reason
+    with pytest.raises(NotFound):
+        await fleet.credentials_rotated(cap.account("d"))  # never reported: no entity yet
+
+
+async def test_repair_and_node_calls_name_what_is_missing(stack: Stack) -> None:
+    fleet = FleetClient(stack.settings, stack.client)
+    with pytest.raises(NotFound) as missing:
+        await fleet.hold_repair("no-such-node", 0)
+    assert missing.value.workflow_id == "repair/no-such-node/gpu0"
+    with pytest.raises(NotFound) as missing:
+        await fleet.node_status("no-such-node")
+    assert missing.value.workflow_id == "node/no-such-node"
+
+
+@pytest.fixture
+async def inc(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[IncStack]:
+    uid = uuid.uuid4().hex[:6]
+    async for stack in open_incident_stack(temporal_env.client, tmp_path, incident_fleet(uid), uid=uid):
+        yield stack
+
+
+async def test_site_entity_and_an_evacuation_by_hand(inc: IncStack) -> None:
+    fleet = FleetClient(inc.settings, inc.client)
+    a = inc.site("a")
+    site = await fleet.reconcile_site(a)
+    assert site.id == f"site/{a}"
+    assert (await fleet.reconcile_site(a)).run_id == site.run_id
+    status = await poll(lambda: fleet.site_status(a), timeout=20)
+    assert isinstance(status, SiteStatus) and status.site == a
+    await site.terminate("the evacuation below is by hand")
+
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.evacuate_site({"site": a, "reason": "test", "colour": "red"}, request_id="t1")
+    assert refused.value.field == "colour"
+    assert await never_started(inc.client, f"evacuate/{a}/manual-t1")
+    with pytest.raises(NotFound):
+        await fleet.declare_site_recovered(a)
+
+    await inc.join("a", 1)
+    inc.world.set_site(a, unreachable=1)  # not back by itself: the operator declares it
+    request = {"site": a, "reason": "provider maintenance (test)"}
+    handle = await fleet.evacuate_site(request, request_id="t1")
+    assert handle.id == f"evacuate/{a}/manual-t1"
+    assert (await handle.describe()).typed_search_attributes.get(sa.SITE) == a
+    assert (await fleet.evacuate_site(request, request_id="t1")).run_id == handle.run_id
+
+    async def waiting():
+        p = await fleet.evacuation_progress(handle.id)
+        return p if p is not None and p.state == "waiting-for-recovery" else None
+
+    await poll(waiting, timeout=40)
+    assert await fleet.running_evacuation(a) == handle.id
+    inc.world.set_site(a, unreachable=0)
+    progress = await fleet.declare_site_recovered(a, "provider says it is back")
+    assert progress.site == a
+    result = await handle.result()
+    assert isinstance(result, EvacuationResult) and result.outcome == "restored"
+    assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED

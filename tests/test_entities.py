@@ -1,0 +1,226 @@
+"""The entities (Site, Node, ProviderAccount) keep all their state in one carried model and
+lose none of it over continue-as-new; their handlers and loops take turns on it.
+
+The continue-as-new tests run on a dev server of their own that suggests continuing as new
+after 50 events, so a few signals or rechecks are enough.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, AsyncIterator
+
+import pytest
+import yaml
+from temporalio import activity
+from temporalio.client import Client, WorkflowHandle
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor, Worker
+
+from activities import control_plane_activities
+from activities.env import FleetEnv
+from cli.dev import dev_server_tuning_flags, temporal_binary
+from fleet import search_attributes
+from fleet.cluster import UNPROVEN_TAINT
+from fleet.messages.capacity import AccountStatus, SiteStatus
+from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
+from fleet.models import AccountState
+from fleet.settings import Settings
+from tests.capacity_fleet import capacity_fleet
+from tests.evacuation_helpers import incident_fleet, open_incident_stack
+from tests.repair_helpers import eventually, exists, join_node, node_status, repair_handle, running_stack
+from tests.replay import replay_and_record
+from workers.workflow_runner import workflow_runner
+from workflows import ALL_WORKFLOWS
+
+#: The server suggests continue-as-new from this many events on.
+CAN_EVENTS = 50
+
+
+@pytest.fixture(scope="module")
+async def can_env() -> AsyncIterator[WorkflowEnvironment]:
+    env = await WorkflowEnvironment.start_local(
+        dev_server_existing_path=temporal_binary(), data_converter=pydantic_data_converter,
+        search_attributes=search_attributes.ALL, dev_server_log_level="error",
+        dev_server_extra_args=[*dev_server_tuning_flags(), "--dynamic-config-value",
+                               f"limit.historyCount.suggestContinueAsNew={CAN_EVENTS}"],
+    )
+    try:
+        yield env
+    finally:
+        await env.shutdown()
+
+
+async def runs(client: Client, workflow_id: str) -> int:
+    return len([w async for w in client.list_workflows(f'WorkflowId = "{workflow_id}"')])
+
+
+async def history_length(handle: WorkflowHandle) -> int:
+    return (await handle.describe()).raw_description.workflow_execution_info.history_length
+
+
+# -- Site -------------------------------------------------------------------------------------
+async def test_site_incident_opened_while_waiting_to_continue_as_new_is_evacuated(can_env, tmp_path) -> None:
+    """A repair admission keeps the entity from continuing as new while it settles; two more
+    admissions open an incident during that wait. The next run still evacuates the site."""
+    uid = uuid.uuid4().hex[:6]
+    # A long settle: the first admission is still open when the server asks to continue as new.
+    fleet = incident_fleet(uid, incident={"settle_seconds": 60, "check_seconds": 600})
+    async for inc in open_incident_stack(can_env.client, tmp_path, fleet, uid):
+        site = inc.site("a")
+        handle = await inc.start_site("a", reconcile_seconds=3600)
+
+        async def status() -> SiteStatus:
+            return await handle.query("status", result_type=SiteStatus)
+
+        await eventually(lambda: _has(status, lambda s: s.last and s.incident is not None), timeout=30)
+        assert await history_length(handle) < CAN_EVENTS - 10, "room for the scenario before continue-as-new"
+
+        def admit(node: str) -> asyncio.Task:
+            return asyncio.create_task(handle.execute_update(
+                "admit_repair", AdmitRepairInput(site=site, node_name=node, gpu=0, reasons=["XID 79"]),
+                result_type=RepairDecision,
+            ))
+
+        first = admit("n1")
+        await eventually(lambda: _has(status, lambda s: s.incident.failing == ["n1"]), timeout=15)
+        # Reconciles until the server suggests continue-as-new: the entity now waits for `first`.
+        while await history_length(handle) < CAN_EVENTS + 5:
+            await handle.signal("reconcile")
+            await asyncio.sleep(0.3)
+        assert await runs(inc.client, handle.id) == 1, "no continue-as-new while an admission settles"
+        assert not first.done()
+
+        # Two more GPUs fail at the site while it waits: 3 nodes trip the rule (threshold 3).
+        decisions = await asyncio.wait_for(asyncio.gather(first, admit("n2"), admit("n3")), 30)
+        incident = f"evacuate/{site}/1"
+        assert [(d.repair, d.incident) for d in decisions] == [(False, incident)] * 3
+
+        await eventually(lambda: _more_runs(inc.client, handle.id, 1), timeout=20)
+        # The next run knows the incident and starts its evacuation.
+        await eventually(lambda: exists(inc.evacuation("a")), timeout=20)
+        now = await status()
+        assert incident in [i.id for i in ([now.incident.open] if now.incident.open else []) + now.incident.history]
+        assert len(await inc.workflows("SiteEvacuation", "a")) == 1
+        await replay_and_record(handle, "site_incident_carried")
+
+
+# -- Node -------------------------------------------------------------------------------------
+async def test_node_findings_on_hold_survive_continue_as_new(can_env, tmp_path) -> None:
+    """A sick GPU on a node still joining waits (rechecked every 0.5 s) over several runs;
+    once the node is admitted the repair starts."""
+    async for stack in running_stack(can_env.client, tmp_path):
+        node = await join_node(stack)
+        stack.cluster.set_taints(node.node_name, add=[UNPROVEN_TAINT])  # not proven: no repair may start yet
+        stack.world.inject_fault(node.machine_id, 0, "xid", 48, clears_on="reset")
+        node_id = f"node/{node.node_name}"
+
+        await eventually(lambda: _has(lambda: node_status(stack, node.node_name), lambda s: s.deferred == [0]))
+        await eventually(lambda: _more_runs(stack.client, node_id, 1), timeout=30)
+        status = await node_status(stack, node.node_name)
+        assert status.deferred == [0], "the finding on hold was carried into the next run"
+        assert not await exists(repair_handle(stack, node.node_name, 0))
+
+        stack.cluster.set_taints(node.node_name, remove=[UNPROVEN_TAINT])
+        await eventually(lambda: exists(repair_handle(stack, node.node_name, 0)), timeout=30)
+        await replay_and_record(stack.client.get_workflow_handle(node_id), "node_entity_deferred_carried")
+
+
+# -- ProviderAccount ---------------------------------------------------------------------------
+class SlowStoreWrite(Interceptor):
+    """Holds the next guard-store write after ``arm()`` until ``release`` is set: a slow write
+    (a busy disk, an attempt retried after a timeout). The write itself runs unchanged."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.holding = asyncio.Event()
+        self.release = asyncio.Event()
+        self.written = asyncio.Event()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        gate = self
+
+        class Inbound(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                if not (gate.armed and activity.info().activity_type == "write_account_state"):
+                    return await super().execute_activity(input)
+                gate.armed = False
+                gate.holding.set()
+                await gate.release.wait()
+                result = await super().execute_activity(input)
+                gate.written.set()
+                return result
+
+        return Inbound(next)
+
+
+async def test_account_credentials_rotated_during_a_report_write_leaves_guard_and_entity_equal(
+    temporal_env, tmp_path: Path,
+) -> None:
+    uid = uuid.uuid4().hex[:6]
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(capacity_fleet(uid)))
+    settings = Settings(address=temporal_env.client.service_client.config.target_host,
+                        task_queue=f"acct-{uid}", state_dir=tmp_path, config=str(path))
+    env = FleetEnv.from_settings(settings)
+    client = temporal_env.client
+    slow = SlowStoreWrite()
+    account = f"a-{uid}"
+    offer = f"cheap-{uid}/cheap.2xh100"
+    worker = Worker(
+        client, task_queue=settings.task_queue, workflows=ALL_WORKFLOWS, activities=control_plane_activities(env),
+        activity_executor=ThreadPoolExecutor(max_workers=16), interceptors=[slow],
+        workflow_runner=workflow_runner(client.data_converter),
+    )
+    async with worker:
+        handle = await client.start_workflow(
+            "ProviderAccount", {"account": account, "provider": "lambda"}, id=f"account/lambda/{account}",
+            task_queue=settings.task_queue, start_signal="report",
+            start_signal_args=[{"account": account, "kind": "BadCredentials", "message": "401"}],
+        )
+
+        async def entity() -> AccountStatus:
+            return await handle.query("status", result_type=AccountStatus)
+
+        await eventually(lambda: _has(entity, lambda s: s.state == AccountState.CREDENTIALS_REVOKED))
+        await eventually(lambda: _stored(env, account, AccountState.CREDENTIALS_REVOKED))
+
+        # A quota report arrives while revoked: the loop's write of it is slow ...
+        slow.armed = True
+        await handle.signal("report", {"account": account, "kind": "OverQuota", "offer": offer, "message": "quota"})
+        await asyncio.wait_for(slow.holding.wait(), 15)
+        # ... and a person rotates the credentials meanwhile.
+        rotated = asyncio.create_task(handle.execute_update("credentials_rotated", result_type=AccountStatus))
+        await asyncio.wait({rotated}, timeout=3)
+        slow.release.set()
+        status = await asyncio.wait_for(rotated, 30)
+        await asyncio.wait_for(slow.written.wait(), 30)  # both writes done: the store is what it will stay
+        assert (status.state, list(status.blocked_offers)) == (AccountState.QUOTA_BLOCKED, [offer])
+        stored = env.accounts.get(account)
+        assert (stored.state, stored.blocked_offers) == (status.state, list(status.blocked_offers)), \
+            "the guard store says what the entity says"
+        final = await entity()
+        assert (final.state, list(final.blocked_offers)) == (AccountState.QUOTA_BLOCKED, [offer])
+        await replay_and_record(handle, "account_rotated_during_report_write")
+        await handle.terminate("test over")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+async def _has(get, check) -> bool:
+    try:
+        value = await get()
+    except Exception:  # noqa: BLE001 - not started yet, or its first task not run
+        return False
+    return value is not None and bool(check(value))
+
+
+async def _more_runs(client: Client, workflow_id: str, than: int) -> bool:
+    return await runs(client, workflow_id) > than
+
+
+async def _stored(env: FleetEnv, account: str, state: AccountState) -> bool:
+    return env.accounts.get(account).state == state

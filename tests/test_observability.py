@@ -1,0 +1,322 @@
+"""Metrics as an operator sees them: a real Prometheus scrapes a control-plane worker
+and its simulated nodes after a join, a capacity request, GPU faults, an orphaned
+machine, routing and a weights replication; PromQL answers for every fleet metric and
+the SDK's own. The dashboard and the alert rules use only metrics the scrape has."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+import sys
+import time
+import urllib.parse
+import urllib.request
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import REGISTRY
+
+from activities.env import FleetEnv
+from fleet.cluster import ServingSpec, SiteRoute
+from fleet.models import MachineSpec
+from fleet.settings import Settings
+from fleet.temporal import connect
+from tests.capacity_fleet import FAST_JOIN, capacity_fleet
+from tests.conftest import terminate_running
+from tests.repair_helpers import REPAIR
+from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3 is a fixture
+from tests.test_dev_stack import free_port
+from workers.control_plane import build_worker
+from workers.metrics import MetricsServer, agents_running, watch_fleet
+from workers.node_agent import SimNodeHost
+
+ROOT = Path(__file__).resolve().parents[1]
+OBSERVABILITY = ROOT / "deploy" / "observability"
+PROMETHEUS = shutil.which("prometheus")
+PROMTOOL = shutil.which("promtool")
+needs_prometheus = pytest.mark.skipif(
+    PROMETHEUS is None, reason="the `prometheus` binary is missing (apt-get install prometheus; .ci/run installs it)")
+
+
+class Prometheus:
+    def __init__(self, tmp: Path, target: str) -> None:
+        self.port = free_port()
+        config = {
+            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(OBSERVABILITY / "alerts.yaml")],
+            "scrape_configs": [{"job_name": "gpufleet", "static_configs": [{"targets": [target]}]}],
+        }
+        (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
+        self.log = open(tmp / "prometheus.log", "w")
+        self.proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self.log, stderr=subprocess.STDOUT)
+
+    def api(self, path: str, **params: str) -> dict:
+        url = f"http://127.0.0.1:{self.port}/api/v1/{path}?" + urllib.parse.urlencode(params)
+        with urllib.request.urlopen(url, timeout=10) as answer:
+            body = json.load(answer)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def query(self, promql: str) -> dict[tuple, float]:
+        """{sorted label items (without __name__): value}."""
+        try:
+            data = self.api("query", query=promql)
+        except OSError:
+            return {}
+        return {tuple(sorted((k, v) for k, v in r["metric"].items() if k != "__name__")): float(r["value"][1])
+                for r in data["result"]}
+
+    async def value(self, promql: str, expected: float, timeout: float = 30) -> float:
+        """Wait until the (single) value of ``promql`` is ``expected``."""
+        deadline = time.monotonic() + timeout
+        seen = None
+        while time.monotonic() < deadline:
+            seen = self.query(promql)
+            if len(seen) == 1 and abs(next(iter(seen.values())) - expected) < 1e-6:
+                return expected
+            await asyncio.sleep(0.5)
+        raise AssertionError(f"{promql}: expected {expected}, Prometheus says {seen}")
+
+    def names(self) -> set[str]:
+        return set(self.api("label/__name__/values"))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=20)
+        self.log.close()
+
+
+def referenced_metrics(text: str) -> set[str]:
+    return set(re.findall(r"\b((?:gpufleet|temporal)_[a-z0-9_]+)", text))
+
+
+def dashboard_exprs() -> list[str]:
+    dashboard = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
+    return [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+
+
+def alert_rules() -> list[dict]:
+    return [r for g in yaml.safe_load((OBSERVABILITY / "alerts.yaml").read_text())["groups"] for r in g["rules"]]
+
+
+def test_alert_rules_pass_promtool() -> None:
+    if PROMTOOL is None:
+        pytest.skip("the `promtool` binary is missing (apt-get install prometheus; .ci/run installs it)")
+    checked = subprocess.run([PROMTOOL, "check", "rules", str(OBSERVABILITY / "alerts.yaml")],
+                             capture_output=True, text=True)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    alerts = {r["alert"] for r in alert_rules()}
+    assert {"GpufleetAccountNeedsPerson", "GpufleetIncidentOpen", "GpufleetRepairStuckOnRung",
+            "GpufleetOrphanedMachine", "GpufleetScheduleToStartHigh", "GpufleetSiteBelowMinimum"} <= alerts
+
+
+def test_dashboard_has_the_four_views() -> None:
+    dashboard = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
+    rows = {p["title"] for p in dashboard["panels"] if p["type"] == "row"}
+    assert rows == {"Fleet overview", "Site", "Repairs", "Capacity and spend"}
+    assert any(v["name"] == "site" for v in dashboard["templating"]["list"])
+    assert all(dashboard_exprs())
+
+
+@needs_prometheus
+@pytest.mark.timeout(180)
+async def test_prometheus_sees_the_fleet(temporal_env, tmp_path: Path, moto_s3, monkeypatch) -> None:  # noqa: F811
+    uid = uuid.uuid4().hex[:6]
+    fleet = capacity_fleet(uid)
+    fleet["repair"] = REPAIR
+    fleet["incident"] = {"settle_seconds": 0}
+    (tmp_path / "sites.yaml").write_text(yaml.safe_dump(fleet))
+    settings = Settings(address=temporal_env.client.service_client.config.target_host, task_queue=f"obs-{uid}",
+                        state_dir=tmp_path, config=str(tmp_path / "sites.yaml"))
+    cheap, mid, dear = (f"{n}-{uid}" for n in ("cheap", "mid", "dear"))
+    monkeypatch.setenv("GPUFLEET_ORPHAN_GRACE_SECONDS", "0")
+
+    server = MetricsServer(0, "control-plane", host="127.0.0.1")
+    client = await connect(settings, runtime=server.runtime)
+    env = FleetEnv.from_settings(settings)
+    collector = watch_fleet(env, client, settings.task_queue)
+    host = SimNodeHost(client, settings, poll_seconds=0.05)
+    host.health_seconds = 0.2
+    agents = agents_running(lambda: len(host.agents))
+    stop = asyncio.Event()
+    host_task = asyncio.create_task(host.run(stop))
+    prom = Prometheus(tmp_path, f"127.0.0.1:{server.port}")
+    try:
+        async with build_worker(client, settings, env):
+            # A join of two nodes at the cheapest site.
+            join = await client.start_workflow("NodeJoin", {"site": cheap, "count": 2, "timeouts": FAST_JOIN},
+                                               id=f"join/{cheap}/obs", task_queue=settings.task_queue)
+            joined = (await join.result())["nodes"]
+            # A capacity request meeting a full quota there: OverQuota (a person must act), then the next site.
+            env.world.set_site(cheap, quota=2)
+            request = await client.start_workflow(
+                "AcquireCapacity", {"constraints": {"gpu": "H100"}, "count": 1, "join_timeouts": FAST_JOIN},
+                id=f"capacity/obs-{uid}", task_queue=settings.task_queue)
+            got = (await request.result())["nodes"]
+            assert [n["site"] for n in got] == [mid]
+            # Faults: one GPU a reset fixes; one that nothing fixes, held by an operator (stays contained).
+            env.world.inject_fault(env.world.machine_by_name(joined[0]["node_name"])["id"], 1, "xid", 48, "reset")
+            repaired = client.get_workflow_handle(f"repair/{joined[0]['node_name']}/gpu1")
+            await _eventually(lambda: _exists(repaired))
+            await asyncio.wait_for(repaired.result(), 60)
+            held_node = got[0]["node_name"]
+            env.world.inject_fault(env.world.machine_by_name(held_node)["id"], 0, "xid", 79, "never")
+            held = client.get_workflow_handle(f"repair/{held_node}/gpu0")
+            await _eventually(lambda: _exists(held))
+            await held.execute_update("hold")
+            # A machine nobody joined (the sweep's business), model routing, weights replicated twice.
+            env.provider(dear).create_machine(
+                MachineSpec(name=f"stray-{uid}", site=dear, region="r1", instance_type=f"dear.2xh100", gpu="H100",
+                            gpus=2), f"stray-{uid}")
+            env.cluster.apply_serving(ServingSpec(model="llama", site=cheap, image="vllm:1"))
+            env.cluster.set_routing_weights("llama", {cheap: 70, mid: 30})
+            env.cluster.set_site_routes({cheap: SiteRoute(weight=100), mid: SiteRoute(weight=100)})
+            sizes = {"config.json": 1000, "w.safetensors": 70_000}
+            await asyncio.to_thread(_replicate_twice, moto_s3, cheap, sizes)
+
+            q = f'site="{cheap}"'
+            await prom.value(f'gpufleet_nodes{{{q},state="ready"}}', 2)
+            await prom.value(f'gpufleet_nodes{{site="{mid}",state="cordoned"}}', 1)
+            await prom.value(f'sum(gpufleet_nodes{{site="{dear}"}})', 0)
+            await prom.value(f'gpufleet_gpus{{{q},state="healthy"}}', 4)
+            await prom.value(f'gpufleet_gpus{{site="{mid}",state="contained"}}', 1)
+            await prom.value(f'gpufleet_gpus{{site="{mid}",state="healthy"}}', 1)
+            await prom.value('gpufleet_repairs{rung="reset",outcome="repaired"}', 1)
+            await prom.value('sum(gpufleet_repairs{outcome="in-progress"})', 1)
+            await prom.value(f'count(gpufleet_repair_in_progress{{node="{held_node}",gpu="0",site="{mid}"}})', 1)
+            await prom.value(f'gpufleet_incidents_open{{{q}}}', 0)
+            await prom.value(f'gpufleet_capacity_attempts_total{{{q},provider="lambda",result="ok"}}', 2)
+            await prom.value(f'gpufleet_capacity_attempts_total{{{q},result="OverQuota"}}', 1)
+            await prom.value(f'gpufleet_capacity_attempts_total{{site="{mid}",provider="nebius",result="ok"}}', 1)
+            await prom.value(f'gpufleet_account_needs_person{{account="a-{uid}",provider="lambda"}}', 1)
+            await prom.value(f'sum(gpufleet_account_needs_person{{account=~".*-{uid}"}})', 1)
+            await prom.value(f'gpufleet_spend_dollars_per_hour{{{q},provider="lambda"}}', 2 * 2 * 2.0)
+            await prom.value(f'gpufleet_spend_dollars_per_hour{{site="{mid}"}}', 2 * 2.5)
+            await prom.value(f'gpufleet_spend_dollars_per_hour{{site="{dear}",provider="aws"}}', 2 * 3.5)
+            await prom.value(f'gpufleet_orphaned_machines{{site="{dear}"}}', 1)
+            await prom.value(f'gpufleet_orphaned_machines{{{q}}}', 0)
+            await prom.value(f'gpufleet_routing_weight{{model="llama",{q}}}', 70)
+            await prom.value(f'gpufleet_routing_weight{{model="llama",site="{mid}"}}', 30)
+            await prom.value(f'gpufleet_weights_replicated_bytes_total{{{q}}}', sum(sizes.values()))
+            await prom.value(f'gpufleet_weights_verified_bytes_total{{{q}}}', 2 * sum(sizes.values()))
+            await prom.value("gpufleet_node_agents_running", 3)
+            await prom.value('min(gpufleet_source_up)', 1)
+            # The SDK's own: workflow tasks were scheduled and started on this queue.
+            sdk = prom.query(f'temporal_workflow_task_schedule_to_start_latency_seconds_count'
+                             f'{{task_queue="{settings.task_queue}",service="control-plane"}}')
+            assert sdk and max(sdk.values()) > 0, sdk
+            assert prom.query(f'temporal_num_pollers{{task_queue="{settings.task_queue}"}}')
+
+            # Everything the dashboard and the alerts name is in the scrape.
+            names = prom.names()
+            used = set().union(*(referenced_metrics(e) for e in dashboard_exprs()),
+                               *(referenced_metrics(r["expr"]) for r in alert_rules()))
+            assert used - names == set(), f"not in the scrape: {sorted(used - names)}"
+            # The alerts see what happened: an account needs a person, an orphan exists.
+            await _eventually(lambda: _alerting(prom, {"GpufleetAccountNeedsPerson", "GpufleetOrphanedMachine"}))
+            await terminate_running(client, settings.task_queue)
+    finally:
+        REGISTRY.unregister(collector)
+        REGISTRY.unregister(agents)
+        stop.set()
+        await host_task
+        prom.stop()
+        server.close()
+
+
+def _replicate_twice(s3, site: str, sizes: dict[str, int]) -> None:
+    from activities.weights import Replicator
+    from activities.rollout_models import ReplicateInput
+    from fleet.rollout import Replication, WeightFile
+
+    source = s3.bucket(s3.store(0))
+    dest = s3.bucket(s3.store(1))
+    files = put_files(s3, source, sizes)
+    for _ in range(2):  # copied, then found with the right sha256
+        input = ReplicateInput(site=site, source=source, files=[WeightFile(**f) for f in files],
+                               dest_prefix="models/llama/v1/", options=Replication())
+        Replicator(input, dest, s3.client(source), s3.client(dest)).run()
+
+
+async def _exists(handle) -> bool:
+    try:
+        await handle.describe()
+        return True
+    except Exception:  # noqa: BLE001 - not started yet
+        return False
+
+
+async def _alerting(prom: Prometheus, names: set[str]) -> bool:
+    # Pending counts: each rule waits its `for:` before firing.
+    firing = {a["labels"]["alertname"] for a in prom.api("alerts")["alerts"] if a["state"] in ("pending", "firing")}
+    return names <= firing
+
+
+async def _eventually(predicate, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not await predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.2)
+
+
+async def test_top_once_shows_the_sim_fleets_sites_and_counts(stack) -> None:
+    handle = await stack.start_join({"site": "site-a", "count": 2})
+    await handle.result()
+    env = {**stack.settings_env(), "COLUMNS": "250"}
+    shown = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", "top", "--once"], env=env,
+                                    capture_output=True, text=True, timeout=60)
+    assert shown.returncode == 0, shown.stdout + shown.stderr
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in shown.stdout.splitlines() if line.startswith("│")}
+    # provider, provisioning, unproven, ready, cordoned, not-ready, GPUs ok, contained, incidents, state, weight, $/h
+    assert rows["site-a"][:8] == ["lambda", "0", "0", "2", "0", "0", "4", "0"]
+    assert rows["site-a"][-1] == f"{2 * 2 * 2.5:.2f}"
+    assert rows["site-b"][:8] == ["nebius", "0", "0", "0", "0", "0", "0", "0"]
+    assert "nodes 2  GPUs 4 (0 contained)" in shown.stdout
+    assert "unavailable" not in shown.stdout
+
+
+@pytest.mark.timeout(120)
+def test_dev_stack_workers_serve_their_metrics(tmp_path: Path) -> None:
+    import os
+
+    from tests.conftest import write_fleet
+    from tests.test_dev_stack import start_dev, stop_dev
+
+    port, ui_port = free_port(), free_port()
+    env = {**os.environ, "GPUFLEET_STATE_DIR": str(tmp_path / "state"), "GPUFLEET_CONFIG": str(write_fleet(tmp_path)),
+           "TEMPORAL_ADDRESS": f"127.0.0.1:{port}", "COLUMNS": "200"}
+    env.pop("GPUFLEET_TASK_QUEUE", None)
+    env.pop("GPUFLEET_METRICS_PORT", None)
+    dev = start_dev(env, port, ui_port, tmp_path / "dev.log")
+    try:
+        urls = dict(re.findall(r"(http://127\.0\.0\.1:\d+/metrics)\s+\(([\w-]+)\)", (tmp_path / "dev.log").read_text()))
+        by_worker = {worker: url for url, worker in urls.items()}
+        assert set(by_worker) == {"control-plane", "node-agents"}
+        deadline = time.monotonic() + 30
+        while True:
+            pages = {}
+            for worker, url in by_worker.items():
+                try:
+                    pages[worker] = urllib.request.urlopen(url, timeout=10).read().decode()
+                except OSError:
+                    pass
+            # The SDK's own metrics: pollers on the control plane; the node host (no nodes yet) has its requests.
+            if "temporal_num_pollers" in pages.get("control-plane", "") and "temporal_request_total" in pages.get(
+                    "node-agents", ""):
+                break
+            assert time.monotonic() < deadline, pages
+            time.sleep(0.5)
+        assert re.search(r'gpufleet_nodes\{provider="lambda",site="site-a",state="ready"\} 0', pages["control-plane"])
+        assert 'service="control-plane"' in pages["control-plane"]
+        assert "gpufleet_node_agents_running 0" in pages["node-agents"]
+        assert 'service="node-agent"' in pages["node-agents"]
+    finally:
+        stop_dev(dev)

@@ -1,0 +1,157 @@
+"""The input guard: no start input, signal or update argument can wedge a workflow.
+
+With temporalio's pydantic converter, a workflow started with no input, two
+inputs, or a JSON value its ``run`` cannot take does not fail: every workflow
+task raises and is retried forever (a signal handler called with the wrong
+number of arguments does the same). The SDK decodes arguments before any
+interceptor runs, so workflows type raw inputs as ``Any`` (decoding cannot fail
+for JSON) and this inbound interceptor checks their shape before workflow code:
+
+- start: the argument count, a JSON object where ``run`` takes one, and no
+  argument the data converter could not decode (workers/start_input.py); a bad
+  start fails the workflow at once with a non-retryable ``InvalidInput`` (``run``
+  then validates the object against its model the same way);
+- signal: the argument count; a bad signal is logged with the reason and dropped
+  (handlers validate their payload with ``workflows.inputs.parse_signal``, or
+  take a model the SDK decodes, dropping what it cannot);
+- update: the argument count; a bad update is refused with ``InvalidInput``
+  (validators check their payload with ``parse_input`` / ``check_text``).
+
+Every argument also passes ``workflows.inputs.first_problem`` (finite numbers,
+bounded strings and nesting). Valid input passes through untouched: no command
+changes, so recorded histories replay as before.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+import typing
+import weakref
+from typing import Any, Callable
+
+from pydantic import BaseModel
+from temporalio import workflow
+from temporalio.workflow import _Definition
+from temporalio.worker import (
+    ExecuteWorkflowInput,
+    HandleSignalInput,
+    HandleUpdateInput,
+    Interceptor,
+    WorkflowInboundInterceptor,
+    WorkflowInterceptorClassInput,
+)
+
+from workers.start_input import undecodable_reason
+from workflows.inputs import first_problem, invalid_input, json_kind
+
+
+class InputGuard(Interceptor):
+    """Pass to every ``Worker`` and ``Replayer`` that runs gpufleet's workflows."""
+
+    def workflow_interceptor_class(self, input: WorkflowInterceptorClassInput) -> type[WorkflowInboundInterceptor]:
+        return _GuardInbound
+
+
+def _wants_object(hint: Any) -> bool:
+    """A raw-JSON parameter (``Any``, ``dict``, optionally ``| None``): it must get a JSON object."""
+    if hint is Any or hint is object or hint is dict or typing.get_origin(hint) is dict:
+        return True
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return any(_wants_object(a) for a in typing.get_args(hint) if a is not type(None))
+    return False
+
+
+#: The sandbox re-imports workflow modules per run: weak keys let each run's functions go.
+_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shape(fn: Callable) -> tuple[inspect.Signature, tuple[bool, ...], tuple[bool, ...]]:
+    """The function's signature without ``self``; per parameter: wants an object, is optional."""
+    known = _shapes.get(fn)
+    if known is not None:
+        return known
+    signature = inspect.signature(fn)
+    params = [p for p in signature.parameters.values() if p.name != "self"]
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # noqa: BLE001 - unresolvable hints: check the count only
+        hints = {}
+    wants = tuple(_wants_object(hints.get(p.name, None)) for p in params)
+    optional = tuple(p.default is not inspect.Parameter.empty for p in params)
+    _shapes[fn] = shape = (signature.replace(parameters=params), wants, optional)
+    return shape
+
+
+def _count_problem(what: str, fn: Callable, args: typing.Sequence[Any]) -> str | None:
+    signature, _, optional = _shape(getattr(fn, "__func__", fn))
+    try:
+        signature.bind(*args)
+    except TypeError:
+        required, most = optional.count(False), len(optional)
+        takes = f"{required}" if required == most else f"{required} to {most}"
+        return f"{what} takes {takes} input{'s' if most != 1 else ''}, got {len(args)}"
+    return None
+
+
+def problem_with(what: str, fn: Callable, args: typing.Sequence[Any], objects: bool = False) -> tuple[str, str] | None:
+    """``(field, problem)`` when ``args`` cannot be passed to ``fn`` as they are; else None.
+
+    ``objects``: a raw-JSON parameter must get a JSON object (a start input; handlers
+    that take free text or a model check their own arguments)."""
+    for arg in args:
+        reason = undecodable_reason(arg)
+        if reason is not None:
+            return "(input)", f"{what} got input that cannot be decoded: {reason}"
+    count = _count_problem(what, fn, args)
+    if count is not None:
+        return "(input)", count
+    _, wants, optional = _shape(getattr(fn, "__func__", fn))
+    for want, opt, arg in zip(wants, optional, args):
+        if objects and want and not isinstance(arg, (dict, BaseModel)) and not (arg is None and opt):
+            return "(input)", f"{what} takes a JSON object, got {json_kind(arg)}"
+    return first_problem(list(args) if len(args) != 1 else args[0])
+
+
+def _handler(kind: str, name: str) -> Callable | None:
+    """The handler's own function: the SDK hands out bound wrappers whose signature is ``*args``."""
+    defn = _Definition.from_class(type(workflow.instance()))
+    handlers = getattr(defn, kind) if defn else {}
+    found = handlers.get(name)  # a dynamic handler takes whatever comes: not checked
+    return found.fn if found else None
+
+
+class _GuardInbound(WorkflowInboundInterceptor):
+    async def execute_workflow(self, input: ExecuteWorkflowInput) -> Any:
+        problem = problem_with(workflow.info().workflow_type, input.run_fn, input.args, objects=True)
+        if problem is not None:
+            field, message = problem
+            raise invalid_input(f"invalid input: {message}" if field == "(input)" else f"invalid input: {field}: {message}",
+                                [field])
+        return await super().execute_workflow(input)
+
+    async def handle_signal(self, input: HandleSignalInput) -> None:
+        handler = _handler("signals", input.signal)
+        problem = problem_with(f"signal {input.signal}", handler, input.args) if handler else None
+        if problem is not None:
+            # A signal cannot be refused: say why it is dropped and carry on.
+            workflow.logger.warning("dropped signal %s: %s", input.signal,
+                                    problem[1] if problem[0] == "(input)" else f"{problem[0]}: {problem[1]}")
+            return
+        await super().handle_signal(input)
+
+    def _check_update(self, input: HandleUpdateInput) -> None:
+        handler = _handler("updates", input.update)
+        problem = problem_with(f"update {input.update}", handler, input.args) if handler else None
+        if problem is not None:
+            field, message = problem
+            raise invalid_input(message if field == "(input)" else f"{field}: {message}", [field])
+
+    def handle_update_validator(self, input: HandleUpdateInput) -> None:
+        self._check_update(input)
+        super().handle_update_validator(input)
+
+    async def handle_update_handler(self, input: HandleUpdateInput) -> Any:
+        # Updates without a validator (and accepted ones on replay) come here unchecked.
+        self._check_update(input)
+        return await super().handle_update_handler(input)

@@ -1,0 +1,430 @@
+"""Prometheus metrics of a worker: the Temporal SDK's own and the fleet's, on one port.
+
+- The SDK's metrics (schedule-to-start, task latencies, pollers, ...) come from the
+  SDK runtime's telemetry: its Prometheus exporter listens on a loopback port of its
+  own and ``/metrics`` here appends that page to ours, so a worker has one endpoint.
+- The fleet's gauges are computed at scrape time from the sources of truth (the
+  cluster port, the simulated world, the account guard's store and Temporal's
+  visibility list with its search attributes), never kept in process memory, so a
+  restarted worker reports the same values as the one before it. Counters of events
+  live in ``activities/metrics.py``.
+
+``fleet_snapshot`` is also what ``gpufleet top`` shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+import urllib.request
+from collections import Counter as Tally
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
+
+from fleet import search_attributes as sa
+from fleet.cluster import SITE_ROUTES, UNPROVEN_TAINT
+from fleet.models import AccountState
+
+if TYPE_CHECKING:
+    from activities.env import FleetEnv
+
+log = logging.getLogger("gpufleet.metrics")
+
+#: Every node state ``gpufleet_nodes`` reports (zero-filled per site, so absence never hides a drop).
+NODE_STATES = ("provisioning", "unproven", "ready", "cordoned", "not-ready")
+METRICS_PORT_ENV = "GPUFLEET_METRICS_PORT"
+METRICS_HOST_ENV = "GPUFLEET_METRICS_HOST"
+#: A machine without a node or a running join for longer than this is an orphan.
+ORPHAN_GRACE_ENV = "GPUFLEET_ORPHAN_GRACE_SECONDS"
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def metrics_port(flag: int | None) -> int | None:
+    """``--metrics-port`` first, then ``GPUFLEET_METRICS_PORT``; None: no metrics endpoint."""
+    if flag is not None:
+        return flag
+    value = os.environ.get(METRICS_PORT_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise SystemExit(f"{METRICS_PORT_ENV}: not a port number: {value!r}") from None
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MetricsServer:
+    """``GET /metrics``: this process's registry, then the SDK runtime's page."""
+
+    def __init__(self, port: int, service: str, host: str | None = None,
+                 registry: CollectorRegistry = REGISTRY) -> None:
+        self.sdk_port = _free_loopback_port()
+        # Prometheus conventions: seconds, and counters end in _total.
+        self.runtime = Runtime(telemetry=TelemetryConfig(
+            metrics=PrometheusConfig(bind_address=f"127.0.0.1:{self.sdk_port}", durations_as_seconds=True,
+                                     unit_suffix=True, counters_total_suffix=True),
+            global_tags={"service": service},
+        ))
+        self.registry = registry
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                if self.path.split("?")[0] not in ("/metrics", "/"):
+                    self.send_error(404)
+                    return
+                body = server.page()
+                self.send_response(200)
+                self.send_header("Content-Type", TEXT_FORMAT)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # a scrape a second would flood the log
+                pass
+
+        self.httpd = ThreadingHTTPServer((host or os.environ.get(METRICS_HOST_ENV, "0.0.0.0"), port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
+        self._thread.start()
+
+    def page(self) -> bytes:
+        # Always the 0.0.4 text format: two text pages concatenate, OpenMetrics pages (one # EOF) do not.
+        ours = generate_latest(self.registry)
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.sdk_port}/metrics", timeout=5) as answer:
+                sdk = answer.read()
+        except OSError as error:
+            log.warning("the SDK's metrics page did not answer: %s", error)
+            sdk = b""
+        return ours + sdk
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+# -- the fleet, as of now ----------------------------------------------------------------------
+
+
+@dataclass
+class RepairRow:
+    workflow_id: str
+    node: str
+    gpu: int
+    site: str
+    rung: str
+    outcome: str  # in-progress, repaired, needs-person, replaced, ... or the closed status
+    open: bool
+    started: datetime | None = None
+
+
+@dataclass
+class FleetSnapshot:
+    """The fleet as its sources of truth say it is now. A source that failed is named
+    in ``errors`` and its part is left empty, never guessed."""
+
+    sites: list = field(default_factory=list)  # fleet.config.Site
+    nodes: dict[str, Tally] = field(default_factory=lambda: defaultdict(Tally))  # site → state → n
+    gpus_total: Tally = field(default_factory=Tally)  # site → GPUs on its nodes
+    gpus_contained: Tally = field(default_factory=Tally)  # site → GPUs under repair
+    repairs: list[RepairRow] = field(default_factory=list)
+    site_states: dict[str, str] = field(default_factory=dict)  # site entity's FleetState
+    incidents: Tally = field(default_factory=Tally)  # site → open evacuations
+    accounts: list = field(default_factory=list)  # (account, provider, state, blocked offers)
+    spend: dict[tuple[str, str], float] = field(default_factory=dict)  # (site, provider) → $/h
+    routing: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, site) → weight
+    site_routes: dict[str, int] = field(default_factory=dict)  # site → fleet-wide weight
+    capacity_requests: list[tuple[str, str]] = field(default_factory=list)  # (workflow id, FleetState) open
+    orphans: Tally = field(default_factory=Tally)  # (site, provider) → machines
+    errors: dict[str, str] = field(default_factory=dict)  # source → what went wrong
+    taken_at: float = 0.0
+
+    def needs_person(self) -> list[tuple[str, str, str]]:
+        return [(name, provider, state) for name, provider, state, blocked in self.accounts
+                if state != AccountState.HEALTHY.value or blocked]
+
+
+def _attr(execution, key) -> object:
+    return execution.typed_search_attributes.get(key)
+
+
+def _repair_outcome(status: WorkflowExecutionStatus | None, state: str | None) -> str:
+    if status == WorkflowExecutionStatus.RUNNING:
+        return "in-progress"
+    if status == WorkflowExecutionStatus.COMPLETED:
+        return "repaired" if state in (None, "ready") else str(state)
+    return status.name.lower().replace("_", "-") if status else "unknown"
+
+
+async def _visibility(client: Client, task_queue: str, snap: FleetSnapshot, limit: int) -> set[str]:
+    """Repairs, site states, incidents, open capacity requests and joins from Temporal's
+    visibility (search attributes). Returns the node names of running joins."""
+    queue = f'TaskQueue = "{task_queue}"'
+    site_of_node: dict[str, str] = {}
+    async for wf in client.list_workflows(f'{queue} AND WorkflowType = "GpuRepair"', limit=limit):
+        node = str(_attr(wf, sa.NODE_NAME) or "")
+        site = str(_attr(wf, sa.SITE) or "")
+        running = wf.status == WorkflowExecutionStatus.RUNNING
+        snap.repairs.append(RepairRow(
+            workflow_id=wf.id, node=node, gpu=int(_attr(wf, sa.GPU_INDEX) or 0), site=site,
+            rung=str(_attr(wf, sa.REPAIR_RUNG) or "unknown"),
+            outcome=_repair_outcome(wf.status, _attr(wf, sa.FLEET_STATE)), open=running, started=wf.start_time,
+        ))
+        if running:
+            snap.gpus_contained[site] += 1
+            site_of_node[node] = site
+    running = f'{queue} AND ExecutionStatus = "Running"'
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "Site"', limit=limit):
+        site = _attr(wf, sa.SITE) or wf.id.removeprefix("site/")
+        snap.site_states[str(site)] = str(_attr(wf, sa.FLEET_STATE) or "")
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "SiteEvacuation"', limit=limit):
+        snap.incidents[str(_attr(wf, sa.SITE) or wf.id.split("/")[1])] += 1
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "AcquireCapacity"', limit=limit):
+        snap.capacity_requests.append((wf.id, str(_attr(wf, sa.FLEET_STATE) or "")))
+    joining: set[str] = set()
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "NodeJoin"', limit=limit):
+        if node := _attr(wf, sa.NODE_NAME):
+            joining.add(str(node))
+        if _attr(wf, sa.FLEET_STATE) == "provisioning" and (site := _attr(wf, sa.SITE)):
+            snap.nodes[str(site)]["provisioning"] += 1
+    return joining
+
+
+def _node_state(node) -> str:
+    if not node.ready:
+        return "not-ready"
+    if node.unschedulable:
+        return "cordoned"
+    if UNPROVEN_TAINT in node.taints:
+        return "unproven"
+    return "ready"
+
+
+def _from_fleet(env: "FleetEnv", snap: FleetSnapshot, joining: set[str] | None, grace: float) -> None:
+    """Nodes, GPUs, spend, accounts, routing and orphans from the cluster port, the
+    account store and (sim) the simulated providers. Blocking: run in a thread."""
+    sites = {s.name: s for s in env.config.sites}
+    try:
+        nodes = env.cluster.list_nodes()
+        for node in nodes:
+            site = node.labels.get("gpufleet.io/site") or node.site
+            snap.nodes[site][_node_state(node)] += 1
+            if site in sites:
+                snap.gpus_total[site] += sites[site].gpus_per_machine
+    except Exception as error:  # noqa: BLE001 - reported as a failed source
+        snap.errors["cluster"] = f"{type(error).__name__}: {error}"
+        nodes = None
+    # What is billed: every machine the providers hold (sim), else every node of the fleet.
+    if env.world is not None:
+        machines = env.world.machines()
+        held = Tally(m["site"] for m in machines)
+    else:
+        machines = []
+        held = Tally(n.labels.get("gpufleet.io/site") or n.site for n in nodes or ())
+    for name, count in held.items():
+        if name in sites:
+            s = sites[name]
+            snap.spend[(name, s.provider)] = count * s.gpus_per_machine * s.price_per_gpu_hour
+    if nodes is not None and joining is not None:
+        known = {n.name for n in nodes} | {n.machine_id for n in nodes} | joining
+        now = time.time()
+        for m in machines:
+            if m["name"] not in known and m["id"] not in known and now - (m["created_at"] or now) >= grace:
+                snap.orphans[(m["site"], sites[m["site"]].provider if m["site"] in sites else "")] += 1
+    try:
+        for account in env.config.accounts:
+            record = env.accounts.get(account.name)
+            snap.accounts.append((account.name, account.provider, record.state.value, len(record.blocked_offers)))
+    except Exception as error:  # noqa: BLE001
+        snap.errors["accounts"] = f"{type(error).__name__}: {error}"
+    try:
+        for model in sorted({s.model for s in env.cluster.list_serving()}):
+            table = env.cluster.get_routing(model)
+            for site, route in (table.sites.items() if table else ()):
+                snap.routing[(model, site)] = route.weight
+        routes = env.cluster.get_site_routes()
+        for site, route in (routes.sites.items() if routes else ()):
+            snap.site_routes[site] = route.weight
+    except Exception as error:  # noqa: BLE001
+        snap.errors["routing"] = f"{type(error).__name__}: {error}"
+
+
+async def fleet_snapshot(env: "FleetEnv", client: Client | None, task_queue: str, *,
+                         repair_limit: int = 5000, orphan_grace_seconds: float | None = None) -> FleetSnapshot:
+    """One consistent look at the fleet. ``client`` None: no Temporal (visibility parts empty)."""
+    snap = FleetSnapshot(sites=list(env.config.sites), taken_at=time.time())
+    grace = orphan_grace_seconds if orphan_grace_seconds is not None else float(os.environ.get(ORPHAN_GRACE_ENV, 600))
+    joining = None
+    if client is not None:
+        try:
+            joining = await _visibility(client, task_queue, snap, repair_limit)
+        except Exception as error:  # noqa: BLE001
+            snap.errors["temporal"] = f"{type(error).__name__}: {error}"
+    await asyncio.to_thread(_from_fleet, env, snap, joining, grace)
+    return snap
+
+
+def fleet_families(snap: FleetSnapshot) -> Iterable[GaugeMetricFamily]:
+    """A snapshot as Prometheus gauge families (names and labels after Prometheus conventions)."""
+    sites = {s.name: s for s in snap.sites}
+    nodes = GaugeMetricFamily("gpufleet_nodes", "Nodes by site and lifecycle state.", labels=["site", "provider", "state"])
+    for name in sorted(set(sites) | set(snap.nodes)):
+        provider = sites[name].provider if name in sites else ""
+        for state in NODE_STATES:
+            nodes.add_metric([name, provider, state], snap.nodes.get(name, Tally())[state])
+    yield nodes
+    for metric, help_, attr in (("gpufleet_site_min_nodes", "A site's configured minimum of nodes.", "min_nodes"),
+                                ("gpufleet_site_max_nodes", "A site's configured maximum of nodes.", "max_nodes")):
+        family = GaugeMetricFamily(metric, help_, labels=["site", "provider"])
+        for s in snap.sites:
+            family.add_metric([s.name, s.provider], getattr(s, attr))
+        yield family
+    gpus = GaugeMetricFamily("gpufleet_gpus", "GPUs on the fleet's nodes by site: healthy, or contained by a repair.",
+                             labels=["site", "state"])
+    for name in sorted(set(sites) | set(snap.gpus_total)):
+        contained = snap.gpus_contained[name]
+        gpus.add_metric([name, "contained"], contained)
+        gpus.add_metric([name, "healthy"], max(0, snap.gpus_total[name] - contained))
+    yield gpus
+    if "temporal" not in snap.errors:
+        repairs = GaugeMetricFamily("gpufleet_repairs", "GPU repairs Temporal's visibility holds, by rung (current or "
+                                    "last) and outcome (in-progress while open).", labels=["rung", "outcome"])
+        for (rung, outcome), n in sorted(Tally((r.rung, r.outcome) for r in snap.repairs).items()):
+            repairs.add_metric([rung, outcome], n)
+        yield repairs
+        open_ = GaugeMetricFamily("gpufleet_repair_in_progress", "1 for each open GPU repair on its current rung "
+                                  "(a new rung is a new series: alert with `for:`).",
+                                  labels=["repair", "node", "gpu", "site", "rung"])
+        for r in snap.repairs:
+            if r.open:
+                open_.add_metric([r.workflow_id, r.node, str(r.gpu), r.site, r.rung], 1)
+        yield open_
+        incidents = GaugeMetricFamily("gpufleet_incidents_open", "Open provider incidents (running evacuations) by site.",
+                                      labels=["site"])
+        for name in sorted(set(sites) | set(snap.incidents)):
+            incidents.add_metric([name], snap.incidents[name])
+        yield incidents
+        state = GaugeMetricFamily("gpufleet_site_state", "1 for the state each Site entity reports (FleetState).",
+                                  labels=["site", "state"])
+        for name, word in sorted(snap.site_states.items()):
+            state.add_metric([name, word], 1)
+        yield state
+        yield GaugeMetricFamily("gpufleet_capacity_requests_open", "Open AcquireCapacity requests (pending demand).",
+                                value=len(snap.capacity_requests))
+        orphans = GaugeMetricFamily("gpufleet_orphaned_machines", "Machines a provider holds with neither a node nor "
+                                    "a running join, past the grace period.", labels=["site", "provider"])
+        for name in sorted(sites):
+            orphans.add_metric([name, sites[name].provider], snap.orphans[(name, sites[name].provider)])
+        yield orphans
+    if "accounts" not in snap.errors:
+        person = GaugeMetricFamily("gpufleet_account_needs_person", "1 when a person must act on a provider account "
+                                   "(credentials revoked or an offer quota-blocked).", labels=["provider", "account", "state"])
+        blocked = GaugeMetricFamily("gpufleet_account_blocked_offers", "Offers blocked over quota per account.",
+                                    labels=["provider", "account"])
+        for name, provider, state_word, n_blocked in snap.accounts:
+            needs = state_word != AccountState.HEALTHY.value or n_blocked > 0
+            person.add_metric([provider, name, state_word], 1 if needs else 0)
+            blocked.add_metric([provider, name], n_blocked)
+        yield person
+        yield blocked
+    spend = GaugeMetricFamily("gpufleet_spend_dollars_per_hour", "What the machines held cost per hour, by site and "
+                              "provider.", labels=["site", "provider", "capacity_type"])
+    for name in sorted(sites):
+        s = sites[name]
+        spend.add_metric([name, s.provider, s.capacity_type.value], snap.spend.get((name, s.provider), 0.0))
+    yield spend
+    if "routing" not in snap.errors:
+        weight = GaugeMetricFamily("gpufleet_routing_weight", "Routing weight of each model at each site (published "
+                                   "routing document).", labels=["model", "site"])
+        for (model, site), w in sorted(snap.routing.items()):
+            if model != SITE_ROUTES:
+                weight.add_metric([model, site], w)
+        yield weight
+        site_weight = GaugeMetricFamily("gpufleet_site_routing_weight", "Fleet-wide weight of each site for new "
+                                        "sessions (0: drained or evacuating).", labels=["site"])
+        for site, w in sorted(snap.site_routes.items()):
+            site_weight.add_metric([site], w)
+        yield site_weight
+    up = GaugeMetricFamily("gpufleet_source_up", "1 when a source of the fleet metrics answered this scrape.",
+                           labels=["source"])
+    for source in ("cluster", "temporal", "accounts", "routing"):
+        up.add_metric([source], 0 if source in snap.errors else 1)
+    yield up
+
+
+class FleetCollector:
+    """A custom collector: each scrape takes a fresh snapshot on the worker's event loop
+    (at most one per ``min_interval`` seconds, so parallel scrapers share it)."""
+
+    def __init__(self, take: Callable[[], "asyncio.Future"], loop: asyncio.AbstractEventLoop,
+                 min_interval: float = 1.0, timeout: float = 20.0) -> None:
+        self._take = take
+        self._loop = loop
+        self._min_interval = min_interval
+        self._timeout = timeout
+        self._lock = threading.Lock()
+        self._last: FleetSnapshot | None = None
+
+    def describe(self) -> list:
+        return []  # no snapshot at registration time
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        with self._lock:
+            if self._last is None or time.time() - self._last.taken_at >= self._min_interval:
+                try:
+                    self._last = asyncio.run_coroutine_threadsafe(self._take(), self._loop).result(self._timeout)
+                except Exception as error:  # noqa: BLE001 - a scrape must still answer
+                    log.warning("fleet snapshot failed: %s", error)
+                    snap = FleetSnapshot(taken_at=time.time())
+                    snap.errors = {s: str(error) for s in ("cluster", "temporal", "accounts", "routing")}
+                    self._last = snap
+            snap = self._last
+        return fleet_families(snap)
+
+
+def watch_fleet(env: "FleetEnv", client: Client, task_queue: str,
+                registry: CollectorRegistry = REGISTRY) -> FleetCollector:
+    """Register the fleet gauges for this worker (call from inside its event loop)."""
+    collector = FleetCollector(lambda: fleet_snapshot(env, client, task_queue), asyncio.get_running_loop())
+    registry.register(collector)
+    return collector
+
+
+def start_metrics(flag: int | None, service: str) -> MetricsServer | None:
+    """The worker's metrics endpoint when a port is configured (``--metrics-port`` or
+    ``GPUFLEET_METRICS_PORT``; ``gpufleet dev`` and the manifests set one)."""
+    port = metrics_port(flag)
+    if port is None:
+        return None
+    server = MetricsServer(port, service)
+    log.info("metrics on :%d/metrics (Temporal SDK metrics included)", server.port)
+    return server
+
+
+def agents_running(count: Callable[[], int], registry: CollectorRegistry = REGISTRY):
+    """``gpufleet_node_agents_running``: node agents this process runs now (read at scrape)."""
+    from prometheus_client import Gauge
+
+    gauge = Gauge("gpufleet_node_agents_running", "Node agents (one per node, polling node/<name>) this process runs.",
+          registry=registry)
+    gauge.set_function(count)
+    return gauge

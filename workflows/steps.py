@@ -1,0 +1,174 @@
+"""The one kit of steps every workflow shares: retry policies, failure helpers,
+the node and serving steps, and the current-details helper.
+
+Each step is a plain async function that schedules the same activity (by name)
+the workflows always scheduled, so recorded histories replay unchanged; a step
+exists once, with one retry count and the reason for it next to it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, FailureError
+
+with workflow.unsafe.imports_passed_through():
+    from activities.models import SmokeResult, SmokeTestInput
+    from activities.rollout_models import WaitServingInput
+    from fleet.cluster import DrainResult, ServingStatus
+    from fleet.errors import NON_RETRYABLE_TYPES
+    from fleet.messages.capacity import DrainNodeInput, RetireMachineInput
+    from fleet.settings import node_queue
+
+# -- retry policies -------------------------------------------------------------------------
+#: Provider calls: transient errors back off up to a minute, a bounded number of times
+#: (a provider that is down for longer is an incident, not something to hammer).
+PROVIDER_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1),
+    backoff_coefficient=2,
+    maximum_interval=timedelta(seconds=60),
+    maximum_attempts=8,
+    non_retryable_error_types=NON_RETRYABLE_TYPES,
+)
+#: Our own cluster: retried until it answers (it is ours to fix), never an error type that cannot pass.
+CLUSTER_RETRY = RetryPolicy(
+    initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
+    non_retryable_error_types=NON_RETRYABLE_TYPES,
+)
+#: Start-to-close of a call that answers at once (no waiting inside the activity).
+QUICK = timedelta(seconds=60)
+#: A smoke test gets 3 attempts: one lost agent poll or a GPU still settling after a reset must
+#: not fail a node, while a node that fails three times in a row is not going to pass.
+SMOKE_RETRY = RetryPolicy(maximum_attempts=3)
+#: Heartbeat of the activities that wait inside (drain, serving ready).
+WAIT_HEARTBEAT = timedelta(seconds=30)
+
+
+# -- failures -------------------------------------------------------------------------------
+def failure_type(error: BaseException) -> str:
+    """The ApplicationError type at the root of an activity/child failure."""
+    while isinstance(error, FailureError):
+        if isinstance(error, ApplicationError) and error.type:
+            return error.type
+        if isinstance(error, (ActivityError, ChildWorkflowError)) and error.cause is not None:
+            error = error.cause
+            continue
+        break
+    return type(error).__name__
+
+
+def failure_message(error: BaseException) -> str:
+    """The message of the failure at the root of an activity/child failure."""
+    while isinstance(error, (ActivityError, ChildWorkflowError)) and error.cause is not None:
+        error = error.cause
+    return str(error)
+
+
+def failure_text(error: BaseException) -> str:
+    """``Type: message`` of the root failure, for progress lines."""
+    return f"{failure_type(error)}: {failure_message(error)}"
+
+
+# -- current details ------------------------------------------------------------------------
+_CODE_SPAN = re.compile(r"(`[^`]*`)")
+
+
+def escape_markdown(text: str) -> str:
+    """Escape ``$`` outside code spans: the Temporal UI renders ``$…$`` as math."""
+    return "".join(part if part.startswith("`") and part.endswith("`") and len(part) > 1
+                   else part.replace("$", r"\$")
+                   for part in _CODE_SPAN.split(text))
+
+
+def render_details(title: str, *lines: str, detail: str = "") -> str:
+    """``**title**: detail`` and then one Markdown line each, every ``$`` escaped."""
+    head = f"**{escape_markdown(title)}**" + (f": {escape_markdown(detail)}" if detail else "")
+    return "\n".join([head, *(escape_markdown(line) for line in lines)])
+
+
+def show_details(title: str, *lines: str, detail: str = "") -> None:
+    """Set the workflow's current details (the UI's "User Metadata" tab): the one way every
+    workflow does it, so every page reads the same and no price turns into math."""
+    workflow.set_current_details(render_details(title, *lines, detail=detail))
+
+
+# -- node steps -----------------------------------------------------------------------------
+async def drain_node(node_name: str, deadline_seconds: float, *, summary: str) -> DrainResult:
+    """Cordon and evict within the deadline, PodDisruptionBudgets honoured.
+
+    Retried as a cluster call: the drain activity is idempotent (a second cordon and the
+    evictions of pods already gone change nothing) and returns what was left, never raises
+    for a blocked pod."""
+    return await workflow.execute_activity(
+        "drain_within", DrainNodeInput(node_name=node_name, deadline_seconds=deadline_seconds),
+        result_type=DrainResult, start_to_close_timeout=timedelta(seconds=deadline_seconds + 60),
+        heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY, summary=summary,
+    )
+
+
+async def smoke_test_node(node_name: str, expected_gpus: int, *, timeout_seconds: float, summary: str,
+                          only_gpus: list[int] | None = None,
+                          heartbeat: timedelta | None = None) -> SmokeResult:
+    """The node proves itself on its own task queue (its agent runs the checks), ``SMOKE_RETRY``
+    attempts within ``timeout_seconds`` in all."""
+    return await workflow.execute_activity(
+        "smoke_test", SmokeTestInput(expected_gpus=expected_gpus, only_gpus=only_gpus), result_type=SmokeResult,
+        task_queue=node_queue(node_name), schedule_to_close_timeout=timedelta(seconds=timeout_seconds),
+        start_to_close_timeout=timedelta(seconds=min(timeout_seconds, 300)), heartbeat_timeout=heartbeat,
+        retry_policy=SMOKE_RETRY, summary=summary,
+    )
+
+
+async def retire_machine(site: str, node_name: str, machine_id: str, *, summary: str) -> None:
+    """Machine deleted at the provider (queued while its account is revoked), Node object out.
+
+    ``PROVIDER_RETRY``: a provider call, bounded, because a delete that keeps failing must
+    reach a person (every caller reports it) rather than bill on behind an endless retry."""
+    await workflow.execute_activity(
+        "retire_machine", RetireMachineInput(site=site, node_name=node_name, machine_id=machine_id),
+        start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=summary,
+    )
+
+
+@dataclass
+class Retirement:
+    """How ``drain_and_retire`` went: retired, or why not (never raised)."""
+
+    retired: bool
+    #: The drain did not complete (PodDisruptionBudgets): the node serves on, try again later.
+    blocked: str = ""
+    #: Drained, but the provider delete failed after its retries: a person looks.
+    failed: str = ""
+
+
+async def drain_and_retire(site: str, node_name: str, machine_id: str, drain_seconds: float, *,
+                           why: str) -> Retirement:
+    """Drain, then retire only a node whose drain completed."""
+    drained = await drain_node(node_name, drain_seconds, summary=f"drain {node_name} ({why}; PDBs honoured)")
+    if not drained.completed:
+        return Retirement(False, blocked="drain blocked (" + "; ".join(p.reason for p in drained.blocked) + ")")
+    try:
+        await retire_machine(site, node_name, machine_id, summary=f"retire {node_name} (machine {machine_id})")
+    except ActivityError as error:
+        return Retirement(False, failed=f"retire failed: {failure_message(error)}")
+    return Retirement(True)
+
+
+# -- serving steps --------------------------------------------------------------------------
+async def wait_for_serving(model: str, site: str, deadline: datetime, *, summary: str,
+                           poll_seconds: float | None = None) -> ServingStatus:
+    """Until the model's Deployment at the site is ready, or the deadline (then it raises).
+
+    ``CLUSTER_RETRY``: the deadline is absolute, so a retried attempt (a lost worker) waits
+    only for what is left of it; the activity heartbeats while it waits."""
+    extra = {} if poll_seconds is None else {"poll_seconds": poll_seconds}
+    left = max((deadline - workflow.now()).total_seconds(), 0.0)
+    return await workflow.execute_activity(
+        "wait_serving_ready", WaitServingInput(model=model, site=site, deadline=deadline, **extra),
+        result_type=ServingStatus, start_to_close_timeout=timedelta(seconds=left + 60),
+        heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY, summary=summary,
+    )
