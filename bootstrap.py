@@ -22,7 +22,8 @@ VENV = Path(os.environ.get("GPUFLEET_VENV", ROOT / ".venv"))
 BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PYTHON = BIN / "python"
 STAMP = VENV / ".gpufleet-installed"
-BENCHMARKS = ["bench.join_overhead", "bench.fallback", "bench.repair_latency", "bench.incident", "bench.replicate"]
+BENCHMARKS = ["bench.join_overhead", "bench.fallback", "bench.repair_latency", "bench.incident", "bench.replicate",
+              "bench.soak", "bench.front_door"]
 
 
 def ensure_venv() -> None:

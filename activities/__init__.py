@@ -13,10 +13,13 @@ def control_plane_activities(env: "FleetEnv") -> list[Callable]:
     from activities.capacity import CapacityActivities
     from activities.control_plane import ControlPlaneActivities
     from activities.evacuation import EvacuationActivities
+    from activities.ledger import LedgerActivities
     from activities.repair import RepairActivities
+    from activities.routing import RoutingActivities
     from activities.serving import ServingActivities
+    from activities.sweep import SweepActivities
     from activities.weights import WeightsActivities
 
     classes = [ControlPlaneActivities, CapacityActivities, RepairActivities, WeightsActivities, ServingActivities,
-               EvacuationActivities]
+               EvacuationActivities, SweepActivities, LedgerActivities, RoutingActivities]
     return [fn for cls in classes for fn in cls(env).all()]

@@ -9,8 +9,10 @@ when they say the credentials are fixed.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Awaitable, Callable, TypeVar
 
 from temporalio import activity
 from temporalio.common import WorkflowIDConflictPolicy
@@ -32,12 +34,63 @@ from fleet.messages.capacity import (
 from activities import notify
 from activities.env import FleetEnv
 from activities.errors import typed_errors
-from fleet.errors import BadCredentials, FleetError
+from activities.ledger import record_retire
+from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocked, OverQuota
 from fleet.models import AccountState
 from fleet.naming import account_workflow_id, site_workflow_id
 from fleet.placement import AccountView
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, DrainResult
 from providers.cluster.base import NodeNotFound
+
+R = TypeVar("R")
+
+
+async def report_to_account(env: FleetEnv, input: ReportAccountInput) -> None:
+    """Block the account (or offer) in the guard store at once, then tell its ProviderAccount
+    entity (signal-with-start ``report``). The store write is what stops the next call from
+    any workflow; the entity is the record a person sees."""
+    account = env.config.account(input.account)
+    store = env.accounts
+    if input.kind == "BadCredentials":
+        await asyncio.to_thread(store.mark_revoked, account.name, account.provider, input.message)
+    else:
+        await asyncio.to_thread(store.block_offer, account.name, account.provider, input.offer, input.message)
+    await activity.client().start_workflow(
+        "ProviderAccount", {"account": account.name, "provider": account.provider},
+        id=account_workflow_id(account.provider, account.name), task_queue=activity.info().task_queue,
+        start_signal="report", start_signal_args=[input.model_dump(mode="json")],
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        static_summary=f"{account.provider} account {account.name}",
+    )
+
+
+def reports_account(site_of: Callable[[Any], str], offer_of: Callable[[Any], str | None] = lambda _: None):
+    """Run a provider-calling activity body (sync, in a thread) and report a provider's own
+    ``BadCredentials`` or ``OverQuota`` to the account before it is raised (rule 6).
+
+    The one place every path meets those answers (joins however started, repair
+    replacements and restarts, reclaims, sweeps), so the guard holds for all of them. The
+    guard's own refusals (``AccountRevoked``/``OfferBlocked``) were reported already."""
+
+    def wrap(fn: Callable[[Any, Any], R]) -> Callable[[Any, Any], Awaitable[R]]:
+        @functools.wraps(fn)
+        async def run(self, input):
+            try:
+                return await asyncio.to_thread(fn, self, input)
+            except (BadCredentials, OverQuota) as error:
+                if isinstance(error, (AccountRevoked, OfferBlocked)):
+                    raise
+                env: FleetEnv = self.env
+                site = env.site(site_of(input))
+                offer = offer_of(input) or site.instance_type
+                kind = BadCredentials.__name__ if isinstance(error, BadCredentials) else OverQuota.__name__
+                await report_to_account(env, ReportAccountInput(
+                    account=site.account, kind=kind, offer=f"{site.name}/{offer}", message=str(error)))
+                raise
+
+        return run  # type: ignore[return-value]
+
+    return wrap
 
 
 class CapacityActivities:
@@ -110,20 +163,7 @@ class CapacityActivities:
 
     # -- the account guard ------------------------------------------------------------------
     async def _report(self, input: ReportAccountInput) -> None:
-        account = self.env.config.account(input.account)
-        store = self.env.accounts
-        if input.kind == "BadCredentials":
-            await asyncio.to_thread(store.mark_revoked, account.name, account.provider, input.message)
-        else:
-            await asyncio.to_thread(store.block_offer, account.name, account.provider, input.offer, input.message)
-        # The entity is the record people see; the store above already stops calls.
-        await activity.client().start_workflow(
-            "ProviderAccount", {"account": account.name, "provider": account.provider},
-            id=account_workflow_id(account.provider, account.name), task_queue=activity.info().task_queue,
-            start_signal="report", start_signal_args=[input.model_dump(mode="json")],
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            static_summary=f"{account.provider} account {account.name}",
-        )
+        await report_to_account(self.env, input)
 
     @activity.defn
     async def report_account(self, input: ReportAccountInput) -> None:
@@ -223,6 +263,7 @@ class CapacityActivities:
 
     @activity.defn
     @typed_errors
+    @reports_account(lambda input: input.site)
     def retire_machine(self, input: RetireMachineInput) -> None:
         """Machine deleted (queued if the account is revoked), then the Node object out.
 
@@ -230,4 +271,5 @@ class CapacityActivities:
         (the cluster refusing) must not keep the delete from running."""
         if input.machine_id:
             self.env.delete_machine(input.site, input.machine_id)
+            record_retire(self.env, input.site, input.machine_id)  # a reclaim when SpotReclaim retires it
         self.env.cluster.remove_node(input.node_name)

@@ -13,8 +13,10 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities import metrics
+from activities.capacity import reports_account
 from activities.env import FleetEnv
 from activities.errors import typed_errors
+from activities.ledger import record_join_async, record_retire
 from activities.waiting import poll_until
 from activities.models import (
     AdmitNodeInput,
@@ -22,12 +24,14 @@ from activities.models import (
     IssueJoinTokenInput,
     PrepareNodeInput,
     ProvisionMachineInput,
+    ReleaseProvisionInput,
     RemoveNodeInput,
     ResolveSiteInput,
     RevokeJoinTokenInput,
     WaitForRegistrationInput,
 )
 from fleet.config import Site
+from fleet.errors import NotFound
 from fleet.models import Machine, Node
 from fleet.naming import site_workflow_id
 from fleet.cluster import UNPROVEN_TAINT, JoinTokenRef
@@ -41,6 +45,7 @@ class ControlPlaneActivities:
         return [
             self.resolve_site,
             self.provision_machine,
+            self.release_provision,
             self.delete_machine,
             self.issue_join_token,
             self.revoke_join_token,
@@ -59,6 +64,7 @@ class ControlPlaneActivities:
 
     @activity.defn
     @typed_errors
+    @reports_account(lambda input: input.site, lambda input: input.spec.instance_type)
     def provision_machine(self, input: ProvisionMachineInput) -> Machine:
         self.env.check_account(input.site, input.spec.instance_type)  # blocked account/offer: no provider call
         with metrics.capacity_attempt(self.env.site(input.site).provider, input.site):
@@ -66,10 +72,32 @@ class ControlPlaneActivities:
 
     @activity.defn
     @typed_errors
+    @reports_account(lambda input: input.site)
+    def release_provision(self, input: ReleaseProvisionInput) -> list[str]:
+        """After a failed provision: delete what an earlier attempt may have created under the
+        key (it timed out after the provider made the machine, a later attempt then failed).
+        Looked up by name among the fleet-marked machines; returns the ids deleted (or queued)."""
+        found = [m for m in self.env.provider(input.site).list_machines()
+                 if m.owned and m.name == input.name and m.state != "terminated"]
+        for machine in found:
+            self._delete(input.site, machine.id)
+        return [m.id for m in found]
+
+    def _delete(self, site: str, machine_id: str) -> None:
+        try:
+            deleted = self.env.delete_machine(site, machine_id)
+        except NotFound:
+            return  # nothing there: the delete is done (an earlier attempt, or the provider, got it)
+        if not deleted:
+            activity.logger.warning("delete of %s queued until the credentials of %s are rotated", machine_id,
+                                    self.env.site(site).account)
+
+    @activity.defn
+    @typed_errors
+    @reports_account(lambda input: input.site)
     def delete_machine(self, input: DeleteMachineInput) -> None:
-        if not self.env.delete_machine(input.site, input.machine_id):
-            activity.logger.warning("delete of %s queued until the credentials of %s are rotated", input.machine_id,
-                                    self.env.site(input.site).account)
+        self._delete(input.site, input.machine_id)
+        record_retire(self.env, input.site, input.machine_id)
 
     # -- cluster ----------------------------------------------------------------------
     @activity.defn
@@ -115,6 +143,7 @@ class ControlPlaneActivities:
         writes the failure back into the join's history (about 12 ms of server CPU per
         join under bench/join_overhead); a client signal is one lookup."""
         node = await asyncio.to_thread(self.env.cluster.set_taints, input.node_name, remove=[UNPROVEN_TAINT])
+        await record_join_async(self.env, input.site, input.machine_id, input.node_name)
         transition = {"node_name": input.node_name, "state": "ready", "machine_id": input.machine_id}
         try:
             await activity.client().get_workflow_handle(site_workflow_id(input.site)).signal("node_transition", transition)

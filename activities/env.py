@@ -1,7 +1,9 @@
 """What activities reach the world through: config, providers, the cluster.
 
 Built once per worker process. In sim mode every site is a ``SimProvider`` and
-the cluster is the ``SimCluster``, both over ``<state-dir>/sim.db``.
+the cluster is the ``SimCluster``, both over ``<state-dir>/sim.db``. In real mode
+the control plane keeps no state on local disk: the account guard, queued deletes
+and own-rack allocations live in the cluster (``Cluster.update_state``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from providers.cluster.base import Cluster
 from providers.sim import SimWorld
 
 if TYPE_CHECKING:
-    from activities.account_store import AccountStore
+    from activities.account_store import AccountStore, ClusterAccountStore
 
 
 @dataclass
@@ -32,7 +34,7 @@ class FleetEnv:
     world: SimWorld | None = None
     _providers: dict[str, Provider] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
-    _accounts: "AccountStore | None" = None
+    _accounts: "AccountStore | ClusterAccountStore | None" = None
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "FleetEnv":
@@ -55,14 +57,16 @@ class FleetEnv:
             raise InvalidRequest(f"site: unknown site {name!r}; known sites: {known}") from None
 
     @property
-    def accounts(self) -> "AccountStore":
+    def accounts(self) -> "AccountStore | ClusterAccountStore":
         """The account guard's store (see activities.account_store for where it lives)."""
-        from activities.account_store import AccountStore
+        from activities.account_store import AccountStore, ClusterAccountStore
 
         with self._lock:
             if self._accounts is None:
-                path = self.settings.sim_db if self.world is not None else self.settings.state_dir / "accounts.db"
-                self._accounts = AccountStore(path)
+                if self.world is not None:
+                    self._accounts = AccountStore(self.settings.sim_db)
+                else:
+                    self._accounts = ClusterAccountStore(self.cluster)
             return self._accounts
 
     def check_account(self, site_name: str, instance_type: str | None = None) -> None:
@@ -97,6 +101,14 @@ class FleetEnv:
         with self._lock:
             if site_name not in self._providers:
                 site = self.site(site_name)
-                self._providers[site_name] = make_provider(site, self.config.account_for(site), self.world)
+                account = self.config.account_for(site)
+                if self.world is None and site.provider == "own-dc":
+                    # Which rack machine is allocated lives in the cluster, not on this pod's disk.
+                    from providers.own_dc import ClusterAllocations, OwnDcProvider
+
+                    allocations = ClusterAllocations(self.cluster, account.name)
+                    self._providers[site_name] = OwnDcProvider(site, account, allocations)
+                else:
+                    self._providers[site_name] = make_provider(site, account, self.world)
             return self._providers[site_name]
 

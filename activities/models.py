@@ -25,6 +25,15 @@ class DeleteMachineInput(BaseModel):
     machine_id: str
 
 
+class ReleaseProvisionInput(BaseModel):
+    """A provision that failed: whatever an earlier attempt created under this key goes."""
+
+    site: str
+    #: The machine's name, which every adapter derives from the idempotency key.
+    name: str
+    idempotency_key: str
+
+
 class IssueJoinTokenInput(BaseModel):
     node_name: str
     machine_id: str
@@ -95,6 +104,9 @@ class HealthReport(BaseModel):
 
 class ResetGpuInput(BaseModel):
     index: int = Field(ge=0)
+    #: The repair attempt this reset belongs to (``<repair id>/<attempt>``): a retried
+    #: activity with the same key does not reset the GPU again. Empty: not keyed.
+    key: str = Field("", max_length=300)
 
 
 class ReinstallDriverInput(BaseModel):

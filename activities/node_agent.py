@@ -21,6 +21,11 @@ class NodeAgentActivities:
     def __init__(self, node_name: str, gpus: GpuBackend) -> None:
         self.node_name = node_name
         self.gpus = gpus
+        #: Reset key -> what the reset said: a retried reset of the same repair attempt
+        #: (the reply was lost, the activity timed out) answers again without resetting.
+        #: Kept for the agent's life; an agent restarted mid-repair resets once more at
+        #: most, which the ladder tolerates (a reset of a healthy GPU is harmless).
+        self._resets: dict[str, str] = {}
 
     def all(self) -> list:
         return [self.probe_gpus, self.smoke_test, self.reset_gpu, self.reinstall_driver]
@@ -50,10 +55,16 @@ class NodeAgentActivities:
     def reset_gpu(self, input: ResetGpuInput) -> str:
         """``nvidia-smi -r -i N``. Refused while processes still hold the GPU: that is
         not retried here (the workflow decides: the rung failed)."""
+        key = f"{input.key}/gpu{input.index}" if input.key else ""
+        if key and key in self._resets:
+            return self._resets[key]
         try:
-            return self.gpus.reset_gpu(input.index)
+            said = self.gpus.reset_gpu(input.index)
         except RuntimeError as error:
             raise ApplicationError(str(error), type="GpuResetFailed", non_retryable=True) from error
+        if key:
+            self._resets[key] = said
+        return said
 
     @activity.defn
     def reinstall_driver(self, input: ReinstallDriverInput) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.capacity import reports_account
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.waiting import poll_until
@@ -34,6 +35,10 @@ from fleet.cluster import ANNOTATION_MACHINE_ID, LABEL_PROVIDER, LABEL_SITE, UNP
 #: One annotation per fenced GPU: ``gpufleet.io/fenced-gpu-<i>: <rung>``. The node's
 #: device plugin treats a fenced GPU as unhealthy (not allocatable).
 FENCE_PREFIX = "gpufleet.io/fenced-gpu-"
+#: On the Node: the boot id a reboot/reinstall was requested from. A retried activity that
+#: finds it equal to its own ``boot_id_before`` asked already and does not restart again,
+#: even when the node has not yet reported its new boot id (the kubelet lags the machine).
+RESTARTED_FROM = "gpufleet.io/restarted-from-boot"
 
 
 def fence_key(gpu: int) -> str:
@@ -129,23 +134,41 @@ class RepairActivities:
     # -- restart ----------------------------------------------------------------------
     def _restart(self, input: RestartMachineInput, op: str) -> str:
         """Reboot/reinstall at most once per boot: a retry that finds the boot id
-        changed, or the machine already restarting, does not restart it again."""
+        changed, the restart already requested from this boot, or the machine already
+        restarting, does not restart it again."""
         provider = self.env.provider(input.site)
-        node = self.env.cluster.get_node(input.node_name)
+        cluster = self.env.cluster
+        node = cluster.get_node(input.node_name)
         if node is not None and node.boot_id and node.boot_id != input.boot_id_before:
             return f"already restarted (boot {node.boot_id[:8]})"
+        marks = self._annotations(input.node_name) if node is not None else {}
+        if input.boot_id_before and marks.get(RESTARTED_FROM) == input.boot_id_before:
+            return f"already requested from boot {input.boot_id_before[:8]}"
         if provider.get_machine(input.machine_id).state in ("rebooting", "pending"):
             return "already restarting"
         getattr(provider, f"{op}_machine")(input.machine_id)
+        if node is not None and input.boot_id_before:
+            try:
+                cluster.annotate_node(input.node_name, {RESTARTED_FROM: input.boot_id_before})
+            except NotFound:
+                pass  # the node went meanwhile: nothing left to mark
         return f"{op} requested"
+
+    def _annotations(self, node_name: str) -> dict[str, str]:
+        try:
+            return self.env.cluster.annotate_node(node_name, {})
+        except NotFound:
+            return {}
 
     @activity.defn
     @typed_errors
+    @reports_account(lambda input: input.site)
     def reboot_machine(self, input: RestartMachineInput) -> str:
         return self._restart(input, "reboot")
 
     @activity.defn
     @typed_errors
+    @reports_account(lambda input: input.site)
     def reinstall_machine(self, input: RestartMachineInput) -> str:
         return self._restart(input, "reinstall")
 

@@ -14,7 +14,13 @@ from fleet.cluster import ServingSpec
 
 class ReplicateInput(BaseModel):
     site: str
-    source: ObjectStore
+    #: The fleet config's ``object_stores`` entry the weights come from (only its name
+    #: travels through history; the activity looks the store up).
+    source_store: str | None = None
+    #: Key prefix inside that store (after the store's own prefix).
+    source_prefix: str = ""
+    #: A whole store: rollouts recorded before sources came from the config, and direct callers.
+    source: ObjectStore | None = None
     files: list[WeightFile]
     #: Key prefix at the destination (the source keys are ``source.prefix + path``).
     dest_prefix: str
@@ -67,6 +73,8 @@ class RolloutSites(BaseModel):
     known: list[str]
     #: The asked-for sites that exist, with their object store (None: none configured).
     stores: dict[str, ObjectStore | None]
+    #: The names of the fleet config's ``object_stores`` (a manifest's possible sources).
+    object_stores: list[str] = Field(default_factory=list)
 
 
 class ServingRef(BaseModel):

@@ -59,6 +59,7 @@ class ServingActivities:
         sites = {s.name: s for s in self.env.config.sites}
         return RolloutSites(
             known=sorted(sites), stores={name: sites[name].object_store for name in input.sites if name in sites},
+            object_stores=sorted(self.env.config.object_stores),
         )
 
     @activity.defn

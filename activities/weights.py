@@ -402,12 +402,24 @@ class WeightsActivities:
                 self._clients[key] = make_s3_client(store, pool)
             return self._clients[key]
 
+    def source(self, input: ReplicateInput) -> ObjectStore:
+        """The store to copy from: the fleet config's named store, its prefix extended by the manifest's."""
+        if input.source_store is None:
+            if input.source is None:
+                raise InvalidRequest("source_store: no weights source given")
+            return input.source
+        store = self.env.config.object_stores.get(input.source_store)
+        if store is None:
+            raise InvalidRequest(f"source_store: unknown object store {input.source_store!r}")
+        return store.model_copy(update={"prefix": store.prefix + input.source_prefix})
+
     @activity.defn
     @typed_errors
     def replicate_weights(self, input: ReplicateInput) -> ReplicateResult:
         site = self.env.site(input.site)
         if site.object_store is None:
             raise InvalidRequest(f"site {input.site} has no object_store configured")
+        input = input.model_copy(update={"source": self.source(input)})
         details = activity.info().heartbeat_details
         checkpoint = Checkpoint.model_validate(details[0]) if details else None
         pool = max(16, input.options.concurrency * 2)

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 from rich.table import Table
 
-from cli.common import Address, ConfigPath, StateDir, console, err, fail, fleet_client, run, sim_world
+from cli.common import Address, ConfigPath, OutputFormat, StateDir, console, err, fail, fleet_client, run, show_rows, sim_world
 from cli.common import connect as _connect
 from cli.common import settings as _settings
 from fleet.schedules import SCHEDULES, apply_schedules
@@ -83,8 +83,8 @@ async def _capacity(settings: Settings, raw: dict, request: str, wait: bool) -> 
             try:
                 p = await fleet.capacity_progress(handle.id)
                 table = Table(title=f"{handle.id}: {p.step} — {p.joined} of {p.requested} joined")
-                table.add_column("")
-                table.add_column("")
+                table.add_column("what")
+                table.add_column("offer / outcome", overflow="fold")
                 for c in p.candidates[:5]:
                     table.add_row("candidate", c)
                 for c in p.in_flight:
@@ -100,7 +100,9 @@ async def _capacity(settings: Settings, raw: dict, request: str, wait: bool) -> 
     try:
         result = result_task.result()
     except WorkflowFailureError as error:
-        err.print(f"[red]{getattr(error.cause, 'type', '')}[/]: {error.cause}")
+        from cli.common import failure
+
+        err.print(f"[red]{handle.id} failed:[/] {failure(error)[1]}")
         return 1
     for node in result.nodes:
         console.print(f"[green]joined[/] {node.node_name} at {node.site} ({node.gpus} GPUs)")
@@ -128,7 +130,7 @@ def schedules_apply(
 
 
 @schedules_app.command("list")
-def schedules_list(address: Address = "localhost:7233") -> None:
+def schedules_list(address: Address = "localhost:7233", output: OutputFormat = "table") -> None:
     """gpufleet's Schedules, their interval and next run."""
     settings = _settings(address)
 
@@ -145,27 +147,25 @@ def schedules_list(address: Address = "localhost:7233") -> None:
                          "paused" if desc.schedule.state.paused else "active"))
         return rows
 
-    table = Table("schedule", "workflow", "every", "next", "state", title="schedules")
-    for row in asyncio.run(go()):
-        table.add_row(*row)
-    console.print(table)
+    show_rows("schedules", ["schedule", "workflow", "every", "next", "state"], [list(r) for r in asyncio.run(go())],
+              output, drop_narrow=("workflow",))
 
 
 # -- accounts ------------------------------------------------------------------------------
 @accounts_app.command("list")
 def accounts_list(
     needs_person: Annotated[bool, typer.Option("--needs-person", help="only those waiting for a person")] = False,
+    output: OutputFormat = "table",
     address: Address = "localhost:7233",
 ) -> None:
     """Every ProviderAccount entity and its state."""
     from fleet.naming import account_workflow_id
 
     statuses = run(fleet_client(_settings(address)).accounts(needs_person))
-    table = Table("account", "state", "since", "quota-blocked offers", "reason", title="provider accounts")
-    for s in statuses:
-        table.add_row(account_workflow_id(s.provider, s.account), s.state.value, s.since,
-                      ", ".join(s.blocked_offers), s.reason)
-    console.print(table)
+    rows = [[account_workflow_id(s.provider, s.account), s.state.value, str(s.since or ""),
+             ", ".join(s.blocked_offers), s.reason] for s in statuses]
+    show_rows("provider accounts", ["account", "state", "since", "quota-blocked offers", "reason"], rows, output,
+              drop_narrow=("since",))
 
 
 @accounts_app.command("quota-raised")

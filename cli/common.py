@@ -90,3 +90,74 @@ def sim_world(state_dir: Path | None, config: str | None):
     if env.world is None:
         fail("`gpufleet sim` needs a config in sim mode", 2)
     return env.world
+
+
+# -- what the user reads -----------------------------------------------------------------------
+import re as _re
+import sys as _sys
+
+OutputFormat = Annotated[str, typer.Option("--output", "-o", help="table, or json (one object per row)")]
+_PYDANTIC_URL = _re.compile(r"\s*For further information visit https://errors\.pydantic\.dev\S*")
+
+
+def human(message: str, kind: str | None = None) -> str:
+    """One prefix per cause and no library URLs: ``InvalidRequest: InvalidRequest: x`` reads
+    ``InvalidRequest: x``; pydantic's "For further information visit ..." goes."""
+    text = _PYDANTIC_URL.sub("", str(message)).strip()
+    while True:  # "X: X: msg" or "X: X while ...: msg" said once
+        match = _re.match(r"^([A-Z][A-Za-z]+): (\1\b.*)$", text, _re.S)
+        if not match:
+            break
+        text = match.group(2)
+    head = _re.match(r"^([A-Z][A-Za-z]+)\b", text)
+    if head:  # "X while doing: X: msg": the inner repeat says nothing new
+        text = text.replace(f": {head.group(1)}: ", ": ")
+    if kind and not text.startswith(kind):
+        text = f"{kind}: {text}"
+    return text
+
+
+def failure(error: BaseException) -> tuple[str, str]:
+    """(type, message) of a workflow failure's root cause, each said once."""
+    cause = getattr(error, "cause", None) or error
+    kind = getattr(cause, "type", None) or type(cause).__name__
+    return kind, human(str(cause), kind)
+
+
+def show_rows(title: str, columns: list[str], rows: list[list], output: str = "table",
+              drop_narrow: tuple[str, ...] = ()) -> None:
+    """A list as a table on a terminal (wrapped to its width; ``drop_narrow`` columns go
+    first when it is narrow), as plain tab-separated lines when piped, or as JSON."""
+    import json
+
+    if output not in ("table", "json"):
+        fail(f"--output: must be table or json, not {output!r}", 2)
+    plain = [[_plain(cell) for cell in row] for row in rows]
+    if output == "json":
+        print(json.dumps([dict(zip(columns, row)) for row in plain], indent=2), flush=True)
+        return
+    if not console.is_terminal:
+        print("\t".join(columns))
+        for row in plain:
+            print("\t".join(row))
+        _sys.stdout.flush()
+        return
+    from rich.table import Table
+
+    keep = list(range(len(columns)))
+    if console.width < 100:
+        keep = [i for i in keep if columns[i] not in drop_narrow]
+    table = Table(*[columns[i] for i in keep], title=title, expand=False)
+    for column in table.columns:
+        column.overflow = "fold"
+    for row in rows:
+        table.add_row(*[row[i] if isinstance(row[i], str) or hasattr(row[i], "__rich__") or hasattr(row[i], "__rich_console__") else str(row[i]) for i in keep])
+    console.print(table)
+
+
+def _plain(cell) -> str:
+    from rich.text import Text
+
+    if isinstance(cell, str):
+        return Text.from_markup(cell).plain
+    return str(cell)

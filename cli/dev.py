@@ -95,6 +95,88 @@ async def _wait_for_server(settings: Settings, timeout: float = 60) -> None:
             await asyncio.sleep(0.5)
 
 
+#: The demo model `gpufleet dev` seeds into the source store (``deploy/rollout.demo.yaml``
+#: lists these files with their sha256): small, so a rollout on a fresh stack takes seconds.
+DEMO_STORE = "demo-weights"
+DEMO_PREFIX = "demo-llm/v1/"
+DEMO_FILES = {"config.json": 0, "tokenizer.json": 3_000,
+              "model-00001-of-00002.safetensors": 96 * 1024, "model-00002-of-00002.safetensors": 64 * 1024}
+
+
+def demo_model() -> dict[str, bytes]:
+    """The demo model's files: the same bytes on every machine (so the manifest's sha256 hold)."""
+    import hashlib
+
+    files = {}
+    for path, size in DEMO_FILES.items():
+        if path == "config.json":
+            files[path] = json.dumps({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+                                      "note": "gpufleet dev's demo model"}, indent=2).encode() + b"\n"
+            continue
+        block = hashlib.sha256(path.encode()).digest()
+        data, chunk = bytearray(), block
+        while len(data) < size:
+            chunk = hashlib.sha256(chunk).digest()
+            data += chunk
+        files[path] = bytes(data[:size])
+    return files
+
+
+def loopback_stores(config) -> dict[int, list]:
+    """The config's object stores served on this machine, by port (the dev stack's S3 emulator)."""
+    from urllib.parse import urlsplit
+
+    stores = list(config.object_stores.values()) + [s.object_store for s in config.sites if s.object_store]
+    found: dict[int, list] = {}
+    for store in stores:
+        url = urlsplit(store.endpoint_url or "")
+        if url.scheme == "http" and url.hostname in ("127.0.0.1", "localhost") and url.port:
+            found.setdefault(url.port, []).append(store)
+    return found
+
+
+def seed_stores(stores: list, source_name: str | None, source) -> None:
+    """Create every bucket; put the demo model into the demo source store (idempotent)."""
+    from providers.object_store import make_s3_client
+
+    for store in stores:
+        client = make_s3_client(store)
+        try:
+            client.head_bucket(Bucket=store.bucket)
+        except Exception:  # noqa: BLE001 - missing: create it
+            client.create_bucket(Bucket=store.bucket)
+    if source is not None and source_name == DEMO_STORE:
+        client = make_s3_client(source)
+        for path, data in demo_model().items():
+            client.put_object(Bucket=source.bucket, Key=f"{source.prefix}{DEMO_PREFIX}{path}", Body=data)
+
+
+def port_in_use(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def wait_for_port(port: int, timeout: float = 60) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 #: Each worker's Prometheus port in the dev stack (a busy one is swapped for a free one).
 DEV_METRICS_PORTS = {"control-plane": 9464, "node-agents": 9465}
 
@@ -113,7 +195,35 @@ def metrics_port(preferred: int) -> int:
     raise OSError("no free port")
 
 
+def front_door_line(start, port_in_use) -> str:
+    """Start the front door (HAProxy + simulated model servers) when HAProxy is installed;
+    the line to print either way."""
+    from cli.front_door import DEFAULT_PORT, front_door_command, missing_hint
+
+    command = front_door_command(sys.executable, DEFAULT_PORT)
+    if command is None:
+        return missing_hint()
+    if port_in_use(DEFAULT_PORT):
+        return f"front door       off: port {DEFAULT_PORT} is in use"
+    start("front-door", command)
+    return (f"front door       http://127.0.0.1:{DEFAULT_PORT}/<model>/v1/completions  "
+            "(HAProxy, sticky on x-session-id)")
+
+
 def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port: int = 7243) -> int:
+    from fleet.config import load_config
+
+    config = load_config(settings.config)
+    s3 = loopback_stores(config)
+    # Checked before anything starts: a busy port would otherwise surface as a child that
+    # exits a second after "gpufleet dev is up".
+    wanted = {"--port": port, "--ui-port": ui_port, "--http-port": http_port,
+              **{f"object store {next(iter(v)).endpoint_url}": p for p, v in s3.items()}}
+    for flag, number in wanted.items():
+        if port_in_use(number):
+            console.print(f"[red]error:[/] {flag}: port {number} is already in use on 127.0.0.1 "
+                          "(another `gpufleet dev`?); pick another")
+            return 2
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     settings = settings.model_copy(update={"address": f"127.0.0.1:{port}", "state_dir": settings.state_dir.resolve()})
     # The dev server speaks plain gRPC: a shell's Temporal Cloud / mTLS settings must not reach it.
@@ -150,7 +260,16 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    # The dev S3 emulator accepts any key; the stores' credentials reference names this.
+    env.setdefault("GPUFLEET_DEV_S3_KEY", "gpufleet-dev:gpufleet-dev")
+    os.environ.setdefault("GPUFLEET_DEV_S3_KEY", env["GPUFLEET_DEV_S3_KEY"])
     try:
+        for s3_port in s3:
+            start(f"s3-{s3_port}", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)])
+        for s3_port, stores in s3.items():
+            wait_for_port(s3_port)
+            source = config.object_stores.get(DEMO_STORE)
+            seed_stores(stores, DEMO_STORE if source in stores else None, source)
         start("temporal", server_command(settings, port, ui_port, http_port))
         asyncio.run(_wait_for_server(settings))
         metrics = {"control-plane": metrics_port(DEV_METRICS_PORTS["control-plane"]),
@@ -160,15 +279,20 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
                                 "--metrics-port", str(metrics["control-plane"])])
         start("node-agents", [sys.executable, "-m", "workers.node_agent", "--sim",
                               "--metrics-port", str(metrics["node-agents"])])
+        front_door = front_door_line(start, port_in_use)
         console.print(f"[bold green]gpufleet dev is up[/]  (state in {settings.state_dir}, logs in {logs})")
         console.print(f"  Temporal UI      http://127.0.0.1:{ui_port}")
         console.print(f"  Temporal server  {settings.address}")
+        for s3_port in s3:
+            console.print(f"  object stores    http://127.0.0.1:{s3_port}  (S3 emulator; demo model in {DEMO_STORE})")
         for name, metrics_at in metrics.items():
             console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  ({name})")
         console.print(f"  HTTP API         http://127.0.0.1:{http_port}/api/v1/namespaces/{settings.namespace}")
+        console.print(f"  {front_door}")
         console.print("  try, in another shell:")
         console.print("    gpufleet sites")
         console.print("    gpufleet join --site lambda-us-east --wait")
+        console.print("    gpufleet rollout start deploy/rollout.demo.yaml")
         console.print("    gpufleet nodes")
         console.print("    gpufleet sim capacity nebius-eu-north 0")
         console.print("  Ctrl-C stops everything; running `gpufleet dev` again resumes open workflows.")

@@ -95,7 +95,17 @@ def _run_gameday(pick, heal_after, timeout, json_out, address, state_dir, config
     if cfg.mode != "sim":
         fail("game days break simulated sites only (config mode is not sim)", 2)
     sites = pick(cfg)
-    report = run(_gameday(config_, sites, heal_after, timeout))
+    import signal
+
+    # SIGTERM ends a game day like Ctrl-C does, so its `finally` heals the sites.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        report = run(_gameday(config_, sites, heal_after, timeout))
+    except KeyboardInterrupt:
+        console.print(f"interrupted: {', '.join(sites)} reachable again")
+        raise typer.Exit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     console.print(_durations_table(report))
     text = json.dumps(report, indent=2)
     console.print_json(text)
@@ -120,8 +130,17 @@ async def _gameday(settings, sites: list[str], heal_after: float, timeout: float
         before[site] = len(status.incident.history) if status and status.incident else 0
 
     broke_at = time.time()
-    for site in sites:
-        world.set_site(site, unreachable=1)
+    try:
+        for site in sites:
+            world.set_site(site, unreachable=1)
+        return await _watch(fleet, world, sites, before, broke_at, heal_after, timeout)
+    finally:  # never leave the sim broken: also on Ctrl-C, SIGTERM or an error
+        for site in sites:
+            world.set_site(site, unreachable=0)
+
+
+async def _watch(fleet, world, sites: list[str], before: dict[str, int], broke_at: float, heal_after: float,
+                 timeout: float) -> dict:
     state = {s: {"evacuation": "", "progress": None, "healed": None} for s in sites}
 
     def table() -> Table:
@@ -137,8 +156,32 @@ async def _gameday(settings, sites: list[str], heal_after: float, timeout: float
                       p.state if p else "watching")
         return t
 
+    printed: set[tuple[str, str]] = set()
+
+    def lines() -> None:
+        """Each milestone once, as it happens: a pipe or a log gets the timeline live too."""
+        for site in sites:
+            for label, seconds in _marks(state[site]["progress"], broke_at).items():
+                if (site, label) not in printed:
+                    printed.add((site, label))
+                    print(f"{time.strftime('%H:%M:%S')} {site}: {label} (+{seconds:.1f}s)", flush=True)
+
+    print(f"{time.strftime('%H:%M:%S')} {', '.join(sites)}: lost (machines cut off from the control plane)",
+          flush=True)
+
+    class _Lines:
+        def update(self, _table) -> None:
+            lines()
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            return None
+
     deadline = time.monotonic() + timeout
-    with Live(table(), console=console, refresh_per_second=4) as live:
+    view = Live(table(), console=console, refresh_per_second=4) if console.is_terminal else _Lines()
+    with view as live:
         while time.monotonic() < deadline:
             for site in sites:
                 s = state[site]
@@ -158,15 +201,15 @@ async def _gameday(settings, sites: list[str], heal_after: float, timeout: float
                 drained = p is not None and any(step.name == "drained" for step in p.timeline)
                 if drained and s["healed"] is None:
                     s["healed"] = time.time() + heal_after
-                if s["healed"] is not None and time.time() >= s["healed"]:
+                if s["healed"] is not None and time.time() >= s["healed"] and s["healed"] > 0:
                     world.set_site(site, unreachable=0)
+                    s["healed"] = -1.0  # once
+                    print(f"{time.strftime('%H:%M:%S')} {site}: healed (reachable again)", flush=True)
             live.update(table())
             if all(s["progress"] is not None and s["progress"].state in ("restored", "aborted")
                    for s in state.values()):
                 break
             await asyncio.sleep(0.25)
-    for site in sites:  # never leave the sim broken
-        world.set_site(site, unreachable=0)
     return {
         "broke_at": broke_at,
         "sites": {

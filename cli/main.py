@@ -9,12 +9,17 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from cli import capacity as capacity_commands
 from cli.cluster import cluster_app
 from cli.common import (
     Address,
+    OutputFormat,
+    failure,
+    show_rows,
     ConfigPath,
     StateDir,
     console,
@@ -48,7 +53,9 @@ app.add_typer(cluster_app, name="cluster")
 app.add_typer(rollout_app, name="rollout")
 app.add_typer(repair_app, name="repair")
 app.add_typer(gameday_app, name="gameday")
+app.add_typer(__import__("cli.weights", fromlist=["weights_app"]).weights_app, name="weights")
 app.command("top")(__import__("cli.top", fromlist=["top"]).top)  # the live view; its imports load only when used
+app.command("advisor")(__import__("cli.advisor", fromlist=["advisor"]).advisor)
 
 
 # -- dev stack -------------------------------------------------------------------------------
@@ -95,11 +102,32 @@ def join(
     wait: Annotated[bool, typer.Option(help="wait and show progress until every node is ready")] = False,
     request: Annotated[Optional[str], typer.Option(help="request id (default: random)")] = None,
     address: Address = "localhost:7233",
+    state_dir: StateDir = Path(".gpufleet"),
+    config: ConfigPath = None,
 ) -> None:
     """Join nodes at a site: one NodeJoin workflow per node."""
     if count < 1:
         fail("--count: must be at least 1", 2)
-    run(_join(settings(address), site, count, wait, request or uuid.uuid4().hex[:8]))
+    _check_join(state_dir, config, site, count)
+    run(_join(settings(address, state_dir, config), site, count, wait, request or uuid.uuid4().hex[:8]))
+
+
+def _check_join(state_dir: Path, config: str | None, site: str, count: int) -> None:
+    """Refuse before anything starts: an unknown site, or more nodes than the site can still
+    take (its max_nodes less the nodes it has; NodeJoin itself refuses count > max_nodes)."""
+    env = fleet_env(state_dir, config)
+    try:
+        where = env.config.site(site)
+    except KeyError:
+        fail(f"--site: unknown site {site!r}; known: {', '.join(s.name for s in env.config.sites)}", 2)
+    try:
+        have = sum(n.labels.get("gpufleet.io/site") == site for n in env.cluster.list_nodes())
+    except Exception:  # noqa: BLE001 - the cluster cannot be read from here: the workflow still checks max_nodes
+        have = 0
+    room = max(where.max_nodes - have, 0)
+    if count > room:
+        fail(f"--count: {site} can take {room} more node(s) (max_nodes {where.max_nodes}, {have} there now); "
+             f"asked for {count}", 2)
 
 
 async def _join(settings: Settings, site: str, count: int, wait: bool, request: str) -> None:
@@ -129,7 +157,24 @@ async def _join(settings: Settings, site: str, count: int, wait: bool, request: 
 
     states = {h.id: "starting" for h in handles}
     failures = []
-    with Live(render(states), console=console, refresh_per_second=4) as live:
+    # Piped, a live table would print nothing useful: each change is one plain line instead.
+    live_view = Live(render(states), console=console, refresh_per_second=4) if console.is_terminal else None
+    shown: dict[str, str] = {}
+
+    class _Plain:
+        def update(self, _table) -> None:
+            for wid, step in states.items():
+                if shown.get(wid) != step:
+                    shown[wid] = step
+                    print(f"{wid}: {Text.from_markup(step).plain}", flush=True)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> None:
+            return None
+
+    with (live_view or _Plain()) as live:
         pending = {h.id: asyncio.ensure_future(h.result()) for h in handles}
         while pending:
             await asyncio.wait(pending.values(), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
@@ -143,10 +188,9 @@ async def _join(settings: Settings, site: str, count: int, wait: bool, request: 
                         result = task.result()
                         states[handle.id] = "[green]ready[/] " + ", ".join(n.node_name for n in result.nodes)
                     except WorkflowFailureError as error:
-                        cause = error.cause
-                        kind = getattr(cause, "type", None) or type(cause).__name__
-                        states[handle.id] = f"[red]{kind}[/]: {cause}"
-                        failures.append((handle.id, kind, str(cause)))
+                        kind, message = failure(error)
+                        states[handle.id] = f"[red]{escape(message)}[/]"
+                        failures.append((handle.id, kind, message))
                 else:
                     try:
                         states[handle.id] = (await fleet.join_progress(handle.id)).step
@@ -154,8 +198,8 @@ async def _join(settings: Settings, site: str, count: int, wait: bool, request: 
                         pass
             live.update(render(states))
     if failures:
-        for wid, kind, message in failures:
-            err.print(f"[red]{wid} failed: {kind}: {message}[/]")
+        for wid, _kind, message in failures:
+            err.print(f"[red]{wid} failed:[/] {escape(message)}")
         raise typer.Exit(1)
 
 
@@ -163,15 +207,15 @@ async def _join(settings: Settings, site: str, count: int, wait: bool, request: 
 
 
 @app.command()
-def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
+def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, output: OutputFormat = "table") -> None:
     """Every site: provider, GPUs, price, min/max, nodes now (and the sim's knobs)."""
     env = fleet_env(state_dir, config)
     nodes = env.cluster.list_nodes()
-    table = Table("site", "provider", "region", "geo", "GPU", "$/GPU-h", "type", "min", "max", "nodes", title="sites")
+    columns = ["site", "provider", "region", "geo", "GPU", "$/GPU-h", "type", "min", "max", "ready/nodes"]
     sim = {row["name"]: row for row in env.world.sites()} if env.world else {}
     if sim:
-        for column in ("capacity", "quota", "latency", "reachable"):
-            table.add_column(column)
+        columns += ["capacity", "quota", "latency", "reachable"]
+    rows = []
     for site in env.config.sites:
         here = [n for n in nodes if n.labels.get("gpufleet.io/site") == site.name]
         row = [site.name, site.provider, site.region, site.geography or "", f"{site.gpus_per_machine}x {site.gpu}",
@@ -181,20 +225,20 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) ->
             s = sim[site.name]
             row += [str(s["capacity"]), str(s["quota"]), f"{s['api_latency_ms']} ms",
                     "[red]no[/]" if s["unreachable"] else "yes"]
-        table.add_row(*row)
-    console.print(table)
+        rows.append(row)
+    show_rows("sites", columns, rows, output, drop_narrow=("region", "geo", "type", "min", "latency"))
 
 
 @app.command()
-def nodes(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
+def nodes(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, output: OutputFormat = "table") -> None:
     """Cluster nodes with their site, readiness and taints."""
     env = fleet_env(state_dir, config)
-    table = Table("node", "site", "provider", "GPU", "ready", "schedulable", "taints", "machine", title="nodes")
-    for node in env.cluster.list_nodes():
-        table.add_row(node.name, node.labels.get("gpufleet.io/site", ""), node.labels.get("gpufleet.io/provider", ""),
-                      node.labels.get("nvidia.com/gpu.product", ""), "yes" if node.ready else "[red]no[/]",
-                      "[yellow]cordoned[/]" if node.unschedulable else "yes", ", ".join(node.taints), node.machine_id)
-    console.print(table)
+    rows = [[node.name, node.labels.get("gpufleet.io/site", ""), node.labels.get("gpufleet.io/provider", ""),
+             node.labels.get("nvidia.com/gpu.product", ""), "yes" if node.ready else "[red]no (NotReady)[/]",
+             "[yellow]cordoned[/]" if node.unschedulable else "yes", ", ".join(node.taints), node.machine_id]
+            for node in env.cluster.list_nodes()]
+    show_rows("nodes", ["node", "site", "provider", "GPU", "ready", "schedulable", "taints", "machine"], rows, output,
+              drop_narrow=("provider", "GPU", "machine"))
 
 
 @app.command("search-attributes")
@@ -286,14 +330,14 @@ def sim_fault(
 
 @sim_app.command("machines")
 def sim_machines(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
-                 all_: Annotated[bool, typer.Option("--all", help="include deleted")] = False) -> None:
+                 all_: Annotated[bool, typer.Option("--all", help="include deleted")] = False,
+                 output: OutputFormat = "table") -> None:
     """Machines the simulated providers hold."""
     world = sim_world(state_dir, config)
-    table = Table("machine", "name", "site", "type", "reboots", "deleted", title="simulated machines")
-    for m in world.machines(include_deleted=all_):
-        table.add_row(m["id"], m["name"], m["site"], m["instance_type"], str(m["reboots"]),
-                      "yes" if m["deleted_at"] else "")
-    console.print(table)
+    rows = [[m["id"], m["name"], m["site"], m["instance_type"], str(m["reboots"]), "yes" if m["deleted_at"] else ""]
+            for m in world.machines(include_deleted=all_)]
+    show_rows("simulated machines", ["machine", "name", "site", "type", "reboots", "deleted"], rows, output,
+              drop_narrow=("type", "reboots"))
 
 
 def main() -> None:

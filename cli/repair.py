@@ -7,11 +7,12 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from cli.common import Address, console, err, fleet_client, run, settings
+from cli.common import Address, OutputFormat, console, err, fleet_client, run, settings, show_rows
 
 repair_app = typer.Typer(no_args_is_help=True)
 Node = Annotated[str, typer.Argument(help="node name")]
 Gpu = Annotated[int, typer.Argument(help="GPU index")]
+Reason = Annotated[str, typer.Option("--reason", help="why (shown in the repair's details)")]
 
 
 @repair_app.callback()
@@ -23,7 +24,7 @@ def _fleet(address: str):
     return fleet_client(settings(address))
 
 
-def _run(coro):
+def _run(coro, node: str | None = None, gpu: int | None = None):
     from client import InvalidArgument, NotFound, Rejected
 
     try:
@@ -35,26 +36,33 @@ def _run(coro):
         err.print(f"[red]refused:[/] {error}")
         raise typer.Exit(1) from None
     except NotFound as error:
+        if node is not None and gpu is not None:
+            # Faults reach the Node entity within a second, and its repair starts after the
+            # Site entity admits it (a few seconds): say so rather than "workflow not found".
+            err.print(f"[yellow]no repair of {node} GPU {gpu} has started yet[/] (a fault is reported at once; "
+                      "the repair starts once the site admits it, within seconds): try again shortly, "
+                      f"or see `gpufleet repair node {node}`")
+            raise typer.Exit(1) from None
         err.print(f"[red]error:[/] {error}")
         raise typer.Exit(1) from None
 
 
 def _show_ladder(state) -> None:
     flags = " [yellow](held)[/]" if state.held else ""
-    console.print(f"[bold]{state.node_name}[/] GPU {state.gpu}: rung [bold]{state.rung}[/], {state.step}{flags}"
-                  + (f" → {state.outcome}" if state.outcome else ""))
+    # "step → outcome" only when they differ: a finished ladder's step already is its outcome.
+    outcome = f" → {state.outcome}" if state.outcome and state.outcome != state.step else ""
+    console.print(f"[bold]{state.node_name}[/] GPU {state.gpu}: rung [bold]{state.rung}[/], {state.step}{flags}{outcome}")
     if state.reasons:
         console.print("  why: " + "; ".join(state.reasons))
-    table = Table("rung", "outcome", "started", "finished", "detail")
-    for a in state.attempts:
-        table.add_row(a.rung, a.outcome, f"{a.started_at:%H:%M:%S}",
-                      f"{a.finished_at:%H:%M:%S}" if a.finished_at else "", a.detail)
-    console.print(table)
+    show_rows("attempts", ["rung", "outcome", "started", "finished", "detail"],
+              [[a.rung, a.outcome, f"{a.started_at:%H:%M:%S}", f"{a.finished_at:%H:%M:%S}" if a.finished_at else "",
+                a.detail] for a in state.attempts], drop_narrow=("started",))
 
 
 @repair_app.command("list")
 def list_repairs(
     all_: Annotated[bool, typer.Option("--all", help="include finished repairs")] = False,
+    output: OutputFormat = "table",
     address: Address = "localhost:7233",
 ) -> None:
     """Repairs, with their node, GPU, rung and state."""
@@ -62,27 +70,35 @@ def list_repairs(
     async def go() -> None:
         client = await _fleet(address).temporal()
         query = "WorkflowType = 'GpuRepair'" + ("" if all_ else " AND ExecutionStatus = 'Running'")
-        table = Table("workflow", "node", "GPU", "rung", "state", "status")
+        rows = []
         async for wf in client.list_workflows(query):
             sa = wf.search_attributes
-            table.add_row(wf.id, str((sa.get("NodeName") or [""])[0]), str((sa.get("GpuIndex") or [""])[0]),
-                          str((sa.get("RepairRung") or [""])[0]), str((sa.get("FleetState") or [""])[0]),
-                          wf.status.name.lower() if wf.status else "")
-        console.print(table)
+            rows.append([wf.id, str((sa.get("NodeName") or [""])[0]), str((sa.get("GpuIndex") or [""])[0]),
+                         str((sa.get("RepairRung") or [""])[0]), str((sa.get("FleetState") or [""])[0]),
+                         wf.status.name.lower() if wf.status else ""])
+        show_rows("repairs", ["workflow", "node", "GPU", "rung", "state", "status"], rows, output,
+                  drop_narrow=("workflow",))
 
     _run(go())
 
 
 @repair_app.command("show")
-def show(node: Node, gpu: Gpu, address: Address = "localhost:7233") -> None:
+def show(node: Node, gpu: Gpu, output: OutputFormat = "table", address: Address = "localhost:7233") -> None:
     """The ladder of one GPU: current rung and every attempt."""
-    _show_ladder(_run(_fleet(address).repair_ladder(node, gpu)))
+    state = _run(_fleet(address).repair_ladder(node, gpu), node, gpu)
+    if output == "json":
+        print(state.model_dump_json(indent=2), flush=True)
+        return
+    _show_ladder(state)
 
 
 @repair_app.command("node")
-def node_status(node: Node, address: Address = "localhost:7233") -> None:
+def node_status(node: Node, output: OutputFormat = "table", address: Address = "localhost:7233") -> None:
     """The Node entity: state, running repairs, counters, recent decisions."""
     s = _run(_fleet(address).node_status(node))
+    if output == "json":
+        print(s.model_dump_json(indent=2), flush=True)
+        return
     console.print(f"[bold]{s.node_name}[/] ({s.site or 'site unknown'}): {s.state}, boot {s.boot_id[:8]}, "
                   f"{s.reports} reports, {s.remediations} remediations in the window")
     for index, wid in sorted(s.active_repairs.items()):
@@ -94,15 +110,15 @@ def node_status(node: Node, address: Address = "localhost:7233") -> None:
 
 
 @repair_app.command("hold")
-def hold(node: Node, gpu: Gpu, address: Address = "localhost:7233") -> None:
+def hold(node: Node, gpu: Gpu, reason: Reason = "", address: Address = "localhost:7233") -> None:
     """Stay contained and do nothing at the next step until released."""
-    _show_ladder(_run(_fleet(address).hold_repair(node, gpu)))
+    _show_ladder(_run(_fleet(address).hold_repair(node, gpu, reason), node, gpu))
 
 
 @repair_app.command("release")
-def release(node: Node, gpu: Gpu, address: Address = "localhost:7233") -> None:
+def release(node: Node, gpu: Gpu, reason: Reason = "", address: Address = "localhost:7233") -> None:
     """Let a held ladder go on."""
-    _show_ladder(_run(_fleet(address).release_repair(node, gpu)))
+    _show_ladder(_run(_fleet(address).release_repair(node, gpu, reason), node, gpu))
 
 
 @repair_app.command("skip-to")
@@ -119,4 +135,4 @@ def skip_to(
     except ValueError:
         err.print(f"[red]error:[/] rung must be one of {', '.join(r.value for r in Rung)}")
         raise typer.Exit(2) from None
-    _show_ladder(_run(_fleet(address).skip_repair_to(node, gpu, target)))
+    _show_ladder(_run(_fleet(address).skip_repair_to(node, gpu, target), node, gpu))

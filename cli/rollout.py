@@ -10,7 +10,7 @@ import yaml
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 
-from cli.common import Address, console, err, fleet_client, run, settings
+from cli.common import Address, OutputFormat, console, err, fleet_client, run, settings, show_rows
 
 rollout_app = typer.Typer(no_args_is_help=True)
 Reason = Annotated[str, typer.Option("--reason", help="why (shown in the workflow's details)")]
@@ -31,6 +31,7 @@ def _id(rollout_id: str) -> str:
 @rollout_app.command("start")
 def start(
     file: Annotated[Path, typer.Argument(help="rollout spec (YAML or JSON): model, version, weights, image, sites...")],
+    wait: Annotated[bool, typer.Option(help="print each change until the rollout ends; exit 1 unless it completed")] = False,
     address: Address = "localhost:7233",
 ) -> None:
     """Start a ModelRollout (idempotent: the same model/version attaches to the running one)."""
@@ -50,12 +51,49 @@ def start(
             err.print(f"  {'(top level)' if where == '(input)' else where}: {message}")
         raise typer.Exit(2) from None
     console.print(f"started [bold]{handle.id}[/]")
+    if wait:
+        raise typer.Exit(run(_wait(fleet, handle)))
+
+
+async def _wait(fleet, handle) -> int:
+    """Plain lines (a terminal and a pipe read the same): the phase and each site's state as they change."""
+    import asyncio
+
+    from temporalio.client import WorkflowFailureError
+
+    from cli.common import failure
+
+    result = asyncio.ensure_future(handle.result())
+    seen: dict[str, str] = {}
+    while True:
+        done = result.done()
+        try:
+            progress = await fleet.rollout_progress(handle.id)
+        except Exception:  # noqa: BLE001 - not queryable yet (first task) or already gone
+            progress = None
+        if progress is not None:
+            for key, line in [("phase", f"{handle.id}: {progress.phase}" + (f" ({progress.reason})" if progress.reason else ""))] + [
+                    (s.site, f"  {s.site}: {s.state.value}" + (f" - {s.detail}" if s.detail else "")) for s in progress.sites]:
+                if seen.get(key) != line:
+                    seen[key] = line
+                    print(line, flush=True)
+        if done:
+            break
+        await asyncio.wait([result], timeout=1.0)
+    try:
+        outcome = result.result()
+    except WorkflowFailureError as error:
+        err.print(f"[red]{handle.id} failed:[/] {failure(error)[1]}")
+        return 1
+    print(f"{handle.id}: {outcome.outcome}", flush=True)
+    return 0 if outcome.outcome == "completed" else 1
 
 
 @rollout_app.command("status")
 def status(
     rollout_id: RolloutId,
     as_json: Annotated[bool, typer.Option("--json", help="print the progress as JSON")] = False,
+    output: OutputFormat = "table",
     address: Address = "localhost:7233",
 ) -> None:
     """Phase, and per site: state, a weights progress bar, and what it is doing."""
@@ -71,13 +109,26 @@ def status(
         state = status_.status.name.lower() if status_.status else "unknown"
         console.print(f"{_id(rollout_id)}: starting ({state})")
         return
-    if as_json:
-        console.print_json(progress.model_dump_json())
+    if as_json or output == "json":
+        print(progress.model_dump_json(indent=2), flush=True)
         return
     title = f"{progress.rollout_id}: {progress.phase}" + (" (paused)" if progress.paused else "")
     if progress.batches:
         title += f", batch {progress.batch}/{progress.batches}"
-    table = Table("site", "replicas", "state", "weights", "", "detail", title=title)
+    if not console.is_terminal:
+        print(title)
+        rows = []
+        for site in progress.sites:
+            done, total = site.bytes_done, site.bytes_total
+            if site.site in live:
+                done, total = live[site.site].get("bytes_done", done), live[site.site].get("bytes_total", total) or total
+            rows.append([site.site + (" (canary)" if site.canary else ""), str(site.replicas), site.state.value,
+                         f"{100 * done / total:.0f}%" if total else "-", site.detail])
+        show_rows(title, ["site", "replicas", "state", "weights", "detail"], rows)
+        if progress.reason:
+            print(progress.reason, flush=True)
+        return
+    table = Table("site", "replicas", "state", "weights", "copied", "detail", title=title)
     for site in progress.sites:
         done, total = site.bytes_done, site.bytes_total
         if site.site in live:

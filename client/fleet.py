@@ -27,10 +27,11 @@ from temporalio.service import RPCError, RPCStatusCode
 from client.errors import InvalidArgument, NotFound, Rejected, Unreachable
 from fleet import search_attributes as sa
 from fleet.config import ConfigError, FleetConfig, load_config
+from fleet.messages.advisor import AdvisorInput, AdvisorReport
 from fleet.messages.capacity import AccountStatus, CapacityProgress, CapacityRequest, CapacityResult, QuotaRaised, SiteInput, SiteStatus
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, SiteEvacuationInput
 from fleet.messages.join import JoinProgress, NodeJoinInput, NodeJoinResult
-from fleet.messages.repair import LadderState, NodeStatus, SkipToInput
+from fleet.messages.repair import HoldInput, LadderState, NodeStatus, SkipToInput
 from fleet.naming import account_workflow_id, capacity_workflow_id, join_workflow_id, site_workflow_id
 from fleet.repair_policy import Rung
 from fleet.rollout import RolloutInput, RolloutProgress, RolloutResult
@@ -162,6 +163,14 @@ class FleetClient:
     async def start_rollout(self, request: RolloutInput | Mapping[str, Any]) -> WorkflowHandle[Any, RolloutResult]:
         """Start ModelRollout ``rollout/<model>/<version>`` (the same version attaches)."""
         args = validate(RolloutInput, request, "rollout")
+        config = self.config()
+        if config is not None:  # the workflow checks the same against its own config
+            from fleet.rollout import check_source
+
+            problems = check_source(args, config.object_stores)
+            if problems:
+                field, _, message = problems[0].partition(": ")
+                raise InvalidArgument([(field, message)], "rollout")
         client = await self.temporal()
         return await client.start_workflow(
             "ModelRollout", _payload(args), id=args.rollout_id, task_queue=self.settings.task_queue,
@@ -207,12 +216,14 @@ class FleetClient:
     async def repair_ladder(self, node: str, gpu: int) -> LadderState:
         return await self._query(self._repair_id(node, gpu), "ladder", LadderState)
 
-    async def hold_repair(self, node: str, gpu: int) -> LadderState:
+    async def hold_repair(self, node: str, gpu: int, reason: str = "") -> LadderState:
         """Stay contained and do nothing at the next step until released."""
-        return await self._update(self._repair_id(node, gpu), "hold", [], LadderState)
+        held = validate(HoldInput, {"reason": reason})
+        return await self._update(self._repair_id(node, gpu), "hold", [_payload(held)], LadderState)
 
-    async def release_repair(self, node: str, gpu: int) -> LadderState:
-        return await self._update(self._repair_id(node, gpu), "release", [], LadderState)
+    async def release_repair(self, node: str, gpu: int, reason: str = "") -> LadderState:
+        released = validate(HoldInput, {"reason": reason})
+        return await self._update(self._repair_id(node, gpu), "release", [_payload(released)], LadderState)
 
     async def skip_repair_to(self, node: str, gpu: int, rung: Rung | str | SkipToInput) -> LadderState:
         """Go to ``rung`` next (also re-enters an exhausted ladder)."""
@@ -336,6 +347,22 @@ class FleetClient:
         if found is None:
             raise NotFound(site_workflow_id(site), f"no evacuation is running at {site}")
         return found
+
+    # -- the advisor (read-only) -----------------------------------------------------------
+    async def start_advisor(self, request: AdvisorInput | Mapping[str, Any] | None = None
+                            ) -> WorkflowHandle[Any, AdvisorReport]:
+        """Start Advisor ``advisor/<since>`` (or attach to the one running for that period)."""
+        args = validate(AdvisorInput, request or {}, "advisor")
+        client = await self.temporal()
+        return await client.start_workflow(
+            "Advisor", _payload(args), id=f"advisor/{args.since}", task_queue=self.settings.task_queue,
+            id_conflict_policy=USE_EXISTING, result_type=AdvisorReport,
+            static_summary=f"advisor: last {args.since}, cost now vs the cheapest qualifying placement",
+        )
+
+    async def advisor(self, request: AdvisorInput | Mapping[str, Any] | None = None) -> AdvisorReport:
+        """The advisor's report (starts the run, waits for it)."""
+        return await (await self.start_advisor(request)).result()
 
     # -- the two primitives ----------------------------------------------------------------
     async def _query(self, workflow_id: str, name: str, result_type: type[M]) -> M:

@@ -9,6 +9,8 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
+from fleet.weights_pull import WeightsPull
+
 #: Taint every new node carries until its smoke test passes.
 UNPROVEN_TAINT = "gpufleet.io/unproven:NoSchedule"
 LABEL_SITE = "gpufleet.io/site"
@@ -80,6 +82,9 @@ class ServingSpec(BaseModel):
     #: Extra replicas a rollout may start before old ones stop: > 0 loses no
     #: capacity during an update (needs spare GPUs); 0 replaces one at a time.
     max_surge: int = Field(1, ge=0)
+    #: Verified weights on the node: an init step pulls them into the node-local cache
+    #: (``fleet.weights_pull``) and the server reads them from there; supersedes ``weights_path``.
+    weights: WeightsPull | None = None
 
 
 class ServingStatus(BaseModel):

@@ -98,6 +98,14 @@ class Site(_Strict):
     incident: IncidentSettings | None = None
 
 
+class SweepSettings(_Strict):
+    """``sweep:`` in sites.yaml: FleetSweep, the bound on any leaked machine (README, "Leaks")."""
+
+    #: A fleet-marked machine no join and no node accounts for is deleted once it is this old:
+    #: long enough for a join to provision and register (its node then accounts for it).
+    grace_seconds: float = Field(1800, ge=60, le=7 * 86400, allow_inf_nan=False)
+
+
 class FleetConfig(_Strict):
     #: ``sim`` drives every site through the simulated provider and cluster.
     mode: Literal["sim", "real"] = "sim"
@@ -111,6 +119,11 @@ class FleetConfig(_Strict):
     repair: RepairSettings = Field(default_factory=RepairSettings)
     #: Provider-incident rule (fleet.incident) for every site without its own ``incident:``.
     incident: IncidentSettings = Field(default_factory=IncidentSettings)
+    #: Named S3-compatible stores a rollout manifest may copy weights from (``weights.source.store``).
+    #: Endpoints and credentials live here, with the operator, so whoever writes a manifest
+    #: cannot point the control plane's credentials at a server of their choosing.
+    object_stores: dict[str, ObjectStore] = Field(default_factory=dict)
+    sweep: SweepSettings = Field(default_factory=SweepSettings)
 
     def incident_for(self, site: Site) -> IncidentSettings:
         return site.incident or self.incident
@@ -174,40 +187,58 @@ def parse_config(raw: Any, source: str = "<config>") -> FleetConfig:
             elif err["type"] == "missing" and err["loc"][-1] == "account":
                 message = "missing account reference"
             problems.append(f"{where}: {message}")
-        raise ConfigError(source, problems) from None
-    problems = _cross_check(config)
+        # The cross-field checks read the raw mapping, so one `config check` names every
+        # problem: an operator should not fix the field errors only to meet a second list.
+        raise ConfigError(source, problems + [p for p in _cross_check(raw) if p not in problems]) from None
+    problems = _cross_check(raw)
     if problems:
         raise ConfigError(source, problems)
     return config
 
 
-def _cross_check(config: FleetConfig) -> list[str]:
+def _entries(raw: dict[str, Any], key: str) -> list[tuple[int, dict[str, Any]]]:
+    value = raw.get(key)
+    return [(i, item) for i, item in enumerate(value) if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+def _cross_check(raw: dict[str, Any]) -> list[str]:
+    """Problems between fields and entries, on the raw mapping: an entry whose own fields
+    are wrong still takes part (its bad values are skipped, the field errors name them)."""
     problems: list[str] = []
+    real = raw.get("mode") == "real"
     seen: set[str] = set()
-    for i, account in enumerate(config.accounts):
-        if account.name in seen:
-            problems.append(f"accounts[{i}] ({account.name}).name: duplicate account")
-        seen.add(account.name)
-        if config.mode == "real" and account.credentials is None:
-            problems.append(f"accounts[{i}] ({account.name}).credentials: missing credentials reference")
-    accounts = {a.name: a for a in config.accounts}
+    accounts: dict[str, Any] = {}
+    for i, account in _entries(raw, "accounts"):
+        name = account.get("name")
+        where = f"accounts[{i}]" + (f" ({name})" if name else "")
+        if isinstance(name, str):
+            if name in seen:
+                problems.append(f"{where}.name: duplicate account")
+            seen.add(name)
+            accounts.setdefault(name, account.get("provider"))
+        if real and account.get("credentials") is None:
+            problems.append(f"{where}.credentials: missing credentials reference")
     seen = set()
-    for i, site in enumerate(config.sites):
-        where = f"sites[{i}] ({site.name})"
-        if site.name in seen:
-            problems.append(f"{where}.name: duplicate site")
-        seen.add(site.name)
-        if site.min_nodes > site.max_nodes:
-            problems.append(f"{where}.min_nodes: min_nodes ({site.min_nodes}) is greater than max_nodes ({site.max_nodes})")
-        if site.compliance and not site.geography:
+    for i, site in _entries(raw, "sites"):
+        name = site.get("name")
+        where = f"sites[{i}]" + (f" ({name})" if name else "")
+        if isinstance(name, str):
+            if name in seen:
+                problems.append(f"{where}.name: duplicate site")
+            seen.add(name)
+        low, high = site.get("min_nodes", 0), site.get("max_nodes")
+        if isinstance(low, int) and isinstance(high, int) and low > high:
+            problems.append(f"{where}.min_nodes: min_nodes ({low}) is greater than max_nodes ({high})")
+        if site.get("compliance") is True and not site.get("geography"):
             problems.append(f"{where}.compliance: a compliance site needs a geography")
-        account = accounts.get(site.account)
-        if account is None:
-            problems.append(f"{where}.account: unknown account reference {site.account!r}")
-        elif account.provider != site.provider:
-            problems.append(
-                f"{where}.account: account {site.account!r} is a {account.provider} account, site is {site.provider}"
-            )
+        account = site.get("account")
+        if isinstance(account, str):
+            if account not in accounts:
+                problems.append(f"{where}.account: unknown account reference {account!r}")
+            elif site.get("provider") in PROVIDERS and accounts[account] in PROVIDERS \
+                    and accounts[account] != site.get("provider"):
+                problems.append(f"{where}.account: account {account!r} is a {accounts[account]} account, "
+                                f"site is {site.get('provider')}")
     return problems
 
 

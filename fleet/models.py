@@ -115,6 +115,9 @@ class Machine(BaseModel):
     state: str = "pending"
     capacity_type: CapacityType = CapacityType.ON_DEMAND
     created_at: datetime | None = None
+    #: Whether it carries the fleet's ownership marker (each adapter defines its own: a tag,
+    #: a label, a name prefix, an allocation record). The sweep never touches one without.
+    owned: bool = False
 
 
 class XidEvent(BaseModel):

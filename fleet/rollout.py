@@ -45,8 +45,28 @@ class WeightFile(_Strict):
         return path
 
 
+class WeightsSource(_Strict):
+    """Where the weights come from: one of the fleet config's named ``object_stores``.
+
+    Only a name and a key prefix: the endpoint and the credentials are the operator's
+    (``sites.yaml``), never the manifest author's."""
+
+    store: str = Field(min_length=1, max_length=128, pattern=NAME)
+    #: Key prefix inside that store, relative to the store's own prefix ("" or ending in "/").
+    prefix: str = Field("", max_length=1024)
+
+    @field_validator("prefix")
+    @classmethod
+    def _relative_prefix(cls, prefix: str) -> str:
+        if prefix.startswith("/") or ".." in prefix.split("/"):
+            raise ValueError("must be a relative key prefix without '..'")
+        if prefix and not prefix.endswith("/"):
+            raise ValueError("must be empty or end with '/'")
+        return prefix
+
+
 class WeightsManifest(_Strict):
-    source: ObjectStore
+    source: WeightsSource
     files: list[WeightFile] = Field(min_length=1, max_length=100_000)
 
     @field_validator("files")
@@ -154,8 +174,28 @@ class RolloutInput(_Strict):
         return f"{store.prefix}models/{self.model}/{self.version}/"
 
 
+class _LegacyWeightsManifest(WeightsManifest):
+    source: ObjectStore  # type: ignore[assignment]
+
+
+class LegacyRolloutInput(RolloutInput):
+    """The manifest before sources came from the fleet config (``weights.source`` was a
+    whole store): only rollouts recorded before that change replay with it."""
+
+    weights: _LegacyWeightsManifest  # type: ignore[assignment]
+
+
 def rollout_id(model: str, version: str) -> str:
     return f"rollout/{model}/{version}"
+
+
+def check_source(request: RolloutInput, object_stores: Iterable[str]) -> list[str]:
+    """The manifest's source must name one of the fleet config's ``object_stores``."""
+    names = sorted(object_stores)
+    if request.weights.source.store in names:
+        return []
+    return [f"weights.source.store: unknown object store {request.weights.source.store!r}; "
+            + (f"known: {', '.join(names)}" if names else "the fleet config names none (object_stores:)")]
 
 
 def check_sites(request: RolloutInput, stores: dict[str, ObjectStore | None], known: Iterable[str]) -> list[str]:

@@ -8,10 +8,14 @@ from datetime import timedelta
 SCHEDULES = {
     "gpufleet-site-reconcile": ("SiteSweep", "site-sweep", "reconcile every site's min/max"),
     "gpufleet-catalog-refresh": ("CatalogRefresh", "catalog-refresh", "refresh provider offers, wake waiting requests"),
+    "gpufleet-fleet-sweep": ("FleetSweep", "fleet-sweep", "delete orphaned machines (fleet-marked, past the grace)"),
+    # Its runs are advisor/7d-<time>: the same series as `gpufleet advisor --since 7d`.
+    "gpufleet-advisor": ("Advisor", "advisor/7d", "advisor: last 7 days' cost vs the cheapest qualifying placement"),
 }
 
 
-async def apply_schedules(client, task_queue: str, site_every: float, catalog_every: float) -> list[tuple[str, str]]:
+async def apply_schedules(client, task_queue: str, site_every: float, catalog_every: float,
+                          sweep_every: float = 600, advisor_every: float = 86400) -> list[tuple[str, str]]:
     """Create or update each schedule (overlap SKIP). Returns (id, "created"|"updated")."""
     from temporalio.client import (
         Schedule,
@@ -24,7 +28,8 @@ async def apply_schedules(client, task_queue: str, site_every: float, catalog_ev
     )
     from temporalio.service import RPCError, RPCStatusCode
 
-    every = {"gpufleet-site-reconcile": site_every, "gpufleet-catalog-refresh": catalog_every}
+    every = {"gpufleet-site-reconcile": site_every, "gpufleet-catalog-refresh": catalog_every,
+             "gpufleet-fleet-sweep": sweep_every, "gpufleet-advisor": advisor_every}
     done = []
     for schedule_id, (workflow_type, workflow_id, what) in SCHEDULES.items():
         schedule = Schedule(

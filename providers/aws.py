@@ -264,6 +264,8 @@ class AwsProvider:
             state=STATES.get(instance.get("State", {}).get("Name", ""), "pending"),
             capacity_type=CapacityType.SPOT if spot else CapacityType.ON_DEMAND,
             created_at=instance.get("LaunchTime"),
+            # The ownership marker: every instance the fleet launches carries this tag.
+            owned=tags.get(MANAGED_TAG) == "gpufleet",
         )
 
     # -- Provider ---------------------------------------------------------------

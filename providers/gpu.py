@@ -43,11 +43,16 @@ class NvmlBackend:
     """A real node's GPUs. XID events are collected by a background waiter on
     ``nvmlEventSetWait`` and reported (then forgotten) by the next probe."""
 
-    def __init__(self) -> None:
-        import pynvml
+    def __init__(self, nvml=None) -> None:
+        """``nvml``: the pynvml module (default); tests pass a fake with the same calls."""
+        if nvml is None:
+            import pynvml as nvml
 
-        self.nvml = pynvml
-        pynvml.nvmlInit()
+        self.nvml = nvml
+        nvml.nvmlInit()
+        #: Called (from the waiter thread) after each XID event is recorded: the report loop
+        #: wakes on it instead of waiting for its next interval.
+        self.on_xid = None
         self._xids: dict[int, list[XidEvent]] = {}
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
@@ -81,6 +86,8 @@ class NvmlBackend:
                 self._xids.setdefault(index, []).append(
                     XidEvent(xid=int(data.eventData), at=datetime.now(timezone.utc), message="nvmlEventTypeXidCriticalError")
                 )
+            if self.on_xid is not None:
+                self.on_xid()
 
     def probe(self) -> list[GpuHealth]:
         nvml = self.nvml

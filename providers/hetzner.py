@@ -202,6 +202,8 @@ class HetznerProvider:
             state=STATES.get(server.status or "unknown", "pending"),
             capacity_type=CapacityType.ON_DEMAND,
             created_at=server.created,
+            # The ownership marker: the fleet labels every server it creates with its site.
+            owned=(server.labels or {}).get(SITE_LABEL) == self.site.name,
         )
 
     def _labels(self, spec: MachineSpec) -> dict[str, str]:

@@ -33,14 +33,15 @@ Quirks
     * ``reboot_machine`` is ``/instance-operations/restart`` (Lambda does not say
       whether it is a soft or hard restart).
     * ``list_machines`` returns live instances in the site's region of the site's
-      instance type: Lambda has no tags, so use an account (or a region and
-      instance type) that nothing else launches into.
+      instance type: Lambda has no tags, so the fleet's ownership marker is the
+      name (``<site>-<8 hex>``, ``is_fleet_name``); the sweep deletes only those.
     * Offers take the price from the API (``price_cents_per_hour`` / GPUs), falling
       back to ``site.price_per_gpu_hour``.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import httpx
@@ -97,6 +98,13 @@ STATES = {
     "preempted": "terminated",
 }
 GONE = {"terminating", "terminated", "preempted"}
+
+
+def is_fleet_name(name: str, site: str) -> bool:
+    """The ownership marker: Lambda has no tags or labels, so the instance name is it. The
+    fleet names every machine ``<site>-<8 hex>`` (``fleet.naming.node_name_for``); an
+    instance named otherwise was launched by someone else and is never swept."""
+    return re.fullmatch(re.escape(site) + r"-[0-9a-f]{8}", name) is not None
 
 
 def classify(status: int, code: str, overrides: dict[str, type[ProviderError]] | None = None) -> type[ProviderError]:
@@ -179,6 +187,7 @@ class LambdaProvider:
             instance_type=(instance.get("instance_type") or {}).get("name", ""),
             state=STATES.get(instance.get("status", ""), "pending"),
             capacity_type=CapacityType.ON_DEMAND,
+            owned=is_fleet_name(instance.get("name") or "", self.site.name),
         )
 
     def _live_instances(self) -> list[dict[str, Any]]:

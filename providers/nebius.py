@@ -348,6 +348,8 @@ class NebiusProvider:
             state=STATES.get(instance.status.state.name, "pending"),
             capacity_type=CapacityType.SPOT if preemptible else CapacityType.ON_DEMAND,
             created_at=instance.metadata.created_at,
+            # The ownership marker: the fleet labels every instance it creates with its site.
+            owned=instance.metadata.labels.get(SITE_LABEL) == self.site.name,
         )
 
     def _owned(self, instance: Instance) -> Machine:

@@ -7,18 +7,23 @@ Configuration
     is the ``/redfish/v1/Systems/<id>`` member, found by listing the collection
     when the BMC manages exactly one system.
     ``account.credentials`` names a secret holding ``user:password`` for the BMCs
-    (HTTP basic auth). Other options: ``state_file`` (allocation state, default
-    ``~/.local/state/gpufleet/own-dc-<account>.json``), ``verify_tls`` (default
+    (HTTP basic auth). Other options: ``state_file`` (allocation state when the
+    adapter is used on its own, default ``~/.local/state/gpufleet/own-dc-<account>.json``;
+    the control plane in ``mode: real`` ignores it and keeps the allocations in the
+    cluster, see below), ``verify_tls`` (default
     true; BMCs often have self-signed certificates), ``timeout`` (seconds, default
     30), ``boot_grace_seconds`` (how long a machine we just powered on may still
     report ``Off`` and count as ``pending``, default 600).
 
 Quirks
-    * Allocation lives in a local JSON state file, not on the BMC: writing
-      ``AssetTag`` is optional in Redfish and many BMCs (and sushy-tools) refuse it.
-      The file is locked with ``flock`` and replaced atomically, so concurrent
-      activities on one host are safe; run the own-dc activities on one worker
-      host, or put the file on storage every worker shares.
+    * Allocation (which machine is allocated to which node, under which
+      idempotency key) is not kept on the BMC: writing ``AssetTag`` is optional in
+      Redfish and many BMCs (and sushy-tools) refuse it. It lives in an injected
+      ``AllocationStore``: the control plane (``FleetEnv.provider``) injects
+      ``ClusterAllocations``, one state object per account in the Kubernetes API
+      changed by compare-and-swap, so a restarted or second worker never hands a
+      machine out twice. Used on its own, the adapter keeps a local JSON file
+      (``_StateFile``: locked with ``flock``, replaced atomically).
     * ``create_machine`` reserves the first free machine under the idempotency key
       (a repeat with the same key returns the same machine), sets a one-time PXE
       boot (``Boot.BootSourceOverrideTarget=Pxe``, ``BootSourceOverrideEnabled=Once``)
@@ -54,7 +59,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Protocol, TypeVar
 from urllib.parse import urljoin
 
 import httpx
@@ -70,6 +75,11 @@ from fleet.errors import (
 )
 from fleet.models import Machine, MachineSpec, Offer
 from providers.credentials import read_secret
+
+if TYPE_CHECKING:
+    from providers.cluster.base import Cluster
+
+T = TypeVar("T")
 
 PROVIDER = "own-dc"
 
@@ -138,6 +148,51 @@ def _parse_inventory(account: Account) -> dict[str, BmcMachine]:
     return machines
 
 
+class AllocationStore(Protocol):
+    """Where the pool's allocations live: ``{"allocations": {machine: {...}}}``."""
+
+    def read(self) -> dict[str, Any]:
+        ...
+
+    def update(self, change: Callable[[dict[str, Any]], T]) -> T:
+        """Run ``change`` on the state (it mutates it in place) and store the result
+        atomically; ``change`` may run more than once, so it must depend on nothing but
+        the state it is given. An exception from ``change`` stores nothing."""
+        ...
+
+
+#: The cluster port's state kind of the own-rack allocation objects.
+ALLOCATION_STATE = "own-dc"
+
+
+class ClusterAllocations:
+    """An account's allocations in one cluster state object, changed by compare-and-swap."""
+
+    def __init__(self, cluster: Cluster, account: str) -> None:
+        self.cluster = cluster
+        self.account = account
+
+    @staticmethod
+    def _state(data: dict[str, str]) -> dict[str, Any]:
+        return {"allocations": json.loads(data.get("allocations") or "{}")}
+
+    def read(self) -> dict[str, Any]:
+        return self._state(self.cluster.read_state(ALLOCATION_STATE, self.account))
+
+    def update(self, change: Callable[[dict[str, Any]], T]) -> T:
+        result: list[T] = []
+
+        def apply(data: dict[str, str]) -> dict[str, str] | None:
+            state = self._state(data)
+            before = json.dumps(state["allocations"], sort_keys=True)
+            result[:] = [change(state)]
+            after = json.dumps(state["allocations"], sort_keys=True)
+            return None if after == before else {**data, "allocations": after}
+
+        self.cluster.update_state(ALLOCATION_STATE, self.account, apply)
+        return result[0]
+
+
 class _StateFile:
     """``{"allocations": {machine: {...}}}`` in a JSON file, under an exclusive lock."""
 
@@ -174,6 +229,10 @@ class _StateFile:
     def read(self) -> dict[str, Any]:
         with self._locked():
             return self._read()
+
+    def update(self, change: Callable[[dict[str, Any]], T]) -> T:
+        with self.transaction() as state:
+            return change(state)
 
     def _read(self) -> dict[str, Any]:
         try:
@@ -302,13 +361,15 @@ class OwnDcProvider:
 
     name = PROVIDER
 
-    def __init__(self, site: Site, account: Account) -> None:
+    def __init__(self, site: Site, account: Account, allocations: AllocationStore | None = None) -> None:
         self.site = site
         self.account = account
         self.options = dict(account.options)
         self.inventory = _parse_inventory(account)
-        default_state = Path("~/.local/state/gpufleet").expanduser() / f"own-dc-{account.name}.json"
-        self.state = _StateFile(Path(self.options.get("state_file") or default_state).expanduser())
+        if allocations is None:
+            default_state = Path("~/.local/state/gpufleet").expanduser() / f"own-dc-{account.name}.json"
+            allocations = _StateFile(Path(self.options.get("state_file") or default_state).expanduser())
+        self.state: AllocationStore = allocations
 
     # -- plumbing ---------------------------------------------------------------
 
@@ -337,10 +398,12 @@ class OwnDcProvider:
         return allocation
 
     def _mark(self, machine_id: str, key: str, **changes: Any) -> None:
-        with self.state.transaction() as state:
+        def change(state: dict[str, Any]) -> None:
             allocation = state["allocations"].get(machine_id)
             if allocation and allocation.get("key") == key:
                 allocation.update(changes)
+
+        self.state.update(change)
 
     def _machine(self, machine_id: str, allocation: dict[str, Any], power_state: str | None) -> Machine:
         state = STATES.get(power_state or "", "pending")
@@ -360,11 +423,15 @@ class OwnDcProvider:
             state=state,
             capacity_type=self.site.capacity_type,
             created_at=datetime.fromisoformat(allocation["allocated_at"]) if allocation.get("allocated_at") else None,
+            # The ownership marker: the allocation record (BMCs have nowhere reliable to write one).
+            owned=bool(allocation.get("key")),
         )
 
     def _reserve(self, spec: MachineSpec, key: str) -> tuple[str, bool]:
         """(machine id, already provisioned) for this key; reserves a free machine if needed."""
-        with self.state.transaction() as state:
+        allocated_at = _now()
+
+        def change(state: dict[str, Any]) -> tuple[str, bool]:
             allocations = state["allocations"]
             for machine_id, allocation in allocations.items():
                 if allocation.get("key") == key and machine_id in self.inventory:
@@ -382,15 +449,19 @@ class OwnDcProvider:
                 "site": self.site.name,
                 "instance_type": spec.instance_type or self.site.instance_type,
                 "status": "provisioning",
-                "allocated_at": _now(),
+                "allocated_at": allocated_at,
             }
             return free[0], False
 
+        return self.state.update(change)
+
     def _release(self, machine_id: str, key: str | None = None) -> None:
-        with self.state.transaction() as state:
+        def change(state: dict[str, Any]) -> None:
             allocation = state["allocations"].get(machine_id)
             if allocation and (key is None or allocation.get("key") == key):
                 del state["allocations"][machine_id]
+
+        self.state.update(change)
 
     # -- Provider ---------------------------------------------------------------
 

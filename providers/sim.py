@@ -61,6 +61,9 @@ CREATE TABLE IF NOT EXISTS join_tokens (
     id TEXT PRIMARY KEY, secret_sha256 TEXT, node_name TEXT, machine_id TEXT,
     expires_at REAL, used_at REAL
 );
+CREATE TABLE IF NOT EXISTS actions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, machine_id TEXT, gpu INTEGER, op TEXT, at REAL
+);
 """
 
 #: How strong a repair clears a simulated fault: a fault clears at its rung or any stronger one.
@@ -156,6 +159,25 @@ class SimWorld(SqliteDb):
             )
         return now + seconds
 
+    def add_foreign_machine(self, site: str, name: str, age_seconds: float = 0.0) -> str:
+        """A machine someone else launched into the site's account (no fleet marker)."""
+        row = self.site_row(site)
+        machine_id = f"foreign-{uuid.uuid4().hex[:12]}"
+        created = _now() - age_seconds
+        with self.tx() as db:
+            db.execute(
+                "INSERT INTO machines(id, idempotency_key, name, site, account, instance_type, capacity_type,"
+                " gpu, gpus, created_at, boot_at, boot_id) VALUES (?,NULL,?,?,?,?,?,?,?,?,?,?)",
+                (machine_id, name, site, row["account"], "other", "on-demand", "H100", 0, created, created,
+                 uuid.uuid4().hex),
+            )
+        return machine_id
+
+    def age_machine(self, machine_id: str, seconds: float) -> None:
+        """Move a machine's creation time ``seconds`` into the past (tests of the sweep's grace)."""
+        with self.tx() as db:
+            db.execute("UPDATE machines SET created_at = created_at - ? WHERE id=?", (seconds, machine_id))
+
     def reclaim_notices(self) -> dict[str, float]:
         """machine id → termination time, for every posted notice (what each machine's IMDS answers)."""
         return {row[0]: row[1] for row in self.query("SELECT machine_id, terminate_at FROM reclaim_notices")}
@@ -250,6 +272,17 @@ class SimWorld(SqliteDb):
             db.execute("DELETE FROM bootstrap WHERE machine_id=?", (machine_id,))
         return row["token"] if row else None
 
+    def actions(self, machine_id: str | None = None) -> list[sqlite3.Row]:
+        """Every disruptive action that took effect (reboot, reinstall, delete, gpu_reset,
+        driver_reinstall), oldest first: what a soak counts to find an action repeated by a retry."""
+        if machine_id is None:
+            return self.query("SELECT * FROM actions ORDER BY id")
+        return self.query("SELECT * FROM actions WHERE machine_id=? ORDER BY id", machine_id)
+
+    def record_action(self, db: sqlite3.Connection, machine_id: str, op: str, gpu: int | None = None) -> None:
+        """Inside the transaction that made the change, so a crash cannot split them."""
+        db.execute("INSERT INTO actions(machine_id, gpu, op, at) VALUES (?,?,?,?)", (machine_id, gpu, op, _now()))
+
     def count_call(self, account: str, op: str) -> None:
         with self.tx() as db:
             db.execute(
@@ -271,6 +304,9 @@ def _machine(row: sqlite3.Row, provider: str) -> Machine:
         id=row["id"], name=row["name"], site=row["site"], provider=provider,
         instance_type=row["instance_type"], state=state,
         capacity_type=CapacityType(row["capacity_type"]), created_at=_utc(row["created_at"]),
+        # The ownership marker: the fleet creates every machine under an idempotency key;
+        # ``add_foreign_machine`` (someone else's) has none.
+        owned=row["idempotency_key"] is not None,
     )
 
 
@@ -356,6 +392,7 @@ class SimProvider:
             if changed:
                 db.execute("UPDATE sites SET capacity = capacity + 1 WHERE name=?", (self.site.name,))
                 db.execute("DELETE FROM bootstrap WHERE machine_id=?", (machine_id,))
+                self.world.record_action(db, machine_id, "delete")
 
     def get_machine(self, machine_id: str) -> Machine:
         self._call("get")
@@ -373,6 +410,7 @@ class SimProvider:
                 f"UPDATE machines SET boot_at=?, boot_id=?, {op}s = {op}s + 1 WHERE id=?",
                 (_now() + site["boot_seconds"], uuid.uuid4().hex, machine_id),
             )
+            self.world.record_action(db, machine_id, op)
         self.world.clear_faults(machine_id, rung)
 
     def reboot_machine(self, machine_id: str) -> None:
@@ -416,9 +454,13 @@ class SimGpuBackend:
         if self.world.gpu_held(self.machine_id, index):
             raise RuntimeError(f"GPU {index}: reset refused, processes still hold the GPU")
         cleared = self.world.clear_faults(self.machine_id, "reset", index)
+        with self.world.tx() as db:
+            self.world.record_action(db, self.machine_id, "gpu_reset", index)
         return f"GPU {index} reset ({cleared} simulated faults cleared)"
 
     def reinstall_driver(self) -> str:
         """Driver reinstall, simulated: clears what a reinstall clears, boot id unchanged."""
         cleared = self.world.clear_faults(self.machine_id, "reinstall")
+        with self.world.tx() as db:
+            self.world.record_action(db, self.machine_id, "driver_reinstall")
         return f"driver reinstalled ({cleared} simulated faults cleared)"

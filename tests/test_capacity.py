@@ -105,7 +105,7 @@ async def test_revoked_credentials_stop_every_call_until_rotated(cap: CapStack) 
     assert again.nodes[0].site == cap.site("mid")
     await cap.refresh_catalog()
     acts = ControlPlaneActivities(cap.env)
-    ActivityEnvironment().run(acts.delete_machine, DeleteMachineInput(site=cap.site("cheap"),
+    await ActivityEnvironment().run(acts.delete_machine, DeleteMachineInput(site=cap.site("cheap"),
                                                                             machine_id=machine.machine_id))
     assert cap.world.calls(a) == calls, "zero provider calls to a revoked account"
     assert cap.world.machine(machine.machine_id)["deleted_at"] is None, "the delete is queued"

@@ -36,9 +36,10 @@ async def test_join_wait_shows_ready_nodes_and_tables(stack: Stack) -> None:
 
 
 async def test_join_failure_exits_non_zero_with_the_typed_error(stack: Stack) -> None:
+    # An unknown site is refused before anything starts (issue 15): usage error, exit 2.
     unknown = await gpufleet(stack, "join", "--site", "atlantis", "--wait")
-    assert unknown.returncode == 1
-    assert "InvalidRequest" in unknown.stderr and "atlantis" in unknown.stderr
+    assert unknown.returncode == 2
+    assert "--site: unknown site 'atlantis'" in unknown.stderr and "started" not in unknown.stdout
 
     capacity = await gpufleet(stack, "sim", "capacity", "site-b", "0")
     assert capacity.returncode == 0

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 
 import pytest
 from typer.testing import CliRunner
-from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 
 from activities.models import HealthReport
 from activities.repair import fence_key
@@ -182,8 +182,13 @@ async def test_failing_proof_keeps_the_node_out_and_operator_controls(temporal_e
         refused = await asyncio.to_thread(CliRunner().invoke, app, ["repair", "skip-to", node.node_name, "0", "warp", *address])
         assert refused.exit_code == 2
         # Operator: hold, then skip back to reset after the GPU was fixed by hand.
-        held = await handle.execute_update("hold", result_type=None)
-        assert held["held"]
+        with pytest.raises(WorkflowUpdateFailedError) as refused_hold:
+            await handle.execute_update("hold", {"colour": "red"})  # hold takes a reason, nothing else
+        assert "colour" in str(refused_hold.value.cause)
+        held = await handle.execute_update("hold", {"reason": "GPU reseated by hand"}, result_type=None)
+        assert held["held"] and held["hold_reason"] == "GPU reseated by hand"
+        shown = await asyncio.to_thread(CliRunner().invoke, app, ["repair", "show", node.node_name, "0", *address])
+        assert "held" in shown.output
         with pytest.raises(Exception):
             await handle.execute_update("skip_to", {"rung": "teleport"})
         stack.world.clear_faults(node.machine_id, "never")

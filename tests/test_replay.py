@@ -20,13 +20,14 @@ from tests.replay import HISTORIES, replay_and_record, replay_file
 EXPECTED = {
     "node_join_happy", "node_join_count2", "node_join_smoke_failed",
     "node_join_happy_admit_together", "node_join_count2_admit_together", "node_join_smoke_failed_admit_together",
-    "node_join_happy_admit_tells_site",
+    "node_join_happy_admit_tells_site", "node_join_count2_site_and_failure",
     "capacity_no_capacity_fallback", "capacity_over_quota", "capacity_bad_credentials", "capacity_wait_then_resume",
     "account_quota_raised", "account_credentials_rotated", "site_fill_below_min", "site_retire_above_max",
     "spot_reclaim",
     "gpu_repair_reset", "gpu_repair_reboot_after_reset", "gpu_repair_covered", "node_entity_two_repairs",
     "rollout_happy", "rollout_canary_failed", "rollout_aborted",
     "site_evacuation_restored", "site_incident_tripped", "site_evacuation_resumed",
+    "advisor_report",
 }
 
 

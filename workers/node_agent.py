@@ -56,7 +56,9 @@ class SimNodeHost:
         self.client = client
         self.settings = settings
         self.world = SimWorld(settings.sim_db)
-        self.world.seed(load_config(settings.config))
+        self.config = load_config(settings.config)
+        self.world.seed(self.config)
+        self._placement: dict[str, tuple[str, str]] = {}
         self.cluster = SimCluster(self.world)
         self.poll_seconds = poll_seconds
         self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="agent")
@@ -80,6 +82,11 @@ class SimNodeHost:
                 # polling fast must stay cheap, it shares two cores with the server.
                 stamp = (self.world.data_version(), time.time() >= self._next_boot)
                 if stamp != seen:
+                    if seen is not None and stamp[0] != seen[0] and hasattr(self, "health"):
+                        # The world changed (e.g. `gpufleet sim fault`): probe now, as a real
+                        # node's XID waiter wakes its report loop.
+                        self.health.wake()
+                        self._next_health = 0.0
                     seen = (stamp[0], False)
                     up, registered = await asyncio.to_thread(self._sync_kubelets)
                     await self._sync_agents(up, registered)
@@ -170,10 +177,14 @@ class SimNodeHost:
 
         if not hasattr(self, "health"):
             self.health = HealthReporter(self.client, self.settings.task_queue,
-                                         self.health_seconds or DEFAULT_HEALTH_SECONDS)
+                                         self.health_seconds or DEFAULT_HEALTH_SECONDS,
+                                         placement=lambda name: self._placement.get(name))
         if not self.agents:
             return
-        names = {row["id"]: row["name"] for row in await asyncio.to_thread(self.world.machines)}
+        rows = await asyncio.to_thread(self.world.machines)
+        names = {row["id"]: row["name"] for row in rows}
+        providers = {site.name: site.provider for site in self.config.sites}
+        self._placement = {row["name"]: (row["site"], providers.get(row["site"], "")) for row in rows}
         probes = {}
         for machine_id in self.agents:
             if machine_id in names:

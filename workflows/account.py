@@ -46,9 +46,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.models import AccountState
     from workflows.inputs import parse_input, parse_signal
-    from workflows.steps import QUICK, failure_message, show_details
+    from workflows.steps import QUICK, STORE_RETRY, failure_message, show_details
 
-STORE_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 #: The credential check: one attempt per person's request (a wrong key is not transient).
 CHECK_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=["BadCredentials", "InvalidRequest"])
 #: A webhook that keeps failing is counted and shown, not waited for: the entity must carry on.

@@ -30,8 +30,8 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ApplicationError
+from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from fleet.messages.capacity import (
@@ -53,10 +53,12 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import parse_input
     from fleet.messages.join import JoinedNode, NodeJoinResult
     from workflows.node_join import NodeJoin
-    from workflows.steps import PROVIDER_RETRY, QUICK, failure_message, failure_type, show_details
+    from workflows.steps import PROVIDER_RETRY, QUICK, STORE_RETRY, failure_message, failure_type, show_details
 
-ACCOUNT_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
-FATAL = ("InvalidRequest", "InvalidInput")
+#: Failures no other site can fix: a wrong request, and a cluster permission the control
+#: plane lacks (ClusterForbidden fails every join at every site alike, so trying the next
+#: one only buys and deletes more machines).
+FATAL = ("InvalidRequest", "InvalidInput", "ClusterForbidden")
 
 
 @workflow.defn(name="AcquireCapacity")
@@ -245,6 +247,9 @@ class AcquireCapacity:
         result: NodeJoinResult = await workflow.execute_child_workflow(
             NodeJoin.run, raw, id=join_id, result_type=NodeJoinResult,
             search_attributes=sa.join_start_attributes(cand.offer.site, cand.offer.provider, cand.account, join_id),
+            # A request that ends (terminated, cancelled, failed fatally) cancels its joins: each
+            # deletes its machine rather than bill on for nobody.
+            parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
             static_summary=f"join a node at {cand.offer.site} ({cand.offer.instance_type}, "
                            f"${cand.offer.price_per_gpu_hour:.2f}/GPU-h)",
         )
@@ -260,7 +265,7 @@ class AcquireCapacity:
     async def _report(self, account: str, kind: str, offer: str, message: str) -> None:
         await workflow.execute_activity(
             "report_account", ReportAccountInput(account=account, kind=kind, offer=offer, message=message),
-            start_to_close_timeout=QUICK, retry_policy=ACCOUNT_RETRY,
+            start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
             summary=f"{kind}: tell account/{account}",
         )
 
@@ -278,7 +283,7 @@ class CatalogRefresh:
             retry_policy=PROVIDER_RETRY, summary="list every site's offers",
         )
         woken: int = await workflow.execute_activity(
-            "wake_waiting_requests", start_to_close_timeout=QUICK, retry_policy=ACCOUNT_RETRY,
+            "wake_waiting_requests", start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
             summary="signal waiting AcquireCapacity workflows",
         )
         available = sum(o.available for o in catalog.offers)

@@ -43,7 +43,15 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import ResolveSiteInput
     from fleet.config import Site
     from fleet import search_attributes as sa
-    from fleet.incident import Deficit, IncidentSettings, Plan, allowed_targets, nodes_needed, plan_moves
+    from fleet.incident import (
+        Deficit,
+        IncidentSettings,
+        Plan,
+        allowed_targets,
+        nodes_needed,
+        plan_moves,
+        restore_percents,
+    )
     from fleet.messages.capacity import CapacityResult, SiteNodesInput, SiteNode
     from fleet.messages.evacuation import (
         EvacuationCarry,
@@ -352,7 +360,9 @@ class SiteEvacuation:
         try:
             result: CapacityResult = await workflow.execute_child_workflow(
                 "AcquireCapacity", request, id=child_id, result_type=CapacityResult,
-                parent_close_policy=ParentClosePolicy.TERMINATE,
+                # Cancel, not terminate: its joins then delete their machines (a terminated
+                # request would leave them joining, or joined, for nobody).
+                parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
                 static_summary=f"replacement capacity for {site}'s replicas",
             )
             self._acquired = result.nodes
@@ -470,7 +480,7 @@ class SiteEvacuation:
                 p.needs_person = f"{here.model} at {site} not ready again: {failure_message(error)}"
             self._check()
         self._mark("replicas back", f"{len(self._facts.here)} models at {site}")
-        steps = sorted({min(max(x, 1), 100) for x in s.restore_steps} | {100})
+        steps = restore_percents(s.restore_steps)
         for i, percent in enumerate(steps):
             last = i == len(steps) - 1
             await self._weight(percent, healthy=True, draining=not last,

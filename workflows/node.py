@@ -287,6 +287,8 @@ class NodeEntity:
                     rung=rung, reasons=finding.reasons, escalated_because=why, detected_at=now, settings=settings,
                 ).model_dump(mode="json"),
                 id=repair_id, result_type=GpuRepairResult,
+                # Outlives the entity on purpose: the entity continues as new while repairs run,
+                # and a repair halfway up its ladder (GPU fenced, node cordoned) must finish.
                 parent_close_policy=ParentClosePolicy.ABANDON,
                 id_reuse_policy=WorkflowIDReusePolicy.ALLOW_DUPLICATE,
                 static_summary=f"repair {self._node} GPU {index}: {', '.join(finding.reasons)}",

@@ -16,6 +16,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError
+from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
@@ -24,6 +25,7 @@ with workflow.unsafe.imports_passed_through():
         IssueJoinTokenInput,
         PrepareNodeInput,
         ProvisionMachineInput,
+        ReleaseProvisionInput,
         RemoveNodeInput,
         ResolveSiteInput,
         RevokeJoinTokenInput,
@@ -59,6 +61,12 @@ with workflow.unsafe.imports_passed_through():
 #: ``admit-together`` (admit, revoke and a signal to the Site in one round trip) and
 #: ``tell-site-entity`` (the signal after the admission).
 ADMIT_TELLS_SITE = "admit-tells-site"
+#: Clean-up deletes the machine first (it bills), then removes the Node, each tried even
+#: when the other failed. Runs before it removed the Node first.
+MACHINE_FIRST = "clean-up-machine-first"
+#: A provision that failed looks for a machine an earlier attempt created under the key
+#: and deletes it (the reply of a create that succeeded can be lost).
+RELEASE_FAILED_PROVISION = "release-failed-provision"
 
 
 @workflow.defn(name="NodeJoin")
@@ -92,12 +100,56 @@ class NodeJoin:
             # One typed failure for callers: the root cause's type, where it happened.
             step = self._progress.step
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("failed")])
-            kind, message = failure_type(error), failure_message(error)
+            kind = failure_type(error)
+            # The activity's message may already start with its type: say each cause once.
+            message = failure_message(error).removeprefix(f"{kind}: ")
             self._step("failed", f"{kind} while {step}: {message}")
             raise ApplicationError(f"{kind} while {step}: {message}", type=kind, non_retryable=True) from error
 
     async def _join_many(self, request: NodeJoinInput) -> NodeJoinResult:
         """One child join per node, so each machine has its own id and history."""
+        # The fan-out is findable by Site/FleetState however it was started, refuses more
+        # nodes than the site's max_nodes, and its progress shows a failure.
+        tracked = workflow.patched("join-many-site-and-failure")
+        if tracked:
+            await self._check_fan_out(request)
+        try:
+            result = await self._fan_out(request)
+        except ApplicationError as error:
+            if tracked:
+                workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("failed")])
+                self._step("failed", f"{error.type}: {error.message}")
+            raise
+        if tracked:
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("ready")])
+            self._step("ready", f"{len(result.nodes)} nodes at {request.site}")
+        return result
+
+    async def _check_fan_out(self, request: NodeJoinInput) -> None:
+        started_with = workflow.info().typed_search_attributes
+        missing = [pair for pair in (sa.SITE.value_set(request.site), sa.FLEET_STATE.value_set("joining"))
+                   if started_with.get(pair.key) is None]
+        if missing:
+            workflow.upsert_search_attributes(missing)
+        self._step("resolving site", request.site)
+        try:
+            site: Site = await workflow.execute_activity(
+                "resolve_site", ResolveSiteInput(site=request.site), result_type=Site,
+                start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=f"look up site {request.site}",
+            )
+        except ActivityError as error:
+            kind = failure_type(error)
+            message = failure_message(error).removeprefix(f"{kind}: ")
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("failed")])
+            self._step("failed", f"{kind} while resolving site: {message}")
+            raise ApplicationError(f"{kind} while resolving site: {message}", type=kind, non_retryable=True) from None
+        if request.count > site.max_nodes:
+            message = f"count: {request.count} is more than {site.name}'s max_nodes ({site.max_nodes})"
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("failed")])
+            self._step("failed", f"InvalidInput: {message}")
+            raise ApplicationError(message, {"field": "count"}, type="InvalidInput", non_retryable=True)
+
+    async def _fan_out(self, request: NodeJoinInput) -> NodeJoinResult:
         self._step("joining", f"{request.count} nodes at {request.site}")
         base = workflow.info().workflow_id
         single = request.model_copy(update={"count": 1})
@@ -105,6 +157,9 @@ class NodeJoin:
             workflow.execute_child_workflow(
                 NodeJoin.run, single.model_dump(mode="json"), id=f"{base}/{i}",
                 static_summary=f"join node {i + 1} of {request.count} at {request.site}",
+                # Ending this join (terminated, cancelled) cancels its children, and each
+                # cancelled child deletes its machine: none keeps billing unowned.
+                parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
             )
             for i in range(request.count)
         ]
@@ -158,6 +213,13 @@ class NodeJoin:
             machine = await provisioning
             self._progress.machine_id = machine.id
             await self._clean_up(site, machine, node_name)
+            raise
+        except ActivityError as error:
+            # Every adapter looks the key up before it reports no capacity: then nothing is there. A
+            # revoked account may not be called at all (rule 6): the sweep finds it once rotated.
+            if (failure_type(error) not in ("NoCapacity", "BadCredentials")
+                    and workflow.patched(RELEASE_FAILED_PROVISION)):
+                await self._release_provision(site, spec, join_id)
             raise
         self._progress.machine_id = machine.id
 
@@ -258,9 +320,46 @@ class NodeJoin:
         except Exception:  # noqa: BLE001 - no Site entity running: it counts the cluster when it starts
             pass
 
+    async def _release_provision(self, site: Site, spec: MachineSpec, join_id: str) -> None:
+        step = self._progress.step
+        self._step("cleaning up", "deleting any machine an earlier attempt created")
+        try:
+            await workflow.execute_activity(
+                "release_provision", ReleaseProvisionInput(site=site.name, name=spec.name, idempotency_key=join_id),
+                result_type=list[str], start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
+                summary=f"delete any machine created as {spec.name}",
+            )
+        except ActivityError as error:
+            # The sweep is the bound on this leak: it finds the machine by its marker later.
+            workflow.logger.warning("could not look for a machine created as %s: %s", spec.name,
+                                    failure_message(error))
+        self._progress.step = step  # report where it failed, not the clean-up
+
     async def _clean_up(self, site: Site, machine: Machine, node_name: str) -> None:
-        """Never leave a machine behind: node object out, machine deleted."""
+        """Never leave a machine behind: machine deleted, node object out."""
         self._step("cleaning up", f"deleting machine {machine.id}")
+        if workflow.patched(MACHINE_FIRST):
+            failed = []
+            try:
+                await workflow.execute_activity(
+                    "delete_machine", DeleteMachineInput(site=site.name, machine_id=machine.id),
+                    start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
+                    summary=f"delete machine {machine.id}",
+                )
+            except ActivityError as error:
+                failed.append(f"machine {machine.id}: {failure_message(error)}")
+            finally:
+                try:
+                    await workflow.execute_activity(
+                        "remove_node", RemoveNodeInput(node_name=node_name), start_to_close_timeout=QUICK,
+                        retry_policy=CLUSTER_RETRY, summary=f"remove node {node_name}",
+                    )
+                except ActivityError as error:
+                    failed.append(f"node {node_name}: {failure_message(error)}")
+            if failed:
+                workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("needs-person")])
+                workflow.logger.error("clean-up incomplete: %s", "; ".join(failed))
+            return
         try:
             await workflow.execute_activity(
                 "remove_node", RemoveNodeInput(node_name=node_name), start_to_close_timeout=QUICK,

@@ -16,6 +16,7 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.exceptions import ActivityError, ChildWorkflowError
+from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from fleet.messages.capacity import CapacityResult, SpotNotice, SpotReclaimInput, SpotReclaimResult
@@ -24,9 +25,22 @@ with workflow.unsafe.imports_passed_through():
     from fleet.config import Site
     from fleet.naming import capacity_workflow_id
     from fleet.placement import offer_key
+    from fleet.replacement import replacement_constraints
     from fleet.cluster import DrainResult
     from workflows.inputs import parse_input, parse_signal
     from workflows.steps import PROVIDER_RETRY, QUICK, drain_node, failure_message, retire_machine, show_details
+
+
+def replacement_request_constraints(site: Site, asked: dict[str, Any] | None) -> dict[str, Any]:
+    """The request's constraints over the replacement rule's (same GPU and GPUs per machine
+    by default), except the compliance geography: the rule's ``geographies``/``sites``
+    always apply, whatever the request asked for."""
+    rule = replacement_constraints(site).model_dump(mode="json", exclude_defaults=True)
+    merged = {**rule, **(asked or {})}
+    for key in ("geographies", "sites"):
+        if key in rule:
+            merged[key] = rule[key]
+    return merged
 
 
 @workflow.defn(name="SpotReclaim")
@@ -70,8 +84,8 @@ class SpotReclaim:
         reclaimed = offer_key(site.name, site.instance_type)
         replacement_request = {
             "count": 1,
-            "constraints": {"gpu": site.gpu, "gpus_per_machine": site.gpus_per_machine},
             **args.replacement,
+            "constraints": replacement_request_constraints(site, args.replacement.get("constraints")),
             "exclude": [{"offer": reclaimed, "reason": f"spot offer reclaimed ({node})",
                          "seconds": args.exclude_seconds}],
             "reason": f"replace reclaimed {node}",
@@ -79,6 +93,8 @@ class SpotReclaim:
         replace = asyncio.create_task(workflow.execute_child_workflow(
             "AcquireCapacity", replacement_request, id=capacity_workflow_id(f"reclaim-{node}"),
             result_type=CapacityResult, static_summary=f"replacement for reclaimed {node}",
+            # The reclaim ended (terminated, cancelled): its replacement request and joins stop too.
+            parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
         ))
 
         drained: DrainResult = await drain

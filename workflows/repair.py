@@ -19,6 +19,7 @@ from typing import Any
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
@@ -57,6 +58,7 @@ with workflow.unsafe.imports_passed_through():
         NodeActionDone,
         NodeActionGrant,
         NodeActionRequest,
+        HoldInput,
         SkipToInput,
     )
 
@@ -86,23 +88,27 @@ class GpuRepair:
             raise ValueError("the repair is not running")
 
     @workflow.update
-    def hold(self) -> LadderState:
+    def hold(self, raw: Any = None) -> LadderState:
         self._state.held = True
+        self._state.hold_reason = parse_input(HoldInput, raw or {}).reason
         self._show()
         return self._state
 
     @hold.validator
-    def _validate_hold(self) -> None:
+    def _validate_hold(self, raw: Any = None) -> None:
+        parse_input(HoldInput, raw or {})  # only a reason: anything else is refused naming it
         self._require_running()
 
     @workflow.update
-    def release(self) -> LadderState:
+    def release(self, raw: Any = None) -> LadderState:
         self._state.held = False
+        self._state.hold_reason = parse_input(HoldInput, raw or {}).reason
         self._show()
         return self._state
 
     @release.validator
-    def _validate_release(self) -> None:
+    def _validate_release(self, raw: Any = None) -> None:
+        parse_input(HoldInput, raw or {})
         self._require_running()
 
     @workflow.update
@@ -131,7 +137,8 @@ class GpuRepair:
         s = self._state
         lines = [f"node `{s.node_name}` GPU {s.gpu}: " + ", ".join(s.reasons)]
         if s.held:
-            lines.append("**held by an operator** (contained, doing nothing)")
+            lines.append("**held by an operator** (contained, doing nothing)"
+                         + (f": {s.hold_reason}" if s.hold_reason else ""))
         if s.skip_to:
             lines.append(f"operator asked to skip to {s.skip_to}")
         lines += [f"- {a.rung}: {a.outcome}" + (f" ({a.detail})" if a.detail else "") for a in s.attempts]
@@ -264,7 +271,7 @@ class GpuRepair:
         try:
             self._step("recovering", f"{rung}")
             if rung == Rung.RESET:
-                detail = await self._reset()
+                detail = await self._reset(attempt_no)
             elif rung == Rung.REPLACE:
                 detail = await self._replace(attempt_no)
                 ok = True
@@ -278,10 +285,12 @@ class GpuRepair:
         finally:
             await self._release(rung, ok)
 
-    async def _reset(self) -> str:
+    async def _reset(self, attempt_no: int) -> str:
         inp = self._input
+        # Keyed to this attempt: a retried activity (lost reply, timeout) does not reset twice.
+        key = f"{workflow.info().workflow_id}/{workflow.info().run_id}/{attempt_no}"
         return await workflow.execute_activity(
-            "reset_gpu", ResetGpuInput(index=inp.gpu), result_type=str, task_queue=node_queue(inp.node_name),
+            "reset_gpu", ResetGpuInput(index=inp.gpu, key=key), result_type=str, task_queue=node_queue(inp.node_name),
             schedule_to_close_timeout=timedelta(seconds=inp.settings.timeouts.reset_seconds),
             retry_policy=NODE_RETRY, summary=f"nvidia-smi -r -i {inp.gpu}",
         )
@@ -341,6 +350,9 @@ class GpuRepair:
                     "NodeJoin", {"site": site},
                     id=f"join/{site}/replace-{inp.node_name}-gpu{inp.gpu}-{attempt_no}",
                     result_type=NodeJoinResult, static_summary=f"replacement for {inp.node_name}",
+                    # A repair ended (terminated, cancelled) must not leave a join buying on for it:
+                    # the join is cancelled and deletes its machine.
+                    parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
                 )
                 joined = result.nodes[0]
                 break

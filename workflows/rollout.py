@@ -45,6 +45,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.errors import NON_RETRYABLE_TYPES
     from fleet.rollout import (
         TOUCHED,
+        LegacyRolloutInput,
         ProbeResult,
         RolloutInput,
         RolloutProgress,
@@ -52,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
         SiteProgress,
         SiteState,
         check_sites,
+        check_source,
         evaluate_gate,
         next_batch,
         render_details,
@@ -193,7 +195,10 @@ class ModelRollout:
     # -- the runbook ----------------------------------------------------------------------
     @workflow.run
     async def run(self, raw: Any) -> RolloutResult:
-        request = parse_input(RolloutInput, raw)
+        # Sources come from the fleet config's named object_stores; a rollout recorded
+        # before that carried a whole store in its manifest and replays with the old model.
+        named_source = workflow.patched("rollout-source-from-config")
+        request = parse_input(RolloutInput if named_source else LegacyRolloutInput, raw)
         self._req = request
         canaries = request.canaries
         files, total = len(request.weights.files), request.weights.total_bytes
@@ -212,6 +217,8 @@ class ModelRollout:
             summary="look up target sites and their object stores",
         )
         problems = check_sites(request, sites.stores, sites.known)
+        if named_source:
+            problems = check_source(request, sites.object_stores) + problems
         if problems:
             self._finished = True
             self._phase("failed", "; ".join(problems))
@@ -250,6 +257,14 @@ class ModelRollout:
         if failed:
             raise _SiteFailed(failed[0], "weights replication: " + self._p.site(failed[0]).detail)
 
+    def _replicate_input(self, site: str, store) -> ReplicateInput:
+        request, source = self._req, self._req.weights.source
+        common = dict(site=site, files=request.weights.files, dest_prefix=request.dest_prefix(store),
+                      options=request.replication)
+        if isinstance(request, LegacyRolloutInput):
+            return ReplicateInput(source=source, **common)
+        return ReplicateInput(source_store=source.store, source_prefix=source.prefix, **common)
+
     async def _replicate_site(self, site: str) -> None:
         request, options = self._req, self._req.replication
         store = self._stores[site]
@@ -257,8 +272,7 @@ class ModelRollout:
         try:
             result: ReplicateResult = await workflow.execute_activity(
                 "replicate_weights",
-                ReplicateInput(site=site, source=request.weights.source, files=request.weights.files,
-                               dest_prefix=request.dest_prefix(store), options=options),
+                self._replicate_input(site, store),
                 result_type=ReplicateResult, activity_id=f"replicate/{site}",
                 start_to_close_timeout=timedelta(seconds=options.timeout_seconds),
                 heartbeat_timeout=timedelta(seconds=options.heartbeat_seconds), retry_policy=REPLICATE_RETRY,

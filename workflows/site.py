@@ -40,7 +40,6 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -59,7 +58,15 @@ with workflow.unsafe.imports_passed_through():
     from fleet.config import Site
     from fleet.placement import surplus_to_retire
     from workflows.inputs import parse_input, parse_signal
-    from workflows.steps import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, drain_and_retire, failure_message, show_details
+    from workflows.steps import (
+        CLUSTER_RETRY,
+        PROVIDER_RETRY,
+        QUICK,
+        STORE_RETRY,
+        drain_and_retire,
+        failure_message,
+        show_details,
+    )
     from fleet.incident import Failure, IncidentSettings, evaluate, record
     from workflows.evacuation import evacuation_workflow_id
     from fleet.messages.evacuation import (
@@ -77,7 +84,6 @@ with workflow.unsafe.imports_passed_through():
 #: Workflow patch: incident detection, repair admission and evacuation in the Site entity.
 INCIDENT_PATCH = "incident-v1"
 
-RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30))
 
 
 @workflow.defn(name="Site")
@@ -248,6 +254,8 @@ class SiteEntity:
             try:
                 result: EvacuationResult = await workflow.execute_child_workflow(
                     "SiteEvacuation", raw, id=incident.id, result_type=EvacuationResult,
+                    # Outlives the entity on purpose: a reset or terminated entity must not stop an
+                    # evacuation halfway (traffic off, nodes draining); the next run finds it by id.
                     parent_close_policy=ParentClosePolicy.ABANDON,
                     static_summary=f"evacuate {site}: {incident.reason}",
                 )
@@ -318,6 +326,8 @@ class SiteEntity:
             try:
                 result: CapacityResult = await workflow.execute_child_workflow(
                     "AcquireCapacity", request, id=fill_id, result_type=CapacityResult,
+                    # Outlives the entity on purpose: the fill is what the site needs whatever
+                    # happens to this run, and its joins clean up after themselves.
                     parent_close_policy=ParentClosePolicy.ABANDON,
                     static_summary=f"fill {site.name} to its min ({need} nodes)",
                 )
@@ -355,7 +365,7 @@ class SiteSweep:
     async def run(self, raw: Any = None) -> list[str]:
         sites: list[str] = await workflow.execute_activity(
             "signal_sites", parse_input(SignalSitesInput, raw or {}), result_type=list[str], start_to_close_timeout=QUICK,
-            retry_policy=RETRY, summary="reconcile every site",
+            retry_policy=STORE_RETRY, summary="reconcile every site",
         )
         show_details("done", detail=f"reconcile sent to {len(sites)} sites")
         return sites

@@ -34,11 +34,16 @@ PROVIDER_RETRY = RetryPolicy(
     maximum_attempts=8,
     non_retryable_error_types=NON_RETRYABLE_TYPES,
 )
-#: Our own cluster: retried until it answers (it is ours to fix), never an error type that cannot pass.
+#: Our own cluster and our own stores (account guard, Temporal itself): conflicts and 5xx
+#: retry, bounded (10 attempts over about 3 minutes), because a cluster that keeps refusing
+#: must fail the step (and the join deletes its machine) rather than bill behind an endless
+#: retry; 403/404/422 and the other permanent answers never retry.
 CLUSTER_RETRY = RetryPolicy(
-    initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=30),
-    non_retryable_error_types=NON_RETRYABLE_TYPES,
+    initial_interval=timedelta(seconds=1), backoff_coefficient=2, maximum_interval=timedelta(seconds=30),
+    maximum_attempts=10, non_retryable_error_types=NON_RETRYABLE_TYPES,
 )
+#: The same policy, named for calls to our own stores and entities rather than the cluster.
+STORE_RETRY = CLUSTER_RETRY
 #: Start-to-close of a call that answers at once (no waiting inside the activity).
 QUICK = timedelta(seconds=60)
 #: A smoke test gets 3 attempts: one lost agent poll or a GPU still settling after a reset must

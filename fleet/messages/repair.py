@@ -113,6 +113,8 @@ class LadderState(BaseModel):
     rung: Rung
     step: str
     held: bool = False
+    #: The reason given with the last hold or release.
+    hold_reason: str = ""
     skip_to: Rung | None = None
     done: bool = False
     #: repaired, replaced, exhausted (contained, needs a person), gone.
@@ -120,6 +122,15 @@ class LadderState(BaseModel):
     reasons: list[str] = Field(default_factory=list)
     attempts: list[Attempt] = Field(default_factory=list)
     replacement_node: str = ""
+
+
+class HoldInput(BaseModel):
+    """GpuRepair's ``hold`` and ``release`` updates: optional, and only a reason."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    #: Why (shown in the repair's details); a person's words, so kept short.
+    reason: str = Field("", max_length=500)
 
 
 class SkipToInput(BaseModel):

@@ -151,6 +151,45 @@ class Cluster(Protocol):
     def get_site_routes(self) -> RoutingTable | None:
         ...
 
+    # -- control-plane state (the account guard, queued deletes, own-rack allocations) -----
+    def read_state(self, kind: str, key: str) -> dict[str, str]:
+        """The state object's data (``{}`` when there is none)."""
+        ...
+
+    def update_state(self, kind: str, key: str, change: StateChange) -> dict[str, str]:
+        """Compare-and-swap: read the object, ``change`` a copy of its data, write it back
+        only if nobody wrote in between; when someone did, read again and call ``change``
+        again (so ``change`` must depend on nothing but the data it is given). ``change``
+        returning ``None`` writes nothing. An exception from ``change`` writes nothing and
+        propagates. Returns the data now stored."""
+        ...
+
+    def list_state(self, kind: str) -> dict[str, dict[str, str]]:
+        """Every state object of ``kind``: key -> data."""
+        ...
+
+
+#: ``update_state``'s change: the new data, or ``None`` for no write.
+StateChange = Callable[[dict[str, str]], "dict[str, str] | None"]
+#: Value keys a state object may hold (what a ConfigMap's ``data`` allows).
+STATE_VALUE_KEY = re.compile(r"^[-._a-zA-Z0-9]{1,253}$")
+
+
+def state_object_name(kind: str, key: str) -> str:
+    """The name of the object holding state ``kind``/``key``: readable, and distinct for
+    distinct keys even when their readable parts agree (``A_b`` and ``a-b``)."""
+    digest = hashlib.sha256(f"{kind}\0{key}".encode()).hexdigest()[:10]
+    return f"gpufleet-{dns_label(kind, 20)}-{dns_label(key, 30)}-{digest}"
+
+
+def check_state_data(data: dict[str, str]) -> dict[str, str]:
+    """Refuse what a state object cannot hold (a bug in the caller, never retried)."""
+    for name, value in data.items():
+        if not isinstance(name, str) or not STATE_VALUE_KEY.match(name) or not isinstance(value, str):
+            raise InvalidRequest(f"state data key {name!r}: keys are [-._a-zA-Z0-9]+, values strings",
+                                 code="state-data")
+    return data
+
 
 # -- shared helpers ---------------------------------------------------------------------
 def dns_label(value: str, max_len: int = 63) -> str:

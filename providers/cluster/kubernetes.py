@@ -29,6 +29,13 @@ Objects this adapter owns
   ``serving_name(model, site)`` in the adapter's namespace. The pod template we
   rendered is kept in the annotation ``gpufleet.io/template`` and the one before
   it in ``gpufleet.io/previous-template``; ``rollback_serving`` swaps them.
+* Control-plane state (``read_state``/``update_state``/``list_state``): one
+  ConfigMap per (kind, key), ``state_object_name(kind, key)`` in the adapter's
+  namespace, label ``gpufleet.io/state=<kind>``, the key in the annotation
+  ``gpufleet.io/state-key``. Every write is a create (409 AlreadyExists: someone
+  else created it first) or a replace under the resourceVersion read (409
+  Conflict: someone else wrote first); either way the object is read again and
+  the change applied again, so two writers never lose each other's change.
 * Routing: per model one Gateway API ``HTTPRoute`` (``<model>``, one
   backendRef per site Service, weighted) and the ConfigMap ``gpufleet-routing``
   (key ``<model>``: JSON ``{"model", "version", "sites": {site: {weight,
@@ -59,7 +66,10 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.utils import parse_quantity
 
 from fleet.errors import ClusterConflict, ClusterError, ClusterForbidden, ClusterInvalid, NotFound, Transient
-from fleet.models import Node
+from fleet.models import CredentialsRef, Node
+from fleet.weights_pull import CACHE_ROOT as WEIGHTS_CACHE_ROOT
+from fleet.weights_pull import ENV as WEIGHTS_ENV
+from fleet.weights_pull import KEY_ENV as WEIGHTS_KEY_ENV
 from providers.cluster.base import (
     AccessRule,
     EvictOutcome,
@@ -67,13 +77,16 @@ from providers.cluster.base import (
     NoPreviousTemplate,
     PodInfo,
     ServingNotFound,
+    StateChange,
     apply_taints,
+    check_state_data,
     dns_label,
     format_taint,
     parse_taint,
     routing_sites,
     run_drain,
     serving_name,
+    state_object_name,
 )
 from fleet.cluster import (
     ANNOTATION_MACHINE_ID,
@@ -99,6 +112,9 @@ TOKEN_NAMESPACE = "kube-system"
 BOOTSTRAP_NAMESPACE = "gpufleet-bootstrap"
 ROUTING_CONFIGMAP = "gpufleet-routing"
 LABEL_TOKEN_ID = "gpufleet.io/token-id"
+#: Control-plane state ConfigMaps: their kind (label) and their key as the caller spelled it.
+LABEL_STATE = "gpufleet.io/state"
+ANNOTATION_STATE_KEY = "gpufleet.io/state-key"
 ANNOTATION_NODE_NAME = "gpufleet.io/node-name"
 ANNOTATION_MODEL = "gpufleet.io/model"
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
@@ -144,9 +160,13 @@ ACCESS: tuple[AccessRule, ...] = (
     _rule("create", "", "services", SERVING_NS, "apply_serving"),
     _rule("patch", "", "services", SERVING_NS, "apply_serving"),
     _rule("delete", "", "services", SERVING_NS, "delete_serving"),
-    _rule("get", "", "configmaps", SERVING_NS, "routing table"),
-    _rule("create", "", "configmaps", SERVING_NS, "routing table"),
-    _rule("update", "", "configmaps", SERVING_NS, "routing table (resourceVersion-checked)"),
+    _rule("get", "policy", "poddisruptionbudgets", SERVING_NS, "apply_serving: one replica down at a time"),
+    _rule("create", "policy", "poddisruptionbudgets", SERVING_NS, "apply_serving"),
+    _rule("patch", "policy", "poddisruptionbudgets", SERVING_NS, "apply_serving"),
+    _rule("get", "", "configmaps", SERVING_NS, "routing table, control-plane state"),
+    _rule("list", "", "configmaps", SERVING_NS, "control-plane state: list_state"),
+    _rule("create", "", "configmaps", SERVING_NS, "routing table, control-plane state"),
+    _rule("update", "", "configmaps", SERVING_NS, "routing table, control-plane state (resourceVersion-checked)"),
     _rule("get", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights"),
     _rule("create", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights"),
     _rule("update", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights (resourceVersion-checked)"),
@@ -206,10 +226,45 @@ def _serving_labels(spec_model: str, site: str) -> dict[str, str]:
     return {LABEL_MODEL: _label_value(dns_label(spec_model)), LABEL_SITE: _label_value(site)}
 
 
+#: The model server's readiness: a replica that has not loaded its model answers no
+#: traffic and counts for no capacity (OpenAI-compatible servers such as vLLM serve it).
+READINESS_PROBE = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 2,
+                   "failureThreshold": 3}
+
+
+def _weights_init(spec: ServingSpec) -> tuple[dict[str, Any], dict[str, Any], str]:
+    """(init container, cache volume, path the server reads): the verified pull into the
+    node-local cache. A store key held in a Kubernetes Secret reaches the init container as
+    a secretKeyRef; the spec in the pod names only the variable."""
+    pull = spec.weights
+    store = pull.store
+    env: list[dict[str, Any]] = []
+    if store.credentials is not None and store.credentials.secret:
+        ref = store.credentials.secret
+        name, _, key = ref.partition("/")[2].partition("#")
+        env.append({"name": WEIGHTS_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
+        store = store.model_copy(update={"credentials": CredentialsRef(env=WEIGHTS_KEY_ENV)})
+    else:  # a control-plane env/file reference means nothing on the node: the node's own role
+        store = store.model_copy(update={"credentials": None})
+    doc = pull.model_copy(update={"store": store}).model_dump_json(exclude_none=True)
+    init = {
+        "name": "weights",
+        "image": pull.image,
+        "command": ["python", "-m", "workers.weights_pull", "--cache", WEIGHTS_CACHE_ROOT],
+        "env": [{"name": WEIGHTS_ENV, "value": doc}, *env],
+        "volumeMounts": [{"name": "weights-cache", "mountPath": WEIGHTS_CACHE_ROOT}],
+    }
+    volume = {"name": "weights-cache", "hostPath": {"path": WEIGHTS_CACHE_ROOT, "type": "DirectoryOrCreate"}}
+    return init, volume, pull.cache_dir()
+
+
 def render_pod_template(spec: ServingSpec) -> dict[str, Any]:
     labels = {**_serving_labels(spec.model, spec.site), "app.kubernetes.io/managed-by": "gpufleet"}
     env = [{"name": "MODEL_NAME", "value": spec.model}]
-    if spec.weights_path:
+    if spec.weights is not None:
+        init, volume, weights_dir = _weights_init(spec)
+        env.append({"name": "MODEL_WEIGHTS", "value": weights_dir})
+    elif spec.weights_path:
         env.append({"name": "MODEL_WEIGHTS", "value": spec.weights_path})
     env += [{"name": k, "value": v} for k, v in sorted(spec.env.items())]
     gpus = str(spec.gpus_per_replica)
@@ -220,13 +275,20 @@ def render_pod_template(spec: ServingSpec) -> dict[str, Any]:
         "env": env,
         "ports": [{"name": "http", "containerPort": spec.port, "protocol": "TCP"}],
         "resources": {"requests": {GPU_RESOURCE: gpus}, "limits": {GPU_RESOURCE: gpus}},
+        "readinessProbe": READINESS_PROBE,
     }
     pod: dict[str, Any] = {
         "nodeSelector": {LABEL_SITE: spec.site},
         "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
         "containers": [container],
     }
-    if spec.weights_path:
+    if spec.weights is not None:
+        # The server starts only after the init step verified every file (it exits non-zero
+        # on a mismatch), and reads the shared cache read-only.
+        pod["initContainers"] = [init]
+        container["volumeMounts"] = [{"name": "weights-cache", "mountPath": WEIGHTS_CACHE_ROOT, "readOnly": True}]
+        pod["volumes"] = [volume]
+    elif spec.weights_path:
         container["volumeMounts"] = [{"name": "weights", "mountPath": spec.weights_path, "readOnly": True}]
         pod["volumes"] = [{"name": "weights", "hostPath": {"path": spec.weights_path, "type": "Directory"}}]
     return {"metadata": {"labels": labels}, "spec": pod}
@@ -269,6 +331,22 @@ def render_service(model: str, site: str, namespace: str) -> dict[str, Any]:
             "selector": _serving_labels(model, site),
             "ports": [{"name": "http", "port": SERVING_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
+    }
+
+
+def render_pdb(model: str, site: str, namespace: str) -> dict[str, Any]:
+    """One replica of a model at a site down at a time: a node drain cannot take every
+    replica at once, and one replica (an evacuation's last) can still be drained."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": {
+            "name": serving_name(model, site),
+            "namespace": namespace,
+            "labels": {**_serving_labels(model, site), "app.kubernetes.io/managed-by": "gpufleet"},
+            "annotations": {ANNOTATION_MODEL: model},
+        },
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _serving_labels(model, site)}},
     }
 
 
@@ -390,6 +468,7 @@ class KubernetesCluster:
         self.bootstrap_namespace = bootstrap_namespace
         self.core = k8s.CoreV1Api(self.api_client)
         self.apps = k8s.AppsV1Api(self.api_client)
+        self.policy = k8s.PolicyV1Api(self.api_client)
         self.custom = k8s.CustomObjectsApi(self.api_client)
 
     # -- plumbing -------------------------------------------------------------------------
@@ -727,7 +806,27 @@ class KubernetesCluster:
 
         self._retry_on_conflict(f"deployment {name}", attempt)
         self._apply_service(spec.model, spec.site)
+        self._apply_pdb(spec.model, spec.site)
         return self._status_or_raise(spec.model, spec.site)
+
+    def _apply_pdb(self, model: str, site: str) -> None:
+        desired = render_pdb(model, site, self.namespace)
+        name = desired["metadata"]["name"]
+
+        def attempt() -> None:
+            current = self._get(f"read poddisruptionbudget {name}",
+                                self.policy.read_namespaced_pod_disruption_budget, name, self.namespace)
+            if current is None:
+                self._write(f"create poddisruptionbudget {name}",
+                            self.policy.create_namespaced_pod_disruption_budget, self.namespace, desired)
+                return
+            if _is_subset(desired["spec"], current.get("spec")):
+                return
+            patch = {"metadata": {"labels": desired["metadata"]["labels"]}, "spec": desired["spec"]}
+            self._do(f"patch poddisruptionbudget {name}", self.policy.patch_namespaced_pod_disruption_budget,
+                     name, self.namespace, patch, _content_type=MERGE)
+
+        self._retry_on_conflict(f"poddisruptionbudget {name}", attempt)
 
     def _apply_service(self, model: str, site: str) -> None:
         desired = render_service(model, site, self.namespace)
@@ -918,6 +1017,59 @@ class KubernetesCluster:
             return None
         sites = {site: SiteRoute.model_validate(route) for site, route in entry.get("sites", {}).items()}
         return RoutingTable(model=SITE_ROUTES, version=entry["version"], sites=sites)
+
+
+    # -- control-plane state ------------------------------------------------------------
+    def _read_state_object(self, name: str) -> dict[str, Any] | None:
+        return self._get(f"read state {name}", self.core.read_namespaced_config_map, name, self.namespace)
+
+    def read_state(self, kind: str, key: str) -> dict[str, str]:
+        current = self._read_state_object(state_object_name(kind, key))
+        return dict((current or {}).get("data") or {})
+
+    def update_state(self, kind: str, key: str, change: StateChange) -> dict[str, str]:
+        name = state_object_name(kind, key)
+
+        def attempt() -> dict[str, str]:
+            current = self._read_state_object(name)
+            data = dict((current or {}).get("data") or {})
+            wanted = change(dict(data))
+            if wanted is None or (current is not None and wanted == data):
+                return data
+            check_state_data(wanted)
+            if current is None:
+                body = {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "metadata": {
+                        "name": name,
+                        "namespace": self.namespace,
+                        "labels": {"app.kubernetes.io/managed-by": "gpufleet", LABEL_STATE: _label_value(kind)},
+                        "annotations": {ANNOTATION_STATE_KEY: key},
+                    },
+                    "data": wanted,
+                }
+                self._write(f"create state {name}", self.core.create_namespaced_config_map, self.namespace, body)
+            else:
+                # ``current`` carries the resourceVersion read above: a write in between answers 409.
+                current["data"] = wanted
+                self._write(f"update state {name}", self.core.replace_namespaced_config_map,
+                            name, self.namespace, current)
+            return wanted
+
+        return self._retry_on_conflict(f"state {name}", attempt)
+
+    def list_state(self, kind: str) -> dict[str, dict[str, str]]:
+        listed = self._do("list state", self.core.list_namespaced_config_map, self.namespace,
+                          label_selector=f"{LABEL_STATE}={_label_value(kind)}")
+        out: dict[str, dict[str, str]] = {}
+        for item in listed.get("items") or []:
+            meta = item.get("metadata") or {}
+            key = (meta.get("annotations") or {}).get(ANNOTATION_STATE_KEY)
+            # The label is shortened; the name is exact: only objects of exactly this kind.
+            if key is not None and meta.get("name") == state_object_name(kind, key):
+                out[key] = dict(item.get("data") or {})
+        return out
 
 
 def _gpus_of(container: dict[str, Any]) -> int:

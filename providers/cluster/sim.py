@@ -29,7 +29,9 @@ from providers.cluster.base import (
     NoPreviousTemplate,
     PodInfo,
     ServingNotFound,
+    StateChange,
     apply_taints,
+    check_state_data,
     routing_sites,
     run_drain,
     selector_matches,
@@ -68,6 +70,10 @@ CREATE TABLE IF NOT EXISTS serving (
 );
 CREATE TABLE IF NOT EXISTS routing (
     model TEXT PRIMARY KEY, version INTEGER, sites TEXT
+);
+CREATE TABLE IF NOT EXISTS control_state (
+    kind TEXT, key TEXT, data TEXT, version INTEGER,
+    PRIMARY KEY (kind, key)
 );
 """
 
@@ -152,6 +158,31 @@ class SimCluster:
             db.execute("UPDATE nodes SET ready=? WHERE name=?", (int(ready), name))
             if boot_id:
                 db.execute("UPDATE nodes SET boot_id=? WHERE name=?", (boot_id, name))
+
+    # -- control-plane state ---------------------------------------------------------------
+    # One SQLite write transaction is the compare-and-swap: a second writer waits for the
+    # first and then reads what it wrote, as the adapter's re-read after a 409 does.
+    def read_state(self, kind: str, key: str) -> dict[str, str]:
+        rows = self.world.query("SELECT data FROM control_state WHERE kind=? AND key=?", kind, key)
+        return json.loads(rows[0]["data"]) if rows else {}
+
+    def update_state(self, kind: str, key: str, change: StateChange) -> dict[str, str]:
+        with self.world.tx() as db:
+            row = db.execute("SELECT data, version FROM control_state WHERE kind=? AND key=?", (kind, key)).fetchone()
+            data = json.loads(row["data"]) if row else {}
+            wanted = change(dict(data))
+            if wanted is None or (row is not None and wanted == data):
+                return data
+            check_state_data(wanted)
+            db.execute(
+                "INSERT OR REPLACE INTO control_state(kind, key, data, version) VALUES (?,?,?,?)",
+                (kind, key, json.dumps(wanted, sort_keys=True), (row["version"] if row else 0) + 1),
+            )
+            return wanted
+
+    def list_state(self, kind: str) -> dict[str, dict[str, str]]:
+        rows = self.world.query("SELECT key, data FROM control_state WHERE kind=? ORDER BY key", kind)
+        return {r["key"]: json.loads(r["data"]) for r in rows}
 
     # -- nodes ------------------------------------------------------------------------
     def _node(self, row) -> Node:
@@ -323,7 +354,9 @@ class SimCluster:
     # -- serving ----------------------------------------------------------------------
     @staticmethod
     def _template(spec: ServingSpec) -> str:
-        return json.dumps(spec.model_dump(exclude={"model", "site", "replicas"}), sort_keys=True)
+        # ``weights`` only when set: a spec written before it existed keeps its template.
+        exclude = {"model", "site", "replicas"} | ({"weights"} if spec.weights is None else set())
+        return json.dumps(spec.model_dump(mode="json", exclude=exclude), sort_keys=True)
 
     def _serving_row(self, model: str, site: str):
         rows = self.world.query("SELECT * FROM serving WHERE model=? AND site=?", model, site)

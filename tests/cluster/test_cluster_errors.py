@@ -117,7 +117,7 @@ class ClusterErrorsProbe:
     async def run(self, inp: PrepareNodeInput) -> Node:
         return await workflow.execute_activity(
             "prepare_node", inp, result_type=Node, start_to_close_timeout=timedelta(seconds=30),
-            # What CLUSTER_RETRY is today: unbounded, no non-retryable types listed.
+            # Unbounded and no non-retryable types listed: the error's own non_retryable flag must end it.
             retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=100),
                                      maximum_interval=timedelta(milliseconds=200)),
         )

@@ -140,7 +140,12 @@ def test_activity_payloads_never_carry_the_credential(harness: Harness, tmp_path
         pytest.skip("harness does not expose its secret")
     site = harness.spec.site
     config = FleetConfig(mode="real", sites=[harness.provider.site], accounts=[harness.provider.account])
-    env = FleetEnv(settings=Settings(state_dir=tmp_path), config=config, cluster=None)  # type: ignore[arg-type]
+    # The account guard of mode real lives in the cluster: the simulated one keeps the port's contract.
+    from providers.cluster.sim import SimCluster
+    from providers.sim import SimWorld
+
+    cluster = SimCluster(SimWorld(tmp_path / "cluster.db"))
+    env = FleetEnv(settings=Settings(state_dir=tmp_path), config=config, cluster=cluster)
     env._providers[site] = harness.provider  # the adapter pointed at its fake
     activities = ControlPlaneActivities(env)
     run = ActivityEnvironment().run  # a sync test: no event loop here, as in the worker's threads

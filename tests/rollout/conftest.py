@@ -93,7 +93,7 @@ def put_files(s3: MotoS3, source: ObjectStore, sizes: dict[str, int], seed: int 
     return files
 
 
-def rollout_fleet(stores: dict[str, ObjectStore]) -> dict:
+def rollout_fleet(stores: dict[str, ObjectStore], source: ObjectStore | None = None) -> dict:
     accounts = [{"name": "acct-a", "provider": "lambda", "credentials": {"env": "SIM_A_KEY"}}]
     sites = []
     for name in ("site-a", "site-b", "site-c"):
@@ -104,7 +104,10 @@ def rollout_fleet(stores: dict[str, ObjectStore]) -> dict:
         if name in stores:
             site["object_store"] = stores[name].model_dump(mode="json", exclude_none=True)
         sites.append(site)
-    return {"mode": "sim", "accounts": accounts, "sites": sites}
+    fleet = {"mode": "sim", "accounts": accounts, "sites": sites}
+    if source is not None:  # the manifest names it: weights.source.store = "source"
+        fleet["object_stores"] = {"source": source.model_dump(mode="json", exclude_none=True)}
+    return fleet
 
 
 def add_node(env: FleetEnv, site: str, gpus: int = 8) -> str:
@@ -141,7 +144,7 @@ class RolloutStack(Stack):
                 **strategy.pop("gate", {})}
         return {
             "model": MODEL, "version": version, "image": f"img:{version}", "args": ["--max-model-len", "4096"],
-            "weights": {"source": self.source.model_dump(mode="json", exclude_none=True), "files": [dict(f) for f in self.files]},
+            "weights": {"source": {"store": "source"}, "files": [dict(f) for f in self.files]},
             "sites": [{"site": s, "replicas": r} for s, r in sites.items()],
             "strategy": {"gate": gate, "evacuation_poll_seconds": 0.2, **strategy},
             "replication": {"part_size_bytes": 64 * 1024, "chunk_size_bytes": 16 * 1024, "heartbeat_seconds": 5},
@@ -159,7 +162,7 @@ async def rollout_stack(temporal_env, tmp_path: Path, moto_s3: MotoS3) -> AsyncI
               "site-b": moto_s3.bucket(moto_s3.store(1)),
               "site-c": moto_s3.bucket(moto_s3.store(1))}
     settings = make_settings(temporal_env, tmp_path)
-    (tmp_path / "sites.yaml").write_text(yaml.safe_dump(rollout_fleet(stores)))
+    (tmp_path / "sites.yaml").write_text(yaml.safe_dump(rollout_fleet(stores, source)))
     env = FleetEnv.from_settings(settings)
     for site in stores:
         add_node(env, site)

@@ -27,7 +27,7 @@ SHA = "a" * 64
 def raw(**overrides) -> dict:
     base = {
         "model": "llm", "version": "v2", "image": "img:v2",
-        "weights": {"source": {"bucket": "src"}, "files": [{"path": "w.bin", "size": 10, "sha256": SHA}]},
+        "weights": {"source": {"store": "src"}, "files": [{"path": "w.bin", "size": 10, "sha256": SHA}]},
         "sites": [{"site": "a", "replicas": 2}, {"site": "b", "replicas": 1}],
     }
     base.update(overrides)
@@ -43,10 +43,10 @@ def test_valid_input_defaults() -> None:
 
 
 @pytest.mark.parametrize("change, field", [
-    ({"weights": {"source": {"bucket": "s"}, "files": [{"path": "w", "size": 1}]}}, "sha256"),
-    ({"weights": {"source": {"bucket": "s"}, "files": [{"path": "w", "size": 1, "sha256": "xyz"}]}}, "sha256"),
-    ({"weights": {"source": {"bucket": "s"}, "files": [{"path": "../w", "size": 1, "sha256": SHA}]}}, "path"),
-    ({"weights": {"source": {"bucket": "s"}, "files": []}}, "files"),
+    ({"weights": {"source": {"store": "s"}, "files": [{"path": "w", "size": 1}]}}, "sha256"),
+    ({"weights": {"source": {"store": "s"}, "files": [{"path": "w", "size": 1, "sha256": "xyz"}]}}, "sha256"),
+    ({"weights": {"source": {"store": "s"}, "files": [{"path": "../w", "size": 1, "sha256": SHA}]}}, "path"),
+    ({"weights": {"source": {"store": "s"}, "files": []}}, "files"),
     ({"sites": [{"site": "a", "replicas": 0}, {"site": "b", "replicas": 0}]}, "zero replicas everywhere"),
     ({"sites": [{"site": "a", "replicas": 1}, {"site": "a", "replicas": 1}]}, "more than once"),
     ({"strategy": {"canary_sites": ["zz"]}}, "canary_sites"),
@@ -109,3 +109,25 @@ def test_shipped_example_rollout_is_valid() -> None:
     rollout = RolloutInput.model_validate(yaml.safe_load(example.read_text()))
     assert rollout.strategy.canary_sites == ["aws-us-east-1"]
     assert {s.site for s in rollout.sites} >= set(rollout.strategy.canary_sites)
+
+
+@pytest.mark.parametrize("source, field", [
+    ({"store": "src", "endpoint_url": "https://evil.example"}, "endpoint_url"),
+    ({"store": "src", "credentials": {"env": "AWS_SECRET"}}, "credentials"),
+    ({"bucket": "src"}, "store"),
+    ({"store": "src", "prefix": "../other/"}, "prefix"),
+    ({"store": "src", "prefix": "no-slash"}, "prefix"),
+])
+def test_manifest_names_a_source_store_and_cannot_choose_endpoint_or_credentials(source: dict, field: str) -> None:
+    with pytest.raises(ValidationError) as caught:
+        RolloutInput.model_validate(raw(weights={"source": source, "files": [{"path": "w", "size": 1, "sha256": SHA}]}))
+    assert field in str(caught.value)
+
+
+def test_check_source_names_the_field_and_the_known_stores() -> None:
+    from fleet.rollout import check_source
+
+    request = RolloutInput.model_validate(raw())
+    assert check_source(request, ["src", "other"]) == []
+    (problem,) = check_source(request, ["other"])
+    assert problem.startswith("weights.source.store: unknown object store 'src'") and "other" in problem

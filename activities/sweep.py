@@ -1,0 +1,120 @@
+"""FleetSweep's activities: what accounts for each machine, and one site's sweep.
+
+A machine is an orphan when it carries the fleet's ownership marker (``Machine.owned``,
+defined per adapter), no node in the cluster and no running join accounts for it, and
+it is older than the grace period. Only orphans are deleted; an unmarked machine is
+counted and never touched, and a revoked account is not called at all (rule 6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import datetime
+
+from temporalio import activity
+
+from activities.capacity import reports_account
+from activities.env import FleetEnv
+from activities.errors import typed_errors
+from fleet.errors import AccountRevoked, NotFound
+from fleet.messages.sweep import SiteSweepReport, SweepKnown, SweepSiteInput
+from fleet.models import Machine
+from fleet.naming import node_name_for
+from fleet.search_attributes import NODE_NAME
+
+RUNNING_JOINS = 'WorkflowType = "NodeJoin" AND ExecutionStatus = "Running"'
+
+
+def join_node_name(workflow_id: str, node_name: str | None) -> str | None:
+    """The node name a running join provisions: its ``NodeName`` search attribute, else
+    derived from a ``join/<site>/<request>`` id as the join itself derives it."""
+    if node_name:
+        return node_name
+    parts = workflow_id.split("/")
+    if len(parts) >= 3 and parts[0] == "join":
+        return node_name_for(parts[1], workflow_id)
+    return None
+
+
+def classify(machines: list[Machine], known: SweepKnown, now: float, grace: float,
+             first_seen: dict[str, float], report: SiteSweepReport) -> list[Machine]:
+    """Fill ``report`` (counts, young, first_seen) and return the orphans to delete."""
+    names, ids, joining = set(known.node_names), set(known.machine_ids), set(known.joining)
+    orphans = []
+    for machine in machines:
+        if machine.state == "terminated":
+            continue
+        report.listed += 1
+        if not machine.owned:
+            report.unmarked += 1
+        elif machine.name in names or machine.id in ids:
+            report.known += 1
+        elif machine.name in joining:
+            report.joining += 1
+        else:
+            born = machine.created_at.timestamp() if isinstance(machine.created_at, datetime) else None
+            if born is None:
+                born = first_seen.get(machine.id, now)
+                report.first_seen[machine.id] = born
+            if now - born < grace:
+                report.young.append(machine.id)
+            else:
+                orphans.append(machine)
+    return orphans
+
+
+class SweepActivities:
+    def __init__(self, env: FleetEnv) -> None:
+        self.env = env
+
+    def all(self) -> list:
+        return [self.sweep_known, self.sweep_site]
+
+    @activity.defn
+    @typed_errors
+    async def sweep_known(self) -> SweepKnown:
+        """Nodes in the cluster (names, machine ids), then the running joins' node names.
+
+        In this order: a join that ends meanwhile has registered its node before it ended
+        (seen in neither only if it ended after the listing: then its machine is young)."""
+        nodes = await asyncio.to_thread(self.env.cluster.list_nodes)
+        joining = set()
+        async for wf in activity.client().list_workflows(RUNNING_JOINS):
+            name = join_node_name(wf.id, wf.typed_search_attributes.get(NODE_NAME))
+            if name:
+                joining.add(name)
+        return SweepKnown(node_names=sorted(n.name for n in nodes),
+                          machine_ids=sorted(n.machine_id for n in nodes if n.machine_id),
+                          joining=sorted(joining))
+
+    @activity.defn
+    @typed_errors
+    @reports_account(lambda input: input.site)
+    def sweep_site(self, input: SweepSiteInput) -> SiteSweepReport:
+        """List the site's machines, delete its orphans (unless ``dry_run``)."""
+        site = self.env.site(input.site)
+        report = SiteSweepReport(site=site.name, account=site.account)
+        try:
+            provider = self.env.provider(site.name)  # the guard: a revoked account is not called
+        except AccountRevoked as error:
+            report.skipped = f"credentials revoked: {error}"
+            return report
+        grace = self.env.config.sweep.grace_seconds if input.grace_seconds is None else input.grace_seconds
+        orphans = classify(provider.list_machines(), input.known, time.time(), grace, input.first_seen, report)
+        for machine in orphans:
+            if input.dry_run:
+                report.deleted.append(machine.id)
+                continue
+            try:
+                provider.delete_machine(machine.id)
+            except NotFound:
+                pass  # gone already: the delete is done
+            except Exception as error:  # noqa: BLE001 - one machine's failure must not hide the others
+                if getattr(error, "type_name", "") in ("BadCredentials", "OverQuota"):
+                    raise
+                report.failed.append(f"{machine.id}: {type(error).__name__}: {error}")
+                continue
+            report.deleted.append(machine.id)
+            activity.logger.warning("sweep deleted orphan %s (%s) at %s", machine.id, machine.name, site.name)
+        return report

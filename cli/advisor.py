@@ -1,0 +1,112 @@
+"""``gpufleet advisor``: what each workload would have cost placed elsewhere (read-only)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+import yaml
+
+from cli.common import Address, ConfigPath, StateDir, console, fail, failure, fleet_client, run, settings, show_rows
+
+FORMATS = ("table", "json", "md")
+
+
+def advisor(
+    since: Annotated[str, typer.Option(help="how far back: 36h, 7d, 2w")] = "7d",
+    format: Annotated[str, typer.Option("--format", "-f", help="table, json or md")] = "table",  # noqa: A002
+    chart: Annotated[Optional[Path], typer.Option(help="also write a PNG of $/hour per site, now vs advised")] = None,
+    constraints: Annotated[Optional[Path], typer.Option(
+        help="YAML/JSON file: model -> its placement constraints (gpu or gpu_class, gpu_memory_gb_min, "
+             "geographies, sites, capacity_types, max_price_per_gpu_hour)")] = None,
+    address: Address = "localhost:7233",
+    state_dir: StateDir = Path(".gpufleet"),
+    config: ConfigPath = None,
+) -> None:
+    """Each workload's GPU-hours and cost over the period against the cheapest placement that
+    meets its constraints (spot priced net of risk and reclaims). Changes nothing."""
+    if format not in FORMATS:
+        fail(f"--format: must be one of {', '.join(FORMATS)}, not {format!r}", 2)
+    if chart is not None and chart.suffix.lower() != ".png":
+        fail(f"--chart: {chart} must name a .png file", 2)
+    request: dict[str, Any] = {"since": since}
+    if constraints is not None:
+        request["constraints"] = _read_constraints(constraints)
+    report = run(_advise(settings(address, state_dir, config), request))
+    if format == "json":
+        print(report.model_dump_json(indent=2), flush=True)
+    elif format == "md":
+        print(report.markdown, flush=True)
+    else:
+        _table(report)
+    if chart is not None:
+        write_chart(report, chart)
+        (console.print if format == "table" else _stderr)(f"chart: {chart}")
+
+
+def _stderr(text: str) -> None:
+    from cli.common import err
+
+    err.print(text)
+
+
+def _read_constraints(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        fail(f"--constraints: cannot read {path}: {error}", 2)
+    if not isinstance(data, dict):
+        fail(f"--constraints: {path} must hold a mapping of model -> constraints", 2)
+    return data
+
+
+async def _advise(config, request: dict):
+    from temporalio.client import WorkflowFailureError
+
+    from client import InvalidArgument
+
+    fleet = fleet_client(config)
+    try:
+        handle = await fleet.start_advisor(request)
+    except InvalidArgument as error:
+        fail(str(error), 2)
+    try:
+        return await handle.result()
+    except WorkflowFailureError as error:
+        kind, message = failure(error)
+        fail(f"{handle.id}: {message}")
+
+
+def _table(report) -> None:
+    rows = [[w.model, w.site, f"{w.gpu_hours:,.1f}", f"{w.now:,.2f}", f"{w.advised:,.2f}", f"{w.saving:,.2f}",
+             w.advised_offer or "-", w.note or (f"{len(w.rejected)} cheaper offers rejected" if w.rejected else "")]
+            for w in report.workloads]
+    show_rows(f"advisor: last {report.since}", ["model", "site", "GPU-h", "now $", "advised $", "saving $",
+                                                "advised offer", "note"], rows, "table", drop_narrow=("note",))
+    print(f"total: now ${report.now:,.2f}, advised ${report.advised:,.2f}, saving ${report.saving:,.2f}", flush=True)
+    for site, error in sorted(report.catalog_errors.items()):
+        print(f"not listed: {site}: {error}", flush=True)
+
+
+def write_chart(report, path: Path) -> None:
+    """Grouped bars: $/hour per site now and advised (matplotlib's Agg backend: no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sites = [s.site for s in report.sites]
+    x = list(range(len(sites)))
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(sites) + 2), 4.5))
+    try:
+        ax.bar([i - 0.2 for i in x], [s.now_per_hour for s in report.sites], width=0.4, label="now")
+        ax.bar([i + 0.2 for i in x], [s.advised_per_hour for s in report.sites], width=0.4, label="advised")
+        ax.set_xticks(x, sites, rotation=30, ha="right")
+        ax.set_ylabel("$ / hour")
+        ax.set_title(f"last {report.since}: now \\${report.now:,.2f}, advised \\${report.advised:,.2f}")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path, format="png", dpi=100)
+    finally:
+        plt.close(fig)

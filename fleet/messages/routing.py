@@ -1,0 +1,74 @@
+"""The ``Routing`` entity's input, carried state, signals and activity payloads."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.models import Name, Text
+from fleet.routing import RoutingDocument, RoutingPolicy, SiteLoad
+
+DAY = 86400
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class SiteOverride(_Strict):
+    """What site events said about one site, on top of what samples show."""
+
+    healthy: bool = True
+    draining: bool = False
+    cap_percent: int = Field(100, ge=0, le=100)
+    incident: Text = ""
+
+
+class RoutingState(_Strict):
+    """Everything a ``Routing`` entity carries over continue-as-new."""
+
+    overrides: dict[str, SiteOverride] = Field(default_factory=dict)
+    document: RoutingDocument | None = None
+    #: Site events applied, in all runs (the entity's details show it).
+    events: int = Field(0, ge=0)
+    #: Why a recompute is wanted (events since the last one); empty: none pending.
+    pending: list[Text] = Field(default_factory=list, max_length=1000)
+
+
+class RoutingInput(_Strict):
+    """Start (or signal-with-start) ``routing/<model>``."""
+
+    model: Name
+    policy: RoutingPolicy = Field(default_factory=RoutingPolicy)
+    #: The callers' geography, for the latency to each site (none: every site equally near).
+    geography: str | None = Field(None, max_length=128)
+    #: Load samples this often between events.
+    sample_seconds: float = Field(30, gt=0, le=DAY)
+    #: Set by the entity itself when it continues as new; never by a caller.
+    state: RoutingState | None = None
+
+
+EventKind = Literal["incident", "restore", "rollout", "scale", "drain"]
+
+
+class SiteEvent(_Strict):
+    """The ``site_event`` signal: something happened at a site that routing must reflect now.
+
+    ``incident``/``drain`` take the site out (drain also moves its stuck sessions);
+    ``restore`` puts it back (``cap_percent`` steps it back in); ``rollout``/``scale``
+    only ask for a fresh sample (new or fewer Ready replicas)."""
+
+    kind: EventKind
+    site: Name
+    detail: Text = ""
+    cap_percent: int | None = Field(None, ge=0, le=100)
+
+
+class RoutingSampleInput(_Strict):
+    model: Name
+    geography: str | None = None
+
+
+class RoutingSample(_Strict):
+    sites: list[SiteLoad] = Field(default_factory=list)

@@ -1,0 +1,60 @@
+"""Inputs and results of FleetSweep (the leak sweep) and its activities."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+from fleet.models import DAY, Strict
+
+
+class FleetSweepInput(Strict):
+    """FleetSweep takes nothing (or ``{}``) from its Schedule; by hand, optionally these."""
+
+    #: Override ``sweep.grace_seconds`` of the config for this run (tests, a person in a hurry).
+    grace_seconds: float | None = Field(None, ge=0, le=7 * DAY)
+    #: Report what would be deleted, delete nothing.
+    dry_run: bool = False
+
+
+class SweepKnown(BaseModel):
+    """What accounts for a machine: a node in the cluster, or a join still running."""
+
+    node_names: list[str] = Field(default_factory=list)
+    machine_ids: list[str] = Field(default_factory=list)
+    #: Node names of running NodeJoins (their machines may not have registered yet).
+    joining: list[str] = Field(default_factory=list)
+
+
+class SweepSiteInput(BaseModel):
+    site: str
+    known: SweepKnown
+    grace_seconds: float | None = None
+    dry_run: bool = False
+    #: Machine id -> epoch seconds first seen, for providers that give no creation time
+    #: (Lambda): carried from the previous sweep, so their age is counted from then.
+    first_seen: dict[str, float] = Field(default_factory=dict)
+
+
+class SiteSweepReport(BaseModel):
+    site: str
+    account: str = ""
+    #: Why the site was not listed (credentials revoked: rule 6), or the error that stopped it.
+    skipped: str = ""
+    listed: int = 0
+    #: Machines without the fleet's ownership marker: counted, never touched.
+    unmarked: int = 0
+    known: int = 0
+    joining: int = 0
+    #: Unaccounted for but younger than the grace period: looked at again next time.
+    young: list[str] = Field(default_factory=list)
+    deleted: list[str] = Field(default_factory=list)
+    failed: list[str] = Field(default_factory=list)
+    first_seen: dict[str, float] = Field(default_factory=dict)
+
+
+class FleetSweepResult(BaseModel):
+    sites: list[SiteSweepReport] = Field(default_factory=list)
+    deleted: int = 0
+    young: int = 0
+    skipped: int = 0
+    dry_run: bool = False

@@ -1,0 +1,217 @@
+"""Routing policy, pure: which share of a model's new sessions each site gets.
+
+Product rules (seeds 000, 001, 004): the site is picked first, by health, load,
+latency to the caller's geography and cost; a session then stays at its site
+(stickiness lives in the front door, not here); traffic moves only when a site
+cannot serve. ``compute_weights`` turns per-site facts into integer weights
+that sum to ``TOTAL``; the ``Routing`` entity (``workflows/routing.py``) calls
+it on every site event and load sample and writes the result as one versioned
+``RoutingDocument``. No Temporal, no I/O.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Iterable
+
+from pydantic import BaseModel, ConfigDict, Field
+
+#: Weights of one model always sum to this (or are all 0: nothing can serve).
+TOTAL = 1000
+
+
+class Strategy(StrEnum):
+    CHEAPEST = "cheapest"
+    NEAREST = "nearest"
+    LEAST_LOADED = "least-loaded"
+
+
+class Mode(StrEnum):
+    #: Every healthy site with Ready replicas takes traffic.
+    ACTIVE_ACTIVE = "active-active"
+    #: Only primaries take traffic; secondaries only when no primary can serve.
+    ACTIVE_PASSIVE = "active-passive"
+    #: Primaries first; secondaries join when no primary can serve or primaries are saturated.
+    BURST = "burst"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class SiteLoad(_Strict):
+    """What routing knows about one site for one model."""
+
+    site: str = Field(min_length=1, max_length=253)
+    #: Ready replicas only: a replica still loading its weights serves nothing.
+    ready_replicas: int = Field(0, ge=0, le=100_000)
+    #: Requests waiting across the site's replicas (vLLM ``vllm:num_requests_waiting``).
+    queue_depth: float = Field(0, ge=0, le=1e9)
+    #: Round trip from the callers' geography to the site.
+    latency_ms: float = Field(0, ge=0, le=600_000)
+    price_per_gpu_hour: float = Field(0, ge=0, le=1e6)
+    #: In ``active-passive`` and ``burst``: primaries serve first.
+    primary: bool = True
+    healthy: bool = True
+    #: Evacuation: no new sessions, stuck sessions move (``maint`` in the front door).
+    draining: bool = False
+    #: Evacuation's ceiling, as percent of what the policy would give the site.
+    cap_percent: int = Field(100, ge=0, le=100)
+    #: An open incident at the site (one line), shown in the document.
+    incident: str = Field("", max_length=500)
+
+    @property
+    def can_serve(self) -> bool:
+        return self.healthy and not self.draining and self.ready_replicas > 0 and self.cap_percent > 0
+
+    @property
+    def queue_per_replica(self) -> float:
+        return self.queue_depth / self.ready_replicas if self.ready_replicas else 0.0
+
+
+class RoutingPolicy(_Strict):
+    strategy: Strategy = Strategy.LEAST_LOADED
+    mode: Mode = Mode.ACTIVE_ACTIVE
+    #: A recomputed share that moves no site by more than this keeps the old weights:
+    #: load samples wobble, and every change costs sessions their warm prefix cache.
+    hysteresis: float = Field(0.05, ge=0, le=0.5)
+    #: Share a serving site never drops below (active-active): a warm site stays warm.
+    warm_floor: float = Field(0.02, ge=0, le=0.5)
+    #: ``burst``: primaries count as saturated above this many waiting requests per replica.
+    burst_queue_per_replica: float = Field(8, gt=0, le=1e6)
+    #: How sharply the strategy prefers its best site (share ~ (best/value) ** sharpness).
+    sharpness: float = Field(4, ge=0, le=16)
+
+
+def candidates(sites: Iterable[SiteLoad], policy: RoutingPolicy) -> list[SiteLoad]:
+    """The sites that take new sessions under the model's mode."""
+    serving = [s for s in sites if s.can_serve]
+    primaries = [s for s in serving if s.primary]
+    secondaries = [s for s in serving if not s.primary]
+    if policy.mode is Mode.ACTIVE_ACTIVE or not primaries:
+        return serving
+    if policy.mode is Mode.BURST and all(s.queue_per_replica > policy.burst_queue_per_replica for s in primaries):
+        return primaries + secondaries
+    return primaries
+
+
+def _score(site: SiteLoad, among: list[SiteLoad], policy: RoutingPolicy) -> float:
+    # Capacity discounted by load under every strategy: a full site is a slow site.
+    score = site.ready_replicas / (1 + site.queue_per_replica)
+    k = policy.sharpness
+    if policy.strategy is Strategy.CHEAPEST:
+        best = min(s.price_per_gpu_hour for s in among)
+        score *= ((best + 0.01) / (site.price_per_gpu_hour + 0.01)) ** k
+    elif policy.strategy is Strategy.NEAREST:
+        best = min(s.latency_ms for s in among)
+        score *= ((best + 1) / (site.latency_ms + 1)) ** k
+    else:
+        score /= 1 + site.queue_per_replica
+    return score * site.cap_percent / 100
+
+
+def _with_floor(shares: dict[str, float], floor: float, floored: set[str]) -> dict[str, float]:
+    """Lift the ``floored`` sites to ``floor``, taking it from the others pro rata."""
+    if not floored or floor <= 0:
+        return shares
+    if floor * len(shares) >= 1:
+        return {k: 1 / len(shares) for k in shares}
+    fixed: set[str] = set()
+    while True:
+        low = {k for k in floored - fixed if shares[k] < floor}
+        if not low:
+            return shares
+        fixed |= low
+        rest = 1 - floor * len(fixed)
+        free = {k: v for k, v in shares.items() if k not in fixed}
+        total = sum(free.values())
+        shares = {k: (floor if k in fixed else (free[k] / total * rest if total else rest / len(free)))
+                  for k in shares}
+
+
+def _integers(shares: dict[str, float], total: int) -> dict[str, int]:
+    """Largest remainder: integers summing exactly to ``total``, ties by name."""
+    raw = {k: v * total for k, v in shares.items()}
+    out = {k: int(v) for k, v in raw.items()}
+    left = total - sum(out.values())
+    for k in sorted(raw, key=lambda k: (-(raw[k] - out[k]), k))[:left]:
+        out[k] += 1
+    return out
+
+
+def compute_weights(
+    sites: Iterable[SiteLoad], policy: RoutingPolicy, previous: dict[str, int] | None = None
+) -> dict[str, int]:
+    """Every site's weight (0 for those that take no new sessions), summing to ``TOTAL``
+    unless no site can serve. With ``previous``: kept as is when the same sites take
+    traffic and no share moved by more than ``policy.hysteresis``."""
+    sites = list(sites)
+    chosen = candidates(sites, policy)
+    weights = {s.site: 0 for s in sites}
+    if not chosen:
+        return weights
+    scores = {s.site: _score(s, chosen, policy) for s in chosen}
+    total = sum(scores.values())
+    shares = {k: (v / total if total else 1 / len(scores)) for k, v in scores.items()}
+    # The floor keeps warm only what the mode chose and the evacuation did not cap.
+    shares = _with_floor(shares, policy.warm_floor, {s.site for s in chosen if s.cap_percent == 100})
+    weights.update(_integers(shares, TOTAL))
+    if previous is not None and _within(previous, weights, policy.hysteresis):
+        return {s.site: previous.get(s.site, 0) for s in sites}
+    return weights
+
+
+def _within(old: dict[str, int], new: dict[str, int], hysteresis: float) -> bool:
+    """Same sites taking traffic, and no share moved by more than ``hysteresis``."""
+    keys = set(old) | set(new)
+    if {k for k in keys if old.get(k, 0) > 0} != {k for k in keys if new.get(k, 0) > 0}:
+        return False
+    return all(abs(old.get(k, 0) - new.get(k, 0)) <= hysteresis * TOTAL for k in keys)
+
+
+class SiteRouteState(_Strict):
+    """One site in a routing document."""
+
+    weight: int = Field(ge=0, le=TOTAL)
+    ready_replicas: int = 0
+    draining: bool = False
+    healthy: bool = True
+    incident: str = ""
+
+
+class RoutingDocument(_Strict):
+    """The one thing the front doors render: a model's per-site weights, versioned.
+
+    Written only by the model's ``Routing`` entity; the version goes up by one on
+    every change, so a renderer can skip a document it has already applied."""
+
+    model: str = Field(min_length=1, max_length=128)
+    version: int = Field(ge=0)
+    sites: dict[str, SiteRouteState] = Field(default_factory=dict)
+    #: Why the last change was made (the event or sample that caused it).
+    reason: str = Field("", max_length=500)
+
+    @property
+    def weights(self) -> dict[str, int]:
+        return {k: v.weight for k, v in self.sites.items()}
+
+
+def next_document(
+    model: str, sites: list[SiteLoad], policy: RoutingPolicy, previous: RoutingDocument | None, reason: str
+) -> RoutingDocument:
+    """The document after an event or sample; ``previous`` itself when nothing changed."""
+    weights = compute_weights(sites, policy, previous.weights if previous else None)
+    entries = {
+        s.site: SiteRouteState(weight=weights[s.site], ready_replicas=s.ready_replicas, draining=s.draining,
+                               healthy=s.healthy, incident=s.incident)
+        for s in sites
+    }
+    if previous is not None and previous.sites == entries:
+        return previous
+    return RoutingDocument(model=model, version=(previous.version + 1 if previous else 1), sites=entries,
+                           reason=reason)
+
+
+def routing_workflow_id(model: str) -> str:
+    """The model's ``Routing`` entity: the one writer of its routes."""
+    return f"routing/{model}"

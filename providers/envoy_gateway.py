@@ -1,0 +1,57 @@
+"""A model's routing document as Envoy Gateway objects, for production.
+
+- ``HTTPRoute`` (Gateway API, standard channel): ``/<model>`` to each site's Service,
+  ``backendRefs`` weighted by the document (the adapter's ``render_httproute``);
+- ``BackendTrafficPolicy`` (``gateway.envoyproxy.io/v1alpha1``) attached to that route:
+  session persistence as a consistent hash on the ``x-session-id`` header (HTTPRoute's
+  own ``sessionPersistence`` is experimental-channel only and silently pruned by the
+  standard CRDs), and retries only on failures before any response byte
+  (``connect-failure``, ``refused-stream``: Envoy never retries once it has begun to
+  send the answer downstream, so a streamed answer is never replayed).
+
+A draining or unhealthy site keeps its backendRef at weight 0, so its Service stays
+resolvable while sessions leave it. tests/test_envoy_gateway.py checks the objects
+against trimmed copies of the CRDs' schemas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleet.cluster import SiteRoute
+from fleet.routing import RoutingDocument
+from providers.cluster.base import dns_label
+from providers.cluster.kubernetes import ANNOTATION_MODEL, GATEWAY_GROUP, render_httproute
+from providers.haproxy import SESSION_HEADER
+
+ENVOY_GROUP = "gateway.envoyproxy.io"
+ENVOY_VERSION = "v1alpha1"
+#: Retried only while no byte of the answer has left Envoy.
+RETRY_BEFORE_RESPONSE = ["connect-failure", "refused-stream"]
+
+
+def render_backend_traffic_policy(model: str, namespace: str, retries: int = 2) -> dict[str, Any]:
+    name = dns_label(model)
+    return {
+        "apiVersion": f"{ENVOY_GROUP}/{ENVOY_VERSION}",
+        "kind": "BackendTrafficPolicy",
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": {"app.kubernetes.io/managed-by": "gpufleet"},
+                     "annotations": {ANNOTATION_MODEL: model}},
+        "spec": {
+            "targetRefs": [{"group": GATEWAY_GROUP, "kind": "HTTPRoute", "name": name}],
+            "loadBalancer": {"type": "ConsistentHash",
+                             "consistentHash": {"type": "Header", "header": {"name": SESSION_HEADER}}},
+            "retry": {"numRetries": retries, "retryOn": {"triggers": list(RETRY_BEFORE_RESPONSE)}},
+        },
+    }
+
+
+def render_routing(document: RoutingDocument, namespace: str, gateway: str,
+                   gateway_namespace: str) -> list[dict[str, Any]]:
+    """The objects to apply for one model: its HTTPRoute and its BackendTrafficPolicy."""
+    sites = {s: SiteRoute(weight=r.weight if r.healthy and not r.draining else 0, healthy=r.healthy,
+                          draining=r.draining, incident=r.incident)
+             for s, r in document.sites.items()}
+    return [render_httproute(document.model, sites, namespace, gateway, gateway_namespace),
+            render_backend_traffic_policy(document.model, namespace)]

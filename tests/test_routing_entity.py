@@ -1,0 +1,145 @@
+"""The ``Routing`` entity (``routing/<model>``): site events and load samples in, one
+versioned routing document out; and the provider-loss game day through the dev
+stack's front door (real HAProxy, real streaming servers)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from temporalio.client import Client, WorkflowHandle
+
+from cli.front_door import DevFrontDoor
+from fleet.cluster import UNPROVEN_TAINT, ServingSpec, SiteRoute
+from fleet.routing import TOTAL, RoutingDocument, routing_workflow_id
+from providers.haproxy import haproxy_binary
+from activities.env import FleetEnv
+from fleet.settings import Settings
+from tests.conftest import terminate_running, wait_for
+from tests.evacuation_helpers import IncStack, incident_fleet
+from workers.control_plane import build_worker
+from tests.rollout.conftest import add_node
+
+
+@pytest.fixture
+async def inc(temporal_env, tmp_path: Path):
+    """The incident tests' four sites and the control-plane worker; no node agents (the
+    nodes here are added straight to the simulated cluster and stay Ready)."""
+    uid = uuid.uuid4().hex[:6]
+    (tmp_path / "sites.yaml").write_text(yaml.safe_dump(incident_fleet(uid)))
+    settings = Settings(address=temporal_env.client.service_client.config.target_host, task_queue=f"route-{uid}",
+                        state_dir=tmp_path, config=str(tmp_path / "sites.yaml"))
+    env = FleetEnv.from_settings(settings)
+    async with build_worker(temporal_env.client, settings):
+        yield IncStack(temporal_env.client, settings, env.world, env.cluster, uid)
+        await terminate_running(temporal_env.client, settings.task_queue)
+
+
+def serve(inc: IncStack, model: str, name: str, replicas: int) -> str:
+    site = inc.site(name)
+    env = type("Env", (), {"cluster": inc.cluster, "world": inc.world})()
+    for _ in range(replicas):  # a proven, Ready node per replica
+        node = add_node(env, site, gpus=2)
+        inc.cluster.set_taints(node, remove=[UNPROVEN_TAINT])
+        inc.cluster.set_node_status(node, ready=True)
+    inc.cluster.apply_serving(ServingSpec(model=model, site=site, image="vllm:1", replicas=replicas,
+                                          gpus_per_replica=2))
+    return site
+
+
+async def start_routing(client: Client, inc: IncStack, model: str, **extra) -> WorkflowHandle:
+    return await client.start_workflow(
+        "Routing", {"model": model, "sample_seconds": 0.3, **extra}, id=routing_workflow_id(model),
+        task_queue=inc.settings.task_queue)
+
+
+def weights(inc: IncStack, model: str) -> dict[str, int]:
+    table = inc.cluster.get_routing(model)
+    return {s: r.weight for s, r in table.sites.items()} if table else {}
+
+
+async def test_events_and_samples_move_the_weights(temporal_env, inc: IncStack):
+    model = f"llm-{uuid.uuid4().hex[:6]}"
+    a, c = serve(inc, model, "a", 2), serve(inc, model, "c", 2)
+    handle = await start_routing(temporal_env.client, inc, model)
+    await wait_for(lambda: sum(weights(inc, model).values()) == TOTAL and all(weights(inc, model).values()))
+    first = weights(inc, model)
+
+    await handle.signal("site_event", {"kind": "incident", "site": a, "detail": "provider down"})
+    await wait_for(lambda: weights(inc, model) == {a: 0, c: TOTAL})
+    doc = await handle.query("document", result_type=RoutingDocument)
+    assert doc.sites[a].incident == "provider down" and not doc.sites[a].healthy
+
+    # Restored in steps: a quarter, then all of it.
+    await handle.signal("site_event", {"kind": "restore", "site": a, "cap_percent": 25})
+    await wait_for(lambda: 0 < weights(inc, model).get(a, 0) < first[a])
+    await handle.signal("site_event", {"kind": "restore", "site": a})
+    await wait_for(lambda: weights(inc, model) == first)
+
+    # A sample sees more Ready replicas at c (a scale-up): c's share grows.
+    serve(inc, model, "c", 2)
+    inc.cluster.scale_serving(model, c, 4)
+    await wait_for(lambda: weights(inc, model).get(c, 0) > first[c] + 0.05 * TOTAL)
+
+    # A bad payload is dropped with a warning; the entity carries on.
+    await handle.signal("site_event", {"kind": "explode", "site": a})
+    await handle.signal("site_event", "not an object")
+    await handle.signal("site_event", {"kind": "drain", "site": c})
+    await wait_for(lambda: weights(inc, model) == {a: TOTAL, c: 0})
+
+
+async def test_an_evacuation_decision_reaches_the_model_through_the_entity(temporal_env, inc: IncStack):
+    model = f"llm-{uuid.uuid4().hex[:6]}"
+    a, c = serve(inc, model, "a", 1), serve(inc, model, "c", 1)
+    await start_routing(temporal_env.client, inc, model)
+    await wait_for(lambda: all(weights(inc, model).values()) and len(weights(inc, model)) == 2)
+    # What SiteEvacuation publishes for the site (the fleet-wide site document) ...
+    inc.cluster.set_site_routes({a: SiteRoute(weight=0, healthy=False, draining=True, incident="evacuate"),
+                                 c: SiteRoute(weight=100)})
+    # ... the entity's next sample turns into the model's routes.
+    await wait_for(lambda: weights(inc, model) == {a: 0, c: TOTAL})
+    assert inc.cluster.get_routing(model).sites[a].draining
+
+
+@pytest.mark.skipif(haproxy_binary() is None, reason="haproxy not installed (apt-get install -y haproxy)")
+async def test_provider_loss_game_day_moves_traffic_through_the_routing_entity(temporal_env, inc: IncStack,
+                                                                              tmp_path: Path):
+    model = f"llm-{uuid.uuid4().hex[:6]}"
+    a, c = serve(inc, model, "a", 2), serve(inc, model, "c", 2)
+    handle = await start_routing(temporal_env.client, inc, model)
+    await wait_for(lambda: len(weights(inc, model)) == 2)
+    door = await DevFrontDoor(inc.cluster, tmp_path / "door", bind="127.0.0.1:0", first_token_ms=1,
+                              poll_seconds=0.1).start()
+    try:
+        async with httpx.AsyncClient(base_url=door.url, timeout=10) as http:
+            async def ask(session: str) -> str:
+                r = await http.post(f"/{model}/v1/completions", headers={"x-session-id": session},
+                                    json={"prompt": "hi", "stream": True, "max_tokens": 1})
+                r.raise_for_status()
+                return r.headers["x-gpufleet-site"]
+
+            before = Counter([await ask(f"s{i}") for i in range(40)])
+            assert before[a] and before[c]
+            stuck_at_a = [f"s{i}" for i in range(40) if await ask(f"s{i}") == a]
+            # Provider loss at a: the evacuation drains the site through the Routing entity.
+            await handle.signal("site_event", {"kind": "incident", "site": a, "detail": "provider lost"})
+            await handle.signal("site_event", {"kind": "drain", "site": a})
+            await wait_for(lambda: weights(inc, model).get(a) == 0)
+            await asyncio.sleep(0.3)  # the front door's next poll applies the new version
+            assert {await ask(s) for s in stuck_at_a} == {c}  # stuck sessions moved
+            assert Counter([await ask(f"new{i}") for i in range(40)])[a] == 0
+            # Restored in steps.
+            await handle.signal("site_event", {"kind": "restore", "site": a, "cap_percent": 30})
+            await wait_for(lambda: 0 < weights(inc, model).get(a, 0) < 500)
+            await asyncio.sleep(0.3)
+            partial = Counter([await ask(f"back{i}") for i in range(100)])
+            assert 0 < partial[a] < partial[c]
+            await handle.signal("site_event", {"kind": "restore", "site": a})
+            await wait_for(lambda: weights(inc, model).get(a, 0) >= 450)
+    finally:
+        await door.stop()
