@@ -39,7 +39,7 @@ from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocke
 from fleet.models import AccountState
 from fleet.naming import account_workflow_id, site_workflow_id
 from fleet.placement import AccountView
-from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, DrainResult
+from fleet.cluster import LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, DrainResult
 from providers.cluster.base import NodeNotFound
 
 R = TypeVar("R")
@@ -230,10 +230,19 @@ class CapacityActivities:
     @typed_errors
     def site_nodes(self, input: SiteNodesInput) -> list[SiteNode]:
         site = self.env.site(input.site)
+        nodes = self.env.cluster.list_nodes({LABEL_SITE: site.name})
+        for n in nodes:
+            # The kubelet may relabel its own zone; a wrong one would steer PreferClose Services
+            # to another site's replicas. Each reconcile puts it back (README "Network model").
+            if n.labels.get(LABEL_ZONE) != site.name:
+                try:
+                    self.env.cluster.label_node(n.name, {LABEL_ZONE: site.name})
+                except NodeNotFound:
+                    pass  # gone since the list: nothing to label
         return [
             SiteNode(node_name=n.name, machine_id=n.machine_id, ready=n.ready, unproven=UNPROVEN_TAINT in n.taints,
                      registered_at=n.registered_at, price_per_gpu_hour=site.price_per_gpu_hour)
-            for n in self.env.cluster.list_nodes({LABEL_SITE: site.name})
+            for n in nodes
         ]
 
     @activity.defn

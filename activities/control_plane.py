@@ -34,7 +34,7 @@ from fleet.config import Site
 from fleet.errors import NotFound
 from fleet.models import Machine, Node
 from fleet.naming import site_workflow_id
-from fleet.cluster import UNPROVEN_TAINT, JoinTokenRef
+from fleet.cluster import LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, JoinTokenRef
 
 
 class ControlPlaneActivities:
@@ -129,8 +129,11 @@ class ControlPlaneActivities:
     def prepare_node(self, input: PrepareNodeInput) -> Node:
         """Our labels and taints on the node; touches no other key."""
         cluster = self.env.cluster
-        if input.labels:
-            cluster.label_node(input.node_name, input.labels)
+        labels = dict(input.labels)
+        if LABEL_SITE in labels:  # a site is a topology zone (same-site Services, README "Network model")
+            labels[LABEL_ZONE] = labels[LABEL_SITE]
+        if labels:
+            cluster.label_node(input.node_name, labels)
         return cluster.set_taints(input.node_name, add=input.add_taints, remove=input.remove_taints)
 
     @activity.defn

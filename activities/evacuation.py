@@ -5,6 +5,8 @@ thin and idempotent under retries.
 
 from __future__ import annotations
 
+import asyncio
+
 from temporalio import activity
 from temporalio.client import WithStartWorkflowOperation
 from temporalio.common import WorkflowIDConflictPolicy
@@ -60,9 +62,16 @@ class EvacuationActivities:
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
             static_summary=f"site {input.site}: min/max reconcile, incidents",
         )
-        return await client.execute_update_with_start_workflow(
+        asking = asyncio.ensure_future(client.execute_update_with_start_workflow(
             "admit_repair", input, start_workflow_operation=start, result_type=RepairDecision,
-        )
+        ))
+        # The Site entity may hold the answer for its settle window: heartbeat meanwhile, so a
+        # worker lost mid-question is noticed in seconds, not at the start-to-close timeout.
+        while True:
+            done, _ = await asyncio.wait({asking}, timeout=2.0)
+            if done:
+                return asking.result()
+            activity.heartbeat()
 
     @activity.defn
     @typed_errors

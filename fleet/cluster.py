@@ -13,13 +13,25 @@ from fleet.weights_pull import WeightsPull
 
 #: Taint every new node carries until its smoke test passes.
 UNPROVEN_TAINT = "gpufleet.io/unproven:NoSchedule"
-LABEL_SITE = "gpufleet.io/site"
-LABEL_PROVIDER = "gpufleet.io/provider"
+#: Placement and compliance labels live under ``node-restriction.kubernetes.io/``: the
+#: NodeRestriction admission plugin refuses a kubelet that sets or changes such a key on its
+#: own Node, so a node cannot move itself into another site (or compliance geography).
+LABEL_SITE = "node-restriction.kubernetes.io/gpufleet-site"
+LABEL_PROVIDER = "node-restriction.kubernetes.io/gpufleet-provider"
 LABEL_REGION = "topology.kubernetes.io/region"
+#: A node's site, under the name Kubernetes' topology-aware routing reads: a Service with
+#: ``trafficDistribution: PreferClose`` then keeps a caller's traffic inside its site.
+#: The kubelet may set this key on itself (NodeRestriction allows it), so the reconcile
+#: sweep puts it back (``site_nodes``).
+LABEL_ZONE = "topology.kubernetes.io/zone"
 LABEL_GPU_PRODUCT = "nvidia.com/gpu.product"
 LABEL_MODEL = "gpufleet.io/model"
-#: Where the machine id sits on a Node when the node (or its agent) sets it.
+#: On join-token Secrets (never on Nodes: a node's kubelet may write its own annotations,
+#: so the machine behind a node comes from the control plane's identity record).
 ANNOTATION_MACHINE_ID = "gpufleet.io/machine-id"
+#: The control-plane state kind (``Cluster.update_state``) holding each joined node's
+#: identity, written by the join when the node registered: a node cannot write it.
+NODE_IDENTITY_KIND = "node-identity"
 #: The serving pod template that ``apply_serving`` wrote, and the one before it.
 ANNOTATION_TEMPLATE = "gpufleet.io/template"
 ANNOTATION_PREVIOUS_TEMPLATE = "gpufleet.io/previous-template"
@@ -38,6 +50,37 @@ class JoinTokenRef(BaseModel):
     token_id: str
     node_name: str
     expires_at: datetime
+
+
+class NodeIdentity(BaseModel):
+    """Which machine a node is, as the join that created it recorded it. Every action on
+    machines (reboot, reinstall, replace, retire, reclaim, sweep) takes the machine from
+    here, never from the node's own labels or annotations."""
+
+    node_name: str
+    machine_id: str
+    provider: str
+    account: str
+    site: str
+    #: What the kubelet was told to report (``gpufleet://<provider>/<account>/<node>``).
+    provider_id: str = ""
+    join_id: str = ""
+
+    def state(self) -> dict[str, str]:
+        return {k.replace("_", "-"): v for k, v in self.model_dump().items()}
+
+    @classmethod
+    def from_state(cls, data: dict[str, str]) -> "NodeIdentity | None":
+        try:
+            return cls(**{k.replace("-", "_"): v for k, v in data.items()})
+        except (TypeError, ValueError):
+            return None
+
+
+def gpufleet_provider_id(provider: str, account: str, node_name: str) -> str:
+    """The providerID a gpufleet machine's kubelet sets: written into its user data before
+    the provider's own id exists, so it names the machine by the name gpufleet chose."""
+    return f"gpufleet://{provider}/{account}/{node_name}"
 
 
 class DrainPod(BaseModel):

@@ -118,6 +118,8 @@ class Machine(BaseModel):
     #: Whether it carries the fleet's ownership marker (each adapter defines its own: a tag,
     #: a label, a name prefix, an allocation record). The sweep never touches one without.
     owned: bool = False
+    #: IP addresses the provider reports for it (private and public); empty where it reports none.
+    addresses: list[str] = Field(default_factory=list)
 
 
 class XidEvent(BaseModel):
@@ -183,6 +185,7 @@ class Node(BaseModel):
     machine_id: str = ""
     site: str = ""
     provider: str = ""
+    account: str = ""
     labels: dict[str, str] = Field(default_factory=dict)
     taints: list[str] = Field(default_factory=list)
     ready: bool = False
@@ -190,3 +193,6 @@ class Node(BaseModel):
     boot_id: str = ""
     gpus_allocatable: int = 0
     registered_at: datetime | None = None
+    #: What the kubelet reported: ``spec.providerID`` and ``status.addresses`` (IPs).
+    provider_id: str = ""
+    addresses: list[str] = Field(default_factory=list)

@@ -253,6 +253,7 @@ class NodeEntity:
                     "admit_repair", AdmitRepairInput(site=facts.site, node_name=self._node, gpu=index,
                                                      reasons=finding.reasons),
                     result_type=RepairDecision, start_to_close_timeout=timedelta(minutes=2),
+                    heartbeat_timeout=timedelta(seconds=10),  # a lost worker is seen in seconds
                     retry_policy=ADMISSION_RETRY, summary=f"site/{facts.site}: repair or provider incident?",
                 )
             except ActivityError as error:

@@ -334,6 +334,30 @@ def render_service(model: str, site: str, namespace: str) -> dict[str, Any]:
     }
 
 
+def render_model_service(model: str, namespace: str) -> dict[str, Any]:
+    """The one Service that spans sites: every replica of ``model``, for callers inside the
+    cluster (``<model>.<namespace>.svc``). ``PreferClose`` keeps a call among the caller's
+    own zone, which is its site (``LABEL_ZONE``), while that site has a ready replica; only
+    then does it cross sites (over the overlay; README "Network model"). Needs Kubernetes
+    >= 1.31. The front door does not use it: it routes to the per-site Services by weight."""
+    selector = {LABEL_MODEL: _label_value(dns_label(model))}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {
+            "name": dns_label(model),
+            "namespace": namespace,
+            "labels": {**selector, "app.kubernetes.io/managed-by": "gpufleet"},
+            "annotations": {ANNOTATION_MODEL: model},
+        },
+        "spec": {
+            "selector": selector,
+            "trafficDistribution": "PreferClose",
+            "ports": [{"name": "http", "port": SERVING_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
 def render_pdb(model: str, site: str, namespace: str) -> dict[str, Any]:
     """One replica of a model at a site down at a time: a node drain cannot take every
     replica at once, and one replica (an evacuation's last) can still be drained."""
@@ -829,14 +853,22 @@ class KubernetesCluster:
         self._retry_on_conflict(f"poddisruptionbudget {name}", attempt)
 
     def _apply_service(self, model: str, site: str) -> None:
-        desired = render_service(model, site, self.namespace)
+        self._apply_service_doc(render_service(model, site, self.namespace))
+        self._apply_service_doc(render_model_service(model, self.namespace))
+
+    def _apply_service_doc(self, desired: dict[str, Any]) -> None:
         name = desired["metadata"]["name"]
+        model = desired["metadata"]["annotations"][ANNOTATION_MODEL]
 
         def attempt() -> None:
             current = self._get(f"read service {name}", self.core.read_namespaced_service, name, self.namespace)
             if current is None:
                 self._write(f"create service {name}", self.core.create_namespaced_service, self.namespace, desired)
                 return
+            if (current["metadata"].get("annotations") or {}).get(ANNOTATION_MODEL, model) != model:
+                # Names are DNS labels of "<model>" and "<model>-<site>": two can meet. Taking
+                # another model's Service over would send its callers to this one.
+                raise ClusterInvalid(f"service {name} belongs to another model; not changed", code="409")
             if _is_subset(desired["spec"], current.get("spec")) and _is_subset(
                 desired["metadata"]["labels"], current["metadata"].get("labels")
             ):
@@ -915,6 +947,9 @@ class KubernetesCluster:
         name = serving_name(model, site)
         self._delete(f"delete deployment {name}", self.apps.delete_namespaced_deployment, name, self.namespace)
         self._delete(f"delete service {name}", self.core.delete_namespaced_service, name, self.namespace)
+        if not any(s.model == model for s in self.list_serving()):  # the last site of the model
+            wide = dns_label(model)
+            self._delete(f"delete service {wide}", self.core.delete_namespaced_service, wide, self.namespace)
 
     # -- routing --------------------------------------------------------------------------
     def set_routing_weights(
