@@ -23,7 +23,7 @@ BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
 PYTHON = BIN / "python"
 STAMP = VENV / ".gpufleet-installed"
 BENCHMARKS = ["bench.join_overhead", "bench.fallback", "bench.repair_latency", "bench.incident", "bench.replicate",
-              "bench.soak", "bench.front_door"]
+              "bench.soak", "bench.front_door", "bench.demand", "bench.gateway"]
 
 
 def ensure_venv() -> None:

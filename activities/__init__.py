@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 def control_plane_activities(env: "FleetEnv") -> list[Callable]:
     from activities.capacity import CapacityActivities
     from activities.control_plane import ControlPlaneActivities
+    from activities.demand import DemandActivities
     from activities.evacuation import EvacuationActivities
     from activities.ledger import LedgerActivities
     from activities.repair import RepairActivities
@@ -21,5 +22,5 @@ def control_plane_activities(env: "FleetEnv") -> list[Callable]:
     from activities.weights import WeightsActivities
 
     classes = [ControlPlaneActivities, CapacityActivities, RepairActivities, WeightsActivities, ServingActivities,
-               EvacuationActivities, SweepActivities, LedgerActivities, RoutingActivities]
+               EvacuationActivities, SweepActivities, LedgerActivities, RoutingActivities, DemandActivities]
     return [fn for cls in classes for fn in cls(env).all()]

@@ -10,6 +10,7 @@ import asyncio
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
+from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities import metrics
@@ -19,6 +20,10 @@ from activities.errors import typed_errors
 from activities.ledger import record_join_async, record_retire
 from activities.waiting import poll_until
 from activities.models import (
+    AwaitRegistrationInput,
+    ProvisionedMachine,
+    ProvisionJoinInput,
+    RevokeNodeTokensInput,
     AdmitNodeInput,
     DeleteMachineInput,
     IssueJoinTokenInput,
@@ -30,11 +35,45 @@ from activities.models import (
     RevokeJoinTokenInput,
     WaitForRegistrationInput,
 )
+from fleet import search_attributes as sa
 from fleet.config import Site
-from fleet.errors import NotFound
+from fleet.errors import InvalidRequest, NotFound, ProviderError
+from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
+from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinParams, render_user_data
 from fleet.models import Machine, Node
 from fleet.naming import site_workflow_id
 from fleet.cluster import LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, JoinTokenRef
+
+
+def bootstrap_user_data(cluster, token: BootstrapToken, node_name: str, provider_id: str) -> str:
+    """The machine's cloud-config (holds the token's secret: never returned, logged or raised)."""
+    endpoint, ca_hash = cluster.bootstrap_endpoint()
+    try:
+        return render_user_data(JoinParams(api_server=endpoint, ca_cert_hash=ca_hash, token=token.value,
+                                           node_name=node_name, provider_id=provider_id))
+    except BootstrapError as error:
+        raise InvalidRequest(str(error), code="bootstrap") from None
+
+
+def machine_addresses(env: FleetEnv, joining: dict[str, tuple[str, str]] | None = None):
+    """node → the addresses the provider reports for its machine (None: not a gpufleet node,
+    or nothing to check against). The machine comes from ``joining`` (a join in flight:
+    node → (site, machine id)) or from the node's identity record, never from the node."""
+    joining = joining or {}
+
+    def addresses(node_name: str) -> list[str] | None:
+        site, machine_id = joining.get(node_name, ("", ""))
+        if not machine_id:
+            identity = env.cluster.node_identity(node_name)
+            if identity is None:
+                return None
+            site, machine_id = identity.site, identity.machine_id
+        try:
+            return env.provider(site).get_machine(machine_id).addresses or None
+        except (ProviderError, InvalidRequest):
+            return None
+
+    return addresses
 
 
 class ControlPlaneActivities:
@@ -45,6 +84,10 @@ class ControlPlaneActivities:
         return [
             self.resolve_site,
             self.provision_machine,
+            self.provision_joining_machine,
+            self.await_registration,
+            self.revoke_node_tokens,
+            self.review_node_csrs,
             self.release_provision,
             self.delete_machine,
             self.issue_join_token,
@@ -69,6 +112,80 @@ class ControlPlaneActivities:
         self.env.check_account(input.site, input.spec.instance_type)  # blocked account/offer: no provider call
         with metrics.capacity_attempt(self.env.site(input.site).provider, input.site):
             return self.env.provider(input.site).create_machine(input.spec, input.idempotency_key)
+
+    @activity.defn
+    @typed_errors
+    @reports_account(lambda input: input.site, lambda input: input.spec.instance_type)
+    def provision_joining_machine(self, input: ProvisionJoinInput) -> ProvisionedMachine:
+        """Token first (kept under the join's id: a retry renders the same user data, and a
+        machine found by the key carries it already), then the machine with its bootstrap
+        document in the provider's user data. Only the token's id leaves this activity."""
+        site = self.env.site(input.site)
+        self.env.check_account(input.site, input.spec.instance_type)
+        node_name = input.spec.name
+        token = self.env.cluster.issue_bootstrap_token(node_name, input.idempotency_key, input.ttl_seconds)
+        provider_id = gpufleet_provider_id(site.provider, site.account, node_name)
+        user_data = bootstrap_user_data(self.env.cluster, token, node_name, provider_id)
+        with metrics.capacity_attempt(site.provider, input.site):
+            machine = self.env.provider(input.site).create_machine(input.spec, input.idempotency_key,
+                                                                   user_data=user_data)
+        return ProvisionedMachine(machine=machine, token=token.ref, provider_id=provider_id)
+
+    @activity.defn
+    @typed_errors
+    def await_registration(self, input: AwaitRegistrationInput) -> Node:
+        """Approve the kubelet's certificate (only for the node its token was issued for),
+        wait until the node registers and is Ready, delete its token at once, and admit the
+        registration only if it is this join's machine: its providerID the one the user
+        data named and, where the provider reports addresses, its addresses the machine's.
+        A mismatch is ``RegistrationMismatch`` (the join deletes the machine). A match is
+        recorded as the node's identity, which no node can write."""
+        cluster = self.env.cluster
+        addresses = machine_addresses(self.env, {input.node_name: (input.site, input.machine_id)})
+
+        def registered() -> Node | None:
+            cluster.review_csrs(addresses)
+            node = cluster.get_node(input.node_name)
+            return node if node is not None and node.ready else None
+
+        node = poll_until(registered, input.deadline, input.poll_seconds, lambda: ApplicationError(
+            f"node {input.node_name} did not register by {input.deadline.isoformat()}",
+            type="RegistrationTimeout", non_retryable=True,
+        ))
+        # The kubelet holds its own certificate now: the token has nothing left to do.
+        cluster.revoke_node_tokens(input.node_name)
+        problems = []
+        if node.provider_id != input.provider_id:
+            problems.append(f"providerID {node.provider_id or '(none)'!r} is not {input.provider_id!r}")
+        reported = addresses(input.node_name) or []
+        if reported and (not node.addresses or not set(node.addresses) <= set(reported)):
+            problems.append(f"addresses {sorted(node.addresses)} are not the machine's {sorted(reported)}")
+        if problems:
+            raise ApplicationError(
+                f"node {input.node_name} registered but is not machine {input.machine_id}: " + "; ".join(problems),
+                {"node_name": input.node_name, "machine_id": input.machine_id},
+                type="RegistrationMismatch", non_retryable=True,
+            )
+        site = self.env.site(input.site)
+        identity = NodeIdentity(node_name=input.node_name, machine_id=input.machine_id, provider=site.provider,
+                                account=site.account, site=site.name, provider_id=input.provider_id,
+                                join_id=input.join_id)
+        cluster.update_state(NODE_IDENTITY_KIND, input.node_name, lambda _old: identity.state())
+        cluster.review_csrs(addresses)  # a serving CSR waiting for the identity
+        return cluster.get_node(input.node_name) or node
+
+    @activity.defn
+    @typed_errors
+    def revoke_node_tokens(self, input: RevokeNodeTokensInput) -> list[str]:
+        """Every join token issued for the node (a join that failed before registration)."""
+        return self.env.cluster.revoke_node_tokens(input.node_name)
+
+    @activity.defn
+    @typed_errors
+    def review_node_csrs(self) -> int:
+        """gpufleet's CSR approver, one pass (kubelet certificate renewals, serving CSRs):
+        how many CSRs it decided."""
+        return len(self.env.cluster.review_csrs(machine_addresses(self.env)))
 
     @activity.defn
     @typed_errors
@@ -147,6 +264,16 @@ class ControlPlaneActivities:
         join under bench/join_overhead); a client signal is one lookup."""
         node = await asyncio.to_thread(self.env.cluster.set_taints, input.node_name, remove=[UNPROVEN_TAINT])
         await record_join_async(self.env, input.site, input.machine_id, input.node_name)
+        # The node's entity starts here, labelled from the join's own record: the node itself
+        # can no longer start or signal a workflow (node gateway), it answers the entity's watch.
+        await activity.client().start_workflow(
+            "Node", {"node_name": input.node_name}, id=f"node/{input.node_name}",
+            task_queue=activity.info().task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            search_attributes=TypedSearchAttributes([
+                SearchAttributePair(sa.SITE, input.site), SearchAttributePair(sa.NODE_NAME, input.node_name),
+                SearchAttributePair(sa.PROVIDER, self.env.site(input.site).provider)]),
+            static_summary=f"node {input.node_name}: health, repairs",
+        )
         transition = {"node_name": input.node_name, "state": "ready", "machine_id": input.machine_id}
         try:
             await activity.client().get_workflow_handle(site_workflow_id(input.site)).signal("node_transition", transition)

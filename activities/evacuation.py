@@ -18,7 +18,7 @@ from fleet.errors import FleetError, Transient
 from fleet.incident import IncidentSettings, SiteFacts, recovery, weight_at
 from fleet.naming import site_workflow_id
 from providers.cluster.base import serving_capacity
-from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, RoutingTable, ServingStatus, SiteRoute
+from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute
 from fleet.messages.evacuation import (
     AdmitRepairInput,
     EvacuationFacts,
@@ -137,24 +137,16 @@ class EvacuationActivities:
     @activity.defn
     @typed_errors
     def set_site_weight(self, input: SiteWeightInput) -> SiteWeightResult:
-        """The site's weight at ``percent`` of what it was, with healthy/draining/incident:
-        each model's table and the fleet-wide site document, each one atomic write."""
+        """The evacuation's decision for the site (``percent`` of its weight, healthy/draining/
+        incident) in the fleet-wide site document, one atomic write. The models' routes are
+        not written here: each model's Routing entity reads this document in its sample and
+        is the one writer of those (the evacuation tells it through ``routing_event``).
+        ``weights``: the ceiling each model's weight at the site is now under."""
         cluster = self.env.cluster
         result = SiteWeightResult(site_routes_version=0)
         route = dict(healthy=input.healthy, draining=input.draining, incident=input.incident)
         for model, original in sorted(input.original_models.items()):
-            table: RoutingTable | None = cluster.get_routing(model)
-            sites = dict(table.sites) if table else {}
-            if not sites:  # no table yet: every site serving the model at full weight
-                sites = {s.site: SiteRoute(weight=100) for s in cluster.list_serving() if s.model == model}
-            weight = weight_at(original, input.percent)
-            sites[input.site] = SiteRoute(weight=weight, **route)
-            written = cluster.set_routing_weights(
-                model, {k: v.weight for k, v in sites.items()}, healthy={k: v.healthy for k, v in sites.items()},
-                draining={k: v.draining for k, v in sites.items()}, incident={k: v.incident for k, v in sites.items()},
-            )
-            result.model_versions[model] = written.version
-            result.weights[model] = weight
+            result.weights[model] = weight_at(original, input.percent)
         doc = cluster.get_site_routes()
         sites = dict(doc.sites) if doc else {}
         for name in input.all_sites:

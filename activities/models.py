@@ -6,7 +6,8 @@ from datetime import datetime
 
 from pydantic import BaseModel, Field
 
-from fleet.models import GpuHealth, MachineSpec
+from fleet.cluster import JoinTokenRef
+from fleet.models import GpuHealth, Machine, MachineSpec
 from fleet.repair_policy import RepairSettings
 
 
@@ -18,6 +19,39 @@ class ProvisionMachineInput(BaseModel):
     site: str
     spec: MachineSpec
     idempotency_key: str
+
+
+class ProvisionJoinInput(BaseModel):
+    """Token, user data and machine in one activity: the rendered bootstrap (it holds the
+    token's secret) exists only inside it."""
+
+    site: str
+    spec: MachineSpec
+    #: The join's id: the provider's idempotency key, and the key its token is kept under.
+    idempotency_key: str
+    ttl_seconds: int = Field(3600, gt=0, le=3600)
+
+
+class ProvisionedMachine(BaseModel):
+    machine: Machine
+    token: JoinTokenRef
+    #: What the machine's kubelet was told to register as its providerID.
+    provider_id: str
+
+
+class AwaitRegistrationInput(BaseModel):
+    site: str
+    node_name: str
+    machine_id: str
+    provider_id: str
+    join_id: str
+    #: Absolute, so a retried attempt keeps the original deadline.
+    deadline: datetime
+    poll_seconds: float = 1.0
+
+
+class RevokeNodeTokensInput(BaseModel):
+    node_name: str
 
 
 class DeleteMachineInput(BaseModel):
@@ -124,6 +158,8 @@ class NodeFacts(BaseModel):
     found: bool = False
     site: str = ""
     provider: str = ""
+    #: Where it was bought (site, provider, account and machine come from the join's record).
+    account: str = ""
     machine_id: str = ""
     gpus: int = 0
     boot_id: str = ""

@@ -1,6 +1,19 @@
-"""Node-local activities, run by the node agent on task queue ``node/<name>``."""
+"""Node-local activities, run by the node agent on task queue ``node/<name>``.
+
+``watch_node`` is how the control plane learns a node's health and spot notices: the
+Node entity schedules it on the node's own queue and the agent answers with the node's
+whole state when it changed. The agent never starts or signals a workflow, so what a
+node says arrives only as the result of a task on its own queue (the node gateway lets
+it poll nothing else).
+"""
 
 from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Callable
 
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
@@ -14,13 +27,100 @@ from activities.models import (
     SmokeResult,
     SmokeTestInput,
 )
+from fleet.messages.repair import NodeWatchInput, NodeWatchResult
+from fleet.repair_policy import fingerprint
 from providers.gpu import GpuBackend
+
+#: Spot-notice source: the termination time (epoch seconds), or None without a notice.
+Notice = Callable[[], "float | None"]
+
+
+@dataclass
+class NodeState:
+    digest: str
+    boot_id: str
+    gpus: list
+    reclaim_at: float | None
+
+
+#: XID events a watch keeps per GPU until the entity has them.
+MAX_XIDS = 64
+
+
+def _xid_key(index: int, event) -> str:
+    return f"{index}:{event.xid}:{event.at.timestamp():.6f}"
+
+
+class NodeWatch:
+    """The node's own view, probed on demand: GPU health (``fleet.repair_policy.fingerprint``
+    decides what counts as a change) and the provider's spot notice, if any."""
+
+    def __init__(self, gpus: GpuBackend, notice: Notice | None = None, interval_s: float = 5.0) -> None:
+        self.gpus = gpus
+        self.notice = notice
+        #: Probe this often while waiting (0: only when woken and at the watch's end).
+        self.interval_s = interval_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._woken: asyncio.Event | None = None
+        # A backend reports an XID event once (NVML's queue is drained by the probe): the watch keeps
+        # each one until the entity has it (its next watch names the digest that carried it), so a
+        # result lost with a retried activity or a continue-as-new loses no XID.
+        self._xids: dict[int, list] = {}
+        self._acked: set[str] = set()
+        self._delivered: dict[str, list[str]] = {}  # digest returned → the XID keys it carried
+
+    def wake(self) -> None:
+        """Probe now (an XID event, a world change in the sim); callable from any thread."""
+        loop, woken = self._loop, self._woken
+        if loop is not None and woken is not None:
+            loop.call_soon_threadsafe(woken.set)
+
+    def arm(self) -> None:
+        """Before a probe: a wake-up from here on is not lost (the next wait returns at once)."""
+        if self._woken is None:
+            self._loop, self._woken = asyncio.get_running_loop(), asyncio.Event()
+        self._woken.clear()
+
+    async def wait(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self._woken.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
+
+    def observe(self, acked_digest: str = "") -> NodeState:
+        for key in self._delivered.pop(acked_digest, []):
+            self._acked.add(key)
+        if len(self._acked) > 4096:
+            self._acked = set(list(self._acked)[-2048:])
+        boot_id, gpus = self.gpus.boot_id(), self.gpus.probe()
+        carried = []
+        for gpu in gpus:
+            kept = [e for e in self._xids.get(gpu.index, []) if _xid_key(gpu.index, e) not in self._acked]
+            known = {_xid_key(gpu.index, e) for e in kept}
+            kept += [e for e in gpu.xid_events
+                     if _xid_key(gpu.index, e) not in known and _xid_key(gpu.index, e) not in self._acked]
+            self._xids[gpu.index] = kept[-MAX_XIDS:]
+            gpu.xid_events = list(self._xids[gpu.index])
+            carried += [_xid_key(gpu.index, e) for e in gpu.xid_events]
+        reclaim_at = None
+        if self.notice is not None:
+            try:
+                reclaim_at = self.notice()
+            except Exception as error:  # noqa: BLE001 - metadata service hiccup: the next probe
+                activity.logger.debug("spot notice poll failed: %s", error)
+        digest = hashlib.sha256(fingerprint(boot_id, gpus).encode()).hexdigest()
+        if carried:
+            self._delivered[digest] = carried
+            while len(self._delivered) > 16:
+                self._delivered.pop(next(iter(self._delivered)))
+        return NodeState(digest, boot_id, gpus, reclaim_at)
 
 
 class NodeAgentActivities:
-    def __init__(self, node_name: str, gpus: GpuBackend) -> None:
+    def __init__(self, node_name: str, gpus: GpuBackend, watch: NodeWatch | None = None) -> None:
         self.node_name = node_name
         self.gpus = gpus
+        self.watch = watch or NodeWatch(gpus)
         #: Reset key -> what the reset said: a retried reset of the same repair attempt
         #: (the reply was lost, the activity timed out) answers again without resetting.
         #: Kept for the agent's life; an agent restarted mid-repair resets once more at
@@ -28,7 +128,31 @@ class NodeAgentActivities:
         self._resets: dict[str, str] = {}
 
     def all(self) -> list:
-        return [self.probe_gpus, self.smoke_test, self.reset_gpu, self.reinstall_driver]
+        return [self.probe_gpus, self.smoke_test, self.reset_gpu, self.reinstall_driver, self.watch_node]
+
+    @activity.defn
+    async def watch_node(self, input: NodeWatchInput) -> NodeWatchResult:
+        """Long-running: return the node's state once it differs from what the entity saw,
+        or unchanged after ``max_wait_seconds``; heartbeat while waiting. Async, so a waiting
+        watch holds no thread (a sim host runs one per node)."""
+        if input.node_name != self.node_name:
+            raise ApplicationError(f"node_name: this agent is {self.node_name!r}, not {input.node_name!r}",
+                                   type="InvalidInput", non_retryable=True)
+        deadline = time.monotonic() + input.max_wait_seconds
+        info = activity.info()
+        beat = (info.heartbeat_timeout.total_seconds() / 3) if info.heartbeat_timeout else 10.0
+        while True:
+            self.watch.arm()
+            state = await asyncio.to_thread(self.watch.observe, input.digest)
+            changed = state.digest != input.digest or state.reclaim_at != input.reclaim_at
+            if changed or time.monotonic() >= deadline:
+                return NodeWatchResult(node_name=self.node_name, seq=input.seq + changed, digest=state.digest,
+                                       boot_id=state.boot_id, gpus=state.gpus, reclaim_at=state.reclaim_at)
+            activity.heartbeat(input.seq)
+            pause = min(beat, max(deadline - time.monotonic(), 0.0))
+            if self.watch.interval_s > 0:
+                pause = min(pause, self.watch.interval_s)
+            await self.watch.wait(pause)
 
     @activity.defn
     def probe_gpus(self, input: ProbeGpusInput) -> GpuProbeResult:

@@ -30,7 +30,8 @@ from activities.models import (
 from fleet.errors import NotFound
 from fleet.models import Node
 from fleet.replacement import replacement_sites
-from fleet.cluster import ANNOTATION_MACHINE_ID, LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
+from activities.control_plane import bootstrap_user_data, machine_addresses
+from fleet.cluster import LABEL_SITE, MAX_JOIN_TOKEN_TTL_S, UNPROVEN_TAINT
 
 #: One annotation per fenced GPU: ``gpufleet.io/fenced-gpu-<i>: <rung>``. The node's
 #: device plugin treats a fenced GPU as unhealthy (not allocatable).
@@ -69,13 +70,9 @@ class RepairActivities:
         node = self.env.cluster.get_node(input.node_name)
         if node is None:
             return NodeFacts(node_name=input.node_name, found=False, settings=settings)
-        site = node.site or node.labels.get(LABEL_SITE, "")
-        machine_id = node.machine_id
-        if not machine_id:
-            try:
-                machine_id = self.env.cluster.annotate_node(node.name, {}).get(ANNOTATION_MACHINE_ID, "")
-            except NotFound:
-                machine_id = ""
+        # Site, provider, account and machine: what the join recorded (the cluster port fills them
+        # in from the node's identity record), never the node's own labels or annotations.
+        site, machine_id = node.site, node.machine_id
         gpus = node.gpus_allocatable
         if site:
             try:
@@ -84,7 +81,7 @@ class RepairActivities:
                 pass
         return NodeFacts(
             node_name=node.name, found=True, site=site,
-            provider=node.provider or node.labels.get(LABEL_PROVIDER, ""), machine_id=machine_id, gpus=gpus,
+            provider=node.provider, account=node.account, machine_id=machine_id, gpus=gpus,
             boot_id=node.boot_id, ready=node.ready,
             admitted=bool(site) and UNPROVEN_TAINT not in node.taints, settings=settings,
         )
@@ -146,7 +143,20 @@ class RepairActivities:
             return f"already requested from boot {input.boot_id_before[:8]}"
         if provider.get_machine(input.machine_id).state in ("rebooting", "pending"):
             return "already restarting"
-        getattr(provider, f"{op}_machine")(input.machine_id)
+        identity = cluster.node_identity(input.node_name) if op == "reinstall" else None
+        if identity is not None:
+            # A reinstall wipes the kubelet's credentials: the machine joins again as the same
+            # node with a fresh token in fresh user data (kept under this boot: a retry reuses it).
+            token = cluster.issue_bootstrap_token(
+                input.node_name, f"reinstall/{input.node_name}/{input.boot_id_before}", MAX_JOIN_TOKEN_TTL_S)
+            try:
+                provider.reinstall_machine(input.machine_id, user_data=bootstrap_user_data(
+                    cluster, token, input.node_name, identity.provider_id))
+            except Exception:
+                cluster.revoke_join_token(token.token_id)  # never handed to a machine
+                raise
+        else:
+            getattr(provider, f"{op}_machine")(input.machine_id)
         if node is not None and input.boot_id_before:
             try:
                 cluster.annotate_node(input.node_name, {RESTARTED_FROM: input.boot_id_before})
@@ -176,15 +186,21 @@ class RepairActivities:
     @typed_errors
     def wait_for_boot(self, input: WaitForBootInput) -> Node:
         """Until the node is Ready with a boot id other than ``boot_id_before``."""
+        cluster = self.env.cluster
+        addresses = machine_addresses(self.env)
+
         def rebooted() -> Node | None:
-            node = self.env.cluster.get_node(input.node_name)
+            cluster.review_csrs(addresses)  # a reinstalled kubelet's certificate, for its own name only
+            node = cluster.get_node(input.node_name)
             fresh = node is not None and node.ready and node.boot_id and node.boot_id != input.boot_id_before
             return node if fresh else None
 
-        return poll_until(rebooted, input.deadline, input.poll_seconds, lambda: ApplicationError(
+        node = poll_until(rebooted, input.deadline, input.poll_seconds, lambda: ApplicationError(
             f"node {input.node_name} did not come back with a new boot id by {input.deadline.isoformat()}",
             type="BootTimeout", non_retryable=True,
         ))
+        cluster.revoke_node_tokens(input.node_name)  # a reinstall's token: spent once the node is back
+        return node
 
     # -- replace (retiring the old machine is CapacityActivities.retire_machine) ----------------------------------------------------------------------
     @activity.defn

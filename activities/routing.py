@@ -11,24 +11,30 @@ from __future__ import annotations
 
 import asyncio
 
-from pydantic import BaseModel, Field
 from temporalio import activity
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
-from fleet.messages.routing import RoutingInput, RoutingSample, RoutingSampleInput, SiteEvent
-from fleet.routing import RoutingDocument, SiteLoad, routing_workflow_id
+from fleet.messages.routing import (
+    RoutingInput,
+    RoutingProgress,
+    RoutingSample,
+    RoutingSampleInput,
+    SiteEventInput,
+)
+from fleet.routing import ENDPOINTS_KIND, RoutingDocument, SiteLoad, endpoints_key, routing_workflow_id
+from providers.model_server_metrics import queue_depth
 
 #: Round trip assumed to a site in the callers' geography, and to one elsewhere, until
 #: measured latencies feed the sample: enough for ``nearest`` to keep traffic at home.
 NEAR_MS, FAR_MS = 10.0, 100.0
 
 
-class SiteEventInput(BaseModel):
-    event: SiteEvent
-    #: The models to tell; empty: every model served at the site.
-    models: list[str] = Field(default_factory=list, max_length=10_000)
+#: How often ``routing_event`` asks an entity whether the event is in its routes yet.
+APPLIED_POLL_S = 0.2
 
 
 class RoutingActivities:
@@ -41,8 +47,9 @@ class RoutingActivities:
     @activity.defn
     @typed_errors
     def routing_sample(self, input: RoutingSampleInput) -> RoutingSample:
-        """Each site serving the model: Ready replicas, queue depth, latency, price, and what
-        an evacuation decided for the site (the fleet-wide site document)."""
+        """Each site serving the model: Ready replicas, queue depth (``vllm:num_requests_waiting``
+        summed over the site's published model servers), latency, price, and what an
+        evacuation decided for the site (the fleet-wide site document)."""
         cluster = self.env.cluster
         decided = cluster.get_site_routes()
         routes = decided.sites if decided else {}
@@ -57,8 +64,10 @@ class RoutingActivities:
             except Exception:  # noqa: BLE001 - a site gone from the config still serves until drained
                 price, near = 0.0, False
             route = routes.get(status.site)
+            servers = cluster.read_state(ENDPOINTS_KIND, endpoints_key(input.model, status.site))
             sites.append(SiteLoad(
-                site=status.site, ready_replicas=status.available_replicas, queue_depth=0,
+                site=status.site, ready_replicas=status.available_replicas,
+                queue_depth=min(queue_depth(sorted(servers.values())), 1e9),
                 latency_ms=NEAR_MS if near else FAR_MS, price_per_gpu_hour=price,
                 healthy=route.healthy if route else True, draining=route.draining if route else False,
                 cap_percent=min(100, route.weight) if route else 100,
@@ -84,6 +93,7 @@ class RoutingActivities:
         models = input.models or sorted({s.model for s in await asyncio.to_thread(
             self.env.cluster.list_serving, input.event.site)})
         client = activity.client()
+        handles = []
         for model in models:
             await client.start_workflow(
                 "Routing", RoutingInput(model=model).model_dump(mode="json", exclude_none=True),
@@ -92,4 +102,33 @@ class RoutingActivities:
                 start_signal="site_event", start_signal_args=[input.event.model_dump(mode="json")],
                 static_summary=f"routing of {model}: the one writer of its routes",
             )
+            # By id alone: the entity may continue as new while we wait on it.
+            handles.append(client.get_workflow_handle(routing_workflow_id(model)))
+        if input.wait_seconds:
+            await asyncio.gather(*(self._applied(h, input.wait_seconds) for h in handles))
         return models
+
+    @staticmethod
+    async def _applied(handle, wait_seconds: float) -> None:
+        """Until the entity's written routes reflect every event it had taken when asked first
+        (a query sees every signal accepted before it, so ours is among them)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_seconds
+        wanted: int | None = None
+        while True:
+            try:
+                progress = await handle.query("progress", result_type=RoutingProgress)
+            except RPCError:  # a just-started entity answers queries after its first task
+                progress = None
+            if progress is not None:
+                wanted = progress.events if wanted is None else wanted
+                if progress.applied >= wanted:
+                    return
+            if loop.time() > deadline:
+                # Retryable: the entity's own sample or write is failing (the cluster), and
+                # whatever waits on these routes must not go ahead without them.
+                raise ApplicationError(
+                    f"{handle.id} has not written routes with the event after {wait_seconds:.0f}s "
+                    f"({progress.applied if progress else 0} of {wanted} events applied)", type="RoutingNotApplied")
+            activity.heartbeat()
+            await asyncio.sleep(APPLIED_POLL_S)

@@ -2,10 +2,10 @@
 port (``env.cluster``), the health-gate probe, and whether a site is under
 evacuation. Each is thin and idempotent under retries.
 
-Evacuation (until the ``Site`` entity drives it) is read from the model's routing
-table through the cluster port: a site whose route is ``draining`` or carries an
-``incident`` is under evacuation. ``site_evacuations`` is the one place to change
-when the Site entity takes this over.
+Evacuation is read through the cluster port, from the fleet-wide site document that
+SiteEvacuation writes and from the model's routing table: a site whose route is
+``draining`` or carries an ``incident`` is under evacuation. ``site_evacuations`` is
+the one place to change when the Site entity takes this over.
 """
 
 from __future__ import annotations
@@ -115,11 +115,16 @@ class ServingActivities:
     @activity.defn
     @typed_errors
     def site_evacuations(self, input: EvacuationInput) -> dict[str, str]:
-        """site -> why it is under evacuation, for the asked sites that are."""
+        """site -> why it is under evacuation, for the asked sites that are: what the
+        evacuation decided (the fleet-wide site document, written as it happens), or what
+        the model's routes say (written by its Routing entity, a moment later)."""
+        decided = self.env.cluster.get_site_routes()
         table = self.env.cluster.get_routing(input.model)
         out: dict[str, str] = {}
         for site in input.sites:
-            route = table.sites.get(site) if table else None
-            if route is not None and (route.draining or route.incident):
-                out[site] = route.incident or "draining"
+            for routes in (decided, table):
+                route = routes.sites.get(site) if routes else None
+                if route is not None and (route.draining or route.incident):
+                    out[site] = route.incident or "draining"
+                    break
         return out

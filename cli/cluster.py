@@ -8,6 +8,9 @@ from rich.table import Table
 
 cluster_app = typer.Typer(no_args_is_help=True)
 
+#: What deploy/kubernetes/node-agent.yaml reads: ``endpoint`` and ``ca.crt``.
+NODE_GATEWAY_CONFIGMAP = "gpufleet-node-gateway"
+
 
 @cluster_app.callback()
 def cluster() -> None:
@@ -20,19 +23,24 @@ def check(
                                    help="kubeconfig file(s), ':'-separated (default: in-cluster, then ~/.kube/config)"),
     context: str = typer.Option(None, "--context", help="kubeconfig context"),
     namespace: str = typer.Option("gpufleet", "--namespace", "-n", help="namespace of serving and routing objects"),
+    tunnels: bool = typer.Option(True, "--tunnels/--no-tunnels",
+                                 help="also check the Konnectivity tunnels (skip only when every GPU node "
+                                      "shares the control plane's network)"),
 ) -> None:
-    """Check that these credentials may do everything the cluster adapter does.
+    """Check that these credentials may do everything the cluster adapter does, and that
+    the API server can reach every gpufleet node's kubelet (Konnectivity).
 
-    Exit 0 when every permission is granted, 1 when any is missing, 2 when the
-    cluster cannot be asked.
+    Exit 0 when every permission is granted and the tunnels run, 1 when anything is
+    missing, 2 when the cluster cannot be asked.
     """
-    from providers.cluster.check import check_access
+    from providers.cluster.check import check_access, check_tunnels
     from providers.cluster.kubernetes import load_api_client
 
     console = Console()
     try:
         api_client = load_api_client(kubeconfig, context)
         rows = check_access(api_client, namespace)
+        report = check_tunnels(api_client) if tunnels else None
     except Exception as error:  # noqa: BLE001 - unreachable, bad kubeconfig, refused: one line, exit 2
         console.print(f"[red]cannot check the cluster:[/red] {type(error).__name__}: {error}".splitlines()[0])
         raise typer.Exit(2) from None
@@ -50,5 +58,76 @@ def check(
             f"[red]{len(missing)} permission(s) missing[/red]: apply deploy/kubernetes/rbac.yaml "
             "(or bind these credentials to the gpufleet-control-plane roles)."
         )
+    else:
+        console.print(f"[green]all {len(rows)} permissions granted[/green]")
+    if report is not None:
+        _print_tunnels(console, report)
+    if missing or (report is not None and not report.ok):
         raise typer.Exit(1)
-    console.print(f"[green]all {len(rows)} permissions granted[/green]")
+
+
+def _print_tunnels(console: Console, report) -> None:
+    table = Table(title="API server → kubelet tunnels (Konnectivity, kube-system)")
+    for column in ("", "part", "state"):
+        table.add_column(column)
+
+    def row(ok: bool, part: str, state: str) -> None:
+        table.add_row("[green]ok[/green]" if ok else "[red]MISSING[/red]", part, state)
+
+    if report.error:
+        row(False, "pods and nodes", f"cannot be read: {report.error}")
+    else:
+        row(bool(report.servers), "konnectivity-server", ", ".join(report.servers) or "none running")
+        total = len(report.agents) + len(report.missing)
+        shown = ", ".join(report.missing[:10]) + (f" and {len(report.missing) - 10} more" if len(report.missing) > 10
+                                                   else "")
+        row(not report.missing, "konnectivity-agent",
+            f"on {len(report.agents)} of {total} gpufleet nodes" + (f"; none on {shown}" if report.missing else ""))
+    console.print(table)
+    if report.ok:
+        console.print("[green]tunnels running[/green] (the API server's egress selector: README checklist)")
+    else:
+        console.print("[red]tunnels missing[/red]: kubectl logs/exec/port-forward fail for nodes behind NAT; "
+                      "apply deploy/network/konnectivity (deploy/network/README.md)")
+
+
+@cluster_app.command("node-config")
+def node_config(
+    config: str = typer.Option(None, "--config", envvar="GPUFLEET_CONFIG", help="fleet config (sites.yaml)"),
+    namespace: str = typer.Option("gpufleet", "--namespace", "-n", help="namespace of the node-agent DaemonSet"),
+) -> None:
+    """Print the ConfigMap the node-agent DaemonSet reads (where agents dial the node gateway),
+    from ``node_gateway`` in the fleet config: ``gpufleet cluster node-config | kubectl apply -f -``.
+
+    Exit 2 when the config has no usable ``node_gateway``.
+    """
+    import yaml
+
+    from fleet.config import ConfigError, load_config
+    from fleet.errors import BadCredentials
+    from providers.credentials import read_secret
+
+    err = Console(stderr=True)
+    try:
+        gateway = load_config(config).node_gateway
+        if gateway is None:
+            raise ConfigError(config or "(config)", ["node_gateway: missing (endpoint and ca)"])
+        ca = read_secret(gateway.ca)
+    except (ConfigError, BadCredentials) as error:
+        err.print(f"[red]cannot render the node-gateway ConfigMap:[/red] {error}")
+        raise typer.Exit(2) from None
+    try:
+        from cryptography import x509
+
+        x509.load_pem_x509_certificates(ca.encode())
+    except ValueError:
+        err.print(f"[red]node_gateway.ca ({gateway.ca.describe()}) is not a PEM certificate[/red]")
+        raise typer.Exit(2) from None
+    doc = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": NODE_GATEWAY_CONFIGMAP, "namespace": namespace,
+                     "labels": {"app.kubernetes.io/part-of": "gpufleet"}},
+        "data": {"endpoint": gateway.endpoint, "ca.crt": ca.strip() + "\n"},
+    }
+    typer.echo(yaml.safe_dump(doc, sort_keys=False), nl=False)

@@ -44,6 +44,9 @@ def temporal_binary() -> str:
 #: - One partition per task queue: every node agent polls a queue of its own
 #:   (``node/<name>``) that sees a few tasks a day; four partitions each made every
 #:   new node's queue cost four times the loads on a single-host server.
+#: - Every node agent holds one long poll open on its own queue (through the node gateway):
+#:   the frontend's cap on concurrent polls per namespace (``frontend.namespaceCount``,
+#:   1,200 by default) would stall a fleet of 1,250 nodes plus the control plane's pollers.
 #: - The CLI's dev server re-reads the search-attribute registry on every use (so a
 #:   key is usable the instant it is created); cached, each upsert costs less.
 #:   ``search_attributes.ensure_registered`` waits for a new key to be usable.
@@ -54,6 +57,7 @@ DEV_SERVER_DYNAMIC_CONFIG = {
     "matching.numTaskqueueReadPartitions": 1,
     "matching.numTaskqueueWritePartitions": 1,
     "system.forceSearchAttributesCacheRefreshOnRead": False,
+    "frontend.namespaceCount": 10000,
 }
 
 
@@ -210,14 +214,21 @@ def front_door_line(start, port_in_use) -> str:
             "(HAProxy, sticky on x-session-id)")
 
 
-def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port: int = 7243) -> int:
+#: Where node agents reach Temporal: the node gateway (mutual TLS, per-node certificates),
+#: at the frontend's port plus this (7300 beside the default 7233).
+DEV_GATEWAY_OFFSET = 67
+
+
+def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port: int = 7243,
+            gateway_port: int | None = None) -> int:
     from fleet.config import load_config
 
     config = load_config(settings.config)
+    gateway_port = port + DEV_GATEWAY_OFFSET if gateway_port is None else gateway_port
     s3 = loopback_stores(config)
     # Checked before anything starts: a busy port would otherwise surface as a child that
     # exits a second after "gpufleet dev is up".
-    wanted = {"--port": port, "--ui-port": ui_port, "--http-port": http_port,
+    wanted = {"--port": port, "--ui-port": ui_port, "--http-port": http_port, "node gateway": gateway_port,
               **{f"object store {next(iter(v)).endpoint_url}": p for p, v in s3.items()}}
     for flag, number in wanted.items():
         if port_in_use(number):
@@ -277,12 +288,24 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
         env.setdefault("GPUFLEET_METRICS_HOST", "127.0.0.1")
         start("control-plane", [sys.executable, "-m", "workers.control_plane",
                                 "--metrics-port", str(metrics["control-plane"])])
+        # Node agents reach Temporal only through the node gateway: the dev CA (standing in for
+        # the cluster CA) signs each simulated node's CSR; the sim host plays that signer.
+        from workers.node_gateway import dev_gateway_files
+
+        pki = dev_gateway_files(settings.state_dir)
+        start("node-gateway", [sys.executable, "-m", "workers.node_gateway", "--dev",
+                               "--listen", f"127.0.0.1:{gateway_port}"])
+        wait_for_port(gateway_port)
+        env.update({"GPUFLEET_GATEWAY": f"127.0.0.1:{gateway_port}", "GPUFLEET_GATEWAY_CA": str(pki["ca"]),
+                    "GPUFLEET_SIM_SIGNER_DIR": str(pki["ca"].parent)})
         start("node-agents", [sys.executable, "-m", "workers.node_agent", "--sim",
                               "--metrics-port", str(metrics["node-agents"])])
         front_door = front_door_line(start, port_in_use)
         console.print(f"[bold green]gpufleet dev is up[/]  (state in {settings.state_dir}, logs in {logs})")
         console.print(f"  Temporal UI      http://127.0.0.1:{ui_port}")
         console.print(f"  Temporal server  {settings.address}")
+        console.print(f"  node gateway     127.0.0.1:{gateway_port}  (mutual TLS; CA {pki['ca']}; "
+                      "every node agent through it, one key and certificate each)")
         for s3_port in s3:
             console.print(f"  object stores    http://127.0.0.1:{s3_port}  (S3 emulator; demo model in {DEMO_STORE})")
         for name, metrics_at in metrics.items():

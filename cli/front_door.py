@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fleet.cluster import RoutingTable
-from fleet.routing import TOTAL, RoutingDocument, SiteRouteState
+from fleet.routing import ENDPOINTS_KIND, TOTAL, RoutingDocument, SiteRouteState, endpoints_key
 from providers.haproxy import INSTALL_HINT, HAProxy, Replica, haproxy_binary
 from workers.sim_model_server import SimModelServer
 
@@ -104,6 +104,10 @@ class DevFrontDoor:
                 have.append(await SimModelServer(site=key[1], model=key[0], first_token_ms=self.first_token_ms).start())
             while len(have) > want:
                 await have.pop().stop()
+            # The Routing entity's load sample reads each server's queue from these.
+            urls = {s.name: f"http://{s.address}" for s in have}
+            await asyncio.to_thread(self.cluster.update_state, ENDPOINTS_KIND, endpoints_key(*key),
+                                    lambda _, urls=urls: urls)
             if self.on_replicas is not None:
                 await self.on_replicas(*key)
         for model in changed:

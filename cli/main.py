@@ -33,9 +33,13 @@ from cli.common import (
     sim_world,
 )
 from cli.common import connect as connect_or_exit
+from cli import demand as demand_commands
+from cli.advisor import advisor
 from cli.gameday import gameday_app
 from cli.repair import repair_app
 from cli.rollout import rollout_app
+from cli.top import top
+from cli.weights import weights_app
 from fleet.config import ConfigError, load_config
 from fleet.settings import Settings
 
@@ -53,9 +57,19 @@ app.add_typer(cluster_app, name="cluster")
 app.add_typer(rollout_app, name="rollout")
 app.add_typer(repair_app, name="repair")
 app.add_typer(gameday_app, name="gameday")
-app.add_typer(__import__("cli.weights", fromlist=["weights_app"]).weights_app, name="weights")
-app.command("top")(__import__("cli.top", fromlist=["top"]).top)  # the live view; its imports load only when used
-app.command("advisor")(__import__("cli.advisor", fromlist=["advisor"]).advisor)
+app.add_typer(weights_app, name="weights")
+demand_commands.register(app, sim_app)
+app.command("top")(top)
+app.command("advisor")(advisor)
+
+
+@app.command("node-gateway", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def node_gateway(ctx: typer.Context) -> None:
+    """Run the node gateway (mutual TLS in front of Temporal; see ``workers/node_gateway.py``)."""
+    from workers.node_gateway import cli as gateway_cli  # grpc and cryptography load only here
+
+    gateway_cli(ctx)
 
 
 # -- dev stack -------------------------------------------------------------------------------
@@ -121,7 +135,7 @@ def _check_join(state_dir: Path, config: str | None, site: str, count: int) -> N
     except KeyError:
         fail(f"--site: unknown site {site!r}; known: {', '.join(s.name for s in env.config.sites)}", 2)
     try:
-        have = sum(n.labels.get("gpufleet.io/site") == site for n in env.cluster.list_nodes())
+        have = sum(n.labels.get("node-restriction.kubernetes.io/gpufleet-site") == site for n in env.cluster.list_nodes())
     except Exception:  # noqa: BLE001 - the cluster cannot be read from here: the workflow still checks max_nodes
         have = 0
     room = max(where.max_nodes - have, 0)
@@ -217,7 +231,7 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, ou
         columns += ["capacity", "quota", "latency", "reachable"]
     rows = []
     for site in env.config.sites:
-        here = [n for n in nodes if n.labels.get("gpufleet.io/site") == site.name]
+        here = [n for n in nodes if n.labels.get("node-restriction.kubernetes.io/gpufleet-site") == site.name]
         row = [site.name, site.provider, site.region, site.geography or "", f"{site.gpus_per_machine}x {site.gpu}",
                f"{site.price_per_gpu_hour:.2f}", site.capacity_type.value, str(site.min_nodes), str(site.max_nodes),
                f"{sum(n.ready for n in here)}/{len(here)}"]
@@ -233,7 +247,7 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, ou
 def nodes(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, output: OutputFormat = "table") -> None:
     """Cluster nodes with their site, readiness and taints."""
     env = fleet_env(state_dir, config)
-    rows = [[node.name, node.labels.get("gpufleet.io/site", ""), node.labels.get("gpufleet.io/provider", ""),
+    rows = [[node.name, node.labels.get("node-restriction.kubernetes.io/gpufleet-site", ""), node.labels.get("node-restriction.kubernetes.io/gpufleet-provider", ""),
              node.labels.get("nvidia.com/gpu.product", ""), "yes" if node.ready else "[red]no (NotReady)[/]",
              "[yellow]cordoned[/]" if node.unschedulable else "yes", ", ".join(node.taints), node.machine_id]
             for node in env.cluster.list_nodes()]

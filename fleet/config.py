@@ -7,13 +7,14 @@ print them and exit 2.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fleet.incident import IncidentSettings
 from fleet.models import CapacityType, CredentialsRef
@@ -106,6 +107,82 @@ class SweepSettings(_Strict):
     grace_seconds: float = Field(1800, ge=60, le=7 * 86400, allow_inf_nan=False)
 
 
+class ServingPolicy(_Strict):
+    """``models.<name>:`` in sites.yaml: how one model's capacity is spread (README,
+    "Capacity follows demand"). The demand loop buys by it; the front door routes by it.
+
+    - ``active-active``: every site in ``sites`` serves; capacity is bought at the cheapest.
+    - ``active-passive``: ``sites`` serve; ``standby_sites`` hold nothing (scale to zero)
+      until no primary can take the model's pods (no capacity, at max, an incident), then
+      serve, and go back to zero when idle again (consolidation).
+    - ``burst``: ``sites`` serve; ``standby_sites`` take only the overflow the primaries
+      have no capacity for, while the primaries keep serving.
+    """
+
+    mode: Literal["active-active", "active-passive", "burst"] = "active-active"
+    #: Primary sites (every serving site in ``active-active``), in order of preference.
+    sites: list[str] = Field(default_factory=list, max_length=100)
+    #: Passive (``active-passive``) or burst (``burst``) sites; none in ``active-active``.
+    standby_sites: list[str] = Field(default_factory=list, max_length=100)
+    #: At most this share of the model's GPUs on spot capacity (0: never spot) ...
+    spot_share: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
+    #: ... and never fewer than this many on-demand or owned GPUs (a reclaim cannot take them).
+    on_demand_floor_gpus: int = Field(0, ge=0, le=100_000)
+    #: Spare GPUs kept ready, as a share of the GPUs the model's new pods take, so that a
+    #: scale-out lands on slack instead of waiting for a machine.
+    warm_headroom: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+
+
+class DemandSettings(_Strict):
+    """``demand:`` in sites.yaml: the demand loop's batching and consolidation."""
+
+    #: A batch closes after this long with no new Pending pod ...
+    batch_idle_seconds: float = Field(1.0, ge=0, le=600, allow_inf_nan=False)
+    #: ... or this long after its first pod, whichever comes first.
+    batch_max_seconds: float = Field(10.0, ge=0, le=3600, allow_inf_nan=False)
+    #: A GPU node empty this long goes back (consolidation).
+    idle_ttl_seconds: float = Field(600, ge=0, le=7 * 86400, allow_inf_nan=False)
+    #: At most this share of a site's nodes retiring at once (at least one).
+    max_site_fraction: float = Field(0.25, gt=0, le=1, allow_inf_nan=False)
+
+
+#: Names that only resolve inside a cluster (or through a pod's DNS search path): a node
+#: outside the control plane's network cannot dial them (README "Network model").
+_CLUSTER_INTERNAL = (".svc", ".cluster.local", ".local", ".internal")
+
+
+class NodeGateway(_Strict):
+    """``node_gateway:`` in sites.yaml: where node agents dial the control plane (the node
+    gateway, README "Network model"). The node-agent DaemonSet reads it from the
+    ``gpufleet-node-gateway`` ConfigMap that ``gpufleet cluster node-config`` renders."""
+
+    #: ``host:port`` of the gateway's public TLS endpoint, e.g. ``gateway.fleet.example.com:443``.
+    endpoint: str = Field(min_length=3, max_length=260)
+    #: The CA certificate (PEM) that signed the gateway's serving certificate; not a secret,
+    #: but kept where the operator keeps the fleet's other material.
+    ca: CredentialsRef
+
+    @field_validator("endpoint")
+    @classmethod
+    def _public_host_port(cls, value: str) -> str:
+        host, sep, port = value.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            raise ValueError(f"{value!r} is not host:port")
+        if "://" in value or "/" in host:
+            raise ValueError(f"{value!r}: give host:port, without a scheme or path")
+        try:
+            ipaddress.ip_address(host)
+            return value
+        except ValueError:
+            pass
+        name = host.lower().rstrip(".")
+        if "." not in name or name.endswith(_CLUSTER_INTERNAL) or ".svc." in name:
+            raise ValueError(f"{value!r} is a cluster-internal name; nodes dial the gateway's public "
+                             "TLS endpoint (a fully qualified DNS name or an IP)")
+        return value
+
+
 class FleetConfig(_Strict):
     #: ``sim`` drives every site through the simulated provider and cluster.
     mode: Literal["sim", "real"] = "sim"
@@ -124,6 +201,11 @@ class FleetConfig(_Strict):
     #: cannot point the control plane's credentials at a server of their choosing.
     object_stores: dict[str, ObjectStore] = Field(default_factory=dict)
     sweep: SweepSettings = Field(default_factory=SweepSettings)
+    #: Where node agents dial in (mode ``real``); see ``NodeGateway``.
+    node_gateway: NodeGateway | None = None
+    #: Per-model serving policy: mode, spot share, warm headroom (``ServingPolicy``).
+    models: dict[str, ServingPolicy] = Field(default_factory=dict)
+    demand: DemandSettings = Field(default_factory=DemandSettings)
 
     def incident_for(self, site: Site) -> IncidentSettings:
         return site.incident or self.incident
@@ -239,6 +321,46 @@ def _cross_check(raw: dict[str, Any]) -> list[str]:
                     and accounts[account] != site.get("provider"):
                 problems.append(f"{where}.account: account {account!r} is a {accounts[account]} account, "
                                 f"site is {site.get('provider')}")
+    return problems + _check_models(raw)
+
+
+def _check_models(raw: dict[str, Any]) -> list[str]:
+    """Every model names known sites; standby sites only where the mode has them, and only
+    inside a compliance primary's geography (fleet.replacement)."""
+    from fleet.replacement import may_move
+
+    models = raw.get("models")
+    if not isinstance(models, dict):
+        return []
+    sites = {s.get("name"): s for _, s in _entries(raw, "sites") if isinstance(s.get("name"), str)}
+    problems: list[str] = []
+    for model, policy in models.items():
+        if not isinstance(policy, dict):
+            continue
+        where = f"models.{model}"
+        primaries = policy.get("sites") if isinstance(policy.get("sites"), list) else []
+        standby = policy.get("standby_sites") if isinstance(policy.get("standby_sites"), list) else []
+        for field, names in (("sites", primaries), ("standby_sites", standby)):
+            for name in names:
+                if isinstance(name, str) and name not in sites:
+                    problems.append(f"{where}.{field}: unknown site {name!r}")
+        both = set(map(str, primaries)) & set(map(str, standby))
+        if both:
+            problems.append(f"{where}.standby_sites: {', '.join(sorted(both))} also primary")
+        mode = policy.get("mode", "active-active")
+        if mode == "active-active" and standby:
+            problems.append(f"{where}.standby_sites: active-active has no standby sites (list them in sites)")
+        if mode in ("active-passive", "burst") and (not primaries or not standby):
+            problems.append(f"{where}.mode: {mode} needs sites (primaries) and standby_sites")
+        first = sites.get(primaries[0]) if primaries and isinstance(primaries[0], str) else None
+        if first is not None and first.get("compliance") is True:
+            anchor = Site.model_construct(name=first["name"], geography=first.get("geography"), compliance=True)
+            for name in [*primaries[1:], *standby]:
+                other = sites.get(name)
+                if other is not None and not may_move(anchor, Site.model_construct(
+                        name=name, geography=other.get("geography"), compliance=bool(other.get("compliance")))):
+                    problems.append(f"{where}: {name} is outside compliance site {first['name']}'s geography "
+                                    f"{first.get('geography')!r}")
     return problems
 
 

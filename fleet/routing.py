@@ -212,6 +212,18 @@ def next_document(
                            reason=reason)
 
 
+#: Control-plane state (``Cluster.read_state``) listing the model servers of one model at one
+#: site, server name -> base URL, published by whoever runs them (the dev stack's front door),
+#: so a load sample can read each server's queue.
+ENDPOINTS_KIND = "serving-endpoints"
+#: The gauge a load sample sums over a site's servers (vLLM's name for it).
+QUEUE_METRIC = "vllm:num_requests_waiting"
+
+
+def endpoints_key(model: str, site: str) -> str:
+    return f"{model}.{site}"
+
+
 def routing_workflow_id(model: str) -> str:
     """The model's ``Routing`` entity: the one writer of its routes."""
     return f"routing/{model}"

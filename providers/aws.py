@@ -266,11 +266,12 @@ class AwsProvider:
             created_at=instance.get("LaunchTime"),
             # The ownership marker: every instance the fleet launches carries this tag.
             owned=tags.get(MANAGED_TAG) == "gpufleet",
+            addresses=[ip for ip in (instance.get("PrivateIpAddress"), instance.get("PublicIpAddress")) if ip],
         )
 
     # -- Provider ---------------------------------------------------------------
 
-    def create_machine(self, spec: MachineSpec, idempotency_key: str) -> Machine:
+    def create_machine(self, spec: MachineSpec, idempotency_key: str, user_data: str = "") -> Machine:
         image = spec.image or self.site.image
         if not image:
             raise InvalidRequest(
@@ -287,10 +288,10 @@ class AwsProvider:
         )
         if existing:
             return self._machine(existing[0])
-        reply = self._call("run_instances", **self._run_params(spec, image, token))
+        reply = self._call("run_instances", **self._run_params(spec, image, token, user_data))
         return self._machine(reply["Instances"][0])
 
-    def _run_params(self, spec: MachineSpec, image: str, token: str) -> dict[str, Any]:
+    def _run_params(self, spec: MachineSpec, image: str, token: str, user_data: str = "") -> dict[str, Any]:
         tags = {**spec.tags, "Name": spec.name, SITE_TAG: self.site.name, KEY_TAG: token, MANAGED_TAG: "gpufleet"}
         params: dict[str, Any] = {
             "ImageId": image,
@@ -316,8 +317,9 @@ class AwsProvider:
         profile = self.options.get("iam_instance_profile")
         if profile:
             params["IamInstanceProfile"] = {"Arn": profile} if profile.startswith("arn:") else {"Name": profile}
-        if self.options.get("user_data"):
-            params["UserData"] = self.options["user_data"]
+        # The machine's own bootstrap (boto3 base64-encodes it); the account's fixed option only without one.
+        if user_data or self.options.get("user_data"):
+            params["UserData"] = user_data or self.options["user_data"]
         return params
 
     def delete_machine(self, machine_id: str) -> None:
@@ -344,7 +346,12 @@ class AwsProvider:
     def reboot_machine(self, machine_id: str) -> None:
         self._call("reboot_instances", InstanceIds=[machine_id])
 
-    def reinstall_machine(self, machine_id: str) -> None:
+    def reinstall_machine(self, machine_id: str, user_data: str = "") -> None:
+        if user_data:
+            # UserData changes only on a stopped instance, and a root volume replacement needs it
+            # running: no in-place reinstall can carry a fresh bootstrap.
+            raise InvalidRequest(f"EC2 instance {machine_id}: a reinstall cannot carry new user data; replace it",
+                                 provider=PROVIDER, code="reinstall-rebootstrap-unsupported")
         instance = self._describe(InstanceIds=[machine_id])
         if not instance:
             raise NotFound(f"EC2 instance {machine_id} not found", provider=PROVIDER, code="InvalidInstanceID.NotFound")

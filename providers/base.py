@@ -40,8 +40,10 @@ class Provider(Protocol):
     #: Provider kind: aws, lambda, nebius, hetzner, own-dc.
     name: str
 
-    def create_machine(self, spec: MachineSpec, idempotency_key: str) -> Machine:
-        """Create a machine, or return the one already created for this key."""
+    def create_machine(self, spec: MachineSpec, idempotency_key: str, user_data: str = "") -> Machine:
+        """Create a machine, or return the one already created for this key. ``user_data``
+        (its bootstrap cloud-config, holding a join token's secret) goes into the provider's
+        own user-data field and nowhere else: never in a log line, error or returned model."""
         ...
 
     def delete_machine(self, machine_id: str) -> None:
@@ -60,8 +62,10 @@ class Provider(Protocol):
         """Hard reboot (power cycle where the provider distinguishes)."""
         ...
 
-    def reinstall_machine(self, machine_id: str) -> None:
-        """Reimage the machine from its image; its node re-joins afterwards."""
+    def reinstall_machine(self, machine_id: str, user_data: str = "") -> None:
+        """Reimage the machine from its image; its node re-joins afterwards, with ``user_data``
+        (a fresh bootstrap) where given. An adapter that cannot hand a reinstalled machine new
+        user data refuses one (``InvalidRequest``): the repair ladder then replaces the node."""
         ...
 
     def list_offers(self) -> list[Offer]:

@@ -148,6 +148,14 @@ def _translated(action: str) -> Iterator[None]:
         ) from exc
 
 
+def _addresses(server: BoundServer | Server) -> list[str]:
+    """The server's private and public IPv4 addresses."""
+    found = [getattr(net, "ip", "") for net in getattr(server, "private_net", None) or []]
+    ipv4 = getattr(getattr(server, "public_net", None), "ipv4", None)
+    found.append(getattr(ipv4, "ip", "") if ipv4 is not None else "")
+    return [ip for ip in found if ip]
+
+
 def _server_id(machine_id: str) -> int | None:
     """Hetzner ids are integers; anything else cannot name a server."""
     return int(machine_id) if machine_id.isdigit() else None
@@ -204,6 +212,7 @@ class HetznerProvider:
             created_at=server.created,
             # The ownership marker: the fleet labels every server it creates with its site.
             owned=(server.labels or {}).get(SITE_LABEL) == self.site.name,
+            addresses=_addresses(server),
         )
 
     def _labels(self, spec: MachineSpec) -> dict[str, str]:
@@ -217,16 +226,16 @@ class HetznerProvider:
 
     # -- the Provider verbs ---------------------------------------------------
 
-    def create_machine(self, spec: MachineSpec, idempotency_key: str) -> Machine:
+    def create_machine(self, spec: MachineSpec, idempotency_key: str, user_data: str = "") -> Machine:
         """Create ``spec.name``; the name is the idempotency key (see module doc)."""
         client = self._client()
         with _translated("create server"):
             server = client.servers.get_by_name(spec.name)
             if server is None:
-                server = self._create(client, spec)
+                server = self._create(client, spec, user_data)
             return self._owned(server)
 
-    def _create(self, client: Client, spec: MachineSpec) -> BoundServer:
+    def _create(self, client: Client, spec: MachineSpec, user_data: str = "") -> BoundServer:
         ssh_keys = [_ssh_key(ref) for ref in self.account.option("ssh_keys", [])]
         try:
             response = client.servers.create(
@@ -236,7 +245,8 @@ class HetznerProvider:
                 location=Location(name=spec.region or self.site.region),
                 labels=self._labels(spec),
                 ssh_keys=ssh_keys or None,
-                user_data=self.account.options.get("user_data"),
+                # The machine's own bootstrap; the account's fixed option only without one.
+                user_data=user_data or self.account.options.get("user_data"),
             )
         except APIException as exc:
             if exc.code != "uniqueness_error":
@@ -291,8 +301,12 @@ class HetznerProvider:
         with _translated("reset server"):
             self._wait(client.servers.reset(server))
 
-    def reinstall_machine(self, machine_id: str) -> None:
+    def reinstall_machine(self, machine_id: str, user_data: str = "") -> None:
         """``rebuild`` from the server's own image; same id, fresh disk."""
+        if user_data:
+            # A rebuild keeps the user data the server was created with: a fresh bootstrap cannot ride on it.
+            raise InvalidRequest(f"Hetzner server {machine_id}: a rebuild cannot carry new user data; replace it",
+                                 provider=PROVIDER, code="reinstall-rebootstrap-unsupported")
         server_id = self._existing_id(machine_id)
         client = self._client()
         with _translated("rebuild server"):

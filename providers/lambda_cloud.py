@@ -188,6 +188,7 @@ class LambdaProvider:
             state=STATES.get(instance.get("status", ""), "pending"),
             capacity_type=CapacityType.ON_DEMAND,
             owned=is_fleet_name(instance.get("name") or "", self.site.name),
+            addresses=[ip for ip in (instance.get("private_ip"), instance.get("ip")) if ip],
         )
 
     def _live_instances(self) -> list[dict[str, Any]]:
@@ -202,7 +203,7 @@ class LambdaProvider:
 
     # -- Provider ---------------------------------------------------------------
 
-    def create_machine(self, spec: MachineSpec, idempotency_key: str) -> Machine:
+    def create_machine(self, spec: MachineSpec, idempotency_key: str, user_data: str = "") -> Machine:
         ssh_keys = self.options.get("ssh_key_names") or []
         if not ssh_keys:
             raise InvalidRequest(
@@ -224,6 +225,8 @@ class LambdaProvider:
         }
         if self.options.get("file_system_names"):
             launch["file_system_names"] = list(self.options["file_system_names"])
+        if user_data:
+            launch["user_data"] = user_data
         data = self._request("POST", "/instance-operations/launch", launch, overrides=LAUNCH_OVERRIDES)
         return Machine(
             id=data["instance_ids"][0],
@@ -272,7 +275,7 @@ class LambdaProvider:
     def reboot_machine(self, machine_id: str) -> None:
         self._request("POST", "/instance-operations/restart", {"instance_ids": [machine_id]})
 
-    def reinstall_machine(self, machine_id: str) -> None:
+    def reinstall_machine(self, machine_id: str, user_data: str = "") -> None:
         raise InvalidRequest(
             f"Lambda cannot reimage instance {machine_id} in place; replace the node instead",
             provider=PROVIDER,

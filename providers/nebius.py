@@ -208,6 +208,17 @@ def _is_already_exists(exc: RequestError) -> bool:
     )
 
 
+def _addresses(instance: Instance) -> list[str]:
+    """The instance's private and public IPs (Nebius writes them as ``a.b.c.d/32``)."""
+    found = []
+    for interface in getattr(instance.status, "network_interfaces", None) or []:
+        for field in ("ip_address", "public_ip_address"):
+            value = getattr(getattr(interface, field, None), "address", "") or ""
+            if value:
+                found.append(value.split("/")[0])
+    return found
+
+
 def idempotency_uuid(key: str) -> str:
     """The ``X-Idempotency-Key`` sent for a caller's idempotency key."""
     return str(uuid.uuid5(KEY_NAMESPACE, key))
@@ -350,6 +361,7 @@ class NebiusProvider:
             created_at=instance.metadata.created_at,
             # The ownership marker: the fleet labels every instance it creates with its site.
             owned=instance.metadata.labels.get(SITE_LABEL) == self.site.name,
+            addresses=_addresses(instance),
         )
 
     def _owned(self, instance: Instance) -> Machine:
@@ -375,7 +387,7 @@ class NebiusProvider:
             **source,
         )
 
-    def _create_request(self, spec: MachineSpec) -> CreateInstanceRequest:
+    def _create_request(self, spec: MachineSpec, user_data: str = "") -> CreateInstanceRequest:
         platform, preset = self._platform_preset(spec.instance_type or self.site.instance_type)
         subnet_id = self._required("subnet_id")
         interface: dict[str, Any] = {"name": "eth0", "subnet_id": subnet_id, "ip_address": IPAddress()}
@@ -395,6 +407,8 @@ class NebiusProvider:
         for option in ("service_account_id", "user_data"):
             if self.account.options.get(option):
                 fields["cloud_init_user_data" if option == "user_data" else option] = str(self.account.options[option])
+        if user_data:  # the machine's own bootstrap wins over the account's fixed option
+            fields["cloud_init_user_data"] = user_data
         return CreateInstanceRequest(
             metadata=ResourceMetadata(
                 parent_id=self._required("parent_id"),
@@ -406,8 +420,8 @@ class NebiusProvider:
 
     # -- the Provider verbs ----------------------------------------------------
 
-    def create_machine(self, spec: MachineSpec, idempotency_key: str) -> Machine:
-        request = self._create_request(spec)  # config errors before any call
+    def create_machine(self, spec: MachineSpec, idempotency_key: str, user_data: str = "") -> Machine:
+        request = self._create_request(spec, user_data)  # config errors before any call
         kwargs = self._call_kwargs()
         with self._session("create instance") as s:
             try:
@@ -461,8 +475,12 @@ class NebiusProvider:
     def _start(self, s: _Session, machine_id: str) -> None:
         self._wait(s.instances.start(StartInstanceRequest(id=machine_id), **self._call_kwargs()).wait())
 
-    def reinstall_machine(self, machine_id: str) -> None:
+    def reinstall_machine(self, machine_id: str, user_data: str = "") -> None:
         """Replace the managed boot disk with a fresh one from the same image."""
+        if user_data:
+            # The new disk boots with the instance's cloud-init user data as created.
+            raise InvalidRequest(f"instance {machine_id}: a reinstall cannot carry new user data; replace it",
+                                 provider=PROVIDER, code="reinstall-rebootstrap-unsupported")
         kwargs = self._call_kwargs()
         with self._session("reinstall instance") as s:
             instance = s.instances.get(GetInstanceRequest(id=machine_id), **kwargs).wait()

@@ -38,6 +38,13 @@ Quirks
       all are assumed when the BMC publishes neither); none allowed ->
       ``InvalidRequest``. A machine that is off is powered on instead.
     * ``reinstall_machine`` = one-time PXE override + the same reset.
+    * User data (the machine's bootstrap): a NoCloud seed, ``<seed_dir>/<machine>/user-data``
+      and ``meta-data`` (option ``seed_dir``: the directory the rack's provisioning
+      server serves, one machine's seed to that machine's PXE address only; README
+      "Running for real"). Written (0600, directory 0700) before the machine is
+      powered on, rewritten for a reinstall (a fresh ``instance-id``, so cloud-init
+      runs again), removed when the machine goes back to the pool. No ``seed_dir`` and
+      user data to hand over -> ``InvalidRequest`` naming the option.
     * ``delete_machine`` powers the machine off (ForceOff, else GracefulShutdown)
       and returns it to the pool. Unknown or unallocated machines are already gone.
     * ``get_machine`` of a machine in the pool (not allocated) is ``NotFound``.
@@ -465,11 +472,42 @@ class OwnDcProvider:
 
     # -- Provider ---------------------------------------------------------------
 
-    def create_machine(self, spec: MachineSpec, idempotency_key: str) -> Machine:
+    def _seed_dir(self) -> Path:
+        seed_dir = self.options.get("seed_dir")
+        if not seed_dir:
+            raise InvalidRequest(f"account {self.account.name}: options.seed_dir is needed to hand a machine its "
+                                 "bootstrap (NoCloud seed)", provider=PROVIDER, code="config/seed_dir")
+        return Path(seed_dir).expanduser()
+
+    def _write_seed(self, machine_id: str, hostname: str, user_data: str) -> None:
+        """The machine's NoCloud seed; a new ``instance-id`` each time so cloud-init runs it."""
+        folder = self._seed_dir() / machine_id
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        meta = f"instance-id: {machine_id}-{int(time.time() * 1000)}\nlocal-hostname: {hostname}\n"
+        for name, text in (("meta-data", meta), ("user-data", user_data)):
+            partial = folder / f".{name}.partial"
+            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(text)
+            os.replace(partial, folder / name)
+
+    def _remove_seed(self, machine_id: str) -> None:
+        if not self.options.get("seed_dir"):
+            return
+        folder = Path(self.options["seed_dir"]).expanduser() / machine_id
+        for name in ("user-data", "meta-data"):
+            with contextlib.suppress(FileNotFoundError):
+                (folder / name).unlink()
+
+    def create_machine(self, spec: MachineSpec, idempotency_key: str, user_data: str = "") -> Machine:
+        if user_data:
+            self._seed_dir()  # a missing option fails before a machine is reserved
         machine_id, done = self._reserve(spec, idempotency_key)
         if done:
             return self.get_machine(machine_id)
         try:
+            if user_data:
+                self._write_seed(machine_id, spec.name, user_data)
             with self._bmc(machine_id) as bmc:
                 system = bmc.system()
                 bmc.pxe_once(system)
@@ -492,6 +530,7 @@ class OwnDcProvider:
                     bmc.reset(system, POWER_OFF_TYPES)
         except NotFound:
             pass  # the BMC no longer knows the system: nothing to power off
+        self._remove_seed(machine_id)
         self._release(machine_id)
 
     def get_machine(self, machine_id: str) -> Machine:
@@ -514,8 +553,10 @@ class OwnDcProvider:
             bmc.boot(bmc.system())
         self._mark(machine_id, allocation["key"], booted_at=_now())
 
-    def reinstall_machine(self, machine_id: str) -> None:
+    def reinstall_machine(self, machine_id: str, user_data: str = "") -> None:
         allocation = self._allocation(machine_id)
+        if user_data:
+            self._write_seed(machine_id, allocation.get("name") or machine_id, user_data)
         with self._bmc(machine_id) as bmc:
             system = bmc.system()
             bmc.pxe_once(system)

@@ -66,6 +66,17 @@ CREATE TABLE IF NOT EXISTS actions (
 );
 """
 
+#: What the bootstrap through user data added: the machine's user data (and whether its
+#: install has still to run it), the join a token was issued for with the token itself
+#: (as a bootstrap token Secret holds it), and the providerID the kubelet registered.
+BOOTSTRAP_COLUMNS = (
+    ("machines", "user_data", "TEXT"),
+    ("machines", "user_data_pending", "INTEGER DEFAULT 0"),
+    ("join_tokens", "join_key", "TEXT"),
+    ("join_tokens", "token", "TEXT"),
+    ("nodes", "provider_id", "TEXT"),
+)
+
 #: How strong a repair clears a simulated fault: a fault clears at its rung or any stronger one.
 RUNGS = ("reset", "reboot", "reinstall", "never")
 
@@ -83,6 +94,11 @@ class SimWorld(SqliteDb):
 
     def __init__(self, path: str | Path) -> None:
         super().__init__(path, SCHEMA)
+        with self.tx() as db:
+            for table, column, kind in BOOTSTRAP_COLUMNS:
+                have = {r[1] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
+                if column not in have:  # a sim.db made before machines got user data
+                    db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     # -- setup -------------------------------------------------------------------
     def seed(self, config: FleetConfig) -> None:
@@ -266,6 +282,20 @@ class SimWorld(SqliteDb):
         """Machines whose join token waits in their bootstrap channel."""
         return {row[0] for row in self.query("SELECT machine_id FROM bootstrap")}
 
+    def pending_user_data(self) -> dict[str, str]:
+        """machine id → user data its install has not run yet (cloud-init's first boot)."""
+        rows = self.query("SELECT id, user_data FROM machines WHERE user_data_pending=1 AND deleted_at IS NULL")
+        return {row["id"]: row["user_data"] for row in rows}
+
+    def user_data_ran(self, machine_id: str) -> None:
+        with self.tx() as db:
+            db.execute("UPDATE machines SET user_data_pending=0 WHERE id=?", (machine_id,))
+
+    def user_data(self, machine_id: str) -> str:
+        """What the machine received, as its metadata service would give it back."""
+        row = self.machine(machine_id)
+        return (row["user_data"] or "") if row is not None else ""
+
     def take_bootstrap_token(self, machine_id: str) -> str | None:
         with self.tx() as db:
             row = db.execute("SELECT token FROM bootstrap WHERE machine_id=?", (machine_id,)).fetchone()
@@ -332,7 +362,7 @@ class SimProvider:
             )
         return row
 
-    def create_machine(self, spec: MachineSpec, idempotency_key: str) -> Machine:
+    def create_machine(self, spec: MachineSpec, idempotency_key: str, user_data: str = "") -> Machine:
         site = self._call("create")
         if spec.site != self.site.name:
             raise InvalidRequest(f"spec is for site {spec.site}, provider is {self.site.name}", provider=self.name)
@@ -360,10 +390,11 @@ class SimProvider:
             machine_id = f"sim-{uuid.uuid4().hex[:12]}"
             db.execute(
                 "INSERT INTO machines(id, idempotency_key, name, site, account, instance_type, capacity_type,"
-                " gpu, gpus, created_at, boot_at, boot_id) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+                " gpu, gpus, created_at, boot_at, boot_id, user_data, user_data_pending)"
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
                 (machine_id, idempotency_key, spec.name, self.site.name, self.account.name, spec.instance_type,
                  spec.capacity_type.value, spec.gpu, spec.gpus, now, now + site["boot_seconds"],
-                 uuid.uuid4().hex),
+                 uuid.uuid4().hex, user_data or None, int(bool(user_data))),
             )
             db.execute("UPDATE sites SET capacity = capacity - 1 WHERE name=?", (self.site.name,))
             for i in range(spec.gpus):
@@ -402,7 +433,7 @@ class SimProvider:
         self._call("list")
         return [_machine(row, self.name) for row in self.world.machines(self.site.name)]
 
-    def _restart(self, machine_id: str, op: str, rung: str) -> None:
+    def _restart(self, machine_id: str, op: str, rung: str, user_data: str = "") -> None:
         site = self._call(op)
         self._live(machine_id)
         with self.world.tx() as db:
@@ -410,14 +441,16 @@ class SimProvider:
                 f"UPDATE machines SET boot_at=?, boot_id=?, {op}s = {op}s + 1 WHERE id=?",
                 (_now() + site["boot_seconds"], uuid.uuid4().hex, machine_id),
             )
+            if user_data:  # a fresh install runs its (new) user data on first boot
+                db.execute("UPDATE machines SET user_data=?, user_data_pending=1 WHERE id=?", (user_data, machine_id))
             self.world.record_action(db, machine_id, op)
         self.world.clear_faults(machine_id, rung)
 
     def reboot_machine(self, machine_id: str) -> None:
         self._restart(machine_id, "reboot", "reboot")
 
-    def reinstall_machine(self, machine_id: str) -> None:
-        self._restart(machine_id, "reinstall", "reinstall")
+    def reinstall_machine(self, machine_id: str, user_data: str = "") -> None:
+        self._restart(machine_id, "reinstall", "reinstall", user_data)
 
     def list_offers(self) -> list[Offer]:
         site = self._call("offers")

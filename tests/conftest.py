@@ -23,7 +23,8 @@ from fleet.settings import Settings
 from providers.cluster.sim import SimCluster
 from providers.sim import SimWorld
 from workers.control_plane import build_worker
-from workers.node_agent import SimNodeHost
+from workers.node_agent import SimNodeHost, pki_signer
+from workers.node_gateway import GatewayAccess, Pki, RunningGateway, start_gateway, temporal_liveness
 
 #: A small, fast simulated fleet: no API latency, sub-second boots.
 TEST_FLEET: dict[str, Any] = {
@@ -54,10 +55,48 @@ async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
         dev_server_log_level="error",
         dev_server_extra_args=dev_server_tuning_flags(),
     )
+    gateway = await start_test_gateway(env.client)
+    NODE_GATEWAYS[env.client.service_client.config.target_host] = gateway
     try:
         yield env
     finally:
+        NODE_GATEWAYS.pop(env.client.service_client.config.target_host, None)
+        await gateway.running.stop(grace=None)
         await env.shutdown()
+
+
+@dataclass
+class SessionGateway:
+    """The session's node gateway: every simulated node agent reaches Temporal through it,
+    with a key of its own and a certificate from this CA."""
+
+    running: RunningGateway
+    pki: Pki
+    access: GatewayAccess
+    cert: bytes
+    key: bytes
+
+
+#: Dev server address → its node gateway (``sim_host`` routes agents through it).
+NODE_GATEWAYS: dict[str, SessionGateway] = {}
+
+
+async def start_test_gateway(client: Client, pki: Pki | None = None, port: int = 0,
+                             cert: bytes | None = None, key: bytes | None = None) -> SessionGateway:
+    pki = pki or Pki.create("gpufleet test node CA")
+    if cert is None or key is None:
+        cert, key = pki.server_cert()
+    settings = Settings(address=client.service_client.config.target_host, namespace=client.namespace)
+    running = await start_gateway(settings, cert, key, pki.ca_pem, live=temporal_liveness(client), port=port)
+    return SessionGateway(running, pki, GatewayAccess(running.address, pki.ca_pem), cert, key)
+
+
+def sim_host(client: Client, settings: Settings, **options: Any) -> SimNodeHost:
+    """The simulated nodes' host; through the session's node gateway when its server has one."""
+    gateway = NODE_GATEWAYS.get(client.service_client.config.target_host)
+    if gateway is None:
+        return SimNodeHost(client, settings, **options)
+    return SimNodeHost(client, settings, gateway=gateway.access, signer=pki_signer(gateway.pki), **options)
 
 
 @dataclass
@@ -97,7 +136,7 @@ def make_settings(temporal_env: WorkflowEnvironment, tmp_path: Path) -> Settings
 
 
 async def run_node_host(client: Client, settings: Settings, stop: asyncio.Event) -> asyncio.Task:
-    return asyncio.create_task(SimNodeHost(client, settings, poll_seconds=0.05).run(stop))
+    return asyncio.create_task(sim_host(client, settings, poll_seconds=0.05).run(stop))
 
 
 @pytest.fixture

@@ -20,8 +20,8 @@ from fleet.cluster import ServingSpec
 from providers.cluster.sim import SimCluster
 from providers.sim import SimWorld
 from workers.control_plane import build_worker
+from tests.conftest import sim_host
 from tests.replay import replay_and_record  # noqa: F401 - used by the scenario tests
-from workers.node_agent import SimNodeHost
 from fleet.messages.evacuation import EvacuationProgress
 
 FAST_JOIN = {"registration_seconds": 15, "smoke_test_seconds": 10, "heartbeat_seconds": 5}
@@ -122,7 +122,7 @@ async def open_incident_stack(client: Client, tmp_path: Path, fleet: dict | None
     env = FleetEnv.from_settings(settings)
     stack = IncStack(client, settings, env.world, env.cluster, uid)
     stop = asyncio.Event()
-    host = SimNodeHost(client, settings, poll_seconds=0.05)
+    host = sim_host(client, settings, poll_seconds=0.05)  # through the session's node gateway
     host.health_seconds = 0.2
     host_task = asyncio.create_task(host.run(stop))
     try:

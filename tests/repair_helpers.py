@@ -14,8 +14,7 @@ from temporalio.service import RPCError
 
 from activities.env import FleetEnv
 from fleet.settings import Settings
-from tests.conftest import TEST_FLEET, Stack, write_fleet
-from workers.node_agent import SimNodeHost
+from tests.conftest import TEST_FLEET, Stack, sim_host, write_fleet
 from fleet.messages.join import JoinedNode, NodeJoinResult
 from fleet.messages.repair import GpuRepairResult, LadderState, NodeStatus
 
@@ -51,7 +50,7 @@ def make_stack(client: Client, settings: Settings) -> Stack:
 
 async def start_host(stack: Stack, health_seconds: float = 0.2) -> tuple[asyncio.Event, asyncio.Task]:
     stop = asyncio.Event()
-    host = SimNodeHost(stack.client, stack.settings, poll_seconds=0.05)
+    host = sim_host(stack.client, stack.settings, poll_seconds=0.05)
     host.health_seconds = health_seconds
     stack.host_stop = stop
     return stop, asyncio.create_task(host.run(stop))

@@ -48,15 +48,17 @@ def valid_starts() -> dict[str, dict]:
     return {
         "ProviderAccount": {"account": "acct-a", "provider": "lambda"},
         "AcquireCapacity": {},
+        "Demand": {"consolidate": False},
         "Site": {"site": "site-a"},
         "SpotReclaim": {"node_name": "site-a-prop", "site": "site-a", "terminate_at": soon},
         "Node": {"node_name": "site-a-prop"},
         "GpuRepair": {"node_name": "site-a-prop", "gpu": 0, "site": "site-a"},
         "SiteEvacuation": {"site": "site-a"},
         "ModelRollout": {"model": "m", "version": "v1", "image": "img:1",
-                         "weights": {"source": {"bucket": "b"},
+                         "weights": {"source": {"store": "models"},
                                      "files": [{"path": "a.bin", "size": 1, "sha256": "0" * 64}]},
                          "sites": [{"site": "site-a", "replicas": 1}]},
+        "Routing": {"model": "m"},
     }
 
 

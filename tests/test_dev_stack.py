@@ -67,7 +67,7 @@ def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
     children = children_of(dev.pid)
     # The front door (HAProxy) is a fourth child where haproxy is installed and port 8080 free.
     front_door = "front door       http" in (tmp_path / "dev1.log").read_text()
-    assert len(children) == 3 + front_door, "temporal server, control-plane worker, node-agent host[, front door]"
+    assert len(children) == 4 + front_door, "temporal server, control-plane worker, node gateway, node-agent host[, front door]"
     assert f"http://127.0.0.1:{ui_port}" in (tmp_path / "dev1.log").read_text()
     schedules = gpufleet(env, "schedules", "list")
     assert "gpufleet-site-reconcile" in schedules.stdout and "gpufleet-catalog-refresh" in schedules.stdout

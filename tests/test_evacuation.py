@@ -64,13 +64,15 @@ async def test_four_of_eight_failing_evacuates_once_and_restores_stepwise(inc: I
     assert progress.moves == {MODEL: {c: 4}}
     # Weight 0 happened before any drain (activity order in the history), routing says so.
     order = await _activity_order(inc, "a")
-    assert order.index("set_site_weight") < order.index("drain_within")
+    assert order.index("set_site_weight") < order.index("routing_event") < order.index("drain_within")
     assert order.index("wait_serving_ready") < order.index("drain_within")
     routes = inc.cluster.get_site_routes().sites[a]
     assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (0, False, True, f"evacuate/{a}/1")
-    assert inc.cluster.get_routing(MODEL).sites[a].weight == 0
+    # The model's routes were written by its Routing entity before the drain began.
+    model_routes = inc.cluster.get_routing(MODEL).sites
+    assert (model_routes[a].weight, model_routes[a].draining) == (0, True) and model_routes[c].weight == 1000
     assert inc.cluster.serving_status(MODEL, c).desired_replicas == 5 and inc.cluster.serving_status(MODEL, c).ready
-    assert all(n.unschedulable for n in inc.cluster.list_nodes({"gpufleet.io/site": a}))
+    assert all(n.unschedulable for n in inc.cluster.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": a}))
     site = await inc.client.get_workflow_handle(f"site/{a}").query("status", result_type=SiteStatus)
     assert site.incident.open.id == f"evacuate/{a}/1" and len(site.incident.failing) >= 3
 
@@ -84,18 +86,27 @@ async def test_four_of_eight_failing_evacuates_once_and_restores_stepwise(inc: I
         "weight 100%") < names.index("surplus drained")
     percents = [i["percent"] for i in await activity_inputs(inc.evacuation("a"), "set_site_weight")]
     assert percents == [0, 10, 50, 100]
+    events = [i["event"] for i in await activity_inputs(inc.evacuation("a"), "routing_event")]
+    assert [(e["kind"], e.get("cap_percent")) for e in events] == [
+        ("drain", None), ("restore", 10), ("restore", 50), ("restore", 100)]
     routes = inc.cluster.get_site_routes().sites[a]
     assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
-    assert inc.cluster.get_routing(MODEL).sites[a].weight == 100
+    # Traffic came back in steps, each written by the model's Routing entity.
+    written = await activity_inputs(inc.client.get_workflow_handle(f"routing/{MODEL}"), "write_routing")
+    at_a = [d["sites"][a]["weight"] for d in written]
+    back = at_a[len(at_a) - at_a[::-1].index(0):]
+    assert len(back) >= 3 and back == sorted(back) and len(set(back)) == len(back) and back[0] > 0, at_a
+    final = inc.cluster.get_routing(MODEL).sites[a]
+    assert (final.weight, final.healthy, final.draining, final.incident) == (back[-1], True, False, "")
     assert inc.cluster.serving_status(MODEL, a).desired_replicas == 4
     assert inc.cluster.serving_status(MODEL, c).desired_replicas == 1, "surplus elsewhere scaled back"
     assert len(inc.world.machines(c)) == 1, "capacity bought for the evacuation retired (c's min is 0)"
-    assert not any(n.unschedulable for n in inc.cluster.list_nodes({"gpufleet.io/site": a}))
+    assert not any(n.unschedulable for n in inc.cluster.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": a}))
 
     site_handle = inc.client.get_workflow_handle(f"site/{a}")
     status = await poll(lambda: _closed(site_handle), timeout=15)
     assert status.incident.history[-1].outcome == "restored"
-    await replay_and_record(inc.evacuation("a"), "site_evacuation_restored")
+    await replay_and_record(inc.evacuation("a"), "site_evacuation_restored_routed")
     await replay_and_record(site_handle, "site_incident_tripped")
 
 
@@ -180,7 +191,7 @@ async def test_worker_killed_mid_evacuation_resumes(temporal_env, tmp_path) -> N
         assert inc2.cluster.get_site_routes().sites[a].weight == 100
         assert inc2.cluster.serving_status(MODEL, d).desired_replicas == 0
         assert len(await inc2.workflows("SiteEvacuation", "a")) == 1
-        await replay_and_record(inc2.evacuation("a"), "site_evacuation_resumed")
+        await replay_and_record(inc2.evacuation("a"), "site_evacuation_resumed_routed")
 
 
 # -- helpers --------------------------------------------------------------------------------

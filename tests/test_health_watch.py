@@ -1,20 +1,21 @@
-"""GPU faults are reported as they happen: the node agent's report loop wakes on an
-NVML XID event (a fake NVML library, the real ``NvmlBackend`` and report loop), and the
-Node entity it starts carries ``Site``, ``Provider`` and ``NodeName`` from its first moment."""
+"""GPU faults are reported as they happen: the node's ``watch_node`` activity wakes on an
+NVML XID event (a fake NVML library, the real ``NvmlBackend`` and XID waiter) and returns the
+node's whole state; with what it returned it waits, with an older state it returns at once
+(level-triggered: a Node entity that continued as new loses nothing)."""
 
 from __future__ import annotations
 
 import asyncio
 import queue
 import time
-import uuid
 from types import SimpleNamespace
 
-from temporalio.api.enums.v1 import EventType
+from temporalio.testing import ActivityEnvironment
 
-from fleet import search_attributes as sa
+from activities.node_agent import NodeAgentActivities, NodeWatch
+from fleet.messages.repair import NodeWatchInput, NodeWatchResult
 from providers.gpu import NvmlBackend
-from workers.health_report import watch_real_node
+from workers.health_report import xid_wakes
 
 
 class FakeNvml:
@@ -71,50 +72,50 @@ class FakeNvml:
         self.events.put(SimpleNamespace(device=SimpleNamespace(index=gpu), eventData=xid))
 
 
-async def signals(handle) -> int:
-    count = 0
-    async for event in handle.fetch_history_events():
-        count += event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
-    return count
-
-
-async def test_an_xid_is_reported_at_once_and_the_node_entity_is_findable_by_site(temporal_env) -> None:
-    client = temporal_env.client
-    node, queue_name = f"xid-{uuid.uuid4().hex[:6]}", f"nobody-{uuid.uuid4().hex[:6]}"  # no worker: history only
+async def test_an_xid_wakes_the_watch_at_once_and_the_watch_is_level_triggered() -> None:
     nvml = FakeNvml()
     gpus = NvmlBackend(nvml)
+    # A probe interval far longer than the test: only the XID wake-up can end the second watch.
+    watch = NodeWatch(gpus, interval_s=600)
+    xid_wakes(gpus, watch)
     gpus.watch_xids()
-    stop = asyncio.Event()
-    # An interval far longer than the test: only the XID wake-up can send the second report.
-    task = asyncio.create_task(watch_real_node(client, queue_name, node, gpus, stop, interval_s=600,
-                                               placement=("lambda-us-east", "lambda")))
-    try:
-        handle = client.get_workflow_handle(f"node/{node}")
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if await signals(handle) >= 1:
-                    break
-            except Exception:  # noqa: BLE001 - not started yet
-                pass
-            assert time.monotonic() < deadline, "first report never sent"
-            await asyncio.sleep(0.1)
-        attributes = (await handle.describe()).typed_search_attributes
-        assert attributes.get(sa.SITE) == "lambda-us-east"
-        assert attributes.get(sa.PROVIDER) == "lambda"
-        assert attributes.get(sa.NODE_NAME) == node
+    agent = NodeAgentActivities("xid-node", gpus, watch)
+    env = ActivityEnvironment()
 
-        sent = time.monotonic()
-        nvml.xid(1, 79)
-        while await signals(handle) < 2:
-            assert time.monotonic() - sent < 5, "the XID waited for the next interval"
-            await asyncio.sleep(0.1)
-        report = None
-        async for event in handle.fetch_history_events():
-            if event.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED:
-                report = event.workflow_execution_signaled_event_attributes
-        assert b'"xid":79' in report.input.payloads[0].data.replace(b" ", b"")
-    finally:
-        stop.set()
-        await asyncio.wait_for(task, 10)
-        await client.get_workflow_handle(f"node/{node}").terminate("test over")
+    first: NodeWatchResult = await env.run(agent.watch_node, NodeWatchInput(node_name="xid-node"))
+    assert first.seq == 1 and len(first.gpus) == 2, "a new entity gets the whole state at once"
+
+    waiting = asyncio.ensure_future(env.run(agent.watch_node, NodeWatchInput(
+        node_name="xid-node", seq=first.seq, digest=first.digest, max_wait_seconds=600)))
+    await asyncio.sleep(0.5)
+    assert not waiting.done(), "nothing changed: the watch waits"
+    sent = time.monotonic()
+    nvml.xid(1, 79)
+    second: NodeWatchResult = await asyncio.wait_for(waiting, 5)
+    assert time.monotonic() - sent < 3, "the XID did not wait for the next probe"
+    assert second.seq == 2 and second.digest != first.digest
+    assert [e.xid for e in second.gpus[1].xid_events] == [79]
+
+    # A run that continued as new with the older state: answered at once, with the whole state.
+    again: NodeWatchResult = await asyncio.wait_for(env.run(agent.watch_node, NodeWatchInput(
+        node_name="xid-node", seq=first.seq, digest=first.digest, max_wait_seconds=600)), 5)
+    assert again.digest == second.digest and [e.xid for e in again.gpus[1].xid_events] == [79]
+    # Once the entity has it (its next watch names that digest), the XID is not carried again...
+    cleared: NodeWatchResult = await asyncio.wait_for(env.run(agent.watch_node, NodeWatchInput(
+        node_name="xid-node", seq=second.seq, digest=second.digest, max_wait_seconds=600)), 5)
+    assert cleared.seq == 3 and cleared.gpus[1].xid_events == []
+    # ...and with nothing new the watch waits until its end: the same state, the same number.
+    quiet: NodeWatchResult = await env.run(agent.watch_node, NodeWatchInput(
+        node_name="xid-node", seq=cleared.seq, digest=cleared.digest, max_wait_seconds=0.3))
+    assert (quiet.seq, quiet.digest) == (cleared.seq, cleared.digest)
+
+
+async def test_a_watch_for_another_node_is_refused() -> None:
+    nvml = FakeNvml()
+    agent = NodeAgentActivities("this-node", NvmlBackend(nvml))
+    try:
+        await ActivityEnvironment().run(agent.watch_node, NodeWatchInput(node_name="other-node"))
+    except Exception as error:  # noqa: BLE001
+        assert "node_name" in str(error)
+    else:
+        raise AssertionError("answered a watch for another node")

@@ -308,8 +308,9 @@ def test_dev_stack_workers_serve_their_metrics(tmp_path: Path) -> None:
                     pages[worker] = urllib.request.urlopen(url, timeout=10).read().decode()
                 except OSError:
                     pass
-            # The SDK's own metrics: pollers on the control plane; the node host (no nodes yet) has its requests.
-            if "temporal_num_pollers" in pages.get("control-plane", "") and "temporal_request_total" in pages.get(
+            # The SDK's own metrics: pollers on the control plane. The node host (no nodes yet) holds no
+            # Temporal connection at all: each node's agent connects through the node gateway as itself.
+            if "temporal_num_pollers" in pages.get("control-plane", "") and "gpufleet_node_agents_running" in pages.get(
                     "node-agents", ""):
                 break
             assert time.monotonic() < deadline, pages
@@ -317,6 +318,6 @@ def test_dev_stack_workers_serve_their_metrics(tmp_path: Path) -> None:
         assert re.search(r'gpufleet_nodes\{provider="lambda",site="site-a",state="ready"\} 0', pages["control-plane"])
         assert 'service="control-plane"' in pages["control-plane"]
         assert "gpufleet_node_agents_running 0" in pages["node-agents"]
-        assert 'service="node-agent"' in pages["node-agents"]
+        # The SDK's series (tagged service="node-agent") start with the first node's connection.
     finally:
         stop_dev(dev)

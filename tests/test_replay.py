@@ -28,6 +28,12 @@ EXPECTED = {
     "rollout_happy", "rollout_canary_failed", "rollout_aborted",
     "site_evacuation_restored", "site_incident_tripped", "site_evacuation_resumed",
     "advisor_report",
+    # Evacuations through the Routing entity; the Routing entity itself.
+    "site_evacuation_restored_routed", "site_evacuation_resumed_routed",
+    "site_evacuation_continued_as_new_routed", "site_evacuation_restored_after_continue_as_new_routed",
+    "site_evacuation_continued_as_new_placing_routed", "site_evacuation_aborted_after_continue_as_new_routed",
+    "routing_events_and_samples",
+    "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
 }
 
 

@@ -16,12 +16,14 @@ from temporalio.client import Client, WorkflowHandle
 
 from cli.front_door import DevFrontDoor
 from fleet.cluster import UNPROVEN_TAINT, ServingSpec, SiteRoute
-from fleet.routing import TOTAL, RoutingDocument, routing_workflow_id
+from fleet.routing import ENDPOINTS_KIND, TOTAL, RoutingDocument, endpoints_key, routing_workflow_id
 from providers.haproxy import haproxy_binary
 from activities.env import FleetEnv
 from fleet.settings import Settings
 from tests.conftest import terminate_running, wait_for
-from tests.evacuation_helpers import IncStack, incident_fleet
+from tests.evacuation_helpers import IncStack, incident_fleet, poll
+from tests.replay import replay_and_record
+from workers.sim_model_server import SimModelServer
 from workers.control_plane import build_worker
 from tests.rollout.conftest import add_node
 
@@ -91,6 +93,55 @@ async def test_events_and_samples_move_the_weights(temporal_env, inc: IncStack):
     await handle.signal("site_event", "not an object")
     await handle.signal("site_event", {"kind": "drain", "site": c})
     await wait_for(lambda: weights(inc, model) == {a: TOTAL, c: 0})
+    await replay_and_record(handle, "routing_events_and_samples")
+
+
+async def test_a_loaded_site_loses_weight_with_hysteresis(temporal_env, inc: IncStack):
+    """Queue depth comes from each model server's ``vllm:num_requests_waiting``: a queue that
+    moves a share by less than the hysteresis changes nothing; a long one moves traffic."""
+    model = f"llm-{uuid.uuid4().hex[:6]}"
+    a, c = serve(inc, model, "a", 2), serve(inc, model, "c", 2)
+    servers = {site: [await SimModelServer(site=site, model=model, max_running=1, first_token_ms=60_000).start()
+                      for _ in range(2)] for site in (a, c)}
+    for site, running in servers.items():  # what the front door publishes for the servers it runs
+        inc.cluster.update_state(ENDPOINTS_KIND, endpoints_key(model, site),
+                                 lambda _, r=running: {s.name: f"http://{s.address}" for s in r})
+    busy: list[asyncio.Task] = []
+    try:
+        handle = await start_routing(temporal_env.client, inc, model, policy={"hysteresis": 0.2})
+        await wait_for(lambda: weights(inc, model) == {a: 500, c: 500})
+        version = inc.cluster.get_routing(model).version
+
+        async with httpx.AsyncClient(base_url=f"http://{servers[a][0].address}", timeout=120) as http:
+            def load(n: int) -> None:
+                busy.extend(asyncio.create_task(http.post("/v1/completions", json={"prompt": "x", "stream": True}))
+                            for _ in range(n))
+
+            load(2)  # one runs, one waits: a's share would fall to ~31%, within the 20-point hysteresis
+            await wait_for(lambda: servers[a][0].waiting == 1)
+            samples = (await handle.fetch_history()).events
+            await poll(lambda: _samples_since(handle, len(samples), 3), timeout=15)
+            assert inc.cluster.get_routing(model).version == version and weights(inc, model) == {a: 500, c: 500}
+
+            load(4)  # five waiting at a: its share falls past the hysteresis
+            await wait_for(lambda: servers[a][0].waiting == 5)
+            await wait_for(lambda: weights(inc, model).get(a, TOTAL) < 150)
+            assert weights(inc, model)[c] > 850
+            doc = await handle.query("document", result_type=RoutingDocument)
+            assert doc.reason == "load sample" and doc.sites[a].healthy and not doc.sites[a].draining
+            for task in busy:
+                task.cancel()
+    finally:
+        for running in servers.values():
+            for server in running:
+                await server.stop()
+        await asyncio.gather(*busy, return_exceptions=True)
+
+
+async def _samples_since(handle: WorkflowHandle, after: int, n: int) -> bool:
+    """``n`` more load samples completed since event ``after``."""
+    events = (await handle.fetch_history()).events[after:]
+    return sum(e.HasField("activity_task_completed_event_attributes") for e in events) >= n
 
 
 async def test_an_evacuation_decision_reaches_the_model_through_the_entity(temporal_env, inc: IncStack):

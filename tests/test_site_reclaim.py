@@ -45,8 +45,8 @@ async def test_site_below_min_fills_and_above_max_retires_the_newest(cap: CapSta
     # Below min (2): the entity acquires at its own site only.
     handle = await start_site(cap, "cheap")
     await wait_for(lambda: len(live(cap, "cheap")) == 2, timeout=30)
-    await wait_for(lambda: all(n.ready for n in cap.cluster.list_nodes({"gpufleet.io/site": cap.site("cheap")}))
-                   and len(cap.cluster.list_nodes({"gpufleet.io/site": cap.site("cheap")})) == 2, timeout=30)
+    await wait_for(lambda: all(n.ready for n in cap.cluster.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": cap.site("cheap")}))
+                   and len(cap.cluster.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": cap.site("cheap")})) == 2, timeout=30)
     assert live(cap, "mid") == [] and live(cap, "dear") == []
 
     # Above max (1) at mid: join two, then the sweep reconciles; the newest goes.

@@ -226,7 +226,7 @@ def _from_fleet(env: "FleetEnv", snap: FleetSnapshot, joining: set[str] | None, 
     try:
         nodes = env.cluster.list_nodes()
         for node in nodes:
-            site = node.labels.get("gpufleet.io/site") or node.site
+            site = node.labels.get("node-restriction.kubernetes.io/gpufleet-site") or node.site
             snap.nodes[site][_node_state(node)] += 1
             if site in sites:
                 snap.gpus_total[site] += sites[site].gpus_per_machine
@@ -239,7 +239,7 @@ def _from_fleet(env: "FleetEnv", snap: FleetSnapshot, joining: set[str] | None, 
         held = Tally(m["site"] for m in machines)
     else:
         machines = []
-        held = Tally(n.labels.get("gpufleet.io/site") or n.site for n in nodes or ())
+        held = Tally(n.labels.get("node-restriction.kubernetes.io/gpufleet-site") or n.site for n in nodes or ())
     for name, count in held.items():
         if name in sites:
             s = sites[name]

@@ -1,13 +1,24 @@
 """The node agent: a Temporal worker on each GPU node, polling ``node/<name>``.
 
-It dials out to Temporal (no inbound port on the node). On a real node:
+It dials out (no inbound port on the node) to the node gateway, never to Temporal
+itself: mutual TLS with the node's own client certificate (``CN=system:node:<name>``,
+the kubelet's), so it can poll only its own queue and answer only its own tasks. It
+starts and signals no workflow: its Node entity pulls health and spot notices with
+``watch_node`` (activities/node_agent.py). On a real node:
 
-    python -m workers.node_agent --node-name "$NODE_NAME"
+    GPUFLEET_GATEWAY=gw.example:7300 GPUFLEET_GATEWAY_CA=/etc/gpufleet/gateway-ca.pem \
+    python -m workers.node_agent --node-name "$NODE_NAME" \
+        --cert /var/lib/kubelet/pki/kubelet-client-current.pem
+
+The certificate file is read again when it changes (kubelet rotates it), and the
+worker switches to a connection with the new key.
 
 In sim mode one process hosts the agents of every simulated node and also
 plays each simulated machine's boot: after its boot time a machine reads the
-join token from its bootstrap channel and registers (what kubelet does), then
-its agent starts; a reboot or an unreachable site stops the agent.
+join token from its bootstrap channel and registers (what kubelet does), makes
+its key and a CSR, which the sim's signer (the dev CA, standing in for the
+cluster's CSR approver) signs, then its agent starts; a reboot or an unreachable
+site stops the agent.
 """
 
 from __future__ import annotations
@@ -19,37 +30,78 @@ import os
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
 
 from temporalio.client import Client
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.service import TLSConfig
 from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
-from activities.node_agent import NodeAgentActivities
+from activities.node_agent import NodeAgentActivities, NodeWatch
 from fleet.config import load_config
 from fleet.settings import Settings, node_queue
 from fleet.temporal import connect, tracing_interceptors
 from providers.gpu import GpuBackend
 from workers.metrics import agents_running, start_metrics
+from workers.node_gateway import GatewayAccess, node_key_and_csr
 
 log = logging.getLogger("gpufleet.node_agent")
 
 
-def build_agent(client: Client, node_name: str, gpus: GpuBackend, executor: ThreadPoolExecutor) -> Worker:
+def build_agent(client: Client, node_name: str, gpus: GpuBackend, executor: ThreadPoolExecutor,
+                watch: NodeWatch | None = None) -> Worker:
     return Worker(
         client,
         task_queue=node_queue(node_name),
-        activities=NodeAgentActivities(node_name, gpus).all(),
+        activities=NodeAgentActivities(node_name, gpus, watch).all(),
         activity_executor=executor,
-        max_concurrent_activities=4,
+        # The health watch holds one slot for the agent's life; repairs and smoke tests use the rest.
+        max_concurrent_activities=5,
         # One poller per node keeps a host of hundreds of simulated agents light.
         activity_task_poller_behavior=PollerBehaviorSimpleMaximum(1),
         interceptors=tracing_interceptors(),
     )
 
 
-class SimNodeHost:
-    """Every simulated machine's boot, kubelet registration and node agent."""
+async def connect_via_gateway(gateway: GatewayAccess, namespace: str, cert: bytes, key: bytes,
+                              runtime=None) -> Client:
+    """A client that reaches Temporal only through the node gateway, as this node."""
+    return await Client.connect(
+        gateway.address, namespace=namespace, data_converter=pydantic_data_converter, runtime=runtime,
+        tls=TLSConfig(server_root_ca_cert=gateway.ca, client_cert=cert, client_private_key=key,
+                      domain=gateway.server_name),
+    )
 
-    def __init__(self, client: Client, settings: Settings, poll_seconds: float = 0.2) -> None:
+
+def cert_expiry(cert_pem: bytes) -> float:
+    from cryptography import x509
+
+    return x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc.timestamp()
+
+
+#: Signs a node's CSR for that node name: (CSR PEM, node name, lifetime s) → certificate PEM.
+Signer = Callable[[bytes, str, float], bytes]
+
+
+def pki_signer(pki) -> Signer:
+    """The sim's stand-in for the cluster's CSR approver and signer."""
+    import datetime as dt
+
+    return lambda csr, name, lifetime: pki.sign_node_csr(csr, name, dt.timedelta(seconds=lifetime))
+
+
+class SimNodeHost:
+    """Every simulated machine's boot, kubelet registration and node agent.
+
+    With ``gateway`` (and the sim's ``signer``) each agent has a key of its own, a
+    certificate signed from its CSR, and its own connection through the node gateway;
+    certificates are renewed at two thirds of ``cert_lifetime`` and the agent switches
+    to the new key. Without, agents share ``client`` (a direct connection: benches only)."""
+
+    def __init__(self, client: Client | None, settings: Settings, poll_seconds: float = 0.2,
+                 gateway: GatewayAccess | None = None, signer: Signer | None = None,
+                 cert_lifetime: float = 24 * 3600, runtime=None) -> None:
         from providers.cluster.sim import SimCluster
         from providers.sim import SimWorld
 
@@ -58,21 +110,30 @@ class SimNodeHost:
         self.world = SimWorld(settings.sim_db)
         self.config = load_config(settings.config)
         self.world.seed(self.config)
-        self._placement: dict[str, tuple[str, str]] = {}
         self.cluster = SimCluster(self.world)
         self.poll_seconds = poll_seconds
+        self.gateway, self.signer, self.cert_lifetime = gateway, signer, cert_lifetime
+        if gateway is not None and signer is None:
+            raise ValueError("gateway: a signer is needed to give each simulated node its certificate")
+        if gateway is None and client is None:
+            raise ValueError("client: needed without a gateway")
+        self.runtime = runtime or (client.service_client.config.runtime if client is not None else None)
         self.executor = ThreadPoolExecutor(max_workers=32, thread_name_prefix="agent")
         self.agents: dict[str, tuple[str, Worker, asyncio.Task]] = {}  # machine id → (boot id, worker, task)
-        #: GPU health probe interval for every agent (None: ``GPUFLEET_HEALTH_SECONDS``, default 5;
-        #: 0 turns health reports off).
+        self.watches: dict[str, NodeWatch] = {}  # machine id → its agent's health watch
+        #: machine id → (renew at, the agent's own client): gateway mode only.
+        self.identities: dict[str, tuple[float, Client]] = {}
+        #: GPU health probe interval of every agent's watch (None: ``GPUFLEET_HEALTH_SECONDS``,
+        #: default 5; 0: probe only when the world changes).
         self.health_seconds: float | None = None
         self._next_boot = float("inf")  # when the next booting machine comes up
-        self._next_health = 0.0
+        #: Machines whose install ran user data that could not join: their kubelet has no credentials.
+        self._unjoined: set[str] = set()
 
     def _health_interval(self) -> float:
         from workers.health_report import DEFAULT_HEALTH_SECONDS
 
-        return self.health_seconds or DEFAULT_HEALTH_SECONDS
+        return DEFAULT_HEALTH_SECONDS if self.health_seconds is None else self.health_seconds
 
     async def run(self, stop: asyncio.Event) -> None:
         seen = None
@@ -82,18 +143,15 @@ class SimNodeHost:
                 # polling fast must stay cheap, it shares two cores with the server.
                 stamp = (self.world.data_version(), time.time() >= self._next_boot)
                 if stamp != seen:
-                    if seen is not None and stamp[0] != seen[0] and hasattr(self, "health"):
-                        # The world changed (e.g. `gpufleet sim fault`): probe now, as a real
-                        # node's XID waiter wakes its report loop.
-                        self.health.wake()
-                        self._next_health = 0.0
+                    if seen is not None and stamp[0] != seen[0]:
+                        # The world changed (e.g. `gpufleet sim fault`, a spot notice): every
+                        # watch probes now, as a real node's XID waiter wakes its watch.
+                        for watch in self.watches.values():
+                            watch.wake()
                     seen = (stamp[0], False)
                     up, registered = await asyncio.to_thread(self._sync_kubelets)
                     await self._sync_agents(up, registered)
-                    await self._watch_reclaims()
-                if self.agents and self._health_interval() > 0 and time.monotonic() >= self._next_health:
-                    self._next_health = time.monotonic() + min(1.0, self._health_interval())
-                    await self._report_health()
+                await self._renew_certificates()
                 try:
                     await asyncio.wait_for(stop.wait(), self.poll_seconds)
                 except asyncio.TimeoutError:
@@ -101,6 +159,31 @@ class SimNodeHost:
         finally:
             await asyncio.gather(*(self._stop_agent(m) for m in list(self.agents)))
             self.executor.shutdown(wait=False, cancel_futures=True)
+
+    async def _identity(self, name: str) -> tuple[float, Client]:
+        """The node's half (a key made here, a CSR) and the signer's; then a connection as the node."""
+        def issue() -> tuple[bytes, bytes]:
+            key, csr = node_key_and_csr(name)
+            return self.signer(csr, name, self.cert_lifetime), key
+
+        cert, key = await asyncio.to_thread(issue)
+        client = await connect_via_gateway(self.gateway, self.settings.namespace, cert, key, runtime=self.runtime)
+        now = time.time()
+        return now + (cert_expiry(cert) - now) * 2 / 3, client
+
+    async def _renew_certificates(self) -> None:
+        now = time.time()
+        for machine_id, (renew_at, _client) in list(self.identities.items()):
+            if now < renew_at or machine_id not in self.agents:
+                continue
+            name = self.agents[machine_id][1].task_queue.removeprefix("node/")
+            try:
+                self.identities[machine_id] = renewed = await self._identity(name)
+            except Exception as error:  # noqa: BLE001 - gateway or signer away: try again next pass
+                log.warning("certificate of %s not renewed: %s", name, error)
+                continue
+            self.agents[machine_id][1].client = renewed[1]
+            log.info("node %s: new key and certificate in use", name)
 
     def _up_machines(self) -> dict[str, tuple[str, str]]:
         """machine id → (node name, boot id) for machines booted at reachable sites."""
@@ -123,9 +206,24 @@ class SimNodeHost:
         nodes = self.cluster.kubelet_view()
         registered = set(nodes)
         waiting = self.world.bootstrap_waiting()
+        fresh = self.world.pending_user_data()
         for machine_id, (name, boot_id) in up.items():
             node = nodes.get(machine_id)
-            if node is None:
+            if machine_id in fresh:
+                # A new install's first boot: cloud-init runs `kubeadm join` from the user data alone.
+                self.world.user_data_ran(machine_id)
+                try:
+                    gpus = len(self.world.gpu_health(machine_id))
+                    self.cluster.register_from_user_data(machine_id, fresh[machine_id], boot_id, gpus)
+                    registered.add(machine_id)
+                    self._unjoined.discard(machine_id)
+                    log.info("node %s registered from its user data", name)
+                except (JoinRejected, ValueError) as error:
+                    self._unjoined.add(machine_id)
+                    log.warning("machine %s: join rejected: %s", machine_id, error)
+            elif machine_id in self._unjoined:
+                continue
+            elif node is None:
                 token = self.world.take_bootstrap_token(machine_id) if machine_id in waiting else None
                 if token:
                     gpus = len(self.world.gpu_health(machine_id))
@@ -152,50 +250,73 @@ class SimNodeHost:
                 await self._stop_agent(machine_id)
         for machine_id, (name, boot_id) in up.items():
             if machine_id in registered and machine_id not in self.agents:
-                worker = build_agent(self.client, name, SimGpuBackend(self.world, machine_id), self.executor)
+                client = self.client
+                if self.gateway is not None:
+                    try:
+                        self.identities[machine_id] = identity = await self._identity(name)
+                    except Exception as error:  # noqa: BLE001 - gateway not up yet: next pass
+                        log.warning("agent for %s: no connection through the gateway: %s", name, error)
+                        continue
+                    client = identity[1]
+                gpus = SimGpuBackend(self.world, machine_id)
+                watch = NodeWatch(gpus, notice=lambda m=machine_id: self.world.reclaim_notices().get(m),
+                                  interval_s=self._health_interval())
+                worker = build_agent(client, name, gpus, self.executor, watch)
+                self.watches[machine_id] = watch
                 self.agents[machine_id] = (boot_id, worker, asyncio.create_task(worker.run()))
                 log.info("agent for %s up (boot %s)", name, boot_id[:8])
 
-    async def _watch_reclaims(self) -> None:
-        """Each running agent's spot watcher, against the simulated provider's notices."""
-        from workers.reclaim_watch import ReclaimWatcher
-
-        if not hasattr(self, "reclaims"):
-            self.reclaims = ReclaimWatcher(self.client, self.settings.task_queue)
-        def notices() -> list[tuple]:
-            posted = self.world.reclaim_notices()
-            rows = [self.world.machine(m) for m in posted if m in self.agents]
-            return [(r["name"], r["site"], r["id"], posted[r["id"]]) for r in rows if r is not None]
-
-        for name, site, machine_id, terminate_at in await asyncio.to_thread(notices):
-            await self.reclaims.check(name, site, machine_id, lambda t=terminate_at: t)
-
-    async def _report_health(self) -> None:
-        """Each running agent's GPU health probe; a changed report goes to its Node entity."""
-        from providers.sim import SimGpuBackend
-        from workers.health_report import DEFAULT_HEALTH_SECONDS, HealthReporter
-
-        if not hasattr(self, "health"):
-            self.health = HealthReporter(self.client, self.settings.task_queue,
-                                         self.health_seconds or DEFAULT_HEALTH_SECONDS,
-                                         placement=lambda name: self._placement.get(name))
-        if not self.agents:
-            return
-        rows = await asyncio.to_thread(self.world.machines)
-        names = {row["id"]: row["name"] for row in rows}
-        providers = {site.name: site.provider for site in self.config.sites}
-        self._placement = {row["name"]: (row["site"], providers.get(row["site"], "")) for row in rows}
-        probes = {}
-        for machine_id in self.agents:
-            if machine_id in names:
-                backend = SimGpuBackend(self.world, machine_id)
-                probes[names[machine_id]] = lambda b=backend: (b.boot_id(), b.probe())
-        await self.health.check(probes)
-
     async def _stop_agent(self, machine_id: str) -> None:
         _boot, worker, task = self.agents.pop(machine_id)
+        self.watches.pop(machine_id, None)
+        self.identities.pop(machine_id, None)
         await worker.shutdown()
         await asyncio.gather(task, return_exceptions=True)
+
+
+class CertFile:
+    """The node's certificate and key, read again when the file changes (kubelet rotates
+    ``kubelet-client-current.pem``, cert and key in one file)."""
+
+    def __init__(self, cert: Path, key: Path | None = None) -> None:
+        self.cert, self.key = cert, key or cert
+        self.stamp: tuple[float, float] | None = None
+
+    def changed(self) -> bool:
+        return self._stamp() != self.stamp
+
+    def _stamp(self) -> tuple[float, float]:
+        return (self.cert.stat().st_mtime, self.key.stat().st_mtime)
+
+    def read(self) -> tuple[bytes, bytes]:
+        import re
+
+        self.stamp = self._stamp()
+        cert_text, key_text = self.cert.read_bytes(), self.key.read_bytes()
+        certs = re.findall(rb"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----\n?", cert_text, re.S)
+        keys = re.findall(rb"-----BEGIN [A-Z ]*PRIVATE KEY-----.+?-----END [A-Z ]*PRIVATE KEY-----\n?", key_text, re.S)
+        if not certs or not keys:
+            raise ValueError(f"--cert/--key: no certificate or key in {self.cert} / {self.key}")
+        return b"".join(certs), keys[0]
+
+
+async def follow_rotation(worker: Worker, source: CertFile, gateway: GatewayAccess, namespace: str,
+                          stop: asyncio.Event, every_s: float = 30) -> None:
+    """When the certificate file changes, connect with the new key and switch the worker to it."""
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), every_s)
+        except asyncio.TimeoutError:
+            pass
+        try:
+            if stop.is_set() or not source.changed():
+                continue
+            cert, key = source.read()
+            worker.client = await connect_via_gateway(gateway, namespace, cert, key,
+                                                      runtime=worker.client.service_client.config.runtime)
+            log.info("rotated certificate in use (expires %s)", time.ctime(cert_expiry(cert)))
+        except Exception as error:  # noqa: BLE001 - half-written file, gateway away: next look
+            log.warning("certificate rotation not picked up yet: %s", error)
 
 
 async def main() -> None:
@@ -203,19 +324,34 @@ async def main() -> None:
     parser.add_argument("--node-name", help="this node's Kubernetes name (real mode)")
     parser.add_argument("--sim", action="store_true", help="host every simulated node's agent")
     parser.add_argument("--poll-seconds", type=float, default=0.2, help="sim: how often machines are checked")
+    parser.add_argument("--cert", help="real mode: the node's client certificate (PEM; may hold the key too, "
+                        "as kubelet-client-current.pem does); read again when it changes")
+    parser.add_argument("--key", help="its private key, when not in --cert")
     parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port "
                         "(default: $GPUFLEET_METRICS_PORT; unset: no metrics endpoint)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node-agent %(levelname)s %(message)s")
     settings = Settings.from_env()
     metrics = start_metrics(args.metrics_port, "node-agent")
-    client = await connect(settings, runtime=metrics.runtime if metrics else None)
+    runtime = metrics.runtime if metrics else None
+    gateway = GatewayAccess.from_env()
+    client = None
+    if gateway is None:
+        log.warning("GPUFLEET_GATEWAY unset: connecting to Temporal directly (benches only: a node "
+                    "must reach Temporal through the node gateway)")
+        client = await connect(settings, runtime=runtime)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if args.sim:
-        host = SimNodeHost(client, settings, poll_seconds=args.poll_seconds)
+        signer = None
+        if gateway is not None:
+            from workers.node_gateway import Pki
+
+            signer = pki_signer(Pki.load_or_create(Path(os.environ["GPUFLEET_SIM_SIGNER_DIR"])))
+        host = SimNodeHost(client, settings, poll_seconds=args.poll_seconds, gateway=gateway, signer=signer,
+                           runtime=runtime)
         if metrics:
             agents_running(lambda: len(host.agents))
         await host.run(stop)
@@ -223,21 +359,28 @@ async def main() -> None:
     if not args.node_name:
         parser.error("--node-name is required outside --sim")
     from providers.gpu import NvmlBackend
+    from workers.health_report import DEFAULT_HEALTH_SECONDS, xid_wakes
+    from workers.reclaim_watch import spot_notice_source
 
+    source = None
+    if gateway is not None:
+        if not args.cert:
+            parser.error("--cert is required with GPUFLEET_GATEWAY (the node's client certificate)")
+        source = CertFile(Path(args.cert), Path(args.key) if args.key else None)
+        cert, key = source.read()
+        client = await connect_via_gateway(gateway, settings.namespace, cert, key, runtime=runtime)
     gpus = NvmlBackend()
+    watch = NodeWatch(gpus, notice=spot_notice_source(os.environ.get("GPUFLEET_SPOT_NOTICE", "")),
+                      interval_s=DEFAULT_HEALTH_SECONDS)
+    xid_wakes(gpus, watch)
     gpus.watch_xids()
-    worker = build_agent(client, args.node_name, gpus, ThreadPoolExecutor(max_workers=4))
+    worker = build_agent(client, args.node_name, gpus, ThreadPoolExecutor(max_workers=4), watch)
     if metrics:
         agents_running(lambda: 1)
     log.info("agent for %s polling %s", args.node_name, node_queue(args.node_name))
     async with worker:
-        if spot := os.environ.get("GPUFLEET_SPOT_NOTICE"):  # aws | gcp: watch for reclaim notices
-            from workers.reclaim_watch import watch_real_node
-
-            asyncio.create_task(watch_real_node(client, settings.task_queue, args.node_name, spot, stop))
-        from workers.health_report import watch_real_node as watch_health
-
-        asyncio.create_task(watch_health(client, settings.task_queue, args.node_name, gpus, stop))
+        if source is not None:
+            asyncio.create_task(follow_rotation(worker, source, gateway, settings.namespace, stop))
         await stop.wait()
 
 

@@ -8,6 +8,11 @@ the ``site`` field of each chunk), so ``curl`` through the front door shows
 where a session landed. Plain asyncio streams: no web framework, so a test or
 the benchmark can run dozens in one event loop.
 
+Load: with ``max_running`` set, at most that many completions run at once and the
+rest wait, as in vLLM's scheduler; ``/metrics`` exposes the same gauges vLLM does
+(``vllm:num_requests_waiting``, ``vllm:num_requests_running``), which the
+``Routing`` entity's load sample reads.
+
 Faults for tests and game days: ``die_after_tokens`` drops the connection
 mid-stream (a crashed replica); ``stop()`` closes the listener (connections
 refused). ``requests`` counts every completion request that arrived, so a test
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -43,10 +49,15 @@ class SimModelServer:
     #: ``/health`` answers 503 while False (a replica still loading its weights).
     ready: bool = True
     requests: int = 0
+    #: Completions running at once (0: no limit); the rest wait their turn.
+    max_running: int = 0
+    running: int = 0
+    waiting: int = 0
     health_checks: int = 0
     sessions: dict[str, int] = field(default_factory=dict)
     _server: asyncio.base_events.Server | None = None
     _open: set = field(default_factory=set)
+    _turn: asyncio.Condition | None = None
 
     async def start(self) -> "SimModelServer":
         self._server = await asyncio.start_server(self._serve, self.host, self.port, reuse_address=True)
@@ -97,6 +108,8 @@ class SimModelServer:
             self.health_checks += 1
             status = 200 if self.ready else 503
             await self._send(writer, status, {"status": "ok" if self.ready else "loading"}, keep)
+        elif path == "/metrics":
+            await self._send_text(writer, self._metrics(), keep)
         elif path == "/v1/models":
             await self._send(writer, 200, {"object": "list", "data": [{"id": self.model, "object": "model",
                                                                         "owned_by": self.site}]}, keep)
@@ -113,13 +126,49 @@ class SimModelServer:
             if not isinstance(request, dict):
                 await self._send(writer, 400, {"error": {"message": "body: must be a JSON object"}}, keep)
                 return keep
-            if request.get("stream"):
-                return await self._stream(writer, request, keep)
-            await asyncio.sleep(self.first_token_ms / 1000)
-            await self._send(writer, 200, self._completion("".join(self._words(request))), keep)
+            async with self._slot():
+                if request.get("stream"):
+                    return await self._stream(writer, request, keep)
+                await asyncio.sleep(self.first_token_ms / 1000)
+                await self._send(writer, 200, self._completion("".join(self._words(request))), keep)
         else:
             await self._send(writer, 404, {"error": {"message": f"no route {method} {path}"}}, keep)
         return keep
+
+    @contextlib.asynccontextmanager
+    async def _slot(self):
+        """A running slot; waits (counted in ``waiting``) while ``max_running`` are taken."""
+        if self._turn is None:
+            self._turn = asyncio.Condition()
+        async with self._turn:
+            self.waiting += 1
+            try:
+                await self._turn.wait_for(lambda: not self.max_running or self.running < self.max_running)
+            finally:
+                self.waiting -= 1
+            self.running += 1
+        try:
+            yield
+        finally:
+            async with self._turn:
+                self.running -= 1
+                self._turn.notify_all()
+
+    def _metrics(self) -> str:
+        label = f'{{model_name="{self.model}"}}'
+        return (
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.\n"
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f"vllm:num_requests_waiting{label} {float(self.waiting)}\n"
+            "# HELP vllm:num_requests_running Number of requests currently running.\n"
+            "# TYPE vllm:num_requests_running gauge\n"
+            f"vllm:num_requests_running{label} {float(self.running)}\n"
+        )
+
+    async def _send_text(self, writer: asyncio.StreamWriter, text: str, keep: bool) -> None:
+        body = text.encode()
+        writer.write(self._head(200, "text/plain; version=0.0.4", f"content-length: {len(body)}\r\n", keep) + body)
+        await writer.drain()
 
     def _words(self, request: dict) -> list[str]:
         n = request.get("max_tokens", self.tokens)

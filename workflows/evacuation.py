@@ -83,6 +83,7 @@ with workflow.unsafe.imports_passed_through():
         wait_for_serving,
     )
     from fleet.cluster import ServingStatus
+    from fleet.messages.routing import SiteEvent, SiteEventInput
 
 
 def evacuation_workflow_id(site: str, n: int) -> str:
@@ -269,6 +270,11 @@ class SiteEvacuation:
         return next((x.desired_replicas for x in self._facts.elsewhere if (x.model, x.site) == (model, site)), 0)
 
     async def _weight(self, percent: int, healthy: bool, draining: bool, incident: str) -> SiteWeightResult:
+        # The model routes come from each model's Routing entity (the one writer of routes);
+        # runs recorded before that wrote them in set_site_weight and replay without the event.
+        through_routing = workflow.patched("evacuation-through-routing")
+        if through_routing and percent > 0:
+            draining = False  # a site on its way back takes new sessions up to its cap
         result: SiteWeightResult = await workflow.execute_activity(
             "set_site_weight",
             SiteWeightInput(site=self._args.site, percent=percent, healthy=healthy, draining=draining,
@@ -278,7 +284,25 @@ class SiteEvacuation:
             summary=f"routing weight of {self._args.site} → {percent}%",
         )
         self._progress.weights = result.weights
+        if through_routing:
+            await self._tell_routing(percent, incident)
         return result
+
+    async def _tell_routing(self, percent: int, incident: str) -> None:
+        """Each model's Routing entity takes the decision, and the activity returns once the
+        routes reflect it: the drain that follows weight 0 must find no new sessions coming."""
+        site = self._args.site
+        if percent == 0:
+            event = SiteEvent(kind="drain", site=site, detail=incident)
+        else:
+            event = SiteEvent(kind="restore", site=site, cap_percent=percent,
+                              detail=f"restored to {percent}%" + (f" ({incident})" if incident else ""))
+        await workflow.execute_activity(
+            "routing_event", SiteEventInput(event=event, models=sorted(self._original_models), wait_seconds=50),
+            result_type=list[str], start_to_close_timeout=QUICK, heartbeat_timeout=timedelta(seconds=10),
+            retry_policy=CLUSTER_RETRY, summary=f"routing of {len(self._original_models)} models: {event.kind} "
+                                                f"{site}" + (f" at {percent}%" if percent else ""),
+        )
 
     def _deficits(self) -> list[Deficit]:
         facts, site = self._facts, self._args.site

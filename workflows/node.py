@@ -1,7 +1,15 @@
 """Node (entity, id ``node/<name>``): one node's state, its health, its repairs.
 
-The node agent signal-with-starts it with a ``health_report`` whenever its
-GPUs' health changed. The entity classifies each GPU (``fleet.repair_policy``),
+NodeJoin starts it when it admits the node (Site, Provider and NodeName from the
+join's own record). It pulls the node's health: ``watch_node``, a long-running,
+heartbeating activity on the node's own queue ``node/<name>``, returns the node's
+whole state (GPU health, spot notice, a sequence number) when it changed, and the
+entity schedules the next one. The node's identity is the queue it answered on
+(the node gateway lets a node poll only its own), never a name in a payload; the
+state is level-triggered, so a run that continues as new loses nothing: its first
+watch returns at once if the node changed meanwhile. A spot notice starts the
+node's SpotReclaim. (``health_report`` signals, from control-plane identities only,
+are still handled.) The entity classifies each GPU (``fleet.repair_policy``),
 escalates repeat faults, and starts one GpuRepair child per sick GPU. It owns
 the node's single disruptive-action slot: children ask for it before a reset,
 reboot, reinstall or replace, and an action that started after a child's fault
@@ -29,6 +37,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.models import GpuHealth
     from fleet.repair_policy import Finding, classify, conditions
+    from fleet.naming import reclaim_workflow_id
+    from fleet.settings import node_queue
     from workflows.inputs import parse_input
     from workflows.steps import CLUSTER_RETRY, QUICK, failure_message, show_details
     from workflows.repair import repair_workflow_id
@@ -43,12 +53,23 @@ with workflow.unsafe.imports_passed_through():
         NodeCarry,
         NodeEntityInput,
         NodeStatus,
+        NodeWatchInput,
+        NodeWatchResult,
     )
 
 #: Workflow patch: repairs are admitted by the Site entity (provider incidents, fleet.incident).
 ADMISSION_PATCH = "site-admission"
 ADMISSION_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10),
                               maximum_attempts=3)
+
+#: Workflow patch: health and spot notices pulled by ``watch_node`` on the node's own queue.
+HEALTH_WATCH_PATCH = "health-watch"
+#: A watch returns unchanged after this long: the history grows by a few events per interval.
+WATCH_MAX_WAIT = 300.0
+#: The retries of one watch (heartbeat timeouts while the node reboots or the gateway restarts)
+#: span at most this long; then the entity asks the cluster whether the node is still there.
+WATCH_GIVE_UP = timedelta(minutes=15)
+WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 
 #: Bounded memory: XID event keys remembered for de-duplication, log lines kept.
 MAX_SEEN = 512
@@ -87,6 +108,7 @@ class NodeEntity:
         self._holder: str | None = None
         self._wake = False
         self._gone = False
+        self._watching: asyncio.Task | None = None
 
     # -- signals and queries ---------------------------------------------------------------
     # The handlers only queue (none awaits): the loop is the one writer of the state, so no lock.
@@ -140,6 +162,8 @@ class NodeEntity:
         ])
         if self._carry.deferred:
             await self._refresh_facts()  # findings carried on hold: their recheck interval is in the settings
+        if workflow.patched(HEALTH_WATCH_PATCH):
+            self._watching = asyncio.create_task(self._watch_node())
         recheck_at = None
         while True:
             timeout = None
@@ -169,6 +193,72 @@ class NodeEntity:
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 if not self._pending and not self._requests:
                     workflow.continue_as_new(NodeEntityInput(node_name=self._node, carry=self._carry).model_dump(mode="json"))
+
+    # -- the pulled health watch -----------------------------------------------------------
+    async def _watch_node(self) -> None:
+        """One ``watch_node`` after another on the node's queue, for the entity's life."""
+        heartbeat = timedelta(seconds=30)
+        if self._facts is None:
+            try:
+                await self._refresh_facts()  # the heartbeat timeout is a repair setting
+            except ActivityError:
+                pass
+        while not self._gone:
+            if self._facts is not None:
+                heartbeat = timedelta(seconds=self._facts.settings.timeouts.heartbeat_seconds)
+            carry = self._carry
+            try:
+                result: NodeWatchResult = await workflow.execute_activity(
+                    "watch_node",
+                    NodeWatchInput(node_name=self._node, seq=carry.watch_seq, digest=carry.watch_digest,
+                                   reclaim_at=carry.reclaim_at, max_wait_seconds=WATCH_MAX_WAIT),
+                    task_queue=node_queue(self._node), result_type=NodeWatchResult,
+                    start_to_close_timeout=timedelta(seconds=WATCH_MAX_WAIT) + heartbeat * 2,
+                    schedule_to_close_timeout=WATCH_GIVE_UP, heartbeat_timeout=heartbeat,
+                    retry_policy=WATCH_RETRY, summary=f"{self._node}: health and spot notices, on change",
+                )
+            except ActivityError as error:
+                try:
+                    facts = await self._refresh_facts()
+                except ActivityError:
+                    continue
+                if not facts.found:
+                    self._log(f"watch ended ({failure_message(error)}) and the cluster does not know the node")
+                    self._gone = True
+                    self._wake = True
+                    return
+                continue
+            if result.node_name != self._node or result.seq < carry.watch_seq:
+                continue  # a late answer: the state it carries is older than what the entity has
+            if result.digest != carry.watch_digest:
+                self._pending.append(HealthReport(node_name=self._node, boot_id=result.boot_id, gpus=result.gpus))
+            if result.reclaim_at is not None and result.reclaim_at != carry.reclaim_at:
+                await self._reclaim(result.reclaim_at)
+            carry.watch_seq, carry.watch_digest, carry.reclaim_at = result.seq, result.digest, result.reclaim_at
+            self._wake = True  # also: the loop looks at continue-as-new after every watch
+
+    async def _reclaim(self, terminate_at: float) -> None:
+        """The provider will take the machine: SpotReclaim drains and replaces it. Site and
+        machine come from the cluster's record of the node, never from the node."""
+        facts = await self._refresh_facts()
+        if not facts.found:
+            return
+        self._log(f"spot reclaim notice: terminates at {terminate_at:.0f}", warn=True)
+        try:
+            await workflow.start_child_workflow(
+                "SpotReclaim", {"node_name": self._node, "site": facts.site, "machine_id": facts.machine_id,
+                                "terminate_at": terminate_at},
+                id=reclaim_workflow_id(self._node),
+                # Outlives the entity on purpose: the drain and the replacement must finish.
+                parent_close_policy=ParentClosePolicy.ABANDON,
+                static_summary=f"spot reclaim of {self._node}: drain and replace",
+            )
+        except FailureError:  # already running: a newer termination time wins
+            try:
+                await workflow.get_external_workflow_handle(reclaim_workflow_id(self._node)).signal(
+                    "notice", {"terminate_at": terminate_at})
+            except FailureError as error:
+                self._log(f"spot notice not passed on: {failure_message(error)}", warn=True)
 
     # -- health reports --------------------------------------------------------------------
     async def _handle(self, report: HealthReport) -> None:

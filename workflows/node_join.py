@@ -1,11 +1,13 @@
 """NodeJoin (id ``join/<site>/<request>``): one machine from provider to serving.
 
-The runbook: resolve the site → provision (the workflow id is the provider's
-idempotency key) → issue a join token to the machine → wait for it to register
-→ label it and taint it unproven → smoke test on the node's own queue → lift
-the taint (the admit activity also tells the Site entity) while the spent token
-is revoked. Anything failing after the machine exists deletes the machine: a
-failed join leaks nothing and never admits the node.
+The runbook: resolve the site → a join token bound to the node's name, then the
+machine with its bootstrap (kubeadm join) in its user data, in one activity (the
+workflow id is the provider's idempotency key and the token's) → approve its
+kubelet's certificate, wait for it to register as this machine (providerID,
+addresses), delete the token, record its identity → label it and taint it
+unproven → smoke test on the node's own queue → lift the taint (the admit
+activity also tells the Site entity). Anything failing after the machine exists
+deletes the machine: a failed join leaks nothing and never admits the node.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import (
+        AwaitRegistrationInput,
+        ProvisionedMachine,
+        ProvisionJoinInput,
+        RevokeNodeTokensInput,
         AdmitNodeInput,
         DeleteMachineInput,
         IssueJoinTokenInput,
@@ -67,6 +73,11 @@ MACHINE_FIRST = "clean-up-machine-first"
 #: A provision that failed looks for a machine an earlier attempt created under the key
 #: and deletes it (the reply of a create that succeeded can be lost).
 RELEASE_FAILED_PROVISION = "release-failed-provision"
+#: The machine is bought with its bootstrap in its user data: a node-bound token issued
+#: first, in the activity that creates the machine; registration must then match the
+#: machine (providerID, addresses) and the token goes as soon as the node registered.
+#: Runs before it issued the token after the machine existed.
+BOOTSTRAP_IN_USER_DATA = "bootstrap-in-user-data"
 
 
 @workflow.defn(name="NodeJoin")
@@ -196,21 +207,34 @@ class NodeJoin:
             workflow.upsert_search_attributes(changed)
 
         self._step("provisioning", f"{site.instance_type} at {site.provider} {site.region}")
+        bootstrap = workflow.patched(BOOTSTRAP_IN_USER_DATA)
         spec = MachineSpec(
             name=node_name, site=site.name, region=site.region, instance_type=site.instance_type, gpu=site.gpu,
             gpus=site.gpus_per_machine, capacity_type=site.capacity_type, image=site.image,
             tags={"gpufleet.io/join": join_id, "gpufleet.io/site": site.name},
         )
-        provisioning = workflow.start_activity(
-            "provision_machine", ProvisionMachineInput(site=site.name, spec=spec, idempotency_key=join_id),
-            result_type=Machine, start_to_close_timeout=timedelta(seconds=timeouts.provision_seconds),
-            retry_policy=PROVIDER_RETRY, summary=f"create {site.instance_type} at {site.name}",
-        )
+        if bootstrap:
+            provisioning = workflow.start_activity(
+                "provision_joining_machine",
+                ProvisionJoinInput(site=site.name, spec=spec, idempotency_key=join_id,
+                                   ttl_seconds=request.token_ttl_seconds),
+                result_type=ProvisionedMachine, start_to_close_timeout=timedelta(seconds=timeouts.provision_seconds),
+                retry_policy=PROVIDER_RETRY,
+                summary=f"node-bound join token, then {site.instance_type} at {site.name} with it in its user data",
+            )
+        else:
+            provisioning = workflow.start_activity(
+                "provision_machine", ProvisionMachineInput(site=site.name, spec=spec, idempotency_key=join_id),
+                result_type=Machine, start_to_close_timeout=timedelta(seconds=timeouts.provision_seconds),
+                retry_policy=PROVIDER_RETRY, summary=f"create {site.instance_type} at {site.name}",
+            )
+        provisioned: ProvisionedMachine | None = None
         try:
             # Shielded: a join cancelled mid-create must still learn the machine to delete it.
-            machine: Machine = await asyncio.shield(provisioning)
+            result = await asyncio.shield(provisioning)
         except asyncio.CancelledError:
-            machine = await provisioning
+            result = await provisioning
+            machine = result.machine if bootstrap else result
             self._progress.machine_id = machine.id
             await self._clean_up(site, machine, node_name)
             raise
@@ -220,27 +244,50 @@ class NodeJoin:
             if (failure_type(error) not in ("NoCapacity", "BadCredentials")
                     and workflow.patched(RELEASE_FAILED_PROVISION)):
                 await self._release_provision(site, spec, join_id)
+            if bootstrap:
+                await self._revoke_node_tokens(node_name)
             raise
+        if bootstrap:
+            provisioned = result
+            machine = provisioned.machine
+        else:
+            machine = result
         self._progress.machine_id = machine.id
 
-        token: JoinTokenRef | None = None
+        token: JoinTokenRef | None = provisioned.token if provisioned else None
         told_site = False
         try:
-            self._step("issuing join token")
-            token = await workflow.execute_activity(
-                "issue_join_token",
-                IssueJoinTokenInput(node_name=node_name, machine_id=machine.id, ttl_seconds=request.token_ttl_seconds),
-                result_type=JoinTokenRef, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
-                summary="single-use join token, handed to the machine",
-            )
-
-            self._step("waiting for registration", f"until {timeouts.registration_seconds:.0f}s")
             deadline = workflow.now() + timedelta(seconds=timeouts.registration_seconds)
-            await workflow.execute_activity(
-                "wait_for_registration", WaitForRegistrationInput(node_name=node_name, deadline=deadline),
-                result_type=Node, start_to_close_timeout=timedelta(seconds=timeouts.registration_seconds + 60),
-                heartbeat_timeout=heartbeat, retry_policy=CLUSTER_RETRY, summary=f"wait for {node_name} to register",
-            )
+            if provisioned is not None:
+                self._step("waiting for registration", f"until {timeouts.registration_seconds:.0f}s; "
+                           "its certificate only for its own name, providerID and addresses its machine's")
+                await workflow.execute_activity(
+                    "await_registration",
+                    AwaitRegistrationInput(site=site.name, node_name=node_name, machine_id=machine.id,
+                                           provider_id=provisioned.provider_id, join_id=join_id, deadline=deadline),
+                    result_type=Node, start_to_close_timeout=timedelta(seconds=timeouts.registration_seconds + 60),
+                    heartbeat_timeout=heartbeat, retry_policy=CLUSTER_RETRY,
+                    summary=f"approve {node_name}'s certificate, wait for it to register, delete its token",
+                )
+                token = None  # deleted by the activity the moment the node registered
+            else:
+                self._step("issuing join token")
+                token = await workflow.execute_activity(
+                    "issue_join_token",
+                    IssueJoinTokenInput(node_name=node_name, machine_id=machine.id,
+                                        ttl_seconds=request.token_ttl_seconds),
+                    result_type=JoinTokenRef, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                    summary="single-use join token, handed to the machine",
+                )
+
+                self._step("waiting for registration", f"until {timeouts.registration_seconds:.0f}s")
+                deadline = workflow.now() + timedelta(seconds=timeouts.registration_seconds)
+                await workflow.execute_activity(
+                    "wait_for_registration", WaitForRegistrationInput(node_name=node_name, deadline=deadline),
+                    result_type=Node, start_to_close_timeout=timedelta(seconds=timeouts.registration_seconds + 60),
+                    heartbeat_timeout=heartbeat, retry_policy=CLUSTER_RETRY,
+                    summary=f"wait for {node_name} to register",
+                )
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("registered")])
 
             self._step("labelling", "unproven taint until the smoke test passes")
@@ -276,7 +323,7 @@ class NodeJoin:
                         result_type=Node, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                         summary="admit: remove unproven taint, tell the Site entity",
                     ),
-                    self._revoke(token),
+                    *([self._revoke(token)] if token is not None else []),
                 )
                 token, told_site = None, True
             elif workflow.patched("admit-together"):
@@ -292,7 +339,10 @@ class NodeJoin:
             raise
         finally:
             if token is not None:
-                await self._revoke(token)
+                if provisioned is not None:
+                    await self._revoke_node_tokens(node_name)  # and any other a retried attempt issued
+                else:
+                    await self._revoke(token)
 
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("ready")])
         if not told_site and workflow.patched("tell-site-entity"):
@@ -300,7 +350,7 @@ class NodeJoin:
         self._step("ready", f"{site.gpus_per_machine}x {site.gpu}")
         return JoinedNode(
             node_name=node_name, machine_id=machine.id, site=site.name, provider=site.provider,
-            gpus=site.gpus_per_machine,
+            gpus=site.gpus_per_machine, account=site.account,
         )
 
     async def _untaint(self, node_name: str) -> None:
@@ -372,6 +422,16 @@ class NodeJoin:
         except ActivityError as error:
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("needs-person")])
             workflow.logger.error("could not delete machine %s: %s", machine.id, failure_message(error))
+
+    async def _revoke_node_tokens(self, node_name: str) -> None:
+        try:
+            await workflow.execute_activity(
+                "revoke_node_tokens", RevokeNodeTokensInput(node_name=node_name), result_type=list[str],
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="delete the node's join tokens",
+            )
+        except ActivityError as error:
+            # Each token expires within the hour anyway, and is good only for this node's name.
+            workflow.logger.warning("could not delete the join tokens of %s: %s", node_name, failure_message(error))
 
     async def _revoke(self, token: JoinTokenRef) -> None:
         await workflow.execute_activity(

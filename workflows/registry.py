@@ -4,6 +4,7 @@ from workflows.account import ProviderAccount
 from workflows.advisor import Advisor
 from workflows.evacuation import SiteEvacuation
 from workflows.capacity import AcquireCapacity, CatalogRefresh
+from workflows.demand import Demand
 from workflows.node import NodeEntity
 from workflows.node_join import NodeJoin
 from workflows.reclaim import SpotReclaim
@@ -15,5 +16,5 @@ from workflows.sweep import FleetSweep
 
 ALL_WORKFLOWS = [
     NodeJoin, AcquireCapacity, CatalogRefresh, ProviderAccount, SiteEntity, SiteSweep, SpotReclaim,
-    NodeEntity, GpuRepair, ModelRollout, SiteEvacuation, FleetSweep, Advisor, RoutingEntity,
+    NodeEntity, GpuRepair, ModelRollout, SiteEvacuation, FleetSweep, Advisor, RoutingEntity, Demand,
 ]

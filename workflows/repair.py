@@ -90,25 +90,25 @@ class GpuRepair:
     @workflow.update
     def hold(self, raw: Any = None) -> LadderState:
         self._state.held = True
-        self._state.hold_reason = parse_input(HoldInput, raw or {}).reason
+        self._state.hold_reason = parse_input(HoldInput, {} if raw is None else raw).reason
         self._show()
         return self._state
 
     @hold.validator
     def _validate_hold(self, raw: Any = None) -> None:
-        parse_input(HoldInput, raw or {})  # only a reason: anything else is refused naming it
+        parse_input(HoldInput, {} if raw is None else raw)  # only a reason: anything else is refused naming it
         self._require_running()
 
     @workflow.update
     def release(self, raw: Any = None) -> LadderState:
         self._state.held = False
-        self._state.hold_reason = parse_input(HoldInput, raw or {}).reason
+        self._state.hold_reason = parse_input(HoldInput, {} if raw is None else raw).reason
         self._show()
         return self._state
 
     @release.validator
     def _validate_release(self, raw: Any = None) -> None:
-        parse_input(HoldInput, raw or {})
+        parse_input(HoldInput, {} if raw is None else raw)
         self._require_running()
 
     @workflow.update

@@ -59,6 +59,8 @@ with workflow.unsafe.imports_passed_through():
         render_details,
     )
     from fleet.cluster import ServingSpec, ServingStatus
+    from fleet.messages.routing import SiteEvent, SiteEventInput
+    from fleet.weights_pull import WeightsPull
     from workflows.inputs import check_text, parse_input
     from workflows.steps import CLUSTER_RETRY, QUICK, failure_text, show_details, wait_for_serving
 
@@ -362,10 +364,17 @@ class ModelRollout:
         }
         if store.endpoint_url:
             env["AWS_ENDPOINT_URL_S3"] = store.endpoint_url
+        # Pods pull the verified weights from the site's store into the node's cache (an init
+        # step), and the site's new version reaches the routes through its Routing entity;
+        # rollouts recorded before that mounted a host path and told no one.
+        pulled = workflow.patched("rollout-weights-pull-and-routing")
         spec = ServingSpec(
             model=request.model, site=site, image=request.image, replicas=request.replicas(site),
             gpus_per_replica=request.gpus_per_replica, args=request.args, weights_path=request.weights_path,
             env=env, port=request.port,
+            # The store as the config names it: its credentials are a reference, never a secret.
+            weights=WeightsPull(model=request.model, version=request.version, store=store,
+                                prefix=request.dest_prefix(store), files=request.weights.files) if pulled else None,
         )
         try:
             status: ServingStatus = await workflow.execute_activity(
@@ -392,6 +401,23 @@ class ModelRollout:
             await self._rollback(site, failure.reason)
             raise _SiteFailed(site, failure.reason + "; rolled back") from None
         self._set(site, SiteState.DONE, f"serving {request.version}")
+        if pulled:
+            await self._tell_routing(site)
+
+    async def _tell_routing(self, site: str) -> None:
+        """A new version (or a site new to the model) is serving: its Routing entity samples
+        the site's Ready replicas now (a new site gets its route)."""
+        event = SiteEvent(kind="rollout", site=site, detail=f"{self._req.model} {self._req.version}"[:500])
+        try:
+            await workflow.execute_activity(
+                "routing_event", SiteEventInput(event=event, models=[self._req.model]), result_type=list[str],
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary=f"routing of {self._req.model}: {site} serves {self._req.version}",
+            )
+        except ActivityError as error:
+            # The site serves either way, and the entity's next sample finds it.
+            self._p.site(site).detail += f"; routing not told: {failure_text(error)}"
+            self._show()
 
     async def _gate(self, site: str, when: str) -> None:
         gate = self._req.strategy.gate

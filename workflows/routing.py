@@ -28,6 +28,7 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from fleet.messages.routing import (
         RoutingInput,
+        RoutingProgress,
         RoutingSample,
         RoutingSampleInput,
         RoutingState,
@@ -80,6 +81,11 @@ class RoutingEntity:
     def document(self) -> RoutingDocument | None:
         return self.state.document
 
+    @workflow.query
+    def progress(self) -> RoutingProgress:
+        doc = self.state.document
+        return RoutingProgress(events=self.state.events, applied=self.state.applied, version=doc.version if doc else 0)
+
     @workflow.run
     async def run(self, raw: Any) -> None:
         args = parse_input(RoutingInput, raw)
@@ -102,6 +108,8 @@ class RoutingEntity:
                 workflow.continue_as_new(args.model_copy(update={"state": self.state}).model_dump(mode="json"))
 
     async def _recompute(self, args: RoutingInput, reason: str) -> None:
+        # Events taken before the sample are in this recompute; later ones wait for the next.
+        taken = self.state.events
         sample: RoutingSample = await workflow.execute_activity(
             "routing_sample", RoutingSampleInput(model=args.model, geography=args.geography),
             result_type=RoutingSample, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
@@ -116,6 +124,7 @@ class RoutingEntity:
                 summary=f"routing v{document.version} of {args.model}: {reason}"[:200],
             )
             self.state.document = document
+        self.state.applied = taken
         doc = self.state.document
         lines = [f"{site}: weight {r.weight}/1000, {r.ready_replicas} ready"
                  + (" (draining)" if r.draining else "") + ("" if r.healthy else " (unhealthy)")

@@ -12,7 +12,8 @@ Provider incidents (product rule 5, ``fleet.incident``; recorded as patch
 ``incident-v1``): the entity also
 
 - answers ``admit_repair`` (update) from its Node entities before any GPU
-  repair: the failure goes into the site's window; a short settle lets a burst
+  repair, only for nodes of this site (the cluster's count; an unknown name is
+  refused and never counts): the failure goes into the site's window; a short settle lets a burst
   arrive; while the rule is tripped or an incident is open the answer is "hold"
   (no new repairs here);
 - every ``check_seconds`` probes its nodes (NotReady, not cordoned = unreachable)
@@ -83,6 +84,8 @@ with workflow.unsafe.imports_passed_through():
 
 #: Workflow patch: incident detection, repair admission and evacuation in the Site entity.
 INCIDENT_PATCH = "incident-v1"
+#: Workflow patch: ``admit_repair`` answers only for nodes the site has.
+KNOWN_NODES_PATCH = "admit-known-nodes"
 
 
 
@@ -128,6 +131,10 @@ class SiteEntity:
         # No lock: every change here is made between awaits, and the settle wait is there to let the other
         # admissions of a burst change the state meanwhile (a lock would queue the very burst it waits for).
         await workflow.wait_condition(lambda: self._incident_settings is not None)
+        if workflow.patched(KNOWN_NODES_PATCH) and not await self._knows(req.node_name):
+            # Invented names must not count towards the incident rule (three of them once
+            # evacuated a site): only this site's nodes, as the cluster records them.
+            return RepairDecision(repair=False, why=f"{req.node_name} is not a node of {self._site.name}: ignored")
         s, inc = self._incident_settings, self.state.incident  # the run's state is set by now
         if inc.open is not None:
             return RepairDecision(repair=False, incident=inc.open.id, why="incident open: no new repairs here")
@@ -146,6 +153,18 @@ class SiteEntity:
             return RepairDecision(repair=False, incident=inc.open.id, why=inc.open.reason)
         v = inc.verdict
         return RepairDecision(repair=True, why=f"{len(v.failing)} failing, trips at {v.threshold}")
+
+    async def _knows(self, node_name: str) -> bool:
+        """A node of this site: in the last count, else in a fresh one (admitted since)."""
+        if node_name in self.state.status.nodes:
+            return True
+        nodes: list[SiteNode] = await workflow.execute_activity(
+            "site_nodes", SiteNodesInput(site=self._site.name), result_type=list[SiteNode],
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"is {node_name} at {self._site.name}?",
+        )
+        for n in nodes:
+            self.state.status.nodes.setdefault(n.node_name, "ready" if n.ready and not n.unproven else "joining")
+        return any(n.node_name == node_name for n in nodes)
 
     def _site_nodes(self) -> int:
         return max(self.state.node_count, len(self.state.status.nodes))

@@ -35,6 +35,8 @@ class JoinedNode(BaseModel):
     site: str
     provider: str
     gpus: int
+    #: The provider account it was bought in (with site, provider and machine: its identity).
+    account: str = ""
 
 
 class NodeJoinResult(BaseModel):

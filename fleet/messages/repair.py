@@ -27,6 +27,39 @@ class NodeCarry(BaseModel):
     latest: dict[int, GpuHealth] = Field(default_factory=dict)
     #: The node's recent disruptive actions: a later one covers a repair detected before it.
     actions: list[NodeAction] = Field(default_factory=list)
+    #: The pulled health watch (``watch_node``): the last result's sequence number and state
+    #: digest, and the spot notice acted on. Carried, so a new run's first watch returns at
+    #: once when the node's state differs from what this run saw (level-triggered).
+    watch_seq: int = 0
+    watch_digest: str = ""
+    reclaim_at: float | None = None
+
+
+class NodeWatchInput(BaseModel):
+    """The Node entity's ``watch_node`` activity, on the node's own queue: return when the
+    node's state differs from ``digest`` (or a spot notice differs from ``reclaim_at``),
+    else with the same state after ``max_wait_seconds``, heartbeating meanwhile."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    node_name: Name
+    seq: int = Field(0, ge=0)
+    digest: str = Field("", max_length=128)
+    reclaim_at: float | None = None
+    max_wait_seconds: float = Field(300, gt=0, le=3600)
+
+
+class NodeWatchResult(BaseModel):
+    """The node's whole state as its agent sees it (level-triggered: never a delta)."""
+
+    node_name: str
+    #: ``seq`` of the input, plus one when the state changed.
+    seq: int
+    digest: str
+    boot_id: str
+    gpus: list[GpuHealth] = Field(default_factory=list)
+    #: Spot reclaim: when the provider takes the machine (epoch seconds), if it posted a notice.
+    reclaim_at: float | None = None
 
 
 class NodeEntityInput(BaseModel):

@@ -30,8 +30,11 @@ class RoutingState(_Strict):
 
     overrides: dict[str, SiteOverride] = Field(default_factory=dict)
     document: RoutingDocument | None = None
-    #: Site events applied, in all runs (the entity's details show it).
+    #: Site events taken, in all runs (the entity's details show it).
     events: int = Field(0, ge=0)
+    #: Of those, how many the last written document reflects: a caller that saw ``events``
+    #: reach n after its signal knows its event is in the routes once ``applied`` >= n.
+    applied: int = Field(0, ge=0)
     #: Why a recompute is wanted (events since the last one); empty: none pending.
     pending: list[Text] = Field(default_factory=list, max_length=1000)
 
@@ -65,6 +68,17 @@ class SiteEvent(_Strict):
     cap_percent: int | None = Field(None, ge=0, le=100)
 
 
+class SiteEventInput(_Strict):
+    """The ``routing_event`` activity: tell each model's entity (started if needed)."""
+
+    event: SiteEvent
+    #: The models to tell; empty: every model served at the site.
+    models: list[Name] = Field(default_factory=list, max_length=10_000)
+    #: Return only once each entity has written routes that reflect the event (an evacuation
+    #: must not drain a site that new sessions still go to); 0: signal and return.
+    wait_seconds: float = Field(0, ge=0, le=3600)
+
+
 class RoutingSampleInput(_Strict):
     model: Name
     geography: str | None = None
@@ -72,3 +86,11 @@ class RoutingSampleInput(_Strict):
 
 class RoutingSample(_Strict):
     sites: list[SiteLoad] = Field(default_factory=list)
+
+
+class RoutingProgress(_Strict):
+    """The ``progress`` query: site events taken and reflected in the routes."""
+
+    events: int = 0
+    applied: int = 0
+    version: int = 0

@@ -7,16 +7,19 @@ contract tests. Methods are synchronous and run in activity threads.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 import time
-from typing import Callable, Iterable, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Protocol, runtime_checkable
 
 from pydantic import BaseModel, Field
 
 from fleet.errors import InvalidRequest, NotFound
+from fleet.demand import GpuPod
 from fleet.models import Node
 from fleet.cluster import (
+    NodeIdentity,
     LABEL_SITE,
     GPU_RESOURCE,
     JoinTokenRef,
@@ -28,6 +31,10 @@ from fleet.cluster import (
     RoutingTable,
 )
 
+if TYPE_CHECKING:
+    from providers.cluster.bootstrap import BootstrapToken
+
+
 class NodeNotFound(NotFound, LookupError):
     """The node does not exist (a ``LookupError`` too, for plain callers)."""
 
@@ -38,6 +45,85 @@ class ServingNotFound(NotFound, LookupError):
 
 class NoPreviousTemplate(InvalidRequest, ValueError):
     """``rollback_serving`` with nothing to roll back to."""
+
+
+class CsrDecision(BaseModel):
+    """What gpufleet's approver decided about one kubelet CSR, and why."""
+
+    name: str
+    requester: str
+    approve: bool
+    reason: str
+
+
+CLIENT_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
+SERVING_SIGNER = "kubernetes.io/kubelet-serving"
+_USAGES = {
+    CLIENT_SIGNER: {"digital signature", "key encipherment", "client auth"},
+    SERVING_SIGNER: {"digital signature", "key encipherment", "server auth"},
+}
+
+
+def csr_decision(
+    csr: dict,
+    token_node: Callable[[str], "str | None"],
+    is_our_node: Callable[[str], bool],
+    addresses: Callable[[str], "list[str] | None"],
+) -> CsrDecision | None:
+    """Approve, deny, or ``None`` (not gpufleet's to judge: left to its usual approver).
+
+    The requester is ``spec.username``, which the API server sets from the authenticated
+    caller; nothing the caller wrote in the request decides who it is."""
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    spec, name = csr.get("spec") or {}, (csr.get("metadata") or {}).get("name", "")
+    signer, user = spec.get("signerName", ""), spec.get("username", "")
+    if signer == CLIENT_SIGNER and user.startswith("system:bootstrap:"):
+        issued = token_node(user.removeprefix("system:bootstrap:"))
+        if issued is None:
+            return None
+        want = issued
+    elif signer in (CLIENT_SIGNER, SERVING_SIGNER) and user.startswith("system:node:"):
+        want = user.removeprefix("system:node:")
+        if not is_our_node(want):
+            return None
+    else:
+        return None
+
+    def verdict(approve: bool, reason: str) -> CsrDecision:
+        return CsrDecision(name=name, requester=user, approve=approve, reason=reason)
+
+    try:
+        request = x509.load_pem_x509_csr(base64.b64decode(spec.get("request") or ""))
+    except ValueError:
+        return verdict(False, "the request is not a PEM certificate request")
+    common = [a.value for a in request.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    orgs = [a.value for a in request.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)]
+    subject = f"system:node:{want}"
+    if common != [subject] or orgs != ["system:nodes"]:
+        asked = common[0] if common else "no common name"
+        return verdict(False, f"{user} may get a certificate for {subject} only; it asked for {asked}")
+    if not set(spec.get("usages") or []) <= _USAGES[signer]:
+        return verdict(False, f"usages {sorted(spec.get('usages') or [])} are not a kubelet's")
+    try:
+        sans = request.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        sans = None
+    if signer == CLIENT_SIGNER:
+        if sans is not None:
+            return verdict(False, "a kubelet client certificate names no alternative names")
+        return verdict(True, f"{user} asked for {subject}, the node it may be")
+    reported = addresses(want)
+    if not reported:
+        return None  # nothing to check the addresses against: no serving certificate from us
+    dns = sans.get_values_for_type(x509.DNSName) if sans else []
+    ips = [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] if sans else []
+    wrong = [d for d in dns if d != want] + [ip for ip in ips if ip not in reported]
+    if wrong or not ips:
+        return verdict(False, f"serving names {sorted(wrong) or 'without an address'} are not node {want}'s "
+                              f"(the provider reports {sorted(reported)})")
+    return verdict(True, f"serving names match node {want} and its machine's addresses")
 
 
 class AccessRule(BaseModel):
@@ -63,6 +149,30 @@ class Cluster(Protocol):
 
     def revoke_join_token(self, token_id: str) -> None:
         """Delete the token (used or not). Revoking a gone token succeeds."""
+        ...
+
+    # -- bootstrap: the token rides in the machine's user data -----------------------------
+    def issue_bootstrap_token(self, node_name: str, join_key: str, ttl_seconds: int) -> "BootstrapToken":
+        """A token usable only to join as ``node_name`` (TTL at most an hour), issued before the
+        machine exists; the same one again for the same ``join_key`` while it is valid (a
+        retried activity renders the same user data). Returned with its secret: for the
+        user data only, never out of the activity."""
+        ...
+
+    def revoke_node_tokens(self, node_name: str) -> list[str]:
+        """Delete every join token issued for ``node_name`` (when it registered); the ids."""
+        ...
+
+    def bootstrap_endpoint(self) -> tuple[str, str]:
+        """(API server ``host:port`` machines join, ``sha256:<hex>`` CA public-key hash)."""
+        ...
+
+    def review_csrs(self, addresses: Callable[[str], "list[str] | None"]) -> list["CsrDecision"]:
+        """gpufleet's approver: judge every pending kubelet CSR that is gpufleet's to judge."""
+        ...
+
+    def node_identity(self, name: str) -> NodeIdentity | None:
+        """The identity the join recorded for node ``name`` (None: not joined by gpufleet)."""
         ...
 
     def get_node(self, name: str) -> Node | None:
@@ -99,6 +209,12 @@ class Cluster(Protocol):
         Eviction API, retrying PDB refusals with backoff until ``deadline_s``.
         With ``force``, pods still refused at the deadline are deleted (PDB
         bypassed). ``heartbeat`` is called between rounds (activity heartbeats)."""
+        ...
+
+    def list_gpu_pods(self, pending_only: bool = False) -> list[GpuPod]:
+        """Every pod that requests ``nvidia.com/gpu`` and has not finished (with
+        ``pending_only``: only those Pending and not bound to a node), every namespace:
+        what the demand loop plans from and counts each node's GPUs with."""
         ...
 
     # -- per-site serving -----------------------------------------------------------------

@@ -9,10 +9,26 @@ Objects this adapter owns
 * Join tokens: a bootstrap token Secret ``kube-system/bootstrap-token-<id>``
   (type ``bootstrap.kubernetes.io/token``, ``expiration`` at most one hour
   away, usable for authentication and signing, extra group
-  ``system:bootstrappers:kubeadm:default-node-token`` so the usual
-  kubelet-bootstrap CSR bindings apply).
-* The bootstrap channel: the full token (``<id>.<secret>``) reaches the
-  machine only through the Secret ``gpufleet-bootstrap/gpufleet-bootstrap-<machine>``
+  ``system:bootstrappers:gpufleet:nodes`` (``BOOTSTRAP_GROUP``), which
+  deploy/bootstrap/rbac.yaml binds to kubeadm's join RBAC and to no
+  auto-approval), annotated with the node name it was issued for and the join
+  that issued it (``issue_bootstrap_token`` finds it again by the join's key:
+  a retried activity reuses it). A bootstrap token's secret necessarily sits in
+  plain form in that Secret: the API server authenticates with it. It goes
+  into the machine's user data (``providers.cluster.bootstrap``) and nowhere else.
+* Kubelet certificates: ``review_csrs`` is gpufleet's approver. A client CSR
+  from ``system:bootstrap:<id>`` (the requester the API server authenticated,
+  never the request body) is approved only when token ``<id>`` is gpufleet's
+  and was issued for exactly the node in the CSR's subject; a renewal from
+  ``system:node:<name>`` only for ``<name>``; a kubelet-serving CSR only when
+  its names are the node's name and the addresses the provider reports for its
+  machine. Other CSRs (other signers, other requesters) are left alone.
+* Node identity: which machine, provider, account and site a node is comes
+  from the join's record (control-plane state ``node-identity``), never from
+  the node's labels or annotations, which its kubelet may write.
+* The bootstrap channel (joins started before the bootstrap went into the
+  user data, ``create_join_token``): the full token reaches the machine only
+  through the Secret ``gpufleet-bootstrap/gpufleet-bootstrap-<machine>``
   (``bootstrap_secret_name``; keys ``token``, ``node-name``, ``expiration``,
   label ``gpufleet.io/token-id``). The machine's bootstrap fetch, the one thing
   that can prove it is that machine (a provider user-data step, or an endpoint
@@ -50,6 +66,8 @@ manifests in ``deploy/kubernetes/rbac.yaml`` grant exactly these.
 from __future__ import annotations
 
 import base64
+import copy
+import hashlib
 import json
 import os
 import re
@@ -65,13 +83,17 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.utils import parse_quantity
 
+from fleet.demand import DEMAND_ANNOTATIONS, GpuPod, Toleration
 from fleet.errors import ClusterConflict, ClusterError, ClusterForbidden, ClusterInvalid, NotFound, Transient
 from fleet.models import CredentialsRef, Node
 from fleet.weights_pull import CACHE_ROOT as WEIGHTS_CACHE_ROOT
 from fleet.weights_pull import ENV as WEIGHTS_ENV
 from fleet.weights_pull import KEY_ENV as WEIGHTS_KEY_ENV
+from providers.cluster.bootstrap import BOOTSTRAP_GROUP, BootstrapToken, ca_cert_hash
 from providers.cluster.base import (
     AccessRule,
+    CsrDecision,
+    csr_decision,
     EvictOutcome,
     NodeNotFound,
     NoPreviousTemplate,
@@ -93,6 +115,8 @@ from fleet.cluster import (
     ANNOTATION_PREVIOUS_TEMPLATE,
     ANNOTATION_TEMPLATE,
     GPU_RESOURCE,
+    NODE_IDENTITY_KIND,
+    NodeIdentity,
     LABEL_MODEL,
     LABEL_PROVIDER,
     LABEL_SITE,
@@ -118,7 +142,12 @@ ANNOTATION_STATE_KEY = "gpufleet.io/state-key"
 ANNOTATION_NODE_NAME = "gpufleet.io/node-name"
 ANNOTATION_MODEL = "gpufleet.io/model"
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+#: kubeadm's default bootstrap group: bound to auto-approval of node client certificates
+#: for any node name, so gpufleet's tokens never carry it (they carry ``BOOTSTRAP_GROUP``).
 JOIN_GROUP = "system:bootstrappers:kubeadm:default-node-token"
+LABEL_JOIN_KEY = "gpufleet.io/join-key"
+ANNOTATION_JOIN = "gpufleet.io/join"
+CSR_GROUP = "certificates.k8s.io"
 GATEWAY_GROUP = "gateway.networking.k8s.io"
 GATEWAY_VERSION = "v1"
 MERGE = "application/merge-patch+json"
@@ -127,6 +156,7 @@ STRATEGIC = "application/strategic-merge-patch+json"
 SERVING_NS = "{namespace}"
 
 _TOKEN_ID = re.compile(r"^[a-z0-9]{6}$")
+JOIN_ENDPOINT_ENV = "GPUFLEET_JOIN_ENDPOINT"
 
 
 def _rule(verb: str, group: str, resource: str, namespace: str, purpose: str, sub: str = "") -> AccessRule:
@@ -141,11 +171,18 @@ ACCESS: tuple[AccessRule, ...] = (
     _rule("list", "", "nodes", "", "list_nodes"),
     _rule("patch", "", "nodes", "", "labels, annotations, taints, cordon"),
     _rule("delete", "", "nodes", "", "remove_node"),
-    _rule("list", "", "pods", "", "drain: pods on the node (every namespace)"),
+    _rule("list", "", "pods", "", "drain: pods on the node; demand: Pending GPU pods (every namespace)"),
     _rule("create", "", "pods", "", "drain: Eviction API", sub="eviction"),
     _rule("delete", "", "pods", "", "drain --force: delete past the PDB"),
     _rule("create", "", "secrets", TOKEN_NAMESPACE, "join token: bootstrap token Secret"),
     _rule("delete", "", "secrets", TOKEN_NAMESPACE, "join token: revoke"),
+    _rule("get", "", "secrets", TOKEN_NAMESPACE, "CSR approver: which node a token was issued for"),
+    _rule("list", "", "secrets", TOKEN_NAMESPACE, "join token: a retried join reuses its own"),
+    _rule("get", "", "configmaps", "kube-public", "join: API endpoint and CA hash (cluster-info)"),
+    _rule("list", CSR_GROUP, "certificatesigningrequests", "", "CSR approver: pending kubelet CSRs"),
+    _rule("update", CSR_GROUP, "certificatesigningrequests", "", "CSR approver: approve or deny",
+          sub="approval"),
+    _rule("approve", CSR_GROUP, "signers", "", "CSR approver: kubelet client and serving signers"),
     _rule("create", "", "secrets", BOOTSTRAP_NAMESPACE, "join token: bootstrap channel"),
     _rule("get", "", "secrets", BOOTSTRAP_NAMESPACE, "bootstrap channel: fetch, replace"),
     _rule("list", "", "secrets", BOOTSTRAP_NAMESPACE, "join token: revoke (by token id)"),
@@ -170,6 +207,10 @@ ACCESS: tuple[AccessRule, ...] = (
     _rule("get", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights"),
     _rule("create", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights"),
     _rule("update", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights (resourceVersion-checked)"),
+    _rule("get", "gateway.envoyproxy.io", "backendtrafficpolicies", SERVING_NS, "routing: stickiness, retries"),
+    _rule("create", "gateway.envoyproxy.io", "backendtrafficpolicies", SERVING_NS, "routing: stickiness, retries"),
+    _rule("update", "gateway.envoyproxy.io", "backendtrafficpolicies", SERVING_NS,
+          "routing: stickiness, retries (resourceVersion-checked)"),
 )
 
 
@@ -179,6 +220,45 @@ def access_table(namespace: str = "gpufleet") -> list[AccessRule]:
 
 
 # -- connecting ------------------------------------------------------------------------
+def _gpu_count(container: dict[str, Any]) -> int:
+    resources = container.get("resources") or {}
+    # An extended resource may be given as a limit only: the request then equals it.
+    value = (resources.get("requests") or {}).get(GPU_RESOURCE, (resources.get("limits") or {}).get(GPU_RESOURCE, 0))
+    try:
+        return int(parse_quantity(str(value)))
+    except ValueError:
+        return 0
+
+
+def gpu_pod(pod: dict[str, Any]) -> GpuPod:
+    """A Pod object as the demand loop reads it (its effective GPU request: the containers'
+    sum, or an init container's, whichever is larger, as the scheduler counts it)."""
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    gpus = max(sum(_gpu_count(c) for c in spec.get("containers") or []),
+               max((_gpu_count(c) for c in spec.get("initContainers") or []), default=0))
+    conditions = status.get("conditions") or []
+    created = meta.get("creationTimestamp")
+    try:
+        created_at = datetime.fromisoformat(str(created).replace("Z", "+00:00")).timestamp() if created else 0.0
+    except ValueError:
+        created_at = 0.0
+    return GpuPod(
+        namespace=meta.get("namespace", ""), name=meta.get("name", ""), uid=meta.get("uid", ""),
+        node=spec.get("nodeName") or "", phase=status.get("phase") or "Pending", gpus=gpus,
+        labels=meta.get("labels") or {},
+        annotations={k: v for k, v in (meta.get("annotations") or {}).items() if k in DEMAND_ANNOTATIONS},
+        node_selector=spec.get("nodeSelector") or {},
+        tolerations=[Toleration(key=t.get("key") or "", operator=t.get("operator") or "Equal",
+                                value=t.get("value") or "", effect=t.get("effect") or "")
+                     for t in spec.get("tolerations") or []],
+        nominated_node=status.get("nominatedNodeName") or "",
+        unschedulable=any(c.get("type") == "PodScheduled" and c.get("status") == "False"
+                          and c.get("reason") == "Unschedulable" for c in conditions),
+        owner_kinds=[o.get("kind", "") for o in meta.get("ownerReferences") or []],
+        created_at=created_at,
+    )
+
+
 def load_api_client(kubeconfig: str | None = None, context: str | None = None) -> k8s.ApiClient:
     """``kubeconfig`` (and ``context``) if given; else the in-cluster service
     account when running in a pod; else ``$KUBECONFIG`` / ``~/.kube/config``."""
@@ -482,6 +562,7 @@ class KubernetesCluster:
         gateway_namespace: str | None = None,
         bootstrap_namespace: str = BOOTSTRAP_NAMESPACE,
         request_timeout_s: float = 30.0,
+        join_endpoint: str | None = None,
     ) -> None:
         self.api_client = api_client or load_api_client(kubeconfig, context)
         #: (connect, read) timeout of every call, so a hung API server cannot hold an activity forever.
@@ -494,6 +575,9 @@ class KubernetesCluster:
         self.apps = k8s.AppsV1Api(self.api_client)
         self.policy = k8s.PolicyV1Api(self.api_client)
         self.custom = k8s.CustomObjectsApi(self.api_client)
+        self.certificates = k8s.CertificatesV1Api(self.api_client)
+        #: Where machines reach the API server, when not what ``kube-public/cluster-info`` says.
+        self.join_endpoint = join_endpoint if join_endpoint is not None else os.environ.get(JOIN_ENDPOINT_ENV, "")
 
     # -- plumbing -------------------------------------------------------------------------
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -580,7 +664,7 @@ class KubernetesCluster:
                 "expiration": expiration,
                 "usage-bootstrap-authentication": "true",
                 "usage-bootstrap-signing": "true",
-                "auth-extra-groups": JOIN_GROUP,
+                "auth-extra-groups": BOOTSTRAP_GROUP,
             },
         }
         self._do("create bootstrap token", self.core.create_namespaced_secret, TOKEN_NAMESPACE, token)
@@ -657,6 +741,128 @@ class KubernetesCluster:
             self._delete("revoke bootstrap channel", self.core.delete_namespaced_secret,
                          item["metadata"]["name"], self.bootstrap_namespace)
 
+    # -- bootstrap (node-bound tokens, the API endpoint, gpufleet's CSR approver) ----------
+    def issue_bootstrap_token(self, node_name: str, join_key: str, ttl_seconds: int) -> BootstrapToken:
+        if not 0 < ttl_seconds <= MAX_JOIN_TOKEN_TTL_S:
+            raise ValueError(f"join token TTL must be within (0, {MAX_JOIN_TOKEN_TTL_S}] seconds")
+        key = _digest(join_key)
+        found = self._do("list join tokens", self.core.list_namespaced_secret, TOKEN_NAMESPACE,
+                         label_selector=f"{LABEL_JOIN_KEY}={key}")
+        now = time.time()
+        for item in found.get("items", []):
+            token = _bootstrap_token(item)
+            annotations = (item.get("metadata") or {}).get("annotations") or {}
+            # Reused while it has a minute left: the machine created with it may still be booting.
+            if (token is not None and annotations.get(ANNOTATION_JOIN) == join_key and token.node_name == node_name
+                    and token.expires_at.timestamp() > now + 60):
+                return token
+        alphabet = string.ascii_lowercase + string.digits
+        token_id = "".join(secrets.choice(alphabet) for _ in range(6))
+        token_secret = "".join(secrets.choice(alphabet) for _ in range(16))
+        expires_at = datetime.fromtimestamp(int(now) + ttl_seconds, timezone.utc)
+        body = {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {
+                "name": f"bootstrap-token-{token_id}",
+                "namespace": TOKEN_NAMESPACE,
+                "labels": {LABEL_TOKEN_ID: token_id, LABEL_JOIN_KEY: key, "app.kubernetes.io/managed-by": "gpufleet"},
+                "annotations": {ANNOTATION_NODE_NAME: node_name, ANNOTATION_JOIN: join_key},
+            },
+            "type": "bootstrap.kubernetes.io/token",
+            "stringData": {
+                "description": f"gpufleet join of node {node_name}",
+                "token-id": token_id,
+                "token-secret": token_secret,
+                "expiration": expires_at.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "usage-bootstrap-authentication": "true",
+                "usage-bootstrap-signing": "true",
+                "auth-extra-groups": BOOTSTRAP_GROUP,
+            },
+        }
+        self._do("create bootstrap token", self.core.create_namespaced_secret, TOKEN_NAMESPACE, body)
+        return BootstrapToken(token_id=token_id, node_name=node_name, expires_at=expires_at, secret=token_secret)
+
+    def revoke_node_tokens(self, node_name: str) -> list[str]:
+        """Delete every gpufleet join token issued for ``node_name``; the ids deleted."""
+        found = self._do("list join tokens", self.core.list_namespaced_secret, TOKEN_NAMESPACE,
+                         label_selector="app.kubernetes.io/managed-by=gpufleet")
+        gone = []
+        for item in found.get("items", []):
+            meta = item.get("metadata") or {}
+            token_id = (meta.get("labels") or {}).get(LABEL_TOKEN_ID, "")
+            if (meta.get("annotations") or {}).get(ANNOTATION_NODE_NAME) == node_name and _TOKEN_ID.match(token_id):
+                self.revoke_join_token(token_id)
+                gone.append(token_id)
+        return gone
+
+    def bootstrap_endpoint(self) -> tuple[str, str]:
+        """(API server ``host:port`` for ``kubeadm join``, CA hash): kubeadm's own discovery
+        document ``kube-public/cluster-info``; the endpoint may be overridden (``join_endpoint``)."""
+        info = self._get("read cluster-info", self.core.read_namespaced_config_map, "cluster-info", "kube-public")
+        if info is None:
+            raise ClusterInvalid("kube-public/cluster-info is missing: it is what `kubeadm join` discovers the "
+                                 "cluster from (kubeadm init creates it)", code="cluster-info")
+        import yaml
+
+        kubeconfig = yaml.safe_load((info.get("data") or {}).get("kubeconfig") or "") or {}
+        cluster = ((kubeconfig.get("clusters") or [{}])[0] or {}).get("cluster") or {}
+        ca = cluster.get("certificate-authority-data")
+        if not ca:
+            raise ClusterInvalid("cluster-info names no certificate authority", code="cluster-info")
+        endpoint = self.join_endpoint or re.sub(r"^https?://", "", cluster.get("server") or "").rstrip("/")
+        return endpoint, ca_cert_hash(base64.b64decode(ca))
+
+    def review_csrs(self, addresses: Callable[[str], list[str] | None]) -> list[CsrDecision]:
+        """Approve or deny the pending kubelet CSRs that are gpufleet's to judge (see the
+        module doc); ``addresses(node)`` is what the provider reports for that node's machine
+        (None: not a gpufleet node)."""
+        listed = self._do("list CSRs", self.certificates.list_certificate_signing_request)
+        decisions = []
+        tokens: dict[str, str | None] = {}
+        identities = self.list_state(NODE_IDENTITY_KIND)
+        for csr in listed.get("items", []):
+            status = csr.get("status") or {}
+            if any(c.get("type") in ("Approved", "Denied") for c in status.get("conditions") or []):
+                continue
+            decision = csr_decision(csr, lambda token_id: self._token_node(token_id, tokens),
+                                    lambda node: node in identities, addresses)
+            if decision is None:
+                continue
+            self._decide(csr, decision)
+            decisions.append(decision)
+        return decisions
+
+    def _token_node(self, token_id: str, cache: dict[str, str | None]) -> str | None:
+        """The node a gpufleet token was issued for (None: not one of gpufleet's)."""
+        if token_id not in cache:
+            secret = (self._get("read join token", self.core.read_namespaced_secret,
+                                f"bootstrap-token-{token_id}", TOKEN_NAMESPACE) if _TOKEN_ID.match(token_id) else None)
+            meta = (secret or {}).get("metadata") or {}
+            ours = (meta.get("labels") or {}).get("app.kubernetes.io/managed-by") == "gpufleet"
+            cache[token_id] = (meta.get("annotations") or {}).get(ANNOTATION_NODE_NAME) if ours else None
+        return cache[token_id]
+
+    def _decide(self, csr: dict[str, Any], decision: CsrDecision) -> None:
+        name = csr["metadata"]["name"]
+        body = copy.deepcopy(csr)
+        conditions = (body.setdefault("status", {}).get("conditions") or [])
+        conditions.append({"type": "Approved" if decision.approve else "Denied", "status": "True",
+                           "reason": "GpufleetApproved" if decision.approve else "GpufleetDenied",
+                           "message": decision.reason,
+                           "lastUpdateTime": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")})
+        body["status"]["conditions"] = conditions
+        try:
+            self._call(f"decide CSR {name}", self.certificates.replace_certificate_signing_request_approval,
+                       name, body)
+        except ApiException as error:
+            if error.status in (404, 409):
+                return  # gone, or changed meanwhile: judged again on the next review
+            raise _translate(error, f"decide CSR {name}") from error
+
+    def node_identity(self, name: str) -> NodeIdentity | None:
+        return NodeIdentity.from_state(self.read_state(NODE_IDENTITY_KIND, name)) if name else None
+
     # -- nodes ----------------------------------------------------------------------------
     @staticmethod
     def _node(obj: dict[str, Any]) -> Node:
@@ -666,12 +872,17 @@ class KubernetesCluster:
         conditions = status.get("conditions") or []
         gpus = (status.get("allocatable") or {}).get(GPU_RESOURCE, "0")
         created = meta.get("creationTimestamp")
+        del annotations  # the node's kubelet may write them: no identity comes from there
         return Node(
             name=meta["name"],
-            machine_id=annotations.get(ANNOTATION_MACHINE_ID) or labels.get(ANNOTATION_MACHINE_ID)
-            or _machine_from_provider_id(spec.get("providerID", "")),
+            # A gpufleet node's machine comes from its identity record (``_identified``): its
+            # providerID names the machine by the node's name, not by the provider's id.
+            machine_id=_machine_from_provider_id(spec.get("providerID", "")),
             site=labels.get(LABEL_SITE, ""),
             provider=labels.get(LABEL_PROVIDER, ""),
+            provider_id=spec.get("providerID", ""),
+            addresses=[a["address"] for a in status.get("addresses") or []
+                       if a.get("type") in ("InternalIP", "ExternalIP") and a.get("address")],
             labels=labels,
             taints=[format_taint(t["key"], t.get("value"), t["effect"]) for t in spec.get("taints") or []],
             ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions),
@@ -699,12 +910,16 @@ class KubernetesCluster:
 
     def get_node(self, name: str) -> Node | None:
         node = self._get(f"read node {name}", self.core.read_node, name)
-        return self._node(node) if node else None
+        if not node:
+            return None
+        return _identified(self._node(node), self.node_identity(name))
 
     def list_nodes(self, selector: dict[str, str] | None = None) -> list[Node]:
         label_selector = ",".join(f"{k}={v}" for k, v in sorted((selector or {}).items()))
         nodes = self._do("list nodes", self.core.list_node, label_selector=label_selector or None)
-        return sorted((self._node(n) for n in nodes.get("items", [])), key=lambda n: n.name)
+        identities = self.list_state(NODE_IDENTITY_KIND) if nodes.get("items") else {}
+        return sorted((_identified(self._node(n), NodeIdentity.from_state(identities.get(n["metadata"]["name"], {})))
+                       for n in nodes.get("items", [])), key=lambda n: n.name)
 
     def label_node(self, name: str, labels: dict[str, str]) -> Node:
         body = {"metadata": {"labels": dict(labels)}}
@@ -792,6 +1007,16 @@ class KubernetesCluster:
             heartbeat=heartbeat,
         )
 
+    # -- demand ---------------------------------------------------------------------------
+    def list_gpu_pods(self, pending_only: bool = False) -> list[GpuPod]:
+        # The field selectors the scheduler's own "unscheduled pods" view uses: the server
+        # filters, so a cluster of many finished pods costs one small list.
+        selector = ("status.phase=Pending,spec.nodeName=" if pending_only
+                    else "status.phase!=Succeeded,status.phase!=Failed")
+        pods = self._do("list GPU pods", self.core.list_pod_for_all_namespaces, field_selector=selector)
+        found = [gpu_pod(pod) for pod in pods.get("items", [])]
+        return sorted((p for p in found if p.gpus > 0), key=lambda p: p.key)
+
     # -- serving --------------------------------------------------------------------------
     def _read_deployment(self, name: str) -> dict[str, Any] | None:
         return self._get(f"read deployment {name}", self.apps.read_namespaced_deployment, name, self.namespace)
@@ -854,21 +1079,20 @@ class KubernetesCluster:
 
     def _apply_service(self, model: str, site: str) -> None:
         self._apply_service_doc(render_service(model, site, self.namespace))
-        self._apply_service_doc(render_model_service(model, self.namespace))
+        self._apply_service_doc(render_model_service(model, self.namespace), only_own=True)
 
-    def _apply_service_doc(self, desired: dict[str, Any]) -> None:
+    def _apply_service_doc(self, desired: dict[str, Any], only_own: bool = False) -> None:
         name = desired["metadata"]["name"]
-        model = desired["metadata"]["annotations"][ANNOTATION_MODEL]
 
         def attempt() -> None:
             current = self._get(f"read service {name}", self.core.read_namespaced_service, name, self.namespace)
             if current is None:
                 self._write(f"create service {name}", self.core.create_namespaced_service, self.namespace, desired)
                 return
-            if (current["metadata"].get("annotations") or {}).get(ANNOTATION_MODEL, model) != model:
-                # Names are DNS labels of "<model>" and "<model>-<site>": two can meet. Taking
-                # another model's Service over would send its callers to this one.
-                raise ClusterInvalid(f"service {name} belongs to another model; not changed", code="409")
+            if only_own and not _same_service(current, desired):
+                # "<model>" can be another model's "<model>-<site>": the model-wide Service is a
+                # convenience, so it yields rather than take over (and re-route) the other one.
+                return
             if _is_subset(desired["spec"], current.get("spec")) and _is_subset(
                 desired["metadata"]["labels"], current["metadata"].get("labels")
             ):
@@ -947,9 +1171,12 @@ class KubernetesCluster:
         name = serving_name(model, site)
         self._delete(f"delete deployment {name}", self.apps.delete_namespaced_deployment, name, self.namespace)
         self._delete(f"delete service {name}", self.core.delete_namespaced_service, name, self.namespace)
-        if not any(s.model == model for s in self.list_serving()):  # the last site of the model
-            wide = dns_label(model)
-            self._delete(f"delete service {wide}", self.core.delete_namespaced_service, wide, self.namespace)
+        wide = render_model_service(model, self.namespace)
+        name = wide["metadata"]["name"]
+        if not any(s.model == model for s in self.list_serving()):  # the model's last site
+            current = self._get(f"read service {name}", self.core.read_namespaced_service, name, self.namespace)
+            if current is not None and _same_service(current, wide):
+                self._delete(f"delete service {name}", self.core.delete_namespaced_service, name, self.namespace)
 
     # -- routing --------------------------------------------------------------------------
     def set_routing_weights(
@@ -962,7 +1189,34 @@ class KubernetesCluster:
     ) -> RoutingTable:
         sites = routing_sites(weights, healthy, draining, incident)
         self._write_httproute(model, sites)
+        self._write_backend_traffic_policy(model)
         return self._write_routing_table(model, sites)
+
+    def _write_backend_traffic_policy(self, model: str) -> None:
+        """Envoy Gateway's policy on the model's HTTPRoute: sessions stick to their site, and
+        only a request that got no response byte is retried (HTTPRoute alone can say neither)."""
+        # Imported here: the Envoy Gateway renderer builds on this module's HTTPRoute.
+        from providers.envoy_gateway import ENVOY_GROUP, ENVOY_VERSION, render_backend_traffic_policy
+
+        body = render_backend_traffic_policy(model, self.namespace)
+        name = body["metadata"]["name"]
+        args = (ENVOY_GROUP, ENVOY_VERSION, self.namespace, "backendtrafficpolicies")
+
+        def attempt() -> None:
+            current = self._get(f"read backendtrafficpolicy {name}", self.custom.get_namespaced_custom_object,
+                                *args, name)
+            if current is None:
+                self._write(f"create backendtrafficpolicy {name}", self.custom.create_namespaced_custom_object,
+                            *args, body)
+                return
+            if _is_subset(body["spec"], current.get("spec")):
+                return
+            current["spec"] = body["spec"]
+            current.pop("status", None)
+            self._write(f"update backendtrafficpolicy {name}", self.custom.replace_namespaced_custom_object,
+                        *args, name, current)
+
+        self._retry_on_conflict(f"backendtrafficpolicy {name}", attempt)
 
     def _write_httproute(self, model: str, sites: dict[str, SiteRoute]) -> None:
         name = dns_label(model)
@@ -1107,6 +1361,14 @@ class KubernetesCluster:
         return out
 
 
+def _same_service(current: dict[str, Any], desired: dict[str, Any]) -> bool:
+    """``current`` is the Service ``desired`` describes (same model, same selector keys), not
+    another object that happens to carry its name."""
+    meta = current.get("metadata") or {}
+    return ((meta.get("annotations") or {}).get(ANNOTATION_MODEL) == desired["metadata"]["annotations"][ANNOTATION_MODEL]
+            and set(((current.get("spec") or {}).get("selector") or {})) == set(desired["spec"]["selector"]))
+
+
 def _gpus_of(container: dict[str, Any]) -> int:
     resources = container.get("resources") or {}
     value = (resources.get("limits") or {}).get(GPU_RESOURCE) or (resources.get("requests") or {}).get(GPU_RESOURCE)
@@ -1129,9 +1391,34 @@ def _routing_entry(configmap: dict[str, Any] | None, key: str) -> dict[str, Any]
     return entry if isinstance(entry, dict) and isinstance(entry.get("version"), int) else None
 
 
+def _identified(node: Node, identity: NodeIdentity | None) -> Node:
+    """The node with the machine, provider, account and site its join recorded."""
+    if identity is None:
+        return node
+    return node.model_copy(update={"machine_id": identity.machine_id, "provider": identity.provider,
+                                   "account": identity.account, "site": identity.site})
+
+
+def _digest(value: str) -> str:
+    """A label value standing for ``value`` (join ids hold ``/`` and may be long)."""
+    return hashlib.sha256(value.encode()).hexdigest()[:40]
+
+
+def _bootstrap_token(secret: dict[str, Any]) -> BootstrapToken | None:
+    data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+    node_name = ((secret.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_NODE_NAME, "")
+    try:
+        expires_at = datetime.fromisoformat(data["expiration"].replace("Z", "+00:00"))
+        return BootstrapToken(token_id=data["token-id"], node_name=node_name, expires_at=expires_at,
+                              secret=data["token-secret"])
+    except (KeyError, ValueError):
+        return None
+
+
 def _machine_from_provider_id(provider_id: str) -> str:
-    """``aws:///us-east-1a/i-0abc`` → ``i-0abc``; ``hcloud://123`` → ``123`` (best effort)."""
-    if not provider_id:
+    """``aws:///us-east-1a/i-0abc`` → ``i-0abc``; ``hcloud://123`` → ``123`` (best effort).
+    A ``gpufleet://`` providerID names no provider id: the identity record has the machine."""
+    if not provider_id or provider_id.startswith("gpufleet://"):
         return ""
     _scheme, _, rest = provider_id.partition("://")
     parts = [p for p in (rest or provider_id).split("/") if p]

@@ -24,6 +24,8 @@ from typing import Callable, NamedTuple
 
 from fleet.models import Node
 from providers.cluster.base import (
+    CsrDecision,
+    format_taint,
     EvictOutcome,
     NodeNotFound,
     NoPreviousTemplate,
@@ -39,6 +41,10 @@ from providers.cluster.base import (
     serving_name,
 )
 from fleet.cluster import (
+    LABEL_PROVIDER,
+    LABEL_SITE,
+    NODE_IDENTITY_KIND,
+    NodeIdentity,
     MAX_JOIN_TOKEN_TTL_S,
     DrainResult,
     JoinTokenRef,
@@ -48,7 +54,15 @@ from fleet.cluster import (
     ServingStatus,
     SiteRoute,
 )
+from fleet.demand import GpuPod, Toleration, fits
+from providers.cluster.bootstrap import BootstrapToken, kubelet_args, read_join_configuration
 from providers.sim import SimWorld, _utc
+
+
+def _registration_taints(config: dict) -> list[str]:
+    """``nodeRegistration.taints`` as the kubelet registers them."""
+    taints = (config.get("nodeRegistration") or {}).get("taints") or []
+    return [format_taint(t["key"], t.get("value"), t["effect"]) for t in taints if "key" in t and "effect" in t]
 
 CLUSTER_SCHEMA = """
 CREATE TABLE IF NOT EXISTS node_annotations (
@@ -77,6 +91,13 @@ CREATE TABLE IF NOT EXISTS control_state (
 );
 """
 
+#: A pod's spec, as far as the simulated scheduler and the demand loop read it.
+POD_SPEC_COLUMNS = (
+    ("gpus", "INTEGER DEFAULT 0"), ("node_selector", "TEXT DEFAULT '{}'"), ("tolerations", "TEXT DEFAULT '[]'"),
+    ("annotations", "TEXT DEFAULT '{}'"), ("nominated", "TEXT DEFAULT ''"), ("unschedulable", "INTEGER DEFAULT 0"),
+    ("created_at", "REAL DEFAULT 0"),
+)
+
 #: What the Eviction API answers when a PodDisruptionBudget refuses (HTTP 429).
 PDB_REFUSAL = "The disruption budget {pdb} needs {need} healthy pods and has {have} currently"
 
@@ -100,6 +121,11 @@ class SimCluster:
         self.world = world
         with self.world.tx() as db:
             db.executescript(CLUSTER_SCHEMA)
+            # A sim.db made before pods had specs gains the columns (the demand loop's pods).
+            have = {r[1] for r in db.execute("PRAGMA table_info(pods)").fetchall()}
+            for column, kind in POD_SPEC_COLUMNS:
+                if column not in have:
+                    db.execute(f"ALTER TABLE pods ADD COLUMN {column} {kind}")
 
     # -- join tokens ------------------------------------------------------------------
     def create_join_token(self, node_name: str, machine_id: str, ttl_seconds: int) -> JoinTokenRef:
@@ -152,6 +178,85 @@ class SimCluster:
             )
         return self.get_node(name)
 
+    # -- bootstrap through user data -----------------------------------------------------
+    #: What the simulated machines "discover": no real API server stands behind it.
+    SIM_ENDPOINT = "sim.gpufleet.invalid:6443"
+    SIM_CA_HASH = "sha256:" + hashlib.sha256(b"gpufleet simulated cluster CA").hexdigest()
+
+    def issue_bootstrap_token(self, node_name: str, join_key: str, ttl_seconds: int) -> BootstrapToken:
+        if not 0 < ttl_seconds <= MAX_JOIN_TOKEN_TTL_S:
+            raise ValueError(f"join token TTL must be within (0, {MAX_JOIN_TOKEN_TTL_S}] seconds")
+        now = time.time()
+        with self.world.tx() as db:
+            row = db.execute(
+                "SELECT * FROM join_tokens WHERE join_key=? AND node_name=? AND used_at IS NULL AND expires_at>?"
+                " ORDER BY expires_at DESC", (join_key, node_name, now + 60)).fetchone()
+            if row is not None and row["token"]:
+                token_id, _, secret = row["token"].partition(".")
+                return BootstrapToken(token_id=token_id, node_name=node_name, expires_at=_utc(row["expires_at"]),
+                                      secret=secret)
+            alphabet = string.ascii_lowercase + string.digits
+            token_id = "".join(secrets.choice(alphabet) for _ in range(6))
+            secret = "".join(secrets.choice(alphabet) for _ in range(16))
+            expires = float(int(now) + ttl_seconds)
+            # Kept whole, as a bootstrap token Secret keeps it: a retried join re-renders the same user data.
+            db.execute(
+                "INSERT INTO join_tokens(id, secret_sha256, node_name, machine_id, expires_at, join_key, token)"
+                " VALUES (?,?,?,?,?,?,?)", (token_id, _hash(secret), node_name, "", expires, join_key,
+                                            f"{token_id}.{secret}"))
+        return BootstrapToken(token_id=token_id, node_name=node_name, expires_at=_utc(expires), secret=secret)
+
+    def revoke_node_tokens(self, node_name: str) -> list[str]:
+        with self.world.tx() as db:
+            ids = [r[0] for r in db.execute("SELECT id FROM join_tokens WHERE node_name=?", (node_name,))]
+            db.execute("DELETE FROM join_tokens WHERE node_name=?", (node_name,))
+        return ids
+
+    def bootstrap_endpoint(self) -> tuple[str, str]:
+        return self.SIM_ENDPOINT, self.SIM_CA_HASH
+
+    def review_csrs(self, addresses) -> list[CsrDecision]:
+        """The sim has no CSRs: ``register_from_user_data`` binds the token to its node itself."""
+        return []
+
+    def node_identity(self, name: str) -> NodeIdentity | None:
+        return NodeIdentity.from_state(self.read_state(NODE_IDENTITY_KIND, name)) if name else None
+
+    def register_from_user_data(self, machine_id: str, user_data: str, boot_id: str, gpus: int) -> Node:
+        """The machine's side, from nothing but its user data: kubeadm reads the
+        JoinConfiguration, authenticates with the token, gets a certificate only for the
+        node name the token was issued for, and the kubelet registers (or, reinstalled,
+        re-registers) that Node with its providerID. A used or expired token fails."""
+        config = read_join_configuration(user_data)
+        token = ((config.get("discovery") or {}).get("bootstrapToken") or {}).get("token", "")
+        name = (config.get("nodeRegistration") or {}).get("name", "")
+        provider_id = kubelet_args(config).get("provider-id", "")
+        token_id, _, secret = token.partition(".")
+        now = time.time()
+        with self.world.tx() as db:
+            row = db.execute("SELECT * FROM join_tokens WHERE id=?", (token_id,)).fetchone()
+            if row is None or not hmac.compare_digest(row["secret_sha256"], _hash(secret)):
+                raise JoinRejected("unknown join token")
+            if row["used_at"] is not None:
+                raise JoinRejected("join token already used")
+            if row["expires_at"] < now:
+                raise JoinRejected("join token expired")
+            if row["node_name"] != name:
+                raise JoinRejected(f"certificate for node {name} denied: the token was issued for {row['node_name']}")
+            db.execute("UPDATE join_tokens SET used_at=? WHERE id=?", (now, token_id))
+            if db.execute("SELECT 1 FROM nodes WHERE name=?", (name,)).fetchone():
+                # The Node is still there (a reinstall): the kubelet takes it over, keeping labels and taints.
+                db.execute("UPDATE nodes SET machine_id=?, ready=1, boot_id=?, gpus=?, provider_id=? WHERE name=?",
+                           (machine_id, boot_id, gpus, provider_id, name))
+            else:
+                db.execute(
+                    "INSERT INTO nodes(name, machine_id, labels, taints, unschedulable, ready, boot_id, gpus,"
+                    " registered_at, provider_id) VALUES (?,?,?,?,0,1,?,?,?,?)",
+                    (name, machine_id, json.dumps({"kubernetes.io/hostname": name}),
+                     json.dumps(_registration_taints(config)), boot_id, gpus, now, provider_id),
+                )
+        return self.get_node(name)
+
     def set_node_status(self, name: str, *, ready: bool, boot_id: str | None = None) -> None:
         """Kubelet's heartbeat, simulated."""
         with self.world.tx() as db:
@@ -185,18 +290,24 @@ class SimCluster:
         return {r["key"]: json.loads(r["data"]) for r in rows}
 
     # -- nodes ------------------------------------------------------------------------
-    def _node(self, row) -> Node:
+    def _node(self, row, identity: NodeIdentity | None = None) -> Node:
         labels = json.loads(row["labels"])
-        return Node(
+        node = Node(
             name=row["name"], machine_id=row["machine_id"], labels=labels, taints=json.loads(row["taints"]),
             ready=bool(row["ready"]), unschedulable=bool(row["unschedulable"]), boot_id=row["boot_id"] or "",
             gpus_allocatable=row["gpus"] or 0, registered_at=_utc(row["registered_at"]),
-            site=labels.get("gpufleet.io/site", ""), provider=labels.get("gpufleet.io/provider", ""),
+            site=labels.get(LABEL_SITE, ""), provider=labels.get(LABEL_PROVIDER, ""),
+            provider_id=row["provider_id"] or "",
         )
+        if identity is None:
+            return node
+        # What the join recorded, not what the node says of itself.
+        return node.model_copy(update={"machine_id": identity.machine_id, "provider": identity.provider,
+                                       "account": identity.account, "site": identity.site})
 
     def get_node(self, name: str) -> Node | None:
         rows = self.world.query("SELECT * FROM nodes WHERE name=?", name)
-        return self._node(rows[0]) if rows else None
+        return self._node(rows[0], self.node_identity(name)) if rows else None
 
     def kubelet_view(self) -> dict[str, KubeletView]:
         """machine id → what each node's kubelet knows of itself (cheaper than list_nodes)."""
@@ -204,7 +315,9 @@ class SimCluster:
         return {r["machine_id"]: KubeletView(r["name"], bool(r["ready"]), r["boot_id"] or "") for r in rows}
 
     def list_nodes(self, selector: dict[str, str] | None = None) -> list[Node]:
-        nodes = [self._node(r) for r in self.world.query("SELECT * FROM nodes ORDER BY name")]
+        identities = self.list_state(NODE_IDENTITY_KIND)
+        nodes = [self._node(r, NodeIdentity.from_state(identities.get(r["name"], {})))
+                 for r in self.world.query("SELECT * FROM nodes ORDER BY name")]
         if selector:
             nodes = [n for n in nodes if all(n.labels.get(k) == v for k, v in selector.items())]
         return nodes
@@ -270,6 +383,70 @@ class SimCluster:
                 " VALUES (?,?,?,?,?,?,?)",
                 (namespace, name, node, json.dumps(labels or {}), owner_kind, int(mirror), phase),
             )
+
+    def create_pod(self, pod: GpuPod) -> GpuPod:
+        """Test/CLI knob: a pod with GPU requests, node selector and tolerations; Pending
+        unless ``pod.node`` binds it. The scheduler (``schedule``) places it."""
+        with self.world.tx() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO pods(namespace, name, node, labels, owner_kind, mirror, phase, gpus,"
+                " node_selector, tolerations, annotations, nominated, unschedulable, created_at)"
+                " VALUES (?,?,?,?,?,0,?,?,?,?,?,?,0,?)",
+                (pod.namespace, pod.name, pod.node or None, json.dumps(pod.labels),
+                 pod.owner_kinds[0] if pod.owner_kinds else "ReplicaSet", pod.phase if pod.node else "Pending",
+                 pod.gpus, json.dumps(pod.node_selector), json.dumps([t.model_dump() for t in pod.tolerations]),
+                 json.dumps(pod.annotations), pod.nominated_node, pod.created_at or time.time()),
+            )
+        return pod
+
+    def _gpu_pod(self, row) -> GpuPod:
+        return GpuPod(
+            namespace=row["namespace"], name=row["name"], uid=f"{row['namespace']}/{row['name']}",
+            node=row["node"] or "", phase=row["phase"], gpus=row["gpus"] or 0, labels=json.loads(row["labels"] or "{}"),
+            annotations=json.loads(row["annotations"] or "{}"), node_selector=json.loads(row["node_selector"] or "{}"),
+            tolerations=[Toleration(**t) for t in json.loads(row["tolerations"] or "[]")],
+            nominated_node=row["nominated"] or "", unschedulable=bool(row["unschedulable"]),
+            owner_kinds=[row["owner_kind"]] if row["owner_kind"] else [], created_at=row["created_at"] or 0.0,
+        )
+
+    def schedule(self) -> list[tuple[str, str]]:
+        """The simulated kube-scheduler, one pass: each Pending pod (oldest first) is bound to
+        the first ready, schedulable node whose labels match its node selector, whose
+        NoSchedule/NoExecute taints it tolerates and that has its GPUs free (its nominated
+        node first); one that fits nowhere is marked unschedulable. Pods bound to a node that
+        is gone are deleted (the pod garbage collector). Returns (pod, node) bindings."""
+        bound: list[tuple[str, str]] = []
+        with self.world.tx() as db:
+            nodes = [self._node(r) for r in db.execute("SELECT * FROM nodes ORDER BY name").fetchall()]
+            names = {n.name for n in nodes}
+            rows = db.execute("SELECT * FROM pods ORDER BY created_at, namespace, name").fetchall()
+            used: dict[str, int] = {}
+            for row in rows:
+                if row["node"] and row["node"] not in names:
+                    db.execute("DELETE FROM pods WHERE namespace=? AND name=?", (row["namespace"], row["name"]))
+                elif row["node"] and row["phase"] not in ("Succeeded", "Failed"):
+                    used[row["node"]] = used.get(row["node"], 0) + (row["gpus"] or 0)
+            for row in rows:
+                if row["node"] or row["phase"] != "Pending":
+                    continue
+                pod = self._gpu_pod(row)
+                order = sorted(nodes, key=lambda n: n.name != pod.nominated_node)
+                target = next((n for n in order if n.ready and not n.unschedulable
+                               and fits(pod, n.labels, n.taints, n.gpus_allocatable - used.get(n.name, 0))), None)
+                if target is None:
+                    db.execute("UPDATE pods SET unschedulable=1 WHERE namespace=? AND name=?",
+                               (pod.namespace, pod.name))
+                    continue
+                used[target.name] = used.get(target.name, 0) + pod.gpus
+                db.execute("UPDATE pods SET node=?, phase='Running', unschedulable=0, nominated='' "
+                           "WHERE namespace=? AND name=?", (target.name, pod.namespace, pod.name))
+                bound.append((pod.key, target.name))
+        return bound
+
+    def list_gpu_pods(self, pending_only: bool = False) -> list[GpuPod]:
+        self.schedule()
+        sql = "SELECT * FROM pods WHERE gpus > 0" + (" AND phase='Pending' AND node IS NULL" if pending_only else "")
+        return [self._gpu_pod(r) for r in self.world.query(sql + " ORDER BY namespace, name")]
 
     def delete_pod(self, namespace: str, name: str) -> bool:
         with self.world.tx() as db:

@@ -50,6 +50,7 @@ from urllib.parse import parse_qs, urlparse
 from fleet.models import Node
 from providers.cluster.base import format_taint, serving_capacity
 from fleet.cluster import GPU_RESOURCE, LABEL_SITE
+from tests.cluster.fake_auth import ADMIN, FakeAuth, Forbidden, Unauthorized
 
 #: (group, resource) → (version, kind, namespaced)
 RESOURCES: dict[tuple[str, str], tuple[str, str, bool]] = {
@@ -62,6 +63,8 @@ RESOURCES: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("apps", "deployments"): ("v1", "Deployment", True),
     ("policy", "poddisruptionbudgets"): ("v1", "PodDisruptionBudget", True),
     ("gateway.networking.k8s.io", "httproutes"): ("v1", "HTTPRoute", True),
+    ("gateway.envoyproxy.io", "backendtrafficpolicies"): ("v1alpha1", "BackendTrafficPolicy", True),
+    ("certificates.k8s.io", "certificatesigningrequests"): ("v1", "CertificateSigningRequest", False),
 }
 WITH_GENERATION = {("apps", "deployments"), ("gateway.networking.k8s.io", "httproutes"),
                    ("policy", "poddisruptionbudgets")}
@@ -256,6 +259,46 @@ def _comparable(obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+# -- watches ------------------------------------------------------------------------------
+class Watch:
+    """One watch request: ADDED/MODIFIED/DELETED events of the matching objects changed
+    after ``resourceVersion`` (all of them, as ADDED, when it is 0 or absent), until
+    ``timeoutSeconds`` (at most 60)."""
+
+    def __init__(self, group: str, resource: str, namespace: str, query: dict[str, str]) -> None:
+        self.group, self.resource, self.namespace = group, resource, namespace
+        self.labels, self.fields = query.get("labelSelector", ""), query.get("fieldSelector", "")
+        self.since = int(query.get("resourceVersion") or 0)
+        self.timeout = min(float(query.get("timeoutSeconds") or 30), 60.0)
+
+    def _matching(self, fake: "FakeKube") -> dict[tuple, dict[str, Any]]:
+        with fake.lock:
+            fake._reap()
+            return {key: fake._render(self.group, self.resource, obj) for key, obj in fake.store.items()
+                    if key[0] == self.group and key[1] == self.resource
+                    and (not self.namespace or key[2] == self.namespace)
+                    and (not self.labels or label_selector_matches(self.labels, obj["metadata"].get("labels") or {}))
+                    and (not self.fields or field_selector_matches(self.fields, self.resource, obj))}
+
+    def events(self, fake: "FakeKube"):
+        deadline = time.monotonic() + self.timeout
+        seen: dict[tuple, dict[str, Any]] = {}
+        while True:
+            current = self._matching(fake)
+            for key, obj in current.items():
+                version = int(obj["metadata"]["resourceVersion"])
+                if key not in seen and version > self.since:
+                    yield {"type": "ADDED", "object": obj}
+                elif key in seen and seen[key]["metadata"]["resourceVersion"] != obj["metadata"]["resourceVersion"]:
+                    yield {"type": "MODIFIED", "object": obj}
+            for key in seen.keys() - current.keys():
+                yield {"type": "DELETED", "object": seen[key]}
+            seen = current
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+
 # -- the store ---------------------------------------------------------------------------
 class FakeKube:
     def __init__(self) -> None:
@@ -275,6 +318,11 @@ class FakeKube:
         self._spec_changed_at: dict[tuple[str, str], float] = {}
         self._remove_at: dict[tuple[str, str, str, str], float] = {}
         self.server: ThreadingHTTPServer | None = None
+        #: ``enable_bootstrap``: authentication, RBAC for non-admins, CSR controllers, NodeRestriction.
+        self.auth: FakeAuth | None = None
+        self._caller: tuple[str, list[str]] = ADMIN
+        #: (user, verb, group, resource, subresource, namespace, name) of every non-admin request.
+        self.others: list[tuple[str, str, str, str, str, str, str]] = []
         self.thread: threading.Thread | None = None
 
     # -- lifecycle --------------------------------------------------------------------
@@ -296,13 +344,30 @@ class FakeKube:
             def _serve(self) -> None:
                 length = int(self.headers.get("Content-Length") or 0)
                 raw = self.rfile.read(length) if length else b""
-                code, body = fake.handle(self.command, self.path, self.headers.get("Content-Type", ""), raw)
+                code, body = fake.handle(self.command, self.path, self.headers.get("Content-Type", ""), raw,
+                                         self.headers.get("Authorization", ""))
+                if isinstance(body, Watch):
+                    self._stream(body)
+                    return
                 data = json.dumps(body).encode()
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _stream(self, watch: "Watch") -> None:
+                """A watch: one JSON event a line, chunked, until its timeout."""
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Transfer-Encoding", "chunked")
+                self.end_headers()
+                for event in watch.events(fake):
+                    line = json.dumps(event).encode() + b"\n"
+                    self.wfile.write(f"{len(line):x}\r\n".encode() + line + b"\r\n")
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+                self.close_connection = True
 
             do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _serve
 
@@ -416,9 +481,41 @@ class FakeKube:
         }
         return self.put("", "pods", pod)
 
+    def add_pending_pod(self, name: str, gpus: int, namespace: str = "default",
+                        node_selector: dict[str, str] | None = None, tolerations: list[dict] | None = None,
+                        labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None,
+                        nominated_node: str = "", limits_only: bool = False) -> dict[str, Any]:
+        """A pod the scheduler could not place: Pending, no node, ``PodScheduled=False``
+        (reason ``Unschedulable``), as a real scheduler leaves it; ``nominated_node`` sets
+        ``status.nominatedNodeName`` (a preemption in progress)."""
+        resources = {"limits": {GPU_RESOURCE: str(gpus)}} if limits_only else \
+            {"requests": {GPU_RESOURCE: str(gpus)}, "limits": {GPU_RESOURCE: str(gpus)}}
+        status: dict[str, Any] = {"phase": "Pending", "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": f"0/1 nodes are available: 1 Insufficient {GPU_RESOURCE}."}]}
+        if nominated_node:
+            status["nominatedNodeName"] = nominated_node
+        pod = {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": namespace, "labels": labels or {},
+                         "annotations": annotations or {}, "creationTimestamp": _now()},
+            "spec": {"containers": [{"name": "server", "image": "vllm", "resources": resources}],
+                     "nodeSelector": node_selector or {}, "tolerations": tolerations or []},
+            "status": status,
+        }
+        return self.put("", "pods", pod)
+
     def delete_pod(self, namespace: str, name: str) -> None:
         with self.lock:
             self.store.pop(("", "pods", namespace, name), None)
+
+    # -- pod readiness (the Konnectivity check, issue 17) ----------------------------------
+    def set_pod_ready(self, namespace: str, name: str, ready: bool = True) -> None:
+        """The Ready condition the kubelet reports (``add_pod`` makes pods without conditions)."""
+        with self.lock:
+            pod = self.store[("", "pods", namespace, name)]
+            pod["status"]["conditions"] = [{"type": "Ready", "status": "True" if ready else "False"}]
+            pod["metadata"]["resourceVersion"] = self._next_rv()
 
     def set_pdb(self, namespace: str, name: str, selector: dict[str, str], min_available: int | None = None,
                 max_unavailable: int | None = None) -> dict[str, Any]:
@@ -464,7 +561,8 @@ class FakeKube:
                 raise ApiError(fault["code"], fault["reason"], fault["message"])
 
     # -- request handling ------------------------------------------------------------------
-    def handle(self, method: str, raw_path: str, content_type: str, raw: bytes) -> tuple[int, dict[str, Any]]:
+    def handle(self, method: str, raw_path: str, content_type: str, raw: bytes,
+               authorization: str = "") -> tuple[int, dict[str, Any]]:
         if self.response_delay_s:
             time.sleep(self.response_delay_s)
         url = urlparse(raw_path)
@@ -476,7 +574,13 @@ class FakeKube:
         with self.lock:
             self._reap()
             try:
+                self._caller = self.auth.authenticate(authorization) if self.auth else ADMIN
+            except Unauthorized:
+                return 401, ApiError(401, "Unauthorized", "Unauthorized").status()
+            try:
                 return self._dispatch(method, url.path, query, content_type.split(";")[0].strip(), body)
+            except Forbidden as error:
+                return 403, ApiError(403, "Forbidden", str(error)).status()
             except ApiError as error:
                 return error.code, error.status()
             except Exception as error:  # noqa: BLE001 - a bug here must show up as such in the test
@@ -504,18 +608,35 @@ class FakeKube:
         if group == "authorization.k8s.io" and resource == "selfsubjectaccessreviews" and method == "POST":
             self.requests.append(("create", group, resource, "", ""))
             return 201, self._access_review(body or {})
-        self.requests.append((verb, group, resource, sub, namespace))
-        if method != "GET":
-            self.writes.append((method, path))
+        user, groups = self._caller
+        if self._caller is ADMIN:
+            self.requests.append((verb, group, resource, sub, namespace))
+            if method != "GET":
+                self.writes.append((method, path))
+        else:  # a kubelet, a bootstrap token: not the adapter
+            self.others.append((user, verb, group, resource, sub, namespace, name))
         self._injected(verb, group, resource)
         if (group, resource) not in RESOURCES:
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
+        if self.auth:
+            self.auth.authorize(user, groups, verb, group, resource, sub, namespace, name)
         if verb == "watch":
-            raise ApiError(400, "BadRequest", "watch is not supported by the fake API server")
+            return 200, Watch(group, resource, namespace, query)
         if sub:
             if (group, resource, sub, method) == ("", "pods", "eviction", "POST"):
                 return self._evict(namespace, name, body or {})
+            if (group, resource, sub, method) == ("certificates.k8s.io", "certificatesigningrequests", "approval", "PUT"):
+                return 200, self._approval(name, body or {})
             raise ApiError(404, "NotFound", f"the server could not find the requested resource ({path})")
+        if self.auth and resource == "nodes" and method in ("POST", "PUT", "PATCH"):
+            return self._admitted_node_write(method, name, query, ctype, body, user, groups)
+        if self.auth and resource == "certificatesigningrequests" and method == "POST":
+            self.auth.on_create_csr(user, groups, body or {})
+            created = self._create(group, resource, namespace, body or {})
+            stored = self.store[self._key(group, resource, "", created["metadata"]["name"])]
+            if self.auth.controllers(stored):
+                stored["metadata"]["resourceVersion"] = self._next_rv()
+            return 201, self._render(group, resource, stored)
         if method == "GET":
             return (200, self._read(group, resource, namespace, name)) if name else (
                 200, self._list(group, resource, namespace, query))
@@ -528,6 +649,54 @@ class FakeKube:
         if method == "DELETE" and name:
             return 200, self._delete(group, resource, namespace, name, body or {})
         raise ApiError(405, "MethodNotAllowed", f"{method} is not supported here")
+
+    # -- joining: auth, CSRs, NodeRestriction (tests/cluster/fake_auth.py) -----------------
+    def enable_bootstrap(self) -> "FakeKube":
+        """Authentication, RBAC for bootstrap tokens and nodes, the CSR controllers and
+        NodeRestriction, and kubeadm's ``kube-public/cluster-info`` with this server's CA."""
+        with self.lock:
+            self.auth = FakeAuth(self)
+            if ("", "configmaps", "kube-public", "cluster-info") not in self.store:
+                self._create("", "configmaps", "kube-public", self.auth.cluster_info(self.url))
+        return self
+
+    def _admitted_node_write(self, method: str, name: str, query: dict[str, str], ctype: str, body: Any,
+                             user: str, groups: list[str]) -> tuple[int, dict[str, Any]]:
+        key = ("", "nodes", "", name or ((body or {}).get("metadata") or {}).get("name", ""))
+        old = copy.deepcopy(self.store.get(key))
+        if method == "POST":
+            code, result = 201, self._create("", "nodes", "", body or {})
+        elif method == "PUT":
+            code, result = 200, self._update("", "nodes", "", name, body or {})
+        else:
+            code, result = 200, self._patch("", "nodes", "", name, ctype, body)
+        try:
+            self.auth.admit_node(user, groups, old, self.store[key])
+        except Forbidden:
+            if old is None:
+                self.store.pop(key, None)
+            else:
+                self.store[key] = old
+            raise
+        return code, result
+
+    def _approval(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The approval subresource: only the Approved/Denied conditions change; they are final."""
+        stored = self._stored("certificates.k8s.io", "certificatesigningrequests", "", name)
+        sent = (body.get("metadata") or {}).get("resourceVersion")
+        if sent and sent != stored["metadata"]["resourceVersion"]:
+            raise _conflict("certificates.k8s.io", "certificatesigningrequests", name)
+        wanted = [c for c in (body.get("status") or {}).get("conditions") or []]
+        types = {c.get("type") for c in wanted}
+        if {"Approved", "Denied"} <= types or not types <= {"Approved", "Denied", "Failed"}:
+            raise ApiError(422, "Invalid", "status.conditions: Approved and Denied conditions are mutually exclusive")
+        had = {c.get("type") for c in (stored.get("status") or {}).get("conditions") or []}
+        if had & {"Approved", "Denied"} and not had >= types:
+            raise ApiError(422, "Invalid", "status.conditions: a CSR's approval or denial cannot be changed")
+        stored.setdefault("status", {})["conditions"] = copy.deepcopy(wanted)
+        self.auth.controllers(stored) if self.auth else None
+        stored["metadata"]["resourceVersion"] = self._next_rv()
+        return self._render("certificates.k8s.io", "certificatesigningrequests", stored)
 
     # -- verbs ------------------------------------------------------------------------------
     def _key(self, group: str, resource: str, namespace: str, name: str) -> tuple[str, str, str, str]:
@@ -649,6 +818,10 @@ class FakeKube:
         elif resource in ("deployments", "httproutes"):
             new.pop("status", None)
         self._validate(group, resource, new)
+        was = (old.get("spec") or {}).get("providerID") if resource == "nodes" else None
+        if was and (new.get("spec") or {}).get("providerID") != was:
+            raise ApiError(422, "Invalid", 'spec.providerID: Forbidden: node updates may not change providerID '
+                           'except from "" to valid')
         meta["resourceVersion"] = old_meta["resourceVersion"]
         if _comparable(new) == _comparable(old):
             return self._render(group, resource, old)
@@ -672,7 +845,7 @@ class FakeKube:
         if ctype == "application/merge-patch+json":
             new = merge_patch(old, body)
         elif ctype == "application/strategic-merge-patch+json":
-            if group == "gateway.networking.k8s.io":
+            if group in ("gateway.networking.k8s.io", "gateway.envoyproxy.io"):
                 raise ApiError(415, "UnsupportedMediaType", "strategic merge patch is not supported for "
                                "custom resources")
             new = strategic_merge_patch(old, body)

@@ -17,7 +17,7 @@ def test_every_permission_is_asked_and_granted(fake):
     assert all(row.allowed for row in rows)
     asked = [r for r in fake.requests if r[2] == "selfsubjectaccessreviews"]
     assert len(asked) == len(ACCESS)
-    assert {r.namespace for r in rows} == {"", "kube-system", "gpufleet-bootstrap", "gpufleet"}
+    assert {r.namespace for r in rows} == {"", "kube-system", "kube-public", "gpufleet-bootstrap", "gpufleet"}
 
 
 def test_a_missing_verb_is_reported(fake):
@@ -28,6 +28,9 @@ def test_a_missing_verb_is_reported(fake):
 
 
 def test_cli_check_passes(fake, tmp_path):
+    # A cluster with its Konnectivity tunnels up (tests/cluster/test_network.py covers them).
+    fake.add_pod("cp-1", "konnectivity-server-cp-1", "kube-system", owner_kind="", mirror=True)
+    fake.set_pod_ready("kube-system", "konnectivity-server-cp-1")
     result = runner.invoke(cluster_app, ["check", "--kubeconfig", fake.kubeconfig(tmp_path / "kubeconfig")])
     assert result.exit_code == 0, result.output
     assert f"all {len(ACCESS)} permissions granted" in result.output
@@ -36,7 +39,8 @@ def test_cli_check_passes(fake, tmp_path):
 def test_cli_check_names_the_missing_verb_and_exits_1(fake, tmp_path):
     fake.deny("update", "httproutes", group="gateway.networking.k8s.io", namespace="gpufleet")
     result = runner.invoke(
-        cluster_app, ["check", "--kubeconfig", fake.kubeconfig(tmp_path / "kubeconfig")], env={"COLUMNS": "200"}
+        cluster_app, ["check", "--kubeconfig", fake.kubeconfig(tmp_path / "kubeconfig"), "--no-tunnels"],
+        env={"COLUMNS": "200"},
     )
     assert result.exit_code == 1, result.output
     missing_lines = [line for line in result.output.splitlines() if "MISSING" in line]
@@ -48,8 +52,9 @@ def test_cli_check_names_the_missing_verb_and_exits_1(fake, tmp_path):
 def test_cli_check_other_namespace(fake, tmp_path):
     fake.deny("get", "configmaps", namespace="serving")
     kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig")
-    assert runner.invoke(cluster_app, ["check", "--kubeconfig", kubeconfig]).exit_code == 0
-    assert runner.invoke(cluster_app, ["check", "--kubeconfig", kubeconfig, "-n", "serving"]).exit_code == 1
+    assert runner.invoke(cluster_app, ["check", "--kubeconfig", kubeconfig, "--no-tunnels"]).exit_code == 0
+    assert runner.invoke(cluster_app, ["check", "--kubeconfig", kubeconfig, "--no-tunnels",
+                                       "-n", "serving"]).exit_code == 1
 
 
 def test_cli_check_unreachable_exits_2(fake, tmp_path):

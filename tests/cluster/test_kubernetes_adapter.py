@@ -164,9 +164,23 @@ def test_machine_id_from_provider_id(provider_id, machine):
     assert _machine_from_provider_id(provider_id) == machine
 
 
-def test_machine_id_annotation_wins_over_provider_id(kube, fake):
+def test_a_node_written_machine_id_annotation_is_ignored(kube, fake):
+    """The kubelet may write its Node's annotations: no machine id comes from there."""
     fake.add_node("gpu-1", machine_id="m-annotated", provider_id="aws:///us-east-1a/i-0abc")
-    assert kube.get_node("gpu-1").machine_id == "m-annotated"
+    assert kube.get_node("gpu-1").machine_id == "i-0abc"
+
+
+def test_the_identity_record_names_the_machine(kube, fake):
+    from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
+
+    provider_id = gpufleet_provider_id("aws", "acct-1", "gpu-1")
+    fake.add_node("gpu-1", {"gpufleet.io/site": "elsewhere"}, machine_id="someone-elses", provider_id=provider_id)
+    assert kube.get_node("gpu-1").machine_id == "", "a gpufleet providerID names no provider id"
+    identity = NodeIdentity(node_name="gpu-1", machine_id="i-0real", provider="aws", account="acct-1",
+                            site="aws-use1", provider_id=provider_id)
+    kube.update_state(NODE_IDENTITY_KIND, "gpu-1", lambda _old: identity.state())
+    for node in (kube.get_node("gpu-1"), kube.list_nodes()[0]):
+        assert (node.machine_id, node.site, node.provider, node.account) == ("i-0real", "aws-use1", "aws", "acct-1")
 
 
 # -- drain ------------------------------------------------------------------------------------
@@ -295,6 +309,27 @@ def test_routing_update_is_one_write_per_object_and_repeats_write_nothing(kube, 
     route = fake.get(GW, "httproutes", "gpufleet", "llama-3-8b")
     assert [r["weight"] for r in route["spec"]["rules"][0]["backendRefs"]] == [50, 50]
     assert route["metadata"]["generation"] == 2
+
+
+def test_routing_applies_the_envoy_gateway_policy_with_the_route(kube, fake):
+    """Stickiness and retry-before-response live in Envoy Gateway's BackendTrafficPolicy,
+    attached to the model's HTTPRoute, written with it; repeats write nothing; drift is undone."""
+    envoy = "gateway.envoyproxy.io"
+    kube.set_routing_weights("llama-3-8b", {"site-a": 80, "site-b": 20})
+    policy = fake.get(envoy, "backendtrafficpolicies", "gpufleet", "llama-3-8b")
+    assert policy["spec"]["targetRefs"] == [{"group": GW, "kind": "HTTPRoute", "name": "llama-3-8b"}]
+    assert policy["spec"]["loadBalancer"]["consistentHash"] == {"type": "Header", "header": {"name": "x-session-id"}}
+    assert policy["spec"]["retry"]["retryOn"]["triggers"] == ["connect-failure", "refused-stream"]
+    kube.set_routing_weights("llama-3-8b", {"site-a": 50, "site-b": 50})
+    assert _writes(fake, "/backendtrafficpolicies") == ["POST"], "the policy does not change with the weights"
+
+    edited = fake.get(envoy, "backendtrafficpolicies", "gpufleet", "llama-3-8b")
+    edited["spec"]["retry"]["retryOn"]["triggers"] = ["5xx"]  # would replay a streamed answer
+    fake.store[(envoy, "backendtrafficpolicies", "gpufleet", "llama-3-8b")]["spec"] = edited["spec"]
+    kube.set_routing_weights("llama-3-8b", {"site-a": 40, "site-b": 60})
+    assert _writes(fake, "/backendtrafficpolicies") == ["POST", "PUT"]
+    policy = fake.get(envoy, "backendtrafficpolicies", "gpufleet", "llama-3-8b")
+    assert policy["spec"]["retry"]["retryOn"]["triggers"] == ["connect-failure", "refused-stream"]
 
 
 def test_routing_table_write_retries_on_conflict(kube, fake):

@@ -35,7 +35,8 @@ def _granted(docs: list[dict], purpose: str) -> set[tuple[str, str, str, str, st
             continue
         namespace = doc["metadata"].get("namespace", "") if doc["kind"] == "Role" else ""
         for rule in doc["rules"]:
-            assert "resourceNames" not in rule
+            # Only signers are named: approving is limited to the kubelet signers.
+            assert "resourceNames" not in rule or rule["resources"] == ["signers"]
             for group in rule["apiGroups"]:
                 for resource in rule["resources"]:
                     base, _, sub = resource.partition("/")
@@ -86,7 +87,7 @@ def test_node_agent_daemonset_runs_on_gpu_nodes_including_unproven():
     assert pod["serviceAccountName"] == "gpufleet-node-agent"
     terms = pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
     keys = {e["key"] for t in terms for e in t["matchExpressions"]}
-    assert keys == {"nvidia.com/gpu.present", "gpufleet.io/site"}
+    assert keys == {"nvidia.com/gpu.present", "node-restriction.kubernetes.io/gpufleet-site"}
     assert {"key": "gpufleet.io/unproven", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     (container,) = pod["containers"]
     assert container["image"] == "gpufleet-node-agent:latest"

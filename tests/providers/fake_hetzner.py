@@ -146,6 +146,8 @@ class FakeHetzner:
         self.token = token
         self.server_types = {t["name"]: t for t in server_types}
         self.servers: dict[int, dict[str, Any]] = {}
+        #: server id → the user data it was created with (what its metadata service serves).
+        self.user_data: dict[int, str | None] = {}
         self.actions: dict[int, dict[str, Any]] = {}
         self.requests: list[tuple[str, str]] = []
         self.resets: dict[int, int] = {}
@@ -281,6 +283,7 @@ class FakeHetzner:
             return _error(409, "uniqueness_error", "server name is already used", {"fields": [{"name": "name"}]})
         server = self._new_server(body, stype, location, image)
         self.servers[server["id"]] = server
+        self.user_data[server["id"]] = body.get("user_data")
         action = self._action("create_server", server["id"])
         answer = self._public(server)
         answer["status"] = "initializing"

@@ -155,6 +155,8 @@ class FakeLambdaCloud:
     def reset(self) -> None:
         with self._lock:
             self.instances: dict[str, dict[str, Any]] = {}
+            #: instance id → the user data it was launched with (never in an instance's answer).
+            self.user_data: dict[str, str | None] = {}
             self.instance_types = json.loads(json.dumps(DEFAULT_INSTANCE_TYPES))
             self.faults: list[tuple[str, str]] = []
             self.requests: list[tuple[str, str, Any]] = []
@@ -277,6 +279,7 @@ class FakeLambdaCloud:
             "is_reserved": False,
         }
         self._ready_at[instance_id] = now + self.boot_seconds
+        self.user_data[instance_id] = body.get("user_data")
         return self._json(200, {"data": {"instance_ids": [instance_id]}})
 
     def _operate(self, body: dict[str, Any], status: str, key: str) -> tuple[int, bytes, dict[str, str]]:

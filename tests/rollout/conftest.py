@@ -23,7 +23,7 @@ from fleet.config import ObjectStore
 from fleet.models import CredentialsRef
 from fleet.cluster import LABEL_SITE, ServingSpec
 from providers.serving_probe import SimProbe
-from tests.conftest import Stack, make_settings
+from tests.conftest import Stack, make_settings, terminate_running
 from workers.control_plane import build_worker
 
 MODEL = "llm"
@@ -172,3 +172,5 @@ async def rollout_stack(temporal_env, tmp_path: Path, moto_s3: MotoS3) -> AsyncI
                          source=source, stores=stores, files=files)
     async with build_worker(temporal_env.client, settings):
         yield stack
+        # The model's Routing entity (told by each site's switch) never ends by itself.
+        await terminate_running(temporal_env.client, settings.task_queue)

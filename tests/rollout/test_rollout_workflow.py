@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
+from fleet.cluster import ServingSpec, SiteRoute
 from fleet.rollout import RolloutProgress, RolloutResult
+from providers.cluster.kubernetes import render_pod_template
 from tests.conftest import wait_for
 from tests.rollout.conftest import MODEL, RolloutStack
 
@@ -77,6 +80,31 @@ async def test_rollout_happy_path(rollout_stack: RolloutStack) -> None:
     p = await progress(handle)
     assert states(p) == {"site-a": "done", "site-b": "done"}
 
+    # Each site's pods pull the verified weights from that site's own store: the spec carries
+    # the store (its credentials only as a reference), the version's prefix and the manifest.
+    specs = {i["spec"]["site"]: ServingSpec.model_validate(i["spec"]) for i in await inputs(handle, "update_serving")}
+    for site, spec in specs.items():
+        store = stack.stores[site]
+        assert spec.weights is not None and spec.weights.store.bucket == store.bucket
+        assert spec.weights.prefix == "models/llm/v2/" and spec.weights.version == "v2"
+        assert {f.path: f.sha256 for f in spec.weights.files} == {f["path"]: f["sha256"] for f in stack.files}
+        assert spec.weights.store.credentials == store.credentials
+        pod = render_pod_template(spec)["spec"]
+        assert [c["name"] for c in pod["initContainers"]] == ["weights"]
+        assert all(v.get("hostPath", {}).get("path") != spec.weights_path for v in pod["volumes"])
+    # Each switch told the model's Routing entity: the site new to the model has its route.
+    events = [i["event"] for i in await inputs(handle, "routing_event")]
+    assert sorted((e["kind"], e["site"]) for e in events) == [("rollout", "site-a"), ("rollout", "site-b")]
+    await wait_for(lambda: (t := stack.cluster.get_routing(MODEL)) and t.sites.get("site-b")
+                   and t.sites["site-b"].weight > 0)
+
+
+async def inputs(handle, activity_type: str) -> list[dict]:
+    history = await handle.fetch_history()
+    return [json.loads(e.activity_task_scheduled_event_attributes.input.payloads[0].data) for e in history.events
+            if e.HasField("activity_task_scheduled_event_attributes")
+            and e.activity_task_scheduled_event_attributes.activity_type.name == activity_type]
+
 
 async def test_bad_input_rejected_before_copying(rollout_stack: RolloutStack) -> None:
     stack = rollout_stack
@@ -110,7 +138,8 @@ async def test_abort_midway_rolls_back_updated_sites(rollout_stack: RolloutStack
     stack = rollout_stack
     stack.serve_v1(["site-a", "site-b", "site-c"])
     # site-c is under evacuation: the rollout updates a and b, then waits for c.
-    stack.cluster.set_routing_weights(MODEL, {"site-a": 1, "site-b": 1, "site-c": 0}, draining={"site-c": True})
+    stack.cluster.set_site_routes({"site-a": SiteRoute(weight=100), "site-b": SiteRoute(weight=100),
+                                   "site-c": SiteRoute(weight=0, draining=True)})
     handle = await stack.start(stack.request({"site-a": 1, "site-b": 1, "site-c": 1}), "abort")
     p = await until(handle, lambda p: states(p) == {"site-a": "done", "site-b": "done", "site-c": "deferred"})
     assert "under evacuation" in p.site("site-c").detail
@@ -150,12 +179,15 @@ async def test_pause_holds_and_resume_continues(rollout_stack: RolloutStack) -> 
 async def test_evacuated_site_deferred_until_restored(rollout_stack: RolloutStack) -> None:
     stack = rollout_stack
     stack.serve_v1(["site-a", "site-b", "site-c"])
-    stack.cluster.set_routing_weights(MODEL, {"site-a": 1, "site-b": 0, "site-c": 1}, incident={"site-b": "inc-7"})
+    # What SiteEvacuation decides for site-b (the Routing entity, told of each switch, keeps it).
+    stack.cluster.set_site_routes({"site-a": SiteRoute(weight=100), "site-c": SiteRoute(weight=100),
+                                   "site-b": SiteRoute(weight=0, healthy=False, draining=True, incident="inc-7")})
     raw = stack.request({"site-a": 1, "site-b": 1, "site-c": 1}, gate={"bake_seconds": 0})
     handle = await stack.start(raw, "evacuated")
     # site-c (after site-b in the queue) goes first; site-b waits.
     await until(handle, lambda p: states(p) == {"site-a": "done", "site-b": "deferred", "site-c": "done"})
     assert stack.image("site-b") == "img:v1"
-    stack.cluster.set_routing_weights(MODEL, {"site-a": 1, "site-b": 1, "site-c": 1})
+    await wait_for(lambda: (t := stack.cluster.get_routing(MODEL)) and t.sites["site-b"].incident == "inc-7")
+    stack.cluster.set_site_routes({s: SiteRoute(weight=100) for s in ("site-a", "site-b", "site-c")})
     result = RolloutResult.model_validate(await handle.result())
     assert result.outcome == "completed" and stack.image("site-b") == "img:v2"

@@ -69,7 +69,7 @@ async def test_worker_killed_mid_copy_resumes_without_recopying(temporal_env, tm
     source = moto_s3.bucket(moto_s3.store(0))
     dest = moto_s3.bucket(moto_s3.store(1), versioned=True)
     settings = make_settings(temporal_env, tmp_path)
-    (tmp_path / "sites.yaml").write_text(yaml.safe_dump(rollout_fleet({"site-b": dest})))
+    (tmp_path / "sites.yaml").write_text(yaml.safe_dump(rollout_fleet({"site-b": dest}, source)))
     env = FleetEnv.from_settings(settings)
     add_node(env, "site-b")
     files = put_files(moto_s3, source, FILES, seed=7)

@@ -1,0 +1,262 @@
+"""The demand loop's activities: watch Pending GPU pods, plan, buy, look at idle nodes.
+
+Thin: the planning and the consolidation choice are pure functions in ``fleet.demand``;
+these read the cluster and Temporal and hand them what they need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import defaultdict
+
+from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.service import RPCError
+
+from activities.env import FleetEnv
+from activities.errors import typed_errors
+from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
+from fleet.demand import (
+    IdleNode,
+    ModelUsage,
+    NodeRoom,
+    opted_in,
+    plan_demand,
+    site_labels,
+)
+from fleet.messages.capacity import CapacityResult
+from fleet.messages.demand import (
+    CancelOutcome,
+    CancelPurchaseInput,
+    DemandBatch,
+    IdleNodesResult,
+    PlanDemandInput,
+    PlanDemandResult,
+    PurchaseState,
+    PurchaseStatusInput,
+    StartPurchaseInput,
+    WatchDemandInput,
+)
+from fleet.models import CapacityType
+from fleet.naming import join_workflow_id
+
+#: NodeJoin steps before the provider is asked for a machine: cancelling then buys nothing.
+BEFORE_PROVISIONING = ("starting", "resolving site")
+
+
+class DemandActivities:
+    def __init__(self, env: FleetEnv) -> None:
+        self.env = env
+
+    def all(self) -> list:
+        return [self.demand_settings, self.watch_demand, self.plan_demand, self.start_purchase, self.purchase_status,
+                self.cancel_purchase, self.idle_nodes]
+
+    @activity.defn
+    def demand_settings(self) -> dict:
+        """The config's ``demand:`` block (batch window, idle TTL, site fraction)."""
+        return self.env.config.demand.model_dump(mode="json")
+
+    # -- watching -----------------------------------------------------------------------------
+    def _label_fleet_nodes(self) -> tuple[list, list[str]]:
+        """The fleet's own labels on each of its nodes, from its config (``site_labels``):
+        what a pod's selector matches and what the planner predicts a bought node carries.
+        Set as soon as a node registers (it is still proving then), so it serves with them."""
+        sites = {s.name: s for s in self.env.config.sites}
+        labelled = []
+        nodes = self.env.cluster.list_nodes()
+        for node in nodes:
+            site = sites.get(node.labels.get(LABEL_SITE, ""))
+            if site is None:
+                continue
+            wanted = site_labels(site)
+            if any(node.labels.get(k) != v for k, v in wanted.items()):
+                node.labels = self.env.cluster.label_node(node.name, wanted).labels
+                labelled.append(node.name)
+        return nodes, labelled
+
+    def _pending(self) -> tuple[list[str], list[str]]:
+        self._label_fleet_nodes()
+        pods = self.env.cluster.list_gpu_pods()
+        pending = [p.key for p in pods if p.pending and opted_in(p) and not p.nominated_node]
+        return pending, [p.key for p in pods]
+
+    @activity.defn
+    @typed_errors
+    async def watch_demand(self, input: WatchDemandInput) -> DemandBatch:
+        """Until opted-in Pending pods the loop has no answer for appear, then until the batch
+        closes: ``batch_idle_seconds`` without another new pod, or ``batch_max_seconds``
+        after the first (Karpenter's window). Gives up after ``wait_seconds``."""
+        known = set(input.known)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        first = last = None
+        seen: set[str] = set()
+        present: list[str] = []
+        while True:
+            pending, present = await asyncio.to_thread(self._pending)
+            new = {k for k in pending if k not in known}
+            now = loop.time()
+            if new - seen:
+                first = first if first is not None else now
+                last = now
+                seen |= new
+            seen &= new | known  # a pod that went before the batch closed is not in it
+            if first is not None and (now - last >= input.batch_idle_seconds or now - first >= input.batch_max_seconds):
+                return DemandBatch(new=sorted(seen), present=present, window_seconds=round(now - first, 3))
+            if first is None and now - start >= input.wait_seconds:
+                return DemandBatch(present=present)
+            activity.heartbeat(len(seen))
+            await asyncio.sleep(input.poll_seconds)
+
+    # -- planning -----------------------------------------------------------------------------
+    def _plan(self, input: PlanDemandInput) -> PlanDemandResult:
+        config, cluster = self.env.config, self.env.cluster
+        sites = {s.name: s for s in config.sites}
+        nodes, labelled = self._label_fleet_nodes()
+        pods = cluster.list_gpu_pods()
+        used: dict[str, int] = defaultdict(int)
+        usage: dict[str, ModelUsage] = defaultdict(ModelUsage)
+        node_site = {n.name: sites.get(n.labels.get(LABEL_SITE, "")) for n in nodes}
+        for pod in pods:
+            if pod.node:
+                used[pod.node] += pod.gpus
+                site = node_site.get(pod.node)
+                if pod.model and site is not None:
+                    held = usage[pod.model]
+                    if site.capacity_type == CapacityType.SPOT:
+                        held.spot_gpus += pod.gpus
+                    else:
+                        held.other_gpus += pod.gpus
+        rooms = [
+            NodeRoom(name=n.name, site=n.labels.get(LABEL_SITE, ""), labels=n.labels, taints=n.taints,
+                     gpus=n.gpus_allocatable, gpus_used=used[n.name])
+            for n in nodes
+            # Ready and schedulable, or still being proven (it is on its way).
+            if (n.ready and not n.unschedulable) or UNPROVEN_TAINT in n.taints
+        ]
+        for machine in input.joining:
+            site = sites.get(machine.site)
+            if site is None:
+                continue
+            rooms.append(NodeRoom(name=machine.purchase, site=machine.site, labels=site_labels(site),
+                                  gpus=machine.gpus, joining=True))
+            for model, gpus in machine.model_gpus.items():
+                held = usage[model]
+                if machine.capacity_type == CapacityType.SPOT:
+                    held.spot_gpus += gpus
+                else:
+                    held.other_gpus += gpus
+        down: dict[str, str] = {}
+        routes = cluster.get_site_routes()
+        for name, route in (routes.sites.items() if routes else []):
+            if route.incident or route.draining or not route.healthy:
+                down[name] = route.incident or ("draining" if route.draining else "unhealthy")
+        plan = plan_demand(
+            pods, rooms, input.offers or [], config.sites, policies=config.models, usage=dict(usage),
+            accounts=input.accounts, excluded=input.excluded, down=down,
+        )
+        # Rooms the plan counted at max_nodes include every node, cordoned or not.
+        return PlanDemandResult(plan=plan, usage=dict(usage), down=down, labelled=labelled,
+                                rooms=[r for r in rooms if r.joining])
+
+    @activity.defn
+    @typed_errors
+    async def plan_demand(self, input: PlanDemandInput) -> PlanDemandResult:
+        """Keep the fleet's labels on its nodes, list GPU pods, and plan (``fleet.demand``)."""
+        return await asyncio.to_thread(self._plan, input)
+
+    # -- buying -------------------------------------------------------------------------------
+    @activity.defn
+    async def start_purchase(self, input: StartPurchaseInput) -> str:
+        """Start the purchase's AcquireCapacity (a retried start finds the one it started)."""
+        handle = await activity.client().start_workflow(
+            "AcquireCapacity", input.request, id=input.workflow_id, task_queue=activity.info().task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING, static_summary=input.summary[:400],
+        )
+        return handle.id
+
+    @activity.defn
+    async def purchase_status(self, input: PurchaseStatusInput) -> list[PurchaseState]:
+        client = activity.client()
+        found = []
+        for workflow_id in input.workflow_ids:
+            handle = client.get_workflow_handle(workflow_id)
+            try:
+                described = await handle.describe()
+            except RPCError:
+                found.append(PurchaseState(workflow_id=workflow_id, status="missing"))
+                continue
+            status = described.status
+            if status == WorkflowExecutionStatus.RUNNING:
+                found.append(PurchaseState(workflow_id=workflow_id, status="running"))
+            elif status == WorkflowExecutionStatus.COMPLETED:
+                result = CapacityResult.model_validate(await handle.result())
+                found.append(PurchaseState(workflow_id=workflow_id, status="completed" if result.complete else "failed",
+                                           nodes=[n.node_name for n in result.nodes], why=result.why[:5]))
+            else:
+                name = status.name.lower().replace("_", "-") if status else "missing"
+                found.append(PurchaseState(workflow_id=workflow_id, status=name))
+        return found
+
+    @activity.defn
+    async def cancel_purchase(self, input: CancelPurchaseInput) -> CancelOutcome:
+        """Cancel a purchase whose pods all went, unless its join already asked the provider
+        for a machine (then the node comes, and consolidation gives it back once idle)."""
+        client = activity.client()
+        request = input.workflow_id.removeprefix("capacity/").replace("/", "-")
+        join = client.get_workflow_handle(join_workflow_id(input.site, f"{request}-1"))
+        try:
+            described = await join.describe()
+            if described.status == WorkflowExecutionStatus.RUNNING:
+                progress = await join.query("progress")
+                step = progress.get("step", "") if isinstance(progress, dict) else getattr(progress, "step", "")
+            else:
+                step = described.status.name.lower() if described.status else ""
+        except RPCError:
+            step = "starting"  # no join yet
+        if step not in BEFORE_PROVISIONING:
+            return CancelOutcome(cancelled=False, reason=f"its join is past provisioning ({step}): kept")
+        try:
+            await client.get_workflow_handle(input.workflow_id).cancel()
+        except RPCError as error:
+            return CancelOutcome(cancelled=False, reason=f"cancel failed: {error.message}")
+        return CancelOutcome(cancelled=True, reason=input.reason)
+
+    # -- consolidation ------------------------------------------------------------------------
+    def _idle(self) -> IdleNodesResult:
+        config, cluster = self.env.config, self.env.cluster
+        sites = {s.name: s for s in config.sites}
+        nodes = [n for n in cluster.list_nodes() if n.labels.get(LABEL_SITE) in sites]
+        pods = cluster.list_gpu_pods()
+        busy = {p.node for p in pods if p.node}
+        awaited = {p.nominated_node for p in pods if p.nominated_node}
+        result = IdleNodesResult(site_min={s.name: s.min_nodes for s in config.sites})
+        for node in nodes:
+            site = node.labels[LABEL_SITE]
+            result.site_nodes[site] = result.site_nodes.get(site, 0) + 1
+            if node.name in busy or UNPROVEN_TAINT in node.taints or not node.ready or node.gpus_allocatable <= 0:
+                continue
+            result.idle.append(IdleNode(
+                name=node.name, site=site, machine_id=node.machine_id, price_per_gpu_hour=sites[site].price_per_gpu_hour,
+                gpus=node.gpus_allocatable, awaited=node.name in awaited, idle_since=time.time(),
+            ))
+        # Warm headroom: the share of each model's GPUs in use kept spare at its first primary.
+        in_use: dict[str, int] = defaultdict(int)
+        for pod in pods:
+            if pod.node and pod.model:
+                in_use[pod.model] += pod.gpus
+        for model, policy in config.models.items():
+            if policy.warm_headroom > 0 and policy.sites and in_use.get(model):
+                site = policy.sites[0]
+                result.keep_warm[site] = result.keep_warm.get(site, 0) + math.ceil(policy.warm_headroom * in_use[model])
+        return result
+
+    @activity.defn
+    @typed_errors
+    async def idle_nodes(self) -> IdleNodesResult:
+        """Fleet GPU nodes with no GPU pod on them, and what consolidation must respect."""
+        return await asyncio.to_thread(self._idle)

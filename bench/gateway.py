@@ -1,0 +1,233 @@
+"""The node gateway's cost, in one run on one dev server.
+
+1. One activity round trip on a node queue (scheduled → dispatched to the node's agent
+   → completed, from the server's own event times), through the gateway (the agent on
+   mutual TLS with its own certificate) and direct to the dev server, interleaved:
+   target ratio p50 gateway / direct ≤ 1.15.
+2. Fault reported → contained (cordoned), as in bench/repair_latency, with every node
+   agent (the sim host, in its own process) behind the gateway and 1,250 idle nodes
+   holding a long poll open through it: target p99 < 500 ms. The fault is injected into
+   the simulated GPU; the node's ``watch_node`` pulls it. The gateway's resident memory
+   with the polls held is printed.
+
+The gateway runs in its own process (``python -m workers.node_gateway``), as deployed.
+
+    python -m bench.gateway [--samples 200] [--faults 30] [--idle 1250]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+from temporalio import activity, workflow
+from temporalio.client import Client
+from temporalio.worker import PollerBehaviorSimpleMaximum, UnsandboxedWorkflowRunner, Worker
+
+from bench.common import bench_env, fleet, run
+from cli.dev import wait_for_port
+from workers.node_agent import connect_via_gateway
+from workers.node_gateway import GatewayAccess, Pki, dev_gateway_files, node_key_and_csr
+
+
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+
+
+@activity.defn(name="noop")
+async def noop(seq: int) -> int:
+    return seq
+
+
+@workflow.defn(name="GatewayRoundTrips", sandboxed=False)
+class RoundTrips:
+    @workflow.run
+    async def run(self, args: list) -> int:
+        queue, count = args
+        for i in range(count):
+            await workflow.execute_activity("noop", i, task_queue=queue, start_to_close_timeout=timedelta(seconds=30))
+        return count
+
+
+async def round_trips(client: Client, control_queue: str, queue: str, count: int) -> list[float]:
+    """Activity round trips (ActivityTaskScheduled → ActivityTaskCompleted), seconds."""
+    handle = await client.start_workflow("GatewayRoundTrips", [queue, count], id=f"rt-{uuid.uuid4().hex[:8]}",
+                                         task_queue=control_queue)
+    await handle.result()
+    scheduled, out = {}, []
+    async for event in handle.fetch_history_events():
+        if event.HasField("activity_task_scheduled_event_attributes"):
+            scheduled[event.event_id] = event.event_time.ToNanoseconds()
+        elif event.HasField("activity_task_completed_event_attributes"):
+            started_from = event.activity_task_completed_event_attributes.scheduled_event_id
+            out.append((event.event_time.ToNanoseconds() - scheduled[started_from]) / 1e9)
+    return out
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+IDLE_HOLDER = r'''
+import asyncio, sys, grpc
+from temporalio.api.workflowservice.v1 import PollActivityTaskQueueRequest
+from temporalio.api.taskqueue.v1 import TaskQueue
+address, ca, folder, count = sys.argv[1], open(sys.argv[2], "rb").read(), sys.argv[3], int(sys.argv[4])
+async def hold(i):
+    name = f"idle-{i}"
+    creds = grpc.ssl_channel_credentials(ca, open(f"{folder}/{name}.key", "rb").read(),
+                                         open(f"{folder}/{name}.pem", "rb").read())
+    channel = grpc.aio.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "localhost"),
+                                                               ("grpc.use_local_subchannel_pool", 1)])
+    poll = channel.unary_unary("/temporal.api.workflowservice.v1.WorkflowService/PollActivityTaskQueue",
+                               request_serializer=None, response_deserializer=None)
+    request = PollActivityTaskQueueRequest(namespace="default", task_queue=TaskQueue(name=f"node/{name}"),
+                                           identity=name).SerializeToString()
+    while True:
+        try:
+            await poll(request, timeout=70)
+        except grpc.aio.AioRpcError as error:
+            if error.code() not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+                print(name, error.code(), error.details(), flush=True)
+                await asyncio.sleep(5)
+async def main():
+    tasks = []
+    for i in range(count):
+        tasks.append(asyncio.create_task(hold(i)))
+        if i % 50 == 49:
+            await asyncio.sleep(0.05)
+    print("holding", flush=True)
+    await asyncio.gather(*tasks)
+asyncio.run(main())
+'''
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--samples", type=int, default=200, help="round trips each way")
+    parser.add_argument("--faults", type=int, default=30)
+    parser.add_argument("--nodes", type=int, default=10)
+    parser.add_argument("--idle", type=int, default=1250, help="idle nodes holding a poll open")
+    args = parser.parse_args()
+    config = fleet(sites=5, capacity=max(args.nodes, 5))
+    config["repair"] = {"timeouts": {"drain_seconds": 1, "smoke_test_seconds": 10, "heartbeat_seconds": 5}}
+    config["incident"] = {"settle_seconds": 0, "enabled": False}
+    children: list[subprocess.Popen] = []
+    async with bench_env(config) as (env, settings):
+        client = env.client
+        files = dev_gateway_files(settings.state_dir)
+        pki = Pki.load_or_create(files["ca"].parent)
+        gateway_port = 17300 + os.getpid() % 1000
+        child_env = {**os.environ, **settings.env()}
+        gateway = subprocess.Popen([sys.executable, "-m", "workers.node_gateway", "--dev", "--listen",
+                                    f"127.0.0.1:{gateway_port}"], env=child_env)
+        children.append(gateway)
+        wait_for_port(gateway_port)
+        access = GatewayAccess(f"127.0.0.1:{gateway_port}", pki.ca_pem)
+        control_queue = f"{settings.task_queue}-rt"
+        try:
+            # -- 1. round trips, interleaved ---------------------------------------------------
+            direct_name, gw_name = f"rt-direct-{uuid.uuid4().hex[:6]}", f"rt-gw-{uuid.uuid4().hex[:6]}"
+            await client.start_workflow("Node", {"node_name": gw_name}, id=f"node/{gw_name}", task_queue="nobody")
+            key, csr = node_key_and_csr(gw_name)
+            node_client = await connect_via_gateway(access, "default", pki.sign_node_csr(csr, gw_name), key)
+            one = dict(activities=[noop], activity_task_poller_behavior=PollerBehaviorSimpleMaximum(1))
+            direct, through = [], []
+            async with Worker(client, task_queue=control_queue, workflows=[RoundTrips],
+                              workflow_runner=UnsandboxedWorkflowRunner()), \
+                    Worker(client, task_queue=f"node/{direct_name}", **one), \
+                    Worker(node_client, task_queue=f"node/{gw_name}", **one):
+                await round_trips(client, control_queue, f"node/{direct_name}", 5)  # warm-up
+                await round_trips(client, control_queue, f"node/{gw_name}", 5)
+                batch = 20
+                for _ in range(max(1, args.samples // batch)):
+                    direct += await round_trips(client, control_queue, f"node/{direct_name}", batch)
+                    through += await round_trips(client, control_queue, f"node/{gw_name}", batch)
+            await client.get_workflow_handle(f"node/{gw_name}").terminate("bench over")
+
+            # -- 2. fault → contained with idle polls held ---------------------------------------
+            idle_dir = settings.state_dir / "idle"
+            idle_dir.mkdir()
+            starts = []
+            for i in range(args.idle):
+                name = f"idle-{i}"
+                cert, key = pki.node_credentials(name)
+                (idle_dir / f"{name}.pem").write_bytes(cert)
+                (idle_dir / f"{name}.key").write_bytes(key)
+                starts.append(client.start_workflow("Node", {"node_name": name}, id=f"node/{name}", task_queue="nobody"))
+                if len(starts) == 50:
+                    await asyncio.gather(*starts)
+                    starts = []
+            await asyncio.gather(*starts)
+            holder = subprocess.Popen([sys.executable, "-c", IDLE_HOLDER, access.address, str(files["ca"]),
+                                       str(idle_dir), str(args.idle)], stdout=subprocess.PIPE, text=True)
+            children.append(holder)
+            assert holder.stdout.readline().strip() == "holding"
+            await asyncio.sleep(5)  # every idle poll reached the server
+
+            from activities.env import FleetEnv
+            from workers.control_plane import build_worker
+
+            host_env = {**child_env, "GPUFLEET_GATEWAY": access.address, "GPUFLEET_GATEWAY_CA": str(files["ca"]),
+                        "GPUFLEET_SIM_SIGNER_DIR": str(files["ca"].parent), "GPUFLEET_HEALTH_SECONDS": "5"}
+            host = subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.02"],
+                                    env=host_env)
+            children.append(host)
+            fleet_env = FleetEnv.from_settings(settings)
+            cluster, world = fleet_env.cluster, fleet_env.world
+            contain = []
+            async with build_worker(client, settings):
+                joins = [client.execute_workflow("NodeJoin", {"site": f"site-{i % 5}"},
+                                                 id=f"join/site-{i % 5}/{uuid.uuid4().hex[:8]}",
+                                                 task_queue=settings.task_queue) for i in range(args.nodes)]
+                nodes = [r["nodes"][0] for r in await asyncio.gather(*joins)]
+                await asyncio.sleep(2.0)  # every Node entity's first watch answered
+                held_rss = rss_mb(gateway.pid)
+                for i in range(args.faults):
+                    node = nodes[i % len(nodes)]
+                    gpu = (i // len(nodes)) % node["gpus"]
+                    name, machine_id = node["node_name"], node["machine_id"]
+                    start = time.perf_counter()
+                    await asyncio.to_thread(world.inject_fault, machine_id, gpu, "xid", 48, clears_on="reset")
+                    while not await asyncio.to_thread(lambda: cluster.get_node(name).unschedulable):
+                        await asyncio.sleep(0.005)
+                    contain.append(time.perf_counter() - start)
+                    result = await client.get_workflow_handle(f"repair/{name}/gpu{gpu}").result()
+                    assert result["outcome"] == "repaired", result
+                    while await asyncio.to_thread(lambda: cluster.get_node(name).unschedulable):
+                        await asyncio.sleep(0.01)
+        finally:
+            for child in reversed(children):
+                child.terminate()
+                try:
+                    child.wait(15)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+    ms = lambda v: f"{v * 1000:7.1f} ms"  # noqa: E731
+    ratio = statistics.median(through) / statistics.median(direct)
+    print(f"activity round trip on a node queue, {len(direct)} each way, interleaved (server event times)")
+    print(f"  {'':28s}{'p50':>10s}{'p99':>10s}")
+    print(f"  {'direct to the dev server':28s}{ms(statistics.median(direct))}{ms(pct(direct, 99))}")
+    print(f"  {'through the node gateway':28s}{ms(statistics.median(through))}{ms(pct(through, 99))}")
+    print(f"  ratio gateway / direct (p50): {ratio:.2f}  (target <= 1.15: {'met' if ratio <= 1.15 else 'NOT met'})")
+    print(f"fault reported -> contained, {args.faults} faults on {args.nodes} nodes behind the gateway, "
+          f"{args.idle} idle polls held")
+    print(f"  p50 {ms(statistics.median(contain))}  p99 {ms(pct(contain, 99))}  "
+          f"(target p99 < 500 ms: {'met' if pct(contain, 99) < 0.5 else 'NOT met'})")
+    print(f"  gateway resident memory with {args.idle} polls held: {held_rss:.0f} MB")
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,125 @@
+"""``gpufleet demand`` (Pending pods, the loop's plans and purchases) and ``gpufleet sim pods``
+(demand for the simulated cluster)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from cli.common import Address, ConfigPath, OutputFormat, StateDir, console, connect, fail, fleet_env, run, show_rows
+from cli.common import settings as _settings
+from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_MODEL, LABEL_SITE
+from fleet.demand import (
+    DEMAND_TAINT_KEY,
+    LABEL_CAPACITY_TYPE,
+    LABEL_FLEET,
+    LABEL_GEOGRAPHY,
+    GpuPod,
+    Toleration,
+    opted_in,
+)
+from fleet.messages.demand import DEMAND_WORKFLOW_ID, DemandStatus
+
+pods_app = typer.Typer(help="Pods with GPU requests in the simulated cluster (demand).", no_args_is_help=True)
+
+
+def demand(
+    start: Annotated[bool, typer.Option("--start", help="start the demand loop (idempotent)")] = False,
+    address: Address = "localhost:7233", state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
+    output: OutputFormat = "table",
+) -> None:
+    """Pending GPU pods, and what the demand loop planned and bought for them (with why)."""
+    settings = _settings(address, state_dir, config)
+    env = fleet_env(state_dir, config)
+    pods = [p for p in env.cluster.list_gpu_pods() if p.pending]
+    status = run(_status(settings, start))
+    rows = []
+    for pod in pods:
+        answer = (status.covered.get(pod.key) or status.unplaceable.get(pod.key)
+                  or next((f"{p.workflow_id} ({p.status}) → {p.offer}" for p in status.purchases
+                           if pod.key in p.pods), ""))
+        rows.append([pod.key, str(pod.gpus), "yes" if opted_in(pod) else "no", pod.nominated_node or "-",
+                     answer or ("not opted in" if not opted_in(pod) else "next batch")])
+    show_rows("Pending GPU pods", ["pod", "GPUs", "opted in", "nominated", "answer"], rows, output)
+    show_rows("purchases", ["purchase", "status", "offer", "pods", "why"],
+              [[p.workflow_id, p.status, p.offer, str(len(p.pods)), p.reason] for p in status.purchases], output)
+    if output == "table":
+        for line in status.log[-15:]:
+            console.print(f"  {line}")
+
+
+async def _status(settings, start: bool) -> DemandStatus:
+    from temporalio.common import WorkflowIDConflictPolicy
+    from temporalio.service import RPCError
+
+    client = await connect(settings)
+    if start:
+        await client.start_workflow(
+            "Demand", {}, id=DEMAND_WORKFLOW_ID, task_queue=settings.task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            static_summary="demand: Pending GPU pods buy capacity, idle nodes go back",
+        )
+    try:
+        return await client.get_workflow_handle(DEMAND_WORKFLOW_ID).query("status", result_type=DemandStatus)
+    except RPCError:
+        if not start:
+            console.print("[yellow]the demand loop is not running[/] (gpufleet demand --start)")
+        return DemandStatus()
+
+
+@pods_app.command("add")
+def pods_add(
+    name: Annotated[str, typer.Argument(help="pod name (with --count: a prefix)")],
+    gpus: Annotated[int, typer.Option(min=1, max=64)] = 1,
+    count: Annotated[int, typer.Option(min=1, max=1000)] = 1,
+    namespace: str = "default",
+    model: Annotated[Optional[str], typer.Option(help="the model label (its serving policy)")] = None,
+    gpu: Annotated[Optional[str], typer.Option(help="GPU product selector, e.g. H100")] = None,
+    site: Annotated[Optional[str], typer.Option(help="site selector")] = None,
+    geo: Annotated[Optional[str], typer.Option(help="geography selector")] = None,
+    capacity_type: Annotated[Optional[str], typer.Option(help="on-demand, spot or owned")] = None,
+    opt_in: Annotated[bool, typer.Option(help="carry the fleet toleration and selector")] = True,
+    state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
+) -> None:
+    """Create Pending pods that request GPUs (opted in to the fleet by default)."""
+    env = fleet_env(state_dir, config)
+    if env.world is None:
+        fail("sim pods: only the simulated cluster (mode: sim)", 2)
+    selector = {k: v for k, v in ((LABEL_GPU_PRODUCT, gpu), (LABEL_SITE, site), (LABEL_GEOGRAPHY, geo),
+                                  (LABEL_CAPACITY_TYPE, capacity_type)) if v}
+    if opt_in:
+        selector[LABEL_FLEET] = "true"
+    tolerations = [Toleration(key=DEMAND_TAINT_KEY, operator="Exists", effect="NoSchedule")] if opt_in else []
+    names = [name] if count == 1 else [f"{name}-{i}" for i in range(count)]
+    for pod_name in names:
+        env.cluster.create_pod(GpuPod(namespace=namespace, name=pod_name, gpus=gpus, node_selector=selector,
+                                      labels={LABEL_MODEL: model} if model else {}, tolerations=tolerations,
+                                      created_at=time.time()))
+    console.print(f"{len(names)} Pending pods, {gpus} GPU each" + (f", selecting {selector}" if selector else ""))
+
+
+@pods_app.command("delete")
+def pods_delete(names: Annotated[list[str], typer.Argument(help="pod names")], namespace: str = "default",
+                state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
+    """Delete pods (a scale-down): their nodes go back once idle past the TTL."""
+    env = fleet_env(state_dir, config)
+    gone = [n for n in names if env.cluster.delete_pod(namespace, n)]
+    console.print(f"deleted {len(gone)} of {len(names)}")
+
+
+@pods_app.command("list")
+def pods_list(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
+              output: OutputFormat = "table") -> None:
+    """GPU pods: Pending or bound, and where (the simulated scheduler runs first)."""
+    env = fleet_env(state_dir, config)
+    rows = [[p.key, str(p.gpus), p.phase, p.node or "-", ", ".join(f"{k}={v}" for k, v in p.node_selector.items())]
+            for p in env.cluster.list_gpu_pods()]
+    show_rows("GPU pods", ["pod", "GPUs", "phase", "node", "selector"], rows, output)
+
+
+def register(app: typer.Typer, sim_app: typer.Typer) -> None:
+    app.command("demand")(demand)
+    sim_app.add_typer(pods_app, name="pods")

@@ -1,0 +1,648 @@
+"""Capacity follows demand (product rule 13), pure: which machines to buy for the
+Pending GPU pods, and which idle nodes to give back. No Temporal, no I/O.
+
+**The opt-in contract.** A pod asks the fleet for capacity by carrying both
+
+* a toleration for the fleet taint ``gpufleet.io/demand`` (effect ``NoSchedule``, or
+  any effect with ``operator: Exists``), and
+* the node selector ``node-restriction.kubernetes.io/gpufleet: "true"``,
+
+like a burst tier: an operator may taint fleet nodes ``gpufleet.io/demand:NoSchedule``
+to keep everything else off them, and the label says "a node the fleet runs". It then
+narrows what it accepts with node selectors the fleet sets on every node it runs
+(``LABELS_THE_FLEET_SETS``): GPU product, site, geography, capacity type; and with
+annotations for what a selector cannot say: ``gpufleet.io/gpu-class`` ("H100,H200"),
+``gpufleet.io/gpu-memory-gb-min`` and ``gpufleet.io/max-price-per-gpu-hour``. Its
+``gpufleet.io/model`` label names its model's serving policy (mode, spot share,
+headroom: ``fleet.config.ServingPolicy``). A selector on any other key is one no
+bought node is known to carry: that pod is left alone, with the reason.
+
+The geography and capacity-type labels and the fleet marker live under the
+``node-restriction.kubernetes.io/`` prefix, which a kubelet cannot set on its own Node
+(NodeRestriction), so a node cannot talk its way into a compliance geography.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterable
+
+from pydantic import BaseModel, Field
+
+from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_MODEL, LABEL_PROVIDER, LABEL_REGION, LABEL_SITE, UNPROVEN_TAINT
+from fleet.config import ServingPolicy, Site
+from fleet.models import CapacityType, Offer
+from fleet.placement import AccountView, Constraints, effective_price, rank
+from fleet.replacement import may_move
+
+#: The fleet taint an opted-in pod tolerates.
+DEMAND_TAINT_KEY = "gpufleet.io/demand"
+DEMAND_TAINT = f"{DEMAND_TAINT_KEY}:NoSchedule"
+#: The node selector an opted-in pod carries (value ``"true"``); every fleet node has it.
+LABEL_FLEET = "node-restriction.kubernetes.io/gpufleet"
+LABEL_GEOGRAPHY = "node-restriction.kubernetes.io/gpufleet-geography"
+LABEL_CAPACITY_TYPE = "node-restriction.kubernetes.io/gpufleet-capacity-type"
+ANNOTATION_GPU_CLASS = "gpufleet.io/gpu-class"
+ANNOTATION_GPU_MEMORY = "gpufleet.io/gpu-memory-gb-min"
+ANNOTATION_MAX_PRICE = "gpufleet.io/max-price-per-gpu-hour"
+DEMAND_ANNOTATIONS = (ANNOTATION_GPU_CLASS, ANNOTATION_GPU_MEMORY, ANNOTATION_MAX_PRICE)
+#: Node selector keys whose value on a node the fleet decides (``site_labels``).
+LABELS_THE_FLEET_SETS = (LABEL_FLEET, LABEL_SITE, LABEL_GPU_PRODUCT, LABEL_GEOGRAPHY, LABEL_CAPACITY_TYPE,
+                         LABEL_PROVIDER, LABEL_REGION)
+#: Set by Kubernetes itself on every node; a pod may select it (it then names one node).
+LABEL_HOSTNAME = "kubernetes.io/hostname"
+
+
+class Toleration(BaseModel):
+    key: str = ""
+    operator: str = "Equal"
+    value: str = ""
+    effect: str = ""
+
+    def tolerates(self, taint: str) -> bool:
+        """Kubernetes' rule: an empty key with ``Exists`` tolerates everything; an empty
+        effect matches every effect."""
+        key_value, _, effect = taint.rpartition(":")
+        key, _, value = key_value.partition("=")
+        if self.effect and self.effect != effect:
+            return False
+        if not self.key:
+            return self.operator == "Exists"
+        if self.key != key:
+            return False
+        return self.operator == "Exists" or self.value == value
+
+
+class GpuPod(BaseModel):
+    """A pod that requests GPUs, as the cluster port reports it."""
+
+    namespace: str
+    name: str
+    uid: str = ""
+    #: ``spec.nodeName``: empty while unbound.
+    node: str = ""
+    phase: str = "Pending"
+    gpus: int = Field(0, ge=0)
+    labels: dict[str, str] = Field(default_factory=dict)
+    #: Only the ``DEMAND_ANNOTATIONS``.
+    annotations: dict[str, str] = Field(default_factory=dict)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(default_factory=list)
+    #: ``status.nominatedNodeName``: the scheduler already found it a place (preemption).
+    nominated_node: str = ""
+    #: The scheduler tried and found no node (``PodScheduled=False``, reason ``Unschedulable``).
+    unschedulable: bool = False
+    owner_kinds: list[str] = Field(default_factory=list)
+    created_at: float = 0.0
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+    @property
+    def model(self) -> str:
+        return self.labels.get(LABEL_MODEL, "")
+
+    @property
+    def pending(self) -> bool:
+        return self.phase == "Pending" and not self.node
+
+
+def opted_in(pod: GpuPod) -> bool:
+    """The contract: the fleet toleration and the fleet node selector."""
+    return pod.node_selector.get(LABEL_FLEET) == "true" and any(t.tolerates(DEMAND_TAINT) for t in pod.tolerations)
+
+
+def site_labels(site: Site) -> dict[str, str]:
+    """The labels the fleet keeps on every node of ``site`` (what a bought node will carry)."""
+    return {
+        LABEL_FLEET: "true", LABEL_SITE: site.name, LABEL_GPU_PRODUCT: site.gpu, LABEL_PROVIDER: site.provider,
+        LABEL_REGION: site.region, LABEL_CAPACITY_TYPE: site.capacity_type.value,
+        **({LABEL_GEOGRAPHY: site.geography} if site.geography else {}),
+    }
+
+
+def repelling(taints: Iterable[str]) -> list[str]:
+    return [t for t in taints if t.rpartition(":")[2] in ("NoSchedule", "NoExecute")]
+
+
+def fits(pod: GpuPod, labels: dict[str, str], taints: Iterable[str], free_gpus: int) -> bool:
+    """Whether the scheduler may bind ``pod`` to a node with these labels, taints and free GPUs."""
+    if pod.gpus > free_gpus:
+        return False
+    if any(labels.get(k) != v for k, v in pod.node_selector.items()):
+        return False
+    return all(any(t.tolerates(taint) for t in pod.tolerations) for taint in repelling(taints))
+
+
+def pod_constraints(pod: GpuPod, policy: ServingPolicy | None = None) -> Constraints | str:
+    """What ``pod`` accepts, as placement ``Constraints``; a string says why no bought
+    machine could ever satisfy it."""
+    selector = dict(pod.node_selector)
+    unknown = sorted(k for k in selector if k not in LABELS_THE_FLEET_SETS)
+    if unknown:
+        return f"node selector {', '.join(unknown)} is not a label the fleet sets on the nodes it buys"
+    raw: dict = {}
+    if LABEL_GPU_PRODUCT in selector:
+        raw["gpu"] = selector[LABEL_GPU_PRODUCT]
+    elif pod.annotations.get(ANNOTATION_GPU_CLASS):
+        raw["gpu_class"] = [g.strip() for g in pod.annotations[ANNOTATION_GPU_CLASS].split(",") if g.strip()]
+    if LABEL_SITE in selector:
+        raw["sites"] = [selector[LABEL_SITE]]
+    if LABEL_GEOGRAPHY in selector:
+        raw["geographies"] = [selector[LABEL_GEOGRAPHY]]
+    if LABEL_CAPACITY_TYPE in selector:
+        try:
+            raw["capacity_types"] = [CapacityType(selector[LABEL_CAPACITY_TYPE])]
+        except ValueError:
+            return f"capacity type {selector[LABEL_CAPACITY_TYPE]!r} is not on-demand, spot or owned"
+    for annotation, field in ((ANNOTATION_GPU_MEMORY, "gpu_memory_gb_min"),
+                              (ANNOTATION_MAX_PRICE, "max_price_per_gpu_hour")):
+        if annotation in pod.annotations:
+            try:
+                value = float(pod.annotations[annotation])
+                if not math.isfinite(value) or value < 0:
+                    raise ValueError
+            except ValueError:
+                return f"annotation {annotation}: {pod.annotations[annotation]!r} is not a number >= 0"
+            raw[field] = int(value) if field == "gpu_memory_gb_min" else value
+    if policy is not None and policy.spot_share <= 0:
+        types = raw.get("capacity_types") or [CapacityType.ON_DEMAND, CapacityType.SPOT, CapacityType.OWNED]
+        raw["capacity_types"] = [t for t in types if t != CapacityType.SPOT]
+        if not raw["capacity_types"]:
+            return "the pod asks for spot and its model's spot share is 0"
+    try:
+        return Constraints(**raw)
+    except ValueError as error:
+        return f"constraints: {error}"
+
+
+# -- what the planner sees ------------------------------------------------------------------
+class NodeRoom(BaseModel):
+    """A node (or a machine being joined) that pods may land on."""
+
+    name: str
+    site: str
+    labels: dict[str, str] = Field(default_factory=dict)
+    taints: list[str] = Field(default_factory=list)
+    gpus: int = 0
+    #: GPUs requested by pods bound to it (or, for a join, by the pods it was bought for).
+    gpus_used: int = 0
+    #: A join in flight (``name`` is the purchase id) rather than a node.
+    joining: bool = False
+
+
+class PlannedMachine(BaseModel):
+    """One machine to buy, and the pods it is for."""
+
+    offer: str
+    site: str
+    instance_type: str
+    gpu: str
+    gpus: int
+    capacity_type: CapacityType
+    price_per_gpu_hour: float
+    effective_price: float
+    pods: list[str] = Field(default_factory=list)
+    #: GPUs the pods use; the rest is slack (``headroom_gpus`` of it asked for by warm headroom).
+    gpus_used: int = 0
+    headroom_gpus: int = 0
+    model: str = ""
+    reason: str = ""
+
+    @property
+    def cost_per_hour(self) -> float:
+        return self.price_per_gpu_hour * self.gpus
+
+
+class DemandPlan(BaseModel):
+    machines: list[PlannedMachine] = Field(default_factory=list)
+    #: pod → where it will run without buying (a node with room, a join in flight).
+    covered: dict[str, str] = Field(default_factory=dict)
+    #: pod → why nothing can be bought for it now.
+    unplaceable: dict[str, str] = Field(default_factory=dict)
+    #: pod → why the loop leaves it alone (not opted in, nominated, not Pending).
+    ignored: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def cost_per_hour(self) -> float:
+        return round(sum(m.cost_per_hour for m in self.machines), 6)
+
+    @property
+    def gpus_bought(self) -> int:
+        return sum(m.gpus for m in self.machines)
+
+
+class ModelUsage(BaseModel):
+    """GPUs a model already holds (bound pods, joins in flight), by capacity type."""
+
+    spot_gpus: int = 0
+    other_gpus: int = 0
+
+
+# -- the bin-packing ------------------------------------------------------------------------
+class _Offer:
+    __slots__ = ("offer", "site", "eff", "machine_eff", "key", "room")
+
+    def __init__(self, offer: Offer, site: Site, room: int) -> None:
+        self.offer, self.site = offer, site
+        self.eff = effective_price(offer)
+        self.machine_eff = self.eff * offer.gpus
+        self.key = f"{offer.site}/{offer.instance_type}"
+        self.room = room
+
+
+def _site_room(sites: list[Site], nodes: list[NodeRoom]) -> dict[str, int]:
+    """Machines each site may still add: max_nodes minus nodes and joins it has."""
+    count: dict[str, int] = defaultdict(int)
+    for node in nodes:
+        count[node.site] += 1
+    return {s.name: max(0, s.max_nodes - count[s.name]) for s in sites}
+
+
+def _tiers(policy: ServingPolicy | None, sites: list[Site], down: dict[str, str]) -> list[set[str] | None]:
+    """Sites a model may buy at, in order: the primaries, then (active-passive, burst) the
+    standby sites, used only for what no primary can take. ``None``: any site."""
+    if policy is None:
+        return [None]
+    by_name = {s.name: s for s in sites}
+    anchor = by_name.get(policy.sites[0]) if policy.sites else None
+    # A compliance primary keeps the model inside its geography (fleet.replacement).
+    allowed = [n for n in [*policy.sites, *policy.standby_sites]
+               if n in by_name and (anchor is None or may_move(anchor, by_name[n]))]
+    primaries = {n for n in policy.sites if n in allowed and n not in down}
+    standby = {n for n in policy.standby_sites if n in allowed and n not in down}
+    if policy.mode == "active-active":
+        return [primaries | standby]
+    return [primaries, standby]
+
+
+def plan_demand(
+    pods: list[GpuPod],
+    nodes: list[NodeRoom],
+    offers: list[Offer],
+    sites: list[Site],
+    *,
+    policies: dict[str, ServingPolicy] | None = None,
+    usage: dict[str, ModelUsage] | None = None,
+    accounts: dict[str, AccountView] | None = None,
+    excluded: dict[str, str] | None = None,
+    down: dict[str, str] | None = None,
+) -> DemandPlan:
+    """Place each Pending, opted-in pod on room that exists or is joining; buy the cheapest
+    machines (effective $/GPU-hour, spot made dearer by its risk) for the rest.
+
+    ``nodes``: ready nodes and joins in flight, each with the GPUs already taken.
+    ``policies``: model → serving policy; ``usage``: model → GPUs held (spot share).
+    ``down``: site → why it may not be bought at (an open incident, draining).
+    Pure and deterministic: same input, same plan.
+    """
+    policies, usage, down = policies or {}, usage or {}, down or {}
+    plan = DemandPlan()
+    by_site = {s.name: s for s in sites}
+    rooms = [n.model_copy() for n in nodes]
+    # Joins first: they were bought for these pods, and nodes are shared by everyone.
+    rooms.sort(key=lambda n: (not n.joining, n.name))
+    wanted: list[GpuPod] = []
+    for pod in sorted(pods, key=lambda p: (-p.gpus, p.created_at, p.key)):
+        if not pod.pending:
+            continue
+        if not opted_in(pod):
+            plan.ignored[pod.key] = "not opted in (fleet toleration and node selector)"
+        elif pod.gpus <= 0:
+            plan.ignored[pod.key] = "requests no GPUs"
+        elif pod.nominated_node:
+            plan.ignored[pod.key] = f"the scheduler nominated {pod.nominated_node}"
+        else:
+            room = next((r for r in rooms if fits(pod, r.labels, [t for t in r.taints if t != UNPROVEN_TAINT],
+                                                  r.gpus - r.gpus_used)), None)
+            if room is not None:
+                room.gpus_used += pod.gpus
+                plan.covered[pod.key] = (f"joining {room.name}" if room.joining
+                                         else f"fits on {room.name} (room for {pod.gpus} GPU)")
+            else:
+                wanted.append(pod)
+    if not wanted:
+        return plan
+
+    site_room = _site_room(sites, nodes)
+    ranked_cache: dict[str, tuple[list[str], list[str]] | str] = {}
+
+    # Bucket pods: (model, constraint signature, tier) → pods, so a machine is evaluated per
+    # bucket, not per pod (1,000 pods, 40 offers stay well under a second).
+    offer_objs: dict[str, _Offer] = {}
+    for o in offers:
+        site = by_site.get(o.site)
+        if site is not None:
+            offer_objs.setdefault(f"{o.site}/{o.instance_type}", _Offer(o, site, site_room.get(o.site, 0)))
+
+    def candidates_for(pod: GpuPod, tier: set[str] | None) -> list[_Offer] | str:
+        constraints = pod_constraints(pod, policies.get(pod.model))
+        if isinstance(constraints, str):
+            return constraints
+        sig = constraints.model_dump_json()
+        if sig not in ranked_cache:
+            placement = rank(offers, sites, constraints, accounts, excluded)
+            ranked_cache[sig] = ([c.key for c in placement.candidates], placement.reasons())
+        keys, reasons = ranked_cache[sig]  # type: ignore[misc]
+        found = [offer_objs[k] for k in keys if k in offer_objs and (tier is None or offer_objs[k].offer.site in tier)
+                 and offer_objs[k].offer.site not in down]
+        if not found:
+            why = reasons[:3] + [f"{s}: {r}" for s, r in sorted(down.items())][:2]
+            if tier is not None:
+                why.append(f"the model's sites here are {', '.join(sorted(tier)) or '(none)'}")
+            return "no qualifying offer: " + ("; ".join(why) or "no offer for this GPU")
+        return found
+
+    # Spot budget per model: spot GPUs may reach ``spot_share`` of the model's GPUs and
+    # never eat into the on-demand floor.
+    batch_gpus: dict[str, int] = defaultdict(int)
+    for pod in wanted:
+        batch_gpus[pod.model] += pod.gpus
+    spot_left: dict[str, float] = {}
+    for model, gpus in batch_gpus.items():
+        policy = policies.get(model)
+        if policy is None:
+            spot_left[model] = math.inf
+            continue
+        held = usage.get(model, ModelUsage())
+        total = held.spot_gpus + held.other_gpus + gpus
+        cap = min(policy.spot_share * total, total - policy.on_demand_floor_gpus)
+        spot_left[model] = max(0.0, cap - held.spot_gpus)
+
+    def attempt(score: str) -> DemandPlan:
+        out = plan.model_copy(deep=True)
+        for offer in offer_objs.values():
+            offer.room = site_room.get(offer.offer.site, 0)
+        budget = dict(spot_left)
+        remaining = wanted
+        tier_index = 0
+        while remaining:
+            # Every model's pods at this tier (a model without a policy has one tier: anywhere).
+            buckets: dict[tuple, list[GpuPod]] = defaultdict(list)
+            later: list[GpuPod] = []
+            for pod in remaining:
+                tiers = _tiers(policies.get(pod.model), sites, down)
+                if tier_index >= len(tiers):
+                    continue
+                cands = candidates_for(pod, tiers[tier_index])
+                if isinstance(cands, str):
+                    if tier_index + 1 < len(tiers):
+                        later.append(pod)
+                    else:
+                        out.unplaceable[pod.key] = cands
+                    continue
+                buckets[(pod.model, tuple(c.key for c in cands))].append(pod)
+            # Warm headroom: a model's machines carry that share of its new GPUs as slack.
+            headroom: dict[str, int] = {}
+            for (model, _), group in buckets.items():
+                policy = policies.get(model)
+                if policy is not None and policy.warm_headroom > 0:
+                    headroom[model] = headroom.get(model, 0) + math.ceil(policy.warm_headroom * sum(p.gpus for p in group))
+            leftovers = _pack(buckets, offer_objs, headroom, budget, out, tier_index, score)
+            remaining = later + [p for p in leftovers if tier_index + 1 < len(_tiers(policies.get(p.model), sites, down))]
+            for pod in leftovers:
+                if pod not in remaining:
+                    out.unplaceable[pod.key] = "the qualifying sites are at max_nodes or out of spot share"
+            tier_index += 1
+        return out
+
+    # Two greedy rules, the cheaper plan wins: cost per GPU a machine would actually hold
+    # (packs well), and plain cheapest $/GPU-hour first (wins when big machines are cheap).
+    tries = [attempt(score) for score in ("per-used-gpu", "per-gpu")]
+    plan = min(tries, key=lambda p: (len(p.unplaceable), sum(m.effective_price * m.gpus for m in p.machines)))
+    plan.machines.sort(key=lambda m: (m.site, m.offer, m.pods))
+    return plan
+
+
+def _machine(offer: _Offer, pods: list[GpuPod], used: int, headroom: int, tier: int) -> PlannedMachine:
+    o = offer.offer
+    models = sorted({p.model for p in pods})
+    return PlannedMachine(
+        offer=offer.key, site=o.site, instance_type=o.instance_type, gpu=o.gpu, gpus=o.gpus,
+        capacity_type=o.capacity_type, price_per_gpu_hour=o.price_per_gpu_hour, effective_price=round(offer.eff, 6),
+        pods=[p.key for p in pods], gpus_used=used, headroom_gpus=headroom, model=",".join(m for m in models if m),
+        reason=(f"cheapest qualifying for {len(pods)} pod(s): ${offer.eff:.2f}/GPU-h effective, "
+                f"{used}/{o.gpus} GPUs used" + (f", {headroom} kept warm" if headroom else "")
+                + (" (standby site: no primary could take them)" if tier else "")),
+    )
+
+
+def _merge(opened: list[tuple[_Offer, list[GpuPod], int, int]],
+           pod_offers: dict[str, set[str]]) -> list[tuple[_Offer, list[GpuPod], int, int]]:
+    """Greedy choice by cost per used GPU can open a small machine for a pod that a big
+    machine opened later has room for: move every pod of such a machine into the others'
+    free GPUs (each pod only where it qualifies, never onto spot from elsewhere) and drop it."""
+    machines = [[offer, list(taken), used, hr] for offer, taken, used, hr in opened]
+    changed = True
+    while changed:
+        changed = False
+        order = sorted(range(len(machines)), key=lambda i: -machines[i][0].machine_eff / max(machines[i][2], 1))
+        for i in order:
+            offer, taken = machines[i][0], machines[i][1]
+            free = {j: m[0].offer.gpus - m[2] for j, m in enumerate(machines) if j != i}
+            moves: list[tuple[GpuPod, int]] = []
+            for pod in sorted(taken, key=lambda p: -p.gpus):
+                target = next((j for j in sorted(free, key=lambda j: (free[j], j))
+                               if free[j] >= pod.gpus and machines[j][0].key in pod_offers[pod.key]
+                               and (machines[j][0].offer.capacity_type != CapacityType.SPOT
+                                    or offer.offer.capacity_type == CapacityType.SPOT)), None)
+                if target is None:
+                    break
+                free[target] -= pod.gpus
+                moves.append((pod, target))
+            if len(moves) != len(taken) or not taken:
+                continue
+            for pod, j in moves:
+                machines[j][1].append(pod)
+                machines[j][2] += pod.gpus
+                machines[j][3] = min(machines[j][3], machines[j][0].offer.gpus - machines[j][2])
+            offer.room += 1
+            del machines[i]
+            changed = True
+            break
+    return [(m[0], m[1], m[2], m[3]) for m in machines]
+
+
+def _pack(buckets: dict[tuple, list[GpuPod]], offer_objs: dict[str, _Offer], headroom: dict[str, int],
+          spot_left: dict[str, float], plan: DemandPlan, tier: int, rule: str = "per-used-gpu") -> list[GpuPod]:
+    """Greedy set cover: open the machine with the lowest effective cost per GPU it would
+    actually use (filled largest pods first), until every pod has one; then move each
+    machine to the cheapest offer that still holds what it got. Returns the pods left over."""
+    # bucket → GPUs per pod → pods (oldest first).
+    queues: dict[tuple, dict[int, list[GpuPod]]] = {}
+    pod_offers: dict[str, set[str]] = {}
+    for key, group in buckets.items():
+        sizes: dict[int, list[GpuPod]] = defaultdict(list)
+        for pod in sorted(group, key=lambda p: (p.created_at, p.key)):
+            sizes[pod.gpus].append(pod)
+            pod_offers[pod.key] = set(key[1])
+        queues[key] = dict(sorted(sizes.items(), reverse=True))
+    serves: dict[str, list[tuple]] = defaultdict(list)
+    # Pods with the fewest choices go in first: the flexible ones fill what is left.
+    for key in sorted(queues, key=lambda k: (len(k[1]), k)):
+        for offer_key in key[1]:
+            serves[offer_key].append(key)
+    headroom = dict(headroom)
+
+    def fill(offer: _Offer, dry: bool) -> tuple[list[GpuPod], int, int]:
+        free = offer.offer.gpus
+        spot = offer.offer.capacity_type == CapacityType.SPOT
+        budget = dict(spot_left) if dry else spot_left
+        taken: list[GpuPod] = []
+        for key in serves[offer.key]:
+            model = key[0]
+            for size, pods in queues[key].items():
+                if size > free or not pods:
+                    continue
+                n = min(len(pods), free // size)
+                if spot and budget[model] != math.inf:
+                    n = min(n, int(budget[model] // size))
+                if n <= 0:
+                    continue
+                if spot:
+                    budget[model] -= n * size
+                taken += pods[:n]
+                if not dry:
+                    del pods[:n]
+                free -= n * size
+            if free == 0:
+                break
+        used = offer.offer.gpus - free
+        models = sorted({p.model for p in taken})
+        hr = min(free, sum(headroom.get(m, 0) for m in models))
+        if not dry:
+            left = hr
+            for m in models:
+                give = min(left, headroom.get(m, 0))
+                headroom[m] = headroom.get(m, 0) - give
+                left -= give
+        return taken, used, hr
+
+    opened: list[tuple[_Offer, list[GpuPod], int, int]] = []
+    while any(pods for q in queues.values() for pods in q.values()):
+        best = None
+        for offer_key in sorted(serves):
+            offer = offer_objs[offer_key]
+            if offer.room <= 0:
+                continue
+            taken, used, hr = fill(offer, dry=True)
+            if not taken:
+                continue
+            score = ((offer.machine_eff / (used + hr), -used, offer.eff, offer.key) if rule == "per-used-gpu"
+                     else (offer.eff, -used, offer.machine_eff, offer.key))
+            if best is None or score < best[0]:
+                best = (score, offer)
+        if best is None:
+            break
+        offer = best[1]
+        taken, used, hr = fill(offer, dry=False)
+        offer.room -= 1
+        opened.append((offer, taken, used, hr))
+
+    # Headroom the pods' machines have no slack for gets machines of its own (the model's
+    # cheapest qualifying offer).
+    for key in queues:
+        model = key[0]
+        for offer_key in sorted(key[1], key=lambda k: (offer_objs[k].eff, k)):
+            offer = offer_objs[offer_key]
+            while headroom.get(model, 0) > 0 and offer.room > 0:
+                hr = min(offer.offer.gpus, headroom[model])
+                headroom[model] -= hr
+                offer.room -= 1
+                o = offer.offer
+                plan.machines.append(PlannedMachine(
+                    offer=offer.key, site=o.site, instance_type=o.instance_type, gpu=o.gpu, gpus=o.gpus,
+                    capacity_type=o.capacity_type, price_per_gpu_hour=o.price_per_gpu_hour,
+                    effective_price=round(offer.eff, 6), headroom_gpus=hr, model=model,
+                    reason=f"warm headroom for {model}: {hr} spare GPUs, ${offer.eff:.2f}/GPU-h effective"))
+    opened = _merge(opened, pod_offers)
+    # A machine opened early may end up holding less than it was chosen for: the cheapest
+    # machine that still holds its pods (and that each of them accepts) replaces it.
+    for offer, taken, used, hr in opened:
+        was_spot = offer.offer.capacity_type == CapacityType.SPOT
+        options = [o for o in offer_objs.values()
+                   if o.room > 0 and o.offer.gpus >= used + hr and o.machine_eff < offer.machine_eff - 1e-9
+                   and all(o.key in pod_offers[p.key] for p in taken)
+                   and (was_spot or o.offer.capacity_type != CapacityType.SPOT)]
+        if options:
+            better = min(options, key=lambda o: (o.machine_eff, o.key))
+            better.room -= 1
+            offer.room += 1
+            offer, hr = better, min(hr, better.offer.gpus - used)
+        plan.machines.append(_machine(offer, taken, used, hr, tier))
+    return [p for q in queues.values() for pods in q.values() for p in pods]
+
+
+# -- consolidation --------------------------------------------------------------------------
+class IdleNode(BaseModel):
+    """A fleet GPU node with no GPU pod on it."""
+
+    name: str
+    site: str
+    machine_id: str = ""
+    price_per_gpu_hour: float = 0.0
+    gpus: int = 0
+    #: Epoch seconds since it was first seen empty.
+    idle_since: float = 0.0
+    #: A Pending pod is bound or nominated to it.
+    awaited: bool = False
+
+
+class Retire(BaseModel):
+    node: str
+    site: str
+    machine_id: str = ""
+    reason: str
+
+
+class ConsolidationSettings(BaseModel):
+    idle_ttl_seconds: float = Field(600, ge=0, le=7 * 86400, allow_inf_nan=False)
+    #: At most this share of a site's nodes retiring at once (at least one node).
+    max_site_fraction: float = Field(0.25, gt=0, le=1, allow_inf_nan=False)
+
+
+def consolidate(
+    idle: list[IdleNode],
+    site_nodes: dict[str, int],
+    site_min: dict[str, int],
+    retiring: dict[str, int],
+    now: float,
+    settings: ConsolidationSettings,
+    keep_warm: dict[str, int] | None = None,
+) -> tuple[list[Retire], dict[str, str]]:
+    """Which idle nodes go back now, most expensive first: idle past the TTL, never a node
+    a Pending pod waits for, never below a site's ``min_nodes``, never more than
+    ``max_site_fraction`` of a site (counting retirements already running), and never the
+    GPUs a model's warm headroom keeps at a site (``keep_warm``: site → GPUs).
+    Returns the retirements and, for each idle node kept, why."""
+    keep_warm = dict(keep_warm or {})
+    # The cheapest idle nodes of a site are the ones kept warm.
+    warm: set[str] = set()
+    for node in sorted(idle, key=lambda n: (n.price_per_gpu_hour, n.name)):
+        if keep_warm.get(node.site, 0) > 0 and not node.awaited:
+            keep_warm[node.site] -= node.gpus
+            warm.add(node.name)
+    chosen: list[Retire] = []
+    kept: dict[str, str] = {}
+    going = dict(retiring)
+    for node in sorted(idle, key=lambda n: (-n.price_per_gpu_hour * max(n.gpus, 1), -n.price_per_gpu_hour, n.name)):
+        total = site_nodes.get(node.site, 0)
+        idle_for = now - node.idle_since
+        if node.awaited:
+            kept[node.name] = "a Pending pod is bound or nominated to it"
+        elif idle_for < settings.idle_ttl_seconds:
+            kept[node.name] = f"idle {idle_for:.0f}s of {settings.idle_ttl_seconds:.0f}s"
+        elif total - going.get(node.site, 0) <= site_min.get(node.site, 0):
+            kept[node.name] = f"{node.site} at its minimum ({site_min.get(node.site, 0)} nodes)"
+        elif going.get(node.site, 0) >= max(1, math.floor(settings.max_site_fraction * total)):
+            kept[node.name] = f"{node.site}: {going.get(node.site, 0)} of {total} nodes already retiring"
+        elif node.name in warm:
+            kept[node.name] = "warm headroom for a model at this site"
+        else:
+            going[node.site] = going.get(node.site, 0) + 1
+            chosen.append(Retire(node=node.name, site=node.site, machine_id=node.machine_id,
+                                 reason=f"idle {idle_for:.0f}s (TTL {settings.idle_ttl_seconds:.0f}s), "
+                                        f"${node.price_per_gpu_hour:.2f}/GPU-h"))
+    return chosen, kept

@@ -1,0 +1,165 @@
+"""Inputs, results and state of the demand loop (``Demand``, id ``demand``) and its activities."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.demand import DemandPlan, IdleNode, ModelUsage, NodeRoom
+from fleet.models import DAY, CapacityType, Offer
+from fleet.placement import AccountView
+
+#: The one demand loop of a fleet.
+DEMAND_WORKFLOW_ID = "demand"
+
+
+def purchase_workflow_id(seq: int) -> str:
+    """The AcquireCapacity a demand purchase runs as (``capacity/<request>``)."""
+    return f"capacity/demand-{seq}"
+
+
+# -- activities -----------------------------------------------------------------------------
+class WatchDemandInput(BaseModel):
+    #: Pods the loop already has an answer for (bought, covered, unplaceable): no wake-up.
+    known: list[str] = Field(default_factory=list)
+    batch_idle_seconds: float = 1.0
+    batch_max_seconds: float = 10.0
+    #: Return after this long even with nothing new (purchases, consolidation).
+    wait_seconds: float = 30.0
+    poll_seconds: float = 0.2
+
+
+class DemandBatch(BaseModel):
+    #: Opted-in Pending GPU pods not in ``known`` when the batch closed.
+    new: list[str] = Field(default_factory=list)
+    #: Every pod that requests GPUs and has not finished (Pending or bound).
+    present: list[str] = Field(default_factory=list)
+    #: Seconds from the first new pod to the batch's close (the window).
+    window_seconds: float = 0.0
+
+
+class JoiningMachine(BaseModel):
+    """A purchase in flight, as the planner counts it."""
+
+    purchase: str
+    site: str
+    gpus: int
+    capacity_type: CapacityType
+    #: model → GPUs of the pods it was bought for (the spot share counts them).
+    model_gpus: dict[str, int] = Field(default_factory=dict)
+
+
+class PlanDemandInput(BaseModel):
+    offers: list[Offer] = Field(default_factory=list)
+    accounts: dict[str, AccountView] = Field(default_factory=dict)
+    joining: list[JoiningMachine] = Field(default_factory=list)
+    #: offer key → why it is out (a purchase there just failed).
+    excluded: dict[str, str] = Field(default_factory=dict)
+
+
+class PlanDemandResult(BaseModel):
+    plan: DemandPlan
+    rooms: list[NodeRoom] = Field(default_factory=list)
+    usage: dict[str, ModelUsage] = Field(default_factory=dict)
+    down: dict[str, str] = Field(default_factory=dict)
+    labelled: list[str] = Field(default_factory=list)
+
+
+class StartPurchaseInput(BaseModel):
+    workflow_id: str
+    request: dict
+    summary: str
+
+
+class PurchaseStatusInput(BaseModel):
+    workflow_ids: list[str] = Field(default_factory=list)
+
+
+class PurchaseState(BaseModel):
+    workflow_id: str
+    #: running, completed, failed, cancelled, terminated, timed-out, missing.
+    status: str
+    nodes: list[str] = Field(default_factory=list)
+    why: list[str] = Field(default_factory=list)
+
+
+class CancelPurchaseInput(BaseModel):
+    workflow_id: str
+    site: str
+    reason: str
+
+
+class CancelOutcome(BaseModel):
+    cancelled: bool
+    reason: str
+
+
+class IdleNodesResult(BaseModel):
+    idle: list[IdleNode] = Field(default_factory=list)
+    site_nodes: dict[str, int] = Field(default_factory=dict)
+    site_min: dict[str, int] = Field(default_factory=dict)
+    #: site → GPUs warm headroom keeps there (the models' primary sites).
+    keep_warm: dict[str, int] = Field(default_factory=dict)
+
+
+# -- the workflow ---------------------------------------------------------------------------
+class Purchase(BaseModel):
+    workflow_id: str
+    offer: str
+    site: str
+    gpus: int
+    capacity_type: CapacityType
+    pods: list[str] = Field(default_factory=list)
+    model_gpus: dict[str, int] = Field(default_factory=dict)
+    reason: str = ""
+    #: buying, joined, failed, cancelled, kept (its pods went, but it was already provisioning).
+    status: str = "buying"
+    nodes: list[str] = Field(default_factory=list)
+    started_at: float = 0.0
+
+
+class DemandCarry(BaseModel):
+    """What the loop carries over continue-as-new (taken with no retirement in flight)."""
+
+    seq: int = 0
+    purchases: list[Purchase] = Field(default_factory=list)
+    idle_since: dict[str, float] = Field(default_factory=dict)
+    excluded: dict[str, float] = Field(default_factory=dict)
+    log: list[str] = Field(default_factory=list)
+
+
+class DemandInput(BaseModel):
+    """Start with ``{}``: every setting comes from the fleet config's ``demand:`` block."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    #: Longest wait between looks at purchases and idle nodes when no pod arrives.
+    tick_seconds: float = Field(30, gt=0, le=DAY)
+    #: Override the config's ``demand:`` settings (tests shorten them).
+    batch_idle_seconds: float | None = Field(None, ge=0, le=600)
+    batch_max_seconds: float | None = Field(None, ge=0, le=3600)
+    idle_ttl_seconds: float | None = Field(None, ge=0, le=7 * DAY)
+    max_site_fraction: float | None = Field(None, gt=0, le=1)
+    #: A purchase pinned to one offer gives up after this long (the loop then buys elsewhere).
+    purchase_deadline_seconds: float = Field(300, gt=0, le=DAY)
+    #: How long an offer whose purchase failed stays out of the plan.
+    exclude_seconds: float = Field(300, ge=0, le=DAY)
+    drain_seconds: float = Field(300, ge=0, le=DAY)
+    #: Fields merged into each AcquireCapacity request (``join_timeouts``; tests shorten them).
+    capacity_request: dict = Field(default_factory=dict)
+    consolidate: bool = True
+    #: How often the watch lists Pending pods (a real watch would be pushed; the list is cheap).
+    poll_seconds: float = Field(0.2, gt=0, le=60)
+    #: Set by the workflow itself when it continues as new; never by a caller.
+    carry: DemandCarry | None = None
+
+
+class DemandStatus(BaseModel):
+    pending: int = 0
+    window_seconds: float = 0.0
+    purchases: list[Purchase] = Field(default_factory=list)
+    covered: dict[str, str] = Field(default_factory=dict)
+    unplaceable: dict[str, str] = Field(default_factory=dict)
+    retiring: dict[str, str] = Field(default_factory=dict)
+    kept_idle: dict[str, str] = Field(default_factory=dict)
+    #: The last decisions, newest last: pods → offer → join, retirements, cancellations.
+    log: list[str] = Field(default_factory=list)

@@ -1,0 +1,153 @@
+"""A machine's bootstrap document: cloud-init that writes a kubeadm JoinConfiguration.
+
+Rendered from ``deploy/bootstrap/cloud-init.yaml`` inside the activity that creates the
+machine (the token must be in it before the provider's own id exists) and handed to the
+provider's user-data field. The rendered text carries the join token's secret: it is
+never returned from an activity, logged or put in an exception. ``BootstrapToken`` and
+``JoinParams`` hide the secret from ``repr`` so a stray log line or traceback shows none.
+
+Also the machine's side (``read_join_configuration``): what kubeadm reads back out of
+the user data, used by the simulated kubelet and the tests.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from string import Template
+from typing import Any
+
+import yaml
+
+from fleet.cluster import JoinTokenRef
+
+#: Where the template lives in the repository (and in the control-plane image).
+TEMPLATE_ENV = "GPUFLEET_BOOTSTRAP_TEMPLATE"
+DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "bootstrap" / "cloud-init.yaml"
+#: Where the rendered document puts the JoinConfiguration on the machine.
+JOIN_CONFIG_PATH = "/etc/gpufleet/join.yaml"
+#: The group every gpufleet join token carries (``auth-extra-groups``). It must match
+#: ``system:bootstrappers:[a-z0-9:-]*``; deploy/bootstrap/rbac.yaml binds it to kubeadm's
+#: join RBAC and to nothing that approves certificates: gpufleet approves its own.
+BOOTSTRAP_GROUP = "system:bootstrappers:gpufleet:nodes"
+
+TOKEN_ID = re.compile(r"^[a-z0-9]{6}$")
+TOKEN = re.compile(r"^[a-z0-9]{6}\.[a-z0-9]{16}$")
+#: What each template value may hold: nothing that could end a YAML scalar or a line.
+PATTERNS = {
+    "api_server": re.compile(r"^[A-Za-z0-9.\[\]:-]{1,253}$"),
+    "ca_cert_hash": re.compile(r"^sha256:[0-9a-f]{64}$"),
+    "token": TOKEN,
+    "node_name": re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"),
+    "provider_id": re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,511}$"),
+}
+
+
+class BootstrapError(ValueError):
+    """A value that may not go into a bootstrap document (names the field, never its value)."""
+
+
+@dataclass(frozen=True)
+class BootstrapToken:
+    """A join token as the cluster port hands it to the activity that renders user data."""
+
+    token_id: str
+    node_name: str
+    expires_at: datetime
+    secret: str = field(repr=False)
+
+    @property
+    def value(self) -> str:
+        return f"{self.token_id}.{self.secret}"
+
+    @property
+    def ref(self) -> JoinTokenRef:
+        return JoinTokenRef(token_id=self.token_id, node_name=self.node_name, expires_at=self.expires_at)
+
+
+@dataclass(frozen=True)
+class JoinParams:
+    api_server: str
+    ca_cert_hash: str
+    token: str = field(repr=False)
+    node_name: str = ""
+    provider_id: str = ""
+
+    def checked(self) -> dict[str, str]:
+        values = {name: getattr(self, name) for name in PATTERNS}
+        for name, value in values.items():
+            if not isinstance(value, str) or not PATTERNS[name].match(value):
+                raise BootstrapError(f"bootstrap {name}: not a valid value for the join document")
+        return values
+
+
+def template_path() -> Path:
+    return Path(os.environ.get(TEMPLATE_ENV) or DEFAULT_TEMPLATE)
+
+
+def render_user_data(params: JoinParams, template: str | None = None) -> str:
+    """The cloud-config for one machine."""
+    text = template if template is not None else template_path().read_text()
+    try:
+        rendered = Template(text).substitute(params.checked())
+    except (KeyError, ValueError) as error:
+        raise BootstrapError(f"bootstrap template: {error.__class__.__name__} for {error}") from None
+    # The document must read back as what it claims to be (a broken template fails here,
+    # before any machine is bought with it).
+    read_join_configuration(rendered)
+    return rendered
+
+
+def ca_cert_hash(ca_pem: bytes) -> str:
+    """kubeadm's discovery hash: SHA-256 of the CA certificate's SubjectPublicKeyInfo."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
+
+    cert = x509.load_pem_x509_certificate(ca_pem)
+    spki = cert.public_key().public_bytes(Encoding.DER, PublicFormat.SubjectPublicKeyInfo)
+    return "sha256:" + hashlib.sha256(spki).hexdigest()
+
+
+# -- the machine's side -----------------------------------------------------------------------
+def decode_user_data(raw: str | bytes) -> str:
+    """User data as a provider hands it back (AWS returns it base64-encoded)."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    if text.startswith("#cloud-config"):
+        return text
+    try:
+        decoded = base64.b64decode(text, validate=True).decode()
+    except (ValueError, UnicodeDecodeError):
+        return text
+    return decoded if decoded.startswith("#cloud-config") else text
+
+
+def read_cloud_config(user_data: str | bytes) -> dict[str, Any]:
+    text = decode_user_data(user_data)
+    if not text.startswith("#cloud-config"):
+        raise BootstrapError("user data: not a #cloud-config document")
+    doc = yaml.safe_load(text)
+    if not isinstance(doc, dict):
+        raise BootstrapError("user data: not a mapping")
+    return doc
+
+
+def read_join_configuration(user_data: str | bytes) -> dict[str, Any]:
+    """The JoinConfiguration the user data writes for kubeadm."""
+    doc = read_cloud_config(user_data)
+    for entry in doc.get("write_files") or []:
+        if isinstance(entry, dict) and entry.get("path") == JOIN_CONFIG_PATH:
+            config = yaml.safe_load(entry.get("content") or "")
+            if isinstance(config, dict) and config.get("kind") == "JoinConfiguration":
+                return config
+    raise BootstrapError(f"user data: no JoinConfiguration written to {JOIN_CONFIG_PATH}")
+
+
+def kubelet_args(config: dict[str, Any]) -> dict[str, str]:
+    """``nodeRegistration.kubeletExtraArgs`` (v1beta4: a list of ``{name, value}``) as a dict."""
+    args = (config.get("nodeRegistration") or {}).get("kubeletExtraArgs") or []
+    return {a["name"]: a["value"] for a in args if isinstance(a, dict) and "name" in a}

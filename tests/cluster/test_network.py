@@ -1,0 +1,393 @@
+"""The network model (issue 17): nodes only dial out.
+
+* every kustomization under deploy/ renders, and nothing rendered for a GPU node listens
+  (no NodePort/LoadBalancer Service, no hostPort, no host network) or dials a ``.svc`` name;
+* the API server reaches kubelets through Konnectivity tunnels the nodes open
+  (``gpufleet cluster check`` reports them, against the fake API server);
+* a site is a topology zone: a joined node carries ``topology.kubernetes.io/zone=<site>``
+  (simulated fleet and fake API server) and the reconcile sweep puts it back;
+* the one Service that spans sites prefers the caller's site; a replica stays in one site;
+* node agents dial the node gateway's public endpoint from the fleet config.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+from temporalio.testing import ActivityEnvironment
+from typer.testing import CliRunner
+
+from activities.capacity import CapacityActivities
+from activities.control_plane import ControlPlaneActivities
+from activities.env import FleetEnv
+from activities.models import PrepareNodeInput
+from cli.cluster import cluster_app
+from fleet.cluster import (
+    LABEL_MODEL,
+    LABEL_PROVIDER,
+    LABEL_REGION,
+    LABEL_SITE,
+    LABEL_ZONE,
+    ServingSpec,
+)
+from fleet.config import ConfigError, load_config, parse_config
+from fleet.messages.capacity import SiteNodesInput
+from fleet.messages.join import NodeJoinResult
+from fleet.settings import Settings
+from providers.cluster.check import check_tunnels
+from providers.cluster.kubernetes import (
+    render_deployment,
+    render_model_service,
+    render_service,
+)
+from tests.conftest import write_fleet
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
+runner = CliRunner()
+
+
+# -- deploy/: what runs on a node ---------------------------------------------------------------
+def _render(directory: Path) -> list[dict]:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed")
+    done = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60,
+                          check=False)
+    assert done.returncode == 0, f"{directory.relative_to(ROOT)}: {done.stderr}"
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def _rendered() -> list[dict]:
+    return [doc for directory in KUSTOMIZATIONS for doc in _render(directory)]
+
+
+def _gpu_node_pods(docs: list[dict]) -> dict[str, dict]:
+    """Pod templates that land on GPU nodes: by their node affinity or node selector."""
+    found = {}
+    for doc in docs:
+        if doc["kind"] not in ("DaemonSet", "Deployment", "StatefulSet", "Job"):
+            continue
+        pod = doc["spec"]["template"]["spec"]
+        terms = (((pod.get("affinity") or {}).get("nodeAffinity") or {})
+                 .get("requiredDuringSchedulingIgnoredDuringExecution") or {}).get("nodeSelectorTerms") or []
+        keys = {e["key"] for t in terms for e in t.get("matchExpressions") or []} | set(pod.get("nodeSelector") or {})
+        tolerated = {t.get("key") for t in pod.get("tolerations") or []}
+        if doc["kind"] == "DaemonSet" or keys & {"nvidia.com/gpu.present", LABEL_SITE} or "nvidia.com/gpu" in tolerated:
+            found[f"{doc['kind']}/{doc['metadata']['name']}"] = doc
+    return found
+
+
+@pytest.mark.parametrize("directory", KUSTOMIZATIONS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_kustomization_renders(directory: Path) -> None:
+    assert _render(directory)
+
+
+def test_the_network_parts_are_kustomizations() -> None:
+    assert {str(p.relative_to(DEPLOY)) for p in KUSTOMIZATIONS} >= {
+        "kubernetes", "network/konnectivity", "network/dns"}
+
+
+def test_nothing_listens_on_a_gpu_node() -> None:
+    docs = _rendered()
+    exposed = [(d["metadata"]["name"], d["spec"].get("type")) for d in docs if d["kind"] == "Service"
+               and d["spec"].get("type") in ("NodePort", "LoadBalancer")]
+    assert not exposed
+    workloads = _gpu_node_pods(docs)
+    assert {"DaemonSet/gpufleet-node-agent", "DaemonSet/konnectivity-agent"} <= set(workloads)
+    for name, doc in workloads.items():
+        pod = doc["spec"]["template"]["spec"]
+        assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), name
+        for container in pod.get("containers", []) + pod.get("initContainers", []):
+            assert not any("hostPort" in p for p in container.get("ports") or []), name
+
+
+def _strings(value) -> list[str]:
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list):
+        return [s for v in value for s in _strings(v)]
+    return [value] if isinstance(value, str) else []
+
+
+def test_nothing_on_a_node_dials_a_cluster_internal_name() -> None:
+    docs = _rendered()
+    configmaps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
+    for name, doc in _gpu_node_pods(docs).items():
+        pod = doc["spec"]["template"]["spec"]
+        containers = pod.get("containers", []) + pod.get("initContainers", [])
+        texts = _strings(containers)
+        for ref in re.findall(r"'name': '([^']+)'", str([c.get("env") for c in containers])):
+            if ref in configmaps:
+                texts += _strings(configmaps[ref].get("data") or {})
+        internal = [t for t in texts if re.search(r"\.svc(\.|:|$)|\.cluster\.local", t)]
+        assert not internal, f"{name} dials {internal}"
+
+
+def test_node_agent_dials_the_gateway_from_its_configmap() -> None:
+    (agent,) = [d for d in _render(DEPLOY / "kubernetes") if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "gpufleet-node-agent"]
+    pod = agent["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["TEMPORAL_ADDRESS"]["valueFrom"]["configMapKeyRef"] == {"name": "gpufleet-node-gateway",
+                                                                       "key": "endpoint"}
+    ca_path = Path(env["TEMPORAL_TLS_SERVER_CA_CERT_PATH"]["value"])
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(ca_path.parent))
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["configMap"]["name"] == "gpufleet-node-gateway"
+    assert volume["configMap"]["items"] == [{"key": "ca.crt", "path": ca_path.name}]
+
+
+def test_konnectivity_agents_dial_out_on_443_on_the_node_agents_nodes() -> None:
+    docs = _render(DEPLOY / "network" / "konnectivity")
+    (agent,) = [d for d in docs if d["kind"] == "DaemonSet"]
+    (node_agent,) = [d for d in _render(DEPLOY / "kubernetes") if d["kind"] == "DaemonSet" and d["metadata"]["name"] == "gpufleet-node-agent"]
+    pod, theirs = agent["spec"]["template"]["spec"], node_agent["spec"]["template"]["spec"]
+    assert pod["affinity"] == theirs["affinity"], "a tunnel on every node the node agent runs on"
+    assert {"key": "gpufleet.io/unproven", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    (container,) = pod["containers"]
+    args = dict(a.lstrip("-").split("=", 1) for a in container["args"] if "=" in a)
+    assert args["agent-identifiers"] == "host=$(HOST_IP)"
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    env = {e["name"]: e["valueFrom"] for e in container["env"]}
+    assert env["PROXY_SERVER_HOST"]["configMapKeyRef"]["name"] == config["metadata"]["name"]
+    assert config["data"]["proxy-server-port"] == "443"
+    assert "." in config["data"]["proxy-server-host"]
+    volume = pod["volumes"][0]["projected"]["sources"][0]["serviceAccountToken"]
+    assert volume["audience"] == "system:konnectivity-server"
+
+
+def test_the_api_servers_egress_goes_to_the_konnectivity_socket() -> None:
+    control = DEPLOY / "network" / "konnectivity" / "control-plane"
+    (egress,) = yaml.safe_load_all((control / "egress-selector-configuration.yaml").read_text())
+    (server,) = yaml.safe_load_all((control / "konnectivity-server.yaml").read_text())
+    assert egress["kind"] == "EgressSelectorConfiguration"
+    (selection,) = egress["egressSelections"]
+    assert selection["name"] == "cluster"
+    args = dict(a.lstrip("-").split("=", 1) for a in server["spec"]["containers"][0]["args"] if "=" in a)
+    assert selection["connection"]["transport"]["uds"]["udsName"] == args["uds-name"]
+    assert args["proxy-strategies"].startswith("destHost")
+    assert args["authentication-audience"] == "system:konnectivity-server"
+
+
+def test_overlay_templates_listen_only_at_the_hub() -> None:
+    wireguard = DEPLOY / "network" / "wireguard"
+    hub, spoke = (wireguard / "hub.conf.template").read_text(), (wireguard / "spoke.conf.template").read_text()
+    assert re.search(r"^ListenPort = 443$", hub, re.MULTILINE)
+    hub_peer = spoke.split("[Peer]")[1]
+    assert "Endpoint = ${HUB_PUBLIC_NAME}:443" in hub_peer and "PersistentKeepalive" in hub_peer
+
+
+# -- Konnectivity in `gpufleet cluster check` -----------------------------------------------------
+def _tunnels(fake, nodes=("gpu-1", "gpu-2"), agents_on=("gpu-1", "gpu-2"), server=True):
+    fake.add_node("cp-1", {"node-role.kubernetes.io/control-plane": ""})
+    for node in nodes:
+        fake.add_node(node, {LABEL_SITE: "site-a"})
+    if server:  # the upstream static pod: no labels, mirror named <name>-<node>
+        fake.add_pod("cp-1", "konnectivity-server-cp-1", "kube-system", owner_kind="", mirror=True)
+        fake.set_pod_ready("kube-system", "konnectivity-server-cp-1")
+    for node in agents_on:
+        name = f"konnectivity-agent-{node}"
+        fake.add_pod(node, name, "kube-system", {"k8s-app": "konnectivity-agent"}, owner_kind="DaemonSet")
+        fake.set_pod_ready("kube-system", name)
+
+
+def test_tunnels_found(fake):
+    _tunnels(fake)
+    report = check_tunnels(fake.api_client())
+    assert report.ok and report.servers == ["konnectivity-server-cp-1"]
+    assert report.agents == {"gpu-1": "konnectivity-agent-gpu-1", "gpu-2": "konnectivity-agent-gpu-2"}
+
+
+def test_a_node_without_a_ready_agent_is_named(fake):
+    _tunnels(fake, nodes=("gpu-1", "gpu-2", "gpu-3"), agents_on=("gpu-1", "gpu-2"))
+    fake.set_pod_ready("kube-system", "konnectivity-agent-gpu-2", ready=False)
+    report = check_tunnels(fake.api_client())
+    assert not report.ok and report.missing == ["gpu-2", "gpu-3"]
+
+
+def test_no_server_is_not_ok(fake):
+    _tunnels(fake, server=False)
+    report = check_tunnels(fake.api_client())
+    assert not report.ok and report.servers == [] and not report.missing
+
+
+def test_cli_reports_the_tunnels(fake, tmp_path):
+    _tunnels(fake, nodes=("gpu-1", "gpu-2"), agents_on=("gpu-1",))
+    kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig")
+    result = runner.invoke(cluster_app, ["check", "--kubeconfig", kubeconfig], env={"COLUMNS": "200"})
+    assert result.exit_code == 1, result.output
+    assert "all" in result.output and "permissions granted" in result.output
+    line = next(line for line in result.output.splitlines() if "konnectivity-agent" in line)
+    assert "MISSING" in line and "on 1 of 2 gpufleet nodes" in line and "gpu-2" in line
+    assert "tunnels missing" in result.output
+    fake.add_pod("gpu-2", "konnectivity-agent-gpu-2", "kube-system", {"k8s-app": "konnectivity-agent"})
+    fake.set_pod_ready("kube-system", "konnectivity-agent-gpu-2")
+    result = runner.invoke(cluster_app, ["check", "--kubeconfig", kubeconfig], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "tunnels running" in result.output
+
+
+def test_cli_without_tunnels_checks_only_permissions(fake, tmp_path):
+    result = runner.invoke(cluster_app, ["check", "--kubeconfig", fake.kubeconfig(tmp_path / "k"), "--no-tunnels"])
+    assert result.exit_code == 0, result.output
+    assert "Konnectivity" not in result.output
+
+
+# -- a site is a zone -------------------------------------------------------------------------------
+@pytest.fixture
+def fleet_env(kube, tmp_path) -> FleetEnv:
+    return FleetEnv(Settings(state_dir=tmp_path), load_config(write_fleet(tmp_path)), kube)
+
+
+def test_a_labelled_node_carries_its_site_as_zone_on_the_api_server(fleet_env, fake):
+    fake.add_node("gpu-1", {})
+    node = ActivityEnvironment().run(ControlPlaneActivities(fleet_env).prepare_node, PrepareNodeInput(
+        node_name="gpu-1", labels={LABEL_SITE: "site-a", LABEL_PROVIDER: "lambda", LABEL_REGION: "us-east-1"}))
+    assert node.labels[LABEL_ZONE] == "site-a"
+    assert fake.get("", "nodes", "", "gpu-1")["metadata"]["labels"][LABEL_ZONE] == "site-a"
+
+
+def test_the_reconcile_sweep_puts_a_changed_zone_back(fleet_env, fake):
+    fake.add_node("gpu-1", {LABEL_SITE: "site-a", LABEL_ZONE: "site-b"})  # the kubelet moved itself
+    fake.add_node("gpu-2", {LABEL_SITE: "site-a", LABEL_ZONE: "site-a"})
+    site_nodes = CapacityActivities(fleet_env).site_nodes
+    nodes = ActivityEnvironment().run(site_nodes, SiteNodesInput(site="site-a"))
+    assert {n.node_name for n in nodes} == {"gpu-1", "gpu-2"}
+    assert fake.get("", "nodes", "", "gpu-1")["metadata"]["labels"][LABEL_ZONE] == "site-a"
+    patched = [r for r in fake.requests if r[0] == "patch" and r[2] == "nodes"]
+    assert len(patched) == 1, "only the node whose zone was wrong is written"
+    ActivityEnvironment().run(site_nodes, SiteNodesInput(site="site-a"))
+    assert len([r for r in fake.requests if r[0] == "patch" and r[2] == "nodes"]) == 1
+
+
+async def test_a_joined_node_carries_its_site_as_zone_in_the_sim(stack) -> None:
+    handle = await stack.start_join({"site": "site-a"}, request="zone")
+    (joined,) = NodeJoinResult.model_validate(await handle.result()).nodes
+    node = stack.cluster.get_node(joined.node_name)
+    assert node.labels[LABEL_ZONE] == node.labels[LABEL_SITE] == "site-a"
+
+
+# -- Services that stay inside a site --------------------------------------------------------------
+def test_only_the_model_wide_service_spans_sites_and_it_prefers_close() -> None:
+    per_site = render_service("llama-3-8b", "site-a", "gpufleet")
+    assert per_site["spec"]["selector"][LABEL_SITE] == "site-a"
+    wide = render_model_service("llama-3-8b", "gpufleet")
+    assert LABEL_SITE not in wide["spec"]["selector"] and wide["spec"]["selector"][LABEL_MODEL] == "llama-3-8b"
+    assert wide["spec"]["trafficDistribution"] == "PreferClose"
+    assert wide["spec"].get("type", "ClusterIP") == "ClusterIP"
+
+
+def test_a_replica_never_straddles_sites() -> None:
+    deployment = render_deployment(ServingSpec(model="m", site="site-a", image="i", replicas=3), "gpufleet")
+    assert deployment["spec"]["selector"]["matchLabels"][LABEL_SITE] == "site-a"
+    assert deployment["spec"]["template"]["spec"]["nodeSelector"] == {LABEL_SITE: "site-a"}
+
+
+def test_serving_at_two_sites_writes_one_prefer_close_service(kube, fake):
+    for site in ("site-a", "site-b"):
+        kube.apply_serving(ServingSpec(model="llama-3-8b", site=site, image="vllm:1"))
+    services = {s["metadata"]["name"]: s for s in fake.objects("", "services", "gpufleet")}
+    assert set(services) == {"llama-3-8b", "llama-3-8b-site-a", "llama-3-8b-site-b"}
+    spanning = [s for s in services.values() if LABEL_SITE not in s["spec"]["selector"]]
+    assert [s["metadata"]["name"] for s in spanning] == ["llama-3-8b"]
+    assert all(s["spec"].get("trafficDistribution") == "PreferClose" for s in spanning)
+    posts = [r for r in fake.requests if r[0] == "create" and r[2] == "services"]
+    kube.apply_serving(ServingSpec(model="llama-3-8b", site="site-a", image="vllm:1"))
+    assert [r for r in fake.requests if r[0] == "create" and r[2] == "services"] == posts
+    kube.delete_serving("llama-3-8b", "site-a")
+    assert fake.get("", "services", "gpufleet", "llama-3-8b") is not None, "site-b still serves it"
+    kube.delete_serving("llama-3-8b", "site-b")
+    assert fake.objects("", "services", "gpufleet") == []
+
+
+def test_the_model_wide_service_never_takes_over_another_models_service(kube, fake):
+    kube.apply_serving(ServingSpec(model="m", site="x", image="i"))      # Service "m-x", one site
+    kube.apply_serving(ServingSpec(model="m-x", site="y", image="i"))    # its model-wide name is "m-x" too
+    other = fake.get("", "services", "gpufleet", "m-x")
+    assert other["spec"]["selector"] == {LABEL_MODEL: "m", LABEL_SITE: "x"}
+    kube.delete_serving("m-x", "y")
+    assert fake.get("", "services", "gpufleet", "m-x") is not None
+
+
+# -- the node gateway in the fleet config ------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", ["gateway.fleet.example.com:443", "203.0.113.7:443"])
+def test_node_gateway_takes_a_public_endpoint(endpoint):
+    config = parse_config({"node_gateway": {"endpoint": endpoint, "ca": {"file": "/etc/ca.pem"}}})
+    assert config.node_gateway.endpoint == endpoint
+
+
+@pytest.mark.parametrize("endpoint", ["temporal-frontend.temporal.svc:7233", "gpufleet-gateway:443",
+                                      "gw.gpufleet.svc.cluster.local:443", "gw.example.com",
+                                      "https://gw.example.com:443", "gw.example.com:70000"])
+def test_node_gateway_refuses_internal_names_and_non_host_ports(endpoint):
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"node_gateway": {"endpoint": endpoint, "ca": {"file": "/etc/ca.pem"}}})
+    assert any(p.startswith("node_gateway.endpoint:") for p in caught.value.problems), caught.value.problems
+
+
+def test_node_gateway_needs_its_ca():
+    with pytest.raises(ConfigError) as caught:
+        parse_config({"node_gateway": {"endpoint": "gw.example.com:443"}})
+    assert caught.value.problems == ["node_gateway.ca: Field required"]
+
+
+def _ca_pem() -> str:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "gpufleet node gateway CA")])
+    now = datetime.now(UTC)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number()).not_valid_before(now)
+            .not_valid_after(now + timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(key, hashes.SHA256()))
+    return cert.public_bytes(serialization.Encoding.PEM).decode()
+
+
+def test_node_config_renders_the_configmap_the_daemonset_reads(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text(_ca_pem())
+    fleet = yaml.safe_load(write_fleet(tmp_path).read_text())
+    fleet["node_gateway"] = {"endpoint": "gateway.fleet.example.com:443", "ca": {"file": str(ca)}}
+    (tmp_path / "sites.yaml").write_text(yaml.safe_dump(fleet))
+    result = runner.invoke(cluster_app, ["node-config", "--config", str(tmp_path / "sites.yaml")])
+    assert result.exit_code == 0, result.output
+    doc = yaml.safe_load(result.stdout)
+    assert doc["kind"] == "ConfigMap" and doc["metadata"]["name"] == "gpufleet-node-gateway"
+    assert doc["data"]["endpoint"] == "gateway.fleet.example.com:443"
+    assert doc["data"]["ca.crt"] == ca.read_text()
+
+    ca.write_text("not a certificate")
+    result = runner.invoke(cluster_app, ["node-config", "--config", str(tmp_path / "sites.yaml")])
+    assert result.exit_code == 2 and "not a PEM certificate" in result.output
+
+
+def test_node_config_without_a_gateway_exits_2(tmp_path):
+    result = runner.invoke(cluster_app, ["node-config", "--config", str(write_fleet(tmp_path))])
+    assert result.exit_code == 2 and "node_gateway: missing" in result.output
+
+
+# -- the README ------------------------------------------------------------------------------------
+def test_the_readme_has_the_network_model_and_a_checklist_whose_paths_exist():
+    text = (ROOT / "README.md").read_text()
+    start = text.index("### Network model")
+    section = text[start:text.index("\n### ", start + 1)]
+    for party in ("kubelet", "node agent", "Konnectivity agent", "API server", "node gateway", "front door",
+                  "object store"):
+        assert party in section, party
+    steps = re.findall(r"^\s*(\d+)\. ", section[section.index("**Checklist"):], re.MULTILINE)
+    assert [int(s) for s in steps] == list(range(1, len(steps) + 1)) and len(steps) >= 8
+    for path in set(re.findall(r"deploy/[\w./-]+[\w]", section)):
+        assert (ROOT / path).exists(), path
+    assert "gpufleet cluster check" in section and "gpufleet cluster node-config" in section

@@ -1,0 +1,306 @@
+"""A real machine joins a real cluster (issue 24), in ``mode: real`` without the simulator.
+
+Each provider adapter against its wire-level fake, the Kubernetes adapter against the
+fake API server (bearer-token authentication, RBAC from deploy/bootstrap/rbac.yaml and
+kubeadm's defaults, the CSR API and its controllers, NodeRestriction), and a simulated
+kubelet that knows only the user data its machine received. The join's activities run
+as the control-plane worker runs them: token and machine, then registration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import inspect
+import logging
+import shutil
+import subprocess
+import threading
+import uuid
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from temporalio.exceptions import ApplicationError
+from temporalio.testing import ActivityEnvironment
+
+from activities.account_store import AccountStore
+from activities.control_plane import ControlPlaneActivities
+from activities.env import FleetEnv
+from activities.models import AwaitRegistrationInput, NodeFactsInput, PrepareNodeInput, ProvisionJoinInput
+from activities.repair import RepairActivities
+from fleet.cluster import LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
+from fleet.config import FleetConfig
+from fleet.naming import node_name_for
+from fleet.settings import Settings
+from providers.cluster.bootstrap import BOOTSTRAP_GROUP, read_join_configuration
+from providers.cluster.kubernetes import KubernetesCluster
+from tests.cluster.fake_apiserver import FakeKube
+from tests.cluster.sim_kubelet import JoinFailed, SimKubelet
+from tests.providers.harness import Harness
+
+PROVIDERS = ["aws", "lambda", "nebius", "hetzner", "own_dc"]
+
+
+def run(activity_fn, *args):
+    """The activity as the worker runs it (the test stays sync: the Nebius SDK's sync calls
+    refuse a running event loop)."""
+    result = ActivityEnvironment().run(activity_fn, *args)
+    return asyncio.run(result) if inspect.iscoroutine(result) else result
+
+
+def user_data_of(harness: Harness, machine_id: str) -> str:
+    """What the machine received, read where the provider keeps it."""
+    kind = harness.provider.site.provider
+    if kind == "aws":
+        raw = harness.ec2.describe_instance_attribute(InstanceId=machine_id, Attribute="userData")
+        return base64.b64decode(raw["UserData"]["Value"]).decode()
+    if kind == "lambda":
+        return harness.fake.user_data[machine_id]
+    if kind == "hetzner":
+        return harness.fake.user_data[int(machine_id)]
+    if kind == "nebius":
+        return harness.fake.instances[machine_id].spec.cloud_init_user_data
+    seed = harness.provider.options["seed_dir"]
+    with open(f"{seed}/{machine_id}/user-data") as seed_file:
+        return seed_file.read()
+
+
+class Joining:
+    """One provider, the fake API server and the control plane's activities."""
+
+    def __init__(self, harness: Harness, tmp_path) -> None:
+        self.harness = harness
+        self.tmp = tmp_path
+        provider = harness.provider
+        if provider.site.provider == "own-dc":
+            provider.options["seed_dir"] = str(tmp_path / "seeds")
+        self.fake = FakeKube().start().enable_bootstrap()
+        self.cluster = KubernetesCluster(api_client=self.fake.api_client(), namespace="gpufleet")
+        config = FleetConfig(mode="real", accounts=[provider.account], sites=[provider.site])
+        self.env = FleetEnv(Settings(state_dir=tmp_path), config, self.cluster)
+        self.env._providers[provider.site.name] = provider
+        self.env._accounts = AccountStore(tmp_path / "guard.db")
+        self.acts = ControlPlaneActivities(self.env)
+        self.site = provider.site
+        self.join_id = f"join/{self.site.name}/{uuid.uuid4().hex[:6]}"
+        self.node_name = node_name_for(self.site.name, self.join_id)
+
+    def provision(self):
+        spec = self.harness.spec.model_copy(update={"name": self.node_name})
+        return run(self.acts.provision_joining_machine,
+                   ProvisionJoinInput(site=self.site.name, spec=spec, idempotency_key=self.join_id))
+
+    def kubelet(self, machine_id: str) -> SimKubelet:
+        addresses = self.harness.provider.get_machine(machine_id).addresses
+        return SimKubelet(user_data_of(self.harness, machine_id), addresses=addresses)
+
+    def await_registration(self, provisioned, seconds: float = 20):
+        return run(self.acts.await_registration, AwaitRegistrationInput(
+            site=self.site.name, node_name=self.node_name, machine_id=provisioned.machine.id,
+            provider_id=provisioned.provider_id, join_id=self.join_id, poll_seconds=0.1,
+            deadline=datetime.now(timezone.utc) + timedelta(seconds=seconds)))
+
+    def join_alongside(self, kubelet: SimKubelet, provisioned, seconds: float = 20):
+        """The machine boots and joins while the control plane waits for it."""
+        outcome: dict = {}
+
+        def machine() -> None:
+            try:
+                outcome["node"] = kubelet.join()
+            except Exception as error:  # noqa: BLE001 - reported to the test
+                outcome["error"] = error
+
+        thread = threading.Thread(target=machine)
+        thread.start()
+        try:
+            return self.await_registration(provisioned, seconds), outcome
+        finally:
+            thread.join(timeout=30)
+
+    def tokens(self) -> list[dict]:
+        return [s for s in self.fake.objects("", "secrets", "kube-system") if s["metadata"]["name"].startswith(
+            "bootstrap-token-")]
+
+    def stop(self) -> None:
+        self.fake.stop()
+
+
+@pytest.fixture(params=PROVIDERS)
+def joining(request: pytest.FixtureRequest, tmp_path):
+    harness = request.getfixturevalue(f"{request.param}_harness")
+    world = Joining(harness, tmp_path)
+    yield world
+    world.stop()
+
+
+@pytest.fixture
+def one(lambda_harness, tmp_path):
+    world = Joining(lambda_harness, tmp_path)
+    yield world
+    world.stop()
+
+
+def test_a_machine_joins_from_nothing_but_its_user_data(joining: Joining, caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+    provisioned = joining.provision()
+    machine = provisioned.machine
+    [token] = joining.tokens()
+    secret = base64.b64decode(token["data"]["token-secret"]).decode()
+    assert base64.b64decode(token["data"]["auth-extra-groups"]).decode() == BOOTSTRAP_GROUP
+    assert secret not in provisioned.model_dump_json(), "only the token's id leaves the activity"
+
+    user_data = user_data_of(joining.harness, machine.id)
+    config = read_join_configuration(user_data)
+    assert config["nodeRegistration"]["name"] == joining.node_name
+    kubelet = joining.kubelet(machine.id)
+    assert kubelet.provider_id == provisioned.provider_id
+    assert provisioned.provider_id == f"gpufleet://{joining.site.provider}/{joining.site.account}/{joining.node_name}"
+
+    node, outcome = joining.join_alongside(kubelet, provisioned)
+    assert "error" not in outcome, outcome.get("error")
+    assert node.name == joining.node_name and node.ready
+    assert (node.machine_id, node.site, node.provider, node.account) == (
+        machine.id, joining.site.name, joining.site.provider, joining.site.account)
+    assert UNPROVEN_TAINT in node.taints, "registered unproven: nothing lands before the smoke test"
+    assert joining.tokens() == [], "the token is deleted as soon as the node registered"
+    [csr] = joining.fake.objects("certificates.k8s.io", "certificatesigningrequests")
+    assert csr["spec"]["username"] == f"system:bootstrap:{token['metadata']['labels']['gpufleet.io/token-id']}"
+    assert [c["reason"] for c in csr["status"]["conditions"]] == ["GpufleetApproved"]
+
+    labelled = run(joining.acts.prepare_node, PrepareNodeInput(
+        node_name=node.name, labels={LABEL_SITE: joining.site.name, LABEL_PROVIDER: joining.site.provider}))
+    assert labelled.labels[LABEL_SITE] == joining.site.name
+    # The token, spent, authenticates nobody any more.
+    with pytest.raises(JoinFailed) as spent:
+        kubelet.call("GET", "/api/v1/namespaces/kube-public/configmaps/cluster-info", bearer=kubelet.token)
+    assert spent.value.status == 401
+    assert secret not in caplog.text, "the token's secret is in no log line"
+
+    if shutil.which("cloud-init"):  # what this provider handed the machine is valid cloud-config
+        document = joining.tmp / "user-data.yaml"
+        document.write_text(user_data)
+        checked = subprocess.run(["cloud-init", "schema", "--config-file", str(document)],
+                                 capture_output=True, text=True)
+        assert "Valid cloud-config" in checked.stdout, checked.stdout + checked.stderr
+
+
+def test_a_retried_provision_reuses_its_token_and_its_machine(one: Joining) -> None:
+    first = one.provision()
+    again = one.provision()
+    assert again.machine.id == first.machine.id and again.token.token_id == first.token.token_id
+    assert len(one.tokens()) == 1
+
+
+def test_a_token_gets_no_certificate_for_another_node(one: Joining) -> None:
+    provisioned = one.provision()
+    kubelet = one.kubelet(provisioned.machine.id)
+    kubelet.discover()
+    outcome: dict = {}
+
+    def machine() -> None:
+        try:
+            kubelet.request_certificate("someone-elses-node")
+        except JoinFailed as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=machine)
+    thread.start()
+    with pytest.raises(ApplicationError) as waited:
+        one.await_registration(provisioned, seconds=3)
+    thread.join(timeout=30)
+    assert waited.value.type == "RegistrationTimeout"
+    assert "denied" in str(outcome["error"]) and one.node_name in str(outcome["error"])
+    [csr] = one.fake.objects("certificates.k8s.io", "certificatesigningrequests")
+    assert [c["type"] for c in csr["status"]["conditions"]] == ["Denied"]
+    assert "certificate" not in csr["status"]
+
+
+def test_kubeadms_default_group_would_have_been_auto_approved_for_any_name(one: Joining) -> None:
+    """Why gpufleet's tokens carry their own group: the same CSR from a token in kubeadm's
+    default group gets a certificate for any node name, with no approver of ours involved."""
+    token_id, secret = "abcdef", "0123456789abcdef"
+    one.fake.put("", "secrets", {"apiVersion": "v1", "kind": "Secret", "type": "bootstrap.kubernetes.io/token",
+                                 "metadata": {"name": f"bootstrap-token-{token_id}", "namespace": "kube-system"},
+                                 "stringData": {"token-id": token_id, "token-secret": secret,
+                                                "usage-bootstrap-authentication": "true",
+                                                "auth-extra-groups": "system:bootstrappers:kubeadm:default-node-token"}})
+    provisioned = one.provision()
+    kubelet = one.kubelet(provisioned.machine.id)
+    kubelet.token = f"{token_id}.{secret}"
+    assert kubelet.request_certificate("any-node-at-all")
+
+
+def test_a_used_token_cannot_join_again(one: Joining) -> None:
+    provisioned = one.provision()
+    node, outcome = one.join_alongside(one.kubelet(provisioned.machine.id), provisioned)
+    assert node.ready and "error" not in outcome
+    replay = one.kubelet(provisioned.machine.id)  # the same user data, read again
+    with pytest.raises(JoinFailed) as refused:
+        replay.join()
+    assert refused.value.status == 401
+
+
+def test_a_node_with_another_provider_id_is_refused(one: Joining) -> None:
+    provisioned = one.provision()
+    kubelet = one.kubelet(provisioned.machine.id)
+    kubelet.provider_id = "gpufleet://lambda/other-account/someone-else"
+    with pytest.raises(ApplicationError) as refused:
+        one.join_alongside(kubelet, provisioned)
+    assert refused.value.type == "RegistrationMismatch" and "providerID" in refused.value.message
+    assert one.tokens() == [], "its token is gone all the same"
+    assert one.cluster.node_identity(one.node_name) is None, "no identity recorded for it"
+
+
+def test_a_node_at_other_addresses_is_refused(one: Joining) -> None:
+    provisioned = one.provision()
+    kubelet = one.kubelet(provisioned.machine.id)
+    kubelet.addresses = ["198.51.100.99"]
+    with pytest.raises(ApplicationError) as refused:
+        one.join_alongside(kubelet, provisioned)
+    assert refused.value.type == "RegistrationMismatch" and "addresses" in refused.value.message
+
+
+def test_a_node_relabelling_itself_changes_nothing_the_control_plane_does(one: Joining) -> None:
+    provisioned = one.provision()
+    kubelet = one.kubelet(provisioned.machine.id)
+    node, _ = one.join_alongside(kubelet, provisioned)
+    run(one.acts.prepare_node, PrepareNodeInput(node_name=node.name, labels={LABEL_SITE: one.site.name}))
+    repair = RepairActivities(one.env)
+    before = run(repair.node_facts, NodeFactsInput(node_name=node.name))
+
+    # What NodeRestriction lets a kubelet do to its own Node: annotations, unrestricted labels.
+    kubelet.patch_own_node({"metadata": {"annotations": {"gpufleet.io/machine-id": "victim-machine"},
+                                         "labels": {"gpufleet.io/site": "another-site",
+                                                    "gpufleet.io/provider": "aws"}}})
+    # What it refuses: placement and compliance labels, taints, the providerID, other nodes.
+    for refused in ({"metadata": {"labels": {LABEL_SITE: "another-site"}}},
+                    {"metadata": {"labels": {LABEL_PROVIDER: "aws"}}},
+                    {"spec": {"taints": []}},
+                    {"spec": {"providerID": "gpufleet://aws/x/victim"}}):
+        with pytest.raises(JoinFailed) as denied:
+            kubelet.patch_own_node(refused)
+        assert denied.value.status in (403, 422), refused
+    other = SimKubelet(kubelet.user_data)
+    other.credential, other.name = kubelet.credential, "some-other-node"
+    with pytest.raises(JoinFailed) as denied:
+        other.patch_own_node({"metadata": {"labels": {"x": "y"}}})
+    assert denied.value.status == 403
+
+    after = run(repair.node_facts, NodeFactsInput(node_name=node.name))
+    assert after == before
+    assert (after.machine_id, after.site, after.provider) == (provisioned.machine.id, one.site.name, "lambda")
+    assert one.cluster.get_node(node.name).labels[LABEL_SITE] == one.site.name
+
+
+def test_serving_certificates_only_for_the_machines_own_addresses(one: Joining) -> None:
+    provisioned = one.provision()
+    kubelet = one.kubelet(provisioned.machine.id)
+    node, _ = one.join_alongside(kubelet, provisioned)
+    good = kubelet.request_serving_certificate(kubelet.addresses)
+    bad = kubelet.request_serving_certificate(["198.51.100.99"])
+    count = run(one.acts.review_node_csrs)
+    assert count == 2
+    csrs = {c["metadata"]["name"]: c for c in one.fake.objects("certificates.k8s.io", "certificatesigningrequests")}
+    assert [c["type"] for c in csrs[good]["status"]["conditions"]] == ["Approved"]
+    assert csrs[good]["status"].get("certificate")
+    assert [c["type"] for c in csrs[bad]["status"]["conditions"]] == ["Denied"]

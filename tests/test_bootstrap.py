@@ -1,0 +1,137 @@
+"""The bootstrap document (deploy/bootstrap/cloud-init.yaml, rendered per machine).
+
+kubeadm itself cannot be installed here, so its ``v1beta4`` JoinConfiguration is checked
+against the API's field list, kept below; cloud-init's own ``schema`` command checks the
+cloud-config where the ``cloud-init`` Debian package is installed (.ci/run installs it)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from datetime import datetime, timezone
+
+import pytest
+
+from fleet.cluster import gpufleet_provider_id
+from providers.cluster.bootstrap import (
+    BootstrapError,
+    BootstrapToken,
+    JoinParams,
+    kubelet_args,
+    read_cloud_config,
+    read_join_configuration,
+    render_user_data,
+)
+
+# kubeadm.k8s.io/v1beta4 (kubeadm >= 1.31), JoinConfiguration and the types it holds:
+# https://kubernetes.io/docs/reference/config-api/kubeadm-config.v1beta4/
+V1BETA4 = {
+    "JoinConfiguration": {"apiVersion", "kind", "dryRun", "nodeRegistration", "caCertPath", "discovery",
+                          "controlPlane", "skipPhases", "patches", "timeouts"},
+    "nodeRegistration": {"name", "criSocket", "taints", "kubeletExtraArgs", "ignorePreflightErrors",
+                         "imagePullPolicy", "imagePullSerial"},
+    "discovery": {"bootstrapToken", "file", "tlsBootstrapToken"},
+    "bootstrapToken": {"token", "apiServerEndpoint", "caCertHashes", "unsafeSkipCAVerification"},
+    "timeouts": {"controlPlaneComponentHealthCheck", "kubeletHealthCheck", "kubernetesAPICall", "etcdAPICall",
+                 "tlsBootstrap", "discovery", "upgradeManifests"},
+    "taint": {"key", "value", "effect", "timeAdded"},
+    "arg": {"name", "value"},
+}
+TOKEN = "abcdef.0123456789abcdef"
+
+
+def params(**changes) -> JoinParams:
+    values = dict(api_server="10.0.0.1:6443", ca_cert_hash="sha256:" + "ab" * 32, token=TOKEN,
+                  node_name="aws-use1-1a2b3c4d", provider_id=gpufleet_provider_id("aws", "aws-main", "aws-use1-1a2b3c4d"))
+    values.update(changes)
+    return JoinParams(**values)
+
+
+def test_the_join_configuration_is_kubeadm_v1beta4() -> None:
+    config = read_join_configuration(render_user_data(params()))
+    assert config["apiVersion"] == "kubeadm.k8s.io/v1beta4" and config["kind"] == "JoinConfiguration"
+    assert set(config) <= V1BETA4["JoinConfiguration"]
+    assert set(config["nodeRegistration"]) <= V1BETA4["nodeRegistration"]
+    assert set(config["discovery"]) <= V1BETA4["discovery"]
+    assert set(config["discovery"]["bootstrapToken"]) <= V1BETA4["bootstrapToken"]
+    assert set(config.get("timeouts") or {}) <= V1BETA4["timeouts"]
+    for taint in config["nodeRegistration"].get("taints") or []:
+        assert set(taint) <= V1BETA4["taint"] and taint["effect"] in ("NoSchedule", "PreferNoSchedule", "NoExecute")
+    # v1beta4: a list of {name, value}, not v1beta3's map.
+    args = config["nodeRegistration"]["kubeletExtraArgs"]
+    assert isinstance(args, list) and all(set(a) == V1BETA4["arg"] for a in args)
+    assert kubelet_args(config)["provider-id"] == "gpufleet://aws/aws-main/aws-use1-1a2b3c4d"
+    discovery = config["discovery"]["bootstrapToken"]
+    assert discovery == {"apiServerEndpoint": "10.0.0.1:6443", "token": TOKEN, "caCertHashes": ["sha256:" + "ab" * 32]}
+    assert config["nodeRegistration"]["name"] == "aws-use1-1a2b3c4d"
+
+
+def test_the_document_runs_kubeadm_join_and_removes_the_token_file() -> None:
+    doc = read_cloud_config(render_user_data(params()))
+    [join_file] = doc["write_files"]
+    assert join_file["permissions"] == "0600"
+    assert doc["runcmd"] == [["kubeadm", "join", "--config", join_file["path"]], ["rm", "-f", join_file["path"]]]
+
+
+@pytest.mark.skipif(not shutil.which("cloud-init"), reason="the cloud-init package is not installed")
+def test_cloud_init_accepts_the_document(tmp_path) -> None:
+    document = tmp_path / "user-data"
+    document.write_text(render_user_data(params()))
+    checked = subprocess.run(["cloud-init", "schema", "--config-file", str(document)], capture_output=True, text=True)
+    assert checked.returncode == 0 and "Valid cloud-config" in checked.stdout, checked.stdout + checked.stderr
+
+
+@pytest.mark.skipif(not shutil.which("cloud-init"), reason="the cloud-init package is not installed")
+def test_cloud_init_schema_can_fail(tmp_path) -> None:
+    """The check above is a real one: a broken document is refused."""
+    document = tmp_path / "user-data"
+    document.write_text("#cloud-config\nwrite_files: 7\n")
+    checked = subprocess.run(["cloud-init", "schema", "--config-file", str(document)], capture_output=True, text=True)
+    assert "Valid cloud-config" not in checked.stdout
+
+
+@pytest.mark.parametrize("field, value", [
+    ("token", "abcdef.0123456789abcdeF"), ("token", 'abcdef.0123456789abcde"'),
+    ("api_server", "10.0.0.1:6443\nruncmd: [evil]"), ("node_name", "Node_1"),
+    ("provider_id", "gpufleet://aws/acct/x\n- rm"), ("ca_cert_hash", "sha256:xyz"),
+])
+def test_a_value_that_could_break_the_document_is_refused_by_name(field, value) -> None:
+    with pytest.raises(BootstrapError) as refused:
+        render_user_data(params(**{field: value}))
+    assert field in str(refused.value) and value not in str(refused.value)
+
+
+def test_the_secret_is_in_no_repr() -> None:
+    token = BootstrapToken(token_id="abcdef", node_name="n", expires_at=datetime.now(timezone.utc),
+                           secret="0123456789abcdef")
+    assert "0123456789abcdef" not in repr(token) and "0123456789abcdef" not in repr(params())
+    assert "0123456789abcdef" not in token.ref.model_dump_json()
+
+
+def _csr(signer: str, user: str, cn: str, **sans) -> dict:
+    import base64
+
+    from tests.cluster.sim_kubelet import csr_pem
+
+    return {"metadata": {"name": "csr-1"}, "spec": {
+        "signerName": signer, "username": user, "usages": ["digital signature", "client auth"],
+        "request": base64.b64encode(csr_pem(cn, ["system:nodes"], **sans)).decode()}}
+
+
+def test_the_approver_judges_only_what_is_gpufleets() -> None:
+    from providers.cluster.base import CLIENT_SIGNER, csr_decision
+
+    tokens = {"gpfl01": "node-a"}.get
+    ours = {"node-a"}.__contains__
+    no_addresses = lambda _node: None  # noqa: E731
+    decide = lambda csr: csr_decision(csr, tokens, ours, no_addresses)  # noqa: E731
+    assert decide(_csr(CLIENT_SIGNER, "system:bootstrap:gpfl01", "system:node:node-a")).approve
+    denied = decide(_csr(CLIENT_SIGNER, "system:bootstrap:gpfl01", "system:node:node-b"))
+    assert not denied.approve and "system:node:node-a only" in denied.reason
+    assert decide(_csr(CLIENT_SIGNER, "system:node:node-a", "system:node:node-a")).approve, "a renewal"
+    assert not decide(_csr(CLIENT_SIGNER, "system:node:node-a", "system:node:node-b")).approve
+    # Not gpufleet's to judge: another token, another node, another signer, another requester.
+    assert decide(_csr(CLIENT_SIGNER, "system:bootstrap:kubead", "system:node:node-z")) is None
+    assert decide(_csr(CLIENT_SIGNER, "system:node:node-z", "system:node:node-z")) is None
+    assert decide(_csr("example.com/other", "system:bootstrap:gpfl01", "system:node:node-a")) is None
+    assert decide(_csr(CLIENT_SIGNER, "alice", "system:node:node-a")) is None

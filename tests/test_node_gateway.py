@@ -1,0 +1,287 @@
+"""The node gateway: a node reaches only its own queue and its own tasks (mutual TLS, per-node
+certificates from a CSR), a retired node is cut off, a gateway restart loses nothing; and the
+Node entity pulls health through it."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import uuid
+from datetime import timedelta
+
+import pytest
+from cryptography import x509
+from temporalio import activity, workflow
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import (
+    GetWorkflowExecutionHistoryRequest,
+    PollActivityTaskQueueRequest,
+    PollWorkflowTaskQueueRequest,
+    RecordActivityTaskHeartbeatRequest,
+    RespondActivityTaskCompletedRequest,
+)
+from temporalio.client import Client
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.common import RetryPolicy
+from temporalio.service import RPCError, RPCStatusCode, TLSConfig
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+
+from fleet import search_attributes as sa
+from tests.replay import replay_and_record
+from tests.conftest import NODE_GATEWAYS, Stack, SessionGateway, start_test_gateway, wait_for
+from workers.node_agent import connect_via_gateway
+from workers.node_gateway import Pki, node_key_and_csr
+
+ECHO_QUEUE_PREFIX = "gw-test"
+
+
+@activity.defn(name="echo")
+async def echo(text: str) -> str:
+    return f"{activity.info().task_queue}: {text}"
+
+
+@activity.defn(name="slow_echo")
+async def slow_echo(text: str) -> str:
+    """Heartbeats for a few seconds: long enough to restart the gateway under it."""
+    for _ in range(20):
+        activity.heartbeat()
+        await asyncio.sleep(0.1)
+    return f"attempt {activity.info().attempt}: {text}"
+
+
+@workflow.defn(name="GatewayEcho")
+class GatewayEcho:
+    @workflow.run
+    async def run(self, args: list[str]) -> str:
+        queue, activity_name, text = args
+        return await workflow.execute_activity(
+            activity_name, text, task_queue=queue, start_to_close_timeout=timedelta(seconds=30),
+            heartbeat_timeout=timedelta(seconds=2),
+            retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=10),
+        )
+
+
+def gateway(temporal_env) -> SessionGateway:
+    return NODE_GATEWAYS[temporal_env.client.service_client.config.target_host]
+
+
+async def live_node(client: Client, name: str) -> None:
+    """A running ``node/<name>`` (no worker runs it: only its status matters to the gateway)."""
+    await client.start_workflow("Node", {"node_name": name}, id=f"node/{name}", task_queue=f"idle-{name}")
+
+
+async def as_node(gw: SessionGateway, name: str, pki: Pki | None = None, **sign) -> Client:
+    pki = pki or gw.pki
+    key, csr = node_key_and_csr(name)
+    cert = pki.sign_node_csr(csr, name, **sign)
+    return await connect_via_gateway(gw.access, "default", cert, key)
+
+
+def denied(error: BaseException) -> bool:
+    cause = error
+    while cause is not None and not isinstance(cause, RPCError):
+        cause = cause.__cause__
+    return isinstance(cause, RPCError) and cause.status == RPCStatusCode.PERMISSION_DENIED
+
+
+async def refused(call) -> None:
+    with pytest.raises(Exception) as caught:
+        await call
+    assert denied(caught.value), f"not PERMISSION_DENIED: {caught.value!r}"
+
+
+@pytest.fixture
+async def nodes(temporal_env):
+    a, b = f"gw-a-{uuid.uuid4().hex[:6]}", f"gw-b-{uuid.uuid4().hex[:6]}"
+    client = temporal_env.client
+    for name in (a, b):
+        await live_node(client, name)
+    yield a, b
+    for name in (a, b):
+        await client.get_workflow_handle(f"node/{name}").terminate("test over")
+
+
+async def test_a_node_reaches_only_its_own_queue_and_its_own_tasks(temporal_env, nodes, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="gpufleet.node_gateway")
+    a, b = nodes
+    gw, control = gateway(temporal_env), temporal_env.client
+    node_a, node_b = await as_node(gw, a), await as_node(gw, b)
+    control_queue = f"{ECHO_QUEUE_PREFIX}-{uuid.uuid4().hex[:6]}"
+    async with Worker(control, task_queue=control_queue, workflows=[GatewayEcho],
+                      workflow_runner=UnsandboxedWorkflowRunner()):
+        # Polling node/A as A works: a workflow's activity runs on A's agent, through the gateway.
+        async with Worker(node_a, task_queue=f"node/{a}", activities=[echo]):
+            handle = await control.start_workflow("GatewayEcho", [f"node/{a}", "echo", "hi"],
+                                                  id=f"gw-{uuid.uuid4().hex[:6]}", task_queue=control_queue)
+            assert await asyncio.wait_for(handle.result(), 20) == f"node/{a}: hi"
+        started = [e for e in (await handle.fetch_history()).events if e.HasField("activity_task_started_event_attributes")]
+        assert started[0].activity_task_started_event_attributes.identity == f"node:{a}", "histories name the node"
+
+        service = node_a.workflow_service
+        # Another node's queue, the control-plane queue, workflow tasks.
+        for queue in (f"node/{b}", "gpufleet", control_queue):
+            await refused(service.poll_activity_task_queue(PollActivityTaskQueueRequest(
+                namespace="default", task_queue=TaskQueue(name=queue))))
+        await refused(service.poll_workflow_task_queue(PollWorkflowTaskQueueRequest(
+            namespace="default", task_queue=TaskQueue(name=f"node/{a}"))))
+        # Start, signal, signal-with-start, update, query, list, describe, history, schedules.
+        target = node_a.get_workflow_handle(handle.id)
+        await refused(node_a.start_workflow("SpotReclaim", {"node_name": b}, id=f"reclaim/{b}", task_queue="gpufleet"))
+        await refused(node_a.start_workflow("Node", {"node_name": b}, id=f"node/{b}", task_queue="gpufleet",
+                                            start_signal="health_report", start_signal_args=[{}]))
+        await refused(node_a.get_workflow_handle(f"node/{b}").signal("health_report", {}))
+        await refused(node_a.get_workflow_handle(f"site/x").execute_update("admit_repair", {}))
+        await refused(node_a.get_workflow_handle(f"node/{a}").query("status"))
+        await refused(target.describe())
+        await refused(service.get_workflow_execution_history(GetWorkflowExecutionHistoryRequest(
+            namespace="default", execution=WorkflowExecution(workflow_id=handle.id))))
+        await refused(node_a.count_workflows())
+
+        async def listing() -> None:
+            async for _ in node_a.list_workflows():
+                pass
+
+        await refused(listing())
+        async def schedules() -> None:
+            async for _ in await node_a.list_schedules():
+                pass
+
+        await refused(schedules())
+        await refused(target.terminate("no"))
+
+        # A task token delivered to B: A can neither complete nor heartbeat it; B can.
+        handle_b = await control.start_workflow("GatewayEcho", [f"node/{b}", "echo", "for b"],
+                                                id=f"gw-{uuid.uuid4().hex[:6]}", task_queue=control_queue)
+        task = await node_b.workflow_service.poll_activity_task_queue(PollActivityTaskQueueRequest(
+            namespace="default", task_queue=TaskQueue(name=f"node/{b}"), identity="b"))
+        assert task.task_token
+        payload = (await control.data_converter.encode(["completed by B"]))[0]
+        await refused(service.respond_activity_task_completed(RespondActivityTaskCompletedRequest(
+            namespace="default", task_token=task.task_token)))
+        await refused(service.record_activity_task_heartbeat(RecordActivityTaskHeartbeatRequest(
+            namespace="default", task_token=task.task_token)))
+        from temporalio.api.common.v1 import Payloads
+
+        await node_b.workflow_service.respond_activity_task_completed(RespondActivityTaskCompletedRequest(
+            namespace="default", task_token=task.task_token, result=Payloads(payloads=[payload])))
+        assert await asyncio.wait_for(handle_b.result(), 20) == "completed by B"
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpufleet.node_gateway"]
+    assert any(a in line and "StartWorkflowExecution" in line for line in lines), "refusals name the node"
+    assert any(a in line and "RespondActivityTaskCompleted" in line and "did not deliver" in line for line in lines)
+
+
+async def test_other_ca_expired_missing_or_non_node_certificates_are_refused(temporal_env, nodes) -> None:
+    a, _b = nodes
+    gw = gateway(temporal_env)
+    assert await (await as_node(gw, a)).workflow_service.get_system_info(
+        __import__("temporalio.api.workflowservice.v1", fromlist=["x"]).GetSystemInfoRequest())
+    with pytest.raises(RuntimeError):  # the TLS handshake fails: another CA
+        await as_node(gw, a, pki=Pki.create("someone else's CA"))
+    past = dt.datetime.now(dt.timezone.utc) - dt.timedelta(hours=2)
+    with pytest.raises(RuntimeError):  # expired an hour ago
+        await as_node(gw, a, not_before=past, lifetime=dt.timedelta(hours=1))
+    with pytest.raises(RuntimeError):  # no client certificate at all
+        await Client.connect(gw.access.address, tls=TLSConfig(server_root_ca_cert=gw.pki.ca_pem, domain="localhost"))
+    # Signed by the right CA, but not a node's certificate.
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from workers.node_gateway import _name, _pem_key
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    admin = gw.pki._issue(_name("admin", "system:masters"), key.public_key(), dt.timedelta(hours=1),
+                          x509.ExtendedKeyUsageOID.CLIENT_AUTH)
+    with pytest.raises(RuntimeError) as caught:
+        await connect_via_gateway(gw.access, "default", admin, _pem_key(key))
+    assert "PermissionDenied" in str(caught.value) or "not a node certificate" in str(caught.value)
+
+
+async def test_a_retired_nodes_certificate_stops_working(temporal_env) -> None:
+    name = f"gw-c-{uuid.uuid4().hex[:6]}"
+    await live_node(temporal_env.client, name)
+    node = await as_node(gateway(temporal_env), name)
+    poll = PollActivityTaskQueueRequest(namespace="default", task_queue=TaskQueue(name=f"node/{name}"))
+    await temporal_env.client.get_workflow_handle(f"node/{name}").terminate("retired")
+    await asyncio.sleep(1.1)  # the gateway's verdict cache (1 s)
+    with pytest.raises(RPCError) as caught:
+        await node.workflow_service.poll_activity_task_queue(poll)
+    assert caught.value.status == RPCStatusCode.PERMISSION_DENIED and "retired" in caught.value.message
+
+
+async def test_gateway_restart_mid_activity_loses_nothing(temporal_env, nodes) -> None:
+    a, _b = nodes
+    control = temporal_env.client
+    first = await start_test_gateway(control)
+    port = first.running.port
+    key, csr = node_key_and_csr(a)
+    node = await connect_via_gateway(first.access, "default", first.pki.sign_node_csr(csr, a), key)
+    control_queue = f"{ECHO_QUEUE_PREFIX}-{uuid.uuid4().hex[:6]}"
+    second = None
+    try:
+        async with Worker(control, task_queue=control_queue, workflows=[GatewayEcho],
+                          workflow_runner=UnsandboxedWorkflowRunner()), \
+                Worker(node, task_queue=f"node/{a}", activities=[slow_echo]):
+            handle = await control.start_workflow("GatewayEcho", [f"node/{a}", "slow_echo", "survived"],
+                                                  id=f"gw-{uuid.uuid4().hex[:6]}", task_queue=control_queue)
+            await wait_for(lambda: first.running.gateway.stats.forwarded >= 3, timeout=10)  # polled, started
+            await asyncio.sleep(0.5)
+            await first.running.stop(grace=None)
+            await asyncio.sleep(1.0)
+            second = await start_test_gateway(control, pki=first.pki, port=port, cert=first.cert, key=first.key)
+            result = await asyncio.wait_for(handle.result(), 60)
+        assert result.endswith(": survived")
+        assert second.running.gateway.stats.forwarded > 0, "the agent came back through the new gateway"
+    finally:
+        if second is not None:
+            await second.running.stop(grace=None)
+
+
+async def test_health_arrives_through_the_pulled_watch(stack: Stack, temporal_env) -> None:
+    """A joined node's entity was started by the join (attributes from the join's record) and
+    learns of a fault from its watch on the node's own queue, through the gateway."""
+    gw = gateway(temporal_env)
+    handle = await stack.start_join({"site": "site-a"})
+    result = await handle.result()
+    node, machine = result["nodes"][0]["node_name"], result["nodes"][0]["machine_id"]
+    entity = stack.client.get_workflow_handle(f"node/{node}")
+    attributes = (await entity.describe()).typed_search_attributes
+    assert (attributes.get(sa.SITE), attributes.get(sa.PROVIDER), attributes.get(sa.NODE_NAME)) == \
+        ("site-a", "lambda", node)
+    assert node in gw.running.gateway.stats.serials, "the agent came through the gateway"
+    stack.world.inject_fault(machine, 1, "xid", 13, clears_on="reset")  # application XID: counted, no repair
+
+    async def counted():
+        status = await entity.query("status")
+        return status if status["app_xids"].get("13") == 1 else None
+
+    deadline = asyncio.get_running_loop().time() + 20
+    while not await counted():
+        assert asyncio.get_running_loop().time() < deadline, "the fault never arrived"
+        await asyncio.sleep(0.1)
+    history = await entity.fetch_history()
+    kinds = [e.activity_task_scheduled_event_attributes for e in history.events
+             if e.HasField("activity_task_scheduled_event_attributes")]
+    watches = [k for k in kinds if k.activity_type.name == "watch_node"]
+    assert watches and all(k.task_queue.name == f"node/{node}" for k in watches)
+    assert not any(e.HasField("workflow_execution_signaled_event_attributes") for e in history.events), \
+        "nothing signalled: the node answered its watch"
+    await replay_and_record(entity, "node_entity_health_watch")
+
+
+async def test_site_admits_repairs_only_for_its_own_nodes(stack: Stack) -> None:
+    result = await (await stack.start_join({"site": "site-a"})).result()
+    node = result["nodes"][0]["node_name"]
+    site = await stack.client.start_workflow("Site", {"site": "site-a"}, id="site/site-a",
+                                             task_queue=stack.settings.task_queue,
+                                             id_conflict_policy=WorkflowIDConflictPolicy.TERMINATE_EXISTING)
+    invented = await site.execute_update("admit_repair", {"site": "site-a", "node_name": "invented-1", "gpu": 0,
+                                                          "reasons": ["XID 79"]})
+    assert invented["repair"] is False and "not a node of site-a" in invented["why"]
+    real = await site.execute_update("admit_repair", {"site": "site-a", "node_name": node, "gpu": 0,
+                                                      "reasons": ["XID 79"]})
+    assert real["repair"] is True
+    status = await site.query("status")
+    assert "invented-1" not in str(status["incident"]["failing"]), "an unknown name never counts"
+    await replay_and_record(site, "site_admit_known_nodes")
+

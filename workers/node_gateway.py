@@ -1,0 +1,596 @@
+"""``gpufleet node-gateway``: the only door from a GPU node to Temporal.
+
+GPU nodes run at third parties; one of them may be compromised. A node agent
+therefore holds no Temporal credentials: it dials this gateway with mutual TLS,
+presenting its node client certificate (``CN=system:node:<name>``, group
+``system:nodes``, the same shape as a kubelet's), and the gateway forwards, over
+the control plane's own connection (the standard ``TEMPORAL_*`` settings: mTLS
+or API key), only what a node agent needs:
+
+- ``PollActivityTaskQueue`` on ``node/<its own name>``;
+- ``RespondActivityTask{Completed,Failed,Canceled}`` and
+  ``RecordActivityTaskHeartbeat`` with task tokens this gateway delivered to
+  that same node;
+- the read-only calls the SDK's worker makes at start-up and its
+  ``ShutdownWorker`` (see ``_START_UP``).
+
+Everything else is ``PERMISSION_DENIED``, logged with the node's name. Every call
+also checks that the node is live: its Node entity runs, or its NodeJoin does
+(node certificates cannot be revoked; a retired node's stops working once the
+verdict cache, ``--live-ttl`` seconds, expires). The caller's ``identity`` field is
+replaced by ``node:<name>``, so histories name the authenticated node.
+
+The gateway is stateless but for the delivered tokens: after a restart, a
+completion for a task delivered before it is refused and the activity is
+retried when its timeout fires (the watch activities heartbeat every few seconds).
+
+PKI helpers (dev stack, tests): ``Pki`` makes a CA and the gateway's server
+certificate; ``node_key_and_csr`` runs on the node (the key never leaves it);
+``Pki.sign_node_csr`` is the signer (the cluster's CSR approver in production).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import logging
+import os
+import re
+import signal
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Awaitable, Callable
+
+import grpc
+import typer
+from temporalio.api.workflowservice.v1 import request_response_pb2 as wsr
+
+from fleet.settings import Settings, node_queue, temporal_profile
+
+log = logging.getLogger("gpufleet.node_gateway")
+
+SERVICE = "/temporal.api.workflowservice.v1.WorkflowService/"
+#: Subject of a node certificate: kubelet's ``system:node:<name>`` in group ``system:nodes``.
+NODE_PREFIX = "system:node:"
+NODE_GROUP = "system:nodes"
+_NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
+
+#: Start-up calls a node agent's SDK worker makes (recorded from a real agent), each harmless:
+#: - GetSystemInfo: the server's version and capability flags; no namespace or workflow data.
+#: - DescribeNamespace: the worker checks its namespace exists; only the gateway's own namespace
+#:   is answered (its retention and archival settings, no workflow data).
+#: - ShutdownWorker: the worker's goodbye, which lets the server drop its pollers; only for the
+#:   node's own queue and with no sticky queue (an activity-only worker has none, and another
+#:   worker's sticky queue is not the node's to drop).
+#: - RecordWorkerHeartbeat: the worker's periodic status (slots, pollers, host) for the
+#:   server's worker list, about once a minute; only about the node's own queue.
+_START_UP = {"GetSystemInfo", "DescribeNamespace", "ShutdownWorker", "RecordWorkerHeartbeat"}
+_RESPONDS = {
+    "RespondActivityTaskCompleted": wsr.RespondActivityTaskCompletedRequest,
+    "RespondActivityTaskFailed": wsr.RespondActivityTaskFailedRequest,
+    "RespondActivityTaskCanceled": wsr.RespondActivityTaskCanceledRequest,
+    "RecordActivityTaskHeartbeat": wsr.RecordActivityTaskHeartbeatRequest,
+}
+#: Only these of the caller's metadata go upstream: a node's own ``authorization`` never does.
+_FORWARDED_METADATA = {"client-name", "client-version", "supported-server-versions"}
+#: Tokens remembered per node (a node agent runs at most a handful of activities at once).
+MAX_TOKENS_PER_NODE = 64
+
+
+class Refused(Exception):
+    """A call the node may not make; the message is logged and returned."""
+
+
+def node_from_subject(common_name: str) -> str | None:
+    if not common_name.startswith(NODE_PREFIX):
+        return None
+    name = common_name.removeprefix(NODE_PREFIX)
+    return name if _NAME.match(name) else None
+
+
+# -- liveness: the node belongs to a live join or Node entity ---------------------------------
+Liveness = Callable[[str], Awaitable[bool]]
+
+
+def temporal_liveness(client) -> Liveness:
+    """Live = the Node entity ``node/<name>`` runs, or a NodeJoin for that node name runs
+    (a joining node polls its queue for the smoke test before its Node entity exists)."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError, RPCStatusCode
+
+    async def live(name: str) -> bool:
+        try:
+            described = await client.get_workflow_handle(f"node/{name}").describe()
+            if described.status == WorkflowExecutionStatus.RUNNING:
+                return True
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND:
+                raise
+        # ``name`` matched _NAME (no quotes), so it is safe inside the query.
+        query = f'WorkflowType = "NodeJoin" AND NodeName = "{name}" AND ExecutionStatus = "Running"'
+        return (await client.count_workflows(query)).count > 0
+
+    return live
+
+
+class LiveCache:
+    """Each node's verdict for ``ttl`` seconds: a retired node is refused within ``ttl``."""
+
+    def __init__(self, check: Liveness, ttl: float = 1.0) -> None:
+        self.check, self.ttl = check, ttl
+        self._seen: dict[str, tuple[float, bool]] = {}
+        self._inflight: dict[str, asyncio.Future] = {}
+
+    async def __call__(self, name: str) -> bool:
+        now = time.monotonic()
+        hit = self._seen.get(name)
+        if hit is not None and now - hit[0] < self.ttl:
+            return hit[1]
+        if name in self._inflight:  # one lookup for a burst of calls from the same node
+            return await asyncio.shield(self._inflight[name])
+        future = asyncio.get_running_loop().create_future()
+        self._inflight[name] = future
+        verdict, known = False, False
+        try:
+            verdict, known = await self.check(name), True
+        except Exception as error:  # noqa: BLE001 - cannot tell: refuse (fail closed), do not cache
+            log.warning("liveness of %s unknown: %s", name, error)
+        finally:
+            self._inflight.pop(name, None)
+            future.set_result(verdict)
+        if not known:
+            return False
+        if len(self._seen) > 100_000:
+            self._seen.clear()
+        self._seen[name] = (now, verdict)
+        return verdict
+
+    def forget(self, name: str) -> None:
+        self._seen.pop(name, None)
+
+
+# -- the gateway --------------------------------------------------------------------------------
+@dataclass
+class GatewayStats:
+    forwarded: int = 0
+    refused: int = 0
+    refusals: list[str] = field(default_factory=list)
+    held_polls: int = 0
+    #: node → serial of the certificate it last presented (agents reload rotated keys).
+    serials: dict[str, int] = field(default_factory=dict)
+
+
+class NodeGateway(grpc.GenericRpcHandler):
+    def __init__(self, upstream: grpc.aio.Channel, namespace: str, live: Liveness,
+                 upstream_metadata: list[tuple[str, str]] | None = None,
+                 poll_channels: list[grpc.aio.Channel] | None = None) -> None:
+        self.upstream = upstream
+        # Held long polls (one per node) ride connections of their own: a completion or a
+        # heartbeat never queues behind a thousand open polls for an HTTP/2 stream.
+        self.poll_channels = poll_channels or [upstream]
+        self._next_poll = 0
+        self.namespace = namespace
+        self.live = live
+        self.upstream_metadata = list(upstream_metadata or [])
+        self.stats = GatewayStats()
+        self._tokens: dict[str, OrderedDict[bytes, None]] = {}
+        self._certs: dict[bytes, str] = {}  # certificate PEM → node
+        self._stubs: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
+
+    # grpc.GenericRpcHandler
+    def service(self, details: grpc.HandlerCallDetails):
+        method = details.method
+
+        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            return await self._handle(method, request, context)
+
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    def _refuse(self, node: str, method: str, why: str) -> Refused:
+        self.stats.refused += 1
+        line = f"{node or '?'}: {method.rsplit('/', 1)[-1]} refused: {why}"
+        self.stats.refusals = [*self.stats.refusals, line][-200:]
+        log.warning("node %s: %s refused: %s", node or "?", method.rsplit("/", 1)[-1], why)
+        return Refused(why)
+
+    def _identify(self, context: grpc.aio.ServicerContext) -> str:
+        auth = context.auth_context()
+        pem = auth.get("x509_pem_cert", [b""])[0]
+        known = self._certs.get(pem)
+        if known is not None:
+            return known
+        names = [n.decode() for n in auth.get("x509_common_name", [])]
+        node = node_from_subject(names[0]) if names else None
+        if node is None or not pem:
+            raise self._refuse("", "(any)", f"not a node certificate: {names or 'none'}")
+        from cryptography import x509
+
+        cert = x509.load_pem_x509_certificate(pem)
+        groups = [a.value for a in cert.subject.get_attributes_for_oid(x509.NameOID.ORGANIZATION_NAME)]
+        if NODE_GROUP not in groups:
+            raise self._refuse(node, "(any)", f"certificate not in group {NODE_GROUP}")
+        self.stats.serials[node] = cert.serial_number
+        # The TLS handshake checked chain and validity; parsed once per certificate, not per call.
+        if len(self._certs) > 50_000:
+            self._certs.clear()
+        self._certs[pem] = node
+        return node
+
+    def _authorize(self, node: str, name: str, request: bytes) -> tuple[bytes, bytes | None]:
+        """The request to forward (identity rewritten) and the token it uses, or Refused."""
+        identity = f"node:{node}"
+        if name == "PollActivityTaskQueue":
+            poll = wsr.PollActivityTaskQueueRequest.FromString(request)
+            if poll.namespace != self.namespace:
+                raise self._refuse(node, name, f"namespace {poll.namespace!r}")
+            if poll.task_queue.name != node_queue(node):
+                raise self._refuse(node, name, f"task queue {poll.task_queue.name!r} is not {node_queue(node)!r}")
+            if poll.worker_control_task_queue:
+                raise self._refuse(node, name, f"control queue {poll.worker_control_task_queue!r}")
+            poll.identity = identity
+            return poll.SerializeToString(), None
+        if name in _RESPONDS:
+            message = _RESPONDS[name].FromString(request)
+            if message.namespace and message.namespace != self.namespace:
+                raise self._refuse(node, name, f"namespace {message.namespace!r}")
+            if message.task_token not in self._tokens.get(node, ()):
+                raise self._refuse(node, name, "a task token this gateway did not deliver to this node")
+            message.identity = identity
+            return message.SerializeToString(), message.task_token
+        if name == "GetSystemInfo":
+            return request, None
+        if name == "DescribeNamespace":
+            described = wsr.DescribeNamespaceRequest.FromString(request)
+            if described.namespace != self.namespace or described.id:
+                raise self._refuse(node, name, f"namespace {described.namespace or described.id!r}")
+            return request, None
+        if name == "ShutdownWorker":
+            bye = wsr.ShutdownWorkerRequest.FromString(request)
+            if bye.namespace != self.namespace or bye.sticky_task_queue or bye.task_queue not in ("", node_queue(node)):
+                raise self._refuse(node, name, f"queue {bye.task_queue or bye.sticky_task_queue!r}")
+            return request, None
+        if name == "RecordWorkerHeartbeat":
+            beat = wsr.RecordWorkerHeartbeatRequest.FromString(request)
+            queues = {h.task_queue for h in beat.worker_heartbeat}
+            if beat.namespace != self.namespace or not queues <= {node_queue(node)}:
+                raise self._refuse(node, name, f"queues {sorted(queues)}")
+            return request, None
+        raise self._refuse(node, name, "not a node agent's call")
+
+    def _remember(self, node: str, token: bytes) -> None:
+        tokens = self._tokens.setdefault(node, OrderedDict())
+        tokens[token] = None
+        while len(tokens) > MAX_TOKENS_PER_NODE:
+            tokens.popitem(last=False)
+
+    def _stub(self, method: str) -> grpc.aio.UnaryUnaryMultiCallable:
+        channel = self.upstream
+        key = method
+        if method.endswith("/PollActivityTaskQueue"):
+            self._next_poll = (self._next_poll + 1) % len(self.poll_channels)
+            channel, key = self.poll_channels[self._next_poll], f"{method}#{self._next_poll}"
+        stub = self._stubs.get(key)
+        if stub is None:
+            stub = self._stubs[key] = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+        return stub
+
+    async def _handle(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        node, name = "", method.removeprefix(SERVICE)
+        try:
+            node = self._identify(context)
+            if not method.startswith(SERVICE):
+                raise self._refuse(node, method, "not the workflow service")
+            forward, token = self._authorize(node, name, request)
+            # A retired node may still say goodbye: that only releases its own queue's polls.
+            if name != "ShutdownWorker" and not await self.live(node):
+                raise self._refuse(node, name, "no live Node entity or join for this node (retired?)")
+        except Refused as refused:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node gateway: {refused}")
+        metadata = [(k, v) for k, v in context.invocation_metadata() or () if k in _FORWARDED_METADATA]
+        metadata += [("temporal-namespace", self.namespace), *self.upstream_metadata]
+        remaining = context.time_remaining()
+        polling = name == "PollActivityTaskQueue"
+        self.stats.held_polls += polling
+        try:
+            response = await self._stub(method)(forward, metadata=metadata,
+                                                timeout=remaining if remaining and remaining < 1e6 else None)
+        except grpc.aio.AioRpcError as error:
+            # Temporal's typed failures ride in the trailers (grpc-status-details-bin): pass them on.
+            context.set_trailing_metadata(tuple(error.trailing_metadata() or ()))
+            await context.abort(error.code(), error.details() or "")
+        finally:
+            self.stats.held_polls -= polling
+        self.stats.forwarded += 1
+        if polling and response:
+            delivered = _task_token(response)
+            if delivered:
+                self._remember(node, delivered)
+        elif token is not None and name != "RecordActivityTaskHeartbeat":
+            self._tokens.get(node, {}).pop(token, None)
+        return response
+
+
+def _task_token(response: bytes) -> bytes:
+    """``task_token`` (field 1) of a PollActivityTaskQueueResponse without decoding the rest
+    (the input payloads): serializers write fields in number order, so it leads."""
+    if response[:1] == b"\x0a":
+        length, shift, i = 0, 0, 1
+        while i < len(response) and i < 6:
+            byte = response[i]
+            length |= (byte & 0x7F) << shift
+            i += 1
+            if not byte & 0x80:
+                return response[i:i + length]
+            shift += 7
+    return wsr.PollActivityTaskQueueResponse.FromString(response).task_token
+
+
+# -- connections --------------------------------------------------------------------------------
+def upstream_channel(settings: Settings, own_connection: bool = False) -> tuple[grpc.aio.Channel, list[tuple[str, str]]]:
+    """A channel to the Temporal frontend with the control plane's own connection settings
+    (``TEMPORAL_TLS_*`` / ``TEMPORAL_API_KEY`` / ``temporal.toml``), and the metadata to send."""
+    profile = temporal_profile()
+    metadata = [(k.lower(), v) for k, v in (profile.grpc_meta or {}).items()]
+    if profile.api_key:
+        metadata.append(("authorization", f"Bearer {profile.api_key}"))
+    options = [("grpc.max_receive_message_length", 128 * 1024 * 1024),
+               ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.optimization_target", "latency")]
+    if own_connection:  # not shared with the process's other channels to the same address
+        options.append(("grpc.use_local_subchannel_pool", 1))
+    tls = profile.tls.to_connect_tls_config() if profile.tls is not None else (True if profile.api_key else False)
+    if tls is False:
+        return grpc.aio.insecure_channel(settings.address, options=options), metadata
+    if tls is True:
+        credentials = grpc.ssl_channel_credentials()
+    else:
+        credentials = grpc.ssl_channel_credentials(tls.server_root_ca_cert, tls.client_private_key, tls.client_cert)
+        if tls.domain:
+            options.append(("grpc.ssl_target_name_override", tls.domain))
+    return grpc.aio.secure_channel(settings.address, credentials, options=options), metadata
+
+
+@dataclass
+class RunningGateway:
+    server: grpc.aio.Server
+    gateway: NodeGateway
+    port: int
+    channel: grpc.aio.Channel
+    poll_channels: list[grpc.aio.Channel] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await self.server.stop(grace)
+        for channel in [self.channel, *self.poll_channels]:
+            await channel.close()
+
+
+async def start_gateway(settings: Settings, server_cert: bytes, server_key: bytes, client_ca: bytes,
+                        live: Liveness | None = None, host: str = "127.0.0.1", port: int = 0,
+                        live_ttl: float = 1.0, poll_connections: int = 4) -> RunningGateway:
+    """Serve the gateway: mutual TLS, client certificates from ``client_ca`` required."""
+    channel, metadata = upstream_channel(settings, own_connection=True)
+    polls = [upstream_channel(settings, own_connection=True)[0] for _ in range(poll_connections)]
+    if live is None:
+        from fleet.temporal import connect
+
+        live = temporal_liveness(await connect(settings))
+    gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl), metadata, polls)
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024),
+                                      ("grpc.so_reuseport", 0), ("grpc.optimization_target", "latency"),
+                                      ("grpc.max_concurrent_streams", 100)],
+                             maximum_concurrent_rpcs=None)
+    server.add_generic_rpc_handlers((gateway,))
+    credentials = grpc.ssl_server_credentials([(server_key, server_cert)], root_certificates=client_ca,
+                                              require_client_auth=True)
+    bound = server.add_secure_port(f"{host}:{port}", credentials)
+    await server.start()
+    return RunningGateway(server, gateway, bound, channel, polls)
+
+
+# -- PKI: dev stack and tests; production uses the cluster CA's signer -------------------------
+def _name(cn: str, org: str | None = None):
+    from cryptography import x509
+
+    attrs = [x509.NameAttribute(x509.NameOID.COMMON_NAME, cn)]
+    if org:
+        attrs.insert(0, x509.NameAttribute(x509.NameOID.ORGANIZATION_NAME, org))
+    return x509.Name(attrs)
+
+
+def _pem_key(key) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def node_key_and_csr(node_name: str) -> tuple[bytes, bytes]:
+    """Made on the node: a fresh key (never leaves the node) and the CSR that asks for its
+    certificate. Returns (key PEM, CSR PEM)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    csr = x509.CertificateSigningRequestBuilder().subject_name(
+        _name(f"{NODE_PREFIX}{node_name}", NODE_GROUP)).sign(key, hashes.SHA256())
+    return _pem_key(key), csr.public_bytes(serialization.Encoding.PEM)
+
+
+class Pki:
+    """A CA (the dev stack's stand-in for the cluster CA), its signer and the gateway's server
+    certificate. Kept under ``directory`` when given (``gpufleet dev``: ``<state>/pki``)."""
+
+    def __init__(self, ca_key, ca_cert) -> None:
+        self.ca_key, self.ca_cert = ca_key, ca_cert
+
+    @classmethod
+    def create(cls, name: str = "gpufleet dev node CA") -> "Pki":
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = dt.datetime.now(dt.timezone.utc)
+        cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
+                .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=365))
+                .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                .sign(key, hashes.SHA256()))
+        return cls(key, cert)
+
+    @classmethod
+    def load_or_create(cls, directory: Path) -> "Pki":
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        ca_pem, key_pem = directory / "ca.pem", directory / "ca.key"
+        if ca_pem.exists() and key_pem.exists():
+            return cls(serialization.load_pem_private_key(key_pem.read_bytes(), None),
+                       x509.load_pem_x509_certificate(ca_pem.read_bytes()))
+        pki = cls.create()
+        directory.mkdir(parents=True, exist_ok=True)
+        key_pem.touch(mode=0o600)
+        key_pem.write_bytes(_pem_key(pki.ca_key))
+        ca_pem.write_bytes(pki.ca_pem)
+        return pki
+
+    @property
+    def ca_pem(self) -> bytes:
+        from cryptography.hazmat.primitives import serialization
+
+        return self.ca_cert.public_bytes(serialization.Encoding.PEM)
+
+    def _issue(self, subject, public_key, lifetime: dt.timedelta, usage, sans=None,
+               not_before: dt.datetime | None = None) -> bytes:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+
+        start = not_before or dt.datetime.now(dt.timezone.utc) - dt.timedelta(minutes=1)
+        builder = (x509.CertificateBuilder().subject_name(subject).issuer_name(self.ca_cert.subject)
+                   .public_key(public_key).serial_number(x509.random_serial_number())
+                   .not_valid_before(start).not_valid_after(start + lifetime)
+                   .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+        if sans:
+            builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        return builder.sign(self.ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
+
+    def server_cert(self, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> tuple[bytes, bytes]:
+        """(certificate PEM, key PEM) for the gateway's listener."""
+        import ipaddress
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives.asymmetric import ec
+
+        key = ec.generate_private_key(ec.SECP256R1())
+        sans = []
+        for host in hosts:
+            try:
+                sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                sans.append(x509.DNSName(host))
+        cert = self._issue(_name("gpufleet node gateway"), key.public_key(), dt.timedelta(days=365),
+                           x509.ExtendedKeyUsageOID.SERVER_AUTH, sans)
+        return cert, _pem_key(key)
+
+    def sign_node_csr(self, csr_pem: bytes, node_name: str, lifetime: dt.timedelta = dt.timedelta(days=1),
+                      not_before: dt.datetime | None = None) -> bytes:
+        """The signer: a node certificate only for the name it was asked for (as the cluster's
+        CSR approver checks a kubelet's CSR against the node it bootstrapped)."""
+        from cryptography import x509
+
+        csr = x509.load_pem_x509_csr(csr_pem)
+        if not csr.is_signature_valid:
+            raise ValueError("csr: bad signature")
+        cns = [a.value for a in csr.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)]
+        if cns != [f"{NODE_PREFIX}{node_name}"]:
+            raise ValueError(f"csr: subject {cns} is not {NODE_PREFIX}{node_name}")
+        return self._issue(_name(f"{NODE_PREFIX}{node_name}", NODE_GROUP), csr.public_key(), lifetime,
+                           x509.ExtendedKeyUsageOID.CLIENT_AUTH, not_before=not_before)
+
+    def node_credentials(self, node_name: str, lifetime: dt.timedelta = dt.timedelta(days=1)) -> tuple[bytes, bytes]:
+        """(certificate PEM, key PEM): the node's half (key, CSR) and the signer's, in one call."""
+        key, csr = node_key_and_csr(node_name)
+        return self.sign_node_csr(csr, node_name, lifetime), key
+
+
+@dataclass
+class GatewayAccess:
+    """What a node agent needs to reach the gateway: its address and the CA that signed the
+    gateway's certificate. Its own certificate comes from a ``CertSource``."""
+
+    address: str
+    ca: bytes
+    server_name: str = "localhost"
+
+    def env(self, ca_path: Path) -> dict[str, str]:
+        return {"GPUFLEET_GATEWAY": self.address, "GPUFLEET_GATEWAY_CA": str(ca_path)}
+
+    @classmethod
+    def from_env(cls) -> "GatewayAccess | None":
+        address = os.environ.get("GPUFLEET_GATEWAY")
+        if not address:
+            return None
+        ca = Path(os.environ["GPUFLEET_GATEWAY_CA"]).read_bytes()
+        return cls(address, ca, os.environ.get("GPUFLEET_GATEWAY_SERVER_NAME", "localhost"))
+
+
+def dev_gateway_files(state_dir: Path) -> dict[str, Path]:
+    """The dev stack's CA and gateway certificate, made once under ``<state>/pki``."""
+    pki_dir = state_dir / "pki"
+    pki = Pki.load_or_create(pki_dir)
+    files = {"ca": pki_dir / "ca.pem", "ca_key": pki_dir / "ca.key",
+             "cert": pki_dir / "gateway.pem", "key": pki_dir / "gateway.key"}
+    if not files["cert"].exists() or not files["key"].exists():
+        cert, key = pki.server_cert()
+        files["key"].touch(mode=0o600)
+        files["key"].write_bytes(key)
+        files["cert"].write_bytes(cert)
+    return files
+
+
+async def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="gpufleet node-gateway", description=__doc__.splitlines()[0])
+    parser.add_argument("--listen", default=os.environ.get("GPUFLEET_GATEWAY_LISTEN", "127.0.0.1:7300"),
+                        help="host:port for node agents")
+    parser.add_argument("--cert", help="the gateway's server certificate (PEM)")
+    parser.add_argument("--key", help="its private key (PEM)")
+    parser.add_argument("--client-ca", help="CA that signs node client certificates (the cluster CA)")
+    parser.add_argument("--dev", action="store_true", help="make/load a dev CA and certificate under the state dir")
+    parser.add_argument("--live-ttl", type=float, default=1.0, help="seconds a node's liveness verdict is kept")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s node-gateway %(levelname)s %(message)s")
+    settings = Settings.from_env()
+    if args.dev:
+        files = dev_gateway_files(settings.state_dir)
+        args.cert, args.key, args.client_ca = files["cert"], files["key"], files["ca"]
+    if not (args.cert and args.key and args.client_ca):
+        parser.error("--cert, --key and --client-ca are required (or --dev)")
+    host, _, port = args.listen.rpartition(":")
+    running = await start_gateway(settings, Path(args.cert).read_bytes(), Path(args.key).read_bytes(),
+                                  Path(args.client_ca).read_bytes(), host=host or "127.0.0.1", port=int(port),
+                                  live_ttl=args.live_ttl)
+    log.info("node gateway on %s:%s → %s (namespace %s)", host, running.port, settings.address, settings.namespace)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await running.stop()
+
+
+def cli(ctx: typer.Context) -> None:
+    """The node gateway between GPU nodes and Temporal (``--help`` for its options)."""
+    asyncio.run(main(ctx.args))
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

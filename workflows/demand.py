@@ -1,0 +1,280 @@
+"""Demand (id ``demand``): capacity follows the Pending pods, and idle nodes go back.
+
+One entity per fleet, a loop:
+
+1. watch (activity, heartbeating): wait for opted-in Pending GPU pods the loop has no
+   answer for, then let the batch close (1 s without a new pod, 10 s at most);
+2. look at the purchases in flight; a purchase whose pods all went is cancelled while
+   its join has not yet asked the provider for a machine;
+3. plan (activity, pure ``fleet.demand.plan_demand``): pods that fit a node or a join
+   in flight buy nothing; the rest are bin-packed onto the cheapest qualifying offers;
+4. buy: one ``AcquireCapacity`` per planned machine, pinned to its offer, started with
+   the standard id ``capacity/demand-<n>`` (not a child: a purchase outlives this run's
+   continue-as-new; a failed one puts its offer out of the plan for a while and the pods
+   are planned again, elsewhere);
+5. consolidate: nodes idle past the TTL are drained (PDBs honoured) and retired,
+   most expensive first, within the site minimums and fractions (``fleet.demand.consolidate``).
+
+Every decision (pods → offer → purchase, with its reason; cancellations; retirements)
+is in the current details and the ``status`` query (``gpufleet demand``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any
+
+from temporalio import workflow
+
+with workflow.unsafe.imports_passed_through():
+    from fleet import search_attributes as sa
+    from fleet.demand import ConsolidationSettings, consolidate
+    from fleet.messages.capacity import Catalog, GetCatalogInput
+    from fleet.messages.demand import (
+        CancelOutcome,
+        CancelPurchaseInput,
+        DemandBatch,
+        DemandCarry,
+        DemandInput,
+        DemandStatus,
+        IdleNodesResult,
+        JoiningMachine,
+        PlanDemandInput,
+        PlanDemandResult,
+        Purchase,
+        PurchaseState,
+        PurchaseStatusInput,
+        StartPurchaseInput,
+        WatchDemandInput,
+        purchase_workflow_id,
+    )
+    from workflows.inputs import parse_input
+    from workflows.steps import (
+        CLUSTER_RETRY,
+        PROVIDER_RETRY,
+        QUICK,
+        STORE_RETRY,
+        WAIT_HEARTBEAT,
+        drain_and_retire,
+        show_details,
+    )
+
+#: Decisions kept in the status (and carried over continue-as-new).
+LOG_LINES = 60
+
+
+@workflow.defn(name="Demand")
+class Demand:
+    def __init__(self) -> None:
+        self._status = DemandStatus()
+
+    @workflow.query
+    def status(self) -> DemandStatus:
+        return self._status
+
+    def _log(self, line: str) -> None:
+        stamp = workflow.now().strftime("%H:%M:%S")
+        self._status.log = [*self._status.log, f"{stamp} {line}"][-LOG_LINES:]
+
+    def _show(self, step: str) -> None:
+        s = self._status
+        buying = [p for p in s.purchases if p.status == "buying"]
+        lines = [f"{s.pending} Pending pods waiting on purchases; last batch window {s.window_seconds:.1f}s"]
+        lines += [f"- `{p.workflow_id}`: {len(p.pods)} pods → {p.offer} ({p.reason})" for p in buying[:10]]
+        lines += [f"- not placed {pod}: {why}" for pod, why in list(s.unplaceable.items())[:5]]
+        lines += [f"- retiring {node}: {why}" for node, why in s.retiring.items()]
+        lines += [f"- {line}" for line in s.log[-8:]]
+        show_details(step, *lines)
+
+    @workflow.run
+    async def run(self, raw: Any) -> None:
+        args = parse_input(DemandInput, raw)
+        carry = args.carry or DemandCarry()
+        self._args = args
+        self._seq = carry.seq
+        self._status.purchases = list(carry.purchases)
+        self._status.log = list(carry.log)
+        self._idle_since: dict[str, float] = dict(carry.idle_since)
+        #: offer key → until (epoch seconds) it stays out of the plan.
+        self._excluded: dict[str, float] = dict(carry.excluded)
+        self._retirements: dict[str, asyncio.Task] = {}
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("watching")])
+        config: dict = await workflow.execute_activity(
+            "demand_settings", start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+            summary="the fleet config's demand: block",
+        )
+        batch_idle = args.batch_idle_seconds if args.batch_idle_seconds is not None else config["batch_idle_seconds"]
+        batch_max = args.batch_max_seconds if args.batch_max_seconds is not None else config["batch_max_seconds"]
+        self._consolidation = ConsolidationSettings(
+            idle_ttl_seconds=args.idle_ttl_seconds if args.idle_ttl_seconds is not None else config["idle_ttl_seconds"],
+            max_site_fraction=(args.max_site_fraction if args.max_site_fraction is not None
+                               else config["max_site_fraction"]),
+        )
+        while True:
+            self._show("watching Pending pods")
+            known = sorted({pod for p in self._buying() for pod in p.pods}
+                           | set(self._status.covered) | set(self._status.unplaceable))
+            batch: DemandBatch = await workflow.execute_activity(
+                "watch_demand",
+                WatchDemandInput(known=known, batch_idle_seconds=batch_idle, batch_max_seconds=batch_max,
+                                 wait_seconds=args.tick_seconds, poll_seconds=args.poll_seconds),
+                result_type=DemandBatch, start_to_close_timeout=timedelta(seconds=args.tick_seconds + batch_max + 60),
+                heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY,
+                summary="wait for Pending GPU pods; batch them",
+            )
+            if batch.new:
+                self._status.window_seconds = batch.window_seconds
+            await self._follow_purchases(set(batch.present))
+            await self._plan_and_buy(batch)
+            if args.consolidate:
+                await self._consolidate()
+            if workflow.info().is_continue_as_new_suggested():
+                await self._continue_as_new()
+
+    def _buying(self) -> list[Purchase]:
+        return [p for p in self._status.purchases if p.status == "buying"]
+
+    # -- purchases ------------------------------------------------------------------------
+    async def _follow_purchases(self, present: set[str]) -> None:
+        buying = self._buying()
+        if not buying:
+            return
+        states: list[PurchaseState] = await workflow.execute_activity(
+            "purchase_status", PurchaseStatusInput(workflow_ids=[p.workflow_id for p in buying]),
+            result_type=list[PurchaseState], start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+            summary=f"how {len(buying)} purchases are doing",
+        )
+        by_id = {s.workflow_id: s for s in states}
+        now = workflow.now().timestamp()
+        for purchase in buying:
+            state = by_id.get(purchase.workflow_id)
+            if state is None or state.status == "running":
+                if purchase.pods and not any(pod in present for pod in purchase.pods):
+                    outcome: CancelOutcome = await workflow.execute_activity(
+                        "cancel_purchase", CancelPurchaseInput(
+                            workflow_id=purchase.workflow_id, site=purchase.site,
+                            reason="every pod it was bought for is gone"),
+                        result_type=CancelOutcome, start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+                        summary=f"pods gone: cancel {purchase.workflow_id} unless provisioning",
+                    )
+                    purchase.status = "cancelled" if outcome.cancelled else "kept"
+                    self._log(f"{purchase.workflow_id}: pods gone; " + ("cancelled before provisioning"
+                                                                        if outcome.cancelled else outcome.reason))
+                continue
+            if state.status == "completed":
+                purchase.status, purchase.nodes = "joined", state.nodes
+                self._log(f"{purchase.workflow_id}: joined {', '.join(state.nodes)} for {len(purchase.pods)} pods")
+            else:
+                purchase.status = "failed"
+                self._excluded[purchase.offer] = now + self._args.exclude_seconds
+                why = "; ".join(state.why[:2]) or state.status
+                self._log(f"{purchase.workflow_id}: {purchase.offer} failed ({why}); out of the plan for "
+                          f"{self._args.exclude_seconds:.0f}s, its pods are planned again")
+        # Keep the finished ones a while for the status; the newest 50.
+        done = [p for p in self._status.purchases if p.status != "buying"]
+        self._status.purchases = self._buying() + done[-50:]
+
+    async def _plan_and_buy(self, batch: DemandBatch) -> None:
+        catalog: Catalog = await workflow.execute_activity(
+            "get_catalog", GetCatalogInput(max_age_seconds=60), result_type=Catalog,
+            start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary="provider catalog: offers, accounts",
+        )
+        now = workflow.now().timestamp()
+        self._excluded = {k: until for k, until in self._excluded.items() if until > now}
+        joining = [JoiningMachine(purchase=p.workflow_id, site=p.site, gpus=p.gpus, capacity_type=p.capacity_type,
+                                  model_gpus=p.model_gpus) for p in self._buying()]
+        result: PlanDemandResult = await workflow.execute_activity(
+            "plan_demand",
+            PlanDemandInput(offers=catalog.offers, accounts=catalog.accounts, joining=joining,
+                            excluded={k: "a purchase there just failed" for k in self._excluded}),
+            result_type=PlanDemandResult, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            summary=f"plan {len(batch.new)} new Pending pods (bin-pack onto the cheapest offers)",
+        )
+        plan = result.plan
+        self._status.covered = plan.covered
+        self._status.unplaceable = plan.unplaceable
+        self._status.pending = len(plan.covered) + len(plan.unplaceable) + sum(len(m.pods) for m in plan.machines)
+        for pod, why in plan.unplaceable.items():
+            if pod in batch.new:
+                self._log(f"{pod}: nothing bought: {why}")
+        for machine in plan.machines:
+            self._seq += 1
+            workflow_id = purchase_workflow_id(self._seq)
+            model_gpus: dict[str, int] = {}
+            request = {
+                "constraints": {"sites": [machine.site], "gpu": machine.gpu, "gpus_per_machine": machine.gpus,
+                                "capacity_types": [machine.capacity_type.value]},
+                "count": 1, "deadline_seconds": self._args.purchase_deadline_seconds,
+                "backoff_seconds": min(60.0, self._args.purchase_deadline_seconds),
+                "reason": f"demand: {len(machine.pods)} Pending pods",
+                **self._args.capacity_request,
+            }
+            pods = ", ".join(machine.pods[:4]) + (f" +{len(machine.pods) - 4}" if len(machine.pods) > 4 else "")
+            await workflow.execute_activity(
+                "start_purchase", StartPurchaseInput(
+                    workflow_id=workflow_id, request=request,
+                    summary=f"demand: {pods} → {machine.offer}: {machine.reason}"),
+                start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+                summary=f"buy {machine.offer} for {len(machine.pods)} pods",
+            )
+            if machine.model:
+                for name in machine.model.split(","):
+                    model_gpus[name] = machine.gpus_used
+            self._status.purchases.append(Purchase(
+                workflow_id=workflow_id, offer=machine.offer, site=machine.site, gpus=machine.gpus,
+                capacity_type=machine.capacity_type, pods=machine.pods, model_gpus=model_gpus,
+                reason=machine.reason, started_at=workflow.now().timestamp(),
+            ))
+            self._log(f"{pods} → {machine.offer} → `{workflow_id}`: {machine.reason}")
+        if result.labelled:
+            self._log(f"fleet labels set on {', '.join(result.labelled[:5])}")
+
+    # -- consolidation --------------------------------------------------------------------
+    async def _consolidate(self) -> None:
+        for node, task in list(self._retirements.items()):
+            if task.done():
+                del self._retirements[node]
+                self._status.retiring.pop(node, None)
+        found: IdleNodesResult = await workflow.execute_activity(
+            "idle_nodes", result_type=IdleNodesResult, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            summary="GPU nodes with no GPU pod",
+        )
+        now = workflow.now().timestamp()
+        idle_names = {n.name for n in found.idle}
+        # Idle since the loop first saw it empty (a pod landing on it resets that).
+        self._idle_since = {name: self._idle_since.get(name, now) for name in idle_names}
+        for node in found.idle:
+            node.idle_since = self._idle_since[node.name]
+        retiring: dict[str, int] = {}
+        for node in self._retirements:
+            site = self._status.retiring.get(node, "").split(":", 1)[0]
+            retiring[site] = retiring.get(site, 0) + 1
+        candidates = [n for n in found.idle if n.name not in self._retirements]
+        chosen, kept = consolidate(candidates, found.site_nodes, found.site_min, retiring, now,
+                                   self._consolidation, keep_warm=found.keep_warm)
+        self._status.kept_idle = kept
+        for retire in chosen:
+            self._status.retiring[retire.node] = f"{retire.site}: {retire.reason}"
+            self._log(f"retire {retire.node} at {retire.site}: {retire.reason}")
+            self._retirements[retire.node] = asyncio.create_task(self._retire(retire.site, retire.node,
+                                                                              retire.machine_id, retire.reason))
+
+    async def _retire(self, site: str, node: str, machine_id: str, reason: str) -> None:
+        outcome = await drain_and_retire(site, node, machine_id, self._args.drain_seconds, why=f"idle: {reason}")
+        if outcome.retired:
+            self._log(f"retired {node} at {site}")
+            self._idle_since.pop(node, None)
+        else:
+            self._log(f"kept {node}: {outcome.blocked or outcome.failed}")
+            # Uncordon is the drain's business to undo: a blocked drain leaves the node
+            # cordoned, so it is tried again next time (still idle) rather than reused.
+
+    async def _continue_as_new(self) -> None:
+        if self._retirements:
+            await asyncio.gather(*self._retirements.values(), return_exceptions=True)
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        workflow.continue_as_new(self._args.model_copy(update={"carry": DemandCarry(
+            seq=self._seq, purchases=self._status.purchases, idle_since=self._idle_since,
+            excluded=self._excluded, log=self._status.log,
+        )}).model_dump(mode="json"))
