@@ -9,6 +9,7 @@ when they say the credentials are fixed.
 from __future__ import annotations
 
 import asyncio
+import logging
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,9 @@ from fleet.cluster import LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, DrainResult
 from providers.cluster.base import NodeNotFound
 
 R = TypeVar("R")
+
+
+log = logging.getLogger("gpufleet.capacity")
 
 
 async def report_to_account(env: FleetEnv, input: ReportAccountInput) -> None:
@@ -84,8 +88,12 @@ def reports_account(site_of: Callable[[Any], str], offer_of: Callable[[Any], str
                 site = env.site(site_of(input))
                 offer = offer_of(input) or site.instance_type
                 kind = BadCredentials.__name__ if isinstance(error, BadCredentials) else OverQuota.__name__
-                await report_to_account(env, ReportAccountInput(
-                    account=site.account, kind=kind, offer=f"{site.name}/{offer}", message=str(error)))
+                try:
+                    await report_to_account(env, ReportAccountInput(
+                        account=site.account, kind=kind, offer=f"{site.name}/{offer}", message=str(error)))
+                except Exception as lost:  # noqa: BLE001 - the typed answer must still reach the caller
+                    # The guard store is written first; only the entity's record can be missing here.
+                    log.warning("could not tell account %s about %s: %s", site.account, kind, lost)
                 raise
 
         return run  # type: ignore[return-value]

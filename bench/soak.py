@@ -2,15 +2,20 @@
 control-plane worker is SIGKILLed and the dev server restarted, then five
 invariants, each of which must be zero.
 
-The stack is the one ``gpufleet dev`` runs, as child processes this soak owns: a
-Temporal dev server with SQLite persistence (``--db-filename``, so a restart
-keeps every workflow), ``python -m workers.control_plane`` and the simulated
-nodes' host ``python -m workers.node_agent --sim``. For the first 60% of the
-run it injects, at moments drawn from ``--seed``: NodeJoins, AcquireCapacity
-requests, GPU faults (a reset-class XID 48 or a reboot-class XID 79, one per
-machine), one provider incident (a site's machines stop dialing home until it
-is drained), worker SIGKILLs and dev-server restarts. Then it stops injecting,
-lets the fleet quiesce for the rest of the run, and checks:
+The stack is the one ``gpufleet dev`` runs, started with cli/dev.py's own helpers,
+as child processes this soak owns: the object stores' S3 emulator (moto's
+server) with the demo model seeded into ``demo-weights``, a Temporal dev server
+with SQLite persistence (``--db-filename``, so a restart keeps every workflow),
+``python -m workers.control_plane``, the node gateway, and the simulated nodes'
+host ``python -m workers.node_agent --sim``, whose agents reach Temporal only
+through that gateway (one certificate each). For the first 60% of the run it
+injects, at moments drawn from ``--seed``: NodeJoins, AcquireCapacity requests,
+GPU faults (a reset-class XID 48 or a reboot-class XID 79, one per machine), one
+provider incident (a site's machines stop dialing home until it is drained), one
+ModelRollout of the demo model (deploy/rollout.demo.yaml, retargeted at two soak
+sites, started as ``gpufleet rollout start`` does), worker SIGKILLs and
+dev-server restarts. Then it stops injecting, lets the fleet quiesce for the rest
+of the run, and checks:
 
 - ``task-failure loops``: open workflows whose last workflow-task outcome is
   ``WorkflowTaskFailed`` (the workflow stays Running and nobody is told);
@@ -23,11 +28,11 @@ lets the fleet quiesce for the rest of the run, and checks:
   the simulated provider, ``SimWorld.actions``);
 - ``workflows not waiting``: open workflows that are neither waiting on a
   timer, signal, child or activity: a workflow task outstanding after the
-  quiesce, or an activity failing attempt after attempt.
+  quiesce, or an activity failing attempt after attempt (one whose current attempt
+  heartbeats on time is waiting: a long watch loses an attempt to each restart).
 
-No ModelRollout yet: it needs an S3 fake (moto's server, as tests/rollout uses)
-and serving replicas on the joined nodes, and its weights source is moving into
-the fleet config (named object stores); add it once that settles.
+The rollout's outcome is shown with the stats, not counted: a gate that fails
+because faults took the canary site's GPUs is the rollout doing its job.
 
     python -m bench.soak [--minutes 10] [--seed 1] [--state-dir DIR]
 
@@ -53,12 +58,25 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import yaml
-from temporalio.api.enums.v1 import EventType
-from temporalio.client import Client, WorkflowExecutionStatus
+from temporalio.api.enums.v1 import EventType, PendingActivityState
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy
 
-from cli.dev import dev_server_tuning_flags, temporal_binary
+from cli.dev import (
+    DEMO_STORE,
+    DEV_S3_KEY,
+    dev_server_tuning_flags,
+    loopback_stores,
+    node_gateway_command,
+    node_gateway_env,
+    object_store_command,
+    seed_loopback_stores,
+    temporal_binary,
+    wait_for_port,
+)
+from client.fleet import FleetClient
 from fleet import search_attributes
+from fleet.config import load_config
 from fleet.naming import node_name_for
 from fleet.settings import Settings
 from fleet.temporal import connect
@@ -79,14 +97,21 @@ JOIN_TIMEOUTS = {"provision_seconds": 20, "registration_seconds": 30, "smoke_tes
 #: The site whose provider goes away once; faults and capacity requests stay off it.
 INCIDENT_SITE = "soak-d"
 FAULT_SITES = ("soak-a", "soak-b", "soak-c")
+#: The demo model's rollout targets (canary first); faults land here too.
+ROLLOUT_SITES = ("soak-a", "soak-b")
+#: ``gpufleet rollout start deploy/rollout.demo.yaml``, as the README walks it on the dev stack.
+DEMO_ROLLOUT = Path(__file__).resolve().parents[1] / "deploy" / "rollout.demo.yaml"
 #: The finite workflow types the quiesce waits for (entities run for ever, by design).
 FINITE = ("NodeJoin", "AcquireCapacity", "GpuRepair", "SiteEvacuation", "SpotReclaim", "ModelRollout",
           "SiteSweep", "CatalogRefresh", "FleetSweep")
 
 
-def soak_fleet(capacity: int) -> dict:
+def soak_fleet(capacity: int, s3_port: int) -> dict:
     """Four simulated sites over two accounts; only the incident site may trip an incident
-    (faults elsewhere are repaired one by one, however many land in a window)."""
+    (faults elsewhere are repaired one by one, however many land in a window). Object stores
+    as in the built-in fleet: ``demo-weights`` and one bucket per site, on the S3 emulator."""
+    store = {"endpoint_url": f"http://127.0.0.1:{s3_port}", "addressing_style": "path",
+             "credentials": {"env": DEV_S3_KEY[0]}}
     accounts = [{"name": "soak-lambda", "provider": "lambda", "credentials": {"env": "SOAK_LAMBDA_KEY"}},
                 {"name": "soak-nebius", "provider": "nebius", "credentials": {"env": "SOAK_NEBIUS_KEY"}}]
     sites = []
@@ -95,7 +120,8 @@ def soak_fleet(capacity: int) -> dict:
         site = {"name": name, "provider": "lambda" if lam else "nebius", "account": "soak-lambda" if lam else "soak-nebius",
                 "region": "r", "geography": "us-east", "gpu": "H100", "gpu_memory_gb": 80, "gpus_per_machine": 2,
                 "instance_type": "gpu_2x_h100", "price_per_gpu_hour": 2.0 + i / 10, "max_nodes": capacity,
-                "sim": {"capacity": capacity, "quota": capacity, "api_latency_ms": 5, "boot_seconds": 0.3}}
+                "sim": {"capacity": capacity, "quota": capacity, "api_latency_ms": 5, "boot_seconds": 0.3},
+                "object_store": {**store, "bucket": f"site-{name}"}}
         if name == INCIDENT_SITE:
             site["incident"] = {"enabled": True, "min_nodes": 3, "fraction": 0.5, "window_seconds": 60,
                                 "settle_seconds": 1, "check_seconds": 2, "probe_seconds": 2, "bake_seconds": 1,
@@ -104,6 +130,7 @@ def soak_fleet(capacity: int) -> dict:
         sites.append(site)
     return {
         "mode": "sim", "accounts": accounts, "sites": sites,
+        "object_stores": {DEMO_STORE: {**store, "bucket": DEMO_STORE}},
         "incident": {"enabled": False},
         "repair": {
             "timeouts": {"contain_seconds": 20, "drain_seconds": 2, "reset_seconds": 15, "reboot_seconds": 20,
@@ -121,18 +148,25 @@ def _free_port() -> int:
 
 
 class Processes:
-    """The dev server, the control-plane worker and the node host, as under ``gpufleet dev``."""
+    """The S3 emulator, the dev server, the control-plane worker, the node gateway and the
+    node host, as under ``gpufleet dev``."""
 
-    def __init__(self, settings: Settings, port: int, http_port: int, log) -> None:
+    def __init__(self, settings: Settings, port: int, http_port: int, gateway_port: int, log) -> None:
         self.settings = settings
         self.port = port
         self.http_port = http_port
+        self.gateway_port = gateway_port
         self.log = log
+        self.config = load_config(settings.config)
+        self.s3 = loopback_stores(self.config)
         self.env = {k: v for k, v in os.environ.items()
                     if not (k == "TEMPORAL_API_KEY" or k.startswith(("TEMPORAL_TLS", "TEMPORAL_PROFILE",
                                                                      "TEMPORAL_CONFIG_FILE")))}
         self.env.update(settings.env())
         self.env["GPUFLEET_HEALTH_SECONDS"] = "1"
+        self.env.setdefault(*DEV_S3_KEY)
+        # This process seeds the stores and starts the rollout (its client reads the config).
+        os.environ.setdefault(DEV_S3_KEY[0], self.env[DEV_S3_KEY[0]])
         self.logs = settings.state_dir / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.procs: dict[str, subprocess.Popen] = {}
@@ -154,10 +188,29 @@ class Processes:
             command += search_attributes.dev_server_flags()
         self._spawn("server", command)
 
+    def start_object_stores(self) -> None:
+        for port in self.s3:
+            self._spawn(f"s3-{port}", object_store_command(port))
+
+    def seed_object_stores(self) -> None:
+        seed_loopback_stores(self.config, self.s3)
+
+    def _restart_object_stores(self) -> None:
+        # The emulator keeps its buckets in memory: a new one is seeded again.
+        for port in self.s3:
+            self.stop(f"s3-{port}")
+        self.start_object_stores()
+        self.seed_object_stores()
+
     def start_worker(self) -> None:
         self._spawn("control-plane", [sys.executable, "-m", "workers.control_plane"])
 
+    def start_gateway(self) -> None:
+        self._spawn("node-gateway", node_gateway_command(self.gateway_port))
+        wait_for_port(self.gateway_port)
+
     def start_nodes(self) -> None:
+        self.env.update(node_gateway_env(self.settings.state_dir, self.gateway_port))
         self._spawn("node-agents", [sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.1"])
 
     def stop(self, name: str, sig: int = signal.SIGTERM, wait: float = 20) -> None:
@@ -174,7 +227,8 @@ class Processes:
     def revive(self) -> None:
         """Restart a child that exited by itself (and count it)."""
         for name, start in (("server", self.start_server), ("control-plane", self.start_worker),
-                            ("node-agents", self.start_nodes)):
+                            ("node-gateway", self.start_gateway), ("node-agents", self.start_nodes),
+                            *((f"s3-{port}", self._restart_object_stores) for port in self.s3)):
             proc = self.procs.get(name)
             if proc is not None and proc.poll() is not None:
                 self.unexpected_exits[name] += 1
@@ -183,7 +237,7 @@ class Processes:
                 start()
 
     def stop_all(self) -> None:
-        for name in ("node-agents", "control-plane", "server"):
+        for name in ("node-agents", "node-gateway", "control-plane", "server", *(f"s3-{p}" for p in self.s3)):
             self.stop(name)
 
 
@@ -242,16 +296,17 @@ class Soak:
         self.state_dir = state_dir
         self.capacity = 64
         config = state_dir / "sites.yaml"
-        config.write_text(yaml.safe_dump(soak_fleet(self.capacity)))
+        config.write_text(yaml.safe_dump(soak_fleet(self.capacity, _free_port())))
         self.settings = Settings(address="", state_dir=state_dir, config=str(config), task_queue="gpufleet")
         port = _free_port()
         self.settings = self.settings.model_copy(update={"address": f"127.0.0.1:{port}"})
-        self.procs = Processes(self.settings, port, _free_port(), log)
+        self.procs = Processes(self.settings, port, _free_port(), _free_port(), log)
         self.client: Client | None = None
         self.faults: list[Fault] = []
         self.stats: Counter[str] = Counter()
         self.seq = 0
         self.t0 = 0.0
+        self.rollout_id = ""
 
     # -- world ---------------------------------------------------------------------------------
     @property
@@ -332,6 +387,19 @@ class Soak:
             await asyncio.to_thread(world.set_site, INCIDENT_SITE, unreachable=0)
             self.log(f"  {self._t()} {INCIDENT_SITE} healed")
 
+    async def rollout(self) -> None:
+        """The demo model, as ``gpufleet rollout start deploy/rollout.demo.yaml`` starts it (the
+        operator's client), onto the soak's sites, with a gate sized for a run of minutes."""
+        manifest = yaml.safe_load(DEMO_ROLLOUT.read_text())
+        manifest["sites"] = [{"site": site, "replicas": 1} for site in ROLLOUT_SITES]
+        manifest["strategy"]["gate"].update(ready_timeout_seconds=30, probe_timeout_seconds=10)
+        manifest["replication"] = {"heartbeat_seconds": 3}
+        fleet = FleetClient(self.settings, temporal=self.client)
+        handle = await retrying("start rollout", lambda: fleet.start_rollout(manifest))
+        self.rollout_id = handle.id
+        self.stats["rollouts started"] += 1
+        self.log(f"  {self._t()} rollout {handle.id} to {', '.join(ROLLOUT_SITES)}")
+
     async def kill_worker(self) -> None:
         self.procs.stop("control-plane", signal.SIGKILL)
         self.stats["worker SIGKILLs"] += 1
@@ -357,15 +425,19 @@ class Soak:
         events += [(self.rng.uniform(0.05, 0.95) * T, "kill-worker") for _ in range(max(2, int(T / 20)))]
         events += [(self.rng.uniform(0.15, 0.85) * T, "restart-server") for _ in range(max(1, int(T / 45)))]
         events.append((self.rng.uniform(0.15, 0.3) * T, "incident"))
+        events.append((self.rng.uniform(0.2, 0.5) * T, "rollout"))
         return sorted(events)
 
     async def run(self) -> SoakResult:
         self.t0 = time.monotonic()
         procs = self.procs
-        procs.start_server()
         try:
+            procs.start_object_stores()
+            await asyncio.to_thread(procs.seed_object_stores)
+            procs.start_server()
             await self._connect()
             procs.start_worker()
+            procs.start_gateway()
             procs.start_nodes()
             from fleet.schedules import apply_schedules
 
@@ -411,6 +483,8 @@ class Soak:
                     await self.restart_server()
                 elif kind == "incident":
                     background.append(asyncio.create_task(self.incident(until=start + self.chaos)))
+                elif kind == "rollout":
+                    await self.rollout()
             except RuntimeError as error:
                 self.stats["injections that failed"] += 1
                 self.log(f"  ! {kind}: {error}")
@@ -458,16 +532,28 @@ class Soak:
         every = await retrying("list workflows", lambda: _collect(client.list_workflows("")))
         by_status = Counter(f"{w.workflow_type} {w.status.name.lower()}" for w in every)
         stats["workflows"] = ", ".join(f"{k}: {v}" for k, v in sorted(by_status.items()))
+        stats["rollout"] = await self._rollout_outcome(every)
 
         now = time.time()
         task_failures_seen = 0
+        # Who ran each activity on a node's own queue: through the gateway it is ``node:<name>``.
+        node_activities: Counter[str] = Counter()
+        recovered = 0
         for w in [w for w in every if w.status == WorkflowExecutionStatus.RUNNING]:
             handle = client.get_workflow_handle(w.id, run_id=w.run_id)
             history = await retrying(f"history {w.id}", handle.fetch_history)
             events = list(history.events)
             outcome, outstanding_since = None, None
+            node_queue: set[int] = set()
             for event in events:
                 t = event.event_type
+                if t == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED:
+                    if event.activity_task_scheduled_event_attributes.task_queue.name.startswith("node/"):
+                        node_queue.add(event.event_id)
+                elif t == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED:
+                    started = event.activity_task_started_event_attributes
+                    if started.scheduled_event_id in node_queue:
+                        node_activities["via gateway" if started.identity.startswith("node:") else "direct"] += 1
                 if t == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED:
                     task_failures_seen += 1
                 if t in (EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED, EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED,
@@ -489,10 +575,16 @@ class Soak:
             described = await retrying(f"describe {w.id}", handle.describe)
             for pending in described.raw_description.pending_activities:
                 if pending.attempt >= 4 and pending.HasField("last_failure"):
+                    if _heartbeating(pending, time.time()):
+                        recovered += 1
+                        continue
                     details["workflows not waiting"].append(
                         f"{w.id} ({w.workflow_type}): activity {pending.activity_type.name} failing, attempt "
                         f"{pending.attempt}: {pending.last_failure.message[:160]}")
         stats["WorkflowTaskFailed events in open workflows"] = task_failures_seen
+        stats["activities heartbeating after >=3 failures"] = recovered
+        stats["node-queue activities via the gateway"] = node_activities["via gateway"]
+        stats["node-queue activities not via the gateway"] = node_activities["direct"]
 
         world = self.world
         machines = world.query("SELECT * FROM machines")
@@ -540,6 +632,22 @@ class Soak:
         invariants = {name: len(details[name]) for name in INVARIANTS}
         return SoakResult(invariants=invariants, stats=stats, details=details)
 
+    async def _rollout_outcome(self, every: list[Any]) -> str:
+        run = next((w for w in every if w.id == self.rollout_id), None)
+        if run is None:
+            return "not started"
+        if run.status == WorkflowExecutionStatus.FAILED:
+            # A canary gate that failed under the faults: the rollout ended, rolled back.
+            handle = self.client.get_workflow_handle(run.id, run_id=run.run_id)
+            try:
+                await handle.result()
+            except WorkflowFailureError as error:
+                return f"{run.id}: failed: {error.cause}"
+        if run.status != WorkflowExecutionStatus.COMPLETED:
+            return f"{run.status.name.lower()} (not ended)"
+        result = await retrying("rollout result", self.client.get_workflow_handle(run.id, run_id=run.run_id).result)
+        return f"{run.id}: {result['outcome']}"
+
     async def _sweep_once(self) -> str:
         """Run the fleet's own orphan sweep once, where the registry has one."""
         from workflows.registry import ALL_WORKFLOWS
@@ -554,6 +662,17 @@ class Soak:
         except Exception as error:  # noqa: BLE001 - shown; a sweep stuck in a task-failure loop counts below
             return f"did not finish: {type(error).__name__}: {error}"
         return json.dumps(result, default=str)[:300]
+
+
+def _heartbeating(pending, now: float) -> bool:
+    """A started attempt that heartbeats on time is waiting, whatever its earlier attempts met:
+    a long watch (a Node's, 5 minutes) loses one attempt to every dev-server restart."""
+    if pending.state != PendingActivityState.PENDING_ACTIVITY_STATE_STARTED:
+        return False
+    timeout = pending.activity_options.heartbeat_timeout.ToTimedelta().total_seconds()
+    started = pending.last_started_time.ToDatetime().timestamp()
+    beat = pending.last_heartbeat_time.ToDatetime().timestamp()
+    return timeout > 0 and beat >= started and now - beat < max(2 * timeout, 5)
 
 
 async def _collect(iterator) -> list[Any]:

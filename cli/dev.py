@@ -155,6 +155,24 @@ def seed_stores(stores: list, source_name: str | None, source) -> None:
             client.put_object(Bucket=source.bucket, Key=f"{source.prefix}{DEMO_PREFIX}{path}", Body=data)
 
 
+#: The dev S3 emulator accepts any key; the stores' credentials reference (``{env: GPUFLEET_DEV_S3_KEY}``) names this.
+DEV_S3_KEY = ("GPUFLEET_DEV_S3_KEY", "gpufleet-dev:gpufleet-dev")
+
+
+def object_store_command(port: int) -> list[str]:
+    """The dev stack's S3 emulator (moto's server) on loopback ``port``."""
+    return [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+
+
+def seed_loopback_stores(config, s3: dict[int, list]) -> None:
+    """Once each emulator (``loopback_stores``) answers: its buckets, and the demo model
+    in the source store ``DEMO_STORE`` when that store is one of them."""
+    source = config.object_stores.get(DEMO_STORE)
+    for s3_port, stores in s3.items():
+        wait_for_port(s3_port)
+        seed_stores(stores, DEMO_STORE if source in stores else None, source)
+
+
 def port_in_use(port: int) -> bool:
     import socket
 
@@ -219,6 +237,22 @@ def front_door_line(start, port_in_use) -> str:
 DEV_GATEWAY_OFFSET = 67
 
 
+def node_gateway_command(port: int) -> list[str]:
+    """The dev stack's node gateway (``--dev``: its CA and certificate under the state dir)."""
+    return [sys.executable, "-m", "workers.node_gateway", "--dev", "--listen", f"127.0.0.1:{port}"]
+
+
+def node_gateway_env(state_dir: Path, port: int) -> dict[str, str]:
+    """What the simulated nodes' host needs to reach Temporal only through the gateway on
+    ``port``: its address and CA, and the dev CA (standing in for the cluster CA) that
+    signs each simulated node's CSR, the sim host playing that signer."""
+    from workers.node_gateway import dev_gateway_files
+
+    pki = dev_gateway_files(state_dir)
+    return {"GPUFLEET_GATEWAY": f"127.0.0.1:{port}", "GPUFLEET_GATEWAY_CA": str(pki["ca"]),
+            "GPUFLEET_SIM_SIGNER_DIR": str(pki["ca"].parent)}
+
+
 def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port: int = 7243,
             gateway_port: int | None = None) -> int:
     from fleet.config import load_config
@@ -271,16 +305,12 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    # The dev S3 emulator accepts any key; the stores' credentials reference names this.
-    env.setdefault("GPUFLEET_DEV_S3_KEY", "gpufleet-dev:gpufleet-dev")
-    os.environ.setdefault("GPUFLEET_DEV_S3_KEY", env["GPUFLEET_DEV_S3_KEY"])
+    env.setdefault(*DEV_S3_KEY)
+    os.environ.setdefault(DEV_S3_KEY[0], env[DEV_S3_KEY[0]])
     try:
         for s3_port in s3:
-            start(f"s3-{s3_port}", [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)])
-        for s3_port, stores in s3.items():
-            wait_for_port(s3_port)
-            source = config.object_stores.get(DEMO_STORE)
-            seed_stores(stores, DEMO_STORE if source in stores else None, source)
+            start(f"s3-{s3_port}", object_store_command(s3_port))
+        seed_loopback_stores(config, s3)
         start("temporal", server_command(settings, port, ui_port, http_port))
         asyncio.run(_wait_for_server(settings))
         metrics = {"control-plane": metrics_port(DEV_METRICS_PORTS["control-plane"]),
@@ -288,23 +318,18 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
         env.setdefault("GPUFLEET_METRICS_HOST", "127.0.0.1")
         start("control-plane", [sys.executable, "-m", "workers.control_plane",
                                 "--metrics-port", str(metrics["control-plane"])])
-        # Node agents reach Temporal only through the node gateway: the dev CA (standing in for
-        # the cluster CA) signs each simulated node's CSR; the sim host plays that signer.
-        from workers.node_gateway import dev_gateway_files
-
-        pki = dev_gateway_files(settings.state_dir)
-        start("node-gateway", [sys.executable, "-m", "workers.node_gateway", "--dev",
-                               "--listen", f"127.0.0.1:{gateway_port}"])
+        # Node agents reach Temporal only through the node gateway.
+        gateway_env = node_gateway_env(settings.state_dir, gateway_port)
+        start("node-gateway", node_gateway_command(gateway_port))
         wait_for_port(gateway_port)
-        env.update({"GPUFLEET_GATEWAY": f"127.0.0.1:{gateway_port}", "GPUFLEET_GATEWAY_CA": str(pki["ca"]),
-                    "GPUFLEET_SIM_SIGNER_DIR": str(pki["ca"].parent)})
+        env.update(gateway_env)
         start("node-agents", [sys.executable, "-m", "workers.node_agent", "--sim",
                               "--metrics-port", str(metrics["node-agents"])])
         front_door = front_door_line(start, port_in_use)
         console.print(f"[bold green]gpufleet dev is up[/]  (state in {settings.state_dir}, logs in {logs})")
         console.print(f"  Temporal UI      http://127.0.0.1:{ui_port}")
         console.print(f"  Temporal server  {settings.address}")
-        console.print(f"  node gateway     127.0.0.1:{gateway_port}  (mutual TLS; CA {pki['ca']}; "
+        console.print(f"  node gateway     127.0.0.1:{gateway_port}  (mutual TLS; CA {gateway_env['GPUFLEET_GATEWAY_CA']}; "
                       "every node agent through it, one key and certificate each)")
         for s3_port in s3:
             console.print(f"  object stores    http://127.0.0.1:{s3_port}  (S3 emulator; demo model in {DEMO_STORE})")

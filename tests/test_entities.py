@@ -72,6 +72,8 @@ async def test_site_incident_opened_while_waiting_to_continue_as_new_is_evacuate
     fleet = incident_fleet(uid, incident={"settle_seconds": 60, "check_seconds": 600})
     async for inc in open_incident_stack(can_env.client, tmp_path, fleet, uid):
         site = inc.site("a")
+        await inc.join("a", 3)  # the Site entity admits repairs only for its own nodes
+        n1, n2, n3 = sorted(m["name"] for m in inc.world.machines(site))
         handle = await inc.start_site("a", reconcile_seconds=3600)
 
         async def status() -> SiteStatus:
@@ -86,8 +88,8 @@ async def test_site_incident_opened_while_waiting_to_continue_as_new_is_evacuate
                 result_type=RepairDecision,
             ))
 
-        first = admit("n1")
-        await eventually(lambda: _has(status, lambda s: s.incident.failing == ["n1"]), timeout=15)
+        first = admit(n1)
+        await eventually(lambda: _has(status, lambda s: s.incident.failing == [n1]), timeout=15)
         # Reconciles until the server suggests continue-as-new: the entity now waits for `first`.
         while await history_length(handle) < CAN_EVENTS + 5:
             await handle.signal("reconcile")
@@ -96,7 +98,7 @@ async def test_site_incident_opened_while_waiting_to_continue_as_new_is_evacuate
         assert not first.done()
 
         # Two more GPUs fail at the site while it waits: 3 nodes trip the rule (threshold 3).
-        decisions = await asyncio.wait_for(asyncio.gather(first, admit("n2"), admit("n3")), 30)
+        decisions = await asyncio.wait_for(asyncio.gather(first, admit(n2), admit(n3)), 30)
         incident = f"evacuate/{site}/1"
         assert [(d.repair, d.incident) for d in decisions] == [(False, incident)] * 3
 

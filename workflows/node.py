@@ -302,7 +302,8 @@ class NodeEntity:
         """Deferred findings: act if the GPU is still sick, forget them if it healed."""
         for index, finding in sorted(self._carry.deferred.items()):
             latest = self._carry.latest.get(index)
-            if latest is not None and not latest.problems():
+            # A fatal XID is an event, not a state: a clean snapshot since does not undo it.
+            if not finding.fatal_xids and latest is not None and not latest.problems():
                 self._carry.deferred.pop(index)
                 self._log(f"GPU {index}: healed while waiting, no repair")
                 continue

@@ -148,7 +148,13 @@ def test_activity_payloads_never_carry_the_credential(harness: Harness, tmp_path
     env = FleetEnv(settings=Settings(state_dir=tmp_path), config=config, cluster=cluster)
     env._providers[site] = harness.provider  # the adapter pointed at its fake
     activities = ControlPlaneActivities(env)
-    run = ActivityEnvironment().run  # a sync test: no event loop here, as in the worker's threads
+    environment = ActivityEnvironment()
+
+    def run(fn, arg):
+        """One activity call; the provider activities are async (they run the SDK in a thread)."""
+        result = environment.run(fn, arg)
+        return asyncio.run(result) if asyncio.iscoroutine(result) else result
+
     payloads: list = []
 
     create = ProvisionMachineInput(site=site, spec=harness.spec, idempotency_key=key())
