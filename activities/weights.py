@@ -47,7 +47,7 @@ from activities.rollout_models import Checkpoint, OpenUpload, Part, ReplicateInp
 from fleet.config import ObjectStore
 from fleet.errors import InvalidRequest
 from fleet.rollout import WeightFile, part_size_for
-from providers.object_store import classify, head, is_digest_error, make_s3_client
+from providers.object_store import Throttle, classify, head, is_digest_error, make_s3_client
 
 #: Test hook: ``fn(site, path, attempt, data) -> data`` applied to bytes on their way
 #: to the destination store (simulates corruption in transit). None in production.
@@ -62,19 +62,6 @@ def b64_digest(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
 
 
-class _Throttle:
-    def __init__(self, bytes_per_s: int) -> None:
-        self.rate = bytes_per_s
-        self.start = time.monotonic()
-        self.sent = 0
-
-    def __call__(self, n: int) -> None:
-        if not self.rate:
-            return
-        self.sent += n
-        ahead = self.sent / self.rate - (time.monotonic() - self.start)
-        if ahead > 0:
-            time.sleep(ahead)
 
 
 class Replicator:
@@ -97,7 +84,7 @@ class Replicator:
         self.cp.files_total = len(input.files)
         self._heartbeat = heartbeat
         self._last_beat = 0.0
-        self.throttle = _Throttle(self.opts.bandwidth_limit_bytes_per_s)
+        self.throttle = Throttle(self.opts.bandwidth_limit_bytes_per_s)
         self.copied = self.skipped = 0
         self._listing: dict[str, int] | None = None
         self._list_failed = False

@@ -8,6 +8,8 @@ shared boto3 session), and the store's errors mapped onto the fleet taxonomy
 
 from __future__ import annotations
 
+import time
+
 import threading
 from typing import Any
 
@@ -126,3 +128,19 @@ def head(client: Any, bucket: str, key: str) -> dict[str, Any] | None:
         if answer is not None and answer[1] == 404:
             return None
         raise classify(error, f"head s3://{bucket}/{key}") from error
+
+
+class Throttle:
+    """At most ``rate`` bytes/s (0: no cap), so a copy does not saturate the link it shares
+    (a site's store during a rollout, a node's uplink while it pulls weights)."""
+
+    def __init__(self, rate: int) -> None:
+        self.rate, self.start, self.sent = rate, time.monotonic(), 0
+
+    def __call__(self, n: int) -> None:
+        if not self.rate:
+            return
+        self.sent += n
+        ahead = self.sent / self.rate - (time.monotonic() - self.start)
+        if ahead > 0:
+            time.sleep(ahead)

@@ -121,6 +121,13 @@ async def open_incident_stack(client: Client, tmp_path: Path, fleet: dict | None
                         state_dir=tmp_path, config=str(path))
     env = FleetEnv.from_settings(settings)
     stack = IncStack(client, settings, env.world, env.cluster, uid)
+    # Routing entities (``routing/<model>``) are shared by every test on the session's server:
+    # one left running on an earlier test's queue would never apply this test's route changes.
+    async for wf in client.list_workflows('WorkflowType = "Routing" AND ExecutionStatus = "Running"'):
+        try:
+            await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("an earlier test's entity")
+        except Exception:  # noqa: BLE001 - ended meanwhile
+            pass
     stop = asyncio.Event()
     host = sim_host(client, settings, poll_seconds=0.05)  # through the session's node gateway
     host.health_seconds = 0.2

@@ -22,14 +22,13 @@ import hashlib
 import json
 import os
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fleet.errors import FleetError
 from fleet.weights_pull import CACHE_ROOT, ENV, WeightsPull
-from providers.object_store import classify, make_s3_client
+from providers.object_store import Throttle, classify, make_s3_client
 
 CHUNK = 1024 * 1024
 #: Written last, after every file verified: its presence means the version is complete.
@@ -68,22 +67,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-class _Throttle:
-    """At most ``rate`` bytes/s (0: no cap), so a pull does not saturate the node's link."""
-
-    def __init__(self, rate: int) -> None:
-        self.rate, self.start, self.sent = rate, time.monotonic(), 0
-
-    def __call__(self, n: int) -> None:
-        if not self.rate:
-            return
-        self.sent += n
-        ahead = self.sent / self.rate - (time.monotonic() - self.start)
-        if ahead > 0:
-            time.sleep(ahead)
 
 
-def _fetch(client: Any, spec: WeightsPull, key: str, partial: Path, offset: int, throttle: _Throttle) -> int:
+def _fetch(client: Any, spec: WeightsPull, key: str, partial: Path, offset: int, throttle: Throttle) -> int:
     """Append the object's bytes from ``offset`` to ``partial``; bytes fetched."""
     kwargs = {"Range": f"bytes={offset}-"} if offset else {}
     try:
@@ -101,7 +87,7 @@ def _fetch(client: Any, spec: WeightsPull, key: str, partial: Path, offset: int,
     return fetched
 
 
-def _pull_file(client: Any, spec: WeightsPull, dest: Path, f, report: PullReport, throttle: _Throttle) -> None:
+def _pull_file(client: Any, spec: WeightsPull, dest: Path, f, report: PullReport, throttle: Throttle) -> None:
     final = dest / f.path
     if final.exists() and final.stat().st_size == f.size and _sha256(final) == f.sha256:
         report.fetched[f.path] = 0
@@ -148,7 +134,7 @@ def pull(spec: WeightsPull, cache_root: str | Path = CACHE_ROOT, *, client: Any 
             return report
         marker.unlink(missing_ok=True)
         client = client or make_s3_client(spec.store)
-        throttle = _Throttle(bandwidth_bytes_per_s)
+        throttle = Throttle(bandwidth_bytes_per_s)
         for f in spec.files:
             _pull_file(client, spec, dest, f, report, throttle)
         marker.write_text(_marker(spec))
