@@ -307,12 +307,18 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
     signal.signal(signal.SIGTERM, on_signal)
     env.setdefault(*DEV_S3_KEY)
     os.environ.setdefault(DEV_S3_KEY[0], env[DEV_S3_KEY[0]])
+    # One line per stage before "up": a slow first start (a cold disk, a new database)
+    # then shows where it is rather than a silent terminal.
     try:
+        if s3:
+            console.print("[dim]starting the S3 emulator and seeding the demo model...[/]")
         for s3_port in s3:
             start(f"s3-{s3_port}", object_store_command(s3_port))
         seed_loopback_stores(config, s3)
+        console.print(f"[dim]starting the Temporal server on {settings.address} (log: {logs / 'temporal.log'})...[/]")
         start("temporal", server_command(settings, port, ui_port, http_port))
         asyncio.run(_wait_for_server(settings))
+        console.print("[dim]starting the control-plane worker, the node gateway and the simulated nodes...[/]")
         metrics = {"control-plane": metrics_port(DEV_METRICS_PORTS["control-plane"]),
                    "node-agents": metrics_port(DEV_METRICS_PORTS["node-agents"])}
         env.setdefault("GPUFLEET_METRICS_HOST", "127.0.0.1")

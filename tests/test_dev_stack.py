@@ -31,12 +31,23 @@ def start_dev(env: dict, port: int, ui_port: int, log: Path) -> subprocess.Popen
         [sys.executable, "-m", "cli", "dev", "--port", str(port), "--ui-port", str(ui_port)],
         env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 60
+    # Generous: a fresh CI machine's first start (cold disk, new database) is far slower
+    # than a warm one; the stack's own logs say where it stood.
+    deadline = time.monotonic() + 150
     while "gpufleet dev is up" not in log.read_text():
         assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, log.read_text()
+        if time.monotonic() > deadline:
+            proc.send_signal(signal.SIGINT)  # its children stop with it
+            proc.wait(timeout=60)
+            pytest.fail(f"not up after 150 s:\n{log.read_text()}\n{child_logs(env)}")
         time.sleep(0.2)
     return proc
+
+
+def child_logs(env: dict) -> str:
+    logs = Path(env["GPUFLEET_STATE_DIR"]) / "logs"
+    return "\n".join(f"--- {path.name}\n{path.read_text(errors='replace')[-2000:]}"
+                     for path in sorted(logs.glob("*.log")))
 
 
 def stop_dev(proc: subprocess.Popen) -> None:
@@ -56,7 +67,7 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
     port, ui_port = free_port(), free_port()
     env = {**os.environ, "GPUFLEET_STATE_DIR": str(tmp_path / "state"), "GPUFLEET_CONFIG": str(write_fleet(tmp_path)),
