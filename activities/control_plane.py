@@ -37,6 +37,7 @@ from activities.models import (
 )
 from fleet import search_attributes as sa
 from fleet.config import Site
+from fleet.messages.csr import CsrApproverResult, CsrVerdict
 from fleet.errors import InvalidRequest, NotFound, ProviderError
 from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
 from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinParams, render_user_data
@@ -88,6 +89,7 @@ class ControlPlaneActivities:
             self.await_registration,
             self.revoke_node_tokens,
             self.review_node_csrs,
+            self.approve_node_csrs,
             self.release_provision,
             self.delete_machine,
             self.issue_join_token,
@@ -186,6 +188,17 @@ class ControlPlaneActivities:
         """gpufleet's CSR approver, one pass (kubelet certificate renewals, serving CSRs):
         how many CSRs it decided."""
         return len(self.env.cluster.review_csrs(machine_addresses(self.env)))
+
+    @activity.defn
+    @typed_errors
+    def approve_node_csrs(self) -> CsrApproverResult:
+        """The same pass for the ``CsrApprover`` workflow (its Schedule runs it every half
+        minute): what it decided and why. Each decision is also a condition on its CSR."""
+        decisions = self.env.cluster.review_csrs(machine_addresses(self.env))
+        for d in decisions:
+            activity.logger.info("CSR %s from %s %s: %s", d.name, d.requester,
+                                 "approved" if d.approve else "denied", d.reason)
+        return CsrApproverResult(decided=[CsrVerdict(**d.model_dump()) for d in decisions])
 
     @activity.defn
     @typed_errors

@@ -60,6 +60,8 @@ class NodeWatch:
         self.notice = notice
         #: Probe this often while waiting (0: only when woken and at the watch's end).
         self.interval_s = interval_s
+        #: The node's clock: each result says when it was observed (stale after an outage in flight).
+        self.clock = time.time
         self._loop: asyncio.AbstractEventLoop | None = None
         self._woken: asyncio.Event | None = None
         # A backend reports an XID event once (NVML's queue is drained by the probe): the watch keeps
@@ -143,11 +145,13 @@ class NodeAgentActivities:
         beat = (info.heartbeat_timeout.total_seconds() / 3) if info.heartbeat_timeout else 10.0
         while True:
             self.watch.arm()
+            observed_at = self.watch.clock()
             state = await asyncio.to_thread(self.watch.observe, input.digest)
             changed = state.digest != input.digest or state.reclaim_at != input.reclaim_at
             if changed or time.monotonic() >= deadline:
                 return NodeWatchResult(node_name=self.node_name, seq=input.seq + changed, digest=state.digest,
-                                       boot_id=state.boot_id, gpus=state.gpus, reclaim_at=state.reclaim_at)
+                                       boot_id=state.boot_id, gpus=state.gpus, reclaim_at=state.reclaim_at,
+                                       observed_at=observed_at)
             activity.heartbeat(input.seq)
             pause = min(beat, max(deadline - time.monotonic(), 0.0))
             if self.watch.interval_s > 0:

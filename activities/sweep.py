@@ -17,8 +17,15 @@ from temporalio import activity
 from activities.capacity import reports_account
 from activities.env import FleetEnv
 from activities.errors import typed_errors
+from fleet.cluster import NODE_IDENTITY_KIND
 from fleet.errors import AccountRevoked, NotFound
-from fleet.messages.sweep import SiteSweepReport, SweepKnown, SweepSiteInput
+from fleet.messages.sweep import (
+    IdentitySweepReport,
+    SiteSweepReport,
+    SweepIdentitiesInput,
+    SweepKnown,
+    SweepSiteInput,
+)
 from fleet.models import Machine
 from fleet.naming import node_name_for
 from fleet.search_attributes import NODE_NAME
@@ -69,7 +76,7 @@ class SweepActivities:
         self.env = env
 
     def all(self) -> list:
-        return [self.sweep_known, self.sweep_site]
+        return [self.sweep_known, self.sweep_site, self.sweep_identities]
 
     @activity.defn
     @typed_errors
@@ -117,4 +124,35 @@ class SweepActivities:
                 continue
             report.deleted.append(machine.id)
             activity.logger.warning("sweep deleted orphan %s (%s) at %s", machine.id, machine.name, site.name)
+        return report
+
+    @activity.defn
+    @typed_errors
+    def sweep_identities(self, input: SweepIdentitiesInput) -> IdentitySweepReport:
+        """Delete the identity records whose Node is gone (``remove_node`` deletes a retired
+        node's own; these are what a ``kubectl delete node`` or a crash in between left) once
+        they have been without a Node for the grace period: a kubelet whose Node was deleted
+        registers it again within seconds, and must find its record still there.
+
+        Records are listed before nodes: a record is written only after its Node registered,
+        so one written meanwhile has its Node in the listing."""
+        cluster = self.env.cluster
+        records = cluster.list_state(NODE_IDENTITY_KIND)
+        present = {node.name for node in cluster.list_nodes()} | set(input.joining)
+        grace = self.env.config.sweep.grace_seconds if input.grace_seconds is None else input.grace_seconds
+        now = time.time()
+        report = IdentitySweepReport(listed=len(records))
+        for name, data in sorted(records.items()):
+            if name in present:
+                continue
+            since = input.first_seen.get(name, now)
+            if now - since < grace:
+                report.young.append(name)
+                report.first_seen[name] = since
+                continue
+            # Only the record judged: a join that wrote it again since keeps it.
+            if input.dry_run or cluster.delete_state(NODE_IDENTITY_KIND, name, only_if=data):
+                report.deleted.append(name)
+                if not input.dry_run:
+                    activity.logger.warning("sweep deleted the identity record of gone node %s", name)
         return report

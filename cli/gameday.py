@@ -243,3 +243,299 @@ def _durations_table(report: dict) -> Table:
             for s in report["sites"].values()
         ])
     return t
+
+
+# -- control-plane loss ------------------------------------------------------------------------
+#: The dev stack's control plane: its Temporal server and its control-plane worker. The node gateway,
+#: the node agents and the front door stay up (they run beside the nodes in a real deployment).
+CONTROL_PLANE = ("temporal", "control-plane")
+
+
+def control_plane_processes(state_dir: Path) -> dict[str, int]:
+    """The pids of the dev stack (``gpufleet dev --state-dir``) Temporal server and control-plane
+    worker, found by what `gpufleet dev` starts them with: the server's ``--db-filename`` under the
+    state dir, the worker's ``GPUFLEET_STATE_DIR``. Linux (/proc)."""
+    state_dir = state_dir.resolve()
+    db = str(state_dir / "temporal.db")
+    found: dict[str, int] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            args = [a.decode(errors="replace") for a in argv if a]
+            if "start-dev" in args and "--db-filename" in args:
+                given = args[args.index("--db-filename") + 1]
+                if given == db or str(Path(given).resolve()) == db:
+                    found["temporal"] = int(entry.name)
+            elif "workers.control_plane" in args:
+                environ = (entry / "environ").read_bytes().split(b"\0")
+                wanted = f"GPUFLEET_STATE_DIR={state_dir}".encode()
+                if wanted in environ:
+                    found["control-plane"] = int(entry.name)
+        except (OSError, IndexError, ValueError):  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+@gameday_app.command("control-plane-loss")
+def control_plane_loss(
+    minutes: Annotated[float, typer.Option(help="how long the control plane is away")] = 5.0,
+    seconds: Annotated[Optional[float], typer.Option(help="the same in seconds (overrides --minutes)")] = None,
+    faults: Annotated[int, typer.Option(help="real GPU faults injected on this many nodes during the outage")] = 2,
+    timeout: Timeout = 900.0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the measurements here")] = None,
+    address: Address = "localhost:7233",
+    state_dir: StateDir = Path(".gpufleet"),
+    config: ConfigPath = None,
+) -> None:
+    """Lose the control plane (Temporal and its worker) while the fleet serves, then bring it back.
+
+    The processes are stopped (SIGSTOP: frozen, as behind a partition) and continued (SIGCONT);
+    `gpufleet dev` keeps owning them. Prints the timeline and exits 1 unless every request was
+    served, no healthy node was repaired, no incident opened and every real fault was repaired."""
+    from fleet.config import ConfigError, load_config
+    config_ = settings(address, state_dir, config)
+    try:
+        cfg = load_config(config_.config)
+    except ConfigError as error:
+        fail(str(error), 2)
+    if cfg.mode != "sim":
+        fail("game days break the simulated fleet only (config mode is not sim)", 2)
+    outage = seconds if seconds is not None else minutes * 60
+    if not 0 < outage <= 24 * 3600:
+        fail("--minutes/--seconds: the outage must be longer than 0 and at most a day", 2)
+    if faults < 0:
+        fail("--faults: must be 0 or more", 2)
+    procs = control_plane_processes(config_.state_dir)
+    missing = [name for name in CONTROL_PLANE if name not in procs]
+    if missing:
+        fail(f"--state-dir: no {' or '.join(missing)} process of a `gpufleet dev` stack with state in "
+             f"{config_.state_dir.resolve()} (is it running?)", 2)
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        report = run(_control_plane_gameday(config_, procs, outage, faults, timeout))
+    except KeyboardInterrupt:
+        console.print("interrupted: the control plane runs again")
+        raise typer.Exit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    text = json.dumps(report, indent=2)
+    console.print_json(text)
+    if json_out:
+        json_out.write_text(text)
+    if report["problems"]:
+        raise typer.Exit(1)
+
+
+def _freeze(procs: dict[str, int], stop: bool) -> None:
+    import os
+    import signal
+
+    # The server first when stopping (nothing completes behind it), first again when continuing.
+    for name in CONTROL_PLANE:
+        try:
+            os.kill(procs[name], signal.SIGSTOP if stop else signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+class _Traffic:
+    """Requests through the front door, one after another per model, counted by period."""
+
+    def __init__(self, port: int, models: list[str]) -> None:
+        self.port, self.models = port, models
+        self.counts: dict[str, list[int]] = {}  # period → [served, failed]
+        self.period = "before"
+        self._stop = asyncio.Event()
+
+    async def run(self) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{self.port}", timeout=10) as http:
+            while not self._stop.is_set():
+                for model in self.models:
+                    period = self.period
+                    try:
+                        r = await http.post(f"/{model}/v1/completions",
+                                            json={"prompt": "game day", "max_tokens": 2},
+                                            headers={"x-session-id": "gameday"})
+                        ok = r.status_code < 400
+                    except httpx.HTTPError:
+                        ok = False
+                    self.counts.setdefault(period, [0, 0])[0 if ok else 1] += 1
+                await asyncio.sleep(0.05)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _front_door_models(world) -> list[str]:
+    from cli.dev import wait_for_port
+    from cli.front_door import DEFAULT_PORT
+    from providers.cluster.sim import SimCluster
+
+    try:
+        wait_for_port(DEFAULT_PORT, timeout=0.5)
+    except OSError:
+        return []
+    return sorted({s.model for s in SimCluster(world).list_serving() if s.available_replicas})
+
+
+async def _control_plane_gameday(settings, procs: dict[str, int], outage: float, faults: int,
+                                 timeout: float) -> dict:
+    from providers.cluster.sim import SimCluster
+    from providers.sim import SimWorld
+
+    fleet = fleet_client(settings)
+    client = await fleet.temporal()
+    world = SimWorld(settings.sim_db)
+    cluster = SimCluster(world)
+    nodes = [n for n in cluster.list_nodes() if n.ready and n.machine_id and n.site]
+    by_site: dict[str, list] = {}
+    for node in sorted(nodes, key=lambda n: n.name):
+        by_site.setdefault(node.site, []).append(node)
+    # Spread over sites, one node each first: a fault here is a GPU's, never a provider incident.
+    picked = []
+    while len(picked) < faults and any(by_site.values()):
+        for site in sorted(by_site):
+            if by_site[site] and len(picked) < faults:
+                picked.append(by_site[site].pop(0))
+    sites = sorted({n.site for n in nodes})
+    for site in sites:  # every site's entity runs before the outage (the sweep would start them too)
+        await fleet.reconcile_site(site)
+    boots = {row["id"]: row["boot_id"] for row in world.machines()}
+    models = await asyncio.to_thread(_front_door_models, world)
+    from cli.front_door import DEFAULT_PORT
+    traffic = _Traffic(DEFAULT_PORT, models) if models else None
+    timeline: list[tuple[float, str]] = []
+    t0 = time.time()
+
+    def mark(what: str) -> None:
+        timeline.append((round(time.time() - t0, 2), what))
+        print(f"{time.strftime('%H:%M:%S')} +{time.time() - t0:6.1f}s {what}", flush=True)
+
+    traffic_task = asyncio.create_task(traffic.run()) if traffic else None
+    if traffic:
+        mark(f"traffic through the front door for {', '.join(models)}")
+        await asyncio.sleep(1)
+    mark(f"control plane stopped ({', '.join(f'{n} pid {procs[n]}' for n in CONTROL_PLANE)}) for {outage:g}s")
+    if traffic:
+        traffic.period = "outage"
+    stopped_at = time.time()
+    try:
+        _freeze(procs, stop=True)
+        for i, node in enumerate(picked):  # faults keep happening, spread over the outage
+            await asyncio.sleep(outage / (len(picked) + 1))
+            world.inject_fault(node.machine_id, 0, "xid", 48, clears_on="reset")
+            mark(f"fault: {node.name} GPU 0 XID 48 ({node.site})")
+        await asyncio.sleep(max(0.0, stopped_at + outage - time.time()))
+    finally:  # never leave the control plane stopped: also on Ctrl-C, SIGTERM or an error
+        _freeze(procs, stop=False)
+    returned_at = time.time()
+    if traffic:
+        traffic.period = "after"
+    mark("control plane back")
+    try:
+        steady, state = await _until_steady(fleet, client, settings, world, sites, picked, returned_at, timeout)
+    finally:
+        if traffic:
+            traffic.stop()
+            await traffic_task
+    if steady is not None:
+        mark("steady state")
+    else:
+        mark(f"no steady state within {timeout:g}s: {state['waiting']}")
+    repairs = await _workflows(client, settings, "GpuRepair", stopped_at - 1)
+    incidents = await _workflows(client, settings, "SiteEvacuation", stopped_at - 1)
+    faulted = {f"repair/{n.name}/gpu0" for n in picked}
+    false_repairs = sorted(set(repairs) - faulted)
+    disrupted = sorted(
+        row["name"] for row in world.machines(include_deleted=True)
+        if row["id"] in boots and row["id"] not in {n.machine_id for n in picked}
+        and (row["deleted_at"] is not None or row["boot_id"] != boots[row["id"]])
+    )
+    served = traffic.counts.get("outage", [0, 0]) if traffic else None
+    report = {
+        "outage_seconds": round(returned_at - stopped_at, 2),
+        "requests_during_outage": {"served": served[0], "failed": served[1]} if served else None,
+        "false_repairs": false_repairs,
+        "false_incidents": sorted(incidents),
+        "machines_disrupted_without_a_fault": disrupted,
+        "real_faults": len(picked),
+        "real_faults_repaired": state["repaired"],
+        "seconds_to_steady_state": round(steady - returned_at, 2) if steady is not None else None,
+        "timeline": timeline,
+    }
+    problems = []
+    if served and served[1]:
+        problems.append(f"{served[1]} requests failed during the outage")
+    if false_repairs:
+        problems.append(f"false repairs: {', '.join(false_repairs)}")
+    if incidents:
+        problems.append(f"false incidents: {', '.join(incidents)}")
+    if disrupted:
+        problems.append(f"healthy machines rebooted or deleted: {', '.join(disrupted)}")
+    if state["repaired"] != len(picked):
+        problems.append(f"{len(picked) - state['repaired']} real faults not repaired")
+    if steady is None:
+        problems.append("no steady state")
+    report["problems"] = problems
+    return report
+
+
+async def _workflows(client, settings, workflow_type: str, since: float) -> list[str]:
+    from datetime import datetime, timezone
+
+    at = datetime.fromtimestamp(since, timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    query = f'WorkflowType = "{workflow_type}" AND StartTime >= "{at}" AND TaskQueue = "{settings.task_queue}"'
+    return sorted({wf.id async for wf in client.list_workflows(query)})
+
+
+async def _until_steady(fleet, client, settings, world, sites, picked, returned_at: float, timeout: float):
+    """Steady: every Site entity answers and has finished its return grace, every real fault is
+    repaired (its GpuRepair closed, the GPU healthy), nothing open retries an activity, and no Node
+    entity holds a finding for a healthy GPU. Returns (when, what it last saw)."""
+    state = {"repaired": 0, "waiting": "the control plane to answer"}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        try:
+            waiting = []
+            for site in sites:
+                status = await fleet.site_status(site)
+                inc = status.incident
+                if inc is None or (inc.grace_until is not None and inc.grace_until > time.time()):
+                    waiting.append(f"site/{site} reconciling")
+            repaired = 0
+            for node in picked:
+                healthy = not any(g.problems() for g in world.gpu_health(node.machine_id))
+                closed = False
+                try:
+                    described = await client.get_workflow_handle(f"repair/{node.name}/gpu0").describe()
+                    closed = described.status is not None and described.status.name == "COMPLETED" \
+                        and described.start_time.timestamp() >= returned_at - 600
+                except Exception:  # noqa: BLE001 - not started yet
+                    pass
+                repaired += healthy and closed
+            state["repaired"] = repaired
+            if repaired < len(picked):
+                waiting.append(f"{len(picked) - repaired} faults being repaired")
+            query = f'TaskQueue = "{settings.task_queue}" AND ExecutionStatus = "Running"'
+            async for wf in client.list_workflows(query):
+                described = await client.get_workflow_handle(wf.id, run_id=wf.run_id).describe()
+                retrying = [a for a in described.raw_description.pending_activities if a.attempt > 3]
+                if retrying:
+                    waiting.append(f"{wf.id} retrying {retrying[0].activity_type.name}")
+                if wf.workflow_type == "Node":
+                    status = await fleet.node_status(wf.id.removeprefix("node/"))
+                    if status.deferred and not any(wf.id == f"node/{n.name}" for n in picked):
+                        waiting.append(f"{wf.id} holds a finding")
+            state["waiting"] = "; ".join(waiting[:4])
+            if not waiting:
+                return time.time(), state
+        except Exception as error:  # noqa: BLE001 - the control plane is still waking up
+            state["waiting"] = f"the control plane to answer ({type(error).__name__})"
+    return None, state

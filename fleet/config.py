@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from fleet.incident import IncidentSettings
+from fleet.incident import ControlPlaneSettings, IncidentSettings
 from fleet.models import CapacityType, CredentialsRef
 from fleet.repair_policy import RepairSettings
 
@@ -206,9 +206,21 @@ class FleetConfig(_Strict):
     #: Per-model serving policy: mode, spot share, warm headroom (``ServingPolicy``).
     models: dict[str, ServingPolicy] = Field(default_factory=dict)
     demand: DemandSettings = Field(default_factory=DemandSettings)
+    #: After a control-plane outage: return grace, how a Site entity tells, stale health reports.
+    control_plane: ControlPlaneSettings = Field(default_factory=ControlPlaneSettings)
+
+    @model_validator(mode="after")
+    def _one_control_plane_block(self) -> "FleetConfig":
+        # The Site and Node entities read these through their incident and repair settings;
+        # written there too, two values would disagree, so only ``control_plane:`` sets them.
+        blocks = [self.incident, *(s.incident for s in self.sites if s.incident is not None)]
+        if any("control_plane" in b.model_fields_set for b in blocks):
+            raise ValueError("incident.control_plane: set `control_plane:` at the top level instead")
+        self.repair.max_report_age_seconds = self.control_plane.max_report_age_seconds
+        return self
 
     def incident_for(self, site: Site) -> IncidentSettings:
-        return site.incident or self.incident
+        return (site.incident or self.incident).model_copy(update={"control_plane": self.control_plane})
 
     def site(self, name: str) -> Site:
         for site in self.sites:

@@ -35,6 +35,23 @@ from pydantic import BaseModel, ConfigDict, Field
 from fleet import replacement
 
 
+class ControlPlaneSettings(BaseModel):
+    """``control_plane:`` at the top of sites.yaml: what the fleet does when its control
+    plane (Temporal, the control-plane worker) was away and comes back (static stability)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    #: After the control plane returns, a Site entity reconciles first: no repair is admitted and
+    #: no incident opens at the site for this long (a finding waiting meanwhile is asked again).
+    return_grace_seconds: float = Field(60, ge=0, le=3600)
+    #: A Site entity wakes at least every ``check_seconds``; a gap longer than that plus this
+    #: between two of its workflow tasks means nothing ran it: the control plane was away.
+    absence_seconds: float = Field(30, gt=0, le=3600)
+    #: A node's health observation older than this when it reaches its Node entity is ignored
+    #: (it waited out an outage in flight); the next watch brings a fresh one.
+    max_report_age_seconds: float = Field(120, gt=0, le=3600)
+
+
 class IncidentSettings(BaseModel):
     """``incident:`` at the top of sites.yaml (every site) or on one site (replaces it for that site)."""
 
@@ -66,6 +83,8 @@ class IncidentSettings(BaseModel):
     bake_seconds: float = Field(300, ge=0)
     #: Smoke test on each node before the site serves again.
     smoke_test_seconds: float = Field(600, gt=0)
+    #: Filled in from the top-level ``control_plane:`` block (``FleetConfig.incident_for``).
+    control_plane: ControlPlaneSettings = Field(default_factory=ControlPlaneSettings)
 
 
 class Failure(BaseModel):
@@ -130,6 +149,38 @@ def record(failures: list[Failure], failure: Failure, now: float, settings: Inci
     if any(f.node == failure.node for f in kept):
         return kept
     return [*kept, failure]
+
+
+# -- the control plane's own absence ---------------------------------------------------------
+def absence(last_seen: float | None, now: float, sleep_seconds: float, settings: ControlPlaneSettings) -> float:
+    """Seconds the control plane was away, judged by a Site entity from its own timer: it began
+    to sleep at ``last_seen`` for at most ``sleep_seconds``, and its next workflow task runs at
+    ``now``. Later than that by more than ``absence_seconds``: nothing could run it. 0 otherwise.
+
+    Its own clock, not a heartbeat elsewhere: a frozen Temporal server and a stopped control-plane
+    worker both show as a gap, and no other component has to be up to tell."""
+    if last_seen is None:
+        return 0.0
+    gap = now - last_seen
+    return gap if gap > sleep_seconds + settings.absence_seconds else 0.0
+
+
+def in_return_grace(returned_at: float | None, now: float, settings: ControlPlaneSettings) -> bool:
+    """Still reconciling after the control plane came back: repairs and incidents wait."""
+    return returned_at is not None and 0 <= now - returned_at < settings.return_grace_seconds
+
+
+def count_unreachable(returned_at: float | None, now: float, settings: ControlPlaneSettings) -> bool:
+    """Whether a NotReady node counts as a failure now. Not inside the return grace: nodes whose
+    agents (or kubelets) could not reach the control plane look unreachable until they report
+    again, and that is the control plane's outage, not their site's."""
+    return not in_return_grace(returned_at, now, settings)
+
+
+def forget_unreachable(failures: list[Failure], since: float) -> list[Failure]:
+    """On return: drop the unreachable failures seen from ``since`` (the last task before the gap)
+    on; they may be the outage's own shadow. GPU faults stay (a node reported them itself)."""
+    return [f for f in failures if f.kind != "unreachable" or f.at < since]
 
 
 # -- evacuation planning -------------------------------------------------------------------

@@ -267,3 +267,5 @@ class RepairSettings(BaseModel):
     reinstall_via: str = Field("provider", pattern="^(provider|agent)$")
     #: While a finding waits (node still joining, site over its cap), look again this often.
     recheck_seconds: float = Field(30, gt=0)
+    #: A watch result observed longer ago than this is ignored (set by ``control_plane:``).
+    max_report_age_seconds: float = Field(120, gt=0, le=3600)

@@ -11,12 +11,17 @@ SCHEDULES = {
     "gpufleet-fleet-sweep": ("FleetSweep", "fleet-sweep", "delete orphaned machines (fleet-marked, past the grace)"),
     # Its runs are advisor/7d-<time>: the same series as `gpufleet advisor --since 7d`.
     "gpufleet-advisor": ("Advisor", "advisor/7d", "advisor: last 7 days' cost vs the cheapest qualifying placement"),
+    # Kubelet certificate renewals and serving CSRs wait at most this long for gpufleet's approver.
+    "gpufleet-csr-approver": ("CsrApprover", "csr-approver", "approve or deny kubelet CSRs of gpufleet's nodes"),
 }
+#: Seconds between CSR approver passes: a kubelet asks for its renewal well before its
+#: certificate expires (at 70-90% of its life) and retries, so half a minute is ample;
+#: each pass is one list of CSRs.
+CSR_APPROVER_EVERY = 30.0
 
 
-async def apply_schedules(client, task_queue: str, site_every: float, catalog_every: float,
-                          sweep_every: float = 600, advisor_every: float = 86400) -> list[tuple[str, str]]:
-    """Create or update each schedule (overlap SKIP). Returns (id, "created"|"updated")."""
+def build_schedule(schedule_id: str, task_queue: str, every: float):
+    """The Schedule for one entry of ``SCHEDULES`` (overlap SKIP: a slow pass is not stacked)."""
     from temporalio.client import (
         Schedule,
         ScheduleActionStartWorkflow,
@@ -24,20 +29,30 @@ async def apply_schedules(client, task_queue: str, site_every: float, catalog_ev
         ScheduleOverlapPolicy,
         SchedulePolicy,
         ScheduleSpec,
-        ScheduleUpdate,
     )
+
+    workflow_type, workflow_id, what = SCHEDULES[schedule_id]
+    return Schedule(
+        action=ScheduleActionStartWorkflow(workflow_type, None, id=workflow_id, task_queue=task_queue,
+                                           static_summary=what),
+        spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=every))]),
+        policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
+    )
+
+
+async def apply_schedules(client, task_queue: str, site_every: float, catalog_every: float,
+                          sweep_every: float = 600, advisor_every: float = 86400,
+                          csr_every: float = CSR_APPROVER_EVERY) -> list[tuple[str, str]]:
+    """Create or update each schedule (overlap SKIP). Returns (id, "created"|"updated")."""
+    from temporalio.client import ScheduleUpdate
     from temporalio.service import RPCError, RPCStatusCode
 
     every = {"gpufleet-site-reconcile": site_every, "gpufleet-catalog-refresh": catalog_every,
-             "gpufleet-fleet-sweep": sweep_every, "gpufleet-advisor": advisor_every}
+             "gpufleet-fleet-sweep": sweep_every, "gpufleet-advisor": advisor_every,
+             "gpufleet-csr-approver": csr_every}
     done = []
-    for schedule_id, (workflow_type, workflow_id, what) in SCHEDULES.items():
-        schedule = Schedule(
-            action=ScheduleActionStartWorkflow(workflow_type, None, id=workflow_id, task_queue=task_queue,
-                                               static_summary=what),
-            spec=ScheduleSpec(intervals=[ScheduleIntervalSpec(every=timedelta(seconds=every[schedule_id]))]),
-            policy=SchedulePolicy(overlap=ScheduleOverlapPolicy.SKIP),
-        )
+    for schedule_id in SCHEDULES:
+        schedule = build_schedule(schedule_id, task_queue, every[schedule_id])
         handle = client.get_schedule_handle(schedule_id)
         try:
             await handle.describe()

@@ -38,13 +38,13 @@ Quirks
       all are assumed when the BMC publishes neither); none allowed ->
       ``InvalidRequest``. A machine that is off is powered on instead.
     * ``reinstall_machine`` = one-time PXE override + the same reset.
-    * User data (the machine's bootstrap): a NoCloud seed, ``<seed_dir>/<machine>/user-data``
-      and ``meta-data`` (option ``seed_dir``: the directory the rack's provisioning
-      server serves, one machine's seed to that machine's PXE address only; README
-      "Running for real"). Written (0600, directory 0700) before the machine is
+    * User data (the machine's bootstrap): a NoCloud seed, ``<seed_dir>/<machine>/user-data``,
+      ``meta-data`` and ``nonce`` (option ``seed_dir``), served by the seed server
+      (``providers.own_dc_seed``) once, to that machine's ``provision_address`` only,
+      at a URL holding the nonce. Written (0600, directory 0700) before the machine is
       powered on, rewritten for a reinstall (a fresh ``instance-id``, so cloud-init
-      runs again), removed when the machine goes back to the pool. No ``seed_dir`` and
-      user data to hand over -> ``InvalidRequest`` naming the option.
+      runs again, and a fresh nonce), removed when the machine goes back to the pool.
+      No ``seed_dir`` and user data to hand over -> ``InvalidRequest`` naming the option.
     * ``delete_machine`` powers the machine off (ForceOff, else GracefulShutdown)
       and returns it to the pool. Unknown or unallocated machines are already gone.
     * ``get_machine`` of a machine in the pool (not allocated) is ``NotFound``.
@@ -60,6 +60,7 @@ import contextlib
 import fcntl
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Iterator
@@ -82,6 +83,7 @@ from fleet.errors import (
 )
 from fleet.models import Machine, MachineSpec, Offer
 from providers.credentials import read_secret
+from providers.own_dc_seed import SEED_FILES, write_private
 
 if TYPE_CHECKING:
     from providers.cluster.base import Cluster
@@ -480,22 +482,20 @@ class OwnDcProvider:
         return Path(seed_dir).expanduser()
 
     def _write_seed(self, machine_id: str, hostname: str, user_data: str) -> None:
-        """The machine's NoCloud seed; a new ``instance-id`` each time so cloud-init runs it."""
+        """The machine's NoCloud seed; a new ``instance-id`` each time so cloud-init runs it,
+        and a new nonce (the seed server's one-time URL), written last: a URL handed out
+        before this seed was complete stops working once it is."""
         folder = self._seed_dir() / machine_id
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         meta = f"instance-id: {machine_id}-{int(time.time() * 1000)}\nlocal-hostname: {hostname}\n"
-        for name, text in (("meta-data", meta), ("user-data", user_data)):
-            partial = folder / f".{name}.partial"
-            fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as out:
-                out.write(text)
-            os.replace(partial, folder / name)
+        for name, text in (("meta-data", meta), ("user-data", user_data), ("nonce", secrets.token_urlsafe(32))):
+            write_private(folder / name, text)
 
     def _remove_seed(self, machine_id: str) -> None:
         if not self.options.get("seed_dir"):
             return
         folder = Path(self.options["seed_dir"]).expanduser() / machine_id
-        for name in ("user-data", "meta-data"):
+        for name in SEED_FILES:
             with contextlib.suppress(FileNotFoundError):
                 (folder / name).unlink()
 

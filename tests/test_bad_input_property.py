@@ -59,6 +59,8 @@ def valid_starts() -> dict[str, dict]:
                                      "files": [{"path": "a.bin", "size": 1, "sha256": "0" * 64}]},
                          "sites": [{"site": "site-a", "replicas": 1}]},
         "Routing": {"model": "m"},
+        "EntityUpdate": {"entity": "account/lambda/acct-a", "update": "quota_raised"},
+        "CsrApprover": {},
     }
 
 

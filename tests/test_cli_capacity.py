@@ -45,14 +45,15 @@ async def test_schedules_apply_is_idempotent_and_listed(cap: CapStack) -> None:
     assert first.returncode == 0, first.stderr
     second = await gpufleet(cap, "schedules", "apply", "--site-every", "1800")
     assert second.returncode == 0, second.stderr
-    assert second.stdout.count("updated") == 4
+    assert second.stdout.count("updated") == 5
     listed = await gpufleet(cap, "schedules", "list")
     assert "gpufleet-site-reconcile" in listed.stdout and "1800s" in listed.stdout
     assert "gpufleet-catalog-refresh" in listed.stdout and "CatalogRefresh" in listed.stdout
     assert "gpufleet-fleet-sweep" in listed.stdout and "FleetSweep" in listed.stdout
     assert "gpufleet-advisor" in listed.stdout and "Advisor" in listed.stdout
+    assert "gpufleet-csr-approver" in listed.stdout and "CsrApprover" in listed.stdout
     for schedule_id in ("gpufleet-site-reconcile", "gpufleet-catalog-refresh", "gpufleet-fleet-sweep",
-                        "gpufleet-advisor"):
+                        "gpufleet-advisor", "gpufleet-csr-approver"):
         await cap.client.get_schedule_handle(schedule_id).delete()
 
 

@@ -32,7 +32,9 @@ from fleet import search_attributes as sa
 from tests.replay import replay_and_record
 from tests.conftest import NODE_GATEWAYS, Stack, SessionGateway, start_test_gateway, wait_for
 from workers.node_agent import connect_via_gateway
-from workers.node_gateway import Pki, node_key_and_csr
+from fleet.messages.capacity import RetireMachineInput
+from fleet.settings import Settings
+from workers.node_gateway import GatewayAccess, LiveCache, Pki, node_key_and_csr, node_liveness, start_gateway
 
 ECHO_QUEUE_PREFIX = "gw-test"
 
@@ -61,6 +63,18 @@ class GatewayEcho:
             heartbeat_timeout=timedelta(seconds=2),
             retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=10),
         )
+
+
+@workflow.defn(name="GatewayRetireOne")
+class RetireOne:
+    """The step every retire path ends in (surplus, consolidation, evacuation, reclaim,
+    replace): the ``retire_machine`` activity on the control plane's queue."""
+
+    @workflow.run
+    async def run(self, args: list) -> None:
+        queue, retire = args
+        await workflow.execute_activity("retire_machine", RetireMachineInput.model_validate(retire), task_queue=queue,
+                                        start_to_close_timeout=timedelta(seconds=30))
 
 
 def gateway(temporal_env) -> SessionGateway:
@@ -207,6 +221,110 @@ async def test_a_retired_nodes_certificate_stops_working(temporal_env) -> None:
     with pytest.raises(RPCError) as caught:
         await node.workflow_service.poll_activity_task_queue(poll)
     assert caught.value.status == RPCStatusCode.PERMISSION_DENIED and "retired" in caught.value.message
+
+
+async def test_a_node_retired_by_the_common_retire_step_is_refused_at_once(stack: Stack) -> None:
+    """Retired while its Node entity still runs (the entity learns only when its watch gives
+    up, minutes later): the gateway, asking the cluster too, refuses the node within ~1 s."""
+    joined = (await (await stack.start_join({"site": "site-a"})).result())["nodes"][0]
+    name, machine = joined["node_name"], joined["machine_id"]
+    pki = Pki.create("gpufleet retire-test CA")
+    cert, key = pki.server_cert()
+    settings = Settings(address=stack.settings.address, namespace=stack.settings.namespace)
+    running = await start_gateway(settings, cert, key, pki.ca_pem, live=node_liveness(stack.client, stack.cluster))
+    try:
+        node_key, csr = node_key_and_csr(name)
+        node = await connect_via_gateway(GatewayAccess(running.address, pki.ca_pem), "default",
+                                         pki.sign_node_csr(csr, name), node_key)
+        from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
+
+        await node.workflow_service.get_system_info(GetSystemInfoRequest())  # live: entity runs, Node exists
+        queue = f"{ECHO_QUEUE_PREFIX}-{uuid.uuid4().hex[:6]}"
+        async with Worker(stack.client, task_queue=queue, workflows=[RetireOne],
+                          workflow_runner=UnsandboxedWorkflowRunner()):
+            await stack.client.execute_workflow(
+                "GatewayRetireOne", [stack.settings.task_queue,
+                                     {"site": "site-a", "node_name": name, "machine_id": machine}],
+                id=f"gw-retire-{uuid.uuid4().hex[:6]}", task_queue=queue)
+        retired_at = asyncio.get_running_loop().time()
+        while True:
+            try:
+                await node.workflow_service.get_system_info(GetSystemInfoRequest())
+            except RPCError as error:
+                assert error.status == RPCStatusCode.PERMISSION_DENIED and "retired" in error.message
+                break
+            assert asyncio.get_running_loop().time() - retired_at < 2.0, "the retired node kept its access"
+            await asyncio.sleep(0.05)
+        entity = await stack.client.get_workflow_handle(f"node/{name}").describe()
+        assert entity.status.name == "RUNNING", "refused by the Node record, not because the entity ended"
+    finally:
+        await running.stop(grace=None)
+
+
+async def test_a_node_the_gateway_cannot_verify_gets_a_retryable_error_not_a_revocation(temporal_env) -> None:
+    """While the control plane cannot be asked (static stability), a node's calls are still not
+    forwarded, but it hears UNAVAILABLE (retry) rather than PERMISSION_DENIED (revoked), and
+    the first answer after the control plane is back lets it through."""
+    name = f"gw-u-{uuid.uuid4().hex[:6]}"
+    await live_node(temporal_env.client, name)
+    reachable = {"now": True}
+
+    async def check(node: str) -> bool:
+        if not reachable["now"]:
+            raise ConnectionError("control plane unreachable")
+        return await node_liveness(temporal_env.client, None)(node)
+
+    pki = Pki.create("gpufleet unavailable-test CA")
+    cert, key = pki.server_cert()
+    settings = Settings(address=temporal_env.client.service_client.config.target_host, namespace="default")
+    running = await start_gateway(settings, cert, key, pki.ca_pem, live=check, live_ttl=0.2)
+    try:
+        node_key, csr = node_key_and_csr(name)
+        node = await connect_via_gateway(GatewayAccess(running.address, pki.ca_pem), "default",
+                                         pki.sign_node_csr(csr, name), node_key)
+        from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
+
+        reachable["now"] = False
+        await asyncio.sleep(0.3)  # past the verdict cache's TTL
+        with pytest.raises(RPCError) as caught:
+            await node.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace="default"), retry=False)
+        assert caught.value.status == RPCStatusCode.UNAVAILABLE, caught.value
+        reachable["now"] = True
+        await node.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace="default"))
+    finally:
+        await running.stop(grace=None)
+        await temporal_env.client.get_workflow_handle(f"node/{name}").terminate("test over")
+
+
+async def test_liveness_verdicts_are_renewed_ahead_and_never_older_than_the_ttl() -> None:
+    """A busy node never waits for a lookup, yet a changed verdict shows within the TTL; a
+    lookup that fails answers "cannot tell" (None: the gateway refuses as UNAVAILABLE) and is
+    not remembered."""
+    verdict, lookups, fail = {"n": True}, [], []
+
+    async def check(name: str) -> bool:
+        lookups.append(name)
+        await asyncio.sleep(0.02)
+        if fail:
+            raise RuntimeError("temporal unreachable")
+        return verdict[name]
+
+    cache = LiveCache(check, ttl=0.4)
+    assert await cache("n") and len(lookups) == 1
+    assert await cache("n") and len(lookups) == 1, "fresh: no lookup"
+    await asyncio.sleep(0.25)  # past half the TTL: answered at once, renewed in the background
+    verdict["n"] = False
+    assert await cache("n") is True, "the cached verdict, at once"
+    await asyncio.sleep(0.05)
+    assert len(lookups) == 2 and await cache("n") is False, "the renewed verdict"
+    await asyncio.sleep(0.45)  # expired: this call waits for the lookup
+    verdict["n"] = True
+    assert await cache("n") is True and len(lookups) == 3
+    await asyncio.sleep(0.45)
+    fail.append(1)
+    assert await cache("n") is None and await cache("n") is None and len(lookups) == 5, "not cached"
+    fail.clear()
+    assert await cache("n") is True
 
 
 async def test_gateway_restart_mid_activity_loses_nothing(temporal_env, nodes) -> None:

@@ -18,13 +18,15 @@ from typing import AsyncIterator
 
 import httpx
 import pytest
-from temporalio.client import Client
+from temporalio.client import Client, WorkflowFailureError
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
+from activities.env import FleetEnv
 from cli.dev import dev_server_tuning_flags, temporal_binary
 from client import FleetClient
 from fleet import search_attributes
+from fleet.models import AccountState
 from fleet.settings import CONTROL_PLANE_QUEUE, Settings
 from workers.control_plane import build_worker
 from workers.node_agent import SimNodeHost
@@ -150,6 +152,49 @@ async def test_readme_curl_examples_do_what_they_say(http_stack) -> None:
     signals = [e.workflow_execution_signaled_event_attributes.signal_name for e in history.events
                if e.HasField("workflow_execution_signaled_event_attributes")]
     assert signals.count("reconcile") == 2, "the start signal, then the README's batch signal"
+
+
+async def test_readme_curl_update_goes_through_the_relay(http_stack) -> None:
+    base, client, settings = http_stack
+    fleet = FleetClient(settings, client)
+    block = statements(from_code_blocks("bash")[1])
+    assert [s.split()[0] for s in block] == ["curl"] * 2
+    entity = "account/aws/aws-main"
+
+    # Before anything blocked aws-main its entity does not exist: the relay fails, saying so.
+    first = await run_statement(block[0], base)
+    assert first["started"] is True
+    (event,) = (await run_statement(block[1], base))["history"]["events"]
+    failure = event["workflowExecutionFailedEventAttributes"]["failure"]
+    assert failure["applicationFailureInfo"]["type"] == "EntityNotFound" and entity in failure["message"], failure
+    assert failure["applicationFailureInfo"]["nonRetryable"] is True
+
+    # The README's precondition, as `gpufleet sim quota aws-us-east-1 0` and a join there make it.
+    world = FleetEnv.from_settings(settings).world
+    world.set_site("aws-us-east-1", quota=0)
+    try:
+        join = await fleet.start_join({"site": "aws-us-east-1"}, request_id="readme-over-quota")
+        with pytest.raises(WorkflowFailureError):
+            await join.result()
+        for _ in range(100):
+            if (await fleet.account_status("aws-main")).state == AccountState.QUOTA_BLOCKED:
+                break
+            await asyncio.sleep(0.1)
+        assert (await fleet.account_status("aws-main")).state == AccountState.QUOTA_BLOCKED
+
+        again = await run_statement(block[0], base)
+        assert again["started"] is True and again["runId"] != first["runId"], "a failed request is posted again"
+        (event,) = (await run_statement(block[1], base))["history"]["events"]
+        (result,) = event["workflowExecutionCompletedEventAttributes"]["result"]
+        assert (result["entity"], result["update"], result["workflow_type"]) == (entity, "quota_raised",
+                                                                                 "ProviderAccount")
+        assert result["result"]["state"] == "healthy" and result["result"]["blocked_offers"] == {}
+        assert (await fleet.account_status("aws-main")).state == AccountState.HEALTHY, "the entity took it"
+
+        once_more = await run_statement(block[0], base)
+        assert "runId" not in once_more and "already" in once_more["message"].lower(), "not applied twice"
+    finally:
+        world.set_site("aws-us-east-1", quota=8)
 
 
 async def test_readme_python_example_runs(http_stack, tmp_path) -> None:

@@ -16,6 +16,7 @@ from temporalio.client import Client
 from temporalio.worker import Worker
 
 from activities import control_plane_activities
+from activities.entity_update import EntityUpdateActivities
 from activities.env import FleetEnv
 from fleet.settings import Settings
 from fleet.temporal import connect, tracing_interceptors
@@ -57,7 +58,8 @@ def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None
         client,
         task_queue=settings.task_queue,
         workflows=ALL_WORKFLOWS,
-        activities=control_plane_activities(env),
+        # The HTTP relay needs only the worker's Temporal client, not the fleet's providers.
+        activities=[*control_plane_activities(env), *EntityUpdateActivities().all()],
         # Provider SDKs block: activities are sync and run in these threads.
         activity_executor=ThreadPoolExecutor(max_workers=128, thread_name_prefix="activity"),
         max_concurrent_activities=128,

@@ -15,14 +15,19 @@ or API key), only what a node agent needs:
   ``ShutdownWorker`` (see ``_START_UP``).
 
 Everything else is ``PERMISSION_DENIED``, logged with the node's name. Every call
-also checks that the node is live: its Node entity runs, or its NodeJoin does
-(node certificates cannot be revoked; a retired node's stops working once the
-verdict cache, ``--live-ttl`` seconds, expires). The caller's ``identity`` field is
-replaced by ``node:<name>``, so histories name the authenticated node.
+also checks that the node is live: its NodeJoin runs, or its Node entity runs and the
+cluster still has its Node object (node certificates cannot be revoked; every retire
+path removes the Node, so a retired node's certificate stops working within the
+verdict cache's ``--live-ttl``, 1 s). The caller's ``identity`` field is replaced by
+``node:<name>``, so histories name the authenticated node.
 
-The gateway is stateless but for the delivered tokens: after a restart, a
-completion for a task delivered before it is refused and the activity is
-retried when its timeout fires (the watch activities heartbeat every few seconds).
+The gateway is stateless but for the delivered tokens, kept in memory on purpose:
+after a restart (or on another replica) a completion for a task delivered before it
+is refused and the activity is retried when its timeout fires. Every node activity
+is already retried after a node reboot or a lost connection and is safe to run twice
+(a watch re-reads level-triggered state; a probe, smoke test, GPU reset or driver
+reinstall done again ends in the same state), so persisting tokens would buy nothing
+that replicas behind a load balancer could share anyway.
 
 PKI helpers (dev stack, tests): ``Pki`` makes a CA and the gateway's server
 certificate; ``node_key_and_csr`` runs on the node (the key never leaves it);
@@ -97,18 +102,34 @@ Liveness = Callable[[str], Awaitable[bool]]
 
 def temporal_liveness(client) -> Liveness:
     """Live = the Node entity ``node/<name>`` runs, or a NodeJoin for that node name runs
-    (a joining node polls its queue for the smoke test before its Node entity exists)."""
+    (a joining node polls its queue for the smoke test before its Node entity exists).
+    Temporal alone: a retired node's entity runs on until its watch gives up, so deployments
+    use ``node_liveness``, which also asks the cluster."""
+    return node_liveness(client, None)
+
+
+def node_liveness(client, cluster) -> Liveness:
+    """Live = a NodeJoin for that node name runs, or the Node entity runs **and** the cluster
+    still has the Node. Every retire path (surplus, consolidation, evacuation, spot reclaim,
+    replace) ends in the ``retire_machine`` activity, which removes the Node object; the
+    entity itself outlives the node until its watch gives up (up to ``WATCH_GIVE_UP``), so
+    the Node object is what cuts a retired node off at once. ``cluster=None``: Temporal only."""
     from temporalio.client import WorkflowExecutionStatus
     from temporalio.service import RPCError, RPCStatusCode
 
-    async def live(name: str) -> bool:
+    async def entity_running(name: str) -> bool:
         try:
             described = await client.get_workflow_handle(f"node/{name}").describe()
-            if described.status == WorkflowExecutionStatus.RUNNING:
-                return True
         except RPCError as error:
             if error.status != RPCStatusCode.NOT_FOUND:
                 raise
+            return False
+        return described.status == WorkflowExecutionStatus.RUNNING
+
+    async def live(name: str) -> bool:
+        if await entity_running(name):
+            if cluster is None or await asyncio.to_thread(cluster.get_node, name) is not None:
+                return True
         # ``name`` matched _NAME (no quotes), so it is safe inside the query.
         query = f'WorkflowType = "NodeJoin" AND NodeName = "{name}" AND ExecutionStatus = "Running"'
         return (await client.count_workflows(query)).count > 0
@@ -117,36 +138,57 @@ def temporal_liveness(client) -> Liveness:
 
 
 class LiveCache:
-    """Each node's verdict for ``ttl`` seconds: a retired node is refused within ``ttl``."""
+    """Each node's verdict, never older than ``ttl`` seconds: a retired node is refused within
+    ``ttl``. A node that keeps calling has its verdict renewed in the background once it is
+    half that old, so its calls do not wait for a lookup (two Temporal reads and a cluster
+    read) on the round trip's critical path."""
 
     def __init__(self, check: Liveness, ttl: float = 1.0) -> None:
         self.check, self.ttl = check, ttl
         self._seen: dict[str, tuple[float, bool]] = {}
         self._inflight: dict[str, asyncio.Future] = {}
+        self._tasks: set[asyncio.Task] = set()
 
-    async def __call__(self, name: str) -> bool:
+    async def __call__(self, name: str) -> bool | None:
+        """True/False: live or not; None: cannot tell now (Temporal or the cluster did not answer)."""
         now = time.monotonic()
         hit = self._seen.get(name)
         if hit is not None and now - hit[0] < self.ttl:
+            if now - hit[0] >= self.ttl / 2 and name not in self._inflight:
+                self._start(name)
             return hit[1]
-        if name in self._inflight:  # one lookup for a burst of calls from the same node
-            return await asyncio.shield(self._inflight[name])
+        inflight = self._inflight.get(name) or self._start(name)
+        return await asyncio.shield(inflight)
+
+    def _start(self, name: str) -> asyncio.Future:
+        """One lookup per node at a time (a burst of calls from one node shares it)."""
         future = asyncio.get_running_loop().create_future()
         self._inflight[name] = future
-        verdict, known = False, False
+        # The loop keeps only weak references to tasks: hold each lookup until it is done.
+        task = asyncio.create_task(self._lookup(name, future))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return future
+
+    async def _lookup(self, name: str, future: asyncio.Future) -> None:
+        # The verdict's age counts from before the lookup: a retire during it is not missed.
+        started = time.monotonic()
+        verdict: bool | None = None
+        known = False
         try:
-            verdict, known = await self.check(name), True
+            verdict = await self.check(name)
+            known = verdict is not None
         except Exception as error:  # noqa: BLE001 - cannot tell: refuse (fail closed), do not cache
             log.warning("liveness of %s unknown: %s", name, error)
         finally:
             self._inflight.pop(name, None)
+            if known:
+                if len(self._seen) > 100_000:
+                    self._seen.clear()
+                self._seen[name] = (started, verdict)
+            else:
+                self._seen.pop(name, None)
             future.set_result(verdict)
-        if not known:
-            return False
-        if len(self._seen) > 100_000:
-            self._seen.clear()
-        self._seen[name] = (now, verdict)
-        return verdict
 
     def forget(self, name: str) -> None:
         self._seen.pop(name, None)
@@ -260,6 +302,13 @@ class NodeGateway(grpc.GenericRpcHandler):
             return request, None
         raise self._refuse(node, name, "not a node agent's call")
 
+    async def _alive(self, node: str) -> bool | None:
+        try:
+            return await self.live(node)
+        except Exception as error:  # noqa: BLE001 - a bare liveness check (no LiveCache) that could not tell
+            log.warning("liveness of %s unknown: %s", node, error)
+            return None
+
     def _remember(self, node: str, token: bytes) -> None:
         tokens = self._tokens.setdefault(node, OrderedDict())
         tokens[token] = None
@@ -285,7 +334,13 @@ class NodeGateway(grpc.GenericRpcHandler):
                 raise self._refuse(node, method, "not the workflow service")
             forward, token = self._authorize(node, name, request)
             # A retired node may still say goodbye: that only releases its own queue's polls.
-            if name != "ShutdownWorker" and not await self.live(node):
+            alive = True if name == "ShutdownWorker" else await self._alive(node)
+            if alive is None:
+                # Fail closed, but as a transient error: while the control plane is away (static
+                # stability) an agent must keep retrying, not treat its identity as revoked.
+                await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                    "node gateway: cannot verify this node now (control plane unreachable); retry")
+            if not alive:
                 raise self._refuse(node, name, "no live Node entity or join for this node (retired?)")
         except Refused as refused:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node gateway: {refused}")
@@ -353,6 +408,22 @@ def upstream_channel(settings: Settings, own_connection: bool = False) -> tuple[
     return grpc.aio.secure_channel(settings.address, credentials, options=options), metadata
 
 
+async def default_liveness(settings: Settings) -> Liveness:
+    """``node_liveness`` over the control plane's own Temporal connection and the fleet's
+    cluster (``GPUFLEET_CONFIG``: the sim's over the state dir, or Kubernetes: the gateway's
+    service account needs only ``get`` on nodes and the node-identity ConfigMaps)."""
+    from fleet.temporal import connect
+
+    client = await connect(settings)
+    if not settings.config:
+        log.warning("no fleet config (GPUFLEET_CONFIG): liveness from Temporal alone; a retired node "
+                    "keeps access until its Node entity ends")
+        return temporal_liveness(client)
+    from activities.env import FleetEnv
+
+    return node_liveness(client, FleetEnv.from_settings(settings).cluster)
+
+
 @dataclass
 class RunningGateway:
     server: grpc.aio.Server
@@ -378,9 +449,7 @@ async def start_gateway(settings: Settings, server_cert: bytes, server_key: byte
     channel, metadata = upstream_channel(settings, own_connection=True)
     polls = [upstream_channel(settings, own_connection=True)[0] for _ in range(poll_connections)]
     if live is None:
-        from fleet.temporal import connect
-
-        live = temporal_liveness(await connect(settings))
+        live = await default_liveness(settings)
     gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl), metadata, polls)
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024),
                                       ("grpc.so_reuseport", 0), ("grpc.optimization_target", "latency"),
@@ -587,10 +656,21 @@ async def main(argv: list[str] | None = None) -> None:
     await running.stop()
 
 
+def serve(argv: list[str] | None = None) -> None:
+    """Run ``main`` on uvloop when it is installed: every forwarded call is a handful of event
+    loop callbacks on the gateway's one thread, and uvloop's are cheaper."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(main(argv))
+    else:
+        uvloop.run(main(argv))
+
+
 def cli(ctx: typer.Context) -> None:
     """The node gateway between GPU nodes and Temporal (``--help`` for its options)."""
-    asyncio.run(main(ctx.args))
+    serve(ctx.args)
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    serve()

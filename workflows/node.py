@@ -36,7 +36,7 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import HealthReport, NodeFacts, NodeFactsInput, SiteHealth, SiteHealthInput
     from fleet import search_attributes as sa
     from fleet.models import GpuHealth
-    from fleet.repair_policy import Finding, classify, conditions
+    from fleet.repair_policy import Finding, RepairSettings, classify, conditions
     from fleet.naming import reclaim_workflow_id
     from fleet.settings import node_queue
     from workflows.inputs import parse_input
@@ -70,6 +70,11 @@ WATCH_MAX_WAIT = 300.0
 #: span at most this long; then the entity asks the cluster whether the node is still there.
 WATCH_GIVE_UP = timedelta(minutes=15)
 WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
+#: Workflow patch: a watch result observed longer ago than ``max_report_age_seconds`` is ignored.
+STALE_REPORT_PATCH = "stale-reports"
+#: Stale results in a row, each observed afresh by the next watch, mean the node's clock is off
+#: (not an outage in flight): act on the next one rather than never.
+MAX_STALE_IN_A_ROW = 3
 
 #: Bounded memory: XID event keys remembered for de-duplication, log lines kept.
 MAX_SEEN = 512
@@ -109,6 +114,7 @@ class NodeEntity:
         self._wake = False
         self._gone = False
         self._watching: asyncio.Task | None = None
+        self._stale_in_a_row = 0
 
     # -- signals and queries ---------------------------------------------------------------
     # The handlers only queue (none awaits): the loop is the one writer of the state, so no lock.
@@ -230,12 +236,32 @@ class NodeEntity:
                 continue
             if result.node_name != self._node or result.seq < carry.watch_seq:
                 continue  # a late answer: the state it carries is older than what the entity has
+            if self._stale(result):
+                continue  # not acknowledged: the next watch sees the same difference and observes it afresh
             if result.digest != carry.watch_digest:
                 self._pending.append(HealthReport(node_name=self._node, boot_id=result.boot_id, gpus=result.gpus))
             if result.reclaim_at is not None and result.reclaim_at != carry.reclaim_at:
                 await self._reclaim(result.reclaim_at)
             carry.watch_seq, carry.watch_digest, carry.reclaim_at = result.seq, result.digest, result.reclaim_at
             self._wake = True  # also: the loop looks at continue-as-new after every watch
+
+    def _stale(self, result: NodeWatchResult) -> bool:
+        """Observed too long ago to act on: it waited out a control-plane outage in flight."""
+        if result.observed_at is None:
+            return False
+        bound = (self._facts.settings if self._facts else RepairSettings()).max_report_age_seconds
+        age = workflow.now().timestamp() - result.observed_at
+        if age <= bound or not workflow.patched(STALE_REPORT_PATCH):
+            self._stale_in_a_row = 0
+            return False
+        self._stale_in_a_row += 1
+        if self._stale_in_a_row > MAX_STALE_IN_A_ROW:
+            self._log(f"watch results keep arriving {age:.0f}s old: the node's clock looks off; acting on it",
+                      warn=True)
+            self._stale_in_a_row = 0
+            return False
+        self._log(f"ignored a health report observed {age:.0f}s ago (bound {bound:g}s): watching again", warn=True)
+        return True
 
     async def _reclaim(self, terminate_at: float) -> None:
         """The provider will take the machine: SpotReclaim drains and replaces it. Site and

@@ -4,7 +4,9 @@ from workflows.account import ProviderAccount
 from workflows.advisor import Advisor
 from workflows.evacuation import SiteEvacuation
 from workflows.capacity import AcquireCapacity, CatalogRefresh
+from workflows.csr_approver import CsrApprover
 from workflows.demand import Demand
+from workflows.entity_update import EntityUpdate
 from workflows.node import NodeEntity
 from workflows.node_join import NodeJoin
 from workflows.reclaim import SpotReclaim
@@ -17,4 +19,5 @@ from workflows.sweep import FleetSweep
 ALL_WORKFLOWS = [
     NodeJoin, AcquireCapacity, CatalogRefresh, ProviderAccount, SiteEntity, SiteSweep, SpotReclaim,
     NodeEntity, GpuRepair, ModelRollout, SiteEvacuation, FleetSweep, Advisor, RoutingEntity, Demand,
+    EntityUpdate, CsrApprover,
 ]

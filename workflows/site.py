@@ -68,7 +68,16 @@ with workflow.unsafe.imports_passed_through():
         failure_message,
         show_details,
     )
-    from fleet.incident import Failure, IncidentSettings, evaluate, record
+    from fleet.incident import (
+        Failure,
+        IncidentSettings,
+        absence,
+        count_unreachable,
+        evaluate,
+        forget_unreachable,
+        in_return_grace,
+        record,
+    )
     from workflows.evacuation import evacuation_workflow_id
     from fleet.messages.evacuation import (
         AdmitRepairInput,
@@ -86,6 +95,9 @@ with workflow.unsafe.imports_passed_through():
 INCIDENT_PATCH = "incident-v1"
 #: Workflow patch: ``admit_repair`` answers only for nodes the site has.
 KNOWN_NODES_PATCH = "admit-known-nodes"
+#: Workflow patch: the entity tells when the control plane was away, and reconciles (no repair,
+#: no incident) for ``control_plane.return_grace_seconds`` after it returns.
+CONTROL_PLANE_PATCH = "control-plane-return"
 
 
 
@@ -101,6 +113,9 @@ class SiteEntity:
         # In flight (no continue-as-new while either runs).
         self._fill: asyncio.Task | None = None
         self._evac: asyncio.Task | None = None
+        # Patched in: watch the gap between its own timer and its next task (``_note_presence``).
+        self._returns = False
+        self._sleep = 0.0
 
     @workflow.signal
     def reconcile(self) -> None:
@@ -123,6 +138,9 @@ class SiteEntity:
         return state.status.model_copy(update={"incident": IncidentView(
             open=inc.open, failing=v.failing if v else [], threshold=v.threshold if v else 0,
             site_nodes=state.node_count, api_failing_since=inc.api_failing_since, history=inc.history,
+            control_plane_returned_at=inc.returned_at,
+            grace_until=(inc.returned_at + self._incident_settings.control_plane.return_grace_seconds
+                         if inc.returned_at is not None else None),
         )})
 
     @workflow.update
@@ -139,6 +157,14 @@ class SiteEntity:
         if inc.open is not None:
             return RepairDecision(repair=False, incident=inc.open.id, why="incident open: no new repairs here")
         now = workflow.now().timestamp()
+        if self._returns:
+            # An admission can be the first task after an outage (before the entity's own timer's).
+            self._note_presence(waking=False)
+            if in_return_grace(inc.returned_at, now, s.control_plane):
+                # Not recorded as a failure: the node asks again after its recheck interval.
+                left = inc.returned_at + s.control_plane.return_grace_seconds - now
+                return RepairDecision(repair=False, why=f"control plane back {now - inc.returned_at:.0f}s ago: "
+                                                        f"the site reconciles first ({left:.0f}s more)")
         detail = f"GPU {req.gpu}: {', '.join(req.reasons)}"
         inc.failures = record(inc.failures, Failure(node=req.node_name, at=now, detail=detail), now, s)
         self._evaluate()
@@ -174,7 +200,7 @@ class SiteEntity:
         now, inc = workflow.now().timestamp(), self.state.incident
         inc.verdict = v = evaluate(inc.failures, self._site_nodes(), now, self._incident_settings,
                                    inc.api_failing_since)
-        if v.trip and inc.open is None:
+        if v.trip and inc.open is None and not self._in_grace(now):
             inc.count += 1
             inc.open = IncidentRecord(id=evacuation_workflow_id(self._args.site, inc.count), reason=v.reason,
                                       opened_at=workflow.now())
@@ -201,6 +227,7 @@ class SiteEntity:
         ])
         incidents = workflow.patched(INCIDENT_PATCH)
         if incidents:
+            self._returns = workflow.patched(CONTROL_PLANE_PATCH)
             self._incident_settings = await workflow.execute_activity(
                 "incident_settings", SiteRef(site=site.name), result_type=IncidentSettings,
                 start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
@@ -211,6 +238,9 @@ class SiteEntity:
             timeout = args.reconcile_seconds
             if incidents:
                 timeout = min(timeout, self._incident_settings.check_seconds)
+            if self._returns:
+                self.state.incident.last_seen, self._sleep = workflow.now().timestamp(), timeout
+            timed_out = False
             try:
                 await workflow.wait_condition(
                     lambda: (self.state.wanted or self.state.incident.evacuate
@@ -218,6 +248,10 @@ class SiteEntity:
                     timeout=timedelta(seconds=timeout), timeout_summary="next reconcile",
                 )
             except asyncio.TimeoutError:
+                timed_out = True
+            if self._returns:
+                self._note_presence(waking=True)
+            if timed_out:
                 if not incidents or workflow.now() >= next_reconcile:
                     self.state.wanted = True
                 if incidents:
@@ -234,6 +268,34 @@ class SiteEntity:
                 carried = args.model_copy(update={"state": self.state, "nodes": {}, "fills": 0, "incident": None})
                 workflow.continue_as_new(carried.model_dump(mode="json"))
 
+    # -- the control plane's own absence ------------------------------------------------------
+    def _note_presence(self, waking: bool) -> None:
+        """Was the control plane away while this entity slept? Its timer was due ``_sleep`` after
+        ``last_seen``; a task much later than that means nothing could run it (Temporal or the
+        control-plane worker was down). Then: reconcile first, and no repair or incident for the
+        return grace. ``waking``: the loop's own wake-up, which ends this sleep."""
+        inc, cp = self.state.incident, self._incident_settings.control_plane
+        now = workflow.now().timestamp()
+        away = absence(inc.last_seen, now, self._sleep, cp)
+        if away:
+            inc.returned_at = now
+            # NotReady seen while it slept may be the outage's own shadow (agents and kubelets that
+            # could not report); GPU faults a node reported itself stay.
+            inc.failures = forget_unreachable(inc.failures, inc.last_seen)
+            self.state.wanted = True
+            workflow.logger.warning("site %s: control plane was away about %.0fs; reconciling, repairs and "
+                                    "incidents wait %gs", self._site.name, away - self._sleep,
+                                    cp.return_grace_seconds)
+            self._show(f"control plane back after ~{away - self._sleep:.0f}s away: reconciling first "
+                       f"({cp.return_grace_seconds:g}s grace)")
+        # Awake, no sleep to judge; an admission that found a gap moves the mark (the loop's own
+        # timer is then long due and wakes it at once).
+        inc.last_seen = None if waking else (now if away else inc.last_seen)
+
+    def _in_grace(self, now: float) -> bool:
+        return self._returns and in_return_grace(self.state.incident.returned_at, now,
+                                                 self._incident_settings.control_plane)
+
     # -- provider incidents -----------------------------------------------------------------
     async def _probe(self) -> None:
         """Unreachable nodes and the provider API, into the incident rule."""
@@ -245,8 +307,9 @@ class SiteEntity:
         )
         now, s, inc = workflow.now().timestamp(), self._incident_settings, self.state.incident
         self.state.node_count = len(probe.nodes)
+        counted = not self._returns or count_unreachable(inc.returned_at, now, s.control_plane)
         for node in probe.nodes:
-            if not node.ready and not node.unproven and not node.unschedulable:
+            if counted and not node.ready and not node.unproven and not node.unschedulable:
                 inc.failures = record(inc.failures, Failure(node=node.name, at=now, kind="unreachable",
                                                             detail="NotReady"), now, s)
         if probe.api_ok or probe.api_error_type != "Transient":

@@ -6,7 +6,9 @@ fleet-marked, accounted for by nothing, older than the grace period
 (``sweep.grace_seconds``, default 30 min). A machine without the fleet's marker is
 never touched; a revoked account is skipped without a call (rule 6), and a
 BadCredentials/OverQuota answer is reported to its ProviderAccount. What it found
-is its current details and its result.
+is its current details and its result. Then the node identity records whose Node is
+gone (past the same grace) are deleted, so a name that is no node of ours any more gets
+no kubelet certificate from gpufleet's approver.
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from fleet.messages.sweep import FleetSweepInput, FleetSweepResult, SiteSweepReport, SweepKnown, SweepSiteInput
+    from fleet.messages.sweep import (
+        FleetSweepInput,
+        FleetSweepResult,
+        IdentitySweepReport,
+        SiteSweepReport,
+        SweepIdentitiesInput,
+        SweepKnown,
+        SweepSiteInput,
+    )
     from workflows.inputs import parse_input
     from workflows.steps import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, STORE_RETRY, failure_text, show_details
 
@@ -56,12 +66,26 @@ class FleetSweep:
                 return SiteSweepReport(site=site, skipped=failure_text(error))
 
         reports = list(await asyncio.gather(*(one(site) for site in names)))
+        identities = None
+        # Runs that began before the sweep looked at identity records never call it.
+        if workflow.patched("sweep-identity-records"):
+            identities = await workflow.execute_activity(
+                "sweep_identities",
+                SweepIdentitiesInput(joining=known.joining, grace_seconds=args.grace_seconds, dry_run=args.dry_run,
+                                     first_seen=self._identities_first_seen()),
+                result_type=IdentitySweepReport, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary="identity records of gone nodes",
+            )
         result = FleetSweepResult(
             sites=reports, deleted=sum(len(r.deleted) for r in reports), young=sum(len(r.young) for r in reports),
-            skipped=sum(bool(r.skipped) for r in reports), dry_run=args.dry_run,
+            skipped=sum(bool(r.skipped) for r in reports), dry_run=args.dry_run, identities=identities,
         )
         verb = "would delete" if args.dry_run else "deleted"
-        show_details("done", *(self._line(r, verb) for r in reports),
+        lines = [self._line(r, verb) for r in reports]
+        if identities is not None and (identities.deleted or identities.young):
+            lines.append(f"- identity records of gone nodes: {verb} {len(identities.deleted)}"
+                         + (f", young: {', '.join(identities.young)}" if identities.young else ""))
+        show_details("done", *lines,
                      detail=f"{verb} {result.deleted} orphans, {result.young} young, {result.skipped} sites skipped")
         return result
 
@@ -75,6 +99,19 @@ class FleetSweep:
         except Exception:  # noqa: BLE001 - an older result shape: count ages from now
             return {}
         return {r.site: dict(r.first_seen) for r in last.sites} if isinstance(last, FleetSweepResult) else {}
+
+    @staticmethod
+    def _identities_first_seen() -> dict[str, float]:
+        """When the previous sweep first saw each identity record without its Node."""
+        if not workflow.has_last_completion_result():
+            return {}
+        try:
+            last = workflow.get_last_completion_result(FleetSweepResult)
+        except Exception:  # noqa: BLE001 - an older result shape: count from now
+            return {}
+        if not isinstance(last, FleetSweepResult) or last.identities is None:
+            return {}
+        return dict(last.identities.first_seen)
 
     @staticmethod
     def _line(r: SiteSweepReport, verb: str) -> str:

@@ -58,12 +58,21 @@ class IncidentCarry(BaseModel):
     evacuate: bool = False
     #: The rule's last answer (the ``status`` query shows it).
     verdict: Verdict | None = None
+    #: The entity's last workflow task (epoch seconds): a longer gap than it ever sleeps means the
+    #: control plane was away (``fleet.incident.absence``).
+    last_seen: float | None = None
+    #: When it last came back: repairs and incidents wait out ``control_plane.return_grace_seconds``.
+    returned_at: float | None = None
 
 
 class IncidentView(BaseModel):
     """``status`` query: the incident part."""
 
     open: IncidentRecord | None = None
+    #: When the Site entity last saw the control plane come back (epoch seconds), and until when
+    #: it holds repairs and incidents meanwhile.
+    control_plane_returned_at: float | None = None
+    grace_until: float | None = None
     failing: list[str] = Field(default_factory=list)
     threshold: int = 0
     site_nodes: int = 0

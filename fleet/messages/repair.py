@@ -60,6 +60,9 @@ class NodeWatchResult(BaseModel):
     gpus: list[GpuHealth] = Field(default_factory=list)
     #: Spot reclaim: when the provider takes the machine (epoch seconds), if it posted a notice.
     reclaim_at: float | None = None
+    #: When the node observed this state (epoch seconds, the node's clock); None from older agents.
+    #: A result that waited out a control-plane outage in flight is too old to act on.
+    observed_at: float | None = None
 
 
 class NodeEntityInput(BaseModel):

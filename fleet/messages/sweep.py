@@ -52,9 +52,30 @@ class SiteSweepReport(BaseModel):
     first_seen: dict[str, float] = Field(default_factory=dict)
 
 
+class SweepIdentitiesInput(BaseModel):
+    #: Node names of running NodeJoins (``SweepKnown.joining``): their records are in use.
+    joining: list[str] = Field(default_factory=list)
+    grace_seconds: float | None = None
+    dry_run: bool = False
+    #: Node name -> epoch seconds the previous sweep first saw its record without a Node.
+    first_seen: dict[str, float] = Field(default_factory=dict)
+
+
+class IdentitySweepReport(BaseModel):
+    """Node identity records (the join's record of each node's machine) without a Node."""
+
+    listed: int = 0
+    #: Without a Node, but not for longer than the grace: looked at again next time.
+    young: list[str] = Field(default_factory=list)
+    deleted: list[str] = Field(default_factory=list)
+    first_seen: dict[str, float] = Field(default_factory=dict)
+
+
 class FleetSweepResult(BaseModel):
     sites: list[SiteSweepReport] = Field(default_factory=list)
     deleted: int = 0
     young: int = 0
     skipped: int = 0
     dry_run: bool = False
+    #: None: a run from before the sweep looked at identity records.
+    identities: IdentitySweepReport | None = None

@@ -195,7 +195,10 @@ class Cluster(Protocol):
         ...
 
     def remove_node(self, name: str) -> None:
-        """Delete the Node object. Removing a gone node succeeds."""
+        """Delete the Node object, then the join's identity record of it (a name that is no
+        longer a node of ours must not keep getting its kubelet's renewals approved, nor
+        lend its machine to a kubelet that registers under it again). Removing a gone node
+        succeeds."""
         ...
 
     def annotate_node(self, name: str, annotations: dict[str, str | None]) -> dict[str, str]:
@@ -282,6 +285,12 @@ class Cluster(Protocol):
 
     def list_state(self, kind: str) -> dict[str, dict[str, str]]:
         """Every state object of ``kind``: key -> data."""
+        ...
+
+    def delete_state(self, kind: str, key: str, only_if: dict[str, str] | None = None) -> bool:
+        """Delete the state object; with ``only_if``, only while its data is exactly that
+        (someone who wrote it since wins). ``False`` when nothing was deleted (gone already,
+        or changed)."""
         ...
 
 

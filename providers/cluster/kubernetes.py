@@ -45,7 +45,7 @@ Objects this adapter owns
   ``serving_name(model, site)`` in the adapter's namespace. The pod template we
   rendered is kept in the annotation ``gpufleet.io/template`` and the one before
   it in ``gpufleet.io/previous-template``; ``rollback_serving`` swaps them.
-* Control-plane state (``read_state``/``update_state``/``list_state``): one
+* Control-plane state (``read_state``/``update_state``/``list_state``/``delete_state``): one
   ConfigMap per (kind, key), ``state_object_name(kind, key)`` in the adapter's
   namespace, label ``gpufleet.io/state=<kind>``, the key in the annotation
   ``gpufleet.io/state-key``. Every write is a create (409 AlreadyExists: someone
@@ -204,6 +204,7 @@ ACCESS: tuple[AccessRule, ...] = (
     _rule("list", "", "configmaps", SERVING_NS, "control-plane state: list_state"),
     _rule("create", "", "configmaps", SERVING_NS, "routing table, control-plane state"),
     _rule("update", "", "configmaps", SERVING_NS, "routing table, control-plane state (resourceVersion-checked)"),
+    _rule("delete", "", "configmaps", SERVING_NS, "control-plane state: a retired node's identity record"),
     _rule("get", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights"),
     _rule("create", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights"),
     _rule("update", GATEWAY_GROUP, "httproutes", SERVING_NS, "routing weights (resourceVersion-checked)"),
@@ -960,6 +961,8 @@ class KubernetesCluster:
 
     def remove_node(self, name: str) -> None:
         self._delete(f"delete node {name}", self.core.delete_node, name)
+        # After the Node: a retry after a failure in between still finds the record to delete.
+        self.delete_state(NODE_IDENTITY_KIND, name)
 
     # -- drain ----------------------------------------------------------------------------
     def _pods_on(self, node: str) -> list[PodInfo]:
@@ -1359,6 +1362,24 @@ class KubernetesCluster:
             if key is not None and meta.get("name") == state_object_name(kind, key):
                 out[key] = dict(item.get("data") or {})
         return out
+
+    def delete_state(self, kind: str, key: str, only_if: dict[str, str] | None = None) -> bool:
+        name = state_object_name(kind, key)
+        if only_if is None:
+            return self._delete(f"delete state {name}", self.core.delete_namespaced_config_map, name, self.namespace)
+        current = self._read_state_object(name)
+        if current is None or dict(current.get("data") or {}) != only_if:
+            return False
+        # Under the resourceVersion read: a write in between answers 409 and wins.
+        precondition = {"preconditions": {"resourceVersion": current["metadata"]["resourceVersion"]}}
+        try:
+            self._call(f"delete state {name}", self.core.delete_namespaced_config_map, name, self.namespace,
+                       body=precondition)
+        except ApiException as error:
+            if error.status in (404, 409):
+                return False
+            raise _translate(error, f"delete state {name}") from error
+        return True
 
 
 def _same_service(current: dict[str, Any], desired: dict[str, Any]) -> bool:

@@ -289,6 +289,14 @@ class SimCluster:
         rows = self.world.query("SELECT key, data FROM control_state WHERE kind=? ORDER BY key", kind)
         return {r["key"]: json.loads(r["data"]) for r in rows}
 
+    def delete_state(self, kind: str, key: str, only_if: dict[str, str] | None = None) -> bool:
+        with self.world.tx() as db:
+            row = db.execute("SELECT data FROM control_state WHERE kind=? AND key=?", (kind, key)).fetchone()
+            if row is None or (only_if is not None and json.loads(row["data"]) != only_if):
+                return False
+            db.execute("DELETE FROM control_state WHERE kind=? AND key=?", (kind, key))
+            return True
+
     # -- nodes ------------------------------------------------------------------------
     def _node(self, row, identity: NodeIdentity | None = None) -> Node:
         labels = json.loads(row["labels"])
@@ -347,6 +355,7 @@ class SimCluster:
         with self.world.tx() as db:
             db.execute("DELETE FROM nodes WHERE name=?", (name,))
             db.execute("DELETE FROM node_annotations WHERE name=?", (name,))
+            db.execute("DELETE FROM control_state WHERE kind=? AND key=?", (NODE_IDENTITY_KIND, name))
 
     def annotate_node(self, name: str, annotations: dict[str, str | None]) -> dict[str, str]:
         with self.world.tx() as db:
