@@ -283,6 +283,10 @@ def control_plane_loss(
     minutes: Annotated[float, typer.Option(help="how long the control plane is away")] = 5.0,
     seconds: Annotated[Optional[float], typer.Option(help="the same in seconds (overrides --minutes)")] = None,
     faults: Annotated[int, typer.Option(help="real GPU faults injected on this many nodes during the outage")] = 2,
+    kubelet_lag: Annotated[float, typer.Option(
+        help="after the return, each site's kubelets post their status again over this many seconds "
+             "(their nodes look NotReady till then: the outage's shadow)")] = 10.0,
+    front_door_port: Annotated[int, typer.Option(help="the dev stack's front door (cli.front_door)")] = 8080,
     timeout: Timeout = 900.0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the measurements here")] = None,
     address: Address = "localhost:7233",
@@ -307,6 +311,13 @@ def control_plane_loss(
         fail("--minutes/--seconds: the outage must be longer than 0 and at most a day", 2)
     if faults < 0:
         fail("--faults: must be 0 or more", 2)
+    if not 0 <= kubelet_lag <= 3600:
+        fail("--kubelet-lag: must be between 0 and 3600 seconds", 2)
+    if not 0 < front_door_port < 65536:
+        fail("--front-door-port: must be a TCP port (1-65535)", 2)
+    if kubelet_lag >= cfg.control_plane.return_grace_seconds:
+        console.print(f"note: --kubelet-lag {kubelet_lag:g}s is not below control_plane.return_grace_seconds "
+                      f"({cfg.control_plane.return_grace_seconds:g}s): the shadow outlasts the grace")
     procs = control_plane_processes(config_.state_dir)
     missing = [name for name in CONTROL_PLANE if name not in procs]
     if missing:
@@ -316,7 +327,7 @@ def control_plane_loss(
 
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
-        report = run(_control_plane_gameday(config_, procs, outage, faults, timeout))
+        report = run(_control_plane_gameday(config_, procs, outage, faults, kubelet_lag, front_door_port, timeout))
     except KeyboardInterrupt:
         console.print("interrupted: the control plane runs again")
         raise typer.Exit(130) from None
@@ -372,20 +383,32 @@ class _Traffic:
         self._stop.set()
 
 
-def _front_door_models(world) -> list[str]:
+def _front_door_models(world, port: int) -> list[str]:
     from cli.dev import wait_for_port
-    from cli.front_door import DEFAULT_PORT
     from providers.cluster.sim import SimCluster
 
     try:
-        wait_for_port(DEFAULT_PORT, timeout=0.5)
+        wait_for_port(port, timeout=0.5)
     except OSError:
         return []
     return sorted({s.model for s in SimCluster(world).list_serving() if s.available_replicas})
 
 
-async def _control_plane_gameday(settings, procs: dict[str, int], outage: float, faults: int,
-                                 timeout: float) -> dict:
+def _shadow(by_site: dict[str, list], at: float, lag: float) -> dict[str, float]:
+    """machine id → when its kubelet posts again: at each site the first at once (so the site still
+    serves), the others one after another over the second half of ``lag``. Right after the return
+    all but one node of every site look NotReady: enough to trip the incident rule (3 of 4 nodes)
+    unless the Site entity knows that it was the control plane, not the site, that was away."""
+    until = {}
+    for nodes in by_site.values():
+        rest = nodes[1:]
+        for i, node in enumerate(rest):
+            until[node.machine_id] = at + lag / 2 + lag / 2 * i / max(1, len(rest) - 1)
+    return until
+
+
+async def _control_plane_gameday(settings, procs: dict[str, int], outage: float, faults: int, lag: float,
+                                 port: int, timeout: float) -> dict:
     from providers.cluster.sim import SimCluster
     from providers.sim import SimWorld
 
@@ -399,17 +422,17 @@ async def _control_plane_gameday(settings, procs: dict[str, int], outage: float,
         by_site.setdefault(node.site, []).append(node)
     # Spread over sites, one node each first: a fault here is a GPU's, never a provider incident.
     picked = []
-    while len(picked) < faults and any(by_site.values()):
-        for site in sorted(by_site):
-            if by_site[site] and len(picked) < faults:
-                picked.append(by_site[site].pop(0))
+    left = {site: list(site_nodes) for site, site_nodes in by_site.items()}
+    while len(picked) < faults and any(left.values()):
+        for site in sorted(left):
+            if left[site] and len(picked) < faults:
+                picked.append(left[site].pop(0))
     sites = sorted({n.site for n in nodes})
     for site in sites:  # every site's entity runs before the outage (the sweep would start them too)
         await fleet.reconcile_site(site)
     boots = {row["id"]: row["boot_id"] for row in world.machines()}
-    models = await asyncio.to_thread(_front_door_models, world)
-    from cli.front_door import DEFAULT_PORT
-    traffic = _Traffic(DEFAULT_PORT, models) if models else None
+    models = await asyncio.to_thread(_front_door_models, world, port)
+    traffic = _Traffic(port, models) if models else None
     timeline: list[tuple[float, str]] = []
     t0 = time.time()
 
@@ -432,14 +455,21 @@ async def _control_plane_gameday(settings, procs: dict[str, int], outage: float,
             world.inject_fault(node.machine_id, 0, "xid", 48, clears_on="reset")
             mark(f"fault: {node.name} GPU 0 XID 48 ({node.site})")
         await asyncio.sleep(max(0.0, stopped_at + outage - time.time()))
+        # Written before the control plane runs again, so its first look finds them.
+        shadow = _shadow(by_site, time.time(), lag)
+        world.silence_kubelets(shadow)
     finally:  # never leave the control plane stopped: also on Ctrl-C, SIGTERM or an error
         _freeze(procs, stop=False)
     returned_at = time.time()
+    shadow_until = max(shadow.values(), default=returned_at)
+    mark(f"{len(shadow)} of {len(nodes)} nodes NotReady (their kubelets unheard) until "
+         f"+{shadow_until - t0:.1f}s")
     if traffic:
         traffic.period = "after"
     mark("control plane back")
     try:
-        steady, state = await _until_steady(fleet, client, settings, world, sites, picked, returned_at, timeout)
+        steady, state = await _until_steady(fleet, client, settings, world, sites, picked, returned_at,
+                                            shadow_until, timeout)
     finally:
         if traffic:
             traffic.stop()
@@ -458,9 +488,13 @@ async def _control_plane_gameday(settings, procs: dict[str, int], outage: float,
         and (row["deleted_at"] is not None or row["boot_id"] != boots[row["id"]])
     )
     served = traffic.counts.get("outage", [0, 0]) if traffic else None
+    after = traffic.counts.get("after", [0, 0]) if traffic else None
     report = {
         "outage_seconds": round(returned_at - stopped_at, 2),
+        "front_door_models": models,
         "requests_during_outage": {"served": served[0], "failed": served[1]} if served else None,
+        "requests_after_return": {"served": after[0], "failed": after[1]} if after else None,
+        "nodes_not_ready_after_return": len(shadow),
         "false_repairs": false_repairs,
         "false_incidents": sorted(incidents),
         "machines_disrupted_without_a_fault": disrupted,
@@ -470,8 +504,8 @@ async def _control_plane_gameday(settings, procs: dict[str, int], outage: float,
         "timeline": timeline,
     }
     problems = []
-    if served and served[1]:
-        problems.append(f"{served[1]} requests failed during the outage")
+    if served and (served[1] or not served[0]):
+        problems.append(f"{served[1]} of {sum(served)} requests failed during the outage")
     if false_repairs:
         problems.append(f"false repairs: {', '.join(false_repairs)}")
     if incidents:
@@ -494,7 +528,8 @@ async def _workflows(client, settings, workflow_type: str, since: float) -> list
     return sorted({wf.id async for wf in client.list_workflows(query)})
 
 
-async def _until_steady(fleet, client, settings, world, sites, picked, returned_at: float, timeout: float):
+async def _until_steady(fleet, client, settings, world, sites, picked, returned_at: float, shadow_until: float,
+                        timeout: float):
     """Steady: every Site entity answers and has finished its return grace, every real fault is
     repaired (its GpuRepair closed, the GPU healthy), nothing open retries an activity, and no Node
     entity holds a finding for a healthy GPU. Returns (when, what it last saw)."""
@@ -503,7 +538,7 @@ async def _until_steady(fleet, client, settings, world, sites, picked, returned_
     while time.monotonic() < deadline:
         await asyncio.sleep(0.5)
         try:
-            waiting = []
+            waiting = [] if time.time() >= shadow_until else ["kubelets to post their status again"]
             for site in sites:
                 status = await fleet.site_status(site)
                 inc = status.incident

@@ -64,6 +64,16 @@ CREATE TABLE IF NOT EXISTS join_tokens (
 CREATE TABLE IF NOT EXISTS actions (
     id INTEGER PRIMARY KEY AUTOINCREMENT, machine_id TEXT, gpu INTEGER, op TEXT, at REAL
 );
+CREATE TABLE IF NOT EXISTS kubelet_silence (
+    machine_id TEXT PRIMARY KEY, until REAL
+);
+-- A silenced kubelet's status posts are lost on the way (``SimWorld.silence_kubelets``): the node
+-- stays NotReady whoever writes Ready for it, until the silence ends.
+CREATE TRIGGER IF NOT EXISTS kubelet_silenced BEFORE UPDATE OF ready ON nodes
+WHEN NEW.ready = 1 AND EXISTS (
+    SELECT 1 FROM kubelet_silence s
+    WHERE s.machine_id = NEW.machine_id AND s.until > (julianday('now') - 2440587.5) * 86400.0)
+BEGIN SELECT RAISE(IGNORE); END;
 """
 
 #: What the bootstrap through user data added: the machine's user data (and whether its
@@ -188,6 +198,16 @@ class SimWorld(SqliteDb):
                  uuid.uuid4().hex),
             )
         return machine_id
+
+    def silence_kubelets(self, until: dict[str, float]) -> None:
+        """The cluster's API server has not heard these machines' kubelets (machine id → when each
+        posts its status again, epoch seconds): their nodes are NotReady until then, while the
+        machines, their agents and what they serve run on. What a control plane that was away
+        finds when it returns: every heartbeat as old as the outage, until each kubelet's next one."""
+        with self.tx() as db:
+            for machine_id, at in until.items():
+                db.execute("INSERT OR REPLACE INTO kubelet_silence(machine_id, until) VALUES (?, ?)", (machine_id, at))
+                db.execute("UPDATE nodes SET ready=0 WHERE machine_id=?", (machine_id,))
 
     def age_machine(self, machine_id: str, seconds: float) -> None:
         """Move a machine's creation time ``seconds`` into the past (tests of the sweep's grace)."""

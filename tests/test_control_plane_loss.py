@@ -2,8 +2,11 @@
 
 - ``gpufleet gameday control-plane-loss`` against a stack laid out as `gpufleet dev` lays it
   out (a Temporal dev server on an SQLite file under the state dir, the control-plane worker as
-  its own process, node agents through a node gateway): 0 false repairs, 0 false incidents,
-  every real fault injected during the outage repaired after it, steady state reached.
+  its own process, node agents through a node gateway, the front door when HAProxy is there):
+  two sites of 4 nodes, and after the return 3 of each site's 4 nodes look NotReady for a few
+  seconds (their kubelets unheard: the outage's shadow), which is the incident rule's
+  max(3, 30 %). 0 false repairs, 0 false incidents, every request through the front door during
+  the outage served, every real fault injected during the outage repaired after it, steady state.
 - A health report observed too long ago is ignored with a log line; a fresh one is acted on.
 """
 
@@ -20,10 +23,13 @@ import uuid
 import yaml
 
 from cli.dev import metrics_port, server_command
+from cli.front_door import DevFrontDoor
 from fleet import search_attributes
+from fleet.cluster import ServingSpec
 from fleet.config import load_config
 from fleet.settings import Settings
 from fleet.temporal import connect
+from providers.haproxy import haproxy_binary
 from tests.conftest import sim_host, start_test_gateway, terminate_running, wait_for
 from tests.evacuation_helpers import FAST_JOIN, incident_fleet, poll
 from tests.replay import replay_and_record
@@ -33,6 +39,12 @@ from workers.node_agent import SimNodeHost, pki_signer
 #: Short enough for a test: the Site entities notice a gap of more than check + 1 s, hold
 #: repairs 2 s after the return, and a health observation older than 4 s is stale.
 CONTROL_PLANE = {"return_grace_seconds": 2, "absence_seconds": 1, "max_report_age_seconds": 4}
+#: The game day's shadow: kubelets post again between 2 and 4 s after the return, so the grace
+#: (longer than that) covers it; the outage is long enough for a gap of more than check + 1 s.
+KUBELET_LAG = 4
+GAMEDAY_CONTROL_PLANE = {**CONTROL_PLANE, "return_grace_seconds": 6}
+OUTAGE = 6
+NODES_PER_SITE = 4
 
 
 async def _server(settings: Settings) -> tuple[subprocess.Popen, object]:
@@ -54,7 +66,7 @@ async def _server(settings: Settings) -> tuple[subprocess.Popen, object]:
 async def test_gameday_control_plane_loss(tmp_path) -> None:
     uid = uuid.uuid4().hex[:6]
     fleet = incident_fleet(uid)
-    fleet["control_plane"] = CONTROL_PLANE
+    fleet["control_plane"] = GAMEDAY_CONTROL_PLANE
     fleet["incident"]["check_seconds"] = 1
     path = tmp_path / "sites.yaml"
     path.write_text(yaml.safe_dump(fleet))
@@ -69,32 +81,49 @@ async def test_gameday_control_plane_loss(tmp_path) -> None:
     host.health_seconds = 0.2
     stop = asyncio.Event()
     host_task = asyncio.create_task(host.run(stop))
+    door = None
     try:
         cfg = load_config(str(path))
-        for site in (cfg.sites[0].name, cfg.sites[2].name):
-            await client.execute_workflow(
-                "NodeJoin", {"site": site, "count": 2, "timeouts": FAST_JOIN},
-                id=f"join/{site}/{uid}", task_queue=settings.task_queue)
+        sites = (cfg.sites[0].name, cfg.sites[2].name)
+        await asyncio.gather(*(client.execute_workflow(
+            "NodeJoin", {"site": site, "count": NODES_PER_SITE, "timeouts": FAST_JOIN},
+            id=f"join/{site}/{uid}", task_queue=settings.task_queue) for site in sites))
+        port = None
+        if haproxy_binary() is not None:  # CI installs it; only this part needs it
+            for site in sites:  # one replica needs one node's 2 GPUs: the node the shadow spares
+                host.cluster.apply_serving(ServingSpec(model=f"llm-{uid}", site=site, image="vllm:1", replicas=1,
+                                                       gpus_per_replica=2))
+            port = metrics_port(0)
+            door = await DevFrontDoor(host.cluster, tmp_path / "front-door", bind=f"127.0.0.1:{port}",
+                                      first_token_ms=1).start()
         out = tmp_path / "gameday.json"
         proc = await asyncio.to_thread(
             subprocess.run,
-            [sys.executable, "-m", "cli", "gameday", "control-plane-loss", "--seconds", "8", "--faults", "2",
-             "--timeout", "40", "--json", str(out)],
+            [sys.executable, "-m", "cli", "gameday", "control-plane-loss", "--seconds", str(OUTAGE), "--faults", "2",
+             "--kubelet-lag", str(KUBELET_LAG), "--timeout", "40", "--json", str(out),
+             *(["--front-door-port", str(port)] if port else [])],
             env=env, capture_output=True, text=True, timeout=90,
         )
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
         report = json.loads(out.read_text())
-        assert report["false_repairs"] == [] and report["false_incidents"] == []
+        assert report["false_repairs"] == [] and report["false_incidents"] == [], report
         assert report["machines_disrupted_without_a_fault"] == []
+        # The shadow was there to be mistaken: all but one node of each site NotReady after the return.
+        assert report["nodes_not_ready_after_return"] == 2 * (NODES_PER_SITE - 1)
         assert report["real_faults"] == 2 and report["real_faults_repaired"] == 2
         assert report["seconds_to_steady_state"] is not None
-        assert report["outage_seconds"] >= 8
+        assert report["outage_seconds"] >= OUTAGE
+        if port:
+            served = report["requests_during_outage"]
+            assert served["failed"] == 0 and served["served"] >= OUTAGE, report
         # Every Site entity saw the control plane go and come back (its own timer ran late).
         for site in (cfg.sites[0].name, cfg.sites[2].name):
             status = await client.get_workflow_handle(f"site/{site}").query("status")
             assert status["incident"]["control_plane_returned_at"] is not None, status
         await replay_and_record(client.get_workflow_handle(f"site/{cfg.sites[0].name}"), "site_control_plane_return")
     finally:
+        if door is not None:
+            await door.stop()
         stop.set()
         await host_task
         await gateway.running.stop(grace=None)
