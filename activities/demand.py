@@ -27,7 +27,7 @@ from fleet.demand import (
     plan_demand,
     site_labels,
 )
-from fleet.messages.capacity import CapacityResult
+from fleet.messages.capacity import CapacityProgress, CapacityResult
 from fleet.messages.demand import (
     CancelOutcome,
     CancelPurchaseInput,
@@ -41,10 +41,12 @@ from fleet.messages.demand import (
     WatchDemandInput,
 )
 from fleet.models import CapacityType
-from fleet.naming import join_workflow_id
+from fleet.naming import capacity_workflow_id, join_workflow_id
 
 #: NodeJoin steps before the provider is asked for a machine: cancelling then buys nothing.
 BEFORE_PROVISIONING = ("starting", "resolving site")
+#: The AcquireCapacity a SpotReclaim starts for its replacement (``workflows/reclaim.py``).
+RECLAIM_REPLACEMENT_PREFIX = capacity_workflow_id("reclaim-")
 
 
 class DemandActivities:
@@ -113,7 +115,36 @@ class DemandActivities:
             await asyncio.sleep(input.poll_seconds)
 
     # -- planning -----------------------------------------------------------------------------
-    def _plan(self, input: PlanDemandInput) -> PlanDemandResult:
+    async def _reclaim_replacements(self, input: PlanDemandInput) -> list[NodeRoom]:
+        """The machines SpotReclaims are buying right now, as joining rooms. A reclaim's
+        evicted pods come back Pending while its replacement joins; counted as joining,
+        they wait for that machine instead of the loop buying a second one for them."""
+        sites = {s.name: s for s in self.env.config.sites}
+        offers = {f"{o.site}/{o.instance_type}": o for o in input.offers}
+        client = activity.client()
+        query = (f"WorkflowType = 'AcquireCapacity' AND ExecutionStatus = 'Running' "
+                 f"AND TaskQueue = '{activity.info().task_queue}' "
+                 f"AND WorkflowId STARTS_WITH '{RECLAIM_REPLACEMENT_PREFIX}'")
+        rooms = []
+        async for found in client.list_workflows(query, limit=200):
+            try:
+                progress = await client.get_workflow_handle(found.id).query("progress", result_type=CapacityProgress)
+            except RPCError:
+                continue  # finished in between: its node, if any, is a node now
+            wanted = max(0, progress.requested - progress.joined)
+            # Before its first join (reading the catalog, waiting for capacity) the best
+            # candidate is where it will buy.
+            keys = progress.in_flight or [c.split(" ", 1)[0] for c in progress.candidates[:1]]
+            for key in keys[:wanted]:
+                site = sites.get(key.split("/", 1)[0])
+                if site is None:
+                    continue
+                offer = offers.get(key)
+                rooms.append(NodeRoom(name=found.id, site=site.name, labels=site_labels(site),
+                                      gpus=offer.gpus if offer else site.gpus_per_machine, joining=True))
+        return rooms
+
+    def _plan(self, input: PlanDemandInput, replacing: list[NodeRoom] | None = None) -> PlanDemandResult:
         config, cluster = self.env.config, self.env.cluster
         sites = {s.name: s for s in config.sites}
         nodes, labelled = self._label_fleet_nodes()
@@ -150,6 +181,7 @@ class DemandActivities:
                     held.spot_gpus += gpus
                 else:
                     held.other_gpus += gpus
+        rooms += replacing or []
         down: dict[str, str] = {}
         routes = cluster.get_site_routes()
         for name, route in (routes.sites.items() if routes else []):
@@ -166,8 +198,10 @@ class DemandActivities:
     @activity.defn
     @typed_errors
     async def plan_demand(self, input: PlanDemandInput) -> PlanDemandResult:
-        """Keep the fleet's labels on its nodes, list GPU pods, and plan (``fleet.demand``)."""
-        return await asyncio.to_thread(self._plan, input)
+        """Keep the fleet's labels on its nodes, list GPU pods, and plan (``fleet.demand``):
+        the loop's own purchases and SpotReclaims' replacements count as joining."""
+        replacing = await self._reclaim_replacements(input)
+        return await asyncio.to_thread(self._plan, input, replacing)
 
     # -- buying -------------------------------------------------------------------------------
     @activity.defn

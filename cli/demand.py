@@ -51,17 +51,23 @@ def demand(
             console.print(f"  {line}")
 
 
-async def _status(settings, start: bool) -> DemandStatus:
+async def start_demand_loop(client, task_queue: str) -> None:
+    """Start the fleet's one demand loop unless it runs (``gpufleet demand --start``, ``gpufleet dev``)."""
     from temporalio.common import WorkflowIDConflictPolicy
+
+    await client.start_workflow(
+        "Demand", {}, id=DEMAND_WORKFLOW_ID, task_queue=task_queue,
+        id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+        static_summary="demand: Pending GPU pods buy capacity, idle nodes go back",
+    )
+
+
+async def _status(settings, start: bool) -> DemandStatus:
     from temporalio.service import RPCError
 
     client = await connect(settings)
     if start:
-        await client.start_workflow(
-            "Demand", {}, id=DEMAND_WORKFLOW_ID, task_queue=settings.task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            static_summary="demand: Pending GPU pods buy capacity, idle nodes go back",
-        )
+        await start_demand_loop(client, settings.task_queue)
     try:
         return await client.get_workflow_handle(DEMAND_WORKFLOW_ID).query("status", result_type=DemandStatus)
     except RPCError:

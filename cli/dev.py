@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from cli.demand import start_demand_loop
 from fleet import search_attributes
 from fleet.schedules import apply_schedules
 from fleet.settings import Settings
@@ -92,6 +93,8 @@ async def _wait_for_server(settings: Settings, timeout: float = 60) -> None:
             if added:
                 console.print(f"registered search attributes: {', '.join(added)}")
             await apply_schedules(client, settings.task_queue, site_every=300, catalog_every=600)
+            # Demand drives capacity on the dev stack too: `gpufleet sim pods add` buys at once.
+            await start_demand_loop(client, settings.task_queue)
             return
         except Exception:  # noqa: BLE001 - not up yet
             if time.monotonic() > deadline:
@@ -349,6 +352,7 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
         console.print("    gpufleet rollout start deploy/rollout.demo.yaml")
         console.print("    gpufleet nodes")
         console.print("    gpufleet sim capacity nebius-eu-north 0")
+        console.print("    gpufleet sim pods add llm --gpus 2; gpufleet demand   # the demand loop buys for it")
         console.print("  Ctrl-C stops everything; running `gpufleet dev` again resumes open workflows.")
         while not interrupted:
             for name, proc in children.items():

@@ -1,22 +1,39 @@
 """The demand loop (workflow ``Demand``) on the real dev server and the simulated fleet:
 Pending pods buy the cheapest qualifying machines once, the scheduler binds them, idle
-nodes go back; active-passive fails over and returns to zero; spot share after a reclaim."""
+nodes go back (PDBs and the per-site fraction honoured); active-passive fails over and returns to
+zero; a reclaim's replacement is not bought twice and the spot share holds; a pod that goes
+cancels its purchase before provisioning."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator
 
 import pytest
+from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import WorkflowEnvironment
 
 from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_MODEL, LABEL_SITE
-from fleet.demand import DEMAND_TAINT_KEY, LABEL_CAPACITY_TYPE, LABEL_FLEET, LABEL_GEOGRAPHY, GpuPod, Toleration
+from fleet.demand import (
+    DEMAND_TAINT_KEY,
+    LABEL_CAPACITY_TYPE,
+    LABEL_FLEET,
+    LABEL_GEOGRAPHY,
+    GpuPod,
+    Toleration,
+)
 from fleet.messages.demand import DemandStatus
-from tests.capacity_fleet import FAST_JOIN, CapStack, capacity_fleet, open_stack
-from tests.conftest import wait_for
+from tests.capacity_fleet import (
+    FAST_JOIN,
+    CapStack,
+    capacity_fleet,
+    open_stack,
+    replay_and_record,
+)
+from tests.conftest import terminate_running, wait_for
 
 FAST = {"tick_seconds": 0.5, "batch_idle_seconds": 0.3, "batch_max_seconds": 2, "idle_ttl_seconds": 1,
         "max_site_fraction": 1, "purchase_deadline_seconds": 20, "drain_seconds": 2,
@@ -40,6 +57,21 @@ async def open_demand(temporal_env: WorkflowEnvironment, tmp_path: Path, models:
     address = temporal_env.client.service_client.config.target_host
     async for stack in open_stack(temporal_env.client, address, tmp_path, fleet=fleet, uid=uid):
         yield stack
+
+
+@asynccontextmanager
+async def demand_stack(temporal_env: WorkflowEnvironment, tmp_path: Path, models: dict | None = None,
+                       **overrides) -> AsyncIterator[CapStack]:
+    """The one stack, closed even when the test fails while using it (an abandoned
+    generator would leave its worker running and the session hanging)."""
+    async with aclosing(open_demand(temporal_env, tmp_path, models, **overrides)) as stacks:
+        async for stack in stacks:
+            try:
+                yield stack
+            except BaseException:
+                # The stack's own clean-up (after its yield) is skipped on the way out.
+                await terminate_running(stack.client, stack.settings.task_queue)
+                raise
 
 
 async def start_demand(cap: CapStack, **overrides):
@@ -89,11 +121,12 @@ async def test_pending_pods_buy_the_cheapest_qualifying_machines_once_and_idle_n
     await wait_for(lambda: not cap.cluster.list_nodes(), timeout=60)
     state = await status(handle)
     assert any(line.split(" ", 1)[1].startswith("retired") for line in state.log)
+    await replay_and_record(handle, "demand_buy_then_retire")
 
 
 async def test_active_passive_fails_over_and_returns_to_zero(temporal_env, tmp_path):
     models = {"llm": {"mode": "active-passive", "sites": ["dear"], "standby_sites": ["cheap"]}}
-    async for cap in open_demand(temporal_env, tmp_path, models=models):
+    async with demand_stack(temporal_env, tmp_path, models=models) as cap:
         handle = await start_demand(cap)
         cap.cluster.create_pod(demand_pod("r0", model="llm"))
         await wait_for(lambda: bound(cap), timeout=60)
@@ -109,4 +142,103 @@ async def test_active_passive_fails_over_and_returns_to_zero(temporal_env, tmp_p
         cap.cluster.delete_pod("ml", "r1")
         await wait_for(lambda: not cap.cluster.list_nodes({LABEL_SITE: cap.site("cheap")}), timeout=60)
         assert cap.cluster.list_nodes({LABEL_SITE: cap.site("dear")})
+        await handle.terminate("test over")
+
+
+async def until_status(handle, predicate, timeout: float = 30) -> DemandStatus:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        state = await status(handle)
+        if predicate(state):
+            return state
+        assert asyncio.get_running_loop().time() < deadline, state.log[-10:]
+        await asyncio.sleep(0.1)
+
+
+async def test_a_pod_that_goes_cancels_what_was_bought_for_it_before_provisioning(cap: CapStack):
+    # Each purchase holds before its first join: its offer is out of its own ranking for 60 s.
+    hold = {**FAST["capacity_request"], "exclude": [{"offer": cap.offer("cheap"), "seconds": 60}]}
+    handle = await start_demand(cap, capacity_request=hold)
+    cap.cluster.create_pod(demand_pod("brief", **{LABEL_SITE: cap.site("cheap")}))
+    state = await until_status(handle, lambda s: any(p.status == "buying" for p in s.purchases))
+    (purchase,) = state.purchases
+    cap.cluster.delete_pod("ml", "brief")
+    state = await until_status(handle, lambda s: s.purchases[0].status != "buying")
+    assert state.purchases[0].status == "cancelled", state.log[-5:]
+    assert any("cancelled before provisioning" in line for line in state.log)
+    described = await cap.client.get_workflow_handle(purchase.workflow_id).describe()
+    assert described.status == WorkflowExecutionStatus.CANCELED
+    assert not cap.world.query("SELECT * FROM machines"), "nothing was bought"
+    await handle.terminate("test over")
+
+
+async def test_consolidation_honours_pdbs_and_the_site_fraction(temporal_env, tmp_path):
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        cheap, mid = cap.site("cheap"), cap.site("mid")
+        await cap.client.execute_workflow("NodeJoin", {"site": cheap, "count": 3, "timeouts": FAST_JOIN},
+                                          id=f"join/{cheap}/idle", task_queue=cap.settings.task_queue)
+        await cap.client.execute_workflow("NodeJoin", {"site": mid, "timeouts": FAST_JOIN},
+                                          id=f"join/{mid}/guarded", task_queue=cap.settings.task_queue)
+        (guarded,) = cap.cluster.list_nodes({LABEL_SITE: mid})
+        # No GPU pod (so idle), but a pod whose budget refuses its eviction.
+        cap.cluster.add_pod(guarded.name, "keeper", labels={"app": "keeper"})
+        cap.cluster.set_pdb("default", "keeper", {"app": "keeper"}, min_available=1)
+        # A third of a site at once: one of cheap's three nodes at a time.
+        handle = await start_demand(cap, max_site_fraction=0.34)
+        most, deadline = 0, asyncio.get_running_loop().time() + 60
+        while cap.cluster.list_nodes({LABEL_SITE: cheap}):
+            retiring = [n for n, why in (await status(handle)).retiring.items() if why.startswith(f"{cheap}:")]
+            most = max(most, len(retiring))
+            assert asyncio.get_running_loop().time() < deadline, (await status(handle)).log[-10:]
+            await asyncio.sleep(0.05)
+        assert most == 1, "never more than a third of the site at once"
+        state = await until_status(handle, lambda s: any(line.split(" ", 1)[1].startswith(f"kept {guarded.name}")
+                                                         for line in s.log))
+        # The PDB held: the node is still there (cordoned, tried again later), its pod too.
+        assert cap.cluster.get_node(guarded.name) is not None
+        assert [p.name for p in cap.cluster.pods(guarded.name)] == ["keeper"]
+        assert any("keeper" in line for line in state.log if guarded.name in line)
+        await handle.terminate("test over")
+
+
+async def test_after_a_spot_reclaim_its_replacement_is_not_bought_twice_and_the_spot_share_holds(temporal_env, tmp_path):
+    models = {"llm": {"mode": "active-active", "sites": ["spot", "cheap"], "spot_share": 0.5,
+                      "on_demand_floor_gpus": 2}}
+    # Spot at no risk is the cheapest offer: only the share keeps the model off it.
+    calm = {"sim": {"capacity": 4, "quota": 8, "boot_seconds": 0.1, "interruption_risk": 0.0}}
+    async with demand_stack(temporal_env, tmp_path, models=models, spot=calm) as cap:
+        handle = await start_demand(cap, idle_ttl_seconds=60)
+        names = [f"r{i}" for i in range(4)]
+        for name in names:
+            cap.cluster.create_pod(demand_pod(name, model="llm"))
+        await wait_for(lambda: len(bound(cap)) == 4, timeout=60)
+
+        def gpus_by_type() -> dict[str, int]:
+            held: dict[str, int] = {}
+            for node in bound(cap).values():
+                kind = cap.cluster.get_node(node).labels[LABEL_CAPACITY_TYPE]
+                held[kind] = held.get(kind, 0) + 1
+            return held
+
+        assert gpus_by_type() == {"spot": 2, "on-demand": 2}
+        bought = len((await status(handle)).purchases)
+
+        # The provider takes the spot machine; its replacement (elsewhere) boots slowly.
+        cap.world.set_site(cap.site("cheap"), boot_seconds=4)
+        (machine,) = cap.world.machines(cap.site("spot"))
+        evicted = [k.split("/")[1] for k, node in bound(cap).items() if node == machine["name"]]
+        cap.world.post_reclaim_notice(machine["id"], seconds=20)
+        await wait_for(lambda: not any(node == machine["name"] for node in bound(cap).values()), timeout=20)
+        for name in evicted:  # their ReplicaSet puts them back, Pending
+            cap.cluster.create_pod(demand_pod(name, model="llm"))
+        state = await until_status(handle, lambda s: all(f"ml/{n}" in s.covered for n in evicted))
+        assert all(state.covered[f"ml/{n}"].startswith(f"joining capacity/reclaim-{machine['name']}")
+                   for n in evicted), state.covered
+        await wait_for(lambda: len(bound(cap)) == 4, timeout=60)
+        state = await status(handle)
+        assert len(state.purchases) == bought, "the reclaim's replacement was the only machine bought"
+        held = gpus_by_type()
+        assert held.get("spot", 0) <= 0.5 * 4 and held.get("on-demand", 0) >= 2, held
+        reclaim = cap.client.get_workflow_handle(f"reclaim/{machine['name']}")
+        await reclaim.result()
         await handle.terminate("test over")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -82,6 +83,12 @@ def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
     assert f"http://127.0.0.1:{ui_port}" in (tmp_path / "dev1.log").read_text()
     schedules = gpufleet(env, "schedules", "list")
     assert "gpufleet-site-reconcile" in schedules.stdout and "gpufleet-catalog-refresh" in schedules.stdout
+    # The demand loop runs from the start: a Pending pod on a fresh stack buys its node.
+    assert gpufleet(env, "sim", "pods", "add", "want", "--gpus", "1", "--site", "site-a").returncode == 0
+    deadline = time.monotonic() + 60
+    while not json.loads(gpufleet(env, "sim", "pods", "list", "--output", "json").stdout)[0]["node"].startswith("site-a"):
+        assert time.monotonic() < deadline, gpufleet(env, "demand").stdout + child_logs(env)
+        time.sleep(0.5)
     done = gpufleet(env, "join", "--site", "site-a", "--wait")
     assert done.returncode == 0, done.stdout + done.stderr
 

@@ -36,6 +36,8 @@ EXPECTED = {
     "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
     # The HTTP relay of an operator update (tests/test_entity_update.py).
     "entity_update_quota_raised", "entity_update_rejected",
+    # The demand loop: pods bought for, bound, gone; their idle nodes retired (tests/test_demand_loop.py).
+    "demand_buy_then_retire",
 }
 
 
