@@ -70,7 +70,7 @@ def workloads(docs: list[dict]) -> dict[str, dict]:
 def test_kustomize_renders_and_control_plane_runs_non_root_read_only() -> None:
     docs = rendered()
     found = workloads(docs)
-    assert set(found) == {"gpufleet-control-plane", "gpufleet-node-agent"}
+    assert set(found) == {"gpufleet-control-plane", "gpufleet-node-agent", "gpufleet-node-gateway"}
     for name, workload in found.items():
         if name == "gpufleet-node-agent":
             continue
@@ -111,7 +111,8 @@ def test_metrics_are_served_and_scraped() -> None:
         port = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["GPUFLEET_METRICS_PORT"] == str(port)
-        service = next(s for s in services if s["spec"]["selector"].items() <= labels.items())
-        assert any(p["name"] == "metrics" and p["targetPort"] == "metrics" for p in service["spec"]["ports"])
+        # A workload may have other Services too (the node gateway's public endpoint).
+        service = next(s for s in services if s["spec"]["selector"].items() <= labels.items()
+                       and any(p["name"] == "metrics" and p["targetPort"] == "metrics" for p in s["spec"]["ports"]))
         selector = monitors[0]["spec"]["selector"]["matchLabels"]
         assert selector.items() <= service["metadata"]["labels"].items()

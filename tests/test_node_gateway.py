@@ -186,6 +186,30 @@ async def test_a_node_reaches_only_its_own_queue_and_its_own_tasks(temporal_env,
     assert any(a in line and "RespondActivityTaskCompleted" in line and "did not deliver" in line for line in lines)
 
 
+async def test_the_gateway_counts_what_it_forwards_and_refuses_on_its_metrics_page(temporal_env, nodes) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from workers.node_gateway import GatewayCollector
+
+    gw = gateway(temporal_env)
+    registry = CollectorRegistry()
+    registry.register(GatewayCollector(gw.running.gateway))
+
+    def sample(name: str) -> float:
+        page = generate_latest(registry).decode()
+        return next(s.value for f in text_string_to_metric_families(page) for s in f.samples if s.name == name)
+
+    a, b = nodes
+    node_a = await as_node(gw, a)
+    refused_before = sample("gpufleet_gateway_refused_total")
+    await refused(node_a.workflow_service.poll_activity_task_queue(PollActivityTaskQueueRequest(
+        namespace="default", task_queue=TaskQueue(name=f"node/{b}")), retry=False))
+    assert sample("gpufleet_gateway_refused_total") >= refused_before + 1
+    assert sample("gpufleet_gateway_forwarded_total") > 0  # node A's start-up calls
+    assert sample("gpufleet_gateway_nodes") >= 1
+
+
 async def test_other_ca_expired_missing_or_non_node_certificates_are_refused(temporal_env, nodes) -> None:
     a, _b = nodes
     gw = gateway(temporal_env)

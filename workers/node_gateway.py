@@ -424,6 +424,31 @@ async def default_liveness(settings: Settings) -> Liveness:
     return node_liveness(client, FleetEnv.from_settings(settings).cluster)
 
 
+class GatewayCollector:
+    """The gateway's own figures, read from its stats at scrape time: what an operator watches
+    for a node trying what it may not (refusals) and for the held polls the frontend carries."""
+
+    def __init__(self, gateway: "NodeGateway") -> None:
+        self.gateway = gateway
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.gateway.stats
+        yield CounterMetricFamily("gpufleet_gateway_forwarded", "Node agent calls forwarded to Temporal.",
+                                  value=stats.forwarded)
+        yield CounterMetricFamily("gpufleet_gateway_refused",
+                                  "Node agent calls refused (PERMISSION_DENIED), each logged with the node.",
+                                  value=stats.refused)
+        yield GaugeMetricFamily("gpufleet_gateway_held_polls", "Long polls the gateway holds open for nodes now.",
+                                value=stats.held_polls)
+        yield GaugeMetricFamily("gpufleet_gateway_nodes", "Distinct node identities seen since start.",
+                                value=len(stats.serials))
+
+
 @dataclass
 class RunningGateway:
     server: grpc.aio.Server
@@ -635,6 +660,8 @@ async def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--client-ca", help="CA that signs node client certificates (the cluster CA)")
     parser.add_argument("--dev", action="store_true", help="make/load a dev CA and certificate under the state dir")
     parser.add_argument("--live-ttl", type=float, default=1.0, help="seconds a node's liveness verdict is kept")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve /metrics here (default: GPUFLEET_METRICS_PORT; unset: none)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node-gateway %(levelname)s %(message)s")
     settings = Settings.from_env()
@@ -648,6 +675,13 @@ async def main(argv: list[str] | None = None) -> None:
                                   Path(args.client_ca).read_bytes(), host=host or "127.0.0.1", port=int(port),
                                   live_ttl=args.live_ttl)
     log.info("node gateway on %s:%s → %s (namespace %s)", host, running.port, settings.address, settings.namespace)
+    from prometheus_client import REGISTRY
+
+    from workers.metrics import start_metrics
+
+    metrics = start_metrics(args.metrics_port, "node-gateway")
+    if metrics is not None:
+        REGISTRY.register(GatewayCollector(running.gateway))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

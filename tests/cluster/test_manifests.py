@@ -69,6 +69,25 @@ def test_every_adapter_role_is_bound_to_the_control_plane():
     assert accounts == {("gpufleet-control-plane", "gpufleet"), ("gpufleet-node-agent", "gpufleet")}
 
 
+def test_the_node_gateway_may_only_read_a_node_and_its_identity_record():
+    """Its one cluster call is the per-call liveness check (``get_node``: the Node, then its
+    identity ConfigMap); a gateway is internet-facing, so it gets nothing more."""
+    granted = _granted(_docs("node-gateway.yaml"), "node-gateway")
+    assert granted == {("get", "", "nodes", "", ""), ("get", "", "configmaps", "", "gpufleet")}
+    used = {(r.verb, r.group, r.resource, r.subresource, r.namespace) for r in access_table("gpufleet")
+            if "get_node" in r.purpose or "control-plane state" in r.purpose and r.verb == "get"}
+    assert granted == used
+    (deployment,) = [d for d in _docs("node-gateway.yaml") if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "gpufleet-node-gateway"
+    (container,) = pod["containers"]
+    assert container["command"][:3] == ["python", "-m", "workers.node_gateway"]
+    for flag in ("--cert", "--key", "--client-ca"):
+        assert flag in container["command"]
+    env = {e["name"] for e in container["env"]}
+    assert {"TEMPORAL_ADDRESS", "GPUFLEET_CONFIG"} <= env, "the control plane's settings and the cluster"
+
+
 def test_control_plane_deployment():
     (deployment,) = _docs("control-plane.yaml")
     pod = deployment["spec"]["template"]["spec"]
