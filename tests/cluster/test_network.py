@@ -97,8 +97,10 @@ def test_the_network_parts_are_kustomizations() -> None:
 
 def test_nothing_listens_on_a_gpu_node() -> None:
     docs = _rendered()
+    # A LoadBalancer opens a port on every node unless it sends to pods directly (no node ports).
     exposed = [(d["metadata"]["name"], d["spec"].get("type")) for d in docs if d["kind"] == "Service"
-               and d["spec"].get("type") in ("NodePort", "LoadBalancer")]
+               and (d["spec"].get("type") == "NodePort" or d["spec"].get("type") == "LoadBalancer"
+                    and d["spec"].get("allocateLoadBalancerNodePorts") is not False)]
     assert not exposed
     workloads = _gpu_node_pods(docs)
     assert {"DaemonSet/gpufleet-node-agent", "DaemonSet/konnectivity-agent"} <= set(workloads)
