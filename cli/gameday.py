@@ -24,6 +24,7 @@ from cli.common import Address, ConfigPath, StateDir, console, fail, fleet_clien
 gameday_app = typer.Typer(no_args_is_help=True)
 HealAfter = Annotated[float, typer.Option(help="seconds after the drain before the site is healed")]
 Timeout = Annotated[float, typer.Option(help="give up after this many seconds")]
+JsonOut = Annotated[Optional[Path], typer.Option("--json", help="also write the measurements here")]
 
 #: The timeline milestones shown and measured, and the SiteEvacuation step that marks each.
 MILESTONES = [
@@ -47,7 +48,7 @@ def provider_loss(
     site: Annotated[str, typer.Option(help="the site whose provider goes away")],
     heal_after: HealAfter = 2.0,
     timeout: Timeout = 900.0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the measurements here")] = None,
+    json_out: JsonOut = None,
     address: Address = "localhost:7233",
     state_dir: StateDir = Path(".gpufleet"),
     config: ConfigPath = None,
@@ -61,7 +62,7 @@ def region_loss(
     geo: Annotated[str, typer.Option(help="every site with this geography goes away")],
     heal_after: HealAfter = 2.0,
     timeout: Timeout = 900.0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the measurements here")] = None,
+    json_out: JsonOut = None,
     address: Address = "localhost:7233",
     state_dir: StateDir = Path(".gpufleet"),
     config: ConfigPath = None,
@@ -85,15 +86,22 @@ def _known(cfg, site: str) -> str:
     return site
 
 
-def _run_gameday(pick, heal_after, timeout, json_out, address, state_dir, config) -> None:
+def _sim_fleet(address, state_dir, config, breaks: str):
+    """The connection settings and the fleet config of a game day, which must be simulated."""
     from fleet.config import ConfigError, load_config
+
     config_ = settings(address, state_dir, config)
     try:
         cfg = load_config(config_.config)
     except ConfigError as error:
         fail(str(error), 2)
     if cfg.mode != "sim":
-        fail("game days break simulated sites only (config mode is not sim)", 2)
+        fail(f"game days break {breaks} only (config mode is not sim)", 2)
+    return config_, cfg
+
+
+def _run_gameday(pick, heal_after, timeout, json_out, address, state_dir, config) -> None:
+    config_, cfg = _sim_fleet(address, state_dir, config, "simulated sites")
     sites = pick(cfg)
     import signal
 
@@ -288,7 +296,7 @@ def control_plane_loss(
              "(their nodes look NotReady till then: the outage's shadow)")] = 10.0,
     front_door_port: Annotated[int, typer.Option(help="the dev stack's front door (cli.front_door)")] = 8080,
     timeout: Timeout = 900.0,
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="also write the measurements here")] = None,
+    json_out: JsonOut = None,
     address: Address = "localhost:7233",
     state_dir: StateDir = Path(".gpufleet"),
     config: ConfigPath = None,
@@ -298,14 +306,7 @@ def control_plane_loss(
     The processes are stopped (SIGSTOP: frozen, as behind a partition) and continued (SIGCONT);
     `gpufleet dev` keeps owning them. Prints the timeline and exits 1 unless every request was
     served, no healthy node was repaired, no incident opened and every real fault was repaired."""
-    from fleet.config import ConfigError, load_config
-    config_ = settings(address, state_dir, config)
-    try:
-        cfg = load_config(config_.config)
-    except ConfigError as error:
-        fail(str(error), 2)
-    if cfg.mode != "sim":
-        fail("game days break the simulated fleet only (config mode is not sim)", 2)
+    config_, cfg = _sim_fleet(address, state_dir, config, "the simulated fleet")
     outage = seconds if seconds is not None else minutes * 60
     if not 0 < outage <= 24 * 3600:
         fail("--minutes/--seconds: the outage must be longer than 0 and at most a day", 2)

@@ -59,6 +59,20 @@ from providers.cluster.bootstrap import BootstrapToken, kubelet_args, read_join_
 from providers.sim import SimWorld, _utc
 
 
+def _valid_token(db, token: str, now: float):
+    """The join token's row, when ``token`` is one that may still authenticate (known, its
+    secret matches, unused, unexpired); what it is bound to, each caller checks."""
+    token_id, _, secret = token.partition(".")
+    row = db.execute("SELECT * FROM join_tokens WHERE id=?", (token_id,)).fetchone()
+    if row is None or not hmac.compare_digest(row["secret_sha256"], _hash(secret)):
+        raise JoinRejected("unknown join token")
+    if row["used_at"] is not None:
+        raise JoinRejected("join token already used")
+    if row["expires_at"] < now:
+        raise JoinRejected("join token expired")
+    return row
+
+
 def _registration_taints(config: dict) -> list[str]:
     """``nodeRegistration.taints`` as the kubelet registers them."""
     taints = (config.get("nodeRegistration") or {}).get("taints") or []
@@ -157,15 +171,9 @@ class SimCluster:
 
     def register_with_token(self, machine_id: str, token: str, boot_id: str, gpus: int) -> Node:
         """Kubelet's TLS bootstrap, simulated: the token is single-use and expires."""
-        token_id, _, secret = token.partition(".")
+        token_id = token.partition(".")[0]
         with self.world.tx() as db:
-            row = db.execute("SELECT * FROM join_tokens WHERE id=?", (token_id,)).fetchone()
-            if row is None or not hmac.compare_digest(row["secret_sha256"], _hash(secret)):
-                raise JoinRejected("unknown join token")
-            if row["used_at"] is not None:
-                raise JoinRejected("join token already used")
-            if row["expires_at"] < time.time():
-                raise JoinRejected("join token expired")
+            row = _valid_token(db, token, time.time())
             if row["machine_id"] != machine_id:
                 raise JoinRejected("join token belongs to another machine")
             now = time.time()
@@ -231,16 +239,10 @@ class SimCluster:
         token = ((config.get("discovery") or {}).get("bootstrapToken") or {}).get("token", "")
         name = (config.get("nodeRegistration") or {}).get("name", "")
         provider_id = kubelet_args(config).get("provider-id", "")
-        token_id, _, secret = token.partition(".")
+        token_id = token.partition(".")[0]
         now = time.time()
         with self.world.tx() as db:
-            row = db.execute("SELECT * FROM join_tokens WHERE id=?", (token_id,)).fetchone()
-            if row is None or not hmac.compare_digest(row["secret_sha256"], _hash(secret)):
-                raise JoinRejected("unknown join token")
-            if row["used_at"] is not None:
-                raise JoinRejected("join token already used")
-            if row["expires_at"] < now:
-                raise JoinRejected("join token expired")
+            row = _valid_token(db, token, now)
             if row["node_name"] != name:
                 raise JoinRejected(f"certificate for node {name} denied: the token was issued for {row['node_name']}")
             db.execute("UPDATE join_tokens SET used_at=? WHERE id=?", (now, token_id))
