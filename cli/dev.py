@@ -84,8 +84,19 @@ def server_command(settings: Settings, port: int, ui_port: int, http_port: int =
     return command
 
 
-async def _wait_for_server(settings: Settings, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
+#: A fresh database on a cold disk, sharing two cores with everything else: the first start
+#: of the dev server can take well over a minute, a warm one takes seconds.
+SERVER_START_SECONDS = 240
+
+
+class ServerDidNotStart(RuntimeError):
+    """The Temporal dev server exited, or never answered, during start-up."""
+
+
+async def _wait_for_server(settings: Settings, server: subprocess.Popen | None = None,
+                           log: Path | None = None, timeout: float = SERVER_START_SECONDS) -> None:
+    started = time.monotonic()
+    said = started
     while True:
         try:
             client = await connect(settings)
@@ -96,10 +107,25 @@ async def _wait_for_server(settings: Settings, timeout: float = 60) -> None:
             # Demand drives capacity on the dev stack too: `gpufleet sim pods add` buys at once.
             await start_demand_loop(client, settings.task_queue)
             return
-        except Exception:  # noqa: BLE001 - not up yet
-            if time.monotonic() > deadline:
-                raise
+        except Exception as error:  # noqa: BLE001 - not up yet
+            waited = time.monotonic() - started
+            if server is not None and server.poll() is not None:
+                raise ServerDidNotStart(f"the Temporal server exited with {server.returncode} after {waited:.0f} s"
+                                        f"{_log_tail(log)}") from error
+            if waited > timeout:
+                raise ServerDidNotStart(f"the Temporal server did not answer on {settings.address} within "
+                                        f"{timeout:.0f} s: {error}{_log_tail(log)}") from error
+            if time.monotonic() - said >= 15:
+                said = time.monotonic()
+                console.print(f"[dim]  still waiting for the Temporal server ({waited:.0f} s)...[/]")
             await asyncio.sleep(0.5)
+
+
+def _log_tail(log: Path | None, lines: int = 30) -> str:
+    if log is None or not log.exists():
+        return ""
+    tail = log.read_text(errors="replace").splitlines()[-lines:]
+    return f"\n--- last lines of {log}:\n" + "\n".join(tail)
 
 
 #: The demo model `gpufleet dev` seeds into the source store (``deploy/rollout.demo.yaml``
@@ -320,7 +346,12 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
         seed_loopback_stores(config, s3)
         console.print(f"[dim]starting the Temporal server on {settings.address} (log: {logs / 'temporal.log'})...[/]")
         start("temporal", server_command(settings, port, ui_port, http_port))
-        asyncio.run(_wait_for_server(settings))
+        try:
+            asyncio.run(_wait_for_server(settings, children["temporal"], logs / "temporal.log"))
+        except ServerDidNotStart as error:
+            console.print("[red]error:[/]", end=" ")
+            console.print(str(error), markup=False, highlight=False)
+            return 1
         console.print("[dim]starting the control-plane worker, the node gateway and the simulated nodes...[/]")
         metrics = {"control-plane": metrics_port(DEV_METRICS_PORTS["control-plane"]),
                    "node-agents": metrics_port(DEV_METRICS_PORTS["node-agents"])}

@@ -17,7 +17,7 @@ from activities.env import FleetEnv
 from fleet.settings import Settings
 from providers.cluster.sim import SimCluster
 from providers.sim import SimWorld
-from tests.conftest import run_node_host
+from tests.conftest import run_node_host, stop_stack
 from workers.control_plane import build_worker
 from tests.replay import replay_and_record  # noqa: F401 - used by the scenario tests
 
@@ -104,15 +104,9 @@ async def open_stack(client: Client, address: str, tmp_path: Path, fleet: dict |
     stack = CapStack(client, settings, env.world, env.cluster, env, uid)
     stop = asyncio.Event()
     host = await run_node_host(client, settings, stop)
+    worker = build_worker(client, settings)
+    running = asyncio.create_task(worker.run())
     try:
-        async with build_worker(client, settings):
-            yield stack
-            # Entities never end by themselves: stop this test's before its worker goes.
-            async for wf in client.list_workflows(f'TaskQueue = "{settings.task_queue}" AND ExecutionStatus = "Running"'):
-                try:
-                    await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("test over")
-                except Exception:  # noqa: BLE001
-                    pass
+        yield stack
     finally:
-        stop.set()
-        await host
+        await stop_stack(client, settings.task_queue, worker, running, stop, host)

@@ -4,11 +4,15 @@ a per-test simulated fleet with its own state dir and task queue."""
 from __future__ import annotations
 
 import asyncio
+import io
 import os
+import sys
+import traceback
 import uuid
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable
 
 import pytest
 import yaml
@@ -154,11 +158,63 @@ async def stack(fleet_world: Stack) -> AsyncIterator[Stack]:
     stop = asyncio.Event()
     host = await run_node_host(client, settings, stop)
     fleet_world.host_stop = stop
-    async with build_worker(client, settings):
+    worker = build_worker(client, settings)
+    running = asyncio.create_task(worker.run())
+    try:
         yield fleet_world
-        await terminate_running(client, settings.task_queue)
-    stop.set()
-    await host
+    finally:
+        await stop_stack(client, settings.task_queue, worker, running, stop, host)
+
+
+#: Stopping a test's workers takes a second or two; a stop still going after this long
+#: is stuck, and waiting out the test's timeout would only hide where.
+TEARDOWN_SECONDS = 60
+
+
+async def stop_stack(client: Client, task_queue: str, worker, running: asyncio.Task,
+                     host_stop: asyncio.Event, host: asyncio.Task) -> None:
+    """Entities first (they never end by themselves), then the control-plane worker, then the
+    simulated nodes; bounded by ``TEARDOWN_SECONDS`` (see ``bounded_teardown``)."""
+
+    async def stop_all() -> None:
+        try:
+            await terminate_running(client, task_queue)
+            await worker.shutdown()
+            await asyncio.gather(running, return_exceptions=True)
+        finally:
+            host_stop.set()
+            await host
+
+    await bounded_teardown(stop_all(), f"the workers of task queue {task_queue}", leftovers=[running, host])
+
+
+async def bounded_teardown(steps: Awaitable[None], what: str, leftovers: list[asyncio.Task] = (),
+                           seconds: float = TEARDOWN_SECONDS) -> None:
+    """Run a fixture's teardown; one that hangs is reported (a warning, and every task's and
+    thread's stack on stderr, uncaptured) and cancelled, so the suite goes on and the report
+    says where it hung."""
+    task = asyncio.ensure_future(steps)
+    done, _ = await asyncio.wait({task}, timeout=seconds)
+    if task in done:
+        task.result()
+        return
+    report = f"teardown of {what} still running after {seconds:.0f} s; where everything stood:\n{stacks_now()}"
+    print(report, file=sys.__stderr__, flush=True)
+    warnings.warn(f"teardown of {what} hung for {seconds:.0f} s and was cancelled (stacks on stderr)",
+                  RuntimeWarning, stacklevel=2)
+    for pending in (task, *leftovers):
+        pending.cancel()
+    await asyncio.wait({task, *leftovers}, timeout=10)
+
+
+def stacks_now() -> str:
+    """Every asyncio task's and every thread's stack, for a report of a hang."""
+    out = io.StringIO()
+    for pending in asyncio.all_tasks():
+        pending.print_stack(limit=6, file=out)
+    for thread_id, frame in sys._current_frames().items():
+        out.write(f"--- thread {thread_id}\n" + "".join(traceback.format_stack(frame, limit=10)))
+    return out.getvalue()
 
 
 async def terminate_running(client: Client, task_queue: str) -> None:

@@ -111,12 +111,11 @@ async def running_stack(client: Client, tmp_path: Path, fleet: dict[str, Any] | 
 
     stack = make_stack(client, repair_settings(client, tmp_path, fleet))
     stop, host = await start_host(stack)
+    worker = build_worker(client, stack.settings)
+    running = asyncio.create_task(worker.run())
     try:
-        async with build_worker(client, stack.settings):
-            yield stack
-            from tests.conftest import terminate_running
-
-            await terminate_running(client, stack.settings.task_queue)
+        yield stack
     finally:
-        stop.set()
-        await host
+        from tests.conftest import stop_stack
+
+        await stop_stack(client, stack.settings.task_queue, worker, running, stop, host)

@@ -48,6 +48,10 @@ from workers.node_gateway import GatewayAccess, node_key_and_csr
 
 log = logging.getLogger("gpufleet.node_agent")
 
+#: A stopping agent cancels its running activities at once; their last reports then take a
+#: round trip or two. Far longer means a call that will never return.
+AGENT_STOP_SECONDS = 20
+
 
 def build_agent(client: Client, node_name: str, gpus: GpuBackend, executor: ThreadPoolExecutor,
                 watch: NodeWatch | None = None) -> Worker:
@@ -270,7 +274,13 @@ class SimNodeHost:
         _boot, worker, task = self.agents.pop(machine_id)
         self.watches.pop(machine_id, None)
         self.identities.pop(machine_id, None)
-        await worker.shutdown()
+        try:
+            await asyncio.wait_for(worker.shutdown(), AGENT_STOP_SECONDS)
+        except asyncio.TimeoutError:
+            # One agent whose last call never returns (a gateway gone mid-poll) must not
+            # hold up the host's stop, or every other machine's agent with it.
+            log.warning("agent %s: not stopped after %d s; abandoned", worker.task_queue, AGENT_STOP_SECONDS)
+            task.cancel()
         await asyncio.gather(task, return_exceptions=True)
 
 
