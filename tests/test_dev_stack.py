@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,12 +14,9 @@ import pytest
 
 from cli.dev import SERVER_START_SECONDS
 from tests.conftest import write_fleet
+from tests.ports import free_port  # noqa: F401 - also imported from here
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def gpufleet(env: dict, *args: str, timeout: float = 90) -> subprocess.CompletedProcess:

@@ -10,7 +10,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -30,6 +29,7 @@ from fleet.models import AccountState
 from fleet.settings import CONTROL_PLANE_QUEUE, Settings
 from workers.control_plane import build_worker
 from workers.node_agent import SimNodeHost
+from tests.ports import free_port  # noqa: F401 - also imported from here
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 README_BASE = "http://127.0.0.1:7243"
@@ -60,10 +60,6 @@ def statements(block: str) -> list[str]:
     return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

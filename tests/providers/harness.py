@@ -16,12 +16,12 @@ Optional attributes the contract suite uses when present:
 
 from __future__ import annotations
 
-import socket
 from typing import Protocol, runtime_checkable
 
 from fleet.errors import BadCredentials, InvalidRequest, NoCapacity, OverQuota, ProviderError, Transient
 from fleet.models import MachineSpec
 from providers.base import Provider
+from tests.ports import free_port  # noqa: F401 - also imported from here
 
 #: Error kinds ``fail_next_create`` understands, and the class each must raise.
 ERROR_KINDS: dict[str, type[ProviderError]] = {
@@ -49,8 +49,3 @@ class Harness(Protocol):
         ...
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

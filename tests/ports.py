@@ -1,0 +1,29 @@
+"""Ports for the servers a test starts.
+
+A port the kernel hands out for ``bind(0)`` comes from the ephemeral range, the same range
+every outgoing connection takes its local port from: on a busy machine, a client connecting
+somewhere can take it in the moment between "free" and the server's own bind (a server
+that then exits at start-up). Ports below that range are never taken by a connection.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+#: Below Linux's default ephemeral range (32768-60999), with room for the offsets `gpufleet dev`
+#: adds to its --port (HTTP API +10, node gateway +67).
+LOW, HIGH = 20000, 32600
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1, outside the ephemeral range, that nothing holds right now."""
+    for _ in range(200):
+        port = random.randint(LOW, HIGH)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in {LOW}-{HIGH}")
