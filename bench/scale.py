@@ -1,11 +1,14 @@
-"""The fleet at size (issue 22, first step): one run grows the simulated fleet through
-``--steps`` sizes and measures each, printing every figure as a ratio to the smallest.
+"""The fleet at size (issue 22): one run grows the simulated fleet through ``--steps`` sizes
+and measures each, printing every figure as a ratio to the smallest.
 
 Processes, as under ``gpufleet dev``: the dev server (WorkflowEnvironment's child), the
-control-plane worker (``python -m workers.control_plane``) and the simulated node host
-(``python -m workers.node_agent --sim``, agents connected directly, no gateway), each its
-own process so that CPU seconds and resident memory are read from /proc for each alone.
-This process only starts joins, injects faults and watches the sim's cluster.
+control-plane worker (``python -m workers.control_plane``), the node gateway
+(``python -m workers.node_gateway``) and the simulated node host (``python -m
+workers.node_agent --sim``), whose agents reach Temporal only through the gateway, each with
+its own key and certificate, each polling only its own ``node/<name>`` queue. Each process
+is its own, so CPU seconds and resident memory are read from /proc for each alone. This
+process only starts joins, injects faults, posts reclaim notices, asks for capacity and
+watches the sim's cluster.
 
 At each size:
 
@@ -13,24 +16,31 @@ At each size:
    in flight) bring the fleet from the previous size to this one; nodes admitted per
    minute over that window. A join that fails is counted (no fault is injected while
    joining, so any failure is a finding).
-2. steady: for ``--minutes``, one seeded fault every ``--fault-interval`` s into a random
-   healthy node's simulated GPU (XID 48; mix cleared by reset / reboot / never, i.e.
-   replace). The clock starts before the fault is written into the sim world and stops
-   when the node is cordoned: detection is included. In the sim, the node host sees the
-   world change (its poll, 50 ms here) and wakes every agent's watch, as a real node's XID
-   waiter wakes its own; the Node entity's ``watch_node`` returns the new state.
-3. costs over the steady window: CPU seconds of worker and dev server, resident memory of
-   all three processes; the largest history (describe) of any running Node, Site,
+2. steady, for ``--minutes``, three things at once:
+   - one seeded fault every ``--fault-interval`` s into a random healthy node's simulated
+     GPU (XID 48; cleared by reset / reboot / never, i.e. replace). The clock starts
+     before the fault is written into the sim world and stops when the node is cordoned:
+     detection is included. In the sim, the node host sees the world change (its poll,
+     50 ms here) and wakes every agent's watch, as a real node's XID waiter wakes its own;
+     the Node entity's ``watch_node`` returns the new state;
+   - one spot reclaim notice every ``--reclaim-interval`` s on another healthy node
+     (``--reclaim-notice`` s of warning), timed from the notice to the end of its
+     ``reclaim/<node>`` (drained, replacement joined);
+   - one capacity request (``AcquireCapacity``, ``--capacity-count`` H100 nodes) started
+     with the window, timed to its result.
+3. costs over the steady window: CPU seconds of worker, gateway and dev server, resident
+   memory of every process; the largest history (describe) of any running Node, Site,
    ProviderAccount or SiteEvacuation; workflow-task schedule-to-start on the control-plane
    queue, from the histories of the GpuRepairs the step started.
 
-The incident detector is off (seeded faults close together would read as an incident),
-so threshold → routing weight 0, spot reclaims and the capacity request are printed as
-"not measured". Health traffic is the agents' pull watch at ``GPUFLEET_HEALTH_SECONDS``
-(``--health-seconds``), not a push mix of 1,000 reports per minute.
+The incident detector is off (seeded faults close together would read as an incident), so
+threshold -> routing weight 0 is printed as "not measured" (``bench/incident`` measures it).
+Health traffic is the agents' pull watch at ``GPUFLEET_HEALTH_SECONDS`` (``--health-seconds``),
+not a push mix of 1,000 reports per minute.
 
     python -m bench.scale [--nodes 1250] [--sites 10] [--gpus-per-node 8] [--minutes 1]
-                          [--steps 125,250,625,1250] [--fault-interval 2] [--seed 22]
+                          [--steps 125,250,625,1250] [--fault-interval 2] [--reclaim-interval 15]
+                          [--seed 22]
 """
 
 from __future__ import annotations
@@ -48,9 +58,13 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from temporalio.service import RPCError
+
 from activities.env import FleetEnv
 from bench.common import bench_env, fleet, run
 from bench.join_overhead import proc_cpu, server_pid
+from cli.dev import wait_for_port
+from workers.node_gateway import dev_gateway_files
 from fleet import search_attributes as sa
 from fleet.naming import join_workflow_id
 
@@ -87,6 +101,9 @@ class Step:
     largest_history: tuple[int, str] = (0, "")
     schedule_to_start: list[float] = field(default_factory=list)
     gpus: int = 0  # GPUs on the cluster's nodes at the steady window's end
+    reclaims: list[float] = field(default_factory=list)  # notice -> reclaim done, replacement joined
+    reclaim_failures: list[str] = field(default_factory=list)
+    capacity: tuple[float, str] = (float("nan"), "")  # seconds to the result, and what it said
 
     @property
     def joins_per_minute(self) -> float:
@@ -123,9 +140,11 @@ async def grow(client, settings, sites: list[dict], start: int, target: int, con
     return admitted
 
 
-async def steady(fleet_env: FleetEnv, step: Step, minutes: float, interval: float, rng: random.Random,
+async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: random.Random,
                  used: set[tuple[str, int]]) -> list[str]:
-    """Seeded faults for ``minutes``; each timed from injection to cordon. Returns the repair ids."""
+    """The steady mix for ``args.minutes``: seeded faults (each timed from injection to
+    cordon), spot reclaims (notice to reclaim done) and one capacity request. Returns the
+    repair ids."""
     cluster, world = fleet_env.cluster, fleet_env.world
     busy: set[str] = set()
     repairs: list[str] = []
@@ -140,11 +159,53 @@ async def steady(fleet_env: FleetEnv, step: Step, minutes: float, interval: floa
             await asyncio.sleep(0.01)
         step.contain.append(time.perf_counter() - start)
 
-    end = time.perf_counter() + minutes * 60
+    async def reclaimed(name: str, start: float) -> None:
+        handle = client.get_workflow_handle(f"reclaim/{name}")
+        deadline = start + args.reclaim_notice + 120
+        while True:
+            try:
+                result = await asyncio.wait_for(handle.result(), max(1.0, deadline - time.perf_counter()))
+                break
+            except RPCError:  # not started yet: the Node entity has not seen the notice
+                if time.perf_counter() > deadline:
+                    step.reclaim_failures.append(f"{name}: no reclaim workflow")
+                    return
+                await asyncio.sleep(0.1)
+            except Exception as error:  # noqa: BLE001 - counted: any failure is a finding
+                step.reclaim_failures.append(f"{name}: {type(error).__name__}: {getattr(error, 'cause', None) or error}")
+                return
+        replacement = result.get("replacement") or {}
+        if not result.get("drained") or not replacement.get("complete"):
+            step.reclaim_failures.append(f"{name}: drained {result.get('drained')}, replacement "
+                                         f"{replacement.get('nodes') and len(replacement['nodes'])} of "
+                                         f"{replacement.get('requested')}")
+            return
+        step.reclaims.append(time.perf_counter() - start)
+
+    async def capacity_request() -> None:
+        from client import FleetClient
+
+        start = time.perf_counter()
+        try:
+            handle = await FleetClient(settings, client).acquire_capacity(
+                {"constraints": {"gpu": "H100"}, "count": args.capacity_count, "deadline_seconds": 600},
+                request_id=f"scale-{step.nodes}-{uuid.uuid4().hex[:6]}")
+            result = await handle.result()
+            said = f"{len(result.nodes)} of {result.requested} joined"
+        except Exception as error:  # noqa: BLE001 - printed: any failure is a finding
+            said = f"failed: {type(error).__name__}: {getattr(error, 'cause', None) or error}"
+        step.capacity = (time.perf_counter() - start, said)
+
+    def healthy_nodes() -> list:
+        return [n for n in cluster.list_nodes()
+                if n.ready and not n.unschedulable and n.machine_id and n.name not in busy]
+
+    requested = asyncio.create_task(capacity_request())
+    end = time.perf_counter() + args.minutes * 60
+    next_reclaim = time.perf_counter() + args.reclaim_interval / 2
     while time.perf_counter() < end:
         tick = time.perf_counter()
-        nodes = [n for n in await asyncio.to_thread(cluster.list_nodes)
-                 if n.ready and not n.unschedulable and n.machine_id and n.name not in busy]
+        nodes = await asyncio.to_thread(healthy_nodes)
         rng.shuffle(nodes)
         for node in nodes:
             gpu = rng.randrange(node.gpus_allocatable) if node.gpus_allocatable else 0
@@ -158,8 +219,17 @@ async def steady(fleet_env: FleetEnv, step: Step, minutes: float, interval: floa
             watchers.append(asyncio.create_task(contained(node.name, start)))
             repairs.append(f"repair/{node.name}/gpu{gpu}")
             break
-        await asyncio.sleep(max(0.0, interval - (time.perf_counter() - tick)))
-    await asyncio.gather(*watchers)
+        if args.reclaim_interval and time.perf_counter() >= next_reclaim:
+            next_reclaim += args.reclaim_interval
+            spare = [n for n in nodes if n.name not in busy]
+            if spare:
+                node = rng.choice(spare)
+                busy.add(node.name)
+                start = time.perf_counter()
+                await asyncio.to_thread(world.post_reclaim_notice, node.machine_id, args.reclaim_notice)
+                watchers.append(asyncio.create_task(reclaimed(node.name, start)))
+        await asyncio.sleep(max(0.0, args.fault_interval - (time.perf_counter() - tick)))
+    await asyncio.gather(*watchers, requested)
     return repairs
 
 
@@ -232,7 +302,8 @@ def print_table(args, steps: list[Step]) -> None:
 
     nan = float("nan")
     print(f"scale: {args.sites} sites, {args.gpus_per_node} GPUs/node, steps {', '.join(str(s.nodes) for s in steps)}"
-          f" nodes; steady window {args.minutes} min, a fault every {args.fault_interval} s; seed {args.seed}")
+          f" nodes; steady window {args.minutes} min, a fault every {args.fault_interval} s, a reclaim every "
+          f"{args.reclaim_interval} s; heartbeat timeout {args.heartbeat_seconds} s; seed {args.seed}")
     print(f"  {'nodes':48s}" + "".join(f"{s.nodes:>12d}" for s in steps) + "   ratios to the first size")
     print(f"  {'GPUs on the nodes':48s}" + "".join(f"{s.gpus:>12d}" for s in steps))
     row("join: nodes admitted / min (this step's joins)", [s.joins_per_minute for s in steps], "{:.0f}")
@@ -246,15 +317,23 @@ def print_table(args, steps: list[Step]) -> None:
         "{:.0f}")
     print(f"  {'faults contained / not within 30 s':48s}"
           + "".join(f"{f'{len(s.contain)}/{s.not_contained}':>12s}" for s in steps))
+    row("spot reclaim notice -> replaced p50 (s)", [statistics.median(s.reclaims) if s.reclaims else nan
+                                                    for s in steps], "{:.1f}")
+    print(f"  {'spot reclaims replaced / failed':48s}"
+          + "".join(f"{f'{len(s.reclaims)}/{len(s.reclaim_failures)}':>12s}" for s in steps))
+    row("capacity request -> result (s)", [s.capacity[0] for s in steps], "{:.1f}")
+    print(f"  {'  it said':48s}" + "".join(f"  {s.capacity[1]}" for s in steps))
     row("workflow task schedule-to-start p99 (ms)", [pct(s.schedule_to_start, 99) * 1000 if s.schedule_to_start
                                                      else nan for s in steps], "{:.1f}")
     row("worker CPU s per steady minute", [s.cpu["worker"] / s.steady_wall * 60 for s in steps], "{:.1f}")
     row("  per node (ms / min)", per_node([s.cpu["worker"] / s.steady_wall * 60_000 for s in steps]), "{:.1f}")
     row("dev server CPU s per steady minute", [s.cpu["server"] / s.steady_wall * 60 for s in steps], "{:.1f}")
     row("node host CPU s per steady minute", [s.cpu["nodes"] / s.steady_wall * 60 for s in steps], "{:.1f}")
+    row("node gateway CPU s per steady minute", [s.cpu["gateway"] / s.steady_wall * 60 for s in steps], "{:.1f}")
     row("worker RSS (MB)", [s.rss["worker"] for s in steps], "{:.0f}")
     row("  per node (MB)", per_node([s.rss["worker"] for s in steps]), "{:.2f}")
     row("dev server RSS (MB)", [s.rss["server"] for s in steps], "{:.0f}")
+    row("node gateway RSS (MB)", [s.rss["gateway"] for s in steps], "{:.0f}")
     row("node host RSS (MB)", [s.rss["nodes"] for s in steps], "{:.0f}")
     row("  per node (MB)", per_node([s.rss["nodes"] for s in steps]), "{:.2f}")
     row("largest entity history (events)", [s.largest_history[0] for s in steps], "{:.0f}")
@@ -264,13 +343,22 @@ def print_table(args, steps: list[Step]) -> None:
     for s in steps:
         for failure in s.join_failures[:3]:
             print(f"  join failure at {s.nodes}: {failure[:200]}")
-    for label in ("threshold -> routing weight 0 (incident)", "spot reclaims at the spot site",
-                  "capacity request under the steady mix", "push health mix at 1,000 reports/min"):
+        for failure in s.reclaim_failures[:3]:
+            print(f"  reclaim failure at {s.nodes}: {failure[:200]}")
+    for label in ("threshold -> routing weight 0 (incident)", "push health mix at 1,000 reports/min"):
         print(f"  {label:48s}not measured")
     worst_p99 = max((pct(s.contain, 99) for s in steps if s.contain), default=nan)
     print(f"  target fault -> contained p99 < 2 s: {'met' if worst_p99 < 2 else 'NOT met'} (worst {worst_p99:.2f} s)")
     worst = max(s.largest_history[0] for s in steps)
     print(f"  target no entity history > 10,000 events: {'met' if worst <= 10_000 else 'NOT met'} (largest {worst})")
+    last = steps[-1]
+    print(f"  target worker RSS < 1 GiB at {last.nodes} nodes: {'met' if last.rss['worker'] < 1024 else 'NOT met'} "
+          f"({last.rss['worker']:.0f} MB)")
+    if len(steps) > 1:
+        cost = max(last.cpu["worker"] / last.nodes / (steps[0].cpu["worker"] / steps[0].nodes),
+                   last.rss["worker"] / last.nodes / (steps[0].rss["worker"] / steps[0].nodes))
+        print(f"  target worker cost per node within 1.5x of the first size: {'met' if cost <= 1.5 else 'NOT met'} "
+              f"(worst of CPU and RSS: {cost:.2f}x)")
 
 
 async def main() -> None:
@@ -284,6 +372,12 @@ async def main() -> None:
     parser.add_argument("--fault-interval", type=float, default=2.0, help="seconds between injected faults")
     parser.add_argument("--health-seconds", type=float, default=5.0, help="the agents' probe interval")
     parser.add_argument("--join-concurrency", type=int, default=200)
+    parser.add_argument("--heartbeat-seconds", type=float, default=30.0,
+                        help="repair heartbeat timeout (the watch's too); 30 is the product default")
+    parser.add_argument("--reclaim-interval", type=float, default=15.0,
+                        help="seconds between spot reclaim notices in the steady window (0: none)")
+    parser.add_argument("--reclaim-notice", type=float, default=20.0, help="warning a reclaim notice gives")
+    parser.add_argument("--capacity-count", type=int, default=2, help="nodes the steady window's capacity request asks")
     parser.add_argument("--seed", type=int, default=22)
     args = parser.parse_args()
     sizes = sorted({int(s) for s in args.steps.split(",") if s.strip()}) if args.steps else \
@@ -293,14 +387,22 @@ async def main() -> None:
     for name in ("sites", "gpus_per_node", "join_concurrency"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}: at least 1")
+    if args.reclaim_interval < 0 or args.reclaim_notice <= 0 or args.capacity_count < 1:
+        parser.error("--reclaim-interval >= 0, --reclaim-notice > 0, --capacity-count >= 1")
+    if args.heartbeat_seconds <= 0:
+        parser.error("--heartbeat-seconds: greater than 0")
     if args.minutes <= 0 or args.fault_interval <= 0:
         parser.error("--minutes and --fault-interval: greater than 0")
-    # Room for replacements of faults that never clear, on top of the largest size.
-    per_site = math.ceil(sizes[-1] / args.sites * 1.3) + 5
+    # Room for replacements (faults that never clear, reclaims) and capacity requests, on top
+    # of the largest size.
+    per_site = math.ceil(sizes[-1] / args.sites * 1.3) + 5 + math.ceil(len(sizes) * args.capacity_count / args.sites)
     config = fleet(sites=args.sites, capacity=per_site)
     for site in config["sites"]:
         site["gpus_per_machine"] = args.gpus_per_node
-    config["repair"] = {"timeouts": {"drain_seconds": 1, "smoke_test_seconds": 10, "heartbeat_seconds": 5}}
+    # The heartbeat timeout is the product's default unless asked: every Node entity's watch
+    # heartbeats at most every 0.8 x timeout, and each heartbeat is a write on the server.
+    config["repair"] = {"timeouts": {"drain_seconds": 1, "smoke_test_seconds": 10,
+                                     "heartbeat_seconds": args.heartbeat_seconds}}
     config["incident"] = {"settle_seconds": 0, "enabled": False}
     rng = random.Random(args.seed)
     steps: list[Step] = []
@@ -308,16 +410,24 @@ async def main() -> None:
         client = env.client
         logs = settings.state_dir
         worker = spawn(["workers.control_plane"], settings, logs / "worker.log", {})
+        # Every agent through the node gateway, with a key and certificate of its own, as deployed.
+        files = dev_gateway_files(settings.state_dir)
+        gateway_port = 17300 + os.getpid() % 1000
+        gateway = spawn(["workers.node_gateway", "--dev", "--listen", f"127.0.0.1:{gateway_port}"], settings,
+                        logs / "gateway.log", {})
+        wait_for_port(gateway_port)
         host = spawn(["workers.node_agent", "--sim", "--poll-seconds", "0.05"], settings, logs / "nodes.log",
-                     {"GPUFLEET_HEALTH_SECONDS": str(args.health_seconds)})
-        pids = {"worker": worker.pid, "server": server_pid(), "nodes": host.pid}
+                     {"GPUFLEET_HEALTH_SECONDS": str(args.health_seconds),
+                      "GPUFLEET_GATEWAY": f"127.0.0.1:{gateway_port}", "GPUFLEET_GATEWAY_CA": str(files["ca"]),
+                      "GPUFLEET_SIM_SIGNER_DIR": str(files["ca"].parent)})
+        pids = {"worker": worker.pid, "server": server_pid(), "gateway": gateway.pid, "nodes": host.pid}
         fleet_env = FleetEnv.from_settings(settings)
         used: set[tuple[str, int]] = set()
         try:
             await asyncio.sleep(3)  # the worker's first polls (sandbox warm-up happens on the first joins)
-            for proc, name in ((worker, "worker"), (host, "node host")):
+            for proc, name in ((worker, "worker"), (gateway, "gateway"), (host, "nodes")):
                 if proc.poll() is not None:
-                    raise RuntimeError(f"{name} exited: {(logs / f'{name.split()[0]}.log').read_text()[-2000:]}")
+                    raise RuntimeError(f"{name} exited: {(logs / f'{name}.log').read_text()[-2000:]}")
             have = 0
             for size in sizes:
                 step = Step(size)
@@ -328,7 +438,7 @@ async def main() -> None:
                 await asyncio.sleep(2)  # every new Node entity's first watch answered
                 before = {name: proc_cpu(pid) for name, pid in pids.items()}
                 begin = time.perf_counter()
-                repairs = await steady(fleet_env, step, args.minutes, args.fault_interval, rng, used)
+                repairs = await steady(fleet_env, client, settings, step, args, rng, used)
                 step.steady_wall = time.perf_counter() - begin
                 step.cpu = {name: proc_cpu(pid) - before[name] for name, pid in pids.items()}
                 step.rss = {name: rss_mb(pid) for name, pid in pids.items()}
@@ -339,7 +449,7 @@ async def main() -> None:
                 print(f"  [{size} nodes: joined {step.joined} in {step.join_wall:.1f} s, {len(step.contain)} faults "
                       f"contained]", flush=True)
         finally:
-            for proc in (host, worker):
+            for proc in (host, gateway, worker):
                 proc.terminate()
                 try:
                     proc.wait(15)

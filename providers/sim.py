@@ -218,6 +218,19 @@ class SimWorld(SqliteDb):
         """machine id → termination time, for every posted notice (what each machine's IMDS answers)."""
         return {row[0]: row[1] for row in self.query("SELECT machine_id, terminate_at FROM reclaim_notices")}
 
+    def watch_stamps(self) -> dict[str, tuple]:
+        """machine id → everything its node agent's watch reads (boot, GPUs, faults, spot
+        notice), as a value that changes whenever any of it does. Three scans, whatever the
+        fleet's size: the node host wakes only the watches whose machine changed, as a real
+        node's XID waiter wakes only its own."""
+        faults = {row[0]: row[1] for row in self.query(
+            "SELECT machine_id, group_concat(id || ':' || kind || ':' || value) FROM gpu_faults GROUP BY machine_id")}
+        gpus = {row[0]: row[1] for row in self.query(
+            "SELECT machine_id, group_concat(idx || ':' || uuid) FROM gpus GROUP BY machine_id")}
+        notices = self.reclaim_notices()
+        return {row[0]: (row[1], gpus.get(row[0]), faults.get(row[0]), notices.get(row[0]))
+                for row in self.query("SELECT id, boot_id FROM machines WHERE deleted_at IS NULL")}
+
     # -- what tests and the CLI read ----------------------------------------------
     def calls(self, account: str, op: str | None = None) -> int:
         sql, args = "SELECT COALESCE(SUM(n), 0) FROM calls WHERE account=?", [account]

@@ -119,3 +119,28 @@ async def test_a_watch_for_another_node_is_refused() -> None:
         assert "node_name" in str(error)
     else:
         raise AssertionError("answered a watch for another node")
+
+
+
+def test_a_world_change_wakes_only_the_watches_of_the_machines_it_touched(tmp_path) -> None:
+    """The sim's node host wakes a watch only when its own machine changed (a fault, a spot
+    notice, a reboot), as a real node's XID waiter does: a change elsewhere probes no one else."""
+    from activities.env import FleetEnv
+    from fleet.settings import Settings
+    from fleet.models import MachineSpec
+
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
+    site = env.config.sites[0]
+    spec = MachineSpec(site=site.name, instance_type=site.instance_type, gpu=site.gpu, gpus=site.gpus_per_machine,
+                       region=site.region, capacity_type=site.capacity_type, name="n")
+    a, b, c = (env.provider(site.name).create_machine(spec.model_copy(update={"name": f"n{i}"}), f"k{i}").id
+               for i in range(3))
+    world = env.world
+    before = world.watch_stamps()
+    world.inject_fault(a, 1, "xid", 48, clears_on="reset")
+    world.post_reclaim_notice(b, 60)
+    after = world.watch_stamps()
+    assert {m for m in (a, b, c) if after[m] != before[m]} == {a, b}
+    world.clear_faults(a, "reset", 1)
+    assert world.watch_stamps()[a] != after[a], "a cleared fault is a change too"
+    assert world.watch_stamps()[c] == before[c]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,6 +52,21 @@ def worker_interceptors() -> list:
     return [InputGuard(), *tracing_interceptors()]
 
 
+#: Workflows kept in memory between their tasks. Every Node entity is one, and an entity
+#: evicted from the cache replays its whole history on its next task: the SDK's default
+#: (1,000) is below a fleet of 1,250 nodes plus its Site and account entities.
+#: ``GPUFLEET_MAX_CACHED_WORKFLOWS`` sets another size.
+MAX_CACHED_WORKFLOWS = 4000
+
+
+def max_cached_workflows() -> int:
+    raw = os.environ.get("GPUFLEET_MAX_CACHED_WORKFLOWS", "")
+    try:
+        return int(raw) if raw else MAX_CACHED_WORKFLOWS
+    except ValueError:
+        raise SystemExit(f"GPUFLEET_MAX_CACHED_WORKFLOWS: a whole number, not {raw!r}") from None
+
+
 def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None) -> Worker:
     env = env or FleetEnv.from_settings(settings)
     precompile_workflows()
@@ -63,6 +79,7 @@ def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None
         # Provider SDKs block: activities are sync and run in these threads.
         activity_executor=ThreadPoolExecutor(max_workers=128, thread_name_prefix="activity"),
         max_concurrent_activities=128,
+        max_cached_workflows=max_cached_workflows(),
         interceptors=worker_interceptors(),
         workflow_runner=workflow_runner(client.data_converter),
     )

@@ -131,8 +131,17 @@ class SimNodeHost:
         #: default 5; 0: probe only when the world changes).
         self.health_seconds: float | None = None
         self._next_boot = float("inf")  # when the next booting machine comes up
+        #: machine id → what its watch reads, as of the last world change (``SimWorld.watch_stamps``).
+        self._watch_stamps: dict[str, tuple] = {}
         #: Machines whose install ran user data that could not join: their kubelet has no credentials.
         self._unjoined: set[str] = set()
+
+    async def _wake_changed_watches(self) -> None:
+        stamps = await asyncio.to_thread(self.world.watch_stamps)
+        for machine_id, watch in self.watches.items():
+            if stamps.get(machine_id) != self._watch_stamps.get(machine_id):
+                watch.wake()
+        self._watch_stamps = stamps
 
     def _health_interval(self) -> float:
         from workers.health_report import DEFAULT_HEALTH_SECONDS
@@ -148,10 +157,11 @@ class SimNodeHost:
                 stamp = (self.world.data_version(), time.time() >= self._next_boot)
                 if stamp != seen:
                     if seen is not None and stamp[0] != seen[0]:
-                        # The world changed (e.g. `gpufleet sim fault`, a spot notice): every
-                        # watch probes now, as a real node's XID waiter wakes its watch.
-                        for watch in self.watches.values():
-                            watch.wake()
+                        # The world changed (e.g. `gpufleet sim fault`, a spot notice): the watch
+                        # of each machine it touched probes now, as a real node's XID waiter
+                        # wakes its own watch. Waking all of them would cost a probe per node
+                        # for every change anywhere in the fleet.
+                        await self._wake_changed_watches()
                     seen = (stamp[0], False)
                     up, registered = await asyncio.to_thread(self._sync_kubelets)
                     await self._sync_agents(up, registered)
