@@ -180,10 +180,12 @@ async def stop_stack(client: Client, task_queue: str, worker, running: asyncio.T
         try:
             await terminate_running(client, task_queue)
             await worker.shutdown()
-            await asyncio.gather(running, return_exceptions=True)
+            (outcome,) = await asyncio.gather(running, return_exceptions=True)
         finally:
             host_stop.set()
             await host
+        if isinstance(outcome, Exception):
+            raise outcome  # the worker failed during the test (as `async with worker` would say)
 
     await bounded_teardown(stop_all(), f"the workers of task queue {task_queue}", leftovers=[running, host])
 
