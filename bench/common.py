@@ -93,3 +93,34 @@ def median(values: list[float]) -> float:
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(main())
+
+
+# -- figures: percentiles and other processes' CPU and memory (Linux /proc) -----------------
+def pct(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+
+
+def proc_cpu(pid: int) -> float:
+    """User + system CPU seconds of another process (Linux /proc)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_pid() -> int:
+    """The dev server WorkflowEnvironment started as this process's child."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            name, rest = stat.read_text().rsplit(")", 1)
+        except OSError:
+            continue
+        if name.endswith("(temporal") and int(rest.split()[1]) == os.getpid():
+            return int(stat.parent.name)
+    raise RuntimeError("no dev server child process")
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")

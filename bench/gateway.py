@@ -32,21 +32,16 @@ import sys
 import time
 import uuid
 from datetime import timedelta
-from pathlib import Path
 
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.worker import PollerBehaviorSimpleMaximum, UnsandboxedWorkflowRunner, Worker
 
-from bench.common import bench_env, fleet, run
+from bench.common import bench_env, fleet, run, pct, rss_mb
 from cli.dev import wait_for_port
 from workers.node_agent import connect_via_gateway
 from workers.node_gateway import GatewayAccess, Pki, dev_gateway_files, node_key_and_csr
 
-
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
 
 
 @activity.defn(name="noop")
@@ -78,12 +73,6 @@ async def round_trips(client: Client, control_queue: str, queue: str, count: int
             out.append((event.event_time.ToNanoseconds() - scheduled[started_from]) / 1e9)
     return out
 
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 async def compare_round_trips(client: Client, settings, access: GatewayAccess, pki: Pki, control_queue: str,

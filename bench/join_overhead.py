@@ -18,41 +18,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 from temporalio.worker import Worker
 
 from activities.env import FleetEnv
 from fleet import search_attributes as sa
 from fleet.naming import join_workflow_id
 from bench.baseline import NoopSteps, NoopStepsWithMetadata, noop
-from bench.common import bench_env, fleet, median, run, start_node_host, timed
+from bench.common import bench_env, fleet, median, run, start_node_host, timed, proc_cpu, server_pid
 from workers.control_plane import build_worker
 from workers.workflow_runner import workflow_runner
 
 ACTIVITIES_PER_JOIN = 8
 
 
-def proc_cpu(pid: int) -> float:
-    """User + system CPU seconds of another process (Linux /proc)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def server_pid() -> int:
-    """The dev server WorkflowEnvironment started as this process's child."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            name, rest = stat.read_text().rsplit(")", 1)
-        except OSError:
-            continue
-        if name.endswith("(temporal") and int(rest.split()[1]) == os.getpid():
-            return int(stat.parent.name)
-    raise RuntimeError("no dev server child process")
 
 
 @dataclass

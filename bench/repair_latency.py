@@ -27,16 +27,12 @@ import uuid
 
 from activities.env import FleetEnv
 from activities.models import HealthReport
-from bench.common import bench_env, echo_worker, fleet, run, start_node_host
+from bench.common import bench_env, echo_worker, fleet, run, start_node_host, pct
 from bench.echo import Echo, ran
 from providers.sim import SimGpuBackend
 from workers.control_plane import build_worker
 from workers.health_report import send_report
 
-
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
 
 
 async def poll(predicate, timeout: float = 30, interval: float = 0.005) -> None:

@@ -61,8 +61,7 @@ from pathlib import Path
 from temporalio.service import RPCError
 
 from activities.env import FleetEnv
-from bench.common import bench_env, fleet, run
-from bench.join_overhead import proc_cpu, server_pid
+from bench.common import bench_env, fleet, run, pct, proc_cpu, rss_mb, server_pid
 from cli.dev import wait_for_port
 from workers.node_gateway import dev_gateway_files
 from fleet import search_attributes as sa
@@ -73,16 +72,6 @@ ENTITY_TYPES = ("Node", "Site", "ProviderAccount", "SiteEvacuation")
 FAULT_MIX = (("reset", 0.7), ("reboot", 0.2), ("never", 0.1))
 
 
-def pct(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
-
-
-def rss_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 @dataclass

@@ -14,7 +14,7 @@ import pytest
 
 from cli.dev import SERVER_START_SECONDS
 from tests.conftest import write_fleet
-from tests.ports import free_port  # noqa: F401 - also imported from here
+from tests.ports import free_port
 
 
 

@@ -30,7 +30,7 @@ from tests.capacity_fleet import FAST_JOIN, capacity_fleet
 from tests.conftest import terminate_running
 from tests.repair_helpers import REPAIR
 from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3 is a fixture
-from tests.test_dev_stack import free_port
+from tests.ports import free_port
 from workers.control_plane import build_worker
 from workers.metrics import MetricsServer, agents_running, watch_fleet
 from workers.node_agent import SimNodeHost

@@ -29,7 +29,7 @@ from fleet.models import AccountState
 from fleet.settings import CONTROL_PLANE_QUEUE, Settings
 from workers.control_plane import build_worker
 from workers.node_agent import SimNodeHost
-from tests.ports import free_port  # noqa: F401 - also imported from here
+from tests.ports import free_port
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 README_BASE = "http://127.0.0.1:7243"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_dev_stack import free_port
+from tests.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"

@@ -21,7 +21,6 @@ from typing import Protocol, runtime_checkable
 from fleet.errors import BadCredentials, InvalidRequest, NoCapacity, OverQuota, ProviderError, Transient
 from fleet.models import MachineSpec
 from providers.base import Provider
-from tests.ports import free_port  # noqa: F401 - also imported from here
 
 #: Error kinds ``fail_next_create`` understands, and the class each must raise.
 ERROR_KINDS: dict[str, type[ProviderError]] = {

@@ -23,7 +23,7 @@ from fleet.config import Account, Site
 from fleet.models import CapacityType, CredentialsRef, MachineSpec
 from providers.own_dc import OwnDcProvider
 from tests.providers.fault_proxy import FaultProxy, Reply, Request
-from tests.providers.harness import free_port
+from tests.ports import free_port
 
 BMC_USER = "gpufleet"
 BMC_PASSWORD = "bmc-Pa55word-gpufleet-test"

@@ -21,7 +21,7 @@ from fleet.errors import (
 from fleet.models import CapacityType, CredentialsRef
 from providers.aws import ERROR_CODES, AwsProvider, classify, client_token
 from tests.providers.fault_proxy import Reply
-from tests.providers.harness import free_port
+from tests.ports import free_port
 from tests.providers.harness_aws import (
     AMI,
     CREDENTIALS_ENV,

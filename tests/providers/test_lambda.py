@@ -17,7 +17,7 @@ from fleet.errors import (
     Transient,
 )
 from providers.lambda_cloud import ERROR_CODES, LambdaProvider, classify
-from tests.providers.harness import free_port
+from tests.ports import free_port
 from tests.providers.harness_lambda import CREDENTIALS_ENV, LambdaHarness
 
 

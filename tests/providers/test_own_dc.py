@@ -11,7 +11,7 @@ from fleet.config import Account
 from fleet.errors import BadCredentials, InvalidRequest, NoCapacity, NotFound, Transient
 from providers.own_dc import REBOOT_TYPES, OwnDcProvider, choose_reset_type
 from tests.providers.fault_proxy import Reply
-from tests.providers.harness import free_port
+from tests.ports import free_port
 from tests.providers.harness_own_dc import CREDENTIALS_ENV, SYSTEMS, OwnDcHarness
 
 
