@@ -38,6 +38,7 @@ from activities.models import (
 from fleet import search_attributes as sa
 from fleet.config import Site
 from fleet.messages.csr import CsrApproverResult, CsrVerdict
+from fleet.messages.repair import NodeEntityInput
 from fleet.errors import InvalidRequest, NotFound, ProviderError
 from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
 from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinParams, render_user_data
@@ -174,6 +175,8 @@ class ControlPlaneActivities:
                                 join_id=input.join_id)
         cluster.update_state(NODE_IDENTITY_KIND, input.node_name, lambda _old: identity.state())
         cluster.review_csrs(addresses)  # a serving CSR waiting for the identity
+        if input.labels or input.add_taints:
+            return self._label_and_taint(input.node_name, input.labels, add=input.add_taints)
         return cluster.get_node(input.node_name) or node
 
     @activity.defn
@@ -258,13 +261,17 @@ class ControlPlaneActivities:
     @typed_errors
     def prepare_node(self, input: PrepareNodeInput) -> Node:
         """Our labels and taints on the node; touches no other key."""
+        return self._label_and_taint(input.node_name, input.labels, add=input.add_taints, remove=input.remove_taints)
+
+    def _label_and_taint(self, node_name: str, labels: dict[str, str], *, add: list[str],
+                         remove: list[str] | None = None) -> Node:
         cluster = self.env.cluster
-        labels = dict(input.labels)
+        labels = dict(labels)
         if LABEL_SITE in labels:  # a site is a topology zone (same-site Services, README "Network model")
             labels[LABEL_ZONE] = labels[LABEL_SITE]
         if labels:
-            cluster.label_node(input.node_name, labels)
-        return cluster.set_taints(input.node_name, add=input.add_taints, remove=input.remove_taints)
+            cluster.label_node(node_name, labels)
+        return cluster.set_taints(node_name, add=add, remove=remove or [])
 
     @activity.defn
     @typed_errors
@@ -280,7 +287,8 @@ class ControlPlaneActivities:
         # The node's entity starts here, labelled from the join's own record: the node itself
         # can no longer start or signal a workflow (node gateway), it answers the entity's watch.
         await activity.client().start_workflow(
-            "Node", {"node_name": input.node_name}, id=f"node/{input.node_name}",
+            "Node", NodeEntityInput(node_name=input.node_name, site=input.site, settings=self.env.config.repair,
+                                    first_state=input.first_state), id=f"node/{input.node_name}",
             task_queue=activity.info().task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
             search_attributes=TypedSearchAttributes([
                 SearchAttributePair(sa.SITE, input.site), SearchAttributePair(sa.NODE_NAME, input.node_name),

@@ -7,6 +7,7 @@ from datetime import datetime
 from pydantic import BaseModel, Field
 
 from fleet.cluster import JoinTokenRef
+from fleet.messages.repair import NodeWatchResult
 from fleet.models import GpuHealth, Machine, MachineSpec
 from fleet.repair_policy import RepairSettings
 
@@ -48,6 +49,10 @@ class AwaitRegistrationInput(BaseModel):
     #: Absolute, so a retried attempt keeps the original deadline.
     deadline: datetime
     poll_seconds: float = 1.0
+    #: Once the registration is this join's machine: our labels and taints on the node (the
+    #: ``prepare_node`` step, done in the same activity).
+    labels: dict[str, str] = Field(default_factory=dict)
+    add_taints: list[str] = Field(default_factory=list)
 
 
 class RevokeNodeTokensInput(BaseModel):
@@ -96,6 +101,8 @@ class AdmitNodeInput(BaseModel):
     node_name: str
     site: str
     machine_id: str
+    #: The node's state from its smoke test, for its new Node entity.
+    first_state: NodeWatchResult | None = None
 
 
 class RemoveNodeInput(BaseModel):
@@ -118,6 +125,9 @@ class SmokeTestInput(BaseModel):
     expected_gpus: int = Field(ge=1)
     #: Check only these GPUs' counters and compute (all must still be visible); None = every GPU.
     only_gpus: list[int] | None = None
+    #: Also return the node's whole state as a health watch would (a join hands it to the
+    #: node's new entity, whose first watch then waits for a change).
+    include_state: bool = False
 
 
 class SmokeResult(BaseModel):
@@ -125,6 +135,7 @@ class SmokeResult(BaseModel):
     gpus_seen: int
     boot_id: str = ""
     failures: list[str] = Field(default_factory=list)
+    state: NodeWatchResult | None = None
 
 
 # -- GPU repair ---------------------------------------------------------------------------

@@ -143,6 +143,9 @@ class NodeAgentActivities:
         deadline = time.monotonic() + input.max_wait_seconds
         info = activity.info()
         beat = (info.heartbeat_timeout.total_seconds() / 3) if info.heartbeat_timeout else 10.0
+        # Heartbeats start after the grace period: a heartbeat is a write on the server, and every
+        # node's watch starts at once when a fleet joins or its control plane comes back.
+        liveness = Liveness()
         while True:
             self.watch.arm()
             observed_at = self.watch.clock()
@@ -152,7 +155,7 @@ class NodeAgentActivities:
                 return NodeWatchResult(node_name=self.node_name, seq=input.seq + changed, digest=state.digest,
                                        boot_id=state.boot_id, gpus=state.gpus, reclaim_at=state.reclaim_at,
                                        observed_at=observed_at)
-            activity.heartbeat(input.seq)
+            liveness.beat(input.seq)
             pause = min(beat, max(deadline - time.monotonic(), 0.0))
             if self.watch.interval_s > 0:
                 pause = min(pause, self.watch.interval_s)
@@ -177,7 +180,13 @@ class NodeAgentActivities:
             liveness.beat(gpu.index)
             if not gpu.lost and (problem := self.gpus.compute_check(gpu.index)):
                 failures.append(problem)
-        return SmokeResult(passed=not failures, gpus_seen=len(gpus), boot_id=self.gpus.boot_id(), failures=failures)
+        state = None
+        if input.include_state:
+            seen = self.watch.observe()
+            state = NodeWatchResult(node_name=self.node_name, seq=1, digest=seen.digest, boot_id=seen.boot_id,
+                                    gpus=seen.gpus, reclaim_at=seen.reclaim_at, observed_at=self.watch.clock())
+        return SmokeResult(passed=not failures, gpus_seen=len(gpus), boot_id=self.gpus.boot_id(), failures=failures,
+                           state=state)
 
     @activity.defn
     def reset_gpu(self, input: ResetGpuInput) -> str:

@@ -57,12 +57,19 @@ async def measure(run, pids: dict[str, int]) -> Window:
     return Window(wall, {name: after[name] - before[name] for name in after})
 
 
-def retire_all(env: FleetEnv) -> None:
-    """Delete every machine and node, so agents do not pile up across rounds."""
-    for node in env.cluster.list_nodes():
-        env.cluster.remove_node(node.name)
-    for machine in env.world.machines():
-        env.provider(machine["site"]).delete_machine(machine["id"])
+async def retire_all(env: FleetEnv, client) -> None:
+    """Delete every machine and node and end their Node entities, so neither agents nor
+    entities (whose watches would time out and retry in a later round) pile up across rounds."""
+    def delete() -> None:
+        for node in env.cluster.list_nodes():
+            env.cluster.remove_node(node.name)
+        for machine in env.world.machines():
+            env.provider(machine["site"]).delete_machine(machine["id"])
+
+    await asyncio.to_thread(delete)
+    entities = [client.get_workflow_handle(wf.id, run_id=wf.run_id)
+                async for wf in client.list_workflows("WorkflowType = 'Node' AND ExecutionStatus = 'Running'")]
+    await asyncio.gather(*[handle.terminate("bench round over") for handle in entities])
 
 
 async def main() -> None:
@@ -112,12 +119,12 @@ async def main() -> None:
                 # Warm-up, both paths: connections, sandbox imports, the first agents' start.
                 await baseline()
                 await joins()
-                await asyncio.to_thread(retire_all, fleet_env)
+                await retire_all(fleet_env, client)
                 for _ in range(args.rounds):
                     base.append(await measure(baseline, pids))
                     meta.append(await measure(baseline_with_metadata, pids))
                     join.append(await measure(joins, pids))
-                    await asyncio.to_thread(retire_all, fleet_env)  # each round starts from an empty fleet
+                    await retire_all(fleet_env, client)  # each round starts from an empty fleet
         finally:
             host.terminate()
             host.wait()

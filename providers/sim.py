@@ -387,7 +387,8 @@ class SimProvider:
         the way in (``_respond`` pays the other half on the way out)."""
         self.world.count_call(self.account.name, op)
         row = self.world.site_row(self.site.name)
-        time.sleep(row["api_latency_ms"] / 2000)
+        if row["api_latency_ms"]:
+            time.sleep(row["api_latency_ms"] / 2000)
         valid = self.world.query("SELECT credentials_valid FROM accounts WHERE name=?", self.account.name)
         if not valid or not valid[0][0]:
             raise BadCredentials(

@@ -391,6 +391,14 @@ async def test_health_arrives_through_the_pulled_watch(stack: Stack, temporal_en
     assert (attributes.get(sa.SITE), attributes.get(sa.PROVIDER), attributes.get(sa.NODE_NAME)) == \
         ("site-a", "lambda", node)
     assert node in gw.running.gateway.stats.serials, "the agent came through the gateway"
+    # The entity starts from what the node showed in the join's smoke test (its own queue too):
+    # the node's boot and GPUs are known at admission, with no activity to read them again.
+    status = await entity.query("status")
+    assert status["site"] == "site-a" and status["boot_id"] and status["reports"] == 1
+    history = await entity.fetch_history()
+    first = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+             if e.HasField("activity_task_scheduled_event_attributes")]
+    assert first[:1] == ["watch_node"], f"the first activity is the watch, got {first}"
     stack.world.inject_fault(machine, 1, "xid", 13, clears_on="reset")  # application XID: counted, no repair
 
     async def counted():
@@ -408,7 +416,7 @@ async def test_health_arrives_through_the_pulled_watch(stack: Stack, temporal_en
     assert watches and all(k.task_queue.name == f"node/{node}" for k in watches)
     assert not any(e.HasField("workflow_execution_signaled_event_attributes") for e in history.events), \
         "nothing signalled: the node answered its watch"
-    await replay_and_record(entity, "node_entity_health_watch")
+    await replay_and_record(entity, "node_entity_watch_from_join_state")
 
 
 async def test_site_admits_repairs_only_for_its_own_nodes(stack: Stack) -> None:

@@ -21,6 +21,8 @@ EXPECTED = {
     "node_join_happy", "node_join_count2", "node_join_smoke_failed",
     "node_join_happy_admit_together", "node_join_count2_admit_together", "node_join_smoke_failed_admit_together",
     "node_join_happy_admit_tells_site", "node_join_count2_site_and_failure",
+    "node_join_happy_fewer_steps", "node_join_count2_fewer_steps", "node_join_smoke_failed_fewer_steps",
+    "node_entity_health_watch", "node_entity_watch_from_join_state",
     "capacity_no_capacity_fallback", "capacity_over_quota", "capacity_bad_credentials", "capacity_wait_then_resume",
     "account_quota_raised", "account_credentials_rotated", "site_fill_below_min", "site_retire_above_max",
     "spot_reclaim",
@@ -53,7 +55,9 @@ async def _scenarios(stack: Stack) -> dict[str, object]:
     stack.world.inject_fault(machine[0]["id"], 0, "xid", 79, clears_on="reboot")
     with pytest.raises(WorkflowFailureError):
         await smoke.result()
-    return {"node_join_happy": happy, "node_join_count2": many, "node_join_smoke_failed": smoke}
+    # Named for the newest patch (``join-in-fewer-steps``): the older files stay, they guard runs in flight.
+    return {"node_join_happy_fewer_steps": happy, "node_join_count2_fewer_steps": many,
+            "node_join_smoke_failed_fewer_steps": smoke}
 
 
 async def test_fresh_histories_replay(stack: Stack) -> None:

@@ -105,6 +105,9 @@ class NodeEntity:
         self._carry = NodeCarry()
         # The cluster's view of the node, read again before each decision (and by each run).
         self._facts: NodeFacts | None = None
+        # From the join that started this run, until the facts are read (and then outdated by them).
+        self._joined_site = ""
+        self._joined_settings: RepairSettings | None = None
         # In flight: messages not yet handled, running repairs, the action slot. Continue-as-new
         # waits until all are empty, so none of them needs carrying.
         self._pending: list[HealthReport] = []
@@ -133,7 +136,7 @@ class NodeEntity:
     @workflow.query
     def status(self) -> NodeStatus:
         return NodeStatus(
-            node_name=self._node, state=self._carry.state, site=self._facts.site if self._facts else "",
+            node_name=self._node, state=self._carry.state, site=self._facts.site if self._facts else self._joined_site,
             boot_id=self._carry.boot_id, reports=self._carry.reports,
             active_repairs={str(k): v for k, v in self._active.items()}, app_xids=self._carry.ledger.app_xids,
             remediations=len(self._carry.ledger.remediations), node_actions=self._carry.actions,
@@ -163,13 +166,14 @@ class NodeEntity:
         self._node = inp.node_name
         if inp.carry is not None:
             self._carry = inp.carry
+        self._joined_site, self._joined_settings = inp.site, inp.settings
         workflow.upsert_search_attributes([
             sa.NODE_NAME.value_set(self._node), sa.FLEET_STATE.value_set(self._carry.state),
         ])
         if self._carry.deferred:
             await self._refresh_facts()  # findings carried on hold: their recheck interval is in the settings
         if workflow.patched(HEALTH_WATCH_PATCH):
-            self._watching = asyncio.create_task(self._watch_node())
+            self._watching = asyncio.create_task(self._watch_node(inp.first_state))
         recheck_at = None
         while True:
             timeout = None
@@ -201,39 +205,40 @@ class NodeEntity:
                     workflow.continue_as_new(NodeEntityInput(node_name=self._node, carry=self._carry).model_dump(mode="json"))
 
     # -- the pulled health watch -----------------------------------------------------------
-    async def _watch_node(self) -> None:
-        """One ``watch_node`` after another on the node's queue, for the entity's life."""
+    def _settings(self) -> RepairSettings | None:
+        return self._facts.settings if self._facts is not None else self._joined_settings
+
+    async def _watch_node(self, first: NodeWatchResult | None = None) -> None:
+        """One ``watch_node`` after another on the node's queue, for the entity's life.
+
+        ``first``: the state the node showed in the join's smoke test, taken as the first
+        watch's result (it came from the node's own queue too)."""
         heartbeat = timedelta(seconds=30)
-        if self._facts is None:
+        if self._settings() is None:
             try:
                 await self._refresh_facts()  # the heartbeat timeout is a repair setting
             except ActivityError:
                 pass
         while not self._gone:
-            if self._facts is not None:
-                heartbeat = timedelta(seconds=self._facts.settings.timeouts.heartbeat_seconds)
+            if (settings := self._settings()) is not None:
+                heartbeat = timedelta(seconds=settings.timeouts.heartbeat_seconds)
             carry = self._carry
-            try:
-                result: NodeWatchResult = await workflow.execute_activity(
-                    "watch_node",
-                    NodeWatchInput(node_name=self._node, seq=carry.watch_seq, digest=carry.watch_digest,
-                                   reclaim_at=carry.reclaim_at, max_wait_seconds=WATCH_MAX_WAIT),
-                    task_queue=node_queue(self._node), result_type=NodeWatchResult,
-                    start_to_close_timeout=timedelta(seconds=WATCH_MAX_WAIT) + heartbeat * 2,
-                    schedule_to_close_timeout=WATCH_GIVE_UP, heartbeat_timeout=heartbeat,
-                    retry_policy=WATCH_RETRY, summary=f"{self._node}: health and spot notices, on change",
-                )
-            except ActivityError as error:
+            if first is not None:
+                result, first = first, None
+            else:
                 try:
-                    facts = await self._refresh_facts()
-                except ActivityError:
+                    result = await self._watch_once(carry, heartbeat)
+                except ActivityError as error:
+                    try:
+                        facts = await self._refresh_facts()
+                    except ActivityError:
+                        continue
+                    if not facts.found:
+                        self._log(f"watch ended ({failure_message(error)}) and the cluster does not know the node")
+                        self._gone = True
+                        self._wake = True
+                        return
                     continue
-                if not facts.found:
-                    self._log(f"watch ended ({failure_message(error)}) and the cluster does not know the node")
-                    self._gone = True
-                    self._wake = True
-                    return
-                continue
             if result.node_name != self._node or result.seq < carry.watch_seq:
                 continue  # a late answer: the state it carries is older than what the entity has
             if self._stale(result):
@@ -245,11 +250,22 @@ class NodeEntity:
             carry.watch_seq, carry.watch_digest, carry.reclaim_at = result.seq, result.digest, result.reclaim_at
             self._wake = True  # also: the loop looks at continue-as-new after every watch
 
+    async def _watch_once(self, carry: NodeCarry, heartbeat: timedelta) -> NodeWatchResult:
+        return await workflow.execute_activity(
+            "watch_node",
+            NodeWatchInput(node_name=self._node, seq=carry.watch_seq, digest=carry.watch_digest,
+                           reclaim_at=carry.reclaim_at, max_wait_seconds=WATCH_MAX_WAIT),
+            task_queue=node_queue(self._node), result_type=NodeWatchResult,
+            start_to_close_timeout=timedelta(seconds=WATCH_MAX_WAIT) + heartbeat * 2,
+            schedule_to_close_timeout=WATCH_GIVE_UP, heartbeat_timeout=heartbeat,
+            retry_policy=WATCH_RETRY, summary=f"{self._node}: health and spot notices, on change",
+        )
+
     def _stale(self, result: NodeWatchResult) -> bool:
         """Observed too long ago to act on: it waited out a control-plane outage in flight."""
         if result.observed_at is None:
             return False
-        bound = (self._facts.settings if self._facts else RepairSettings()).max_report_age_seconds
+        bound = (self._settings() or RepairSettings()).max_report_age_seconds
         age = workflow.now().timestamp() - result.observed_at
         if age <= bound or not workflow.patched(STALE_REPORT_PATCH):
             self._stale_in_a_row = 0

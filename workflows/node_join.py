@@ -78,6 +78,11 @@ RELEASE_FAILED_PROVISION = "release-failed-provision"
 #: machine (providerID, addresses) and the token goes as soon as the node registered.
 #: Runs before it issued the token after the machine existed.
 BOOTSTRAP_IN_USER_DATA = "bootstrap-in-user-data"
+#: Two workflow tasks and two scheduled activities fewer per join: the site is resolved by a
+#: local activity (a config lookup), and the node is labelled and tainted by the activity that
+#: saw it register. Runs before it resolved the site as an activity and labelled the node in a
+#: ``prepare_node`` step.
+FEWER_STEPS = "join-in-fewer-steps"
 
 
 @workflow.defn(name="NodeJoin")
@@ -194,7 +199,8 @@ class NodeJoin:
         self._progress.node_name = node_name
 
         self._step("resolving site", request.site)
-        site: Site = await workflow.execute_activity(
+        fewer_steps = workflow.patched(FEWER_STEPS)
+        site: Site = await (workflow.execute_local_activity if fewer_steps else workflow.execute_activity)(
             "resolve_site", ResolveSiteInput(site=request.site), result_type=Site,
             start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=f"look up site {request.site}",
         )
@@ -256,18 +262,25 @@ class NodeJoin:
 
         token: JoinTokenRef | None = provisioned.token if provisioned else None
         told_site = False
+        labels = {LABEL_SITE: site.name, LABEL_PROVIDER: site.provider, LABEL_REGION: site.region,
+                  LABEL_GPU_PRODUCT: site.gpu}
+        labelled = False
         try:
             deadline = workflow.now() + timedelta(seconds=timeouts.registration_seconds)
             if provisioned is not None:
+                labelled = fewer_steps
                 self._step("waiting for registration", f"until {timeouts.registration_seconds:.0f}s; "
-                           "its certificate only for its own name, providerID and addresses its machine's")
+                           "its certificate only for its own name, providerID and addresses its machine's"
+                           + ("; then labelled, tainted unproven until the smoke test passes" if labelled else ""))
                 await workflow.execute_activity(
                     "await_registration",
                     AwaitRegistrationInput(site=site.name, node_name=node_name, machine_id=machine.id,
-                                           provider_id=provisioned.provider_id, join_id=join_id, deadline=deadline),
+                                           provider_id=provisioned.provider_id, join_id=join_id, deadline=deadline,
+                                           **({"labels": labels, "add_taints": [UNPROVEN_TAINT]} if labelled else {})),
                     result_type=Node, start_to_close_timeout=timedelta(seconds=timeouts.registration_seconds + 60),
                     heartbeat_timeout=heartbeat, retry_policy=CLUSTER_RETRY,
-                    summary=f"approve {node_name}'s certificate, wait for it to register, delete its token",
+                    summary=f"approve {node_name}'s certificate, wait for it to register, delete its token"
+                            + (", label site/provider/region/GPU, taint unproven" if labelled else ""),
                 )
                 token = None  # deleted by the activity the moment the node registered
             else:
@@ -288,25 +301,20 @@ class NodeJoin:
                     heartbeat_timeout=heartbeat, retry_policy=CLUSTER_RETRY,
                     summary=f"wait for {node_name} to register",
                 )
-            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("registered")])
-
-            self._step("labelling", "unproven taint until the smoke test passes")
-            await workflow.execute_activity(
-                "prepare_node",
-                PrepareNodeInput(
-                    node_name=node_name, add_taints=[UNPROVEN_TAINT],
-                    labels={LABEL_SITE: site.name, LABEL_PROVIDER: site.provider, LABEL_REGION: site.region,
-                            LABEL_GPU_PRODUCT: site.gpu},
-                ),
-                result_type=Node, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
-                summary="label site/provider/region/GPU, taint unproven",
-            )
+            if not labelled:
+                workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("registered")])
+                self._step("labelling", "unproven taint until the smoke test passes")
+                await workflow.execute_activity(
+                    "prepare_node", PrepareNodeInput(node_name=node_name, add_taints=[UNPROVEN_TAINT], labels=labels),
+                    result_type=Node, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                    summary="label site/provider/region/GPU, taint unproven",
+                )
 
             self._step("smoke test", f"on {node_queue(node_name)}")
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("proving")])
             smoke = await smoke_test_node(
                 node_name, site.gpus_per_machine, timeout_seconds=timeouts.smoke_test_seconds, heartbeat=heartbeat,
-                summary="GPUs visible, counters clean, compute check",
+                summary="GPUs visible, counters clean, compute check", include_state=True,
             )
             if not smoke.passed:
                 raise ApplicationError(
@@ -319,7 +327,8 @@ class NodeJoin:
                 # The token was spent at registration: revoking it need not wait for the admission.
                 await asyncio.gather(
                     workflow.execute_activity(
-                        "admit_node", AdmitNodeInput(node_name=node_name, site=site.name, machine_id=machine.id),
+                        "admit_node", AdmitNodeInput(node_name=node_name, site=site.name, machine_id=machine.id,
+                                                   first_state=smoke.state),
                         result_type=Node, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                         summary="admit: remove unproven taint, tell the Site entity",
                     ),

@@ -116,12 +116,12 @@ async def drain_node(node_name: str, deadline_seconds: float, *, summary: str) -
 
 
 async def smoke_test_node(node_name: str, expected_gpus: int, *, timeout_seconds: float, summary: str,
-                          only_gpus: list[int] | None = None,
+                          only_gpus: list[int] | None = None, include_state: bool = False,
                           heartbeat: timedelta | None = None) -> SmokeResult:
     """The node proves itself on its own task queue (its agent runs the checks), ``SMOKE_RETRY``
     attempts within ``timeout_seconds`` in all."""
     return await workflow.execute_activity(
-        "smoke_test", SmokeTestInput(expected_gpus=expected_gpus, only_gpus=only_gpus), result_type=SmokeResult,
+        "smoke_test", SmokeTestInput(expected_gpus=expected_gpus, only_gpus=only_gpus, include_state=include_state), result_type=SmokeResult,
         task_queue=node_queue(node_name), schedule_to_close_timeout=timedelta(seconds=timeout_seconds),
         start_to_close_timeout=timedelta(seconds=min(timeout_seconds, 300)), heartbeat_timeout=heartbeat,
         retry_policy=SMOKE_RETRY, summary=summary,

@@ -72,6 +72,12 @@ class NodeEntityInput(BaseModel):
 
     node_name: Name
     carry: NodeCarry | None = None
+    #: From the join that admitted the node (its own record, never the node's): the site, the
+    #: repair settings, and the state the node showed in its smoke test. With them the first
+    #: run starts watching at once, with no activity to read them again.
+    site: MaybeName = ""
+    settings: RepairSettings | None = None
+    first_state: NodeWatchResult | None = None
 
 
 class NodeActionRequest(BaseModel):
