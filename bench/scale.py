@@ -16,7 +16,7 @@ At each size:
    in flight) bring the fleet from the previous size to this one; nodes admitted per
    minute over that window. A join that fails is counted (no fault is injected while
    joining, so any failure is a finding).
-2. steady, for ``--minutes``, three things at once:
+2. steady, for ``--minutes``, five things at once:
    - one seeded fault every ``--fault-interval`` s into a random healthy node's simulated
      GPU (XID 48; cleared by reset / reboot / never, i.e. replace). The clock starts
      before the fault is written into the sim world and stops when the node is cordoned:
@@ -27,20 +27,28 @@ At each size:
      (``--reclaim-notice`` s of warning), timed from the notice to the end of its
      ``reclaim/<node>`` (drained, replacement joined);
    - one capacity request (``AcquireCapacity``, ``--capacity-count`` H100 nodes) started
-     with the window, timed to its result.
+     with the window, timed to its result;
+   - health traffic: ``--health-per-minute`` application XIDs (XID 13: counted, never
+     repaired) into random GPUs of nodes nothing else touches, each one a change the
+     node's watch returns to its Node entity; delivery is checked on a sample of nodes
+     (the entity's count of XID 13 against what was injected there);
+   - one provider incident, a third of the way in, at a site of its own (``incident-<k>``,
+     3 nodes serving a model, its incident rule on; its twin ``refuge-<k>`` serves the same
+     model on one node): two nodes' GPUs fail, and once the Site entity holds both, a third
+     fails; the clock runs from that third fault (detection included) to the site's
+     routing weight 0.
 3. costs over the steady window: CPU seconds of worker, gateway and dev server, resident
    memory of every process; the largest history (describe) of any running Node, Site,
    ProviderAccount or SiteEvacuation; workflow-task schedule-to-start on the control-plane
    queue, from the histories of the GpuRepairs the step started.
 
-The incident detector is off (seeded faults close together would read as an incident), so
-threshold -> routing weight 0 is printed as "not measured" (``bench/incident`` measures it).
-Health traffic is the agents' pull watch at ``GPUFLEET_HEALTH_SECONDS`` (``--health-seconds``),
-not a push mix of 1,000 reports per minute.
+The incident rule is off at the ten main sites (seeded faults close together would read as
+an incident there) and on at each drill's own site. Health is pulled, never pushed: the
+"reports" are watch results, one per change of a node's state.
 
     python -m bench.scale [--nodes 1250] [--sites 10] [--gpus-per-node 8] [--minutes 1]
                           [--steps 125,250,625,1250] [--fault-interval 2] [--reclaim-interval 15]
-                          [--seed 22]
+                          [--health-per-minute 1000] [--seed 22]
 """
 
 from __future__ import annotations
@@ -97,6 +105,10 @@ class Step:
     reclaims: list[float] = field(default_factory=list)  # notice -> reclaim done, replacement joined
     reclaim_failures: list[str] = field(default_factory=list)
     capacity: tuple[float, str] = (float("nan"), "")  # seconds to the result, and what it said
+    health_sent: dict[str, int] = field(default_factory=dict)  # node → application XIDs injected
+    health_checked: tuple[int, int] = (0, 0)  # (seen by the Node entities, injected) on the sampled nodes
+    incident: float = float("nan")  # third fault injected -> the site's routing weight 0 (s)
+    incident_said: str = ""
 
     @property
     def joins_per_minute(self) -> float:
@@ -133,11 +145,76 @@ async def grow(client, settings, sites: list[dict], start: int, target: int, con
     return admitted
 
 
+def drill_sites(k: int) -> tuple[str, str]:
+    return f"incident-{k}", f"refuge-{k}"
+
+
+DRILL_PREFIXES = ("incident-", "refuge-")
+
+
+async def incident_drill(fleet_env: FleetEnv, client, step: Step, k: int) -> None:
+    """Two of ``incident-<k>``'s nodes fail; once its Site entity holds both, the third fails:
+    timed from that fault to the site's routing weight 0."""
+    cluster, world = fleet_env.cluster, fleet_env.world
+    site, _ = drill_sites(k)
+    machines = sorted(world.machines(site), key=lambda m: m["id"])[:3]
+    if len(machines) < 3:
+        step.incident_said = f"{site} has {len(machines)} machines, not 3"
+        return
+    handle = client.get_workflow_handle(f"site/{site}")
+
+    async def until(predicate, timeout: float) -> bool:
+        deadline = time.perf_counter() + timeout
+        while not await predicate():
+            if time.perf_counter() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    async def holding_two() -> bool:
+        try:
+            status = await handle.query("status")
+        except RPCError:
+            return False
+        return len(((status or {}).get("incident") or {}).get("failing") or []) >= 2
+
+    async def weight_zero() -> bool:
+        doc = await asyncio.to_thread(cluster.get_site_routes)
+        return bool(doc and site in doc.sites and doc.sites[site].weight == 0)
+
+    for m in machines[:2]:
+        await asyncio.to_thread(world.inject_fault, m["id"], 0, "xid", 79, clears_on="reboot")
+    if not await until(holding_two, 60):
+        step.incident_said = f"site/{site} never held two failures"
+        return
+    start = time.perf_counter()
+    await asyncio.to_thread(world.inject_fault, machines[2]["id"], 0, "xid", 79, clears_on="reboot")
+    if await until(weight_zero, 60):
+        step.incident = time.perf_counter() - start
+        step.incident_said = "tripped"
+    else:
+        step.incident_said = f"{site}'s weight not 0 within 60 s"
+
+
+async def check_health_traffic(client, step: Step, rng: random.Random, sample: int = 40) -> None:
+    """On a sample of the nodes that got application XIDs: how many their Node entities counted."""
+    names = rng.sample(sorted(step.health_sent), min(sample, len(step.health_sent)))
+    seen = sent = 0
+    for name in names:
+        try:
+            status = await client.get_workflow_handle(f"node/{name}").query("status")
+        except Exception:  # noqa: BLE001 - replaced meanwhile (a spot reclaim): not in the sample
+            continue
+        seen += min(int((status.get("app_xids") or {}).get("13", 0)), step.health_sent[name])
+        sent += step.health_sent[name]
+    step.health_checked = (seen, sent)
+
+
 async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: random.Random,
-                 used: set[tuple[str, int]]) -> list[str]:
+                 used: set[tuple[str, int]], drill: int) -> list[str]:
     """The steady mix for ``args.minutes``: seeded faults (each timed from injection to
-    cordon), spot reclaims (notice to reclaim done) and one capacity request. Returns the
-    repair ids."""
+    cordon), spot reclaims (notice to reclaim done), one capacity request, health traffic and
+    one provider incident (drill ``drill``). Returns the repair ids."""
     cluster, world = fleet_env.cluster, fleet_env.world
     busy: set[str] = set()
     repairs: list[str] = []
@@ -149,7 +226,8 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
             if time.perf_counter() > deadline:
                 step.not_contained += 1
                 return
-            await asyncio.sleep(0.01)
+            # Fine-grained while it is quick, coarser once it is slow: this process shares the cores.
+            await asyncio.sleep(0.02 if time.perf_counter() - start < 1 else 0.1)
         step.contain.append(time.perf_counter() - start)
         step.cordons.append((name, injected_at, time.time()))
 
@@ -192,10 +270,40 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
 
     def healthy_nodes() -> list:
         return [n for n in cluster.list_nodes()
-                if n.ready and not n.unschedulable and n.machine_id and n.name not in busy]
+                if n.ready and not n.unschedulable and n.machine_id and n.name not in busy
+                and not n.site.startswith(DRILL_PREFIXES)]
 
-    requested = asyncio.create_task(capacity_request())
+    async def health_traffic() -> None:
+        """Application XIDs at ``--health-per-minute``, on nodes no fault or reclaim touches."""
+        if not args.health_per_minute:
+            return
+        interval = 60 / args.health_per_minute
+        candidates: list = []
+        refreshed = due = time.perf_counter()
+        while due < end:
+            if not candidates or time.perf_counter() - refreshed > 2:
+                candidates = [n for n in await asyncio.to_thread(healthy_nodes) if n.name not in busy]
+                refreshed = time.perf_counter()
+                if not candidates:
+                    return
+            node = rng.choice(candidates)
+            if node.name in busy:
+                candidates.remove(node)
+                continue
+            gpu = rng.randrange(node.gpus_allocatable) if node.gpus_allocatable else 0
+            await asyncio.to_thread(world.inject_fault, node.machine_id, gpu, "xid", 13, clears_on="reset")
+            step.health_sent[node.name] = step.health_sent.get(node.name, 0) + 1
+            due += interval
+            await asyncio.sleep(max(0.0, due - time.perf_counter()))
+
+    async def incident_later() -> None:
+        await asyncio.sleep(args.minutes * 60 / 3)
+        await incident_drill(fleet_env, client, step, drill)
+
     end = time.perf_counter() + args.minutes * 60
+    requested = asyncio.create_task(capacity_request())
+    watchers.append(asyncio.create_task(health_traffic()))
+    watchers.append(asyncio.create_task(incident_later()))
     next_reclaim = time.perf_counter() + args.reclaim_interval / 2
     while time.perf_counter() < end:
         tick = time.perf_counter()
@@ -225,6 +333,27 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
         await asyncio.sleep(max(0.0, args.fault_interval - (time.perf_counter() - tick)))
     await asyncio.gather(*watchers, requested)
     return repairs
+
+
+async def prepare_drills(client, settings, fleet_env: FleetEnv, drills: int) -> None:
+    """Join each drill's sites and put a model on them, routed (its weight above 0)."""
+    from fleet.cluster import ServingSpec
+
+    queue = settings.task_queue
+    joins = []
+    for k in range(drills):
+        incident, refuge = drill_sites(k)
+        joins.append(client.execute_workflow("NodeJoin", {"site": incident, "count": 3},
+                                             id=f"join/{incident}/{uuid.uuid4().hex[:6]}", task_queue=queue))
+        joins.append(client.execute_workflow("NodeJoin", {"site": refuge},
+                                             id=f"join/{refuge}/{uuid.uuid4().hex[:6]}", task_queue=queue))
+    await asyncio.gather(*joins)
+    for k in range(drills):
+        incident, refuge = drill_sites(k)
+        for site, replicas in ((incident, 3), (refuge, 1)):
+            await asyncio.to_thread(fleet_env.cluster.apply_serving, ServingSpec(
+                model=f"llm-drill-{k}", site=site, image="vllm", replicas=replicas, gpus_per_replica=8))
+        await client.execute_workflow("SiteSweep", {"sites": [incident]}, id=f"sweep-{incident}", task_queue=queue)
 
 
 async def report_to_contained(client, step: Step) -> None:
@@ -319,7 +448,8 @@ def print_table(args, steps: list[Step]) -> None:
     nan = float("nan")
     print(f"scale: {args.sites} sites, {args.gpus_per_node} GPUs/node, steps {', '.join(str(s.nodes) for s in steps)}"
           f" nodes; steady window {args.minutes} min, a fault every {args.fault_interval} s, a reclaim every "
-          f"{args.reclaim_interval} s; heartbeat timeout {args.heartbeat_seconds} s; seed {args.seed}")
+          f"{args.reclaim_interval} s, {args.health_per_minute:.0f} application XIDs a minute, one incident; "
+          f"heartbeat timeout {args.heartbeat_seconds} s; seed {args.seed}")
     print(f"  {'nodes':48s}" + "".join(f"{s.nodes:>12d}" for s in steps) + "   ratios to the first size")
     print(f"  {'GPUs on the nodes':48s}" + "".join(f"{s.gpus:>12d}" for s in steps))
     row("join: nodes admitted / min (this step's joins)", [s.joins_per_minute for s in steps], "{:.0f}")
@@ -350,6 +480,8 @@ def print_table(args, steps: list[Step]) -> None:
     row("dev server CPU s per steady minute", [s.cpu["server"] / s.steady_wall * 60 for s in steps], "{:.1f}")
     row("node host CPU s per steady minute", [s.cpu["nodes"] / s.steady_wall * 60 for s in steps], "{:.1f}")
     row("node gateway CPU s per steady minute", [s.cpu["gateway"] / s.steady_wall * 60 for s in steps], "{:.1f}")
+    row("this benchmark's driver CPU s per steady minute", [s.cpu["driver"] / s.steady_wall * 60 for s in steps],
+        "{:.1f}")
     row("worker RSS (MB)", [s.rss["worker"] for s in steps], "{:.0f}")
     row("  per node (MB)", per_node([s.rss["worker"] for s in steps]), "{:.2f}")
     row("dev server RSS (MB)", [s.rss["server"] for s in steps], "{:.0f}")
@@ -365,13 +497,20 @@ def print_table(args, steps: list[Step]) -> None:
             print(f"  join failure at {s.nodes}: {failure[:200]}")
         for failure in s.reclaim_failures[:3]:
             print(f"  reclaim failure at {s.nodes}: {failure[:200]}")
-    for label in ("threshold -> routing weight 0 (incident)", "push health mix at 1,000 reports/min"):
-        print(f"  {label:48s}not measured")
+    row("incident: third fault -> routing weight 0 (ms)", [s.incident * 1000 for s in steps], "{:.0f}")
+    print(f"  {'  it said':48s}" + "".join(f"  {s.incident_said}" for s in steps))
+    row("health traffic: application XIDs per minute", [sum(s.health_sent.values()) / s.steady_wall * 60
+                                                        for s in steps], "{:.0f}")
+    print(f"  {'  counted by the Node entities (sampled nodes)':48s}"
+          + "".join(f"{f'{s.health_checked[0]}/{s.health_checked[1]}':>12s}" for s in steps))
     worst_p99 = max((pct(s.contain, 99) for s in steps if s.contain), default=nan)
     print(f"  target fault -> contained p99 < 2 s: {'met' if worst_p99 < 2 else 'NOT met'} (worst {worst_p99:.2f} s)")
     worst_report = max((pct(s.report_contain, 99) for s in steps if s.report_contain), default=nan)
     print(f"  target report -> contained p99 < 500 ms: {'met' if worst_report < 0.5 else 'NOT met'} "
           f"(worst {worst_report * 1000:.0f} ms)")
+    worst_incident = max((s.incident for s in steps), default=nan)
+    print(f"  incident: third fault -> routing weight 0, worst {worst_incident * 1000:.0f} ms "
+          f"(bench/incident's target, report -> weight 0 p50 < 2 s)")
     worst = max(s.largest_history[0] for s in steps)
     print(f"  target no entity history > 10,000 events: {'met' if worst <= 10_000 else 'NOT met'} (largest {worst})")
     last = steps[-1]
@@ -393,7 +532,10 @@ async def main() -> None:
     parser.add_argument("--steps", default="", help="sizes measured, comma-separated (default: 10%%, 20%%, 50%%, "
                         "100%% of --nodes)")
     parser.add_argument("--fault-interval", type=float, default=2.0, help="seconds between injected faults")
-    parser.add_argument("--health-seconds", type=float, default=5.0, help="the agents' probe interval")
+    parser.add_argument("--health-seconds", type=float, default=0.0,
+                        help="the agents' periodic probe (0: only when the sim wakes a node's watch, as a real "
+                             "node's XID waiter does: every fault here is an XID, and 1,250 simulated nodes' "
+                             "periodic probes would spend on this machine what real nodes spend on their own)")
     parser.add_argument("--join-concurrency", type=int, default=200)
     parser.add_argument("--heartbeat-seconds", type=float, default=30.0,
                         help="repair heartbeat timeout (the watch's too); 30 is the product default")
@@ -401,6 +543,8 @@ async def main() -> None:
                         help="seconds between spot reclaim notices in the steady window (0: none)")
     parser.add_argument("--reclaim-notice", type=float, default=20.0, help="warning a reclaim notice gives")
     parser.add_argument("--capacity-count", type=int, default=2, help="nodes the steady window's capacity request asks")
+    parser.add_argument("--health-per-minute", type=float, default=1000.0,
+                        help="application XIDs injected per minute in the steady window (0: none)")
     parser.add_argument("--seed", type=int, default=22)
     args = parser.parse_args()
     sizes = sorted({int(s) for s in args.steps.split(",") if s.strip()}) if args.steps else \
@@ -416,6 +560,8 @@ async def main() -> None:
         parser.error("--heartbeat-seconds: greater than 0")
     if args.minutes <= 0 or args.fault_interval <= 0:
         parser.error("--minutes and --fault-interval: greater than 0")
+    if args.health_per_minute < 0:
+        parser.error("--health-per-minute: 0 or more")
     # Room for replacements (faults that never clear, reclaims) and capacity requests, on top
     # of the largest size.
     per_site = math.ceil(sizes[-1] / args.sites * 1.3) + 5 + math.ceil(len(sizes) * args.capacity_count / args.sites)
@@ -427,6 +573,18 @@ async def main() -> None:
     config["repair"] = {"timeouts": {"drain_seconds": 1, "smoke_test_seconds": 10,
                                      "heartbeat_seconds": args.heartbeat_seconds}}
     config["incident"] = {"settle_seconds": 0, "enabled": False}
+    # One incident drill per size, each at a site pair of its own (as in bench/incident): dearer
+    # and full, so no capacity request lands there.
+    for k in range(len(sizes)):
+        for name, nodes in zip(drill_sites(k), (3, 1)):
+            config["accounts"].append({"name": f"acct-{name}", "provider": "lambda", "credentials": {"env": "X"}})
+            config["sites"].append({
+                **config["sites"][0], "name": name, "account": f"acct-{name}", "price_per_gpu_hour": 9.0,
+                "max_nodes": nodes, "sim": {**config["sites"][0]["sim"], "capacity": nodes, "quota": nodes},
+                **({"incident": {"enabled": True, "min_nodes": 3, "fraction": 0.3, "settle_seconds": 10,
+                                 "check_seconds": 3600, "probe_seconds": 3600}} if name.startswith("incident") else {}),
+            })
+    main_sites = [s for s in config["sites"] if not s["name"].startswith(DRILL_PREFIXES)]
     rng = random.Random(args.seed)
     steps: list[Step] = []
     async with bench_env(config) as (env, settings):
@@ -443,7 +601,9 @@ async def main() -> None:
                      {"GPUFLEET_HEALTH_SECONDS": str(args.health_seconds),
                       "GPUFLEET_GATEWAY": f"127.0.0.1:{gateway_port}", "GPUFLEET_GATEWAY_CA": str(files["ca"]),
                       "GPUFLEET_SIM_SIGNER_DIR": str(files["ca"].parent)})
-        pids = {"worker": worker.pid, "server": server_pid(), "gateway": gateway.pid, "nodes": host.pid}
+        # This process too: it injects, polls the cluster for cordons and queries, on the same two cores.
+        pids = {"worker": worker.pid, "server": server_pid(), "gateway": gateway.pid, "nodes": host.pid,
+                "driver": os.getpid()}
         fleet_env = FleetEnv.from_settings(settings)
         used: set[tuple[str, int]] = set()
         try:
@@ -451,22 +611,24 @@ async def main() -> None:
             for proc, name in ((worker, "worker"), (gateway, "gateway"), (host, "nodes")):
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited: {(logs / f'{name}.log').read_text()[-2000:]}")
+            await prepare_drills(client, settings, fleet_env, len(sizes))
             have = 0
-            for size in sizes:
+            for drill, size in enumerate(sizes):
                 step = Step(size)
                 before = {name: proc_cpu(pid) for name, pid in pids.items()}
-                await grow(client, settings, config["sites"], have, size, args.join_concurrency, step)
+                await grow(client, settings, main_sites, have, size, args.join_concurrency, step)
                 have = size
                 step.join_cpu = {name: proc_cpu(pid) - before[name] for name, pid in pids.items()}
                 await asyncio.sleep(2)  # every new Node entity's first watch answered
                 before = {name: proc_cpu(pid) for name, pid in pids.items()}
                 begin = time.perf_counter()
-                repairs = await steady(fleet_env, client, settings, step, args, rng, used)
+                repairs = await steady(fleet_env, client, settings, step, args, rng, used, drill)
                 step.steady_wall = time.perf_counter() - begin
                 step.cpu = {name: proc_cpu(pid) - before[name] for name, pid in pids.items()}
                 step.rss = {name: rss_mb(pid) for name, pid in pids.items()}
                 step.gpus = sum(n.gpus_allocatable for n in await asyncio.to_thread(fleet_env.cluster.list_nodes))
                 await settle_repairs(client, repairs, step, timeout=30)
+                await check_health_traffic(client, step, rng)
                 await report_to_contained(client, step)
                 step.largest_history = await largest_history(client)
                 steps.append(step)

@@ -285,6 +285,21 @@ async def test_a_node_retired_by_the_common_retire_step_is_refused_at_once(stack
         await running.stop(grace=None)
 
 
+async def test_a_node_whose_entity_ended_is_refused_within_the_entity_window(stack: Stack) -> None:
+    """The Node object is read on every lookup; a running entity is taken as running for
+    ``entity_seen_seconds``. An entity ended some other way (an operator terminated it), its
+    Node object left behind, still loses the node its access within that window."""
+    name = (await (await stack.start_join({"site": "site-a"})).result())["nodes"][0]["node_name"]
+    live = node_liveness(stack.client, stack.cluster, entity_seen_seconds=1.0)
+    assert await live(name)
+    await stack.client.get_workflow_handle(f"node/{name}").terminate("ended by an operator")
+    ended_at = asyncio.get_running_loop().time()
+    while await live(name):
+        assert asyncio.get_running_loop().time() - ended_at < 2.0, "the node kept its access"
+        await asyncio.sleep(0.05)
+    assert stack.cluster.get_node(name) is not None, "refused for its entity, its Node object is still there"
+
+
 async def test_a_node_the_gateway_cannot_verify_gets_a_retryable_error_not_a_revocation(temporal_env) -> None:
     """While the control plane cannot be asked (static stability), a node's calls are still not
     forwarded, but it hears UNAVAILABLE (retry) rather than PERMISSION_DENIED (revoked), and

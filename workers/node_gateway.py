@@ -108,14 +108,25 @@ def temporal_liveness(client) -> Liveness:
     return node_liveness(client, None)
 
 
-def node_liveness(client, cluster) -> Liveness:
+#: With a cluster to ask, a Node entity seen running is taken as still running for this long:
+#: the Node object, read on every lookup, is what cuts a retired node off at once. Each node
+#: calls every 20-60 s (watch heartbeats, held polls running out), so a shorter window would
+#: still cost one Temporal read per call: about 90 a second at 1,250 nodes.
+ENTITY_SEEN_SECONDS = 120.0
+
+
+def node_liveness(client, cluster, entity_seen_seconds: float = ENTITY_SEEN_SECONDS) -> Liveness:
     """Live = a NodeJoin for that node name runs, or the Node entity runs **and** the cluster
     still has the Node. Every retire path (surplus, consolidation, evacuation, spot reclaim,
     replace) ends in the ``retire_machine`` activity, which removes the Node object; the
     entity itself outlives the node until its watch gives up (up to ``WATCH_GIVE_UP``), so
-    the Node object is what cuts a retired node off at once. ``cluster=None``: Temporal only."""
+    the Node object is what cuts a retired node off at once (an entity ended some other way,
+    its Node object left behind, within ``entity_seen_seconds``). ``cluster=None``: Temporal
+    only, asked on every lookup."""
     from temporalio.client import WorkflowExecutionStatus
     from temporalio.service import RPCError, RPCStatusCode
+
+    entity_seen: dict[str, float] = {}  # node → when its entity was last seen running
 
     async def entity_running(name: str) -> bool:
         try:
@@ -126,10 +137,25 @@ def node_liveness(client, cluster) -> Liveness:
             return False
         return described.status == WorkflowExecutionStatus.RUNNING
 
+    async def entity_recently_running(name: str) -> bool:
+        now = time.monotonic()
+        if cluster is not None and now - entity_seen.get(name, -entity_seen_seconds) < entity_seen_seconds:
+            return True
+        running = await entity_running(name)
+        if running:
+            if len(entity_seen) > 100_000:
+                entity_seen.clear()
+            entity_seen[name] = now
+        else:
+            entity_seen.pop(name, None)
+        return running
+
     async def live(name: str) -> bool:
-        if await entity_running(name):
-            if cluster is None or await asyncio.to_thread(cluster.get_node, name) is not None:
+        if cluster is None:
+            if await entity_running(name):
                 return True
+        elif await asyncio.to_thread(cluster.get_node, name) is not None and await entity_recently_running(name):
+            return True
         # ``name`` matched _NAME (no quotes), so it is safe inside the query.
         query = f'WorkflowType = "NodeJoin" AND NodeName = "{name}" AND ExecutionStatus = "Running"'
         return (await client.count_workflows(query)).count > 0

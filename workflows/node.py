@@ -213,7 +213,7 @@ class NodeEntity:
 
         ``first``: the state the node showed in the join's smoke test, taken as the first
         watch's result (it came from the node's own queue too)."""
-        heartbeat = timedelta(seconds=30)
+        heartbeat = timedelta(seconds=RepairSettings().timeouts.watch_heartbeat())
         if self._settings() is None:
             try:
                 await self._refresh_facts()  # the heartbeat timeout is a repair setting
@@ -221,7 +221,7 @@ class NodeEntity:
                 pass
         while not self._gone:
             if (settings := self._settings()) is not None:
-                heartbeat = timedelta(seconds=settings.timeouts.heartbeat_seconds)
+                heartbeat = timedelta(seconds=settings.timeouts.watch_heartbeat())
             carry = self._carry
             if first is not None:
                 result, first = first, None
