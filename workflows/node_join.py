@@ -1,13 +1,14 @@
 """NodeJoin (id ``join/<site>/<request>``): one machine from provider to serving.
 
-The runbook: resolve the site → a join token bound to the node's name, then the
-machine with its bootstrap (kubeadm join) in its user data, in one activity (the
-workflow id is the provider's idempotency key and the token's) → approve its
-kubelet's certificate, wait for it to register as this machine (providerID,
-addresses), delete the token, record its identity → label it and taint it
-unproven → smoke test on the node's own queue → lift the taint (the admit
-activity also tells the Site entity). Anything failing after the machine exists
-deletes the machine: a failed join leaks nothing and never admits the node.
+The runbook: resolve the site (a local activity: a config lookup) → a join token bound
+to the node's name, then the machine with its bootstrap (kubeadm join) in its user data,
+in one activity (the workflow id is the provider's idempotency key and the token's) →
+approve its kubelet's certificate, wait for it to register as this machine (providerID,
+addresses), delete the token, record its identity, label it and taint it unproven, in
+one activity → smoke test on the node's own queue (it also returns the node's state) →
+lift the taint and start the node's Node entity with that state (the admit activity
+also tells the Site entity). Anything failing after the machine exists deletes the
+machine: a failed join leaks nothing and never admits the node.
 """
 
 from __future__ import annotations
@@ -276,7 +277,8 @@ class NodeJoin:
                     "await_registration",
                     AwaitRegistrationInput(site=site.name, node_name=node_name, machine_id=machine.id,
                                            provider_id=provisioned.provider_id, join_id=join_id, deadline=deadline,
-                                           **({"labels": labels, "add_taints": [UNPROVEN_TAINT]} if labelled else {})),
+                                           labels=labels if labelled else {},
+                                           add_taints=[UNPROVEN_TAINT] if labelled else []),
                     result_type=Node, start_to_close_timeout=timedelta(seconds=timeouts.registration_seconds + 60),
                     heartbeat_timeout=heartbeat, retry_policy=CLUSTER_RETRY,
                     summary=f"approve {node_name}'s certificate, wait for it to register, delete its token"
