@@ -87,6 +87,16 @@ async def timed(run: Callable[[], Awaitable[object]]) -> float:
     return time.perf_counter() - start
 
 
+async def until(predicate, timeout: float = 30, interval: float = 0.005) -> float:
+    """Poll (in a thread) until truthy; returns perf_counter() when it was seen."""
+    deadline = time.perf_counter() + timeout
+    while not await predicate():
+        if time.perf_counter() > deadline:
+            raise TimeoutError("condition not met")
+        await asyncio.sleep(interval)
+    return time.perf_counter()
+
+
 def median(values: list[float]) -> float:
     return statistics.median(values)
 

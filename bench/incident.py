@@ -23,22 +23,12 @@ import uuid
 
 from activities.env import FleetEnv
 from activities.models import HealthReport
-from bench.common import bench_env, echo_worker, fleet, run, start_node_host
+from bench.common import bench_env, echo_worker, fleet, run, start_node_host, until
 from bench.echo import Echo
 from fleet.cluster import ServingSpec
 from providers.sim import SimGpuBackend
 from workers.control_plane import build_worker
 from workers.health_report import send_report
-
-
-async def until(predicate, timeout: float = 30, interval: float = 0.005) -> float:
-    """Poll (in a thread) until truthy; returns perf_counter() when it was seen."""
-    deadline = time.perf_counter() + timeout
-    while not await predicate():
-        if time.perf_counter() > deadline:
-            raise TimeoutError("condition not met")
-        await asyncio.sleep(interval)
-    return time.perf_counter()
 
 
 async def main() -> None:

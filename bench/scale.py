@@ -69,7 +69,7 @@ from pathlib import Path
 from temporalio.service import RPCError
 
 from activities.env import FleetEnv
-from bench.common import bench_env, fleet, run, pct, proc_cpu, rss_mb, server_pid
+from bench.common import bench_env, fleet, run, pct, proc_cpu, rss_mb, server_pid, until
 from cli.dev import wait_for_port
 from workers.node_gateway import dev_gateway_files
 from fleet import search_attributes as sa
@@ -163,14 +163,6 @@ async def incident_drill(fleet_env: FleetEnv, client, step: Step, k: int) -> Non
         return
     handle = client.get_workflow_handle(f"site/{site}")
 
-    async def until(predicate, timeout: float) -> bool:
-        deadline = time.perf_counter() + timeout
-        while not await predicate():
-            if time.perf_counter() > deadline:
-                return False
-            await asyncio.sleep(0.01)
-        return True
-
     async def holding_two() -> bool:
         try:
             status = await handle.query("status")
@@ -184,15 +176,17 @@ async def incident_drill(fleet_env: FleetEnv, client, step: Step, k: int) -> Non
 
     for m in machines[:2]:
         await asyncio.to_thread(world.inject_fault, m["id"], 0, "xid", 79, clears_on="reboot")
-    if not await until(holding_two, 60):
+    try:
+        await until(holding_two, 60, interval=0.01)
+    except TimeoutError:
         step.incident_said = f"site/{site} never held two failures"
         return
     start = time.perf_counter()
     await asyncio.to_thread(world.inject_fault, machines[2]["id"], 0, "xid", 79, clears_on="reboot")
-    if await until(weight_zero, 60):
-        step.incident = time.perf_counter() - start
+    try:
+        step.incident = await until(weight_zero, 60, interval=0.01) - start
         step.incident_said = "tripped"
-    else:
+    except TimeoutError:
         step.incident_said = f"{site}'s weight not 0 within 60 s"
 
 
@@ -282,7 +276,7 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
         refreshed = due = time.perf_counter()
         while due < end:
             if not candidates or time.perf_counter() - refreshed > 2:
-                candidates = [n for n in await asyncio.to_thread(healthy_nodes) if n.name not in busy]
+                candidates = await asyncio.to_thread(healthy_nodes)
                 refreshed = time.perf_counter()
                 if not candidates:
                     return

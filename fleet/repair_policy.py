@@ -248,7 +248,7 @@ class RepairTimeouts(BaseModel):
     #: watch writes a heartbeat to the server about every 0.8x this, the fleet's steadiest load
     #: (at 1,250 nodes and 30 s, 52 writes a second); it is also how long a node whose agent
     #: restarted mid-watch goes unwatched before the watch is retried on the new agent.
-    watch_heartbeat_seconds: float | None = Field(None, gt=0)
+    watch_heartbeat_seconds: float | None = Field(None, gt=0, le=3600)
     #: One provider API call (reboot/reinstall request): a crashed worker's call is retried after this.
     provider_call_seconds: float = Field(120, gt=0)
 

@@ -28,7 +28,7 @@ from activities.control_plane import ControlPlaneActivities
 from activities.env import FleetEnv
 from activities.models import AwaitRegistrationInput, NodeFactsInput, PrepareNodeInput, ProvisionJoinInput
 from activities.repair import RepairActivities
-from fleet.cluster import LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
+from fleet.cluster import LABEL_PROVIDER, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from fleet.config import FleetConfig
 from fleet.naming import node_name_for
 from fleet.settings import Settings
@@ -94,13 +94,13 @@ class Joining:
         addresses = self.harness.provider.get_machine(machine_id).addresses
         return SimKubelet(user_data_of(self.harness, machine_id), addresses=addresses)
 
-    def await_registration(self, provisioned, seconds: float = 20):
+    def await_registration(self, provisioned, seconds: float = 20, **labelling):
         return run(self.acts.await_registration, AwaitRegistrationInput(
             site=self.site.name, node_name=self.node_name, machine_id=provisioned.machine.id,
             provider_id=provisioned.provider_id, join_id=self.join_id, poll_seconds=0.1,
-            deadline=datetime.now(timezone.utc) + timedelta(seconds=seconds)))
+            deadline=datetime.now(timezone.utc) + timedelta(seconds=seconds), **labelling))
 
-    def join_alongside(self, kubelet: SimKubelet, provisioned, seconds: float = 20):
+    def join_alongside(self, kubelet: SimKubelet, provisioned, seconds: float = 20, **labelling):
         """The machine boots and joins while the control plane waits for it."""
         outcome: dict = {}
 
@@ -113,7 +113,7 @@ class Joining:
         thread = threading.Thread(target=machine)
         thread.start()
         try:
-            return self.await_registration(provisioned, seconds), outcome
+            return self.await_registration(provisioned, seconds, **labelling), outcome
         finally:
             thread.join(timeout=30)
 
@@ -249,6 +249,30 @@ def test_a_node_with_another_provider_id_is_refused(one: Joining) -> None:
     assert refused.value.type == "RegistrationMismatch" and "providerID" in refused.value.message
     assert one.tokens() == [], "its token is gone all the same"
     assert one.cluster.node_identity(one.node_name) is None, "no identity recorded for it"
+
+
+def test_registration_labels_and_taints_the_node_it_admitted(one: Joining) -> None:
+    """NodeJoin (patch ``join-in-fewer-steps``) hands its labels and taint to the activity that
+    sees the node register: against the API server they land once the registration matched."""
+    provisioned = one.provision()
+    kubelet = one.kubelet(provisioned.machine.id)
+    labels = {LABEL_SITE: one.site.name, LABEL_PROVIDER: one.site.provider}
+    node, outcome = one.join_alongside(kubelet, provisioned, labels=labels, add_taints=[UNPROVEN_TAINT])
+    assert "error" not in outcome, outcome.get("error")
+    stored = one.cluster.get_node(node.name)
+    assert {k: stored.labels.get(k) for k in labels} == labels
+    assert stored.labels.get(LABEL_ZONE) == one.site.name, "a site is a topology zone"
+    assert UNPROVEN_TAINT in stored.taints
+
+
+def test_a_mismatched_registration_is_not_labelled(one: Joining) -> None:
+    provisioned = one.provision()
+    kubelet = one.kubelet(provisioned.machine.id)
+    kubelet.provider_id = "gpufleet://lambda/other-account/someone-else"
+    with pytest.raises(ApplicationError):
+        one.join_alongside(kubelet, provisioned, labels={LABEL_SITE: one.site.name}, add_taints=[UNPROVEN_TAINT])
+    stored = one.cluster.get_node(one.node_name)
+    assert stored is None or LABEL_SITE not in stored.labels, "placement labels only on this join's machine"
 
 
 def test_a_node_at_other_addresses_is_refused(one: Joining) -> None:
