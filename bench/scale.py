@@ -71,6 +71,7 @@ from temporalio.service import RPCError
 from activities.env import FleetEnv
 from bench.common import bench_env, fleet, run, pct, proc_cpu, rss_mb, server_pid, until
 from cli.dev import wait_for_port
+from workers.gc_tuning import settle_garbage_collection
 from workers.node_gateway import dev_gateway_files
 from fleet import search_attributes as sa
 from fleet.naming import join_workflow_id
@@ -93,6 +94,7 @@ class Step:
     #: event times and ours read the same clock.
     cordons: list[tuple[str, float, float]] = field(default_factory=list)
     report_contain: list[float] = field(default_factory=list)  # watch result on the server -> cordon seen
+    hops: dict[str, list[float]] = field(default_factory=dict)  # PATH_HOPS → s from the hop before
     not_contained: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     steady_wall: float = 0.0
@@ -350,24 +352,65 @@ async def prepare_drills(client, settings, fleet_env: FleetEnv, drills: int) -> 
         await client.execute_workflow("SiteSweep", {"sites": [incident]}, id=f"sweep-{incident}", task_queue=queue)
 
 
+#: The hops of a fault's path, in order: each is timed from the one before (server event times,
+#: which this machine's clock shares), the first from the fault's injection.
+PATH_HOPS = ("watch result", "facts asked", "facts answered", "site asked", "site answered",
+             "repair started", "contain scheduled", "contain started", "cordon seen")
+
+
 async def report_to_contained(client, step: Step) -> None:
     """For each contained fault: from the watch result that carried it (its ActivityTaskCompleted
-    in the Node entity's history, the first after the fault) to the cordon seen."""
+    in the Node entity's history, the first after the fault) to the cordon seen; and where the
+    time went (``PATH_HOPS``), from the Node entity's and the GpuRepair's histories."""
+    def seconds(event) -> float:
+        return event.event_time.ToNanoseconds() / 1e9
+
     async def one(name: str, injected_at: float, cordoned_at: float) -> None:
-        watches: set[int] = set()
+        activities: dict[int, str] = {}
+        marks: dict[str, float] = {"injected": injected_at}
+        repair_id = ""
         try:
             async for event in client.get_workflow_handle(f"node/{name}").fetch_history_events():
                 if event.HasField("activity_task_scheduled_event_attributes"):
-                    if event.activity_task_scheduled_event_attributes.activity_type.name == "watch_node":
-                        watches.add(event.event_id)
+                    kind = event.activity_task_scheduled_event_attributes.activity_type.name
+                    activities[event.event_id] = kind
+                    if "watch result" in marks:
+                        label = {"node_facts": "facts asked", "admit_repair": "site asked"}.get(kind)
+                        if label and label not in marks:
+                            marks[label] = seconds(event)
+                elif event.HasField("marker_recorded_event_attributes") and "watch result" in marks:
+                    marks.setdefault("facts answered", seconds(event))  # a local activity's result
                 elif event.HasField("activity_task_completed_event_attributes"):
-                    reported_at = event.event_time.ToNanoseconds() / 1e9
-                    if (event.activity_task_completed_event_attributes.scheduled_event_id in watches
-                            and reported_at >= injected_at):
-                        step.report_contain.append(cordoned_at - reported_at)
-                        return
+                    kind = activities.get(event.activity_task_completed_event_attributes.scheduled_event_id)
+                    if kind == "watch_node" and "watch result" not in marks and seconds(event) >= injected_at:
+                        marks["watch result"] = seconds(event)
+                        step.report_contain.append(cordoned_at - seconds(event))
+                    elif "watch result" in marks:
+                        label = {"node_facts": "facts answered", "admit_repair": "site answered"}.get(kind)
+                        if label and label not in marks:
+                            marks[label] = seconds(event)
+                elif (event.HasField("start_child_workflow_execution_initiated_event_attributes")
+                      and "watch result" in marks and not repair_id):
+                    repair_id = event.start_child_workflow_execution_initiated_event_attributes.workflow_id
+                    break
+            if repair_id:
+                async for event in client.get_workflow_handle(repair_id).fetch_history_events():
+                    if event.HasField("workflow_execution_started_event_attributes"):
+                        marks["repair started"] = seconds(event)
+                    elif event.HasField("activity_task_scheduled_event_attributes"):
+                        if event.activity_task_scheduled_event_attributes.activity_type.name == "contain_gpu":
+                            marks["contain scheduled"] = seconds(event)
+                    elif event.HasField("activity_task_started_event_attributes") and "contain scheduled" in marks:
+                        marks["contain started"] = seconds(event)
+                        break
         except Exception:  # noqa: BLE001 - a node replaced meanwhile: its history may be gone; the sample shrinks
             return
+        marks["cordon seen"] = cordoned_at
+        last = injected_at
+        for hop in PATH_HOPS:
+            if hop in marks:
+                step.hops.setdefault(hop, []).append(max(0.0, marks[hop] - last))
+                last = marks[hop]
 
     await asyncio.gather(*(one(*c) for c in step.cordons))
 
@@ -459,6 +502,11 @@ def print_table(args, steps: list[Step]) -> None:
                                                           if s.report_contain else nan for s in steps], "{:.0f}")
     row("  watch result (report) -> contained p99 (ms)", [pct(s.report_contain, 99) * 1000 if s.report_contain
                                                           else nan for s in steps], "{:.0f}")
+    for hop in PATH_HOPS:
+        row(f"    {hop}: from the hop before, p50 / p99 (ms)",
+            [statistics.median(s.hops[hop]) * 1000 if s.hops.get(hop) else nan for s in steps], "{:.0f}")
+        print(f"  {'':48s}" + "".join(f"{pct(s.hops[hop], 99) * 1000 if s.hops.get(hop) else nan:>12.0f}"
+                                         for s in steps))
     print(f"  {'faults contained / not within 30 s':48s}"
           + "".join(f"{f'{len(s.contain)}/{s.not_contained}':>12s}" for s in steps))
     row("spot reclaim notice -> replaced p50 (s)", [statistics.median(s.reclaims) if s.reclaims else nan
@@ -595,6 +643,8 @@ async def main() -> None:
                      {"GPUFLEET_HEALTH_SECONDS": str(args.health_seconds),
                       "GPUFLEET_GATEWAY": f"127.0.0.1:{gateway_port}", "GPUFLEET_GATEWAY_CA": str(files["ca"]),
                       "GPUFLEET_SIM_SIGNER_DIR": str(files["ca"].parent)})
+        # The driver's own full collections would stop the clock that sees each cordon.
+        settle_garbage_collection()
         # This process too: it injects, polls the cluster for cordons and queries, on the same two cores.
         pids = {"worker": worker.pid, "server": server_pid(), "gateway": gateway.pid, "nodes": host.pid,
                 "driver": os.getpid()}

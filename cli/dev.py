@@ -51,6 +51,10 @@ def temporal_binary() -> str:
 #: - The CLI's dev server re-reads the search-attribute registry on every use (so a
 #:   key is usable the instant it is created); cached, each upsert costs less.
 #:   ``search_attributes.ensure_registered`` waits for a new key to be usable.
+#: - Eager activities (off by default on a self-hosted server): an activity a workflow task
+#:   schedules on the worker's own queue comes back in the task's reply, instead of a round
+#:   through matching. A fault's path runs three of them (node facts, the Site entity's
+#:   admission, containment) one after another.
 DEV_SERVER_DYNAMIC_CONFIG = {
     "history.transferProcessorMaxPollRPS": 1000,
     "history.timerProcessorMaxPollRPS": 1000,
@@ -59,6 +63,7 @@ DEV_SERVER_DYNAMIC_CONFIG = {
     "matching.numTaskqueueWritePartitions": 1,
     "system.forceSearchAttributesCacheRefreshOnRead": False,
     "frontend.namespaceCount": 10000,
+    "system.enableActivityEagerExecution": True,
 }
 
 

@@ -13,7 +13,7 @@ import time
 import uuid
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from fleet.config import Account, FleetConfig, Site
 from fleet.errors import BadCredentials, InvalidRequest, NoCapacity, NotFound, OverQuota
@@ -74,7 +74,34 @@ WHEN NEW.ready = 1 AND EXISTS (
     SELECT 1 FROM kubelet_silence s
     WHERE s.machine_id = NEW.machine_id AND s.until > (julianday('now') - 2440587.5) * 86400.0)
 BEGIN SELECT RAISE(IGNORE); END;
+-- What the simulated nodes' host has to look at again (``SimWorld.changes_since``), written by
+-- triggers so that every writer (control plane, CLI, tests) is seen without knowing of it:
+-- kubelet 0, only what the machine's health watch reads; 1, also what its kubelet acts on.
+CREATE TABLE IF NOT EXISTS world_changes (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, machine_id TEXT, kubelet INTEGER
+);
 """
+
+#: table → (its machine id column, whether its kubelet acts on it), one change row per write.
+CHANGE_SOURCES = {
+    "gpus": ("machine_id", 0), "gpu_faults": ("machine_id", 0), "reclaim_notices": ("machine_id", 0),
+    "machines": ("id", 1), "bootstrap": ("machine_id", 1), "kubelet_silence": ("machine_id", 1),
+    "nodes": ("machine_id", 1), "sites": ("NULL", 1),
+}
+#: Only what a kubelet reads of its node: a cordon or a label is not its business.
+CHANGE_COLUMNS = {"nodes": " OF ready, boot_id, machine_id"}
+
+
+def _change_trigger(table: str, op: str) -> str:
+    column, kubelet = CHANGE_SOURCES[table]
+    row = "OLD" if op == "DELETE" else "NEW"
+    columns = CHANGE_COLUMNS.get(table, "") if op == "UPDATE" else ""
+    return (f"CREATE TRIGGER IF NOT EXISTS {table}_{op.lower()}_changes AFTER {op}{columns} ON {table}"
+            f" BEGIN INSERT INTO world_changes(machine_id, kubelet)"
+            f" VALUES ({column if column == 'NULL' else f'{row}.{column}'}, {kubelet}); END;\n")
+
+
+SCHEMA += "".join(_change_trigger(table, op) for table in CHANGE_SOURCES for op in ("INSERT", "UPDATE", "DELETE"))
 
 #: What the bootstrap through user data added: the machine's user data (and whether its
 #: install has still to run it), the join a token was issued for with the token itself
@@ -97,6 +124,13 @@ def _now() -> float:
 
 def _utc(ts: float | None) -> datetime | None:
     return datetime.fromtimestamp(ts, timezone.utc) if ts is not None else None
+
+
+class WorldChanges(NamedTuple):
+    seq: int  # the last change read: the next ``changes_since`` starts after it
+    machines: set[str]  # machine ids whose rows changed
+    kubelet: bool  # a change some kubelet acts on (a machine, node, token, site, silence)
+    everything: bool  # changes were forgotten unread: look at every machine
 
 
 class SimWorld(SqliteDb):
@@ -218,18 +252,31 @@ class SimWorld(SqliteDb):
         """machine id → termination time, for every posted notice (what each machine's IMDS answers)."""
         return {row[0]: row[1] for row in self.query("SELECT machine_id, terminate_at FROM reclaim_notices")}
 
-    def watch_stamps(self) -> dict[str, tuple]:
-        """machine id → everything its node agent's watch reads (boot, GPUs, faults, spot
-        notice), as a value that changes whenever any of it does. Three scans, whatever the
-        fleet's size: the node host wakes only the watches whose machine changed, as a real
-        node's XID waiter wakes only its own."""
-        faults = {row[0]: row[1] for row in self.query(
-            "SELECT machine_id, group_concat(id || ':' || kind || ':' || value) FROM gpu_faults GROUP BY machine_id")}
-        gpus = {row[0]: row[1] for row in self.query(
-            "SELECT machine_id, group_concat(idx || ':' || uuid) FROM gpus GROUP BY machine_id")}
-        notices = self.reclaim_notices()
-        return {row[0]: (row[1], gpus.get(row[0]), faults.get(row[0]), notices.get(row[0]))
-                for row in self.query("SELECT id, boot_id FROM machines WHERE deleted_at IS NULL")}
+    def changes_since(self, seq: int) -> WorldChanges:
+        """What changed after change ``seq`` (0: never looked): the machines touched, and whether
+        any kubelet has something to act on. O(changes), whatever the fleet's size: the node
+        host wakes only the watches whose machine changed, as a real node's XID waiter wakes
+        only its own. Changes forgotten before the caller read them (``forget_changes``) make
+        ``everything`` true."""
+        rows = self.query("SELECT seq, machine_id, kubelet FROM world_changes WHERE seq > ? ORDER BY seq", seq)
+        if rows:
+            return WorldChanges(seq=rows[-1]["seq"], machines={r["machine_id"] for r in rows if r["machine_id"]},
+                                kubelet=any(r["kubelet"] for r in rows), everything=rows[0]["seq"] != seq + 1)
+        last = self.query("SELECT seq FROM sqlite_sequence WHERE name='world_changes'")
+        newest = last[0]["seq"] if last else 0
+        return WorldChanges(seq=max(seq, newest), machines=set(), kubelet=False, everything=newest > seq)
+
+    def forget_changes(self, through: int) -> None:
+        with self.tx() as db:
+            db.execute("DELETE FROM world_changes WHERE seq <= ?", (through,))
+
+    def next_kubelet_event(self) -> float:
+        """When the next booting machine comes up or the next kubelet silence ends (epoch s; inf: none)."""
+        now = _now()
+        row = self.query("SELECT min(t) FROM (SELECT boot_at AS t FROM machines"
+                         " WHERE deleted_at IS NULL AND boot_at > ?"
+                         " UNION ALL SELECT until FROM kubelet_silence WHERE until > ?)", now, now)[0]
+        return row[0] if row[0] is not None else float("inf")
 
     # -- what tests and the CLI read ----------------------------------------------
     def calls(self, account: str, op: str | None = None) -> int:

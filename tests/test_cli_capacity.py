@@ -73,6 +73,10 @@ async def test_accounts_commands_and_sim_reclaim(cap: CapStack) -> None:
     await wait_for(lambda: cap.cluster.get_node(machine["name"]), timeout=10)
     posted = await gpufleet(cap, "sim", "reclaim", machine["name"], "--seconds", "5")
     assert posted.returncode == 0, posted.stderr
-    handle = cap.client.get_workflow_handle(f"reclaim/{machine['name']}")
+    # The notice reaches the node's watch, then its Node entity starts the reclaim: maybe not
+    # yet when the command returns.
+    reclaim_id = f"reclaim/{machine['name']}"
+    assert await cap.listed(f'WorkflowId = "{reclaim_id}"', timeout=30), "no SpotReclaim started"
+    handle = cap.client.get_workflow_handle(reclaim_id)
     await handle.result()
     assert cap.world.machine(machine["id"])["deleted_at"] is not None

@@ -136,11 +136,20 @@ def test_a_world_change_wakes_only_the_watches_of_the_machines_it_touched(tmp_pa
     a, b, c = (env.provider(site.name).create_machine(spec.model_copy(update={"name": f"n{i}"}), f"k{i}").id
                for i in range(3))
     world = env.world
-    before = world.watch_stamps()
+    start = world.changes_since(0).seq
     world.inject_fault(a, 1, "xid", 48, clears_on="reset")
     world.post_reclaim_notice(b, 60)
-    after = world.watch_stamps()
-    assert {m for m in (a, b, c) if after[m] != before[m]} == {a, b}
+    changes = world.changes_since(start)
+    assert changes.machines == {a, b} and not changes.kubelet and not changes.everything
     world.clear_faults(a, "reset", 1)
-    assert world.watch_stamps()[a] != after[a], "a cleared fault is a change too"
-    assert world.watch_stamps()[c] == before[c]
+    cleared = world.changes_since(changes.seq)
+    assert cleared.machines == {a}, "a cleared fault is a change too"
+    assert world.changes_since(cleared.seq).machines == set(), "nothing new: nothing to look at"
+    # A reboot is something its kubelet acts on; a change log trimmed past a reader tells it to look at everything.
+    env.provider(site.name).reboot_machine(c)
+    rebooted = world.changes_since(cleared.seq)
+    assert c in rebooted.machines and rebooted.kubelet
+    world.forget_changes(rebooted.seq)
+    world.inject_fault(a, 2, "xid", 48, clears_on="reset")
+    assert world.changes_since(cleared.seq).everything
+    assert not world.changes_since(rebooted.seq).everything

@@ -23,6 +23,7 @@ from fleet.settings import Settings
 from fleet.temporal import connect, tracing_interceptors
 from workers.input_guard import InputGuard
 from workers.metrics import start_metrics, watch_fleet
+from workers.gc_tuning import settle_garbage_collection
 from workers.workflow_runner import workflow_runner
 from workflows import ALL_WORKFLOWS
 
@@ -98,6 +99,7 @@ async def main() -> None:
     if metrics:
         watch_fleet(env, client, settings.task_queue)
     worker = build_worker(client, settings, env)
+    settle_garbage_collection()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

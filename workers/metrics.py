@@ -24,7 +24,7 @@ import urllib.request
 from collections import Counter as Tally
 from collections import defaultdict
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Callable, Iterable
 
@@ -70,18 +70,21 @@ def _free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+#: How often an SDK worker sends the server its status (slots, pollers, host), the SDK's default.
+WORKER_HEARTBEAT = timedelta(seconds=60)
+
 class MetricsServer:
     """``GET /metrics``: this process's registry, then the SDK runtime's page."""
 
     def __init__(self, port: int, service: str, host: str | None = None,
-                 registry: CollectorRegistry = REGISTRY) -> None:
+                 registry: CollectorRegistry = REGISTRY, worker_heartbeats: bool = True) -> None:
         self.sdk_port = _free_loopback_port()
         # Prometheus conventions: seconds, and counters end in _total.
         self.runtime = Runtime(telemetry=TelemetryConfig(
             metrics=PrometheusConfig(bind_address=f"127.0.0.1:{self.sdk_port}", durations_as_seconds=True,
                                      unit_suffix=True, counters_total_suffix=True),
             global_tags={"service": service},
-        ))
+        ), worker_heartbeat_interval=WORKER_HEARTBEAT if worker_heartbeats else None)
         self.registry = registry
         server = self
 
@@ -409,13 +412,14 @@ def watch_fleet(env: "FleetEnv", client: Client, task_queue: str,
     return collector
 
 
-def start_metrics(flag: int | None, service: str) -> MetricsServer | None:
+def start_metrics(flag: int | None, service: str, worker_heartbeats: bool = True) -> MetricsServer | None:
     """The worker's metrics endpoint when a port is configured (``--metrics-port`` or
-    ``GPUFLEET_METRICS_PORT``; ``gpufleet dev`` and the manifests set one)."""
+    ``GPUFLEET_METRICS_PORT``; ``gpufleet dev`` and the manifests set one). ``worker_heartbeats``:
+    whether its SDK workers send the server their status every ``WORKER_HEARTBEAT``."""
     port = metrics_port(flag)
     if port is None:
         return None
-    server = MetricsServer(port, service)
+    server = MetricsServer(port, service, worker_heartbeats=worker_heartbeats)
     log.info("metrics on :%d/metrics (Temporal SDK metrics included)", server.port)
     return server
 

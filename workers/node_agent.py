@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 from temporalio.client import Client
+from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.service import TLSConfig
 from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
@@ -43,6 +44,7 @@ from fleet.config import load_config
 from fleet.settings import Settings, node_queue
 from fleet.temporal import connect, tracing_interceptors
 from providers.gpu import GpuBackend
+from workers.gc_tuning import settle_garbage_collection
 from workers.metrics import agents_running, start_metrics
 from workers.node_gateway import GatewayAccess, node_key_and_csr
 
@@ -51,6 +53,10 @@ log = logging.getLogger("gpufleet.node_agent")
 #: A stopping agent cancels its running activities at once; their last reports then take a
 #: round trip or two. Far longer means a call that will never return.
 AGENT_STOP_SECONDS = 20
+#: An agent that could not reach the node gateway (not up yet) tries again this much later.
+AGENT_RETRY_SECONDS = 1.0
+#: The world's change log is trimmed behind the host this often.
+CHANGES_KEPT_SECONDS = 30.0
 
 
 def build_agent(client: Client, node_name: str, gpus: GpuBackend, executor: ThreadPoolExecutor,
@@ -130,18 +136,27 @@ class SimNodeHost:
         #: GPU health probe interval of every agent's watch (None: ``GPUFLEET_HEALTH_SECONDS``,
         #: default 5; 0: probe only when the world changes).
         self.health_seconds: float | None = None
-        self._next_boot = float("inf")  # when the next booting machine comes up
-        #: machine id → what its watch reads, as of the last world change (``SimWorld.watch_stamps``).
-        self._watch_stamps: dict[str, tuple] = {}
+        #: When the kubelets must look again though nothing changed: a machine finishes booting,
+        #: a kubelet silence ends, an agent that could not reach the gateway tries again.
+        self._next_kubelet_pass = float("inf")
+        self._next_renewal = float("inf")  # the soonest certificate renewal
+        self._change_seq = 0  # the last world change looked at (``SimWorld.changes_since``)
+        self._forgotten_at = time.monotonic()
         #: Machines whose install ran user data that could not join: their kubelet has no credentials.
         self._unjoined: set[str] = set()
 
-    async def _wake_changed_watches(self) -> None:
-        stamps = await asyncio.to_thread(self.world.watch_stamps)
+    async def _look_at_changes(self) -> bool:
+        """Wake the watch of each machine the world's changes touched; whether a kubelet has
+        something to act on."""
+        changes = await asyncio.to_thread(self.world.changes_since, self._change_seq)
+        self._change_seq = changes.seq
         for machine_id, watch in self.watches.items():
-            if stamps.get(machine_id) != self._watch_stamps.get(machine_id):
+            if changes.everything or machine_id in changes.machines:
                 watch.wake()
-        self._watch_stamps = stamps
+        if time.monotonic() - self._forgotten_at > CHANGES_KEPT_SECONDS:
+            self._forgotten_at = time.monotonic()
+            await asyncio.to_thread(self.world.forget_changes, self._change_seq)
+        return changes.kubelet or changes.everything
 
     def _health_interval(self) -> float:
         from workers.health_report import DEFAULT_HEALTH_SECONDS
@@ -149,23 +164,24 @@ class SimNodeHost:
         return DEFAULT_HEALTH_SECONDS if self.health_seconds is None else self.health_seconds
 
     async def run(self, stop: asyncio.Event) -> None:
-        seen = None
+        seen, first = None, True
         try:
             while not stop.is_set():
-                # A full pass only when the world changed or a machine finished booting:
-                # polling fast must stay cheap, it shares two cores with the server.
-                stamp = (self.world.data_version(), time.time() >= self._next_boot)
-                if stamp != seen:
-                    if seen is not None and stamp[0] != seen[0]:
-                        # The world changed (e.g. `gpufleet sim fault`, a spot notice): the watch
-                        # of each machine it touched probes now, as a real node's XID waiter
-                        # wakes its own watch. Waking all of them would cost a probe per node
-                        # for every change anywhere in the fleet.
-                        await self._wake_changed_watches()
-                    seen = (stamp[0], False)
-                    up, registered = await asyncio.to_thread(self._sync_kubelets)
-                    await self._sync_agents(up, registered)
-                await self._renew_certificates()
+                # Work only when the world changed, and then only on what changed: polling fast
+                # must stay cheap at a thousand machines, it shares two cores with the server.
+                version = self.world.data_version()
+                if version != seen or time.time() >= self._next_kubelet_pass:
+                    # A change (a fault, a spot notice, a reboot) wakes the watch of each machine it
+                    # touched, as a real node's XID waiter wakes its own: waking all of them would
+                    # cost a probe per node for every change anywhere in the fleet.
+                    kubelets = await self._look_at_changes() if version != seen else False
+                    seen = version
+                    if first or kubelets or time.time() >= self._next_kubelet_pass:
+                        first = False
+                        up, registered = await asyncio.to_thread(self._sync_kubelets)
+                        await self._sync_agents(up, registered)
+                if time.time() >= self._next_renewal:
+                    await self._renew_certificates()
                 try:
                     await asyncio.wait_for(stop.wait(), self.poll_seconds)
                 except asyncio.TimeoutError:
@@ -198,13 +214,14 @@ class SimNodeHost:
                 continue
             self.agents[machine_id][1].client = renewed[1]
             log.info("node %s: new key and certificate in use", name)
+        self._next_renewal = min((at for at, _client in self.identities.values()), default=float("inf"))
 
     def _up_machines(self) -> dict[str, tuple[str, str]]:
         """machine id → (node name, boot id) for machines booted at reachable sites."""
         now = time.time()
         unreachable = {row["name"] for row in self.world.sites() if row["unreachable"]}
         machines = self.world.machines()
-        self._next_boot = min((row["boot_at"] for row in machines if row["boot_at"] > now), default=float("inf"))
+        self._next_kubelet_pass = self.world.next_kubelet_event()
         return {
             row["id"]: (row["name"], row["boot_id"])
             for row in machines
@@ -270,7 +287,9 @@ class SimNodeHost:
                         self.identities[machine_id] = identity = await self._identity(name)
                     except Exception as error:  # noqa: BLE001 - gateway not up yet: next pass
                         log.warning("agent for %s: no connection through the gateway: %s", name, error)
+                        self._next_kubelet_pass = min(self._next_kubelet_pass, time.time() + AGENT_RETRY_SECONDS)
                         continue
+                    self._next_renewal = min(self._next_renewal, identity[0])
                     client = identity[1]
                 gpus = SimGpuBackend(self.world, machine_id)
                 watch = NodeWatch(gpus, notice=lambda m=machine_id: self.world.reclaim_notices().get(m),
@@ -352,8 +371,10 @@ async def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node-agent %(levelname)s %(message)s")
     settings = Settings.from_env()
-    metrics = start_metrics(args.metrics_port, "node-agent")
-    runtime = metrics.runtime if metrics else None
+    # No SDK worker heartbeats: nothing reads a node agent's (its liveness is its health watch's
+    # own heartbeat), and a fleet's agents would send the gateway and Temporal one per node a minute.
+    metrics = start_metrics(args.metrics_port, "node-agent", worker_heartbeats=False)
+    runtime = metrics.runtime if metrics else Runtime(telemetry=TelemetryConfig(), worker_heartbeat_interval=None)
     gateway = GatewayAccess.from_env()
     client = None
     if gateway is None:
@@ -374,6 +395,7 @@ async def main() -> None:
                            runtime=runtime)
         if metrics:
             agents_running(lambda: len(host.agents))
+        settle_garbage_collection()
         await host.run(stop)
         return
     if not args.node_name:

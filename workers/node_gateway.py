@@ -71,7 +71,8 @@ _NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
 #:   node's own queue and with no sticky queue (an activity-only worker has none, and another
 #:   worker's sticky queue is not the node's to drop).
 #: - RecordWorkerHeartbeat: the worker's periodic status (slots, pollers, host) for the
-#:   server's worker list, about once a minute; only about the node's own queue.
+#:   server's worker list, about once a minute; only about the node's own queue. (gpufleet's own
+#:   agents send none: ``workers/node_agent.py`` turns them off.)
 _START_UP = {"GetSystemInfo", "DescribeNamespace", "ShutdownWorker", "RecordWorkerHeartbeat"}
 _RESPONDS = {
     "RespondActivityTaskCompleted": wsr.RespondActivityTaskCompletedRequest,
@@ -708,6 +709,9 @@ async def main(argv: list[str] | None = None) -> None:
     metrics = start_metrics(args.metrics_port, "node-gateway")
     if metrics is not None:
         REGISTRY.register(GatewayCollector(running.gateway))
+    from workers.gc_tuning import settle_garbage_collection
+
+    settle_garbage_collection()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -72,6 +72,10 @@ WATCH_GIVE_UP = timedelta(minutes=15)
 WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))
 #: Workflow patch: a watch result observed longer ago than ``max_report_age_seconds`` is ignored.
 STALE_REPORT_PATCH = "stale-reports"
+#: Workflow patch: the node's facts (one read of the cluster's record and the config) are a local
+#: activity, run inside the workflow task that needs them: a fault's path to its repair is one
+#: workflow task shorter.
+LOCAL_FACTS_PATCH = "node-facts-local"
 #: Stale results in a row, each observed afresh by the next watch, mean the node's clock is off
 #: (not an outage in flight): act on the next one rather than never.
 MAX_STALE_IN_A_ROW = 3
@@ -352,7 +356,8 @@ class NodeEntity:
             await self._act(finding)
 
     async def _refresh_facts(self) -> NodeFacts:
-        self._facts = await workflow.execute_activity(
+        local = workflow.patched(LOCAL_FACTS_PATCH)
+        self._facts = await (workflow.execute_local_activity if local else workflow.execute_activity)(
             "node_facts", NodeFactsInput(node_name=self._node), result_type=NodeFacts,
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="node, site, repair settings",
         )

@@ -325,12 +325,25 @@ class SimCluster:
         return {r["machine_id"]: KubeletView(r["name"], bool(r["ready"]), r["boot_id"] or "") for r in rows}
 
     def list_nodes(self, selector: dict[str, str] | None = None) -> list[Node]:
-        identities = self.list_state(NODE_IDENTITY_KIND)
-        nodes = [self._node(r, NodeIdentity.from_state(identities.get(r["name"], {})))
-                 for r in self.world.query("SELECT * FROM nodes ORDER BY name")]
+        # The selector is applied where the rows are, as an API server applies a label selector:
+        # a site's Site entity lists its own nodes often, and reading a whole fleet's to keep a
+        # tenth of them cost the control-plane worker a third of its CPU at 1,250 nodes.
+        where, args = [], []
+        for key, value in (selector or {}).items():
+            if '"' in key:  # no label key has one (nor could a JSON path name it)
+                return []
+            where.append("json_extract(labels, ?) = ?")
+            args += [f'$."{key}"', value]
+        rows = self.world.query("SELECT * FROM nodes" + (" WHERE " + " AND ".join(where) if where else "")
+                                + " ORDER BY name", *args)
         if selector:
-            nodes = [n for n in nodes if all(n.labels.get(k) == v for k, v in selector.items())]
-        return nodes
+            names = [r["name"] for r in rows]
+            identities = {r["key"]: json.loads(r["data"]) for r in self.world.query(
+                f"SELECT key, data FROM control_state WHERE kind=? AND key IN ({','.join('?' * len(names))})",
+                NODE_IDENTITY_KIND, *names)} if names else {}
+        else:
+            identities = self.list_state(NODE_IDENTITY_KIND)
+        return [self._node(r, NodeIdentity.from_state(identities.get(r["name"], {}))) for r in rows]
 
     def _update(self, name: str, column: str, change) -> Node:
         with self.world.tx() as db:

@@ -68,6 +68,9 @@ def test_list_nodes_by_label(harness):
     assert [n.name for n in harness.cluster.list_nodes()] == ["a-1", "a-2", "b-1"]
     assert [n.name for n in harness.cluster.list_nodes({LABEL_SITE: "site-a"})] == ["a-1", "a-2"]
     assert harness.cluster.list_nodes({LABEL_SITE: "nowhere"}) == []
+    harness.cluster.label_node("a-2", {"example.com/pool": "spare"})
+    assert [n.name for n in harness.cluster.list_nodes({LABEL_SITE: "site-a", "example.com/pool": "spare"})] == ["a-2"]
+    assert harness.cluster.list_nodes({LABEL_SITE: "site-b", "example.com/pool": "spare"}) == []
 
 
 def test_labels_merge_and_are_idempotent(harness):

@@ -38,3 +38,17 @@ def test_delete_state_only_if_unchanged(harness) -> None:
     assert cluster.delete_state(NODE_IDENTITY_KIND, "n1", only_if=cluster.read_state(NODE_IDENTITY_KIND, "n1"))
     assert cluster.read_state(NODE_IDENTITY_KIND, "n1") == {}
     assert cluster.delete_state(NODE_IDENTITY_KIND, "n1") is False, "a gone object: nothing deleted, no error"
+
+
+def test_a_node_listed_by_its_site_carries_the_joins_record(harness, unique) -> None:
+    """A label selector narrows the list; each node in it still reads as the join recorded it."""
+    from fleet.cluster import LABEL_SITE
+
+    cluster = harness.cluster
+    name, other = f"gpu-{unique}-a", f"gpu-{unique}-b"
+    harness.add_node(name, site="site-a")
+    harness.add_node(other, site="site-b")
+    record(cluster, name, f"m-{name}")
+    listed = {n.name: n for n in cluster.list_nodes({LABEL_SITE: "site-a"})}
+    assert other not in listed
+    assert listed[name].machine_id == f"m-{name}" and listed[name].account == "acct-a"
