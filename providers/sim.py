@@ -270,12 +270,9 @@ class SimWorld(SqliteDb):
         with self.tx() as db:
             db.execute("DELETE FROM world_changes WHERE seq <= ?", (through,))
 
-    def next_kubelet_event(self) -> float:
-        """When the next booting machine comes up or the next kubelet silence ends (epoch s; inf: none)."""
-        now = _now()
-        row = self.query("SELECT min(t) FROM (SELECT boot_at AS t FROM machines"
-                         " WHERE deleted_at IS NULL AND boot_at > ?"
-                         " UNION ALL SELECT until FROM kubelet_silence WHERE until > ?)", now, now)[0]
+    def next_silence_end(self) -> float:
+        """When the next kubelet silence ends (epoch s; inf: none)."""
+        row = self.query("SELECT min(until) FROM kubelet_silence WHERE until > ?", _now())[0]
         return row[0] if row[0] is not None else float("inf")
 
     # -- what tests and the CLI read ----------------------------------------------

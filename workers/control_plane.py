@@ -22,8 +22,8 @@ from activities.env import FleetEnv
 from fleet.settings import Settings
 from fleet.temporal import connect, tracing_interceptors
 from workers.input_guard import InputGuard
-from workers.metrics import start_metrics, watch_fleet
 from workers.gc_tuning import settle_garbage_collection
+from workers.metrics import start_metrics, watch_fleet
 from workers.workflow_runner import workflow_runner
 from workflows import ALL_WORKFLOWS
 

@@ -73,6 +73,7 @@ def _free_loopback_port() -> int:
 #: How often an SDK worker sends the server its status (slots, pollers, host), the SDK's default.
 WORKER_HEARTBEAT = timedelta(seconds=60)
 
+
 class MetricsServer:
     """``GET /metrics``: this process's registry, then the SDK runtime's page."""
 

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Callable
 
 from temporalio.client import Client
-from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.service import TLSConfig
 from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
@@ -164,22 +164,22 @@ class SimNodeHost:
         return DEFAULT_HEALTH_SECONDS if self.health_seconds is None else self.health_seconds
 
     async def run(self, stop: asyncio.Event) -> None:
-        seen, first = None, True
+        seen = None
         try:
             while not stop.is_set():
                 # Work only when the world changed, and then only on what changed: polling fast
                 # must stay cheap at a thousand machines, it shares two cores with the server.
                 version = self.world.data_version()
-                if version != seen or time.time() >= self._next_kubelet_pass:
+                changed, due = version != seen, time.time() >= self._next_kubelet_pass
+                if changed or due:
                     # A change (a fault, a spot notice, a reboot) wakes the watch of each machine it
                     # touched, as a real node's XID waiter wakes its own: waking all of them would
                     # cost a probe per node for every change anywhere in the fleet.
-                    kubelets = await self._look_at_changes() if version != seen else False
-                    seen = version
-                    if first or kubelets or time.time() >= self._next_kubelet_pass:
-                        first = False
+                    kubelets = await self._look_at_changes() if changed else False
+                    if seen is None or kubelets or due:
                         up, registered = await asyncio.to_thread(self._sync_kubelets)
                         await self._sync_agents(up, registered)
+                    seen = version
                 if time.time() >= self._next_renewal:
                     await self._renew_certificates()
                 try:
@@ -221,7 +221,8 @@ class SimNodeHost:
         now = time.time()
         unreachable = {row["name"] for row in self.world.sites() if row["unreachable"]}
         machines = self.world.machines()
-        self._next_kubelet_pass = self.world.next_kubelet_event()
+        next_boot = min((row["boot_at"] for row in machines if row["boot_at"] > now), default=float("inf"))
+        self._next_kubelet_pass = min(next_boot, self.world.next_silence_end())
         return {
             row["id"]: (row["name"], row["boot_id"])
             for row in machines
