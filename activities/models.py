@@ -205,6 +205,15 @@ class ContainResult(BaseModel):
     completed: bool = True
 
 
+class FenceInput(BaseModel):
+    """Fence one GPU and cordon its node, nothing more (no drain): the Node entity's first
+    answer to a fault, before the Site entity and the ladder decide what follows."""
+
+    node_name: str
+    gpu: int
+    rung: str
+
+
 class UncontainInput(BaseModel):
     node_name: str
     gpu: int

@@ -17,6 +17,7 @@ from activities.waiting import poll_until
 from activities.models import (
     ContainInput,
     ContainResult,
+    FenceInput,
     NodeFacts,
     NodeFactsInput,
     ReplacementSitesInput,
@@ -54,6 +55,7 @@ class RepairActivities:
         return [
             self.node_facts,
             self.site_health,
+            self.fence_gpu,
             self.contain_gpu,
             self.uncontain_gpu,
             self.reboot_machine,
@@ -116,6 +118,15 @@ class RepairActivities:
             evicted=len(result.evicted), blocked=[f"{p.key}: {p.reason}" for p in result.blocked],
             completed=result.completed,
         )
+
+    @activity.defn
+    @typed_errors
+    def fence_gpu(self, input: FenceInput) -> None:
+        """Fence the GPU and cordon the node: no new pod lands there. Containment's first
+        half, quick enough for a local activity; ``contain_gpu`` drains (and repeats both)."""
+        cluster = self.env.cluster
+        cluster.annotate_node(input.node_name, {fence_key(input.gpu): input.rung})
+        cluster.cordon(input.node_name, True)
 
     @activity.defn
     @typed_errors

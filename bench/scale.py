@@ -5,8 +5,9 @@ Processes, as under ``gpufleet dev``: the dev server (WorkflowEnvironment's chil
 control-plane worker (``python -m workers.control_plane``), the node gateway
 (``python -m workers.node_gateway``) and the simulated node host (``python -m
 workers.node_agent --sim``), whose agents reach Temporal only through the gateway, each with
-its own key and certificate, each polling only its own ``node/<name>`` queue. Each process
-is its own, so CPU seconds and resident memory are read from /proc for each alone. This
+its own key and certificate, each polling only its own ``node/<name>`` queue; and the
+product's Schedules, as ``gpufleet dev`` applies them (the site reconcile's first pass starts
+every Site entity before the first join). Each process is its own, so CPU seconds and resident memory are read from /proc for each alone. This
 process only starts joins, injects faults, posts reclaim notices, asks for capacity and
 watches the sim's cluster.
 
@@ -75,6 +76,7 @@ from workers.gc_tuning import settle_garbage_collection
 from workers.node_gateway import dev_gateway_files
 from fleet import search_attributes as sa
 from fleet.naming import join_workflow_id
+from fleet.schedules import apply_schedules
 
 ENTITY_TYPES = ("Node", "Site", "ProviderAccount", "SiteEvacuation")
 #: What a seeded fault needs to clear: most resets, some reboots, a few replacements.
@@ -353,56 +355,35 @@ async def prepare_drills(client, settings, fleet_env: FleetEnv, drills: int) -> 
 
 
 #: The hops of a fault's path, in order: each is timed from the one before (server event times,
-#: which this machine's clock shares), the first from the fault's injection.
-PATH_HOPS = ("watch result", "facts asked", "facts answered", "site asked", "site answered",
-             "repair started", "contain scheduled", "contain started", "cordon seen")
+#: which this machine's clock shares), the first from the fault's injection. The cordon is
+#: written in the Node entity's workflow task that took the watch result (the node's facts,
+#: then the fence, both local activities); the Site's admission, the GpuRepair and its drain
+#: come after it.
+PATH_HOPS = ("watch result", "node task started", "cordon seen")
 
 
 async def report_to_contained(client, step: Step) -> None:
     """For each contained fault: from the watch result that carried it (its ActivityTaskCompleted
     in the Node entity's history, the first after the fault) to the cordon seen; and where the
-    time went (``PATH_HOPS``), from the Node entity's and the GpuRepair's histories."""
+    time went (``PATH_HOPS``), from the Node entity's history."""
     def seconds(event) -> float:
         return event.event_time.ToNanoseconds() / 1e9
 
     async def one(name: str, injected_at: float, cordoned_at: float) -> None:
         activities: dict[int, str] = {}
         marks: dict[str, float] = {"injected": injected_at}
-        repair_id = ""
         try:
             async for event in client.get_workflow_handle(f"node/{name}").fetch_history_events():
                 if event.HasField("activity_task_scheduled_event_attributes"):
-                    kind = event.activity_task_scheduled_event_attributes.activity_type.name
-                    activities[event.event_id] = kind
-                    if "watch result" in marks:
-                        label = {"node_facts": "facts asked", "admit_repair": "site asked"}.get(kind)
-                        if label and label not in marks:
-                            marks[label] = seconds(event)
-                elif event.HasField("marker_recorded_event_attributes") and "watch result" in marks:
-                    marks.setdefault("facts answered", seconds(event))  # a local activity's result
-                elif event.HasField("activity_task_completed_event_attributes"):
+                    activities[event.event_id] = event.activity_task_scheduled_event_attributes.activity_type.name
+                elif event.HasField("activity_task_completed_event_attributes") and "watch result" not in marks:
                     kind = activities.get(event.activity_task_completed_event_attributes.scheduled_event_id)
-                    if kind == "watch_node" and "watch result" not in marks and seconds(event) >= injected_at:
+                    if kind == "watch_node" and seconds(event) >= injected_at:
                         marks["watch result"] = seconds(event)
                         step.report_contain.append(cordoned_at - seconds(event))
-                    elif "watch result" in marks:
-                        label = {"node_facts": "facts answered", "admit_repair": "site answered"}.get(kind)
-                        if label and label not in marks:
-                            marks[label] = seconds(event)
-                elif (event.HasField("start_child_workflow_execution_initiated_event_attributes")
-                      and "watch result" in marks and not repair_id):
-                    repair_id = event.start_child_workflow_execution_initiated_event_attributes.workflow_id
+                elif event.HasField("workflow_task_started_event_attributes") and "watch result" in marks:
+                    marks["node task started"] = seconds(event)
                     break
-            if repair_id:
-                async for event in client.get_workflow_handle(repair_id).fetch_history_events():
-                    if event.HasField("workflow_execution_started_event_attributes"):
-                        marks["repair started"] = seconds(event)
-                    elif event.HasField("activity_task_scheduled_event_attributes"):
-                        if event.activity_task_scheduled_event_attributes.activity_type.name == "contain_gpu":
-                            marks["contain scheduled"] = seconds(event)
-                    elif event.HasField("activity_task_started_event_attributes") and "contain scheduled" in marks:
-                        marks["contain started"] = seconds(event)
-                        break
         except Exception:  # noqa: BLE001 - a node replaced meanwhile: its history may be gone; the sample shrinks
             return
         marks["cordon seen"] = cordoned_at
@@ -655,6 +636,10 @@ async def main() -> None:
             for proc, name in ((worker, "worker"), (gateway, "gateway"), (host, "nodes")):
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name} exited: {(logs / f'{name}.log').read_text()[-2000:]}")
+            # The product's Schedules, as `gpufleet dev` applies them: the site reconcile's first
+            # pass starts every Site entity, so a fault meets its site's entity running, as in a
+            # fleet that has been up for a while.
+            await apply_schedules(client, settings.task_queue, site_every=300, catalog_every=600)
             await prepare_drills(client, settings, fleet_env, len(sizes))
             have = 0
             for drill, size in enumerate(sizes):

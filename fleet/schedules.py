@@ -14,6 +14,10 @@ SCHEDULES = {
     # Kubelet certificate renewals and serving CSRs wait at most this long for gpufleet's approver.
     "gpufleet-csr-approver": ("CsrApprover", "csr-approver", "approve or deny kubelet CSRs of gpufleet's nodes"),
 }
+#: Schedules whose first pass runs when they are created, not an interval later: the site
+#: reconcile starts every Site entity, and until one runs a site has no incident detection and
+#: its first GPU fault waits for the entity to start before its repair is admitted.
+FIRST_PASS_AT_ONCE = ("gpufleet-site-reconcile",)
 #: Seconds between CSR approver passes: a kubelet asks for its renewal well before its
 #: certificate expires (at 70-90% of its life) and retries, so half a minute is ample;
 #: each pass is one list of CSRs.
@@ -59,7 +63,8 @@ async def apply_schedules(client, task_queue: str, site_every: float, catalog_ev
         except RPCError as error:
             if error.status != RPCStatusCode.NOT_FOUND:
                 raise
-            await client.create_schedule(schedule_id, schedule)
+            await client.create_schedule(schedule_id, schedule,
+                                         trigger_immediately=schedule_id in FIRST_PASS_AT_ONCE)
             done.append((schedule_id, "created"))
             continue
         await handle.update(lambda _input, s=schedule: ScheduleUpdate(schedule=s))

@@ -43,6 +43,9 @@ async def test_capacity_command_acquires_and_reports(cap: CapStack) -> None:
 async def test_schedules_apply_is_idempotent_and_listed(cap: CapStack) -> None:
     first = await gpufleet(cap, "schedules", "apply", "--site-every", "3600")
     assert first.returncode == 0, first.stderr
+    # The reconcile's first pass runs at once, not an hour later: every site has its entity.
+    for site in ("cheap", "mid"):
+        assert await cap.listed(f'WorkflowId = "site/{cap.site(site)}" AND ExecutionStatus = "Running"'), site
     second = await gpufleet(cap, "schedules", "apply", "--site-every", "1800")
     assert second.returncode == 0, second.stderr
     assert second.stdout.count("updated") == 5

@@ -228,3 +228,36 @@ async def _closed(handle):
     return status if status.incident and status.incident.open is None and status.incident.history else None
 
 
+
+
+async def test_a_held_gpu_is_fenced_at_once_and_unfenced_when_it_heals(inc: IncStack) -> None:
+    """Contain first: a sick GPU is fenced (its node cordoned) by its Node entity before the
+    Site entity decides; while the site holds its repair, nothing else touches it; healed
+    while held, the entity lifts its own fence."""
+    from activities.repair import fence_key
+    from tests.repair_helpers import node_status
+
+    machines = await inc.join("a", 4)
+    await inc.start_site("a")
+    names = [inc.world.machine(m)["name"] for m in machines]
+    for machine in machines[:3]:
+        inc.world.inject_fault(machine, 0, "xid", 79, clears_on="reboot")
+    await poll(lambda: inc.progress("a"), timeout=30)  # the rule tripped: an incident is open
+
+    inc.world.inject_fault(machines[3], 1, "ecc", 2, clears_on="reset")
+    await poll(lambda: _node_held(inc, machines[3]), timeout=20)
+    assert fence_key(1) in inc.cluster.annotate_node(names[3], {}), "fenced while its repair is held"
+    assert inc.cluster.get_node(names[3]).unschedulable
+    assert (await node_status(inc, names[3])).fenced == [1]
+    for name in names[:3]:
+        assert fence_key(0) in inc.cluster.annotate_node(name, {})
+    assert await inc.workflows("GpuRepair", "a") == [], "the fences are the Node entities' own, no repair ran"
+
+    async def unfenced() -> bool:
+        return fence_key(1) not in inc.cluster.annotate_node(names[3], {})
+
+    inc.world.clear_faults(machines[3], "reset", gpu=1)
+    await poll(unfenced, timeout=20)
+    assert await inc.workflows("GpuRepair", "a") == []
+    status = await node_status(inc, names[3])
+    assert (status.fenced, status.deferred) == ([], []) and any("un-fenced" in line for line in status.log)

@@ -27,7 +27,7 @@ EXPECTED = {
     "account_quota_raised", "account_credentials_rotated", "site_fill_below_min", "site_retire_above_max",
     "spot_reclaim",
     "gpu_repair_reset", "gpu_repair_reboot_after_reset", "gpu_repair_covered", "node_entity_two_repairs",
-    "node_entity_two_repairs_local_facts",
+    "node_entity_two_repairs_local_facts", "node_entity_two_repairs_contain_first",
     "rollout_happy", "rollout_canary_failed", "rollout_aborted",
     "site_evacuation_restored", "site_incident_tripped", "site_evacuation_resumed",
     "advisor_report",

@@ -10,7 +10,8 @@ state is level-triggered, so a run that continues as new loses nothing: its firs
 watch returns at once if the node changed meanwhile. A spot notice starts the
 node's SpotReclaim. (``health_report`` signals, from control-plane identities only,
 are still handled.) The entity classifies each GPU (``fleet.repair_policy``),
-escalates repeat faults, and starts one GpuRepair child per sick GPU. It owns
+escalates repeat faults, fences a sick GPU and cordons the node at once (before anyone
+decides how to repair it), and starts one GpuRepair child per sick GPU. It owns
 the node's single disruptive-action slot: children ask for it before a reset,
 reboot, reinstall or replace, and an action that started after a child's fault
 was detected covers that child (two GPUs failing together → one reboot). When
@@ -33,7 +34,16 @@ from temporalio.workflow import ParentClosePolicy
 from temporalio.exceptions import ActivityError, FailureError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import HealthReport, NodeFacts, NodeFactsInput, SiteHealth, SiteHealthInput
+    from activities.models import (
+        FenceInput,
+        HealthReport,
+        NodeFacts,
+        NodeFactsInput,
+        SiteHealth,
+        SiteHealthInput,
+        UncontainInput,
+        UncontainResult,
+    )
     from fleet import search_attributes as sa
     from fleet.models import GpuHealth
     from fleet.repair_policy import Finding, RepairSettings, classify, conditions
@@ -59,6 +69,10 @@ with workflow.unsafe.imports_passed_through():
 
 #: Workflow patch: repairs are admitted by the Site entity (provider incidents, fleet.incident).
 ADMISSION_PATCH = "site-admission"
+#: Fencing is a quick write to the cluster: a few tries inside the workflow task, then the
+#: repair's own containment (or the next recheck) takes over.
+FENCE_RETRY = RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_interval=timedelta(seconds=2),
+                          maximum_attempts=3)
 ADMISSION_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10),
                               maximum_attempts=3)
 
@@ -76,6 +90,10 @@ STALE_REPORT_PATCH = "stale-reports"
 #: activity, run inside the workflow task that needs them: a fault's path to its repair is one
 #: workflow task shorter.
 LOCAL_FACTS_PATCH = "node-facts-local"
+#: Workflow patch: a sick GPU is fenced and its node cordoned in the workflow task that saw the
+#: fault (a local activity), before the Site entity admits the repair and the GpuRepair starts:
+#: no new pod lands on it while they decide, or while a provider incident holds the repair.
+CONTAIN_FIRST_PATCH = "contain-first"
 #: Stale results in a row, each observed afresh by the next watch, mean the node's clock is off
 #: (not an outage in flight): act on the next one rather than never.
 MAX_STALE_IN_A_ROW = 3
@@ -144,7 +162,7 @@ class NodeEntity:
             boot_id=self._carry.boot_id, reports=self._carry.reports,
             active_repairs={str(k): v for k, v in self._active.items()}, app_xids=self._carry.ledger.app_xids,
             remediations=len(self._carry.ledger.remediations), node_actions=self._carry.actions,
-            deferred=sorted(self._carry.deferred), log=self._carry.log,
+            deferred=sorted(self._carry.deferred), fenced=sorted(self._carry.fenced), log=self._carry.log,
         )
 
     # -- the loop --------------------------------------------------------------------------
@@ -350,6 +368,8 @@ class NodeEntity:
             latest = self._carry.latest.get(index)
             # A fatal XID is an event, not a state: a clean snapshot since does not undo it.
             if not finding.fatal_xids and latest is not None and not latest.problems():
+                if index in self._carry.fenced and not await self._unfence(index):
+                    continue  # still fenced: the next recheck tries again
                 self._carry.deferred.pop(index)
                 self._log(f"GPU {index}: healed while waiting, no repair")
                 continue
@@ -384,6 +404,8 @@ class NodeEntity:
             self._set_state(self._carry.state, f"GPU {index} sick while the node is still joining; waiting")
             return
         settings = facts.settings
+        if index not in self._carry.fenced and workflow.patched(CONTAIN_FIRST_PATCH):
+            await self._fence(index, finding)
         if workflow.patched(ADMISSION_PATCH):
             # The Site entity owns the incident rule (fleet.incident): it admits or holds this repair.
             try:
@@ -434,11 +456,47 @@ class NodeEntity:
             )
         except FailureError as error:  # already running (e.g. started by an operator)
             self._log(f"GPU {index}: could not start {repair_id}: {failure_message(error)}", warn=True)
+            self._hand_over_fence(index)
             return
+        self._hand_over_fence(index)
         self._active[index] = repair_id
         self._log(f"GPU {index}: {', '.join(finding.reasons)} → {repair_id} at {rung}" + (f" ({why})" if why else ""))
         self._set_state("repairing", f"GPU {index} at {rung}")
         asyncio.create_task(self._watch(index, repair_id, handle))
+
+    # -- containment before the decision ----------------------------------------------------
+    async def _fence(self, index: int, finding: Finding) -> None:
+        """Fence the GPU and cordon the node, by the entity's own node name (never one from a
+        report). A cluster that does not answer leaves it to the repair's containment."""
+        try:
+            await workflow.execute_local_activity(
+                "fence_gpu", FenceInput(node_name=self._node, gpu=index, rung=finding.rung.value if finding.rung else ""),
+                start_to_close_timeout=QUICK, retry_policy=FENCE_RETRY, summary=f"fence GPU {index}, cordon the node",
+            )
+        except ActivityError as error:
+            self._log(f"GPU {index}: not fenced ({failure_message(error)}); its repair contains it", warn=True)
+            return
+        self._carry.fenced.append(index)
+
+    async def _unfence(self, index: int) -> bool:
+        """A held finding whose GPU healed: lift the entity's own fence (the node is uncordoned
+        only when no other GPU of it is fenced). False: the cluster did not answer."""
+        try:
+            result: UncontainResult = await workflow.execute_local_activity(
+                "uncontain_gpu", UncontainInput(node_name=self._node, gpu=index), result_type=UncontainResult,
+                start_to_close_timeout=QUICK, retry_policy=FENCE_RETRY, summary=f"un-fence GPU {index}",
+            )
+        except ActivityError as error:
+            self._log(f"GPU {index}: still fenced ({failure_message(error)}); the next recheck tries again", warn=True)
+            return False
+        self._carry.fenced.remove(index)
+        self._log(f"GPU {index}: un-fenced" + ("" if result.uncordoned else f", GPUs {result.still_fenced} still fenced"))
+        return True
+
+    def _hand_over_fence(self, index: int) -> None:
+        """The repair owns the GPU's containment from here (it un-contains when it ends)."""
+        if index in self._carry.fenced:
+            self._carry.fenced.remove(index)
 
     async def _watch(self, index: int, repair_id: str, handle) -> None:
         try:

@@ -23,6 +23,9 @@ class NodeCarry(BaseModel):
     log: list[str] = Field(default_factory=list)
     #: GPU → the finding on hold for a recheck (node still joining, site holding repairs).
     deferred: dict[int, Finding] = Field(default_factory=dict)
+    #: GPUs this entity fenced (their node cordoned) that no repair has taken over yet: a
+    #: finding on hold whose GPU heals is un-fenced by the entity itself.
+    fenced: list[int] = Field(default_factory=list)
     #: GPU → its last reported health: a recheck forgets a finding whose GPU healed.
     latest: dict[int, GpuHealth] = Field(default_factory=dict)
     #: The node's recent disruptive actions: a later one covers a repair detected before it.
@@ -121,6 +124,8 @@ class NodeStatus(BaseModel):
     remediations: int = 0
     node_actions: list[NodeAction] = Field(default_factory=list)
     deferred: list[int] = Field(default_factory=list)
+    #: GPUs the entity fenced (node cordoned) whose repair has not started: held by the site.
+    fenced: list[int] = Field(default_factory=list)
     #: The last few things the entity decided (ignored reports, deferrals...).
     log: list[str] = Field(default_factory=list)
 
