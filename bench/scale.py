@@ -7,9 +7,9 @@ control-plane worker (``python -m workers.control_plane``), the node gateway
 workers.node_agent --sim``), whose agents reach Temporal only through the gateway, each with
 its own key and certificate, each polling only its own ``node/<name>`` queue; and the
 product's Schedules, as ``gpufleet dev`` applies them (the site reconcile's first pass starts
-every Site entity before the first join). Each process is its own, so CPU seconds and resident memory are read from /proc for each alone. This
-process only starts joins, injects faults, posts reclaim notices, asks for capacity and
-watches the sim's cluster.
+every Site entity before the first join). Each process is its own, so CPU seconds and
+resident memory are read from /proc for each alone. This process only starts joins, injects
+faults, posts reclaim notices, asks for capacity and watches the sim's cluster.
 
 At each size:
 
@@ -20,10 +20,12 @@ At each size:
 2. steady, for ``--minutes``, five things at once:
    - one seeded fault every ``--fault-interval`` s into a random healthy node's simulated
      GPU (XID 48; cleared by reset / reboot / never, i.e. replace). The clock starts
-     before the fault is written into the sim world and stops when the node is cordoned:
-     detection is included. In the sim, the node host sees the world change (its poll,
-     50 ms here) and wakes every agent's watch, as a real node's XID waiter wakes its own;
-     the Node entity's ``watch_node`` returns the new state;
+     before the fault is written into the sim world and stops when this process sees the
+     node cordoned (one look at every pending fault's node each 10 ms): detection is
+     included. In the sim, the node host sees the world change (its poll, 50 ms here) and
+     wakes that machine's watch, as a real node's XID waiter wakes its own; the Node
+     entity's ``watch_node`` returns the new state. Beside it, the time the cordon was
+     written by (the fence's local activity done, by the worker's clock);
    - one spot reclaim notice every ``--reclaim-interval`` s on another healthy node
      (``--reclaim-notice`` s of warning), timed from the notice to the end of its
      ``reclaim/<node>`` (drained, replacement joined);
@@ -371,10 +373,9 @@ async def prepare_drills(client, settings, fleet_env: FleetEnv, drills: int) -> 
 
 #: The hops of a fault's path, in order: each is timed from the one before (server event times,
 #: and the worker's for its local activities: this machine's clock), the first from the fault's
-#: injection. The cordon is
-#: written in the Node entity's workflow task that took the watch result (the node's facts,
-#: then the fence, both local activities); the Site's admission, the GpuRepair and its drain
-#: come after it.
+#: injection. The cordon is written in the Node entity's workflow task that took the watch
+#: result (the node's facts, then the fence, both local activities); the Site's admission, the
+#: GpuRepair and its drain come after it.
 PATH_HOPS = ("watch result", "node task started", "facts answered", "fenced", "cordon seen")
 #: The local activities in that task, by the worker's completion time in their markers.
 LOCAL_HOPS = {"node_facts": "facts answered", "fence_gpu": "fenced"}
