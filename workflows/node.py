@@ -456,9 +456,11 @@ class NodeEntity:
             )
         except FailureError as error:  # already running (e.g. started by an operator)
             self._log(f"GPU {index}: could not start {repair_id}: {failure_message(error)}", warn=True)
-            self._hand_over_fence(index)
             return
-        self._hand_over_fence(index)
+        finally:
+            # Either way a repair owns the GPU's containment from here (it un-contains when it ends).
+            if index in self._carry.fenced:
+                self._carry.fenced.remove(index)
         self._active[index] = repair_id
         self._log(f"GPU {index}: {', '.join(finding.reasons)} → {repair_id} at {rung}" + (f" ({why})" if why else ""))
         self._set_state("repairing", f"GPU {index} at {rung}")
@@ -492,11 +494,6 @@ class NodeEntity:
         self._carry.fenced.remove(index)
         self._log(f"GPU {index}: un-fenced" + ("" if result.uncordoned else f", GPUs {result.still_fenced} still fenced"))
         return True
-
-    def _hand_over_fence(self, index: int) -> None:
-        """The repair owns the GPU's containment from here (it un-contains when it ends)."""
-        if index in self._carry.fenced:
-            self._carry.fenced.remove(index)
 
     async def _watch(self, index: int, repair_id: str, handle) -> None:
         try:
