@@ -328,3 +328,26 @@ def test_serving_certificates_only_for_the_machines_own_addresses(one: Joining) 
     assert [c["type"] for c in csrs[good]["status"]["conditions"]] == ["Approved"]
     assert csrs[good]["status"].get("certificate")
     assert [c["type"] for c in csrs[bad]["status"]["conditions"]] == ["Denied"]
+
+
+def test_a_fence_cordons_the_node_at_the_api_server_and_lifting_it_uncordons(one: Joining) -> None:
+    """Contain first, against the API server: the Node entity's ``fence_gpu`` writes the fence
+    and the cordon; ``uncontain_gpu`` lifts them, uncordoning only when no GPU is fenced."""
+    from activities.models import FenceInput, UncontainInput
+    from activities.repair import fence_key
+
+    provisioned = one.provision()
+    node, _ = one.join_alongside(one.kubelet(provisioned.machine.id), provisioned)
+    repair = RepairActivities(one.env)
+    run(repair.fence_gpu, FenceInput(node_name=node.name, gpu=0, rung="reset"))
+    run(repair.fence_gpu, FenceInput(node_name=node.name, gpu=1, rung="reboot"))
+    stored = next(n for n in one.fake.objects("", "nodes") if n["metadata"]["name"] == node.name)
+    assert stored["spec"].get("unschedulable") is True
+    assert {k: v for k, v in stored["metadata"]["annotations"].items() if k.startswith("gpufleet.io/fenced")} == {
+        fence_key(0): "reset", fence_key(1): "reboot"}
+
+    first = run(repair.uncontain_gpu, UncontainInput(node_name=node.name, gpu=0))
+    assert (first.uncordoned, first.still_fenced) == (False, [1])
+    assert one.cluster.get_node(node.name).unschedulable
+    last = run(repair.uncontain_gpu, UncontainInput(node_name=node.name, gpu=1))
+    assert last.uncordoned and not one.cluster.get_node(node.name).unschedulable
