@@ -25,6 +25,7 @@ EXPECTED = {
     "node_entity_health_watch", "node_entity_watch_from_join_state",
     "capacity_no_capacity_fallback", "capacity_over_quota", "capacity_bad_credentials", "capacity_wait_then_resume",
     "account_quota_raised", "account_credentials_rotated", "site_fill_below_min", "site_retire_above_max",
+    "site_counts_joins",
     "spot_reclaim",
     "gpu_repair_reset", "gpu_repair_reboot_after_reset", "gpu_repair_covered", "node_entity_two_repairs",
     "node_entity_two_repairs_local_facts", "node_entity_two_repairs_contain_first",

@@ -120,6 +120,49 @@ async def test_spot_reclaim_drains_honoring_pdb_and_replaces_elsewhere(cap: CapS
     await replay_and_record(handle, "spot_reclaim")
 
 
+async def test_joins_within_max_are_counted_without_listing_the_site_and_one_past_it_is_retired(
+        cap: CapStack) -> None:
+    """A fleet coming up sends each Site entity one transition per join: a join within max is
+    counted from its transition (the site is not listed again), and the join that takes the site
+    past its max makes the entity reconcile at once and retire the newest, no sweep needed."""
+    site = await start_site(cap, "mid", reconcile_seconds=3600)
+
+    async def status() -> SiteStatus:
+        return await site.query("status", result_type=SiteStatus)
+
+    async def listings() -> int:
+        history = await site.fetch_history()
+        return sum(e.activity_task_scheduled_event_attributes.activity_type.name == "site_nodes"
+                   for e in history.events if e.HasField("activity_task_scheduled_event_attributes"))
+
+    for _ in range(100):
+        if (await status()).last:
+            break
+        await asyncio.sleep(0.1)
+    assert await listings() == 1, "the run's first reconcile"
+
+    async def join(name: str) -> str:
+        joined = await cap.client.execute_workflow(
+            "NodeJoin", {"site": cap.site("mid"), "timeouts": FAST_JOIN}, id=f"join/{cap.site('mid')}/{name}",
+            task_queue=cap.settings.task_queue)
+        return joined["nodes"][0]["node_name"]
+
+    first = await join("first")
+    (kept,) = live(cap, "mid")
+    for _ in range(100):
+        if (await status()).nodes.get(first) == "ready":
+            break
+        await asyncio.sleep(0.1)
+    assert (await status()).nodes == {first: "ready"}
+    assert await listings() == 1, "a join within max is counted, not listed"
+
+    second = await join("second")
+    await wait_for(lambda: [m["id"] for m in live(cap, "mid")] == [kept["id"]], timeout=30)
+    assert cap.cluster.get_node(second) is None and cap.cluster.get_node(first) is not None
+    assert await listings() == 2, "the join past max: one reconcile"
+    await replay_and_record(site, "site_counts_joins")
+
+
 async def test_entities_continue_as_new(tmp_path: Path) -> None:
     """A dev server of its own, suggesting continue-as-new after 40 events."""
     env = await WorkflowEnvironment.start_local(

@@ -2,7 +2,10 @@
 
 Min/max come from the fleet config. Node workflows tell it their transitions
 (``node_transition``); the reconcile sweep (a Schedule) and a timer send
-``reconcile``. Each reconcile counts the site's nodes in the cluster, then:
+``reconcile``. A joined node ("ready") is counted from its transition and
+reconciles only when the count passes the max (patch ``count-joins``: a fleet
+coming up would otherwise list the whole site once per join); any other
+transition reconciles. Each reconcile counts the site's nodes in the cluster, then:
 
 - below min: an AcquireCapacity restricted to this site for the missing nodes;
 - above max: drain (PDBs honoured) and retire the surplus, most expensive first,
@@ -98,6 +101,9 @@ KNOWN_NODES_PATCH = "admit-known-nodes"
 #: Workflow patch: the entity tells when the control plane was away, and reconciles (no repair,
 #: no incident) for ``control_plane.return_grace_seconds`` after it returns.
 CONTROL_PLANE_PATCH = "control-plane-return"
+#: Workflow patch: a joined node is counted from its own transition; the site is listed again
+#: only when that count leaves min/max (before, every join re-listed the whole site).
+COUNT_JOINS_PATCH = "count-joins"
 
 
 
@@ -116,6 +122,8 @@ class SiteEntity:
         # Patched in: watch the gap between its own timer and its next task (``_note_presence``).
         self._returns = False
         self._sleep = 0.0
+        # Patched in: a "ready" transition reconciles only when the count leaves min/max.
+        self._count_joins = False
 
     @workflow.signal
     def reconcile(self) -> None:
@@ -126,7 +134,15 @@ class SiteEntity:
         t = parse_signal(NodeTransition, raw, "node_transition")
         if t is None:
             return
-        self.state.status.nodes[t.node_name] = t.state
+        status = self.state.status
+        status.nodes[t.node_name] = t.state
+        if self._count_joins and t.state == "ready":
+            # A node added: a fill that overshot or a join from outside can take the site past
+            # its max, nothing else changes for min/max; the next reconcile lists it anyway.
+            counted = sum(state != "gone" for state in status.nodes.values())
+            if counted <= status.max_nodes:
+                self._show(f"{t.node_name} joined")
+                return
         self.state.wanted = True
 
     @workflow.query
@@ -225,6 +241,7 @@ class SiteEntity:
             sa.SITE.value_set(site.name), sa.PROVIDER.value_set(site.provider), sa.ACCOUNT.value_set(site.account),
             sa.FLEET_STATE.value_set("reconciling"),
         ])
+        self._count_joins = workflow.patched(COUNT_JOINS_PATCH)
         incidents = workflow.patched(INCIDENT_PATCH)
         if incidents:
             self._returns = workflow.patched(CONTROL_PLANE_PATCH)
