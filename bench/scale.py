@@ -62,11 +62,13 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,7 +77,7 @@ from temporalio.service import RPCError
 from activities.env import FleetEnv
 from bench.common import bench_env, fleet, run, pct, proc_cpu, rss_mb, server_pid, until
 from cli.dev import wait_for_port
-from workers.gc_tuning import settle_garbage_collection
+from workers.gc_tuning import SLOW_COLLECTION_SECONDS, settle_garbage_collection
 from workers.node_gateway import dev_gateway_files
 from fleet import search_attributes as sa
 from fleet.naming import join_workflow_id
@@ -95,9 +97,9 @@ class Step:
     joined: int = 0
     join_failures: list[str] = field(default_factory=list)
     contain: list[float] = field(default_factory=list)
-    #: (node, fault injected, cordon seen), wall clock: the server runs on this machine, so its
-    #: event times and ours read the same clock.
-    cordons: list[tuple[str, float, float]] = field(default_factory=list)
+    #: (node, fault injected, fault in the sim world, cordon seen), wall clock: the server runs on this
+    #: machine, so its event times and ours read the same clock.
+    cordons: list[tuple[str, float, float, float]] = field(default_factory=list)
     report_contain: list[float] = field(default_factory=list)  # watch result on the server -> cordon seen
     #: (fault injected, watch result on the server) -> the fence's local activity done, by the
     #: worker's clock: the cordon is written by then, without the driver's look to see it.
@@ -107,6 +109,12 @@ class Step:
     not_contained: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     steady_wall: float = 0.0
+    steady_started: float = 0.0  # wall clock
+    #: (watch result -> cordon seen s, injected s into the window, the hop that took longest):
+    #: where in the window the tail falls, and on which hop.
+    slowest: list[tuple[float, float, str]] = field(default_factory=list)
+    #: process → its collections of ``SLOW_COLLECTION_SECONDS`` or more: (s into the window, ms, generation)
+    gc_pauses: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)
     cpu: dict[str, float] = field(default_factory=dict)  # process → CPU s over the steady window
     join_cpu: dict[str, float] = field(default_factory=dict)  # process → CPU s over the join window
     rss: dict[str, float] = field(default_factory=dict)  # process → MB at the window's end
@@ -225,21 +233,24 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
     repairs: list[str] = []
     watchers: list[asyncio.Task] = []
 
-    #: node → (fault's perf_counter start, its wall-clock injection): faults not yet seen cordoned.
-    pending: dict[str, tuple[float, float]] = {}
+    #: node → (fault's perf_counter start, its wall-clock injection, the injection back from the sim
+    #: world's write): faults not yet seen cordoned.
+    pending: dict[str, tuple[float, float, float]] = {}
 
     def cordoned_now() -> list[str]:
         return [name for name in list(pending) if (cluster.get_node(name) or _gone).unschedulable]
 
     async def watch_cordons() -> None:
-        """One look at every pending fault's node each 10 ms, in one thread: a poll per fault
-        would queue behind the driver's other threads and add its wait to the figure."""
+        """One look at every pending fault's node each 10 ms, in a thread of its own: a poll per
+        fault, or one in the shared pool, would queue behind the driver's other threads (a
+        listing of every node) and add its wait to the figure."""
+        loop = asyncio.get_running_loop()
         while pending or time.perf_counter() < end:
-            for name in await asyncio.to_thread(cordoned_now) if pending else []:
-                start, injected_at = pending.pop(name)
+            for name in await loop.run_in_executor(looker, cordoned_now) if pending else []:
+                start, injected_at, written_at = pending.pop(name)
                 step.contain.append(time.perf_counter() - start)
-                step.cordons.append((name, injected_at, time.time()))
-            for name, (start, _) in list(pending.items()):
+                step.cordons.append((name, injected_at, written_at, time.time()))
+            for name, (start, _, _) in list(pending.items()):
                 if time.perf_counter() > start + 30:
                     pending.pop(name)
                     step.not_contained += 1
@@ -282,8 +293,14 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
             said = f"failed: {type(error).__name__}: {getattr(error, 'cause', None) or error}"
         step.capacity = (time.perf_counter() - start, said)
 
-    def healthy_nodes() -> list:
-        return [n for n in cluster.list_nodes()
+    # [when, the nodes]: one listing of the fleet serves every chooser for 5 s. A listing is
+    # 1,250 rows parsed in this process, and the look for cordons waits while it holds the GIL.
+    listed: list = [0.0, []]
+
+    async def healthy_nodes() -> list:
+        if time.perf_counter() - listed[0] > 5:
+            listed[:] = [time.perf_counter(), await asyncio.to_thread(cluster.list_nodes)]
+        return [n for n in listed[1]
                 if n.ready and not n.unschedulable and n.machine_id and n.name not in busy
                 and not n.site.startswith(DRILL_PREFIXES)]
 
@@ -296,7 +313,7 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
         refreshed = due = time.perf_counter()
         while due < end:
             if not candidates or time.perf_counter() - refreshed > 2:
-                candidates = await asyncio.to_thread(healthy_nodes)
+                candidates = await healthy_nodes()
                 refreshed = time.perf_counter()
                 if not candidates:
                     return
@@ -314,6 +331,11 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
         await asyncio.sleep(args.minutes * 60 / 3)
         await incident_drill(fleet_env, client, step, drill)
 
+    await healthy_nodes()  # listed before the clock starts, not beside the first fault
+    looker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cordon-look")
+    # Its thread's own connection to the sim world, opened now: opening one waited up to 1.4 s
+    # (behind a checkpoint of the joins' writes) and that wait landed on the first fault.
+    await asyncio.get_running_loop().run_in_executor(looker, cluster.get_node, "")
     end = time.perf_counter() + args.minutes * 60
     requested = asyncio.create_task(capacity_request())
     watchers.append(asyncio.create_task(watch_cordons()))
@@ -322,7 +344,7 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
     next_reclaim = time.perf_counter() + args.reclaim_interval / 2
     while time.perf_counter() < end:
         tick = time.perf_counter()
-        nodes = await asyncio.to_thread(healthy_nodes)
+        nodes = await healthy_nodes()
         rng.shuffle(nodes)
         for node in nodes:
             gpu = rng.randrange(node.gpus_allocatable) if node.gpus_allocatable else 0
@@ -333,7 +355,7 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
             clears = rng.choices([c for c, _ in FAULT_MIX], [w for _, w in FAULT_MIX])[0]
             start, injected_at = time.perf_counter(), time.time()
             await asyncio.to_thread(world.inject_fault, node.machine_id, gpu, "xid", 48, clears_on=clears)
-            pending[node.name] = (start, injected_at)
+            pending[node.name] = (start, injected_at, time.time())
             repairs.append(f"repair/{node.name}/gpu{gpu}")
             break
         if args.reclaim_interval and time.perf_counter() >= next_reclaim:
@@ -347,6 +369,7 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
                 watchers.append(asyncio.create_task(reclaimed(node.name, start)))
         await asyncio.sleep(max(0.0, args.fault_interval - (time.perf_counter() - tick)))
     await asyncio.gather(*watchers, requested)
+    looker.shutdown()
     return repairs
 
 
@@ -373,10 +396,11 @@ async def prepare_drills(client, settings, fleet_env: FleetEnv, drills: int) -> 
 
 #: The hops of a fault's path, in order: each is timed from the one before (server event times,
 #: and the worker's for its local activities: this machine's clock), the first from the fault's
-#: injection. The cordon is written in the Node entity's workflow task that took the watch
-#: result (the node's facts, then the fence, both local activities); the Site's admission, the
-#: GpuRepair and its drain come after it.
-PATH_HOPS = ("watch result", "node task started", "facts answered", "fenced", "cordon seen")
+#: injection to the driver's write of it into the sim world returning. The cordon is written in
+#: the Node entity's workflow task that took the watch result (the node's facts, then the fence,
+#: both local activities); the Site's admission, the GpuRepair and its drain come after it.
+PATH_HOPS = ("fault in the sim world", "watch result", "node task started", "facts answered", "fenced",
+             "cordon seen")
 #: The local activities in that task, by the worker's completion time in their markers.
 LOCAL_HOPS = {"node_facts": "facts answered", "fence_gpu": "fenced"}
 
@@ -388,9 +412,9 @@ async def report_to_contained(client, step: Step) -> None:
     def seconds(event) -> float:
         return event.event_time.ToNanoseconds() / 1e9
 
-    async def one(name: str, injected_at: float, cordoned_at: float) -> None:
+    async def one(name: str, injected_at: float, written_at: float, cordoned_at: float) -> None:
         activities: dict[int, str] = {}
-        marks: dict[str, float] = {"injected": injected_at}
+        marks: dict[str, float] = {"injected": injected_at, "fault in the sim world": written_at}
         try:
             async for event in client.get_workflow_handle(f"node/{name}").fetch_history_events():
                 if event.HasField("activity_task_scheduled_event_attributes"):
@@ -418,13 +442,36 @@ async def report_to_contained(client, step: Step) -> None:
         if "fenced" in marks and "watch result" in marks:
             step.fault_written.append(marks["fenced"] - injected_at)
             step.report_written.append(marks["fenced"] - marks["watch result"])
-        last = injected_at
+        last, longest = injected_at, (0.0, "")
         for hop in PATH_HOPS:
             if hop in marks:
-                step.hops.setdefault(hop, []).append(max(0.0, marks[hop] - last))
+                took = max(0.0, marks[hop] - last)
+                step.hops.setdefault(hop, []).append(took)
+                longest = max(longest, (took, hop)) if hop != "watch result" else longest
                 last = marks[hop]
+        if "watch result" in marks:
+            step.slowest.append((cordoned_at - marks["watch result"], injected_at - step.steady_started, longest[1]))
 
     await asyncio.gather(*(one(*c) for c in step.cordons))
+
+
+GC_LINE = re.compile(r"^(\S+ \S+) \S+ WARNING gc: generation (\d) collection stopped this process for (\d+) ms")
+
+
+def slow_collections(logs: Path, since: float, until: float) -> dict[str, list[tuple[float, float, int]]]:
+    """The collections each Python process logged as slow (``workers.gc_tuning``) in the window:
+    process → [(s into the window, ms, generation)]."""
+    found: dict[str, list[tuple[float, float, int]]] = {}
+    for name in ("worker", "gateway", "nodes"):
+        path = logs / f"{name}.log"
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            if (m := GC_LINE.match(line)) is None:
+                continue
+            stamp, millis = m.group(1).split(",")
+            at = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
+            if since <= at <= until:
+                found.setdefault(name, []).append((at - since, float(m.group(3)), int(m.group(2))))
+    return found
 
 
 class _Gone:
@@ -525,6 +572,17 @@ def print_table(args, steps: list[Step]) -> None:
             [statistics.median(s.hops[hop]) * 1000 if s.hops.get(hop) else nan for s in steps], "{:.0f}")
         print(f"  {'':48s}" + "".join(f"{pct(s.hops[hop], 99) * 1000 if s.hops.get(hop) else nan:>12.0f}"
                                          for s in steps))
+    for s in steps:
+        worst = sorted(s.slowest, reverse=True)[:3]
+        print(f"  {f'slowest reports -> contained at {s.nodes}':48s}"
+              + ", ".join(f"{took * 1000:.0f} ms at +{at:.0f} s ({hop})" for took, at, hop in worst))
+    for name in ("worker", "gateway", "nodes", "driver"):
+        row(f"GC pauses >= {SLOW_COLLECTION_SECONDS * 1000:.0f} ms, {name}: count",
+            [len(s.gc_pauses.get(name, [])) for s in steps], "{:.0f}")
+        longest = sorted(steps[-1].gc_pauses.get(name, []), key=lambda pause: -pause[1])[:3]
+        if longest:
+            print(f"  {'    the longest, at':48s}"
+                  + ", ".join(f"{ms:.0f} ms (gen {gen}) +{at:.0f} s" for at, ms, gen in longest))
     print(f"  {'faults contained / not within 30 s':48s}"
           + "".join(f"{f'{len(s.contain)}/{s.not_contained}':>12s}" for s in steps))
     row("spot reclaim notice -> replaced p50 (s)", [statistics.median(s.reclaims) if s.reclaims else nan
@@ -662,7 +720,7 @@ async def main() -> None:
                       "GPUFLEET_GATEWAY": f"127.0.0.1:{gateway_port}", "GPUFLEET_GATEWAY_CA": str(files["ca"]),
                       "GPUFLEET_SIM_SIGNER_DIR": str(files["ca"].parent)})
         # The driver's own full collections would stop the clock that sees each cordon.
-        settle_garbage_collection()
+        driver_gc = settle_garbage_collection()
         # This process too: it injects, polls the cluster for cordons and queries, on the same two cores.
         pids = {"worker": worker.pid, "server": server_pid(), "gateway": gateway.pid, "nodes": host.pid,
                 "driver": os.getpid()}
@@ -687,9 +745,13 @@ async def main() -> None:
                 step.join_cpu = {name: proc_cpu(pid) - before[name] for name, pid in pids.items()}
                 await asyncio.sleep(2)  # every new Node entity's first watch answered
                 before = {name: proc_cpu(pid) for name, pid in pids.items()}
-                begin = time.perf_counter()
+                begin, step.steady_started = time.perf_counter(), time.time()
+                driver_gc.slow.clear()
                 repairs = await steady(fleet_env, client, settings, step, args, rng, used, drill)
                 step.steady_wall = time.perf_counter() - begin
+                step.gc_pauses = {**slow_collections(logs, step.steady_started, time.time()),
+                                  "driver": [(at - step.steady_started, took * 1000, gen)
+                                             for at, took, gen in driver_gc.slow]}
                 step.cpu = {name: proc_cpu(pid) - before[name] for name, pid in pids.items()}
                 step.rss = {name: rss_mb(pid) for name, pid in pids.items()}
                 step.gpus = sum(n.gpus_allocatable for n in await asyncio.to_thread(fleet_env.cluster.list_nodes))
