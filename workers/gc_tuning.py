@@ -46,10 +46,8 @@ class CollectionTimer:
         took = time.perf_counter() - self._started
         if took >= self.slow_seconds:
             self.slow.append((time.time(), took, info["generation"]))
-            # Counting the oldest generation walks it once more: only after a pause that did already.
-            log.warning("gc: generation %d collection stopped this process for %.0f ms (%d collected, %d objects in "
-                        "the oldest generation)", info["generation"], took * 1000, info["collected"],
-                        len(gc.get_objects(2)))
+            log.warning("gc: generation %d collection stopped this process for %.0f ms (%d collected)",
+                        info["generation"], took * 1000, info["collected"])
 
 
 def settle_garbage_collection() -> CollectionTimer:
