@@ -45,6 +45,8 @@ class NodeState:
 
 #: XID events a watch keeps per GPU until the entity has them.
 MAX_XIDS = 64
+#: The watch's first heartbeat, as a share of its heartbeat timeout (see ``watch_node``).
+WATCH_FIRST_HEARTBEAT_SHARE = 0.5
 
 
 def _xid_key(index: int, event) -> str:
@@ -142,10 +144,12 @@ class NodeAgentActivities:
                                    type="InvalidInput", non_retryable=True)
         deadline = time.monotonic() + input.max_wait_seconds
         info = activity.info()
-        beat = (info.heartbeat_timeout.total_seconds() / 3) if info.heartbeat_timeout else 10.0
-        # Heartbeats start after the grace period: a heartbeat is a write on the server, and every
-        # node's watch starts at once when a fleet joins or its control plane comes back.
-        liveness = Liveness()
+        # A look every quarter of the timeout: the first beat, due at half, is sent on time.
+        beat = (info.heartbeat_timeout.total_seconds() / 4) if info.heartbeat_timeout else 10.0
+        # A heartbeat is a write on the server and every node runs a watch, restarted at each
+        # change: the first beat waits half the timeout, so a watch that a change ends sooner
+        # (most of the health traffic) costs none, and a lost agent is still seen in time.
+        liveness = Liveness(first_at_share=WATCH_FIRST_HEARTBEAT_SHARE)
         while True:
             self.watch.arm()
             observed_at = self.watch.clock()

@@ -22,12 +22,20 @@ FIRST_POLL_SECONDS = 0.05
 
 
 class Liveness:
-    """Heartbeats for one activity execution; create it when the activity starts."""
+    """Heartbeats for one activity execution; create it when the activity starts.
 
-    def __init__(self) -> None:
+    ``first_at_share`` of the heartbeat timeout, instead of the short grace period, delays
+    the first heartbeat for an activity that usually ends well within its timeout (the
+    health watch): one that ends before it costs the server no heartbeat at all, and the
+    first still lands inside the timeout."""
+
+    def __init__(self, first_at_share: float | None = None) -> None:
         self._start = time.monotonic()
         timeout = activity.info().heartbeat_timeout
-        self._grace = min(GRACE_SECONDS, timeout.total_seconds() / 4) if timeout else GRACE_SECONDS
+        if timeout and first_at_share is not None:
+            self._grace = timeout.total_seconds() * first_at_share
+        else:
+            self._grace = min(GRACE_SECONDS, timeout.total_seconds() / 4) if timeout else GRACE_SECONDS
 
     def beat(self, *details: object) -> None:
         if time.monotonic() - self._start >= self._grace:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import subprocess
+import math
 import os
 import statistics
 import tempfile
@@ -107,8 +108,10 @@ def run(main: Callable[[], Awaitable[None]]) -> None:
 
 # -- figures: percentiles and other processes' CPU and memory (Linux /proc) -----------------
 def pct(values: list[float], p: float) -> float:
+    """Nearest rank: the smallest value with at least p% of the values at or below it (a p99 of
+    fewer than 100 values is the largest)."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(p * len(ordered) / 100) - 1))]
 
 
 def proc_cpu(pid: int) -> float:

@@ -8,7 +8,8 @@ workers.node_agent --sim``), whose agents reach Temporal only through the gatewa
 its own key and certificate, each polling only its own ``node/<name>`` queue; and the
 product's Schedules, as ``gpufleet dev`` applies them (the site reconcile's first pass starts
 every Site entity before the first join). Each process is its own, so CPU seconds and
-resident memory are read from /proc for each alone. This process only starts joins, injects
+resident memory are read from /proc for each alone. The node host runs at ``--nodes-nice``
+(10, as ``gpufleet dev`` runs it). This process only starts joins, injects
 faults, posts reclaim notices, asks for capacity and watches the sim's cluster.
 
 At each size:
@@ -17,7 +18,9 @@ At each size:
    in flight) bring the fleet from the previous size to this one; nodes admitted per
    minute over that window. A join that fails is counted (no fault is injected while
    joining, so any failure is a finding).
-2. steady, for ``--minutes``, five things at once:
+2. steady, for ``--minutes`` (``--largest-minutes`` at the largest size: by default long
+   enough for 105 faults, since a p99 of fewer than 100 values is the slowest one; the
+   targets are read there), five things at once:
    - one seeded fault every ``--fault-interval`` s into a random healthy node's simulated
      GPU (XID 48; cleared by reset / reboot / never, i.e. replace). The clock starts
      before the fault is written into the sim world and stops when this process sees the
@@ -50,7 +53,7 @@ an incident there) and on at each drill's own site. Health is pulled, never push
 "reports" are watch results, one per change of a node's state.
 
     python -m bench.scale [--nodes 1250] [--sites 10] [--gpus-per-node 8] [--minutes 1]
-                          [--steps 125,250,625,1250] [--fault-interval 2] [--reclaim-interval 15]
+                          [--largest-minutes 3.5] [--nodes-nice 10] [--steps 125,250,625,1250] [--fault-interval 2] [--reclaim-interval 15]
                           [--health-per-minute 1000] [--seed 22]
 """
 
@@ -78,6 +81,7 @@ from activities.env import FleetEnv
 from bench.common import bench_env, fleet, run, pct, proc_cpu, rss_mb, server_pid, until
 from cli.dev import wait_for_port
 from workers.gc_tuning import SLOW_COLLECTION_SECONDS, settle_garbage_collection
+from workers.node_agent import SIM_HOST_NICE
 from workers.node_gateway import dev_gateway_files
 from fleet import search_attributes as sa
 from fleet.naming import join_workflow_id
@@ -224,8 +228,8 @@ async def check_health_traffic(client, step: Step, rng: random.Random, sample: i
 
 
 async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: random.Random,
-                 used: set[tuple[str, int]], drill: int) -> list[str]:
-    """The steady mix for ``args.minutes``: seeded faults (each timed from injection to
+                 used: set[tuple[str, int]], drill: int, minutes: float) -> list[str]:
+    """The steady mix for ``minutes``: seeded faults (each timed from injection to
     cordon), spot reclaims (notice to reclaim done), one capacity request, health traffic and
     one provider incident (drill ``drill``). Returns the repair ids."""
     cluster, world = fleet_env.cluster, fleet_env.world
@@ -328,7 +332,7 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
             await asyncio.sleep(max(0.0, due - time.perf_counter()))
 
     async def incident_later() -> None:
-        await asyncio.sleep(args.minutes * 60 / 3)
+        await asyncio.sleep(minutes * 60 / 3)
         await incident_drill(fleet_env, client, step, drill)
 
     await healthy_nodes()  # listed before the clock starts, not beside the first fault
@@ -336,7 +340,7 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
     # Its thread's own connection to the sim world, opened now: opening one waited up to 1.4 s
     # (behind a checkpoint of the joins' writes) and that wait landed on the first fault.
     await asyncio.get_running_loop().run_in_executor(looker, cluster.get_node, "")
-    end = time.perf_counter() + args.minutes * 60
+    end = time.perf_counter() + minutes * 60
     requested = asyncio.create_task(capacity_request())
     watchers.append(asyncio.create_task(watch_cordons()))
     watchers.append(asyncio.create_task(health_traffic()))
@@ -392,6 +396,14 @@ async def prepare_drills(client, settings, fleet_env: FleetEnv, drills: int) -> 
             await asyncio.to_thread(fleet_env.cluster.apply_serving, ServingSpec(
                 model=f"llm-drill-{k}", site=site, image="vllm", replicas=replicas, gpus_per_replica=8))
         await client.execute_workflow("SiteSweep", {"sites": [incident]}, id=f"sweep-{incident}", task_queue=queue)
+
+
+#: Faults the largest size's window holds by default: with fewer, a p99 is just the slowest one.
+P99_SAMPLES = 100
+
+
+def samples(values: list[float]) -> str:
+    return f"p99 of {len(values)}" + (" = the slowest" if len(values) < P99_SAMPLES else "")
 
 
 #: The hops of a fault's path, in order: each is timed from the one before (server event times,
@@ -543,9 +555,9 @@ def print_table(args, steps: list[Step]) -> None:
 
     nan = float("nan")
     print(f"scale: {args.sites} sites, {args.gpus_per_node} GPUs/node, steps {', '.join(str(s.nodes) for s in steps)}"
-          f" nodes; steady window {args.minutes} min, a fault every {args.fault_interval} s, a reclaim every "
+          f" nodes; steady window {args.minutes:g} min ({args.largest_minutes:g} at {steps[-1].nodes}), a fault every {args.fault_interval} s, a reclaim every "
           f"{args.reclaim_interval} s, {args.health_per_minute:.0f} application XIDs a minute, one incident; "
-          f"heartbeat timeout {args.heartbeat_seconds} s; seed {args.seed}")
+          f"heartbeat timeout {args.heartbeat_seconds} s; simulated nodes at nice {args.nodes_nice}; seed {args.seed}")
     print(f"  {'nodes':48s}" + "".join(f"{s.nodes:>12d}" for s in steps) + "   ratios to the first size")
     print(f"  {'GPUs on the nodes':48s}" + "".join(f"{s.gpus:>12d}" for s in steps))
     row("join: nodes admitted / min (this step's joins)", [s.joins_per_minute for s in steps], "{:.0f}")
@@ -621,11 +633,16 @@ def print_table(args, steps: list[Step]) -> None:
                                                         for s in steps], "{:.0f}")
     print(f"  {'  counted by the Node entities (sampled nodes)':48s}"
           + "".join(f"{f'{s.health_checked[0]}/{s.health_checked[1]}':>12s}" for s in steps))
-    worst_p99 = max((pct(s.contain, 99) for s in steps if s.contain), default=nan)
-    print(f"  target fault -> contained p99 < 2 s: {'met' if worst_p99 < 2 else 'NOT met'} (worst {worst_p99:.2f} s)")
-    worst_report = max((pct(s.report_contain, 99) for s in steps if s.report_contain), default=nan)
-    print(f"  target report -> contained p99 < 500 ms: {'met' if worst_report < 0.5 else 'NOT met'} "
-          f"(worst {worst_report * 1000:.0f} ms)")
+    largest = steps[-1]
+    # The targets are taken at the largest size, where the window holds enough faults for a p99.
+    fault_p99 = pct(largest.contain, 99) if largest.contain else nan
+    print(f"  target fault -> contained p99 < 2 s at {largest.nodes}: {'met' if fault_p99 < 2 else 'NOT met'} "
+          f"({fault_p99:.2f} s, {samples(largest.contain)})")
+    report_p99 = pct(largest.report_contain, 99) if largest.report_contain else nan
+    smaller = [pct(s.report_contain, 99) * 1000 for s in steps[:-1] if s.report_contain]
+    print(f"  target report -> contained p99 < 500 ms at {largest.nodes}: {'met' if report_p99 < 0.5 else 'NOT met'} "
+          f"({report_p99 * 1000:.0f} ms, {samples(largest.report_contain)}"
+          + (f"; the worst smaller size {max(smaller):.0f} ms)" if smaller else ")"))
     worst_incident = max((s.incident for s in steps), default=nan)
     print(f"  incident: third fault -> routing weight 0, worst {worst_incident * 1000:.0f} ms "
           f"(bench/incident's target, report -> weight 0 p50 < 2 s)")
@@ -647,6 +664,11 @@ async def main() -> None:
     parser.add_argument("--sites", type=int, default=10)
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--minutes", type=float, default=1.0, help="steady window at each size")
+    parser.add_argument("--nodes-nice", type=int, default=SIM_HOST_NICE,
+                        help="CPU niceness of the simulated nodes' host (0: the same as the control plane)")
+    parser.add_argument("--largest-minutes", type=float, default=None,
+                        help="steady window at the largest size (default: long enough for "
+                             f"{P99_SAMPLES} faults, so that its p99 is not simply the slowest one)")
     parser.add_argument("--steps", default="", help="sizes measured, comma-separated (default: 10%%, 20%%, 50%%, "
                         "100%% of --nodes)")
     parser.add_argument("--fault-interval", type=float, default=2.0, help="seconds between injected faults")
@@ -678,6 +700,11 @@ async def main() -> None:
         parser.error("--heartbeat-seconds: greater than 0")
     if args.minutes <= 0 or args.fault_interval <= 0:
         parser.error("--minutes and --fault-interval: greater than 0")
+    if args.largest_minutes is None:
+        # A few more than P99_SAMPLES: the first fault waits a moment and the last may not be contained in the window.
+        args.largest_minutes = max(args.minutes, math.ceil((P99_SAMPLES + 5) * args.fault_interval / 6) / 10)
+    elif args.largest_minutes <= 0:
+        parser.error("--largest-minutes: greater than 0")
     if args.health_per_minute < 0:
         parser.error("--health-per-minute: 0 or more")
     # Room for replacements (faults that never clear, reclaims) and capacity requests, on top
@@ -715,7 +742,8 @@ async def main() -> None:
         gateway = spawn(["workers.node_gateway", "--dev", "--listen", f"127.0.0.1:{gateway_port}"], settings,
                         logs / "gateway.log", {})
         wait_for_port(gateway_port)
-        host = spawn(["workers.node_agent", "--sim", "--poll-seconds", "0.05"], settings, logs / "nodes.log",
+        host = spawn(["workers.node_agent", "--sim", "--poll-seconds", "0.05", "--nice", str(args.nodes_nice)],
+                     settings, logs / "nodes.log",
                      {"GPUFLEET_HEALTH_SECONDS": str(args.health_seconds),
                       "GPUFLEET_GATEWAY": f"127.0.0.1:{gateway_port}", "GPUFLEET_GATEWAY_CA": str(files["ca"]),
                       "GPUFLEET_SIM_SIGNER_DIR": str(files["ca"].parent)})
@@ -747,7 +775,8 @@ async def main() -> None:
                 before = {name: proc_cpu(pid) for name, pid in pids.items()}
                 begin, step.steady_started = time.perf_counter(), time.time()
                 driver_gc.slow.clear()
-                repairs = await steady(fleet_env, client, settings, step, args, rng, used, drill)
+                minutes = args.largest_minutes if size == sizes[-1] else args.minutes
+                repairs = await steady(fleet_env, client, settings, step, args, rng, used, drill, minutes)
                 step.steady_wall = time.perf_counter() - begin
                 step.gc_pauses = {**slow_collections(logs, step.steady_started, time.time()),
                                   "driver": [(at - step.steady_started, took * 1000, gen)

@@ -14,6 +14,7 @@ import pytest
 
 from cli.dev import SERVER_START_SECONDS
 from tests.conftest import write_fleet
+from workers.node_agent import SIM_HOST_NICE
 from tests.ports import free_port
 
 
@@ -66,6 +67,14 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def command_of(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+
+
+def nice_of(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
 @pytest.mark.timeout(600)
 def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
     port, ui_port = free_port(), free_port()
@@ -79,6 +88,13 @@ def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
     front_door = "front door       http" in (tmp_path / "dev1.log").read_text()
     assert len(children) == 4 + front_door, "temporal server, control-plane worker, node gateway, node-agent host[, front door]"
     assert f"http://127.0.0.1:{ui_port}" in (tmp_path / "dev1.log").read_text()
+    # The simulated machines yield the CPU to the control plane they share it with.
+    host = next(pid for pid in children if "workers.node_agent" in command_of(pid))
+    worker = next(pid for pid in children if "workers.control_plane" in command_of(pid))
+    deadline = time.monotonic() + 60  # the host lowers its own priority once it has started
+    while nice_of(host) != nice_of(worker) + SIM_HOST_NICE:
+        assert time.monotonic() < deadline, f"node host at nice {nice_of(host)}, worker at {nice_of(worker)}"
+        time.sleep(0.5)
     schedules = gpufleet(env, "schedules", "list")
     assert "gpufleet-site-reconcile" in schedules.stdout and "gpufleet-catalog-refresh" in schedules.stdout
     # The demand loop runs from the start: a Pending pod on a fresh stack buys its node.

@@ -6,8 +6,10 @@ node's whole state; with what it returned it waits, with an older state it retur
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 
 from temporalio.testing import ActivityEnvironment
@@ -153,3 +155,30 @@ def test_a_world_change_wakes_only_the_watches_of_the_machines_it_touched(tmp_pa
     world.inject_fault(a, 2, "xid", 48, clears_on="reset")
     assert world.changes_since(cleared.seq).everything
     assert not world.changes_since(rebooted.seq).everything
+
+
+async def test_a_short_watch_costs_the_server_no_heartbeat_and_a_long_one_beats_within_its_timeout() -> None:
+    """Every node runs a watch, restarted at each change: a heartbeat is a write on the server,
+    so a watch that ends early sends none; one that waits proves its agent alive in time."""
+    gpus = NvmlBackend(FakeNvml())
+    watch = NodeWatch(gpus, interval_s=600)
+    agent = NodeAgentActivities("quiet-node", gpus, watch)
+    first: NodeWatchResult = await ActivityEnvironment().run(agent.watch_node, NodeWatchInput(node_name="quiet-node"))
+    timeout = 2.0
+    env = ActivityEnvironment()
+    env.info = dataclasses.replace(env.info, heartbeat_timeout=timedelta(seconds=timeout))
+    beats: list[float] = []
+    env.on_heartbeat = lambda *_details: beats.append(time.monotonic())
+
+    def quiet_watch(seconds: float) -> NodeWatchInput:
+        return NodeWatchInput(node_name="quiet-node", seq=first.seq, digest=first.digest, max_wait_seconds=seconds)
+
+    await env.run(agent.watch_node, quiet_watch(0.35 * timeout))
+    assert beats == [], "a watch ended before half its heartbeat timeout wrote a heartbeat"
+
+    started = time.monotonic()
+    await env.run(agent.watch_node, quiet_watch(2.2 * timeout))
+    assert beats, "a watch longer than its heartbeat timeout never heartbeat"
+    since_last = [later - earlier for earlier, later in zip([started, *beats], [*beats, started + 2.2 * timeout])]
+    assert beats[0] - started >= 0.4 * timeout, "the first heartbeat came before half the timeout"
+    assert max(since_last[:-1]) < timeout, f"heartbeats further apart than the timeout: {since_last}"

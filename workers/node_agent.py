@@ -57,6 +57,10 @@ AGENT_STOP_SECONDS = 20
 AGENT_RETRY_SECONDS = 1.0
 #: The world's change log is trimmed behind the host this often.
 CHANGES_KEPT_SECONDS = 30.0
+#: The simulated machines' host yields the CPU to the control plane it shares it with: a real
+#: node's agent has a machine of its own, while here a fleet's agents would compete on equal
+#: terms with the server and the worker that their reports wait on.
+SIM_HOST_NICE = 10
 
 
 def build_agent(client: Client, node_name: str, gpus: GpuBackend, executor: ThreadPoolExecutor,
@@ -364,6 +368,8 @@ async def main() -> None:
     parser.add_argument("--node-name", help="this node's Kubernetes name (real mode)")
     parser.add_argument("--sim", action="store_true", help="host every simulated node's agent")
     parser.add_argument("--poll-seconds", type=float, default=0.2, help="sim: how often machines are checked")
+    parser.add_argument("--nice", type=int, default=SIM_HOST_NICE,
+                        help="sim: CPU niceness of the host of every simulated machine (0: as the control plane)")
     parser.add_argument("--cert", help="real mode: the node's client certificate (PEM; may hold the key too, "
                         "as kubelet-client-current.pem does); read again when it changes")
     parser.add_argument("--key", help="its private key, when not in --cert")
@@ -387,6 +393,8 @@ async def main() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     if args.sim:
+        if args.nice:
+            os.nice(args.nice)
         signer = None
         if gateway is not None:
             from workers.node_gateway import Pki
