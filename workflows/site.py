@@ -102,7 +102,7 @@ KNOWN_NODES_PATCH = "admit-known-nodes"
 #: no incident) for ``control_plane.return_grace_seconds`` after it returns.
 CONTROL_PLANE_PATCH = "control-plane-return"
 #: Workflow patch: a joined node is counted from its own transition; the site is listed again
-#: only when that count leaves min/max (before, every join re-listed the whole site).
+#: only when that count passes the max (before, every join re-listed the whole site).
 COUNT_JOINS_PATCH = "count-joins"
 
 
@@ -122,7 +122,7 @@ class SiteEntity:
         # Patched in: watch the gap between its own timer and its next task (``_note_presence``).
         self._returns = False
         self._sleep = 0.0
-        # Patched in: a "ready" transition reconciles only when the count leaves min/max.
+        # Patched in: a "ready" transition reconciles only when the count passes the max.
         self._count_joins = False
 
     @workflow.signal
