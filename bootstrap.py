@@ -39,6 +39,25 @@ def ensure_venv() -> None:
     STAMP.write_text(wanted)
 
 
+def build_real_kubernetes() -> None:
+    """The real Kubernetes tier's binaries (tests/realk8s/build.py), built once per version and
+    cached. Without Go the tier skips (its tests say why); in CI a failed build fails the run."""
+    import shutil
+    import time
+
+    if shutil.which("go") is None:
+        print("go is not on PATH: the real Kubernetes tier (tests/realk8s) will skip", flush=True)
+        return
+    started = time.monotonic()
+    code = subprocess.call([sys.executable, str(ROOT / "tests" / "realk8s" / "build.py")])
+    if code != 0:
+        if os.environ.get("CI") == "true":
+            raise SystemExit(f"building the real Kubernetes tier failed (exit {code})")
+        print("building the real Kubernetes tier failed: its tests will skip", file=sys.stderr, flush=True)
+        return
+    print(f"real Kubernetes tier ready ({time.monotonic() - started:.0f} s)", flush=True)
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] not in ("dev", "test", "bench"):
         print(__doc__)
@@ -49,6 +68,7 @@ def main(argv: list[str]) -> int:
     if command == "dev":
         return subprocess.call([BIN / "gpufleet", "dev", *rest])
     if command == "test":
+        build_real_kubernetes()
         code = subprocess.call([PYTHON, "-m", "pytest", *rest])
         if code == 5:
             print("pytest collected no tests: that is a failure here", file=sys.stderr)

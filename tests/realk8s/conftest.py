@@ -1,0 +1,58 @@
+"""The real Kubernetes tier: one real control plane per test session (``cluster.RealCluster``),
+gpufleet's shipped manifests applied to it unchanged, and machines booted from rendered user data.
+
+Skipped, with one line saying what is missing, where the binaries are not built (no Go) or
+machines cannot start (not root).  In CI (``CI=true``) a missing piece fails instead: there the
+tier must run.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.providers.conftest import (  # noqa: F401 - the provider harness fixtures
+    aws_harness,
+    hetzner_harness,
+    lambda_harness,
+    nebius_harness,
+    own_dc_harness,
+)
+from tests.realk8s import build, machine
+from tests.realk8s.cluster import RealCluster
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _missing() -> str | None:
+    return build.missing_reason() or machine.missing_reason()
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = _missing()
+    for item in items:
+        if Path(str(item.fspath)).parent == Path(__file__).parent:
+            item.add_marker(pytest.mark.realk8s)
+            if reason and os.environ.get("CI") != "true":
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def real_cluster(tmp_path_factory) -> RealCluster:
+    reason = _missing()
+    if reason:
+        pytest.fail(f"CI must run the real Kubernetes tier: {reason}")
+    cluster = RealCluster(tmp_path_factory.mktemp("realk8s")).start()
+    try:
+        apply_shipped_manifests(cluster)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def apply_shipped_manifests(cluster: RealCluster) -> None:
+    """What an operator applies, unchanged: the kustomize base and the bootstrap RBAC."""
+    cluster.kubectl("apply", "--server-side", "-k", str(REPO / "deploy" / "kubernetes"))
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "deploy" / "bootstrap" / "rbac.yaml"))

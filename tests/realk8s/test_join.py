@@ -1,0 +1,349 @@
+"""A machine of every provider joins a real kubeadm cluster from nothing but its user data.
+
+The control plane is real (``cluster.RealCluster``: etcd, kube-apiserver with bootstrap-token
+auth, Node,RBAC and NodeRestriction, kube-controller-manager's signer, approver, bootstrap signer
+and token cleaner), set up by kubeadm's own phases, with gpufleet's manifests applied unchanged.
+The control plane's activities run with the ``gpufleet-control-plane`` service account's token,
+so every call they make passes the shipped RBAC or fails here.  The machine is ``gpufleet-join``:
+kubeadm's join code and the real kubelet, in a network namespace of its own carrying the
+addresses the provider reports (``machine.Machine``).
+"""
+
+from __future__ import annotations
+
+import base64
+import threading
+import time
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+from temporalio.exceptions import ApplicationError
+
+from activities.account_store import AccountStore
+from activities.control_plane import ControlPlaneActivities
+from activities.env import FleetEnv
+from activities.models import AwaitRegistrationInput, ProvisionJoinInput
+from fleet.cluster import GPU_RESOURCE, LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
+from fleet.config import FleetConfig
+from fleet.naming import node_name_for
+from fleet.settings import Settings
+from providers.cluster.bootstrap import BOOTSTRAP_GROUP, read_join_configuration
+from providers.cluster.kubernetes import KubernetesCluster
+from tests.providers.harness import Harness
+from tests.providers.test_join_real import PROVIDERS, run, user_data_of
+from tests.realk8s.cluster import KUBEADM_TOKEN, KUBEADM_TOKEN_GROUP, RealCluster
+from tests.realk8s.machine import Machine, MachineFailed
+
+CSR_PATH = "/apis/certificates.k8s.io/v1/certificatesigningrequests"
+
+
+def control_plane_cluster(cluster: RealCluster) -> KubernetesCluster:
+    """The adapter as the control-plane Deployment runs it: its service account's token."""
+    token = cluster.service_account_token("gpufleet", "gpufleet-control-plane")
+    return KubernetesCluster(api_client=cluster.api_client(token), namespace="gpufleet")
+
+
+class RealJoining:
+    """One provider's adapter (against its wire-level fake), the real control plane, and the
+    control plane's join activities."""
+
+    def __init__(self, harness: Harness, tmp_path: Path, cluster: RealCluster) -> None:
+        self.harness = harness
+        self.tmp = tmp_path
+        self.real = cluster
+        provider = harness.provider
+        if provider.site.provider == "own-dc":
+            provider.options["seed_dir"] = str(tmp_path / "seeds")
+        self.cluster = control_plane_cluster(cluster)
+        config = FleetConfig(mode="real", accounts=[provider.account], sites=[provider.site])
+        self.env = FleetEnv(Settings(state_dir=tmp_path), config, self.cluster)
+        self.env._providers[provider.site.name] = provider
+        self.env._accounts = AccountStore(tmp_path / "guard.db")
+        self.acts = ControlPlaneActivities(self.env)
+        self.site = provider.site
+        self.machines: list[Machine] = []
+        self.new_join()
+
+    def new_join(self) -> None:
+        self.join_id = f"join/{self.site.name}/{uuid.uuid4().hex[:6]}"
+        self.node_name = node_name_for(self.site.name, self.join_id)
+
+    def provision(self):
+        spec = self.harness.spec.model_copy(update={"name": self.node_name})
+        return run(self.acts.provision_joining_machine,
+                   ProvisionJoinInput(site=self.site.name, spec=spec, idempotency_key=self.join_id))
+
+    def machine(self, machine_id: str, user_data: str | None = None, name: str = "") -> Machine:
+        """The machine the provider booted: its user data and its addresses, nothing else."""
+        addresses = self.harness.provider.get_machine(machine_id).addresses
+        server = f"127.0.0.1:{self.real.api_port}"
+        machine = Machine(user_data or user_data_of(self.harness, machine_id),
+                          self.tmp / f"machine-{name or machine_id}", addresses=list(addresses),
+                          routes={server: ("127.0.0.1", self.real.api_port)})
+        self.machines.append(machine)
+        return machine
+
+    def await_registration(self, provisioned, seconds: float = 90):
+        try:
+            return run(self.acts.await_registration, AwaitRegistrationInput(
+                site=self.site.name, node_name=self.node_name, machine_id=provisioned.machine.id,
+                provider_id=provisioned.provider_id, join_id=self.join_id, poll_seconds=0.2,
+                deadline=datetime.now(timezone.utc) + timedelta(seconds=seconds)))
+        except ApplicationError as error:
+            if self.machines and error.type == "RegistrationTimeout":
+                error.add_note(self.diagnosis())
+            raise
+
+    def diagnosis(self) -> str:
+        """What the machines and the CSRs say, for a join that did not finish."""
+        lines = []
+        for machine in self.machines:
+            lines.append(f"machine {machine.root.name}: steps {machine.steps}")
+            lines.append(machine.log_tail(2500))
+        for csr in self.csrs():
+            lines.append(f"CSR {csr['metadata']['name']} {csr['spec']['signerName']} {csr['spec']['username']} "
+                         f"{conditions(csr)} issued={bool((csr.get('status') or {}).get('certificate'))}")
+        status, node = self.real.request("GET", f"/api/v1/nodes/{self.node_name}", admin=True)
+        if status == 200:
+            lines.append(f"Node {self.node_name}: {[(c['type'], c['status'], c.get('message', '')) for c in node['status'].get('conditions') or []]}")
+            lines.append(f"  addresses {node['status'].get('addresses')} taints {node['spec'].get('taints')}")
+        return "\n".join(lines)
+
+    def csrs(self) -> list[dict]:
+        status, listed = self.real.request("GET", CSR_PATH, admin=True)
+        assert status == 200, listed
+        return listed["items"]
+
+    def stop(self) -> None:
+        for machine in self.machines:
+            machine.stop()
+        self.cluster.api_client.close()
+
+
+@pytest.fixture(params=PROVIDERS)
+def joining(request: pytest.FixtureRequest, tmp_path, real_cluster):
+    world = RealJoining(request.getfixturevalue(f"{request.param}_harness"), tmp_path, real_cluster)
+    yield world
+    world.stop()
+
+
+@pytest.fixture
+def one(lambda_harness, tmp_path, real_cluster):
+    world = RealJoining(lambda_harness, tmp_path, real_cluster)
+    yield world
+    world.stop()
+
+
+def token_id(user_data: str) -> str:
+    return read_join_configuration(user_data)["discovery"]["bootstrapToken"]["token"].split(".")[0]
+
+
+def conditions(csr: dict) -> list[tuple[str, str]]:
+    return [(c["type"], c.get("reason", "")) for c in (csr.get("status") or {}).get("conditions") or []]
+
+
+def wait_for(predicate, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not within {seconds:.0f} s")
+
+
+def test_a_machine_of_each_provider_joins_a_real_kubeadm_cluster(joining: RealJoining) -> None:
+    provisioned = joining.provision()
+    user_data = user_data_of(joining.harness, provisioned.machine.id)
+    assert read_join_configuration(user_data)["nodeRegistration"]["name"] == joining.node_name
+    machine = joining.machine(provisioned.machine.id).boot()
+
+    discovered = machine.wait_step("discovered", 60)
+    assert discovered["server"] == joining.real.server, "the TLS bootstrap uses cluster-info's server"
+    node = joining.await_registration(provisioned)
+    machine.wait_step("kubelet", 30)
+
+    assert node.name == joining.node_name and node.ready
+    assert node.provider_id == provisioned.provider_id
+    assert (node.site, node.provider) == (joining.site.name, joining.site.provider), "from the identity record"
+    assert UNPROVEN_TAINT in node.taints, "registered unproven, from the JoinConfiguration's taints"
+    assert node.gpus_allocatable == 8, "the kubelet advertises nvidia.com/gpu"
+    assert set(node.addresses) <= set(joining.harness.provider.get_machine(provisioned.machine.id).addresses)
+    identity = joining.cluster.node_identity(node.name)
+    assert identity is not None and identity.machine_id == provisioned.machine.id
+
+    token_id = read_join_configuration(user_data)["discovery"]["bootstrapToken"]["token"].split(".")[0]
+    [client_csr] = [c for c in joining.csrs() if c["spec"]["username"] == f"system:bootstrap:{token_id}"]
+    assert client_csr["spec"]["signerName"] == "kubernetes.io/kube-apiserver-client-kubelet"
+    assert BOOTSTRAP_GROUP in client_csr["spec"]["groups"]
+    assert ("Approved", "GpufleetApproved") in conditions(client_csr)
+    assert client_csr["status"].get("certificate"), "issued by the controller-manager's signer"
+    status, tokens = joining.real.request("GET", "/api/v1/namespaces/kube-system/secrets", admin=True)
+    assert not [t for t in tokens["items"] if t["type"] == "bootstrap.kubernetes.io/token"
+                and base64.b64decode(t["data"].get("auth-extra-groups", "")).decode() == BOOTSTRAP_GROUP], \
+        "the join token is deleted at registration"
+
+
+def test_gpufleets_token_group_is_not_auto_approved_while_kubeadms_still_is(one: RealJoining) -> None:
+    """The controller-manager's csrapproving approves kubeadm's default group (kubeadm binds it);
+    gpufleet's group is bound to no auto-approval: only gpufleet's approver decides its CSRs."""
+    provisioned = one.provision()
+    machine = one.machine(provisioned.machine.id).boot()
+    machine.wait_step("kubelet-start", 60)
+
+    requester = f"system:bootstrap:{token_id(machine.user_data)}"
+
+    def pending_csr():
+        return next((c for c in one.csrs() if c["spec"]["username"] == requester), None)
+
+    csr = wait_for(pending_csr, 30, "the machine's bootstrap CSR")
+    time.sleep(3)  # the controller-manager's approver has had its chance
+    csr = pending_csr()
+    assert BOOTSTRAP_GROUP in csr["spec"]["groups"]
+    assert conditions(csr) == [], "left pending for gpufleet's approver"
+
+    # The same user data with kubeadm's own token: approved with no approver of ours.
+    kubeadm_user_data = machine.user_data.replace(read_join_configuration(machine.user_data)[
+        "discovery"]["bootstrapToken"]["token"], KUBEADM_TOKEN)
+    one.new_join()
+    other = one.machine(provisioned.machine.id, kubeadm_user_data.replace(
+        read_join_configuration(machine.user_data)["nodeRegistration"]["name"], "kubeadm-joined-node"),
+        name="kubeadm-token").boot()
+    other.wait_step("tls-bootstrapped", 60)
+    [auto] = [c for c in one.csrs() if KUBEADM_TOKEN_GROUP in c["spec"]["groups"]
+              and c["spec"]["username"] == f"system:bootstrap:{KUBEADM_TOKEN.split('.')[0]}"]
+    assert ("Approved", "AutoApproved") in conditions(auto)
+
+
+def test_a_second_machines_token_cannot_register_under_the_first_machines_name(one: RealJoining) -> None:
+    first = one.provision()
+    first_name = one.node_name
+    one.new_join()
+    second = one.provision()
+    second_user_data = user_data_of(one.harness, second.machine.id)
+    # The second machine, hostile: its own token, the first machine's name.
+    forged = second_user_data.replace(one.node_name, first_name)
+    attacker = one.machine(second.machine.id, forged, name="forged").boot()
+    attacker.wait_step("kubelet-start", 60)
+    requester = f"system:bootstrap:{token_id(second_user_data)}"
+    csr = wait_for(lambda: next((c for c in one.csrs() if c["spec"]["username"] == requester), None), 30,
+                   "the forged CSR")
+    assert run(one.acts.review_node_csrs) >= 1
+    failed = attacker.failure(60)
+    assert failed.step == "tls-bootstrap", failed
+    csr = next(c for c in one.csrs() if c["metadata"]["name"] == csr["metadata"]["name"])
+    assert [t for t, _ in conditions(csr)] == ["Denied"] and not csr["status"].get("certificate")
+    status, _ = one.real.request("GET", f"/api/v1/nodes/{first_name}", admin=True)
+    assert status == 404, "no Node registered under the first machine's name"
+    del first
+
+
+def test_the_node_may_not_set_gpufleets_placement_labels_on_itself(one: RealJoining) -> None:
+    provisioned = one.provision()
+    machine = one.machine(provisioned.machine.id).boot()
+    node = one.await_registration(provisioned)
+    cert = machine.client_pem
+    for labels in ({LABEL_SITE: "another-site"}, {LABEL_PROVIDER: "aws"}):
+        status, answer = one.real.request("PATCH", f"/api/v1/nodes/{node.name}", {"metadata": {"labels": labels}},
+                                          cert=cert, content_type="application/merge-patch+json")
+        assert status == 403, (labels, answer)
+        assert "NodeRestriction" in str(answer) or "forbidden" in str(answer).lower()
+    victim = f"victim-{uuid.uuid4().hex[:6]}"
+    status, _ = one.real.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
+                                                           "metadata": {"name": victim}}, admin=True)
+    assert status == 201
+    status, answer = one.real.request("PATCH", f"/api/v1/nodes/{victim}", {"metadata": {"labels": {"x": "y"}}},
+                                      cert=cert, content_type="application/merge-patch+json")
+    assert status == 403, answer
+    one.real.request("DELETE", f"/api/v1/nodes/{victim}", admin=True)
+
+
+def test_client_certificate_renewal_and_a_serving_certificate_for_the_machines_own_addresses(
+        one: RealJoining) -> None:
+    provisioned = one.provision()
+    machine = one.machine(provisioned.machine.id).boot()
+    node = one.await_registration(provisioned)
+
+    # The kubelet asks for its serving certificate (rotate-server-certificates) for its addresses.
+    def serving():
+        return next((c for c in one.csrs() if c["spec"]["signerName"] == "kubernetes.io/kubelet-serving"
+                     and c["spec"]["username"] == f"system:node:{node.name}"), None)
+
+    wait_for(serving, 60, "the kubelet's serving CSR")
+    run(one.acts.review_node_csrs)
+    csr = wait_for(lambda: (c := serving()) and c["status"].get("certificate") and c, 30, "the serving certificate")
+    assert ("Approved", "GpufleetApproved") in conditions(csr)
+
+    # A renewal as the node (what the kubelet's certificate manager sends near expiry). With
+    # kubeadm's kubeadm:node-autoapprove-certificate-rotation binding in place the controller-
+    # manager approves it; gpufleet's approver would approve the same-name renewal otherwise.
+    renewal: dict = {}
+
+    def renew() -> None:
+        try:
+            renewal.update(machine.renew(600))
+        except MachineFailed as failed:
+            renewal["failed"] = failed
+
+    thread = threading.Thread(target=renew)
+    thread.start()
+    try:
+        while thread.is_alive():
+            run(one.acts.review_node_csrs)
+            thread.join(1)
+    finally:
+        thread.join(90)
+    assert renewal.get("step") == "renewed", renewal
+    # The signer backdates notBefore by 5 minutes; notAfter is 600 s from issue.
+    remaining = (datetime.fromisoformat(renewal["not_after"].replace("Z", "+00:00"))
+                 - datetime.now(timezone.utc)).total_seconds()
+    assert 540 <= remaining <= 600, f"expirationSeconds 600 honoured by the real signer ({remaining:.0f} s left)"
+    [renewed] = [c for c in one.csrs() if c["metadata"]["name"] == renewal["csr"]]
+    assert renewed["spec"]["username"] == f"system:node:{node.name}"
+    assert renewed["spec"]["expirationSeconds"] == 600
+    assert [t for t, _ in conditions(renewed)] == ["Approved"]
+
+
+def test_a_spent_token_authenticates_nobody(one: RealJoining) -> None:
+    provisioned = one.provision()
+    machine = one.machine(provisioned.machine.id).boot()
+    one.await_registration(provisioned)
+    token = read_join_configuration(machine.user_data)["discovery"]["bootstrapToken"]["token"]
+    status, _ = one.real.request("GET", "/api/v1/namespaces/kube-public/configmaps/cluster-info", bearer=token)
+    assert status == 401
+    replay = one.machine(provisioned.machine.id, machine.user_data, name="replay")
+    with pytest.raises(MachineFailed) as failed:
+        replay.discover("--discovery-timeout=10s")
+    # The bootstrap signer took the token's signature off cluster-info when the token went.
+    assert failed.value.step == "discovery", failed.value
+
+
+def test_registration_times_out_when_the_machine_never_gets_a_certificate(one: RealJoining) -> None:
+    """No machine booted: the wait ends at its deadline, non-retryable, naming the node."""
+    provisioned = one.provision()
+    with pytest.raises(ApplicationError) as waited:
+        one.await_registration(provisioned, seconds=2)
+    assert waited.value.type == "RegistrationTimeout" and one.node_name in waited.value.message
+
+
+def test_the_node_runs_pods_the_real_scheduler_places_on_its_gpus(one: RealJoining) -> None:
+    provisioned = one.provision()
+    one.machine(provisioned.machine.id).boot()
+    node = one.await_registration(provisioned)
+    pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"gpu-{uuid.uuid4().hex[:6]}", "namespace": "default"},
+           "spec": {"containers": [{"name": "c", "image": "registry.invalid/serve:1",
+                                    "resources": {"limits": {GPU_RESOURCE: "2"}}}],
+                    "tolerations": [{"key": "gpufleet.io/unproven", "operator": "Exists"}],
+                    "nodeSelector": {"kubernetes.io/hostname": node.name}}}
+    status, created = one.real.request("POST", "/api/v1/namespaces/default/pods", pod, admin=True)
+    assert status == 201, created
+    name = pod["metadata"]["name"]
+
+    def running():
+        _, got = one.real.request("GET", f"/api/v1/namespaces/default/pods/{name}", admin=True)
+        return got if got["status"].get("phase") == "Running" else None
+
+    got = wait_for(running, 60, "the pod Running on the hollow kubelet")
+    assert got["spec"]["nodeName"] == node.name
