@@ -128,6 +128,8 @@ def node_config(
         "kind": "ConfigMap",
         "metadata": {"name": NODE_GATEWAY_CONFIGMAP, "namespace": namespace,
                      "labels": {"app.kubernetes.io/part-of": "gpufleet"}},
-        "data": {"endpoint": gateway.endpoint, "ca.crt": ca.strip() + "\n"},
+        # server-name: what the agents check the gateway's certificate against (the endpoint's host).
+        "data": {"endpoint": gateway.endpoint, "server-name": gateway.endpoint.rsplit(":", 1)[0].strip("[]"),
+                 "ca.crt": ca.strip() + "\n"},
     }
     typer.echo(yaml.safe_dump(doc, sort_keys=False), nl=False)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from fleet.errors import BadCredentials
 from fleet.models import CredentialsRef
+from providers.cluster.base import AccessRule
 
 
 def read_secret(ref: CredentialsRef | None, *, provider: str = "") -> str:
@@ -57,6 +58,12 @@ def aws_keys(secret: str, ref: CredentialsRef | None, *, provider: str) -> dict[
     if len(parts) == 3:
         keys["aws_session_token"] = parts[2]
     return keys
+
+
+#: The one Kubernetes call credentials make (``secret: gpufleet/<name>#<key>`` in sites.yaml), as
+#: the control plane's service account runs it: deploy/kubernetes/rbac.yaml (gpufleet-credentials).
+ACCESS = (AccessRule(verb="get", group="", resource="secrets", namespace="gpufleet",
+                     purpose="provider credentials given as `secret: gpufleet/<name>#<key>`"),)
 
 
 def _read_kubernetes_secret(ref: str) -> str:

@@ -54,6 +54,7 @@ import typer
 from temporalio.api.workflowservice.v1 import request_response_pb2 as wsr
 
 from fleet.settings import Settings, node_queue, temporal_profile
+from providers.cluster.base import AccessRule
 
 log = logging.getLogger("gpufleet.node_gateway")
 
@@ -98,6 +99,14 @@ def node_from_subject(common_name: str) -> str | None:
 
 
 # -- liveness: the node belongs to a live join or Node entity ---------------------------------
+#: Every Kubernetes call the gateway makes (its liveness check's ``get_node``: the Node, then its
+#: identity ConfigMap), as deploy/kubernetes/node-gateway.yaml grants them: nothing more.
+ACCESS = (
+    AccessRule(verb="get", group="", resource="nodes", purpose="liveness: the Node exists"),
+    AccessRule(verb="get", group="", resource="configmaps", namespace="gpufleet",
+               purpose="liveness: the node's identity record"),
+)
+
 Liveness = Callable[[str], Awaitable[bool]]
 
 

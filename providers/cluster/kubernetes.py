@@ -70,6 +70,7 @@ import copy
 import hashlib
 import json
 import os
+import random
 import re
 import secrets
 import string
@@ -546,7 +547,9 @@ class _Conflict(Exception):
 
 #: Re-reads of one object after a 409 before the call gives up as ``ClusterConflict``
 #: (a write loses only to another writer, which is done in milliseconds).
-_RETRY_CONFLICTS = 8
+_RETRY_CONFLICTS = 12
+#: The first pause after a conflict (doubled per try, jittered, at most the max).
+_CONFLICT_PAUSE_S, _CONFLICT_PAUSE_MAX_S = 0.01, 0.5
 
 T = TypeVar("T")
 
@@ -629,12 +632,15 @@ class KubernetesCluster:
     @staticmethod
     def _retry_on_conflict(what: str, attempt: Callable[[], T]) -> T:
         """Run ``attempt`` (read, decide, write under the resourceVersion read) again
-        while its write meets a 409; past ``_RETRY_CONFLICTS`` tries, ``ClusterConflict``."""
-        for _ in range(_RETRY_CONFLICTS):
+        while its write meets a 409, after a jittered, growing pause (writers that collided
+        would otherwise collide again: on a real API server six writers of one object starved
+        each other through eight immediate retries); past ``_RETRY_CONFLICTS`` tries,
+        ``ClusterConflict``."""
+        for tries in range(_RETRY_CONFLICTS):
             try:
                 return attempt()
             except _Conflict:
-                continue
+                time.sleep(random.uniform(0, min(_CONFLICT_PAUSE_S * 2 ** tries, _CONFLICT_PAUSE_MAX_S)))
         raise ClusterConflict(f"{what} kept conflicting", code="409")
 
     # -- join tokens ----------------------------------------------------------------------

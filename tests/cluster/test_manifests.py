@@ -110,7 +110,14 @@ def test_node_agent_daemonset_runs_on_gpu_nodes_including_unproven():
     assert {"key": "gpufleet.io/unproven", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     (container,) = pod["containers"]
     assert container["image"] == "gpufleet-node-agent:latest"
-    assert container["command"] == ["python", "-m", "workers.node_agent", "--node-name", "$(NODE_NAME)"]
+    assert container["command"] == ["python", "-m", "workers.node_agent", "--node-name", "$(NODE_NAME)",
+                                    "--cert", "/var/lib/kubelet/pki/kubelet-client-current.pem"]
+    # The kubelet's client certificate is the agent's identity at the gateway: its folder is mounted.
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/var/lib/kubelet/pki")
+    assert mount["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["hostPath"]["path"] == "/var/lib/kubelet/pki"
+    assert pod["automountServiceAccountToken"] is False, "the agent calls no Kubernetes API"
     node_name = next(e for e in container["env"] if e["name"] == "NODE_NAME")
     assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
 

@@ -138,9 +138,12 @@ def test_node_agent_dials_the_gateway_from_its_configmap() -> None:
     pod = agent["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     env = {e["name"]: e for e in container["env"]}
-    assert env["TEMPORAL_ADDRESS"]["valueFrom"]["configMapKeyRef"] == {"name": "gpufleet-node-gateway",
+    assert env["GPUFLEET_GATEWAY"]["valueFrom"]["configMapKeyRef"] == {"name": "gpufleet-node-gateway",
                                                                        "key": "endpoint"}
-    ca_path = Path(env["TEMPORAL_TLS_SERVER_CA_CERT_PATH"]["value"])
+    assert env["GPUFLEET_GATEWAY_SERVER_NAME"]["valueFrom"]["configMapKeyRef"] == {
+        "name": "gpufleet-node-gateway", "key": "server-name"}
+    assert "TEMPORAL_ADDRESS" not in env, "a node never dials Temporal itself"
+    ca_path = Path(env["GPUFLEET_GATEWAY_CA"]["value"])
     mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(ca_path.parent))
     volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
     assert volume["configMap"]["name"] == "gpufleet-node-gateway"

@@ -253,7 +253,7 @@ class RealCluster:
 
     def request(self, method: str, path: str, body: Any = None, *, bearer: str | None = None,
                 cert: Path | None = None, key: Path | None = None, admin: bool = False,
-                content_type: str = "application/json") -> tuple[int, Any]:
+                content_type: str = "application/json", headers: dict[str, str] | None = None) -> tuple[int, Any]:
         """One API call: as the admin, as a bearer token, as a client certificate, or anonymously."""
         if admin:
             cert, key = self.admin_cert()
@@ -263,6 +263,8 @@ class RealCluster:
             request.add_header("Content-Type", content_type)
         if bearer:
             request.add_header("Authorization", f"Bearer {bearer}")
+        for name, value in (headers or {}).items():
+            request.add_header(name, value)
         try:
             with urllib.request.urlopen(request, context=self.ssl_context(cert, key), timeout=30) as response:
                 return response.status, _decoded(response.read())
@@ -304,6 +306,21 @@ class RealCluster:
         if status != 201:
             raise ClusterFailed(f"token for {namespace}/{name}: {status} {answer}")
         return answer["status"]["token"]
+
+    def rules(self, user: str, namespace: str, groups: tuple[str, ...] = ()) -> dict[str, Any]:
+        """What the real authorizer grants ``user`` in ``namespace``: a SelfSubjectRulesReview made
+        as that user (impersonated by the admin), as ``kubectl auth can-i --list --as`` does."""
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectRulesReview",
+                  "spec": {"namespace": namespace}}
+        request = urllib.request.Request(self.server + "/apis/authorization.k8s.io/v1/selfsubjectrulesreviews",
+                                         data=json.dumps(review).encode(), method="POST")
+        request.add_header("Content-Type", "application/json")
+        request.add_header("Impersonate-User", user)
+        for group in groups:  # urllib joins repeated headers; the API server wants one per group
+            request.add_unredirected_header("Impersonate-Group", group)
+        cert, key = self.admin_cert()
+        with urllib.request.urlopen(request, context=self.ssl_context(cert, key), timeout=30) as response:
+            return json.loads(response.read())["status"]
 
     def api_client(self, token: str | None = None):
         """The official Python client against this server: as the admin, or with a bearer token."""

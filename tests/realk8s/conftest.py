@@ -1,4 +1,4 @@
-"""The real Kubernetes tier: one real control plane per test session (``cluster.RealCluster``),
+"""The real Kubernetes tier: one real control plane for this package's tests (``cluster.RealCluster``),
 gpufleet's shipped manifests applied to it unchanged, and machines booted from rendered user data.
 
 Skipped, with one line saying what is missing, where the binaries are not built (no Go) or
@@ -39,8 +39,10 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def real_cluster(tmp_path_factory) -> RealCluster:
+    """One control plane for the tier's tests, stopped when they are done (its API server and
+    controllers cost CPU the rest of the suite needs)."""
     reason = _missing()
     if reason:
         pytest.fail(f"CI must run the real Kubernetes tier: {reason}")

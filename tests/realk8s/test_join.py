@@ -240,26 +240,6 @@ def test_a_second_machines_token_cannot_register_under_the_first_machines_name(o
     del first
 
 
-def test_the_node_may_not_set_gpufleets_placement_labels_on_itself(one: RealJoining) -> None:
-    provisioned = one.provision()
-    machine = one.machine(provisioned.machine.id).boot()
-    node = one.await_registration(provisioned)
-    cert = machine.client_pem
-    for labels in ({LABEL_SITE: "another-site"}, {LABEL_PROVIDER: "aws"}):
-        status, answer = one.real.request("PATCH", f"/api/v1/nodes/{node.name}", {"metadata": {"labels": labels}},
-                                          cert=cert, content_type="application/merge-patch+json")
-        assert status == 403, (labels, answer)
-        assert "NodeRestriction" in str(answer) or "forbidden" in str(answer).lower()
-    victim = f"victim-{uuid.uuid4().hex[:6]}"
-    status, _ = one.real.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
-                                                           "metadata": {"name": victim}}, admin=True)
-    assert status == 201
-    status, answer = one.real.request("PATCH", f"/api/v1/nodes/{victim}", {"metadata": {"labels": {"x": "y"}}},
-                                      cert=cert, content_type="application/merge-patch+json")
-    assert status == 403, answer
-    one.real.request("DELETE", f"/api/v1/nodes/{victim}", admin=True)
-
-
 def test_client_certificate_renewal_and_a_serving_certificate_for_the_machines_own_addresses(
         one: RealJoining) -> None:
     provisioned = one.provision()
@@ -306,20 +286,6 @@ def test_client_certificate_renewal_and_a_serving_certificate_for_the_machines_o
     assert [t for t, _ in conditions(renewed)] == ["Approved"]
 
 
-def test_a_spent_token_authenticates_nobody(one: RealJoining) -> None:
-    provisioned = one.provision()
-    machine = one.machine(provisioned.machine.id).boot()
-    one.await_registration(provisioned)
-    token = read_join_configuration(machine.user_data)["discovery"]["bootstrapToken"]["token"]
-    status, _ = one.real.request("GET", "/api/v1/namespaces/kube-public/configmaps/cluster-info", bearer=token)
-    assert status == 401
-    replay = one.machine(provisioned.machine.id, machine.user_data, name="replay")
-    with pytest.raises(MachineFailed) as failed:
-        replay.discover("--discovery-timeout=10s")
-    # The bootstrap signer took the token's signature off cluster-info when the token went.
-    assert failed.value.step == "discovery", failed.value
-
-
 def test_registration_times_out_when_the_machine_never_gets_a_certificate(one: RealJoining) -> None:
     """No machine booted: the wait ends at its deadline, non-retryable, naming the node."""
     provisioned = one.provision()
@@ -328,10 +294,37 @@ def test_registration_times_out_when_the_machine_never_gets_a_certificate(one: R
     assert waited.value.type == "RegistrationTimeout" and one.node_name in waited.value.message
 
 
-def test_the_node_runs_pods_the_real_scheduler_places_on_its_gpus(one: RealJoining) -> None:
+def test_a_joined_node_keeps_to_its_own_identity_and_runs_pods_on_its_gpus(one: RealJoining) -> None:
+    """One joined machine, three things a user relies on: NodeRestriction holds the node to its
+    own object and off gpufleet's placement labels; its spent join token authenticates nobody
+    (and kubeadm's discovery with it fails: the bootstrap signer took its signature off
+    cluster-info); the real scheduler places a GPU pod on it and its kubelet runs it."""
     provisioned = one.provision()
-    one.machine(provisioned.machine.id).boot()
+    machine = one.machine(provisioned.machine.id).boot()
     node = one.await_registration(provisioned)
+
+    cert = machine.client_pem
+    for labels in ({LABEL_SITE: "another-site"}, {LABEL_PROVIDER: "aws"}):
+        status, answer = one.real.request("PATCH", f"/api/v1/nodes/{node.name}", {"metadata": {"labels": labels}},
+                                          cert=cert, content_type="application/merge-patch+json")
+        assert status == 403, (labels, answer)
+    victim = f"victim-{uuid.uuid4().hex[:6]}"
+    status, _ = one.real.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
+                                                           "metadata": {"name": victim}}, admin=True)
+    assert status == 201
+    status, answer = one.real.request("PATCH", f"/api/v1/nodes/{victim}", {"metadata": {"labels": {"x": "y"}}},
+                                      cert=cert, content_type="application/merge-patch+json")
+    assert status == 403, answer
+    one.real.request("DELETE", f"/api/v1/nodes/{victim}", admin=True)
+
+    token = read_join_configuration(machine.user_data)["discovery"]["bootstrapToken"]["token"]
+    status, _ = one.real.request("GET", "/api/v1/namespaces/kube-public/configmaps/cluster-info", bearer=token)
+    assert status == 401
+    replay = one.machine(provisioned.machine.id, machine.user_data, name="replay")
+    with pytest.raises(MachineFailed) as failed:
+        replay.discover("--discovery-timeout=5s")
+    assert failed.value.step == "discovery", failed.value
+
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"gpu-{uuid.uuid4().hex[:6]}", "namespace": "default"},
            "spec": {"containers": [{"name": "c", "image": "registry.invalid/serve:1",
                                     "resources": {"limits": {GPU_RESOURCE: "2"}}}],
@@ -345,5 +338,6 @@ def test_the_node_runs_pods_the_real_scheduler_places_on_its_gpus(one: RealJoini
         _, got = one.real.request("GET", f"/api/v1/namespaces/default/pods/{name}", admin=True)
         return got if got["status"].get("phase") == "Running" else None
 
-    got = wait_for(running, 60, "the pod Running on the hollow kubelet")
+    got = wait_for(running, 60, "the pod Running on the machine's kubelet")
     assert got["spec"]["nodeName"] == node.name
+    one.real.request("DELETE", f"/api/v1/namespaces/default/pods/{name}?gracePeriodSeconds=0", admin=True)

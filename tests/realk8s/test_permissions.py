@@ -1,0 +1,77 @@
+"""What the real authorizer grants each of gpufleet's identities equals what the product uses.
+
+The shipped manifests are applied unchanged (``conftest.apply_shipped_manifests``); the API
+server's own RBAC authorizer then answers a SelfSubjectRulesReview per identity and namespace
+(what ``kubectl auth can-i --list --as=...`` shows). Less what every authenticated identity
+gets anyway (a service account with no bindings), that must equal the access table of the
+code running as that identity: a grant nobody uses, or a call nobody granted, fails here.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from providers.cluster.kubernetes import BOOTSTRAP_NAMESPACE, TOKEN_NAMESPACE, access_table
+from providers.credentials import ACCESS as CREDENTIALS_ACCESS
+from tests.realk8s.cluster import RealCluster
+from workers.node_gateway import ACCESS as GATEWAY_ACCESS
+
+NAMESPACES = ["gpufleet", TOKEN_NAMESPACE, "kube-public", BOOTSTRAP_NAMESPACE, "default"]
+Grant = tuple[str, str, str, str]  # verb, group, resource, subresource
+
+
+def granted(cluster: RealCluster, user: str, namespace: str) -> set[Grant]:
+    rules = cluster.rules(user, namespace)
+    assert not rules["incomplete"], rules
+    out: set[Grant] = set()
+    for rule in rules["resourceRules"]:
+        for verb in rule["verbs"]:
+            for group in rule["apiGroups"]:
+                for resource in rule["resources"]:
+                    name, _, sub = resource.partition("/")
+                    out.add((verb, group, name, sub))
+    return out
+
+
+def matrix(cluster: RealCluster, user: str) -> dict[str, set[Grant]]:
+    """Per namespace: what ``user`` may do beyond what an identity with no bindings may."""
+    baseline = {ns: granted(cluster, "system:serviceaccount:gpufleet:nobody", ns) for ns in NAMESPACES}
+    return {ns: granted(cluster, user, ns) - baseline[ns] for ns in NAMESPACES}
+
+
+def expected(rules) -> dict[str, set[Grant]]:
+    """A cluster-wide rule is granted in every namespace's review, a namespaced one in its own."""
+    return {ns: {(r.verb, r.group, r.resource, r.subresource) for r in rules if r.namespace in ("", ns)}
+            for ns in NAMESPACES}
+
+
+@pytest.mark.parametrize("account, rules", [
+    ("gpufleet-control-plane", [*access_table("gpufleet"), *CREDENTIALS_ACCESS]),
+    ("gpufleet-node-gateway", list(GATEWAY_ACCESS)),
+    ("gpufleet-node-agent", []),
+])
+def test_each_service_account_may_do_exactly_what_its_code_calls(real_cluster: RealCluster, account, rules) -> None:
+    assert matrix(real_cluster, f"system:serviceaccount:gpufleet:{account}") == expected(rules)
+
+
+def test_gpufleets_manifests_grant_nodes_and_join_tokens_nothing_of_their_own(real_cluster: RealCluster) -> None:
+    """A node's powers are Kubernetes' own (the Node authorizer, NodeRestriction) and kubeadm's
+    bindings; a join token's are kubeadm's join RBAC. No binding gpufleet ships names either,
+    except the join RBAC for gpufleet's own token group (deploy/bootstrap/rbac.yaml)."""
+    done = real_cluster.kubectl("get", "clusterrolebindings,rolebindings", "-A", "-o", "json")
+    import json
+
+    from providers.cluster.bootstrap import BOOTSTRAP_GROUP
+
+    for binding in json.loads(done.stdout)["items"]:
+        name = binding["metadata"]["name"]
+        if not name.startswith("gpufleet"):
+            continue
+        for subject in binding.get("subjects") or []:
+            who = subject["name"]
+            assert not who.startswith("system:node"), (name, who)
+            if who.startswith("system:bootstrappers"):
+                assert who == BOOTSTRAP_GROUP, (name, who)
+                assert binding["roleRef"]["name"] in {
+                    "system:node-bootstrapper", "kubeadm:get-nodes", "kubeadm:nodes-kubeadm-config",
+                    "kubeadm:kubelet-config"}, (name, binding["roleRef"])
