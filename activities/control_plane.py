@@ -49,9 +49,9 @@ from fleet.cluster import LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, JoinTokenRef
 
 def bootstrap_user_data(cluster, token: BootstrapToken, node_name: str, provider_id: str) -> str:
     """The machine's cloud-config (holds the token's secret: never returned, logged or raised)."""
-    endpoint, ca_hash = cluster.bootstrap_endpoint()
+    endpoint, ca_data = cluster.bootstrap_endpoint()
     try:
-        return render_user_data(JoinParams(api_server=endpoint, ca_cert_hash=ca_hash, token=token.value,
+        return render_user_data(JoinParams(api_server=endpoint, ca_data=ca_data, token=token.value,
                                            node_name=node_name, provider_id=provider_id))
     except BootstrapError as error:
         raise InvalidRequest(str(error), code="bootstrap") from None

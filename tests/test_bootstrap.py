@@ -6,6 +6,7 @@ cloud-config where the ``cloud-init`` Debian package is installed (.ci/run insta
 
 from __future__ import annotations
 
+import base64
 import shutil
 import subprocess
 from datetime import datetime, timezone
@@ -14,6 +15,9 @@ import pytest
 
 from fleet.cluster import gpufleet_provider_id
 from providers.cluster.bootstrap import (
+    DISCOVERY_CONFIG_PATH,
+    JOIN_CONFIG_PATH,
+    read_join_discovery,
     BootstrapError,
     BootstrapToken,
     JoinParams,
@@ -38,10 +42,11 @@ V1BETA4 = {
     "arg": {"name", "value"},
 }
 TOKEN = "abcdef.0123456789abcdef"
+CA_DATA = base64.b64encode(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n").decode()
 
 
 def params(**changes) -> JoinParams:
-    values = dict(api_server="10.0.0.1:6443", ca_cert_hash="sha256:" + "ab" * 32, token=TOKEN,
+    values = dict(api_server="10.0.0.1:6443", ca_data=CA_DATA, token=TOKEN,
                   node_name="aws-use1-1a2b3c4d", provider_id=gpufleet_provider_id("aws", "aws-main", "aws-use1-1a2b3c4d"))
     values.update(changes)
     return JoinParams(**values)
@@ -53,7 +58,6 @@ def test_the_join_configuration_is_kubeadm_v1beta4() -> None:
     assert set(config) <= V1BETA4["JoinConfiguration"]
     assert set(config["nodeRegistration"]) <= V1BETA4["nodeRegistration"]
     assert set(config["discovery"]) <= V1BETA4["discovery"]
-    assert set(config["discovery"]["bootstrapToken"]) <= V1BETA4["bootstrapToken"]
     assert set(config.get("timeouts") or {}) <= V1BETA4["timeouts"]
     for taint in config["nodeRegistration"].get("taints") or []:
         assert set(taint) <= V1BETA4["taint"] and taint["effect"] in ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -61,16 +65,21 @@ def test_the_join_configuration_is_kubeadm_v1beta4() -> None:
     args = config["nodeRegistration"]["kubeletExtraArgs"]
     assert isinstance(args, list) and all(set(a) == V1BETA4["arg"] for a in args)
     assert kubelet_args(config)["provider-id"] == "gpufleet://aws/aws-main/aws-use1-1a2b3c4d"
-    discovery = config["discovery"]["bootstrapToken"]
-    assert discovery == {"apiServerEndpoint": "10.0.0.1:6443", "token": TOKEN, "caCertHashes": ["sha256:" + "ab" * 32]}
+    # File discovery: the machine uses the address it was given after discovery too (token
+    # discovery would switch to cluster-info's own `server`, which a remote machine may not reach).
+    assert config["discovery"] == {"file": {"kubeConfigPath": DISCOVERY_CONFIG_PATH}, "tlsBootstrapToken": TOKEN}
+    discovery = read_join_discovery(render_user_data(params()))
+    assert discovery.server == "https://10.0.0.1:6443" and discovery.ca_pem == base64.b64decode(CA_DATA)
     assert config["nodeRegistration"]["name"] == "aws-use1-1a2b3c4d"
 
 
 def test_the_document_runs_kubeadm_join_and_removes_the_token_file() -> None:
     doc = read_cloud_config(render_user_data(params()))
-    [join_file] = doc["write_files"]
-    assert join_file["permissions"] == "0600"
-    assert doc["runcmd"] == [["kubeadm", "join", "--config", join_file["path"]], ["rm", "-f", join_file["path"]]]
+    files = {f["path"]: f for f in doc["write_files"]}
+    assert set(files) == {JOIN_CONFIG_PATH, DISCOVERY_CONFIG_PATH}
+    assert all(f["permissions"] == "0600" for f in files.values())
+    assert doc["runcmd"] == [["kubeadm", "join", "--config", JOIN_CONFIG_PATH],
+                             ["rm", "-f", JOIN_CONFIG_PATH, DISCOVERY_CONFIG_PATH]]
 
 
 @pytest.mark.skipif(not shutil.which("cloud-init"), reason="the cloud-init package is not installed")
@@ -93,7 +102,7 @@ def test_cloud_init_schema_can_fail(tmp_path) -> None:
 @pytest.mark.parametrize("field, value", [
     ("token", "abcdef.0123456789abcdeF"), ("token", 'abcdef.0123456789abcde"'),
     ("api_server", "10.0.0.1:6443\nruncmd: [evil]"), ("node_name", "Node_1"),
-    ("provider_id", "gpufleet://aws/acct/x\n- rm"), ("ca_cert_hash", "sha256:xyz"),
+    ("provider_id", "gpufleet://aws/acct/x\n- rm"), ("ca_data", "bm90\nruncmd: [evil]"),
 ])
 def test_a_value_that_could_break_the_document_is_refused_by_name(field, value) -> None:
     with pytest.raises(BootstrapError) as refused:

@@ -37,7 +37,7 @@ async def test_a_join_records_the_machine_it_created(stack: Stack) -> None:
         stack.world.user_data(result.machine_id)))["provider-id"]
     assert node.labels[LABEL_SITE] == "site-a"
     assert stack.world.query("SELECT * FROM join_tokens") == [], "no token outlives the registration"
-    token = read_join_configuration(stack.world.user_data(result.machine_id))["discovery"]["bootstrapToken"]["token"]
+    token = read_join_configuration(stack.world.user_data(result.machine_id))["discovery"]["tlsBootstrapToken"]
     history = readable_history((await handle.fetch_history()).to_json_dict())
     assert token.split(".")[0] in history, "the join names its token by id"
     assert token.split(".")[1] not in history and "#cloud-config" not in history, "never its secret or user data"
@@ -84,8 +84,8 @@ async def test_the_reinstall_rung_rebootstraps_with_a_fresh_token(rstack: Stack)
     machine = rstack.world.machine(node.machine_id)
     assert machine["reinstalls"] == 1 and machine["deleted_at"] is None
     fresh = rstack.world.user_data(node.machine_id)
-    token = read_join_configuration(fresh)["discovery"]["bootstrapToken"]["token"]
-    assert fresh != first and token != read_join_configuration(first)["discovery"]["bootstrapToken"]["token"]
+    token = read_join_configuration(fresh)["discovery"]["tlsBootstrapToken"]
+    assert fresh != first and token != read_join_configuration(first)["discovery"]["tlsBootstrapToken"]
     assert rstack.world.query("SELECT * FROM join_tokens") == [], "the fresh token is gone once the node is back"
     back = rstack.cluster.get_node(node.node_name)
     assert back.ready and back.machine_id == node.machine_id and back.labels[LABEL_SITE] == "site-a"

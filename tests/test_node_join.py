@@ -247,7 +247,7 @@ async def test_join_token_never_enters_workflow_history(fleet_world: Stack) -> N
         # Where the machine reads it: the user data the provider was handed.
         rows = await wait_for(lambda: stack.world.query("SELECT user_data FROM machines WHERE user_data IS NOT NULL"),
                               timeout=30)
-        token = read_join_configuration(rows[0]["user_data"])["discovery"]["bootstrapToken"]["token"]
+        token = read_join_configuration(rows[0]["user_data"])["discovery"]["tlsBootstrapToken"]
         token_id, _, secret = token.partition(".")
         stop = asyncio.Event()
         host = await run_node_host(stack.client, stack.settings, stop)  # now the machine may boot

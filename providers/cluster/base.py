@@ -164,7 +164,7 @@ class Cluster(Protocol):
         ...
 
     def bootstrap_endpoint(self) -> tuple[str, str]:
-        """(API server ``host:port`` machines join, ``sha256:<hex>`` CA public-key hash)."""
+        """(API server ``host:port`` machines join and then use, the cluster CA as base64 PEM)."""
         ...
 
     def review_csrs(self, addresses: Callable[[str], "list[str] | None"]) -> list["CsrDecision"]:

@@ -31,6 +31,8 @@ TEMPLATE_ENV = "GPUFLEET_BOOTSTRAP_TEMPLATE"
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "bootstrap" / "cloud-init.yaml"
 #: Where the rendered document puts the JoinConfiguration on the machine.
 JOIN_CONFIG_PATH = "/etc/gpufleet/join.yaml"
+#: ... and the discovery kubeconfig it names (the API server's address and the cluster CA).
+DISCOVERY_CONFIG_PATH = "/etc/gpufleet/discovery.conf"
 #: The group every gpufleet join token carries (``auth-extra-groups``). It must match
 #: ``system:bootstrappers:[a-z0-9:-]*``; deploy/bootstrap/rbac.yaml binds it to kubeadm's
 #: join RBAC and to nothing that approves certificates: gpufleet approves its own.
@@ -41,7 +43,8 @@ TOKEN = re.compile(r"^[a-z0-9]{6}\.[a-z0-9]{16}$")
 #: What each template value may hold: nothing that could end a YAML scalar or a line.
 PATTERNS = {
     "api_server": re.compile(r"^[A-Za-z0-9.\[\]:-]{1,253}$"),
-    "ca_cert_hash": re.compile(r"^sha256:[0-9a-f]{64}$"),
+    # The cluster CA, base64 of its PEM (as kubeconfigs carry it): at most a few certificates.
+    "ca_data": re.compile(r"^[A-Za-z0-9+/]{1,16384}={0,2}$"),
     "token": TOKEN,
     "node_name": re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"),
     "provider_id": re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,511}$"),
@@ -72,8 +75,10 @@ class BootstrapToken:
 
 @dataclass(frozen=True)
 class JoinParams:
+    #: ``host:port`` the machine reaches the API server at, for discovery and everything after.
     api_server: str
-    ca_cert_hash: str
+    #: The cluster CA the machine trusts (base64 of the PEM, from ``cluster-info``).
+    ca_data: str
     token: str = field(repr=False)
     node_name: str = ""
     provider_id: str = ""
@@ -143,15 +148,49 @@ def read_cloud_config(user_data: str | bytes) -> dict[str, Any]:
     return doc
 
 
+def _written(doc: dict[str, Any], path: str) -> Any:
+    for entry in doc.get("write_files") or []:
+        if isinstance(entry, dict) and entry.get("path") == path:
+            return _safe_load(entry.get("content") or "")
+    return None
+
+
 def read_join_configuration(user_data: str | bytes) -> dict[str, Any]:
     """The JoinConfiguration the user data writes for kubeadm."""
-    doc = read_cloud_config(user_data)
-    for entry in doc.get("write_files") or []:
-        if isinstance(entry, dict) and entry.get("path") == JOIN_CONFIG_PATH:
-            config = _safe_load(entry.get("content") or "")
-            if isinstance(config, dict) and config.get("kind") == "JoinConfiguration":
-                return config
+    config = _written(read_cloud_config(user_data), JOIN_CONFIG_PATH)
+    if isinstance(config, dict) and config.get("kind") == "JoinConfiguration":
+        return config
     raise BootstrapError(f"user data: no JoinConfiguration written to {JOIN_CONFIG_PATH}")
+
+
+@dataclass(frozen=True)
+class JoinDiscovery:
+    """What kubeadm discovers the cluster from, as the user data gives it to the machine."""
+
+    #: ``https://host:port``: discovery, the TLS bootstrap and the kubelet all use it.
+    server: str
+    ca_pem: bytes
+    token: str = field(repr=False)
+
+
+def join_token(config: dict[str, Any]) -> str:
+    """The bootstrap token a JoinConfiguration authenticates with (file or token discovery)."""
+    discovery = config.get("discovery") or {}
+    return discovery.get("tlsBootstrapToken") or (discovery.get("bootstrapToken") or {}).get("token") or ""
+
+
+def read_join_discovery(user_data: str | bytes) -> JoinDiscovery:
+    """The discovery kubeconfig the JoinConfiguration names, read as kubeadm reads it."""
+    doc = read_cloud_config(user_data)
+    config = read_join_configuration(user_data)
+    path = ((config.get("discovery") or {}).get("file") or {}).get("kubeConfigPath")
+    kubeconfig = _written(doc, path) if path else None
+    if not isinstance(kubeconfig, dict):
+        raise BootstrapError(f"user data: no discovery kubeconfig written to {path or DISCOVERY_CONFIG_PATH}")
+    cluster = ((kubeconfig.get("clusters") or [{}])[0] or {}).get("cluster") or {}
+    return JoinDiscovery(server=cluster.get("server", ""),
+                         ca_pem=base64.b64decode(cluster.get("certificate-authority-data") or ""),
+                         token=join_token(config))
 
 
 def kubelet_args(config: dict[str, Any]) -> dict[str, str]:

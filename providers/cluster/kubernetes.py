@@ -804,8 +804,9 @@ class KubernetesCluster:
         return gone
 
     def bootstrap_endpoint(self) -> tuple[str, str]:
-        """(API server ``host:port`` for ``kubeadm join``, CA hash): kubeadm's own discovery
-        document ``kube-public/cluster-info``; the endpoint may be overridden (``join_endpoint``)."""
+        """(API server ``host:port`` machines join and then use, the cluster CA as base64 PEM):
+        from kubeadm's own discovery document ``kube-public/cluster-info``; the endpoint may be
+        overridden (``join_endpoint``: an address remote machines reach)."""
         info = self._get("read cluster-info", self.core.read_namespaced_config_map, "cluster-info", "kube-public")
         if info is None:
             raise ClusterInvalid("kube-public/cluster-info is missing: it is what `kubeadm join` discovers the "
@@ -818,7 +819,12 @@ class KubernetesCluster:
         if not ca:
             raise ClusterInvalid("cluster-info names no certificate authority", code="cluster-info")
         endpoint = self.join_endpoint or re.sub(r"^https?://", "", cluster.get("server") or "").rstrip("/")
-        return endpoint, ca_cert_hash(base64.b64decode(ca))
+        try:
+            ca_cert_hash(base64.b64decode(ca))  # a certificate, or the join fails here and not on the machine
+        except ValueError:
+            raise ClusterInvalid("cluster-info's certificate authority is not a PEM certificate",
+                                 code="cluster-info") from None
+        return endpoint, ca
 
     def review_csrs(self, addresses: Callable[[str], list[str] | None]) -> list[CsrDecision]:
         """Approve or deny the pending kubelet CSRs that are gpufleet's to judge (see the

@@ -14,6 +14,7 @@ mirror what the tests' fake API server offers.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import hmac
 import json
@@ -55,7 +56,7 @@ from fleet.cluster import (
     SiteRoute,
 )
 from fleet.demand import GpuPod, Toleration, fits
-from providers.cluster.bootstrap import BootstrapToken, kubelet_args, read_join_configuration
+from providers.cluster.bootstrap import BootstrapToken, join_token, kubelet_args, read_join_configuration
 from providers.sim import SimWorld, _utc
 
 
@@ -189,7 +190,9 @@ class SimCluster:
     # -- bootstrap through user data -----------------------------------------------------
     #: What the simulated machines "discover": no real API server stands behind it.
     SIM_ENDPOINT = "sim.gpufleet.invalid:6443"
-    SIM_CA_HASH = "sha256:" + hashlib.sha256(b"gpufleet simulated cluster CA").hexdigest()
+    #: The sim's "cluster CA": nothing checks it (no TLS in the sim), but it has a CA's shape.
+    SIM_CA_DATA = base64.b64encode(b"-----BEGIN CERTIFICATE-----\ngpufleet simulated cluster CA\n"
+                                   b"-----END CERTIFICATE-----\n").decode()
 
     def issue_bootstrap_token(self, node_name: str, join_key: str, ttl_seconds: int) -> BootstrapToken:
         if not 0 < ttl_seconds <= MAX_JOIN_TOKEN_TTL_S:
@@ -221,7 +224,7 @@ class SimCluster:
         return ids
 
     def bootstrap_endpoint(self) -> tuple[str, str]:
-        return self.SIM_ENDPOINT, self.SIM_CA_HASH
+        return self.SIM_ENDPOINT, self.SIM_CA_DATA
 
     def review_csrs(self, addresses) -> list[CsrDecision]:
         """The sim has no CSRs: ``register_from_user_data`` binds the token to its node itself."""
@@ -236,7 +239,7 @@ class SimCluster:
         node name the token was issued for, and the kubelet registers (or, reinstalled,
         re-registers) that Node with its providerID. A used or expired token fails."""
         config = read_join_configuration(user_data)
-        token = ((config.get("discovery") or {}).get("bootstrapToken") or {}).get("token", "")
+        token = join_token(config)
         name = (config.get("nodeRegistration") or {}).get("name", "")
         provider_id = kubelet_args(config).get("provider-id", "")
         token_id = token.partition(".")[0]

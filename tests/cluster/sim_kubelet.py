@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from providers.cluster.bootstrap import ca_cert_hash, kubelet_args, read_join_configuration
+from providers.cluster.bootstrap import kubelet_args, read_join_configuration, read_join_discovery
 from tests.cluster.fake_auth import CLIENT_SIGNER, SERVING_SIGNER, cert_token
 
 
@@ -59,10 +59,10 @@ class SimKubelet:
 
     def __post_init__(self) -> None:
         self.config = read_join_configuration(self.user_data)
-        discovery = self.config["discovery"]["bootstrapToken"]
-        self.endpoint = discovery["apiServerEndpoint"]
-        self.token = discovery["token"]
-        self.ca_hashes = discovery["caCertHashes"]
+        discovery = read_join_discovery(self.user_data)
+        self.endpoint = discovery.server.removeprefix("https://")
+        self.token = discovery.token
+        self.ca = discovery.ca_pem
         self.name = self.config["nodeRegistration"]["name"]
         self.provider_id = kubelet_args(self.config).get("provider-id", "")
 
@@ -102,8 +102,8 @@ class SimKubelet:
         info = self.call("GET", "/api/v1/namespaces/kube-public/configmaps/cluster-info")
         kubeconfig = yaml.safe_load(info["data"]["kubeconfig"])
         ca = base64.b64decode(kubeconfig["clusters"][0]["cluster"]["certificate-authority-data"])
-        if ca_cert_hash(ca) not in self.ca_hashes:
-            raise JoinFailed(0, "cluster CA does not match the pinned hash")
+        if ca != self.ca:
+            raise JoinFailed(0, "cluster CA is not the one the user data trusts")
 
     def request_certificate(self, node_name: str | None = None) -> bytes:
         """The TLS bootstrap: a client CSR as the token, for ``node_name`` (default: its own)."""

@@ -50,6 +50,10 @@ CLUSTER_NAME = "kubernetes"
 #: kubeadm's default bootstrap group: kubeadm binds it to auto-approval of node client certificates.
 KUBEADM_TOKEN_GROUP = "system:bootstrappers:kubeadm:default-node-token"
 KUBEADM_TOKEN = "kubead.m0defaulttoken00"
+#: An address machines reach the API server at that is not cluster-info's (a public endpoint in
+#: front of a private control plane, GPUFLEET_JOIN_ENDPOINT): in the API server's certificate, as
+#: an operator adds it (apiServer.certSANs), and routed only inside the machines' namespaces.
+JOIN_ENDPOINT_IP = "203.0.113.50"
 
 
 class ClusterFailed(RuntimeError):
@@ -196,6 +200,7 @@ class RealCluster:
             "kubernetesVersion": build.KUBERNETES_VERSION, "clusterName": CLUSTER_NAME,
             "controlPlaneEndpoint": f"127.0.0.1:{self.api_port}",
             "certificatesDir": str(self.pki),
+            "apiServer": {"certSANs": [JOIN_ENDPOINT_IP]},
             "networking": {"serviceSubnet": "10.96.0.0/12", "dnsDomain": "cluster.local"},
             "etcd": {"local": {"dataDir": str(self.root / "etcd")}},
         }

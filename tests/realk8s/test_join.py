@@ -33,7 +33,7 @@ from providers.cluster.bootstrap import BOOTSTRAP_GROUP, read_join_configuration
 from providers.cluster.kubernetes import KubernetesCluster
 from tests.providers.harness import Harness
 from tests.providers.test_join_real import PROVIDERS, run, user_data_of
-from tests.realk8s.cluster import KUBEADM_TOKEN, KUBEADM_TOKEN_GROUP, RealCluster
+from tests.realk8s.cluster import JOIN_ENDPOINT_IP, KUBEADM_TOKEN, KUBEADM_TOKEN_GROUP, RealCluster
 from tests.realk8s.machine import Machine, MachineFailed
 
 CSR_PATH = "/apis/certificates.k8s.io/v1/certificatesigningrequests"
@@ -49,7 +49,7 @@ class RealJoining:
     """One provider's adapter (against its wire-level fake), the real control plane, and the
     control plane's join activities."""
 
-    def __init__(self, harness: Harness, tmp_path: Path, cluster: RealCluster) -> None:
+    def __init__(self, harness: Harness, tmp_path: Path, cluster: RealCluster, join_endpoint: str = "") -> None:
         self.harness = harness
         self.tmp = tmp_path
         self.real = cluster
@@ -57,6 +57,7 @@ class RealJoining:
         if provider.site.provider == "own-dc":
             provider.options["seed_dir"] = str(tmp_path / "seeds")
         self.cluster = control_plane_cluster(cluster)
+        self.cluster.join_endpoint = join_endpoint
         config = FleetConfig(mode="real", accounts=[provider.account], sites=[provider.site])
         self.env = FleetEnv(Settings(state_dir=tmp_path), config, self.cluster)
         self.env._providers[provider.site.name] = provider
@@ -78,7 +79,9 @@ class RealJoining:
     def machine(self, machine_id: str, user_data: str | None = None, name: str = "") -> Machine:
         """The machine the provider booted: its user data and its addresses, nothing else."""
         addresses = self.harness.provider.get_machine(machine_id).addresses
-        server = f"127.0.0.1:{self.real.api_port}"
+        # The machine reaches the API server at the address it was told to: the join endpoint
+        # where there is one (and nothing else), else cluster-info's.
+        server = self.cluster.join_endpoint or f"127.0.0.1:{self.real.api_port}"
         machine = Machine(user_data or user_data_of(self.harness, machine_id),
                           self.tmp / f"machine-{name or machine_id}", addresses=list(addresses),
                           routes={server: ("127.0.0.1", self.real.api_port)})
@@ -129,6 +132,14 @@ def joining(request: pytest.FixtureRequest, tmp_path, real_cluster):
     world.stop()
 
 
+@pytest.fixture(params=PROVIDERS)
+def behind_endpoint(request: pytest.FixtureRequest, tmp_path, real_cluster):
+    world = RealJoining(request.getfixturevalue(f"{request.param}_harness"), tmp_path, real_cluster,
+                        join_endpoint=f"{JOIN_ENDPOINT_IP}:6443")
+    yield world
+    world.stop()
+
+
 @pytest.fixture
 def one(lambda_harness, tmp_path, real_cluster):
     world = RealJoining(lambda_harness, tmp_path, real_cluster)
@@ -137,7 +148,7 @@ def one(lambda_harness, tmp_path, real_cluster):
 
 
 def token_id(user_data: str) -> str:
-    return read_join_configuration(user_data)["discovery"]["bootstrapToken"]["token"].split(".")[0]
+    return read_join_configuration(user_data)["discovery"]["tlsBootstrapToken"].split(".")[0]
 
 
 def conditions(csr: dict) -> list[tuple[str, str]]:
@@ -174,7 +185,7 @@ def test_a_machine_of_each_provider_joins_a_real_kubeadm_cluster(joining: RealJo
     identity = joining.cluster.node_identity(node.name)
     assert identity is not None and identity.machine_id == provisioned.machine.id
 
-    token_id = read_join_configuration(user_data)["discovery"]["bootstrapToken"]["token"].split(".")[0]
+    token_id = read_join_configuration(user_data)["discovery"]["tlsBootstrapToken"].split(".")[0]
     [client_csr] = [c for c in joining.csrs() if c["spec"]["username"] == f"system:bootstrap:{token_id}"]
     assert client_csr["spec"]["signerName"] == "kubernetes.io/kube-apiserver-client-kubelet"
     assert BOOTSTRAP_GROUP in client_csr["spec"]["groups"]
@@ -184,6 +195,22 @@ def test_a_machine_of_each_provider_joins_a_real_kubeadm_cluster(joining: RealJo
     assert not [t for t in tokens["items"] if t["type"] == "bootstrap.kubernetes.io/token"
                 and base64.b64decode(t["data"].get("auth-extra-groups", "")).decode() == BOOTSTRAP_GROUP], \
         "the join token is deleted at registration"
+
+
+def test_a_machine_of_each_provider_joins_through_a_join_endpoint_that_is_not_cluster_infos(
+        behind_endpoint: RealJoining) -> None:
+    """GPUFLEET_JOIN_ENDPOINT: the machine reaches the API server only at that address (inside its
+    namespace nothing answers at cluster-info's 127.0.0.1). Discovery, the TLS bootstrap and the
+    kubelet must all use it: token discovery would switch to cluster-info's `server` after
+    discovery and hang in the TLS bootstrap."""
+    world = behind_endpoint
+    provisioned = world.provision()
+    machine = world.machine(provisioned.machine.id).boot()
+    assert machine.wait_step("discovered", 60)["server"] == f"https://{JOIN_ENDPOINT_IP}:6443"
+    node = world.await_registration(provisioned)
+    assert node.ready and node.provider_id == provisioned.provider_id
+    kubelet_conf = machine.kubeconfig.read_text()
+    assert f"server: https://{JOIN_ENDPOINT_IP}:6443" in kubelet_conf, "the kubelet stays on the join endpoint"
 
 
 def test_gpufleets_token_group_is_not_auto_approved_while_kubeadms_still_is(one: RealJoining) -> None:
@@ -206,7 +233,7 @@ def test_gpufleets_token_group_is_not_auto_approved_while_kubeadms_still_is(one:
 
     # The same user data with kubeadm's own token: approved with no approver of ours.
     kubeadm_user_data = machine.user_data.replace(read_join_configuration(machine.user_data)[
-        "discovery"]["bootstrapToken"]["token"], KUBEADM_TOKEN)
+        "discovery"]["tlsBootstrapToken"], KUBEADM_TOKEN)
     one.new_join()
     other = one.machine(provisioned.machine.id, kubeadm_user_data.replace(
         read_join_configuration(machine.user_data)["nodeRegistration"]["name"], "kubeadm-joined-node"),
@@ -317,7 +344,7 @@ def test_a_joined_node_keeps_to_its_own_identity_and_runs_pods_on_its_gpus(one: 
     assert status == 403, answer
     one.real.request("DELETE", f"/api/v1/nodes/{victim}", admin=True)
 
-    token = read_join_configuration(machine.user_data)["discovery"]["bootstrapToken"]["token"]
+    token = read_join_configuration(machine.user_data)["discovery"]["tlsBootstrapToken"]
     status, _ = one.real.request("GET", "/api/v1/namespaces/kube-public/configmaps/cluster-info", bearer=token)
     assert status == 401
     replay = one.machine(provisioned.machine.id, machine.user_data, name="replay")

@@ -197,13 +197,15 @@ func runJoin(args []string) {
 	if err != nil {
 		fail("load-join-configuration", err)
 	}
+	// The machine's files live under its root folder here: the paths the configuration names
+	// of files the user data wrote are read there (what a chroot would do).
+	for _, f := range doc.WriteFiles {
+		joinBytes = []byte(strings.ReplaceAll(string(joinBytes), f.Path, under(*root, f.Path)))
+	}
 	// kubeadm's own loader: v1beta4 decoded, defaulted and validated as `kubeadm join` does.
 	cfg, err := configutil.BytesToJoinConfiguration(joinBytes, configutil.LoadOrDefaultConfigurationOptions{SkipCRIDetect: true})
 	if err != nil {
 		fail("load-join-configuration", err)
-	}
-	if cfg.Discovery.File != nil && filepath.IsAbs(cfg.Discovery.File.KubeConfigPath) {
-		cfg.Discovery.File.KubeConfigPath = under(*root, cfg.Discovery.File.KubeConfigPath)
 	}
 	if *discoveryTimeout > 0 {
 		cfg.Timeouts.Discovery = &metav1.Duration{Duration: *discoveryTimeout}
