@@ -125,6 +125,8 @@ class BmcMachine:
     name: str
     bmc_url: str
     system_id: str | None = None
+    #: Its static DHCP lease on the provisioning network (what the seed server knows it by).
+    provision_address: str | None = None
 
 
 def choose_reset_type(allowed: list[str] | None, preference: tuple[str, ...]) -> str | None:
@@ -153,6 +155,7 @@ def _parse_inventory(account: Account) -> dict[str, BmcMachine]:
             name=str(entry["name"]),
             bmc_url=str(entry["bmc_url"]).rstrip("/"),
             system_id=str(entry["system_id"]) if entry.get("system_id") else None,
+            provision_address=str(entry["provision_address"]) if entry.get("provision_address") else None,
         )
     return machines
 
@@ -319,6 +322,24 @@ class _Bmc:
     def system(self) -> dict[str, Any]:
         return self.request("GET", self.system_url())
 
+    def addresses(self, system: dict[str, Any]) -> list[str]:
+        """The IP addresses the BMC reports for the system's network interfaces (Redfish
+        ``EthernetInterfaces``; link-local ones left out). A BMC that publishes none: []."""
+        link = (system.get("EthernetInterfaces") or {}).get("@odata.id")
+        if not link:
+            return []
+        found: list[str] = []
+        try:
+            for member in self.request("GET", link).get("Members") or []:
+                interface = self.request("GET", member["@odata.id"])
+                for entry in (interface.get("IPv4Addresses") or []) + (interface.get("IPv6Addresses") or []):
+                    address = str((entry or {}).get("Address") or "")
+                    if address and not address.lower().startswith("fe80") and address not in found:
+                        found.append(address)
+        except (NotFound, InvalidRequest):
+            return found
+        return found
+
     def _allowed_reset_types(self, action: dict[str, Any]) -> list[str] | None:
         if "ResetType@Redfish.AllowableValues" in action:
             return list(action["ResetType@Redfish.AllowableValues"])
@@ -434,7 +455,15 @@ class OwnDcProvider:
             created_at=datetime.fromisoformat(allocation["allocated_at"]) if allocation.get("allocated_at") else None,
             # The ownership marker: the allocation record (BMCs have nowhere reliable to write one).
             owned=bool(allocation.get("key")),
+            # Its provisioning address and what its BMC reported at allocation: the addresses the
+            # approver accepts in its kubelet's serving certificate.
+            addresses=list(dict.fromkeys(
+                [a for a in (self._provision_address(machine_id), *allocation.get("addresses", [])) if a])),
         )
+
+    def _provision_address(self, machine_id: str) -> str | None:
+        machine = self.inventory.get(machine_id)
+        return machine.provision_address if machine else None
 
     def _reserve(self, spec: MachineSpec, key: str) -> tuple[str, bool]:
         """(machine id, already provisioned) for this key; reserves a free machine if needed."""
@@ -512,10 +541,12 @@ class OwnDcProvider:
                 system = bmc.system()
                 bmc.pxe_once(system)
                 bmc.boot(system)
+                # Recorded once: gpufleet's approver judges the machine's serving CSRs by them.
+                addresses = bmc.addresses(system)
         except ProviderError:
             self._release(machine_id, idempotency_key)
             raise
-        self._mark(machine_id, idempotency_key, status="allocated", booted_at=_now())
+        self._mark(machine_id, idempotency_key, status="allocated", booted_at=_now(), addresses=addresses)
         return self._machine(machine_id, self._allocation(machine_id), "PoweringOn")
 
     def delete_machine(self, machine_id: str) -> None:

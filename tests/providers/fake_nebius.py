@@ -43,6 +43,8 @@ from nebius.api.nebius.common.v1 import (
 from nebius.api.nebius.compute.v1 import (
     Instance,
     InstanceStatus,
+    IPAddressStatus,
+    NetworkInterfaceStatus,
     ListInstancesResponse,
     ListPlatformsResponse,
     Platform,
@@ -314,7 +316,13 @@ class FakeNebius:
 
     def _set_state(self, instance_id: str, state: Any) -> None:
         instance = self.instances[instance_id]
-        self.instances[instance_id] = Instance(instance, status=InstanceStatus(instance.status, state=state))
+        status = InstanceStatus(instance.status, state=state)
+        if state == State.RUNNING and not status.network_interfaces:
+            # As Nebius does once the instance runs: its interface's private address (a.b.c.d/32).
+            number = list(self.instances).index(instance_id) + 10
+            status = InstanceStatus(status, network_interfaces=[NetworkInterfaceStatus(
+                name="eth0", ip_address=IPAddressStatus(address=f"10.128.{number // 250}.{number % 250}/32"))])
+        self.instances[instance_id] = Instance(instance, status=status)
 
     # -- OperationService ----------------------------------------------------
 

@@ -159,7 +159,10 @@ class OwnDcHarness:
             provider="own-dc",
             credentials=CredentialsRef(env=CREDENTIALS_ENV),
             options={
-                "machines": [{"name": s["name"], "bmc_url": proxy.url, "system_id": s["uuid"]} for s in SYSTEMS],
+                # Each machine's static lease on the provisioning network (sushy's fake driver
+                # reports MACs but no addresses for its interfaces).
+                "machines": [{"name": s["name"], "bmc_url": proxy.url, "system_id": s["uuid"],
+                              "provision_address": s["nics"][0]["ip"]} for s in SYSTEMS],
                 "state_file": str(self.state_file),
                 "timeout": 10,
             },

@@ -95,3 +95,49 @@ def test_the_seed_goes_once_and_only_to_its_machine(seeded, caplog) -> None:
     harness.provider.reinstall_machine(machine.id, user_data=fresh)
     harness.provider.delete_machine(machine.id)
     assert [p.name for p in folder.iterdir()] == []
+
+
+def _system_cloud_init() -> str | None:
+    """The system python3 that has Debian's cloud-init package (`.ci/run` installs it)."""
+    import shutil
+    import subprocess
+
+    python = shutil.which("python3", path="/usr/bin:/bin")
+    if python and subprocess.run([python, "-c", "import cloudinit.sources.DataSourceNoCloud"],
+                                 capture_output=True).returncode == 0:
+        return python
+    return None
+
+
+@pytest.mark.skipif(_system_cloud_init() is None, reason="Debian's cloud-init package is not installed")
+def test_cloud_inits_own_nocloud_code_reads_the_seed_from_the_shipped_boot_line(own_dc_harness, tmp_path) -> None:
+    """The kernel command line the shipped iPXE template gives a rack machine, read by the real
+    cloud-init (Debian 12's 22.4) through its own NoCloud datasources: its network stage claims
+    the machine and reads the seed's user data from gpufleet's seed server."""
+    import json
+    import re
+    import subprocess
+    from pathlib import Path
+
+    harness = own_dc_harness
+    harness.provider.options["seed_dir"] = str(tmp_path / "seeds")
+    template = (Path(__file__).resolve().parents[2] / "deploy" / "bootstrap" / "own-rack.ipxe").read_text()
+    machine_address = "127.0.0.1"  # cloud-init's HTTP client cannot pick its source address
+    server = SeedServer(tmp_path / "seeds", {SYSTEMS[0]["name"]: machine_address}, "", template)
+    server.start()
+    try:
+        server.url = f"http://127.0.0.1:{server.port}"
+        user_data = user_data_for(harness)
+        machine = harness.provider.create_machine(harness.spec, "cloud-init", user_data=user_data)
+        assert machine.id == SYSTEMS[0]["name"]
+        script = fetch(server, machine_address, "/ipxe").text
+        kernel = next(line for line in script.splitlines() if line.startswith("kernel "))
+        cmdline = "BOOT_IMAGE=/vmlinuz " + re.sub(r"^kernel \S+ ", "", kernel) + " quiet"
+        done = subprocess.run([_system_cloud_init(), str(Path(__file__).parent / "cloud_init" / "nocloud_probe.py"),
+                               cmdline], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        stages = json.loads(done.stdout.strip().splitlines()[-1])
+        assert stages["DataSourceNoCloudNet"] == {"found": True, "user_data": user_data}, stages
+        assert fetch(server, machine_address, "/ipxe").status_code == 404, "the seed was taken, once"
+    finally:
+        server.stop()
