@@ -28,13 +28,12 @@ written where its manifest's projected volume would put it.
 
 from __future__ import annotations
 
-import os
-import shutil
+import base64
+import json
 import signal
 import ssl
 import subprocess
 import time
-import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -247,8 +246,6 @@ class RealCluster:
         """super-admin.conf's client certificate and key, as files (for plain HTTP clients)."""
         doc = yaml.safe_load(self.admin_kubeconfig.read_text())
         user = doc["users"][0]["user"]
-        import base64
-
         cert, key = self.root / "super-admin.crt", self.root / "super-admin.key"
         if not cert.exists():
             cert.write_bytes(base64.b64decode(user["client-certificate-data"]))
@@ -350,15 +347,3 @@ def _decoded(body: bytes) -> Any:
         return json.loads(body) if body else None
     except ValueError:
         return body.decode(errors="replace")
-
-
-def available() -> str | None:
-    """None when the tier can run, else the one line saying what is missing."""
-    return build.missing_reason()
-
-
-def clean(root: Path) -> None:
-    shutil.rmtree(root, ignore_errors=True)
-
-
-__all__ = ["RealCluster", "ClusterFailed", "available", "KUBEADM_TOKEN", "KUBEADM_TOKEN_GROUP", "os"]

@@ -87,7 +87,10 @@ class Machine:
                 network.append(f"ip addr add {host}/32 dev lo")
         harness = [str(build.bin_dir() / "gpufleet-join"), "join", f"--user-data={user_data}", f"--root={self.root}",
                    f"--gpus={self.gpus}", *forwards, *extra]
-        script = "set -e; " + "; ".join(network) + "; exec " + shlex.join(harness)
+        # The kubelet's scratch folders (kubemark makes them under $TMPDIR) go with the machine.
+        (self.root / "tmp").mkdir(exist_ok=True)
+        script = (f"set -e; export TMPDIR={shlex.quote(str(self.root / 'tmp'))}; " + "; ".join(network)
+                  + "; exec " + shlex.join(harness))
         return ["unshare", "--net", "--", "sh", "-c", script]
 
     def discover(self, *extra: str) -> dict[str, Any]:

@@ -125,14 +125,15 @@ class RealJoining:
         self.cluster.api_client.close()
 
 
-@pytest.fixture(params=PROVIDERS)
-def joining(request: pytest.FixtureRequest, tmp_path, real_cluster):
+@pytest.fixture
+def every_provider(request: pytest.FixtureRequest, tmp_path, real_cluster):
     """Each provider, with GPUFLEET_JOIN_ENDPOINT set: its machines reach the API server only at
     that address (inside their namespace nothing answers at cluster-info's 127.0.0.1)."""
-    world = RealJoining(request.getfixturevalue(f"{request.param}_harness"), tmp_path, real_cluster,
-                        join_endpoint=f"{JOIN_ENDPOINT_IP}:6443")
-    yield world
-    world.stop()
+    worlds = [RealJoining(request.getfixturevalue(f"{provider}_harness"), tmp_path / provider, real_cluster,
+                          join_endpoint=f"{JOIN_ENDPOINT_IP}:6443") for provider in PROVIDERS]
+    yield worlds
+    for world in worlds:
+        world.stop()
 
 
 @pytest.fixture
@@ -160,12 +161,20 @@ def wait_for(predicate, seconds: float, what: str):
     raise AssertionError(f"{what}: not within {seconds:.0f} s")
 
 
-def test_a_machine_of_each_provider_joins_a_real_kubeadm_cluster(joining: RealJoining) -> None:
-    provisioned = joining.provision()
-    user_data = user_data_of(joining.harness, provisioned.machine.id)
-    assert read_join_configuration(user_data)["nodeRegistration"]["name"] == joining.node_name
-    machine = joining.machine(provisioned.machine.id).boot()
+def test_a_machine_of_every_provider_joins_a_real_kubeadm_cluster(every_provider: list[RealJoining]) -> None:
+    """The five machines boot at once, as a fleet's joins do, each from its own user data."""
+    booted = []
+    for joining in every_provider:
+        provisioned = joining.provision()
+        user_data = user_data_of(joining.harness, provisioned.machine.id)
+        assert read_join_configuration(user_data)["nodeRegistration"]["name"] == joining.node_name
+        booted.append((joining, provisioned, user_data, joining.machine(provisioned.machine.id).boot()))
+    for joining, provisioned, user_data, machine in booted:
+        joined(joining, provisioned, user_data, machine)
 
+
+def joined(joining: RealJoining, provisioned, user_data: str, machine: Machine) -> None:
+    """Everything a joined machine of ``joining``'s provider must be."""
     # Discovery, the TLS bootstrap and the kubelet all use the join endpoint: token discovery
     # would switch to cluster-info's `server` after discovery and hang in the TLS bootstrap.
     discovered = machine.wait_step("discovered", 60)
@@ -203,7 +212,7 @@ def test_a_machine_of_each_provider_joins_a_real_kubeadm_cluster(joining: RealJo
     assert client_csr["status"].get("certificate"), "issued by the controller-manager's signer"
     status, tokens = joining.real.request("GET", "/api/v1/namespaces/kube-system/secrets", admin=True)
     assert not [t for t in tokens["items"] if t["type"] == "bootstrap.kubernetes.io/token"
-                and base64.b64decode(t["data"].get("auth-extra-groups", "")).decode() == BOOTSTRAP_GROUP], \
+                and base64.b64decode(t["data"]["token-id"]).decode() == token_id], \
         "the join token is deleted at registration"
 
 
@@ -363,3 +372,37 @@ def test_a_joined_node_keeps_to_its_own_identity_and_runs_pods_on_its_gpus(one: 
     got = wait_for(running, 60, "the pod Running on the machine's kubelet")
     assert got["spec"]["nodeName"] == node.name
     one.real.request("DELETE", f"/api/v1/namespaces/default/pods/{name}?gracePeriodSeconds=0", admin=True)
+
+
+def test_a_machine_that_is_not_what_its_join_provisioned_is_refused_and_leaves_no_identity(
+        one: RealJoining, aws_harness, tmp_path, real_cluster) -> None:
+    """Two machines boot at once, each lying about itself in a way it can: one rewrote its own
+    kubelet flags (another providerID), the other sits at addresses its provider does not
+    report. Each registration is refused, nothing is recorded, the tokens are gone all the same."""
+    provisioned = one.provision()
+    user_data = user_data_of(one.harness, provisioned.machine.id)
+    lying = user_data.replace(provisioned.provider_id, "gpufleet://lambda/other-account/someone-else")
+    assert lying != user_data
+    one.machine(provisioned.machine.id, lying, name="lying").boot()
+
+    elsewhere = RealJoining(aws_harness, tmp_path / "aws", real_cluster)
+    try:
+        moved = elsewhere.provision()
+        machine = elsewhere.machine(moved.machine.id)
+        machine.addresses = ["198.51.100.99"]  # inside its own namespace: nothing leaves the machine
+        machine.boot()
+
+        with pytest.raises(ApplicationError) as refused:
+            one.await_registration(provisioned)
+        assert refused.value.type == "RegistrationMismatch" and "providerID" in refused.value.message
+        with pytest.raises(ApplicationError) as refused:
+            elsewhere.await_registration(moved)
+        assert refused.value.type == "RegistrationMismatch" and "addresses" in refused.value.message
+        for world in (one, elsewhere):
+            assert world.cluster.node_identity(world.node_name) is None
+        status, tokens = one.real.request("GET", "/api/v1/namespaces/kube-system/secrets", admin=True)
+        spent = {token_id(user_data), token_id(user_data_of(aws_harness, moved.machine.id))}
+        assert not [t for t in tokens["items"] if t["type"] == "bootstrap.kubernetes.io/token"
+                    and base64.b64decode(t["data"]["token-id"]).decode() in spent]
+    finally:
+        elsewhere.stop()
