@@ -336,7 +336,9 @@ class _Bmc:
                     address = str((entry or {}).get("Address") or "")
                     if address and not address.lower().startswith("fe80") and address not in found:
                         found.append(address)
-        except (NotFound, InvalidRequest):
+        except ProviderError:
+            # Best effort: the provisioning address still stands, and a BMC that stumbles here
+            # must not fail (or un-reserve) a machine that is already booting.
             return found
         return found
 

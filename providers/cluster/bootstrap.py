@@ -155,12 +155,16 @@ def _written(doc: dict[str, Any], path: str) -> Any:
     return None
 
 
-def read_join_configuration(user_data: str | bytes) -> dict[str, Any]:
-    """The JoinConfiguration the user data writes for kubeadm."""
-    config = _written(read_cloud_config(user_data), JOIN_CONFIG_PATH)
+def _join_configuration(doc: dict[str, Any]) -> dict[str, Any]:
+    config = _written(doc, JOIN_CONFIG_PATH)
     if isinstance(config, dict) and config.get("kind") == "JoinConfiguration":
         return config
     raise BootstrapError(f"user data: no JoinConfiguration written to {JOIN_CONFIG_PATH}")
+
+
+def read_join_configuration(user_data: str | bytes) -> dict[str, Any]:
+    """The JoinConfiguration the user data writes for kubeadm."""
+    return _join_configuration(read_cloud_config(user_data))
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,7 @@ def join_token(config: dict[str, Any]) -> str:
 def read_join_discovery(user_data: str | bytes) -> JoinDiscovery:
     """The discovery kubeconfig the JoinConfiguration names, read as kubeadm reads it."""
     doc = read_cloud_config(user_data)
-    config = read_join_configuration(user_data)
+    config = _join_configuration(doc)
     path = ((config.get("discovery") or {}).get("file") or {}).get("kubeConfigPath")
     kubeconfig = _written(doc, path) if path else None
     if not isinstance(kubeconfig, dict):

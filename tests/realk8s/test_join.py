@@ -270,21 +270,10 @@ def test_a_second_machines_token_cannot_register_under_the_first_machines_name(o
     del first
 
 
-def test_client_certificate_renewal_and_a_serving_certificate_for_the_machines_own_addresses(
-        one: RealJoining) -> None:
+def test_a_client_certificate_renewal_asking_600_seconds_is_issued_for_600_seconds(one: RealJoining) -> None:
     provisioned = one.provision()
     machine = one.machine(provisioned.machine.id).boot()
     node = one.await_registration(provisioned)
-
-    # The kubelet asks for its serving certificate (rotate-server-certificates) for its addresses.
-    def serving():
-        return next((c for c in one.csrs() if c["spec"]["signerName"] == "kubernetes.io/kubelet-serving"
-                     and c["spec"]["username"] == f"system:node:{node.name}"), None)
-
-    wait_for(serving, 60, "the kubelet's serving CSR")
-    run(one.acts.review_node_csrs)
-    csr = wait_for(lambda: (c := serving()) and c["status"].get("certificate") and c, 30, "the serving certificate")
-    assert ("Approved", "GpufleetApproved") in conditions(csr)
 
     # A renewal as the node (what the kubelet's certificate manager sends near expiry). With
     # kubeadm's kubeadm:node-autoapprove-certificate-rotation binding in place the controller-
