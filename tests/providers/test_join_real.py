@@ -65,6 +65,16 @@ def user_data_of(harness: Harness, machine_id: str) -> str:
         return seed_file.read()
 
 
+def join_activities(harness: Harness, tmp_path, cluster) -> tuple[FleetEnv, ControlPlaneActivities]:
+    """The control plane's join activities for one provider's adapter, over ``cluster``."""
+    provider = harness.provider
+    config = FleetConfig(mode="real", accounts=[provider.account], sites=[provider.site])
+    env = FleetEnv(Settings(state_dir=tmp_path), config, cluster)
+    env._providers[provider.site.name] = provider
+    env._accounts = AccountStore(tmp_path / "guard.db")
+    return env, ControlPlaneActivities(env)
+
+
 class Joining:
     """One provider, the fake API server and the control plane's activities."""
 
@@ -76,11 +86,7 @@ class Joining:
             provider.options["seed_dir"] = str(tmp_path / "seeds")
         self.fake = FakeKube().start().enable_bootstrap()
         self.cluster = KubernetesCluster(api_client=self.fake.api_client(), namespace="gpufleet")
-        config = FleetConfig(mode="real", accounts=[provider.account], sites=[provider.site])
-        self.env = FleetEnv(Settings(state_dir=tmp_path), config, self.cluster)
-        self.env._providers[provider.site.name] = provider
-        self.env._accounts = AccountStore(tmp_path / "guard.db")
-        self.acts = ControlPlaneActivities(self.env)
+        self.env, self.acts = join_activities(harness, tmp_path, self.cluster)
         self.site = provider.site
         self.join_id = f"join/{self.site.name}/{uuid.uuid4().hex[:6]}"
         self.node_name = node_name_for(self.site.name, self.join_id)

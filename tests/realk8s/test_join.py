@@ -21,18 +21,13 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.account_store import AccountStore
-from activities.control_plane import ControlPlaneActivities
-from activities.env import FleetEnv
 from activities.models import AwaitRegistrationInput, ProvisionJoinInput
 from fleet.cluster import GPU_RESOURCE, LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
-from fleet.config import FleetConfig
 from fleet.naming import node_name_for
-from fleet.settings import Settings
 from providers.cluster.bootstrap import BOOTSTRAP_GROUP, read_join_configuration
 from providers.cluster.kubernetes import KubernetesCluster
 from tests.providers.harness import Harness
-from tests.providers.test_join_real import PROVIDERS, run, user_data_of
+from tests.providers.test_join_real import PROVIDERS, join_activities, run, user_data_of
 from tests.realk8s.cluster import JOIN_ENDPOINT_IP, KUBEADM_TOKEN, KUBEADM_TOKEN_GROUP, RealCluster
 from tests.realk8s.machine import Machine, MachineFailed
 
@@ -58,11 +53,7 @@ class RealJoining:
             provider.options["seed_dir"] = str(tmp_path / "seeds")
         self.cluster = control_plane_cluster(cluster)
         self.cluster.join_endpoint = join_endpoint
-        config = FleetConfig(mode="real", accounts=[provider.account], sites=[provider.site])
-        self.env = FleetEnv(Settings(state_dir=tmp_path), config, self.cluster)
-        self.env._providers[provider.site.name] = provider
-        self.env._accounts = AccountStore(tmp_path / "guard.db")
-        self.acts = ControlPlaneActivities(self.env)
+        self.env, self.acts = join_activities(harness, tmp_path, self.cluster)
         self.site = provider.site
         self.machines: list[Machine] = []
         self.new_join()

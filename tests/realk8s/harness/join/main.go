@@ -51,6 +51,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/types"
 	clientset "k8s.io/client-go/kubernetes"
+	restclient "k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/clientcmd"
 	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
 	certutil "k8s.io/client-go/util/cert"
@@ -309,18 +310,7 @@ func runKubelet(root, nodeName, bootstrapPath, kubeletDir, nodeIP string, port, 
 	_ = os.Remove(bootstrapPath) // kubeadm removes the bootstrap credential once the kubelet has its own
 	say("tls-bootstrapped", map[string]any{"kubeconfig": kubeconfigPath})
 
-	loaded, err := clientcmd.LoadFromFile(kubeconfigPath)
-	if err != nil {
-		fail("kubelet-client", err)
-	}
-	clientConfig, err := clientcmd.NewDefaultClientConfig(*loaded, &clientcmd.ConfigOverrides{}).ClientConfig()
-	if err != nil {
-		fail("kubelet-client", err)
-	}
-	client, err := clientset.NewForConfig(clientConfig)
-	if err != nil {
-		fail("kubelet-client", err)
-	}
+	clientConfig, client := clientFrom("kubelet-client", kubeconfigPath)
 
 	flags, config := kubemark.GetHollowKubeletConfig(&kubemark.HollowKubeletOptions{
 		NodeName: nodeName, KubeletPort: port, KubeletReadOnlyPort: 0, MaxPods: 110, PodsPerCore: 0,
@@ -435,24 +425,30 @@ func (f forward) start() error {
 	return nil
 }
 
+// clientFrom is the client a kubeconfig file describes (the kubelet's, after its TLS bootstrap).
+func clientFrom(step, kubeconfigPath string) (*restclient.Config, *clientset.Clientset) {
+	loaded, err := clientcmd.LoadFromFile(kubeconfigPath)
+	if err != nil {
+		fail(step, err)
+	}
+	config, err := clientcmd.NewDefaultClientConfig(*loaded, &clientcmd.ConfigOverrides{}).ClientConfig()
+	if err != nil {
+		fail(step, err)
+	}
+	client, err := clientset.NewForConfig(config)
+	if err != nil {
+		fail(step, err)
+	}
+	return config, client
+}
+
 func runRenew(args []string) {
 	fs := flag.NewFlagSet("renew", flag.ExitOnError)
 	root := fs.String("root", "", "the machine's root folder")
 	seconds := fs.Int("expiration-seconds", 600, "the certificate lifetime to ask for (600 s is the shortest allowed)")
 	_ = fs.Parse(args)
 	kubeconfigPath := filepath.Join(*root, "etc", "kubernetes", "kubelet.conf")
-	loaded, err := clientcmd.LoadFromFile(kubeconfigPath)
-	if err != nil {
-		fail("renew", err)
-	}
-	clientConfig, err := clientcmd.NewDefaultClientConfig(*loaded, &clientcmd.ConfigOverrides{}).ClientConfig()
-	if err != nil {
-		fail("renew", err)
-	}
-	client, err := clientset.NewForConfig(clientConfig)
-	if err != nil {
-		fail("renew", err)
-	}
+	clientConfig, client := clientFrom("renew", kubeconfigPath)
 	current, err := certutil.ParseCertsPEM(mustRead(clientConfig.CertData, clientConfig.CertFile))
 	if err != nil || len(current) == 0 {
 		fail("renew", fmt.Errorf("the kubelet's current certificate: %v", err))
