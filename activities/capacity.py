@@ -40,7 +40,7 @@ from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocke
 from fleet.models import AccountState
 from fleet.naming import account_workflow_id, site_workflow_id
 from fleet.placement import AccountView
-from fleet.cluster import LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, DrainResult
+from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, DrainResult
 from providers.cluster.base import NodeNotFound
 
 R = TypeVar("R")
@@ -247,6 +247,13 @@ class CapacityActivities:
                     self.env.cluster.label_node(n.name, {LABEL_ZONE: site.name})
                 except NodeNotFound:
                     pass  # gone since the list: nothing to label
+            # The kubelet cannot drop the fleet taint (NodeRestriction), but a person or another
+            # controller can: without it the control plane's pods could land on a GPU node.
+            if FLEET_TAINT not in n.taints:
+                try:
+                    self.env.cluster.set_taints(n.name, add=[FLEET_TAINT])
+                except NodeNotFound:
+                    pass  # gone since the list
         return [
             SiteNode(node_name=n.name, machine_id=n.machine_id, ready=n.ready, unproven=UNPROVEN_TAINT in n.taints,
                      registered_at=n.registered_at, price_per_gpu_hour=site.price_per_gpu_hour)

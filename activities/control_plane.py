@@ -44,7 +44,7 @@ from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
 from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinParams, render_user_data
 from fleet.models import Machine, Node
 from fleet.naming import site_workflow_id
-from fleet.cluster import LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, JoinTokenRef
+from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, JoinTokenRef
 
 
 def bootstrap_user_data(cluster, token: BootstrapToken, node_name: str, provider_id: str) -> str:
@@ -267,11 +267,17 @@ class ControlPlaneActivities:
                          remove: list[str] | None = None) -> Node:
         cluster = self.env.cluster
         labels = dict(labels)
+        add = list(add)
         if LABEL_SITE in labels:  # a site is a topology zone (same-site Services, README "Network model")
             labels[LABEL_ZONE] = labels[LABEL_SITE]
+            # A GPU node of a site keeps the fleet taint, whether or not its kubelet registered
+            # with it (a site's own bootstrap template): the control plane must never land there.
+            if FLEET_TAINT not in add:
+                add.append(FLEET_TAINT)
         if labels:
             cluster.label_node(node_name, labels)
-        return cluster.set_taints(node_name, add=add, remove=remove or [])
+        # Admission lifts only the unproven taint: the fleet taint is never removed by a join.
+        return cluster.set_taints(node_name, add=add, remove=[t for t in remove or [] if t != FLEET_TAINT])
 
     @activity.defn
     @typed_errors

@@ -27,19 +27,23 @@ def check(
                                  help="also check the Konnectivity tunnels (skip only when every GPU node "
                                       "shares the control plane's network)"),
 ) -> None:
-    """Check that these credentials may do everything the cluster adapter does, and that
-    the API server can reach every gpufleet node's kubelet (Konnectivity).
+    """Check that these credentials may do everything the cluster adapter does, that what
+    they (and a node's certificate) can reach beyond that is fenced (kubeadm's auto-approve
+    bindings removed, the Secret admission policy enforced), and that the API server can
+    reach every gpufleet node's kubelet (Konnectivity).
 
-    Exit 0 when every permission is granted and the tunnels run, 1 when anything is
-    missing, 2 when the cluster cannot be asked.
+    Exit 0 when every permission is granted, the fences stand and the tunnels run, 1 when
+    anything is missing or a kubeadm auto-approve binding is present, 2 when the cluster
+    cannot be asked.
     """
-    from providers.cluster.check import check_access, check_tunnels
+    from providers.cluster.check import check_access, check_hardening, check_tunnels
     from providers.cluster.kubernetes import load_api_client
 
     console = Console()
     try:
         api_client = load_api_client(kubeconfig, context)
         rows = check_access(api_client, namespace)
+        hardening = check_hardening(api_client)
         report = check_tunnels(api_client) if tunnels else None
     except Exception as error:  # noqa: BLE001 - unreachable, bad kubeconfig, refused: one line, exit 2
         console.print(f"[red]cannot check the cluster:[/red] {type(error).__name__}: {error}".splitlines()[0])
@@ -60,10 +64,29 @@ def check(
         )
     else:
         console.print(f"[green]all {len(rows)} permissions granted[/green]")
+    _print_hardening(console, hardening)
     if report is not None:
         _print_tunnels(console, report)
-    if missing or (report is not None and not report.ok):
+    if missing or any(not row.ok for row in hardening) or (report is not None and not report.ok):
         raise typer.Exit(1)
+
+
+def _print_hardening(console: Console, rows) -> None:
+    from providers.cluster.check import KUBEADM_BINDINGS, remove_kubeadm_bindings_command
+
+    table = Table(title="what the control plane's credential and a node's certificate can reach")
+    for column in ("", "object", "state", "fix"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row("[green]ok[/green]" if row.ok else "[red]RISK[/red]", row.what, row.state, row.fix)
+    console.print(table)
+    present = [name for name in KUBEADM_BINDINGS if any(r.what.endswith(f" {name}") and r.fix for r in rows)]
+    if present:
+        # One line to copy: gpufleet's own approver judges its joins and renewals without them.
+        console.print(f"[red]remove kubeadm's auto-approve bindings[/red]: {remove_kubeadm_bindings_command(present)}"
+                      "  (kubeadm upgrade apply puts them back: check again after every upgrade)")
+    if all(row.ok for row in rows):
+        console.print("[green]kubeadm's auto-approve bindings absent, admission policy enforced[/green]")
 
 
 def _print_tunnels(console: Console, report) -> None:

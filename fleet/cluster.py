@@ -13,6 +13,14 @@ from fleet.weights_pull import WeightsPull
 
 #: Taint every new node carries until its smoke test passes.
 UNPROVEN_TAINT = "gpufleet.io/unproven:NoSchedule"
+#: The fleet taint: every GPU node gpufleet joins carries it from registration on (its
+#: JoinConfiguration) and keeps it after admission, so only what tolerates it lands there:
+#: serving pods, the node agent, pods of the demand opt-in contract (``fleet.demand``) and the
+#: cluster's own tolerate-everything daemons. The control plane and the node gateway never
+#: tolerate it: a GPU node must not host their credentials (README "Running for real", step 4).
+#: A kubelet cannot change its own taints (NodeRestriction); the site reconcile puts it back.
+FLEET_TAINT_KEY = "gpufleet.io/demand"
+FLEET_TAINT = f"{FLEET_TAINT_KEY}:NoSchedule"
 #: Placement and compliance labels live under ``node-restriction.kubernetes.io/``: the
 #: NodeRestriction admission plugin refuses a kubelet that sets or changes such a key on its
 #: own Node, so a node cannot move itself into another site (or compliance geography).

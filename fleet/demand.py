@@ -30,15 +30,24 @@ from typing import Iterable
 
 from pydantic import BaseModel, Field
 
-from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_MODEL, LABEL_PROVIDER, LABEL_REGION, LABEL_SITE, UNPROVEN_TAINT
+from fleet.cluster import (
+    FLEET_TAINT,
+    FLEET_TAINT_KEY,
+    LABEL_GPU_PRODUCT,
+    LABEL_MODEL,
+    LABEL_PROVIDER,
+    LABEL_REGION,
+    LABEL_SITE,
+    UNPROVEN_TAINT,
+)
 from fleet.config import ServingPolicy, Site
 from fleet.models import CapacityType, Offer
 from fleet.placement import AccountView, Constraints, effective_price, rank
 from fleet.replacement import may_move
 
-#: The fleet taint an opted-in pod tolerates.
-DEMAND_TAINT_KEY = "gpufleet.io/demand"
-DEMAND_TAINT = f"{DEMAND_TAINT_KEY}:NoSchedule"
+#: The fleet taint an opted-in pod tolerates (every GPU node gpufleet joins carries it).
+DEMAND_TAINT_KEY = FLEET_TAINT_KEY
+DEMAND_TAINT = FLEET_TAINT
 #: The node selector an opted-in pod carries (value ``"true"``); every fleet node has it.
 LABEL_FLEET = "node-restriction.kubernetes.io/gpufleet"
 LABEL_GEOGRAPHY = "node-restriction.kubernetes.io/gpufleet-geography"

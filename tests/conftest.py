@@ -29,6 +29,24 @@ from providers.sim import SimWorld
 from workers.control_plane import build_worker
 from workers.node_agent import SimNodeHost, pki_signer
 from workers.node_gateway import GatewayAccess, Pki, RunningGateway, start_gateway, temporal_liveness
+from tests.tools import require_marked
+
+#: Fixtures that start a server (Temporal, a cluster): a test that uses one is not a unit test.
+SERVER_FIXTURES = {"temporal_env", "real_cluster"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The unit tier is derived, not hand-kept: every test that needs no server fixture, no
+    system program and is not marked ``integration`` (it starts processes of its own)."""
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if not fixtures & SERVER_FIXTURES and not any(item.iter_markers("needs_tools")) \
+                and not any(item.iter_markers("integration")) and not any(item.iter_markers("realk8s")):
+            item.add_marker(pytest.mark.unit)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    require_marked(item)
 
 #: A small, fast simulated fleet: no API latency, sub-second boots.
 TEST_FLEET: dict[str, Any] = {

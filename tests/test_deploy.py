@@ -118,3 +118,60 @@ def test_metrics_are_served_and_scraped() -> None:
                        and any(p["name"] == "metrics" and p["targetPort"] == "metrics" for p in s["spec"]["ports"]))
         selector = monitors[0]["spec"]["selector"]["matchLabels"]
         assert selector.items() <= service["metadata"]["labels"].items()
+
+
+# -- placement: the control plane never on a GPU node (issue 35) -----------------------------
+CONTROL_PLANE_ROLE = "node-role.kubernetes.io/control-plane"
+
+
+def registered_taints() -> list[str]:
+    """The taints a gpufleet machine registers with, from the shipped bootstrap template."""
+    from providers.cluster.bootstrap import JoinParams, read_join_configuration, registration_taints, render_user_data
+
+    user_data = render_user_data(JoinParams(api_server="203.0.113.1:6443", ca_data="Y2E=", token="abcdef.0123456789abcdef",
+                                            node_name="n1", provider_id="gpufleet://aws/a/n1"))
+    return registration_taints(read_join_configuration(user_data))
+
+
+def tolerations_of(pod: dict) -> list:
+    from fleet.demand import Toleration
+
+    return [Toleration(**t) for t in pod.get("tolerations") or []]
+
+
+def test_gpu_nodes_keep_the_fleet_taint_after_admission() -> None:
+    from fleet.cluster import FLEET_TAINT, UNPROVEN_TAINT
+    from providers.cluster.base import apply_taints
+
+    taints = registered_taints()
+    assert UNPROVEN_TAINT in taints and FLEET_TAINT in taints
+    # Admission (``admit_node``) lifts the unproven taint by key and effect, nothing else.
+    assert apply_taints(taints, remove=[UNPROVEN_TAINT]) == [FLEET_TAINT]
+
+
+def test_control_plane_and_gateway_run_only_on_control_plane_hosts() -> None:
+    """Their service-account tokens and the Temporal and provider credentials must never sit on
+    a GPU node: they select kubeadm's control-plane role (a kubelet cannot set it on itself),
+    tolerate its taint, and tolerate no taint a GPU node carries, admitted or not."""
+    found = workloads(rendered())
+    gpu_node_taints = registered_taints()
+    for name in ("gpufleet-control-plane", "gpufleet-node-gateway"):
+        pod = found[name]["spec"]["template"]["spec"]
+        assert pod.get("nodeSelector") == {CONTROL_PLANE_ROLE: ""}, name
+        tolerations = tolerations_of(pod)
+        assert any(t.tolerates(f"{CONTROL_PLANE_ROLE}:NoSchedule") for t in tolerations), name
+        assert not [taint for taint in gpu_node_taints if any(t.tolerates(taint) for t in tolerations)], name
+        assert "affinity" not in pod, f"{name}: nothing widens the selector"
+
+
+def test_gpu_workloads_tolerate_every_taint_an_admitted_gpu_node_keeps() -> None:
+    from fleet.cluster import UNPROVEN_TAINT, ServingSpec
+    from providers.cluster.kubernetes import render_pod_template
+
+    kept = [t for t in registered_taints() if t != UNPROVEN_TAINT]
+    agent = workloads(rendered())["gpufleet-node-agent"]["spec"]["template"]["spec"]
+    assert all(any(t.tolerates(taint) for t in tolerations_of(agent)) for taint in registered_taints()), \
+        "the node agent runs on unproven nodes too (the smoke test)"
+    serving = render_pod_template(ServingSpec(model="m", site="s", image="i"))["spec"]
+    assert all(any(t.tolerates(taint) for t in tolerations_of(serving)) for taint in kept)
+    assert not any(t.tolerates(UNPROVEN_TAINT) for t in tolerations_of(serving)), "nothing serves before the smoke test"

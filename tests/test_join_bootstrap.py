@@ -14,11 +14,23 @@ import asyncio
 
 import pytest
 from temporalio.client import WorkflowFailureError
+from temporalio.testing import ActivityEnvironment
 
-from fleet.cluster import LABEL_SITE
+from activities.capacity import CapacityActivities
+from activities.env import FleetEnv
+from fleet.cluster import FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT
+from fleet.messages.capacity import SiteNodesInput
 from fleet.messages.join import NodeJoinResult
 from fleet.repair_policy import Rung
-from providers.cluster.bootstrap import kubelet_args, read_join_configuration
+from providers.cluster.bootstrap import (
+    DEFAULT_TEMPLATE,
+    BootstrapError,
+    JoinParams,
+    kubelet_args,
+    read_join_configuration,
+    registration_taints,
+    render_user_data,
+)
 from tests.conftest import Stack, run_node_host, wait_for
 from tests.test_node_join import readable_history
 from tests.replay import replay_and_record
@@ -36,6 +48,13 @@ async def test_a_join_records_the_machine_it_created(stack: Stack) -> None:
     assert node.provider_id == identity.provider_id == kubelet_args(read_join_configuration(
         stack.world.user_data(result.machine_id)))["provider-id"]
     assert node.labels[LABEL_SITE] == "site-a"
+    assert FLEET_TAINT in node.taints and UNPROVEN_TAINT not in node.taints, \
+        "admitted: the unproven taint lifted, the fleet taint kept (the control plane never lands there)"
+    # Someone lifts it (the kubelet cannot: NodeRestriction): the site reconcile puts it back.
+    stack.cluster.set_taints(result.node_name, remove=[FLEET_TAINT])
+    site_nodes = CapacityActivities(FleetEnv.from_settings(stack.settings)).site_nodes
+    ActivityEnvironment().run(site_nodes, SiteNodesInput(site="site-a"))
+    assert FLEET_TAINT in stack.cluster.get_node(result.node_name).taints
     assert stack.world.query("SELECT * FROM join_tokens") == [], "no token outlives the registration"
     token = read_join_configuration(stack.world.user_data(result.machine_id))["discovery"]["tlsBootstrapToken"]
     history = readable_history((await handle.fetch_history()).to_json_dict())
@@ -93,3 +112,17 @@ async def test_the_reinstall_rung_rebootstraps_with_a_fresh_token(rstack: Stack)
     assert token.split(".")[1] not in history, "the fresh token's secret is in no history"
     assert "#cloud-config" not in history, "nor is the user data"
     await replay_and_record(repair_handle(rstack, node.node_name, 0), "gpu_repair_reinstall_rebootstrap")
+
+
+def test_a_bootstrap_template_without_the_fleet_taint_is_refused_before_any_machine_is_bought() -> None:
+    """A site's own template (GPUFLEET_BOOTSTRAP_TEMPLATE) that drops the fleet taint would
+    register GPU nodes the control plane's pods could be scheduled onto."""
+    template = DEFAULT_TEMPLATE.read_text()
+    params = JoinParams(api_server="203.0.113.1:6443", ca_data="Y2E=", token="abcdef.0123456789abcdef",
+                        node_name="n1", provider_id="gpufleet://aws/a/n1")
+    assert FLEET_TAINT in registration_taints(read_join_configuration(render_user_data(params, template)))
+    without = template.replace("          - key: gpufleet.io/demand\n            effect: NoSchedule\n", "")
+    assert without != template
+    with pytest.raises(BootstrapError) as refused:
+        render_user_data(params, without)
+    assert FLEET_TAINT in str(refused.value) and "abcdef" not in str(refused.value)

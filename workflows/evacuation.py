@@ -18,7 +18,9 @@ query):
 5. **wait for recovery**: a periodic probe (provider API answers, every node's
    agent back) or the operator update ``declare_recovered``; ``abort`` (update)
    stops the evacuation where it is, at any step;
-6. **restore**: every node passes a smoke test (else back to 5), the site's
+6. **restore**: the nodes smoke-test (as many failing as would trip an incident →
+   back to 5; fewer: each one that fails or garbles its answer stays cordoned and goes
+   to its Node entity's repair ladder, and the site returns with the others), the site's
    Deployments come back, the weight climbs in steps (10 → 50 → 100 % with a bake
    time between), the extra replicas elsewhere go, and the nodes bought for the
    evacuation are retired while their site is above its min.
@@ -35,12 +37,16 @@ import asyncio
 from datetime import timedelta
 from typing import Any
 
+from pydantic import ValidationError
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ChildWorkflowError
+from temporalio.common import RawValue
+from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import ResolveSiteInput
+    from activities.models import ResolveSiteInput, SmokeTestInput
+    from fleet.messages.repair import NodeQuarantine, SmokeReport
+    from fleet.settings import node_queue
     from fleet.config import Site
     from fleet import search_attributes as sa
     from fleet.incident import (
@@ -51,6 +57,7 @@ with workflow.unsafe.imports_passed_through():
         nodes_needed,
         plan_moves,
         restore_percents,
+        trip_threshold,
     )
     from fleet.messages.capacity import CapacityResult, SiteNodesInput, SiteNode
     from fleet.messages.evacuation import (
@@ -68,11 +75,12 @@ with workflow.unsafe.imports_passed_through():
         Step,
         UncordonInput,
     )
-    from workflows.inputs import check_text, parse_input
+    from workflows.inputs import check_text, describe, first_problem, parse_input
     from workflows.steps import (
         CLUSTER_RETRY,
         PROVIDER_RETRY,
         QUICK,
+        SMOKE_RETRY,
         drain_and_retire,
         drain_node,
         failure_message,
@@ -84,6 +92,15 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet.cluster import ServingStatus
     from fleet.messages.routing import SiteEvent, SiteEventInput
+
+
+#: Workflow patch: the proof is per node. Each node's smoke-test answer is taken undecoded and
+#: checked here (``SmokeReport``), so a garbled one fails that node's proof, never a workflow
+#: task; the site comes back with the nodes that pass unless the failing ones are as many as
+#: would trip an incident (``fleet.incident.trip_threshold``), and each node that does not pass
+#: stays cordoned and is handed to its Node entity (signal ``quarantine``: cordon, repair ladder).
+#: Before, one failing or garbled node (a hostile one on purpose) held its whole site at weight 0.
+PROOF_PER_NODE_PATCH = "evacuation-proof-per-node"
 
 
 def evacuation_workflow_id(site: str, n: int) -> str:
@@ -104,6 +121,8 @@ class SiteEvacuation:
         self._acquired: list = []
         self._bought = 0
         self._failed_proofs = 0
+        #: Node → why it failed the proof that restored the site (it stays cordoned).
+        self._unproven: dict[str, str] = {}
 
     # -- operator surface -----------------------------------------------------------------
     @workflow.update
@@ -465,31 +484,82 @@ class SiteEvacuation:
         )
         gpus = self._facts.site.gpus_per_machine
         failures = []
+        per_node = workflow.patched(PROOF_PER_NODE_PATCH)
+        unproven: dict[str, str] = {}
 
         async def smoke(name: str) -> None:
             try:
-                result = await smoke_test_node(name, gpus, timeout_seconds=s.smoke_test_seconds,
-                                               summary=f"smoke test {name}")
-                if not result.passed:
-                    failures.append(f"{name}: {'; '.join(result.failures)}")
+                if per_node:
+                    why = await self._smoke_checked(name, gpus)
+                else:
+                    result = await smoke_test_node(name, gpus, timeout_seconds=s.smoke_test_seconds,
+                                                   summary=f"smoke test {name}")
+                    why = "" if result.passed else "; ".join(result.failures)
+                if why:
+                    failures.append(f"{name}: {why}")
+                    unproven[name] = why
             except ActivityError as error:
                 failures.append(f"{name}: smoke test did not run ({failure_type(error)})")
+                unproven[name] = f"smoke test did not run ({failure_type(error)})"
 
         await asyncio.gather(*(smoke(n.node_name) for n in nodes))
         self._check()
-        if failures or not nodes:
+        proven = [n.node_name for n in nodes if n.node_name not in unproven]
+        # Per node: the site waits only while its failing nodes would trip an incident on their
+        # own (the provider is not back); fewer than that are single nodes' faults (or lies).
+        too_many = not proven or len(unproven) >= trip_threshold(len(nodes), s)
+        if too_many if per_node else (failures or not nodes):
             self._recovered = ""
             self._state("waiting-for-recovery")
             self._mark("smoke tests failed", "; ".join(failures) or "no nodes")
             return False
-        self._mark("nodes proven", f"{len(nodes)} nodes passed smoke tests")
+        if unproven:
+            self._unproven = unproven
+            await self._quarantine_unproven()
+        self._mark("nodes proven", f"{len(proven)} nodes passed smoke tests"
+                   + (f"; unproven, left cordoned: {'; '.join(failures)}" if unproven else ""))
         return True
+
+    async def _smoke_checked(self, name: str, gpus: int) -> str:
+        """"" when the node proved itself, else why not. The answer comes from the node's own
+        queue (an untrusted agent): taken undecoded and validated here, in workflow code (pure
+        functions of the recorded payload, so replay decides the same)."""
+        s = self._s
+        answer: RawValue = await workflow.execute_activity(
+            "smoke_test", SmokeTestInput(expected_gpus=gpus), result_type=RawValue, task_queue=node_queue(name),
+            schedule_to_close_timeout=timedelta(seconds=s.smoke_test_seconds),
+            start_to_close_timeout=timedelta(seconds=min(s.smoke_test_seconds, 300)), retry_policy=SMOKE_RETRY,
+            summary=f"smoke test {name}",
+        )
+        try:
+            value = workflow.payload_converter().from_payload(answer.payload)
+            if (found := first_problem(value)) is not None:
+                return f"bad report: {found[0]}: {found[1]}"[:300]
+            report = SmokeReport.model_validate(value)
+        except ValidationError as error:
+            return f"bad report: {describe(error)[0]}"[:300]
+        except Exception as error:  # noqa: BLE001 - undecodable (bad JSON, unknown encoding)
+            return f"bad report: undecodable ({type(error).__name__})"
+        if report.passed:
+            return ""
+        return "; ".join(report.failures)[:1000] or "failed"
+
+    async def _quarantine_unproven(self) -> None:
+        """Each node that failed the proof goes to its Node entity: cordoned, the repair ladder
+        decides (held by the Site entity while its incident is open, then repaired)."""
+        for name, why in sorted(self._unproven.items()):
+            try:
+                await workflow.get_external_workflow_handle(f"node/{name}").signal("quarantine", NodeQuarantine(
+                    reason=f"failed the smoke test of {workflow.info().workflow_id}: {why}"[:1000]))
+            except FailureError as error:
+                self._mark("node not handed to repair", f"{name}: {failure_message(error)}")
 
     async def _restore(self) -> None:
         p, s, site = self._progress, self._s, self._args.site
+        proven = [name for name in p.drained if name not in self._unproven]  # the others stay cordoned
         await workflow.execute_activity(
-            "uncordon_nodes", UncordonInput(nodes=p.drained), result_type=list[str], start_to_close_timeout=QUICK,
-            retry_policy=CLUSTER_RETRY, summary=f"uncordon {len(p.drained)} nodes at {site}",
+            "uncordon_nodes", UncordonInput(nodes=proven), result_type=list[str], start_to_close_timeout=QUICK,
+            retry_policy=CLUSTER_RETRY, summary=f"uncordon {len(proven)} nodes at {site}",
         )
         deadline = workflow.now() + timedelta(seconds=s.ready_seconds)
         for here in self._facts.here:

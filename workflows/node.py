@@ -8,7 +8,11 @@ entity schedules the next one. The node's identity is the queue it answered on
 (the node gateway lets a node poll only its own), never a name in a payload; the
 state is level-triggered, so a run that continues as new loses nothing: its first
 watch returns at once if the node changed meanwhile. A spot notice starts the
-node's SpotReclaim. (``health_report`` signals, from control-plane identities only,
+node's SpotReclaim. What the node returns is untrusted: each result is validated by the entity
+(``NodeReport``); a malformed one is a bad report (logged, counted in the status, shown), the
+watch goes on, and ``MAX_BAD_REPORTS_IN_A_ROW`` of them quarantine the node (cordoned, repair
+ladder), as the ``quarantine`` signal does for a node that failed an evacuation's proof. A
+background loop that raises is shown and restarted, never lost. (``health_report`` signals, from control-plane identities only,
 are still handled.) The entity classifies each GPU (``fleet.repair_policy``),
 escalates repeat faults, fences a sick GPU and cordons the node at once (before anyone
 decides how to repair it), and starts one GpuRepair child per sick GPU. It owns
@@ -26,10 +30,11 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any
+from typing import Any, Awaitable, Callable
 
+from pydantic import BaseModel, ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy, WorkflowIDReusePolicy
+from temporalio.common import RawValue, RetryPolicy, WorkflowIDReusePolicy
 from temporalio.workflow import ParentClosePolicy
 from temporalio.exceptions import ActivityError, FailureError
 
@@ -46,10 +51,10 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet import search_attributes as sa
     from fleet.models import GpuHealth
-    from fleet.repair_policy import Finding, RepairSettings, classify, conditions
+    from fleet.repair_policy import Finding, RepairSettings, Rung, classify, conditions
     from fleet.naming import reclaim_workflow_id
     from fleet.settings import node_queue
-    from workflows.inputs import parse_input
+    from workflows.inputs import describe, first_problem, parse_input, parse_signal
     from workflows.steps import CLUSTER_RETRY, QUICK, failure_message, show_details
     from workflows.repair import repair_workflow_id
     from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
@@ -62,6 +67,8 @@ with workflow.unsafe.imports_passed_through():
         NodeActionRequest,
         NodeCarry,
         NodeEntityInput,
+        NodeQuarantine,
+        NodeReport,
         NodeStatus,
         NodeWatchInput,
         NodeWatchResult,
@@ -97,6 +104,27 @@ CONTAIN_FIRST_PATCH = "contain-first"
 #: Stale results in a row, each observed afresh by the next watch, mean the node's clock is off
 #: (not an outage in flight): act on the next one rather than never.
 MAX_STALE_IN_A_ROW = 3
+
+#: Workflow patch: what a node returns (watch results, the join's smoke-test state) is untrusted
+#: input. The entity takes a watch's result undecoded (``RawValue``) and validates it itself, in
+#: workflow code, against ``NodeReport``: decoding and validating are pure functions of the
+#: recorded payload, so replay decides the same, and a malformed result is a bad report from the
+#: node (logged, counted, shown; the next watch is scheduled) instead of a decode error failing
+#: every workflow task. A control-plane activity could validate too, but would cost an activity
+#: per watch and still hand back a payload the workflow must decode. Under the same patch an
+#: error in one of the entity's background loops is shown and the loop restarted, never lost.
+#: Asked only when something is wrong, so runs with good reports record no marker.
+NODE_REPORTS_PATCH = "node-reports-checked"
+#: Bad reports in a row after which the node is quarantined: cordoned (its GPU 0 fenced, as any
+#: finding does) and handed to the repair ladder from a reboot, which escalates if it recurs.
+MAX_BAD_REPORTS_IN_A_ROW = 3
+QUARANTINE_RUNG = Rung.REBOOT
+#: A background loop that failed is restarted after this pause, doubling up to the maximum: a
+#: loop that fails at once every time costs a timer per restart, not a spinning workflow task.
+LOOP_RESTART_FIRST = timedelta(seconds=1)
+LOOP_RESTART_MAX = timedelta(minutes=5)
+#: A bad report is named in the log and details by its first problem, cut to this length.
+MAX_PROBLEM_SHOWN = 300
 
 #: Bounded memory: XID event keys remembered for de-duplication, log lines kept.
 MAX_SEEN = 512
@@ -140,12 +168,25 @@ class NodeEntity:
         self._gone = False
         self._watching: asyncio.Task | None = None
         self._stale_in_a_row = 0
+        #: The join's smoke-test state: the first watch's result (taken once, not on a restart).
+        self._first_state: Any = None
+        #: K bad reports in a row: the loop quarantines the node (the one writer of the state).
+        self._quarantine: Finding | None = None
+        self._last_bad_report = ""
+        self._loop_restarts = 0
 
     # -- signals and queries ---------------------------------------------------------------
     # The handlers only queue (none awaits): the loop is the one writer of the state, so no lock.
     @workflow.signal
     def health_report(self, report: HealthReport) -> None:
         self._pending.append(report)
+
+    @workflow.signal
+    def quarantine(self, raw: Any) -> None:
+        """The node failed someone else's proof (an evacuation's smoke test): the loop cordons
+        it and hands it to the repair ladder, like K bad reports in a row."""
+        if (order := parse_signal(NodeQuarantine, raw, "quarantine")) is not None:
+            self._quarantine_node(order.reason)
 
     @workflow.signal
     def node_action_request(self, request: NodeActionRequest) -> None:
@@ -163,6 +204,8 @@ class NodeEntity:
             active_repairs={str(k): v for k, v in self._active.items()}, app_xids=self._carry.ledger.app_xids,
             remediations=len(self._carry.ledger.remediations), node_actions=self._carry.actions,
             deferred=sorted(self._carry.deferred), fenced=sorted(self._carry.fenced), log=self._carry.log,
+            bad_reports=self._carry.bad_reports, bad_reports_in_a_row=self._carry.bad_reports_in_a_row,
+            last_bad_report=self._last_bad_report, loop_restarts=self._loop_restarts,
         )
 
     # -- the loop --------------------------------------------------------------------------
@@ -195,7 +238,8 @@ class NodeEntity:
         if self._carry.deferred:
             await self._refresh_facts()  # findings carried on hold: their recheck interval is in the settings
         if workflow.patched(HEALTH_WATCH_PATCH):
-            self._watching = asyncio.create_task(self._watch_node(inp.first_state))
+            self._first_state = inp.first_state
+            self._watching = self._background("health watch", self._watch_node)
         recheck_at = None
         while True:
             timeout = None
@@ -203,7 +247,8 @@ class NodeEntity:
                 timeout = timedelta(seconds=self._facts.settings.recheck_seconds)
             try:
                 await workflow.wait_condition(
-                    lambda: bool(self._pending or self._wake or (self._requests and self._holder is None)),
+                    lambda: bool(self._pending or self._wake or self._quarantine
+                                 or (self._requests and self._holder is None)),
                     timeout=timeout,
                 )
             except asyncio.TimeoutError:
@@ -212,6 +257,9 @@ class NodeEntity:
             await self._grant_next()
             while self._pending:
                 await self._handle(self._pending.pop(0))
+            if self._quarantine is not None:
+                finding, self._quarantine = self._quarantine, None
+                await self._act(finding)
             if recheck_at is not None:
                 recheck_at = None
                 await self._recheck()
@@ -221,20 +269,89 @@ class NodeEntity:
             if (
                 workflow.info().is_continue_as_new_suggested()
                 and not self._active and not self._pending and not self._requests and self._holder is None
+                and self._quarantine is None
             ):
                 await workflow.wait_condition(workflow.all_handlers_finished)
-                if not self._pending and not self._requests:
+                if not self._pending and not self._requests and self._quarantine is None:
                     workflow.continue_as_new(NodeEntityInput(node_name=self._node, carry=self._carry).model_dump(mode="json"))
 
     # -- the pulled health watch -----------------------------------------------------------
     def _settings(self) -> RepairSettings | None:
         return self._facts.settings if self._facts is not None else self._joined_settings
 
-    async def _watch_node(self, first: NodeWatchResult | None = None) -> None:
+    # -- background loops ------------------------------------------------------------------
+    def _background(self, name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task:
+        """``loop`` as a task that is never lost: an exception in a task nobody awaits vanishes
+        in a workflow (no log, no failed task), so a loop that raised is logged, shown in the
+        entity's details and started again after a pause."""
+
+        async def supervised() -> None:
+            pause = LOOP_RESTART_FIRST
+            while True:
+                try:
+                    await loop()
+                    return
+                except (workflow.NondeterminismError, workflow.ContinueAsNewError):
+                    raise
+                except Exception as error:  # noqa: BLE001 - anything else must not end the loop
+                    if not workflow.patched(NODE_REPORTS_PATCH):
+                        raise  # a run from before the patch: the loop ended here when it ran
+                    self._loop_restarts += 1
+                    why = f"{type(error).__name__}: {str(error)[:MAX_PROBLEM_SHOWN]}"
+                    self._log(f"{name} failed ({why}); restarting in {pause.total_seconds():g}s", warn=True)
+                    self._show(f"{name} failed ({why}); restarting")
+                    await workflow.sleep(pause)
+                    pause = min(pause * 2, LOOP_RESTART_MAX)
+
+        return asyncio.create_task(supervised())
+
+    def _checked(self, answer: Any) -> NodeReport | None:
+        """A watch's answer as the entity accepts it (``NodeReport``), or None: a bad report,
+        counted and shown, and after ``MAX_BAD_REPORTS_IN_A_ROW`` the node is quarantined."""
+        problem, value = "", None
+        try:
+            value = workflow.payload_converter().from_payload(answer.payload) if isinstance(answer, RawValue) \
+                else answer
+            if isinstance(value, BaseModel):  # the join's smoke-test state, decoded loosely by the join
+                value = value.model_dump(mode="json")
+            # Before pydantic: deep nesting, huge strings and non-finite numbers anywhere.
+            if (found := first_problem(value)) is not None:
+                problem = f"{found[0]}: {found[1]}"
+            else:
+                report = NodeReport.model_validate(value)
+                self._carry.bad_reports_in_a_row = 0
+                return report
+        except ValidationError as error:
+            problem = describe(error)[0]
+        except Exception as error:  # noqa: BLE001 - an undecodable payload (bad JSON, unknown encoding)
+            problem = f"undecodable ({type(error).__name__})"
+        if not workflow.patched(NODE_REPORTS_PATCH):
+            # A run from before the patch decoded it with the wire model (or failed its task).
+            return NodeWatchResult.model_validate(value)
+        problem = problem[:MAX_PROBLEM_SHOWN]
+        carry = self._carry
+        carry.bad_reports += 1
+        carry.bad_reports_in_a_row += 1
+        self._last_bad_report = problem
+        self._log(f"bad report from {self._node} ({carry.bad_reports_in_a_row} in a row): {problem}", warn=True)
+        self._show(f"bad report from {self._node}: {problem}")
+        if carry.bad_reports_in_a_row >= MAX_BAD_REPORTS_IN_A_ROW:
+            carry.bad_reports_in_a_row = 0
+            self._quarantine_node(f"{MAX_BAD_REPORTS_IN_A_ROW} bad reports in a row from the node agent")
+        return None
+
+    def _quarantine_node(self, reason: str) -> None:
+        """Cordon the node and hand it to the repair ladder (the loop acts: ``_act`` on GPU 0)."""
+        self._carry.quarantine_reasons = [*self._carry.quarantine_reasons, reason][-MAX_LOG:]
+        self._quarantine = Finding(index=0, rung=QUARANTINE_RUNG, reasons=[reason])
+        self._wake = True
+
+    async def _watch_node(self) -> None:
         """One ``watch_node`` after another on the node's queue, for the entity's life.
 
-        ``first``: the state the node showed in the join's smoke test, taken as the first
-        watch's result (it came from the node's own queue too)."""
+        The first result is the state the node showed in the join's smoke test, if any (it
+        came from the node's own queue too)."""
+        first, self._first_state = self._first_state, None
         heartbeat = timedelta(seconds=RepairSettings().timeouts.watch_heartbeat())
         if self._settings() is None:
             try:
@@ -246,10 +363,10 @@ class NodeEntity:
                 heartbeat = timedelta(seconds=settings.timeouts.watch_heartbeat())
             carry = self._carry
             if first is not None:
-                result, first = first, None
+                answer, first = first, None
             else:
                 try:
-                    result = await self._watch_once(carry, heartbeat)
+                    answer = await self._watch_once(carry, heartbeat)
                 except ActivityError as error:
                     try:
                         facts = await self._refresh_facts()
@@ -261,6 +378,8 @@ class NodeEntity:
                         self._wake = True
                         return
                     continue
+            if (result := self._checked(answer)) is None:
+                continue  # a bad report: the next watch asks again
             if result.node_name != self._node or result.seq < carry.watch_seq:
                 continue  # a late answer: the state it carries is older than what the entity has
             if self._stale(result):
@@ -272,12 +391,13 @@ class NodeEntity:
             carry.watch_seq, carry.watch_digest, carry.reclaim_at = result.seq, result.digest, result.reclaim_at
             self._wake = True  # also: the loop looks at continue-as-new after every watch
 
-    async def _watch_once(self, carry: NodeCarry, heartbeat: timedelta) -> NodeWatchResult:
+    async def _watch_once(self, carry: NodeCarry, heartbeat: timedelta) -> RawValue:
+        # Undecoded: the node's answer is validated by ``_checked`` (see ``NODE_REPORTS_PATCH``).
         return await workflow.execute_activity(
             "watch_node",
             NodeWatchInput(node_name=self._node, seq=carry.watch_seq, digest=carry.watch_digest,
                            reclaim_at=carry.reclaim_at, max_wait_seconds=WATCH_MAX_WAIT),
-            task_queue=node_queue(self._node), result_type=NodeWatchResult,
+            task_queue=node_queue(self._node), result_type=RawValue,
             start_to_close_timeout=timedelta(seconds=WATCH_MAX_WAIT) + heartbeat * 2,
             schedule_to_close_timeout=WATCH_GIVE_UP, heartbeat_timeout=heartbeat,
             retry_policy=WATCH_RETRY, summary=f"{self._node}: health and spot notices, on change",
@@ -367,7 +487,8 @@ class NodeEntity:
         for index, finding in sorted(self._carry.deferred.items()):
             latest = self._carry.latest.get(index)
             # A fatal XID is an event, not a state: a clean snapshot since does not undo it.
-            if not finding.fatal_xids and latest is not None and not latest.problems():
+            quarantined = any(reason in self._carry.quarantine_reasons for reason in finding.reasons)
+            if not finding.fatal_xids and not quarantined and latest is not None and not latest.problems():
                 if index in self._carry.fenced and not await self._unfence(index):
                     continue  # still fenced: the next recheck tries again
                 self._carry.deferred.pop(index)
@@ -462,9 +583,10 @@ class NodeEntity:
             if index in self._carry.fenced:
                 self._carry.fenced.remove(index)
         self._active[index] = repair_id
+        self._carry.quarantine_reasons = [r for r in self._carry.quarantine_reasons if r not in finding.reasons]
         self._log(f"GPU {index}: {', '.join(finding.reasons)} → {repair_id} at {rung}" + (f" ({why})" if why else ""))
         self._set_state("repairing", f"GPU {index} at {rung}")
-        asyncio.create_task(self._watch(index, repair_id, handle))
+        asyncio.create_task(self._watch(index, repair_id, handle))  # ends with the repair; never raises (below)
 
     # -- containment before the decision ----------------------------------------------------
     async def _fence(self, index: int, finding: Finding) -> None:
@@ -503,6 +625,15 @@ class NodeEntity:
                 self._gone = True
         except FailureError as error:
             self._log(f"GPU {index}: {repair_id} failed: {failure_message(error)}", warn=True)
+        except (workflow.NondeterminismError, asyncio.CancelledError):
+            raise
+        except Exception as error:  # noqa: BLE001 - e.g. a result that does not decode
+            # Lost silently, the GPU would stay "active" for ever and block continue-as-new.
+            if not workflow.patched(NODE_REPORTS_PATCH):
+                raise
+            self._loop_restarts += 1
+            self._log(f"GPU {index}: watching {repair_id} failed ({type(error).__name__}: "
+                      f"{str(error)[:MAX_PROBLEM_SHOWN]}); taken as ended", warn=True)
         self._active.pop(index, None)
         if self._holder == repair_id:
             self._finish_action(repair_id)

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
-from fleet.models import GpuHealth, MaybeName, Name, Text
+from fleet.models import EpochSeconds, GpuHealth, MaybeName, Name, Text, XidEvent
 from fleet.repair_policy import Finding, Ledger, RepairSettings, Rung
 
 
@@ -36,6 +37,13 @@ class NodeCarry(BaseModel):
     watch_seq: int = 0
     watch_digest: str = ""
     reclaim_at: float | None = None
+    #: Watch results the entity refused (``NodeReport``): in all, and since the last good one
+    #: (carried, so a hostile node cannot clear its count by waiting for a continue-as-new).
+    bad_reports: int = 0
+    bad_reports_in_a_row: int = 0
+    #: The reasons of quarantines not yet handed to a repair: such a finding is about the node's
+    #: word, not its GPU, so a clean GPU snapshot while it waits does not forget it.
+    quarantine_reasons: list[str] = Field(default_factory=list)
 
 
 class NodeWatchInput(BaseModel):
@@ -66,6 +74,94 @@ class NodeWatchResult(BaseModel):
     #: When the node observed this state (epoch seconds, the node's clock); None from older agents.
     #: A result that waited out a control-plane outage in flight is too old to act on.
     observed_at: float | None = None
+
+
+# -- what a node says about itself, as the control plane accepts it ----------------------------
+# A node agent runs on a third party's machine: its answers are untrusted input. The Node entity
+# receives a watch result undecoded and validates it against these models in workflow code, so a
+# malformed one is a bad report from that node, never a failed workflow task, and nothing
+# unbounded (a huge string, a NaN, a year-0 timestamp) reaches the entity's state or its next
+# ``NodeWatchInput``. They subclass the wire models: a checked report is a ``NodeWatchResult``.
+MAX_NODE_GPUS = 64
+#: The agent keeps at most this many XID events per GPU (``activities.node_agent.MAX_XIDS``).
+MAX_REPORTED_XIDS = 64
+MAX_REPORTED_COUNT = 2**31
+#: Digests (sha256 hex: 64), boot ids (a UUID: 36) and GPU UUIDs fit in this with room to spare.
+NodeToken = Annotated[str, StringConstraints(max_length=128)]
+NodeText = Annotated[str, StringConstraints(max_length=1000)]
+Count = Annotated[int, Field(ge=0, le=MAX_REPORTED_COUNT)]
+
+
+def _epoch_datetime(value: datetime) -> datetime:
+    # The entity keys XID events by ``at.timestamp()``: a datetime it cannot convert (year 1 with
+    # no zone raises) or one outside 1970..2100 is refused here rather than raised in the entity.
+    try:
+        seconds = value.timestamp()
+    except (ValueError, OverflowError, OSError):
+        raise ValueError("not a representable time") from None
+    if not 0 <= seconds <= 4_102_444_800:
+        raise ValueError("must be between 1970 and 2100")
+    return value
+
+
+class ReportedXid(XidEvent):
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    xid: Count
+    at: Annotated[datetime, AfterValidator(_epoch_datetime)]
+    message: NodeText = ""
+
+
+class ReportedGpu(GpuHealth):
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    index: int = Field(ge=0, lt=MAX_NODE_GPUS)
+    uuid: NodeToken
+    name: NodeText = ""
+    memory_gb: float = Field(0, ge=0, le=1_000_000)
+    temperature_c: int = Field(0, ge=-273, le=1000)
+    slowdown_temperature_c: int = Field(0, ge=-273, le=1000)
+    ecc_uncorrected: Count = 0
+    nvlink_down: Count = 0
+    xid_events: list[ReportedXid] = Field(default_factory=list, max_length=MAX_REPORTED_XIDS)
+    recovery_action: Count = 0
+
+
+class NodeReport(NodeWatchResult):
+    """A ``NodeWatchResult`` (a watch's answer, a smoke test's state) the control plane accepts."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    node_name: Name
+    seq: int = Field(ge=0, le=2**53)
+    #: As bounded as the ``NodeWatchInput.digest`` the entity sends back with the next watch.
+    digest: NodeToken
+    boot_id: NodeToken
+    gpus: list[ReportedGpu] = Field(default_factory=list, max_length=MAX_NODE_GPUS)
+    reclaim_at: EpochSeconds | None = None
+    observed_at: EpochSeconds | None = None
+
+
+class SmokeReport(BaseModel):
+    """A smoke test's answer (``SmokeResult``) as the control plane accepts it: ``passed`` must
+    be a real boolean (a string "yes" proves nothing), the failures bounded."""
+
+    model_config = ConfigDict(allow_inf_nan=False)
+
+    passed: StrictBool
+    gpus_seen: Count
+    boot_id: NodeToken = ""
+    failures: list[NodeText] = Field(default_factory=list, max_length=4 * MAX_NODE_GPUS)
+
+
+class NodeQuarantine(BaseModel):
+    """Signal ``quarantine`` to a Node entity, from the control plane (never from a node): the
+    node failed a proof someone else ran (an evacuation's smoke test); cordon it and let the
+    repair ladder decide, as after the entity's own bad reports."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    reason: Annotated[str, StringConstraints(min_length=1, max_length=1000)]
 
 
 class NodeEntityInput(BaseModel):
@@ -128,6 +224,12 @@ class NodeStatus(BaseModel):
     fenced: list[int] = Field(default_factory=list)
     #: The last few things the entity decided (ignored reports, deferrals...).
     log: list[str] = Field(default_factory=list)
+    #: Watch results refused as malformed: in all, in a row, and the latest one's problem.
+    bad_reports: int = 0
+    bad_reports_in_a_row: int = 0
+    last_bad_report: str = ""
+    #: Background loops (the health watch, a repair's watcher) restarted after an error.
+    loop_restarts: int = 0
 
 
 class GpuRepairInput(BaseModel):

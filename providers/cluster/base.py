@@ -22,6 +22,7 @@ from fleet.cluster import (
     NodeIdentity,
     LABEL_SITE,
     GPU_RESOURCE,
+    FLEET_TAINT_KEY,
     JoinTokenRef,
     DrainPod,
     DrainResult,
@@ -58,6 +59,10 @@ class CsrDecision(BaseModel):
 
 CLIENT_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
 SERVING_SIGNER = "kubernetes.io/kubelet-serving"
+#: kubeadm labels its control-plane nodes so (as the admin, after the kubelet registered);
+#: NodeRestriction keeps a kubelet from setting any ``node-role.kubernetes.io/`` label on itself,
+#: so a removed node that registers again cannot claim it.
+CONTROL_PLANE_LABEL = "node-role.kubernetes.io/control-plane"
 _USAGES = {
     CLIENT_SIGNER: {"digital signature", "key encipherment", "client auth"},
     SERVING_SIGNER: {"digital signature", "key encipherment", "server auth"},
@@ -69,11 +74,17 @@ def csr_decision(
     token_node: Callable[[str], "str | None"],
     is_our_node: Callable[[str], bool],
     addresses: Callable[[str], "list[str] | None"],
+    renewable: Callable[[str], bool] | None = None,
 ) -> CsrDecision | None:
     """Approve, deny, or ``None`` (not gpufleet's to judge: left to its usual approver).
 
     The requester is ``spec.username``, which the API server sets from the authenticated
-    caller; nothing the caller wrote in the request decides who it is."""
+    caller; nothing the caller wrote in the request decides who it is.
+
+    With ``renewable`` gpufleet judges every node's client-certificate renewal (so kubeadm's
+    ``kubeadm:node-autoapprove-certificate-rotation`` can go): a live gpufleet node's, or one
+    of a node ``renewable`` vouches for (a control-plane node), for its own name; any other
+    node's is denied, so a removed node's credential ends with its certificate."""
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
@@ -87,7 +98,12 @@ def csr_decision(
     elif signer in (CLIENT_SIGNER, SERVING_SIGNER) and user.startswith("system:node:"):
         want = user.removeprefix("system:node:")
         if not is_our_node(want):
-            return None
+            if signer != CLIENT_SIGNER or renewable is None:
+                return None
+            if not renewable(want):
+                return CsrDecision(name=name, requester=user, approve=False,
+                                   reason=f"node {want} is neither a live gpufleet node nor a control-plane node: "
+                                          "its client certificate is not renewed")
     else:
         return None
 
@@ -392,8 +408,13 @@ def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
 
 def _repels_serving(taint: str) -> bool:
     key, _value, effect = parse_taint(taint)
-    # Serving pods tolerate the usual GPU-node taint ``nvidia.com/gpu:NoSchedule``.
-    return effect in ("NoSchedule", "NoExecute") and not (key == GPU_RESOURCE and effect == "NoSchedule")
+    # Serving pods tolerate the usual GPU-node taint ``nvidia.com/gpu:NoSchedule`` and the
+    # fleet taint every gpufleet node keeps (``render_pod_template``).
+    return effect in ("NoSchedule", "NoExecute") and not (key in SERVING_TOLERATED and effect == "NoSchedule")
+
+
+#: The NoSchedule taint keys a serving pod tolerates.
+SERVING_TOLERATED = (GPU_RESOURCE, FLEET_TAINT_KEY)
 
 
 def serving_capacity(nodes: Iterable[Node], site: str, gpus_per_replica: int) -> int:

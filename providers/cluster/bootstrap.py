@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from fleet.cluster import JoinTokenRef
+from fleet.cluster import FLEET_TAINT, UNPROVEN_TAINT, JoinTokenRef
 
 #: Where the template lives in the repository (and in the control-plane image).
 TEMPLATE_ENV = "GPUFLEET_BOOTSTRAP_TEMPLATE"
@@ -104,8 +104,19 @@ def render_user_data(params: JoinParams, template: str | None = None) -> str:
         raise BootstrapError(f"bootstrap template: {error.__class__.__name__} for {error}") from None
     # The document must read back as what it claims to be (a broken template fails here,
     # before any machine is bought with it).
-    read_join_configuration(rendered)
+    config = read_join_configuration(rendered)
+    missing = [t for t in (UNPROVEN_TAINT, FLEET_TAINT) if t not in registration_taints(config)]
+    if missing:  # a site's own template that lost them would put the control plane's pods in reach
+        raise BootstrapError(f"bootstrap template: nodeRegistration.taints lacks {', '.join(missing)}")
     return rendered
+
+
+def registration_taints(config: dict[str, Any]) -> list[str]:
+    """``nodeRegistration.taints`` of a JoinConfiguration, as ``key[=value]:Effect``: what the
+    kubelet registers the Node with."""
+    taints = (config.get("nodeRegistration") or {}).get("taints") or []
+    return [f"{t['key']}{'=' + t['value'] if t.get('value') else ''}:{t['effect']}"
+            for t in taints if isinstance(t, dict) and t.get("key") and t.get("effect")]
 
 
 def ca_cert_hash(ca_pem: bytes) -> str:

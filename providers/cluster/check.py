@@ -10,14 +10,14 @@ found before a workflow trips over it; then the Konnectivity server and agents
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
 from kubernetes import client as k8s
 from kubernetes.client.exceptions import ApiException
 from pydantic import BaseModel, Field
 
 from fleet.cluster import LABEL_SITE
-from providers.cluster.base import AccessRule
+from providers.cluster.base import CLIENT_SIGNER, SERVING_SIGNER, AccessRule
 from providers.cluster.kubernetes import access_table
 
 
@@ -32,27 +32,39 @@ class AccessRow(AccessRule):
         return f"{resource}.{self.group}" if self.group else resource
 
 
+#: Grants limited to names (rbac.yaml's resourceNames): a review without a name would say no.
+NAMED_GRANTS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("certificates.k8s.io", "signers"): (CLIENT_SIGNER, SERVING_SIGNER),
+}
+
+
 def check_access(api_client: k8s.ApiClient, namespace: str = "gpufleet") -> list[AccessRow]:
-    """Ask the API server, for each permission the adapter uses, whether we have it."""
+    """Ask the API server, for each permission the adapter uses, whether we have it (for a
+    grant limited to names, for each of those names)."""
     authorization = k8s.AuthorizationV1Api(api_client)
     rows = []
     for rule in access_table(namespace):
-        review = {
-            "apiVersion": "authorization.k8s.io/v1",
-            "kind": "SelfSubjectAccessReview",
-            "spec": {
-                "resourceAttributes": {
-                    "verb": rule.verb,
-                    "group": rule.group,
-                    "resource": rule.resource,
-                    "subresource": rule.subresource,
-                    "namespace": rule.namespace,
-                }
-            },
-        }
-        status = authorization.create_self_subject_access_review(review).status
-        reason = status.reason or status.evaluation_error or ""
-        rows.append(AccessRow(**rule.model_dump(), allowed=bool(status.allowed), reason=reason))
+        allowed, reasons = True, []
+        for name in NAMED_GRANTS.get((rule.group, rule.resource), ("",)):
+            review = {
+                "apiVersion": "authorization.k8s.io/v1",
+                "kind": "SelfSubjectAccessReview",
+                "spec": {
+                    "resourceAttributes": {
+                        "verb": rule.verb,
+                        "group": rule.group,
+                        "resource": rule.resource,
+                        "subresource": rule.subresource,
+                        "namespace": rule.namespace,
+                        "name": name,
+                    }
+                },
+            }
+            status = authorization.create_self_subject_access_review(review).status
+            allowed = allowed and bool(status.allowed)
+            reason = status.reason or status.evaluation_error or ""
+            reasons.append(f"{name}: {reason}" if name and reason else reason)
+        rows.append(AccessRow(**rule.model_dump(), allowed=allowed, reason="; ".join(r for r in reasons if r)))
     return rows
 
 
@@ -113,3 +125,108 @@ def check_tunnels(api_client: k8s.ApiClient) -> TunnelReport:
     names = sorted(n["metadata"]["name"] for n in nodes)
     return TunnelReport(servers=servers, agents={n: agents[n] for n in names if n in agents},
                         missing=[n for n in names if n not in agents])
+
+
+# -- the control plane's blast radius (kubeadm's auto-approve bindings, the admission policy) --
+#: kubeadm's bindings that widen what a kube-system Secret write or a node's certificate can do.
+#: ``kubeadm init`` creates both and ``kubeadm upgrade apply`` creates them again, so the check
+#: looks every time.
+KUBEADM_AUTOAPPROVE_BOOTSTRAP = "kubeadm:node-autoapprove-bootstrap"
+KUBEADM_AUTOAPPROVE_ROTATION = "kubeadm:node-autoapprove-certificate-rotation"
+KUBEADM_BINDINGS: dict[str, str] = {
+    KUBEADM_AUTOAPPROVE_BOOTSTRAP: (
+        "auto-approves a client certificate for ANY node name (control-plane nodes too) to every "
+        "token of kubeadm's group system:bootstrappers:kubeadm:default-node-token"),
+    KUBEADM_AUTOAPPROVE_ROTATION: (
+        "renews every node's client certificate (group system:nodes), so a removed node's "
+        "credential never ends; gpufleet's CSR approver renews live nodes instead"),
+}
+#: deploy/kubernetes/admission-policy.yaml: the policy and its binding share this name.
+ADMISSION_POLICY = "gpufleet-control-plane-secrets"
+RBAC_GROUP = "rbac.authorization.k8s.io"
+ADMISSION_GROUP = "admissionregistration.k8s.io"
+
+#: What ``check_hardening`` reads, each by name only (deploy/kubernetes/rbac.yaml, the
+#: ClusterRole labelled gpufleet.io/rbac-for=cluster-check). Not in ``access_table``: a
+#: SelfSubjectAccessReview without a name would say no to a grant limited to names, and a
+#: refused read is reported by the check itself.
+CHECK_ACCESS: tuple[AccessRule, ...] = (
+    AccessRule(verb="get", group=RBAC_GROUP, resource="clusterrolebindings",
+               purpose="cluster check: kubeadm's auto-approve bindings"),
+    AccessRule(verb="get", group=ADMISSION_GROUP, resource="validatingadmissionpolicies",
+               purpose="cluster check: the control plane's Secret admission policy"),
+    AccessRule(verb="get", group=ADMISSION_GROUP, resource="validatingadmissionpolicybindings",
+               purpose="cluster check: the control plane's Secret admission policy"),
+)
+#: The names each ``CHECK_ACCESS`` resource is read by.
+CHECK_NAMES: dict[str, tuple[str, ...]] = {
+    "clusterrolebindings": tuple(KUBEADM_BINDINGS),
+    "validatingadmissionpolicies": (ADMISSION_POLICY,),
+    "validatingadmissionpolicybindings": (ADMISSION_POLICY,),
+}
+
+
+class HardeningRow(BaseModel):
+    #: What was looked at ("clusterrolebinding kubeadm:node-autoapprove-bootstrap").
+    what: str
+    ok: bool
+    #: What is wrong and why it matters, or what was found.
+    state: str
+    #: How to put it right (a command), when it is not.
+    fix: str = ""
+
+
+def remove_kubeadm_bindings_command(names: list[str] | tuple[str, ...] = tuple(KUBEADM_BINDINGS)) -> str:
+    return "kubectl delete clusterrolebinding " + " ".join(names)
+
+
+def _read(what: str, fn: Callable[..., Any], name: str) -> tuple[dict[str, Any] | None, str]:
+    """(the object, "") or (None, "") when absent, or (None, why it could not be read)."""
+    try:
+        response = fn(name, _preload_content=False)
+    except ApiException as error:
+        if error.status == 404:
+            return None, ""
+        return None, f"{what} cannot be read: {error.status} {error.reason}"
+    return json.loads(response.data), ""
+
+
+def check_hardening(api_client: k8s.ApiClient) -> list[HardeningRow]:
+    """kubeadm's two auto-approve bindings must be gone (a row each, with the command that
+    removes it) and the admission policy that fences the control plane's Secret writes must be
+    installed and bound with ``Deny``. A read refused counts as not ok: the check cannot vouch."""
+    rbac = k8s.RbacAuthorizationV1Api(api_client)
+    admission = k8s.AdmissionregistrationV1Api(api_client)
+    rows = []
+    for name, harm in KUBEADM_BINDINGS.items():
+        what = f"clusterrolebinding {name}"
+        found, error = _read(what, rbac.read_cluster_role_binding, name)
+        if error:
+            rows.append(HardeningRow(what=what, ok=False, state=error))
+        elif found is None:
+            rows.append(HardeningRow(what=what, ok=True, state="absent"))
+        else:
+            rows.append(HardeningRow(
+                what=what, ok=False, fix=remove_kubeadm_bindings_command([name]),
+                state=f"present: it {harm}; `kubeadm upgrade apply` creates it again, run the check after "
+                      "every upgrade"))
+    apply = "kubectl apply -f deploy/kubernetes/admission-policy.yaml"
+    what = f"validatingadmissionpolicy {ADMISSION_POLICY}"
+    policy, error = _read(what, admission.read_validating_admission_policy, ADMISSION_POLICY)
+    rows.append(HardeningRow(what=what, ok=policy is not None, fix="" if policy is not None else apply,
+                             state=error or ("installed" if policy is not None else
+                                             "missing: the control plane's token may write any kube-system Secret")))
+    what = f"validatingadmissionpolicybinding {ADMISSION_POLICY}"
+    binding, error = _read(what, admission.read_validating_admission_policy_binding, ADMISSION_POLICY)
+    spec = (binding or {}).get("spec") or {}
+    denies = spec.get("policyName") == ADMISSION_POLICY and "Deny" in (spec.get("validationActions") or [])
+    if error:
+        rows.append(HardeningRow(what=what, ok=False, state=error))
+    elif binding is None:
+        rows.append(HardeningRow(what=what, ok=False, fix=apply, state="missing: the policy is not enforced"))
+    else:
+        rows.append(HardeningRow(what=what, ok=denies, fix="" if denies else apply,
+                                 state="binds the policy with Deny" if denies else
+                                 f"binds {spec.get('policyName')!r} with {spec.get('validationActions')}: "
+                                 "the policy denies nothing"))
+    return rows

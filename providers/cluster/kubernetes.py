@@ -12,15 +12,23 @@ Objects this adapter owns
   ``system:bootstrappers:gpufleet:nodes`` (``BOOTSTRAP_GROUP``), which
   deploy/bootstrap/rbac.yaml binds to kubeadm's join RBAC and to no
   auto-approval), annotated with the node name it was issued for and the join
-  that issued it (``issue_bootstrap_token`` finds it again by the join's key:
-  a retried activity reuses it). A bootstrap token's secret necessarily sits in
-  plain form in that Secret: the API server authenticates with it. It goes
-  into the machine's user data (``providers.cluster.bootstrap``) and nowhere else.
+  that issued it. The control plane never reads kube-system Secrets back (its
+  RBAC cannot): each token has a record (control-plane state ``join-token``:
+  node, join, expiry, never the secret) written before its Secret, which the CSR
+  approver, revocation and a retried join read; a retried activity reuses its
+  token, whose secret is derived again (HMAC of the token id and the join with
+  the control plane's key, ``JOIN_TOKEN_KEY_SECRET``). A bootstrap token's
+  secret necessarily sits in plain form in its Secret: the API server
+  authenticates with it. It goes into the machine's user data
+  (``providers.cluster.bootstrap``) and nowhere else.
 * Kubelet certificates: ``review_csrs`` is gpufleet's approver. A client CSR
   from ``system:bootstrap:<id>`` (the requester the API server authenticated,
   never the request body) is approved only when token ``<id>`` is gpufleet's
   and was issued for exactly the node in the CSR's subject; a renewal from
-  ``system:node:<name>`` only for ``<name>``; a kubelet-serving CSR only when
+  ``system:node:<name>`` only for ``<name>``, and only while ``<name>`` is a live
+  gpufleet node (its identity record) or a control-plane node (``CONTROL_PLANE_LABEL``);
+  any other node's client renewal is denied, so kubeadm's self-renewal binding can go
+  and a removed node's certificate is its last. A kubelet-serving CSR only when
   its names are the node's name and the addresses the provider reports for its
   machine. Other CSRs (other signers, other requesters) are left alone.
 * Node identity: which machine, provider, account and site a node is comes
@@ -68,6 +76,7 @@ from __future__ import annotations
 import base64
 import copy
 import hashlib
+import hmac
 import json
 import os
 import random
@@ -93,12 +102,14 @@ from fleet.weights_pull import KEY_ENV as WEIGHTS_KEY_ENV
 from providers.cluster.bootstrap import BOOTSTRAP_GROUP, BootstrapToken, ca_cert_hash
 from providers.cluster.base import (
     AccessRule,
+    CONTROL_PLANE_LABEL,
     CsrDecision,
     csr_decision,
     EvictOutcome,
     NodeNotFound,
     NoPreviousTemplate,
     PodInfo,
+    SERVING_TOLERATED,
     ServingNotFound,
     StateChange,
     apply_taints,
@@ -148,6 +159,15 @@ MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 JOIN_GROUP = "system:bootstrappers:kubeadm:default-node-token"
 LABEL_JOIN_KEY = "gpufleet.io/join-key"
 ANNOTATION_JOIN = "gpufleet.io/join"
+#: Control-plane state (ConfigMaps in the adapter's namespace) recording each join token gpufleet
+#: issued, keyed by token id: the node it is for, the join that asked, its expiry. Never its
+#: secret. What the CSR approver, a retried join and revocation read, so the control plane
+#: reads no Secret in kube-system (kubeadm's tokens, other controllers' credentials).
+JOIN_TOKEN_KIND = "join-token"
+#: The key a retried join's token secret is derived from (HMAC of the token id and the join),
+#: so the secret is never read back: in the bootstrap namespace, which only the control plane
+#: reads; created by the first join that needs it.
+JOIN_TOKEN_KEY_SECRET = "gpufleet-join-token-key"
 CSR_GROUP = "certificates.k8s.io"
 GATEWAY_GROUP = "gateway.networking.k8s.io"
 GATEWAY_VERSION = "v1"
@@ -177,15 +197,13 @@ ACCESS: tuple[AccessRule, ...] = (
     _rule("delete", "", "pods", "", "drain --force: delete past the PDB"),
     _rule("create", "", "secrets", TOKEN_NAMESPACE, "join token: bootstrap token Secret"),
     _rule("delete", "", "secrets", TOKEN_NAMESPACE, "join token: revoke"),
-    _rule("get", "", "secrets", TOKEN_NAMESPACE, "CSR approver: which node a token was issued for"),
-    _rule("list", "", "secrets", TOKEN_NAMESPACE, "join token: a retried join reuses its own"),
     _rule("get", "", "configmaps", "kube-public", "join: API endpoint and CA hash (cluster-info)"),
     _rule("list", CSR_GROUP, "certificatesigningrequests", "", "CSR approver: pending kubelet CSRs"),
     _rule("update", CSR_GROUP, "certificatesigningrequests", "", "CSR approver: approve or deny",
           sub="approval"),
     _rule("approve", CSR_GROUP, "signers", "", "CSR approver: kubelet client and serving signers"),
-    _rule("create", "", "secrets", BOOTSTRAP_NAMESPACE, "join token: bootstrap channel"),
-    _rule("get", "", "secrets", BOOTSTRAP_NAMESPACE, "bootstrap channel: fetch, replace"),
+    _rule("create", "", "secrets", BOOTSTRAP_NAMESPACE, "join token: bootstrap channel; the token key"),
+    _rule("get", "", "secrets", BOOTSTRAP_NAMESPACE, "bootstrap channel: fetch, replace; the token key"),
     _rule("list", "", "secrets", BOOTSTRAP_NAMESPACE, "join token: revoke (by token id)"),
     _rule("delete", "", "secrets", BOOTSTRAP_NAMESPACE, "bootstrap channel: revoke, fetch once"),
     _rule("get", "apps", "deployments", SERVING_NS, "serving status"),
@@ -201,8 +219,8 @@ ACCESS: tuple[AccessRule, ...] = (
     _rule("get", "policy", "poddisruptionbudgets", SERVING_NS, "apply_serving: one replica down at a time"),
     _rule("create", "policy", "poddisruptionbudgets", SERVING_NS, "apply_serving"),
     _rule("patch", "policy", "poddisruptionbudgets", SERVING_NS, "apply_serving"),
-    _rule("get", "", "configmaps", SERVING_NS, "routing table, control-plane state"),
-    _rule("list", "", "configmaps", SERVING_NS, "control-plane state: list_state"),
+    _rule("get", "", "configmaps", SERVING_NS, "routing table, control-plane state (join tokens: CSR approver)"),
+    _rule("list", "", "configmaps", SERVING_NS, "control-plane state: list_state (join tokens: retry, revoke)"),
     _rule("create", "", "configmaps", SERVING_NS, "routing table, control-plane state"),
     _rule("update", "", "configmaps", SERVING_NS, "routing table, control-plane state (resourceVersion-checked)"),
     _rule("delete", "", "configmaps", SERVING_NS, "control-plane state: a retired node's identity record"),
@@ -361,7 +379,9 @@ def render_pod_template(spec: ServingSpec) -> dict[str, Any]:
     }
     pod: dict[str, Any] = {
         "nodeSelector": {LABEL_SITE: spec.site},
-        "tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}],
+        # The GPU nodes' taints: the usual ``nvidia.com/gpu`` and the fleet taint every gpufleet
+        # node keeps (what keeps the control plane off them).
+        "tolerations": [{"key": key, "operator": "Exists", "effect": "NoSchedule"} for key in SERVING_TOLERATED],
         "containers": [container],
     }
     if spec.weights is not None:
@@ -674,14 +694,39 @@ class KubernetesCluster:
                 "auth-extra-groups": BOOTSTRAP_GROUP,
             },
         }
+        self._record_token(token_id, node_name, "", expiration)
         self._do("create bootstrap token", self.core.create_namespaced_secret, TOKEN_NAMESPACE, token)
         try:
             self._put_bootstrap_channel(machine_id, node_name, f"{token_id}.{token_secret}", token_id, expiration)
         except BaseException:
             self._delete("delete bootstrap token", self.core.delete_namespaced_secret,
                          f"bootstrap-token-{token_id}", TOKEN_NAMESPACE)
+            self.delete_state(JOIN_TOKEN_KIND, token_id)
             raise
         return JoinTokenRef(token_id=token_id, node_name=node_name, expires_at=expires_at)
+
+    def _record_token(self, token_id: str, node_name: str, join_key: str, expiration: str) -> None:
+        """Before the token's Secret exists: a token without its record is one nobody approves."""
+        record = {"node-name": node_name, "join": join_key, "expiration": expiration}
+        self.update_state(JOIN_TOKEN_KIND, token_id, lambda _current: record)
+
+    def _token_key(self) -> bytes:
+        """The control plane's key for token secrets (``JOIN_TOKEN_KEY_SECRET``), made once."""
+        for _ in range(3):
+            found = self._get("read join token key", self.core.read_namespaced_secret, JOIN_TOKEN_KEY_SECRET,
+                              self.bootstrap_namespace)
+            value = ((found or {}).get("data") or {}).get("key")
+            if value:
+                return base64.b64decode(value)
+            body = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                    "metadata": {"name": JOIN_TOKEN_KEY_SECRET, "namespace": self.bootstrap_namespace,
+                                 "labels": {"app.kubernetes.io/managed-by": "gpufleet"}},
+                    "data": {"key": base64.b64encode(secrets.token_bytes(32)).decode()}}
+            try:
+                self._write("create join token key", self.core.create_namespaced_secret, self.bootstrap_namespace, body)
+            except _Conflict:
+                continue  # another worker made it first: read theirs
+        raise ClusterConflict("the join token key could not be read or created", code="409")
 
     def _put_bootstrap_channel(self, machine_id: str, node_name: str, token: str, token_id: str, exp: str) -> None:
         name = bootstrap_secret_name(machine_id)
@@ -742,6 +787,7 @@ class KubernetesCluster:
             raise ValueError(f"not a bootstrap token id: {token_id!r}")
         self._delete("revoke bootstrap token", self.core.delete_namespaced_secret,
                      f"bootstrap-token-{token_id}", TOKEN_NAMESPACE)
+        self.delete_state(JOIN_TOKEN_KIND, token_id)
         channels = self._do("list bootstrap channels", self.core.list_namespaced_secret, self.bootstrap_namespace,
                             label_selector=f"{LABEL_TOKEN_ID}={token_id}")
         for item in channels.get("items", []):
@@ -752,28 +798,29 @@ class KubernetesCluster:
     def issue_bootstrap_token(self, node_name: str, join_key: str, ttl_seconds: int) -> BootstrapToken:
         if not 0 < ttl_seconds <= MAX_JOIN_TOKEN_TTL_S:
             raise ValueError(f"join token TTL must be within (0, {MAX_JOIN_TOKEN_TTL_S}] seconds")
-        key = _digest(join_key)
-        found = self._do("list join tokens", self.core.list_namespaced_secret, TOKEN_NAMESPACE,
-                         label_selector=f"{LABEL_JOIN_KEY}={key}")
         now = time.time()
-        for item in found.get("items", []):
-            token = _bootstrap_token(item)
-            annotations = (item.get("metadata") or {}).get("annotations") or {}
+        key = self._token_key()
+        for token_id, record in self.list_state(JOIN_TOKEN_KIND).items():
+            expires_at = _expiry(record.get("expiration", ""))
             # Reused while it has a minute left: the machine created with it may still be booting.
-            if (token is not None and annotations.get(ANNOTATION_JOIN) == join_key and token.node_name == node_name
-                    and token.expires_at.timestamp() > now + 60):
-                return token
+            # Its secret is derived again, never read back from kube-system.
+            if (expires_at is not None and record.get("join") == join_key and record.get("node-name") == node_name
+                    and _TOKEN_ID.match(token_id) and expires_at.timestamp() > now + 60):
+                return BootstrapToken(token_id=token_id, node_name=node_name, expires_at=expires_at,
+                                      secret=_token_secret(key, token_id, join_key, node_name))
         alphabet = string.ascii_lowercase + string.digits
         token_id = "".join(secrets.choice(alphabet) for _ in range(6))
-        token_secret = "".join(secrets.choice(alphabet) for _ in range(16))
+        token_secret = _token_secret(key, token_id, join_key, node_name)
         expires_at = datetime.fromtimestamp(int(now) + ttl_seconds, timezone.utc)
+        expiration = expires_at.strftime("%Y-%m-%dT%H:%M:%SZ")
         body = {
             "apiVersion": "v1",
             "kind": "Secret",
             "metadata": {
                 "name": f"bootstrap-token-{token_id}",
                 "namespace": TOKEN_NAMESPACE,
-                "labels": {LABEL_TOKEN_ID: token_id, LABEL_JOIN_KEY: key, "app.kubernetes.io/managed-by": "gpufleet"},
+                "labels": {LABEL_TOKEN_ID: token_id, LABEL_JOIN_KEY: _digest(join_key),
+                           "app.kubernetes.io/managed-by": "gpufleet"},
                 "annotations": {ANNOTATION_NODE_NAME: node_name, ANNOTATION_JOIN: join_key},
             },
             "type": "bootstrap.kubernetes.io/token",
@@ -781,26 +828,29 @@ class KubernetesCluster:
                 "description": f"gpufleet join of node {node_name}",
                 "token-id": token_id,
                 "token-secret": token_secret,
-                "expiration": expires_at.strftime("%Y-%m-%dT%H:%M:%SZ"),
+                "expiration": expiration,
                 "usage-bootstrap-authentication": "true",
                 "usage-bootstrap-signing": "true",
                 "auth-extra-groups": BOOTSTRAP_GROUP,
             },
         }
+        self._record_token(token_id, node_name, join_key, expiration)
         self._do("create bootstrap token", self.core.create_namespaced_secret, TOKEN_NAMESPACE, body)
         return BootstrapToken(token_id=token_id, node_name=node_name, expires_at=expires_at, secret=token_secret)
 
     def revoke_node_tokens(self, node_name: str) -> list[str]:
-        """Delete every gpufleet join token issued for ``node_name``; the ids deleted."""
-        found = self._do("list join tokens", self.core.list_namespaced_secret, TOKEN_NAMESPACE,
-                         label_selector="app.kubernetes.io/managed-by=gpufleet")
+        """Delete every gpufleet join token issued for ``node_name`` (by their records); the ids
+        deleted. Records of tokens past their expiry go too (the token cleaner took the Secret)."""
         gone = []
-        for item in found.get("items", []):
-            meta = item.get("metadata") or {}
-            token_id = (meta.get("labels") or {}).get(LABEL_TOKEN_ID, "")
-            if (meta.get("annotations") or {}).get(ANNOTATION_NODE_NAME) == node_name and _TOKEN_ID.match(token_id):
+        now = time.time()
+        for token_id, record in self.list_state(JOIN_TOKEN_KIND).items():
+            if not _TOKEN_ID.match(token_id):
+                continue
+            if record.get("node-name") == node_name:
                 self.revoke_join_token(token_id)
                 gone.append(token_id)
+            elif (expires_at := _expiry(record.get("expiration", ""))) is None or expires_at.timestamp() < now:
+                self.delete_state(JOIN_TOKEN_KIND, token_id)
         return gone
 
     def bootstrap_endpoint(self) -> tuple[str, str]:
@@ -834,12 +884,22 @@ class KubernetesCluster:
         decisions = []
         tokens: dict[str, str | None] = {}
         identities = self.list_state(NODE_IDENTITY_KIND)
+        control_plane: list[set[str]] = []
+
+        def renewable(node: str) -> bool:
+            """A control-plane node's kubelet renews through gpufleet too (kubeadm's self-renewal
+            binding removed): the Node exists and carries the label only an admin can set."""
+            if not control_plane:
+                found = self._do("list control-plane nodes", self.core.list_node, label_selector=CONTROL_PLANE_LABEL)
+                control_plane.append({n["metadata"]["name"] for n in found.get("items", [])})
+            return node in control_plane[0]
+
         for csr in listed.get("items", []):
             status = csr.get("status") or {}
             if any(c.get("type") in ("Approved", "Denied") for c in status.get("conditions") or []):
                 continue
             decision = csr_decision(csr, lambda token_id: self._token_node(token_id, tokens),
-                                    lambda node: node in identities, addresses)
+                                    lambda node: node in identities, addresses, renewable)
             if decision is None:
                 continue
             self._decide(csr, decision)
@@ -847,13 +907,10 @@ class KubernetesCluster:
         return decisions
 
     def _token_node(self, token_id: str, cache: dict[str, str | None]) -> str | None:
-        """The node a gpufleet token was issued for (None: not one of gpufleet's)."""
+        """The node a gpufleet token was issued for, from its record (None: not one of gpufleet's)."""
         if token_id not in cache:
-            secret = (self._get("read join token", self.core.read_namespaced_secret,
-                                f"bootstrap-token-{token_id}", TOKEN_NAMESPACE) if _TOKEN_ID.match(token_id) else None)
-            meta = (secret or {}).get("metadata") or {}
-            ours = (meta.get("labels") or {}).get("app.kubernetes.io/managed-by") == "gpufleet"
-            cache[token_id] = (meta.get("annotations") or {}).get(ANNOTATION_NODE_NAME) if ours else None
+            record = self.read_state(JOIN_TOKEN_KIND, token_id) if _TOKEN_ID.match(token_id) else {}
+            cache[token_id] = record.get("node-name") or None
         return cache[token_id]
 
     def _decide(self, csr: dict[str, Any], decision: CsrDecision) -> None:
@@ -1437,15 +1494,22 @@ def _digest(value: str) -> str:
     return hashlib.sha256(value.encode()).hexdigest()[:40]
 
 
-def _bootstrap_token(secret: dict[str, Any]) -> BootstrapToken | None:
-    data = {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
-    node_name = ((secret.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_NODE_NAME, "")
+def _expiry(value: str) -> datetime | None:
     try:
-        expires_at = datetime.fromisoformat(data["expiration"].replace("Z", "+00:00"))
-        return BootstrapToken(token_id=data["token-id"], node_name=node_name, expires_at=expires_at,
-                              secret=data["token-secret"])
-    except (KeyError, ValueError):
+        return datetime.fromisoformat(value.replace("Z", "+00:00"))
+    except ValueError:
         return None
+
+
+def _token_secret(key: bytes, token_id: str, join_key: str, node_name: str) -> str:
+    """A bootstrap token's 16-character secret, derived from the control plane's key: a retried
+    join renders the same token without reading its Secret back."""
+    digest = hmac.new(key, f"{token_id}\0{join_key}\0{node_name}".encode(), hashlib.sha256).digest()
+    number, alphabet, out = int.from_bytes(digest, "big"), string.ascii_lowercase + string.digits, []
+    for _ in range(16):
+        number, index = divmod(number, len(alphabet))
+        out.append(alphabet[index])
+    return "".join(out)
 
 
 def _machine_from_provider_id(provider_id: str) -> str:

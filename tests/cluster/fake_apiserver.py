@@ -45,7 +45,7 @@ import uuid
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import unquote, parse_qs, urlparse
 
 from fleet.models import Node
 from providers.cluster.base import format_taint, serving_capacity
@@ -65,6 +65,11 @@ RESOURCES: dict[tuple[str, str], tuple[str, str, bool]] = {
     ("gateway.networking.k8s.io", "httproutes"): ("v1", "HTTPRoute", True),
     ("gateway.envoyproxy.io", "backendtrafficpolicies"): ("v1alpha1", "BackendTrafficPolicy", True),
     ("certificates.k8s.io", "certificatesigningrequests"): ("v1", "CertificateSigningRequest", False),
+    # What `gpufleet cluster check` reads by name (kubeadm's bindings, gpufleet's admission policy).
+    ("rbac.authorization.k8s.io", "clusterrolebindings"): ("v1", "ClusterRoleBinding", False),
+    ("admissionregistration.k8s.io", "validatingadmissionpolicies"): ("v1", "ValidatingAdmissionPolicy", False),
+    ("admissionregistration.k8s.io", "validatingadmissionpolicybindings"):
+        ("v1", "ValidatingAdmissionPolicyBinding", False),
 }
 WITH_GENERATION = {("apps", "deployments"), ("gateway.networking.k8s.io", "httproutes"),
                    ("policy", "poddisruptionbudgets")}
@@ -578,7 +583,8 @@ class FakeKube:
             except Unauthorized:
                 return 401, ApiError(401, "Unauthorized", "Unauthorized").status()
             try:
-                return self._dispatch(method, url.path, query, content_type.split(";")[0].strip(), body)
+                # Names are path segments, percent-encoded by clients (kubeadm's RBAC names hold ':').
+                return self._dispatch(method, unquote(url.path), query, content_type.split(";")[0].strip(), body)
             except Forbidden as error:
                 return 403, ApiError(403, "Forbidden", str(error)).status()
             except ApiError as error:
@@ -729,7 +735,8 @@ class FakeKube:
 
     def _validate(self, group: str, resource: str, obj: dict[str, Any]) -> None:
         name = obj["metadata"].get("name", "")
-        if not NAME_RE.fullmatch(name):
+        # RBAC objects take any path segment name (kubeadm's hold a ':').
+        if not NAME_RE.fullmatch(name) and not (group == "rbac.authorization.k8s.io" and name and "/" not in name):
             raise ApiError(422, "Invalid", f'metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain')
         for key, value in (obj["metadata"].get("labels") or {}).items():
             if not isinstance(value, str) or len(value) > 63 or not re.fullmatch(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?", value):

@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 from cli.cluster import cluster_app
 from providers.cluster.check import check_access
 from providers.cluster.kubernetes import ACCESS
+from tests.cluster.test_cluster_check import install_admission_policy
 
 runner = CliRunner()
 
@@ -16,7 +17,8 @@ def test_every_permission_is_asked_and_granted(fake):
     assert len(rows) == len(ACCESS)
     assert all(row.allowed for row in rows)
     asked = [r for r in fake.requests if r[2] == "selfsubjectaccessreviews"]
-    assert len(asked) == len(ACCESS)
+    # The approve grant is limited to the two kubelet signers: asked for each by name.
+    assert len(asked) == len(ACCESS) + 1
     assert {r.namespace for r in rows} == {"", "kube-system", "kube-public", "gpufleet-bootstrap", "gpufleet"}
 
 
@@ -28,6 +30,7 @@ def test_a_missing_verb_is_reported(fake):
 
 
 def test_cli_check_passes(fake, tmp_path):
+    install_admission_policy(fake)
     # A cluster with its Konnectivity tunnels up (tests/cluster/test_network.py covers them).
     fake.add_pod("cp-1", "konnectivity-server-cp-1", "kube-system", owner_kind="", mirror=True)
     fake.set_pod_ready("kube-system", "konnectivity-server-cp-1")
@@ -50,6 +53,7 @@ def test_cli_check_names_the_missing_verb_and_exits_1(fake, tmp_path):
 
 
 def test_cli_check_other_namespace(fake, tmp_path):
+    install_admission_policy(fake)
     fake.deny("get", "configmaps", namespace="serving")
     kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig")
     assert runner.invoke(cluster_app, ["check", "--kubeconfig", kubeconfig, "--no-tunnels"]).exit_code == 0

@@ -161,4 +161,5 @@ async def test_conflicts_past_the_adapters_bound_are_retried_by_temporal(tempora
     fake.fail("patch", "nodes", 409, "Conflict", times=kubernetes._RETRY_CONFLICTS + 2)
     node = await _execute(temporal_env, activities, PrepareNodeInput(node_name="gpu-1", labels={LABEL_SITE: "site-a"}))
     assert node.labels[LABEL_SITE] == "site-a"
-    assert _patches(fake) == kubernetes._RETRY_CONFLICTS + 3
+    # and one more: the fleet taint every node of a site gets with its site label
+    assert _patches(fake) == kubernetes._RETRY_CONFLICTS + 3 + 1

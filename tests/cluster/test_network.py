@@ -28,7 +28,9 @@ from activities.control_plane import ControlPlaneActivities
 from activities.env import FleetEnv
 from activities.models import PrepareNodeInput
 from cli.cluster import cluster_app
+from tests.cluster.test_cluster_check import install_admission_policy
 from fleet.cluster import (
+    FLEET_TAINT_KEY,
     LABEL_MODEL,
     LABEL_PROVIDER,
     LABEL_REGION,
@@ -225,6 +227,7 @@ def test_no_server_is_not_ok(fake):
 
 
 def test_cli_reports_the_tunnels(fake, tmp_path):
+    install_admission_policy(fake)
     _tunnels(fake, nodes=("gpu-1", "gpu-2"), agents_on=("gpu-1",))
     kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig")
     result = runner.invoke(cluster_app, ["check", "--kubeconfig", kubeconfig], env={"COLUMNS": "200"})
@@ -241,6 +244,7 @@ def test_cli_reports_the_tunnels(fake, tmp_path):
 
 
 def test_cli_without_tunnels_checks_only_permissions(fake, tmp_path):
+    install_admission_policy(fake)
     result = runner.invoke(cluster_app, ["check", "--kubeconfig", fake.kubeconfig(tmp_path / "k"), "--no-tunnels"])
     assert result.exit_code == 0, result.output
     assert "Konnectivity" not in result.output
@@ -261,8 +265,9 @@ def test_a_labelled_node_carries_its_site_as_zone_on_the_api_server(fleet_env, f
 
 
 def test_the_reconcile_sweep_puts_a_changed_zone_back(fleet_env, fake):
-    fake.add_node("gpu-1", {LABEL_SITE: "site-a", LABEL_ZONE: "site-b"})  # the kubelet moved itself
-    fake.add_node("gpu-2", {LABEL_SITE: "site-a", LABEL_ZONE: "site-a"})
+    fleet_taint = [{"key": FLEET_TAINT_KEY, "effect": "NoSchedule"}]  # what every joined node keeps
+    fake.add_node("gpu-1", {LABEL_SITE: "site-a", LABEL_ZONE: "site-b"}, taints=fleet_taint)  # the kubelet moved itself
+    fake.add_node("gpu-2", {LABEL_SITE: "site-a", LABEL_ZONE: "site-a"}, taints=fleet_taint)
     site_nodes = CapacityActivities(fleet_env).site_nodes
     nodes = ActivityEnvironment().run(site_nodes, SiteNodesInput(site="site-a"))
     assert {n.node_name for n in nodes} == {"gpu-1", "gpu-2"}

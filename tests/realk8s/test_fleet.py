@@ -16,6 +16,8 @@ from fleet.cluster import GPU_RESOURCE
 from tests.realk8s.test_join import RealJoining, control_plane_cluster, one, wait_for  # noqa: F401
 
 UNPROVEN = {"key": "gpufleet.io/unproven", "operator": "Exists"}
+#: The fleet taint every gpufleet node keeps: GPU workloads tolerate it.
+FLEET = {"key": "gpufleet.io/demand", "operator": "Exists"}
 
 
 def gpu_deployment(name: str, node: str, replicas: int, gpus: int) -> dict:
@@ -23,7 +25,7 @@ def gpu_deployment(name: str, node: str, replicas: int, gpus: int) -> dict:
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": "default"},
             "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
                      "template": {"metadata": {"labels": labels}, "spec": {
-                         "nodeSelector": {"kubernetes.io/hostname": node}, "tolerations": [UNPROVEN],
+                         "nodeSelector": {"kubernetes.io/hostname": node}, "tolerations": [UNPROVEN, FLEET],
                          "terminationGracePeriodSeconds": 0,
                          "containers": [{"name": "serve", "image": "registry.invalid/serve:1",
                                          "resources": {"limits": {GPU_RESOURCE: str(gpus)}}}]}}}}
@@ -75,7 +77,7 @@ def test_the_demand_loop_reads_the_pending_gpu_pods_the_scheduler_could_not_plac
     fits, too_big = f"fits-{uuid.uuid4().hex[:6]}", f"too-big-{uuid.uuid4().hex[:6]}"
     for name, gpus in ((fits, 2), (too_big, 16)):
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
-               "spec": {"tolerations": [UNPROVEN], "terminationGracePeriodSeconds": 0,
+               "spec": {"tolerations": [UNPROVEN, FLEET], "terminationGracePeriodSeconds": 0,
                         "containers": [{"name": "c", "image": "registry.invalid/serve:1",
                                         "resources": {"limits": {GPU_RESOURCE: str(gpus)}}}]}}
         status, answer = one.real.request("POST", "/api/v1/namespaces/default/pods", pod, admin=True)

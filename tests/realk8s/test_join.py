@@ -339,7 +339,8 @@ def test_a_joined_node_keeps_to_its_own_identity_and_runs_pods_on_its_gpus(one: 
     pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"gpu-{uuid.uuid4().hex[:6]}", "namespace": "default"},
            "spec": {"containers": [{"name": "c", "image": "registry.invalid/serve:1",
                                     "resources": {"limits": {GPU_RESOURCE: "2"}}}],
-                    "tolerations": [{"key": "gpufleet.io/unproven", "operator": "Exists"}],
+                    "tolerations": [{"key": "gpufleet.io/unproven", "operator": "Exists"},
+                                    {"key": "gpufleet.io/demand", "operator": "Exists"}],
                     "nodeSelector": {"kubernetes.io/hostname": node.name}}}
     status, created = one.real.request("POST", "/api/v1/namespaces/default/pods", pod, admin=True)
     assert status == 201, created

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 
+from providers.cluster.check import CHECK_ACCESS
 from providers.cluster.kubernetes import BOOTSTRAP_NAMESPACE, TOKEN_NAMESPACE, access_table
 from providers.credentials import ACCESS as CREDENTIALS_ACCESS
 from tests.realk8s.cluster import RealCluster
@@ -46,7 +47,7 @@ def expected(rules) -> dict[str, set[Grant]]:
 
 
 @pytest.mark.parametrize("account, rules", [
-    ("gpufleet-control-plane", [*access_table("gpufleet"), *CREDENTIALS_ACCESS]),
+    ("gpufleet-control-plane", [*access_table("gpufleet"), *CREDENTIALS_ACCESS, *CHECK_ACCESS]),
     ("gpufleet-node-gateway", list(GATEWAY_ACCESS)),
     ("gpufleet-node-agent", []),
 ])

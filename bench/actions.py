@@ -1,0 +1,329 @@
+"""Temporal actions the fleet spends, idle and per event: what Temporal Cloud bills and rate-limits.
+
+Temporal Cloud counts *actions* (workflow starts incl. continue-as-new, activities
+scheduled, heartbeats, timers, signals, updates, queries, search-attribute upserts),
+~$50 per million, 500 actions/s per namespace by default. This bench runs the fleet
+as ``gpufleet dev`` does (control-plane worker, Schedules, the Demand loop, a node
+host in its own process) on a dev server with metrics, and measures:
+
+- the server's own ``action`` counter (``/metrics``), by ``action_type``, around each
+  window (its labels carry no workflow type);
+- per workflow type: the billable events in each workflow's history inside the window
+  (started, activity scheduled, timer started, signaled, update accepted, search
+  attributes / properties upserted); heartbeats leave no history, so they are taken
+  from the counter (``grpc_RecordActivityTaskHeartbeat``) and charged to the nodes,
+  whose watches are the only long heartbeating activities while idle.
+
+Windows: idle (nothing happens), then events, each measured as the counter's delta
+minus the idle rate over the same time: joins, health changes (a GPU runs hot on a
+node), spot reclaims (notice → SpotReclaim done). Prints actions/hour per idle site,
+per idle node and for the Schedules, actions per event, the projection for 1,250 and
+10,000 nodes at 10 sites, and the targets.
+
+    python -m bench.actions [--idle-seconds 300] [--check]
+    python -m bench.actions --smoke        # short windows (the suite runs this)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import socket
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator
+
+import httpx
+import yaml
+from temporalio.api.enums.v1 import EventType
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import WorkflowEnvironment
+
+from activities.env import FleetEnv
+from bench.common import fleet, start_node_host, until
+from cli.demand import start_demand_loop
+from cli.dev import dev_server_tuning_flags, temporal_binary
+from fleet import search_attributes
+from fleet.naming import reclaim_workflow_id
+from fleet.schedules import SCHEDULES, apply_schedules
+from fleet.settings import Settings
+from workers.control_plane import build_worker
+
+#: History events that are billed actions. A child's start and an external signal are
+#: counted once, on the receiving workflow (its Started / Signaled event).
+BILLED_EVENTS = {
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_STARTED: "workflow started",
+    EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED: "activity scheduled",
+    EventType.EVENT_TYPE_TIMER_STARTED: "timer started",
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED: "signal",
+    EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED: "update",
+    EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES: "search attributes",
+    EventType.EVENT_TYPE_WORKFLOW_PROPERTIES_MODIFIED: "memo",
+}
+HEARTBEAT = "grpc_RecordActivityTaskHeartbeat"
+#: Workflow types the Schedules start (their starts and everything they do).
+SCHEDULED_TYPES = {workflow_type for workflow_type, _id, _what in SCHEDULES.values()}
+SITES_PROJECTED = 10
+
+# -- targets (issue 37) --------------------------------------------------------------------
+IDLE_SITE_MAX = 30.0      # actions/hour
+IDLE_NODE_MAX = 30.0      # actions/hour, its watch's heartbeats included
+SCHEDULES_MAX = 300.0     # actions/hour, all Schedules together
+HEALTH_CHANGE_MAX = 4.0   # actions per health change
+NAMESPACE_MAX = 500.0     # actions/s: 10,000 idle nodes at 10 sites + 100 health changes/s
+#: The per-node event rates the projection assumes (stated in the output).
+HEALTH_CHANGES_PER_NODE_S = 100 / 10_000
+JOINS_PER_NODE_HOUR = 1 / (30 * 24)        # each node replaced about once a month
+RECLAIMS_PER_NODE_HOUR = 1 / (7 * 24)      # a spot node reclaimed about once a week
+
+
+@asynccontextmanager
+async def metrics_env(fleet_config: dict, metrics_port: int) -> AsyncIterator[tuple[WorkflowEnvironment, Settings]]:
+    """``bench.common.bench_env`` with the server's Prometheus metrics on ``metrics_port``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "sites.yaml"
+        path.write_text(yaml.safe_dump(fleet_config))
+        env = await WorkflowEnvironment.start_local(
+            dev_server_existing_path=temporal_binary(), data_converter=pydantic_data_converter,
+            search_attributes=search_attributes.ALL, dev_server_log_level="error",
+            dev_server_extra_args=[*dev_server_tuning_flags(), "--metrics-port", str(metrics_port)],
+        )
+        try:
+            settings = Settings(
+                address=env.client.service_client.config.target_host, state_dir=Path(tmp),
+                config=str(path), task_queue=f"bench-{uuid.uuid4().hex[:6]}",
+            )
+            yield env, settings
+        finally:
+            await env.shutdown()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_ACTION = re.compile(r'^action\{([^}]*)\}\s+([0-9.eE+]+)$')
+
+
+def parse_actions(text: str, namespace: str) -> Counter:
+    """The server's ``action`` counter by ``action_type``, for one namespace."""
+    counts: Counter = Counter()
+    for line in text.splitlines():
+        match = _ACTION.match(line)
+        if not match:
+            continue
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(1)))
+        if labels.get("namespace") == namespace:
+            counts[labels.get("action_type", "?")] += float(match.group(2))
+    return counts
+
+
+class Meter:
+    def __init__(self, port: int, namespace: str) -> None:
+        self.url, self.namespace = f"http://127.0.0.1:{port}/metrics", namespace
+
+    async def read(self) -> Counter:
+        # The server reports its metrics about once a second: wait one out so the window is whole.
+        await asyncio.sleep(1.2)
+        async with httpx.AsyncClient() as http:
+            return parse_actions((await http.get(self.url, timeout=30)).text, self.namespace)
+
+
+@dataclass
+class Window:
+    seconds: float
+    by_action_type: Counter
+    #: workflow type → billed history events inside the window
+    by_workflow_type: Counter = field(default_factory=Counter)
+    detail: dict[str, Counter] = field(default_factory=dict)
+
+    @property
+    def total(self) -> float:
+        return sum(self.by_action_type.values())
+
+
+async def billed_by_workflow_type(client, start: float, end: float) -> tuple[Counter, dict[str, Counter]]:
+    """Billed history events in [start, end] (epoch seconds), by workflow type and kind."""
+    by_type: Counter = Counter()
+    detail: dict[str, Counter] = {}
+    async for execution in client.list_workflows():
+        if execution.close_time is not None and execution.close_time.timestamp() < start:
+            continue
+        history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
+        for event in history.events:
+            at = event.event_time.seconds + event.event_time.nanos / 1e9
+            if start <= at <= end and event.event_type in BILLED_EVENTS:
+                by_type[execution.workflow_type] += 1
+                detail.setdefault(execution.workflow_type, Counter())[BILLED_EVENTS[event.event_type]] += 1
+    return by_type, detail
+
+
+def per_hour(count: float, seconds: float) -> float:
+    return count * 3600 / seconds if seconds > 0 else 0.0
+
+
+def figures(idle: Window, sites: int, nodes: int) -> dict[str, float]:
+    """Actions/hour per idle site, per idle node (with heartbeats), for the Schedules, the rest."""
+    w = idle.by_workflow_type
+    heartbeats = idle.by_action_type.get(HEARTBEAT, 0.0)
+    site = per_hour(w.get("Site", 0), idle.seconds) / sites
+    node = (per_hour(w.get("Node", 0) + heartbeats, idle.seconds) / nodes) if nodes else 0.0
+    schedules = per_hour(sum(v for k, v in w.items() if k in SCHEDULED_TYPES), idle.seconds)
+    other = per_hour(sum(v for k, v in w.items() if k not in SCHEDULED_TYPES | {"Site", "Node"}), idle.seconds)
+    return {"site": site, "node": node, "node_heartbeats": per_hour(heartbeats, idle.seconds) / max(nodes, 1),
+            "schedules": schedules, "other": other}
+
+
+def projection(f: dict[str, float], nodes: int, per_event: dict[str, float], price: float) -> dict[str, float]:
+    """Actions/s and $/month for ``nodes`` nodes at ``SITES_PROJECTED`` sites."""
+    idle = (f["site"] * SITES_PROJECTED + f["node"] * nodes + f["schedules"] + f["other"]) / 3600
+    events = nodes * (HEALTH_CHANGES_PER_NODE_S * per_event.get("health change", 0.0)
+                      + JOINS_PER_NODE_HOUR / 3600 * per_event.get("join", 0.0)
+                      + RECLAIMS_PER_NODE_HOUR / 3600 * per_event.get("spot reclaim", 0.0))
+    per_s = idle + events
+    return {"idle": idle, "events": events, "per_s": per_s, "usd_month": per_s * 86400 * 30 * price / 1e6}
+
+
+async def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sites", type=int, default=5)
+    parser.add_argument("--nodes", type=int, default=6)
+    parser.add_argument("--idle-seconds", type=float, default=300)
+    parser.add_argument("--warmup-seconds", type=float, default=60,
+                        help="after the joins, before the idle window (first reconciles, first watches)")
+    parser.add_argument("--events", type=int, default=3, help="joins, health changes and reclaims, each")
+    parser.add_argument("--settle-seconds", type=float, default=20, help="after each burst of events")
+    parser.add_argument("--price-per-million", type=float, default=50.0)
+    parser.add_argument("--smoke", action="store_true", help="short windows, few events (the suite's size)")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a target is not met")
+    args = parser.parse_args()
+    if args.smoke:
+        args.sites, args.nodes, args.idle_seconds, args.warmup_seconds = 3, 2, 20, 5
+        args.events, args.settle_seconds = 1, 8
+    port = free_port()
+    config = fleet(sites=args.sites, capacity=args.nodes + 2 * args.events + 4)
+    # Sites with nodes and sites without: the last site stays empty when there are two or more.
+    occupied = max(1, args.sites - 1) if args.sites > 1 else 1
+    async with metrics_env(config, port) as (env, settings):
+        client, queue = env.client, settings.task_queue
+        meter = Meter(port, settings.namespace)
+        world = FleetEnv.from_settings(settings).world
+        host = start_node_host(settings)
+        try:
+            async with build_worker(client, settings):
+                await apply_schedules(client, queue, site_every=300, catalog_every=600)
+                await start_demand_loop(client, queue)
+                joins = [client.execute_workflow("NodeJoin", {"site": f"site-{i % occupied}"},
+                                                 id=f"join/site-{i % occupied}/{uuid.uuid4().hex[:6]}",
+                                                 task_queue=queue) for i in range(args.nodes)]
+                await asyncio.gather(*joins)
+                await asyncio.sleep(args.warmup_seconds)
+
+                # -- idle window ----------------------------------------------------------
+                before, t0 = await meter.read(), time.time()
+                await asyncio.sleep(args.idle_seconds)
+                after, t1 = await meter.read(), time.time()
+                idle = Window(t1 - t0, after - before)
+                idle.by_workflow_type, idle.detail = await billed_by_workflow_type(client, t0, t1)
+                idle_rate = idle.total / idle.seconds
+
+                # -- events, each burst against the idle rate -------------------------------
+                async def burst(name: str, act) -> float:
+                    start_count, start = await meter.read(), time.time()
+                    await act()
+                    await asyncio.sleep(args.settle_seconds)
+                    end_count, end = await meter.read(), time.time()
+                    spent = sum((end_count - start_count).values()) - idle_rate * (end - start)
+                    return max(0.0, spent) / args.events
+
+                per_event: dict[str, float] = {}
+
+                async def join() -> None:
+                    await asyncio.gather(*[client.execute_workflow(
+                        "NodeJoin", {"site": "site-0"}, id=f"join/site-0/{uuid.uuid4().hex[:6]}", task_queue=queue)
+                        for _ in range(args.events)])
+
+                per_event["join"] = await burst("join", join)
+                machines = [m for m in world.machines() if m["name"]]
+
+                async def health() -> None:
+                    for m in machines[: args.events]:
+                        world.inject_fault(m["id"], 1, "hot", 95, clears_on="never")
+
+                per_event["health change"] = await burst("health change", health)
+
+                async def reclaim() -> None:
+                    victims = machines[-args.events:]
+                    for m in victims:
+                        world.post_reclaim_notice(m["id"], seconds=30)
+
+                    async def done() -> bool:
+                        for m in victims:
+                            try:
+                                d = await client.get_workflow_handle(reclaim_workflow_id(m["name"])).describe()
+                            except Exception:  # noqa: BLE001 - not started yet
+                                return False
+                            if d.status is None or d.status.name == "RUNNING":
+                                return False
+                        return True
+
+                    try:
+                        await until(done, timeout=120, interval=0.5)
+                    except TimeoutError:
+                        print("  (spot reclaims still running after 120 s: counted so far)")
+
+                per_event["spot reclaim"] = await burst("spot reclaim", reclaim)
+        finally:
+            host.terminate()
+            host.wait()
+
+    f = figures(idle, args.sites, args.nodes)
+    print(f"Temporal actions: {args.sites} sites ({occupied if args.sites > 1 else 1} with nodes), {args.nodes} nodes, "
+          f"idle window {idle.seconds:.0f} s")
+    print(f"  server counter, idle: {per_hour(idle.total, idle.seconds):,.0f} actions/hour in all")
+    for action_type, count in idle.by_action_type.most_common():
+        if count:
+            print(f"    {action_type:44s}{per_hour(count, idle.seconds):10,.0f}/hour")
+    print("  billed history events, idle, by workflow type (heartbeats are not in histories):")
+    for workflow_type, count in idle.by_workflow_type.most_common():
+        kinds = ", ".join(f"{k} {per_hour(v, idle.seconds):,.0f}" for k, v in idle.detail[workflow_type].most_common())
+        print(f"    {workflow_type:24s}{per_hour(count, idle.seconds):10,.0f}/hour   ({kinds})")
+    print(f"  per idle site           {f['site']:10,.1f} actions/hour   (target <= {IDLE_SITE_MAX:g})")
+    print(f"  per idle node           {f['node']:10,.1f} actions/hour   (target <= {IDLE_NODE_MAX:g}; "
+          f"{f['node_heartbeats']:,.1f} of them heartbeats)")
+    print(f"  Schedules, all          {f['schedules']:10,.1f} actions/hour   (target <= {SCHEDULES_MAX:g})")
+    print(f"  everything else         {f['other']:10,.1f} actions/hour   (Demand loop and the like)")
+    for name, value in per_event.items():
+        target = f"   (target <= {HEALTH_CHANGE_MAX:g})" if name == "health change" else ""
+        print(f"  per {name:20s}{value:10,.1f} actions{target}")
+    print(f"  projection at {SITES_PROJECTED} sites, ${args.price_per_million:g} per million actions; assumed per node: "
+          f"{HEALTH_CHANGES_PER_NODE_S:g} health changes/s, a join every {1 / JOINS_PER_NODE_HOUR / 24:.0f} days, "
+          f"a spot reclaim every {1 / RECLAIMS_PER_NODE_HOUR / 24:.0f} days")
+    projected = {}
+    for nodes in (1_250, 10_000):
+        p = projected[nodes] = projection(f, nodes, per_event, args.price_per_million)
+        print(f"    {nodes:6,} nodes: {p['idle']:8.1f} actions/s idle + {p['events']:8.1f} for events = "
+              f"{p['per_s']:8.1f}/s, ${p['usd_month']:,.0f}/month")
+    checks = {
+        f"idle site <= {IDLE_SITE_MAX:g}/hour": f["site"] <= IDLE_SITE_MAX,
+        f"idle node <= {IDLE_NODE_MAX:g}/hour": f["node"] <= IDLE_NODE_MAX,
+        f"Schedules <= {SCHEDULES_MAX:g}/hour": f["schedules"] <= SCHEDULES_MAX,
+        f"health change <= {HEALTH_CHANGE_MAX:g} actions": per_event["health change"] <= HEALTH_CHANGE_MAX,
+        f"10,000 nodes + 100 health changes/s <= {NAMESPACE_MAX:g}/s": projected[10_000]["per_s"] <= NAMESPACE_MAX,
+    }
+    for name, ok in checks.items():
+        print(f"  target {name:48s}{'met' if ok else 'NOT met'}")
+    return 1 if args.check and not all(checks.values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))

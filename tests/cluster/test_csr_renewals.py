@@ -1,0 +1,53 @@
+"""gpufleet's approver judges every node's client-certificate renewal, so kubeadm's
+``kubeadm:node-autoapprove-certificate-rotation`` can be removed: a live gpufleet node (its
+identity record) and a control-plane node (the label NodeRestriction keeps kubelets from
+setting) are renewed for their own name; any other node, a removed one above all, is denied.
+(The same against a real control plane and a real kubelet: tests/realk8s/test_blast_radius.py.)"""
+
+from __future__ import annotations
+
+import base64
+
+from fleet.cluster import NodeIdentity
+from providers.cluster.base import CLIENT_SIGNER, CONTROL_PLANE_LABEL, SERVING_SIGNER, csr_decision
+from providers.cluster.kubernetes import CSR_GROUP, NODE_IDENTITY_KIND
+from tests.cluster.sim_kubelet import csr_pem
+
+
+def renewal(name: str, node: str, subject: str | None = None, signer: str = CLIENT_SIGNER) -> dict:
+    return {"apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest", "metadata": {"name": name},
+            "spec": {"signerName": signer, "username": f"system:node:{node}", "groups": ["system:nodes"],
+                     "usages": ["digital signature", "client auth"],
+                     "request": base64.b64encode(csr_pem(f"system:node:{subject or node}", ["system:nodes"])).decode()}}
+
+
+def test_a_renewal_is_judged_for_live_and_control_plane_nodes_and_denied_for_any_other() -> None:
+    def decide(csr, renewable=None):
+        return csr_decision(csr, lambda _t: None, {"gpu-live"}.__contains__, lambda _n: None, renewable)
+
+    control_plane = {"cp-1"}.__contains__
+    assert decide(renewal("a", "gpu-live"), control_plane).approve
+    assert decide(renewal("b", "cp-1"), control_plane).approve
+    assert not decide(renewal("c", "cp-1", subject="cp-2"), control_plane).approve, "its own name only"
+    retired = decide(renewal("d", "gpu-retired"), control_plane)
+    assert not retired.approve and "not renewed" in retired.reason
+    # Without the take-over (callers that leave renewals to kubeadm) and for serving CSRs: not ours.
+    assert decide(renewal("e", "gpu-retired")) is None
+    assert decide(renewal("f", "gpu-retired", signer=SERVING_SIGNER), control_plane) is None
+
+
+def test_the_adapter_renews_a_labelled_control_plane_node_and_denies_a_removed_one(kube, fake) -> None:
+    fake.add_node("cp-1", {CONTROL_PLANE_LABEL: ""})
+    fake.add_node("gpu-live", {})
+    # A removed node whose kubelet registered its Node again: it cannot give itself the label.
+    fake.add_node("gpu-removed", {"node-role.example.com/control-plane": ""})
+    identity = NodeIdentity(node_name="gpu-live", machine_id="m-1", provider="lambda", account="a", site="s")
+    kube.update_state(NODE_IDENTITY_KIND, "gpu-live", lambda _current: identity.state())
+    for name, node in (("r-cp", "cp-1"), ("r-live", "gpu-live"), ("r-removed", "gpu-removed")):
+        fake.put(CSR_GROUP, "certificatesigningrequests", renewal(name, node))
+    verdicts = {d.name: d for d in kube.review_csrs(lambda _node: None)}
+    assert verdicts["r-cp"].approve and verdicts["r-live"].approve
+    assert not verdicts["r-removed"].approve
+    conditions = {n: [c["type"] for c in (fake.get(CSR_GROUP, "certificatesigningrequests", "", n)["status"]
+                                         .get("conditions") or [])] for n in verdicts}
+    assert conditions == {"r-cp": ["Approved"], "r-live": ["Approved"], "r-removed": ["Denied"]}

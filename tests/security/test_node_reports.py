@@ -1,0 +1,284 @@
+"""Issue 35: a node is hostile. What its agent returns on its own queue (``watch_node``) is
+untrusted input to the Node entity: a malformed answer is a bad report from that node
+(logged, counted, shown), never a failed workflow task, and the watch goes on; a few in a row
+quarantine the node (cordoned, handed to the repair ladder).
+
+The node joins the simulated fleet as usual; its agent is the real one except ``watch_node``,
+which answers with what the test forges while something is queued (else honestly).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any, AsyncIterator, Callable
+
+import pytest
+from hypothesis import strategies as st
+from temporalio import activity
+from temporalio.api.common.v1 import Payload
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
+from temporalio.common import RawValue
+from temporalio.worker import Worker
+
+import fleet.naming
+import workers.node_agent
+from activities.node_agent import NodeAgentActivities
+from fleet.messages.join import JoinedNode
+from fleet.messages.repair import NodeStatus, NodeWatchInput
+from fleet.settings import node_queue
+from providers.cluster.sim import SimCluster
+from tests.bad_input_helpers import task_failures
+from tests.conftest import Stack
+from tests.repair_helpers import eventually, exists, join_node, node_status, repair_handle, running_stack
+from tests.replay import replay_and_record
+from tests.test_bad_input_property import draw
+from workflows.node import MAX_BAD_REPORTS_IN_A_ROW
+
+Forgery = Callable[[NodeWatchInput], Payload]
+
+
+def as_json(value: Any) -> Payload:
+    return Payload(metadata={"encoding": b"json/plain"}, data=json.dumps(value, allow_nan=True).encode())
+
+
+class HostileWatch:
+    """The node's ``watch_node``, turned: a queued forgery answers the watch in flight (built
+    from the entity's own input), else the real agent answers."""
+
+    def __init__(self) -> None:
+        self.forged: asyncio.Queue[Forgery] = asyncio.Queue()
+        #: Every watch the entity scheduled, in order: a new one after an answer = the watch lives.
+        self.inputs: list[NodeWatchInput] = []
+
+    def build_agent(self, client, node_name, gpus, executor, watch=None) -> Worker:
+        agent = NodeAgentActivities(node_name, gpus, watch)
+
+        @activity.defn(name="watch_node")
+        async def watch_node(input: NodeWatchInput) -> Any:
+            self.inputs.append(input)
+            honest = asyncio.ensure_future(agent.watch_node(input))
+            forged = asyncio.ensure_future(self.forged.get())
+            await asyncio.wait({honest, forged}, return_when=asyncio.FIRST_COMPLETED)
+            if forged.done():
+                honest.cancel()
+                return RawValue(forged.result()(input))
+            forged.cancel()
+            return honest.result()
+
+        others = [a for a in agent.all() if getattr(a, "__name__", "") != "watch_node"]
+        return Worker(client, task_queue=node_queue(node_name), activities=[*others, watch_node],
+                      activity_executor=executor, max_concurrent_activities=5)
+
+    async def answer(self, forgery: Forgery) -> None:
+        """Forge the answer to the watch in flight; return once the entity scheduled the next."""
+        before = len(self.inputs)
+        await self.forged.put(forgery)
+        await eventually(_async(lambda: len(self.inputs) > before), timeout=15, interval=0.02)
+
+
+def _async(check: Callable[[], bool]):
+    async def predicate() -> bool:
+        return check()
+    return predicate
+
+
+def quiet(input: NodeWatchInput) -> Payload:
+    """A well-formed answer: the state the entity already has (nothing to act on)."""
+    return as_json({"node_name": input.node_name, "seq": input.seq, "digest": input.digest, "boot_id": "b"})
+
+
+def well_formed(input: NodeWatchInput) -> dict[str, Any]:
+    return {"node_name": input.node_name, "seq": input.seq + 1, "digest": "d" * 64, "boot_id": "b" * 36,
+            "gpus": [{"index": 0, "uuid": "GPU-0", "name": "H100", "memory_gb": 80, "temperature_c": 40,
+                      "ecc_uncorrected": 0, "xid_events": [{"xid": 13, "at": "2026-01-01T00:00:00Z",
+                                                            "message": "m"}]}],
+            "reclaim_at": None, "observed_at": None}
+
+
+def replacing(path: tuple, value: Any) -> Forgery:
+    """A well-formed answer with one field (``path`` into it) replaced by ``value``."""
+    def forge(input: NodeWatchInput) -> Payload:
+        answer = well_formed(input)
+        *parents, last = path
+        holder = answer
+        for key in parents:
+            holder = holder[key]
+        holder[last] = value
+        return as_json(answer)
+    return forge
+
+
+def raw_bytes(data: bytes, encoding: bytes = b"json/plain") -> Forgery:
+    return lambda _input: Payload(metadata={"encoding": encoding}, data=data)
+
+
+#: The attacks as found (issue 35), and a few more a decoder must survive.
+KNOWN_ATTACKS: list[tuple[str, Forgery]] = [
+    ("1000-character digest", replacing(("digest",), "x" * 1000)),
+    ("reclaim_at NaN", replacing(("reclaim_at",), math.nan)),
+    ("seq of the wrong type", replacing(("seq",), {"not": "a number"})),
+    ("gpus of the wrong type", replacing(("gpus",), "all fine")),
+    ("an XID at year 1", replacing(("gpus", 0, "xid_events", 0, "at"), "0001-01-01T00:00:00")),
+    ("not JSON", raw_bytes(b"{not json")),
+    ("an encoding nobody speaks", raw_bytes(b"\x00\x01", b"binary/hostile")),
+    ("null", lambda _input: as_json(None)),
+]
+
+#: Fields of a watch result, each of which a hostile value below makes invalid.
+FIELDS = [("node_name",), ("seq",), ("digest",), ("boot_id",), ("gpus",), ("reclaim_at",), ("observed_at",),
+          ("gpus", 0, "index"), ("gpus", 0, "uuid"), ("gpus", 0, "name"), ("gpus", 0, "memory_gb"),
+          ("gpus", 0, "temperature_c"), ("gpus", 0, "ecc_uncorrected"), ("gpus", 0, "xid_events"),
+          ("gpus", 0, "xid_events", 0, "xid"), ("gpus", 0, "xid_events", 0, "at"),
+          ("gpus", 0, "xid_events", 0, "message")]
+
+
+def nested(depth: int) -> Any:
+    value: Any = 1
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+HOSTILE_VALUES = st.one_of(
+    st.sampled_from([math.nan, math.inf, -math.inf]),
+    st.integers(min_value=10_000, max_value=70_000).map(lambda n: "x" * n),  # huge strings
+    st.sampled_from([{"wrong": "type"}, [{"wrong": "type"}], [[1, 2]]]),  # wrong types for every field
+    st.integers(min_value=40, max_value=200).map(nested),  # deep nesting
+)
+ATTACKS = st.tuples(st.sampled_from(FIELDS), HOSTILE_VALUES)
+#: Drawn attacks per run (derandomized): each costs two watch round trips, well under a second.
+EXAMPLES = 20
+
+
+@pytest.fixture
+async def hostile(temporal_env, tmp_path, monkeypatch) -> AsyncIterator[tuple[Stack, JoinedNode, HostileWatch]]:
+    watch = HostileWatch()
+    monkeypatch.setattr(workers.node_agent, "build_agent", watch.build_agent)
+    async for stack in running_stack(temporal_env.client, tmp_path):
+        node = await join_node(stack)
+        # The entity is up and its watch (after the join's state) waits at the node.
+        await eventually(_async(lambda: bool(watch.inputs)), timeout=30)
+        yield stack, node, watch
+
+
+def entity(stack: Stack, node: JoinedNode) -> WorkflowHandle:
+    return stack.client.get_workflow_handle(f"node/{node.node_name}")
+
+
+async def status(stack: Stack, node: JoinedNode) -> NodeStatus:
+    found = await node_status(stack, node.node_name)
+    assert found is not None
+    return found
+
+
+async def details(handle: WorkflowHandle) -> str:
+    metadata = await handle.query("__temporal_workflow_metadata")
+    return metadata.current_details if hasattr(metadata, "current_details") else metadata["currentDetails"]
+
+
+async def test_malformed_watch_results_fail_no_task_and_the_watch_lives_on(hostile) -> None:
+    """Property: for the attacks as found and drawn ones (NaN, infinities, huge strings, wrong
+    types, deep nesting, in any field of the result), each is a counted bad report, no workflow
+    task fails, the entity schedules the next watch, and afterwards a real GPU fault is still
+    seen and repaired."""
+    stack, node, watch = hostile
+    handle = entity(stack, node)
+    attacks = KNOWN_ATTACKS + [(f"{path} = {str(value)[:40]}", replacing(path, value))
+                               for path, value in draw(ATTACKS, EXAMPLES)]
+    for number, (what, forgery) in enumerate(attacks, start=1):
+        await watch.answer(forgery)
+        now = await status(stack, node)
+        assert now.bad_reports == number, f"{what}: not counted as a bad report ({now.log[-1:]})"
+        if number == 1:
+            assert f"bad report from {node.node_name}" in await details(handle)
+        await watch.answer(quiet)  # a good one between: no quarantine, the count in a row restarts
+        assert (await status(stack, node)).bad_reports_in_a_row == 0, what
+
+    assert await task_failures(handle) == 0
+    final = await status(stack, node)
+    assert final.bad_reports == len(attacks) and final.loop_restarts == 0
+    assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+    assert not await exists(repair_handle(stack, node.node_name, 0)), "no quarantine: never 3 in a row"
+
+    # The watch is alive: a real fault on the node reaches the entity and starts its repair.
+    stack.world.inject_fault(node.machine_id, 1, "xid", 48, clears_on="reset")
+    await eventually(lambda: exists(repair_handle(stack, node.node_name, 1)), timeout=30)
+    assert await task_failures(handle) == 0
+
+
+async def test_bad_reports_in_a_row_quarantine_the_node(hostile, monkeypatch) -> None:
+    """A node that keeps answering garbage is cordoned and handed to the repair ladder (from a
+    reboot), and its entity keeps watching it."""
+    stack, node, watch = hostile
+    handle = entity(stack, node)
+    cordoned: list[tuple[str, bool]] = []
+    real_cordon = SimCluster.cordon
+
+    def recording_cordon(cluster, name: str, unschedulable: bool = True):
+        cordoned.append((name, unschedulable))
+        return real_cordon(cluster, name, unschedulable)
+
+    monkeypatch.setattr(SimCluster, "cordon", recording_cordon)
+    for _ in range(MAX_BAD_REPORTS_IN_A_ROW - 1):
+        await watch.answer(replacing(("reclaim_at",), math.nan))
+    assert (await status(stack, node)).bad_reports_in_a_row == MAX_BAD_REPORTS_IN_A_ROW - 1
+    await watch.answer(replacing(("digest",), "x" * 1000))
+
+    repair = repair_handle(stack, node.node_name, 0)
+    await eventually(lambda: exists(repair), timeout=30)
+    assert cordoned[0] == (node.node_name, True), "cordoned (with the repair's first GPU fenced) at once"
+    started = (await repair.fetch_history()).events[0].workflow_execution_started_event_attributes
+    repair_input = json.loads(started.input.payloads[0].data)
+    assert repair_input["rung"] == "reboot"
+    assert repair_input["reasons"] == [f"{MAX_BAD_REPORTS_IN_A_ROW} bad reports in a row from the node agent"]
+    now = await status(stack, node)
+    assert now.bad_reports == MAX_BAD_REPORTS_IN_A_ROW and now.bad_reports_in_a_row == 0
+    # Still watched: the next answer is taken and judged.
+    await watch.answer(replacing(("seq",), "many"))
+    assert (await status(stack, node)).bad_reports == MAX_BAD_REPORTS_IN_A_ROW + 1
+    assert await task_failures(handle) == 0
+    await replay_and_record(handle, "node_bad_reports_quarantine")
+
+
+class FailsOnce:
+    """``fleet.naming.reclaim_workflow_id`` (which the Node entity's watch loop calls on a spot
+    notice) raising once when armed: an unexpected error inside the loop."""
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.real = fleet.naming.reclaim_workflow_id
+
+    def __call__(self, node_name: str) -> str:
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("an unexpected error in the watch loop")
+        return self.real(node_name)
+
+
+@pytest.fixture
+def reclaim_id_fails_once(monkeypatch) -> FailsOnce:
+    # Before the node joins: its entity's sandbox binds the name when it imports workflows.node.
+    fails = FailsOnce()
+    monkeypatch.setattr(fleet.naming, "reclaim_workflow_id", fails)
+    return fails
+
+
+async def test_an_error_in_the_watch_loop_is_shown_and_the_loop_restarts(reclaim_id_fails_once, hostile) -> None:
+    """An exception inside the entity's background watch loop used to end it silently (the node
+    still counted as live, nothing watched it). Now it is logged and shown, the loop restarts,
+    and the spot notice that hit the error is acted on by the restarted loop."""
+    stack, node, _watch = hostile
+    handle = entity(stack, node)
+    reclaim_id_fails_once.armed = True
+    stack.world.post_reclaim_notice(node.machine_id, 600)
+
+    reclaim = stack.client.get_workflow_handle(fleet.naming.reclaim_workflow_id.real(node.node_name))
+    await eventually(lambda: exists(reclaim), timeout=30)
+    assert not reclaim_id_fails_once.armed, "the error was raised"
+    now = await status(stack, node)
+    assert now.loop_restarts == 1
+    assert any("health watch failed (RuntimeError: an unexpected error in the watch loop)" in line
+               for line in now.log), now.log
+    assert await task_failures(handle) == 0

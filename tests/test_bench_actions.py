@@ -1,0 +1,57 @@
+"""bench/actions.py: what the fleet costs in Temporal actions (what Temporal Cloud bills and
+rate-limits), read from the dev server's own ``action`` counter."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.actions import HEARTBEAT, Window, figures, parse_actions, projection
+
+ROOT = Path(__file__).resolve().parent.parent
+
+METRICS = """# HELP action action counter
+# TYPE action counter
+action{action_type="grpc_RecordActivityTaskHeartbeat",namespace="default",operation="RecordActivityTaskHeartbeat",service_name="frontend"} 12
+action{action_type="command_StartTimer",namespace="default",operation="RespondWorkflowTaskCompleted",service_name="history"} 5
+action{action_type="grpc_StartWorkflowExecution",namespace="temporal_system",operation="StartWorkflowExecution",service_name="frontend"} 2
+action_other{action_type="x",namespace="default"} 99
+"""
+
+
+def test_the_action_counter_is_read_per_namespace_by_action_type() -> None:
+    """The server's own system workflows (namespace temporal_system) are not the fleet's bill."""
+    assert parse_actions(METRICS, "default") == {HEARTBEAT: 12, "command_StartTimer": 5}
+
+
+def test_heartbeats_are_charged_to_nodes_and_the_projection_scales_with_them() -> None:
+    """Heartbeats leave no history: the per-node figure must include the counter's heartbeats."""
+    idle = Window(seconds=3600, by_action_type=parse_actions(METRICS, "default"))
+    idle.by_workflow_type.update({"Site": 20, "Node": 8, "CsrApprover": 120})
+    f = figures(idle, sites=2, nodes=4)
+    assert f["site"] == 10 and f["node"] == (8 + 12) / 4 and f["schedules"] == 120
+    small = projection(f, 1_250, {"health change": 2}, price=50)
+    large = projection(f, 10_000, {"health change": 2}, price=50)
+    assert large["per_s"] > small["per_s"] and large["usd_month"] > small["usd_month"]
+    # 100 health changes/s at 10,000 nodes, 2 actions each: 200 actions/s for events alone.
+    assert large["events"] == pytest.approx(200)
+
+
+@pytest.mark.timeout(300)
+def test_smoke_run_prints_every_figure() -> None:
+    done = subprocess.run([sys.executable, "-m", "bench.actions", "--smoke"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=280)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr[-3000:]
+    for figure in ("per idle site", "per idle node", "Schedules, all", "per join", "per health change",
+                   "per spot reclaim"):
+        assert re.search(rf"{figure}\s+[0-9,.]+ actions", out), f"{figure} missing:\n{out}"
+    for nodes in ("1,250", "10,000"):
+        assert re.search(rf"{nodes} nodes: .* actions/s idle .*\$[0-9,]+/month", out), out
+    # The idle node's watch heartbeats were counted from the server's counter.
+    assert re.search(rf"{HEARTBEAT}\s+[0-9,]+/hour", out), out
+    assert out.count("target ") >= 5, out

@@ -1,0 +1,61 @@
+"""The programs some tests drive for real (prometheus, cloud-init, haproxy, curl, kubectl, ...).
+
+One rule for all of them: a test that needs a missing program skips, saying how to get it; in CI
+(``CI=true``, set by .ci/run) it fails instead, so no check vanishes from CI without a word.
+``python3 bootstrap.py test`` installs the Debian packages (``bootstrap.SYSTEM_TOOLS``) when it can.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from bootstrap import SBIN, SYSTEM_TOOLS
+
+#: Where tests/realk8s/build.py leaves kubectl (built from its Go module at the tier's version).
+REAL_KUBERNETES_BIN = Path.home() / ".cache" / "gpufleet" / "realk8s"
+
+
+def find(name: str) -> str | None:
+    """The program's path, or None. kubectl: the real tier's build first, then PATH."""
+    if name == "kubectl":
+        built = sorted(REAL_KUBERNETES_BIN.glob("v*/bin/kubectl"))
+        if built:
+            return str(built[-1])
+    return shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), *SBIN]))
+
+
+def how_to_get(name: str) -> str:
+    if name == "kubectl":
+        return "python3 tests/realk8s/build.py builds it (bootstrap.py test does)"
+    return f"apt-get install {SYSTEM_TOOLS.get(name, name)}; python3 bootstrap.py test does as root"
+
+
+def missing_reason(name: str) -> str | None:
+    return None if find(name) else f"`{name}` is not installed ({how_to_get(name)})"
+
+
+def require(name: str) -> str:
+    """The program's path; else skip the test (fail it in CI) naming how to get it."""
+    path = find(name)
+    if path is None:
+        reason = missing_reason(name) or name
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI runs every test: {reason}", pytrace=False)
+        pytest.skip(reason)
+    return path
+
+
+def needs(*names: str) -> pytest.MarkDecorator:
+    """A mark for tests (or a module's ``pytestmark``) that drive these programs: before the test
+    runs, tests/conftest.py ``require``s each one (skip with the reason; in CI, fail)."""
+    return pytest.mark.needs_tools(*names)
+
+
+def require_marked(item: pytest.Item) -> None:
+    for mark in item.iter_markers("needs_tools"):
+        for name in mark.args:
+            require(name)
