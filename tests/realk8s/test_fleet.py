@@ -76,8 +76,10 @@ def test_the_demand_loop_reads_the_pending_gpu_pods_the_scheduler_could_not_plac
     node = one.await_registration(provisioned)
     fits, too_big = f"fits-{uuid.uuid4().hex[:6]}", f"too-big-{uuid.uuid4().hex[:6]}"
     for name, gpus in ((fits, 2), (too_big, 16)):
+        # Pinned to this test's node: the package's cluster may still hold other tests' GPU nodes.
         pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": "default"},
                "spec": {"tolerations": [UNPROVEN, FLEET], "terminationGracePeriodSeconds": 0,
+                        "nodeSelector": {"kubernetes.io/hostname": node.name},
                         "containers": [{"name": "c", "image": "registry.invalid/serve:1",
                                         "resources": {"limits": {GPU_RESOURCE: str(gpus)}}}]}}
         status, answer = one.real.request("POST", "/api/v1/namespaces/default/pods", pod, admin=True)
