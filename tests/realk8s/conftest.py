@@ -55,6 +55,13 @@ def real_cluster(tmp_path_factory) -> RealCluster:
 
 
 def apply_shipped_manifests(cluster: RealCluster) -> None:
-    """What an operator applies, unchanged: the kustomize base and the bootstrap RBAC."""
+    """What an operator applies, unchanged: the kustomize base, the bootstrap RBAC, and the
+    frontend's NetworkPolicy into the namespace Temporal's chart would be installed in."""
     cluster.kubectl("apply", "--server-side", "-k", str(REPO / "deploy" / "kubernetes"))
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "deploy" / "bootstrap" / "rbac.yaml"))
+    cluster.kubectl("create", "namespace", TEMPORAL_NAMESPACE)
+    cluster.kubectl("apply", "--server-side", "-f", str(REPO / "deploy" / "temporal" / "network-policy.yaml"))
+
+
+#: Where deploy/kubernetes's TEMPORAL_ADDRESS (temporal-frontend.temporal.svc) says Temporal runs.
+TEMPORAL_NAMESPACE = "temporal"
