@@ -1,0 +1,79 @@
+{{/*
+Labels helm adds to every object, beside the base's own (app.kubernetes.io/name, part-of):
+never in a selector, so an upgrade of the chart never has to replace a Deployment.
+*/}}
+{{- define "gpufleet.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+{{- end }}
+
+{{/* An image by version: [registry/]repository:tag, the tag defaulting to the package version. */}}
+{{- define "gpufleet.image" -}}
+{{- $images := .root.Values.images -}}
+{{- $name := required (printf "images.%s.repository is required" .image) (index $images .image "repository") -}}
+{{- with $images.registry }}{{ $name = printf "%s/%s" (trimSuffix "/" .) $name }}{{ end -}}
+{{ $name }}:{{ $images.tag | default .root.Chart.AppVersion }}
+{{- end }}
+
+{{/* image, and imagePullPolicy where one is set. */}}
+{{- define "gpufleet.imageFields" -}}
+image: {{ include "gpufleet.image" . }}
+{{- with .root.Values.images.pullPolicy }}
+imagePullPolicy: {{ . }}
+{{- end }}
+{{- end }}
+
+{{- define "gpufleet.podSpecExtras" -}}
+{{- with .Values.images.pullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the Temporal connection is an API key, "" for mutual TLS; neither set: refused. */}}
+{{- define "gpufleet.temporalApiKey" -}}
+{{- $t := .Values.temporal -}}
+{{- if and (not $t.apiKey.secretName) (not $t.tls.clientSecret) -}}
+{{- fail "temporal: set temporal.tls.clientSecret (mutual TLS) or temporal.apiKey.secretName (an API key): there is no plaintext mode" -}}
+{{- end -}}
+{{- if $t.apiKey.secretName }}true{{ end -}}
+{{- end }}
+
+{{/*
+The Temporal connection, as the standard TEMPORAL_* variables, for the control plane and the
+node gateway (the same settings: the gateway forwards nodes' calls on the control plane's own
+connection). Mutual TLS from the Secret mounted at /etc/gpufleet/temporal, or an API key.
+*/}}
+{{- define "gpufleet.temporalEnv" -}}
+{{- $t := .Values.temporal -}}
+- name: TEMPORAL_ADDRESS
+  value: {{ required "temporal.address is required (host:port of the frontend)" $t.address | quote }}
+- name: TEMPORAL_NAMESPACE
+  value: {{ required "temporal.namespace is required" $t.namespace | quote }}
+{{- if include "gpufleet.temporalApiKey" . }}
+- name: TEMPORAL_API_KEY
+  valueFrom:
+    secretKeyRef: {name: {{ $t.apiKey.secretName | quote }}, key: {{ required "temporal.apiKey.key is required" $t.apiKey.key | quote }}}
+{{- else }}
+- name: TEMPORAL_TLS_SERVER_NAME
+  value: {{ $t.tls.serverName | default (regexReplaceAll ":[0-9]+$" $t.address "") | quote }}
+- name: TEMPORAL_TLS_SERVER_CA_CERT_PATH
+  value: /etc/gpufleet/temporal/ca.crt
+- name: TEMPORAL_TLS_CLIENT_CERT_PATH
+  value: /etc/gpufleet/temporal/tls.crt
+- name: TEMPORAL_TLS_CLIENT_KEY_PATH
+  value: /etc/gpufleet/temporal/tls.key
+{{- end }}
+{{- end }}
+
+{{/* The pods' annotations: a changed inline sites.yaml rolls them. */}}
+{{- define "gpufleet.podAnnotations" -}}
+{{- with .Values.sites.config }}
+annotations:
+  gpufleet.io/sites-config-sha256: {{ sha256sum . }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,1 @@
+"""helm, built from its Go module (build.py), and the chart as the tests drive it (chart.py)."""

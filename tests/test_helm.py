@@ -1,0 +1,254 @@
+"""gpufleet's Helm chart (deploy/helm/gpufleet), linted and rendered by the real helm (v3, built
+from its Go module by tests/helm/build.py).
+
+With default values it renders exactly the objects of the kustomize base (`kubectl kustomize
+deploy/kubernetes`), object by object, apart from helm's own labels and the image tag (the chart
+names the package version, the base `:latest`): the two cannot drift apart without this failing.
+Each value reaches the objects it is for; a misspelt value, or a Temporal connection with no
+credentials, is refused before anything renders. The real control plane applies the rendering
+in tests/realk8s/test_helm.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.helm.chart import (
+    CHART,
+    IMAGES,
+    by_key,
+    containers,
+    documents,
+    helm,
+    package_version,
+    template,
+    with_image_tag,
+    without_helm_metadata,
+)
+from tests.tools import needs, require
+
+pytestmark = pytest.mark.integration  # runs helm (and kubectl kustomize)
+
+
+def kustomize(folder: Path) -> list[dict[str, Any]]:
+    done = subprocess.run([require("kubectl"), "kustomize", str(folder)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return documents(done.stdout)
+
+
+def base(name: str) -> list[dict[str, Any]]:
+    return kustomize(CHART.parents[1] / name)
+
+
+def chart_as_kubectl_reads_it(tmp_path, *values: str) -> list[dict[str, Any]]:
+    """The chart's rendering read by kubectl's own YAML parser, as the base's is: Go's and
+    Python's parsers disagree on some block scalars (the admission policy's folded CEL), so
+    both sides of the comparison go through the same one."""
+    (tmp_path / "chart.yaml").write_text(template(*values))
+    (tmp_path / "kustomization.yaml").write_text("resources: [chart.yaml]\n")
+    return kustomize(tmp_path)
+
+
+def assert_same_objects(chart: list[dict[str, Any]], base: list[dict[str, Any]]) -> None:
+    """Object by object: the same set, and each equal once helm's labels are set aside and the
+    images compared by name (the chart's tag is the package version, the base's `latest`)."""
+    rendered, wanted = by_key(chart), by_key(base)
+    assert sorted(set(rendered) - set(wanted)) == [], "objects the chart renders and the base has not"
+    assert sorted(set(wanted) - set(rendered)) == [], "objects of the base the chart does not render"
+    version = package_version()
+    for name, obj in wanted.items():
+        for container in containers(rendered[name]):
+            assert container["image"].rsplit(":", 1)[1] == version, f"{name}: images are named by version"
+        for container in containers(obj):
+            assert container["image"].endswith(":latest")
+        ours = with_image_tag(without_helm_metadata(rendered[name]), "latest")
+        assert ours == obj, f"{name} differs from the base:\n" + "\n".join(_diff(obj, ours))
+
+
+def _diff(base: dict[str, Any], chart: dict[str, Any]) -> list[str]:
+    import difflib
+
+    def lines(o: dict[str, Any]) -> list[str]:
+        return json.dumps(o, indent=1, sort_keys=True).splitlines()
+    return list(difflib.unified_diff(lines(base), lines(chart), "kustomize", "helm", lineterm="", n=2))
+
+
+def workload(docs: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    (found,) = [d for d in docs if d["kind"] in ("Deployment", "DaemonSet") and d["metadata"]["name"] == name]
+    return found
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def pod_of(obj: dict[str, Any]) -> dict[str, Any]:
+    return obj["spec"]["template"]["spec"]
+
+
+# -- the chart itself -----------------------------------------------------------------------------
+def test_chart_is_named_by_the_package_version() -> None:
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == chart["version"] == package_version(), \
+        "Chart.yaml's version and appVersion follow pyproject.toml's"
+
+
+def test_helm_is_the_pinned_release() -> None:
+    from tests.helm import build
+
+    assert helm("version", "--template", "{{.Version}}").stdout == build.HELM_VERSION
+
+
+def test_a_cluster_without_validating_admission_policy_v1_is_refused() -> None:
+    """Kubernetes 1.30 or later (the admission policy's API); helm's own default, when no cluster
+    is asked, is stamped at build time to the Kubernetes its client-go is (1.36), so the default
+    renderings above pass the same check."""
+    done = helm("template", "gpufleet", str(CHART), "--kube-version", "1.29.4", check=False)
+    assert done.returncode != 0 and ">=1.30.0-0" in done.stderr, done.stderr
+    helm("template", "gpufleet", str(CHART), "--kube-version", "1.30.0")
+
+
+def test_chart_lints_strictly() -> None:
+    done = helm("lint", "--strict", str(CHART))
+    assert "0 chart(s) failed" in done.stdout
+    # Also with the non-default modes a user sets.
+    helm("lint", "--strict", str(CHART), "--set", "temporal.apiKey.secretName=gpufleet-temporal-api-key",
+         "--set", "metrics.serviceMonitor.enabled=true", "--set", "sites.config=mode: sim")
+
+
+# -- no drift from the kustomize base ------------------------------------------------------------
+@needs("kubectl")
+def test_default_rendering_is_the_kustomize_base_object_by_object(tmp_path) -> None:
+    assert_same_objects(chart_as_kubectl_reads_it(tmp_path), base("kubernetes"))
+
+
+@needs("kubectl")
+def test_service_monitor_rendering_is_the_prometheus_operator_overlay(tmp_path) -> None:
+    assert_same_objects(chart_as_kubectl_reads_it(tmp_path, "--set", "metrics.serviceMonitor.enabled=true"),
+                        base("prometheus-operator"))
+
+
+# -- values reach the objects they are for ------------------------------------------------------
+def test_images_carry_the_version_and_the_registry() -> None:
+    docs = documents(template())
+    version = package_version()
+    images = {c["name"]: c["image"] for d in docs for c in containers(d)}
+    assert images == {"worker": f"gpufleet-control-plane:{version}", "gateway": f"gpufleet-control-plane:{version}",
+                      "agent": f"gpufleet-node-agent:{version}"}
+    docs = documents(template("--set", "images.registry=registry.example.com/ml/", "--set", "images.tag=0.1.0-rc1",
+                              "--set", "images.pullPolicy=Always", "--set", "images.pullSecrets={pull}"))
+    for d in docs:
+        for c in containers(d):
+            assert c["image"].startswith("registry.example.com/ml/gpufleet-") and c["image"].endswith(":0.1.0-rc1")
+            assert c["image"].split("/")[-1].split(":")[0] in IMAGES
+            assert c["imagePullPolicy"] == "Always"
+        if containers(d):
+            assert pod_of(d)["imagePullSecrets"] == [{"name": "pull"}]
+
+
+def test_temporal_connection_mutual_tls_by_default() -> None:
+    docs = documents(template("--set", "temporal.address=frontend.temporal.example:7233",
+                              "--set", "temporal.namespace=fleet-prod", "--set", "temporal.tls.clientSecret=my-client"))
+    for name in ("gpufleet-control-plane", "gpufleet-node-gateway"):
+        obj = workload(docs, name)
+        (container,) = pod_of(obj)["containers"]
+        env = env_of(container)
+        assert env["TEMPORAL_ADDRESS"] == "frontend.temporal.example:7233"
+        assert env["TEMPORAL_NAMESPACE"] == "fleet-prod"
+        assert env["TEMPORAL_TLS_SERVER_NAME"] == "frontend.temporal.example", "the host of the address"
+        assert "TEMPORAL_API_KEY" not in env
+        (secret,) = [v["secret"] for v in pod_of(obj)["volumes"] if v["name"] == "temporal-client"]
+        assert secret["secretName"] == "my-client"
+        mounted = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounted["temporal-client"] == "/etc/gpufleet/temporal"
+        assert {env[k].rsplit("/", 1)[0] for k in env if k.endswith("_PATH")} == {"/etc/gpufleet/temporal"}
+    (agent,) = pod_of(workload(docs, "gpufleet-node-agent"))["containers"]
+    assert env_of(agent)["TEMPORAL_NAMESPACE"] == "fleet-prod"
+    assert "TEMPORAL_ADDRESS" not in env_of(agent), "a node never dials Temporal itself"
+
+
+def test_temporal_cloud_api_key_replaces_the_client_certificate() -> None:
+    docs = documents(template("--set", "temporal.address=fleet.a1b2c.tmprl.cloud:7233",
+                              "--set", "temporal.apiKey.secretName=gpufleet-temporal-api-key"))
+    for name in ("gpufleet-control-plane", "gpufleet-node-gateway"):
+        pod = pod_of(workload(docs, name))
+        (container,) = pod["containers"]
+        env = env_of(container)
+        assert env["TEMPORAL_API_KEY"] == {"secretKeyRef": {"name": "gpufleet-temporal-api-key", "key": "api-key"}}
+        assert not [k for k in env if k.startswith("TEMPORAL_TLS")], "TLS with public CAs: no client certificate"
+        assert "temporal-client" not in {v["name"] for v in pod["volumes"]}
+        assert "temporal-client" not in {m["name"] for m in container["volumeMounts"]}
+    assert not [d for d in docs if d["kind"] == "Secret"], "the chart names credentials' Secrets, never holds one"
+
+
+def test_a_temporal_connection_without_credentials_is_refused() -> None:
+    done = helm("template", "gpufleet", str(CHART), "--set", "temporal.tls.clientSecret=", check=False)
+    assert done.returncode != 0
+    assert "temporal.tls.clientSecret" in done.stderr and "temporal.apiKey.secretName" in done.stderr
+    assert "no plaintext" in done.stderr
+
+
+@pytest.mark.parametrize(("value", "field"), [
+    ("temporal.adress=x:1", "adress"),                     # misspelt: refused, not ignored
+    ("controlPlane.replicas=two", "/controlPlane/replicas"),
+    ("temporal.address=no-port", "/temporal/address"),
+    ("nodeGateway.service.type=NodePort", "/nodeGateway/service/type"),  # no node ports (README "Network model")
+    ("metrics.ports.nodeAgent=70000", "/metrics/ports/nodeAgent"),
+])
+def test_bad_values_are_refused_naming_the_field(value: str, field: str) -> None:
+    done = helm("template", "gpufleet", str(CHART), "--set", value, check=False)
+    assert done.returncode != 0 and field in done.stderr, done.stderr
+
+
+def test_sites_config_from_a_file_becomes_the_config_map(tmp_path) -> None:
+    assert not [d for d in documents(template()) if d["kind"] == "ConfigMap"], "by default you create it"
+    sites = tmp_path / "sites.yaml"
+    sites.write_text((CHART.parents[1] / "sites.example.yaml").read_text())
+    first = documents(template("--set-file", f"sites.config={sites}"))
+    (config,) = [d for d in first if d["kind"] == "ConfigMap"]
+    assert (config["metadata"]["namespace"], config["metadata"]["name"]) == ("gpufleet", "gpufleet-config")
+    assert yaml.safe_load(config["data"]["sites.yaml"]) == yaml.safe_load(sites.read_text())
+    # A changed file rolls the pods that read it.
+    sites.write_text(sites.read_text() + "\n# changed\n")
+    second = documents(template("--set-file", f"sites.config={sites}"))
+    for name in ("gpufleet-control-plane", "gpufleet-node-gateway"):
+        before, after = (workload(d, name)["spec"]["template"]["metadata"]["annotations"] for d in (first, second))
+        assert before["gpufleet.io/sites-config-sha256"] != after["gpufleet.io/sites-config-sha256"]
+    renamed = documents(template("--set", "sites.configMap=fleet-sites"))
+    for name in ("gpufleet-control-plane", "gpufleet-node-gateway"):
+        (volume,) = [v for v in pod_of(workload(renamed, name))["volumes"] if v["name"] == "config"]
+        assert volume["configMap"]["name"] == "fleet-sites"
+
+
+def test_metrics_off_serves_none_and_ports_move() -> None:
+    off = documents(template("--set", "metrics.enabled=false", "--set", "metrics.serviceMonitor.enabled=true"))
+    assert not [d for d in off if d["metadata"]["name"].endswith("-metrics") or d["kind"] == "ServiceMonitor"]
+    for d in off:
+        for c in containers(d):
+            assert "GPUFLEET_METRICS_PORT" not in env_of(c), "unset: the worker serves no /metrics"
+            assert "metrics" not in {p["name"] for p in c.get("ports", [])}
+    moved = documents(template("--set", "metrics.ports.controlPlane=19464"))
+    (worker,) = pod_of(workload(moved, "gpufleet-control-plane"))["containers"]
+    assert env_of(worker)["GPUFLEET_METRICS_PORT"] == "19464"
+    assert worker["ports"] == [{"name": "metrics", "containerPort": 19464}]
+    (service,) = [d for d in moved if d["metadata"]["name"] == "gpufleet-control-plane-metrics"]
+    assert service["spec"]["ports"] == [{"name": "metrics", "port": 19464, "targetPort": "metrics"}]
+
+
+def test_node_gateway_endpoint_and_namespaces() -> None:
+    docs = documents(template("--set", "nodeGateway.service.type=ClusterIP", "--set", "nodeGateway.replicas=3",
+                              "--set", "namespaces.create=false"))
+    (service,) = [d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "gpufleet-node-gateway"]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert "allocateLoadBalancerNodePorts" not in service["spec"] and "externalTrafficPolicy" not in service["spec"]
+    assert workload(docs, "gpufleet-node-gateway")["spec"]["replicas"] == 3
+    assert not [d for d in docs if d["kind"] == "Namespace"]
+    # The namespaces hold gpufleet's state: `helm uninstall` keeps them.
+    for ns in (d for d in documents(template()) if d["kind"] == "Namespace"):
+        assert ns["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
