@@ -7,6 +7,8 @@ idempotent, so a retried attempt after a worker crash changes nothing twice.
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta, timezone
+
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
@@ -41,6 +43,10 @@ FENCE_PREFIX = "gpufleet.io/fenced-gpu-"
 #: finds it equal to its own ``boot_id_before`` asked already and does not restart again,
 #: even when the node has not yet reported its new boot id (the kubelet lags the machine).
 RESTARTED_FROM = "gpufleet.io/restarted-from-boot"
+#: A reinstall's wait for the old Node to go NotReady ends this long before the activity's own
+#: timeout (the reinstall call still has to be made), polling this often.
+NOT_READY_MARGIN = timedelta(seconds=20)
+NOT_READY_POLL_SECONDS = 2.0
 
 
 def fence_key(gpu: int) -> str:
@@ -161,8 +167,15 @@ class RepairActivities:
             token = cluster.issue_bootstrap_token(
                 input.node_name, f"reinstall/{input.node_name}/{input.boot_id_before}", MAX_JOIN_TOKEN_TTL_S)
             try:
-                provider.reinstall_machine(input.machine_id, user_data=bootstrap_user_data(
-                    cluster, token, input.node_name, identity.provider_id))
+                user_data = bootstrap_user_data(cluster, token, input.node_name, identity.provider_id)
+                stop = getattr(provider, "stop_machine", None)
+                if stop is not None:
+                    # kubeadm refuses to join while a Ready Node of its name exists: the old
+                    # kubelet must be gone, and seen gone, before the machine boots again. The
+                    # Node stays (its labels, taints and this repair's marks).
+                    stop(input.machine_id)
+                    self._until_not_ready(input.node_name)
+                provider.reinstall_machine(input.machine_id, user_data=user_data)
             except Exception:
                 cluster.revoke_join_token(token.token_id)  # never handed to a machine
                 raise
@@ -174,6 +187,24 @@ class RepairActivities:
             except NotFound:
                 pass  # the node went meanwhile: nothing left to mark
         return f"{op} requested"
+
+    def _until_not_ready(self, node_name: str) -> None:
+        """Until the Node is NotReady (its controller marks it so a grace period after the
+        kubelet's last heartbeat, 50 s by default), within this activity's time less a margin
+        for the reinstall call; past that a retryable error (the machine stays off)."""
+        info = activity.info()
+        budget = info.start_to_close_timeout or timedelta(seconds=120)
+        deadline = (info.started_time or datetime.now(timezone.utc)) + budget - NOT_READY_MARGIN
+        deadline = max(deadline, datetime.now(timezone.utc) + timedelta(seconds=1))
+
+        def not_ready() -> bool | None:
+            node = self.env.cluster.get_node(node_name)
+            return True if node is None or not node.ready else None
+
+        poll_until(not_ready, deadline, NOT_READY_POLL_SECONDS, lambda: ApplicationError(
+            f"node {node_name} still Ready at {deadline.isoformat()} with its machine powered off: kubeadm "
+            "refuses to join over a Ready Node of the same name, so the reinstall waits (tried again)",
+            type="NodeStillReady"))
 
     def _annotations(self, node_name: str) -> dict[str, str]:
         try:

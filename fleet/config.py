@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -374,6 +376,62 @@ def _check_models(raw: dict[str, Any]) -> list[str]:
                     problems.append(f"{where}: {name} is outside compliance site {first['name']}'s geography "
                                     f"{first.get('geography')!r}")
     return problems
+
+
+#: The image a site boots when neither it nor its account names one: (account option, default)
+#: as the adapters use them (providers/hetzner.py ``DEFAULT_IMAGE``, providers/nebius.py
+#: ``DEFAULT_IMAGE_FAMILY``; tests/test_config.py keeps them equal).
+DEFAULT_IMAGES: dict[str, tuple[str, str]] = {
+    "hetzner": ("image", "ubuntu-24.04"),
+    "nebius": ("image_family", "ubuntu22.04-cuda12"),
+}
+#: Images gpufleet knows have no kubeadm (a provider's own stock images), with what else they
+#: lack. Lambda boots only its own images, and none of them has kubeadm or the kubelet.
+_STOCK_IMAGES: dict[str, list[tuple[re.Pattern[str], tuple[str, ...]]]] = {
+    "hetzner": [(re.compile(r"^(ubuntu|debian|fedora|centos-stream|centos|rocky|alma|opensuse)-[0-9][0-9.]*$"),
+                 ("kubeadm", "the NVIDIA driver"))],
+    "nebius": [(re.compile(r"^[a-z]+[0-9][0-9.]*-cuda[0-9.]*$"), ("kubeadm",)),
+               (re.compile(r"^[a-z]+[0-9][0-9.]*-driverless$"), ("kubeadm", "the NVIDIA driver"))],
+    "lambda": [(re.compile(r".*", re.DOTALL), ("kubeadm",))],
+}
+
+
+@dataclass(frozen=True)
+class StockImage:
+    """A site whose machines boot a stock image without kubeadm (``gpufleet config check``)."""
+
+    where: str
+    site: str
+    provider: str
+    image: str
+    lacks: tuple[str, ...]
+
+
+def site_image(site: Site, account: Account | None) -> str:
+    """The image the site's machines boot (as its adapter picks it); "" for the provider's own
+    default where gpufleet does not name one (Lambda: the latest Lambda Stack)."""
+    if site.image:
+        return site.image
+    option, default = DEFAULT_IMAGES.get(site.provider, ("", ""))
+    return str((account.option(option, default) if account is not None and option else default) or "")
+
+
+def stock_images(config: FleetConfig) -> list[StockImage]:
+    """Sites whose image is one gpufleet knows lacks kubeadm: their machines must install it at
+    first boot (the user data's install step), or stop before ``kubeadm join`` when they cannot."""
+    found: list[StockImage] = []
+    for i, site in enumerate(config.sites):
+        try:
+            account = config.account_for(site)
+        except KeyError:
+            account = None
+        image = site_image(site, account)
+        for pattern, lacks in _STOCK_IMAGES.get(site.provider, []):
+            if pattern.match(image.removeprefix("family:")):
+                found.append(StockImage(f"sites[{i}] ({site.name}).image", site.name, site.provider,
+                                        image or f"{site.provider}'s default", lacks))
+                break
+    return found
 
 
 def load_config(path: str | os.PathLike[str] | None = None) -> FleetConfig:

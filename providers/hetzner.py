@@ -19,7 +19,14 @@ Hetzner quirks this module absorbs:
 * **Reboot is ``reset``** (cut power, start again). Hetzner's ``reboot`` is an
   ACPI request a wedged GPU host ignores, and the port asks for a hard reboot.
 * **Reinstall is ``rebuild``** from the server's own image (falling back to the
-  site's image when the server's image was deleted). The id stays the same.
+  site's image when the server's image was deleted), with the fresh user data the
+  control plane hands it (a new join token: ``rebuild`` takes ``user_data``). The id
+  stays the same. The server is started after the rebuild if it is still off.
+  ``stop_machine`` (``poweroff``) is the reinstall's first half: the control plane
+  powers the server off and waits until its Node is NotReady before the rebuild
+  (kubeadm refuses to join while a Ready Node of the same name exists).
+* **User data** is at most 32 KiB (``MAX_USER_DATA_BYTES``): a longer document is
+  ``InvalidRequest`` before any call.
 * Reset and rebuild return an *action*; the adapter waits for it, bounded by
   ``action_wait_s``; a timeout is ``Transient``. Create and delete do not wait
   (capacity and quota errors are synchronous answers to ``POST /servers``).
@@ -67,6 +74,8 @@ from providers.credentials import read_secret
 PROVIDER = "hetzner"
 DEFAULT_ENDPOINT = "https://api.hetzner.cloud/v1"
 DEFAULT_IMAGE = "ubuntu-24.04"
+#: ``user_data`` at create and rebuild: "limited to 32KiB" (Hetzner Cloud API reference).
+MAX_USER_DATA_BYTES = 32 * 1024
 #: Label every server this control plane creates carries; list_machines selects on it.
 SITE_LABEL = "gpufleet.io/site"
 
@@ -226,8 +235,15 @@ class HetznerProvider:
 
     # -- the Provider verbs ---------------------------------------------------
 
+    def _check_user_data(self, user_data: str) -> None:
+        size = len(user_data.encode())
+        if size > MAX_USER_DATA_BYTES:
+            raise InvalidRequest(f"site {self.site.name}: user_data is {size} bytes; Hetzner takes at most "
+                                 f"{MAX_USER_DATA_BYTES}", provider=PROVIDER, code="user_data-too-large")
+
     def create_machine(self, spec: MachineSpec, idempotency_key: str, user_data: str = "") -> Machine:
         """Create ``spec.name``; the name is the idempotency key (see module doc)."""
+        self._check_user_data(user_data)
         client = self._client()
         with _translated("create server"):
             server = client.servers.get_by_name(spec.name)
@@ -301,19 +317,28 @@ class HetznerProvider:
         with _translated("reset server"):
             self._wait(client.servers.reset(server))
 
+    def stop_machine(self, machine_id: str) -> None:
+        """Power off (``poweroff``, a power cut: the GPU host may be wedged), waiting for it."""
+        server_id = self._existing_id(machine_id)
+        client = self._client()
+        with _translated("power off server"):
+            server = client.servers.get_by_id(server_id)
+            if server.status != "off":
+                self._wait(client.servers.power_off(server))
+
     def reinstall_machine(self, machine_id: str, user_data: str = "") -> None:
-        """``rebuild`` from the server's own image; same id, fresh disk."""
-        if user_data:
-            # A rebuild keeps the user data the server was created with: a fresh bootstrap cannot ride on it.
-            raise InvalidRequest(f"Hetzner server {machine_id}: a rebuild cannot carry new user data; replace it",
-                                 provider=PROVIDER, code="reinstall-rebootstrap-unsupported")
+        """``rebuild`` from the server's own image with ``user_data`` (its fresh bootstrap; none:
+        the server keeps what it was created with); same id, fresh disk, running after."""
+        self._check_user_data(user_data)
         server_id = self._existing_id(machine_id)
         client = self._client()
         with _translated("rebuild server"):
             server = client.servers.get_by_id(server_id)
             image = server.image
             target = Image(id=image.id) if image is not None and image.id else _image(self._site_image())
-            self._wait(client.servers.rebuild(server, target).action)
+            self._wait(client.servers.rebuild(server, target, user_data=user_data or None).action)
+            if client.servers.get_by_id(server_id).status == "off":  # rebuilt from a powered-off server
+                self._wait(client.servers.power_on(Server(id=server_id)))
 
     def _site_image(self) -> str:
         return self.site.image or str(self.account.option("image", DEFAULT_IMAGE))

@@ -7,7 +7,12 @@ Configuration
     ``file_system_names`` (optional list), ``api_base`` (default
     ``https://cloud.lambdalabs.com/api/v1``), ``timeout`` (seconds, default 30).
     The region is ``site.region`` (e.g. ``us-east-1``), the instance type is
-    ``spec.instance_type`` (e.g. ``gpu_8x_h100_sxm5``).
+    ``spec.instance_type`` (e.g. ``gpu_8x_h100_sxm5``). The machine image is
+    ``spec.image`` or ``site.image``: one of Lambda's own images (Lambda takes no image of
+    yours), by id (``id:<id>``, or a bare UUID / 32 hex digits) or by family
+    (``family:<name>``, or any other bare name), sent as launch's ``image: {"id"}`` or
+    ``{"family"}``; none: Lambda's default, the latest Lambda Stack. None of Lambda's images
+    has kubeadm or the kubelet: the user data's install step fetches them at first boot.
 
 Quirks
     * No idempotency key and no tags. ``create_machine`` names the instance
@@ -27,6 +32,10 @@ Quirks
       ``Transient`` with the raw code in the message. On launch,
       ``global/object-does-not-exist`` names a missing SSH key or file system, so it
       is ``InvalidRequest`` there (``LAUNCH_OVERRIDES``), not ``NotFound``.
+    * The image is checked against ``/images`` in the site's region before launching: an
+      unknown one is ``InvalidRequest`` naming ``site.image`` (no launch, which is rate limited).
+    * ``user_data`` is plain text of at most 1 MB (``MAX_USER_DATA_BYTES``); a longer document
+      is ``InvalidRequest`` before any call.
     * There is no reimage call. ``reinstall_machine`` raises ``InvalidRequest``
       rather than terminate+relaunch, which would change the machine id behind
       the control plane's back; the repair workflow replaces the node instead.
@@ -61,6 +70,9 @@ from providers.credentials import read_secret
 
 PROVIDER = "lambda"
 DEFAULT_API_BASE = "https://cloud.lambdalabs.com/api/v1"
+#: Launch's ``user_data``: "plain text and cannot exceed 1MB in size" (Lambda's API reference).
+MAX_USER_DATA_BYTES = 1_000_000
+_IMAGE_ID = re.compile(r"^([0-9a-f]{32}|[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12})$")
 
 #: Lambda error code -> taxonomy.
 ERROR_CODES: dict[str, type[ProviderError]] = {
@@ -105,6 +117,17 @@ def is_fleet_name(name: str, site: str) -> bool:
     fleet names every machine ``<site>-<8 hex>`` (``fleet.naming.node_name_for``); an
     instance named otherwise was launched by someone else and is never swept."""
     return re.fullmatch(re.escape(site) + r"-[0-9a-f]{8}", name) is not None
+
+
+def image_spec(image: str) -> dict[str, str] | None:
+    """Launch's ``image`` for a configured image: ``{"id": ...}`` or ``{"family": ...}``."""
+    image = image.strip()
+    if not image:
+        return None
+    kind, sep, value = image.partition(":")
+    if sep and kind in ("id", "family") and value:
+        return {kind: value}
+    return {"id": image} if _IMAGE_ID.match(image) else {"family": image}
 
 
 def classify(status: int, code: str, overrides: dict[str, type[ProviderError]] | None = None) -> type[ProviderError]:
@@ -211,11 +234,18 @@ class LambdaProvider:
                 provider=PROVIDER,
                 code="config/ssh_key_names",
             )
+        if len(user_data.encode()) > MAX_USER_DATA_BYTES:
+            raise InvalidRequest(
+                f"site {self.site.name}: user_data is {len(user_data.encode())} bytes; Lambda takes at most "
+                f"{MAX_USER_DATA_BYTES}", provider=PROVIDER, code="user_data-too-large")
         for instance in self._live_instances():
             if instance.get("name") == spec.name:
                 return self._machine(instance)
         instance_type = spec.instance_type or self.site.instance_type
+        image = image_spec(spec.image or self.site.image)
         self._check_capacity(instance_type)
+        if image is not None:
+            self._check_image(image)
         launch = {
             "region_name": self.site.region,
             "instance_type_name": instance_type,
@@ -223,6 +253,8 @@ class LambdaProvider:
             "name": spec.name,
             "quantity": 1,
         }
+        if image is not None:
+            launch["image"] = image
         if self.options.get("file_system_names"):
             launch["file_system_names"] = list(self.options["file_system_names"])
         if user_data:
@@ -252,6 +284,18 @@ class LambdaProvider:
                 provider=PROVIDER,
                 code="regions_with_capacity_available",
             )
+
+    def _check_image(self, image: dict[str, str]) -> None:
+        """The image is one of Lambda's in the site's region (launch would refuse it anyway, but
+        only after a rate-limited call, and with a message that does not name the site's field)."""
+        [(kind, value)] = image.items()
+        for entry in self._request("GET", "/images"):
+            if entry.get(kind) == value and (entry.get("region") or {}).get("name") == self.site.region:
+                return
+        raise InvalidRequest(
+            f"site {self.site.name}: image: Lambda has no image of {kind} {value!r} in {self.site.region} "
+            "(GET /images lists them; Lambda takes no images of your own)",
+            provider=PROVIDER, code="unknown-image")
 
     def delete_machine(self, machine_id: str) -> None:
         try:

@@ -37,7 +37,11 @@ Quirks
       ``ResetType@Redfish.AllowableValues`` or the action's ``@Redfish.ActionInfo``;
       all are assumed when the BMC publishes neither); none allowed ->
       ``InvalidRequest``. A machine that is off is powered on instead.
-    * ``reinstall_machine`` = one-time PXE override + the same reset.
+    * ``reinstall_machine`` = one-time PXE override + the same reset (power on when off).
+      ``stop_machine`` (ForceOff, else GracefulShutdown; the allocation stays) is its first
+      half: the control plane powers the machine off and waits until its Node is NotReady
+      before the PXE boot, because kubeadm refuses to join while a Ready Node of that name
+      exists (the Node, its labels and annotations stay).
     * User data (the machine's bootstrap): a NoCloud seed, ``<seed_dir>/<machine>/user-data``,
       ``meta-data`` and ``nonce`` (option ``seed_dir``), served by the seed server
       (``providers.own_dc_seed``) once, to that machine's ``provision_address`` only,
@@ -585,6 +589,15 @@ class OwnDcProvider:
         with self._bmc(machine_id) as bmc:
             bmc.boot(bmc.system())
         self._mark(machine_id, allocation["key"], booted_at=_now())
+
+    def stop_machine(self, machine_id: str) -> None:
+        allocation = self._allocation(machine_id)
+        with self._bmc(machine_id) as bmc:
+            system = bmc.system()
+            if system.get("PowerState") not in ("Off", "PoweringOff"):
+                bmc.reset(system, POWER_OFF_TYPES)
+        # Off on purpose: not a machine still coming up (``boot_grace_seconds``).
+        self._mark(machine_id, allocation["key"], booted_at=None)
 
     def reinstall_machine(self, machine_id: str, user_data: str = "") -> None:
         allocation = self._allocation(machine_id)

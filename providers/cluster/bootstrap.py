@@ -6,6 +6,11 @@ provider's user-data field. The rendered text carries the join token's secret: i
 never returned from an activity, logged or put in an exception. ``BootstrapToken`` and
 ``JoinParams`` hide the secret from ``repr`` so a stray log line or traceback shows none.
 
+The document carries the install step too (``deploy/bootstrap/install-node.sh`` with the
+pins of ``deploy/bootstrap/node-install.yaml``): on a machine whose image lacks kubelet,
+kubeadm or a CRI-enabled containerd it fetches them, each checked against its pinned sha256,
+before ``kubeadm join`` runs; on a prepared image it changes nothing.
+
 Also the machine's side (``read_join_configuration``): what kubeadm reads back out of
 the user data, used by the simulated kubelet and the tests.
 """
@@ -23,12 +28,19 @@ from string import Template
 from typing import Any
 
 import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleet.cluster import FLEET_TAINT, UNPROVEN_TAINT, JoinTokenRef
 
 #: Where the template lives in the repository (and in the control-plane image).
 TEMPLATE_ENV = "GPUFLEET_BOOTSTRAP_TEMPLATE"
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "bootstrap" / "cloud-init.yaml"
+#: The install step's script and its pins (versions, sha256 sums), in the repository.
+INSTALL_SCRIPT = DEFAULT_TEMPLATE.parent / "install-node.sh"
+NODE_INSTALL_ENV = "GPUFLEET_NODE_INSTALL"
+DEFAULT_NODE_INSTALL = DEFAULT_TEMPLATE.parent / "node-install.yaml"
+#: Where the rendered document puts the install step on the machine.
+INSTALL_SCRIPT_PATH = "/etc/gpufleet/install-node.sh"
 #: Where the rendered document puts the JoinConfiguration on the machine.
 JOIN_CONFIG_PATH = "/etc/gpufleet/join.yaml"
 #: ... and the discovery kubeconfig it names (the API server's address and the cluster CA).
@@ -91,15 +103,119 @@ class JoinParams:
         return values
 
 
+_SHA256 = r"^([0-9a-f]{64})?$"
+_RELEASE = r"^[0-9]{1,4}\.[0-9]{1,4}\.[0-9]{1,4}$"
+ARCHITECTURES = ("amd64", "arm64")
+
+
+class _Pins(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PinnedVersions(_Pins):
+    kubernetes: str = Field(pattern=r"^v[0-9]{1,4}\.[0-9]{1,4}\.[0-9]{1,4}$")
+    containerd: str = Field(pattern=_RELEASE)
+    runc: str = Field(pattern=_RELEASE)
+    nvidia_container_toolkit: str = Field(pattern=_RELEASE)
+
+
+class PinnedSums(_Pins):
+    """The sha256 of each download for one architecture; empty: not pinned (a machine that
+    lacks the part stops before ``kubeadm join``)."""
+
+    kubelet: str = Field("", pattern=_SHA256)
+    kubeadm: str = Field("", pattern=_SHA256)
+    containerd: str = Field("", pattern=_SHA256)
+    runc: str = Field("", pattern=_SHA256)
+    nvidia_container_toolkit: str = Field("", pattern=_SHA256)
+
+
+class NodeInstall(_Pins):
+    """``deploy/bootstrap/node-install.yaml``: what the install step may fetch."""
+
+    versions: PinnedVersions
+    sha256: dict[str, PinnedSums] = Field(default_factory=dict)
+
+    def shell_pins(self) -> str:
+        """The pins as the shell assignments install-node.sh reads (every value matched a
+        pattern of digits, dots and hex: nothing to quote)."""
+        lines = [f"{name.upper()}_VERSION={value}" for name, value in self.versions.model_dump().items()]
+        for arch in ARCHITECTURES:
+            sums = self.sha256.get(arch) or PinnedSums()
+            lines += [f"SHA256_{arch}_{part}={value}" for part, value in sums.model_dump().items()]
+        return "\n".join(lines)
+
+    def unpinned(self, arch: str = "amd64") -> list[str]:
+        """The parts a machine of ``arch`` cannot install (no sha256 pinned)."""
+        sums = self.sha256.get(arch) or PinnedSums()
+        return [part for part, value in sums.model_dump().items() if not value]
+
+
+def node_install_path() -> Path:
+    return Path(os.environ.get(NODE_INSTALL_ENV) or DEFAULT_NODE_INSTALL)
+
+
+_loaded: dict[tuple[str, int], NodeInstall] = {}
+
+
+def load_node_install(path: Path | None = None) -> NodeInstall:
+    """The pins file (read again only when it changes: every join renders a document)."""
+    path = path or node_install_path()
+    try:
+        key = (str(path), path.stat().st_mtime_ns)
+    except OSError as error:
+        raise BootstrapError(f"node install pins {path}: cannot read ({error.strerror})") from None
+    if key not in _loaded:
+        try:
+            _loaded[key] = NodeInstall.model_validate(yaml.safe_load(path.read_text()))
+        except ValidationError as error:
+            where = ", ".join(".".join(map(str, e["loc"])) for e in error.errors())
+            raise BootstrapError(f"node install pins {path}: invalid {where}") from None
+        except yaml.YAMLError:
+            raise BootstrapError(f"node install pins {path}: not valid YAML") from None
+    return _loaded[key]
+
+
+def install_script(install: NodeInstall) -> str:
+    """install-node.sh with the pins put in after its first line, without its comment lines
+    (AWS takes 16 KB of user data; the script's heredocs hold no line starting with ``#``)."""
+    shebang, code = _script_code()
+    return f"{shebang}\n# gpufleet's install step: deploy/bootstrap/install-node.sh\n{install.shell_pins()}\n{code}\n"
+
+
+_scripts: dict[int, tuple[str, str]] = {}
+
+
+def _script_code() -> tuple[str, str]:
+    """install-node.sh's first line and its code without comment lines (read again only when
+    the file changes: every join renders a document)."""
+    key = INSTALL_SCRIPT.stat().st_mtime_ns
+    if key not in _scripts:
+        shebang, _, body = INSTALL_SCRIPT.read_text().partition("\n")
+        _scripts.clear()
+        _scripts[key] = shebang, "\n".join(line for line in body.splitlines() if not line.lstrip().startswith("#"))
+    return _scripts[key]
+
+
 def template_path() -> Path:
     return Path(os.environ.get(TEMPLATE_ENV) or DEFAULT_TEMPLATE)
 
 
-def render_user_data(params: JoinParams, template: str | None = None) -> str:
+def _block(text: str, indent: str) -> str:
+    """``text`` as the lines of a YAML block scalar whose first line the template indents."""
+    return text.rstrip("\n").replace("\n", "\n" + indent)
+
+
+def render_user_data(params: JoinParams, template: str | None = None, install: NodeInstall | None = None) -> str:
     """The cloud-config for one machine."""
     text = template if template is not None else template_path().read_text()
+    values = params.checked()
+    if "${install_script}" in text:  # a site's own template may leave the install step out
+        indent = re.search(r"^([ ]*)\$\{install_script\}", text, re.MULTILINE)
+        values["install_script"] = _block(install_script(install or load_node_install()),
+                                          indent.group(1) if indent else "")
     try:
-        rendered = Template(text).substitute(params.checked())
+        rendered = Template(text).substitute(values)
     except (KeyError, ValueError) as error:
         raise BootstrapError(f"bootstrap template: {error.__class__.__name__} for {error}") from None
     # The document must read back as what it claims to be (a broken template fails here,
@@ -159,11 +275,17 @@ def read_cloud_config(user_data: str | bytes) -> dict[str, Any]:
     return doc
 
 
-def _written(doc: dict[str, Any], path: str) -> Any:
+def written_file(doc: dict[str, Any], path: str) -> str | None:
+    """The content the document's ``write_files`` writes to ``path``."""
     for entry in doc.get("write_files") or []:
         if isinstance(entry, dict) and entry.get("path") == path:
-            return _safe_load(entry.get("content") or "")
+            return entry.get("content") or ""
     return None
+
+
+def _written(doc: dict[str, Any], path: str) -> Any:
+    content = written_file(doc, path)
+    return None if content is None else _safe_load(content)
 
 
 def _join_configuration(doc: dict[str, Any]) -> dict[str, Any]:

@@ -152,6 +152,9 @@ class FakeHetzner:
         self.requests: list[tuple[str, str]] = []
         self.resets: dict[int, int] = {}
         self.rebuilds: dict[int, list[Any]] = {}
+        #: Whether a rebuild leaves a server that was off powered off (the adapter starts it
+        #: either way; Hetzner's reference says only that it powers the server off first).
+        self.rebuild_leaves_off = False
         self._armed: dict[str, list[tuple[int, Any]]] = {}
         #: Keep every action "running" (to test the adapter's bounded wait).
         self.hold_actions = False
@@ -279,6 +282,10 @@ class FakeHetzner:
         image = IMAGES.get(str(body["image"]))
         if image is None:
             return _invalid("image", "image not found")
+        if body.get("user_data") is not None:
+            problem = _user_data_problem(body["user_data"])
+            if problem:
+                return _invalid("user_data", problem)
         if any(s["name"] == body["name"] for s in self.servers.values()):
             return _error(409, "uniqueness_error", "server name is already used", {"fields": [{"name": "name"}]})
         server = self._new_server(body, stype, location, image)
@@ -338,10 +345,25 @@ class FakeHetzner:
         if rest == ["actions", "reset"] and method == "POST":
             self.resets[sid] = self.resets.get(sid, 0) + 1
             return 201, {"action": self._action("reset_server", sid)}
+        if rest == ["actions", "poweroff"] and method == "POST":
+            server["status"] = "off"
+            return 201, {"action": self._action("stop_server", sid)}
+        if rest == ["actions", "poweron"] and method == "POST":
+            server["status"] = "running"
+            return 201, {"action": self._action("start_server", sid)}
         if rest == ["actions", "rebuild"] and method == "POST":
             if not body.get("image"):
                 return _invalid("image", "Missing data for required field.")
+            if "user_data" in body:
+                problem = _user_data_problem(body["user_data"])
+                if problem:
+                    return _invalid("user_data", problem)
+                # What the metadata service serves the rebuilt server's cloud-init.
+                self.user_data[sid] = body["user_data"]
             self.rebuilds.setdefault(sid, []).append(body["image"])
+            # Powered off before the rebuild, started after it (unless it was off).
+            was_off = server["status"] == "off"
+            server["status"] = "off" if was_off and self.rebuild_leaves_off else "running"
             return 201, {"action": self._action("rebuild_server", sid), "root_password": None}
         return _error(404, "not_found", "not found", None)
 
@@ -377,6 +399,18 @@ def _route_of(path: str) -> str:
     """``/v1/servers/42/actions/reset`` -> ``/servers/{id}/actions/reset``."""
     parts = [p for p in path.split("/") if p][1:]
     return "/" + "/".join("{id}" if p.isdigit() else p for p in parts)
+
+
+#: ``user_data`` at create and rebuild: "limited to 32KiB".
+MAX_USER_DATA_BYTES = 32 * 1024
+
+
+def _user_data_problem(user_data: Any) -> str | None:
+    if not isinstance(user_data, str):
+        return "Not a valid string."
+    if len(user_data.encode()) > MAX_USER_DATA_BYTES:
+        return f"Longer than maximum length {MAX_USER_DATA_BYTES}."
+    return None
 
 
 def _error(status: int, code: str, message: str, details: Any):

@@ -1,8 +1,10 @@
 """A loopback fake of the Lambda Cloud API v1, for the real httpx client.
 
 Speaks the documented endpoints and JSON shapes under ``/api/v1``:
-``GET /instance-types``, ``GET /instances``, ``GET /instances/{id}``,
-``POST /instance-operations/launch|terminate|restart``. Errors use Lambda's body
+``GET /instance-types``, ``GET /images``, ``GET /instances``, ``GET /instances/{id}``,
+``POST /instance-operations/launch|terminate|restart``. Launch checks what Lambda's API
+reference says of its fields: ``image`` is ``{"id": ...}`` or ``{"family": ...}`` and names
+one of the images ``/images`` lists in that region; ``user_data`` is a string of at most 1 MB. Errors use Lambda's body
 ``{"error": {"code", "message", "suggestion"}}`` with the codes, messages and
 statuses of Lambda's published API models. Authentication is a bearer API key
 (or the key as the basic-auth user name, which Lambda also accepts).
@@ -105,6 +107,16 @@ DEFAULT_INSTANCE_TYPES: dict[str, dict[str, Any]] = {
 
 REGIONS = {"us-east-1": "Virginia, USA", "us-west-1": "California, USA"}
 
+#: ``GET /images`` (Lambda's Image schema); Lambda's own images only.
+DEFAULT_IMAGES: list[dict[str, Any]] = [
+    {"id": "43336648-096d-4cba-9aa2-f9bb7727639d", "name": "ubuntu-24.04.01", "description": "Ubuntu LTS",
+     "family": "ubuntu-lts", "version": "24.04.01", "architecture": "x86_64"},
+    {"id": "ddaedf1b7a0e41ac981711504493b242", "name": "lambda-stack-24.04", "description": "Lambda Stack",
+     "family": "lambda-stack", "version": "24.04", "architecture": "x86_64"},
+]
+#: Launch's ``user_data``: "cannot exceed 1MB in size".
+MAX_USER_DATA_BYTES = 1_000_000
+
 
 class FakeLambdaCloud:
     def __init__(self, api_key: str, ssh_keys: tuple[str, ...] = ("gpufleet",)) -> None:
@@ -158,6 +170,12 @@ class FakeLambdaCloud:
             #: instance id → the user data it was launched with (never in an instance's answer).
             self.user_data: dict[str, str | None] = {}
             self.instance_types = json.loads(json.dumps(DEFAULT_INSTANCE_TYPES))
+            self.images = [{**image, "created_time": "2026-01-05T10:00:00+00:00",
+                            "updated_time": "2026-01-05T10:00:00+00:00",
+                            "region": {"name": region, "description": description}}
+                           for image in DEFAULT_IMAGES for region, description in REGIONS.items()]
+            #: instance id → the ``image`` it was launched with (None: Lambda's default).
+            self.launch_images: dict[str, dict[str, str] | None] = {}
             self.faults: list[tuple[str, str]] = []
             self.requests: list[tuple[str, str, Any]] = []
             self.launch_interval_s = 0.0
@@ -214,6 +232,8 @@ class FakeLambdaCloud:
         route = path[len("/api/v1") :]
         if method == "GET" and route == "/instance-types":
             return self._json(200, {"data": self.instance_types})
+        if method == "GET" and route == "/images":
+            return self._json(200, {"data": self.images})
         if method == "GET" and route == "/instances":
             self._advance()
             return self._json(200, {"data": [i for i in self.instances.values() if i["status"] != "terminated"]})
@@ -260,6 +280,20 @@ class FakeLambdaCloud:
                     }
                 },
             )
+        image = body.get("image")
+        if image is not None and not (isinstance(image, dict) and len(image) == 1
+                                      and next(iter(image)) in ("id", "family")
+                                      and isinstance(next(iter(image.values())), str)):
+            return self._error("invalid-parameters")  # neither ImageSpecificationID nor ImageSpecificationFamily
+        user_data = body.get("user_data")
+        if user_data is not None and (not isinstance(user_data, str)
+                                      or len(user_data.encode()) > MAX_USER_DATA_BYTES):
+            return self._error("invalid-parameters")
+        if image is not None:
+            [(kind, value)] = image.items()
+            if not any(i[kind] == value and i["region"]["name"] == region for i in self.images):
+                return self._json(404, {"error": {"code": "global/object-does-not-exist",
+                                                  "message": "Specified image does not exist."}})
         if region not in {r["name"] for r in entry["regions_with_capacity_available"]}:
             return self._error("insufficient-capacity")
         instance_id = uuid.uuid4().hex
@@ -280,6 +314,7 @@ class FakeLambdaCloud:
         }
         self._ready_at[instance_id] = now + self.boot_seconds
         self.user_data[instance_id] = body.get("user_data")
+        self.launch_images[instance_id] = image
         return self._json(200, {"data": {"instance_ids": [instance_id]}})
 
     def _operate(self, body: dict[str, Any], status: str, key: str) -> tuple[int, bytes, dict[str, str]]:

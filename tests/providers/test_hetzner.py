@@ -281,3 +281,44 @@ def test_list_machines_only_sees_this_sites_label(hetzner_harness: HetznerHarnes
     other = HetznerProvider(make_site(name="hetzner-other"), make_account(h.fake.url))
     other.create_machine(h.spec.model_copy(update={"name": "other-node", "site": "hetzner-other"}), "k2")
     assert [m.id for m in h.provider.list_machines()] == [mine.id]
+
+
+def test_reinstall_rebuilds_with_fresh_user_data_and_the_server_runs_after(hetzner_harness: HetznerHarness) -> None:
+    """The reinstall rung's re-bootstrap: power off (the control plane waits for the Node to go
+    NotReady in between), then ``rebuild`` from the server's image with the new document, which
+    the metadata service then serves; the server is running again either way Hetzner leaves it."""
+    h = hetzner_harness
+    machine = h.provider.create_machine(h.spec, "key-1", user_data="#cloud-config\n# first join\n")
+    sid = int(machine.id)
+    for leaves_off in (False, True):
+        h.fake.rebuild_leaves_off = leaves_off
+        h.provider.stop_machine(machine.id)
+        assert h.provider.get_machine(machine.id).state == "stopped"
+        fresh = f"#cloud-config\n# rejoin {leaves_off}\n"
+        h.provider.reinstall_machine(machine.id, user_data=fresh)
+        assert h.fake.user_data[sid] == fresh, "what the rebuilt server's cloud-init reads"
+        assert h.provider.get_machine(machine.id).state == "running"
+    assert h.fake.rebuilds == {sid: [161547269, 161547269]}  # the server's own image
+    assert h.fake.count("POST", f"/v1/servers/{sid}/actions/poweron") == 1, "only when the rebuild left it off"
+    h.provider.stop_machine(machine.id)
+    h.provider.stop_machine(machine.id)  # off already: no second power cut
+    assert h.fake.count("POST", f"/v1/servers/{sid}/actions/poweroff") == 3
+
+
+def test_user_data_over_32_kib_is_refused_before_any_call_and_by_the_api(hetzner_harness: HetznerHarness) -> None:
+    from providers.hetzner import MAX_USER_DATA_BYTES
+
+    h = hetzner_harness
+    machine = h.provider.create_machine(h.spec, "key-1")
+    calls = len(h.fake.requests)
+    too_long = "#cloud-config\n" + "#" * MAX_USER_DATA_BYTES
+    for attempt in (lambda: h.provider.reinstall_machine(machine.id, user_data=too_long),
+                    lambda: h.provider.create_machine(h.spec.model_copy(update={"name": "other"}), "k2",
+                                                      user_data=too_long)):
+        with pytest.raises(InvalidRequest) as refused:
+            attempt()
+        assert refused.value.code == "user_data-too-large"
+    assert len(h.fake.requests) == calls
+    status, answer = h.fake._on_server("POST", ["actions", "rebuild"], h.fake.servers[int(machine.id)],
+                                       {"image": "ubuntu-24.04", "user_data": too_long})
+    assert (status, answer["error"]["code"]) == (400, "invalid_input")

@@ -16,6 +16,7 @@ import logging
 import shutil
 import subprocess
 import threading
+import time
 import uuid
 from datetime import datetime, timedelta, timezone
 
@@ -357,3 +358,120 @@ def test_a_fence_cordons_the_node_at_the_api_server_and_lifting_it_uncordons(one
     assert one.cluster.get_node(node.name).unschedulable
     last = run(repair.uncontain_gpu, UncontainInput(node_name=node.name, gpu=1))
     assert last.uncordoned and not one.cluster.get_node(node.name).unschedulable
+
+
+def _activity_with_time(fn, *args, seconds: float = 60):
+    """The activity with a real start time and ``seconds`` to run (what a worker gives it)."""
+    import dataclasses
+
+    environment = ActivityEnvironment()
+    environment.info = dataclasses.replace(environment.info, started_time=datetime.now(timezone.utc),
+                                           start_to_close_timeout=timedelta(seconds=seconds))
+    result = environment.run(fn, *args)
+    return asyncio.run(result) if inspect.iscoroutine(result) else result
+
+
+def _gpufleet_token_ids(world: Joining) -> set[str]:
+    return {base64.b64decode(s["data"]["token-id"]).decode() for s in world.fake.objects("", "secrets", "kube-system")
+            if s.get("type") == "bootstrap.kubernetes.io/token"}
+
+
+def _powered_off(world: Joining) -> bool:
+    """The provider was told to power the machine off (sushy's fake driver reports no power
+    state changes, so for own racks: the BMC got a ForceOff)."""
+    harness = world.harness
+    if world.site.provider == "hetzner":
+        return any(m == "POST" and p.endswith("/actions/poweroff") for m, p in harness.fake.requests)
+    return any(r.method == "POST" and r.path.endswith("/Actions/ComputerSystem.Reset") and b"ForceOff" in r.body
+               for r in harness.proxy.requests)
+
+
+def _booted_again(world: Joining) -> bool:
+    """The provider was told to boot the machine's fresh install (rebuild; one-time PXE boot)."""
+    harness = world.harness
+    if world.site.provider == "hetzner":
+        return bool(harness.fake.rebuilds)
+    return any(r.method == "PATCH" and b"Pxe" in r.body for r in harness.proxy.requests)
+
+
+def _rack_machine_booted_long_ago(world: Joining) -> None:
+    """Own racks: the machine is up and running (sushy's fake driver answers Off whatever it
+    was told): the reinstall's first look at it and its power-off find it On."""
+    if world.site.provider == "own-dc":
+        from tests.providers.test_own_dc import rewrite_system
+
+        world.harness.provider.options["boot_grace_seconds"] = 0
+        world.harness.proxy.reset()
+        for _ in range(2):
+            world.harness.proxy.once(rewrite_system(lambda system: system.update(PowerState="On")))
+
+
+@pytest.mark.parametrize("provider", ["hetzner", "own_dc"])
+def test_a_reinstall_boots_fresh_user_data_only_once_the_old_node_is_not_ready(provider, request, tmp_path) -> None:
+    """kubeadm refuses to join while a Ready Node of its name exists: the reinstall rung powers
+    the machine off, waits for the Node to go NotReady (the node lifecycle controller's verdict
+    on a kubelet gone quiet), and only then rebuilds (Hetzner) or PXE-boots (own racks) it with
+    fresh user data carrying a fresh token. The Node itself, with its labels, stays."""
+    from activities.models import RestartMachineInput
+
+    world = Joining(request.getfixturevalue(f"{provider}_harness"), tmp_path)
+    try:
+        provisioned = world.provision()
+        machine_id = provisioned.machine.id
+        node, _ = world.join_alongside(world.kubelet(machine_id), provisioned)
+        run(world.acts.prepare_node, PrepareNodeInput(node_name=node.name, labels={LABEL_SITE: world.site.name}))
+        first = user_data_of(world.harness, machine_id)
+        _rack_machine_booted_long_ago(world)
+        repair = RepairActivities(world.env)
+        outcome: dict = {}
+
+        def reinstall() -> None:
+            try:
+                outcome["said"] = _activity_with_time(repair.reinstall_machine, RestartMachineInput(
+                    site=world.site.name, machine_id=machine_id, node_name=node.name, boot_id_before=node.boot_id))
+            except Exception as error:  # noqa: BLE001 - reported to the test
+                outcome["error"] = error
+
+        thread = threading.Thread(target=reinstall)
+        thread.start()
+        deadline = time.monotonic() + 20
+        while not _powered_off(world) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _powered_off(world), "powered off first"
+        time.sleep(1.5)
+        assert thread.is_alive() and not _booted_again(world) and user_data_of(world.harness, machine_id) == first, \
+            "nothing boots while the old Node is Ready"
+        world.fake.set_node_ready(node.name, False)
+        thread.join(30)
+        assert outcome.get("said") == "reinstall requested", outcome
+        fresh = user_data_of(world.harness, machine_id)
+        token = read_join_configuration(fresh)["discovery"]["tlsBootstrapToken"]
+        assert token != read_join_configuration(first)["discovery"]["tlsBootstrapToken"]
+        assert token.split(".")[0] in _gpufleet_token_ids(world) and _booted_again(world)
+        assert world.cluster.get_node(node.name).labels[LABEL_SITE] == world.site.name, "the Node stays"
+    finally:
+        world.stop()
+
+
+def test_a_reinstall_whose_node_stays_ready_leaves_the_machine_off_and_no_token(own_dc_harness, tmp_path) -> None:
+    from activities.models import RestartMachineInput
+
+    world = Joining(own_dc_harness, tmp_path)
+    try:
+        provisioned = world.provision()
+        node, _ = world.join_alongside(world.kubelet(provisioned.machine.id), provisioned)
+        first = user_data_of(world.harness, provisioned.machine.id)
+        tokens = _gpufleet_token_ids(world)
+        _rack_machine_booted_long_ago(world)
+        repair = RepairActivities(world.env)
+        with pytest.raises(ApplicationError) as waited:
+            _activity_with_time(repair.reinstall_machine, RestartMachineInput(
+                site=world.site.name, machine_id=provisioned.machine.id, node_name=node.name,
+                boot_id_before=node.boot_id), seconds=23)
+        assert waited.value.type == "NodeStillReady" and not waited.value.non_retryable
+        assert "still Ready at" in waited.value.message and "kubeadm refuses" in waited.value.message
+        assert _powered_off(world) and not _booted_again(world)
+        assert user_data_of(world.harness, provisioned.machine.id) == first
+        assert _gpufleet_token_ids(world) == tokens, "the reinstall's token never reached a machine: revoked"
+    finally:
+        world.stop()

@@ -168,3 +168,55 @@ def test_unreachable_api_is_transient(lambda_harness: LambdaHarness) -> None:
     provider = LambdaProvider(lambda_harness.site, account)  # the constructor makes no call
     with pytest.raises(Transient):
         provider.list_machines()
+
+
+@pytest.mark.parametrize(("configured", "sent"), [
+    ("lambda-stack", {"family": "lambda-stack"}),
+    ("family:ubuntu-lts", {"family": "ubuntu-lts"}),
+    ("ddaedf1b7a0e41ac981711504493b242", {"id": "ddaedf1b7a0e41ac981711504493b242"}),
+    ("id:43336648-096d-4cba-9aa2-f9bb7727639d", {"id": "43336648-096d-4cba-9aa2-f9bb7727639d"}),
+])
+def test_launch_sends_the_sites_image_as_lambdas_id_or_family(lambda_harness: LambdaHarness, configured, sent) -> None:
+    site = lambda_harness.site.model_copy(update={"image": configured})
+    machine = LambdaProvider(site, lambda_harness.account).create_machine(lambda_harness.spec, "k1", user_data="#cloud-config\n")
+    [launch] = launches(lambda_harness)
+    assert launch["image"] == sent and launch["user_data"] == "#cloud-config\n"
+    assert lambda_harness.fake.launch_images[machine.id] == sent
+
+
+def test_an_image_lambda_does_not_have_is_refused_before_launch(lambda_harness: LambdaHarness) -> None:
+    site = lambda_harness.site.model_copy(update={"image": "ubuntu-24.04"})  # a Hetzner name, not Lambda's
+    with pytest.raises(InvalidRequest) as refused:
+        LambdaProvider(site, lambda_harness.account).create_machine(lambda_harness.spec, "k1")
+    assert refused.value.code == "unknown-image" and "image" in str(refused.value) and site.name in str(refused.value)
+    assert launches(lambda_harness) == []
+
+
+def _raw_launch(harness: LambdaHarness, **fields):
+    import httpx
+
+    body = {"region_name": "us-east-1", "instance_type_name": "gpu_8x_h100_sxm5", "ssh_key_names": ["gpufleet"],
+            "name": "raw", **fields}
+    return httpx.post(f"{harness.fake.url}/instance-operations/launch", json=body,
+                      headers={"Authorization": f"Bearer {harness.secret}"})
+
+
+@pytest.mark.parametrize("image", ["lambda-stack", {"name": "lambda-stack"}, {"id": "x", "family": "y"}, {"id": 7}])
+def test_the_fake_refuses_an_image_that_is_neither_an_id_nor_a_family(lambda_harness: LambdaHarness, image) -> None:
+    answer = _raw_launch(lambda_harness, image=image)
+    assert (answer.status_code, answer.json()["error"]["code"]) == (400, "global/invalid-parameters")
+    assert lambda_harness.fake.live_instances() == []
+
+
+def test_user_data_over_a_megabyte_is_refused_before_any_call_and_by_the_api(lambda_harness: LambdaHarness) -> None:
+    from providers.lambda_cloud import MAX_USER_DATA_BYTES
+
+    too_long = "#cloud-config\n" + "#" * MAX_USER_DATA_BYTES
+    with pytest.raises(InvalidRequest) as refused:
+        lambda_harness.provider.create_machine(lambda_harness.spec, "k1", user_data=too_long)
+    assert refused.value.code == "user_data-too-large" and lambda_harness.fake.requests == []
+    answer = _raw_launch(lambda_harness, user_data=too_long)
+    assert (answer.status_code, answer.json()["error"]["code"]) == (400, "global/invalid-parameters")
+    fits = "#cloud-config\n" + "#" * (MAX_USER_DATA_BYTES - 20)
+    machine = lambda_harness.provider.create_machine(lambda_harness.spec, "k1", user_data=fits)
+    assert lambda_harness.fake.user_data[machine.id] == fits

@@ -15,7 +15,7 @@ from providers.own_dc_seed import SeedServer
 from tests.providers.harness_own_dc import SYSTEMS, OwnDcHarness
 
 TOKEN = "abcdef.0123456789abcdef"
-IPXE = "#!ipxe\nkernel http://boot/vmlinuz ip=dhcp ds=nocloud;s=$seed_url\ninitrd http://boot/initrd\nboot\n"
+IPXE = "#!ipxe\nkernel http://boot/vmlinuz ip=dhcp ds=nocloud-net;s=$seed_url\ninitrd http://boot/initrd\nboot\n"
 
 
 def fetch(server: SeedServer, source: str, path: str) -> httpx.Response:
@@ -66,7 +66,7 @@ def test_the_seed_goes_once_and_only_to_its_machine(seeded, caplog) -> None:
     # The machine boots: iPXE script, then cloud-init's NoCloud fetches.
     script = fetch(server, mine, "/ipxe")
     assert script.status_code == 200
-    assert f"ds=nocloud;s=http://seeds.rack.example:8470{seed}/" in script.text
+    assert f"ds=nocloud-net;s=http://seeds.rack.example:8470{seed}/" in script.text
     meta = fetch(server, mine, f"{seed}/meta-data")
     assert meta.status_code == 200 and f"local-hostname: {harness.spec.name}" in meta.text
     got = fetch(server, mine, f"{seed}/user-data")
@@ -109,14 +109,32 @@ def _system_cloud_init() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_system_cloud_init() is None, reason="Debian's cloud-init package is not installed")
-def test_cloud_inits_own_nocloud_code_reads_the_seed_from_the_shipped_boot_line(own_dc_harness, tmp_path) -> None:
-    """The kernel command line the shipped iPXE template gives a rack machine, read by the real
-    cloud-init (Debian 12's 22.4) through its own NoCloud datasources: its network stage claims
-    the machine and reads the seed's user data from gpufleet's seed server."""
+def _boot_stages(cmdline: str) -> dict:
+    """cloud-init's own local and network stages (the real package's ``main_init``) on a
+    machine booted with ``cmdline``: tests/providers/cloud_init/nocloud_probe.py."""
     import json
-    import re
     import subprocess
+    from pathlib import Path
+
+    done = subprocess.run([_system_cloud_init(), str(Path(__file__).parent / "cloud_init" / "nocloud_probe.py"),
+                           cmdline], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _kernel_cmdline(script: str) -> str:
+    import re
+
+    kernel = next(line for line in script.splitlines() if line.startswith("kernel "))
+    return "BOOT_IMAGE=/vmlinuz " + re.sub(r"^kernel \S+ ", "", kernel) + " quiet"
+
+
+@pytest.mark.skipif(_system_cloud_init() is None, reason="Debian's cloud-init package is not installed")
+def test_cloud_inits_own_boot_stages_apply_the_seed_from_the_shipped_boot_line(own_dc_harness, tmp_path) -> None:
+    """The kernel command line the shipped iPXE template gives a rack machine, booted through the
+    real cloud-init's (Debian 12's 22.4, the oldest supported) own stages: the local stage finds
+    no seed it may use, the network stage's NoCloud datasource fetches the seed from gpufleet's
+    seed server in network mode, and the stage goes on to take its user data as the boot's."""
     from pathlib import Path
 
     harness = own_dc_harness
@@ -130,14 +148,32 @@ def test_cloud_inits_own_nocloud_code_reads_the_seed_from_the_shipped_boot_line(
         user_data = user_data_for(harness)
         machine = harness.provider.create_machine(harness.spec, "cloud-init", user_data=user_data)
         assert machine.id == SYSTEMS[0]["name"]
-        script = fetch(server, machine_address, "/ipxe").text
-        kernel = next(line for line in script.splitlines() if line.startswith("kernel "))
-        cmdline = "BOOT_IMAGE=/vmlinuz " + re.sub(r"^kernel \S+ ", "", kernel) + " quiet"
-        done = subprocess.run([_system_cloud_init(), str(Path(__file__).parent / "cloud_init" / "nocloud_probe.py"),
-                               cmdline], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-2000:]
-        stages = json.loads(done.stdout.strip().splitlines()[-1])
-        assert stages["DataSourceNoCloudNet"] == {"found": True, "user_data": user_data}, stages
+        stages = _boot_stages(_kernel_cmdline(fetch(server, machine_address, "/ipxe").text))
+        assert stages["init-local"]["applies_user_data"] is False, stages
+        assert stages["init"] == {"applies_user_data": True, "datasource": "DataSourceNoCloudNet",
+                                  "dsmode": "net", "user_data": user_data}, stages
         assert fetch(server, machine_address, "/ipxe").status_code == 404, "the seed was taken, once"
+    finally:
+        server.stop()
+
+
+@pytest.mark.skipif(_system_cloud_init() is None, reason="Debian's cloud-init package is not installed")
+def test_cloud_init_before_23_2_fetches_a_ds_nocloud_http_seed_and_never_applies_it(own_dc_harness, tmp_path) -> None:
+    """Why the boot line says ``nocloud-net``: with ``ds=nocloud;s=http://...`` cloud-init 22.4's
+    network stage takes the seed (the seed server hands it out once) and then exits "in local
+    mode", so the join document never runs."""
+    harness = own_dc_harness
+    harness.provider.options["seed_dir"] = str(tmp_path / "seeds")
+    machine_address = "127.0.0.1"
+    server = SeedServer(tmp_path / "seeds", {SYSTEMS[0]["name"]: machine_address}, "", IPXE.replace(
+        "ds=nocloud-net;", "ds=nocloud;"))
+    server.start()
+    try:
+        server.url = f"http://127.0.0.1:{server.port}"
+        harness.provider.create_machine(harness.spec, "cloud-init-old-line", user_data=user_data_for(harness))
+        stages = _boot_stages(_kernel_cmdline(fetch(server, machine_address, "/ipxe").text))
+        assert stages["init"]["datasource"] == "DataSourceNoCloudNet" and stages["init"]["dsmode"] == "local", stages
+        assert not any(stage["applies_user_data"] for stage in stages.values()), stages
+        assert fetch(server, machine_address, "/ipxe").status_code == 404, "the seed is spent all the same"
     finally:
         server.stop()
