@@ -31,6 +31,7 @@ from activities.models import (
     WaitForBootInput,
 )
 from fleet.errors import NotFound
+from providers.base import PowersOff
 from fleet.models import Node
 from fleet.replacement import replacement_sites
 from activities.control_plane import bootstrap_user_data, machine_addresses
@@ -168,12 +169,11 @@ class RepairActivities:
                 input.node_name, f"reinstall/{input.node_name}/{input.boot_id_before}", MAX_JOIN_TOKEN_TTL_S)
             try:
                 user_data = bootstrap_user_data(cluster, token, input.node_name, identity.provider_id)
-                stop = getattr(provider, "stop_machine", None)
-                if stop is not None:
+                if isinstance(provider, PowersOff):
                     # kubeadm refuses to join while a Ready Node of its name exists: the old
                     # kubelet must be gone, and seen gone, before the machine boots again. The
                     # Node stays (its labels, taints and this repair's marks).
-                    stop(input.machine_id)
+                    provider.stop_machine(input.machine_id)
                     self._until_not_ready(input.node_name)
                 provider.reinstall_machine(input.machine_id, user_data=user_data)
             except Exception:

@@ -23,6 +23,7 @@ from fleet.models import Machine, MachineSpec, Offer
 
 __all__ = [
     "Provider",
+    "PowersOff",
     "ProviderError",
     "NoCapacity",
     "OverQuota",
@@ -70,4 +71,18 @@ class Provider(Protocol):
 
     def list_offers(self) -> list[Offer]:
         """What this site can sell now, with availability."""
+        ...
+
+
+@runtime_checkable
+class PowersOff(Protocol):
+    """An optional capability: a provider that can power a machine off and leave it off.
+
+    A reinstall on such a provider is two steps (``activities.repair``): power off, wait until
+    the cluster sees the Node NotReady (kubeadm refuses to join while a Ready Node of its name
+    exists), then ``reinstall_machine``. Hetzner and own racks have it; the clouds whose
+    reinstall is refused (the node is replaced) need not."""
+
+    def stop_machine(self, machine_id: str) -> None:
+        """Power the machine off (a machine already off stays so); its allocation stays."""
         ...
