@@ -55,6 +55,16 @@ an incident there) and on at each drill's own site. Health is pulled, never push
     python -m bench.scale [--nodes 1250] [--sites 10] [--gpus-per-node 8] [--minutes 1]
                           [--largest-minutes 3.5] [--nodes-nice 10] [--steps 125,250,625,1250] [--fault-interval 2] [--reclaim-interval 15]
                           [--health-per-minute 1000] [--seed 22]
+    python -m bench.scale --smoke   # 2 then 4 nodes, seconds (the suite runs this)
+                          [--address HOST:PORT [--namespace NS] [--task-queue Q] [--server-pids PID,...]]
+
+``--address``: an existing Temporal cluster instead of a dev server of its own (its namespace
+needs gpufleet's search attributes; missing ones are added). Its processes' CPU and memory are
+read only where they run on this machine and are named with ``--server-pids`` (each pid and its
+children, e.g. PostgreSQL's backends; ``python -m tests.realtemporal.cluster`` prints them).
+It runs gpufleet's Schedules under their fixed ids, so it refuses a namespace that already has
+any (a fleet runs there: give it a namespace of its own, ``--namespace``); when it ends it deletes
+them and terminates every workflow still running on its task queue.
 """
 
 from __future__ import annotations
@@ -69,29 +79,145 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
 from temporalio.service import RPCError
 
 from activities.env import FleetEnv
 from bench.common import bench_env, fleet, run, pct, proc_cpu, rss_mb, server_pid, until
+from fleet.settings import Settings
 from cli.dev import wait_for_port
 from workers.gc_tuning import SLOW_COLLECTION_SECONDS, settle_garbage_collection
 from workers.node_agent import SIM_HOST_NICE
 from workers.node_gateway import dev_gateway_files
 from fleet import search_attributes as sa
 from fleet.naming import join_workflow_id
-from fleet.schedules import apply_schedules
+from fleet.schedules import SCHEDULES, apply_schedules
 
 ENTITY_TYPES = ("Node", "Site", "ProviderAccount", "SiteEvacuation")
 #: What a seeded fault needs to clear: most resets, some reboots, a few replacements.
 FAULT_MIX = (("reset", 0.7), ("reboot", 0.2), ("never", 0.1))
 
 
+
+
+@asynccontextmanager
+async def existing_cluster_env(fleet_config: dict, address: str, namespace: str, task_queue: str):
+    """``bench_env``'s pair for a cluster that is already running: a client (no server to stop)."""
+    from temporalio.client import Client
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.testing import WorkflowEnvironment
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "sites.yaml"
+        path.write_text(yaml.safe_dump(fleet_config))
+        client = await Client.connect(address, namespace=namespace, data_converter=pydantic_data_converter)
+        taken = await existing_schedules(client)
+        if taken:
+            raise SystemExit(f"--namespace {namespace}: it has gpufleet's Schedules already ({', '.join(taken)}), so a "
+                             "fleet runs there and the benchmark would take them over: give it a namespace of its own "
+                             "(or, if an earlier benchmark was killed there, delete them: `temporal schedule delete`)")
+        await sa.ensure_registered(client)
+        try:
+            yield WorkflowEnvironment.from_client(client), Settings(
+                address=address, namespace=namespace, state_dir=Path(tmp), config=str(path), task_queue=task_queue)
+        finally:
+            await leave_nothing_running(client, task_queue)
+
+
+async def existing_schedules(client) -> list[str]:
+    """Which of gpufleet's Schedule ids the namespace has."""
+    from temporalio.service import RPCStatusCode
+
+    found = []
+    for schedule_id in SCHEDULES:
+        try:
+            await client.get_schedule_handle(schedule_id).describe()
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND:
+                raise
+            continue
+        found.append(schedule_id)
+    return found
+
+
+async def leave_nothing_running(client, task_queue: str, timeout: float = 60) -> None:
+    """On an existing cluster the benchmark's fleet would keep running (its entities wait for
+    ever, its Schedules keep starting workflows, each an action): delete the Schedules it made
+    and terminate what still runs on its task queue, until visibility lists nothing."""
+    from temporalio.service import RPCStatusCode
+
+    for schedule_id in await existing_schedules(client):
+        await client.get_schedule_handle(schedule_id).delete()
+    query = f"TaskQueue = '{task_queue}' AND ExecutionStatus = 'Running'"
+    deadline = time.monotonic() + timeout
+    while True:
+        running = [wf async for wf in client.list_workflows(query)]
+        if not running:
+            return
+        if time.monotonic() > deadline:
+            print(f"left running after {timeout:.0f} s: {len(running)} workflows on {task_queue}", file=sys.stderr)
+            return
+        for wf in running:
+            try:
+                await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("bench.scale is over")
+            except RPCError as error:
+                if error.status != RPCStatusCode.NOT_FOUND:  # ended meanwhile
+                    raise
+        await asyncio.sleep(1)  # visibility catches up
+
+
+def _family(pids: tuple[int, ...]) -> list[int]:
+    """The pids and their children (PostgreSQL serves each connection from a child process)."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) in pids:
+                children.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return [*pids, *children]
+
+
+def cpu_of(pid: int | tuple[int, ...]) -> float:
+    """CPU seconds of one process, or of a cluster's processes with their children, living and
+    reaped (``--server-pids``; none named: not measured)."""
+    if isinstance(pid, int):
+        return proc_cpu(pid)
+    if not pid:
+        return float("nan")
+    total = 0.0
+    for one in _family(pid):
+        try:
+            fields = open(f"/proc/{one}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited since: its time is in its parent's reaped children
+        reaped = (int(fields[13]) + int(fields[14])) if one in pid else 0
+        total += (int(fields[11]) + int(fields[12]) + reaped) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def rss_of(pid: int | tuple[int, ...]) -> float:
+    """Resident MB of one process; of a cluster's processes and their children, their proportional
+    share (PSS): PostgreSQL's backends each map its shared buffers, which RSS would count again
+    for every one."""
+    if isinstance(pid, int):
+        return rss_mb(pid)
+    sizes = []
+    for one in _family(pid) if pid else []:
+        try:
+            rollup = Path(f"/proc/{one}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        sizes += [int(line.split()[1]) / 1024 for line in rollup.splitlines() if line.startswith("Pss:")]
+    return sum(sizes) if sizes else float("nan")
 
 
 @dataclass
@@ -542,6 +668,9 @@ async def largest_history(client) -> tuple[int, str]:
 
 
 def print_table(args, steps: list[Step]) -> None:
+    # Short labels keep the table's columns; the header line names the cluster's address.
+    server = "Temporal cluster" if args.address else "dev server"
+    where = f"the cluster at {args.address}, namespace {args.namespace}" if args.address else "a dev server of its own"
 
     def row(label: str, values: list[float], fmt: str, unit: str = "") -> None:
         cells = "".join(f"{fmt.format(v) if not math.isnan(v) else 'n/a':>12s}" for v in values)
@@ -557,7 +686,8 @@ def print_table(args, steps: list[Step]) -> None:
     print(f"scale: {args.sites} sites, {args.gpus_per_node} GPUs/node, steps {', '.join(str(s.nodes) for s in steps)}"
           f" nodes; steady window {args.minutes:g} min ({args.largest_minutes:g} at {steps[-1].nodes}), a fault every {args.fault_interval} s, a reclaim every "
           f"{args.reclaim_interval} s, {args.health_per_minute:.0f} application XIDs a minute, one incident; "
-          f"heartbeat timeout {args.heartbeat_seconds} s; simulated nodes at nice {args.nodes_nice}; seed {args.seed}")
+          f"heartbeat timeout {args.heartbeat_seconds} s; simulated nodes at nice {args.nodes_nice}; seed {args.seed}; "
+          f"Temporal: {where}")
     print(f"  {'nodes':48s}" + "".join(f"{s.nodes:>12d}" for s in steps) + "   ratios to the first size")
     print(f"  {'GPUs on the nodes':48s}" + "".join(f"{s.gpus:>12d}" for s in steps))
     row("join: nodes admitted / min (this step's joins)", [s.joins_per_minute for s in steps], "{:.0f}")
@@ -607,14 +737,14 @@ def print_table(args, steps: list[Step]) -> None:
                                                      else nan for s in steps], "{:.1f}")
     row("worker CPU s per steady minute", [s.cpu["worker"] / s.steady_wall * 60 for s in steps], "{:.1f}")
     row("  per node (ms / min)", per_node([s.cpu["worker"] / s.steady_wall * 60_000 for s in steps]), "{:.1f}")
-    row("dev server CPU s per steady minute", [s.cpu["server"] / s.steady_wall * 60 for s in steps], "{:.1f}")
+    row(f"{server} CPU s per steady minute", [s.cpu["server"] / s.steady_wall * 60 for s in steps], "{:.1f}")
     row("node host CPU s per steady minute", [s.cpu["nodes"] / s.steady_wall * 60 for s in steps], "{:.1f}")
     row("node gateway CPU s per steady minute", [s.cpu["gateway"] / s.steady_wall * 60 for s in steps], "{:.1f}")
     row("this benchmark's driver CPU s per steady minute", [s.cpu["driver"] / s.steady_wall * 60 for s in steps],
         "{:.1f}")
     row("worker RSS (MB)", [s.rss["worker"] for s in steps], "{:.0f}")
     row("  per node (MB)", per_node([s.rss["worker"] for s in steps]), "{:.2f}")
-    row("dev server RSS (MB)", [s.rss["server"] for s in steps], "{:.0f}")
+    row(f"{server} RSS (MB)", [s.rss["server"] for s in steps], "{:.0f}")
     row("node gateway RSS (MB)", [s.rss["gateway"] for s in steps], "{:.0f}")
     row("node host RSS (MB)", [s.rss["nodes"] for s in steps], "{:.0f}")
     row("  per node (MB)", per_node([s.rss["nodes"] for s in steps]), "{:.2f}")
@@ -686,7 +816,19 @@ async def main() -> None:
     parser.add_argument("--health-per-minute", type=float, default=1000.0,
                         help="application XIDs injected per minute in the steady window (0: none)")
     parser.add_argument("--seed", type=int, default=22)
+    parser.add_argument("--address", default="", help="an existing Temporal cluster (default: a dev server of its own)")
+    parser.add_argument("--namespace", default="default", help="with --address: the namespace")
+    parser.add_argument("--task-queue", default="", help="with --address: the control plane's queue "
+                        "(default: bench-<random>)")
+    parser.add_argument("--server-pids", default="", help="with --address: the cluster's processes on this machine, "
+                        "comma-separated, for its CPU and memory")
+    parser.add_argument("--smoke", action="store_true", help="the suite's size (tests/test_bench_smoke.py): 2 then "
+                        "4 nodes at 2 sites, 6 s steady windows; a crash fails it")
     args = parser.parse_args()
+    if args.smoke:
+        args.nodes, args.sites, args.steps, args.join_concurrency = 4, 2, "2,4", 4
+        args.minutes = args.largest_minutes = 0.1
+        args.fault_interval, args.reclaim_interval, args.health_per_minute = 1.5, 4.0, 30.0
     sizes = sorted({int(s) for s in args.steps.split(",") if s.strip()}) if args.steps else \
         sorted({max(1, round(args.nodes * f)) for f in (0.1, 0.2, 0.5, 1.0)})
     if not sizes or sizes[0] < 1:
@@ -707,6 +849,12 @@ async def main() -> None:
         parser.error("--largest-minutes: greater than 0")
     if args.health_per_minute < 0:
         parser.error("--health-per-minute: 0 or more")
+    if not args.address and (args.server_pids or args.task_queue or args.namespace != "default"):
+        parser.error("--namespace, --task-queue and --server-pids go with --address")
+    try:
+        server_pids = tuple(int(p) for p in args.server_pids.split(",") if p.strip())
+    except ValueError:
+        parser.error("--server-pids: process ids, comma-separated")
     # Room for replacements (faults that never clear, reclaims) and capacity requests, on top
     # of the largest size.
     per_site = math.ceil(sizes[-1] / args.sites * 1.3) + 5 + math.ceil(len(sizes) * args.capacity_count / args.sites)
@@ -732,7 +880,9 @@ async def main() -> None:
     main_sites = [s for s in config["sites"] if not s["name"].startswith(DRILL_PREFIXES)]
     rng = random.Random(args.seed)
     steps: list[Step] = []
-    async with bench_env(config) as (env, settings):
+    environment = existing_cluster_env(config, args.address, args.namespace, args.task_queue or
+                                       f"bench-{uuid.uuid4().hex[:6]}") if args.address else bench_env(config)
+    async with environment as (env, settings):
         client = env.client
         logs = settings.state_dir
         worker = spawn(["workers.control_plane"], settings, logs / "worker.log", {})
@@ -750,8 +900,8 @@ async def main() -> None:
         # The driver's own full collections would stop the clock that sees each cordon.
         driver_gc = settle_garbage_collection()
         # This process too: it injects, polls the cluster for cordons and queries, on the same two cores.
-        pids = {"worker": worker.pid, "server": server_pid(), "gateway": gateway.pid, "nodes": host.pid,
-                "driver": os.getpid()}
+        pids = {"worker": worker.pid, "server": server_pids if args.address else server_pid(), "gateway": gateway.pid,
+                "nodes": host.pid, "driver": os.getpid()}
         fleet_env = FleetEnv.from_settings(settings)
         used: set[tuple[str, int]] = set()
         try:
@@ -767,12 +917,12 @@ async def main() -> None:
             have = 0
             for drill, size in enumerate(sizes):
                 step = Step(size)
-                before = {name: proc_cpu(pid) for name, pid in pids.items()}
+                before = {name: cpu_of(pid) for name, pid in pids.items()}
                 await grow(client, settings, main_sites, have, size, args.join_concurrency, step)
                 have = size
-                step.join_cpu = {name: proc_cpu(pid) - before[name] for name, pid in pids.items()}
+                step.join_cpu = {name: cpu_of(pid) - before[name] for name, pid in pids.items()}
                 await asyncio.sleep(2)  # every new Node entity's first watch answered
-                before = {name: proc_cpu(pid) for name, pid in pids.items()}
+                before = {name: cpu_of(pid) for name, pid in pids.items()}
                 begin, step.steady_started = time.perf_counter(), time.time()
                 driver_gc.slow.clear()
                 minutes = args.largest_minutes if size == sizes[-1] else args.minutes
@@ -781,8 +931,8 @@ async def main() -> None:
                 step.gc_pauses = {**slow_collections(logs, step.steady_started, time.time()),
                                   "driver": [(at - step.steady_started, took * 1000, gen)
                                              for at, took, gen in driver_gc.slow]}
-                step.cpu = {name: proc_cpu(pid) - before[name] for name, pid in pids.items()}
-                step.rss = {name: rss_mb(pid) for name, pid in pids.items()}
+                step.cpu = {name: cpu_of(pid) - before[name] for name, pid in pids.items()}
+                step.rss = {name: rss_of(pid) for name, pid in pids.items()}
                 step.gpus = sum(n.gpus_allocatable for n in await asyncio.to_thread(fleet_env.cluster.list_nodes))
                 await settle_repairs(client, repairs, step, timeout=30)
                 await check_health_traffic(client, step, rng)
