@@ -7,6 +7,7 @@ AcquireCapacity that tries site-0..3 (each a NodeJoin child failing NoCapacity)
 and joins at site-4. Then: a revoked account is skipped with zero provider calls.
 
     python -m bench.fallback [--rounds 5]
+    python -m bench.fallback --smoke   # 1 round (the suite runs this)
 """
 
 from __future__ import annotations
@@ -32,7 +33,10 @@ def retire_all(env: FleetEnv) -> None:
 async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="the suite's size (tests/test_bench_smoke.py): seconds; a crash fails it")
     args = parser.parse_args()
+    if args.smoke:
+        args.rounds = 1
     async with bench_env(fleet(sites=5, capacity=50)) as (env, settings):
         client = env.client
         world_env = FleetEnv.from_settings(settings)

