@@ -38,9 +38,10 @@ from temporalio.client import Client
 from temporalio.worker import PollerBehaviorSimpleMaximum, UnsandboxedWorkflowRunner, Worker
 
 from bench.common import bench_env, fleet, run, pct, rss_mb
+from bench.repair_latency import repair_result
 from cli.dev import wait_for_port
 from workers.node_agent import connect_via_gateway
-from workers.node_gateway import GatewayAccess, Pki, dev_gateway_files, node_key_and_csr
+from workers.node_gateway import GatewayAccess, Pki, dev_gateway_files
 
 
 
@@ -80,9 +81,8 @@ async def compare_round_trips(client: Client, settings, access: GatewayAccess, p
     """``samples`` round trips each way, alternating in batches of 10 after a warm-up each."""
     direct_name, gw_name = f"rt-direct-{uuid.uuid4().hex[:6]}", f"rt-gw-{uuid.uuid4().hex[:6]}"
     await client.start_workflow("Node", {"node_name": gw_name}, id=f"node/{gw_name}", task_queue="nobody")
-    register_sim_node(settings, gw_name)  # the gateway's liveness check wants the Node object too
-    key, csr = node_key_and_csr(gw_name)
-    node_client = await connect_via_gateway(access, settings.namespace, pki.sign_node_csr(csr, gw_name), key)
+    cert, key = enrol_sim_node(settings, gw_name, pki)  # what the gateway's liveness check asks for
+    node_client = await connect_via_gateway(access, settings.namespace, cert, key)
     # The direct agent gets a connection of its own too: sharing the control plane's (busy with
     # the workflow worker's polls and the bench's own calls) would handicap the direct side.
     direct_client = await Client.connect(settings.address, namespace=settings.namespace,
@@ -106,15 +106,25 @@ async def compare_round_trips(client: Client, settings, access: GatewayAccess, p
     return direct, through
 
 
-def register_sim_node(settings, name: str, env=None) -> None:
-    """A registered Node for ``name`` in the sim cluster, as a kubelet's TLS bootstrap makes it."""
+def enrol_sim_node(settings, name: str, pki: Pki, env=None) -> tuple[bytes, bytes]:
+    """A node the gateway takes as joined, in the sim cluster, and its (certificate, key): its
+    Node registered with a node-bound token (a kubelet's TLS bootstrap), its identity record
+    written (the join's ``await_registration``), and the certificate's key bound to it (the
+    cluster's CSR approver): the gateway's liveness asks all three, and the Node entity."""
     from activities.env import FleetEnv
+    from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity
+    from workers.node_agent import cert_key_fingerprint
 
     env = env or FleetEnv.from_settings(settings)
     machine = f"m-{name}"
     env.cluster.create_join_token(name, machine, 600)
     token = env.world.query("SELECT token FROM bootstrap WHERE machine_id=?", machine)[0]["token"]
     env.cluster.register_with_token(machine, token, "boot-1", 8)
+    identity = NodeIdentity(node_name=name, machine_id=machine, provider="sim", account="bench", site="bench")
+    env.cluster.update_state(NODE_IDENTITY_KIND, name, lambda _old: identity.state())
+    cert, key = pki.node_credentials(name)
+    assert env.cluster.bind_client_key(name, machine, cert_key_fingerprint(cert)), name
+    return cert, key
 
 
 def report(args, ratios: list[tuple[float, float, float, float]], contain: list[float], held_rss: float) -> None:
@@ -220,8 +230,7 @@ async def main() -> None:
             sim = FleetEnv.from_settings(settings)
             for i in range(args.idle):
                 name = f"idle-{i}"
-                register_sim_node(settings, name, sim)
-                cert, key = pki.node_credentials(name)
+                cert, key = enrol_sim_node(settings, name, pki, sim)
                 (idle_dir / f"{name}.pem").write_bytes(cert)
                 (idle_dir / f"{name}.key").write_bytes(key)
                 starts.append(client.start_workflow("Node", {"node_name": name}, id=f"node/{name}", task_queue="nobody"))
@@ -261,7 +270,7 @@ async def main() -> None:
                     while not await asyncio.to_thread(lambda: cluster.get_node(name).unschedulable):
                         await asyncio.sleep(0.005)
                     contain.append(time.perf_counter() - start)
-                    result = await client.get_workflow_handle(f"repair/{name}/gpu{gpu}").result()
+                    result = await repair_result(client, f"repair/{name}/gpu{gpu}")
                     assert result["outcome"] == "repaired", result
                     while await asyncio.to_thread(lambda: cluster.get_node(name).unschedulable):
                         await asyncio.sleep(0.01)

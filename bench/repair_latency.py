@@ -34,6 +34,21 @@ from workers.control_plane import build_worker
 from workers.health_report import send_report
 
 
+async def repair_result(client, repair_id: str, timeout: float = 120.0) -> dict:
+    """The GpuRepair's result. The Node entity cordons the node in the workflow task that saw
+    the fault and starts the repair only once its Site entity admitted it, so right after the
+    cordon the repair may not exist yet: wait for it rather than fail on NOT_FOUND."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return await client.get_workflow_handle(repair_id).result()
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND or time.monotonic() > deadline:
+                raise
+        await asyncio.sleep(0.05)
+
 
 async def poll(predicate, timeout: float = 30, interval: float = 0.005) -> None:
     deadline = time.perf_counter() + timeout
@@ -102,7 +117,7 @@ async def main() -> None:
                     await send_report(client, settings.task_queue, report)
                     await poll(lambda: cluster.get_node(name).unschedulable)
                     contain.append(time.perf_counter() - start)
-                    result = await client.get_workflow_handle(f"repair/{name}/gpu{gpu}").result()
+                    result = await repair_result(client, f"repair/{name}/gpu{gpu}")
                     assert result["outcome"] == "repaired", result
                     await poll(lambda: not cluster.get_node(name).unschedulable)
         finally:

@@ -5,6 +5,7 @@ carry it."""
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime
 
 from pydantic import BaseModel, Field
@@ -63,7 +64,10 @@ class JoinTokenRef(BaseModel):
 class NodeIdentity(BaseModel):
     """Which machine a node is, as the join that created it recorded it. Every action on
     machines (reboot, reinstall, replace, retire, reclaim, sweep) takes the machine from
-    here, never from the node's own labels or annotations."""
+    here, never from the node's own labels or annotations. The node gateway's liveness is
+    this record together with the node's client keys (``NODE_KEYS_KIND``): a Node object a
+    kubelet re-created, or a certificate for the name that no join of this machine asked
+    for, opens nothing."""
 
     node_name: str
     machine_id: str
@@ -83,6 +87,32 @@ class NodeIdentity(BaseModel):
             return cls(**{k.replace("-", "_"): v for k, v in data.items()})
         except (TypeError, ValueError):
             return None
+
+
+#: The control-plane state kind holding, per node, the SHA-256 of each client key the cluster's
+#: signer issued a certificate for at that node's join or renewal (written by gpufleet's CSR
+#: approver; in the sim, by its signer), newest last. ``remove_node`` deletes it with the
+#: identity record, so a retired node's certificates, and any certificate for its name that
+#: the approver did not judge, stay refused by the node gateway.
+NODE_KEYS_KIND = "node-client-keys"
+#: Keys kept per node: the current one and those still on open connections after a renewal.
+NODE_KEYS_KEPT = 4
+
+
+def client_key_fingerprint(public_key_der: bytes) -> str:
+    """The record's name for a client key: SHA-256 of its DER SubjectPublicKeyInfo."""
+    return hashlib.sha256(public_key_der).hexdigest()
+
+
+def bound_keys(record: dict[str, str]) -> list[str]:
+    """The key fingerprints in a ``NODE_KEYS_KIND`` record, oldest first."""
+    return [k for k in (record.get("keys") or "").split(",") if k]
+
+
+def with_key(record: dict[str, str], fingerprint: str) -> dict[str, str]:
+    """The record with ``fingerprint`` bound (newest), keeping the last ``NODE_KEYS_KEPT``."""
+    keys = [k for k in bound_keys(record) if k != fingerprint] + [fingerprint]
+    return {"keys": ",".join(keys[-NODE_KEYS_KEPT:])}
 
 
 def gpufleet_provider_id(provider: str, account: str, node_name: str) -> str:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import hashlib
 
 
-def node_name_for(site: str, join_id: str) -> str:
-    """A node name that a retried or replayed join always computes the same."""
-    return f"{site}-{hashlib.sha256(join_id.encode()).hexdigest()[:8]}"
+def node_name_for(site: str, join_id: str, nonce: str = "") -> str:
+    """A node name that a retried or replayed join always computes the same. ``nonce``: the
+    join's per-start nonce (its first run id): a later join started with the same id gets a
+    new name, so an earlier machine's certificate for the old name never becomes a live
+    node's again. Without one (joins started before the nonce), the name of the id alone."""
+    seed = f"{join_id}#{nonce}" if nonce else join_id
+    return f"{site}-{hashlib.sha256(seed.encode()).hexdigest()[:8]}"
 
 
 def join_workflow_id(site: str, request: str) -> str:

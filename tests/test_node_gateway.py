@@ -31,10 +31,11 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 from fleet import search_attributes as sa
 from tests.replay import replay_and_record
 from tests.conftest import NODE_GATEWAYS, Stack, SessionGateway, start_test_gateway, wait_for
-from workers.node_agent import connect_via_gateway
+from workers.node_agent import cert_key_fingerprint, connect_via_gateway
 from fleet.messages.capacity import RetireMachineInput
 from fleet.settings import Settings
-from workers.node_gateway import GatewayAccess, LiveCache, Pki, node_key_and_csr, node_liveness, start_gateway
+from workers.node_gateway import (GatewayAccess, LiveCache, Pki, Verdict, node_key_and_csr, node_liveness,
+                                  start_gateway)
 
 ECHO_QUEUE_PREFIX = "gw-test"
 
@@ -84,6 +85,16 @@ def gateway(temporal_env) -> SessionGateway:
 async def live_node(client: Client, name: str) -> None:
     """A running ``node/<name>`` (no worker runs it: only its status matters to the gateway)."""
     await client.start_workflow("Node", {"node_name": name}, id=f"node/{name}", task_queue=f"idle-{name}")
+
+
+def bound_credentials(cluster, pki: Pki, name: str, machine_id: str) -> tuple[bytes, bytes, str]:
+    """(certificate, key, key fingerprint) for ``name``, its key bound to the node as the
+    cluster's signer binds the key it signs for the machine that holds the node."""
+    key, csr = node_key_and_csr(name)
+    cert = pki.sign_node_csr(csr, name)
+    fingerprint = cert_key_fingerprint(cert)
+    assert cluster.bind_client_key(name, machine_id, fingerprint)
+    return cert, key, fingerprint
 
 
 async def as_node(gw: SessionGateway, name: str, pki: Pki | None = None, **sign) -> Client:
@@ -257,9 +268,8 @@ async def test_a_node_retired_by_the_common_retire_step_is_refused_at_once(stack
     settings = Settings(address=stack.settings.address, namespace=stack.settings.namespace)
     running = await start_gateway(settings, cert, key, pki.ca_pem, live=node_liveness(stack.client, stack.cluster))
     try:
-        node_key, csr = node_key_and_csr(name)
-        node = await connect_via_gateway(GatewayAccess(running.address, pki.ca_pem), "default",
-                                         pki.sign_node_csr(csr, name), node_key)
+        node_cert, node_key, _ = bound_credentials(stack.cluster, pki, name, machine)
+        node = await connect_via_gateway(GatewayAccess(running.address, pki.ca_pem), "default", node_cert, node_key)
         from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 
         await node.workflow_service.get_system_info(GetSystemInfoRequest())  # live: entity runs, Node exists
@@ -289,12 +299,14 @@ async def test_a_node_whose_entity_ended_is_refused_within_the_entity_window(sta
     """The Node object is read on every lookup; a running entity is taken as running for
     ``entity_seen_seconds``. An entity ended some other way (an operator terminated it), its
     Node object left behind, still loses the node its access within that window."""
-    name = (await (await stack.start_join({"site": "site-a"})).result())["nodes"][0]["node_name"]
+    joined = (await (await stack.start_join({"site": "site-a"})).result())["nodes"][0]
+    name = joined["node_name"]
+    _cert, _key, fingerprint = bound_credentials(stack.cluster, Pki.create(), name, joined["machine_id"])
     live = node_liveness(stack.client, stack.cluster, entity_seen_seconds=1.0)
-    assert await live(name)
+    assert await live(name, fingerprint) is Verdict.LIVE
     await stack.client.get_workflow_handle(f"node/{name}").terminate("ended by an operator")
     ended_at = asyncio.get_running_loop().time()
-    while await live(name):
+    while await live(name, fingerprint) is Verdict.LIVE:
         assert asyncio.get_running_loop().time() - ended_at < 2.0, "the node kept its access"
         await asyncio.sleep(0.05)
     assert stack.cluster.get_node(name) is not None, "refused for its entity, its Node object is still there"
@@ -308,10 +320,10 @@ async def test_a_node_the_gateway_cannot_verify_gets_a_retryable_error_not_a_rev
     await live_node(temporal_env.client, name)
     reachable = {"now": True}
 
-    async def check(node: str) -> bool:
+    async def check(node: str, key: str) -> Verdict:
         if not reachable["now"]:
             raise ConnectionError("control plane unreachable")
-        return await node_liveness(temporal_env.client, None)(node)
+        return await node_liveness(temporal_env.client, None)(node, key)
 
     pki = Pki.create("gpufleet unavailable-test CA")
     cert, key = pki.server_cert()
@@ -341,7 +353,7 @@ async def test_liveness_verdicts_are_renewed_ahead_and_never_older_than_the_ttl(
     not remembered."""
     verdict, lookups, fail = {"n": True}, [], []
 
-    async def check(name: str) -> bool:
+    async def check(name: str, key: str) -> bool:
         lookups.append(name)
         await asyncio.sleep(0.02)
         if fail:

@@ -77,11 +77,15 @@ async def test_join_started_with_its_search_attributes_writes_only_what_changes(
         search_attributes=sa.join_start_attributes("site-a", "lambda", "acct-a", join_id),
     )
     started = (await handle.describe()).typed_search_attributes
-    assert started[sa.NODE_NAME] == node_name_for("site-a", join_id)
+    # The starter names the node from the id alone; the join's name carries its nonce (its first
+    # run id, which no starter knows), corrected in its first task.
+    named = node_name_for("site-a", join_id, handle.first_execution_run_id)
+    assert started[sa.NODE_NAME] in (node_name_for("site-a", join_id), named)
     assert started[sa.FLEET_STATE] == "provisioning"
     await handle.result()
-    # proving, ready (the activity that saw the node register labelled it: no "registered" step)
-    assert own_upserts(await handle.fetch_history()) == [{"FleetState"}] * 2
+    assert (await handle.describe()).typed_search_attributes[sa.NODE_NAME] == named
+    # the node's name, then proving, ready (the activity that saw the node register labelled it)
+    assert own_upserts(await handle.fetch_history()) == [{"NodeName"}, {"FleetState"}, {"FleetState"}]
 
     # A starter with a stale idea of the site: the join corrects just that.
     stale_id = "join/site-a/stale-attributes"
@@ -90,7 +94,7 @@ async def test_join_started_with_its_search_attributes_writes_only_what_changes(
         search_attributes=sa.join_start_attributes("site-a", "aws", "acct-a", stale_id),
     )
     await stale.result()
-    assert own_upserts(await stale.fetch_history())[0] == {"Provider"}
+    assert own_upserts(await stale.fetch_history())[0] == {"Provider", "NodeName"}
     assert (await stale.describe()).typed_search_attributes[sa.PROVIDER] == "lambda"
 
     # Started without them (the temporal CLI): the join sets all five itself.
@@ -103,7 +107,7 @@ async def test_join_happy_path(stack: Stack) -> None:
     handle = await stack.start_join({"site": "site-a"}, request="happy")
     result = NodeJoinResult.model_validate(await handle.result())
     (node,) = result.nodes
-    assert node.node_name == node_name_for("site-a", "join/site-a/happy")
+    assert node.node_name == node_name_for("site-a", "join/site-a/happy", handle.first_execution_run_id)
     assert node.gpus == 2
 
     joined = stack.cluster.get_node(node.node_name)

@@ -14,12 +14,24 @@ or API key), only what a node agent needs:
 - the read-only calls the SDK's worker makes at start-up and its
   ``ShutdownWorker`` (see ``_START_UP``).
 
-Everything else is ``PERMISSION_DENIED``, logged with the node's name. Every call
-also checks that the node is live: its NodeJoin runs, or its Node entity runs and the
-cluster still has its Node object (node certificates cannot be revoked; every retire
-path removes the Node, so a retired node's certificate stops working within the
-verdict cache's ``--live-ttl``, 1 s). The caller's ``identity`` field is replaced by
-``node:<name>``, so histories name the authenticated node.
+Everything else is ``PERMISSION_DENIED``, logged with the node's name. Each forwarded
+request is rebuilt from only the fields the policy allows (unknown fields, deployment and
+versioning options, embedded worker heartbeats dropped), with the caller's ``identity``
+replaced by ``node:<name>``, so histories name the authenticated node.
+
+Every call also checks the certificate (its expiry, so an open connection stops working
+when it expires) and that the node is live (``node_liveness``): the certificate's key is
+one the cluster's signer bound to the node at its join or a renewal, and its identity
+record and Node entity (or its NodeJoin) exist. Certificates cannot be revoked; every
+retire path deletes those records, so a retired node's certificate stops working within
+the verdict cache's ``--live-ttl`` (1 s), and a Node object its kubelet re-creates, or a
+certificate for its name from any other signer, opens nothing.
+
+Per node, at most ``POLLS_PER_NODE`` polls and ``CALLS_PER_NODE`` calls go on at once,
+over at most ``CONNECTIONS_PER_NODE`` connections, each request at most
+``REQUEST_BYTES`` (results ``RESULT_BYTES``): a call over them is held, without going
+upstream, and then answered (a poll with no task), so one node cannot take the frontend's
+poll budget or the gateway's memory from the others.
 
 The gateway is stateless but for the delivered tokens, kept in memory on purpose:
 after a restart (or on another replica) a completion for a task delivered before it
@@ -39,18 +51,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
+import enum
 import logging
 import os
 import re
 import signal
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Awaitable, Callable
 
 import grpc
 import typer
+from temporalio.api.enums.v1 import TaskQueueKind
+from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import request_response_pb2 as wsr
 
 from fleet.settings import Settings, node_queue, temporal_profile
@@ -68,12 +83,15 @@ _NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?$")
 #: - GetSystemInfo: the server's version and capability flags; no namespace or workflow data.
 #: - DescribeNamespace: the worker checks its namespace exists; only the gateway's own namespace
 #:   is answered (its retention and archival settings, no workflow data).
-#: - ShutdownWorker: the worker's goodbye, which lets the server drop its pollers; only for the
-#:   node's own queue and with no sticky queue (an activity-only worker has none, and another
-#:   worker's sticky queue is not the node's to drop).
+#: - ShutdownWorker: the worker's goodbye, which lets the server drop its pollers; a live node
+#:   only (the same check as every call), for its own queue, with no sticky queue (an
+#:   activity-only worker has none, and another worker's sticky queue is not the node's to
+#:   drop) and without the worker heartbeat the SDK embeds (which would describe a worker, on
+#:   whatever queue it names, to the server's worker list).
 #: - RecordWorkerHeartbeat: the worker's periodic status (slots, pollers, host) for the
-#:   server's worker list, about once a minute; only about the node's own queue. (gpufleet's own
-#:   agents send none: ``workers/node_agent.py`` turns them off.)
+#:   server's worker list, about once a minute; only about the node's own queue, under the
+#:   node's identity, without a deployment version. (gpufleet's own agents send none:
+#:   ``workers/node_agent.py`` turns them off.)
 _START_UP = {"GetSystemInfo", "DescribeNamespace", "ShutdownWorker", "RecordWorkerHeartbeat"}
 _RESPONDS = {
     "RespondActivityTaskCompleted": wsr.RespondActivityTaskCompletedRequest,
@@ -98,43 +116,66 @@ def node_from_subject(common_name: str) -> str | None:
     return name if _NAME.match(name) else None
 
 
-# -- liveness: the node belongs to a live join or Node entity ---------------------------------
-#: Every Kubernetes call the gateway makes (its liveness check's ``get_node``: the Node, then its
-#: identity ConfigMap), as deploy/kubernetes/node-gateway.yaml grants them: nothing more.
+# -- liveness: the node's identity, bound to this certificate, and a live join or entity -------
+#: Every Kubernetes call the gateway makes (its liveness check: a node's identity record and
+#: client keys, and a joining node's Node object), as deploy/kubernetes/node-gateway.yaml
+#: grants them: nothing more.
 ACCESS = (
-    AccessRule(verb="get", group="", resource="nodes", purpose="liveness: the Node exists"),
+    AccessRule(verb="get", group="", resource="nodes", purpose="liveness: a joining node's Node exists"),
     AccessRule(verb="get", group="", resource="configmaps", namespace="gpufleet",
-               purpose="liveness: the node's identity record"),
+               purpose="liveness: the node's identity record and client keys"),
 )
 
-Liveness = Callable[[str], Awaitable[bool]]
+
+class Verdict(enum.Enum):
+    """What a liveness lookup found (``None`` from a lookup: it could not tell)."""
+
+    LIVE = "live"
+    #: No live identity for the name (retired, or never joined): PERMISSION_DENIED.
+    RETIRED = "no live identity for this node (retired, or never joined)"
+    #: The node is live but this certificate's key is not one its join or a renewal bound
+    #: (a certificate some other signer issued for the name; or a renewal the approver has not
+    #: seen yet): refused as UNAVAILABLE, so an agent retries rather than treat its identity as gone.
+    UNBOUND = "this certificate's key was not bound to the node at its join or a renewal"
+
+
+#: (node name, SHA-256 of the certificate's public key) → verdict; True/False are LIVE/RETIRED.
+Liveness = Callable[[str, str], Awaitable["Verdict | bool | None"]]
 
 
 def temporal_liveness(client) -> Liveness:
     """Live = the Node entity ``node/<name>`` runs, or a NodeJoin for that node name runs
     (a joining node polls its queue for the smoke test before its Node entity exists).
-    Temporal alone: a retired node's entity runs on until its watch gives up, so deployments
-    use ``node_liveness``, which also asks the cluster."""
+    Temporal alone, no certificate binding: only for the tests' shared gateway (one gateway in
+    front of many simulated clusters); deployments use ``node_liveness`` with the cluster."""
     return node_liveness(client, None)
 
 
 #: With a cluster to ask, a Node entity seen running is taken as still running for this long:
-#: the Node object, read on every lookup, is what cuts a retired node off at once. Each node
+#: the identity record, read on every lookup, is what cuts a retired node off at once. Each node
 #: calls every 20-60 s (watch heartbeats, held polls running out), so a shorter window would
 #: still cost one Temporal read per call: about 90 a second at 1,250 nodes.
 ENTITY_SEEN_SECONDS = 120.0
 
 
 def node_liveness(client, cluster, entity_seen_seconds: float = ENTITY_SEEN_SECONDS) -> Liveness:
-    """Live = a NodeJoin for that node name runs, or the Node entity runs **and** the cluster
-    still has the Node. Every retire path (surplus, consolidation, evacuation, spot reclaim,
-    replace) ends in the ``retire_machine`` activity, which removes the Node object; the
-    entity itself outlives the node until its watch gives up (up to ``WATCH_GIVE_UP``), so
-    the Node object is what cuts a retired node off at once (an entity ended some other way,
-    its Node object left behind, within ``entity_seen_seconds``). ``cluster=None``: Temporal
-    only, asked on every lookup."""
+    """Live = the certificate's key is one the cluster's signer bound to this node (at its
+    join, or a renewal: ``NODE_KEYS_KIND``, written by gpufleet's CSR approver) **and** either
+    the node's identity record exists and its Node entity runs, or a NodeJoin for the name runs
+    and the Node has registered (the smoke test comes before the entity).
+
+    Every retire path (surplus, consolidation, evacuation, spot reclaim, replace, a failed
+    join's clean-up) ends in ``remove_node``, which deletes the keys and the identity record:
+    a retired node is refused at once, and nothing it can do brings it back. A kubelet may
+    re-create its own Node object, and renew its own certificate through an approver that
+    does not ask gpufleet, but neither writes those records. Node names carry a per-join nonce
+    (``workflows/node_join.py``), so a later join never revives an old name either. An entity
+    ended some other way loses the node its access within ``entity_seen_seconds``.
+    ``cluster=None``: Temporal only, asked on every lookup, the key not checked."""
     from temporalio.client import WorkflowExecutionStatus
     from temporalio.service import RPCError, RPCStatusCode
+
+    from fleet.cluster import NODE_KEYS_KIND, bound_keys
 
     entity_seen: dict[str, float] = {}  # node → when its entity was last seen running
 
@@ -160,85 +201,187 @@ def node_liveness(client, cluster, entity_seen_seconds: float = ENTITY_SEEN_SECO
             entity_seen.pop(name, None)
         return running
 
-    async def live(name: str) -> bool:
-        if cluster is None:
-            if await entity_running(name):
-                return True
-        elif await asyncio.to_thread(cluster.get_node, name) is not None and await entity_recently_running(name):
-            return True
+    async def join_running(name: str) -> bool:
         # ``name`` matched _NAME (no quotes), so it is safe inside the query.
         query = f'WorkflowType = "NodeJoin" AND NodeName = "{name}" AND ExecutionStatus = "Running"'
         return (await client.count_workflows(query)).count > 0
+
+    def records(name: str) -> tuple[bool, list[str]]:
+        return cluster.node_identity(name) is not None, bound_keys(cluster.read_state(NODE_KEYS_KIND, name))
+
+    async def live(name: str, key: str = "") -> Verdict:
+        if cluster is None:
+            if await entity_running(name) or await join_running(name):
+                return Verdict.LIVE
+            return Verdict.RETIRED
+        identified, keys = await asyncio.to_thread(records, name)
+        if key not in keys:
+            return Verdict.UNBOUND if identified or keys else Verdict.RETIRED
+        if identified:
+            if await entity_recently_running(name) or await join_running(name):
+                return Verdict.LIVE
+            return Verdict.RETIRED
+        # Registered, not yet recorded: a join between the kubelet's registration and its record.
+        if await asyncio.to_thread(cluster.get_node, name) is not None and await join_running(name):
+            return Verdict.LIVE
+        return Verdict.RETIRED
 
     return live
 
 
 class LiveCache:
-    """Each node's verdict, never older than ``ttl`` seconds: a retired node is refused within
-    ``ttl``. A node that keeps calling has its verdict renewed in the background once it is
-    half that old, so its calls do not wait for a lookup (two Temporal reads and a cluster
-    read) on the round trip's critical path."""
+    """Each (node, key) verdict, never older than ``ttl`` seconds: a retired node is refused
+    within ``ttl``. A node that keeps calling has its verdict renewed in the background once it
+    is half that old, so its calls do not wait for a lookup (cluster and Temporal reads) on the
+    round trip's critical path."""
 
     def __init__(self, check: Liveness, ttl: float = 1.0) -> None:
         self.check, self.ttl = check, ttl
-        self._seen: dict[str, tuple[float, bool]] = {}
-        self._inflight: dict[str, asyncio.Future] = {}
+        self._seen: dict[tuple[str, str], tuple[float, Verdict | bool]] = {}
+        self._inflight: dict[tuple[str, str], asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
 
-    async def __call__(self, name: str) -> bool | None:
-        """True/False: live or not; None: cannot tell now (Temporal or the cluster did not answer)."""
-        now = time.monotonic()
-        hit = self._seen.get(name)
+    async def __call__(self, name: str, key: str = "") -> Verdict | bool | None:
+        """A verdict (True/False are LIVE/RETIRED); None: cannot tell now (Temporal or the
+        cluster did not answer)."""
+        now, which = time.monotonic(), (name, key)
+        hit = self._seen.get(which)
         if hit is not None and now - hit[0] < self.ttl:
-            if now - hit[0] >= self.ttl / 2 and name not in self._inflight:
-                self._start(name)
+            if now - hit[0] >= self.ttl / 2 and which not in self._inflight:
+                self._start(which)
             return hit[1]
-        inflight = self._inflight.get(name) or self._start(name)
+        inflight = self._inflight.get(which) or self._start(which)
         return await asyncio.shield(inflight)
 
-    def _start(self, name: str) -> asyncio.Future:
-        """One lookup per node at a time (a burst of calls from one node shares it)."""
+    def _start(self, which: tuple[str, str]) -> asyncio.Future:
+        """One lookup per (node, key) at a time (a burst of calls from one node shares it)."""
         future = asyncio.get_running_loop().create_future()
-        self._inflight[name] = future
+        self._inflight[which] = future
         # The loop keeps only weak references to tasks: hold each lookup until it is done.
-        task = asyncio.create_task(self._lookup(name, future))
+        task = asyncio.create_task(self._lookup(which, future))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return future
 
-    async def _lookup(self, name: str, future: asyncio.Future) -> None:
+    async def _lookup(self, which: tuple[str, str], future: asyncio.Future) -> None:
         # The verdict's age counts from before the lookup: a retire during it is not missed.
         started = time.monotonic()
-        verdict: bool | None = None
+        verdict: Verdict | bool | None = None
         known = False
         try:
-            verdict = await self.check(name)
+            verdict = await self.check(*which)
             known = verdict is not None
         except Exception as error:  # noqa: BLE001 - cannot tell: refuse (fail closed), do not cache
-            log.warning("liveness of %s unknown: %s", name, error)
+            log.warning("liveness of %s unknown: %s", which[0], error)
         finally:
-            self._inflight.pop(name, None)
+            self._inflight.pop(which, None)
             if known:
                 if len(self._seen) > 100_000:
                     self._seen.clear()
-                self._seen[name] = (started, verdict)
+                self._seen[which] = (started, verdict)
             else:
-                self._seen.pop(name, None)
+                self._seen.pop(which, None)
             future.set_result(verdict)
 
     def forget(self, name: str) -> None:
-        self._seen.pop(name, None)
+        for which in [w for w in self._seen if w[0] == name]:
+            self._seen.pop(which, None)
 
 
 # -- the gateway --------------------------------------------------------------------------------
+#: Per-node limits. A node agent runs one poller and at most five activities at once
+#: (workers/node_agent.py); these leave it room, and give no node more of what all share: the
+#: frontend's poll budget (1,200 concurrent polls per namespace and frontend by default), the
+#: gateway's memory and its upstream connections.
+POLLS_PER_NODE = 2
+CALLS_PER_NODE = 16
+#: Connections carrying a node's calls at once (an agent that switched to a renewed key keeps
+#: its old connection until its held poll ends).
+CONNECTIONS_PER_NODE = 4
+#: Bytes per call: a result (``RespondActivityTask*``) may carry a node's report or a failure's
+#: stack; every other call is a poll, a heartbeat or a start-up call of a few hundred bytes.
+REQUEST_BYTES = 64 * 1024
+RESULT_BYTES = 512 * 1024
+#: Calls at once on one connection (HTTP/2 streams; a node agent needs about seven).
+STREAMS_PER_CONNECTION = 32
+#: A call over a node's limits is held this long at most (never past its deadline) and then
+#: answered: a poll with no task, as a long poll that found none is, anything else with
+#: RESOURCE_EXHAUSTED. Held, it costs a little memory and no CPU, nothing goes upstream, and a
+#: node that keeps more calls open than its limits gets no more through than they allow.
+HOLD_SECONDS = 60.0
+#: A poll that got a slot with less time left than this is answered with no task, not
+#: forwarded: the frontend refuses a long poll this short (FAILED_PRECONDITION).
+MIN_UPSTREAM_POLL_SECONDS = 3.0
+#: Names a node sent that the gateway echoes (queues, namespaces, methods) are cut to this.
+ECHO_CHARS = 64
+#: A node over its limits is logged at most this often (every such call is counted).
+LIMIT_LOG_SECONDS = 60.0
+
+_RESULTS = {"RespondActivityTaskCompleted", "RespondActivityTaskFailed", "RespondActivityTaskCanceled"}
+#: The fields each forwarded request keeps (all others, unknown ones included, are dropped):
+#: no deployment or versioning options, no resource ids, nothing a newer SDK adds unread.
+_KEPT = {
+    "RespondActivityTaskCompleted": {"task_token", "result", "identity", "namespace"},
+    "RespondActivityTaskFailed": {"task_token", "failure", "identity", "namespace", "last_heartbeat_details", "cause"},
+    "RespondActivityTaskCanceled": {"task_token", "details", "identity", "namespace"},
+    "RecordActivityTaskHeartbeat": {"task_token", "details", "identity", "namespace"},
+}
+_INSTANCE_KEY = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+#: Worker heartbeats one RecordWorkerHeartbeat may carry (an agent process runs one worker).
+MAX_WORKER_HEARTBEATS = 4
+
+
+def echo(value: str) -> str:
+    """``value`` as the gateway may repeat it in an error or a log line: quoted, cut short."""
+    value = str(value)
+    return repr(value[:ECHO_CHARS]) + (f"… ({len(value)} chars)" if len(value) > ECHO_CHARS else "")
+
+
+def _only(message, kept: set[str]):
+    """``message`` with only the ``kept`` fields, unknown fields dropped (nested too)."""
+    for descriptor in message.DESCRIPTOR.fields:
+        if descriptor.name not in kept:
+            message.ClearField(descriptor.name)
+    message.DiscardUnknownFields()
+    return message
+
+
 @dataclass
 class GatewayStats:
     forwarded: int = 0
     refused: int = 0
     refusals: list[str] = field(default_factory=list)
     held_polls: int = 0
+    #: Calls over a node's limits (held, then answered; or too big), since start.
+    limited: int = 0
+    #: Calls held now because their node is over its limits.
+    held_over_limits: int = 0
     #: node → serial of the certificate it last presented (agents reload rotated keys).
     serials: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class NodeCert:
+    """What the gateway keeps of a node's certificate, parsed once."""
+
+    node: str
+    key: str  # SHA-256 of its public key (``fleet.cluster.client_key_fingerprint``)
+    not_after: float
+
+
+@dataclass
+class NodeLoad:
+    """One node's calls in flight now."""
+
+    polls: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(POLLS_PER_NODE))
+    calls: int = 0
+    held: int = 0
+    upstream_polls: int = 0  # polls forwarded and not yet answered
+    connections: Counter = field(default_factory=Counter)  # peer → its admitted calls
+
+    @property
+    def idle(self) -> bool:
+        return not self.calls and not self.held
 
 
 class NodeGateway(grpc.GenericRpcHandler):
@@ -246,8 +389,8 @@ class NodeGateway(grpc.GenericRpcHandler):
                  upstream_metadata: list[tuple[str, str]] | None = None,
                  poll_channels: list[grpc.aio.Channel] | None = None) -> None:
         self.upstream = upstream
-        # Held long polls (one per node) ride connections of their own: a completion or a
-        # heartbeat never queues behind a thousand open polls for an HTTP/2 stream.
+        # Held long polls (at most two per node) ride connections of their own: a completion or
+        # a heartbeat never queues behind a thousand open polls for an HTTP/2 stream.
         self.poll_channels = poll_channels or [upstream]
         self._next_poll = 0
         self.namespace = namespace
@@ -255,8 +398,10 @@ class NodeGateway(grpc.GenericRpcHandler):
         self.upstream_metadata = list(upstream_metadata or [])
         self.stats = GatewayStats()
         self._tokens: dict[str, OrderedDict[bytes, None]] = {}
-        self._certs: dict[bytes, str] = {}  # certificate PEM → node
+        self._certs: dict[bytes, NodeCert] = {}  # certificate PEM → what it says
         self._stubs: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
+        self._load: dict[str, NodeLoad] = {}
+        self._limit_logged: dict[str, float] = {}
 
     # grpc.GenericRpcHandler
     def service(self, details: grpc.HandlerCallDetails):
@@ -269,81 +414,135 @@ class NodeGateway(grpc.GenericRpcHandler):
 
     def _refuse(self, node: str, method: str, why: str) -> Refused:
         self.stats.refused += 1
-        line = f"{node or '?'}: {method.rsplit('/', 1)[-1]} refused: {why}"
+        call = echo(method.rsplit("/", 1)[-1]).strip("'")
+        line = f"{node or '?'}: {call} refused: {why}"
         self.stats.refusals = [*self.stats.refusals, line][-200:]
-        log.warning("node %s: %s refused: %s", node or "?", method.rsplit("/", 1)[-1], why)
+        log.warning("node %s: %s refused: %s", node or "?", call, why)
         return Refused(why)
 
-    def _identify(self, context: grpc.aio.ServicerContext) -> str:
+    def _over_limit(self, node: str, why: str) -> None:
+        self.stats.limited += 1
+        now = time.monotonic()
+        if now - self._limit_logged.get(node, -LIMIT_LOG_SECONDS) >= LIMIT_LOG_SECONDS:
+            if len(self._limit_logged) > 100_000:
+                self._limit_logged.clear()
+            self._limit_logged[node] = now
+            log.warning("node %s over its limits (%s); its calls over them are held, then answered "
+                        "(logged once a minute, each counted)", node, why)
+
+    def _identify(self, context: grpc.aio.ServicerContext) -> NodeCert:
+        """The caller's certificate, checked again on every call: an open connection stops
+        working when its certificate expires (the TLS handshake checked it only once)."""
         auth = context.auth_context()
         pem = auth.get("x509_pem_cert", [b""])[0]
         known = self._certs.get(pem)
-        if known is not None:
-            return known
-        names = [n.decode() for n in auth.get("x509_common_name", [])]
+        if known is None:
+            known = self._parse(pem, [n.decode(errors="replace") for n in auth.get("x509_common_name", [])])
+        if time.time() >= known.not_after:
+            raise self._refuse(known.node, "(any)", "certificate expired at "
+                               + dt.datetime.fromtimestamp(known.not_after, dt.timezone.utc).isoformat())
+        return known
+
+    def _parse(self, pem: bytes, names: list[str]) -> NodeCert:
         node = node_from_subject(names[0]) if names else None
         if node is None or not pem:
-            raise self._refuse("", "(any)", f"not a node certificate: {names or 'none'}")
+            raise self._refuse("", "(any)", f"not a node certificate: {echo(names[0]) if names else 'none'}")
         from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        from fleet.cluster import client_key_fingerprint
 
         cert = x509.load_pem_x509_certificate(pem)
         groups = [a.value for a in cert.subject.get_attributes_for_oid(x509.NameOID.ORGANIZATION_NAME)]
         if NODE_GROUP not in groups:
             raise self._refuse(node, "(any)", f"certificate not in group {NODE_GROUP}")
         self.stats.serials[node] = cert.serial_number
+        key = client_key_fingerprint(cert.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo))
+        known = NodeCert(node, key, cert.not_valid_after_utc.timestamp())
         # The TLS handshake checked chain and validity; parsed once per certificate, not per call.
         if len(self._certs) > 50_000:
             self._certs.clear()
-        self._certs[pem] = node
-        return node
+        self._certs[pem] = known
+        return known
+
+    def _namespace(self, node: str, name: str, namespace: str, empty_ok: bool = False) -> None:
+        if namespace != self.namespace and not (empty_ok and not namespace):
+            raise self._refuse(node, name, f"namespace {echo(namespace)}")
 
     def _authorize(self, node: str, name: str, request: bytes) -> tuple[bytes, bytes | None]:
-        """The request to forward (identity rewritten) and the token it uses, or Refused."""
-        identity = f"node:{node}"
+        """The request to forward, rebuilt from only what the policy allows (identity rewritten,
+        unknown fields and deployment options dropped), and the token it uses; or Refused."""
+        identity, queue = f"node:{node}", node_queue(node)
         if name == "PollActivityTaskQueue":
             poll = wsr.PollActivityTaskQueueRequest.FromString(request)
-            if poll.namespace != self.namespace:
-                raise self._refuse(node, name, f"namespace {poll.namespace!r}")
-            if poll.task_queue.name != node_queue(node):
-                raise self._refuse(node, name, f"task queue {poll.task_queue.name!r} is not {node_queue(node)!r}")
+            self._namespace(node, name, poll.namespace)
+            if poll.task_queue.name != queue:
+                raise self._refuse(node, name, f"task queue {echo(poll.task_queue.name)} is not {queue!r}")
             if poll.worker_control_task_queue:
-                raise self._refuse(node, name, f"control queue {poll.worker_control_task_queue!r}")
-            poll.identity = identity
-            return poll.SerializeToString(), None
+                raise self._refuse(node, name, f"control queue {echo(poll.worker_control_task_queue)}")
+            # No deployment or versioning options (they create Worker Deployments in the
+            # namespace), no rate-limit metadata, no unknown fields held for a whole long poll.
+            forward = wsr.PollActivityTaskQueueRequest(
+                namespace=self.namespace, identity=identity,
+                task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL))
+            if _INSTANCE_KEY.match(poll.worker_instance_key):
+                forward.worker_instance_key = poll.worker_instance_key
+            return forward.SerializeToString(), None
         if name in _RESPONDS:
             message = _RESPONDS[name].FromString(request)
-            if message.namespace and message.namespace != self.namespace:
-                raise self._refuse(node, name, f"namespace {message.namespace!r}")
+            self._namespace(node, name, message.namespace, empty_ok=True)
             if message.task_token not in self._tokens.get(node, ()):
                 raise self._refuse(node, name, "a task token this gateway did not deliver to this node")
+            _only(message, _KEPT[name])
             message.identity = identity
             return message.SerializeToString(), message.task_token
         if name == "GetSystemInfo":
-            return request, None
+            return wsr.GetSystemInfoRequest().SerializeToString(), None
         if name == "DescribeNamespace":
             described = wsr.DescribeNamespaceRequest.FromString(request)
             if described.namespace != self.namespace or described.id:
-                raise self._refuse(node, name, f"namespace {described.namespace or described.id!r}")
-            return request, None
+                raise self._refuse(node, name, f"namespace {echo(described.namespace or described.id)}")
+            return wsr.DescribeNamespaceRequest(namespace=self.namespace).SerializeToString(), None
         if name == "ShutdownWorker":
             bye = wsr.ShutdownWorkerRequest.FromString(request)
-            if bye.namespace != self.namespace or bye.sticky_task_queue or bye.task_queue not in ("", node_queue(node)):
-                raise self._refuse(node, name, f"queue {bye.task_queue or bye.sticky_task_queue!r}")
-            return request, None
+            self._namespace(node, name, bye.namespace)
+            if bye.sticky_task_queue or bye.task_queue not in ("", queue):
+                raise self._refuse(node, name, f"queue {echo(bye.task_queue or bye.sticky_task_queue)}")
+            # Its own queue only, and no embedded worker heartbeat: that would describe a worker
+            # (on any queue it names) to the server's worker list.
+            forward = wsr.ShutdownWorkerRequest(namespace=self.namespace, identity=identity, task_queue=queue,
+                                                reason=bye.reason[:ECHO_CHARS],
+                                                task_queue_types=bye.task_queue_types)
+            if _INSTANCE_KEY.match(bye.worker_instance_key):
+                forward.worker_instance_key = bye.worker_instance_key
+            return forward.SerializeToString(), None
         if name == "RecordWorkerHeartbeat":
             beat = wsr.RecordWorkerHeartbeatRequest.FromString(request)
+            self._namespace(node, name, beat.namespace)
             queues = {h.task_queue for h in beat.worker_heartbeat}
-            if beat.namespace != self.namespace or not queues <= {node_queue(node)}:
-                raise self._refuse(node, name, f"queues {sorted(queues)}")
-            return request, None
+            if not queues <= {queue} or len(beat.worker_heartbeat) > MAX_WORKER_HEARTBEATS:
+                raise self._refuse(node, name, f"{len(beat.worker_heartbeat)} heartbeats for queues "
+                                   + ", ".join(echo(q) for q in sorted(queues)[:3]))
+            forward = wsr.RecordWorkerHeartbeatRequest(namespace=self.namespace, identity=identity)
+            for heartbeat in beat.worker_heartbeat:
+                kept = forward.worker_heartbeat.add()
+                kept.CopyFrom(heartbeat)
+                kept.DiscardUnknownFields()
+                kept.ClearField("deployment_version")
+                kept.worker_identity = identity
+            return forward.SerializeToString(), None
         raise self._refuse(node, name, "not a node agent's call")
 
-    async def _alive(self, node: str) -> bool | None:
+    async def _alive(self, node: str, key: str) -> Verdict | None:
         try:
-            return await self.live(node)
+            verdict = await self.live(node, key)
         except Exception as error:  # noqa: BLE001 - a bare liveness check (no LiveCache) that could not tell
             log.warning("liveness of %s unknown: %s", node, error)
             return None
+        if verdict is True:
+            return Verdict.LIVE
+        return Verdict.RETIRED if verdict is False else verdict
 
     def _remember(self, node: str, token: bytes) -> None:
         tokens = self._tokens.setdefault(node, OrderedDict())
@@ -362,29 +561,106 @@ class NodeGateway(grpc.GenericRpcHandler):
             stub = self._stubs[key] = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
         return stub
 
-    async def _handle(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        node, name = "", method.removeprefix(SERVICE)
+    @staticmethod
+    def _hold_seconds(context: grpc.aio.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        return HOLD_SECONDS if remaining is None else max(0.0, min(HOLD_SECONDS, remaining - 0.5))
+
+    async def _hold(self, node: str, load: NodeLoad, polling: bool, why: str,
+                    context: grpc.aio.ServicerContext) -> bytes:
+        """A call over the node's limits: held, then answered, and nothing sent upstream."""
+        self._over_limit(node, why)
+        load.held += 1
+        self.stats.held_over_limits += 1
         try:
-            node = self._identify(context)
+            await asyncio.sleep(self._hold_seconds(context))
+        finally:
+            load.held -= 1
+            self.stats.held_over_limits -= 1
+            self._release(node, load)
+        if polling:
+            return b""  # no task: the agent polls again
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
+
+    def load_of(self, node: str) -> NodeLoad:
+        """What ``node`` has in flight now (an empty load when nothing)."""
+        return self._load.get(node) or NodeLoad()
+
+    def _release(self, node: str, load: NodeLoad) -> None:
+        if load.idle and self._load.get(node) is load:
+            del self._load[node]
+
+    async def _handle(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        name = method.removeprefix(SERVICE)
+        try:
+            cert = self._identify(context)
+            node = cert.node
             if not method.startswith(SERVICE):
                 raise self._refuse(node, method, "not the workflow service")
-            forward, token = self._authorize(node, name, request)
-            # A retired node may still say goodbye: that only releases its own queue's polls.
-            alive = True if name == "ShutdownWorker" else await self._alive(node)
-            if alive is None:
-                # Fail closed, but as a transient error: while the control plane is away (static
-                # stability) an agent must keep retrying, not treat its identity as revoked.
-                await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                    "node gateway: cannot verify this node now (control plane unreachable); retry")
-            if not alive:
-                raise self._refuse(node, name, "no live Node entity or join for this node (retired?)")
         except Refused as refused:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node gateway: {refused}")
+        limit = RESULT_BYTES if name in _RESULTS else REQUEST_BYTES
+        if len(request) > limit:
+            self._over_limit(node, f"a {len(request)}-byte {echo(name)}")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"node gateway: a request of {len(request)} bytes; the limit is {limit}")
+        polling = name == "PollActivityTaskQueue"
+        load = self._load.get(node)
+        if load is None:
+            load = self._load[node] = NodeLoad()
+        peer = context.peer()
+        if peer not in load.connections and len(load.connections) >= CONNECTIONS_PER_NODE:
+            return await self._hold(node, load, polling, f"more than {CONNECTIONS_PER_NODE} connections", context)
+        if load.calls >= CALLS_PER_NODE:
+            return await self._hold(node, load, polling, f"more than {CALLS_PER_NODE} calls at once", context)
+        load.calls += 1
+        load.connections[peer] += 1
+        slot = False
+        try:
+            try:
+                forward, token = self._authorize(node, name, request)
+                verdict = await self._alive(node, cert.key)
+                if verdict is None or verdict is Verdict.UNBOUND:
+                    # Fail closed, but as a transient error: while the control plane is away (static
+                    # stability), or a renewed key is not bound yet, an agent must keep retrying, not
+                    # treat its identity as revoked.
+                    if verdict is Verdict.UNBOUND:
+                        log.warning("node %s: %s", node, verdict.value)
+                    why = verdict.value if verdict else "cannot verify this node now (control plane unreachable)"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"node gateway: {why}; retry")
+                if verdict is not Verdict.LIVE:
+                    raise self._refuse(node, name, verdict.value)
+            except Refused as refused:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node gateway: {refused}")
+            del request  # the rebuilt request is what goes on
+            if polling:
+                try:
+                    await asyncio.wait_for(load.polls.acquire(), self._hold_seconds(context))
+                except asyncio.TimeoutError:
+                    self._over_limit(node, f"more than {POLLS_PER_NODE} polls at once")
+                    return b""  # no task: as a long poll that found none
+                slot = True
+                remaining = context.time_remaining()
+                if remaining is not None and remaining < MIN_UPSTREAM_POLL_SECONDS:
+                    return b""  # too late for a long poll upstream (the frontend refuses one this short)
+            return await self._forward(method, node, name, forward, token, polling, context)
+        finally:
+            if slot:
+                load.polls.release()
+            load.calls -= 1
+            load.connections[peer] -= 1
+            if not load.connections[peer]:
+                del load.connections[peer]
+            self._release(node, load)
+
+    async def _forward(self, method: str, node: str, name: str, forward: bytes, token: bytes | None,
+                       polling: bool, context: grpc.aio.ServicerContext) -> bytes:
         metadata = [(k, v) for k, v in context.invocation_metadata() or () if k in _FORWARDED_METADATA]
         metadata += [("temporal-namespace", self.namespace), *self.upstream_metadata]
         remaining = context.time_remaining()
-        polling = name == "PollActivityTaskQueue"
+        load = self._load[node]
         self.stats.held_polls += polling
+        load.upstream_polls += polling
         try:
             response = await self._stub(method)(forward, metadata=metadata,
                                                 timeout=remaining if remaining and remaining < 1e6 else None)
@@ -394,6 +670,7 @@ class NodeGateway(grpc.GenericRpcHandler):
             await context.abort(error.code(), error.details() or "")
         finally:
             self.stats.held_polls -= polling
+            load.upstream_polls -= polling
         self.stats.forwarded += 1
         if polling and response:
             delivered = _task_token(response)
@@ -483,6 +760,12 @@ class GatewayCollector:
                                 value=stats.held_polls)
         yield GaugeMetricFamily("gpufleet_gateway_nodes", "Distinct node identities seen since start.",
                                 value=len(stats.serials))
+        yield CounterMetricFamily("gpufleet_gateway_limited",
+                                  "Node calls over the node's limits (held, then answered; or too big).",
+                                  value=stats.limited)
+        yield GaugeMetricFamily("gpufleet_gateway_held_over_limits",
+                                "Calls held now because their node is over its limits.",
+                                value=stats.held_over_limits)
 
 
 @dataclass
@@ -512,9 +795,17 @@ async def start_gateway(settings: Settings, server_cert: bytes, server_key: byte
     if live is None:
         live = await default_liveness(settings)
     gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl), metadata, polls)
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 16 * 1024 * 1024),
+    # A request over RESULT_BYTES is refused by gRPC from its length prefix, before it is held
+    # in memory; a connection carries at most STREAMS_PER_CONNECTION calls; one with none for
+    # five minutes is closed (a node agent's always holds a poll).
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", RESULT_BYTES),
                                       ("grpc.so_reuseport", 0), ("grpc.optimization_target", "latency"),
-                                      ("grpc.max_concurrent_streams", 100)],
+                                      ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+                                      ("grpc.max_connection_idle_ms", 300_000),
+                                      # Flow-control windows stay small (no BDP probing): a call
+                                      # over the size limit is cut off within its first window,
+                                      # not received (and decrypted) whole first.
+                                      ("grpc.http2.bdp_probe", 0)],
                              maximum_concurrent_rpcs=None)
     server.add_generic_rpc_handlers((gateway,))
     credentials = grpc.ssl_server_credentials([(server_key, server_cert)], root_certificates=client_ca,

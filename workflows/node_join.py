@@ -79,6 +79,10 @@ RELEASE_FAILED_PROVISION = "release-failed-provision"
 #: machine (providerID, addresses) and the token goes as soon as the node registered.
 #: Runs before it issued the token after the machine existed.
 BOOTSTRAP_IN_USER_DATA = "bootstrap-in-user-data"
+#: The node name carries a per-join nonce (the join's first run id): a join started again with
+#: the same id names a new node (the starter's ``NodeName`` search attribute, from the id alone,
+#: is corrected in the first task). Joins started before it name the node from the id alone.
+NAME_NONCE = "join-name-nonce"
 #: Two workflow tasks and two scheduled activities fewer per join: the site is resolved by a
 #: local activity (a config lookup), and the node is labelled and tainted by the activity that
 #: saw it register. Runs before it resolved the site as an activity and labelled the node in a
@@ -196,7 +200,13 @@ class NodeJoin:
         join_id = workflow.info().workflow_id
         timeouts = request.timeouts
         heartbeat = timedelta(seconds=timeouts.heartbeat_seconds)
-        node_name = node_name_for(request.site, join_id)
+        # A node name is never reused: a later join started with this same id names its node
+        # anew, so an earlier machine's certificate for the old name never becomes a live node's.
+        nonce = workflow.info().first_execution_run_id if workflow.patched(NAME_NONCE) else ""
+        node_name = node_name_for(request.site, join_id, nonce)
+        # The provider's idempotency key too: the same id started again buys a new machine,
+        # never the one an earlier run created (and may have deleted) under that key.
+        provision_key = f"{join_id}#{nonce}" if nonce else join_id
         self._progress.node_name = node_name
 
         self._step("resolving site", request.site)
@@ -207,9 +217,9 @@ class NodeJoin:
         )
         # A starter that knew the site set these at start (``sa.join_start_attributes``): upsert what differs.
         started_with = workflow.info().typed_search_attributes
-        changed = [pair.key.value_set(pair.value)
-                   for pair in sa.join_attributes(site.name, site.provider, site.account, join_id)
-                   if started_with.get(pair.key) != pair.value]
+        wanted = [(pair.key, node_name if pair.key == sa.NODE_NAME else pair.value)
+                  for pair in sa.join_attributes(site.name, site.provider, site.account, join_id)]
+        changed = [key.value_set(value) for key, value in wanted if started_with.get(key) != value]
         if changed:
             workflow.upsert_search_attributes(changed)
 
@@ -223,17 +233,20 @@ class NodeJoin:
         if bootstrap:
             provisioning = workflow.start_activity(
                 "provision_joining_machine",
-                ProvisionJoinInput(site=site.name, spec=spec, idempotency_key=join_id,
+                ProvisionJoinInput(site=site.name, spec=spec, idempotency_key=provision_key,
                                    ttl_seconds=request.token_ttl_seconds),
                 result_type=ProvisionedMachine, start_to_close_timeout=timedelta(seconds=timeouts.provision_seconds),
-                retry_policy=PROVIDER_RETRY,
+                # The activity heartbeats while the provider creates the machine: a lost worker is
+                # retried within the heartbeat timeout, under the same key (no second machine).
+                heartbeat_timeout=heartbeat, retry_policy=PROVIDER_RETRY,
                 summary=f"node-bound join token, then {site.instance_type} at {site.name} with it in its user data",
             )
         else:
             provisioning = workflow.start_activity(
-                "provision_machine", ProvisionMachineInput(site=site.name, spec=spec, idempotency_key=join_id),
+                "provision_machine", ProvisionMachineInput(site=site.name, spec=spec, idempotency_key=provision_key),
                 result_type=Machine, start_to_close_timeout=timedelta(seconds=timeouts.provision_seconds),
-                retry_policy=PROVIDER_RETRY, summary=f"create {site.instance_type} at {site.name}",
+                heartbeat_timeout=heartbeat, retry_policy=PROVIDER_RETRY,
+                summary=f"create {site.instance_type} at {site.name}",
             )
         provisioned: ProvisionedMachine | None = None
         try:
@@ -250,7 +263,7 @@ class NodeJoin:
             # revoked account may not be called at all (rule 6): the sweep finds it once rotated.
             if (failure_type(error) not in ("NoCapacity", "BadCredentials")
                     and workflow.patched(RELEASE_FAILED_PROVISION)):
-                await self._release_provision(site, spec, join_id)
+                await self._release_provision(site, spec, provision_key)
             if bootstrap:
                 await self._revoke_node_tokens(node_name)
             raise
@@ -381,12 +394,12 @@ class NodeJoin:
         except Exception:  # noqa: BLE001 - no Site entity running: it counts the cluster when it starts
             pass
 
-    async def _release_provision(self, site: Site, spec: MachineSpec, join_id: str) -> None:
+    async def _release_provision(self, site: Site, spec: MachineSpec, provision_key: str) -> None:
         step = self._progress.step
         self._step("cleaning up", "deleting any machine an earlier attempt created")
         try:
             await workflow.execute_activity(
-                "release_provision", ReleaseProvisionInput(site=site.name, name=spec.name, idempotency_key=join_id),
+                "release_provision", ReleaseProvisionInput(site=site.name, name=spec.name, idempotency_key=provision_key),
                 result_type=list[str], start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
                 summary=f"delete any machine created as {spec.name}",
             )

@@ -1,0 +1,224 @@
+"""Issue 35, finding 2 and 4: what one node's certificate can do to what every node shares.
+
+The node is the attacker: it speaks raw gRPC to the session's node gateway with its own
+certificate (any bytes, any number of calls, on as many connections as it likes). What it
+sends is judged by what reaches the real Temporal dev server behind the gateway (polls held
+there, Worker Deployments and workers it lists) and by what the node hears back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+import pytest
+from temporalio.api.deployment.v1 import WorkerDeploymentOptions
+from temporalio.api.enums.v1 import WorkerVersioningMode
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.worker.v1 import WorkerHeartbeat
+from temporalio.api.deployment.v1 import WorkerDeploymentVersion
+from temporalio.api.common.v1 import Payload, Payloads
+from temporalio.api.workflowservice.v1 import (
+    DescribeNamespaceRequest,
+    ListWorkerDeploymentsRequest,
+    ListWorkersRequest,
+    PollActivityTaskQueueRequest,
+    RecordWorkerHeartbeatRequest,
+    RespondActivityTaskCompletedRequest,
+    ShutdownWorkerRequest,
+)
+
+from tests.conftest import NODE_GATEWAYS, wait_for
+from tests.security.gateway_helpers import (
+    call,
+    code_of,
+    credentials,
+    end_entity,
+    gather_codes,
+    live_entity,
+    node_channel,
+    poll_request,
+    unique,
+)
+from workers.node_gateway import POLLS_PER_NODE, REQUEST_BYTES, RESULT_BYTES
+
+OK, DENIED, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+@pytest.fixture
+async def gateway(temporal_env):
+    return NODE_GATEWAYS[temporal_env.client.service_client.config.target_host]
+
+
+@pytest.fixture
+async def attacker(temporal_env, gateway):
+    """A live node (its entity runs), as an attacker holds it: certificate, key, a connection."""
+    name = unique("atk")
+    await live_entity(temporal_env.client, name)
+    node = credentials(gateway.pki, name)
+    channel = node_channel(gateway.access, node)
+    yield node, channel
+    await channel.close()
+    await end_entity(temporal_env.client, name)
+
+
+async def test_a_node_gets_two_polls_upstream_however_many_it_holds_open(temporal_env, gateway, attacker) -> None:
+    """The frontend's poll budget is shared (1,200 per namespace and frontend): one node's
+    extra polls are held at the gateway, never forwarded, and answered as a long poll that
+    found no task; another node's poll still goes through."""
+    node, channel = attacker
+    stats = gateway.running.gateway.stats
+    before = stats.held_polls
+    poll = call(channel, "PollActivityTaskQueue")
+    held = [asyncio.ensure_future(poll(poll_request(node.name), timeout=5)) for _ in range(12)]
+    await asyncio.sleep(1.5)
+    assert stats.held_polls - before == POLLS_PER_NODE, "only two of its polls reach the server"
+
+    other = unique("atk-other")
+    await live_entity(temporal_env.client, other)
+    neighbour = credentials(gateway.pki, other)
+    async with node_channel(gateway.access, neighbour) as theirs:
+        their_poll = asyncio.ensure_future(call(theirs, "PollActivityTaskQueue")(poll_request(other), timeout=4))
+        await wait_for(lambda: stats.held_polls - before == POLLS_PER_NODE + 1, timeout=3)
+        assert await code_of(their_poll) == OK
+    await end_entity(temporal_env.client, other)
+    # The held ones end as a long poll with no task does: an empty answer, no error.
+    assert await gather_codes(held) == [OK] * len(held)
+
+
+async def test_a_node_over_its_connection_limit_is_held_not_served(gateway, attacker) -> None:
+    """Calls on a node's fifth connection while four carry its calls: held until their
+    deadline, then RESOURCE_EXHAUSTED; its first four connections are served at once."""
+    node, _channel = attacker
+    channels = [node_channel(gateway.access, node) for _ in range(6)]
+    try:
+        # Four connections each hold a poll (two upstream, two waiting for a poll slot).
+        polls = [asyncio.ensure_future(call(c, "PollActivityTaskQueue")(poll_request(node.name), timeout=6))
+                 for c in channels[:4]]
+        await asyncio.sleep(1.0)
+        describe = DescribeNamespaceRequest(namespace="default").SerializeToString()
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        assert await code_of(call(channels[0], "DescribeNamespace")(describe, timeout=3)) == OK
+        assert loop.time() - started < 1.0, "its own connections are served at once"
+        started = loop.time()
+        assert await code_of(call(channels[4], "DescribeNamespace")(describe, timeout=3)) == EXHAUSTED
+        assert loop.time() - started > 2.0, "held until its deadline, not answered (nor refused) at once"
+        await gather_codes(polls)
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+async def test_big_requests_are_refused_before_they_are_held(gateway, attacker) -> None:
+    """3 MB polls never reach the server (the finding: 40 of them held 535 MB in the gateway
+    and 625 MB in Temporal for a whole long poll); a poll over REQUEST_BYTES is refused; a
+    result may be larger (RESULT_BYTES)."""
+    node, channel = attacker
+    stats = gateway.running.gateway.stats
+    before = stats.held_polls
+    poll = call(channel, "PollActivityTaskQueue")
+    huge = poll_request(node.name, identity="x" * 3_000_000)
+    big = poll_request(node.name, identity="x" * (REQUEST_BYTES + 1))
+    started = asyncio.get_running_loop().time()
+    codes = await gather_codes([poll(huge, timeout=5) for _ in range(20)] + [poll(big, timeout=5)])
+    assert codes == [EXHAUSTED] * 21
+    assert asyncio.get_running_loop().time() - started < 4.0, "refused, not held for a long poll"
+    assert stats.held_polls == before, "none was forwarded"
+    # A result of a quarter megabyte is within its own limit: judged (an undelivered token) on its merits.
+    payload = Payload(metadata={"encoding": b"binary/plain"}, data=b"r" * (RESULT_BYTES // 2))
+    result = RespondActivityTaskCompletedRequest(namespace="default", task_token=b"not-delivered",
+                                                 result=Payloads(payloads=[payload])).SerializeToString()
+    assert await code_of(call(channel, "RespondActivityTaskCompleted")(result, timeout=5)) == DENIED
+
+
+async def test_deployment_options_and_unknown_fields_are_dropped(temporal_env, gateway, attacker) -> None:
+    """Deployment options on a poll create a Worker Deployment in the namespace when they
+    reach the server; unknown fields would be held for the whole long poll. Neither is forwarded."""
+    node, channel = attacker
+    deployment = unique("planted-deployment")
+    options = WorkerDeploymentOptions(deployment_name=deployment, build_id="b1",
+                                      worker_versioning_mode=WorkerVersioningMode.WORKER_VERSIONING_MODE_VERSIONED)
+    # Field 999 is no field of a poll: 30 kB the server would keep in memory as unknown bytes.
+    unknown = b"\xba\x3e" + bytes([0xb0, 0xea, 0x01]) + b"u" * 30_000
+    request = poll_request(node.name, deployment_options=options) + unknown
+    assert await code_of(call(channel, "PollActivityTaskQueue")(request, timeout=4)) == OK
+    listed = await temporal_env.client.workflow_service.list_worker_deployments(
+        ListWorkerDeploymentsRequest(namespace="default"))
+    assert deployment not in {d.name for d in listed.worker_deployments}, "no Worker Deployment was planted"
+
+    # What the gateway forwards: the poll rebuilt from the fields a poll of its own queue needs.
+    forwarded, _ = gateway.running.gateway._authorize(node.name, "PollActivityTaskQueue", request)
+    assert forwarded == PollActivityTaskQueueRequest(
+        namespace="default", identity=f"node:{node.name}",
+        task_queue=TaskQueue(name=f"node/{node.name}", kind=1)).SerializeToString()
+    gateway.running.gateway._remember(node.name, b"token-a")
+    done = RespondActivityTaskCompletedRequest(namespace="default", task_token=b"token-a", identity="me",
+                                               deployment_options=options).SerializeToString() + unknown
+    forwarded, _ = gateway.running.gateway._authorize(node.name, "RespondActivityTaskCompleted", done)
+    assert forwarded == RespondActivityTaskCompletedRequest(namespace="default", task_token=b"token-a",
+                                                            identity=f"node:{node.name}").SerializeToString()
+
+
+async def _workers(client, instance_key: str) -> list:
+    listed = await client.workflow_service.list_workers(ListWorkersRequest(namespace="default"))
+    return [w for w in listed.workers_info if w.worker_heartbeat.worker_instance_key == instance_key]
+
+
+async def test_shutdown_worker_needs_a_live_node_and_plants_no_worker(temporal_env, gateway, attacker) -> None:
+    """Finding 4: ``ShutdownWorker`` skipped the liveness check, and the worker heartbeat it
+    may carry planted a fake worker on the control plane's queue ``gpufleet``."""
+    node, channel = attacker
+    planted = unique("planted")
+    heartbeat = WorkerHeartbeat(worker_instance_key=planted, task_queue="gpufleet", worker_identity="control-plane",
+                                sdk_name="temporal-python")
+    bye = ShutdownWorkerRequest(namespace="default", identity="x", reason="bye", worker_heartbeat=heartbeat,
+                                worker_instance_key=planted).SerializeToString()
+    assert await code_of(call(channel, "ShutdownWorker")(bye, timeout=5)) == OK
+    await asyncio.sleep(0.5)
+    assert await _workers(temporal_env.client, planted) == [], "no worker planted on any queue"
+
+    # A worker heartbeat about its own queue: under its own identity, with no deployment version.
+    own = WorkerHeartbeat(worker_instance_key=planted, task_queue=f"node/{node.name}", worker_identity="someone",
+                          deployment_version=WorkerDeploymentVersion(deployment_name="d", build_id="b"),
+                          sdk_name="temporal-python")
+    beat = RecordWorkerHeartbeatRequest(namespace="default", worker_heartbeat=[own]).SerializeToString()
+    assert await code_of(call(channel, "RecordWorkerHeartbeat")(beat, timeout=5)) == OK
+    (listed,) = await wait_for_workers(temporal_env.client, planted)
+    assert listed.worker_heartbeat.worker_identity == f"node:{node.name}"
+    assert not listed.worker_heartbeat.HasField("deployment_version")
+
+    # A never-joined identity (no entity, no join) is refused like any other call.
+    stranger = credentials(gateway.pki, unique("never-joined"))
+    async with node_channel(gateway.access, stranger) as theirs:
+        refused_bye = ShutdownWorkerRequest(namespace="default", task_queue=f"node/{stranger.name}").SerializeToString()
+        assert await code_of(call(theirs, "ShutdownWorker")(refused_bye, timeout=5)) == DENIED
+
+
+async def wait_for_workers(client, instance_key: str, timeout: float = 5.0) -> list:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not (found := await _workers(client, instance_key)):
+        assert asyncio.get_running_loop().time() < deadline, "the heartbeat never reached the server"
+        await asyncio.sleep(0.1)
+    return found
+
+
+async def test_names_a_node_sends_are_cut_short_in_errors_and_logs(gateway, attacker, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="gpufleet.node_gateway")
+    node, channel = attacker
+    long_queue = "q" * 20_000
+    request = PollActivityTaskQueueRequest(namespace="default", task_queue=TaskQueue(name=long_queue))
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(channel, "PollActivityTaskQueue")(request.SerializeToString(), timeout=5)
+    assert caught.value.code() == DENIED and len(caught.value.details()) < 300, caught.value.details()[:400]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await call(channel, "DescribeNamespace")(DescribeNamespaceRequest(namespace="n" * 20_000).SerializeToString(),
+                                                 timeout=5)
+    assert caught.value.code() == DENIED and len(caught.value.details()) < 300
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await channel.unary_unary("/temporal.api.workflowservice.v1.WorkflowService/" + "M" * 8_000,
+                                  request_serializer=None, response_deserializer=None)(b"", timeout=5)
+    assert caught.value.code() == DENIED and len(caught.value.details()) < 300
+    lines = [r.getMessage() for r in caplog.records if r.name == "gpufleet.node_gateway" and node.name in r.getMessage()]
+    assert len(lines) >= 3 and all(len(line) < 400 for line in lines), [line[:120] for line in lines]
