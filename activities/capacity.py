@@ -68,19 +68,43 @@ async def report_to_account(env: FleetEnv, input: ReportAccountInput) -> None:
     )
 
 
+#: The longest gap between two heartbeats of a long provider call, whatever its timeout.
+HEARTBEAT_MAX_SECONDS = 30.0
+
+
+async def heartbeating(work: Awaitable[R]) -> R:
+    """Await ``work`` (a blocking provider call in a thread: creating a machine can take
+    minutes) and heartbeat meanwhile, when the caller set a heartbeat timeout: a worker that
+    dies mid-call is then noticed within that timeout and the attempt retried elsewhere (under
+    the same idempotency key, so the retry finds what this attempt created), not only when the
+    start-to-close timeout runs out. Every third of the timeout, at most 30 s; the first only
+    after that long, so a call that answers within seconds costs no heartbeat."""
+    timeout = activity.info().heartbeat_timeout
+    if not timeout:
+        return await work
+    every = min(timeout.total_seconds() / 3, HEARTBEAT_MAX_SECONDS)
+    task = asyncio.ensure_future(work)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=every)
+        if done:
+            return task.result()
+        activity.heartbeat()
+
+
 def reports_account(site_of: Callable[[Any], str], offer_of: Callable[[Any], str | None] = lambda _: None):
     """Run a provider-calling activity body (sync, in a thread) and report a provider's own
     ``BadCredentials`` or ``OverQuota`` to the account before it is raised (rule 6).
 
     The one place every path meets those answers (joins however started, repair
     replacements and restarts, reclaims, sweeps), so the guard holds for all of them. The
-    guard's own refusals (``AccountRevoked``/``OfferBlocked``) were reported already."""
+    guard's own refusals (``AccountRevoked``/``OfferBlocked``) were reported already.
+    While the body runs it heartbeats (``heartbeating``) when the caller asked for it."""
 
     def wrap(fn: Callable[[Any, Any], R]) -> Callable[[Any, Any], Awaitable[R]]:
         @functools.wraps(fn)
         async def run(self, input):
             try:
-                return await asyncio.to_thread(fn, self, input)
+                return await heartbeating(asyncio.to_thread(fn, self, input))
             except (BadCredentials, OverQuota) as error:
                 if isinstance(error, (AccountRevoked, OfferBlocked)):
                     raise

@@ -32,6 +32,8 @@ from fleet.messages.evacuation import (
     SiteRef,
     SiteWeightInput,
     SiteWeightResult,
+    ReleaseNodesInput,
+    ReleaseNodesResult,
     UncordonInput,
 )
 
@@ -49,7 +51,7 @@ class EvacuationActivities:
         return [
             self.admit_repair, self.incident_settings, self.incident_probe, self.hold_site_repairs,
             self.evacuation_facts, self.set_site_weight, self.free_gpus, self.scale_serving,
-            self.uncordon_nodes, self.recovery_probe,
+            self.uncordon_nodes, self.release_nodes, self.recovery_probe,
         ]
 
     # -- the Site entity's side ---------------------------------------------------------------
@@ -183,6 +185,34 @@ class EvacuationActivities:
                 self.env.cluster.cordon(name, False)
                 done.append(name)
         return done
+
+    @activity.defn
+    @typed_errors
+    def release_nodes(self, input: ReleaseNodesInput) -> ReleaseNodesResult:
+        """Uncordon the nodes an evacuation cordoned, except one held for a reason of its own:
+        a GPU still fenced by its repair (the repair uncordons it when done). ``keep_cordoned``
+        (cordoned before it began) stay as they are. Returns each node's outcome, with why a
+        held one stays cordoned."""
+        from activities.repair import FENCE_PREFIX
+
+        cluster, out = self.env.cluster, ReleaseNodesResult()
+        for name in [*input.nodes, *input.keep_cordoned]:
+            node = cluster.get_node(name)
+            if node is None:
+                out.gone.append(name)
+                continue
+            fenced = sorted(key.removeprefix(FENCE_PREFIX) for key in cluster.annotate_node(name, {})
+                            if key.startswith(FENCE_PREFIX))
+            if fenced:
+                out.held[name] = (f"GPU {', '.join(fenced)} fenced by its repair (its Node entity uncordons "
+                                  f"it when the GPU is healthy)")
+            elif name in input.keep_cordoned:
+                out.held[name] = "cordoned before the evacuation began (left as it was found)"
+            else:
+                if node.unschedulable:
+                    cluster.cordon(name, False)
+                out.uncordoned.append(name)
+        return out
 
     @activity.defn
     @typed_errors

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import signal
 import uuid
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from cli.common import Address, ConfigPath, OutputFormat, StateDir, console, err, fail, fleet_client, run, show_rows, sim_world
 from cli.common import connect as _connect
 from cli.common import settings as _settings
 from fleet.schedules import SCHEDULES, apply_schedules
-from fleet.settings import Settings
 
 
 schedules_app = typer.Typer(help="Temporal Schedules for the periodic work.", no_args_is_help=True)
@@ -23,6 +25,10 @@ accounts_app = typer.Typer(help="Provider accounts: what waits for a person, and
 
 #: Schedule id → (workflow type, workflow id, what it does).
 # -- capacity ------------------------------------------------------------------------------
+#: Exit code of a command stopped by Ctrl-C (SIGINT), as a shell reports it.
+INTERRUPTED = 130
+
+
 def capacity(
     gpu: Annotated[Optional[str], typer.Option(help="GPU type, e.g. H100")] = None,
     gpu_class: Annotated[Optional[list[str]], typer.Option("--gpu-class", help="acceptable GPU types (repeat)")] = None,
@@ -35,10 +41,16 @@ def capacity(
     on_demand: Annotated[bool, typer.Option("--on-demand", help="no spot (on-demand and owned only)")] = False,
     deadline: Annotated[float, typer.Option(help="give up after this many seconds")] = 3600,
     request: Annotated[Optional[str], typer.Option(help="request id (default: random)")] = None,
-    wait: Annotated[bool, typer.Option(help="show progress until done")] = True,
+    detach: Annotated[bool, typer.Option(
+        "--detach", help="start it and return: the request runs on (cancel it with `gpufleet capacity-cancel`); "
+                         "without it, a command that ends before the request cancels it")] = False,
     address: Address = "localhost:7233",
+    config: ConfigPath = None,
 ) -> None:
-    """Acquire nodes: cheapest qualifying offers first, falling back across providers."""
+    """Acquire nodes: cheapest qualifying offers first, falling back across providers.
+
+    Shows progress until the request ends. Interrupted (Ctrl-C, SIGTERM, a closed terminal),
+    it cancels the request: joins in flight delete their machines, joined nodes stay."""
     constraints: dict = {"gpu_memory_gb_min": min_gpu_memory}
     if gpu:
         constraints["gpu"] = gpu
@@ -56,60 +68,192 @@ def capacity(
         constraints["capacity_types"] = ["on-demand", "owned"]
     raw = {"constraints": constraints, "count": count, "deadline_seconds": deadline}
     from client import InvalidArgument
-    from client.fleet import validate
-    from fleet.messages.capacity import CapacityRequest
 
-    try:  # before connecting: a bad request exits 2 even without a server
-        validate(CapacityRequest, raw, "request")
+    settings = _settings(address, config=config)
+    fleet = fleet_client(settings)
+    try:  # before connecting: a bad or impossible request exits 2 even without a server
+        fleet.check_capacity_request(raw)
     except InvalidArgument as error:
-        err.print(f"[red]invalid request:[/] {'; '.join(f'{f}: {m}' for f, m in error.problems)}")
+        err.print(f"[red]invalid request:[/] {'; '.join(f'{_flag(f)}: {m}' for f, m in error.problems)}")
         raise typer.Exit(2) from None
-    code = run(_capacity(_settings(address), raw, request or uuid.uuid4().hex[:8], wait))
+    code = run(_capacity(fleet, raw, request or uuid.uuid4().hex[:8], detach))
     raise typer.Exit(code)
 
 
-async def _capacity(settings: Settings, raw: dict, request: str, wait: bool) -> int:
-    from rich.live import Live
+#: A request field → the option that sets it (refusals name what the operator typed).
+FLAGS = {"constraints.gpu": "--gpu", "constraints.gpu_class": "--gpu-class", "constraints.sites": "--site",
+         "constraints.geographies": "--geo", "constraints.max_price_per_gpu_hour": "--max-price",
+         "constraints.spend_cap_per_hour": "--spend-cap", "constraints.gpu_memory_gb_min": "--min-gpu-memory",
+         "constraints.capacity_types": "--on-demand", "count": "--count", "deadline_seconds": "--deadline"}
+
+
+def _flag(field: str) -> str:
+    return ", ".join(FLAGS.get(f.strip(), f.strip()) for f in field.split(","))
+
+
+def _clock(at) -> str:
+    return at.astimezone().strftime("%H:%M:%S") if at is not None else "-"
+
+
+def capacity_line(workflow_id: str, p) -> str:
+    """One line that says where the request is, and while it waits, why and until when."""
+    line = f"{workflow_id}: {p.step}, {p.joined} of {p.requested} joined"
+    if p.in_flight:
+        line += f"; joining at {', '.join(p.in_flight)}"
+    if p.wait_until is not None:
+        line += f"; looks again at {_clock(p.wait_until)} or when offers change"
+    if p.deadline is not None and not p.finished:
+        line += f"; gives up at {_clock(p.deadline)}"
+    if p.waiting_for:
+        line += "; waiting for: " + " | ".join(p.waiting_for)
+    return line
+
+
+async def _capacity(fleet, raw: dict, request: str, detach: bool) -> int:
     from temporalio.client import WorkflowFailureError
 
-    fleet = fleet_client(settings)
     handle = await fleet.acquire_capacity(raw, request_id=request)
     console.print(f"started [bold]{handle.id}[/]")
-    if not wait:
+    if detach:
+        console.print(f"detached: it runs on until it ends; stop it with `gpufleet capacity-cancel {handle.id}`")
         return 0
-    result_task = asyncio.ensure_future(handle.result())
-    with Live(console=console, refresh_per_second=4) as live:
-        while not result_task.done():
-            try:
-                p = await fleet.capacity_progress(handle.id)
-                table = Table(title=f"{handle.id}: {p.step} — {p.joined} of {p.requested} joined")
-                table.add_column("what")
-                table.add_column("offer / outcome", overflow="fold")
-                for c in p.candidates[:5]:
-                    table.add_row("candidate", c)
-                for c in p.in_flight:
-                    table.add_row("joining", c)
-                for r in p.rejected:
-                    table.add_row("[dim]rejected[/]", r)
-                for a in p.attempts[-5:]:
-                    table.add_row("tried", f"{a.offer}: {a.outcome}")
-                live.update(table)
-            except Exception:  # noqa: BLE001 - the first task may not have run yet
-                pass
-            await asyncio.wait([result_task], timeout=0.5)
-    try:
-        result = result_task.result()
-    except WorkflowFailureError as error:
-        from cli.common import failure
+    with cancel_on_exit_signals():
+        try:
+            result = await _watch(fleet, handle)
+        except asyncio.CancelledError:  # Ctrl-C, SIGTERM, SIGHUP: the request must not outlive us
+            asyncio.current_task().uncancel()
+            return await _cancel(fleet, handle.id, "the `gpufleet capacity` that started it was interrupted")
+        except WorkflowFailureError as error:
+            from cli.common import failure
 
-        err.print(f"[red]{handle.id} failed:[/] {failure(error)[1]}")
-        return 1
+            err.print(f"[red]{handle.id} failed:[/] {failure(error)[1]}")
+            return 1
+        except Exception:
+            # Whatever stops this command before the request ends stops the request too.
+            with contextlib.suppress(Exception):
+                await _cancel(fleet, handle.id, "the `gpufleet capacity` that started it failed")
+            raise
     for node in result.nodes:
         console.print(f"[green]joined[/] {node.node_name} at {node.site} ({node.gpus} GPUs)")
     console.print(f"{len(result.nodes)} of {result.requested} joined, ${result.cost_per_hour:.2f}/h")
     for why in result.why:
-        console.print(f"  [yellow]{why}[/]")
+        console.print(f"  [yellow]{escape(why)}[/]")
     return 0 if result.complete else 3
+
+
+async def _watch(fleet, handle):
+    """Until the request ends: a live table on a terminal, one line per change when piped."""
+    from rich.live import Live
+
+    result_task = asyncio.ensure_future(handle.result())
+    live = Live(console=console, refresh_per_second=4) if console.is_terminal else None
+    last = ""
+    try:
+        if live is not None:
+            live.start()
+        while not result_task.done():
+            try:
+                p = await fleet.capacity_progress(handle.id)
+            except Exception:  # noqa: BLE001 - the first task may not have run yet
+                p = None
+            if p is not None:
+                line = capacity_line(handle.id, p)
+                if live is not None:
+                    live.update(_capacity_table(handle.id, p, line))
+                elif line != last:
+                    print(line, flush=True)
+                last = line
+            await asyncio.wait([result_task], timeout=0.5)
+        return result_task.result()
+    finally:
+        if live is not None:
+            live.stop()
+        if not result_task.done():
+            result_task.cancel()
+
+
+def _capacity_table(workflow_id: str, p, line: str) -> Table:
+    table = Table(title=escape(line), title_justify="left", expand=False)
+    table.add_column("what")
+    table.add_column("offer / outcome", overflow="fold")
+    for w in p.waiting_for:
+        table.add_row("[yellow]waiting for[/]", escape(w))
+    for c in p.candidates[:5]:
+        table.add_row("candidate", escape(c))
+    for c in p.in_flight:
+        table.add_row("joining", escape(c))
+    for r in p.rejected:
+        table.add_row("[dim]rejected[/]", escape(r))
+    for a in p.attempts[-5:]:
+        table.add_row("tried", escape(f"{a.offer}: {a.outcome}"))
+    return table
+
+
+async def _cancel(fleet, workflow_id: str, reason: str) -> int:
+    """Cancel the request and say what that stopped; a second Ctrl-C leaves without the answer
+    (the request has the cancel by then and carries it out)."""
+    from client import NotFound, Rejected
+
+    err.print(f"cancelling {workflow_id} (its joins in flight delete their machines) ...")
+    try:
+        p = await asyncio.wait_for(fleet.cancel_capacity(
+            workflow_id, reason, accepted=lambda: err.print("  taken; waiting for the joins to stop "
+                                                            "(Ctrl-C again leaves, the cancel goes on)")), 300)
+    except (Rejected, NotFound) as error:  # it ended meanwhile: nothing left to stop
+        err.print(f"{workflow_id}: nothing to cancel ({error})")
+        return INTERRUPTED
+    except asyncio.TimeoutError:
+        err.print(f"{workflow_id}: cancel taken; the joins are still stopping (`temporal workflow describe --workflow-id {workflow_id}` shows them)")
+        return INTERRUPTED
+    err.print(cancel_summary(workflow_id, p))
+    return INTERRUPTED
+
+
+def cancel_summary(workflow_id: str, p) -> str:
+    stopped = f"{len(p.released)} joins stopped, their machines deleted" if p.released else "no join was in flight"
+    kept = f"{p.joined} joined node(s) stay" if p.joined else "nothing joined"
+    text = f"cancelled {workflow_id}: {stopped}; {kept}"
+    return text + "".join(f"\n  stopped {r}" for r in p.released)
+
+
+@contextlib.contextmanager
+def cancel_on_exit_signals():
+    """SIGTERM and SIGHUP (a closed terminal) end the command like Ctrl-C does: the running
+    task is cancelled, so the command's own clean-up runs."""
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    added = []
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        try:
+            loop.add_signal_handler(sig, task.cancel)
+            added.append(sig)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such signal
+            pass
+    try:
+        yield
+    finally:
+        for sig in added:
+            loop.remove_signal_handler(sig)
+
+
+def capacity_cancel(
+    request: Annotated[str, typer.Argument(help="capacity/<id> or the request id")],
+    reason: Annotated[str, typer.Option(help="why (shown in the request's history)")] = "cancelled by an operator",
+    address: Address = "localhost:7233",
+) -> None:
+    """Cancel a capacity request: joins in flight delete their machines, joined nodes stay."""
+    from client import InvalidArgument, NotFound, Rejected
+    from client.fleet import capacity_id
+
+    fleet = fleet_client(_settings(address))
+    try:
+        p = run(fleet.cancel_capacity(request, reason))
+    except InvalidArgument as error:
+        fail(str(error), 2)
+    except (Rejected, NotFound) as error:
+        err.print(f"[red]rejected:[/] {error}")
+        raise typer.Exit(1) from None
+    console.print(cancel_summary(capacity_id(request), p))
 
 
 # -- schedules -----------------------------------------------------------------------------

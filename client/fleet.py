@@ -10,7 +10,7 @@ the same answer, only later.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -20,6 +20,7 @@ from temporalio.client import (
     WorkflowExecutionStatus,
     WorkflowHandle,
     WorkflowUpdateFailedError,
+    WorkflowUpdateStage,
 )
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
@@ -45,6 +46,11 @@ def manual_evacuation_id(site: str, request_id: str) -> str:
     """A SiteEvacuation started by a person: its own series beside the Site entity's
     ``evacuate/<site>/<n>``, so the entity's next incident never collides with it."""
     return f"evacuate/{site}/manual-{request_id}"
+
+
+def capacity_id(request: str) -> str:
+    """``capacity/<request>`` from itself or from the request id."""
+    return request if request.startswith("capacity/") else capacity_workflow_id(request)
 
 
 def rollout_workflow_id(rollout: str) -> str:
@@ -144,10 +150,26 @@ class FleetClient:
     async def join_progress(self, workflow_id: str) -> JoinProgress:
         return await self._query(workflow_id, "progress", JoinProgress)
 
+    def check_capacity_request(self, request: CapacityRequest | Mapping[str, Any]) -> CapacityRequest:
+        """The request, or :class:`InvalidArgument` naming each field no configured site can
+        ever satisfy (an empty request, an unknown site or GPU, an impossible combination),
+        checked against this client's fleet config; the workflow checks the same at start."""
+        from fleet.feasibility import EMPTY, request_problems
+
+        args = validate(CapacityRequest, request)
+        config = self.config()
+        problems = request_problems(args.constraints, config.sites if config else [])
+        if config is None:  # no config to check against: only what needs none
+            problems = [p for p in problems if p[1] == EMPTY]
+        if problems:
+            raise InvalidArgument(problems, "CapacityRequest")
+        return args
+
     async def acquire_capacity(self, request: CapacityRequest | Mapping[str, Any], *,
                                request_id: str) -> WorkflowHandle[Any, CapacityResult]:
-        """Start AcquireCapacity ``capacity/<request_id>`` (or attach to it)."""
-        args = validate(CapacityRequest, request)
+        """Start AcquireCapacity ``capacity/<request_id>`` (or attach to it). A request no
+        configured site can ever serve is refused before anything starts."""
+        args = self.check_capacity_request(request)
         _text("request_id", request_id)
         client = await self.temporal()
         return await client.start_workflow(
@@ -157,7 +179,28 @@ class FleetClient:
         )
 
     async def capacity_progress(self, workflow_id: str) -> CapacityProgress:
-        return await self._query(workflow_id, "progress", CapacityProgress)
+        return await self._query(capacity_id(_text("request", workflow_id)), "progress", CapacityProgress)
+
+    async def cancel_capacity(self, request: str, reason: str = "", *,
+                              accepted: Callable[[], None] | None = None) -> CapacityProgress:
+        """Stop a capacity request (``capacity/<id>`` or its request id): every join in flight
+        is cancelled and deletes its machine; nodes already joined stay. Returns once that is
+        done, naming each join it stopped (``released``). ``accepted`` is called as soon as the
+        request has taken the cancel (from then on it happens even if this caller goes away)."""
+        workflow_id = capacity_id(_text("request", request))
+        if not isinstance(reason, str):
+            raise InvalidArgument([("reason", "must be a string")])
+        client = await self.temporal()
+        try:
+            update = await client.get_workflow_handle(workflow_id).start_update(
+                "cancel", reason, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=CapacityProgress)
+            if accepted is not None:
+                accepted()
+            return await update.result()
+        except WorkflowUpdateFailedError as error:
+            raise Rejected(workflow_id, "cancel", str(error.cause)) from error
+        except RPCError as error:
+            raise _rpc(workflow_id, error, "cancel") from None
 
     # -- rollouts --------------------------------------------------------------------------
     async def start_rollout(self, request: RolloutInput | Mapping[str, Any]) -> WorkflowHandle[Any, RolloutResult]:

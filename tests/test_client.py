@@ -42,12 +42,14 @@ async def test_start_join_uses_the_standard_id_attributes_and_attaches(stack: St
     attributes = (await handle.describe()).typed_search_attributes
     assert attributes.get(sa.SITE) == "site-a"
     assert (attributes.get(sa.PROVIDER), attributes.get(sa.ACCOUNT)) == ("lambda", "acct-a")
-    assert attributes.get(sa.NODE_NAME) == node_name_for("site-a", handle.id)
+    # From the id alone at start; the join's own name (with its nonce) from its first task on.
+    named = node_name_for("site-a", handle.id, handle.first_execution_run_id)
+    assert attributes.get(sa.NODE_NAME) in (node_name_for("site-a", handle.id), named)
 
     again = await fleet.start_join({"site": "site-a"}, request_id=request)
     assert again.run_id == handle.run_id, "a repeated call attaches to the running join"
     result = await again.result()
-    assert isinstance(result, NodeJoinResult) and result.nodes[0].node_name == node_name_for("site-a", handle.id)
+    assert isinstance(result, NodeJoinResult) and result.nodes[0].node_name == named
     assert (await fleet.join_progress(handle.id)).step == "ready"
 
 

@@ -11,7 +11,8 @@ import asyncio
 import uuid
 
 import pytest
-from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.exceptions import CancelledError
 
 from tests.evacuation_helpers import (
     IncStack,
@@ -21,8 +22,8 @@ from tests.evacuation_helpers import (
     poll,
     replay_and_record,
 )
-from fleet.messages.capacity import SiteStatus
-from fleet.messages.evacuation import EvacuationResult
+from fleet.messages.capacity import CapacityResult, SiteStatus
+from fleet.messages.evacuation import EvacuationProgress, EvacuationResult
 
 MODEL = "llm"
 
@@ -101,12 +102,19 @@ async def test_four_of_eight_failing_evacuates_once_and_restores_stepwise(inc: I
     assert inc.cluster.serving_status(MODEL, a).desired_replicas == 4
     assert inc.cluster.serving_status(MODEL, c).desired_replicas == 1, "surplus elsewhere scaled back"
     assert len(inc.world.machines(c)) == 1, "capacity bought for the evacuation retired (c's min is 0)"
-    assert not any(n.unschedulable for n in inc.cluster.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": a}))
+    # Nodes whose GPU a repair still fences stay cordoned, each with its reason (issue 36); the
+    # others are uncordoned. Each held one is its Node entity's to uncordon once its GPU healed.
+    cordoned = {n.name for n in inc.cluster.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": a})
+                if n.unschedulable}
+    assert cordoned <= set(result.held), (cordoned, result.held)
+    assert all("fenced by its repair" in why for why in result.held.values()), result.held
 
     site_handle = inc.client.get_workflow_handle(f"site/{a}")
     status = await poll(lambda: _closed(site_handle), timeout=15)
     assert status.incident.history[-1].outcome == "restored"
-    await replay_and_record(inc.evacuation("a"), "site_evacuation_restored_routed")
+    # Named for the newest patch (``evacuation-abort-restores``: only what it cordoned is
+    # uncordoned); the older file stays, it guards runs in flight.
+    await replay_and_record(inc.evacuation("a"), "site_evacuation_restored_releases")
     await replay_and_record(site_handle, "site_incident_tripped")
 
 
@@ -165,9 +173,97 @@ async def test_compliance_geography_needs_person_then_abort(inc: IncStack) -> No
     assert inc.cluster.serving_status("eu-only", c).desired_replicas == 0
 
     await inc.evacuation("b").execute_update("abort", "test: stop here")
-    result = EvacuationResult.model_validate(await asyncio.wait_for(inc.evacuation("b").result(), 20))
+    result = EvacuationResult.model_validate(await asyncio.wait_for(inc.evacuation("b").result(), 60))
     assert result.outcome == "aborted"
-    assert inc.cluster.get_site_routes().sites[b].weight == 0, "abort stops where it is"
+    # An abort puts back what the evacuation changed (issue 36): routing, nodes, replicas.
+    routes = inc.cluster.get_site_routes().sites[b]
+    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+    assert not any(n.unschedulable for n in inc.cluster.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": b}))
+    assert inc.cluster.serving_status(MODEL, b).desired_replicas == 1
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "the replicas it added elsewhere went"
+    assert inc.cluster.serving_status("eu-only", d).desired_replicas == 0
+    assert result.held == {}
+
+
+@pytest.mark.parametrize("ending", ["abort", "cancel"])
+async def test_an_ended_evacuation_uncordons_what_it_cordoned_and_nothing_else(inc: IncStack, ending: str) -> None:
+    """Issue 36: after an aborted evacuation its nodes stayed cordoned and its site at weight 0.
+    Ended by the ``abort`` update or by Temporal's cancel (the UI's button, ``temporal workflow
+    cancel``), it puts back what it changed, and only that: a node someone had cordoned before
+    the incident stays cordoned, and the evacuation says why."""
+    a, d = inc.site("a"), inc.site("d")
+    machines = await inc.join("a", 4)  # 3 of them trip the incident (the cordoned one is not counted)
+    await inc.join("d", 1)
+    inc.serve(MODEL, "a", replicas=1)
+    inc.serve(MODEL, "d", replicas=0)
+    names = sorted(inc.world.machine(m)["name"] for m in machines)
+    inc.cluster.cordon(names[0], True)  # someone else's cordon, before any incident
+    await inc.start_site("a")
+
+    inc.world.set_site(a, unreachable=1)
+    await poll(lambda: _state(inc, "waiting-for-recovery"), timeout=30)
+    assert await _cordoned(inc, a) == set(names), "the evacuation cordoned the site's nodes"
+    assert inc.cluster.get_site_routes().sites[a].weight == 0
+
+    handle = inc.evacuation("a")
+    if ending == "abort":
+        await handle.execute_update("abort", "test: the provider says it was a blip")
+        result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+        assert result.outcome == "aborted"
+        held, timeline = result.held, result.timeline
+    else:
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError) as caught:
+            await asyncio.wait_for(handle.result(), 60)
+        assert isinstance(caught.value.cause, CancelledError)
+        progress = await handle.query("progress", result_type=EvacuationProgress)
+        held, timeline = progress.held, progress.timeline
+    assert await _cordoned(inc, a) == {names[0]}, "only the nodes it cordoned are uncordoned"
+    assert held == {names[0]: "cordoned before the evacuation began (left as it was found)"}
+    routes = inc.cluster.get_site_routes().sites[a]
+    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "the replica it moved to d went"
+    steps = [s.name for s in timeline]
+    assert steps.index("nodes held") < steps.index("routing restored")
+    # The Site entity closes the incident whichever way the evacuation ended.
+    site = await poll(lambda: _closed(inc.client.get_workflow_handle(f"site/{a}")), timeout=15)
+    outcome = site.incident.history[-1].outcome
+    assert outcome == "aborted" if ending == "abort" else "cancel" in outcome.lower(), outcome
+    name = "site_evacuation_aborted_restores" if ending == "abort" else "site_evacuation_cancelled_restores"
+    await replay_and_record(handle, name)
+
+
+async def test_an_abort_while_buying_stops_the_purchase(inc: IncStack) -> None:
+    """An abort while the evacuation's capacity request is still joining stops it at once: its
+    joins delete their machines, nothing is bought afterwards, routing comes back."""
+    a, c = inc.site("a"), inc.site("c")
+    await inc.join("a", 3)
+    await inc.join("c", 1)
+    inc.serve(MODEL, "a", replicas=2)
+    inc.serve(MODEL, "c", replicas=1)  # c's one node is full: the deficit needs 2 new nodes there
+    inc.world.set_site(c, boot_seconds=60)  # the new machines stay booting
+    slow = {"registration_seconds": 120, "smoke_test_seconds": 10, "heartbeat_seconds": 5}
+    await inc.start_site("a", evacuation={"capacity_request": {"join_timeouts": slow, "backoff_seconds": 1}})
+
+    inc.world.set_site(a, unreachable=1)
+    await poll(lambda: _buying(inc), timeout=30)
+    await poll(lambda: _machines_at(inc, c, 3), timeout=30)
+
+    await inc.evacuation("a").execute_update("abort", "test: not worth buying for")
+    result = EvacuationResult.model_validate(await asyncio.wait_for(inc.evacuation("a").result(), 60))
+    assert result.outcome == "aborted"
+    capacity = inc.client.get_workflow_handle(f"capacity/evacuate-{a}-1")
+    bought = CapacityResult.model_validate(await capacity.result())
+    assert bought.cancelled and bought.nodes == [], bought
+    assert len(inc.world.machines(c)) == 1, "each join deleted the machine it bought"
+    routes = inc.cluster.get_site_routes().sites[a]
+    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+    assert await _cordoned(inc, a) == set(), "nothing was drained yet: nothing stays cordoned"
+    inc.world.set_site(c, boot_seconds=0.1)
+    await asyncio.sleep(3)  # time for anything still running to buy (it must not)
+    assert len(inc.world.machines(c)) == 1 and len(inc.world.machines(c, include_deleted=True)) == 3
+    await replay_and_record(inc.evacuation("a"), "site_evacuation_aborted_while_buying")
 
 
 async def test_worker_killed_mid_evacuation_resumes(temporal_env, tmp_path) -> None:
@@ -221,6 +317,20 @@ async def _activity_order(inc: IncStack, name: str) -> list[str]:
     history = await inc.evacuation(name).fetch_history()
     return [e.activity_task_scheduled_event_attributes.activity_type.name
             for e in history.events if e.HasField("activity_task_scheduled_event_attributes")]
+
+
+async def _cordoned(inc: IncStack, site: str) -> set[str]:
+    return {n.name for n in inc.cluster.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": site})
+            if n.unschedulable}
+
+
+async def _buying(inc: IncStack, name: str = "a"):
+    progress = await inc.progress(name)
+    return progress if progress is not None and "capacity requested" in step_names(progress) else None
+
+
+async def _machines_at(inc: IncStack, site: str, count: int) -> bool:
+    return len(inc.world.machines(site)) >= count
 
 
 async def _closed(handle):

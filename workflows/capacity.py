@@ -1,6 +1,8 @@
 """AcquireCapacity (id ``capacity/<request>``): ranked fallback across sites and providers.
 
-The runbook: read the catalog → rank the offers for the request's constraints
+The runbook: refuse what no configured site can ever serve (fleet.feasibility: an
+empty request, an unknown site, GPU or geography, an impossible combination;
+``InvalidInput`` naming the field, nothing bought) → read the catalog → rank the offers for the request's constraints
 (fleet.placement) → join the best candidate through a NodeJoin child, several
 nodes at once (bounded) → on each failure apply the three-error rule:
 
@@ -11,13 +13,18 @@ nodes at once (bounded) → on each failure apply the three-error rule:
   any workflow); next candidate.
 - InvalidRequest: the request is wrong; fail it with the reason.
 
-When nothing qualifies it waits ("waiting for capacity", with every reason),
+When nothing qualifies it waits ("waiting for capacity": each offer it may not buy
+now and who can change that, e.g. a revoked account and the command a person runs),
 backing off 5 → 30 min, and looks again early when offers change (a catalog
 refresh, an account unblocked) — until the deadline, then returns what joined.
 The spend cap is checked against joined plus in-flight machines, so it is never
 exceeded. A long wait continues as new when the server suggests it, right
 after a backoff ends (no join in flight then), carrying what joined, every
 attempt, the excluded offers, the deadline and the join numbering.
+
+``cancel`` (update; also Temporal's own cancel) stops buying: every join in
+flight is cancelled and deletes its machine, nodes already joined stay; the
+update answers once that is done, naming each join it stopped.
 
 CatalogRefresh (id ``catalog-refresh``, run by a Schedule): refresh every site's
 offers and wake the waiting requests.
@@ -50,7 +57,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet.models import AccountState
     from fleet.naming import join_workflow_id
     from fleet.placement import AccountView, Candidate, Placement, rank
-    from workflows.inputs import parse_input
+    from fleet.feasibility import EMPTY, request_problems, waiting_for
+    from workflows.inputs import check_text, invalid_input, parse_input
     from fleet.messages.join import JoinedNode, NodeJoinResult
     from workflows.node_join import NodeJoin
     from workflows.steps import PROVIDER_RETRY, QUICK, STORE_RETRY, failure_message, failure_type, show_details
@@ -60,6 +68,21 @@ with workflow.unsafe.imports_passed_through():
 #: one only buys and deletes more machines).
 FATAL = ("InvalidRequest", "InvalidInput", "ClusterForbidden")
 
+#: Workflow patch: a request no configured site can ever serve (empty, an unknown site, GPU or
+#: geography, an impossible combination) is refused at start, naming the field. Runs recorded
+#: before it ranked whatever they were given and waited out their deadline.
+REFUSE_IMPOSSIBLE_PATCH = "capacity-refuse-impossible"
+#: Workflow patch: a cancelled request (Temporal's cancel: ``temporal workflow cancel``, the UI,
+#: ``handle.cancel()``) stops its joins in flight first; each deletes its machine. Before, the
+#: joins were cancelled only by the parent-close policy, after the request had closed.
+CANCEL_WINDS_DOWN_PATCH = "capacity-cancel-winds-down"
+
+
+def _names_what(req: CapacityRequest) -> bool:
+    """The request says what to buy (a GPU or the sites): otherwise it is refused before the catalog is read."""
+    c = req.constraints
+    return bool(c.gpu) or c.gpu_class is not None or c.sites is not None
+
 
 @workflow.defn(name="AcquireCapacity")
 class AcquireCapacity:
@@ -67,6 +90,11 @@ class AcquireCapacity:
         self._progress = CapacityProgress(step="starting")
         self._offers_changed = 0
         self._fleet_state = ""
+        #: The ``cancel`` update's reason, once asked.
+        self._cancel = ""
+        #: Joins in flight: task → (offer, join workflow id).
+        self._in_flight: dict[asyncio.Task, tuple[Candidate, str]] = {}
+        self._joined: list[JoinedNode] = []
 
     @workflow.signal
     def offers_changed(self) -> None:
@@ -76,6 +104,31 @@ class AcquireCapacity:
     @workflow.query
     def progress(self) -> CapacityProgress:
         return self._progress
+
+    @workflow.update
+    async def cancel(self, reason: Any = "") -> CapacityProgress:
+        """Stop buying: every join in flight is cancelled (each deletes its machine), nodes
+        already joined stay. Answers once that is done, with what it stopped."""
+        if not self._cancel and not self._progress.finished:
+            self._cancel = reason or "cancelled"
+        await workflow.wait_condition(lambda: self._progress.finished)
+        return self._progress
+
+    @cancel.validator
+    def _validate_cancel(self, reason: Any = "") -> None:
+        check_text("reason", reason)
+
+    @workflow.signal
+    def stop(self, reason: Any = "") -> None:
+        """``cancel`` for a workflow that started this one (a workflow cannot send updates): the
+        same wind-down, and the request still returns its result (the nodes that joined)."""
+        try:
+            reason = check_text("reason", reason)
+        except ApplicationError as error:
+            workflow.logger.warning("dropped signal stop: %s", error.message)
+            return
+        if not self._cancel and not self._progress.finished:
+            self._cancel = reason or "stopped by the workflow that started it"
 
     # -- operator surface -----------------------------------------------------------------
     def _state(self, state: str) -> None:
@@ -90,20 +143,51 @@ class AcquireCapacity:
             p.candidates = [f"{c.key} ${c.effective_price:.2f}/GPU-h" for c in placement.candidates]
             p.rejected = placement.reasons()
         lines = [f"joined {p.joined} of {p.requested}"]
+        if p.deadline is not None and not p.finished:
+            lines[0] += f"; gives up at {p.deadline.isoformat(timespec='seconds')}"
         if p.in_flight:
             lines.append("joining: " + ", ".join(p.in_flight))
+        if p.waiting_for:
+            lines.append("waiting for:")
+            lines += [f"- {w}" for w in p.waiting_for]
+        if p.released:
+            lines.append("stopped: " + ", ".join(p.released))
         if p.candidates:
             lines.append("candidates: " + "; ".join(p.candidates[:5]))
         lines += [f"- not {r}" for r in p.rejected]
         lines += [f"- tried {a.offer}: {a.outcome}" + (f" ({a.message})" if a.message else "") for a in p.attempts[-10:]]
         show_details(step, *lines, detail=detail)
 
+    def _track(self) -> None:
+        self._progress.in_flight = [c.key for c, _ in self._in_flight.values()]
+        self._progress.joins = [join_id for _, join_id in self._in_flight.values()]
+
     # -- the runbook ----------------------------------------------------------------------
     @workflow.run
     async def run(self, raw: Any) -> CapacityResult:
+        try:
+            return await self._run(raw)
+        except asyncio.CancelledError:
+            # Cancelled from outside: nothing more is bought, and no join is left running for nobody.
+            if self._in_flight and workflow.patched(CANCEL_WINDS_DOWN_PATCH):
+                await self._stop_joins("the request was cancelled")
+                self._state("cancelled")
+                self._show("cancelled", None, f"{len(self._progress.released)} joins stopped, "
+                                              f"{len(self._joined)} joined nodes stay")
+            raise
+        finally:
+            self._progress.finished = True
+            self._progress.wait_until = None
+            # A ``cancel`` update still waiting for its answer gets it before the run closes.
+            await workflow.wait_condition(workflow.all_handlers_finished)
+
+    async def _run(self, raw: Any) -> CapacityResult:
         req = parse_input(CapacityRequest, raw)
         self._req = req
         start = workflow.now()
+        refuse = req.carry is None and workflow.patched(REFUSE_IMPOSSIBLE_PATCH)
+        if refuse and not _names_what(req):
+            self._refuse([("constraints", EMPTY)])  # before any activity: ``{}`` never buys
         carry = req.carry or CapacityCarry(
             deadline=start + timedelta(seconds=req.deadline_seconds), backoff_seconds=req.backoff_seconds,
             excluded=[ExcludedOffer(offer=e.offer, until=start + timedelta(seconds=e.seconds), reason=e.reason)
@@ -112,12 +196,14 @@ class AcquireCapacity:
         deadline = carry.deadline
         request_id = workflow.info().workflow_id.removeprefix("capacity/").replace("/", "-")
         self._progress.requested = req.count
+        self._progress.deadline = deadline
         self._state("acquiring")
         #: offer key → (until, why) it is out of the ranking.
         self._excluded: dict[str, tuple[datetime, str]] = {e.offer: (e.until, e.reason) for e in carry.excluded}
-        joined: list[JoinedNode] = list(carry.joined)
+        joined: list[JoinedNode] = self._joined
+        joined.extend(carry.joined)
         costs: dict[str, float] = dict(carry.costs)
-        in_flight: dict[asyncio.Task, Candidate] = {}
+        in_flight = self._in_flight
         attempts: list[JoinAttempt] = self._progress.attempts
         attempts.extend(carry.attempts)
         self._progress.joined = len(joined)
@@ -130,24 +216,27 @@ class AcquireCapacity:
         # A continued run resumes right after a backoff, where the catalog is always read afresh.
         catalog = await self._catalog(req.catalog_max_age_seconds, force=req.carry is not None)
         accounts = dict(catalog.accounts)
+        if refuse:
+            self._refuse(request_problems(req.constraints, catalog.sites, catalog.offers))
 
         def placement() -> Placement:
             now = workflow.now()
             excluded = {k: why for k, (until, why) in self._excluded.items() if until > now}
-            spent = sum(costs.values()) + sum(c.machine_cost_per_hour for c in in_flight.values())
+            spent = sum(costs.values()) + sum(c.machine_cost_per_hour for c, _ in in_flight.values())
             cap = req.constraints.spend_cap_per_hour
             return rank(catalog.offers, catalog.sites, req.constraints, accounts, excluded,
                         budget_left=None if cap is None else cap - spent)
 
         fatal_kind = ""
-        while len(joined) < req.count and fatal is None and other_failures <= req.max_other_failures:
+        while (len(joined) < req.count and fatal is None and other_failures <= req.max_other_failures
+               and not self._cancel):
             ranked = placement()
             while len(in_flight) < req.concurrency and len(joined) + len(in_flight) < req.count and ranked.candidates:
                 best = ranked.candidates[0]
                 seq += 1
                 join_id = join_workflow_id(best.offer.site, f"{request_id}-{seq}")
-                in_flight[asyncio.create_task(self._join(best, join_id))] = best
-                self._progress.in_flight = [c.key for c in in_flight.values()]
+                in_flight[asyncio.create_task(self._join(best, join_id))] = (best, join_id)
+                self._track()
                 ranked = placement()
             if not in_flight:
                 now = workflow.now()
@@ -155,16 +244,20 @@ class AcquireCapacity:
                     break
                 wait = min(timedelta(seconds=backoff), deadline - now)
                 self._progress.wait_until = now + wait
+                self._progress.waiting_for = waiting_for(ranked, catalog.offers, catalog.sites, req.constraints,
+                                                         accounts, catalog.errors)
                 self._state("waiting-for-capacity")
                 self._show("waiting for capacity", ranked,
                            f"look again at {(now + wait).isoformat(timespec='seconds')} or when offers change")
                 seen = self._offers_changed
                 try:
-                    await workflow.wait_condition(lambda: self._offers_changed != seen, timeout=wait,
-                                                  timeout_summary="wait for capacity (backoff)")
+                    await workflow.wait_condition(lambda: self._offers_changed != seen or bool(self._cancel),
+                                                  timeout=wait, timeout_summary="wait for capacity (backoff)")
                 except asyncio.TimeoutError:
                     backoff = min(backoff * 2, req.max_backoff_seconds)
                 self._progress.wait_until = None
+                if self._cancel:
+                    break
                 if workflow.info().is_continue_as_new_suggested():
                     # Nothing in flight (no child join open to be cut off): the carry is the whole state.
                     await workflow.wait_condition(workflow.all_handlers_finished)
@@ -179,11 +272,17 @@ class AcquireCapacity:
                 catalog = await self._catalog(req.catalog_max_age_seconds, force=True)
                 accounts = dict(catalog.accounts)
                 continue
+            self._progress.waiting_for = []
             self._show("joining", ranked, f"{len(in_flight)} in flight")
-            done, _ = await workflow.wait(list(in_flight), return_when=asyncio.FIRST_COMPLETED)
+            cancelled = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._cancel)))
+            done, _ = await workflow.wait([*in_flight, cancelled], return_when=asyncio.FIRST_COMPLETED)
+            if not cancelled.done():
+                cancelled.cancel()
             for task in done:
-                cand = in_flight.pop(task)
-                self._progress.in_flight = [c.key for c in in_flight.values()]
+                if task is cancelled:
+                    continue
+                cand, _ = in_flight.pop(task)
+                self._track()
                 error = task.exception()
                 if error is None:
                     node: JoinedNode = task.result()
@@ -214,6 +313,9 @@ class AcquireCapacity:
                     until = now + timedelta(seconds=req.unavailable_ttl_seconds)
                     self._excluded[cand.key] = (until, f"last join failed: {kind}")
 
+        self._progress.waiting_for = []
+        if self._cancel:
+            return await self._cancelled(req, costs)
         if fatal is not None:
             for task in in_flight:
                 task.cancel()
@@ -239,6 +341,48 @@ class AcquireCapacity:
         self._show("done" if result.complete else "partial", None,
                    f"{len(joined)} of {req.count} joined, ${result.cost_per_hour:.2f}/h")
         return result
+
+    def _refuse(self, problems: list[tuple[str, str]]) -> None:
+        """Fail now, naming each field no configured site can ever satisfy (nothing bought)."""
+        if not problems:
+            return
+        text = "; ".join(f"{field}: {why}" for field, why in problems)
+        self._state("failed")
+        self._show("refused", None, text)
+        raise invalid_input(f"invalid AcquireCapacity: {text}", [field for field, _ in problems])
+
+    async def _stop_joins(self, why: str) -> None:
+        """Cancel every join in flight and wait until each has deleted its machine; a join that
+        finished meanwhile counts as joined."""
+        stopping = list(self._in_flight.items())
+        for task, _ in stopping:
+            task.cancel()
+        outcomes = await asyncio.gather(*(task for task, _ in stopping), return_exceptions=True)
+        for (task, (cand, join_id)), outcome in zip(stopping, outcomes):
+            self._in_flight.pop(task, None)
+            if isinstance(outcome, JoinedNode):
+                self._joined.append(outcome)
+                self._progress.attempts.append(JoinAttempt(offer=cand.key, outcome="joined",
+                                                           message=outcome.node_name))
+            else:
+                self._progress.released.append(f"{join_id} ({cand.key}): machine deleted")
+                self._progress.attempts.append(JoinAttempt(offer=cand.key, outcome="cancelled", message=why))
+        self._progress.joined = len(self._joined)
+        self._track()
+
+    async def _cancelled(self, req: CapacityRequest, costs: dict[str, float]) -> CapacityResult:
+        p = self._progress
+        p.cancelled = self._cancel
+        self._show("cancelling", None, f"{len(self._in_flight)} joins in flight: each deletes its machine")
+        await self._stop_joins(self._cancel)
+        self._state("cancelled")
+        kept = len(self._joined)
+        self._show("cancelled", None, f"{self._cancel}: {len(p.released)} joins stopped, {kept} joined nodes stay")
+        return CapacityResult(
+            requested=req.count, nodes=self._joined, complete=False, attempts=p.attempts, cancelled=self._cancel,
+            cost_per_hour=round(sum(costs.get(n.node_name, 0.0) for n in self._joined), 6),
+            why=[f"cancelled: {self._cancel}"],
+        )
 
     async def _join(self, cand: Candidate, join_id: str) -> JoinedNode:
         raw: dict[str, Any] = {"site": cand.offer.site}

@@ -16,8 +16,11 @@ query):
 4. **drain**: only then are the site's nodes cordoned and drained (PDBs, deadline)
    and its Deployments scaled to 0;
 5. **wait for recovery**: a periodic probe (provider API answers, every node's
-   agent back) or the operator update ``declare_recovered``; ``abort`` (update)
-   stops the evacuation where it is, at any step;
+   agent back) or the operator update ``declare_recovered``; ``abort`` (update), at any
+   step, ends it and puts back what it changed (so do Temporal's cancel and a failed
+   step): its capacity request stopped, the nodes it cordoned uncordoned (not one
+   cordoned before it began, nor one whose GPU a repair fences: ``held`` says why),
+   the site's Deployments and routing weights as they were, what it added elsewhere gone;
 6. **restore**: the nodes smoke-test (as many failing as would trip an incident →
    back to 5; fewer: each one that fails or garbles its answer stays cordoned and goes
    to its Node entity's repair ladder, and the site returns with the others), the site's
@@ -67,6 +70,8 @@ with workflow.unsafe.imports_passed_through():
         EvacuationResult,
         FreeGpusInput,
         RecoveryProbe,
+        ReleaseNodesInput,
+        ReleaseNodesResult,
         ScaleInput,
         SiteEvacuationInput,
         SiteRef,
@@ -101,6 +106,14 @@ with workflow.unsafe.imports_passed_through():
 #: stays cordoned and is handed to its Node entity (signal ``quarantine``: cordon, repair ladder).
 #: Before, one failing or garbled node (a hostile one on purpose) held its whole site at weight 0.
 PROOF_PER_NODE_PATCH = "evacuation-proof-per-node"
+#: Workflow patch: an evacuation that ends any other way than restored (aborted by an operator,
+#: failed, cancelled) first puts back what it changed: its capacity request stopped (its joins
+#: delete their machines), the site's nodes it cordoned uncordoned, its Deployments and routing
+#: weights as they were, the replicas it added elsewhere and the nodes it bought gone. Every path
+#: (restored too) uncordons only nodes it cordoned itself, and a node held for a reason of its own
+#: (a repair's fenced GPU, a failed proof) stays cordoned, the reason shown. Before, an abort
+#: stopped where it was: nodes cordoned and the site at weight 0 for good.
+RESTORES_PATCH = "evacuation-abort-restores"
 
 
 def evacuation_workflow_id(site: str, n: int) -> str:
@@ -123,6 +136,12 @@ class SiteEvacuation:
         self._failed_proofs = 0
         #: Node → why it failed the proof that restored the site (it stays cordoned).
         self._unproven: dict[str, str] = {}
+        #: The AcquireCapacity child while it runs (an abort stops it and waits for its result).
+        self._capacity: asyncio.Task | None = None
+        self._facts: EvacuationFacts | None = None
+        #: Nodes whose cordon-and-drain began (``progress.drained`` has those it finished; a
+        #: run never continues as new mid-drain, so this one need not be carried).
+        self._cordoning: list[str] = []
 
     # -- operator surface -----------------------------------------------------------------
     @workflow.update
@@ -139,7 +158,10 @@ class SiteEvacuation:
 
     @workflow.update
     def abort(self, reason: Any = "") -> EvacuationProgress:
-        """Stop where it is: nothing more is changed (routing stays as it is now)."""
+        """Stop, and put back what it changed: nodes it cordoned uncordoned (unless held for a
+        reason of their own), the site's Deployments and routing weights as they were, the
+        replicas it added elsewhere and the capacity it bought gone. Answers at once (watch
+        ``progress``: state ``restoring``, then ``aborted``)."""
         self._abort = reason or "aborted by an operator"
         return self._progress
 
@@ -174,6 +196,7 @@ class SiteEvacuation:
         lines = [f"evacuating {p.site}"]
         if p.needs_person:
             lines.append(f"**needs a person**: {p.needs_person}")
+        lines += [f"- stays cordoned: `{node}`: {why}" for node, why in sorted(p.held.items())]
         lines += [
             f"- {s.at.isoformat(timespec='seconds')} (+{(s.at - start).total_seconds():.1f}s) {s.name}"
             + (f": {s.detail}" if s.detail else "")
@@ -235,10 +258,21 @@ class SiteEvacuation:
             self._state("restored")
             self._mark("restored")
         except Aborted as stop:
+            if workflow.patched(RESTORES_PATCH):
+                await self._undo(f"aborted: {stop}")
             outcome = "aborted"
             self._state("aborted")
             self._mark("aborted", str(stop))
-        return EvacuationResult(site=site, outcome=outcome, timeline=self._progress.timeline)
+        except (FailureError, asyncio.CancelledError) as error:
+            # Failed (a step out of retries) or cancelled: the incident ends here too, so what it
+            # changed goes back before the failure is reported.
+            if workflow.patched(RESTORES_PATCH):
+                why = "cancelled" if isinstance(error, asyncio.CancelledError) else f"failed: {failure_text(error)}"
+                await self._undo(why)
+                self._mark("ended", why)
+            raise
+        return EvacuationResult(site=site, outcome=outcome, timeline=self._progress.timeline,
+                                held=self._progress.held)
 
     async def _evacuate(self, resume_at: str) -> None:
         if not resume_at:
@@ -400,21 +434,44 @@ class SiteEvacuation:
         child_id = f"capacity/{workflow.info().workflow_id.replace('/', '-')}"
         p.capacity_request = child_id
         self._mark("capacity requested", f"{count} nodes ({missing_gpus} GPUs) at {', '.join(targets)}")
+        stoppable = workflow.patched(RESTORES_PATCH)
+        self._capacity = asyncio.ensure_future(workflow.execute_child_workflow(
+            "AcquireCapacity", request, id=child_id, result_type=CapacityResult,
+            # Cancel, not terminate: its joins then delete their machines (a terminated
+            # request would leave them joining, or joined, for nobody).
+            parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
+            static_summary=f"replacement capacity for {site}'s replicas",
+        ))
         try:
-            result: CapacityResult = await workflow.execute_child_workflow(
-                "AcquireCapacity", request, id=child_id, result_type=CapacityResult,
-                # Cancel, not terminate: its joins then delete their machines (a terminated
-                # request would leave them joining, or joined, for nobody).
-                parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
-                static_summary=f"replacement capacity for {site}'s replicas",
-            )
+            if stoppable:
+                # An abort stops the purchase now, not after its deadline: the request stops its joins
+                # and still answers with the nodes that joined (retired as the evacuation restores).
+                aborted = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._abort)))
+                await workflow.wait([self._capacity, aborted], return_when=asyncio.FIRST_COMPLETED)
+                if not aborted.done():
+                    aborted.cancel()
+                if not self._capacity.done():
+                    await self._stop_capacity(f"the evacuation of {site} was aborted")
+            result: CapacityResult = await self._capacity
             self._acquired = result.nodes
             p.acquired = [n.node_name for n in result.nodes]
             self._mark("capacity joined", f"{len(result.nodes)} of {count} nodes")
+            self._capacity = None
         except ChildWorkflowError as error:
+            self._capacity = None
             self._acquired = []
             self._mark("capacity failed", failure_text(error))
+        # Cancelled meanwhile: ``_capacity`` stays set, so the undo stops it and takes its nodes.
         self._check()
+
+    async def _stop_capacity(self, why: str) -> None:
+        """Tell the capacity request in flight to stop (its joins delete their machines); its
+        result, with the nodes that joined before, still comes back through ``_capacity``."""
+        try:
+            await workflow.get_external_workflow_handle(self._progress.capacity_request).signal("stop", why)
+        except FailureError as error:  # closed meanwhile: its result is there already
+            workflow.logger.info("capacity request %s not stopped: %s", self._progress.capacity_request,
+                                 failure_message(error))
 
     async def _scale_elsewhere(self, moves: dict[str, dict[str, int]]) -> None:
         deadline = workflow.now() + timedelta(seconds=self._s.ready_seconds)
@@ -445,6 +502,7 @@ class SiteEvacuation:
         blocked = []
 
         async def drain(name: str) -> None:
+            self._cordoning.append(name)  # cordoned from here on, even if the drain then fails
             result = await drain_node(name, s.drain_seconds, summary=f"cordon and drain {name} (PDBs honoured)")
             p.drained.append(name)
             blocked.extend(f"{b.key}: {b.reason}" for b in result.blocked)
@@ -554,16 +612,67 @@ class SiteEvacuation:
             except FailureError as error:
                 self._mark("node not handed to repair", f"{name}: {failure_message(error)}")
 
-    async def _restore(self) -> None:
+    async def _release(self) -> None:
+        """Uncordon the nodes this evacuation cordoned; the others stay, each with its reason:
+        it failed the proof (its Node entity repairs it), it was cordoned before the evacuation
+        began, or a repair holds a GPU of it."""
+        p, site = self._progress, self._args.site
+        before = {n.name for n in self._facts.nodes if n.unschedulable} if self._facts else set()
+        held = {name: f"failed the proof: {why}" for name, why in self._unproven.items()}
+        cordoned = [*p.drained, *(name for name in self._cordoning if name not in p.drained)]
+        release = [name for name in cordoned if name not in held and name not in before]
+        keep = [name for name in cordoned if name not in held and name in before]
+        if release or keep:
+            released: ReleaseNodesResult = await workflow.execute_activity(
+                "release_nodes", ReleaseNodesInput(nodes=release, keep_cordoned=keep), result_type=ReleaseNodesResult,
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary=f"uncordon the {len(release)} nodes it cordoned at {site} (not those a repair holds)",
+            )
+            held.update(released.held)
+        p.held = held
+        if held:
+            self._mark("nodes held", "; ".join(f"{node}: {why}" for node, why in sorted(held.items())))
+
+    async def _undo(self, why: str) -> None:
+        """Put back what this evacuation changed (it ends without restoring): the capacity request
+        stopped, then ``_restore`` in one step (no proof: the operator chose to end it; nodes a
+        repair holds stay cordoned). A failure on the way is left to a person, said in progress."""
+        p = self._progress
+        self._state("restoring")
+        self._show("restoring what it changed", why)
+        try:
+            if self._capacity is not None:
+                await self._stop_capacity(f"the evacuation of {self._args.site} ended ({why})")
+                try:
+                    self._acquired = (await self._capacity).nodes
+                except ChildWorkflowError as error:
+                    self._mark("capacity failed", failure_text(error))
+                self._capacity = None
+            if self._facts is None:
+                return  # ended before it changed anything
+            await self._restore(undo=True)
+        except FailureError as error:
+            p.needs_person = f"could not put everything back after it {why}: {failure_text(error)}"
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("needs-person")])
+            self._mark("restore incomplete", p.needs_person)
+
+    async def _restore(self, undo: bool = False) -> None:
         p, s, site = self._progress, self._s, self._args.site
-        proven = [name for name in p.drained if name not in self._unproven]  # the others stay cordoned
-        await workflow.execute_activity(
-            "uncordon_nodes", UncordonInput(nodes=proven), result_type=list[str], start_to_close_timeout=QUICK,
-            retry_policy=CLUSTER_RETRY, summary=f"uncordon {len(proven)} nodes at {site}",
-        )
+        if undo or workflow.patched(RESTORES_PATCH):
+            await self._release()
+        else:
+            proven = [name for name in p.drained if name not in self._unproven]  # the others stay cordoned
+            await workflow.execute_activity(
+                "uncordon_nodes", UncordonInput(nodes=proven), result_type=list[str], start_to_close_timeout=QUICK,
+                retry_policy=CLUSTER_RETRY, summary=f"uncordon {len(proven)} nodes at {site}",
+            )
         deadline = workflow.now() + timedelta(seconds=s.ready_seconds)
         for here in self._facts.here:
             await self._scale(here.model, site, here.desired_replicas)
+        if any(here.desired_replicas > 0 for here in self._facts.here):
+            # Routing returns, and the replicas elsewhere go, once the site serves again.
+            self._show("waiting for the replicas back", f"at {site} until {deadline.isoformat(timespec='seconds')} "
+                                                        "at most; then routing returns")
         for here in self._facts.here:
             if here.desired_replicas <= 0:
                 continue
@@ -572,9 +681,11 @@ class SiteEvacuation:
                                        summary=f"wait for {here.model} back at {site}")
             except ActivityError as error:
                 p.needs_person = f"{here.model} at {site} not ready again: {failure_message(error)}"
-            self._check()
+            if not undo:
+                self._check()
         self._mark("replicas back", f"{len(self._facts.here)} models at {site}")
-        steps = restore_percents(s.restore_steps)
+        # Undone: the weights as they were at once (the operator ended it; nothing to bake).
+        steps = [100] if undo else restore_percents(s.restore_steps)
         for i, percent in enumerate(steps):
             last = i == len(steps) - 1
             await self._weight(percent, healthy=True, draining=not last,
@@ -582,6 +693,8 @@ class SiteEvacuation:
             self._mark(f"weight {percent}%")
             if not last and s.bake_seconds:
                 await self._wait(s.bake_seconds, lambda: False, f"bake at {percent}%")
+        if undo:
+            self._mark("routing restored", f"weights as before the incident at {site}")
         # Surplus elsewhere back toward each site's min.
         for model, where in sorted(p.moves.items()):
             for target in sorted(where):

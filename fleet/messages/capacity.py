@@ -166,6 +166,8 @@ class CapacityResult(BaseModel):
     requested: int
     nodes: list[JoinedNode] = Field(default_factory=list)
     complete: bool = False
+    #: Why it was cancelled (the ``cancel`` update's reason); empty when it was not.
+    cancelled: str = ""
     #: Why the rest did not join (empty when complete).
     why: list[str] = Field(default_factory=list)
     attempts: list[JoinAttempt] = Field(default_factory=list)
@@ -180,7 +182,19 @@ class CapacityProgress(BaseModel):
     candidates: list[str] = Field(default_factory=list)
     rejected: list[str] = Field(default_factory=list)
     attempts: list[JoinAttempt] = Field(default_factory=list)
+    #: While it waits: when it looks again (sooner when offers change) ...
     wait_until: datetime | None = None
+    #: ... what it waits for (each qualifying offer it may not buy now, and who can change
+    #: that), and when it gives up (returning what joined).
+    waiting_for: list[str] = Field(default_factory=list)
+    deadline: datetime | None = None
+    #: The joins in flight by workflow id (``in_flight`` names their offers).
+    joins: list[str] = Field(default_factory=list)
+    #: Set once cancelled: why, and each join it stopped (its machine deleted by the join).
+    cancelled: str = ""
+    released: list[str] = Field(default_factory=list)
+    #: Ended (done, partial, failed or cancelled): nothing more will be bought.
+    finished: bool = False
 
 
 class AccountStatus(BaseModel):
@@ -221,8 +235,9 @@ class SiteInput(BaseModel):
     #: What runs before ``state`` carried (read when a run of theirs continues as new).
     nodes: dict[str, str] = Field(default_factory=dict)
     fills: int = Field(0, ge=0, le=10**9)
-    #: Seconds between reconciles without a signal.
-    reconcile_seconds: float = Field(300, gt=0, le=DAY)
+    #: Seconds between reconciles without a signal: a safety net, since the site's watch and its
+    #: nodes' transitions wake it for every change (each reconcile is billed Temporal actions).
+    reconcile_seconds: float = Field(1800, gt=0, le=DAY)
     #: Passed to the AcquireCapacity it starts (tests shorten them).
     fill_request: dict = Field(default_factory=dict)
     drain_seconds: float = Field(300, ge=0, le=DAY)
@@ -265,6 +280,9 @@ class SiteState(BaseModel):
     #: Nodes the last probe or reconcile counted: the incident rule's site size.
     node_count: int = 0
     incident: IncidentCarry = Field(default_factory=IncidentCarry)
+    #: What the site's watch last returned: node → ``fleet.messages.watches.node_summary``
+    #: (Ready or not, cordoned, proven). Carried: a transition across continue-as-new is seen.
+    watched: dict[str, str] = Field(default_factory=dict)
 
 
 class SpotReclaimInput(BaseModel):

@@ -71,6 +71,11 @@ KINDS: dict[str, EntityKind] = {
         updates={"pause": ReasonArgs, "resume": ReasonArgs, "abort": ReasonArgs},
         wire={"pause": "reason", "resume": "reason", "abort": "reason"},
     ),
+    "capacity": EntityKind(
+        workflow_type="AcquireCapacity", id_shape="capacity/<request>",
+        id_pattern=re.compile(r"capacity/[^\s]+"),
+        updates={"cancel": ReasonArgs}, wire={"cancel": "reason"},
+    ),
     "evacuate": EntityKind(
         workflow_type="SiteEvacuation", id_shape="evacuate/<site>/<n> or evacuate/<site>/manual-<request>",
         id_pattern=re.compile(rf"evacuate/{_SEGMENT}/[^\s]+"),
@@ -80,7 +85,7 @@ KINDS: dict[str, EntityKind] = {
 }
 
 UpdateName = Literal["quota_raised", "credentials_rotated", "hold", "release", "skip_to", "pause", "resume",
-                     "abort", "declare_recovered"]
+                     "abort", "declare_recovered", "cancel"]
 
 
 def kind_of(entity: str) -> EntityKind | None:

@@ -166,6 +166,22 @@ class UncordonInput(BaseModel):
     nodes: list[str]
 
 
+class ReleaseNodesInput(BaseModel):
+    """The nodes an evacuation cordoned, to uncordon as it ends (however it ends)."""
+
+    nodes: list[str]
+    #: Nodes it drained that were cordoned already when it began: left cordoned, with why.
+    keep_cordoned: list[str] = Field(default_factory=list)
+
+
+class ReleaseNodesResult(BaseModel):
+    uncordoned: list[str] = Field(default_factory=list)
+    #: Node → why it stays cordoned: held for a reason of its own (a repair's fenced GPU).
+    held: dict[str, str] = Field(default_factory=dict)
+    #: No longer in the cluster (retired meanwhile): nothing to uncordon.
+    gone: list[str] = Field(default_factory=list)
+
+
 class RecoveryProbe(BaseModel):
     recovered: bool
     detail: str = ""
@@ -188,12 +204,17 @@ class EvacuationProgress(BaseModel):
     drained: list[str] = Field(default_factory=list)
     needs_person: str = ""
     weights: dict[str, int] = Field(default_factory=dict)
+    #: Nodes it drained that stay cordoned after it ended, each with why (a repair holds a GPU
+    #: of it, it failed the proof, it was cordoned before the evacuation began).
+    held: dict[str, str] = Field(default_factory=dict)
 
 
 class EvacuationResult(BaseModel):
     site: str
     outcome: str  # restored | aborted
     timeline: list[Step] = Field(default_factory=list)
+    #: As ``EvacuationProgress.held``.
+    held: dict[str, str] = Field(default_factory=dict)
 
 
 class EvacuationCarry(BaseModel):

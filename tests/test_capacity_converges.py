@@ -1,0 +1,282 @@
+"""A capacity request converges (issue 36): what no configured site can ever serve is refused
+at start naming the field; a cancel (the update, Temporal's own cancel, the HTTP relay, Ctrl-C
+on `gpufleet capacity`) stops spending, each join in flight deleting its machine; and a wait
+says why and until when, in the workflow's details and on the command's line.
+
+Against the real dev server, the control-plane worker and the simulated providers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.exceptions import CancelledError
+from temporalio.testing import WorkflowEnvironment
+
+from client import FleetClient, InvalidArgument
+from fleet.config import load_config
+from fleet.feasibility import request_problems
+from fleet.messages.capacity import CapacityProgress, CapacityResult
+from fleet.placement import Constraints
+from tests.bad_input_helpers import invalid_input, task_failures
+from tests.capacity_fleet import CapStack, capacity_fleet, open_stack
+from tests.conftest import wait_for
+from tests.replay import replay_and_record
+
+#: Joins that stay in flight: the machine boots for a minute, registration may take two.
+SLOW_JOIN = {"registration_seconds": 120, "smoke_test_seconds": 10, "heartbeat_seconds": 5}
+
+
+@pytest.fixture
+async def cap(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[CapStack]:
+    address = temporal_env.client.service_client.config.target_host
+    async for stack in open_stack(temporal_env.client, address, tmp_path):
+        yield stack
+
+
+def bought(cap: CapStack) -> list:
+    """Every machine the simulated providers ever sold this test, deleted or not."""
+    return cap.world.machines(include_deleted=True)
+
+
+def live(cap: CapStack) -> list:
+    return cap.world.machines()
+
+
+# -- refused at start --------------------------------------------------------------------------
+def test_impossible_requests_name_their_field() -> None:
+    """The pure rule, on the capacity fleet's config (four H100 sites, two of them in eu)."""
+    sites = load_config_from(capacity_fleet("u")).sites
+
+    def problems(**constraints) -> list[tuple[str, str]]:
+        return request_problems(Constraints(**constraints), sites)
+
+    assert problems()[0][0] == "constraints" and "empty request" in problems()[0][1]
+    assert problems(sites=["mars-1"]) == [
+        ("constraints.sites", "unknown site 'mars-1' (configured: cheap-u, dear-u, mid-u, spot-u)")]
+    assert problems(gpu="Z999") == [("constraints.gpu", "no configured site sells GPU 'Z999' (sold: H100)")]
+    assert problems(gpu_class=[])[0][0] == "constraints.gpu_class", "[] never means every GPU"
+    assert problems(gpu="H100", geographies=[])[0][0] == "constraints.geographies"
+    assert problems(gpu="H100", geographies=["mars"])[0][0] == "constraints.geographies"
+    field, why = problems(gpu="H100", geographies=["eu"], max_price_per_gpu_hour=1.0)[0]
+    assert field == "constraints.geographies, constraints.max_price_per_gpu_hour", field
+    assert "no configured site can ever satisfy" in why and "$1.50/GPU-h > max $1.00" in why
+    # What a person or time can change is not refused: the request waits for it.
+    assert problems(gpu="H100") == [] and problems(sites=["cheap-u"], spend_cap_per_hour=4.0) == []
+
+
+def load_config_from(fleet: dict):
+    import tempfile
+
+    import yaml
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+        yaml.safe_dump(fleet, f)
+    try:
+        return load_config(f.name)
+    finally:
+        os.unlink(f.name)
+
+
+@pytest.mark.parametrize("request_body, field", [
+    ({}, "constraints"),
+    ({"constraints": {"sites": ["mars-1"]}}, "constraints.sites"),
+    ({"constraints": {"gpu": "Z999"}}, "constraints.gpu"),
+    ({"constraints": {"gpu": "H100", "geographies": ["eu"], "capacity_types": ["owned"]}},
+     "constraints.capacity_types"),
+])
+async def test_acquire_capacity_refuses_what_no_site_can_serve(cap: CapStack, request_body: dict,
+                                                               field: str) -> None:
+    handle = await cap.request(request_body)
+    cause = await invalid_input(handle, field)
+    assert cause.message.startswith(f"invalid AcquireCapacity: {field}"), cause.message
+    assert bought(cap) == [], "nothing bought"
+    if request_body == {}:
+        history = await handle.fetch_history()
+        assert not [e for e in history.events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED], \
+            "{} is refused before even the catalog is read"
+    await replay_and_record(handle, "capacity_refused_at_start")
+
+
+def test_the_client_refuses_before_anything_starts(tmp_path: Path) -> None:
+    """No server needed: the client checks against its own fleet config."""
+    from fleet.settings import Settings
+    import yaml
+
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(capacity_fleet("u")))
+    fleet = FleetClient(Settings(address="127.0.0.1:1", config=str(path)))
+    for body, field in (({}, "constraints"), ({"constraints": {"sites": ["mars-1"]}}, "constraints.sites"),
+                        ({"constraints": {"gpu": "Z999"}}, "constraints.gpu")):
+        with pytest.raises(InvalidArgument) as caught:
+            asyncio.run(fleet.acquire_capacity(body, request_id="x"))
+        assert caught.value.field == field, caught.value
+
+
+# -- a cancel stops spending -------------------------------------------------------------------
+async def in_flight(cap: CapStack, count: int, **extra) -> tuple:
+    """A request whose ``count`` joins each bought a machine that is still booting."""
+    cap.world.set_site(cap.site("cheap"), boot_seconds=60)
+    handle = await cap.request({"constraints": {"sites": [cap.site("cheap")]}, "count": count,
+                                "join_timeouts": SLOW_JOIN, **extra})
+    await wait_for(lambda: len(live(cap)) == count, timeout=20)
+    return handle
+
+
+async def settled(cap: CapStack, seconds: float = 4.0) -> None:
+    """Time for anything still running to buy more (it must not)."""
+    cap.world.set_site(cap.site("cheap"), boot_seconds=0.1)
+    await cap.refresh_catalog()
+    await asyncio.sleep(seconds)
+
+
+async def test_cancel_update_stops_every_join_and_deletes_its_machine(cap: CapStack) -> None:
+    handle = await in_flight(cap, 2)
+    fleet = FleetClient(cap.settings, cap.client)
+    progress = await fleet.cancel_capacity(handle.id, "not needed after all")
+    assert progress.cancelled == "not needed after all" and progress.finished
+    assert len(progress.released) == 2 and all("machine deleted" in r for r in progress.released), progress
+    assert live(cap) == [], "each join deleted its machine before the cancel answered"
+    result = CapacityResult.model_validate(await handle.result())
+    assert result.cancelled == "not needed after all" and result.nodes == [] and not result.complete
+    await settled(cap)
+    assert len(bought(cap)) == 2 and live(cap) == [], "nothing bought after the cancel"
+    assert await task_failures(handle) == 0
+    await replay_and_record(handle, "capacity_cancelled")
+
+
+async def test_temporal_cancel_winds_the_joins_down_too(cap: CapStack) -> None:
+    """``temporal workflow cancel``, the UI's button, a batch cancel over HTTP: the same end."""
+    handle = await in_flight(cap, 1)
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError) as caught:
+        await handle.result()
+    assert isinstance(caught.value.cause, CancelledError)
+    assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+    assert live(cap) == []
+    progress = await handle.query("progress", result_type=CapacityProgress)
+    assert len(progress.released) == 1 and progress.finished
+    await settled(cap)
+    assert len(bought(cap)) == 1 and live(cap) == []
+    await replay_and_record(handle, "capacity_temporal_cancel")
+
+
+async def test_the_http_relay_cancels_the_same_way(cap: CapStack) -> None:
+    handle = await in_flight(cap, 1)
+    relay = await cap.client.start_workflow(
+        "EntityUpdate", {"entity": handle.id, "update": "cancel", "args": {"reason": "over HTTP"}},
+        id=f"update-cancel-{cap.uid}", task_queue=cap.settings.task_queue)
+    answer = await relay.result()
+    assert answer["workflow_type"] == "AcquireCapacity" and answer["result"]["cancelled"] == "over HTTP"
+    assert len(answer["result"]["released"]) == 1
+    assert live(cap) == []
+    await settled(cap)
+    assert len(bought(cap)) == 1
+
+
+async def test_a_cancel_after_the_end_is_refused_not_applied(cap: CapStack) -> None:
+    handle = await cap.request({"constraints": {"sites": [cap.site("cheap")]}})
+    result = CapacityResult.model_validate(await handle.result())
+    assert result.complete
+    from client import Rejected, NotFound
+
+    with pytest.raises((Rejected, NotFound)):
+        await FleetClient(cap.settings, cap.client).cancel_capacity(handle.id)
+    assert len(live(cap)) == 1, "the joined node stays"
+
+
+# -- the command line --------------------------------------------------------------------------
+def gpufleet(cap: CapStack, *args: str) -> subprocess.Popen:
+    env = {**os.environ, **cap.settings.env(), "COLUMNS": "250"}
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+async def read_until(proc: subprocess.Popen, words: str, timeout: float = 30) -> str:
+    """The command's output up to the first line containing ``words``."""
+    seen: list[str] = []
+
+    def read() -> str:
+        for line in proc.stdout:
+            seen.append(line)
+            if words in line:
+                return "".join(seen)
+        raise AssertionError(f"{words!r} never printed:\n" + "".join(seen))
+
+    reading = asyncio.ensure_future(asyncio.to_thread(read))
+    done, _ = await asyncio.wait({reading}, timeout=timeout)
+    if not done:
+        proc.kill()  # ends the read, which then says what was printed
+    return await reading
+
+
+async def test_ctrl_c_on_gpufleet_capacity_cancels_and_nothing_is_bought_afterwards(cap: CapStack) -> None:
+    cap.world.set_site(cap.site("cheap"), boot_seconds=60)
+    proc = gpufleet(cap, "capacity", "--site", cap.site("cheap"), "--count", "2", "--request", f"int-{cap.uid}")
+    try:
+        await read_until(proc, "joining at", timeout=30)  # piped: one plain line per change
+        await wait_for(lambda: len(live(cap)) == 2, timeout=20)
+        proc.send_signal(signal.SIGINT)
+        out, _ = await asyncio.to_thread(proc.communicate, timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert f"cancelled capacity/int-{cap.uid}: 2 joins stopped, their machines deleted" in out, out
+    assert "Traceback" not in out, out
+    assert live(cap) == []
+    status = (await cap.client.get_workflow_handle(f"capacity/int-{cap.uid}").describe()).status
+    assert status == WorkflowExecutionStatus.COMPLETED
+    await settled(cap)
+    assert len(bought(cap)) == 2 and live(cap) == [], "a Ctrl-C'd request buys nothing afterwards"
+
+
+async def test_a_wait_on_a_revoked_account_says_why_and_until_when(cap: CapStack) -> None:
+    """The issue's case: `gpufleet capacity --gpu H100 --geo eu` while the only eu on-demand
+    account is revoked. Piped, it says what it waits for and when it gives up; Ctrl-C stops it,
+    and fixing the account later buys nothing for it."""
+    b = cap.account("b")
+    cap.world.set_credentials_valid(b, False)
+    proc = gpufleet(cap, "capacity", "--gpu", "H100", "--geo", "eu", "--on-demand", "--request", f"rev-{cap.uid}")
+    try:
+        out = await read_until(proc, "waiting for:", timeout=40)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = await asyncio.to_thread(proc.communicate, timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    line = out.splitlines()[-1]
+    assert "waiting for capacity" in line and "gives up at" in line and "looks again at" in line, line
+    assert f"account {b} credentials revoked" in line, line
+    assert f"gpufleet accounts credentials-rotated {b}" in line, line
+    assert proc.returncode == 130 and f"cancelled capacity/rev-{cap.uid}: no join was in flight" in rest, rest
+    # The workflow's own details say the same (the UI's current details).
+    handle = cap.client.get_workflow_handle(f"capacity/rev-{cap.uid}")
+    # The fix arrives after the cancel: nothing is bought for a request nobody waits for.
+    cap.world.set_credentials_valid(b, True)
+    await FleetClient(cap.settings, cap.client).credentials_rotated(b)
+    await settled(cap)
+    assert bought(cap) == []
+    assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
+
+
+async def test_the_waiting_request_shows_why_in_its_details(cap: CapStack) -> None:
+    cap.world.set_site(cap.site("cheap"), quota=0)
+    handle = await cap.request({"constraints": {"sites": [cap.site("cheap")]}, "backoff_seconds": 60})
+    await cap.listed(f'WorkflowId = "{handle.id}" AND FleetState = "waiting-for-capacity"')
+    progress = await handle.query("progress", result_type=CapacityProgress)
+    (why,) = progress.waiting_for
+    assert "over quota" in why and f"gpufleet accounts quota-raised {cap.account('a')}" in why, why
+    assert progress.deadline is not None and progress.wait_until is not None
+    metadata = await handle.query("__temporal_workflow_metadata")  # the UI reads its details here
+    text = metadata.current_details if hasattr(metadata, "current_details") else metadata["currentDetails"]
+    assert "waiting for:" in text and "over quota" in text and "gives up at" in text, text
+    await FleetClient(cap.settings, cap.client).cancel_capacity(handle.id)
