@@ -19,8 +19,10 @@ def control_plane_activities(env: "FleetEnv") -> list[Callable]:
     from activities.routing import RoutingActivities
     from activities.serving import ServingActivities
     from activities.sweep import SweepActivities
+    from activities.watches import WatchActivities
     from activities.weights import WeightsActivities
 
     classes = [ControlPlaneActivities, CapacityActivities, RepairActivities, WeightsActivities, ServingActivities,
-               EvacuationActivities, SweepActivities, LedgerActivities, RoutingActivities, DemandActivities]
+               EvacuationActivities, SweepActivities, LedgerActivities, RoutingActivities, DemandActivities,
+               WatchActivities]
     return [fn for cls in classes for fn in cls(env).all()]

@@ -45,7 +45,8 @@ class NodeState:
 
 #: XID events a watch keeps per GPU until the entity has them.
 MAX_XIDS = 64
-#: The watch's first heartbeat, as a share of its heartbeat timeout (see ``watch_node``).
+#: The watch heartbeats once per this share of its heartbeat timeout, the first after it too
+#: (see ``watch_node``): every heartbeat is a billed action and a write on the server.
 WATCH_FIRST_HEARTBEAT_SHARE = 0.5
 
 
@@ -144,12 +145,15 @@ class NodeAgentActivities:
                                    type="InvalidInput", non_retryable=True)
         deadline = time.monotonic() + input.max_wait_seconds
         info = activity.info()
-        # A look every quarter of the timeout: the first beat, due at half, is sent on time.
+        # A look every quarter of the timeout: a beat, due each half, is sent on time.
         beat = (info.heartbeat_timeout.total_seconds() / 4) if info.heartbeat_timeout else 10.0
-        # A heartbeat is a write on the server and every node runs a watch, restarted at each
-        # change: the first beat waits half the timeout, so a watch that a change ends sooner
-        # (most of the health traffic) costs none, and a lost agent is still seen in time.
-        liveness = Liveness(first_at_share=WATCH_FIRST_HEARTBEAT_SHARE)
+        # A heartbeat is a billed action and a write on the server, and every node runs a watch,
+        # restarted at each change: one beat per half the timeout, the first at half, so a watch
+        # that a change ends sooner (most of the health traffic) costs none, an idle one two per
+        # timeout, and a lost agent is still seen within the timeout.
+        every = (info.heartbeat_timeout.total_seconds() * WATCH_FIRST_HEARTBEAT_SHARE
+                 if info.heartbeat_timeout else None)
+        next_beat = time.monotonic() + every if every else float("inf")
         while True:
             self.watch.arm()
             observed_at = self.watch.clock()
@@ -159,7 +163,9 @@ class NodeAgentActivities:
                 return NodeWatchResult(node_name=self.node_name, seq=input.seq + changed, digest=state.digest,
                                        boot_id=state.boot_id, gpus=state.gpus, reclaim_at=state.reclaim_at,
                                        observed_at=observed_at)
-            liveness.beat(input.seq)
+            if time.monotonic() >= next_beat:
+                activity.heartbeat(input.seq)
+                next_beat = time.monotonic() + every
             pause = min(beat, max(deadline - time.monotonic(), 0.0))
             if self.watch.interval_s > 0:
                 pause = min(pause, self.watch.interval_s)

@@ -14,9 +14,14 @@ host in its own process) on a dev server with metrics, and measures:
   from the counter (``grpc_RecordActivityTaskHeartbeat``) and charged to the nodes,
   whose watches are the only long heartbeating activities while idle.
 
-Windows: idle (nothing happens), then events, each measured as the counter's delta
-minus the idle rate over the same time: joins, health changes (a GPU runs hot on a
-node), spot reclaims (notice → SpotReclaim done). Prints actions/hour per idle site,
+Windows: idle (nothing happens), then events, each charged with the billed history events of
+the workflows it ran (every type but the Schedules', which pass on their own clock) and the
+heartbeats, less their idle rate over the same time (the server counter's delta less its idle
+rate is printed beside it): joins, health changes, spot reclaims (notice →
+SpotReclaim done). A health change is what a node's watch returns most of the time, the
+traffic "100 health changes a second" stands for: an application XID on a GPU (XID 13),
+counted by the Node entity, nothing repaired; a GPU fault that needs a repair is a repair
+(its ladder, its own bill), not a health change. Prints actions/hour per idle site,
 per idle node and for the Schedules, actions per event, the projection for 1,250 and
 10,000 nodes at 10 sites, and the targets.
 
@@ -66,6 +71,9 @@ BILLED_EVENTS = {
     EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED: "update",
     EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES: "search attributes",
     EventType.EVENT_TYPE_WORKFLOW_PROPERTIES_MODIFIED: "memo",
+    # Local activities and patches: the server counts a workflow task's markers as one action
+    # (``command_BatchMarkers``); counted here each, a little over.
+    EventType.EVENT_TYPE_MARKER_RECORDED: "marker",
 }
 HEARTBEAT = "grpc_RecordActivityTaskHeartbeat"
 #: Workflow types the Schedules start (their starts and everything they do).
@@ -145,26 +153,57 @@ class Window:
     #: workflow type → billed history events inside the window
     by_workflow_type: Counter = field(default_factory=Counter)
     detail: dict[str, Counter] = field(default_factory=dict)
+    #: workflow type → heartbeats its activities were due to send inside the window
+    heartbeats_due: Counter = field(default_factory=Counter)
 
     @property
     def total(self) -> float:
         return sum(self.by_action_type.values())
 
 
-async def billed_by_workflow_type(client, start: float, end: float) -> tuple[Counter, dict[str, Counter]]:
-    """Billed history events in [start, end] (epoch seconds), by workflow type and kind."""
+async def billed_by_workflow_type(client, start: float, end: float) -> tuple[Counter, dict[str, Counter], Counter]:
+    """Billed history events in [start, end] (epoch seconds), by workflow type and kind; and the
+    heartbeats each workflow type's activities were due to send in the window (one per half
+    heartbeat timeout from their start while open: how every long activity here beats), the key
+    by which the server's heartbeat count, which names no workflow, is shared out."""
     by_type: Counter = Counter()
     detail: dict[str, Counter] = {}
+    due: Counter = Counter()
     async for execution in client.list_workflows():
         if execution.close_time is not None and execution.close_time.timestamp() < start:
             continue
         history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
+        opened: dict[int, tuple[float, float]] = {}  # scheduled event id → (scheduled at, half timeout)
+        closed: dict[int, float] = {}
         for event in history.events:
             at = event.event_time.seconds + event.event_time.nanos / 1e9
             if start <= at <= end and event.event_type in BILLED_EVENTS:
                 by_type[execution.workflow_type] += 1
                 detail.setdefault(execution.workflow_type, Counter())[BILLED_EVENTS[event.event_type]] += 1
-    return by_type, detail
+            if event.HasField("activity_task_scheduled_event_attributes"):
+                timeout = event.activity_task_scheduled_event_attributes.heartbeat_timeout.ToTimedelta()
+                if timeout.total_seconds() > 0:
+                    opened[event.event_id] = (at, timeout.total_seconds() / 2)
+            for name in ("activity_task_completed_event_attributes", "activity_task_failed_event_attributes",
+                         "activity_task_timed_out_event_attributes", "activity_task_canceled_event_attributes"):
+                if event.HasField(name):
+                    closed[getattr(event, name).scheduled_event_id] = at
+        for event_id, (scheduled, half) in opened.items():
+            until = min(closed.get(event_id, end), end)
+            beat = scheduled + half
+            while beat < until:
+                due[execution.workflow_type] += beat >= start
+                beat += half
+    return by_type, detail, due
+
+
+def heartbeats_by_type(heartbeats: float, due: Counter) -> dict[str, float]:
+    """The server's heartbeat count shared out by what each workflow type's activities were due
+    to send (all to the Node entities' watches when nothing says otherwise)."""
+    total = sum(due.values())
+    if not total:
+        return {"Node": heartbeats}
+    return {kind: heartbeats * count / total for kind, count in due.items()}
 
 
 def per_hour(count: float, seconds: float) -> float:
@@ -172,14 +211,17 @@ def per_hour(count: float, seconds: float) -> float:
 
 
 def figures(idle: Window, sites: int, nodes: int) -> dict[str, float]:
-    """Actions/hour per idle site, per idle node (with heartbeats), for the Schedules, the rest."""
-    w = idle.by_workflow_type
-    heartbeats = idle.by_action_type.get(HEARTBEAT, 0.0)
+    """Actions/hour per idle site and per idle node (their watches' heartbeats included), for the
+    Schedules (the workflows they start, heartbeats included), and the rest."""
+    beats = heartbeats_by_type(idle.by_action_type.get(HEARTBEAT, 0.0), idle.heartbeats_due)
+    w = Counter(idle.by_workflow_type)
+    w.update(beats)
     site = per_hour(w.get("Site", 0), idle.seconds) / sites
-    node = (per_hour(w.get("Node", 0) + heartbeats, idle.seconds) / nodes) if nodes else 0.0
+    node = (per_hour(w.get("Node", 0), idle.seconds) / nodes) if nodes else 0.0
     schedules = per_hour(sum(v for k, v in w.items() if k in SCHEDULED_TYPES), idle.seconds)
     other = per_hour(sum(v for k, v in w.items() if k not in SCHEDULED_TYPES | {"Site", "Node"}), idle.seconds)
-    return {"site": site, "node": node, "node_heartbeats": per_hour(heartbeats, idle.seconds) / max(nodes, 1),
+    return {"site": site, "node": node, "node_heartbeats": per_hour(beats.get("Node", 0.0), idle.seconds) / max(nodes, 1),
+            "site_heartbeats": per_hour(beats.get("Site", 0.0), idle.seconds) / max(sites, 1),
             "schedules": schedules, "other": other}
 
 
@@ -233,16 +275,30 @@ async def main() -> int:
                 await asyncio.sleep(args.idle_seconds)
                 after, t1 = await meter.read(), time.time()
                 idle = Window(t1 - t0, after - before)
-                idle.by_workflow_type, idle.detail = await billed_by_workflow_type(client, t0, t1)
+                idle.by_workflow_type, idle.detail, idle.heartbeats_due = await billed_by_workflow_type(client, t0, t1)
                 idle_rate = idle.total / idle.seconds
+                # The idle rate of what an event is charged with: histories of every workflow but
+                # the Schedules' (they run on their clock whatever happens), and heartbeats.
+                idle_history = sum(v for k, v in idle.by_workflow_type.items() if k not in SCHEDULED_TYPES)
+                idle_event_rate = (idle_history + idle.by_action_type.get(HEARTBEAT, 0.0)) / idle.seconds
 
                 # -- events, each burst against the idle rate -------------------------------
+                event_kinds: dict[str, Counter] = {}
+                event_types: dict[str, dict[str, Counter]] = {}
+                counted: dict[str, float] = {}
+
                 async def burst(name: str, act) -> float:
                     start_count, start = await meter.read(), time.time()
                     await act()
                     await asyncio.sleep(args.settle_seconds)
                     end_count, end = await meter.read(), time.time()
-                    spent = sum((end_count - start_count).values()) - idle_rate * (end - start)
+                    event_kinds[name] = end_count - start_count
+                    by_type, event_types[name], _due = await billed_by_workflow_type(client, start, end)
+                    counted[name] = max(0.0, sum((end_count - start_count).values()) - idle_rate * (end - start))
+                    # Charged: the billed history events of the workflows the events ran (every
+                    # type but the Schedules') and the heartbeats, less their idle rate.
+                    spent = (sum(v for k, v in by_type.items() if k not in SCHEDULED_TYPES)
+                             + (end_count - start_count).get(HEARTBEAT, 0.0) - idle_event_rate * (end - start))
                     return max(0.0, spent) / args.events
 
                 per_event: dict[str, float] = {}
@@ -256,8 +312,9 @@ async def main() -> int:
                 machines = [m for m in world.machines() if m["name"]]
 
                 async def health() -> None:
+                    # An application XID: the node's watch returns the change, its entity counts it.
                     for m in machines[: args.events]:
-                        world.inject_fault(m["id"], 1, "hot", 95, clears_on="never")
+                        world.inject_fault(m["id"], 1, "xid", 13, clears_on="reset")
 
                 per_event["health change"] = await burst("health change", health)
 
@@ -293,18 +350,33 @@ async def main() -> int:
     for action_type, count in idle.by_action_type.most_common():
         if count:
             print(f"    {action_type:44s}{per_hour(count, idle.seconds):10,.0f}/hour")
-    print("  billed history events, idle, by workflow type (heartbeats are not in histories):")
-    for workflow_type, count in idle.by_workflow_type.most_common():
-        kinds = ", ".join(f"{k} {per_hour(v, idle.seconds):,.0f}" for k, v in idle.detail[workflow_type].most_common())
-        print(f"    {workflow_type:24s}{per_hour(count, idle.seconds):10,.0f}/hour   ({kinds})")
-    print(f"  per idle site           {f['site']:10,.1f} actions/hour   (target <= {IDLE_SITE_MAX:g})")
+    if not idle.by_action_type.get(HEARTBEAT):  # read from the counter all the same: none this window
+        print(f"    {HEARTBEAT:44s}{0:10,.0f}/hour")
+    print("  billed history events, idle, by workflow type, and the heartbeats its activities were due to send "
+          "(the counter's heartbeats shared out by those):")
+    beats = heartbeats_by_type(idle.by_action_type.get(HEARTBEAT, 0.0), idle.heartbeats_due)
+    for workflow_type in sorted(set(idle.by_workflow_type) | set(beats),
+                                key=lambda t: -(idle.by_workflow_type.get(t, 0) + beats.get(t, 0))):
+        count = idle.by_workflow_type.get(workflow_type, 0) + beats.get(workflow_type, 0.0)
+        kinds = [f"{k} {per_hour(v, idle.seconds):,.0f}" for k, v in idle.detail.get(workflow_type, Counter()).most_common()]
+        if beats.get(workflow_type):
+            kinds.append(f"heartbeats {per_hour(beats[workflow_type], idle.seconds):,.0f}")
+        print(f"    {workflow_type:24s}{per_hour(count, idle.seconds):10,.0f}/hour   ({', '.join(kinds)})")
+    print(f"  per idle site           {f['site']:10,.1f} actions/hour   (target <= {IDLE_SITE_MAX:g}; "
+          f"{f['site_heartbeats']:,.1f} of them heartbeats)")
     print(f"  per idle node           {f['node']:10,.1f} actions/hour   (target <= {IDLE_NODE_MAX:g}; "
           f"{f['node_heartbeats']:,.1f} of them heartbeats)")
     print(f"  Schedules, all          {f['schedules']:10,.1f} actions/hour   (target <= {SCHEDULES_MAX:g})")
     print(f"  everything else         {f['other']:10,.1f} actions/hour   (Demand loop and the like)")
     for name, value in per_event.items():
         target = f"   (target <= {HEALTH_CHANGE_MAX:g})" if name == "health change" else ""
+        kinds = ", ".join(f"{k.removeprefix('command_').removeprefix('grpc_')} {v / args.events:,.1f}"
+                          for k, v in event_kinds[name].most_common() if v > 0)
         print(f"  per {name:20s}{value:10,.1f} actions{target}")
+        print(f"      server counter in its window, less its idle rate: {counted[name] / args.events:,.1f} "
+              f"(Schedules' passes included: {kinds})")
+        for workflow_type, found in sorted(event_types[name].items()):
+            print(f"      {workflow_type:22s}" + ", ".join(f"{k} {v / args.events:,.1f}" for k, v in found.most_common()))
     print(f"  projection at {SITES_PROJECTED} sites, ${args.price_per_million:g} per million actions; assumed per node: "
           f"{HEALTH_CHANGES_PER_NODE_S:g} health changes/s, a join every {1 / JOINS_PER_NODE_HOUR / 24:.0f} days, "
           f"a spot reclaim every {1 / RECLAIMS_PER_NODE_HOUR / 24:.0f} days")

@@ -6,22 +6,26 @@ from __future__ import annotations
 from datetime import timedelta
 
 SCHEDULES = {
-    "gpufleet-site-reconcile": ("SiteSweep", "site-sweep", "reconcile every site's min/max"),
+    # A safety sweep: starts every Site entity that is not running (a running one wakes on its watch).
+    "gpufleet-site-reconcile": ("SiteSweep", "site-sweep", "start every site entity that is not running"),
     "gpufleet-catalog-refresh": ("CatalogRefresh", "catalog-refresh", "refresh provider offers, wake waiting requests"),
     "gpufleet-fleet-sweep": ("FleetSweep", "fleet-sweep", "delete orphaned machines (fleet-marked, past the grace)"),
     # Its runs are advisor/7d-<time>: the same series as `gpufleet advisor --since 7d`.
     "gpufleet-advisor": ("Advisor", "advisor/7d", "advisor: last 7 days' cost vs the cheapest qualifying placement"),
-    # Kubelet certificate renewals and serving CSRs wait at most this long for gpufleet's approver.
-    "gpufleet-csr-approver": ("CsrApprover", "csr-approver", "approve or deny kubelet CSRs of gpufleet's nodes"),
+    # gpufleet's approver, woken by new CSRs (a watch); each pass of this Schedule starts it again
+    # if its run ended or was lost (overlap SKIP: nothing while it runs).
+    "gpufleet-csr-approver": ("CsrApprover", "csr-approver", "approve or deny kubelet CSRs of gpufleet's nodes "
+                                                             "(woken by new CSRs)"),
 }
 #: Schedules whose first pass runs when they are created, not an interval later: the site
 #: reconcile starts every Site entity, and until one runs a site has no incident detection and
 #: its first GPU fault waits for the entity to start before its repair is admitted.
 FIRST_PASS_AT_ONCE = ("gpufleet-site-reconcile",)
-#: Seconds between CSR approver passes: a kubelet asks for its renewal well before its
-#: certificate expires (at 70-90% of its life) and retries, so half a minute is ample;
-#: each pass is one list of CSRs.
-CSR_APPROVER_EVERY = 30.0
+#: Seconds between the CSR approver Schedule's passes: a safety sweep. The approver's run watches
+#: for new CSRs and answers each as it comes; this pass starts a run when none is running (the
+#: last one ended or was lost), so a renewal waits at most this long (a kubelet asks at 70-90% of
+#: its certificate's life and retries). A pass every half minute cost 240 actions an hour.
+CSR_APPROVER_EVERY = 600.0
 
 
 def build_schedule(schedule_id: str, task_queue: str, every: float):

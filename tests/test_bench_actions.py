@@ -55,3 +55,13 @@ def test_smoke_run_prints_every_figure() -> None:
     # The idle node's watch heartbeats were counted from the server's counter.
     assert re.search(rf"{HEARTBEAT}\s+[0-9,]+/hour", out), out
     assert out.count("target ") >= 5, out
+
+
+def test_heartbeats_are_shared_out_by_what_each_workflow_types_activities_were_due_to_send() -> None:
+    """The server's heartbeat count names no workflow: the Site entities' watches beat too, so the
+    count is shared out by each type's due heartbeats, not all charged to the nodes."""
+    idle = Window(seconds=3600, by_action_type=parse_actions(METRICS, "default"))  # 12 heartbeats
+    idle.heartbeats_due.update({"Node": 6, "Site": 2})
+    f = figures(idle, sites=1, nodes=3)
+    assert f["node_heartbeats"] == 12 * 6 / 8 / 3 and f["site_heartbeats"] == 12 * 2 / 8
+    assert f["node"] == f["node_heartbeats"] and f["site"] == f["site_heartbeats"]

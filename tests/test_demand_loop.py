@@ -242,3 +242,32 @@ async def test_after_a_spot_reclaim_its_replacement_is_not_bought_twice_and_the_
         reclaim = cap.client.get_workflow_handle(f"reclaim/{machine['name']}")
         await reclaim.result()
         await handle.terminate("test over")
+
+
+async def test_on_events_pods_buy_and_idle_nodes_go_back_with_no_tick(cap: CapStack):
+    """Issue 37: the loop wakes on events (new pods, purchases ending, nodes going idle, an idle
+    node's TTL), not on a tick: with an hour between its safety looks it still buys for the pods
+    and gives the idle nodes back, and while nothing happens it schedules nothing."""
+    from temporalio.api.enums.v1 import EventType
+
+    handle = await start_demand(cap, tick_seconds=3600)
+    pods = [demand_pod(f"eu-{i}", **{LABEL_GEOGRAPHY: "eu", LABEL_CAPACITY_TYPE: "on-demand"}) for i in range(2)]
+    for pod in pods:
+        cap.cluster.create_pod(pod)
+    placed = await wait_for(lambda: len(bound(cap)) == 2 and bound(cap), timeout=60)
+    assert len(cap.cluster.list_nodes()) == 1
+
+    async def scheduled() -> int:
+        history = await handle.fetch_history()
+        return sum(e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED for e in history.events)
+
+    await asyncio.sleep(2)  # the purchase's end is taken; then nothing happens
+    before = await scheduled()
+    await asyncio.sleep(5)
+    assert await scheduled() == before, "the loop worked on a tick while nothing happened"
+    for key in placed:
+        cap.cluster.delete_pod(*key.split("/"))
+    await wait_for(lambda: not cap.cluster.list_nodes(), timeout=60)
+    state = await status(handle)
+    assert any(line.split(" ", 1)[1].startswith("retired") for line in state.log)
+    await replay_and_record(handle, "demand_events_buy_then_retire")

@@ -182,3 +182,6 @@ async def test_a_short_watch_costs_the_server_no_heartbeat_and_a_long_one_beats_
     since_last = [later - earlier for earlier, later in zip([started, *beats], [*beats, started + 2.2 * timeout])]
     assert beats[0] - started >= 0.4 * timeout, "the first heartbeat came before half the timeout"
     assert max(since_last[:-1]) < timeout, f"heartbeats further apart than the timeout: {since_last}"
+    # Each heartbeat is a billed action: one per half timeout, not one per look (issue 37).
+    assert len(beats) <= 4, f"{len(beats)} heartbeats in 2.2 heartbeat timeouts: more than one per half"
+    assert min(later - earlier for earlier, later in zip(beats, beats[1:])) >= 0.4 * timeout, beats

@@ -1,38 +1,96 @@
-"""CsrApprover (started by the Schedule ``gpufleet-csr-approver``): one pass of gpufleet's
-kubelet CSR approver.
+"""CsrApprover (started by the Schedule ``gpufleet-csr-approver``): gpufleet's kubelet CSR
+approver, woken by new CSRs.
 
 Joins and repairs run the approver while they wait for a kubelet, but a kubelet also asks
 on its own: it renews its client certificate (as ``system:node:<name>``) before it expires
 and asks for a serving certificate. Nothing else approves those for gpufleet's nodes (its
 token group is bound to no auto-approval), so without a timer a fleet that is not joining
-or repairing would lose its kubelets when their certificates lapse. A Schedule bounds the
-wait (its interval, overlap SKIP); a Schedule rather than a long-running loop because each
-pass is a short, independent workflow with nothing to carry, visible and pausable in the UI.
+or repairing would lose its kubelets when their certificates lapse.
+
+A run makes one pass, then (patch ``csr-watch``) waits on ``watch_csrs``, a watch on CSRs that
+returns when one it has not seen appears, and makes a pass for it; each watch returns unchanged
+after ``CSR_WATCH_SECONDS`` (a pass then too: the safety sweep). The run ends when its history
+asks to be continued (or after ``CSR_RUN_SECONDS``), and the Schedule (overlap SKIP, every
+``fleet.schedules.CSR_APPROVER_EVERY``) starts the next: a run that is lost is replaced within
+that, and a Schedule keeps it visible and pausable in the UI. A cancelled run ends with what it
+decided. An idle fleet's approver costs two activities and one heartbeat per ten minutes, where
+a pass every half minute cost 240 an hour.
 """
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from fleet.messages.csr import CsrApproverInput, CsrApproverResult
+    from fleet.messages.watches import CsrWatchInput, CsrWatchResult
     from workflows.inputs import parse_input
     from workflows.steps import CLUSTER_RETRY, show_details
+
+#: Workflow patch: after its pass the run watches for new CSRs (before: one pass per Schedule run).
+CSR_WATCH_PATCH = "csr-watch"
+#: A watch returns unchanged after this long (a pass then: the safety sweep) ...
+CSR_WATCH_SECONDS = 600.0
+#: ... and heartbeats once per half of this.
+CSR_WATCH_HEARTBEAT = timedelta(minutes=10)
+#: A run ends after this long at most; the Schedule's next pass starts the next one.
+CSR_RUN_SECONDS = 86400.0
 
 
 @workflow.defn(name="CsrApprover")
 class CsrApprover:
+    def __init__(self) -> None:
+        self._approved = 0
+        self._denied = 0
+
     @workflow.run
     async def run(self, raw: Any = None) -> CsrApproverResult:
         parse_input(CsrApproverInput, raw or {})
+        result = await self._pass("approve or deny pending kubelet CSRs of gpufleet's nodes")
+        if not workflow.patched(CSR_WATCH_PATCH):
+            return result
+        started = workflow.now()
+        known: list[str] = []
+        decided = list(result.decided)
+        try:
+            while not workflow.info().is_continue_as_new_suggested() and \
+                    workflow.now() - started < timedelta(seconds=CSR_RUN_SECONDS):
+                seen: CsrWatchResult = await workflow.execute_activity(
+                    "watch_csrs", CsrWatchInput(known=known, max_wait_seconds=CSR_WATCH_SECONDS),
+                    result_type=CsrWatchResult,
+                    start_to_close_timeout=timedelta(seconds=CSR_WATCH_SECONDS) + CSR_WATCH_HEARTBEAT,
+                    heartbeat_timeout=CSR_WATCH_HEARTBEAT, retry_policy=CLUSTER_RETRY,
+                    summary="wait for a new kubelet CSR (watch)",
+                )
+                known = seen.pending
+                result = await self._pass("a new kubelet CSR: approve or deny" if seen.changed
+                                          else "safety sweep: approve or deny pending kubelet CSRs")
+                decided = [*decided, *result.decided][-100:]
+        except (asyncio.CancelledError, ActivityError) as error:
+            if not is_cancelled_exception(error):
+                raise
+            # Cancelled (an operator, or a test that has seen enough): the watch is stopped with the
+            # run, and the run ends with what it decided. A pass in flight is cancelled too; every
+            # decision it made is on its CSR, and the next run's first pass sees the rest.
+            show_details("cancelled", detail=f"{self._approved} approved, {self._denied} denied")
+        # Ends rather than continuing as new: the Schedule follows the run it started, so its next
+        # pass starts the next run (a continued run would not be its to skip).
+        return CsrApproverResult(decided=decided)
+
+    async def _pass(self, summary: str) -> CsrApproverResult:
         result: CsrApproverResult = await workflow.execute_activity(
             "approve_node_csrs", result_type=CsrApproverResult, start_to_close_timeout=timedelta(minutes=2),
-            retry_policy=CLUSTER_RETRY, summary="approve or deny pending kubelet CSRs of gpufleet's nodes",
+            retry_policy=CLUSTER_RETRY, summary=summary,
         )
-        show_details("done", *(f"- `{v.name}` ({v.requester}): {'approved' if v.approve else 'denied'}, {v.reason}"
-                               for v in result.decided[:20]),
-                     detail=f"{result.approved} approved, {result.denied} denied")
+        self._approved += result.approved
+        self._denied += result.denied
+        show_details("watching for new CSRs" if workflow.patched(CSR_WATCH_PATCH) else "done",
+                     *(f"- `{v.name}` ({v.requester}): {'approved' if v.approve else 'denied'}, {v.reason}"
+                       for v in result.decided[:20]),
+                     detail=f"{self._approved} approved, {self._denied} denied")
         return result

@@ -49,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         WatchDemandInput,
         purchase_workflow_id,
     )
+    from fleet.messages.watches import DemandWake, DemandWatchInput
     from workflows.inputs import parse_input
     from workflows.steps import (
         CLUSTER_RETRY,
@@ -60,8 +61,16 @@ with workflow.unsafe.imports_passed_through():
         show_details,
     )
 
+#: The event watch's heartbeat timeout (one beat per half: the watch waits up to ``tick_seconds``).
+DEMAND_WATCH_HEARTBEAT = timedelta(minutes=10)
 #: Decisions kept in the status (and carried over continue-as-new).
 LOG_LINES = 60
+#: Workflow patch (issue 37): the loop wakes on events, not on a tick. ``watch_demand_events``
+#: returns when new opted-in Pending pods' batch closes, a pod a purchase was bought for goes, a
+#: purchase ends, or the nodes holding GPU pods change (one went idle); else at the earliest idle
+#: node's TTL or after ``tick_seconds`` (the safety look). The catalog and the plan are read only
+#: for new pods, an ended purchase or the safety look; idle nodes only when they may have changed.
+EVENTS_PATCH = "demand-events"
 
 
 @workflow.defn(name="Demand")
@@ -99,6 +108,8 @@ class Demand:
         #: offer key → until (epoch seconds) it stays out of the plan.
         self._excluded: dict[str, float] = dict(carry.excluded)
         self._retirements: dict[str, asyncio.Task] = {}
+        #: Nodes holding GPU pods as the last watch saw them (``EVENTS_PATCH``).
+        self._busy: list[str] | None = None
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("watching")])
         config: dict = await workflow.execute_activity(
             "demand_settings", start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
@@ -111,35 +122,69 @@ class Demand:
             max_site_fraction=(args.max_site_fraction if args.max_site_fraction is not None
                                else config["max_site_fraction"]),
         )
+        events = workflow.patched(EVENTS_PATCH)
+        first = True
         while True:
             self._show("watching Pending pods")
             known = sorted({pod for p in self._buying() for pod in p.pods}
                            | set(self._status.covered) | set(self._status.unplaceable))
-            batch: DemandBatch = await workflow.execute_activity(
-                "watch_demand",
-                WatchDemandInput(known=known, batch_idle_seconds=batch_idle, batch_max_seconds=batch_max,
-                                 wait_seconds=args.tick_seconds, poll_seconds=args.poll_seconds),
-                result_type=DemandBatch, start_to_close_timeout=timedelta(seconds=args.tick_seconds + batch_max + 60),
-                heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY,
-                summary="wait for Pending GPU pods; batch them",
-            )
+            why = "tick"
+            if events:
+                wake = await self._watch_events(known, batch_idle, batch_max)
+                batch, why, self._busy = wake.batch, wake.why, wake.busy
+            else:
+                batch = await workflow.execute_activity(
+                    "watch_demand",
+                    WatchDemandInput(known=known, batch_idle_seconds=batch_idle, batch_max_seconds=batch_max,
+                                     wait_seconds=args.tick_seconds, poll_seconds=args.poll_seconds),
+                    result_type=DemandBatch, start_to_close_timeout=timedelta(seconds=args.tick_seconds + batch_max + 60),
+                    heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY,
+                    summary="wait for Pending GPU pods; batch them",
+                )
             if batch.new:
                 self._status.window_seconds = batch.window_seconds
-            await self._follow_purchases(set(batch.present))
-            await self._plan_and_buy(batch)
-            if args.consolidate:
+            ended = await self._follow_purchases(set(batch.present))
+            # On events: the plan only when there is something new to plan (or the safety look).
+            if not events or first or batch.new or ended or why == "timeout":
+                await self._plan_and_buy(batch)
+            if args.consolidate and (not events or first or why in ("idle", "timeout") or ended):
                 await self._consolidate()
+            first = False
             if workflow.info().is_continue_as_new_suggested():
                 await self._continue_as_new()
+
+    async def _watch_events(self, known: list[str], batch_idle: float, batch_max: float) -> DemandWake:
+        """One ``watch_demand_events``: until the next thing the loop acts on, at most until the
+        earliest idle node's TTL or ``tick_seconds`` (the safety look). Heartbeats once per
+        ``DEMAND_WATCH_HEARTBEAT`` half: the watch is long."""
+        args, now = self._args, workflow.now().timestamp()
+        wait = args.tick_seconds
+        if args.consolidate:
+            ttl = self._consolidation.idle_ttl_seconds
+            due = [since + ttl - now for node, since in self._idle_since.items()
+                   if since + ttl > now and node not in self._retirements]
+            wait = min([wait, *due])
+        buying = self._buying()
+        return await workflow.execute_activity(
+            "watch_demand_events",
+            DemandWatchInput(known=known, batch_idle_seconds=batch_idle, batch_max_seconds=batch_max,
+                             wait_seconds=max(wait, 0.0), tracked=sorted({pod for p in buying for pod in p.pods}),
+                             purchases=[p.workflow_id for p in buying], busy=self._busy if args.consolidate else None,
+                             poll_seconds=args.poll_seconds),
+            result_type=DemandWake, start_to_close_timeout=timedelta(seconds=wait + batch_max + 120),
+            heartbeat_timeout=DEMAND_WATCH_HEARTBEAT, retry_policy=CLUSTER_RETRY,
+            summary="wait for Pending GPU pods (batched), purchases ending, nodes going idle",
+        )
 
     def _buying(self) -> list[Purchase]:
         return [p for p in self._status.purchases if p.status == "buying"]
 
     # -- purchases ------------------------------------------------------------------------
-    async def _follow_purchases(self, present: set[str]) -> None:
+    async def _follow_purchases(self, present: set[str]) -> bool:
+        """Purchases that ended (joined or failed) or were cancelled: True when any did."""
         buying = self._buying()
         if not buying:
-            return
+            return False
         states: list[PurchaseState] = await workflow.execute_activity(
             "purchase_status", PurchaseStatusInput(workflow_ids=[p.workflow_id for p in buying]),
             result_type=list[PurchaseState], start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
@@ -174,6 +219,7 @@ class Demand:
         # Keep the finished ones a while for the status; the newest 50.
         done = [p for p in self._status.purchases if p.status != "buying"]
         self._status.purchases = self._buying() + done[-50:]
+        return len(self._buying()) < len(buying)
 
     async def _plan_and_buy(self, batch: DemandBatch) -> None:
         catalog: Catalog = await workflow.execute_activity(

@@ -58,6 +58,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.steps import CLUSTER_RETRY, QUICK, failure_message, show_details
     from workflows.repair import repair_workflow_id
     from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
+    from fleet.messages.watches import ClusterNodeState
     from fleet.messages.repair import (
         GpuRepairInput,
         GpuRepairResult,
@@ -87,6 +88,16 @@ ADMISSION_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_int
 HEALTH_WATCH_PATCH = "health-watch"
 #: A watch returns unchanged after this long: the history grows by a few events per interval.
 WATCH_MAX_WAIT = 300.0
+#: Workflow patch (issue 37): an idle node costs at most 30 Temporal actions an hour, its watch's
+#: heartbeats included. The watch waits ``WATCH_LONG_WAIT`` and its heartbeat timeout is
+#: ``WATCH_LONG_HEARTBEAT`` unless the repair settings set ``watch_heartbeat_seconds`` (the agent
+#: beats once per half of it): two activities and twelve heartbeats an hour. A node that falls
+#: silent is not found by a short heartbeat but by the cluster: its Site entity's watch sees it
+#: NotReady and signals ``cluster_state``, shown in the status (``not_ready_since``); when it is
+#: Ready again the watch in flight (maybe held by an agent that is gone) is replaced at once.
+NOT_READY_PATCH = "cluster-not-ready"
+WATCH_LONG_WAIT = 1800.0
+WATCH_LONG_HEARTBEAT = 600.0
 #: The retries of one watch (heartbeat timeouts while the node reboots or the gateway restarts)
 #: span at most this long; then the entity asks the cluster whether the node is still there.
 WATCH_GIVE_UP = timedelta(minutes=15)
@@ -174,6 +185,10 @@ class NodeEntity:
         self._quarantine: Finding | None = None
         self._last_bad_report = ""
         self._loop_restarts = 0
+        #: ``NOT_READY_PATCH``: the watch in flight (replaced when the node is Ready again).
+        self._told_by_cluster = False
+        self._watch_handle: workflow.ActivityHandle | None = None
+        self._rewatch = False
 
     # -- signals and queries ---------------------------------------------------------------
     # The handlers only queue (none awaits): the loop is the one writer of the state, so no lock.
@@ -187,6 +202,28 @@ class NodeEntity:
         it and hands it to the repair ladder, like K bad reports in a row."""
         if (order := parse_signal(NodeQuarantine, raw, "quarantine")) is not None:
             self._quarantine_node(order.reason)
+
+    @workflow.signal
+    def cluster_state(self, raw: Any) -> None:
+        """The node's Site entity saw it turn NotReady in the cluster (its kubelet fell silent) or
+        Ready again. Ready after NotReady: the watch in flight may be held by an agent that is
+        gone (its heartbeat timeout is long), so it is replaced now."""
+        if (told := parse_signal(ClusterNodeState, raw, "cluster_state")) is None or not self._told_by_cluster:
+            return
+        carry = self._carry
+        if not told.ready:
+            if carry.not_ready_since is None:
+                carry.not_ready_since = told.observed_at or workflow.now().timestamp()
+                self._log("NotReady in the cluster: its kubelet is silent", warn=True)
+            return
+        if carry.not_ready_since is None:
+            return
+        self._log(f"Ready again in the cluster after {told.observed_at - carry.not_ready_since:.0f}s "
+                  "NotReady: watching afresh")
+        carry.not_ready_since = None
+        if self._watch_handle is not None and not self._watch_handle.done():
+            self._rewatch = True
+            self._watch_handle.cancel()
 
     @workflow.signal
     def node_action_request(self, request: NodeActionRequest) -> None:
@@ -206,6 +243,7 @@ class NodeEntity:
             deferred=sorted(self._carry.deferred), fenced=sorted(self._carry.fenced), log=self._carry.log,
             bad_reports=self._carry.bad_reports, bad_reports_in_a_row=self._carry.bad_reports_in_a_row,
             last_bad_report=self._last_bad_report, loop_restarts=self._loop_restarts,
+            not_ready_since=self._carry.not_ready_since,
         )
 
     # -- the loop --------------------------------------------------------------------------
@@ -238,6 +276,7 @@ class NodeEntity:
         if self._carry.deferred:
             await self._refresh_facts()  # findings carried on hold: their recheck interval is in the settings
         if workflow.patched(HEALTH_WATCH_PATCH):
+            self._told_by_cluster = workflow.patched(NOT_READY_PATCH)
             self._first_state = inp.first_state
             self._watching = self._background("health watch", self._watch_node)
         recheck_at = None
@@ -361,6 +400,8 @@ class NodeEntity:
         while not self._gone:
             if (settings := self._settings()) is not None:
                 heartbeat = timedelta(seconds=settings.timeouts.watch_heartbeat())
+                if self._told_by_cluster and settings.timeouts.watch_heartbeat_seconds is None:
+                    heartbeat = timedelta(seconds=WATCH_LONG_HEARTBEAT)
             carry = self._carry
             if first is not None:
                 answer, first = first, None
@@ -368,6 +409,9 @@ class NodeEntity:
                 try:
                     answer = await self._watch_once(carry, heartbeat)
                 except ActivityError as error:
+                    if self._rewatch:  # replaced on purpose (Ready again): no question to the cluster
+                        self._rewatch = False
+                        continue
                     try:
                         facts = await self._refresh_facts()
                     except ActivityError:
@@ -393,15 +437,24 @@ class NodeEntity:
 
     async def _watch_once(self, carry: NodeCarry, heartbeat: timedelta) -> RawValue:
         # Undecoded: the node's answer is validated by ``_checked`` (see ``NODE_REPORTS_PATCH``).
-        return await workflow.execute_activity(
-            "watch_node",
-            NodeWatchInput(node_name=self._node, seq=carry.watch_seq, digest=carry.watch_digest,
-                           reclaim_at=carry.reclaim_at, max_wait_seconds=WATCH_MAX_WAIT),
+        wait = WATCH_LONG_WAIT if self._told_by_cluster else WATCH_MAX_WAIT
+        options = dict(
             task_queue=node_queue(self._node), result_type=RawValue,
-            start_to_close_timeout=timedelta(seconds=WATCH_MAX_WAIT) + heartbeat * 2,
-            schedule_to_close_timeout=WATCH_GIVE_UP, heartbeat_timeout=heartbeat,
+            start_to_close_timeout=timedelta(seconds=wait) + heartbeat * 2,
+            schedule_to_close_timeout=max(WATCH_GIVE_UP, timedelta(seconds=wait) + heartbeat * 3),
+            heartbeat_timeout=heartbeat,
             retry_policy=WATCH_RETRY, summary=f"{self._node}: health and spot notices, on change",
         )
+        watch = NodeWatchInput(node_name=self._node, seq=carry.watch_seq, digest=carry.watch_digest,
+                               reclaim_at=carry.reclaim_at, max_wait_seconds=wait)
+        if not self._told_by_cluster:
+            return await workflow.execute_activity("watch_node", watch, **options)
+        # The same command; its handle kept, so a Ready-again node's watch can be replaced.
+        self._watch_handle = workflow.start_activity("watch_node", watch, **options)
+        try:
+            return await self._watch_handle
+        finally:
+            self._watch_handle = None
 
     def _stale(self, result: NodeWatchResult) -> bool:
         """Observed too long ago to act on: it waited out a control-plane outage in flight."""

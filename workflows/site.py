@@ -44,6 +44,8 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, FailureError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -82,6 +84,8 @@ with workflow.unsafe.imports_passed_through():
         record,
     )
     from workflows.evacuation import evacuation_workflow_id
+    from fleet.errors import NON_RETRYABLE_TYPES
+    from fleet.messages.watches import ClusterNodeState, SiteWatchInput, SiteWatchResult, node_summary
     from fleet.messages.evacuation import (
         AdmitRepairInput,
         EvacuationResult,
@@ -104,6 +108,25 @@ CONTROL_PLANE_PATCH = "control-plane-return"
 #: Workflow patch: a joined node is counted from its own transition; the site is listed again
 #: only when that count passes the max (before, every join re-listed the whole site).
 COUNT_JOINS_PATCH = "count-joins"
+#: Workflow patch: the entity wakes on events, never on a short timer (issue 37): its site's watch
+#: (``watch_site``: nodes Ready/NotReady, cordoned, proven, added, removed; the provider API's
+#: answer), its nodes' transitions, signals, and one timer at a time for a real deadline (the
+#: safety reconcile every ``reconcile_seconds``, a provider API failing past its limit, the end
+#: of a return grace). It tells a Node entity when its node turns NotReady or Ready again, and
+#: upserts its search attribute only when the value changes.
+EVENTS_PATCH = "site-events"
+#: The site's watch returns unchanged after this long; its heartbeat timeout (a beat at half of
+#: it): a control-plane worker lost without a word is noticed within it, a retried watch then
+#: says how long nobody watched. Two watches and twelve heartbeats an hour.
+SITE_WATCH_SECONDS = 1800.0
+SITE_WATCH_HEARTBEAT = timedelta(minutes=10)
+#: The watch retries while the cluster does not answer (each attempt an action: backing off to a
+#: minute); a watch refused for good (an unknown site) is shown and tried again this much later.
+SITE_WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=60),
+                               non_retryable_error_types=NON_RETRYABLE_TYPES)
+SITE_WATCH_PAUSE = timedelta(minutes=5)
+#: The sim has no watch: its nodes are looked at this often at most (``check_seconds`` if shorter).
+SIM_POLL_SECONDS = 1.0
 
 
 
@@ -124,6 +147,17 @@ class SiteEntity:
         self._sleep = 0.0
         # Patched in: a "ready" transition reconciles only when the count passes the max.
         self._count_joins = False
+        # Patched in (``EVENTS_PATCH``): the site's watch in flight and its last result not yet
+        # taken, the one timer for the next deadline, the provider API's last answer, the
+        # search attribute's value (upserted on change only).
+        self._events = False
+        self._watch: asyncio.Task | None = None
+        self._seen: SiteWatchResult | None = None
+        self._timer: asyncio.Task | None = None
+        self._timer_at: float | None = None
+        self._api: tuple[bool, str] | None = None
+        self._fleet_state = ""
+        self._stopping = False
 
     @workflow.signal
     def reconcile(self) -> None:
@@ -183,6 +217,8 @@ class SiteEntity:
                                                         f"the site reconciles first ({left:.0f}s more)")
         detail = f"GPU {req.gpu}: {', '.join(req.reasons)}"
         inc.failures = record(inc.failures, Failure(node=req.node_name, at=now, detail=detail), now, s)
+        if self._events:
+            self._record_unreachable(now)
         self._evaluate()
         if inc.open is None and s.settle_seconds > 0:
             try:
@@ -250,6 +286,12 @@ class SiteEntity:
                 start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
                 summary=f"incident rule of {site.name}",
             )
+        self._fleet_state = "reconciling"
+        if incidents and workflow.patched(EVENTS_PATCH):
+            self._events = True
+            await self._run_on_events(args)
+            return
+        # Runs from before ``EVENTS_PATCH``: a probe on a short timer (kept for their replay).
         next_reconcile = workflow.now() + timedelta(seconds=args.reconcile_seconds)
         while True:
             timeout = args.reconcile_seconds
@@ -284,6 +326,174 @@ class SiteEntity:
                 await workflow.wait_condition(workflow.all_handlers_finished)
                 carried = args.model_copy(update={"state": self.state, "nodes": {}, "fills": 0, "incident": None})
                 workflow.continue_as_new(carried.model_dump(mode="json"))
+
+    # -- on events (``EVENTS_PATCH``) -----------------------------------------------------------
+    async def _run_on_events(self, args: SiteInput) -> None:
+        """Sleep until something happens: the watch returns (a node changed, the provider API's
+        answer changed, or its safety look), a signal or transition, an admission that opened an
+        incident, an ended fill or evacuation, or the one timer's deadline. Nothing on a short
+        timer: an idle site costs its watch (two activities and twelve heartbeats an hour) and
+        its safety reconcile."""
+        every = args.reconcile_seconds
+        next_reconcile = workflow.now().timestamp() + every
+        while True:
+            if self._watch is None:
+                self._watch = asyncio.create_task(self._watch_site())
+            self._arm(self._next_deadline(next_reconcile))
+            await workflow.wait_condition(
+                lambda: (self.state.wanted or self.state.incident.evacuate or self._seen is not None
+                         or (self._timer is not None and self._timer.done()) or self._may_continue()),
+            )
+            now = workflow.now().timestamp()
+            if self._timer is not None and self._timer.done():
+                self._timer, self._timer_at = None, None
+                if now >= next_reconcile:
+                    self.state.wanted = True  # the safety reconcile: what no event told
+                self._record_unreachable(now)  # a grace ended, or the API failed for its limit
+                self._evaluate()
+            if self._seen is not None:
+                seen, self._seen = self._seen, None
+                await self._take(seen)
+            if self.state.incident.evacuate:
+                await self._start_evacuation()
+            if self.state.wanted:
+                self.state.wanted = False
+                next_reconcile = workflow.now().timestamp() + every
+                await self._reconcile()
+            if self._may_continue():
+                # An admission still settling can open an incident meanwhile: it is in the state, carried.
+                self._stopping = True  # the watch's cancel is no failure to retry after a pause
+                for task in (self._watch, self._timer):
+                    if task is not None:
+                        task.cancel()
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                carried = args.model_copy(update={"state": self.state, "nodes": {}, "fills": 0, "incident": None})
+                workflow.continue_as_new(carried.model_dump(mode="json"))
+
+    def _may_continue(self) -> bool:
+        """Continue as new only with no fill and no evacuation in flight: waiting on the server's
+        suggestion while one runs would wake the loop again at once, for ever (a spinning entity)."""
+        return workflow.info().is_continue_as_new_suggested() and self._fill is None and self._evac is None
+
+    def _next_deadline(self, next_reconcile: float) -> float:
+        """The earliest real deadline: the safety reconcile, a provider API failing for its limit
+        (the rule trips then), the end of the return grace (NotReady counts again)."""
+        s, inc = self._incident_settings, self.state.incident
+        at = next_reconcile
+        if inc.open is None and inc.api_failing_since is not None:
+            at = min(at, inc.api_failing_since + s.api_failure_seconds)
+        if self._returns and inc.returned_at is not None and self._in_grace(workflow.now().timestamp()):
+            at = min(at, inc.returned_at + s.control_plane.return_grace_seconds)
+        return at
+
+    def _arm(self, at: float) -> None:
+        """One timer, for ``at``: a timer is a billed action, so one is started only when the
+        deadline moves, never per wake-up."""
+        if self._timer is not None and not self._timer.done() and self._timer_at == at:
+            return
+        if self._timer is not None and not self._timer.done():
+            self._timer.cancel()
+        self._timer_at = at
+        seconds = max(at - workflow.now().timestamp(), 0.001)
+        self._timer = asyncio.create_task(workflow.sleep(seconds, summary="next deadline (safety reconcile, "
+                                                                        "API failure limit, return grace)"))
+
+    async def _watch_site(self) -> None:
+        """One ``watch_site`` (its result for the loop); a watch refused for good is shown and
+        tried again later. Cancelled by continue-as-new."""
+        s, site = self._incident_settings, self._site.name
+        api_ok, api_type = self._api if self._api is not None else (None, "")
+        try:
+            self._seen = await workflow.execute_activity(
+                "watch_site",
+                SiteWatchInput(site=site, known=self.state.watched, api_ok=api_ok, api_error_type=api_type,
+                               max_wait_seconds=SITE_WATCH_SECONDS, api_check_seconds=s.check_seconds,
+                               poll_seconds=min(SIM_POLL_SECONDS, s.check_seconds),
+                               absence_seconds=s.control_plane.absence_seconds),
+                result_type=SiteWatchResult, start_to_close_timeout=timedelta(seconds=SITE_WATCH_SECONDS) + QUICK,
+                heartbeat_timeout=SITE_WATCH_HEARTBEAT, retry_policy=SITE_WATCH_RETRY,
+                summary=f"{site}: nodes Ready/NotReady, cordons, joins, provider API; on change",
+            )
+        except ActivityError as error:
+            if self._stopping:
+                return  # cancelled for continue-as-new: the next run watches
+            self._show(f"site watch failed ({failure_message(error)}); again in {SITE_WATCH_PAUSE}")
+            await workflow.sleep(SITE_WATCH_PAUSE, summary="site watch failed: try again")
+        finally:
+            self._watch = None
+
+    async def _take(self, seen: SiteWatchResult) -> None:
+        """A watch result: the control plane's absence it saw, node counts and transitions (each
+        Node entity told when its node turns NotReady or Ready), NotReady nodes and the provider
+        API into the incident rule."""
+        now, s, inc = workflow.now().timestamp(), self._incident_settings, self.state.incident
+        if self._returns:
+            # Nobody watched for a while (the watcher stopped, its attempt was lost), or the result
+            # waited long to be taken: the control plane was away. NotReady seen meanwhile may be
+            # its shadow; reconcile first, no repair or incident for the grace.
+            away = max(seen.paused_seconds, now - seen.observed_at if seen.observed_at else 0.0)
+            if absence(now - away, now, 0.0, s.control_plane):
+                inc.returned_at = now
+                inc.failures = forget_unreachable(inc.failures, now - away)
+                self.state.wanted = True
+                workflow.logger.warning("site %s: control plane was away about %.0fs; reconciling, repairs and "
+                                        "incidents wait %gs", self._site.name, away, s.control_plane.return_grace_seconds)
+                self._show(f"control plane back after ~{away:.0f}s away: reconciling first "
+                           f"({s.control_plane.return_grace_seconds:g}s grace)")
+        before = self.state.watched
+        after = {n.name: node_summary(n) for n in seen.nodes}
+        self.state.watched = after
+        self.state.node_count = len(after)
+        status = self.state.status
+        if set(before) - set(after) or len(after) > status.max_nodes:
+            self.state.wanted = True  # a node gone (below min?) or too many: min/max
+        for n in seen.nodes:
+            status.nodes.setdefault(n.name, "ready" if n.ready and not n.unproven else "joining")
+        told = []
+        for n in seen.nodes:
+            was = before.get(n.name)
+            if n.unproven or (was is None and n.ready) or (was is not None and was.startswith("ready") == n.ready):
+                continue  # no transition (a node still being proven has no entity to tell yet)
+            told.append(self._tell_node(n.name, n.ready, seen.observed_at))
+        if told:
+            await asyncio.gather(*told)
+        self._api = (seen.api_ok, seen.api_error_type)
+        if inc.open is None:
+            if seen.api_ok or seen.api_error_type != "Transient":
+                inc.api_failing_since = None
+            elif inc.api_failing_since is None:
+                inc.api_failing_since = now
+            self._record_unreachable(now)
+            self._evaluate()
+
+    def _record_unreachable(self, now: float) -> None:
+        """Every node NotReady now (not cordoned, proven) is a failure, first seen when the rule
+        first saw it inside the window: what a probe at this moment would have recorded."""
+        s, inc = self._incident_settings, self.state.incident
+        if inc.open is not None or (self._returns and not count_unreachable(inc.returned_at, now, s.control_plane)):
+            return
+        for name, summary in sorted(self.state.watched.items()):
+            if summary == "not-ready":
+                inc.failures = record(inc.failures, Failure(node=name, at=now, kind="unreachable", detail="NotReady"),
+                                      now, s)
+
+    async def _tell_node(self, node: str, ready: bool, observed_at: float) -> None:
+        """The node's entity learns from the cluster that its node fell silent (or answers again):
+        it need not wait out a heartbeat timeout to know."""
+        try:
+            await workflow.get_external_workflow_handle(f"node/{node}").signal(
+                "cluster_state", ClusterNodeState(ready=ready, observed_at=observed_at))
+        except FailureError as error:
+            workflow.logger.info("site %s: node/%s not told it is %s (%s)", self._site.name, node,
+                                 "Ready" if ready else "NotReady", failure_message(error))
+
+    def _set_fleet_state(self, value: str) -> None:
+        """The ``FleetState`` search attribute; under ``EVENTS_PATCH`` only when it changes (each
+        upsert is a billed action, and the safety reconcile finds "ok" again and again)."""
+        if self._events and value == self._fleet_state:
+            return
+        self._fleet_state = value
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(value)])
 
     # -- the control plane's own absence ------------------------------------------------------
     def _note_presence(self, waking: bool) -> None:
@@ -340,7 +550,7 @@ class SiteEntity:
         inc.evacuate = False
         incident = inc.open
         site = self._site.name
-        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("incident")])
+        self._set_fleet_state("incident")
         self._show(f"provider incident: {incident.reason}; evacuating ({incident.id})")
         await workflow.execute_activity(
             "hold_site_repairs", HoldRepairsInput(site=site, hold=True), result_type=list[str],
@@ -406,7 +616,7 @@ class SiteEntity:
         elif count > site.max_nodes:
             await self._retire(surplus_to_retire(nodes, count - site.max_nodes), count)
         else:
-            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("ok")])
+            self._set_fleet_state("ok")
             self._show(f"{count} nodes, within min/max")
 
     def _start_fill(self, need: int) -> None:
@@ -419,7 +629,7 @@ class SiteEntity:
             "constraints": {**self._args.fill_request.get("constraints", {}), "sites": [site.name]},
         }
         self.state.status.filling = fill_id
-        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("filling")])
+        self._set_fleet_state("filling")
 
         async def fill() -> None:
             try:
@@ -442,7 +652,7 @@ class SiteEntity:
 
     async def _retire(self, surplus: list[SiteNode], count: int) -> None:
         site, s = self._site, self.state.status
-        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("retiring")])
+        self._set_fleet_state("retiring")
         s.retiring = [n.node_name for n in surplus]
         self._show(f"above max ({count} > {site.max_nodes}): retiring {len(surplus)}")
         for node in surplus:
@@ -456,12 +666,28 @@ class SiteEntity:
         self._show(f"retired surplus at {site.name}")
 
 
+#: Workflow patch: the Schedule's sweep (no sites named) starts the entities that are not running
+#: and signals none: a running entity wakes on its own watch and safety timer, and a signal to each
+#: site every sweep was most of an idle site's bill. A sweep that names sites still signals them.
+SWEEP_STARTS_PATCH = "sweep-starts-only"
+
+
 @workflow.defn(name="SiteSweep")
 class SiteSweep:
-    """Signal-with-start every site's entity with ``reconcile``."""
+    """Start every site's entity that is not running (the Schedule's safety sweep); signal-with-start
+    the named sites' entities with ``reconcile`` (``{"sites": [...]}``)."""
 
     @workflow.run
     async def run(self, raw: Any = None) -> list[str]:
+        request = parse_input(SignalSitesInput, raw or {})
+        if not request.sites and workflow.patched(SWEEP_STARTS_PATCH):
+            started: list[str] = await workflow.execute_activity(
+                "ensure_sites", request, result_type=list[str], start_to_close_timeout=QUICK,
+                retry_policy=STORE_RETRY, summary="start every site entity that is not running",
+            )
+            show_details("done", detail=f"{len(started)} site entities started" +
+                         (f": {', '.join(started[:20])}" if started else " (every one runs)"))
+            return started
         sites: list[str] = await workflow.execute_activity(
             "signal_sites", parse_input(SignalSitesInput, raw or {}), result_type=list[str], start_to_close_timeout=QUICK,
             retry_policy=STORE_RETRY, summary="reconcile every site",

@@ -132,8 +132,9 @@ class DemandInput(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    #: Longest wait between looks at purchases and idle nodes when no pod arrives.
-    tick_seconds: float = Field(30, gt=0, le=DAY)
+    #: Longest wait between looks at purchases and idle nodes when nothing happens: a safety
+    #: look, since the loop's watch wakes it for new pods, ended purchases and idle nodes.
+    tick_seconds: float = Field(600, gt=0, le=DAY)
     #: Override the config's ``demand:`` settings (tests shorten them).
     batch_idle_seconds: float | None = Field(None, ge=0, le=600)
     batch_max_seconds: float | None = Field(None, ge=0, le=3600)

@@ -44,6 +44,9 @@ class NodeCarry(BaseModel):
     #: The reasons of quarantines not yet handed to a repair: such a finding is about the node's
     #: word, not its GPU, so a clean GPU snapshot while it waits does not forget it.
     quarantine_reasons: list[str] = Field(default_factory=list)
+    #: Since when the cluster says the node is NotReady (its Site entity's watch told, epoch
+    #: seconds); None while it is Ready.
+    not_ready_since: float | None = None
 
 
 class NodeWatchInput(BaseModel):
@@ -230,6 +233,8 @@ class NodeStatus(BaseModel):
     last_bad_report: str = ""
     #: Background loops (the health watch, a repair's watcher) restarted after an error.
     loop_restarts: int = 0
+    #: Since when the cluster says the node is NotReady (None: Ready, or not told otherwise).
+    not_ready_since: float | None = None
 
 
 class GpuRepairInput(BaseModel):

@@ -11,7 +11,7 @@ import base64
 import hashlib
 import re
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, Field
 
@@ -236,6 +236,37 @@ class Cluster(Protocol):
         what the demand loop plans from and counts each node's GPUs with."""
         ...
 
+    # -- watches: what the event-driven entities wait on (issue 37) -----------------------
+    def watch_nodes(
+        self, selector: dict[str, str] | None, until: Callable[[list[Node]], bool], timeout_s: float,
+        recheck_s: float = 30.0, heartbeat: Callable[[], None] | None = None, poll_s: float = 1.0,
+    ) -> list[Node]:
+        """The nodes matching ``selector`` as soon as ``until(nodes)`` holds, or after ``timeout_s``.
+
+        A real watch: list, then follow the changes from the list's resourceVersion; a version the
+        server no longer has (``410 Gone``: compacted, or too old for its watch cache) lists again.
+        ``until`` is asked after the list, after every change and at least every ``recheck_s``
+        (so it may keep clocks of its own, e.g. a provider probe); ``heartbeat`` is called as
+        often. The nodes carry no identity record (the machine as the providerID names it)."""
+        ...
+
+    def watch_gpu_pods(
+        self, until: Callable[[list[GpuPod]], bool], timeout_s: float, recheck_s: float = 30.0,
+        heartbeat: Callable[[], None] | None = None, poll_s: float = 0.2,
+    ) -> list[GpuPod]:
+        """``list_gpu_pods()`` as soon as ``until`` holds for it, or after ``timeout_s``: a watch on
+        the pods that have not finished (every namespace), as ``watch_nodes``."""
+        ...
+
+    def watch_open_csrs(
+        self, until: Callable[[list[str]], bool], timeout_s: float, recheck_s: float = 30.0,
+        heartbeat: Callable[[], None] | None = None,
+    ) -> list[str]:
+        """The names of the CSRs still open (neither Denied nor Failed: pending, or approved and
+        not yet cleaned up) as soon as ``until`` holds for them, or after ``timeout_s``: a watch
+        on CSRs, as ``watch_nodes``. A new CSR is a new name."""
+        ...
+
     # -- per-site serving -----------------------------------------------------------------
     def apply_serving(self, spec: ServingSpec) -> ServingStatus:
         """Create or update the model's Deployment and Service at the site. A changed
@@ -400,6 +431,35 @@ def routing_sites(
         )
         for site, weight in sorted(weights.items())
     }
+
+
+T = TypeVar("T")
+
+
+def poll_watch(
+    look: Callable[[], T],
+    until: Callable[[T], bool],
+    timeout_s: float,
+    recheck_s: float,
+    heartbeat: Callable[[], None] | None,
+    poll_s: float,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> T:
+    """A watch for a store that has none (the simulated cluster): ``look()`` every ``poll_s``
+    until ``until`` holds for what it saw or ``timeout_s`` passed; ``heartbeat`` every
+    ``recheck_s``. Looking costs the store a read, never the caller a Temporal action."""
+    deadline = clock() + max(timeout_s, 0.0)
+    beat_at = clock() + recheck_s
+    while True:
+        seen = look()
+        now = clock()
+        if until(seen) or now >= deadline:
+            return seen
+        if heartbeat is not None and now >= beat_at:
+            heartbeat()
+            beat_at = now + recheck_s
+        sleep(max(0.0, min(poll_s, deadline - now)))
 
 
 def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:

@@ -102,6 +102,7 @@ from fleet.weights_pull import KEY_ENV as WEIGHTS_KEY_ENV
 from providers.cluster.bootstrap import BOOTSTRAP_GROUP, BootstrapToken, ca_cert_hash
 from providers.cluster.base import (
     AccessRule,
+    CLIENT_SIGNER,
     CONTROL_PLANE_LABEL,
     CsrDecision,
     csr_decision,
@@ -128,7 +129,11 @@ from fleet.cluster import (
     ANNOTATION_TEMPLATE,
     GPU_RESOURCE,
     NODE_IDENTITY_KIND,
+    NODE_KEYS_KIND,
     NodeIdentity,
+    bound_keys,
+    client_key_fingerprint,
+    with_key,
     LABEL_MODEL,
     LABEL_PROVIDER,
     LABEL_SITE,
@@ -190,15 +195,18 @@ def _rule(verb: str, group: str, resource: str, namespace: str, purpose: str, su
 ACCESS: tuple[AccessRule, ...] = (
     _rule("get", "", "nodes", "", "get_node, set_taints"),
     _rule("list", "", "nodes", "", "list_nodes"),
+    _rule("watch", "", "nodes", "", "watch_nodes: a Site entity's nodes (Ready, cordoned, proven)"),
     _rule("patch", "", "nodes", "", "labels, annotations, taints, cordon"),
     _rule("delete", "", "nodes", "", "remove_node"),
     _rule("list", "", "pods", "", "drain: pods on the node; demand: Pending GPU pods (every namespace)"),
+    _rule("watch", "", "pods", "", "watch_gpu_pods: the demand loop's Pending GPU pods (every namespace)"),
     _rule("create", "", "pods", "", "drain: Eviction API", sub="eviction"),
     _rule("delete", "", "pods", "", "drain --force: delete past the PDB"),
     _rule("create", "", "secrets", TOKEN_NAMESPACE, "join token: bootstrap token Secret"),
     _rule("delete", "", "secrets", TOKEN_NAMESPACE, "join token: revoke"),
     _rule("get", "", "configmaps", "kube-public", "join: API endpoint and CA hash (cluster-info)"),
     _rule("list", CSR_GROUP, "certificatesigningrequests", "", "CSR approver: pending kubelet CSRs"),
+    _rule("watch", CSR_GROUP, "certificatesigningrequests", "", "CSR approver: new kubelet CSRs (watch_open_csrs)"),
     _rule("update", CSR_GROUP, "certificatesigningrequests", "", "CSR approver: approve or deny",
           sub="approval"),
     _rule("approve", CSR_GROUP, "signers", "", "CSR approver: kubelet client and serving signers"),
@@ -561,6 +569,10 @@ def _translate(error: Exception, what: str) -> Exception:
     return Transient(f"{what}: {error}", provider=PROVIDER, code=type(error).__name__)
 
 
+class _Gone(Exception):
+    """A watch's resourceVersion is gone (410): list again."""
+
+
 class _Conflict(Exception):
     pass
 
@@ -894,14 +906,35 @@ class KubernetesCluster:
                 control_plane.append({n["metadata"]["name"] for n in found.get("items", [])})
             return node in control_plane[0]
 
+        keys: list[dict[str, dict[str, str]]] = []  # NODE_KEYS_KIND, listed when first needed
+
+        def judge(csr: dict[str, Any]) -> CsrDecision | None:
+            return csr_decision(csr, lambda token_id: self._token_node(token_id, tokens),
+                                lambda node: node in identities, addresses, renewable)
+
+        def bind_key(node: str, fingerprint: str) -> None:
+            keys[0][node] = self.update_state(NODE_KEYS_KIND, node, lambda old: with_key(old, fingerprint))
+
         for csr in listed.get("items", []):
             status = csr.get("status") or {}
-            if any(c.get("type") in ("Approved", "Denied") for c in status.get("conditions") or []):
+            judged = {c.get("type") for c in status.get("conditions") or []}
+            if "Denied" in judged or "Failed" in judged:
                 continue
-            decision = csr_decision(csr, lambda token_id: self._token_node(token_id, tokens),
-                                    lambda node: node in identities, addresses, renewable)
+            client_key = _client_csr_key(csr)
+            if client_key is not None and not keys:
+                keys.append(self.list_state(NODE_KEYS_KIND))
+            unbound = client_key is not None and client_key[1] not in bound_keys(keys[0].get(client_key[0], {}))
+            if "Approved" in judged:
+                # Approved by another approver (kubeadm's auto-approval): its key opens the node
+                # gateway only where gpufleet's own judgement approves it too.
+                if unbound and (decision := judge(csr)) is not None and decision.approve:
+                    bind_key(*client_key)
+                continue
+            decision = judge(csr)
             if decision is None:
                 continue
+            if decision.approve and unbound:
+                bind_key(*client_key)  # before the approval: no certificate is ever out unbound
             self._decide(csr, decision)
             decisions.append(decision)
         return decisions
@@ -1029,6 +1062,8 @@ class KubernetesCluster:
         return self._node(self._retry_on_conflict(f"node {name}", lambda: self._patch_node(name, body, MERGE)))
 
     def remove_node(self, name: str) -> None:
+        # The node's client keys first: its certificates stop opening the node gateway at once.
+        self.delete_state(NODE_KEYS_KIND, name)
         self._delete(f"delete node {name}", self.core.delete_node, name)
         # After the Node: a retry after a failure in between still finds the record to delete.
         self.delete_state(NODE_IDENTITY_KIND, name)
@@ -1088,6 +1123,116 @@ class KubernetesCluster:
         pods = self._do("list GPU pods", self.core.list_pod_for_all_namespaces, field_selector=selector)
         found = [gpu_pod(pod) for pod in pods.get("items", [])]
         return sorted((p for p in found if p.gpus > 0), key=lambda p: p.key)
+
+    # -- watches (issue 37): the event-driven entities wait on these -------------------------
+    def _follow(self, what: str, list_fn: Callable[..., Any], convert: Callable[[dict[str, Any]], T | None],
+                until: Callable[[list[T]], bool], timeout_s: float, recheck_s: float,
+                heartbeat: Callable[[], None] | None, **selectors: Any) -> list[T]:
+        """List, then follow the changes from the list's resourceVersion until ``until`` holds
+        for the objects (``convert``: None leaves an object out) or ``timeout_s`` passed.
+
+        The watch runs in chunks of at most ``recheck_s`` (the server's ``timeoutSeconds``), each
+        resumed from the last resourceVersion seen (bookmarks included), so ``until`` and
+        ``heartbeat`` are called at least that often and a hung connection is given up after one
+        chunk. A version the server no longer has (``410 Gone``: etcd compacted past it, or it is
+        older than the watch cache) is met by listing again: the objects are then the list's,
+        and an event the watch missed is in it."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        objects, version = self._list_for_watch(what, list_fn, convert, **selectors)
+        while True:
+            current = [objects[key] for key in sorted(objects)]
+            if until(current) or time.monotonic() >= deadline:
+                return current
+            chunk = max(1, int(min(recheck_s, max(deadline - time.monotonic(), 1.0))))
+            try:
+                for kind, obj in self._watch_chunk(what, list_fn, version, chunk, **selectors):
+                    meta = obj.get("metadata") or {}
+                    version = meta.get("resourceVersion") or version
+                    if kind == "BOOKMARK":
+                        continue
+                    key = f"{meta.get('namespace', '')}/{meta.get('name', '')}"
+                    converted = convert(obj) if kind != "DELETED" else None
+                    if converted is None:
+                        objects.pop(key, None)
+                    else:
+                        objects[key] = converted
+                    current = [objects[k] for k in sorted(objects)]
+                    if until(current):
+                        return current
+            except _Gone:
+                objects, version = self._list_for_watch(what, list_fn, convert, **selectors)
+            if heartbeat is not None:
+                heartbeat()
+
+    def _list_for_watch(self, what: str, list_fn: Callable[..., Any], convert: Callable[[dict[str, Any]], T | None],
+                        **selectors: Any) -> tuple[dict[str, T], str]:
+        listed = self._do(f"list {what}", list_fn, **selectors)
+        objects: dict[str, T] = {}
+        for obj in listed.get("items", []):
+            meta = obj.get("metadata") or {}
+            if (converted := convert(obj)) is not None:
+                objects[f"{meta.get('namespace', '')}/{meta.get('name', '')}"] = converted
+        return objects, (listed.get("metadata") or {}).get("resourceVersion", "")
+
+    def _watch_chunk(self, what: str, list_fn: Callable[..., Any], version: str, seconds: int, **selectors: Any):
+        """(type, object) of each watch event from ``version`` for ``seconds`` (plain JSON)."""
+        from kubernetes.watch.watch import iter_resp_lines
+
+        try:
+            response = list_fn(watch=True, resource_version=version, timeout_seconds=seconds,
+                               allow_watch_bookmarks=True, _preload_content=False,
+                               _request_timeout=(self.request_timeout[0], seconds + self.request_timeout[0]),
+                               **selectors)
+        except ApiException as error:
+            if error.status == 410:
+                raise _Gone(_message(error)) from error
+            raise _translate(error, f"watch {what}") from error
+        except (urllib3.exceptions.HTTPError, OSError) as error:
+            raise _translate(error, f"watch {what}") from error
+        try:
+            for line in iter_resp_lines(response):
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                obj = event.get("object") or {}
+                if event.get("type") == "ERROR":
+                    if obj.get("code") == 410:
+                        raise _Gone(obj.get("message", "resourceVersion too old"))
+                    raise _translate(ApiException(status=obj.get("code") or 500, reason=obj.get("message", "")),
+                                     f"watch {what}")
+                yield event.get("type", ""), obj
+        except (urllib3.exceptions.ReadTimeoutError, urllib3.exceptions.ProtocolError, OSError):
+            return  # the chunk's connection ended early or hung: the next chunk resumes from ``version``
+        finally:
+            response.close()
+            response.release_conn()
+
+    def watch_nodes(self, selector: dict[str, str] | None, until: Callable[[list[Node]], bool], timeout_s: float,
+                    recheck_s: float = 30.0, heartbeat: Callable[[], None] | None = None,
+                    poll_s: float = 1.0) -> list[Node]:
+        label_selector = ",".join(f"{k}={v}" for k, v in sorted((selector or {}).items()))
+        return self._follow("nodes", self.core.list_node, self._node, until, timeout_s, recheck_s, heartbeat,
+                            **({"label_selector": label_selector} if label_selector else {}))
+
+    def watch_gpu_pods(self, until: Callable[[list[GpuPod]], bool], timeout_s: float, recheck_s: float = 30.0,
+                       heartbeat: Callable[[], None] | None = None, poll_s: float = 0.2) -> list[GpuPod]:
+        def convert(obj: dict[str, Any]) -> GpuPod | None:
+            pod = gpu_pod(obj)
+            return pod if pod.gpus > 0 else None
+
+        return self._follow("GPU pods", self.core.list_pod_for_all_namespaces, convert, until, timeout_s, recheck_s,
+                            heartbeat, field_selector="status.phase!=Succeeded,status.phase!=Failed")
+
+    def watch_open_csrs(self, until: Callable[[list[str]], bool], timeout_s: float, recheck_s: float = 30.0,
+                        heartbeat: Callable[[], None] | None = None) -> list[str]:
+        def convert(obj: dict[str, Any]) -> str | None:
+            conditions = (obj.get("status") or {}).get("conditions") or []
+            if any(c.get("type") in ("Denied", "Failed") for c in conditions):
+                return None
+            return (obj.get("metadata") or {}).get("name") or None
+
+        return self._follow("CSRs", self.certificates.list_certificate_signing_request, convert, until, timeout_s,
+                            recheck_s, heartbeat)
 
     # -- serving --------------------------------------------------------------------------
     def _read_deployment(self, name: str) -> dict[str, Any] | None:
@@ -1479,6 +1624,27 @@ def _routing_entry(configmap: dict[str, Any] | None, key: str) -> dict[str, Any]
     except ValueError:
         return None
     return entry if isinstance(entry, dict) and isinstance(entry.get("version"), int) else None
+
+
+def _client_csr_key(csr: dict[str, Any]) -> tuple[str, str] | None:
+    """(node, key fingerprint) of a kubelet client CSR (``system:node:<node>``), or None."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.x509.oid import NameOID
+
+    spec = csr.get("spec") or {}
+    if spec.get("signerName") != CLIENT_SIGNER:
+        return None
+    try:
+        request = x509.load_pem_x509_csr(base64.b64decode(spec.get("request") or ""))
+        public = request.public_key().public_bytes(serialization.Encoding.DER,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+    except (ValueError, TypeError):
+        return None
+    common = [a.value for a in request.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if len(common) != 1 or not str(common[0]).startswith("system:node:"):
+        return None
+    return str(common[0]).removeprefix("system:node:"), client_key_fingerprint(public)
 
 
 def _identified(node: Node, identity: NodeIdentity | None) -> Node:

@@ -37,6 +37,7 @@ from providers.cluster.base import (
     check_state_data,
     routing_sites,
     run_drain,
+    poll_watch,
     selector_matches,
     serving_capacity,
     serving_name,
@@ -45,7 +46,9 @@ from fleet.cluster import (
     LABEL_PROVIDER,
     LABEL_SITE,
     NODE_IDENTITY_KIND,
+    NODE_KEYS_KIND,
     NodeIdentity,
+    with_key,
     MAX_JOIN_TOKEN_TTL_S,
     DrainResult,
     JoinTokenRef,
@@ -233,6 +236,23 @@ class SimCluster:
     def node_identity(self, name: str) -> NodeIdentity | None:
         return NodeIdentity.from_state(self.read_state(NODE_IDENTITY_KIND, name)) if name else None
 
+    def bind_client_key(self, node_name: str, machine_id: str, fingerprint: str) -> bool:
+        """The sim's CSR approver, for the key a machine's agent certificate is signed for:
+        bound to the node only while that machine's kubelet holds the node (it registered
+        with the token issued for the name), as gpufleet's approver binds a kubelet's key
+        only for the node its bootstrap token was issued for (or its own renewal)."""
+        with self.world.tx() as db:
+            row = db.execute("SELECT machine_id FROM nodes WHERE name=?", (node_name,)).fetchone()
+            if row is None or row["machine_id"] != machine_id:
+                return False
+            found = db.execute("SELECT data, version FROM control_state WHERE kind=? AND key=?",
+                               (NODE_KEYS_KIND, node_name)).fetchone()
+            data = with_key(json.loads(found["data"]) if found else {}, fingerprint)
+            db.execute("INSERT OR REPLACE INTO control_state(kind, key, data, version) VALUES (?,?,?,?)",
+                       (NODE_KEYS_KIND, node_name, json.dumps(data, sort_keys=True),
+                        (found["version"] if found else 0) + 1))
+        return True
+
     def register_from_user_data(self, machine_id: str, user_data: str, boot_id: str, gpus: int) -> Node:
         """The machine's side, from nothing but its user data: kubeadm reads the
         JoinConfiguration, authenticates with the token, gets a certificate only for the
@@ -348,6 +368,29 @@ class SimCluster:
             identities = self.list_state(NODE_IDENTITY_KIND)
         return [self._node(r, NodeIdentity.from_state(identities.get(r["name"], {}))) for r in rows]
 
+    # -- watches (the sim has none: its tables are looked at, ``poll_watch``) ------------------
+    def _nodes_matching(self, selector: dict[str, str] | None) -> list[Node]:
+        """``list_nodes`` without the identity records, as a watch's objects come."""
+        where, args = [], []
+        for key, value in (selector or {}).items():
+            if '"' in key:
+                return []
+            where.append("json_extract(labels, ?) = ?")
+            args += [f'$."{key}"', value]
+        rows = self.world.query("SELECT * FROM nodes" + (" WHERE " + " AND ".join(where) if where else "")
+                                + " ORDER BY name", *args)
+        return [self._node(r) for r in rows]
+
+    def watch_nodes(self, selector, until, timeout_s, recheck_s=30.0, heartbeat=None, poll_s=1.0) -> list[Node]:
+        return poll_watch(lambda: self._nodes_matching(selector), until, timeout_s, recheck_s, heartbeat, poll_s)
+
+    def watch_gpu_pods(self, until, timeout_s, recheck_s=30.0, heartbeat=None, poll_s=0.2) -> list[GpuPod]:
+        return poll_watch(self.list_gpu_pods, until, timeout_s, recheck_s, heartbeat, poll_s)
+
+    def watch_open_csrs(self, until, timeout_s, recheck_s=30.0, heartbeat=None) -> list[str]:
+        # No CSRs in the sim (``review_csrs``): nothing ever changes, so look seldom.
+        return poll_watch(lambda: [], until, timeout_s, recheck_s, heartbeat, poll_s=min(recheck_s, 1.0))
+
     def _update(self, name: str, column: str, change) -> Node:
         with self.world.tx() as db:
             row = db.execute(f"SELECT {column} FROM nodes WHERE name=?", (name,)).fetchone()
@@ -373,7 +416,8 @@ class SimCluster:
         with self.world.tx() as db:
             db.execute("DELETE FROM nodes WHERE name=?", (name,))
             db.execute("DELETE FROM node_annotations WHERE name=?", (name,))
-            db.execute("DELETE FROM control_state WHERE kind=? AND key=?", (NODE_IDENTITY_KIND, name))
+            db.execute("DELETE FROM control_state WHERE kind IN (?,?) AND key=?",
+                       (NODE_IDENTITY_KIND, NODE_KEYS_KIND, name))
 
     def annotate_node(self, name: str, annotations: dict[str, str | None]) -> dict[str, str]:
         with self.world.tx() as db:

@@ -608,7 +608,7 @@ class FakeKube:
         resource = parts[0]
         name = parts[1] if len(parts) > 1 else ""
         sub = parts[2] if len(parts) > 2 else ""
-        verb = {"GET": "get" if name else ("watch" if query.get("watch") in ("true", "1") else "list"),
+        verb = {"GET": "get" if name else ("watch" if query.get("watch") in ("1", "t", "T", "true", "True", "TRUE") else "list"),
                 "POST": "create", "PUT": "update", "PATCH": "patch",
                 "DELETE": "delete" if name else "deletecollection"}[method]
         if group == "authorization.k8s.io" and resource == "selfsubjectaccessreviews" and method == "POST":

@@ -1,5 +1,6 @@
-"""gpufleet's CSR approver on a timer (issue 24): the Schedule ``gpufleet-csr-approver``
-starts ``CsrApprover``, one approver pass, in ``mode: real`` against the fake API server.
+"""gpufleet's CSR approver (issues 24, 37): the Schedule ``gpufleet-csr-approver`` starts
+``CsrApprover`` in ``mode: real`` against the fake API server: a pass, then a watch on CSRs
+that wakes it for each new one (the Schedule's pass is only the safety sweep).
 
 The fake cluster here has no ``selfnodeclient`` binding for ``system:nodes`` (kubeadm
 creates one, many managed control planes do not): nothing but gpufleet approves a renewal,
@@ -13,7 +14,7 @@ import asyncio
 import base64
 import uuid
 
-from temporalio.client import WorkflowHandle
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
 
 from fleet.messages.csr import CsrApproverResult
 from fleet.schedules import SCHEDULES, build_schedule
@@ -81,11 +82,19 @@ async def test_the_scheduled_pass_approves_a_renewal_and_denies_another_name(lam
                             task_queue=f"gpufleet-test-{uuid.uuid4().hex[:8]}", state_dir=tmp_path)
         async with build_worker(temporal_env.client, settings, one.env):
             run = await scheduled_pass(temporal_env.client, settings.task_queue)
-            result = CsrApproverResult.model_validate(await run.result())
+            await wait_for(lambda: all(csrs()[n]["status"].get("conditions") for n in (own, other, serving)),
+                           timeout=30)
+            # The run goes on watching: a renewal posted now is approved within seconds, by the
+            # watch (the Schedule's safety sweep is ten minutes away, and its run is still this one).
+            later = await asyncio.to_thread(renewal, kubelet, kubelet.name)
+            await wait_for(lambda: csrs()[later]["status"].get("conditions"), timeout=20)
+            assert (await run.describe()).status == WorkflowExecutionStatus.RUNNING
+            await run.cancel()  # a cancelled approver ends with what it decided
+            result = CsrApproverResult.model_validate(await asyncio.wait_for(run.result(), 30))
 
         verdicts = {v.name: v for v in result.decided}
-        assert set(verdicts) == {own, other, serving}
-        assert verdicts[own].approve and verdicts[serving].approve
+        assert set(verdicts) == {own, other, serving, later}
+        assert verdicts[own].approve and verdicts[serving].approve and verdicts[later].approve
         assert not verdicts[other].approve and "someone-elses-node" in verdicts[other].reason
         assert verdicts[own].requester == f"system:node:{kubelet.name}"
         decided = await wait_for(lambda: csrs() if csrs()[own]["status"].get("certificate") else None)
@@ -93,6 +102,8 @@ async def test_the_scheduled_pass_approves_a_renewal_and_denies_another_name(lam
         assert [c["type"] for c in decided[other]["status"]["conditions"]] == ["Denied"]
         assert "certificate" not in decided[other]["status"]
         assert decided[serving]["status"].get("certificate")
-        await replay_and_record(run, "csr_approver_pass")
+        assert [c["reason"] for c in decided[later]["status"]["conditions"]] == ["GpufleetApproved"]
+        # csr_approver_pass.json stays the history of a run from before the watch (one pass).
+        await replay_and_record(run, "csr_approver_watch")
     finally:
         one.stop()

@@ -1,0 +1,300 @@
+"""The event watches (issue 37): long-running activities that return only when something their
+entity acts on changed, so a fleet where nothing happens costs Temporal almost nothing.
+
+Every activity scheduled, every timer, signal and heartbeat is a billed (and rate-limited)
+Temporal action. A watch here holds one activity open for minutes, follows the cluster with a
+real watch (``Cluster.watch_nodes`` and friends: list, then watch from the list's
+resourceVersion, listed again on ``410 Gone``), does its periodic looks inside the activity
+(a provider probe, a describe of a purchase: no action), and heartbeats at most once per half
+its heartbeat timeout. Each is level-triggered: the entity passes what it last saw and the watch
+returns at once when the world already differs, so a run that continued as new loses nothing.
+
+- ``watch_site``: a Site entity's nodes (Ready, cordoned, proven; added, removed) and its
+  provider's API (Transient failures trip the incident rule). It also reports how long nobody
+  watched: its own loop running late (its process frozen) or, on a retried attempt, the time
+  since the lost attempt's last heartbeat; the entity takes that as the control plane's absence.
+- ``watch_demand_events``: the Demand loop's new Pending GPU pods (batched as before), the pods of its
+  purchases in flight, those purchases ending, and which nodes hold GPU pods (consolidation).
+- ``watch_csrs``: a new kubelet CSR for gpufleet's approver.
+- ``ensure_sites``: the Schedule's safety sweep starts every Site entity that is not running
+  (one that runs has its own watch and safety timer: no signal, no action).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError, CancelledError
+from temporalio.service import RPCError
+
+from activities.env import FleetEnv
+from activities.errors import typed_errors
+from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
+from fleet.demand import opted_in
+from fleet.errors import FleetError, Transient
+from fleet.messages.capacity import SignalSitesInput
+from fleet.messages.demand import DemandBatch
+from fleet.messages.evacuation import ProbeNode
+from fleet.messages.watches import (
+    CsrWatchInput,
+    CsrWatchResult,
+    DemandWake,
+    DemandWatchInput,
+    SiteWatchInput,
+    SiteWatchResult,
+    node_summary,
+)
+from fleet.naming import site_workflow_id
+
+#: A watch's own loop looks at least this often (its chunks, its rechecks), whatever it waits for.
+RECHECK_SECONDS = 30.0
+#: Slack on top of the recheck before a late look counts as the watcher's process having stopped
+#: (a real watch's chunk may take a connect timeout longer than asked).
+LATE_SLACK_SECONDS = 10.0
+#: While opted-in pods are Pending, the fleet's labels are put on new nodes this often (a bought
+#: node must carry them before the scheduler can bind the pods it was bought for).
+LABEL_SECONDS = 2.0
+
+
+class RareHeartbeat:
+    """An activity's heartbeats, at most one per half its heartbeat timeout (the first at half):
+    each one is a billed action and a write on the server, and a watch waits for minutes. The
+    detail is the wall-clock time of the beat, so an attempt retried after this one was lost
+    knows how long nobody watched (``since_lost_attempt``)."""
+
+    def __init__(self) -> None:
+        timeout = activity.info().heartbeat_timeout
+        self.every = timeout.total_seconds() / 2 if timeout else None
+        self._next = time.monotonic() + self.every if self.every else float("inf")
+
+    def __call__(self) -> None:
+        if time.monotonic() >= self._next:
+            activity.heartbeat(time.time())
+            self._next = time.monotonic() + self.every
+
+    @staticmethod
+    def since_lost_attempt() -> float:
+        """Seconds since the previous attempt's last heartbeat (0: first attempt, or none)."""
+        info = activity.info()
+        if info.attempt <= 1 or not info.heartbeat_details:
+            return 0.0
+        try:
+            return max(0.0, time.time() - float(info.heartbeat_details[0]))
+        except (TypeError, ValueError):
+            return 0.0
+
+
+def stop_if_asked() -> None:
+    """A watch's thread ends when its activity is cancelled (the entity continued as new) or its
+    worker stops: a watch waits for minutes, and a worker's shutdown waits for its activities."""
+    if activity.is_cancelled():
+        raise CancelledError("the watch was cancelled")
+    if activity.is_worker_shutdown():
+        # A failure the server takes (a CancelledError nobody asked for is refused): retried on
+        # another worker at once, not after the heartbeat timeout.
+        raise ApplicationError("the watch's worker is stopping", type="WorkerStopping")
+
+
+def probe_nodes(nodes) -> list[ProbeNode]:
+    return [ProbeNode(name=n.name, ready=n.ready, unproven=UNPROVEN_TAINT in n.taints or not n.labels.get(LABEL_SITE),
+                      unschedulable=n.unschedulable, machine_id=n.machine_id) for n in nodes]
+
+
+class WatchActivities:
+    def __init__(self, env: FleetEnv) -> None:
+        self.env = env
+
+    def all(self) -> list:
+        return [self.watch_site, self.watch_demand_events, self.watch_csrs, self.ensure_sites]
+
+    # -- a Site entity's nodes and provider ---------------------------------------------------
+    def _api(self, site: str) -> tuple[bool, str, str]:
+        try:
+            self.env.provider(site).list_machines()
+            return True, "", ""
+        except FleetError as error:
+            return False, error.type_name, str(error)
+        except Exception as error:  # noqa: BLE001 - an SDK error nobody classified is Transient
+            return False, Transient.__name__, str(error)
+
+    @activity.defn
+    @typed_errors
+    def watch_site(self, input: SiteWatchInput) -> SiteWatchResult:
+        """Until a node of the site changes what the entity acts on (``node_summary``), a node
+        comes or goes, or the provider API's answer changes; unchanged after ``max_wait_seconds``."""
+        site = self.env.site(input.site).name
+        beat = RareHeartbeat()
+        paused = RareHeartbeat.since_lost_attempt()
+        recheck = min(RECHECK_SECONDS, input.api_check_seconds, beat.every or RECHECK_SECONDS)
+        api = (input.api_ok, input.api_error_type, "") if input.api_ok is not None else None
+        api_at = time.monotonic() if api is not None else 0.0
+        last_look = time.monotonic()
+        # A real watch's chunk may end a connect timeout late; the sim's looks are its own sleeps.
+        late_after = max(recheck, input.poll_seconds) + (LATE_SLACK_SECONDS if self.env.world is None else 0.0)
+
+        def until(nodes) -> bool:
+            nonlocal api, api_at, last_look, paused
+            stop_if_asked()
+            now = time.monotonic()
+            # A look much later than the loop makes them: this process was stopped (or starved).
+            if now - last_look > late_after + input.absence_seconds:
+                paused = max(paused, now - last_look - late_after)
+            last_look = now
+            if api is None or now - api_at >= input.api_check_seconds:
+                api, api_at = self._api(site), now
+            if paused > input.absence_seconds:
+                return True
+            if api[0] != input.api_ok or (not api[0] and api[1] != input.api_error_type):
+                return True
+            return {n.name: node_summary(n) for n in probe_nodes(nodes)} != input.known
+
+        nodes = self.env.cluster.watch_nodes({LABEL_SITE: site}, until, input.max_wait_seconds, recheck_s=recheck,
+                                             heartbeat=beat, poll_s=input.poll_seconds)
+        found = probe_nodes(nodes)
+        ok, kind, message = api if api is not None else self._api(site)
+        changed = ({n.name: node_summary(n) for n in found} != input.known or ok != input.api_ok
+                   or (not ok and kind != input.api_error_type))
+        return SiteWatchResult(nodes=found, api_ok=ok, api_error_type=kind, api_error=message[:500], changed=changed,
+                               observed_at=time.time(), paused_seconds=round(paused, 3))
+
+    # -- the Demand loop ----------------------------------------------------------------------
+    async def _purchases_running(self, ids: list[str]) -> list[str]:
+        """The purchases of ``ids`` that are still running (a describe each: no action)."""
+        client = activity.client()
+        running = []
+        for workflow_id in ids:
+            try:
+                described = await client.get_workflow_handle(workflow_id).describe()
+            except RPCError:
+                continue  # gone: not running
+            if described.status == WorkflowExecutionStatus.RUNNING:
+                running.append(workflow_id)
+        return running
+
+    @activity.defn
+    @typed_errors
+    async def watch_demand_events(self, input: DemandWatchInput) -> DemandWake:
+        """Until opted-in Pending GPU pods the loop has no answer for appear (then until the batch
+        closes, as ``watch_demand`` did: ``batch_idle_seconds`` without another, at most
+        ``batch_max_seconds``), a pod a purchase was bought for goes, a purchase ends, or the
+        nodes holding GPU pods change; after ``wait_seconds`` with nothing of that."""
+        from activities.demand import DemandActivities
+
+        labels = DemandActivities(self.env)
+        cluster = self.env.cluster
+        beat = RareHeartbeat()
+        known, tracked = set(input.known), set(input.tracked)
+        busy_before = set(input.busy) if input.busy is not None else None
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        first = last = None
+        seen: set[str] = set()
+        why = "timeout"
+        pods: list = []
+        purchases_at = loop.time()
+        await asyncio.to_thread(labels._label_fleet_nodes)
+
+        def decide(found) -> bool:
+            nonlocal first, last, seen, why
+            stop_if_asked()
+            now = loop.time()
+            pending = {p.key for p in found if p.pending and opted_in(p) and not p.nominated_node}
+            new = pending - known
+            if new - seen:
+                first = first if first is not None else now
+                last = now
+            seen = (seen | new) & (new | known)  # a pod that went before the batch closed is not in it
+            if first is not None:
+                if now - last >= input.batch_idle_seconds or now - first >= input.batch_max_seconds:
+                    why = "pods"
+                    return True
+                return False
+            present = {p.key for p in found}
+            if tracked - present:
+                why = "pods gone"
+                return True
+            if busy_before is not None and {p.node for p in found if p.node} != busy_before:
+                why = "idle"
+                return True
+            return False
+
+        while True:
+            now = loop.time()
+            left = max(0.0, start + input.wait_seconds - now)
+            # One watch for the whole wait, cut short where something else must be looked at:
+            # an open batch's window, the purchases' describe, the labels of new nodes.
+            chunk = left
+            if first is not None:
+                chunk = min(chunk, max(0.05, min(input.batch_idle_seconds, input.batch_max_seconds) / 2))
+            if input.purchases:
+                chunk = min(chunk, input.purchase_check_seconds)
+            if seen or any(p.pending and opted_in(p) for p in pods):
+                chunk = min(chunk, LABEL_SECONDS)
+            if beat.every:
+                chunk = min(chunk, beat.every)  # heartbeats go from this loop, never from the watch's thread
+            pods = await asyncio.to_thread(cluster.watch_gpu_pods, decide, chunk, min(RECHECK_SECONDS, chunk + 1),
+                                           None, input.poll_seconds)
+            present = [p.key for p in pods]
+            if why != "timeout":
+                break
+            if decide(pods):  # an open batch's window may have closed at the chunk's end
+                break
+            if input.purchases and loop.time() - purchases_at >= input.purchase_check_seconds:
+                purchases_at = loop.time()
+                if len(await self._purchases_running(input.purchases)) < len(input.purchases):
+                    why = "purchase ended"
+                    break
+            if any(p.pending and opted_in(p) for p in pods):
+                await asyncio.to_thread(labels._label_fleet_nodes)
+            if loop.time() - start >= input.wait_seconds and first is None:
+                break
+            beat()
+        window = round(loop.time() - first, 3) if first is not None else 0.0
+        return DemandWake(batch=DemandBatch(new=sorted(seen) if why == "pods" else [], present=present,
+                                            window_seconds=window),
+                          why=why, busy=sorted({p.node for p in pods if p.node}))
+
+    # -- gpufleet's CSR approver --------------------------------------------------------------
+    @activity.defn
+    @typed_errors
+    def watch_csrs(self, input: CsrWatchInput) -> CsrWatchResult:
+        """Until a CSR the approver has not seen appears (a new name among those still open);
+        unchanged after ``max_wait_seconds``. A CSR gone (decided, cleaned up) wakes nothing."""
+        known = set(input.known)
+        beat = RareHeartbeat()
+        recheck = min(RECHECK_SECONDS, beat.every or RECHECK_SECONDS)
+        def new_one(open_: list[str]) -> bool:
+            stop_if_asked()
+            return bool(set(open_) - known)
+
+        names = self.env.cluster.watch_open_csrs(new_one, input.max_wait_seconds, recheck_s=recheck, heartbeat=beat)
+        return CsrWatchResult(pending=sorted(names), changed=bool(set(names) - known))
+
+    # -- the Schedule's safety sweep ----------------------------------------------------------
+    @activity.defn
+    async def ensure_sites(self, input: SignalSitesInput) -> list[str]:
+        """Start the entity of every site (of ``input.sites``, or the config's) that is not running;
+        a running one is left alone: its watch and safety timer keep it current, and a signal
+        would be an action for nothing. Returns the sites started."""
+        client = activity.client()
+        names = input.sites or [s.name for s in self.env.config.sites]
+        running = set()
+        query = f'WorkflowType = "Site" AND ExecutionStatus = "Running" AND TaskQueue = "{activity.info().task_queue}"'
+        async for found in client.list_workflows(query):
+            running.add(found.id)
+        started = []
+        for name in names:
+            if site_workflow_id(name) in running:
+                continue
+            # USE_EXISTING: one started meanwhile (or that visibility did not list yet) is kept.
+            await client.start_workflow(
+                "Site", {"site": name}, id=site_workflow_id(name), task_queue=activity.info().task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                static_summary=f"site {name}: min/max reconcile, incidents",
+            )
+            started.append(name)
+        return started

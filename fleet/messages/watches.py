@@ -1,0 +1,130 @@
+"""Inputs and results of the event watches (``activities.watches``): the long-running activities
+that return only when something the entity acts on changed, so an idle fleet costs Temporal
+almost nothing (issue 37: every activity, timer, signal and heartbeat is a billed action).
+
+- ``watch_site``: a Site entity's nodes in the cluster (a real watch: list, then watch from the
+  list's resourceVersion, listed again on ``410 Gone``) and its provider's API; returns when a
+  node is added, removed, turns Ready or NotReady, is cordoned or proven, or the API's answer
+  changes.
+- ``watch_demand_events``: the Demand loop's Pending GPU pods (a watch on pods), its purchases in flight
+  and which nodes hold GPU pods (what consolidation reads).
+- ``watch_csrs``: kubelet CSRs waiting for a decision (a watch on CSRs).
+
+Each is level-triggered, like the Node entity's ``watch_node``: the caller passes what it last
+saw, and the watch returns at once when the world already differs (a run that continued as new
+loses nothing).
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from fleet.messages.demand import DemandBatch
+from fleet.messages.evacuation import ProbeNode
+from fleet.models import DAY, Name
+
+#: The longest any watch waits before it returns unchanged (its caller's safety look).
+MAX_WATCH_SECONDS = 3600.0
+
+
+def node_summary(node: ProbeNode) -> str:
+    """What a Site entity acts on of one node (a change of it ends the site's watch): Ready or
+    not, cordoned, still being proven. Nothing the kubelet rewrites on every status post."""
+    words = ["ready" if node.ready else "not-ready"]
+    if node.unschedulable:
+        words.append("cordoned")
+    if node.unproven:
+        words.append("unproven")
+    return ",".join(words)
+
+
+# -- watch_site -----------------------------------------------------------------------------
+class SiteWatchInput(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    site: Name
+    #: node name → ``node_summary`` as the entity last saw it (empty: return at once).
+    known: dict[str, str] = Field(default_factory=dict, max_length=100_000)
+    #: The provider API's last answer the entity has (None: not looked yet, return at once).
+    api_ok: bool | None = None
+    api_error_type: str = Field("", max_length=200)
+    #: Return unchanged after this long.
+    max_wait_seconds: float = Field(300, gt=0, le=MAX_WATCH_SECONDS)
+    #: Look at the provider API this often while waiting (inside the activity: no action).
+    api_check_seconds: float = Field(30, gt=0, le=DAY)
+    #: The simulated cluster has no watch: it is looked at this often (a real watch ignores it).
+    poll_seconds: float = Field(1.0, gt=0, le=60)
+    #: Nobody watched for longer than this (the watcher's process stopped, or its attempt was
+    #: lost): return at once and say so (``paused_seconds``), the control plane was away.
+    absence_seconds: float = Field(30, gt=0, le=3600)
+
+
+class SiteWatchResult(BaseModel):
+    nodes: list[ProbeNode] = Field(default_factory=list)
+    api_ok: bool = True
+    api_error_type: str = ""
+    api_error: str = ""
+    #: False: returned after ``max_wait_seconds`` with what the entity already knew.
+    changed: bool = False
+    #: When the watcher saw what it returns (epoch seconds, the worker's clock): a result the
+    #: entity takes much later waited out a control-plane outage in flight.
+    observed_at: float = 0.0
+    #: How late the watcher's own clock ran (its process frozen), or how long nobody watched
+    #: (a retried attempt, since the last heartbeat of the one that was lost): seconds.
+    paused_seconds: float = 0.0
+
+
+# -- watch_demand_events ---------------------------------------------------------------------------
+class DemandWatchInput(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    #: Pods the loop already has an answer for (bought, covered, unplaceable): no wake-up.
+    known: list[str] = Field(default_factory=list)
+    batch_idle_seconds: float = Field(1.0, ge=0, le=600)
+    batch_max_seconds: float = Field(10.0, ge=0, le=3600)
+    #: Return after this long even with nothing new (the loop's safety look, or an idle node's TTL).
+    wait_seconds: float = Field(600, ge=0, le=DAY)
+    #: The pods the purchases in flight were bought for: return when one of them is gone.
+    tracked: list[str] = Field(default_factory=list)
+    #: The purchases in flight (AcquireCapacity ids): return when one of them is no longer running.
+    purchases: list[str] = Field(default_factory=list)
+    #: Nodes with a GPU pod as the loop last saw them: return when that changes (a node went idle
+    #: or got its first pod). None: not compared (the loop looks at idle nodes anyway).
+    busy: list[str] | None = None
+    #: The purchases are looked up this often (a describe: no action).
+    purchase_check_seconds: float = Field(5.0, gt=0, le=600)
+    #: The simulated cluster has no watch: it is looked at this often (a real watch ignores it).
+    poll_seconds: float = Field(0.2, gt=0, le=60)
+
+
+class DemandWake(BaseModel):
+    batch: DemandBatch = Field(default_factory=DemandBatch)
+    #: Why the watch returned: "pods", "pods gone", "purchase ended", "idle", "timeout".
+    why: str = "timeout"
+    #: Nodes with a GPU pod now (the next watch's ``busy``).
+    busy: list[str] = Field(default_factory=list)
+
+
+# -- watch_csrs -----------------------------------------------------------------------------
+class CsrWatchInput(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    #: CSRs still pending that the last pass left alone (not gpufleet's to judge): no wake-up.
+    known: list[str] = Field(default_factory=list, max_length=100_000)
+    max_wait_seconds: float = Field(600, gt=0, le=MAX_WATCH_SECONDS)
+
+
+class CsrWatchResult(BaseModel):
+    #: Every CSR without a decision (Approved or Denied) when the watch returned.
+    pending: list[str] = Field(default_factory=list)
+    changed: bool = False
+
+
+# -- the Node entity's word from the cluster ------------------------------------------------
+class ClusterNodeState(BaseModel):
+    """The ``cluster_state`` signal a Site entity sends a Node entity when its watch saw the
+    node turn NotReady (its kubelet fell silent) or Ready again."""
+
+    ready: bool
+    #: When the Site entity's watch saw it (epoch seconds).
+    observed_at: float = 0.0

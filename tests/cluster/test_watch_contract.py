@@ -1,0 +1,76 @@
+"""The cluster port's watches (issue 37): the simulated cluster and the Kubernetes adapter (a real
+watch against the fake API server: list, then watch from its resourceVersion) return as soon as
+the caller's condition holds, and not before; unchanged after their timeout. The adapter's
+``410 Gone`` handling is proven against the real API server (tests/realk8s/test_watch.py)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fleet.cluster import LABEL_SITE
+from tests.cluster.test_demand_pods import OPT_IN
+
+
+def _later(seconds: float, act) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), act()), daemon=True)
+    thread.start()
+    return thread
+
+
+def test_a_node_watch_returns_on_the_change_it_waits_for_and_only_then(harness):
+    harness.add_node("gpu-1", site="site-a")
+    harness.add_node("gpu-2", site="site-a")
+    harness.add_node("other", site="site-b")
+    asked: list[list[str]] = []
+
+    def one_not_ready(nodes) -> bool:
+        asked.append([n.name for n in nodes])
+        return any(not n.ready for n in nodes)
+
+    changer = _later(0.6, lambda: harness.set_ready("gpu-2", False))
+    started = time.monotonic()
+    nodes = harness.cluster.watch_nodes({LABEL_SITE: "site-a"}, one_not_ready, timeout_s=20, recheck_s=5,
+                                        poll_s=0.05)
+    waited = time.monotonic() - started
+    changer.join()
+    assert 0.5 <= waited < 10, f"returned after {waited:.2f}s"
+    assert {n.name: n.ready for n in nodes} == {"gpu-1": True, "gpu-2": False}, "only the selector's nodes"
+    assert asked[0] == ["gpu-1", "gpu-2"], "the first look is the list"
+
+
+def test_a_node_watch_with_nothing_to_wait_for_returns_unchanged_after_its_timeout_and_heartbeats(harness):
+    harness.add_node("gpu-1", site="site-a")
+    beats: list[float] = []
+    started = time.monotonic()
+    nodes = harness.cluster.watch_nodes({LABEL_SITE: "site-a"}, lambda nodes: False, timeout_s=2.5, recheck_s=1,
+                                        heartbeat=lambda: beats.append(time.monotonic()), poll_s=0.05)
+    waited = time.monotonic() - started
+    assert 2.4 <= waited < 6, f"returned after {waited:.2f}s"
+    assert [n.name for n in nodes] == ["gpu-1"]
+    assert 1 <= len(beats) <= 4, f"a heartbeat every recheck, not every look: {len(beats)}"
+
+
+def test_a_node_watch_sees_a_node_added_and_a_node_removed(harness):
+    harness.add_node("gpu-1", site="site-a")
+    changer = _later(0.4, lambda: harness.add_node("gpu-2", site="site-a"))
+    nodes = harness.cluster.watch_nodes({LABEL_SITE: "site-a"}, lambda nodes: len(nodes) == 2, timeout_s=20,
+                                        recheck_s=5, poll_s=0.05)
+    changer.join()
+    assert [n.name for n in nodes] == ["gpu-1", "gpu-2"]
+    changer = _later(0.4, lambda: harness.cluster.remove_node("gpu-1"))
+    nodes = harness.cluster.watch_nodes({LABEL_SITE: "site-a"}, lambda nodes: len(nodes) == 1, timeout_s=20,
+                                        recheck_s=5, poll_s=0.05)
+    changer.join()
+    assert [n.name for n in nodes] == ["gpu-2"]
+
+
+def test_the_adapter_watches_pending_gpu_pods_with_a_real_watch(kube, fake):
+    fake.add_node("n1", gpus=8)
+    fake.add_pod("n1", "cpu-only", namespace="ml")
+    changer = _later(0.5, lambda: fake.add_pending_pod("want", 2, namespace="ml", **OPT_IN))
+    pods = kube.watch_gpu_pods(lambda pods: any(p.name == "want" for p in pods), timeout_s=20, recheck_s=5)
+    changer.join()
+    assert [p.key for p in pods] == ["ml/want"], "GPU pods only"
+    assert any(r[0] == "watch" and r[2] == "pods" for r in fake.requests), "a watch, not a list every look"
+    assert sum(r[0] == "list" and r[2] == "pods" for r in fake.requests) == 1, "one list, then the watch"

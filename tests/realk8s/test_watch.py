@@ -1,0 +1,170 @@
+"""The cluster watches (issue 37) on the real control plane, as the control-plane service account
+(the shipped RBAC: ``watch`` on nodes, pods and CSRs): a watch whose resourceVersion the API
+server no longer has (``410 Gone``) lists again and goes on, and returns on a Node change; a
+node whose kubelet falls silent is seen NotReady, through the watch, when the real node
+lifecycle controller marks it so; a new CSR wakes the CSR watch.
+
+Nodes here are Node objects the admin writes (no kubelet behind them): their status is what the
+API server and its controllers make of it, which is all a watch sees.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+
+import pytest
+
+from fleet.cluster import LABEL_SITE
+from providers.cluster.kubernetes import KubernetesCluster
+from tests.realk8s.cluster import RealCluster
+
+
+def control_plane(cluster: RealCluster) -> KubernetesCluster:
+    token = cluster.service_account_token("gpufleet", "gpufleet-control-plane")
+    return KubernetesCluster(api_client=cluster.api_client(token), namespace="gpufleet")
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def add_node(cluster: RealCluster, name: str, site: str) -> None:
+    status, answer = cluster.request("POST", "/api/v1/nodes", {
+        "apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {LABEL_SITE: site}}}, admin=True)
+    assert status == 201, answer
+    set_ready(cluster, name, True)
+
+
+def set_ready(cluster: RealCluster, name: str, ready: bool) -> None:
+    """The Ready condition as a kubelet posts it (a heartbeat now)."""
+    condition = {"type": "Ready", "status": "True" if ready else "False", "reason": "KubeletReady" if ready else
+                 "KubeletNotReady", "lastHeartbeatTime": now(), "lastTransitionTime": now()}
+    status, answer = cluster.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": {"conditions": [condition]}},
+                                     admin=True, content_type="application/strategic-merge-patch+json")
+    assert status == 200, answer
+
+
+def label(cluster: RealCluster, name: str, key: str, value: str) -> None:
+    status, answer = cluster.request("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"labels": {key: value}}},
+                                     admin=True, content_type="application/merge-patch+json")
+    assert status == 200, answer
+
+
+def later(seconds: float, act) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), act()), daemon=True)
+    thread.start()
+    return thread
+
+
+#: The API server's watch cache keeps a window of events: a version older than its oldest is
+#: gone (410). The window moves once events older than its freshness (75 s) are pushed out by
+#: newer ones beyond its capacity (100 at the least); more than that, to be sure.
+CACHE_FRESHNESS_SECONDS = 80
+EVENTS_PAST_THE_WINDOW = 400
+
+
+@pytest.mark.timeout(300)
+def test_a_watch_whose_version_is_gone_lists_again_and_returns_on_a_node_change(real_cluster: RealCluster,
+                                                                                monkeypatch) -> None:
+    """A watch resumed from a resourceVersion it kept while it waited (here: the first list's,
+    a real one, aged out of the API server's watch cache) meets ``410 Gone``: it lists again, and
+    still returns on the Node change that follows."""
+    site = f"watch-{uuid.uuid4().hex[:6]}"
+    add_node(real_cluster, f"{site}-1", site)
+    add_node(real_cluster, f"{site}-2", site)
+    status, listed = real_cluster.request("GET", f"/api/v1/nodes?labelSelector={LABEL_SITE}={site}", admin=True)
+    aged = listed["metadata"]["resourceVersion"]
+    add_node(real_cluster, f"{site}-noise", f"{site}-elsewhere")
+    time.sleep(CACHE_FRESHNESS_SECONDS)
+    for i in range(EVENTS_PAST_THE_WINDOW):
+        label(real_cluster, f"{site}-noise", "example.com/noise", str(i))
+    status, gone = real_cluster.request("GET", f"/api/v1/nodes?watch=true&resourceVersion={aged}&timeoutSeconds=1",
+                                        admin=True)
+    assert isinstance(gone, dict) and gone.get("object", {}).get("code") == 410, f"not gone yet: {gone}"
+    for name in (f"{site}-1", f"{site}-2"):  # their "kubelets" post again (the controller marked them by now)
+        set_ready(real_cluster, name, True)
+
+    cluster = control_plane(real_cluster)
+    lists: list[str] = []
+    real_list = KubernetesCluster._list_for_watch
+
+    def list_once_then_age(self, what, list_fn, convert, **selectors):
+        """The first list's objects with the version the watch kept; then real lists."""
+        objects, version = real_list(self, what, list_fn, convert, **selectors)
+        lists.append(version)
+        return objects, (aged if len(lists) == 1 else version)
+
+    monkeypatch.setattr(KubernetesCluster, "_list_for_watch", list_once_then_age)
+    changer = later(3, lambda: set_ready(real_cluster, f"{site}-2", False))
+    started = time.monotonic()
+    nodes = cluster.watch_nodes({LABEL_SITE: site}, lambda nodes: any(not n.ready for n in nodes), timeout_s=60,
+                                recheck_s=10)
+    changer.join()
+    assert len(lists) == 2, "the 410 Gone was met by a second list"
+    assert {n.name: n.ready for n in nodes} == {f"{site}-1": True, f"{site}-2": False}
+    assert 2.5 <= time.monotonic() - started < 30, "returned on the change, not at its timeout"
+
+
+def test_a_watch_returns_on_the_change_it_waits_for_and_not_on_others(real_cluster: RealCluster) -> None:
+    """A label the kubelet or anyone writes is an event the watch takes and waits on; the change
+    asked for (a cordon) ends it. One list, then the watch from its resourceVersion."""
+    site = f"watch-{uuid.uuid4().hex[:6]}"
+    add_node(real_cluster, f"{site}-1", site)
+    cluster = control_plane(real_cluster)
+    looks: list[int] = []
+
+    def cordoned(nodes) -> bool:
+        looks.append(len(nodes))
+        return any(n.unschedulable for n in nodes)
+
+    noise = later(1, lambda: label(real_cluster, f"{site}-1", "example.com/noise", "1"))
+    cordon = later(4, lambda: cluster.cordon(f"{site}-1"))
+    started = time.monotonic()
+    nodes = cluster.watch_nodes({LABEL_SITE: site}, cordoned, timeout_s=60, recheck_s=30)
+    noise.join(), cordon.join()
+    assert nodes[0].unschedulable and 3.5 <= time.monotonic() - started < 30
+    assert len(looks) >= 3, "the list, the label's event (waited on), the cordon's"
+
+
+@pytest.mark.timeout(240)
+def test_a_node_whose_kubelet_falls_silent_is_seen_notready_through_the_watch(real_cluster: RealCluster) -> None:
+    """No kubelet posts for this node after its first Ready: the real node lifecycle controller
+    marks it Unknown after its grace period, and the watch returns on that (not a poll, not a
+    heartbeat of ours): what a Site entity's ``watch_site`` turns into ``cluster_state``."""
+    site = f"watch-{uuid.uuid4().hex[:6]}"
+    add_node(real_cluster, f"{site}-1", site)
+    silent_since = time.monotonic()
+    cluster = control_plane(real_cluster)
+    nodes = cluster.watch_nodes({LABEL_SITE: site}, lambda nodes: not nodes[0].ready, timeout_s=180, recheck_s=30)
+    silent_for = time.monotonic() - silent_since
+    assert not nodes[0].ready, "the controller never marked the silent node"
+    # The controller's grace (node-monitor-grace-period, 50 s) and its look (every 5 s); the watch adds ~nothing.
+    assert silent_for < 75, f"seen NotReady {silent_for:.0f}s after its kubelet's last post"
+
+
+def test_a_new_csr_wakes_the_csr_watch(real_cluster: RealCluster) -> None:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+    import base64
+
+    cluster = control_plane(real_cluster)
+    before = cluster.watch_open_csrs(lambda names: True, timeout_s=1)
+    key = ec.generate_private_key(ec.SECP256R1())
+    request = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([
+        x509.NameAttribute(NameOID.COMMON_NAME, "watch-test"),
+    ])).sign(key, hashes.SHA256())
+    name = f"watch-{uuid.uuid4().hex[:6]}"
+    body = {"apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest", "metadata": {"name": name},
+            "spec": {"request": base64.b64encode(request.public_bytes(serialization.Encoding.PEM)).decode(),
+                     "signerName": "example.com/watch-test", "usages": ["digital signature"]}}
+    creator = later(2, lambda: real_cluster.request("POST", "/apis/certificates.k8s.io/v1/certificatesigningrequests",
+                                                    body, admin=True))
+    started = time.monotonic()
+    names = cluster.watch_open_csrs(lambda names: bool(set(names) - set(before)), timeout_s=60, recheck_s=30)
+    creator.join()
+    assert name in names and 1.5 <= time.monotonic() - started < 30

@@ -1,0 +1,171 @@
+"""The Site entity wakes on events, not on a short timer (issue 37), on the real dev server and
+the simulated fleet: an idle site's history does not grow; its nodes going NotReady all at once
+open an incident inside the window with its probe timer off (``check_seconds`` an hour); each
+Node entity knows its node fell silent, from the cluster, within 60 s, and watches afresh when it
+answers again. The recorded histories replay (tests/test_replay.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.testing import WorkflowEnvironment
+
+from fleet.messages.capacity import SiteStatus
+from fleet.messages.repair import NodeStatus
+from tests.evacuation_helpers import IncStack, incident_fleet, open_incident_stack, poll
+from tests.replay import replay_and_record
+
+MODEL = "llm"
+#: Billed history events a Site entity records when it does something (an activity, a timer, a
+#: signal it sends or gets, a search-attribute upsert).
+BILLED = {EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED, EventType.EVENT_TYPE_TIMER_STARTED,
+          EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED, EventType.EVENT_TYPE_UPSERT_WORKFLOW_SEARCH_ATTRIBUTES,
+          EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED}
+
+
+@pytest.fixture
+async def quiet(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[IncStack]:
+    """The incident stack with the old probe timer an hour long: whatever the site sees, its
+    watch saw (the window stays 30 s, the trip 3 nodes)."""
+    uid = uuid.uuid4().hex[:6]
+    fleet = incident_fleet(uid, incident={"check_seconds": 3600})
+    async for stack in open_incident_stack(temporal_env.client, tmp_path, fleet, uid):
+        yield stack
+
+
+@pytest.fixture
+async def busy(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[IncStack]:
+    """The incident stack as the incident tests run it: the old probe timer half a second."""
+    async for stack in open_incident_stack(temporal_env.client, tmp_path):
+        yield stack
+
+
+async def billed(handle) -> int:
+    history = await handle.fetch_history()
+    return sum(e.event_type in BILLED for e in history.events)
+
+
+async def node_names(inc: IncStack, name: str) -> list[str]:
+    return sorted(n.name for n in inc.cluster.list_nodes() if n.site == inc.site(name))
+
+
+async def node(inc: IncStack, name: str) -> NodeStatus | None:
+    try:
+        return await inc.client.get_workflow_handle(f"node/{name}").query("status", result_type=NodeStatus)
+    except Exception:  # noqa: BLE001 - not started yet
+        return None
+
+
+async def test_an_idle_site_costs_nothing_and_its_nodes_entities_learn_notready_from_the_cluster(busy) -> None:
+    """``check_seconds`` half a second: the probe a site ran on that timer is now inside its watch."""
+    inc = busy
+    a = inc.site("a")
+    await inc.join("a", 2)
+    handle = await inc.start_site("a", reconcile_seconds=3600)
+
+    async def settled() -> SiteStatus | None:
+        status = await handle.query("status", result_type=SiteStatus)
+        return status if "within min/max" in status.last else None
+
+    await poll(settled, timeout=30)
+    await asyncio.sleep(1.0)
+    before = await billed(handle)
+    await asyncio.sleep(8)
+    assert await billed(handle) == before, "an idle site did something on a timer"
+
+    # Both nodes fall silent (their agents and kubelets stop): 2 of 2, under the trip's 3 nodes.
+    names = await node_names(inc, "a")
+    silent_at = time.monotonic()
+    inc.world.set_site(a, unreachable=1)
+
+    async def told() -> list[NodeStatus] | None:
+        found = [await node(inc, n) for n in names]
+        return found if all(s is not None and s.not_ready_since is not None for s in found) else None
+
+    statuses = await poll(told, timeout=60)
+    assert time.monotonic() - silent_at < 60, "a silent node is known to its entity within 60 s"
+    assert all(any("NotReady in the cluster" in line for line in s.log) for s in statuses)
+    status = await handle.query("status", result_type=SiteStatus)
+    assert sorted(status.incident.failing) == names and status.incident.open is None, "counted, not tripped"
+
+    inc.world.set_site(a, unreachable=0)
+
+    async def back() -> list[NodeStatus] | None:
+        found = [await node(inc, n) for n in names]
+        return found if all(s is not None and s.not_ready_since is None for s in found) else None
+
+    statuses = await poll(back, timeout=30)
+    assert all(any("Ready again in the cluster" in line for line in s.log) for s in statuses)
+    # The fresh watch works: a GPU fault on a node that came back is seen and repaired.
+    [machine] = [m["id"] for m in inc.world.machines(a) if m["name"] == names[0]]
+    inc.world.inject_fault(machine, 0, "xid", 48, clears_on="reset")
+
+    async def repaired() -> bool:
+        return bool((s := await node(inc, names[0])) and any("ended repaired" in line for line in s.log))
+
+    await poll(repaired, timeout=45)
+    await replay_and_record(handle, "site_events_nodes_notready_and_back")
+    await replay_and_record(inc.client.get_workflow_handle(f"node/{names[0]}"), "node_entity_cluster_not_ready")
+
+
+async def test_a_sites_nodes_going_notready_at_once_trip_its_incident_within_the_window(quiet) -> None:
+    """The provider is down: every node of the site NotReady at once. With no probe on a timer,
+    the site's watch sees them, and the incident opens inside the 30 s window."""
+    inc = quiet
+    a = inc.site("a")
+    await inc.join("a", 3)
+    await inc.join("d", 1)
+    inc.serve(MODEL, "a", replicas=1)
+    inc.serve(MODEL, "d", replicas=0)
+    handle = await inc.start_site("a", reconcile_seconds=3600)
+    await poll(lambda: _watched(handle, 3), timeout=30)
+    down_at = time.monotonic()
+    inc.world.set_site(a, unreachable=1)
+    await poll(lambda: inc.progress("a"), timeout=30)
+    assert time.monotonic() - down_at < 30, "seen inside the incident window"
+    status = await handle.query("status", result_type=SiteStatus)
+    assert status.incident.open is not None and "3 of 3 nodes" in status.incident.open.reason
+    await inc.evacuation("a").execute_update("abort", "test: stop here")
+    await replay_and_record(handle, "site_events_notready_trips")
+
+
+async def _watched(handle, count: int) -> bool:
+    status = await handle.query("status", result_type=SiteStatus)
+    return status.incident is not None and status.incident.site_nodes >= count
+
+
+async def test_the_schedules_sweep_starts_the_sites_not_running_and_signals_none(quiet) -> None:
+    """The Schedule's pass (``SiteSweep`` naming no site) is a safety sweep: it starts the entity
+    of every configured site that is not running, and leaves a running one alone (no signal, no
+    action: it has its own watch and safety timer). Before, it signalled every site each pass."""
+    inc = quiet
+    handle = await inc.start_site("a", reconcile_seconds=3600)
+
+    async def settled() -> bool:
+        return "within min/max" in (await handle.query("status", result_type=SiteStatus)).last
+
+    await poll(settled, timeout=30)
+    await asyncio.sleep(1.5)  # visibility lists the running entity
+    def signalled(history) -> int:
+        return sum(e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED for e in history.events)
+
+    before = signalled(await handle.fetch_history())
+    sweep = await inc.client.start_workflow("SiteSweep", {}, id=f"sweep-{uuid.uuid4().hex[:6]}",
+                                            task_queue=inc.settings.task_queue, result_type=list[str])
+    started = await sweep.result()
+    assert sorted(started) == sorted(inc.site(n) for n in ("b", "c", "d")), started
+    assert signalled(await handle.fetch_history()) == before, "a running site was signalled"
+    for name in ("b", "c", "d"):
+        described = await inc.client.get_workflow_handle(f"site/{inc.site(name)}").describe()
+        assert described.status.name == "RUNNING", name
+    await asyncio.sleep(1.5)  # visibility lists the entities just started
+    again = await inc.client.execute_workflow("SiteSweep", {}, id=f"sweep-{uuid.uuid4().hex[:6]}",
+                                              task_queue=inc.settings.task_queue, result_type=list[str])
+    assert again == [], "every site runs: the sweep starts nothing"
+    await replay_and_record(sweep, "site_sweep_starts_only")

@@ -1,0 +1,171 @@
+"""The event watches (activities/watches.py, issue 37) against the simulated fleet: each returns
+when what its entity acts on changes and waits otherwise, at no Temporal cost while it waits
+(no heartbeat before half its timeout); each is level-triggered (what the caller saw last).
+The Kubernetes adapter's watches are proven in tests/cluster/test_watch_contract.py and against
+the real API server in tests/realk8s/test_watch.py."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+from temporalio.testing import ActivityEnvironment
+
+from activities.env import FleetEnv
+from activities.watches import WatchActivities
+from bench.common import fleet
+from fleet.cluster import LABEL_SITE
+from fleet.demand import DEMAND_TAINT_KEY, LABEL_FLEET, GpuPod, Toleration
+from fleet.messages.watches import CsrWatchInput, DemandWatchInput, SiteWatchInput, node_summary
+from fleet.settings import Settings
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> FleetEnv:
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(fleet(sites=2, capacity=8)))
+    return FleetEnv.from_settings(Settings(state_dir=tmp_path, config=str(path)))
+
+
+def add_node(env: FleetEnv, name: str, site: str = "site-0", ready: bool = True) -> None:
+    with env.world.tx() as db:
+        db.execute("INSERT INTO nodes(name, machine_id, labels, taints, unschedulable, ready, boot_id, gpus,"
+                   " registered_at) VALUES (?,?,'{}','[]',0,?,'b',8,0)", (name, f"m-{name}", int(ready)))
+    env.cluster.label_node(name, {LABEL_SITE: site})
+
+
+def wanting(name: str) -> GpuPod:
+    """An opted-in pod (the fleet's selector and toleration) nothing here can take (B200)."""
+    return GpuPod(namespace="ml", name=name, gpus=8, node_selector={LABEL_FLEET: "true", "gpufleet.io/gpu": "B200"},
+                  tolerations=[Toleration(key=DEMAND_TAINT_KEY, operator="Exists")])
+
+
+def later(seconds: float, act) -> threading.Thread:
+    thread = threading.Thread(target=lambda: (time.sleep(seconds), act()), daemon=True)
+    thread.start()
+    return thread
+
+
+def site_input(known: dict[str, str], **extra) -> SiteWatchInput:
+    return SiteWatchInput(site="site-0", known=known, api_ok=True, max_wait_seconds=extra.pop("wait", 30),
+                          poll_seconds=0.05, **extra)
+
+
+async def run(activity_env: ActivityEnvironment, fn, arg):
+    """A sync watch (it blocks for its wait) in a thread, an async one on the loop."""
+    if asyncio.iscoroutinefunction(fn):
+        return await activity_env.run(fn, arg)
+    return await asyncio.to_thread(activity_env.run, fn, arg)
+
+
+def quiet_env(heartbeat_seconds: float = 600) -> ActivityEnvironment:
+    activity_env = ActivityEnvironment()
+    activity_env.info = dataclasses.replace(activity_env.info, heartbeat_timeout=timedelta(seconds=heartbeat_seconds))
+    return activity_env
+
+
+async def test_the_site_watch_returns_at_once_when_the_entity_knows_less_and_then_on_notready(env) -> None:
+    watches = WatchActivities(env)
+    add_node(env, "gpu-1")
+    add_node(env, "gpu-2")
+    add_node(env, "elsewhere", site="site-1")
+    # Nothing known (a new run): the nodes now, at once.
+    first = await run(quiet_env(), watches.watch_site, SiteWatchInput(site="site-0", poll_seconds=0.05))
+    assert first.changed and [n.name for n in first.nodes] == ["gpu-1", "gpu-2"]
+    known = {n.name: node_summary(n) for n in first.nodes}
+    # Knowing it all: the watch waits, until a node turns NotReady.
+    beats: list = []
+    activity_env = quiet_env()
+    activity_env.on_heartbeat = beats.append
+    changer = later(0.8, lambda: env.cluster.set_node_status("gpu-2", ready=False))
+    started = time.monotonic()
+    seen = await run(activity_env, watches.watch_site, site_input(known))
+    changer.join()
+    assert 0.7 <= time.monotonic() - started < 10
+    assert seen.changed and {n.name: n.ready for n in seen.nodes} == {"gpu-1": True, "gpu-2": False}
+    assert beats == [], "a watch a change ends early costs no heartbeat"
+
+
+async def test_a_quiet_site_watch_returns_unchanged_after_its_wait(env) -> None:
+    add_node(env, "gpu-1")
+    first = await run(quiet_env(), WatchActivities(env).watch_site, SiteWatchInput(site="site-0", poll_seconds=0.05))
+    known = {n.name: node_summary(n) for n in first.nodes}
+    env.cluster.cordon("gpu-1")  # a cordon is a change too ...
+    cordoned = await run(quiet_env(), WatchActivities(env).watch_site, site_input(known, wait=5))
+    assert cordoned.changed and node_summary(cordoned.nodes[0]) == "ready,cordoned"
+    known = {n.name: node_summary(n) for n in cordoned.nodes}
+    started = time.monotonic()
+    quiet = await run(quiet_env(), WatchActivities(env).watch_site, site_input(known, wait=1.5))
+    assert not quiet.changed and 1.4 <= time.monotonic() - started < 5
+
+
+async def test_a_retried_site_watch_says_how_long_nobody_watched(env) -> None:
+    """The attempt before was lost (its worker died): its last heartbeat says since when nobody
+    watched, and the watch returns at once so the entity knows its control plane was away."""
+    add_node(env, "gpu-1")
+    first = await run(quiet_env(), WatchActivities(env).watch_site, SiteWatchInput(site="site-0", poll_seconds=0.05))
+    known = {n.name: node_summary(n) for n in first.nodes}
+    retried = quiet_env()
+    retried.info = dataclasses.replace(retried.info, attempt=2, heartbeat_details=[time.time() - 120])
+    started = time.monotonic()
+    seen = await run(retried, WatchActivities(env).watch_site, site_input(known, absence_seconds=30))
+    assert time.monotonic() - started < 5, "returned at once"
+    assert 119 <= seen.paused_seconds < 130
+
+
+async def test_the_demand_watch_wakes_on_a_new_opted_in_pod_and_on_a_node_going_idle(env) -> None:
+    watches = WatchActivities(env)
+    add_node(env, "gpu-1")
+    env.cluster.create_pod(GpuPod(namespace="ml", name="running", gpus=8, node="gpu-1", phase="Running"))
+    first = await run(quiet_env(), watches.watch_demand_events, DemandWatchInput(wait_seconds=0, poll_seconds=0.05))
+    assert first.why == "timeout" and first.busy == ["gpu-1"]
+    # A pod that opts in: the batch closes 0.3 s after it (nothing else came).
+    changer = later(0.5, lambda: env.cluster.create_pod(wanting("want")))
+    wake = await run(quiet_env(), watches.watch_demand_events, DemandWatchInput(
+        busy=first.busy, wait_seconds=30, batch_idle_seconds=0.3, batch_max_seconds=5, poll_seconds=0.05))
+    changer.join()
+    assert wake.why == "pods" and wake.batch.new == ["ml/want"]
+    # Known now: the running pod ends, its node goes idle.
+    changer = later(0.5, lambda: env.cluster.delete_pod("ml", "running"))
+    wake = await run(quiet_env(), watches.watch_demand_events, DemandWatchInput(
+        known=["ml/want"], busy=first.busy, wait_seconds=30, poll_seconds=0.05))
+    changer.join()
+    assert wake.why == "idle" and wake.busy == []
+
+
+async def test_the_demand_watch_wakes_when_a_purchases_pods_are_gone(env) -> None:
+    env.cluster.create_pod(wanting("bought-for"))
+    changer = later(0.5, lambda: env.cluster.delete_pod("ml", "bought-for"))
+    wake = await run(quiet_env(), WatchActivities(env).watch_demand_events, DemandWatchInput(
+        known=["ml/bought-for"], tracked=["ml/bought-for"], wait_seconds=30, poll_seconds=0.05))
+    changer.join()
+    assert wake.why == "pods gone" and "ml/bought-for" not in wake.batch.present
+
+
+async def test_a_cancelled_watch_stops_its_thread(env) -> None:
+    """A watch waits for minutes in a thread: cancelled (its entity continued as new) or its worker
+    stopping, it ends at its next look rather than holding the worker's shutdown."""
+    add_node(env, "gpu-1")
+    first = await run(quiet_env(), WatchActivities(env).watch_site, SiteWatchInput(site="site-0", poll_seconds=0.05))
+    known = {n.name: node_summary(n) for n in first.nodes}
+    activity_env = quiet_env()
+    started = time.monotonic()
+    running = asyncio.ensure_future(run(activity_env, WatchActivities(env).watch_site, site_input(known, wait=60)))
+    await asyncio.sleep(0.5)
+    activity_env.cancel()
+    with pytest.raises(BaseException):
+        await asyncio.wait_for(running, 10)
+    assert time.monotonic() - started < 10
+
+
+async def test_the_csr_watch_in_the_sim_waits_its_whole_wait(env) -> None:
+    """The sim has no CSRs: the watch returns unchanged after its wait, having cost nothing."""
+    started = time.monotonic()
+    seen = await run(quiet_env(), WatchActivities(env).watch_csrs, CsrWatchInput(max_wait_seconds=1))
+    assert not seen.changed and seen.pending == [] and time.monotonic() - started >= 0.9
