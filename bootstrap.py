@@ -3,7 +3,7 @@
 
     python3 bootstrap.py dev     # venv + install, then `gpufleet dev` (the dev stack)
     python3 bootstrap.py test    # venv + install (+ Debian packages as root), then the whole test suite
-    python3 bootstrap.py test --fast   # the unit tier only: pure policy and replay, under a minute
+    python3 bootstrap.py test --fast   # the unit tier only (README, "Test tiers"): under a minute
     python3 bootstrap.py bench   # venv + install, then every benchmark in bench/
 
 The venv is rebuilt only when pyproject.toml changes.
@@ -48,6 +48,9 @@ SYSTEM_TOOLS = {
     "haproxy": "haproxy",  # the front door
     "curl": "curl",  # the README's HTTP examples, run as written
     "ip": "iproute2", "unshare": "util-linux",  # the real Kubernetes tier's machines: a netns each
+    # The real Temporal tier's database. The server (initdb, postgres) sits off PATH under
+    # /usr/lib/postgresql/<v>/bin: this is postgresql-common's wrapper, which comes with it.
+    "pg_ctlcluster": "postgresql",
 }
 SBIN = ("/usr/sbin", "/sbin")
 
@@ -88,23 +91,50 @@ def ensure_system_packages() -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def build_real_kubernetes() -> None:
-    """The real Kubernetes tier's binaries (tests/realk8s/build.py), built once per version and
-    cached. Without Go the tier skips (its tests say why); in CI a failed build fails the run."""
+def build_with_go(what: str, script: str, skips: str) -> None:
+    """One Go-built component of the tests (``script``, a build script of ours), built once per
+    version and cached. Without Go the tests that need it skip (they say why); in CI a failed
+    build fails the run. ``what`` names it, ``skips`` names the tests that need it."""
     import shutil
     import time
 
     if shutil.which("go") is None:
-        print("go is not on PATH: the real Kubernetes tier (tests/realk8s) will skip", flush=True)
+        print(f"go is not on PATH: {skips} will skip", flush=True)
         return
     started = time.monotonic()
-    code = subprocess.call([sys.executable, str(ROOT / "tests" / "realk8s" / "build.py")])
+    code = subprocess.call([sys.executable, str(ROOT / script)])
     if code != 0:
         if os.environ.get("CI") == "true":
-            raise SystemExit(f"building the real Kubernetes tier failed (exit {code})")
-        print("building the real Kubernetes tier failed: its tests will skip", file=sys.stderr, flush=True)
+            raise SystemExit(f"building {what} failed (exit {code})")
+        print(f"building {what} failed: {skips} will skip", file=sys.stderr, flush=True)
         return
-    print(f"real Kubernetes tier ready ({time.monotonic() - started:.0f} s)", flush=True)
+    print(f"{what} ready ({time.monotonic() - started:.0f} s)", flush=True)
+
+
+def build_real_components() -> None:
+    """Everything the real tiers run, from the Go module proxy, sharing Go's build and module
+    caches: the Kubernetes control plane and machine harness, the Temporal server, helm."""
+    build_with_go("the real Kubernetes tier", "tests/realk8s/build.py", "the real Kubernetes tier (tests/realk8s)")
+    build_with_go("the real Temporal tier", "tests/realtemporal/build.py", "the real Temporal tier (tests/realtemporal)")
+    build_with_go("helm", "tests/helm/build.py", "the Helm chart's tests (tests/test_helm.py)")
+
+
+def fast_tier(rest: list[str]) -> int:
+    """The unit tier (tests marked ``unit`` by tests/plugins/tiers.py): no Temporal dev server, no
+    cluster, no system tools, so nothing to install or build first.
+
+    Its tests mostly wait (fakes' timeouts, watches' waits) rather than compute, so they run in
+    pytest-xdist workers, two per core, each test file in one worker (its module's fakes start
+    once). Bytecode is written even where PYTHONDONTWRITEBYTECODE says not to: each worker would
+    otherwise compile, and rewrite the asserts of, some 250 modules on every run (seconds each)."""
+    serial = any(arg.startswith(("-n", "--numprocesses", "--pdb", "--trace")) or arg == "no:xdist" for arg in rest)
+    workers = [] if serial else ["-n", str(min(8, 2 * (os.cpu_count() or 1))), "--dist", "loadfile"]
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+    code = subprocess.call([PYTHON, "-m", "pytest", "-m", "unit", "-p", "no:cacheprovider", *workers, *rest], env=env)
+    if code == 5:
+        print("pytest collected no tests: that is a failure here", file=sys.stderr)
+        return 1
+    return code
 
 
 def main(argv: list[str]) -> int:
@@ -118,13 +148,9 @@ def main(argv: list[str]) -> int:
         return subprocess.call([BIN / "gpufleet", "dev", *rest])
     if command == "test":
         if "--fast" in rest:
-            # The unit tier (tests marked `unit` by tests/conftest.py): no Temporal server, no
-            # cluster, no system tools, so nothing to install or build first.
-            rest = [arg for arg in rest if arg != "--fast"]
-            code = subprocess.call([PYTHON, "-m", "pytest", "-m", "unit", "-p", "no:cacheprovider", *rest])
-            return 1 if code == 5 else code
+            return fast_tier([arg for arg in rest if arg != "--fast"])
         ensure_system_packages()
-        build_real_kubernetes()
+        build_real_components()
         code = subprocess.call([PYTHON, "-m", "pytest", *rest])
         if code == 5:
             print("pytest collected no tests: that is a failure here", file=sys.stderr)

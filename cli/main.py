@@ -33,6 +33,7 @@ from cli.common import (
     sim_world,
 )
 from cli.common import connect as connect_or_exit
+from cli.config_check import stock_image_warnings
 from cli import demand as demand_commands
 from cli.advisor import advisor
 from cli.gameday import gameday_app
@@ -50,6 +51,7 @@ sim_app = typer.Typer(help="Change the simulated world while the dev stack runs.
 app.add_typer(config_app, name="config")
 app.add_typer(sim_app, name="sim")
 app.command("capacity")(capacity_commands.capacity)
+app.command("capacity-cancel")(capacity_commands.capacity_cancel)
 app.add_typer(capacity_commands.schedules_app, name="schedules")
 app.add_typer(capacity_commands.accounts_app, name="accounts")
 capacity_commands.add_sim_commands(sim_app)
@@ -104,6 +106,9 @@ def config_check(file: Annotated[Path, typer.Argument(help="sites.yaml to check"
     except ConfigError as error:
         report_config(error)
     console.print(f"[green]ok[/]: {len(config.sites)} sites, {len(config.accounts)} accounts ({config.mode} mode)")
+    if config.mode == "real":
+        for warning in stock_image_warnings(config):
+            err.print(f"[yellow]warning[/]: {escape(warning)}")
 
 
 

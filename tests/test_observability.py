@@ -297,8 +297,14 @@ def test_dev_stack_workers_serve_their_metrics(tmp_path: Path) -> None:
     env.pop("GPUFLEET_METRICS_PORT", None)
     dev = start_dev(env, port, ui_port, tmp_path / "dev.log")
     try:
-        urls = dict(re.findall(r"(http://127\.0\.0\.1:\d+/metrics)\s+\(([\w-]+)\)", (tmp_path / "dev.log").read_text()))
-        by_worker = {worker: url for url, worker in urls.items()}
+        # Each worker prints its URL once it serves; under load that may come after the stack is up.
+        deadline = time.monotonic() + 30
+        while True:
+            urls = re.findall(r"(http://127\.0\.0\.1:\d+/metrics)\s+\(([\w-]+)\)", (tmp_path / "dev.log").read_text())
+            by_worker = {worker: url for url, worker in urls}
+            if set(by_worker) >= {"control-plane", "node-agents"} or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert set(by_worker) == {"control-plane", "node-agents"}
         deadline = time.monotonic() + 30
         while True:

@@ -42,6 +42,14 @@ EXPECTED = {
     "entity_update_quota_raised", "entity_update_rejected",
     # The demand loop: pods bought for, bound, gone; their idle nodes retired (tests/test_demand_loop.py).
     "demand_buy_then_retire",
+    # A join started again with the same id names a new node (issue 35; tests/security/test_identity_stays_dead.py).
+    "node_join_name_nonce",
+    # Operations converge (issue 36): a capacity request refused at start or cancelled
+    # (tests/test_capacity_converges.py); an evacuation that ends puts back what it changed
+    # (tests/test_evacuation.py).
+    "capacity_refused_at_start", "capacity_cancelled", "capacity_temporal_cancel",
+    "site_evacuation_restored_releases", "site_evacuation_aborted_restores", "site_evacuation_cancelled_restores",
+    "site_evacuation_aborted_while_buying", "site_evacuation_aborted_restores_after_continue_as_new",
 }
 
 

@@ -111,4 +111,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    from workers.process_exit import run_then_exit
+
+    run_then_exit(main)

@@ -94,6 +94,18 @@ def cert_expiry(cert_pem: bytes) -> float:
     return x509.load_pem_x509_certificate(cert_pem).not_valid_after_utc.timestamp()
 
 
+def cert_key_fingerprint(cert_pem: bytes) -> str:
+    """The node-keys record's name for a certificate's key (``fleet.cluster.client_key_fingerprint``)."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    from fleet.cluster import client_key_fingerprint
+
+    public = x509.load_pem_x509_certificate(cert_pem).public_key()
+    return client_key_fingerprint(public.public_bytes(serialization.Encoding.DER,
+                                                      serialization.PublicFormat.SubjectPublicKeyInfo))
+
+
 #: Signs a node's CSR for that node name: (CSR PEM, node name, lifetime s) → certificate PEM.
 Signer = Callable[[bytes, str, float], bytes]
 
@@ -194,11 +206,16 @@ class SimNodeHost:
             await asyncio.gather(*(self._stop_agent(m) for m in list(self.agents)))
             self.executor.shutdown(wait=False, cancel_futures=True)
 
-    async def _identity(self, name: str) -> tuple[float, Client]:
-        """The node's half (a key made here, a CSR) and the signer's; then a connection as the node."""
+    async def _identity(self, machine_id: str, name: str) -> tuple[float, Client]:
+        """The node's half (a key made here, a CSR) and the signer's, which also binds the key
+        to the node as the cluster's CSR approver does (only while this machine holds the node:
+        the node gateway lets no other key through); then a connection as the node."""
         def issue() -> tuple[bytes, bytes]:
             key, csr = node_key_and_csr(name)
-            return self.signer(csr, name, self.cert_lifetime), key
+            cert = self.signer(csr, name, self.cert_lifetime)
+            if not self.cluster.bind_client_key(name, machine_id, cert_key_fingerprint(cert)):
+                raise RuntimeError(f"machine {machine_id} no longer holds node {name}")
+            return cert, key
 
         cert, key = await asyncio.to_thread(issue)
         client = await connect_via_gateway(self.gateway, self.settings.namespace, cert, key, runtime=self.runtime)
@@ -212,7 +229,7 @@ class SimNodeHost:
                 continue
             name = self.agents[machine_id][1].task_queue.removeprefix("node/")
             try:
-                self.identities[machine_id] = renewed = await self._identity(name)
+                self.identities[machine_id] = renewed = await self._identity(machine_id, name)
             except Exception as error:  # noqa: BLE001 - gateway or signer away: try again next pass
                 log.warning("certificate of %s not renewed: %s", name, error)
                 continue
@@ -289,7 +306,7 @@ class SimNodeHost:
                 client = self.client
                 if self.gateway is not None:
                     try:
-                        self.identities[machine_id] = identity = await self._identity(name)
+                        self.identities[machine_id] = identity = await self._identity(machine_id, name)
                     except Exception as error:  # noqa: BLE001 - gateway not up yet: next pass
                         log.warning("agent for %s: no connection through the gateway: %s", name, error)
                         self._next_kubelet_pass = min(self._next_kubelet_pass, time.time() + AGENT_RETRY_SECONDS)
@@ -436,4 +453,6 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    from workers.process_exit import run_then_exit
+
+    run_then_exit(main)

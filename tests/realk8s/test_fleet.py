@@ -1,6 +1,7 @@
 """The fleet's cluster calls against the real control plane: drains against a real
 PodDisruptionBudget and the Eviction API, control-plane state under real resourceVersion
-conflicts, and the demand loop reading the Pending pods kube-scheduler left.
+conflicts, the demand loop reading the Pending pods kube-scheduler left, and consolidation
+reading real pods while a drain moves them.
 
 The adapter runs as the ``gpufleet-control-plane`` service account (the shipped RBAC), on a
 node that joined from its user data (``test_join.RealJoining``), with real pods bound by
@@ -12,7 +13,10 @@ from __future__ import annotations
 import threading
 import uuid
 
-from fleet.cluster import GPU_RESOURCE
+from activities.demand import DemandActivities
+from activities.models import PrepareNodeInput
+from fleet.cluster import GPU_RESOURCE, LABEL_SITE, UNPROVEN_TAINT
+from tests.providers.test_join_real import run
 from tests.realk8s.test_join import RealJoining, control_plane_cluster, one, wait_for  # noqa: F401
 
 UNPROVEN = {"key": "gpufleet.io/unproven", "operator": "Exists"}
@@ -123,3 +127,51 @@ def test_state_written_by_many_writers_under_real_resource_version_conflicts_los
     assert writers[0].delete_state("test-counter", key)
     for cluster in writers:
         cluster.api_client.close()
+
+
+def test_consolidation_sees_real_pods_and_a_drain_moves_them_to_the_other_node(one: RealJoining) -> None:
+    """Two joined nodes, one replica of a GPU Deployment that may run on either. The demand
+    loop's ``idle_nodes`` (what consolidation chooses from) names the empty node and never the
+    one holding the pod; draining the busy node evicts the pod, its ReplicaSet's replacement is
+    bound by kube-scheduler to the other node and run by its kubelet, and the two swap roles."""
+    nodes = []
+    for _ in range(2):
+        one.new_join()
+        provisioned = one.provision()
+        one.machine(provisioned.machine.id).boot()
+        name = one.await_registration(provisioned).name
+        # Labelled and proven by the join's own activity, as after a passed smoke test
+        # (consolidation never picks an unproven node, nor one of no site).
+        run(one.acts.prepare_node, PrepareNodeInput(node_name=name, labels={LABEL_SITE: one.site.name},
+                                                    remove_taints=[UNPROVEN_TAINT]))
+        nodes.append(name)
+    app = f"serve-{uuid.uuid4().hex[:6]}"
+    deployment = gpu_deployment(app, nodes[0], replicas=1, gpus=2)
+    pod_spec = deployment["spec"]["template"]["spec"]
+    del pod_spec["nodeSelector"]  # either of this test's nodes (the package's cluster has others)
+    pod_spec["affinity"] = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "kubernetes.io/hostname", "operator": "In", "values": nodes}]}]}}}
+    status, answer = one.real.request("POST", "/apis/apps/v1/namespaces/default/deployments", deployment, admin=True)
+    assert status == 201, answer
+
+    def placed() -> str | None:
+        running = [n for n in nodes if running_pods(one, app, n)]
+        return running[0] if len(running) == 1 else None
+
+    busy = wait_for(placed, 90, "the replica Running on one of the two nodes")
+    (empty,) = set(nodes) - {busy}
+    demand = DemandActivities(one.env)
+
+    def idle() -> set[str]:
+        return {n.name for n in demand._idle().idle} & set(nodes)
+
+    assert idle() == {empty}, "consolidation may choose only the node without a GPU pod"
+
+    drained = one.cluster.drain_node(busy, deadline_s=60)
+    assert drained.completed and len(drained.evicted) == 1, drained
+    wait_for(lambda: running_pods(one, app, empty), 90, "the replacement Running on the other node")
+    assert running_pods(one, app, busy) == []
+    # The busy node is cordoned now (a drain's first step): it is not offered for new pods,
+    # and it holds none, so consolidation may retire it; the other one now serves.
+    assert wait_for(lambda: idle() == {busy} or None, 30, "the roles swapped in idle_nodes")
+    one.real.request("DELETE", f"/apis/apps/v1/namespaces/default/deployments/{app}", admin=True)

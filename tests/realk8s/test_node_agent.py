@@ -1,0 +1,230 @@
+"""The node agent as its DaemonSet starts it completes a health watch through the node gateway.
+
+Everything the agent gets is what the shipped DaemonSet gives it on a real node: the DaemonSet
+and the ``gpufleet-node-gateway`` ConfigMap are read back from the real API server (the
+ConfigMap as ``gpufleet cluster node-config`` printed it and kubectl applied it), each env
+var resolved as the kubelet resolves it (a value, ``fieldRef: spec.nodeName``, a
+``configMapKeyRef``), each volume a folder holding what the kubelet would mount there: the
+ConfigMap's keys and the real kubelet's own ``/var/lib/kubelet/pki`` of a machine that joined
+from its user data. The gateway trusts the cluster's CA and asks the real API server (as its
+service account) whether the node is bound to that key, as its Deployment does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import yaml
+from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.worker import Worker
+
+from fleet.messages.repair import NodeWatchInput, NodeWatchResult
+from fleet.settings import Settings, node_queue
+from providers.cluster.kubernetes import KubernetesCluster
+from tests.realk8s.test_join import RealJoining, one  # noqa: F401
+from workers.node_gateway import Pki, node_liveness, start_gateway
+
+REPO = Path(__file__).resolve().parents[2]
+DAEMONSET = "/apis/apps/v1/namespaces/gpufleet/daemonsets/gpufleet-node-agent"
+CONFIGMAP = "/api/v1/namespaces/gpufleet/configmaps/gpufleet-node-gateway"
+
+#: The one thing not as on a real node: this machine has no GPU, so ``pynvml`` (which the
+#: agent's NvmlBackend imports) is a stand-in module on PYTHONPATH reporting two healthy GPUs.
+#: Everything above NVML (the backend, the watch, the worker, TLS, the gateway) is the shipped code.
+FAKE_PYNVML = textwrap.dedent('''
+    """pynvml stand-in for tests/realk8s/test_node_agent.py: two healthy GPUs, no XID events."""
+    import time
+    from types import SimpleNamespace
+
+
+    class NVMLError(Exception):
+        pass
+
+
+    class NVMLError_Timeout(NVMLError):
+        pass
+
+
+    NVML_NVLINK_MAX_LINKS = 0
+
+
+    def nvmlInit():
+        pass
+
+
+    def nvmlDeviceGetCount():
+        return 2
+
+
+    def nvmlDeviceGetHandleByIndex(index):
+        return SimpleNamespace(index=index)
+
+
+    def nvmlDeviceGetUUID(handle):
+        return f"GPU-stand-in-{handle.index}"
+
+
+    def nvmlDeviceGetIndex(handle):
+        return handle.index
+
+
+    def nvmlEventSetCreate():
+        return object()
+
+
+    def nvmlDeviceRegisterEvents(*_args):
+        pass
+
+
+    def nvmlEventSetWait(_events, timeout_ms):
+        time.sleep(min(timeout_ms, 200) / 1000)
+        raise NVMLError_Timeout()
+
+
+    def __getattr__(name):
+        if name.startswith("NVML_"):
+            return 0
+        if name.startswith("nvml"):  # a query a real GPU may not support either
+            def unsupported(*_args):
+                raise NVMLError(f"{name}: not supported")
+            return unsupported
+        raise AttributeError(name)
+''')
+
+
+@workflow.defn(sandboxed=False)
+class OneHealthWatch:
+    """What the Node entity does each round, once: ``watch_node`` on the node's own queue."""
+
+    @workflow.run
+    async def run(self, node_name: str) -> NodeWatchResult:
+        return await workflow.execute_activity(
+            "watch_node", NodeWatchInput(node_name=node_name, max_wait_seconds=1), task_queue=node_queue(node_name),
+            result_type=NodeWatchResult, start_to_close_timeout=timedelta(seconds=60),
+            heartbeat_timeout=timedelta(seconds=30), retry_policy=RetryPolicy(maximum_attempts=20))
+
+
+def rendered_node_config(tmp: Path, endpoint: str, ca: bytes) -> str:
+    """The ConfigMap as an operator makes it: ``gpufleet cluster node-config`` on a fleet
+    config whose ``node_gateway`` names the gateway's endpoint and CA."""
+    (tmp / "gateway-ca.pem").write_bytes(ca)
+    config = tmp / "sites.yaml"
+    config.write_text(yaml.safe_dump({"mode": "real", "accounts": [], "sites": [], "node_gateway": {
+        "endpoint": endpoint, "ca": {"file": str(tmp / "gateway-ca.pem")}}}))
+    done = subprocess.run([sys.executable, "-m", "cli.main", "cluster", "node-config", "--config", str(config)],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def as_the_kubelet_starts_it(daemonset: dict, configmap: dict, node_name: str, kubelet_pki: Path,
+                             root: Path) -> tuple[list[str], dict[str, str]]:
+    """The agent container's command and environment, as the kubelet would start it on
+    ``node_name``: each volume a folder under ``root``."""
+    pod = daemonset["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounts = {}
+    for mount in container["volumeMounts"]:
+        source = volumes[mount["name"]]
+        if "hostPath" in source:
+            assert source["hostPath"]["path"] == "/var/lib/kubelet/pki", source
+            mounts[mount["mountPath"]] = kubelet_pki  # the node's own folder, as a hostPath
+            continue
+        folder = root / mount["mountPath"].lstrip("/")
+        folder.mkdir(parents=True, exist_ok=True)
+        if "configMap" in source:
+            assert source["configMap"]["name"] == configmap["metadata"]["name"], source
+            items = source["configMap"].get("items") or [{"key": k, "path": k} for k in configmap["data"]]
+            for item in items:
+                (folder / item["path"]).write_text(configmap["data"][item["key"]])
+        else:
+            assert "emptyDir" in source, source
+        mounts[mount["mountPath"]] = folder
+
+    def relocated(value: str) -> str:
+        for path, folder in mounts.items():
+            if value.startswith(path + "/"):
+                return str(folder / value[len(path) + 1:])
+        return value
+
+    env: dict[str, str] = {}
+    for variable in container["env"]:
+        if "value" in variable:
+            value = variable["value"]
+        elif variable["valueFrom"].get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
+            value = node_name
+        else:
+            ref = variable["valueFrom"]["configMapKeyRef"]
+            assert ref["name"] == configmap["metadata"]["name"], ref
+            value = configmap["data"][ref["key"]]
+        env[variable["name"]] = relocated(value)
+    # Kubernetes expands $(VAR) in the command from the container's env.
+    command = []
+    for part in container["command"]:
+        for name, value in env.items():
+            part = part.replace(f"$({name})", value)
+        command.append(sys.executable if part == "python" else relocated(part))
+    fake = root / "stand-in"
+    fake.mkdir()
+    (fake / "pynvml.py").write_text(FAKE_PYNVML)
+    # The image's WORKDIR is /app holding the package (deploy/containers/Containerfile.node-agent);
+    # here that is the repository, and the stand-in NVML comes first.
+    env.update(PATH=os.environ["PATH"], HOME=str(root), PYTHONPATH=f"{fake}{os.pathsep}{REPO}",
+               TEMPORAL_CONFIG_FILE=str(root / "absent.toml"))
+    env.pop("GPUFLEET_METRICS_PORT", None)  # the container's own port; many tests share this host
+    return command, env
+
+
+async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watch_through_the_gateway(
+        one: RealJoining, temporal_env, tmp_path) -> None:
+    # The join's activities run their own event loops (tests.providers.test_join_real.run).
+    provisioned = await asyncio.to_thread(one.provision)
+    machine = await asyncio.to_thread(lambda: one.machine(provisioned.machine.id).boot())
+    node = await asyncio.to_thread(one.await_registration, provisioned)
+
+    client = temporal_env.client
+    token = one.real.service_account_token("gpufleet", "gpufleet-node-gateway")
+    as_gateway = KubernetesCluster(api_client=one.real.api_client(token), namespace="gpufleet")
+    gateway_pki = Pki.create("gpufleet test gateway CA")
+    cert, key = gateway_pki.server_cert()
+    settings = Settings(address=client.service_client.config.target_host, namespace=client.namespace)
+    gateway = await start_gateway(settings, cert, key, one.real.ca_pem, live=node_liveness(client, as_gateway))
+
+    one.real.kubectl("apply", "--server-side", "-f", "-",
+                     input=rendered_node_config(tmp_path, gateway.address, gateway_pki.ca_pem))
+    status, daemonset = one.real.request("GET", DAEMONSET, admin=True)
+    assert status == 200, daemonset
+    status, configmap = one.real.request("GET", CONFIGMAP, admin=True)
+    assert status == 200, configmap
+    command, env = as_the_kubelet_starts_it(daemonset, configmap, node.name,
+                                            machine.client_pem.parent, tmp_path / "pod")
+    log = tmp_path / "node-agent.log"
+    agent = subprocess.Popen(command, env=env, cwd=tmp_path / "pod", stdout=log.open("wb"),
+                             stderr=subprocess.STDOUT, start_new_session=True)
+    queue = f"health-watch-{uuid.uuid4().hex[:6]}"
+    try:
+        async with Worker(client, task_queue=queue, workflows=[OneHealthWatch]):
+            # The entity's id: the gateway admits a node whose Node entity runs.
+            handle = await client.start_workflow(OneHealthWatch.run, node.name, id=f"node/{node.name}",
+                                                 task_queue=queue)
+            try:
+                result = await asyncio.wait_for(handle.result(), 120)
+            except asyncio.TimeoutError:
+                raise AssertionError(f"no health watch within 120 s:\n{log.read_text()[-4000:]}") from None
+        assert result.node_name == node.name
+        assert len(result.gpus) == 2 and result.digest, result
+        assert agent.poll() is None, log.read_text()[-3000:]
+    finally:
+        agent.terminate()
+        await asyncio.to_thread(agent.wait, 30)
+        await gateway.stop()
+        as_gateway.api_client.close()
