@@ -11,7 +11,7 @@ suite's shared server raises it for the fleet benches), a victim node's agent (t
 Worker, one poller) through it, and the attacker in a process of its own holding 1,300 polls
 and 40 polls of 3 MB each. The victim's round trips (server event times, scheduled →
 completed) with the attack on and off alternate in short batches in one run; its p99 with the
-attack may be at most 1.2 times its p99 without, and the gateway's peak resident memory stays
+attack may be at most 1.2 times its p99 without (or 10 ms above it: scheduling noise), and the gateway's peak resident memory stays
 within the limit its manifest sets (deploy/kubernetes/node-gateway.yaml).
 """
 
@@ -44,6 +44,8 @@ from workers.node_agent import connect_via_gateway
 from workers.node_gateway import GatewayAccess, Pki
 
 pytestmark = pytest.mark.integration
+#: How far above its quiet p99 the victim's attacked p99 may be, whatever the ratio.
+NOISE_SECONDS = 0.010
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Temporal's own default for ``frontend.namespaceCount`` (concurrent long polls per namespace
@@ -173,6 +175,8 @@ async def test_one_node_holding_1300_polls_and_3_mb_requests_moves_no_other_node
                f"{sorted(attacked)[len(attacked) // 2] * 1000:.1f} ms; gateway held {most_held:.0f} calls, "
                f"peak RSS {peak / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB")
     print(figures)
-    assert ratio <= 1.2, figures
+    # At about 10 ms a round trip, one scheduling hiccup of this 2-core machine moves a p99 of
+    # 100 samples by a few ms: within 10 ms is as good as 1.2 times (starved, it was seconds).
+    assert ratio <= 1.2 or pct(attacked, 99) - pct(quiet, 99) <= NOISE_SECONDS, figures
     assert peak < limit, figures
     assert most_held >= ATTACK_POLLS - 20, figures
