@@ -43,6 +43,18 @@ def site_facts(site: Site) -> SiteFacts:
                      gpus_per_machine=site.gpus_per_machine, price_per_gpu_hour=site.price_per_gpu_hour)
 
 
+
+def provider_api_answers(env: FleetEnv, site: str) -> tuple[bool, str, str]:
+    """(answers, error type, message) of the site's provider API, asked with one cheap list:
+    what an incident's rule reads, from a probe or a watch."""
+    try:
+        env.provider(site).list_machines()
+        return True, "", ""
+    except FleetError as error:
+        return False, error.type_name, str(error)
+    except Exception as error:  # noqa: BLE001 - an SDK error nobody classified is Transient
+        return False, Transient.__name__, str(error)
+
 class EvacuationActivities:
     def __init__(self, env: FleetEnv) -> None:
         self.env = env
@@ -88,13 +100,7 @@ class EvacuationActivities:
         ]
 
     def _api(self, site: str) -> tuple[bool, str, str]:
-        try:
-            self.env.provider(site).list_machines()
-            return True, "", ""
-        except FleetError as error:
-            return False, error.type_name, str(error)
-        except Exception as error:  # noqa: BLE001 - an SDK error nobody classified is Transient
-            return False, Transient.__name__, str(error)
+        return provider_api_answers(self.env, site)
 
     @activity.defn
     @typed_errors

@@ -33,9 +33,9 @@ from temporalio.service import RPCError
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
+from activities.evacuation import provider_api_answers
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
 from fleet.demand import opted_in
-from fleet.errors import FleetError, Transient
 from fleet.messages.capacity import SignalSitesInput
 from fleet.messages.demand import DemandBatch
 from fleet.messages.evacuation import ProbeNode
@@ -113,13 +113,7 @@ class WatchActivities:
 
     # -- a Site entity's nodes and provider ---------------------------------------------------
     def _api(self, site: str) -> tuple[bool, str, str]:
-        try:
-            self.env.provider(site).list_machines()
-            return True, "", ""
-        except FleetError as error:
-            return False, error.type_name, str(error)
-        except Exception as error:  # noqa: BLE001 - an SDK error nobody classified is Transient
-            return False, Transient.__name__, str(error)
+        return provider_api_answers(self.env, site)
 
     @activity.defn
     @typed_errors

@@ -30,9 +30,9 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from fleet import search_attributes as sa
 from tests.replay import replay_and_record
+from tests.security.gateway_helpers import retire
 from tests.conftest import NODE_GATEWAYS, Stack, SessionGateway, start_test_gateway, wait_for
 from workers.node_agent import cert_key_fingerprint, connect_via_gateway
-from fleet.messages.capacity import RetireMachineInput
 from fleet.settings import Settings
 from workers.node_gateway import (GatewayAccess, LiveCache, Pki, Verdict, node_key_and_csr, node_liveness,
                                   start_gateway)
@@ -64,18 +64,6 @@ class GatewayEcho:
             heartbeat_timeout=timedelta(seconds=2),
             retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=10),
         )
-
-
-@workflow.defn(name="GatewayRetireOne")
-class RetireOne:
-    """The step every retire path ends in (surplus, consolidation, evacuation, reclaim,
-    replace): the ``retire_machine`` activity on the control plane's queue."""
-
-    @workflow.run
-    async def run(self, args: list) -> None:
-        queue, retire = args
-        await workflow.execute_activity("retire_machine", RetireMachineInput.model_validate(retire), task_queue=queue,
-                                        start_to_close_timeout=timedelta(seconds=30))
 
 
 def gateway(temporal_env) -> SessionGateway:
@@ -273,13 +261,7 @@ async def test_a_node_retired_by_the_common_retire_step_is_refused_at_once(stack
         from temporalio.api.workflowservice.v1 import GetSystemInfoRequest
 
         await node.workflow_service.get_system_info(GetSystemInfoRequest())  # live: entity runs, Node exists
-        queue = f"{ECHO_QUEUE_PREFIX}-{uuid.uuid4().hex[:6]}"
-        async with Worker(stack.client, task_queue=queue, workflows=[RetireOne],
-                          workflow_runner=UnsandboxedWorkflowRunner()):
-            await stack.client.execute_workflow(
-                "GatewayRetireOne", [stack.settings.task_queue,
-                                     {"site": "site-a", "node_name": name, "machine_id": machine}],
-                id=f"gw-retire-{uuid.uuid4().hex[:6]}", task_queue=queue)
+        await retire(stack, "site-a", name, machine)
         retired_at = asyncio.get_running_loop().time()
         while True:
             try:
