@@ -119,18 +119,38 @@ def build_real_components() -> None:
     build_with_go("helm", "tests/helm/build.py", "the Helm chart's tests (tests/test_helm.py)")
 
 
+def serial_asked(rest: list[str]) -> bool:
+    return any(arg.startswith(("-n", "--numprocesses", "--pdb", "--trace")) or arg == "no:xdist" for arg in rest)
+
+
+def bytecode_written() -> dict[str, str]:
+    """Bytecode is written even where PYTHONDONTWRITEBYTECODE says not to: each xdist worker would
+    otherwise compile, and rewrite the asserts of, some 250 modules on every run (seconds each)."""
+    return {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
+
+
+#: pytest-xdist workers for the full suite. Its tests mostly wait (timers, watches, servers
+#: starting) rather than compute, but its real tiers run clusters of their own: three workers on
+#: the 2-core machine CI has measured faster than two, with the real tiers each in one worker.
+FULL_SUITE_WORKERS = 3
+
+
+def full_suite_workers(rest: list[str]) -> list[str]:
+    """Each test file's tests in one worker, each real tier's (tests/realk8s, tests/realtemporal)
+    in one: tests/conftest.py groups them for ``--dist loadgroup``."""
+    return [] if serial_asked(rest) else ["-n", str(FULL_SUITE_WORKERS), "--dist", "loadgroup"]
+
+
 def fast_tier(rest: list[str]) -> int:
     """The unit tier (tests marked ``unit`` by tests/plugins/tiers.py): no Temporal dev server, no
     cluster, no system tools, so nothing to install or build first.
 
     Its tests mostly wait (fakes' timeouts, watches' waits) rather than compute, so they run in
     pytest-xdist workers, two per core, each test file in one worker (its module's fakes start
-    once). Bytecode is written even where PYTHONDONTWRITEBYTECODE says not to: each worker would
-    otherwise compile, and rewrite the asserts of, some 250 modules on every run (seconds each)."""
-    serial = any(arg.startswith(("-n", "--numprocesses", "--pdb", "--trace")) or arg == "no:xdist" for arg in rest)
-    workers = [] if serial else ["-n", str(min(8, 2 * (os.cpu_count() or 1))), "--dist", "loadfile"]
-    env = {name: value for name, value in os.environ.items() if name != "PYTHONDONTWRITEBYTECODE"}
-    code = subprocess.call([PYTHON, "-m", "pytest", "-m", "unit", "-p", "no:cacheprovider", *workers, *rest], env=env)
+    once)."""
+    workers = [] if serial_asked(rest) else ["-n", str(min(8, 2 * (os.cpu_count() or 1))), "--dist", "loadfile"]
+    code = subprocess.call([PYTHON, "-m", "pytest", "-m", "unit", "-p", "no:cacheprovider", *workers, *rest],
+                           env=bytecode_written())
     if code == 5:
         print("pytest collected no tests: that is a failure here", file=sys.stderr)
         return 1
@@ -151,7 +171,8 @@ def main(argv: list[str]) -> int:
             return fast_tier([arg for arg in rest if arg != "--fast"])
         ensure_system_packages()
         build_real_components()
-        code = subprocess.call([PYTHON, "-m", "pytest", *rest])
+        code = subprocess.call([PYTHON, "-m", "pytest", *full_suite_workers(rest), *rest],
+                               env=bytecode_written())
         if code == 5:
             print("pytest collected no tests: that is a failure here", file=sys.stderr)
             return 1

@@ -19,11 +19,13 @@ once; a change in the set of replicas writes a new configuration and reloads.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shutil
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,6 +171,10 @@ def apply_commands(document: RoutingDocument, replicas: dict[str, list[Replica]]
     return commands
 
 
+#: HAProxy 2.6 refuses a ``stats socket`` path longer than this ("socket path ... too long (max 97)").
+MAX_SOCKET_PATH = 97
+
+
 @dataclass
 class HAProxy:
     """A front door process: start, reload on new replicas, apply documents at runtime."""
@@ -182,7 +188,14 @@ class HAProxy:
 
     @property
     def socket_path(self) -> str:
-        return str(self.workdir / "haproxy.sock")
+        """The runtime API's socket: in the workdir, unless that path is longer than HAProxy takes
+        (``MAX_SOCKET_PATH``; a deep state dir, as under pytest-xdist, passes it), then a short
+        one in the temporary directory named by the workdir, so the same front door finds it again."""
+        beside = str(self.workdir / "haproxy.sock")
+        if len(beside) <= MAX_SOCKET_PATH:
+            return beside
+        digest = hashlib.sha256(str(self.workdir.resolve()).encode()).hexdigest()[:16]
+        return str(Path(tempfile.gettempdir()) / f"gpufleet-haproxy-{digest}.sock")
 
     @property
     def config_path(self) -> Path:
@@ -208,9 +221,10 @@ class HAProxy:
         self.config_path.write_text(render_config(self.models, self.documents, bind=self.bind,
                                                   socket_path=self.socket_path,
                                                   check_interval_ms=self.check_interval_ms))
-        check = subprocess.run([binary, "-c", "-q", "-f", str(self.config_path)], capture_output=True, text=True)
+        check = subprocess.run([binary, "-c", "-f", str(self.config_path)], capture_output=True, text=True)
         if check.returncode != 0:
-            raise HAProxyError(f"haproxy rejected {self.config_path}: {check.stderr.strip() or check.stdout.strip()}")
+            alerts = [line for line in (check.stderr + check.stdout).splitlines() if "[ALERT]" in line]
+            raise HAProxyError(f"haproxy rejected {self.config_path}: {' '.join(alerts) or check.stderr.strip()}")
         old = self.process
         args = [binary, "-db", "-f", str(self.config_path)]
         if old is not None and old.poll() is None:
@@ -275,3 +289,5 @@ class HAProxy:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+        if not self.socket_path.startswith(str(self.workdir)):
+            Path(self.socket_path).unlink(missing_ok=True)  # the short one outside the workdir

@@ -41,6 +41,21 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     require_marked(item)
 
 
+#: Directories whose tests share one package-scoped server (a real control plane, a real Temporal
+#: cluster): all of a directory's tests go to one pytest-xdist worker, which starts it once.
+ONE_WORKER_PACKAGES = ("tests/realk8s/", "tests/realtemporal/")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (``--dist loadgroup``)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The full suite runs in pytest-xdist workers (bootstrap.py ``test``): each file's tests in
+    one worker (its module-scoped fixtures start once), each real tier's in one."""
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        group = next((package for package in ONE_WORKER_PACKAGES if path.startswith(package)), path)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 #: A small, fast simulated fleet: no API latency, sub-second boots.
 TEST_FLEET: dict[str, Any] = {
     "mode": "sim",

@@ -162,3 +162,21 @@ async def test_a_stream_cut_after_tokens_is_an_error_and_never_replayed(tmp_path
         for reps in fd.servers.values():
             for s in reps:
                 await s.stop()
+
+
+async def test_a_front_door_in_a_deep_state_dir_starts_and_is_steered(tmp_path: Path):
+    """HAProxy refuses a runtime socket path over 97 characters; a state dir that deep (a user's
+    home, pytest-xdist's own tmp dirs) once kept the dev stack's front door from starting at all."""
+    deep = tmp_path / ("state-" + "d" * 60) / "front-door"
+    fd = await _front_door(deep, {"site-a": 1000, "site-b": 0})
+    try:
+        assert len(str(deep / "haproxy" / "haproxy.sock")) > 97
+        fd.apply(doc(2, {"site-a": 0, "site-b": 1000}))  # through the runtime socket
+        assert set(await _new_sessions_for(fd, 1.0, "deep")) == {"site-b"}
+    finally:
+        await fd.client.aclose()
+        fd.proxy.stop()
+        for reps in fd.servers.values():
+            for s in reps:
+                await s.stop()
+    assert not Path(fd.proxy.socket_path).exists(), "the short socket outside the state dir goes with it"

@@ -159,6 +159,10 @@ async def stop_stack(client: Client, task_queue: str, worker, running: asyncio.T
             await terminate_running(client, task_queue)
             await worker.shutdown()
             (outcome,) = await asyncio.gather(running, return_exceptions=True)
+            # An activity still running at the first pass can start an entity after it (the Node
+            # entity's admit_repair is an update-with-start of site/<name>): left running on a queue
+            # nobody polls, the next test's update-with-start of the same id would attach to it.
+            await terminate_running(client, task_queue, until_none=True)
         finally:
             host_stop.set()
             await host
@@ -197,11 +201,23 @@ def stacks_now() -> str:
     return out.getvalue()
 
 
-async def terminate_running(client: Client, task_queue: str) -> None:
+async def terminate_running(client: Client, task_queue: str, until_none: bool = False) -> None:
     """Entities (``site/<name>``, ``node/<name>``) never end by themselves and their ids are
-    shared by every test on the session's dev server: stop this test's before its worker goes."""
-    async for wf in client.list_workflows(f'TaskQueue = "{task_queue}" AND ExecutionStatus = "Running"'):
-        try:
-            await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("test over")
-        except Exception:  # noqa: BLE001 - ended meanwhile
-            pass
+    shared by every test on the session's dev server: stop this test's before its worker goes.
+    ``until_none``: list again (visibility lags a start by a moment) until two lists in a row,
+    a fifth of a second apart, find nothing running, for at most ``TEARDOWN_SECONDS / 4``."""
+    query = f'TaskQueue = "{task_queue}" AND ExecutionStatus = "Running"'
+    deadline = asyncio.get_running_loop().time() + TEARDOWN_SECONDS / 4
+    quiet = 0
+    while True:
+        found = 0
+        async for wf in client.list_workflows(query):
+            found += 1
+            try:
+                await client.get_workflow_handle(wf.id, run_id=wf.run_id).terminate("test over")
+            except Exception:  # noqa: BLE001 - ended meanwhile
+                pass
+        quiet = quiet + 1 if not found else 0
+        if not until_none or quiet >= 2 or asyncio.get_running_loop().time() > deadline:
+            return
+        await asyncio.sleep(0.2)
