@@ -31,7 +31,8 @@ from workers.control_plane import build_worker
 from workers.node_agent import SimNodeHost
 from tests.ports import free_port
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "docs" / "getting-started.md"  # "From code" moved there from the README
 README_BASE = "http://127.0.0.1:7243"
 
 
@@ -198,7 +199,7 @@ async def test_readme_python_example_runs(http_stack, tmp_path) -> None:
     (block,) = from_code_blocks("python")
     script = tmp_path / "example.py"
     script.write_text(block)
-    env = {**os.environ, **settings.env(), "PYTHONPATH": str(README.parent)}
+    env = {**os.environ, **settings.env(), "PYTHONPATH": str(ROOT)}
     env.pop("GPUFLEET_CONFIG", None)
     done = await asyncio.to_thread(subprocess.run, [sys.executable, str(script)], env=env, capture_output=True,
                                    text=True, timeout=180)

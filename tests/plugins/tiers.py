@@ -1,4 +1,4 @@
-"""The test tiers (README, "Tests"), and the guard that keeps the fast one honest.
+"""The test tiers (docs/testing.md, "Test tiers"), and the guard that keeps the fast one honest.
 
 ``unit`` (``python3 bootstrap.py test --fast``, under a minute): pure policy, replay against
 recorded histories, in-process fakes on loopback, and Temporal's time-skipping test server

@@ -1,0 +1,177 @@
+"""The documentation site: it builds with strict link checking, the README stays a landing page
+whose links resolve, and the generated reference pages are what the code says now."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from markdown.extensions.toc import slugify
+
+from cli import reference
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+MKDOCS = Path(sys.executable).parent / "mkdocs"
+
+README_MAX_LINES = 200
+
+
+def outside_fences(text: str) -> list[str]:
+    lines, fence = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fence = not fence
+        elif not fence:
+            lines.append(line)
+    return lines
+
+
+def anchors(markdown_file: Path) -> set[str]:
+    """The heading ids a page gets: an explicit ``{ #id }``, else the toc extension's slug."""
+    found = set()
+    for line in outside_fences(markdown_file.read_text()):
+        heading = re.match(r"#{1,6} (.*)", line)
+        if not heading:
+            continue
+        explicit = re.search(r"\{\s*#([\w-]+)\s*\}\s*$", heading.group(1))
+        title = re.sub(r"`|\*\*|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.group(1))
+        found.add(explicit.group(1) if explicit else slugify(title, "-"))
+    return found
+
+
+def relative_links(markdown_file: Path) -> list[str]:
+    text = "\n".join(outside_fences(markdown_file.read_text()))
+    targets = re.findall(r"\]\(([^)\s]+)\)", text)
+    return [t for t in targets if not re.match(r"[a-z]+:", t)]
+
+
+def mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    # From the repository root: the snippets include (deploy/temporal/README.md) is relative to it.
+    return subprocess.run([str(MKDOCS), "build", "--strict", "--config-file", str(config), "--site-dir", str(site)],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+
+
+@pytest.mark.integration
+def test_the_site_builds_with_strict_link_checking(tmp_path):
+    built = mkdocs_build(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert built.returncode == 0, built.stdout + built.stderr
+    assert "WARNING" not in built.stderr, built.stderr
+    site = tmp_path / "site"
+    pages = {p.relative_to(site).as_posix() for p in site.rglob("index.html")}
+    for page in ("getting-started/index.html", "concepts/index.html", "operations/index.html",
+                 "production/index.html", "production/temporal/index.html", "production/node-image/index.html",
+                 "providers/index.html",
+                 "reference/cli/index.html", "reference/sites/index.html", "benchmarks/index.html",
+                 "design/index.html"):
+        assert page in pages, page
+    assert (site / "reference" / "sites.schema.json").is_file()
+    # deploy/temporal/README.md is included, not copied by hand: the page carries its text.
+    temporal_page = (site / "production" / "temporal" / "index.html").read_text()
+    assert "numHistoryShards" in temporal_page and "How this is tested" in temporal_page
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("broken", ["[a page](no-such-page.md)", "[an anchor](concepts/index.md#no-such-heading)"])
+def test_a_broken_link_fails_the_build(tmp_path, broken):
+    docs = tmp_path / "docs"
+    shutil.copytree(DOCS, docs)
+    (docs / "index.md").write_text((docs / "index.md").read_text() + f"\nSee {broken}.\n")
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    config["docs_dir"] = str(docs)
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config))
+    built = mkdocs_build(tmp_path / "mkdocs.yml", tmp_path / "site")
+    assert built.returncode != 0
+    assert broken.split("(")[1].rstrip(")") in built.stderr, built.stderr
+
+
+def test_the_readme_is_a_landing_page_whose_links_resolve():
+    text = README.read_text()
+    assert len(text.splitlines()) <= README_MAX_LINES
+    # The two set-up commands, exactly: CI runs the README's test command.
+    assert "python3 bootstrap.py dev " in text and "python3 bootstrap.py test " in text
+    links = relative_links(README)
+    assert any(link.startswith("docs/") for link in links)
+    for link in links:
+        path, _, anchor = link.partition("#")
+        target = (ROOT / path) if path else README
+        assert target.exists(), link
+        if anchor:
+            assert anchor in anchors(target), link
+
+
+def test_the_readme_tour_is_the_tested_tour():
+    """Every command of the README's short tour is one of the docs' tour, which
+    tests/test_readme_walk.py runs as written, so the landing page cannot drift from it."""
+    def commands(text: str) -> set[str]:
+        found = set()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            for line in block.replace("\\\n", " ").splitlines():
+                line = " ".join(line.split())
+                if line and not line.startswith("#"):
+                    found.add(line)
+        return found
+
+    readme_tour = README.read_text().split("## The tour in short", 1)[1].split("\n## ", 1)[0]
+    tour = commands(readme_tour)
+    assert len(tour) >= 5
+    assert tour <= commands((DOCS / "getting-started.md").read_text())
+
+
+def test_every_alert_has_a_runbook():
+    rules = yaml.safe_load((ROOT / "deploy" / "observability" / "alerts.yaml").read_text())
+    alerts = [rule["alert"] for group in rules["groups"] for rule in group["rules"]]
+    assert alerts
+    runbooks = anchors(DOCS / "operations.md")
+    for alert in alerts:
+        assert slugify(alert, "-") in runbooks, alert
+
+
+def test_every_workflow_is_in_the_concepts_map():
+    from workflows.registry import ALL_WORKFLOWS
+
+    table = (DOCS / "concepts" / "index.md").read_text().split("## Workflows and entities", 1)[1]
+    for workflow in ALL_WORKFLOWS:
+        definition = getattr(workflow, "__temporal_workflow_definition")
+        assert f"`{definition.name}`" in table, definition.name
+        for handler in [*definition.signals, *definition.updates, *definition.queries]:
+            if handler and not handler.startswith("__"):
+                row = next(line for line in table.splitlines() if f"`{definition.name}`" in line)
+                assert f"`{handler}`" in row, (definition.name, handler)
+
+
+def test_the_generated_references_are_current():
+    for path, text in reference.generated().items():
+        assert path.read_text() == text, f"{path.relative_to(ROOT)} is stale: run `python -m cli.reference`"
+
+
+def test_the_cli_reference_lists_every_command():
+    import typer.main
+
+    from cli.main import app
+
+    page = reference.CLI_PAGE.read_text()
+    root = typer.main.get_command(app)
+    ctx = root.make_context("gpufleet", [], resilient_parsing=True)
+    for name in root.list_commands(ctx):
+        assert f"## `gpufleet {name}`" in page, name
+
+
+def test_the_schema_validates_the_shipped_configs_and_refuses_unknown_keys():
+    schema = json.loads(reference.SITES_SCHEMA.read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    for config in (ROOT / "deploy" / "sites.example.yaml", ROOT / "fleet" / "default_sites.yaml"):
+        jsonschema.validate(yaml.safe_load(config.read_text()), schema)
+    shipped = yaml.safe_load((ROOT / "fleet" / "default_sites.yaml").read_text())
+    shipped["sites"][0]["max_node"] = 3
+    with pytest.raises(jsonschema.ValidationError, match="max_node"):
+        jsonschema.validate(shipped, schema)
