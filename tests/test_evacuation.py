@@ -22,6 +22,11 @@ from tests.evacuation_helpers import (
     poll,
     replay_and_record,
 )
+from temporalio.testing import ActivityEnvironment
+
+from activities.env import FleetEnv
+from activities.rollout_models import EvacuationInput
+from activities.serving import ServingActivities
 from fleet.messages.capacity import CapacityResult, SiteStatus
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult
 
@@ -205,6 +210,11 @@ async def test_an_ended_evacuation_uncordons_what_it_cordoned_and_nothing_else(i
     assert await _cordoned(inc, a) == set(names), "the evacuation cordoned the site's nodes"
     assert inc.cluster.get_site_routes().sites[a].weight == 0
 
+    # What a rollout deferred for the evacuation asks on each look (``site_evacuations``).
+    rollout_look = ServingActivities(FleetEnv.from_settings(inc.settings)).site_evacuations
+    under = lambda: ActivityEnvironment().run(rollout_look, EvacuationInput(model=MODEL, sites=[a]))  # noqa: E731
+    assert a in under(), "a rollout defers the site while it is evacuated"
+
     handle = inc.evacuation("a")
     if ending == "abort":
         await handle.execute_update("abort", "test: the provider says it was a blip")
@@ -226,6 +236,11 @@ async def test_an_ended_evacuation_uncordons_what_it_cordoned_and_nothing_else(i
     assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "the replica it moved to d went"
     steps = [s.name for s in timeline]
     assert steps.index("nodes held") < steps.index("routing restored")
+    # The demo rollout once stayed "deferred: under evacuation" 11 minutes after an abort.
+    async def restored() -> bool:
+        return under() == {}
+
+    await poll(restored, timeout=15)
     # The Site entity closes the incident whichever way the evacuation ended.
     site = await poll(lambda: _closed(inc.client.get_workflow_handle(f"site/{a}")), timeout=15)
     outcome = site.incident.history[-1].outcome

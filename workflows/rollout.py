@@ -311,7 +311,8 @@ class ModelRollout:
             batch, deferred = next_batch(queue, evacuating, size)
             for site in queue:
                 if site in deferred:
-                    self._set(site, SiteState.DEFERRED, f"under evacuation ({evacuating[site]}); queued until restored")
+                    self._set(site, SiteState.DEFERRED, f"under evacuation ({evacuating[site]}); queued until restored "
+                                                        f"({self._next_look()})")
                 elif self._p.site(site).state == SiteState.DEFERRED:
                     self._set(site, SiteState.REPLICATED, "restored; queued")
             if not batch:
@@ -326,12 +327,19 @@ class ModelRollout:
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="which sites are under evacuation",
         )
 
+    def _next_look(self) -> str:
+        """When a deferred site is looked at again: an evacuation ends by restore, abort, cancel or
+        failure, and each restores the site's routes, which the next look sees."""
+        at = workflow.now() + timedelta(seconds=self._req.strategy.evacuation_poll_seconds)
+        return f"next look at {at:%H:%M:%S} UTC"
+
     async def _wait_until_not_evacuating(self, site: str) -> None:
         while True:
             evacuating = await self._evacuations([site])
             if site not in evacuating:
                 return
-            self._set(site, SiteState.DEFERRED, f"under evacuation ({evacuating[site]}); waiting until restored")
+            self._set(site, SiteState.DEFERRED, f"under evacuation ({evacuating[site]}); waiting until restored "
+                                                f"({self._next_look()})")
             await self._sleep_unless_aborted(self._req.strategy.evacuation_poll_seconds, f"wait for {site}")
 
     async def _run_batch(self, batch: list[str]) -> None:

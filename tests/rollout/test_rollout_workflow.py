@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import json
 
 import pytest
@@ -185,8 +186,11 @@ async def test_evacuated_site_deferred_until_restored(rollout_stack: RolloutStac
     raw = stack.request({"site-a": 1, "site-b": 1, "site-c": 1}, gate={"bake_seconds": 0})
     handle = await stack.start(raw, "evacuated")
     # site-c (after site-b in the queue) goes first; site-b waits.
-    await until(handle, lambda p: states(p) == {"site-a": "done", "site-b": "deferred", "site-c": "done"})
+    progress = await until(handle, lambda p: states(p) == {"site-a": "done", "site-b": "deferred", "site-c": "done"})
     assert stack.image("site-b") == "img:v1"
+    # The wait says why and until when.
+    detail = progress.site("site-b").detail
+    assert "inc-7" in detail and re.search(r"next look at \d\d:\d\d:\d\d UTC", detail), detail
     await wait_for(lambda: (t := stack.cluster.get_routing(MODEL)) and t.sites["site-b"].incident == "inc-7")
     stack.cluster.set_site_routes({s: SiteRoute(weight=100) for s in ("site-a", "site-b", "site-c")})
     result = RolloutResult.model_validate(await handle.result())
