@@ -40,7 +40,8 @@ from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocke
 from fleet.models import AccountState
 from fleet.naming import account_workflow_id, site_workflow_id
 from fleet.placement import AccountView
-from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, DrainResult
+from fleet.cluster import FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT, DrainResult
+from fleet.demand import placement_drift, public_placement_labels
 from providers.cluster.base import NodeNotFound
 
 R = TypeVar("R")
@@ -263,12 +264,14 @@ class CapacityActivities:
     def site_nodes(self, input: SiteNodesInput) -> list[SiteNode]:
         site = self.env.site(input.site)
         nodes = self.env.cluster.list_nodes({LABEL_SITE: site.name})
+        wanted = public_placement_labels(site)
         for n in nodes:
-            # The kubelet may relabel its own zone; a wrong one would steer PreferClose Services
-            # to another site's replicas. Each reconcile puts it back (README "Network model").
-            if n.labels.get(LABEL_ZONE) != site.name:
+            # The kubelet may relabel its own zone, region or GPU product; a wrong one would steer
+            # PreferClose Services to another site's replicas, or the scheduler. The site's watch
+            # puts them back within seconds (``watch_site``); each reconcile does too.
+            if placement_drift(n.labels, wanted):
                 try:
-                    self.env.cluster.label_node(n.name, {LABEL_ZONE: site.name})
+                    self.env.cluster.label_node(n.name, wanted)
                 except NodeNotFound:
                     pass  # gone since the list: nothing to label
             # The kubelet cannot drop the fleet taint (NodeRestriction), but a person or another

@@ -163,7 +163,11 @@ class DemandActivities:
                     else:
                         held.other_gpus += pod.gpus
         rooms = [
-            NodeRoom(name=n.name, site=n.labels.get(LABEL_SITE, ""), labels=n.labels, taints=n.taints,
+            # The fleet's own labels from the config over what the node carries: a kubelet may
+            # write its GPU product or region itself, and no plan may believe it.
+            NodeRoom(name=n.name, site=n.labels.get(LABEL_SITE, ""),
+                     labels={**n.labels, **(site_labels(node_site[n.name]) if node_site.get(n.name) else {})},
+                     taints=n.taints,
                      gpus=n.gpus_allocatable, gpus_used=used[n.name])
             for n in nodes
             # Ready and schedulable, or still being proven (it is on its way).

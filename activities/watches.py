@@ -10,7 +10,9 @@ its heartbeat timeout. Each is level-triggered: the entity passes what it last s
 returns at once when the world already differs, so a run that continued as new loses nothing.
 
 - ``watch_site``: a Site entity's nodes (Ready, cordoned, proven; added, removed) and its
-  provider's API (Transient failures trip the incident rule). It also reports how long nobody
+  provider's API (Transient failures trip the incident rule). It puts the public placement
+  labels (zone, region, GPU product) back the moment a node's differ from the site's config, and
+  returns when a node changed its own (the entity quarantines it). It also reports how long nobody
   watched: its own loop running late (its process frozen) or, on a retried attempt, the time
   since the lost attempt's last heartbeat; the entity takes that as the control plane's absence.
 - ``watch_demand_events``: the Demand loop's new Pending GPU pods (batched as before), the pods of its
@@ -35,7 +37,8 @@ from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.evacuation import provider_api_answers
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
-from fleet.demand import opted_in
+from fleet.demand import opted_in, placement_drift, public_placement_labels
+from providers.cluster.base import NodeNotFound
 from fleet.messages.capacity import SignalSitesInput
 from fleet.messages.demand import DemandBatch
 from fleet.messages.evacuation import ProbeNode
@@ -130,9 +133,39 @@ class WatchActivities:
         # A real watch's chunk may end a connect timeout late; the sim's looks are its own sleeps.
         late_after = max(recheck, input.poll_seconds) + (LATE_SLACK_SECONDS if self.env.world is None else 0.0)
 
+        wanted = public_placement_labels(self.env.site(input.site))
+        # The entity enforces what the config says (a run that read another config, or that does
+        # not ask, gets its labels put back without a report): only then is a difference the node's.
+        judged = bool(input.placement) and input.placement == wanted
+        reported = set(input.reported)
+        self_labelled: dict[str, list[str]] = {}
+
+        def put_back(nodes) -> bool:
+            """Every node of the site is one the control plane labelled (``LABEL_SITE`` is its, set in
+            the same write as these): a value other than the config's was written by someone else.
+            True: a node not reported yet changed its own."""
+            new = False
+            for n in nodes:
+                drift = placement_drift(n.labels, wanted)
+                if not drift:
+                    continue
+                try:
+                    n.labels = self.env.cluster.label_node(n.name, wanted).labels
+                except NodeNotFound:
+                    continue  # gone since the look
+                activity.logger.warning("site %s: node %s changed its placement labels (%s): put back", site,
+                                        n.name, ", ".join(drift))
+                if judged and n.name not in reported:
+                    self_labelled[n.name] = [d[:200] for d in drift]
+                    reported.add(n.name)
+                    new = True
+            return new
+
         def until(nodes) -> bool:
             nonlocal api, api_at, last_look, paused
             stop_if_asked()
+            if put_back(nodes):
+                return True
             now = time.monotonic()
             # A look much later than the loop makes them: this process was stopped (or starved).
             if now - last_look > late_after + input.absence_seconds:
@@ -148,12 +181,13 @@ class WatchActivities:
 
         nodes = self.env.cluster.watch_nodes({LABEL_SITE: site}, until, input.max_wait_seconds, recheck_s=recheck,
                                              heartbeat=beat, poll_s=input.poll_seconds)
+        put_back(nodes)  # the watch's last look may be one ``until`` did not see (its timeout)
         found = probe_nodes(nodes)
         ok, kind, message = api if api is not None else self._api(site)
         changed = ({n.name: node_summary(n) for n in found} != input.known or ok != input.api_ok
-                   or (not ok and kind != input.api_error_type))
+                   or (not ok and kind != input.api_error_type) or bool(self_labelled))
         return SiteWatchResult(nodes=found, api_ok=ok, api_error_type=kind, api_error=message[:500], changed=changed,
-                               observed_at=time.time(), paused_seconds=round(paused, 3))
+                               observed_at=time.time(), paused_seconds=round(paused, 3), self_labelled=self_labelled)
 
     # -- the Demand loop ----------------------------------------------------------------------
     async def _purchases_running(self, ids: list[str]) -> list[str]:

@@ -30,8 +30,8 @@ LABEL_PROVIDER = "node-restriction.kubernetes.io/gpufleet-provider"
 LABEL_REGION = "topology.kubernetes.io/region"
 #: A node's site, under the name Kubernetes' topology-aware routing reads: a Service with
 #: ``trafficDistribution: PreferClose`` then keeps a caller's traffic inside its site.
-#: The kubelet may set this key on itself (NodeRestriction allows it), so the reconcile
-#: sweep puts it back (``site_nodes``).
+#: The kubelet may set this key (and region, GPU product) on itself (NodeRestriction allows it):
+#: the site's watch puts it back within seconds and quarantines the node (``watch_site``).
 LABEL_ZONE = "topology.kubernetes.io/zone"
 LABEL_GPU_PRODUCT = "nvidia.com/gpu.product"
 LABEL_MODEL = "gpufleet.io/model"

@@ -38,6 +38,7 @@ from fleet.cluster import (
     LABEL_PROVIDER,
     LABEL_REGION,
     LABEL_SITE,
+    LABEL_ZONE,
     UNPROVEN_TAINT,
 )
 from fleet.config import ServingPolicy, Site
@@ -130,6 +131,24 @@ def site_labels(site: Site) -> dict[str, str]:
         LABEL_REGION: site.region, LABEL_CAPACITY_TYPE: site.capacity_type.value,
         **({LABEL_GEOGRAPHY: site.geography} if site.geography else {}),
     }
+
+
+#: The public labels the scheduler and ``PreferClose`` read, which a kubelet may set on its own Node
+#: (NodeRestriction allows the ``topology.kubernetes.io/`` keys and any unprefixed or foreign one):
+#: gpufleet decides nothing with them (it reads ``LABEL_SITE`` and the identity record), but the
+#: cluster does, so their values come from the site's config and are put back on a watch
+#: (``watch_site``); a node seen changing one is quarantined.
+PUBLIC_PLACEMENT_LABELS = (LABEL_ZONE, LABEL_REGION, LABEL_GPU_PRODUCT)
+
+
+def public_placement_labels(site: Site) -> dict[str, str]:
+    """What ``PUBLIC_PLACEMENT_LABELS`` say on every node of ``site``: its name is its zone."""
+    return {LABEL_ZONE: site.name, LABEL_REGION: site.region, LABEL_GPU_PRODUCT: site.gpu}
+
+
+def placement_drift(labels: dict[str, str], wanted: dict[str, str]) -> list[str]:
+    """``key=value`` for each wanted label the node does not carry as wanted (``key`` alone: removed)."""
+    return [f"{k}={labels[k]}" if k in labels else k for k, v in sorted(wanted.items()) if labels.get(k) != v]
 
 
 def repelling(taints: Iterable[str]) -> list[str]:

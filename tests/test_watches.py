@@ -169,3 +169,41 @@ async def test_the_csr_watch_in_the_sim_waits_its_whole_wait(env) -> None:
     started = time.monotonic()
     seen = await run(quiet_env(), WatchActivities(env).watch_csrs, CsrWatchInput(max_wait_seconds=1))
     assert not seen.changed and seen.pending == [] and time.monotonic() - started >= 0.9
+
+
+async def test_the_site_watch_puts_placement_labels_back_and_reports_a_node_that_changed_its_own(env) -> None:
+    """Zone, region and GPU product come from the site's config: put back at every look. A node's
+    own change ends the watch at once, reported once; a run that enforces other values (a config
+    changed since it read it) or none gets them put back without judging the node."""
+    from fleet.cluster import LABEL_ZONE
+    from fleet.demand import public_placement_labels
+
+    watches = WatchActivities(env)
+    wanted = public_placement_labels(env.site("site-0"))
+    for name in ("gpu-1", "gpu-2"):
+        add_node(env, name)
+        env.cluster.label_node(name, wanted)
+    known = {"gpu-1": "ready", "gpu-2": "ready"}
+
+    def placement(name: str) -> dict[str, str]:
+        return {k: env.cluster.get_node(name).labels.get(k) for k in wanted}
+
+    # Another config's values (or none): put back, nobody reported, the watch waits on.
+    env.cluster.label_node("gpu-1", {LABEL_ZONE: "elsewhere"})
+    stale = {**wanted, LABEL_ZONE: "old-name"}
+    quiet = await run(quiet_env(), watches.watch_site, site_input(known, placement=stale, wait=0.5))
+    assert not quiet.changed and quiet.self_labelled == {} and placement("gpu-1") == wanted
+
+    # The values the run enforces: the node's own change returns the watch, named and put back.
+    changer = later(0.3, lambda: env.cluster.label_node("gpu-2", {LABEL_ZONE: "elsewhere"}))
+    started = time.monotonic()
+    seen = await run(quiet_env(), watches.watch_site, site_input(known, placement=wanted, wait=30))
+    changer.join()
+    assert seen.changed and seen.self_labelled == {"gpu-2": [f"{LABEL_ZONE}=elsewhere"]}
+    assert time.monotonic() - started < 10 and placement("gpu-2") == wanted
+
+    # Reported already: put back again, not reported twice.
+    env.cluster.label_node("gpu-2", {LABEL_ZONE: "elsewhere"})
+    again = await run(quiet_env(), watches.watch_site, site_input(known, placement=wanted, reported=["gpu-2"],
+                                                                  wait=0.5))
+    assert again.self_labelled == {} and placement("gpu-2") == wanted

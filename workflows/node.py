@@ -201,6 +201,9 @@ class NodeEntity:
         """The node failed someone else's proof (an evacuation's smoke test): the loop cordons
         it and hands it to the repair ladder, like K bad reports in a row."""
         if (order := parse_signal(NodeQuarantine, raw, "quarantine")) is not None:
+            # Shown before the loop acts (its repair's details replace these), and kept in the log.
+            self._log(f"quarantined: {order.reason}", warn=True)
+            self._show(f"quarantined: {order.reason}")
             self._quarantine_node(order.reason)
 
     @workflow.signal

@@ -27,6 +27,10 @@ Provider incidents (product rule 5, ``fleet.incident``; recorded as patch
   incident closes and held repairs are released. No min/max fill or retire
   while an incident is open.
 
+Its watch also keeps its nodes' public placement labels (zone, region, GPU product) as the
+site's config says, within seconds of a change; a node that changed its own is told to
+quarantine (``SELF_LABELS_PATCH``).
+
 Continues as new when the server suggests it, carrying its one state model
 (``SiteState``: nodes, counters, the incident rule's failures and the open
 incident, if any); never while a fill or an evacuation runs, and only once every
@@ -62,6 +66,8 @@ with workflow.unsafe.imports_passed_through():
     from activities.models import ResolveSiteInput
     from fleet import search_attributes as sa
     from fleet.config import Site
+    from fleet.demand import public_placement_labels
+    from fleet.messages.repair import NodeQuarantine
     from fleet.placement import surplus_to_retire
     from workflows.inputs import parse_input, parse_signal
     from workflows.steps import (
@@ -115,6 +121,11 @@ COUNT_JOINS_PATCH = "count-joins"
 #: of a return grace). It tells a Node entity when its node turns NotReady or Ready again, and
 #: upserts its search attribute only when the value changes.
 EVENTS_PATCH = "site-events"
+#: Workflow patch (issue 35): the site's watch keeps the public placement labels (zone, region, GPU
+#: product: what the scheduler and ``PreferClose`` read, and a kubelet may write on its own Node)
+#: as the site's config says, putting them back within seconds of a change; a node seen changing
+#: its own is reported once per run, and the entity tells its Node entity to quarantine it.
+SELF_LABELS_PATCH = "self-labels-quarantine"
 #: The site's watch returns unchanged after this long; its heartbeat timeout (a beat at half of
 #: it): a control-plane worker lost without a word is noticed within it, a retried watch then
 #: says how long nobody watched. Two watches and twelve heartbeats an hour.
@@ -158,6 +169,9 @@ class SiteEntity:
         self._api: tuple[bool, str] | None = None
         self._fleet_state = ""
         self._stopping = False
+        # Patched in (``SELF_LABELS_PATCH``): nodes this run told to quarantine for their own labels.
+        self._self_labels = False
+        self._reported: set[str] = set()
 
     @workflow.signal
     def reconcile(self) -> None:
@@ -289,6 +303,7 @@ class SiteEntity:
         self._fleet_state = "reconciling"
         if incidents and workflow.patched(EVENTS_PATCH):
             self._events = True
+            self._self_labels = workflow.patched(SELF_LABELS_PATCH)
             await self._run_on_events(args)
             return
         # Runs from before ``EVENTS_PATCH``: a probe on a short timer (kept for their replay).
@@ -409,7 +424,9 @@ class SiteEntity:
                 SiteWatchInput(site=site, known=self.state.watched, api_ok=api_ok, api_error_type=api_type,
                                max_wait_seconds=SITE_WATCH_SECONDS, api_check_seconds=s.check_seconds,
                                poll_seconds=min(SIM_POLL_SECONDS, s.check_seconds),
-                               absence_seconds=s.control_plane.absence_seconds),
+                               absence_seconds=s.control_plane.absence_seconds,
+                               placement=public_placement_labels(self._site) if self._self_labels else {},
+                               reported=sorted(self._reported)),
                 result_type=SiteWatchResult, start_to_close_timeout=timedelta(seconds=SITE_WATCH_SECONDS) + QUICK,
                 heartbeat_timeout=SITE_WATCH_HEARTBEAT, retry_policy=SITE_WATCH_RETRY,
                 summary=f"{site}: nodes Ready/NotReady, cordons, joins, provider API; on change",
@@ -455,6 +472,9 @@ class SiteEntity:
             if n.unproven or (was is None and n.ready) or (was is not None and was.startswith("ready") == n.ready):
                 continue  # no transition (a node still being proven has no entity to tell yet)
             told.append(self._tell_node(n.name, n.ready, seen.observed_at))
+        if self._self_labels:
+            told += [self._quarantine_self_labelled(name, changes) for name, changes in sorted(seen.self_labelled.items())
+                     if name not in self._reported]
         if told:
             await asyncio.gather(*told)
         self._api = (seen.api_ok, seen.api_error_type)
@@ -486,6 +506,21 @@ class SiteEntity:
         except FailureError as error:
             workflow.logger.info("site %s: node/%s not told it is %s (%s)", self._site.name, node,
                                  "Ready" if ready else "NotReady", failure_message(error))
+
+    async def _quarantine_self_labelled(self, node: str, changes: list[str]) -> None:
+        """A node wrote its own placement labels (put back by the watch already): nobody else writes
+        a value the config does not say on a node the control plane labelled. Its Node entity
+        quarantines it (cordoned, the repair ladder decides), with the reason in its log."""
+        self._reported.add(node)
+        reason = f"changed its own labels: {', '.join(changes)}"[:1000]
+        workflow.logger.warning("site %s: node %s %s; put back, quarantining", self._site.name, node, reason)
+        self._show(f"{node} {reason}: put back, quarantined")
+        try:
+            await workflow.get_external_workflow_handle(f"node/{node}").signal(
+                "quarantine", NodeQuarantine(reason=reason))
+        except FailureError as error:
+            workflow.logger.warning("site %s: node/%s not told to quarantine (%s)", self._site.name, node,
+                                    failure_message(error))
 
     def _set_fleet_state(self, value: str) -> None:
         """The ``FleetState`` search attribute; under ``EVENTS_PATCH`` only when it changes (each

@@ -57,6 +57,13 @@ class SiteWatchInput(BaseModel):
     #: Nobody watched for longer than this (the watcher's process stopped, or its attempt was
     #: lost): return at once and say so (``paused_seconds``), the control plane was away.
     absence_seconds: float = Field(30, gt=0, le=3600)
+    #: The public placement labels (``fleet.demand.PUBLIC_PLACEMENT_LABELS``) the entity keeps on
+    #: its nodes, from the site's config as its run read it. Every node's are put back at once
+    #: when they differ from the config's; where the config says what the entity says (empty: an
+    #: entity that does not ask), a node that changed its own returns the watch (``self_labelled``).
+    placement: dict[str, str] = Field(default_factory=dict, max_length=16)
+    #: Nodes already reported as self-labelled to this run: put back, not reported again.
+    reported: list[str] = Field(default_factory=list, max_length=100_000)
 
 
 class SiteWatchResult(BaseModel):
@@ -72,6 +79,8 @@ class SiteWatchResult(BaseModel):
     #: How late the watcher's own clock ran (its process frozen), or how long nobody watched
     #: (a retried attempt, since the last heartbeat of the one that was lost): seconds.
     paused_seconds: float = 0.0
+    #: Nodes that changed their own placement labels (put back already): node → ``key=value`` it set.
+    self_labelled: dict[str, list[str]] = Field(default_factory=dict)
 
 
 # -- watch_demand_events ---------------------------------------------------------------------------

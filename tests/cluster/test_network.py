@@ -266,8 +266,11 @@ def test_a_labelled_node_carries_its_site_as_zone_on_the_api_server(fleet_env, f
 
 def test_the_reconcile_sweep_puts_a_changed_zone_back(fleet_env, fake):
     fleet_taint = [{"key": FLEET_TAINT_KEY, "effect": "NoSchedule"}]  # what every joined node keeps
-    fake.add_node("gpu-1", {LABEL_SITE: "site-a", LABEL_ZONE: "site-b"}, taints=fleet_taint)  # the kubelet moved itself
-    fake.add_node("gpu-2", {LABEL_SITE: "site-a", LABEL_ZONE: "site-a"}, taints=fleet_taint)
+    from fleet.demand import public_placement_labels  # zone, region and GPU product: all put back
+
+    placed = public_placement_labels(fleet_env.site("site-a"))
+    fake.add_node("gpu-1", {**placed, LABEL_SITE: "site-a", LABEL_ZONE: "site-b"}, taints=fleet_taint)  # the kubelet moved itself
+    fake.add_node("gpu-2", {**placed, LABEL_SITE: "site-a"}, taints=fleet_taint)
     site_nodes = CapacityActivities(fleet_env).site_nodes
     nodes = ActivityEnvironment().run(site_nodes, SiteNodesInput(site="site-a"))
     assert {n.node_name for n in nodes} == {"gpu-1", "gpu-2"}
