@@ -291,16 +291,61 @@ def node_gateway_env(state_dir: Path, port: int) -> dict[str, str]:
             "GPUFLEET_SIM_SIGNER_DIR": str(pki["ca"].parent)}
 
 
+def cluster_missing_line() -> str | None:
+    """Why ``--temporal cluster`` cannot start here (the build command or package to install), or None."""
+    from cli.temporal_cluster import missing_reason
+
+    reason = missing_reason()
+    return f"--temporal cluster: {reason}" if reason else None
+
+
+def start_cluster(settings: Settings, port: int, http_port: int):
+    """The real Temporal cluster (cli/temporal_cluster.py) as the stack's Temporal: its frontend on
+    ``port``, values.yaml's namespaces plus the stack's own, gpufleet's search attributes on each.
+    Its configs and logs go under the state dir; its database is thrown away when it stops."""
+    from cli.temporal_cluster import RealTemporal
+
+    root = settings.state_dir / "temporal-cluster"
+    shutil.rmtree(root, ignore_errors=True)  # a fresh cluster every time: the last one's database is gone
+    root.mkdir(mode=0o700)  # its services' configs hold the database password
+    cluster = RealTemporal(root, frontend_port=port, frontend_http_port=http_port)
+    if settings.namespace not in [name for name, _ in cluster.namespaces]:
+        cluster.extra_namespaces = (settings.namespace,)
+    return cluster
+
+
+def cluster_lines(cluster) -> list[str]:
+    """What ``--temporal cluster`` runs, for the "is up" block."""
+    from cli.temporal_cluster import SERVICES, TEMPORAL_VERSION, history_shards, postgres_bin
+
+    pids = cluster.pids()
+    services = ", ".join(f"{name} (pid {pids[name]})" for name in SERVICES)
+    return [f"  Temporal server  {cluster.address}  (a real cluster, temporal-server {TEMPORAL_VERSION}: {services}; "
+            f"{history_shards()} history shards; namespaces {', '.join(n for n, _ in cluster.namespaces)})",
+            f"  PostgreSQL       127.0.0.1:{cluster.postgres.port}  ({postgres_bin()}/postgres, pid {pids['postgres']}; "
+            "persistence and SQL visibility; thrown away on Ctrl-C)",
+            f"  dynamic config   {cluster.dynamic_config_path}  (deploy/temporal/dynamic-config.yaml; "
+            f"logs in {cluster.root})",
+            "  Temporal UI      none (the cluster runs no UI; `gpufleet dev` without --temporal cluster has one)"]
+
+
 def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port: int = 7243,
-            gateway_port: int | None = None) -> int:
+            gateway_port: int | None = None, temporal: str = "dev-server") -> int:
     from fleet.config import load_config
 
+    if temporal == "cluster":
+        missing = cluster_missing_line()
+        if missing:  # before anything starts
+            console.print("[red]error:[/]", end=" ")
+            console.print(missing, markup=False, highlight=False, soft_wrap=True)  # the command unbroken
+            return 2
     config = load_config(settings.config)
     gateway_port = port + DEV_GATEWAY_OFFSET if gateway_port is None else gateway_port
     s3 = loopback_stores(config)
     # Checked before anything starts: a busy port would otherwise surface as a child that
     # exits a second after "gpufleet dev is up".
-    wanted = {"--port": port, "--ui-port": ui_port, "--http-port": http_port, "node gateway": gateway_port,
+    wanted = {"--port": port, **({"--ui-port": ui_port} if temporal == "dev-server" else {}),
+              "--http-port": http_port, "node gateway": gateway_port,
               **{f"object store {next(iter(v)).endpoint_url}": p for p, v in s3.items()}}
     for flag, number in wanted.items():
         if port_in_use(number):
@@ -316,6 +361,7 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
     logs = settings.state_dir / "logs"
     logs.mkdir(exist_ok=True)
     children: dict[str, subprocess.Popen] = {}
+    cluster = None  # --temporal cluster: the RealTemporal, stopped after the workers
 
     def start(name: str, command: list[str]) -> None:
         log = open(logs / f"{name}.log", "ab")
@@ -333,7 +379,10 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        console.print("[dim]stopped: " + ", ".join(children) + "[/]")
+        if cluster is not None:
+            cluster.stop()  # its four services, then PostgreSQL
+        console.print("[dim]stopped: " + ", ".join([*children, *(["Temporal cluster, PostgreSQL"] if cluster else [])])
+                      + "[/]")
 
     interrupted = False
 
@@ -353,10 +402,27 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
         for s3_port in s3:
             start(f"s3-{s3_port}", object_store_command(s3_port))
         seed_loopback_stores(config, s3)
-        console.print(f"[dim]starting the Temporal server on {settings.address} (log: {logs / 'temporal.log'})...[/]")
-        start("temporal", server_command(settings, port, ui_port, http_port))
+        if temporal == "cluster":
+            from cli.temporal_cluster import ClusterFailed
+
+            cluster = start_cluster(settings, port, http_port)
+            console.print(f"[dim]starting a real Temporal cluster on {settings.address}: PostgreSQL, the schema, "
+                          f"frontend, history, matching and worker (logs: {cluster.root})...[/]")
+            try:
+                cluster.start()
+            except ClusterFailed as error:
+                console.print("[red]error:[/]", end=" ")
+                console.print(str(error), markup=False, highlight=False)
+                cluster = None  # start() stopped what it had started
+                return 1
+            server, server_log = cluster.processes["frontend"], cluster.root / "frontend.log"
+        else:
+            console.print(f"[dim]starting the Temporal server on {settings.address} "
+                          f"(log: {logs / 'temporal.log'})...[/]")
+            start("temporal", server_command(settings, port, ui_port, http_port))
+            server, server_log = children["temporal"], logs / "temporal.log"
         try:
-            asyncio.run(_wait_for_server(settings, children["temporal"], logs / "temporal.log"))
+            asyncio.run(_wait_for_server(settings, server, server_log))
         except ServerDidNotStart as error:
             console.print("[red]error:[/]", end=" ")
             console.print(str(error), markup=False, highlight=False)
@@ -376,8 +442,12 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
                               "--metrics-port", str(metrics["node-agents"])])
         front_door = front_door_line(start, port_in_use)
         console.print(f"[bold green]gpufleet dev is up[/]  (state in {settings.state_dir}, logs in {logs})")
-        console.print(f"  Temporal UI      http://127.0.0.1:{ui_port}")
-        console.print(f"  Temporal server  {settings.address}")
+        if cluster is not None:
+            for line in cluster_lines(cluster):
+                console.print(line, markup=False, highlight=False)
+        else:
+            console.print(f"  Temporal UI      http://127.0.0.1:{ui_port}")
+            console.print(f"  Temporal server  {settings.address}")
         console.print(f"  node gateway     127.0.0.1:{gateway_port}  (mutual TLS; CA {gateway_env['GPUFLEET_GATEWAY_CA']}; "
                       "every node agent through it, one key and certificate each)")
         for s3_port in s3:
@@ -393,14 +463,21 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
         console.print("    gpufleet nodes")
         console.print("    gpufleet sim capacity nebius-eu-north 0")
         console.print("    gpufleet sim pods add llm --gpus 2; gpufleet demand   # the demand loop buys for it")
-        console.print("  Ctrl-C stops everything; running `gpufleet dev` again resumes open workflows.")
+        console.print("  Ctrl-C stops everything; running `gpufleet dev` again resumes open workflows"
+                      + (" (not with --temporal cluster: its database goes with it)." if cluster else "."))
+        # Every process the stack runs, with its log: the cluster's services and PostgreSQL too.
+        watched = {name: (proc, logs / f"{name}.log") for name, proc in children.items()}
+        if cluster is not None:
+            watched |= {f"temporal-server {name}": (proc, cluster.root / f"{name}.log")
+                        for name, proc in cluster.processes.items()}
+            watched["postgres"] = (cluster.postgres.process, cluster.postgres.root / "postgres.log")
         while not interrupted:
-            for name, proc in children.items():
+            for name, (proc, log) in watched.items():
                 if proc.poll() is not None:
-                    console.print(f"[red]{name} exited with {proc.returncode}; see {logs / (name + '.log')}[/]")
+                    console.print(f"[red]{name} exited with {proc.returncode}; see {log}[/]")
                     interrupted = True
                     break
             time.sleep(0.5)
-        return 0 if all(p.poll() is None for p in children.values()) else 1
+        return 0 if all(proc.poll() is None for proc, _ in watched.values()) else 1
     finally:
         stop_all()

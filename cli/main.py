@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import enum
 import sys
 import uuid
 from pathlib import Path
@@ -75,6 +76,13 @@ def node_gateway(ctx: typer.Context) -> None:
 
 
 # -- dev stack -------------------------------------------------------------------------------
+class DevTemporal(str, enum.Enum):
+    """``gpufleet dev --temporal``: the Temporal the dev stack runs."""
+
+    dev_server = "dev-server"
+    cluster = "cluster"
+
+
 @app.command()
 def dev(
     state_dir: StateDir = Path(".gpufleet"),
@@ -83,6 +91,11 @@ def dev(
     ui_port: Annotated[int, typer.Option(help="Temporal UI port")] = 8233,
     http_port: Annotated[Optional[int], typer.Option(
         help="Temporal HTTP API port, plain JSON (default: --port + 10, i.e. 7243)")] = None,
+    temporal: Annotated[DevTemporal, typer.Option(
+        help="Which Temporal the stack runs: `dev-server` (one process, SQLite, with its UI; kept across "
+             "restarts) or `cluster` (PostgreSQL + frontend, history, matching and worker services with "
+             "deploy/temporal's shards, namespace and dynamic config; thrown away on Ctrl-C)",
+        case_sensitive=False)] = DevTemporal.dev_server,
 ) -> None:
     """Run the dev stack: Temporal dev server + UI, control-plane worker, simulated fleet."""
     from cli.dev import run_dev
@@ -92,7 +105,7 @@ def dev(
     except ConfigError as error:
         report_config(error)
     raise typer.Exit(run_dev(settings(state_dir=state_dir, config=config), port=port, ui_port=ui_port,
-                               http_port=port + 10 if http_port is None else http_port))
+                               http_port=port + 10 if http_port is None else http_port, temporal=temporal.value))
 
 
 # -- config ----------------------------------------------------------------------------------

@@ -1,0 +1,474 @@
+"""A real Temporal cluster on loopback, set up from what deploy/temporal/values.yaml names:
+the server ``gpufleet dev --temporal cluster`` runs, and tests/realtemporal's fixture.
+
+What runs, each its own process:
+
+* **PostgreSQL** from Debian (``postgresql-15``): a throwaway cluster (``initdb`` into a fresh
+  folder, password auth on 127.0.0.1 only). ``initdb`` and ``postgres`` refuse to run as root,
+  so as root they run as the package's ``postgres`` user. Durability is off (``fsync``,
+  ``synchronous_commit``, ``full_page_writes``): the data lives until the cluster stops.
+* **The schema**, as the chart's schema job applies it: ``temporal-sql-tool create-database``,
+  ``setup-schema -v 0.0``, ``update-schema --schema-dir .../versioned`` for both stores.
+* **frontend, history, matching and worker**: ``temporal-server start --service X``, one process
+  each, as the chart runs one Deployment each; they find each other through the database's
+  membership table (ringpop on 127.0.0.1).
+
+From values.yaml, unchanged: ``numHistoryShards``, both datastores (plugin, database names, pool
+sizes; the address and password are this machine's), ``server.dynamicConfig`` (which is
+deploy/temporal/dynamic-config.yaml; the file itself is what the services read), and the
+namespaces with their retention, created as the chart's namespace job creates them.
+
+The binaries are built by ``python3 tests/realtemporal/build.py`` (from the Go module proxy);
+this module only finds them where that script puts them (``cache_dir`` below).
+
+``python -m cli.temporal_cluster`` runs one until Ctrl-C and prints its address and
+process ids (``bench.scale --address ... --server-pids ...`` measures against it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import pwd
+import re
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+#: Where tests/realtemporal/build.py puts what it builds (stdlib-only, run before any venv
+#: exists, so it cannot import this; tests/realtemporal/test_dev_cluster.py checks the two agree).
+TEMPORAL_VERSION = "v1.32.1"
+BUILD_COMMAND = "python3 tests/realtemporal/build.py"
+BUILT_BINARIES = ("temporal-server", "temporal-sql-tool")
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy" / "temporal"
+VALUES = DEPLOY / "values.yaml"
+DYNAMIC_CONFIG = DEPLOY / "dynamic-config.yaml"
+SERVICES = ("history", "matching", "frontend", "worker")
+#: Keys of a datastore that only the chart reads (its Secret and schema job); it strips them
+#: before rendering the server's config, and so does this.
+CHART_ONLY_KEYS = ("existingSecret", "secretKey", "createDatabase", "manageSchema")
+#: Where the chart's schema job finds each store's versioned schema (plugin postgres12).
+SCHEMA_BY_STORE = {"default": "temporal", "visibility": "visibility"}
+START_SECONDS = 180
+
+
+class ClusterFailed(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("GPUFLEET_REALTEMPORAL_CACHE") or str(Path.home() / ".cache" / "gpufleet" / "realtemporal")
+    return Path(root) / TEMPORAL_VERSION
+
+
+def bin_dir() -> Path:
+    return cache_dir() / "bin"
+
+
+def schema_dir() -> Path:
+    """``temporal/`` and ``visibility/`` for PostgreSQL, each with its ``versioned/`` steps."""
+    return cache_dir() / "schema" / "postgresql"
+
+
+def built() -> bool:
+    stamp = cache_dir() / "built"
+    return (stamp.exists() and stamp.read_text() == TEMPORAL_VERSION
+            and all((bin_dir() / name).exists() for name in BUILT_BINARIES)
+            and (schema_dir() / "temporal" / "versioned").is_dir())
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 below the ephemeral range (32768-60999), which an outgoing
+    connection could otherwise take between "free" and the service's own bind."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 32600)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError("no free port in 20000-32600")
+
+
+def values() -> dict[str, Any]:
+    return yaml.safe_load(VALUES.read_text())
+
+
+def history_shards() -> int:
+    return values()["server"]["config"]["persistence"]["numHistoryShards"]
+
+
+def postgres_bin() -> Path | None:
+    """The newest installed PostgreSQL server's bin folder (Debian: /usr/lib/postgresql/<v>/bin)."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"), key=lambda p: int(p.parent.parent.name)
+                   if p.parent.parent.name.isdigit() else 0)
+    return found[-1].parent if found else None
+
+
+def postgres_user() -> str | None:
+    """Who runs PostgreSQL: this user, or ``postgres`` when this is root (initdb refuses root)."""
+    if os.geteuid() != 0:
+        return None
+    try:
+        pwd.getpwnam("postgres")
+    except KeyError:
+        raise ClusterFailed("running as root needs the `postgres` user (apt-get install postgresql creates it)")
+    return "postgres"
+
+
+def missing_reason() -> str | None:
+    """None when the tier can run; else one line saying what is missing."""
+    if postgres_bin() is None:
+        return "a real Temporal cluster needs PostgreSQL's server: apt-get install postgresql"
+    if not built():
+        if shutil.which("go") is None:
+            return (f"the Temporal server {TEMPORAL_VERSION} is not built, and building it needs Go (`go` on PATH): "
+                    f"install Go, then run `{BUILD_COMMAND}`")
+        return f"the Temporal server {TEMPORAL_VERSION} is not built: run `{BUILD_COMMAND}`"
+    return None
+
+
+@dataclass
+class Postgres:
+    """A throwaway PostgreSQL on 127.0.0.1, owned by ``postgres`` when run as root."""
+
+    port: int = field(default_factory=free_port)
+    user: str = "temporal"
+    password: str = field(default_factory=lambda: secrets.token_hex(12))
+    root: Path | None = None
+    process: subprocess.Popen | None = None
+
+    def _run_as(self) -> dict[str, Any]:
+        who = postgres_user()
+        return {"user": who, "group": pwd.getpwnam(who).pw_gid} if who else {}
+
+    def start(self) -> "Postgres":
+        bindir = postgres_bin()
+        if bindir is None:
+            raise ClusterFailed(missing_reason())
+        # Not under pytest's tmp folders: they are 0700 root's, and the postgres user must reach this.
+        self.root = Path(tempfile.mkdtemp(prefix="gpufleet-postgres-"))
+        as_user = self._run_as()
+        if as_user:
+            os.chown(self.root, pwd.getpwnam(as_user["user"]).pw_uid, as_user["group"])
+        password_file = self.root / "password"
+        password_file.write_text(self.password)
+        if as_user:
+            os.chown(password_file, pwd.getpwnam(as_user["user"]).pw_uid, as_user["group"])
+        data = self.root / "data"
+        done = subprocess.run([str(bindir / "initdb"), "-D", str(data), "-U", self.user, f"--pwfile={password_file}",
+                               "--auth=scram-sha-256", "--no-locale", "-E", "UTF8", "--no-sync"],
+                              capture_output=True, text=True, **as_user)
+        if done.returncode != 0:
+            raise ClusterFailed(f"initdb failed: {done.stderr[-2000:]}")
+        password_file.unlink()
+        with open(self.root / "postgres.log", "w") as log:  # the child keeps its own copy
+            self.process = subprocess.Popen(
+                [str(bindir / "postgres"), "-D", str(data), "-p", str(self.port), "-c", "listen_addresses=127.0.0.1",
+                 "-c", f"unix_socket_directories={self.root}", "-c", "max_connections=300",
+                 "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **as_user)
+        deadline = time.monotonic() + 60
+        while subprocess.run([str(bindir / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)]).returncode:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise ClusterFailed(f"PostgreSQL did not start: {(self.root / 'postgres.log').read_text()[-2000:]}")
+            time.sleep(0.2)
+        return self
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.send_signal(signal.SIGINT)  # a fast shutdown
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        if self.root:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+def datastores(pg: Postgres) -> dict[str, Any]:
+    """values.yaml's persistence block as the server reads it: chart-only keys stripped, as the
+    chart strips them, and this machine's PostgreSQL address and password."""
+    persistence = copy.deepcopy(values()["server"]["config"]["persistence"])
+    for store in persistence["datastores"].values():
+        sql = store["sql"]
+        for key in CHART_ONLY_KEYS:
+            sql.pop(key, None)
+        sql.update(connectAddr=f"127.0.0.1:{pg.port}", user=pg.user, password=pg.password)
+    return persistence
+
+
+@dataclass
+class RealTemporal:
+    """The cluster: PostgreSQL, the schema, four services, the namespaces and search attributes."""
+
+    root: Path
+    #: Extra dynamic config appended to deploy/temporal/dynamic-config.yaml (tests only: keys
+    #: the file does not have, constrained to a namespace of their own; see test_config.py).
+    extra_dynamic_config: str = ""
+    extra_namespaces: tuple[str, ...] = ()
+    #: The frontend's gRPC and HTTP ports (``gpufleet dev --port/--http-port``); free ones when unset.
+    frontend_port: int | None = None
+    frontend_http_port: int | None = None
+    postgres: Postgres = field(default_factory=Postgres)
+    ports: dict[str, int] = field(default_factory=dict)
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+    started_seconds: float = 0.0
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.ports['frontend']}"
+
+    @property
+    def namespaces(self) -> list[tuple[str, timedelta]]:
+        """values.yaml's namespaces (with their retention), then the extra ones (1 day)."""
+        listed = [(n["name"], parse_retention(n["retention"]))
+                  for n in values()["server"]["config"]["namespaces"]["namespace"]]
+        return listed + [(name, timedelta(days=1)) for name in self.extra_namespaces]
+
+    @property
+    def dynamic_config_path(self) -> Path:
+        return self.root / "dynamic-config.yaml"
+
+    def pids(self) -> dict[str, int]:
+        """Every process of the cluster (PostgreSQL's postmaster; its backends are its children)."""
+        return {**{name: p.pid for name, p in self.processes.items()}, "postgres": self.postgres.process.pid}
+
+    def server_config(self, service: str) -> dict[str, Any]:
+        rpc = {name: {"rpc": {"grpcPort": self.ports[name], "membershipPort": self.ports[f"{name}-membership"],
+                              "bindOnLocalHost": True}} for name in SERVICES}
+        rpc["frontend"]["rpc"]["httpPort"] = self.ports["frontend-http"]
+        return {
+            "log": {"stdout": True, "level": "warn"},
+            "persistence": datastores(self.postgres),
+            "global": {
+                "membership": {"maxJoinDuration": "30s", "broadcastAddress": "127.0.0.1"},
+                # Each process its own metrics port (they are separate processes, as in the chart).
+                "metrics": {"prometheus": {"framework": "tally", "timerType": "histogram",
+                                           "listenAddress": f"127.0.0.1:{self.ports[f'{service}-metrics']}"}},
+            },
+            "services": rpc,
+            "clusterMetadata": {
+                "enableGlobalNamespace": False, "failoverVersionIncrement": 10,
+                "masterClusterName": "active", "currentClusterName": "active",
+                "clusterInformation": {"active": {"enabled": True, "initialFailoverVersion": 1,
+                                                  "rpcName": "frontend", "rpcAddress": self.address}},
+            },
+            "dcRedirectionPolicy": {"policy": "noop"},
+            "dynamicConfigClient": {"filepath": str(self.dynamic_config_path), "pollInterval": "10s"},
+        }
+
+    def start(self) -> "RealTemporal":
+        started = time.monotonic()
+        reason = missing_reason()
+        if reason:
+            raise ClusterFailed(reason)
+        self.root.mkdir(parents=True, exist_ok=True)
+        for name in SERVICES:
+            for suffix in ("", "-membership", "-metrics"):
+                self.ports[f"{name}{suffix}"] = free_port()
+        self.ports["frontend-http"] = free_port()
+        if self.frontend_port is not None:
+            self.ports["frontend"] = self.frontend_port
+        if self.frontend_http_port is not None:
+            self.ports["frontend-http"] = self.frontend_http_port
+        text = DYNAMIC_CONFIG.read_text()
+        self.dynamic_config_path.write_text(text + ("\n" + self.extra_dynamic_config if self.extra_dynamic_config
+                                                    else ""))
+        try:
+            self.postgres.start()
+            self.setup_schema()
+            self.start_services(*SERVICES[:-1])
+            asyncio.run(self.until_frontend_answers())
+            # The worker service (Temporal's own system workflows) gives up if the frontend does
+            # not answer within seconds of its start: it starts once the frontend does.
+            self.start_services("worker")
+            asyncio.run(self.create_namespaces())
+        except BaseException:
+            self.stop()
+            raise
+        self.started_seconds = time.monotonic() - started
+        return self
+
+    def sql_tool(self, store: str, *args: str) -> None:
+        sql = datastores(self.postgres)["datastores"][store]["sql"]
+        env = {**os.environ, "SQL_PLUGIN": sql["pluginName"], "SQL_HOST": "127.0.0.1",
+               "SQL_PORT": str(self.postgres.port), "SQL_DATABASE": sql["databaseName"],
+               "SQL_USER": sql["user"], "SQL_PASSWORD": sql["password"]}
+        done = subprocess.run([str(bin_dir() / "temporal-sql-tool"), *args], env=env,
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            raise ClusterFailed(f"temporal-sql-tool {' '.join(args)} ({store}) failed: {done.stderr[-2000:]}")
+
+    def setup_schema(self) -> None:
+        """The chart's schema job, store by store."""
+        for store, schema in SCHEMA_BY_STORE.items():
+            self.sql_tool(store, "create-database")
+            self.sql_tool(store, "setup-schema", "-v", "0.0")
+            self.sql_tool(store, "update-schema", "--schema-dir", str(schema_dir() / schema / "versioned"))
+
+    def start_services(self, *services: str) -> None:
+        for service in services:
+            config = self.root / f"{service}.yaml"
+            config.write_text(yaml.safe_dump(self.server_config(service), sort_keys=False))
+            with open(self.root / f"{service}.log", "w") as log:  # the child keeps its own copy
+                self.processes[service] = subprocess.Popen(
+                    [str(bin_dir() / "temporal-server"), "--config-file", str(config), "--allow-no-auth",
+                     "start", "--service", service],
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            # One at a time: the first to start writes the cluster's metadata row, and two that
+            # start together race for it (the loser exits "failed to initialize current cluster
+            # metadata"). A service listens once it has done so.
+            self.until_listening(service)
+
+    def until_listening(self, service: str) -> None:
+        deadline = time.monotonic() + START_SECONDS
+        while True:
+            self.check_running()
+            with socket.socket() as probe:
+                probe.settimeout(1)
+                if probe.connect_ex(("127.0.0.1", self.ports[service])) == 0:
+                    return
+            if time.monotonic() > deadline:
+                raise ClusterFailed(f"temporal-server {service} did not listen within {START_SECONDS} s:\n"
+                                    f"{self.log_tail()}")
+            time.sleep(0.2)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        parts = []
+        for service in SERVICES:
+            path = self.root / f"{service}.log"
+            if path.exists():
+                parts.append(f"--- {service}.log\n{path.read_text()[-chars:]}")
+        return "\n".join(parts)
+
+    def check_running(self) -> None:
+        for service, process in self.processes.items():
+            if process.poll() is not None:
+                raise ClusterFailed(f"temporal-server {service} exited ({process.returncode}):\n{self.log_tail()}")
+
+    async def connect(self, namespace: str | None = None, address: str | None = None):
+        from temporalio.client import Client
+        from temporalio.contrib.pydantic import pydantic_data_converter
+
+        return await Client.connect(address or self.address, namespace=namespace or self.namespaces[0][0],
+                                    data_converter=pydantic_data_converter)
+
+    async def until_frontend_answers(self) -> None:
+        """Once history and matching have joined the ring, the frontend serves."""
+        from temporalio.api.workflowservice.v1 import DescribeNamespaceRequest
+        from temporalio.service import RPCError
+
+        deadline = time.monotonic() + START_SECONDS
+        while True:
+            self.check_running()
+            try:
+                client = await self.connect(namespace="temporal-system")
+                await client.workflow_service.describe_namespace(DescribeNamespaceRequest(namespace="temporal-system"))
+                return
+            except (RPCError, RuntimeError) as error:
+                if time.monotonic() > deadline:
+                    raise ClusterFailed(f"the frontend did not answer within {START_SECONDS} s ({error}):\n"
+                                        f"{self.log_tail()}") from error
+                await asyncio.sleep(0.5)
+
+    async def create_namespaces(self) -> None:
+        """Each namespace with its retention (as the chart's namespace job: create if missing),
+        then gpufleet's search attributes on each (``gpufleet search-attributes`` does the same)."""
+        from google.protobuf.duration_pb2 import Duration
+        from temporalio.api.workflowservice.v1 import RegisterNamespaceRequest
+        from temporalio.service import RPCError, RPCStatusCode
+
+        from fleet import search_attributes
+
+        deadline = time.monotonic() + START_SECONDS
+        client = await self.connect(namespace="temporal-system")
+        for name, retention in self.namespaces:
+            try:
+                period = Duration()
+                period.FromTimedelta(retention)
+                await client.workflow_service.register_namespace(
+                    RegisterNamespaceRequest(namespace=name, workflow_execution_retention_period=period))
+            except RPCError as error:
+                if error.status != RPCStatusCode.ALREADY_EXISTS:
+                    raise
+        for name, _ in self.namespaces:
+            while True:  # a new namespace reaches the frontend's registry on its next refresh
+                try:
+                    await search_attributes.ensure_registered(await self.connect(namespace=name))
+                    break
+                except RPCError as error:
+                    if error.status != RPCStatusCode.NOT_FOUND or time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.5)
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in self.processes.values():
+            try:
+                process.wait(20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.postgres.stop()
+
+
+def parse_retention(text: str) -> timedelta:
+    """The chart's retention format (``14d``, ``72h``, as `temporal operator namespace create --retention`)."""
+    match = re.fullmatch(r"(\d+)([dhm])", str(text))
+    if not match:
+        raise ValueError(f"retention: {text!r} is not like 14d or 72h")
+    amount, unit = int(match.group(1)), match.group(2)
+    return {"d": timedelta(days=amount), "h": timedelta(hours=amount), "m": timedelta(minutes=amount)}[unit]
+
+
+def main() -> int:
+    """Run a cluster until Ctrl-C (for ``bench.scale --address``)."""
+    root = Path(tempfile.mkdtemp(prefix="gpufleet-realtemporal-"))
+    cluster = RealTemporal(root)
+    try:
+        cluster.start()
+    except ClusterFailed as error:
+        print(error, file=sys.stderr)
+        return 1
+    pids = cluster.pids()
+    print(f"Temporal {TEMPORAL_VERSION} on {cluster.address}, namespace {cluster.namespaces[0][0]}, "
+          f"{history_shards()} history shards, started in {cluster.started_seconds:.0f} s (logs: {root})", flush=True)
+    print(f"  --address {cluster.address} --server-pids {','.join(str(p) for p in pids.values())}", flush=True)
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    try:
+        while not stop:
+            time.sleep(0.5)
+            cluster.check_running()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
