@@ -82,10 +82,14 @@ SMOKE: dict[str, Smoke] = {
         rf"fault report -> contained\s+{NUMBER} ms",
         rf"ratio contained / signal->activity \(p50\): {NUMBER}",
     )),
-    "bench.gateway": Smoke(("--samples", "20", "--faults", "2", "--nodes", "2", "--idle", "10"), (
-        rf"ratio gateway / direct \(p50\), worst run: {NUMBER}",
+    "bench.gateway": Smoke(("--samples", "20", "--idle", "10", "--window", "5", "--faults", "2", "--nodes", "2"), (
+        rf"gateway adds per hop \(half the round trip's difference\), worst run: p50 -?{NUMBER} ms, "
+        rf"p99 -?{NUMBER} ms \(target p50 <= 1 ms: (met|NOT met)\)",
+        rf"steady mix: 10 idle nodes through the gateway .* 5 s window",
+        rf"gateway CPU: {NUMBER} s in 5 s = {NUMBER} core at 10 nodes; per 1,000 nodes: {NUMBER} core "
+        rf"\(target <= 0.15: (met|NOT met)\)",
         rf"fault reported -> contained, 2 faults on 2 nodes behind the gateway",
-        rf"gateway resident memory with 10 polls held: {NUMBER} MB",
+        rf"gateway resident memory with 10 idle nodes held: {NUMBER} MB",
     ), seconds=180),
 }
 

@@ -6,8 +6,17 @@ ConfigMap as ``gpufleet cluster node-config`` printed it and kubectl applied it)
 var resolved as the kubelet resolves it (a value, ``fieldRef: spec.nodeName``, a
 ``configMapKeyRef``), each volume a folder holding what the kubelet would mount there: the
 ConfigMap's keys and the real kubelet's own ``/var/lib/kubelet/pki`` of a machine that joined
-from its user data. The gateway trusts the cluster's CA and asks the real API server (as its
-service account) whether the node is bound to that key, as its Deployment does.
+from its user data.
+
+The gateway is its own Deployment's process too (``tests/realk8s/pod.py``): the Pod the real
+ReplicaSet controller made from ``deploy/kubernetes/node-gateway.yaml``, its command and env,
+its Secrets and ConfigMap (created as an operator creates them, read back from the API server)
+bind-mounted at their mountPaths in a mount namespace of its own, and a real bound
+service-account token at ``/var/run/secrets/kubernetes.io/serviceaccount``, from which the
+Kubernetes client's in-cluster loader asks the real API server, as the gateway's service
+account, whether the node is bound to that key. Its Temporal frontend
+(``temporal-frontend.temporal.svc:7233``, mutual TLS from ``gpufleet-temporal-client``) is a
+TLS-terminating proxy in front of the dev server (``tests/test_temporal_manifests.py``).
 """
 
 from __future__ import annotations
@@ -27,10 +36,13 @@ from temporalio.common import RetryPolicy
 from temporalio.worker import Worker
 
 from fleet.messages.repair import NodeWatchInput, NodeWatchResult
-from fleet.settings import Settings, node_queue
-from providers.cluster.kubernetes import KubernetesCluster
+from fleet.settings import node_queue
+from tests.realk8s.cluster import RealCluster
+from tests.realk8s.pod import created_pod, run_pod
 from tests.realk8s.test_join import RealJoining, one  # noqa: F401
-from workers.node_gateway import Pki, node_liveness, start_gateway
+from tests.test_temporal_manifests import frontend_pki
+from tests.test_temporal_tls import start_tls_proxy
+from workers.node_gateway import Pki
 
 REPO = Path(__file__).resolve().parents[2]
 DAEMONSET = "/apis/apps/v1/namespaces/gpufleet/daemonsets/gpufleet-node-agent"
@@ -184,6 +196,24 @@ def as_the_kubelet_starts_it(daemonset: dict, configmap: dict, node_name: str, k
     return command, env
 
 
+def create_gateway_objects(cluster: RealCluster, tmp: Path, gateway_pki: Pki, temporal_secret: Path) -> None:
+    """What node-gateway.yaml says an operator creates: its server certificate, the cluster CA,
+    the control plane's Temporal client certificate, and the fleet config (real mode)."""
+    cert, key = gateway_pki.server_cert()
+    (tmp / "gateway.crt").write_bytes(cert)
+    (tmp / "gateway.key").write_bytes(key)
+    (tmp / "cluster-ca.crt").write_bytes(cluster.ca_pem)
+    (tmp / "fleet.yaml").write_text(yaml.safe_dump({"mode": "real", "accounts": [], "sites": []}))
+    for kind in (["secret", "tls", "gpufleet-node-gateway-tls", f"--cert={tmp / 'gateway.crt'}",
+                  f"--key={tmp / 'gateway.key'}"],
+                 ["secret", "generic", "gpufleet-cluster-ca", f"--from-file=ca.crt={tmp / 'cluster-ca.crt'}"],
+                 ["secret", "generic", "gpufleet-temporal-client",
+                  *(f"--from-file={name}={temporal_secret / name}" for name in ("tls.crt", "tls.key", "ca.crt"))],
+                 ["configmap", "gpufleet-config", f"--from-file=sites.yaml={tmp / 'fleet.yaml'}"]):
+        made = cluster.kubectl("-n", "gpufleet", "create", *kind, "--dry-run=client", "-o", "yaml")
+        cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=made.stdout)
+
+
 async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watch_through_the_gateway(
         one: RealJoining, temporal_env, tmp_path) -> None:
     # The join's activities run their own event loops (tests.providers.test_join_real.run).
@@ -192,26 +222,34 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
     node = await asyncio.to_thread(one.await_registration, provisioned)
 
     client = temporal_env.client
-    token = one.real.service_account_token("gpufleet", "gpufleet-node-gateway")
-    as_gateway = KubernetesCluster(api_client=one.real.api_client(token), namespace="gpufleet")
     gateway_pki = Pki.create("gpufleet test gateway CA")
-    cert, key = gateway_pki.server_cert()
-    settings = Settings(address=client.service_client.config.target_host, namespace=client.namespace)
-    gateway = await start_gateway(settings, cert, key, one.real.ca_pem, live=node_liveness(client, as_gateway))
+    gateway_pod = created_pod(one.real, "gpufleet", "gpufleet-node-gateway")
+    (container,) = gateway_pod["spec"]["containers"]
+    manifest_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    temporal_pki, temporal_secret = frontend_pki(tmp_path, manifest_env["TEMPORAL_TLS_SERVER_NAME"])
+    frontend, frontend_port = await start_tls_proxy(temporal_pki, client.service_client.config.target_host)
+    create_gateway_objects(one.real, tmp_path, gateway_pki, temporal_secret)
+    frontend_host, _, port = manifest_env["TEMPORAL_ADDRESS"].rpartition(":")
+    gateway = await asyncio.to_thread(
+        run_pod, one.real, gateway_pod, tmp_path / "gateway-pod",
+        {f"{frontend_host}:{port}": ("127.0.0.1", frontend_port)})
+    (nodes_port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "nodes"]
 
-    one.real.kubectl("apply", "--server-side", "-f", "-",
-                     input=rendered_node_config(tmp_path, gateway.address, gateway_pki.ca_pem))
-    status, daemonset = one.real.request("GET", DAEMONSET, admin=True)
-    assert status == 200, daemonset
-    status, configmap = one.real.request("GET", CONFIGMAP, admin=True)
-    assert status == 200, configmap
-    command, env = as_the_kubelet_starts_it(daemonset, configmap, node.name,
-                                            machine.client_pem.parent, tmp_path / "pod")
-    log = tmp_path / "node-agent.log"
-    agent = subprocess.Popen(command, env=env, cwd=tmp_path / "pod", stdout=log.open("wb"),
-                             stderr=subprocess.STDOUT, start_new_session=True)
-    queue = f"health-watch-{uuid.uuid4().hex[:6]}"
+    agent = None
     try:
+        await asyncio.to_thread(gateway.wait_ready, 90)
+        one.real.kubectl("apply", "--server-side", "-f", "-",
+                         input=rendered_node_config(tmp_path, gateway.ports[nodes_port], gateway_pki.ca_pem))
+        status, daemonset = one.real.request("GET", DAEMONSET, admin=True)
+        assert status == 200, daemonset
+        status, configmap = one.real.request("GET", CONFIGMAP, admin=True)
+        assert status == 200, configmap
+        command, env = as_the_kubelet_starts_it(daemonset, configmap, node.name,
+                                                machine.client_pem.parent, tmp_path / "pod")
+        log = tmp_path / "node-agent.log"
+        agent = subprocess.Popen(command, env=env, cwd=tmp_path / "pod", stdout=log.open("wb"),
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        queue = f"health-watch-{uuid.uuid4().hex[:6]}"
         async with Worker(client, task_queue=queue, workflows=[OneHealthWatch]):
             # The entity's id: the gateway admits a node whose Node entity runs.
             handle = await client.start_workflow(OneHealthWatch.run, node.name, id=f"node/{node.name}",
@@ -219,12 +257,17 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
             try:
                 result = await asyncio.wait_for(handle.result(), 120)
             except asyncio.TimeoutError:
-                raise AssertionError(f"no health watch within 120 s:\n{log.read_text()[-4000:]}") from None
+                raise AssertionError(f"no health watch within 120 s:\n{log.read_text()[-4000:]}\n"
+                                     f"gateway:\n{gateway.log_tail()}") from None
         assert result.node_name == node.name
         assert len(result.gpus) == 2 and result.digest, result
         assert agent.poll() is None, log.read_text()[-3000:]
+        assert gateway.process.poll() is None, gateway.log_tail()
     finally:
-        agent.terminate()
-        await asyncio.to_thread(agent.wait, 30)
-        await gateway.stop()
-        as_gateway.api_client.close()
+        if agent is not None:
+            agent.terminate()
+            await asyncio.to_thread(agent.wait, 30)
+        # As the kubelet stops it; the frontend's proxy runs on this loop, so wait off it.
+        stopped = await asyncio.to_thread(gateway.stop)
+        frontend.close()
+    assert stopped == 0, gateway.log_tail()

@@ -1,0 +1,309 @@
+"""A pod of the real tier: a Pod object the real API server made from a shipped Deployment, run
+as a process the way the kubelet would run its one container, minus the image.
+
+What is read back from the API server, never re-typed: the Pod (the Deployment's template as
+the ReplicaSet controller created it, with the ``kube-api-access-*`` projected volume the
+ServiceAccount admission plugin adds), the Secrets and ConfigMaps its volumes and ``env`` name,
+the ``kubernetes`` Service's ClusterIP and port.  The service-account token is a real bound
+token for the Pod (TokenRequest with ``boundObjectRef``, as the kubelet asks for it).
+
+How it runs (needs root, as ``machine.py``):
+
+* ``unshare --net``: a network namespace of its own, with ``lo`` carrying the ``kubernetes``
+  Service's ClusterIP.  A forwarder (``nsforward.py``) there listens on that address and on the
+  Temporal frontend's port and pipes them, through Unix sockets, to the host's API server and
+  frontend; the container's own port is served back to a loopback port of the host.
+* ``unshare --mount``: a mount namespace in which ``/etc`` and ``/run`` get an overlay (so the
+  mount points can be made without touching the host), each volume is a folder bind-mounted on
+  its ``mountPath`` (the service account's at ``/var/run/secrets/kubernetes.io/serviceaccount``,
+  where the client's in-cluster loader reads it), cluster DNS is an ``/etc/hosts`` entry
+  (nothing here resolves ``*.svc``), and the root is then remounted read-only when the container
+  asks for ``readOnlyRootFilesystem``.
+* ``setpriv``: the pod's ``runAsUser``/``runAsGroup``/``fsGroup``, all capabilities dropped.
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import quote
+
+from tests.realk8s.cluster import ClusterFailed, RealCluster
+from tests.realk8s.nsforward import TcpToUnix
+from tests.realk8s.relay import UnixRelay
+
+REPO = Path(__file__).resolve().parents[2]
+SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def _get(cluster: RealCluster, path: str) -> dict:
+    status, answer = cluster.request("GET", path, admin=True)
+    if status != 200:
+        raise ClusterFailed(f"GET {path}: {status} {answer}")
+    return answer
+
+
+def created_pod(cluster: RealCluster, namespace: str, app: str, seconds: float = 60) -> dict:
+    """A Pod the Deployment's ReplicaSet created (Pending or not: no kubelet runs it here)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        listed = _get(cluster, f"/api/v1/namespaces/{namespace}/pods?labelSelector="
+                               + quote(f"app.kubernetes.io/name={app}"))
+        if listed["items"]:
+            return listed["items"][0]
+        if time.monotonic() > deadline:
+            raise ClusterFailed(f"no pod of {app} in {seconds:.0f} s")
+        time.sleep(0.3)
+
+
+def _secret(cluster: RealCluster, namespace: str, name: str) -> dict[str, bytes]:
+    data = _get(cluster, f"/api/v1/namespaces/{namespace}/secrets/{name}").get("data") or {}
+    return {key: base64.b64decode(value) for key, value in data.items()}
+
+
+def _config_map(cluster: RealCluster, namespace: str, name: str) -> dict[str, bytes]:
+    answer = _get(cluster, f"/api/v1/namespaces/{namespace}/configmaps/{name}")
+    return {key: value.encode() for key, value in (answer.get("data") or {}).items()}
+
+
+def _field(pod: dict, path: str) -> str:
+    values = {"metadata.name": pod["metadata"]["name"], "metadata.namespace": pod["metadata"]["namespace"],
+              "metadata.uid": pod["metadata"]["uid"], "spec.nodeName": pod["spec"].get("nodeName", ""),
+              "spec.serviceAccountName": pod["spec"].get("serviceAccountName", "")}
+    return values[path]
+
+
+def bound_token(cluster: RealCluster, pod: dict, seconds: int) -> str:
+    """A service-account token bound to the Pod, as the kubelet requests it for the projected volume."""
+    namespace, account = pod["metadata"]["namespace"], pod["spec"]["serviceAccountName"]
+    status, answer = cluster.request(
+        "POST", f"/api/v1/namespaces/{namespace}/serviceaccounts/{account}/token",
+        {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+         "spec": {"expirationSeconds": seconds, "boundObjectRef": {
+             "apiVersion": "v1", "kind": "Pod", "name": pod["metadata"]["name"], "uid": pod["metadata"]["uid"]}}},
+        admin=True)
+    if status != 201:
+        raise ClusterFailed(f"token for {namespace}/{account}: {status} {answer}")
+    return answer["status"]["token"]
+
+
+def volume_files(cluster: RealCluster, pod: dict, volume: dict) -> dict[str, tuple[bytes, int]]:
+    """What the kubelet writes into ``volume``: file → (content, mode)."""
+    namespace = pod["metadata"]["namespace"]
+
+    def picked(data: dict[str, bytes], source: dict, mode: int) -> dict[str, tuple[bytes, int]]:
+        items = source.get("items") or [{"key": key, "path": key} for key in data]
+        return {item["path"]: (data[item["key"]], item.get("mode", mode)) for item in items}
+
+    if "secret" in volume:
+        source = volume["secret"]
+        return picked(_secret(cluster, namespace, source["secretName"]), source, source.get("defaultMode", 0o644))
+    if "configMap" in volume:
+        source = volume["configMap"]
+        return picked(_config_map(cluster, namespace, source["name"]), source, source.get("defaultMode", 0o644))
+    if "emptyDir" in volume:
+        return {}
+    if "projected" in volume:
+        mode = volume["projected"].get("defaultMode", 0o644)
+        files: dict[str, tuple[bytes, int]] = {}
+        for source in volume["projected"]["sources"]:
+            if "serviceAccountToken" in source:
+                token = source["serviceAccountToken"]
+                files[token["path"]] = (bound_token(cluster, pod, token.get("expirationSeconds", 3600)).encode(), mode)
+            elif "configMap" in source:
+                ref = source["configMap"]
+                files.update(picked(_config_map(cluster, namespace, ref["name"]), ref, mode))
+            elif "downwardAPI" in source:
+                for item in source["downwardAPI"]["items"]:
+                    files[item["path"]] = (_field(pod, item["fieldRef"]["fieldPath"]).encode(), item.get("mode", mode))
+            else:
+                raise ClusterFailed(f"projected source not handled here: {source}")
+        return files
+    raise ClusterFailed(f"volume kind not handled here: {volume}")
+
+
+def container_env(cluster: RealCluster, pod: dict, container: dict) -> dict[str, str]:
+    """The container's ``env``, each ``valueFrom`` resolved against the real API server."""
+    namespace = pod["metadata"]["namespace"]
+    env: dict[str, str] = {}
+    for variable in container.get("env") or []:
+        if "value" in variable:
+            value = variable["value"]
+        elif "fieldRef" in variable["valueFrom"]:
+            value = _field(pod, variable["valueFrom"]["fieldRef"]["fieldPath"])
+        elif "secretKeyRef" in variable["valueFrom"]:
+            ref = variable["valueFrom"]["secretKeyRef"]
+            value = _secret(cluster, namespace, ref["name"])[ref["key"]].decode()
+        else:
+            ref = variable["valueFrom"]["configMapKeyRef"]
+            value = _config_map(cluster, namespace, ref["name"])[ref["key"]].decode()
+        for name, earlier in env.items():  # $(VAR) of an earlier variable, as the kubelet expands it
+            value = value.replace(f"$({name})", earlier)
+        env[variable["name"]] = value
+    return env
+
+
+@dataclass
+class RunningPod:
+    process: subprocess.Popen
+    log: Path
+    #: containerPort → the host's loopback address that leads to it.
+    ports: dict[int, str]
+    relays: list = field(default_factory=list)
+    sockets: Path | None = None
+
+    #: The container's readinessProbe's port, when it is a ``tcpSocket`` probe.
+    probe_port: int | None = None
+
+    def wait_ready(self, seconds: float = 60) -> None:
+        """The readinessProbe, run inside the pod's network namespace (what the kubelet probes
+        before the pod's Service sends it anything): a TCP connection to ``tcpSocket``'s port."""
+        assert self.probe_port is not None, "no tcpSocket readinessProbe"
+        probe = f"import socket; socket.create_connection(('127.0.0.1', {self.probe_port}), timeout=2).close()"
+        deadline = time.monotonic() + seconds
+        while subprocess.run(["nsenter", f"--target={self.process.pid}", "--net", sys.executable, "-c", probe],
+                             capture_output=True, timeout=30).returncode != 0:
+            if self.process.poll() is not None:
+                raise ClusterFailed(f"the pod's container exited ({self.process.returncode}):\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise ClusterFailed(f"not ready in {seconds:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def stop(self) -> int | None:
+        """SIGTERM to the container's process group (the forwarder too), as the kubelet stops it."""
+        code = self.process.poll()
+        if code is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                code = self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)  # whatever is left of the group (the forwarder)
+        except ProcessLookupError:
+            pass
+        for relay in self.relays:
+            relay.close()
+        return code
+
+
+def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tuple[str, int]]) -> RunningPod:
+    """Start the pod's one container as a process (see the module's docstring).
+
+    ``upstreams``: ``host:port`` the container dials (the API server's Service is added here)
+    → where that really is on this host's loopback."""
+    spec = pod["spec"]
+    (container,) = spec["containers"]
+    security = {**(spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
+    root.mkdir(parents=True, exist_ok=True)
+    sockets = Path(tempfile.mkdtemp(prefix="gfp-"))  # a Unix socket's path is short
+    os.chmod(sockets, 0o755)
+
+    # The kubernetes Service, as the kubelet gives every pod KUBERNETES_SERVICE_HOST/PORT.
+    service = _get(cluster, "/api/v1/namespaces/default/services/kubernetes")["spec"]
+    api_host, api_port = service["clusterIP"], service["ports"][0]["port"]
+    upstreams = {f"{api_host}:{api_port}": ("127.0.0.1", cluster.api_port), **upstreams}
+
+    # Volumes: folders under root, bind-mounted on their mountPaths.
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    group = spec.get("securityContext", {}).get("fsGroup")
+    binds: list[tuple[Path, str, bool]] = []
+    for number, mount in enumerate(container["volumeMounts"]):
+        folder = root / "volumes" / f"{number}-{mount['name']}"
+        folder.mkdir(parents=True)
+        for name, (data, mode) in volume_files(cluster, pod, volumes[mount["name"]]).items():
+            path = folder / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+            path.chmod(mode)
+            if group is not None:
+                os.chown(path, 0, group)
+        if group is not None:  # the kubelet gives fsGroup the volume, group-writable for emptyDir
+            os.chown(folder, 0, group)
+            folder.chmod(0o2775 if "emptyDir" in volumes[mount["name"]] else 0o755)
+        binds.append((folder, mount["mountPath"], bool(mount.get("readOnly"))))
+
+    env = container_env(cluster, pod, container)
+    env.update(KUBERNETES_SERVICE_HOST=api_host, KUBERNETES_SERVICE_PORT=str(api_port),
+               KUBERNETES_SERVICE_PORT_HTTPS=str(api_port),
+               # The image's: its PATH, and the package where its WORKDIR would hold it.
+               PATH=os.environ["PATH"], PYTHONPATH=str(REPO), HOME="/")
+    command = [part for part in container["command"]]
+    for name, value in env.items():
+        command = [part.replace(f"$({name})", value) for part in command]
+    if command[0] == "python":
+        command[0] = sys.executable
+
+    # Network: the Service's ClusterIP on lo; names the manifest dials, in /etc/hosts.
+    hosts = ["127.0.0.1 localhost"]
+    network = ["ip link set lo up"]
+    forward = [sys.executable, "-m", "tests.realk8s.nsforward"]
+    relays: list = []
+    for number, (dialled, target) in enumerate(upstreams.items()):
+        host, _, port = dialled.rpartition(":")
+        path = sockets / f"up{number}.sock"
+        relays.append(UnixRelay(path, target))
+        try:
+            socket.inet_aton(host)
+            address = host
+            if not host.startswith("127."):
+                network.append(f"ip addr add {host}/32 dev lo")
+        except OSError:  # a cluster DNS name: loopback inside the pod's own namespace
+            address = "127.0.0.1"
+            hosts.append(f"{address} {host}")
+        forward.append(f"--listen={address}:{port}={path}")
+    ports: dict[int, str] = {}
+    for number, port in enumerate(p["containerPort"] for p in container.get("ports") or []):
+        path = sockets / f"in{number}.sock"
+        forward.append(f"--serve={path}=127.0.0.1:{port}")
+        inbound = TcpToUnix(("127.0.0.1", 0), path)
+        relays.append(inbound)
+        ports[port] = f"127.0.0.1:{inbound.address[1]}"
+
+    overlays = root / "overlay"
+    mounts = []
+    for top in ("/etc", "/run"):
+        upper, work = overlays / top.strip("/") / "upper", overlays / top.strip("/") / "work"
+        upper.mkdir(parents=True)
+        work.mkdir(parents=True)
+        mounts.append(f"mount -t overlay overlay -o lowerdir={top},upperdir={upper},workdir={work} {top}")
+    mounts.append(f"cp /etc/hosts /etc/hosts.host && printf %s {shlex.quote(chr(10).join(hosts) + chr(10))}"
+                  " > /etc/hosts")
+    # A mountPath above the volumes' own folders (an emptyDir on /tmp) goes last, or it hides them.
+    sources = [str(folder) for folder, _, _ in binds]
+    binds.sort(key=lambda bind: any(source.startswith(bind[1].rstrip("/") + "/") for source in sources))
+    for folder, path, read_only in binds:
+        mounts.append(f"mkdir -p {shlex.quote(path)} && mount --bind {shlex.quote(str(folder))} {shlex.quote(path)}")
+        if read_only:
+            mounts.append(f"mount -o remount,bind,ro {shlex.quote(path)}")
+    if security.get("readOnlyRootFilesystem"):
+        mounts.append("mount -o remount,bind,ro /")
+    user = []
+    if security.get("runAsUser") is not None:
+        user = ["setpriv", f"--reuid={security['runAsUser']}", f"--regid={security.get('runAsGroup', 0)}",
+                f"--groups={group}" if group is not None else "--clear-groups", "--inh-caps=-all",
+                "--bounding-set=-all", "--no-new-privs"]
+    environment = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
+    inner = "set -e; " + "; ".join(mounts) + f"; cd {shlex.quote(str(REPO))}; exec " + shlex.join(
+        [*user, *environment, *command])
+    outer = ("set -e; " + "; ".join(network) + f"; cd {shlex.quote(str(REPO))}; {shlex.join(forward)} & "
+             + shlex.join(["exec", "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", inner]))
+    log = root / "container.log"
+    process = subprocess.Popen(["unshare", "--net", "--", "sh", "-c", outer], stdout=log.open("ab"),
+                               stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
+    probe = (container.get("readinessProbe") or {}).get("tcpSocket", {}).get("port")
+    named = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
+    return RunningPod(process, log, ports, relays, sockets, named.get(probe, probe))
