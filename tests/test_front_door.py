@@ -66,15 +66,19 @@ async def _front_door(tmp_path: Path, weights: dict[str, int], check_interval_ms
     return FrontDoor(servers, proxy)
 
 
-@pytest.fixture
-async def door(tmp_path: Path):
-    fd = await _front_door(tmp_path, {"site-a": 700, "site-b": 300})
-    yield fd
+async def _close(fd: FrontDoor) -> None:
     await fd.client.aclose()
     fd.proxy.stop()
     for reps in fd.servers.values():
         for s in reps:
             await s.stop()
+
+
+@pytest.fixture
+async def door(tmp_path: Path):
+    fd = await _front_door(tmp_path, {"site-a": 700, "site-b": 300})
+    yield fd
+    await _close(fd)
 
 
 async def test_a_streamed_completion_names_its_site(door: FrontDoor):
@@ -137,11 +141,7 @@ async def test_a_refusing_site_fails_over_before_the_first_byte(tmp_path: Path):
         assert all(after[s.name] == before[s.name] for s in fd.servers["site-b"])
         assert sum(after.values()) - sum(before.values()) == 30  # each answered exactly once
     finally:
-        await fd.client.aclose()
-        fd.proxy.stop()
-        for reps in fd.servers.values():
-            for s in reps:
-                await s.stop()
+        await _close(fd)
 
 
 async def test_a_stream_cut_after_tokens_is_an_error_and_never_replayed(tmp_path: Path):
@@ -157,11 +157,7 @@ async def test_a_stream_cut_after_tokens_is_an_error_and_never_replayed(tmp_path
         await asyncio.sleep(0.3)  # time for any (wrong) retry to reach a server
         assert sum(fd.requests().values()) == 1, fd.requests()
     finally:
-        await fd.client.aclose()
-        fd.proxy.stop()
-        for reps in fd.servers.values():
-            for s in reps:
-                await s.stop()
+        await _close(fd)
 
 
 async def test_a_front_door_in_a_deep_state_dir_starts_and_is_steered(tmp_path: Path):
@@ -174,9 +170,5 @@ async def test_a_front_door_in_a_deep_state_dir_starts_and_is_steered(tmp_path: 
         fd.apply(doc(2, {"site-a": 0, "site-b": 1000}))  # through the runtime socket
         assert set(await _new_sessions_for(fd, 1.0, "deep")) == {"site-b"}
     finally:
-        await fd.client.aclose()
-        fd.proxy.stop()
-        for reps in fd.servers.values():
-            for s in reps:
-                await s.stop()
+        await _close(fd)
     assert not Path(fd.proxy.socket_path).exists(), "the short socket outside the state dir goes with it"
