@@ -25,20 +25,23 @@ def gpufleet(env: dict, *args: str, timeout: float = 90) -> subprocess.Completed
                           timeout=timeout)
 
 
-def start_dev(env: dict, port: int, ui_port: int, log: Path) -> subprocess.Popen:
+def start_dev(env: dict, port: int, ui_port: int | None, log: Path, *extra: str,
+              up_seconds: float | None = None) -> subprocess.Popen:
+    """``gpufleet dev`` (``extra``: more of its options), once it says it is up."""
+    ui = ["--ui-port", str(ui_port)] if ui_port is not None else []
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "dev", "--port", str(port), "--ui-port", str(ui_port)],
+        [sys.executable, "-m", "cli", "dev", *extra, "--port", str(port), *ui],
         env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
     )
     # Generous: a fresh CI machine's first start (cold disk, new database) is far slower
     # than a warm one (`gpufleet dev` itself gives the server SERVER_START_SECONDS); the
     # stack's own logs say where it stood.
-    deadline = time.monotonic() + SERVER_START_SECONDS + 60
+    deadline = time.monotonic() + (SERVER_START_SECONDS + 60 if up_seconds is None else up_seconds)
     while "gpufleet dev is up" not in log.read_text():
         assert proc.poll() is None, f"{log.read_text()}\n{child_logs(env)}"
         if time.monotonic() > deadline:
             proc.send_signal(signal.SIGINT)  # its children stop with it
-            proc.wait(timeout=60)
+            proc.wait(timeout=120)
             pytest.fail(f"not up in time:\n{log.read_text()}\n{child_logs(env)}")
         time.sleep(0.2)
     return proc

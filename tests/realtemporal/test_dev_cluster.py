@@ -7,8 +7,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from cli import temporal_cluster
 from tests.conftest import write_fleet
 from tests.ports import free_port
 from tests.realtemporal import build
-from tests.test_dev_stack import child_logs, children_of, command_of, gpufleet, stop_dev
+from tests.test_dev_stack import child_logs, children_of, command_of, gpufleet, start_dev, stop_dev
 
 #: PostgreSQL's initdb and the schema, then four services one after another, on a busy machine.
 CLUSTER_UP_SECONDS = 540
@@ -42,21 +40,9 @@ def stack_port() -> int:
 
 
 def start_dev_cluster(env: dict, port: int, log: Path) -> subprocess.Popen:
-    """tests/test_dev_stack.py's ``start_dev``, with ``--temporal cluster``."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "cli", "dev", "--temporal", "cluster", "--port", str(port),
-         "--http-port", str(free_port())],
-        env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + CLUSTER_UP_SECONDS
-    while "gpufleet dev is up" not in log.read_text():
-        assert proc.poll() is None, f"{log.read_text()}\n{child_logs(env)}"
-        if time.monotonic() > deadline:
-            proc.send_signal(signal.SIGINT)  # its children stop with it
-            proc.wait(timeout=120)
-            pytest.fail(f"not up in time:\n{log.read_text()}\n{child_logs(env)}")
-        time.sleep(0.5)
-    return proc
+    """tests/test_dev_stack.py's ``start_dev``, with ``--temporal cluster`` (no UI port: the cluster has none)."""
+    return start_dev(env, port, None, log, "--temporal", "cluster", "--http-port", str(free_port()),
+                     up_seconds=CLUSTER_UP_SECONDS)
 
 
 def descendants_of(pid: int) -> list[int]:
