@@ -165,7 +165,11 @@ def main(argv: list[str]) -> int:
     ensure_venv()
     os.chdir(ROOT)
     if command == "dev":
-        return subprocess.call([BIN / "gpufleet", "dev", *rest])
+        # The dev stack in this process's place: the terminal's Ctrl-C reaches `gpufleet dev` alone, which
+        # stops its children in order (a parent waiting in subprocess.call would print a KeyboardInterrupt
+        # traceback and SIGKILL it mid-stop).
+        sys.stdout.flush()
+        os.execv(BIN / "gpufleet", [str(BIN / "gpufleet"), "dev", *rest])
     if command == "test":
         if "--fast" in rest:
             return fast_tier([arg for arg in rest if arg != "--fast"])

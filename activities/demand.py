@@ -1,6 +1,7 @@
 """The demand loop's activities: watch Pending GPU pods, plan, buy, look at idle nodes.
 
-Thin: the planning and the consolidation choice are pure functions in ``fleet.demand``;
+Thin: the planning and the consolidation choice are pure functions in ``fleet.demand_planner``
+and ``fleet.consolidation`` (the pods' opt-in contract: ``fleet.demand``);
 these read the cluster and Temporal and hand them what they need.
 """
 
@@ -19,14 +20,9 @@ from temporalio.service import RPCError
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
-from fleet.demand import (
-    IdleNode,
-    ModelUsage,
-    NodeRoom,
-    opted_in,
-    plan_demand,
-    site_labels,
-)
+from fleet.consolidation import IdleNode
+from fleet.demand import opted_in, site_labels
+from fleet.demand_planner import ModelUsage, NodeRoom, plan_demand
 from fleet.messages.capacity import CapacityProgress, CapacityResult
 from fleet.messages.demand import (
     CancelOutcome,
@@ -202,7 +198,7 @@ class DemandActivities:
     @activity.defn
     @typed_errors
     async def plan_demand(self, input: PlanDemandInput) -> PlanDemandResult:
-        """Keep the fleet's labels on its nodes, list GPU pods, and plan (``fleet.demand``):
+        """Keep the fleet's labels on its nodes, list GPU pods, and plan (``fleet.demand_planner``):
         the loop's own purchases and SpotReclaims' replacements count as joining."""
         replacing = await self._reclaim_replacements(input)
         return await asyncio.to_thread(self._plan, input, replacing)

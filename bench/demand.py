@@ -1,7 +1,7 @@
 """The demand loop: planning speed and quality, and pod → bound latency vs a direct join.
 
 1. Planning 1,000 Pending pods across 10 sites and 40 offers with the pure bin-packing
-   (``fleet.demand.plan_demand``): p50 wall time over several random instances
+   (``fleet.demand_planner.plan_demand``): p50 wall time over several random instances
    (target < 1 s).
 2. Its $/GPU-hour against the optimum found by brute force on small instances (6 pods,
    4 offers, random GPU counts and geography selectors): mean and worst ratio
@@ -32,8 +32,8 @@ from fleet.demand import (
     LABEL_GEOGRAPHY,
     GpuPod,
     Toleration,
-    plan_demand,
 )
+from fleet.demand_planner import plan_demand
 from fleet.models import CapacityType, Offer
 from fleet.placement import effective_price
 

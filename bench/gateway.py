@@ -25,7 +25,7 @@
    answered and renewed about once a minute, so a window spans at least one renewal of each)
    are divided by the window and scaled to 1,000 nodes. The node side here is a small raw-gRPC
    emulation of the agent's calls (``STEADY_HOLDER``: running 1,250 SDK workers would take the
-   machine from the gateway being measured), and the watches are a bench workflow's
+   machine from the gateway being measured), with the SDK's keepalive pings (every 30 s), and the watches are a bench workflow's
    activities, not Node entities (those would add their own start-up work to the window);
    the gateway does its full work on every call (certificate, liveness, limits, rebuilt
    request). The calls counted in the window are printed. Target: ≤ 0.15 core per 1,000 nodes.
@@ -65,7 +65,8 @@ from bench.common import bench_env, fleet, run, pct, proc_cpu, rss_mb
 from bench.repair_latency import repair_result
 from cli.dev import wait_for_port
 from workers.node_agent import connect_via_gateway
-from workers.node_gateway import GatewayAccess, Pki, dev_gateway_files
+from workers.gateway.node_identity import GatewayAccess
+from workers.gateway.pki import Pki, dev_gateway_files
 
 
 
@@ -273,8 +274,12 @@ async def node(i, watches):
     name = f"idle-{i}"
     creds = grpc.ssl_channel_credentials(ca, open(f"{folder}/{name}.key", "rb").read(),
                                          open(f"{folder}/{name}.pem", "rb").read())
+    # HTTP/2 keepalive pings as the SDK's agent sends them (temporalio KeepAliveConfig.default:
+    # every 30 s, 15 s to answer): the gateway answers each one, and that is part of its CPU.
     channel = grpc.aio.secure_channel(address, creds, options=[("grpc.ssl_target_name_override", "localhost"),
-                                                               ("grpc.use_local_subchannel_pool", 1)])
+                                                               ("grpc.use_local_subchannel_pool", 1),
+                                                               ("grpc.keepalive_time_ms", 30_000),
+                                                               ("grpc.keepalive_timeout_ms", 15_000)])
     call = lambda method: channel.unary_unary(SERVICE + method, request_serializer=None,  # noqa: E731
                                               response_deserializer=None)
     poll = call("PollActivityTaskQueue")

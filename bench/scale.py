@@ -96,7 +96,7 @@ from fleet.settings import Settings
 from cli.dev import wait_for_port
 from workers.gc_tuning import SLOW_COLLECTION_SECONDS, settle_garbage_collection
 from workers.node_agent import SIM_HOST_NICE
-from workers.node_gateway import dev_gateway_files
+from workers.gateway.pki import dev_gateway_files
 from fleet import search_attributes as sa
 from fleet.naming import join_workflow_id
 from fleet.schedules import SCHEDULES, apply_schedules

@@ -71,6 +71,11 @@ async def _advise(config, request: dict):
         handle = await fleet.start_advisor(request)
     except InvalidArgument as error:
         fail(str(error), 2)
+    from cli.common import err
+    from cli.requests import ui_link
+
+    # On stderr: stdout is the report (--format json/md pipe it on).
+    err.print(f"{handle.id}  UI: {ui_link(config, handle.id)}", markup=False, highlight=False)
     try:
         return await handle.result()
     except WorkflowFailureError as error:
@@ -83,7 +88,7 @@ def _table(report) -> None:
              w.advised_offer or "-", w.note or (f"{len(w.rejected)} cheaper offers rejected" if w.rejected else "")]
             for w in report.workloads]
     show_rows(f"advisor: last {report.since}", ["model", "site", "GPU-h", "now $", "advised $", "saving $",
-                                                "advised offer", "note"], rows, "table", drop_narrow=("note",))
+                                                "advised offer", "note"], rows, "table", drop_narrow=("note", "advised offer"))
     print(f"total: now ${report.now:,.2f}, advised ${report.advised:,.2f}, saving ${report.saving:,.2f}", flush=True)
     for site, error in sorted(report.catalog_errors.items()):
         print(f"not listed: {site}: {error}", flush=True)

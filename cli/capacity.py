@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import uuid
 from pathlib import Path
 from typing import Annotated, Optional
@@ -16,6 +14,7 @@ from rich.table import Table
 from cli.common import Address, ConfigPath, OutputFormat, StateDir, console, err, fail, fleet_client, run, show_rows, sim_world
 from cli.common import connect as _connect
 from cli.common import settings as _settings
+from cli.requests import announce, cancel_capacity, cancel_summary, detached, owned, watch_until_done
 from fleet.schedules import SCHEDULES, apply_schedules
 
 
@@ -25,8 +24,6 @@ accounts_app = typer.Typer(help="Provider accounts: what waits for a person, and
 
 #: Schedule id → (workflow type, workflow id, what it does).
 # -- capacity ------------------------------------------------------------------------------
-#: Exit code of a command stopped by Ctrl-C (SIGINT), as a shell reports it.
-INTERRUPTED = 130
 
 
 def capacity(
@@ -113,26 +110,22 @@ async def _capacity(fleet, raw: dict, request: str, detach: bool) -> int:
     from temporalio.client import WorkflowFailureError
 
     handle = await fleet.acquire_capacity(raw, request_id=request)
-    console.print(f"started [bold]{handle.id}[/]")
+    announce(fleet.settings, handle.id)
     if detach:
-        console.print(f"detached: it runs on until it ends; stop it with `gpufleet capacity-cancel {handle.id}`")
+        detached(handle.id, f"gpufleet top, or `temporal workflow query --workflow-id {handle.id} --type progress`",
+                 f"gpufleet capacity-cancel {handle.id}")
         return 0
-    with cancel_on_exit_signals():
-        try:
-            result = await _watch(fleet, handle)
-        except asyncio.CancelledError:  # Ctrl-C, SIGTERM, SIGHUP: the request must not outlive us
-            asyncio.current_task().uncancel()
-            return await _cancel(fleet, handle.id, "the `gpufleet capacity` that started it was interrupted")
-        except WorkflowFailureError as error:
-            from cli.common import failure
+    try:
+        result = await owned(lambda: _watch(fleet, handle),
+                             lambda why: cancel_capacity(fleet, handle.id, why), "gpufleet capacity",
+                             ended=(WorkflowFailureError,))
+    except WorkflowFailureError as error:
+        from cli.common import failure
 
-            err.print(f"[red]{handle.id} failed:[/] {failure(error)[1]}")
-            return 1
-        except Exception:
-            # Whatever stops this command before the request ends stops the request too.
-            with contextlib.suppress(Exception):
-                await _cancel(fleet, handle.id, "the `gpufleet capacity` that started it failed")
-            raise
+        err.print(f"[red]{handle.id} failed:[/] {failure(error)[1]}")
+        return 1
+    if isinstance(result, int):  # interrupted: cancelled
+        return result
     for node in result.nodes:
         console.print(f"[green]joined[/] {node.node_name} at {node.site} ({node.gpus} GPUs)")
     console.print(f"{len(result.nodes)} of {result.requested} joined, ${result.cost_per_hour:.2f}/h")
@@ -143,33 +136,9 @@ async def _capacity(fleet, raw: dict, request: str, detach: bool) -> int:
 
 async def _watch(fleet, handle):
     """Until the request ends: a live table on a terminal, one line per change when piped."""
-    from rich.live import Live
-
-    result_task = asyncio.ensure_future(handle.result())
-    live = Live(console=console, refresh_per_second=4) if console.is_terminal else None
-    last = ""
-    try:
-        if live is not None:
-            live.start()
-        while not result_task.done():
-            try:
-                p = await fleet.capacity_progress(handle.id)
-            except Exception:  # noqa: BLE001 - the first task may not have run yet
-                p = None
-            if p is not None:
-                line = capacity_line(handle.id, p)
-                if live is not None:
-                    live.update(_capacity_table(handle.id, p, line))
-                elif line != last:
-                    print(line, flush=True)
-                last = line
-            await asyncio.wait([result_task], timeout=0.5)
-        return result_task.result()
-    finally:
-        if live is not None:
-            live.stop()
-        if not result_task.done():
-            result_task.cancel()
+    return await watch_until_done(handle, lambda: fleet.capacity_progress(handle.id),
+                                  lambda p: capacity_line(handle.id, p),
+                                  lambda p, line: _capacity_table(handle.id, p, line))
 
 
 def _capacity_table(workflow_id: str, p, line: str) -> Table:
@@ -187,53 +156,6 @@ def _capacity_table(workflow_id: str, p, line: str) -> Table:
     for a in p.attempts[-5:]:
         table.add_row("tried", escape(f"{a.offer}: {a.outcome}"))
     return table
-
-
-async def _cancel(fleet, workflow_id: str, reason: str) -> int:
-    """Cancel the request and say what that stopped; a second Ctrl-C leaves without the answer
-    (the request has the cancel by then and carries it out)."""
-    from client import NotFound, Rejected
-
-    err.print(f"cancelling {workflow_id} (its joins in flight delete their machines) ...")
-    try:
-        p = await asyncio.wait_for(fleet.cancel_capacity(
-            workflow_id, reason, accepted=lambda: err.print("  taken; waiting for the joins to stop "
-                                                            "(Ctrl-C again leaves, the cancel goes on)")), 300)
-    except (Rejected, NotFound) as error:  # it ended meanwhile: nothing left to stop
-        err.print(f"{workflow_id}: nothing to cancel ({error})")
-        return INTERRUPTED
-    except asyncio.TimeoutError:
-        err.print(f"{workflow_id}: cancel taken; the joins are still stopping (`temporal workflow describe --workflow-id {workflow_id}` shows them)")
-        return INTERRUPTED
-    err.print(cancel_summary(workflow_id, p))
-    return INTERRUPTED
-
-
-def cancel_summary(workflow_id: str, p) -> str:
-    stopped = f"{len(p.released)} joins stopped, their machines deleted" if p.released else "no join was in flight"
-    kept = f"{p.joined} joined node(s) stay" if p.joined else "nothing joined"
-    text = f"cancelled {workflow_id}: {stopped}; {kept}"
-    return text + "".join(f"\n  stopped {r}" for r in p.released)
-
-
-@contextlib.contextmanager
-def cancel_on_exit_signals():
-    """SIGTERM and SIGHUP (a closed terminal) end the command like Ctrl-C does: the running
-    task is cancelled, so the command's own clean-up runs."""
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    added = []
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        try:
-            loop.add_signal_handler(sig, task.cancel)
-            added.append(sig)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no such signal
-            pass
-    try:
-        yield
-    finally:
-        for sig in added:
-            loop.remove_signal_handler(sig)
 
 
 def capacity_cancel(

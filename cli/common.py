@@ -96,7 +96,28 @@ def sim_world(state_dir: Path | None, config: str | None):
 import re as _re
 import sys as _sys
 
-OutputFormat = Annotated[str, typer.Option("--output", "-o", help="table, or json (one object per row)")]
+OUTPUT_FORMATS = ("table", "wide", "json", "tsv")
+
+
+class ChosenFormat(str):
+    """An ``--output`` the user gave (a default stays a plain ``str``): an explicit ``-o table``
+    is a table even when piped, where the default is tab-separated lines."""
+
+
+def _check_output(ctx: typer.Context, param: typer.CallbackParam, value: str | None):
+    if value is None:
+        return value
+    if value not in OUTPUT_FORMATS:
+        raise typer.BadParameter(f"must be one of {', '.join(OUTPUT_FORMATS)}, not {value!r}")
+    # By name: typer carries a click of its own, whose ParameterSource is not click's.
+    source = ctx.get_parameter_source(param.name)
+    return value if source is None or source.name == "DEFAULT" else ChosenFormat(value)
+
+
+OutputFormat = Annotated[str, typer.Option(
+    "--output", "-o", callback=_check_output,
+    help="table (fits the terminal: columns go in a set order when narrow), wide (every column), "
+         "json (one object per row), tsv (tab-separated, with a header; the default when piped)")]
 _PYDANTIC_URL = _re.compile(r"\s*For further information visit https://errors\.pydantic\.dev\S*")
 
 
@@ -124,35 +145,138 @@ def failure(error: BaseException) -> tuple[str, str]:
     return kind, human(str(cause), kind)
 
 
-def show_rows(title: str, columns: list[str], rows: list[list], output: str = "table",
-              drop_narrow: tuple[str, ...] = ()) -> None:
-    """A list as a table on a terminal (wrapped to its width; ``drop_narrow`` columns go
-    first when it is narrow), as plain tab-separated lines when piped, or as JSON."""
-    import json
+def _cell(value):
+    """A cell as Table.add_row takes it: markup strings and renderables as they are."""
+    if isinstance(value, str) or hasattr(value, "__rich__") or hasattr(value, "__rich_console__"):
+        return value
+    return str(value)
 
-    if output not in ("table", "json"):
-        fail(f"--output: must be table or json, not {output!r}", 2)
-    plain = [[_plain(cell) for cell in row] for row in rows]
-    if output == "json":
-        print(json.dumps([dict(zip(columns, row)) for row in plain], indent=2), flush=True)
-        return
-    if not console.is_terminal:
-        print("\t".join(columns))
-        for row in plain:
-            print("\t".join(row))
-        _sys.stdout.flush()
-        return
+
+#: A cell this wide or narrower is never cut (a count, a price, a state): its column goes first.
+WHOLE_CELL = 10
+
+
+def fit_table(title: str | None, columns: list[str], rows: list[list], width: int, narrow=(), wide: bool = False,
+              **table_options):
+    """A rich Table of ``rows`` that fits ``width`` and never folds a header.
+
+    While it is wider than ``width``, the next step of ``narrow`` (the order the call site declares)
+    either drops a column (a name) or shortens its header (``(name, short)``). What is still too
+    wide then is cut with an ellipsis, the widest cells first, each column no narrower than its
+    header or ``WHOLE_CELL``, the first column (what names the row) last. Only when even that does
+    not fit do undeclared columns go, from the right; the first always stays unless a step names it.
+    ``wide``: every column, as wide as its content."""
+    from rich.cells import cell_len
+    from rich.measure import Measurement
     from rich.table import Table
 
+    headers = list(columns)
     keep = list(range(len(columns)))
-    if console.width < 100:
-        keep = [i for i in keep if columns[i] not in drop_narrow]
-    table = Table(*[columns[i] for i in keep], title=title, expand=False)
-    for column in table.columns:
-        column.overflow = "fold"
+    cells = [[_cell(row[i]) for i in range(len(columns))] for row in rows]
+    unbounded = console.options.update_width(100_000)
+
+    def content_width(cell) -> int:
+        renderable = console.render_str(cell) if isinstance(cell, str) else cell
+        return Measurement.get(console, unbounded, renderable).maximum
+
+    contents = [max([0] + [content_width(row[i]) for row in cells]) for i in range(len(columns))]
+
+    def full(i: int) -> int:
+        return max(contents[i], cell_len(headers[i]))
+
+    def floor(i: int) -> int:
+        return max(cell_len(headers[i]), min(contents[i], WHOLE_CELL))
+
+    def chrome() -> int:  # the borders and padding around the kept columns: their table with nothing in it
+        return Measurement.get(console, unbounded, Table(*[""] * len(keep), **table_options)).maximum
+
+    if not wide:
+        for step in narrow:
+            if chrome() + sum(full(i) for i in keep) <= width:
+                break
+            name, short = (step, None) if isinstance(step, str) else step
+            if name not in columns or columns.index(name) not in keep:
+                continue
+            if short is None and len(keep) > 1:
+                keep.remove(columns.index(name))
+            elif short is not None:
+                headers[columns.index(name)] = short
+        for index in reversed(keep[1:]):
+            if chrome() + sum(floor(i) for i in keep) <= width:
+                break
+            keep.remove(index)
+    allotted = {i: full(i) for i in keep}
+    if not wide:
+        # The widest columns give way first, down to their floor; the first column after the rest.
+        for cut in (keep[1:], keep):
+            room = width - chrome() - sum(allotted[i] for i in keep if i not in cut)
+            cap = max([allotted[i] for i in cut] or [0])
+            while cap > 0 and sum(min(allotted[i], max(cap, floor(i))) for i in cut) > room:
+                cap -= 1
+            allotted |= {i: min(allotted[i], max(cap, floor(i))) for i in cut}
+            if chrome() + sum(allotted.values()) <= width:
+                break
+    table = Table(*[headers[i] for i in keep], title=title, expand=False, **table_options)
+    for column, i in zip(table.columns, keep):
+        column.no_wrap, column.overflow, column.width = True, "ellipsis", allotted[i]
+    for row in cells:
+        table.add_row(*[row[i] for i in keep])
+    return table
+
+
+def print_table(table, wide: bool = False) -> None:
+    """``table`` at the console's width; ``wide``: at its own width (the terminal wraps long lines)."""
+    if not wide:
+        console.print(table)
+        return
+    from rich.measure import Measurement
+
+    needed = Measurement.get(console, console.options.update_width(100_000), table).maximum
+    before = console.width
+    console.width = max(before, needed)
+    try:
+        console.print(table, crop=False)
+    finally:
+        console.width = before
+
+
+def piped_format(output: str) -> str:
+    """The format to print in: the default ``table`` is ``tsv`` when stdout is not a terminal."""
+    if output not in OUTPUT_FORMATS:
+        fail(f"--output: must be one of {', '.join(OUTPUT_FORMATS)}, not {output!r}", 2)
+    if output == "table" and not isinstance(output, ChosenFormat) and not console.is_terminal:
+        return "tsv"
+    return str(output)
+
+
+def print_tsv(columns: list[str], rows: list[list]) -> None:
+    """A header line, then one line per row; a tab or newline inside a cell becomes a space."""
+    def clean(cell) -> str:
+        return _re.sub(r"[\t\r\n]+", " ", _plain(cell))
+
+    print("\t".join(clean(c) for c in columns))
     for row in rows:
-        table.add_row(*[row[i] if isinstance(row[i], str) or hasattr(row[i], "__rich__") or hasattr(row[i], "__rich_console__") else str(row[i]) for i in keep])
-    console.print(table)
+        print("\t".join(clean(cell) for cell in row))
+    _sys.stdout.flush()
+
+
+def show_rows(title: str, columns: list[str], rows: list[list], output: str = "table",
+              drop_narrow: tuple = ()) -> None:
+    """A list in the ``--output`` format: ``table`` fits the terminal's width (``drop_narrow``
+    is the declared order in which columns go or shorten their header when it is narrow; see
+    ``fit_table``), ``wide`` shows every column, ``json`` one object per row, ``tsv`` (the default
+    when piped) tab-separated lines under a header."""
+    import json
+
+    output = piped_format(output)
+    if output == "json":
+        print(json.dumps([dict(zip(columns, [_plain(cell) for cell in row])) for row in rows], indent=2), flush=True)
+        return
+    if output == "tsv":
+        print_tsv(columns, rows)
+        return
+    wide = output == "wide"
+    print_table(fit_table(title, columns, rows, console.width, drop_narrow, wide=wide), wide=wide)
 
 
 def _plain(cell) -> str:
@@ -160,4 +284,6 @@ def _plain(cell) -> str:
 
     if isinstance(cell, str):
         return Text.from_markup(cell).plain
+    if isinstance(cell, Text):
+        return cell.plain
     return str(cell)

@@ -43,9 +43,11 @@ def demand(
                            if pod.key in p.pods), ""))
         rows.append([pod.key, str(pod.gpus), "yes" if opted_in(pod) else "no", pod.nominated_node or "-",
                      answer or ("not opted in" if not opted_in(pod) else "next batch")])
-    show_rows("Pending GPU pods", ["pod", "GPUs", "opted in", "nominated", "answer"], rows, output)
+    show_rows("Pending GPU pods", ["pod", "GPUs", "opted in", "nominated", "answer"], rows, output,
+              drop_narrow=(("opted in", "opt-in"), "nominated"))
     show_rows("purchases", ["purchase", "status", "offer", "pods", "why"],
-              [[p.workflow_id, p.status, p.offer, str(len(p.pods)), p.reason] for p in status.purchases], output)
+              [[p.workflow_id, p.status, p.offer, str(len(p.pods)), p.reason] for p in status.purchases], output,
+              drop_narrow=("pods",))
     if output == "table":
         for line in status.log[-15:]:
             console.print(f"  {line}")
@@ -123,7 +125,7 @@ def pods_list(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None
     env = fleet_env(state_dir, config)
     rows = [[p.key, str(p.gpus), p.phase, p.node or "-", ", ".join(f"{k}={v}" for k, v in p.node_selector.items())]
             for p in env.cluster.list_gpu_pods()]
-    show_rows("GPU pods", ["pod", "GPUs", "phase", "node", "selector"], rows, output)
+    show_rows("GPU pods", ["pod", "GPUs", "phase", "node", "selector"], rows, output, drop_narrow=("selector",))
 
 
 def register(app: typer.Typer, sim_app: typer.Typer) -> None:

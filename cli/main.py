@@ -16,6 +16,7 @@ from rich.text import Text
 
 from cli import capacity as capacity_commands
 from cli.cluster import cluster_app
+from cli.evacuate import evacuate_app
 from cli.common import (
     Address,
     OutputFormat,
@@ -59,6 +60,7 @@ capacity_commands.add_sim_commands(sim_app)
 app.add_typer(cluster_app, name="cluster")
 app.add_typer(rollout_app, name="rollout")
 app.add_typer(repair_app, name="repair")
+app.add_typer(evacuate_app, name="evacuate")
 app.add_typer(gameday_app, name="gameday")
 app.add_typer(weights_app, name="weights")
 demand_commands.register(app, sim_app)
@@ -87,10 +89,20 @@ class DevTemporal(str, enum.Enum):
 def dev(
     state_dir: StateDir = Path(".gpufleet"),
     config: ConfigPath = None,
-    port: Annotated[int, typer.Option(help="Temporal frontend port")] = 7233,
-    ui_port: Annotated[int, typer.Option(help="Temporal UI port")] = 8233,
+    port: Annotated[int, typer.Option(help="Temporal frontend port; every other port derives from it")] = 7233,
+    ui_port: Annotated[Optional[int], typer.Option(help="Temporal UI port (default: --port + 1000, i.e. 8233)")] = None,
     http_port: Annotated[Optional[int], typer.Option(
         help="Temporal HTTP API port, plain JSON (default: --port + 10, i.e. 7243)")] = None,
+    s3_port: Annotated[Optional[int], typer.Option(
+        help="S3 emulator port for the config's loopback object stores (default: --port + 11, i.e. 7244, "
+             "for the built-in fleet; a --config keeps the port its endpoints name)")] = None,
+    gateway_port: Annotated[Optional[int], typer.Option(
+        help="node gateway port (default: --port + 67, i.e. 7300)")] = None,
+    front_door_port: Annotated[Optional[int], typer.Option(
+        help="front door (HAProxy) port (default: --port + 847, i.e. 8080; left off when that is busy)")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        help="metrics port of the control-plane worker; the node host and the dev server take the next two "
+             "(default: --port + 2231, i.e. 9464; a busy default is swapped for a free port)")] = None,
     temporal: Annotated[DevTemporal, typer.Option(
         help="Which Temporal the stack runs: `dev-server` (one process, SQLite, with its UI; kept across "
              "restarts) or `cluster` (PostgreSQL + frontend, history, matching and worker services with "
@@ -105,7 +117,8 @@ def dev(
     except ConfigError as error:
         report_config(error)
     raise typer.Exit(run_dev(settings(state_dir=state_dir, config=config), port=port, ui_port=ui_port,
-                               http_port=port + 10 if http_port is None else http_port, temporal=temporal.value))
+                             http_port=http_port, temporal=temporal.value, s3_port=s3_port, gateway_port=gateway_port,
+                             front_door_port=front_door_port, metrics_port=metrics_port))
 
 
 # -- config ----------------------------------------------------------------------------------
@@ -131,17 +144,29 @@ def config_check(file: Annotated[Path, typer.Argument(help="sites.yaml to check"
 def join(
     site: Annotated[str, typer.Option(help="site to add nodes at")],
     count: Annotated[int, typer.Option(help="how many nodes")] = 1,
-    wait: Annotated[bool, typer.Option(help="wait and show progress until every node is ready")] = False,
-    request: Annotated[Optional[str], typer.Option(help="request id (default: random)")] = None,
+    wait: Annotated[bool, typer.Option(
+        "--wait", help="show progress until every node is ready (the default; kept for scripts)")] = True,
+    detach: Annotated[bool, typer.Option(
+        "--detach", help="start the joins and return: they run on (stop one with `temporal workflow cancel`); "
+                         "without it, a command that ends before its joins cancels them, deleting any machine "
+                         "not yet admitted")] = False,
+    request: Annotated[Optional[str], typer.Option(help="request id (default: random; the same id attaches "
+                                                        "to a join still running)")] = None,
     address: Address = "localhost:7233",
     state_dir: StateDir = Path(".gpufleet"),
     config: ConfigPath = None,
 ) -> None:
-    """Join nodes at a site: one NodeJoin workflow per node."""
+    """Join nodes at a site: one NodeJoin workflow per node.
+
+    Shows progress until every node is ready. Interrupted (Ctrl-C, SIGTERM, a closed terminal) or
+    failing, it cancels its joins: a machine bought and not yet admitted is deleted, a node already
+    admitted stays; Ctrl-C says which."""
+    del wait  # waiting is the default now; --detach returns at once
     if count < 1:
         fail("--count: must be at least 1", 2)
     _check_join(state_dir, config, site, count)
-    run(_join(settings(address, state_dir, config), site, count, wait, request or uuid.uuid4().hex[:8]))
+    raise typer.Exit(run(_join(settings(address, state_dir, config), site, count, detach,
+                               request or uuid.uuid4().hex[:8])))
 
 
 def _check_join(state_dir: Path, config: str | None, site: str, count: int) -> None:
@@ -162,24 +187,51 @@ def _check_join(state_dir: Path, config: str | None, site: str, count: int) -> N
              f"asked for {count}", 2)
 
 
-async def _join(settings: Settings, site: str, count: int, wait: bool, request: str) -> None:
-    from rich.live import Live
+async def _join(settings: Settings, site: str, count: int, detach: bool, request: str) -> int:
+    """Start the joins; unless detached, watch them to the end, and cancel them if we end first."""
     from temporalio.client import WorkflowFailureError
 
-    from client import InvalidArgument
+    from cli.requests import announce, cancel_joins, detached, owned
 
     fleet = fleet_client(settings)
-    handles = []
-    for i in range(count):
-        try:
-            handle = await fleet.start_join({"site": site},
-                                            request_id=request if count == 1 else f"{request}-{i}")
-        except InvalidArgument as error:
-            fail(str(error), 2)
-        handles.append(handle)
-        console.print(f"started [bold]{handle.id}[/]")
-    if not wait:
-        return
+    handles: list = []
+    #: Every join asked for, from just before its start call: an interrupt mid-start cancels it too.
+    asked: list[str] = []
+
+    async def start_and_watch() -> int:
+        from client import InvalidArgument
+        from fleet.naming import join_workflow_id
+
+        for i in range(count):
+            request_id = request if count == 1 else f"{request}-{i}"
+            asked.append(join_workflow_id(site, request_id))
+            try:
+                handle = await fleet.start_join({"site": site}, request_id=request_id)
+            except InvalidArgument as error:
+                err.print(f"[red]error:[/] {escape(str(error))}")
+                return 2
+            handles.append(handle)
+            announce(settings, handle.id)
+        if detach:
+            # Not `gpufleet join --request` again: once a join has ended, that starts (and buys) anew.
+            detached(", ".join(h.id for h in handles),
+                     "the UI link above, or " + "; ".join(f"temporal workflow query --workflow-id {h.id} --type progress"
+                                                         for h in handles),
+                     "; ".join(f"temporal workflow cancel --workflow-id {h.id}" for h in handles)
+                     + "   (deletes a machine not yet admitted)")
+            return 0
+        return await _watch_joins(fleet, handles)
+
+    if detach:
+        return await start_and_watch()
+    return await owned(start_and_watch, lambda why: cancel_joins(fleet, asked, why),
+                       "gpufleet join", ended=(WorkflowFailureError,))
+
+
+async def _watch_joins(fleet, handles: list) -> int:
+    """Until every join ends: a live table on a terminal, one line per change when piped."""
+    from rich.live import Live
+    from temporalio.client import WorkflowFailureError
 
     def render(states: dict[str, str]) -> Table:
         table = Table("workflow", "step")
@@ -206,59 +258,102 @@ async def _join(settings: Settings, site: str, count: int, wait: bool, request: 
         def __exit__(self, *exc) -> None:
             return None
 
-    with (live_view or _Plain()) as live:
-        pending = {h.id: asyncio.ensure_future(h.result()) for h in handles}
-        while pending:
-            await asyncio.wait(pending.values(), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-            for handle in handles:
-                task = pending.get(handle.id)
-                if task is None:
-                    continue
-                if task.done():
-                    pending.pop(handle.id)
-                    try:
-                        result = task.result()
-                        states[handle.id] = "[green]ready[/] " + ", ".join(n.node_name for n in result.nodes)
-                    except WorkflowFailureError as error:
-                        kind, message = failure(error)
-                        states[handle.id] = f"[red]{escape(message)}[/]"
-                        failures.append((handle.id, kind, message))
-                else:
-                    try:
-                        states[handle.id] = (await fleet.join_progress(handle.id)).step
-                    except Exception:  # noqa: BLE001 - a query can race the workflow's first task
-                        pass
-            live.update(render(states))
-    if failures:
-        for wid, _kind, message in failures:
-            err.print(f"[red]{wid} failed:[/] {escape(message)}")
-        raise typer.Exit(1)
+    pending = {h.id: asyncio.ensure_future(h.result()) for h in handles}
+    try:
+        with (live_view or _Plain()) as live:
+            while pending:
+                await asyncio.wait(pending.values(), timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                for handle in handles:
+                    task = pending.get(handle.id)
+                    if task is None:
+                        continue
+                    if task.done():
+                        pending.pop(handle.id)
+                        try:
+                            result = task.result()
+                            states[handle.id] = "[green]ready[/] " + ", ".join(n.node_name for n in result.nodes)
+                        except WorkflowFailureError as error:
+                            kind, message = failure(error)
+                            states[handle.id] = f"[red]{escape(message)}[/]"
+                            failures.append((handle.id, kind, message))
+                    else:
+                        try:
+                            states[handle.id] = (await fleet.join_progress(handle.id)).step
+                        except Exception:  # noqa: BLE001 - a query can race the workflow's first task
+                            pass
+                live.update(render(states))
+    finally:
+        for task in pending.values():
+            task.cancel()
+    for wid, _kind, message in failures:
+        err.print(f"[red]{wid} failed:[/] {escape(message)}")
+    return 1 if failures else 0
 
 
 # -- looking at the fleet --------------------------------------------------------------------
 
 
 @app.command()
-def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, output: OutputFormat = "table") -> None:
-    """Every site: provider, GPUs, price, min/max, nodes now (and the sim's knobs)."""
+def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, output: OutputFormat = "table",
+          address: Address = "localhost:7233") -> None:
+    """Every site: provider, GPUs, price, min/max; its nodes serving, cordoned (and by what: repair,
+    quarantine, evacuation, incident, operator), joining; its last incident (and the sim's knobs)."""
+    from cli import site_status
+
     env = fleet_env(state_dir, config)
     nodes = env.cluster.list_nodes()
-    columns = ["site", "provider", "region", "geo", "GPU", "$/GPU-h", "type", "min", "max", "ready/nodes"]
+    names = [site.name for site in env.config.sites]
+    holds = run(_site_holds(settings(address, state_dir, config), names, nodes))
+    now = site_status.summarize(names, nodes, holds)
+    columns = ["site", "provider", "region", "geo", "GPU", "$/GPU-h", "type", "min", "max", "serving/nodes",
+               "cordoned", "joining", "last incident"]
     sim = {row["name"]: row for row in env.world.sites()} if env.world else {}
     if sim:
         columns += ["capacity", "quota", "latency", "reachable"]
     rows = []
     for site in env.config.sites:
-        here = [n for n in nodes if n.labels.get("node-restriction.kubernetes.io/gpufleet-site") == site.name]
+        here = now[site.name]
         row = [site.name, site.provider, site.region, site.geography or "", f"{site.gpus_per_machine}x {site.gpu}",
                f"{site.price_per_gpu_hour:.2f}", site.capacity_type.value, str(site.min_nodes), str(site.max_nodes),
-               f"{sum(n.ready for n in here)}/{len(here)}"]
+               f"{here.serving}/{here.nodes}",
+               f"[yellow]{escape(here.cordoned_cell())}[/]" if sum(here.cordoned.values()) else "0",
+               str(here.joining), escape(here.last_incident)]
         if site.name in sim:
             s = sim[site.name]
             row += [str(s["capacity"]), str(s["quota"]), f"{s['api_latency_ms']} ms",
                     "[red]no[/]" if s["unreachable"] else "yes"]
         rows.append(row)
-    show_rows("sites", columns, rows, output, drop_narrow=("region", "geo", "type", "min", "latency"))
+    if holds is None and output != "json":
+        err.print(f"Temporal at {settings(address, state_dir, config).address} did not answer: what holds a "
+                  "cordoned node, the joins in flight and the last incident show ?")
+    # When narrow the site's static facts go first (-o wide and -o json keep every column), then the
+    # sim's knobs; what is going on now (serving, cordoned, joining, last incident) stays.
+    show_rows("sites", columns, rows, output,
+              drop_narrow=("region", "type", "min", "max", "latency", "geo", "quota", "capacity", "$/GPU-h",
+                           "provider", ("serving/nodes", "serving"), "GPU", ("last incident", "incident"),
+                           ("reachable", "up"), ("joining", "join")))
+
+
+async def _site_holds(config: Settings, names: list[str], nodes: list):
+    """What Temporal says holds each site's nodes, or None when it does not answer (the counts
+    still come from the cluster)."""
+    import socket
+
+    from temporalio.service import RPCError
+
+    from cli import site_status
+    from client import Unreachable
+
+    host, _, port = config.address.rpartition(":")
+    try:  # a quick look first: a client's connect retries for seconds before it gives up
+        socket.create_connection((host or "localhost", int(port)), timeout=2).close()
+    except (OSError, ValueError):
+        return None
+    try:
+        client = await fleet_client(config).temporal()
+        return await site_status.holds(client, config.task_queue, names, nodes)
+    except (Unreachable, RPCError):
+        return None
 
 
 @app.command()
@@ -270,7 +365,7 @@ def nodes(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, ou
              "[yellow]cordoned[/]" if node.unschedulable else "yes", ", ".join(node.taints), node.machine_id]
             for node in env.cluster.list_nodes()]
     show_rows("nodes", ["node", "site", "provider", "GPU", "ready", "schedulable", "taints", "machine"], rows, output,
-              drop_narrow=("provider", "GPU", "machine"))
+              drop_narrow=("provider", "machine", "GPU", ("schedulable", "sched")))
 
 
 @app.command("search-attributes")
@@ -286,32 +381,46 @@ def register_search_attributes(address: Address = "localhost:7233") -> None:
 
 
 # -- the simulated world ---------------------------------------------------------------------
+# Every knob says the command that undoes it, and `gpufleet sim reset` undoes them all: a tour
+# that breaks a site can always put it back.
 
 
-def _site_knob(state_dir: Path, config: str | None, site: str, **fields) -> None:
+def _undo(command: str) -> None:
+    console.print(f"undo: {command}", markup=False, highlight=False, soft_wrap=True)
+
+
+def _site_knob(state_dir: Path, config: str | None, site: str, field: str, value, undo) -> None:
+    """Set one site knob; ``undo(before)`` is the command that sets it back."""
+    world = sim_world(state_dir, config)
     try:
-        sim_world(state_dir, config).set_site(site, **fields)
+        before = world.site_row(site)[field]
+        world.set_site(site, **{field: value})
     except KeyError:
-        fail(f"unknown site {site!r}", 2)
-    console.print(f"{site}: " + ", ".join(f"{k}={v}" for k, v in fields.items()))
+        fail(f"site: unknown site {site!r}; known: {', '.join(r['name'] for r in world.sites())}", 2)
+    console.print(f"{site}: {field}={value}" + (" (unchanged)" if before == value else f" (was {before})"))
+    _undo(undo(before))
+
+
+def _number(value) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 @sim_app.command("capacity")
 def sim_capacity(site: str, machines: int, state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
     """How many more machines a site can sell (0 = NoCapacity)."""
-    _site_knob(state_dir, config, site, capacity=machines)
+    _site_knob(state_dir, config, site, "capacity", machines, lambda was: f"gpufleet sim capacity {site} {_number(was)}")
 
 
 @sim_app.command("quota")
 def sim_quota(site: str, machines: int, state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
     """How many machines the account may run at the site (reaching it = OverQuota)."""
-    _site_knob(state_dir, config, site, quota=machines)
+    _site_knob(state_dir, config, site, "quota", machines, lambda was: f"gpufleet sim quota {site} {_number(was)}")
 
 
 @sim_app.command("latency")
 def sim_latency(site: str, ms: int, state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
     """Provider API latency for the site."""
-    _site_knob(state_dir, config, site, api_latency_ms=ms)
+    _site_knob(state_dir, config, site, "api_latency_ms", ms, lambda was: f"gpufleet sim latency {site} {_number(was)}")
 
 
 @sim_app.command("unreachable")
@@ -321,7 +430,8 @@ def sim_unreachable(
     state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
 ) -> None:
     """Cut the site's machines off the control plane (agents stop, nodes go NotReady)."""
-    _site_knob(state_dir, config, site, unreachable=0 if restore else 1)
+    _site_knob(state_dir, config, site, "unreachable", 0 if restore else 1,
+               lambda was: f"gpufleet sim unreachable {site}" + ("" if was else " --restore"))
 
 
 @sim_app.command("revoke")
@@ -331,11 +441,15 @@ def sim_revoke(
     state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
 ) -> None:
     """Revoke an account's credentials: every call to it answers BadCredentials."""
+    world = sim_world(state_dir, config)
+    was = world.query("SELECT credentials_valid FROM accounts WHERE name=?", account)
     try:
-        sim_world(state_dir, config).set_credentials_valid(account, restore)
+        world.set_credentials_valid(account, restore)
     except KeyError:
-        fail(f"unknown account {account!r}", 2)
+        known = ", ".join(r[0] for r in world.query("SELECT name FROM accounts ORDER BY name"))
+        fail(f"account: unknown account {account!r}; known: {known}", 2)
     console.print(f"{account}: credentials {'valid' if restore else 'revoked'}")
+    _undo(f"gpufleet sim revoke {account}" + (" --restore" if was and was[0][0] else ""))
 
 
 @sim_app.command("fault")
@@ -345,19 +459,43 @@ def sim_fault(
     xid: Annotated[Optional[int], typer.Option(help="inject this XID")] = None,
     kind: Annotated[str, typer.Option(help="xid, ecc, remap_pending, remap_failure, lost, nvlink_down, hot, compute")] = "xid",
     clears_on: Annotated[str, typer.Option(help="weakest repair that fixes it: reset, reboot, reinstall, never")] = "reset",
+    clear: Annotated[bool, typer.Option("--clear", help="remove every simulated fault of this GPU instead")] = False,
     state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
 ) -> None:
-    """Break one simulated GPU."""
+    """Break one simulated GPU (or, with --clear, heal it)."""
     world = sim_world(state_dir, config)
     machine = world.machine_by_name(node)
     if machine is None:
-        fail(f"no simulated machine named {node!r}", 2)
+        fail(f"node: no simulated machine named {node!r}", 2)
+    if clear:
+        cleared = world.clear_faults(machine["id"], "never", gpu)
+        console.print(f"{node} GPU {gpu}: {cleared} simulated fault(s) cleared")
+        return
     value = xid if xid is not None else 1
     try:
         world.inject_fault(machine["id"], gpu, kind if xid is None else "xid", value, clears_on)
     except (KeyError, ValueError) as error:
         fail(str(error), 2)
     console.print(f"{node} GPU {gpu}: {'XID ' + str(xid) if xid is not None else kind} (clears on {clears_on})")
+    _undo(f"gpufleet sim fault {node} --gpu {gpu} --clear   (the node's repair, if one started, goes on)")
+
+
+@sim_app.command("reset")
+def sim_reset(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
+    """Every knob back to the config's defaults: each site's capacity, quota, latency and
+    reachability, every account's credentials, every injected GPU fault. Machines and nodes stay."""
+    env = fleet_env(state_dir, config)
+    if env.world is None:
+        fail("`gpufleet sim` needs a config in sim mode", 2)
+    changes = env.world.reset(env.config)
+    for change in changes:
+        console.print(f"reset {change}", markup=False, highlight=False)
+        if change.endswith(": credentials revoked -> valid"):
+            account = change.split(":")[0]
+            # A call that failed meanwhile left its ProviderAccount waiting for a person.
+            console.print(f"  if gpufleet called it meanwhile: gpufleet accounts credentials-rotated {account}",
+                          markup=False, highlight=False)
+    console.print(f"{len(changes)} knob(s) reset" if changes else "nothing to reset: every knob is at its default")
 
 
 @sim_app.command("machines")

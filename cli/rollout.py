@@ -8,9 +8,9 @@ from typing import Annotated
 import typer
 import yaml
 from rich.progress_bar import ProgressBar
-from rich.table import Table
 
-from cli.common import Address, OutputFormat, console, err, fleet_client, run, settings, show_rows
+from cli.common import (Address, OutputFormat, console, err, fit_table, fleet_client, piped_format, print_table, run,
+                        settings, show_rows)
 
 rollout_app = typer.Typer(no_args_is_help=True)
 Reason = Annotated[str, typer.Option("--reason", help="why (shown in the workflow's details)")]
@@ -50,7 +50,9 @@ def start(
         for where, message in error.problems:
             err.print(f"  {'(top level)' if where == '(input)' else where}: {message}")
         raise typer.Exit(2) from None
-    console.print(f"started [bold]{handle.id}[/]")
+    from cli.requests import announce
+
+    announce(fleet.settings, handle.id)  # and its Temporal UI page
     if wait:
         raise typer.Exit(run(_wait(fleet, handle)))
 
@@ -115,7 +117,7 @@ def status(
     title = f"{progress.rollout_id}: {progress.phase}" + (" (paused)" if progress.paused else "")
     if progress.batches:
         title += f", batch {progress.batch}/{progress.batches}"
-    if not console.is_terminal:
+    if piped_format(output) == "tsv":  # piped (or -o tsv): the rows as show_rows prints them
         print(title)
         rows = []
         for site in progress.sites:
@@ -124,19 +126,22 @@ def status(
                 done, total = live[site.site].get("bytes_done", done), live[site.site].get("bytes_total", total) or total
             rows.append([site.site + (" (canary)" if site.canary else ""), str(site.replicas), site.state.value,
                          f"{100 * done / total:.0f}%" if total else "-", site.detail])
-        show_rows(title, ["site", "replicas", "state", "weights", "detail"], rows)
+        show_rows(title, ["site", "replicas", "state", "weights", "detail"], rows, output)
         if progress.reason:
             print(progress.reason, flush=True)
         return
-    table = Table("site", "replicas", "state", "weights", "copied", "detail", title=title)
+    rows = []
     for site in progress.sites:
         done, total = site.bytes_done, site.bytes_total
         if site.site in live:
             done, total = live[site.site].get("bytes_done", done), live[site.site].get("bytes_total", total) or total
         pct = f"{100 * done / total:.0f}%" if total else "-"
-        table.add_row(site.site + (" (canary)" if site.canary else ""), str(site.replicas), site.state.value,
-                      ProgressBar(total=max(total, 1), completed=done, width=24), pct, site.detail)
-    console.print(table)
+        rows.append([site.site + (" (canary)" if site.canary else ""), str(site.replicas), site.state.value,
+                     ProgressBar(total=max(total, 1), completed=done, width=24), pct, site.detail])
+    wide = output == "wide"
+    # Narrow: the bar goes before the detail is cut (the percentage says the same).
+    print_table(fit_table(title, ["site", "replicas", "state", "weights", "copied", "detail"], rows, console.width,
+                          narrow=(("replicas", "rep"), "weights"), wide=wide), wide=wide)
     if progress.reason:
         console.print(progress.reason)
 

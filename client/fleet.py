@@ -18,11 +18,13 @@ from pydantic import BaseModel, ValidationError
 from temporalio.client import (
     Client,
     WorkflowExecutionStatus,
+    WorkflowFailureError,
     WorkflowHandle,
     WorkflowUpdateFailedError,
     WorkflowUpdateStage,
 )
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
+from temporalio.exceptions import CancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
 from client.errors import InvalidArgument, NotFound, Rejected, Unreachable
@@ -93,6 +95,35 @@ class RolloutStatus:
     replicating: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
+@dataclass
+class JoinCancelled:
+    """How a cancelled join ended (``FleetClient.cancel_join``)."""
+
+    workflow_id: str
+    #: ``canceled`` (also when it ended by failing its step as CancelledError); ``completed`` when it
+    #: had admitted its node before the cancel; ``failed`` when it failed on its own first.
+    status: str
+    #: The machine it bought ("" = none yet: nothing was bought). Deleted unless ``needs_person``
+    #: or the join had completed (then it is the admitted node's, and stays).
+    machine_id: str = ""
+    node_name: str = ""
+    step: str = ""
+    #: Its clean-up could not delete the machine (the join's history says why).
+    needs_person: bool = False
+
+    def summary(self) -> str:
+        if self.status == "completed":
+            return f"{self.workflow_id} had joined {self.node_name} before the cancel: that node stays"
+        if self.status == "failed":
+            return f"{self.workflow_id} had failed before the cancel (its own clean-up deleted any machine it bought)"
+        if not self.machine_id:
+            return f"cancelled {self.workflow_id} while {self.step}: nothing was bought"
+        if self.needs_person:
+            return (f"cancelled {self.workflow_id}: machine {self.machine_id} could NOT be deleted "
+                    "(FleetState needs-person; its history says why)")
+        return f"cancelled {self.workflow_id}: machine {self.machine_id} deleted, node {self.node_name} never admitted"
+
+
 class FleetClient:
     """gpufleet's operator actions. Connects on first use with the same settings as every
     other entry point (``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, ``GPUFLEET_TASK_QUEUE``,
@@ -149,6 +180,42 @@ class FleetClient:
 
     async def join_progress(self, workflow_id: str) -> JoinProgress:
         return await self._query(workflow_id, "progress", JoinProgress)
+
+    async def cancel_join(self, workflow_id: str, reason: str = "") -> JoinCancelled:
+        """Stop a join (Temporal's cancel): a machine it bought and has not admitted is deleted
+        (a fan-out's children each delete theirs); a node it already admitted stays. Returns once
+        the join has ended, saying which of those happened."""
+        _text("workflow_id", workflow_id)
+        if not isinstance(reason, str):
+            raise InvalidArgument([("reason", "must be a string")])
+        client = await self.temporal()
+        handle = client.get_workflow_handle(workflow_id)
+        try:
+            await handle.cancel(reason=reason)
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND:  # "already completed" is fine: say how it ended
+                raise _rpc(workflow_id, error) from None
+        status = "completed"
+        try:
+            await handle.result()
+        except WorkflowFailureError as error:
+            # A join cancelled mid-step reports the step's cancellation as its failure, typed so.
+            cause = error.cause
+            cancelled = isinstance(cause, CancelledError) or getattr(cause, "type", None) == "CancelledError"
+            status = "canceled" if cancelled else "failed"
+        except RPCError as error:  # never started (NotFound)
+            raise _rpc(workflow_id, error) from None
+        try:
+            description = await handle.describe()
+        except RPCError as error:
+            raise _rpc(workflow_id, error) from None
+        try:
+            progress = await self.join_progress(workflow_id)
+        except Exception:  # noqa: BLE001 - ended before its first task: nothing was bought
+            progress = JoinProgress(step="starting")
+        state = description.typed_search_attributes.get(sa.FLEET_STATE) or ""
+        return JoinCancelled(workflow_id=workflow_id, status=status, machine_id=progress.machine_id,
+                             node_name=progress.node_name, step=progress.step, needs_person=state == "needs-person")
 
     def check_capacity_request(self, request: CapacityRequest | Mapping[str, Any]) -> CapacityRequest:
         """The request, or :class:`InvalidArgument` naming each field no configured site can

@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from fleet.config import Site
 from fleet.messages.advisor import AdvisorReport, LedgerEntry, SiteRate, Usage, Workload, WorkloadAdvice
 from fleet.models import CapacityType, Offer
-from fleet.placement import AccountView, Constraints, effective_price, offer_key, rank
-from fleet.replacement import replacement_constraints
+from fleet.placement import AccountView, Constraints, effective_price, offer_key, rank, replacement_constraints
 
 HOUR = 3600.0
 _UNITS = {"h": 1.0, "d": 24.0, "w": 168.0}

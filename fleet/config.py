@@ -1,8 +1,9 @@
-"""Fleet configuration (``sites.yaml``): accounts and sites.
+"""Fleet configuration (``sites.yaml``): accounts and sites, the schema and its loading.
 
 ``load_config`` turns every problem into one ``ConfigError`` whose lines each
 name the site (or account) and the field, so ``gpufleet config check`` can
-print them and exit 2.
+print them and exit 2: the schema's field errors and the cross-checks between
+fields and entries (``fleet.config_checks``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from fleet.config_checks import cross_check
 from fleet.incident import ControlPlaneSettings, IncidentSettings
-from fleet.models import CapacityType, CredentialsRef
+from fleet.models import PROVIDERS, CapacityType, CredentialsRef
 from fleet.repair_policy import RepairSettings
-
-PROVIDERS = ("aws", "lambda", "nebius", "hetzner", "own-dc")
 
 #: The built-in simulated fleet that ``gpufleet dev`` runs when no file is given.
 DEFAULT_CONFIG = "default_sites.yaml"
@@ -285,97 +285,11 @@ def parse_config(raw: Any, source: str = "<config>") -> FleetConfig:
             problems.append(f"{where}: {message}")
         # The cross-field checks read the raw mapping, so one `config check` names every
         # problem: an operator should not fix the field errors only to meet a second list.
-        raise ConfigError(source, problems + [p for p in _cross_check(raw) if p not in problems]) from None
-    problems = _cross_check(raw)
+        raise ConfigError(source, problems + [p for p in cross_check(raw) if p not in problems]) from None
+    problems = cross_check(raw)
     if problems:
         raise ConfigError(source, problems)
     return config
-
-
-def _entries(raw: dict[str, Any], key: str) -> list[tuple[int, dict[str, Any]]]:
-    value = raw.get(key)
-    return [(i, item) for i, item in enumerate(value) if isinstance(item, dict)] if isinstance(value, list) else []
-
-
-def _cross_check(raw: dict[str, Any]) -> list[str]:
-    """Problems between fields and entries, on the raw mapping: an entry whose own fields
-    are wrong still takes part (its bad values are skipped, the field errors name them)."""
-    problems: list[str] = []
-    real = raw.get("mode") == "real"
-    seen: set[str] = set()
-    accounts: dict[str, Any] = {}
-    for i, account in _entries(raw, "accounts"):
-        name = account.get("name")
-        where = f"accounts[{i}]" + (f" ({name})" if name else "")
-        if isinstance(name, str):
-            if name in seen:
-                problems.append(f"{where}.name: duplicate account")
-            seen.add(name)
-            accounts.setdefault(name, account.get("provider"))
-        if real and account.get("credentials") is None:
-            problems.append(f"{where}.credentials: missing credentials reference")
-    seen = set()
-    for i, site in _entries(raw, "sites"):
-        name = site.get("name")
-        where = f"sites[{i}]" + (f" ({name})" if name else "")
-        if isinstance(name, str):
-            if name in seen:
-                problems.append(f"{where}.name: duplicate site")
-            seen.add(name)
-        low, high = site.get("min_nodes", 0), site.get("max_nodes")
-        if isinstance(low, int) and isinstance(high, int) and low > high:
-            problems.append(f"{where}.min_nodes: min_nodes ({low}) is greater than max_nodes ({high})")
-        if site.get("compliance") is True and not site.get("geography"):
-            problems.append(f"{where}.compliance: a compliance site needs a geography")
-        account = site.get("account")
-        if isinstance(account, str):
-            if account not in accounts:
-                problems.append(f"{where}.account: unknown account reference {account!r}")
-            elif site.get("provider") in PROVIDERS and accounts[account] in PROVIDERS \
-                    and accounts[account] != site.get("provider"):
-                problems.append(f"{where}.account: account {account!r} is a {accounts[account]} account, "
-                                f"site is {site.get('provider')}")
-    return problems + _check_models(raw)
-
-
-def _check_models(raw: dict[str, Any]) -> list[str]:
-    """Every model names known sites; standby sites only where the mode has them, and only
-    inside a compliance primary's geography (fleet.replacement)."""
-    from fleet.replacement import may_move
-
-    models = raw.get("models")
-    if not isinstance(models, dict):
-        return []
-    sites = {s.get("name"): s for _, s in _entries(raw, "sites") if isinstance(s.get("name"), str)}
-    problems: list[str] = []
-    for model, policy in models.items():
-        if not isinstance(policy, dict):
-            continue
-        where = f"models.{model}"
-        primaries = policy.get("sites") if isinstance(policy.get("sites"), list) else []
-        standby = policy.get("standby_sites") if isinstance(policy.get("standby_sites"), list) else []
-        for field, names in (("sites", primaries), ("standby_sites", standby)):
-            for name in names:
-                if isinstance(name, str) and name not in sites:
-                    problems.append(f"{where}.{field}: unknown site {name!r}")
-        both = set(map(str, primaries)) & set(map(str, standby))
-        if both:
-            problems.append(f"{where}.standby_sites: {', '.join(sorted(both))} also primary")
-        mode = policy.get("mode", "active-active")
-        if mode == "active-active" and standby:
-            problems.append(f"{where}.standby_sites: active-active has no standby sites (list them in sites)")
-        if mode in ("active-passive", "burst") and (not primaries or not standby):
-            problems.append(f"{where}.mode: {mode} needs sites (primaries) and standby_sites")
-        first = sites.get(primaries[0]) if primaries and isinstance(primaries[0], str) else None
-        if first is not None and first.get("compliance") is True:
-            anchor = Site.model_construct(name=first["name"], geography=first.get("geography"), compliance=True)
-            for name in [*primaries[1:], *standby]:
-                other = sites.get(name)
-                if other is not None and not may_move(anchor, Site.model_construct(
-                        name=name, geography=other.get("geography"), compliance=bool(other.get("compliance")))):
-                    problems.append(f"{where}: {name} is outside compliance site {first['name']}'s geography "
-                                    f"{first.get('geography')!r}")
-    return problems
 
 
 #: The image a site boots when neither it nor its account names one: (account option, default)

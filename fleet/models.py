@@ -11,6 +11,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 # Bounds for what workflows take from outside (inputs, signals, updates): every number
 # has a range, every float is finite, every string a length.
 DAY = 86400.0
+#: The providers gpufleet has an adapter for (``providers/``), as ``sites.yaml`` names them.
+PROVIDERS = ("aws", "lambda", "nebius", "hetzner", "own-dc")
 #: Sites, accounts, nodes, machine ids, offer keys: Kubernetes' name limit is plenty.
 Name = Annotated[str, StringConstraints(min_length=1, max_length=253)]
 MaybeName = Annotated[str, StringConstraints(max_length=253)]

@@ -62,6 +62,17 @@ class Constraints(BaseModel):
         return set(self.gpu_class) if self.gpu_class else None
 
 
+def replacement_constraints(origin: Site) -> Constraints:
+    """What an AcquireCapacity for a replacement of an ``origin`` machine may buy: the
+    same GPU and GPUs per machine, inside ``origin``'s geography when it is a compliance
+    site (SpotReclaim's replacement; the rule itself is ``fleet.replacement``)."""
+    return Constraints(
+        gpu=origin.gpu, gpus_per_machine=origin.gpus_per_machine,
+        geographies=[origin.geography] if origin.compliance and origin.geography else None,
+        sites=[origin.name] if origin.compliance and not origin.geography else None,
+    )
+
+
 def offer_key(site: str, instance_type: str) -> str:
     """How an offer is named in exclusions, account blocks and reasons."""
     return f"{site}/{instance_type}"

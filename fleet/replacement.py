@@ -8,11 +8,10 @@ functions (no Temporal, no I/O), deterministic, so workflows may call them too.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, Sequence, TypeVar
+from typing import Protocol, Sequence, TypeVar
 
-if TYPE_CHECKING:  # fleet.config imports fleet.incident, which imports this rule
-    from fleet.config import Site
-    from fleet.placement import Constraints
+# This rule imports no other fleet module: fleet.config imports fleet.incident, which imports
+# it (pyproject.toml's acyclic contract keeps fleet's modules free of import circles).
 
 
 class Located(Protocol):
@@ -24,6 +23,16 @@ class Located(Protocol):
 
 
 S = TypeVar("S", bound=Located)
+
+
+class Sold(Located, Protocol):
+    """What ``replacement_sites`` reads of a site besides where it is (``fleet.config.Site``)."""
+
+    gpu: str
+    price_per_gpu_hour: float
+
+
+R = TypeVar("R", bound=Sold)
 
 
 def may_move(origin: Located, target: Located) -> bool:
@@ -39,7 +48,7 @@ def allowed_targets(origin: Located, candidates: Sequence[S]) -> list[S]:
     return [s for s in candidates if s.name != origin.name and may_move(origin, s)]
 
 
-def replacement_sites(origin: Site, sites: Sequence[Site]) -> list[str]:
+def replacement_sites(origin: Sold, sites: Sequence[R]) -> list[str]:
     """Where a machine of ``origin`` is replaced: the same site first, then the other
     allowed sites selling the same GPU, cheapest per GPU-hour first (ties by name)."""
     others = sorted(
@@ -48,15 +57,3 @@ def replacement_sites(origin: Site, sites: Sequence[Site]) -> list[str]:
     )
     return [origin.name, *(s.name for s in others)]
 
-
-def replacement_constraints(origin: Site) -> Constraints:
-    """What an AcquireCapacity for a replacement of an ``origin`` machine may buy: the
-    same GPU and GPUs per machine, inside ``origin``'s geography when it is a compliance
-    site (SpotReclaim's replacement)."""
-    from fleet.placement import Constraints
-
-    return Constraints(
-        gpu=origin.gpu, gpus_per_machine=origin.gpus_per_machine,
-        geographies=[origin.geography] if origin.compliance and origin.geography else None,
-        sites=[origin.name] if origin.compliance and not origin.geography else None,
-    )

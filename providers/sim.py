@@ -173,6 +173,39 @@ class SimWorld(SqliteDb):
             for key, value in fields.items():
                 db.execute(f"UPDATE sites SET {key}=? WHERE name=?", (value, site))
 
+    #: The site knobs ``reset`` puts back, each from the site's ``sim:`` block (unreachable: 0).
+    SITE_KNOBS = ("capacity", "quota", "api_latency_ms", "boot_seconds", "interruption_risk", "unreachable")
+
+    def reset(self, config: FleetConfig) -> list[str]:
+        """Every knob back to the config's defaults: each site's capacity, quota, API latency, boot
+        time, interruption risk and reachability, each account's credentials valid, every injected
+        GPU fault gone. Machines, nodes and what runs on them stay. Returns one line per change."""
+        changes: list[str] = []
+        with self.tx() as db:
+            for site in config.sites:
+                row = db.execute("SELECT * FROM sites WHERE name=?", (site.name,)).fetchone()
+                if row is None:
+                    continue
+                wanted = {knob: getattr(site.sim, knob) for knob in self.SITE_KNOBS if knob != "unreachable"}
+                wanted["unreachable"] = 0
+                for knob, value in wanted.items():
+                    if row[knob] != value:
+                        db.execute(f"UPDATE sites SET {knob}=? WHERE name=?", (value, site.name))
+                        changes.append(f"{site.name}: {knob} {row[knob]} -> {value}")
+            for account in config.accounts:
+                found = db.execute("UPDATE accounts SET credentials_valid=1 WHERE name=? AND credentials_valid=0",
+                                   (account.name,)).rowcount
+                if found:
+                    changes.append(f"{account.name}: credentials revoked -> valid")
+            faults = db.execute(
+                "SELECT COALESCE(m.name, f.machine_id) AS machine, f.idx, f.kind, COUNT(*) AS n FROM gpu_faults f"
+                " LEFT JOIN machines m ON m.id = f.machine_id GROUP BY machine, f.idx, f.kind ORDER BY machine, f.idx"
+            ).fetchall()
+            db.execute("DELETE FROM gpu_faults")
+            changes += [f"{f['machine']} GPU {f['idx']}: {f['kind']} fault cleared" + (f" (x{f['n']})" if f["n"] > 1 else "")
+                        for f in faults]
+        return changes
+
     def set_credentials_valid(self, account: str, valid: bool) -> None:
         with self.tx() as db:
             if not db.execute("SELECT 1 FROM accounts WHERE name=?", (account,)).fetchone():

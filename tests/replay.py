@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from temporalio.client import WorkflowHandle, WorkflowHistory
@@ -32,7 +33,13 @@ def replayer() -> Replayer:
 async def replay_and_record(handle: WorkflowHandle, name: str) -> None:
     """Replay this run's history against today's code; keep it when recording."""
     history = await handle.fetch_history()
-    await replayer().replay_workflow(history)
+    try:
+        await replayer().replay_workflow(history)
+    except Exception as error:
+        # The evidence of a nondeterminism: the history that did not replay, to replay by hand.
+        kept = Path(tempfile.gettempdir()) / f"gpufleet-unreplayable-{name}-{os.getpid()}.json"
+        kept.write_text(json.dumps(history.to_json_dict(), indent=1))
+        raise AssertionError(f"{handle.id} did not replay against today's code; its history: {kept}") from error
     if RECORD:
         HISTORIES.mkdir(exist_ok=True)
         (HISTORIES / f"{name}.json").write_text(json.dumps(history.to_json_dict(), indent=1))

@@ -1,4 +1,4 @@
-"""Packing quality of the pure demand planner (fleet.demand.plan_demand), as properties:
+"""Packing quality of the pure demand planner (fleet.demand_planner.plan_demand), as properties:
 every pod lands on a machine it qualifies for with room for it, the plan never costs more
 than buying each pod its own cheapest qualifying machine, a model's spot share holds, and
 a small batch is packed at the brute-force optimum."""
@@ -19,10 +19,9 @@ from fleet.demand import (
     LABEL_FLEET,
     LABEL_GEOGRAPHY,
     GpuPod,
-    ModelUsage,
     Toleration,
-    plan_demand,
 )
+from fleet.demand_planner import ModelUsage, plan_demand
 from fleet.models import CapacityType, Offer
 from fleet.placement import effective_price
 

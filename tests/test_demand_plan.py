@@ -1,5 +1,6 @@
-"""The demand planner and consolidation (fleet.demand), pure: constraints, no double buying,
-modes, spot share, consolidation rules; and the serving policy's config checks."""
+"""The demand planner and consolidation (fleet.demand_planner, fleet.consolidation), pure:
+constraints, no double buying, modes, spot share, consolidation rules; and the serving
+policy's config checks."""
 
 from __future__ import annotations
 
@@ -7,23 +8,19 @@ import pytest
 
 from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_MODEL, LABEL_SITE, UNPROVEN_TAINT
 from fleet.config import ConfigError, parse_config
+from fleet.consolidation import ConsolidationSettings, IdleNode, consolidate
 from fleet.demand import (
     ANNOTATION_MAX_PRICE,
     DEMAND_TAINT_KEY,
     LABEL_CAPACITY_TYPE,
     LABEL_FLEET,
     LABEL_GEOGRAPHY,
-    ConsolidationSettings,
     GpuPod,
-    IdleNode,
-    ModelUsage,
-    NodeRoom,
     Toleration,
-    consolidate,
     opted_in,
-    plan_demand,
     site_labels,
 )
+from fleet.demand_planner import ModelUsage, NodeRoom, plan_demand
 from fleet.placement import offers_from_config
 
 

@@ -111,7 +111,7 @@ def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
 
     # A join that cannot finish yet: its machines cannot reach the control plane.
     assert gpufleet(env, "sim", "unreachable", "site-b").returncode == 0
-    assert gpufleet(env, "join", "--site", "site-b", "--request", "across-restart").returncode == 0
+    assert gpufleet(env, "join", "--site", "site-b", "--request", "across-restart", "--detach").returncode == 0
     time.sleep(2)
     stop_dev(dev)
     assert not any(Path(f"/proc/{pid}").exists() for pid in children), "every child stopped"

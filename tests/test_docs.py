@@ -175,3 +175,22 @@ def test_the_schema_validates_the_shipped_configs_and_refuses_unknown_keys():
     shipped["sites"][0]["max_node"] = 3
     with pytest.raises(jsonschema.ValidationError, match="max_node"):
         jsonschema.validate(shipped, schema)
+
+
+def test_every_line_of_the_threat_model_names_tests_that_exist():
+    """docs/security.md says what a hostile node cannot do, one line each, and names the tests
+    that try it: a renamed or deleted test leaves a line no test proves, and fails here."""
+    import ast
+
+    text = (DOCS / "security.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith(("| the ", "|---"))]
+    assert len(rows) >= 25, "the threat model's tables"
+    for row in rows:
+        named = re.findall(r"`(tests/[\w/]+\.py)::(\w+)`", row)
+        assert named, f"a line of the threat model that names no test: {row[:100]}"
+        for path, name in named:
+            source = ROOT / path
+            assert source.is_file(), f"{path} (named by the threat model) does not exist"
+            tests = {node.name for node in ast.walk(ast.parse(source.read_text()))
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            assert name in tests, f"{path}::{name} (named by the threat model) does not exist"

@@ -10,7 +10,7 @@ import jsonschema
 
 from fleet.routing import RoutingDocument, SiteRouteState
 from providers.cluster.base import serving_name
-from providers.envoy_gateway import render_routing
+from providers.cluster.envoy_gateway import render_routing
 
 _NAME = {"type": "string", "minLength": 1, "maxLength": 253}
 HTTPROUTE_SPEC = {

@@ -34,8 +34,10 @@ from tests.security.gateway_helpers import retire
 from tests.conftest import NODE_GATEWAYS, Stack, SessionGateway, start_test_gateway, wait_for
 from workers.node_agent import cert_key_fingerprint, connect_via_gateway
 from fleet.settings import Settings
-from workers.node_gateway import (GatewayAccess, LiveCache, Pki, Verdict, node_key_and_csr, node_liveness,
-                                  start_gateway)
+from workers.gateway.liveness import LiveCache, Verdict, node_liveness
+from workers.gateway.node_identity import GatewayAccess, node_key_and_csr
+from workers.gateway.pki import Pki
+from workers.gateway.proxy import start_gateway
 
 ECHO_QUEUE_PREFIX = "gw-test"
 
@@ -189,7 +191,7 @@ async def test_the_gateway_counts_what_it_forwards_and_refuses_on_its_metrics_pa
     from prometheus_client import CollectorRegistry, generate_latest
     from prometheus_client.parser import text_string_to_metric_families
 
-    from workers.node_gateway import GatewayCollector
+    from workers.gateway.proxy import GatewayCollector
 
     gw = gateway(temporal_env)
     registry = CollectorRegistry()
@@ -224,13 +226,13 @@ async def test_other_ca_expired_missing_or_non_node_certificates_are_refused(tem
     # Signed by the right CA, but not a node's certificate.
     from cryptography.hazmat.primitives.asymmetric import ec
 
-    from workers.node_gateway import _name, _pem_key
+    from workers.gateway.node_identity import pem_private_key, subject_name
 
     key = ec.generate_private_key(ec.SECP256R1())
-    admin = gw.pki._issue(_name("admin", "system:masters"), key.public_key(), dt.timedelta(hours=1),
+    admin = gw.pki._issue(subject_name("admin", "system:masters"), key.public_key(), dt.timedelta(hours=1),
                           x509.ExtendedKeyUsageOID.CLIENT_AUTH)
     with pytest.raises(RuntimeError) as caught:
-        await connect_via_gateway(gw.access, "default", admin, _pem_key(key))
+        await connect_via_gateway(gw.access, "default", admin, pem_private_key(key))
     assert "PermissionDenied" in str(caught.value) or "not a node certificate" in str(caught.value)
 
 

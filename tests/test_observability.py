@@ -270,7 +270,7 @@ async def test_top_once_shows_the_sim_fleets_sites_and_counts(stack) -> None:
     handle = await stack.start_join({"site": "site-a", "count": 2})
     await handle.result()
     env = {**stack.settings_env(), "COLUMNS": "250"}
-    shown = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", "top", "--once"], env=env,
+    shown = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", "top", "--once", "-o", "table"], env=env,
                                     capture_output=True, text=True, timeout=60)
     assert shown.returncode == 0, shown.stdout + shown.stderr
     rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]

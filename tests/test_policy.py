@@ -17,8 +17,8 @@ from fleet.config import Site
 from fleet.incident import SiteFacts, allowed_targets, recovery, restore_percents, restore_weights, weight_at
 from fleet.messages.evacuation import SiteRef, SiteWeightInput
 from fleet.models import AccountState, CapacityType
-from fleet.placement import offers_from_config, rank
-from fleet.replacement import may_move, replacement_constraints, replacement_sites
+from fleet.placement import offers_from_config, rank, replacement_constraints
+from fleet.replacement import may_move, replacement_sites
 from fleet.settings import Settings
 
 

@@ -46,7 +46,7 @@ from fleet.temporal import connect, tracing_interceptors
 from providers.gpu import GpuBackend
 from workers.gc_tuning import settle_garbage_collection
 from workers.metrics import agents_running, start_metrics
-from workers.node_gateway import GatewayAccess, node_key_and_csr
+from workers.gateway.node_identity import GatewayAccess, node_key_and_csr
 
 log = logging.getLogger("gpufleet.node_agent")
 
@@ -414,7 +414,7 @@ async def main() -> None:
             os.nice(args.nice)
         signer = None
         if gateway is not None:
-            from workers.node_gateway import Pki
+            from workers.gateway.pki import Pki
 
             signer = pki_signer(Pki.load_or_create(Path(os.environ["GPUFLEET_SIM_SIGNER_DIR"])))
         host = SimNodeHost(client, settings, poll_seconds=args.poll_seconds, gateway=gateway, signer=signer,

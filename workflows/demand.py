@@ -6,14 +6,14 @@ One entity per fleet, a loop:
    answer for, then let the batch close (1 s without a new pod, 10 s at most);
 2. look at the purchases in flight; a purchase whose pods all went is cancelled while
    its join has not yet asked the provider for a machine;
-3. plan (activity, pure ``fleet.demand.plan_demand``): pods that fit a node or a join
+3. plan (activity, pure ``fleet.demand_planner.plan_demand``): pods that fit a node or a join
    in flight buy nothing; the rest are bin-packed onto the cheapest qualifying offers;
 4. buy: one ``AcquireCapacity`` per planned machine, pinned to its offer, started with
    the standard id ``capacity/demand-<n>`` (not a child: a purchase outlives this run's
    continue-as-new; a failed one puts its offer out of the plan for a while and the pods
    are planned again, elsewhere);
 5. consolidate: nodes idle past the TTL are drained (PDBs honoured) and retired,
-   most expensive first, within the site minimums and fractions (``fleet.demand.consolidate``).
+   most expensive first, within the site minimums and fractions (``fleet.consolidation.consolidate``).
 
 Every decision (pods → offer → purchase, with its reason; cancellations; retirements)
 is in the current details and the ``status`` query (``gpufleet demand``).
@@ -29,7 +29,7 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
-    from fleet.demand import ConsolidationSettings, consolidate
+    from fleet.consolidation import ConsolidationSettings, consolidate
     from fleet.messages.capacity import Catalog, GetCatalogInput
     from fleet.messages.demand import (
         CancelOutcome,

@@ -24,8 +24,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.config import Site
     from fleet.naming import capacity_workflow_id
-    from fleet.placement import offer_key
-    from fleet.replacement import replacement_constraints
+    from fleet.placement import offer_key, replacement_constraints
     from fleet.cluster import DrainResult
     from workflows.inputs import parse_input, parse_signal
     from workflows.steps import PROVIDER_RETRY, QUICK, drain_node, failure_message, retire_machine, show_details

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from fleet.demand import DemandPlan, IdleNode, ModelUsage, NodeRoom
+from fleet.consolidation import IdleNode
+from fleet.demand_planner import DemandPlan, ModelUsage, NodeRoom
 from fleet.models import DAY, CapacityType, Offer
 from fleet.placement import AccountView
 

@@ -364,6 +364,19 @@ def check_state_data(data: dict[str, str]) -> dict[str, str]:
 
 
 # -- shared helpers ---------------------------------------------------------------------
+#: On every object gpufleet renders for a model: the model's name as written.
+ANNOTATION_MODEL = "gpufleet.io/model"
+#: Gateway API's group (Gateway, HTTPRoute).
+GATEWAY_GROUP = "gateway.networking.k8s.io"
+GATEWAY_VERSION = "v1"
+
+
+def label_value(value: str) -> str:
+    """A valid label value (≤63, alphanumerics at both ends)."""
+    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", value)[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
+
+
 def dns_label(value: str, max_len: int = 63) -> str:
     """A DNS-1035 label (lowercase, ``[a-z0-9-]``, starts with a letter) for ``value``.
     Names cut to fit get a short hash so two long names stay distinct."""

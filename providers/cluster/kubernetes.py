@@ -100,7 +100,17 @@ from fleet.weights_pull import CACHE_ROOT as WEIGHTS_CACHE_ROOT
 from fleet.weights_pull import ENV as WEIGHTS_ENV
 from fleet.weights_pull import KEY_ENV as WEIGHTS_KEY_ENV
 from providers.cluster.bootstrap import BOOTSTRAP_GROUP, BootstrapToken, ca_cert_hash
+from providers.cluster.envoy_gateway import (
+    ENVOY_GROUP,
+    ENVOY_VERSION,
+    render_backend_traffic_policy,
+    render_httproute,
+    render_httproute_spec,
+)
 from providers.cluster.base import (
+    ANNOTATION_MODEL,
+    GATEWAY_GROUP,
+    GATEWAY_VERSION,
     AccessRule,
     CLIENT_SIGNER,
     CONTROL_PLANE_LABEL,
@@ -117,6 +127,7 @@ from providers.cluster.base import (
     check_state_data,
     dns_label,
     format_taint,
+    label_value as _label_value,
     parse_taint,
     routing_sites,
     run_drain,
@@ -157,7 +168,6 @@ LABEL_TOKEN_ID = "gpufleet.io/token-id"
 LABEL_STATE = "gpufleet.io/state"
 ANNOTATION_STATE_KEY = "gpufleet.io/state-key"
 ANNOTATION_NODE_NAME = "gpufleet.io/node-name"
-ANNOTATION_MODEL = "gpufleet.io/model"
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 #: kubeadm's default bootstrap group: bound to auto-approval of node client certificates
 #: for any node name, so gpufleet's tokens never carry it (they carry ``BOOTSTRAP_GROUP``).
@@ -174,8 +184,6 @@ JOIN_TOKEN_KIND = "join-token"
 #: reads; created by the first join that needs it.
 JOIN_TOKEN_KEY_SECRET = "gpufleet-join-token-key"
 CSR_GROUP = "certificates.k8s.io"
-GATEWAY_GROUP = "gateway.networking.k8s.io"
-GATEWAY_VERSION = "v1"
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 #: Stands for the adapter's namespace in ``ACCESS``.
@@ -307,12 +315,6 @@ def _name_part(value: str) -> str:
 def bootstrap_secret_name(machine_id: str) -> str:
     """The bootstrap channel Secret of a machine (what its bootstrap fetch reads)."""
     return f"gpufleet-bootstrap-{_name_part(machine_id)}"[:253]
-
-
-def _label_value(value: str) -> str:
-    """A valid label value (≤63, alphanumerics at both ends)."""
-    cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", value)[:63]
-    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
 
 
 def _canonical(obj: Any) -> str:
@@ -484,46 +486,6 @@ def render_pdb(model: str, site: str, namespace: str) -> dict[str, Any]:
     }
 
 
-def render_httproute_spec(model: str, sites: dict[str, SiteRoute], gateway: str, gateway_namespace: str) -> dict:
-    return {
-        "parentRefs": [
-            {"group": GATEWAY_GROUP, "kind": "Gateway", "name": gateway, "namespace": gateway_namespace}
-        ],
-        "rules": [
-            {
-                "matches": [{"path": {"type": "PathPrefix", "value": f"/{dns_label(model)}"}}],
-                "backendRefs": [
-                    {
-                        "group": "",
-                        "kind": "Service",
-                        "name": serving_name(model, site),
-                        "port": SERVING_PORT,
-                        "weight": route.weight,
-                    }
-                    for site, route in sorted(sites.items())
-                ],
-            }
-        ],
-    }
-
-
-def render_httproute(
-    model: str, sites: dict[str, SiteRoute], namespace: str, gateway: str, gateway_namespace: str
-) -> dict[str, Any]:
-    name = dns_label(model)
-    return {
-        "apiVersion": f"{GATEWAY_GROUP}/{GATEWAY_VERSION}",
-        "kind": "HTTPRoute",
-        "metadata": {
-            "name": name,
-            "namespace": namespace,
-            "labels": {LABEL_MODEL: _label_value(name), "app.kubernetes.io/managed-by": "gpufleet"},
-            "annotations": {ANNOTATION_MODEL: model},
-        },
-        "spec": render_httproute_spec(model, sites, gateway, gateway_namespace),
-    }
-
-
 # -- errors ----------------------------------------------------------------------------
 def _status_of(error: ApiException) -> dict[str, Any]:
     try:
@@ -535,7 +497,14 @@ def _status_of(error: ApiException) -> dict[str, Any]:
 
 def _message(error: ApiException) -> str:
     status = _status_of(error)
-    causes = [c.get("message", "") for c in (status.get("details") or {}).get("causes") or [] if c.get("message")]
+    # A real API server names the field in each cause's ``field``, not in its message (and may
+    # repeat a cause): the field goes first, each cause once, so the error names what was wrong.
+    causes: list[str] = []
+    for cause in (status.get("details") or {}).get("causes") or []:
+        if cause.get("message"):
+            text = f"{cause['field']}: {cause['message']}" if cause.get("field") else cause["message"]
+            if text not in causes:
+                causes.append(text)
     return "; ".join(causes) or status.get("message") or error.reason or f"HTTP {error.status}"
 
 
@@ -1412,9 +1381,6 @@ class KubernetesCluster:
     def _write_backend_traffic_policy(self, model: str) -> None:
         """Envoy Gateway's policy on the model's HTTPRoute: sessions stick to their site, and
         only a request that got no response byte is retried (HTTPRoute alone can say neither)."""
-        # Imported here: the Envoy Gateway renderer builds on this module's HTTPRoute.
-        from providers.envoy_gateway import ENVOY_GROUP, ENVOY_VERSION, render_backend_traffic_policy
-
         body = render_backend_traffic_policy(model, self.namespace)
         name = body["metadata"]["name"]
         args = (ENVOY_GROUP, ENVOY_VERSION, self.namespace, "backendtrafficpolicies")

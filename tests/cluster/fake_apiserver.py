@@ -1,6 +1,22 @@
 """A small Kubernetes API server for the adapter tests (stdlib only, one thread per request).
 
-It keeps the real API's semantics for what the adapter uses:
+The real API server (tests/realk8s/, a kubeadm-style control plane) is the test wherever it can
+show what a test needs; this fake stays for:
+
+* faults a real server is not made to show on cue: a 5xx, a 409 on exactly the next N writes
+  (``fail``), a server that accepts and then answers nothing (``response_delay_s``), a stopped
+  server mid-run;
+* what the real tier cannot hold yet, each test saying so where it uses the fake: a graceful
+  pod termination taking N seconds and a Deployment's rollout status (both need kubelets the
+  real tier's bare Nodes do not have), the Gateway API's and Envoy Gateway's CRDs (not installed
+  there), cluster-wide listings whose exact contents a shared control plane cannot fix
+  (``gpufleet cluster check``'s Konnectivity rows), and, not moved yet (issue 33), the cluster
+  port's contract suite (``tests/cluster/test_contract.py`` and the ``harness`` tests), the
+  simulated kubelet's join tests (``tests/providers/test_join_real.py``) and the ``mode: real``
+  worker tests (``tests/providers/test_advisor_real.py``, ``test_demand_real.py``,
+  ``test_sweep_real.py``, ``test_csr_approver_real.py``, ``tests/test_durable_state.py``).
+
+It keeps the real API's semantics for what the adapter uses (``tests/cluster/test_fake_apiserver.py``):
 
 * paths, verbs and ``Status`` error objects (404 NotFound, 409 AlreadyExists /
   Conflict, 422 Invalid, 400 BadRequest, 415, 429 TooManyRequests);
@@ -740,7 +756,12 @@ class FakeKube:
             raise ApiError(422, "Invalid", f'metadata.name: Invalid value: "{name}": a lowercase RFC 1123 subdomain')
         for key, value in (obj["metadata"].get("labels") or {}).items():
             if not isinstance(value, str) or len(value) > 63 or not re.fullmatch(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?", value):
-                raise ApiError(422, "Invalid", f'metadata.labels: Invalid value: "{value}" (label {key})')
+                # As a real API server says it: the field in the cause's ``field``, not in its message.
+                raise ApiError(422, "Invalid", f'{obj.get("kind", "object")} "{name}" is invalid: metadata.labels: '
+                               f'Invalid value: "{value}"', {"causes": [{
+                                   "reason": "FieldValueInvalid", "field": "metadata.labels",
+                                   "message": f'Invalid value: "{value}": a valid label must be an empty string or '
+                                              "consist of alphanumeric characters"}]})
         if resource == "nodes":
             for taint in (obj.get("spec") or {}).get("taints") or []:
                 if not taint.get("key") or taint.get("effect") not in TAINT_EFFECTS:

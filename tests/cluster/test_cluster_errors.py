@@ -1,10 +1,12 @@
 """Cluster errors are typed like provider errors (issue 13, item 4).
 
-Against the fake API server: a permanent answer (422 invalid label value, 403 RBAC
-denial) leaves the Kubernetes adapter as a named, non-retryable error and reaches a
-workflow as an ``ApplicationError`` of that type after one attempt, even under a
-retry policy with no attempt limit; a 409 is re-read and tried again inside the
-adapter, and past its bound is a retryable ``ClusterConflict`` Temporal retries.
+A permanent answer (422 invalid label value, 403 RBAC denial) leaves the Kubernetes adapter as
+a named, non-retryable error and reaches a workflow as an ``ApplicationError`` of that type
+after one attempt: against the real API server, ``tests/realk8s/test_adapter_objects.py``.
+
+Here, against the fake API server, the answers a real one cannot be made to give on cue: a 409
+on exactly the next N writes (re-read and tried again inside the adapter, and past its bound a
+retryable ``ClusterConflict`` Temporal retries) and a 5xx (transient).
 """
 
 from __future__ import annotations
@@ -15,18 +17,16 @@ from datetime import timedelta
 
 import pytest
 from temporalio import workflow
-from temporalio.client import WorkflowFailureError
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.testing import ActivityEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from activities.control_plane import ControlPlaneActivities
 from activities.env import FleetEnv
 from activities.models import PrepareNodeInput
-from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_SITE, UNPROVEN_TAINT
+from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
 from fleet.config import load_config
-from fleet.errors import NON_RETRYABLE_TYPES, BadCredentials, ClusterConflict, ClusterForbidden, ClusterInvalid
+from fleet.errors import NON_RETRYABLE_TYPES, ClusterConflict
 from fleet.models import Node
 from fleet.settings import Settings
 from providers.cluster import kubernetes
@@ -48,15 +48,9 @@ def _run(acts: ControlPlaneActivities, inp: PrepareNodeInput) -> Node:
 
 
 # -- the adapter ------------------------------------------------------------------------------
-def test_an_invalid_label_value_is_cluster_invalid_and_asked_once(kube, fake):
-    fake.add_node("gpu-1")
-    with pytest.raises(ClusterInvalid, match="metadata.labels") as caught:
-        kube.label_node("gpu-1", {LABEL_GPU_PRODUCT: "H100 SXM 80GB"})
-    assert caught.value.code == "422" and not caught.value.retryable
-    assert _patches(fake) == 1
-
-
 def test_a_conflict_is_read_again_then_bounded(kube, fake):
+    # Fake: a 409 on exactly the next N writes is an injected fault; a real server gives conflicts
+    # only to a racing writer (that case, real: tests/realk8s/test_adapter_objects.py, taints).
     fake.add_node("gpu-1")
     fake.fail("patch", "nodes", 409, "Conflict", times=2)
     node = kube.set_taints("gpu-1", add=[UNPROVEN_TAINT])
@@ -71,6 +65,7 @@ def test_a_conflict_is_read_again_then_bounded(kube, fake):
 
 @pytest.mark.parametrize("code", [500, 503])
 def test_a_server_error_is_transient(kube, fake, code):
+    # Fake: a real API server is not made to answer 500/503 on cue.
     fake.add_node("gpu-1")
     fake.fail("patch", "nodes", code, "InternalError", times=1)
     with pytest.raises(Exception) as caught:
@@ -84,25 +79,9 @@ def test_the_cluster_types_are_named_non_retryable():
 
 
 # -- the activity boundary --------------------------------------------------------------------
-def test_prepare_node_with_an_invalid_label_fails_named_and_final(activities, fake):
-    fake.add_node("gpu-1")
-    with pytest.raises(ApplicationError) as caught:
-        _run(activities, PrepareNodeInput(node_name="gpu-1", labels={LABEL_SITE: "not a label value!"}))
-    assert (caught.value.type, caught.value.non_retryable) == ("ClusterInvalid", True)
-    assert "not a label value!" in str(caught.value)
-
-
-def test_prepare_node_forbidden_fails_named_and_final_not_bad_credentials(activities, fake):
-    fake.add_node("gpu-1")
-    fake.forbid("patch", "nodes")
-    with pytest.raises(ApplicationError) as caught:
-        _run(activities, PrepareNodeInput(node_name="gpu-1", labels={LABEL_SITE: "site-a"}))
-    assert (caught.value.type, caught.value.non_retryable) == ("ClusterForbidden", True)
-    assert caught.value.type != BadCredentials.__name__
-    assert isinstance(caught.value.__cause__, ClusterForbidden)
-
-
 def test_prepare_node_rides_out_a_few_conflicts(activities, fake):
+    # Fake: a 409 on exactly the next N writes is an injected fault; a real server gives conflicts
+    # only to a racing writer (that case, real: tests/realk8s/test_adapter_objects.py, taints).
     fake.add_node("gpu-1")
     fake.fail("patch", "nodes", 409, "Conflict", times=3)
     node = _run(activities, PrepareNodeInput(node_name="gpu-1", labels={LABEL_SITE: "site-a"},
@@ -135,27 +114,9 @@ async def _execute(temporal_env, acts: ControlPlaneActivities, inp: PrepareNodeI
             )
 
 
-async def test_a_422_ends_the_workflow_after_one_attempt(temporal_env, activities, fake):
-    fake.add_node("gpu-1")
-    with pytest.raises(WorkflowFailureError) as caught:
-        await _execute(temporal_env, activities,
-                       PrepareNodeInput(node_name="gpu-1", labels={LABEL_GPU_PRODUCT: "H100 SXM"}))
-    cause = caught.value.cause
-    assert isinstance(cause, ActivityError) and isinstance(cause.cause, ApplicationError)
-    assert cause.cause.type == "ClusterInvalid"
-    assert _patches(fake) == 1
-
-
-async def test_a_403_ends_the_workflow_after_one_attempt(temporal_env, activities, fake):
-    fake.add_node("gpu-1")
-    fake.forbid("patch", "nodes")
-    with pytest.raises(WorkflowFailureError) as caught:
-        await _execute(temporal_env, activities, PrepareNodeInput(node_name="gpu-1", labels={LABEL_SITE: "site-a"}))
-    assert caught.value.cause.cause.type == "ClusterForbidden"
-    assert _patches(fake) == 1
-
-
 async def test_conflicts_past_the_adapters_bound_are_retried_by_temporal(temporal_env, activities, fake):
+    # Fake: a 409 on exactly the next N writes is an injected fault; a real server gives conflicts
+    # only to a racing writer (that case, real: tests/realk8s/test_adapter_objects.py, taints).
     fake.add_node("gpu-1")
     # The first attempt meets only conflicts (ClusterConflict, retryable); the second wins.
     fake.fail("patch", "nodes", 409, "Conflict", times=kubernetes._RETRY_CONFLICTS + 2)

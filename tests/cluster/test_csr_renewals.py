@@ -2,15 +2,14 @@
 ``kubeadm:node-autoapprove-certificate-rotation`` can be removed: a live gpufleet node (its
 identity record) and a control-plane node (the label NodeRestriction keeps kubelets from
 setting) are renewed for their own name; any other node, a removed one above all, is denied.
-(The same against a real control plane and a real kubelet: tests/realk8s/test_blast_radius.py.)"""
+The adapter's verdicts on CSRs made as the node against a real control plane:
+tests/realk8s/test_adapter_objects.py (and with a real kubelet, tests/realk8s/test_blast_radius.py)."""
 
 from __future__ import annotations
 
 import base64
 
-from fleet.cluster import NodeIdentity
-from providers.cluster.base import CLIENT_SIGNER, CONTROL_PLANE_LABEL, SERVING_SIGNER, csr_decision
-from providers.cluster.kubernetes import CSR_GROUP, NODE_IDENTITY_KIND
+from providers.cluster.base import CLIENT_SIGNER, SERVING_SIGNER, csr_decision
 from tests.cluster.sim_kubelet import csr_pem
 
 
@@ -35,19 +34,3 @@ def test_a_renewal_is_judged_for_live_and_control_plane_nodes_and_denied_for_any
     assert decide(renewal("e", "gpu-retired")) is None
     assert decide(renewal("f", "gpu-retired", signer=SERVING_SIGNER), control_plane) is None
 
-
-def test_the_adapter_renews_a_labelled_control_plane_node_and_denies_a_removed_one(kube, fake) -> None:
-    fake.add_node("cp-1", {CONTROL_PLANE_LABEL: ""})
-    fake.add_node("gpu-live", {})
-    # A removed node whose kubelet registered its Node again: it cannot give itself the label.
-    fake.add_node("gpu-removed", {"node-role.example.com/control-plane": ""})
-    identity = NodeIdentity(node_name="gpu-live", machine_id="m-1", provider="lambda", account="a", site="s")
-    kube.update_state(NODE_IDENTITY_KIND, "gpu-live", lambda _current: identity.state())
-    for name, node in (("r-cp", "cp-1"), ("r-live", "gpu-live"), ("r-removed", "gpu-removed")):
-        fake.put(CSR_GROUP, "certificatesigningrequests", renewal(name, node))
-    verdicts = {d.name: d for d in kube.review_csrs(lambda _node: None)}
-    assert verdicts["r-cp"].approve and verdicts["r-live"].approve
-    assert not verdicts["r-removed"].approve
-    conditions = {n: [c["type"] for c in (fake.get(CSR_GROUP, "certificatesigningrequests", "", n)["status"]
-                                         .get("conditions") or [])] for n in verdicts}
-    assert conditions == {"r-cp": ["Approved"], "r-live": ["Approved"], "r-removed": ["Denied"]}

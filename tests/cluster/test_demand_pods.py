@@ -1,10 +1,11 @@
-"""Pending GPU pods through the cluster port: the real adapter against the fake API server
-(field selectors, requests given as limits only, nominated pods) and the simulated
-scheduler (selectors, tolerations, GPUs)."""
+"""Pending GPU pods through the cluster port: the simulated scheduler (selectors, tolerations,
+GPUs). The Kubernetes adapter's listing (field selectors, requests given as limits only,
+nominated pods) and its watch run against the real API server and kube-scheduler:
+``tests/realk8s/test_adapter.py``."""
 
 from __future__ import annotations
 
-from fleet.cluster import LABEL_MODEL, UNPROVEN_TAINT
+from fleet.cluster import UNPROVEN_TAINT
 from fleet.demand import (
     DEMAND_TAINT,
     DEMAND_TAINT_KEY,
@@ -12,36 +13,11 @@ from fleet.demand import (
     LABEL_GEOGRAPHY,
     GpuPod,
     Toleration,
-    opted_in,
 )
 
+#: A pod's opt-in to the fleet (also the real tier's pods', tests/realk8s/test_adapter.py).
 OPT_IN = {"node_selector": {LABEL_FLEET: "true", LABEL_GEOGRAPHY: "eu"},
           "tolerations": [{"key": DEMAND_TAINT_KEY, "operator": "Exists", "effect": "NoSchedule"}]}
-
-
-def test_the_adapter_lists_pending_gpu_pods_with_field_selectors(kube, fake):
-    fake.add_node("n1", gpus=8)
-    fake.add_pending_pod("want", 2, namespace="ml", labels={LABEL_MODEL: "llm"},
-                         annotations={"gpufleet.io/max-price-per-gpu-hour": "3", "other": "x"}, **OPT_IN)
-    fake.add_pending_pod("limits", 4, namespace="ml", limits_only=True, **OPT_IN)
-    fake.add_pending_pod("nominated", 1, namespace="ml", nominated_node="n1", **OPT_IN)
-    fake.add_pending_pod("plain", 1, namespace="other")
-    fake.add_pod("n1", "cpu-only", namespace="ml")  # running, no GPUs
-    fake.add_pending_pod("finished", 1, namespace="ml", **OPT_IN)
-    fake.store[("", "pods", "ml", "finished")]["status"] = {"phase": "Succeeded"}
-
-    pending = {p.key: p for p in kube.list_gpu_pods(pending_only=True)}
-    assert set(pending) == {"ml/want", "ml/limits", "ml/nominated", "other/plain"}
-    want = pending["ml/want"]
-    assert (want.gpus, want.model, want.unschedulable, want.node) == (2, "llm", True, "")
-    assert want.annotations == {"gpufleet.io/max-price-per-gpu-hour": "3"}
-    assert opted_in(want) and not opted_in(pending["other/plain"])
-    assert pending["ml/limits"].gpus == 4
-    assert pending["ml/nominated"].nominated_node == "n1"
-    # Every GPU pod that has not finished: the finished one and the CPU-only one are not listed.
-    assert {p.key for p in kube.list_gpu_pods()} == set(pending)
-    selectors = [r for r in fake.requests if r[2] == "pods"]
-    assert selectors and all(r[0] == "list" for r in selectors)
 
 
 def gpu_node(sim, world, name, gpus=2, labels=None, taints=()):

@@ -12,12 +12,8 @@ import yaml
 
 from providers.cluster.base import dns_label, serving_name
 from fleet.cluster import ANNOTATION_TEMPLATE, ServingSpec, SiteRoute
-from providers.cluster.kubernetes import (
-    access_table,
-    render_deployment,
-    render_httproute,
-    render_service,
-)
+from providers.cluster.kubernetes import access_table, render_deployment, render_service
+from providers.cluster.envoy_gateway import render_httproute
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 

@@ -1,7 +1,8 @@
 """The cluster port's watches (issue 37): the simulated cluster and the Kubernetes adapter (a real
 watch against the fake API server: list, then watch from its resourceVersion) return as soon as
 the caller's condition holds, and not before; unchanged after their timeout. The adapter's
-``410 Gone`` handling is proven against the real API server (tests/realk8s/test_watch.py)."""
+``410 Gone`` handling and its pending-GPU-pod watch are proven against the real API server
+(tests/realk8s/test_watch.py, tests/realk8s/test_adapter.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import threading
 import time
 
 from fleet.cluster import LABEL_SITE
-from tests.cluster.test_demand_pods import OPT_IN
 
 
 def _later(seconds: float, act) -> threading.Thread:
@@ -63,14 +63,3 @@ def test_a_node_watch_sees_a_node_added_and_a_node_removed(harness):
                                         recheck_s=5, poll_s=0.05)
     changer.join()
     assert [n.name for n in nodes] == ["gpu-2"]
-
-
-def test_the_adapter_watches_pending_gpu_pods_with_a_real_watch(kube, fake):
-    fake.add_node("n1", gpus=8)
-    fake.add_pod("n1", "cpu-only", namespace="ml")
-    changer = _later(0.5, lambda: fake.add_pending_pod("want", 2, namespace="ml", **OPT_IN))
-    pods = kube.watch_gpu_pods(lambda pods: any(p.name == "want" for p in pods), timeout_s=20, recheck_s=5)
-    changer.join()
-    assert [p.key for p in pods] == ["ml/want"], "GPU pods only"
-    assert any(r[0] == "watch" and r[2] == "pods" for r in fake.requests), "a watch, not a list every look"
-    assert sum(r[0] == "list" and r[2] == "pods" for r in fake.requests) == 1, "one list, then the watch"

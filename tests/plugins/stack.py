@@ -30,7 +30,10 @@ from providers.cluster.sim import SimCluster
 from providers.sim import SimWorld
 from workers.control_plane import build_worker
 from workers.node_agent import SimNodeHost, pki_signer
-from workers.node_gateway import GatewayAccess, Pki, RunningGateway, start_gateway, temporal_liveness
+from workers.gateway.liveness import temporal_liveness
+from workers.gateway.node_identity import GatewayAccess
+from workers.gateway.pki import Pki
+from workers.gateway.proxy import RunningGateway, start_gateway
 from tests.conftest import write_fleet
 
 

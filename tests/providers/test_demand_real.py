@@ -30,13 +30,12 @@ from fleet.cluster import (
     gpufleet_provider_id,
 )
 from fleet.config import FleetConfig, Site
+from fleet.consolidation import ConsolidationSettings, consolidate
 from fleet.demand import (
     DEMAND_TAINT_KEY,
     LABEL_CAPACITY_TYPE,
     LABEL_FLEET,
     LABEL_GEOGRAPHY,
-    ConsolidationSettings,
-    consolidate,
     site_labels,
 )
 from fleet.messages.capacity import DrainNodeInput, GetCatalogInput, RetireMachineInput

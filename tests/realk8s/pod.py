@@ -20,6 +20,12 @@ How it runs (needs root, as ``machine.py``):
   (nothing here resolves ``*.svc``), and the root is then remounted read-only when the container
   asks for ``readOnlyRootFilesystem``.
 * ``setpriv``: the pod's ``runAsUser``/``runAsGroup``/``fsGroup``, all capabilities dropped.
+* cgroups: the container's ``resources`` as the kubelet sets them (cgroup v1: its memory limit
+  as ``memory.limit_in_bytes``, its CPU request as ``cpu.shares``, a CPU limit as a CFS quota;
+  cgroup v2: ``memory.max``, ``cpu.weight``, ``cpu.max``), the process and its children in them.
+
+``ServiceFront`` is a Service in front of several such pods: each new connection goes to the
+next ready one, a pod that stopped has no endpoint.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,16 +59,18 @@ def _get(cluster: RealCluster, path: str) -> dict:
     return answer
 
 
-def created_pod(cluster: RealCluster, namespace: str, app: str, seconds: float = 60) -> dict:
-    """A Pod the Deployment's ReplicaSet created (Pending or not: no kubelet runs it here)."""
+def created_pods(cluster: RealCluster, namespace: str, app: str, count: int, seconds: float = 60) -> list[dict]:
+    """The ``count`` Pods the Deployment's ReplicaSet created (Pending or not: no kubelet runs
+    them here), once it has made that many."""
     deadline = time.monotonic() + seconds
     while True:
         listed = _get(cluster, f"/api/v1/namespaces/{namespace}/pods?labelSelector="
                                + quote(f"app.kubernetes.io/name={app}"))
-        if listed["items"]:
-            return listed["items"][0]
+        pods = [p for p in listed["items"] if not p["metadata"].get("deletionTimestamp")]
+        if len(pods) >= count:
+            return sorted(pods, key=lambda p: p["metadata"]["name"])
         if time.monotonic() > deadline:
-            raise ClusterFailed(f"no pod of {app} in {seconds:.0f} s")
+            raise ClusterFailed(f"{len(pods)} pod(s) of {app} in {seconds:.0f} s, not {count}")
         time.sleep(0.3)
 
 
@@ -152,6 +161,59 @@ def container_env(cluster: RealCluster, pod: dict, container: dict) -> dict[str,
     return env
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _own_cgroup(controller: str) -> Path:
+    """This process's cgroup for ``controller`` (``""``: the v2 hierarchy): the pod's go below it,
+    so whatever bounds the test run bounds the pods too."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers.split(",") == [controller] or (not controller and controllers == ""):
+            return Path(path.lstrip("/"))
+    raise ClusterFailed(f"no {controller or 'v2'} cgroup in /proc/self/cgroup")
+
+
+def _cgroups_for(pod: dict, container: dict) -> dict[Path, dict[str, str]]:
+    """The cgroup folders the kubelet would put the container in, each with the files it writes
+    there from the container's ``resources`` (requests.memory only schedules: nothing to write)."""
+    from kubernetes.utils import parse_quantity
+
+    resources = container.get("resources") or {}
+    limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+    cpu_request = requests.get("cpu") or limits.get("cpu")
+    shares = max(2, int(parse_quantity(cpu_request) * 1024)) if cpu_request else 2
+    quota = int(parse_quantity(limits["cpu"]) * 100_000) if "cpu" in limits else None
+    memory = int(parse_quantity(limits["memory"])) if "memory" in limits else None
+    name = f"gpufleet-realk8s-{pod['metadata']['uid']}"
+    if (CGROUP_ROOT / "cgroup.controllers").exists():  # cgroup v2, one hierarchy
+        parent = CGROUP_ROOT / _own_cgroup("")
+        (parent / "cgroup.subtree_control").write_text("+memory +cpu")
+        return {parent / name: {
+            "memory.max": str(memory) if memory else "max",
+            "cpu.weight": str(1 + ((shares - 2) * 9999) // 262142),
+            "cpu.max": f"{quota} 100000" if quota else "max 100000"}}
+    return {CGROUP_ROOT / "memory" / _own_cgroup("memory") / name:
+            {"memory.limit_in_bytes": str(memory) if memory else "-1"},
+            CGROUP_ROOT / "cpu" / _own_cgroup("cpu") / name:
+            {"cpu.shares": str(shares), "cpu.cfs_quota_us": str(quota or -1)}}
+
+
+def _make_cgroups(pod: dict, container: dict) -> list[Path]:
+    made = []
+    try:
+        for folder, files in _cgroups_for(pod, container).items():
+            folder.mkdir()
+            made.append(folder)
+            for name, value in files.items():
+                (folder / name).write_text(value)
+    except OSError as error:
+        for folder in made:
+            folder.rmdir()
+        raise ClusterFailed(f"the pod's resources cannot be applied as cgroups here: {error}") from error
+    return made
+
+
 @dataclass
 class RunningPod:
     process: subprocess.Popen
@@ -163,6 +225,21 @@ class RunningPod:
 
     #: The container's readinessProbe's port, when it is a ``tcpSocket`` probe.
     probe_port: int | None = None
+    #: The cgroup folders holding the container's processes (its resources applied there).
+    cgroups: list[Path] = field(default_factory=list)
+
+    def cgroup_values(self) -> dict[str, str]:
+        """What the container's cgroups hold now (each file the kubelet writes), for processes
+        that are really in them (the container's process is)."""
+        values = {}
+        for folder in self.cgroups:
+            if str(self.process.pid) not in (folder / "cgroup.procs").read_text().split():
+                raise ClusterFailed(f"the container's process is not in {folder}")
+            for name in ("memory.limit_in_bytes", "memory.max", "cpu.shares", "cpu.weight", "cpu.cfs_quota_us",
+                         "cpu.max"):
+                if (folder / name).exists():
+                    values[name] = (folder / name).read_text().strip()
+        return values
 
     def wait_ready(self, seconds: float = 60) -> None:
         """The readinessProbe, run inside the pod's network namespace (what the kubelet probes
@@ -197,6 +274,15 @@ class RunningPod:
             pass
         for relay in self.relays:
             relay.close()
+        for folder in self.cgroups:
+            deadline = time.monotonic() + 10
+            while folder.exists():
+                try:
+                    folder.rmdir()
+                except OSError:  # its last processes are still going
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.1)
         return code
 
 
@@ -301,9 +387,53 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
         [*user, *environment, *command])
     outer = ("set -e; " + "; ".join(network) + f"; cd {shlex.quote(str(REPO))}; {shlex.join(forward)} & "
              + shlex.join(["exec", "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", inner]))
+    cgroups = _make_cgroups(pod, container)
+    # Into the container's cgroups before anything else runs: every process after inherits them.
+    outer = "".join(f"echo $$ > {shlex.quote(str(folder / 'cgroup.procs'))}; " for folder in cgroups) + outer
     log = root / "container.log"
     process = subprocess.Popen(["unshare", "--net", "--", "sh", "-c", outer], stdout=log.open("ab"),
                                stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
     probe = (container.get("readinessProbe") or {}).get("tcpSocket", {}).get("port")
     named = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
-    return RunningPod(process, log, ports, relays, sockets, named.get(probe, probe))
+    return RunningPod(process, log, ports, relays, sockets, named.get(probe, probe), cgroups)
+
+
+class ServiceFront:
+    """A Service's virtual address in front of pods: each connection goes to the next backend in
+    turn that takes it (a stopped pod's port refuses, as a pod without an endpoint gets nothing)."""
+
+    def __init__(self, backends: list[str]) -> None:
+        self.backends = [(host, int(port)) for host, _, port in (b.rpartition(":") for b in backends)]
+        self.chosen: list[tuple[str, int]] = []
+        self._next = 0
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.address = "127.0.0.1:%d" % self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="service front").start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                inbound, _ = self._listener.accept()
+            except OSError:
+                return
+            outbound = None
+            for _ in range(len(self.backends)):
+                backend = self.backends[self._next % len(self.backends)]
+                self._next += 1
+                try:
+                    outbound = socket.create_connection(backend, timeout=5)
+                    outbound.settimeout(None)
+                    self.chosen.append(backend)
+                    break
+                except OSError:
+                    continue
+            if outbound is None:
+                inbound.close()
+                continue
+            for source, sink in ((inbound, outbound), (outbound, inbound)):
+                threading.Thread(target=UnixRelay._pipe, args=(source, sink), daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        self._listener.close()

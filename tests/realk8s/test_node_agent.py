@@ -8,15 +8,17 @@ var resolved as the kubelet resolves it (a value, ``fieldRef: spec.nodeName``, a
 ConfigMap's keys and the real kubelet's own ``/var/lib/kubelet/pki`` of a machine that joined
 from its user data.
 
-The gateway is its own Deployment's process too (``tests/realk8s/pod.py``): the Pod the real
-ReplicaSet controller made from ``deploy/kubernetes/node-gateway.yaml``, its command and env,
+The gateway is its own Deployment's processes too (``tests/realk8s/pod.py``): each of the
+Deployment's replicas, a Pod the real ReplicaSet controller made from
+``deploy/kubernetes/node-gateway.yaml``, in cgroups holding its ``resources``, its command and env,
 its Secrets and ConfigMap (created as an operator creates them, read back from the API server)
 bind-mounted at their mountPaths in a mount namespace of its own, and a real bound
 service-account token at ``/var/run/secrets/kubernetes.io/serviceaccount``, from which the
 Kubernetes client's in-cluster loader asks the real API server, as the gateway's service
 account, whether the node is bound to that key. Its Temporal frontend
 (``temporal-frontend.temporal.svc:7233``, mutual TLS from ``gpufleet-temporal-client``) is a
-TLS-terminating proxy in front of the dev server (``tests/test_temporal_manifests.py``).
+TLS-terminating proxy in front of the dev server (``tests/test_temporal_manifests.py``). The
+nodes reach the replicas through one address, as through the gateway's Service (``ServiceFront``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from datetime import timedelta
 from pathlib import Path
 
 import yaml
+from kubernetes.utils import parse_quantity
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.worker import Worker
@@ -38,11 +41,11 @@ from temporalio.worker import Worker
 from fleet.messages.repair import NodeWatchInput, NodeWatchResult
 from fleet.settings import node_queue
 from tests.realk8s.cluster import RealCluster
-from tests.realk8s.pod import created_pod, run_pod
+from tests.realk8s.pod import ServiceFront, created_pods, run_pod
 from tests.realk8s.test_join import RealJoining, one  # noqa: F401
 from tests.test_temporal_manifests import frontend_pki
 from tests.test_temporal_tls import start_tls_proxy
-from workers.node_gateway import Pki
+from workers.gateway.pki import Pki
 
 REPO = Path(__file__).resolve().parents[2]
 DAEMONSET = "/apis/apps/v1/namespaces/gpufleet/daemonsets/gpufleet-node-agent"
@@ -214,8 +217,29 @@ def create_gateway_objects(cluster: RealCluster, tmp: Path, gateway_pki: Pki, te
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=made.stdout)
 
 
+def gateway_deployment() -> dict:
+    """The Deployment as shipped (what kubectl applied unchanged), for what the test expects of it."""
+    docs = yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "node-gateway.yaml").read_text())
+    return next(d for d in docs if d and d["kind"] == "Deployment")
+
+
+async def one_health_watch(client, queue: str, node_name: str, log: Path, gateways) -> NodeWatchResult:
+    async with Worker(client, task_queue=queue, workflows=[OneHealthWatch]):
+        # The entity's id: the gateway admits a node whose Node entity runs.
+        handle = await client.start_workflow(OneHealthWatch.run, node_name, id=f"node/{node_name}", task_queue=queue)
+        try:
+            return await asyncio.wait_for(handle.result(), 120)
+        except asyncio.TimeoutError:
+            raise AssertionError(f"no health watch within 120 s:\n{log.read_text()[-4000:]}\n" + "".join(
+                f"gateway {n}:\n{g.log_tail()}\n" for n, g in enumerate(gateways))) from None
+
+
 async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watch_through_the_gateway(
         one: RealJoining, temporal_env, tmp_path) -> None:
+    """Through either of the gateway Deployment's replicas: both Pods the ReplicaSet made run,
+    each in cgroups holding the manifest's resources, behind one Service address; once the
+    replica the agent reached stops (a rollout, a lost host), its next health watch goes
+    through the other."""
     # The join's activities run their own event loops (tests.providers.test_join_real.run).
     provisioned = await asyncio.to_thread(one.provision)
     machine = await asyncio.to_thread(lambda: one.machine(provisioned.machine.id).boot())
@@ -223,23 +247,36 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
 
     client = temporal_env.client
     gateway_pki = Pki.create("gpufleet test gateway CA")
-    gateway_pod = created_pod(one.real, "gpufleet", "gpufleet-node-gateway")
-    (container,) = gateway_pod["spec"]["containers"]
+    shipped = gateway_deployment()
+    (shipped_container,) = shipped["spec"]["template"]["spec"]["containers"]
+    gateway_pods = created_pods(one.real, "gpufleet", "gpufleet-node-gateway", shipped["spec"]["replicas"])
+    assert len(gateway_pods) == shipped["spec"]["replicas"] == 2, [p["metadata"]["name"] for p in gateway_pods]
+    for pod in gateway_pods:
+        (container,) = pod["spec"]["containers"]
+        assert container["resources"] == shipped_container["resources"], pod["metadata"]["name"]
     manifest_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     temporal_pki, temporal_secret = frontend_pki(tmp_path, manifest_env["TEMPORAL_TLS_SERVER_NAME"])
     frontend, frontend_port = await start_tls_proxy(temporal_pki, client.service_client.config.target_host)
     create_gateway_objects(one.real, tmp_path, gateway_pki, temporal_secret)
     frontend_host, _, port = manifest_env["TEMPORAL_ADDRESS"].rpartition(":")
-    gateway = await asyncio.to_thread(
-        run_pod, one.real, gateway_pod, tmp_path / "gateway-pod",
-        {f"{frontend_host}:{port}": ("127.0.0.1", frontend_port)})
+    gateways = await asyncio.gather(*(asyncio.to_thread(
+        run_pod, one.real, pod, tmp_path / f"gateway-pod-{number}",
+        {f"{frontend_host}:{port}": ("127.0.0.1", frontend_port)}) for number, pod in enumerate(gateway_pods)))
     (nodes_port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "nodes"]
+    service = ServiceFront([gateway.ports[nodes_port] for gateway in gateways])
 
     agent = None
+    codes: dict[int, int | None] = {}  # replica → its exit code once stopped
     try:
-        await asyncio.to_thread(gateway.wait_ready, 90)
+        await asyncio.gather(*(asyncio.to_thread(gateway.wait_ready, 90) for gateway in gateways))
+        limits, requests = shipped_container["resources"]["limits"], shipped_container["resources"]["requests"]
+        for gateway in gateways:  # as the kubelet sets them on cgroup v1 (pod.py says v2's too)
+            values = gateway.cgroup_values()
+            assert values.get("memory.limit_in_bytes", values.get("memory.max")) == str(
+                int(parse_quantity(limits["memory"]))), values
+            assert values.get("cpu.shares") in (None, str(int(parse_quantity(requests["cpu"]) * 1024))), values
         one.real.kubectl("apply", "--server-side", "-f", "-",
-                         input=rendered_node_config(tmp_path, gateway.ports[nodes_port], gateway_pki.ca_pem))
+                         input=rendered_node_config(tmp_path, service.address, gateway_pki.ca_pem))
         status, daemonset = one.real.request("GET", DAEMONSET, admin=True)
         assert status == 200, daemonset
         status, configmap = one.real.request("GET", CONFIGMAP, admin=True)
@@ -250,24 +287,27 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
         agent = subprocess.Popen(command, env=env, cwd=tmp_path / "pod", stdout=log.open("wb"),
                                  stderr=subprocess.STDOUT, start_new_session=True)
         queue = f"health-watch-{uuid.uuid4().hex[:6]}"
-        async with Worker(client, task_queue=queue, workflows=[OneHealthWatch]):
-            # The entity's id: the gateway admits a node whose Node entity runs.
-            handle = await client.start_workflow(OneHealthWatch.run, node.name, id=f"node/{node.name}",
-                                                 task_queue=queue)
-            try:
-                result = await asyncio.wait_for(handle.result(), 120)
-            except asyncio.TimeoutError:
-                raise AssertionError(f"no health watch within 120 s:\n{log.read_text()[-4000:]}\n"
-                                     f"gateway:\n{gateway.log_tail()}") from None
+        result = await one_health_watch(client, queue, node.name, log, gateways)
         assert result.node_name == node.name
         assert len(result.gpus) == 2 and result.digest, result
         assert agent.poll() is None, log.read_text()[-3000:]
-        assert gateway.process.poll() is None, gateway.log_tail()
+        assert all(gateway.process.poll() is None for gateway in gateways), [g.log_tail() for g in gateways]
+
+        # The replica the agent's connection went to stops, as the kubelet stops it.
+        reached = service.backends.index(service.chosen[0])
+        codes[reached] = await asyncio.to_thread(gateways[reached].stop)
+        result = await one_health_watch(client, queue, node.name, log, gateways)
+        assert result.node_name == node.name and len(result.gpus) == 2, result
+        assert service.backends[1 - reached] in service.chosen, "the other replica served the agent"
+        assert agent.poll() is None, log.read_text()[-3000:]
     finally:
         if agent is not None:
             agent.terminate()
             await asyncio.to_thread(agent.wait, 30)
-        # As the kubelet stops it; the frontend's proxy runs on this loop, so wait off it.
-        stopped = await asyncio.to_thread(gateway.stop)
+        service.close()
+        # As the kubelet stops them; the frontend's proxy runs on this loop, so wait off it.
+        for number, gateway in enumerate(gateways):
+            if number not in codes:
+                codes[number] = await asyncio.to_thread(gateway.stop)
         frontend.close()
-    assert stopped == 0, gateway.log_tail()
+    assert codes == {0: 0, 1: 0}, [g.log_tail() for g in gateways]

@@ -15,7 +15,7 @@ from providers.cluster.check import CHECK_ACCESS
 from providers.cluster.kubernetes import BOOTSTRAP_NAMESPACE, TOKEN_NAMESPACE, access_table
 from providers.credentials import ACCESS as CREDENTIALS_ACCESS
 from tests.realk8s.cluster import RealCluster
-from workers.node_gateway import ACCESS as GATEWAY_ACCESS
+from workers.gateway.liveness import ACCESS as GATEWAY_ACCESS
 
 NAMESPACES = ["gpufleet", TOKEN_NAMESPACE, "kube-public", BOOTSTRAP_NAMESPACE, "default"]
 Grant = tuple[str, str, str, str]  # verb, group, resource, subresource

@@ -18,8 +18,11 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 from fleet.messages.capacity import RetireMachineInput
 from fleet.settings import Settings
 from workers.node_agent import cert_key_fingerprint, connect_via_gateway
-from workers.node_gateway import (SERVICE, GatewayAccess, Pki, RunningGateway, node_key_and_csr, node_liveness,
-                                  start_gateway)
+from workers.gateway.authorization import SERVICE
+from workers.gateway.liveness import node_liveness
+from workers.gateway.node_identity import GatewayAccess, node_key_and_csr
+from workers.gateway.pki import Pki
+from workers.gateway.proxy import RunningGateway, start_gateway
 
 
 @dataclass

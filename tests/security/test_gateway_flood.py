@@ -11,8 +11,10 @@ suite's shared server raises it for the fleet benches), a victim node's agent (t
 Worker, one poller) through it, and the attacker in a process of its own holding 1,300 polls
 and 40 polls of 3 MB each. The victim's round trips (server event times, scheduled →
 completed) with the attack on and off alternate in short batches in one run; its p99 with the
-attack may be at most 1.2 times its p99 without (or 10 ms above it: scheduling noise), and the gateway's peak resident memory stays
-within the limit its manifest sets (deploy/kubernetes/node-gateway.yaml).
+attack may be at most 1.2 times its p99 without, or above it by no more than the run's own noise
+(10 ms, or how far apart the p99s of the quiet batches' two halves are: other test workers share
+the two cores), and the gateway's peak resident memory stays within the limit its manifest sets
+(deploy/kubernetes/node-gateway.yaml).
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ from fleet import search_attributes
 from tests.ports import free_port
 from tests.security.gateway_helpers import credentials, end_entity, live_entity, unique
 from workers.node_agent import connect_via_gateway
-from workers.node_gateway import GatewayAccess, Pki
+from workers.gateway.node_identity import GatewayAccess
+from workers.gateway.pki import Pki
 
 pytestmark = pytest.mark.integration
 #: How far above its quiet p99 the victim's attacked p99 may be, whatever the ratio.
@@ -141,6 +144,7 @@ async def test_one_node_holding_1300_polls_and_3_mb_requests_moves_no_other_node
                 await asyncio.sleep(0.1)
 
         control_queue = f"flood-{uuid.uuid4().hex[:6]}"
+        quiet_halves: tuple[list[float], list[float]] = ([], [])
         async with Worker(client, task_queue=control_queue, workflows=[RoundTrips],
                           workflow_runner=UnsandboxedWorkflowRunner()), \
                 Worker(agent, task_queue=f"node/{victim.name}", activities=[noop],
@@ -159,6 +163,8 @@ async def test_one_node_holding_1300_polls_and_3_mb_requests_moves_no_other_node
                         raise AssertionError(f"{BATCH} round trips of the victim took over {BATCH_SECONDS} s "
                                              f"with the attack {'on' if on else 'off'}") from None
                     (attacked if on else quiet).extend(batch)
+                    if not on:
+                        quiet_halves[i % 2].extend(batch)
             await attacking(False)
         peak, limit = peak_rss(gateway.pid), manifest_memory_limit()
     finally:
@@ -170,13 +176,15 @@ async def test_one_node_holding_1300_polls_and_3_mb_requests_moves_no_other_node
         for node in (attacker, victim):
             await end_entity(client, node.name)
     ratio = pct(attacked, 99) / pct(quiet, 99)
+    # The noise of this run, measured in it: quiet against quiet. A p99 of 160 samples is their
+    # second-highest; one pause of a neighbouring test worker moves it by tens of ms, and moves
+    # one quiet half as much as it moves the attacked side. Starved, the victim took seconds.
+    noise = max(NOISE_SECONDS, abs(pct(quiet_halves[0], 99) - pct(quiet_halves[1], 99)))
     figures = (f"victim round trip p99 {pct(quiet, 99) * 1000:.1f} ms quiet, {pct(attacked, 99) * 1000:.1f} ms "
                f"attacked (ratio {ratio:.2f}); p50 {sorted(quiet)[len(quiet) // 2] * 1000:.1f} / "
                f"{sorted(attacked)[len(attacked) // 2] * 1000:.1f} ms; gateway held {most_held:.0f} calls, "
-               f"peak RSS {peak / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB")
+               f"peak RSS {peak / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB; noise {noise * 1000:.1f} ms")
     print(figures)
-    # At about 10 ms a round trip, one scheduling hiccup of this 2-core machine moves a p99 of
-    # 100 samples by a few ms: within 10 ms is as good as 1.2 times (starved, it was seconds).
-    assert ratio <= 1.2 or pct(attacked, 99) - pct(quiet, 99) <= NOISE_SECONDS, figures
+    assert ratio <= 1.2 or pct(attacked, 99) - pct(quiet, 99) <= noise, figures
     assert peak < limit, figures
     assert most_held >= ATTACK_POLLS - 20, figures

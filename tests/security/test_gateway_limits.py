@@ -41,7 +41,7 @@ from tests.security.gateway_helpers import (
     poll_request,
     unique,
 )
-from workers.node_gateway import POLLS_PER_NODE, REQUEST_BYTES, RESULT_BYTES
+from workers.gateway.proxy import POLLS_PER_NODE, REQUEST_BYTES, RESULT_BYTES
 
 OK, DENIED, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -149,14 +149,14 @@ async def test_deployment_options_and_unknown_fields_are_dropped(temporal_env, g
     assert deployment not in {d.name for d in listed.worker_deployments}, "no Worker Deployment was planted"
 
     # What the gateway forwards: the poll rebuilt from the fields a poll of its own queue needs.
-    forwarded, _ = gateway.running.gateway._authorize(node.name, "PollActivityTaskQueue", request)
+    forwarded, _ = gateway.running.gateway.authorization.authorize(node.name, "PollActivityTaskQueue", request)
     assert forwarded == PollActivityTaskQueueRequest(
         namespace="default", identity=f"node:{node.name}",
         task_queue=TaskQueue(name=f"node/{node.name}", kind=1)).SerializeToString()
-    gateway.running.gateway._remember(node.name, b"token-a")
+    gateway.running.gateway.authorization.remember(node.name, b"token-a")
     done = RespondActivityTaskCompletedRequest(namespace="default", task_token=b"token-a", identity="me",
                                                deployment_options=options).SerializeToString() + unknown
-    forwarded, _ = gateway.running.gateway._authorize(node.name, "RespondActivityTaskCompleted", done)
+    forwarded, _ = gateway.running.gateway.authorization.authorize(node.name, "RespondActivityTaskCompleted", done)
     assert forwarded == RespondActivityTaskCompletedRequest(namespace="default", task_token=b"token-a",
                                                             identity=f"node:{node.name}").SerializeToString()
 

@@ -44,7 +44,8 @@ from tests.security.gateway_helpers import (
     start_fleet_gateway,
     unique,
 )
-from workers.node_gateway import Pki, node_key_and_csr
+from workers.gateway.node_identity import node_key_and_csr
+from workers.gateway.pki import Pki
 
 
 @pytest.fixture

@@ -1,7 +1,8 @@
 """A model's routing document as Envoy Gateway objects, for production.
 
 - ``HTTPRoute`` (Gateway API, standard channel): ``/<model>`` to each site's Service,
-  ``backendRefs`` weighted by the document (the adapter's ``render_httproute``);
+  ``backendRefs`` weighted by the document (``render_httproute``, which the Kubernetes adapter
+  writes too);
 - ``BackendTrafficPolicy`` (``gateway.envoyproxy.io/v1alpha1``) attached to that route:
   session persistence as a consistent hash on the ``x-session-id`` header (HTTPRoute's
   own ``sessionPersistence`` is experimental-channel only and silently pruned by the
@@ -18,16 +19,62 @@ from __future__ import annotations
 
 from typing import Any
 
-from fleet.cluster import SiteRoute
+from fleet.cluster import LABEL_MODEL, SERVING_PORT, SiteRoute
 from fleet.routing import RoutingDocument
-from providers.cluster.base import dns_label
-from providers.cluster.kubernetes import ANNOTATION_MODEL, GATEWAY_GROUP, render_httproute
+from providers.cluster.base import (
+    ANNOTATION_MODEL,
+    GATEWAY_GROUP,
+    GATEWAY_VERSION,
+    dns_label,
+    label_value,
+    serving_name,
+)
 from providers.haproxy import SESSION_HEADER
 
 ENVOY_GROUP = "gateway.envoyproxy.io"
 ENVOY_VERSION = "v1alpha1"
 #: Retried only while no byte of the answer has left Envoy.
 RETRY_BEFORE_RESPONSE = ["connect-failure", "refused-stream"]
+
+
+def render_httproute_spec(model: str, sites: dict[str, SiteRoute], gateway: str, gateway_namespace: str) -> dict:
+    return {
+        "parentRefs": [
+            {"group": GATEWAY_GROUP, "kind": "Gateway", "name": gateway, "namespace": gateway_namespace}
+        ],
+        "rules": [
+            {
+                "matches": [{"path": {"type": "PathPrefix", "value": f"/{dns_label(model)}"}}],
+                "backendRefs": [
+                    {
+                        "group": "",
+                        "kind": "Service",
+                        "name": serving_name(model, site),
+                        "port": SERVING_PORT,
+                        "weight": route.weight,
+                    }
+                    for site, route in sorted(sites.items())
+                ],
+            }
+        ],
+    }
+
+
+def render_httproute(
+    model: str, sites: dict[str, SiteRoute], namespace: str, gateway: str, gateway_namespace: str
+) -> dict[str, Any]:
+    name = dns_label(model)
+    return {
+        "apiVersion": f"{GATEWAY_GROUP}/{GATEWAY_VERSION}",
+        "kind": "HTTPRoute",
+        "metadata": {
+            "name": name,
+            "namespace": namespace,
+            "labels": {LABEL_MODEL: label_value(name), "app.kubernetes.io/managed-by": "gpufleet"},
+            "annotations": {ANNOTATION_MODEL: model},
+        },
+        "spec": render_httproute_spec(model, sites, gateway, gateway_namespace),
+    }
 
 
 def render_backend_traffic_policy(model: str, namespace: str, retries: int = 2) -> dict[str, Any]:

@@ -1,0 +1,178 @@
+"""What ``gpufleet sites`` says about each site now: nodes serving, cordoned (and what holds each
+cordoned node), joining, and the site's last incident.
+
+Each fact comes from where the product keeps it: the cluster's nodes (ready, cordoned, the
+``unproven`` taint), Temporal's visibility (running GPU repairs by ``NodeName``, running joins,
+every SiteEvacuation by ``Site``: the Site entity's own and those started by hand) and, only for
+a cordoned node nothing else explains, the entities' queries (a Node entity's log says a repair
+is a quarantine; a Site entity's status says its incident is open). Without Temporal the counts
+still come from the cluster, and what Temporal would have said reads ``?``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
+
+#: What can hold a node cordoned, in the order a node held for several reasons is shown by: the
+#: one that outlasts the others first (a repair keeps its node after the evacuation ends).
+CORDON_REASONS = ("quarantine", "repair", "evacuation", "incident", "operator")
+#: The reason the Node entity gives when its agent's reports were bad too often in a row
+#: (``workflows.node``): a quarantine, though no ``quarantine`` signal logged it.
+BAD_REPORTS_QUARANTINE = "bad reports in a row from the node agent"
+UNKNOWN = "?"
+
+
+@dataclass
+class Holds:
+    """What Temporal says holds nodes and sites (``None`` fields: Temporal was not asked)."""
+
+    #: node → reasons of its running GpuRepairs (one list per repair, flattened).
+    repairs: dict[str, list[str]] = field(default_factory=dict)
+    #: nodes whose running repair is a quarantine (their Node entity logged it so).
+    quarantined: set[str] = field(default_factory=set)
+    #: sites with a SiteEvacuation running.
+    evacuating: set[str] = field(default_factory=set)
+    #: sites whose Site entity has an incident open.
+    incident_open: set[str] = field(default_factory=set)
+    #: site → node names of its running single-node joins.
+    joining: dict[str, set[str]] = field(default_factory=dict)
+    #: site → (evacuation id, state) of its newest SiteEvacuation.
+    last_incident: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+@dataclass
+class SiteNow:
+    nodes: int = 0
+    serving: int = 0
+    cordoned: Counter = field(default_factory=Counter)
+    joining: int = 0
+    last_incident: str = "none"
+
+    def cordoned_cell(self) -> str:
+        total = sum(self.cordoned.values())
+        if not total:
+            return "0"
+        parts = [f"{reason} {self.cordoned[reason]}" for reason in (*CORDON_REASONS, UNKNOWN) if self.cordoned[reason]]
+        return f"{total}: {', '.join(parts)}"
+
+
+def cordon_reason(node, site: str, holds: Holds | None) -> str:
+    """Why a cordoned node is cordoned: the first of ``CORDON_REASONS`` that holds it; ``operator``
+    when nothing of gpufleet's does (a person's ``kubectl cordon``); ``?`` without Temporal."""
+    if holds is None:
+        return UNKNOWN
+    if node.name in holds.quarantined:
+        return "quarantine"
+    if node.name in holds.repairs:
+        return "repair"
+    if site in holds.evacuating:
+        return "evacuation"
+    if site in holds.incident_open:
+        return "incident"
+    return "operator"
+
+
+def summarize(site_names: list[str], nodes: list, holds: Holds | None) -> dict[str, SiteNow]:
+    """Per site: its nodes, those serving (Ready, schedulable, proven), those cordoned by reason,
+    those joining (a running join's node or machine, or a node not yet proven), the last incident."""
+    out = {name: SiteNow() for name in site_names}
+    for node in nodes:
+        site = node.labels.get(LABEL_SITE) or node.site
+        now = out.get(site)
+        if now is None:
+            continue
+        now.nodes += 1
+        unproven = UNPROVEN_TAINT in node.taints
+        if node.ready and not node.unschedulable and not unproven:
+            now.serving += 1
+        if node.unschedulable:
+            now.cordoned[cordon_reason(node, site, holds)] += 1
+    for name, now in out.items():
+        registering = {n.name for n in nodes if (n.labels.get(LABEL_SITE) or n.site) == name
+                       and UNPROVEN_TAINT in n.taints}
+        if holds is None:
+            now.joining = len(registering)
+            now.last_incident = UNKNOWN
+            continue
+        now.joining = len(registering | holds.joining.get(name, set()))
+        if name in holds.last_incident:
+            evacuation, state = holds.last_incident[name]
+            now.last_incident = f"{evacuation} {state}"
+    return out
+
+
+def _state(execution, fleet_state) -> str:
+    from temporalio.client import WorkflowExecutionStatus
+
+    state = execution.typed_search_attributes.get(fleet_state) or ""
+    if execution.status in (WorkflowExecutionStatus.RUNNING, WorkflowExecutionStatus.COMPLETED) and state:
+        return str(state)
+    return execution.status.name.lower().replace("_", "-") if execution.status else "unknown"
+
+
+async def holds(client, task_queue: str, site_names: list[str], nodes: list, limit: int = 1000) -> Holds:
+    """One look at what Temporal holds: three visibility lists, and queries only for cordoned
+    nodes a running repair holds (is it a quarantine?) and for sites whose cordoned nodes nothing
+    else explains (is an incident open?)."""
+    from temporalio.client import WorkflowExecutionStatus
+
+    from fleet import search_attributes as sa
+    from fleet.messages.capacity import SiteStatus
+    from fleet.messages.repair import LadderState, NodeStatus
+    from fleet.naming import site_workflow_id
+
+    found = Holds()
+    queue = f'TaskQueue = "{task_queue}"'
+    running = f'{queue} AND ExecutionStatus = "Running"'
+    repair_ids: dict[str, list[str]] = {}
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "GpuRepair"', limit=limit):
+        if node := wf.typed_search_attributes.get(sa.NODE_NAME):
+            repair_ids.setdefault(str(node), []).append(wf.id)
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "NodeJoin"', limit=limit):
+        node, site = wf.typed_search_attributes.get(sa.NODE_NAME), wf.typed_search_attributes.get(sa.SITE)
+        if node and site:  # a single-node join (a fan-out names no node: its children do)
+            found.joining.setdefault(str(site), set()).add(str(node))
+    newest: dict[str, datetime] = {}
+    async for wf in client.list_workflows(f'{queue} AND WorkflowType = "SiteEvacuation"', limit=limit):
+        site = str(wf.typed_search_attributes.get(sa.SITE) or wf.id.split("/")[1])
+        if wf.status == WorkflowExecutionStatus.RUNNING:
+            found.evacuating.add(site)
+        if site not in newest or wf.start_time > newest[site]:
+            newest[site] = wf.start_time
+            found.last_incident[site] = (wf.id, _state(wf, sa.FLEET_STATE))
+
+    cordoned = [n for n in nodes if n.unschedulable]
+
+    async def query(workflow_id: str, name: str, kind):
+        try:
+            return await client.get_workflow_handle(workflow_id).query(name, result_type=kind)
+        except Exception:  # noqa: BLE001 - closed meanwhile, not started, not there: no hold
+            return None
+
+    for node in cordoned:
+        if node.name not in repair_ids:
+            # A GPU fenced whose repair has not started (the site holds new repairs): a repair's hold.
+            status = await query(f"node/{node.name}", "status", NodeStatus)
+            if status is not None and status.fenced:
+                found.repairs[node.name] = [f"GPU {', '.join(map(str, status.fenced))} fenced, repair held"]
+            continue
+        reasons: list[str] = []
+        for repair_id in repair_ids[node.name]:
+            ladder = await query(repair_id, "ladder", LadderState)
+            reasons += ladder.reasons if ladder else []
+        found.repairs[node.name] = reasons
+        status = await query(f"node/{node.name}", "status", NodeStatus)
+        logged = set(status.log) if status else set()
+        if any(f"quarantined: {r}" in logged or BAD_REPORTS_QUARANTINE in r for r in reasons):
+            found.quarantined.add(node.name)
+    unexplained = {n.labels.get(LABEL_SITE) or n.site for n in cordoned
+                   if n.name not in found.repairs} - found.evacuating
+    for site in sorted(unexplained & set(site_names)):
+        status = await query(site_workflow_id(site), "status", SiteStatus)
+        if status is not None and status.incident is not None and status.incident.open is not None:
+            found.incident_open.add(site)
+    return found

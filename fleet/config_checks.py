@@ -1,0 +1,105 @@
+"""The fleet config's cross-checks (``sites.yaml``): problems between fields and entries
+(duplicate names, unknown references, a site's account of another provider, a model's
+sites), read from the raw mapping, so one ``gpufleet config check`` names every problem
+together with the field errors of ``fleet.config`` (the schema), which calls these.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from fleet.models import PROVIDERS
+from fleet.replacement import may_move
+
+
+class _Place(NamedTuple):
+    """What the compliance rule (``fleet.replacement.may_move``) reads of a raw site."""
+
+    name: str
+    geography: str | None
+    compliance: bool
+
+
+def _entries(raw: dict[str, Any], key: str) -> list[tuple[int, dict[str, Any]]]:
+    value = raw.get(key)
+    return [(i, item) for i, item in enumerate(value) if isinstance(item, dict)] if isinstance(value, list) else []
+
+
+def cross_check(raw: dict[str, Any]) -> list[str]:
+    """Problems between fields and entries, on the raw mapping: an entry whose own fields
+    are wrong still takes part (its bad values are skipped, the field errors name them)."""
+    problems: list[str] = []
+    real = raw.get("mode") == "real"
+    seen: set[str] = set()
+    accounts: dict[str, Any] = {}
+    for i, account in _entries(raw, "accounts"):
+        name = account.get("name")
+        where = f"accounts[{i}]" + (f" ({name})" if name else "")
+        if isinstance(name, str):
+            if name in seen:
+                problems.append(f"{where}.name: duplicate account")
+            seen.add(name)
+            accounts.setdefault(name, account.get("provider"))
+        if real and account.get("credentials") is None:
+            problems.append(f"{where}.credentials: missing credentials reference")
+    seen = set()
+    for i, site in _entries(raw, "sites"):
+        name = site.get("name")
+        where = f"sites[{i}]" + (f" ({name})" if name else "")
+        if isinstance(name, str):
+            if name in seen:
+                problems.append(f"{where}.name: duplicate site")
+            seen.add(name)
+        low, high = site.get("min_nodes", 0), site.get("max_nodes")
+        if isinstance(low, int) and isinstance(high, int) and low > high:
+            problems.append(f"{where}.min_nodes: min_nodes ({low}) is greater than max_nodes ({high})")
+        if site.get("compliance") is True and not site.get("geography"):
+            problems.append(f"{where}.compliance: a compliance site needs a geography")
+        account = site.get("account")
+        if isinstance(account, str):
+            if account not in accounts:
+                problems.append(f"{where}.account: unknown account reference {account!r}")
+            elif site.get("provider") in PROVIDERS and accounts[account] in PROVIDERS \
+                    and accounts[account] != site.get("provider"):
+                problems.append(f"{where}.account: account {account!r} is a {accounts[account]} account, "
+                                f"site is {site.get('provider')}")
+    return problems + _check_models(raw)
+
+
+def _check_models(raw: dict[str, Any]) -> list[str]:
+    """Every model names known sites; standby sites only where the mode has them, and only
+    inside a compliance primary's geography (fleet.replacement)."""
+    models = raw.get("models")
+    if not isinstance(models, dict):
+        return []
+    sites = {s.get("name"): s for _, s in _entries(raw, "sites") if isinstance(s.get("name"), str)}
+    problems: list[str] = []
+    for model, policy in models.items():
+        if not isinstance(policy, dict):
+            continue
+        where = f"models.{model}"
+        primaries = policy.get("sites") if isinstance(policy.get("sites"), list) else []
+        standby = policy.get("standby_sites") if isinstance(policy.get("standby_sites"), list) else []
+        for field, names in (("sites", primaries), ("standby_sites", standby)):
+            for name in names:
+                if isinstance(name, str) and name not in sites:
+                    problems.append(f"{where}.{field}: unknown site {name!r}")
+        both = set(map(str, primaries)) & set(map(str, standby))
+        if both:
+            problems.append(f"{where}.standby_sites: {', '.join(sorted(both))} also primary")
+        mode = policy.get("mode", "active-active")
+        if mode == "active-active" and standby:
+            problems.append(f"{where}.standby_sites: active-active has no standby sites (list them in sites)")
+        if mode in ("active-passive", "burst") and (not primaries or not standby):
+            problems.append(f"{where}.mode: {mode} needs sites (primaries) and standby_sites")
+        first = sites.get(primaries[0]) if primaries and isinstance(primaries[0], str) else None
+        if first is not None and first.get("compliance") is True:
+            anchor = _Place(first["name"], first.get("geography"), True)
+            for name in [*primaries[1:], *standby]:
+                other = sites.get(name)
+                if other is not None and not may_move(anchor, _Place(name, other.get("geography"),
+                                                                     bool(other.get("compliance")))):
+                    problems.append(f"{where}: {name} is outside compliance site {first['name']}'s geography "
+                                    f"{first.get('geography')!r}")
+    return problems
+

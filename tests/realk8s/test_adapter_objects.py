@@ -1,0 +1,726 @@
+"""What only the Kubernetes adapter has, against the real API server: the objects it writes and
+how it writes them (bootstrap-token Secrets, patch types, ``resourceVersion`` preconditions,
+write counts), drains through the real Eviction API, and how a real refusal maps to gpufleet's
+errors (a 422, a 403) at the activity boundary and through Temporal; kubelet CSRs made as the
+node (impersonated) judged by gpufleet's approver, and the keys it binds (issue 35's finding 3);
+the network model's objects (a Service that prefers the caller's zone, a site as a zone label).
+The adapter runs as the control-plane service account (the shipped RBAC), or as one bound to its
+roles less one rule.
+
+Moved from ``tests/cluster/``'s ``test_kubernetes_adapter.py``, ``test_cluster_errors.py``,
+``test_csr_key_binding.py``, ``test_csr_renewals.py`` and ``test_network.py`` (issue 33). Nodes here are Node objects
+the admin writes with a fresh Ready condition (no kubelet behind them; each test is over long
+before the node lifecycle controller's grace ends); pods are bound to them by ``nodeName`` and
+deleted at once (``terminationGracePeriodSeconds: 0``: no kubelet confirms a graceful end here).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from temporalio import workflow
+from temporalio.client import WorkflowFailureError
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.testing import ActivityEnvironment
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+
+from activities.capacity import CapacityActivities
+from activities.control_plane import ControlPlaneActivities
+from activities.env import FleetEnv
+from activities.models import PrepareNodeInput
+from fleet.cluster import (
+    ANNOTATION_PREVIOUS_TEMPLATE,
+    ANNOTATION_TEMPLATE,
+    FLEET_TAINT_KEY,
+    GPU_RESOURCE,
+    LABEL_GPU_PRODUCT,
+    LABEL_MODEL,
+    LABEL_PROVIDER,
+    LABEL_REGION,
+    LABEL_SITE,
+    LABEL_ZONE,
+    UNPROVEN_TAINT,
+    ServingSpec,
+)
+from fleet.config import load_config
+from fleet.errors import BadCredentials, ClusterForbidden, ClusterInvalid
+from fleet.messages.capacity import SiteNodesInput
+from fleet.models import Node
+from fleet.settings import Settings
+from fleet.cluster import NODE_KEYS_KIND, NodeIdentity, bound_keys
+from providers.cluster.base import CONTROL_PLANE_LABEL
+from providers.cluster.check import KUBEADM_BINDINGS
+from providers.cluster.kubernetes import NODE_IDENTITY_KIND, KubernetesCluster, bootstrap_secret_name
+from tests.cluster.test_csr_renewals import renewal
+from tests.conftest import write_fleet
+from tests.realk8s.test_blast_radius import kubeadm_bindings_restored  # noqa: F401 - a fixture
+from tests.realk8s.cluster import RealCluster
+from tests.realk8s.test_adapter import _post, control_plane_less, kube, record_requests, unique  # noqa: F401
+
+BOOTSTRAP_NS = "gpufleet-bootstrap"
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _data(secret: dict) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+
+
+def _get(real: RealCluster, path: str) -> dict | None:
+    status, answer = real.request("GET", path, admin=True)
+    assert status in (200, 404), answer
+    return answer if status == 200 else None
+
+
+def _secret(real: RealCluster, namespace: str, name: str) -> dict | None:
+    return _get(real, f"/api/v1/namespaces/{namespace}/secrets/{name}")
+
+
+def _node(real: RealCluster, name: str) -> dict:
+    return _get(real, f"/api/v1/nodes/{name}")
+
+
+def _writes(seen, fragment: str) -> list[str]:
+    return [method for method, path, _ in seen if fragment in path and method in ("POST", "PUT", "PATCH", "DELETE")]
+
+
+@pytest.fixture
+def nodes(real_cluster: RealCluster):
+    """Adds Node objects as a kubelet registers them (a Ready condition, GPUs allocatable); all
+    deleted afterwards."""
+    made: list[str] = []
+
+    def add(name: str, labels: dict | None = None, *, provider_id: str = "", annotations: dict | None = None,
+            taints: list[dict] | None = None) -> str:
+        spec = {**({"providerID": provider_id} if provider_id else {}), **({"taints": taints} if taints else {})}
+        resources = {GPU_RESOURCE: "8", "cpu": "8", "memory": "64Gi", "pods": "110"}
+        _post(real_cluster, "/api/v1/nodes", {
+            "apiVersion": "v1", "kind": "Node", "spec": spec,
+            "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, **(labels or {})},
+                         "annotations": annotations or {}}})
+        made.append(name)
+        status, answer = real_cluster.request("PATCH", f"/api/v1/nodes/{name}/status", {"status": {
+            "capacity": resources, "allocatable": resources, "conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": _now(),
+                 "lastTransitionTime": _now()}]}}, admin=True, content_type="application/merge-patch+json")
+        assert status == 200, answer
+        # The node lifecycle controller taints a new Node not-ready until it sees it Ready; the
+        # tests start from a node the controller is done with, as a registered kubelet's is.
+        deadline = time.monotonic() + 30
+        while any(t["key"].startswith("node.kubernetes.io/")
+                  for t in _node(real_cluster, name)["spec"].get("taints") or []):
+            assert time.monotonic() < deadline, f"the controller kept {name} tainted: {_node(real_cluster, name)}"
+            time.sleep(0.2)
+        return name
+
+    yield add
+    for name in made:
+        real_cluster.request("DELETE", f"/api/v1/nodes/{name}", admin=True)
+
+
+@pytest.fixture
+def namespace(real_cluster: RealCluster, unique):
+    name = f"drain-{unique}"
+    _post(real_cluster, "/api/v1/namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    yield name
+    real_cluster.request("DELETE", f"/api/v1/namespaces/{name}", admin=True)
+
+
+def _running_pod(real: RealCluster, namespace: str, node: str, name: str, labels: dict | None = None,
+                 owner: dict | None = None) -> None:
+    """A pod bound to ``node`` and Running, as its kubelet would report it (a Pending pod's
+    eviction ignores every PodDisruptionBudget on a real server)."""
+    meta = {"name": name, "namespace": namespace, "labels": labels or {}}
+    if owner:
+        meta["ownerReferences"] = [owner]
+    _post(real, f"/api/v1/namespaces/{namespace}/pods", {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": {
+        "nodeName": node, "terminationGracePeriodSeconds": 0, "tolerations": [{"operator": "Exists"}],
+        "containers": [{"name": "main", "image": "registry.invalid/app:1"}]}})
+    status, answer = real.request("PATCH", f"/api/v1/namespaces/{namespace}/pods/{name}/status", {"status": {
+        "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}},
+        admin=True, content_type="application/merge-patch+json")
+    assert status == 200, answer
+
+
+# -- join tokens -------------------------------------------------------------------------
+def test_join_token_is_a_bootstrap_token_secret(real_cluster, kube, unique):
+    before = datetime.now(timezone.utc)
+    machine = f"i-0ABC_{unique}"
+    ref = kube.create_join_token(f"gpu-{unique}", machine, 3600)
+    try:
+        secret = _secret(real_cluster, "kube-system", f"bootstrap-token-{ref.token_id}")
+        assert secret["type"] == "bootstrap.kubernetes.io/token"
+        data = _data(secret)
+        assert data["token-id"] == ref.token_id
+        assert re.fullmatch(r"[a-z0-9]{16}", data["token-secret"])
+        assert data["usage-bootstrap-authentication"] == "true"
+        assert data["usage-bootstrap-signing"] == "true"
+        assert data["auth-extra-groups"].startswith("system:bootstrappers:")
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", data["expiration"])
+        expiration = datetime.fromisoformat(data["expiration"].replace("Z", "+00:00"))
+        assert expiration == ref.expires_at
+        assert expiration <= before + timedelta(hours=1, seconds=1)
+        # The bootstrap channel holds the full token; the workflow's ref does not.
+        channel = _secret(real_cluster, BOOTSTRAP_NS, bootstrap_secret_name(machine))
+        assert bootstrap_secret_name("i-0ABC_1") == "gpufleet-bootstrap-i-0abc-1"
+        assert _data(channel)["token"] == f"{ref.token_id}.{data['token-secret']}"
+        assert _data(channel)["node-name"] == f"gpu-{unique}"
+        assert channel["metadata"]["labels"]["gpufleet.io/token-id"] == ref.token_id
+        assert data["token-secret"] not in ref.model_dump_json()
+    finally:
+        kube.revoke_join_token(ref.token_id)
+
+
+def test_revoke_deletes_both_secrets(real_cluster, kube, unique):
+    machine = f"m-{unique}"
+    ref = kube.create_join_token(f"gpu-{unique}", machine, 600)
+    kube.revoke_join_token(ref.token_id)
+    assert _secret(real_cluster, "kube-system", f"bootstrap-token-{ref.token_id}") is None
+    assert _secret(real_cluster, BOOTSTRAP_NS, bootstrap_secret_name(machine)) is None
+    kube.revoke_join_token(ref.token_id)  # 404s are success
+    with pytest.raises(ValueError):
+        kube.revoke_join_token("../../x")
+
+
+def test_a_new_token_for_the_same_machine_supersedes_the_old(real_cluster, kube, unique):
+    machine = f"m-{unique}"
+    old = kube.create_join_token(f"gpu-{unique}", machine, 600)
+    new = kube.create_join_token(f"gpu-{unique}", machine, 600)
+    assert old.token_id != new.token_id
+    assert _secret(real_cluster, "kube-system", f"bootstrap-token-{old.token_id}") is None
+    assert _secret(real_cluster, "kube-system", f"bootstrap-token-{new.token_id}") is not None
+    assert kube.take_bootstrap_token(machine).startswith(f"{new.token_id}.")
+    assert _secret(real_cluster, BOOTSTRAP_NS, bootstrap_secret_name(machine)) is None
+    kube.revoke_join_token(new.token_id)
+
+
+def test_bootstrap_fetch_is_once_even_when_raced(real_cluster, kube, unique, monkeypatch):
+    machine = f"m-{unique}"
+    ref = kube.create_join_token(f"gpu-{unique}", machine, 600)
+    name = bootstrap_secret_name(machine)
+    # Someone replaces the channel between our read and delete: the real API server refuses the
+    # delete's resourceVersion precondition, and we hand out nothing rather than a stale token.
+    real_delete = kube.core.delete_namespaced_secret
+
+    def replaced_meanwhile(secret_name, namespace, **kwargs):
+        if secret_name == name:
+            status, answer = real_cluster.request(
+                "PATCH", f"/api/v1/namespaces/{namespace}/secrets/{name}",
+                {"metadata": {"annotations": {"example.com/replaced": "yes"}}}, admin=True,
+                content_type="application/merge-patch+json")
+            assert status == 200, answer
+        return real_delete(secret_name, namespace, **kwargs)
+
+    monkeypatch.setattr(kube.core, "delete_namespaced_secret", replaced_meanwhile)
+    assert kube.take_bootstrap_token(machine) is None
+    monkeypatch.undo()
+    assert _secret(real_cluster, BOOTSTRAP_NS, name) is not None, "the replaced channel is left alone"
+    kube.revoke_join_token(ref.token_id)
+
+
+# -- nodes ------------------------------------------------------------------------------------
+def test_label_patch_is_a_merge_and_a_repeat_writes_nothing(real_cluster, kube, nodes, unique):
+    name = nodes(f"gpu-{unique}", {"team": "infra"})
+    seen = record_requests(kube)
+    kube.label_node(name, {"gpufleet.io/state": "proving"})
+    version = _node(real_cluster, name)["metadata"]["resourceVersion"]
+    kube.label_node(name, {"gpufleet.io/state": "proving"})
+    node = _node(real_cluster, name)
+    assert node["metadata"]["resourceVersion"] == version
+    assert node["metadata"]["labels"]["team"] == "infra"
+    assert _writes(seen, "/nodes/") and all(m == "PATCH" for m in _writes(seen, "/nodes/"))
+
+
+def test_taints_keep_foreign_taints_and_their_fields(real_cluster, kube, nodes, unique):
+    foreign = {"key": "example.com/foreign", "effect": "NoExecute", "timeAdded": "2024-01-01T00:00:00Z"}
+    name = nodes(f"gpu-{unique}", taints=[foreign])
+    node = kube.set_taints(name, add=[UNPROVEN_TAINT])
+    assert node.taints == ["example.com/foreign:NoExecute", UNPROVEN_TAINT]
+    stored = _node(real_cluster, name)["spec"]["taints"]
+    assert stored[0] == foreign
+    assert stored[1] == {"key": "gpufleet.io/unproven", "effect": "NoSchedule"}
+    seen = record_requests(kube)
+    kube.set_taints(name, add=[UNPROVEN_TAINT])
+    assert _writes(seen, "/nodes/") == []  # nothing to change, nothing written
+    kube.set_taints(name, remove=[UNPROVEN_TAINT, "example.com/foreign:NoExecute"])
+    assert "taints" not in _node(real_cluster, name)["spec"]
+
+
+def test_taints_retry_on_a_conflicting_writer(real_cluster, kube, nodes, unique, monkeypatch):
+    name = nodes(f"gpu-{unique}")
+    real_patch = kube.core.patch_node
+    raced = []
+
+    def other_writer_first(node_name, body, **kwargs):
+        if not raced:
+            raced.append(1)
+            status, answer = real_cluster.request(
+                "PATCH", f"/api/v1/nodes/{node_name}", {"spec": {"taints": [{"key": "other", "effect": "NoSchedule"}]}},
+                admin=True, content_type="application/merge-patch+json")
+            assert status == 200, answer
+        return real_patch(node_name, body, **kwargs)
+
+    monkeypatch.setattr(kube.core, "patch_node", other_writer_first)
+    seen = record_requests(kube)
+    node = kube.set_taints(name, add=[UNPROVEN_TAINT])
+    assert sorted(node.taints) == sorted(["other:NoSchedule", UNPROVEN_TAINT])
+    assert _writes(seen, f"/nodes/{name}") == ["PATCH", "PATCH"], "refused once (409), then written"
+
+
+def test_cordon_patches_spec_unschedulable(real_cluster, kube, nodes, unique):
+    name = nodes(f"gpu-{unique}")
+    kube.cordon(name)
+    assert _node(real_cluster, name)["spec"]["unschedulable"] is True
+    kube.cordon(name, False)
+    assert not _node(real_cluster, name)["spec"].get("unschedulable")
+
+
+def test_a_node_written_machine_id_annotation_is_ignored(kube, nodes, unique):
+    """The kubelet may write its Node's annotations: no machine id comes from there."""
+    name = nodes(f"gpu-{unique}", annotations={"gpufleet.io/machine-id": "m-annotated"},
+                 provider_id="aws:///us-east-1a/i-0abc")
+    assert kube.get_node(name).machine_id == "i-0abc"
+
+
+def test_the_identity_record_names_the_machine(kube, nodes, unique):
+    from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
+
+    name = f"gpu-{unique}"
+    provider_id = gpufleet_provider_id("aws", "acct-1", name)
+    nodes(name, {LABEL_SITE: f"elsewhere-{unique}"}, annotations={"gpufleet.io/machine-id": "someone-elses"},
+          provider_id=provider_id)
+    assert kube.get_node(name).machine_id == "", "a gpufleet providerID names no provider id"
+    identity = NodeIdentity(node_name=name, machine_id="i-0real", provider="aws", account="acct-1",
+                            site="aws-use1", provider_id=provider_id)
+    kube.update_state(NODE_IDENTITY_KIND, name, lambda _old: identity.state())
+    try:
+        for node in (kube.get_node(name), *kube.list_nodes({LABEL_SITE: f"elsewhere-{unique}"})):
+            assert (node.machine_id, node.site, node.provider, node.account) == ("i-0real", "aws-use1", "aws", "acct-1")
+    finally:
+        kube.delete_state(NODE_IDENTITY_KIND, name)
+
+
+# -- drain ------------------------------------------------------------------------------------
+def test_drain_uses_the_eviction_api_and_lists_by_field_selector(real_cluster, kube, nodes, namespace, unique):
+    name = nodes(f"gpu-{unique}")
+    # A real DaemonSet (placing nothing: no node has its label) that the pod names as its owner,
+    # so the garbage collector keeps the pod; not its controller, so the DaemonSet leaves it be.
+    daemonset = {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": "ds", "namespace": namespace},
+                 "spec": {"selector": {"matchLabels": {"app": "ds"}}, "template": {
+                     "metadata": {"labels": {"app": "ds"}}, "spec": {
+                         "nodeSelector": {"example.com/nowhere": "true"},
+                         "containers": [{"name": "main", "image": "registry.invalid/ds:1"}]}}}}
+    status, made = real_cluster.request("POST", f"/apis/apps/v1/namespaces/{namespace}/daemonsets", daemonset,
+                                        admin=True)
+    assert status == 201, made
+    owner = {"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "ds", "uid": made["metadata"]["uid"],
+             "controller": False}
+    _running_pod(real_cluster, namespace, name, "web-1")
+    _running_pod(real_cluster, namespace, name, "ds-1", owner=owner)
+    seen = record_requests(kube)
+    assert kube.drain_node(name, deadline_s=10).completed
+    on_pods = {(method, path.rsplit("/", 1)[-1]) for method, path, _ in seen if "/pods" in path}
+    assert on_pods == {("GET", "pods"), ("POST", "eviction")}, seen
+    assert all("fieldSelector=spec.nodeName" in query for method, path, query in seen
+               if method == "GET" and path.endswith("/pods")), seen
+    assert _get(real_cluster, f"/api/v1/namespaces/{namespace}/pods/ds-1") is not None
+    assert _get(real_cluster, f"/api/v1/namespaces/{namespace}/pods/web-1") is None
+
+
+def test_drain_with_two_pdbs_reports_the_server_message(real_cluster, kube, nodes, namespace, unique):
+    name = nodes(f"gpu-{unique}")
+    _running_pod(real_cluster, namespace, name, "web-1", labels={"app": "web", "tier": "a"})
+    for pdb, selector in (("pdb-1", {"app": "web"}), ("pdb-2", {"tier": "a"})):
+        _post(real_cluster, f"/apis/policy/v1/namespaces/{namespace}/poddisruptionbudgets", {
+            "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": pdb},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector}}})
+    result = kube.drain_node(name, deadline_s=1)
+    assert not result.completed
+    assert "more than one PodDisruptionBudget" in result.blocked[0].reason, result.blocked
+
+
+# -- serving ----------------------------------------------------------------------------------
+@pytest.fixture
+def serving_cleanup(real_cluster: RealCluster):
+    names: list[str] = []
+    yield names
+    for name in names:
+        real_cluster.request("DELETE", f"/apis/apps/v1/namespaces/gpufleet/deployments/{name}", admin=True)
+        real_cluster.request("DELETE", f"/api/v1/namespaces/gpufleet/services/{name}", admin=True)
+
+
+def _within(written, stored) -> bool:
+    """Every field of ``written`` is in ``stored`` with the same value (lists item by item)."""
+    if isinstance(written, dict):
+        return isinstance(stored, dict) and all(k in stored and _within(v, stored[k]) for k, v in written.items())
+    if isinstance(written, list):
+        return isinstance(stored, list) and len(written) == len(stored) and all(
+            _within(w, s) for w, s in zip(written, stored))
+    return written == stored
+
+
+def _deployment(real: RealCluster, name: str) -> dict:
+    return _get(real, f"/apis/apps/v1/namespaces/gpufleet/deployments/{name}")
+
+
+def test_serving_objects(real_cluster, kube, unique, serving_cleanup):
+    model, site = f"llama-{unique}", f"site-{unique}"
+    spec = ServingSpec(model=model, site=site, image="vllm:0.6", replicas=2, gpus_per_replica=4,
+                       args=["--tp", "4"], weights_path="/models/llama", env={"HF_HOME": "/cache"})
+    serving_cleanup.append(f"{model}-{site}")
+    kube.apply_serving(spec)
+    deployment = _deployment(real_cluster, f"{model}-{site}")
+    labels = {LABEL_MODEL: model, LABEL_SITE: site}
+    assert deployment["spec"]["selector"]["matchLabels"] == labels
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {LABEL_SITE: site}
+    (container,) = pod["containers"]
+    assert container["image"] == "vllm:0.6" and container["args"] == ["--tp", "4"]
+    assert container["resources"]["limits"][GPU_RESOURCE] == "4" == container["resources"]["requests"][GPU_RESOURCE]
+    env = {e["name"]: e["value"] for e in container["env"]}
+    assert env == {"MODEL_NAME": model, "MODEL_WEIGHTS": "/models/llama", "HF_HOME": "/cache"}
+    assert container["volumeMounts"] == [{"name": "weights", "mountPath": "/models/llama", "readOnly": True}]
+    assert pod["volumes"][0]["hostPath"]["path"] == "/models/llama"
+    # The annotation is the template as gpufleet wrote it; the stored one is that, plus only the
+    # real API server's defaults (imagePullPolicy, terminationMessagePath, ...).
+    written = json.loads(deployment["metadata"]["annotations"][ANNOTATION_TEMPLATE])
+    assert _within(written, deployment["spec"]["template"]), (written, deployment["spec"]["template"])
+    assert written["spec"]["containers"][0]["image"] == "vllm:0.6"
+    service = _get(real_cluster, f"/api/v1/namespaces/gpufleet/services/{model}-{site}")
+    assert service["spec"]["selector"] == labels
+    assert service["spec"]["ports"][0]["port"] == 8000
+
+
+def test_update_and_rollback_keep_templates_in_annotations(real_cluster, kube, unique, serving_cleanup):
+    model, site = f"m-{unique}", f"site-{unique}"
+    name = f"{model}-{site}"
+    serving_cleanup.append(name)
+    spec = ServingSpec(model=model, site=site, image="img:1")
+    seen = record_requests(kube)
+    kube.apply_serving(spec)
+    assert _writes(seen, "/deployments") == ["POST"]
+    kube.apply_serving(spec)
+    # Nothing changed, nothing written: the real API server's defaults in the stored template
+    # (imagePullPolicy, terminationMessagePath, ...) are no change of gpufleet's.
+    assert _writes(seen, "/deployments") == ["POST"]
+    kube.apply_serving(spec.model_copy(update={"image": "img:2"}))
+    deployment = _deployment(real_cluster, name)
+    previous = json.loads(deployment["metadata"]["annotations"][ANNOTATION_PREVIOUS_TEMPLATE])
+    assert previous["spec"]["containers"][0]["image"] == "img:1"
+    kube.rollback_serving(model, site)
+    deployment = _deployment(real_cluster, name)
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "img:1"
+    assert _writes(seen, "/deployments") == ["POST", "PUT", "PUT"]
+
+
+def test_foreign_changes_to_the_deployment_survive_apply(real_cluster, kube, unique, serving_cleanup):
+    model, site = f"m-{unique}", f"site-{unique}"
+    name = f"{model}-{site}"
+    serving_cleanup.append(name)
+    spec = ServingSpec(model=model, site=site, image="img:1")
+    kube.apply_serving(spec)
+    status, answer = real_cluster.request(
+        "PATCH", f"/apis/apps/v1/namespaces/gpufleet/deployments/{name}",
+        {"metadata": {"annotations": {"argocd.argoproj.io/sync": "x"}}, "spec": {"revisionHistoryLimit": 3}},
+        admin=True, content_type="application/merge-patch+json")
+    assert status == 200, answer
+    kube.apply_serving(spec.model_copy(update={"replicas": 2}))
+    stored = _deployment(real_cluster, name)
+    assert stored["spec"]["revisionHistoryLimit"] == 3 and stored["spec"]["replicas"] == 2
+    assert stored["metadata"]["annotations"]["argocd.argoproj.io/sync"] == "x"
+
+
+# -- errors -----------------------------------------------------------------------------------
+def test_forbidden_is_cluster_forbidden(real_cluster, unique):
+    """Not BadCredentials: a cluster RBAC gap must never revoke a provider account. A service
+    account bound to nothing: the real authorizer's 403."""
+    account = f"nothing-{unique}"
+    _post(real_cluster, "/api/v1/namespaces/gpufleet/serviceaccounts",
+          {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": account}})
+    cluster = KubernetesCluster(api_client=real_cluster.api_client(
+        real_cluster.service_account_token("gpufleet", account)), namespace="gpufleet")
+    try:
+        with pytest.raises(ClusterForbidden, match="forbidden") as caught:
+            cluster.list_nodes()
+        assert not isinstance(caught.value, BadCredentials) and not caught.value.retryable
+    finally:
+        cluster.api_client.close()
+        real_cluster.request("DELETE", f"/api/v1/namespaces/gpufleet/serviceaccounts/{account}", admin=True)
+
+
+# -- errors typed at the activity boundary and through Temporal (tests/cluster/test_cluster_errors.py) --
+def _activities(cluster: KubernetesCluster, tmp_path) -> ControlPlaneActivities:
+    env = FleetEnv(Settings(state_dir=tmp_path), load_config(write_fleet(tmp_path)), cluster)
+    return ControlPlaneActivities(env)
+
+
+def _node_patches(seen, name: str) -> int:
+    return sum(1 for method, path, _ in seen if method == "PATCH" and path.endswith(f"/nodes/{name}"))
+
+
+@workflow.defn(name="ClusterErrorsProbeReal", sandboxed=False)
+class ClusterErrorsProbe:
+    @workflow.run
+    async def run(self, inp: PrepareNodeInput) -> Node:
+        return await workflow.execute_activity(
+            "prepare_node", inp, result_type=Node, start_to_close_timeout=timedelta(seconds=30),
+            # Unbounded and no non-retryable types listed: the error's own non_retryable flag must end it.
+            retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=100),
+                                     maximum_interval=timedelta(milliseconds=200)),
+        )
+
+
+async def _execute(temporal_env, acts: ControlPlaneActivities, inp: PrepareNodeInput) -> Node:
+    queue = f"cluster-errors-{uuid.uuid4().hex[:8]}"
+    with ThreadPoolExecutor(4) as pool:
+        async with Worker(temporal_env.client, task_queue=queue, workflows=[ClusterErrorsProbe],
+                          activities=[acts.prepare_node], activity_executor=pool,
+                          workflow_runner=UnsandboxedWorkflowRunner()):
+            return await temporal_env.client.execute_workflow(
+                ClusterErrorsProbe.run, inp, id=f"cluster-errors/{uuid.uuid4().hex[:8]}", task_queue=queue,
+                execution_timeout=timedelta(seconds=60))
+
+
+def test_an_invalid_label_value_is_cluster_invalid_and_asked_once(kube, nodes, unique):
+    name = nodes(f"gpu-{unique}")
+    seen = record_requests(kube)
+    with pytest.raises(ClusterInvalid, match="metadata.labels") as caught:
+        kube.label_node(name, {LABEL_GPU_PRODUCT: "H100 SXM 80GB"})
+    assert caught.value.code == "422" and not caught.value.retryable
+    assert _node_patches(seen, name) == 1
+
+
+def test_prepare_node_with_an_invalid_label_fails_named_and_final(kube, nodes, unique, tmp_path):
+    name = nodes(f"gpu-{unique}")
+    with pytest.raises(ApplicationError) as caught:
+        ActivityEnvironment().run(_activities(kube, tmp_path).prepare_node,
+                                  PrepareNodeInput(node_name=name, labels={LABEL_SITE: "not a label value!"}))
+    assert (caught.value.type, caught.value.non_retryable) == ("ClusterInvalid", True)
+    assert "not a label value!" in str(caught.value)
+
+
+def test_prepare_node_forbidden_fails_named_and_final_not_bad_credentials(real_cluster, nodes, unique, tmp_path):
+    name = nodes(f"gpu-{unique}")
+    with control_plane_less(real_cluster, unique, "patch", "nodes") as token:
+        cluster = KubernetesCluster(api_client=real_cluster.api_client(token), namespace="gpufleet")
+        try:
+            with pytest.raises(ApplicationError) as caught:
+                ActivityEnvironment().run(_activities(cluster, tmp_path).prepare_node,
+                                          PrepareNodeInput(node_name=name, labels={LABEL_SITE: "site-a"}))
+        finally:
+            cluster.api_client.close()
+    assert (caught.value.type, caught.value.non_retryable) == ("ClusterForbidden", True)
+    assert caught.value.type != BadCredentials.__name__
+    assert isinstance(caught.value.__cause__, ClusterForbidden)
+
+
+async def test_a_422_ends_the_workflow_after_one_attempt(temporal_env, kube, nodes, unique, tmp_path):
+    name = nodes(f"gpu-{unique}")
+    seen = record_requests(kube)
+    with pytest.raises(WorkflowFailureError) as caught:
+        await _execute(temporal_env, _activities(kube, tmp_path),
+                       PrepareNodeInput(node_name=name, labels={LABEL_GPU_PRODUCT: "H100 SXM"}))
+    cause = caught.value.cause
+    assert isinstance(cause, ActivityError) and isinstance(cause.cause, ApplicationError)
+    assert cause.cause.type == "ClusterInvalid"
+    assert _node_patches(seen, name) == 1
+
+
+async def test_a_403_ends_the_workflow_after_one_attempt(temporal_env, real_cluster, nodes, unique, tmp_path):
+    name = nodes(f"gpu-{unique}")
+    with control_plane_less(real_cluster, unique, "patch", "nodes") as token:
+        cluster = KubernetesCluster(api_client=real_cluster.api_client(token), namespace="gpufleet")
+        seen = record_requests(cluster)
+        try:
+            with pytest.raises(WorkflowFailureError) as caught:
+                await _execute(temporal_env, _activities(cluster, tmp_path),
+                               PrepareNodeInput(node_name=name, labels={LABEL_SITE: "site-a"}))
+        finally:
+            cluster.api_client.close()
+    assert caught.value.cause.cause.type == "ClusterForbidden"
+    assert _node_patches(seen, name) == 1
+
+
+# -- CSRs a node sends, judged and bound by gpufleet's approver (tests/cluster/test_csr_*.py) -----
+CSRS = "/apis/certificates.k8s.io/v1/certificatesigningrequests"
+
+
+def key_of(csr: dict) -> str:
+    """The node-keys record's name for the CSR's key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    from fleet.cluster import client_key_fingerprint
+
+    request = x509.load_pem_x509_csr(base64.b64decode(csr["spec"]["request"]))
+    return client_key_fingerprint(request.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo))
+
+
+def _csr_as_node(real: RealCluster, name: str, node: str) -> dict:
+    """A client-certificate renewal as the node's kubelet sends it: made *as* ``system:node:<node>``
+    (the admin impersonates it), so the real API server writes the CSR's username and groups."""
+    csr = renewal(name, node)
+    csr["spec"] = {k: v for k, v in csr["spec"].items() if k not in ("username", "groups")}
+    as_node = {"Impersonate-User": f"system:node:{node}", "Impersonate-Group": "system:nodes"}
+    status, answer = real.request("POST", CSRS, csr, admin=True, headers=as_node)
+    assert status == 201, answer
+    assert answer["spec"]["username"] == f"system:node:{node}"
+    return answer
+
+
+def _approve_as_kubeadm(real: RealCluster, csr: dict) -> None:
+    """What kube-controller-manager's csrapproving does under kubeadm's auto-approve bindings."""
+    message = "Auto approving self kubelet client certificate after SubjectAccessReview."
+    body = {**csr, "status": {"conditions": [{"type": "Approved", "status": "True", "reason": "AutoApproved",
+                                              "message": message}]}}
+    status, answer = real.request("PUT", f"{CSRS}/{csr['metadata']['name']}/approval", body, admin=True)
+    assert status == 200, answer
+
+
+def _conditions(real: RealCluster, name: str) -> list[str]:
+    return [c["type"] for c in (_get(real, f"{CSRS}/{name}").get("status") or {}).get("conditions") or []]
+
+
+@pytest.fixture
+def csrs(real_cluster: RealCluster, kubeadm_bindings_restored):
+    """Without kubeadm's auto-approval (as ``gpufleet cluster check`` advises), so that each CSR
+    is gpufleet's to judge unless the test approves it as kubeadm would; CSRs deleted afterwards."""
+    for name in KUBEADM_BINDINGS:
+        real_cluster.kubectl("delete", "clusterrolebinding", name)
+    made: list[str] = []
+    yield made
+    for name in made:
+        real_cluster.request("DELETE", f"{CSRS}/{name}", admin=True)
+
+
+def test_the_adapter_renews_a_labelled_control_plane_node_and_denies_a_removed_one(
+        real_cluster, kube, nodes, csrs, unique) -> None:
+    control_plane, live = nodes(f"cp-{unique}", {CONTROL_PLANE_LABEL: ""}), nodes(f"gpu-live-{unique}")
+    # A removed node whose kubelet registered its Node again: it cannot give itself the
+    # control-plane label (NodeRestriction), only another one.
+    removed = nodes(f"gpu-removed-{unique}", {"node-role.example.com/control-plane": ""})
+    identity = NodeIdentity(node_name=live, machine_id="m-1", provider="lambda", account="a", site="s")
+    kube.update_state(NODE_IDENTITY_KIND, live, lambda _current: identity.state())
+    names = {f"r-cp-{unique}": control_plane, f"r-live-{unique}": live, f"r-removed-{unique}": removed}
+    for name, node in names.items():
+        _csr_as_node(real_cluster, name, node)
+        csrs.append(name)
+    try:
+        verdicts = {d.name: d for d in kube.review_csrs(lambda _node: None) if d.name in names}
+        assert verdicts[f"r-cp-{unique}"].approve and verdicts[f"r-live-{unique}"].approve
+        assert not verdicts[f"r-removed-{unique}"].approve
+        assert {n: _conditions(real_cluster, n) for n in names} == {
+            f"r-cp-{unique}": ["Approved"], f"r-live-{unique}": ["Approved"], f"r-removed-{unique}": ["Denied"]}
+    finally:
+        kube.remove_node(live)
+
+
+def test_the_approver_binds_the_keys_it_approves_and_only_those(real_cluster, kube, nodes, csrs, unique) -> None:
+    live, removed = nodes(f"gpu-live-{unique}"), nodes(f"gpu-removed-{unique}")  # removed: no identity record
+    identity = NodeIdentity(node_name=live, machine_id="m-1", provider="lambda", account="a", site="s")
+    kube.update_state(NODE_IDENTITY_KIND, live, lambda _current: identity.state())
+    made = {}
+    for name, node in ((f"r-live-{unique}", live), (f"r-removed-{unique}", removed),
+                       (f"a-removed-{unique}", removed), (f"a-live-{unique}", live)):
+        made[name] = _csr_as_node(real_cluster, name, node)
+        csrs.append(name)
+    # Approved by kubeadm's auto-approval: for a name gpufleet does not renew (not to be bound), and
+    # for a live node's own renewal (gpufleet approves it too, so bound).
+    _approve_as_kubeadm(real_cluster, made[f"a-removed-{unique}"])
+    _approve_as_kubeadm(real_cluster, made[f"a-live-{unique}"])
+
+    verdicts = {d.name: d.approve for d in kube.review_csrs(lambda _node: None) if d.name in made}
+    assert verdicts == {f"r-live-{unique}": True, f"r-removed-{unique}": False}
+    expected = {key_of(made[f"r-live-{unique}"]), key_of(made[f"a-live-{unique}"])}
+    assert set(bound_keys(kube.read_state(NODE_KEYS_KIND, live))) == expected
+    assert kube.read_state(NODE_KEYS_KIND, removed) == {}, "no key of a node gpufleet does not renew"
+    # A second pass binds nothing new and keeps what it bound.
+    kube.review_csrs(lambda _node: None)
+    assert set(bound_keys(kube.read_state(NODE_KEYS_KIND, live))) == expected
+
+    kube.remove_node(live)
+    assert kube.read_state(NODE_KEYS_KIND, live) == {}, "a removed node's keys open nothing"
+    assert kube.node_identity(live) is None
+
+
+# -- the network model on the API server (tests/cluster/test_network.py) ------------------------
+def test_serving_at_two_sites_writes_one_prefer_close_service(real_cluster, kube, unique, serving_cleanup):
+    """The real API server validates ``trafficDistribution`` (the field a Service that spans
+    sites needs, to prefer the caller's zone)."""
+    model = f"llama-{unique}"
+    serving_cleanup.extend([f"{model}-site-a", f"{model}-site-b", model])
+    seen = record_requests(kube)
+    for site in ("site-a", "site-b"):
+        kube.apply_serving(ServingSpec(model=model, site=site, image="vllm:1"))
+
+    def services() -> dict[str, dict]:
+        _, listed = real_cluster.request("GET", "/api/v1/namespaces/gpufleet/services", admin=True)
+        return {s["metadata"]["name"]: s for s in listed["items"]
+                if s["metadata"]["name"] in (model, f"{model}-site-a", f"{model}-site-b")}
+
+    found = services()
+    assert set(found) == {model, f"{model}-site-a", f"{model}-site-b"}
+    spanning = [s for s in found.values() if LABEL_SITE not in s["spec"]["selector"]]
+    assert [s["metadata"]["name"] for s in spanning] == [model]
+    assert all(s["spec"].get("trafficDistribution") == "PreferClose" for s in spanning)
+    posts = _writes(seen, "/services")
+    kube.apply_serving(ServingSpec(model=model, site="site-a", image="vllm:1"))
+    assert [m for m in _writes(seen, "/services") if m == "POST"] == [m for m in posts if m == "POST"]
+    kube.delete_serving(model, "site-a")
+    assert model in services(), "site-b still serves it"
+    kube.delete_serving(model, "site-b")
+    assert services() == {}
+
+
+def test_the_model_wide_service_never_takes_over_another_models_service(real_cluster, kube, unique, serving_cleanup):
+    model = f"m-{unique}"
+    serving_cleanup.extend([f"{model}-x", f"{model}-x-y"])
+    kube.apply_serving(ServingSpec(model=model, site="x", image="i"))          # Service "<m>-x", one site
+    kube.apply_serving(ServingSpec(model=f"{model}-x", site="y", image="i"))   # its model-wide name is "<m>-x" too
+    other = _get(real_cluster, f"/api/v1/namespaces/gpufleet/services/{model}-x")
+    assert other["spec"]["selector"] == {LABEL_MODEL: model, LABEL_SITE: "x"}
+    kube.delete_serving(f"{model}-x", "y")
+    assert _get(real_cluster, f"/api/v1/namespaces/gpufleet/services/{model}-x") is not None
+    kube.delete_serving(model, "x")
+
+
+def _fleet_env(kube: KubernetesCluster, tmp_path) -> FleetEnv:
+    return FleetEnv(Settings(state_dir=tmp_path), load_config(write_fleet(tmp_path)), kube)
+
+
+def test_a_labelled_node_carries_its_site_as_zone_on_the_api_server(real_cluster, kube, nodes, unique, tmp_path):
+    name = nodes(f"gpu-{unique}")
+    node = ActivityEnvironment().run(ControlPlaneActivities(_fleet_env(kube, tmp_path)).prepare_node, PrepareNodeInput(
+        node_name=name, labels={LABEL_SITE: "site-a", LABEL_PROVIDER: "lambda", LABEL_REGION: "us-east-1"}))
+    assert node.labels[LABEL_ZONE] == "site-a"
+    assert _node(real_cluster, name)["metadata"]["labels"][LABEL_ZONE] == "site-a"
+
+
+def test_the_reconcile_sweep_puts_a_changed_zone_back(real_cluster, kube, nodes, unique, tmp_path):
+    from fleet.demand import public_placement_labels  # zone, region and GPU product: all put back
+
+    env = _fleet_env(kube, tmp_path)
+    fleet_taint = [{"key": FLEET_TAINT_KEY, "effect": "NoSchedule"}]  # what every joined node keeps
+    placed = public_placement_labels(env.site("site-a"))
+    moved = nodes(f"gpu-1-{unique}", {**placed, LABEL_SITE: "site-a", LABEL_ZONE: "site-b"}, taints=fleet_taint)
+    kept = nodes(f"gpu-2-{unique}", {**placed, LABEL_SITE: "site-a"}, taints=fleet_taint)
+    site_nodes = CapacityActivities(env).site_nodes
+    seen = record_requests(kube)
+    listed = ActivityEnvironment().run(site_nodes, SiteNodesInput(site="site-a"))
+    assert {moved, kept} <= {n.node_name for n in listed}
+    assert _node(real_cluster, moved)["metadata"]["labels"][LABEL_ZONE] == "site-a"
+    assert _writes(seen, f"/nodes/{moved}") == ["PATCH"] and _writes(seen, f"/nodes/{kept}") == [], \
+        "only the node whose zone was wrong is written"
+    ActivityEnvironment().run(site_nodes, SiteNodesInput(site="site-a"))
+    assert _writes(seen, f"/nodes/{moved}") == ["PATCH"], "once put back, nothing more to write"

@@ -1,0 +1,229 @@
+"""``gpufleet dev``'s lifecycle: a child that dies comes back (with backoff, saying so) instead of
+the stack going down; Ctrl-C, at any point, stops every child without a traceback and leaves
+nothing holding a port; every port it opens has a flag and derives from ``--port``."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cli.dev import DEV_S3_KEY, DevPorts, port_in_use
+from tests.ports import free_port
+from tests.test_dev_stack import child_logs, children_of, command_of, gpufleet, start_dev
+
+pytestmark = pytest.mark.integration  # `gpufleet dev` as a process
+
+
+def descendants_of(pid: int) -> list[int]:
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children_of(parent)]
+        found += frontier
+    return found
+
+
+def alive(pids: list[int]) -> list[str]:
+    """Those of ``pids`` still running (a zombie has exited), with their command lines."""
+    running = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if state != "Z":
+                running.append(f"{pid} {command_of(pid)}")
+        except (OSError, IndexError):
+            pass
+    return running
+
+
+def wait_for(predicate, timeout: float, what: str, log: Path, env: dict) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}\n{log.read_text()}\n{child_logs(env)}"
+        time.sleep(0.2)
+
+
+def builtin_fleet_env(tmp_path: Path, port: int) -> dict:
+    """The built-in fleet (its object stores need the S3 emulator), its state under tmp_path."""
+    env = {**os.environ, "GPUFLEET_STATE_DIR": str(tmp_path / "state"), "TEMPORAL_ADDRESS": f"127.0.0.1:{port}",
+           "COLUMNS": "200"}
+    for name in ("GPUFLEET_CONFIG", "GPUFLEET_TASK_QUEUE", "GPUFLEET_DEV_S3_KEY", "GPUFLEET_METRICS_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def test_every_port_derives_from_port_unless_its_flag_is_given() -> None:
+    assert DevPorts.derive(7233) == DevPorts(port=7233, ui=8233, http=7243, s3=7244, gateway=7300, front_door=8080,
+                                             metrics=9464)
+    moved = DevPorts.derive(20000, s3=21000, front_door=None)
+    assert (moved.ui, moved.http, moved.s3, moved.gateway, moved.front_door, moved.metrics) == (
+        21000, 20010, 21000, 20067, 20847, 22231)
+    assert moved.given == {"s3"}
+
+
+def test_two_of_the_stacks_ports_on_one_number_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    port = free_port()
+    env = builtin_fleet_env(tmp_path, port)
+    done = gpufleet(env, "dev", "--port", str(port), "--ui-port", str(free_port()), "--s3-port", str(port + 67),
+                    timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"port {port + 67} is also --s3-port's" in done.stdout and "is up" not in done.stdout
+    assert not (tmp_path / "state" / "temporal.db").exists()
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_child_comes_back_and_ctrl_c_leaves_nothing_behind(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    port = free_port()
+    ports = {"--ui-port": free_port(), "--http-port": free_port(), "--s3-port": free_port(),
+             "--gateway-port": free_port(), "--front-door-port": free_port()}
+    env = builtin_fleet_env(tmp_path, port)
+    log = tmp_path / "dev.log"
+    extra = [arg for flag, number in ports.items() if flag != "--ui-port" for arg in (flag, str(number))]
+    dev = start_dev(env, port, ports["--ui-port"], log, *extra)
+    try:
+        shown = log.read_text()
+        # The flags' ports are the ones it opened.
+        assert f"node gateway     127.0.0.1:{ports['--gateway-port']}" in shown
+        assert f"object stores    http://127.0.0.1:{ports['--s3-port']}" in shown
+        assert f"http://127.0.0.1:{ports['--http-port']}/api/v1" in shown
+        assert "front door       off: haproxy" in shown or f"http://127.0.0.1:{ports['--front-door-port']}/" in shown
+        # The built-in fleet's object stores moved to --s3-port: the stack's config says so.
+        env["GPUFLEET_CONFIG"] = str(tmp_path / "state" / "sites.dev.yaml")
+        assert f"127.0.0.1:{ports['--s3-port']}" in Path(env["GPUFLEET_CONFIG"]).read_text()
+
+        def child(module: str) -> int | None:
+            return next((pid for pid in children_of(dev.pid) if module in command_of(pid) and alive([pid])), None)
+
+        worker = child("workers.control_plane")
+        assert worker is not None
+        os.kill(worker, signal.SIGKILL)
+        wait_for(lambda: "control-plane worker restarted" in log.read_text(), 60, "the worker did not come back",
+                 log, env)
+        assert "control-plane worker exited (code -9); restarting in 1 s" in log.read_text()
+        assert dev.poll() is None, "the stack stayed up"
+        again = child("workers.control_plane")
+        assert again is not None and again != worker
+        # The restarted worker runs the fleet: a join completes.
+        done = gpufleet(env, "join", "--site", "lambda-us-east", "--wait", timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr + child_logs(env)
+        assert "ready" in done.stdout
+
+        # The S3 emulator keeps its objects in memory: a restarted one gets the demo model again.
+        emulator = child("moto.server")
+        os.kill(emulator, signal.SIGKILL)
+        wait_for(lambda: re.search(r"S3 emulator \(port \d+\) restarted", log.read_text()), 60,
+                 "the S3 emulator did not come back", log, env)
+        from fleet.config import load_config
+        from providers.object_store import make_s3_client
+
+        source = load_config(env["GPUFLEET_CONFIG"]).object_stores["demo-weights"]
+        monkeypatch.setenv(*DEV_S3_KEY)  # the stores' credentials reference, as the stack sets it
+        s3 = make_s3_client(source)
+
+        def seeded() -> bool:
+            try:
+                s3.head_object(Bucket=source.bucket, Key=f"{source.prefix}demo-llm/v1/config.json")
+                return True
+            except Exception:  # noqa: BLE001 - not yet
+                return False
+
+        wait_for(seeded, 60, "the demo model was not seeded again", log, env)
+        everything = descendants_of(dev.pid)  # the front door's HAProxy too
+    finally:
+        dev.send_signal(signal.SIGINT)  # what Ctrl-C in its terminal sends it
+        code = dev.wait(timeout=90)
+    assert code == 0, log.read_text()
+    assert "Traceback" not in log.read_text()
+    assert "stopped: " in log.read_text()
+    deadline = time.monotonic() + 30
+    while alive(everything) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(everything), alive(everything)
+    # So the next start finds its ports free.
+    assert not [flag for flag, number in {"--port": port, **ports}.items() if port_in_use(number)]
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_while_starting_stops_what_started_without_a_traceback(tmp_path: Path) -> None:
+    """Before: Ctrl-C during start-up went on to start every worker and say "up" first."""
+    port = free_port()
+    env = builtin_fleet_env(tmp_path, port)
+    log = tmp_path / "dev.log"
+    dev = subprocess.Popen([sys.executable, "-m", "cli", "dev", "--port", str(port), "--ui-port", str(free_port()),
+                            "--http-port", str(free_port()), "--s3-port", str(free_port())],
+                           env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "starting the Temporal server" in log.read_text(), 120, "did not get to the server",
+                 log, env)
+        started = descendants_of(dev.pid)
+        assert any("moto.server" in command for command in alive(started)), alive(started)
+        dev.send_signal(signal.SIGINT)
+        code = dev.wait(timeout=90)
+    finally:
+        if dev.poll() is None:
+            dev.kill()
+    assert code == 130, log.read_text()
+    text = log.read_text()
+    assert "Traceback" not in text and "is up" not in text and "control-plane" not in text.split("stopped:")[-1]
+    assert not alive(started), alive(started)
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_stack_takes_its_children_with_it(tmp_path: Path) -> None:
+    """Before: `kill -9` of `gpufleet dev` (or a parent that kills it, as `bootstrap.py dev` did on
+    Ctrl-C) orphaned every child, the S3 emulator holding its port, so the next start exited 2."""
+    port, s3_port = free_port(), free_port()
+    env = builtin_fleet_env(tmp_path, port)
+    log = tmp_path / "dev.log"
+    dev = subprocess.Popen([sys.executable, "-m", "cli", "dev", "--port", str(port), "--ui-port", str(free_port()),
+                            "--http-port", str(free_port()), "--s3-port", str(s3_port)],
+                           env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    try:
+        wait_for(lambda: "starting the Temporal server" in log.read_text(), 120, "did not get to the server",
+                 log, env)
+        started = descendants_of(dev.pid)
+        assert started
+    finally:
+        dev.kill()
+        dev.wait()
+    deadline = time.monotonic() + 30
+    while alive(started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(started), alive(started)
+    assert not port_in_use(s3_port)
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_on_bootstrap_dev_stops_everything_without_a_traceback(tmp_path: Path) -> None:
+    port = free_port()
+    env = {**builtin_fleet_env(tmp_path, port), "GPUFLEET_VENV": str(Path(sys.executable).parent.parent)}
+    log = tmp_path / "dev.log"
+    root = Path(__file__).resolve().parents[1]
+    # A session of its own, as a terminal's foreground job: Ctrl-C is SIGINT to its whole process group.
+    boot = subprocess.Popen([sys.executable, str(root / "bootstrap.py"), "dev", "--port", str(port),
+                             "--ui-port", str(free_port()), "--http-port", str(free_port()),
+                             "--s3-port", str(free_port()), "--front-door-port", str(free_port()),
+                             "--gateway-port", str(free_port())],
+                            env=env, stdout=open(log, "w"), stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: "gpufleet dev is up" in log.read_text(), 240, "not up", log, env)
+        everything = descendants_of(boot.pid)
+        os.killpg(boot.pid, signal.SIGINT)
+        _, stderr = boot.communicate(timeout=90)
+    finally:
+        if boot.poll() is None:
+            os.killpg(boot.pid, signal.SIGKILL)
+    assert boot.returncode == 0, stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr
+    assert "stopped: " in log.read_text()
+    deadline = time.monotonic() + 30
+    while alive(everything) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(everything), alive(everything)

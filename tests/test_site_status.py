@@ -1,0 +1,74 @@
+"""`gpufleet sites` as site status: nodes serving, cordoned (and by what), joining, and the last
+incident; readable at 80 columns. The same on a live fleet (a real repair, the game day's incident,
+an aborted evacuation): tests/test_readme_walk.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cli.site_status import Holds, summarize
+from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
+from fleet.models import Node
+
+ROOT = Path(__file__).resolve().parents[1]
+SITES = ["a", "b"]
+
+
+def node(name: str, site: str = "a", ready: bool = True, cordoned: bool = False, unproven: bool = False) -> Node:
+    return Node(name=name, labels={LABEL_SITE: site}, ready=ready, unschedulable=cordoned,
+                taints=[UNPROVEN_TAINT] if unproven else [])
+
+
+def test_cordoned_nodes_are_counted_by_what_holds_them() -> None:
+    nodes = [node("serving"), node("not-ready", ready=False), node("fenced", cordoned=True),
+             node("quarantined", cordoned=True), node("by-hand", cordoned=True), node("new", unproven=True),
+             node("b-1", site="b", cordoned=True), node("b-2", site="b", cordoned=True)]
+    holds = Holds(repairs={"fenced": ["XID 79"], "quarantined": ["changed its own labels"]},
+                  quarantined={"quarantined"}, evacuating={"b"}, joining={"a": {"new", "provisioning-1"}},
+                  last_incident={"b": ("evacuate/b/1", "waiting-for-recovery")})
+    now = summarize(SITES, nodes, holds)
+    a, b = now["a"], now["b"]
+    # Cordoned, NotReady and unproven nodes are not serving: "5 ready" read as serving was wrong.
+    assert (a.serving, a.nodes) == (1, 6)
+    assert a.cordoned_cell() == "3: quarantine 1, repair 1, operator 1"
+    assert a.joining == 2 and a.last_incident == "none"  # the unproven node and a machine still provisioning
+    assert b.cordoned_cell() == "2: evacuation 2" and b.serving == 0
+    assert b.last_incident == "evacuate/b/1 waiting-for-recovery"
+
+
+def test_an_open_incident_holds_what_nothing_else_does_and_a_repair_outlasts_an_evacuation() -> None:
+    nodes = [node("x", cordoned=True), node("y", cordoned=True)]
+    assert summarize(SITES, nodes, Holds(incident_open={"a"}))["a"].cordoned_cell() == "2: incident 2"
+    both = Holds(repairs={"x": []}, evacuating={"a"})
+    assert summarize(SITES, nodes, both)["a"].cordoned_cell() == "2: repair 1, evacuation 1"
+
+
+def test_without_temporal_the_counts_stand_and_what_it_would_say_is_unknown() -> None:
+    now = summarize(SITES, [node("x", cordoned=True), node("new", unproven=True)], None)["a"]
+    assert now.cordoned_cell() == "1: ? 1" and now.joining == 1 and now.last_incident == "?"
+
+
+@pytest.mark.integration  # runs the command as an operator does
+def test_sites_shows_the_status_columns_and_fits_80_columns(tmp_path: Path) -> None:
+    # No Temporal at this address: the command still answers, from the cluster, and says so.
+    env = {"GPUFLEET_STATE_DIR": str(tmp_path), "PATH": "/usr/bin:/bin", "COLUMNS": "80",
+           "TEMPORAL_ADDRESS": "127.0.0.1:9"}
+    table = subprocess.run([sys.executable, "-m", "cli", "sites", "-o", "table"], env=env, cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, table.stdout
+    header = next(line for line in lines if "site" in line and "cordoned" in line)
+    for column in ("serving", "cordoned", "join", "incident"):
+        assert column in header, table.stdout
+    assert "did not answer" in table.stderr
+    as_json = subprocess.run([sys.executable, "-m", "cli", "sites", "-o", "json"], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=60)
+    row = json.loads(as_json.stdout)[0]
+    assert {"serving/nodes": "0/0", "cordoned": "0", "joining": "0", "last incident": "?"}.items() <= row.items()
+    assert "region" in row and "reachable" in row  # JSON keeps every column

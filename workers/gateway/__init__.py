@@ -1,0 +1,62 @@
+"""The node gateway (``gpufleet node-gateway``, ``python -m workers.node_gateway``): the only
+door from a GPU node to Temporal. Split by job:
+
+- ``node_identity``: what a node holds and shows: its certificate's subject, its key and CSR
+  (made on the node), and where the gateway is (``GatewayAccess``). The only part the node
+  agent imports: the code that ships to third-party machines carries none of the CA's
+  (an import-linter contract in pyproject.toml keeps it so).
+- ``authorization``: which calls a node may make, each request rebuilt from what the policy
+  allows, and the task tokens delivered to each node.
+- ``liveness``: whether a certificate's node is still live (its identity record, bound key,
+  and Node entity or NodeJoin), cached per (node, key).
+- ``proxy``: the gRPC server: per-node limits, forwarding over the control plane's own
+  connection, the gateway's metrics.
+- ``pki``: the dev stack's and the tests' CA and signer (production uses the cluster CA's).
+
+This file imports none of them, so importing one part loads only what it needs.
+
+GPU nodes run at third parties; one of them may be compromised. A node agent
+therefore holds no Temporal credentials: it dials this gateway with mutual TLS,
+presenting its node client certificate (``CN=system:node:<name>``, group
+``system:nodes``, the same shape as a kubelet's), and the gateway forwards, over
+the control plane's own connection (the standard ``TEMPORAL_*`` settings: mTLS
+or API key), only what a node agent needs:
+
+- ``PollActivityTaskQueue`` on ``node/<its own name>``;
+- ``RespondActivityTask{Completed,Failed,Canceled}`` and
+  ``RecordActivityTaskHeartbeat`` with task tokens this gateway delivered to
+  that same node;
+- the read-only calls the SDK's worker makes at start-up and its
+  ``ShutdownWorker`` (see ``authorization._START_UP``).
+
+Everything else is ``PERMISSION_DENIED``, logged with the node's name. Each forwarded
+request is rebuilt from only the fields the policy allows (unknown fields, deployment and
+versioning options, embedded worker heartbeats dropped), with the caller's ``identity``
+replaced by ``node:<name>``, so histories name the authenticated node.
+
+Every call also checks the certificate (its expiry, so an open connection stops working
+when it expires) and that the node is live (``node_liveness``): the certificate's key is
+one the cluster's signer bound to the node at its join or a renewal, and its identity
+record and Node entity (or its NodeJoin) exist. Certificates cannot be revoked; every
+retire path deletes those records, so a retired node's certificate stops working within
+the verdict cache's ``--live-ttl`` (1 s), and a Node object its kubelet re-creates, or a
+certificate for its name from any other signer, opens nothing.
+
+Per node, at most ``POLLS_PER_NODE`` polls and ``CALLS_PER_NODE`` calls go on at once,
+over at most ``CONNECTIONS_PER_NODE`` connections, each request at most
+``REQUEST_BYTES`` (results ``RESULT_BYTES``): a call over them is held, without going
+upstream, and then answered (a poll with no task), so one node cannot take the frontend's
+poll budget or the gateway's memory from the others.
+
+The gateway is stateless but for the delivered tokens, kept in memory on purpose:
+after a restart (or on another replica) a completion for a task delivered before it
+is refused and the activity is retried when its timeout fires. Every node activity
+is already retried after a node reboot or a lost connection and is safe to run twice
+(a watch re-reads level-triggered state; a probe, smoke test, GPU reset or driver
+reinstall done again ends in the same state), so persisting tokens would buy nothing
+that replicas behind a load balancer could share anyway.
+
+PKI helpers (dev stack, tests): ``pki.Pki`` makes a CA and the gateway's server
+certificate; ``node_identity.node_key_and_csr`` runs on the node (the key never leaves
+it); ``Pki.sign_node_csr`` is the signer (the cluster's CSR approver in production).
+"""

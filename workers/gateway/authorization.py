@@ -1,0 +1,257 @@
+"""Which calls a node may make, decided on every call from its client certificate.
+
+A node agent may only:
+
+- ``PollActivityTaskQueue`` on ``node/<its own name>``;
+- ``RespondActivityTask{Completed,Failed,Canceled}`` and ``RecordActivityTaskHeartbeat``
+  with task tokens this gateway delivered to that same node;
+- make the read-only calls the SDK's worker makes at start-up and its ``ShutdownWorker``
+  (see ``_START_UP``).
+
+Everything else is refused (``Refused``: PERMISSION_DENIED, logged with the node's name).
+Each allowed request is rebuilt from only the fields the policy allows (unknown fields,
+deployment and versioning options, embedded worker heartbeats dropped), with the caller's
+``identity`` replaced by ``node:<name>``, so histories name the authenticated node.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import re
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import grpc
+from temporalio.api.enums.v1 import TaskQueueKind
+from temporalio.api.taskqueue.v1 import TaskQueue
+from temporalio.api.workflowservice.v1 import request_response_pb2 as wsr
+
+from fleet.settings import node_queue
+from workers.gateway.node_identity import NODE_GROUP, node_from_subject
+
+log = logging.getLogger("gpufleet.node_gateway")
+
+SERVICE = "/temporal.api.workflowservice.v1.WorkflowService/"
+
+#: Start-up calls a node agent's SDK worker makes (recorded from a real agent), each harmless:
+#: - GetSystemInfo: the server's version and capability flags; no namespace or workflow data.
+#: - DescribeNamespace: the worker checks its namespace exists; only the gateway's own namespace
+#:   is answered (its retention and archival settings, no workflow data).
+#: - ShutdownWorker: the worker's goodbye, which lets the server drop its pollers; a live node
+#:   only (the same check as every call), for its own queue, with no sticky queue (an
+#:   activity-only worker has none, and another worker's sticky queue is not the node's to
+#:   drop) and without the worker heartbeat the SDK embeds (which would describe a worker, on
+#:   whatever queue it names, to the server's worker list).
+#: - RecordWorkerHeartbeat: the worker's periodic status (slots, pollers, host) for the
+#:   server's worker list, about once a minute; only about the node's own queue, under the
+#:   node's identity, without a deployment version. (gpufleet's own agents send none:
+#:   ``workers/node_agent.py`` turns them off.)
+_START_UP = {"GetSystemInfo", "DescribeNamespace", "ShutdownWorker", "RecordWorkerHeartbeat"}
+_RESPONDS = {
+    "RespondActivityTaskCompleted": wsr.RespondActivityTaskCompletedRequest,
+    "RespondActivityTaskFailed": wsr.RespondActivityTaskFailedRequest,
+    "RespondActivityTaskCanceled": wsr.RespondActivityTaskCanceledRequest,
+    "RecordActivityTaskHeartbeat": wsr.RecordActivityTaskHeartbeatRequest,
+}
+#: The calls that carry an activity's result (they may be larger: ``proxy.RESULT_BYTES``).
+RESULTS = {"RespondActivityTaskCompleted", "RespondActivityTaskFailed", "RespondActivityTaskCanceled"}
+#: Only these of the caller's metadata go upstream: a node's own ``authorization`` never does.
+FORWARDED_METADATA = {"client-name", "client-version", "supported-server-versions"}
+#: Tokens remembered per node (a node agent runs at most a handful of activities at once).
+MAX_TOKENS_PER_NODE = 64
+#: Names a node sent that the gateway echoes (queues, namespaces, methods) are cut to this.
+ECHO_CHARS = 64
+#: The fields each forwarded request keeps (all others, unknown ones included, are dropped):
+#: no deployment or versioning options, no resource ids, nothing a newer SDK adds unread.
+_KEPT = {
+    "RespondActivityTaskCompleted": {"task_token", "result", "identity", "namespace"},
+    "RespondActivityTaskFailed": {"task_token", "failure", "identity", "namespace", "last_heartbeat_details", "cause"},
+    "RespondActivityTaskCanceled": {"task_token", "details", "identity", "namespace"},
+    "RecordActivityTaskHeartbeat": {"task_token", "details", "identity", "namespace"},
+}
+_INSTANCE_KEY = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+#: Worker heartbeats one RecordWorkerHeartbeat may carry (an agent process runs one worker).
+MAX_WORKER_HEARTBEATS = 4
+
+
+class Refused(Exception):
+    """A call the node may not make; the message is logged and returned."""
+
+
+def echo(value: str) -> str:
+    """``value`` as the gateway may repeat it in an error or a log line: quoted, cut short."""
+    value = str(value)
+    return repr(value[:ECHO_CHARS]) + (f"… ({len(value)} chars)" if len(value) > ECHO_CHARS else "")
+
+
+def _only(message, kept: set[str]):
+    """``message`` with only the ``kept`` fields, unknown fields dropped (nested too)."""
+    for descriptor in message.DESCRIPTOR.fields:
+        if descriptor.name not in kept:
+            message.ClearField(descriptor.name)
+    message.DiscardUnknownFields()
+    return message
+
+
+@dataclass
+class GatewayStats:
+    """The gateway's counters (refusals counted here, the rest by the proxy), read by its metrics."""
+
+    forwarded: int = 0
+    refused: int = 0
+    refusals: list[str] = field(default_factory=list)
+    held_polls: int = 0
+    #: Calls over a node's limits (held, then answered; or too big), since start.
+    limited: int = 0
+    #: Calls held now because their node is over its limits.
+    held_over_limits: int = 0
+    #: node → serial of the certificate it last presented (agents reload rotated keys).
+    serials: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class NodeCert:
+    """What the gateway keeps of a node's certificate, parsed once."""
+
+    node: str
+    key: str  # SHA-256 of its public key (``fleet.cluster.client_key_fingerprint``)
+    not_after: float
+
+
+class NodeAuthorization:
+    """The policy for every node calling one gateway: who the caller is (its certificate,
+    checked again on every call), whether it may make the call, the request to forward in its
+    place, and the task tokens delivered to each node (kept in memory on purpose: see the
+    package's docstring)."""
+
+    def __init__(self, namespace: str, stats: GatewayStats) -> None:
+        self.namespace = namespace
+        self.stats = stats
+        self._tokens: dict[str, OrderedDict[bytes, None]] = {}
+        self._certs: dict[bytes, NodeCert] = {}  # certificate PEM → what it says
+
+    def refuse(self, node: str, method: str, why: str) -> Refused:
+        self.stats.refused += 1
+        call = echo(method.rsplit("/", 1)[-1]).strip("'")
+        line = f"{node or '?'}: {call} refused: {why}"
+        self.stats.refusals = [*self.stats.refusals, line][-200:]
+        log.warning("node %s: %s refused: %s", node or "?", call, why)
+        return Refused(why)
+
+    def identify(self, context: grpc.aio.ServicerContext) -> NodeCert:
+        """The caller's certificate, checked again on every call: an open connection stops
+        working when its certificate expires (the TLS handshake checked it only once)."""
+        auth = context.auth_context()
+        pem = auth.get("x509_pem_cert", [b""])[0]
+        known = self._certs.get(pem)
+        if known is None:
+            known = self._parse(pem, [n.decode(errors="replace") for n in auth.get("x509_common_name", [])])
+        if time.time() >= known.not_after:
+            raise self.refuse(known.node, "(any)", "certificate expired at "
+                               + dt.datetime.fromtimestamp(known.not_after, dt.timezone.utc).isoformat())
+        return known
+
+    def _parse(self, pem: bytes, names: list[str]) -> NodeCert:
+        node = node_from_subject(names[0]) if names else None
+        if node is None or not pem:
+            raise self.refuse("", "(any)", f"not a node certificate: {echo(names[0]) if names else 'none'}")
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        from fleet.cluster import client_key_fingerprint
+
+        cert = x509.load_pem_x509_certificate(pem)
+        groups = [a.value for a in cert.subject.get_attributes_for_oid(x509.NameOID.ORGANIZATION_NAME)]
+        if NODE_GROUP not in groups:
+            raise self.refuse(node, "(any)", f"certificate not in group {NODE_GROUP}")
+        self.stats.serials[node] = cert.serial_number
+        key = client_key_fingerprint(cert.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo))
+        known = NodeCert(node, key, cert.not_valid_after_utc.timestamp())
+        # The TLS handshake checked chain and validity; parsed once per certificate, not per call.
+        if len(self._certs) > 50_000:
+            self._certs.clear()
+        self._certs[pem] = known
+        return known
+
+    def _namespace(self, node: str, name: str, namespace: str, empty_ok: bool = False) -> None:
+        if namespace != self.namespace and not (empty_ok and not namespace):
+            raise self.refuse(node, name, f"namespace {echo(namespace)}")
+
+    def authorize(self, node: str, name: str, request: bytes) -> tuple[bytes, bytes | None]:
+        """The request to forward, rebuilt from only what the policy allows (identity rewritten,
+        unknown fields and deployment options dropped), and the token it uses; or Refused."""
+        identity, queue = f"node:{node}", node_queue(node)
+        if name == "PollActivityTaskQueue":
+            poll = wsr.PollActivityTaskQueueRequest.FromString(request)
+            self._namespace(node, name, poll.namespace)
+            if poll.task_queue.name != queue:
+                raise self.refuse(node, name, f"task queue {echo(poll.task_queue.name)} is not {queue!r}")
+            if poll.worker_control_task_queue:
+                raise self.refuse(node, name, f"control queue {echo(poll.worker_control_task_queue)}")
+            # No deployment or versioning options (they create Worker Deployments in the
+            # namespace), no rate-limit metadata, no unknown fields held for a whole long poll.
+            forward = wsr.PollActivityTaskQueueRequest(
+                namespace=self.namespace, identity=identity,
+                task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL))
+            if _INSTANCE_KEY.match(poll.worker_instance_key):
+                forward.worker_instance_key = poll.worker_instance_key
+            return forward.SerializeToString(), None
+        if name in _RESPONDS:
+            message = _RESPONDS[name].FromString(request)
+            self._namespace(node, name, message.namespace, empty_ok=True)
+            if message.task_token not in self._tokens.get(node, ()):
+                raise self.refuse(node, name, "a task token this gateway did not deliver to this node")
+            _only(message, _KEPT[name])
+            message.identity = identity
+            return message.SerializeToString(), message.task_token
+        if name == "GetSystemInfo":
+            return wsr.GetSystemInfoRequest().SerializeToString(), None
+        if name == "DescribeNamespace":
+            described = wsr.DescribeNamespaceRequest.FromString(request)
+            if described.namespace != self.namespace or described.id:
+                raise self.refuse(node, name, f"namespace {echo(described.namespace or described.id)}")
+            return wsr.DescribeNamespaceRequest(namespace=self.namespace).SerializeToString(), None
+        if name == "ShutdownWorker":
+            bye = wsr.ShutdownWorkerRequest.FromString(request)
+            self._namespace(node, name, bye.namespace)
+            if bye.sticky_task_queue or bye.task_queue not in ("", queue):
+                raise self.refuse(node, name, f"queue {echo(bye.task_queue or bye.sticky_task_queue)}")
+            # Its own queue only, and no embedded worker heartbeat: that would describe a worker
+            # (on any queue it names) to the server's worker list.
+            forward = wsr.ShutdownWorkerRequest(namespace=self.namespace, identity=identity, task_queue=queue,
+                                                reason=bye.reason[:ECHO_CHARS],
+                                                task_queue_types=bye.task_queue_types)
+            if _INSTANCE_KEY.match(bye.worker_instance_key):
+                forward.worker_instance_key = bye.worker_instance_key
+            return forward.SerializeToString(), None
+        if name == "RecordWorkerHeartbeat":
+            beat = wsr.RecordWorkerHeartbeatRequest.FromString(request)
+            self._namespace(node, name, beat.namespace)
+            queues = {h.task_queue for h in beat.worker_heartbeat}
+            if not queues <= {queue} or len(beat.worker_heartbeat) > MAX_WORKER_HEARTBEATS:
+                raise self.refuse(node, name, f"{len(beat.worker_heartbeat)} heartbeats for queues "
+                                   + ", ".join(echo(q) for q in sorted(queues)[:3]))
+            forward = wsr.RecordWorkerHeartbeatRequest(namespace=self.namespace, identity=identity)
+            for heartbeat in beat.worker_heartbeat:
+                kept = forward.worker_heartbeat.add()
+                kept.CopyFrom(heartbeat)
+                kept.DiscardUnknownFields()
+                kept.ClearField("deployment_version")
+                kept.worker_identity = identity
+            return forward.SerializeToString(), None
+        raise self.refuse(node, name, "not a node agent's call")
+
+    def remember(self, node: str, token: bytes) -> None:
+        """``token`` was delivered to ``node``: it may answer (or heartbeat) it."""
+        tokens = self._tokens.setdefault(node, OrderedDict())
+        tokens[token] = None
+        while len(tokens) > MAX_TOKENS_PER_NODE:
+            tokens.popitem(last=False)
+
+
+    def answered(self, node: str, token: bytes) -> None:
+        """``token``'s task is done: the node may not answer it again."""
+        self._tokens.get(node, {}).pop(token, None)

@@ -1,0 +1,372 @@
+"""The gateway's server: mutual TLS in front of the Temporal frontend, forwarding what
+``authorization`` allows of each live (``liveness``) node, over the control plane's own
+connection (the standard ``TEMPORAL_*`` settings: mTLS or API key).
+
+Per node, at most ``POLLS_PER_NODE`` polls and ``CALLS_PER_NODE`` calls go on at once,
+over at most ``CONNECTIONS_PER_NODE`` connections, each request at most
+``REQUEST_BYTES`` (results ``RESULT_BYTES``): a call over them is held, without going
+upstream, and then answered (a poll with no task), so one node cannot take the frontend's
+poll budget or the gateway's memory from the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import grpc
+from temporalio.api.workflowservice.v1 import request_response_pb2 as wsr
+
+from fleet.settings import Settings, temporal_profile
+from workers.gateway.authorization import (
+    FORWARDED_METADATA,
+    RESULTS,
+    SERVICE,
+    GatewayStats,
+    NodeAuthorization,
+    Refused,
+    echo,
+)
+from workers.gateway.liveness import LiveCache, Liveness, Verdict, default_liveness
+
+log = logging.getLogger("gpufleet.node_gateway")
+
+#: Per-node limits. A node agent runs one poller and at most five activities at once
+#: (workers/node_agent.py); these leave it room, and give no node more of what all share: the
+#: frontend's poll budget (1,200 concurrent polls per namespace and frontend by default), the
+#: gateway's memory and its upstream connections.
+POLLS_PER_NODE = 2
+CALLS_PER_NODE = 16
+#: Connections carrying a node's calls at once (an agent that switched to a renewed key keeps
+#: its old connection until its held poll ends).
+CONNECTIONS_PER_NODE = 4
+#: Bytes per call: a result (``RespondActivityTask*``) may carry a node's report or a failure's
+#: stack; every other call is a poll, a heartbeat or a start-up call of a few hundred bytes.
+REQUEST_BYTES = 64 * 1024
+RESULT_BYTES = 512 * 1024
+#: Calls at once on one connection (HTTP/2 streams; a node agent needs about seven).
+STREAMS_PER_CONNECTION = 32
+#: A call over a node's limits is held this long at most (never past its deadline) and then
+#: answered: a poll with no task, as a long poll that found none is, anything else with
+#: RESOURCE_EXHAUSTED. Held, it costs a little memory and no CPU, nothing goes upstream, and a
+#: node that keeps more calls open than its limits gets no more through than they allow.
+HOLD_SECONDS = 60.0
+#: A poll that got a slot with less time left than this is answered with no task, not
+#: forwarded: the frontend refuses a long poll this short (FAILED_PRECONDITION).
+MIN_UPSTREAM_POLL_SECONDS = 3.0
+#: A node over its limits is logged at most this often (every such call is counted).
+LIMIT_LOG_SECONDS = 60.0
+
+
+@dataclass
+class NodeLoad:
+    """One node's calls in flight now."""
+
+    polls: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(POLLS_PER_NODE))
+    calls: int = 0
+    held: int = 0
+    upstream_polls: int = 0  # polls forwarded and not yet answered
+    connections: Counter = field(default_factory=Counter)  # peer → its admitted calls
+
+    @property
+    def idle(self) -> bool:
+        return not self.calls and not self.held
+
+
+class NodeGateway(grpc.GenericRpcHandler):
+    def __init__(self, upstream: grpc.aio.Channel, namespace: str, live: Liveness,
+                 upstream_metadata: list[tuple[str, str]] | None = None,
+                 poll_channels: list[grpc.aio.Channel] | None = None) -> None:
+        self.upstream = upstream
+        # Held long polls (at most two per node) ride connections of their own: a completion or
+        # a heartbeat never queues behind a thousand open polls for an HTTP/2 stream.
+        self.poll_channels = poll_channels or [upstream]
+        self._next_poll = 0
+        self.namespace = namespace
+        self.live = live
+        self.upstream_metadata = list(upstream_metadata or [])
+        self.stats = GatewayStats()
+        self.authorization = NodeAuthorization(namespace, self.stats)
+        self._stubs: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
+        self._load: dict[str, NodeLoad] = {}
+        self._limit_logged: dict[str, float] = {}
+
+    # grpc.GenericRpcHandler
+    def service(self, details: grpc.HandlerCallDetails):
+        method = details.method
+
+        async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            return await self._handle(method, request, context)
+
+        return grpc.unary_unary_rpc_method_handler(handle)
+
+    def _over_limit(self, node: str, why: str) -> None:
+        self.stats.limited += 1
+        now = time.monotonic()
+        if now - self._limit_logged.get(node, -LIMIT_LOG_SECONDS) >= LIMIT_LOG_SECONDS:
+            if len(self._limit_logged) > 100_000:
+                self._limit_logged.clear()
+            self._limit_logged[node] = now
+            log.warning("node %s over its limits (%s); its calls over them are held, then answered "
+                        "(logged once a minute, each counted)", node, why)
+
+    async def _alive(self, node: str, key: str) -> Verdict | None:
+        try:
+            verdict = await self.live(node, key)
+        except Exception as error:  # noqa: BLE001 - a bare liveness check (no LiveCache) that could not tell
+            log.warning("liveness of %s unknown: %s", node, error)
+            return None
+        if verdict is True:
+            return Verdict.LIVE
+        return Verdict.RETIRED if verdict is False else verdict
+
+    def _stub(self, method: str) -> grpc.aio.UnaryUnaryMultiCallable:
+        channel = self.upstream
+        key = method
+        if method.endswith("/PollActivityTaskQueue"):
+            self._next_poll = (self._next_poll + 1) % len(self.poll_channels)
+            channel, key = self.poll_channels[self._next_poll], f"{method}#{self._next_poll}"
+        stub = self._stubs.get(key)
+        if stub is None:
+            stub = self._stubs[key] = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+        return stub
+
+    @staticmethod
+    def _hold_seconds(context: grpc.aio.ServicerContext) -> float:
+        remaining = context.time_remaining()
+        return HOLD_SECONDS if remaining is None else max(0.0, min(HOLD_SECONDS, remaining - 0.5))
+
+    async def _hold(self, node: str, load: NodeLoad, polling: bool, why: str,
+                    context: grpc.aio.ServicerContext) -> bytes:
+        """A call over the node's limits: held, then answered, and nothing sent upstream."""
+        self._over_limit(node, why)
+        load.held += 1
+        self.stats.held_over_limits += 1
+        try:
+            await asyncio.sleep(self._hold_seconds(context))
+        finally:
+            load.held -= 1
+            self.stats.held_over_limits -= 1
+            self._release(node, load)
+        if polling:
+            return b""  # no task: the agent polls again
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
+
+    def load_of(self, node: str) -> NodeLoad:
+        """What ``node`` has in flight now (an empty load when nothing)."""
+        return self._load.get(node) or NodeLoad()
+
+    def _release(self, node: str, load: NodeLoad) -> None:
+        if load.idle and self._load.get(node) is load:
+            del self._load[node]
+
+    async def _handle(self, method: str, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        name = method.removeprefix(SERVICE)
+        try:
+            cert = self.authorization.identify(context)
+            node = cert.node
+            if not method.startswith(SERVICE):
+                raise self.authorization.refuse(node, method, "not the workflow service")
+        except Refused as refused:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node gateway: {refused}")
+        limit = RESULT_BYTES if name in RESULTS else REQUEST_BYTES
+        if len(request) > limit:
+            self._over_limit(node, f"a {len(request)}-byte {echo(name)}")
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"node gateway: a request of {len(request)} bytes; the limit is {limit}")
+        polling = name == "PollActivityTaskQueue"
+        load = self._load.get(node)
+        if load is None:
+            load = self._load[node] = NodeLoad()
+        peer = context.peer()
+        if peer not in load.connections and len(load.connections) >= CONNECTIONS_PER_NODE:
+            return await self._hold(node, load, polling, f"more than {CONNECTIONS_PER_NODE} connections", context)
+        if load.calls >= CALLS_PER_NODE:
+            return await self._hold(node, load, polling, f"more than {CALLS_PER_NODE} calls at once", context)
+        load.calls += 1
+        load.connections[peer] += 1
+        slot = False
+        try:
+            try:
+                forward, token = self.authorization.authorize(node, name, request)
+                verdict = await self._alive(node, cert.key)
+                if verdict is None or verdict is Verdict.UNBOUND:
+                    # Fail closed, but as a transient error: while the control plane is away (static
+                    # stability), or a renewed key is not bound yet, an agent must keep retrying, not
+                    # treat its identity as revoked.
+                    if verdict is Verdict.UNBOUND:
+                        log.warning("node %s: %s", node, verdict.value)
+                    why = verdict.value if verdict else "cannot verify this node now (control plane unreachable)"
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"node gateway: {why}; retry")
+                if verdict is not Verdict.LIVE:
+                    raise self.authorization.refuse(node, name, verdict.value)
+            except Refused as refused:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node gateway: {refused}")
+            del request  # the rebuilt request is what goes on
+            if polling:
+                try:
+                    await asyncio.wait_for(load.polls.acquire(), self._hold_seconds(context))
+                except asyncio.TimeoutError:
+                    self._over_limit(node, f"more than {POLLS_PER_NODE} polls at once")
+                    return b""  # no task: as a long poll that found none
+                slot = True
+                remaining = context.time_remaining()
+                if remaining is not None and remaining < MIN_UPSTREAM_POLL_SECONDS:
+                    return b""  # too late for a long poll upstream (the frontend refuses one this short)
+            return await self._forward(method, node, name, forward, token, polling, context)
+        finally:
+            if slot:
+                load.polls.release()
+            load.calls -= 1
+            load.connections[peer] -= 1
+            if not load.connections[peer]:
+                del load.connections[peer]
+            self._release(node, load)
+
+    async def _forward(self, method: str, node: str, name: str, forward: bytes, token: bytes | None,
+                       polling: bool, context: grpc.aio.ServicerContext) -> bytes:
+        metadata = [(k, v) for k, v in context.invocation_metadata() or () if k in FORWARDED_METADATA]
+        metadata += [("temporal-namespace", self.namespace), *self.upstream_metadata]
+        remaining = context.time_remaining()
+        load = self._load[node]
+        self.stats.held_polls += polling
+        load.upstream_polls += polling
+        try:
+            response = await self._stub(method)(forward, metadata=metadata,
+                                                timeout=remaining if remaining and remaining < 1e6 else None)
+        except grpc.aio.AioRpcError as error:
+            # Temporal's typed failures ride in the trailers (grpc-status-details-bin): pass them on.
+            context.set_trailing_metadata(tuple(error.trailing_metadata() or ()))
+            await context.abort(error.code(), error.details() or "")
+        finally:
+            self.stats.held_polls -= polling
+            load.upstream_polls -= polling
+        self.stats.forwarded += 1
+        if polling and response:
+            delivered = _task_token(response)
+            if delivered:
+                self.authorization.remember(node, delivered)
+        elif token is not None and name != "RecordActivityTaskHeartbeat":
+            self.authorization.answered(node, token)
+        return response
+
+
+def _task_token(response: bytes) -> bytes:
+    """``task_token`` (field 1) of a PollActivityTaskQueueResponse without decoding the rest
+    (the input payloads): serializers write fields in number order, so it leads."""
+    if response[:1] == b"\x0a":
+        length, shift, i = 0, 0, 1
+        while i < len(response) and i < 6:
+            byte = response[i]
+            length |= (byte & 0x7F) << shift
+            i += 1
+            if not byte & 0x80:
+                return response[i:i + length]
+            shift += 7
+    return wsr.PollActivityTaskQueueResponse.FromString(response).task_token
+
+
+def upstream_channel(settings: Settings, own_connection: bool = False) -> tuple[grpc.aio.Channel, list[tuple[str, str]]]:
+    """A channel to the Temporal frontend with the control plane's own connection settings
+    (``TEMPORAL_TLS_*`` / ``TEMPORAL_API_KEY`` / ``temporal.toml``), and the metadata to send."""
+    profile = temporal_profile()
+    metadata = [(k.lower(), v) for k, v in (profile.grpc_meta or {}).items()]
+    if profile.api_key:
+        metadata.append(("authorization", f"Bearer {profile.api_key}"))
+    options = [("grpc.max_receive_message_length", 128 * 1024 * 1024),
+               ("grpc.keepalive_time_ms", 30_000), ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.optimization_target", "latency")]
+    if own_connection:  # not shared with the process's other channels to the same address
+        options.append(("grpc.use_local_subchannel_pool", 1))
+    tls = profile.tls.to_connect_tls_config() if profile.tls is not None else (True if profile.api_key else False)
+    if tls is False:
+        return grpc.aio.insecure_channel(settings.address, options=options), metadata
+    if tls is True:
+        credentials = grpc.ssl_channel_credentials()
+    else:
+        credentials = grpc.ssl_channel_credentials(tls.server_root_ca_cert, tls.client_private_key, tls.client_cert)
+        if tls.domain:
+            options.append(("grpc.ssl_target_name_override", tls.domain))
+    return grpc.aio.secure_channel(settings.address, credentials, options=options), metadata
+
+
+class GatewayCollector:
+    """The gateway's own figures, read from its stats at scrape time: what an operator watches
+    for a node trying what it may not (refusals) and for the held polls the frontend carries."""
+
+    def __init__(self, gateway: "NodeGateway") -> None:
+        self.gateway = gateway
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.gateway.stats
+        yield CounterMetricFamily("gpufleet_gateway_forwarded", "Node agent calls forwarded to Temporal.",
+                                  value=stats.forwarded)
+        yield CounterMetricFamily("gpufleet_gateway_refused",
+                                  "Node agent calls refused (PERMISSION_DENIED), each logged with the node.",
+                                  value=stats.refused)
+        yield GaugeMetricFamily("gpufleet_gateway_held_polls", "Long polls the gateway holds open for nodes now.",
+                                value=stats.held_polls)
+        yield GaugeMetricFamily("gpufleet_gateway_nodes", "Distinct node identities seen since start.",
+                                value=len(stats.serials))
+        yield CounterMetricFamily("gpufleet_gateway_limited",
+                                  "Node calls over the node's limits (held, then answered; or too big).",
+                                  value=stats.limited)
+        yield GaugeMetricFamily("gpufleet_gateway_held_over_limits",
+                                "Calls held now because their node is over its limits.",
+                                value=stats.held_over_limits)
+
+
+@dataclass
+class RunningGateway:
+    server: grpc.aio.Server
+    gateway: NodeGateway
+    port: int
+    channel: grpc.aio.Channel
+    poll_channels: list[grpc.aio.Channel] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    async def stop(self, grace: float | None = 1.0) -> None:
+        await self.server.stop(grace)
+        for channel in [self.channel, *self.poll_channels]:
+            await channel.close()
+
+
+async def start_gateway(settings: Settings, server_cert: bytes, server_key: bytes, client_ca: bytes,
+                        live: Liveness | None = None, host: str = "127.0.0.1", port: int = 0,
+                        live_ttl: float = 1.0, poll_connections: int = 4) -> RunningGateway:
+    """Serve the gateway: mutual TLS, client certificates from ``client_ca`` required."""
+    channel, metadata = upstream_channel(settings, own_connection=True)
+    polls = [upstream_channel(settings, own_connection=True)[0] for _ in range(poll_connections)]
+    if live is None:
+        live = await default_liveness(settings)
+    gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl), metadata, polls)
+    # A request over RESULT_BYTES is refused by gRPC from its length prefix, before it is held
+    # in memory; a connection carries at most STREAMS_PER_CONNECTION calls; one with none for
+    # five minutes is closed (a node agent's always holds a poll).
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", RESULT_BYTES),
+                                      ("grpc.so_reuseport", 0), ("grpc.optimization_target", "latency"),
+                                      ("grpc.max_concurrent_streams", STREAMS_PER_CONNECTION),
+                                      ("grpc.max_connection_idle_ms", 300_000),
+                                      # Flow-control windows stay small (no BDP probing): a call
+                                      # over the size limit is cut off within its first window,
+                                      # not received (and decrypted) whole first.
+                                      ("grpc.http2.bdp_probe", 0)],
+                             maximum_concurrent_rpcs=None)
+    server.add_generic_rpc_handlers((gateway,))
+    credentials = grpc.ssl_server_credentials([(server_key, server_cert)], root_certificates=client_ca,
+                                              require_client_auth=True)
+    bound = server.add_secure_port(f"{host}:{port}", credentials)
+    await server.start()
+    return RunningGateway(server, gateway, bound, channel, polls)
+
