@@ -237,11 +237,16 @@ def accounts_list(
 @accounts_app.command("quota-raised")
 def accounts_quota_raised(
     account: str,
-    offer: Annotated[Optional[list[str]], typer.Option(help="offer site/instance-type (repeat; default all)")] = None,
+    offer: Annotated[Optional[list[str]], typer.Option(help="offer site/instance-type (repeat)")] = None,
+    all_offers: Annotated[bool, typer.Option("--all", help="every blocked offer of the account")] = False,
     address: Address = "localhost:7233", config: ConfigPath = None,
 ) -> None:
-    """Tell gpufleet a person raised the quota: the offers sell again."""
-    _update(address, config, lambda fleet: fleet.quota_raised(account, offer or []))
+    """Tell gpufleet a person raised the quota: the offers sell again (name them with --offer, or --all)."""
+    if bool(offer) == all_offers:
+        err.print("[red]error:[/] --offer: name the offers that sell again (site/instance-type, repeat), "
+                  "or give --all" + (", not both" if offer else ""))
+        raise typer.Exit(2)
+    _update(address, config, lambda fleet: fleet.quota_raised(account, offer or [], all=all_offers))
 
 
 @accounts_app.command("credentials-rotated")

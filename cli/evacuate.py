@@ -3,7 +3,7 @@
 ``start`` runs the runbook at a site and follows it to the end; the command owns it, so leaving
 early (Ctrl-C, SIGTERM, an error) aborts it, which puts back what it changed. ``abort`` and
 ``recovered`` end the evacuation running at a site, whoever started it (the Site entity's
-incident rule, or a person).
+incident rule, or a person); ``retry`` has it look again now for a place for the replicas.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from rich.markup import escape
 from cli.common import Address, ConfigPath, StateDir, console, err, fleet_client, run
 from cli.common import settings as _settings
 
-evacuate_app = typer.Typer(help="Evacuate a site by hand (a provider incident's runbook), abort it, or end it.",
+evacuate_app = typer.Typer(help="Evacuate a site by hand (a provider incident's runbook), abort it, end it, or have it look again.",
                            no_args_is_help=True)
 
 Site = Annotated[str, typer.Argument(help="site (as in sites.yaml)")]
@@ -176,3 +176,23 @@ def recovered(
         _refused(error, 1)
     console.print(f"{site} declared recovered (was {p.state}, {p.step}): smoke tests, then the weight climbs back",
                   markup=False, highlight=False)
+
+
+@evacuate_app.command("retry")
+def retry(
+    site: Site,
+    address: Address = "localhost:7233",
+    state_dir: StateDir = Path(".gpufleet"),
+    config: ConfigPath = None,
+) -> None:
+    """Look again now for a place for the site's replicas (after adding capacity or a compliant site)."""
+    from client import InvalidArgument, NotFound, Rejected
+
+    fleet = _fleet(address, state_dir, config, site)
+    try:
+        answer = run(fleet.retry_evacuation(site))
+    except InvalidArgument as error:
+        _refused(error, 2)
+    except (NotFound, Rejected) as error:
+        _refused(error, 1)
+    console.print(f"{site}: {answer}", markup=False, highlight=False)

@@ -38,6 +38,7 @@ from cli.common import connect as connect_or_exit
 from cli.config_check import stock_image_warnings
 from cli import demand as demand_commands
 from cli.advisor import advisor
+from cli.patches import patches
 from cli.gameday import gameday_app
 from cli.repair import repair_app
 from cli.rollout import rollout_app
@@ -66,6 +67,7 @@ app.add_typer(weights_app, name="weights")
 demand_commands.register(app, sim_app)
 app.command("top")(top)
 app.command("advisor")(advisor)
+app.command("patches")(patches)
 
 
 @app.command("node-gateway", add_help_option=False,

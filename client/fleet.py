@@ -355,10 +355,11 @@ class FleetClient:
 
     # -- provider accounts -----------------------------------------------------------------
     async def quota_raised(self, account: str, offers: list[str] | QuotaRaised | None = None, *,
-                           provider: str | None = None) -> AccountStatus:
-        """A person raised the quota: these offers (``site/instance-type``; none = every
-        blocked one) sell again."""
-        request = offers if isinstance(offers, QuotaRaised) else validate(QuotaRaised, {"offers": offers or []})
+                           all: bool = False, provider: str | None = None) -> AccountStatus:
+        """A person raised the quota: these offers (``site/instance-type``), or with ``all``
+        every blocked one, sell again. Neither is refused (``InvalidInput`` naming ``offers``)."""
+        request = offers if isinstance(offers, QuotaRaised) else \
+            validate(QuotaRaised, {"offers": offers or [], "all": all})
         return await self._update(self._account_id(account, provider), "quota_raised",
                                   [request.model_dump(mode="json")], AccountStatus)
 
@@ -448,9 +449,17 @@ class FleetClient:
 
     async def abort_evacuation(self, site: str, reason: str = "", *,
                                evacuation_id: str | None = None) -> EvacuationProgress:
-        """Stop the evacuation where it is (routing stays as it is now)."""
+        """Stop the evacuation and put back what it changed (nodes uncordoned unless held for a
+        reason of their own, Deployments and routing weights as they were, what it added
+        elsewhere gone). Answers at once; its state goes ``restoring``, then ``aborted``."""
         workflow_id = evacuation_id or await self._evacuation_of(site)
         return await self._update(workflow_id, "abort", [reason], EvacuationProgress)
+
+    async def retry_evacuation(self, site: str, *, evacuation_id: str | None = None) -> str:
+        """Look again now for a place for the site's replicas (after adding capacity or a
+        compliant site); answers whether a wait was woken."""
+        workflow_id = evacuation_id or await self._evacuation_of(site)
+        return await self._update(workflow_id, "look_again", [], str)
 
     async def _evacuation_of(self, site: str) -> str:
         found = await self.running_evacuation(site)

@@ -78,13 +78,24 @@ async def test_over_quota_blocks_the_offer_until_a_person_raises_it(cap: CapStac
     with pytest.raises(WorkflowUpdateFailedError):  # the validator names what is blocked
         await account.execute_update("quota_raised", {"offers": ["nope/x"]})
     cap.world.set_site(cap.site("cheap"), quota=8)
-    cleared = AccountStatus.model_validate(await account.execute_update("quota_raised", {"offers": []}))
+    # "All" is never implied: no offers (what Temporal's HTTP API makes of an empty list, too) is
+    # refused naming the field, and changes nothing.
+    for vague in ({"offers": []}, {}, None):
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await account.execute_update("quota_raised", vague)
+        cause = refused.value.cause
+        assert cause.type == "InvalidInput" and cause.message.removeprefix("InvalidInput: ").startswith("offers:"), vague
+    still = AccountStatus.model_validate(await account.query("status"))
+    assert list(still.blocked_offers) == [cap.offer("cheap")]
+    cleared = AccountStatus.model_validate(await account.execute_update("quota_raised", {"all": True}))
     assert cleared.state == "healthy" and cleared.blocked_offers == {}
     assert await cap.listed(f'WorkflowId = "{account.id}" AND FleetState = "healthy"')
     third = await result_of(await cap.request({"constraints": {"gpu": "H100"}, "count": 1}))
     assert third.nodes[0].site == cap.site("cheap")
     await replay_and_record(handle, "capacity_over_quota")
-    await replay_and_record(account, "account_quota_raised")
+    # Named for the newest ProviderAccount patch (``quota-raised-all-explicit``); the older file
+    # stays (its run raised the quota with no offers, which meant all then).
+    await replay_and_record(account, "account_quota_raised_all_explicit")
 
 
 async def test_revoked_credentials_stop_every_call_until_rotated(cap: CapStack) -> None:

@@ -67,7 +67,10 @@ async def test_accounts_commands_and_sim_reclaim(cap: CapStack) -> None:
     await cap.listed(f'WorkflowId = "account/lambda/{cap.account("a")}" AND FleetState = "needs-person"')
     listed = await gpufleet(cap, "accounts", "list", "--needs-person")
     assert cap.account("a") in listed.stdout and "quota-blocked" in listed.stdout
-    raised = await gpufleet(cap, "accounts", "quota-raised", cap.account("a"))
+    # "All" is said, never implied: no offer named and no --all is refused before anything is sent.
+    vague = await gpufleet(cap, "accounts", "quota-raised", cap.account("a"))
+    assert vague.returncode == 2 and "--offer" in vague.stderr and "--all" in vague.stderr, vague.stderr
+    raised = await gpufleet(cap, "accounts", "quota-raised", cap.account("a"), "--all")
     assert raised.returncode == 0 and "healthy" in raised.stdout, raised.stderr
     again = await gpufleet(cap, "accounts", "credentials-rotated", cap.account("a"))
     assert again.returncode == 1 and "not revoked" in again.stderr

@@ -107,7 +107,7 @@ async def test_refusals_name_the_field_and_detach_then_abort(inc: IncStack) -> N
     site = inc.site("a")
     code, out = await ran(inc, "evacuate", "start", "mars-1")
     assert code == 2 and "site: unknown site 'mars-1'" in out and "started" not in out, out
-    for command in ("abort", "recovered"):
+    for command in ("abort", "recovered", "retry"):
         code, out = await ran(inc, "evacuate", command, "mars-1")
         assert code == 2 and "site: unknown site 'mars-1'" in out, out
         code, out = await ran(inc, "evacuate", command, site)
@@ -129,7 +129,12 @@ async def test_refusals_name_the_field_and_detach_then_abort(inc: IncStack) -> N
     await poll(lambda: inc.workflows("SiteEvacuation", "a"), timeout=30)
     code, out = await ran(inc, "evacuate", "start", site, "--request", "second")
     assert code == 1 and f"site: {workflow_id} is already evacuating {site}" in out, out
+    # Looking again answers, and says that nothing waited for it (the evacuation waits for the provider).
+    code, out = await ran(inc, "evacuate", "retry", site)
+    assert code == 0 and f"{site}: noted, but nothing waits for it: the evacuation is waiting-for-recovery" in out, out
     code, out = await ran(inc, "evacuate", "abort", site, "--reason", "test: a blip")
     assert code == 0 and f"aborting the evacuation of {site}" in out, out
     result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
     assert result.outcome == "aborted" and cordoned(inc, site) == set()
+    code, out = await ran(inc, "evacuate", "retry", site)  # ended: refused, as an update to an ended run
+    assert code == 1 and f"no evacuation is running at {site}" in out, out

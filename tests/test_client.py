@@ -126,7 +126,10 @@ async def test_capacity_and_the_account_entity(cap: CapStack) -> None:
     with pytest.raises(Rejected) as rejected:
         await fleet.quota_raised(account, ["nowhere/none"])
     assert "not blocked" in rejected.value.reason
-    status = await fleet.quota_raised(account)
+    with pytest.raises(Rejected) as rejected:  # neither offers nor all: "all" is never implied
+        await fleet.quota_raised(account)
+    assert rejected.value.reason.startswith("offers:") or "offers:" in rejected.value.reason, rejected.value.reason
+    status = await fleet.quota_raised(account, all=True)
     assert isinstance(status, AccountStatus) and status.state == AccountState.HEALTHY
     with pytest.raises(Rejected) as rejected:
         await fleet.credentials_rotated(account)

@@ -53,7 +53,7 @@ def test_arguments_travel_as_the_entity_handler_takes_them() -> None:
     assert wire({"entity": "account/lambda/a", "update": "quota_raised", "args": {"offers": ["s/t"]}}) == [
         {"offers": ["s/t"]}]
     assert wire({"entity": "account/lambda/a", "update": "quota_raised", "args": {"offers": None}}) == [{}], \
-        "Temporal's HTTP API sends an empty array as null: not given, so every blocked offer"
+        "Temporal's HTTP API sends an empty array as null: not given (and the entity refuses it: all is explicit)"
     assert wire({"entity": "account/lambda/a", "update": "credentials_rotated"}) == []
     assert wire({"entity": "repair/n1/gpu3", "update": "hold", "args": {"reason": "vendor ticket"}}) == [
         {"reason": "vendor ticket"}]
@@ -114,7 +114,10 @@ async def test_relay_raises_a_quota_and_reports_refusals(cap: CapStack) -> None:
     assert refused.type == "UpdateRejected" and "not blocked: nowhere/none" in refused.message, refused.message
     assert (await fleet.account_status(account)).state == AccountState.QUOTA_BLOCKED, "a refusal changes nothing"
 
-    raised = await relay(cap, {"entity": entity, "update": "quota_raised"}, "raised")
+    vague = await failure(await relay(cap, {"entity": entity, "update": "quota_raised"}, "vague"))
+    assert vague.type == "UpdateRejected" and "offers: name the offers" in vague.message, vague.message
+
+    raised = await relay(cap, {"entity": entity, "update": "quota_raised", "args": {"all": True}}, "raised")
     result = await raised.result(rpc_timeout=None)
     result = EntityUpdateResult.model_validate(result)
     assert (result.entity, result.update, result.workflow_type) == (entity, "quota_raised", "ProviderAccount")
@@ -124,7 +127,7 @@ async def test_relay_raises_a_quota_and_reports_refusals(cap: CapStack) -> None:
                if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED]
     assert len(updates) == 1, "the refused update was never admitted; the accepted one once"
 
-    again = await failure(await relay(cap, {"entity": entity, "update": "quota_raised"}, "again"))
+    again = await failure(await relay(cap, {"entity": entity, "update": "quota_raised", "args": {"all": True}}, "again"))
     assert again.type == "UpdateRejected" and "no quota-blocked offer" in again.message
 
     await cap.account_handle("lambda", "a").terminate("the account left the fleet")

@@ -195,7 +195,12 @@ async def test_failing_proof_keeps_the_node_out_and_operator_controls(temporal_e
         await handle.execute_update("skip_to", SkipToInput(rung=Rung.RESET))
         await asyncio.sleep(0.5)
         assert cordoned(stack, node.node_name), "held: still contained, nothing done"
-        await handle.execute_update("release")
+        with pytest.raises(WorkflowUpdateFailedError) as refused_release:
+            await handle.execute_update("release")  # null (a payload lost on the way) never releases
+        assert refused_release.value.cause.type == "InvalidInput", refused_release.value.cause
+        await asyncio.sleep(0.5)
+        assert cordoned(stack, node.node_name), "still held"
+        await handle.execute_update("release", {"reason": "reseated and checked"})
         result = await asyncio.wait_for(handle.result(), 30)
         assert result["outcome"] == "repaired"
         assert not cordoned(stack, node.node_name)

@@ -50,6 +50,12 @@ EXPECTED = {
     "capacity_refused_at_start", "capacity_cancelled", "capacity_temporal_cancel",
     "site_evacuation_restored_releases", "site_evacuation_aborted_restores", "site_evacuation_cancelled_restores",
     "site_evacuation_aborted_while_buying", "site_evacuation_aborted_restores_after_continue_as_new",
+    # Patches decided at the start of a run (a patch asked after a local activity could not replay).
+    "node_join_happy_patches_at_start", "node_join_count2_patches_at_start",
+    "node_join_smoke_failed_patches_at_start", "node_entity_two_repairs_patches_at_start",
+    "node_entity_self_labels_patches_at_start", "node_bad_reports_quarantine_patches_at_start",
+    # "All" is said, never implied (issue 36): quota_raised with {"all": true}.
+    "account_quota_raised_all_explicit",
 }
 
 
@@ -65,9 +71,9 @@ async def _scenarios(stack: Stack) -> dict[str, object]:
     stack.world.inject_fault(machine[0]["id"], 0, "xid", 79, clears_on="reboot")
     with pytest.raises(WorkflowFailureError):
         await smoke.result()
-    # Named for the newest patch (``join-in-fewer-steps``): the older files stay, they guard runs in flight.
-    return {"node_join_happy_fewer_steps": happy, "node_join_count2_fewer_steps": many,
-            "node_join_smoke_failed_fewer_steps": smoke}
+    # Named for the newest patch (``join-patches-at-start``): the older files stay, they guard runs in flight.
+    return {"node_join_happy_patches_at_start": happy, "node_join_count2_patches_at_start": many,
+            "node_join_smoke_failed_patches_at_start": smoke}
 
 
 async def test_fresh_histories_replay(stack: Stack) -> None:

@@ -26,8 +26,9 @@ async def test_fresh_repair_histories_replay(temporal_env, tmp_path) -> None:
             "gpu_repair_reset": repair_handle(stack, a.node_name, 0),
             "gpu_repair_reboot_after_reset": repair_handle(stack, a.node_name, 1),
             "gpu_repair_covered": repair_handle(stack, b.node_name, 1 if covered.attempts[0].outcome == "covered" else 0),
-            # Named for the newest Node patch (``contain-first``): the older files stay, they guard runs in flight.
-            "node_entity_two_repairs_contain_first": stack.client.get_workflow_handle(f"node/{a.node_name}"),
+            # Named for the newest Node patch (``node-patches-at-start``): the older files stay, they guard
+            # runs in flight.
+            "node_entity_two_repairs_patches_at_start": stack.client.get_workflow_handle(f"node/{a.node_name}"),
         }
         for name, handle in handles.items():
             await replay_and_record(handle, name)

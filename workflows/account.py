@@ -6,7 +6,8 @@ Workflows report problems with the ``report`` signal (through the
 ``report_account`` activity, which also blocks the account in the guard store at
 once). A person clears them with updates:
 
-- ``quota_raised`` {"offers": [...]} (empty = all): the offers sell again.
+- ``quota_raised`` {"offers": [...]} or {"all": true}: the offers sell again (no offer and
+  no ``all`` is refused: "all" is never implied).
 - ``credentials_rotated``: accepted only after one cheap authenticated call
   succeeds; then the deletes queued while revoked run.
 
@@ -45,7 +46,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet import search_attributes as sa
     from fleet.models import AccountState
-    from workflows.inputs import parse_input, parse_signal
+    from workflows.inputs import invalid_input, parse_input, parse_signal
     from workflows.steps import QUICK, STORE_RETRY, failure_message, show_details
 
 #: The credential check: one attempt per person's request (a wrong key is not transient).
@@ -54,6 +55,9 @@ CHECK_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=["BadCre
 NOTIFY_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 #: Workflow patch: the state lock (runs started before it replay without one).
 STATE_LOCK_PATCH = "account-state-lock"
+#: Workflow patch: ``quota_raised`` with no offers is refused (its validator), never "every
+#: blocked offer"; before it, such an update unblocked all (kept for runs that took one).
+QUOTA_ALL_EXPLICIT_PATCH = "quota-raised-all-explicit"
 
 
 @workflow.defn(name="ProviderAccount")
@@ -81,7 +85,12 @@ class ProviderAccount:
         request = parse_input(QuotaRaised, raw or {})
         # Locked: a report's store write, still in flight, would land after this one and re-block the offers.
         async with self._locked():
-            offers = request.offers or list(status.blocked_offers)
+            if request.offers:
+                offers = request.offers
+            elif request.all or not workflow.patched(QUOTA_ALL_EXPLICIT_PATCH):
+                offers = list(status.blocked_offers)  # (before the patch, no offers meant all)
+            else:
+                offers = []  # the validator refuses this: named offers, or all
             for offer in offers:
                 status.blocked_offers.pop(offer, None)
             self._log(f"quota raised for {', '.join(offers)}")
@@ -94,6 +103,11 @@ class ProviderAccount:
     @quota_raised.validator
     def _check_quota_raised(self, raw: Any = None) -> None:
         request = parse_input(QuotaRaised, raw or {})  # a bad payload rejects the update, naming the field
+        if not request.offers and not request.all:
+            raise invalid_input('offers: name the offers that sell again (site/instance-type), or send {"all": true}',
+                                ["offers"])
+        if request.offers and request.all:
+            raise invalid_input("all: either offers or all, not both", ["all"])
         status = self._status
         if status is None or not status.blocked_offers:
             raise ValueError(f"account {status.account if status else '?'} has no quota-blocked offer")

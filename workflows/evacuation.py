@@ -173,8 +173,24 @@ class SiteEvacuation:
 
     @workflow.signal
     def retry(self) -> None:
-        """Look again now (after a person added capacity or a compliant site)."""
+        """Look again now (after a person added capacity or a compliant site). From code; a
+        person uses ``look_again``, which answers."""
         self._retry += 1
+
+    @workflow.update
+    def look_again(self) -> str:
+        """``retry`` for a person: look again now, and say whether that woke a wait."""
+        self._retry += 1
+        p = self._progress
+        if p.state == "needs-person":
+            return f"looking again now for a place for the replicas (was: {p.needs_person})"
+        return (f"noted, but nothing waits for it: the evacuation is {p.state} ({p.step}); it looks "
+                "for a place by itself whenever it needs one")
+
+    @look_again.validator
+    def _validate_look_again(self) -> None:
+        if self._progress is None or self._progress.state in ("restored", "aborted"):
+            raise ValueError("the evacuation is not running")
 
     @workflow.query
     def progress(self) -> EvacuationProgress:

@@ -137,6 +137,17 @@ LOOP_RESTART_MAX = timedelta(minutes=5)
 #: A bad report is named in the log and details by its first problem, cut to this length.
 MAX_PROBLEM_SHOWN = 300
 
+#: Workflow patch: every patch above is decided once, by this one, in the run's first workflow
+#: task, and a run that has it takes each one's new path without asking again. Asked where
+#: each branch is (after a local activity), ``patched`` could not replay: a local activity's
+#: result may reach the workflow in the next workflow task (the task is completed with the
+#: activity's marker and a new one forced), while the replay resolves it from that marker in the
+#: same task; a patch asked next is then asked one task early on replay, answers False, and its
+#: marker one task later fails the replay ("patch marker ... no corresponding change command":
+#: seen under load in tests/security/test_self_labels.py). Runs from before it ask as before.
+#: The rule: docs/design/patches.md.
+NODE_PATCHES_AT_START = "node-patches-at-start"
+
 #: Bounded memory: XID event keys remembered for de-duplication, log lines kept.
 MAX_SEEN = 512
 MAX_LOG = 20
@@ -189,6 +200,8 @@ class NodeEntity:
         self._told_by_cluster = False
         self._watch_handle: workflow.ActivityHandle | None = None
         self._rewatch = False
+        #: ``NODE_PATCHES_AT_START``: this run takes every patch's new path (asked once, first).
+        self._settled = False
 
     # -- signals and queries ---------------------------------------------------------------
     # The handlers only queue (none awaits): the loop is the one writer of the state, so no lock.
@@ -224,6 +237,11 @@ class NodeEntity:
         self._log(f"Ready again in the cluster after {told.observed_at - carry.not_ready_since:.0f}s "
                   "NotReady: watching afresh")
         carry.not_ready_since = None
+        self._replace_watch()
+
+    def _replace_watch(self) -> None:
+        """Cancel the watch in flight; the loop schedules the next at once (no question to the
+        cluster). For a watch an agent that is gone may hold until its long heartbeat timeout."""
         if self._watch_handle is not None and not self._watch_handle.done():
             self._rewatch = True
             self._watch_handle.cancel()
@@ -235,6 +253,12 @@ class NodeEntity:
     @workflow.signal
     def node_action_done(self, done: NodeActionDone) -> None:
         self._finish_action(done.repair_id)
+        # The node booted again (its repair waited for a new boot id): the watch in flight was
+        # held by the agent of the boot before, which may have died without a word. A reboot
+        # quicker than the cluster's grace period is never seen NotReady, so ``cluster_state``
+        # would not replace it and it would wait out its heartbeat timeout (10 minutes).
+        if self._settled and self._told_by_cluster and done.rung in (Rung.REBOOT, Rung.REINSTALL):
+            self._replace_watch()
 
     @workflow.query
     def status(self) -> NodeStatus:
@@ -268,6 +292,7 @@ class NodeEntity:
 
     @workflow.run
     async def run(self, raw: Any) -> NodeStatus:
+        self._settled = workflow.patched(NODE_PATCHES_AT_START)  # first: before any local activity
         inp = parse_input(NodeEntityInput, raw)
         self._node = inp.node_name
         if inp.carry is not None:
@@ -278,8 +303,8 @@ class NodeEntity:
         ])
         if self._carry.deferred:
             await self._refresh_facts()  # findings carried on hold: their recheck interval is in the settings
-        if workflow.patched(HEALTH_WATCH_PATCH):
-            self._told_by_cluster = workflow.patched(NOT_READY_PATCH)
+        if self._settled or workflow.patched(HEALTH_WATCH_PATCH):
+            self._told_by_cluster = self._settled or workflow.patched(NOT_READY_PATCH)
             self._first_state = inp.first_state
             self._watching = self._background("health watch", self._watch_node)
         recheck_at = None
@@ -336,7 +361,7 @@ class NodeEntity:
                 except (workflow.NondeterminismError, workflow.ContinueAsNewError):
                     raise
                 except Exception as error:  # noqa: BLE001 - anything else must not end the loop
-                    if not workflow.patched(NODE_REPORTS_PATCH):
+                    if not (self._settled or workflow.patched(NODE_REPORTS_PATCH)):
                         raise  # a run from before the patch: the loop ended here when it ran
                     self._loop_restarts += 1
                     why = f"{type(error).__name__}: {str(error)[:MAX_PROBLEM_SHOWN]}"
@@ -367,7 +392,7 @@ class NodeEntity:
             problem = describe(error)[0]
         except Exception as error:  # noqa: BLE001 - an undecodable payload (bad JSON, unknown encoding)
             problem = f"undecodable ({type(error).__name__})"
-        if not workflow.patched(NODE_REPORTS_PATCH):
+        if not (self._settled or workflow.patched(NODE_REPORTS_PATCH)):
             # A run from before the patch decoded it with the wire model (or failed its task).
             return NodeWatchResult.model_validate(value)
         problem = problem[:MAX_PROBLEM_SHOWN]
@@ -465,7 +490,7 @@ class NodeEntity:
             return False
         bound = (self._settings() or RepairSettings()).max_report_age_seconds
         age = workflow.now().timestamp() - result.observed_at
-        if age <= bound or not workflow.patched(STALE_REPORT_PATCH):
+        if age <= bound or not (self._settled or workflow.patched(STALE_REPORT_PATCH)):
             self._stale_in_a_row = 0
             return False
         self._stale_in_a_row += 1
@@ -553,7 +578,7 @@ class NodeEntity:
             await self._act(finding)
 
     async def _refresh_facts(self) -> NodeFacts:
-        local = workflow.patched(LOCAL_FACTS_PATCH)
+        local = self._settled or workflow.patched(LOCAL_FACTS_PATCH)
         self._facts = await (workflow.execute_local_activity if local else workflow.execute_activity)(
             "node_facts", NodeFactsInput(node_name=self._node), result_type=NodeFacts,
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="node, site, repair settings",
@@ -581,9 +606,9 @@ class NodeEntity:
             self._set_state(self._carry.state, f"GPU {index} sick while the node is still joining; waiting")
             return
         settings = facts.settings
-        if index not in self._carry.fenced and workflow.patched(CONTAIN_FIRST_PATCH):
+        if index not in self._carry.fenced and (self._settled or workflow.patched(CONTAIN_FIRST_PATCH)):
             await self._fence(index, finding)
-        if workflow.patched(ADMISSION_PATCH):
+        if self._settled or workflow.patched(ADMISSION_PATCH):
             # The Site entity owns the incident rule (fleet.incident): it admits or holds this repair.
             try:
                 decision: RepairDecision = await workflow.execute_activity(
@@ -685,7 +710,7 @@ class NodeEntity:
             raise
         except Exception as error:  # noqa: BLE001 - e.g. a result that does not decode
             # Lost silently, the GPU would stay "active" for ever and block continue-as-new.
-            if not workflow.patched(NODE_REPORTS_PATCH):
+            if not (self._settled or workflow.patched(NODE_REPORTS_PATCH)):
                 raise
             self._loop_restarts += 1
             self._log(f"GPU {index}: watching {repair_id} failed ({type(error).__name__}: "

@@ -88,12 +88,19 @@ NAME_NONCE = "join-name-nonce"
 #: saw it register. Runs before it resolved the site as an activity and labelled the node in a
 #: ``prepare_node`` step.
 FEWER_STEPS = "join-in-fewer-steps"
+#: Every patch above decided once, by this one, in the run's first workflow task: a run that has
+#: it takes each one's new path without asking again. ``BOOTSTRAP_IN_USER_DATA`` was asked right
+#: after the site's local activity, where a replay can ask it one workflow task early and fail
+#: (see ``workflows.node.NODE_PATCHES_AT_START``). Runs from before it ask as before.
+JOIN_PATCHES_AT_START = "join-patches-at-start"
 
 
 @workflow.defn(name="NodeJoin")
 class NodeJoin:
     def __init__(self) -> None:
         self._progress = JoinProgress(step="starting")
+        #: ``JOIN_PATCHES_AT_START``: this run takes every patch's new path (asked once, first).
+        self._settled = False
 
     @workflow.query
     def progress(self) -> JoinProgress:
@@ -112,6 +119,7 @@ class NodeJoin:
 
     @workflow.run
     async def run(self, raw: Any) -> NodeJoinResult:
+        self._settled = workflow.patched(JOIN_PATCHES_AT_START)  # first: before the local activity
         request = parse_input(NodeJoinInput, raw)
         if request.count > 1:
             return await self._join_many(request)
@@ -131,7 +139,7 @@ class NodeJoin:
         """One child join per node, so each machine has its own id and history."""
         # The fan-out is findable by Site/FleetState however it was started, refuses more
         # nodes than the site's max_nodes, and its progress shows a failure.
-        tracked = workflow.patched("join-many-site-and-failure")
+        tracked = self._settled or workflow.patched("join-many-site-and-failure")
         if tracked:
             await self._check_fan_out(request)
         try:
@@ -202,7 +210,7 @@ class NodeJoin:
         heartbeat = timedelta(seconds=timeouts.heartbeat_seconds)
         # A node name is never reused: a later join started with this same id names its node
         # anew, so an earlier machine's certificate for the old name never becomes a live node's.
-        nonce = workflow.info().first_execution_run_id if workflow.patched(NAME_NONCE) else ""
+        nonce = workflow.info().first_execution_run_id if (self._settled or workflow.patched(NAME_NONCE)) else ""
         node_name = node_name_for(request.site, join_id, nonce)
         # The provider's idempotency key too: the same id started again buys a new machine,
         # never the one an earlier run created (and may have deleted) under that key.
@@ -210,7 +218,7 @@ class NodeJoin:
         self._progress.node_name = node_name
 
         self._step("resolving site", request.site)
-        fewer_steps = workflow.patched(FEWER_STEPS)
+        fewer_steps = self._settled or workflow.patched(FEWER_STEPS)
         site: Site = await (workflow.execute_local_activity if fewer_steps else workflow.execute_activity)(
             "resolve_site", ResolveSiteInput(site=request.site), result_type=Site,
             start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=f"look up site {request.site}",
@@ -224,7 +232,7 @@ class NodeJoin:
             workflow.upsert_search_attributes(changed)
 
         self._step("provisioning", f"{site.instance_type} at {site.provider} {site.region}")
-        bootstrap = workflow.patched(BOOTSTRAP_IN_USER_DATA)
+        bootstrap = self._settled or workflow.patched(BOOTSTRAP_IN_USER_DATA)
         spec = MachineSpec(
             name=node_name, site=site.name, region=site.region, instance_type=site.instance_type, gpu=site.gpu,
             gpus=site.gpus_per_machine, capacity_type=site.capacity_type, image=site.image,
@@ -262,7 +270,7 @@ class NodeJoin:
             # Every adapter looks the key up before it reports no capacity: then nothing is there. A
             # revoked account may not be called at all (rule 6): the sweep finds it once rotated.
             if (failure_type(error) not in ("NoCapacity", "BadCredentials")
-                    and workflow.patched(RELEASE_FAILED_PROVISION)):
+                    and (self._settled or workflow.patched(RELEASE_FAILED_PROVISION))):
                 await self._release_provision(site, spec, provision_key)
             if bootstrap:
                 await self._revoke_node_tokens(node_name)
@@ -338,7 +346,7 @@ class NodeJoin:
                 )
 
             self._step("admitting", "remove the unproven taint")
-            if workflow.patched(ADMIT_TELLS_SITE):
+            if self._settled or workflow.patched(ADMIT_TELLS_SITE):
                 # The token was spent at registration: revoking it need not wait for the admission.
                 await asyncio.gather(
                     workflow.execute_activity(
@@ -350,7 +358,7 @@ class NodeJoin:
                     *([self._revoke(token)] if token is not None else []),
                 )
                 token, told_site = None, True
-            elif workflow.patched("admit-together"):
+            elif self._settled or workflow.patched("admit-together"):
                 await asyncio.gather(self._untaint(node_name), self._revoke(token),
                                      self._tell_site(site.name, node_name, machine.id, "ready"))
                 token, told_site = None, True
@@ -369,7 +377,7 @@ class NodeJoin:
                     await self._revoke(token)
 
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("ready")])
-        if not told_site and workflow.patched("tell-site-entity"):
+        if not told_site and (self._settled or workflow.patched("tell-site-entity")):
             await self._tell_site(site.name, node_name, machine.id, "ready")
         self._step("ready", f"{site.gpus_per_machine}x {site.gpu}")
         return JoinedNode(
@@ -412,7 +420,7 @@ class NodeJoin:
     async def _clean_up(self, site: Site, machine: Machine, node_name: str) -> None:
         """Never leave a machine behind: machine deleted, node object out."""
         self._step("cleaning up", f"deleting machine {machine.id}")
-        if workflow.patched(MACHINE_FIRST):
+        if self._settled or workflow.patched(MACHINE_FIRST):
             failed = []
             try:
                 await workflow.execute_activity(

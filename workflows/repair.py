@@ -38,7 +38,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.repair_policy import Rung
     from fleet.settings import node_queue
-    from workflows.inputs import parse_input
+    from workflows.inputs import invalid_input, parse_input
     from fleet.messages.join import NodeJoinResult
     from workflows.steps import (
         CLUSTER_RETRY,
@@ -108,7 +108,9 @@ class GpuRepair:
 
     @release.validator
     def _validate_release(self, raw: Any = None) -> None:
-        parse_input(HoldInput, {} if raw is None else raw)
+        if raw is None:  # a payload lost on the way (a wrong-shaped call) must not let a held ladder go
+            raise invalid_input('release: send an object, e.g. {"reason": "vendor ticket closed"} (or {})', ["reason"])
+        parse_input(HoldInput, raw)
         self._require_running()
 
     @workflow.update

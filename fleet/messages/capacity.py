@@ -222,8 +222,11 @@ class ProviderAccountInput(BaseModel):
 class QuotaRaised(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    #: Offer keys (site/instance-type); empty = every blocked offer.
+    #: Offer keys (site/instance-type) that sell again.
     offers: list[Name] = Field(default_factory=list, max_length=1000)
+    #: Every blocked offer sells again. Explicit: no offers is a mistake (Temporal's HTTP API
+    #: sends an empty list as null), never "all" (the ProviderAccount's validator refuses it).
+    all: bool = False
 
 
 class SiteInput(BaseModel):

@@ -79,13 +79,13 @@ KINDS: dict[str, EntityKind] = {
     "evacuate": EntityKind(
         workflow_type="SiteEvacuation", id_shape="evacuate/<site>/<n> or evacuate/<site>/manual-<request>",
         id_pattern=re.compile(rf"evacuate/{_SEGMENT}/[^\s]+"),
-        updates={"declare_recovered": NoteArgs, "abort": ReasonArgs},
-        wire={"declare_recovered": "note", "abort": "reason"},
+        updates={"declare_recovered": NoteArgs, "abort": ReasonArgs, "look_again": NoArgs},
+        wire={"declare_recovered": "note", "abort": "reason", "look_again": "none"},
     ),
 }
 
 UpdateName = Literal["quota_raised", "credentials_rotated", "hold", "release", "skip_to", "pause", "resume",
-                     "abort", "declare_recovered", "cancel"]
+                     "abort", "declare_recovered", "cancel", "look_again"]
 
 
 def kind_of(entity: str) -> EntityKind | None:
@@ -99,7 +99,7 @@ def _shapes() -> str:
 
 class EntityUpdateInput(Strict):
     """EntityUpdate's start input: ``{"entity": "account/lambda/lambda-main", "update":
-    "quota_raised", "args": {"offers": []}}``."""
+    "quota_raised", "args": {"offers": ["lambda-us-east/gpu_8x_h100"]}}``."""
 
     #: The entity's workflow id (see ``KINDS`` for the shapes).
     entity: str = Field(min_length=1, max_length=512)

@@ -18,6 +18,7 @@ import pytest
 from hypothesis import strategies as st
 from temporalio import activity
 from temporalio.api.common.v1 import Payload
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import RawValue
 from temporalio.worker import Worker
@@ -44,13 +45,18 @@ def as_json(value: Any) -> Payload:
 
 
 class HostileWatch:
-    """The node's ``watch_node``, turned: a queued forgery answers the watch in flight (built
-    from the entity's own input), else the real agent answers."""
+    """The node's ``watch_node``, turned: a forgery answers the newest watch in flight (built from
+    the entity's own input), else the real agent answers.
+
+    The newest, not the oldest: a watch the entity replaced (cancelled after a reboot) may still
+    run in the agent until its cancellation arrives with a heartbeat, and an answer it gives is
+    discarded by the server."""
 
     def __init__(self) -> None:
-        self.forged: asyncio.Queue[Forgery] = asyncio.Queue()
         #: Every watch the entity scheduled, in order: a new one after an answer = the watch lives.
         self.inputs: list[NodeWatchInput] = []
+        self._newest: asyncio.Future[Forgery] | None = None
+        self._queued: Forgery | None = None  # for the next watch, when none waits
 
     def build_agent(self, client, node_name, gpus, executor, watch=None) -> Worker:
         agent = NodeAgentActivities(node_name, gpus, watch)
@@ -58,13 +64,24 @@ class HostileWatch:
         @activity.defn(name="watch_node")
         async def watch_node(input: NodeWatchInput) -> Any:
             self.inputs.append(input)
+            mine: asyncio.Future[Forgery] = asyncio.get_running_loop().create_future()
+            self._newest = mine
+            if self._queued is not None:
+                mine.set_result(self._queued)
+                self._queued = None
             honest = asyncio.ensure_future(agent.watch_node(input))
-            forged = asyncio.ensure_future(self.forged.get())
-            await asyncio.wait({honest, forged}, return_when=asyncio.FIRST_COMPLETED)
-            if forged.done():
+            try:
+                await asyncio.wait({honest, mine}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                if mine.done():  # taken, never answered (its agent stopped): for the next watch
+                    self._queued = mine.result()
+                raise
+            finally:
                 honest.cancel()
-                return RawValue(forged.result()(input))
-            forged.cancel()
+                if self._newest is mine:
+                    self._newest = None
+            if mine.done():
+                return RawValue(mine.result()(input))
             return honest.result()
 
         others = [a for a in agent.all() if getattr(a, "__name__", "") != "watch_node"]
@@ -72,9 +89,12 @@ class HostileWatch:
                       activity_executor=executor, max_concurrent_activities=5)
 
     async def answer(self, forgery: Forgery) -> None:
-        """Forge the answer to the watch in flight; return once the entity scheduled the next."""
+        """Forge the answer to the newest watch in flight; return once the entity scheduled the next."""
         before = len(self.inputs)
-        await self.forged.put(forgery)
+        if self._newest is not None and not self._newest.done():
+            self._newest.set_result(forgery)
+        else:
+            self._queued = forgery
         await eventually(_async(lambda: len(self.inputs) > before), timeout=15, interval=0.02)
 
 
@@ -235,11 +255,22 @@ async def test_bad_reports_in_a_row_quarantine_the_node(hostile, monkeypatch) ->
     assert repair_input["reasons"] == [f"{MAX_BAD_REPORTS_IN_A_ROW} bad reports in a row from the node agent"]
     now = await status(stack, node)
     assert now.bad_reports == MAX_BAD_REPORTS_IN_A_ROW and now.bad_reports_in_a_row == 0
-    # Still watched: the next answer is taken and judged.
+    # The ladder reboots the machine (its agent stops and a new one starts): once it is back,
+    # the node is still watched: the next answer is taken and judged.
+    outcome = await asyncio.wait_for(repair.result(), 90)
+    assert outcome["outcome"] == "repaired", outcome
+    # The watch in flight during the reboot was the old boot's agent's: replaced once the node
+    # booted again (its agent may have died without a word, and a quick reboot is never NotReady).
+    events = (await handle.fetch_history()).events
+    done_at = next(e.event_id for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+                   and e.workflow_execution_signaled_event_attributes.signal_name == "node_action_done")
+    assert any(e.event_id > done_at and e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED
+               for e in events), "the watch held by the rebooted agent was replaced"
     await watch.answer(replacing(("seq",), "many"))
     assert (await status(stack, node)).bad_reports == MAX_BAD_REPORTS_IN_A_ROW + 1
     assert await task_failures(handle) == 0
-    await replay_and_record(handle, "node_bad_reports_quarantine")
+    # Named for the newest Node patch (``node-patches-at-start``); the older file stays (runs in flight).
+    await replay_and_record(handle, "node_bad_reports_quarantine_patches_at_start")
 
 
 class FailsOnce:

@@ -105,4 +105,5 @@ async def test_a_node_that_changes_its_own_zone_is_put_back_within_seconds_and_q
     assert sum(line.startswith("quarantined: ") for line in hostile_status.log) == 1, hostile_status.log
 
     await replay_and_record(handle, "site_self_labels_quarantine")
-    await replay_and_record(inc.client.get_workflow_handle(f"node/{hostile}"), "node_entity_self_labels_quarantine")
+    # Named for the newest Node patch (``node-patches-at-start``); the older file stays (runs in flight).
+    await replay_and_record(inc.client.get_workflow_handle(f"node/{hostile}"), "node_entity_self_labels_patches_at_start")

@@ -1,0 +1,180 @@
+"""``gpufleet patches`` (cli/patches.py, the rule in docs/design/patches.md): the ids come from
+the workflows' source, and a patch is kept exactly while a run of its type is open that
+started before the deploy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import subprocess
+import sys
+import uuid
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import typer
+
+from cli.patches import Patch, ScanError, parse_deployed_since, scan_patches, verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCH_CALL = re.compile(r"workflow\.(?:patched|deprecate_patch)\(\s*(?:\"([^\"]+)\"|([A-Za-z_][A-Za-z0-9_]*))")
+CONSTANT = re.compile(r"^([A-Z][A-Z0-9_]*) = \"([^\"]+)\"$", re.MULTILINE)
+
+
+def grepped_patches() -> set[tuple[str, str]]:
+    """(id, file) of every patch call, by regular expression over the source (not by ``ast``)."""
+    found = set()
+    for path in sorted((ROOT / "workflows").glob("*.py")):
+        text = path.read_text()
+        constants = dict(CONSTANT.findall(text))
+        for literal, name in PATCH_CALL.findall(text):
+            found.add((literal or constants[name], path.name))
+    return found
+
+
+def test_the_scan_finds_every_patch_the_source_calls() -> None:
+    scanned = scan_patches()
+    by_file = {(p.id, p.where.split("/")[-1].split(":")[0]) for p in scanned}
+    assert by_file == grepped_patches()
+    assert Patch("join-name-nonce", "NodeJoin", "", False) in [
+        Patch(p.id, p.workflow_type, "", p.deprecated) for p in scanned]
+    # Two modules name their constant EVENTS_PATCH: each resolves to its own id and type.
+    assert {(p.id, p.workflow_type) for p in scanned} >= {("site-events", "Site"), ("demand-events", "Demand")}
+    assert all(p.workflow_type for p in scanned)
+
+
+def write_package(tmp_path: Path, files: dict[str, str]) -> Path:
+    package = tmp_path / "workflows"
+    package.mkdir(parents=True)
+    for name, text in files.items():
+        (package / name).write_text(text)
+    return package
+
+
+def test_deprecated_and_inherited_patches_are_placed_and_an_unplaceable_call_is_an_error(tmp_path: Path) -> None:
+    package = write_package(tmp_path, {
+        "ids.py": 'SHARED = "shared-id"\n',
+        "base.py": "from temporalio import workflow\n"
+                   "class Entity:\n"
+                   "    def gate(self):\n"
+                   "        return workflow.patched('base-gate')\n",
+        "thing.py": "from temporalio import workflow\n"
+                    "from workflows.base import Entity\n"
+                    "from workflows.ids import SHARED\n"
+                    "OLD = 'old-id'\n"
+                    "@workflow.defn(name='Thing')\n"
+                    "class ThingEntity(Entity):\n"
+                    "    @workflow.run\n"
+                    "    async def run(self):\n"
+                    "        workflow.deprecate_patch(OLD)\n"
+                    "        workflow.patched(SHARED)\n",
+    })
+    assert scan_patches(package) == [
+        Patch("base-gate", "Thing", "workflows/base.py:4", False),
+        Patch("old-id", "Thing", "workflows/thing.py:9", True),
+        Patch("shared-id", "Thing", "workflows/thing.py:10", False),
+    ]
+    helper = write_package(tmp_path / "helper", {
+        "steps.py": "from temporalio import workflow\n"
+                    "def step():\n"
+                    "    return workflow.patched('loose')\n"})
+    with pytest.raises(ScanError, match=r"workflows/steps.py:3: a patch call outside"):
+        scan_patches(helper)
+    computed = write_package(tmp_path / "computed", {
+        "thing.py": "from temporalio import workflow\n"
+                    "@workflow.defn\n"
+                    "class Thing:\n"
+                    "    def go(self, n):\n"
+                    "        return workflow.patched(f'id-{n}')\n"})
+    with pytest.raises(ScanError, match=r"workflows/thing.py:5: a patch id that is not"):
+        scan_patches(computed)
+
+
+def test_a_deploy_in_the_future_is_refused_and_no_offset_means_utc() -> None:
+    now = datetime(2026, 12, 3, 19, 0, tzinfo=timezone.utc)
+    with pytest.raises(typer.BadParameter, match="in the future"):
+        parse_deployed_since("2026-12-03T19:00:01Z", now=now)
+    with pytest.raises(typer.BadParameter, match="ISO 8601"):
+        parse_deployed_since("yesterday", now=now)
+    assert parse_deployed_since("2026-12-03T18:00:00", now=now) == datetime(2026, 12, 3, 18, tzinfo=timezone.utc)
+    deprecated = Patch("x", "Node", "", True)
+    assert verdict(deprecated, 0, now) == "can remove"
+    assert verdict(deprecated, 2, now) == "keep deprecated: 2 open runs of Node started before 2026-12-03T19:00:00Z"
+
+
+def gpufleet_patches(address: str, queue: str, since: datetime, *more: str) -> list[dict[str, str]]:
+    env = {**os.environ, "TEMPORAL_ADDRESS": address, "TEMPORAL_NAMESPACE": "default"}
+    env.pop("TEMPORAL_PROFILE", None)
+    done = subprocess.run([sys.executable, "-m", "cli", "patches", "--deployed-since", since.isoformat(),
+                           "--task-queue", queue, "-o", "json", *more],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+async def test_an_open_run_started_before_the_deploy_keeps_its_types_patches_and_only_those(temporal_env) -> None:
+    client = temporal_env.client
+    address = client.service_client.config.target_host
+    queue = f"patches-{uuid.uuid4().hex[:8]}"  # no worker polls it: the run stays open, as a join mid-way does
+    handle = await client.start_workflow("NodeJoin", {"site": "site-a"}, id=f"join/{queue}", task_queue=queue)
+    try:
+        for _ in range(200):  # visibility lags the start a little
+            if (await client.count_workflows(f'TaskQueue = "{queue}" AND ExecutionStatus = "Running"')).count:
+                break
+            await asyncio.sleep(0.05)
+        started = (await handle.describe()).start_time
+        after, before = started + timedelta(milliseconds=300), started - timedelta(milliseconds=300)
+        while datetime.now(timezone.utc) <= after:
+            await asyncio.sleep(0.05)
+        join_ids = {p.id for p in scan_patches() if p.workflow_type == "NodeJoin"}
+        assert "join-name-nonce" in join_ids
+
+        rows = await asyncio.to_thread(gpufleet_patches, address, queue, after)
+        verdicts = {(r["patch"], r["workflow"]): r["verdict"] for r in rows}
+        assert {p for p, t in verdicts if t == "NodeJoin"} == join_ids
+        for (patch, workflow_type), said in verdicts.items():
+            if workflow_type == "NodeJoin":
+                assert said.startswith("keep: 1 open run of NodeJoin started before "), (patch, said)
+            else:
+                assert said == "can deprecate", (patch, workflow_type, said)
+        assert {r["open before"] for r in rows if r["workflow"] == "NodeJoin"} == {"1"}
+
+        # Deployed before the run started: the run is on the new code, nothing holds a patch.
+        rows = await asyncio.to_thread(gpufleet_patches, address, queue, before, "--workflow", "NodeJoin")
+        assert {r["patch"] for r in rows} == join_ids
+        assert {r["verdict"] for r in rows} == {"can deprecate"}
+    finally:
+        await handle.terminate("test over")
+    # A closed run holds nothing, however early it started.
+    for _ in range(200):
+        if not (await client.count_workflows(f'TaskQueue = "{queue}" AND ExecutionStatus = "Running"')).count:
+            break
+        await asyncio.sleep(0.05)
+    rows = await asyncio.to_thread(gpufleet_patches, address, queue, after, "--workflow", "NodeJoin")
+    assert {r["verdict"] for r in rows} == {"can deprecate"}
+
+
+def test_the_patch_table_in_the_docs_is_the_code_s() -> None:
+    """docs/design/patches.md lists every patch the code asks, with its workflow type, and no other."""
+    table = (ROOT / "docs" / "design" / "patches.md").read_text()
+    documented = set(re.findall(r"^\| (\w+) \| `([a-z0-9-]+)` \|", table, re.MULTILINE))
+    assert documented == {(p.workflow_type, p.id) for p in scan_patches()}
+
+
+def test_workflows_with_local_activities_ask_their_patches_at_start() -> None:
+    """A patch asked after a local activity can fail replay (docs/design/patches.md, "Where a patch
+    may be asked"): in a workflow module that runs local activities, every ``workflow.patched`` call
+    but the at-start one is behind ``self._settled or``, and the at-start one is ``run``'s first line."""
+    for path in sorted((ROOT / "workflows").glob("*.py")):
+        text = path.read_text()
+        if "execute_local_activity" not in text and "start_local_activity" not in text:
+            continue
+        calls = re.findall(r"(.{0,20})workflow\.patched\(([A-Za-z_\"-]+)\)", text)
+        at_start = [name for before, name in calls if "self._settled or " not in before]
+        assert len(at_start) == 1 and at_start[0].endswith("PATCHES_AT_START"), (path.name, at_start)
+        first_line = re.search(r"@workflow\.run\n    async def run\(self[^)]*\)[^:]*:\n(?:        \"\"\".*?\"\"\"\n)?(.*)\n",
+                               text, re.DOTALL)
+        assert first_line and f"workflow.patched({at_start[0]})" in first_line.group(1), path.name
