@@ -1,5 +1,6 @@
-"""The ``Routing`` entity's activities: sample a model's sites, write its routing
-document, and tell an entity about a site event. Thin and idempotent under retries.
+"""The ``Routing`` entity's activities: sample a model's sites, watch them until the routes
+would change, write its routing document, and tell an entity about a site event. Thin and
+idempotent under retries.
 
 The document is stored through the cluster port's versioned routing table
 (``set_routing_weights``): in Kubernetes that is the routing ConfigMap and the
@@ -18,14 +19,25 @@ from temporalio.service import RPCError
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
+from activities.watches import RareHeartbeat, stop_if_asked
 from fleet.messages.routing import (
     RoutingInput,
     RoutingProgress,
     RoutingSample,
     RoutingSampleInput,
+    RoutingWatchInput,
+    RoutingWatchResult,
     SiteEventInput,
+    apply_override,
 )
-from fleet.routing import ENDPOINTS_KIND, RoutingDocument, SiteLoad, endpoints_key, routing_workflow_id
+from fleet.routing import (
+    ENDPOINTS_KIND,
+    RoutingDocument,
+    SiteLoad,
+    endpoints_key,
+    next_document,
+    routing_workflow_id,
+)
 from providers.model_server_metrics import queue_depth
 
 #: Round trip assumed to a site in the callers' geography, and to one elsewhere, until
@@ -42,7 +54,7 @@ class RoutingActivities:
         self.env = env
 
     def all(self) -> list:
-        return [self.routing_sample, self.write_routing, self.routing_event]
+        return [self.routing_sample, self.watch_routing, self.write_routing, self.routing_event]
 
     @activity.defn
     @typed_errors
@@ -50,21 +62,51 @@ class RoutingActivities:
         """Each site serving the model: Ready replicas, queue depth (``vllm:num_requests_waiting``
         summed over the site's published model servers), latency, price, and what an
         evacuation decided for the site (the fleet-wide site document)."""
+        return self._sample(input.model, input.geography)
+
+    @activity.defn
+    @typed_errors
+    async def watch_routing(self, input: RoutingWatchInput) -> RoutingWatchResult:
+        """Sample every ``look_seconds`` here, in the worker (no Temporal action), until the
+        document the entity would decide from a sample differs from ``previous``; after
+        ``max_wait_seconds`` the last sample, unchanged. Async: a model's watch holds no thread
+        while it waits, only for a sample."""
+        beat = RareHeartbeat()
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while True:
+            stop_if_asked()
+            sample = await asyncio.to_thread(self._sample, input.model, input.geography)
+            sites = [apply_override(s, input.overrides.get(s.site)) for s in sample.sites]
+            # The entity's own decision, hysteresis included: a wobble it would keep out of the
+            # routes wakes nothing. ``previous`` itself back means no change.
+            changed = next_document(input.model, sites, input.policy, input.previous, "") is not input.previous
+            now = loop.time()
+            if changed and now - start >= input.hold_seconds:
+                return RoutingWatchResult(sample=sample, changed=True)
+            left = start + input.max_wait_seconds - now
+            if left <= 0:
+                return RoutingWatchResult(sample=sample, changed=False)
+            # Heartbeats go from this loop: each is an action, one per half the heartbeat timeout.
+            await asyncio.sleep(min(input.look_seconds, left, beat.every or left))
+            beat()
+
+    def _sample(self, model: str, geography: str | None) -> RoutingSample:
         cluster = self.env.cluster
         decided = cluster.get_site_routes()
         routes = decided.sites if decided else {}
         sites = []
         for status in cluster.list_serving():
-            if status.model != input.model:
+            if status.model != model:
                 continue
             try:
                 site = self.env.site(status.site)
                 price = site.price_per_gpu_hour * max(1, status.gpus_per_replica)
-                near = input.geography is None or site.geography == input.geography
+                near = geography is None or site.geography == geography
             except Exception:  # noqa: BLE001 - a site gone from the config still serves until drained
                 price, near = 0.0, False
             route = routes.get(status.site)
-            servers = cluster.read_state(ENDPOINTS_KIND, endpoints_key(input.model, status.site))
+            servers = cluster.read_state(ENDPOINTS_KIND, endpoints_key(model, status.site))
             sites.append(SiteLoad(
                 site=status.site, ready_replicas=status.available_replicas,
                 queue_depth=min(queue_depth(sorted(servers.values())), 1e9),

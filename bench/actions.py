@@ -4,15 +4,16 @@ Temporal Cloud counts *actions* (workflow starts incl. continue-as-new, activiti
 scheduled, heartbeats, timers, signals, updates, queries, search-attribute upserts),
 ~$50 per million, 500 actions/s per namespace by default. This bench runs the fleet
 as ``gpufleet dev`` does (control-plane worker, Schedules, the Demand loop, a node
-host in its own process) on a dev server with metrics, and measures:
+host in its own process, and a ``Routing`` entity per served model) on a dev server with
+metrics, and measures:
 
 - the server's own ``action`` counter (``/metrics``), by ``action_type``, around each
   window (its labels carry no workflow type);
 - per workflow type: the billable events in each workflow's history inside the window
   (started, activity scheduled, timer started, signaled, update accepted, search
   attributes / properties upserted); heartbeats leave no history, so they are taken
-  from the counter (``grpc_RecordActivityTaskHeartbeat``) and charged to the nodes,
-  whose watches are the only long heartbeating activities while idle.
+  from the counter (``grpc_RecordActivityTaskHeartbeat``) and shared out by what each type's
+  long activities (the Node, Site and Routing watches) were due to send.
 
 Windows: idle (nothing happens), then events, each charged with the billed history events of
 the workflows it ran (every type but the Schedules', which pass on their own clock) and the
@@ -22,8 +23,9 @@ SpotReclaim done). A health change is what a node's watch returns most of the ti
 traffic "100 health changes a second" stands for: an application XID on a GPU (XID 13),
 counted by the Node entity, nothing repaired; a GPU fault that needs a repair is a repair
 (its ladder, its own bill), not a health change. Prints actions/hour per idle site,
-per idle node and for the Schedules, actions per event, the projection for 1,250 and
-10,000 nodes at 10 sites, and the targets.
+per idle node, per idle model (its Routing entity) and for the Schedules, actions per event,
+the projection for 1,250 and 10,000 nodes at 10 sites and ``MODELS_PROJECTED`` models, and the
+targets.
 
     python -m bench.actions [--idle-seconds 300] [--check]
     python -m bench.actions --smoke        # short windows (the suite runs this)
@@ -56,7 +58,10 @@ from bench.common import fleet, start_node_host, until
 from cli.demand import start_demand_loop
 from cli.dev import dev_server_tuning_flags, temporal_binary
 from fleet import search_attributes
+from fleet.cluster import ServingSpec
+from fleet.messages.routing import RoutingInput
 from fleet.naming import reclaim_workflow_id
+from fleet.routing import routing_workflow_id
 from fleet.schedules import SCHEDULES, apply_schedules
 from fleet.settings import Settings
 from workers.control_plane import build_worker
@@ -79,10 +84,13 @@ HEARTBEAT = "grpc_RecordActivityTaskHeartbeat"
 #: Workflow types the Schedules start (their starts and everything they do).
 SCHEDULED_TYPES = {workflow_type for workflow_type, _id, _what in SCHEDULES.values()}
 SITES_PROJECTED = 10
+#: Models served in the projection, each with its Routing entity (stated in the output).
+MODELS_PROJECTED = 50
 
 # -- targets (issue 37) --------------------------------------------------------------------
 IDLE_SITE_MAX = 30.0      # actions/hour
 IDLE_NODE_MAX = 30.0      # actions/hour, its watch's heartbeats included
+IDLE_MODEL_MAX = 30.0     # actions/hour per served model (its Routing entity), heartbeats included
 SCHEDULES_MAX = 300.0     # actions/hour, all Schedules together
 HEALTH_CHANGE_MAX = 4.0   # actions per health change
 NAMESPACE_MAX = 500.0     # actions/s: 10,000 idle nodes at 10 sites + 100 health changes/s
@@ -210,24 +218,31 @@ def per_hour(count: float, seconds: float) -> float:
     return count * 3600 / seconds if seconds > 0 else 0.0
 
 
-def figures(idle: Window, sites: int, nodes: int) -> dict[str, float]:
-    """Actions/hour per idle site and per idle node (their watches' heartbeats included), for the
-    Schedules (the workflows they start, heartbeats included), and the rest."""
+def figures(idle: Window, sites: int, nodes: int, models: int = 0) -> dict[str, float]:
+    """Actions/hour per idle site, per idle node and per idle model (its Routing entity; their
+    watches' heartbeats included), for the Schedules (the workflows they start, heartbeats
+    included), and the rest."""
     beats = heartbeats_by_type(idle.by_action_type.get(HEARTBEAT, 0.0), idle.heartbeats_due)
     w = Counter(idle.by_workflow_type)
     w.update(beats)
     site = per_hour(w.get("Site", 0), idle.seconds) / sites
     node = (per_hour(w.get("Node", 0), idle.seconds) / nodes) if nodes else 0.0
+    model = (per_hour(w.get("Routing", 0), idle.seconds) / models) if models else 0.0
     schedules = per_hour(sum(v for k, v in w.items() if k in SCHEDULED_TYPES), idle.seconds)
-    other = per_hour(sum(v for k, v in w.items() if k not in SCHEDULED_TYPES | {"Site", "Node"}), idle.seconds)
+    own = {"Site", "Node"} | ({"Routing"} if models else set())
+    other = per_hour(sum(v for k, v in w.items() if k not in SCHEDULED_TYPES | own), idle.seconds)
     return {"site": site, "node": node, "node_heartbeats": per_hour(beats.get("Node", 0.0), idle.seconds) / max(nodes, 1),
             "site_heartbeats": per_hour(beats.get("Site", 0.0), idle.seconds) / max(sites, 1),
+            "model": model, "model_heartbeats": per_hour(beats.get("Routing", 0.0), idle.seconds) / max(models, 1),
             "schedules": schedules, "other": other}
 
 
-def projection(f: dict[str, float], nodes: int, per_event: dict[str, float], price: float) -> dict[str, float]:
-    """Actions/s and $/month for ``nodes`` nodes at ``SITES_PROJECTED`` sites."""
-    idle = (f["site"] * SITES_PROJECTED + f["node"] * nodes + f["schedules"] + f["other"]) / 3600
+def projection(f: dict[str, float], nodes: int, per_event: dict[str, float], price: float,
+               models: int = MODELS_PROJECTED) -> dict[str, float]:
+    """Actions/s and $/month for ``nodes`` nodes at ``SITES_PROJECTED`` sites serving ``models``
+    models."""
+    idle = (f["site"] * SITES_PROJECTED + f["node"] * nodes + f.get("model", 0.0) * models
+            + f["schedules"] + f["other"]) / 3600
     events = nodes * (HEALTH_CHANGES_PER_NODE_S * per_event.get("health change", 0.0)
                       + JOINS_PER_NODE_HOUR / 3600 * per_event.get("join", 0.0)
                       + RECLAIMS_PER_NODE_HOUR / 3600 * per_event.get("spot reclaim", 0.0))
@@ -239,6 +254,7 @@ async def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sites", type=int, default=5)
     parser.add_argument("--nodes", type=int, default=6)
+    parser.add_argument("--models", type=int, default=2, help="models served, each with its Routing entity")
     parser.add_argument("--idle-seconds", type=float, default=300)
     parser.add_argument("--warmup-seconds", type=float, default=60,
                         help="after the joins, before the idle window (first reconciles, first watches)")
@@ -249,10 +265,13 @@ async def main() -> int:
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is not met")
     args = parser.parse_args()
     if args.smoke:
-        args.sites, args.nodes, args.idle_seconds, args.warmup_seconds = 3, 2, 20, 5
+        args.sites, args.nodes, args.models, args.idle_seconds, args.warmup_seconds = 3, 2, 1, 20, 5
         args.events, args.settle_seconds = 1, 8
     port = free_port()
     config = fleet(sites=args.sites, capacity=args.nodes + 2 * args.events + 4)
+    # The joined nodes hold no pods: the Demand loop would retire them after its idle TTL (10
+    # minutes), in the middle of a long idle window, which is then not idle. Kept for the run.
+    config["demand"] = {"idle_ttl_seconds": 7 * 86400}
     # Sites with nodes and sites without: the last site stays empty when there are two or more.
     occupied = max(1, args.sites - 1) if args.sites > 1 else 1
     async with metrics_env(config, port) as (env, settings):
@@ -264,6 +283,15 @@ async def main() -> int:
             async with build_worker(client, settings):
                 await apply_schedules(client, queue, site_every=300, catalog_every=600)
                 await start_demand_loop(client, queue)
+                # Each model served at every site with nodes, its Routing entity started as a site
+                # event would (the shipped defaults: a look at load every 30 s, in the worker).
+                cluster = FleetEnv.from_settings(settings).cluster
+                models = [f"bench-model-{i}" for i in range(args.models)]
+                for model in models:
+                    for i in range(occupied):
+                        cluster.apply_serving(ServingSpec(model=model, site=f"site-{i}", image="vllm:bench"))
+                    await client.start_workflow("Routing", RoutingInput(model=model).model_dump(mode="json",
+                                                exclude_none=True), id=routing_workflow_id(model), task_queue=queue)
                 joins = [client.execute_workflow("NodeJoin", {"site": f"site-{i % occupied}"},
                                                  id=f"join/site-{i % occupied}/{uuid.uuid4().hex[:6]}",
                                                  task_queue=queue) for i in range(args.nodes)]
@@ -343,9 +371,9 @@ async def main() -> int:
             host.terminate()
             host.wait()
 
-    f = figures(idle, args.sites, args.nodes)
+    f = figures(idle, args.sites, args.nodes, args.models)
     print(f"Temporal actions: {args.sites} sites ({occupied if args.sites > 1 else 1} with nodes), {args.nodes} nodes, "
-          f"idle window {idle.seconds:.0f} s")
+          f"{args.models} models, idle window {idle.seconds:.0f} s")
     print(f"  server counter, idle: {per_hour(idle.total, idle.seconds):,.0f} actions/hour in all")
     for action_type, count in idle.by_action_type.most_common():
         if count:
@@ -366,6 +394,8 @@ async def main() -> int:
           f"{f['site_heartbeats']:,.1f} of them heartbeats)")
     print(f"  per idle node           {f['node']:10,.1f} actions/hour   (target <= {IDLE_NODE_MAX:g}; "
           f"{f['node_heartbeats']:,.1f} of them heartbeats)")
+    print(f"  per idle model          {f['model']:10,.1f} actions/hour   (target <= {IDLE_MODEL_MAX:g}; "
+          f"{f['model_heartbeats']:,.1f} of them heartbeats; its Routing entity)")
     print(f"  Schedules, all          {f['schedules']:10,.1f} actions/hour   (target <= {SCHEDULES_MAX:g})")
     print(f"  everything else         {f['other']:10,.1f} actions/hour   (Demand loop and the like)")
     for name, value in per_event.items():
@@ -377,7 +407,8 @@ async def main() -> int:
               f"(Schedules' passes included: {kinds})")
         for workflow_type, found in sorted(event_types[name].items()):
             print(f"      {workflow_type:22s}" + ", ".join(f"{k} {v / args.events:,.1f}" for k, v in found.most_common()))
-    print(f"  projection at {SITES_PROJECTED} sites, ${args.price_per_million:g} per million actions; assumed per node: "
+    print(f"  projection at {SITES_PROJECTED} sites and {MODELS_PROJECTED} models, ${args.price_per_million:g} per "
+          f"million actions; assumed per node: "
           f"{HEALTH_CHANGES_PER_NODE_S:g} health changes/s, a join every {1 / JOINS_PER_NODE_HOUR / 24:.0f} days, "
           f"a spot reclaim every {1 / RECLAIMS_PER_NODE_HOUR / 24:.0f} days")
     projected = {}
@@ -388,6 +419,7 @@ async def main() -> int:
     checks = {
         f"idle site <= {IDLE_SITE_MAX:g}/hour": f["site"] <= IDLE_SITE_MAX,
         f"idle node <= {IDLE_NODE_MAX:g}/hour": f["node"] <= IDLE_NODE_MAX,
+        f"idle model <= {IDLE_MODEL_MAX:g}/hour": f["model"] <= IDLE_MODEL_MAX,
         f"Schedules <= {SCHEDULES_MAX:g}/hour": f["schedules"] <= SCHEDULES_MAX,
         f"health change <= {HEALTH_CHANGE_MAX:g} actions": per_event["health change"] <= HEALTH_CHANGE_MAX,
         f"10,000 nodes + 100 health changes/s <= {NAMESPACE_MAX:g}/s": projected[10_000]["per_s"] <= NAMESPACE_MAX,

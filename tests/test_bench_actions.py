@@ -47,14 +47,15 @@ def test_smoke_run_prints_every_figure() -> None:
                           text=True, timeout=280)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-3000:]
-    for figure in ("per idle site", "per idle node", "Schedules, all", "per join", "per health change",
-                   "per spot reclaim"):
+    for figure in ("per idle site", "per idle node", "per idle model", "Schedules, all", "per join",
+                   "per health change", "per spot reclaim"):
         assert re.search(rf"{figure}\s+[0-9,.]+ actions", out), f"{figure} missing:\n{out}"
     for nodes in ("1,250", "10,000"):
         assert re.search(rf"{nodes} nodes: .* actions/s idle .*\$[0-9,]+/month", out), out
     # The idle node's watch heartbeats were counted from the server's counter.
     assert re.search(rf"{HEARTBEAT}\s+[0-9,]+/hour", out), out
-    assert out.count("target ") >= 5, out
+    assert out.count("target ") >= 6, out
+    assert re.search(r"target idle model <= 30/hour\s+met", out), out
 
 
 def test_heartbeats_are_shared_out_by_what_each_workflow_types_activities_were_due_to_send() -> None:
@@ -65,3 +66,17 @@ def test_heartbeats_are_shared_out_by_what_each_workflow_types_activities_were_d
     f = figures(idle, sites=1, nodes=3)
     assert f["node_heartbeats"] == 12 * 6 / 8 / 3 and f["site_heartbeats"] == 12 * 2 / 8
     assert f["node"] == f["node_heartbeats"] and f["site"] == f["site_heartbeats"]
+
+
+def test_an_idle_model_is_its_routing_entity_and_scales_the_projection_by_the_models() -> None:
+    """Each served model has a Routing entity: its history and its watch's heartbeats are the
+    model's figure (not "everything else"), and the projection counts them per model."""
+    idle = Window(seconds=3600, by_action_type=parse_actions(METRICS, "default"))  # 12 heartbeats
+    idle.by_workflow_type.update({"Routing": 4, "Demand": 3})
+    idle.heartbeats_due.update({"Node": 2, "Routing": 2})
+    f = figures(idle, sites=1, nodes=2, models=2)
+    assert f["model"] == (4 + 6) / 2 and f["model_heartbeats"] == 3 and f["other"] == 3
+    assert f["node"] == 6 / 2
+    few = projection(f, 1_250, {}, price=50, models=10)
+    many = projection(f, 1_250, {}, price=50, models=110)
+    assert many["idle"] - few["idle"] == pytest.approx(100 * f["model"] / 3600)

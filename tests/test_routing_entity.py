@@ -1,5 +1,6 @@
 """The ``Routing`` entity (``routing/<model>``): site events and load samples in, one
-versioned routing document out; and the provider-loss game day through the dev
+versioned routing document out; load followed by a watch that costs Temporal nothing while
+the routes would not change (issue 37); and the provider-loss game day through the dev
 stack's front door (real HAProxy, real streaming servers)."""
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from temporalio.client import Client, WorkflowHandle
 from cli.front_door import DevFrontDoor
 from fleet.cluster import UNPROVEN_TAINT, ServingSpec, SiteRoute
 from fleet.routing import ENDPOINTS_KIND, TOTAL, RoutingDocument, endpoints_key, routing_workflow_id
-from providers.haproxy import haproxy_binary
 from activities.env import FleetEnv
 from fleet.settings import Settings
 from tests.conftest import terminate_running, wait_for
@@ -26,6 +26,7 @@ from tests.replay import replay_and_record
 from workers.sim_model_server import SimModelServer
 from workers.control_plane import build_worker
 from tests.rollout.conftest import add_node
+from tests.tools import needs
 
 
 @pytest.fixture
@@ -93,7 +94,8 @@ async def test_events_and_samples_move_the_weights(temporal_env, inc: IncStack):
     await handle.signal("site_event", "not an object")
     await handle.signal("site_event", {"kind": "drain", "site": c})
     await wait_for(lambda: weights(inc, model) == {a: TOTAL, c: 0})
-    await replay_and_record(handle, "routing_events_and_samples")
+    # Load reaches the routes through the watch (``routing-events``); the old file guards older runs.
+    await replay_and_record(handle, "routing_events_and_samples_on_watch")
 
 
 async def test_a_loaded_site_loses_weight_with_hysteresis(temporal_env, inc: IncStack):
@@ -108,7 +110,8 @@ async def test_a_loaded_site_loses_weight_with_hysteresis(temporal_env, inc: Inc
                                  lambda _, r=running: {s.name: f"http://{s.address}" for s in r})
     busy: list[asyncio.Task] = []
     try:
-        handle = await start_routing(temporal_env.client, inc, model, policy={"hysteresis": 0.2})
+        # A short safety wait: each watch that saw nothing worth a change returns, countable.
+        handle = await start_routing(temporal_env.client, inc, model, policy={"hysteresis": 0.2}, watch_seconds=1)
         await wait_for(lambda: weights(inc, model) == {a: 500, c: 500})
         version = inc.cluster.get_routing(model).version
 
@@ -139,9 +142,80 @@ async def test_a_loaded_site_loses_weight_with_hysteresis(temporal_env, inc: Inc
 
 
 async def _samples_since(handle: WorkflowHandle, after: int, n: int) -> bool:
-    """``n`` more load samples completed since event ``after``."""
+    """``n`` more load samples (watches that returned) completed since event ``after``."""
     events = (await handle.fetch_history()).events[after:]
     return sum(e.HasField("activity_task_completed_event_attributes") for e in events) >= n
+
+
+async def _history(handle: WorkflowHandle) -> list:
+    return list((await handle.fetch_history()).events)
+
+
+def _billed(events: list) -> Counter:
+    """The events of a history that Temporal bills as actions, by kind (issue 37)."""
+    kinds = {"timer_started_event_attributes": "timer", "activity_task_scheduled_event_attributes": "activity",
+             "workflow_execution_signaled_event_attributes": "signal",
+             "upsert_workflow_search_attributes_event_attributes": "search attributes"}
+    return Counter(kinds[k] for e in events for k in kinds if e.HasField(k))
+
+
+async def test_an_idle_routing_entity_waits_on_its_watch_with_no_timer(temporal_env, inc: IncStack):
+    """Nothing moves: no timer, no periodic sample; one watch per safety wait (2 s here, 30 minutes
+    by default), and its routes stay as they are. Load that moves the routes still reaches them."""
+    model = f"llm-{uuid.uuid4().hex[:6]}"
+    a, c = serve(inc, model, "a", 2), serve(inc, model, "c", 2)
+    handle = await start_routing(temporal_env.client, inc, model, sample_seconds=0.1, watch_seconds=2)
+    await wait_for(lambda: len(weights(inc, model)) == 2)
+    version = inc.cluster.get_routing(model).version
+    await asyncio.sleep(1)  # past the start's sample and write
+    before = len(await _history(handle))
+    window = 8.0
+    await asyncio.sleep(window)
+    idle = _billed((await _history(handle))[before:])
+    assert idle["timer"] == 0, idle
+    # Sampled every 0.1 s in the worker all along, yet at most one activity per safety wait.
+    assert 1 <= idle["activity"] <= window / 2 + 1, idle
+    assert set(idle) <= {"activity"}, idle
+    assert inc.cluster.get_routing(model).version == version
+
+    # Twice the replicas at c: the watch in flight returns, the entity writes the change.
+    serve(inc, model, "c", 2)
+    inc.cluster.scale_serving(model, c, 4)
+    await wait_for(lambda: weights(inc, model).get(c, 0) > weights(inc, model).get(a, 0) + 0.2 * TOTAL, timeout=5)
+    doc = await handle.query("document", result_type=RoutingDocument)
+    assert doc.reason == "load sample" and doc.version > version
+
+
+async def test_a_site_event_moves_the_weights_at_once_and_replaces_the_watch(temporal_env, inc: IncStack):
+    """An event does not wait for the watch (here: one look a minute, one return per half hour):
+    the entity samples at once, writes, and watches again with what the event changed."""
+    model = f"llm-{uuid.uuid4().hex[:6]}"
+    a, c = serve(inc, model, "a", 2), serve(inc, model, "c", 2)
+    handle = await start_routing(temporal_env.client, inc, model, sample_seconds=60, watch_seconds=1800)
+    await wait_for(lambda: len(weights(inc, model)) == 2 and all(weights(inc, model).values()))
+    await asyncio.sleep(0.5)  # the first watch is in flight
+    loop = asyncio.get_running_loop()
+    sent = loop.time()
+    await handle.signal("site_event", {"kind": "incident", "site": a, "detail": "provider down"})
+    await wait_for(lambda: weights(inc, model) == {a: 0, c: TOTAL}, timeout=5)
+    assert loop.time() - sent < 5
+    events = await _history(handle)
+    assert any(e.HasField("activity_task_cancel_requested_event_attributes") for e in events)
+    assert _billed(events)["timer"] == 0
+    # The new watch judges with the incident: more replicas at a move nothing while it holds.
+    serve(inc, model, "a", 2)
+    inc.cluster.scale_serving(model, a, 4)
+    await handle.signal("site_event", {"kind": "scale", "site": a})
+    async def four_ready() -> bool:
+        doc = await handle.query("document", result_type=RoutingDocument)
+        return doc.sites[a].ready_replicas == 4
+
+    await poll(four_ready, timeout=5)
+    assert weights(inc, model) == {a: 0, c: TOTAL}
+    await handle.signal("site_event", {"kind": "restore", "site": a})
+    await wait_for(lambda: weights(inc, model).get(a, 0) > weights(inc, model).get(c, 0), timeout=5)
+    progress = await handle.query("progress")
+    assert progress["applied"] == progress["events"] == 3
 
 
 async def test_an_evacuation_decision_reaches_the_model_through_the_entity(temporal_env, inc: IncStack):
@@ -157,7 +231,7 @@ async def test_an_evacuation_decision_reaches_the_model_through_the_entity(tempo
     assert inc.cluster.get_routing(model).sites[a].draining
 
 
-@pytest.mark.skipif(haproxy_binary() is None, reason="haproxy not installed (apt-get install -y haproxy)")
+@needs("haproxy")  # skipped without it, naming how to get it; failed in CI (tests/tools.py)
 async def test_provider_loss_game_day_moves_traffic_through_the_routing_entity(temporal_env, inc: IncStack,
                                                                               tmp_path: Path):
     model = f"llm-{uuid.uuid4().hex[:6]}"

@@ -1,11 +1,17 @@
 """Routing (entity, id ``routing/<model>``): the one writer of a model's routes.
 
 Recomputes the model's per-site weights (``fleet.routing``) when a site event
-arrives (``site_event``: incident, drain, restore, rollout, scale) and on a
-periodic load sample, and writes the result as one versioned routing document
+arrives (``site_event``: incident, drain, restore, rollout, scale) and when the
+model's load moves them, and writes the result as one versioned routing document
 through ``write_routing``; the front doors render that document (an Envoy
 Gateway HTTPRoute with its policies in production, HAProxy through its runtime
 API in the dev stack).
+
+Load (``EVENTS_PATCH``, "routing-events"): one ``watch_routing`` at a time samples in the
+worker, free of Temporal actions, and returns only when the document this entity
+would decide from a sample differs from the current one (or after its long safety
+wait); an idle model costs its watch, about twelve actions an hour, and no timer.
+Runs from before it sampled on a 30 s timer (about 240 actions an hour).
 
 A sample (``routing_sample``) reads each site's Ready replicas, queue depth,
 latency to the callers' geography and price, plus what an evacuation decided for
@@ -24,37 +30,49 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
+    from fleet.errors import NON_RETRYABLE_TYPES
     from fleet.messages.routing import (
         RoutingInput,
         RoutingProgress,
         RoutingSample,
         RoutingSampleInput,
         RoutingState,
+        RoutingWatchInput,
+        RoutingWatchResult,
         SiteEvent,
         SiteOverride,
+        apply_override,
     )
-    from fleet.routing import RoutingDocument, SiteLoad, next_document
+    from fleet.routing import RoutingDocument, next_document
     from workflows.inputs import parse_input, parse_signal
-    from workflows.steps import CLUSTER_RETRY, QUICK, show_details
+    from workflows.steps import CLUSTER_RETRY, QUICK, failure_message, show_details
 
-
-def _apply(load: SiteLoad, override: SiteOverride | None) -> SiteLoad:
-    if override is None:
-        return load
-    return load.model_copy(update={
-        "healthy": load.healthy and override.healthy,
-        "draining": load.draining or override.draining,
-        "cap_percent": min(load.cap_percent, override.cap_percent),
-        "incident": override.incident or load.incident,
-    })
+#: Workflow patch (issue 37): load reaches the routes through ``watch_routing``, which returns
+#: only on a change the entity would write; no timer, no periodic sample. Asked first in ``run``.
+EVENTS_PATCH = "routing-events"
+#: The watch's heartbeat timeout (a beat at half of it, each an action): a watch lost with its
+#: worker is replaced within it. Site events never wait on it: they cancel the watch.
+WATCH_HEARTBEAT = timedelta(minutes=10)
+#: The watch retries while the cluster does not answer, backing off to a minute (each attempt an
+#: action); one refused for good is shown and tried again this much later.
+WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=60),
+                          non_retryable_error_types=NON_RETRYABLE_TYPES)
+WATCH_PAUSE = timedelta(minutes=5)
+#: A watch that saw a change the entity did not (worker and workflow code out of step) is
+#: followed by one that waits this long before it may return on a change: no spinning.
+WATCH_HOLD_SECONDS = 60.0
 
 
 @workflow.defn(name="Routing")
 class RoutingEntity:
     def __init__(self) -> None:
         self.state = RoutingState()
+        self._watch: workflow.ActivityHandle[RoutingWatchResult] | None = None
+        self._hold = 0.0
 
     @workflow.signal
     def site_event(self, raw: dict[str, Any]) -> None:
@@ -88,8 +106,12 @@ class RoutingEntity:
 
     @workflow.run
     async def run(self, raw: Any) -> None:
+        on_events = workflow.patched(EVENTS_PATCH)  # first: before any activity
         args = parse_input(RoutingInput, raw)
         self.state = args.state or RoutingState()
+        if on_events:
+            await self._run_on_events(args)
+            return
         reason = "start"
         while True:
             await self._recompute(args, reason)
@@ -107,6 +129,79 @@ class RoutingEntity:
                 # An event taken meanwhile is pending in the carried state: the next run recomputes first.
                 workflow.continue_as_new(args.model_copy(update={"state": self.state}).model_dump(mode="json"))
 
+    async def _run_on_events(self, args: RoutingInput) -> None:
+        """Recompute at start and on every site event (a fresh sample, at once); otherwise sleep on
+        the watch, which returns only with a sample the routes must follow. Nothing on a timer
+        but the pause after a watch refused for good."""
+        # Events carried over continue-as-new are in the first recompute.
+        reason, self.state.pending = "; ".join(self.state.pending[-5:]) or "start", []
+        await self._recompute(args, reason)
+        paused = False
+        while True:
+            if self._watch is None and not paused:
+                self._watch = self._start_watch(args)
+            try:
+                await workflow.wait_condition(
+                    lambda: (bool(self.state.pending) or (self._watch is not None and self._watch.done())
+                             or workflow.info().is_continue_as_new_suggested()),
+                    timeout=WATCH_PAUSE if paused else None, timeout_summary="routing watch failed: try again",
+                )
+            except asyncio.TimeoutError:
+                paused = False
+            if self._watch is not None and self._watch.done():
+                paused = not await self._take_watch(args)
+            if self.state.pending:
+                reason = "; ".join(self.state.pending[-5:])
+                self.state.pending = []
+                # The watch in flight judges by the overrides and document before the event.
+                await self._drop_watch()
+                await self._recompute(args, reason)
+                paused = False  # the cluster answered the event's sample: watch again
+            if workflow.info().is_continue_as_new_suggested():
+                await self._drop_watch()
+                await workflow.wait_condition(workflow.all_handlers_finished)
+                # An event taken meanwhile is pending in the carried state: the next run recomputes first.
+                workflow.continue_as_new(args.model_copy(update={"state": self.state}).model_dump(mode="json"))
+
+    def _start_watch(self, args: RoutingInput) -> workflow.ActivityHandle[RoutingWatchResult]:
+        hold, self._hold = self._hold, 0.0
+        return workflow.start_activity(
+            "watch_routing",
+            RoutingWatchInput(model=args.model, geography=args.geography, policy=args.policy,
+                              overrides=self.state.overrides, previous=self.state.document,
+                              look_seconds=args.sample_seconds, max_wait_seconds=args.watch_seconds,
+                              hold_seconds=hold),
+            result_type=RoutingWatchResult,
+            start_to_close_timeout=timedelta(seconds=args.watch_seconds + hold) + QUICK,
+            heartbeat_timeout=WATCH_HEARTBEAT, retry_policy=WATCH_RETRY,
+            summary=f"load of {args.model}'s sites; on a change of its routes",
+        )
+
+    async def _take_watch(self, args: RoutingInput) -> bool:
+        """The watch's sample into the routes; False: the watch failed for good (shown)."""
+        watch, self._watch = self._watch, None
+        try:
+            seen = await watch
+        except ActivityError as error:
+            self._show_routes(args, f"load watch failed ({failure_message(error)}); again in {WATCH_PAUSE}")
+            return False
+        written = await self._decide(args, seen.sample, "load sample")
+        if seen.changed and not written:
+            self._hold = WATCH_HOLD_SECONDS
+        return True
+
+    async def _drop_watch(self) -> None:
+        """Cancel the watch in flight (its result, if any, is stale); the loop starts the next."""
+        watch, self._watch = self._watch, None
+        if watch is None:
+            return
+        if not watch.done():
+            watch.cancel()
+        try:
+            await watch
+        except ActivityError:
+            pass  # cancelled, or failed: either way replaced
+
     async def _recompute(self, args: RoutingInput, reason: str) -> None:
         # Events taken before the sample are in this recompute; later ones wait for the next.
         taken = self.state.events
@@ -115,7 +210,12 @@ class RoutingEntity:
             result_type=RoutingSample, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary=f"Ready replicas, load, latency and price of {args.model}'s sites",
         )
-        sites = [_apply(s, self.state.overrides.get(s.site)) for s in sample.sites]
+        await self._decide(args, sample, reason, taken)
+
+    async def _decide(self, args: RoutingInput, sample: RoutingSample, reason: str, taken: int | None = None) -> bool:
+        """The document from ``sample``, written when it changed (True). ``taken``: the events a
+        sample taken after them reflects (a watch's sample may predate an event: none)."""
+        sites = [apply_override(s, self.state.overrides.get(s.site)) for s in sample.sites]
         previous = self.state.document
         document = next_document(args.model, sites, args.policy, previous, reason)
         if document is not previous:
@@ -124,10 +224,16 @@ class RoutingEntity:
                 summary=f"routing v{document.version} of {args.model}: {reason}"[:200],
             )
             self.state.document = document
-        self.state.applied = taken
+        if taken is not None:
+            self.state.applied = taken
+        self._show_routes(args)
+        return document is not previous
+
+    def _show_routes(self, args: RoutingInput, note: str = "") -> None:
         doc = self.state.document
         lines = [f"{site}: weight {r.weight}/1000, {r.ready_replicas} ready"
                  + (" (draining)" if r.draining else "") + ("" if r.healthy else " (unhealthy)")
                  for site, r in sorted(doc.sites.items())] if doc else ["no sites serve this model yet"]
         show_details(f"routing of {args.model}, v{doc.version if doc else 0}", *lines,
-                     detail=f"last change: {doc.reason if doc else '-'}; {self.state.events} site events")
+                     detail=f"last change: {doc.reason if doc else '-'}; {self.state.events} site events"
+                     + (f"; {note}" if note else ""))

@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from fleet.messages.watches import MAX_WATCH_SECONDS
 from fleet.models import Name, Text
 from fleet.routing import RoutingDocument, RoutingPolicy, SiteLoad
 
@@ -23,6 +24,19 @@ class SiteOverride(_Strict):
     draining: bool = False
     cap_percent: int = Field(100, ge=0, le=100)
     incident: Text = ""
+
+
+def apply_override(load: SiteLoad, override: SiteOverride | None) -> SiteLoad:
+    """A sampled site as the site events left it: the entity (deciding) and its watch (judging
+    whether the entity would decide anything new) must agree, so both call this."""
+    if override is None:
+        return load
+    return load.model_copy(update={
+        "healthy": load.healthy and override.healthy,
+        "draining": load.draining or override.draining,
+        "cap_percent": min(load.cap_percent, override.cap_percent),
+        "incident": override.incident or load.incident,
+    })
 
 
 class RoutingState(_Strict):
@@ -46,8 +60,11 @@ class RoutingInput(_Strict):
     policy: RoutingPolicy = Field(default_factory=RoutingPolicy)
     #: The callers' geography, for the latency to each site (none: every site equally near).
     geography: str | None = Field(None, max_length=128)
-    #: Load samples this often between events.
+    #: Load is looked at this often between events: by the entity's own timer and sample
+    #: (runs from before ``routing-events``), since then inside its watch, in the worker (no action).
     sample_seconds: float = Field(30, gt=0, le=DAY)
+    #: The watch returns unchanged after this long (the entity's safety look; ``routing-events``).
+    watch_seconds: float = Field(1800, gt=0, le=MAX_WATCH_SECONDS)
     #: Set by the entity itself when it continues as new; never by a caller.
     state: RoutingState | None = None
 
@@ -86,6 +103,33 @@ class RoutingSampleInput(_Strict):
 
 class RoutingSample(_Strict):
     sites: list[SiteLoad] = Field(default_factory=list)
+
+
+class RoutingWatchInput(_Strict):
+    """``watch_routing``: look at the model's load in the worker until the document the entity
+    would write from a sample differs from ``previous`` (``next_document``, with the policy's
+    hysteresis, over the sites as ``overrides`` leave them), or ``max_wait_seconds`` pass."""
+
+    model: Name
+    geography: str | None = Field(None, max_length=128)
+    policy: RoutingPolicy = Field(default_factory=RoutingPolicy)
+    overrides: dict[str, SiteOverride] = Field(default_factory=dict)
+    #: The entity's current document (None: none yet, the first sample is a change).
+    previous: RoutingDocument | None = None
+    #: A sample this often while waiting (inside the activity: no action).
+    look_seconds: float = Field(30, gt=0, le=DAY)
+    #: Return unchanged after this long.
+    max_wait_seconds: float = Field(1800, gt=0, le=MAX_WATCH_SECONDS)
+    #: Return on a change no sooner than this: set by an entity whose last watch saw a change
+    #: it did not (worker and workflow code out of step), so the two cannot spin.
+    hold_seconds: float = Field(0, ge=0, le=MAX_WATCH_SECONDS)
+
+
+class RoutingWatchResult(_Strict):
+    #: The last sample the watch took; the entity decides the document from it.
+    sample: RoutingSample = Field(default_factory=RoutingSample)
+    #: False: returned after ``max_wait_seconds`` with no change.
+    changed: bool = False
 
 
 class RoutingProgress(_Strict):
