@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Annotated
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, StrictStr, StringConstraints
 
 from fleet.cluster import JoinTokenRef
 from fleet.messages.repair import NodeWatchResult
@@ -131,6 +132,11 @@ class SmokeTestInput(BaseModel):
 
 
 class SmokeResult(BaseModel):
+    """What the node's agent answers (its wire type). A workflow never decodes a node's answer
+    into it directly: it takes the payload undecoded and validates it as untrusted input
+    (``workflows.steps.checked_smoke``: ``fleet.messages.repair.SmokeReport``, its state a
+    ``NodeReport``), then builds one of these from what passed."""
+
     passed: bool
     gpus_seen: int
     boot_id: str = ""
@@ -156,6 +162,11 @@ class ResetGpuInput(BaseModel):
 
 class ReinstallDriverInput(BaseModel):
     pass
+
+
+#: What an agent's ``reset_gpu`` or ``reinstall_driver`` answers (its tool's output), as a
+#: workflow accepts it (``workflows.steps.node_answer``): a string, at most this long.
+NodeSaid = Annotated[StrictStr, StringConstraints(max_length=1000)]
 
 
 class NodeFactsInput(BaseModel):

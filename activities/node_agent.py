@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,6 +50,26 @@ MAX_XIDS = 64
 #: The watch heartbeats once per this share of its heartbeat timeout, the first after it too
 #: (see ``watch_node``): every heartbeat is a billed action and a write on the server.
 WATCH_FIRST_HEARTBEAT_SHARE = 0.5
+
+
+#: A node action that may take minutes (a GPU reset, a driver reinstall) heartbeats at least this
+#: often while it runs, and twice per heartbeat timeout where that is shorter: the workflow sets a
+#: heartbeat timeout, so an agent that died mid-action is seen within it, not after the whole
+#: action's timeout. One that ends sooner sends none (the SDK also throttles what reaches the server).
+ACTION_BEAT_SECONDS = 30.0
+
+
+def _while_beating(action: Callable[[], str]) -> str:
+    """``action()`` in a thread of its own, heartbeating from the activity's thread until it ends."""
+    timeout = activity.info().heartbeat_timeout
+    every = min(ACTION_BEAT_SECONDS, timeout.total_seconds() / 2) if timeout else ACTION_BEAT_SECONDS
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="node-action") as pool:
+        running = pool.submit(action)
+        while True:
+            try:
+                return running.result(timeout=every)
+            except FutureTimeout:
+                activity.heartbeat()
 
 
 def _xid_key(index: int, event) -> str:
@@ -206,7 +228,7 @@ class NodeAgentActivities:
         if key and key in self._resets:
             return self._resets[key]
         try:
-            said = self.gpus.reset_gpu(input.index)
+            said = _while_beating(lambda: self.gpus.reset_gpu(input.index))
         except RuntimeError as error:
             raise ApplicationError(str(error), type="GpuResetFailed", non_retryable=True) from error
         if key:
@@ -216,6 +238,6 @@ class NodeAgentActivities:
     @activity.defn
     def reinstall_driver(self, input: ReinstallDriverInput) -> str:
         try:
-            return self.gpus.reinstall_driver()
+            return _while_beating(self.gpus.reinstall_driver)
         except RuntimeError as error:
             raise ApplicationError(str(error), type="DriverReinstallFailed", non_retryable=True) from error

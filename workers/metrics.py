@@ -7,7 +7,10 @@
   cluster port, the simulated world, the account guard's store and Temporal's
   visibility list with its search attributes), never kept in process memory, so a
   restarted worker reports the same values as the one before it. Counters of events
-  live in ``activities/metrics.py``.
+  live in ``activities/metrics.py``; events inside workflows (``gpufleet_node_bad_reports_total``,
+  a node's malformed result) are counted with Temporal's workflow metric meter
+  (``workflows.steps.count_bad_report``), which records nothing while a history replays, and
+  reach this page with the SDK's metrics.
 
 ``fleet_snapshot`` is also what ``gpufleet top`` shows.
 """

@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
 from temporalio.workflow import ParentClosePolicy
 
@@ -27,6 +27,7 @@ with workflow.unsafe.imports_passed_through():
         ContainResult,
         NodeFacts,
         NodeFactsInput,
+        NodeSaid,
         ReinstallDriverInput,
         ReplacementSitesInput,
         ResetGpuInput,
@@ -44,8 +45,10 @@ with workflow.unsafe.imports_passed_through():
         CLUSTER_RETRY,
         PROVIDER_RETRY,
         QUICK,
+        count_bad_report,
         failure_text,
         failure_type,
+        node_answer,
         retire_machine,
         show_details,
         smoke_test_node,
@@ -291,11 +294,26 @@ class GpuRepair:
         inp = self._input
         # Keyed to this attempt: a retried activity (lost reply, timeout) does not reset twice.
         key = f"{workflow.info().workflow_id}/{workflow.info().run_id}/{attempt_no}"
-        return await workflow.execute_activity(
-            "reset_gpu", ResetGpuInput(index=inp.gpu, key=key), result_type=str, task_queue=node_queue(inp.node_name),
+        # A heartbeat timeout: an agent that died mid-reset is seen within it, not after the whole
+        # reset_seconds (the agent beats while the reset runs). Replay compares an activity's id
+        # and type, not its timeouts, so runs from before replay as they ran.
+        answer = await workflow.execute_activity(
+            "reset_gpu", ResetGpuInput(index=inp.gpu, key=key), result_type=RawValue, task_queue=node_queue(inp.node_name),
             schedule_to_close_timeout=timedelta(seconds=inp.settings.timeouts.reset_seconds),
+            heartbeat_timeout=timedelta(seconds=inp.settings.timeouts.heartbeat_seconds),
             retry_policy=NODE_RETRY, summary=f"nvidia-smi -r -i {inp.gpu}",
         )
+        return self._said(answer, "reset_gpu")
+
+    def _said(self, answer: RawValue, what: str) -> str:
+        """What the node's agent said (its tool's output): untrusted, validated here (a bounded
+        string). A malformed answer fails the rung, naming the field; never a workflow task."""
+        said, problem = node_answer(answer, NodeSaid, f"{what} result")
+        if said is None:
+            count_bad_report(what, site=self._input.site)
+            raise ApplicationError(f"bad report from {self._input.node_name}: {problem}", type="BadReport",
+                                   non_retryable=True)
+        return said
 
     async def _facts(self) -> NodeFacts:
         return await workflow.execute_activity(
@@ -307,12 +325,13 @@ class GpuRepair:
         """Reboot or reinstall, then wait for the node to come back with another boot id."""
         inp, timeouts = self._input, self._input.settings.timeouts
         if rung == Rung.REINSTALL and inp.settings.reinstall_via == "agent":
-            return await workflow.execute_activity(
-                "reinstall_driver", ReinstallDriverInput(), result_type=str, task_queue=node_queue(inp.node_name),
+            answer = await workflow.execute_activity(
+                "reinstall_driver", ReinstallDriverInput(), result_type=RawValue, task_queue=node_queue(inp.node_name),
                 schedule_to_close_timeout=timedelta(seconds=timeouts.reinstall_seconds),
                 heartbeat_timeout=timedelta(seconds=timeouts.heartbeat_seconds) if timeouts.reinstall_seconds > 60 else None,
                 retry_policy=NODE_RETRY, summary="reinstall the GPU driver on the node",
             )
+            return self._said(answer, "reinstall_driver")
         facts = await self._facts()
         if not facts.found:
             raise ApplicationError(f"node {inp.node_name} is gone", type="NodeGone", non_retryable=True)

@@ -11,18 +11,23 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from temporalio import workflow
-from temporalio.common import RetryPolicy
+from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from activities.models import SmokeResult, SmokeTestInput
     from activities.rollout_models import WaitServingInput
+    from fleet import search_attributes as sa
     from fleet.cluster import DrainResult, ServingStatus
     from fleet.errors import NON_RETRYABLE_TYPES
     from fleet.messages.capacity import DrainNodeInput, RetireMachineInput
+    from fleet.messages.repair import NodeReport, NodeWatchResult, SmokeReport
     from fleet.settings import node_queue
+    from workflows.inputs import describe, first_problem
 
 # -- retry policies -------------------------------------------------------------------------
 #: Provider calls: transient errors back off up to a minute, a bounded number of times
@@ -101,6 +106,83 @@ def show_details(title: str, *lines: str, detail: str = "") -> None:
     workflow.set_current_details(render_details(title, *lines, detail=detail))
 
 
+# -- what a node says -------------------------------------------------------------------------
+#: A bad report is named by its first problem, cut to this length (the log, the details, errors).
+MAX_PROBLEM_SHOWN = 300
+#: The metric of bad reports (``_total`` is added by the SDK's Prometheus exporter): by site and
+#: by what the node answered (watch, smoke_test, reset_gpu, reinstall_driver), not by node. Node
+#: names are never reused (each carries its join's nonce), so a node label would add a series per
+#: misbehaving node for the worker's whole life; the node is named in its entity's details, its
+#: log and ``gpufleet`` status, and an alert on the site's rate leads there.
+BAD_REPORTS_METRIC = "gpufleet_node_bad_reports"
+
+
+def count_bad_report(source: str, site: str = "") -> None:
+    """One bad report, on the worker's metrics page: Temporal's workflow metric meter, which
+    records nothing while a history replays (a replayed bad report is not counted twice) and
+    issues no command. ``site`` defaults to the workflow's ``Site`` search attribute."""
+    if not site:
+        site = str(workflow.info().typed_search_attributes.get(sa.SITE) or "")
+    workflow.metric_meter().create_counter(
+        BAD_REPORTS_METRIC, "Malformed results from node agents (a bad report: never a failed workflow task).",
+    ).add(1, {"site": site or "unknown", "source": source})
+
+
+def _decoded(answer: Any) -> tuple[Any, str]:
+    """A ``RawValue``'s JSON (anything else as it is), or the problem: never raises."""
+    if not isinstance(answer, RawValue):
+        return answer, ""
+    try:
+        return workflow.payload_converter().from_payload(answer.payload), ""
+    except Exception as error:  # noqa: BLE001 - bad JSON, an encoding nobody speaks
+        return None, f"undecodable ({type(error).__name__})"
+
+
+def node_answer(answer: Any, model: Any, what: str) -> tuple[Any, str]:
+    """A node agent's result (``RawValue``: untrusted, decoded here; or a value decoded already)
+    validated against ``model`` (a pydantic model or type): ``(value, "")``, or
+    ``(None, "<what>.<field>: <problem>")``.
+
+    In workflow code on purpose: decoding and validating are pure functions of the recorded
+    payload, so replay decides the same, and a malformed answer is the caller's bad report
+    instead of a decode error failing every workflow task. ``first_problem`` first: non-finite
+    numbers, huge strings and deep nesting anywhere, before pydantic sees the value."""
+    value, problem = _decoded(answer)
+    field = ""
+    if not problem:
+        if (found := first_problem(value)) is not None:
+            field, problem = found
+        else:
+            try:
+                return TypeAdapter(model).validate_python(value), ""
+            except ValidationError as error:
+                text, fields = describe(error)  # "<field>: <problem>; ...", the first field first
+                field, problem = fields[0], text.removeprefix(f"{fields[0]}: ")
+    name = what if field in ("", "(input)") else f"{what}.{field}"
+    return None, f"{name}: {problem}"[:MAX_PROBLEM_SHOWN]
+
+
+def checked_smoke(node_name: str, answer: Any) -> SmokeResult:
+    """A smoke test's answer as a workflow acts on it: ``SmokeReport`` (``passed`` a real
+    boolean, bounded failures and boot id) and its state, if any, a ``NodeReport``. A malformed
+    one is a failed smoke test whose one failure names the field: never a passed one, never a
+    failed workflow task."""
+    value, problem = _decoded(answer)
+    report = state = None
+    if problem:
+        problem = f"smoke_test result: {problem}"
+    else:
+        report, problem = node_answer(value, SmokeReport, "smoke_test result")
+    if report is not None and value.get("state") is not None:
+        checked, problem = node_answer(value["state"], NodeReport, "smoke_test result.state")
+        state = NodeWatchResult.model_validate(checked.model_dump()) if checked is not None else None
+    if problem:
+        count_bad_report("smoke_test")
+        return SmokeResult(passed=False, gpus_seen=0, failures=[f"bad report from {node_name}: {problem}"])
+    return SmokeResult(passed=report.passed, gpus_seen=report.gpus_seen, boot_id=report.boot_id,
+                       failures=list(report.failures), state=state)
+
+
 # -- node steps -----------------------------------------------------------------------------
 async def drain_node(node_name: str, deadline_seconds: float, *, summary: str) -> DrainResult:
     """Cordon and evict within the deadline, PodDisruptionBudgets honoured.
@@ -119,13 +201,15 @@ async def smoke_test_node(node_name: str, expected_gpus: int, *, timeout_seconds
                           only_gpus: list[int] | None = None, include_state: bool = False,
                           heartbeat: timedelta | None = None) -> SmokeResult:
     """The node proves itself on its own task queue (its agent runs the checks), ``SMOKE_RETRY``
-    attempts within ``timeout_seconds`` in all."""
-    return await workflow.execute_activity(
-        "smoke_test", SmokeTestInput(expected_gpus=expected_gpus, only_gpus=only_gpus, include_state=include_state), result_type=SmokeResult,
+    attempts within ``timeout_seconds`` in all. Its answer is untrusted (``checked_smoke``):
+    taken undecoded, the same command as ever."""
+    answer = await workflow.execute_activity(
+        "smoke_test", SmokeTestInput(expected_gpus=expected_gpus, only_gpus=only_gpus, include_state=include_state), result_type=RawValue,
         task_queue=node_queue(node_name), schedule_to_close_timeout=timedelta(seconds=timeout_seconds),
         start_to_close_timeout=timedelta(seconds=min(timeout_seconds, 300)), heartbeat_timeout=heartbeat,
         retry_policy=SMOKE_RETRY, summary=summary,
     )
+    return checked_smoke(node_name, answer)
 
 
 async def retire_machine(site: str, node_name: str, machine_id: str, *, summary: str) -> None:

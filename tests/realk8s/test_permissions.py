@@ -9,14 +9,18 @@ code running as that identity: a grant nobody uses, or a call nobody granted, fa
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from providers.cluster.base import AccessRule
 from providers.cluster.check import CHECK_ACCESS
 from providers.cluster.kubernetes import BOOTSTRAP_NAMESPACE, TOKEN_NAMESPACE, access_table
 from providers.credentials import ACCESS as CREDENTIALS_ACCESS
 from tests.realk8s.cluster import RealCluster
 from workers.gateway.liveness import ACCESS as GATEWAY_ACCESS
 
+REPO = Path(__file__).resolve().parents[2]
 NAMESPACES = ["gpufleet", TOKEN_NAMESPACE, "kube-public", BOOTSTRAP_NAMESPACE, "default"]
 Grant = tuple[str, str, str, str]  # verb, group, resource, subresource
 
@@ -34,9 +38,10 @@ def granted(cluster: RealCluster, user: str, namespace: str) -> set[Grant]:
     return out
 
 
-def matrix(cluster: RealCluster, user: str) -> dict[str, set[Grant]]:
-    """Per namespace: what ``user`` may do beyond what an identity with no bindings may."""
-    baseline = {ns: granted(cluster, "system:serviceaccount:gpufleet:nobody", ns) for ns in NAMESPACES}
+def matrix(cluster: RealCluster, user: str, nobody: str = "system:serviceaccount:gpufleet:nobody") -> dict[str, set[Grant]]:
+    """Per namespace: what ``user`` may do beyond what an identity with no bindings may (``nobody``,
+    of the same kind: a service account of the same namespace gets that namespace's group)."""
+    baseline = {ns: granted(cluster, nobody, ns) for ns in NAMESPACES}
     return {ns: granted(cluster, user, ns) - baseline[ns] for ns in NAMESPACES}
 
 
@@ -53,6 +58,33 @@ def expected(rules) -> dict[str, set[Grant]]:
 ])
 def test_each_service_account_may_do_exactly_what_its_code_calls(real_cluster: RealCluster, account, rules) -> None:
     assert matrix(real_cluster, f"system:serviceaccount:gpufleet:{account}") == expected(rules)
+
+
+#: deploy/network's Konnectivity identities. The agent calls nothing on the API server (its projected
+#: token's audience is the Konnectivity server's); the server, as its kubeconfig user, checks the
+#: agents' tokens with TokenReviews, and system:auth-delegator also grants SubjectAccessReviews.
+KONNECTIVITY_SERVER_ACCESS = [AccessRule(verb="create", group="authentication.k8s.io", resource="tokenreviews",
+                                         purpose="the Konnectivity server checks an agent's token"),
+                              AccessRule(verb="create", group="authorization.k8s.io", resource="subjectaccessreviews",
+                                         purpose="system:auth-delegator's other grant (the server makes none)")]
+
+
+@pytest.fixture
+def network_rbac(real_cluster: RealCluster) -> RealCluster:
+    """deploy/network's Konnectivity ServiceAccount and binding, as ``kubectl apply -k`` applies them
+    (the package's conftest applies deploy/kubernetes only); left in place, like it."""
+    real_cluster.kubectl("apply", "--server-side", "-f",
+                         str(REPO / "deploy" / "network" / "konnectivity" / "rbac.yaml"))
+    return real_cluster
+
+
+@pytest.mark.parametrize("user, nobody, rules", [
+    ("system:serviceaccount:kube-system:konnectivity-agent", "system:serviceaccount:kube-system:nobody", []),
+    ("system:konnectivity-server", "nobody", KONNECTIVITY_SERVER_ACCESS),
+])
+def test_the_konnectivity_identities_may_do_exactly_what_they_call(network_rbac: RealCluster, user, nobody,
+                                                                    rules) -> None:
+    assert matrix(network_rbac, user, nobody) == expected(rules)
 
 
 def test_gpufleets_manifests_grant_nodes_and_join_tokens_nothing_of_their_own(real_cluster: RealCluster) -> None:

@@ -1,6 +1,7 @@
 """Issue 35, item 5: an evacuation's proof is per node. One node that fails its smoke test (a
 GPU still broken) or garbles it (a hostile agent) cannot hold its site at weight 0: the site
-comes back with the nodes that pass, the others stay cordoned and go to the repair ladder."""
+comes back with the nodes that pass, the others stay cordoned and go to the repair ladder,
+which repairs them (and they serve again)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import workers.node_agent
 from activities.models import SmokeTestInput
 from activities.node_agent import NodeAgentActivities
 from fleet.messages.evacuation import EvacuationResult
+from fleet.messages.repair import GpuRepairResult
 from fleet.settings import node_queue
 from tests.bad_input_helpers import task_failures
 from tests.evacuation_helpers import open_incident_stack, poll
@@ -57,8 +59,10 @@ async def test_one_failing_and_one_garbled_node_do_not_keep_the_site_at_weight_z
         broken, healed, liar = machines[0], machines[1:3], machines[3]
         # A condition (not an XID event): a finding held by the incident is forgotten once its GPU
         # heals, so after the restore only the two unproven nodes ask for repairs (no new trip).
-        for machine in [broken, *healed]:
+        # The provider's fix clears two; the third GPU is one a reboot (the ladder's) fixes.
+        for machine in healed:
             inc.world.inject_fault(machine, 0, "ecc", 1, clears_on="never")
+        inc.world.inject_fault(broken, 0, "ecc", 1, clears_on="reboot")
         evacuation = inc.evacuation("a")
         await poll(lambda: inc.progress("a"), timeout=60)
 
@@ -77,9 +81,21 @@ async def test_one_failing_and_one_garbled_node_do_not_keep_the_site_at_weight_z
         assert (routes.weight, routes.healthy) == (100, True)
         # The nodes that passed serve again; the two others stay out and go to the repair ladder.
         assert [inc.cluster.get_node(names[m]).unschedulable for m in machines] == [True, False, False, True]
+        # The ladder repairs both (the broken GPU by a reboot; the liar's GPU was never broken, and
+        # its agent answers the repair's own proof honestly): each repair's result says so, and
+        # the node serves again, the same machine (nothing replaced).
         for machine in (broken, liar):
-            await poll(lambda m=machine: exists(inc.client.get_workflow_handle(f"repair/{names[m]}/gpu0")),
-                       timeout=30)
+            repair = inc.client.get_workflow_handle(f"repair/{names[machine]}/gpu0")
+            await poll(lambda r=repair: exists(r), timeout=30)
+            repaired = GpuRepairResult.model_validate(await asyncio.wait_for(repair.result(), 90))
+            assert (repaired.node_name, repaired.outcome) == (names[machine], "repaired"), repaired
+            assert repaired.attempts[-1].outcome == "passed" and not repaired.replacement_node, repaired
+            assert await task_failures(repair) == 0
+        async def all_serving() -> bool:
+            return all(not inc.cluster.get_node(names[m]).unschedulable for m in machines)
+
+        await poll(all_serving, timeout=30)
+        assert sorted(m["name"] for m in inc.world.machines(inc.site("a"))) == sorted(names.values())
         assert inc.cluster.get_site_routes().sites[inc.site("a")].weight == 100, "no new trip"
         assert await task_failures(evacuation) == 0
         await replay_and_record(evacuation, "site_evacuation_proof_per_node")

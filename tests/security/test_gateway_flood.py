@@ -11,10 +11,10 @@ suite's shared server raises it for the fleet benches), a victim node's agent (t
 Worker, one poller) through it, and the attacker in a process of its own holding 1,300 polls
 and 40 polls of 3 MB each. The victim's round trips (server event times, scheduled →
 completed) with the attack on and off alternate in short batches in one run; its p99 with the
-attack may be at most 1.2 times its p99 without, or above it by no more than the run's own noise
-(10 ms, or how far apart the p99s of the quiet batches' two halves are: other test workers share
-the two cores), and the gateway's peak resident memory stays within the limit its manifest sets
-(deploy/kubernetes/node-gateway.yaml).
+attack may be at most 1.2 times its p99 without (the issue's 20%), or above it by no more than
+this run's own noise, measured in it (how far apart the quiet batches' slowest round trips are,
+at least 10 ms: other test workers share the two cores); and the gateway's peak resident memory
+stays within the limit its manifest sets (deploy/kubernetes/node-gateway.yaml).
 """
 
 from __future__ import annotations
@@ -47,8 +47,11 @@ from workers.gateway.node_identity import GatewayAccess
 from workers.gateway.pki import Pki
 
 pytestmark = pytest.mark.integration
-#: How far above its quiet p99 the victim's attacked p99 may be, whatever the ratio.
-NOISE_SECONDS = 0.010
+#: The issue's bound: another node's round-trip p99 moves by at most 20%.
+MAX_P99_RATIO = 1.2
+#: The least noise a p99 of a few hundred round trips on two cores shared with other test
+#: workers has (one scheduler pause); below the noise, no ratio says anything about the attack.
+NOISE_FLOOR_SECONDS = 0.010
 
 ROOT = Path(__file__).resolve().parents[2]
 #: Temporal's own default for ``frontend.namespaceCount`` (concurrent long polls per namespace
@@ -144,7 +147,7 @@ async def test_one_node_holding_1300_polls_and_3_mb_requests_moves_no_other_node
                 await asyncio.sleep(0.1)
 
         control_queue = f"flood-{uuid.uuid4().hex[:6]}"
-        quiet_halves: tuple[list[float], list[float]] = ([], [])
+        quiet_rounds: list[list[float]] = []
         async with Worker(client, task_queue=control_queue, workflows=[RoundTrips],
                           workflow_runner=UnsandboxedWorkflowRunner()), \
                 Worker(agent, task_queue=f"node/{victim.name}", activities=[noop],
@@ -164,7 +167,7 @@ async def test_one_node_holding_1300_polls_and_3_mb_requests_moves_no_other_node
                                              f"with the attack {'on' if on else 'off'}") from None
                     (attacked if on else quiet).extend(batch)
                     if not on:
-                        quiet_halves[i % 2].extend(batch)
+                        quiet_rounds.append(batch)
             await attacking(False)
         peak, limit = peak_rss(gateway.pid), manifest_memory_limit()
     finally:
@@ -176,15 +179,20 @@ async def test_one_node_holding_1300_polls_and_3_mb_requests_moves_no_other_node
         for node in (attacker, victim):
             await end_entity(client, node.name)
     ratio = pct(attacked, 99) / pct(quiet, 99)
-    # The noise of this run, measured in it: quiet against quiet. A p99 of 160 samples is their
-    # second-highest; one pause of a neighbouring test worker moves it by tens of ms, and moves
-    # one quiet half as much as it moves the attacked side. Starved, the victim took seconds.
-    noise = max(NOISE_SECONDS, abs(pct(quiet_halves[0], 99) - pct(quiet_halves[1], 99)))
+    # The noise of this run, measured in it and nowhere else: how far apart the quiet batches'
+    # own slowest round trips are (each batch ran between attacked ones, on the same two shared
+    # cores). A p99 of 160 samples is their second-highest, so one pause of a neighbouring test
+    # worker moves it by tens of ms, and such a pause falls on a quiet batch as it falls on an
+    # attacked one: an attacked p99 above the quiet one by no more than the quiet batches differ
+    # among themselves (and never less than 10 ms) is no effect of the attack. Starved, before
+    # the per-node limits, the victim's round trips took seconds (2.3 to 10.4 s).
+    slowest = [max(batch) for batch in quiet_rounds]
+    noise = max(NOISE_FLOOR_SECONDS, max(slowest) - min(slowest))
     figures = (f"victim round trip p99 {pct(quiet, 99) * 1000:.1f} ms quiet, {pct(attacked, 99) * 1000:.1f} ms "
                f"attacked (ratio {ratio:.2f}); p50 {sorted(quiet)[len(quiet) // 2] * 1000:.1f} / "
                f"{sorted(attacked)[len(attacked) // 2] * 1000:.1f} ms; gateway held {most_held:.0f} calls, "
                f"peak RSS {peak / 2**20:.0f} MiB of {limit / 2**20:.0f} MiB; noise {noise * 1000:.1f} ms")
     print(figures)
-    assert ratio <= 1.2 or pct(attacked, 99) - pct(quiet, 99) <= noise, figures
+    assert ratio <= MAX_P99_RATIO or pct(attacked, 99) - pct(quiet, 99) <= noise, figures
     assert peak < limit, figures
     assert most_held >= ATTACK_POLLS - 20, figures
