@@ -156,9 +156,22 @@ class Postgres:
     root: Path | None = None
     process: subprocess.Popen | None = None
 
-    def _run_as(self) -> dict[str, Any]:
+    def _run_as(self) -> list[str]:
+        """The prefix that runs a command as the ``postgres`` user (none when not root).
+
+        ``setpriv`` (util-linux), not ``subprocess``'s ``user=``/``group=``: those make Python fork
+        and switch user in the child before exec, and in a process with gRPC's threads running (a
+        test worker that has used the node gateway) gRPC's fork handlers then broke the child:
+        initdb failed with only gRPC's "epoll_wait error: Bad file descriptor". A plain command is
+        spawned without running anything of this process in the child, and ``setpriv`` execs the
+        program in its own place (its pid is the server's: signals reach it)."""
         who = postgres_user()
-        return {"user": who, "group": pwd.getpwnam(who).pw_gid} if who else {}
+        if not who:
+            return []
+        setpriv = shutil.which("setpriv", path=os.pathsep.join([os.environ.get("PATH", ""), "/usr/bin", "/bin"]))
+        if setpriv is None:
+            raise ClusterFailed("setpriv (util-linux) is needed to run PostgreSQL as its own user under root")
+        return [setpriv, f"--reuid={who}", f"--regid={who}", "--init-groups", "--"]
 
     def start(self) -> "Postgres":
         bindir = postgres_bin()
@@ -167,25 +180,27 @@ class Postgres:
         # Not under pytest's tmp folders: they are 0700 root's, and the postgres user must reach this.
         self.root = Path(tempfile.mkdtemp(prefix="gpufleet-postgres-"))
         as_user = self._run_as()
-        if as_user:
-            os.chown(self.root, pwd.getpwnam(as_user["user"]).pw_uid, as_user["group"])
+        owner = pwd.getpwnam(postgres_user()) if as_user else None
+        if owner is not None:
+            os.chown(self.root, owner.pw_uid, owner.pw_gid)
         password_file = self.root / "password"
         password_file.write_text(self.password)
-        if as_user:
-            os.chown(password_file, pwd.getpwnam(as_user["user"]).pw_uid, as_user["group"])
+        if owner is not None:
+            os.chown(password_file, owner.pw_uid, owner.pw_gid)
         data = self.root / "data"
-        done = subprocess.run([str(bindir / "initdb"), "-D", str(data), "-U", self.user, f"--pwfile={password_file}",
-                               "--auth=scram-sha-256", "--no-locale", "-E", "UTF8", "--no-sync"],
-                              capture_output=True, text=True, **as_user)
+        done = subprocess.run([*as_user, str(bindir / "initdb"), "-D", str(data), "-U", self.user,
+                               f"--pwfile={password_file}", "--auth=scram-sha-256", "--no-locale", "-E", "UTF8",
+                               "--no-sync"], capture_output=True, text=True)
         if done.returncode != 0:
             raise ClusterFailed(f"initdb failed: {done.stderr[-2000:]}")
         password_file.unlink()
         with open(self.root / "postgres.log", "w") as log:  # the child keeps its own copy
             self.process = subprocess.Popen(
-                [str(bindir / "postgres"), "-D", str(data), "-p", str(self.port), "-c", "listen_addresses=127.0.0.1",
-                 "-c", f"unix_socket_directories={self.root}", "-c", "max_connections=300",
-                 "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **as_user)
+                [*as_user, str(bindir / "postgres"), "-D", str(data), "-p", str(self.port),
+                 "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={self.root}",
+                 "-c", "max_connections=300", "-c", "fsync=off", "-c", "synchronous_commit=off",
+                 "-c", "full_page_writes=off"],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + 60
         while subprocess.run([str(bindir / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)]).returncode:
             if self.process.poll() is not None or time.monotonic() > deadline:

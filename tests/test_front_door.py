@@ -1,6 +1,7 @@
 """The dev stack's front door: real HAProxy in front of real streaming model servers.
 
-Skipped (with the reason) only where the ``haproxy`` binary is missing; CI installs it.
+Skipped (with the way to get it) only where the ``haproxy`` binary is missing; failed there in CI,
+which installs it (tests/tools.py).
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ import httpx
 import pytest
 
 from fleet.routing import RoutingDocument, SiteRouteState
-from providers.haproxy import HAProxy, Replica, haproxy_binary
+from providers.haproxy import HAProxy, Replica
+from tests.tools import needs
 from workers.sim_model_server import SimModelServer
 
-pytestmark = pytest.mark.skipif(haproxy_binary() is None, reason="haproxy not installed (apt-get install -y haproxy)")
+pytestmark = needs("haproxy")  # skipped without it, naming how to get it; failed in CI (tests/tools.py)
 
 SITES = ("site-a", "site-b")
 

@@ -2,8 +2,8 @@
 from its Go module by tests/helm/build.py).
 
 With default values it renders exactly the objects of the kustomize base (`kubectl kustomize
-deploy/kubernetes`), object by object, apart from helm's own labels and the image tag (the chart
-names the package version, the base `:latest`): the two cannot drift apart without this failing.
+deploy/kubernetes`), object by object, apart from helm's own labels (both name the images by the
+package version): the two cannot drift apart without this failing.
 Each value reaches the objects it is for; a misspelt value, or a Temporal connection with no
 credentials, is refused before anything renders. The real control plane applies the rendering
 in tests/realk8s/test_helm.py.
@@ -28,7 +28,6 @@ from tests.helm.chart import (
     helm,
     package_version,
     template,
-    with_image_tag,
     without_helm_metadata,
 )
 from tests.tools import needs, require
@@ -57,7 +56,7 @@ def chart_as_kubectl_reads_it(tmp_path, *values: str) -> list[dict[str, Any]]:
 
 def assert_same_objects(chart: list[dict[str, Any]], base: list[dict[str, Any]]) -> None:
     """Object by object: the same set, and each equal once helm's labels are set aside and the
-    images compared by name (the chart's tag is the package version, the base's `latest`)."""
+    images named by the package version in both."""
     rendered, wanted = by_key(chart), by_key(base)
     assert sorted(set(rendered) - set(wanted)) == [], "objects the chart renders and the base has not"
     assert sorted(set(wanted) - set(rendered)) == [], "objects of the base the chart does not render"
@@ -65,9 +64,7 @@ def assert_same_objects(chart: list[dict[str, Any]], base: list[dict[str, Any]])
     for name, obj in wanted.items():
         for container in containers(rendered[name]):
             assert container["image"].rsplit(":", 1)[1] == version, f"{name}: images are named by version"
-        for container in containers(obj):
-            assert container["image"].endswith(":latest")
-        ours = with_image_tag(without_helm_metadata(rendered[name]), "latest")
+        ours = without_helm_metadata(rendered[name])
         assert ours == obj, f"{name} differs from the base:\n" + "\n".join(_diff(obj, ours))
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -31,16 +30,17 @@ from tests.conftest import terminate_running
 from tests.repair_helpers import REPAIR
 from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3 is a fixture
 from tests.ports import free_port
+from tests.tools import find, needs, require
 from workers.control_plane import build_worker
 from workers.metrics import MetricsServer, agents_running, watch_fleet
 from workers.node_agent import SimNodeHost
 
 ROOT = Path(__file__).resolve().parents[1]
 OBSERVABILITY = ROOT / "deploy" / "observability"
-PROMETHEUS = shutil.which("prometheus")
-PROMTOOL = shutil.which("promtool")
-needs_prometheus = pytest.mark.skipif(
-    PROMETHEUS is None, reason="the `prometheus` binary is missing (apt-get install prometheus; .ci/run installs it)")
+PROMETHEUS = find("prometheus")
+PROMTOOL = find("promtool")
+#: Skipped without it, naming how to get it; failed in CI, which installs it (tests/tools.py).
+needs_prometheus = needs("prometheus")
 
 
 class Prometheus:
@@ -97,9 +97,15 @@ def referenced_metrics(text: str) -> set[str]:
     return set(re.findall(r"\b((?:gpufleet|temporal)_[a-z0-9_]+)", text))
 
 
+def dashboard() -> dict:
+    return json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
+
+
 def dashboard_exprs() -> list[str]:
-    dashboard = json.loads((OBSERVABILITY / "grafana-dashboard.json").read_text())
-    return [t["expr"] for panel in dashboard["panels"] for t in panel.get("targets", [])]
+    """Every PromQL expression the dashboard runs: its panels' and its annotations'."""
+    board = dashboard()
+    return ([t["expr"] for panel in board["panels"] for t in panel.get("targets", [])]
+            + [a["expr"] for a in board["annotations"]["list"] if "expr" in a])
 
 
 def alert_rules() -> list[dict]:
@@ -107,14 +113,121 @@ def alert_rules() -> list[dict]:
 
 
 def test_alert_rules_pass_promtool() -> None:
-    if PROMTOOL is None:
-        pytest.skip("the `promtool` binary is missing (apt-get install prometheus; .ci/run installs it)")
+    require("promtool")
     checked = subprocess.run([PROMTOOL, "check", "rules", str(OBSERVABILITY / "alerts.yaml")],
                              capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     alerts = {r["alert"] for r in alert_rules()}
     assert {"GpufleetAccountNeedsPerson", "GpufleetIncidentOpen", "GpufleetRepairStuckOnRung",
             "GpufleetOrphanedMachine", "GpufleetScheduleToStartHigh", "GpufleetSiteBelowMinimum"} <= alerts
+
+
+PROMETHEUS_RULE = ROOT / "deploy" / "prometheus-operator" / "prometheus-rule.yaml"
+
+
+def test_the_prometheus_rule_holds_the_alert_rules_groups() -> None:
+    """Prometheus Operator users get the same alerts as `rule_files:` users: the PrometheusRule's
+    groups are alerts.yaml's, rule for rule, and every place that names it names a file that exists."""
+    rule = yaml.safe_load(PROMETHEUS_RULE.read_text())
+    assert (rule["apiVersion"], rule["kind"]) == ("monitoring.coreos.com/v1", "PrometheusRule")
+    assert rule["metadata"]["namespace"] == "gpufleet"
+    assert rule["spec"]["groups"] == yaml.safe_load((OBSERVABILITY / "alerts.yaml").read_text())["groups"]
+    named = {}
+    for path in [OBSERVABILITY / "alerts.yaml", *(ROOT / "docs").rglob("*.md"), ROOT / "README.md",
+                 *(ROOT / "deploy").rglob("*.yaml")]:
+        for found in re.findall(r"deploy/[\w/.-]*prometheus-rule\.yaml", path.read_text()):
+            named.setdefault(found, []).append(str(path.relative_to(ROOT)))
+    assert named and all((ROOT / found).exists() for found in named), named
+    assert "docs/operations.md" in named.get("deploy/prometheus-operator/prometheus-rule.yaml", [])
+
+
+@needs("promtool")
+def test_the_prometheus_rules_groups_and_the_dashboards_queries_pass_promtool(tmp_path: Path) -> None:
+    """promtool accepts the PrometheusRule's groups as a rule file, and every dashboard query (each
+    checked as a recording rule: its PromQL parses, with the variables as Grafana fills them in)."""
+    rule = yaml.safe_load(PROMETHEUS_RULE.read_text())
+    (tmp_path / "operator.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    queries = [{"record": f"gpufleet_dashboard:query_{i}", "expr": expr.replace("$site", ".*")}
+               for i, expr in enumerate(dashboard_exprs())]
+    (tmp_path / "dashboard.yaml").write_text(yaml.safe_dump({"groups": [{"name": "dashboard", "rules": queries}]}))
+    for name in ("operator.yaml", "dashboard.yaml"):
+        checked = subprocess.run([require("promtool"), "check", "rules", str(tmp_path / name)],
+                                 capture_output=True, text=True)
+        assert checked.returncode == 0, name + ": " + checked.stdout + checked.stderr
+        assert "SUCCESS" in checked.stdout, checked.stdout
+
+
+#: What a panel shows a problem by: counts that should be zero, and the rates of trouble (a
+#: latency percentile, a share of failures). Such a panel colours itself past a threshold.
+PROBLEM_COUNTS = ("gpufleet_incidents_open", "gpufleet_account_needs_person", "gpufleet_orphaned_machines",
+                  "gpufleet_repair_in_progress", "gpufleet_account_blocked_offers", 'state="not-ready"')
+PROBLEM_RATES = ("histogram_quantile(", 'result!="ok"')
+
+
+def test_dashboard_tables_are_instant_and_problem_panels_have_thresholds() -> None:
+    panels = [p for p in dashboard()["panels"] if p["type"] != "row"]
+    tables = [p for p in panels if p["type"] == "table"]
+    assert len(tables) >= 5
+    for table in tables:
+        # A table shows the state now: one instant query, as a table (not a range of samples per series).
+        for target in table["targets"]:
+            assert (target.get("instant"), target.get("range"), target.get("format")) == (True, False, "table"), \
+                (table["title"], target)
+    problems = [p for p in panels if any(m in t["expr"] for t in p["targets"] for m in PROBLEM_COUNTS + PROBLEM_RATES)]
+    assert {"Open incidents", "Accounts needing a person", "Orphaned machines", "Site state", "Open repairs",
+            "Blocked offers per account", "Workflow task schedule-to-start p95",
+            "Activity schedule-to-start p95 (control plane)", "Capacity attempts failing (15m)"} <= \
+        {p["title"] for p in problems}
+    for panel in problems:
+        defaults = panel["fieldConfig"]["defaults"]
+        steps = defaults.get("thresholds", {}).get("steps", [])
+        assert len(steps) >= 2 and steps[0] == {"color": "green", "value": None}, panel["title"]
+        assert all(step["color"] != "green" for step in steps[1:]), panel["title"]
+        if panel["type"] == "timeseries":  # drawn on the graph, not only in the legend
+            assert defaults["custom"]["thresholdsStyle"]["mode"] != "off", panel["title"]
+        else:
+            assert defaults["color"] == {"mode": "thresholds"}, panel["title"]
+    # The latency panels turn where GpufleetScheduleToStartHigh fires.
+    by_title = {p["title"]: p for p in panels}
+    rules = {r["alert"]: r["expr"] for r in alert_rules()}
+    for title, limit in (("Workflow task schedule-to-start p95", 2), ("Activity schedule-to-start p95 (control plane)", 10)):
+        assert by_title[title]["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"] == limit
+        assert re.search(rf"\)\s*>\s*{limit}\b", rules["GpufleetScheduleToStartHigh"]), limit
+
+
+def defined_metrics() -> set[str]:
+    """The gpufleet metrics the code defines (a Counter is scraped with ``_total``)."""
+    names = set()
+    for path in (ROOT / "workers" / "metrics.py", ROOT / "activities" / "metrics.py"):
+        text = path.read_text()
+        names |= set(re.findall(r'(?:GaugeMetricFamily|Gauge)\(\s*"(gpufleet_[a-z_]+)"', text))
+        names |= {f"{n}_total" for n in re.findall(r'Counter\(\s*"(gpufleet_[a-z_]+)"', text)}
+    return names
+
+
+def test_dashboard_marks_incidents_and_rollouts_and_links_to_the_temporal_ui() -> None:
+    board = dashboard()
+    annotations = {a["name"]: a for a in board["annotations"]["list"]}
+    assert {"Provider incidents", "Rollouts"} <= set(annotations)
+    assert "gpufleet_incidents_open" in annotations["Provider incidents"]["expr"]
+    assert "gpufleet_weights_verified_bytes_total" in annotations["Rollouts"]["expr"]
+    known = defined_metrics()
+    assert {"gpufleet_incidents_open", "gpufleet_weights_verified_bytes_total", "gpufleet_nodes"} <= known, known
+    for annotation in annotations.values():
+        assert annotation["enable"] and annotation["datasource"]["type"] == "prometheus", annotation
+        used = {m for m in referenced_metrics(annotation["expr"]) if m.startswith("gpufleet_")}
+        assert used and used <= known, (annotation["name"], used - known)
+    # The Temporal UI is a variable: the dashboard's links and each table row's link open workflows there.
+    variables = {v["name"]: v for v in board["templating"]["list"]}
+    assert variables["temporal_ui"]["type"] == "textbox" and variables["temporal_ui"]["query"].startswith("http")
+    assert "temporal_namespace" in variables
+    ui = "${temporal_ui}/namespaces/${temporal_namespace}/workflows"
+    links = {link["title"]: link for link in board["links"]}
+    assert links["Temporal UI"]["url"] == ui and all(link["url"].startswith(ui) for link in links.values())
+    assert "SiteEvacuation" in urllib.parse.unquote(links["Running evacuations"]["url"])
+    open_repairs = next(p for p in board["panels"] if p["title"] == "Open repairs")
+    (row_link,) = open_repairs["fieldConfig"]["defaults"]["links"]
+    assert row_link["url"] == ui + "/${__data.fields.repair:percentencode}"
 
 
 def test_dashboard_has_the_four_views() -> None:

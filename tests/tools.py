@@ -9,22 +9,24 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
 
 from bootstrap import SBIN, SYSTEM_TOOLS
 
-#: Where tests/realk8s/build.py leaves kubectl (built from its Go module at the tier's version).
-REAL_KUBERNETES_BIN = Path.home() / ".cache" / "gpufleet" / "realk8s"
-
 
 def find(name: str) -> str | None:
-    """The program's path, or None. kubectl: the real tier's build first, then PATH."""
+    """The program's path, or None. kubectl: the one tests/realk8s/build.py builds (its pinned
+    version, in ``~/.cache/gpufleet/realk8s/<version>/bin`` or ``$GPUFLEET_REALK8S_CACHE``) first,
+    then one an earlier pin left there, then PATH; the others: PATH, then /usr/sbin and /sbin."""
     if name == "kubectl":
-        built = sorted(REAL_KUBERNETES_BIN.glob("v*/bin/kubectl"))
-        if built:
-            return str(built[-1])
+        from tests.realk8s import build
+
+        pinned = build.bin_dir() / "kubectl"
+        earlier = sorted(build.cache_dir().parent.glob("v*/bin/kubectl"), reverse=True)
+        for path in (pinned, *earlier):
+            if os.access(path, os.X_OK):
+                return str(path)
     return shutil.which(name, path=os.pathsep.join([os.environ.get("PATH", ""), *SBIN]))
 
 

@@ -340,6 +340,17 @@ class Cluster(Protocol):
         or changed)."""
         ...
 
+    # -- backup (``gpufleet backup export`` / ``restore``: cli/backup.py) --------------------
+    def state_origin(self) -> dict[str, str]:
+        """Where this state lives, as a backup names its source: the API server and namespace
+        (the sim: its database file). Names only, never a credential."""
+        ...
+
+    def state_kinds(self) -> list[str]:
+        """The kind of every state object held, sorted, each once: a backup exports the kinds it
+        knows and names any other, so a kind added later is never left out without a word."""
+        ...
+
 
 #: ``update_state``'s change: the new data, or ``None`` for no write.
 StateChange = Callable[[dict[str, str]], "dict[str, str] | None"]

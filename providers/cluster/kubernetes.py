@@ -1561,6 +1561,19 @@ class KubernetesCluster:
             raise _translate(error, f"delete state {name}") from error
         return True
 
+    # -- backup (cli/backup.py) ---------------------------------------------------------------
+    def state_origin(self) -> dict[str, str]:
+        return {"cluster": self.api_client.configuration.host, "namespace": self.namespace}
+
+    def state_kinds(self) -> list[str]:
+        # One list of the state ConfigMaps (the label exists, whatever its value): what
+        # ``list_state`` of each kind would read, in one call the control plane's RBAC allows.
+        listed = self._do("list state", self.core.list_namespaced_config_map, self.namespace,
+                          label_selector=LABEL_STATE)
+        kinds = {((item.get("metadata") or {}).get("labels") or {}).get(LABEL_STATE, "")
+                 for item in listed.get("items") or []}
+        return sorted(kind for kind in kinds if kind)
+
 
 def _same_service(current: dict[str, Any], desired: dict[str, Any]) -> bool:
     """``current`` is the Service ``desired`` describes (same model, same selector keys), not

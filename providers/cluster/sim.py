@@ -322,6 +322,13 @@ class SimCluster:
             db.execute("DELETE FROM control_state WHERE kind=? AND key=?", (kind, key))
             return True
 
+    # -- backup (cli/backup.py) ---------------------------------------------------------------
+    def state_origin(self) -> dict[str, str]:
+        return {"cluster": "sim", "database": str(self.world.path.resolve())}
+
+    def state_kinds(self) -> list[str]:
+        return [r["kind"] for r in self.world.query("SELECT DISTINCT kind FROM control_state ORDER BY kind")]
+
     # -- nodes ------------------------------------------------------------------------
     def _node(self, row, identity: NodeIdentity | None = None) -> Node:
         labels = json.loads(row["labels"])

@@ -14,6 +14,7 @@ from providers.cluster.base import dns_label, serving_name
 from fleet.cluster import ANNOTATION_TEMPLATE, ServingSpec, SiteRoute
 from providers.cluster.kubernetes import access_table, render_deployment, render_service
 from providers.cluster.envoy_gateway import render_httproute
+from tests.helm.chart import package_version
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 
@@ -89,7 +90,7 @@ def test_control_plane_deployment():
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "gpufleet-control-plane"
     (container,) = pod["containers"]
-    assert container["image"] == "gpufleet-control-plane:latest"
+    assert container["image"] == f"gpufleet-control-plane:{package_version()}"
     assert container["command"] == ["python", "-m", "workers.control_plane"]
     env = {e["name"] for e in container["env"]}
     assert {"TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "GPUFLEET_TASK_QUEUE", "GPUFLEET_CONFIG"} <= env
@@ -105,7 +106,7 @@ def test_node_agent_daemonset_runs_on_gpu_nodes_including_unproven():
     assert keys == {"nvidia.com/gpu.present", "node-restriction.kubernetes.io/gpufleet-site"}
     assert {"key": "gpufleet.io/unproven", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     (container,) = pod["containers"]
-    assert container["image"] == "gpufleet-node-agent:latest"
+    assert container["image"] == f"gpufleet-node-agent:{package_version()}"
     assert container["command"] == ["python", "-m", "workers.node_agent", "--node-name", "$(NODE_NAME)",
                                     "--cert", "/var/lib/kubelet/pki/kubelet-client-current.pem"]
     # The kubelet's client certificate is the agent's identity at the gateway: its folder is mounted.

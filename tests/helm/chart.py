@@ -22,7 +22,7 @@ CHART = ROOT / "deploy" / "helm" / "gpufleet"
 #: The labels the chart adds to every object beside the base's own; never in a selector.
 HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance",
                "app.kubernetes.io/version")
-#: The images the base names `:latest` and the chart by version.
+#: The images, which the base and the chart name by the package version.
 IMAGES = ("gpufleet-control-plane", "gpufleet-node-agent")
 
 

@@ -53,14 +53,15 @@ def test_the_default_rendering_is_accepted_by_the_real_api_server(real_cluster: 
         assert labels.get("app.kubernetes.io/managed-by") == "Helm", name
     # A dry run: the base's objects are as the conftest applied them.
     (worker,) = live(real_cluster, "deployment", "gpufleet-control-plane")["spec"]["template"]["spec"]["containers"]
-    assert worker["image"] == "gpufleet-control-plane:latest"
+    assert worker["image"] == f"gpufleet-control-plane:{version}"
 
 
 def test_helm_takes_over_what_kubectl_apply_k_installed(real_cluster: RealCluster, helm_env, tmp_path: Path) -> None:
     flags, env = helm_env
     before = {(kind, name): live(real_cluster, kind, name) for kind, name in WORKLOADS}
-    # The images the base runs (`:latest`): the values a user moving from the base would set.
-    values = ["--set", "images.tag=latest"]
+    # The base names the images by the package version, as the chart's default values do: a user
+    # moving from the base sets no image value.
+    values: list[str] = []
     rendered = tmp_path / "rendered.yaml"
     rendered.write_text(template(*values))
     helm("install", "gpufleet", str(CHART), "--take-ownership", "--namespace", "default", *values, *flags, env=env)

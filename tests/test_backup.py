@@ -1,0 +1,247 @@
+"""``gpufleet backup export`` / ``restore`` (cli/backup.py) on the simulated fleet: one fleet's
+state (blocked and revoked accounts with a queued delete, a node's identity record and client
+key, the usage ledger) exported, restored into a fresh fleet, and the fresh fleet carries on as
+the first did: the account guard refuses what it refused, the node gateway takes the node for
+live, the ledger has the same machines. The same code against the Kubernetes adapter (the fake
+API server here; the real control plane in tests/realk8s/test_backup.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from activities.account_store import ACCOUNT_STATE, AccountRecord, ClusterAccountStore
+from activities.env import FleetEnv
+from activities.ledger import USAGE_STATE, UsageLedger
+from cli.backup import BACKED_UP, LEFT_OUT, SCHEMA_VERSION, Store, export_document, plan_restore, read_document
+from cli.main import app
+from fleet.cluster import NODE_IDENTITY_KIND, NODE_KEYS_KIND, NodeIdentity, with_key
+from fleet.config import load_config
+from fleet.errors import AccountRevoked, OfferBlocked
+from fleet.messages.advisor import LedgerEntry
+from fleet.models import AccountState
+from fleet.routing import ENDPOINTS_KIND
+from fleet.settings import Settings
+from providers.own_dc import ALLOCATION_STATE
+from tests.conftest import write_fleet
+
+runner = CliRunner()
+NODE = "site-a-n1"
+KEY = "ab" * 32  # a client key's SHA-256, as the CSR approver binds it
+SECRET = "sim-a-key-never-in-a-backup"
+
+
+def gpufleet(*args: str):
+    return runner.invoke(app, list(args), env={"COLUMNS": "200", "SIM_A_KEY": SECRET})
+
+
+class Fleet:
+    """One simulated fleet: its state dir, config and what its activities see."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir()
+        self.state_dir, self.config = root / "state", write_fleet(root)
+        self.env = FleetEnv.from_settings(Settings(state_dir=self.state_dir, config=str(self.config)))
+
+    def args(self) -> list[str]:
+        return ["--state-dir", str(self.state_dir), "--config", str(self.config)]
+
+
+class NodeEntitiesRun:
+    """Temporal, as the node gateway asks it: every Node entity runs (Temporal's own state is not
+    what a gpufleet backup restores)."""
+
+    def get_workflow_handle(self, _workflow_id: str):
+        return self
+
+    async def describe(self):
+        from temporalio.client import WorkflowExecutionStatus
+
+        return SimpleNamespace(status=WorkflowExecutionStatus.RUNNING)
+
+    async def count_workflows(self, _query: str):
+        return SimpleNamespace(count=0)
+
+
+async def gateway_verdict(fleet: Fleet):
+    from workers.gateway.liveness import node_liveness
+
+    return await node_liveness(NodeEntitiesRun(), fleet.env.cluster)(NODE, KEY)
+
+
+def populate(fleet: Fleet) -> None:
+    accounts, cluster = fleet.env.accounts, fleet.env.cluster
+    accounts.block_offer("acct-a", "lambda", "site-a/gpu_2x_h100", "quota exceeded for gpu_2x_h100")
+    accounts.mark_revoked("acct-b", "nebius", "401 Unauthenticated")
+    accounts.queue_delete("site-b", "acct-b", "vm-orphan")
+    identity = NodeIdentity(node_name=NODE, machine_id="m-1", provider="lambda", account="acct-a", site="site-a",
+                            provider_id=f"gpufleet://lambda/acct-a/{NODE}", join_id="join/site-a/1")
+    cluster.update_state(NODE_IDENTITY_KIND, NODE, lambda _old: identity.state())
+    cluster.update_state(NODE_KEYS_KIND, NODE, lambda old: with_key(old, KEY))
+    UsageLedger(cluster).joined(LedgerEntry(machine_id="m-1", site="site-a", node_name=NODE, provider="lambda",
+                                            offer="gpu_2x_h100", gpu="H100", gpus=2, price_per_gpu_hour=2.5,
+                                            joined_at=1_700_000_000.0))
+    # Left out: a join's bootstrap token (its secret is in sim.db), a model server's address.
+    cluster.issue_bootstrap_token(NODE, "join/site-a/2", 600)
+    cluster.update_state(ENDPOINTS_KIND, "llm.site-a", lambda _old: {"server-1": "http://127.0.0.1:9"})
+
+
+@pytest.fixture
+def source(tmp_path) -> Fleet:
+    fleet = Fleet(tmp_path / "source")
+    populate(fleet)
+    return fleet
+
+
+def test_the_kinds_are_the_ones_their_owners_write() -> None:
+    # A kind renamed where it is defined must not drop out of the backup without a word.
+    assert set(BACKED_UP) == {ACCOUNT_STATE, ALLOCATION_STATE, USAGE_STATE, NODE_KEYS_KIND, NODE_IDENTITY_KIND}
+    from providers.cluster.kubernetes import JOIN_TOKEN_KIND
+
+    assert set(LEFT_OUT) == {JOIN_TOKEN_KIND, ENDPOINTS_KIND}
+
+
+def test_a_fresh_fleet_restored_from_a_backup_carries_on(source: Fleet, tmp_path: Path) -> None:
+    backup = tmp_path / "fleet.backup.yaml"
+    exported = gpufleet("backup", "export", str(backup), *source.args())
+    assert exported.exit_code == 0, exported.output
+    assert "left out: serving-endpoints: 1" in exported.output, exported.output
+
+    text = backup.read_text()
+    assert SECRET not in text and "join/site-a/2" not in text, "no credential, no join token in a backup"
+    assert "It holds no secret" in text.split("\n\n")[0]
+    document = yaml.safe_load(text)
+    assert document["schema_version"] == SCHEMA_VERSION
+    assert document["source"]["mode"] == "sim" and document["source"]["sites"] == ["site-a", "site-b"]
+    assert set(document["state"]) == set(BACKED_UP)
+    assert oct(backup.stat().st_mode & 0o777) == "0o600"
+
+    fresh = Fleet(tmp_path / "fresh")
+    assert fresh.env.accounts.get("acct-a").state == AccountState.HEALTHY
+    import asyncio
+
+    from workers.gateway.liveness import Verdict
+
+    assert asyncio.run(gateway_verdict(fresh)) is Verdict.RETIRED, "a fleet without the records knows no node"
+
+    restored = gpufleet("backup", "restore", str(backup), *fresh.args())
+    assert restored.exit_code == 0, restored.output
+    assert "node-identity: 1 restored" in restored.output and "account: 2 restored" in restored.output
+
+    # The account guard refuses what it refused before, before any provider call.
+    with pytest.raises(OfferBlocked):
+        fresh.env.check_account("site-a", "gpu_2x_h100")
+    with pytest.raises(AccountRevoked):
+        fresh.env.check_account("site-b")
+    assert [(p.machine_id, p.site, p.account) for p in fresh.env.accounts.pending_deletes()] == [
+        ("vm-orphan", "site-b", "acct-b")]
+    assert fresh.env.accounts.pending_deletes() == source.env.accounts.pending_deletes()
+    assert fresh.env.accounts.all() == source.env.accounts.all()
+    # The node gateway takes the node for live again; the advisor reads the same ledger.
+    assert asyncio.run(gateway_verdict(fresh)) is Verdict.LIVE
+    assert UsageLedger(fresh.env.cluster).entries() == UsageLedger(source.env.cluster).entries()
+
+    again = gpufleet("backup", "restore", str(backup), *fresh.args())
+    assert again.exit_code == 0 and "node-identity: 0 restored, 1 already so" in again.output, again.output
+
+
+def test_restore_refuses_newer_state_unless_forced(source: Fleet, tmp_path: Path) -> None:
+    backup = tmp_path / "fleet.backup.yaml"
+    assert gpufleet("backup", "export", str(backup), *source.args()).exit_code == 0
+    # Since the backup: a person rotated acct-b's credentials, and a new node joined.
+    source.env.accounts.put(AccountRecord(name="acct-b", provider="nebius"))
+    source.env.accounts.done_delete("vm-orphan")
+    source.env.cluster.update_state(NODE_IDENTITY_KIND, "site-a-n2", lambda _old: {"node-name": "site-a-n2"})
+
+    refused = gpufleet("backup", "restore", str(backup), *source.args())
+    assert refused.exit_code == 1, refused.output
+    assert "account/acct-b" in refused.output and "Nothing was written" in refused.output
+    assert source.env.accounts.get("acct-b").state == AccountState.HEALTHY, "nothing written"
+
+    dry = gpufleet("backup", "restore", str(backup), "--force", "--dry-run", *source.args())
+    assert dry.exit_code == 0 and "account: 0 restored, 1 already so, 1 overwritten" in dry.output, dry.output
+    assert source.env.accounts.get("acct-b").state == AccountState.HEALTHY, "a dry run writes nothing"
+
+    forced = gpufleet("backup", "restore", str(backup), "--force", *source.args())
+    assert forced.exit_code == 0, forced.output
+    assert "node-identity: 0 restored, 1 already so, 0 overwritten, 1 kept" in forced.output
+    assert source.env.accounts.get("acct-b").state == AccountState.CREDENTIALS_REVOKED
+    assert [p.machine_id for p in source.env.accounts.pending_deletes("acct-b")] == ["vm-orphan"]
+    assert source.env.cluster.read_state(NODE_IDENTITY_KIND, "site-a-n2"), "what the file lacks is kept"
+
+
+@pytest.mark.parametrize("change, field", [
+    (lambda d: d.update(schema_version=SCHEMA_VERSION + 1), "schema_version"),
+    (lambda d: d.update(kind="ConfigMap"), "kind"),
+    (lambda d: d["state"].update({"join-token": {}}), "state.join-token"),
+    (lambda d: d["state"]["usage"].update({"site-a.2023-11": {"k": 1}}), "state.usage.site-a.2023-11.k"),
+])
+def test_restore_refuses_what_is_not_a_backup_it_reads(source: Fleet, tmp_path: Path, change, field) -> None:
+    backup = tmp_path / "fleet.backup.yaml"
+    assert gpufleet("backup", "export", str(backup), *source.args()).exit_code == 0
+    document = yaml.safe_load(backup.read_text())
+    change(document)
+    backup.write_text(yaml.safe_dump(document))
+    fresh = Fleet(tmp_path / "fresh")
+    refused = gpufleet("backup", "restore", str(backup), *fresh.args())
+    assert refused.exit_code == 2, refused.output
+    assert f"error: {field}:" in " ".join(refused.output.split()), refused.output
+    assert fresh.env.accounts.all() == [] and fresh.env.cluster.list_state(NODE_IDENTITY_KIND) == {}
+
+
+def test_export_names_the_state_it_does_not_know(source: Fleet, tmp_path: Path) -> None:
+    source.env.cluster.update_state("added-later", "x", lambda _old: {"a": "b"})
+    done = gpufleet("backup", "export", str(tmp_path / "b.yaml"), *source.args())
+    assert done.exit_code == 0
+    assert "left out: added-later: 1 (a kind this gpufleet" in " ".join(done.output.split()), done.output
+
+
+def test_export_of_no_fleet_is_refused(tmp_path: Path) -> None:
+    config = write_fleet(tmp_path)
+    done = gpufleet("backup", "export", str(tmp_path / "b.yaml"), "--state-dir", str(tmp_path / "none"),
+                    "--config", str(config))
+    assert done.exit_code == 2 and "no simulated fleet" in done.output
+    assert not (tmp_path / "b.yaml").exists()
+
+
+def test_the_kubernetes_adapter_round_trips_through_the_same_code(tmp_path: Path) -> None:
+    """Its state objects are ConfigMaps (the fake API server here): exported from one namespace,
+    restored into another, the other namespace's control plane reads the same guard."""
+    from providers.cluster.kubernetes import JOIN_TOKEN_KIND, KubernetesCluster
+    from tests.cluster.fake_apiserver import FakeKube
+    from tests.test_config import _real_fleet
+
+    config = load_config(str(write_fleet(tmp_path, _real_fleet(
+        {"name": "lam", "provider": "lambda", "account": "la"}))))
+    fake = FakeKube().start()
+    try:
+        old = KubernetesCluster(api_client=fake.api_client(), namespace="gpufleet")
+        new = KubernetesCluster(api_client=fake.api_client(), namespace="gpufleet-restored")
+        ClusterAccountStore(old).block_offer("la", "lambda", "lam/t", "quota")
+        old.update_state(JOIN_TOKEN_KIND, "abcdef", lambda _old: {"node-name": NODE})
+        old.update_state(ALLOCATION_STATE, "racks", lambda _old: {"allocations": json.dumps({"r1": {"key": "k"}})})
+        assert old.state_kinds() == [ACCOUNT_STATE, JOIN_TOKEN_KIND, ALLOCATION_STATE]
+        assert old.state_origin() == {"cluster": fake.api_client().configuration.host, "namespace": "gpufleet"}
+
+        document, left = export_document(Store(config, old))
+        assert left == {JOIN_TOKEN_KIND: 1}
+        path = tmp_path / "b.yaml"
+        from cli.backup import write_document
+
+        write_document(path, document)
+        document = read_document(path)
+        target = Store(config, new)
+        for kind, entry in plan_restore(target, document).items():
+            for key, data in entry["restore"]:
+                target.write(kind, key, data, None, force=False)
+        assert ClusterAccountStore(new).get("la").blocked_offers == ["lam/t"]
+        assert new.read_state(ALLOCATION_STATE, "racks") == old.read_state(ALLOCATION_STATE, "racks")
+        assert new.list_state(JOIN_TOKEN_KIND) == {}
+    finally:
+        fake.stop()
