@@ -15,12 +15,13 @@ reloads. When a model's Ready replicas change it tells the model's ``Routing`` e
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import signal
 from pathlib import Path
-from typing import Any, Callable
+from typing import Annotated, Any, Callable
+
+import typer
 
 from fleet.cluster import RoutingTable
 from fleet.routing import ENDPOINTS_KIND, TOTAL, RoutingDocument, SiteRouteState, endpoints_key
@@ -176,14 +177,14 @@ async def _run(port: int, first_token_ms: float) -> None:
         await door.stop()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m cli.front_door")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT)
-    parser.add_argument("--first-token-ms", type=float, default=50)
-    args = parser.parse_args(argv)
+def cli(
+    port: Annotated[int, typer.Option(help="the front door's port")] = DEFAULT_PORT,
+    first_token_ms: Annotated[float, typer.Option(help="the simulated model servers' first-token latency")] = 50,
+) -> None:
+    """The dev stack's front door: HAProxy in front of a simulated model server per site."""
     logging.basicConfig(level=logging.INFO)
-    asyncio.run(_run(args.port, args.first_token_ms))
+    asyncio.run(_run(port, first_token_ms))
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(cli)

@@ -27,7 +27,6 @@ unchanged) and where it sees the worker's ``seed_dir``: ``python -m providers.ow
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import hmac
 import logging
@@ -37,6 +36,9 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from string import Template
+from typing import Annotated
+
+import typer
 
 log = logging.getLogger("gpufleet.own_dc_seed")
 
@@ -168,17 +170,17 @@ def server_for_account(config_path: str, account_name: str, url: str,
     return SeedServer(Path(options["seed_dir"]).expanduser(), addresses, url, template, listen)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description="serve own-rack NoCloud seeds, once, to their machine only")
-    parser.add_argument("--config", required=True, help="the fleet config (sites.yaml)")
-    parser.add_argument("--account", required=True, help="the own-dc account whose machines it serves")
-    parser.add_argument("--listen", default="0.0.0.0:8470", help="host:port to listen on")
-    parser.add_argument("--url", required=True, help="the URL the machines reach this server at")
-    args = parser.parse_args()
+def cli(
+    config: Annotated[str, typer.Option(help="the fleet config (sites.yaml)")],
+    account: Annotated[str, typer.Option(help="the own-dc account whose machines it serves")],
+    url: Annotated[str, typer.Option(help="the URL the machines reach this server at")],
+    listen: Annotated[str, typer.Option(help="host:port to listen on")] = "0.0.0.0:8470",
+) -> None:
+    """Serve own-rack NoCloud seeds, once each, to their machine only."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s own-dc-seed %(levelname)s %(message)s")
-    host, _, port = args.listen.rpartition(":")
-    server = server_for_account(args.config, args.account, args.url, (host or "0.0.0.0", int(port)))
-    log.info("serving seeds of %d machines on %s", len(server.machines), args.listen)
+    host, _, port = listen.rpartition(":")
+    server = server_for_account(config, account, url, (host or "0.0.0.0", int(port)))
+    log.info("serving seeds of %d machines on %s", len(server.machines), listen)
     try:
         server._httpd.serve_forever()
     except KeyboardInterrupt:
@@ -186,4 +188,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(cli)

@@ -5,14 +5,15 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Annotated, Optional
 
+import typer
 from temporalio.client import Client
 from temporalio.worker import Worker
 
@@ -86,14 +87,10 @@ def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None
     )
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port "
-                        "(default: $GPUFLEET_METRICS_PORT; unset: no metrics endpoint)")
-    args = parser.parse_args()
+async def main(metrics_port: int | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s control-plane %(levelname)s %(message)s")
     settings = Settings.from_env()
-    metrics = start_metrics(args.metrics_port, "control-plane")
+    metrics = start_metrics(metrics_port, "control-plane")
     client = await connect(settings, runtime=metrics.runtime if metrics else None)
     env = FleetEnv.from_settings(settings)
     if metrics:
@@ -110,7 +107,16 @@ async def main() -> None:
     log.info("stopped")
 
 
-if __name__ == "__main__":
+def cli(
+    metrics_port: Annotated[Optional[int], typer.Option(
+        help="serve Prometheus metrics on this port (default: $GPUFLEET_METRICS_PORT; unset: no metrics endpoint)")] = None,
+) -> None:
+    """The control-plane worker: every workflow, and the provider and cluster activities.
+    Connection and state from the environment (TEMPORAL_*, GPUFLEET_STATE_DIR, GPUFLEET_CONFIG)."""
     from workers.process_exit import run_then_exit
 
-    run_then_exit(main)
+    run_then_exit(lambda: main(metrics_port))
+
+
+if __name__ == "__main__":
+    typer.run(cli)

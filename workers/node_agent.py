@@ -23,7 +23,6 @@ site stops the agent.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -31,7 +30,10 @@ import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable
+from dataclasses import dataclass
+from typing import Annotated, Callable, Optional
+
+import typer
 
 from temporalio.client import Client
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -380,19 +382,18 @@ async def follow_rotation(worker: Worker, source: CertFile, gateway: GatewayAcce
             log.warning("certificate rotation not picked up yet: %s", error)
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--node-name", help="this node's Kubernetes name (real mode)")
-    parser.add_argument("--sim", action="store_true", help="host every simulated node's agent")
-    parser.add_argument("--poll-seconds", type=float, default=0.2, help="sim: how often machines are checked")
-    parser.add_argument("--nice", type=int, default=SIM_HOST_NICE,
-                        help="sim: CPU niceness of the host of every simulated machine (0: as the control plane)")
-    parser.add_argument("--cert", help="real mode: the node's client certificate (PEM; may hold the key too, "
-                        "as kubelet-client-current.pem does); read again when it changes")
-    parser.add_argument("--key", help="its private key, when not in --cert")
-    parser.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port "
-                        "(default: $GPUFLEET_METRICS_PORT; unset: no metrics endpoint)")
-    args = parser.parse_args()
+@dataclass(frozen=True)
+class AgentOptions:
+    node_name: str | None = None
+    sim: bool = False
+    poll_seconds: float = 0.2
+    nice: int = SIM_HOST_NICE
+    cert: str | None = None
+    key: str | None = None
+    metrics_port: int | None = None
+
+
+async def main(args: AgentOptions) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node-agent %(levelname)s %(message)s")
     settings = Settings.from_env()
     # No SDK worker heartbeats: nothing reads a node agent's (its liveness is its health watch's
@@ -425,7 +426,7 @@ async def main() -> None:
         await host.run(stop)
         return
     if not args.node_name:
-        parser.error("--node-name is required outside --sim")
+        raise SystemExit("--node-name is required outside --sim")
     from providers.gpu import NvmlBackend
     from workers.health_report import DEFAULT_HEALTH_SECONDS, xid_wakes
     from workers.reclaim_watch import spot_notice_source
@@ -433,7 +434,7 @@ async def main() -> None:
     source = None
     if gateway is not None:
         if not args.cert:
-            parser.error("--cert is required with GPUFLEET_GATEWAY (the node's client certificate)")
+            raise SystemExit("--cert is required with GPUFLEET_GATEWAY (the node's client certificate)")
         source = CertFile(Path(args.cert), Path(args.key) if args.key else None)
         cert, key = source.read()
         client = await connect_via_gateway(gateway, settings.namespace, cert, key, runtime=runtime)
@@ -452,7 +453,30 @@ async def main() -> None:
         await stop.wait()
 
 
-if __name__ == "__main__":
+def cli(
+    node_name: Annotated[Optional[str], typer.Option(help="this node's Kubernetes name (real mode)")] = None,
+    sim: Annotated[bool, typer.Option("--sim", help="host every simulated node's agent")] = False,
+    poll_seconds: Annotated[float, typer.Option(help="sim: how often machines are checked")] = 0.2,
+    nice: Annotated[int, typer.Option(
+        help="sim: CPU niceness of the host of every simulated machine (0: as the control plane)")] = SIM_HOST_NICE,
+    cert: Annotated[Optional[str], typer.Option(
+        help="real mode: the node's client certificate (PEM; may hold the key too, as "
+             "kubelet-client-current.pem does); read again when it changes")] = None,
+    key: Annotated[Optional[str], typer.Option(help="its private key, when not in --cert")] = None,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        help="serve Prometheus metrics on this port (default: $GPUFLEET_METRICS_PORT; unset: no metrics endpoint)")] = None,
+) -> None:
+    """The node agent: a GPU node's health watch and node-side activities on its own queue,
+    through the node gateway (GPUFLEET_GATEWAY); with --sim, every simulated machine's."""
     from workers.process_exit import run_then_exit
 
-    run_then_exit(main)
+    options = AgentOptions(node_name, sim, poll_seconds, nice, cert, key, metrics_port)
+    if not sim and not node_name:
+        raise typer.BadParameter("required outside --sim", param_hint="--node-name")
+    if not sim and os.environ.get("GPUFLEET_GATEWAY") and not cert:
+        raise typer.BadParameter("required with GPUFLEET_GATEWAY (the node's client certificate)", param_hint="--cert")
+    run_then_exit(lambda: main(options))
+
+
+if __name__ == "__main__":
+    typer.run(cli)

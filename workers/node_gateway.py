@@ -7,41 +7,43 @@ and ``gpufleet dev`` start it): its options, then the gateway of ``workers/gatew
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
-import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Optional
 
 import typer
 
 from fleet.settings import Settings
-from workers.gateway.pki import dev_gateway_files
-from workers.gateway.proxy import GatewayCollector, start_gateway
 
 log = logging.getLogger("gpufleet.node_gateway")
 
 
-async def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="gpufleet node-gateway", description=__doc__.splitlines()[0])
-    parser.add_argument("--listen", default=os.environ.get("GPUFLEET_GATEWAY_LISTEN", "127.0.0.1:7300"),
-                        help="host:port for node agents")
-    parser.add_argument("--cert", help="the gateway's server certificate (PEM)")
-    parser.add_argument("--key", help="its private key (PEM)")
-    parser.add_argument("--client-ca", help="CA that signs node client certificates (the cluster CA)")
-    parser.add_argument("--dev", action="store_true", help="make/load a dev CA and certificate under the state dir")
-    parser.add_argument("--live-ttl", type=float, default=1.0, help="seconds a node's liveness verdict is kept")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve /metrics here (default: GPUFLEET_METRICS_PORT; unset: none)")
-    args = parser.parse_args(argv)
+@dataclass
+class GatewayOptions:
+    listen: str
+    cert: str | None
+    key: str | None
+    client_ca: str | None
+    dev: bool
+    live_ttl: float
+    metrics_port: int | None
+
+
+async def main(args: GatewayOptions) -> None:
+    # grpc and cryptography load here, not when the ``gpufleet`` CLI imports this module.
+    from workers.gateway.pki import dev_gateway_files
+    from workers.gateway.proxy import GatewayCollector, start_gateway
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node-gateway %(levelname)s %(message)s")
     settings = Settings.from_env()
     if args.dev:
         files = dev_gateway_files(settings.state_dir)
         args.cert, args.key, args.client_ca = files["cert"], files["key"], files["ca"]
     if not (args.cert and args.key and args.client_ca):
-        parser.error("--cert, --key and --client-ca are required (or --dev)")
+        raise SystemExit("--cert, --key and --client-ca are required (or --dev)")
     host, _, port = args.listen.rpartition(":")
     running = await start_gateway(settings, Path(args.cert).read_bytes(), Path(args.key).read_bytes(),
                                   Path(args.client_ca).read_bytes(), host=host or "127.0.0.1", port=int(port),
@@ -65,21 +67,34 @@ async def main(argv: list[str] | None = None) -> None:
     await running.stop()
 
 
-def serve(argv: list[str] | None = None) -> None:
+def serve(args: GatewayOptions) -> None:
     """Run ``main`` on uvloop when it is installed: every forwarded call is a handful of event
     loop callbacks on the gateway's one thread, and uvloop's are cheaper."""
     try:
         import uvloop
     except ImportError:
-        asyncio.run(main(argv))
+        asyncio.run(main(args))
     else:
-        uvloop.run(main(argv))
+        uvloop.run(main(args))
 
 
-def cli(ctx: typer.Context) -> None:
-    """The node gateway between GPU nodes and Temporal (``--help`` for its options)."""
-    serve(ctx.args)
+def cli(
+    listen: Annotated[str, typer.Option(envvar="GPUFLEET_GATEWAY_LISTEN", help="host:port for node agents")]
+    = "127.0.0.1:7300",
+    cert: Annotated[Optional[str], typer.Option(help="the gateway's server certificate (PEM)")] = None,
+    key: Annotated[Optional[str], typer.Option(help="its private key (PEM)")] = None,
+    client_ca: Annotated[Optional[str], typer.Option(
+        help="CA that signs node client certificates (the cluster CA)")] = None,
+    dev: Annotated[bool, typer.Option("--dev", help="make/load a dev CA and certificate under the state dir")] = False,
+    live_ttl: Annotated[float, typer.Option(help="seconds a node's liveness verdict is kept")] = 1.0,
+    metrics_port: Annotated[Optional[int], typer.Option(
+        help="serve /metrics here (default: GPUFLEET_METRICS_PORT; unset: none)")] = None,
+) -> None:
+    """Run the node gateway: mutual TLS in front of Temporal, the only door from a GPU node to it."""
+    if not dev and not (cert and key and client_ca):
+        raise typer.BadParameter("--cert, --key and --client-ca are required (or --dev)", param_hint="--cert")
+    serve(GatewayOptions(listen, cert, key, client_ca, dev, live_ttl, metrics_port))
 
 
 if __name__ == "__main__":
-    serve()
+    typer.run(cli)

@@ -23,12 +23,14 @@ can prove a request was not replayed anywhere.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Annotated
+
+import typer
 
 MAX_HEADER = 64 * 1024
 MAX_BODY = 1024 * 1024
@@ -216,27 +218,27 @@ class SimModelServer:
         await writer.drain()
 
 
-async def _main(args: argparse.Namespace) -> None:
-    server = await SimModelServer(site=args.site, model=args.model, host=args.host, port=args.port,
-                                  first_token_ms=args.first_token_ms, token_ms=args.token_ms).start()
-    print(f"sim model server {server.name} for {args.model} at {args.site} on http://{server.address}", flush=True)
+async def _main(site: str, model: str, host: str, port: int, first_token_ms: float, token_ms: float) -> None:
+    server = await SimModelServer(site=site, model=model, host=host, port=port,
+                                  first_token_ms=first_token_ms, token_ms=token_ms).start()
+    print(f"sim model server {server.name} for {model} at {site} on http://{server.address}", flush=True)
     await asyncio.Event().wait()
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m workers.sim_model_server")
-    parser.add_argument("--site", required=True)
-    parser.add_argument("--model", default="llm")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--first-token-ms", type=float, default=50)
-    parser.add_argument("--token-ms", type=float, default=5)
-    args = parser.parse_args(argv)
+def cli(
+    site: Annotated[str, typer.Option(help="the site it serves for")],
+    model: Annotated[str, typer.Option(help="the model it serves")] = "llm",
+    host: Annotated[str, typer.Option(help="address to listen on")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="port to listen on (0: any free one)")] = 0,
+    first_token_ms: Annotated[float, typer.Option(help="latency before the first token")] = 50,
+    token_ms: Annotated[float, typer.Option(help="latency between tokens")] = 5,
+) -> None:
+    """A simulated model server (an OpenAI-style streaming endpoint) for the dev stack."""
     try:
-        asyncio.run(_main(args))
+        asyncio.run(_main(site, model, host, port, first_token_ms, token_ms))
     except KeyboardInterrupt:
         pass
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(cli)

@@ -16,7 +16,6 @@ model version from the site's object store into ``<cache>/<model>/<version>/``:
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import json
@@ -24,7 +23,9 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Optional
+
+import typer
 
 from fleet.errors import FleetError
 from fleet.weights_pull import CACHE_ROOT, ENV, WeightsPull
@@ -175,15 +176,14 @@ def run(source: str | None, cache: str, bandwidth: int = 0) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m workers.weights_pull",
-                                     description="Copy and verify a model version into the node-local cache.")
-    parser.add_argument("spec", nargs="?", help=f"WeightsPull JSON file, '-' for stdin; default ${ENV}")
-    parser.add_argument("--cache", default=CACHE_ROOT)
-    parser.add_argument("--bandwidth", type=int, default=0, help="bytes/s cap (0 = none)")
-    args = parser.parse_args(argv)
-    sys.exit(run(args.spec, args.cache, args.bandwidth))
+def cli(
+    spec: Annotated[Optional[str], typer.Argument(help=f"WeightsPull JSON file, '-' for stdin; default ${ENV}")] = None,
+    cache: Annotated[str, typer.Option(help="the node-local weights cache")] = CACHE_ROOT,
+    bandwidth: Annotated[int, typer.Option(help="bytes/s cap (0 = none)")] = 0,
+) -> None:
+    """Copy and verify a model version into the node-local cache."""
+    sys.exit(run(spec, cache, bandwidth))
 
 
 if __name__ == "__main__":
-    main()
+    typer.run(cli)

@@ -14,7 +14,7 @@ show what a test needs; this fake stays for:
   port's contract suite (``tests/cluster/test_contract.py`` and the ``harness`` tests), the
   simulated kubelet's join tests (``tests/providers/test_join_real.py``) and the ``mode: real``
   worker tests (``tests/providers/test_advisor_real.py``, ``test_demand_real.py``,
-  ``test_sweep_real.py``, ``test_csr_approver_real.py``, ``tests/test_durable_state.py``).
+  ``test_csr_approver_real.py``, ``tests/test_durable_state.py``).
 
 It keeps the real API's semantics for what the adapter uses (``tests/cluster/test_fake_apiserver.py``):
 

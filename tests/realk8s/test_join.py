@@ -183,6 +183,8 @@ def joined(joining: RealJoining, provisioned, user_data: str, machine: Machine) 
     identity = joining.cluster.node_identity(node.name)
     assert identity is not None and identity.machine_id == provisioned.machine.id
     assert node.addresses, "the kubelet reports the machine's address (own racks: its provisioning address)"
+    lease = node_lease(joining, node.name)
+    assert lease["spec"]["holderIdentity"] == node.name, "the kubelet heartbeats through its own Lease"
 
     # The kubelet's serving certificate (rotate-server-certificates) for the machine's own
     # addresses: gpufleet's approver can judge it only where the provider reports them.
@@ -205,6 +207,18 @@ def joined(joining: RealJoining, provisioned, user_data: str, machine: Machine) 
     assert not [t for t in tokens["items"] if t["type"] == "bootstrap.kubernetes.io/token"
                 and base64.b64decode(t["data"]["token-id"]).decode() == token_id], \
         "the join token is deleted at registration"
+
+
+def node_lease(joining: RealJoining, name: str) -> dict:
+    """The node's heartbeat: its Lease in kube-node-lease, which its kubelet creates just after
+    registering and renews."""
+    def lease():
+        status, found = joining.real.request(
+            "GET", f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{name}", admin=True)
+        assert status in (200, 404), found
+        return found if status == 200 else None
+
+    return wait_for(lease, 20, f"{name}'s Lease")
 
 
 def test_gpufleets_token_group_is_not_auto_approved_while_kubeadms_still_is(one: RealJoining) -> None:
@@ -312,6 +326,7 @@ def test_a_joined_node_keeps_to_its_own_identity_and_runs_pods_on_its_gpus(one: 
     provisioned = one.provision()
     machine = one.machine(provisioned.machine.id).boot()
     node = one.await_registration(provisioned)
+    first_renewal = node_lease(one, node.name)["spec"]["renewTime"]
 
     cert = machine.client_pem
     for labels in ({LABEL_SITE: "another-site"}, {LABEL_PROVIDER: "aws"}):
@@ -353,6 +368,8 @@ def test_a_joined_node_keeps_to_its_own_identity_and_runs_pods_on_its_gpus(one: 
     got = wait_for(running, 60, "the pod Running on the machine's kubelet")
     assert got["spec"]["nodeName"] == node.name
     one.real.request("DELETE", f"/api/v1/namespaces/default/pods/{name}?gracePeriodSeconds=0", admin=True)
+    # Lease heartbeats: the kubelet renews its Lease every 10 s (a quarter of its 40 s duration).
+    wait_for(lambda: node_lease(one, node.name)["spec"]["renewTime"] != first_renewal, 25, "a renewed Lease")
 
 
 def test_a_machine_that_is_not_what_its_join_provisioned_is_refused_and_leaves_no_identity(
