@@ -9,14 +9,21 @@
 The venv is rebuilt only when pyproject.toml changes.
 """
 
-from __future__ import annotations
-
-import hashlib
-import os
-import subprocess
 import sys
-import venv
-from pathlib import Path
+
+# First, and in syntax any Python 3 parses: an older interpreter would otherwise fail later with a
+# traceback (a type hint, a pyproject.toml pip refuses). No `from __future__` import above it for
+# the same reason: Python 3.6 refuses `annotations` before this line could run.
+if sys.version_info < (3, 11):
+    sys.stderr.write("bootstrap.py: gpufleet needs Python 3.11 or newer; this is Python %d.%d (%s)\n"
+                     % (sys.version_info[0], sys.version_info[1], sys.executable or "python3"))
+    sys.exit(2)
+
+import hashlib  # noqa: E402 - after the version check
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import venv  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent
 VENV = Path(os.environ.get("GPUFLEET_VENV", ROOT / ".venv"))
@@ -52,6 +59,22 @@ SYSTEM_TOOLS = {
     # /usr/lib/postgresql/<v>/bin: this is postgresql-common's wrapper, which comes with it.
     "pg_ctlcluster": "postgresql",
 }
+#: What skips without each program (outside CI; in CI it fails instead): the tiers and files that
+#: drive it, as the message below names them. tests/test_tools.py keeps it in step with the tests'
+#: ``needs(...)``/``require(...)`` (tests/tools.py) and the real tiers' own checks.
+SKIPPED_WITHOUT = {
+    "prometheus": ["tests/test_observability.py"],
+    "promtool": ["tests/test_observability.py"],
+    "cloud-init": ["tests/test_bootstrap.py", "tests/test_node_install.py", "tests/providers/test_join_real.py",
+                   "tests/providers/test_own_dc_seed.py"],
+    "haproxy": ["tests/test_front_door.py", "tests/test_routing_entity.py", "tests/test_bench_smoke.py"],
+    "curl": ["tests/test_readme_http.py"],
+    "ip": ["the real Kubernetes tier (tests/realk8s)"],
+    "unshare": ["the real Kubernetes tier (tests/realk8s)"],
+    "pg_ctlcluster": ["the real Temporal tier (tests/realtemporal)"],
+    # Not a Debian package: built with the real Kubernetes tier (build_real_components).
+    "kubectl": ["tests/test_deploy.py", "tests/cluster/test_network.py", "tests/test_helm.py"],
+}
 SBIN = ("/usr/sbin", "/sbin")
 
 
@@ -84,9 +107,16 @@ def ensure_system_packages() -> None:
             missing = missing_tools()
     if not missing:
         return
-    message = (f"missing {', '.join(sorted(missing))} (Debian: apt-get install {' '.join(sorted(set(missing.values())))}):"
-               " the tests that drive them will skip")
-    if os.environ.get("CI") == "true":
+    skipped: dict[str, list[str]] = {}  # test file or tier -> the missing programs it needs
+    for tool in sorted(missing):
+        for tests in SKIPPED_WITHOUT.get(tool, ["the tests that drive it"]):
+            skipped.setdefault(tests, []).append(tool)
+    in_ci = os.environ.get("CI") == "true"
+    message = "\n".join(
+        [f"missing {', '.join(sorted(missing))} (Debian: apt-get install {' '.join(sorted(set(missing.values())))});"
+         f" these tests {'would' if in_ci else 'will'} skip:"]
+        + [f"  {tests} (needs {', '.join(tools)})" for tests, tools in sorted(skipped.items())])
+    if in_ci:
         raise SystemExit(f"CI runs every test: {message}")
     print(message, file=sys.stderr, flush=True)
 
@@ -114,7 +144,9 @@ def build_with_go(what: str, script: str, skips: str) -> None:
 def build_real_components() -> None:
     """Everything the real tiers run, from the Go module proxy, sharing Go's build and module
     caches: the Kubernetes control plane and machine harness, the Temporal server, helm."""
-    build_with_go("the real Kubernetes tier", "tests/realk8s/build.py", "the real Kubernetes tier (tests/realk8s)")
+    build_with_go("the real Kubernetes tier", "tests/realk8s/build.py",
+                  "the real Kubernetes tier (tests/realk8s) and, unless kubectl is on PATH, "
+                  + ", ".join(SKIPPED_WITHOUT["kubectl"]))
     build_with_go("the real Temporal tier", "tests/realtemporal/build.py", "the real Temporal tier (tests/realtemporal)")
     build_with_go("helm", "tests/helm/build.py", "the Helm chart's tests (tests/test_helm.py)")
 

@@ -14,7 +14,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes, Workfl
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities import metrics
-from activities.capacity import reports_account
+from activities.capacity import heartbeating, reports_account
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.ledger import record_join_async, record_retire
@@ -194,10 +194,15 @@ class ControlPlaneActivities:
 
     @activity.defn
     @typed_errors
-    def approve_node_csrs(self) -> CsrApproverResult:
-        """The same pass for the ``CsrApprover`` workflow (its Schedule runs it every half
-        minute): what it decided and why. Each decision is also a condition on its CSR."""
-        decisions = self.env.cluster.review_csrs(machine_addresses(self.env))
+    async def approve_node_csrs(self) -> CsrApproverResult:
+        """The same pass for the ``CsrApprover`` workflow (woken by its CSR watch): what it
+        decided and why. Each decision is also a condition on its CSR. The pass lists every CSR
+        and every machine of the fleet (provider calls): it runs in a thread and heartbeats
+        meanwhile when the workflow asks for it, so a lost worker's pass is retried within the
+        heartbeat timeout."""
+        env = self.env
+        decisions = await heartbeating(asyncio.to_thread(
+            lambda: env.cluster.review_csrs(machine_addresses(env))))
         for d in decisions:
             activity.logger.info("CSR %s from %s %s: %s", d.name, d.requester,
                                  "approved" if d.approve else "denied", d.reason)

@@ -10,6 +10,7 @@ import asyncio
 from temporalio import activity
 from temporalio.client import WithStartWorkflowOperation
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
@@ -129,7 +130,7 @@ class EvacuationActivities:
     @activity.defn
     @typed_errors
     def evacuation_facts(self, input: SiteRef) -> EvacuationFacts:
-        site = self.env.site(input.site)
+        site = self._known_site(input.site)
         cluster = self.env.cluster
         serving = cluster.list_serving()
         here = [s for s in serving if s.site == site.name]
@@ -141,6 +142,18 @@ class EvacuationActivities:
             site_routes=cluster.get_site_routes(), model_routes={m: cluster.get_routing(m) for m in models},
             nodes=self._nodes(site.name),
         )
+
+    def _known_site(self, name: str) -> Site:
+        """The site, or the evacuation's bad input: an unknown site is the caller's mistake (never
+        retried), named first so that the workflow's failure reads as it (the workflow raises this
+        message at its top)."""
+        try:
+            return self.env.config.site(name)
+        except KeyError:
+            known = [s.name for s in self.env.config.sites]
+            raise ApplicationError(f"site: unknown site {name!r}; known: {', '.join(known)}",
+                                   {"fields": ["site"], "known": known}, type="InvalidInput",
+                                   non_retryable=True) from None
 
     @activity.defn
     @typed_errors

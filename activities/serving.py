@@ -10,9 +10,12 @@ the one place to change when the Site entity takes this over.
 
 from __future__ import annotations
 
+import asyncio
+
 from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
+from activities.capacity import heartbeating
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.waiting import poll_until
@@ -97,8 +100,13 @@ class ServingActivities:
 
     @activity.defn
     @typed_errors
-    def probe_serving(self, input: ProbeServingInput) -> ProbeResult:
-        return self.prober.probe(input.model, input.site, input.requests, input.timeout_seconds)
+    async def probe_serving(self, input: ProbeServingInput) -> ProbeResult:
+        """The probe requests, one after another (each up to its timeout: minutes in all), in a
+        thread; heartbeating meanwhile when the rollout asks for it, so a lost worker's attempt is
+        retried within the heartbeat timeout."""
+        prober = self.prober
+        return await heartbeating(asyncio.to_thread(prober.probe, input.model, input.site, input.requests,
+                                                    input.timeout_seconds))
 
     @activity.defn
     @typed_errors

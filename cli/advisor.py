@@ -8,14 +8,40 @@ from typing import Annotated, Any, Optional
 import typer
 import yaml
 
-from cli.common import Address, ConfigPath, StateDir, console, fail, failure, fleet_client, run, settings, show_rows
+from cli.common import (
+    OUTPUT_FORMATS,
+    Address,
+    ConfigPath,
+    StateDir,
+    _check_output,
+    console,
+    err,
+    fail,
+    failure,
+    fleet_client,
+    piped_format,
+    run,
+    settings,
+    show_rows,
+)
 
-FORMATS = ("table", "json", "md")
+def _check_advisor_output(ctx: typer.Context, param: typer.CallbackParam, value: str | None):
+    """``-o`` as on every list (common's own check), and ``md``: the report as Markdown (a ticket, a PR)."""
+    if value == "md":
+        return value
+    if value is not None and value not in OUTPUT_FORMATS:
+        raise typer.BadParameter(f"must be one of {', '.join(OUTPUT_FORMATS)}, md, not {value!r}")
+    return _check_output(ctx, param, value)
 
 
 def advisor(
     since: Annotated[str, typer.Option(help="how far back: 36h, 7d, 2w")] = "7d",
-    format: Annotated[str, typer.Option("--format", "-f", help="table, json or md")] = "table",  # noqa: A002
+    output: Annotated[str, typer.Option(
+        "--output", "-o", callback=_check_advisor_output,
+        help="table (fits the terminal), wide (every column), json (the whole report: workloads, sites, "
+             "totals), tsv (one line per workload under a header; the default when piped), md (Markdown)")] = "table",
+    format: Annotated[Optional[str], typer.Option(  # noqa: A002 - the option's old name
+        "--format", "-f", help="deprecated: the old name of --output (table, json or md)")] = None,
     chart: Annotated[Optional[Path], typer.Option(help="also write a PNG of $/hour per site, now vs advised")] = None,
     constraints: Annotated[Optional[Path], typer.Option(
         help="YAML/JSON file: model -> its placement constraints (gpu or gpu_class, gpu_memory_gb_min, "
@@ -26,29 +52,27 @@ def advisor(
 ) -> None:
     """Each workload's GPU-hours and cost over the period against the cheapest placement that
     meets its constraints (spot priced net of risk and reclaims). Changes nothing."""
-    if format not in FORMATS:
-        fail(f"--format: must be one of {', '.join(FORMATS)}, not {format!r}", 2)
+    if format is not None:  # scripts written for --format keep working
+        if format not in ("table", "json", "md"):
+            fail(f"--format: must be one of table, json, md, not {format!r}", 2)
+        output = format
     if chart is not None and chart.suffix.lower() != ".png":
         fail(f"--chart: {chart} must name a .png file", 2)
     request: dict[str, Any] = {"since": since}
     if constraints is not None:
         request["constraints"] = _read_constraints(constraints)
     report = run(_advise(settings(address, state_dir, config), request))
-    if format == "json":
+    shown = output if output == "md" else piped_format(output)
+    if shown == "json":
         print(report.model_dump_json(indent=2), flush=True)
-    elif format == "md":
+    elif shown == "md":
         print(report.markdown, flush=True)
     else:
-        _table(report)
+        # An explicit -o tsv is the rows alone (the totals go to stderr); piped by default, as before.
+        _rows(report, output, totals_to=err if output == "tsv" else None)
     if chart is not None:
         write_chart(report, chart)
-        (console.print if format == "table" else _stderr)(f"chart: {chart}")
-
-
-def _stderr(text: str) -> None:
-    from cli.common import err
-
-    err.print(text)
+        (console.print if shown in ("table", "wide") else err.print)(f"chart: {chart}")
 
 
 def _read_constraints(path: Path) -> dict:
@@ -71,11 +95,11 @@ async def _advise(config, request: dict):
         handle = await fleet.start_advisor(request)
     except InvalidArgument as error:
         fail(str(error), 2)
-    from cli.common import err
     from cli.requests import ui_link
 
     # On stderr: stdout is the report (--format json/md pipe it on).
-    err.print(f"{handle.id}  UI: {ui_link(config, handle.id)}", markup=False, highlight=False)
+    link = ui_link(config, handle.id)
+    err.print(handle.id + (f"  UI: {link}" if link else ""), markup=False, highlight=False)
     try:
         return await handle.result()
     except WorkflowFailureError as error:
@@ -83,15 +107,19 @@ async def _advise(config, request: dict):
         fail(f"{handle.id}: {message}")
 
 
-def _table(report) -> None:
+def _rows(report, output: str, totals_to=None) -> None:
+    """One row per workload in ``output`` (table, wide, tsv), then the totals and the sites whose
+    offers could not be listed: on stdout, or on ``totals_to`` (a console) where stdout is rows only."""
     rows = [[w.model, w.site, f"{w.gpu_hours:,.1f}", f"{w.now:,.2f}", f"{w.advised:,.2f}", f"{w.saving:,.2f}",
              w.advised_offer or "-", w.note or (f"{len(w.rejected)} cheaper offers rejected" if w.rejected else "")]
             for w in report.workloads]
     show_rows(f"advisor: last {report.since}", ["model", "site", "GPU-h", "now $", "advised $", "saving $",
-                                                "advised offer", "note"], rows, "table", drop_narrow=("note", "advised offer"))
-    print(f"total: now ${report.now:,.2f}, advised ${report.advised:,.2f}, saving ${report.saving:,.2f}", flush=True)
+                                                "advised offer", "note"], rows, output, drop_narrow=("note", "advised offer"))
+    say = (lambda line: totals_to.print(line, markup=False, highlight=False)) if totals_to is not None \
+        else (lambda line: print(line, flush=True))
+    say(f"total: now ${report.now:,.2f}, advised ${report.advised:,.2f}, saving ${report.saving:,.2f}")
     for site, error in sorted(report.catalog_errors.items()):
-        print(f"not listed: {site}: {error}", flush=True)
+        say(f"not listed: {site}: {error}")
 
 
 def write_chart(report, path: Path) -> None:

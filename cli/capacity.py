@@ -284,3 +284,9 @@ def add_sim_commands(sim_app: typer.Typer) -> None:
             fail(f"no simulated machine named {node!r}", 2)
         world.post_reclaim_notice(machine["id"], seconds)
         console.print(f"{node}: reclaim notice, taken in {seconds:.0f}s")
+        # Unlike every other knob there is no undo line: a provider that reclaims takes the machine.
+        console.print(f"no undo: a spot reclaim cannot be undone, not even by `gpufleet sim reset`: the provider "
+                      f"takes {node}, and reclaim/{node} drains it and buys a replacement elsewhere",
+                      markup=False, highlight=False, soft_wrap=True)
+        console.print(f"instead, to try it on a node you can lose: gpufleet join --site {machine['site']}, "
+                      "then gpufleet sim reclaim <that new node>", markup=False, highlight=False, soft_wrap=True)

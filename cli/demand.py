@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from pathlib import Path
 from typing import Annotated, Optional
@@ -11,6 +12,7 @@ import typer
 
 from cli.common import Address, ConfigPath, OutputFormat, StateDir, console, connect, fail, fleet_env, run, show_rows
 from cli.common import settings as _settings
+from cli.requests import announce
 from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_MODEL, LABEL_SITE
 from fleet.demand import (
     DEMAND_TAINT_KEY,
@@ -24,6 +26,11 @@ from fleet.demand import (
 from fleet.messages.demand import DEMAND_WORKFLOW_ID, DemandStatus
 
 pods_app = typer.Typer(help="Pods with GPU requests in the simulated cluster (demand).", no_args_is_help=True)
+
+#: The label `gpufleet sim pods add` puts on its pods: `gpufleet sim reset` removes those and no
+#: others (a serving pod the fleet runs, a pod a test made, stays).
+SIM_ADDED_LABEL = "gpufleet.io/added-by"
+SIM_ADDED_BY = "gpufleet-sim-pods-add"
 
 
 def demand(
@@ -64,12 +71,28 @@ async def start_demand_loop(client, task_queue: str) -> None:
     )
 
 
+async def _start(client, settings) -> None:
+    """Start the loop unless it runs, and name it with its Temporal UI link like every command
+    that starts a workflow."""
+    from temporalio.client import WorkflowExecutionStatus
+    from temporalio.service import RPCError
+
+    try:
+        running = (await client.get_workflow_handle(DEMAND_WORKFLOW_ID).describe()).status \
+            == WorkflowExecutionStatus.RUNNING
+    except RPCError:  # never started, or its run is gone from retention
+        running = False
+    if not running:
+        await start_demand_loop(client, settings.task_queue)
+    announce(settings, DEMAND_WORKFLOW_ID, "already running" if running else "started")
+
+
 async def _status(settings, start: bool) -> DemandStatus:
     from temporalio.service import RPCError
 
     client = await connect(settings)
     if start:
-        await start_demand_loop(client, settings.task_queue)
+        await _start(client, settings)
     try:
         return await client.get_workflow_handle(DEMAND_WORKFLOW_ID).query("status", result_type=DemandStatus)
     except RPCError:
@@ -102,11 +125,24 @@ def pods_add(
         selector[LABEL_FLEET] = "true"
     tolerations = [Toleration(key=DEMAND_TAINT_KEY, operator="Exists", effect="NoSchedule")] if opt_in else []
     names = [name] if count == 1 else [f"{name}-{i}" for i in range(count)]
+    labels = {SIM_ADDED_LABEL: SIM_ADDED_BY, **({LABEL_MODEL: model} if model else {})}
     for pod_name in names:
         env.cluster.create_pod(GpuPod(namespace=namespace, name=pod_name, gpus=gpus, node_selector=selector,
-                                      labels={LABEL_MODEL: model} if model else {}, tolerations=tolerations,
-                                      created_at=time.time()))
+                                      labels=labels, tolerations=tolerations, created_at=time.time()))
     console.print(f"{len(names)} Pending pods, {gpus} GPU each" + (f", selecting {selector}" if selector else ""))
+    # Like every sim knob: the command that takes it back (the nodes bought for them go back once
+    # idle past the TTL). `gpufleet sim reset` removes every pod this command added.
+    undo = ["gpufleet", "sim", "pods", "delete", *names, *(["--namespace", namespace] if namespace != "default" else [])]
+    console.print(f"undo: {shlex.join(undo)}   (or gpufleet sim reset)", markup=False, highlight=False, soft_wrap=True)
+
+
+def remove_added_pods(env) -> list[str]:
+    """Delete every pod `gpufleet sim pods add` made (``gpufleet sim reset``); one line per pod."""
+    if env.world is None:
+        return []
+    added = [p for p in env.cluster.list_gpu_pods() if p.labels.get(SIM_ADDED_LABEL) == SIM_ADDED_BY]
+    return [f"{pod.key}: pod added by `gpufleet sim pods add` deleted" + (f" (it ran on {pod.node})" if pod.node else "")
+            for pod in added if env.cluster.delete_pod(pod.namespace, pod.name)]
 
 
 @pods_app.command("delete")

@@ -25,6 +25,7 @@ from typing import Callable
 from rich.console import Console
 
 from cli.demand import start_demand_loop
+from cli.requests import NO_UI, UI_URL_ENV, ui_base
 from fleet import search_attributes
 from fleet.schedules import apply_schedules
 from fleet.settings import Settings
@@ -391,6 +392,20 @@ def start_cluster(settings: Settings, port: int, http_port: int):
     return cluster
 
 
+def ui_url(temporal: str, ports: DevPorts) -> str:
+    """The stack's Temporal UI as ``GPUFLEET_UI_URL`` says it: the dev server's at ``ports.ui``;
+    ``none`` with ``--temporal cluster``, which runs no UI (a link there would lead nowhere)."""
+    return f"http://127.0.0.1:{ports.ui}" if temporal == "dev-server" else NO_UI
+
+
+def ui_export_line(settings: Settings, url: str) -> str | None:
+    """What another shell must export for right UI links, or None where the link it derives from
+    the frontend's address (port + 1000) already is the stack's UI."""
+    if url != NO_UI and ui_base(settings.address) == url:
+        return None
+    return f"  other shells:    export {UI_URL_ENV}={url}" + ("  (no UI: commands print no link)" if url == NO_UI else "")
+
+
 def cluster_lines(cluster) -> list[str]:
     """What ``--temporal cluster`` runs, for the "is up" block."""
     from cli.temporal_cluster import SERVICES, TEMPORAL_VERSION, history_shards, postgres_bin
@@ -567,6 +582,8 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
     for name in [n for n in os.environ if n == "TEMPORAL_API_KEY" or n.startswith(("TEMPORAL_TLS", "TEMPORAL_PROFILE", "TEMPORAL_CONFIG_FILE"))]:
         os.environ.pop(name)
     env = {**os.environ, **settings.env()}
+    # The children name workflows with links to the stack's own UI (its --ui-port, or none).
+    env[UI_URL_ENV] = ui_url(temporal, ports)
     logs = settings.state_dir / "logs"
     logs.mkdir(exist_ok=True)
     children: dict[str, Child] = {}
@@ -658,8 +675,11 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
             for line in cluster_lines(cluster):
                 console.print(line, markup=False, highlight=False)
         else:
-            console.print(f"  Temporal UI      http://127.0.0.1:{ports.ui}")
+            console.print(f"  Temporal UI      {env[UI_URL_ENV]}")
             console.print(f"  Temporal server  {settings.address}")
+        export = ui_export_line(settings, env[UI_URL_ENV])
+        if export is not None:
+            console.print(export, markup=False, highlight=False, soft_wrap=True)
         console.print(f"  node gateway     127.0.0.1:{ports.gateway}  (mutual TLS; CA {gateway_env['GPUFLEET_GATEWAY_CA']}; "
                       "every node agent through it, one key and certificate each)")
         for s3_port in s3:

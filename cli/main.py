@@ -15,6 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from cli import capacity as capacity_commands
+from cli.backup import backup_app
 from cli.cluster import cluster_app
 from cli.evacuate import evacuate_app
 from cli.common import (
@@ -39,6 +40,7 @@ from cli.config_check import stock_image_warnings
 from cli import demand as demand_commands
 from cli.advisor import advisor
 from cli.patches import patches
+from workers.node_gateway import cli as node_gateway_cli
 from cli.gameday import gameday_app
 from cli.repair import repair_app
 from cli.rollout import rollout_app
@@ -64,19 +66,15 @@ app.add_typer(repair_app, name="repair")
 app.add_typer(evacuate_app, name="evacuate")
 app.add_typer(gameday_app, name="gameday")
 app.add_typer(weights_app, name="weights")
+app.add_typer(backup_app, name="backup")
 demand_commands.register(app, sim_app)
 app.command("top")(top)
 app.command("advisor")(advisor)
 app.command("patches")(patches)
 
 
-@app.command("node-gateway", add_help_option=False,
-             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-def node_gateway(ctx: typer.Context) -> None:
-    """Run the node gateway (mutual TLS in front of Temporal; see ``workers/node_gateway.py``)."""
-    from workers.node_gateway import cli as gateway_cli  # grpc and cryptography load only here
-
-    gateway_cli(ctx)
+# grpc and cryptography load only when it runs (workers/node_gateway.py's main).
+app.command("node-gateway")(node_gateway_cli)
 
 
 # -- dev stack -------------------------------------------------------------------------------
@@ -261,6 +259,9 @@ async def _watch_joins(fleet, handles: list) -> int:
             return None
 
     pending = {h.id: asyncio.ensure_future(h.result()) for h in handles}
+    loop = asyncio.get_running_loop()
+    next_look: dict[str, float] = {}
+    waits: dict[str, list[str]] = {}
     try:
         with (live_view or _Plain()) as live:
             while pending:
@@ -280,9 +281,16 @@ async def _watch_joins(fleet, handles: list) -> int:
                             failures.append((handle.id, kind, message))
                     else:
                         try:
-                            states[handle.id] = (await fleet.join_progress(handle.id)).step
+                            step = (await fleet.join_progress(handle.id)).step
                         except Exception:  # noqa: BLE001 - a query can race the workflow's first task
-                            pass
+                            step = None
+                        if step is not None:
+                            # Why the step waits (a worker gone, a failed attempt): asked every
+                            # few seconds, not every refresh (a describe is a server call).
+                            if loop.time() >= next_look.get(handle.id, 0.0):
+                                next_look[handle.id] = loop.time() + WAIT_LOOK_SECONDS
+                                waits[handle.id] = await _activity_waits(handle)
+                            states[handle.id] = step + "".join(f"; {escape(w)}" for w in waits.get(handle.id, []))
                 live.update(render(states))
     finally:
         for task in pending.values():
@@ -290,6 +298,41 @@ async def _watch_joins(fleet, handles: list) -> int:
     for wid, _kind, message in failures:
         err.print(f"[red]{wid} failed:[/] {escape(message)}")
     return 1 if failures else 0
+
+
+#: How often a watched join's activities are described (cli/waits.py).
+WAIT_LOOK_SECONDS = 3.0
+
+
+async def _activity_waits(handle) -> list[str]:
+    from cli.waits import activity_waits
+
+    try:
+        return activity_waits((await handle.describe()).raw_description.pending_activities)
+    except Exception:  # noqa: BLE001 - the server busy or the run just ended: the next look says
+        return []
+
+
+@app.command()
+def reconcile(
+    site: Annotated[str, typer.Argument(help="site (as in sites.yaml)")],
+    address: Address = "localhost:7233",
+    state_dir: StateDir = Path(".gpufleet"),
+    config: ConfigPath = None,
+) -> None:
+    """Have a site's entity reconcile now: fill to its min_nodes, retire above its max_nodes. Says
+    what it will do (or why not now: an incident open, a fill running); the safety reconcile does
+    the same on its own."""
+    from client import InvalidArgument, NotFound, Rejected
+
+    fleet = fleet_client(settings(address, state_dir, config))
+    try:
+        answer = run(fleet.reconcile_site(site))
+    except InvalidArgument as error:
+        fail(str(error), 2)
+    except (Rejected, NotFound) as error:
+        fail(f"refused: {error}", 1)
+    console.print(f"{site}: {answer}", markup=False, highlight=False)
 
 
 # -- looking at the fleet --------------------------------------------------------------------
@@ -484,12 +527,15 @@ def sim_fault(
 
 @sim_app.command("reset")
 def sim_reset(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None) -> None:
-    """Every knob back to the config's defaults: each site's capacity, quota, latency and
-    reachability, every account's credentials, every injected GPU fault. Machines and nodes stay."""
+    """Every knob back to the config's defaults, and the pods `gpufleet sim pods add` made deleted.
+
+    The knobs: each site's capacity, quota, latency and reachability, every account's
+    credentials, every injected GPU fault. Machines and nodes stay."""
     env = fleet_env(state_dir, config)
     if env.world is None:
         fail("`gpufleet sim` needs a config in sim mode", 2)
     changes = env.world.reset(env.config)
+    pods = demand_commands.remove_added_pods(env)
     for change in changes:
         console.print(f"reset {change}", markup=False, highlight=False)
         if change.endswith(": credentials revoked -> valid"):
@@ -497,7 +543,12 @@ def sim_reset(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None
             # A call that failed meanwhile left its ProviderAccount waiting for a person.
             console.print(f"  if gpufleet called it meanwhile: gpufleet accounts credentials-rotated {account}",
                           markup=False, highlight=False)
-    console.print(f"{len(changes)} knob(s) reset" if changes else "nothing to reset: every knob is at its default")
+    for change in pods:
+        console.print(f"reset {change}", markup=False, highlight=False)
+    if not changes and not pods:
+        console.print("nothing to reset: every knob is at its default")
+        return
+    console.print(", ".join([f"{len(changes)} knob(s) reset"] + ([f"{len(pods)} pod(s) deleted"] if pods else [])))
 
 
 @sim_app.command("machines")

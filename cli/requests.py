@@ -26,8 +26,11 @@ T = TypeVar("T")
 #: Exit code of a command stopped by Ctrl-C (SIGINT), as a shell reports it.
 INTERRUPTED = 130
 #: The Temporal UI's base URL (e.g. ``https://temporal.example.com``); unset: derived from the
-#: frontend address (``ui_base``).
+#: frontend address (``ui_base``); ``none``: there is no UI, so no link is printed. ``gpufleet
+#: dev`` sets it for its children and prints it for other shells (its ``--ui-port``, or ``none``
+#: with ``--temporal cluster``, which runs no UI).
 UI_URL_ENV = "GPUFLEET_UI_URL"
+NO_UI = "none"
 
 
 # -- the Temporal UI --------------------------------------------------------------------------
@@ -45,17 +48,21 @@ def ui_base(address: str) -> str:
         return f"http://{address}"
 
 
-def ui_link(settings: Settings, workflow_id: str) -> str:
+def ui_link(settings: Settings, workflow_id: str) -> str | None:
     """The Temporal UI page of a workflow (its latest run): ``<ui>/namespaces/<ns>/workflows/<id>``,
-    the id one path segment (``join/site/x`` → ``join%2Fsite%2Fx``)."""
-    base = (os.environ.get(UI_URL_ENV) or ui_base(settings.address)).rstrip("/")
-    return f"{base}/namespaces/{quote(settings.namespace, safe='')}/workflows/{quote(workflow_id, safe='')}"
+    the id one path segment (``join/site/x`` → ``join%2Fsite%2Fx``); None where there is no UI."""
+    base = (os.environ.get(UI_URL_ENV) or "").strip() or ui_base(settings.address)
+    if base.lower() == NO_UI:
+        return None
+    return f"{base.rstrip('/')}/namespaces/{quote(settings.namespace, safe='')}/workflows/{quote(workflow_id, safe='')}"
 
 
 def announce(settings: Settings, workflow_id: str, what: str = "started") -> None:
     """``started <id>`` and, on its own line, the workflow's UI link (never wrapped: it stays clickable)."""
     console.print(f"{what} [bold]{escape(workflow_id)}[/]")
-    console.print(f"  UI: {ui_link(settings, workflow_id)}", markup=False, highlight=False, soft_wrap=True)
+    link = ui_link(settings, workflow_id)
+    if link is not None:
+        console.print(f"  UI: {link}", markup=False, highlight=False, soft_wrap=True)
 
 
 def detached(workflow_id: str, follow: str, stop: str) -> None:

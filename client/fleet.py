@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ValidationError
 from temporalio.client import (
     Client,
+    WithStartWorkflowOperation,
     WorkflowExecutionStatus,
     WorkflowFailureError,
     WorkflowHandle,
@@ -394,15 +395,33 @@ class FleetClient:
         return account_workflow_id(_text("provider", provider), account)
 
     # -- sites and evacuations -------------------------------------------------------------
-    async def reconcile_site(self, site: str) -> WorkflowHandle[Any, None]:
-        """Tell the Site entity to reconcile now, starting it if it is not running."""
+    async def reconcile_site(self, site: str) -> str:
+        """Tell the Site entity to reconcile now (its ``reconcile_now`` update), starting it if it
+        is not running; returns its answer: what the reconcile will do (fill, retire, nothing, or
+        why not now). A site the fleet config does not name is refused before anything is sent."""
         args = validate(SiteInput, {"site": _text("site", site)})
+        self._known_site(args.site)
         client = await self.temporal()
-        return await client.start_workflow(
+        start = WithStartWorkflowOperation(
             "Site", _payload(args), id=site_workflow_id(args.site), task_queue=self.settings.task_queue,
-            start_signal="reconcile", id_conflict_policy=USE_EXISTING,
-            static_summary=f"site {args.site}: min/max reconcile",
+            id_conflict_policy=USE_EXISTING, static_summary=f"site {args.site}: min/max reconcile",
         )
+        workflow_id = site_workflow_id(args.site)
+        try:
+            return await client.execute_update_with_start_workflow(
+                "reconcile_now", start_workflow_operation=start, result_type=str)
+        except WorkflowUpdateFailedError as error:
+            raise Rejected(workflow_id, "reconcile_now", str(error.cause)) from error
+        except RPCError as error:
+            raise _rpc(workflow_id, error, "reconcile_now") from None
+
+    def _known_site(self, site: str) -> None:
+        """:class:`InvalidArgument` naming ``site`` when the fleet config has no such site (no
+        config to check against: the workflow names it)."""
+        config = self.config()
+        if config is not None and site not in {s.name for s in config.sites}:
+            known = ", ".join(s.name for s in config.sites)
+            raise InvalidArgument([("site", f"unknown site {site!r}; known: {known}")])
 
     async def site_status(self, site: str) -> SiteStatus:
         return await self._query(site_workflow_id(_text("site", site)), "status", SiteStatus)
@@ -411,9 +430,11 @@ class FleetClient:
                             request_id: str) -> WorkflowHandle[Any, EvacuationResult]:
         """Evacuate a site by hand: SiteEvacuation ``evacuate/<site>/manual-<request_id>``.
 
-        The Site entity does not know about it: its own incident rule still runs."""
+        The Site entity does not know about it: its own incident rule still runs. A site the
+        fleet config does not name is refused before anything starts."""
         args = validate(SiteEvacuationInput, request)
         _text("request_id", request_id)
+        self._known_site(args.site)
         client = await self.temporal()
         return await client.start_workflow(
             "SiteEvacuation", _payload(args), id=manual_evacuation_id(args.site, request_id),

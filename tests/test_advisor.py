@@ -212,3 +212,46 @@ def test_ledger_keys_fit_a_configmap_and_spill(cluster: SimCluster, monkeypatch:
     assert len(objects) > 1 and all(sum(len(k) + len(v) for k, v in d.items()) <= 1200 for d in objects.values())
     assert sorted(e.machine_id for e in ledger.entries()) == sorted(f"m{n}" for n in range(12))
     assert next(e for e in ledger.entries() if e.machine_id == "m3").joined_at == START + 3
+
+
+def test_the_cli_prints_the_report_as_every_list_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpufleet advisor -o table|wide|json|tsv` like every other list, and `-o md` for the
+    Markdown report; the old `--format` keeps working. The report is the hand-computed fleet's."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli import advisor as advisor_cli
+    from cli.main import app
+
+    computed = report()
+
+    async def advise_here(config, request):
+        return computed
+
+    monkeypatch.setattr(advisor_cli, "_advise", advise_here)
+    runner = CliRunner()
+
+    def shown(*args: str):
+        done = runner.invoke(app, ["advisor", *args], env={"COLUMNS": "80"})
+        assert done.exit_code == 0, done.output
+        return done
+
+    header = "model\tsite\tGPU-h\tnow $\tadvised $\tsaving $\tadvised offer\tnote"
+    tsv = shown("-o", "tsv")
+    lines = tsv.stdout.splitlines()
+    assert lines[0] == header and len(lines) == 1 + len(computed.workloads), tsv.stdout
+    assert any(line.startswith("chat\tus-od\t80.0\t240.00\t200.00\t40.00\teu-od/eu-od-8x\t") for line in lines), lines
+    assert "total: now $716.00, advised $440.00, saving $276.00" in tsv.stderr
+    rows = json.loads(shown("-o", "json").stdout)
+    assert rows["workloads"][0]["model"] and (rows["now"], rows["saving"]) == (716.0, 276.0)
+    wide = shown("-o", "wide").stdout
+    assert "advised offer" in wide and "eu-od/eu-od-8x" in wide and "total: now $716.00" in wide
+    table = shown("-o", "table").stdout
+    assert max(len(line) for line in table.splitlines()) <= 80, table
+    assert shown("-o", "md").stdout.startswith("**Advisor, last")
+    assert shown("--format", "md").stdout == shown("-o", "md").stdout
+    assert json.loads(shown("--format", "json").stdout) == rows
+    bad = runner.invoke(app, ["advisor", "-o", "xml"])
+    said = " ".join(bad.output.replace("│", " ").split())  # rich boxes and wraps the error
+    assert bad.exit_code == 2 and "must be one of table, wide, json, tsv, md, not 'xml'" in said, bad.output

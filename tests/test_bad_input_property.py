@@ -200,14 +200,23 @@ async def test_bad_signals_are_dropped_and_bad_updates_refused(idle_fleet: Stack
                 await handle.signal(target.name, args=[raw(a) for a in args])
                 await processed(handle, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
             elif target.params:
+                # Refused as bad input whatever the entity's state: non-retryable ``InvalidInput``
+                # naming the field, never a retryable ``ValueError`` or the SDK's "Failed decoding
+                # arguments" (an undecodable payload included).
                 with pytest.raises(WorkflowUpdateFailedError) as caught:
                     await asyncio.wait_for(handle.execute_update(target.name, args=[raw(a) for a in args]), 15)
-                assert isinstance(caught.value.cause, ApplicationError), what
+                cause = caught.value.cause
+                assert isinstance(cause, ApplicationError), what
+                assert cause.type == "InvalidInput" and cause.non_retryable, f"{what}: {cause.type}: {cause.message}"
+                assert "Failed decoding" not in cause.message, what
             else:
                 # A handler without parameters never sees arguments (the SDK drops them): whether
-                # its validator accepts depends on the state; either way nothing may wedge.
+                # its validator accepts depends on the state; a refusal is then the state's, typed
+                # and non-retryable (``WrongState``), never a retryable ``ValueError``.
                 try:
                     await asyncio.wait_for(handle.execute_update(target.name, args=[raw(a) for a in args]), 15)
-                except WorkflowUpdateFailedError:
-                    pass
+                except WorkflowUpdateFailedError as error:
+                    cause = error.cause
+                    assert isinstance(cause, ApplicationError) and cause.non_retryable, f"{what}: {cause}"
+                    assert cause.type in ("InvalidInput", "WrongState"), f"{what}: {cause.type}: {cause.message}"
             await still_well(handle, what)

@@ -113,3 +113,16 @@ async def test_the_temporal_cli_starts_a_join_with_plain_json(stack: Stack) -> N
             break
         await asyncio.sleep(0.1)
     assert "join/site-b/from-cli" in listed.stdout, listed.stderr
+
+
+async def test_reconcile_says_what_the_site_will_do_and_refuses_an_unknown_site(stack: Stack) -> None:
+    """`gpufleet reconcile SITE`: the Site entity's ``reconcile_now`` update (started if need be),
+    answered with what the reconcile will do; an unknown site is refused before anything is sent."""
+    unknown = await gpufleet(stack, "reconcile", "atlantis")
+    assert unknown.returncode == 2 and "atlantis" in unknown.stderr, unknown.stderr
+    assert not [w async for w in stack.client.list_workflows('WorkflowId = "site/atlantis"')]
+    done = await gpufleet(stack, "reconcile", "site-a")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("site-a: ") and len(done.stdout.strip()) > len("site-a: "), done.stdout
+    described = await stack.client.get_workflow_handle("site/site-a").describe()
+    assert described.workflow_type == "Site"

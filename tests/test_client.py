@@ -158,9 +158,12 @@ async def inc(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterato
 async def test_site_entity_and_an_evacuation_by_hand(inc: IncStack) -> None:
     fleet = FleetClient(inc.settings, inc.client)
     a = inc.site("a")
-    site = await fleet.reconcile_site(a)
-    assert site.id == f"site/{a}"
-    assert (await fleet.reconcile_site(a)).run_id == site.run_id
+    # The entity starts with the update form of ``reconcile``, which answers with what it will do.
+    assert (await fleet.reconcile_site(a)).startswith(f"{a}: ")
+    site = inc.client.get_workflow_handle(f"site/{a}")
+    run_id = (await site.describe()).run_id
+    assert (await fleet.reconcile_site(a)).startswith(f"{a}: ")
+    assert (await site.describe()).run_id == run_id, "a second call reaches the running entity"
     status = await poll(lambda: fleet.site_status(a), timeout=20)
     assert isinstance(status, SiteStatus) and status.site == a
     await site.terminate("the evacuation below is by hand")
@@ -169,6 +172,10 @@ async def test_site_entity_and_an_evacuation_by_hand(inc: IncStack) -> None:
         await fleet.evacuate_site({"site": a, "reason": "test", "colour": "red"}, request_id="t1")
     assert refused.value.field == "colour"
     assert await never_started(inc.client, f"evacuate/{a}/manual-t1")
+    with pytest.raises(InvalidArgument) as refused:  # as the CLI does: not started at all
+        await fleet.evacuate_site({"site": "mars-1", "reason": "test"}, request_id="t2")
+    assert refused.value.field == "site" and "unknown site 'mars-1'" in str(refused.value)
+    assert await never_started(inc.client, "evacuate/mars-1/manual-t2")
     with pytest.raises(NotFound):
         await fleet.declare_site_recovered(a)
 

@@ -91,9 +91,12 @@ def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
     front_door = "front door       http" in (tmp_path / "dev1.log").read_text()
     assert len(children) == 4 + front_door, "temporal server, control-plane worker, node gateway, node-agent host[, front door]"
     assert f"http://127.0.0.1:{ui_port}" in (tmp_path / "dev1.log").read_text()
+    # A --ui-port that is not --port + 1000: other shells are told the UI's URL, the children know it.
+    assert f"export GPUFLEET_UI_URL=http://127.0.0.1:{ui_port}" in (tmp_path / "dev1.log").read_text()
     # The simulated machines yield the CPU to the control plane they share it with.
     host = next(pid for pid in children if "workers.node_agent" in command_of(pid))
     worker = next(pid for pid in children if "workers.control_plane" in command_of(pid))
+    assert f"GPUFLEET_UI_URL=http://127.0.0.1:{ui_port}".encode() in Path(f"/proc/{worker}/environ").read_bytes().split(b"\0")
     deadline = time.monotonic() + 60  # the host lowers its own priority once it has started
     while nice_of(host) != nice_of(worker) + SIM_HOST_NICE:
         assert time.monotonic() < deadline, f"node host at nice {nice_of(host)}, worker at {nice_of(worker)}"

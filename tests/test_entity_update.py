@@ -18,7 +18,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.workflow import _Definition
 
-from client import FleetClient
+from client import FleetClient, InvalidArgument
 from fleet.messages.entity_update import KINDS, EntityUpdateInput, EntityUpdateResult, UpdateName
 from fleet.models import AccountState
 from tests.bad_input_helpers import invalid_input, task_failures
@@ -28,7 +28,10 @@ from workflows import ALL_WORKFLOWS
 
 
 @pytest.mark.parametrize("raw, field, words", [
-    ({"entity": "site/lambda-us-east", "update": "hold"}, "entity", "repair/<node>/gpu<index>"),
+    ({"entity": "node/lambda-us-east-1", "update": "hold"}, "entity", "repair/<node>/gpu<index>"),
+    ({"entity": "site/lambda-us-east", "update": "hold"}, "update", "a Site entity takes only reconcile_now"),
+    ({"entity": "site/lambda-us-east", "update": "admit_repair"}, "update", "Input should be"),
+    ({"entity": "site/lambda-us-east", "update": "reconcile_now", "args": {"now": True}}, "args.now", "Extra"),
     ({"entity": "repair/n1/gpu0/x", "update": "hold"}, "entity", "not an entity id"),
     ({"entity": "account/lambda/a", "update": "hold"}, "update", "quota_raised, credentials_rotated"),
     ({"entity": "account/lambda/a", "update": "terminate"}, "update", "Input should be"),
@@ -60,6 +63,7 @@ def test_arguments_travel_as_the_entity_handler_takes_them() -> None:
     assert wire({"entity": "repair/n1/gpu3", "update": "skip_to", "args": {"rung": "reboot"}}) == [{"rung": "reboot"}]
     assert wire({"entity": "rollout/m/v1", "update": "abort", "args": {"reason": "bad canary"}}) == ["bad canary"]
     assert wire({"entity": "evacuate/s1/manual-7", "update": "declare_recovered"}) == [""]
+    assert wire({"entity": "site/s1", "update": "reconcile_now"}) == []
 
 
 def test_the_allow_list_names_real_updates_of_real_workflows() -> None:
@@ -140,7 +144,41 @@ async def test_relay_raises_a_quota_and_reports_refusals(cap: CapStack) -> None:
 
 
 async def test_a_bad_request_fails_before_anything_is_sent(cap: CapStack) -> None:
-    handle = await relay(cap, {"entity": "site/" + cap.site("cheap"), "update": "quota_raised"}, "bad")
+    handle = await relay(cap, {"entity": "node/" + cap.site("cheap"), "update": "quota_raised"}, "bad")
     await invalid_input(handle, "entity")
     history = await handle.fetch_history()
     assert not [e for e in history.events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+
+
+async def test_a_site_reconciles_on_the_update_and_says_what_it_will_do(cap: CapStack) -> None:
+    """The operator's ``reconcile`` has an update form, ``reconcile_now``, that answers; the client
+    and the relay send it (the signal, from code and batch operations, still works)."""
+    fleet = FleetClient(cap.settings, cap.client)
+    site = cap.site("cheap")
+    first = await fleet.reconcile_site(site)  # starts the entity (update-with-start)
+    assert first.startswith(f"{site}: "), first
+    answer = first
+    for _ in range(100):  # once it has read its min/max, it says what the reconcile will do
+        if "counting its nodes now" in answer:
+            break
+        await asyncio.sleep(0.1)
+        answer = await fleet.reconcile_site(site)
+    assert answer == (f"{site}: counting its nodes now (0 known, min 0, max 8); within min/max: nothing to change "
+                      "unless the count differs"), answer
+
+    relayed = await relay(cap, {"entity": f"site/{site}", "update": "reconcile_now"}, "reconcile")
+    result = EntityUpdateResult.model_validate(await relayed.result(rpc_timeout=None))
+    assert (result.entity, result.update, result.workflow_type) == (f"site/{site}", "reconcile_now", "Site")
+    assert result.result.startswith(f"{site}: counting its nodes now"), result.result
+
+    entity = cap.client.get_workflow_handle(f"site/{site}")
+    await entity.signal("reconcile")  # what code and the README's batch operation send
+    events = (await entity.fetch_history()).events
+    updates = [e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name
+               for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED]
+    assert updates and set(updates) == {"reconcile_now"}, updates
+    assert await task_failures(entity) == 0
+
+    with pytest.raises(InvalidArgument) as unknown:
+        await fleet.reconcile_site("mars-1")
+    assert unknown.value.field == "site" and "unknown site 'mars-1'" in str(unknown.value)

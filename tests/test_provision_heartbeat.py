@@ -31,6 +31,7 @@ from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
+from cli.waits import activity_waits
 from fleet.messages.join import NodeJoinResult
 from tests.conftest import Stack, run_node_host, wait_for
 
@@ -137,6 +138,18 @@ async def test_kill_9_of_the_worker_mid_provision_recovers_within_two_minutes(no
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
         stack.world.set_site("site-a", api_latency_ms=0)
+        # What `gpufleet join` shows meanwhile (cli/waits.py): the attempt timed out on its
+        # heartbeat and, no worker taking the retry, says so, with the queue to look at.
+        async def said() -> str:
+            lines = activity_waits((await handle.describe()).raw_description.pending_activities)
+            return "; ".join(lines)
+
+        deadline = time.monotonic() + 90
+        while "no worker has taken it" not in (shown := await said()):
+            assert time.monotonic() < deadline, f"no wait said about the lost worker: {shown!r}"
+            await asyncio.sleep(1)
+        assert "provision_joining_machine failed (attempt 1)" in shown and "Heartbeat timeout" in shown, shown
+        assert f"is one polling {stack.settings.task_queue}?" in shown, shown
         second = worker(stack, tmp_path / "worker-2.log")
         returned = time.monotonic()
         result = NodeJoinResult.model_validate(await asyncio.wait_for(handle.result(), 150))

@@ -37,6 +37,8 @@ EXPECTED = {
     "site_evacuation_continued_as_new_routed", "site_evacuation_restored_after_continue_as_new_routed",
     "site_evacuation_continued_as_new_placing_routed", "site_evacuation_aborted_after_continue_as_new_routed",
     "routing_events_and_samples",
+    # The Routing entity on its watch, no timer (issue 37: ``routing-events``).
+    "routing_events_and_samples_on_watch",
     "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
     # The HTTP relay of an operator update (tests/test_entity_update.py).
     "entity_update_quota_raised", "entity_update_rejected",

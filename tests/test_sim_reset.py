@@ -99,3 +99,58 @@ async def test_sim_reset_puts_every_knob_back_to_the_config(fleet_world: Stack) 
     assert stack.world.machine_by_name(node) is not None, "machines stay"
     again = await gpufleet(stack, "sim", "reset")
     assert again.stdout.strip() == "nothing to reset: every knob is at its default", again.stdout
+
+
+def test_sim_reset_deletes_the_pods_sim_pods_add_made_and_no_others(tmp_path) -> None:
+    """The tour's demand goes with the rest of the tour: `gpufleet sim reset` deletes every pod
+    `gpufleet sim pods add` made (Pending or bound), and leaves a pod it did not make."""
+    from typer.testing import CliRunner
+
+    from activities.env import FleetEnv
+    from cli.main import app
+    from fleet.demand import GpuPod
+    from fleet.settings import Settings
+    from tests.conftest import write_fleet
+
+    config = write_fleet(tmp_path)
+    common = ["--state-dir", str(tmp_path), "--config", str(config)]
+    runner = CliRunner()
+    for args in (["llm", "--count", "2", "--gpus", "2"], ["batch", "--namespace", "jobs", "--no-opt-in"]):
+        assert runner.invoke(app, ["sim", "pods", "add", *args, *common]).exit_code == 0
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path, config=str(config)))
+    env.cluster.create_pod(GpuPod(namespace="default", name="someone-elses", gpus=1))
+    assert runner.invoke(app, ["sim", "capacity", "site-a", "0", *common]).exit_code == 0
+
+    done = runner.invoke(app, ["sim", "reset", *common])
+    assert done.exit_code == 0, done.output
+    said = done.output.splitlines()
+    for pod in ("default/llm-0", "default/llm-1", "jobs/batch"):
+        assert f"reset {pod}: pod added by `gpufleet sim pods add` deleted" in said, done.output
+    assert said[-1] == "1 knob(s) reset, 3 pod(s) deleted", done.output
+    assert [p.key for p in env.cluster.list_gpu_pods()] == ["default/someone-elses"]
+    again = runner.invoke(app, ["sim", "reset", *common])
+    assert again.output.strip() == "nothing to reset: every knob is at its default", again.output
+
+
+def test_sim_reclaim_says_it_cannot_be_undone_and_what_to_do_instead(tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from activities.env import FleetEnv
+    from cli.main import app
+    from fleet.settings import Settings
+    from tests.conftest import write_fleet
+
+    config = write_fleet(tmp_path)
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path, config=str(config)))
+    site = env.config.site("site-a")
+    provider = SimProvider(site, env.config.account(site.account), env.world)
+    machine = provider.create_machine(MachineSpec(name="site-a-spot", site="site-a", region=site.region,
+                                                  instance_type=site.instance_type, gpu=site.gpu, gpus=1), "key-r")
+    done = CliRunner().invoke(app, ["sim", "reclaim", machine.name, "--seconds", "60",
+                                    "--state-dir", str(tmp_path), "--config", str(config)])
+    assert done.exit_code == 0, done.output
+    lines = done.output.splitlines()
+    assert not [line for line in lines if line.startswith("undo: ")], "no command undoes a reclaim"
+    assert any(line.startswith("no undo: a spot reclaim cannot be undone") for line in lines), done.output
+    assert "instead, to try it on a node you can lose: gpufleet join --site site-a, then gpufleet sim reclaim" \
+        in done.output, done.output

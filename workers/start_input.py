@@ -1,4 +1,4 @@
-"""Undecodable start arguments become a marker the input guard fails the workflow on.
+"""Undecodable start (and update) arguments become a marker the input guard refuses.
 
 The SDK decodes a workflow's start arguments before any interceptor runs, and a
 payload it cannot decode at all (JSON the data converter's parser refuses, such
@@ -68,6 +68,11 @@ class _StartInputInstance(WorkflowInstance):
         for job in act.jobs:
             if job.HasField("initialize_workflow"):
                 self._swap_undecodable(job.initialize_workflow.arguments)
+            elif job.HasField("do_update"):
+                # The same for an update's arguments: the SDK would refuse it as "Failed decoding
+                # arguments" (a retryable RuntimeError naming nothing); the guard refuses it as
+                # InvalidInput. A refused update leaves no event, so replay never meets one.
+                self._swap_undecodable(job.do_update.input)
         return self._inner.activate(act)
 
     def _swap_undecodable(self, arguments) -> None:

@@ -47,6 +47,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.models import AccountState
     from workflows.inputs import invalid_input, parse_input, parse_signal
+    from workflows.refusals import wrong_state
     from workflows.steps import QUICK, STORE_RETRY, failure_message, show_details
 
 #: The credential check: one attempt per person's request (a wrong key is not transient).
@@ -110,10 +111,14 @@ class ProviderAccount:
             raise invalid_input("all: either offers or all, not both", ["all"])
         status = self._status
         if status is None or not status.blocked_offers:
-            raise ValueError(f"account {status.account if status else '?'} has no quota-blocked offer")
+            # The account's state, not the input: nothing is blocked now.
+            raise wrong_state(f"account {status.account if status else '?'} has no quota-blocked offer",
+                              status.state.value if status else "starting")
         unknown = [o for o in request.offers if o not in status.blocked_offers]
         if unknown:
-            raise ValueError(f"not blocked: {', '.join(unknown)}; blocked: {', '.join(status.blocked_offers)}")
+            # The input: offers that are not blocked here (a typo, or another account's).
+            raise invalid_input(f"offers: not blocked: {', '.join(unknown)}; blocked: {', '.join(status.blocked_offers)}",
+                                ["offers"])
 
     @workflow.update
     async def credentials_rotated(self) -> AccountStatus:
@@ -153,7 +158,8 @@ class ProviderAccount:
     @credentials_rotated.validator
     def _check_rotated(self) -> None:
         if self._status is None or self._status.state != AccountState.CREDENTIALS_REVOKED:
-            raise ValueError("credentials are not revoked")
+            raise wrong_state("credentials are not revoked: nothing to rotate",
+                              self._status.state.value if self._status else "starting")
 
     # -- the entity loop ------------------------------------------------------------------
     @workflow.run

@@ -30,7 +30,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.csr import CsrApproverInput, CsrApproverResult
     from fleet.messages.watches import CsrWatchInput, CsrWatchResult
     from workflows.inputs import parse_input
-    from workflows.steps import CLUSTER_RETRY, show_details
+    from workflows.steps import CLUSTER_RETRY, WAIT_HEARTBEAT, show_details
 
 #: Workflow patch: after its pass the run watches for new CSRs (before: one pass per Schedule run).
 CSR_WATCH_PATCH = "csr-watch"
@@ -85,7 +85,9 @@ class CsrApprover:
     async def _pass(self, summary: str) -> CsrApproverResult:
         result: CsrApproverResult = await workflow.execute_activity(
             "approve_node_csrs", result_type=CsrApproverResult, start_to_close_timeout=timedelta(minutes=2),
-            retry_policy=CLUSTER_RETRY, summary=summary,
+            # A pass asks the provider for each node's machine: it heartbeats while it works, so a
+            # lost worker's pass is retried within a minute, not at the start-to-close timeout.
+            heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY, summary=summary,
         )
         self._approved += result.approved
         self._denied += result.denied

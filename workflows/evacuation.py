@@ -43,7 +43,7 @@ from typing import Any
 from pydantic import ValidationError
 from temporalio import workflow
 from temporalio.common import RawValue
-from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, FailureError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -81,11 +81,13 @@ with workflow.unsafe.imports_passed_through():
         UncordonInput,
     )
     from workflows.inputs import check_text, describe, first_problem, parse_input
+    from workflows.refusals import wrong_state
     from workflows.steps import (
         CLUSTER_RETRY,
         PROVIDER_RETRY,
         QUICK,
         SMOKE_RETRY,
+        WAIT_HEARTBEAT,
         drain_and_retire,
         drain_node,
         failure_message,
@@ -153,8 +155,7 @@ class SiteEvacuation:
     @declare_recovered.validator
     def _validate_recovered(self, note: Any = "") -> None:
         check_text("note", note)
-        if self._progress is None or self._progress.state in ("restored", "aborted"):
-            raise ValueError("the evacuation is not running")
+        self._require_running()
 
     @workflow.update
     def abort(self, reason: Any = "") -> EvacuationProgress:
@@ -168,8 +169,7 @@ class SiteEvacuation:
     @abort.validator
     def _validate_abort(self, reason: Any = "") -> None:
         check_text("reason", reason)
-        if self._progress is None or self._progress.state in ("restored", "aborted"):
-            raise ValueError("the evacuation is not running")
+        self._require_running()
 
     @workflow.signal
     def retry(self) -> None:
@@ -189,8 +189,14 @@ class SiteEvacuation:
 
     @look_again.validator
     def _validate_look_again(self) -> None:
-        if self._progress is None or self._progress.state in ("restored", "aborted"):
-            raise ValueError("the evacuation is not running")
+        self._require_running()
+
+    def _require_running(self) -> None:
+        """The evacuation's state, not the input, refuses: it has not started or has ended."""
+        if self._progress is None:
+            raise wrong_state("the evacuation is still starting", "starting")
+        if self._progress.state in ("restored", "aborted"):
+            raise wrong_state(f"the evacuation is not running (it has {self._progress.state})", self._progress.state)
 
     @workflow.query
     def progress(self) -> EvacuationProgress:
@@ -286,6 +292,15 @@ class SiteEvacuation:
                 why = "cancelled" if isinstance(error, asyncio.CancelledError) else f"failed: {failure_text(error)}"
                 await self._undo(why)
                 self._mark("ended", why)
+            if isinstance(error, (ActivityError, ChildWorkflowError)):
+                # The root cause at the top ("site: unknown site 'x'", InvalidInput), not "Activity task
+                # failed": what a person reads first in the UI, the CLI and the HTTP API. The step's
+                # failure stays below it as the cause.
+                root = error
+                while isinstance(root, (ActivityError, ChildWorkflowError)) and root.cause is not None:
+                    root = root.cause
+                message = root.message if isinstance(root, FailureError) else str(root)  # without "Type: "
+                raise ApplicationError(message, type=failure_type(error), non_retryable=True) from error
             raise
         return EvacuationResult(site=site, outcome=outcome, timeline=self._progress.timeline,
                                 held=self._progress.held)
@@ -567,7 +582,7 @@ class SiteEvacuation:
                     why = await self._smoke_checked(name, gpus)
                 else:
                     result = await smoke_test_node(name, gpus, timeout_seconds=s.smoke_test_seconds,
-                                                   summary=f"smoke test {name}")
+                                                   summary=f"smoke test {name}", heartbeat=WAIT_HEARTBEAT)
                     why = "" if result.passed else "; ".join(result.failures)
                 if why:
                     failures.append(f"{name}: {why}")
@@ -603,7 +618,9 @@ class SiteEvacuation:
             "smoke_test", SmokeTestInput(expected_gpus=gpus), result_type=RawValue, task_queue=node_queue(name),
             schedule_to_close_timeout=timedelta(seconds=s.smoke_test_seconds),
             start_to_close_timeout=timedelta(seconds=min(s.smoke_test_seconds, 300)), retry_policy=SMOKE_RETRY,
-            summary=f"smoke test {name}",
+            # The agent heartbeats per GPU checked: a node lost mid-test is retried within a minute,
+            # not at the start-to-close timeout (up to 5 minutes).
+            heartbeat_timeout=WAIT_HEARTBEAT, summary=f"smoke test {name}",
         )
         try:
             value = workflow.payload_converter().from_payload(answer.payload)

@@ -55,7 +55,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.naming import reclaim_workflow_id
     from fleet.settings import node_queue
     from workflows.inputs import describe, first_problem, parse_input, parse_signal
-    from workflows.steps import CLUSTER_RETRY, QUICK, failure_message, show_details
+    from workflows.steps import CLUSTER_RETRY, QUICK, count_bad_report, failure_message, show_details
     from workflows.repair import repair_workflow_id
     from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
     from fleet.messages.watches import ClusterNodeState
@@ -399,6 +399,8 @@ class NodeEntity:
         carry = self._carry
         carry.bad_reports += 1
         carry.bad_reports_in_a_row += 1
+        # The metric (no command: replay records nothing); the node is named in the log and details.
+        count_bad_report("watch", site=self._facts.site if self._facts else self._joined_site)
         self._last_bad_report = problem
         self._log(f"bad report from {self._node} ({carry.bad_reports_in_a_row} in a row): {problem}", warn=True)
         self._show(f"bad report from {self._node}: {problem}")

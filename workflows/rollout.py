@@ -62,7 +62,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.routing import SiteEvent, SiteEventInput
     from fleet.weights_pull import WeightsPull
     from workflows.inputs import check_text, parse_input
-    from workflows.steps import CLUSTER_RETRY, QUICK, failure_text, show_details, wait_for_serving
+    from workflows.refusals import wrong_state
+    from workflows.steps import CLUSTER_RETRY, QUICK, WAIT_HEARTBEAT, failure_text, show_details, wait_for_serving
 
 #: Copying weights: many files over a slow link, so more attempts than a plain provider call;
 #: a checksum mismatch is the source's fault and never passes on a retry.
@@ -100,12 +101,13 @@ class ModelRollout:
         return self._p
 
     def _accepting(self) -> None:
+        """The rollout's state, not the input, refuses an operator's update (``WrongState``)."""
         if self._p is None:
-            raise ValueError("the rollout is still starting")
+            raise wrong_state("the rollout is still starting", "starting")
         if self._finished:
-            raise ValueError(f"the rollout has finished ({self._p.phase})")
+            raise wrong_state(f"the rollout has finished ({self._p.phase})", self._p.phase)
         if self._abort:
-            raise ValueError("the rollout is being aborted")
+            raise wrong_state("the rollout is being aborted", "aborting")
 
     @workflow.update
     async def pause(self, reason: Any = "") -> RolloutProgress:
@@ -120,7 +122,7 @@ class ModelRollout:
         check_text("reason", reason)
         self._accepting()
         if self._paused:
-            raise ValueError("already paused")
+            raise wrong_state("already paused", "paused")
 
     @workflow.update
     async def resume(self, reason: Any = "") -> RolloutProgress:
@@ -135,7 +137,7 @@ class ModelRollout:
         check_text("reason", reason)
         self._accepting()
         if not self._paused:
-            raise ValueError("not paused")
+            raise wrong_state("not paused", self._p.phase)
 
     @workflow.update
     async def abort(self, reason: Any = "") -> RolloutProgress:
@@ -438,6 +440,8 @@ class ModelRollout:
                                   timeout_seconds=gate.probe_timeout_seconds),
                 result_type=ProbeResult,
                 start_to_close_timeout=timedelta(seconds=gate.probe_timeout_seconds * gate.probe_requests + 60),
+                # The probes can take minutes: a worker lost meanwhile is retried within a minute.
+                heartbeat_timeout=WAIT_HEARTBEAT,
                 retry_policy=CLUSTER_RETRY, summary=f"{gate.probe_requests} probe requests to {site}",
             )
         verdict = evaluate_gate(gate, True, probe)

@@ -2,7 +2,8 @@
 
 Min/max come from the fleet config. Node workflows tell it their transitions
 (``node_transition``); the reconcile sweep (a Schedule) and a timer send
-``reconcile``. A joined node ("ready") is counted from its transition and
+``reconcile``; a person sends ``reconcile_now`` (an update: it answers with what the
+reconcile will do). A joined node ("ready") is counted from its transition and
 reconciles only when the count passes the max (patch ``count-joins``: a fleet
 coming up would otherwise list the whole site once per join); any other
 transition reconciles. Each reconcile counts the site's nodes in the cluster, then:
@@ -69,7 +70,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.demand import public_placement_labels
     from fleet.messages.repair import NodeQuarantine
     from fleet.placement import surplus_to_retire
-    from workflows.inputs import parse_input, parse_signal
+    from workflows.inputs import invalid_input, parse_input, parse_signal
     from workflows.steps import (
         CLUSTER_RETRY,
         PROVIDER_RETRY,
@@ -175,7 +176,39 @@ class SiteEntity:
 
     @workflow.signal
     def reconcile(self) -> None:
+        """Reconcile now. From code and batch operations (a signal is never refused); a person
+        uses ``reconcile_now``, which answers with what it will do."""
         self.state.wanted = True
+
+    @workflow.update
+    def reconcile_now(self) -> str:
+        """``reconcile`` for a person: reconcile now, and say what that will do, from what the
+        entity knows at this moment (the reconcile counts the site's nodes again first)."""
+        answer = self._reconcile_answer()
+        self.state.wanted = True
+        return answer
+
+    def _reconcile_answer(self) -> str:
+        site, s = self._site, self.state.status
+        if site is None:
+            name = self._args.site if self._args is not None else workflow.info().workflow_id.removeprefix("site/")
+            return f"{name}: starting; it reconciles first thing, once it has read its min/max from the config"
+        known = sum(state != "gone" for state in s.nodes.values())
+        head = f"{site.name}: counting its nodes now ({known} known, min {site.min_nodes}, max {site.max_nodes})"
+        incident = self.state.incident.open
+        if incident is not None:
+            return f"{head}; incident {incident.id} is open ({incident.reason}): no fill or retire until it closes"
+        if s.retiring:
+            return f"{head}; retiring {', '.join(s.retiring)} (above its max): it counts again once that is done"
+        if s.filling:
+            return (f"{head}; {s.filling} is still filling it: another fill starts only after that one ends, "
+                    "if the site is still below its min")
+        if known < site.min_nodes:
+            return f"{head}; below its min: acquires {site.min_nodes - known} nodes unless the count finds more"
+        if known > site.max_nodes:
+            return (f"{head}; above its max: drains and retires {known - site.max_nodes} (most expensive first, "
+                    "then newest) unless the count finds fewer")
+        return f"{head}; within min/max: nothing to change unless the count differs"
 
     @workflow.signal
     def node_transition(self, raw: dict[str, Any]) -> None:
@@ -208,8 +241,11 @@ class SiteEntity:
         )})
 
     @workflow.update
-    async def admit_repair(self, req: AdmitRepairInput) -> RepairDecision:
+    async def admit_repair(self, raw: Any) -> RepairDecision:
         """A Node entity asks before a GPU repair: repair, or hold for the site's incident."""
+        # Raw JSON, checked by the validator: a typed parameter the SDK cannot decode is refused as
+        # "Failed decoding arguments" (a retryable RuntimeError that names nothing).
+        req = parse_input(AdmitRepairInput, raw)
         # No lock: every change here is made between awaits, and the settle wait is there to let the other
         # admissions of a burst change the state meanwhile (a lock would queue the very burst it waits for).
         await workflow.wait_condition(lambda: self._incident_settings is not None)
@@ -245,6 +281,18 @@ class SiteEntity:
             return RepairDecision(repair=False, incident=inc.open.id, why=inc.open.reason)
         v = inc.verdict
         return RepairDecision(repair=True, why=f"{len(v.failing)} failing, trips at {v.threshold}")
+
+    @admit_repair.validator
+    def _check_admit_repair(self, raw: Any) -> None:
+        if isinstance(raw, dict):
+            # The model ignores unknown fields; a person's typo (``node`` for ``node_name``) must not.
+            extra = sorted(str(key) for key in raw if key not in AdmitRepairInput.model_fields)
+            if extra:
+                raise invalid_input(f"{extra[0]}: unknown field (takes {', '.join(AdmitRepairInput.model_fields)})",
+                                    extra)
+        req = parse_input(AdmitRepairInput, raw)
+        if self._args is not None and req.site != self._args.site:
+            raise invalid_input(f"site: {req.site!r} is not this entity's site ({self._args.site})", ["site"])
 
     async def _knows(self, node_name: str) -> bool:
         """A node of this site: in the last count, else in a fresh one (admitted since)."""

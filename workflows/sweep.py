@@ -31,7 +31,15 @@ with workflow.unsafe.imports_passed_through():
         SweepSiteInput,
     )
     from workflows.inputs import parse_input
-    from workflows.steps import CLUSTER_RETRY, PROVIDER_RETRY, QUICK, STORE_RETRY, failure_text, show_details
+    from workflows.steps import (
+        CLUSTER_RETRY,
+        PROVIDER_RETRY,
+        QUICK,
+        STORE_RETRY,
+        WAIT_HEARTBEAT,
+        failure_text,
+        show_details,
+    )
 
 
 @workflow.defn(name="FleetSweep")
@@ -60,6 +68,9 @@ class FleetSweep:
                     SweepSiteInput(site=site, known=known, grace_seconds=args.grace_seconds, dry_run=args.dry_run,
                                    first_seen=first_seen.get(site, {})),
                     result_type=SiteSweepReport, start_to_close_timeout=timedelta(minutes=5),
+                    # Listing and deleting at a provider can take minutes: the activity heartbeats
+                    # meanwhile, so a lost worker's site is retried within a minute, not after 5.
+                    heartbeat_timeout=WAIT_HEARTBEAT,
                     retry_policy=PROVIDER_RETRY, summary=f"orphans at {site}",
                 )
             except ActivityError as error:

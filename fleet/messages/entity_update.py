@@ -26,7 +26,7 @@ MAX_TEXT = 1000
 
 
 class NoArgs(Strict):
-    """``credentials_rotated`` takes nothing."""
+    """``credentials_rotated``, ``look_again`` and ``reconcile_now`` take nothing."""
 
 
 class ReasonArgs(Strict):
@@ -82,10 +82,16 @@ KINDS: dict[str, EntityKind] = {
         updates={"declare_recovered": NoteArgs, "abort": ReasonArgs, "look_again": NoArgs},
         wire={"declare_recovered": "note", "abort": "reason", "look_again": "none"},
     ),
+    "site": EntityKind(
+        workflow_type="Site", id_shape="site/<site>",
+        id_pattern=re.compile(rf"site/{_SEGMENT}"),
+        # ``reconcile_now`` only: ``admit_repair`` is its Node entities' question, not an operator's.
+        updates={"reconcile_now": NoArgs}, wire={"reconcile_now": "none"},
+    ),
 }
 
 UpdateName = Literal["quota_raised", "credentials_rotated", "hold", "release", "skip_to", "pause", "resume",
-                     "abort", "declare_recovered", "cancel", "look_again"]
+                     "abort", "declare_recovered", "cancel", "look_again", "reconcile_now"]
 
 
 def kind_of(entity: str) -> EntityKind | None:
@@ -162,5 +168,6 @@ class EntityUpdateResult(BaseModel):
     #: Workflow type of the entity that took the update.
     workflow_type: str
     #: The update's result as the entity returned it (plain JSON: AccountStatus, LadderState,
-    #: RolloutProgress or EvacuationProgress).
+    #: RolloutProgress, EvacuationProgress, CapacityProgress, or a sentence for ``look_again`` and
+    #: ``reconcile_now``).
     result: Any = None

@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import urllib.request
 from typing import Any, AsyncIterator, Callable
 
 import pytest
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 from temporalio import activity
 from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import RawValue
 from temporalio.worker import Worker
 
@@ -35,6 +38,7 @@ from tests.conftest import Stack
 from tests.repair_helpers import eventually, exists, join_node, node_status, repair_handle, running_stack
 from tests.replay import replay_and_record
 from tests.test_bad_input_property import draw
+from workers.metrics import MetricsServer
 from workflows.node import MAX_BAD_REPORTS_IN_A_ROW
 
 Forgery = Callable[[NodeWatchInput], Payload]
@@ -271,6 +275,62 @@ async def test_bad_reports_in_a_row_quarantine_the_node(hostile, monkeypatch) ->
     assert await task_failures(handle) == 0
     # Named for the newest Node patch (``node-patches-at-start``); the older file stays (runs in flight).
     await replay_and_record(handle, "node_bad_reports_quarantine_patches_at_start")
+
+
+@pytest.fixture
+async def metered(temporal_env, tmp_path, monkeypatch) -> AsyncIterator[tuple[Stack, JoinedNode, HostileWatch, int]]:
+    """``hostile``, with the control-plane worker's client on a metrics runtime, as the worker
+    runs it (``workers.control_plane``): its ``/metrics`` port last."""
+    watch = HostileWatch()
+    monkeypatch.setattr(workers.node_agent, "build_agent", watch.build_agent)
+    server = MetricsServer(0, "control-plane", host="127.0.0.1", registry=CollectorRegistry(),
+                           worker_heartbeats=False)
+    try:
+        config = temporal_env.client.service_client.config
+        client = await Client.connect(config.target_host, namespace=temporal_env.client.namespace,
+                                      data_converter=temporal_env.client.data_converter, runtime=server.runtime)
+        async for stack in running_stack(client, tmp_path):
+            node = await join_node(stack)
+            await eventually(_async(lambda: bool(watch.inputs)), timeout=30)
+            yield stack, node, watch, server.port
+    finally:
+        server.close()
+
+
+def bad_reports_metric(port: int) -> dict[tuple[str, str], float]:
+    """``gpufleet_node_bad_reports_total`` on the worker's page, by (site, source)."""
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    found: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(page):
+        for sample in family.samples:
+            if sample.name == "gpufleet_node_bad_reports_total":
+                key = (sample.labels["site"], sample.labels["source"])
+                found[key] = found.get(key, 0) + sample.value
+    return found
+
+
+async def test_bad_reports_are_counted_in_a_metric_by_site(metered) -> None:
+    """A bad report is counted on the control-plane worker's metrics page (Temporal's workflow
+    metric meter, through the SDK's exporter the page appends), by site and by what the node
+    answered; not by node: the node is named in its entity's details."""
+    stack, node, watch, port = metered
+    assert bad_reports_metric(port).get((node.site, "watch"), 0) == 0
+    await watch.answer(replacing(("reclaim_at",), math.nan))
+    await watch.answer(quiet)
+    await watch.answer(replacing(("digest",), "x" * 1000))
+    assert (await status(stack, node)).bad_reports == 2
+
+    async def counted() -> bool:
+        return bad_reports_metric(port).get((node.site, "watch")) == 2
+
+    await eventually(counted, timeout=10)
+    assert all("node" not in labels for labels in _labels(port)), "no series per node"
+
+
+def _labels(port: int) -> list[dict[str, str]]:
+    page = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return [s.labels for f in text_string_to_metric_families(page) for s in f.samples
+            if s.name == "gpufleet_node_bad_reports_total"]
 
 
 class FailsOnce:

@@ -1,0 +1,67 @@
+"""What a running workflow waits for below its own step: its activities' state, as Temporal
+describes them, in one line an operator can act on.
+
+A workflow's progress query says which step it is at ("provisioning"), not that the step is
+stuck: the activity's worker may be gone (no heartbeat since), or the activity failed and waits
+for its next attempt, or no worker polls its task queue. Temporal knows each of these
+(``DescribeWorkflowExecution``'s pending activities); this turns them into "why, and until
+when", which the watching commands append to the step.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+from typing import Iterable
+
+from temporalio.api.enums.v1 import PendingActivityState
+from temporalio.api.workflow.v1 import PendingActivityInfo
+
+#: The SDK sends an activity's heartbeats at most every 80% of its heartbeat timeout: silent for
+#: longer (and this slack), its worker is likely gone and the server will time the attempt out.
+HEARTBEAT_SHARE = 0.8
+HEARTBEAT_SLACK = timedelta(seconds=5)
+#: A task ready this long and not started: no worker is taking its task queue.
+UNSTARTED_AFTER = timedelta(seconds=15)
+MAX_FAILURE_SHOWN = 120
+
+
+def _when(stamp) -> datetime | None:
+    return stamp.ToDatetime(tzinfo=timezone.utc) if stamp is not None and stamp.seconds else None
+
+
+def _clock(at: datetime) -> str:
+    return at.astimezone().strftime("%H:%M:%S")
+
+
+def activity_wait(pending: PendingActivityInfo, now: datetime) -> str | None:
+    """Why ``pending`` holds its workflow up and until when, or None when it is simply running."""
+    name = pending.activity_type.name
+    options = pending.activity_options if pending.HasField("activity_options") else None
+    heartbeat = options.heartbeat_timeout.ToTimedelta() if options is not None else timedelta(0)
+    if pending.state == PendingActivityState.PENDING_ACTIVITY_STATE_STARTED:
+        last = _when(pending.last_heartbeat_time) or _when(pending.last_started_time)
+        if last is None or not heartbeat or now - last <= heartbeat * HEARTBEAT_SHARE + HEARTBEAT_SLACK:
+            return None
+        attempt = f" (attempt {pending.attempt})" if pending.attempt > 1 else ""
+        return (f"{name}{attempt}: no heartbeat for {(now - last).total_seconds():.0f} s, its worker may be gone; "
+                f"retried by {_clock(last + heartbeat)} (heartbeat timeout {heartbeat.total_seconds():g} s)")
+    if pending.state != PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED:
+        return None
+    parts = []
+    failure = pending.last_failure.message if pending.HasField("last_failure") else ""
+    if failure:
+        parts.append(f"{name} failed (attempt {max(pending.attempt - 1, 1)}): {failure[:MAX_FAILURE_SHOWN]}")
+    ready_at = _when(pending.next_attempt_schedule_time) or _when(pending.scheduled_time)
+    if ready_at is not None and ready_at > now:
+        parts.append(f"next try at {_clock(ready_at)}")
+    elif ready_at is not None and now - ready_at >= UNSTARTED_AFTER:
+        queue = options.task_queue.name if options is not None else ""
+        parts.append(("" if failure else f"{name}: ") + f"no worker has taken it for "
+                     f"{(now - ready_at).total_seconds():.0f} s" + (f" (is one polling {queue}?)" if queue else ""))
+    return "; ".join(parts) or None
+
+
+def activity_waits(pending: Iterable[PendingActivityInfo], now: datetime | None = None) -> list[str]:
+    """Every pending activity's wait, as ``activity_wait`` says it."""
+    now = now or datetime.now(timezone.utc)
+    return [line for p in pending if (line := activity_wait(p, now))]
