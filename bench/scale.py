@@ -250,6 +250,13 @@ class Step:
     rss: dict[str, float] = field(default_factory=dict)  # process → MB at the window's end
     largest_history: tuple[int, str] = (0, "")
     schedule_to_start: list[float] = field(default_factory=list)
+    #: The same waits by the queue the task was scheduled on ("sticky": the worker that has the
+    #: workflow cached; "normal": the task queue), from the repairs' and the faults' Node entities'
+    #: histories; and the tasks that timed out unstarted on a sticky queue (the SDK's
+    #: ``sticky_queue_schedule_to_start_timeout``), each then scheduled again on the normal queue.
+    waits_by_queue: dict[str, list[float]] = field(default_factory=dict)
+    sticky_timeouts: int = 0
+    tasks_seen: int = 0
     gpus: int = 0  # GPUs on the cluster's nodes at the steady window's end
     reclaims: list[float] = field(default_factory=list)  # notice -> reclaim done, replacement joined
     reclaim_failures: list[str] = field(default_factory=list)
@@ -553,8 +560,10 @@ async def report_to_contained(client, step: Step) -> None:
     async def one(name: str, injected_at: float, written_at: float, cordoned_at: float) -> None:
         activities: dict[int, str] = {}
         marks: dict[str, float] = {"injected": injected_at, "fault in the sim world": written_at}
+        waits = TaskWaits(since=injected_at)
         try:
             async for event in client.get_workflow_handle(f"node/{name}").fetch_history_events():
+                waits.see(event)
                 if event.HasField("activity_task_scheduled_event_attributes"):
                     activities[event.event_id] = event.activity_task_scheduled_event_attributes.activity_type.name
                 elif event.HasField("activity_task_completed_event_attributes") and "watch result" not in marks:
@@ -576,6 +585,7 @@ async def report_to_contained(client, step: Step) -> None:
                         break
         except Exception:  # noqa: BLE001 - a node replaced meanwhile: its history may be gone; the sample shrinks
             return
+        waits.add_to(step)
         marks["cordon seen"] = cordoned_at
         if "fenced" in marks and "watch result" in marks:
             step.fault_written.append(marks["fenced"] - injected_at)
@@ -619,6 +629,42 @@ class _Gone:
 _gone = _Gone()
 
 
+class TaskWaits:
+    """A history's workflow tasks: each one's schedule-to-start by the kind of queue it was
+    scheduled on, and those that timed out unstarted (only a sticky queue's tasks can: a normal
+    queue's have no schedule-to-start timeout). ``since``: tasks scheduled from then on only."""
+
+    def __init__(self, since: float = 0.0) -> None:
+        from temporalio.api.enums.v1 import TaskQueueKind, TimeoutType
+
+        self._sticky, self._schedule_to_start = TaskQueueKind.TASK_QUEUE_KIND_STICKY, \
+            TimeoutType.TIMEOUT_TYPE_SCHEDULE_TO_START
+        self.since = since
+        self.scheduled: dict[int, tuple[float, str]] = {}
+        self.started: list[tuple[str, float]] = []
+        self.sticky_timeouts = 0
+
+    def see(self, event) -> None:
+        at = event.event_time.ToNanoseconds() / 1e9
+        if event.HasField("workflow_task_scheduled_event_attributes") and at >= self.since:
+            kind = event.workflow_task_scheduled_event_attributes.task_queue.kind
+            self.scheduled[event.event_id] = (at, "sticky" if kind == self._sticky else "normal")
+        elif event.HasField("workflow_task_started_event_attributes"):
+            scheduled = self.scheduled.get(event.workflow_task_started_event_attributes.scheduled_event_id)
+            if scheduled:
+                self.started.append((scheduled[1], at - scheduled[0]))
+        elif (event.HasField("workflow_task_timed_out_event_attributes")
+              and event.workflow_task_timed_out_event_attributes.timeout_type == self._schedule_to_start
+              and event.workflow_task_timed_out_event_attributes.scheduled_event_id in self.scheduled):
+            self.sticky_timeouts += 1
+
+    def add_to(self, step: "Step") -> None:
+        for kind, wait in self.started:
+            step.waits_by_queue.setdefault(kind, []).append(wait)
+        step.sticky_timeouts += self.sticky_timeouts
+        step.tasks_seen += len(self.started) + self.sticky_timeouts
+
+
 async def settle_repairs(client, repairs: list[str], step: Step, timeout: float) -> None:
     """Wait (bounded) for the step's repairs; tally outcomes and their workflow-task schedule-to-start."""
     async def one(repair_id: str) -> None:
@@ -631,15 +677,12 @@ async def settle_repairs(client, repairs: list[str], step: Step, timeout: float)
         except Exception as error:  # noqa: BLE001 - tallied: the table shows it
             outcome = f"failed ({type(error).__name__})"
         step.outcomes[outcome] = step.outcomes.get(outcome, 0) + 1
-        scheduled: dict[int, int] = {}
+        waits = TaskWaits()
         try:
             async for event in handle.fetch_history_events():
-                if event.HasField("workflow_task_scheduled_event_attributes"):
-                    scheduled[event.event_id] = event.event_time.ToNanoseconds()
-                elif event.HasField("workflow_task_started_event_attributes"):
-                    from_id = event.workflow_task_started_event_attributes.scheduled_event_id
-                    if from_id in scheduled:
-                        step.schedule_to_start.append((event.event_time.ToNanoseconds() - scheduled[from_id]) / 1e9)
+                waits.see(event)
+            step.schedule_to_start += [wait for _, wait in waits.started]
+            waits.add_to(step)
         except Exception as error:  # noqa: BLE001 - a history that cannot be read only shrinks the sample
             step.outcomes[f"history unread ({type(error).__name__})"] = 1 + step.outcomes.get(
                 f"history unread ({type(error).__name__})", 0)
@@ -735,6 +778,14 @@ def print_table(args, steps: list[Step]) -> None:
     print(f"  {'  it said':48s}" + "".join(f"  {s.capacity[1]}" for s in steps))
     row("workflow task schedule-to-start p99 (ms)", [pct(s.schedule_to_start, 99) * 1000 if s.schedule_to_start
                                                      else nan for s in steps], "{:.1f}")
+    for kind in ("sticky", "normal"):
+        row(f"  {kind} queue: p50 / p99 (ms; repairs' and faults' nodes' tasks)",
+            [statistics.median(s.waits_by_queue[kind]) * 1000 if s.waits_by_queue.get(kind) else nan
+             for s in steps], "{:.1f}")
+        print(f"  {'':48s}" + "".join(f"{pct(s.waits_by_queue[kind], 99) * 1000 if s.waits_by_queue.get(kind) else nan:>12.1f}"
+                                         for s in steps))
+    print(f"  {'  timed out on the sticky queue / tasks':48s}"
+          + "".join(f"{f'{s.sticky_timeouts}/{s.tasks_seen}':>12s}" for s in steps))
     row("worker CPU s per steady minute", [s.cpu["worker"] / s.steady_wall * 60 for s in steps], "{:.1f}")
     row("  per node (ms / min)", per_node([s.cpu["worker"] / s.steady_wall * 60_000 for s in steps]), "{:.1f}")
     row(f"{server} CPU s per steady minute", [s.cpu["server"] / s.steady_wall * 60 for s in steps], "{:.1f}")
@@ -822,6 +873,9 @@ async def main() -> None:
                         "(default: bench-<random>)")
     parser.add_argument("--server-pids", default="", help="with --address: the cluster's processes on this machine, "
                         "comma-separated, for its CPU and memory")
+    parser.add_argument("--worker-metrics-port", type=int, default=None,
+                        help="serve the control-plane worker's /metrics (the SDK's temporal_* series: pollers, "
+                             "sticky cache, schedule-to-start) on this port, to watch a run (default: none)")
     parser.add_argument("--smoke", action="store_true", help="the suite's size (tests/test_bench_smoke.py): 2 then "
                         "4 nodes at 2 sites, 6 s steady windows; a crash fails it")
     args = parser.parse_args()
@@ -885,7 +939,8 @@ async def main() -> None:
     async with environment as (env, settings):
         client = env.client
         logs = settings.state_dir
-        worker = spawn(["workers.control_plane"], settings, logs / "worker.log", {})
+        worker = spawn(["workers.control_plane"], settings, logs / "worker.log",
+                       {} if args.worker_metrics_port is None else {"GPUFLEET_METRICS_PORT": str(args.worker_metrics_port)})
         # Every agent through the node gateway, with a key and certificate of its own, as deployed.
         files = dev_gateway_files(settings.state_dir)
         gateway_port = 17300 + os.getpid() % 1000

@@ -271,14 +271,19 @@ DEV_GATEWAY_OFFSET = 67
 #: so two stacks on one machine need one flag between them. At the default 7233: the Temporal UI
 #: 8233 (the dev server's own rule), its HTTP API 7243, the S3 emulator 7244 (the built-in fleet's
 #: object stores), the node gateway 7300, the front door 8080, and the metrics: the control-plane
-#: worker 9464, the node host 9465, the Temporal dev server 9466.
-PORT_OFFSETS = {"ui": 1000, "http": 10, "s3": 11, "gateway": DEV_GATEWAY_OFFSET, "front_door": 847, "metrics": 2231}
+#: worker 9464, the node host 9465, the Temporal dev server 9466 (with ``--temporal cluster``, its
+#: four services' 9466-9469). ``--temporal cluster`` also opens 7234-7241 (``cluster``, the first of
+#: ``temporal_cluster.INTERNAL_PORTS``): history, matching and worker gRPC, the four services'
+#: membership, PostgreSQL.
+PORT_OFFSETS = {"ui": 1000, "http": 10, "s3": 11, "gateway": DEV_GATEWAY_OFFSET, "front_door": 847, "metrics": 2231,
+                "cluster": 1}
 
 
 @dataclass(frozen=True)
 class DevPorts:
     """The stack's ports: each one its flag's value, or ``--port`` plus its ``PORT_OFFSETS`` entry.
-    ``metrics`` is the control-plane worker's; the node host's is the next, the dev server's the one after."""
+    ``metrics`` is the control-plane worker's; the node host's is the next, the dev server's the one after
+    (the cluster's four services' the four after). ``cluster``: the first of ``--temporal cluster``'s own."""
 
     port: int
     ui: int
@@ -287,6 +292,7 @@ class DevPorts:
     gateway: int
     front_door: int
     metrics: int
+    cluster: int
     given: frozenset[str] = frozenset()  # those a flag set (a busy one is an error, not swapped or skipped)
 
     @classmethod
@@ -298,12 +304,23 @@ class DevPorts:
                   for name, offset in PORT_OFFSETS.items()}
         return cls(port=port, **chosen, given=frozenset(name for name, value in given.items() if value is not None))
 
-    def metrics_ports(self) -> dict[str, int]:
-        """Each metrics listener's port: the given ones exactly, derived ones swapped for a free one when busy."""
-        wanted = {"control-plane": self.metrics, "node-agents": self.metrics + 1, "temporal": self.metrics + 2}
+    def metrics_ports(self, cluster: bool = False) -> dict[str, int]:
+        """Each metrics listener's port: the given ones exactly, derived ones swapped for a free one when busy.
+        ``cluster``: the Temporal cluster's services' (``temporal:frontend-metrics`` ...), not the dev server's."""
+        from cli.temporal_cluster import METRICS_PORTS
+
+        temporal = ({f"temporal:{name}": self.metrics + 2 + i for i, name in enumerate(METRICS_PORTS)} if cluster
+                    else {"temporal": self.metrics + 2})
+        wanted = {"control-plane": self.metrics, "node-agents": self.metrics + 1, **temporal}
         if "metrics" in self.given:
             return wanted
         return {name: metrics_port(port) for name, port in wanted.items()}
+
+    def cluster_ports(self) -> dict[str, int]:
+        """``--temporal cluster``'s own ports by name (``temporal_cluster.INTERNAL_PORTS``), from ``cluster``."""
+        from cli.temporal_cluster import INTERNAL_PORTS
+
+        return {name: self.cluster + i for i, name in enumerate(INTERNAL_PORTS)}
 
 
 def _store_ports_rewritten(config_text: str, old_ports: list[int], port: int) -> str:
@@ -377,16 +394,19 @@ def cluster_missing_line() -> str | None:
     return f"--temporal cluster: {reason}" if reason else None
 
 
-def start_cluster(settings: Settings, port: int, http_port: int):
+def start_cluster(settings: Settings, ports: DevPorts, metrics: dict[str, int]):
     """The real Temporal cluster (cli/temporal_cluster.py) as the stack's Temporal: its frontend on
-    ``port``, values.yaml's namespaces plus the stack's own, gpufleet's search attributes on each.
-    Its configs and logs go under the state dir; its database is thrown away when it stops."""
+    ``--port``, every other port of it from ``ports`` (none random), values.yaml's namespaces plus the
+    stack's own, gpufleet's search attributes on each. Its configs and logs go under the state dir;
+    its database is thrown away when it stops."""
     from cli.temporal_cluster import RealTemporal
 
     root = settings.state_dir / "temporal-cluster"
     shutil.rmtree(root, ignore_errors=True)  # a fresh cluster every time: the last one's database is gone
     root.mkdir(mode=0o700)  # its services' configs hold the database password
-    cluster = RealTemporal(root, frontend_port=port, frontend_http_port=http_port)
+    fixed = {**ports.cluster_ports(),
+             **{name.split(":", 1)[1]: port for name, port in metrics.items() if name.startswith("temporal:")}}
+    cluster = RealTemporal(root, frontend_port=ports.port, frontend_http_port=ports.http, fixed_ports=fixed)
     if settings.namespace not in [name for name, _ in cluster.namespaces]:
         cluster.extra_namespaces = (settings.namespace,)
     return cluster
@@ -408,7 +428,7 @@ def ui_export_line(settings: Settings, url: str) -> str | None:
 
 def cluster_lines(cluster) -> list[str]:
     """What ``--temporal cluster`` runs, for the "is up" block."""
-    from cli.temporal_cluster import SERVICES, TEMPORAL_VERSION, history_shards, postgres_bin
+    from cli.temporal_cluster import INTERNAL_PORTS, SERVICES, TEMPORAL_VERSION, history_shards, postgres_bin
 
     pids = cluster.pids()
     services = ", ".join(f"{name} (pid {pids[name]})" for name in SERVICES)
@@ -416,6 +436,8 @@ def cluster_lines(cluster) -> list[str]:
             f"{history_shards()} history shards; namespaces {', '.join(n for n, _ in cluster.namespaces)})",
             f"  PostgreSQL       127.0.0.1:{cluster.postgres.port}  ({postgres_bin()}/postgres, pid {pids['postgres']}; "
             "persistence and SQL visibility; thrown away on Ctrl-C)",
+            "  cluster ports    " + ", ".join(f"{name} {cluster.ports[name]}" for name in INTERNAL_PORTS if name != "postgres")
+            + "  (--cluster-port; frontend on --port, its HTTP API on --http-port)",
             f"  dynamic config   {cluster.dynamic_config_path}  (deploy/temporal/dynamic-config.yaml; "
             f"logs in {cluster.root})",
             "  Temporal UI      none (the cluster runs no UI; `gpufleet dev` without --temporal cluster has one)"]
@@ -538,7 +560,8 @@ class Interrupted(Exception):
 
 def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, http_port: int | None = None,
             gateway_port: int | None = None, temporal: str = "dev-server", s3_port: int | None = None,
-            front_door_port: int | None = None, metrics_port: int | None = None) -> int:
+            front_door_port: int | None = None, metrics_port: int | None = None,
+            cluster_port: int | None = None) -> int:
     """The stack until Ctrl-C (0), or until it cannot start (1; 2 for a refused flag)."""
     from fleet.config import load_config
 
@@ -548,8 +571,11 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
             console.print("[red]error:[/]", end=" ")
             console.print(missing, markup=False, highlight=False, soft_wrap=True)  # the command unbroken
             return 2
+    if cluster_port is not None and temporal != "cluster":
+        console.print("[red]error:[/] --cluster-port: only with --temporal cluster (the dev server has no such ports)")
+        return 2
     ports = DevPorts.derive(port, ui=ui_port, http=http_port, s3=s3_port, gateway=gateway_port,
-                            front_door=front_door_port, metrics=metrics_port)
+                            front_door=front_door_port, metrics=metrics_port, cluster=cluster_port)
     config = load_config(settings.config)
     s3 = loopback_stores(config)
     s3_moves = bool(s3) and ("s3" in ports.given or settings.config is None)
@@ -559,7 +585,9 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
               "--http-port": ports.http, "--gateway-port": ports.gateway,
               **({"--s3-port": ports.s3} if s3_moves else
                  {f"object store {next(iter(v)).endpoint_url}": p for p, v in s3.items()}),
-              **({"--front-door-port": ports.front_door} if "front_door" in ports.given else {})}
+              **({"--front-door-port": ports.front_door} if "front_door" in ports.given else {}),
+              **({f"--cluster-port ({name})": number for name, number in ports.cluster_ports().items()}
+                 if temporal == "cluster" else {})}
     for flag, number in wanted.items():
         twice = [other for other, n in wanted.items() if n == number and other != flag]
         if twice:
@@ -570,10 +598,11 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
                           "(another `gpufleet dev`?); pick another")
             return 2
     if "metrics" in ports.given:
-        for number in ports.metrics_ports().values():
+        for number in ports.metrics_ports(temporal == "cluster").values():
             if port_in_use(number):
                 console.print(f"[red]error:[/] --metrics-port: port {number} is already in use on 127.0.0.1; "
-                              "pick another (the stack uses it and the next two)")
+                              "pick another (the stack uses it and the next "
+                              f"{'five' if temporal == 'cluster' else 'two'})")
                 return 2
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     settings = settings.model_copy(update={"address": f"127.0.0.1:{port}", "state_dir": settings.state_dir.resolve()})
@@ -629,11 +658,11 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
             start(f"s3-{s3_port}", object_store_command(s3_port),
                   after_start=lambda s3_port=s3_port: seed_loopback_stores(config, {s3_port: s3[s3_port]}))
         seed_loopback_stores(config, s3)
-        metrics = ports.metrics_ports()
+        metrics = ports.metrics_ports(temporal == "cluster")
         if temporal == "cluster":
             from cli.temporal_cluster import ClusterFailed
 
-            cluster = start_cluster(settings, port, ports.http)
+            cluster = start_cluster(settings, ports, metrics)
             console.print(f"[dim]starting a real Temporal cluster on {settings.address}: PostgreSQL, the schema, "
                           f"frontend, history, matching and worker (logs: {cluster.root})...[/]")
             try:
@@ -688,10 +717,13 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
             console.print(f"  fleet config     {rewritten}  (its object stores on port {ports.s3}; "
                           f"other shells: export GPUFLEET_CONFIG={rewritten})", markup=False, highlight=False)
         for name, metrics_at in metrics.items():
-            if name != "temporal":
-                console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  ({name})")
-            elif cluster is None:
+            if name == "temporal":
                 console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (the Temporal dev server)")
+            elif name.startswith("temporal:"):
+                service = name.split(":", 1)[1].removesuffix("-metrics")
+                console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (temporal-server {service})")
+            else:
+                console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  ({name})")
         console.print(f"  HTTP API         http://127.0.0.1:{ports.http}/api/v1/namespaces/{settings.namespace}")
         console.print(f"  {front_door}")
         console.print("  try, in another shell:")

@@ -102,7 +102,11 @@ def dev(
         help="front door (HAProxy) port (default: --port + 847, i.e. 8080; left off when that is busy)")] = None,
     metrics_port: Annotated[Optional[int], typer.Option(
         help="metrics port of the control-plane worker; the node host and the dev server take the next two "
+             "(--temporal cluster: the node host and its four services the next five) "
              "(default: --port + 2231, i.e. 9464; a busy default is swapped for a free port)")] = None,
+    cluster_port: Annotated[Optional[int], typer.Option(
+        help="with --temporal cluster: the first of the cluster's 8 other ports (history, matching and worker "
+             "gRPC, the four services' membership, PostgreSQL; default: --port + 1, i.e. 7234-7241)")] = None,
     temporal: Annotated[DevTemporal, typer.Option(
         help="Which Temporal the stack runs: `dev-server` (one process, SQLite, with its UI; kept across "
              "restarts) or `cluster` (PostgreSQL + frontend, history, matching and worker services with "
@@ -118,7 +122,7 @@ def dev(
         report_config(error)
     raise typer.Exit(run_dev(settings(state_dir=state_dir, config=config), port=port, ui_port=ui_port,
                              http_port=http_port, temporal=temporal.value, s3_port=s3_port, gateway_port=gateway_port,
-                             front_door_port=front_door_port, metrics_port=metrics_port))
+                             front_door_port=front_door_port, metrics_port=metrics_port, cluster_port=cluster_port))
 
 
 # -- config ----------------------------------------------------------------------------------

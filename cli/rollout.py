@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 import yaml
 from rich.progress_bar import ProgressBar
+from rich.text import Text
 
 from cli.common import (Address, OutputFormat, console, err, fit_table, fleet_client, piped_format, print_table, run,
                         settings, show_rows)
@@ -57,37 +58,84 @@ def start(
         raise typer.Exit(run(_wait(fleet, handle)))
 
 
+def _phase_line(rollout_id: str, progress) -> str:
+    return f"{rollout_id}: {progress.phase}" + (f" ({progress.reason})" if progress.reason else "")
+
+
+def _site_line(site) -> str:
+    return f"  {site.site}: {site.state.value}" + (f" - {site.detail}" if site.detail else "")
+
+
+def _live_view(rollout_id: str, progress):
+    """The terminal's view while waiting: the phase over each site's state and what it does or
+    waits for. The detail wraps rather than being cut: a deferred site's says until when."""
+    from rich.table import Table
+
+    if progress is None:
+        return Text(f"{rollout_id}: starting")
+    title = f"{rollout_id}: {progress.phase}" + (" (paused)" if progress.paused else "")
+    if progress.batches:
+        title += f", batch {progress.batch}/{progress.batches}"
+    title += f" ({progress.reason})" if progress.reason else ""
+    # Text, not markup: a reason or detail may hold brackets.
+    table = Table(title=Text(title), title_justify="left", expand=False)
+    table.add_column("site", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for site in progress.sites:
+        table.add_row(Text(site.site + (" (canary)" if site.canary else "")), site.state.value, Text(site.detail))
+    return table
+
+
 async def _wait(fleet, handle) -> int:
-    """Plain lines (a terminal and a pipe read the same): the phase and each site's state as they change."""
+    """Until the rollout ends: on a terminal a live view redrawn in place (``_live_view``), piped
+    one line per change (the phase, or a site's state and detail)."""
     import asyncio
 
+    from rich.live import Live
     from temporalio.client import WorkflowFailureError
 
     from cli.common import failure
 
     result = asyncio.ensure_future(handle.result())
     seen: dict[str, str] = {}
-    while True:
-        done = result.done()
-        try:
-            progress = await fleet.rollout_progress(handle.id)
-        except Exception:  # noqa: BLE001 - not queryable yet (first task) or already gone
-            progress = None
-        if progress is not None:
-            for key, line in [("phase", f"{handle.id}: {progress.phase}" + (f" ({progress.reason})" if progress.reason else ""))] + [
-                    (s.site, f"  {s.site}: {s.state.value}" + (f" - {s.detail}" if s.detail else "")) for s in progress.sites]:
-                if seen.get(key) != line:
-                    seen[key] = line
-                    print(line, flush=True)
-        if done:
-            break
-        await asyncio.wait([result], timeout=1.0)
+    # Piped, a redrawn view would be a stream of cursor moves: plain lines instead.
+    live = Live(_live_view(handle.id, None), console=console, refresh_per_second=4) if console.is_terminal else None
+    try:
+        if live is not None:
+            live.start()
+        while True:
+            done = result.done()
+            try:
+                progress = await fleet.rollout_progress(handle.id)
+            except Exception:  # noqa: BLE001 - not queryable yet (first task) or already gone
+                progress = None
+            if progress is not None:
+                if live is not None:
+                    live.update(_live_view(handle.id, progress))
+                else:
+                    for key, line in [("phase", _phase_line(handle.id, progress))] + [
+                            (s.site, _site_line(s)) for s in progress.sites]:
+                        if seen.get(key) != line:
+                            seen[key] = line
+                            print(line, flush=True)
+            if done:
+                break
+            await asyncio.wait([result], timeout=1.0)
+    finally:
+        if live is not None:
+            live.stop()  # the last view stays on the screen
+        if not result.done():
+            result.cancel()
     try:
         outcome = result.result()
     except WorkflowFailureError as error:
         err.print(f"[red]{handle.id} failed:[/] {failure(error)[1]}")
         return 1
-    print(f"{handle.id}: {outcome.outcome}", flush=True)
+    if live is not None:
+        console.print(f"{handle.id}: {outcome.outcome}", markup=False, highlight=False)
+    else:
+        print(f"{handle.id}: {outcome.outcome}", flush=True)
     return 0 if outcome.outcome == "completed" else 1
 
 

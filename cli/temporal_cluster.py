@@ -65,6 +65,12 @@ CHART_ONLY_KEYS = ("existingSecret", "secretKey", "createDatabase", "manageSchem
 #: Where the chart's schema job finds each store's versioned schema (plugin postgres12).
 SCHEMA_BY_STORE = {"default": "temporal", "visibility": "visibility"}
 START_SECONDS = 180
+#: The cluster's ports besides the frontend's gRPC and HTTP ones, in this order from one first port
+#: (``gpufleet dev --cluster-port``, by default ``--port`` + 1: 7234-7241 beside the default 7233).
+INTERNAL_PORTS = ("history", "matching", "worker", "frontend-membership", "history-membership",
+                  "matching-membership", "worker-membership", "postgres")
+#: Each service's Prometheus listener (``gpufleet dev`` puts them after its workers' metrics ports).
+METRICS_PORTS = ("frontend-metrics", "history-metrics", "matching-metrics", "worker-metrics")
 
 
 class ClusterFailed(RuntimeError):
@@ -244,6 +250,9 @@ class RealTemporal:
     #: The frontend's gRPC and HTTP ports (``gpufleet dev --port/--http-port``); free ones when unset.
     frontend_port: int | None = None
     frontend_http_port: int | None = None
+    #: Any other port by its name (``INTERNAL_PORTS``, ``METRICS_PORTS``): ``gpufleet dev`` sets them
+    #: all, from its ``--port``; each one not named here is a free one (the test tier's clusters).
+    fixed_ports: dict[str, int] = field(default_factory=dict)
     postgres: Postgres = field(default_factory=Postgres)
     ports: dict[str, int] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -292,20 +301,29 @@ class RealTemporal:
             "dynamicConfigClient": {"filepath": str(self.dynamic_config_path), "pollInterval": "10s"},
         }
 
+    def planned_ports(self) -> dict[str, int]:
+        """Every port the cluster opens, by name: the frontend's, ``INTERNAL_PORTS`` and
+        ``METRICS_PORTS``; those not set (``frontend_port``, ``fixed_ports``) free ones."""
+        unknown = set(self.fixed_ports) - {*INTERNAL_PORTS, *METRICS_PORTS}
+        if unknown:
+            raise ValueError(f"fixed_ports: unknown ports {sorted(unknown)}")
+        chosen = {"frontend": self.frontend_port, "frontend-http": self.frontend_http_port,
+                  "postgres": self.postgres.port, **self.fixed_ports}
+        names = ("frontend", "frontend-http", *INTERNAL_PORTS, *METRICS_PORTS)
+        planned = {name: chosen[name] for name in names if chosen.get(name) is not None}
+        for name in names:
+            while name not in planned or (chosen.get(name) is None and list(planned.values()).count(planned[name]) > 1):
+                planned[name] = free_port()  # not bound until the service starts: two picks could be one port
+        return {name: planned[name] for name in names}
+
     def start(self) -> "RealTemporal":
         started = time.monotonic()
         reason = missing_reason()
         if reason:
             raise ClusterFailed(reason)
         self.root.mkdir(parents=True, exist_ok=True)
-        for name in SERVICES:
-            for suffix in ("", "-membership", "-metrics"):
-                self.ports[f"{name}{suffix}"] = free_port()
-        self.ports["frontend-http"] = free_port()
-        if self.frontend_port is not None:
-            self.ports["frontend"] = self.frontend_port
-        if self.frontend_http_port is not None:
-            self.ports["frontend-http"] = self.frontend_http_port
+        self.ports = self.planned_ports()
+        self.postgres.port = self.ports["postgres"]
         text = DYNAMIC_CONFIG.read_text()
         self.dynamic_config_path.write_text(text + ("\n" + self.extra_dynamic_config if self.extra_dynamic_config
                                                     else ""))

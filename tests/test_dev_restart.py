@@ -60,10 +60,10 @@ def builtin_fleet_env(tmp_path: Path, port: int) -> dict:
 
 def test_every_port_derives_from_port_unless_its_flag_is_given() -> None:
     assert DevPorts.derive(7233) == DevPorts(port=7233, ui=8233, http=7243, s3=7244, gateway=7300, front_door=8080,
-                                             metrics=9464)
+                                             metrics=9464, cluster=7234)
     moved = DevPorts.derive(20000, s3=21000, front_door=None)
-    assert (moved.ui, moved.http, moved.s3, moved.gateway, moved.front_door, moved.metrics) == (
-        21000, 20010, 21000, 20067, 20847, 22231)
+    assert (moved.ui, moved.http, moved.s3, moved.gateway, moved.front_door, moved.metrics, moved.cluster) == (
+        21000, 20010, 21000, 20067, 20847, 22231, 20001)
     assert moved.given == {"s3"}
 
 
@@ -101,16 +101,21 @@ def test_a_killed_child_comes_back_and_ctrl_c_leaves_nothing_behind(tmp_path: Pa
         def child(module: str) -> int | None:
             return next((pid for pid in children_of(dev.pid) if module in command_of(pid) and alive([pid])), None)
 
-        worker = child("workers.control_plane")
-        assert worker is not None
-        os.kill(worker, signal.SIGKILL)
-        wait_for(lambda: "control-plane worker restarted" in log.read_text(), 60, "the worker did not come back",
-                 log, env)
-        assert "control-plane worker exited (code -9); restarting in 1 s" in log.read_text()
-        assert dev.poll() is None, "the stack stayed up"
-        again = child("workers.control_plane")
-        assert again is not None and again != worker
-        # The restarted worker runs the fleet: a join completes.
+        # kill -9 of each of the fleet's processes in turn: each comes back, saying so. The node host
+        # goes before the gateway, so the restarted host also has to find its way through a restarted
+        # gateway; one join afterwards then needs all three.
+        for module, label in (("workers.control_plane", "control-plane worker"), ("workers.node_agent", "node host"),
+                              ("workers.node_gateway", "node gateway")):
+            pid = child(module)
+            assert pid is not None, module
+            os.kill(pid, signal.SIGKILL)
+            wait_for(lambda label=label: f"{label} restarted" in log.read_text(), 60, f"the {label} did not come back",
+                     log, env)
+            assert f"{label} exited (code -9); restarting in 1 s" in log.read_text()
+            assert dev.poll() is None, "the stack stayed up"
+            again = child(module)
+            assert again is not None and again != pid, module
+        # The restarted worker, host and gateway run the fleet: a join completes.
         done = gpufleet(env, "join", "--site", "lambda-us-east", "--wait", timeout=180)
         assert done.returncode == 0, done.stdout + done.stderr + child_logs(env)
         assert "ready" in done.stdout

@@ -1,12 +1,13 @@
 """``mode: real`` keeps no control-plane state on local disk (issue 13, item 6).
 
-The control-plane worker runs against the wire-level fakes (Lambda Cloud's API,
-sushy-tools' Redfish BMCs) and the fake Kubernetes API server. It allocates a rack
-machine, a Lambda account is revoked and a delete in it is queued; then the worker
-stops and a new one starts with an empty state dir and an empty HOME, while the
-ProviderAccount entity keeps running. The new worker still refuses the revoked
-account without a single call to it, never hands the allocated rack machine out
-again, and runs the queued delete once a person says the credentials are rotated.
+The control-plane worker runs against the wire-level fakes (Lambda Cloud's API, sushy-tools'
+Redfish BMCs) and a Kubernetes API server: the real control plane, as the control plane's service
+account (tests/realk8s/test_durable_state.py runs ``restarted_control_plane_forgets_nothing``
+there). It allocates a rack machine, a Lambda account is revoked and a delete in it is queued;
+then the worker stops and a new one starts with an empty state dir and an empty HOME, while the
+ProviderAccount entity keeps running. The new worker still refuses the revoked account without a
+single call to it, never hands the allocated rack machine out again, and runs the queued delete
+once a person says the credentials are rotated.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ from fleet.messages.capacity import AccountStatus
 from fleet.models import AccountState
 from fleet.naming import account_workflow_id
 from fleet.settings import Settings
-from tests.cluster.fake_apiserver import FakeKube
 from tests.conftest import terminate_running
 from tests.providers import harness_lambda, harness_own_dc
 from workers.control_plane import build_worker
@@ -79,19 +79,18 @@ def _files(*dirs: Path) -> list[Path]:
     return sorted(p for d in dirs for p in d.rglob("*") if p.is_file())
 
 
-async def test_a_restarted_control_plane_with_an_empty_disk_forgets_nothing(
-    temporal_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest,
+async def restarted_control_plane_forgets_nothing(
+    temporal_env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, kubeconfig: Path,
 ) -> None:
+    """The test, with ``kubeconfig`` for the Kubernetes API server the workers use."""
     client = temporal_env.client
     lam = harness_lambda.shared_fake(request.config)
     lam.reset()
     bmc = harness_own_dc.shared_bmc(request.config)
     bmc.reset()
-    kube = FakeKube().start()
-    request.addfinalizer(kube.stop)
     monkeypatch.setenv(harness_lambda.CREDENTIALS_ENV, harness_lambda.SECRET)
     monkeypatch.setenv(harness_own_dc.CREDENTIALS_ENV, harness_own_dc.SECRET)
-    monkeypatch.setenv("KUBECONFIG", kube.kubeconfig(tmp_path / "kubeconfig"))
+    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
 
     suffix = uuid.uuid4().hex[:6]
     fleet = _fleet(suffix, lam.url)

@@ -29,6 +29,8 @@ from activities.rollout_models import EvacuationInput
 from activities.serving import ServingActivities
 from fleet.messages.capacity import CapacityResult, SiteStatus
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult
+from fleet.rollout import RolloutProgress, RolloutResult
+from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3: the rollout's S3 stores (a fixture)
 
 MODEL = "llm"
 
@@ -247,6 +249,73 @@ async def test_an_ended_evacuation_uncordons_what_it_cordoned_and_nothing_else(i
     assert outcome == "aborted" if ending == "abort" else "cancel" in outcome.lower(), outcome
     name = "site_evacuation_aborted_restores" if ending == "abort" else "site_evacuation_cancelled_restores"
     await replay_and_record(handle, name)
+
+
+@pytest.mark.parametrize("ending", ["abort", "cancel"])
+async def test_a_rollout_deferred_by_an_evacuation_goes_on_once_it_ends(temporal_env, tmp_path, moto_s3,  # noqa: F811
+                                                                      ending: str) -> None:
+    """Issue 36: the demo rollout stayed "deferred: under evacuation" 11 minutes after the evacuation
+    was aborted. A running ModelRollout deferred at the evacuated site goes on, and its progress
+    says so, once the evacuation ends by the ``abort`` update or by Temporal's cancel."""
+    uid = uuid.uuid4().hex[:6]
+    stores = {name: moto_s3.bucket(moto_s3.store(0)) for name in ("a", "d")}
+    source = moto_s3.bucket(moto_s3.store(1))
+    fleet = incident_fleet(uid, **{name: {"object_store": store.model_dump(mode="json", exclude_none=True)}
+                                   for name, store in stores.items()})
+    fleet["object_stores"] = {"source": source.model_dump(mode="json", exclude_none=True)}
+    files = put_files(moto_s3, source, {"config.json": 2_000, "model.safetensors": 40_000})
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, fleet, uid):
+        a, d = inc.site("a"), inc.site("d")
+        await inc.join("a", 3)
+        await inc.join("d", 1)
+        inc.serve(MODEL, "a", replicas=1)
+        inc.serve(MODEL, "d", replicas=0)
+        await inc.start_site("a")
+        inc.world.set_site(a, unreachable=1)
+        await poll(lambda: _state(inc, "waiting-for-recovery"), timeout=30)
+
+        # Another model (the evacuation moves MODEL's replicas, not this one's): d first, then a.
+        raw = {"model": "chat", "version": "v2", "image": "chat:v2", "gpus_per_replica": 0,
+               "weights": {"source": {"store": "source"}, "files": files},
+               "sites": [{"site": d, "replicas": 1}, {"site": a, "replicas": 1}],
+               "strategy": {"gate": {"probe_requests": 2, "bake_seconds": 0, "ready_timeout_seconds": 30},
+                            "evacuation_poll_seconds": 0.2},
+               "replication": {"part_size_bytes": 64 * 1024, "chunk_size_bytes": 16 * 1024}}
+        rollout = await inc.client.start_workflow("ModelRollout", raw, id=f"rollout/chat/v2-{uid}",
+                                                  task_queue=inc.settings.task_queue)
+
+        async def rollout_at_a(*states: str):
+            try:
+                p = await rollout.query("progress", result_type=RolloutProgress)
+            except Exception:  # noqa: BLE001 - its first task may not have run yet
+                return None
+            return p if p.site(a).state.value in states else None
+
+        deferred = await poll(lambda: rollout_at_a("deferred"), timeout=60)
+        assert deferred.site(d).state.value == "done", deferred
+        assert f"under evacuation (evacuate/{a}/1)" in deferred.site(a).detail, deferred.site(a).detail
+
+        evacuation = inc.evacuation("a")
+        if ending == "abort":
+            await evacuation.execute_update("abort", "test: the provider says it was a blip")
+            result = EvacuationResult.model_validate(await asyncio.wait_for(evacuation.result(), 60))
+            assert result.outcome == "aborted"
+        else:
+            await evacuation.cancel()
+            with pytest.raises(WorkflowFailureError):
+                await asyncio.wait_for(evacuation.result(), 60)
+        # Still unreachable: only the evacuation's end lets the rollout go on (its next look, 0.2 s).
+        try:
+            going = await poll(lambda: rollout_at_a("replicated", "updating", "gating", "baking", "done"), timeout=15)
+        except AssertionError:
+            last = await rollout.query("progress", result_type=RolloutProgress)
+            raise AssertionError(f"the rollout stayed deferred after the evacuation's {ending}: {last.site(a)}") from None
+        assert "under evacuation" not in going.site(a).detail, going.site(a).detail
+        inc.world.set_site(a, unreachable=0)  # the nodes report ready again: the update can pass its gate
+        done = RolloutResult.model_validate(await asyncio.wait_for(rollout.result(), 90))
+        assert done.outcome == "completed", done
+        assert {s.site: s.state.value for s in done.sites} == {d: "done", a: "done"}
+        assert inc.cluster.serving_status("chat", a).image == "chat:v2"
 
 
 async def test_an_abort_while_buying_stops_the_purchase(inc: IncStack) -> None:

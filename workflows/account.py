@@ -59,6 +59,10 @@ STATE_LOCK_PATCH = "account-state-lock"
 #: Workflow patch: ``quota_raised`` with no offers is refused (its validator), never "every
 #: blocked offer"; before it, such an update unblocked all (kept for runs that took one).
 QUOTA_ALL_EXPLICIT_PATCH = "quota-raised-all-explicit"
+#: Workflow patch: continue-as-new waits for running updates *or* a report, and a report that
+#: came in meanwhile is taken first. Before it the wait also needed an empty report queue, which
+#: only this waiting loop empties: a report during an update's wait stopped the entity for good.
+CONTINUE_WHEN_READY_PATCH = "account-continue-when-ready"
 
 
 @workflow.defn(name="ProviderAccount")
@@ -166,6 +170,7 @@ class ProviderAccount:
     async def run(self, raw: Any) -> None:
         args = parse_input(ProviderAccountInput, raw)
         workflow.patched(STATE_LOCK_PATCH)  # decided (and recorded) once, at the start of the run
+        takes_reports_at_gate = workflow.patched(CONTINUE_WHEN_READY_PATCH)  # the same, before any activity
         self._status = args.status or AccountStatus(account=args.account, provider=args.provider)
         workflow.upsert_search_attributes([
             sa.ACCOUNT.value_set(args.account), sa.PROVIDER.value_set(args.provider),
@@ -179,7 +184,13 @@ class ProviderAccount:
             if self._reports:
                 await self._apply(self._reports.pop(0))
                 continue
-            await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self._reports)
+            if takes_reports_at_gate:
+                # A report that arrives while an update finishes is the loop's to take: take it, ask again.
+                await workflow.wait_condition(lambda: workflow.all_handlers_finished() or bool(self._reports))
+                if self._reports or not workflow.all_handlers_finished():
+                    continue
+            else:  # a run from before the patch (see it): an empty queue too, which a report made never
+                await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self._reports)
             workflow.continue_as_new({"account": args.account, "provider": args.provider,
                                       "status": self._status.model_dump(mode="json")})
 

@@ -1,5 +1,7 @@
-"""Fixtures: the fake API server, the two cluster implementations, and a harness
-that puts nodes, pods and PDBs into either world the same way."""
+"""Fixtures: the simulated cluster and its contract harness, which puts nodes, pods and PDBs into
+it as ``tests/realk8s/contract.py``'s ``RealHarness`` puts them into the real control plane (the
+contract suite runs on both: tests/realk8s/test_contract.py); and the fake API server with the
+adapter over it, for the tests that need a fault a real server cannot be made to show."""
 
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ def sim(world):
 
 class SimHarness:
     kind = "sim"
+    #: Nodes the test did not add: none in a fresh simulated world.
+    foreign: frozenset[str] = frozenset()
 
     def __init__(self, cluster: SimCluster) -> None:
         self.cluster = cluster
@@ -90,46 +94,11 @@ class SimHarness:
         return self.cluster.world.take_bootstrap_token(machine_id)
 
 
-class KubeHarness:
-    kind = "kubernetes"
-
-    def __init__(self, cluster: KubernetesCluster, fake: FakeKube) -> None:
-        self.cluster = cluster
-        self.fake = fake
-
-    def add_node(self, name: str, site: str = "site-a", gpus: int = 8, ready: bool = True,
-                 machine_id: str = "", boot_id: str = "boot-1") -> None:
-        self.fake.add_node(name, {LABEL_SITE: site, LABEL_PROVIDER: "sim"}, gpus=gpus, ready=ready,
-                           provider_id=f"sim:///zone-1/{machine_id or f'm-{name}'}", boot_id=boot_id)
-
-    def set_ready(self, name: str, ready: bool) -> None:
-        self.fake.set_node_ready(name, ready)
-
-    def add_pod(self, node: str, name: str, namespace: str = "default", labels: dict | None = None,
-                owner_kind: str = "ReplicaSet", mirror: bool = False) -> None:
-        self.fake.add_pod(node, name, namespace, labels, owner_kind, mirror)
-
-    def set_pdb(self, namespace: str, name: str, selector: dict, min_available: int | None = None,
-                max_unavailable: int | None = None) -> None:
-        self.fake.set_pdb(namespace, name, selector, min_available, max_unavailable)
-
-    def delete_pdb(self, namespace: str, name: str) -> None:
-        self.fake.delete_pdb(namespace, name)
-
-    def pods(self, node: str) -> list[PodInfo]:
-        return [PodInfo(namespace=p["metadata"]["namespace"], name=p["metadata"]["name"])
-                for p in self.fake.objects("", "pods") if p["spec"]["nodeName"] == node]
-
-    def take_bootstrap_token(self, machine_id: str) -> str | None:
-        return self.cluster.take_bootstrap_token(machine_id)
-
-
-@pytest.fixture(params=["sim", "kubernetes"])
+@pytest.fixture(params=["sim"])
 def harness(request):
-    """The contract suite runs once per implementation."""
-    if request.param == "sim":
-        return SimHarness(request.getfixturevalue("sim"))
-    return KubeHarness(request.getfixturevalue("kube"), request.getfixturevalue("fake"))
+    """The contract suite on the simulated cluster; the Kubernetes adapter's run of the same
+    tests is against the real control plane (tests/realk8s/test_contract.py)."""
+    return SimHarness(request.getfixturevalue("sim"))
 
 
 @pytest.fixture

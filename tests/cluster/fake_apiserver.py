@@ -1,20 +1,19 @@
 """A small Kubernetes API server for the adapter tests (stdlib only, one thread per request).
 
 The real API server (tests/realk8s/, a kubeadm-style control plane) is the test wherever it can
-show what a test needs; this fake stays for:
+show what a test needs: the cluster port's contract suite (tests/realk8s/test_contract.py), the
+joins of every provider with real kubelets, the ``mode: real`` worker tests (Advisor, CSR
+approver, demand loop, durable state), the routing objects, drains, rollouts. This fake stays
+only where a test needs what a real server is not made to show on cue, each test saying so:
 
-* faults a real server is not made to show on cue: a 5xx, a 409 on exactly the next N writes
-  (``fail``), a server that accepts and then answers nothing (``response_delay_s``), a stopped
-  server mid-run;
-* what the real tier cannot hold yet, each test saying so where it uses the fake: a graceful
-  pod termination taking N seconds and a Deployment's rollout status (both need kubelets the
-  real tier's bare Nodes do not have), the Gateway API's and Envoy Gateway's CRDs (not installed
-  there), cluster-wide listings whose exact contents a shared control plane cannot fix
-  (``gpufleet cluster check``'s Konnectivity rows), and, not moved yet (issue 33), the cluster
-  port's contract suite (``tests/cluster/test_contract.py`` and the ``harness`` tests), the
-  simulated kubelet's join tests (``tests/providers/test_join_real.py``) and the ``mode: real``
-  worker tests (``tests/providers/test_advisor_real.py``, ``test_demand_real.py``,
-  ``test_csr_approver_real.py``, ``tests/test_durable_state.py``).
+* faults: a 5xx, a 409 on exactly the next N writes (``fail``), a server that accepts and then
+  answers nothing (``response_delay_s``) -- tests/cluster/test_cluster_errors.py,
+  tests/cluster/test_kubernetes_adapter.py;
+* a cluster whose every node and kube-system pod the test fixes: ``gpufleet cluster check``'s
+  Konnectivity verdict covers the whole cluster, and the real tier's control plane is shared by
+  all its tests (tests/cluster/test_network.py);
+* its own semantics (tests/cluster/test_fake_apiserver.py), and tests/test_backup.py's round trip
+  through the adapter, which tests/realk8s/test_backup.py also makes on the real control plane.
 
 It keeps the real API's semantics for what the adapter uses (``tests/cluster/test_fake_apiserver.py``):
 

@@ -22,6 +22,7 @@ from tests.providers.conftest import (  # noqa: F401 - the provider harness fixt
 )
 from tests.realk8s import build, machine
 from tests.realk8s.cluster import RealCluster
+from tests.realk8s.contract import POD_NAMESPACES, RealHarness, ensure_namespace, install_routing_crds
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,3 +66,21 @@ def apply_shipped_manifests(cluster: RealCluster) -> None:
 
 #: Where deploy/kubernetes's TEMPORAL_ADDRESS (temporal-frontend.temporal.svc) says Temporal runs.
 TEMPORAL_NAMESPACE = "temporal"
+
+
+@pytest.fixture(scope="package")
+def contract_token(real_cluster: RealCluster) -> str:
+    """For ``harness``: the control plane's service account token (what its Deployment's projected
+    volume holds), the namespaces the contract's pods go to, and the routing objects' CRDs."""
+    for namespace in POD_NAMESPACES:
+        ensure_namespace(real_cluster, namespace)
+    install_routing_crds(real_cluster)
+    return real_cluster.service_account_token("gpufleet", "gpufleet-control-plane")
+
+
+@pytest.fixture(params=["kubernetes"])
+def harness(real_cluster: RealCluster, contract_token: str):
+    """The cluster port's contract harness over the real control plane (tests/realk8s/contract.py)."""
+    made = RealHarness(real_cluster, contract_token)
+    yield made
+    made.close()

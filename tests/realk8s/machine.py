@@ -32,7 +32,7 @@ def missing_reason() -> str | None:
     """None when machines can start here, else why not (one line)."""
     if os.geteuid() != 0:
         return "machines of the real Kubernetes tier need root (a network namespace each, `unshare --net`)"
-    for tool in ("unshare", "ip"):
+    for tool in ("unshare", "nsenter", "ip"):
         if shutil.which(tool) is None:
             return f"machines of the real Kubernetes tier need `{tool}` (util-linux, iproute2)"
     return None
@@ -157,10 +157,14 @@ class Machine:
         return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
     def renew(self, expiration_seconds: int = 600) -> dict[str, Any]:
-        """A client-certificate renewal with the node's current certificate."""
-        done = subprocess.run([str(build.bin_dir() / "gpufleet-join"), "renew", f"--root={self.root}",
-                               f"--expiration-seconds={expiration_seconds}"], capture_output=True, text=True,
-                              timeout=90)
+        """A client-certificate renewal with the node's current certificate, from inside the
+        machine's network while it runs (the address its kubeconfig names, a join endpoint, is
+        routed only there)."""
+        argv = [str(build.bin_dir() / "gpufleet-join"), "renew", f"--root={self.root}",
+                f"--expiration-seconds={expiration_seconds}"]
+        if self.process is not None and self.process.poll() is None:
+            argv = ["nsenter", f"--net=/proc/{self.process.pid}/ns/net", "--", *argv]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=90)
         lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         for line in lines:
             if "error" in line:

@@ -285,6 +285,27 @@ def test_cordon_patches_spec_unschedulable(real_cluster, kube, nodes, unique):
     assert not _node(real_cluster, name)["spec"].get("unschedulable")
 
 
+def test_a_fence_cordons_the_node_and_lifting_the_last_uncordons(real_cluster, kube, nodes, unique, tmp_path):
+    """Contain first, against the API server: the Node entity's ``fence_gpu`` writes the fence
+    and the cordon; ``uncontain_gpu`` lifts them, uncordoning only when no GPU is fenced."""
+    from activities.models import FenceInput, UncontainInput
+    from activities.repair import RepairActivities, fence_key
+
+    name = nodes(f"gpu-{unique}")
+    repair = RepairActivities(FleetEnv(Settings(state_dir=tmp_path), load_config(write_fleet(tmp_path)), kube))
+    ActivityEnvironment().run(repair.fence_gpu, FenceInput(node_name=name, gpu=0, rung="reset"))
+    ActivityEnvironment().run(repair.fence_gpu, FenceInput(node_name=name, gpu=1, rung="reboot"))
+    stored = _node(real_cluster, name)
+    assert stored["spec"].get("unschedulable") is True
+    assert {k: v for k, v in stored["metadata"]["annotations"].items() if k.startswith("gpufleet.io/fenced")} == {
+        fence_key(0): "reset", fence_key(1): "reboot"}
+    first = ActivityEnvironment().run(repair.uncontain_gpu, UncontainInput(node_name=name, gpu=0))
+    assert (first.uncordoned, first.still_fenced) == (False, [1])
+    assert _node(real_cluster, name)["spec"].get("unschedulable") is True
+    last = ActivityEnvironment().run(repair.uncontain_gpu, UncontainInput(node_name=name, gpu=1))
+    assert last.uncordoned and not _node(real_cluster, name)["spec"].get("unschedulable")
+
+
 def test_a_node_written_machine_id_annotation_is_ignored(kube, nodes, unique):
     """The kubelet may write its Node's annotations: no machine id comes from there."""
     name = nodes(f"gpu-{unique}", annotations={"gpufleet.io/machine-id": "m-annotated"},

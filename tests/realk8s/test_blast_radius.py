@@ -150,6 +150,7 @@ def test_the_check_reports_kubeadms_auto_approve_bindings_until_its_advice_is_ap
     code, output = check(real_cluster, tmp_path)
     assert code == 0, output
     assert "admission policy enforced" in output
+    assert "Konnectivity" not in output, "--no-tunnels checks permissions only"
 
 
 @pytest.fixture

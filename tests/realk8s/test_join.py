@@ -21,11 +21,13 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.models import AwaitRegistrationInput, ProvisionJoinInput
+from activities.models import AwaitRegistrationInput, NodeFactsInput, ProvisionJoinInput
+from activities.repair import RepairActivities
 from fleet.cluster import GPU_RESOURCE, LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
 from fleet.naming import node_name_for
 from providers.cluster.bootstrap import BOOTSTRAP_GROUP, read_join_configuration
 from providers.cluster.kubernetes import KubernetesCluster
+from tests.cluster.sim_kubelet import csr_pem
 from tests.providers.harness import Harness
 from tests.providers.test_join_real import PROVIDERS, join_activities, run, user_data_of
 from tests.realk8s.cluster import JOIN_ENDPOINT_IP, KUBEADM_TOKEN, KUBEADM_TOKEN_GROUP, RealCluster
@@ -79,12 +81,13 @@ class RealJoining:
         self.machines.append(machine)
         return machine
 
-    def await_registration(self, provisioned, seconds: float = 90):
+    def await_registration(self, provisioned, seconds: float = 90, **labelling):
+        """``labelling``: the labels and taints NodeJoin hands the activity (``labels``, ``add_taints``)."""
         try:
             return run(self.acts.await_registration, AwaitRegistrationInput(
                 site=self.site.name, node_name=self.node_name, machine_id=provisioned.machine.id,
                 provider_id=provisioned.provider_id, join_id=self.join_id, poll_seconds=0.2,
-                deadline=datetime.now(timezone.utc) + timedelta(seconds=seconds)))
+                deadline=datetime.now(timezone.utc) + timedelta(seconds=seconds), **labelling))
         except ApplicationError as error:
             if self.machines and error.type == "RegistrationTimeout":
                 error.add_note(self.diagnosis())
@@ -153,7 +156,9 @@ def wait_for(predicate, seconds: float, what: str):
 
 
 def test_a_machine_of_every_provider_joins_a_real_kubeadm_cluster(every_provider: list[RealJoining]) -> None:
-    """The five machines boot at once, as a fleet's joins do, each from its own user data."""
+    """The five machines boot at once, as a fleet's joins do, each from its own user data; then
+    each is held to its own identity (NodeRestriction), a second machine's token of its provider
+    gets no certificate under its name, and its kubelet renews a 600-second client certificate."""
     booted = []
     for joining in every_provider:
         provisioned = joining.provision()
@@ -162,6 +167,19 @@ def test_a_machine_of_every_provider_joins_a_real_kubeadm_cluster(every_provider
         booted.append((joining, provisioned, user_data, joining.machine(provisioned.machine.id).boot()))
     for joining, provisioned, user_data, machine in booted:
         joined(joining, provisioned, user_data, machine)
+    real = every_provider[0].real
+    victim = f"victim-{uuid.uuid4().hex[:6]}"
+    status, answer = real.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
+                                                            "metadata": {"name": victim}}, admin=True)
+    assert status == 201, answer
+    try:
+        for joining, provisioned, _, machine in booted:
+            keeps_to_its_own_identity(joining, provisioned, machine, victim)
+    finally:
+        real.request("DELETE", f"/api/v1/nodes/{victim}", admin=True)
+    renews_for_600_seconds([(joining, machine) for joining, _, _, machine in booted])
+    for joining, *_ in booted:
+        another_token_gets_no_certificate_for_its_name(joining)
 
 
 def joined(joining: RealJoining, provisioned, user_data: str, machine: Machine) -> None:
@@ -221,6 +239,119 @@ def node_lease(joining: RealJoining, name: str) -> dict:
     return wait_for(lease, 20, f"{name}'s Lease")
 
 
+MERGE = "application/merge-patch+json"
+
+
+def keeps_to_its_own_identity(joining: RealJoining, provisioned, machine: Machine, victim: str) -> None:
+    """NodeRestriction, as the machine's kubelet (its client certificate): it may annotate its own
+    Node and set labels of no consequence, which change nothing the control plane knows of it;
+    gpufleet's placement labels, its taints, its providerID and any other Node are refused; and
+    gpufleet's approver denies it a serving certificate for an address not its machine's."""
+    name, cert = joining.node_name, machine.client_pem
+    repair = RepairActivities(joining.env)
+    before = run(repair.node_facts, NodeFactsInput(node_name=name))
+    assert (before.machine_id, before.site, before.provider) == (
+        provisioned.machine.id, joining.site.name, joining.site.provider), "from the join's identity record"
+
+    def as_the_node(node: str, patch: dict) -> tuple[int, dict]:
+        return joining.real.request("PATCH", f"/api/v1/nodes/{node}", patch, cert=cert, content_type=MERGE)
+
+    status, answer = as_the_node(name, {"metadata": {
+        "annotations": {"gpufleet.io/machine-id": "victim-machine"},
+        "labels": {"gpufleet.io/site": "another-site", "gpufleet.io/provider": "aws"}}})
+    assert status == 200, (joining.site.provider, answer)
+    for refused in ({"metadata": {"labels": {LABEL_SITE: "another-site"}}},
+                    {"metadata": {"labels": {LABEL_PROVIDER: "aws"}}},
+                    {"spec": {"taints": []}},
+                    {"spec": {"providerID": "gpufleet://aws/x/victim"}}):
+        status, answer = as_the_node(name, refused)
+        assert status in (403, 422), (joining.site.provider, refused, answer)
+    status, answer = as_the_node(victim, {"metadata": {"labels": {"x": "y"}}})
+    assert status == 403, (joining.site.provider, answer)
+    # A serving certificate for an address the provider does not report for the machine.
+    serving = f"serving-{uuid.uuid4().hex[:8]}"
+    status, answer = joining.real.request("POST", CSR_PATH, {
+        "apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest", "metadata": {"name": serving},
+        "spec": {"request": base64.b64encode(csr_pem(f"system:node:{joining.node_name}", ["system:nodes"],
+                                                     ips=["198.51.100.99"], dns=[joining.node_name])).decode(),
+                 "signerName": "kubernetes.io/kubelet-serving", "usages": ["digital signature", "server auth"]}},
+        cert=cert)
+    assert status == 201, (joining.site.provider, answer)
+    run(joining.acts.review_node_csrs)
+    [csr] = [c for c in joining.csrs() if c["metadata"]["name"] == serving]
+    assert [t for t, _ in conditions(csr)] == ["Denied"] and not csr["status"].get("certificate"), \
+        (joining.site.provider, conditions(csr))
+    assert run(repair.node_facts, NodeFactsInput(node_name=name)) == before, joining.site.provider
+    assert UNPROVEN_TAINT in joining.cluster.get_node(name).taints
+
+
+def renews_for_600_seconds(machines: list[tuple[RealJoining, Machine]]) -> None:
+    """Each kubelet renews its client certificate with the shortest lifetime a CSR may ask for
+    (what its certificate manager sends near expiry), all at once; the real signer honours it.
+    kubeadm's kubeadm:node-autoapprove-certificate-rotation binding lets the controller-manager
+    approve them; gpufleet's approver passes meanwhile (it approves a node's own renewal where
+    that binding is gone: tests/realk8s/test_blast_radius.py)."""
+    renewals: dict[str, dict] = {}
+
+    def renew(joining: RealJoining, machine: Machine) -> None:
+        try:
+            renewals[joining.node_name] = machine.renew(600)
+        except MachineFailed as failed:
+            renewals[joining.node_name] = {"failed": failed}
+
+    threads = [threading.Thread(target=renew, args=pair) for pair in machines]
+    for thread in threads:
+        thread.start()
+    try:
+        while any(thread.is_alive() for thread in threads):
+            run(machines[0][0].acts.review_node_csrs)
+            threads[0].join(1)
+    finally:
+        for thread in threads:
+            thread.join(90)
+    csrs = {c["metadata"]["name"]: c for c in machines[0][0].csrs()}
+    for joining, _ in machines:
+        renewal = renewals.get(joining.node_name, {})
+        assert renewal.get("step") == "renewed", (joining.site.provider, renewal)
+        # The signer backdates notBefore by 5 minutes; notAfter is 600 s from issue.
+        remaining = (datetime.fromisoformat(renewal["not_after"].replace("Z", "+00:00"))
+                     - datetime.now(timezone.utc)).total_seconds()
+        assert 500 <= remaining <= 600, f"{joining.site.provider}: expirationSeconds 600 ({remaining:.0f} s left)"
+        renewed = csrs[renewal["csr"]]
+        assert renewed["spec"]["username"] == f"system:node:{joining.node_name}"
+        assert renewed["spec"]["expirationSeconds"] == 600
+        assert [t for t, _ in conditions(renewed)] == ["Approved"], (joining.site.provider, conditions(renewed))
+
+
+def another_token_gets_no_certificate_for_its_name(joining: RealJoining) -> None:
+    """A second machine of the same provider, hostile, with its own fresh token from its own user
+    data: the token may not write a Node, and its kubelet client CSR under the first machine's
+    name (what its TLS bootstrap would send) is denied by gpufleet's approver and never signed."""
+    first = joining.node_name
+    joining.new_join()
+    second = joining.provision()
+    token = read_join_configuration(user_data_of(joining.harness, second.machine.id))["discovery"]["tlsBootstrapToken"]
+    try:
+        status, answer = joining.real.request("POST", "/api/v1/nodes", {
+            "apiVersion": "v1", "kind": "Node", "metadata": {"name": f"{first}-twin"}}, bearer=token)
+        assert status == 403, (joining.site.provider, answer)
+        name = f"forged-{uuid.uuid4().hex[:8]}"
+        status, answer = joining.real.request("POST", CSR_PATH, {
+            "apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest", "metadata": {"name": name},
+            "spec": {"request": base64.b64encode(csr_pem(f"system:node:{first}", ["system:nodes"])).decode(),
+                     "signerName": "kubernetes.io/kube-apiserver-client-kubelet",
+                     "usages": ["digital signature", "client auth"]}}, bearer=token)
+        assert status == 201, (joining.site.provider, answer)
+        assert answer["spec"]["username"] == f"system:bootstrap:{token.split('.')[0]}"
+        assert run(joining.acts.review_node_csrs) >= 1
+        time.sleep(1)  # the signer's chance to issue, were it approved
+        [csr] = [c for c in joining.csrs() if c["metadata"]["name"] == name]
+        assert [t for t, _ in conditions(csr)] == ["Denied"], (joining.site.provider, conditions(csr))
+        assert not csr["status"].get("certificate")
+    finally:
+        joining.cluster.revoke_node_tokens(joining.node_name)
+
+
 def test_gpufleets_token_group_is_not_auto_approved_while_kubeadms_still_is(one: RealJoining) -> None:
     """The controller-manager's csrapproving approves kubeadm's default group (kubeadm binds it);
     gpufleet's group is bound to no auto-approval: only gpufleet's approver decides its CSRs."""
@@ -252,64 +383,6 @@ def test_gpufleets_token_group_is_not_auto_approved_while_kubeadms_still_is(one:
     assert ("Approved", "AutoApproved") in conditions(auto)
 
 
-def test_a_second_machines_token_cannot_register_under_the_first_machines_name(one: RealJoining) -> None:
-    first = one.provision()
-    first_name = one.node_name
-    one.new_join()
-    second = one.provision()
-    second_user_data = user_data_of(one.harness, second.machine.id)
-    # The second machine, hostile: its own token, the first machine's name.
-    forged = second_user_data.replace(one.node_name, first_name)
-    attacker = one.machine(second.machine.id, forged, name="forged").boot()
-    attacker.wait_step("kubelet-start", 60)
-    requester = f"system:bootstrap:{token_id(second_user_data)}"
-    csr = wait_for(lambda: next((c for c in one.csrs() if c["spec"]["username"] == requester), None), 30,
-                   "the forged CSR")
-    assert run(one.acts.review_node_csrs) >= 1
-    failed = attacker.failure(60)
-    assert failed.step == "tls-bootstrap", failed
-    csr = next(c for c in one.csrs() if c["metadata"]["name"] == csr["metadata"]["name"])
-    assert [t for t, _ in conditions(csr)] == ["Denied"] and not csr["status"].get("certificate")
-    status, _ = one.real.request("GET", f"/api/v1/nodes/{first_name}", admin=True)
-    assert status == 404, "no Node registered under the first machine's name"
-    del first
-
-
-def test_a_client_certificate_renewal_asking_600_seconds_is_issued_for_600_seconds(one: RealJoining) -> None:
-    provisioned = one.provision()
-    machine = one.machine(provisioned.machine.id).boot()
-    node = one.await_registration(provisioned)
-
-    # A renewal as the node (what the kubelet's certificate manager sends near expiry). With
-    # kubeadm's kubeadm:node-autoapprove-certificate-rotation binding in place the controller-
-    # manager approves it; gpufleet's approver would approve the same-name renewal otherwise.
-    renewal: dict = {}
-
-    def renew() -> None:
-        try:
-            renewal.update(machine.renew(600))
-        except MachineFailed as failed:
-            renewal["failed"] = failed
-
-    thread = threading.Thread(target=renew)
-    thread.start()
-    try:
-        while thread.is_alive():
-            run(one.acts.review_node_csrs)
-            thread.join(1)
-    finally:
-        thread.join(90)
-    assert renewal.get("step") == "renewed", renewal
-    # The signer backdates notBefore by 5 minutes; notAfter is 600 s from issue.
-    remaining = (datetime.fromisoformat(renewal["not_after"].replace("Z", "+00:00"))
-                 - datetime.now(timezone.utc)).total_seconds()
-    assert 540 <= remaining <= 600, f"expirationSeconds 600 honoured by the real signer ({remaining:.0f} s left)"
-    [renewed] = [c for c in one.csrs() if c["metadata"]["name"] == renewal["csr"]]
-    assert renewed["spec"]["username"] == f"system:node:{node.name}"
-    assert renewed["spec"]["expirationSeconds"] == 600
-    assert [t for t, _ in conditions(renewed)] == ["Approved"]
-
-
 def test_registration_times_out_when_the_machine_never_gets_a_certificate(one: RealJoining) -> None:
     """No machine booted: the wait ends at its deadline, non-retryable, naming the node."""
     provisioned = one.provision()
@@ -318,29 +391,15 @@ def test_registration_times_out_when_the_machine_never_gets_a_certificate(one: R
     assert waited.value.type == "RegistrationTimeout" and one.node_name in waited.value.message
 
 
-def test_a_joined_node_keeps_to_its_own_identity_and_runs_pods_on_its_gpus(one: RealJoining) -> None:
-    """One joined machine, three things a user relies on: NodeRestriction holds the node to its
-    own object and off gpufleet's placement labels; its spent join token authenticates nobody
-    (a second `kubeadm join` with the same user data stops at its first call as the token);
-    the real scheduler places a GPU pod on it and its kubelet runs it."""
+def test_a_joined_nodes_spent_token_joins_nobody_and_its_kubelet_runs_pods_on_its_gpus(one: RealJoining) -> None:
+    """One joined machine: its spent join token authenticates nobody (a second `kubeadm join` with
+    the same user data stops at its first call as the token); the real scheduler places a GPU pod
+    on it and its kubelet runs it. (NodeRestriction holding each node to its own object: every
+    provider's, in the first test.)"""
     provisioned = one.provision()
     machine = one.machine(provisioned.machine.id).boot()
     node = one.await_registration(provisioned)
     first_renewal = node_lease(one, node.name)["spec"]["renewTime"]
-
-    cert = machine.client_pem
-    for labels in ({LABEL_SITE: "another-site"}, {LABEL_PROVIDER: "aws"}):
-        status, answer = one.real.request("PATCH", f"/api/v1/nodes/{node.name}", {"metadata": {"labels": labels}},
-                                          cert=cert, content_type="application/merge-patch+json")
-        assert status == 403, (labels, answer)
-    victim = f"victim-{uuid.uuid4().hex[:6]}"
-    status, _ = one.real.request("POST", "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node",
-                                                           "metadata": {"name": victim}}, admin=True)
-    assert status == 201
-    status, answer = one.real.request("PATCH", f"/api/v1/nodes/{victim}", {"metadata": {"labels": {"x": "y"}}},
-                                      cert=cert, content_type="application/merge-patch+json")
-    assert status == 403, answer
-    one.real.request("DELETE", f"/api/v1/nodes/{victim}", admin=True)
 
     token = read_join_configuration(machine.user_data)["discovery"]["tlsBootstrapToken"]
     status, _ = one.real.request("GET", "/api/v1/namespaces/kube-public/configmaps/cluster-info", bearer=token)
@@ -390,14 +449,18 @@ def test_a_machine_that_is_not_what_its_join_provisioned_is_refused_and_leaves_n
         machine.addresses = ["198.51.100.99"]  # inside its own namespace: nothing leaves the machine
         machine.boot()
 
+        # With the placement labels and taint NodeJoin hands over: they land only on a match.
+        placement = {"labels": {LABEL_SITE: one.site.name}, "add_taints": [UNPROVEN_TAINT]}
         with pytest.raises(ApplicationError) as refused:
-            one.await_registration(provisioned)
+            one.await_registration(provisioned, **placement)
         assert refused.value.type == "RegistrationMismatch" and "providerID" in refused.value.message
         with pytest.raises(ApplicationError) as refused:
-            elsewhere.await_registration(moved)
+            elsewhere.await_registration(moved, **placement)
         assert refused.value.type == "RegistrationMismatch" and "addresses" in refused.value.message
         for world in (one, elsewhere):
             assert world.cluster.node_identity(world.node_name) is None
+            stored = world.cluster.get_node(world.node_name)
+            assert stored is None or LABEL_SITE not in stored.labels, "placement labels only on this join's machine"
         status, tokens = one.real.request("GET", "/api/v1/namespaces/kube-system/secrets", admin=True)
         spent = {token_id(user_data), token_id(user_data_of(aws_harness, moved.machine.id))}
         assert not [t for t in tokens["items"] if t["type"] == "bootstrap.kubernetes.io/token"

@@ -4,17 +4,22 @@ Ready Node of the machine's name exists, so the reinstall rung powers the machin
 for the real node lifecycle controller to mark the Node NotReady (its grace period after the
 kubelet's last heartbeat), and only then boots the fresh install with a fresh token. The
 rejoined machine's kubelet gets its certificate from gpufleet's approver and the same Node,
-labels and all, is Ready again."""
+labels and all, is Ready again. A Node that stays Ready leaves the machine off and no token."""
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
+from datetime import datetime, timezone
 
-from activities.models import PrepareNodeInput, RestartMachineInput
+import pytest
+from temporalio.exceptions import ApplicationError
+
+from activities.models import PrepareNodeInput, RestartMachineInput, RevokeNodeTokensInput
 from activities.repair import RepairActivities
-from fleet.cluster import LABEL_SITE
-from providers.cluster.bootstrap import read_join_configuration
+from fleet.cluster import LABEL_SITE, NODE_IDENTITY_KIND, NodeIdentity
+from providers.cluster.bootstrap import BOOTSTRAP_GROUP, read_join_configuration
 from tests.providers.test_join_real import (
     _activity_with_time,
     _booted_again,
@@ -111,4 +116,57 @@ def test_a_machine_booting_over_a_ready_node_of_its_name_is_refused_by_kubeadms_
         failed = early.failure(60)
         assert failed.step == "existing-node-check" and "status Ready already exists" in str(failed), failed
     finally:
+        world.stop()
+
+
+def _gpufleet_token_ids(world: RealJoining) -> set[str]:
+    """The ids of gpufleet's bootstrap tokens in kube-system (its group's)."""
+    status, secrets = world.real.request("GET", "/api/v1/namespaces/kube-system/secrets", admin=True)
+    assert status == 200, secrets
+    return {base64.b64decode(s["data"]["token-id"]).decode() for s in secrets["items"]
+            if s.get("type") == "bootstrap.kubernetes.io/token"
+            and base64.b64decode(s["data"].get("auth-extra-groups", "")).decode() == BOOTSTRAP_GROUP}
+
+
+def test_a_reinstall_whose_node_stays_ready_leaves_the_machine_off_and_no_token(own_dc_harness, tmp_path,
+                                                                                 real_cluster) -> None:
+    """Powered off, its Node still Ready when the activity's time is up: the reinstall stops there,
+    retryable; the machine stays off with its old user data, and the fresh token, which never
+    reached a machine, is revoked. The machine needs no boot for that: its Node is one the admin
+    writes Ready, as its kubelet left it, registered under the join's identity."""
+    world = RealJoining(own_dc_harness, tmp_path, real_cluster)
+    try:
+        provisioned = world.provision()
+        machine_id = provisioned.machine.id
+        run(world.acts.revoke_node_tokens, RevokeNodeTokensInput(node_name=world.node_name))  # as at registration
+        stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+        status, answer = world.real.request("POST", "/api/v1/nodes", {
+            "apiVersion": "v1", "kind": "Node", "metadata": {"name": world.node_name},
+            "spec": {"providerID": provisioned.provider_id}}, admin=True)
+        assert status == 201, answer
+        status, answer = world.real.request("PATCH", f"/api/v1/nodes/{world.node_name}/status", {"status": {
+            "conditions": [{"type": "Ready", "status": "True", "reason": "KubeletReady", "lastHeartbeatTime": stamp,
+                            "lastTransitionTime": stamp}], "nodeInfo": {"bootID": "boot-1"}}},
+            admin=True, content_type="application/merge-patch+json")
+        assert status == 200, answer
+        site = world.site
+        identity = NodeIdentity(node_name=world.node_name, machine_id=machine_id, provider=site.provider,
+                                account=site.account, site=site.name, provider_id=provisioned.provider_id,
+                                join_id=world.join_id)
+        world.cluster.update_state(NODE_IDENTITY_KIND, world.node_name, lambda _old: identity.state())
+        first = user_data_of(world.harness, machine_id)
+        tokens = _gpufleet_token_ids(world)
+        _rack_machine_booted_long_ago(world)
+        repair = RepairActivities(world.env)
+        with pytest.raises(ApplicationError) as waited:
+            _activity_with_time(repair.reinstall_machine, RestartMachineInput(
+                site=site.name, machine_id=machine_id, node_name=world.node_name, boot_id_before="boot-1"),
+                seconds=23)
+        assert waited.value.type == "NodeStillReady" and not waited.value.non_retryable
+        assert "still Ready at" in waited.value.message and "kubeadm refuses" in waited.value.message
+        assert _powered_off(world) and not _booted_again(world)
+        assert user_data_of(world.harness, machine_id) == first
+        assert _gpufleet_token_ids(world) == tokens, "the reinstall's token never reached a machine: revoked"
+    finally:
+        world.real.request("DELETE", f"/api/v1/nodes/{world.node_name}", admin=True)
         world.stop()

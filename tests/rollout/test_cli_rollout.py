@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import re
+import uuid
 
+import pytest
+from rich.console import Console
+from rich.text import Text
 from typer.testing import CliRunner
 
 from cli.main import app
-from tests.rollout.conftest import RolloutStack
+from fleet.cluster import SiteRoute
+from fleet.rollout import RolloutProgress
+from tests.evacuation_helpers import poll
+from tests.rollout.conftest import MODEL, RolloutStack
 
 
 async def test_cli_start_status_and_updates(rollout_stack: RolloutStack, tmp_path) -> None:
@@ -35,3 +44,74 @@ async def test_cli_start_status_and_updates(rollout_stack: RolloutStack, tmp_pat
 
     result = await asyncio.to_thread(runner.invoke, app, ["rollout", "pause", "rollout/llm/v9"], env=env)
     assert result.exit_code == 1 and "rejected" in result.output
+
+
+@pytest.mark.parametrize("where", ["piped", "terminal"])
+async def test_start_wait_shows_each_change_and_why_a_site_waits(rollout_stack: RolloutStack, tmp_path,
+                                                                 monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """``rollout start --wait``: piped, one plain line per change (a deferred site's says why and
+    until when); on a terminal a view redrawn in place, as ``join`` and ``capacity`` show theirs
+    (before: plain lines on a terminal too)."""
+    import cli.rollout
+
+    stack = rollout_stack
+    screen = io.StringIO()
+    if where == "terminal":
+        monkeypatch.setattr(cli.rollout, "console", Console(file=screen, width=80, force_terminal=True,
+                                                            color_system=None))
+    stack.serve_v1(["site-a", "site-b"])
+    # site-b is under evacuation: the rollout updates site-a and waits for site-b.
+    stack.cluster.set_site_routes({"site-a": SiteRoute(weight=100),
+                                   "site-b": SiteRoute(weight=0, healthy=False, draining=True, incident="inc-9")})
+    version = f"w{uuid.uuid4().hex[:6]}"
+    spec = tmp_path / "rollout.yaml"
+    spec.write_text(json.dumps(stack.request({"site-a": 1, "site-b": 1}, version=version, gate={"bake_seconds": 0},
+                                             evacuation_poll_seconds=1)))
+    waiting = asyncio.create_task(asyncio.to_thread(CliRunner().invoke, app, ["rollout", "start", str(spec), "--wait"],
+                                                    env=stack.settings.env()))
+    handle = stack.client.get_workflow_handle(f"rollout/llm/{version}")
+
+    async def deferred() -> bool:
+        try:
+            p = await handle.query("progress", result_type=RolloutProgress)
+        except Exception:  # noqa: BLE001 - not started yet
+            return False
+        return p.site("site-b").state.value == "deferred" and p.site("site-a").state.value == "done"
+
+    await poll(deferred, timeout=60)
+    await asyncio.sleep(1.5)  # a look or two while deferred, as the operator sees it
+    # The evacuation ends: its restore, and (without waiting out the Routing entity's next sample)
+    # the model's routes as that entity writes them.
+    stack.cluster.set_site_routes({s: SiteRoute(weight=100) for s in ("site-a", "site-b")})
+    table = stack.cluster.get_routing(MODEL)
+    if table is not None:
+        routes = {**table.sites, "site-b": SiteRoute(weight=100)}
+        stack.cluster.set_routing_weights(MODEL, {s: r.weight for s, r in routes.items()},
+                                          healthy={s: r.healthy for s, r in routes.items()},
+                                          draining={s: r.draining for s, r in routes.items()},
+                                          incident={s: r.incident for s, r in routes.items()})
+    result = await asyncio.wait_for(waiting, 60)
+    assert result.exit_code == 0, result.output + screen.getvalue()
+    lines = result.output.splitlines()
+    if where == "piped":
+        assert not screen.getvalue()
+        assert lines[-1] == f"rollout/llm/{version}: completed", lines
+        said = [line for line in lines if line.startswith("  site-b: deferred")]
+        assert said and re.search(r"under evacuation \(inc-9\).*next look at \d\d:\d\d:\d\d UTC", said[0]), lines
+        assert [line for line in lines if line.startswith("  site-b: done")], "\n".join(lines)
+        # One line per change: a site's line is printed again only when it changed.
+        site_lines = [line for line in lines if line.startswith("  site-")]
+        for before, after in zip(site_lines, site_lines[1:]):
+            assert before != after, lines
+        assert len(site_lines) == len(set(site_lines)), lines
+    else:
+        shown = screen.getvalue()
+        # No plain per-change lines on the terminal: the view is redrawn in place (cursor moves)
+        # and ends with every site's state, then the outcome.
+        assert not [line for line in lines if line.startswith("  site-")], lines
+        assert "\x1b[" in shown and "under evacuation (inc-9)" in shown, shown
+        plain = Text.from_ansi(shown).plain.splitlines()
+        for site in ("site-a", "site-b"):  # the last view drawn: every site done
+            assert " done " in next(line for line in reversed(plain) if site in line), plain[-12:]
+        assert shown.rstrip().endswith(f"rollout/llm/{version}: completed"), shown[-500:]
+        assert all(len(line) <= 80 for line in plain), plain

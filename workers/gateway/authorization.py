@@ -55,6 +55,8 @@ _RESPONDS = {
     "RespondActivityTaskCanceled": wsr.RespondActivityTaskCanceledRequest,
     "RecordActivityTaskHeartbeat": wsr.RecordActivityTaskHeartbeatRequest,
 }
+#: Every call a node may make (each still checked in ``NodeAuthorization.authorize``).
+ALLOWED = frozenset({"PollActivityTaskQueue", *_START_UP, *_RESPONDS})
 #: The calls that carry an activity's result (they may be larger: ``proxy.RESULT_BYTES``).
 RESULTS = {"RespondActivityTaskCompleted", "RespondActivityTaskFailed", "RespondActivityTaskCanceled"}
 #: Only these of the caller's metadata go upstream: a node's own ``authorization`` never does.
@@ -86,11 +88,20 @@ def echo(value: str) -> str:
     return repr(value[:ECHO_CHARS]) + (f"… ({len(value)} chars)" if len(value) > ECHO_CHARS else "")
 
 
-def _only(message, kept: set[str]):
-    """``message`` with only the ``kept`` fields, unknown fields dropped (nested too)."""
-    for descriptor in message.DESCRIPTOR.fields:
-        if descriptor.name not in kept:
-            message.ClearField(descriptor.name)
+#: Per respond call, the fields ``_only`` clears: every field of the message but the kept ones,
+#: listed once at import (walking the descriptor on every call cost more than the clearing).
+_CLEARED = {name: tuple(d.name for d in _RESPONDS[name].DESCRIPTOR.fields if d.name not in kept)
+            for name, kept in _KEPT.items()}
+_NORMAL = TaskQueueKind.TASK_QUEUE_KIND_NORMAL  # an enum wrapper's attribute costs a lookup a call
+#: Rebuilt polls kept (one a node, for its latest worker instance key): a node's polls are the
+#: same request each time, and every field of it comes from the node's name and that checked key.
+MAX_POLLS_KEPT = 50_000
+
+
+def _only(message, cleared: tuple[str, ...]):
+    """``message`` without the ``cleared`` fields, unknown fields dropped (nested too)."""
+    for name in cleared:
+        message.ClearField(name)
     message.DiscardUnknownFields()
     return message
 
@@ -131,6 +142,7 @@ class NodeAuthorization:
         self.stats = stats
         self._tokens: dict[str, OrderedDict[bytes, None]] = {}
         self._certs: dict[bytes, NodeCert] = {}  # certificate PEM → what it says
+        self._polls: dict[str, tuple[str, bytes]] = {}  # node → (worker instance key, the poll forwarded)
 
     def refuse(self, node: str, method: str, why: str) -> Refused:
         self.stats.refused += 1
@@ -191,20 +203,30 @@ class NodeAuthorization:
                 raise self.refuse(node, name, f"task queue {echo(poll.task_queue.name)} is not {queue!r}")
             if poll.worker_control_task_queue:
                 raise self.refuse(node, name, f"control queue {echo(poll.worker_control_task_queue)}")
-            # No deployment or versioning options (they create Worker Deployments in the
-            # namespace), no rate-limit metadata, no unknown fields held for a whole long poll.
-            forward = wsr.PollActivityTaskQueueRequest(
-                namespace=self.namespace, identity=identity,
-                task_queue=TaskQueue(name=queue, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL))
-            if _INSTANCE_KEY.match(poll.worker_instance_key):
-                forward.worker_instance_key = poll.worker_instance_key
-            return forward.SerializeToString(), None
+            instance = poll.worker_instance_key
+            if not _INSTANCE_KEY.match(instance):
+                instance = ""
+            kept = self._polls.get(node)
+            if kept is not None and kept[0] == instance:
+                forward = kept[1]
+            else:
+                # No deployment or versioning options (they create Worker Deployments in the
+                # namespace), no rate-limit metadata, no unknown fields held for a whole long poll.
+                message = wsr.PollActivityTaskQueueRequest(namespace=self.namespace, identity=identity,
+                                                           task_queue=TaskQueue(name=queue, kind=_NORMAL))
+                if instance:
+                    message.worker_instance_key = instance
+                if len(self._polls) >= MAX_POLLS_KEPT:
+                    self._polls.clear()
+                forward = message.SerializeToString()
+                self._polls[node] = (instance, forward)
+            return forward, None
         if name in _RESPONDS:
             message = _RESPONDS[name].FromString(request)
             self._namespace(node, name, message.namespace, empty_ok=True)
             if message.task_token not in self._tokens.get(node, ()):
                 raise self.refuse(node, name, "a task token this gateway did not deliver to this node")
-            _only(message, _KEPT[name])
+            _only(message, _CLEARED[name])
             message.identity = identity
             return message.SerializeToString(), message.task_token
         if name == "GetSystemInfo":

@@ -22,6 +22,7 @@ from temporalio.api.workflowservice.v1 import request_response_pb2 as wsr
 
 from fleet.settings import Settings, temporal_profile
 from workers.gateway.authorization import (
+    ALLOWED,
     FORWARDED_METADATA,
     RESULTS,
     SERVICE,
@@ -93,15 +94,23 @@ class NodeGateway(grpc.GenericRpcHandler):
         self._stubs: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._load: dict[str, NodeLoad] = {}
         self._limit_logged: dict[str, float] = {}
+        # Sent upstream with every call, after the node's few forwarded client-* entries.
+        self._metadata = (("temporal-namespace", namespace), *self.upstream_metadata)
+        # One handler per method the policy knows, made once (gRPC asks for it on every call);
+        # any other method gets one made for that call, and is refused.
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+        for name in ALLOWED:
+            self._handlers[SERVICE + name] = self._handler(SERVICE + name)
 
-    # grpc.GenericRpcHandler
-    def service(self, details: grpc.HandlerCallDetails):
-        method = details.method
-
+    def _handler(self, method: str) -> grpc.RpcMethodHandler:
         async def handle(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
             return await self._handle(method, request, context)
 
         return grpc.unary_unary_rpc_method_handler(handle)
+
+    # grpc.GenericRpcHandler
+    def service(self, details: grpc.HandlerCallDetails):
+        return self._handlers.get(details.method) or self._handler(details.method)
 
     def _over_limit(self, node: str, why: str) -> None:
         self.stats.limited += 1
@@ -207,16 +216,19 @@ class NodeGateway(grpc.GenericRpcHandler):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node gateway: {refused}")
             del request  # the rebuilt request is what goes on
             if polling:
-                try:
-                    await asyncio.wait_for(load.polls.acquire(), self._hold_seconds(context))
-                except asyncio.TimeoutError:
-                    self._over_limit(node, f"more than {POLLS_PER_NODE} polls at once")
-                    return b""  # no task: as a long poll that found none
+                if load.polls.locked():
+                    try:
+                        await asyncio.wait_for(load.polls.acquire(), self._hold_seconds(context))
+                    except asyncio.TimeoutError:
+                        self._over_limit(node, f"more than {POLLS_PER_NODE} polls at once")
+                        return b""  # no task: as a long poll that found none
+                else:  # a free slot: taken at once, without wait_for's task and timer
+                    await load.polls.acquire()
                 slot = True
                 remaining = context.time_remaining()
                 if remaining is not None and remaining < MIN_UPSTREAM_POLL_SECONDS:
                     return b""  # too late for a long poll upstream (the frontend refuses one this short)
-            return await self._forward(method, node, name, forward, token, polling, context)
+            return await self._forward(method, node, load, name, forward, token, polling, context)
         finally:
             if slot:
                 load.polls.release()
@@ -226,12 +238,11 @@ class NodeGateway(grpc.GenericRpcHandler):
                 del load.connections[peer]
             self._release(node, load)
 
-    async def _forward(self, method: str, node: str, name: str, forward: bytes, token: bytes | None,
-                       polling: bool, context: grpc.aio.ServicerContext) -> bytes:
-        metadata = [(k, v) for k, v in context.invocation_metadata() or () if k in FORWARDED_METADATA]
-        metadata += [("temporal-namespace", self.namespace), *self.upstream_metadata]
+    async def _forward(self, method: str, node: str, load: NodeLoad, name: str, forward: bytes,
+                       token: bytes | None, polling: bool, context: grpc.aio.ServicerContext) -> bytes:
+        metadata = (*(m for m in context.invocation_metadata() or () if m[0] in FORWARDED_METADATA),
+                    *self._metadata)
         remaining = context.time_remaining()
-        load = self._load[node]
         self.stats.held_polls += polling
         load.upstream_polls += polling
         try:

@@ -1,0 +1,155 @@
+"""What only the Kubernetes adapter has, that the fake API server used to stand in for because the
+real tier lacked a piece (issue 33): its routing objects (Gateway API's ``HTTPRoute``, Envoy
+Gateway's ``BackendTrafficPolicy``, served here from CRDs with an open schema), a drain that
+waits for a graceful termination, and a Deployment's rollout status from the real controllers.
+The adapter runs as the control plane's service account under the shipped RBAC, in a namespace
+of the test's own (``tests/realk8s/contract.py``'s ``RealHarness``, whose stand-in kubelet starts
+the pods bound to its Nodes and ends those deleted, after the seconds a pod asks for).
+
+Moved from tests/cluster/test_kubernetes_adapter.py, where only a hung server stays on the fake.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fleet.cluster import ServingSpec
+from providers.cluster.kubernetes import ROUTING_CONFIGMAP
+from tests.realk8s.contract import RealHarness
+from tests.realk8s.test_adapter import record_requests
+
+GW = "gateway.networking.k8s.io"
+ENVOY = "gateway.envoyproxy.io"
+
+
+def _writes(seen, fragment: str) -> list[str]:
+    return [method for method, path, _ in seen if fragment in path and method in ("POST", "PUT", "PATCH", "DELETE")]
+
+
+def _get(harness: RealHarness, path: str) -> dict:
+    status, answer = harness.real.request("GET", path, admin=True)
+    assert status == 200, answer
+    return answer
+
+
+def _route(harness: RealHarness, name: str) -> dict:
+    return _get(harness, f"/apis/{GW}/v1/namespaces/{harness.namespace}/httproutes/{name}")
+
+
+def _policy(harness: RealHarness, name: str) -> dict:
+    return _get(harness, f"/apis/{ENVOY}/v1alpha1/namespaces/{harness.namespace}/backendtrafficpolicies/{name}")
+
+
+def _table(harness: RealHarness) -> dict:
+    return _get(harness, f"/api/v1/namespaces/{harness.namespace}/configmaps/{ROUTING_CONFIGMAP}")
+
+
+# -- drain ------------------------------------------------------------------------------------
+def test_drain_waits_for_evicted_pods_to_terminate(harness: RealHarness):
+    harness.add_node("gpu-1")
+    harness.add_pod("gpu-1", "slow-1", terminating_seconds=0.5)
+    result = harness.cluster.drain_node("gpu-1", deadline_s=10)
+    assert result.completed and result.elapsed_s >= 0.4, result
+    harness.add_pod("gpu-1", "slower-1", terminating_seconds=30)
+    result = harness.cluster.drain_node("gpu-1", deadline_s=0.5)
+    assert not result.completed
+    assert [(p.key, p.reason) for p in result.blocked] == [("default/slower-1", "evicted but still terminating")]
+
+
+# -- serving ----------------------------------------------------------------------------------
+def test_serving_ready_waits_for_the_controller(harness: RealHarness):
+    harness.add_node("gpu-1", site="site-a")
+    spec = ServingSpec(model="m", site="site-a", image="img:1", replicas=1)
+    status = harness.cluster.apply_serving(spec)
+    assert not status.ready and status.available_replicas == 0, "no replica has started yet"
+
+    def ready(generation: int):
+        deadline = time.monotonic() + 30
+        while not ((now := harness.cluster.serving_status("m", "site-a")).ready and now.observed_generation == generation):
+            assert time.monotonic() < deadline, now
+            time.sleep(0.1)
+        return now
+
+    assert ready(1).available_replicas == 1
+    status = harness.cluster.apply_serving(spec.model_copy(update={"image": "img:2"}))
+    assert not status.ready and status.generation == 2
+    status = ready(2)
+    assert status.image == "img:2" and status.updated_replicas == status.available_replicas == 1
+
+
+# -- routing ----------------------------------------------------------------------------------
+def test_routing_update_is_one_write_per_object_and_repeats_write_nothing(harness: RealHarness):
+    seen = record_requests(harness.cluster)
+    harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 80, "site-b": 20})
+    assert _writes(seen, "/configmaps") == ["POST"] and _writes(seen, "/httproutes") == ["POST"]
+    route = _route(harness, "llama-3-8b")
+    refs = route["spec"]["rules"][0]["backendRefs"]
+    assert [(r["name"], r["weight"], r["port"]) for r in refs] == [
+        ("llama-3-8b-site-a", 80, 8000), ("llama-3-8b-site-b", 20, 8000)]
+    assert route["spec"]["parentRefs"][0]["name"] == "gpufleet"
+    versions = (_table(harness)["metadata"]["resourceVersion"], route["metadata"]["resourceVersion"])
+
+    harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 80, "site-b": 20})
+    assert len(_writes(seen, "/configmaps")) == 1 and len(_writes(seen, "/httproutes")) == 1
+    assert (_table(harness)["metadata"]["resourceVersion"],
+            _route(harness, "llama-3-8b")["metadata"]["resourceVersion"]) == versions
+
+    harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 50, "site-b": 50})
+    assert _writes(seen, "/configmaps") == ["POST", "PUT"] and _writes(seen, "/httproutes") == ["POST", "PUT"]
+    entry = json.loads(_table(harness)["data"]["llama-3-8b"])
+    assert entry["version"] == 2
+    assert entry["sites"]["site-a"] == {"weight": 50, "healthy": True, "draining": False, "incident": ""}
+    route = _route(harness, "llama-3-8b")
+    assert [r["weight"] for r in route["spec"]["rules"][0]["backendRefs"]] == [50, 50]
+    assert route["metadata"]["generation"] == 2
+
+
+def test_routing_applies_the_envoy_gateway_policy_with_the_route(harness: RealHarness):
+    """Stickiness and retry-before-response live in Envoy Gateway's BackendTrafficPolicy,
+    attached to the model's HTTPRoute, written with it; repeats write nothing; drift is undone."""
+    seen = record_requests(harness.cluster)
+    harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 80, "site-b": 20})
+    policy = _policy(harness, "llama-3-8b")
+    assert policy["spec"]["targetRefs"] == [{"group": GW, "kind": "HTTPRoute", "name": "llama-3-8b"}]
+    assert policy["spec"]["loadBalancer"]["consistentHash"] == {"type": "Header", "header": {"name": "x-session-id"}}
+    assert policy["spec"]["retry"]["retryOn"]["triggers"] == ["connect-failure", "refused-stream"]
+    harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 50, "site-b": 50})
+    assert _writes(seen, "/backendtrafficpolicies") == ["POST"], "the policy does not change with the weights"
+
+    # Someone edits the policy to retry on 5xx (which would replay a streamed answer).
+    status, answer = harness.real.request(
+        "PATCH", f"/apis/{ENVOY}/v1alpha1/namespaces/{harness.namespace}/backendtrafficpolicies/llama-3-8b",
+        {"spec": {"retry": {"retryOn": {"triggers": ["5xx"]}}}}, admin=True,
+        content_type="application/merge-patch+json")
+    assert status == 200, answer
+    harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 40, "site-b": 60})
+    assert _writes(seen, "/backendtrafficpolicies") == ["POST", "PUT"]
+    assert _policy(harness, "llama-3-8b")["spec"]["retry"]["retryOn"]["triggers"] == ["connect-failure",
+                                                                                       "refused-stream"]
+
+
+def test_routing_table_write_retries_on_conflict(harness: RealHarness):
+    """Another writer changes the routing table between the adapter's read and its write: the
+    real API server refuses the stale write (409), the adapter reads again and keeps both."""
+    harness.cluster.set_routing_weights("a", {"site-a": 1})
+    seen = record_requests(harness.cluster)
+    rest = harness.cluster.api_client.rest_client
+    sent = rest.request
+    raced: list[int] = []
+
+    def other_model_written_first(method, url, *args, **kwargs):
+        if method == "PUT" and url.endswith(f"/configmaps/{ROUTING_CONFIGMAP}") and not raced:
+            raced.append(1)
+            status, answer = harness.real.request(
+                "PATCH", f"/api/v1/namespaces/{harness.namespace}/configmaps/{ROUTING_CONFIGMAP}",
+                {"data": {"b": json.dumps({"model": "b", "version": 7, "sites": {}})}}, admin=True,
+                content_type="application/merge-patch+json")
+            assert status == 200, answer
+        return sent(method, url, *args, **kwargs)
+
+    rest.request = other_model_written_first
+    assert harness.cluster.set_routing_weights("a", {"site-a": 2}).version == 2
+    data = _table(harness)["data"]
+    assert json.loads(data["b"])["version"] == 7 and json.loads(data["a"])["version"] == 2
+    assert _writes(seen, "/configmaps") == ["PUT", "PUT"], "the first, stale, refused with 409; then again"
