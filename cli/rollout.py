@@ -32,7 +32,8 @@ def _id(rollout_id: str) -> str:
 @rollout_app.command("start")
 def start(
     file: Annotated[Path, typer.Argument(help="rollout spec (YAML or JSON): model, version, weights, image, sites...")],
-    wait: Annotated[bool, typer.Option(help="print each change until the rollout ends; exit 1 unless it completed")] = False,
+    wait: Annotated[bool, typer.Option(help="print each change until the rollout ends; exit 1 unless it completed. "
+                                            "Ctrl-C stops watching only: the rollout goes on (it says how to stop it)")] = False,
     address: Address = "localhost:7233",
 ) -> None:
     """Start a ModelRollout (idempotent: the same model/version attaches to the running one)."""
@@ -55,7 +56,16 @@ def start(
 
     announce(fleet.settings, handle.id)  # and its Temporal UI page
     if wait:
-        raise typer.Exit(run(_wait(fleet, handle)))
+        try:
+            code = run(_wait(fleet, handle))
+        except KeyboardInterrupt:
+            # A rollout is not a purchase: stopping it is a decision (abort rolls the sites back),
+            # so an interrupted watch leaves it running and names the commands.
+            err.print(f"stopped watching; {handle.id} goes on. Watch it: gpufleet rollout status {handle.id}; "
+                      f"hold it: gpufleet rollout pause {handle.id}; roll it back: gpufleet rollout abort {handle.id}",
+                      markup=False, highlight=False)
+            raise typer.Exit(130) from None
+        raise typer.Exit(code)
 
 
 def _phase_line(rollout_id: str, progress) -> str:

@@ -46,6 +46,19 @@ async def test_cli_start_status_and_updates(rollout_stack: RolloutStack, tmp_pat
     assert result.exit_code == 1 and "rejected" in result.output
 
 
+def _rollout_with_site_b_evacuating(stack: RolloutStack, tmp_path, incident: str):
+    """v1 serving at both sites, site-b under evacuation (``incident``): a rollout spec whose
+    rollout updates site-a and defers site-b. Its version and the spec's path."""
+    stack.serve_v1(["site-a", "site-b"])
+    stack.cluster.set_site_routes({"site-a": SiteRoute(weight=100),
+                                   "site-b": SiteRoute(weight=0, healthy=False, draining=True, incident=incident)})
+    version = f"w{uuid.uuid4().hex[:6]}"
+    spec = tmp_path / "rollout.yaml"
+    spec.write_text(json.dumps(stack.request({"site-a": 1, "site-b": 1}, version=version, gate={"bake_seconds": 0},
+                                             evacuation_poll_seconds=1)))
+    return version, spec
+
+
 @pytest.mark.parametrize("where", ["piped", "terminal"])
 async def test_start_wait_shows_each_change_and_why_a_site_waits(rollout_stack: RolloutStack, tmp_path,
                                                                  monkeypatch: pytest.MonkeyPatch, where: str) -> None:
@@ -59,14 +72,7 @@ async def test_start_wait_shows_each_change_and_why_a_site_waits(rollout_stack: 
     if where == "terminal":
         monkeypatch.setattr(cli.rollout, "console", Console(file=screen, width=80, force_terminal=True,
                                                             color_system=None))
-    stack.serve_v1(["site-a", "site-b"])
-    # site-b is under evacuation: the rollout updates site-a and waits for site-b.
-    stack.cluster.set_site_routes({"site-a": SiteRoute(weight=100),
-                                   "site-b": SiteRoute(weight=0, healthy=False, draining=True, incident="inc-9")})
-    version = f"w{uuid.uuid4().hex[:6]}"
-    spec = tmp_path / "rollout.yaml"
-    spec.write_text(json.dumps(stack.request({"site-a": 1, "site-b": 1}, version=version, gate={"bake_seconds": 0},
-                                             evacuation_poll_seconds=1)))
+    version, spec = _rollout_with_site_b_evacuating(stack, tmp_path, "inc-9")
     waiting = asyncio.create_task(asyncio.to_thread(CliRunner().invoke, app, ["rollout", "start", str(spec), "--wait"],
                                                     env=stack.settings.env()))
     handle = stack.client.get_workflow_handle(f"rollout/llm/{version}")
@@ -115,3 +121,39 @@ async def test_start_wait_shows_each_change_and_why_a_site_waits(rollout_stack: 
             assert " done " in next(line for line in reversed(plain) if site in line), plain[-12:]
         assert shown.rstrip().endswith(f"rollout/llm/{version}: completed"), shown[-500:]
         assert all(len(line) <= 80 for line in plain), plain
+
+
+async def test_ctrl_c_on_start_wait_stops_watching_and_names_how_to_stop_the_rollout(rollout_stack: RolloutStack,
+                                                                                     tmp_path) -> None:
+    """Ctrl-C on ``rollout start --wait``: the watch ends with exit 130 and the rollout goes on (a
+    rollback is a decision, not what an interrupted watch implies); the message names the
+    commands that watch, pause and roll it back (before: a traceback, and nothing said)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from temporalio.client import WorkflowExecutionStatus
+
+    from tests.test_cli_cancel import finished, read_until
+
+    stack = rollout_stack
+    version, spec = _rollout_with_site_b_evacuating(stack, tmp_path, "inc-7")
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "rollout", "start", str(spec), "--wait"],
+                            env={**os.environ, **stack.settings.env(), "COLUMNS": "250"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    rollout_id = f"rollout/llm/{version}"
+    handle = stack.client.get_workflow_handle(rollout_id)
+    try:
+        await read_until(proc, "site-b: deferred")
+        proc.send_signal(signal.SIGINT)
+        out = await finished(proc, 30)
+        assert proc.returncode == 130, out
+        assert "Traceback" not in out, out
+        assert f"{rollout_id} goes on" in out and f"gpufleet rollout abort {rollout_id}" in out, out
+        assert f"gpufleet rollout pause {rollout_id}" in out, out
+        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        await handle.execute_update("abort", "test over")
