@@ -1,8 +1,8 @@
-"""The cluster port's watches (issue 37): the simulated cluster and the Kubernetes adapter (a real
-watch against the fake API server: list, then watch from its resourceVersion) return as soon as
-the caller's condition holds, and not before; unchanged after their timeout. The adapter's
-``410 Gone`` handling and its pending-GPU-pod watch are proven against the real API server
-(tests/realk8s/test_watch.py, tests/realk8s/test_adapter.py)."""
+"""The cluster port's watches (issue 37): the simulated cluster (here) and the Kubernetes adapter
+against the real control plane (the same tests, collected again by tests/realk8s/test_contract.py:
+list, then watch from its resourceVersion) return as soon as the caller's condition holds, and
+not before; unchanged after their timeout. The adapter's ``410 Gone`` handling and its
+pending-GPU-pod watch are tests/realk8s/test_watch.py and tests/realk8s/test_adapter.py."""
 
 from __future__ import annotations
 
