@@ -2,13 +2,12 @@
 state (blocked and revoked accounts with a queued delete, a node's identity record and client
 key, the usage ledger) exported, restored into a fresh fleet, and the fresh fleet carries on as
 the first did: the account guard refuses what it refused, the node gateway takes the node for
-live, the ledger has the same machines. The same code against the Kubernetes adapter (the fake
-API server here; the real control plane in tests/realk8s/test_backup.py).
+live, the ledger has the same machines. The same code against the Kubernetes adapter and the
+real control plane: tests/realk8s/test_backup.py.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,13 +15,12 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from activities.account_store import ACCOUNT_STATE, AccountRecord, ClusterAccountStore
+from activities.account_store import ACCOUNT_STATE, AccountRecord
 from activities.env import FleetEnv
 from activities.ledger import USAGE_STATE, UsageLedger
-from cli.backup import BACKED_UP, LEFT_OUT, SCHEMA_VERSION, Store, export_document, plan_restore, read_document
+from cli.backup import BACKED_UP, LEFT_OUT, SCHEMA_VERSION
 from cli.main import app
 from fleet.cluster import NODE_IDENTITY_KIND, NODE_KEYS_KIND, NodeIdentity, with_key
-from fleet.config import load_config
 from fleet.errors import AccountRevoked, OfferBlocked
 from fleet.messages.advisor import LedgerEntry
 from fleet.models import AccountState
@@ -208,40 +206,3 @@ def test_export_of_no_fleet_is_refused(tmp_path: Path) -> None:
                     "--config", str(config))
     assert done.exit_code == 2 and "no simulated fleet" in done.output
     assert not (tmp_path / "b.yaml").exists()
-
-
-def test_the_kubernetes_adapter_round_trips_through_the_same_code(tmp_path: Path) -> None:
-    """Its state objects are ConfigMaps (the fake API server here): exported from one namespace,
-    restored into another, the other namespace's control plane reads the same guard."""
-    from providers.cluster.kubernetes import JOIN_TOKEN_KIND, KubernetesCluster
-    from tests.cluster.fake_apiserver import FakeKube
-    from tests.test_config import _real_fleet
-
-    config = load_config(str(write_fleet(tmp_path, _real_fleet(
-        {"name": "lam", "provider": "lambda", "account": "la"}))))
-    fake = FakeKube().start()
-    try:
-        old = KubernetesCluster(api_client=fake.api_client(), namespace="gpufleet")
-        new = KubernetesCluster(api_client=fake.api_client(), namespace="gpufleet-restored")
-        ClusterAccountStore(old).block_offer("la", "lambda", "lam/t", "quota")
-        old.update_state(JOIN_TOKEN_KIND, "abcdef", lambda _old: {"node-name": NODE})
-        old.update_state(ALLOCATION_STATE, "racks", lambda _old: {"allocations": json.dumps({"r1": {"key": "k"}})})
-        assert old.state_kinds() == [ACCOUNT_STATE, JOIN_TOKEN_KIND, ALLOCATION_STATE]
-        assert old.state_origin() == {"cluster": fake.api_client().configuration.host, "namespace": "gpufleet"}
-
-        document, left = export_document(Store(config, old))
-        assert left == {JOIN_TOKEN_KIND: 1}
-        path = tmp_path / "b.yaml"
-        from cli.backup import write_document
-
-        write_document(path, document)
-        document = read_document(path)
-        target = Store(config, new)
-        for kind, entry in plan_restore(target, document).items():
-            for key, data in entry["restore"]:
-                target.write(kind, key, data, None, force=False)
-        assert ClusterAccountStore(new).get("la").blocked_offers == ["lam/t"]
-        assert new.read_state(ALLOCATION_STATE, "racks") == old.read_state(ALLOCATION_STATE, "racks")
-        assert new.list_state(JOIN_TOKEN_KIND) == {}
-    finally:
-        fake.stop()

@@ -12,8 +12,7 @@ only where a test needs what a real server is not made to show on cue, each test
 * a cluster whose every node and kube-system pod the test fixes: ``gpufleet cluster check``'s
   Konnectivity verdict covers the whole cluster, and the real tier's control plane is shared by
   all its tests (tests/cluster/test_network.py);
-* its own semantics (tests/cluster/test_fake_apiserver.py), and tests/test_backup.py's round trip
-  through the adapter, which tests/realk8s/test_backup.py also makes on the real control plane.
+* its own semantics (tests/cluster/test_fake_apiserver.py).
 
 It keeps the real API's semantics for what the adapter uses (``tests/cluster/test_fake_apiserver.py``):
 

@@ -369,8 +369,16 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
     mounts.append(f"cp /etc/hosts /etc/hosts.host && printf %s {shlex.quote(chr(10).join(hosts) + chr(10))}"
                   " > /etc/hosts")
     # A mountPath above the volumes' own folders (an emptyDir on /tmp) goes last, or it hides them.
+    # A mountPath inside another volume's (the Temporal client Secret inside the config's
+    # ConfigMap) is mounted after it, on a mount point made in that volume's folder, as the
+    # container runtime makes it: the outer volume is read-only inside the container.
     sources = [str(folder) for folder, _, _ in binds]
-    binds.sort(key=lambda bind: any(source.startswith(bind[1].rstrip("/") + "/") for source in sources))
+    binds.sort(key=lambda bind: (any(source.startswith(bind[1].rstrip("/") + "/") for source in sources),
+                                 bind[1].rstrip("/").count("/")))
+    for outer_folder, outer_path, _ in binds:
+        for _, path, _ in binds:
+            if path.startswith(outer_path.rstrip("/") + "/"):
+                (outer_folder / path[len(outer_path.rstrip("/")) + 1:]).mkdir(parents=True, exist_ok=True)
     for folder, path, read_only in binds:
         mounts.append(f"mkdir -p {shlex.quote(path)} && mount --bind {shlex.quote(str(folder))} {shlex.quote(path)}")
         if read_only:

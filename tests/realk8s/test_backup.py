@@ -29,7 +29,7 @@ from fleet.config import load_config
 from fleet.errors import AccountRevoked, OfferBlocked
 from fleet.messages.advisor import LedgerEntry
 from fleet.settings import Settings
-from providers.cluster.kubernetes import KubernetesCluster
+from providers.cluster.kubernetes import JOIN_TOKEN_KIND, KubernetesCluster
 from providers.own_dc import ClusterAllocations
 from tests.conftest import write_fleet
 from tests.realk8s.cluster import RealCluster
@@ -86,11 +86,14 @@ def test_a_fresh_namespace_restored_from_a_backup_carries_on(real_cluster: RealC
     old.update_state(NODE_KEYS_KIND, NODE, lambda record: with_key(record, KEY))
     UsageLedger(old).joined(LedgerEntry(machine_id="m-1", site="lam", node_name=NODE, gpu="H100", gpus=8,
                                         joined_at=1_700_000_000.0))
+    # A join token's record: left out of a backup (a spent or short-lived secret's handle), and said so.
+    old.update_state(JOIN_TOKEN_KIND, "abcdef", lambda _old: {"node-name": NODE})
 
     backup = tmp_path / "backup.yaml"
     admin = ["--config", str(config_path), "--kubeconfig", str(real_cluster.admin_kubeconfig)]
     exported = gpufleet("backup", "export", str(backup), *admin, "--namespace", source_ns)
     assert exported.exit_code == 0, exported.output
+    assert f"left out: {JOIN_TOKEN_KIND}: 1" in exported.output, exported.output
     source = yaml.safe_load(backup.read_text())["source"]
     assert source == {"mode": "real", "cluster": real_cluster.server, "namespace": source_ns,
                       "sites": ["hz", "lam"], "accounts": ["hc", "la"]}
@@ -111,6 +114,7 @@ def test_a_fresh_namespace_restored_from_a_backup_carries_on(real_cluster: RealC
     assert asyncio.run(gateway(NODE, KEY)) is Verdict.LIVE
     assert ClusterAllocations(new, "racks").read() == ClusterAllocations(old, "racks").read()
     assert UsageLedger(new).entries() == UsageLedger(old).entries()
+    assert new.list_state(JOIN_TOKEN_KIND) == {}, "no join token comes back"
 
     again = gpufleet("backup", "restore", str(backup), *admin, "--namespace", target_ns)
     assert again.exit_code == 0 and "account: 0 restored, 2 already so" in again.output, again.output
