@@ -195,6 +195,10 @@ class SimNodeHost:
                     # cost a probe per node for every change anywhere in the fleet.
                     kubelets = await self._look_at_changes() if changed else False
                     if seen is None or kubelets or due:
+                        # A machine that went down or rebooted loses its agent before its kubelet
+                        # says so (as a real reboot kills it first): the old boot's agent must not
+                        # take a watch the control plane schedules once it sees the new boot.
+                        await self._stop_stale_agents(await asyncio.to_thread(self._up_machines))
                         up, registered = await asyncio.to_thread(self._sync_kubelets)
                         await self._sync_agents(up, registered)
                     seen = version
@@ -299,10 +303,7 @@ class SimNodeHost:
         """An agent for each registered machine that is up; a rebooted machine's agent restarts."""
         from providers.sim import SimGpuBackend
 
-        for machine_id in list(self.agents):
-            boot_id = self.agents[machine_id][0]
-            if machine_id not in up or up[machine_id][1] != boot_id:
-                await self._stop_agent(machine_id)
+        await self._stop_stale_agents(up)
         for machine_id, (name, boot_id) in up.items():
             if machine_id in registered and machine_id not in self.agents:
                 client = self.client
@@ -322,6 +323,12 @@ class SimNodeHost:
                 self.watches[machine_id] = watch
                 self.agents[machine_id] = (boot_id, worker, asyncio.create_task(worker.run()))
                 log.info("agent for %s up (boot %s)", name, boot_id[:8])
+
+    async def _stop_stale_agents(self, up: dict[str, tuple[str, str]]) -> None:
+        """Stop the agent of each machine not up, or up with another boot than its agent's."""
+        for machine_id in list(self.agents):
+            if machine_id not in up or up[machine_id][1] != self.agents[machine_id][0]:
+                await self._stop_agent(machine_id)
 
     async def _stop_agent(self, machine_id: str) -> None:
         _boot, worker, task = self.agents.pop(machine_id)
