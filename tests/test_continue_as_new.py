@@ -15,13 +15,11 @@ from typing import AsyncIterator
 
 import pytest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHistory
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
-from cli.dev import dev_server_tuning_flags, temporal_binary
-from fleet import search_attributes
 from fleet.messages.capacity import CapacityProgress, CapacityResult
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult
+from tests.can_server import server_suggesting_continue_as_new
 from tests.capacity_fleet import CapStack, open_stack
 from tests.evacuation_helpers import IncStack, open_incident_stack, poll
 from tests.replay import replay_and_record
@@ -31,18 +29,8 @@ MODEL = "llm"
 
 @pytest.fixture(scope="module")
 async def can_env() -> AsyncIterator[WorkflowEnvironment]:
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_binary(),
-        data_converter=pydantic_data_converter,
-        search_attributes=search_attributes.ALL,
-        dev_server_log_level="error",
-        dev_server_extra_args=[*dev_server_tuning_flags(),
-                               "--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=50"],
-    )
-    try:
+    async with server_suggesting_continue_as_new(50) as env:
         yield env
-    finally:
-        await env.shutdown()
 
 
 # -- helpers --------------------------------------------------------------------------------
@@ -254,16 +242,8 @@ STATUS_QUERIES = {"Site": "status", "Node": "status", "Demand": "status", "Provi
 async def spin_env() -> AsyncIterator[WorkflowEnvironment]:
     """A dev server that suggests continue-as-new after 40 events: every entity is asked to
     continue within seconds, while children and background tasks are still open."""
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_binary(), data_converter=pydantic_data_converter,
-        search_attributes=search_attributes.ALL, dev_server_log_level="error",
-        dev_server_extra_args=[*dev_server_tuning_flags(),
-                               "--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=40"],
-    )
-    try:
+    async with server_suggesting_continue_as_new(40) as env:
         yield env
-    finally:
-        await env.shutdown()
 
 
 async def failed_workflow_tasks(client: Client, task_queue: str) -> dict[str, list[str]]:

@@ -17,19 +17,17 @@ import pytest
 import yaml
 from temporalio import activity
 from temporalio.client import Client, WorkflowHandle
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor, Worker
 
 from activities import control_plane_activities
 from activities.env import FleetEnv
-from cli.dev import dev_server_tuning_flags, temporal_binary
-from fleet import search_attributes
 from fleet.cluster import UNPROVEN_TAINT
 from fleet.messages.capacity import AccountStatus, SiteStatus
 from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
 from fleet.models import AccountState
 from fleet.settings import Settings
+from tests.can_server import server_suggesting_continue_as_new
 from tests.capacity_fleet import capacity_fleet
 from tests.evacuation_helpers import incident_fleet, open_incident_stack
 from tests.repair_helpers import eventually, exists, join_node, node_status, repair_handle, running_stack
@@ -44,16 +42,8 @@ CAN_EVENTS = 70
 
 @pytest.fixture(scope="module")
 async def can_env() -> AsyncIterator[WorkflowEnvironment]:
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_binary(), data_converter=pydantic_data_converter,
-        search_attributes=search_attributes.ALL, dev_server_log_level="error",
-        dev_server_extra_args=[*dev_server_tuning_flags(), "--dynamic-config-value",
-                               f"limit.historyCount.suggestContinueAsNew={CAN_EVENTS}"],
-    )
-    try:
+    async with server_suggesting_continue_as_new(CAN_EVENTS) as env:
         yield env
-    finally:
-        await env.shutdown()
 
 
 async def runs(client: Client, workflow_id: str) -> int:

@@ -265,14 +265,7 @@ async def test_a_rollout_deferred_by_an_evacuation_goes_on_once_it_ends(temporal
     fleet["object_stores"] = {"source": source.model_dump(mode="json", exclude_none=True)}
     files = put_files(moto_s3, source, {"config.json": 2_000, "model.safetensors": 40_000})
     async for inc in open_incident_stack(temporal_env.client, tmp_path, fleet, uid):
-        a, d = inc.site("a"), inc.site("d")
-        await inc.join("a", 3)
-        await inc.join("d", 1)
-        inc.serve(MODEL, "a", replicas=1)
-        inc.serve(MODEL, "d", replicas=0)
-        await inc.start_site("a")
-        inc.world.set_site(a, unreachable=1)
-        await poll(lambda: _state(inc, "waiting-for-recovery"), timeout=30)
+        a, d = await _a_lost_and_evacuated_to_d(inc)
 
         # Another model (the evacuation moves MODEL's replicas, not this one's): d first, then a.
         raw = {"model": "chat", "version": "v2", "image": "chat:v2", "gpus_per_replica": 0,
@@ -350,17 +343,24 @@ async def test_an_abort_while_buying_stops_the_purchase(inc: IncStack) -> None:
     await replay_and_record(inc.evacuation("a"), "site_evacuation_aborted_while_buying")
 
 
+async def _a_lost_and_evacuated_to_d(inc) -> tuple[str, str]:
+    """Site a (3 nodes serving MODEL) goes unreachable, d (one idle node) takes its share; returns
+    once the evacuation waits for a's recovery. The two sites' names."""
+    a, d = inc.site("a"), inc.site("d")
+    await inc.join("a", 3)
+    await inc.join("d", 1)
+    inc.serve(MODEL, "a", replicas=1)
+    inc.serve(MODEL, "d", replicas=0)
+    await inc.start_site("a")
+    inc.world.set_site(a, unreachable=1)
+    await poll(lambda: _state(inc, "waiting-for-recovery"), timeout=30)
+    return a, d
+
+
 async def test_worker_killed_mid_evacuation_resumes(temporal_env, tmp_path) -> None:
     uid = uuid.uuid4().hex[:6]
     async for inc in open_incident_stack(temporal_env.client, tmp_path, incident_fleet(uid), uid, terminate=False):
-        a, d = inc.site("a"), inc.site("d")
-        await inc.join("a", 3)
-        await inc.join("d", 1)
-        inc.serve(MODEL, "a", replicas=1)
-        inc.serve(MODEL, "d", replicas=0)
-        await inc.start_site("a")
-        inc.world.set_site(a, unreachable=1)
-        await poll(lambda: _state(inc, "waiting-for-recovery"), timeout=30)
+        a, d = await _a_lost_and_evacuated_to_d(inc)
 
     # The worker (and node host) is gone; a new one picks the evacuation up where it was.
     async for inc2 in open_incident_stack(temporal_env.client, tmp_path, incident_fleet(uid), uid):

@@ -9,12 +9,10 @@ from typing import AsyncIterator
 
 import pytest
 from temporalio.client import WorkflowExecutionStatus
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from fleet.messages.capacity import AccountStatus, SiteStatus, SpotReclaimResult
-from fleet import search_attributes
-from cli.dev import dev_server_tuning_flags, temporal_binary
+from tests.can_server import server_suggesting_continue_as_new
 from tests.capacity_fleet import FAST_JOIN, CapStack, capacity_fleet, open_stack, replay_and_record
 from tests.conftest import wait_for
 
@@ -165,13 +163,7 @@ async def test_joins_within_max_are_counted_without_listing_the_site_and_one_pas
 
 async def test_entities_continue_as_new(tmp_path: Path) -> None:
     """A dev server of its own, suggesting continue-as-new after 40 events."""
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_binary(), data_converter=pydantic_data_converter,
-        search_attributes=search_attributes.ALL, dev_server_log_level="error",
-        dev_server_extra_args=[*dev_server_tuning_flags(),
-                               "--dynamic-config-value", "limit.historyCount.suggestContinueAsNew=40"],
-    )
-    try:
+    async with server_suggesting_continue_as_new(40) as env:
         address = env.client.service_client.config.target_host
         async for stack in open_stack(env.client, address, tmp_path):
             site = await start_site(stack, "dear")
@@ -210,5 +202,3 @@ async def test_entities_continue_as_new(tmp_path: Path) -> None:
             status = await account.query("status", result_type=AccountStatus)
             await wait_for(lambda: True)
             assert status.state == "quota-blocked" and len(status.blocked_offers) >= 1
-    finally:
-        await env.shutdown()
