@@ -198,8 +198,9 @@ class SimNodeHost:
                         # A machine that went down or rebooted loses its agent before its kubelet
                         # says so (as a real reboot kills it first): the old boot's agent must not
                         # take a watch the control plane schedules once it sees the new boot.
-                        await self._stop_stale_agents(await asyncio.to_thread(self._up_machines))
-                        up, registered = await asyncio.to_thread(self._sync_kubelets)
+                        up = await asyncio.to_thread(self._up_machines)
+                        await self._stop_stale_agents(up)
+                        registered = await asyncio.to_thread(self._sync_kubelets, up)
                         await self._sync_agents(up, registered)
                     seen = version
                 if time.time() >= self._next_renewal:
@@ -256,12 +257,11 @@ class SimNodeHost:
             if row["boot_at"] <= now and row["site"] not in unreachable
         }
 
-    def _sync_kubelets(self) -> tuple[dict[str, tuple[str, str]], set[str]]:
-        """Each booted machine's kubelet: register with its join token, report Ready.
-        Returns the machines that are up and the ids of those registered."""
+    def _sync_kubelets(self, up: dict[str, tuple[str, str]]) -> set[str]:
+        """Each booted machine's kubelet (``up``: ``_up_machines``): register with its join token,
+        report Ready. Returns the ids of the machines registered."""
         from providers.cluster.sim import JoinRejected
 
-        up = self._up_machines()
         nodes = self.cluster.kubelet_view()
         registered = set(nodes)
         waiting = self.world.bootstrap_waiting()
@@ -297,7 +297,7 @@ class SimNodeHost:
         for machine_id, node in nodes.items():
             if machine_id not in up and node.ready:
                 self.cluster.set_node_status(node.name, ready=False)
-        return up, registered
+        return registered
 
     async def _sync_agents(self, up: dict[str, tuple[str, str]], registered: set[str]) -> None:
         """An agent for each registered machine that is up; a rebooted machine's agent restarts."""
