@@ -43,6 +43,7 @@ from fleet.placement import AccountView
 from fleet.cluster import FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT, DrainResult
 from fleet.demand import placement_drift, public_placement_labels
 from providers.cluster.base import NodeNotFound
+from fleet.contracts import workflows as flows
 
 R = TypeVar("R")
 
@@ -61,9 +62,9 @@ async def report_to_account(env: FleetEnv, input: ReportAccountInput) -> None:
     else:
         await asyncio.to_thread(store.block_offer, account.name, account.provider, input.offer, input.message)
     await activity.client().start_workflow(
-        "ProviderAccount", {"account": account.name, "provider": account.provider},
+        flows.ProviderAccount.TYPE, {"account": account.name, "provider": account.provider},
         id=account_workflow_id(account.provider, account.name), task_queue=activity.info().task_queue,
-        start_signal="report", start_signal_args=[input.model_dump(mode="json")],
+        start_signal=flows.ProviderAccount.report, start_signal_args=[input.model_dump(mode="json")],
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         static_summary=f"{account.provider} account {account.name}",
     )
@@ -248,7 +249,7 @@ class CapacityActivities:
         query = 'WorkflowType = "AcquireCapacity" AND ExecutionStatus = "Running"'
         async for wf in client.list_workflows(query):
             try:
-                await client.get_workflow_handle(wf.id, run_id=wf.run_id).signal("offers_changed")
+                await client.get_workflow_handle(wf.id, run_id=wf.run_id).signal(flows.AcquireCapacity.offers_changed)
                 woken += 1
             except Exception:  # noqa: BLE001 - it may have finished meanwhile
                 pass
@@ -294,8 +295,8 @@ class CapacityActivities:
         names = input.sites or [s.name for s in self.env.config.sites]
         for name in names:
             await client.start_workflow(
-                "Site", {"site": name}, id=site_workflow_id(name), task_queue=activity.info().task_queue,
-                start_signal="reconcile", id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+                flows.Site.TYPE, {"site": name}, id=site_workflow_id(name), task_queue=activity.info().task_queue,
+                start_signal=flows.Site.reconcile, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 static_summary=f"site {name}: min/max reconcile",
             )
         return names

@@ -19,7 +19,7 @@ from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.ledger import record_join_async, record_retire
 from activities.waiting import poll_until
-from activities.models import (
+from fleet.messages.nodes import (
     AwaitRegistrationInput,
     ProvisionedMachine,
     ProvisionJoinInput,
@@ -43,8 +43,9 @@ from fleet.errors import InvalidRequest, NotFound, ProviderError
 from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
 from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinParams, render_user_data
 from fleet.models import Machine, Node
-from fleet.naming import site_workflow_id
+from fleet.naming import node_workflow_id, site_workflow_id
 from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, JoinTokenRef
+from fleet.contracts import workflows as flows
 
 
 def bootstrap_user_data(cluster, token: BootstrapToken, node_name: str, provider_id: str) -> str:
@@ -298,8 +299,8 @@ class ControlPlaneActivities:
         # The node's entity starts here, labelled from the join's own record: the node itself
         # can no longer start or signal a workflow (node gateway), it answers the entity's watch.
         await activity.client().start_workflow(
-            "Node", NodeEntityInput(node_name=input.node_name, site=input.site, settings=self.env.config.repair,
-                                    first_state=input.first_state), id=f"node/{input.node_name}",
+            flows.Node.TYPE, NodeEntityInput(node_name=input.node_name, site=input.site, settings=self.env.config.repair,
+                                    first_state=input.first_state), id=node_workflow_id(input.node_name),
             task_queue=activity.info().task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
             search_attributes=TypedSearchAttributes([
                 SearchAttributePair(sa.SITE, input.site), SearchAttributePair(sa.NODE_NAME, input.node_name),
@@ -308,7 +309,7 @@ class ControlPlaneActivities:
         )
         transition = {"node_name": input.node_name, "state": "ready", "machine_id": input.machine_id}
         try:
-            await activity.client().get_workflow_handle(site_workflow_id(input.site)).signal("node_transition", transition)
+            await activity.client().get_workflow_handle(site_workflow_id(input.site)).signal(flows.Site.node_transition, transition)
         except RPCError as error:
             if error.status != RPCStatusCode.NOT_FOUND:
                 raise

@@ -38,6 +38,7 @@ from fleet.messages.demand import (
 )
 from fleet.models import CapacityType
 from fleet.naming import capacity_workflow_id, join_workflow_id
+from fleet.contracts import workflows as flows
 
 #: NodeJoin steps before the provider is asked for a machine: cancelling then buys nothing.
 BEFORE_PROVISIONING = ("starting", "resolving site")
@@ -124,7 +125,7 @@ class DemandActivities:
         rooms = []
         async for found in client.list_workflows(query, limit=200):
             try:
-                progress = await client.get_workflow_handle(found.id).query("progress", result_type=CapacityProgress)
+                progress = await client.get_workflow_handle(found.id).query(flows.AcquireCapacity.progress, result_type=CapacityProgress)
             except RPCError:
                 continue  # finished in between: its node, if any, is a node now
             wanted = max(0, progress.requested - progress.joined)
@@ -208,7 +209,7 @@ class DemandActivities:
     async def start_purchase(self, input: StartPurchaseInput) -> str:
         """Start the purchase's AcquireCapacity (a retried start finds the one it started)."""
         handle = await activity.client().start_workflow(
-            "AcquireCapacity", input.request, id=input.workflow_id, task_queue=activity.info().task_queue,
+            flows.AcquireCapacity.TYPE, input.request, id=input.workflow_id, task_queue=activity.info().task_queue,
             id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING, static_summary=input.summary[:400],
         )
         return handle.id
@@ -246,7 +247,7 @@ class DemandActivities:
         try:
             described = await join.describe()
             if described.status == WorkflowExecutionStatus.RUNNING:
-                progress = await join.query("progress")
+                progress = await join.query(flows.NodeJoin.progress)
                 step = progress.get("step", "") if isinstance(progress, dict) else getattr(progress, "step", "")
             else:
                 step = described.status.name.lower() if described.status else ""

@@ -17,7 +17,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError, FailureError
 from temporalio.service import RPCError, RPCStatusCode
 
-from fleet.messages.entity_update import EntityUpdateInput, EntityUpdateResult
+from fleet.contracts.entity_update import EntityUpdateInput, EntityUpdateResult
 
 #: Well inside the workflow's heartbeat timeout: an update can run for minutes
 #: (``credentials_rotated`` runs the deletes queued while the account was revoked).

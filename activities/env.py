@@ -20,9 +20,9 @@ from fleet.settings import Settings
 from providers import make_provider
 from providers.base import Provider
 from providers.cluster.base import Cluster
-from providers.sim import SimWorld
 
 if TYPE_CHECKING:
+    from sim.world import SimWorld
     from activities.account_store import AccountStore, ClusterAccountStore
 
 
@@ -31,7 +31,7 @@ class FleetEnv:
     settings: Settings
     config: FleetConfig
     cluster: Cluster
-    world: SimWorld | None = None
+    world: "SimWorld | None" = None
     _providers: dict[str, Provider] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _accounts: "AccountStore | ClusterAccountStore | None" = None
@@ -40,7 +40,8 @@ class FleetEnv:
     def from_settings(cls, settings: Settings) -> "FleetEnv":
         config = load_config(settings.config)
         if config.mode == "sim":
-            from providers.cluster.sim import SimCluster
+            from sim.cluster import SimCluster
+            from sim.world import SimWorld
 
             world = SimWorld(settings.sim_db)
             world.seed(config)
@@ -102,13 +103,17 @@ class FleetEnv:
             if site_name not in self._providers:
                 site = self.site(site_name)
                 account = self.config.account_for(site)
-                if self.world is None and site.provider == "own-dc":
+                if self.world is not None:
+                    from sim.provider import SimProvider
+
+                    self._providers[site_name] = SimProvider(site, account, self.world)
+                elif site.provider == "own-dc":
                     # Which rack machine is allocated lives in the cluster, not on this pod's disk.
                     from providers.own_dc import ClusterAllocations, OwnDcProvider
 
                     allocations = ClusterAllocations(self.cluster, account.name)
                     self._providers[site_name] = OwnDcProvider(site, account, allocations)
                 else:
-                    self._providers[site_name] = make_provider(site, account, self.world)
+                    self._providers[site_name] = make_provider(site, account)
             return self._providers[site_name]
 

@@ -37,6 +37,7 @@ from fleet.messages.evacuation import (
     ReleaseNodesResult,
     UncordonInput,
 )
+from fleet.contracts import workflows as flows
 
 
 def site_facts(site: Site) -> SiteFacts:
@@ -78,7 +79,7 @@ class EvacuationActivities:
             static_summary=f"site {input.site}: min/max reconcile, incidents",
         )
         asking = asyncio.ensure_future(client.execute_update_with_start_workflow(
-            "admit_repair", input, start_workflow_operation=start, result_type=RepairDecision,
+            flows.Site.admit_repair, input, start_workflow_operation=start, result_type=RepairDecision,
         ))
         # The Site entity may hold the answer for its settle window: heartbeat meanwhile, so a
         # worker lost mid-question is noticed in seconds, not at the start-to-close timeout.

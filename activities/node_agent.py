@@ -21,7 +21,7 @@ from temporalio import activity
 from temporalio.exceptions import ApplicationError
 
 from activities.waiting import Liveness
-from activities.models import (
+from fleet.messages.nodes import (
     GpuProbeResult,
     ProbeGpusInput,
     ReinstallDriverInput,

@@ -16,7 +16,7 @@ from activities.capacity import reports_account
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.waiting import poll_until
-from activities.models import (
+from fleet.messages.nodes import (
     ContainInput,
     ContainResult,
     FenceInput,

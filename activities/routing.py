@@ -30,15 +30,10 @@ from fleet.messages.routing import (
     SiteEventInput,
     apply_override,
 )
-from fleet.routing import (
-    ENDPOINTS_KIND,
-    RoutingDocument,
-    SiteLoad,
-    endpoints_key,
-    next_document,
-    routing_workflow_id,
-)
+from fleet.routing import ENDPOINTS_KIND, RoutingDocument, SiteLoad, endpoints_key, next_document
+from fleet.naming import routing_workflow_id
 from providers.model_server_metrics import queue_depth
+from fleet.contracts import workflows as flows
 
 #: Round trip assumed to a site in the callers' geography, and to one elsewhere, until
 #: measured latencies feed the sample: enough for ``nearest`` to keep traffic at home.
@@ -138,10 +133,10 @@ class RoutingActivities:
         handles = []
         for model in models:
             await client.start_workflow(
-                "Routing", RoutingInput(model=model).model_dump(mode="json", exclude_none=True),
+                flows.Routing.TYPE, RoutingInput(model=model).model_dump(mode="json", exclude_none=True),
                 id=routing_workflow_id(model), task_queue=activity.info().task_queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-                start_signal="site_event", start_signal_args=[input.event.model_dump(mode="json")],
+                start_signal=flows.Routing.site_event, start_signal_args=[input.event.model_dump(mode="json")],
                 static_summary=f"routing of {model}: the one writer of its routes",
             )
             # By id alone: the entity may continue as new while we wait on it.
@@ -159,7 +154,7 @@ class RoutingActivities:
         wanted: int | None = None
         while True:
             try:
-                progress = await handle.query("progress", result_type=RoutingProgress)
+                progress = await handle.query(flows.Routing.progress, result_type=RoutingProgress)
             except RPCError:  # a just-started entity answers queries after its first task
                 progress = None
             if progress is not None:

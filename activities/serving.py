@@ -19,7 +19,7 @@ from activities.capacity import heartbeating
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.waiting import poll_until
-from activities.rollout_models import (
+from fleet.messages.rollout import (
     EvacuationInput,
     ProbeServingInput,
     ResolveRolloutSitesInput,
@@ -48,7 +48,7 @@ class ServingActivities:
     def prober(self):
         if self._probe is None:
             if self.env.world is not None:
-                from providers.serving_probe import SimProbe
+                from sim.probe import SimProbe
 
                 self._probe = SimProbe(self.env.world, self.env.cluster)
             else:

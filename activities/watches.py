@@ -52,6 +52,7 @@ from fleet.messages.watches import (
     node_summary,
 )
 from fleet.naming import site_workflow_id
+from fleet.contracts import workflows as flows
 
 #: A watch's own loop looks at least this often (its chunks, its rechecks), whatever it waits for.
 RECHECK_SECONDS = 30.0
@@ -320,7 +321,7 @@ class WatchActivities:
                 continue
             # USE_EXISTING: one started meanwhile (or that visibility did not list yet) is kept.
             await client.start_workflow(
-                "Site", {"site": name}, id=site_workflow_id(name), task_queue=activity.info().task_queue,
+                flows.Site.TYPE, {"site": name}, id=site_workflow_id(name), task_queue=activity.info().task_queue,
                 id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
                 static_summary=f"site {name}: min/max reconcile, incidents",
             )

@@ -43,7 +43,7 @@ from temporalio.exceptions import ApplicationError
 from activities import metrics
 from activities.env import FleetEnv
 from activities.errors import typed_errors
-from activities.rollout_models import Checkpoint, OpenUpload, Part, ReplicateInput, ReplicateResult
+from fleet.messages.rollout import Checkpoint, OpenUpload, Part, ReplicateInput, ReplicateResult
 from fleet.config import ObjectStore
 from fleet.errors import InvalidRequest
 from fleet.rollout import WeightFile, part_size_for

@@ -33,7 +33,6 @@ targets.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import re
 import socket
@@ -45,26 +44,27 @@ from collections import Counter
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator
+from typing import Annotated, AsyncIterator
 
 import httpx
+import typer
 import yaml
 from temporalio.api.enums.v1 import EventType
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from activities.env import FleetEnv
-from bench.common import fleet, start_node_host, until
+from bench.common import command_line, fleet, bench_args, start_node_host, until
 from cli.demand import start_demand_loop
 from cli.dev import dev_server_tuning_flags, temporal_binary
 from fleet import search_attributes
 from fleet.cluster import ServingSpec
 from fleet.messages.routing import RoutingInput
-from fleet.naming import reclaim_workflow_id
-from fleet.routing import routing_workflow_id
+from fleet.naming import reclaim_workflow_id, routing_workflow_id
 from fleet.schedules import SCHEDULES, apply_schedules
 from fleet.settings import Settings
 from workers.control_plane import build_worker
+from fleet.contracts import workflows as flows
 
 #: History events that are billed actions. A child's start and an external signal are
 #: counted once, on the receiving workflow (its Started / Signaled event).
@@ -250,20 +250,7 @@ def projection(f: dict[str, float], nodes: int, per_event: dict[str, float], pri
     return {"idle": idle, "events": events, "per_s": per_s, "usd_month": per_s * 86400 * 30 * price / 1e6}
 
 
-async def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sites", type=int, default=5)
-    parser.add_argument("--nodes", type=int, default=6)
-    parser.add_argument("--models", type=int, default=2, help="models served, each with its Routing entity")
-    parser.add_argument("--idle-seconds", type=float, default=300)
-    parser.add_argument("--warmup-seconds", type=float, default=60,
-                        help="after the joins, before the idle window (first reconciles, first watches)")
-    parser.add_argument("--events", type=int, default=3, help="joins, health changes and reclaims, each")
-    parser.add_argument("--settle-seconds", type=float, default=20, help="after each burst of events")
-    parser.add_argument("--price-per-million", type=float, default=50.0)
-    parser.add_argument("--smoke", action="store_true", help="short windows, few events (the suite's size)")
-    parser.add_argument("--check", action="store_true", help="exit 1 when a target is not met")
-    args = parser.parse_args()
+async def main(args) -> int:
     if args.smoke:
         args.sites, args.nodes, args.models, args.idle_seconds, args.warmup_seconds = 3, 2, 1, 20, 5
         args.events, args.settle_seconds = 1, 8
@@ -290,9 +277,9 @@ async def main() -> int:
                 for model in models:
                     for i in range(occupied):
                         cluster.apply_serving(ServingSpec(model=model, site=f"site-{i}", image="vllm:bench"))
-                    await client.start_workflow("Routing", RoutingInput(model=model).model_dump(mode="json",
+                    await client.start_workflow(flows.Routing.TYPE, RoutingInput(model=model).model_dump(mode="json",
                                                 exclude_none=True), id=routing_workflow_id(model), task_queue=queue)
-                joins = [client.execute_workflow("NodeJoin", {"site": f"site-{i % occupied}"},
+                joins = [client.execute_workflow(flows.NodeJoin.TYPE, {"site": f"site-{i % occupied}"},
                                                  id=f"join/site-{i % occupied}/{uuid.uuid4().hex[:6]}",
                                                  task_queue=queue) for i in range(args.nodes)]
                 await asyncio.gather(*joins)
@@ -333,7 +320,7 @@ async def main() -> int:
 
                 async def join() -> None:
                     await asyncio.gather(*[client.execute_workflow(
-                        "NodeJoin", {"site": "site-0"}, id=f"join/site-0/{uuid.uuid4().hex[:6]}", task_queue=queue)
+                        flows.NodeJoin.TYPE, {"site": "site-0"}, id=f"join/site-0/{uuid.uuid4().hex[:6]}", task_queue=queue)
                         for _ in range(args.events)])
 
                 per_event["join"] = await burst("join", join)
@@ -429,5 +416,21 @@ async def main() -> int:
     return 1 if args.check and not all(checks.values()) else 0
 
 
+def cli(
+    sites: Annotated[int, typer.Option()] = 5,
+    nodes: Annotated[int, typer.Option()] = 6,
+    models: Annotated[int, typer.Option(help="models served, each with its Routing entity")] = 2,
+    idle_seconds: Annotated[float, typer.Option()] = 300,
+    warmup_seconds: Annotated[float, typer.Option(
+        help="after the joins, before the idle window (first reconciles, first watches)")] = 60,
+    events: Annotated[int, typer.Option(help="joins, health changes and reclaims, each")] = 3,
+    settle_seconds: Annotated[float, typer.Option(help="after each burst of events")] = 20,
+    price_per_million: Annotated[float, typer.Option()] = 50.0,
+    smoke: Annotated[bool, typer.Option("--smoke", help="short windows, few events (the suite's size)")] = False,
+    check: Annotated[bool, typer.Option("--check", help="exit 1 when a target is not met")] = False,
+) -> None:
+    sys.exit(asyncio.run(main(bench_args(locals()))))
+
+
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    command_line(cli, __doc__)

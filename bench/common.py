@@ -13,15 +13,17 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator, Awaitable, Callable
+from types import SimpleNamespace
+from typing import Annotated, AsyncIterator, Awaitable, Callable, NoReturn
 
+import typer
 import yaml
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from fleet import search_attributes
 from cli.dev import dev_server_tuning_flags, temporal_binary
-from fleet.settings import Settings
+from fleet.settings import NodeAgentEnv, Settings
 
 
 def fleet(sites: int = 5, capacity: int = 100, latency_ms: int = 0, boot_seconds: float = 0.0) -> dict:
@@ -65,7 +67,7 @@ def start_node_host(settings: Settings, health_seconds: float | None = None) -> 
     ``health_seconds``: the agents' probe interval (0: no health reports)."""
     env = {**os.environ, **settings.env()}
     if health_seconds is not None:
-        env["GPUFLEET_HEALTH_SECONDS"] = str(health_seconds)
+        env[NodeAgentEnv.variable("health_seconds")] = str(health_seconds)
     return subprocess.Popen([sys.executable, "-m", "workers.node_agent", "--sim", "--poll-seconds", "0.05"], env=env)
 
 
@@ -104,6 +106,33 @@ def median(values: list[float]) -> float:
 
 def run(main: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(main())
+
+
+# -- the command line: every bench is a typer program (``python -m bench.<name> --help``) -------
+#: ``--smoke``: the size tests/test_bench_smoke.py runs (seconds; a crash fails it).
+Smoke = Annotated[bool, typer.Option("--smoke", help="the suite's size (tests/test_bench_smoke.py): seconds; "
+                                                     "a crash fails it")]
+
+
+def command_line(command: Callable[..., object], doc: str | None = None) -> None:
+    """Run ``command`` as the bench's program: its parameters are the options (``--kebab-case``
+    of each name, typer), ``doc``'s first paragraph (the module's docstring) the ``--help``.
+    A command's return value is not the exit status: it raises SystemExit for that."""
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False, rich_markup_mode=None)
+    app.command(help=(doc or command.__doc__ or "").strip().split("\n\n")[0] or None)(command)
+    app()
+
+
+def bench_args(values: dict[str, object]) -> SimpleNamespace:
+    """A command's options (its ``locals()``) as the ``args`` the bench's code reads and its
+    ``--smoke`` rewrites, as argparse's namespace was."""
+    return SimpleNamespace(**values)
+
+
+def usage_error(message: str) -> NoReturn:
+    """A bad option or combination of options: the usage and ``message``, exit status 2 (as
+    argparse's ``parser.error`` was)."""
+    raise typer.BadParameter(message)
 
 
 # -- figures: percentiles and other processes' CPU and memory (Linux /proc) -----------------

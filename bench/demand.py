@@ -16,14 +16,17 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import itertools
 import random
 import statistics
 import time
 import uuid
+from typing import Annotated
 
+import typer
+
+from bench.common import command_line, bench_args
 from fleet.config import parse_config
 from fleet.demand import (
     DEMAND_TAINT_KEY,
@@ -36,6 +39,7 @@ from fleet.demand import (
 from fleet.demand_planner import plan_demand
 from fleet.models import CapacityType, Offer
 from fleet.placement import effective_price
+from fleet.contracts import workflows as flows
 
 GEOS = ["us", "eu", "ap"]
 
@@ -153,8 +157,8 @@ def planning_quality(instances: int) -> tuple[float, float]:
 async def pod_to_bound(rounds: int) -> float:
     from bench.common import bench_env, fleet, start_node_host
     from fleet.messages.demand import DemandStatus
-    from providers.cluster.sim import SimCluster
-    from providers.sim import SimWorld
+    from sim.cluster import SimCluster
+    from sim.world import SimWorld
     from workers.control_plane import build_worker
 
     config = fleet(sites=1, capacity=100)
@@ -166,14 +170,14 @@ async def pod_to_bound(rounds: int) -> float:
         try:
             async with build_worker(env.client, settings):
                 demand = await env.client.start_workflow(
-                    "Demand", {"consolidate": False, "batch_idle_seconds": 0, "batch_max_seconds": 10,
+                    flows.Demand.TYPE, {"consolidate": False, "batch_idle_seconds": 0, "batch_max_seconds": 10,
                                "poll_seconds": 0.02, "tick_seconds": 60},
                     id=f"demand-bench-{uuid.uuid4().hex[:4]}", task_queue=settings.task_queue)
                 ratios, windows = [], []
                 for i in range(rounds):
                     start = time.perf_counter()
                     joined = await env.client.execute_workflow(
-                        "NodeJoin", {"site": "site-0"}, id=f"join/site-0/bench-{uuid.uuid4().hex[:6]}",
+                        flows.NodeJoin.TYPE, {"site": "site-0"}, id=f"join/site-0/bench-{uuid.uuid4().hex[:6]}",
                         task_queue=settings.task_queue)
                     direct = time.perf_counter() - start
                     direct_node = joined["nodes"][0]["node_name"]
@@ -199,17 +203,17 @@ async def pod_to_bound(rounds: int) -> float:
                         if pods[name].node:
                             break
                         if time.perf_counter() - start > 60:
-                            state = await demand.query("status", result_type=DemandStatus)
+                            state = await demand.query(flows.Demand.status, result_type=DemandStatus)
                             for p in state.purchases:
                                 h = env.client.get_workflow_handle(p.workflow_id)
-                                print(p.workflow_id, (await h.describe()).status, await h.query("progress"))
+                                print(p.workflow_id, (await h.describe()).status, await h.query(flows.AcquireCapacity.progress))
                             raise SystemExit(f"pod {name} not bound in 60 s; the loop says: {state.log[-5:]}, "
                                              f"{state.unplaceable}, {state.covered}")
                         await asyncio.sleep(0.01)
                     took = time.perf_counter() - start
                     if pods[name].node == direct_node:
                         raise SystemExit(f"pod {name} was bound to the directly joined {direct_node}: no purchase timed")
-                    state = await demand.query("status", result_type=DemandStatus)
+                    state = await demand.query(flows.Demand.status, result_type=DemandStatus)
                     window = state.window_seconds
                     windows.append(window)
                     ratios.append((took - window) / direct)
@@ -224,14 +228,15 @@ async def pod_to_bound(rounds: int) -> float:
     return ratio
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--instances", type=int, default=7)
-    parser.add_argument("--small", type=int, default=40)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--smoke", action="store_true", help="the suite's size (tests/test_bench_smoke.py): "
-                        "seconds; targets printed, not enforced (one round says little); a crash fails it")
-    args = parser.parse_args()
+def main(
+    instances: Annotated[int, typer.Option()] = 7,
+    small: Annotated[int, typer.Option()] = 40,
+    rounds: Annotated[int, typer.Option()] = 5,
+    smoke: Annotated[bool, typer.Option(
+        "--smoke", help="the suite's size (tests/test_bench_smoke.py): seconds; targets printed, not enforced "
+                        "(one round says little); a crash fails it")] = False,
+) -> None:
+    args = bench_args(locals())
     if args.smoke:
         args.instances, args.small, args.rounds = 1, 2, 1
     p50 = planning_speed(args.instances)
@@ -243,4 +248,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command_line(main, __doc__)

@@ -12,13 +12,16 @@ and joins at site-4. Then: a revoked account is skipped with zero provider calls
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import uuid
+from typing import Annotated
+
+import typer
 
 from activities.env import FleetEnv
-from bench.common import bench_env, fleet, median, run, start_node_host, timed
+from bench.common import Smoke, bench_env, command_line, fleet, median, bench_args, run, start_node_host, timed
 from workers.control_plane import build_worker
+from fleet.contracts import workflows as flows
 
 SKIPPED = 4
 
@@ -30,11 +33,7 @@ def retire_all(env: FleetEnv) -> None:
         env.provider(machine["site"]).delete_machine(machine["id"])
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--smoke", action="store_true", help="the suite's size (tests/test_bench_smoke.py): seconds; a crash fails it")
-    args = parser.parse_args()
+async def main(args) -> None:
     if args.smoke:
         args.rounds = 1
     async with bench_env(fleet(sites=5, capacity=50)) as (env, settings):
@@ -45,14 +44,14 @@ async def main() -> None:
         queue = settings.task_queue
 
         async def direct() -> None:
-            await client.execute_workflow("NodeJoin", {"site": "site-4"}, id=f"join/site-4/{uuid.uuid4().hex[:8]}",
+            await client.execute_workflow(flows.NodeJoin.TYPE, {"site": "site-4"}, id=f"join/site-4/{uuid.uuid4().hex[:8]}",
                                           task_queue=queue)
 
         attempts: list[list[str]] = []
 
         async def fallback() -> None:
             result = await client.execute_workflow(
-                "AcquireCapacity", {"constraints": {"gpu": "H100"}, "count": 1, "catalog_max_age_seconds": 3600},
+                flows.AcquireCapacity.TYPE, {"constraints": {"gpu": "H100"}, "count": 1, "catalog_max_age_seconds": 3600},
                 id=f"capacity/bench-{uuid.uuid4().hex[:8]}", task_queue=queue,
             )
             attempts.append([f"{a['offer'].split('/')[0]}:{a['outcome']}" for a in result["attempts"]])
@@ -60,7 +59,7 @@ async def main() -> None:
         direct_times, fallback_times = [], []
         async with build_worker(client, settings):
             # The catalog is read while every site sells; then the first four run dry.
-            await client.execute_workflow("CatalogRefresh", None, id="catalog-refresh-bench", task_queue=queue)
+            await client.execute_workflow(flows.CatalogRefresh.TYPE, None, id="catalog-refresh-bench", task_queue=queue)
             for i in range(SKIPPED):
                 world.set_site(f"site-{i}", capacity=0)
             await direct()  # warm-up: connections, sandbox imports
@@ -75,11 +74,11 @@ async def main() -> None:
             world.set_site("site-3", capacity=5)
             before = world.calls("acct-4")
             await client.execute_workflow(
-                "AcquireCapacity", {"constraints": {"gpu": "H100"}, "count": 1, "catalog_max_age_seconds": 3600,
+                flows.AcquireCapacity.TYPE, {"constraints": {"gpu": "H100"}, "count": 1, "catalog_max_age_seconds": 3600,
                                     "exclude": []},
                 id=f"capacity/bench-revoked-{uuid.uuid4().hex[:6]}", task_queue=queue,
             )
-            await client.execute_workflow("CatalogRefresh", None, id="catalog-refresh-bench-2", task_queue=queue)
+            await client.execute_workflow(flows.CatalogRefresh.TYPE, None, id="catalog-refresh-bench-2", task_queue=queue)
             revoked_calls = world.calls("acct-4") - before
         host.terminate()
         host.wait()
@@ -93,5 +92,10 @@ async def main() -> None:
     print(f"  provider calls to a revoked account during a request + a catalog refresh: {revoked_calls}")
 
 
+def cli(rounds: Annotated[int, typer.Option()] = 5, smoke: Smoke = False) -> None:
+    args = bench_args(locals())
+    run(lambda: main(args))
+
+
 if __name__ == "__main__":
-    run(main)
+    command_line(cli, __doc__)

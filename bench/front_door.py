@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import sys
@@ -21,12 +20,15 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Annotated
 
 import httpx
+import typer
 
+from bench.common import command_line, bench_args
 from fleet.routing import RoutingDocument, SiteRouteState
 from providers.haproxy import INSTALL_HINT, HAProxy, Replica, haproxy_binary
-from workers.sim_model_server import SimModelServer
+from sim.model_server import SimModelServer
 
 BODY = {"model": "llm", "prompt": "hi", "stream": True, "max_tokens": 2}
 
@@ -115,12 +117,7 @@ async def kill_site(workdir: Path, seconds: float = 2.0, parallel: int = 8) -> b
     return ok
 
 
-async def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=200)
-    parser.add_argument("--smoke", action="store_true", help="the suite's size (tests/test_bench_smoke.py): "
-                        "seconds; targets printed, not enforced (10 rounds say little); a crash fails it")
-    args = parser.parse_args()
+async def main(args) -> int:
     if args.smoke:
         args.rounds = 10
     if haproxy_binary() is None:
@@ -131,5 +128,14 @@ async def main() -> int:
     return 0 if all(results) or args.smoke else 1
 
 
+def cli(
+    rounds: Annotated[int, typer.Option()] = 200,
+    smoke: Annotated[bool, typer.Option(
+        "--smoke", help="the suite's size (tests/test_bench_smoke.py): seconds; targets printed, not enforced "
+                        "(10 rounds say little); a crash fails it")] = False,
+) -> None:
+    sys.exit(asyncio.run(main(bench_args(locals()))))
+
+
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    command_line(cli, __doc__)

@@ -44,8 +44,8 @@ The gateway runs in its own process (``python -m workers.node_gateway``), as dep
 
 from __future__ import annotations
 
-import argparse
 import asyncio
+import enum
 import json
 import os
 import statistics
@@ -56,17 +56,23 @@ import uuid
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Annotated, Optional
+
+import typer
 
 from temporalio import activity, workflow
 from temporalio.client import Client
 from temporalio.worker import PollerBehaviorSimpleMaximum, UnsandboxedWorkflowRunner, Worker
 
-from bench.common import bench_env, fleet, run, pct, proc_cpu, rss_mb
+from bench.common import bench_env, command_line, fleet, bench_args, run, pct, proc_cpu, rss_mb
 from bench.repair_latency import repair_result
 from cli.dev import wait_for_port
 from workers.node_agent import connect_via_gateway
 from workers.gateway.node_identity import GatewayAccess
 from workers.gateway.pki import Pki, dev_gateway_files
+from fleet.contracts import activities as act
+from fleet.contracts import workflows as flows
+from fleet.naming import node_queue, node_workflow_id
 
 
 
@@ -81,7 +87,7 @@ class RoundTrips:
     async def run(self, args: list) -> int:
         queue, count = args
         for i in range(count):
-            await workflow.execute_activity("noop", i, task_queue=queue, start_to_close_timeout=timedelta(seconds=30))
+            await workflow.execute_activity(noop, i, task_queue=queue, start_to_close_timeout=timedelta(seconds=30))
         return count
 
 
@@ -94,13 +100,13 @@ class SteadyWatch:
         queue, watch_seconds, heartbeat_seconds = args
         while True:
             await workflow.execute_activity(
-                "watch_node", queue, task_queue=queue, start_to_close_timeout=timedelta(seconds=3 * watch_seconds),
+                act.watch_node, queue, task_queue=queue, start_to_close_timeout=timedelta(seconds=3 * watch_seconds),
                 heartbeat_timeout=timedelta(seconds=2 * heartbeat_seconds))
 
 
 async def round_trips(client: Client, control_queue: str, queue: str, count: int) -> list[float]:
     """Activity round trips (ActivityTaskScheduled → ActivityTaskCompleted), seconds."""
-    handle = await client.start_workflow("GatewayRoundTrips", [queue, count], id=f"rt-{uuid.uuid4().hex[:8]}",
+    handle = await client.start_workflow(RoundTrips.run, [queue, count], id=f"rt-{uuid.uuid4().hex[:8]}",
                                          task_queue=control_queue)
     await handle.result()
     scheduled, out = {}, []
@@ -118,7 +124,7 @@ async def compare_round_trips(client: Client, settings, access: GatewayAccess, p
                               samples: int) -> tuple[list[float], list[float]]:
     """``samples`` round trips each way, alternating in batches of 10 after a warm-up each."""
     direct_name, gw_name = f"rt-direct-{uuid.uuid4().hex[:6]}", f"rt-gw-{uuid.uuid4().hex[:6]}"
-    await client.start_workflow("Node", {"node_name": gw_name}, id=f"node/{gw_name}", task_queue="nobody")
+    await client.start_workflow(flows.Node.TYPE, {"node_name": gw_name}, id=node_workflow_id(gw_name), task_queue="nobody")
     cert, key = enrol_sim_node(settings, gw_name, pki)  # what the gateway's liveness check asks for
     node_client = await connect_via_gateway(access, settings.namespace, cert, key)
     # The direct agent gets a connection of its own too: sharing the control plane's (busy with
@@ -130,17 +136,17 @@ async def compare_round_trips(client: Client, settings, access: GatewayAccess, p
     try:
         async with Worker(client, task_queue=control_queue, workflows=[RoundTrips],
                           workflow_runner=UnsandboxedWorkflowRunner()), \
-                Worker(direct_client, task_queue=f"node/{direct_name}", **one), \
-                Worker(node_client, task_queue=f"node/{gw_name}", **one):
-            await round_trips(client, control_queue, f"node/{direct_name}", 10)  # warm-up
-            await round_trips(client, control_queue, f"node/{gw_name}", 10)
+                Worker(direct_client, task_queue=node_queue(direct_name), **one), \
+                Worker(node_client, task_queue=node_queue(gw_name), **one):
+            await round_trips(client, control_queue, node_queue(direct_name), 10)  # warm-up
+            await round_trips(client, control_queue, node_queue(gw_name), 10)
             batch = 10
             for i in range(max(1, samples // batch)):
                 sides = [(direct, direct_name), (through, gw_name)]
                 for out, name in (sides if i % 2 == 0 else sides[::-1]):
-                    out += await round_trips(client, control_queue, f"node/{name}", batch)
+                    out += await round_trips(client, control_queue, node_queue(name), batch)
     finally:
-        await client.get_workflow_handle(f"node/{gw_name}").terminate("bench over")
+        await client.get_workflow_handle(node_workflow_id(gw_name)).terminate("bench over")
     return direct, through
 
 
@@ -326,19 +332,7 @@ async def holder_calls(holder: subprocess.Popen) -> dict:
     return json.loads(await asyncio.to_thread(holder.stdout.readline))
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--samples", type=int, default=400, help="round trips each way, per run")
-    parser.add_argument("--runs", type=int, default=1, help="repeat the round-trip comparison")
-    parser.add_argument("--part", choices=["all", "round-trip", "steady", "contain"], default="all")
-    parser.add_argument("--idle", type=int, default=1250, help="idle nodes holding a poll and a watch")
-    parser.add_argument("--window", type=float, default=120.0, help="seconds the steady mix's CPU is measured")
-    parser.add_argument("--heartbeat-seconds", type=float, default=300.0, help="an idle watch's heartbeat interval")
-    parser.add_argument("--watch-seconds", type=float, default=1800.0, help="an idle watch's length")
-    parser.add_argument("--faults", type=int, default=30)
-    parser.add_argument("--nodes", type=int, default=10)
-    parser.add_argument("--profile", help="run the gateway under cProfile, writing its stats here")
-    args = parser.parse_args()
+async def main(args) -> None:
     figures = Figures()
     config = fleet(sites=5, capacity=max(args.nodes, 5))
     config["repair"] = {"timeouts": {"drain_seconds": 1, "smoke_test_seconds": 10, "heartbeat_seconds": 5}}
@@ -383,10 +377,10 @@ async def main() -> None:
                 (idle_dir / f"{name}.pem").write_bytes(cert)
                 (idle_dir / f"{name}.key").write_bytes(key)
                 # The gateway's liveness asks for a running Node entity (here one no worker runs).
-                starts.append(client.start_workflow("Node", {"node_name": name}, id=f"node/{name}",
+                starts.append(client.start_workflow(flows.Node.TYPE, {"node_name": name}, id=node_workflow_id(name),
                                                     task_queue="nobody"))
                 starts.append(client.start_workflow(
-                    "GatewaySteadyWatch", [f"node/{name}", args.watch_seconds, args.heartbeat_seconds],
+                    SteadyWatch.run, [node_queue(name), args.watch_seconds, args.heartbeat_seconds],
                     id=f"watch/{name}", task_queue=control_queue))
                 if len(starts) >= 100:
                     await asyncio.gather(*starts)
@@ -420,7 +414,7 @@ async def main() -> None:
             children.append(host)
             cluster, world = sim.cluster, sim.world
             async with build_worker(client, settings):
-                joins = [client.execute_workflow("NodeJoin", {"site": f"site-{i % 5}"},
+                joins = [client.execute_workflow(flows.NodeJoin.TYPE, {"site": f"site-{i % 5}"},
                                                  id=f"join/site-{i % 5}/{uuid.uuid4().hex[:8]}",
                                                  task_queue=settings.task_queue) for i in range(args.nodes)]
                 nodes = [r["nodes"][0] for r in await asyncio.gather(*joins)]
@@ -449,5 +443,31 @@ async def main() -> None:
     report(args, figures)
 
 
+class Part(str, enum.Enum):
+    """``--part``: which of the three measurements (all: every one)."""
+
+    all = "all"
+    round_trip = "round-trip"
+    steady = "steady"
+    contain = "contain"
+
+
+def cli(
+    samples: Annotated[int, typer.Option(help="round trips each way, per run")] = 400,
+    runs: Annotated[int, typer.Option(help="repeat the round-trip comparison")] = 1,
+    part: Annotated[Part, typer.Option()] = Part.all,
+    idle: Annotated[int, typer.Option(help="idle nodes holding a poll and a watch")] = 1250,
+    window: Annotated[float, typer.Option(help="seconds the steady mix's CPU is measured")] = 120.0,
+    heartbeat_seconds: Annotated[float, typer.Option(help="an idle watch's heartbeat interval")] = 300.0,
+    watch_seconds: Annotated[float, typer.Option(help="an idle watch's length")] = 1800.0,
+    faults: Annotated[int, typer.Option()] = 30,
+    nodes: Annotated[int, typer.Option()] = 10,
+    profile: Annotated[Optional[str], typer.Option(
+        help="run the gateway under cProfile, writing its stats here")] = None,
+) -> None:
+    args = bench_args({**locals(), "part": part.value})
+    run(lambda: main(args))
+
+
 if __name__ == "__main__":
-    run(main)
+    command_line(cli, __doc__)

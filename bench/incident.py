@@ -15,26 +15,27 @@ AcquireCapacity for T exists. The node host runs in its own process, as under
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
 import uuid
+from typing import Annotated
+
+import typer
 
 from activities.env import FleetEnv
-from activities.models import HealthReport
-from bench.common import bench_env, echo_worker, fleet, run, start_node_host, until
+from fleet.messages.nodes import HealthReport
+from bench.common import bench_env, command_line, echo_worker, fleet, bench_args, run, start_node_host, until
 from bench.echo import Echo
 from fleet.cluster import ServingSpec
-from providers.sim import SimGpuBackend
+from sim.gpu import SimGpuBackend
 from workers.control_plane import build_worker
 from workers.health_report import send_report
+from fleet.contracts import workflows as flows
+from fleet.naming import evacuation_workflow_id, site_workflow_id
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--drills", type=int, default=5)
-    args = parser.parse_args()
+async def main(args) -> None:
     config = fleet(sites=2 * args.drills, capacity=8)
     # Long settle: the first two failures wait in the Site entity; the third trips it.
     config["incident"] = {"settle_seconds": 60, "check_seconds": 3600, "probe_seconds": 3600}
@@ -52,16 +53,16 @@ async def main() -> None:
                 joins = []
                 for d in range(args.drills):
                     s, t = f"site-{2 * d}", f"site-{2 * d + 1}"
-                    joins.append(client.execute_workflow("NodeJoin", {"site": s, "count": 3},
+                    joins.append(client.execute_workflow(flows.NodeJoin.TYPE, {"site": s, "count": 3},
                                                          id=f"join/{s}/{uuid.uuid4().hex[:6]}", task_queue=queue))
-                    joins.append(client.execute_workflow("NodeJoin", {"site": t},
+                    joins.append(client.execute_workflow(flows.NodeJoin.TYPE, {"site": t},
                                                          id=f"join/{t}/{uuid.uuid4().hex[:6]}", task_queue=queue))
                 await asyncio.gather(*joins)
                 for d in range(args.drills):
                     s, t = f"site-{2 * d}", f"site-{2 * d + 1}"
                     cluster.apply_serving(ServingSpec(model=f"llm-{d}", site=s, image="vllm", replicas=3, gpus_per_replica=8))
                     cluster.apply_serving(ServingSpec(model=f"llm-{d}", site=t, image="vllm", replicas=1, gpus_per_replica=8))
-                    await client.execute_workflow("SiteSweep", {"sites": [s]}, id=f"sweep-{s}", task_queue=queue)
+                    await client.execute_workflow(flows.SiteSweep.TYPE, {"sites": [s]}, id=f"sweep-{s}", task_queue=queue)
                 echo = await client.start_workflow(Echo.run, False, id=f"echo-{uuid.uuid4().hex[:6]}",
                                                    task_queue=echo_queue)
                 for seq in range(1, 4):  # warm-up
@@ -87,10 +88,10 @@ async def main() -> None:
                         world.inject_fault(m["id"], 0, "xid", 79, clears_on="reboot")
                     for m in machines[:2]:
                         await report(m)
-                    site_handle = client.get_workflow_handle(f"site/{s}")
+                    site_handle = client.get_workflow_handle(site_workflow_id(s))
 
                     async def held() -> bool:
-                        status = await site_handle.query("status")
+                        status = await site_handle.query(flows.Site.status)
                         return len(((status or {}).get("incident") or {}).get("failing") or []) >= 2
 
                     await until(held)
@@ -114,7 +115,7 @@ async def main() -> None:
                     try:
                         capacity.append(await until(capacity_started, timeout=15) - start)
                     except TimeoutError:
-                        progress = await client.get_workflow_handle(f"evacuate/{s}/1").query("progress")
+                        progress = await client.get_workflow_handle(evacuation_workflow_id(s, 1)).query(flows.SiteEvacuation.progress)
                         raise SystemExit(f"no capacity request: {progress}") from None
                     print(f"  drill {d + 1}: weight 0 after {weight0[-1] * 1000:.0f} ms, capacity requested after "
                           f"{capacity[-1] * 1000:.0f} ms", flush=True)
@@ -131,5 +132,10 @@ async def main() -> None:
     print(f"  targets p50 < 2 s (weight 0) and < 5 s (capacity): {'met' if ok else 'NOT met'}")
 
 
+def cli(drills: Annotated[int, typer.Option()] = 5) -> None:
+    args = bench_args(locals())
+    run(lambda: main(args))
+
+
 if __name__ == "__main__":
-    run(main)
+    command_line(cli, __doc__)

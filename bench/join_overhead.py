@@ -17,21 +17,25 @@ time stolen by other tenants does not count in them.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Annotated
+
+import typer
 from temporalio.worker import Worker
 
 from activities.env import FleetEnv
 from fleet import search_attributes as sa
 from fleet.naming import join_workflow_id
 from bench.baseline import NoopSteps, NoopStepsWithMetadata, noop
-from bench.common import bench_env, fleet, median, run, start_node_host, timed, proc_cpu, server_pid
+from bench.common import (Smoke, bench_env, command_line, fleet, median, bench_args, run, start_node_host, timed,
+                          proc_cpu, server_pid)
 from workers.control_plane import build_worker
 from workers.workflow_runner import workflow_runner
+from fleet.contracts import workflows as flows
 
 ACTIVITIES_PER_JOIN = 8
 
@@ -73,12 +77,7 @@ async def retire_all(env: FleetEnv, client) -> None:
     await asyncio.gather(*[handle.terminate("bench round over") for handle in entities])
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--nodes", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--smoke", action="store_true", help="the suite's size (tests/test_bench_smoke.py): seconds; a crash fails it")
-    args = parser.parse_args()
+async def main(args) -> None:
     if args.smoke:
         args.nodes, args.rounds = 3, 1
     n = args.nodes
@@ -108,7 +107,7 @@ async def main() -> None:
         async def join_one(site: dict) -> None:
             join_id = join_workflow_id(site["name"], uuid.uuid4().hex[:8])
             await client.execute_workflow(
-                "NodeJoin", {"site": site["name"]}, id=join_id, task_queue=settings.task_queue,
+                flows.NodeJoin.TYPE, {"site": site["name"]}, id=join_id, task_queue=settings.task_queue,
                 search_attributes=sa.join_start_attributes(site["name"], site["provider"], site["account"], join_id),
             )
 
@@ -154,5 +153,11 @@ async def main() -> None:
     print(f"  ratio NodeJoin / baseline + UI metadata, wall: {paired(join, meta, lambda w: w.wall)}")
 
 
+def cli(nodes: Annotated[int, typer.Option()] = 50, rounds: Annotated[int, typer.Option()] = 7,
+        smoke: Smoke = False) -> None:
+    args = bench_args(locals())
+    run(lambda: main(args))
+
+
 if __name__ == "__main__":
-    run(main)
+    command_line(cli, __doc__)

@@ -19,19 +19,22 @@ up to one interval of detection before the report; it is not in these numbers.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import statistics
 import time
 import uuid
+from typing import Annotated
+
+import typer
 
 from activities.env import FleetEnv
-from activities.models import HealthReport
-from bench.common import bench_env, echo_worker, fleet, run, start_node_host, pct
+from fleet.messages.nodes import HealthReport
+from bench.common import bench_env, command_line, echo_worker, fleet, bench_args, run, start_node_host, pct
 from bench.echo import Echo, ran
-from providers.sim import SimGpuBackend
+from sim.gpu import SimGpuBackend
 from workers.control_plane import build_worker
 from workers.health_report import send_report
+from fleet.contracts import workflows as flows
 
 
 async def repair_result(client, repair_id: str, timeout: float = 120.0) -> dict:
@@ -58,11 +61,7 @@ async def poll(predicate, timeout: float = 30, interval: float = 0.005) -> None:
         await asyncio.sleep(interval)
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--faults", type=int, default=50)
-    parser.add_argument("--nodes", type=int, default=25)
-    args = parser.parse_args()
+async def main(args) -> None:
     config = fleet(sites=5, capacity=args.nodes)
     config["repair"] = {"timeouts": {"drain_seconds": 1, "smoke_test_seconds": 10, "heartbeat_seconds": 5}}
     # One fault at a time: no burst to wait for. 50 faults on 25 nodes within minutes would
@@ -79,7 +78,7 @@ async def main() -> None:
         try:
             async with build_worker(client, settings), signal_worker:
                 joins = [
-                    client.execute_workflow("NodeJoin", {"site": f"site-{i % 5}"},
+                    client.execute_workflow(flows.NodeJoin.TYPE, {"site": f"site-{i % 5}"},
                                             id=f"join/site-{i % 5}/{uuid.uuid4().hex[:8]}", task_queue=settings.task_queue)
                     for i in range(args.nodes)
                 ]
@@ -134,5 +133,10 @@ async def main() -> None:
     print(f"  target p50 < 1 s, p99 < 2 s: {'met' if ok else 'NOT met'}")
 
 
+def cli(faults: Annotated[int, typer.Option()] = 50, nodes: Annotated[int, typer.Option()] = 25) -> None:
+    args = bench_args(locals())
+    run(lambda: main(args))
+
+
 if __name__ == "__main__":
-    run(main)
+    command_line(cli, __doc__)

@@ -24,7 +24,6 @@ would; what is measured is our side's cost.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import resource
@@ -35,8 +34,12 @@ import sys
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Annotated
+
+import typer
 
 from activities.weights import ReplicateInput, Replicator, make_s3_client
+from bench.common import Smoke, command_line, bench_args
 from fleet.config import ObjectStore
 from fleet.models import CredentialsRef
 from fleet.rollout import Replication, WeightFile
@@ -80,15 +83,15 @@ def store(endpoint: str) -> ObjectStore:
                        credentials=CredentialsRef(env="BENCH_S3_KEY"))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--files", type=int, default=8)
-    parser.add_argument("--mib", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--part-mib", type=int, default=8)
-    parser.add_argument("--concurrency", type=int, default=4)
-    parser.add_argument("--smoke", action="store_true", help="the suite's size (tests/test_bench_smoke.py): seconds; a crash fails it")
-    args = parser.parse_args()
+def main(
+    files: Annotated[int, typer.Option()] = 8,
+    mib: Annotated[int, typer.Option()] = 8,
+    rounds: Annotated[int, typer.Option()] = 5,
+    part_mib: Annotated[int, typer.Option()] = 8,
+    concurrency: Annotated[int, typer.Option()] = 4,
+    smoke: Smoke = False,
+) -> None:
+    args = bench_args(locals())
     if args.smoke:
         args.files, args.mib, args.rounds = 2, 1, 1
     os.environ["BENCH_S3_KEY"] = "bench:bench"
@@ -187,4 +190,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command_line(main, __doc__)

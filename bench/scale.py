@@ -69,7 +69,6 @@ them and terminates every workflow still running on its task queue.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -86,12 +85,15 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated, Optional
 
+import typer
 import yaml
 from temporalio.service import RPCError
 
 from activities.env import FleetEnv
-from bench.common import bench_env, fleet, run, pct, proc_cpu, rss_mb, server_pid, until
+from bench.common import (bench_env, command_line, fleet, bench_args, run, pct, proc_cpu, rss_mb, server_pid, until,
+                          usage_error)
 from fleet.settings import Settings
 from cli.dev import wait_for_port
 from workers.gc_tuning import SLOW_COLLECTION_SECONDS, settle_garbage_collection
@@ -100,6 +102,8 @@ from workers.gateway.pki import dev_gateway_files
 from fleet import search_attributes as sa
 from fleet.naming import join_workflow_id
 from fleet.schedules import SCHEDULES, apply_schedules
+from fleet.contracts import workflows as flows
+from fleet.naming import node_workflow_id, reclaim_workflow_id, site_workflow_id
 
 ENTITY_TYPES = ("Node", "Site", "ProviderAccount", "SiteEvacuation")
 #: What a seeded fault needs to clear: most resets, some reboots, a few replacements.
@@ -287,7 +291,7 @@ async def grow(client, settings, sites: list[dict], start: int, target: int, con
         async with gate:
             try:
                 result = await client.execute_workflow(
-                    "NodeJoin", {"site": site["name"]}, id=join_id, task_queue=settings.task_queue,
+                    flows.NodeJoin.TYPE, {"site": site["name"]}, id=join_id, task_queue=settings.task_queue,
                     search_attributes=sa.join_start_attributes(site["name"], site["provider"], site["account"], join_id),
                 )
                 admitted.extend(result["nodes"])
@@ -317,11 +321,11 @@ async def incident_drill(fleet_env: FleetEnv, client, step: Step, k: int) -> Non
     if len(machines) < 3:
         step.incident_said = f"{site} has {len(machines)} machines, not 3"
         return
-    handle = client.get_workflow_handle(f"site/{site}")
+    handle = client.get_workflow_handle(site_workflow_id(site))
 
     async def holding_two() -> bool:
         try:
-            status = await handle.query("status")
+            status = await handle.query(flows.Site.status)
         except RPCError:
             return False
         return len(((status or {}).get("incident") or {}).get("failing") or []) >= 2
@@ -352,7 +356,7 @@ async def check_health_traffic(client, step: Step, rng: random.Random, sample: i
     seen = sent = 0
     for name in names:
         try:
-            status = await client.get_workflow_handle(f"node/{name}").query("status")
+            status = await client.get_workflow_handle(node_workflow_id(name)).query(flows.Node.status)
         except Exception:  # noqa: BLE001 - replaced meanwhile (a spot reclaim): not in the sample
             continue
         seen += min(int((status.get("app_xids") or {}).get("13", 0)), step.health_sent[name])
@@ -394,7 +398,7 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
             await asyncio.sleep(0.01)
 
     async def reclaimed(name: str, start: float) -> None:
-        handle = client.get_workflow_handle(f"reclaim/{name}")
+        handle = client.get_workflow_handle(reclaim_workflow_id(name))
         deadline = start + args.reclaim_notice + 120
         while True:
             try:
@@ -518,9 +522,9 @@ async def prepare_drills(client, settings, fleet_env: FleetEnv, drills: int) -> 
     joins = []
     for k in range(drills):
         incident, refuge = drill_sites(k)
-        joins.append(client.execute_workflow("NodeJoin", {"site": incident, "count": 3},
+        joins.append(client.execute_workflow(flows.NodeJoin.TYPE, {"site": incident, "count": 3},
                                              id=f"join/{incident}/{uuid.uuid4().hex[:6]}", task_queue=queue))
-        joins.append(client.execute_workflow("NodeJoin", {"site": refuge},
+        joins.append(client.execute_workflow(flows.NodeJoin.TYPE, {"site": refuge},
                                              id=f"join/{refuge}/{uuid.uuid4().hex[:6]}", task_queue=queue))
     await asyncio.gather(*joins)
     for k in range(drills):
@@ -528,7 +532,7 @@ async def prepare_drills(client, settings, fleet_env: FleetEnv, drills: int) -> 
         for site, replicas in ((incident, 3), (refuge, 1)):
             await asyncio.to_thread(fleet_env.cluster.apply_serving, ServingSpec(
                 model=f"llm-drill-{k}", site=site, image="vllm", replicas=replicas, gpus_per_replica=8))
-        await client.execute_workflow("SiteSweep", {"sites": [incident]}, id=f"sweep-{incident}", task_queue=queue)
+        await client.execute_workflow(flows.SiteSweep.TYPE, {"sites": [incident]}, id=f"sweep-{incident}", task_queue=queue)
 
 
 #: Faults the largest size's window holds by default: with fewer, a p99 is just the slowest one.
@@ -562,7 +566,7 @@ async def report_to_contained(client, step: Step) -> None:
         marks: dict[str, float] = {"injected": injected_at, "fault in the sim world": written_at}
         waits = TaskWaits(since=injected_at)
         try:
-            async for event in client.get_workflow_handle(f"node/{name}").fetch_history_events():
+            async for event in client.get_workflow_handle(node_workflow_id(name)).fetch_history_events():
                 waits.see(event)
                 if event.HasField("activity_task_scheduled_event_attributes"):
                     activities[event.event_id] = event.activity_task_scheduled_event_attributes.activity_type.name
@@ -839,46 +843,7 @@ def print_table(args, steps: list[Step]) -> None:
               f"(worst of CPU and RSS: {cost:.2f}x)")
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--nodes", type=int, default=1250, help="the largest size (the last step)")
-    parser.add_argument("--sites", type=int, default=10)
-    parser.add_argument("--gpus-per-node", type=int, default=8)
-    parser.add_argument("--minutes", type=float, default=1.0, help="steady window at each size")
-    parser.add_argument("--nodes-nice", type=int, default=SIM_HOST_NICE,
-                        help="CPU niceness of the simulated nodes' host (0: the same as the control plane)")
-    parser.add_argument("--largest-minutes", type=float, default=None,
-                        help="steady window at the largest size (default: long enough for "
-                             f"{P99_SAMPLES} faults, so that its p99 is not simply the slowest one)")
-    parser.add_argument("--steps", default="", help="sizes measured, comma-separated (default: 10%%, 20%%, 50%%, "
-                        "100%% of --nodes)")
-    parser.add_argument("--fault-interval", type=float, default=2.0, help="seconds between injected faults")
-    parser.add_argument("--health-seconds", type=float, default=0.0,
-                        help="the agents' periodic probe (0: only when the sim wakes a node's watch, as a real "
-                             "node's XID waiter does: every fault here is an XID, and 1,250 simulated nodes' "
-                             "periodic probes would spend on this machine what real nodes spend on their own)")
-    parser.add_argument("--join-concurrency", type=int, default=200)
-    parser.add_argument("--heartbeat-seconds", type=float, default=30.0,
-                        help="repair heartbeat timeout (the watch's too); 30 is the product default")
-    parser.add_argument("--reclaim-interval", type=float, default=15.0,
-                        help="seconds between spot reclaim notices in the steady window (0: none)")
-    parser.add_argument("--reclaim-notice", type=float, default=20.0, help="warning a reclaim notice gives")
-    parser.add_argument("--capacity-count", type=int, default=2, help="nodes the steady window's capacity request asks")
-    parser.add_argument("--health-per-minute", type=float, default=1000.0,
-                        help="application XIDs injected per minute in the steady window (0: none)")
-    parser.add_argument("--seed", type=int, default=22)
-    parser.add_argument("--address", default="", help="an existing Temporal cluster (default: a dev server of its own)")
-    parser.add_argument("--namespace", default="default", help="with --address: the namespace")
-    parser.add_argument("--task-queue", default="", help="with --address: the control plane's queue "
-                        "(default: bench-<random>)")
-    parser.add_argument("--server-pids", default="", help="with --address: the cluster's processes on this machine, "
-                        "comma-separated, for its CPU and memory")
-    parser.add_argument("--worker-metrics-port", type=int, default=None,
-                        help="serve the control-plane worker's /metrics (the SDK's temporal_* series: pollers, "
-                             "sticky cache, schedule-to-start) on this port, to watch a run (default: none)")
-    parser.add_argument("--smoke", action="store_true", help="the suite's size (tests/test_bench_smoke.py): 2 then "
-                        "4 nodes at 2 sites, 6 s steady windows; a crash fails it")
-    args = parser.parse_args()
+async def main(args) -> None:
     if args.smoke:
         args.nodes, args.sites, args.steps, args.join_concurrency = 4, 2, "2,4", 4
         args.minutes = args.largest_minutes = 0.1
@@ -886,29 +851,29 @@ async def main() -> None:
     sizes = sorted({int(s) for s in args.steps.split(",") if s.strip()}) if args.steps else \
         sorted({max(1, round(args.nodes * f)) for f in (0.1, 0.2, 0.5, 1.0)})
     if not sizes or sizes[0] < 1:
-        parser.error("--steps: positive sizes, e.g. 125,250")
+        usage_error("--steps: positive sizes, e.g. 125,250")
     for name in ("sites", "gpus_per_node", "join_concurrency"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}: at least 1")
+            usage_error(f"--{name.replace('_', '-')}: at least 1")
     if args.reclaim_interval < 0 or args.reclaim_notice <= 0 or args.capacity_count < 1:
-        parser.error("--reclaim-interval >= 0, --reclaim-notice > 0, --capacity-count >= 1")
+        usage_error("--reclaim-interval >= 0, --reclaim-notice > 0, --capacity-count >= 1")
     if args.heartbeat_seconds <= 0:
-        parser.error("--heartbeat-seconds: greater than 0")
+        usage_error("--heartbeat-seconds: greater than 0")
     if args.minutes <= 0 or args.fault_interval <= 0:
-        parser.error("--minutes and --fault-interval: greater than 0")
+        usage_error("--minutes and --fault-interval: greater than 0")
     if args.largest_minutes is None:
         # A few more than P99_SAMPLES: the first fault waits a moment and the last may not be contained in the window.
         args.largest_minutes = max(args.minutes, math.ceil((P99_SAMPLES + 5) * args.fault_interval / 6) / 10)
     elif args.largest_minutes <= 0:
-        parser.error("--largest-minutes: greater than 0")
+        usage_error("--largest-minutes: greater than 0")
     if args.health_per_minute < 0:
-        parser.error("--health-per-minute: 0 or more")
+        usage_error("--health-per-minute: 0 or more")
     if not args.address and (args.server_pids or args.task_queue or args.namespace != "default"):
-        parser.error("--namespace, --task-queue and --server-pids go with --address")
+        usage_error("--namespace, --task-queue and --server-pids go with --address")
     try:
         server_pids = tuple(int(p) for p in args.server_pids.split(",") if p.strip())
     except ValueError:
-        parser.error("--server-pids: process ids, comma-separated")
+        usage_error("--server-pids: process ids, comma-separated")
     # Room for replacements (faults that never clear, reclaims) and capacity requests, on top
     # of the largest size.
     per_site = math.ceil(sizes[-1] / args.sites * 1.3) + 5 + math.ceil(len(sizes) * args.capacity_count / args.sites)
@@ -1007,5 +972,49 @@ async def main() -> None:
                 print_table(args, steps)
 
 
+def cli(
+    nodes: Annotated[int, typer.Option(help="the largest size (the last step)")] = 1250,
+    sites: Annotated[int, typer.Option()] = 10,
+    gpus_per_node: Annotated[int, typer.Option()] = 8,
+    minutes: Annotated[float, typer.Option(help="steady window at each size")] = 1.0,
+    nodes_nice: Annotated[int, typer.Option(
+        help="CPU niceness of the simulated nodes' host (0: the same as the control plane)")] = SIM_HOST_NICE,
+    largest_minutes: Annotated[Optional[float], typer.Option(
+        help=f"steady window at the largest size (default: long enough for {P99_SAMPLES} faults, so that its p99 "
+             "is not simply the slowest one)")] = None,
+    steps: Annotated[str, typer.Option(
+        help="sizes measured, comma-separated (default: 10%, 20%, 50%, 100% of --nodes)")] = "",
+    fault_interval: Annotated[float, typer.Option(help="seconds between injected faults")] = 2.0,
+    health_seconds: Annotated[float, typer.Option(
+        help="the agents' periodic probe (0: only when the sim wakes a node's watch, as a real node's XID waiter "
+             "does: every fault here is an XID, and 1,250 simulated nodes' periodic probes would spend on this "
+             "machine what real nodes spend on their own)")] = 0.0,
+    join_concurrency: Annotated[int, typer.Option()] = 200,
+    heartbeat_seconds: Annotated[float, typer.Option(
+        help="repair heartbeat timeout (the watch's too); 30 is the product default")] = 30.0,
+    reclaim_interval: Annotated[float, typer.Option(
+        help="seconds between spot reclaim notices in the steady window (0: none)")] = 15.0,
+    reclaim_notice: Annotated[float, typer.Option(help="warning a reclaim notice gives")] = 20.0,
+    capacity_count: Annotated[int, typer.Option(help="nodes the steady window's capacity request asks")] = 2,
+    health_per_minute: Annotated[float, typer.Option(
+        help="application XIDs injected per minute in the steady window (0: none)")] = 1000.0,
+    seed: Annotated[int, typer.Option()] = 22,
+    address: Annotated[str, typer.Option(help="an existing Temporal cluster (default: a dev server of its own)")] = "",
+    namespace: Annotated[str, typer.Option(help="with --address: the namespace")] = "default",
+    task_queue: Annotated[str, typer.Option(
+        help="with --address: the control plane's queue (default: bench-<random>)")] = "",
+    server_pids: Annotated[str, typer.Option(
+        help="with --address: the cluster's processes on this machine, comma-separated, for its CPU and memory")] = "",
+    worker_metrics_port: Annotated[Optional[int], typer.Option(
+        help="serve the control-plane worker's /metrics (the SDK's temporal_* series: pollers, sticky cache, "
+             "schedule-to-start) on this port, to watch a run (default: none)")] = None,
+    smoke: Annotated[bool, typer.Option(
+        "--smoke", help="the suite's size (tests/test_bench_smoke.py): 2 then 4 nodes at 2 sites, 6 s steady "
+                        "windows; a crash fails it")] = False,
+) -> None:
+    args = bench_args(locals())
+    run(lambda: main(args))
+
+
 if __name__ == "__main__":
-    run(main)
+    command_line(cli, __doc__)

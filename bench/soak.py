@@ -41,7 +41,6 @@ Exits 1 if any invariant is not zero. ``tests/test_soak.py`` runs it for 1.5 min
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -55,13 +54,15 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Annotated, Any, Awaitable, Callable, Optional
 
+import typer
 import yaml
 from temporalio.api.enums.v1 import EventType, PendingActivityState
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy
 
+from bench.common import command_line, bench_args, usage_error
 from cli.dev import (
     DEMO_STORE,
     DEV_S3_KEY,
@@ -78,8 +79,10 @@ from client.fleet import FleetClient
 from fleet import search_attributes
 from fleet.config import load_config
 from fleet.naming import node_name_for
-from fleet.settings import Settings
+from fleet.settings import NodeAgentEnv, Settings
 from fleet.temporal import connect
+from fleet.contracts import workflows as flows
+from fleet.naming import site_workflow_id
 
 INVARIANTS = (
     "task-failure loops",
@@ -96,6 +99,8 @@ JOIN_TIMEOUTS = {"provision_seconds": 20, "registration_seconds": 30, "smoke_tes
 
 #: The site whose provider goes away once; faults and capacity requests stay off it.
 INCIDENT_SITE = "soak-d"
+#: The soak's own run of the fleet's orphan sweep (the Schedule's runs are ``fleet-sweep``).
+SOAK_SWEEP_ID = "fleet-sweep/soak"
 FAULT_SITES = ("soak-a", "soak-b", "soak-c")
 #: The demo model's rollout targets (canary first); faults land here too.
 ROLLOUT_SITES = ("soak-a", "soak-b")
@@ -163,7 +168,7 @@ class Processes:
                     if not (k == "TEMPORAL_API_KEY" or k.startswith(("TEMPORAL_TLS", "TEMPORAL_PROFILE",
                                                                      "TEMPORAL_CONFIG_FILE")))}
         self.env.update(settings.env())
-        self.env["GPUFLEET_HEALTH_SECONDS"] = "1"
+        self.env[NodeAgentEnv.variable("health_seconds")] = "1"
         self.env.setdefault(*DEV_S3_KEY)
         # This process seeds the stores and starts the rollout (its client reads the config).
         os.environ.setdefault(DEV_S3_KEY[0], self.env[DEV_S3_KEY[0]])
@@ -311,7 +316,7 @@ class Soak:
     # -- world ---------------------------------------------------------------------------------
     @property
     def world(self):
-        from providers.sim import SimWorld
+        from sim.world import SimWorld
 
         return SimWorld(self.settings.sim_db)
 
@@ -338,7 +343,7 @@ class Soak:
     # -- workload ----------------------------------------------------------------------------------
     async def join(self, site: str) -> None:
         self.seq += 1
-        await self._start("NodeJoin", {"site": site, "timeouts": JOIN_TIMEOUTS}, f"join/{site}/soak-{self.seq}")
+        await self._start(flows.NodeJoin.TYPE, {"site": site, "timeouts": JOIN_TIMEOUTS}, f"join/{site}/soak-{self.seq}")
         self.stats["joins started"] += 1
 
     async def capacity_request(self) -> None:
@@ -346,7 +351,7 @@ class Soak:
         request = {"constraints": {"sites": list(FAULT_SITES)}, "count": self.rng.randint(1, 2),
                    "deadline_seconds": 60, "backoff_seconds": 2, "max_backoff_seconds": 5, "concurrency": 2,
                    "join_timeouts": JOIN_TIMEOUTS}
-        await self._start("AcquireCapacity", request, f"capacity/soak-{self.seq}")
+        await self._start(flows.AcquireCapacity.TYPE, request, f"capacity/soak-{self.seq}")
         self.stats["capacity requests"] += 1
 
     async def gpu_fault(self) -> None:
@@ -372,11 +377,11 @@ class Soak:
         try:
             while time.monotonic() < until:
                 try:
-                    status = await self.client.get_workflow_handle(f"site/{INCIDENT_SITE}").query("status")
+                    status = await self.client.get_workflow_handle(site_workflow_id(INCIDENT_SITE)).query(flows.Site.status)
                     incident = (status or {}).get("incident") or {}
                     evacuation = (incident.get("open") or {}).get("id") or ""
                     if evacuation:
-                        progress = await self.client.get_workflow_handle(evacuation).query("progress")
+                        progress = await self.client.get_workflow_handle(evacuation).query(flows.SiteEvacuation.progress)
                         if any(step.get("name") == "drained" for step in (progress or {}).get("timeline", [])):
                             self.stats["incident drained before heal"] += 1
                             break
@@ -445,7 +450,7 @@ class Soak:
                                                                 site_every=15, catalog_every=30))
             # The Site entities watch their sites from the start (the sweep would start them too).
             for site in (*FAULT_SITES, INCIDENT_SITE):
-                await self._start("Site", {"site": site}, f"site/{site}")
+                await self._start(flows.Site.TYPE, {"site": site}, f"site/{site}")
             # A fleet to break: enough nodes at the incident site to trip its rule.
             for _ in range(3):
                 await self.join(INCIDENT_SITE)
@@ -655,12 +660,12 @@ class Soak:
         from workflows.registry import ALL_WORKFLOWS
 
         names = {getattr(w, "__temporal_workflow_definition").name for w in ALL_WORKFLOWS}
-        if "FleetSweep" not in names:
+        if flows.FleetSweep.TYPE not in names:
             return "not in the registry yet: orphans compared here (machines vs nodes and open joins)"
         # Grace 0: after the quiesce, anything unaccounted for is an orphan.
-        await self._start("FleetSweep", {"grace_seconds": 0}, "fleet-sweep/soak")
+        await self._start(flows.FleetSweep.TYPE, {"grace_seconds": 0}, SOAK_SWEEP_ID)
         try:
-            result = await asyncio.wait_for(self.client.get_workflow_handle("fleet-sweep/soak").result(), 60)
+            result = await asyncio.wait_for(self.client.get_workflow_handle(SOAK_SWEEP_ID).result(), 60)
         except Exception as error:  # noqa: BLE001 - shown; a sweep stuck in a task-failure loop counts below
             return f"did not finish: {type(error).__name__}: {error}"
         return json.dumps(result, default=str)[:300]
@@ -689,14 +694,15 @@ async def run_soak(minutes: float = 10, seed: int = 1, state_dir: Path | None = 
     return await Soak(minutes, seed, state_dir.resolve(), log).run()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minutes", type=float, default=10, help="the whole run: 60%% chaos, then quiesce and check")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--state-dir", type=Path, help="keep the run's state and logs here (default: a temp dir)")
-    args = parser.parse_args()
+def main(
+    minutes: Annotated[float, typer.Option(help="the whole run: 60% chaos, then quiesce and check")] = 10,
+    seed: Annotated[int, typer.Option()] = 1,
+    state_dir: Annotated[Optional[Path], typer.Option(
+        help="keep the run's state and logs here (default: a temp dir)")] = None,
+) -> None:
+    args = bench_args(locals())
     if args.minutes <= 0:
-        parser.error("--minutes must be positive")
+        usage_error("--minutes must be positive")
     print(f"chaos soak: {args.minutes:g} minutes, seed {args.seed}", flush=True)
     # SIGTERM (a CI timeout) unwinds like Ctrl-C, so the stack's processes are stopped.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -707,4 +713,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    command_line(main, __doc__)

@@ -11,7 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from cli.common import Address, ConfigPath, OutputFormat, StateDir, console, err, fail, fleet_client, run, show_rows, sim_world
+from cli.common import Address, ConfigPath, OutputFormat, StateDir, console, err, fail, fleet_client, run, show_rows, sim_machine
 from cli.common import connect as _connect
 from cli.common import settings as _settings
 from cli.requests import announce, cancel_capacity, cancel_summary, detached, owned, watch_until_done
@@ -278,10 +278,7 @@ def add_sim_commands(sim_app: typer.Typer) -> None:
         state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
     ) -> None:
         """Post a spot reclaim notice for a simulated machine (its agent starts SpotReclaim)."""
-        world = sim_world(state_dir, config)
-        machine = world.machine_by_name(node)
-        if machine is None:
-            fail(f"no simulated machine named {node!r}", 2)
+        world, machine = sim_machine(state_dir, config, node)
         world.post_reclaim_notice(machine["id"], seconds)
         console.print(f"{node}: reclaim notice, taken in {seconds:.0f}s")
         # Unlike every other knob there is no undo line: a provider that reclaims takes the machine.

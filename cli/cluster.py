@@ -6,6 +6,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fleet.settings import CONFIG_ENV
+
 cluster_app = typer.Typer(no_args_is_help=True)
 
 #: What deploy/kubernetes/node-agent.yaml reads: ``endpoint`` and ``ca.crt``.
@@ -116,7 +118,7 @@ def _print_tunnels(console: Console, report) -> None:
 
 @cluster_app.command("node-config")
 def node_config(
-    config: str = typer.Option(None, "--config", envvar="GPUFLEET_CONFIG", help="fleet config (sites.yaml)"),
+    config: str = typer.Option(None, "--config", envvar=CONFIG_ENV, help="fleet config (sites.yaml)"),
     namespace: str = typer.Option("gpufleet", "--namespace", "-n", help="namespace of the node-agent DaemonSet"),
 ) -> None:
     """Print the ConfigMap the node-agent DaemonSet reads (where agents dial the node gateway),

@@ -11,14 +11,14 @@ import typer
 from rich.console import Console
 
 from fleet.config import ConfigError
-from fleet.settings import Settings
+from fleet.settings import CONFIG_ENV, STATE_DIR_ENV, Settings
 
 console = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 Address = Annotated[str, typer.Option("--address", envvar="TEMPORAL_ADDRESS", help="Temporal frontend host:port")]
-StateDir = Annotated[Path, typer.Option("--state-dir", envvar="GPUFLEET_STATE_DIR", help="where sim and dev state live")]
-ConfigPath = Annotated[Optional[str], typer.Option("--config", envvar="GPUFLEET_CONFIG",
+StateDir = Annotated[Path, typer.Option("--state-dir", envvar=STATE_DIR_ENV, help="where sim and dev state live")]
+ConfigPath = Annotated[Optional[str], typer.Option("--config", envvar=CONFIG_ENV,
                                                    help="sites.yaml (default: the built-in simulated fleet)")]
 
 DEFAULT_ADDRESS = "localhost:7233"
@@ -90,6 +90,15 @@ def sim_world(state_dir: Path | None, config: str | None):
     if env.world is None:
         fail("`gpufleet sim` needs a config in sim mode", 2)
     return env.world
+
+
+def sim_machine(state_dir: Path | None, config: str | None, node: str):
+    """The simulated world and its machine named ``node`` (exit 2, naming it, when there is none)."""
+    world = sim_world(state_dir, config)
+    machine = world.machine_by_name(node)
+    if machine is None:
+        fail(f"node: no simulated machine named {node!r}", 2)
+    return world, machine
 
 
 # -- what the user reads -----------------------------------------------------------------------

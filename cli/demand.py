@@ -23,7 +23,9 @@ from fleet.demand import (
     Toleration,
     opted_in,
 )
-from fleet.messages.demand import DEMAND_WORKFLOW_ID, DemandStatus
+from fleet.messages.demand import DemandStatus
+from fleet.naming import DEMAND_WORKFLOW_ID
+from fleet.contracts import workflows as flows
 
 pods_app = typer.Typer(help="Pods with GPU requests in the simulated cluster (demand).", no_args_is_help=True)
 
@@ -65,7 +67,7 @@ async def start_demand_loop(client, task_queue: str) -> None:
     from temporalio.common import WorkflowIDConflictPolicy
 
     await client.start_workflow(
-        "Demand", {}, id=DEMAND_WORKFLOW_ID, task_queue=task_queue,
+        flows.Demand.TYPE, {}, id=DEMAND_WORKFLOW_ID, task_queue=task_queue,
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         static_summary="demand: Pending GPU pods buy capacity, idle nodes go back",
     )
@@ -94,7 +96,7 @@ async def _status(settings, start: bool) -> DemandStatus:
     if start:
         await _start(client, settings)
     try:
-        return await client.get_workflow_handle(DEMAND_WORKFLOW_ID).query("status", result_type=DemandStatus)
+        return await client.get_workflow_handle(DEMAND_WORKFLOW_ID).query(flows.Demand.status, result_type=DemandStatus)
     except RPCError:
         if not start:
             console.print("[yellow]the demand loop is not running[/] (gpufleet demand --start)")

@@ -28,7 +28,7 @@ from cli.demand import start_demand_loop
 from cli.requests import NO_UI, UI_URL_ENV, ui_base
 from fleet import search_attributes
 from fleet.schedules import apply_schedules
-from fleet.settings import Settings
+from fleet.settings import CONFIG_ENV, DEV_S3_KEY_ENV, NodeAgentEnv, Settings, WorkerEnv
 from fleet.temporal import connect
 
 console = Console()
@@ -202,7 +202,7 @@ def seed_stores(stores: list, source_name: str | None, source) -> None:
 
 
 #: The dev S3 emulator accepts any key; the stores' credentials reference (``{env: GPUFLEET_DEV_S3_KEY}``) names this.
-DEV_S3_KEY = ("GPUFLEET_DEV_S3_KEY", "gpufleet-dev:gpufleet-dev")
+DEV_S3_KEY = (DEV_S3_KEY_ENV, "gpufleet-dev:gpufleet-dev")
 
 
 def object_store_command(port: int) -> list[str]:
@@ -382,8 +382,9 @@ def node_gateway_env(state_dir: Path, port: int) -> dict[str, str]:
     from workers.gateway.pki import dev_gateway_files
 
     pki = dev_gateway_files(state_dir)
-    return {"GPUFLEET_GATEWAY": f"127.0.0.1:{port}", "GPUFLEET_GATEWAY_CA": str(pki["ca"]),
-            "GPUFLEET_SIM_SIGNER_DIR": str(pki["ca"].parent)}
+    return {NodeAgentEnv.variable("gateway"): f"127.0.0.1:{port}",
+            NodeAgentEnv.variable("gateway_ca"): str(pki["ca"]),
+            NodeAgentEnv.variable("sim_signer_dir"): str(pki["ca"].parent)}
 
 
 def cluster_missing_line() -> str | None:
@@ -685,7 +686,7 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
             console.print(str(error), markup=False, highlight=False)
             return 1
         console.print("[dim]starting the control-plane worker, the node gateway and the simulated nodes...[/]")
-        env.setdefault("GPUFLEET_METRICS_HOST", "127.0.0.1")
+        env.setdefault(WorkerEnv.variable("metrics_host"), "127.0.0.1")
         start("control-plane", [sys.executable, "-m", "workers.control_plane",
                                 "--metrics-port", str(metrics["control-plane"])])
         # Node agents reach Temporal only through the node gateway.
@@ -709,13 +710,13 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
         export = ui_export_line(settings, env[UI_URL_ENV])
         if export is not None:
             console.print(export, markup=False, highlight=False, soft_wrap=True)
-        console.print(f"  node gateway     127.0.0.1:{ports.gateway}  (mutual TLS; CA {gateway_env['GPUFLEET_GATEWAY_CA']}; "
+        console.print(f"  node gateway     127.0.0.1:{ports.gateway}  (mutual TLS; CA {gateway_env[NodeAgentEnv.variable('gateway_ca')]}; "
                       "every node agent through it, one key and certificate each)")
         for s3_port in s3:
             console.print(f"  object stores    http://127.0.0.1:{s3_port}  (S3 emulator; demo model in {DEMO_STORE})")
         if rewritten is not None:
             console.print(f"  fleet config     {rewritten}  (its object stores on port {ports.s3}; "
-                          f"other shells: export GPUFLEET_CONFIG={rewritten})", markup=False, highlight=False)
+                          f"other shells: export {CONFIG_ENV}={rewritten})", markup=False, highlight=False)
         for name, metrics_at in metrics.items():
             if name == "temporal":
                 console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (the Temporal dev server)")

@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import uuid
 from pathlib import Path
-from typing import Annotated, Optional
+from collections.abc import Awaitable, Callable
+from typing import Annotated, Any, NoReturn, Optional, TypeVar
 
 import typer
 from rich.markup import escape
@@ -23,6 +24,7 @@ evacuate_app = typer.Typer(help="Evacuate a site by hand (a provider incident's 
                            no_args_is_help=True)
 
 Site = Annotated[str, typer.Argument(help="site (as in sites.yaml)")]
+T = TypeVar("T")
 
 
 def _fleet(address: str, state_dir: Path, config: str | None, site: str):
@@ -36,7 +38,21 @@ def _fleet(address: str, state_dir: Path, config: str | None, site: str):
     return fleet
 
 
-def _refused(error: Exception, code: int) -> None:
+def _ask(address: str, state_dir: Path, config: str | None, site: str, update: Callable[[Any], Awaitable[T]]) -> T:
+    """The answer to one update of the evacuation running at ``site``; a refusal exits 2 when the
+    arguments are wrong, 1 when there is no evacuation or it will not."""
+    from client import InvalidArgument, NotFound, Rejected
+
+    fleet = _fleet(address, state_dir, config, site)
+    try:
+        return run(update(fleet))
+    except InvalidArgument as error:
+        _refused(error, 2)
+    except (NotFound, Rejected) as error:
+        _refused(error, 1)
+
+
+def _refused(error: Exception, code: int) -> NoReturn:
     err.print(f"[red]refused:[/] {escape(str(error))}")
     raise typer.Exit(code)
 
@@ -143,15 +159,7 @@ def abort(
 
     Nodes it cordoned are uncordoned (unless held for a reason of their own, which it names),
     routing weights and Deployments go back as they were, what it bought or added elsewhere goes."""
-    from client import InvalidArgument, NotFound, Rejected
-
-    fleet = _fleet(address, state_dir, config, site)
-    try:
-        p = run(fleet.abort_evacuation(site, reason))
-    except InvalidArgument as error:
-        _refused(error, 2)
-    except (NotFound, Rejected) as error:
-        _refused(error, 1)
+    p = _ask(address, state_dir, config, site, lambda fleet: fleet.abort_evacuation(site, reason))
     console.print(f"aborting the evacuation of {site} (was {p.state}, {p.step}): it puts back what it changed; "
                   "its state goes restoring, then aborted", markup=False, highlight=False)
 
@@ -165,15 +173,8 @@ def recovered(
     config: ConfigPath = None,
 ) -> None:
     """Declare the site recovered: the evacuation restores now (each node still passes a smoke test first)."""
-    from client import InvalidArgument, NotFound, Rejected
-
-    fleet = _fleet(address, state_dir, config, site)
-    try:
-        p = run(fleet.declare_site_recovered(site, note or "declared recovered by an operator"))
-    except InvalidArgument as error:
-        _refused(error, 2)
-    except (NotFound, Rejected) as error:
-        _refused(error, 1)
+    p = _ask(address, state_dir, config, site,
+             lambda fleet: fleet.declare_site_recovered(site, note or "declared recovered by an operator"))
     console.print(f"{site} declared recovered (was {p.state}, {p.step}): smoke tests, then the weight climbs back",
                   markup=False, highlight=False)
 
@@ -186,13 +187,5 @@ def retry(
     config: ConfigPath = None,
 ) -> None:
     """Look again now for a place for the site's replicas (after adding capacity or a compliant site)."""
-    from client import InvalidArgument, NotFound, Rejected
-
-    fleet = _fleet(address, state_dir, config, site)
-    try:
-        answer = run(fleet.retry_evacuation(site))
-    except InvalidArgument as error:
-        _refused(error, 2)
-    except (NotFound, Rejected) as error:
-        _refused(error, 1)
+    answer = _ask(address, state_dir, config, site, lambda fleet: fleet.retry_evacuation(site))
     console.print(f"{site}: {answer}", markup=False, highlight=False)

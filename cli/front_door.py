@@ -2,7 +2,7 @@
 
 ``gpufleet dev`` runs this as a child (``python -m cli.front_door``) when HAProxy is
 installed, and says how to get it when not. It keeps one simulated OpenAI-compatible
-server (``workers/sim_model_server.py``) per Ready replica of each model at each site
+server (``sim/model_server.py``) per Ready replica of each model at each site
 of the simulated cluster, and HAProxy in front of them, then follows the routing
 tables that the ``Routing`` entities write: a new table version is applied through
 HAProxy's runtime API at once; a new set of replicas rewrites the configuration and
@@ -26,7 +26,8 @@ import typer
 from fleet.cluster import RoutingTable
 from fleet.routing import ENDPOINTS_KIND, TOTAL, RoutingDocument, SiteRouteState, endpoints_key
 from providers.haproxy import INSTALL_HINT, HAProxy, Replica, haproxy_binary
-from workers.sim_model_server import SimModelServer
+from sim.model_server import SimModelServer
+from fleet.contracts import workflows as flows
 
 DEFAULT_PORT = 8080
 log = logging.getLogger("gpufleet.front_door")
@@ -146,7 +147,7 @@ async def _run(port: int, first_token_ms: float) -> None:
 
     from activities.env import FleetEnv
     from fleet.messages.routing import RoutingInput
-    from fleet.routing import routing_workflow_id
+    from fleet.naming import routing_workflow_id
     from fleet.settings import Settings
     from fleet.temporal import connect
 
@@ -160,9 +161,9 @@ async def _run(port: int, first_token_ms: float) -> None:
 
     async def tell(model: str, site: str) -> None:
         await client.start_workflow(
-            "Routing", RoutingInput(model=model).model_dump(mode="json", exclude_none=True),
+            flows.Routing.TYPE, RoutingInput(model=model).model_dump(mode="json", exclude_none=True),
             id=routing_workflow_id(model), task_queue=settings.task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING, start_signal="site_event",
+            id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING, start_signal=flows.Routing.site_event,
             start_signal_args=[{"kind": "scale", "site": site, "detail": "Ready replicas changed"}],
             static_summary=f"routing of {model}: the one writer of its routes",
         )

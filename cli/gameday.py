@@ -12,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 from rich.live import Live
 from rich.table import Table
 
 from cli.common import Address, ConfigPath, StateDir, console, fail, fleet_client, run, settings
+from fleet.contracts import workflows as flows
+from fleet.naming import node_workflow_id, repair_workflow_id
 
 gameday_app = typer.Typer(no_args_is_help=True)
 HealAfter = Annotated[float, typer.Option(help="seconds after the drain before the site is healed")]
@@ -103,28 +106,38 @@ def _sim_fleet(address, state_dir, config, breaks: str):
 def _run_gameday(pick, heal_after, timeout, json_out, address, state_dir, config) -> None:
     config_, cfg = _sim_fleet(address, state_dir, config, "simulated sites")
     sites = pick(cfg)
-    import signal
-
-    # SIGTERM ends a game day like Ctrl-C does, so its `finally` heals the sites.
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        report = run(_gameday(config_, sites, heal_after, timeout))
-    except KeyboardInterrupt:
-        console.print(f"interrupted: {', '.join(sites)} reachable again")
-        raise typer.Exit(130) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    report = _run_interruptible(_gameday(config_, sites, heal_after, timeout),
+                                f"{', '.join(sites)} reachable again")
     console.print(_durations_table(report))
-    text = json.dumps(report, indent=2)
-    console.print_json(text)
-    if json_out:
-        json_out.write_text(text)
+    _print_report(report, json_out)
     if any(s["outcome"] != "restored" for s in report["sites"].values()):
         raise typer.Exit(1)
 
 
+def _run_interruptible(game_day: Coroutine[Any, Any, dict], undone: str) -> dict:
+    """The game day's report. SIGTERM ends it like Ctrl-C does (exit 130), so its `finally` puts
+    back what it broke (``undone`` says what)."""
+    import signal
+
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        return run(game_day)
+    except KeyboardInterrupt:
+        console.print(f"interrupted: {undone}")
+        raise typer.Exit(130) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _print_report(report: dict, json_out: Path | None) -> None:
+    text = json.dumps(report, indent=2)
+    console.print_json(text)
+    if json_out:
+        json_out.write_text(text)
+
+
 async def _gameday(settings, sites: list[str], heal_after: float, timeout: float) -> dict:
-    from providers.sim import SimWorld
+    from sim.world import SimWorld
 
     fleet = fleet_client(settings)
     await fleet.temporal()
@@ -324,20 +337,10 @@ def control_plane_loss(
     if missing:
         fail(f"--state-dir: no {' or '.join(missing)} process of a `gpufleet dev` stack with state in "
              f"{config_.state_dir.resolve()} (is it running?)", 2)
-    import signal
-
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
-    try:
-        report = run(_control_plane_gameday(config_, procs, outage, faults, kubelet_lag, front_door_port, timeout))
-    except KeyboardInterrupt:
-        console.print("interrupted: the control plane runs again")
-        raise typer.Exit(130) from None
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    text = json.dumps(report, indent=2)
-    console.print_json(text)
-    if json_out:
-        json_out.write_text(text)
+    report = _run_interruptible(
+        _control_plane_gameday(config_, procs, outage, faults, kubelet_lag, front_door_port, timeout),
+        "the control plane runs again")
+    _print_report(report, json_out)
     if report["problems"]:
         raise typer.Exit(1)
 
@@ -386,7 +389,7 @@ class _Traffic:
 
 def _front_door_models(world, port: int) -> list[str]:
     from cli.dev import wait_for_port
-    from providers.cluster.sim import SimCluster
+    from sim.cluster import SimCluster
 
     try:
         wait_for_port(port, timeout=0.5)
@@ -410,8 +413,8 @@ def _shadow(by_site: dict[str, list], at: float, lag: float) -> dict[str, float]
 
 async def _control_plane_gameday(settings, procs: dict[str, int], outage: float, faults: int, lag: float,
                                  port: int, timeout: float) -> dict:
-    from providers.cluster.sim import SimCluster
-    from providers.sim import SimWorld
+    from sim.cluster import SimCluster
+    from sim.world import SimWorld
 
     fleet = fleet_client(settings)
     client = await fleet.temporal()
@@ -479,9 +482,9 @@ async def _control_plane_gameday(settings, procs: dict[str, int], outage: float,
         mark("steady state")
     else:
         mark(f"no steady state within {timeout:g}s: {state['waiting']}")
-    repairs = await _workflows(client, settings, "GpuRepair", stopped_at - 1)
-    incidents = await _workflows(client, settings, "SiteEvacuation", stopped_at - 1)
-    faulted = {f"repair/{n.name}/gpu0" for n in picked}
+    repairs = await _workflows(client, settings, flows.GpuRepair.TYPE, stopped_at - 1)
+    incidents = await _workflows(client, settings, flows.SiteEvacuation.TYPE, stopped_at - 1)
+    faulted = {repair_workflow_id(n.name, 0) for n in picked}
     false_repairs = sorted(set(repairs) - faulted)
     disrupted = sorted(
         row["name"] for row in world.machines(include_deleted=True)
@@ -550,7 +553,7 @@ async def _until_steady(fleet, client, settings, world, sites, picked, returned_
                 healthy = not any(g.problems() for g in world.gpu_health(node.machine_id))
                 closed = False
                 try:
-                    described = await client.get_workflow_handle(f"repair/{node.name}/gpu0").describe()
+                    described = await client.get_workflow_handle(repair_workflow_id(node.name, 0)).describe()
                     closed = described.status is not None and described.status.name == "COMPLETED" \
                         and described.start_time.timestamp() >= returned_at - 600
                 except Exception:  # noqa: BLE001 - not started yet
@@ -565,9 +568,9 @@ async def _until_steady(fleet, client, settings, world, sites, picked, returned_
                 retrying = [a for a in described.raw_description.pending_activities if a.attempt > 3]
                 if retrying:
                     waiting.append(f"{wf.id} retrying {retrying[0].activity_type.name}")
-                if wf.workflow_type == "Node":
+                if wf.workflow_type == flows.Node.TYPE:
                     status = await fleet.node_status(wf.id.removeprefix("node/"))
-                    if status.deferred and not any(wf.id == f"node/{n.name}" for n in picked):
+                    if status.deferred and not any(wf.id == node_workflow_id(n.name) for n in picked):
                         waiting.append(f"{wf.id} holds a finding")
             state["waiting"] = "; ".join(waiting[:4])
             if not waiting:

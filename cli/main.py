@@ -33,6 +33,7 @@ from cli.common import (
     report_config,
     run,
     settings,
+    sim_machine,
     sim_world,
 )
 from cli.common import connect as connect_or_exit
@@ -512,10 +513,7 @@ def sim_fault(
     state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
 ) -> None:
     """Break one simulated GPU (or, with --clear, heal it)."""
-    world = sim_world(state_dir, config)
-    machine = world.machine_by_name(node)
-    if machine is None:
-        fail(f"node: no simulated machine named {node!r}", 2)
+    world, machine = sim_machine(state_dir, config, node)
     if clear:
         cleared = world.clear_faults(machine["id"], "never", gpu)
         console.print(f"{node} GPU {gpu}: {cleared} simulated fault(s) cleared")

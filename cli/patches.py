@@ -37,6 +37,7 @@ from typing import Annotated, Optional
 import typer
 
 from cli.common import Address, OutputFormat, connect, fail, run, settings, show_rows
+from fleet.settings import TASK_QUEUE_ENV
 
 PATCH_CALLS = ("patched", "deprecate_patch")
 COLUMNS = ["patch", "workflow", "where", "open before", "verdict"]
@@ -221,7 +222,7 @@ def patches(
              "control-plane worker ran it. ISO 8601, e.g. 2026-12-03T18:00:00Z (no offset: UTC)")],
     workflow: Annotated[Optional[str], typer.Option(help="only this workflow type's patches, e.g. NodeJoin")] = None,
     task_queue: Annotated[Optional[str], typer.Option(
-        "--task-queue", envvar="GPUFLEET_TASK_QUEUE",
+        "--task-queue", envvar=TASK_QUEUE_ENV,
         help="the control plane's task queue, where every workflow runs (default: gpufleet's)")] = None,
     output: OutputFormat = "table",
     address: Address = "localhost:7233",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import signal
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -19,7 +18,7 @@ from urllib.parse import quote
 from rich.markup import escape
 
 from cli.common import console, err
-from fleet.settings import Settings
+from fleet.settings import CliEnv, Settings
 
 T = TypeVar("T")
 
@@ -29,7 +28,7 @@ INTERRUPTED = 130
 #: frontend address (``ui_base``); ``none``: there is no UI, so no link is printed. ``gpufleet
 #: dev`` sets it for its children and prints it for other shells (its ``--ui-port``, or ``none``
 #: with ``--temporal cluster``, which runs no UI).
-UI_URL_ENV = "GPUFLEET_UI_URL"
+UI_URL_ENV = CliEnv.variable("ui_url")
 NO_UI = "none"
 
 
@@ -51,7 +50,7 @@ def ui_base(address: str) -> str:
 def ui_link(settings: Settings, workflow_id: str) -> str | None:
     """The Temporal UI page of a workflow (its latest run): ``<ui>/namespaces/<ns>/workflows/<id>``,
     the id one path segment (``join/site/x`` → ``join%2Fsite%2Fx``); None where there is no UI."""
-    base = (os.environ.get(UI_URL_ENV) or "").strip() or ui_base(settings.address)
+    base = CliEnv.get("ui_url") or ui_base(settings.address)
     if base.lower() == NO_UI:
         return None
     return f"{base.rstrip('/')}/namespaces/{quote(settings.namespace, safe='')}/workflows/{quote(workflow_id, safe='')}"

@@ -123,21 +123,22 @@ async def holds(client, task_queue: str, site_names: list[str], nodes: list, lim
     from fleet import search_attributes as sa
     from fleet.messages.capacity import SiteStatus
     from fleet.messages.repair import LadderState, NodeStatus
-    from fleet.naming import site_workflow_id
+    from fleet.contracts import workflows as flows
+    from fleet.naming import node_workflow_id, site_workflow_id
 
     found = Holds()
     queue = f'TaskQueue = "{task_queue}"'
     running = f'{queue} AND ExecutionStatus = "Running"'
     repair_ids: dict[str, list[str]] = {}
-    async for wf in client.list_workflows(f'{running} AND WorkflowType = "GpuRepair"', limit=limit):
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.GpuRepair.TYPE}"', limit=limit):
         if node := wf.typed_search_attributes.get(sa.NODE_NAME):
             repair_ids.setdefault(str(node), []).append(wf.id)
-    async for wf in client.list_workflows(f'{running} AND WorkflowType = "NodeJoin"', limit=limit):
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.NodeJoin.TYPE}"', limit=limit):
         node, site = wf.typed_search_attributes.get(sa.NODE_NAME), wf.typed_search_attributes.get(sa.SITE)
         if node and site:  # a single-node join (a fan-out names no node: its children do)
             found.joining.setdefault(str(site), set()).add(str(node))
     newest: dict[str, datetime] = {}
-    async for wf in client.list_workflows(f'{queue} AND WorkflowType = "SiteEvacuation"', limit=limit):
+    async for wf in client.list_workflows(f'{queue} AND WorkflowType = "{flows.SiteEvacuation.TYPE}"', limit=limit):
         site = str(wf.typed_search_attributes.get(sa.SITE) or wf.id.split("/")[1])
         if wf.status == WorkflowExecutionStatus.RUNNING:
             found.evacuating.add(site)
@@ -156,23 +157,23 @@ async def holds(client, task_queue: str, site_names: list[str], nodes: list, lim
     for node in cordoned:
         if node.name not in repair_ids:
             # A GPU fenced whose repair has not started (the site holds new repairs): a repair's hold.
-            status = await query(f"node/{node.name}", "status", NodeStatus)
+            status = await query(node_workflow_id(node.name), flows.Node.status, NodeStatus)
             if status is not None and status.fenced:
                 found.repairs[node.name] = [f"GPU {', '.join(map(str, status.fenced))} fenced, repair held"]
             continue
         reasons: list[str] = []
         for repair_id in repair_ids[node.name]:
-            ladder = await query(repair_id, "ladder", LadderState)
+            ladder = await query(repair_id, flows.GpuRepair.ladder, LadderState)
             reasons += ladder.reasons if ladder else []
         found.repairs[node.name] = reasons
-        status = await query(f"node/{node.name}", "status", NodeStatus)
+        status = await query(node_workflow_id(node.name), flows.Node.status, NodeStatus)
         logged = set(status.log) if status else set()
         if any(f"quarantined: {r}" in logged or BAD_REPORTS_QUARANTINE in r for r in reasons):
             found.quarantined.add(node.name)
     unexplained = {n.labels.get(LABEL_SITE) or n.site for n in cordoned
                    if n.name not in found.repairs} - found.evacuating
     for site in sorted(unexplained & set(site_names)):
-        status = await query(site_workflow_id(site), "status", SiteStatus)
+        status = await query(site_workflow_id(site), flows.Site.status, SiteStatus)
         if status is not None and status.incident is not None and status.incident.open is not None:
             found.incident_open.add(site)
     return found

@@ -47,6 +47,7 @@ from typing import Any
 
 import yaml
 
+from fleet.settings import CliEnv
 
 #: Where tests/realtemporal/build.py puts what it builds (stdlib-only, run before any venv
 #: exists, so it cannot import this; tests/realtemporal/test_dev_cluster.py checks the two agree).
@@ -78,8 +79,8 @@ class ClusterFailed(RuntimeError):
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("GPUFLEET_REALTEMPORAL_CACHE") or str(Path.home() / ".cache" / "gpufleet" / "realtemporal")
-    return Path(root) / TEMPORAL_VERSION
+    root = CliEnv.get("realtemporal_cache") or Path.home() / ".cache" / "gpufleet" / "realtemporal"
+    return root / TEMPORAL_VERSION
 
 
 def bin_dir() -> Path:

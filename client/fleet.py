@@ -36,19 +36,17 @@ from fleet.messages.capacity import AccountStatus, CapacityProgress, CapacityReq
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, SiteEvacuationInput
 from fleet.messages.join import JoinProgress, NodeJoinInput, NodeJoinResult
 from fleet.messages.repair import HoldInput, LadderState, NodeStatus, SkipToInput
-from fleet.naming import account_workflow_id, capacity_workflow_id, join_workflow_id, site_workflow_id
+from fleet.naming import (
+    account_workflow_id, advisor_workflow_id, capacity_workflow_id, join_workflow_id, manual_evacuation_id,
+    site_workflow_id,
+)
 from fleet.repair_policy import Rung
 from fleet.rollout import RolloutInput, RolloutProgress, RolloutResult
 from fleet.settings import Settings
+from fleet.contracts import workflows as flows
 
 M = TypeVar("M", bound=BaseModel)
 USE_EXISTING = WorkflowIDConflictPolicy.USE_EXISTING
-
-
-def manual_evacuation_id(site: str, request_id: str) -> str:
-    """A SiteEvacuation started by a person: its own series beside the Site entity's
-    ``evacuate/<site>/<n>``, so the entity's next incident never collides with it."""
-    return f"evacuate/{site}/manual-{request_id}"
 
 
 def capacity_id(request: str) -> str:
@@ -174,13 +172,13 @@ class FleetClient:
                 attributes = sa.join_start_attributes(site.name, site.provider, site.account, workflow_id)
         client = await self.temporal()
         return await client.start_workflow(
-            "NodeJoin", _payload(args), id=workflow_id, task_queue=self.settings.task_queue,
+            flows.NodeJoin.TYPE, _payload(args), id=workflow_id, task_queue=self.settings.task_queue,
             id_conflict_policy=USE_EXISTING, result_type=NodeJoinResult, search_attributes=attributes,
             static_summary=f"join a node at {args.site}" if args.count == 1 else f"join {args.count} nodes at {args.site}",
         )
 
     async def join_progress(self, workflow_id: str) -> JoinProgress:
-        return await self._query(workflow_id, "progress", JoinProgress)
+        return await self._query(workflow_id, flows.NodeJoin.progress, JoinProgress)
 
     async def cancel_join(self, workflow_id: str, reason: str = "") -> JoinCancelled:
         """Stop a join (Temporal's cancel): a machine it bought and has not admitted is deleted
@@ -241,13 +239,13 @@ class FleetClient:
         _text("request_id", request_id)
         client = await self.temporal()
         return await client.start_workflow(
-            "AcquireCapacity", _payload(args), id=capacity_workflow_id(request_id),
+            flows.AcquireCapacity.TYPE, _payload(args), id=capacity_workflow_id(request_id),
             task_queue=self.settings.task_queue, id_conflict_policy=USE_EXISTING, result_type=CapacityResult,
             static_summary=f"capacity: {args.count} x {args.constraints.gpu or 'any GPU'}",
         )
 
     async def capacity_progress(self, workflow_id: str) -> CapacityProgress:
-        return await self._query(capacity_id(_text("request", workflow_id)), "progress", CapacityProgress)
+        return await self._query(capacity_id(_text("request", workflow_id)), flows.AcquireCapacity.progress, CapacityProgress)
 
     async def cancel_capacity(self, request: str, reason: str = "", *,
                               accepted: Callable[[], None] | None = None) -> CapacityProgress:
@@ -261,14 +259,14 @@ class FleetClient:
         client = await self.temporal()
         try:
             update = await client.get_workflow_handle(workflow_id).start_update(
-                "cancel", reason, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=CapacityProgress)
+                flows.AcquireCapacity.cancel, reason, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=CapacityProgress)
             if accepted is not None:
                 accepted()
             return await update.result()
         except WorkflowUpdateFailedError as error:
-            raise Rejected(workflow_id, "cancel", str(error.cause)) from error
+            raise Rejected(workflow_id, flows.AcquireCapacity.cancel, str(error.cause)) from error
         except RPCError as error:
-            raise _rpc(workflow_id, error, "cancel") from None
+            raise _rpc(workflow_id, error, flows.AcquireCapacity.cancel) from None
 
     # -- rollouts --------------------------------------------------------------------------
     async def start_rollout(self, request: RolloutInput | Mapping[str, Any]) -> WorkflowHandle[Any, RolloutResult]:
@@ -284,7 +282,7 @@ class FleetClient:
                 raise InvalidArgument([(field, message)], "rollout")
         client = await self.temporal()
         return await client.start_workflow(
-            "ModelRollout", _payload(args), id=args.rollout_id, task_queue=self.settings.task_queue,
+            flows.ModelRollout.TYPE, _payload(args), id=args.rollout_id, task_queue=self.settings.task_queue,
             id_conflict_policy=USE_EXISTING, result_type=RolloutResult,
             search_attributes=TypedSearchAttributes([SearchAttributePair(sa.MODEL, args.model),
                                                      SearchAttributePair(sa.MODEL_VERSION, args.version)]),
@@ -293,7 +291,7 @@ class FleetClient:
 
     async def rollout_progress(self, rollout: str) -> RolloutProgress | None:
         """None while the rollout is still starting."""
-        return await self._query(rollout_workflow_id(_text("rollout", rollout)), "progress", RolloutProgress)
+        return await self._query(rollout_workflow_id(_text("rollout", rollout)), flows.ModelRollout.progress, RolloutProgress)
 
     async def rollout_status(self, rollout: str) -> RolloutStatus:
         workflow_id = rollout_workflow_id(_text("rollout", rollout))
@@ -303,7 +301,7 @@ class FleetClient:
             description = await handle.describe()
         except RPCError as error:
             raise _rpc(workflow_id, error) from None
-        progress = await self._query(workflow_id, "progress", RolloutProgress)
+        progress = await self._query(workflow_id, flows.ModelRollout.progress, RolloutProgress)
         live: dict[str, dict[str, Any]] = {}
         for pending in description.raw_description.pending_activities:
             if pending.activity_id.startswith("replicate/") and pending.heartbeat_details.payloads:
@@ -315,40 +313,40 @@ class FleetClient:
         return RolloutStatus(workflow_id, description.status, progress, live)
 
     async def pause_rollout(self, rollout: str, reason: str = "") -> RolloutProgress:
-        return await self._update(rollout_workflow_id(_text("rollout", rollout)), "pause", [reason], RolloutProgress)
+        return await self._update(rollout_workflow_id(_text("rollout", rollout)), flows.ModelRollout.pause, [reason], RolloutProgress)
 
     async def resume_rollout(self, rollout: str, reason: str = "") -> RolloutProgress:
-        return await self._update(rollout_workflow_id(_text("rollout", rollout)), "resume", [reason], RolloutProgress)
+        return await self._update(rollout_workflow_id(_text("rollout", rollout)), flows.ModelRollout.resume, [reason], RolloutProgress)
 
     async def abort_rollout(self, rollout: str, reason: str = "") -> RolloutProgress:
-        return await self._update(rollout_workflow_id(_text("rollout", rollout)), "abort", [reason], RolloutProgress)
+        return await self._update(rollout_workflow_id(_text("rollout", rollout)), flows.ModelRollout.abort, [reason], RolloutProgress)
 
     # -- GPU repairs and nodes -------------------------------------------------------------
     async def repair_ladder(self, node: str, gpu: int) -> LadderState:
-        return await self._query(self._repair_id(node, gpu), "ladder", LadderState)
+        return await self._query(self._repair_id(node, gpu), flows.GpuRepair.ladder, LadderState)
 
     async def hold_repair(self, node: str, gpu: int, reason: str = "") -> LadderState:
         """Stay contained and do nothing at the next step until released."""
         held = validate(HoldInput, {"reason": reason})
-        return await self._update(self._repair_id(node, gpu), "hold", [_payload(held)], LadderState)
+        return await self._update(self._repair_id(node, gpu), flows.GpuRepair.hold, [_payload(held)], LadderState)
 
     async def release_repair(self, node: str, gpu: int, reason: str = "") -> LadderState:
         released = validate(HoldInput, {"reason": reason})
-        return await self._update(self._repair_id(node, gpu), "release", [_payload(released)], LadderState)
+        return await self._update(self._repair_id(node, gpu), flows.GpuRepair.release, [_payload(released)], LadderState)
 
     async def skip_repair_to(self, node: str, gpu: int, rung: Rung | str | SkipToInput) -> LadderState:
         """Go to ``rung`` next (also re-enters an exhausted ladder)."""
         target = rung if isinstance(rung, SkipToInput) else validate(SkipToInput, {"rung": rung})
-        return await self._update(self._repair_id(node, gpu), "skip_to", [target], LadderState)
+        return await self._update(self._repair_id(node, gpu), flows.GpuRepair.skip_to, [target], LadderState)
 
     async def node_status(self, node: str) -> NodeStatus:
-        from workflows.node import node_workflow_id  # workflow modules only when asked: a quick CLI
+        from fleet.naming import node_workflow_id
 
-        return await self._query(node_workflow_id(_text("node", node)), "status", NodeStatus)
+        return await self._query(node_workflow_id(_text("node", node)), flows.Node.status, NodeStatus)
 
     @staticmethod
     def _repair_id(node: str, gpu: int) -> str:
-        from workflows.repair import repair_workflow_id
+        from fleet.naming import repair_workflow_id
 
         if isinstance(gpu, bool) or not isinstance(gpu, int) or gpu < 0:
             raise InvalidArgument([("gpu", "must be a GPU index (an integer >= 0)")])
@@ -361,25 +359,25 @@ class FleetClient:
         every blocked one, sell again. Neither is refused (``InvalidInput`` naming ``offers``)."""
         request = offers if isinstance(offers, QuotaRaised) else \
             validate(QuotaRaised, {"offers": offers or [], "all": all})
-        return await self._update(self._account_id(account, provider), "quota_raised",
+        return await self._update(self._account_id(account, provider), flows.ProviderAccount.quota_raised,
                                   [request.model_dump(mode="json")], AccountStatus)
 
     async def credentials_rotated(self, account: str, *, provider: str | None = None) -> AccountStatus:
         """The credentials are fixed: accepted after one authenticated call succeeds."""
-        return await self._update(self._account_id(account, provider), "credentials_rotated", [], AccountStatus)
+        return await self._update(self._account_id(account, provider), flows.ProviderAccount.credentials_rotated, [], AccountStatus)
 
     async def account_status(self, account: str, *, provider: str | None = None) -> AccountStatus:
-        return await self._query(self._account_id(account, provider), "status", AccountStatus)
+        return await self._query(self._account_id(account, provider), flows.ProviderAccount.status, AccountStatus)
 
     async def accounts(self, needs_person: bool = False) -> list[AccountStatus]:
         """Every running ProviderAccount entity (only those waiting for a person)."""
         client = await self.temporal()
-        query = 'WorkflowType = "ProviderAccount" AND ExecutionStatus = "Running"'
+        query = f'WorkflowType = "{flows.ProviderAccount.TYPE}" AND ExecutionStatus = "Running"'
         if needs_person:
             query += ' AND FleetState = "needs-person"'
         found = []
         async for wf in client.list_workflows(query):
-            found.append(await self._query(wf.id, "status", AccountStatus))
+            found.append(await self._query(wf.id, flows.ProviderAccount.status, AccountStatus))
         return found
 
     def _account_id(self, account: str, provider: str | None) -> str:
@@ -403,17 +401,17 @@ class FleetClient:
         self._known_site(args.site)
         client = await self.temporal()
         start = WithStartWorkflowOperation(
-            "Site", _payload(args), id=site_workflow_id(args.site), task_queue=self.settings.task_queue,
+            flows.Site.TYPE, _payload(args), id=site_workflow_id(args.site), task_queue=self.settings.task_queue,
             id_conflict_policy=USE_EXISTING, static_summary=f"site {args.site}: min/max reconcile",
         )
         workflow_id = site_workflow_id(args.site)
         try:
             return await client.execute_update_with_start_workflow(
-                "reconcile_now", start_workflow_operation=start, result_type=str)
+                flows.Site.reconcile_now, start_workflow_operation=start, result_type=str)
         except WorkflowUpdateFailedError as error:
-            raise Rejected(workflow_id, "reconcile_now", str(error.cause)) from error
+            raise Rejected(workflow_id, flows.Site.reconcile_now, str(error.cause)) from error
         except RPCError as error:
-            raise _rpc(workflow_id, error, "reconcile_now") from None
+            raise _rpc(workflow_id, error, flows.Site.reconcile_now) from None
 
     def _known_site(self, site: str) -> None:
         """:class:`InvalidArgument` naming ``site`` when the fleet config has no such site (no
@@ -424,7 +422,7 @@ class FleetClient:
             raise InvalidArgument([("site", f"unknown site {site!r}; known: {known}")])
 
     async def site_status(self, site: str) -> SiteStatus:
-        return await self._query(site_workflow_id(_text("site", site)), "status", SiteStatus)
+        return await self._query(site_workflow_id(_text("site", site)), flows.Site.status, SiteStatus)
 
     async def evacuate_site(self, request: SiteEvacuationInput | Mapping[str, Any], *,
                             request_id: str) -> WorkflowHandle[Any, EvacuationResult]:
@@ -437,14 +435,14 @@ class FleetClient:
         self._known_site(args.site)
         client = await self.temporal()
         return await client.start_workflow(
-            "SiteEvacuation", _payload(args), id=manual_evacuation_id(args.site, request_id),
+            flows.SiteEvacuation.TYPE, _payload(args), id=manual_evacuation_id(args.site, request_id),
             task_queue=self.settings.task_queue, id_conflict_policy=USE_EXISTING, result_type=EvacuationResult,
             search_attributes=TypedSearchAttributes([SearchAttributePair(sa.SITE, args.site)]),
             static_summary=f"evacuate {args.site} by hand: {args.reason}",
         )
 
     async def evacuation_progress(self, evacuation_id: str) -> EvacuationProgress | None:
-        return await self._query(_text("evacuation_id", evacuation_id), "progress", EvacuationProgress)
+        return await self._query(_text("evacuation_id", evacuation_id), flows.SiteEvacuation.progress, EvacuationProgress)
 
     async def running_evacuation(self, site: str) -> str | None:
         """The id of the evacuation running at ``site``: the Site entity's open incident,
@@ -457,7 +455,7 @@ class FleetClient:
             status = None
         if status is not None and status.incident is not None and status.incident.open is not None:
             return status.incident.open.id
-        query = f'WorkflowType = "SiteEvacuation" AND ExecutionStatus = "Running" AND Site = "{site}"'
+        query = f'WorkflowType = "{flows.SiteEvacuation.TYPE}" AND ExecutionStatus = "Running" AND Site = "{site}"'
         async for wf in client.list_workflows(query, limit=1):
             return wf.id
         return None
@@ -466,7 +464,7 @@ class FleetClient:
                                      evacuation_id: str | None = None) -> EvacuationProgress:
         """The provider is back: the evacuation restores now (nodes still pass smoke tests)."""
         workflow_id = evacuation_id or await self._evacuation_of(site)
-        return await self._update(workflow_id, "declare_recovered", [note], EvacuationProgress)
+        return await self._update(workflow_id, flows.SiteEvacuation.declare_recovered, [note], EvacuationProgress)
 
     async def abort_evacuation(self, site: str, reason: str = "", *,
                                evacuation_id: str | None = None) -> EvacuationProgress:
@@ -474,13 +472,13 @@ class FleetClient:
         reason of their own, Deployments and routing weights as they were, what it added
         elsewhere gone). Answers at once; its state goes ``restoring``, then ``aborted``."""
         workflow_id = evacuation_id or await self._evacuation_of(site)
-        return await self._update(workflow_id, "abort", [reason], EvacuationProgress)
+        return await self._update(workflow_id, flows.SiteEvacuation.abort, [reason], EvacuationProgress)
 
     async def retry_evacuation(self, site: str, *, evacuation_id: str | None = None) -> str:
         """Look again now for a place for the site's replicas (after adding capacity or a
         compliant site); answers whether a wait was woken."""
         workflow_id = evacuation_id or await self._evacuation_of(site)
-        return await self._update(workflow_id, "look_again", [], str)
+        return await self._update(workflow_id, flows.SiteEvacuation.look_again, [], str)
 
     async def _evacuation_of(self, site: str) -> str:
         found = await self.running_evacuation(site)
@@ -495,7 +493,7 @@ class FleetClient:
         args = validate(AdvisorInput, request or {}, "advisor")
         client = await self.temporal()
         return await client.start_workflow(
-            "Advisor", _payload(args), id=f"advisor/{args.since}", task_queue=self.settings.task_queue,
+            flows.Advisor.TYPE, _payload(args), id=advisor_workflow_id(args.since), task_queue=self.settings.task_queue,
             id_conflict_policy=USE_EXISTING, result_type=AdvisorReport,
             static_summary=f"advisor: last {args.since}, cost now vs the cheapest qualifying placement",
         )

@@ -21,8 +21,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fleet.config_checks import cross_check
 from fleet.incident import ControlPlaneSettings, IncidentSettings
-from fleet.models import PROVIDERS, CapacityType, CredentialsRef
+from fleet.models import PROVIDERS, CapacityType, CredentialsRef, Offer
 from fleet.repair_policy import RepairSettings
+from fleet.settings import Settings
 
 #: The built-in simulated fleet that ``gpufleet dev`` runs when no file is given.
 DEFAULT_CONFIG = "default_sites.yaml"
@@ -99,6 +100,15 @@ class Site(_Strict):
     compliance: bool = False
     #: Provider-incident rule for this site; replaces the top-level ``incident:`` block.
     incident: IncidentSettings | None = None
+
+    def offer(self, provider: str, **reported: Any) -> Offer:
+        """What the site sells, as configured here; ``reported`` holds the fields the provider's own
+        answer sets (whether it sells now, what a machine really has, a measured price or risk)."""
+        configured = dict(site=self.name, provider=provider, instance_type=self.instance_type, gpu=self.gpu,
+                          gpus=self.gpus_per_machine, gpu_memory_gb=self.gpu_memory_gb,
+                          price_per_gpu_hour=self.price_per_gpu_hour, capacity_type=self.capacity_type,
+                          region=self.region)
+        return Offer(**(configured | reported))
 
 
 class SweepSettings(_Strict):
@@ -350,7 +360,7 @@ def stock_images(config: FleetConfig) -> list[StockImage]:
 
 def load_config(path: str | os.PathLike[str] | None = None) -> FleetConfig:
     """Load ``path``, or ``$GPUFLEET_CONFIG``, or the built-in simulated fleet."""
-    path = path or os.environ.get("GPUFLEET_CONFIG")
+    path = path or Settings.get("config")
     if path:
         source = str(path)
         try:

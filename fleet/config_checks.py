@@ -6,6 +6,7 @@ together with the field errors of ``fleet.config`` (the schema), which calls the
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from fleet.models import PROVIDERS
@@ -25,31 +26,32 @@ def _entries(raw: dict[str, Any], key: str) -> list[tuple[int, dict[str, Any]]]:
     return [(i, item) for i, item in enumerate(value) if isinstance(item, dict)] if isinstance(value, list) else []
 
 
+def _named_entries(raw: dict[str, Any], key: str, kind: str, problems: list[str]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each entry under ``key`` with where it stands (``sites[2] (name)``), a name seen before
+    already added to ``problems`` as a duplicate ``kind``."""
+    seen: set[str] = set()
+    for i, entry in _entries(raw, key):
+        name = entry.get("name")
+        where = f"{key}[{i}]" + (f" ({name})" if name else "")
+        if isinstance(name, str):
+            if name in seen:
+                problems.append(f"{where}.name: duplicate {kind}")
+            seen.add(name)
+        yield where, entry
+
+
 def cross_check(raw: dict[str, Any]) -> list[str]:
     """Problems between fields and entries, on the raw mapping: an entry whose own fields
     are wrong still takes part (its bad values are skipped, the field errors name them)."""
     problems: list[str] = []
     real = raw.get("mode") == "real"
-    seen: set[str] = set()
     accounts: dict[str, Any] = {}
-    for i, account in _entries(raw, "accounts"):
-        name = account.get("name")
-        where = f"accounts[{i}]" + (f" ({name})" if name else "")
-        if isinstance(name, str):
-            if name in seen:
-                problems.append(f"{where}.name: duplicate account")
-            seen.add(name)
-            accounts.setdefault(name, account.get("provider"))
+    for where, account in _named_entries(raw, "accounts", "account", problems):
+        if isinstance(account.get("name"), str):
+            accounts.setdefault(account["name"], account.get("provider"))
         if real and account.get("credentials") is None:
             problems.append(f"{where}.credentials: missing credentials reference")
-    seen = set()
-    for i, site in _entries(raw, "sites"):
-        name = site.get("name")
-        where = f"sites[{i}]" + (f" ({name})" if name else "")
-        if isinstance(name, str):
-            if name in seen:
-                problems.append(f"{where}.name: duplicate site")
-            seen.add(name)
+    for where, site in _named_entries(raw, "sites", "site", problems):
         low, high = site.get("min_nodes", 0), site.get("max_nodes")
         if isinstance(low, int) and isinstance(high, int) and low > high:
             problems.append(f"{where}.min_nodes: min_nodes ({low}) is greater than max_nodes ({high})")

@@ -16,6 +16,7 @@ from typing import Iterable
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from fleet.config import ObjectStore
+from fleet.naming import rollout_id
 
 SHA256_HEX = r"^[0-9a-f]{64}$"
 MiB = 1024 * 1024
@@ -185,8 +186,6 @@ class LegacyRolloutInput(RolloutInput):
     weights: _LegacyWeightsManifest  # type: ignore[assignment]
 
 
-def rollout_id(model: str, version: str) -> str:
-    return f"rollout/{model}/{version}"
 
 
 def check_source(request: RolloutInput, object_stores: Iterable[str]) -> list[str]:

@@ -224,6 +224,3 @@ def endpoints_key(model: str, site: str) -> str:
     return f"{model}.{site}"
 
 
-def routing_workflow_id(model: str) -> str:
-    """The model's ``Routing`` entity: the one writer of its routes."""
-    return f"routing/{model}"

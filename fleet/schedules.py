@@ -5,16 +5,19 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+from fleet.contracts import workflows as flows
+from fleet.naming import CATALOG_REFRESH_ID, CSR_APPROVER_ID, FLEET_SWEEP_ID, SITE_SWEEP_ID, advisor_workflow_id
+
 SCHEDULES = {
     # A safety sweep: starts every Site entity that is not running (a running one wakes on its watch).
-    "gpufleet-site-reconcile": ("SiteSweep", "site-sweep", "start every site entity that is not running"),
-    "gpufleet-catalog-refresh": ("CatalogRefresh", "catalog-refresh", "refresh provider offers, wake waiting requests"),
-    "gpufleet-fleet-sweep": ("FleetSweep", "fleet-sweep", "delete orphaned machines (fleet-marked, past the grace)"),
+    "gpufleet-site-reconcile": (flows.SiteSweep.TYPE, SITE_SWEEP_ID, "start every site entity that is not running"),
+    "gpufleet-catalog-refresh": (flows.CatalogRefresh.TYPE, CATALOG_REFRESH_ID, "refresh provider offers, wake waiting requests"),
+    "gpufleet-fleet-sweep": (flows.FleetSweep.TYPE, FLEET_SWEEP_ID, "delete orphaned machines (fleet-marked, past the grace)"),
     # Its runs are advisor/7d-<time>: the same series as `gpufleet advisor --since 7d`.
-    "gpufleet-advisor": ("Advisor", "advisor/7d", "advisor: last 7 days' cost vs the cheapest qualifying placement"),
+    "gpufleet-advisor": (flows.Advisor.TYPE, advisor_workflow_id("7d"), "advisor: last 7 days' cost vs the cheapest qualifying placement"),
     # gpufleet's approver, woken by new CSRs (a watch); each pass of this Schedule starts it again
     # if its run ended or was lost (overlap SKIP: nothing while it runs).
-    "gpufleet-csr-approver": ("CsrApprover", "csr-approver", "approve or deny kubelet CSRs of gpufleet's nodes "
+    "gpufleet-csr-approver": (flows.CsrApprover.TYPE, CSR_APPROVER_ID, "approve or deny kubelet CSRs of gpufleet's nodes "
                                                              "(woken by new CSRs)"),
 }
 #: Schedules whose first pass runs when they are created, not an interval later: the site

@@ -1,23 +1,27 @@
-"""Where things are: Temporal address, namespace, task queue, state dir, config.
+"""Where things are: Temporal address, namespace, task queue, state dir, config; and every
+other ``GPUFLEET_*`` environment variable.
 
 Every entry point reads the same environment variables so that ``gpufleet dev``
-can hand its children one environment.
+can hand its children one environment. This module is the one place that declares each
+``GPUFLEET_*`` variable: its name, type, default and why, as a field of the settings of the
+process kind that reads it (``Settings``: every process; ``WorkerEnv``: every worker;
+``ControlPlaneEnv``, ``NodeAgentEnv``, ``NodeGatewayEnv``, ``WeightsPullEnv``,
+``CliEnv``), or in ``ELSEWHERE`` for the few that no Python process reads through a model.
+Code reads the typed value (``NodeAgentEnv.from_env().health_seconds``), never
+``os.environ``; a value its type refuses is a ``SettingsError`` naming the variable.
+tests/test_settings_env.py fails on a ``GPUFLEET_*`` name the code or deploy/ mentions that is
+not declared here.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Mapping, Optional
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fleet.naming import CONTROL_PLANE_QUEUE
 
-#: The control-plane worker's task queue.
-CONTROL_PLANE_QUEUE = "gpufleet"
-
-
-def node_queue(node_name: str) -> str:
-    """The task queue a node's agent polls."""
-    return f"node/{node_name}"
 
 
 def temporal_profile():
@@ -32,28 +36,100 @@ def temporal_profile():
         raise ValueError(f"Temporal environment configuration (TEMPORAL_PROFILE / temporal.toml): {error}") from None
 
 
-class Settings(BaseModel):
-    address: str = "localhost:7233"
-    namespace: str = "default"
-    task_queue: str = CONTROL_PLANE_QUEUE
-    state_dir: Path = Path(".gpufleet")
-    config: str | None = None
+# -- declaring a variable -------------------------------------------------------------------
+class SettingsError(ValueError):
+    """A ``GPUFLEET_*`` variable set to a value its type refuses; the message names it."""
+
+
+def envvar(name: str, default: Any, why: str, *, invalid: str | None = None) -> Any:
+    """A settings field read from the variable ``name`` (unset or blank: ``default``). ``why``:
+    one line on what it is for. ``invalid``: the error for a value the field's type refuses
+    (``{name}`` and ``{raw}`` filled in; default: the variable, pydantic's reason, the value)."""
+    extra: dict[str, str] = {"env": name}
+    if invalid:
+        extra["invalid"] = invalid
+    return Field(default, description=why, json_schema_extra=extra)
+
+
+class EnvSettings(BaseModel):
+    """Settings some of whose fields are declared with ``envvar``: ``from_env`` reads those."""
+
+    model_config = ConfigDict(frozen=True)
 
     @classmethod
-    def from_env(cls, **overrides: object) -> "Settings":
+    def variables(cls) -> dict[str, str]:
+        """Each of its fields' variables → the field's name."""
+        return {field.json_schema_extra["env"]: name for name, field in cls.model_fields.items()
+                if isinstance(field.json_schema_extra, dict) and "env" in field.json_schema_extra}
+
+    @classmethod
+    def variable(cls, field: str) -> str:
+        """The variable a field is read from (``NodeAgentEnv.variable("gateway")``)."""
+        return next(name for name, f in cls.variables().items() if f == field)
+
+    @classmethod
+    def environment(cls, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+        """The fields whose variable is set (not blank) in ``environ`` (default: os.environ),
+        as set, stripped."""
+        environ = os.environ if environ is None else environ
+        return {field: raw.strip() for name, field in cls.variables().items() if (raw := environ.get(name, "")).strip()}
+
+    @classmethod
+    def validated(cls, values: dict[str, Any]) -> Any:
+        """``cls(**values)``, a refused value a ``SettingsError`` naming its variable."""
+        try:
+            return cls(**values)
+        except ValidationError as error:
+            problem = error.errors()[0]
+            field = str(problem["loc"][0]) if problem["loc"] else ""
+            extra = cls.model_fields[field].json_schema_extra if field in cls.model_fields else None
+            if not isinstance(extra, dict) or "env" not in extra:
+                raise
+            template = extra.get("invalid") or "{name}: {reason}: {raw!r}"
+            raise SettingsError(template.format(name=extra["env"], raw=values.get(field),
+                                                reason=problem["msg"])) from None
+
+    @classmethod
+    def get(cls, field: str, environ: Mapping[str, str] | None = None) -> Any:
+        """One field as the environment gives it (typed; unset: its default), reading only its
+        own variable: ``WorkerEnv.get("metrics_host")``."""
+        values = {k: v for k, v in cls.environment(environ).items() if k == field}
+        return getattr(cls.validated(values), field)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Any:
+        """The settings as the environment gives them; ``overrides`` (not None) win."""
+        values: dict[str, Any] = dict(cls.environment(environ))
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        return cls.validated(values)
+
+
+# -- every process ----------------------------------------------------------------------------
+class Settings(EnvSettings):
+    model_config = ConfigDict(frozen=False)
+
+    address: str = "localhost:7233"
+    namespace: str = "default"
+    task_queue: str = envvar("GPUFLEET_TASK_QUEUE", CONTROL_PLANE_QUEUE,
+                             "the control plane's task queue: its worker polls it, clients start workflows on it")
+    state_dir: Path = envvar("GPUFLEET_STATE_DIR", Path(".gpufleet"),
+                             "where sim and dev state live (the simulated world's database, dev logs)")
+    config: Optional[str] = envvar("GPUFLEET_CONFIG", None,
+                                   "the fleet config (sites.yaml); unset: the built-in simulated fleet")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> "Settings":
         profile = temporal_profile()
         env = {
             # Temporal's own environment configuration: TEMPORAL_ADDRESS / TEMPORAL_NAMESPACE,
             # else the profile (TEMPORAL_PROFILE) of temporal.toml (TEMPORAL_CONFIG_FILE).
             "address": profile.address,
             "namespace": profile.namespace,
-            "task_queue": os.environ.get("GPUFLEET_TASK_QUEUE"),
-            "state_dir": os.environ.get("GPUFLEET_STATE_DIR"),
-            "config": os.environ.get("GPUFLEET_CONFIG"),
+            **cls.environment(environ),
         }
         values = {k: v for k, v in env.items() if v}
         values.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**values)
+        return cls.validated(values)
 
     @property
     def sim_db(self) -> Path:
@@ -64,9 +140,113 @@ class Settings(BaseModel):
         env = {
             "TEMPORAL_ADDRESS": self.address,
             "TEMPORAL_NAMESPACE": self.namespace,
-            "GPUFLEET_TASK_QUEUE": self.task_queue,
-            "GPUFLEET_STATE_DIR": str(self.state_dir),
+            TASK_QUEUE_ENV: self.task_queue,
+            STATE_DIR_ENV: str(self.state_dir),
         }
         if self.config:
-            env["GPUFLEET_CONFIG"] = self.config
+            env[CONFIG_ENV] = self.config
         return env
+
+
+TASK_QUEUE_ENV = Settings.variable("task_queue")
+STATE_DIR_ENV = Settings.variable("state_dir")
+CONFIG_ENV = Settings.variable("config")
+
+
+# -- each kind of process ---------------------------------------------------------------------
+class WorkerEnv(EnvSettings):
+    """Every worker process: the control plane's, a node agent, the node gateway."""
+
+    metrics_port: Optional[int] = envvar("GPUFLEET_METRICS_PORT", None,
+                                         "serve Prometheus /metrics here (--metrics-port first); unset: none",
+                                         invalid="{name}: not a port number: {raw!r}")
+    metrics_host: str = envvar("GPUFLEET_METRICS_HOST", "0.0.0.0",
+                               "the address /metrics listens on (gpufleet dev: loopback)")
+
+
+class ControlPlaneEnv(EnvSettings):
+    """The control-plane worker (its activities: the providers, the cluster, the probes)."""
+
+    max_cached_workflows: int = envvar("GPUFLEET_MAX_CACHED_WORKFLOWS", 4000,
+                                       "workflows kept in memory between tasks (every Node entity is one; an "
+                                       "evicted one replays its history); above the SDK's 1,000 for 1,250 nodes",
+                                       invalid="{name}: a whole number, not {raw!r}")
+    orphan_grace_seconds: float = envvar("GPUFLEET_ORPHAN_GRACE_SECONDS", 600.0,
+                                         "seconds a machine without a node or a running join is not yet an orphan")
+    serving_namespace: str = envvar("GPUFLEET_NAMESPACE", "gpufleet",
+                                    "the Kubernetes namespace of the model servers the serving probe calls")
+    serving_url: Optional[str] = envvar("GPUFLEET_SERVING_URL", None,
+                                        "the serving probe's URL template ({name}, {namespace}, {model}, {site}); "
+                                        "unset: the model server's Service in the cluster")
+    join_endpoint: str = envvar("GPUFLEET_JOIN_ENDPOINT", "",
+                                "the API server address new nodes join (unset: cluster-info's)")
+    bootstrap_template: Optional[Path] = envvar("GPUFLEET_BOOTSTRAP_TEMPLATE", None,
+                                                "a site's cloud-init template (unset: deploy/bootstrap's)")
+    node_install: Optional[Path] = envvar("GPUFLEET_NODE_INSTALL", None,
+                                          "the node install step's pins (unset: deploy/bootstrap's)")
+
+
+class NodeAgentEnv(EnvSettings):
+    """A node agent (``workers.node_agent``; ``--sim``: the host of every simulated machine)."""
+
+    gateway: Optional[str] = envvar("GPUFLEET_GATEWAY", None,
+                                    "the node gateway's host:port; unset: Temporal directly (benches only)")
+    gateway_ca: Optional[Path] = envvar("GPUFLEET_GATEWAY_CA", None,
+                                        "the CA that signed the gateway's certificate (with GPUFLEET_GATEWAY)")
+    gateway_server_name: str = envvar("GPUFLEET_GATEWAY_SERVER_NAME", "localhost",
+                                      "the name the gateway's certificate is checked against")
+    sim_signer_dir: Optional[Path] = envvar("GPUFLEET_SIM_SIGNER_DIR", None,
+                                            "--sim: the dev CA's directory, to sign the simulated nodes' CSRs")
+    spot_notice: str = envvar("GPUFLEET_SPOT_NOTICE", "",
+                              "where reclaim notices come from: aws or gcp metadata; unset: none")
+    health_seconds: float = envvar("GPUFLEET_HEALTH_SECONDS", 5.0,
+                                   "a waiting health watch's probe interval, seconds (0: only when woken)")
+    driver_reinstall_cmd: Optional[str] = envvar("GPUFLEET_DRIVER_REINSTALL_CMD", None,
+                                                 "the site's driver reinstall command (a repair step); unset: none")
+
+
+class NodeGatewayEnv(EnvSettings):
+    """The node gateway (``workers.node_gateway``; its ``--listen`` reads the variable)."""
+
+    listen: str = envvar("GPUFLEET_GATEWAY_LISTEN", "127.0.0.1:7300", "host:port the gateway serves node agents on")
+
+
+class WeightsPullEnv(EnvSettings):
+    """A serving pod's weights pull (``python -m workers.weights_pull``, ``gpufleet weights pull``)."""
+
+    weights: str = envvar("GPUFLEET_WEIGHTS", "", "the WeightsPull spec (JSON) the pod is given, when no file is")
+
+
+class CliEnv(EnvSettings):
+    """The ``gpufleet`` command line."""
+
+    ui_url: str = envvar("GPUFLEET_UI_URL", "",
+                         "the Temporal UI's base URL for links; unset: beside the frontend; none: no links")
+    realtemporal_cache: Optional[Path] = envvar("GPUFLEET_REALTEMPORAL_CACHE", None,
+                                                "where `gpufleet dev --temporal cluster` caches its binaries "
+                                                "(unset: ~/.cache/gpufleet/realtemporal)")
+
+
+#: The settings of every kind of process.
+MODELS: tuple[type[EnvSettings], ...] = (Settings, WorkerEnv, ControlPlaneEnv, NodeAgentEnv,
+                                         NodeGatewayEnv, WeightsPullEnv, CliEnv)
+
+#: Variables no process reads through a model: credentials references (providers.credentials
+#: reads the variable a reference names), and those read before or outside Python's processes.
+WEIGHTS_KEY_ENV = "GPUFLEET_WEIGHTS_KEY"
+DEV_S3_KEY_ENV = "GPUFLEET_DEV_S3_KEY"
+VENV_ENV = "GPUFLEET_VENV"
+INSTALL_ROOT_ENV = "GPUFLEET_INSTALL_ROOT"
+ELSEWHERE: dict[str, str] = {
+    WEIGHTS_KEY_ENV: "a serving pod's object-store key, from a Secret (its weights pull's credentials reference)",
+    DEV_S3_KEY_ENV: "the dev object stores' key (the dev config's credentials reference; gpufleet dev sets it)",
+    VENV_ENV: "bootstrap.py's virtual environment (default: .venv); read before any dependency is installed",
+    INSTALL_ROOT_ENV: "deploy/bootstrap/install-node.sh's root (a test's scratch directory; empty on a machine)",
+}
+
+
+def declared() -> dict[str, str]:
+    """Every declared ``GPUFLEET_*`` variable → its one line of why."""
+    found = {name: model.model_fields[field].description or "" for model in MODELS
+             for name, field in model.variables().items()}
+    return {**found, **ELSEWHERE}

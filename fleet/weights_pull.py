@@ -14,14 +14,15 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.config import ObjectStore
 from fleet.rollout import NAME, WeightFile
+from fleet.settings import WEIGHTS_KEY_ENV, WeightsPullEnv
 
 #: The node-local cache (a hostPath shared by the replicas on one node).
 CACHE_ROOT = "/var/cache/gpufleet/models"
 #: The pod's environment variable that carries a ``WeightsPull`` as JSON.
-ENV = "GPUFLEET_WEIGHTS"
+ENV = WeightsPullEnv.variable("weights")
 #: Where an init container reads the store's key when the store's credentials are a
 #: Kubernetes Secret (mounted into the pod as this variable, never written into the spec).
-KEY_ENV = "GPUFLEET_WEIGHTS_KEY"
+KEY_ENV = WEIGHTS_KEY_ENV
 #: The image that carries ``workers.weights_pull`` (deploy/containers/Containerfile.node-agent).
 DEFAULT_IMAGE = "gpufleet-node-agent:latest"
 

@@ -1,8 +1,8 @@
 """Adapters to the outside world: one module per GPU provider, and the cluster.
 
-``make_provider`` picks the adapter for a site: the simulated provider in sim
-mode, otherwise the provider's own module (imported only when used, so a
-fleet without Nebius never imports its SDK).
+``make_provider`` picks the adapter for a site: the provider's own module (imported only
+when used, so a fleet without Nebius never imports its SDK). The simulated provider is not
+among them: ``sim/``, chosen by ``FleetEnv`` in sim mode.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from fleet.config import Account, Site
     from providers.base import Provider
-    from providers.sim import SimWorld
 
 ADAPTERS = {
     "aws": "providers.aws:AwsProvider",
@@ -24,10 +23,6 @@ ADAPTERS = {
 }
 
 
-def make_provider(site: "Site", account: "Account", world: "SimWorld | None" = None) -> "Provider":
-    if world is not None:
-        from providers.sim import SimProvider
-
-        return SimProvider(site, account, world)
+def make_provider(site: "Site", account: "Account") -> "Provider":
     module, _, cls = ADAPTERS[site.provider].partition(":")
     return getattr(import_module(module), cls)(site, account)

@@ -372,18 +372,10 @@ class AwsProvider:
         types = self._call("describe_instance_types", InstanceTypes=[instance_type]).get("InstanceTypes", [])
         gpus = (types[0].get("GpuInfo", {}).get("Gpus") or [{}])[0] if types else {}
         spot = self.site.capacity_type == CapacityType.SPOT
-        return [
-            Offer(
-                site=self.site.name,
-                provider=PROVIDER,
-                instance_type=instance_type,
-                gpu=self.site.gpu,
-                gpus=int(gpus.get("Count") or self.site.gpus_per_machine),
-                gpu_memory_gb=int(gpus.get("MemoryInfo", {}).get("SizeInMiB", 0)) // 1024 or self.site.gpu_memory_gb,
-                price_per_gpu_hour=self.site.price_per_gpu_hour,
-                capacity_type=self.site.capacity_type,
-                interruption_risk=float(self.options.get("spot_interruption_risk", 0.1)) if spot else 0.0,
-                available=any(o.get("InstanceType") == instance_type for o in offerings),
-                region=self.site.region,
-            )
-        ]
+        return [self.site.offer(
+            PROVIDER,
+            gpus=int(gpus.get("Count") or self.site.gpus_per_machine),
+            gpu_memory_gb=int(gpus.get("MemoryInfo", {}).get("SizeInMiB", 0)) // 1024 or self.site.gpu_memory_gb,
+            interruption_risk=float(self.options.get("spot_interruption_risk", 0.1)) if spot else 0.0,
+            available=any(o.get("InstanceType") == instance_type for o in offerings),
+        )]

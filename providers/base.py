@@ -8,6 +8,8 @@ exceptions re-exported here; provider quirks stay inside the adapter module.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
 from fleet.errors import (
@@ -31,6 +33,7 @@ __all__ = [
     "Transient",
     "InvalidRequest",
     "NotFound",
+    "translated",
 ]
 
 
@@ -86,3 +89,18 @@ class PowersOff(Protocol):
     def stop_machine(self, machine_id: str) -> None:
         """Power the machine off (a machine already off stays so); its allocation stays."""
         ...
+
+
+@contextmanager
+def translated(taxonomy_error: Callable[[Exception], ProviderError | None]) -> Iterator[None]:
+    """Raise the block's SDK failures as the taxonomy: ``taxonomy_error`` names the error for one
+    (None: not the SDK's, raised as it is). A taxonomy error raised inside passes untouched."""
+    try:
+        yield
+    except ProviderError:
+        raise
+    except Exception as exc:
+        error = taxonomy_error(exc)
+        if error is None:
+            raise
+        raise error from exc

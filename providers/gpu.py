@@ -2,7 +2,7 @@
 
 ``GpuBackend`` is implemented by ``NvmlBackend`` (a real node, through
 ``pynvml`` from nvidia-ml-py and the CUDA driver API via ctypes) and by
-``providers.sim.SimGpuBackend`` (a simulated node with injectable faults).
+``sim.gpu.SimGpuBackend`` (a simulated node with injectable faults).
 """
 
 from __future__ import annotations
@@ -146,11 +146,12 @@ class NvmlBackend:
 
     def reinstall_driver(self) -> str:
         """Run the site's driver reinstall command (``GPUFLEET_DRIVER_REINSTALL_CMD``)."""
-        import os
         import shlex
         import subprocess
 
-        command = os.environ.get("GPUFLEET_DRIVER_REINSTALL_CMD")
+        from fleet.settings import NodeAgentEnv
+
+        command = NodeAgentEnv.get("driver_reinstall_cmd")
         if not command:
             raise RuntimeError("no driver reinstall command configured (GPUFLEET_DRIVER_REINSTALL_CMD)")
         done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=3600)

@@ -45,8 +45,7 @@ Account options: ``api_endpoint`` (default the public API), ``image``
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 from typing import Any
 
 import requests
@@ -69,6 +68,7 @@ from fleet.errors import (
     Transient,
 )
 from fleet.models import CapacityType, Machine, MachineSpec, Offer
+from providers.base import translated
 from providers.credentials import read_secret
 
 PROVIDER = "hetzner"
@@ -136,25 +136,25 @@ def classify(code: str | int, message: str) -> ProviderError:
     return cls(f"{message} ({code})", provider=PROVIDER, code=str(code))
 
 
-@contextmanager
-def _translated(action: str) -> Iterator[None]:
+def _translated(action: str) -> AbstractContextManager[None]:
     """Turn SDK and transport failures inside the block into the taxonomy."""
-    try:
-        yield
-    except ProviderError:
-        raise
-    except APIException as exc:
-        raise classify(exc.code, f"{action}: {exc.message}") from exc
-    except ActionFailedException as exc:
+    return translated(lambda exc: _sdk_error(exc, action))
+
+
+def _sdk_error(exc: Exception, action: str) -> ProviderError | None:
+    if isinstance(exc, APIException):
+        return classify(exc.code, f"{action}: {exc.message}")
+    if isinstance(exc, ActionFailedException):
         error = exc.action.error or {}
         code = error.get("code") or "action_failed"
-        raise classify(code, f"{action}: {error.get('message', 'action failed')}") from exc
-    except ActionTimeoutException as exc:
-        raise Transient(f"{action}: action still running", provider=PROVIDER, code="action_timeout") from exc
-    except requests.RequestException as exc:
-        raise Transient(
+        return classify(code, f"{action}: {error.get('message', 'action failed')}")
+    if isinstance(exc, ActionTimeoutException):
+        return Transient(f"{action}: action still running", provider=PROVIDER, code="action_timeout")
+    if isinstance(exc, requests.RequestException):
+        return Transient(
             f"{action}: {type(exc).__name__} talking to the Hetzner API", provider=PROVIDER, code="connection_error"
-        ) from exc
+        )
+    return None
 
 
 def _addresses(server: BoundServer | Server) -> list[str]:
@@ -366,16 +366,4 @@ class HetznerProvider:
         return False
 
     def _offer(self, *, available: bool) -> Offer:
-        site = self.site
-        return Offer(
-            site=site.name,
-            provider=PROVIDER,
-            instance_type=site.instance_type,
-            gpu=site.gpu,
-            gpus=site.gpus_per_machine,
-            gpu_memory_gb=site.gpu_memory_gb,
-            price_per_gpu_hour=site.price_per_gpu_hour,
-            capacity_type=CapacityType.ON_DEMAND,
-            available=available,
-            region=site.region,
-        )
+        return self.site.offer(PROVIDER, capacity_type=CapacityType.ON_DEMAND, available=available)

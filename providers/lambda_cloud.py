@@ -67,6 +67,7 @@ from fleet.errors import (
 )
 from fleet.models import CapacityType, Machine, MachineSpec, Offer
 from providers.credentials import read_secret
+from providers.http_api import error_object, send
 
 PROVIDER = "lambda"
 DEFAULT_API_BASE = "https://cloud.lambdalabs.com/api/v1"
@@ -145,12 +146,7 @@ def classify(status: int, code: str, overrides: dict[str, type[ProviderError]] |
 
 
 def _error(response: httpx.Response, what: str, overrides: dict[str, type[ProviderError]] | None) -> ProviderError:
-    try:
-        body = response.json().get("error") or {}
-    except (ValueError, AttributeError):
-        body = {}
-    if not isinstance(body, dict):
-        body = {}
+    body = error_object(response)
     code = str(body.get("code") or f"http-{response.status_code}")
     cls = classify(response.status_code, code, overrides)
     message = f"Lambda {what}: HTTP {response.status_code} {code}: {body.get('message', '')}"
@@ -182,18 +178,16 @@ class LambdaProvider:
         """``data`` of a successful answer; a taxonomy error otherwise."""
         key = read_secret(self.account.credentials, provider=PROVIDER)
         what = f"{method} {path}"
-        try:
+
+        def call() -> httpx.Response:
             with httpx.Client(
                 base_url=self.api_base,
                 headers={"Authorization": f"Bearer {key}", "Accept": "application/json"},
                 timeout=float(self.options.get("timeout", 30)),
             ) as client:
-                response = client.request(method, path, json=body)
-        except httpx.TimeoutException as exc:
-            raise Transient(f"Lambda {what}: timeout", provider=PROVIDER, code="timeout") from exc
-        except httpx.TransportError as exc:
-            code = type(exc).__name__
-            raise Transient(f"Lambda {what}: {code}", provider=PROVIDER, code=code) from exc
+                return client.request(method, path, json=body)
+
+        response = send(call, f"Lambda {what}", PROVIDER)
         if not response.is_success:
             raise _error(response, what, overrides)
         try:
@@ -335,17 +329,5 @@ class LambdaProvider:
         cents = itype.get("price_cents_per_hour")
         price = float(cents) / 100 / gpus if cents is not None else self.site.price_per_gpu_hour
         regions = {r.get("name") for r in entry.get("regions_with_capacity_available", [])}
-        return [
-            Offer(
-                site=self.site.name,
-                provider=PROVIDER,
-                instance_type=self.site.instance_type,
-                gpu=self.site.gpu,
-                gpus=gpus,
-                gpu_memory_gb=self.site.gpu_memory_gb,
-                price_per_gpu_hour=round(price, 4),
-                capacity_type=CapacityType.ON_DEMAND,
-                available=self.site.region in regions,
-                region=self.site.region,
-            )
-        ]
+        return [self.site.offer(PROVIDER, gpus=gpus, price_per_gpu_hour=round(price, 4),
+                                capacity_type=CapacityType.ON_DEMAND, available=self.site.region in regions)]

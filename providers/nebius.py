@@ -54,7 +54,7 @@ import json
 import re
 import uuid
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -104,6 +104,7 @@ from fleet.errors import (
     Transient,
 )
 from fleet.models import CapacityType, Machine, MachineSpec, Offer
+from providers.base import translated
 from providers.credentials import read_secret
 
 PROVIDER = "nebius"
@@ -185,19 +186,19 @@ def _classify_request_error(exc: RequestError, action: str) -> ProviderError:
     return classify(status.code, details, f"{action}: {status.message or 'failed'}")
 
 
-@contextmanager
-def _translated(action: str) -> Iterator[None]:
+def _translated(action: str) -> AbstractContextManager[None]:
     """Turn SDK failures (RPC errors and failed operations alike) into the taxonomy."""
-    try:
-        yield
-    except ProviderError:
-        raise
-    except RequestError as exc:  # includes OperationError, a failed operation
-        raise _classify_request_error(exc, action) from exc
-    except TimeoutError as exc:
-        raise Transient(f"{action}: timed out", provider=PROVIDER, code="timeout") from exc
-    except (SDKRequestError, SDKError) as exc:
-        raise Transient(f"{action}: {type(exc).__name__}", provider=PROVIDER, code=type(exc).__name__) from exc
+    return translated(lambda exc: _sdk_error(exc, action))
+
+
+def _sdk_error(exc: Exception, action: str) -> ProviderError | None:
+    if isinstance(exc, RequestError):  # includes OperationError, a failed operation
+        return _classify_request_error(exc, action)
+    if isinstance(exc, TimeoutError):
+        return Transient(f"{action}: timed out", provider=PROVIDER, code="timeout")
+    if isinstance(exc, (SDKRequestError, SDKError)):
+        return Transient(f"{action}: {type(exc).__name__}", provider=PROVIDER, code=type(exc).__name__)
+    return None
 
 
 def _is_already_exists(exc: RequestError) -> bool:
@@ -521,20 +522,9 @@ class NebiusProvider:
             return []
         site = self.site
         spot = site.capacity_type == CapacityType.SPOT
-        return [
-            Offer(
-                site=site.name,
-                provider=PROVIDER,
-                instance_type=site.instance_type,
-                gpu=site.gpu,
-                gpus=preset.resources.gpu_count or site.gpus_per_machine,
-                gpu_memory_gb=site.gpu_memory_gb or platform.spec.gpu_memory_gigabytes,
-                price_per_gpu_hour=site.price_per_gpu_hour,
-                capacity_type=site.capacity_type,
-                available=platform.status.allowed_for_preemptibles if spot else True,
-                region=site.region,
-            )
-        ]
+        return [site.offer(PROVIDER, gpus=preset.resources.gpu_count or site.gpus_per_machine,
+                           gpu_memory_gb=site.gpu_memory_gb or platform.spec.gpu_memory_gigabytes,
+                           available=platform.status.allowed_for_preemptibles if spot else True)]
 
 
 def _next_disk_name(current: str, instance_name: str) -> str:

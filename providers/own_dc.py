@@ -87,6 +87,7 @@ from fleet.errors import (
 )
 from fleet.models import Machine, MachineSpec, Offer
 from providers.credentials import read_secret
+from providers.http_api import error_object, send
 from providers.own_dc_seed import SEED_FILES, write_private
 
 if TYPE_CHECKING:
@@ -278,13 +279,7 @@ class _Bmc:
 
     def request(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
         what = f"{self.machine.name}: {method} {path}"
-        try:
-            response = self.client.request(method, self._url(path), json=body)
-        except httpx.TimeoutException as exc:
-            raise Transient(f"BMC {what}: timeout", provider=PROVIDER, code="timeout") from exc
-        except httpx.TransportError as exc:
-            code = type(exc).__name__
-            raise Transient(f"BMC {what}: {code}", provider=PROVIDER, code=code) from exc
+        response = send(lambda: self.client.request(method, self._url(path), json=body), f"BMC {what}", PROVIDER)
         if not response.is_success:
             raise self._error(response, what)
         try:
@@ -294,12 +289,7 @@ class _Bmc:
 
     @staticmethod
     def _error(response: httpx.Response, what: str) -> ProviderError:
-        try:
-            error = response.json().get("error") or {}
-        except (ValueError, AttributeError):
-            error = {}
-        if not isinstance(error, dict):
-            error = {}
+        error = error_object(response)
         info = error.get("@Message.ExtendedInfo") or [{}]
         first = info[0] if isinstance(info, list) and isinstance(info[0], dict) else {}
         message_id = first.get("MessageId") or error.get("code") or ""
@@ -612,17 +602,4 @@ class OwnDcProvider:
     def list_offers(self) -> list[Offer]:
         allocations = self.state.read()["allocations"]
         free = sum(1 for m in self.inventory if m not in allocations)
-        return [
-            Offer(
-                site=self.site.name,
-                provider=PROVIDER,
-                instance_type=self.site.instance_type,
-                gpu=self.site.gpu,
-                gpus=self.site.gpus_per_machine,
-                gpu_memory_gb=self.site.gpu_memory_gb,
-                price_per_gpu_hour=self.site.price_per_gpu_hour,
-                capacity_type=self.site.capacity_type,
-                available=free > 0,
-                region=self.site.region,
-            )
-        ]
+        return [self.site.offer(PROVIDER, available=free > 0)]

@@ -7,65 +7,22 @@ with ``GPUFLEET_SERVING_URL`` (``{name}``, ``{namespace}``, ``{model}``, ``{site
 are filled in) and the namespace with ``GPUFLEET_NAMESPACE``. A probe fails on a
 transport error or a non-2xx answer.
 
-Sim mode (``SimProbe``): the simulated cluster answers from its serving state: a
-probe succeeds when the site's Deployment exists, is ready and has an available
-replica. ``set_error_rate`` is the sim's fault knob (a "bad build"): probes to a
-model at a site, optionally only while it runs a given image, fail at that rate
-(deterministically: ``round(rate * n)`` of ``n`` fail).
+Sim mode: ``sim/probe.py``.
 """
 
 from __future__ import annotations
 
-import os
-
 from fleet.rollout import ProbeResult
-from providers.cluster.base import Cluster, serving_name
+from fleet.settings import ControlPlaneEnv
 from fleet.cluster import SERVING_PORT
-from providers.sim import SimWorld
-
-PROBE_SCHEMA = """
-CREATE TABLE IF NOT EXISTS sim_probe_faults (
-    model TEXT, site TEXT, image TEXT, error_rate REAL, PRIMARY KEY (model, site, image)
-);
-"""
-
-
-class SimProbe:
-    def __init__(self, world: SimWorld, cluster: Cluster) -> None:
-        self.world, self.cluster = world, cluster
-        with self.world.tx() as db:
-            db.executescript(PROBE_SCHEMA)
-
-    def set_error_rate(self, model: str, site: str, rate: float, image: str = "") -> None:
-        """Fail this share of probes to ``model`` at ``site`` ("" image: whatever it runs)."""
-        with self.world.tx() as db:
-            if rate <= 0:
-                db.execute("DELETE FROM sim_probe_faults WHERE model=? AND site=? AND image=?", (model, site, image))
-            else:
-                db.execute("INSERT OR REPLACE INTO sim_probe_faults VALUES (?,?,?,?)", (model, site, image, rate))
-
-    def probe(self, model: str, site: str, requests: int, timeout_s: float) -> ProbeResult:
-        status = self.cluster.serving_status(model, site)
-        if status is None:
-            return ProbeResult(site=site, sent=requests, errors=requests, samples=["no Service for the model here"])
-        if not status.ready or status.available_replicas == 0:
-            return ProbeResult(site=site, sent=requests, errors=requests,
-                               samples=[f"{status.available_replicas}/{status.desired_replicas} replicas available"])
-        rows = self.world.query(
-            "SELECT error_rate FROM sim_probe_faults WHERE model=? AND site=? AND image IN ('', ?)"
-            " ORDER BY error_rate DESC", model, site, status.image,
-        )
-        errors = round(rows[0]["error_rate"] * requests) if rows else 0
-        return ProbeResult(site=site, sent=requests, errors=errors,
-                           samples=["HTTP 500 from the simulated replica"] if errors else [])
+from providers.cluster.base import serving_name
 
 
 class HttpProbe:
     def __init__(self, namespace: str | None = None) -> None:
-        self.namespace = namespace or os.environ.get("GPUFLEET_NAMESPACE", "gpufleet")
-        self.template = os.environ.get(
-            "GPUFLEET_SERVING_URL", f"http://{{name}}.{{namespace}}.svc.cluster.local:{SERVING_PORT}"
-        )
+        self.namespace = namespace or ControlPlaneEnv.get("serving_namespace")
+        self.template = (ControlPlaneEnv.get("serving_url")
+                         or f"http://{{name}}.{{namespace}}.svc.cluster.local:{SERVING_PORT}")
 
     def url(self, model: str, site: str) -> str:
         return self.template.format(name=serving_name(model, site), namespace=self.namespace, model=model, site=site)

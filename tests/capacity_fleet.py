@@ -15,8 +15,8 @@ from temporalio.client import Client, WorkflowHandle
 
 from activities.env import FleetEnv
 from fleet.settings import Settings
-from providers.cluster.sim import SimCluster
-from providers.sim import SimWorld
+from sim.cluster import SimCluster
+from sim.world import SimWorld
 from tests.conftest import run_node_host, stop_stack
 from workers.control_plane import build_worker
 from tests.replay import replay_and_record  # noqa: F401 - used by the scenario tests

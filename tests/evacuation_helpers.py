@@ -17,8 +17,8 @@ from temporalio.client import Client, WorkflowHandle
 from activities.env import FleetEnv
 from fleet.settings import Settings
 from fleet.cluster import ServingSpec
-from providers.cluster.sim import SimCluster
-from providers.sim import SimWorld
+from sim.cluster import SimCluster
+from sim.world import SimWorld
 from workers.control_plane import build_worker
 from tests.conftest import sim_host
 from tests.replay import replay_and_record  # noqa: F401 - used by the scenario tests

@@ -12,8 +12,8 @@ from fleet.config import Site
 from fleet.messages.advisor import AdvisorInput, LedgerEntry, Usage, Workload
 from fleet.models import AccountState, CapacityType, Offer
 from fleet.placement import AccountView, Constraints
-from providers.cluster.sim import SimCluster
-from providers.sim import SimWorld
+from sim.cluster import SimCluster
+from sim.world import SimWorld
 
 H = 3600.0
 START = 1_700_000_000.0

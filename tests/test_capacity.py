@@ -12,7 +12,7 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from fleet.messages.capacity import AccountStatus, CapacityProgress, CapacityResult
 from activities.control_plane import ControlPlaneActivities
-from activities.models import DeleteMachineInput
+from fleet.messages.nodes import DeleteMachineInput
 from tests.capacity_fleet import CapStack, open_stack, replay_and_record
 from tests.conftest import wait_for
 

@@ -8,10 +8,10 @@ import sys
 
 from temporalio.testing import ActivityEnvironment
 
-from activities.models import ProbeGpusInput, SmokeTestInput
+from fleet.messages.nodes import ProbeGpusInput, SmokeTestInput
 from cli.dev import temporal_binary
 from activities.node_agent import NodeAgentActivities
-from providers.sim import SimGpuBackend
+from sim.gpu import SimGpuBackend
 from tests.conftest import Stack
 from fleet.messages.join import NodeJoinResult
 

@@ -56,7 +56,8 @@ def test_demand_start_prints_the_loops_temporal_ui_link(tmp_path, monkeypatch):
     """`gpufleet demand --start` names the workflow it started and its Temporal UI link, as every
     command that starts one does; a loop already running is said to be."""
     from cli import demand as demand_cli
-    from fleet.messages.demand import DEMAND_WORKFLOW_ID, DemandStatus
+    from fleet.messages.demand import DemandStatus
+    from fleet.naming import DEMAND_WORKFLOW_ID
 
     started: list[str] = []
     running = {"yes": False}

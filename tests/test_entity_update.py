@@ -19,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 from temporalio.workflow import _Definition
 
 from client import FleetClient, InvalidArgument
-from fleet.messages.entity_update import KINDS, EntityUpdateInput, EntityUpdateResult, UpdateName
+from fleet.contracts.entity_update import KINDS, EntityUpdateInput, EntityUpdateResult, UpdateName
 from fleet.models import AccountState
 from tests.bad_input_helpers import invalid_input, task_failures
 from tests.capacity_fleet import FAST_JOIN, CapStack, open_stack

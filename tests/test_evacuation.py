@@ -25,7 +25,7 @@ from tests.evacuation_helpers import (
 from temporalio.testing import ActivityEnvironment
 
 from activities.env import FleetEnv
-from activities.rollout_models import EvacuationInput
+from fleet.messages.rollout import EvacuationInput
 from activities.serving import ServingActivities
 from fleet.messages.capacity import CapacityResult, SiteStatus
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult
@@ -119,8 +119,8 @@ async def test_four_of_eight_failing_evacuates_once_and_restores_stepwise(inc: I
     site_handle = inc.client.get_workflow_handle(f"site/{a}")
     status = await poll(lambda: _closed(site_handle), timeout=15)
     assert status.incident.history[-1].outcome == "restored"
-    # Named for the newest patch (``evacuation-abort-restores``: only what it cordoned is
-    # uncordoned); the older file stays, it guards runs in flight.
+    # Named for the patch ``evacuation-abort-restores`` (only what it cordoned is uncordoned; now
+    # deprecated, and the files of runs before it gone: docs/design/patches.md, "Retired").
     await replay_and_record(inc.evacuation("a"), "site_evacuation_restored_releases")
     await replay_and_record(site_handle, "site_incident_tripped")
 

@@ -17,7 +17,7 @@ import pytest
 from fleet.routing import RoutingDocument, SiteRouteState
 from providers.haproxy import HAProxy, Replica
 from tests.tools import needs
-from workers.sim_model_server import SimModelServer
+from sim.model_server import SimModelServer
 
 pytestmark = needs("haproxy")  # skipped without it, naming how to get it; failed in CI (tests/tools.py)
 

@@ -5,7 +5,7 @@ on the simulated fleet: the simulated machine joins from its user data alone.
   admitted, and its machine is deleted;
 * the reinstall rung re-bootstraps the machine with a fresh token and proves it with
   the smoke test;
-* the recorded histories of the new shape (``bootstrap-in-user-data``) replay.
+* their histories replay against today's code (recorded with ``GPUFLEET_RECORD=1``).
 """
 
 from __future__ import annotations

@@ -14,14 +14,15 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.control_plane import ControlPlaneActivities
 from activities.env import FleetEnv
-from activities.models import DeleteMachineInput, ReleaseProvisionInput, ResetGpuInput, RestartMachineInput
+from fleet.messages.nodes import DeleteMachineInput, ReleaseProvisionInput, ResetGpuInput, RestartMachineInput
 from activities.node_agent import NodeAgentActivities
 from activities.repair import RepairActivities
 from fleet.messages.join import NodeJoinResult
 from fleet.messages.sweep import FleetSweepResult
 from fleet.models import AccountState, MachineSpec
 from fleet.naming import account_workflow_id, node_name_for
-from providers.sim import SimGpuBackend, SimProvider
+from sim.gpu import SimGpuBackend
+from sim.provider import SimProvider
 from tests.conftest import Stack, wait_for
 from tests.replay import replay_and_record
 

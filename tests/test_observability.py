@@ -346,7 +346,7 @@ async def test_prometheus_sees_the_fleet(temporal_env, tmp_path: Path, moto_s3, 
 
 def _replicate_twice(s3, site: str, sizes: dict[str, int]) -> None:
     from activities.weights import Replicator
-    from activities.rollout_models import ReplicateInput
+    from fleet.messages.rollout import ReplicateInput
     from fleet.rollout import Replication, WeightFile
 
     source = s3.bucket(s3.store(0))

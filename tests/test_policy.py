@@ -11,7 +11,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.capacity import CapacityActivities
 from activities.env import FleetEnv
 from activities.evacuation import EvacuationActivities
-from activities.models import ReplacementSitesInput
+from fleet.messages.nodes import ReplacementSitesInput
 from activities.repair import RepairActivities
 from fleet.config import Site
 from fleet.incident import SiteFacts, allowed_targets, recovery, restore_percents, restore_weights, weight_at

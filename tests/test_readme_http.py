@@ -24,7 +24,8 @@ from cli.dev import dev_server_tuning_flags, temporal_binary
 from client import FleetClient
 from fleet import search_attributes
 from fleet.models import AccountState
-from fleet.settings import CONTROL_PLANE_QUEUE, Settings
+from fleet.settings import Settings
+from fleet.naming import CONTROL_PLANE_QUEUE
 from workers.control_plane import build_worker
 from workers.node_agent import SimNodeHost
 from tests.ports import free_port

@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
 
-from activities.models import HealthReport
+from fleet.messages.nodes import HealthReport
 from activities.repair import fence_key
 from cli.main import app
 from fleet.models import GpuHealth, XidEvent

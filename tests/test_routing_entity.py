@@ -17,13 +17,14 @@ from temporalio.client import Client, WorkflowHandle
 
 from cli.front_door import DevFrontDoor
 from fleet.cluster import UNPROVEN_TAINT, ServingSpec, SiteRoute
-from fleet.routing import ENDPOINTS_KIND, TOTAL, RoutingDocument, endpoints_key, routing_workflow_id
+from fleet.routing import ENDPOINTS_KIND, TOTAL, RoutingDocument, endpoints_key
+from fleet.naming import routing_workflow_id
 from activities.env import FleetEnv
 from fleet.settings import Settings
 from tests.conftest import terminate_running, wait_for
 from tests.evacuation_helpers import IncStack, incident_fleet, poll
 from tests.replay import replay_and_record
-from workers.sim_model_server import SimModelServer
+from sim.model_server import SimModelServer
 from workers.control_plane import build_worker
 from tests.rollout.conftest import add_node
 from tests.tools import needs

@@ -12,7 +12,7 @@ import sys
 
 from fleet.config import load_config
 from fleet.models import MachineSpec
-from providers.sim import SimProvider
+from sim.provider import SimProvider
 from tests.conftest import Stack
 
 

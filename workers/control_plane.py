@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,7 +19,7 @@ from temporalio.worker import Worker
 from activities import control_plane_activities
 from activities.entity_update import EntityUpdateActivities
 from activities.env import FleetEnv
-from fleet.settings import Settings
+from fleet.settings import ControlPlaneEnv, Settings, SettingsError
 from fleet.temporal import connect, tracing_interceptors
 from workers.input_guard import InputGuard
 from workers.gc_tuning import settle_garbage_collection
@@ -57,25 +56,27 @@ def worker_interceptors() -> list:
 #: Workflows kept in memory between their tasks. Every Node entity is one, and an entity
 #: evicted from the cache replays its whole history on its next task: the SDK's default
 #: (1,000) is below a fleet of 1,250 nodes plus its Site and account entities.
-#: ``GPUFLEET_MAX_CACHED_WORKFLOWS`` sets another size.
-MAX_CACHED_WORKFLOWS = 4000
+#: ``GPUFLEET_MAX_CACHED_WORKFLOWS`` sets another size (fleet.settings.ControlPlaneEnv).
+MAX_CACHED_WORKFLOWS = ControlPlaneEnv.model_fields["max_cached_workflows"].default
 
 
 def max_cached_workflows() -> int:
-    raw = os.environ.get("GPUFLEET_MAX_CACHED_WORKFLOWS", "")
     try:
-        return int(raw) if raw else MAX_CACHED_WORKFLOWS
-    except ValueError:
-        raise SystemExit(f"GPUFLEET_MAX_CACHED_WORKFLOWS: a whole number, not {raw!r}") from None
+        return ControlPlaneEnv.get("max_cached_workflows")
+    except SettingsError as error:
+        raise SystemExit(str(error)) from None
 
 
-def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None) -> Worker:
+def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None, *,
+                 workflows: list[type] | None = None) -> Worker:
+    """The control-plane worker; ``workflows`` replaces ``ALL_WORKFLOWS`` only for a test that runs
+    another build of a workflow type (tests/test_upgrade.py: a release with one more patch)."""
     env = env or FleetEnv.from_settings(settings)
     precompile_workflows()
     return Worker(
         client,
         task_queue=settings.task_queue,
-        workflows=ALL_WORKFLOWS,
+        workflows=workflows or ALL_WORKFLOWS,
         # The HTTP relay needs only the worker's Temporal client, not the fleet's providers.
         activities=[*control_plane_activities(env), *EntityUpdateActivities().all()],
         # Provider SDKs block: activities are sync and run in these threads.

@@ -14,17 +14,18 @@ node gateway forwards no start and no signal.
 
 from __future__ import annotations
 
-import os
-
 from temporalio.client import Client
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
 
-from activities.models import HealthReport
+from fleet.messages.nodes import HealthReport
 from activities.node_agent import NodeWatch
 from fleet import search_attributes as sa
+from fleet.contracts import workflows as flows
+from fleet.naming import node_workflow_id
+from fleet.settings import NodeAgentEnv
 
 #: Probe interval of a waiting watch, seconds (``GPUFLEET_HEALTH_SECONDS``; 0: only when woken).
-DEFAULT_HEALTH_SECONDS = float(os.environ.get("GPUFLEET_HEALTH_SECONDS", "5"))
+DEFAULT_HEALTH_SECONDS: float = NodeAgentEnv.get("health_seconds")
 
 
 def xid_wakes(gpus, watch: NodeWatch) -> None:
@@ -46,8 +47,8 @@ async def send_report(client: Client, task_queue: str, report: HealthReport,
                       placement: "tuple[str, str] | None" = None) -> None:
     """Control-plane identities only: signal-with-start ``node/<name>`` with a report."""
     await client.start_workflow(
-        "Node", {"node_name": report.node_name}, id=f"node/{report.node_name}", task_queue=task_queue,
-        start_signal="health_report", start_signal_args=[report],
+        flows.Node.TYPE, {"node_name": report.node_name}, id=node_workflow_id(report.node_name), task_queue=task_queue,
+        start_signal=flows.Node.health_report, start_signal_args=[report],
         id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
         search_attributes=node_start_attributes(report.node_name, placement),
         static_summary=f"node {report.node_name}: health, repairs",

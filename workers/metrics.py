@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import threading
 import time
@@ -39,6 +38,7 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 from fleet import search_attributes as sa
 from fleet.cluster import SITE_ROUTES, UNPROVEN_TAINT
 from fleet.models import AccountState
+from fleet.settings import ControlPlaneEnv, SettingsError, WorkerEnv
 
 if TYPE_CHECKING:
     from activities.env import FleetEnv
@@ -47,10 +47,10 @@ log = logging.getLogger("gpufleet.metrics")
 
 #: Every node state ``gpufleet_nodes`` reports (zero-filled per site, so absence never hides a drop).
 NODE_STATES = ("provisioning", "unproven", "ready", "cordoned", "not-ready")
-METRICS_PORT_ENV = "GPUFLEET_METRICS_PORT"
-METRICS_HOST_ENV = "GPUFLEET_METRICS_HOST"
+METRICS_PORT_ENV = WorkerEnv.variable("metrics_port")
+METRICS_HOST_ENV = WorkerEnv.variable("metrics_host")
 #: A machine without a node or a running join for longer than this is an orphan.
-ORPHAN_GRACE_ENV = "GPUFLEET_ORPHAN_GRACE_SECONDS"
+ORPHAN_GRACE_ENV = ControlPlaneEnv.variable("orphan_grace_seconds")
 TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
 
 
@@ -58,13 +58,10 @@ def metrics_port(flag: int | None) -> int | None:
     """``--metrics-port`` first, then ``GPUFLEET_METRICS_PORT``; None: no metrics endpoint."""
     if flag is not None:
         return flag
-    value = os.environ.get(METRICS_PORT_ENV, "").strip()
-    if not value:
-        return None
     try:
-        return int(value)
-    except ValueError:
-        raise SystemExit(f"{METRICS_PORT_ENV}: not a port number: {value!r}") from None
+        return WorkerEnv.get("metrics_port")
+    except SettingsError as error:
+        raise SystemExit(str(error)) from None
 
 
 def _free_loopback_port() -> int:
@@ -107,7 +104,7 @@ class MetricsServer:
             def log_message(self, *args) -> None:  # a scrape a second would flood the log
                 pass
 
-        self.httpd = ThreadingHTTPServer((host or os.environ.get(METRICS_HOST_ENV, "0.0.0.0"), port), Handler)
+        self.httpd = ThreadingHTTPServer((host or WorkerEnv.get("metrics_host"), port), Handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
@@ -279,7 +276,7 @@ async def fleet_snapshot(env: "FleetEnv", client: Client | None, task_queue: str
                          repair_limit: int = 5000, orphan_grace_seconds: float | None = None) -> FleetSnapshot:
     """One consistent look at the fleet. ``client`` None: no Temporal (visibility parts empty)."""
     snap = FleetSnapshot(sites=list(env.config.sites), taken_at=time.time())
-    grace = orphan_grace_seconds if orphan_grace_seconds is not None else float(os.environ.get(ORPHAN_GRACE_ENV, 600))
+    grace = orphan_grace_seconds if orphan_grace_seconds is not None else ControlPlaneEnv.get("orphan_grace_seconds")
     joining = None
     if client is not None:
         try:

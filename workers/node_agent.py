@@ -43,7 +43,8 @@ from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
 from activities.node_agent import NodeAgentActivities, NodeWatch
 from fleet.config import load_config
-from fleet.settings import Settings, node_queue
+from fleet.settings import NodeAgentEnv, Settings
+from fleet.naming import node_queue
 from fleet.temporal import connect, tracing_interceptors
 from providers.gpu import GpuBackend
 from workers.gc_tuning import settle_garbage_collection
@@ -130,8 +131,8 @@ class SimNodeHost:
     def __init__(self, client: Client | None, settings: Settings, poll_seconds: float = 0.2,
                  gateway: GatewayAccess | None = None, signer: Signer | None = None,
                  cert_lifetime: float = 24 * 3600, runtime=None) -> None:
-        from providers.cluster.sim import SimCluster
-        from providers.sim import SimWorld
+        from sim.cluster import SimCluster
+        from sim.world import SimWorld
 
         self.client = client
         self.settings = settings
@@ -260,7 +261,7 @@ class SimNodeHost:
     def _sync_kubelets(self, up: dict[str, tuple[str, str]]) -> set[str]:
         """Each booted machine's kubelet (``up``: ``_up_machines``): register with its join token,
         report Ready. Returns the ids of the machines registered."""
-        from providers.cluster.sim import JoinRejected
+        from sim.cluster import JoinRejected
 
         nodes = self.cluster.kubelet_view()
         registered = set(nodes)
@@ -301,7 +302,7 @@ class SimNodeHost:
 
     async def _sync_agents(self, up: dict[str, tuple[str, str]], registered: set[str]) -> None:
         """An agent for each registered machine that is up; a rebooted machine's agent restarts."""
-        from providers.sim import SimGpuBackend
+        from sim.gpu import SimGpuBackend
 
         await self._stop_stale_agents(up)
         for machine_id, (name, boot_id) in up.items():
@@ -424,7 +425,11 @@ async def main(args: AgentOptions) -> None:
         if gateway is not None:
             from workers.gateway.pki import Pki
 
-            signer = pki_signer(Pki.load_or_create(Path(os.environ["GPUFLEET_SIM_SIGNER_DIR"])))
+            signer_dir = NodeAgentEnv.get("sim_signer_dir")
+            if signer_dir is None:
+                raise SystemExit(f"{NodeAgentEnv.variable('sim_signer_dir')} is required with --sim and "
+                                 f"{NodeAgentEnv.variable('gateway')} (the dev CA's directory)")
+            signer = pki_signer(Pki.load_or_create(signer_dir))
         host = SimNodeHost(client, settings, poll_seconds=args.poll_seconds, gateway=gateway, signer=signer,
                            runtime=runtime)
         if metrics:
@@ -446,7 +451,7 @@ async def main(args: AgentOptions) -> None:
         cert, key = source.read()
         client = await connect_via_gateway(gateway, settings.namespace, cert, key, runtime=runtime)
     gpus = NvmlBackend()
-    watch = NodeWatch(gpus, notice=spot_notice_source(os.environ.get("GPUFLEET_SPOT_NOTICE", "")),
+    watch = NodeWatch(gpus, notice=spot_notice_source(NodeAgentEnv.get("spot_notice")),
                       interval_s=DEFAULT_HEALTH_SECONDS)
     xid_wakes(gpus, watch)
     gpus.watch_xids()
@@ -480,7 +485,7 @@ def cli(
     options = AgentOptions(node_name, sim, poll_seconds, nice, cert, key, metrics_port)
     if not sim and not node_name:
         raise typer.BadParameter("required outside --sim", param_hint="--node-name")
-    if not sim and os.environ.get("GPUFLEET_GATEWAY") and not cert:
+    if not sim and NodeAgentEnv.get("gateway") and not cert:
         raise typer.BadParameter("required with GPUFLEET_GATEWAY (the node's client certificate)", param_hint="--cert")
     run_then_exit(lambda: main(options))
 

@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fleet.settings import Settings
+from fleet.settings import NodeGatewayEnv, Settings
 
 log = logging.getLogger("gpufleet.node_gateway")
 
@@ -79,8 +79,8 @@ def serve(args: GatewayOptions) -> None:
 
 
 def cli(
-    listen: Annotated[str, typer.Option(envvar="GPUFLEET_GATEWAY_LISTEN", help="host:port for node agents")]
-    = "127.0.0.1:7300",
+    listen: Annotated[str, typer.Option(envvar=NodeGatewayEnv.variable("listen"), help="host:port for node agents")]
+    = NodeGatewayEnv.model_fields["listen"].default,
     cert: Annotated[Optional[str], typer.Option(help="the gateway's server certificate (PEM)")] = None,
     key: Annotated[Optional[str], typer.Option(help="its private key (PEM)")] = None,
     client_ca: Annotated[Optional[str], typer.Option(

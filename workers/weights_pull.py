@@ -28,6 +28,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from fleet.errors import FleetError
+from fleet.settings import WeightsPullEnv
 from fleet.weights_pull import CACHE_ROOT, ENV, WeightsPull
 from providers.object_store import Throttle, classify, make_s3_client
 
@@ -149,7 +150,7 @@ def load_spec(source: str | None) -> WeightsPull:
     elif source:
         raw = Path(source).read_text()
     else:
-        raw = os.environ.get(ENV, "")
+        raw = WeightsPullEnv.get("weights")
         if not raw:
             raise ValueError(f"no weights spec: give a file or set {ENV}")
     return WeightsPull.model_validate_json(raw)

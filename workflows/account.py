@@ -14,8 +14,11 @@ once). A person clears them with updates:
 Every change is written through to the guard store that activities check, the
 search attribute ``FleetState`` is ``needs-person`` while anything is blocked
 (the UI lists them), a webhook is POSTed when a person is needed, and waiting
-AcquireCapacity requests are woken when something is unblocked. Continues as
-new when the server suggests it, carrying its one state model (``AccountStatus``).
+AcquireCapacity requests are woken when something is unblocked.
+
+An entity (``workflows.entity``, docs/design/entities.md): its one state is ``AccountStatus``
+(``self.state``); it continues as new when the server suggests it, through the base's gate,
+once the updates running have finished (a report that comes in meanwhile is taken first).
 
 The run loop (reports) and the two updates each change the state and then write it
 to the guard store through an activity: each takes the state lock around that
@@ -25,7 +28,6 @@ order of the changes and the store ends equal to the entity.
 
 from __future__ import annotations
 
-import asyncio
 from contextlib import AbstractAsyncContextManager, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -35,6 +37,7 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
+    from fleet.contracts import activities as act
     from fleet.messages.capacity import (
         AccountInput,
         AccountRecordInput,
@@ -46,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet import search_attributes as sa
     from fleet.models import AccountState
+    from workflows.entity import Entity
     from workflows.inputs import invalid_input, parse_input, parse_signal
     from workflows.refusals import wrong_state
     from workflows.steps import QUICK, STORE_RETRY, failure_message, show_details
@@ -66,11 +70,12 @@ CONTINUE_WHEN_READY_PATCH = "account-continue-when-ready"
 
 
 @workflow.defn(name="ProviderAccount")
-class ProviderAccount:
+class ProviderAccount(Entity[AccountStatus | None]):
     def __init__(self) -> None:
+        # The state (``run`` sets it: a signal sent with the start is queued here until then).
+        super().__init__(None)
+        #: Reports not yet taken by the loop (in flight: the gate lets the loop take them first).
         self._reports: list[ReportAccountInput] = []
-        self._status: AccountStatus | None = None
-        self._lock = asyncio.Lock()
 
     # -- what workflows and people send ---------------------------------------------------
     @workflow.signal
@@ -81,12 +86,12 @@ class ProviderAccount:
 
     @workflow.query
     def status(self) -> AccountStatus:
-        assert self._status is not None
-        return self._status
+        assert self.state is not None
+        return self.state
 
     @workflow.update
     async def quota_raised(self, raw: Any = None) -> AccountStatus:
-        status = self._status
+        status = self.state
         request = parse_input(QuotaRaised, raw or {})
         # Locked: a report's store write, still in flight, would land after this one and re-block the offers.
         async with self._locked():
@@ -113,7 +118,7 @@ class ProviderAccount:
                                 ["offers"])
         if request.offers and request.all:
             raise invalid_input("all: either offers or all, not both", ["all"])
-        status = self._status
+        status = self.state
         if status is None or not status.blocked_offers:
             # The account's state, not the input: nothing is blocked now.
             raise wrong_state(f"account {status.account if status else '?'} has no quota-blocked offer",
@@ -126,7 +131,7 @@ class ProviderAccount:
 
     @workflow.update
     async def credentials_rotated(self) -> AccountStatus:
-        status = self._status
+        status = self.state
         # Locked, check included: a report's store write (still revoked), in flight meanwhile, would land
         # after this one and leave the guard revoked while the entity says healthy.
         async with self._locked():
@@ -134,7 +139,7 @@ class ProviderAccount:
                 return status  # another rotation finished while this one waited for the lock
             try:
                 checked = await workflow.execute_activity(
-                    "check_credentials", AccountInput(account=status.account), result_type=str,
+                    act.check_credentials, AccountInput(account=status.account),
                     start_to_close_timeout=QUICK, retry_policy=CHECK_RETRY,
                     summary=f"one authenticated call to {status.account}",
                 )
@@ -150,7 +155,7 @@ class ProviderAccount:
             await self._persist()
         # The queued deletes and the wake-up touch no entity state: no lock (reports go on meanwhile).
         deleted: list[str] = await workflow.execute_activity(
-            "run_queued_deletes", AccountInput(account=status.account), result_type=list[str],
+            act.run_queued_deletes, AccountInput(account=status.account),
             start_to_close_timeout=timedelta(minutes=10), heartbeat_timeout=timedelta(seconds=60),
             retry_policy=STORE_RETRY, summary="run the deletes queued while revoked",
         )
@@ -161,9 +166,9 @@ class ProviderAccount:
 
     @credentials_rotated.validator
     def _check_rotated(self) -> None:
-        if self._status is None or self._status.state != AccountState.CREDENTIALS_REVOKED:
+        if self.state is None or self.state.state != AccountState.CREDENTIALS_REVOKED:
             raise wrong_state("credentials are not revoked: nothing to rotate",
-                              self._status.state.value if self._status else "starting")
+                              self.state.state.value if self.state else "starting")
 
     # -- the entity loop ------------------------------------------------------------------
     @workflow.run
@@ -171,7 +176,7 @@ class ProviderAccount:
         args = parse_input(ProviderAccountInput, raw)
         workflow.patched(STATE_LOCK_PATCH)  # decided (and recorded) once, at the start of the run
         takes_reports_at_gate = workflow.patched(CONTINUE_WHEN_READY_PATCH)  # the same, before any activity
-        self._status = args.status or AccountStatus(account=args.account, provider=args.provider)
+        self.state = args.status or AccountStatus(account=args.account, provider=args.provider)
         workflow.upsert_search_attributes([
             sa.ACCOUNT.value_set(args.account), sa.PROVIDER.value_set(args.provider),
             sa.FLEET_STATE.value_set(self._fleet_state()),
@@ -179,23 +184,21 @@ class ProviderAccount:
         self._show()
         while True:
             await workflow.wait_condition(
-                lambda: bool(self._reports) or workflow.info().is_continue_as_new_suggested()
+                lambda: bool(self._reports) or self.continue_as_new_suggested()
             )
             if self._reports:
                 await self._apply(self._reports.pop(0))
                 continue
+            carried = lambda: {"account": args.account, "provider": args.provider,  # noqa: E731
+                               "status": self.state.model_dump(mode="json")}
             if takes_reports_at_gate:
                 # A report that arrives while an update finishes is the loop's to take: take it, ask again.
-                await workflow.wait_condition(lambda: workflow.all_handlers_finished() or bool(self._reports))
-                if self._reports or not workflow.all_handlers_finished():
-                    continue
+                await self.continue_as_new_when_ready(carried, unless=lambda: bool(self._reports))
             else:  # a run from before the patch (see it): an empty queue too, which a report made never
-                await workflow.wait_condition(lambda: workflow.all_handlers_finished() and not self._reports)
-            workflow.continue_as_new({"account": args.account, "provider": args.provider,
-                                      "status": self._status.model_dump(mode="json")})
+                await self.continue_as_new_when_ready(carried, until=lambda: not self._reports)
 
     async def _apply(self, report: ReportAccountInput) -> None:
-        status = self._status
+        status = self.state
         # Locked: an update's store write must not land between this change and its write (nor before, older).
         async with self._locked():
             before = (status.state, set(status.blocked_offers))
@@ -212,10 +215,10 @@ class ProviderAccount:
             await self._persist()
         try:
             await workflow.execute_activity(
-                "notify_person",
+                act.notify_person,
                 NotifyInput(subject=f"{status.provider} account {status.account}: {status.state.value}",
                             workflow_id=workflow.info().workflow_id, details=status.model_dump(mode="json")),
-                result_type=bool, start_to_close_timeout=QUICK, retry_policy=NOTIFY_RETRY,
+                start_to_close_timeout=QUICK, retry_policy=NOTIFY_RETRY,
                 summary="webhook: a person is needed",
             )
         except ActivityError as error:
@@ -228,22 +231,22 @@ class ProviderAccount:
     # -- helpers ----------------------------------------------------------------------------
     def _locked(self) -> AbstractAsyncContextManager:
         """The state lock; none for a run started before it (its history interleaved freely)."""
-        return self._lock if workflow.patched(STATE_LOCK_PATCH) else nullcontext()
+        return self.state_lock if workflow.patched(STATE_LOCK_PATCH) else nullcontext()
 
     def _set(self, state: AccountState, reason: str) -> None:
-        status = self._status
+        status = self.state
         if status.state != state:
             status.since = workflow.now().isoformat(timespec="seconds") if state != AccountState.HEALTHY else ""
         status.state, status.reason = state, reason
 
     def _log(self, line: str) -> None:
-        self._status.history = [*self._status.history[-19:], f"{workflow.now().isoformat(timespec='seconds')} {line}"]
+        self.state.history = [*self.state.history[-19:], f"{workflow.now().isoformat(timespec='seconds')} {line}"]
 
     def _fleet_state(self) -> str:
-        return "healthy" if self._status.state == AccountState.HEALTHY else "needs-person"
+        return "healthy" if self.state.state == AccountState.HEALTHY else "needs-person"
 
     def _show(self) -> None:
-        s = self._status
+        s = self.state
         lines = [s.reason] if s.reason else []
         lines += [f"- quota-blocked: {offer} (since {since})" for offer, since in s.blocked_offers.items()]
         if s.state == AccountState.CREDENTIALS_REVOKED:
@@ -256,11 +259,11 @@ class ProviderAccount:
         show_details(s.state.value, *lines, detail=f"since {s.since}" if s.since else "")
 
     async def _persist(self) -> None:
-        s = self._status
+        s = self.state
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(self._fleet_state())])
         self._show()
         await workflow.execute_activity(
-            "write_account_state",
+            act.write_account_state,
             AccountRecordInput(account=s.account, provider=s.provider, state=s.state,
                                blocked_offers=list(s.blocked_offers), reason=s.reason),
             start_to_close_timeout=QUICK, retry_policy=STORE_RETRY, summary=f"account guard: {s.state.value}",
@@ -268,6 +271,6 @@ class ProviderAccount:
 
     async def _wake(self) -> None:
         await workflow.execute_activity(
-            "wake_waiting_requests", start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+            act.wake_waiting_requests, start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
             summary="offers changed: wake waiting requests",
         )

@@ -17,6 +17,7 @@ from typing import Any
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    from fleet.contracts import activities as act
     from fleet.advisor import HOUR, advise, period_hours
     from fleet.messages.advisor import AdvisorInput, AdvisorReport, Usage
     from fleet.messages.capacity import Catalog, GetCatalogInput
@@ -46,10 +47,10 @@ class Advisor:
         self._step = "reading"
         show_details("reading", detail="the usage ledger, the workloads served, the provider catalog")
         usage, catalog = await asyncio.gather(
-            workflow.execute_activity("read_usage", result_type=Usage, start_to_close_timeout=QUICK,
+            workflow.execute_activity(act.read_usage, start_to_close_timeout=QUICK,
                                       retry_policy=STORE_RETRY, summary="usage ledger and workloads (read)"),
-            workflow.execute_activity("get_catalog", GetCatalogInput(max_age_seconds=CATALOG_MAX_AGE),
-                                      result_type=Catalog, start_to_close_timeout=QUICK,
+            workflow.execute_activity(act.get_catalog, GetCatalogInput(max_age_seconds=CATALOG_MAX_AGE),
+                                      start_to_close_timeout=QUICK,
                                       retry_policy=PROVIDER_RETRY, summary="provider catalog (list offers)"),
         )
         report = advise(usage, catalog.offers, catalog.sites, start=start, end=end, since=args.since,

@@ -34,13 +34,14 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 from temporalio import workflow
 from temporalio.exceptions import ApplicationError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
+    from fleet.contracts import activities as act
     from fleet.messages.capacity import (
         CapacityCarry,
         CapacityProgress,
@@ -68,11 +69,14 @@ with workflow.unsafe.imports_passed_through():
 #: one only buys and deletes more machines).
 FATAL = ("InvalidRequest", "InvalidInput", "ClusterForbidden")
 
-#: Workflow patch: a request no configured site can ever serve (empty, an unknown site, GPU or
+#: Both patches deprecated, to be removed (docs/design/patches.md, "Retired"): no request open now
+#: started before them, so every run takes their new path; each call goes once no run holding its
+#: non-deprecated marker is open.
+#: A request no configured site can ever serve (empty, an unknown site, GPU or
 #: geography, an impossible combination) is refused at start, naming the field. Runs recorded
 #: before it ranked whatever they were given and waited out their deadline.
 REFUSE_IMPOSSIBLE_PATCH = "capacity-refuse-impossible"
-#: Workflow patch: a cancelled request (Temporal's cancel: ``temporal workflow cancel``, the UI,
+#: A cancelled request (Temporal's cancel: ``temporal workflow cancel``, the UI,
 #: ``handle.cancel()``) stops its joins in flight first; each deletes its machine. Before, the
 #: joins were cancelled only by the parent-close policy, after the request had closed.
 CANCEL_WINDS_DOWN_PATCH = "capacity-cancel-winds-down"
@@ -169,7 +173,8 @@ class AcquireCapacity:
             return await self._run(raw)
         except asyncio.CancelledError:
             # Cancelled from outside: nothing more is bought, and no join is left running for nobody.
-            if self._in_flight and workflow.patched(CANCEL_WINDS_DOWN_PATCH):
+            if self._in_flight:
+                workflow.deprecate_patch(CANCEL_WINDS_DOWN_PATCH)
                 await self._stop_joins("the request was cancelled")
                 self._state("cancelled")
                 self._show("cancelled", None, f"{len(self._progress.released)} joins stopped, "
@@ -182,159 +187,198 @@ class AcquireCapacity:
             await workflow.wait_condition(workflow.all_handlers_finished)
 
     async def _run(self, raw: Any) -> CapacityResult:
+        """The runbook: check the request, read the catalog, then until enough nodes joined (or
+        the deadline, a fatal failure, too many failed joins, a cancel): start the best joins,
+        or wait for capacity when none can start; take each join's outcome as it ends."""
+        req = self._begin(raw)
+        self._show("reading the catalog")
+        # A continued run resumes right after a backoff, where the catalog is always read afresh.
+        await self._read_catalog(force=req.carry is not None)
+        if req.carry is None:  # a continued run was checked by its first
+            self._refuse(request_problems(req.constraints, self._catalog_now.sites, self._catalog_now.offers))
+        while (len(self._joined) < req.count and self._fatal is None
+               and self._other_failures <= req.max_other_failures and not self._cancel):
+            ranked = self._start_joins()
+            if self._in_flight:
+                await self._take_ended_joins(ranked)
+                continue
+            if workflow.now() >= self._deadline:
+                break
+            await self._wait_for_capacity(ranked)
+            if self._cancel:
+                break
+            await self._continue_as_new_if_suggested()
+            self._state("acquiring")
+            await self._read_catalog(force=True)
+        self._progress.waiting_for = []
+        if self._cancel:
+            return await self._cancelled(req, self._costs)
+        if self._fatal is not None:
+            await self._fail()
+        return await self._result()
+
+    def _begin(self, raw: Any) -> CapacityRequest:
+        """1. The request checked (refused at start, naming the field, if it names nothing to buy)
+        and the carry of an earlier run taken up."""
         req = parse_input(CapacityRequest, raw)
         self._req = req
         start = workflow.now()
-        refuse = req.carry is None and workflow.patched(REFUSE_IMPOSSIBLE_PATCH)
-        if refuse and not _names_what(req):
-            self._refuse([("constraints", EMPTY)])  # before any activity: ``{}`` never buys
+        if req.carry is None:
+            workflow.deprecate_patch(REFUSE_IMPOSSIBLE_PATCH)
+            if not _names_what(req):
+                self._refuse([("constraints", EMPTY)])  # before any activity: ``{}`` never buys
         carry = req.carry or CapacityCarry(
             deadline=start + timedelta(seconds=req.deadline_seconds), backoff_seconds=req.backoff_seconds,
             excluded=[ExcludedOffer(offer=e.offer, until=start + timedelta(seconds=e.seconds), reason=e.reason)
                       for e in req.exclude],
         )
-        deadline = carry.deadline
-        request_id = workflow.info().workflow_id.removeprefix("capacity/").replace("/", "-")
+        self._deadline = carry.deadline
+        self._request_id = workflow.info().workflow_id.removeprefix("capacity/").replace("/", "-")
         self._progress.requested = req.count
-        self._progress.deadline = deadline
+        self._progress.deadline = carry.deadline
         self._state("acquiring")
         #: offer key → (until, why) it is out of the ranking.
         self._excluded: dict[str, tuple[datetime, str]] = {e.offer: (e.until, e.reason) for e in carry.excluded}
-        joined: list[JoinedNode] = self._joined
-        joined.extend(carry.joined)
-        costs: dict[str, float] = dict(carry.costs)
-        in_flight = self._in_flight
-        attempts: list[JoinAttempt] = self._progress.attempts
-        attempts.extend(carry.attempts)
-        self._progress.joined = len(joined)
-        other_failures = carry.other_failures
-        seq = carry.seq
-        backoff = carry.backoff_seconds
-        fatal: str | None = None
+        self._joined.extend(carry.joined)
+        self._costs: dict[str, float] = dict(carry.costs)
+        self._progress.attempts.extend(carry.attempts)
+        self._progress.joined = len(self._joined)
+        self._other_failures = carry.other_failures
+        self._seq = carry.seq
+        self._backoff = carry.backoff_seconds
+        self._fatal: str | None = None
+        self._fatal_kind = ""
+        return req
 
-        self._show("reading the catalog")
-        # A continued run resumes right after a backoff, where the catalog is always read afresh.
-        catalog = await self._catalog(req.catalog_max_age_seconds, force=req.carry is not None)
-        accounts = dict(catalog.accounts)
-        if refuse:
-            self._refuse(request_problems(req.constraints, catalog.sites, catalog.offers))
+    async def _read_catalog(self, *, force: bool) -> None:
+        self._catalog_now = await self._catalog(self._req.catalog_max_age_seconds, force=force)
+        self._accounts = dict(self._catalog_now.accounts)
 
-        def placement() -> Placement:
-            now = workflow.now()
-            excluded = {k: why for k, (until, why) in self._excluded.items() if until > now}
-            spent = sum(costs.values()) + sum(c.machine_cost_per_hour for c, _ in in_flight.values())
-            cap = req.constraints.spend_cap_per_hour
-            return rank(catalog.offers, catalog.sites, req.constraints, accounts, excluded,
-                        budget_left=None if cap is None else cap - spent)
+    def _placement(self) -> Placement:
+        """The offers ranked now: those out of the ranking left out, the spend cap counting the
+        joins in flight."""
+        now, req, catalog = workflow.now(), self._req, self._catalog_now
+        excluded = {k: why for k, (until, why) in self._excluded.items() if until > now}
+        spent = sum(self._costs.values()) + sum(c.machine_cost_per_hour for c, _ in self._in_flight.values())
+        cap = req.constraints.spend_cap_per_hour
+        return rank(catalog.offers, catalog.sites, req.constraints, self._accounts, excluded,
+                    budget_left=None if cap is None else cap - spent)
 
-        fatal_kind = ""
-        while (len(joined) < req.count and fatal is None and other_failures <= req.max_other_failures
-               and not self._cancel):
-            ranked = placement()
-            while len(in_flight) < req.concurrency and len(joined) + len(in_flight) < req.count and ranked.candidates:
-                best = ranked.candidates[0]
-                seq += 1
-                join_id = join_workflow_id(best.offer.site, f"{request_id}-{seq}")
-                in_flight[asyncio.create_task(self._join(best, join_id))] = (best, join_id)
-                self._track()
-                ranked = placement()
-            if not in_flight:
-                now = workflow.now()
-                if now >= deadline:
-                    break
-                wait = min(timedelta(seconds=backoff), deadline - now)
-                self._progress.wait_until = now + wait
-                self._progress.waiting_for = waiting_for(ranked, catalog.offers, catalog.sites, req.constraints,
-                                                         accounts, catalog.errors)
-                self._state("waiting-for-capacity")
-                self._show("waiting for capacity", ranked,
-                           f"look again at {(now + wait).isoformat(timespec='seconds')} or when offers change")
-                seen = self._offers_changed
-                try:
-                    await workflow.wait_condition(lambda: self._offers_changed != seen or bool(self._cancel),
-                                                  timeout=wait, timeout_summary="wait for capacity (backoff)")
-                except asyncio.TimeoutError:
-                    backoff = min(backoff * 2, req.max_backoff_seconds)
-                self._progress.wait_until = None
-                if self._cancel:
-                    break
-                if workflow.info().is_continue_as_new_suggested():
-                    # Nothing in flight (no child join open to be cut off): the carry is the whole state.
-                    await workflow.wait_condition(workflow.all_handlers_finished)
-                    now = workflow.now()
-                    workflow.continue_as_new(req.model_copy(update={"carry": CapacityCarry(
-                        deadline=deadline, joined=joined, costs=costs, attempts=attempts,
-                        excluded=[ExcludedOffer(offer=k, until=until, reason=why)
-                                  for k, (until, why) in self._excluded.items() if until > now],
-                        other_failures=other_failures, seq=seq, backoff_seconds=backoff,
-                    )}).model_dump(mode="json"))
-                self._state("acquiring")
-                catalog = await self._catalog(req.catalog_max_age_seconds, force=True)
-                accounts = dict(catalog.accounts)
-                continue
-            self._progress.waiting_for = []
-            self._show("joining", ranked, f"{len(in_flight)} in flight")
-            cancelled = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._cancel)))
-            done, _ = await workflow.wait([*in_flight, cancelled], return_when=asyncio.FIRST_COMPLETED)
-            if not cancelled.done():
-                cancelled.cancel()
-            for task in done:
-                if task is cancelled:
-                    continue
-                cand, _ = in_flight.pop(task)
-                self._track()
-                error = task.exception()
-                if error is None:
-                    node: JoinedNode = task.result()
-                    joined.append(node)
-                    costs[node.node_name] = cand.machine_cost_per_hour
-                    self._progress.joined = len(joined)
-                    attempts.append(JoinAttempt(offer=cand.key, outcome="joined", message=node.node_name))
-                    backoff = req.backoff_seconds
-                    continue
-                kind, message = failure_type(error), failure_message(error)
-                attempts.append(JoinAttempt(offer=cand.key, outcome=kind, message=message))
-                now = workflow.now()
-                if kind == "NoCapacity":
-                    until = now + timedelta(seconds=req.unavailable_ttl_seconds)
-                    self._excluded[cand.key] = (until, f"no capacity (until {until.isoformat(timespec='seconds')})")
-                elif kind == "OverQuota":
-                    view = accounts.setdefault(cand.account, AccountView())
-                    view.blocked_offers = [*view.blocked_offers, cand.key]
-                    await self._report(cand.account, "OverQuota", cand.key, message)
-                elif kind == "BadCredentials":
-                    accounts[cand.account] = AccountView(state=AccountState.CREDENTIALS_REVOKED)
-                    await self._report(cand.account, "BadCredentials", cand.key, message)
-                elif kind in FATAL:
-                    fatal = f"{kind} at {cand.key}: {message}"
-                    fatal_kind = kind
-                else:  # smoke test, registration timeout, retries exhausted: count it, try elsewhere
-                    other_failures += 1
-                    until = now + timedelta(seconds=req.unavailable_ttl_seconds)
-                    self._excluded[cand.key] = (until, f"last join failed: {kind}")
+    def _start_joins(self) -> Placement:
+        """2. The best offers' joins started, up to the concurrency and the count."""
+        req, in_flight = self._req, self._in_flight
+        ranked = self._placement()
+        while len(in_flight) < req.concurrency and len(self._joined) + len(in_flight) < req.count and ranked.candidates:
+            best = ranked.candidates[0]
+            self._seq += 1
+            join_id = join_workflow_id(best.offer.site, f"{self._request_id}-{self._seq}")
+            in_flight[asyncio.create_task(self._join(best, join_id))] = (best, join_id)
+            self._track()
+            ranked = self._placement()
+        return ranked
 
+    async def _wait_for_capacity(self, ranked: Placement) -> None:
+        """3. Nothing can start: wait (backing off) until offers change, the backoff ends or a cancel."""
+        req, catalog = self._req, self._catalog_now
+        now = workflow.now()
+        wait = min(timedelta(seconds=self._backoff), self._deadline - now)
+        self._progress.wait_until = now + wait
+        self._progress.waiting_for = waiting_for(ranked, catalog.offers, catalog.sites, req.constraints,
+                                                 self._accounts, catalog.errors)
+        self._state("waiting-for-capacity")
+        self._show("waiting for capacity", ranked,
+                   f"look again at {(now + wait).isoformat(timespec='seconds')} or when offers change")
+        seen = self._offers_changed
+        try:
+            await workflow.wait_condition(lambda: self._offers_changed != seen or bool(self._cancel),
+                                          timeout=wait, timeout_summary="wait for capacity (backoff)")
+        except asyncio.TimeoutError:
+            self._backoff = min(self._backoff * 2, req.max_backoff_seconds)
+        self._progress.wait_until = None
+
+    async def _continue_as_new_if_suggested(self) -> None:
+        """Nothing in flight (no child join open to be cut off): the carry is the whole state."""
+        if not workflow.info().is_continue_as_new_suggested():
+            return
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        now = workflow.now()
+        carry = CapacityCarry(
+            deadline=self._deadline, joined=self._joined, costs=self._costs, attempts=self._progress.attempts,
+            excluded=[ExcludedOffer(offer=k, until=until, reason=why)
+                      for k, (until, why) in self._excluded.items() if until > now],
+            other_failures=self._other_failures, seq=self._seq, backoff_seconds=self._backoff,
+        )
+        workflow.continue_as_new(self._req.model_copy(update={"carry": carry}).model_dump(mode="json"))
+
+    async def _take_ended_joins(self, ranked: Placement) -> None:
+        """4. Wait for a join to end (or a cancel), and take each outcome: a node joined, an offer
+        out of the ranking for a while, an account told, a fatal failure, or one more failure."""
+        req, in_flight, accounts = self._req, self._in_flight, self._accounts
         self._progress.waiting_for = []
-        if self._cancel:
-            return await self._cancelled(req, costs)
-        if fatal is not None:
-            for task in in_flight:
-                task.cancel()
-            await asyncio.gather(*in_flight, return_exceptions=True)
-            self._state("failed")
-            self._show("failed", None, fatal)
-            raise ApplicationError(fatal, type=fatal_kind, non_retryable=True)
-        if in_flight:  # gave up on other failures: let the ones in flight finish
-            for task in await asyncio.gather(*in_flight, return_exceptions=True):
+        self._show("joining", ranked, f"{len(in_flight)} in flight")
+        cancelled = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._cancel)))
+        done, _ = await workflow.wait([*in_flight, cancelled], return_when=asyncio.FIRST_COMPLETED)
+        if not cancelled.done():
+            cancelled.cancel()
+        for task in done:
+            if task is cancelled:
+                continue
+            cand, _ = in_flight.pop(task)
+            self._track()
+            error = task.exception()
+            if error is None:
+                node: JoinedNode = task.result()
+                self._joined.append(node)
+                self._costs[node.node_name] = cand.machine_cost_per_hour
+                self._progress.joined = len(self._joined)
+                self._progress.attempts.append(JoinAttempt(offer=cand.key, outcome="joined", message=node.node_name))
+                self._backoff = req.backoff_seconds
+                continue
+            kind, message = failure_type(error), failure_message(error)
+            self._progress.attempts.append(JoinAttempt(offer=cand.key, outcome=kind, message=message))
+            now = workflow.now()
+            if kind == "NoCapacity":
+                until = now + timedelta(seconds=req.unavailable_ttl_seconds)
+                self._excluded[cand.key] = (until, f"no capacity (until {until.isoformat(timespec='seconds')})")
+            elif kind == "OverQuota":
+                view = accounts.setdefault(cand.account, AccountView())
+                view.blocked_offers = [*view.blocked_offers, cand.key]
+                await self._report(cand.account, "OverQuota", cand.key, message)
+            elif kind == "BadCredentials":
+                accounts[cand.account] = AccountView(state=AccountState.CREDENTIALS_REVOKED)
+                await self._report(cand.account, "BadCredentials", cand.key, message)
+            elif kind in FATAL:
+                self._fatal = f"{kind} at {cand.key}: {message}"
+                self._fatal_kind = kind
+            else:  # smoke test, registration timeout, retries exhausted: count it, try elsewhere
+                self._other_failures += 1
+                until = now + timedelta(seconds=req.unavailable_ttl_seconds)
+                self._excluded[cand.key] = (until, f"last join failed: {kind}")
+
+    async def _fail(self) -> NoReturn:
+        """A fatal failure: the joins in flight stopped (each deletes its machine), then fail."""
+        for task in self._in_flight:
+            task.cancel()
+        await asyncio.gather(*self._in_flight, return_exceptions=True)
+        self._state("failed")
+        self._show("failed", None, self._fatal)
+        raise ApplicationError(self._fatal, type=self._fatal_kind, non_retryable=True)
+
+    async def _result(self) -> CapacityResult:
+        """5. The nodes joined, their cost, and why any are missing."""
+        req, joined = self._req, self._joined
+        if self._in_flight:  # gave up on other failures: let the ones in flight finish
+            for task in await asyncio.gather(*self._in_flight, return_exceptions=True):
                 if isinstance(task, JoinedNode):
                     joined.append(task)
         result = CapacityResult(
-            requested=req.count, nodes=joined, complete=len(joined) >= req.count, attempts=attempts,
-            cost_per_hour=round(sum(costs.values()), 6),
+            requested=req.count, nodes=joined, complete=len(joined) >= req.count, attempts=self._progress.attempts,
+            cost_per_hour=round(sum(self._costs.values()), 6),
         )
         if not result.complete:
-            final = placement()
+            final = self._placement()
             result.why = [f"{req.count - len(joined)} of {req.count} not joined by the deadline"
-                          if workflow.now() >= deadline else
+                          if workflow.now() >= self._deadline else
                           f"{req.count - len(joined)} of {req.count} not joined: too many failed joins"]
             result.why += final.reasons() or ["no offer qualifies"]
         self._state("done" if result.complete else "partial")
@@ -401,14 +445,14 @@ class AcquireCapacity:
 
     async def _catalog(self, max_age: float, force: bool) -> Catalog:
         return await workflow.execute_activity(
-            "get_catalog", GetCatalogInput(max_age_seconds=max_age, force=force), result_type=Catalog,
+            act.get_catalog, GetCatalogInput(max_age_seconds=max_age, force=force),
             start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
             summary="provider catalog: offers, account states",
         )
 
     async def _report(self, account: str, kind: str, offer: str, message: str) -> None:
         await workflow.execute_activity(
-            "report_account", ReportAccountInput(account=account, kind=kind, offer=offer, message=message),
+            act.report_account, ReportAccountInput(account=account, kind=kind, offer=offer, message=message),
             start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
             summary=f"{kind}: tell account/{account}",
         )
@@ -423,11 +467,11 @@ class CatalogRefresh:
         parse_input(CatalogRefreshInput, raw or {})
         show_details("refreshing the provider catalog")
         catalog: Catalog = await workflow.execute_activity(
-            "get_catalog", GetCatalogInput(force=True), result_type=Catalog, start_to_close_timeout=QUICK,
+            act.get_catalog, GetCatalogInput(force=True), start_to_close_timeout=QUICK,
             retry_policy=PROVIDER_RETRY, summary="list every site's offers",
         )
         woken: int = await workflow.execute_activity(
-            "wake_waiting_requests", start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+            act.wake_waiting_requests, start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
             summary="signal waiting AcquireCapacity workflows",
         )
         available = sum(o.available for o in catalog.offers)

@@ -27,6 +27,7 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
+    from fleet.contracts import activities as act
     from fleet.messages.csr import CsrApproverInput, CsrApproverResult
     from fleet.messages.watches import CsrWatchInput, CsrWatchResult
     from workflows.inputs import parse_input
@@ -61,8 +62,7 @@ class CsrApprover:
             while not workflow.info().is_continue_as_new_suggested() and \
                     workflow.now() - started < timedelta(seconds=CSR_RUN_SECONDS):
                 seen: CsrWatchResult = await workflow.execute_activity(
-                    "watch_csrs", CsrWatchInput(known=known, max_wait_seconds=CSR_WATCH_SECONDS),
-                    result_type=CsrWatchResult,
+                    act.watch_csrs, CsrWatchInput(known=known, max_wait_seconds=CSR_WATCH_SECONDS),
                     start_to_close_timeout=timedelta(seconds=CSR_WATCH_SECONDS) + CSR_WATCH_HEARTBEAT,
                     heartbeat_timeout=CSR_WATCH_HEARTBEAT, retry_policy=CLUSTER_RETRY,
                     summary="wait for a new kubelet CSR (watch)",
@@ -84,7 +84,7 @@ class CsrApprover:
 
     async def _pass(self, summary: str) -> CsrApproverResult:
         result: CsrApproverResult = await workflow.execute_activity(
-            "approve_node_csrs", result_type=CsrApproverResult, start_to_close_timeout=timedelta(minutes=2),
+            act.approve_node_csrs, start_to_close_timeout=timedelta(minutes=2),
             # A pass asks the provider for each node's machine: it heartbeats while it works, so a
             # lost worker's pass is retried within a minute, not at the start-to-close timeout.
             heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY, summary=summary,

@@ -17,6 +17,11 @@ One entity per fleet, a loop:
 
 Every decision (pods → offer → purchase, with its reason; cancellations; retirements)
 is in the current details and the ``status`` query (``gpufleet demand``).
+
+An entity (``workflows.entity``, docs/design/entities.md): its one state is ``DemandCarry``
+(the purchase numbering, the purchases, when each idle node went idle, offers out of the plan,
+the decisions' log). Each retirement is an own task; it continues as new when the server
+suggests it, through the base's gate, once they have ended (it has no handler that awaits).
 """
 
 from __future__ import annotations
@@ -28,28 +33,14 @@ from typing import Any
 from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
+    from fleet.contracts import activities as act
     from fleet import search_attributes as sa
     from fleet.consolidation import ConsolidationSettings, consolidate
     from fleet.messages.capacity import Catalog, GetCatalogInput
-    from fleet.messages.demand import (
-        CancelOutcome,
-        CancelPurchaseInput,
-        DemandBatch,
-        DemandCarry,
-        DemandInput,
-        DemandStatus,
-        IdleNodesResult,
-        JoiningMachine,
-        PlanDemandInput,
-        PlanDemandResult,
-        Purchase,
-        PurchaseState,
-        PurchaseStatusInput,
-        StartPurchaseInput,
-        WatchDemandInput,
-        purchase_workflow_id,
-    )
+    from fleet.messages.demand import CancelOutcome, CancelPurchaseInput, DemandBatch, DemandCarry, DemandInput, DemandStatus, IdleNodesResult, JoiningMachine, PlanDemandInput, PlanDemandResult, Purchase, PurchaseState, PurchaseStatusInput, StartPurchaseInput, WatchDemandInput
+    from fleet.naming import purchase_workflow_id
     from fleet.messages.watches import DemandWake, DemandWatchInput
+    from workflows.entity import Entity
     from workflows.inputs import parse_input
     from workflows.steps import (
         CLUSTER_RETRY,
@@ -74,20 +65,23 @@ EVENTS_PATCH = "demand-events"
 
 
 @workflow.defn(name="Demand")
-class Demand:
+class Demand(Entity[DemandCarry]):
     def __init__(self) -> None:
-        self._status = DemandStatus()
+        super().__init__(DemandCarry())
+        #: What the last look found (Pending pods, the plan's verdicts, retirements in flight):
+        #: not carried, the next run looks again. ``status`` adds the state's purchases and log.
+        self._seen = DemandStatus()
 
     @workflow.query
     def status(self) -> DemandStatus:
-        return self._status
+        return self._seen.model_copy(update={"purchases": self.state.purchases, "log": self.state.log})
 
     def _log(self, line: str) -> None:
         stamp = workflow.now().strftime("%H:%M:%S")
-        self._status.log = [*self._status.log, f"{stamp} {line}"][-LOG_LINES:]
+        self.state.log = [*self.state.log, f"{stamp} {line}"][-LOG_LINES:]
 
     def _show(self, step: str) -> None:
-        s = self._status
+        s = self.status()
         buying = [p for p in s.purchases if p.status == "buying"]
         lines = [f"{s.pending} Pending pods waiting on purchases; last batch window {s.window_seconds:.1f}s"]
         lines += [f"- `{p.workflow_id}`: {len(p.pods)} pods → {p.offer} ({p.reason})" for p in buying[:10]]
@@ -99,20 +93,15 @@ class Demand:
     @workflow.run
     async def run(self, raw: Any) -> None:
         args = parse_input(DemandInput, raw)
-        carry = args.carry or DemandCarry()
         self._args = args
-        self._seq = carry.seq
-        self._status.purchases = list(carry.purchases)
-        self._status.log = list(carry.log)
-        self._idle_since: dict[str, float] = dict(carry.idle_since)
-        #: offer key → until (epoch seconds) it stays out of the plan.
-        self._excluded: dict[str, float] = dict(carry.excluded)
+        self.state = args.carry or DemandCarry()
+        #: Node → its retirement (an own task: continue-as-new waits for it).
         self._retirements: dict[str, asyncio.Task] = {}
         #: Nodes holding GPU pods as the last watch saw them (``EVENTS_PATCH``).
         self._busy: list[str] | None = None
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("watching")])
         config: dict = await workflow.execute_activity(
-            "demand_settings", start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+            act.demand_settings, start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
             summary="the fleet config's demand: block",
         )
         batch_idle = args.batch_idle_seconds if args.batch_idle_seconds is not None else config["batch_idle_seconds"]
@@ -127,22 +116,22 @@ class Demand:
         while True:
             self._show("watching Pending pods")
             known = sorted({pod for p in self._buying() for pod in p.pods}
-                           | set(self._status.covered) | set(self._status.unplaceable))
+                           | set(self._seen.covered) | set(self._seen.unplaceable))
             why = "tick"
             if events:
                 wake = await self._watch_events(known, batch_idle, batch_max)
                 batch, why, self._busy = wake.batch, wake.why, wake.busy
             else:
                 batch = await workflow.execute_activity(
-                    "watch_demand",
+                    act.watch_demand,
                     WatchDemandInput(known=known, batch_idle_seconds=batch_idle, batch_max_seconds=batch_max,
                                      wait_seconds=args.tick_seconds, poll_seconds=args.poll_seconds),
-                    result_type=DemandBatch, start_to_close_timeout=timedelta(seconds=args.tick_seconds + batch_max + 60),
+                    start_to_close_timeout=timedelta(seconds=args.tick_seconds + batch_max + 60),
                     heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY,
                     summary="wait for Pending GPU pods; batch them",
                 )
             if batch.new:
-                self._status.window_seconds = batch.window_seconds
+                self._seen.window_seconds = batch.window_seconds
             ended = await self._follow_purchases(set(batch.present))
             # On events: the plan only when there is something new to plan (or the safety look).
             if not events or first or batch.new or ended or why == "timeout":
@@ -150,8 +139,10 @@ class Demand:
             if args.consolidate and (not events or first or why in ("idle", "timeout") or ended):
                 await self._consolidate()
             first = False
-            if workflow.info().is_continue_as_new_suggested():
-                await self._continue_as_new()
+            if self.continue_as_new_suggested():
+                # Blocks the loop until the retirements end (drains, in minutes), then continues.
+                await self.continue_as_new_when_ready(
+                    lambda: self._args.model_copy(update={"carry": self.state}).model_dump(mode="json"))
 
     async def _watch_events(self, known: list[str], batch_idle: float, batch_max: float) -> DemandWake:
         """One ``watch_demand_events``: until the next thing the loop acts on, at most until the
@@ -161,23 +152,23 @@ class Demand:
         wait = args.tick_seconds
         if args.consolidate:
             ttl = self._consolidation.idle_ttl_seconds
-            due = [since + ttl - now for node, since in self._idle_since.items()
+            due = [since + ttl - now for node, since in self.state.idle_since.items()
                    if since + ttl > now and node not in self._retirements]
             wait = min([wait, *due])
         buying = self._buying()
         return await workflow.execute_activity(
-            "watch_demand_events",
+            act.watch_demand_events,
             DemandWatchInput(known=known, batch_idle_seconds=batch_idle, batch_max_seconds=batch_max,
                              wait_seconds=max(wait, 0.0), tracked=sorted({pod for p in buying for pod in p.pods}),
                              purchases=[p.workflow_id for p in buying], busy=self._busy if args.consolidate else None,
                              poll_seconds=args.poll_seconds),
-            result_type=DemandWake, start_to_close_timeout=timedelta(seconds=wait + batch_max + 120),
+            start_to_close_timeout=timedelta(seconds=wait + batch_max + 120),
             heartbeat_timeout=DEMAND_WATCH_HEARTBEAT, retry_policy=CLUSTER_RETRY,
             summary="wait for Pending GPU pods (batched), purchases ending, nodes going idle",
         )
 
     def _buying(self) -> list[Purchase]:
-        return [p for p in self._status.purchases if p.status == "buying"]
+        return [p for p in self.state.purchases if p.status == "buying"]
 
     # -- purchases ------------------------------------------------------------------------
     async def _follow_purchases(self, present: set[str]) -> bool:
@@ -186,8 +177,8 @@ class Demand:
         if not buying:
             return False
         states: list[PurchaseState] = await workflow.execute_activity(
-            "purchase_status", PurchaseStatusInput(workflow_ids=[p.workflow_id for p in buying]),
-            result_type=list[PurchaseState], start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+            act.purchase_status, PurchaseStatusInput(workflow_ids=[p.workflow_id for p in buying]),
+            start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
             summary=f"how {len(buying)} purchases are doing",
         )
         by_id = {s.workflow_id: s for s in states}
@@ -197,10 +188,10 @@ class Demand:
             if state is None or state.status == "running":
                 if purchase.pods and not any(pod in present for pod in purchase.pods):
                     outcome: CancelOutcome = await workflow.execute_activity(
-                        "cancel_purchase", CancelPurchaseInput(
+                        act.cancel_purchase, CancelPurchaseInput(
                             workflow_id=purchase.workflow_id, site=purchase.site,
                             reason="every pod it was bought for is gone"),
-                        result_type=CancelOutcome, start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+                        start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
                         summary=f"pods gone: cancel {purchase.workflow_id} unless provisioning",
                     )
                     purchase.status = "cancelled" if outcome.cancelled else "kept"
@@ -212,41 +203,41 @@ class Demand:
                 self._log(f"{purchase.workflow_id}: joined {', '.join(state.nodes)} for {len(purchase.pods)} pods")
             else:
                 purchase.status = "failed"
-                self._excluded[purchase.offer] = now + self._args.exclude_seconds
+                self.state.excluded[purchase.offer] = now + self._args.exclude_seconds
                 why = "; ".join(state.why[:2]) or state.status
                 self._log(f"{purchase.workflow_id}: {purchase.offer} failed ({why}); out of the plan for "
                           f"{self._args.exclude_seconds:.0f}s, its pods are planned again")
         # Keep the finished ones a while for the status; the newest 50.
-        done = [p for p in self._status.purchases if p.status != "buying"]
-        self._status.purchases = self._buying() + done[-50:]
+        done = [p for p in self.state.purchases if p.status != "buying"]
+        self.state.purchases = self._buying() + done[-50:]
         return len(self._buying()) < len(buying)
 
     async def _plan_and_buy(self, batch: DemandBatch) -> None:
         catalog: Catalog = await workflow.execute_activity(
-            "get_catalog", GetCatalogInput(max_age_seconds=60), result_type=Catalog,
+            act.get_catalog, GetCatalogInput(max_age_seconds=60),
             start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary="provider catalog: offers, accounts",
         )
         now = workflow.now().timestamp()
-        self._excluded = {k: until for k, until in self._excluded.items() if until > now}
+        self.state.excluded = {k: until for k, until in self.state.excluded.items() if until > now}
         joining = [JoiningMachine(purchase=p.workflow_id, site=p.site, gpus=p.gpus, capacity_type=p.capacity_type,
                                   model_gpus=p.model_gpus) for p in self._buying()]
         result: PlanDemandResult = await workflow.execute_activity(
-            "plan_demand",
+            act.plan_demand,
             PlanDemandInput(offers=catalog.offers, accounts=catalog.accounts, joining=joining,
-                            excluded={k: "a purchase there just failed" for k in self._excluded}),
-            result_type=PlanDemandResult, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                            excluded={k: "a purchase there just failed" for k in self.state.excluded}),
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary=f"plan {len(batch.new)} new Pending pods (bin-pack onto the cheapest offers)",
         )
         plan = result.plan
-        self._status.covered = plan.covered
-        self._status.unplaceable = plan.unplaceable
-        self._status.pending = len(plan.covered) + len(plan.unplaceable) + sum(len(m.pods) for m in plan.machines)
+        self._seen.covered = plan.covered
+        self._seen.unplaceable = plan.unplaceable
+        self._seen.pending = len(plan.covered) + len(plan.unplaceable) + sum(len(m.pods) for m in plan.machines)
         for pod, why in plan.unplaceable.items():
             if pod in batch.new:
                 self._log(f"{pod}: nothing bought: {why}")
         for machine in plan.machines:
-            self._seq += 1
-            workflow_id = purchase_workflow_id(self._seq)
+            self.state.seq += 1
+            workflow_id = purchase_workflow_id(self.state.seq)
             model_gpus: dict[str, int] = {}
             request = {
                 "constraints": {"sites": [machine.site], "gpu": machine.gpu, "gpus_per_machine": machine.gpus,
@@ -258,7 +249,7 @@ class Demand:
             }
             pods = ", ".join(machine.pods[:4]) + (f" +{len(machine.pods) - 4}" if len(machine.pods) > 4 else "")
             await workflow.execute_activity(
-                "start_purchase", StartPurchaseInput(
+                act.start_purchase, StartPurchaseInput(
                     workflow_id=workflow_id, request=request,
                     summary=f"demand: {pods} → {machine.offer}: {machine.reason}"),
                 start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
@@ -267,7 +258,7 @@ class Demand:
             if machine.model:
                 for name in machine.model.split(","):
                     model_gpus[name] = machine.gpus_used
-            self._status.purchases.append(Purchase(
+            self.state.purchases.append(Purchase(
                 workflow_id=workflow_id, offer=machine.offer, site=machine.site, gpus=machine.gpus,
                 capacity_type=machine.capacity_type, pods=machine.pods, model_gpus=model_gpus,
                 reason=machine.reason, started_at=workflow.now().timestamp(),
@@ -281,46 +272,37 @@ class Demand:
         for node, task in list(self._retirements.items()):
             if task.done():
                 del self._retirements[node]
-                self._status.retiring.pop(node, None)
+                self._seen.retiring.pop(node, None)
         found: IdleNodesResult = await workflow.execute_activity(
-            "idle_nodes", result_type=IdleNodesResult, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            act.idle_nodes, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary="GPU nodes with no GPU pod",
         )
         now = workflow.now().timestamp()
         idle_names = {n.name for n in found.idle}
         # Idle since the loop first saw it empty (a pod landing on it resets that).
-        self._idle_since = {name: self._idle_since.get(name, now) for name in idle_names}
+        self.state.idle_since = {name: self.state.idle_since.get(name, now) for name in idle_names}
         for node in found.idle:
-            node.idle_since = self._idle_since[node.name]
+            node.idle_since = self.state.idle_since[node.name]
         retiring: dict[str, int] = {}
         for node in self._retirements:
-            site = self._status.retiring.get(node, "").split(":", 1)[0]
+            site = self._seen.retiring.get(node, "").split(":", 1)[0]
             retiring[site] = retiring.get(site, 0) + 1
         candidates = [n for n in found.idle if n.name not in self._retirements]
         chosen, kept = consolidate(candidates, found.site_nodes, found.site_min, retiring, now,
                                    self._consolidation, keep_warm=found.keep_warm)
-        self._status.kept_idle = kept
+        self._seen.kept_idle = kept
         for retire in chosen:
-            self._status.retiring[retire.node] = f"{retire.site}: {retire.reason}"
+            self._seen.retiring[retire.node] = f"{retire.site}: {retire.reason}"
             self._log(f"retire {retire.node} at {retire.site}: {retire.reason}")
-            self._retirements[retire.node] = asyncio.create_task(self._retire(retire.site, retire.node,
-                                                                              retire.machine_id, retire.reason))
+            self._retirements[retire.node] = self.spawn(self._retire(retire.site, retire.node,
+                                                                     retire.machine_id, retire.reason))
 
     async def _retire(self, site: str, node: str, machine_id: str, reason: str) -> None:
         outcome = await drain_and_retire(site, node, machine_id, self._args.drain_seconds, why=f"idle: {reason}")
         if outcome.retired:
             self._log(f"retired {node} at {site}")
-            self._idle_since.pop(node, None)
+            self.state.idle_since.pop(node, None)
         else:
             self._log(f"kept {node}: {outcome.blocked or outcome.failed}")
             # Uncordon is the drain's business to undo: a blocked drain leaves the node
             # cordoned, so it is tried again next time (still idle) rather than reused.
-
-    async def _continue_as_new(self) -> None:
-        if self._retirements:
-            await asyncio.gather(*self._retirements.values(), return_exceptions=True)
-        await workflow.wait_condition(workflow.all_handlers_finished)
-        workflow.continue_as_new(self._args.model_copy(update={"carry": DemandCarry(
-            seq=self._seq, purchases=self._status.purchases, idle_since=self._idle_since,
-            excluded=self._excluded, log=self._status.log,
-        )}).model_dump(mode="json"))

@@ -4,7 +4,7 @@ operator update relayed to an entity, for callers of Temporal's HTTP API.
 That API cannot address an entity (its id travels in the URL path, and every entity
 id contains ``/``), so the caller starts this workflow instead, naming the entity and
 the update in the body. The runbook: check the request against the allow-list
-(fleet/messages/entity_update.py: a bad entity id, update or argument fails here,
+(fleet/contracts/entity_update.py: a bad entity id, update or argument fails here,
 ``InvalidInput`` naming the field, before anything is sent) → send the update
 (one activity, through the worker's own client) → the entity's answer is the result.
 An update the entity refuses fails this workflow with the entity's reason; so does
@@ -21,7 +21,8 @@ from temporalio import workflow
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from fleet.messages.entity_update import EntityUpdateInput, EntityUpdateResult
+    from fleet.contracts import activities as act
+    from fleet.contracts.entity_update import EntityUpdateInput, EntityUpdateResult
     from workflows.inputs import parse_input
     from workflows.steps import STORE_RETRY, WAIT_HEARTBEAT, failure_message, failure_type, show_details
 
@@ -39,7 +40,7 @@ class EntityUpdate:
         show_details("sending", detail=what)
         try:
             result: EntityUpdateResult = await workflow.execute_activity(
-                "relay_entity_update", request, result_type=EntityUpdateResult,
+                act.relay_entity_update, request,
                 start_to_close_timeout=UPDATE_TIMEOUT, heartbeat_timeout=WAIT_HEARTBEAT,
                 retry_policy=STORE_RETRY, summary=f"{request.update} on {request.entity}",
             )

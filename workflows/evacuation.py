@@ -47,9 +47,11 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import ResolveSiteInput, SmokeTestInput
+    from fleet.contracts import workflows as flows
+    from fleet.naming import capacity_workflow_id, evacuation_workflow_id, node_queue, node_workflow_id
+    from fleet.contracts import activities as act
+    from fleet.messages.nodes import ResolveSiteInput, SmokeTestInput
     from fleet.messages.repair import NodeQuarantine, SmokeReport
-    from fleet.settings import node_queue
     from fleet.config import Site
     from fleet import search_attributes as sa
     from fleet.incident import (
@@ -78,7 +80,6 @@ with workflow.unsafe.imports_passed_through():
         SiteWeightInput,
         SiteWeightResult,
         Step,
-        UncordonInput,
     )
     from workflows.inputs import check_text, describe, first_problem, parse_input
     from workflows.refusals import wrong_state
@@ -94,21 +95,25 @@ with workflow.unsafe.imports_passed_through():
         failure_text,
         failure_type,
         show_details,
-        smoke_test_node,
         wait_for_serving,
     )
     from fleet.cluster import ServingStatus
     from fleet.messages.routing import SiteEvent, SiteEventInput
 
 
-#: Workflow patch: the proof is per node. Each node's smoke-test answer is taken undecoded and
+#: The three patches below are deprecated, to be removed (docs/design/patches.md, "Retired"): every
+#: run takes their new path, and each call goes once no run holding its non-deprecated marker is
+#: open. ``evacuation-through-routing``: model routes come from each model's Routing entity
+#: (before: written by ``set_site_weight``).
+THROUGH_ROUTING_PATCH = "evacuation-through-routing"
+#: The proof is per node. Each node's smoke-test answer is taken undecoded and
 #: checked here (``SmokeReport``), so a garbled one fails that node's proof, never a workflow
 #: task; the site comes back with the nodes that pass unless the failing ones are as many as
 #: would trip an incident (``fleet.incident.trip_threshold``), and each node that does not pass
 #: stays cordoned and is handed to its Node entity (signal ``quarantine``: cordon, repair ladder).
 #: Before, one failing or garbled node (a hostile one on purpose) held its whole site at weight 0.
 PROOF_PER_NODE_PATCH = "evacuation-proof-per-node"
-#: Workflow patch: an evacuation that ends any other way than restored (aborted by an operator,
+#: An evacuation that ends any other way than restored (aborted by an operator,
 #: failed, cancelled) first puts back what it changed: its capacity request stopped (its joins
 #: delete their machines), the site's nodes it cordoned uncordoned, its Deployments and routing
 #: weights as they were, the replicas it added elsewhere and the nodes it bought gone. Every path
@@ -116,10 +121,6 @@ PROOF_PER_NODE_PATCH = "evacuation-proof-per-node"
 #: (a repair's fenced GPU, a failed proof) stays cordoned, the reason shown. Before, an abort
 #: stopped where it was: nodes cordoned and the site at weight 0 for good.
 RESTORES_PATCH = "evacuation-abort-restores"
-
-
-def evacuation_workflow_id(site: str, n: int) -> str:
-    return f"evacuate/{site}/{n}"
 
 
 class Aborted(Exception):
@@ -280,18 +281,18 @@ class SiteEvacuation:
             self._state("restored")
             self._mark("restored")
         except Aborted as stop:
-            if workflow.patched(RESTORES_PATCH):
-                await self._undo(f"aborted: {stop}")
+            workflow.deprecate_patch(RESTORES_PATCH)
+            await self._undo(f"aborted: {stop}")
             outcome = "aborted"
             self._state("aborted")
             self._mark("aborted", str(stop))
         except (FailureError, asyncio.CancelledError) as error:
             # Failed (a step out of retries) or cancelled: the incident ends here too, so what it
             # changed goes back before the failure is reported.
-            if workflow.patched(RESTORES_PATCH):
-                why = "cancelled" if isinstance(error, asyncio.CancelledError) else f"failed: {failure_text(error)}"
-                await self._undo(why)
-                self._mark("ended", why)
+            workflow.deprecate_patch(RESTORES_PATCH)
+            why = "cancelled" if isinstance(error, asyncio.CancelledError) else f"failed: {failure_text(error)}"
+            await self._undo(why)
+            self._mark("ended", why)
             if isinstance(error, (ActivityError, ChildWorkflowError)):
                 # The root cause at the top ("site: unknown site 'x'", InvalidInput), not "Activity task
                 # failed": what a person reads first in the UI, the CLI and the HTTP API. The step's
@@ -330,7 +331,7 @@ class SiteEvacuation:
         """1. routing weight 0 for new sessions."""
         site = self._args.site
         facts: EvacuationFacts = await workflow.execute_activity(
-            "evacuation_facts", SiteRef(site=site), result_type=EvacuationFacts, start_to_close_timeout=QUICK,
+            act.evacuation_facts, SiteRef(site=site), start_to_close_timeout=QUICK,
             retry_policy=PROVIDER_RETRY, summary=f"serving, routing and nodes at {site}",
         )
         self._facts = facts
@@ -354,22 +355,20 @@ class SiteEvacuation:
         return next((x.desired_replicas for x in self._facts.elsewhere if (x.model, x.site) == (model, site)), 0)
 
     async def _weight(self, percent: int, healthy: bool, draining: bool, incident: str) -> SiteWeightResult:
-        # The model routes come from each model's Routing entity (the one writer of routes);
-        # runs recorded before that wrote them in set_site_weight and replay without the event.
-        through_routing = workflow.patched("evacuation-through-routing")
-        if through_routing and percent > 0:
+        # The model routes come from each model's Routing entity (the one writer of routes).
+        workflow.deprecate_patch(THROUGH_ROUTING_PATCH)
+        if percent > 0:
             draining = False  # a site on its way back takes new sessions up to its cap
         result: SiteWeightResult = await workflow.execute_activity(
-            "set_site_weight",
+            act.set_site_weight,
             SiteWeightInput(site=self._args.site, percent=percent, healthy=healthy, draining=draining,
                             incident=incident, original_models=self._original_models,
                             original_site=self._original_site, all_sites=self._all_sites),
-            result_type=SiteWeightResult, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary=f"routing weight of {self._args.site} → {percent}%",
         )
         self._progress.weights = result.weights
-        if through_routing:
-            await self._tell_routing(percent, incident)
+        await self._tell_routing(percent, incident)
         return result
 
     async def _tell_routing(self, percent: int, incident: str) -> None:
@@ -382,8 +381,8 @@ class SiteEvacuation:
             event = SiteEvent(kind="restore", site=site, cap_percent=percent,
                               detail=f"restored to {percent}%" + (f" ({incident})" if incident else ""))
         await workflow.execute_activity(
-            "routing_event", SiteEventInput(event=event, models=sorted(self._original_models), wait_seconds=50),
-            result_type=list[str], start_to_close_timeout=QUICK, heartbeat_timeout=timedelta(seconds=10),
+            act.routing_event, SiteEventInput(event=event, models=sorted(self._original_models), wait_seconds=50),
+            start_to_close_timeout=QUICK, heartbeat_timeout=timedelta(seconds=10),
             retry_policy=CLUSTER_RETRY, summary=f"routing of {len(self._original_models)} models: {event.kind} "
                                                 f"{site}" + (f" at {percent}%" if percent else ""),
         )
@@ -409,7 +408,7 @@ class SiteEvacuation:
         if not sites:
             return {}
         return await workflow.execute_activity(
-            "free_gpus", FreeGpusInput(sites=sites), result_type=dict[str, int], start_to_close_timeout=QUICK,
+            act.free_gpus, FreeGpusInput(sites=sites), start_to_close_timeout=QUICK,
             retry_policy=CLUSTER_RETRY, summary="free GPUs at the target sites",
         )
 
@@ -432,7 +431,7 @@ class SiteEvacuation:
                 seen = self._retry
                 await self._wait(s.probe_seconds, lambda: self._retry != seen, "look again for a compliant site")
                 self._facts = await workflow.execute_activity(
-                    "evacuation_facts", SiteRef(site=site), result_type=EvacuationFacts,
+                    act.evacuation_facts, SiteRef(site=site),
                     start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary="serving again",
                 )
                 await self._continue_as_new_if_suggested("placing")
@@ -462,27 +461,26 @@ class SiteEvacuation:
             "deadline_seconds": base.get("deadline_seconds", s.capacity_deadline_seconds),
             "constraints": {**base.get("constraints", {}), "sites": targets},
         }
-        child_id = f"capacity/{workflow.info().workflow_id.replace('/', '-')}"
+        child_id = capacity_workflow_id(workflow.info().workflow_id.replace("/", "-"))
         p.capacity_request = child_id
         self._mark("capacity requested", f"{count} nodes ({missing_gpus} GPUs) at {', '.join(targets)}")
-        stoppable = workflow.patched(RESTORES_PATCH)
+        workflow.deprecate_patch(RESTORES_PATCH)
         self._capacity = asyncio.ensure_future(workflow.execute_child_workflow(
-            "AcquireCapacity", request, id=child_id, result_type=CapacityResult,
+            flows.AcquireCapacity.TYPE, request, id=child_id, result_type=CapacityResult,
             # Cancel, not terminate: its joins then delete their machines (a terminated
             # request would leave them joining, or joined, for nobody).
             parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
             static_summary=f"replacement capacity for {site}'s replicas",
         ))
         try:
-            if stoppable:
-                # An abort stops the purchase now, not after its deadline: the request stops its joins
-                # and still answers with the nodes that joined (retired as the evacuation restores).
-                aborted = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._abort)))
-                await workflow.wait([self._capacity, aborted], return_when=asyncio.FIRST_COMPLETED)
-                if not aborted.done():
-                    aborted.cancel()
-                if not self._capacity.done():
-                    await self._stop_capacity(f"the evacuation of {site} was aborted")
+            # An abort stops the purchase now, not after its deadline: the request stops its joins
+            # and still answers with the nodes that joined (retired as the evacuation restores).
+            aborted = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._abort)))
+            await workflow.wait([self._capacity, aborted], return_when=asyncio.FIRST_COMPLETED)
+            if not aborted.done():
+                aborted.cancel()
+            if not self._capacity.done():
+                await self._stop_capacity(f"the evacuation of {site} was aborted")
             result: CapacityResult = await self._capacity
             self._acquired = result.nodes
             p.acquired = [n.node_name for n in result.nodes]
@@ -499,7 +497,7 @@ class SiteEvacuation:
         """Tell the capacity request in flight to stop (its joins delete their machines); its
         result, with the nodes that joined before, still comes back through ``_capacity``."""
         try:
-            await workflow.get_external_workflow_handle(self._progress.capacity_request).signal("stop", why)
+            await workflow.get_external_workflow_handle(self._progress.capacity_request).signal(flows.AcquireCapacity.stop, why)
         except FailureError as error:  # closed meanwhile: its result is there already
             workflow.logger.info("capacity request %s not stopped: %s", self._progress.capacity_request,
                                  failure_message(error))
@@ -524,7 +522,7 @@ class SiteEvacuation:
 
     async def _scale(self, model: str, site: str, replicas: int) -> None:
         await workflow.execute_activity(
-            "scale_serving", ScaleInput(model=model, site=site, replicas=replicas), result_type=ServingStatus,
+            act.scale_serving, ScaleInput(model=model, site=site, replicas=replicas),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"{model} at {site} → {replicas}",
         )
 
@@ -550,7 +548,7 @@ class SiteEvacuation:
         self._show("waiting for recovery")
         while not self._recovered:
             probe: RecoveryProbe = await workflow.execute_activity(
-                "recovery_probe", SiteRef(site=site), result_type=RecoveryProbe, start_to_close_timeout=QUICK,
+                act.recovery_probe, SiteRef(site=site), start_to_close_timeout=QUICK,
                 retry_policy=CLUSTER_RETRY, summary=f"is {site} back?",
             )
             if probe.recovered:
@@ -568,22 +566,17 @@ class SiteEvacuation:
         s, site = self._s, self._args.site
         self._state("restoring")
         nodes = await workflow.execute_activity(
-            "site_nodes", SiteNodesInput(site=site), result_type=list[SiteNode], start_to_close_timeout=QUICK,
+            act.site_nodes, SiteNodesInput(site=site), start_to_close_timeout=QUICK,
             retry_policy=CLUSTER_RETRY, summary=f"nodes at {site}",
         )
         gpus = self._facts.site.gpus_per_machine
         failures = []
-        per_node = workflow.patched(PROOF_PER_NODE_PATCH)
+        workflow.deprecate_patch(PROOF_PER_NODE_PATCH)
         unproven: dict[str, str] = {}
 
         async def smoke(name: str) -> None:
             try:
-                if per_node:
-                    why = await self._smoke_checked(name, gpus)
-                else:
-                    result = await smoke_test_node(name, gpus, timeout_seconds=s.smoke_test_seconds,
-                                                   summary=f"smoke test {name}", heartbeat=WAIT_HEARTBEAT)
-                    why = "" if result.passed else "; ".join(result.failures)
+                why = await self._smoke_checked(name, gpus)
                 if why:
                     failures.append(f"{name}: {why}")
                     unproven[name] = why
@@ -597,7 +590,7 @@ class SiteEvacuation:
         # Per node: the site waits only while its failing nodes would trip an incident on their
         # own (the provider is not back); fewer than that are single nodes' faults (or lies).
         too_many = not proven or len(unproven) >= trip_threshold(len(nodes), s)
-        if too_many if per_node else (failures or not nodes):
+        if too_many:
             self._recovered = ""
             self._state("waiting-for-recovery")
             self._mark("smoke tests failed", "; ".join(failures) or "no nodes")
@@ -615,7 +608,7 @@ class SiteEvacuation:
         functions of the recorded payload, so replay decides the same)."""
         s = self._s
         answer: RawValue = await workflow.execute_activity(
-            "smoke_test", SmokeTestInput(expected_gpus=gpus), result_type=RawValue, task_queue=node_queue(name),
+            act.smoke_test, SmokeTestInput(expected_gpus=gpus), task_queue=node_queue(name),
             schedule_to_close_timeout=timedelta(seconds=s.smoke_test_seconds),
             start_to_close_timeout=timedelta(seconds=min(s.smoke_test_seconds, 300)), retry_policy=SMOKE_RETRY,
             # The agent heartbeats per GPU checked: a node lost mid-test is retried within a minute,
@@ -640,7 +633,7 @@ class SiteEvacuation:
         decides (held by the Site entity while its incident is open, then repaired)."""
         for name, why in sorted(self._unproven.items()):
             try:
-                await workflow.get_external_workflow_handle(f"node/{name}").signal("quarantine", NodeQuarantine(
+                await workflow.get_external_workflow_handle(node_workflow_id(name)).signal(flows.Node.quarantine, NodeQuarantine(
                     reason=f"failed the smoke test of {workflow.info().workflow_id}: {why}"[:1000]))
             except FailureError as error:
                 self._mark("node not handed to repair", f"{name}: {failure_message(error)}")
@@ -657,7 +650,7 @@ class SiteEvacuation:
         keep = [name for name in cordoned if name not in held and name in before]
         if release or keep:
             released: ReleaseNodesResult = await workflow.execute_activity(
-                "release_nodes", ReleaseNodesInput(nodes=release, keep_cordoned=keep), result_type=ReleaseNodesResult,
+                act.release_nodes, ReleaseNodesInput(nodes=release, keep_cordoned=keep),
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                 summary=f"uncordon the {len(release)} nodes it cordoned at {site} (not those a repair holds)",
             )
@@ -691,14 +684,8 @@ class SiteEvacuation:
 
     async def _restore(self, undo: bool = False) -> None:
         p, s, site = self._progress, self._s, self._args.site
-        if undo or workflow.patched(RESTORES_PATCH):
-            await self._release()
-        else:
-            proven = [name for name in p.drained if name not in self._unproven]  # the others stay cordoned
-            await workflow.execute_activity(
-                "uncordon_nodes", UncordonInput(nodes=proven), result_type=list[str], start_to_close_timeout=QUICK,
-                retry_policy=CLUSTER_RETRY, summary=f"uncordon {len(proven)} nodes at {site}",
-            )
+        workflow.deprecate_patch(RESTORES_PATCH)
+        await self._release()
         deadline = workflow.now() + timedelta(seconds=s.ready_seconds)
         for here in self._facts.here:
             await self._scale(here.model, site, here.desired_replicas)
@@ -740,7 +727,7 @@ class SiteEvacuation:
         retired = 0
         for node in self._acquired:
             nodes = await workflow.execute_activity(
-                "site_nodes", SiteNodesInput(site=node.site), result_type=list[SiteNode],
+                act.site_nodes, SiteNodesInput(site=node.site),
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"nodes at {node.site}",
             )
             if len(nodes) <= await self._min_nodes(node.site):
@@ -754,7 +741,7 @@ class SiteEvacuation:
 
     async def _min_nodes(self, site: str) -> int:
         resolved: Site = await workflow.execute_activity(
-            "resolve_site", ResolveSiteInput(site=site), result_type=Site, start_to_close_timeout=QUICK,
+            act.resolve_site, ResolveSiteInput(site=site), start_to_close_timeout=QUICK,
             retry_policy=PROVIDER_RETRY, summary=f"min of {site}",
         )
         return resolved.min_nodes

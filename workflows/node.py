@@ -21,9 +21,15 @@ reboot, reinstall or replace, and an action that started after a child's fault
 was detected covers that child (two GPUs failing together → one reboot). When
 too many of a site's nodes are unhealthy it stops repairing there and hands the
 decision to the Site entity: every repair is first admitted by ``site/<site>``
-(``admit_repair``), which holds it while its provider-incident rule is tripped. It continues as new when the server suggests it
-and no repair is running, carrying its one state model (``NodeCarry``: ledger, findings on hold,
-last health, recent node actions).
+(``admit_repair``), which holds it while its provider-incident rule is tripped.
+
+An entity (``workflows.entity``, docs/design/entities.md): its one state is ``NodeCarry``
+(ledger, findings on hold, last health, recent node actions, what the watch last acknowledged).
+Each repair's watcher is an own task. It continues as new when the server suggests it, no
+repair is running and nothing waits for the loop, through the base's gate; runs since
+``NODE_WATCH_GATE_PATCH`` also wait until the health-watch loop rests at its watch, so a step
+it is in the middle of (a spot notice starting its SpotReclaim) finishes, and its writes to
+the state are carried, in the run that began it.
 """
 
 from __future__ import annotations
@@ -39,7 +45,10 @@ from temporalio.workflow import ParentClosePolicy
 from temporalio.exceptions import ActivityError, FailureError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import (
+    from fleet.contracts import workflows as flows
+    from fleet.naming import node_queue, node_workflow_id, reclaim_workflow_id, repair_workflow_id, site_workflow_id
+    from fleet.contracts import activities as act
+    from fleet.messages.nodes import (
         FenceInput,
         HealthReport,
         NodeFacts,
@@ -52,11 +61,9 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.models import GpuHealth
     from fleet.repair_policy import Finding, RepairSettings, Rung, classify, conditions
-    from fleet.naming import reclaim_workflow_id
-    from fleet.settings import node_queue
+    from workflows.entity import Entity
     from workflows.inputs import describe, first_problem, parse_input, parse_signal
     from workflows.steps import CLUSTER_RETRY, QUICK, count_bad_report, failure_message, show_details
-    from workflows.repair import repair_workflow_id
     from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
     from fleet.messages.watches import ClusterNodeState
     from fleet.messages.repair import (
@@ -147,14 +154,20 @@ MAX_PROBLEM_SHOWN = 300
 #: seen under load in tests/security/test_self_labels.py). Runs from before it ask as before.
 #: The rule: docs/design/patches.md.
 NODE_PATCHES_AT_START = "node-patches-at-start"
+#: Workflow patch (issue 38, the entity gate): the health-watch loop is an own task of the entity,
+#: resting at its watch (and at a restart's pause); continue-as-new waits until it rests. Before
+#: it a run continued in the middle of the loop's step (a spot notice's facts read, its
+#: SpotReclaim not yet started): the step and its writes to the state (the acknowledged watch
+#: sequence, the notice) were lost, and the next run took the notice again. Asked at the start of
+#: the run behind ``self._settled or`` (the rule for a new Node patch, docs/design/patches.md):
+#: runs from before ``NODE_PATCHES_AT_START`` keep the old gate. A settled run already open when
+#: this deploys takes the new gate on its next task, and its history still replays: the new
+#: path differs from the old only where the old one continued as new, which ended that run.
+NODE_WATCH_GATE_PATCH = "node-continue-when-watch-rests"
 
 #: Bounded memory: XID event keys remembered for de-duplication, log lines kept.
 MAX_SEEN = 512
 MAX_LOG = 20
-
-
-def node_workflow_id(node_name: str) -> str:
-    return f"node/{node_name}"
 
 
 def _xid_key(gpu: GpuHealth, index: int) -> str:
@@ -170,18 +183,18 @@ def _condition_words(gpu: GpuHealth) -> list[str]:
 
 
 @workflow.defn(name="Node")
-class NodeEntity:
+class NodeEntity(Entity[NodeCarry]):
     def __init__(self) -> None:
+        #: The state: everything the entity knows, carried over continue-as-new (findings on hold included).
+        super().__init__(NodeCarry())
         self._node = ""
-        #: Everything the entity knows, carried over continue-as-new (findings on hold included).
-        self._carry = NodeCarry()
         # The cluster's view of the node, read again before each decision (and by each run).
         self._facts: NodeFacts | None = None
         # From the join that started this run, until the facts are read (and then outdated by them).
         self._joined_site = ""
         self._joined_settings: RepairSettings | None = None
-        # In flight: messages not yet handled, running repairs, the action slot. Continue-as-new
-        # waits until all are empty, so none of them needs carrying.
+        # In flight: messages not yet handled, running repairs (each watched by an own task), the
+        # action slot. Continue-as-new waits until all are empty, so none of them needs carrying.
         self._pending: list[HealthReport] = []
         self._active: dict[int, str] = {}
         self._requests: list[NodeActionRequest] = []
@@ -192,7 +205,8 @@ class NodeEntity:
         self._stale_in_a_row = 0
         #: The join's smoke-test state: the first watch's result (taken once, not on a restart).
         self._first_state: Any = None
-        #: K bad reports in a row: the loop quarantines the node (the one writer of the state).
+        #: A quarantine queued for the loop (K bad reports in a row, or the ``quarantine`` signal),
+        #: which acts on it like on any finding.
         self._quarantine: Finding | None = None
         self._last_bad_report = ""
         self._loop_restarts = 0
@@ -202,9 +216,15 @@ class NodeEntity:
         self._rewatch = False
         #: ``NODE_PATCHES_AT_START``: this run takes every patch's new path (asked once, first).
         self._settled = False
+        #: ``NODE_WATCH_GATE_PATCH``: the health-watch loop is an own task (asked once, first).
+        self._gate_waits_watch = False
 
     # -- signals and queries ---------------------------------------------------------------
-    # The handlers only queue (none awaits): the loop is the one writer of the state, so no lock.
+    # No handler awaits: each changes the state in one step, most only queue for the loop. Two
+    # writers change the state across awaits, each its own part: the loop (findings and repairs:
+    # on hold, fenced, ledger, node actions) and the health-watch loop (what the node reported:
+    # the watch's sequence, digest and spot notice, bad reports); the rest (the log, a quarantine's
+    # reason, a repair's end) changes in one step. So no lock (entity rule 2, ``workflows.entity``).
     @workflow.signal
     def health_report(self, report: HealthReport) -> None:
         self._pending.append(report)
@@ -226,7 +246,7 @@ class NodeEntity:
         gone (its heartbeat timeout is long), so it is replaced now."""
         if (told := parse_signal(ClusterNodeState, raw, "cluster_state")) is None or not self._told_by_cluster:
             return
-        carry = self._carry
+        carry = self.state
         if not told.ready:
             if carry.not_ready_since is None:
                 carry.not_ready_since = told.observed_at or workflow.now().timestamp()
@@ -263,54 +283,57 @@ class NodeEntity:
     @workflow.query
     def status(self) -> NodeStatus:
         return NodeStatus(
-            node_name=self._node, state=self._carry.state, site=self._facts.site if self._facts else self._joined_site,
-            boot_id=self._carry.boot_id, reports=self._carry.reports,
-            active_repairs={str(k): v for k, v in self._active.items()}, app_xids=self._carry.ledger.app_xids,
-            remediations=len(self._carry.ledger.remediations), node_actions=self._carry.actions,
-            deferred=sorted(self._carry.deferred), fenced=sorted(self._carry.fenced), log=self._carry.log,
-            bad_reports=self._carry.bad_reports, bad_reports_in_a_row=self._carry.bad_reports_in_a_row,
+            node_name=self._node, state=self.state.state, site=self._facts.site if self._facts else self._joined_site,
+            boot_id=self.state.boot_id, reports=self.state.reports,
+            active_repairs={str(k): v for k, v in self._active.items()}, app_xids=self.state.ledger.app_xids,
+            remediations=len(self.state.ledger.remediations), node_actions=self.state.actions,
+            deferred=sorted(self.state.deferred), fenced=sorted(self.state.fenced), log=self.state.log,
+            bad_reports=self.state.bad_reports, bad_reports_in_a_row=self.state.bad_reports_in_a_row,
             last_bad_report=self._last_bad_report, loop_restarts=self._loop_restarts,
-            not_ready_since=self._carry.not_ready_since,
+            not_ready_since=self.state.not_ready_since,
         )
 
     # -- the loop --------------------------------------------------------------------------
     def _log(self, line: str, warn: bool = False) -> None:
         (workflow.logger.warning if warn else workflow.logger.info)("node %s: %s", self._node, line)
-        self._carry.log = [*self._carry.log, line][-MAX_LOG:]
+        self.state.log = [*self.state.log, line][-MAX_LOG:]
 
     def _set_state(self, state: str, detail: str = "") -> None:
-        if state != self._carry.state:
+        if state != self.state.state:
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(state)])
-        self._carry.state = state
+        self.state.state = state
         self._show(detail)
 
     def _show(self, detail: str = "") -> None:
         lines = [f"- GPU {gpu}: repair `{wid}`" for gpu, wid in sorted(self._active.items())]
         if self._holder:
             lines.append(f"node action slot held by `{self._holder}`")
-        show_details(self._carry.state, *lines, detail=detail)
+        show_details(self.state.state, *lines, detail=detail)
 
     @workflow.run
     async def run(self, raw: Any) -> NodeStatus:
         self._settled = workflow.patched(NODE_PATCHES_AT_START)  # first: before any local activity
+        self._gate_waits_watch = self._settled or workflow.patched(NODE_WATCH_GATE_PATCH)  # the same
         inp = parse_input(NodeEntityInput, raw)
         self._node = inp.node_name
         if inp.carry is not None:
-            self._carry = inp.carry
+            self.state = inp.carry
         self._joined_site, self._joined_settings = inp.site, inp.settings
         workflow.upsert_search_attributes([
-            sa.NODE_NAME.value_set(self._node), sa.FLEET_STATE.value_set(self._carry.state),
+            sa.NODE_NAME.value_set(self._node), sa.FLEET_STATE.value_set(self.state.state),
         ])
-        if self._carry.deferred:
+        if self.state.deferred:
             await self._refresh_facts()  # findings carried on hold: their recheck interval is in the settings
         if self._settled or workflow.patched(HEALTH_WATCH_PATCH):
             self._told_by_cluster = self._settled or workflow.patched(NOT_READY_PATCH)
             self._first_state = inp.first_state
             self._watching = self._background("health watch", self._watch_node)
+            if self._gate_waits_watch:
+                self.own(self._watching)  # continue-as-new waits until it rests at its watch
         recheck_at = None
         while True:
             timeout = None
-            if self._carry.deferred and self._facts is not None:
+            if self.state.deferred and self._facts is not None:
                 timeout = timedelta(seconds=self._facts.settings.recheck_seconds)
             try:
                 await workflow.wait_condition(
@@ -334,13 +357,17 @@ class NodeEntity:
                 self._set_state("gone", "replaced or removed")
                 return self.status()
             if (
-                workflow.info().is_continue_as_new_suggested()
+                self.continue_as_new_suggested()
                 and not self._active and not self._pending and not self._requests and self._holder is None
                 and self._quarantine is None
             ):
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                if not self._pending and not self._requests and self._quarantine is None:
-                    workflow.continue_as_new(NodeEntityInput(node_name=self._node, carry=self._carry).model_dump(mode="json"))
+                # Returns when work for the loop came in while the gate waited: the loop takes it first
+                # (and a node found gone meanwhile ends the entity: for runs that wait for the watch).
+                await self.continue_as_new_when_ready(
+                    lambda: NodeEntityInput(node_name=self._node, carry=self.state).model_dump(mode="json"),
+                    unless=lambda: bool(self._pending or self._requests or self._quarantine is not None
+                                        or (self._gate_waits_watch and self._gone)),
+                )
 
     # -- the pulled health watch -----------------------------------------------------------
     def _settings(self) -> RepairSettings | None:
@@ -367,7 +394,8 @@ class NodeEntity:
                     why = f"{type(error).__name__}: {str(error)[:MAX_PROBLEM_SHOWN]}"
                     self._log(f"{name} failed ({why}); restarting in {pause.total_seconds():g}s", warn=True)
                     self._show(f"{name} failed ({why}); restarting")
-                    await workflow.sleep(pause)
+                    with self.resting():  # the next run starts the loop afresh
+                        await workflow.sleep(pause)
                     pause = min(pause * 2, LOOP_RESTART_MAX)
 
         return asyncio.create_task(supervised())
@@ -386,7 +414,7 @@ class NodeEntity:
                 problem = f"{found[0]}: {found[1]}"
             else:
                 report = NodeReport.model_validate(value)
-                self._carry.bad_reports_in_a_row = 0
+                self.state.bad_reports_in_a_row = 0
                 return report
         except ValidationError as error:
             problem = describe(error)[0]
@@ -396,7 +424,7 @@ class NodeEntity:
             # A run from before the patch decoded it with the wire model (or failed its task).
             return NodeWatchResult.model_validate(value)
         problem = problem[:MAX_PROBLEM_SHOWN]
-        carry = self._carry
+        carry = self.state
         carry.bad_reports += 1
         carry.bad_reports_in_a_row += 1
         # The metric (no command: replay records nothing); the node is named in the log and details.
@@ -411,7 +439,7 @@ class NodeEntity:
 
     def _quarantine_node(self, reason: str) -> None:
         """Cordon the node and hand it to the repair ladder (the loop acts: ``_act`` on GPU 0)."""
-        self._carry.quarantine_reasons = [*self._carry.quarantine_reasons, reason][-MAX_LOG:]
+        self.state.quarantine_reasons = [*self.state.quarantine_reasons, reason][-MAX_LOG:]
         self._quarantine = Finding(index=0, rung=QUARANTINE_RUNG, reasons=[reason])
         self._wake = True
 
@@ -432,7 +460,7 @@ class NodeEntity:
                 heartbeat = timedelta(seconds=settings.timeouts.watch_heartbeat())
                 if self._told_by_cluster and settings.timeouts.watch_heartbeat_seconds is None:
                     heartbeat = timedelta(seconds=WATCH_LONG_HEARTBEAT)
-            carry = self._carry
+            carry = self.state
             if first is not None:
                 answer, first = first, None
             else:
@@ -469,7 +497,7 @@ class NodeEntity:
         # Undecoded: the node's answer is validated by ``_checked`` (see ``NODE_REPORTS_PATCH``).
         wait = WATCH_LONG_WAIT if self._told_by_cluster else WATCH_MAX_WAIT
         options = dict(
-            task_queue=node_queue(self._node), result_type=RawValue,
+            task_queue=node_queue(self._node),
             start_to_close_timeout=timedelta(seconds=wait) + heartbeat * 2,
             schedule_to_close_timeout=max(WATCH_GIVE_UP, timedelta(seconds=wait) + heartbeat * 3),
             heartbeat_timeout=heartbeat,
@@ -477,12 +505,16 @@ class NodeEntity:
         )
         watch = NodeWatchInput(node_name=self._node, seq=carry.watch_seq, digest=carry.watch_digest,
                                reclaim_at=carry.reclaim_at, max_wait_seconds=wait)
+        # Resting while it waits: the watch is level-triggered, the next run's first one returns at
+        # once if the node changed meanwhile (continue-as-new may leave this one).
         if not self._told_by_cluster:
-            return await workflow.execute_activity("watch_node", watch, **options)
+            with self.resting():
+                return await workflow.execute_activity(act.watch_node, watch, **options)
         # The same command; its handle kept, so a Ready-again node's watch can be replaced.
-        self._watch_handle = workflow.start_activity("watch_node", watch, **options)
+        self._watch_handle = workflow.start_activity(act.watch_node, watch, **options)
         try:
-            return await self._watch_handle
+            with self.resting():
+                return await self._watch_handle
         finally:
             self._watch_handle = None
 
@@ -513,7 +545,7 @@ class NodeEntity:
         self._log(f"spot reclaim notice: terminates at {terminate_at:.0f}", warn=True)
         try:
             await workflow.start_child_workflow(
-                "SpotReclaim", {"node_name": self._node, "site": facts.site, "machine_id": facts.machine_id,
+                flows.SpotReclaim.TYPE, {"node_name": self._node, "site": facts.site, "machine_id": facts.machine_id,
                                 "terminate_at": terminate_at},
                 id=reclaim_workflow_id(self._node),
                 # Outlives the entity on purpose: the drain and the replacement must finish.
@@ -523,7 +555,7 @@ class NodeEntity:
         except FailureError:  # already running: a newer termination time wins
             try:
                 await workflow.get_external_workflow_handle(reclaim_workflow_id(self._node)).signal(
-                    "notice", {"terminate_at": terminate_at})
+                    flows.SpotReclaim.notice, {"terminate_at": terminate_at})
             except FailureError as error:
                 self._log(f"spot notice not passed on: {failure_message(error)}", warn=True)
 
@@ -532,7 +564,7 @@ class NodeEntity:
         if report.node_name != self._node:
             self._log(f"ignored a report for node {report.node_name!r}", warn=True)
             return
-        carry, now = self._carry, workflow.now()
+        carry, now = self.state, workflow.now()
         carry.reports += 1
         if report.boot_id and report.boot_id != carry.boot_id:
             if carry.boot_id:
@@ -541,7 +573,7 @@ class NodeEntity:
         findings: list[Finding] = []
         seen = set(carry.seen_xids)
         for gpu in report.gpus:
-            self._carry.latest[gpu.index] = gpu
+            self.state.latest[gpu.index] = gpu
             new_xids = []
             for i, event in enumerate(gpu.xid_events):
                 key = _xid_key(gpu, i)
@@ -567,14 +599,14 @@ class NodeEntity:
 
     async def _recheck(self) -> None:
         """Deferred findings: act if the GPU is still sick, forget them if it healed."""
-        for index, finding in sorted(self._carry.deferred.items()):
-            latest = self._carry.latest.get(index)
+        for index, finding in sorted(self.state.deferred.items()):
+            latest = self.state.latest.get(index)
             # A fatal XID is an event, not a state: a clean snapshot since does not undo it.
-            quarantined = any(reason in self._carry.quarantine_reasons for reason in finding.reasons)
+            quarantined = any(reason in self.state.quarantine_reasons for reason in finding.reasons)
             if not finding.fatal_xids and not quarantined and latest is not None and not latest.problems():
-                if index in self._carry.fenced and not await self._unfence(index):
+                if index in self.state.fenced and not await self._unfence(index):
                     continue  # still fenced: the next recheck tries again
-                self._carry.deferred.pop(index)
+                self.state.deferred.pop(index)
                 self._log(f"GPU {index}: healed while waiting, no repair")
                 continue
             await self._act(finding)
@@ -582,7 +614,7 @@ class NodeEntity:
     async def _refresh_facts(self) -> NodeFacts:
         local = self._settled or workflow.patched(LOCAL_FACTS_PATCH)
         self._facts = await (workflow.execute_local_activity if local else workflow.execute_activity)(
-            "node_facts", NodeFactsInput(node_name=self._node), result_type=NodeFacts,
+            act.node_facts, NodeFactsInput(node_name=self._node),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="node, site, repair settings",
         )
         if self._facts.site:
@@ -591,7 +623,7 @@ class NodeEntity:
 
     async def _act(self, finding: Finding) -> None:
         index = finding.index
-        self._carry.deferred.pop(index, None)
+        self.state.deferred.pop(index, None)
         if index in self._active:
             self._log(f"GPU {index}: {', '.join(finding.reasons)} while its repair runs; the repair handles it")
             return
@@ -604,19 +636,19 @@ class NodeEntity:
             self._log(f"health report for unknown GPU {index} (node has {facts.gpus}): ignored", warn=True)
             return
         if not facts.admitted:
-            self._carry.deferred[index] = finding
-            self._set_state(self._carry.state, f"GPU {index} sick while the node is still joining; waiting")
+            self.state.deferred[index] = finding
+            self._set_state(self.state.state, f"GPU {index} sick while the node is still joining; waiting")
             return
         settings = facts.settings
-        if index not in self._carry.fenced and (self._settled or workflow.patched(CONTAIN_FIRST_PATCH)):
+        if index not in self.state.fenced and (self._settled or workflow.patched(CONTAIN_FIRST_PATCH)):
             await self._fence(index, finding)
         if self._settled or workflow.patched(ADMISSION_PATCH):
             # The Site entity owns the incident rule (fleet.incident): it admits or holds this repair.
             try:
                 decision: RepairDecision = await workflow.execute_activity(
-                    "admit_repair", AdmitRepairInput(site=facts.site, node_name=self._node, gpu=index,
+                    act.admit_repair, AdmitRepairInput(site=facts.site, node_name=self._node, gpu=index,
                                                      reasons=finding.reasons),
-                    result_type=RepairDecision, start_to_close_timeout=timedelta(minutes=2),
+                    start_to_close_timeout=timedelta(minutes=2),
                     heartbeat_timeout=timedelta(seconds=10),  # a lost worker is seen in seconds
                     retry_policy=ADMISSION_RETRY, summary=f"site/{facts.site}: repair or provider incident?",
                 )
@@ -624,29 +656,29 @@ class NodeEntity:
                 decision = RepairDecision(repair=True, why=f"site/{facts.site} did not answer "
                                                            f"({failure_message(error)}): repairing")
             if not decision.repair:
-                self._carry.deferred[index] = finding
+                self.state.deferred[index] = finding
                 self._set_state("awaiting-site", f"{facts.site}: {decision.incident or decision.why}; no new repairs")
                 self._log(f"GPU {index}: held by site/{facts.site}: {decision.incident} {decision.why}".strip())
                 return
         else:
             health: SiteHealth = await workflow.execute_activity(
-                "site_health", SiteHealthInput(site=facts.site, node_name=self._node), result_type=SiteHealth,
+                act.site_health, SiteHealthInput(site=facts.site, node_name=self._node),
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"unhealthy nodes at {facts.site}",
             )
             share = (health.unhealthy_others + 1) / max(health.nodes, 1)
             if health.unhealthy_others >= 1 and share > settings.thresholds.site_unhealthy_fraction:
-                self._carry.deferred[index] = finding
+                self.state.deferred[index] = finding
                 self._set_state("awaiting-site", f"{share:.0%} of {facts.site} unhealthy: the Site entity decides")
                 self._log(f"GPU {index}: {share:.0%} of {facts.site} unhealthy, repair deferred to site/{facts.site}")
                 await self._tell_site(facts.site, index, share)
                 return
         now = workflow.now()
-        rung, why = self._carry.ledger.escalate(finding, now.timestamp(), settings.thresholds)
-        self._carry.ledger.record_remediation(now.timestamp())
+        rung, why = self.state.ledger.escalate(finding, now.timestamp(), settings.thresholds)
+        self.state.ledger.record_remediation(now.timestamp())
         repair_id = repair_workflow_id(self._node, index)
         try:
             handle = await workflow.start_child_workflow(
-                "GpuRepair",
+                flows.GpuRepair.TYPE,
                 GpuRepairInput(
                     node_name=self._node, gpu=index, site=facts.site, machine_id=facts.machine_id, gpus=facts.gpus,
                     rung=rung, reasons=finding.reasons, escalated_because=why, detected_at=now, settings=settings,
@@ -663,13 +695,13 @@ class NodeEntity:
             return
         finally:
             # Either way a repair owns the GPU's containment from here (it un-contains when it ends).
-            if index in self._carry.fenced:
-                self._carry.fenced.remove(index)
+            if index in self.state.fenced:
+                self.state.fenced.remove(index)
         self._active[index] = repair_id
-        self._carry.quarantine_reasons = [r for r in self._carry.quarantine_reasons if r not in finding.reasons]
+        self.state.quarantine_reasons = [r for r in self.state.quarantine_reasons if r not in finding.reasons]
         self._log(f"GPU {index}: {', '.join(finding.reasons)} → {repair_id} at {rung}" + (f" ({why})" if why else ""))
         self._set_state("repairing", f"GPU {index} at {rung}")
-        asyncio.create_task(self._watch(index, repair_id, handle))  # ends with the repair; never raises (below)
+        self.spawn(self._watch(index, repair_id, handle))  # ends with the repair; never raises (below)
 
     # -- containment before the decision ----------------------------------------------------
     async def _fence(self, index: int, finding: Finding) -> None:
@@ -677,26 +709,26 @@ class NodeEntity:
         report). A cluster that does not answer leaves it to the repair's containment."""
         try:
             await workflow.execute_local_activity(
-                "fence_gpu", FenceInput(node_name=self._node, gpu=index, rung=finding.rung.value if finding.rung else ""),
+                act.fence_gpu, FenceInput(node_name=self._node, gpu=index, rung=finding.rung.value if finding.rung else ""),
                 start_to_close_timeout=QUICK, retry_policy=FENCE_RETRY, summary=f"fence GPU {index}, cordon the node",
             )
         except ActivityError as error:
             self._log(f"GPU {index}: not fenced ({failure_message(error)}); its repair contains it", warn=True)
             return
-        self._carry.fenced.append(index)
+        self.state.fenced.append(index)
 
     async def _unfence(self, index: int) -> bool:
         """A held finding whose GPU healed: lift the entity's own fence (the node is uncordoned
         only when no other GPU of it is fenced). False: the cluster did not answer."""
         try:
             result: UncontainResult = await workflow.execute_local_activity(
-                "uncontain_gpu", UncontainInput(node_name=self._node, gpu=index), result_type=UncontainResult,
+                act.uncontain_gpu, UncontainInput(node_name=self._node, gpu=index),
                 start_to_close_timeout=QUICK, retry_policy=FENCE_RETRY, summary=f"un-fence GPU {index}",
             )
         except ActivityError as error:
             self._log(f"GPU {index}: still fenced ({failure_message(error)}); the next recheck tries again", warn=True)
             return False
-        self._carry.fenced.remove(index)
+        self.state.fenced.remove(index)
         self._log(f"GPU {index}: un-fenced" + ("" if result.uncordoned else f", GPUs {result.still_fenced} still fenced"))
         return True
 
@@ -726,8 +758,8 @@ class NodeEntity:
 
     async def _tell_site(self, site: str, gpu: int, share: float) -> None:
         try:
-            await workflow.get_external_workflow_handle(f"site/{site}").signal(
-                "node_transition", {"node_name": self._node, "state": "unhealthy",
+            await workflow.get_external_workflow_handle(site_workflow_id(site)).signal(
+                flows.Site.node_transition, {"node_name": self._node, "state": "unhealthy",
                                     "machine_id": self._facts.machine_id if self._facts else ""},
             )
         except FailureError as error:
@@ -735,7 +767,7 @@ class NodeEntity:
 
     # -- the node's one disruptive-action slot ----------------------------------------------
     def _finish_action(self, repair_id: str) -> None:
-        for action in self._carry.actions:
+        for action in self.state.actions:
             if action.repair_id == repair_id and action.finished_at is None:
                 action.finished_at = workflow.now()
         if self._holder == repair_id:
@@ -746,7 +778,7 @@ class NodeEntity:
         while self._requests and self._holder is None:
             request = self._requests.pop(0)
             covering = [
-                a for a in self._carry.actions
+                a for a in self.state.actions
                 if a.finished_at is not None and a.rung.level >= request.rung.level
                 and a.started_at >= request.detected_at and a.repair_id != request.repair_id
             ]
@@ -758,13 +790,13 @@ class NodeEntity:
             else:
                 self._holder = request.repair_id
                 action = NodeAction(repair_id=request.repair_id, rung=request.rung, started_at=workflow.now())
-                self._carry.actions = [*self._carry.actions, action][-MAX_LOG:]
+                self.state.actions = [*self.state.actions, action][-MAX_LOG:]
                 grant = NodeActionGrant(go=True)
             try:
-                await handle.signal("node_action_grant", grant)
+                await handle.signal(flows.GpuRepair.node_action_grant, grant)
             except FailureError as error:
                 self._log(f"{request.repair_id} gone before its grant: {failure_message(error)}", warn=True)
                 if self._holder == request.repair_id:
                     self._finish_action(request.repair_id)
             if grant.go:
-                self._set_state(self._carry.state, f"{request.rung} for {request.repair_id}")
+                self._set_state(self.state.state, f"{request.rung} for {request.repair_id}")

@@ -19,8 +19,10 @@ from temporalio.exceptions import ActivityError, ChildWorkflowError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
+    from fleet.contracts import workflows as flows
+    from fleet.contracts import activities as act
     from fleet.messages.capacity import CapacityResult, SpotNotice, SpotReclaimInput, SpotReclaimResult
-    from activities.models import ResolveSiteInput
+    from fleet.messages.nodes import ResolveSiteInput
     from fleet import search_attributes as sa
     from fleet.config import Site
     from fleet.naming import capacity_workflow_id
@@ -71,7 +73,7 @@ class SpotReclaim:
             sa.NODE_NAME.value_set(node), sa.SITE.value_set(args.site), sa.FLEET_STATE.value_set("reclaiming"),
         ])
         site: Site = await workflow.execute_activity(
-            "resolve_site", ResolveSiteInput(site=args.site), result_type=Site, start_to_close_timeout=QUICK,
+            act.resolve_site, ResolveSiteInput(site=args.site), start_to_close_timeout=QUICK,
             retry_policy=PROVIDER_RETRY, summary=f"look up site {args.site}",
         )
         terminate_at = datetime.fromtimestamp(self._terminate_at or args.terminate_at, timezone.utc)
@@ -90,7 +92,7 @@ class SpotReclaim:
             "reason": f"replace reclaimed {node}",
         }
         replace = asyncio.create_task(workflow.execute_child_workflow(
-            "AcquireCapacity", replacement_request, id=capacity_workflow_id(f"reclaim-{node}"),
+            flows.AcquireCapacity.TYPE, replacement_request, id=capacity_workflow_id(f"reclaim-{node}"),
             result_type=CapacityResult, static_summary=f"replacement for reclaimed {node}",
             # The reclaim ended (terminated, cancelled): its replacement request and joins stop too.
             parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,

@@ -22,7 +22,10 @@ from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflow
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import (
+    from fleet.contracts import workflows as flows
+    from fleet.naming import join_workflow_id, node_queue, repair_workflow_id
+    from fleet.contracts import activities as act
+    from fleet.messages.nodes import (
         ContainInput,
         ContainResult,
         NodeFacts,
@@ -38,7 +41,6 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet import search_attributes as sa
     from fleet.repair_policy import Rung
-    from fleet.settings import node_queue
     from workflows.inputs import invalid_input, parse_input
     from fleet.messages.join import NodeJoinResult
     from workflows.steps import (
@@ -66,10 +68,6 @@ with workflow.unsafe.imports_passed_through():
     )
 
 NODE_RETRY = RetryPolicy(maximum_attempts=2, non_retryable_error_types=["GpuResetFailed", "DriverReinstallFailed"])
-
-
-def repair_workflow_id(node_name: str, gpu: int) -> str:
-    return f"repair/{node_name}/gpu{gpu}"
 
 
 @workflow.defn(name="GpuRepair")
@@ -171,10 +169,9 @@ class GpuRepair:
         await self._hold_point()
         self._step("containing", "fence the GPU, drain its pods (PDBs honoured), cordon")
         contained: ContainResult = await workflow.execute_activity(
-            "contain_gpu",
+            act.contain_gpu,
             ContainInput(node_name=inp.node_name, gpu=inp.gpu, rung=rung.value,
                          drain_seconds=settings.timeouts.drain_seconds),
-            result_type=ContainResult,
             start_to_close_timeout=timedelta(seconds=settings.timeouts.contain_seconds),
             heartbeat_timeout=timedelta(seconds=settings.timeouts.heartbeat_seconds),
             retry_policy=CLUSTER_RETRY, summary=f"contain GPU {inp.gpu}: fence, drain, cordon",
@@ -209,8 +206,8 @@ class GpuRepair:
                 await self._hold_point()
                 self._step("un-containing", "unfence the GPU, uncordon when no other GPU is fenced")
                 await workflow.execute_activity(
-                    "uncontain_gpu", UncontainInput(node_name=inp.node_name, gpu=inp.gpu),
-                    result_type=UncontainResult, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                    act.uncontain_gpu, UncontainInput(node_name=inp.node_name, gpu=inp.gpu),
+                    start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                     summary=f"un-contain GPU {inp.gpu}",
                 )
                 return self._finish("repaired")
@@ -251,7 +248,7 @@ class GpuRepair:
         self._grant = None
         self._step("waiting for the node", f"{rung} needs the node's action slot")
         await workflow.get_external_workflow_handle(parent.workflow_id).signal(
-            "node_action_request",
+            flows.Node.node_action_request,
             NodeActionRequest(repair_id=workflow.info().workflow_id, rung=rung,
                               detected_at=self._input.detected_at or workflow.info().start_time),
         )
@@ -262,7 +259,7 @@ class GpuRepair:
         parent = workflow.info().parent
         if parent is not None:
             await workflow.get_external_workflow_handle(parent.workflow_id).signal(
-                "node_action_done", NodeActionDone(repair_id=workflow.info().workflow_id, rung=rung, ok=ok),
+                flows.Node.node_action_done, NodeActionDone(repair_id=workflow.info().workflow_id, rung=rung, ok=ok),
             )
 
     async def _recover(self, rung: Rung, attempt_no: int) -> tuple[bool, str, str]:
@@ -298,7 +295,7 @@ class GpuRepair:
         # reset_seconds (the agent beats while the reset runs). Replay compares an activity's id
         # and type, not its timeouts, so runs from before replay as they ran.
         answer = await workflow.execute_activity(
-            "reset_gpu", ResetGpuInput(index=inp.gpu, key=key), result_type=RawValue, task_queue=node_queue(inp.node_name),
+            act.reset_gpu, ResetGpuInput(index=inp.gpu, key=key), task_queue=node_queue(inp.node_name),
             schedule_to_close_timeout=timedelta(seconds=inp.settings.timeouts.reset_seconds),
             heartbeat_timeout=timedelta(seconds=inp.settings.timeouts.heartbeat_seconds),
             retry_policy=NODE_RETRY, summary=f"nvidia-smi -r -i {inp.gpu}",
@@ -317,7 +314,7 @@ class GpuRepair:
 
     async def _facts(self) -> NodeFacts:
         return await workflow.execute_activity(
-            "node_facts", NodeFactsInput(node_name=self._input.node_name), result_type=NodeFacts,
+            act.node_facts, NodeFactsInput(node_name=self._input.node_name),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="node, site and boot id",
         )
 
@@ -326,7 +323,7 @@ class GpuRepair:
         inp, timeouts = self._input, self._input.settings.timeouts
         if rung == Rung.REINSTALL and inp.settings.reinstall_via == "agent":
             answer = await workflow.execute_activity(
-                "reinstall_driver", ReinstallDriverInput(), result_type=RawValue, task_queue=node_queue(inp.node_name),
+                act.reinstall_driver, ReinstallDriverInput(), task_queue=node_queue(inp.node_name),
                 schedule_to_close_timeout=timedelta(seconds=timeouts.reinstall_seconds),
                 heartbeat_timeout=timedelta(seconds=timeouts.heartbeat_seconds) if timeouts.reinstall_seconds > 60 else None,
                 retry_policy=NODE_RETRY, summary="reinstall the GPU driver on the node",
@@ -337,16 +334,16 @@ class GpuRepair:
             raise ApplicationError(f"node {inp.node_name} is gone", type="NodeGone", non_retryable=True)
         machine_id = facts.machine_id or inp.machine_id
         said: str = await workflow.execute_activity(
-            f"{rung}_machine",
+            {Rung.REBOOT: act.reboot_machine, Rung.REINSTALL: act.reinstall_machine}[rung],
             RestartMachineInput(site=inp.site, machine_id=machine_id, node_name=inp.node_name,
                                 boot_id_before=facts.boot_id),
-            result_type=str, start_to_close_timeout=timedelta(seconds=timeouts.provider_call_seconds),
+            start_to_close_timeout=timedelta(seconds=timeouts.provider_call_seconds),
             retry_policy=PROVIDER_RETRY, summary=f"{rung} machine {machine_id} (boot {facts.boot_id[:8]})",
         )
         self._step("recovering", f"{rung}: waiting for a new boot id")
         seconds = timeouts.rung_seconds(rung)
         await workflow.execute_activity(
-            "wait_for_boot",
+            act.wait_for_boot,
             WaitForBootInput(node_name=inp.node_name, boot_id_before=facts.boot_id,
                              deadline=workflow.now() + timedelta(seconds=seconds), poll_seconds=1.0),
             start_to_close_timeout=timedelta(seconds=seconds + 60),
@@ -359,7 +356,7 @@ class GpuRepair:
         """Join one node at the same site (else another allowed one), then retire this one."""
         inp = self._input
         sites: list[str] = await workflow.execute_activity(
-            "replacement_sites", ReplacementSitesInput(site=inp.site), result_type=list[str],
+            act.replacement_sites, ReplacementSitesInput(site=inp.site),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="where a replacement may go",
         )
         failures = []
@@ -368,8 +365,8 @@ class GpuRepair:
             self._step("recovering", f"replace: joining a node at {site}")
             try:
                 result: NodeJoinResult = await workflow.execute_child_workflow(
-                    "NodeJoin", {"site": site},
-                    id=f"join/{site}/replace-{inp.node_name}-gpu{inp.gpu}-{attempt_no}",
+                    flows.NodeJoin.TYPE, {"site": site},
+                    id=join_workflow_id(site, f"replace-{inp.node_name}-gpu{inp.gpu}-{attempt_no}"),
                     result_type=NodeJoinResult, static_summary=f"replacement for {inp.node_name}",
                     # A repair ended (terminated, cancelled) must not leave a join buying on for it:
                     # the join is cancelled and deletes its machine.

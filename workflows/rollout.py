@@ -31,21 +31,15 @@ from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.rollout_models import (
-        EvacuationInput,
-        ProbeServingInput,
-        ResolveRolloutSitesInput,
-        RollbackSiteInput,
-        RolloutSites,
-        ServingRef,
-        UpdateServingInput,
+    from fleet.contracts import activities as act
+    from fleet.messages.rollout import (
+        EvacuationInput, ProbeServingInput, ReplicateInput, ReplicateResult, ResolveRolloutSitesInput,
+        RollbackSiteInput, RolloutSites, ServingRef, UpdateServingInput,
     )
-    from activities.rollout_models import ReplicateInput, ReplicateResult
     from fleet import search_attributes as sa
     from fleet.errors import NON_RETRYABLE_TYPES
     from fleet.rollout import (
         TOUCHED,
-        LegacyRolloutInput,
         ProbeResult,
         RolloutInput,
         RolloutProgress,
@@ -81,6 +75,15 @@ class _SiteFailed(Exception):
     def __init__(self, site: str, reason: str) -> None:
         super().__init__(f"{site}: {reason}")
         self.site, self.reason = site, reason
+
+#: Deprecated, to be removed (docs/design/patches.md, "Retired"): no rollout open now started
+#: before these, so every run takes their new path; each call goes once no run holding its
+#: non-deprecated marker is open. ``rollout-source-from-config``: sources are the config's named
+#: object stores (before: a whole store in the manifest). ``rollout-weights-pull-and-routing``:
+#: pods pull the weights into the node's cache and the version reaches the routes through the
+#: Routing entity (before: a host path, and no one told).
+SOURCE_FROM_CONFIG_PATCH = "rollout-source-from-config"
+WEIGHTS_PULL_PATCH = "rollout-weights-pull-and-routing"
 
 
 @workflow.defn(name="ModelRollout")
@@ -199,10 +202,9 @@ class ModelRollout:
     # -- the runbook ----------------------------------------------------------------------
     @workflow.run
     async def run(self, raw: Any) -> RolloutResult:
-        # Sources come from the fleet config's named object_stores; a rollout recorded
-        # before that carried a whole store in its manifest and replays with the old model.
-        named_source = workflow.patched("rollout-source-from-config")
-        request = parse_input(RolloutInput if named_source else LegacyRolloutInput, raw)
+        # Sources come from the fleet config's named object_stores.
+        workflow.deprecate_patch(SOURCE_FROM_CONFIG_PATCH)
+        request = parse_input(RolloutInput, raw)
         self._req = request
         canaries = request.canaries
         files, total = len(request.weights.files), request.weights.total_bytes
@@ -216,13 +218,12 @@ class ModelRollout:
         ])
         self._phase("validating")
         sites: RolloutSites = await workflow.execute_activity(
-            "resolve_rollout_sites", ResolveRolloutSitesInput(sites=[t.site for t in request.sites]),
-            result_type=RolloutSites, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            act.resolve_rollout_sites, ResolveRolloutSitesInput(sites=[t.site for t in request.sites]),
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary="look up target sites and their object stores",
         )
         problems = check_sites(request, sites.stores, sites.known)
-        if named_source:
-            problems = check_source(request, sites.object_stores) + problems
+        problems = check_source(request, sites.object_stores) + problems
         if problems:
             self._finished = True
             self._phase("failed", "; ".join(problems))
@@ -265,8 +266,6 @@ class ModelRollout:
         request, source = self._req, self._req.weights.source
         common = dict(site=site, files=request.weights.files, dest_prefix=request.dest_prefix(store),
                       options=request.replication)
-        if isinstance(request, LegacyRolloutInput):
-            return ReplicateInput(source=source, **common)
         return ReplicateInput(source_store=source.store, source_prefix=source.prefix, **common)
 
     async def _replicate_site(self, site: str) -> None:
@@ -275,9 +274,9 @@ class ModelRollout:
         self._set(site, SiteState.REPLICATING)
         try:
             result: ReplicateResult = await workflow.execute_activity(
-                "replicate_weights",
+                act.replicate_weights,
                 self._replicate_input(site, store),
-                result_type=ReplicateResult, activity_id=f"replicate/{site}",
+                activity_id=f"replicate/{site}",
                 start_to_close_timeout=timedelta(seconds=options.timeout_seconds),
                 heartbeat_timeout=timedelta(seconds=options.heartbeat_seconds), retry_policy=REPLICATE_RETRY,
                 summary=f"copy {len(request.weights.files)} weight files to {site} (s3://{store.bucket})",
@@ -325,7 +324,7 @@ class ModelRollout:
 
     async def _evacuations(self, sites: list[str]) -> dict[str, str]:
         return await workflow.execute_activity(
-            "site_evacuations", EvacuationInput(model=self._req.model, sites=sites), result_type=dict[str, str],
+            act.site_evacuations, EvacuationInput(model=self._req.model, sites=sites),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="which sites are under evacuation",
         )
 
@@ -360,7 +359,7 @@ class ModelRollout:
         store = self._stores[site]
         progress = self._set(site, SiteState.UPDATING, f"to {request.image}")
         before: Optional[ServingStatus] = await workflow.execute_activity(
-            "serving_snapshot", ServingRef(model=request.model, site=site), result_type=Optional[ServingStatus],
+            act.serving_snapshot, ServingRef(model=request.model, site=site),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"current serving at {site}",
         )
         progress.previous_generation = before.generation if before else None
@@ -375,20 +374,19 @@ class ModelRollout:
         if store.endpoint_url:
             env["AWS_ENDPOINT_URL_S3"] = store.endpoint_url
         # Pods pull the verified weights from the site's store into the node's cache (an init
-        # step), and the site's new version reaches the routes through its Routing entity;
-        # rollouts recorded before that mounted a host path and told no one.
-        pulled = workflow.patched("rollout-weights-pull-and-routing")
+        # step), and the site's new version reaches the routes through its Routing entity.
+        workflow.deprecate_patch(WEIGHTS_PULL_PATCH)
         spec = ServingSpec(
             model=request.model, site=site, image=request.image, replicas=request.replicas(site),
             gpus_per_replica=request.gpus_per_replica, args=request.args, weights_path=request.weights_path,
             env=env, port=request.port,
             # The store as the config names it: its credentials are a reference, never a secret.
             weights=WeightsPull(model=request.model, version=request.version, store=store,
-                                prefix=request.dest_prefix(store), files=request.weights.files) if pulled else None,
+                                prefix=request.dest_prefix(store), files=request.weights.files),
         )
         try:
             status: ServingStatus = await workflow.execute_activity(
-                "update_serving", UpdateServingInput(spec=spec), result_type=ServingStatus,
+                act.update_serving, UpdateServingInput(spec=spec),
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                 summary=f"{request.model} {request.version} at {site}: {spec.replicas} replicas (surge)",
             )
@@ -411,8 +409,7 @@ class ModelRollout:
             await self._rollback(site, failure.reason)
             raise _SiteFailed(site, failure.reason + "; rolled back") from None
         self._set(site, SiteState.DONE, f"serving {request.version}")
-        if pulled:
-            await self._tell_routing(site)
+        await self._tell_routing(site)
 
     async def _tell_routing(self, site: str) -> None:
         """A new version (or a site new to the model) is serving: its Routing entity samples
@@ -420,7 +417,7 @@ class ModelRollout:
         event = SiteEvent(kind="rollout", site=site, detail=f"{self._req.model} {self._req.version}"[:500])
         try:
             await workflow.execute_activity(
-                "routing_event", SiteEventInput(event=event, models=[self._req.model]), result_type=list[str],
+                act.routing_event, SiteEventInput(event=event, models=[self._req.model]),
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                 summary=f"routing of {self._req.model}: {site} serves {self._req.version}",
             )
@@ -435,10 +432,9 @@ class ModelRollout:
         probe: ProbeResult | None = None
         if gate.probe_requests:
             probe = await workflow.execute_activity(
-                "probe_serving",
+                act.probe_serving,
                 ProbeServingInput(model=self._req.model, site=site, requests=gate.probe_requests,
                                   timeout_seconds=gate.probe_timeout_seconds),
-                result_type=ProbeResult,
                 start_to_close_timeout=timedelta(seconds=gate.probe_timeout_seconds * gate.probe_requests + 60),
                 # The probes can take minutes: a worker lost meanwhile is retried within a minute.
                 heartbeat_timeout=WAIT_HEARTBEAT,
@@ -457,10 +453,10 @@ class ModelRollout:
         progress = self._set(site, SiteState.ROLLING_BACK, reason)
         try:
             await workflow.execute_activity(
-                "rollback_site",
+                act.rollback_site,
                 RollbackSiteInput(model=self._req.model, site=site, had_previous=progress.previous_generation is not None,
                                   updated_generation=self._updated_generation.get(site, 0)),
-                result_type=Optional[ServingStatus], start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                 summary=f"roll {site} back to " + (progress.previous_image or "nothing (remove)"),
             )
         except ActivityError as error:

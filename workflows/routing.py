@@ -19,8 +19,10 @@ the site (the fleet-wide site document: draining, incident, weight ceiling), so
 an evacuation and its restore move traffic through this entity. Events only add
 to that: an event's override holds until a later event (``restore``) lifts it.
 
-Continues as new when the server suggests it, carrying ``RoutingState`` (overrides,
-the last document, pending reasons), once every handler has finished.
+An entity (``workflows.entity``, docs/design/entities.md): its one state is ``RoutingState``
+(overrides, the last document, pending reasons). Its handler never awaits (one step each, no
+lock); it continues as new when the server suggests it, through the base's gate, once the
+watch in flight is cancelled (the next run watches again).
 """
 
 from __future__ import annotations
@@ -30,11 +32,10 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
-    from fleet.errors import NON_RETRYABLE_TYPES
+    from fleet.contracts import activities as act
     from fleet.messages.routing import (
         RoutingInput,
         RoutingProgress,
@@ -48,29 +49,26 @@ with workflow.unsafe.imports_passed_through():
         apply_override,
     )
     from fleet.routing import RoutingDocument, next_document
+    from workflows.entity import Entity
     from workflows.inputs import parse_input, parse_signal
-    from workflows.steps import CLUSTER_RETRY, QUICK, failure_message, show_details
+    from workflows.steps import (
+        CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, LONG_WATCH_PAUSE, LONG_WATCH_RETRY, QUICK, failure_message, show_details,
+    )
 
 #: Workflow patch (issue 37): load reaches the routes through ``watch_routing``, which returns
 #: only on a change the entity would write; no timer, no periodic sample. Asked first in ``run``.
 EVENTS_PATCH = "routing-events"
-#: The watch's heartbeat timeout (a beat at half of it, each an action): a watch lost with its
-#: worker is replaced within it. Site events never wait on it: they cancel the watch.
-WATCH_HEARTBEAT = timedelta(minutes=10)
-#: The watch retries while the cluster does not answer, backing off to a minute (each attempt an
-#: action); one refused for good is shown and tried again this much later.
-WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=60),
-                          non_retryable_error_types=NON_RETRYABLE_TYPES)
-WATCH_PAUSE = timedelta(minutes=5)
+#: The load watch: ``LONG_WATCH_*`` (``workflows/steps.py``). Site events never wait on its
+#: heartbeat: they cancel the watch.
 #: A watch that saw a change the entity did not (worker and workflow code out of step) is
 #: followed by one that waits this long before it may return on a change: no spinning.
 WATCH_HOLD_SECONDS = 60.0
 
 
 @workflow.defn(name="Routing")
-class RoutingEntity:
+class RoutingEntity(Entity[RoutingState]):
     def __init__(self) -> None:
-        self.state = RoutingState()
+        super().__init__(RoutingState())
         self._watch: workflow.ActivityHandle[RoutingWatchResult] | None = None
         self._hold = 0.0
 
@@ -117,17 +115,17 @@ class RoutingEntity:
             await self._recompute(args, reason)
             try:
                 await workflow.wait_condition(
-                    lambda: bool(self.state.pending) or workflow.info().is_continue_as_new_suggested(),
+                    lambda: bool(self.state.pending) or self.continue_as_new_suggested(),
                     timeout=timedelta(seconds=args.sample_seconds), timeout_summary="next load sample",
                 )
                 reason = "; ".join(self.state.pending[-5:])
             except asyncio.TimeoutError:
                 reason = "load sample"
             self.state.pending = []
-            if workflow.info().is_continue_as_new_suggested():
-                await workflow.wait_condition(workflow.all_handlers_finished)
+            if self.continue_as_new_suggested():
                 # An event taken meanwhile is pending in the carried state: the next run recomputes first.
-                workflow.continue_as_new(args.model_copy(update={"state": self.state}).model_dump(mode="json"))
+                await self.continue_as_new_when_ready(
+                    lambda: args.model_copy(update={"state": self.state}).model_dump(mode="json"))
 
     async def _run_on_events(self, args: RoutingInput) -> None:
         """Recompute at start and on every site event (a fresh sample, at once); otherwise sleep on
@@ -143,8 +141,8 @@ class RoutingEntity:
             try:
                 await workflow.wait_condition(
                     lambda: (bool(self.state.pending) or (self._watch is not None and self._watch.done())
-                             or workflow.info().is_continue_as_new_suggested()),
-                    timeout=WATCH_PAUSE if paused else None, timeout_summary="routing watch failed: try again",
+                             or self.continue_as_new_suggested()),
+                    timeout=LONG_WATCH_PAUSE if paused else None, timeout_summary="routing watch failed: try again",
                 )
             except asyncio.TimeoutError:
                 paused = False
@@ -157,23 +155,22 @@ class RoutingEntity:
                 await self._drop_watch()
                 await self._recompute(args, reason)
                 paused = False  # the cluster answered the event's sample: watch again
-            if workflow.info().is_continue_as_new_suggested():
+            if self.continue_as_new_suggested():
                 await self._drop_watch()
-                await workflow.wait_condition(workflow.all_handlers_finished)
                 # An event taken meanwhile is pending in the carried state: the next run recomputes first.
-                workflow.continue_as_new(args.model_copy(update={"state": self.state}).model_dump(mode="json"))
+                await self.continue_as_new_when_ready(
+                    lambda: args.model_copy(update={"state": self.state}).model_dump(mode="json"))
 
     def _start_watch(self, args: RoutingInput) -> workflow.ActivityHandle[RoutingWatchResult]:
         hold, self._hold = self._hold, 0.0
         return workflow.start_activity(
-            "watch_routing",
+            act.watch_routing,
             RoutingWatchInput(model=args.model, geography=args.geography, policy=args.policy,
                               overrides=self.state.overrides, previous=self.state.document,
                               look_seconds=args.sample_seconds, max_wait_seconds=args.watch_seconds,
                               hold_seconds=hold),
-            result_type=RoutingWatchResult,
             start_to_close_timeout=timedelta(seconds=args.watch_seconds + hold) + QUICK,
-            heartbeat_timeout=WATCH_HEARTBEAT, retry_policy=WATCH_RETRY,
+            heartbeat_timeout=LONG_WATCH_HEARTBEAT, retry_policy=LONG_WATCH_RETRY,
             summary=f"load of {args.model}'s sites; on a change of its routes",
         )
 
@@ -183,7 +180,7 @@ class RoutingEntity:
         try:
             seen = await watch
         except ActivityError as error:
-            self._show_routes(args, f"load watch failed ({failure_message(error)}); again in {WATCH_PAUSE}")
+            self._show_routes(args, f"load watch failed ({failure_message(error)}); again in {LONG_WATCH_PAUSE}")
             return False
         written = await self._decide(args, seen.sample, "load sample")
         if seen.changed and not written:
@@ -206,8 +203,8 @@ class RoutingEntity:
         # Events taken before the sample are in this recompute; later ones wait for the next.
         taken = self.state.events
         sample: RoutingSample = await workflow.execute_activity(
-            "routing_sample", RoutingSampleInput(model=args.model, geography=args.geography),
-            result_type=RoutingSample, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            act.routing_sample, RoutingSampleInput(model=args.model, geography=args.geography),
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary=f"Ready replicas, load, latency and price of {args.model}'s sites",
         )
         await self._decide(args, sample, reason, taken)
@@ -220,7 +217,7 @@ class RoutingEntity:
         document = next_document(args.model, sites, args.policy, previous, reason)
         if document is not previous:
             await workflow.execute_activity(
-                "write_routing", document, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                act.write_routing, document, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                 summary=f"routing v{document.version} of {args.model}: {reason}"[:200],
             )
             self.state.document = document

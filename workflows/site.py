@@ -32,11 +32,13 @@ Its watch also keeps its nodes' public placement labels (zone, region, GPU produ
 site's config says, within seconds of a change; a node that changed its own is told to
 quarantine (``SELF_LABELS_PATCH``).
 
-Continues as new when the server suggests it, carrying its one state model
-(``SiteState``: nodes, counters, the incident rule's failures and the open
-incident, if any); never while a fill or an evacuation runs, and only once every
-handler has finished. An admission still settling then can open an incident: it
-is in the carried state, so the next run starts its evacuation.
+An entity (``workflows.entity``, docs/design/entities.md): its one state is ``SiteState``
+(nodes, counters, the incident rule's failures and the open incident, if any). A fill and an
+evacuation are its own tasks, each watching its child; it continues as new when the server
+suggests it and neither runs (the watch and the timer cancelled: the next run starts them
+again), through the base's gate, once every handler has finished. ``admit_repair`` awaits
+without the state lock (see it). An admission still settling at the gate can open an incident:
+it is in the carried state, so the next run starts its evacuation.
 
 SiteSweep (id ``site-sweep``, run by a Schedule): signal-with-start every site's
 entity with ``reconcile``.
@@ -49,11 +51,12 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError, FailureError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
+    from fleet.contracts import workflows as flows
+    from fleet.contracts import activities as act
     from fleet.messages.capacity import (
         CapacityResult,
         NodeTransition,
@@ -64,15 +67,19 @@ with workflow.unsafe.imports_passed_through():
         SiteState,
         SiteStatus,
     )
-    from activities.models import ResolveSiteInput
+    from fleet.messages.nodes import ResolveSiteInput
     from fleet import search_attributes as sa
     from fleet.config import Site
     from fleet.demand import public_placement_labels
     from fleet.messages.repair import NodeQuarantine
     from fleet.placement import surplus_to_retire
+    from workflows.entity import Entity
     from workflows.inputs import invalid_input, parse_input, parse_signal
     from workflows.steps import (
         CLUSTER_RETRY,
+        LONG_WATCH_HEARTBEAT,
+        LONG_WATCH_PAUSE,
+        LONG_WATCH_RETRY,
         PROVIDER_RETRY,
         QUICK,
         STORE_RETRY,
@@ -90,8 +97,7 @@ with workflow.unsafe.imports_passed_through():
         in_return_grace,
         record,
     )
-    from workflows.evacuation import evacuation_workflow_id
-    from fleet.errors import NON_RETRYABLE_TYPES
+    from fleet.naming import capacity_workflow_id, evacuation_workflow_id, node_workflow_id
     from fleet.messages.watches import ClusterNodeState, SiteWatchInput, SiteWatchResult, node_summary
     from fleet.messages.evacuation import (
         AdmitRepairInput,
@@ -131,27 +137,21 @@ SELF_LABELS_PATCH = "self-labels-quarantine"
 #: it): a control-plane worker lost without a word is noticed within it, a retried watch then
 #: says how long nobody watched. Two watches and twelve heartbeats an hour.
 SITE_WATCH_SECONDS = 1800.0
-SITE_WATCH_HEARTBEAT = timedelta(minutes=10)
-#: The watch retries while the cluster does not answer (each attempt an action: backing off to a
-#: minute); a watch refused for good (an unknown site) is shown and tried again this much later.
-SITE_WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=60),
-                               non_retryable_error_types=NON_RETRYABLE_TYPES)
-SITE_WATCH_PAUSE = timedelta(minutes=5)
 #: The sim has no watch: its nodes are looked at this often at most (``check_seconds`` if shorter).
 SIM_POLL_SECONDS = 1.0
 
 
 
 @workflow.defn(name="Site")
-class SiteEntity:
+class SiteEntity(Entity[SiteState]):
     def __init__(self) -> None:
         #: Everything the entity knows, carried over continue-as-new (``run`` sets the real one).
-        self.state = SiteState(status=SiteStatus(site=""))
+        super().__init__(SiteState(status=SiteStatus(site="")))
         # Read again by every run: its input, the site's config and incident rule.
         self._args: SiteInput | None = None
         self._site: Site | None = None
         self._incident_settings: IncidentSettings | None = None
-        # In flight (no continue-as-new while either runs).
+        # Own tasks (``spawn``), each watching its child: no continue-as-new while either runs.
         self._fill: asyncio.Task | None = None
         self._evac: asyncio.Task | None = None
         # Patched in: watch the gap between its own timer and its next task (``_note_presence``).
@@ -299,7 +299,7 @@ class SiteEntity:
         if node_name in self.state.status.nodes:
             return True
         nodes: list[SiteNode] = await workflow.execute_activity(
-            "site_nodes", SiteNodesInput(site=self._site.name), result_type=list[SiteNode],
+            act.site_nodes, SiteNodesInput(site=self._site.name),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"is {node_name} at {self._site.name}?",
         )
         for n in nodes:
@@ -329,7 +329,7 @@ class SiteEntity:
                                              fills=args.fills, incident=args.incident or IncidentCarry())
         self.state.wanted = True  # every run reconciles first: it reads the site's min/max again
         site: Site = await workflow.execute_activity(
-            "resolve_site", ResolveSiteInput(site=args.site), result_type=Site, start_to_close_timeout=QUICK,
+            act.resolve_site, ResolveSiteInput(site=args.site), start_to_close_timeout=QUICK,
             retry_policy=PROVIDER_RETRY, summary=f"min/max of {args.site} from the config",
         )
         self._site = site
@@ -344,7 +344,7 @@ class SiteEntity:
         if incidents:
             self._returns = workflow.patched(CONTROL_PLANE_PATCH)
             self._incident_settings = await workflow.execute_activity(
-                "incident_settings", SiteRef(site=site.name), result_type=IncidentSettings,
+                act.incident_settings, SiteRef(site=site.name),
                 start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
                 summary=f"incident rule of {site.name}",
             )
@@ -366,7 +366,7 @@ class SiteEntity:
             try:
                 await workflow.wait_condition(
                     lambda: (self.state.wanted or self.state.incident.evacuate
-                             or workflow.info().is_continue_as_new_suggested()),
+                             or self.continue_as_new_suggested()),
                     timeout=timedelta(seconds=timeout), timeout_summary="next reconcile",
                 )
             except asyncio.TimeoutError:
@@ -384,11 +384,10 @@ class SiteEntity:
                 self.state.wanted = False
                 next_reconcile = workflow.now() + timedelta(seconds=args.reconcile_seconds)
                 await self._reconcile()
-            if workflow.info().is_continue_as_new_suggested() and self._fill is None and self._evac is None:
+            if self._may_continue():
                 # An admission still settling can open an incident meanwhile: it is in the state, carried.
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                carried = args.model_copy(update={"state": self.state, "nodes": {}, "fills": 0, "incident": None})
-                workflow.continue_as_new(carried.model_dump(mode="json"))
+                await self.continue_as_new_when_ready(lambda: args.model_copy(
+                    update={"state": self.state, "nodes": {}, "fills": 0, "incident": None}).model_dump(mode="json"))
 
     # -- on events (``EVENTS_PATCH``) -----------------------------------------------------------
     async def _run_on_events(self, args: SiteInput) -> None:
@@ -429,14 +428,14 @@ class SiteEntity:
                 for task in (self._watch, self._timer):
                     if task is not None:
                         task.cancel()
-                await workflow.wait_condition(workflow.all_handlers_finished)
-                carried = args.model_copy(update={"state": self.state, "nodes": {}, "fills": 0, "incident": None})
-                workflow.continue_as_new(carried.model_dump(mode="json"))
+                await self.continue_as_new_when_ready(lambda: args.model_copy(
+                    update={"state": self.state, "nodes": {}, "fills": 0, "incident": None}).model_dump(mode="json"))
 
     def _may_continue(self) -> bool:
         """Continue as new only with no fill and no evacuation in flight: waiting on the server's
-        suggestion while one runs would wake the loop again at once, for ever (a spinning entity)."""
-        return workflow.info().is_continue_as_new_suggested() and self._fill is None and self._evac is None
+        suggestion while one runs would wake the loop again at once, for ever (a spinning entity).
+        The fields too: a task that raised leaves its field set, which kept the run (as before)."""
+        return self.may_continue_as_new() and self._fill is None and self._evac is None
 
     def _next_deadline(self, next_reconcile: float) -> float:
         """The earliest real deadline: the safety reconcile, a provider API failing for its limit
@@ -468,22 +467,22 @@ class SiteEntity:
         api_ok, api_type = self._api if self._api is not None else (None, "")
         try:
             self._seen = await workflow.execute_activity(
-                "watch_site",
+                act.watch_site,
                 SiteWatchInput(site=site, known=self.state.watched, api_ok=api_ok, api_error_type=api_type,
                                max_wait_seconds=SITE_WATCH_SECONDS, api_check_seconds=s.check_seconds,
                                poll_seconds=min(SIM_POLL_SECONDS, s.check_seconds),
                                absence_seconds=s.control_plane.absence_seconds,
                                placement=public_placement_labels(self._site) if self._self_labels else {},
                                reported=sorted(self._reported)),
-                result_type=SiteWatchResult, start_to_close_timeout=timedelta(seconds=SITE_WATCH_SECONDS) + QUICK,
-                heartbeat_timeout=SITE_WATCH_HEARTBEAT, retry_policy=SITE_WATCH_RETRY,
+                start_to_close_timeout=timedelta(seconds=SITE_WATCH_SECONDS) + QUICK,
+                heartbeat_timeout=LONG_WATCH_HEARTBEAT, retry_policy=LONG_WATCH_RETRY,
                 summary=f"{site}: nodes Ready/NotReady, cordons, joins, provider API; on change",
             )
         except ActivityError as error:
             if self._stopping:
                 return  # cancelled for continue-as-new: the next run watches
-            self._show(f"site watch failed ({failure_message(error)}); again in {SITE_WATCH_PAUSE}")
-            await workflow.sleep(SITE_WATCH_PAUSE, summary="site watch failed: try again")
+            self._show(f"site watch failed ({failure_message(error)}); again in {LONG_WATCH_PAUSE}")
+            await workflow.sleep(LONG_WATCH_PAUSE, summary="site watch failed: try again")
         finally:
             self._watch = None
 
@@ -549,8 +548,8 @@ class SiteEntity:
         """The node's entity learns from the cluster that its node fell silent (or answers again):
         it need not wait out a heartbeat timeout to know."""
         try:
-            await workflow.get_external_workflow_handle(f"node/{node}").signal(
-                "cluster_state", ClusterNodeState(ready=ready, observed_at=observed_at))
+            await workflow.get_external_workflow_handle(node_workflow_id(node)).signal(
+                flows.Node.cluster_state, ClusterNodeState(ready=ready, observed_at=observed_at))
         except FailureError as error:
             workflow.logger.info("site %s: node/%s not told it is %s (%s)", self._site.name, node,
                                  "Ready" if ready else "NotReady", failure_message(error))
@@ -564,8 +563,8 @@ class SiteEntity:
         workflow.logger.warning("site %s: node %s %s; put back, quarantining", self._site.name, node, reason)
         self._show(f"{node} {reason}: put back, quarantined")
         try:
-            await workflow.get_external_workflow_handle(f"node/{node}").signal(
-                "quarantine", NodeQuarantine(reason=reason))
+            await workflow.get_external_workflow_handle(node_workflow_id(node)).signal(
+                flows.Node.quarantine, NodeQuarantine(reason=reason))
         except FailureError as error:
             workflow.logger.warning("site %s: node/%s not told to quarantine (%s)", self._site.name, node,
                                     failure_message(error))
@@ -612,7 +611,7 @@ class SiteEntity:
         if self.state.incident.open is not None:
             return
         probe: SiteProbe = await workflow.execute_activity(
-            "incident_probe", SiteRef(site=self._site.name), result_type=SiteProbe, start_to_close_timeout=QUICK,
+            act.incident_probe, SiteRef(site=self._site.name), start_to_close_timeout=QUICK,
             retry_policy=CLUSTER_RETRY, summary=f"unreachable nodes and provider API at {self._site.name}",
         )
         now, s, inc = workflow.now().timestamp(), self._incident_settings, self.state.incident
@@ -636,7 +635,7 @@ class SiteEntity:
         self._set_fleet_state("incident")
         self._show(f"provider incident: {incident.reason}; evacuating ({incident.id})")
         await workflow.execute_activity(
-            "hold_site_repairs", HoldRepairsInput(site=site, hold=True), result_type=list[str],
+            act.hold_site_repairs, HoldRepairsInput(site=site, hold=True),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary=f"running repairs at {site}: finish the rung, then hold",
         )
@@ -645,7 +644,7 @@ class SiteEntity:
         async def evacuate() -> None:
             try:
                 result: EvacuationResult = await workflow.execute_child_workflow(
-                    "SiteEvacuation", raw, id=incident.id, result_type=EvacuationResult,
+                    flows.SiteEvacuation.TYPE, raw, id=incident.id, result_type=EvacuationResult,
                     # Outlives the entity on purpose: a reset or terminated entity must not stop an
                     # evacuation halfway (traffic off, nodes draining); the next run finds it by id.
                     parent_close_policy=ParentClosePolicy.ABANDON,
@@ -660,13 +659,13 @@ class SiteEntity:
             inc.api_failing_since = None
             inc.open = None
             await workflow.execute_activity(
-                "hold_site_repairs", HoldRepairsInput(site=site, hold=False), result_type=list[str],
+                act.hold_site_repairs, HoldRepairsInput(site=site, hold=False),
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"release held repairs at {site}",
             )
             self._evac = None
             self.state.wanted = True
 
-        self._evac = asyncio.create_task(evacuate())
+        self._evac = self.spawn(evacuate())
 
     def _show(self, line: str) -> None:
         s = self.state.status
@@ -681,7 +680,7 @@ class SiteEntity:
     async def _reconcile(self) -> None:
         site, s = self._site, self.state.status
         nodes: list[SiteNode] = await workflow.execute_activity(
-            "site_nodes", SiteNodesInput(site=site.name), result_type=list[SiteNode],
+            act.site_nodes, SiteNodesInput(site=site.name),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"nodes at {site.name}",
         )
         s.nodes = {n.node_name: ("ready" if n.ready and not n.unproven else "joining") for n in nodes}
@@ -705,7 +704,7 @@ class SiteEntity:
     def _start_fill(self, need: int) -> None:
         site = self._site
         self.state.fills += 1
-        fill_id = f"capacity/site-{site.name}-{self.state.fills}"
+        fill_id = capacity_workflow_id(f"site-{site.name}-{self.state.fills}")
         request = {
             "count": need, "reason": f"site {site.name} below min",
             **self._args.fill_request,
@@ -717,7 +716,7 @@ class SiteEntity:
         async def fill() -> None:
             try:
                 result: CapacityResult = await workflow.execute_child_workflow(
-                    "AcquireCapacity", request, id=fill_id, result_type=CapacityResult,
+                    flows.AcquireCapacity.TYPE, request, id=fill_id, result_type=CapacityResult,
                     # Outlives the entity on purpose: the fill is what the site needs whatever
                     # happens to this run, and its joins clean up after themselves.
                     parent_close_policy=ParentClosePolicy.ABANDON,
@@ -731,7 +730,7 @@ class SiteEntity:
                 self._fill = None
                 self.state.wanted = True
 
-        self._fill = asyncio.create_task(fill())
+        self._fill = self.spawn(fill())
 
     async def _retire(self, surplus: list[SiteNode], count: int) -> None:
         site, s = self._site, self.state.status
@@ -765,14 +764,14 @@ class SiteSweep:
         request = parse_input(SignalSitesInput, raw or {})
         if not request.sites and workflow.patched(SWEEP_STARTS_PATCH):
             started: list[str] = await workflow.execute_activity(
-                "ensure_sites", request, result_type=list[str], start_to_close_timeout=QUICK,
+                act.ensure_sites, request, start_to_close_timeout=QUICK,
                 retry_policy=STORE_RETRY, summary="start every site entity that is not running",
             )
             show_details("done", detail=f"{len(started)} site entities started" +
                          (f": {', '.join(started[:20])}" if started else " (every one runs)"))
             return started
         sites: list[str] = await workflow.execute_activity(
-            "signal_sites", parse_input(SignalSitesInput, raw or {}), result_type=list[str], start_to_close_timeout=QUICK,
+            act.signal_sites, parse_input(SignalSitesInput, raw or {}), start_to_close_timeout=QUICK,
             retry_policy=STORE_RETRY, summary="reconcile every site",
         )
         show_details("done", detail=f"reconcile sent to {len(sites)} sites")

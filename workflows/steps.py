@@ -19,14 +19,15 @@ from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, FailureError
 
 with workflow.unsafe.imports_passed_through():
-    from activities.models import SmokeResult, SmokeTestInput
-    from activities.rollout_models import WaitServingInput
+    from fleet.contracts import activities as act
+    from fleet.messages.nodes import SmokeResult, SmokeTestInput
+    from fleet.messages.rollout import WaitServingInput
     from fleet import search_attributes as sa
     from fleet.cluster import DrainResult, ServingStatus
     from fleet.errors import NON_RETRYABLE_TYPES
     from fleet.messages.capacity import DrainNodeInput, RetireMachineInput
     from fleet.messages.repair import NodeReport, NodeWatchResult, SmokeReport
-    from fleet.settings import node_queue
+    from fleet.naming import node_queue
     from workflows.inputs import describe, first_problem
 
 # -- retry policies -------------------------------------------------------------------------
@@ -56,6 +57,17 @@ QUICK = timedelta(seconds=60)
 SMOKE_RETRY = RetryPolicy(maximum_attempts=3)
 #: Heartbeat of the activities that wait inside (drain, serving ready).
 WAIT_HEARTBEAT = timedelta(seconds=30)
+#: An entity's long watch of the cluster (a site's nodes, a model's load, the CSRs, the demand
+#: events): its heartbeat timeout, a beat at half of it, each an action, so a watch lost with
+#: its worker is replaced within it ...
+LONG_WATCH_HEARTBEAT = timedelta(minutes=10)
+#: ... retried while the cluster does not answer, backing off to a minute (each attempt an
+#: action) ...
+LONG_WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=60),
+                               non_retryable_error_types=NON_RETRYABLE_TYPES)
+#: ... and one refused for good (an unknown site, a forbidden list) shown and tried again this
+#: much later.
+LONG_WATCH_PAUSE = timedelta(minutes=5)
 
 
 # -- failures -------------------------------------------------------------------------------
@@ -191,8 +203,8 @@ async def drain_node(node_name: str, deadline_seconds: float, *, summary: str) -
     evictions of pods already gone change nothing) and returns what was left, never raises
     for a blocked pod."""
     return await workflow.execute_activity(
-        "drain_within", DrainNodeInput(node_name=node_name, deadline_seconds=deadline_seconds),
-        result_type=DrainResult, start_to_close_timeout=timedelta(seconds=deadline_seconds + 60),
+        act.drain_within, DrainNodeInput(node_name=node_name, deadline_seconds=deadline_seconds),
+        start_to_close_timeout=timedelta(seconds=deadline_seconds + 60),
         heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY, summary=summary,
     )
 
@@ -204,7 +216,7 @@ async def smoke_test_node(node_name: str, expected_gpus: int, *, timeout_seconds
     attempts within ``timeout_seconds`` in all. Its answer is untrusted (``checked_smoke``):
     taken undecoded, the same command as ever."""
     answer = await workflow.execute_activity(
-        "smoke_test", SmokeTestInput(expected_gpus=expected_gpus, only_gpus=only_gpus, include_state=include_state), result_type=RawValue,
+        act.smoke_test, SmokeTestInput(expected_gpus=expected_gpus, only_gpus=only_gpus, include_state=include_state),
         task_queue=node_queue(node_name), schedule_to_close_timeout=timedelta(seconds=timeout_seconds),
         start_to_close_timeout=timedelta(seconds=min(timeout_seconds, 300)), heartbeat_timeout=heartbeat,
         retry_policy=SMOKE_RETRY, summary=summary,
@@ -218,7 +230,7 @@ async def retire_machine(site: str, node_name: str, machine_id: str, *, summary:
     ``PROVIDER_RETRY``: a provider call, bounded, because a delete that keeps failing must
     reach a person (every caller reports it) rather than bill on behind an endless retry."""
     await workflow.execute_activity(
-        "retire_machine", RetireMachineInput(site=site, node_name=node_name, machine_id=machine_id),
+        act.retire_machine, RetireMachineInput(site=site, node_name=node_name, machine_id=machine_id),
         start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=summary,
     )
 
@@ -257,7 +269,7 @@ async def wait_for_serving(model: str, site: str, deadline: datetime, *, summary
     extra = {} if poll_seconds is None else {"poll_seconds": poll_seconds}
     left = max((deadline - workflow.now()).total_seconds(), 0.0)
     return await workflow.execute_activity(
-        "wait_serving_ready", WaitServingInput(model=model, site=site, deadline=deadline, **extra),
-        result_type=ServingStatus, start_to_close_timeout=timedelta(seconds=left + 60),
+        act.wait_serving_ready, WaitServingInput(model=model, site=site, deadline=deadline, **extra),
+        start_to_close_timeout=timedelta(seconds=left + 60),
         heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY, summary=summary,
     )

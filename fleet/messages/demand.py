@@ -9,13 +9,6 @@ from fleet.demand_planner import DemandPlan, ModelUsage, NodeRoom
 from fleet.models import DAY, CapacityType, Offer
 from fleet.placement import AccountView
 
-#: The one demand loop of a fleet.
-DEMAND_WORKFLOW_ID = "demand"
-
-
-def purchase_workflow_id(seq: int) -> str:
-    """The AcquireCapacity a demand purchase runs as (``capacity/<request>``)."""
-    return f"capacity/demand-{seq}"
 
 
 # -- activities -----------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The cluster port: what the control plane needs from Kubernetes.
 
-Two implementations: the simulated cluster (``providers.cluster.sim``) and the
+Two implementations: the simulated cluster (``sim.cluster``) and the
 official-client adapter (``providers.cluster.kubernetes``). Both pass the same
 contract tests. Methods are synchronous and run in activity threads.
 """
@@ -154,8 +154,31 @@ class AccessRule(BaseModel):
     purpose: str = ""
 
 
+class WeightedRouting(Protocol):
+    """``set_routing_weights`` once for every implementation, which subclasses this to inherit
+    it: the arguments become one route per site (``routing_sites``), which it then stores
+    (``store_routes``)."""
+
+    def set_routing_weights(
+        self,
+        model: str,
+        weights: dict[str, int],
+        healthy: dict[str, bool] | None = None,
+        draining: dict[str, bool] | None = None,
+        incident: dict[str, str] | None = None,
+    ) -> RoutingTable:
+        """Write the whole table for ``model`` (sites missing from ``weights`` are
+        dropped) in one atomic write; writing the same table again changes nothing."""
+        return self.store_routes(model, routing_sites(weights, healthy, draining, incident))
+
+    def store_routes(self, model: str, sites: dict[str, SiteRoute]) -> RoutingTable:
+        """``sites`` become the whole table for ``model`` in one atomic write; the same sites
+        again keep its version."""
+        ...
+
+
 @runtime_checkable
-class Cluster(Protocol):
+class Cluster(WeightedRouting, Protocol):
     def create_join_token(self, node_name: str, machine_id: str, ttl_seconds: int) -> JoinTokenRef:
         """Create a token for one machine (TTL at most an hour) and hand it to that
         machine's bootstrap channel, which gives it out once. The secret is never
@@ -288,19 +311,7 @@ class Cluster(Protocol):
         """Delete the Deployment and Service. Deleting gone ones succeeds."""
         ...
 
-    # -- routing --------------------------------------------------------------------------
-    def set_routing_weights(
-        self,
-        model: str,
-        weights: dict[str, int],
-        healthy: dict[str, bool] | None = None,
-        draining: dict[str, bool] | None = None,
-        incident: dict[str, str] | None = None,
-    ) -> RoutingTable:
-        """Write the whole table for ``model`` (sites missing from ``weights`` are
-        dropped) in one atomic write; writing the same table again changes nothing."""
-        ...
-
+    # -- routing (``set_routing_weights`` and ``store_routes``: ``WeightedRouting``) -------
     def get_routing(self, model: str) -> RoutingTable | None:
         ...
 
@@ -605,3 +616,20 @@ def run_drain(
     result.completed = not result.blocked
     result.elapsed_s = round(clock() - start, 3)
     return result
+
+
+class EvictionDrain:
+    """``drain_node`` as both implementations run it: cordon, then ``run_drain`` over the node's
+    pods with the implementation's own ``_pods_on``, ``_evict`` and ``_delete_pod``."""
+
+    def drain_node(
+        self, name: str, deadline_s: float, force: bool = False, heartbeat: Callable[[], None] | None = None
+    ) -> DrainResult:
+        self.cordon(name)  # type: ignore[attr-defined]
+        return run_drain(
+            name, deadline_s, force,
+            list_pods=lambda: self._pods_on(name),  # type: ignore[attr-defined]
+            evict=self._evict,  # type: ignore[attr-defined]
+            delete=self._delete_pod,  # type: ignore[attr-defined]
+            heartbeat=heartbeat,
+        )

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import base64
 import hashlib
-import os
 import re
+import secrets
+import string
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -30,14 +31,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from fleet.cluster import FLEET_TAINT, UNPROVEN_TAINT, JoinTokenRef
+from fleet.cluster import FLEET_TAINT, MAX_JOIN_TOKEN_TTL_S, UNPROVEN_TAINT, JoinTokenRef
+from fleet.settings import ControlPlaneEnv
 
 #: Where the template lives in the repository (and in the control-plane image).
-TEMPLATE_ENV = "GPUFLEET_BOOTSTRAP_TEMPLATE"
+TEMPLATE_ENV = ControlPlaneEnv.variable("bootstrap_template")
 DEFAULT_TEMPLATE = Path(__file__).resolve().parents[2] / "deploy" / "bootstrap" / "cloud-init.yaml"
 #: The install step's script and its pins (versions, sha256 sums), in the repository.
 INSTALL_SCRIPT = DEFAULT_TEMPLATE.parent / "install-node.sh"
-NODE_INSTALL_ENV = "GPUFLEET_NODE_INSTALL"
+NODE_INSTALL_ENV = ControlPlaneEnv.variable("node_install")
 DEFAULT_NODE_INSTALL = DEFAULT_TEMPLATE.parent / "node-install.yaml"
 #: Where the rendered document puts the install step on the machine.
 INSTALL_SCRIPT_PATH = "/etc/gpufleet/install-node.sh"
@@ -61,6 +63,18 @@ PATTERNS = {
     "node_name": re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"),
     "provider_id": re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,511}$"),
 }
+
+
+def check_join_ttl(ttl_seconds: int) -> None:
+    """A join token lives at most ``MAX_JOIN_TOKEN_TTL_S``: a machine that boots later needs a new one."""
+    if not 0 < ttl_seconds <= MAX_JOIN_TOKEN_TTL_S:
+        raise ValueError(f"join token TTL must be within (0, {MAX_JOIN_TOKEN_TTL_S}] seconds")
+
+
+def new_token_parts() -> tuple[str, str]:
+    """A new bootstrap token's id and secret, in kubeadm's shape: ``[a-z0-9]{6}.[a-z0-9]{16}``."""
+    alphabet = string.ascii_lowercase + string.digits
+    return "".join(secrets.choice(alphabet) for _ in range(6)), "".join(secrets.choice(alphabet) for _ in range(16))
 
 
 class BootstrapError(ValueError):
@@ -152,7 +166,7 @@ class NodeInstall(_Pins):
 
 
 def node_install_path() -> Path:
-    return Path(os.environ.get(NODE_INSTALL_ENV) or DEFAULT_NODE_INSTALL)
+    return ControlPlaneEnv.get("node_install") or DEFAULT_NODE_INSTALL
 
 
 _loaded: dict[tuple[str, int], NodeInstall] = {}
@@ -198,7 +212,7 @@ def _script_code() -> tuple[str, str]:
 
 
 def template_path() -> Path:
-    return Path(os.environ.get(TEMPLATE_ENV) or DEFAULT_TEMPLATE)
+    return ControlPlaneEnv.get("bootstrap_template") or DEFAULT_TEMPLATE
 
 
 def _block(text: str, indent: str) -> str:

@@ -12,8 +12,8 @@ import pytest
 from providers.cluster.base import PodInfo
 from fleet.cluster import LABEL_PROVIDER, LABEL_SITE
 from providers.cluster.kubernetes import KubernetesCluster, access_table
-from providers.cluster.sim import SimCluster
-from providers.sim import SimWorld
+from sim.cluster import SimCluster
+from sim.world import SimWorld
 from tests.cluster.fake_apiserver import FakeKube
 
 

@@ -23,7 +23,7 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from activities.control_plane import ControlPlaneActivities
 from activities.env import FleetEnv
-from activities.models import PrepareNodeInput
+from fleet.messages.nodes import PrepareNodeInput
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
 from fleet.config import load_config
 from fleet.errors import NON_RETRYABLE_TYPES, ClusterConflict

@@ -9,6 +9,7 @@ Deployment's rollout status and the routing objects (``tests/realk8s/test_adapte
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -51,3 +52,42 @@ def test_a_hung_api_server_times_out_as_transient(fake):
         cluster.get_node("gpu-1")
     assert time.monotonic() - started < 5
 
+
+
+# -- drains -----------------------------------------------------------------------------------
+#: What kube-apiserver answers an eviction in a namespace being deleted (its NamespaceLifecycle
+#: admission): a 403 whose cause is NamespaceTerminating. A real one needs a namespace held in
+#: Terminating by a finalizer while a pod still runs on a node; the answer's shape is all that matters.
+TERMINATING = ('{"kind":"Status","apiVersion":"v1","status":"Failure","message":"pods \\"web-0\\" is forbidden: '
+               'unable to create new content in namespace team-a because it is being terminated",'
+               '"reason":"Forbidden","details":{"name":"web-0","kind":"pods","causes":[{"reason":'
+               '"NamespaceTerminating","message":"namespace team-a is being terminated",'
+               '"field":"metadata.namespace"}]},"code":403}')
+
+
+def _refusing(status: int, body: str) -> KubernetesCluster:
+    from kubernetes.client.exceptions import ApiException
+
+    cluster = KubernetesCluster.__new__(KubernetesCluster)
+
+    def refuse(*_args, **_kwargs):
+        error = ApiException(status=status, reason="Forbidden")
+        error.body = body
+        raise error
+
+    cluster._call = refuse  # type: ignore[method-assign]
+    # Only named: ``_call`` (the one way the adapter calls the API) answers for it.
+    cluster.core = SimpleNamespace(create_namespaced_pod_eviction=None)  # type: ignore[assignment]
+    return cluster
+
+
+def test_an_eviction_in_a_terminating_namespace_counts_as_evicted():
+    """As ``kubectl drain``: the namespace's deletion removes the pod; a drain does not fail on it."""
+    assert _refusing(403, TERMINATING)._evict("team-a", "web-0") == ("evicted", "")
+
+
+def test_any_other_forbidden_eviction_is_still_refused():
+    from fleet.errors import ClusterForbidden
+
+    with pytest.raises(ClusterForbidden):
+        _refusing(403, '{"kind":"Status","reason":"Forbidden","code":403}')._evict("team-a", "web-0")

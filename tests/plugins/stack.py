@@ -26,8 +26,8 @@ from activities.env import FleetEnv
 from fleet import search_attributes
 from cli.dev import dev_server_tuning_flags, temporal_binary
 from fleet.settings import Settings
-from providers.cluster.sim import SimCluster
-from providers.sim import SimWorld
+from sim.cluster import SimCluster
+from sim.world import SimWorld
 from workers.control_plane import build_worker
 from workers.node_agent import SimNodeHost, pki_signer
 from workers.gateway.liveness import temporal_liveness

@@ -131,7 +131,7 @@ def test_activity_payloads_never_carry_the_credential(harness: Harness, tmp_path
 
     from activities.control_plane import ControlPlaneActivities
     from activities.env import FleetEnv
-    from activities.models import DeleteMachineInput, ProvisionMachineInput
+    from fleet.messages.nodes import DeleteMachineInput, ProvisionMachineInput
     from fleet.config import FleetConfig
     from fleet.settings import Settings
 
@@ -141,8 +141,8 @@ def test_activity_payloads_never_carry_the_credential(harness: Harness, tmp_path
     site = harness.spec.site
     config = FleetConfig(mode="real", sites=[harness.provider.site], accounts=[harness.provider.account])
     # The account guard of mode real lives in the cluster: the simulated one keeps the port's contract.
-    from providers.cluster.sim import SimCluster
-    from providers.sim import SimWorld
+    from sim.cluster import SimCluster
+    from sim.world import SimWorld
 
     cluster = SimCluster(SimWorld(tmp_path / "cluster.db"))
     env = FleetEnv(settings=Settings(state_dir=tmp_path), config=config, cluster=cluster)

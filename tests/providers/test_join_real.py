@@ -43,13 +43,13 @@ from temporalio.testing import ActivityEnvironment
 from activities.account_store import AccountStore
 from activities.control_plane import ControlPlaneActivities
 from activities.env import FleetEnv
-from activities.models import ProvisionJoinInput
+from fleet.messages.nodes import ProvisionJoinInput
 from fleet.config import FleetConfig
 from fleet.naming import node_name_for
 from fleet.settings import Settings
 from providers.cluster.bootstrap import read_join_configuration
-from providers.cluster.sim import SimCluster
-from providers.sim import SimWorld
+from sim.cluster import SimCluster
+from sim.world import SimWorld
 from tests.providers.harness import Harness
 from tests.tools import needs, require
 

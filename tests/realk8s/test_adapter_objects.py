@@ -35,7 +35,7 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 from activities.capacity import CapacityActivities
 from activities.control_plane import ControlPlaneActivities
 from activities.env import FleetEnv
-from activities.models import PrepareNodeInput
+from fleet.messages.nodes import PrepareNodeInput
 from fleet.cluster import (
     ANNOTATION_PREVIOUS_TEMPLATE,
     ANNOTATION_TEMPLATE,
@@ -288,7 +288,7 @@ def test_cordon_patches_spec_unschedulable(real_cluster, kube, nodes, unique):
 def test_a_fence_cordons_the_node_and_lifting_the_last_uncordons(real_cluster, kube, nodes, unique, tmp_path):
     """Contain first, against the API server: the Node entity's ``fence_gpu`` writes the fence
     and the cordon; ``uncontain_gpu`` lifts them, uncordoning only when no GPU is fenced."""
-    from activities.models import FenceInput, UncontainInput
+    from fleet.messages.nodes import FenceInput, UncontainInput
     from activities.repair import RepairActivities, fence_key
 
     name = nodes(f"gpu-{unique}")

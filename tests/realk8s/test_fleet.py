@@ -14,7 +14,7 @@ import threading
 import uuid
 
 from activities.demand import DemandActivities
-from activities.models import PrepareNodeInput
+from fleet.messages.nodes import PrepareNodeInput
 from fleet.cluster import GPU_RESOURCE, LABEL_SITE, UNPROVEN_TAINT
 from tests.providers.test_join_real import run
 from tests.realk8s.test_join import RealJoining, control_plane_cluster, one, wait_for  # noqa: F401

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.models import AwaitRegistrationInput, NodeFactsInput, ProvisionJoinInput
+from fleet.messages.nodes import AwaitRegistrationInput, NodeFactsInput, ProvisionJoinInput
 from activities.repair import RepairActivities
 from fleet.cluster import GPU_RESOURCE, LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
 from fleet.naming import node_name_for

@@ -19,7 +19,7 @@ from datetime import datetime, timedelta, timezone
 
 from temporalio.testing import ActivityEnvironment
 
-from activities.models import AwaitRegistrationInput
+from fleet.messages.nodes import AwaitRegistrationInput
 from activities.watches import WatchActivities
 from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_PROVIDER, LABEL_REGION, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from fleet.demand import public_placement_labels

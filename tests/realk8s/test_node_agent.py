@@ -39,7 +39,7 @@ from temporalio.common import RetryPolicy
 from temporalio.worker import Worker
 
 from fleet.messages.repair import NodeWatchInput, NodeWatchResult
-from fleet.settings import node_queue
+from fleet.naming import node_queue
 from tests.realk8s.cluster import RealCluster
 from tests.realk8s.pod import ServiceFront, created_pods, run_pod
 from tests.realk8s.test_join import RealJoining, one  # noqa: F401

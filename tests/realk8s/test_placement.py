@@ -14,7 +14,7 @@ import uuid
 from datetime import datetime, timedelta, timezone
 
 from activities.capacity import CapacityActivities
-from activities.models import AwaitRegistrationInput
+from fleet.messages.nodes import AwaitRegistrationInput
 from fleet.cluster import (
     FLEET_TAINT,
     LABEL_GPU_PRODUCT,

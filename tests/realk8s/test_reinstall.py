@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from activities.models import PrepareNodeInput, RestartMachineInput, RevokeNodeTokensInput
+from fleet.messages.nodes import PrepareNodeInput, RestartMachineInput, RevokeNodeTokensInput
 from activities.repair import RepairActivities
 from fleet.cluster import LABEL_SITE, NODE_IDENTITY_KIND, NodeIdentity
 from providers.cluster.bootstrap import BOOTSTRAP_GROUP, read_join_configuration

@@ -27,7 +27,7 @@ from temporalio.api.workflowservice.v1 import (
 from temporalio.service import RPCError, RPCStatusCode
 
 from fleet import search_attributes as sa
-from fleet.settings import CONTROL_PLANE_QUEUE
+from fleet.naming import CONTROL_PLANE_QUEUE
 from tests.realtemporal.cluster import DEPLOY, DYNAMIC_CONFIG, VALUES, RealTemporal
 from tests.realtemporal.conftest import CAN_NAMESPACE
 

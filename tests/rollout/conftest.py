@@ -22,7 +22,7 @@ from activities.weights import make_s3_client
 from fleet.config import ObjectStore
 from fleet.models import CredentialsRef
 from fleet.cluster import LABEL_SITE, ServingSpec
-from providers.serving_probe import SimProbe
+from sim.probe import SimProbe
 from tests.conftest import Stack, make_settings, terminate_running
 from workers.control_plane import build_worker
 

@@ -15,11 +15,11 @@ from temporalio.common import RawValue
 from temporalio.worker import Worker
 
 import workers.node_agent
-from activities.models import SmokeTestInput
+from fleet.messages.nodes import SmokeTestInput
 from activities.node_agent import NodeAgentActivities
 from fleet.messages.evacuation import EvacuationResult
 from fleet.messages.repair import GpuRepairResult
-from fleet.settings import node_queue
+from fleet.naming import node_queue
 from tests.bad_input_helpers import task_failures
 from tests.evacuation_helpers import open_incident_stack, poll
 from tests.repair_helpers import exists

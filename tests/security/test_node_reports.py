@@ -31,8 +31,8 @@ import workers.node_agent
 from activities.node_agent import NodeAgentActivities
 from fleet.messages.join import JoinedNode
 from fleet.messages.repair import NodeStatus, NodeWatchInput
-from fleet.settings import node_queue
-from providers.cluster.sim import SimCluster
+from fleet.naming import node_queue
+from sim.cluster import SimCluster
 from tests.bad_input_helpers import task_failures
 from tests.conftest import Stack
 from tests.repair_helpers import eventually, exists, join_node, node_status, repair_handle, running_stack

@@ -31,12 +31,12 @@ from temporalio.testing import ActivityEnvironment
 from temporalio.worker import Worker
 
 import workers.node_agent
-from activities.models import ReinstallDriverInput, ResetGpuInput, SmokeTestInput
+from fleet.messages.nodes import ReinstallDriverInput, ResetGpuInput, SmokeTestInput
 from activities.node_agent import NodeAgentActivities
 from fleet.messages.join import JoinedNode
 from fleet.messages.repair import GpuRepairInput, LadderState
 from fleet.repair_policy import RepairSettings, Rung
-from fleet.settings import node_queue
+from fleet.naming import node_queue
 from tests.bad_input_helpers import task_failures
 from tests.conftest import Stack
 from tests.repair_helpers import REPAIR, eventually, exists, join_node, repair_handle, running_stack

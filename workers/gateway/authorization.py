@@ -28,7 +28,7 @@ from temporalio.api.enums.v1 import TaskQueueKind
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import request_response_pb2 as wsr
 
-from fleet.settings import node_queue
+from fleet.naming import node_queue
 from workers.gateway.node_identity import NODE_GROUP, node_from_subject
 
 log = logging.getLogger("gpufleet.node_gateway")

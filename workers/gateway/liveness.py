@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
+from fleet.naming import node_workflow_id
 from fleet.settings import Settings
 from providers.cluster.base import AccessRule
 
@@ -85,7 +86,7 @@ def node_liveness(client, cluster, entity_seen_seconds: float = ENTITY_SEEN_SECO
 
     async def entity_running(name: str) -> bool:
         try:
-            described = await client.get_workflow_handle(f"node/{name}").describe()
+            described = await client.get_workflow_handle(node_workflow_id(name)).describe()
         except RPCError as error:
             if error.status != RPCStatusCode.NOT_FOUND:
                 raise

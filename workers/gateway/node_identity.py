@@ -8,10 +8,11 @@ holds a CA, or decides what a node may do.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from fleet.settings import NodeAgentEnv, SettingsError
 
 #: Subject of a node certificate: kubelet's ``system:node:<name>`` in group ``system:nodes``.
 NODE_PREFIX = "system:node:"
@@ -67,13 +68,16 @@ class GatewayAccess:
     server_name: str = "localhost"
 
     def env(self, ca_path: Path) -> dict[str, str]:
-        return {"GPUFLEET_GATEWAY": self.address, "GPUFLEET_GATEWAY_CA": str(ca_path)}
+        return {NodeAgentEnv.variable("gateway"): self.address,
+                NodeAgentEnv.variable("gateway_ca"): str(ca_path)}
 
     @classmethod
     def from_env(cls) -> "GatewayAccess | None":
-        address = os.environ.get("GPUFLEET_GATEWAY")
-        if not address:
+        settings = NodeAgentEnv.from_env()
+        if not settings.gateway:
             return None
-        ca = Path(os.environ["GPUFLEET_GATEWAY_CA"]).read_bytes()
-        return cls(address, ca, os.environ.get("GPUFLEET_GATEWAY_SERVER_NAME", "localhost"))
+        if settings.gateway_ca is None:
+            raise SettingsError(f"{NodeAgentEnv.variable('gateway_ca')}: required with "
+                                f"{NodeAgentEnv.variable('gateway')} (the CA that signed the gateway's certificate)")
+        return cls(settings.gateway, settings.gateway_ca.read_bytes(), settings.gateway_server_name)
 

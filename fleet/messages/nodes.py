@@ -1,4 +1,5 @@
-"""One input model per activity, so fields can be added without breaking callers."""
+"""Inputs and results of the join, node, repair and node-agent activities: one model per
+activity, so fields can be added without breaking callers."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ mid-stream (a crashed replica); ``stop()`` closes the listener (connections
 refused). ``requests`` counts every completion request that arrived, so a test
 can prove a request was not replayed anywhere.
 
-    python -m workers.sim_model_server --site site-a --port 9001 [--first-token-ms 50]
+    python -m sim.model_server --site site-a --port 9001 [--first-token-ms 50]
 """
 
 from __future__ import annotations

@@ -18,10 +18,8 @@ import base64
 import hashlib
 import hmac
 import json
-import secrets
-import string
 import time
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from fleet.models import Node
 from providers.cluster.base import (
@@ -33,10 +31,10 @@ from providers.cluster.base import (
     PodInfo,
     ServingNotFound,
     StateChange,
+    WeightedRouting,
     apply_taints,
     check_state_data,
-    routing_sites,
-    run_drain,
+    EvictionDrain,
     poll_watch,
     selector_matches,
     serving_capacity,
@@ -49,8 +47,6 @@ from fleet.cluster import (
     NODE_KEYS_KIND,
     NodeIdentity,
     with_key,
-    MAX_JOIN_TOKEN_TTL_S,
-    DrainResult,
     JoinTokenRef,
     RoutingTable,
     ServingSpec,
@@ -59,8 +55,10 @@ from fleet.cluster import (
     SiteRoute,
 )
 from fleet.demand import GpuPod, Toleration, fits
-from providers.cluster.bootstrap import BootstrapToken, join_token, kubelet_args, read_join_configuration
-from providers.sim import SimWorld, _utc
+from providers.cluster.bootstrap import (
+    BootstrapToken, check_join_ttl, join_token, kubelet_args, new_token_parts, read_join_configuration,
+)
+from sim.world import SimWorld, _utc
 
 
 def _valid_token(db, token: str, now: float):
@@ -134,7 +132,7 @@ class JoinRejected(Exception):
     pass
 
 
-class SimCluster:
+class SimCluster(EvictionDrain, WeightedRouting):
     def __init__(self, world: SimWorld) -> None:
         self.world = world
         with self.world.tx() as db:
@@ -147,12 +145,8 @@ class SimCluster:
 
     # -- join tokens ------------------------------------------------------------------
     def create_join_token(self, node_name: str, machine_id: str, ttl_seconds: int) -> JoinTokenRef:
-        if not 0 < ttl_seconds <= MAX_JOIN_TOKEN_TTL_S:
-            raise ValueError(f"join token TTL must be within (0, {MAX_JOIN_TOKEN_TTL_S}] seconds")
-        # Same shape as a Kubernetes bootstrap token: [a-z0-9]{6}.[a-z0-9]{16}
-        alphabet = string.ascii_lowercase + string.digits
-        token_id = "".join(secrets.choice(alphabet) for _ in range(6))
-        secret = "".join(secrets.choice(alphabet) for _ in range(16))
+        check_join_ttl(ttl_seconds)
+        token_id, secret = new_token_parts()  # the shape of a Kubernetes bootstrap token
         expires = time.time() + ttl_seconds
         with self.world.tx() as db:
             db.execute(
@@ -198,8 +192,7 @@ class SimCluster:
                                    b"-----END CERTIFICATE-----\n").decode()
 
     def issue_bootstrap_token(self, node_name: str, join_key: str, ttl_seconds: int) -> BootstrapToken:
-        if not 0 < ttl_seconds <= MAX_JOIN_TOKEN_TTL_S:
-            raise ValueError(f"join token TTL must be within (0, {MAX_JOIN_TOKEN_TTL_S}] seconds")
+        check_join_ttl(ttl_seconds)
         now = time.time()
         with self.world.tx() as db:
             row = db.execute(
@@ -209,9 +202,7 @@ class SimCluster:
                 token_id, _, secret = row["token"].partition(".")
                 return BootstrapToken(token_id=token_id, node_name=node_name, expires_at=_utc(row["expires_at"]),
                                       secret=secret)
-            alphabet = string.ascii_lowercase + string.digits
-            token_id = "".join(secrets.choice(alphabet) for _ in range(6))
-            secret = "".join(secrets.choice(alphabet) for _ in range(16))
+            token_id, secret = new_token_parts()
             expires = float(int(now) + ttl_seconds)
             # Kept whole, as a bootstrap token Secret keeps it: a retried join re-renders the same user data.
             db.execute(
@@ -594,17 +585,11 @@ class SimCluster:
             db.execute("DELETE FROM pods WHERE namespace=? AND name=?", (namespace, name))
         return "evicted", ""
 
-    def drain_node(
-        self, name: str, deadline_s: float, force: bool = False, heartbeat: Callable[[], None] | None = None
-    ) -> DrainResult:
-        self.cordon(name)
-        return run_drain(
-            name, deadline_s, force,
-            list_pods=lambda: self.pods(name),
-            evict=self._evict,
-            delete=lambda namespace, pod: self.delete_pod(namespace, pod) and None,
-            heartbeat=heartbeat,
-        )
+    def _pods_on(self, node: str) -> list[PodInfo]:
+        return self.pods(node)
+
+    def _delete_pod(self, namespace: str, name: str) -> None:
+        self.delete_pod(namespace, name)
 
     # -- serving ----------------------------------------------------------------------
     @staticmethod
@@ -686,15 +671,7 @@ class SimCluster:
             db.execute("DELETE FROM serving WHERE model=? AND site=?", (model, site))
 
     # -- routing ----------------------------------------------------------------------
-    def set_routing_weights(
-        self,
-        model: str,
-        weights: dict[str, int],
-        healthy: dict[str, bool] | None = None,
-        draining: dict[str, bool] | None = None,
-        incident: dict[str, str] | None = None,
-    ) -> RoutingTable:
-        sites = routing_sites(weights, healthy, draining, incident)
+    def store_routes(self, model: str, sites: dict[str, SiteRoute]) -> RoutingTable:
         wanted = json.dumps({site: route.model_dump() for site, route in sites.items()}, sort_keys=True)
         with self.world.tx() as db:
             row = db.execute("SELECT version, sites FROM routing WHERE model=?", (model,)).fetchone()

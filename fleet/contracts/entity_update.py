@@ -20,6 +20,8 @@ from pydantic_core import PydanticCustomError
 from fleet.messages.capacity import QuotaRaised
 from fleet.messages.repair import HoldInput, SkipToInput
 from fleet.models import Strict
+from fleet import naming
+from fleet.contracts import workflows as flows
 
 #: The same bound as an update's free text everywhere else (``workflows.inputs.MAX_NOTE``).
 MAX_TEXT = 1000
@@ -37,6 +39,11 @@ class NoteArgs(Strict):
     note: str = Field("", max_length=MAX_TEXT)
 
 
+#: The handlers of these updates take no argument, or their one text field alone; every other
+#: update's handler takes its ``args`` object.
+_WIRE: dict[type[BaseModel], str] = {NoArgs: "none", ReasonArgs: "reason", NoteArgs: "note"}
+
+
 @dataclass(frozen=True)
 class EntityKind:
     """One kind of entity: its id's shape, its workflow type and the updates it takes."""
@@ -46,47 +53,51 @@ class EntityKind:
     id_pattern: re.Pattern[str]
     #: update name -> the model of its ``args`` object.
     updates: dict[str, type[BaseModel]]
-    #: update name -> how ``args`` travel to the entity's handler: ``object`` (the dict, as the
-    #: handler's one argument), ``none`` (no argument), or the name of the one text field.
-    wire: dict[str, str]
+
+    @property
+    def wire(self) -> dict[str, str]:
+        """update name -> how ``args`` travel to the entity's handler: ``object`` (the dict, as the
+        handler's one argument), ``none`` (no argument), or the name of the one text field."""
+        return {name: _WIRE.get(model, "object") for name, model in self.updates.items()}
 
 
 _SEGMENT = r"[^/\s]+"
 KINDS: dict[str, EntityKind] = {
     "account": EntityKind(
-        workflow_type="ProviderAccount", id_shape="account/<provider>/<account>",
+        workflow_type=flows.ProviderAccount.TYPE, id_shape=naming.account_workflow_id("<provider>", "<account>"),
         id_pattern=re.compile(rf"account/{_SEGMENT}/{_SEGMENT}"),
-        updates={"quota_raised": QuotaRaised, "credentials_rotated": NoArgs},
-        wire={"quota_raised": "object", "credentials_rotated": "none"},
+        updates={flows.ProviderAccount.quota_raised: QuotaRaised,
+                 flows.ProviderAccount.credentials_rotated: NoArgs},
     ),
     "repair": EntityKind(
-        workflow_type="GpuRepair", id_shape="repair/<node>/gpu<index>",
+        workflow_type=flows.GpuRepair.TYPE, id_shape=naming.repair_workflow_id("<node>", "<index>"),
         id_pattern=re.compile(rf"repair/{_SEGMENT}/gpu[0-9]{{1,3}}"),
-        updates={"hold": HoldInput, "release": HoldInput, "skip_to": SkipToInput},
-        wire={"hold": "object", "release": "object", "skip_to": "object"},
+        updates={flows.GpuRepair.hold: HoldInput, flows.GpuRepair.release: HoldInput,
+                 flows.GpuRepair.skip_to: SkipToInput},
     ),
     "rollout": EntityKind(
-        workflow_type="ModelRollout", id_shape="rollout/<model>/<version>",
+        workflow_type=flows.ModelRollout.TYPE, id_shape=naming.rollout_id("<model>", "<version>"),
         id_pattern=re.compile(rf"rollout/{_SEGMENT}/{_SEGMENT}"),
-        updates={"pause": ReasonArgs, "resume": ReasonArgs, "abort": ReasonArgs},
-        wire={"pause": "reason", "resume": "reason", "abort": "reason"},
+        updates={flows.ModelRollout.pause: ReasonArgs, flows.ModelRollout.resume: ReasonArgs,
+                 flows.ModelRollout.abort: ReasonArgs},
     ),
     "capacity": EntityKind(
-        workflow_type="AcquireCapacity", id_shape="capacity/<request>",
+        workflow_type=flows.AcquireCapacity.TYPE, id_shape=naming.capacity_workflow_id("<request>"),
         id_pattern=re.compile(r"capacity/[^\s]+"),
-        updates={"cancel": ReasonArgs}, wire={"cancel": "reason"},
+        updates={flows.AcquireCapacity.cancel: ReasonArgs},
     ),
     "evacuate": EntityKind(
-        workflow_type="SiteEvacuation", id_shape="evacuate/<site>/<n> or evacuate/<site>/manual-<request>",
+        workflow_type=flows.SiteEvacuation.TYPE,
+        id_shape=f"{naming.evacuation_workflow_id('<site>', '<n>')} or {naming.manual_evacuation_id('<site>', '<request>')}",
         id_pattern=re.compile(rf"evacuate/{_SEGMENT}/[^\s]+"),
-        updates={"declare_recovered": NoteArgs, "abort": ReasonArgs, "look_again": NoArgs},
-        wire={"declare_recovered": "note", "abort": "reason", "look_again": "none"},
+        updates={flows.SiteEvacuation.declare_recovered: NoteArgs, flows.SiteEvacuation.abort: ReasonArgs,
+                 flows.SiteEvacuation.look_again: NoArgs},
     ),
     "site": EntityKind(
-        workflow_type="Site", id_shape="site/<site>",
+        workflow_type=flows.Site.TYPE, id_shape=naming.site_workflow_id("<site>"),
         id_pattern=re.compile(rf"site/{_SEGMENT}"),
         # ``reconcile_now`` only: ``admit_repair`` is its Node entities' question, not an operator's.
-        updates={"reconcile_now": NoArgs}, wire={"reconcile_now": "none"},
+        updates={flows.Site.reconcile_now: NoArgs},
     ),
 }
 

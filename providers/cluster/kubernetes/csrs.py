@@ -1,0 +1,141 @@
+"""gpufleet's CSR approver: which kubelet certificates a node gets, and the client keys that
+the node gateway then accepts from it.
+
+Kubelet certificates: ``review_csrs`` is gpufleet's approver. A client CSR
+from ``system:bootstrap:<id>`` (the requester the API server authenticated,
+never the request body) is approved only when token ``<id>`` is gpufleet's
+and was issued for exactly the node in the CSR's subject; a renewal from
+``system:node:<name>`` only for ``<name>``, and only while ``<name>`` is a live
+gpufleet node (its identity record) or a control-plane node (``CONTROL_PLANE_LABEL``);
+any other node's client renewal is denied, so kubeadm's self-renewal binding can go
+and a removed node's certificate is its last. A kubelet-serving CSR only when
+its names are the node's name and the addresses the provider reports for its
+machine. Other CSRs (other signers, other requesters) are left alone.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+from datetime import datetime, timezone
+from typing import Any, Callable
+
+from kubernetes.client.exceptions import ApiException
+
+from fleet.cluster import NODE_IDENTITY_KIND, NODE_KEYS_KIND, bound_keys, client_key_fingerprint, with_key
+from providers.cluster.base import CLIENT_SIGNER, CONTROL_PLANE_LABEL, CsrDecision, csr_decision
+from providers.cluster.kubernetes.api import _translate
+from providers.cluster.kubernetes.state import ControlPlaneState
+from providers.cluster.kubernetes.tokens import _TOKEN_ID, JOIN_TOKEN_KIND
+from providers.cluster.kubernetes.watch import Watches
+
+
+class CsrApprover(Watches, ControlPlaneState):
+    """Judges the pending kubelet CSRs (``review_csrs``) and follows the open ones."""
+
+    def review_csrs(self, addresses: Callable[[str], list[str] | None]) -> list[CsrDecision]:
+        """Approve or deny the pending kubelet CSRs that are gpufleet's to judge (see the
+        module doc); ``addresses(node)`` is what the provider reports for that node's machine
+        (None: not a gpufleet node)."""
+        listed = self._do("list CSRs", self.certificates.list_certificate_signing_request)
+        decisions = []
+        tokens: dict[str, str | None] = {}
+        identities = self.list_state(NODE_IDENTITY_KIND)
+        control_plane: list[set[str]] = []
+
+        def renewable(node: str) -> bool:
+            """A control-plane node's kubelet renews through gpufleet too (kubeadm's self-renewal
+            binding removed): the Node exists and carries the label only an admin can set."""
+            if not control_plane:
+                found = self._do("list control-plane nodes", self.core.list_node, label_selector=CONTROL_PLANE_LABEL)
+                control_plane.append({n["metadata"]["name"] for n in found.get("items", [])})
+            return node in control_plane[0]
+
+        keys: list[dict[str, dict[str, str]]] = []  # NODE_KEYS_KIND, listed when first needed
+
+        def judge(csr: dict[str, Any]) -> CsrDecision | None:
+            return csr_decision(csr, lambda token_id: self._token_node(token_id, tokens),
+                                lambda node: node in identities, addresses, renewable)
+
+        def bind_key(node: str, fingerprint: str) -> None:
+            keys[0][node] = self.update_state(NODE_KEYS_KIND, node, lambda old: with_key(old, fingerprint))
+
+        for csr in listed.get("items", []):
+            status = csr.get("status") or {}
+            judged = {c.get("type") for c in status.get("conditions") or []}
+            if "Denied" in judged or "Failed" in judged:
+                continue
+            client_key = _client_csr_key(csr)
+            if client_key is not None and not keys:
+                keys.append(self.list_state(NODE_KEYS_KIND))
+            unbound = client_key is not None and client_key[1] not in bound_keys(keys[0].get(client_key[0], {}))
+            if "Approved" in judged:
+                # Approved by another approver (kubeadm's auto-approval): its key opens the node
+                # gateway only where gpufleet's own judgement approves it too.
+                if unbound and (decision := judge(csr)) is not None and decision.approve:
+                    bind_key(*client_key)
+                continue
+            decision = judge(csr)
+            if decision is None:
+                continue
+            if decision.approve and unbound:
+                bind_key(*client_key)  # before the approval: no certificate is ever out unbound
+            self._decide(csr, decision)
+            decisions.append(decision)
+        return decisions
+
+    def _token_node(self, token_id: str, cache: dict[str, str | None]) -> str | None:
+        """The node a gpufleet token was issued for, from its record (None: not one of gpufleet's)."""
+        if token_id not in cache:
+            record = self.read_state(JOIN_TOKEN_KIND, token_id) if _TOKEN_ID.match(token_id) else {}
+            cache[token_id] = record.get("node-name") or None
+        return cache[token_id]
+
+    def _decide(self, csr: dict[str, Any], decision: CsrDecision) -> None:
+        name = csr["metadata"]["name"]
+        body = copy.deepcopy(csr)
+        conditions = (body.setdefault("status", {}).get("conditions") or [])
+        conditions.append({"type": "Approved" if decision.approve else "Denied", "status": "True",
+                           "reason": "GpufleetApproved" if decision.approve else "GpufleetDenied",
+                           "message": decision.reason,
+                           "lastUpdateTime": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")})
+        body["status"]["conditions"] = conditions
+        try:
+            self._call(f"decide CSR {name}", self.certificates.replace_certificate_signing_request_approval,
+                       name, body)
+        except ApiException as error:
+            if error.status in (404, 409):
+                return  # gone, or changed meanwhile: judged again on the next review
+            raise _translate(error, f"decide CSR {name}") from error
+
+    def watch_open_csrs(self, until: Callable[[list[str]], bool], timeout_s: float, recheck_s: float = 30.0,
+                        heartbeat: Callable[[], None] | None = None) -> list[str]:
+        def convert(obj: dict[str, Any]) -> str | None:
+            conditions = (obj.get("status") or {}).get("conditions") or []
+            if any(c.get("type") in ("Denied", "Failed") for c in conditions):
+                return None
+            return (obj.get("metadata") or {}).get("name") or None
+
+        return self._follow("CSRs", self.certificates.list_certificate_signing_request, convert, until, timeout_s,
+                            recheck_s, heartbeat)
+
+
+def _client_csr_key(csr: dict[str, Any]) -> tuple[str, str] | None:
+    """(node, key fingerprint) of a kubelet client CSR (``system:node:<node>``), or None."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.x509.oid import NameOID
+
+    spec = csr.get("spec") or {}
+    if spec.get("signerName") != CLIENT_SIGNER:
+        return None
+    try:
+        request = x509.load_pem_x509_csr(base64.b64decode(spec.get("request") or ""))
+        public = request.public_key().public_bytes(serialization.Encoding.DER,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+    except (ValueError, TypeError):
+        return None
+    common = [a.value for a in request.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    if len(common) != 1 or not str(common[0]).startswith("system:node:"):
+        return None
+    return str(common[0]).removeprefix("system:node:"), client_key_fingerprint(public)

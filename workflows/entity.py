@@ -1,0 +1,110 @@
+"""The entity discipline: what every long-lived workflow shares (docs/design/entities.md).
+
+The entities (Node, Site, ProviderAccount, Routing, Demand) run for the life of what they
+stand for and continue as new when their history grows. Each subclasses ``Entity``, after
+temporalio/samples-python ``message_passing/safe_message_handlers``. Three rules:
+
+1. **One state, ``self.state``.** Everything the entity must not lose is one pydantic model,
+   and continue-as-new carries exactly that model into the next run. What a run reads again
+   (the config, the cluster's facts) or holds only in flight (a queue the loop has not taken, a
+   watch) sits beside it under its own name, and is not carried.
+2. **One lock policy.** The workflow runs one coroutine at a time, so a change made between two
+   awaits is atomic. A handler that awaits *inside* a change (reads the state, awaits, writes
+   from what it read) holds ``self.state_lock`` across it, and so does every other writer of
+   that state across an await (the loop, an own task): their changes then land whole and in
+   order. Handlers that never await, or change the state only between awaits, take no lock.
+   A wait whose point is to let others change the state (Site's settle) must not hold it.
+3. **One continue-as-new gate.** ``await self.continue_as_new_when_ready(carried)`` waits until
+   every signal and update handler has finished *and* every task the entity started as its own
+   (``spawn``/``own``) has ended or rests at an await where it may be left (``resting``), then
+   continues as new with ``carried()``, built after the wait, so nothing a handler or task did
+   meanwhile is lost.
+
+Tasks the loop cancels itself before the gate (a watch whose next run asks again) are not own
+tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import contextmanager
+from typing import Any, Callable, Coroutine, Generic, Iterator, TypeVar
+
+from temporalio import workflow
+
+StateT = TypeVar("StateT")
+
+
+class Entity(Generic[StateT]):
+    """Base of every entity workflow class (not a workflow itself)."""
+
+    #: Everything the entity carries over continue-as-new (rule 1).
+    state: StateT
+
+    def __init__(self, state: StateT) -> None:
+        self.state = state
+        #: Held across an await inside a change of ``state`` (rule 2).
+        self.state_lock = asyncio.Lock()
+        self._own: list[asyncio.Task] = []
+        self._resting: set[asyncio.Task] = set()
+
+    # -- own tasks ----------------------------------------------------------------------------
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """Run ``work`` as a task of the entity's own: the gate waits until it ends or rests."""
+        return self.own(asyncio.create_task(work))
+
+    def own(self, task: asyncio.Task) -> asyncio.Task:
+        """``task`` (already started) is the entity's own: the gate waits until it ends or rests."""
+        self._own = [t for t in self._own if not t.done()]
+        self._own.append(task)
+        return task
+
+    @contextmanager
+    def resting(self) -> Iterator[None]:
+        """Around an await inside an own task where continuing as new may leave the task: the
+        next run starts it again and loses nothing (a level-triggered watch, a pause)."""
+        task = asyncio.current_task()
+        assert task is not None, "resting() is for an await inside a task"
+        self._resting.add(task)
+        try:
+            yield
+        finally:
+            self._resting.discard(task)
+
+    def own_work_done(self) -> bool:
+        """Nothing of the entity's own is mid-step: every own task ended or rests."""
+        return all(task.done() or task in self._resting for task in self._own)
+
+    # -- continue-as-new ------------------------------------------------------------------------
+    @staticmethod
+    def continue_as_new_suggested() -> bool:
+        """The server asks this run to continue as new (its history grew long)."""
+        return workflow.info().is_continue_as_new_suggested()
+
+    def may_continue_as_new(self) -> bool:
+        """Suggested, and nothing of its own runs: what a loop that keeps serving while its own
+        work runs waits on (on the suggestion alone it would wake again at once, for ever)."""
+        return self.continue_as_new_suggested() and self.own_work_done()
+
+    def ready_to_continue(self) -> bool:
+        """Every handler finished and nothing of the entity's own mid-step."""
+        return workflow.all_handlers_finished() and self.own_work_done()
+
+    async def continue_as_new_when_ready(
+        self, carried: Callable[[], Any], *, unless: Callable[[], bool] | None = None,
+        until: Callable[[], bool] | None = None,
+    ) -> None:
+        """Once ``ready_to_continue``, continue as new with ``carried()`` (the next run's input,
+        built then). Returns only when ``unless`` holds.
+
+        ``unless``: work for the loop that may come in while it waits (a queued message): the
+        gate then returns at once, the loop takes the work and asks again. ``until``: one more
+        condition to wait for (kept for the runs of an older path that waited for it)."""
+
+        def opens() -> bool:
+            return self.ready_to_continue() and (until is None or until())
+
+        await workflow.wait_condition(lambda: (unless is not None and unless()) or opens())
+        if unless is not None and unless():
+            return
+        workflow.continue_as_new(carried())
