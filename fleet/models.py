@@ -91,6 +91,12 @@ class Offer(BaseModel):
     region: str = ""
 
 
+#: The tags (labels, where the provider calls them that) every machine the fleet buys carries:
+#: its site (an adapter lists and owns only its site's machines by it) and the join that bought it.
+MACHINE_TAG_SITE = "gpufleet.io/site"
+MACHINE_TAG_JOIN = "gpufleet.io/join"
+
+
 class MachineSpec(BaseModel):
     """What to ask a provider for. ``name`` becomes the Kubernetes node name."""
 

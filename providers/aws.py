@@ -65,12 +65,12 @@ from fleet.errors import (
     ProviderError,
     Transient,
 )
-from fleet.models import CapacityType, Machine, MachineSpec, Offer
+from fleet.models import MACHINE_TAG_SITE, CapacityType, Machine, MachineSpec, Offer
 from providers.credentials import aws_keys, read_secret
 
 PROVIDER = "aws"
 
-SITE_TAG = "gpufleet.io/site"
+SITE_TAG = MACHINE_TAG_SITE
 KEY_TAG = "gpufleet.io/idempotency-key"
 MANAGED_TAG = "gpufleet.io/managed-by"
 

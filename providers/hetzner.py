@@ -67,7 +67,7 @@ from fleet.errors import (
     ProviderError,
     Transient,
 )
-from fleet.models import CapacityType, Machine, MachineSpec, Offer
+from fleet.models import MACHINE_TAG_SITE, CapacityType, Machine, MachineSpec, Offer
 from providers.base import translated
 from providers.credentials import read_secret
 
@@ -77,7 +77,7 @@ DEFAULT_IMAGE = "ubuntu-24.04"
 #: ``user_data`` at create and rebuild: "limited to 32KiB" (Hetzner Cloud API reference).
 MAX_USER_DATA_BYTES = 32 * 1024
 #: Label every server this control plane creates carries; list_machines selects on it.
-SITE_LABEL = "gpufleet.io/site"
+SITE_LABEL = MACHINE_TAG_SITE
 
 #: Hetzner error code (``error.code`` in the JSON body) -> taxonomy class.
 ERRORS: dict[str, type[ProviderError]] = {

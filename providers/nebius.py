@@ -103,7 +103,7 @@ from fleet.errors import (
     ProviderError,
     Transient,
 )
-from fleet.models import CapacityType, Machine, MachineSpec, Offer
+from fleet.models import MACHINE_TAG_SITE, CapacityType, Machine, MachineSpec, Offer
 from providers.base import translated
 from providers.credentials import read_secret
 
@@ -112,7 +112,7 @@ DEFAULT_DOMAIN = "api.nebius.cloud:443"
 DEFAULT_IMAGE_FAMILY = "ubuntu22.04-cuda12"
 USER_AGENT = "gpufleet/0.1"
 #: Label every instance this control plane creates carries; list_machines filters on it.
-SITE_LABEL = "gpufleet.io/site"
+SITE_LABEL = MACHINE_TAG_SITE
 #: Namespace for turning a caller's idempotency key into the UUID Nebius expects.
 KEY_NAMESPACE = uuid.UUID("6b1d2c1e-5f43-4f4e-9b53-8d1f0a1c9e77")
 

@@ -1,13 +1,17 @@
 """A Temporal dev server of a test's own that suggests continue-as-new after a few events, so
-an entity reaches its continue-as-new path within seconds (the default is thousands)."""
+an entity reaches its continue-as-new path within seconds (the default is thousands), and an
+interceptor that holds one activity where the test wants a run caught mid-step."""
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
+from typing import Any, AsyncIterator
 
+from temporalio import activity
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 from cli.dev import dev_server_tuning_flags, temporal_binary
 from fleet import search_attributes
@@ -25,3 +29,25 @@ async def server_suggesting_continue_as_new(after_events: int) -> AsyncIterator[
         yield env
     finally:
         await env.shutdown()
+
+
+class Hold(Interceptor):
+    """Holds the next run of one activity (a local one too) once ``armed``, until ``release``
+    is set; ``holding`` is set while it holds."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.armed = name, False
+        self.holding, self.release = asyncio.Event(), asyncio.Event()
+
+    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
+        gate = self
+
+        class Inbound(ActivityInboundInterceptor):
+            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
+                if gate.armed and activity.info().activity_type == gate.name:
+                    gate.armed = False
+                    gate.holding.set()
+                    await gate.release.wait()
+                return await super().execute_activity(input)
+
+        return Inbound(next)

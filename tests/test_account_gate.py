@@ -12,21 +12,20 @@ import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import pytest
 import yaml
-from temporalio import activity
 from temporalio.client import Client, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor, Worker
+from temporalio.worker import Worker
 
 from activities import control_plane_activities
 from activities.env import FleetEnv
 from fleet.messages.capacity import AccountStatus
 from fleet.models import AccountState
 from fleet.settings import Settings
-from tests.can_server import server_suggesting_continue_as_new
+from tests.can_server import Hold, server_suggesting_continue_as_new
 from tests.capacity_fleet import capacity_fleet
 from tests.repair_helpers import eventually
 from tests.replay import replay_and_record
@@ -40,27 +39,6 @@ CAN_EVENTS = 80
 async def can_env() -> AsyncIterator[WorkflowEnvironment]:
     async with server_suggesting_continue_as_new(CAN_EVENTS) as env:
         yield env
-
-
-class Hold(Interceptor):
-    """Holds the next run of one activity after ``arm()`` until ``release`` is set."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.armed = name, False
-        self.holding, self.release = asyncio.Event(), asyncio.Event()
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        gate = self
-
-        class Inbound(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                if gate.armed and activity.info().activity_type == gate.name:
-                    gate.armed = False
-                    gate.holding.set()
-                    await gate.release.wait()
-                return await super().execute_activity(input)
-
-        return Inbound(next)
 
 
 async def runs(client: Client, workflow_id: str) -> int:

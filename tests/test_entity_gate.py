@@ -11,16 +11,14 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import pytest
-from temporalio import activity
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
 
 from fleet.naming import reclaim_workflow_id
-from tests.can_server import server_suggesting_continue_as_new
+from tests.can_server import Hold, server_suggesting_continue_as_new
 from tests.repair_helpers import eventually, join_node, running_stack
 from tests.replay import replay_and_record
 
@@ -31,27 +29,6 @@ CAN_EVENTS = 80
 async def can_env() -> AsyncIterator[WorkflowEnvironment]:
     async with server_suggesting_continue_as_new(CAN_EVENTS) as env:
         yield env
-
-
-class Hold(Interceptor):
-    """Holds the next run of one activity (a local one too) once ``armed``, until ``release``."""
-
-    def __init__(self, name: str) -> None:
-        self.name, self.armed = name, False
-        self.holding, self.release = asyncio.Event(), asyncio.Event()
-
-    def intercept_activity(self, next: ActivityInboundInterceptor) -> ActivityInboundInterceptor:
-        gate = self
-
-        class Inbound(ActivityInboundInterceptor):
-            async def execute_activity(self, input: ExecuteActivityInput) -> Any:
-                if gate.armed and activity.info().activity_type == gate.name:
-                    gate.armed = False
-                    gate.holding.set()
-                    await gate.release.wait()
-                return await super().execute_activity(input)
-
-        return Inbound(next)
 
 
 async def runs(client: Client, workflow_id: str) -> list:

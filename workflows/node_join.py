@@ -29,7 +29,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet import search_attributes as sa
     from fleet.config import Site
-    from fleet.models import Machine, MachineSpec, Node
+    from fleet.models import MACHINE_TAG_JOIN, MACHINE_TAG_SITE, Machine, MachineSpec, Node
     from fleet.naming import node_name_for, node_queue
     from fleet.cluster import (
         LABEL_GPU_PRODUCT,
@@ -226,7 +226,7 @@ class NodeJoin:
         spec = MachineSpec(
             name=node_name, site=site.name, region=site.region, instance_type=site.instance_type, gpu=site.gpu,
             gpus=site.gpus_per_machine, capacity_type=site.capacity_type, image=site.image,
-            tags={"gpufleet.io/join": workflow.info().workflow_id, "gpufleet.io/site": site.name},
+            tags={MACHINE_TAG_JOIN: workflow.info().workflow_id, MACHINE_TAG_SITE: site.name},
         )
         provisioning = workflow.start_activity(
             act.provision_joining_machine,
