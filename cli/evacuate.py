@@ -8,7 +8,6 @@ incident rule, or a person); ``retry`` has it look again now for a place for the
 
 from __future__ import annotations
 
-import asyncio
 import uuid
 from pathlib import Path
 from collections.abc import Awaitable, Callable

@@ -175,19 +175,6 @@ class RolloutInput(_Strict):
         return f"{store.prefix}models/{self.model}/{self.version}/"
 
 
-class _LegacyWeightsManifest(WeightsManifest):
-    source: ObjectStore  # type: ignore[assignment]
-
-
-class LegacyRolloutInput(RolloutInput):
-    """The manifest before sources came from the fleet config (``weights.source`` was a
-    whole store): only rollouts recorded before that change replay with it."""
-
-    weights: _LegacyWeightsManifest  # type: ignore[assignment]
-
-
-
-
 def check_source(request: RolloutInput, object_stores: Iterable[str]) -> list[str]:
     """The manifest's source must name one of the fleet config's ``object_stores``."""
     names = sorted(object_stores)

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from temporalio import activity
+from temporalio.client import Client, WorkflowHandle
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
@@ -29,6 +30,15 @@ async def server_suggesting_continue_as_new(after_events: int) -> AsyncIterator[
         yield env
     finally:
         await env.shutdown()
+
+
+async def runs(client: Client, workflow_id: str) -> int:
+    """How many runs of ``workflow_id`` the server has (each continue-as-new adds one)."""
+    return len([w async for w in client.list_workflows(f'WorkflowId = "{workflow_id}"')])
+
+
+async def history_length(handle: WorkflowHandle) -> int:
+    return (await handle.describe()).raw_description.workflow_execution_info.history_length
 
 
 class Hold(Interceptor):

@@ -16,7 +16,7 @@ from typing import AsyncIterator
 
 import pytest
 import yaml
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
@@ -25,7 +25,7 @@ from activities.env import FleetEnv
 from fleet.messages.capacity import AccountStatus
 from fleet.models import AccountState
 from fleet.settings import Settings
-from tests.can_server import Hold, server_suggesting_continue_as_new
+from tests.can_server import Hold, history_length, runs, server_suggesting_continue_as_new
 from tests.capacity_fleet import capacity_fleet
 from tests.repair_helpers import eventually
 from tests.replay import replay_and_record
@@ -39,14 +39,6 @@ CAN_EVENTS = 80
 async def can_env() -> AsyncIterator[WorkflowEnvironment]:
     async with server_suggesting_continue_as_new(CAN_EVENTS) as env:
         yield env
-
-
-async def runs(client: Client, workflow_id: str) -> int:
-    return len([w async for w in client.list_workflows(f'WorkflowId = "{workflow_id}"')])
-
-
-async def history_length(handle: WorkflowHandle) -> int:
-    return (await handle.describe()).raw_description.workflow_execution_info.history_length
 
 
 # -- ProviderAccount ------------------------------------------------------------------------------

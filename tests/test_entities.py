@@ -16,7 +16,7 @@ from typing import Any, AsyncIterator
 import pytest
 import yaml
 from temporalio import activity
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor, Worker
 
@@ -27,7 +27,7 @@ from fleet.messages.capacity import AccountStatus, SiteStatus
 from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
 from fleet.models import AccountState
 from fleet.settings import Settings
-from tests.can_server import server_suggesting_continue_as_new
+from tests.can_server import history_length, runs, server_suggesting_continue_as_new
 from tests.capacity_fleet import capacity_fleet
 from tests.evacuation_helpers import incident_fleet, open_incident_stack
 from tests.repair_helpers import eventually, exists, join_node, node_status, repair_handle, running_stack
@@ -44,14 +44,6 @@ CAN_EVENTS = 70
 async def can_env() -> AsyncIterator[WorkflowEnvironment]:
     async with server_suggesting_continue_as_new(CAN_EVENTS) as env:
         yield env
-
-
-async def runs(client: Client, workflow_id: str) -> int:
-    return len([w async for w in client.list_workflows(f'WorkflowId = "{workflow_id}"')])
-
-
-async def history_length(handle: WorkflowHandle) -> int:
-    return (await handle.describe()).raw_description.workflow_execution_info.history_length
 
 
 # -- Site -------------------------------------------------------------------------------------
