@@ -246,7 +246,7 @@ class CapacityActivities:
         """Signal every running AcquireCapacity: offers changed, look again."""
         client = activity.client()
         woken = 0
-        query = 'WorkflowType = "AcquireCapacity" AND ExecutionStatus = "Running"'
+        query = f'WorkflowType = "{flows.AcquireCapacity.TYPE}" AND ExecutionStatus = "Running"'
         async for wf in client.list_workflows(query):
             try:
                 await client.get_workflow_handle(wf.id, run_id=wf.run_id).signal(flows.AcquireCapacity.offers_changed)

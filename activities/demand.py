@@ -119,7 +119,7 @@ class DemandActivities:
         sites = {s.name: s for s in self.env.config.sites}
         offers = {f"{o.site}/{o.instance_type}": o for o in input.offers}
         client = activity.client()
-        query = (f"WorkflowType = 'AcquireCapacity' AND ExecutionStatus = 'Running' "
+        query = (f"WorkflowType = '{flows.AcquireCapacity.TYPE}' AND ExecutionStatus = 'Running' "
                  f"AND TaskQueue = '{activity.info().task_queue}' "
                  f"AND WorkflowId STARTS_WITH '{RECLAIM_REPLACEMENT_PREFIX}'")
         rooms = []

@@ -37,6 +37,7 @@ from fleet.messages.evacuation import (
     ReleaseNodesResult,
     UncordonInput,
 )
+from fleet.messages.repair import LadderState
 from fleet.contracts import workflows as flows
 
 
@@ -113,17 +114,26 @@ class EvacuationActivities:
 
     @activity.defn
     async def hold_site_repairs(self, input: HoldRepairsInput) -> list[str]:
-        """Hold (or release) every running GpuRepair at the site: a held ladder finishes
-        its current rung, then waits contained. Returns the repairs it reached."""
+        """Hold every running GpuRepair at the site with ``input.reason`` (a held ladder finishes
+        its current rung, then waits contained), or release the ones held with that reason.
+        A repair someone else holds, for a reason of theirs, is theirs: not held again, not
+        released. Returns the repairs held (or released). Run again, it does nothing twice."""
         client = activity.client()
-        query = f'WorkflowType = "GpuRepair" AND Site = "{input.site}" AND ExecutionStatus = "Running"'
+        query = f'WorkflowType = "{flows.GpuRepair.TYPE}" AND Site = "{input.site}" AND ExecutionStatus = "Running"'
         reached = []
         async for wf in client.list_workflows(query):
+            handle = client.get_workflow_handle(wf.id, run_id=wf.run_id)
             try:
-                await client.get_workflow_handle(wf.id, run_id=wf.run_id).execute_update(
-                    "hold" if input.hold else "release")
+                ladder = await handle.query(flows.GpuRepair.ladder, result_type=LadderState)
+                ours = ladder.held and ladder.hold_reason == input.reason
+                if ladder.done or (ladder.held and not ours) or (not input.hold and not ours):
+                    continue
+                if input.hold and not ours:
+                    await handle.execute_update(flows.GpuRepair.hold, {"reason": input.reason})
+                elif not input.hold:
+                    await handle.execute_update(flows.GpuRepair.release, {"reason": input.reason})
                 reached.append(wf.id)
-            except Exception as error:  # noqa: BLE001 - finished meanwhile, or already held/released
+            except Exception as error:  # noqa: BLE001 - finished meanwhile: nothing to hold or release
                 activity.logger.info("%s not %s: %s", wf.id, "held" if input.hold else "released", error)
         return reached
 

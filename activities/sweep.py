@@ -18,6 +18,7 @@ from activities.capacity import reports_account
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.cluster import NODE_IDENTITY_KIND
+from fleet.contracts import workflows as flows
 from fleet.errors import AccountRevoked, NotFound
 from fleet.messages.sweep import (
     IdentitySweepReport,
@@ -30,7 +31,7 @@ from fleet.models import Machine
 from fleet.naming import node_name_for
 from fleet.search_attributes import NODE_NAME
 
-RUNNING_JOINS = 'WorkflowType = "NodeJoin" AND ExecutionStatus = "Running"'
+RUNNING_JOINS = f'WorkflowType = "{flows.NodeJoin.TYPE}" AND ExecutionStatus = "Running"'
 
 
 def join_node_name(workflow_id: str, node_name: str | None) -> str | None:

@@ -312,7 +312,7 @@ class WatchActivities:
         client = activity.client()
         names = input.sites or [s.name for s in self.env.config.sites]
         running = set()
-        query = f'WorkflowType = "Site" AND ExecutionStatus = "Running" AND TaskQueue = "{activity.info().task_queue}"'
+        query = f'WorkflowType = "{flows.Site.TYPE}" AND ExecutionStatus = "Running" AND TaskQueue = "{activity.info().task_queue}"'
         async for found in client.list_workflows(query):
             running.add(found.id)
         started = []

@@ -73,7 +73,7 @@ async def retire_all(env: FleetEnv, client) -> None:
 
     await asyncio.to_thread(delete)
     entities = [client.get_workflow_handle(wf.id, run_id=wf.run_id)
-                async for wf in client.list_workflows("WorkflowType = 'Node' AND ExecutionStatus = 'Running'")]
+                async for wf in client.list_workflows(f"WorkflowType = '{flows.Node.TYPE}' AND ExecutionStatus = 'Running'")]
     await asyncio.gather(*[handle.terminate("bench round over") for handle in entities])
 
 

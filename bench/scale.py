@@ -105,7 +105,7 @@ from fleet.schedules import SCHEDULES, apply_schedules
 from fleet.contracts import workflows as flows
 from fleet.naming import node_workflow_id, reclaim_workflow_id, site_workflow_id
 
-ENTITY_TYPES = ("Node", "Site", "ProviderAccount", "SiteEvacuation")
+ENTITY_TYPES = (flows.Node.TYPE, flows.Site.TYPE, flows.ProviderAccount.TYPE, flows.SiteEvacuation.TYPE)
 #: What a seeded fault needs to clear: most resets, some reboots, a few replacements.
 FAULT_MIX = (("reset", 0.7), ("reboot", 0.2), ("never", 0.1))
 

@@ -559,29 +559,16 @@ class Interrupted(Exception):
     """Ctrl-C (or SIGTERM) while the stack was still starting."""
 
 
-def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, http_port: int | None = None,
-            gateway_port: int | None = None, temporal: str = "dev-server", s3_port: int | None = None,
-            front_door_port: int | None = None, metrics_port: int | None = None,
-            cluster_port: int | None = None) -> int:
-    """The stack until Ctrl-C (0), or until it cannot start (1; 2 for a refused flag)."""
-    from fleet.config import load_config
-
-    if temporal == "cluster":
-        missing = cluster_missing_line()
-        if missing:  # before anything starts
-            console.print("[red]error:[/]", end=" ")
-            console.print(missing, markup=False, highlight=False, soft_wrap=True)  # the command unbroken
-            return 2
+def _refused_flag(settings: Settings, temporal: str, port: int, ports: DevPorts, s3: dict,
+                  cluster_port: int | None) -> str | None:
+    """Why the flags cannot start a stack (a missing binary, a port taken or given twice), before
+    anything starts: a busy port would otherwise surface as a child that exits a second after
+    "gpufleet dev is up". None when they can."""
+    if temporal == "cluster" and (missing := cluster_missing_line()):
+        return missing
     if cluster_port is not None and temporal != "cluster":
-        console.print("[red]error:[/] --cluster-port: only with --temporal cluster (the dev server has no such ports)")
-        return 2
-    ports = DevPorts.derive(port, ui=ui_port, http=http_port, s3=s3_port, gateway=gateway_port,
-                            front_door=front_door_port, metrics=metrics_port, cluster=cluster_port)
-    config = load_config(settings.config)
-    s3 = loopback_stores(config)
+        return "--cluster-port: only with --temporal cluster (the dev server has no such ports)"
     s3_moves = bool(s3) and ("s3" in ports.given or settings.config is None)
-    # Checked before anything starts: a busy port would otherwise surface as a child that
-    # exits a second after "gpufleet dev is up".
     wanted = {"--port": port, **({"--ui-port": ports.ui} if temporal == "dev-server" else {}),
               "--http-port": ports.http, "--gateway-port": ports.gateway,
               **({"--s3-port": ports.s3} if s3_moves else
@@ -592,28 +579,93 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
     for flag, number in wanted.items():
         twice = [other for other, n in wanted.items() if n == number and other != flag]
         if twice:
-            console.print(f"[red]error:[/] {flag}: port {number} is also {twice[0]}'s; pick another")
-            return 2
+            return f"{flag}: port {number} is also {twice[0]}'s; pick another"
         if port_in_use(number):
-            console.print(f"[red]error:[/] {flag}: port {number} is already in use on 127.0.0.1 "
-                          "(another `gpufleet dev`?); pick another")
-            return 2
+            return f"{flag}: port {number} is already in use on 127.0.0.1 (another `gpufleet dev`?); pick another"
     if "metrics" in ports.given:
         for number in ports.metrics_ports(temporal == "cluster").values():
             if port_in_use(number):
-                console.print(f"[red]error:[/] --metrics-port: port {number} is already in use on 127.0.0.1; "
-                              "pick another (the stack uses it and the next "
-                              f"{'five' if temporal == 'cluster' else 'two'})")
-                return 2
-    settings.state_dir.mkdir(parents=True, exist_ok=True)
-    settings = settings.model_copy(update={"address": f"127.0.0.1:{port}", "state_dir": settings.state_dir.resolve()})
-    settings, config, s3, rewritten = stack_config(settings, config, ports)
+                return (f"--metrics-port: port {number} is already in use on 127.0.0.1; pick another (the stack "
+                        f"uses it and the next {'five' if temporal == 'cluster' else 'two'})")
+    return None
+
+
+def _print_up(settings: Settings, env: dict[str, str], ports: DevPorts, cluster, logs: Path, gateway_env: dict[str, str],
+              s3: dict, rewritten: Path | None, metrics: dict[str, int], front_door: str) -> None:
+    """Where everything is, and what to try: the lines under "gpufleet dev is up"."""
+    console.print(f"[bold green]gpufleet dev is up[/]  (state in {settings.state_dir}, logs in {logs})")
+    if cluster is not None:
+        for line in cluster_lines(cluster):
+            console.print(line, markup=False, highlight=False)
+    else:
+        console.print(f"  Temporal UI      {env[UI_URL_ENV]}")
+        console.print(f"  Temporal server  {settings.address}")
+    export = ui_export_line(settings, env[UI_URL_ENV])
+    if export is not None:
+        console.print(export, markup=False, highlight=False, soft_wrap=True)
+    console.print(f"  node gateway     127.0.0.1:{ports.gateway}  (mutual TLS; CA {gateway_env[NodeAgentEnv.variable('gateway_ca')]}; "
+                  "every node agent through it, one key and certificate each)")
+    for s3_port in s3:
+        console.print(f"  object stores    http://127.0.0.1:{s3_port}  (S3 emulator; demo model in {DEMO_STORE})")
+    if rewritten is not None:
+        console.print(f"  fleet config     {rewritten}  (its object stores on port {ports.s3}; "
+                      f"other shells: export {CONFIG_ENV}={rewritten})", markup=False, highlight=False)
+    for name, metrics_at in metrics.items():
+        if name == "temporal":
+            console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (the Temporal dev server)")
+        elif name.startswith("temporal:"):
+            service = name.split(":", 1)[1].removesuffix("-metrics")
+            console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (temporal-server {service})")
+        else:
+            console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  ({name})")
+    console.print(f"  HTTP API         http://127.0.0.1:{ports.http}/api/v1/namespaces/{settings.namespace}")
+    console.print(f"  {front_door}")
+    console.print("  try, in another shell:")
+    console.print("    gpufleet sites")
+    console.print("    gpufleet join --site lambda-us-east --wait")
+    console.print("    gpufleet rollout start deploy/rollout.demo.yaml")
+    console.print("    gpufleet nodes")
+    console.print("    gpufleet sim capacity nebius-eu-north 0")
+    console.print("    gpufleet sim pods add llm --gpus 2; gpufleet demand   # the demand loop buys for it")
+    console.print(f"  a process that exits comes back ({RESTART_FIRST_SECONDS:g} s, doubling to "
+                  f"{RESTART_MAX_SECONDS:g} s)" + ("; the cluster's own services stop the stack" if cluster else ""))
+    console.print("  Ctrl-C stops everything; running `gpufleet dev` again resumes open workflows"
+                  + (" (not with --temporal cluster: its database goes with it)." if cluster else "."))
+
+
+def _child_env(settings: Settings, temporal: str, ports: DevPorts) -> dict[str, str]:
+    """What every child starts with: this shell's environment, the stack's settings, its UI."""
     # The dev server speaks plain gRPC: a shell's Temporal Cloud / mTLS settings must not reach it.
     for name in [n for n in os.environ if n == "TEMPORAL_API_KEY" or n.startswith(("TEMPORAL_TLS", "TEMPORAL_PROFILE", "TEMPORAL_CONFIG_FILE"))]:
         os.environ.pop(name)
     env = {**os.environ, **settings.env()}
     # The children name workflows with links to the stack's own UI (its --ui-port, or none).
     env[UI_URL_ENV] = ui_url(temporal, ports)
+    env.setdefault(*DEV_S3_KEY)
+    os.environ.setdefault(DEV_S3_KEY[0], env[DEV_S3_KEY[0]])
+    return env
+
+
+def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, http_port: int | None = None,
+            gateway_port: int | None = None, temporal: str = "dev-server", s3_port: int | None = None,
+            front_door_port: int | None = None, metrics_port: int | None = None,
+            cluster_port: int | None = None) -> int:
+    """The stack until Ctrl-C (0), or until it cannot start (1; 2 for a refused flag)."""
+    from fleet.config import load_config
+
+    ports = DevPorts.derive(port, ui=ui_port, http=http_port, s3=s3_port, gateway=gateway_port,
+                            front_door=front_door_port, metrics=metrics_port, cluster=cluster_port)
+    config = load_config(settings.config)
+    s3 = loopback_stores(config)
+    refused = _refused_flag(settings, temporal, port, ports, s3, cluster_port)
+    if refused is not None:
+        console.print("[red]error:[/]", end=" ")
+        console.print(refused, markup=False, highlight=False, soft_wrap=True)  # a command in it unbroken
+        return 2
+    settings.state_dir.mkdir(parents=True, exist_ok=True)
+    settings = settings.model_copy(update={"address": f"127.0.0.1:{port}", "state_dir": settings.state_dir.resolve()})
+    settings, config, s3, rewritten = stack_config(settings, config, ports)
+    env = _child_env(settings, temporal, ports)
     logs = settings.state_dir / "logs"
     logs.mkdir(exist_ok=True)
     children: dict[str, Child] = {}
@@ -647,8 +699,6 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    env.setdefault(*DEV_S3_KEY)
-    os.environ.setdefault(DEV_S3_KEY[0], env[DEV_S3_KEY[0]])
     # One line per stage before "up": a slow first start (a cold disk, a new database)
     # then shows where it is rather than a silent terminal.
     try:
@@ -700,44 +750,7 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
         phase["starting"] = False
         if phase["stopping"]:
             return 0
-        console.print(f"[bold green]gpufleet dev is up[/]  (state in {settings.state_dir}, logs in {logs})")
-        if cluster is not None:
-            for line in cluster_lines(cluster):
-                console.print(line, markup=False, highlight=False)
-        else:
-            console.print(f"  Temporal UI      {env[UI_URL_ENV]}")
-            console.print(f"  Temporal server  {settings.address}")
-        export = ui_export_line(settings, env[UI_URL_ENV])
-        if export is not None:
-            console.print(export, markup=False, highlight=False, soft_wrap=True)
-        console.print(f"  node gateway     127.0.0.1:{ports.gateway}  (mutual TLS; CA {gateway_env[NodeAgentEnv.variable('gateway_ca')]}; "
-                      "every node agent through it, one key and certificate each)")
-        for s3_port in s3:
-            console.print(f"  object stores    http://127.0.0.1:{s3_port}  (S3 emulator; demo model in {DEMO_STORE})")
-        if rewritten is not None:
-            console.print(f"  fleet config     {rewritten}  (its object stores on port {ports.s3}; "
-                          f"other shells: export {CONFIG_ENV}={rewritten})", markup=False, highlight=False)
-        for name, metrics_at in metrics.items():
-            if name == "temporal":
-                console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (the Temporal dev server)")
-            elif name.startswith("temporal:"):
-                service = name.split(":", 1)[1].removesuffix("-metrics")
-                console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (temporal-server {service})")
-            else:
-                console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  ({name})")
-        console.print(f"  HTTP API         http://127.0.0.1:{ports.http}/api/v1/namespaces/{settings.namespace}")
-        console.print(f"  {front_door}")
-        console.print("  try, in another shell:")
-        console.print("    gpufleet sites")
-        console.print("    gpufleet join --site lambda-us-east --wait")
-        console.print("    gpufleet rollout start deploy/rollout.demo.yaml")
-        console.print("    gpufleet nodes")
-        console.print("    gpufleet sim capacity nebius-eu-north 0")
-        console.print("    gpufleet sim pods add llm --gpus 2; gpufleet demand   # the demand loop buys for it")
-        console.print(f"  a process that exits comes back ({RESTART_FIRST_SECONDS:g} s, doubling to "
-                      f"{RESTART_MAX_SECONDS:g} s)" + ("; the cluster's own services stop the stack" if cluster else ""))
-        console.print("  Ctrl-C stops everything; running `gpufleet dev` again resumes open workflows"
-                      + (" (not with --temporal cluster: its database goes with it)." if cluster else "."))
+        _print_up(settings, env, ports, cluster, logs, gateway_env, s3, rewritten, metrics, front_door)
         # The cluster's services and PostgreSQL are the cluster's to run: one that exits stops the stack.
         fatal: dict[str, tuple[subprocess.Popen, Path]] = {}
         if cluster is not None:

@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from cli.common import Address, OutputFormat, console, err, fleet_client, run, settings, show_rows
+from fleet.contracts import workflows as flows
 
 repair_app = typer.Typer(no_args_is_help=True)
 Node = Annotated[str, typer.Argument(help="node name")]
@@ -69,7 +70,7 @@ def list_repairs(
 
     async def go() -> None:
         client = await _fleet(address).temporal()
-        query = "WorkflowType = 'GpuRepair'" + ("" if all_ else " AND ExecutionStatus = 'Running'")
+        query = f"WorkflowType = '{flows.GpuRepair.TYPE}'" + ("" if all_ else " AND ExecutionStatus = 'Running'")
         rows = []
         async for wf in client.list_workflows(query):
             sa = wf.search_attributes

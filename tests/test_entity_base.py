@@ -82,6 +82,18 @@ def test_an_entity_continues_as_new_only_through_the_gate(name: str) -> None:
     assert gate_calls(cls) == [], f"{name} decides continue-as-new itself: use Entity.continue_as_new_when_ready"
 
 
+@pytest.mark.parametrize("name", sorted(ENTITIES))
+def test_an_entitys_state_is_set_before_its_first_handler(name: str) -> None:
+    """Rule 1: the SDK runs the handlers of a run's first task before ``run``; the state they
+    change is the one the run keeps (set in a ``@workflow.init`` ``__init__``, never in ``run``)."""
+    cls = next(cls for cls in ALL_WORKFLOWS if defn_name(cls) == name)
+    assert hasattr(cls.__init__, "__temporal_workflow_init"), f"{name}.__init__ is not @workflow.init"
+    run = workflow._Definition.must_from_class(cls).run_fn
+    assigned = [node.lineno for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(run))))
+                if isinstance(node, ast.Assign) and any(ast.unparse(t) == "self.state" for t in node.targets)]
+    assert assigned == [], f"{name}.run sets self.state (lines {assigned} of run): a first-task signal's change is lost"
+
+
 def test_a_workflow_that_continues_as_new_is_an_entity_or_named_here() -> None:
     """A new workflow that continues as new is an entity (subclass the base) or a short one that
     waits long, named in ``SHORT_BUT_CONTINUING`` with why; ``ENDS_INSTEAD`` never continues."""

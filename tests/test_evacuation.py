@@ -11,8 +11,9 @@ import asyncio
 import uuid
 
 import pytest
+from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
-from temporalio.exceptions import CancelledError
+from temporalio.exceptions import ApplicationError, CancelledError
 
 from tests.evacuation_helpers import (
     IncStack,
@@ -28,7 +29,8 @@ from activities.env import FleetEnv
 from fleet.messages.rollout import EvacuationInput
 from activities.serving import ServingActivities
 from fleet.messages.capacity import CapacityResult, SiteStatus
-from fleet.messages.evacuation import EvacuationProgress, EvacuationResult
+from activities.evacuation import EvacuationActivities
+from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, HoldRepairsInput
 from fleet.rollout import RolloutProgress, RolloutResult
 from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3: the rollout's S3 stores (a fixture)
 
@@ -372,6 +374,44 @@ async def test_worker_killed_mid_evacuation_resumes(temporal_env, tmp_path) -> N
         assert inc2.cluster.serving_status(MODEL, d).desired_replicas == 0
         assert len(await inc2.workflows("SiteEvacuation", "a")) == 1
         await replay_and_record(inc2.evacuation("a"), "site_evacuation_resumed_routed")
+
+
+async def test_an_evacuation_goes_on_when_the_hold_of_running_repairs_is_refused(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """Holding (and later releasing) the site's running repairs needs Temporal's visibility. A
+    refusal must neither stop the evacuation (it failed the Site entity, and no evacuation ran)
+    nor leave the entity stuck: the incident closes, and says that its repairs were not released."""
+    asked: list[bool] = []
+
+    @activity.defn(name="hold_site_repairs")
+    async def refused(self, input: HoldRepairsInput) -> list[str]:
+        asked.append(input.hold)
+        raise ApplicationError("visibility store unavailable", type="Forbidden", non_retryable=True)
+
+    monkeypatch.setattr(EvacuationActivities, "hold_site_repairs", refused)
+    uid = uuid.uuid4().hex[:6]
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, incident_fleet(uid), uid):
+        a, _ = await _a_lost_and_evacuated_to_d(inc)
+        site = inc.client.get_workflow_handle(f"site/{a}")
+        assert (await site.describe()).status == WorkflowExecutionStatus.RUNNING
+        inc.world.set_site(a, unreachable=0)
+        result = EvacuationResult.model_validate(await asyncio.wait_for(inc.evacuation("a").result(), 60))
+        assert result.outcome == "restored"
+        async def released_or_said_so():
+            status = await _closed(site)
+            return status if status and "not released" in status.incident.history[-1].outcome else None
+
+        status = await poll(released_or_said_so, timeout=15)
+        outcome = status.incident.history[-1].outcome
+        assert outcome.startswith("restored; held repairs not released") and "gpufleet repair release" in outcome
+        assert asked == [True, False]
+        assert (await site.describe()).status == WorkflowExecutionStatus.RUNNING
+        # What the store refuses only for a while is retried until done: a release that gave up
+        # (10 attempts before) left the site's repairs held for good.
+        scheduled = [e.activity_task_scheduled_event_attributes async for e in site.fetch_history_events()
+                     if e.HasField("activity_task_scheduled_event_attributes")
+                     and e.activity_task_scheduled_event_attributes.activity_type.name == "hold_site_repairs"]
+        assert [s.retry_policy.maximum_attempts for s in scheduled] == [10, 0]
 
 
 # -- helpers --------------------------------------------------------------------------------

@@ -7,7 +7,7 @@
 - Every workflow type, signal, update and query in ``fleet/contracts/workflows.py`` is one a
   registered workflow answers, and every handler a registered workflow has is declared there.
 - Nothing outside ``fleet/contracts`` names an activity, workflow, signal, update or query with
-  a bare string, and no workflow schedules an activity by anything but its declaration: a
+  a bare string (a visibility query's ``WorkflowType = ...`` included), and no workflow schedules an activity by anything but its declaration: a
   misspelt name would only show when the call ran (an activity task waiting on its queue for a
   worker that never comes, a signal to a handler that does not exist).
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 import typing
 from pathlib import Path
 
@@ -137,6 +138,9 @@ def _literal_start(expr: ast.expr) -> str:
 
 
 def _is_text(expr: ast.expr) -> bool:
+    """A string, or a choice between names one of which is a string (``"hold" if h else "release"``)."""
+    if isinstance(expr, ast.IfExp):
+        return _is_text(expr.body) or _is_text(expr.orelse)
     return isinstance(expr, ast.JoinedStr) or (isinstance(expr, ast.Constant) and isinstance(expr.value, str))
 
 
@@ -152,6 +156,19 @@ def test_nothing_outside_the_contracts_names_a_seam_with_a_bare_string() -> None
             if _is_text(first):
                 bare.append(f"{where}:{line}: {call}({ast.unparse(first)})")
     assert not bare, "\n".join(bare)
+
+
+#: A visibility query that spells a workflow type out (``WorkflowType = "Site"``), not
+#: ``WorkflowType = "{flows.Site.TYPE}"``.
+SPELT_TYPE = re.compile(r"""WorkflowType\s*=\s*['"]\w""")
+
+
+def test_no_visibility_query_spells_a_workflow_type_out() -> None:
+    spelt = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}" for path in _product_files()
+             for number, line in enumerate(path.read_text().splitlines(), 1) if SPELT_TYPE.search(line)]
+    assert not spelt, "\n".join(spelt)
+    assert SPELT_TYPE.search("""query = 'WorkflowType = "NodeJoin" AND ExecutionStatus = "Running"'""")
+    assert not SPELT_TYPE.search("""f'WorkflowType = "{flows.NodeJoin.TYPE}" AND ExecutionStatus = "Running"'""")
 
 
 def test_workflows_schedule_activities_by_their_declaration() -> None:
@@ -172,8 +189,9 @@ def test_the_scan_finds_the_calls() -> None:
     """Not vacuous: the product makes dozens of named calls, and the scan sees a bare one."""
     calls = [c for p in _product_files() for c in _named_calls(p)]
     assert len(calls) >= 150
-    planted = ast.parse('await handle.signal("quarantine", arg)\nhandle.start_workflow(f"Node", x)')
-    assert sum(1 for n in ast.walk(planted) if isinstance(n, ast.Call) and _is_text(n.args[0])) == 2
+    planted = ast.parse('await handle.signal("quarantine", arg)\nhandle.start_workflow(f"Node", x)\n'
+                        'await handle.execute_update(flows.GpuRepair.hold if h else "release")')
+    assert sum(1 for n in ast.walk(planted) if isinstance(n, ast.Call) and _is_text(n.args[0])) == 3
 
 
 @pytest.mark.parametrize("typo", ["watch_nodes", "check_credential"])

@@ -10,7 +10,11 @@ from datetime import datetime, timezone
 import pytest
 from typer.testing import CliRunner
 from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.testing import ActivityEnvironment
 
+from activities.evacuation import EvacuationActivities
+from fleet.contracts import workflows as flows
+from fleet.messages.evacuation import HoldRepairsInput
 from fleet.messages.nodes import HealthReport
 from activities.repair import fence_key
 from cli.main import app
@@ -208,8 +212,43 @@ async def test_failing_proof_keeps_the_node_out_and_operator_controls(temporal_e
             await handle.execute_update("hold")  # validator: the repair is over
 
 
-async def _exhausted(stack: Stack, node: str):
-    state = await ladder(stack, node, 0)
+async def test_a_site_releases_the_repairs_it_held_and_no_others(temporal_env, tmp_path) -> None:
+    """A provider incident holds the site's running repairs and, once it closes, releases them
+    (``hold_site_repairs``, as the Site entity calls it). The release used to be sent without a
+    payload, which GpuRepair refuses (a lost payload must never let a held ladder go): every
+    repair the incident held stayed held for good. And a repair an operator held for a reason
+    of theirs is theirs: the incident neither takes it over nor lets it go."""
+    async for stack in running_stack(temporal_env.client, tmp_path, repair_fleet(max_rung="reboot")):
+        nodes = [await join_node(stack), await join_node(stack)]
+        for node in nodes:  # nothing fixes either GPU: each ladder ends exhausted, open, waiting
+            stack.world.inject_fault(node.machine_id, 0, "compute", clears_on="never")
+            stack.world.inject_fault(node.machine_id, 0, "ecc", 3, clears_on="never")
+        for node in nodes:
+            await eventually(lambda node=node: _exhausted(stack, node.node_name), timeout=60)
+        await repair_handle(stack, nodes[1].node_name, 0).execute_update(
+            flows.GpuRepair.hold, {"reason": "vendor ticket 4711"})
+        incident = "site site-a: provider incident evacuate/site-a/1"
+        activities, env = EvacuationActivities(None), ActivityEnvironment(client=stack.client)
+
+        async def hold(on: bool) -> list[str]:
+            return await env.run(activities.hold_site_repairs,
+                                 HoldRepairsInput(site="site-a", hold=on, reason=incident))
+
+        async def holds() -> list[tuple[bool, str]]:
+            return [((s := await ladder(stack, n.node_name, 0)).held, s.hold_reason) for n in nodes]
+
+        held = await eventually(lambda: hold(True), timeout=20)  # once visibility lists them
+        assert held == [f"repair/{nodes[0].node_name}/gpu0"]
+        assert await hold(True) == held, "run again (a retried attempt): the same, nothing held twice"
+        assert await holds() == [(True, incident), (True, "vendor ticket 4711")]
+
+        assert await hold(False) == held
+        assert await holds() == [(False, incident), (True, "vendor ticket 4711")], \
+            "the incident's hold went, the operator's stayed"
+
+
+async def _exhausted(stack: Stack, node: str, gpu: int = 0):
+    state = await ladder(stack, node, gpu)
     return state if state and state.outcome == "exhausted" else None
 
 

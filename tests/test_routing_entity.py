@@ -18,6 +18,8 @@ from temporalio.client import Client, WorkflowHandle
 from cli.front_door import DevFrontDoor
 from fleet.cluster import UNPROVEN_TAINT, ServingSpec, SiteRoute
 from fleet.routing import ENDPOINTS_KIND, TOTAL, RoutingDocument, endpoints_key
+from fleet.contracts import workflows as flows
+from fleet.messages.routing import RoutingInput
 from fleet.naming import routing_workflow_id
 from activities.env import FleetEnv
 from fleet.settings import Settings
@@ -217,6 +219,27 @@ async def test_a_site_event_moves_the_weights_at_once_and_replaces_the_watch(tem
     await wait_for(lambda: weights(inc, model).get(a, 0) > weights(inc, model).get(c, 0), timeout=5)
     progress = await handle.query("progress")
     assert progress["applied"] == progress["events"] == 3
+
+
+async def test_an_event_sent_with_the_start_is_in_the_first_routes(temporal_env, inc: IncStack):
+    """``routing_event`` starts the entity with the event when it is not running. The SDK hands
+    a signal sent with the start to its handler before ``run`` begins, so the first routes must
+    already keep it (they did not: ``run`` set the state afresh and the incident was lost, the
+    failed site kept its traffic)."""
+    model = f"llm-{uuid.uuid4().hex[:6]}"
+    a, c = serve(inc, model, "a", 1), serve(inc, model, "c", 1)
+    handle = await temporal_env.client.start_workflow(
+        flows.Routing.TYPE, RoutingInput(model=model, sample_seconds=0.3).model_dump(mode="json", exclude_none=True),
+        id=routing_workflow_id(model), task_queue=inc.settings.task_queue,
+        start_signal=flows.Routing.site_event,
+        start_signal_args=[{"kind": "incident", "site": a, "detail": "provider down"}])
+    await wait_for(lambda: weights(inc, model) == {a: 0, c: TOTAL}, timeout=10)
+    doc = await handle.query(flows.Routing.document, result_type=RoutingDocument)
+    assert doc.sites[a].incident == "provider down" and not doc.sites[a].healthy
+    assert (await handle.query(flows.Routing.progress))["events"] == 1
+    # No patch: the commands are the ones a run before the fix issued (its history,
+    # ``routing_started_with_an_event_before_init``, replays against this code).
+    await replay_and_record(handle, "routing_started_with_an_event")
 
 
 async def test_an_evacuation_decision_reaches_the_model_through_the_entity(temporal_env, inc: IncStack):

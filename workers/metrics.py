@@ -37,6 +37,7 @@ from temporalio.runtime import PrometheusConfig, Runtime, TelemetryConfig
 
 from fleet import search_attributes as sa
 from fleet.cluster import SITE_ROUTES, UNPROVEN_TAINT
+from fleet.contracts import workflows as flows
 from fleet.models import AccountState
 from fleet.settings import ControlPlaneEnv, SettingsError, WorkerEnv
 
@@ -184,7 +185,7 @@ async def _visibility(client: Client, task_queue: str, snap: FleetSnapshot, limi
     visibility (search attributes). Returns the node names of running joins."""
     queue = f'TaskQueue = "{task_queue}"'
     site_of_node: dict[str, str] = {}
-    async for wf in client.list_workflows(f'{queue} AND WorkflowType = "GpuRepair"', limit=limit):
+    async for wf in client.list_workflows(f'{queue} AND WorkflowType = "{flows.GpuRepair.TYPE}"', limit=limit):
         node = str(_attr(wf, sa.NODE_NAME) or "")
         site = str(_attr(wf, sa.SITE) or "")
         running = wf.status == WorkflowExecutionStatus.RUNNING
@@ -197,15 +198,15 @@ async def _visibility(client: Client, task_queue: str, snap: FleetSnapshot, limi
             snap.gpus_contained[site] += 1
             site_of_node[node] = site
     running = f'{queue} AND ExecutionStatus = "Running"'
-    async for wf in client.list_workflows(f'{running} AND WorkflowType = "Site"', limit=limit):
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.Site.TYPE}"', limit=limit):
         site = _attr(wf, sa.SITE) or wf.id.removeprefix("site/")
         snap.site_states[str(site)] = str(_attr(wf, sa.FLEET_STATE) or "")
-    async for wf in client.list_workflows(f'{running} AND WorkflowType = "SiteEvacuation"', limit=limit):
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.SiteEvacuation.TYPE}"', limit=limit):
         snap.incidents[str(_attr(wf, sa.SITE) or wf.id.split("/")[1])] += 1
-    async for wf in client.list_workflows(f'{running} AND WorkflowType = "AcquireCapacity"', limit=limit):
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.AcquireCapacity.TYPE}"', limit=limit):
         snap.capacity_requests.append((wf.id, str(_attr(wf, sa.FLEET_STATE) or "")))
     joining: set[str] = set()
-    async for wf in client.list_workflows(f'{running} AND WorkflowType = "NodeJoin"', limit=limit):
+    async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.NodeJoin.TYPE}"', limit=limit):
         if node := _attr(wf, sa.NODE_NAME):
             joining.add(str(node))
         if _attr(wf, sa.FLEET_STATE) == "provisioning" and (site := _attr(wf, sa.SITE)):

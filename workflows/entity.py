@@ -7,7 +7,11 @@ temporalio/samples-python ``message_passing/safe_message_handlers``. Three rules
 1. **One state, ``self.state``.** Everything the entity must not lose is one pydantic model,
    and continue-as-new carries exactly that model into the next run. What a run reads again
    (the config, the cluster's facts) or holds only in flight (a queue the loop has not taken, a
-   watch) sits beside it under its own name, and is not carried.
+   watch) sits beside it under its own name, and is not carried. The state is set in
+   ``__init__`` under ``@workflow.init``, from the run's input: the SDK hands the signals and
+   updates of a run's first task (one sent with the start, one that reached a continued run
+   before its first task) to their handlers *before* ``run`` begins, so a state set in ``run``
+   would throw their changes away.
 2. **One lock policy.** The workflow runs one coroutine at a time, so a change made between two
    awaits is atomic. A handler that awaits *inside* a change (reads the state, awaits, writes
    from what it read) holds ``self.state_lock`` across it, and so does every other writer of

@@ -62,7 +62,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.models import GpuHealth
     from fleet.repair_policy import Finding, RepairSettings, Rung, classify, conditions
     from workflows.entity import Entity
-    from workflows.inputs import describe, first_problem, parse_input, parse_signal
+    from workflows.inputs import describe, first_problem, parse_input, parse_signal, read_in_init
     from workflows.steps import CLUSTER_RETRY, QUICK, count_bad_report, failure_message, show_details
     from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
     from fleet.messages.watches import ClusterNodeState
@@ -184,9 +184,13 @@ def _condition_words(gpu: GpuHealth) -> list[str]:
 
 @workflow.defn(name="Node")
 class NodeEntity(Entity[NodeCarry]):
-    def __init__(self) -> None:
-        #: The state: everything the entity knows, carried over continue-as-new (findings on hold included).
-        super().__init__(NodeCarry())
+    @workflow.init
+    def __init__(self, raw: Any) -> None:
+        #: The state: everything the entity knows, carried over continue-as-new (findings on hold
+        #: included). Set before any handler: a quarantine that reached this run before its first
+        #: task is handled before ``run`` begins, and its reason is kept in the carried log.
+        args = read_in_init(NodeEntityInput, raw)
+        super().__init__((args.carry if args else None) or NodeCarry())
         self._node = ""
         # The cluster's view of the node, read again before each decision (and by each run).
         self._facts: NodeFacts | None = None
@@ -316,8 +320,6 @@ class NodeEntity(Entity[NodeCarry]):
         self._gate_waits_watch = self._settled or workflow.patched(NODE_WATCH_GATE_PATCH)  # the same
         inp = parse_input(NodeEntityInput, raw)
         self._node = inp.node_name
-        if inp.carry is not None:
-            self.state = inp.carry
         self._joined_site, self._joined_settings = inp.site, inp.settings
         workflow.upsert_search_attributes([
             sa.NODE_NAME.value_set(self._node), sa.FLEET_STATE.value_set(self.state.state),

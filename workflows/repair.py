@@ -140,7 +140,8 @@ class GpuRepair:
         s = self._state
         lines = [f"node `{s.node_name}` GPU {s.gpu}: " + ", ".join(s.reasons)]
         if s.held:
-            lines.append("**held by an operator** (contained, doing nothing)"
+            # An operator's hold, or a site's for its incident (its reason says which).
+            lines.append("**held** (contained, doing nothing until released)"
                          + (f": {s.hold_reason}" if s.hold_reason else ""))
         if s.skip_to:
             lines.append(f"operator asked to skip to {s.skip_to}")

@@ -50,7 +50,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet.routing import RoutingDocument, next_document
     from workflows.entity import Entity
-    from workflows.inputs import parse_input, parse_signal
+    from workflows.inputs import parse_input, parse_signal, read_in_init
     from workflows.steps import (
         CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, LONG_WATCH_PAUSE, LONG_WATCH_RETRY, QUICK, failure_message, show_details,
     )
@@ -67,8 +67,12 @@ WATCH_HOLD_SECONDS = 60.0
 
 @workflow.defn(name="Routing")
 class RoutingEntity(Entity[RoutingState]):
-    def __init__(self) -> None:
-        super().__init__(RoutingState())
+    @workflow.init
+    def __init__(self, raw: Any) -> None:
+        # The carried state before any handler: an event sent with the start (``routing_event``
+        # starts the entity with it) is handled before ``run`` begins (entity rule 1).
+        args = read_in_init(RoutingInput, raw)
+        super().__init__((args.state if args else None) or RoutingState())
         self._watch: workflow.ActivityHandle[RoutingWatchResult] | None = None
         self._hold = 0.0
 
@@ -106,7 +110,6 @@ class RoutingEntity(Entity[RoutingState]):
     async def run(self, raw: Any) -> None:
         on_events = workflow.patched(EVENTS_PATCH)  # first: before any activity
         args = parse_input(RoutingInput, raw)
-        self.state = args.state or RoutingState()
         if on_events:
             await self._run_on_events(args)
             return

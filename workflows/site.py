@@ -74,13 +74,14 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.repair import NodeQuarantine
     from fleet.placement import surplus_to_retire
     from workflows.entity import Entity
-    from workflows.inputs import invalid_input, parse_input, parse_signal
+    from workflows.inputs import invalid_input, parse_input, parse_signal, read_in_init
     from workflows.steps import (
         CLUSTER_RETRY,
         LONG_WATCH_HEARTBEAT,
         LONG_WATCH_PAUSE,
         LONG_WATCH_RETRY,
         PROVIDER_RETRY,
+        PUT_BACK_RETRY,
         QUICK,
         STORE_RETRY,
         drain_and_retire,
@@ -142,11 +143,21 @@ SIM_POLL_SECONDS = 1.0
 
 
 
+def _starting_state(args: SiteInput) -> SiteState:
+    """The state a run starts with: the one carried, or a new one (from the separate fields runs
+    carried before ``SiteState``)."""
+    return args.state or SiteState(status=SiteStatus(site=args.site, nodes=dict(args.nodes)),
+                                   fills=args.fills, incident=args.incident or IncidentCarry())
+
+
 @workflow.defn(name="Site")
 class SiteEntity(Entity[SiteState]):
-    def __init__(self) -> None:
-        #: Everything the entity knows, carried over continue-as-new (``run`` sets the real one).
-        super().__init__(SiteState(status=SiteStatus(site="")))
+    @workflow.init
+    def __init__(self, raw: Any) -> None:
+        # Everything the entity knows, carried over continue-as-new: set before any handler (a
+        # transition that reached this run before its first task is handled before ``run``).
+        args = read_in_init(SiteInput, raw)
+        super().__init__(_starting_state(args) if args else SiteState(status=SiteStatus(site="")))
         # Read again by every run: its input, the site's config and incident rule.
         self._args: SiteInput | None = None
         self._site: Site | None = None
@@ -324,9 +335,6 @@ class SiteEntity(Entity[SiteState]):
     async def run(self, raw: Any) -> None:
         args = parse_input(SiteInput, raw)
         self._args = args
-        # Runs from before SiteState carried its parts in separate fields.
-        self.state = args.state or SiteState(status=SiteStatus(site=args.site, nodes=dict(args.nodes)),
-                                             fills=args.fills, incident=args.incident or IncidentCarry())
         self.state.wanted = True  # every run reconciles first: it reads the site's min/max again
         site: Site = await workflow.execute_activity(
             act.resolve_site, ResolveSiteInput(site=args.site), start_to_close_timeout=QUICK,
@@ -434,7 +442,7 @@ class SiteEntity(Entity[SiteState]):
     def _may_continue(self) -> bool:
         """Continue as new only with no fill and no evacuation in flight: waiting on the server's
         suggestion while one runs would wake the loop again at once, for ever (a spinning entity).
-        The fields too: a task that raised leaves its field set, which kept the run (as before)."""
+        Each task clears its field however it ends (``finally``), so neither holds the run for good."""
         return self.may_continue_as_new() and self._fill is None and self._evac is None
 
     def _next_deadline(self, next_reconcile: float) -> float:
@@ -634,11 +642,21 @@ class SiteEntity(Entity[SiteState]):
         site = self._site.name
         self._set_fleet_state("incident")
         self._show(f"provider incident: {incident.reason}; evacuating ({incident.id})")
-        await workflow.execute_activity(
-            act.hold_site_repairs, HoldRepairsInput(site=site, hold=True),
-            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
-            summary=f"running repairs at {site}: finish the rung, then hold",
-        )
+        # The same reason at the hold and the release: the release lets go only of what this held.
+        held_for = f"site {site}: provider incident {incident.id}"[:500]
+        try:
+            await workflow.execute_activity(
+                act.hold_site_repairs, HoldRepairsInput(site=site, hold=True, reason=held_for),
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary=f"running repairs at {site}: finish the rung, then hold",
+            )
+        except ActivityError as error:
+            # The evacuation matters more than the hold: new repairs are refused while the incident
+            # is open (``admit_repair``); the running ones go on. (Raised, it failed the Site entity.)
+            workflow.logger.warning("site %s: running repairs not held (%s); evacuating all the same",
+                                    site, failure_message(error))
+            self._show(f"provider incident: {incident.reason}; evacuating ({incident.id}); running repairs "
+                       f"not held: {failure_message(error)}")
         raw = {**self._args.evacuation, "site": site, "reason": incident.reason}
 
         async def evacuate() -> None:
@@ -658,12 +676,22 @@ class SiteEntity(Entity[SiteState]):
             inc.failures = []
             inc.api_failing_since = None
             inc.open = None
-            await workflow.execute_activity(
-                act.hold_site_repairs, HoldRepairsInput(site=site, hold=False),
-                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"release held repairs at {site}",
-            )
-            self._evac = None
-            self.state.wanted = True
+            try:
+                # Until done: a release that gave up left the site's repairs held for good, and the
+                # entity (this task never ending) unable to continue as new.
+                await workflow.execute_activity(
+                    act.hold_site_repairs, HoldRepairsInput(site=site, hold=False, reason=held_for),
+                    start_to_close_timeout=QUICK, retry_policy=PUT_BACK_RETRY,
+                    summary=f"release held repairs at {site}",
+                )
+            except ActivityError as error:  # refused for good: a person releases them
+                workflow.logger.error("site %s: held repairs not released (%s): release each with "
+                                      "`gpufleet repair release`", site, failure_message(error))
+                incident.outcome = (f"{incident.outcome}; held repairs not released ({failure_message(error)}): "
+                                    "release each with `gpufleet repair release`")
+            finally:
+                self._evac = None
+                self.state.wanted = True
 
         self._evac = self.spawn(evacuate())
 

@@ -100,6 +100,9 @@ class HoldRepairsInput(BaseModel):
     site: str
     #: True: hold (finish the current rung, then wait); False: release.
     hold: bool = True
+    #: The hold's reason, shown on each held repair; a release lets go only of the repairs held
+    #: with this reason (one an operator held for a reason of theirs stays held).
+    reason: str = Field("", max_length=500)
 
 
 # -- SiteEvacuation ---------------------------------------------------------------------------

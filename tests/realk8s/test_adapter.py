@@ -31,6 +31,7 @@ from urllib.parse import urlparse
 
 import pytest
 import yaml
+from kubernetes.client.exceptions import ApiException
 from typer.testing import CliRunner
 
 from cli.cluster import cluster_app
@@ -62,17 +63,32 @@ def _add(entry: str, value: str):
     return lambda data: {**data, entry: value}
 
 
-def record_requests(cluster: KubernetesCluster) -> list[tuple[str, str, str]]:
+class Request(tuple):
+    """One request the adapter sent, ``(method, path, query)``, and ``status``: what the API
+    server answered (a 409 is a write another writer beat, which the adapter reads again and
+    retries)."""
+
+    status: int | None = None
+
+
+def record_requests(cluster: KubernetesCluster) -> list[Request]:
     """Every HTTP request the adapter's client sends: (method, path, query), in order."""
-    seen: list[tuple[str, str, str]] = []
+    seen: list[Request] = []
     rest = cluster.api_client.rest_client
     real = rest.request
 
     def recorded(method, url, query_params=None, *args, **kwargs):
         parsed = urlparse(url)
         query = parsed.query or "&".join(f"{k}={v}" for k, v in (query_params or []))
-        seen.append((method, parsed.path, query))
-        return real(method, url, query_params, *args, **kwargs)
+        request = Request((method, parsed.path, query))
+        seen.append(request)
+        try:
+            response = real(method, url, query_params, *args, **kwargs)
+        except ApiException as error:
+            request.status = error.status
+            raise
+        request.status = response.status
+        return response
 
     rest.request = recorded
     return seen

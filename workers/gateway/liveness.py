@@ -16,6 +16,7 @@ import logging
 import time
 from typing import Awaitable, Callable
 
+from fleet.contracts import workflows as flows
 from fleet.naming import node_workflow_id
 from fleet.settings import Settings
 from providers.cluster.base import AccessRule
@@ -108,7 +109,7 @@ def node_liveness(client, cluster, entity_seen_seconds: float = ENTITY_SEEN_SECO
 
     async def join_running(name: str) -> bool:
         # ``name`` matched node_identity._NAME (no quotes), so it is safe inside the query.
-        query = f'WorkflowType = "NodeJoin" AND NodeName = "{name}" AND ExecutionStatus = "Running"'
+        query = f'WorkflowType = "{flows.NodeJoin.TYPE}" AND NodeName = "{name}" AND ExecutionStatus = "Running"'
         return (await client.count_workflows(query)).count > 0
 
     def records(name: str) -> tuple[bool, list[str]]:

@@ -13,7 +13,8 @@ from fleet.demand import DEMAND_ANNOTATIONS, GpuPod, Toleration
 from providers.cluster.kubernetes.watch import Watches
 
 
-def _gpu_count(container: dict[str, Any]) -> int:
+def container_gpus(container: dict[str, Any]) -> int:
+    """The GPUs a container asks for (0 for none, or for a value that is no quantity)."""
     resources = container.get("resources") or {}
     # An extended resource may be given as a limit only: the request then equals it.
     value = (resources.get("requests") or {}).get(GPU_RESOURCE, (resources.get("limits") or {}).get(GPU_RESOURCE, 0))
@@ -27,8 +28,8 @@ def gpu_pod(pod: dict[str, Any]) -> GpuPod:
     """A Pod object as the demand loop reads it (its effective GPU request: the containers'
     sum, or an init container's, whichever is larger, as the scheduler counts it)."""
     meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
-    gpus = max(sum(_gpu_count(c) for c in spec.get("containers") or []),
-               max((_gpu_count(c) for c in spec.get("initContainers") or []), default=0))
+    gpus = max(sum(container_gpus(c) for c in spec.get("containers") or []),
+               max((container_gpus(c) for c in spec.get("initContainers") or []), default=0))
     conditions = status.get("conditions") or []
     created = meta.get("creationTimestamp")
     try:

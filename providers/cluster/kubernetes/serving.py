@@ -16,7 +16,6 @@ from kubernetes.client.exceptions import ApiException
 from fleet.cluster import (
     ANNOTATION_PREVIOUS_TEMPLATE,
     ANNOTATION_TEMPLATE,
-    GPU_RESOURCE,
     LABEL_MODEL,
     LABEL_SITE,
     ServingSpec,
@@ -25,6 +24,7 @@ from fleet.cluster import (
 from providers.cluster.base import ANNOTATION_MODEL, NoPreviousTemplate, ServingNotFound, serving_name
 from providers.cluster.base import label_value as _label_value
 from providers.cluster.kubernetes.api import MERGE, PROVIDER, KubernetesApi, _canonical, _is_subset, _translate
+from providers.cluster.kubernetes.gpu_pods import container_gpus
 from providers.cluster.kubernetes.manifests import render_deployment, render_model_service, render_pdb, render_service
 
 
@@ -131,7 +131,7 @@ class Serving(KubernetesApi):
             replicas=replicas, updated_replicas=updated, available_replicas=available,
             ready=observed >= generation and replicas == updated == available == desired,
             can_rollback=bool((meta.get("annotations") or {}).get(ANNOTATION_PREVIOUS_TEMPLATE)),
-            gpus_per_replica=_gpus_of(containers[0]),
+            gpus_per_replica=container_gpus(containers[0]),
         )
 
     def serving_status(self, model: str, site: str) -> ServingStatus | None:
@@ -214,12 +214,3 @@ def _same_service(current: dict[str, Any], desired: dict[str, Any]) -> bool:
     meta = current.get("metadata") or {}
     return ((meta.get("annotations") or {}).get(ANNOTATION_MODEL) == desired["metadata"]["annotations"][ANNOTATION_MODEL]
             and set(((current.get("spec") or {}).get("selector") or {})) == set(desired["spec"]["selector"]))
-
-
-def _gpus_of(container: dict[str, Any]) -> int:
-    resources = container.get("resources") or {}
-    value = (resources.get("limits") or {}).get(GPU_RESOURCE) or (resources.get("requests") or {}).get(GPU_RESOURCE)
-    try:
-        return int(value or 0)
-    except (TypeError, ValueError):
-        return 0
