@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from cli.common import Address, OutputFormat, console, err, fleet_client, run, settings, show_rows
@@ -49,7 +50,9 @@ def _run(coro, node: str | None = None, gpu: int | None = None):
 
 
 def _show_ladder(state) -> None:
-    flags = " [yellow](held)[/]" if state.held else ""
+    # Whose hold it is: the reason says (an operator's words, or the site's incident).
+    held = f"held: {escape(state.hold_reason)}" if state.hold_reason else "held"
+    flags = f" [yellow]({held})[/]" if state.held else ""
     # "step → outcome" only when they differ: a finished ladder's step already is its outcome.
     outcome = f" → {state.outcome}" if state.outcome and state.outcome != state.step else ""
     console.print(f"[bold]{state.node_name}[/] GPU {state.gpu}: rung [bold]{state.rung}[/], {state.step}{flags}{outcome}")

@@ -83,15 +83,18 @@ def test_an_entity_continues_as_new_only_through_the_gate(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(ENTITIES))
-def test_an_entitys_state_is_set_before_its_first_handler(name: str) -> None:
-    """Rule 1: the SDK runs the handlers of a run's first task before ``run``; the state they
-    change is the one the run keeps (set in a ``@workflow.init`` ``__init__``, never in ``run``)."""
+def test_an_entitys_run_takes_its_state_through_start_with(name: str) -> None:
+    """Rule 1: the SDK runs the signal handlers of a run's first task before ``run``; the state
+    ``run`` starts with comes through ``start_with``, which then applies what they changed
+    (``after_start``). A ``self.state = ...`` in ``run`` would throw that away."""
     cls = next(cls for cls in ALL_WORKFLOWS if defn_name(cls) == name)
-    assert hasattr(cls.__init__, "__temporal_workflow_init"), f"{name}.__init__ is not @workflow.init"
     run = workflow._Definition.must_from_class(cls).run_fn
-    assigned = [node.lineno for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(run))))
+    tree = ast.parse(textwrap.dedent(inspect.getsource(run)))
+    assigned = [node.lineno for node in ast.walk(tree)
                 if isinstance(node, ast.Assign) and any(ast.unparse(t) == "self.state" for t in node.targets)]
-    assert assigned == [], f"{name}.run sets self.state (lines {assigned} of run): a first-task signal's change is lost"
+    assert assigned == [], f"{name}.run sets self.state (lines {assigned} of run): use self.start_with"
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func) == "self.start_with"]
+    assert len(calls) == 1, f"{name}.run does not take its state through self.start_with"
 
 
 def test_a_workflow_that_continues_as_new_is_an_entity_or_named_here() -> None:
@@ -166,10 +169,28 @@ class ToyEntity(Entity[ToyState]):
             )
 
 
+@workflow.defn(name="NoteEntity")
+class NoteEntity(Entity[ToyState]):
+    """Takes notes in its state; returns once it holds three."""
+
+    def __init__(self) -> None:
+        super().__init__(ToyState())
+
+    @workflow.signal
+    def note(self, text: str) -> None:
+        self.after_start(lambda: self.state.steps.append(text))
+
+    @workflow.run
+    async def run(self, carried: ToyState | None = None) -> ToyState:
+        self.start_with(carried)
+        await workflow.wait_condition(lambda: len(self.state.steps) >= 3)
+        return self.state
+
+
 @pytest.fixture
 async def toy(time_skipping_env: WorkflowEnvironment) -> AsyncIterator[tuple[WorkflowEnvironment, str]]:
     queue = f"toy-{uuid.uuid4().hex[:8]}"
-    async with Worker(time_skipping_env.client, task_queue=queue, workflows=[ToyEntity],
+    async with Worker(time_skipping_env.client, task_queue=queue, workflows=[ToyEntity, NoteEntity],
                       workflow_runner=UnsandboxedWorkflowRunner()):
         yield time_skipping_env, queue
 
@@ -207,3 +228,15 @@ async def test_work_that_arrives_while_the_gate_waits_is_taken_before_continuing
     # Taken by the loop at once (the gate returned to it, the own task still running), carried;
     # the gate asked again, waited for the task, and continued.
     assert (result.runs, result.steps) == (2, ["queued while waiting", "task"])
+
+
+async def test_a_signal_in_the_first_task_lands_in_the_state_the_run_starts_with(toy) -> None:
+    """Sent with the start, the signal's handler runs before ``run`` took its carried state;
+    ``start_with`` applies it after (a run that set ``self.state`` itself lost it)."""
+    env, queue = toy
+    handle = await env.client.start_workflow(
+        NoteEntity.run, ToyState(steps=["carried"], runs=2), id=f"note/{uuid.uuid4().hex[:6]}", task_queue=queue,
+        start_signal=NoteEntity.note.__name__, start_signal_args=["sent with the start"])
+    await handle.signal(NoteEntity.note, "sent later")
+    result = await asyncio.wait_for(handle.result(), 30)
+    assert (result.runs, result.steps) == (2, ["carried", "sent with the start", "sent later"])

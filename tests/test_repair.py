@@ -192,7 +192,7 @@ async def test_failing_proof_keeps_the_node_out_and_operator_controls(temporal_e
         held = await handle.execute_update("hold", {"reason": "GPU reseated by hand"}, result_type=None)
         assert held["held"] and held["hold_reason"] == "GPU reseated by hand"
         shown = await asyncio.to_thread(CliRunner().invoke, app, ["repair", "show", node.node_name, "0", *address])
-        assert "held" in shown.output
+        assert "held: GPU reseated by hand" in " ".join(shown.output.split())  # whose hold, and why
         with pytest.raises(Exception):
             await handle.execute_update("skip_to", {"rung": "teleport"})
         stack.world.clear_faults(node.machine_id, "never")

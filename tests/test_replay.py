@@ -40,9 +40,9 @@ EXPECTED = {
     "routing_events_and_samples",
     # The Routing entity on its watch, no timer (issue 37: ``routing-events``).
     "routing_events_and_samples_on_watch",
-    # Started with its first event (signal-with-start): the event kept since the state is set in
-    # ``@workflow.init``; the run before that fix, which lost it, replays too (tests/test_routing_entity.py).
-    "routing_started_with_an_event", "routing_started_with_an_event_before_init",
+    # Started with its first event (signal-with-start): the event kept since ``start_with``; the
+    # run of the code before, which lost it, replays too (tests/test_routing_entity.py).
+    "routing_started_with_an_event", "routing_started_with_an_event_lost",
     "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
     # The HTTP relay of an operator update (tests/test_entity_update.py).
     "entity_update_quota_raised", "entity_update_rejected",

@@ -238,7 +238,7 @@ async def test_an_event_sent_with_the_start_is_in_the_first_routes(temporal_env,
     assert doc.sites[a].incident == "provider down" and not doc.sites[a].healthy
     assert (await handle.query(flows.Routing.progress))["events"] == 1
     # No patch: the commands are the ones a run before the fix issued (its history,
-    # ``routing_started_with_an_event_before_init``, replays against this code).
+    # ``routing_started_with_an_event_lost``, replays against this code).
     await replay_and_record(handle, "routing_started_with_an_event")
 
 

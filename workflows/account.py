@@ -50,7 +50,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.models import AccountState
     from workflows.entity import Entity
-    from workflows.inputs import invalid_input, parse_input, parse_signal, read_in_init
+    from workflows.inputs import invalid_input, parse_input, parse_signal
     from workflows.refusals import wrong_state
     from workflows.steps import QUICK, STORE_RETRY, failure_message, show_details
 
@@ -71,12 +71,10 @@ CONTINUE_WHEN_READY_PATCH = "account-continue-when-ready"
 
 @workflow.defn(name="ProviderAccount")
 class ProviderAccount(Entity[AccountStatus | None]):
-    @workflow.init
-    def __init__(self, raw: Any) -> None:
-        # The state, set before any handler (entity rule 1); None only for an input ``run`` refuses.
-        args = read_in_init(ProviderAccountInput, raw)
-        super().__init__((args.status or AccountStatus(account=args.account, provider=args.provider))
-                         if args else None)
+    def __init__(self) -> None:
+        # The state (``run`` sets it: a report sent with the start is queued here until then, and
+        # an update before it is refused as "starting").
+        super().__init__(None)
         #: Reports not yet taken by the loop (in flight: the gate lets the loop take them first).
         self._reports: list[ReportAccountInput] = []
 
@@ -179,6 +177,7 @@ class ProviderAccount(Entity[AccountStatus | None]):
         args = parse_input(ProviderAccountInput, raw)
         workflow.patched(STATE_LOCK_PATCH)  # decided (and recorded) once, at the start of the run
         takes_reports_at_gate = workflow.patched(CONTINUE_WHEN_READY_PATCH)  # the same, before any activity
+        self.start_with(args.status or AccountStatus(account=args.account, provider=args.provider))
         workflow.upsert_search_attributes([
             sa.ACCOUNT.value_set(args.account), sa.PROVIDER.value_set(args.provider),
             sa.FLEET_STATE.value_set(self._fleet_state()),

@@ -41,7 +41,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.naming import purchase_workflow_id
     from fleet.messages.watches import DemandWake, DemandWatchInput
     from workflows.entity import Entity
-    from workflows.inputs import parse_input, read_in_init
+    from workflows.inputs import parse_input
     from workflows.steps import (
         CLUSTER_RETRY,
         PROVIDER_RETRY,
@@ -66,10 +66,8 @@ EVENTS_PATCH = "demand-events"
 
 @workflow.defn(name="Demand")
 class Demand(Entity[DemandCarry]):
-    @workflow.init
-    def __init__(self, raw: Any) -> None:
-        args = read_in_init(DemandInput, raw)  # the carried state, set before any handler (entity rule 1)
-        super().__init__((args.carry if args else None) or DemandCarry())
+    def __init__(self) -> None:
+        super().__init__(DemandCarry())
         #: What the last look found (Pending pods, the plan's verdicts, retirements in flight):
         #: not carried, the next run looks again. ``status`` adds the state's purchases and log.
         self._seen = DemandStatus()
@@ -96,6 +94,7 @@ class Demand(Entity[DemandCarry]):
     async def run(self, raw: Any) -> None:
         args = parse_input(DemandInput, raw)
         self._args = args
+        self.start_with(args.carry)
         #: Node → its retirement (an own task: continue-as-new waits for it).
         self._retirements: dict[str, asyncio.Task] = {}
         #: Nodes holding GPU pods as the last watch saw them (``EVENTS_PATCH``).

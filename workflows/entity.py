@@ -7,11 +7,13 @@ temporalio/samples-python ``message_passing/safe_message_handlers``. Three rules
 1. **One state, ``self.state``.** Everything the entity must not lose is one pydantic model,
    and continue-as-new carries exactly that model into the next run. What a run reads again
    (the config, the cluster's facts) or holds only in flight (a queue the loop has not taken, a
-   watch) sits beside it under its own name, and is not carried. The state is set in
-   ``__init__`` under ``@workflow.init``, from the run's input: the SDK hands the signals and
-   updates of a run's first task (one sent with the start, one that reached a continued run
-   before its first task) to their handlers *before* ``run`` begins, so a state set in ``run``
-   would throw their changes away.
+   watch) sits beside it under its own name, and is not carried. ``run`` takes the state it
+   starts with through ``start_with(carried)``, and a signal handler changes the state through
+   ``after_start(change)``: the SDK hands the signals of a run's first task (one sent with the
+   start, one that reached a continued run before its first task) to their handlers *before*
+   ``run`` begins, and a change made then to the state ``run`` replaces would be lost.
+   (Not ``@workflow.init``: an ``__init__`` that takes the input fails the workflow *task*,
+   for ever, on a start with the wrong number of inputs, before the input guard can refuse it.)
 2. **One lock policy.** The workflow runs one coroutine at a time, so a change made between two
    awaits is atomic. A handler that awaits *inside* a change (reads the state, awaits, writes
    from what it read) holds ``self.state_lock`` across it, and so does every other writer of
@@ -49,6 +51,8 @@ class Entity(Generic[StateT]):
         self.state = state
         #: Held across an await inside a change of ``state`` (rule 2).
         self.state_lock = asyncio.Lock()
+        self._started = False
+        self._before_start: list[Callable[[], None]] = []
         self._own: list[asyncio.Task] = []
         self._resting: set[asyncio.Task] = set()
 
@@ -78,6 +82,25 @@ class Entity(Generic[StateT]):
     def own_work_done(self) -> bool:
         """Nothing of the entity's own is mid-step: every own task ended or rests."""
         return all(task.done() or task in self._resting for task in self._own)
+
+    # -- the state a run starts with (rule 1) ---------------------------------------------------
+    def start_with(self, carried: StateT | None) -> None:
+        """``run``, first thing: the state carried in (None: keep the new one ``__init__`` made),
+        then every change a signal of the run's first task asked for before ``run`` began."""
+        if carried is not None:
+            self.state = carried
+        self._started = True
+        changes, self._before_start = self._before_start, []
+        for change in changes:
+            change()
+
+    def after_start(self, change: Callable[[], None]) -> None:
+        """A handler's change of the state: made now, or, for a signal handled before ``run``
+        took its state, once it has (``start_with``)."""
+        if self._started:
+            change()
+        else:
+            self._before_start.append(change)
 
     # -- continue-as-new ------------------------------------------------------------------------
     @staticmethod

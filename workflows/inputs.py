@@ -107,16 +107,6 @@ def validate(model: type[M], raw: Any) -> M:
 parse_input = validate
 
 
-def read_in_init(model: type[M], raw: Any) -> M | None:
-    """The start input as an entity's ``@workflow.init`` reads it (to set the state before any
-    handler runs), or None where it does not parse: ``run`` then refuses it with ``parse_input``,
-    naming the field. (Raised from ``__init__``, it would fail the workflow *task*, for ever.)"""
-    try:
-        return validate(model, raw)
-    except ApplicationError:
-        return None
-
-
 def parse_signal(model: type[M], raw: Any, signal: str) -> M | None:
     """The signal's payload, or None after logging why it is dropped (a signal cannot be refused)."""
     try:

@@ -62,7 +62,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.models import GpuHealth
     from fleet.repair_policy import Finding, RepairSettings, Rung, classify, conditions
     from workflows.entity import Entity
-    from workflows.inputs import describe, first_problem, parse_input, parse_signal, read_in_init
+    from workflows.inputs import describe, first_problem, parse_input, parse_signal
     from workflows.steps import CLUSTER_RETRY, QUICK, count_bad_report, failure_message, show_details
     from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
     from fleet.messages.watches import ClusterNodeState
@@ -184,13 +184,9 @@ def _condition_words(gpu: GpuHealth) -> list[str]:
 
 @workflow.defn(name="Node")
 class NodeEntity(Entity[NodeCarry]):
-    @workflow.init
-    def __init__(self, raw: Any) -> None:
-        #: The state: everything the entity knows, carried over continue-as-new (findings on hold
-        #: included). Set before any handler: a quarantine that reached this run before its first
-        #: task is handled before ``run`` begins, and its reason is kept in the carried log.
-        args = read_in_init(NodeEntityInput, raw)
-        super().__init__((args.carry if args else None) or NodeCarry())
+    def __init__(self) -> None:
+        #: The state: everything the entity knows, carried over continue-as-new (findings on hold included).
+        super().__init__(NodeCarry())
         self._node = ""
         # The cluster's view of the node, read again before each decision (and by each run).
         self._facts: NodeFacts | None = None
@@ -238,10 +234,14 @@ class NodeEntity(Entity[NodeCarry]):
         """The node failed someone else's proof (an evacuation's smoke test): the loop cordons
         it and hands it to the repair ladder, like K bad reports in a row."""
         if (order := parse_signal(NodeQuarantine, raw, "quarantine")) is not None:
-            # Shown before the loop acts (its repair's details replace these), and kept in the log.
-            self._log(f"quarantined: {order.reason}", warn=True)
-            self._show(f"quarantined: {order.reason}")
-            self._quarantine_node(order.reason)
+            # Once ``run`` took its state (one sent before its first task keeps its reason).
+            self.after_start(lambda: self._quarantined(order.reason))
+
+    def _quarantined(self, reason: str) -> None:
+        # Shown before the loop acts (its repair's details replace these), and kept in the log.
+        self._log(f"quarantined: {reason}", warn=True)
+        self._show(f"quarantined: {reason}")
+        self._quarantine_node(reason)
 
     @workflow.signal
     def cluster_state(self, raw: Any) -> None:
@@ -320,6 +320,7 @@ class NodeEntity(Entity[NodeCarry]):
         self._gate_waits_watch = self._settled or workflow.patched(NODE_WATCH_GATE_PATCH)  # the same
         inp = parse_input(NodeEntityInput, raw)
         self._node = inp.node_name
+        self.start_with(inp.carry)
         self._joined_site, self._joined_settings = inp.site, inp.settings
         workflow.upsert_search_attributes([
             sa.NODE_NAME.value_set(self._node), sa.FLEET_STATE.value_set(self.state.state),

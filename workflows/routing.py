@@ -50,7 +50,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet.routing import RoutingDocument, next_document
     from workflows.entity import Entity
-    from workflows.inputs import parse_input, parse_signal, read_in_init
+    from workflows.inputs import parse_input, parse_signal
     from workflows.steps import (
         CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, LONG_WATCH_PAUSE, LONG_WATCH_RETRY, QUICK, failure_message, show_details,
     )
@@ -67,20 +67,20 @@ WATCH_HOLD_SECONDS = 60.0
 
 @workflow.defn(name="Routing")
 class RoutingEntity(Entity[RoutingState]):
-    @workflow.init
-    def __init__(self, raw: Any) -> None:
-        # The carried state before any handler: an event sent with the start (``routing_event``
-        # starts the entity with it) is handled before ``run`` begins (entity rule 1).
-        args = read_in_init(RoutingInput, raw)
-        super().__init__((args.state if args else None) or RoutingState())
+    def __init__(self) -> None:
+        super().__init__(RoutingState())
         self._watch: workflow.ActivityHandle[RoutingWatchResult] | None = None
         self._hold = 0.0
 
     @workflow.signal
     def site_event(self, raw: dict[str, Any]) -> None:
         event = parse_signal(SiteEvent, raw, "site_event")
-        if event is None:
-            return
+        if event is not None:
+            # After ``run`` took its state: ``routing_event`` starts the entity with the event,
+            # whose handler runs before ``run`` begins (entity rule 1).
+            self.after_start(lambda: self._take_event(event))
+
+    def _take_event(self, event: SiteEvent) -> None:
         o = self.state.overrides.get(event.site, SiteOverride())
         if event.kind == "incident":
             o = o.model_copy(update={"healthy": False, "incident": event.detail or "incident"})
@@ -110,6 +110,7 @@ class RoutingEntity(Entity[RoutingState]):
     async def run(self, raw: Any) -> None:
         on_events = workflow.patched(EVENTS_PATCH)  # first: before any activity
         args = parse_input(RoutingInput, raw)
+        self.start_with(args.state)
         if on_events:
             await self._run_on_events(args)
             return

@@ -74,7 +74,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.repair import NodeQuarantine
     from fleet.placement import surplus_to_retire
     from workflows.entity import Entity
-    from workflows.inputs import invalid_input, parse_input, parse_signal, read_in_init
+    from workflows.inputs import invalid_input, parse_input, parse_signal
     from workflows.steps import (
         CLUSTER_RETRY,
         LONG_WATCH_HEARTBEAT,
@@ -152,12 +152,9 @@ def _starting_state(args: SiteInput) -> SiteState:
 
 @workflow.defn(name="Site")
 class SiteEntity(Entity[SiteState]):
-    @workflow.init
-    def __init__(self, raw: Any) -> None:
-        # Everything the entity knows, carried over continue-as-new: set before any handler (a
-        # transition that reached this run before its first task is handled before ``run``).
-        args = read_in_init(SiteInput, raw)
-        super().__init__(_starting_state(args) if args else SiteState(status=SiteStatus(site="")))
+    def __init__(self) -> None:
+        #: Everything the entity knows, carried over continue-as-new (``run`` takes the real one).
+        super().__init__(SiteState(status=SiteStatus(site="")))
         # Read again by every run: its input, the site's config and incident rule.
         self._args: SiteInput | None = None
         self._site: Site | None = None
@@ -224,8 +221,10 @@ class SiteEntity(Entity[SiteState]):
     @workflow.signal
     def node_transition(self, raw: dict[str, Any]) -> None:
         t = parse_signal(NodeTransition, raw, "node_transition")
-        if t is None:
-            return
+        if t is not None:
+            self.after_start(lambda: self._take_transition(t))  # once ``run`` took its state
+
+    def _take_transition(self, t: NodeTransition) -> None:
         status = self.state.status
         status.nodes[t.node_name] = t.state
         if self._count_joins and t.state == "ready":
@@ -335,6 +334,7 @@ class SiteEntity(Entity[SiteState]):
     async def run(self, raw: Any) -> None:
         args = parse_input(SiteInput, raw)
         self._args = args
+        self.start_with(_starting_state(args))
         self.state.wanted = True  # every run reconciles first: it reads the site's min/max again
         site: Site = await workflow.execute_activity(
             act.resolve_site, ResolveSiteInput(site=args.site), start_to_close_timeout=QUICK,
