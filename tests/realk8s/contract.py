@@ -305,7 +305,20 @@ class RealHarness:
             self.delete_pdb(namespace, name)
         for owner in self.owners.values():
             self.real.request("DELETE", f"{owner['_path']}/{owner['name']}", admin=True)
+        # The namespace takes its state, Deployments, Services and routing objects with it; its
+        # pods (a serving Deployment's) are deleted here and now, before the nodes: one still
+        # Pending would be scheduled on the next test's node of the same name, and one bound to
+        # a node deleted under it would show on that next node (the pod GC takes a minute).
+        self.real.request("DELETE", f"/api/v1/namespaces/{self.namespace}", admin=True)
+        pods = f"/api/v1/namespaces/{self.namespace}/pods"
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            status, listed = self.real.request("GET", pods, admin=True)
+            left = [p["metadata"]["name"] for p in (listed.get("items") or [])] if status == 200 else []
+            if not left:
+                break
+            for name in left:
+                self.real.request("DELETE", f"{pods}/{name}", grace0, admin=True)
+            time.sleep(0.1)
         for name in self.nodes:
             self.real.request("DELETE", f"/api/v1/nodes/{name}", admin=True)
-        # The namespace takes its state, Deployments, Services and routing objects with it.
-        self.real.request("DELETE", f"/api/v1/namespaces/{self.namespace}", admin=True)
