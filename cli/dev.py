@@ -593,44 +593,47 @@ def _refused_flag(settings: Settings, temporal: str, port: int, ports: DevPorts,
 def _print_up(settings: Settings, env: dict[str, str], ports: DevPorts, cluster, logs: Path, gateway_env: dict[str, str],
               s3: dict, rewritten: Path | None, metrics: dict[str, int], front_door: str) -> None:
     """Where everything is, and what to try: the lines under "gpufleet dev is up"."""
-    console.print(f"[bold green]gpufleet dev is up[/]  (state in {settings.state_dir}, logs in {logs})")
-    if cluster is not None:
-        for line in cluster_lines(cluster):
-            console.print(line, markup=False, highlight=False)
-    else:
-        console.print(f"  Temporal UI      {env[UI_URL_ENV]}")
-        console.print(f"  Temporal server  {settings.address}")
-    export = ui_export_line(settings, env[UI_URL_ENV])
-    if export is not None:
-        console.print(export, markup=False, highlight=False, soft_wrap=True)
-    console.print(f"  node gateway     127.0.0.1:{ports.gateway}  (mutual TLS; CA {gateway_env[NodeAgentEnv.variable('gateway_ca')]}; "
-                  "every node agent through it, one key and certificate each)")
-    for s3_port in s3:
-        console.print(f"  object stores    http://127.0.0.1:{s3_port}  (S3 emulator; demo model in {DEMO_STORE})")
-    if rewritten is not None:
-        console.print(f"  fleet config     {rewritten}  (its object stores on port {ports.s3}; "
-                      f"other shells: export {CONFIG_ENV}={rewritten})", markup=False, highlight=False)
-    for name, metrics_at in metrics.items():
-        if name == "temporal":
-            console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (the Temporal dev server)")
-        elif name.startswith("temporal:"):
-            service = name.split(":", 1)[1].removesuffix("-metrics")
-            console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (temporal-server {service})")
+    # One write (the console buffers inside ``with``): whoever waits for "is up" in the
+    # output, a person or a test, finds every line under it there too.
+    with console:
+        console.print(f"[bold green]gpufleet dev is up[/]  (state in {settings.state_dir}, logs in {logs})")
+        if cluster is not None:
+            for line in cluster_lines(cluster):
+                console.print(line, markup=False, highlight=False)
         else:
-            console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  ({name})")
-    console.print(f"  HTTP API         http://127.0.0.1:{ports.http}/api/v1/namespaces/{settings.namespace}")
-    console.print(f"  {front_door}")
-    console.print("  try, in another shell:")
-    console.print("    gpufleet sites")
-    console.print("    gpufleet join --site lambda-us-east --wait")
-    console.print("    gpufleet rollout start deploy/rollout.demo.yaml")
-    console.print("    gpufleet nodes")
-    console.print("    gpufleet sim capacity nebius-eu-north 0")
-    console.print("    gpufleet sim pods add llm --gpus 2; gpufleet demand   # the demand loop buys for it")
-    console.print(f"  a process that exits comes back ({RESTART_FIRST_SECONDS:g} s, doubling to "
-                  f"{RESTART_MAX_SECONDS:g} s)" + ("; the cluster's own services stop the stack" if cluster else ""))
-    console.print("  Ctrl-C stops everything; running `gpufleet dev` again resumes open workflows"
-                  + (" (not with --temporal cluster: its database goes with it)." if cluster else "."))
+            console.print(f"  Temporal UI      {env[UI_URL_ENV]}")
+            console.print(f"  Temporal server  {settings.address}")
+        export = ui_export_line(settings, env[UI_URL_ENV])
+        if export is not None:
+            console.print(export, markup=False, highlight=False, soft_wrap=True)
+        console.print(f"  node gateway     127.0.0.1:{ports.gateway}  (mutual TLS; CA {gateway_env[NodeAgentEnv.variable('gateway_ca')]}; "
+                      "every node agent through it, one key and certificate each)")
+        for s3_port in s3:
+            console.print(f"  object stores    http://127.0.0.1:{s3_port}  (S3 emulator; demo model in {DEMO_STORE})")
+        if rewritten is not None:
+            console.print(f"  fleet config     {rewritten}  (its object stores on port {ports.s3}; "
+                          f"other shells: export {CONFIG_ENV}={rewritten})", markup=False, highlight=False)
+        for name, metrics_at in metrics.items():
+            if name == "temporal":
+                console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (the Temporal dev server)")
+            elif name.startswith("temporal:"):
+                service = name.split(":", 1)[1].removesuffix("-metrics")
+                console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  (temporal-server {service})")
+            else:
+                console.print(f"  metrics          http://127.0.0.1:{metrics_at}/metrics  ({name})")
+        console.print(f"  HTTP API         http://127.0.0.1:{ports.http}/api/v1/namespaces/{settings.namespace}")
+        console.print(f"  {front_door}")
+        console.print("  try, in another shell:")
+        console.print("    gpufleet sites")
+        console.print("    gpufleet join --site lambda-us-east --wait")
+        console.print("    gpufleet rollout start deploy/rollout.demo.yaml")
+        console.print("    gpufleet nodes")
+        console.print("    gpufleet sim capacity nebius-eu-north 0")
+        console.print("    gpufleet sim pods add llm --gpus 2; gpufleet demand   # the demand loop buys for it")
+        console.print(f"  a process that exits comes back ({RESTART_FIRST_SECONDS:g} s, doubling to "
+                      f"{RESTART_MAX_SECONDS:g} s)" + ("; the cluster's own services stop the stack" if cluster else ""))
+        console.print("  Ctrl-C stops everything; running `gpufleet dev` again resumes open workflows"
+                      + (" (not with --temporal cluster: its database goes with it)." if cluster else "."))
 
 
 def _child_env(settings: Settings, temporal: str, ports: DevPorts) -> dict[str, str]:

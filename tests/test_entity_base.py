@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
 import inspect
 import re
 import textwrap
@@ -43,14 +44,28 @@ def defn_name(cls: type) -> str:
     return workflow._Definition.must_from_class(cls).name
 
 
-def source(cls: type) -> str:
-    return textwrap.dedent(inspect.getsource(cls))
+@functools.cache
+def source(fn_or_cls: object) -> str:
+    return textwrap.dedent(inspect.getsource(fn_or_cls))
+
+
+@functools.cache
+def tree(fn_or_cls: object) -> ast.Module:
+    return ast.parse(source(fn_or_cls))
 
 
 def gate_calls(cls: type) -> list[str]:
     """``workflow.continue_as_new(...)`` and the like, called in the class's own source."""
-    return [f"{node.func.attr} (line {node.lineno})" for node in ast.walk(ast.parse(source(cls)))
+    return [f"{node.func.attr} (line {node.lineno})" for node in ast.walk(tree(cls))
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in GATE_CALLS]
+
+
+# Parsed once, here, while the module is collected: CPython 3.11's ast (``inspect.getsource`` of
+# a class parses its whole module) can fail with "AST constructor recursion depth mismatch" when
+# another thread of the test process (a Temporal worker's) compiles at the same moment.
+for _cls in ALL_WORKFLOWS:
+    tree(_cls)
+    tree(workflow._Definition.must_from_class(_cls).run_fn)
 
 
 def state_type(cls: type) -> object:
@@ -88,12 +103,11 @@ def test_an_entitys_run_takes_its_state_through_start_with(name: str) -> None:
     ``run`` starts with comes through ``start_with``, which then applies what they changed
     (``after_start``). A ``self.state = ...`` in ``run`` would throw that away."""
     cls = next(cls for cls in ALL_WORKFLOWS if defn_name(cls) == name)
-    run = workflow._Definition.must_from_class(cls).run_fn
-    tree = ast.parse(textwrap.dedent(inspect.getsource(run)))
-    assigned = [node.lineno for node in ast.walk(tree)
+    run = tree(workflow._Definition.must_from_class(cls).run_fn)
+    assigned = [node.lineno for node in ast.walk(run)
                 if isinstance(node, ast.Assign) and any(ast.unparse(t) == "self.state" for t in node.targets)]
     assert assigned == [], f"{name}.run sets self.state (lines {assigned} of run): use self.start_with"
-    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and ast.unparse(node.func) == "self.start_with"]
+    calls = [node for node in ast.walk(run) if isinstance(node, ast.Call) and ast.unparse(node.func) == "self.start_with"]
     assert len(calls) == 1, f"{name}.run does not take its state through self.start_with"
 
 
