@@ -126,11 +126,13 @@ class EvacuationActivities:
             try:
                 ladder = await handle.query(flows.GpuRepair.ladder, result_type=LadderState)
                 ours = ladder.held and ladder.hold_reason == input.reason
-                if ladder.done or (ladder.held and not ours) or (not input.hold and not ours):
-                    continue
+                if ladder.done or (ladder.held and not ours):
+                    continue  # over, or someone else's hold
                 if input.hold and not ours:
                     await handle.execute_update(flows.GpuRepair.hold, {"reason": input.reason})
                 elif not input.hold:
+                    if not ours:
+                        continue  # not held: nothing to release
                     await handle.execute_update(flows.GpuRepair.release, {"reason": input.reason})
                 reached.append(wf.id)
             except Exception as error:  # noqa: BLE001 - finished meanwhile: nothing to hold or release

@@ -397,6 +397,7 @@ async def test_an_evacuation_goes_on_when_the_hold_of_running_repairs_is_refused
         inc.world.set_site(a, unreachable=0)
         result = EvacuationResult.model_validate(await asyncio.wait_for(inc.evacuation("a").result(), 60))
         assert result.outcome == "restored"
+
         async def released_or_said_so():
             status = await _closed(site)
             return status if status and "not released" in status.incident.history[-1].outcome else None

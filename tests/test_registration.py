@@ -7,9 +7,10 @@
 - Every workflow type, signal, update and query in ``fleet/contracts/workflows.py`` is one a
   registered workflow answers, and every handler a registered workflow has is declared there.
 - Nothing outside ``fleet/contracts`` names an activity, workflow, signal, update or query with
-  a bare string (a visibility query's ``WorkflowType = ...`` included), and no workflow schedules an activity by anything but its declaration: a
-  misspelt name would only show when the call ran (an activity task waiting on its queue for a
-  worker that never comes, a signal to a handler that does not exist).
+  a bare string (a visibility query's ``WorkflowType = ...`` included), and no workflow
+  schedules an activity by anything but its declaration: a misspelt name would only show when
+  the call ran (an activity task waiting on its queue for a worker that never comes, a signal
+  to a handler that does not exist).
 
 Read from the source with ``ast`` and from the registered functions and classes.
 """

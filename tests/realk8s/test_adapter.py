@@ -72,7 +72,8 @@ class Request(tuple):
 
 
 def record_requests(cluster: KubernetesCluster) -> list[Request]:
-    """Every HTTP request the adapter's client sends: (method, path, query), in order."""
+    """Every HTTP request the adapter's client sends, in order: (method, path, query), each with
+    the status it was answered with once it is."""
     seen: list[Request] = []
     rest = cluster.api_client.rest_client
     real = rest.request
