@@ -90,16 +90,12 @@ def _node(real: RealCluster, name: str) -> dict:
     return _get(real, f"/api/v1/nodes/{name}")
 
 
-def _writes(seen, fragment: str) -> list[str]:
-    """The writes sent to paths containing ``fragment``, a refused one (409) included."""
-    return [method for method, path, _ in seen if fragment in path and method in ("POST", "PUT", "PATCH", "DELETE")]
-
-
-def _writes_taken(seen, fragment: str) -> list[str]:
-    """The writes the API server took: a 409 lost to another writer (the deployment controller
-    stamping its revision) is one the adapter reads again and retries, not a write of its own."""
+def _writes(seen, fragment: str, taken: bool = False) -> list[str]:
+    """The writes sent to paths containing ``fragment``, a refused one (409) included; ``taken``:
+    only those the API server took (a 409 lost to another writer, such as the deployment
+    controller stamping its revision, is one the adapter reads again and retries)."""
     return [request[0] for request in seen if request[0] in ("POST", "PUT", "PATCH", "DELETE")
-            and fragment in request[1] and request.status != 409]
+            and fragment in request[1] and not (taken and request.status == 409)]
 
 
 @pytest.fixture
@@ -449,7 +445,7 @@ def test_update_and_rollback_keep_templates_in_annotations(real_cluster, kube, u
     kube.rollback_serving(model, site)
     deployment = _deployment(real_cluster, name)
     assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "img:1"
-    assert _writes_taken(seen, "/deployments") == ["POST", "PUT", "PUT"]
+    assert _writes(seen, "/deployments", taken=True) == ["POST", "PUT", "PUT"]
 
 
 def test_foreign_changes_to_the_deployment_survive_apply(real_cluster, kube, unique, serving_cleanup):
