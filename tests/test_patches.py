@@ -170,8 +170,9 @@ def test_the_patch_table_in_the_docs_is_the_code_s() -> None:
 def test_workflows_with_local_activities_ask_their_patches_at_start() -> None:
     """A patch asked after a local activity can fail replay (docs/design/patches.md, "Where a patch
     may be asked"): in a workflow module that runs local activities, every ``workflow.patched`` call
-    but the at-start one is behind ``self._settled or``, and the at-start one is ``run``'s first line.
-    A module whose patches are all retired (NodeJoin: its at-start patch deprecated) asks none."""
+    is behind ``self._settled or`` or asked at the start of ``run``, before its first ``await``; the
+    at-start one is ``run``'s first line. A module whose patches are all retired (NodeJoin: its
+    at-start patch deprecated) asks none."""
     for path in sorted((ROOT / "workflows").glob("*.py")):
         text = path.read_text()
         if "execute_local_activity" not in text and "start_local_activity" not in text:
@@ -180,7 +181,11 @@ def test_workflows_with_local_activities_ask_their_patches_at_start() -> None:
         at_start = [name for before, name in calls if "self._settled or " not in before]
         if not calls:
             continue
-        assert len(at_start) == 1 and at_start[0].endswith("PATCHES_AT_START"), (path.name, at_start)
-        first_line = re.search(r"@workflow\.run\n    async def run\(self[^)]*\)[^:]*:\n(?:        \"\"\".*?\"\"\"\n)?(.*)\n",
-                               text, re.DOTALL)
-        assert first_line and f"workflow.patched({at_start[0]})" in first_line.group(1), path.name
+        assert at_start and at_start[0].endswith("PATCHES_AT_START"), (path.name, at_start)
+        run = re.search(r"@workflow\.run\n    async def run\(self[^)]*\)[^:]*:\n(?:        \"\"\".*?\"\"\"\n)?(.*)",
+                        text, re.DOTALL)
+        assert run, path.name
+        first_line, before_first_await = run.group(1).split("\n", 1)[0], run.group(1).split("await ", 1)[0]
+        assert f"workflow.patched({at_start[0]})" in first_line, path.name
+        for name in at_start[1:]:
+            assert f"workflow.patched({name})" in before_first_await, (path.name, name, "asked after an await")

@@ -43,6 +43,9 @@ EXPECTED = {
     # Started with its first event (signal-with-start): the event kept since ``start_with``; the
     # run of the code before, which lost it, replays too (tests/test_routing_entity.py).
     "routing_started_with_an_event", "routing_started_with_an_event_lost",
+    # A Node run whose first task held a NotReady (tests/test_site_events.py): kept since
+    # ``node-cluster-state-at-start``; the old code's run, which dropped it, replays too.
+    "node_cluster_state_in_the_first_task", "node_cluster_state_in_the_first_task_lost",
     "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
     # The HTTP relay of an operator update (tests/test_entity_update.py).
     "entity_update_quota_raised", "entity_update_rejected",

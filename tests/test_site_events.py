@@ -16,7 +16,10 @@ import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.testing import WorkflowEnvironment
 
+from fleet import naming
+from fleet.contracts import workflows as flows
 from fleet.messages.capacity import SiteStatus
+from fleet.messages.watches import ClusterNodeState
 from fleet.messages.repair import NodeStatus
 from tests.evacuation_helpers import IncStack, incident_fleet, open_incident_stack, poll
 from tests.replay import replay_and_record
@@ -112,6 +115,40 @@ async def test_an_idle_site_costs_nothing_and_its_nodes_entities_learn_notready_
     await poll(repaired, timeout=45)
     await replay_and_record(handle, "site_events_nodes_notready_and_back")
     await replay_and_record(inc.client.get_workflow_handle(f"node/{names[0]}"), "node_entity_cluster_not_ready")
+
+
+async def test_a_notready_in_a_runs_first_task_counts_and_its_ready_replaces_the_watch(busy) -> None:
+    """The Site entity's ``cluster_state`` may land in a Node run's first workflow task (sent while
+    the run before continued as new; here, with the start). The SDK runs that task's handlers
+    before ``run`` decided that the cluster tells it anything: the NotReady was dropped, so the
+    node was not known silent, and when it was Ready again the watch in flight (held by an agent
+    that may be gone, for up to its 10-minute heartbeat timeout) was not replaced."""
+    inc = busy
+    name = f"{inc.site('a')}-first-task"  # no agent polls its queue: its first watch waits
+    handle = await inc.client.start_workflow(
+        flows.Node.TYPE, {"node_name": name}, id=naming.node_workflow_id(name), task_queue=inc.settings.task_queue,
+        start_signal=flows.Node.cluster_state,
+        start_signal_args=[ClusterNodeState(ready=False, observed_at=1000.0).model_dump(mode="json")])
+
+    async def status() -> NodeStatus:
+        return await handle.query(flows.Node.status, result_type=NodeStatus)
+
+    async def watches(count: int) -> bool:
+        events = (await handle.fetch_history()).events
+        return count == sum(e.activity_task_scheduled_event_attributes.activity_type.name == "watch_node"
+                            for e in events if e.HasField("activity_task_scheduled_event_attributes"))
+
+    await poll(lambda: watches(1), timeout=30)
+    first = await status()
+    assert first.not_ready_since == 1000.0 and any("NotReady in the cluster" in line for line in first.log)
+
+    await handle.signal(flows.Node.cluster_state, ClusterNodeState(ready=True, observed_at=1060.0).model_dump(mode="json"))
+    await poll(lambda: watches(2), timeout=30)  # the watch in flight replaced
+    after = await status()
+    assert after.not_ready_since is None
+    assert any("Ready again in the cluster after 60s NotReady" in line for line in after.log)
+    await replay_and_record(handle, "node_cluster_state_in_the_first_task")
+    await handle.terminate("test over")
 
 
 async def test_a_sites_nodes_going_notready_at_once_trip_its_incident_within_the_window(quiet) -> None:

@@ -164,6 +164,14 @@ NODE_PATCHES_AT_START = "node-patches-at-start"
 #: this deploys takes the new gate on its next task, and its history still replays: the new
 #: path differs from the old only where the old one continued as new, which ended that run.
 NODE_WATCH_GATE_PATCH = "node-continue-when-watch-rests"
+#: Workflow patch: a ``cluster_state`` that lands in a run's first workflow task (sent while the
+#: run before continued as new, or with the start) counts. The SDK runs a first task's signal
+#: handlers before ``run``, when the run had not yet decided that the cluster tells it anything,
+#: so the NotReady was dropped: the node was not known silent, and its Ready-again did not
+#: replace the watch an agent that is gone may hold (up to its 10-minute heartbeat timeout).
+#: Not behind ``self._settled or``: the new path replaces that watch (a cancel command) where a
+#: run open at the deploy, which dropped its NotReady, did not; so a run records the marker.
+NODE_CLUSTER_STATE_AT_START = "node-cluster-state-at-start"
 
 #: Bounded memory: XID event keys remembered for de-duplication, log lines kept.
 MAX_SEEN = 512
@@ -248,7 +256,13 @@ class NodeEntity(Entity[NodeCarry]):
         """The node's Site entity saw it turn NotReady in the cluster (its kubelet fell silent) or
         Ready again. Ready after NotReady: the watch in flight may be held by an agent that is
         gone (its heartbeat timeout is long), so it is replaced now."""
-        if (told := parse_signal(ClusterNodeState, raw, "cluster_state")) is None or not self._told_by_cluster:
+        if (told := parse_signal(ClusterNodeState, raw, "cluster_state")) is not None:
+            # Once ``run`` took its state and decided ``_told_by_cluster`` (one sent before its
+            # first task counts under ``NODE_CLUSTER_STATE_AT_START``).
+            self.after_start(lambda: self._take_cluster_state(told))
+
+    def _take_cluster_state(self, told: ClusterNodeState) -> None:
+        if not self._told_by_cluster:
             return
         carry = self.state
         if not told.ready:
@@ -318,6 +332,8 @@ class NodeEntity(Entity[NodeCarry]):
     async def run(self, raw: Any) -> NodeStatus:
         self._settled = workflow.patched(NODE_PATCHES_AT_START)  # first: before any local activity
         self._gate_waits_watch = self._settled or workflow.patched(NODE_WATCH_GATE_PATCH)  # the same
+        if self._settled and workflow.patched(NODE_CLUSTER_STATE_AT_START):
+            self._told_by_cluster = True  # before ``start_with``: a first task's cluster_state counts
         inp = parse_input(NodeEntityInput, raw)
         self._node = inp.node_name
         self.start_with(inp.carry)
@@ -625,6 +641,7 @@ class NodeEntity(Entity[NodeCarry]):
         return self._facts
 
     async def _act(self, finding: Finding) -> None:
+        """A sick GPU: contain it, ask its site whether to repair now, start its GpuRepair."""
         index = finding.index
         self.state.deferred.pop(index, None)
         if index in self._active:
@@ -642,39 +659,56 @@ class NodeEntity(Entity[NodeCarry]):
             self.state.deferred[index] = finding
             self._set_state(self.state.state, f"GPU {index} sick while the node is still joining; waiting")
             return
-        settings = facts.settings
         if index not in self.state.fenced and (self._settled or workflow.patched(CONTAIN_FIRST_PATCH)):
             await self._fence(index, finding)
         if self._settled or workflow.patched(ADMISSION_PATCH):
-            # The Site entity owns the incident rule (fleet.incident): it admits or holds this repair.
-            try:
-                decision: RepairDecision = await workflow.execute_activity(
-                    act.admit_repair, AdmitRepairInput(site=facts.site, node_name=self._node, gpu=index,
-                                                     reasons=finding.reasons),
-                    start_to_close_timeout=timedelta(minutes=2),
-                    heartbeat_timeout=timedelta(seconds=10),  # a lost worker is seen in seconds
-                    retry_policy=ADMISSION_RETRY, summary=f"site/{facts.site}: repair or provider incident?",
-                )
-            except ActivityError as error:
-                decision = RepairDecision(repair=True, why=f"site/{facts.site} did not answer "
-                                                           f"({failure_message(error)}): repairing")
-            if not decision.repair:
-                self.state.deferred[index] = finding
-                self._set_state("awaiting-site", f"{facts.site}: {decision.incident or decision.why}; no new repairs")
-                self._log(f"GPU {index}: held by site/{facts.site}: {decision.incident} {decision.why}".strip())
-                return
+            admitted = await self._admitted_by_site(facts, finding)
         else:
-            health: SiteHealth = await workflow.execute_activity(
-                act.site_health, SiteHealthInput(site=facts.site, node_name=self._node),
-                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"unhealthy nodes at {facts.site}",
+            admitted = await self._site_healthy_enough(facts, finding)
+        if admitted:
+            await self._start_repair(facts, finding)
+
+    async def _admitted_by_site(self, facts: NodeFacts, finding: Finding) -> bool:
+        """The Site entity owns the incident rule (fleet.incident): it admits or holds this repair.
+        Held: the finding waits on hold (rechecked), the node shows whose incident holds it."""
+        index = finding.index
+        try:
+            decision: RepairDecision = await workflow.execute_activity(
+                act.admit_repair, AdmitRepairInput(site=facts.site, node_name=self._node, gpu=index,
+                                                 reasons=finding.reasons),
+                start_to_close_timeout=timedelta(minutes=2),
+                heartbeat_timeout=timedelta(seconds=10),  # a lost worker is seen in seconds
+                retry_policy=ADMISSION_RETRY, summary=f"site/{facts.site}: repair or provider incident?",
             )
-            share = (health.unhealthy_others + 1) / max(health.nodes, 1)
-            if health.unhealthy_others >= 1 and share > settings.thresholds.site_unhealthy_fraction:
-                self.state.deferred[index] = finding
-                self._set_state("awaiting-site", f"{share:.0%} of {facts.site} unhealthy: the Site entity decides")
-                self._log(f"GPU {index}: {share:.0%} of {facts.site} unhealthy, repair deferred to site/{facts.site}")
-                await self._tell_site(facts.site, index, share)
-                return
+        except ActivityError as error:
+            decision = RepairDecision(repair=True, why=f"site/{facts.site} did not answer "
+                                                       f"({failure_message(error)}): repairing")
+        if not decision.repair:
+            self.state.deferred[index] = finding
+            self._set_state("awaiting-site", f"{facts.site}: {decision.incident or decision.why}; no new repairs")
+            self._log(f"GPU {index}: held by site/{facts.site}: {decision.incident} {decision.why}".strip())
+        return decision.repair
+
+    async def _site_healthy_enough(self, facts: NodeFacts, finding: Finding) -> bool:
+        """Runs from before ``ADMISSION_PATCH``: the node itself counts its site's unhealthy nodes
+        and defers to the Site entity above the threshold."""
+        index = finding.index
+        health: SiteHealth = await workflow.execute_activity(
+            act.site_health, SiteHealthInput(site=facts.site, node_name=self._node),
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"unhealthy nodes at {facts.site}",
+        )
+        share = (health.unhealthy_others + 1) / max(health.nodes, 1)
+        if health.unhealthy_others >= 1 and share > facts.settings.thresholds.site_unhealthy_fraction:
+            self.state.deferred[index] = finding
+            self._set_state("awaiting-site", f"{share:.0%} of {facts.site} unhealthy: the Site entity decides")
+            self._log(f"GPU {index}: {share:.0%} of {facts.site} unhealthy, repair deferred to site/{facts.site}")
+            await self._tell_site(facts.site, index, share)
+            return False
+        return True
+
+    async def _start_repair(self, facts: NodeFacts, finding: Finding) -> None:
+        """The rung the ledger escalates to, as a GpuRepair child that outlives the entity."""
+        index, settings = finding.index, facts.settings
         now = workflow.now()
         rung, why = self.state.ledger.escalate(finding, now.timestamp(), settings.thresholds)
         self.state.ledger.record_remediation(now.timestamp())
