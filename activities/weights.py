@@ -256,6 +256,22 @@ class Replicator:
 
     def _copy_multipart(self, f: WeightFile, attempt: int, part_size: int) -> None:
         bucket, key = self.dest.bucket, self._dst_key(f)
+        upload = self._open_upload(f, attempt, part_size, bucket, key)
+        offset = self._keep_contiguous_parts(upload)
+        # Re-hash (not re-copy) the bytes of the finished parts.
+        digest = hashlib.sha256()
+        for chunk in self._stream(f, 0, offset):
+            digest.update(chunk)
+        try:
+            size = self._upload_parts(f, attempt, part_size, bucket, key, upload, offset, digest)
+            self._check_source(f, size, digest)
+        except ChecksumMismatch:
+            self._abort(bucket, key, upload.upload_id)
+            raise
+        self._complete_upload(bucket, key, upload)
+
+    def _open_upload(self, f: WeightFile, attempt: int, part_size: int, bucket: str, key: str) -> OpenUpload:
+        """The checkpoint's open upload of ``f``, else a new multipart upload."""
         # An open upload in the checkpoint was checked by _resumable.
         upload = self.cp.current if self.cp.current and self.cp.current.path == f.path else None
         if upload is None:
@@ -264,7 +280,12 @@ class Replicator:
                 Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256", Metadata={"sha256": f.sha256},
             )
             upload = OpenUpload(path=f.path, upload_id=created["UploadId"], part_size=part_size, attempt=attempt)
-        # Continue after the contiguous run of finished parts; re-hash (not re-copy) those bytes.
+        return upload
+
+    def _keep_contiguous_parts(self, upload: OpenUpload) -> int:
+        """Keeps the upload's contiguous run of finished parts (those after a gap are sent
+        again), checkpoints it as the open upload and returns the offset to continue from."""
+        # Continue after the contiguous run of finished parts.
         parts: list[Part] = []
         for part in sorted(upload.parts, key=lambda p: p.number):
             if part.number != len(parts) + 1:
@@ -275,58 +296,69 @@ class Replicator:
         offset = sum(p.size for p in parts)
         self.cp.current = upload
         self.beat(force=True)
-        digest = hashlib.sha256()
-        for chunk in self._stream(f, 0, offset):
-            digest.update(chunk)
+        return offset
+
+    def _upload_parts(self, f: WeightFile, attempt: int, part_size: int, bucket: str, key: str,
+                      upload: OpenUpload, offset: int, digest) -> int:
+        """Uploads the source from ``offset`` as parts, at most ``concurrency`` at a time,
+        each finished part added to the upload and heartbeaten; returns the source's size."""
+        with ThreadPoolExecutor(self.opts.concurrency, thread_name_prefix="s3-part") as pool:
+            inflight: set[Future] = set()
+            number = len(upload.parts) + 1
+
+            def submit(data: bytearray) -> None:
+                nonlocal number
+                collect(block=False)
+                inflight.add(pool.submit(self._upload_part, f, attempt, bucket, key, upload.upload_id, number, data))
+                number += 1
+
+            def collect(block: bool) -> None:
+                while inflight and (block or len(inflight) >= self.opts.concurrency):
+                    finished, _ = wait(inflight, return_when=FIRST_COMPLETED)
+                    for future in finished:
+                        inflight.discard(future)
+                        part = future.result()
+                        upload.parts.append(part)
+                        self.cp.bytes_done += part.size
+                    self.beat(force=True)  # each finished part is resumable
+
+            size = self._cut_parts(f, offset, part_size, digest, submit)
+            collect(block=True)
+        return size
+
+    def _cut_parts(self, f: WeightFile, offset: int, part_size: int, digest,
+                   submit: Callable[[bytearray], None]) -> int:
+        """Streams the source from ``offset`` into parts of ``part_size`` (the last one
+        shorter), hashing it on the way, and hands each to ``submit`` in order; returns
+        the source's size."""
         size = offset
-        try:
-            with ThreadPoolExecutor(self.opts.concurrency, thread_name_prefix="s3-part") as pool:
-                inflight: set[Future] = set()
-                number = len(parts) + 1
-                # The part being filled, in place: memory is at most `concurrency` parts
-                # in flight plus this one.
-                buffer: bytearray | None = None
-                filled = 0
-
-                def submit(data: bytearray, n: int) -> None:
-                    collect(block=False)
-                    inflight.add(pool.submit(self._upload_part, f, attempt, bucket, key, upload.upload_id, n, data))
-
-                def collect(block: bool) -> None:
-                    while inflight and (block or len(inflight) >= self.opts.concurrency):
-                        finished, _ = wait(inflight, return_when=FIRST_COMPLETED)
-                        for future in finished:
-                            inflight.discard(future)
-                            part = future.result()
-                            upload.parts.append(part)
-                            self.cp.bytes_done += part.size
-                        self.beat(force=True)  # each finished part is resumable
-
-                for chunk in self._stream(f, offset):
-                    digest.update(chunk)
-                    size += len(chunk)
-                    rest = memoryview(chunk)
-                    while rest:
-                        if buffer is None:
-                            buffer, filled = bytearray(part_size), 0
-                        n = min(len(rest), part_size - filled)
-                        buffer[filled:filled + n] = rest[:n]
-                        filled += n
-                        rest = rest[n:]
-                        if filled == part_size:
-                            submit(buffer, number)
-                            buffer, number = None, number + 1
-                    self.throttle(len(chunk))
-                    self.beat()
-                if buffer is not None:
-                    del buffer[filled:]
-                    submit(buffer, number)
+        # The part being filled, in place: memory is at most `concurrency` parts
+        # in flight plus this one.
+        buffer: bytearray | None = None
+        filled = 0
+        for chunk in self._stream(f, offset):
+            digest.update(chunk)
+            size += len(chunk)
+            rest = memoryview(chunk)
+            while rest:
+                if buffer is None:
+                    buffer, filled = bytearray(part_size), 0
+                n = min(len(rest), part_size - filled)
+                buffer[filled:filled + n] = rest[:n]
+                filled += n
+                rest = rest[n:]
+                if filled == part_size:
+                    submit(buffer)
                     buffer = None
-                collect(block=True)
-            self._check_source(f, size, digest)
-        except ChecksumMismatch:
-            self._abort(bucket, key, upload.upload_id)
-            raise
+            self.throttle(len(chunk))
+            self.beat()
+        if buffer is not None:
+            del buffer[filled:]
+            submit(buffer)
+            buffer = None
+        return size
+
+    def _complete_upload(self, bucket: str, key: str, upload: OpenUpload) -> None:
         self._call(
             f"complete upload s3://{bucket}/{key}", self.dst.complete_multipart_upload,
             Bucket=bucket, Key=key, UploadId=upload.upload_id,

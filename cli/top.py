@@ -52,6 +52,10 @@ def sections(snap) -> tuple[dict[str, str], list[Section]]:
 
     sites = Section("sites", "sites", ["site", "provider", *NODE_STATES, "GPUs ok", "contained", "incidents", "state",
                                        "weight", "$/h"], narrow=SITE_NARROW)
+    def known(text: str, *sources: str) -> str:
+        """A figure from a source that did not answer reads "?": it is not known, not 0."""
+        return "?" if any(source in snap.errors for source in sources) else text
+
     total_spend = 0.0
     for site in snap.sites:
         nodes = snap.nodes.get(site.name, {})
@@ -59,11 +63,12 @@ def sections(snap) -> tuple[dict[str, str], list[Section]]:
         total_spend += spend
         contained = snap.gpus_contained[site.name]
         sites.rows.append([
-            site.name, site.provider, *(str(nodes.get(state, 0)) for state in NODE_STATES),
-            str(max(0, snap.gpus_total[site.name] - contained)),
-            f"[yellow]{contained}[/]" if contained else "0",
-            f"[red]{snap.incidents[site.name]}[/]" if snap.incidents[site.name] else "0",
-            snap.site_states.get(site.name, ""), str(snap.site_routes.get(site.name, "")), f"{spend:.2f}",
+            site.name, site.provider, *(known(str(nodes.get(state, 0)), "cluster") for state in NODE_STATES),
+            known(str(max(0, snap.gpus_total[site.name] - contained)), "cluster", "temporal"),
+            known(f"[yellow]{contained}[/]" if contained else "0", "temporal"),
+            known(f"[red]{snap.incidents[site.name]}[/]" if snap.incidents[site.name] else "0", "temporal"),
+            known(snap.site_states.get(site.name, ""), "temporal"),
+            known(str(snap.site_routes.get(site.name, "")), "routing"), known(f"{spend:.2f}", snap.spend_from),
         ])
     parts = [sites]
     open_repairs = [r for r in snap.repairs if r.open]
@@ -82,14 +87,14 @@ def sections(snap) -> tuple[dict[str, str], list[Section]]:
         parts.append(Section("unavailable", "unavailable", ["source", "error"],
                              [[source, error] for source, error in sorted(snap.errors.items())]))
     summary = {
-        "nodes": str(sum(sum(t.values()) for t in snap.nodes.values())),
-        "GPUs": str(sum(snap.gpus_total.values())),
-        "contained": str(sum(snap.gpus_contained.values())),
-        "repairs open": str(len(open_repairs)),
-        "incidents": str(sum(snap.incidents.values())),
-        "pending requests": str(len(snap.capacity_requests)),
-        "orphans": str(sum(snap.orphans.values())),
-        "spend $/h": f"{total_spend:.2f}",
+        "nodes": known(str(sum(sum(t.values()) for t in snap.nodes.values())), "cluster"),
+        "GPUs": known(str(sum(snap.gpus_total.values())), "cluster"),
+        "contained": known(str(sum(snap.gpus_contained.values())), "temporal"),
+        "repairs open": known(str(len(open_repairs)), "temporal"),
+        "incidents": known(str(sum(snap.incidents.values())), "temporal"),
+        "pending requests": known(str(len(snap.capacity_requests)), "temporal"),
+        "orphans": known(str(sum(snap.orphans.values())), "cluster", "temporal"),
+        "spend $/h": known(f"{total_spend:.2f}", snap.spend_from),
         "at": time.strftime("%H:%M:%S", time.localtime(snap.taken_at)),
     }
     return summary, parts

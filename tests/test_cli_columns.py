@@ -130,6 +130,19 @@ def test_top_reads_at_80_columns(terminal) -> None:
         assert row.split()[-2:] == ["250", "71.76"] and "…" not in row, row
 
 
+def test_top_says_unknown_not_zero_for_a_source_that_did_not_answer() -> None:
+    """Before: a cluster that did not answer read as every site with 0 nodes and $0.00/h."""
+    snap = snapshot()
+    snap.errors["cluster"] = "ConnectionRefusedError: the API server is away"
+    summary, parts = cli.top.sections(snap)
+    sites = next(p for p in parts if p.key == "sites")
+    columns = dict(zip(sites.columns, sites.rows[0]))
+    assert [columns[state] for state in NODE_STATES] == ["?"] * len(NODE_STATES)
+    assert (columns["GPUs ok"], columns["$/h"]) == ("?", "?")
+    assert (columns["state"], columns["weight"]) == ("serving", "250")  # from the sources that answered
+    assert (summary["nodes"], summary["GPUs"], summary["spend $/h"], summary["incidents"]) == ("?", "?", "?", "1")
+
+
 @pytest.mark.integration  # python -m cli, piped
 def test_top_prints_a_snapshot_when_piped(tmp_path: Path) -> None:
     """Before: piped, `gpufleet top` drew a live view nobody saw and printed nothing."""

@@ -32,7 +32,8 @@ from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3 is
 from tests.ports import free_port
 from tests.tools import find, needs, require
 from workers.control_plane import build_worker
-from workers.metrics import MetricsServer, agents_running, watch_fleet
+from tests.test_cli_columns import snapshot
+from workers.metrics import MetricsServer, agents_running, fleet_families, watch_fleet
 from workers.node_agent import SimNodeHost
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,6 +111,26 @@ def dashboard_exprs() -> list[str]:
 
 def alert_rules() -> list[dict]:
     return [r for g in yaml.safe_load((OBSERVABILITY / "alerts.yaml").read_text())["groups"] for r in g["rules"]]
+
+
+def test_a_source_that_did_not_answer_has_no_series_not_zeros() -> None:
+    """Before: a cluster that did not answer was scraped as 0 ready nodes at every site, which
+    pages GpufleetSiteBelowMinimum for each of them after 30 minutes (and $0/h of spend, 0
+    orphans); only gpufleet_source_up told. Now its families are absent, as the snapshot says."""
+    snap = snapshot()
+    families = {f.name: f for f in fleet_families(snap)}
+    assert {"gpufleet_nodes", "gpufleet_gpus", "gpufleet_spend_dollars_per_hour", "gpufleet_orphaned_machines"} <= set(families)
+    snap.errors["cluster"] = "ConnectionRefusedError: the API server is away"
+    families = {f.name: f for f in fleet_families(snap)}
+    assert not {"gpufleet_nodes", "gpufleet_gpus", "gpufleet_spend_dollars_per_hour",
+                "gpufleet_orphaned_machines"} & set(families)
+    # What needs no cluster stays: the configured bounds, what Temporal's visibility says.
+    assert {"gpufleet_site_min_nodes", "gpufleet_incidents_open", "gpufleet_site_routing_weight"} <= set(families)
+    up = {s.labels["source"]: s.value for s in families["gpufleet_source_up"].samples}
+    assert up == {"cluster": 0, "temporal": 1, "accounts": 1, "routing": 1}
+    # Spend counted from the providers' machines (the simulated fleet) does not need the cluster.
+    snap.spend_from = "providers"
+    assert "gpufleet_spend_dollars_per_hour" in {f.name for f in fleet_families(snap)}
 
 
 def test_alert_rules_pass_promtool() -> None:

@@ -160,6 +160,8 @@ class FleetSnapshot:
     site_routes: dict[str, int] = field(default_factory=dict)  # site → fleet-wide weight
     capacity_requests: list[tuple[str, str]] = field(default_factory=list)  # (workflow id, FleetState) open
     orphans: Tally = field(default_factory=Tally)  # (site, provider) → machines
+    #: The source ``spend`` is counted from: the cluster's nodes, or (sim) the providers' machines.
+    spend_from: str = "cluster"
     errors: dict[str, str] = field(default_factory=dict)  # source → what went wrong
     taken_at: float = 0.0
 
@@ -240,6 +242,7 @@ def _from_fleet(env: "FleetEnv", snap: FleetSnapshot, joining: set[str] | None, 
         nodes = None
     # What is billed: every machine the providers hold (sim), else every node of the fleet.
     if env.world is not None:
+        snap.spend_from = "providers"
         machines = env.world.machines()
         held = Tally(m["site"] for m in machines)
     else:
@@ -291,89 +294,141 @@ async def fleet_snapshot(env: "FleetEnv", client: Client | None, task_queue: str
 def fleet_families(snap: FleetSnapshot) -> Iterable[GaugeMetricFamily]:
     """A snapshot as Prometheus gauge families (names and labels after Prometheus conventions)."""
     sites = {s.name: s for s in snap.sites}
+    # A source's families only when it answered, never as zeros (a cluster that did not answer
+    # is not a fleet of 0 ready nodes: that paged GpufleetSiteBelowMinimum for every site);
+    # gpufleet_source_up says which did not. The configured bounds need no source.
+    cluster = "cluster" not in snap.errors
+    if cluster:
+        yield _nodes_family(snap, sites)
+    yield from _bounds_families(snap)
+    if cluster:
+        yield _gpus_family(snap, sites)
+    if "temporal" not in snap.errors:
+        yield from _visibility_families(snap, sites, orphans=cluster)
+    if "accounts" not in snap.errors:
+        yield from _account_families(snap)
+    if snap.spend_from not in snap.errors:
+        yield _spend_family(snap, sites)
+    if "routing" not in snap.errors:
+        yield from _routing_families(snap)
+    yield _source_up_family(snap)
+
+
+def _nodes_family(snap: FleetSnapshot, sites: dict) -> GaugeMetricFamily:
+    """Nodes by site and state (the cluster's; provisioning: the running joins)."""
     nodes = GaugeMetricFamily("gpufleet_nodes", "Nodes by site and lifecycle state.", labels=["site", "provider", "state"])
     for name in sorted(set(sites) | set(snap.nodes)):
         provider = sites[name].provider if name in sites else ""
         for state in NODE_STATES:
             nodes.add_metric([name, provider, state], snap.nodes.get(name, Tally())[state])
-    yield nodes
+    return nodes
+
+
+def _bounds_families(snap: FleetSnapshot) -> Iterable[GaugeMetricFamily]:
+    """Each site's configured minimum and maximum of nodes."""
     for metric, help_, attr in (("gpufleet_site_min_nodes", "A site's configured minimum of nodes.", "min_nodes"),
                                 ("gpufleet_site_max_nodes", "A site's configured maximum of nodes.", "max_nodes")):
         family = GaugeMetricFamily(metric, help_, labels=["site", "provider"])
         for s in snap.sites:
             family.add_metric([s.name, s.provider], getattr(s, attr))
         yield family
+
+
+def _gpus_family(snap: FleetSnapshot, sites: dict) -> GaugeMetricFamily:
+    """Each site's GPUs, healthy or contained by a repair."""
     gpus = GaugeMetricFamily("gpufleet_gpus", "GPUs on the fleet's nodes by site: healthy, or contained by a repair.",
                              labels=["site", "state"])
     for name in sorted(set(sites) | set(snap.gpus_total)):
         contained = snap.gpus_contained[name]
         gpus.add_metric([name, "contained"], contained)
         gpus.add_metric([name, "healthy"], max(0, snap.gpus_total[name] - contained))
-    yield gpus
-    if "temporal" not in snap.errors:
-        repairs = GaugeMetricFamily("gpufleet_repairs", "GPU repairs Temporal's visibility holds, by rung (current or "
-                                    "last) and outcome (in-progress while open).", labels=["rung", "outcome"])
-        for (rung, outcome), n in sorted(Tally((r.rung, r.outcome) for r in snap.repairs).items()):
-            repairs.add_metric([rung, outcome], n)
-        yield repairs
-        open_ = GaugeMetricFamily("gpufleet_repair_in_progress", "1 for each open GPU repair on its current rung "
-                                  "(a new rung is a new series: alert with `for:`).",
-                                  labels=["repair", "node", "gpu", "site", "rung"])
-        for r in snap.repairs:
-            if r.open:
-                open_.add_metric([r.workflow_id, r.node, str(r.gpu), r.site, r.rung], 1)
-        yield open_
-        incidents = GaugeMetricFamily("gpufleet_incidents_open", "Open provider incidents (running evacuations) by site.",
-                                      labels=["site"])
-        for name in sorted(set(sites) | set(snap.incidents)):
-            incidents.add_metric([name], snap.incidents[name])
-        yield incidents
-        state = GaugeMetricFamily("gpufleet_site_state", "1 for the state each Site entity reports (FleetState).",
-                                  labels=["site", "state"])
-        for name, word in sorted(snap.site_states.items()):
-            state.add_metric([name, word], 1)
-        yield state
-        yield GaugeMetricFamily("gpufleet_capacity_requests_open", "Open AcquireCapacity requests (pending demand).",
-                                value=len(snap.capacity_requests))
-        orphans = GaugeMetricFamily("gpufleet_orphaned_machines", "Machines a provider holds with neither a node nor "
-                                    "a running join, past the grace period.", labels=["site", "provider"])
-        for name in sorted(sites):
-            orphans.add_metric([name, sites[name].provider], snap.orphans[(name, sites[name].provider)])
-        yield orphans
-    if "accounts" not in snap.errors:
-        person = GaugeMetricFamily("gpufleet_account_needs_person", "1 when a person must act on a provider account "
-                                   "(credentials revoked or an offer quota-blocked).", labels=["provider", "account", "state"])
-        blocked = GaugeMetricFamily("gpufleet_account_blocked_offers", "Offers blocked over quota per account.",
-                                    labels=["provider", "account"])
-        for name, provider, state_word, n_blocked in snap.accounts:
-            needs = state_word != AccountState.HEALTHY.value or n_blocked > 0
-            person.add_metric([provider, name, state_word], 1 if needs else 0)
-            blocked.add_metric([provider, name], n_blocked)
-        yield person
-        yield blocked
+    return gpus
+
+
+def _visibility_families(snap: FleetSnapshot, sites: dict, orphans: bool) -> Iterable[GaugeMetricFamily]:
+    """What Temporal's visibility says: repairs, incidents, site states, open capacity
+    requests, and (``orphans``: the cluster answered too) the machines neither a node nor a
+    running join holds."""
+    repairs = GaugeMetricFamily("gpufleet_repairs", "GPU repairs Temporal's visibility holds, by rung (current or "
+                                "last) and outcome (in-progress while open).", labels=["rung", "outcome"])
+    for (rung, outcome), n in sorted(Tally((r.rung, r.outcome) for r in snap.repairs).items()):
+        repairs.add_metric([rung, outcome], n)
+    yield repairs
+    open_ = GaugeMetricFamily("gpufleet_repair_in_progress", "1 for each open GPU repair on its current rung "
+                              "(a new rung is a new series: alert with `for:`).",
+                              labels=["repair", "node", "gpu", "site", "rung"])
+    for r in snap.repairs:
+        if r.open:
+            open_.add_metric([r.workflow_id, r.node, str(r.gpu), r.site, r.rung], 1)
+    yield open_
+    incidents = GaugeMetricFamily("gpufleet_incidents_open", "Open provider incidents (running evacuations) by site.",
+                                  labels=["site"])
+    for name in sorted(set(sites) | set(snap.incidents)):
+        incidents.add_metric([name], snap.incidents[name])
+    yield incidents
+    state = GaugeMetricFamily("gpufleet_site_state", "1 for the state each Site entity reports (FleetState).",
+                              labels=["site", "state"])
+    for name, word in sorted(snap.site_states.items()):
+        state.add_metric([name, word], 1)
+    yield state
+    yield GaugeMetricFamily("gpufleet_capacity_requests_open", "Open AcquireCapacity requests (pending demand).",
+                            value=len(snap.capacity_requests))
+    if not orphans:
+        return
+    orphaned = GaugeMetricFamily("gpufleet_orphaned_machines", "Machines a provider holds with neither a node nor "
+                                  "a running join, past the grace period.", labels=["site", "provider"])
+    for name in sorted(sites):
+        orphaned.add_metric([name, sites[name].provider], snap.orphans[(name, sites[name].provider)])
+    yield orphaned
+
+
+def _account_families(snap: FleetSnapshot) -> Iterable[GaugeMetricFamily]:
+    """Per provider account: whether a person must act, and its offers blocked over quota."""
+    person = GaugeMetricFamily("gpufleet_account_needs_person", "1 when a person must act on a provider account "
+                               "(credentials revoked or an offer quota-blocked).", labels=["provider", "account", "state"])
+    blocked = GaugeMetricFamily("gpufleet_account_blocked_offers", "Offers blocked over quota per account.",
+                                labels=["provider", "account"])
+    for name, provider, state_word, n_blocked in snap.accounts:
+        needs = state_word != AccountState.HEALTHY.value or n_blocked > 0
+        person.add_metric([provider, name, state_word], 1 if needs else 0)
+        blocked.add_metric([provider, name], n_blocked)
+    yield person
+    yield blocked
+
+
+def _spend_family(snap: FleetSnapshot, sites: dict) -> GaugeMetricFamily:
+    """Dollars per hour of the machines held, every configured site (0 when it holds none)."""
     spend = GaugeMetricFamily("gpufleet_spend_dollars_per_hour", "What the machines held cost per hour, by site and "
                               "provider.", labels=["site", "provider", "capacity_type"])
     for name in sorted(sites):
         s = sites[name]
         spend.add_metric([name, s.provider, s.capacity_type.value], snap.spend.get((name, s.provider), 0.0))
-    yield spend
-    if "routing" not in snap.errors:
-        weight = GaugeMetricFamily("gpufleet_routing_weight", "Routing weight of each model at each site (published "
-                                   "routing document).", labels=["model", "site"])
-        for (model, site), w in sorted(snap.routing.items()):
-            if model != SITE_ROUTES:
-                weight.add_metric([model, site], w)
-        yield weight
-        site_weight = GaugeMetricFamily("gpufleet_site_routing_weight", "Fleet-wide weight of each site for new "
-                                        "sessions (0: drained or evacuating).", labels=["site"])
-        for site, w in sorted(snap.site_routes.items()):
-            site_weight.add_metric([site], w)
-        yield site_weight
+    return spend
+
+
+def _routing_families(snap: FleetSnapshot) -> Iterable[GaugeMetricFamily]:
+    """Published routing weights: each model's per site, and each site's fleet-wide."""
+    weight = GaugeMetricFamily("gpufleet_routing_weight", "Routing weight of each model at each site (published "
+                               "routing document).", labels=["model", "site"])
+    for (model, site), w in sorted(snap.routing.items()):
+        # The fleet-wide site routes are their own family below.
+        if model != SITE_ROUTES:
+            weight.add_metric([model, site], w)
+    yield weight
+    site_weight = GaugeMetricFamily("gpufleet_site_routing_weight", "Fleet-wide weight of each site for new "
+                                    "sessions (0: drained or evacuating).", labels=["site"])
+    for site, w in sorted(snap.site_routes.items()):
+        site_weight.add_metric([site], w)
+    yield site_weight
+
+
+def _source_up_family(snap: FleetSnapshot) -> GaugeMetricFamily:
+    """Which sources answered this scrape, so a missing family reads as a failed source."""
     up = GaugeMetricFamily("gpufleet_source_up", "1 when a source of the fleet metrics answered this scrape.",
                            labels=["source"])
     for source in ("cluster", "temporal", "accounts", "routing"):
         up.add_metric([source], 0 if source in snap.errors else 1)
-    yield up
+    return up
 
 
 class FleetCollector:
