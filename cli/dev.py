@@ -649,6 +649,122 @@ def _child_env(settings: Settings, temporal: str, ports: DevPorts) -> dict[str, 
     return env
 
 
+class _Stack:
+    """The stack's children, started in order and stopped in reverse (``stop_all``), and where start-up
+    stands for Ctrl-C (``on_signal``)."""
+
+    LABELS = {"temporal": "Temporal server", "control-plane": "control-plane worker", "node-gateway": "node gateway",
+              "node-agents": "node host", "front-door": "front door"}
+
+    def __init__(self, env: dict[str, str], logs: Path) -> None:
+        self.env, self.logs = env, logs
+        self.children: dict[str, Child] = {}
+        self.cluster = None  # --temporal cluster: the RealTemporal, stopped after the workers
+        self.starting, self.stopping = True, False
+
+    def start(self, name: str, command: list[str], after_start: Callable[[], None] | None = None) -> None:
+        label = self.LABELS.get(name) or (f"S3 emulator (port {name[3:]})" if name.startswith("s3-") else name)
+        child = Child(name, label, command, dict(self.env), self.logs / f"{name}.log", after_start)
+        self.children[name] = child
+        child.start()
+
+    def stop_all(self) -> None:
+        # Workers first, while the server still answers their last calls; then the server.
+        for child in reversed(list(self.children.values())):
+            child.stop()
+        if self.cluster is not None:
+            self.cluster.stop()  # its four services, then PostgreSQL
+        console.print("[dim]stopped: " + ", ".join([*self.children,
+                                                    *(["Temporal cluster, PostgreSQL"] if self.cluster else [])])
+                      + "[/]")
+
+    def on_signal(self, signum, _frame) -> None:
+        if self.stopping:
+            return  # a second Ctrl-C: the stop under way finishes (every child still goes)
+        self.stopping = True
+        if self.starting:
+            raise Interrupted(signal.Signals(signum).name)
+
+
+def _start_object_stores(stack: _Stack, config, s3: dict[int, list]) -> None:
+    """The S3 emulators, their buckets and the demo model."""
+    if s3:
+        console.print("[dim]starting the S3 emulator and seeding the demo model...[/]")
+    for s3_port in s3:
+        # A restarted emulator (moto keeps its objects in memory) gets its buckets and demo model again.
+        stack.start(f"s3-{s3_port}", object_store_command(s3_port),
+                    after_start=lambda s3_port=s3_port: seed_loopback_stores(config, {s3_port: s3[s3_port]}))
+    seed_loopback_stores(config, s3)
+
+
+def _start_temporal_cluster(stack: _Stack, settings: Settings, ports: DevPorts,
+                            metrics: dict[str, int]) -> tuple[subprocess.Popen, Path] | None:
+    """``--temporal cluster``: its frontend and that one's log, or None (said) when it cannot start."""
+    from cli.temporal_cluster import ClusterFailed
+
+    # On the stack before it starts: a Ctrl-C meanwhile stops what it started.
+    stack.cluster = start_cluster(settings, ports, metrics)
+    cluster = stack.cluster
+    console.print(f"[dim]starting a real Temporal cluster on {settings.address}: PostgreSQL, the schema, "
+                  f"frontend, history, matching and worker (logs: {cluster.root})...[/]")
+    try:
+        cluster.start()
+    except ClusterFailed as error:
+        console.print("[red]error:[/]", end=" ")
+        console.print(str(error), markup=False, highlight=False)
+        stack.cluster = None  # start() stopped what it had started
+        return None
+    return cluster.processes["frontend"], cluster.root / "frontend.log"
+
+
+def _start_dev_server(stack: _Stack, settings: Settings, port: int, ports: DevPorts,
+                      metrics: dict[str, int]) -> tuple[subprocess.Popen, Path]:
+    """The Temporal dev server as a child of the stack: its process and its log."""
+    console.print(f"[dim]starting the Temporal server on {settings.address} "
+                  f"(log: {stack.logs / 'temporal.log'})...[/]")
+    stack.start("temporal", server_command(settings, port, ports.ui, ports.http, metrics["temporal"]))
+    return stack.children["temporal"].proc, stack.logs / "temporal.log"
+
+
+def _server_answers(settings: Settings, server: subprocess.Popen, server_log: Path) -> bool:
+    """Whether the Temporal server came up (registered, scheduled); why not is said."""
+    try:
+        asyncio.run(_wait_for_server(settings, server, server_log))
+    except ServerDidNotStart as error:
+        console.print("[red]error:[/]", end=" ")
+        console.print(str(error), markup=False, highlight=False)
+        return False
+    return True
+
+
+def _start_workers(stack: _Stack, settings: Settings, ports: DevPorts, metrics: dict[str, int]) -> dict[str, str]:
+    """The control-plane worker, the node gateway and the simulated nodes' host; returns what the
+    nodes' host was given to reach Temporal through the gateway."""
+    console.print("[dim]starting the control-plane worker, the node gateway and the simulated nodes...[/]")
+    stack.env.setdefault(WorkerEnv.variable("metrics_host"), "127.0.0.1")
+    stack.start("control-plane", [sys.executable, "-m", "workers.control_plane",
+                                  "--metrics-port", str(metrics["control-plane"])])
+    # Node agents reach Temporal only through the node gateway.
+    gateway_env = node_gateway_env(settings.state_dir, ports.gateway)
+    stack.start("node-gateway", node_gateway_command(ports.gateway))
+    wait_for_port(ports.gateway)
+    stack.env.update(gateway_env)
+    stack.start("node-agents", [sys.executable, "-m", "workers.node_agent", "--sim",
+                                "--metrics-port", str(metrics["node-agents"])])
+    return gateway_env
+
+
+def _fatal_processes(cluster) -> dict[str, tuple[subprocess.Popen, Path]]:
+    """What ``supervise`` stops the stack for when it exits, with its log."""
+    # The cluster's services and PostgreSQL are the cluster's to run: one that exits stops the stack.
+    fatal: dict[str, tuple[subprocess.Popen, Path]] = {}
+    if cluster is not None:
+        fatal = {f"temporal-server {name}": (proc, cluster.root / f"{name}.log")
+                 for name, proc in cluster.processes.items()}
+        fatal["postgres"] = (cluster.postgres.process, cluster.postgres.root / "postgres.log")
+    return fatal
+
+
 def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, http_port: int | None = None,
             gateway_port: int | None = None, temporal: str = "dev-server", s3_port: int | None = None,
             front_door_port: int | None = None, metrics_port: int | None = None,
@@ -671,98 +787,29 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
     env = _child_env(settings, temporal, ports)
     logs = settings.state_dir / "logs"
     logs.mkdir(exist_ok=True)
-    children: dict[str, Child] = {}
-    cluster = None  # --temporal cluster: the RealTemporal, stopped after the workers
-    labels = {"temporal": "Temporal server", "control-plane": "control-plane worker", "node-gateway": "node gateway",
-              "node-agents": "node host", "front-door": "front door"}
-
-    def start(name: str, command: list[str], after_start: Callable[[], None] | None = None) -> None:
-        label = labels.get(name) or (f"S3 emulator (port {name[3:]})" if name.startswith("s3-") else name)
-        child = Child(name, label, command, dict(env), logs / f"{name}.log", after_start)
-        children[name] = child
-        child.start()
-
-    def stop_all() -> None:
-        # Workers first, while the server still answers their last calls; then the server.
-        for child in reversed(list(children.values())):
-            child.stop()
-        if cluster is not None:
-            cluster.stop()  # its four services, then PostgreSQL
-        console.print("[dim]stopped: " + ", ".join([*children, *(["Temporal cluster, PostgreSQL"] if cluster else [])])
-                      + "[/]")
-
-    phase = {"starting": True, "stopping": False}
-
-    def on_signal(signum, _frame) -> None:
-        if phase["stopping"]:
-            return  # a second Ctrl-C: the stop under way finishes (every child still goes)
-        phase["stopping"] = True
-        if phase["starting"]:
-            raise Interrupted(signal.Signals(signum).name)
-
-    signal.signal(signal.SIGINT, on_signal)
-    signal.signal(signal.SIGTERM, on_signal)
+    stack = _Stack(env, logs)
+    signal.signal(signal.SIGINT, stack.on_signal)
+    signal.signal(signal.SIGTERM, stack.on_signal)
     # One line per stage before "up": a slow first start (a cold disk, a new database)
     # then shows where it is rather than a silent terminal.
     try:
-        if s3:
-            console.print("[dim]starting the S3 emulator and seeding the demo model...[/]")
-        for s3_port in s3:
-            # A restarted emulator (moto keeps its objects in memory) gets its buckets and demo model again.
-            start(f"s3-{s3_port}", object_store_command(s3_port),
-                  after_start=lambda s3_port=s3_port: seed_loopback_stores(config, {s3_port: s3[s3_port]}))
-        seed_loopback_stores(config, s3)
+        _start_object_stores(stack, config, s3)
         metrics = ports.metrics_ports(temporal == "cluster")
         if temporal == "cluster":
-            from cli.temporal_cluster import ClusterFailed
-
-            cluster = start_cluster(settings, ports, metrics)
-            console.print(f"[dim]starting a real Temporal cluster on {settings.address}: PostgreSQL, the schema, "
-                          f"frontend, history, matching and worker (logs: {cluster.root})...[/]")
-            try:
-                cluster.start()
-            except ClusterFailed as error:
-                console.print("[red]error:[/]", end=" ")
-                console.print(str(error), markup=False, highlight=False)
-                cluster = None  # start() stopped what it had started
-                return 1
-            server, server_log = cluster.processes["frontend"], cluster.root / "frontend.log"
+            server = _start_temporal_cluster(stack, settings, ports, metrics)
         else:
-            console.print(f"[dim]starting the Temporal server on {settings.address} "
-                          f"(log: {logs / 'temporal.log'})...[/]")
-            start("temporal", server_command(settings, port, ports.ui, ports.http, metrics["temporal"]))
-            server, server_log = children["temporal"].proc, logs / "temporal.log"
-        try:
-            asyncio.run(_wait_for_server(settings, server, server_log))
-        except ServerDidNotStart as error:
-            console.print("[red]error:[/]", end=" ")
-            console.print(str(error), markup=False, highlight=False)
+            server = _start_dev_server(stack, settings, port, ports, metrics)
+        if server is None or not _server_answers(settings, *server):
             return 1
-        console.print("[dim]starting the control-plane worker, the node gateway and the simulated nodes...[/]")
-        env.setdefault(WorkerEnv.variable("metrics_host"), "127.0.0.1")
-        start("control-plane", [sys.executable, "-m", "workers.control_plane",
-                                "--metrics-port", str(metrics["control-plane"])])
-        # Node agents reach Temporal only through the node gateway.
-        gateway_env = node_gateway_env(settings.state_dir, ports.gateway)
-        start("node-gateway", node_gateway_command(ports.gateway))
-        wait_for_port(ports.gateway)
-        env.update(gateway_env)
-        start("node-agents", [sys.executable, "-m", "workers.node_agent", "--sim",
-                              "--metrics-port", str(metrics["node-agents"])])
-        front_door = front_door_line(start, port_in_use, ports.front_door, "front_door" in ports.given)
-        phase["starting"] = False
-        if phase["stopping"]:
+        gateway_env = _start_workers(stack, settings, ports, metrics)
+        front_door = front_door_line(stack.start, port_in_use, ports.front_door, "front_door" in ports.given)
+        stack.starting = False
+        if stack.stopping:
             return 0
-        _print_up(settings, env, ports, cluster, logs, gateway_env, s3, rewritten, metrics, front_door)
-        # The cluster's services and PostgreSQL are the cluster's to run: one that exits stops the stack.
-        fatal: dict[str, tuple[subprocess.Popen, Path]] = {}
-        if cluster is not None:
-            fatal = {f"temporal-server {name}": (proc, cluster.root / f"{name}.log")
-                     for name, proc in cluster.processes.items()}
-            fatal["postgres"] = (cluster.postgres.process, cluster.postgres.root / "postgres.log")
-        return supervise(list(children.values()), fatal, lambda: phase["stopping"])
+        _print_up(settings, env, ports, stack.cluster, logs, gateway_env, s3, rewritten, metrics, front_door)
+        return supervise(list(stack.children.values()), _fatal_processes(stack.cluster), lambda: stack.stopping)
     except Interrupted:
         return 130
     finally:
-        phase["starting"], phase["stopping"] = False, True
-        stop_all()
+        stack.starting, stack.stopping = False, True
+        stack.stop_all()

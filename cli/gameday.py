@@ -163,74 +163,87 @@ async def _gameday(settings, sites: list[str], heal_after: float, timeout: float
 async def _watch(fleet, world, sites: list[str], before: dict[str, int], broke_at: float, heal_after: float,
                  timeout: float) -> dict:
     state = {s: {"evacuation": "", "progress": None, "healed": None} for s in sites}
-
-    def table() -> Table:
-        t = Table(title=f"game day: {', '.join(sites)} lost at {time.strftime('%H:%M:%S', time.localtime(broke_at))}")
-        t.add_column("site")
-        for label, _ in MILESTONES:
-            t.add_column(label, justify="right")
-        t.add_column("state")
-        for site in sites:
-            marks = _marks(state[site]["progress"], broke_at)
-            p = state[site]["progress"]
-            t.add_row(site, *[f"{marks[label]:.1f}s" if label in marks else "…" for label, _ in MILESTONES],
-                      p.state if p else "watching")
-        return t
-
-    printed: set[tuple[str, str]] = set()
-
-    def lines() -> None:
-        """Each milestone once, as it happens: a pipe or a log gets the timeline live too."""
-        for site in sites:
-            for label, seconds in _marks(state[site]["progress"], broke_at).items():
-                if (site, label) not in printed:
-                    printed.add((site, label))
-                    print(f"{time.strftime('%H:%M:%S')} {site}: {label} (+{seconds:.1f}s)", flush=True)
-
     print(f"{time.strftime('%H:%M:%S')} {', '.join(sites)}: lost (machines cut off from the control plane)",
           flush=True)
-
-    class _Lines:
-        def update(self, _table) -> None:
-            lines()
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc) -> None:
-            return None
-
     deadline = time.monotonic() + timeout
-    view = Live(table(), console=console, refresh_per_second=4) if console.is_terminal else _Lines()
+    view = (Live(_timeline_table(sites, state, broke_at), console=console, refresh_per_second=4)
+            if console.is_terminal else _MilestoneLines(sites, state, broke_at))
     with view as live:
         while time.monotonic() < deadline:
             for site in sites:
-                s = state[site]
-                if not s["evacuation"]:
-                    status = await fleet.site_status(site)
-                    inc = status.incident if status else None
-                    if inc and inc.open:
-                        s["evacuation"] = inc.open.id
-                    elif inc and len(inc.history) > before[site]:
-                        s["evacuation"] = inc.history[-1].id
-                if s["evacuation"]:
-                    try:
-                        s["progress"] = await fleet.evacuation_progress(s["evacuation"])
-                    except Exception:  # noqa: BLE001 - its first task has not run yet
-                        pass
-                p = s["progress"]
-                drained = p is not None and any(step.name == "drained" for step in p.timeline)
-                if drained and s["healed"] is None:
-                    s["healed"] = time.time() + heal_after
-                if s["healed"] is not None and time.time() >= s["healed"] and s["healed"] > 0:
-                    world.set_site(site, unreachable=0)
-                    s["healed"] = -1.0  # once
-                    print(f"{time.strftime('%H:%M:%S')} {site}: healed (reachable again)", flush=True)
-            live.update(table())
+                await _follow_site(fleet, world, site, state[site], before[site], heal_after)
+            live.update(_timeline_table(sites, state, broke_at))
             if all(s["progress"] is not None and s["progress"].state in ("restored", "aborted")
                    for s in state.values()):
                 break
             await asyncio.sleep(0.25)
+    return _watch_report(sites, state, broke_at)
+
+
+def _timeline_table(sites: list[str], state: dict[str, dict], broke_at: float) -> Table:
+    """The live view on a terminal: each site's milestones so far, seconds after the break."""
+    t = Table(title=f"game day: {', '.join(sites)} lost at {time.strftime('%H:%M:%S', time.localtime(broke_at))}")
+    t.add_column("site")
+    for label, _ in MILESTONES:
+        t.add_column(label, justify="right")
+    t.add_column("state")
+    for site in sites:
+        marks = _marks(state[site]["progress"], broke_at)
+        p = state[site]["progress"]
+        t.add_row(site, *[f"{marks[label]:.1f}s" if label in marks else "…" for label, _ in MILESTONES],
+                  p.state if p else "watching")
+    return t
+
+
+class _MilestoneLines:
+    """The view where the console is no terminal, in place of rich's ``Live``: its ``update`` prints
+    the new milestones."""
+
+    def __init__(self, sites: list[str], state: dict[str, dict], broke_at: float) -> None:
+        self.sites, self.state, self.broke_at = sites, state, broke_at
+        self.printed: set[tuple[str, str]] = set()
+
+    def update(self, _table) -> None:
+        """Each milestone once, as it happens: a pipe or a log gets the timeline live too."""
+        for site in self.sites:
+            for label, seconds in _marks(self.state[site]["progress"], self.broke_at).items():
+                if (site, label) not in self.printed:
+                    self.printed.add((site, label))
+                    print(f"{time.strftime('%H:%M:%S')} {site}: {label} (+{seconds:.1f}s)", flush=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+async def _follow_site(fleet, world, site: str, s: dict, evacuations_before: int, heal_after: float) -> None:
+    """One look at a lost site: find its (new) evacuation, read its progress, heal the site
+    ``heal_after`` seconds after it is drained. Updates ``s``, the site's watch state."""
+    if not s["evacuation"]:
+        status = await fleet.site_status(site)
+        inc = status.incident if status else None
+        if inc and inc.open:
+            s["evacuation"] = inc.open.id
+        elif inc and len(inc.history) > evacuations_before:
+            s["evacuation"] = inc.history[-1].id
+    if s["evacuation"]:
+        try:
+            s["progress"] = await fleet.evacuation_progress(s["evacuation"])
+        except Exception:  # noqa: BLE001 - its first task has not run yet
+            pass
+    p = s["progress"]
+    drained = p is not None and any(step.name == "drained" for step in p.timeline)
+    if drained and s["healed"] is None:
+        s["healed"] = time.time() + heal_after
+    if s["healed"] is not None and time.time() >= s["healed"] and s["healed"] > 0:
+        world.set_site(site, unreachable=0)
+        s["healed"] = -1.0  # once
+        print(f"{time.strftime('%H:%M:%S')} {site}: healed (reachable again)", flush=True)
+
+
+def _watch_report(sites: list[str], state: dict[str, dict], broke_at: float) -> dict:
     return {
         "broke_at": broke_at,
         "sites": {
@@ -338,7 +351,7 @@ def control_plane_loss(
         fail(f"--state-dir: no {' or '.join(missing)} process of a `gpufleet dev` stack with state in "
              f"{config_.state_dir.resolve()} (is it running?)", 2)
     report = _run_interruptible(
-        _control_plane_gameday(config_, procs, outage, faults, kubelet_lag, front_door_port, timeout),
+        _ControlPlaneLoss(config_, procs, outage, faults, kubelet_lag, front_door_port, timeout).run(),
         "the control plane runs again")
     _print_report(report, json_out)
     if report["problems"]:
@@ -411,19 +424,8 @@ def _shadow(by_site: dict[str, list], at: float, lag: float) -> dict[str, float]
     return until
 
 
-async def _control_plane_gameday(settings, procs: dict[str, int], outage: float, faults: int, lag: float,
-                                 port: int, timeout: float) -> dict:
-    from sim.cluster import SimCluster
-    from sim.world import SimWorld
-
-    fleet = fleet_client(settings)
-    client = await fleet.temporal()
-    world = SimWorld(settings.sim_db)
-    cluster = SimCluster(world)
-    nodes = [n for n in cluster.list_nodes() if n.ready and n.machine_id and n.site]
-    by_site: dict[str, list] = {}
-    for node in sorted(nodes, key=lambda n: n.name):
-        by_site.setdefault(node.site, []).append(node)
+def _fault_targets(by_site: dict[str, list], faults: int) -> list:
+    """The ``faults`` nodes that get a real GPU fault during the outage."""
     # Spread over sites, one node each first: a fault here is a GPU's, never a provider incident.
     picked = []
     left = {site: list(site_nodes) for site, site_nodes in by_site.items()}
@@ -431,97 +433,152 @@ async def _control_plane_gameday(settings, procs: dict[str, int], outage: float,
         for site in sorted(left):
             if left[site] and len(picked) < faults:
                 picked.append(left[site].pop(0))
-    sites = sorted({n.site for n in nodes})
-    for site in sites:  # every site's entity runs before the outage (the sweep would start them too)
-        await fleet.reconcile_site(site)
-    boots = {row["id"]: row["boot_id"] for row in world.machines()}
-    models = await asyncio.to_thread(_front_door_models, world, port)
-    traffic = _Traffic(port, models) if models else None
-    timeline: list[tuple[float, str]] = []
-    t0 = time.time()
+    return picked
 
-    def mark(what: str) -> None:
-        timeline.append((round(time.time() - t0, 2), what))
-        print(f"{time.strftime('%H:%M:%S')} +{time.time() - t0:6.1f}s {what}", flush=True)
 
-    traffic_task = asyncio.create_task(traffic.run()) if traffic else None
-    if traffic:
-        mark(f"traffic through the front door for {', '.join(models)}")
-        await asyncio.sleep(1)
-    mark(f"control plane stopped ({', '.join(f'{n} pid {procs[n]}' for n in CONTROL_PLANE)}) for {outage:g}s")
-    if traffic:
-        traffic.period = "outage"
-    stopped_at = time.time()
-    try:
-        _freeze(procs, stop=True)
-        for i, node in enumerate(picked):  # faults keep happening, spread over the outage
-            await asyncio.sleep(outage / (len(picked) + 1))
-            world.inject_fault(node.machine_id, 0, "xid", 48, clears_on="reset")
-            mark(f"fault: {node.name} GPU 0 XID 48 ({node.site})")
-        await asyncio.sleep(max(0.0, stopped_at + outage - time.time()))
-        # Written before the control plane runs again, so its first look finds them.
-        shadow = _shadow(by_site, time.time(), lag)
-        world.silence_kubelets(shadow)
-    finally:  # never leave the control plane stopped: also on Ctrl-C, SIGTERM or an error
-        _freeze(procs, stop=False)
-    returned_at = time.time()
-    shadow_until = max(shadow.values(), default=returned_at)
-    mark(f"{len(shadow)} of {len(nodes)} nodes NotReady (their kubelets unheard) until "
-         f"+{shadow_until - t0:.1f}s")
-    if traffic:
-        traffic.period = "after"
-    mark("control plane back")
-    try:
-        steady, state = await _until_steady(fleet, client, settings, world, sites, picked, returned_at,
-                                            shadow_until, timeout)
-    finally:
+class _ControlPlaneLoss:
+    """One control-plane game day, phase by phase (``run``). A phase leaves on ``self`` what the later
+    ones read (the nodes, the faults, the boot ids, when the control plane stopped and came back):
+    too many values to hand from one to the next as arguments."""
+
+    def __init__(self, settings, procs: dict[str, int], outage: float, faults: int, lag: float, port: int,
+                 timeout: float) -> None:
+        self.settings, self.procs, self.outage, self.faults = settings, procs, outage, faults
+        self.lag, self.port, self.timeout = lag, port, timeout
+        self.timeline: list[tuple[float, str]] = []
+
+    async def run(self) -> dict:
+        await self._survey()
+        traffic = self.traffic = _Traffic(self.port, self.models) if self.models else None
+        self.t0 = time.time()
+        traffic_task = asyncio.create_task(traffic.run()) if traffic else None
         if traffic:
-            traffic.stop()
-            await traffic_task
-    if steady is not None:
-        mark("steady state")
-    else:
-        mark(f"no steady state within {timeout:g}s: {state['waiting']}")
-    repairs = await _workflows(client, settings, flows.GpuRepair.TYPE, stopped_at - 1)
-    incidents = await _workflows(client, settings, flows.SiteEvacuation.TYPE, stopped_at - 1)
-    faulted = {repair_workflow_id(n.name, 0) for n in picked}
-    false_repairs = sorted(set(repairs) - faulted)
-    disrupted = sorted(
-        row["name"] for row in world.machines(include_deleted=True)
-        if row["id"] in boots and row["id"] not in {n.machine_id for n in picked}
-        and (row["deleted_at"] is not None or row["boot_id"] != boots[row["id"]])
-    )
-    served = traffic.counts.get("outage", [0, 0]) if traffic else None
-    after = traffic.counts.get("after", [0, 0]) if traffic else None
-    report = {
-        "outage_seconds": round(returned_at - stopped_at, 2),
-        "front_door_models": models,
-        "requests_during_outage": {"served": served[0], "failed": served[1]} if served else None,
-        "requests_after_return": {"served": after[0], "failed": after[1]} if after else None,
-        "nodes_not_ready_after_return": len(shadow),
-        "false_repairs": false_repairs,
-        "false_incidents": sorted(incidents),
-        "machines_disrupted_without_a_fault": disrupted,
-        "real_faults": len(picked),
-        "real_faults_repaired": state["repaired"],
-        "seconds_to_steady_state": round(steady - returned_at, 2) if steady is not None else None,
-        "timeline": timeline,
-    }
+            self._mark(f"traffic through the front door for {', '.join(self.models)}")
+            await asyncio.sleep(1)
+        await self._stop_control_plane()
+        shadow_until = self._bring_back()
+        try:
+            steady, state = await _until_steady(self.fleet, self.client, self.settings, self.world, self.sites,
+                                                self.picked, self.returned_at, shadow_until, self.timeout)
+        finally:
+            if traffic:
+                traffic.stop()
+                await traffic_task
+        if steady is not None:
+            self._mark("steady state")
+        else:
+            self._mark(f"no steady state within {self.timeout:g}s: {state['waiting']}")
+        report = await self._report(steady, state)
+        report["problems"] = _problems(report)
+        return report
+
+    def _mark(self, what: str) -> None:
+        self.timeline.append((round(time.time() - self.t0, 2), what))
+        print(f"{time.strftime('%H:%M:%S')} +{time.time() - self.t0:6.1f}s {what}", flush=True)
+
+    async def _survey(self) -> None:
+        """The fleet before the outage: its ready nodes by site, those picked for faults, every
+        site's entity running, each machine's boot id, the models the front door serves."""
+        from sim.cluster import SimCluster
+        from sim.world import SimWorld
+
+        self.fleet = fleet_client(self.settings)
+        self.client = await self.fleet.temporal()
+        self.world = SimWorld(self.settings.sim_db)
+        cluster = SimCluster(self.world)
+        self.nodes = [n for n in cluster.list_nodes() if n.ready and n.machine_id and n.site]
+        self.by_site: dict[str, list] = {}
+        for node in sorted(self.nodes, key=lambda n: n.name):
+            self.by_site.setdefault(node.site, []).append(node)
+        self.picked = _fault_targets(self.by_site, self.faults)
+        self.sites = sorted({n.site for n in self.nodes})
+        for site in self.sites:  # every site's entity runs before the outage (the sweep would start them too)
+            await self.fleet.reconcile_site(site)
+        self.boots = {row["id"]: row["boot_id"] for row in self.world.machines()}
+        self.models = await asyncio.to_thread(_front_door_models, self.world, self.port)
+
+    async def _stop_control_plane(self) -> None:
+        """The outage: the control plane frozen for ``outage`` seconds while real faults happen, and
+        the kubelets' shadow written before it runs again."""
+        procs = self.procs
+        self._mark(f"control plane stopped ({', '.join(f'{n} pid {procs[n]}' for n in CONTROL_PLANE)}) "
+                   f"for {self.outage:g}s")
+        if self.traffic:
+            self.traffic.period = "outage"
+        self.stopped_at = time.time()
+        try:
+            _freeze(procs, stop=True)
+            for i, node in enumerate(self.picked):  # faults keep happening, spread over the outage
+                await asyncio.sleep(self.outage / (len(self.picked) + 1))
+                self.world.inject_fault(node.machine_id, 0, "xid", 48, clears_on="reset")
+                self._mark(f"fault: {node.name} GPU 0 XID 48 ({node.site})")
+            await asyncio.sleep(max(0.0, self.stopped_at + self.outage - time.time()))
+            # Written before the control plane runs again, so its first look finds them.
+            self.shadow = _shadow(self.by_site, time.time(), self.lag)
+            self.world.silence_kubelets(self.shadow)
+        finally:  # never leave the control plane stopped: also on Ctrl-C, SIGTERM or an error
+            _freeze(procs, stop=False)
+
+    def _bring_back(self) -> float:
+        """The control plane runs again; when the last silenced kubelet posts again."""
+        self.returned_at = time.time()
+        shadow_until = max(self.shadow.values(), default=self.returned_at)
+        self._mark(f"{len(self.shadow)} of {len(self.nodes)} nodes NotReady (their kubelets unheard) until "
+                   f"+{shadow_until - self.t0:.1f}s")
+        if self.traffic:
+            self.traffic.period = "after"
+        self._mark("control plane back")
+        return shadow_until
+
+    async def _report(self, steady: float | None, state: dict) -> dict:
+        """The measurements: requests served, false repairs and incidents, machines disturbed."""
+        client, settings, picked, traffic = self.client, self.settings, self.picked, self.traffic
+        repairs = await _workflows(client, settings, flows.GpuRepair.TYPE, self.stopped_at - 1)
+        incidents = await _workflows(client, settings, flows.SiteEvacuation.TYPE, self.stopped_at - 1)
+        faulted = {repair_workflow_id(n.name, 0) for n in picked}
+        false_repairs = sorted(set(repairs) - faulted)
+        disrupted = sorted(
+            row["name"] for row in self.world.machines(include_deleted=True)
+            if row["id"] in self.boots and row["id"] not in {n.machine_id for n in picked}
+            and (row["deleted_at"] is not None or row["boot_id"] != self.boots[row["id"]])
+        )
+        served = traffic.counts.get("outage", [0, 0]) if traffic else None
+        after = traffic.counts.get("after", [0, 0]) if traffic else None
+        return {
+            "outage_seconds": round(self.returned_at - self.stopped_at, 2),
+            "front_door_models": self.models,
+            "requests_during_outage": {"served": served[0], "failed": served[1]} if served else None,
+            "requests_after_return": {"served": after[0], "failed": after[1]} if after else None,
+            "nodes_not_ready_after_return": len(self.shadow),
+            "false_repairs": false_repairs,
+            "false_incidents": sorted(incidents),
+            "machines_disrupted_without_a_fault": disrupted,
+            "real_faults": len(picked),
+            "real_faults_repaired": state["repaired"],
+            "seconds_to_steady_state": round(steady - self.returned_at, 2) if steady is not None else None,
+            "timeline": self.timeline,
+        }
+
+
+def _problems(report: dict) -> list[str]:
+    """What the control-plane game day's report shows went wrong (it exits 1 on any)."""
     problems = []
-    if served and (served[1] or not served[0]):
-        problems.append(f"{served[1]} of {sum(served)} requests failed during the outage")
-    if false_repairs:
-        problems.append(f"false repairs: {', '.join(false_repairs)}")
-    if incidents:
-        problems.append(f"false incidents: {', '.join(incidents)}")
-    if disrupted:
-        problems.append(f"healthy machines rebooted or deleted: {', '.join(disrupted)}")
-    if state["repaired"] != len(picked):
-        problems.append(f"{len(picked) - state['repaired']} real faults not repaired")
-    if steady is None:
+    served = report["requests_during_outage"]
+    if served and (served["failed"] or not served["served"]):
+        problems.append(f"{served['failed']} of {served['served'] + served['failed']} requests failed "
+                        "during the outage")
+    if report["false_repairs"]:
+        problems.append(f"false repairs: {', '.join(report['false_repairs'])}")
+    if report["false_incidents"]:
+        problems.append(f"false incidents: {', '.join(report['false_incidents'])}")
+    if report["machines_disrupted_without_a_fault"]:
+        problems.append("healthy machines rebooted or deleted: "
+                        + ", ".join(report["machines_disrupted_without_a_fault"]))
+    if report["real_faults_repaired"] != report["real_faults"]:
+        problems.append(f"{report['real_faults'] - report['real_faults_repaired']} real faults not repaired")
+    if report["seconds_to_steady_state"] is None:
         problems.append("no steady state")
-    report["problems"] = problems
-    return report
+    return problems
 
 
 async def _workflows(client, settings, workflow_type: str, since: float) -> list[str]:
