@@ -116,9 +116,24 @@ class ServingActivities:
             cluster.delete_serving(input.model, input.site)
             return None
         status = cluster.serving_status(input.model, input.site)
+        if input.updated_template and status is not None:
+            ours_live = status.template == input.updated_template
+            if ours_live and input.updated_template != input.previous_template:
+                status = cluster.rollback_serving(input.model, input.site)  # the one before comes back
+            elif not ours_live and status.template != input.previous_template:
+                return status  # someone else's template since ours: theirs stays
+            return self._put_back_replicas(input, status)
         if status is not None and input.updated_generation and status.generation > input.updated_generation:
             return status  # a retried attempt: the rollback already happened
         return cluster.rollback_serving(input.model, input.site)
+
+    def _put_back_replicas(self, input: RollbackSiteInput, status: ServingStatus) -> ServingStatus:
+        """The replicas the Deployment had before our update, unless someone changed ours since."""
+        if input.previous_replicas is None or status.desired_replicas != input.updated_replicas:
+            return status
+        if status.desired_replicas == input.previous_replicas:
+            return status
+        return self.env.cluster.scale_serving(input.model, input.site, input.previous_replicas)
 
     @activity.defn
     @typed_errors

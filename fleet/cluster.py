@@ -187,6 +187,14 @@ class ServingStatus(BaseModel):
     can_rollback: bool = False
     #: GPUs each replica asks for (from the pod template).
     gpus_per_replica: int = 0
+    #: Which pod template the Deployment runs (``template_fingerprint``): a scale leaves it, an
+    #: update or a rollback changes it. "" where the adapter could not say.
+    template: str = ""
+
+
+def template_fingerprint(template_json: str) -> str:
+    """A short, stable name for a pod template as the adapters store it (canonical JSON)."""
+    return hashlib.sha256(template_json.encode()).hexdigest()[:16]
 
 
 class SiteRoute(BaseModel):

@@ -53,6 +53,7 @@ from fleet.cluster import (
     SITE_ROUTES,
     ServingStatus,
     SiteRoute,
+    template_fingerprint,
 )
 from fleet.demand import GpuPod, Toleration, fits
 from providers.cluster.bootstrap import (
@@ -612,6 +613,7 @@ class SimCluster(EvictionDrain, WeightedRouting):
             desired_replicas=desired, generation=row["generation"], observed_generation=row["generation"],
             replicas=desired, updated_replicas=desired, available_replicas=available, ready=available == desired,
             can_rollback=bool(row["previous_template"]), gpus_per_replica=template["gpus_per_replica"],
+            template=template_fingerprint(row["template"]),
         )
 
     def apply_serving(self, spec: ServingSpec) -> ServingStatus:

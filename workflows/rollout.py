@@ -93,6 +93,10 @@ class ModelRollout:
         self._req: RolloutInput | None = None
         self._stores: dict = {}
         self._updated_generation: dict[str, int] = {}
+        #: Each site's Deployment before and after our update: what a rollback puts back (its
+        #: template and replicas) and how it knows whether that already happened.
+        self._before: dict[str, ServingStatus] = {}
+        self._after: dict[str, ServingStatus] = {}
         self._paused = False
         self._abort = False
         self._abort_reason = ""
@@ -364,6 +368,8 @@ class ModelRollout:
         )
         progress.previous_generation = before.generation if before else None
         progress.previous_image = before.image if before else ""
+        if before is not None:
+            self._before[site] = before
         self._check_abort()
         env = {
             **request.env,
@@ -392,14 +398,17 @@ class ModelRollout:
             )
             if before is None or status.generation != before.generation:
                 self._updated_generation[site] = status.generation  # changed: rollback has something to undo
-            self._set(site, SiteState.UPDATING, "waiting for the rollout")
-            await wait_for_serving(request.model, site,
-                                   workflow.now() + timedelta(seconds=gate.ready_timeout_seconds),
-                                   summary=f"wait until {site} is ready")
+                self._after[site] = status
+            ready_by = workflow.now() + timedelta(seconds=gate.ready_timeout_seconds)
+            self._set(site, SiteState.UPDATING, f"waiting for {spec.replicas} replicas of {request.version} "
+                                                f"to be ready, until {ready_by:%H:%M:%S} UTC")
+            await wait_for_serving(request.model, site, ready_by, summary=f"wait until {site} is ready")
             self._check_abort()
             await self._gate(site, "gate")
             if gate.bake_seconds > 0:
-                self._set(site, SiteState.BAKING, f"{gate.bake_seconds:.0f}s")
+                baked_at = workflow.now() + timedelta(seconds=gate.bake_seconds)
+                self._set(site, SiteState.BAKING, f"{gate.bake_seconds:.0f}s, until {baked_at:%H:%M:%S} UTC, "
+                                                  "then the gate again")
                 await self._sleep_unless_aborted(gate.bake_seconds, f"bake {site}")
                 await self._gate(site, "after bake")
         except ActivityError as error:
@@ -454,8 +463,7 @@ class ModelRollout:
         try:
             await workflow.execute_activity(
                 act.rollback_site,
-                RollbackSiteInput(model=self._req.model, site=site, had_previous=progress.previous_generation is not None,
-                                  updated_generation=self._updated_generation.get(site, 0)),
+                self._undo(site, had_previous=progress.previous_generation is not None),
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                 summary=f"roll {site} back to " + (progress.previous_image or "nothing (remove)"),
             )
@@ -464,6 +472,17 @@ class ModelRollout:
             self._set(site, SiteState.FAILED, f"{reason}; rollback failed: {failure_text(error)}")
             return
         self._set(site, SiteState.ROLLED_BACK, reason)
+
+    def _undo(self, site: str, had_previous: bool) -> RollbackSiteInput:
+        """What the rollback of ``site`` puts back, and what it finds if that already happened."""
+        before, after = self._before.get(site), self._after.get(site)
+        return RollbackSiteInput(
+            model=self._req.model, site=site, had_previous=had_previous,
+            updated_generation=self._updated_generation.get(site, 0),
+            previous_template=before.template if before else "", updated_template=after.template if after else "",
+            previous_replicas=before.desired_replicas if before else None,
+            updated_replicas=after.desired_replicas if after else None,
+        )
 
     async def _finish_abort(self) -> RolloutResult:
         self._phase("aborting", self._abort_reason)

@@ -108,7 +108,16 @@ class RollbackSiteInput(BaseModel):
     #: Otherwise the rollout created it: delete it.
     had_previous: bool
     #: The generation our update produced; a higher one means the rollback already happened.
+    #: (Only where no template names were recorded: a scale raises the generation too.)
     updated_generation: int = 0
+    #: The pod templates (``ServingStatus.template``) before and after our update: the rollback
+    #: swaps back only while ours is live; the one before means it already happened; any other
+    #: is someone else's change since, which stays.
+    previous_template: str = ""
+    updated_template: str = ""
+    #: Replicas before and as our update set them: put back unless changed since.
+    previous_replicas: int | None = None
+    updated_replicas: int | None = None
 
 
 class EvacuationInput(BaseModel):

@@ -12,9 +12,13 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from fleet.cluster import ServingSpec, SiteRoute
+from activities.serving import ServingActivities
+from fleet.messages.rollout import RollbackSiteInput
 from fleet.rollout import RolloutProgress, RolloutResult
 from providers.cluster.kubernetes import render_pod_template
 from tests.conftest import wait_for
+from tests.evacuation_helpers import activity_inputs
+from tests.replay import replay_and_record
 from tests.rollout.conftest import MODEL, RolloutStack
 
 
@@ -154,6 +158,58 @@ async def test_abort_midway_rolls_back_updated_sites(rollout_stack: RolloutStack
     assert stack.cluster.serving_status(MODEL, "site-c").generation == 1
     with pytest.raises((WorkflowUpdateFailedError, RPCError)):  # finished: rejected
         await handle.execute_update("abort", "again")
+
+
+async def test_an_abort_after_a_scale_puts_the_old_version_back(rollout_stack: RolloutStack) -> None:
+    """A scale while the site bakes (an evacuation elsewhere adding replicas, an autoscaler,
+    ``kubectl scale``) raises the Deployment's generation. Before: the rollback took that for
+    "already rolled back", did nothing, and reported the site rolled back while it served v2."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a"])
+    handle = await stack.start(stack.request({"site-a": 2}, gate={"bake_seconds": 30}), "scale-abort")
+    await until(handle, lambda p: states(p)["site-a"] == "baking")
+    assert stack.image("site-a") == "img:v2"
+    stack.cluster.scale_serving(MODEL, "site-a", 3)
+    await handle.execute_update("abort", "bad numbers")
+    result = RolloutResult.model_validate(await handle.result())
+    assert result.outcome == "aborted" and result.sites[0].state.value == "rolled-back"
+    status = stack.cluster.serving_status(MODEL, "site-a")
+    # v1 back; the 3 replicas someone asked for since the update stay theirs.
+    assert (status.image, status.desired_replicas) == ("img:v1", 3)
+    await replay_and_record(handle, "rollout_aborted_after_a_scale")
+
+
+async def test_a_rollback_puts_back_the_replicas_and_runs_once(rollout_stack: RolloutStack) -> None:
+    """Before: the site went back to v1 with the rollout's replica count (1 of its 2), and nobody
+    was told. A rollback retried after it happened changes nothing (the activity, run again)."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a"])  # 2 replicas
+    handle = await stack.start(stack.request({"site-a": 1}, gate={"bake_seconds": 30}), "replicas-abort")
+    await until(handle, lambda p: states(p)["site-a"] == "baking")
+    assert stack.cluster.serving_status(MODEL, "site-a").desired_replicas == 1
+    await handle.execute_update("abort", "bad numbers")
+    RolloutResult.model_validate(await handle.result())
+    status = stack.cluster.serving_status(MODEL, "site-a")
+    assert (status.image, status.desired_replicas) == ("img:v1", 2)
+    [rollback] = await activity_inputs(handle, "rollback_site")
+    again = ServingActivities(stack.env).rollback_site(RollbackSiteInput.model_validate(rollback))
+    assert (again.image, again.desired_replicas, again.template) == (status.image, 2, status.template)
+
+
+async def test_the_readiness_wait_and_the_bake_say_until_when(rollout_stack: RolloutStack) -> None:
+    stack = rollout_stack
+    stack.serve_v1(["site-a", "site-b"])
+    # No GPUs for 20 replicas at site-a: its readiness wait lasts its whole timeout.
+    waiting = await stack.start(stack.request({"site-a": 20}, gate={"ready_timeout_seconds": 5}), "ready-until")
+    p = await until(waiting, lambda p: "to be ready" in p.site("site-a").detail)
+    assert re.fullmatch(r"waiting for 20 replicas of v2 to be ready, until \d\d:\d\d:\d\d UTC",
+                        p.site("site-a").detail), p.site("site-a").detail
+    assert "not ready by" in (await failure_of(waiting)).message  # and rolled back
+    baking = await stack.start(stack.request({"site-b": 2}, gate={"bake_seconds": 30}), "bake-until")
+    p = await until(baking, lambda p: states(p)["site-b"] == "baking")
+    assert re.fullmatch(r"30s, until \d\d:\d\d:\d\d UTC, then the gate again", p.site("site-b").detail)
+    await baking.execute_update("abort", "done looking")
+    await baking.result()
 
 
 async def test_pause_holds_and_resume_continues(rollout_stack: RolloutStack) -> None:

@@ -20,6 +20,7 @@ from fleet.cluster import (
     LABEL_SITE,
     ServingSpec,
     ServingStatus,
+    template_fingerprint,
 )
 from providers.cluster.base import ANNOTATION_MODEL, NoPreviousTemplate, ServingNotFound, serving_name
 from providers.cluster.base import label_value as _label_value
@@ -132,6 +133,9 @@ class Serving(KubernetesApi):
             ready=observed >= generation and replicas == updated == available == desired,
             can_rollback=bool((meta.get("annotations") or {}).get(ANNOTATION_PREVIOUS_TEMPLATE)),
             gpus_per_replica=container_gpus(containers[0]),
+            # What apply and rollback wrote (the API server defaults fields in the live template).
+            template=template_fingerprint((meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE)
+                                          or _canonical(spec.get("template"))),
         )
 
     def serving_status(self, model: str, site: str) -> ServingStatus | None:
