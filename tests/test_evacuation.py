@@ -251,6 +251,16 @@ async def test_an_ended_evacuation_uncordons_what_it_cordoned_and_nothing_else(i
     assert outcome == "aborted" if ending == "abort" else "cancel" in outcome.lower(), outcome
     name = "site_evacuation_aborted_restores" if ending == "abort" else "site_evacuation_cancelled_restores"
     await replay_and_record(handle, name)
+    # The way back retries its cluster calls until done, the way out a bounded ten times: an undo
+    # that gave up after ten attempts (a few minutes of API-server trouble) left the site at
+    # weight 0, its nodes cordoned and its Deployment at 0 for good, and nobody retrying.
+    attempts = [(e.activity_task_scheduled_event_attributes.activity_type.name,
+                 e.activity_task_scheduled_event_attributes.retry_policy.maximum_attempts)
+                async for e in handle.fetch_history_events() if e.HasField("activity_task_scheduled_event_attributes")]
+    back = next(i for i, (name, _) in enumerate(attempts) if name == "release_nodes")
+    cluster = {"set_site_weight", "routing_event", "scale_serving", "release_nodes", "site_nodes"}
+    assert {n for n, limit in attempts[:back] if n in cluster and limit == 10} >= {"set_site_weight", "scale_serving"}
+    assert {limit for n, limit in attempts[back:] if n in cluster} == {0}, attempts[back:]
 
 
 @pytest.mark.parametrize("ending", ["abort", "cancel"])

@@ -42,7 +42,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from temporalio import workflow
-from temporalio.common import RawValue
+from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, FailureError
 from temporalio.workflow import ParentClosePolicy
 
@@ -86,6 +86,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.steps import (
         CLUSTER_RETRY,
         PROVIDER_RETRY,
+        PUT_BACK_RETRY,
         QUICK,
         SMOKE_RETRY,
         WAIT_HEARTBEAT,
@@ -136,6 +137,8 @@ class SiteEvacuation:
         self._retry = 0
         self._acquired: list = []
         self._bought = 0
+        #: In ``_restore``: the cluster calls retry until done (``_cluster_retry``).
+        self._putting_back = False
         self._failed_proofs = 0
         #: Node → why it failed the proof that restored the site (it stays cordoned).
         self._unproven: dict[str, str] = {}
@@ -364,7 +367,7 @@ class SiteEvacuation:
             SiteWeightInput(site=self._args.site, percent=percent, healthy=healthy, draining=draining,
                             incident=incident, original_models=self._original_models,
                             original_site=self._original_site, all_sites=self._all_sites),
-            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            start_to_close_timeout=QUICK, retry_policy=self._cluster_retry(),
             summary=f"routing weight of {self._args.site} → {percent}%",
         )
         self._progress.weights = result.weights
@@ -383,7 +386,7 @@ class SiteEvacuation:
         await workflow.execute_activity(
             act.routing_event, SiteEventInput(event=event, models=sorted(self._original_models), wait_seconds=50),
             start_to_close_timeout=QUICK, heartbeat_timeout=timedelta(seconds=10),
-            retry_policy=CLUSTER_RETRY, summary=f"routing of {len(self._original_models)} models: {event.kind} "
+            retry_policy=self._cluster_retry(), summary=f"routing of {len(self._original_models)} models: {event.kind} "
                                                 f"{site}" + (f" at {percent}%" if percent else ""),
         )
 
@@ -523,7 +526,7 @@ class SiteEvacuation:
     async def _scale(self, model: str, site: str, replicas: int) -> None:
         await workflow.execute_activity(
             act.scale_serving, ScaleInput(model=model, site=site, replicas=replicas),
-            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"{model} at {site} → {replicas}",
+            start_to_close_timeout=QUICK, retry_policy=self._cluster_retry(), summary=f"{model} at {site} → {replicas}",
         )
 
     async def _drain(self) -> None:
@@ -651,7 +654,7 @@ class SiteEvacuation:
         if release or keep:
             released: ReleaseNodesResult = await workflow.execute_activity(
                 act.release_nodes, ReleaseNodesInput(nodes=release, keep_cordoned=keep),
-                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                start_to_close_timeout=QUICK, retry_policy=self._cluster_retry(),
                 summary=f"uncordon the {len(release)} nodes it cordoned at {site} (not those a repair holds)",
             )
             held.update(released.held)
@@ -682,8 +685,16 @@ class SiteEvacuation:
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("needs-person")])
             self._mark("restore incomplete", p.needs_person)
 
+    def _cluster_retry(self) -> RetryPolicy:
+        """Bounded on the way out (a cluster away that long fails the step, and the evacuation puts
+        back what it changed); until done on the way back: a put-back that gave up after its ten
+        attempts (a few minutes of API-server trouble) left the site at weight 0, its nodes
+        cordoned and its Deployments at 0 for good, the incident closed and nobody retrying."""
+        return PUT_BACK_RETRY if self._putting_back else CLUSTER_RETRY
+
     async def _restore(self, undo: bool = False) -> None:
         p, s, site = self._progress, self._s, self._args.site
+        self._putting_back = True
         workflow.deprecate_patch(RESTORES_PATCH)
         await self._release()
         deadline = workflow.now() + timedelta(seconds=s.ready_seconds)
@@ -728,7 +739,7 @@ class SiteEvacuation:
         for node in self._acquired:
             nodes = await workflow.execute_activity(
                 act.site_nodes, SiteNodesInput(site=node.site),
-                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"nodes at {node.site}",
+                start_to_close_timeout=QUICK, retry_policy=self._cluster_retry(), summary=f"nodes at {node.site}",
             )
             if len(nodes) <= await self._min_nodes(node.site):
                 continue
