@@ -16,7 +16,10 @@ nodes at once (bounded) → on each failure apply the three-error rule:
 When nothing qualifies it waits ("waiting for capacity": each offer it may not buy
 now and who can change that, e.g. a revoked account and the command a person runs),
 backing off 5 → 30 min, and looks again early when offers change (a catalog
-refresh, an account unblocked) — until the deadline, then returns what joined.
+refresh, an account unblocked) — until the deadline. Once the deadline has passed no
+join starts (nothing more is bought); the joins in flight then finish (each may still
+deliver its node) and the request returns what joined, its details and result naming
+the deadline.
 The spend cap is checked against joined plus in-flight machines, so it is never
 exceeded. A long wait continues as new when the server suggests it, right
 after a backoff ends (no join in flight then), carrying what joined, every
@@ -80,6 +83,12 @@ REFUSE_IMPOSSIBLE_PATCH = "capacity-refuse-impossible"
 #: ``handle.cancel()``) stops its joins in flight first; each deletes its machine. Before, the
 #: joins were cancelled only by the parent-close policy, after the request had closed.
 CANCEL_WINDS_DOWN_PATCH = "capacity-cancel-winds-down"
+#: Once the deadline has passed no join starts: the joins in flight finish and the request returns
+#: what joined. Asked where the two paths first differ, when a join would start past the deadline
+#: (after a child's end or an activity, never a local activity: AcquireCapacity runs none). Runs
+#: before it started a join whenever one in flight ended past the deadline (the deadline was
+#: checked only with nothing in flight), buying machines until the count was met.
+DEADLINE_STOPS_BUYING_PATCH = "capacity-deadline-stops-buying"
 
 
 def _names_what(req: CapacityRequest) -> bool:
@@ -99,6 +108,8 @@ class AcquireCapacity:
         #: Joins in flight: task → (offer, join workflow id).
         self._in_flight: dict[asyncio.Task, tuple[Candidate, str]] = {}
         self._joined: list[JoinedNode] = []
+        #: A run from before ``capacity-deadline-stops-buying``: it still starts joins past its deadline.
+        self._buys_past_deadline = False
 
     @workflow.signal
     def offers_changed(self) -> None:
@@ -148,7 +159,8 @@ class AcquireCapacity:
             p.rejected = placement.reasons()
         lines = [f"joined {p.joined} of {p.requested}"]
         if p.deadline is not None and not p.finished:
-            lines[0] += f"; gives up at {p.deadline.isoformat(timespec='seconds')}"
+            passed = "deadline passed at" if workflow.now() >= p.deadline else "gives up at"
+            lines[0] += f"; {passed} {p.deadline.isoformat(timespec='seconds')}"
         if p.in_flight:
             lines.append("joining: " + ", ".join(p.in_flight))
         if p.waiting_for:
@@ -269,6 +281,10 @@ class AcquireCapacity:
         req, in_flight = self._req, self._in_flight
         ranked = self._placement()
         while len(in_flight) < req.concurrency and len(self._joined) + len(in_flight) < req.count and ranked.candidates:
+            if workflow.now() >= self._deadline and not self._buys_past_deadline:
+                if workflow.patched(DEADLINE_STOPS_BUYING_PATCH):
+                    break  # past the deadline nothing more is bought
+                self._buys_past_deadline = True
             best = ranked.candidates[0]
             self._seq += 1
             join_id = join_workflow_id(best.offer.site, f"{self._request_id}-{self._seq}")
@@ -315,7 +331,12 @@ class AcquireCapacity:
         out of the ranking for a while, an account told, a fatal failure, or one more failure."""
         req, in_flight, accounts = self._req, self._in_flight, self._accounts
         self._progress.waiting_for = []
-        self._show("joining", ranked, f"{len(in_flight)} in flight")
+        if workflow.now() >= self._deadline and not self._buys_past_deadline:
+            self._show("finishing the joins in flight", ranked,
+                       "no join starts past the deadline; it returns what joined once the joins "
+                       f"in flight ({len(in_flight)}) end")
+        else:
+            self._show("joining", ranked, f"{len(in_flight)} in flight")
         cancelled = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._cancel)))
         done, _ = await workflow.wait([*in_flight, cancelled], return_when=asyncio.FIRST_COMPLETED)
         if not cancelled.done():
@@ -375,16 +396,25 @@ class AcquireCapacity:
             requested=req.count, nodes=joined, complete=len(joined) >= req.count, attempts=self._progress.attempts,
             cost_per_hour=round(sum(self._costs.values()), 6),
         )
+        summary = f"{len(joined)} of {req.count} joined, ${result.cost_per_hour:.2f}/h"
         if not result.complete:
             final = self._placement()
-            result.why = [f"{req.count - len(joined)} of {req.count} not joined by the deadline"
-                          if workflow.now() >= self._deadline else
-                          f"{req.count - len(joined)} of {req.count} not joined: too many failed joins"]
+            missing = f"{req.count - len(joined)} of {req.count} not joined"
+            if workflow.now() >= self._deadline:
+                passed = f"the deadline passed at {self._deadline_text()}"
+                result.why = [f"{missing} by the deadline",
+                              passed + ("" if self._buys_past_deadline else ": no join starts after it")]
+                summary += f"; stopped: {passed}"
+            else:
+                result.why = [f"{missing}: too many failed joins"]
+                summary += "; stopped: too many failed joins"
             result.why += final.reasons() or ["no offer qualifies"]
         self._state("done" if result.complete else "partial")
-        self._show("done" if result.complete else "partial", None,
-                   f"{len(joined)} of {req.count} joined, ${result.cost_per_hour:.2f}/h")
+        self._show("done" if result.complete else "partial", None, summary)
         return result
+
+    def _deadline_text(self) -> str:
+        return self._deadline.isoformat(timespec="seconds")
 
     def _refuse(self, problems: list[tuple[str, str]]) -> None:
         """Fail now, naming each field no configured site can ever satisfy (nothing bought)."""
