@@ -44,9 +44,13 @@ EXPECTED = {
     # run of the code before, which lost it, replays too (tests/test_routing_entity.py).
     "routing_started_with_an_event", "routing_started_with_an_event_lost",
     # A Node run whose first task held a NotReady (tests/test_site_events.py): kept since
-    # ``node-cluster-state-at-start``; the old code's run, which dropped it, replays too.
+    # ``node-patches-at-start-2``; the old code's run, which dropped it, replays too.
     "node_cluster_state_in_the_first_task", "node_cluster_state_in_the_first_task_lost",
+    # A node answering every watch at once, paced (tests/security/test_watch_pacing.py).
+    "node_watch_paced",
     "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
+    # An abort after a scale put v1 back (its rollback knows the templates: tests/rollout).
+    "rollout_aborted_after_a_scale",
     # The HTTP relay of an operator update (tests/test_entity_update.py).
     "entity_update_quota_raised", "entity_update_rejected",
     # The demand loop: pods bought for, bound, gone; their idle nodes retired (tests/test_demand_loop.py).
@@ -55,6 +59,10 @@ EXPECTED = {
     # (tests/test_capacity_converges.py); an evacuation that ends puts back what it changed
     # (tests/test_evacuation.py).
     "capacity_refused_at_start", "capacity_cancelled", "capacity_temporal_cancel",
+    # No join starts past a capacity request's deadline (``capacity-deadline-stops-buying``,
+    # tests/test_capacity_deadline.py); the old code's runs, which bought on, replay too.
+    "capacity_deadline_join_in_flight", "capacity_deadline_after_wait",
+    "capacity_deadline_join_in_flight_before", "capacity_deadline_after_wait_before",
     "site_evacuation_restored_releases", "site_evacuation_aborted_restores", "site_evacuation_cancelled_restores",
     "site_evacuation_aborted_while_buying", "site_evacuation_aborted_restores_after_continue_as_new",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).

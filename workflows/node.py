@@ -164,14 +164,26 @@ NODE_PATCHES_AT_START = "node-patches-at-start"
 #: this deploys takes the new gate on its next task, and its history still replays: the new
 #: path differs from the old only where the old one continued as new, which ended that run.
 NODE_WATCH_GATE_PATCH = "node-continue-when-watch-rests"
-#: Workflow patch: a ``cluster_state`` that lands in a run's first workflow task (sent while the
-#: run before continued as new, or with the start) counts. The SDK runs a first task's signal
-#: handlers before ``run``, when the run had not yet decided that the cluster tells it anything,
-#: so the NotReady was dropped: the node was not known silent, and its Ready-again did not
-#: replace the watch an agent that is gone may hold (up to its 10-minute heartbeat timeout).
-#: Not behind ``self._settled or``: the new path replaces that watch (a cancel command) where a
-#: run open at the deploy, which dropped its NotReady, did not; so a run records the marker.
-NODE_CLUSTER_STATE_AT_START = "node-cluster-state-at-start"
+#: Workflow patch, asked first thing like ``NODE_PATCHES_AT_START`` and with a marker of its own
+#: (each changes commands in the middle of a run open at the deploy, so ``self._settled or``
+#: cannot carry them). Two changes:
+#: - A ``cluster_state`` that lands in a run's first workflow task (sent while the run before
+#:   continued as new, or with the start) counts. The SDK runs a first task's signal handlers
+#:   before ``run``, when the run had not yet decided that the cluster tells it anything, so the
+#:   NotReady was dropped: the node was not known silent, and its Ready-again did not replace
+#:   the watch an agent that is gone may hold (up to its 10-minute heartbeat timeout).
+#: - Watches are paced: an honest agent answers when the node's state changed or at the watch's
+#:   wait (minutes). Answers long before it that change nothing (unchanged, bad, late or stale:
+#:   more than ``WATCH_IDLE_FREE`` in a row) or too many early ones of any kind
+#:   (``WATCH_EARLY_FREE``: a node flapping its state) are a node driving the control plane's
+#:   load (a workflow task, an activity and up to half a megabyte of history each: 100 round
+#:   trips in 10 s were measured). Past those, each next watch waits a pause that doubles
+#:   (``WATCH_PACE_FIRST`` to ``WATCH_PACE_MAX``) until an answer comes at its wait.
+NODE_PATCHES_AT_START_2 = "node-patches-at-start-2"
+WATCH_IDLE_FREE = 3
+WATCH_EARLY_FREE = 30
+WATCH_PACE_FIRST = timedelta(seconds=5)
+WATCH_PACE_MAX = timedelta(minutes=5)
 
 #: Bounded memory: XID event keys remembered for de-duplication, log lines kept.
 MAX_SEEN = 512
@@ -226,6 +238,12 @@ class NodeEntity(Entity[NodeCarry]):
         self._settled = False
         #: ``NODE_WATCH_GATE_PATCH``: the health-watch loop is an own task (asked once, first).
         self._gate_waits_watch = False
+        #: ``NODE_PATCHES_AT_START_2`` (asked once, first): first-task cluster_state; paced watches.
+        self._settled_2 = False
+        #: Watch answers in a row long before their wait: all, and those that changed nothing
+        #: (the pace, ``_pace_watch``).
+        self._early_answers = 0
+        self._idle_answers = 0
 
     # -- signals and queries ---------------------------------------------------------------
     # No handler awaits: each changes the state in one step, most only queue for the loop. Two
@@ -258,7 +276,7 @@ class NodeEntity(Entity[NodeCarry]):
         gone (its heartbeat timeout is long), so it is replaced now."""
         if (told := parse_signal(ClusterNodeState, raw, "cluster_state")) is not None:
             # Once ``run`` took its state and decided ``_told_by_cluster`` (one sent before its
-            # first task counts under ``NODE_CLUSTER_STATE_AT_START``).
+            # first task counts under ``NODE_PATCHES_AT_START_2``).
             self.after_start(lambda: self._take_cluster_state(told))
 
     def _take_cluster_state(self, told: ClusterNodeState) -> None:
@@ -332,7 +350,8 @@ class NodeEntity(Entity[NodeCarry]):
     async def run(self, raw: Any) -> NodeStatus:
         self._settled = workflow.patched(NODE_PATCHES_AT_START)  # first: before any local activity
         self._gate_waits_watch = self._settled or workflow.patched(NODE_WATCH_GATE_PATCH)  # the same
-        if self._settled and workflow.patched(NODE_CLUSTER_STATE_AT_START):
+        self._settled_2 = self._settled and workflow.patched(NODE_PATCHES_AT_START_2)
+        if self._settled_2:
             self._told_by_cluster = True  # before ``start_with``: a first task's cluster_state counts
         inp = parse_input(NodeEntityInput, raw)
         self._node = inp.node_name
@@ -474,6 +493,8 @@ class NodeEntity(Entity[NodeCarry]):
                 await self._refresh_facts()  # the heartbeat timeout is a repair setting
             except ActivityError:
                 pass
+        took: timedelta | None = None  # how long the last watch took to answer ...
+        moved = False  # ... and whether its answer changed what the entity knows
         while not self._gone:
             if (settings := self._settings()) is not None:
                 heartbeat = timedelta(seconds=settings.timeouts.watch_heartbeat())
@@ -483,8 +504,12 @@ class NodeEntity(Entity[NodeCarry]):
             if first is not None:
                 answer, first = first, None
             else:
+                if self._settled_2 and took is not None:
+                    await self._pace_watch(took, moved)  # the last answer taken, before the next watch
+                took, moved, asked_at = None, False, workflow.now()
                 try:
                     answer = await self._watch_once(carry, heartbeat)
+                    took = workflow.now() - asked_at
                 except ActivityError as error:
                     if self._rewatch:  # replaced on purpose (Ready again): no question to the cluster
                         self._rewatch = False
@@ -505,6 +530,7 @@ class NodeEntity(Entity[NodeCarry]):
                 continue  # a late answer: the state it carries is older than what the entity has
             if self._stale(result):
                 continue  # not acknowledged: the next watch sees the same difference and observes it afresh
+            moved = result.digest != carry.watch_digest or result.reclaim_at != carry.reclaim_at
             if result.digest != carry.watch_digest:
                 self._pending.append(HealthReport(node_name=self._node, boot_id=result.boot_id, gpus=result.gpus))
             if result.reclaim_at is not None and result.reclaim_at != carry.reclaim_at:
@@ -512,9 +538,32 @@ class NodeEntity(Entity[NodeCarry]):
             carry.watch_seq, carry.watch_digest, carry.reclaim_at = result.seq, result.digest, result.reclaim_at
             self._wake = True  # also: the loop looks at continue-as-new after every watch
 
+    def _watch_wait(self) -> float:
+        """How long a watch waits for a change before it answers unchanged (seconds)."""
+        return WATCH_LONG_WAIT if self._told_by_cluster else WATCH_MAX_WAIT
+
+    async def _pace_watch(self, took: timedelta, moved: bool) -> None:
+        """Past ``WATCH_IDLE_FREE`` answers in a row long before their wait that changed nothing,
+        or ``WATCH_EARLY_FREE`` early ones of any kind, a pause before the next watch, doubling
+        while they go on (``NODE_PATCHES_AT_START_2``). Resting: the next run watches at once."""
+        if took >= timedelta(seconds=self._watch_wait() / 2):
+            self._early_answers = self._idle_answers = 0
+            return
+        self._early_answers += 1
+        self._idle_answers = 0 if moved else self._idle_answers + 1
+        over = max(self._idle_answers - WATCH_IDLE_FREE, self._early_answers - WATCH_EARLY_FREE)
+        if over <= 0:
+            return
+        pause = min(WATCH_PACE_FIRST * 2 ** (over - 1), WATCH_PACE_MAX)
+        if over == 1:
+            self._log(f"watch answers long before their wait ({self._early_answers} in a row, {self._idle_answers} "
+                      f"changing nothing): the next watches are paced, from {pause.total_seconds():.0f}s", warn=True)
+        with self.resting():
+            await workflow.sleep(pause, summary=f"pace {self._node}'s watch: it answers at once")
+
     async def _watch_once(self, carry: NodeCarry, heartbeat: timedelta) -> RawValue:
         # Undecoded: the node's answer is validated by ``_checked`` (see ``NODE_REPORTS_PATCH``).
-        wait = WATCH_LONG_WAIT if self._told_by_cluster else WATCH_MAX_WAIT
+        wait = self._watch_wait()
         options = dict(
             task_queue=node_queue(self._node),
             start_to_close_timeout=timedelta(seconds=wait) + heartbeat * 2,
