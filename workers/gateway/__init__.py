@@ -29,10 +29,13 @@ or API key), only what a node agent needs:
 - the read-only calls the SDK's worker makes at start-up and its
   ``ShutdownWorker`` (see ``authorization._START_UP``).
 
-Everything else is ``PERMISSION_DENIED``, logged with the node's name. Each forwarded
-request is rebuilt from only the fields the policy allows (unknown fields, deployment and
-versioning options, embedded worker heartbeats dropped), with the caller's ``identity``
-replaced by ``node:<name>``, so histories name the authenticated node.
+Everything else is ``PERMISSION_DENIED``, logged with the node's name (``RecordWorkerHeartbeat``
+too: nothing reads a node's worker heartbeats, and they could fill the server's worker list).
+Each forwarded request is rebuilt from only the fields the policy allows (unknown fields,
+deployment and versioning options, embedded worker heartbeats, heartbeat and cancellation
+details dropped; a failure rebuilt as message, type, ``non_retryable``, a bounded stack trace
+and one cause, without payloads the workflow's SDK would decode), with the caller's
+``identity`` replaced by ``node:<name>``, so histories name the authenticated node.
 
 Every call also checks the certificate (its expiry, so an open connection stops working
 when it expires) and that the node is live (``node_liveness``): the certificate's key is

@@ -8,10 +8,12 @@ A node agent may only:
 - make the read-only calls the SDK's worker makes at start-up and its ``ShutdownWorker``
   (see ``_START_UP``).
 
-Everything else is refused (``Refused``: PERMISSION_DENIED, logged with the node's name).
-Each allowed request is rebuilt from only the fields the policy allows (unknown fields,
-deployment and versioning options, embedded worker heartbeats dropped), with the caller's
-``identity`` replaced by ``node:<name>``, so histories name the authenticated node.
+Everything else is refused (``Refused``: PERMISSION_DENIED, logged with the node's name),
+``RecordWorkerHeartbeat`` included (see ``_START_UP``). Each allowed request is rebuilt from
+only the fields the policy allows (unknown fields, deployment and versioning options, embedded
+worker heartbeats, heartbeat and cancellation details dropped; a failure rebuilt by
+``clean_failure``), with the caller's ``identity`` replaced by ``node:<name>``, so histories
+name the authenticated node.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 
 import grpc
 from temporalio.api.enums.v1 import TaskQueueKind
+from temporalio.api.failure.v1 import ApplicationFailureInfo, Failure
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import request_response_pb2 as wsr
 
@@ -44,11 +47,12 @@ SERVICE = "/temporal.api.workflowservice.v1.WorkflowService/"
 #:   activity-only worker has none, and another worker's sticky queue is not the node's to
 #:   drop) and without the worker heartbeat the SDK embeds (which would describe a worker, on
 #:   whatever queue it names, to the server's worker list).
-#: - RecordWorkerHeartbeat: the worker's periodic status (slots, pollers, host) for the
-#:   server's worker list, about once a minute; only about the node's own queue, under the
-#:   node's identity, without a deployment version. (gpufleet's own agents send none:
-#:   ``workers/node_agent.py`` turns them off.)
-_START_UP = {"GetSystemInfo", "DescribeNamespace", "ShutdownWorker", "RecordWorkerHeartbeat"}
+#: Not ``RecordWorkerHeartbeat`` (the SDK's periodic worker status for the server's worker
+#: list): gpufleet's own agents send none (``workers/node_agent.py`` turns them off) and nothing
+#: reads a node's, while each call may name new worker instance keys with kilobytes of text, so
+#: one node could fill the server's memory with workers. It is refused as every other call; an
+#: agent on the SDK's defaults logs the refusal and works on.
+_START_UP = {"GetSystemInfo", "DescribeNamespace", "ShutdownWorker"}
 _RESPONDS = {
     "RespondActivityTaskCompleted": wsr.RespondActivityTaskCompletedRequest,
     "RespondActivityTaskFailed": wsr.RespondActivityTaskFailedRequest,
@@ -67,15 +71,24 @@ MAX_TOKENS_PER_NODE = 64
 ECHO_CHARS = 64
 #: The fields each forwarded request keeps (all others, unknown ones included, are dropped):
 #: no deployment or versioning options, no resource ids, nothing a newer SDK adds unread.
+#: No payloads but a completion's result either (validated by the workflow that takes it): the
+#: SDK decodes a failure's and a cancellation's details, and an activity's last heartbeat
+#: details on its heartbeat timeout, before workflow code runs, so details in an encoding the
+#: control plane does not speak would fail that workflow's task on every retry. Nothing in
+#: gpufleet reads a node activity's heartbeat or cancellation details; a failure is rebuilt by
+#: ``clean_failure``.
 _KEPT = {
     "RespondActivityTaskCompleted": {"task_token", "result", "identity", "namespace"},
-    "RespondActivityTaskFailed": {"task_token", "failure", "identity", "namespace", "last_heartbeat_details", "cause"},
-    "RespondActivityTaskCanceled": {"task_token", "details", "identity", "namespace"},
-    "RecordActivityTaskHeartbeat": {"task_token", "details", "identity", "namespace"},
+    "RespondActivityTaskFailed": {"task_token", "failure", "identity", "namespace", "cause"},
+    "RespondActivityTaskCanceled": {"task_token", "identity", "namespace"},
+    "RecordActivityTaskHeartbeat": {"task_token", "identity", "namespace"},
 }
 _INSTANCE_KEY = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
-#: Worker heartbeats one RecordWorkerHeartbeat may carry (an agent process runs one worker).
-MAX_WORKER_HEARTBEATS = 4
+#: A node's failure message is cut to this many characters, its stack trace to its last this many.
+FAILURE_MESSAGE_CHARS = 2_000
+FAILURE_STACK_CHARS = 4_000
+#: Causes kept under a node's failure (an ``ApplicationError`` raised ``from`` another error).
+FAILURE_CAUSES = 1
 
 
 class Refused(Exception):
@@ -104,6 +117,23 @@ def _only(message, cleared: tuple[str, ...]):
         message.ClearField(name)
     message.DiscardUnknownFields()
     return message
+
+
+def clean_failure(failure: Failure, causes: int = FAILURE_CAUSES) -> Failure:
+    """What a node's failure may tell the workflow: its message (cut short), its application
+    type and ``non_retryable`` flag (retry policies and workflows match on them: ``GpuResetFailed``,
+    ``InvalidInput``...), the end of its stack trace, and ``causes`` levels of cause, each cleaned
+    the same way. No payloads (``details``, ``encoded_attributes``: the SDK decodes them before
+    workflow code runs), no retry delay or category; a failure of any other kind (timeout,
+    cancellation, ...) is an untyped, retryable application failure."""
+    info = failure.application_failure_info
+    clean = Failure(message=failure.message[:FAILURE_MESSAGE_CHARS],
+                    stack_trace=failure.stack_trace[-FAILURE_STACK_CHARS:],
+                    application_failure_info=ApplicationFailureInfo(type=info.type[:ECHO_CHARS],
+                                                                    non_retryable=info.non_retryable))
+    if causes > 0 and failure.HasField("cause"):
+        clean.cause.CopyFrom(clean_failure(failure.cause, causes - 1))
+    return clean
 
 
 @dataclass
@@ -227,6 +257,8 @@ class NodeAuthorization:
             if message.task_token not in self._tokens.get(node, ()):
                 raise self.refuse(node, name, "a task token this gateway did not deliver to this node")
             _only(message, _CLEARED[name])
+            if name == "RespondActivityTaskFailed" and message.HasField("failure"):
+                message.failure.CopyFrom(clean_failure(message.failure))
             message.identity = identity
             return message.SerializeToString(), message.task_token
         if name == "GetSystemInfo":
@@ -250,20 +282,8 @@ class NodeAuthorization:
                 forward.worker_instance_key = bye.worker_instance_key
             return forward.SerializeToString(), None
         if name == "RecordWorkerHeartbeat":
-            beat = wsr.RecordWorkerHeartbeatRequest.FromString(request)
-            self._namespace(node, name, beat.namespace)
-            queues = {h.task_queue for h in beat.worker_heartbeat}
-            if not queues <= {queue} or len(beat.worker_heartbeat) > MAX_WORKER_HEARTBEATS:
-                raise self.refuse(node, name, f"{len(beat.worker_heartbeat)} heartbeats for queues "
-                                   + ", ".join(echo(q) for q in sorted(queues)[:3]))
-            forward = wsr.RecordWorkerHeartbeatRequest(namespace=self.namespace, identity=identity)
-            for heartbeat in beat.worker_heartbeat:
-                kept = forward.worker_heartbeat.add()
-                kept.CopyFrom(heartbeat)
-                kept.DiscardUnknownFields()
-                kept.ClearField("deployment_version")
-                kept.worker_identity = identity
-            return forward.SerializeToString(), None
+            raise self.refuse(node, name, "worker heartbeats are off for node agents "
+                                          "(Runtime(worker_heartbeat_interval=None))")
         raise self.refuse(node, name, "not a node agent's call")
 
     def remember(self, node: str, token: bytes) -> None:
