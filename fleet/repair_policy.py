@@ -249,6 +249,11 @@ class RepairTimeouts(BaseModel):
     #: (at 1,250 nodes and 30 s, 52 writes a second); it is also how long a node whose agent
     #: restarted mid-watch goes unwatched before the watch is retried on the new agent.
     watch_heartbeat_seconds: float | None = Field(None, gt=0, le=3600)
+    #: A node whose watch answers come long before their wait and change nothing (an honest agent
+    #: answers on a change or at the wait) is paced: the next watch waits this long, doubling
+    #: while it goes on, up to ``watch_pace_max_seconds``.
+    watch_pace_seconds: float = Field(5, gt=0, le=3600)
+    watch_pace_max_seconds: float = Field(300, gt=0, le=86400)
     #: One provider API call (reboot/reinstall request): a crashed worker's call is retried after this.
     provider_call_seconds: float = Field(120, gt=0)
 

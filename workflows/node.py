@@ -177,13 +177,12 @@ NODE_WATCH_GATE_PATCH = "node-continue-when-watch-rests"
 #:   more than ``WATCH_IDLE_FREE`` in a row) or too many early ones of any kind
 #:   (``WATCH_EARLY_FREE``: a node flapping its state) are a node driving the control plane's
 #:   load (a workflow task, an activity and up to half a megabyte of history each: 100 round
-#:   trips in 10 s were measured). Past those, each next watch waits a pause that doubles
-#:   (``WATCH_PACE_FIRST`` to ``WATCH_PACE_MAX``) until an answer comes at its wait.
+#:   trips in 10 s were measured). Past those, each next watch waits a pause that doubles (the
+#:   repair settings' ``watch_pace_seconds`` to ``watch_pace_max_seconds``: 5 s to 5 minutes)
+#:   until an answer comes at its wait.
 NODE_PATCHES_AT_START_2 = "node-patches-at-start-2"
 WATCH_IDLE_FREE = 3
 WATCH_EARLY_FREE = 30
-WATCH_PACE_FIRST = timedelta(seconds=5)
-WATCH_PACE_MAX = timedelta(minutes=5)
 
 #: Bounded memory: XID event keys remembered for de-duplication, log lines kept.
 MAX_SEEN = 512
@@ -554,7 +553,8 @@ class NodeEntity(Entity[NodeCarry]):
         over = max(self._idle_answers - WATCH_IDLE_FREE, self._early_answers - WATCH_EARLY_FREE)
         if over <= 0:
             return
-        pause = min(WATCH_PACE_FIRST * 2 ** (over - 1), WATCH_PACE_MAX)
+        timeouts = (self._settings() or RepairSettings()).timeouts
+        pause = timedelta(seconds=min(timeouts.watch_pace_seconds * 2 ** (over - 1), timeouts.watch_pace_max_seconds))
         if over == 1:
             self._log(f"watch answers long before their wait ({self._early_answers} in a row, {self._idle_answers} "
                       f"changing nothing): the next watches are paced, from {pause.total_seconds():.0f}s", warn=True)

@@ -35,7 +35,9 @@ from fleet.naming import node_queue
 from sim.cluster import SimCluster
 from tests.bad_input_helpers import task_failures
 from tests.conftest import Stack
-from tests.repair_helpers import eventually, exists, join_node, node_status, repair_handle, running_stack
+from tests.repair_helpers import (
+    REPAIR, eventually, exists, join_node, node_status, repair_fleet, repair_handle, running_stack,
+)
 from tests.replay import replay_and_record
 from tests.test_bad_input_property import draw
 from workers.metrics import MetricsServer
@@ -180,7 +182,10 @@ EXAMPLES = 20
 async def hostile(temporal_env, tmp_path, monkeypatch) -> AsyncIterator[tuple[Stack, JoinedNode, HostileWatch]]:
     watch = HostileWatch()
     monkeypatch.setattr(workers.node_agent, "build_agent", watch.build_agent)
-    async for stack in running_stack(temporal_env.client, tmp_path):
+    # Its answers come at once and most change nothing: the entity paces such a node's watches
+    # (tests/security/test_watch_pacing.py), here by a hundredth of a second.
+    fleet = repair_fleet(timeouts={**REPAIR["timeouts"], "watch_pace_seconds": 0.01, "watch_pace_max_seconds": 0.01})
+    async for stack in running_stack(temporal_env.client, tmp_path, fleet):
         node = await join_node(stack)
         # The entity is up and its watch (after the join's state) waits at the node.
         await eventually(_async(lambda: bool(watch.inputs)), timeout=30)
