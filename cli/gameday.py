@@ -508,7 +508,7 @@ class _ControlPlaneLoss:
         self.stopped_at = time.time()
         try:
             _freeze(procs, stop=True)
-            for i, node in enumerate(self.picked):  # faults keep happening, spread over the outage
+            for node in self.picked:  # faults keep happening, spread over the outage
                 await asyncio.sleep(self.outage / (len(self.picked) + 1))
                 self.world.inject_fault(node.machine_id, 0, "xid", 48, clears_on="reset")
                 self._mark(f"fault: {node.name} GPU 0 XID 48 ({node.site})")
