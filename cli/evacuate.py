@@ -124,7 +124,9 @@ def evacuation_line(workflow_id: str, p) -> str:
     """One line that says where the evacuation is, and while it waits, for what."""
     line = f"{workflow_id}: {p.state}, {p.step}"
     last = p.timeline[-1] if p.timeline else None
-    if last is not None and last.detail and last.name == p.step:
+    if p.step_detail:
+        line += f" ({p.step_detail})"
+    elif last is not None and last.detail and last.name == p.step:
         line += f" ({last.detail})"
     if p.drained:
         line += f"; {len(p.drained)} node(s) drained"

@@ -8,6 +8,7 @@ geography; stepwise restore; no false trips; resume after a worker restart.
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 
 import pytest
@@ -211,6 +212,9 @@ async def test_an_ended_evacuation_uncordons_what_it_cordoned_and_nothing_else(i
 
     inc.world.set_site(a, unreachable=1)
     await poll(lambda: _state(inc, "waiting-for-recovery"), timeout=30)
+    # The wait says until when (before: "waiting for recovery" and nothing more).
+    waiting = await poll(lambda: _waiting_says_until_when(inc), timeout=15)
+    assert waiting.step_detail.endswith("(or `gpufleet evacuate recovered`)"), waiting.step_detail
     assert await _cordoned(inc, a) == set(names), "the evacuation cordoned the site's nodes"
     assert inc.cluster.get_site_routes().sites[a].weight == 0
 
@@ -426,6 +430,12 @@ async def test_an_evacuation_goes_on_when_the_hold_of_running_repairs_is_refused
 
 
 # -- helpers --------------------------------------------------------------------------------
+async def _waiting_says_until_when(inc: IncStack) -> EvacuationProgress | None:
+    progress = await inc.progress("a")
+    found = progress and re.search(r"next probe at \d\d:\d\d:\d\d UTC", progress.step_detail)
+    return progress if found else None
+
+
 async def _state(inc: IncStack, state: str, name: str = "a"):
     progress = await inc.progress(name)
     return progress if progress is not None and progress.state == state else None

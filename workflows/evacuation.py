@@ -217,7 +217,7 @@ class SiteEvacuation:
 
     def _show(self, step: str, detail: str = "") -> None:
         p = self._progress
-        p.step = step
+        p.step, p.step_detail = step, detail
         start = p.timeline[0].at if p.timeline else workflow.now()
         lines = [f"evacuating {p.site}"]
         if p.needs_person:
@@ -327,6 +327,9 @@ class SiteEvacuation:
             # Not yet: back off before the next proof (an operator's declare_recovered skips the wait).
             self._failed_proofs += 1
             backoff = min(self._s.probe_seconds * 2 ** self._failed_proofs, 600)
+            at = workflow.now() + timedelta(seconds=backoff)
+            self._show("backing off before the next proof", f"proof {self._failed_proofs} failed; next at "
+                                                             f"{at:%H:%M:%S} UTC (or at once on `recovered`)")
             await self._wait(backoff, lambda: bool(self._recovered), "back off before the next proof")
         await self._restore()
 
@@ -514,6 +517,9 @@ class SiteEvacuation:
                 await self._scale(model, target, replicas)
                 waits.append((model, target))
         self._check()
+        if waits:
+            self._show("waiting for the replicas elsewhere",
+                       f"{len(waits)} ready by {deadline:%H:%M:%S} UTC at most; then the site drains")
         for model, target in waits:
             try:
                 await wait_for_serving(model, target, deadline, poll_seconds=1.0, summary=f"wait for {model} at {target}")
@@ -539,6 +545,9 @@ class SiteEvacuation:
             p.drained.append(name)
             blocked.extend(f"{b.key}: {b.reason}" for b in result.blocked)
 
+        by = workflow.now() + timedelta(seconds=s.drain_seconds)
+        self._show("draining", f"{len(self._facts.nodes)} nodes cordoned and drained, PodDisruptionBudgets honoured "
+                               f"until {by:%H:%M:%S} UTC (then the pods left are named)")
         await asyncio.gather(*(drain(n.name) for n in self._facts.nodes))
         self._check()
         for here in self._facts.here:
@@ -557,7 +566,9 @@ class SiteEvacuation:
             if probe.recovered:
                 self._recovered = probe.detail
                 break
-            self._show("waiting for recovery", probe.detail)
+            at = workflow.now() + timedelta(seconds=s.probe_seconds)
+            self._show("waiting for recovery", f"{probe.detail}; next probe at {at:%H:%M:%S} UTC "
+                                               "(or `gpufleet evacuate recovered`)")
             await self._wait(s.probe_seconds, lambda: bool(self._recovered), "next recovery probe")
             if not self._recovered:
                 await self._continue_as_new_if_suggested("recovering")
@@ -723,6 +734,8 @@ class SiteEvacuation:
                                incident="" if last else workflow.info().workflow_id)
             self._mark(f"weight {percent}%")
             if not last and s.bake_seconds:
+                at = workflow.now() + timedelta(seconds=s.bake_seconds)
+                self._show(f"baking at {percent}%", f"until {at:%H:%M:%S} UTC, then {steps[i + 1]}%")
                 await self._wait(s.bake_seconds, lambda: False, f"bake at {percent}%")
         if undo:
             self._mark("routing restored", f"weights as before the incident at {site}")

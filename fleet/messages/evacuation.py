@@ -199,6 +199,8 @@ class Step(BaseModel):
 class EvacuationProgress(BaseModel):
     site: str
     step: str = "starting"
+    #: What the step waits for and until when (the Temporal UI shows the same in its details).
+    step_detail: str = ""
     state: str = "evacuating"
     timeline: list[Step] = Field(default_factory=list)
     moves: dict[str, dict[str, int]] = Field(default_factory=dict)
