@@ -51,6 +51,9 @@ EXPECTED = {
     "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
     # An abort after a scale put v1 back (its rollback knows the templates: tests/rollout).
     "rollout_aborted_after_a_scale",
+    # An abort during a readiness wait cuts it short (``rollout-abort-cuts-the-readiness-wait``);
+    # the old code's run, which waited it out, replays too.
+    "rollout_aborted_while_waiting_for_ready", "rollout_aborted_while_waiting_for_ready_before",
     # The HTTP relay of an operator update (tests/test_entity_update.py).
     "entity_update_quota_raised", "entity_update_rejected",
     # The demand loop: pods bought for, bound, gone; their idle nodes retired (tests/test_demand_loop.py).

@@ -212,6 +212,24 @@ async def test_the_readiness_wait_and_the_bake_say_until_when(rollout_stack: Rol
     await baking.result()
 
 
+async def test_an_abort_cuts_the_readiness_wait_short(rollout_stack: RolloutStack) -> None:
+    """Before: an abort while a site's new replicas were not ready waited out the whole
+    ``ready_timeout_seconds`` (600 s by default, up to a day) before it rolled back."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a"])
+    # No GPUs for 20 replicas: the readiness wait would last its whole minute.
+    handle = await stack.start(stack.request({"site-a": 20}, gate={"ready_timeout_seconds": 60}), "abort-waiting")
+    await until(handle, lambda p: "to be ready" in p.site("site-a").detail)
+    asked = asyncio.get_running_loop().time()
+    await handle.execute_update("abort", "wrong image")
+    result = RolloutResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+    assert asyncio.get_running_loop().time() - asked < 20, "the abort waited out the readiness wait"
+    assert result.outcome == "aborted" and result.sites[0].state.value == "rolled-back"
+    status = stack.cluster.serving_status(MODEL, "site-a")
+    assert (status.image, status.desired_replicas) == ("img:v1", 2)
+    await replay_and_record(handle, "rollout_aborted_while_waiting_for_ready")
+
+
 async def test_pause_holds_and_resume_continues(rollout_stack: RolloutStack) -> None:
     stack = rollout_stack
     stack.serve_v1(["site-a", "site-b"])
