@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator
 import pytest
 import yaml
 
-from tests.plugins import tiers
+from tests.plugins import ast_race, tiers
 from tests.tools import require_marked
 
 if TYPE_CHECKING:
@@ -31,6 +31,7 @@ SERVER_FIXTURES = tiers.SERVER_FIXTURES
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    ast_race.install()  # CPython 3.11's gh-106905 under the suite's threads (tests/plugins/ast_race.py)
     # A plugin module, not this conftest's hooks: its hook wrappers guard every test, also those
     # of directories with a conftest of their own. (It may be loaded already, by ``-p``.)
     if not config.pluginmanager.is_registered(tiers):
