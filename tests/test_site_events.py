@@ -21,7 +21,7 @@ from fleet.contracts import workflows as flows
 from fleet.messages.capacity import SiteStatus
 from fleet.messages.watches import ClusterNodeState
 from fleet.messages.repair import NodeStatus
-from tests.evacuation_helpers import IncStack, incident_fleet, open_incident_stack, poll
+from tests.evacuation_helpers import IncStack, activity_inputs, incident_fleet, open_incident_stack, poll
 from tests.replay import replay_and_record
 
 MODEL = "llm"
@@ -134,9 +134,7 @@ async def test_a_notready_in_a_runs_first_task_counts_and_its_ready_replaces_the
         return await handle.query(flows.Node.status, result_type=NodeStatus)
 
     async def watches(count: int) -> bool:
-        events = (await handle.fetch_history()).events
-        return count == sum(e.activity_task_scheduled_event_attributes.activity_type.name == "watch_node"
-                            for e in events if e.HasField("activity_task_scheduled_event_attributes"))
+        return len(await activity_inputs(handle, "watch_node")) == count
 
     await poll(lambda: watches(1), timeout=30)
     first = await status()
