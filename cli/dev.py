@@ -661,12 +661,22 @@ class _Stack:
         self.children: dict[str, Child] = {}
         self.cluster = None  # --temporal cluster: the RealTemporal, stopped after the workers
         self.starting, self.stopping = True, False
+        self.spawning = False  # inside Child.start: an interrupt waits until the child is on the stack
+        self.interrupted_by: str | None = None
 
     def start(self, name: str, command: list[str], after_start: Callable[[], None] | None = None) -> None:
         label = self.LABELS.get(name) or (f"S3 emulator (port {name[3:]})" if name.startswith("s3-") else name)
         child = Child(name, label, command, dict(self.env), self.logs / f"{name}.log", after_start)
         self.children[name] = child
-        child.start()
+        # A Ctrl-C raised inside Popen (after the fork, before ``child.proc`` is set) left a
+        # Temporal server running that nothing knew to stop: it is raised once the child is known.
+        self.spawning = True
+        try:
+            child.start()
+        finally:
+            self.spawning = False
+        if self.interrupted_by:
+            raise Interrupted(self.interrupted_by)
 
     def stop_all(self) -> None:
         # Workers first, while the server still answers their last calls; then the server.
@@ -682,8 +692,12 @@ class _Stack:
         if self.stopping:
             return  # a second Ctrl-C: the stop under way finishes (every child still goes)
         self.stopping = True
-        if self.starting:
-            raise Interrupted(signal.Signals(signum).name)
+        if not self.starting:
+            return
+        if self.spawning:
+            self.interrupted_by = signal.Signals(signum).name  # raised by start() once the child is known
+            return
+        raise Interrupted(signal.Signals(signum).name)
 
 
 def _start_object_stores(stack: _Stack, config, s3: dict[int, list]) -> None:

@@ -180,6 +180,41 @@ def test_ctrl_c_while_starting_stops_what_started_without_a_traceback(tmp_path: 
     assert not alive(started), alive(started)
 
 
+def test_ctrl_c_inside_a_childs_spawn_stops_that_child_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race behind a CI failure: the Ctrl-C came while Popen was still inside its constructor
+    (the Temporal server forked, ``child.proc`` not yet set), so the stop that followed knew nothing
+    of the server, and it kept running. Here the signal lands at that exact point, every time."""
+    import cli.dev as dev
+
+    spawned: list[subprocess.Popen] = []
+    real_popen = subprocess.Popen
+
+    def popen_then_ctrl_c(*args, **kwargs):
+        proc = real_popen(*args, **kwargs)
+        spawned.append(proc)
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs at the next bytecodes, still in here
+        for _ in range(10_000):
+            pass
+        return proc
+
+    stack = dev._Stack(dict(os.environ), tmp_path)
+    previous = signal.signal(signal.SIGINT, stack.on_signal)
+    monkeypatch.setattr(dev.subprocess, "Popen", popen_then_ctrl_c)
+    try:
+        with pytest.raises(dev.Interrupted):
+            stack.start("temporal", [sys.executable, "-c", "import time; time.sleep(120)"])
+        monkeypatch.undo()
+        stack.stop_all()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        for proc in spawned:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+                pytest.fail(f"the child the interrupted spawn started (pid {proc.pid}) outlived the stack's stop")
+    assert spawned and spawned[0].returncode is not None
+
+
 @pytest.mark.timeout(300)
 def test_a_killed_stack_takes_its_children_with_it(tmp_path: Path) -> None:
     """Before: `kill -9` of `gpufleet dev` (or a parent that kills it, as `bootstrap.py dev` did on
