@@ -109,9 +109,12 @@ class NodeWatch:
         self._woken.clear()
 
     async def wait(self, seconds: float) -> None:
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that comes as
+        # the wake-up does, and the watch the entity cancelled went on to its end beside the new one.
         try:
-            await asyncio.wait_for(self._woken.wait(), seconds)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(seconds):
+                await self._woken.wait()
+        except TimeoutError:
             pass
 
     def observe(self, acked_digest: str = "") -> NodeState:

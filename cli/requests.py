@@ -115,8 +115,9 @@ async def answer_or_leave(what: Awaitable[T], seconds: float, still: str) -> T |
     """``what``'s answer within ``seconds``; None (having said ``still``) when it takes longer.
     A second Ctrl-C leaves too: the request has the cancel by then and carries it out."""
     try:
-        return await asyncio.wait_for(what, seconds)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(seconds):
+            return await what
+    except TimeoutError:
         err.print(still)
         return None
 

@@ -328,7 +328,7 @@ async def test_no_entity_spins_while_its_children_and_tasks_are_open(spin_env: W
         slowest.clear()
         await asyncio.sleep(20)  # the entities continue (or wait to) while the querier asks
         querying.cancel()
-        kinds = await asyncio.gather(querying, return_exceptions=True)
+        kinds = await asyncio.gather(asyncio.wait_for(querying, 30), return_exceptions=True)
         assert not [k for k in kinds if not isinstance(k, asyncio.CancelledError)], kinds
         asked = {kind for _wid, kind in [*slowest, *during_setup]}
         assert {"Site", "Node", "Demand", "ProviderAccount", "Routing"} <= asked, asked
@@ -372,8 +372,12 @@ async def _query_throughout(client: Client, queue: str, slowest: dict[tuple[str,
                 continue
             started = loop.time()
             try:
-                await asyncio.wait_for(client.get_workflow_handle(wf.id).query(STATUS_QUERIES[wf.workflow_type]), 5)
-            except asyncio.TimeoutError:
+                # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that comes as the query
+                # answers, so this loop never ended and the test hung until pytest's timeout (a CI
+                # run). asyncio.timeout runs the query in this task: a cancel always lands.
+                async with asyncio.timeout(5):
+                    await client.get_workflow_handle(wf.id).query(STATUS_QUERIES[wf.workflow_type])
+            except TimeoutError:
                 raise AssertionError(f"{wf.id} answered no status query within 5 s") from None
             except Exception:  # noqa: BLE001 - it continued as new or ended between the list and the query
                 continue

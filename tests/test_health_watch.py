@@ -185,3 +185,30 @@ async def test_a_short_watch_costs_the_server_no_heartbeat_and_a_long_one_beats_
     # Each heartbeat is a billed action: one per half timeout, not one per look (issue 37).
     assert len(beats) <= 4, f"{len(beats)} heartbeats in 2.2 heartbeat timeouts: more than one per half"
     assert min(later - earlier for earlier, later in zip(beats, beats[1:])) >= 0.4 * timeout, beats
+
+
+async def test_a_watch_cancelled_as_it_is_woken_stops() -> None:
+    """The Node entity cancels a watch when it starts a new one. On Python 3.11 ``asyncio.wait_for``
+    swallows a cancel that comes while the awaited wake-up completes: the watch looked again, saw no
+    change and waited out its whole ``max_wait_seconds`` beside its replacement (two watches held
+    the node's poll slots; a stopping agent waited for it)."""
+    gpus = NvmlBackend(FakeNvml())
+    watch = NodeWatch(gpus, interval_s=600)
+    agent = NodeAgentActivities("busy-node", gpus, watch)
+    first: NodeWatchResult = await ActivityEnvironment().run(agent.watch_node, NodeWatchInput(node_name="busy-node"))
+    env = ActivityEnvironment()
+    running = asyncio.create_task(env.run(agent.watch_node, NodeWatchInput(
+        node_name="busy-node", seq=first.seq, digest=first.digest, max_wait_seconds=60)))
+    await asyncio.sleep(0.2)  # waiting: nothing changed
+    watch.wake()  # a look (nothing changed again) ...
+    await asyncio.sleep(0)
+    env.cancel()  # ... and, at that moment, the entity's cancel
+    started = time.monotonic()
+    try:
+        await asyncio.wait_for(asyncio.shield(running), 10)
+    except asyncio.TimeoutError:
+        running.cancel()
+        raise AssertionError("the cancelled watch went on waiting (its cancel was lost)") from None
+    except asyncio.CancelledError:  # the cancel, as the activity's end
+        pass
+    assert time.monotonic() - started < 5

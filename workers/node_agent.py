@@ -207,8 +207,9 @@ class SimNodeHost:
                 if time.time() >= self._next_renewal:
                     await self._renew_certificates()
                 try:
-                    await asyncio.wait_for(stop.wait(), self.poll_seconds)
-                except asyncio.TimeoutError:
+                    async with asyncio.timeout(self.poll_seconds):
+                        await stop.wait()
+                except TimeoutError:
                     pass
         finally:
             await asyncio.gather(*(self._stop_agent(m) for m in list(self.agents)))
@@ -336,8 +337,9 @@ class SimNodeHost:
         self.watches.pop(machine_id, None)
         self.identities.pop(machine_id, None)
         try:
-            await asyncio.wait_for(worker.shutdown(), AGENT_STOP_SECONDS)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(AGENT_STOP_SECONDS):
+                await worker.shutdown()
+        except TimeoutError:
             # One agent whose last call never returns (a gateway gone mid-poll) must not
             # hold up the host's stop, or every other machine's agent with it.
             log.warning("agent %s: not stopped after %d s; abandoned", worker.task_queue, AGENT_STOP_SECONDS)
@@ -376,8 +378,9 @@ async def follow_rotation(worker: Worker, source: CertFile, gateway: GatewayAcce
     """When the certificate file changes, connect with the new key and switch the worker to it."""
     while not stop.is_set():
         try:
-            await asyncio.wait_for(stop.wait(), every_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(every_s):
+                await stop.wait()
+        except TimeoutError:
             pass
         try:
             if stop.is_set() or not source.changed():

@@ -217,12 +217,16 @@ class NodeGateway(grpc.GenericRpcHandler):
             del request  # the rebuilt request is what goes on
             if polling:
                 if load.polls.locked():
+                    # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows the cancel of
+                    # a caller that left as the slot came free, and its poll went upstream anyway
+                    # (a task handed to nobody until it timed out).
                     try:
-                        await asyncio.wait_for(load.polls.acquire(), self._hold_seconds(context))
-                    except asyncio.TimeoutError:
+                        async with asyncio.timeout(self._hold_seconds(context)):
+                            await load.polls.acquire()
+                    except TimeoutError:
                         self._over_limit(node, f"more than {POLLS_PER_NODE} polls at once")
                         return b""  # no task: as a long poll that found none
-                else:  # a free slot: taken at once, without wait_for's task and timer
+                else:  # a free slot: taken at once, without a timer
                     await load.polls.acquire()
                 slot = True
                 remaining = context.time_remaining()
