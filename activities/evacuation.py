@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import activity
-from temporalio.client import WithStartWorkflowOperation
+from temporalio.client import WithStartWorkflowOperation, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, CancelledError, TerminatedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
@@ -23,6 +24,8 @@ from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute
 from fleet.messages.evacuation import (
     AdmitRepairInput,
     EvacuationFacts,
+    EvacuationRef,
+    EvacuationResult,
     FreeGpusInput,
     HoldRepairsInput,
     ProbeNode,
@@ -65,6 +68,7 @@ class EvacuationActivities:
     def all(self) -> list:
         return [
             self.admit_repair, self.incident_settings, self.incident_probe, self.hold_site_repairs,
+            self.evacuation_begun_first, self.evacuation_end,
             self.evacuation_facts, self.set_site_weight, self.free_gpus, self.scale_serving,
             self.uncordon_nodes, self.release_nodes, self.recovery_probe,
         ]
@@ -140,6 +144,45 @@ class EvacuationActivities:
         return reached
 
     # -- SiteEvacuation -----------------------------------------------------------------------
+    @activity.defn
+    async def evacuation_begun_first(self, input: EvacuationRef) -> str:
+        """The running SiteEvacuation of ``input.site`` that began before ``input.workflow_id``
+        (the earliest; a tie goes to the smaller id), or "" when this one is the first. Both of two
+        started at once see each other: the order decides, so exactly one of them acts."""
+        client = activity.client()
+        this = await client.get_workflow_handle(input.workflow_id).describe()
+        query = (f'WorkflowType = "{flows.SiteEvacuation.TYPE}" AND Site = "{input.site}" '
+                 'AND ExecutionStatus = "Running"')
+        earlier = [(wf.start_time, wf.id) async for wf in client.list_workflows(query)
+                   if wf.id != input.workflow_id and (wf.start_time, wf.id) < (this.start_time, input.workflow_id)]
+        return min(earlier)[1] if earlier else ""
+
+    @activity.defn
+    async def evacuation_end(self, input: EvacuationRef) -> str:
+        """Wait for ``input.workflow_id`` to end (through its continue-as-new runs): its outcome,
+        or how it closed ("failed: …", "terminated"). Heartbeats while it waits."""
+        handle = activity.client().get_workflow_handle(input.workflow_id, result_type=EvacuationResult)
+        ending = asyncio.ensure_future(handle.result())
+        try:
+            while True:
+                done, _ = await asyncio.wait({ending}, timeout=60)
+                if done:
+                    break
+                activity.heartbeat()
+        finally:
+            ending.cancel()
+        try:
+            return ending.result().outcome
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND:
+                raise
+            return "no longer on record"
+        except WorkflowFailureError as error:
+            cause = error.cause
+            if isinstance(cause, (TerminatedError, CancelledError)):
+                return "terminated" if isinstance(cause, TerminatedError) else "cancelled"
+            return f"failed: {getattr(cause, 'message', None) or cause}"[:500]
+
     @activity.defn
     @typed_errors
     def evacuation_facts(self, input: SiteRef) -> EvacuationFacts:
@@ -249,9 +292,15 @@ class EvacuationActivities:
     @activity.defn
     @typed_errors
     def recovery_probe(self, input: SiteRef) -> RecoveryProbe:
-        """The site's provider API and nodes, judged by ``fleet.incident.recovery``."""
+        """The site's provider API and nodes, judged by ``fleet.incident.recovery``. A cluster API
+        that does not answer is an answer too: not recovered yet. Raised, it failed the probe after
+        its ten attempts (a few minutes of API-server trouble), that failed the evacuation, and the
+        evacuation's undo sent traffic back to the site that was still down."""
         ok, kind, message = self._api(input.site)
-        nodes = {} if not ok else {n.name: n.ready for n in self._nodes(input.site)}
+        try:
+            nodes = {} if not ok else {n.name: n.ready for n in self._nodes(input.site)}
+        except Transient as error:
+            return RecoveryProbe(recovered=False, detail=f"the cluster API did not answer: {error}"[:500])
         verdict = recovery(None if ok else f"{kind}: {message}", nodes)
         return RecoveryProbe(recovered=verdict.recovered, detail=verdict.detail)
 

@@ -130,6 +130,24 @@ def test_the_recovery_probe_reports_the_rule(tmp_path):
     assert (probe.recovered, probe.detail) == (False, "no nodes at the site")
 
 
+def test_a_recovery_probe_while_the_cluster_api_is_away_says_not_yet(tmp_path, monkeypatch):
+    """Before: the probe raised, failed after its ten attempts (a few minutes of API-server
+    trouble), failed the evacuation, and the evacuation's undo routed traffic back to a site
+    that was still down. A probe is a question: no answer is "not recovered yet"."""
+    from fleet.errors import Transient
+
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
+    site_name = env.config.sites[0].name
+
+    def away(*_args, **_kwargs):
+        raise Transient("GET /api/v1/nodes: 503 Service Unavailable", provider="kubernetes", code="503")
+
+    monkeypatch.setattr(env.cluster, "list_nodes", away)
+    probe = ActivityEnvironment().run(EvacuationActivities(env).recovery_probe, SiteRef(site=site_name))
+    assert probe.recovered is False
+    assert probe.detail == "the cluster API did not answer: GET /api/v1/nodes: 503 Service Unavailable"
+
+
 # -- the account guard: one method, the enum ----------------------------------------------------
 def test_a_revoked_account_queues_the_delete_and_makes_no_call(tmp_path):
     env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
