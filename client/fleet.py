@@ -428,8 +428,9 @@ class FleetClient:
                             request_id: str) -> WorkflowHandle[Any, EvacuationResult]:
         """Evacuate a site by hand: SiteEvacuation ``evacuate/<site>/manual-<request_id>``.
 
-        The Site entity does not know about it: its own incident rule still runs. A site the
-        fleet config does not name is refused before anything starts."""
+        The Site entity does not know about it: its own incident rule still runs. Where another
+        evacuation of the site began first, this one follows it: it changes nothing and ends with
+        that one's outcome. A site the fleet config does not name is refused before anything starts."""
         args = validate(SiteEvacuationInput, request)
         _text("request_id", request_id)
         self._known_site(args.site)
@@ -445,20 +446,29 @@ class FleetClient:
         return await self._query(_text("evacuation_id", evacuation_id), flows.SiteEvacuation.progress, EvacuationProgress)
 
     async def running_evacuation(self, site: str) -> str | None:
-        """The id of the evacuation running at ``site``: the Site entity's open incident,
-        else one started by hand."""
+        """The id of the evacuation acting at ``site``: the Site entity's open incident, else one
+        started by hand; where that one follows another (begun first at the same site: it changes
+        nothing itself), the one it follows, which is the one to abort, declare recovered or watch."""
         _text("site", site)
         client = await self.temporal()
         try:
             status = await self.site_status(site)
         except NotFound:
             status = None
+        found = None
         if status is not None and status.incident is not None and status.incident.open is not None:
-            return status.incident.open.id
-        query = f'WorkflowType = "{flows.SiteEvacuation.TYPE}" AND ExecutionStatus = "Running" AND Site = "{site}"'
-        async for wf in client.list_workflows(query, limit=1):
-            return wf.id
-        return None
+            found = status.incident.open.id
+        else:
+            query = f'WorkflowType = "{flows.SiteEvacuation.TYPE}" AND ExecutionStatus = "Running" AND Site = "{site}"'
+            async for wf in client.list_workflows(query, limit=1):
+                found = wf.id
+        if found is None:
+            return None
+        try:
+            progress = await self.evacuation_progress(found)
+        except NotFound:
+            return None  # ended meanwhile
+        return progress.following if progress is not None and progress.following else found
 
     async def declare_site_recovered(self, site: str, note: str = "", *,
                                      evacuation_id: str | None = None) -> EvacuationProgress:

@@ -193,9 +193,20 @@ async def test_site_entity_and_an_evacuation_by_hand(inc: IncStack) -> None:
 
     await poll(waiting, timeout=40)
     assert await fleet.running_evacuation(a) == handle.id
+    # A second one (by code, or a person's second request) follows the first and changes nothing:
+    # the site's evacuation, the one to declare recovered, is still the first.
+    second = await fleet.evacuate_site({"site": a, "reason": "again (test)"}, request_id="t3")
+
+    async def following():
+        p = await fleet.evacuation_progress(second.id)
+        return p if p is not None and p.state == "following" else None
+
+    assert (await poll(following, timeout=20)).following == handle.id
+    assert await fleet.running_evacuation(a) == handle.id
     inc.world.set_site(a, unreachable=0)
     progress = await fleet.declare_site_recovered(a, "provider says it is back")
     assert progress.site == a
     result = await handle.result()
     assert isinstance(result, EvacuationResult) and result.outcome == "restored"
+    assert (await second.result()).outcome == f"followed {handle.id}: restored"
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED

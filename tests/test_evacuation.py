@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 from temporalio import activity
-from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError, CancelledError
 
 from tests.evacuation_helpers import (
@@ -516,3 +516,52 @@ async def test_a_held_gpu_is_fenced_at_once_and_unfenced_when_it_heals(inc: IncS
     assert await inc.workflows("GpuRepair", "a") == []
     status = await node_status(inc, names[3])
     assert (status.fenced, status.deferred) == ([], []) and any("un-fenced" in line for line in status.log)
+
+
+async def test_an_evacuation_started_beside_the_site_entitys_follows_it(inc: IncStack) -> None:
+    """The Site entity is evacuating site a; someone starts another evacuation of a (``temporal
+    workflow start``, code: only `gpufleet evacuate start` refuses). Before: both acted, the second
+    took the first's weight 0 and cordons as what to put back, and whichever ended first wrote
+    weight 100 while the other still held the site out. Now the later one follows: it changes
+    nothing, names the one it follows, and ends with that one's outcome."""
+    a, _d = await _a_lost_and_evacuated_to_d(inc)
+    first = inc.evacuation("a")  # the entity's: evacuate/<a>/1
+    beside = await inc.client.start_workflow(
+        "SiteEvacuation", {"site": a, "reason": "test: started by hand as well"}, id=f"evacuate/{a}/manual-t1",
+        task_queue=inc.settings.task_queue)
+    following: EvacuationProgress = await poll(lambda: _evacuation_state(beside, "following"), timeout=30)
+    assert following.following == first.id
+    assert following.step == f"following {first.id}" and "changes nothing" in following.step_detail
+    with pytest.raises(WorkflowUpdateFailedError):
+        await beside.execute_update("declare_recovered", "test")  # said where: on the one it follows
+    # A follower aborted stops following, and puts back nothing (it changed nothing).
+    third = await inc.client.start_workflow(
+        "SiteEvacuation", {"site": a, "reason": "test: and once more"}, id=f"evacuate/{a}/manual-t2",
+        task_queue=inc.settings.task_queue)
+    await poll(lambda: _evacuation_state(third, "following"), timeout=30)
+    await third.execute_update("abort", "test: not this one")
+    assert EvacuationResult.model_validate(await asyncio.wait_for(third.result(), 30)).outcome == "aborted"
+    assert (await first.query("progress", result_type=EvacuationProgress)).state == "waiting-for-recovery"
+    assert inc.cluster.get_site_routes().sites[a].weight == 0
+
+    inc.world.set_site(a, unreachable=0)
+    led = EvacuationResult.model_validate(await asyncio.wait_for(first.result(), 60))
+    followed = EvacuationResult.model_validate(await asyncio.wait_for(beside.result(), 60))
+    assert led.outcome == "restored"
+    assert followed.outcome == f"followed {first.id}: restored"
+    # The follower acted on nothing: it asked who began first and waited for that one to end.
+    acted = {e.activity_task_scheduled_event_attributes.activity_type.name
+             async for e in beside.fetch_history_events() if e.HasField("activity_task_scheduled_event_attributes")}
+    assert acted == {"evacuation_begun_first", "evacuation_end"}
+    routes = inc.cluster.get_site_routes().sites[a]
+    assert (routes.weight, routes.healthy, routes.draining) == (100, True, False)
+    assert not any(n.unschedulable for n in inc.cluster.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": a}))
+    await replay_and_record(beside, "site_evacuation_followed")
+
+
+async def _evacuation_state(handle, state: str):
+    try:
+        progress = await handle.query("progress", result_type=EvacuationProgress)
+    except Exception:  # noqa: BLE001 - not started yet
+        return None
+    return progress if progress.state == state else None

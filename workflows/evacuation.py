@@ -28,6 +28,10 @@ query):
    time between), the extra replicas elsewhere go, and the nodes bought for the
    evacuation are retired while their site is above its min.
 
+One evacuation acts on a site at a time: one that finds another of its site running, begun first
+(a person's ``gpufleet evacuate start`` beside the Site entity's), follows it (state
+``following``): it changes nothing and ends when that one does, with its outcome.
+
 The waits of steps 2 (no compliant site) and 5 (recovery probes every 30 s, the
 one that runs for days) continue as new when the server suggests it, carrying
 the whole evacuation (``EvacuationCarry``); never while the AcquireCapacity
@@ -69,6 +73,7 @@ with workflow.unsafe.imports_passed_through():
         EvacuationCarry,
         EvacuationFacts,
         EvacuationProgress,
+        EvacuationRef,
         EvacuationResult,
         FreeGpusInput,
         RecoveryProbe,
@@ -85,6 +90,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.refusals import wrong_state
     from workflows.steps import (
         CLUSTER_RETRY,
+        LONG_WATCH_HEARTBEAT,
+        LONG_WATCH_RETRY,
         PROVIDER_RETRY,
         PUT_BACK_RETRY,
         QUICK,
@@ -122,6 +129,14 @@ PROOF_PER_NODE_PATCH = "evacuation-proof-per-node"
 #: (a repair's fenced GPU, a failed proof) stays cordoned, the reason shown. Before, an abort
 #: stopped where it was: nodes cordoned and the site at weight 0 for good.
 RESTORES_PATCH = "evacuation-abort-restores"
+#: One evacuation acts on a site at a time. One that finds another of its site running, begun
+#: first (one started by hand beside the Site entity's, or two entities' runs), follows it: it
+#: changes nothing, says whom it follows, and ends when that one ends, with its outcome. Before,
+#: both acted: each took the other's weight 0 and cordons as "before", and the first to end wrote
+#: weight 100 while the other still held the site out of service.
+FOLLOWS_PATCH = "evacuation-follows-the-first"
+#: How long one wait for the evacuation it follows lasts (then it is asked again).
+FOLLOW_WAIT = timedelta(days=1)
 
 
 class Aborted(Exception):
@@ -160,6 +175,9 @@ class SiteEvacuation:
     def _validate_recovered(self, note: Any = "") -> None:
         check_text("note", note)
         self._require_running()
+        if self._progress.following:
+            raise wrong_state(f"this evacuation follows {self._progress.following}, which began first: "
+                              "declare the site recovered there", "following")
 
     @workflow.update
     def abort(self, reason: Any = "") -> EvacuationProgress:
@@ -199,7 +217,7 @@ class SiteEvacuation:
         """The evacuation's state, not the input, refuses: it has not started or has ended."""
         if self._progress is None:
             raise wrong_state("the evacuation is still starting", "starting")
-        if self._progress.state in ("restored", "aborted"):
+        if self._progress.state in ("restored", "aborted", "followed"):
             raise wrong_state(f"the evacuation is not running (it has {self._progress.state})", self._progress.state)
 
     @workflow.query
@@ -278,6 +296,14 @@ class SiteEvacuation:
             self._progress = EvacuationProgress(site=site)
             workflow.upsert_search_attributes([sa.SITE.value_set(site), sa.FLEET_STATE.value_set("evacuating")])
             self._mark("detected", args.reason)
+            if workflow.patched(FOLLOWS_PATCH):
+                first: str = await workflow.execute_activity(
+                    act.evacuation_begun_first, EvacuationRef(site=site, workflow_id=workflow.info().workflow_id),
+                    start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                    summary=f"another evacuation of {site} begun first?",
+                )
+                if first:
+                    return await self._follow(first)
         try:
             await self._evacuate(args.carry.phase if args.carry else "")
             outcome = "restored"
@@ -308,6 +334,30 @@ class SiteEvacuation:
             raise
         return EvacuationResult(site=site, outcome=outcome, timeline=self._progress.timeline,
                                 held=self._progress.held)
+
+    async def _follow(self, first: str) -> EvacuationResult:
+        """Another evacuation of this site began first: wait for it to end, changing nothing (an
+        abort of this one stops the wait; there is nothing to put back)."""
+        p, site = self._progress, self._args.site
+        p.following = first
+        self._state("following")
+        self._mark("following", f"{first} began evacuating {site} first")
+        self._show(f"following {first}", f"{first} began evacuating {site} first: this one changes nothing "
+                                         "and ends when it does (its progress is the one to watch)")
+        ended = workflow.start_activity(
+            act.evacuation_end, EvacuationRef(site=site, workflow_id=first), start_to_close_timeout=FOLLOW_WAIT,
+            heartbeat_timeout=LONG_WATCH_HEARTBEAT, retry_policy=LONG_WATCH_RETRY, summary=f"until {first} ends",
+        )
+        await workflow.wait_condition(lambda: ended.done() or bool(self._abort))
+        if not ended.done():
+            ended.cancel()
+            self._state("aborted")
+            self._mark("aborted", self._abort)
+            return EvacuationResult(site=site, outcome="aborted", timeline=p.timeline)
+        how: str = ended.result()
+        self._state("followed")
+        self._mark("followed", f"{first}: {how}")
+        return EvacuationResult(site=site, outcome=f"followed {first}: {how}", timeline=p.timeline)
 
     async def _evacuate(self, resume_at: str) -> None:
         if not resume_at:

@@ -29,7 +29,7 @@ from fleet.messages.demand import (
 )
 from fleet.contracts.entity_update import EntityUpdateInput, EntityUpdateResult
 from fleet.messages.evacuation import (
-    AdmitRepairInput, EvacuationFacts, FreeGpusInput, HoldRepairsInput, RecoveryProbe,
+    AdmitRepairInput, EvacuationFacts, EvacuationRef, FreeGpusInput, HoldRepairsInput, RecoveryProbe,
     ReleaseNodesInput, ReleaseNodesResult, RepairDecision, ScaleInput, SiteProbe, SiteRef,
     SiteWeightInput, SiteWeightResult, UncordonInput,
 )
@@ -147,6 +147,20 @@ async def ensure_sites(input: SignalSitesInput) -> list[str]:
     """Start the entity of every site (of ``input.sites``, or the config's) that is not running; a
     running one is left alone: its watch and safety timer keep it current, and a signal would be an
     action for nothing. Body: ``activities/watches.py``, ``WatchActivities.ensure_sites``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="evacuation_begun_first")
+async def evacuation_begun_first(input: EvacuationRef) -> str:
+    """The running evacuation of the site begun before this one ("" when none). Body:
+    ``activities/evacuation.py``, ``EvacuationActivities.evacuation_begun_first``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="evacuation_end")
+async def evacuation_end(input: EvacuationRef) -> str:
+    """Waits for that evacuation to end: its outcome. Body: ``activities/evacuation.py``,
+    ``EvacuationActivities.evacuation_end``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

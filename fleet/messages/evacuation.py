@@ -212,11 +212,22 @@ class EvacuationProgress(BaseModel):
     #: Nodes it drained that stay cordoned after it ended, each with why (a repair holds a GPU
     #: of it, it failed the proof, it was cordoned before the evacuation began).
     held: dict[str, str] = Field(default_factory=dict)
+    #: The evacuation of the same site that began first, which this one follows (state
+    #: ``following``): it changes nothing itself and ends when that one does.
+    following: str = ""
+
+
+class EvacuationRef(BaseModel):
+    """One SiteEvacuation of a site, by its workflow id."""
+
+    site: Name
+    workflow_id: Text
 
 
 class EvacuationResult(BaseModel):
     site: str
-    outcome: str  # restored | aborted
+    #: restored | aborted | "followed <id>: <how that one ended>"
+    outcome: str
     timeline: list[Step] = Field(default_factory=list)
     #: As ``EvacuationProgress.held``.
     held: dict[str, str] = Field(default_factory=dict)
