@@ -152,7 +152,10 @@ async def test_an_evacuation_of_an_unknown_site_says_so_at_the_top(stack: Stack)
     assert cause.type == "InvalidInput" and cause.non_retryable, cause
     assert "site-a" in cause.message, "the known sites are named"
     history = await handle.fetch_history()
+    kinds = {e.event_id: e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+             if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED}
     attempts = [e.activity_task_started_event_attributes.attempt for e in history.events
-                if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED]
+                if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
+                and kinds[e.activity_task_started_event_attributes.scheduled_event_id] == "evacuation_facts"]
     assert attempts == [1], "refused once, never retried"
     assert await task_failures(handle) == 0
