@@ -565,3 +565,32 @@ async def _evacuation_state(handle, state: str):
     except Exception:  # noqa: BLE001 - not started yet
         return None
     return progress if progress.state == state else None
+
+
+async def test_a_site_that_recovers_while_nothing_may_take_its_replicas_comes_back(inc: IncStack) -> None:
+    """b is a compliance site whose eu-only replicas have nowhere to go: the evacuation waits for a
+    person (weight 0, nothing drained). Before: that wait only looked for a place, so when b's
+    provider came back, b stayed at weight 0 until a compliant site appeared, however long. Now the
+    wait probes recovery: b comes back (proof, then the weights), and nothing moved or drained."""
+    b, d = inc.site("b"), inc.site("d")
+    await inc.join("b", 3)
+    await inc.join("d", 1)
+    inc.serve(MODEL, "b", replicas=1)
+    inc.serve(MODEL, "d", replicas=0)
+    inc.serve("eu-only", "b", replicas=1)  # no compliant Deployment elsewhere: impossible to place
+    await inc.start_site("b")
+    inc.world.set_site(b, unreachable=1)
+    waiting = await poll(lambda: _state(inc, "needs-person", "b"), timeout=30)
+    assert "eu-only" in waiting.needs_person
+    assert "a site that recovers meanwhile comes back" in waiting.step_detail
+
+    inc.world.set_site(b, unreachable=0)  # the provider is back; still no compliant site
+    result = EvacuationResult.model_validate(await asyncio.wait_for(inc.evacuation("b").result(), 60))
+    assert result.outcome == "restored"
+    names = [s.name for s in result.timeline]
+    assert "recovered before anything moved" in names and "nodes proven" in names
+    assert "drained" not in names and "replicas ready elsewhere" not in names
+    routes = inc.cluster.get_site_routes().sites[b]
+    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "nothing was moved to d"
+    await replay_and_record(inc.evacuation("b"), "site_evacuation_recovered_while_placing")

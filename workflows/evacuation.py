@@ -135,6 +135,11 @@ RESTORES_PATCH = "evacuation-abort-restores"
 #: both acted: each took the other's weight 0 and cordons as "before", and the first to end wrote
 #: weight 100 while the other still held the site out of service.
 FOLLOWS_PATCH = "evacuation-follows-the-first"
+#: A site that recovers while nothing may take its replicas (the needs-person wait: no compliant
+#: site) comes back: the wait probes recovery and wakes on ``declare_recovered``, and a recovered
+#: site skips the moves and the drain and goes to the proof and the restore. Before, the wait
+#: only looked for a place, so such a site stayed at weight 0 until one appeared, recovered or not.
+RECOVERED_WHILE_PLACING_PATCH = "evacuation-recovered-while-placing"
 #: How long one wait for the evacuation it follows lasts (then it is asked again).
 FOLLOW_WAIT = timedelta(days=1)
 
@@ -148,6 +153,7 @@ class SiteEvacuation:
     def __init__(self) -> None:
         self._progress: EvacuationProgress | None = None
         self._recovered = ""
+        self._recovered_placing = False  # RECOVERED_WHILE_PLACING_PATCH: back before anything moved
         self._abort = ""
         self._retry = 0
         self._acquired: list = []
@@ -365,10 +371,11 @@ class SiteEvacuation:
         if resume_at in ("", "placing"):
             # 2. the deficit, and capacity for it elsewhere.
             moves = await self._place()
-            # 3. replicas elsewhere, ready.
-            await self._scale_elsewhere(moves)
-            # 4. drain the site.
-            await self._drain()
+            if not self._recovered_placing:  # back before anything moved: nothing to move or drain
+                # 3. replicas elsewhere, ready.
+                await self._scale_elsewhere(moves)
+                # 4. drain the site.
+                await self._drain()
         # 5. wait for recovery, 6. restore (smoke tests first; a failure goes back to waiting).
         while True:
             await self._wait_recovery()
@@ -483,9 +490,17 @@ class SiteEvacuation:
                     for m, why in sorted(plan.impossible.items())
                 )
                 self._state("needs-person")
-                self._show("waiting: nothing may take the replicas")
+                watch_recovery = workflow.patched(RECOVERED_WHILE_PLACING_PATCH)
+                at = workflow.now() + timedelta(seconds=s.probe_seconds)
+                self._show("waiting: nothing may take the replicas",
+                           f"looking again at {at:%H:%M:%S} UTC (or `gpufleet evacuate retry`)"
+                           + ("; a site that recovers meanwhile comes back" if watch_recovery else ""))
                 seen = self._retry
-                await self._wait(s.probe_seconds, lambda: self._retry != seen, "look again for a compliant site")
+                await self._wait(s.probe_seconds,
+                                 lambda: self._retry != seen or (watch_recovery and bool(self._recovered)),
+                                 "look again for a compliant site")
+                if watch_recovery and await self._recovered_while_placing():
+                    return {}
                 self._facts = await workflow.execute_activity(
                     act.evacuation_facts, SiteRef(site=site),
                     start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary="serving again",
@@ -505,6 +520,24 @@ class SiteEvacuation:
                 self._show("capacity short; moving what fits")
             p.moves = plan.moves
             return plan.moves
+
+    async def _recovered_while_placing(self) -> bool:
+        """In the needs-person wait: whether the site is back (declared, or the probe says so).
+        Then nothing moves and nothing drains: the proof and the restore follow."""
+        p, site = self._progress, self._args.site
+        if not self._recovered:
+            probe: RecoveryProbe = await workflow.execute_activity(
+                act.recovery_probe, SiteRef(site=site), start_to_close_timeout=QUICK,
+                retry_policy=CLUSTER_RETRY, summary=f"is {site} back meanwhile?",
+            )
+            if not probe.recovered:
+                return False
+            self._recovered = probe.detail
+        self._recovered_placing = True
+        p.needs_person = ""
+        self._state("evacuating")
+        self._mark("recovered before anything moved", self._recovered)
+        return True
 
     async def _acquire(self, deficits: list[Deficit], plan: Plan, missing_gpus: int) -> None:
         p, s, site = self._progress, self._s, self._args.site
