@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import activity
-from temporalio.client import WithStartWorkflowOperation, WorkflowFailureError
+from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError, CancelledError, TerminatedError
 from temporalio.service import RPCError, RPCStatusCode
@@ -17,7 +17,7 @@ from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.config import Site
 from fleet.errors import FleetError, Transient
-from fleet.incident import IncidentSettings, SiteFacts, recovery, weight_at
+from fleet.incident import IncidentSettings, SiteFacts, incident_of_hold, recovery, weight_at
 from fleet.naming import site_workflow_id
 from providers.cluster.base import serving_capacity
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute
@@ -61,6 +61,29 @@ def provider_api_answers(env: FleetEnv, site: str) -> tuple[bool, str, str]:
     except Exception as error:  # noqa: BLE001 - an SDK error nobody classified is Transient
         return False, Transient.__name__, str(error)
 
+async def _running_repairs(client, site: str):
+    """(workflow id, handle, ladder) of each GpuRepair running at ``site``; one that finished
+    between the list and its query is left out."""
+    query = f'WorkflowType = "{flows.GpuRepair.TYPE}" AND Site = "{site}" AND ExecutionStatus = "Running"'
+    async for wf in client.list_workflows(query):
+        handle = client.get_workflow_handle(wf.id, run_id=wf.run_id)
+        try:
+            ladder = await handle.query(flows.GpuRepair.ladder, result_type=LadderState)
+        except Exception as error:  # noqa: BLE001 - finished meanwhile
+            activity.logger.info("%s: no ladder to read (%s)", wf.id, error)
+            continue
+        yield wf.id, handle, ladder
+
+
+async def _running(client, workflow_id: str) -> bool:
+    try:
+        return (await client.get_workflow_handle(workflow_id).describe()).status == WorkflowExecutionStatus.RUNNING
+    except RPCError as error:
+        if error.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+
+
 class EvacuationActivities:
     def __init__(self, env: FleetEnv) -> None:
         self.env = env
@@ -68,6 +91,7 @@ class EvacuationActivities:
     def all(self) -> list:
         return [
             self.admit_repair, self.incident_settings, self.incident_probe, self.hold_site_repairs,
+            self.release_orphaned_holds,
             self.evacuation_begun_first, self.evacuation_end,
             self.evacuation_facts, self.set_site_weight, self.free_gpus, self.scale_serving,
             self.uncordon_nodes, self.release_nodes, self.recovery_probe,
@@ -122,26 +146,42 @@ class EvacuationActivities:
         its current rung, then waits contained), or release the ones held with that reason.
         A repair someone else holds, for a reason of theirs, is theirs: not held again, not
         released. Returns the repairs held (or released). Run again, it does nothing twice."""
-        client = activity.client()
-        query = f'WorkflowType = "{flows.GpuRepair.TYPE}" AND Site = "{input.site}" AND ExecutionStatus = "Running"'
         reached = []
-        async for wf in client.list_workflows(query):
-            handle = client.get_workflow_handle(wf.id, run_id=wf.run_id)
+        async for repair_id, handle, ladder in _running_repairs(activity.client(), input.site):
+            ours = ladder.held and ladder.hold_reason == input.reason
+            if ladder.done or (ladder.held and not ours) or (not input.hold and not ours):
+                continue  # over, someone else's hold, or (releasing) not held: nothing to do
+            if input.hold and ours:
+                reached.append(repair_id)  # held by an earlier attempt: not held twice
+                continue
             try:
-                ladder = await handle.query(flows.GpuRepair.ladder, result_type=LadderState)
-                ours = ladder.held and ladder.hold_reason == input.reason
-                if ladder.done or (ladder.held and not ours):
-                    continue  # over, or someone else's hold
-                if input.hold and not ours:
-                    await handle.execute_update(flows.GpuRepair.hold, {"reason": input.reason})
-                elif not input.hold:
-                    if not ours:
-                        continue  # not held: nothing to release
-                    await handle.execute_update(flows.GpuRepair.release, {"reason": input.reason})
-                reached.append(wf.id)
+                update = flows.GpuRepair.hold if input.hold else flows.GpuRepair.release
+                await handle.execute_update(update, {"reason": input.reason})
             except Exception as error:  # noqa: BLE001 - finished meanwhile: nothing to hold or release
-                activity.logger.info("%s not %s: %s", wf.id, "held" if input.hold else "released", error)
+                activity.logger.info("%s not %s: %s", repair_id, "held" if input.hold else "released", error)
+                continue
+            reached.append(repair_id)
         return reached
+
+    @activity.defn
+    async def release_orphaned_holds(self, input: SiteRef) -> list[str]:
+        """Release every running GpuRepair at the site held for a provider incident of its Site
+        entity whose evacuation is no longer running: an entity reset (or terminated and started
+        again) mid-incident forgot the hold, so nothing else would ever release it. A hold of an
+        operator's, or of an evacuation still running, stays. Returns the repairs released."""
+        client = activity.client()
+        released = []
+        async for repair_id, handle, ladder in _running_repairs(client, input.site):
+            incident = incident_of_hold(input.site, ladder.hold_reason) if ladder.held else None
+            if incident is None or await _running(client, incident):
+                continue
+            try:
+                await handle.execute_update(flows.GpuRepair.release, {"reason": ladder.hold_reason})
+            except Exception as error:  # noqa: BLE001 - finished meanwhile: nothing to release
+                activity.logger.info("%s not released: %s", repair_id, error)
+                continue
+            released.append(repair_id)
+        return released
 
     # -- SiteEvacuation -----------------------------------------------------------------------
     @activity.defn

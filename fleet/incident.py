@@ -194,6 +194,21 @@ class SiteFacts(BaseModel):
     price_per_gpu_hour: float = 0.0
 
 
+def incident_hold_reason(site: str, incident_id: str) -> str:
+    """The reason the Site entity holds its site's repairs with while incident ``incident_id``
+    (its evacuation's workflow id) is open; the release names the same reason."""
+    return f"site {site}: provider incident {incident_id}"[:500]
+
+
+def incident_of_hold(site: str, reason: str) -> str | None:
+    """The incident (evacuation id) a hold of ``site``'s repairs was taken for, or None when the
+    hold is not the Site entity's (an operator's, or another site's)."""
+    prefix = incident_hold_reason(site, "")
+    if not reason.startswith(prefix):
+        return None
+    return reason[len(prefix):] or None
+
+
 def allowed_targets(failed: SiteFacts, candidates: list[SiteFacts]) -> list[SiteFacts]:
     """Where the failed site's replicas may go: any other site, or inside its
     geography when it is a compliance site (``fleet.replacement``, the one rule)."""

@@ -98,8 +98,10 @@ class IncStack:
             id=f"site/{self.site(name)}", task_queue=self.settings.task_queue,
         )
 
-    async def workflows(self, kind: str, name: str) -> list:
+    async def workflows(self, kind: str, name: str, running: bool = False) -> list:
         query = f'WorkflowType = "{kind}" AND Site = "{self.site(name)}"'
+        if running:
+            query += ' AND ExecutionStatus = "Running"'
         return [w async for w in self.client.list_workflows(query)]
 
     def evacuation(self, name: str, n: int = 1) -> WorkflowHandle:

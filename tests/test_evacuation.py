@@ -594,3 +594,38 @@ async def test_a_site_that_recovers_while_nothing_may_take_its_replicas_comes_ba
     assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
     assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "nothing was moved to d"
     await replay_and_record(inc.evacuation("b"), "site_evacuation_recovered_while_placing")
+
+
+async def test_a_site_entity_started_again_releases_the_holds_of_an_incident_it_forgot(inc: IncStack) -> None:
+    """The Site entity holds its site's repairs while an incident is open and releases them when
+    the evacuation ends. Reset (or terminated and started again) mid-incident, it forgot the hold:
+    before, those repairs stayed held for good. Now a run that starts with no incident open
+    releases holds of its own incidents whose evacuation no longer runs (an operator's hold, or
+    another site's, is not its own: ``tests/test_policy.py``)."""
+    from fleet.incident import incident_hold_reason
+    from fleet.messages.repair import LadderState
+
+    a = inc.site("a")
+    machines = await inc.join("a", 3)
+    await inc.start_site("a")
+    inc.world.inject_fault(machines[0], 0, "compute", clears_on="never")  # nothing fixes it: the ladder stays open
+    inc.world.inject_fault(machines[0], 0, "ecc", 3, clears_on="never")
+    repair = (await poll(lambda: _at_least(inc.workflows("GpuRepair", "a", running=True), 1), timeout=30))[0]
+    forgotten = inc.client.get_workflow_handle(repair.id)
+    await forgotten.execute_update("hold", {"reason": incident_hold_reason(a, f"evacuate/{a}/7")})
+
+    site = inc.client.get_workflow_handle(f"site/{a}")
+    await site.terminate("test: the entity's state is lost (as a reset to before the incident)")
+    await inc.start_site("a")
+
+    async def released():
+        ladder = await forgotten.query("ladder", result_type=LadderState)
+        return ladder if not ladder.held else None
+
+    await poll(released, timeout=30)
+    await replay_and_record(site, "site_released_orphaned_holds")
+
+
+async def _at_least(listing, n: int):
+    found = await listing
+    return found if len(found) >= n else None

@@ -148,6 +148,17 @@ def test_a_recovery_probe_while_the_cluster_api_is_away_says_not_yet(tmp_path, m
     assert probe.detail == "the cluster API did not answer: GET /api/v1/nodes: 503 Service Unavailable"
 
 
+def test_the_site_entity_knows_its_own_incident_holds_and_no_one_elses():
+    """``release_orphaned_holds`` lets go only of holds this reads as the site's own incident's."""
+    from fleet.incident import incident_hold_reason, incident_of_hold
+
+    mine = incident_hold_reason("site-a", "evacuate/site-a/7")
+    assert incident_of_hold("site-a", mine) == "evacuate/site-a/7"
+    assert incident_of_hold("site-b", mine) is None, "another site's incident"
+    assert incident_of_hold("site-a", "operator: reseating the GPU") is None, "an operator's hold"
+    assert incident_of_hold("site-a", incident_hold_reason("site-a", "")) is None, "no incident named"
+
+
 # -- the account guard: one method, the enum ----------------------------------------------------
 def test_a_revoked_account_queues_the_delete_and_makes_no_call(tmp_path):
     env = FleetEnv.from_settings(Settings(state_dir=tmp_path))

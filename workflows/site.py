@@ -96,6 +96,7 @@ with workflow.unsafe.imports_passed_through():
         evaluate,
         forget_unreachable,
         in_return_grace,
+        incident_hold_reason,
         record,
     )
     from fleet.naming import capacity_workflow_id, evacuation_workflow_id, node_workflow_id
@@ -134,6 +135,11 @@ EVENTS_PATCH = "site-events"
 #: as the site's config says, putting them back within seconds of a change; a node seen changing
 #: its own is reported once per run, and the entity tells its Node entity to quarantine it.
 SELF_LABELS_PATCH = "self-labels-quarantine"
+#: Workflow patch: a run that starts with no incident open releases the site's repairs held for
+#: an incident of its own whose evacuation no longer runs (``release_orphaned_holds``). Before, an
+#: entity reset, or terminated and started again, mid-incident forgot its hold: the repairs stayed
+#: held for good, until a person ran `gpufleet repair release` on each.
+ORPHANED_HOLDS_PATCH = "site-releases-orphaned-holds"
 #: The site's watch returns unchanged after this long; its heartbeat timeout (a beat at half of
 #: it): a control-plane worker lost without a word is noticed within it, a retried watch then
 #: says how long nobody watched. Two watches and twelve heartbeats an hour.
@@ -360,6 +366,8 @@ class SiteEntity(Entity[SiteState]):
         if incidents and workflow.patched(EVENTS_PATCH):
             self._events = True
             self._self_labels = workflow.patched(SELF_LABELS_PATCH)
+            if self.state.incident.open is None and workflow.patched(ORPHANED_HOLDS_PATCH):
+                await self._release_orphaned_holds()
             await self._run_on_events(args)
             return
         # Runs from before ``EVENTS_PATCH``: a probe on a short timer (kept for their replay).
@@ -635,6 +643,22 @@ class SiteEntity(Entity[SiteState]):
             inc.api_failing_since = now
         self._evaluate()
 
+    async def _release_orphaned_holds(self) -> None:
+        """Repairs held for an incident this entity no longer knows (a reset, a restart): released.
+        Refused (Temporal's visibility away), the next run tries again; the entity goes on."""
+        site = self._site.name
+        try:
+            released = await workflow.execute_activity(
+                act.release_orphaned_holds, SiteRef(site=site), start_to_close_timeout=QUICK,
+                retry_policy=STORE_RETRY, summary=f"repairs at {site} held for an incident no longer running",
+            )
+        except ActivityError as error:
+            workflow.logger.warning("site %s: orphaned repair holds not looked for (%s)", site, failure_message(error))
+            return
+        if released:
+            workflow.logger.warning("site %s: released %d repairs held for an incident no longer running: %s",
+                                    site, len(released), ", ".join(released))
+
     async def _start_evacuation(self) -> None:
         inc = self.state.incident
         inc.evacuate = False
@@ -643,7 +667,7 @@ class SiteEntity(Entity[SiteState]):
         self._set_fleet_state("incident")
         self._show(f"provider incident: {incident.reason}; evacuating ({incident.id})")
         # The same reason at the hold and the release: the release lets go only of what this held.
-        held_for = f"site {site}: provider incident {incident.id}"[:500]
+        held_for = incident_hold_reason(site, incident.id)
         try:
             await workflow.execute_activity(
                 act.hold_site_repairs, HoldRepairsInput(site=site, hold=True, reason=held_for),

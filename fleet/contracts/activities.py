@@ -343,6 +343,13 @@ async def release_nodes(input: ReleaseNodesInput) -> ReleaseNodesResult:
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
+@activity.defn(name="release_orphaned_holds")
+async def release_orphaned_holds(input: SiteRef) -> list[str]:
+    """Releases the site's repairs held for an incident whose evacuation no longer runs. Body:
+    ``activities/evacuation.py``, ``EvacuationActivities.release_orphaned_holds``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
 @activity.defn(name="release_provision")
 async def release_provision(input: ReleaseProvisionInput) -> list[str]:
     """After a failed provision: delete what an earlier attempt may have created under the key (it
