@@ -119,6 +119,10 @@ async def test_the_scheduled_pass_approves_a_renewal_and_denies_a_foreign_addres
             later = as_node(real_cluster, node, node)
             csrs.append(later)
             await wait_for(lambda: decided()[later].get("status", {}).get("conditions"), timeout=20)
+            # The pass that decided it has reported to the run: a pass still in flight when the run
+            # is cancelled is cancelled too, and its decisions are on their CSRs, not in the result
+            # (a CI run cancelled in that moment and missed ``later`` in the result).
+            await _reported(run, later)
             assert (await run.describe()).status == WorkflowExecutionStatus.RUNNING
             await run.cancel()  # a cancelled approver ends with what it decided
             result = CsrApproverResult.model_validate(await asyncio.wait_for(run.result(), 30))
@@ -142,3 +146,20 @@ async def test_the_scheduled_pass_approves_a_renewal_and_denies_a_foreign_addres
         await replay_and_record(run, "csr_approver_watch")
     finally:
         one.stop()
+
+
+async def _reported(run: WorkflowHandle, csr_name: str, timeout: float = 20) -> None:
+    """Until a completed ``approve_node_csrs`` in the run's history names ``csr_name``."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        passes = set()  # the scheduled event ids of approve_node_csrs (a watch's result names CSRs too)
+        async for event in run.fetch_history_events():
+            if event.HasField("activity_task_scheduled_event_attributes"):
+                if event.activity_task_scheduled_event_attributes.activity_type.name == "approve_node_csrs":
+                    passes.add(event.event_id)
+            elif event.HasField("activity_task_completed_event_attributes"):
+                done = event.activity_task_completed_event_attributes
+                if done.scheduled_event_id in passes and any(csr_name.encode() in p.data for p in done.result.payloads):
+                    return
+        assert asyncio.get_running_loop().time() < deadline, f"no pass reported {csr_name} to the run"
+        await asyncio.sleep(0.2)
