@@ -599,7 +599,7 @@ async def test_a_site_that_recovers_while_nothing_may_take_its_replicas_comes_ba
 async def test_a_site_entity_started_again_releases_the_holds_of_an_incident_it_forgot(inc: IncStack) -> None:
     """The Site entity holds its site's repairs while an incident is open and releases them when
     the evacuation ends. Reset (or terminated and started again) mid-incident, it forgot the hold:
-    before, those repairs stayed held for good. Now a run that starts with no incident open
+    before, those repairs stayed held for good. Now each safety reconcile with no incident open
     releases holds of its own incidents whose evacuation no longer runs (an operator's hold, or
     another site's, is not its own: ``tests/test_policy.py``)."""
     from fleet.incident import incident_hold_reason
@@ -616,7 +616,7 @@ async def test_a_site_entity_started_again_releases_the_holds_of_an_incident_it_
 
     site = inc.client.get_workflow_handle(f"site/{a}")
     await site.terminate("test: the entity's state is lost (as a reset to before the incident)")
-    await inc.start_site("a")
+    await inc.start_site("a", reconcile_seconds=1)  # its safety reconcile looks (every 30 minutes by default)
 
     async def released():
         ladder = await forgotten.query("ladder", result_type=LadderState)

@@ -135,10 +135,12 @@ EVENTS_PATCH = "site-events"
 #: as the site's config says, putting them back within seconds of a change; a node seen changing
 #: its own is reported once per run, and the entity tells its Node entity to quarantine it.
 SELF_LABELS_PATCH = "self-labels-quarantine"
-#: Workflow patch: a run that starts with no incident open releases the site's repairs held for
-#: an incident of its own whose evacuation no longer runs (``release_orphaned_holds``). Before, an
-#: entity reset, or terminated and started again, mid-incident forgot its hold: the repairs stayed
-#: held for good, until a person ran `gpufleet repair release` on each.
+#: Workflow patch: each safety reconcile with no incident open releases the site's repairs held
+#: for an incident of its own whose evacuation no longer runs (``release_orphaned_holds``). Before,
+#: an entity reset, or terminated and started again, mid-incident forgot its hold: the repairs
+#: stayed held for good, until a person ran `gpufleet repair release` on each. (At the safety
+#: reconcile, not at a run's start: one activity more per run start kept an entity on a low
+#: continue-as-new threshold continuing for ever.)
 ORPHANED_HOLDS_PATCH = "site-releases-orphaned-holds"
 #: The site's watch returns unchanged after this long; its heartbeat timeout (a beat at half of
 #: it): a control-plane worker lost without a word is noticed within it, a retried watch then
@@ -366,8 +368,6 @@ class SiteEntity(Entity[SiteState]):
         if incidents and workflow.patched(EVENTS_PATCH):
             self._events = True
             self._self_labels = workflow.patched(SELF_LABELS_PATCH)
-            if self.state.incident.open is None and workflow.patched(ORPHANED_HOLDS_PATCH):
-                await self._release_orphaned_holds()
             await self._run_on_events(args)
             return
         # Runs from before ``EVENTS_PATCH``: a probe on a short timer (kept for their replay).
@@ -423,10 +423,11 @@ class SiteEntity(Entity[SiteState]):
                          or (self._timer is not None and self._timer.done()) or self._may_continue()),
             )
             now = workflow.now().timestamp()
+            safety = False
             if self._timer is not None and self._timer.done():
                 self._timer, self._timer_at = None, None
                 if now >= next_reconcile:
-                    self.state.wanted = True  # the safety reconcile: what no event told
+                    self.state.wanted = safety = True  # the safety reconcile: what no event told
                 self._record_unreachable(now)  # a grace ended, or the API failed for its limit
                 self._evaluate()
             if self._seen is not None:
@@ -438,6 +439,9 @@ class SiteEntity(Entity[SiteState]):
                 self.state.wanted = False
                 next_reconcile = workflow.now().timestamp() + every
                 await self._reconcile()
+            if (safety and self.state.incident.open is None and self._evac is None
+                    and workflow.patched(ORPHANED_HOLDS_PATCH)):
+                await self._release_orphaned_holds()
             if self._may_continue():
                 # An admission still settling can open an incident meanwhile: it is in the state, carried.
                 self._stopping = True  # the watch's cancel is no failure to retry after a pause
