@@ -281,11 +281,18 @@ class NodeJoin:
         """4. On the node's own queue: GPUs visible, counters clean, compute check."""
         self._step("smoke test", f"on {node_queue(node_name)}")
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("proving")])
-        smoke = await smoke_test_node(
-            node_name, site.gpus_per_machine, timeout_seconds=timeouts.smoke_test_seconds,
-            heartbeat=timedelta(seconds=timeouts.heartbeat_seconds),
-            summary="GPUs visible, counters clean, compute check", include_state=True,
-        )
+        try:
+            smoke = await smoke_test_node(
+                node_name, site.gpus_per_machine, timeout_seconds=timeouts.smoke_test_seconds,
+                heartbeat=timedelta(seconds=timeouts.heartbeat_seconds),
+                summary="GPUs visible, counters clean, compute check", include_state=True,
+            )
+        except ActivityError as error:
+            # The node's own failure, whatever type it names: the join's failure type is read by
+            # AcquireCapacity (BadCredentials revokes the account, OverQuota blocks the offer,
+            # InvalidRequest ends the whole request), so a node must not choose it.
+            raise ApplicationError(f"smoke test did not run on {node_name}: {failure_message(error)}"[:1000],
+                                   type="SmokeTestFailed", non_retryable=True) from None
         if not smoke.passed:
             raise ApplicationError(
                 f"smoke test failed on {node_name}: " + "; ".join(smoke.failures),

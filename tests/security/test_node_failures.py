@@ -24,6 +24,7 @@ import asyncio
 from datetime import timedelta
 from typing import Any
 
+import pytest
 from temporalio import activity, workflow
 from temporalio.api.common.v1 import Payload, Payloads
 from temporalio.api.failure.v1 import ApplicationFailureInfo, Failure, TimeoutFailureInfo
@@ -90,7 +91,8 @@ def test_a_nodes_failure_is_forwarded_as_message_type_and_flag_without_payloads(
     assert not out.HasField("last_heartbeat_details")
     # One cause, cleaned the same way; none below it.
     assert failure.cause.message == "cause 3"
-    assert failure.cause.application_failure_info == ApplicationFailureInfo(type="Cause3", non_retryable=True)
+    # A type no node agent raises arrives as NodeError (workflows decide on types).
+    assert failure.cause.application_failure_info == ApplicationFailureInfo(type="NodeError", non_retryable=True)
     assert not failure.cause.HasField("encoded_attributes") and not failure.cause.HasField("cause")
     # A failure of another kind (here a timeout with heartbeat details) is an untyped, retryable one.
     timeout = Failure(message="late", timeout_failure_info=TimeoutFailureInfo(last_heartbeat_details=HOSTILE_DETAILS))
@@ -98,6 +100,31 @@ def test_a_nodes_failure_is_forwarded_as_message_type_and_flag_without_payloads(
         "RespondActivityTaskFailed", RespondActivityTaskFailedRequest(namespace="default", task_token=b"tok",
                                                                       failure=timeout)))
     assert out.failure == Failure(message="late", application_failure_info=ApplicationFailureInfo())
+
+
+@pytest.mark.parametrize("kind", ["BadCredentials", "OverQuota", "InvalidRequest", "NoCapacity", "x" * 200])
+def test_a_node_cannot_send_a_failure_type_its_agent_never_raises(kind: str) -> None:
+    """A type decides things (``BadCredentials`` revokes a provider account, ``OverQuota`` blocks
+    an offer, ``InvalidRequest`` ends a capacity request): a node's failure keeps its type only when
+    it is one a node's agent raises; any other is ``NodeError``, its flag and message kept."""
+    request = RespondActivityTaskFailedRequest(
+        namespace="default", task_token=b"tok",
+        failure=Failure(message="forged", application_failure_info=ApplicationFailureInfo(type=kind, non_retryable=True)))
+    out = RespondActivityTaskFailedRequest.FromString(_authorized("RespondActivityTaskFailed", request))
+    assert out.failure.application_failure_info == ApplicationFailureInfo(type="NodeError", non_retryable=True)
+    assert out.failure.message == "forged"
+
+
+def test_every_failure_type_a_node_agent_raises_is_forwarded() -> None:
+    """The list the gateway keeps cannot fall behind the agent's code."""
+    import re
+    from pathlib import Path
+
+    from workers.gateway.authorization import NODE_FAILURE_TYPES
+
+    source = (Path(__file__).resolve().parents[2] / "activities" / "node_agent.py").read_text()
+    raised = set(re.findall(r'type="([A-Za-z]+)"', source))
+    assert raised and raised <= NODE_FAILURE_TYPES, raised - NODE_FAILURE_TYPES
 
 
 def test_a_nodes_heartbeat_and_cancellation_details_are_dropped() -> None:
@@ -166,7 +193,8 @@ async def test_a_nodes_typed_failure_and_heartbeat_with_undecodable_details_reac
             seen = await asyncio.wait_for(failed.result(), 20)
             assert seen == {"kind": "ApplicationError", "type": "GpuResetFailed", "non_retryable": True,
                             "message": "reset failed", "details": 0, "attempts": "NON_RETRYABLE_FAILURE",
-                            "root": "RuntimeError", "root_message": "the reset tool said no"}
+                            # The cause's own type (a Python exception's name) is not one an agent raises.
+                            "root": "NodeError", "root_message": "the reset tool said no"}
             timed_out = await asyncio.wait_for(stalled.result(), 20)
             assert timed_out["kind"] == "TimeoutError" and timed_out["details"] == 0, timed_out
             assert await task_failures(failed) == 0 and await task_failures(stalled) == 0

@@ -64,7 +64,10 @@ class HostileAgent:
         if forgery is None:
             return None
         self.answered.append((name, activity.info().workflow_id))
-        return RawValue(forgery())
+        forged = forgery()
+        if isinstance(forged, BaseException):
+            raise forged  # a failure the node chose (its type, its flag)
+        return RawValue(forged)
 
     def build_agent(self, client, node_name, gpus, executor, watch=None) -> Worker:
         agent = NodeAgentActivities(node_name, gpus, watch)
@@ -228,6 +231,31 @@ async def test_a_malformed_join_smoke_test_fails_the_join_naming_the_field(hosti
         assert await task_failures(handle) == 0
     # Each failed join deleted its machine: only the node that joined honestly is left.
     assert [m["name"] for m in stack.world.machines(node.site)] == [node.node_name]
+
+
+async def test_a_node_failing_its_join_smoke_test_does_not_choose_the_joins_failure_type(hostile) -> None:
+    """AcquireCapacity decides on a join's failure type: ``BadCredentials`` revokes the provider
+    account, ``OverQuota`` blocks the offer, ``InvalidInput``/``InvalidRequest`` end the whole
+    request (its other joins cancelled, each deleting its machine). Before, a joining node that
+    failed its own smoke test chose that type: ``InvalidInput`` passed the gateway (a type node
+    agents raise) and the join failed with it. Now the join fails as ``SmokeTestFailed``, the
+    node's words in the message; and the gateway forwards only the types agents raise."""
+    from temporalio.exceptions import ApplicationError
+
+    stack, node, agent = hostile
+    for kind in ("InvalidInput", "BadCredentials", "InvalidRequest"):
+        join_id = f"join/{node.site}/chooses-{kind}-{uuid.uuid4().hex[:6]}"
+        agent.arm("smoke_test", join_id,
+                  lambda kind=kind: ApplicationError(f"forged {kind}", type=kind, non_retryable=True))
+        handle = await stack.client.start_workflow("NodeJoin", {"site": node.site}, id=join_id,
+                                                   task_queue=stack.settings.task_queue)
+        with pytest.raises(WorkflowFailureError) as failed:
+            await asyncio.wait_for(handle.result(), 60)
+        cause = failed.value.cause
+        assert getattr(cause, "type", "") == "SmokeTestFailed", (kind, cause)
+        assert f"forged {kind}" in cause.message, cause.message
+        assert await task_failures(handle) == 0
+    assert [m["name"] for m in stack.world.machines(node.site)] == [node.node_name], "each failed join deleted its machine"
 
 
 class SlowGpus:

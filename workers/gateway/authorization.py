@@ -89,6 +89,11 @@ FAILURE_MESSAGE_CHARS = 2_000
 FAILURE_STACK_CHARS = 4_000
 #: Causes kept under a node's failure (an ``ApplicationError`` raised ``from`` another error).
 FAILURE_CAUSES = 1
+#: The failure types a node's agent raises (``activities/node_agent.py``). Any other type a node
+#: sends arrives as ``NodeError``: workflows and retry policies decide on a failure's type, and
+#: some types mean something about more than the node ("BadCredentials" revokes a provider
+#: account, "OverQuota" blocks an offer, "InvalidRequest" ends a whole capacity request).
+NODE_FAILURE_TYPES = frozenset({"GpuResetFailed", "DriverReinstallFailed", "InvalidInput"})
 
 
 class Refused(Exception):
@@ -121,16 +126,17 @@ def _only(message, cleared: tuple[str, ...]):
 
 def clean_failure(failure: Failure, causes: int = FAILURE_CAUSES) -> Failure:
     """What a node's failure may tell the workflow: its message (cut short), its application
-    type and ``non_retryable`` flag (retry policies and workflows match on them: ``GpuResetFailed``,
-    ``InvalidInput``...), the end of its stack trace, and ``causes`` levels of cause, each cleaned
+    type when it is one a node's agent raises (``NODE_FAILURE_TYPES``; any other is ``NodeError``)
+    and its ``non_retryable`` flag (retry policies and workflows match on them), the end of its
+    stack trace, and ``causes`` levels of cause, each cleaned
     the same way. No payloads (``details``, ``encoded_attributes``: the SDK decodes them before
     workflow code runs), no retry delay or category; a failure of any other kind (timeout,
     cancellation, ...) is an untyped, retryable application failure."""
     info = failure.application_failure_info
+    kind = info.type if info.type in NODE_FAILURE_TYPES or not info.type else "NodeError"
     clean = Failure(message=failure.message[:FAILURE_MESSAGE_CHARS],
                     stack_trace=failure.stack_trace[-FAILURE_STACK_CHARS:],
-                    application_failure_info=ApplicationFailureInfo(type=info.type[:ECHO_CHARS],
-                                                                    non_retryable=info.non_retryable))
+                    application_failure_info=ApplicationFailureInfo(type=kind, non_retryable=info.non_retryable))
     if causes > 0 and failure.HasField("cause"):
         clean.cause.CopyFrom(clean_failure(failure.cause, causes - 1))
     return clean
