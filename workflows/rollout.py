@@ -57,7 +57,9 @@ with workflow.unsafe.imports_passed_through():
     from fleet.weights_pull import WeightsPull
     from workflows.inputs import check_text, parse_input
     from workflows.refusals import wrong_state
-    from workflows.steps import CLUSTER_RETRY, QUICK, WAIT_HEARTBEAT, failure_text, show_details, wait_for_serving
+    from workflows.steps import (
+        CLUSTER_RETRY, PUT_BACK_RETRY, QUICK, WAIT_HEARTBEAT, failure_text, show_details, wait_for_serving,
+    )
 
 #: Copying weights: many files over a slow link, so more attempts than a plain provider call;
 #: a checksum mismatch is the source's fault and never passes on a retry.
@@ -485,7 +487,10 @@ class ModelRollout:
             await workflow.execute_activity(
                 act.rollback_site,
                 self._undo(site, had_previous=progress.previous_generation is not None),
-                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                # Until done, as every put-back: after ten attempts (a few minutes of API-server
+                # trouble) the site was left FAILED serving the version it was rolled back from,
+                # and nothing tried again. A rollback refused for good still fails at once.
+                start_to_close_timeout=QUICK, retry_policy=PUT_BACK_RETRY,
                 summary=f"roll {site} back to " + (progress.previous_image or "nothing (remove)"),
             )
         except ActivityError as error:

@@ -156,6 +156,13 @@ async def test_abort_midway_rolls_back_updated_sites(rollout_stack: RolloutStack
         "site-a": "rolled-back", "site-b": "rolled-back", "site-c": "skipped"}
     assert [stack.image(s) for s in ("site-a", "site-b", "site-c")] == ["img:v1"] * 3
     assert stack.cluster.serving_status(MODEL, "site-c").generation == 1
+    # Each rollback is retried until done (0: no limit). Before, ten attempts: a few minutes of
+    # API-server trouble left the site FAILED serving v2, and nothing tried again.
+    rollbacks = [e.activity_task_scheduled_event_attributes.retry_policy.maximum_attempts
+                 async for e in handle.fetch_history_events()
+                 if e.HasField("activity_task_scheduled_event_attributes")
+                 and e.activity_task_scheduled_event_attributes.activity_type.name == "rollback_site"]
+    assert rollbacks == [0, 0], rollbacks
     with pytest.raises((WorkflowUpdateFailedError, RPCError)):  # finished: rejected
         await handle.execute_update("abort", "again")
 
