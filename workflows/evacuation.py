@@ -303,11 +303,16 @@ class SiteEvacuation:
             workflow.upsert_search_attributes([sa.SITE.value_set(site), sa.FLEET_STATE.value_set("evacuating")])
             self._mark("detected", args.reason)
             if workflow.patched(FOLLOWS_PATCH):
-                first: str = await workflow.execute_activity(
-                    act.evacuation_begun_first, EvacuationRef(site=site, workflow_id=workflow.info().workflow_id),
-                    start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
-                    summary=f"another evacuation of {site} begun first?",
-                )
+                try:
+                    first: str = await workflow.execute_activity(
+                        act.evacuation_begun_first, EvacuationRef(site=site, workflow_id=workflow.info().workflow_id),
+                        start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                        summary=f"another evacuation of {site} begun first?",
+                    )
+                except ActivityError as error:
+                    # Temporal's visibility away for minutes: acting is safer than not evacuating.
+                    first = ""
+                    self._mark("acting without knowing of others", failure_text(error))
                 if first:
                     return await self._follow(first)
         try:
