@@ -86,11 +86,14 @@ async def heartbeating(work: Awaitable[R]) -> R:
         return await work
     every = min(timeout.total_seconds() / 3, HEARTBEAT_MAX_SECONDS)
     task = asyncio.ensure_future(work)
-    while True:
-        done, _ = await asyncio.wait({task}, timeout=every)
-        if done:
-            return task.result()
-        activity.heartbeat()
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=every)
+            if done:
+                return task.result()
+            activity.heartbeat()
+    finally:
+        task.cancel()  # the activity was cancelled: so is the wait (a thread's call runs to its end)
 
 
 def reports_account(site_of: Callable[[Any], str], offer_of: Callable[[Any], str | None] = lambda _: None):

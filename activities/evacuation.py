@@ -13,6 +13,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError, CancelledError, TerminatedError
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.capacity import heartbeating
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.config import Site
@@ -202,17 +203,8 @@ class EvacuationActivities:
         """Wait for ``input.workflow_id`` to end (through its continue-as-new runs): its outcome,
         or how it closed ("failed: …", "terminated"). Heartbeats while it waits."""
         handle = activity.client().get_workflow_handle(input.workflow_id, result_type=EvacuationResult)
-        ending = asyncio.ensure_future(handle.result())
         try:
-            while True:
-                done, _ = await asyncio.wait({ending}, timeout=60)
-                if done:
-                    break
-                activity.heartbeat()
-        finally:
-            ending.cancel()
-        try:
-            return ending.result().outcome
+            return (await heartbeating(handle.result())).outcome
         except RPCError as error:
             if error.status != RPCStatusCode.NOT_FOUND:
                 raise
