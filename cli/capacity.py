@@ -109,20 +109,32 @@ def capacity_line(workflow_id: str, p) -> str:
 async def _capacity(fleet, raw: dict, request: str, detach: bool) -> int:
     from temporalio.client import WorkflowFailureError
 
-    handle = await fleet.acquire_capacity(raw, request_id=request)
-    announce(fleet.settings, handle.id)
+    from fleet.naming import capacity_workflow_id
+
     if detach:
+        handle = await fleet.acquire_capacity(raw, request_id=request)
+        announce(fleet.settings, handle.id)
         detached(handle.id, f"gpufleet top, or `temporal workflow query --workflow-id {handle.id} --type progress`",
                  f"gpufleet capacity-cancel {handle.id}")
         return 0
+
+    async def start_and_watch():
+        handle = await fleet.acquire_capacity(raw, request_id=request)
+        announce(fleet.settings, handle.id)
+        return await _watch(fleet, handle)
+
+    # Owned from just before the start call: a Ctrl-C while it is in flight (the server may have
+    # started the request already) cancels the request too, instead of leaving it buying.
+    # Connected first, so an unreachable server is reported as that, with no cancel attempted.
+    await fleet.temporal()
+    workflow_id = capacity_workflow_id(request)
     try:
-        result = await owned(lambda: _watch(fleet, handle),
-                             lambda why: cancel_capacity(fleet, handle.id, why), "gpufleet capacity",
-                             ended=(WorkflowFailureError,))
+        result = await owned(start_and_watch, lambda why: cancel_capacity(fleet, workflow_id, why),
+                             "gpufleet capacity", ended=(WorkflowFailureError,))
     except WorkflowFailureError as error:
         from cli.common import failure
 
-        err.print(f"[red]{handle.id} failed:[/] {failure(error)[1]}")
+        err.print(f"[red]{workflow_id} failed:[/] {failure(error)[1]}")
         return 1
     if isinstance(result, int):  # interrupted: cancelled
         return result

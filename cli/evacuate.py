@@ -89,7 +89,7 @@ async def _start(fleet, raw: dict, request: str, detach: bool) -> int:
     from cli.common import failure
     from cli.requests import abort_evacuation, announce, detached, owned
 
-    from client import manual_evacuation_id
+    from client import InvalidArgument, manual_evacuation_id
 
     site = raw["site"]
     running = await fleet.running_evacuation(site)
@@ -98,25 +98,38 @@ async def _start(fleet, raw: dict, request: str, detach: bool) -> int:
         err.print(f"[red]refused:[/] site: {escape(running)} is already evacuating {escape(site)}; "
                   f"`gpufleet evacuate abort {escape(site)}` or `gpufleet evacuate recovered {escape(site)}` ends it")
         return 1
-    handle = await fleet.evacuate_site(raw, request_id=request)
-    announce(fleet.settings, handle.id)
     if detach:
+        handle = await fleet.evacuate_site(raw, request_id=request)
+        announce(fleet.settings, handle.id)
         detached(handle.id, f"temporal workflow query --workflow-id {handle.id} --type progress",
                  f"gpufleet evacuate abort {site}   (puts back what it changed), or "
                  f"gpufleet evacuate recovered {site}   (the provider is back: restore)")
         return 0
+
+    async def start_and_watch():
+        try:
+            handle = await fleet.evacuate_site(raw, request_id=request)
+        except InvalidArgument as error:  # refused before anything started: nothing to abort
+            err.print(f"[red]error:[/] {escape('; '.join(f'{f}: {m}' for f, m in error.problems))}")
+            return 2
+        announce(fleet.settings, handle.id)
+        return await _watch(fleet, handle)
+
+    # Owned from just before the start call: a Ctrl-C while it is in flight (the server may have
+    # started the evacuation already) aborts it too, so it puts back what it changed.
+    workflow_id = manual_evacuation_id(site, request)
     try:
-        result = await owned(lambda: _watch(fleet, handle), lambda why: abort_evacuation(fleet, handle.id, site, why),
+        result = await owned(start_and_watch, lambda why: abort_evacuation(fleet, workflow_id, site, why),
                              "gpufleet evacuate start", ended=(WorkflowFailureError,))
     except WorkflowFailureError as error:
-        err.print(f"[red]{handle.id} failed:[/] {escape(failure(error)[1])}")
+        err.print(f"[red]{workflow_id} failed:[/] {escape(failure(error)[1])}")
         return 1
-    if isinstance(result, int):  # interrupted: aborted
+    if isinstance(result, int):  # interrupted (aborted), or refused at start
         return result
     from cli.requests import evacuation_summary
 
-    p = await fleet.evacuation_progress(handle.id)
-    console.print(evacuation_summary(handle.id, p), markup=False, highlight=False)
+    p = await fleet.evacuation_progress(workflow_id)
+    console.print(evacuation_summary(workflow_id, p), markup=False, highlight=False)
     return 0 if result.outcome == "restored" else 1
 
 

@@ -239,6 +239,27 @@ async def test_ctrl_c_on_gpufleet_capacity_cancels_and_nothing_is_bought_afterwa
     assert len(bought(cap)) == 2 and live(cap) == [], "a Ctrl-C'd request buys nothing afterwards"
 
 
+async def test_ctrl_c_while_the_start_call_returns_cancels_the_request_it_started(cap: CapStack) -> None:
+    """The server has started the request; the Ctrl-C lands before the command heard so."""
+    cap.world.set_site(cap.site("cheap"), boot_seconds=60)
+    env = {**os.environ, **cap.settings.env(), "COLUMNS": "250"}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.interrupt_at_start", "acquire_capacity", "capacity",
+                             "--site", cap.site("cheap"), "--count", "2", "--request", f"int-{cap.uid}"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = await asyncio.to_thread(proc.communicate, timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out, out
+    assert f"cancelled capacity/int-{cap.uid}" in out, out
+    handle = cap.client.get_workflow_handle(f"capacity/int-{cap.uid}")
+    assert (await handle.describe()).status != WorkflowExecutionStatus.RUNNING, "the request stopped"
+    await settled(cap)
+    assert live(cap) == [], "every machine it bought is deleted, and it buys nothing afterwards"
+
+
 async def test_a_wait_on_a_revoked_account_says_why_and_until_when(cap: CapStack) -> None:
     """The issue's case: `gpufleet capacity --gpu H100 --geo eu` while the only eu on-demand
     account is revoked. Piped, it says what it waits for and when it gives up; Ctrl-C stops it,

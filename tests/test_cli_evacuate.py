@@ -84,6 +84,27 @@ async def test_ctrl_c_on_evacuate_start_aborts_and_puts_everything_back(inc: Inc
     assert EvacuationResult.model_validate(await handle.result()).outcome == "aborted"
 
 
+async def test_ctrl_c_while_the_start_call_returns_aborts_the_evacuation_it_started(inc: IncStack) -> None:
+    """The server has started the evacuation; the Ctrl-C lands before the command heard so."""
+    import os
+
+    site, names = await evacuating(inc, inc.site("a"))
+    workflow_id = f"evacuate/{site}/manual-int"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.interrupt_at_start", "evacuate_site", "evacuate", "start",
+                             site, "--request", "int"],
+                            env={**os.environ, **inc.settings.env(), "COLUMNS": "250"},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = await finished(proc, timeout=120)
+    assert proc.returncode == 130, out
+    assert "Traceback" not in out, out
+    assert f"aborted {workflow_id}" in out, out
+    result = EvacuationResult.model_validate(await inc.client.get_workflow_handle(workflow_id).result())
+    assert result.outcome == "aborted"
+    assert cordoned(inc, site) == set(), "whatever it had cordoned is uncordoned"
+    routes = inc.cluster.get_site_routes().sites[site]
+    assert (routes.weight, routes.healthy, routes.draining) == (100, True, False)
+
+
 async def test_recovered_ends_a_watched_evacuation_restored(inc: IncStack) -> None:
     site, names = await evacuating(inc, inc.site("a"))
     proc = gpufleet(inc, "evacuate", "start", site, "--request", "rec")
