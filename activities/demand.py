@@ -13,9 +13,9 @@ import time
 from collections import defaultdict
 
 from temporalio import activity
-from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryFailedError, WorkflowQueryRejectedError
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
@@ -36,14 +36,41 @@ from fleet.messages.demand import (
     StartPurchaseInput,
     WatchDemandInput,
 )
+from fleet.messages.join import JoinProgress
 from fleet.models import CapacityType
-from fleet.naming import capacity_workflow_id, join_workflow_id
+from fleet.naming import capacity_workflow_id
 from fleet.contracts import workflows as flows
 
 #: NodeJoin steps before the provider is asked for a machine: cancelling then buys nothing.
 BEFORE_PROVISIONING = ("starting", "resolving site")
 #: The AcquireCapacity a SpotReclaim starts for its replacement (``workflows/reclaim.py``).
 RECLAIM_REPLACEMENT_PREFIX = capacity_workflow_id("reclaim-")
+
+
+def _status_name(status: WorkflowExecutionStatus | None) -> str:
+    return status.name.lower().replace("_", "-") if status else "unknown"
+
+
+def _already_ended(workflow_id: str, how: str) -> CancelOutcome:
+    return CancelOutcome(cancelled=False, reason=f"{workflow_id} already ended ({how}): nothing to cancel")
+
+
+async def _join_keeps(client: Client, join_id: str) -> str:
+    """Why this join keeps its purchase (it is past provisioning, or cannot be asked), or ``""``
+    when cancelling it buys nothing: it is before provisioning, not started yet, or ended."""
+    join = client.get_workflow_handle(join_id)
+    try:
+        described = await join.describe()
+        if described.status != WorkflowExecutionStatus.RUNNING:
+            return ""
+        step = (await join.query(flows.NodeJoin.progress, result_type=JoinProgress)).step
+    except RPCError as error:
+        if error.status == RPCStatusCode.NOT_FOUND:
+            return ""  # the purchase is starting it: it has not asked for anything yet
+        return f"could not be asked where it is ({error.message})"
+    except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as error:
+        return f"could not be asked where it is ({error})"
+    return "" if step in BEFORE_PROVISIONING else f"is past provisioning ({step})"
 
 
 class DemandActivities:
@@ -66,7 +93,7 @@ class DemandActivities:
         Set as soon as a node registers (it is still proving then), so it serves with them."""
         sites = {s.name: s for s in self.env.config.sites}
         labelled = []
-        nodes = self.env.cluster.list_nodes()
+        nodes = self.env.nodes()
         for node in nodes:
             site = sites.get(node.labels.get(LABEL_SITE, ""))
             if site is None:
@@ -239,24 +266,39 @@ class DemandActivities:
 
     @activity.defn
     async def cancel_purchase(self, input: CancelPurchaseInput) -> CancelOutcome:
-        """Cancel a purchase whose pods all went, unless its join already asked the provider
-        for a machine (then the node comes, and consolidation gives it back once idle)."""
+        """Cancel a purchase whose pods all went, unless one of its joins already asked the
+        provider for a machine (then the node comes, and consolidation gives it back once idle).
+
+        The purchase itself says which joins it runs (its ``progress`` query): a purchase may run
+        several, numbered on, each at whichever site it chose. A join that already ended does not
+        keep it (a joined node stays whatever the cancel does, a failed join deleted its machine).
+        Whatever cannot be asked keeps the purchase: a wrong cancel deletes a machine being paid for."""
         client = activity.client()
-        request = input.workflow_id.removeprefix("capacity/").replace("/", "-")
-        join = client.get_workflow_handle(join_workflow_id(input.site, f"{request}-1"))
+        purchase = client.get_workflow_handle(input.workflow_id)
         try:
-            described = await join.describe()
-            if described.status == WorkflowExecutionStatus.RUNNING:
-                progress = await join.query(flows.NodeJoin.progress)
-                step = progress.get("step", "") if isinstance(progress, dict) else getattr(progress, "step", "")
-            else:
-                step = described.status.name.lower() if described.status else ""
-        except RPCError:
-            step = "starting"  # no join yet
-        if step not in BEFORE_PROVISIONING:
-            return CancelOutcome(cancelled=False, reason=f"its join is past provisioning ({step}): kept")
+            described = await purchase.describe()
+            if described.status != WorkflowExecutionStatus.RUNNING:
+                return _already_ended(input.workflow_id, _status_name(described.status))
+            progress = await purchase.query(flows.AcquireCapacity.progress, result_type=CapacityProgress)
+        except RPCError as error:
+            if error.status == RPCStatusCode.NOT_FOUND:
+                return _already_ended(input.workflow_id, "not found")
+            return CancelOutcome(cancelled=False, reason=f"could not ask {input.workflow_id} which joins it runs "
+                                                         f"({error.message}): kept")
+        except (WorkflowQueryFailedError, WorkflowQueryRejectedError) as error:
+            return CancelOutcome(cancelled=False, reason=f"could not ask {input.workflow_id} which joins it runs "
+                                                         f"({error}): kept")
+        if progress.finished:
+            return _already_ended(input.workflow_id, progress.step)
+        # ``in_flight`` names the offers of ``joins``, in the same order.
+        offers = progress.in_flight if len(progress.in_flight) == len(progress.joins) else [""] * len(progress.joins)
+        for join_id, offer in zip(progress.joins, offers):
+            keeps = await _join_keeps(client, join_id)
+            if keeps:
+                at = f" ({offer})" if offer else ""
+                return CancelOutcome(cancelled=False, reason=f"its join {join_id}{at} {keeps}: kept")
         try:
-            await client.get_workflow_handle(input.workflow_id).cancel()
+            await purchase.cancel()
         except RPCError as error:
             return CancelOutcome(cancelled=False, reason=f"cancel failed: {error.message}")
         return CancelOutcome(cancelled=True, reason=input.reason)
@@ -265,7 +307,7 @@ class DemandActivities:
     def _idle(self) -> IdleNodesResult:
         config, cluster = self.env.config, self.env.cluster
         sites = {s.name: s for s in config.sites}
-        nodes = [n for n in cluster.list_nodes() if n.labels.get(LABEL_SITE) in sites]
+        nodes = [n for n in self.env.nodes() if n.labels.get(LABEL_SITE) in sites]
         pods = cluster.list_gpu_pods()
         busy = {p.node for p in pods if p.node}
         awaited = {p.nominated_node for p in pods if p.nominated_node}

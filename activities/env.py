@@ -13,9 +13,10 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from fleet.cluster import LABEL_SITE
 from fleet.config import FleetConfig, load_config
 from fleet.errors import AccountRevoked, InvalidRequest, OfferBlocked
-from fleet.models import AccountState
+from fleet.models import AccountState, Node
 from fleet.settings import Settings
 from providers import make_provider
 from providers.base import Provider
@@ -49,6 +50,12 @@ class FleetEnv:
         from providers.cluster.kubernetes import KubernetesCluster
 
         return cls(settings, config, KubernetesCluster(kubeconfig=os.environ.get("KUBECONFIG")))
+
+    def nodes(self, selector: dict[str, str] | None = None) -> "list[Node]":
+        """The cluster's nodes, each believed to have no more GPUs than the config says a machine
+        at its site has (``Node.believed``): what every count of capacity must read."""
+        most = {s.name: s.gpus_per_machine for s in self.config.sites}
+        return [n.believed(most.get(n.site or n.labels.get(LABEL_SITE, ""))) for n in self.cluster.list_nodes(selector)]
 
     def site(self, name: str):
         try:

@@ -269,7 +269,7 @@ class EvacuationActivities:
     def free_gpus(self, input: FreeGpusInput) -> dict[str, int]:
         """GPUs at each site not asked for by a serving Deployment (ready, schedulable nodes)."""
         cluster = self.env.cluster
-        nodes = cluster.list_nodes()
+        nodes = self.env.nodes()
         serving = cluster.list_serving()
         out = {}
         for site in input.sites:

@@ -204,3 +204,13 @@ class Node(BaseModel):
     #: What the kubelet reported: ``spec.providerID`` and ``status.addresses`` (IPs).
     provider_id: str = ""
     addresses: list[str] = Field(default_factory=list)
+
+    def believed(self, gpus_per_machine: int | None) -> "Node":
+        """This node with no more GPUs than a machine at its site has (``None``: no site known).
+        ``gpus_allocatable`` is what the node's own kubelet wrote (NodeRestriction lets a node
+        write its status): a node claiming a thousand GPUs must not make the control plane move
+        replicas to it, or stop buying for pods it says it can take. Fewer is believed: a GPU
+        that fell off the bus is gone."""
+        if gpus_per_machine is None or self.gpus_allocatable <= gpus_per_machine:
+            return self
+        return self.model_copy(update={"gpus_allocatable": gpus_per_machine})
