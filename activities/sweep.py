@@ -17,7 +17,7 @@ from temporalio import activity
 from activities.capacity import reports_account
 from activities.env import FleetEnv
 from activities.errors import typed_errors
-from fleet.cluster import NODE_IDENTITY_KIND
+from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity
 from fleet.contracts import workflows as flows
 from fleet.errors import AccountRevoked, NotFound
 from fleet.messages.sweep import (
@@ -82,19 +82,29 @@ class SweepActivities:
     @activity.defn
     @typed_errors
     async def sweep_known(self) -> SweepKnown:
-        """Nodes in the cluster (names, machine ids), then the running joins' node names.
+        """The machines of the cluster's identified nodes, then the running joins' node names.
 
-        In this order: a join that ends meanwhile has registered its node before it ended
-        (seen in neither only if it ended after the listing: then its machine is young)."""
-        nodes = await asyncio.to_thread(self.env.cluster.list_nodes)
+        A node accounts for a machine only through its identity record (what its join recorded),
+        never through its Node object: a retired machine's kubelet, its certificate still valid,
+        can create its Node again (NodeRestriction lets it), under its own name and with any
+        providerID; that must not keep its own machine, or another orphan, from the sweep.
+
+        In this order: a join that ends meanwhile has registered its node and written its record
+        before it ended (seen in neither only if it ended after the listing: then its machine is young)."""
+        cluster = self.env.cluster
+        nodes = await asyncio.to_thread(cluster.list_nodes)
+        records = await asyncio.to_thread(cluster.list_state, NODE_IDENTITY_KIND)
         joining = set()
         async for wf in activity.client().list_workflows(RUNNING_JOINS):
             name = join_node_name(wf.id, wf.typed_search_attributes.get(NODE_NAME))
             if name:
                 joining.add(name)
-        return SweepKnown(node_names=sorted(n.name for n in nodes),
-                          machine_ids=sorted(n.machine_id for n in nodes if n.machine_id),
-                          joining=sorted(joining))
+        identities = {n.name: NodeIdentity.from_state(records.get(n.name, {})) for n in nodes}
+        identified = {name: identity for name, identity in identities.items() if identity is not None}
+        return SweepKnown(node_names=sorted(identified),
+                          machine_ids=sorted(i.machine_id for i in identified.values() if i.machine_id),
+                          joining=sorted(joining),
+                          unidentified=sorted(set(identities) - set(identified)))
 
     @activity.defn
     @typed_errors

@@ -66,7 +66,9 @@ class FleetSweep:
         )
         names = [s["name"] for s in sites]
         show_details("listing machines", f"{len(names)} sites; {len(known.node_names)} nodes, "
-                                         f"{len(known.joining)} joins running")
+                                         f"{len(known.joining)} joins running"
+                                         + (f"; {len(known.unidentified)} nodes without an identity record "
+                                            f"account for no machine" if known.unidentified else ""))
 
         async def one(site: str) -> SiteSweepReport:
             try:

@@ -17,12 +17,16 @@ class FleetSweepInput(Strict):
 
 
 class SweepKnown(BaseModel):
-    """What accounts for a machine: a node in the cluster, or a join still running."""
+    """What accounts for a machine: a node in the cluster its join identified (its identity
+    record names the machine), or a join still running."""
 
     node_names: list[str] = Field(default_factory=list)
     machine_ids: list[str] = Field(default_factory=list)
     #: Node names of running NodeJoins (their machines may not have registered yet).
     joining: list[str] = Field(default_factory=list)
+    #: Nodes with no identity record: they account for no machine (a Node object is what any
+    #: kubelet with a certificate can create, a retired one's included).
+    unidentified: list[str] = Field(default_factory=list)
 
 
 class SweepSiteInput(BaseModel):

@@ -178,3 +178,31 @@ async def test_an_open_connection_stops_working_when_its_certificate_expires(tem
     finally:
         await gateway.running.stop(grace=None)
         await end_entity(temporal_env.client, name)
+
+
+async def sweep_now(stack: Stack):
+    from fleet.messages.sweep import FleetSweepResult
+
+    handle = await stack.client.start_workflow(
+        "FleetSweep", {"grace_seconds": 0}, id=unique("fleet-sweep"),
+        task_queue=stack.settings.task_queue, result_type=FleetSweepResult)
+    return handle, await handle.result()
+
+
+async def test_a_node_object_its_kubelet_creates_again_keeps_no_machine_from_the_sweep(stack: Stack) -> None:
+    """A retire whose provider delete was lost leaves the machine running (paid for); the sweep
+    is what deletes it. Its kubelet creating its Node again, under its own name, and another
+    machine's kubelet naming that orphan's id, must not hide it."""
+    retired, other = await join(stack), await join(stack)
+    name, machine = retired["node_name"], retired["machine_id"]
+    stack.cluster.remove_node(name)  # the retire's first half; its delete of the machine was lost
+    kubelet_registers_again(stack, name, machine)
+    kubelet_registers_again(stack, f"{name}-x", machine)  # another name, claiming the orphan's id
+
+    handle, report = await sweep_now(stack)
+    deleted = [m for r in report.sites for m in r.deleted]
+    assert deleted == [machine], report
+    assert stack.world.machine(machine)["deleted_at"] is not None, "the orphan is deleted"
+    live = stack.world.machine(other["machine_id"])
+    assert live["deleted_at"] is None, "the identified node's machine is kept"
+    await replay_and_record(handle, "fleet_sweep_unidentified_nodes")
