@@ -41,7 +41,7 @@ from tests.security.gateway_helpers import (
     poll_request,
     unique,
 )
-from workers.gateway.proxy import POLLS_PER_NODE, REQUEST_BYTES, RESULT_BYTES
+from workers.gateway.proxy import CALLS_PER_NODE, HELD_BYTES_PER_NODE, POLLS_PER_NODE, REQUEST_BYTES, RESULT_BYTES
 
 OK, DENIED, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -131,6 +131,48 @@ async def test_big_requests_are_refused_before_they_are_held(gateway, attacker) 
     result = RespondActivityTaskCompletedRequest(namespace="default", task_token=b"not-delivered",
                                                  result=Payloads(payloads=[payload])).SerializeToString()
     assert await code_of(call(channel, "RespondActivityTaskCompleted")(result, timeout=5)) == DENIED
+
+
+async def test_a_node_holds_no_more_than_its_share_of_the_gateways_memory(gateway, attacker) -> None:
+    """A held call's request stays in the gateway's memory until the call ends. A node over its
+    call limit that sends result after half-megabyte result gets a few of them held; the rest are
+    answered at once, so what it holds is bounded, however many it sends."""
+    node, channel = attacker
+    stats = gateway.running.gateway.stats
+    loop = asyncio.get_running_loop()
+    # Its CALLS_PER_NODE calls: polls (two upstream, the rest waiting for a poll slot).
+    polls = [asyncio.ensure_future(call(channel, "PollActivityTaskQueue")(poll_request(node.name), timeout=8))
+             for _ in range(CALLS_PER_NODE)]
+    await wait_for(lambda: gateway.running.gateway.load_of(node.name).calls == CALLS_PER_NODE, timeout=5)
+    payload = Payload(metadata={"encoding": b"binary/plain"}, data=b"r" * (RESULT_BYTES - 4096))
+    result = RespondActivityTaskCompletedRequest(namespace="default", task_token=b"t",
+                                                 result=Payloads(payloads=[payload])).SerializeToString()
+    can_hold = HELD_BYTES_PER_NODE // len(result)
+    others = [node_channel(gateway.access, node) for _ in range(3)]  # within its connection limit
+    try:
+        answered_at: list[float] = []
+
+        async def send(c) -> grpc.StatusCode:
+            code = await code_of(call(c, "RespondActivityTaskCompleted")(result, timeout=5))
+            answered_at.append(loop.time())
+            return code
+
+        started = loop.time()
+        sends = [asyncio.ensure_future(send(others[i % 3])) for i in range(can_hold + 12)]
+        await wait_for(lambda: len(answered_at) >= 12, timeout=4)
+        assert stats.held_bytes <= HELD_BYTES_PER_NODE
+        assert load_held(gateway, node.name) == can_hold, "its share is held, no more"
+        assert all(t - started < 3.0 for t in answered_at[:12]), "the rest answered at once"
+        assert await asyncio.gather(*sends) == [EXHAUSTED] * len(sends)
+    finally:
+        for c in others:
+            await c.close()
+    await gather_codes(polls)
+    assert stats.held_bytes == 0
+
+
+def load_held(gateway, node: str) -> int:
+    return gateway.running.gateway.load_of(node).held
 
 
 async def test_deployment_options_and_unknown_fields_are_dropped(temporal_env, gateway, attacker) -> None:

@@ -55,6 +55,13 @@ STREAMS_PER_CONNECTION = 32
 #: RESOURCE_EXHAUSTED. Held, it costs a little memory and no CPU, nothing goes upstream, and a
 #: node that keeps more calls open than its limits gets no more through than they allow.
 HOLD_SECONDS = 60.0
+#: Request bytes held at once, per node and in all. A held call's request stays in memory until
+#: the call ends (gRPC's frame that called the handler keeps it): without a bound, a node that
+#: opens connection after connection of half-megabyte results over its limits holds the
+#: gateway's memory, which every node's calls need. A call over limits beyond either bound is
+#: answered at once, as it would be after its hold.
+HELD_BYTES_PER_NODE = 4 * 1024 * 1024
+HELD_BYTES = 256 * 1024 * 1024
 #: A poll that got a slot with less time left than this is answered with no task, not
 #: forwarded: the frontend refuses a long poll this short (FAILED_PRECONDITION).
 MIN_UPSTREAM_POLL_SECONDS = 3.0
@@ -69,6 +76,7 @@ class NodeLoad:
     polls: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(POLLS_PER_NODE))
     calls: int = 0
     held: int = 0
+    held_bytes: int = 0
     upstream_polls: int = 0  # polls forwarded and not yet answered
     connections: Counter = field(default_factory=Counter)  # peer → its admitted calls
 
@@ -148,18 +156,27 @@ class NodeGateway(grpc.GenericRpcHandler):
         remaining = context.time_remaining()
         return HOLD_SECONDS if remaining is None else max(0.0, min(HOLD_SECONDS, remaining - 0.5))
 
-    async def _hold(self, node: str, load: NodeLoad, polling: bool, why: str,
+    async def _hold(self, node: str, load: NodeLoad, polling: bool, why: str, size: int,
                     context: grpc.aio.ServicerContext) -> bytes:
-        """A call over the node's limits: held, then answered, and nothing sent upstream."""
-        self._over_limit(node, why)
-        load.held += 1
-        self.stats.held_over_limits += 1
-        try:
-            await asyncio.sleep(self._hold_seconds(context))
-        finally:
-            load.held -= 1
-            self.stats.held_over_limits -= 1
+        """A call over the node's limits: held, then answered, and nothing sent upstream. Beyond
+        what may be held (``HELD_BYTES_PER_NODE``, ``HELD_BYTES``), answered at once."""
+        if load.held_bytes + size > HELD_BYTES_PER_NODE or self.stats.held_bytes + size > HELD_BYTES:
+            self._over_limit(node, f"{why}, and more held than the gateway keeps")
             self._release(node, load)
+        else:
+            self._over_limit(node, why)
+            load.held += 1
+            load.held_bytes += size
+            self.stats.held_over_limits += 1
+            self.stats.held_bytes += size
+            try:
+                await asyncio.sleep(self._hold_seconds(context))
+            finally:
+                load.held -= 1
+                load.held_bytes -= size
+                self.stats.held_over_limits -= 1
+                self.stats.held_bytes -= size
+                self._release(node, load)
         if polling:
             return b""  # no task: the agent polls again
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
@@ -192,9 +209,11 @@ class NodeGateway(grpc.GenericRpcHandler):
             load = self._load[node] = NodeLoad()
         peer = context.peer()
         if peer not in load.connections and len(load.connections) >= CONNECTIONS_PER_NODE:
-            return await self._hold(node, load, polling, f"more than {CONNECTIONS_PER_NODE} connections", context)
+            return await self._hold(node, load, polling, f"more than {CONNECTIONS_PER_NODE} connections",
+                                    len(request), context)
         if load.calls >= CALLS_PER_NODE:
-            return await self._hold(node, load, polling, f"more than {CALLS_PER_NODE} calls at once", context)
+            return await self._hold(node, load, polling, f"more than {CALLS_PER_NODE} calls at once",
+                                    len(request), context)
         load.calls += 1
         load.connections[peer] += 1
         slot = False
@@ -337,6 +356,9 @@ class GatewayCollector:
         yield GaugeMetricFamily("gpufleet_gateway_held_over_limits",
                                 "Calls held now because their node is over its limits.",
                                 value=stats.held_over_limits)
+        yield GaugeMetricFamily("gpufleet_gateway_held_bytes",
+                                "Request bytes of the calls held now (bounded per node and in all).",
+                                value=stats.held_bytes)
 
 
 @dataclass
