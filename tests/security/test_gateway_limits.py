@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import timedelta
 
 import grpc
 import pytest
+from temporalio import workflow
 from temporalio.api.deployment.v1 import WorkerDeploymentOptions
 from temporalio.api.enums.v1 import WorkerVersioningMode
 from temporalio.api.taskqueue.v1 import TaskQueue
@@ -24,10 +26,14 @@ from temporalio.api.workflowservice.v1 import (
     ListWorkerDeploymentsRequest,
     ListWorkersRequest,
     PollActivityTaskQueueRequest,
+    PollActivityTaskQueueResponse,
+    RecordActivityTaskHeartbeatRequest,
     RecordWorkerHeartbeatRequest,
     RespondActivityTaskCompletedRequest,
     ShutdownWorkerRequest,
 )
+
+from temporalio.worker import Worker
 
 from tests.conftest import NODE_GATEWAYS, wait_for
 from tests.security.gateway_helpers import (
@@ -41,7 +47,15 @@ from tests.security.gateway_helpers import (
     poll_request,
     unique,
 )
-from workers.gateway.proxy import CALLS_PER_NODE, HELD_BYTES_PER_NODE, POLLS_PER_NODE, REQUEST_BYTES, RESULT_BYTES
+from workers.gateway.proxy import (
+    CALLS_PER_NODE,
+    HEARTBEAT_BURST,
+    HEARTBEATS_PER_SECOND,
+    HELD_BYTES_PER_NODE,
+    POLLS_PER_NODE,
+    REQUEST_BYTES,
+    RESULT_BYTES,
+)
 
 OK, DENIED, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -173,6 +187,42 @@ async def test_a_node_holds_no_more_than_its_share_of_the_gateways_memory(gatewa
 
 def load_held(gateway, node: str) -> int:
     return gateway.running.gateway.load_of(node).held
+
+
+@workflow.defn(name="SecurityOneNodeActivity", sandboxed=False)
+class OneNodeActivity:
+    """Schedules one activity on a node's queue (the node is the attacker: it polls it itself)."""
+
+    @workflow.run
+    async def run(self, queue: str) -> None:
+        await workflow.execute_activity("watch_node", task_queue=queue, start_to_close_timeout=timedelta(minutes=5),
+                                        heartbeat_timeout=timedelta(minutes=5))
+
+
+async def test_a_node_heartbeats_upstream_at_a_bounded_rate(temporal_env, gateway, attacker) -> None:
+    """Each heartbeat a node sends for a task it holds is a write in the store every workflow
+    shares. One node heartbeating as fast as it can gets HEARTBEATS_PER_SECOND through (after a
+    burst of HEARTBEAT_BURST); the rest are answered RESOURCE_EXHAUSTED and go nowhere."""
+    node, channel = attacker
+    client = temporal_env.client
+    queue = unique("wf")
+    async with Worker(client, task_queue=queue, workflows=[OneNodeActivity]):
+        handle = await client.start_workflow(OneNodeActivity.run, f"node/{node.name}", id=unique("hb"),
+                                             task_queue=queue)
+        task = PollActivityTaskQueueResponse.FromString(
+            await call(channel, "PollActivityTaskQueue")(poll_request(node.name), timeout=10))
+        assert task.task_token, "the node holds a task"
+        beat = RecordActivityTaskHeartbeatRequest(namespace="default", task_token=task.task_token).SerializeToString()
+        heartbeat = call(channel, "RecordActivityTaskHeartbeat")
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        codes = [await code_of(heartbeat(beat, timeout=5)) for _ in range(200)]
+        seconds = loop.time() - started
+        through = codes.count(OK)
+        assert through + codes.count(EXHAUSTED) == len(codes), codes
+        assert through <= HEARTBEAT_BURST + HEARTBEATS_PER_SECOND * seconds + 1, (through, seconds)
+        assert codes[:HEARTBEAT_BURST] == [OK] * HEARTBEAT_BURST, "an honest agent's few heartbeats all go through"
+        await handle.terminate("test over")
 
 
 async def test_deployment_options_and_unknown_fields_are_dropped(temporal_env, gateway, attacker) -> None:

@@ -62,11 +62,40 @@ HOLD_SECONDS = 60.0
 #: answered at once, as it would be after its hold.
 HELD_BYTES_PER_NODE = 4 * 1024 * 1024
 HELD_BYTES = 256 * 1024 * 1024
+#: Activity heartbeats a node may send upstream, per second on average and at once. Each one is
+#: a write of its workflow's state in the store every workflow shares; the SDK sends one per
+#: activity at most every 0.8 × its heartbeat timeout, and an agent runs at most five
+#: activities, so an honest node stays far below. Over the rate, a heartbeat is answered
+#: RESOURCE_EXHAUSTED, not forwarded (the activity times out if it never gets one through).
+HEARTBEATS_PER_SECOND = 10.0
+HEARTBEAT_BURST = 30
 #: A poll that got a slot with less time left than this is answered with no task, not
 #: forwarded: the frontend refuses a long poll this short (FAILED_PRECONDITION).
 MIN_UPSTREAM_POLL_SECONDS = 3.0
 #: A node over its limits is logged at most this often (every such call is counted).
 LIMIT_LOG_SECONDS = 60.0
+
+
+class RateLimits:
+    """One token bucket per node, kept apart from ``NodeLoad``: a load goes when its node has
+    nothing in flight, and a node sending one call at a time must not find a full bucket each time."""
+
+    def __init__(self, rate: float, burst: int, clock=time.monotonic) -> None:
+        self.rate, self.burst, self.clock = rate, burst, clock
+        self._buckets: dict[str, tuple[float, float]] = {}  # node → (tokens, when)
+
+    def take(self, node: str) -> bool:
+        now = self.clock()
+        tokens, then = self._buckets.get(node, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - then) * self.rate)
+        if len(self._buckets) > 100_000:  # full buckets only: forgetting one gives nothing away
+            self._buckets = {n: b for n, b in self._buckets.items()
+                             if b[0] + (now - b[1]) * self.rate < self.burst}
+        if tokens < 1.0:
+            self._buckets[node] = (tokens, now)
+            return False
+        self._buckets[node] = (tokens - 1.0, now)
+        return True
 
 
 @dataclass
@@ -102,6 +131,7 @@ class NodeGateway(grpc.GenericRpcHandler):
         self._stubs: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._load: dict[str, NodeLoad] = {}
         self._limit_logged: dict[str, float] = {}
+        self._heartbeats = RateLimits(HEARTBEATS_PER_SECOND, HEARTBEAT_BURST)
         # Sent upstream with every call, after the node's few forwarded client-* entries.
         self._metadata = (("temporal-namespace", namespace), *self.upstream_metadata)
         # One handler per method the policy knows, made once (gRPC asks for it on every call);
@@ -234,6 +264,10 @@ class NodeGateway(grpc.GenericRpcHandler):
             except Refused as refused:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node gateway: {refused}")
             del request  # the rebuilt request is what goes on
+            if name == "RecordActivityTaskHeartbeat" and not self._heartbeats.take(node):
+                why = f"more than {HEARTBEATS_PER_SECOND:g} heartbeats a second"
+                self._over_limit(node, why)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
             if polling:
                 if load.polls.locked():
                     # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows the cancel of
