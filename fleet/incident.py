@@ -33,13 +33,12 @@ from typing import Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet import replacement
+from fleet.models import Strict
 
 
-class ControlPlaneSettings(BaseModel):
+class ControlPlaneSettings(Strict):
     """``control_plane:`` at the top of sites.yaml: what the fleet does when its control
     plane (Temporal, the control-plane worker) was away and comes back (static stability)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     #: After the control plane returns, a Site entity reconciles first: no repair is admitted and
     #: no incident opens at the site for this long (a finding waiting meanwhile is asked again).

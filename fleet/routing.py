@@ -14,7 +14,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Iterable
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from fleet.models import Strict
 
 #: Weights of one model always sum to this (or are all 0: nothing can serve).
 TOTAL = 1000
@@ -35,11 +37,8 @@ class Mode(StrEnum):
     BURST = "burst"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-
-class SiteLoad(_Strict):
+class SiteLoad(Strict):
     """What routing knows about one site for one model."""
 
     site: str = Field(min_length=1, max_length=253)
@@ -69,7 +68,7 @@ class SiteLoad(_Strict):
         return self.queue_depth / self.ready_replicas if self.ready_replicas else 0.0
 
 
-class RoutingPolicy(_Strict):
+class RoutingPolicy(Strict):
     strategy: Strategy = Strategy.LEAST_LOADED
     mode: Mode = Mode.ACTIVE_ACTIVE
     #: A recomputed share that moves no site by more than this keeps the old weights:
@@ -169,7 +168,7 @@ def _within(old: dict[str, int], new: dict[str, int], hysteresis: float) -> bool
     return all(abs(old.get(k, 0) - new.get(k, 0)) <= hysteresis * TOTAL for k in keys)
 
 
-class SiteRouteState(_Strict):
+class SiteRouteState(Strict):
     """One site in a routing document."""
 
     weight: int = Field(ge=0, le=TOTAL)
@@ -179,7 +178,7 @@ class SiteRouteState(_Strict):
     incident: str = ""
 
 
-class RoutingDocument(_Strict):
+class RoutingDocument(Strict):
     """The one thing the front doors render: a model's per-site weights, versioned.
 
     Written only by the model's ``Routing`` entity; the version goes up by one on

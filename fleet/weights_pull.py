@@ -10,9 +10,10 @@ cache layout; ``workers/weights_pull.py`` does the copying.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from fleet.config import ObjectStore
+from fleet.models import Strict
 from fleet.rollout import NAME, WeightFile
 from fleet.settings import WEIGHTS_KEY_ENV, WeightsPullEnv
 
@@ -27,9 +28,7 @@ KEY_ENV = WEIGHTS_KEY_ENV
 DEFAULT_IMAGE = "gpufleet-node-agent:latest"
 
 
-class WeightsPull(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
+class WeightsPull(Strict):
     model: str = Field(min_length=1, max_length=128, pattern=NAME)
     version: str = Field(min_length=1, max_length=128, pattern=NAME)
     #: The site's store; its ``credentials`` as the pod sees them (``env`` ``KEY_ENV``) or none

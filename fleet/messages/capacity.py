@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.config import Site
-from fleet.models import DAY, AccountState, EpochSeconds, MaybeName, Name, Offer, Text
+from fleet.models import AccountState, DAY, EpochSeconds, MaybeName, Name, Offer, Strict, Text
 from fleet.placement import AccountView, Constraints
 from fleet.messages.evacuation import IncidentCarry, IncidentView
 from fleet.messages.join import JoinedNode, JoinTimeouts
@@ -97,18 +97,14 @@ class RetireMachineInput(BaseModel):
 
 
 # -- workflows ------------------------------------------------------------------------------
-class Exclusion(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
+class Exclusion(Strict):
     offer: Name
     reason: Text = "excluded by the caller"
     seconds: float = Field(600, ge=0, le=30 * DAY)
 
 
-class CapacityRequest(BaseModel):
+class CapacityRequest(Strict):
     """Start with plain JSON: ``{"constraints": {"gpu": "H100"}, "count": 4}``."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     constraints: Constraints = Field(default_factory=Constraints)
     count: int = Field(1, ge=1, le=256)
@@ -211,9 +207,7 @@ class AccountStatus(BaseModel):
     notify_error: str = ""
 
 
-class ProviderAccountInput(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
+class ProviderAccountInput(Strict):
     account: Name
     provider: Name
     status: AccountStatus | None = None
@@ -229,9 +223,7 @@ class QuotaRaised(BaseModel):
     all: bool = False
 
 
-class SiteInput(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
+class SiteInput(Strict):
     site: Name
     #: Set by the entity itself when it continues as new; never by a caller.
     state: SiteState | None = None
@@ -288,9 +280,7 @@ class SiteState(BaseModel):
     watched: dict[str, str] = Field(default_factory=dict)
 
 
-class SpotReclaimInput(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
+class SpotReclaimInput(Strict):
     node_name: Name
     machine_id: MaybeName = ""
     site: Name

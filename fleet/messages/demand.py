@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from fleet.consolidation import IdleNode
 from fleet.demand_planner import DemandPlan, ModelUsage, NodeRoom
-from fleet.models import DAY, CapacityType, Offer
+from fleet.models import CapacityType, DAY, Offer, Strict
 from fleet.placement import AccountView
 
 
@@ -121,10 +121,8 @@ class DemandCarry(BaseModel):
     log: list[str] = Field(default_factory=list)
 
 
-class DemandInput(BaseModel):
+class DemandInput(Strict):
     """Start with ``{}``: every setting comes from the fleet config's ``demand:`` block."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     #: Longest wait between looks at purchases and idle nodes when nothing happens: a safety
     #: look, since the loop's watch wakes it for new pods, ended purchases and idle nodes.

@@ -6,12 +6,12 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from fleet.incident import Failure, IncidentSettings, SiteFacts, Verdict
 from fleet.cluster import RoutingTable, ServingStatus
 from fleet.messages.join import JoinedNode
-from fleet.models import Name, Text
+from fleet.models import Name, Strict, Text
 
 
 # -- repair admission (Node entity → Site entity) ---------------------------------------------
@@ -106,10 +106,8 @@ class HoldRepairsInput(BaseModel):
 
 
 # -- SiteEvacuation ---------------------------------------------------------------------------
-class SiteEvacuationInput(BaseModel):
+class SiteEvacuationInput(Strict):
     """Start with plain JSON: ``{"site": "lambda-us-east", "reason": "manual"}`` (the Site entity does)."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     site: Name
     reason: Text = "provider incident"

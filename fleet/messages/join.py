@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from fleet.models import DAY
+from fleet.models import DAY, Strict
 
 
-class JoinTimeouts(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
+class JoinTimeouts(Strict):
     provision_seconds: float = Field(600, gt=0, le=DAY)
     registration_seconds: float = Field(900, gt=0, le=DAY)
     smoke_test_seconds: float = Field(600, gt=0, le=DAY)
@@ -17,10 +15,8 @@ class JoinTimeouts(BaseModel):
     heartbeat_seconds: float = Field(30, gt=0, le=3600)
 
 
-class NodeJoinInput(BaseModel):
+class NodeJoinInput(Strict):
     """Start with plain JSON: ``{"site": "lambda-us-east"}``."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     site: str = Field(min_length=1, max_length=253)
     #: More than one: the join fans out to one child NodeJoin per node.

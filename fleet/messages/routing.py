@@ -4,20 +4,16 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from fleet.messages.watches import MAX_WATCH_SECONDS
-from fleet.models import Name, Text
+from fleet.models import Name, Strict, Text
 from fleet.routing import RoutingDocument, RoutingPolicy, SiteLoad
 
 DAY = 86400
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class SiteOverride(_Strict):
+class SiteOverride(Strict):
     """What site events said about one site, on top of what samples show."""
 
     healthy: bool = True
@@ -39,7 +35,7 @@ def apply_override(load: SiteLoad, override: SiteOverride | None) -> SiteLoad:
     })
 
 
-class RoutingState(_Strict):
+class RoutingState(Strict):
     """Everything a ``Routing`` entity carries over continue-as-new."""
 
     overrides: dict[str, SiteOverride] = Field(default_factory=dict)
@@ -53,7 +49,7 @@ class RoutingState(_Strict):
     pending: list[Text] = Field(default_factory=list, max_length=1000)
 
 
-class RoutingInput(_Strict):
+class RoutingInput(Strict):
     """Start (or signal-with-start) ``routing/<model>``."""
 
     model: Name
@@ -72,7 +68,7 @@ class RoutingInput(_Strict):
 EventKind = Literal["incident", "restore", "rollout", "scale", "drain"]
 
 
-class SiteEvent(_Strict):
+class SiteEvent(Strict):
     """The ``site_event`` signal: something happened at a site that routing must reflect now.
 
     ``incident``/``drain`` take the site out (drain also moves its stuck sessions);
@@ -85,7 +81,7 @@ class SiteEvent(_Strict):
     cap_percent: int | None = Field(None, ge=0, le=100)
 
 
-class SiteEventInput(_Strict):
+class SiteEventInput(Strict):
     """The ``routing_event`` activity: tell each model's entity (started if needed)."""
 
     event: SiteEvent
@@ -96,16 +92,16 @@ class SiteEventInput(_Strict):
     wait_seconds: float = Field(0, ge=0, le=3600)
 
 
-class RoutingSampleInput(_Strict):
+class RoutingSampleInput(Strict):
     model: Name
     geography: str | None = None
 
 
-class RoutingSample(_Strict):
+class RoutingSample(Strict):
     sites: list[SiteLoad] = Field(default_factory=list)
 
 
-class RoutingWatchInput(_Strict):
+class RoutingWatchInput(Strict):
     """``watch_routing``: look at the model's load in the worker until the document the entity
     would write from a sample differs from ``previous`` (``next_document``, with the policy's
     hysteresis, over the sites as ``overrides`` leave them), or ``max_wait_seconds`` pass."""
@@ -125,14 +121,14 @@ class RoutingWatchInput(_Strict):
     hold_seconds: float = Field(0, ge=0, le=MAX_WATCH_SECONDS)
 
 
-class RoutingWatchResult(_Strict):
+class RoutingWatchResult(Strict):
     #: The last sample the watch took; the entity decides the document from it.
     sample: RoutingSample = Field(default_factory=RoutingSample)
     #: False: returned after ``max_wait_seconds`` with no change.
     changed: bool = False
 
 
-class RoutingProgress(_Strict):
+class RoutingProgress(Strict):
     """The ``progress`` query: site events taken and reflected in the routes."""
 
     events: int = 0

@@ -17,11 +17,11 @@ loses nothing).
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from fleet.messages.demand import DemandBatch
 from fleet.messages.evacuation import ProbeNode
-from fleet.models import DAY, Name
+from fleet.models import DAY, Name, Strict
 
 #: The longest any watch waits before it returns unchanged (its caller's safety look).
 MAX_WATCH_SECONDS = 3600.0
@@ -39,9 +39,7 @@ def node_summary(node: ProbeNode) -> str:
 
 
 # -- watch_site -----------------------------------------------------------------------------
-class SiteWatchInput(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
+class SiteWatchInput(Strict):
     site: Name
     #: node name → ``node_summary`` as the entity last saw it (empty: return at once).
     known: dict[str, str] = Field(default_factory=dict, max_length=100_000)
@@ -84,9 +82,7 @@ class SiteWatchResult(BaseModel):
 
 
 # -- watch_demand_events ---------------------------------------------------------------------------
-class DemandWatchInput(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
+class DemandWatchInput(Strict):
     #: Pods the loop already has an answer for (bought, covered, unplaceable): no wake-up.
     known: list[str] = Field(default_factory=list)
     batch_idle_seconds: float = Field(1.0, ge=0, le=600)
@@ -115,9 +111,7 @@ class DemandWake(BaseModel):
 
 
 # -- watch_csrs -----------------------------------------------------------------------------
-class CsrWatchInput(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
+class CsrWatchInput(Strict):
     #: CSRs still pending that the last pass left alone (not gpufleet's to judge): no wake-up.
     known: list[str] = Field(default_factory=list, max_length=100_000)
     max_wait_seconds: float = Field(600, gt=0, le=MAX_WATCH_SECONDS)
