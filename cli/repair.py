@@ -107,8 +107,11 @@ def node_status(node: Node, output: OutputFormat = "table", address: Address = "
                   f"{s.reports} reports, {s.remediations} remediations in the window")
     for index, wid in sorted(s.active_repairs.items()):
         console.print(f"  GPU {index}: {wid}")
+    for index, why in sorted(s.needs_person.items()):
+        console.print(f"  GPU {index}: [yellow]needs a person[/]: {escape(why)}")
     for index in s.fenced:
-        console.print(f"  GPU {index}: fenced, node cordoned; its repair waits for site/{s.site}")
+        if str(index) not in s.needs_person:
+            console.print(f"  GPU {index}: fenced, node cordoned; its repair waits for site/{s.site}")
     if s.app_xids:
         console.print("  application XIDs: " + ", ".join(f"{x}×{n}" for x, n in s.app_xids.items()))
     for line in s.log:

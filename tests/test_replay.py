@@ -30,6 +30,10 @@ EXPECTED = {
     "site_counts_joins",
     "spot_reclaim",
     "gpu_repair_reset", "gpu_repair_reboot_after_reset", "gpu_repair_covered", "node_entity_two_repairs",
+    # A cancelled repair stops where it is (``repair-cancel-stops``, tests/test_repair_cancel.py);
+    # the old code's run, which climbed on after the cancel, replays too.
+    "gpu_repair_cancelled", "gpu_repair_cancelled_replacing", "gpu_repair_cancelled_before",
+    "node_entity_repair_cancelled", "node_entity_repair_cancelled_before",
     "node_entity_two_repairs_local_facts", "node_entity_two_repairs_contain_first",
     "site_incident_tripped",
     "advisor_report",

@@ -6,7 +6,14 @@ under tests/histories/ with the workflow change; tests/test_replay.py replays th
 
 from __future__ import annotations
 
-from tests.replay import replay_and_record
+import base64
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.replay import HISTORIES, replay_and_record, replay_file
+from workflows.repair import CANCEL_STOPS_PATCH
 from tests.repair_helpers import join_node, repair_handle, repair_result, running_stack
 
 
@@ -32,3 +39,43 @@ async def test_fresh_repair_histories_replay(temporal_env, tmp_path) -> None:
         }
         for name, handle in handles.items():
             await replay_and_record(handle, name)
+
+
+#: Cancelled repairs (``repair-cancel-stops``, tests/test_repair_cancel.py): a cancel during a reboot's
+#: wait for boot, and during a replacement's join, each stopping the ladder; the Node entity that saw
+#: the first end (its GPU left for a person). ``_before``: the old code's runs. The repair, cancelled in
+#: the same wait, took the cancel for a failed reboot and climbed to a reinstall; it replays down the
+#: old path (no marker), as a run cancelled before the deploy must. The Node entity called itself
+#: ``ready`` when the repair ended, where it now says ``needs-person``: the same command (a search
+#: attribute upsert, whose values a replay does not compare), so it needs no patch and replays.
+CANCELLED_REPAIRS = ("gpu_repair_cancelled", "gpu_repair_cancelled_replacing", "gpu_repair_cancelled_before",
+                     "node_entity_repair_cancelled", "node_entity_repair_cancelled_before")
+
+
+@pytest.mark.parametrize("name", CANCELLED_REPAIRS)
+async def test_cancelled_repair_histories_replay(name: str) -> None:
+    await replay_file(HISTORIES / f"{name}.json")
+
+
+def test_a_run_cancelled_before_the_patch_climbed_and_one_after_stopped() -> None:
+    """What the two recorded paths are: the replay above proves each still takes its own."""
+    before, after = (_after_cancel(HISTORIES / f"{name}.json") for name in ("gpu_repair_cancelled_before",
+                                                                           "gpu_repair_cancelled"))
+    assert CANCEL_STOPS_PATCH not in before["markers"] and "reinstall_machine" in before["scheduled"]
+    assert CANCEL_STOPS_PATCH in after["markers"] and after["scheduled"] == []
+    assert after["ended"] == "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED"
+
+
+def _after_cancel(path: Path) -> dict:
+    """The patch markers of a recorded run, the activities it scheduled after its cancel request, and its last event."""
+    events = json.loads(path.read_text())["events"]
+    markers, scheduled, cancelled = [], [], False
+    for event in events:
+        if event["eventType"] == "EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED":
+            cancelled = True
+        elif event["eventType"] == "EVENT_TYPE_MARKER_RECORDED":
+            payload = event["markerRecordedEventAttributes"]["details"]["patch-data"]["payloads"][0]["data"]
+            markers.append(json.loads(base64.b64decode(payload))["id"])
+        elif event["eventType"] == "EVENT_TYPE_ACTIVITY_TASK_SCHEDULED" and cancelled:
+            scheduled.append(event["activityTaskScheduledEventAttributes"]["activityType"]["name"])
+    return {"markers": markers, "scheduled": scheduled, "ended": events[-1]["eventType"]}

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ValidationError
 from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy, WorkflowIDReusePolicy
 from temporalio.workflow import ParentClosePolicy
-from temporalio.exceptions import ActivityError, FailureError
+from temporalio.exceptions import ActivityError, FailureError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import workflows as flows
@@ -326,6 +326,7 @@ class NodeEntity(Entity[NodeCarry]):
             bad_reports=self.state.bad_reports, bad_reports_in_a_row=self.state.bad_reports_in_a_row,
             last_bad_report=self._last_bad_report, loop_restarts=self._loop_restarts,
             not_ready_since=self.state.not_ready_since,
+            needs_person={str(gpu): why for gpu, why in sorted(self.state.needs_person.items())},
         )
 
     # -- the loop --------------------------------------------------------------------------
@@ -341,6 +342,8 @@ class NodeEntity(Entity[NodeCarry]):
 
     def _show(self, detail: str = "") -> None:
         lines = [f"- GPU {gpu}: repair `{wid}`" for gpu, wid in sorted(self._active.items())]
+        lines += [f"- GPU {gpu}: **needs a person**: {why}" for gpu, why in sorted(self.state.needs_person.items())
+                  if gpu not in self._active]
         if self._holder:
             lines.append(f"node action slot held by `{self._holder}`")
         show_details(self.state.state, *lines, detail=detail)
@@ -671,7 +674,10 @@ class NodeEntity(Entity[NodeCarry]):
             latest = self.state.latest.get(index)
             # A fatal XID is an event, not a state: a clean snapshot since does not undo it.
             quarantined = any(reason in self.state.quarantine_reasons for reason in finding.reasons)
-            if not finding.fatal_xids and not quarantined and latest is not None and not latest.problems():
+            # A GPU an ended repair left for a person is not un-fenced by a clean snapshot either.
+            left = index in self.state.needs_person
+            if (not finding.fatal_xids and not quarantined and not left and latest is not None
+                    and not latest.problems()):
                 if index in self.state.fenced and not await self._unfence(index):
                     continue  # still fenced: the next recheck tries again
                 self.state.deferred.pop(index)
@@ -784,6 +790,7 @@ class NodeEntity(Entity[NodeCarry]):
             if index in self.state.fenced:
                 self.state.fenced.remove(index)
         self._active[index] = repair_id
+        self.state.needs_person.pop(index, None)  # this repair owns the GPU's containment now
         self.state.quarantine_reasons = [r for r in self.state.quarantine_reasons if r not in finding.reasons]
         self._log(f"GPU {index}: {', '.join(finding.reasons)} → {repair_id} at {rung}" + (f" ({why})" if why else ""))
         self._set_state("repairing", f"GPU {index} at {rung}")
@@ -825,7 +832,11 @@ class NodeEntity(Entity[NodeCarry]):
             if result.outcome == "replaced":
                 self._gone = True
         except FailureError as error:
-            self._log(f"GPU {index}: {repair_id} failed: {failure_message(error)}", warn=True)
+            # It ended before proving the GPU (un-containing is its last step): the GPU stays
+            # fenced and the node cordoned, which only a person may undo.
+            how = "cancelled" if is_cancelled_exception(error) else f"failed: {failure_message(error)}"
+            self.state.needs_person[index] = f"{repair_id} {how}; GPU {index} left fenced, node cordoned"
+            self._log(f"GPU {index}: {repair_id} {how}; the GPU stays fenced: a person decides", warn=True)
         except (workflow.NondeterminismError, asyncio.CancelledError):
             raise
         except Exception as error:  # noqa: BLE001 - e.g. a result that does not decode
@@ -839,8 +850,13 @@ class NodeEntity(Entity[NodeCarry]):
         if self._holder == repair_id:
             self._finish_action(repair_id)
         if not self._active:
-            self._set_state("gone" if self._gone else "ready")
+            self._set_state("gone" if self._gone else self._idle_state())
         self._wake = True
+
+    def _idle_state(self) -> str:
+        """The state with no repair running: ``needs-person`` while a GPU an ended repair left
+        fenced waits for one (the fleet's word for it, ``FleetState``), else ``ready``."""
+        return "needs-person" if self.state.needs_person else "ready"
 
     async def _tell_site(self, site: str, gpu: int, share: float) -> None:
         try:

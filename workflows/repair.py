@@ -8,7 +8,10 @@ Node-level actions take the node's one slot from the Node entity (the parent),
 so two GPUs failing together cost one reboot, not two.
 
 Operators: updates ``hold`` / ``release`` / ``skip_to`` (validated), query
-``ladder``. A held ladder stays contained and does nothing at the next step.
+``ladder``. A held ladder stays contained and does nothing at the next step. A cancel
+(``temporal workflow cancel``, the UI) stops the ladder where it is: no next rung, no
+replacement bought, and the GPU stays fenced (a possibly broken GPU never serves again by a
+cancel) for a person, who is told so by the details and ``FleetState = "needs-person"``.
 """
 
 from __future__ import annotations
@@ -18,7 +21,14 @@ from typing import Any
 
 from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError
+from temporalio.exceptions import (
+    ActivityError,
+    ApplicationError,
+    CancelledError,
+    ChildWorkflowError,
+    FailureError,
+    is_cancelled_exception,
+)
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -66,6 +76,13 @@ with workflow.unsafe.imports_passed_through():
         HoldInput,
         SkipToInput,
     )
+
+#: Workflow patch: a cancel of the repair stops it. Its rung's activity or child ends cancelled,
+#: which the ladder took for a failed rung before: it climbed to the next, dearer one (a reinstall,
+#: a replacement bought) and ran on. Asked only where a cancel of this repair is seen, so a run
+#: that was never cancelled records no marker, and a run from before it that was cancelled
+#: replays down the old path (False: no marker in its history).
+CANCEL_STOPS_PATCH = "repair-cancel-stops"
 
 NODE_RETRY = RetryPolicy(maximum_attempts=2, non_retryable_error_types=["GpuResetFailed", "DriverReinstallFailed"])
 
@@ -166,7 +183,23 @@ class GpuRepair:
             sa.NODE_NAME.value_set(inp.node_name), sa.SITE.value_set(inp.site), sa.GPU_INDEX.value_set(inp.gpu),
             sa.REPAIR_RUNG.value_set(rung.value), sa.FLEET_STATE.value_set("containing"),
         ])
+        try:
+            return await self._ladder(rung)
+        except BaseException as error:  # asyncio.CancelledError (a cancel in a wait) is a BaseException
+            if not self._cancelled(error):
+                raise
+            where = self._state.step
+            self._stopped_by_cancel()
+            if is_cancelled_exception(error):
+                raise  # the run ends cancelled: the SDK sees the cancel request and a cancel error
+            # What the cancel ended surfaced as a failure (a replacement join that cleaned up after
+            # it was cancelled fails): the run still ends cancelled, not failed.
+            raise CancelledError(f"repair cancelled while {where}") from error
 
+    async def _ladder(self, rung: Rung) -> GpuRepairResult:
+        """Contain, then recover and prove rung by rung until repaired, replaced or exhausted."""
+        inp, settings = self._input, self._input.settings
+        max_rung = settings.max_rung
         await self._hold_point()
         self._step("containing", "fence the GPU, drain its pods (PDBs honoured), cordon")
         contained: ContainResult = await workflow.execute_activity(
@@ -224,6 +257,30 @@ class GpuRepair:
                 self._state.outcome = ""
                 continue
             rung = nxt
+
+    def _cancelled(self, error: BaseException) -> bool:
+        """Whether ``error`` ends the repair because it was cancelled, rather than failing a rung:
+        the repair was asked to cancel, and ``error`` is what ended the wait it was in. That is a
+        cancel (the activity cancelled with it) or a failure: a replacement NodeJoin cancelled
+        with it deletes its machine and ends *failed*. A join someone else cancelled is a failed
+        site, as before. Runs from before ``CANCEL_STOPS_PATCH`` answer False, as they ran."""
+        return (workflow.cancellation_reason() is not None
+                and (is_cancelled_exception(error) or isinstance(error, FailureError))
+                and workflow.patched(CANCEL_STOPS_PATCH))
+
+    def _stopped_by_cancel(self) -> None:
+        """What a cancelled repair leaves, said where the operator looks (details, ladder query,
+        ``FleetState``): the GPU stays fenced and the node cordoned. Whether the GPU is sound
+        is unknown (the rung did not finish, nothing proved it), so no cancel puts it back in
+        service: a person un-contains it or starts a repair."""
+        s = self._state
+        if s.attempts and s.attempts[-1].outcome == "running":
+            s.attempts[-1].outcome, s.attempts[-1].finished_at = "cancelled", workflow.now()
+        s.outcome, s.done = "cancelled", True
+        reason = workflow.cancellation_reason()
+        self._set_fleet_state("needs-person")
+        self._step("cancelled", f"cancelled{f' ({reason})' if reason else ''} while {s.step}: GPU {s.gpu} stays "
+                                f"fenced and `{s.node_name}` cordoned; a person decides (nothing proved the GPU)")
 
     def _finish(self, outcome: str) -> GpuRepairResult:
         self._state.outcome, self._state.done = outcome, True
@@ -284,8 +341,12 @@ class GpuRepair:
             ok = True
             return True, "recovered", detail
         except (ActivityError, ChildWorkflowError, ApplicationError) as error:
+            if self._cancelled(error):
+                raise  # stopped, not failed: no next rung
             return False, "failed", failure_text(error)
         finally:
+            # Also on a cancel: the slot goes back (the signal is a command a cancelled run may
+            # still send; the Node entity frees the slot too when it sees the repair end).
             await self._release(rung, ok)
 
     async def _reset(self, attempt_no: int) -> str:
@@ -376,6 +437,8 @@ class GpuRepair:
                 joined = result.nodes[0]
                 break
             except ChildWorkflowError as error:
+                if self._cancelled(error):
+                    raise  # the join was cancelled with the repair (and deleted its machine): buy no other
                 failures.append(f"{site}: {failure_type(error)}")
         if joined is None:
             raise ApplicationError("no replacement joined: " + "; ".join(failures), type="NoReplacement",
@@ -397,6 +460,8 @@ class GpuRepair:
                 summary=f"prove GPU {inp.gpu}: counters, compute",
             )
         except ActivityError as error:
+            if self._cancelled(error):
+                raise
             return False, f"smoke test did not run: {failure_text(error)}"
         if smoke.passed:
             return True, "smoke test passed"

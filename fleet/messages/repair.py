@@ -47,6 +47,10 @@ class NodeCarry(BaseModel):
     #: Since when the cluster says the node is NotReady (its Site entity's watch told, epoch
     #: seconds); None while it is Ready.
     not_ready_since: float | None = None
+    #: GPU → why a person must look: its repair ended without proving it (cancelled, terminated,
+    #: failed), so it stays fenced and the node cordoned. The entity's state is ``needs-person``
+    #: while any is here; a new repair of the GPU takes it over.
+    needs_person: dict[int, str] = Field(default_factory=dict)
 
 
 class NodeWatchInput(BaseModel):
@@ -235,6 +239,8 @@ class NodeStatus(BaseModel):
     loop_restarts: int = 0
     #: Since when the cluster says the node is NotReady (None: Ready, or not told otherwise).
     not_ready_since: float | None = None
+    #: GPU index → why a person must look (its repair ended unproven; the GPU stays fenced).
+    needs_person: dict[str, str] = Field(default_factory=dict)
 
 
 class GpuRepairInput(BaseModel):
@@ -256,7 +262,8 @@ class Attempt(BaseModel):
     rung: Rung
     started_at: datetime
     finished_at: datetime | None = None
-    #: passed, failed (recovery or proof), covered (another repair's action did it), replaced.
+    #: passed, failed (recovery or proof), covered (another repair's action did it), replaced,
+    #: cancelled (the repair was cancelled during it).
     outcome: str = "running"
     detail: str = ""
 
@@ -271,7 +278,8 @@ class LadderState(BaseModel):
     hold_reason: str = ""
     skip_to: Rung | None = None
     done: bool = False
-    #: repaired, replaced, exhausted (contained, needs a person), gone.
+    #: repaired, replaced, exhausted (contained, needs a person), gone, cancelled (stopped where
+    #: it was, still contained: needs a person).
     outcome: str = ""
     reasons: list[str] = Field(default_factory=list)
     attempts: list[Attempt] = Field(default_factory=list)
