@@ -292,9 +292,27 @@ class RolloutProgress(BaseModel):
     batches: int = 0
     sites: list[SiteProgress] = Field(default_factory=list)
     reason: str = ""
+    #: Each site whose rollback failed (refused for good: anything else is retried until done),
+    #: with why: it may still serve what the rollout put there.
+    rollback_failed: dict[str, str] = Field(default_factory=dict)
+    #: What a person must do, once something only a person can fix happened ("" until then).
+    #: Never cleared: a later phase changes ``phase`` and ``reason``, not this.
+    needs_person: str = ""
 
     def site(self, name: str) -> SiteProgress:
         return next(s for s in self.sites if s.site == name)
+
+    def rollback_failed_at(self, site: str, why: str) -> None:
+        """``site`` could not be put back: it joins ``rollback_failed``, and ``needs_person``
+        names every such site and why."""
+        self.rollback_failed[site] = why
+        sites = ", ".join(self.rollback_failed)
+        whys = "; ".join(f"{name}: {text}" for name, text in self.rollback_failed.items())
+        self.needs_person = f"rollback failed at {sites}: needs a person ({whys})"
+
+    def with_needs_person(self, reason: str) -> str:
+        """``reason``, followed by what a person must do once that is set."""
+        return "; ".join(part for part in (reason, self.needs_person) if part)
 
 
 class RolloutResult(BaseModel):
@@ -303,6 +321,8 @@ class RolloutResult(BaseModel):
     outcome: str
     sites: list[SiteProgress]
     reason: str = ""
+    #: Set when a site's rollback failed: which sites and why (``RolloutProgress.needs_person``).
+    needs_person: str = ""
 
 
 def _size(n: int) -> str:
@@ -315,7 +335,8 @@ def _size(n: int) -> str:
 
 def render_details(progress: RolloutProgress) -> str:
     """Markdown for ``set_current_details``: the phase, then a site x state table."""
-    head = f"**{progress.phase}**" + (" (paused)" if progress.paused else "") + (" (aborting)" if progress.aborting else "")
+    head = (f"**{progress.phase}**" + (" (paused)" if progress.paused else "")
+            + (" (aborting)" if progress.aborting else "") + (" (needs a person)" if progress.needs_person else ""))
     if progress.batches:
         head += f" - batch {progress.batch} of {progress.batches}"
     lines = [head]

@@ -58,6 +58,11 @@ EXPECTED = {
     # An abort during a readiness wait cuts it short (``rollout-abort-cuts-the-readiness-wait``);
     # the old code's run, which waited it out, replays too.
     "rollout_aborted_while_waiting_for_ready", "rollout_aborted_while_waiting_for_ready_before",
+    # A rollback that failed says so and needs a person (tests/rollout/test_rollback_failed.py);
+    # the old code's run, which said "rolled back", replays too.
+    "rollout_aborted_rollback_failed", "rollout_aborted_rollback_failed_before",
+    # The newest spot notice sets the deadline (``reclaim-newest-notice-deadline``, tests/test_reclaim_deadline.py).
+    "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # The HTTP relay of an operator update (tests/test_entity_update.py).
     "entity_update_quota_raised", "entity_update_rejected",
     # The demand loop: pods bought for, bound, gone; their idle nodes retired (tests/test_demand_loop.py).

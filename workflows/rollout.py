@@ -107,6 +107,9 @@ class ModelRollout:
         self._abort = False
         self._abort_reason = ""
         self._finished = False
+        #: The reason as the runbook last said it; the progress shows it with what a person
+        #: must do after it (``_say``).
+        self._reason = ""
 
     # -- operator surface -----------------------------------------------------------------
     @workflow.query
@@ -126,7 +129,7 @@ class ModelRollout:
     async def pause(self, reason: Any = "") -> RolloutProgress:
         self._paused = True
         self._p.paused = True
-        self._p.reason = f"paused by operator{': ' + reason if reason else ''}"
+        self._say(f"paused by operator{': ' + reason if reason else ''}")
         self._show()
         return self._p
 
@@ -141,7 +144,7 @@ class ModelRollout:
     async def resume(self, reason: Any = "") -> RolloutProgress:
         self._paused = False
         self._p.paused = False
-        self._p.reason = f"resumed by operator{': ' + reason if reason else ''}"
+        self._say(f"resumed by operator{': ' + reason if reason else ''}")
         self._show()
         return self._p
 
@@ -173,11 +176,22 @@ class ModelRollout:
             head, *rest = render_details(self._p).split("\n")
             show_details(self._p.phase, *rest, detail=head.removeprefix(f"**{self._p.phase}**").strip())
 
+    def _say(self, reason: str) -> None:
+        """The progress reason: once a person is needed, what they must do stays after it."""
+        self._reason = reason
+        self._p.reason = self._p.with_needs_person(reason)
+
     def _phase(self, phase: str, reason: str | None = None) -> None:
+        """The runbook's phase. Once a person is needed (``needs_person``), ``FleetState`` stays
+        ``needs-person`` and the reason and details keep saying why, whatever the phase: an
+        operator listing or watching the rollout must not lose it to the next step."""
         self._p.phase = phase
         if reason is not None:
-            self._p.reason = reason
-        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(phase)])
+            self._say(reason)
+        # The same one upsert per phase as ever; only its value differs once a person is needed
+        # (a search attribute's value is not compared on replay: no patch).
+        state = "needs-person" if self._p.needs_person else phase
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(state)])
         self._show()
 
     def _set(self, site: str, state: SiteState, detail: str | None = None) -> SiteProgress:
@@ -265,15 +279,17 @@ class ModelRollout:
             return await self._finish_abort()
         except _SiteFailed as failure:
             self._finished = True
-            message = f"{failure.site} failed: {failure.reason}"
-            self._phase("failed", message)
-            raise ApplicationError(message, {"site": failure.site, "reason": failure.reason},
+            self._phase("failed", f"{failure.site} failed: {failure.reason}")
+            # The message ends with "rollback failed at <sites>: needs a person (...)" when one did.
+            raise ApplicationError(self._p.reason, {"site": failure.site, "reason": failure.reason,
+                                                    "needs_person": self._p.needs_person},
                                    type="RolloutFailed", non_retryable=True) from None
         self._finished = True
         failed = [s.site for s in self._p.sites if s.state != SiteState.DONE]
         outcome = "completed-with-failures" if failed else "completed"
         self._phase(outcome, f"not updated: {', '.join(failed)}" if failed else "every site serves " + request.version)
-        return RolloutResult(rollout_id=request.rollout_id, outcome=outcome, sites=self._p.sites, reason=self._p.reason)
+        return RolloutResult(rollout_id=request.rollout_id, outcome=outcome, sites=self._p.sites, reason=self._p.reason,
+                             needs_person=self._p.needs_person)
 
     # -- 1. weights -----------------------------------------------------------------------
     async def _replicate(self) -> None:
@@ -435,11 +451,9 @@ class ModelRollout:
                 await self._sleep_unless_aborted(gate.bake_seconds, f"bake {site}")
                 await self._gate(site, "after bake")
         except ActivityError as error:
-            await self._rollback(site, failure_text(error))
-            raise _SiteFailed(site, f"{failure_text(error)}; rolled back") from None
+            raise _SiteFailed(site, await self._roll_back_after(site, failure_text(error))) from None
         except _SiteFailed as failure:
-            await self._rollback(site, failure.reason)
-            raise _SiteFailed(site, failure.reason + "; rolled back") from None
+            raise _SiteFailed(site, await self._roll_back_after(site, failure.reason)) from None
         self._set(site, SiteState.DONE, f"serving {request.version}")
         await self._tell_routing(site)
 
@@ -478,10 +492,18 @@ class ModelRollout:
             raise _SiteFailed(site, f"health gate ({when}): {verdict.reason}")
         self._set(site, SiteState.GATING, f"gate passed ({when}): {verdict.reason}")
 
-    async def _rollback(self, site: str, reason: str) -> None:
+    async def _roll_back_after(self, site: str, why: str) -> str:
+        """Roll ``site`` back after it failed: ``why``, and "rolled back" only when it was (when
+        not, ``needs_person`` names the site, and the rollout's reason ends with it)."""
+        return f"{why}; rolled back" if await self._rollback(site, why) else why
+
+    async def _rollback(self, site: str, reason: str) -> bool:
+        """Put ``site`` back as it was before the update: whether that was done. A rollback that
+        fails (refused for good: anything else is retried until done) marks the site FAILED and
+        the rollout as needing a person, naming the site and why."""
         if site not in self._updated_generation:
             self._set(site, SiteState.ROLLED_BACK, f"{reason} (the Deployment was not changed)")
-            return
+            return True
         progress = self._set(site, SiteState.ROLLING_BACK, reason)
         try:
             await workflow.execute_activity(
@@ -494,10 +516,14 @@ class ModelRollout:
                 summary=f"roll {site} back to " + (progress.previous_image or "nothing (remove)"),
             )
         except ActivityError as error:
+            why = failure_text(error)
+            self._p.rollback_failed_at(site, why)
+            self._say(self._reason)  # the reason shown now says a person is needed, and where
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("needs-person")])
-            self._set(site, SiteState.FAILED, f"{reason}; rollback failed: {failure_text(error)}")
-            return
+            self._set(site, SiteState.FAILED, f"{reason}; rollback failed: {why}")
+            return False
         self._set(site, SiteState.ROLLED_BACK, reason)
+        return True
 
     def _undo(self, site: str, had_previous: bool) -> RollbackSiteInput:
         """What the rollback of ``site`` puts back, and what it finds if that already happened."""
@@ -521,6 +547,8 @@ class ModelRollout:
                 s.state = SiteState.SKIPPED
         self._finished = True
         self._p.aborting = False
-        self._phase("aborted", f"{self._abort_reason}; rolled back: {', '.join(touched) or 'none'}")
+        # Only the sites that are back: one whose rollback failed is named by ``needs_person``.
+        rolled_back = [site for site in touched if self._p.site(site).state == SiteState.ROLLED_BACK]
+        self._phase("aborted", f"{self._abort_reason}; rolled back: {', '.join(rolled_back) or 'none'}")
         return RolloutResult(rollout_id=self._p.rollout_id, outcome="aborted", sites=self._p.sites,
-                             reason=self._p.reason)
+                             reason=self._p.reason, needs_person=self._p.needs_person)

@@ -1,0 +1,152 @@
+"""SpotReclaim acts against the newest notice's termination time (``reclaim-newest-notice-deadline``).
+
+The provider may post a newer notice for a machine already being reclaimed (the Node entity signals
+it as ``notice``). Before, the run kept the time it read at its start: an earlier one left it
+draining and waiting past a machine already gone, a later one cut the drain short of the time the
+provider still gave. Each wait also names in the current details what it waits for and until when.
+
+Against the real dev server, the control-plane worker and the simulated providers. The run is
+started and told as the Node entity does (``tests/test_site_reclaim.py`` covers the way there)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from datetime import datetime, timezone
+
+from temporalio.client import WorkflowHandle
+
+from fleet.messages.capacity import SpotReclaimResult
+from tests.capacity_fleet import FAST_JOIN, CapStack
+from tests.replay import replay_and_record
+from tests.test_site_reclaim import cap, live  # noqa: F401 - cap: the fixture
+
+
+async def details(handle: WorkflowHandle) -> str:
+    """The workflow's current details (the UI's "User Metadata" tab)."""
+    metadata = await handle.query("__temporal_workflow_metadata")
+    return metadata.current_details if hasattr(metadata, "current_details") else metadata["currentDetails"]
+
+
+async def until_details(handle: WorkflowHandle, predicate, timeout: float = 30) -> str:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        try:
+            shown = await details(handle)
+        except Exception:  # noqa: BLE001 - the first workflow task may not have run yet
+            shown = ""
+        if predicate(shown):
+            return shown
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"details never matched; last: {shown!r}")
+        await asyncio.sleep(0.1)
+
+
+def utc(epoch: float) -> str:
+    return f"{datetime.fromtimestamp(epoch, timezone.utc):%H:%M:%S} UTC"
+
+
+async def a_spot_node_whose_pods_cannot_leave(cap: CapStack, name: str) -> tuple[str, str]:
+    """A spot node running two replicas a PodDisruptionBudget keeps both of: its drain is blocked
+    until its deadline. Returns (node, machine id)."""
+    spot = cap.site("spot")
+    await cap.client.execute_workflow("NodeJoin", {"site": spot, "timeouts": FAST_JOIN}, id=f"join/{spot}/{name}",
+                                      task_queue=cap.settings.task_queue)
+    (machine,) = live(cap, "spot")
+    for pod in ("web-1", "web-2"):
+        cap.cluster.add_pod(machine["name"], pod, labels={"app": "web"})
+    cap.cluster.set_pdb("default", "web", {"app": "web"}, min_available=2)
+    return machine["name"], machine["id"]
+
+
+async def start_reclaim(cap: CapStack, node: str, machine_id: str, terminate_at: float) -> WorkflowHandle:
+    return await cap.client.start_workflow(
+        "SpotReclaim", {"node_name": node, "site": cap.site("spot"), "machine_id": machine_id,
+                        "terminate_at": terminate_at},
+        id=f"reclaim/{node}", task_queue=cap.settings.task_queue,
+    )
+
+
+async def until_draining(handle: WorkflowHandle) -> None:
+    """Until the run has read its deadline and started the drain (its ``step`` query)."""
+    deadline = asyncio.get_running_loop().time() + 30
+    while True:
+        try:
+            if await handle.query("step") == "draining":
+                return
+        except Exception:  # noqa: BLE001 - the first workflow task may not have run yet
+            pass
+        assert asyncio.get_running_loop().time() < deadline, "the reclaim never started draining"
+        await asyncio.sleep(0.1)
+
+
+async def activities_completed(handle: WorkflowHandle, activity_type: str) -> int:
+    events = (await handle.fetch_history()).events
+    scheduled = {e.event_id for e in events if e.HasField("activity_task_scheduled_event_attributes")
+                 and e.activity_task_scheduled_event_attributes.activity_type.name == activity_type}
+    return sum(e.activity_task_completed_event_attributes.scheduled_event_id in scheduled
+               for e in events if e.HasField("activity_task_completed_event_attributes"))
+
+
+async def test_the_drain_says_what_it_waits_for_and_until_when(cap: CapStack) -> None:
+    """Before: "<node> within 600s", and after a newer notice still that: neither what the run
+    waits for nor until when, and not the time it acts by."""
+    node, machine_id = await a_spot_node_whose_pods_cannot_leave(cap, "details")
+    first = time.time() + 600
+    handle = await start_reclaim(cap, node, machine_id, first)
+    await until_draining(handle)
+    waiting = "**draining**: waiting for the drain of {node} (PDBs honoured) until {until}, " \
+              "when the provider takes the machine; acquiring a replacement"
+    assert await details(handle) == waiting.format(node=node, until=utc(first))
+    newer = time.time() + 300
+    await handle.signal("notice", {"terminate_at": newer})
+    await until_details(handle, lambda text: text == waiting.format(node=node, until=utc(newer)))
+    await handle.terminate("test over")
+
+
+async def test_an_earlier_notice_moves_the_deadline_the_reclaim_acts_by(cap: CapStack) -> None:
+    """The first notice gives ten minutes; a newer one says the machine goes in five seconds. The
+    drain is cut short then and the machine is retired then, not ten minutes later (before: the
+    run drained on against the first time, its details naming it, the newer notice unused)."""
+    node, machine_id = await a_spot_node_whose_pods_cannot_leave(cap, "earlier")
+    first = time.time() + 600
+    handle = await start_reclaim(cap, node, machine_id, first)
+    await until_draining(handle)
+    newer = time.time() + 5
+    await handle.signal("notice", {"terminate_at": newer})
+
+    # Bounded far below the first notice's ten minutes, which the run before waited out.
+    result = SpotReclaimResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+    deleted_at = cap.world.machine(machine_id)["deleted_at"]
+    assert deleted_at is not None and newer <= deleted_at < first, (newer, deleted_at, first)
+    assert not result.drained
+    assert result.blocked == [f"drain cut short at {utc(newer).removesuffix(' UTC')} UTC: a newer notice has "
+                              "the provider take the machine then"], result.blocked
+    assert sorted(p.name for p in cap.cluster.pods(node)) == ["web-1", "web-2"], "the PDB is honoured to the end"
+    await replay_and_record(handle, "spot_reclaim_earlier_notice")
+
+
+async def test_a_later_notice_gives_the_drain_the_time_it_adds(cap: CapStack) -> None:
+    """The first notice gives a few seconds, a newer one half a minute. The drain that ends at the
+    first time with both pods still held drains again until the newer one, and the pods leave once
+    the PDB lets them (before: the node was retired at the first time, its pods still on it)."""
+    node, machine_id = await a_spot_node_whose_pods_cannot_leave(cap, "later")
+    first = time.time() + 6
+    handle = await start_reclaim(cap, node, machine_id, first)
+    await until_draining(handle)  # against the first time
+    later = time.time() + 30
+    await handle.signal("notice", {"terminate_at": later})
+    # The first drain ended at the first time, its pods held: now the PDB lets them go.
+    deadline = asyncio.get_running_loop().time() + 30
+    while await activities_completed(handle, "drain_within") < 1:
+        assert asyncio.get_running_loop().time() < deadline, "the first drain never ended"
+        await asyncio.sleep(0.2)
+    assert cap.world.machine(machine_id)["deleted_at"] is None, "retired at the first notice's time"
+    cap.cluster.delete_pdb("default", "web")
+
+    result = SpotReclaimResult.model_validate(await asyncio.wait_for(handle.result(), 90))
+    assert result.drained and result.blocked == [], result
+    assert cap.cluster.pods(node) == []
+    assert cap.world.machine(machine_id)["deleted_at"] is not None
+    await replay_and_record(handle, "spot_reclaim_later_notice")
