@@ -13,9 +13,10 @@ import math
 from enum import StrEnum
 from typing import Iterable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from fleet.config import ObjectStore
+from fleet.models import Strict
 from fleet.naming import rollout_id
 
 SHA256_HEX = r"^[0-9a-f]{64}$"
@@ -28,11 +29,7 @@ MAX_BYTES = 2**50
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class WeightFile(_Strict):
+class WeightFile(Strict):
     #: Relative to the manifest's source prefix, e.g. ``model-00001-of-00004.safetensors``.
     path: str = Field(min_length=1, max_length=1024)
     size: int = Field(ge=0, le=MAX_BYTES)
@@ -46,7 +43,7 @@ class WeightFile(_Strict):
         return path
 
 
-class WeightsSource(_Strict):
+class WeightsSource(Strict):
     """Where the weights come from: one of the fleet config's named ``object_stores``.
 
     Only a name and a key prefix: the endpoint and the credentials are the operator's
@@ -66,7 +63,7 @@ class WeightsSource(_Strict):
         return prefix
 
 
-class WeightsManifest(_Strict):
+class WeightsManifest(Strict):
     source: WeightsSource
     files: list[WeightFile] = Field(min_length=1, max_length=100_000)
 
@@ -85,7 +82,7 @@ class WeightsManifest(_Strict):
         return sum(f.size for f in self.files)
 
 
-class HealthGate(_Strict):
+class HealthGate(Strict):
     #: How long the updated Deployment has to become fully ready.
     ready_timeout_seconds: float = Field(600, gt=0, le=DAY)
     #: Probe requests sent to the site's Service after it is ready (and again after the bake).
@@ -97,7 +94,7 @@ class HealthGate(_Strict):
     probe_timeout_seconds: float = Field(30, gt=0, le=3600)
 
 
-class Strategy(_Strict):
+class Strategy(Strict):
     #: Updated first, one at a time; default: the first target site.
     canary_sites: list[str] = Field(default_factory=list, max_length=1000)
     #: Sites updated together after the canary; one batch in flight at a time.
@@ -107,7 +104,7 @@ class Strategy(_Strict):
     evacuation_poll_seconds: float = Field(60, gt=0, le=DAY)
 
 
-class Replication(_Strict):
+class Replication(Strict):
     #: Multipart part size (S3 wants >= 5 MiB except for the last part); also the memory bound.
     part_size_bytes: int = Field(64 * MiB, ge=1, le=5 * 1024 * MiB)
     #: Read size while streaming/hashing.
@@ -120,12 +117,12 @@ class Replication(_Strict):
     timeout_seconds: float = Field(6 * 3600, gt=0, le=7 * DAY)
 
 
-class SiteTarget(_Strict):
+class SiteTarget(Strict):
     site: str = Field(min_length=1, max_length=253)
     replicas: int = Field(ge=0, le=10_000)
 
 
-class RolloutInput(_Strict):
+class RolloutInput(Strict):
     """Start with plain JSON (see ``gpufleet rollout start FILE``)."""
 
     model: str = Field(min_length=1, max_length=128, pattern=NAME)
