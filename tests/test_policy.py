@@ -205,3 +205,23 @@ def test_draining_a_node_already_gone_is_done(tmp_path):
     result = ActivityEnvironment().run(CapacityActivities(env).drain_within,
                                        DrainNodeInput(node_name="gone-node", deadline_seconds=1))
     assert result.completed and result.node == "gone-node" and not result.evicted
+
+
+def test_a_failure_names_its_type_once():
+    """Progress lines and reasons read ``Type: message``. A typed ApplicationError's text already
+    starts with its type, and every typed activity failure read ``ServingNotFound:
+    ServingNotFound: ...`` in rollouts, repairs and evacuations."""
+    from temporalio.exceptions import ActivityError, ApplicationError, RetryState
+
+    from workflows.steps import failure_text
+
+    def failed(cause: ApplicationError) -> ActivityError:
+        error = ActivityError("activity error", scheduled_event_id=1, started_event_id=2, identity="w",
+                              activity_type="rollback_serving", activity_id="1", retry_state=RetryState.NON_RETRYABLE_FAILURE)
+        error.__cause__ = cause
+        return error
+
+    typed = failed(ApplicationError("no Deployment m at site-b", type="ServingNotFound"))
+    assert failure_text(typed) == "ServingNotFound: no Deployment m at site-b"
+    untyped = failed(ApplicationError("the API server did not answer"))
+    assert failure_text(untyped) == "ApplicationError: the API server did not answer"

@@ -95,8 +95,10 @@ def failure_message(error: BaseException) -> str:
 
 
 def failure_text(error: BaseException) -> str:
-    """``Type: message`` of the root failure, for progress lines."""
-    return f"{failure_type(error)}: {failure_message(error)}"
+    """``Type: message`` of the root failure, for progress lines (a message that already
+    starts with its type, as the activities' typed errors do, is not prefixed twice)."""
+    kind, message = failure_type(error), failure_message(error)
+    return message if message.startswith(f"{kind}:") else f"{kind}: {message}"
 
 
 # -- current details ------------------------------------------------------------------------
