@@ -85,6 +85,26 @@ async def _running(client, workflow_id: str) -> bool:
         raise
 
 
+#: Which SiteEvacuation acts at a site: state ``evacuation-claim``/<site> names it (``CLAIM_HOLDER``).
+EVACUATION_CLAIM_KIND = "evacuation-claim"
+CLAIM_HOLDER = "workflow-id"
+
+
+class _ClaimMoved(Exception):
+    """The site's evacuation claim changed between its read and its write."""
+
+
+async def _running(client, workflow_id: str) -> bool:
+    """Whether ``workflow_id`` (its latest run) is running; one that is not on record is not."""
+    try:
+        described = await client.get_workflow_handle(workflow_id).describe()
+    except RPCError as error:
+        if error.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+    return described.status == WorkflowExecutionStatus.RUNNING
+
+
 class EvacuationActivities:
     def __init__(self, env: FleetEnv) -> None:
         self.env = env
@@ -186,17 +206,35 @@ class EvacuationActivities:
 
     # -- SiteEvacuation -----------------------------------------------------------------------
     @activity.defn
+    @typed_errors
     async def evacuation_begun_first(self, input: EvacuationRef) -> str:
-        """The running SiteEvacuation of ``input.site`` that began before ``input.workflow_id``
-        (the earliest; a tie goes to the smaller id), or "" when this one is the first. Both of two
-        started at once see each other: the order decides, so exactly one of them acts."""
-        client = activity.client()
-        this = await client.get_workflow_handle(input.workflow_id).describe()
-        query = (f'WorkflowType = "{flows.SiteEvacuation.TYPE}" AND Site = "{input.site}" '
-                 'AND ExecutionStatus = "Running"')
-        earlier = [(wf.start_time, wf.id) async for wf in client.list_workflows(query)
-                   if wf.id != input.workflow_id and (wf.start_time, wf.id) < (this.start_time, input.workflow_id)]
-        return min(earlier)[1] if earlier else ""
+        """The SiteEvacuation that acts at ``input.site``, when that is not ``input.workflow_id``;
+        "" when this one acts. One record per site names the one acting, taken by compare-and-swap
+        in the cluster's state store: the first to take it acts, and one that finds it held by an
+        evacuation still running follows that one; a holder that ended is replaced. (Temporal's
+        visibility, asked before, is eventually consistent: two evacuations started within its lag,
+        such as a person's beside the Site entity's at the same outage, each listed none and both
+        acted.)"""
+        client, cluster = activity.client(), self.env.cluster
+        for _ in range(10):
+            claim = await asyncio.to_thread(cluster.read_state, EVACUATION_CLAIM_KIND, input.site)
+            holder = claim.get(CLAIM_HOLDER, "")
+            if holder and holder != input.workflow_id and await _running(client, holder):
+                return holder
+            if holder == input.workflow_id:
+                return ""  # taken by an earlier attempt of this activity, or an earlier run of this one
+
+            def take(data: dict[str, str], seen: str = holder) -> dict[str, str]:
+                if data.get(CLAIM_HOLDER, "") != seen:
+                    raise _ClaimMoved  # another took it since it was read: look again
+                return {CLAIM_HOLDER: input.workflow_id}
+
+            try:
+                await asyncio.to_thread(cluster.update_state, EVACUATION_CLAIM_KIND, input.site, take)
+            except _ClaimMoved:
+                continue
+            return ""
+        raise Transient(f"{input.site}: the evacuation claim kept changing", provider="kubernetes")
 
     @activity.defn
     async def evacuation_end(self, input: EvacuationRef) -> str:

@@ -559,6 +559,59 @@ async def test_an_evacuation_started_beside_the_site_entitys_follows_it(inc: Inc
     await replay_and_record(beside, "site_evacuation_followed")
 
 
+def visibility_lagging(monkeypatch, seconds: float = 3.0) -> None:
+    """Temporal's visibility as a production store serves it: eventually consistent (with
+    Elasticsearch about a second behind), so a run started less than ``seconds`` ago is not
+    listed yet. The dev server's SQLite visibility answers at once, which hid this race."""
+    from datetime import datetime, timezone
+
+    from temporalio.client import Client
+
+    listed_now = Client.list_workflows
+
+    def listed_late(self, query=None, **kwargs):
+        async def rows():
+            async for row in listed_now(self, query, **kwargs):
+                if (datetime.now(timezone.utc) - row.start_time).total_seconds() >= seconds:
+                    yield row
+        return rows()
+
+    monkeypatch.setattr(Client, "list_workflows", listed_late)
+
+
+async def test_two_evacuations_started_at_once_act_as_one(inc: IncStack, monkeypatch) -> None:
+    """A person's `gpufleet evacuate start` and the Site entity's evacuation at the same outage,
+    started within the visibility store's lag: each listed no other and both acted. One record
+    per site, taken by compare-and-swap, names the one that acts; the other follows it."""
+    visibility_lagging(monkeypatch)
+    a = inc.site("a")
+    await inc.join("a", 2)
+    inc.world.set_site(a, unreachable=1)  # the outage: neither ends before the test looks
+    twins = await asyncio.gather(*(inc.client.start_workflow(
+        "SiteEvacuation", {"site": a, "reason": f"test: twin {i}"}, id=f"evacuate/{a}/manual-twin{i}",
+        task_queue=inc.settings.task_queue) for i in range(2)))
+
+    async def settled():
+        states = []
+        for twin in twins:
+            state = await _evacuation_state(twin, "following") or await _evacuation_state(twin, "waiting-for-recovery")
+            states.append(state.state if state else None)
+        return states if None not in states else None
+
+    states = await poll(settled, timeout=30)
+    assert sorted(states) == ["following", "waiting-for-recovery"], states
+    leader, follower = twins if states[0] != "following" else twins[::-1]
+    assert (await follower.query("progress", result_type=EvacuationProgress)).following == leader.id
+    acted = {e.activity_task_scheduled_event_attributes.activity_type.name
+             async for e in follower.fetch_history_events() if e.HasField("activity_task_scheduled_event_attributes")}
+    assert acted == {"evacuation_begun_first", "evacuation_end"}, "the follower changed nothing"
+    inc.world.set_site(a, unreachable=0)
+    assert EvacuationResult.model_validate(await asyncio.wait_for(leader.result(), 60)).outcome == "restored"
+    followed = EvacuationResult.model_validate(await asyncio.wait_for(follower.result(), 60))
+    assert followed.outcome == f"followed {leader.id}: restored"
+    assert inc.cluster.get_site_routes().sites[a].weight == 100
+
+
 async def _evacuation_state(handle, state: str):
     try:
         progress = await handle.query("progress", result_type=EvacuationProgress)
