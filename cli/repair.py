@@ -15,6 +15,8 @@ repair_app = typer.Typer(no_args_is_help=True)
 Node = Annotated[str, typer.Argument(help="node name")]
 Gpu = Annotated[int, typer.Argument(help="GPU index")]
 Reason = Annotated[str, typer.Option("--reason", help="why (shown in the repair's details)")]
+#: Required: un-fencing or repairing a GPU no proof passed is a person's decision, kept in the node's log.
+PersonReason = Annotated[str, typer.Option("--reason", help="why (required; kept in the Node entity's log)")]
 
 
 @repair_app.callback()
@@ -26,7 +28,8 @@ def _fleet(address: str):
     return fleet_client(settings(address))
 
 
-def _run(coro, node: str | None = None, gpu: int | None = None):
+def _run(coro, node: str | None = None, gpu: int | None = None, entity: bool = False):
+    """``entity``: the call goes to ``node``'s Node entity (not found: it is not running)."""
     from client import InvalidArgument, NotFound, Rejected
 
     try:
@@ -38,6 +41,10 @@ def _run(coro, node: str | None = None, gpu: int | None = None):
         err.print(f"[red]refused:[/] {error}")
         raise typer.Exit(1) from None
     except NotFound as error:
+        if entity:
+            err.print(f"[red]error:[/] no running Node entity node/{node} ({escape(str(error))}): "
+                      "is the node name right? (`gpufleet nodes`)")
+            raise typer.Exit(1) from None
         if node is not None and gpu is not None:
             # Faults reach the Node entity within a second, and its repair starts after the
             # Site entity admits it (a few seconds): say so rather than "workflow not found".
@@ -145,3 +152,34 @@ def skip_to(
         err.print(f"[red]error:[/] rung must be one of {', '.join(r.value for r in Rung)}")
         raise typer.Exit(2) from None
     _show_ladder(_run(_fleet(address).skip_repair_to(node, gpu, target), node, gpu))
+
+
+def _show_decision(decision, output: str) -> None:
+    if output == "json":
+        print(decision.model_dump_json(indent=2), flush=True)
+        return
+    console.print(f"[bold]{decision.node_name}[/] GPU {decision.gpu}: {decision.outcome}: {escape(decision.detail)}")
+    if decision.repair_id:
+        console.print(f"  watch it: gpufleet repair show {decision.node_name} {decision.gpu}")
+    console.print(f"  node state: {decision.state}")
+
+
+@repair_app.command("return")
+def return_gpu(node: Node, gpu: Gpu, reason: PersonReason, output: OutputFormat = "table",
+               address: Address = "localhost:7233") -> None:
+    """Return a GPU held for a person (its repair ended unproven) to service: un-fence it, and
+    uncordon the node unless another GPU of it is fenced."""
+    _show_decision(_run(_fleet(address).return_gpu(node, gpu, reason), node, gpu, entity=True), output)
+
+
+@repair_app.command("retry")
+def retry(
+    node: Node, gpu: Gpu, reason: PersonReason,
+    rung: Annotated[str | None, typer.Option(
+        "--rung", help="reset, reboot, reinstall or replace (default: where the policy starts for the finding "
+                       "of the repair that ended, else reset)")] = None,
+    output: OutputFormat = "table",
+    address: Address = "localhost:7233",
+) -> None:
+    """Repair a GPU held for a person again: a new repair, admitted by its site like any finding."""
+    _show_decision(_run(_fleet(address).retry_repair(node, gpu, reason, rung), node, gpu, entity=True), output)

@@ -35,7 +35,9 @@ from fleet.messages.advisor import AdvisorInput, AdvisorReport
 from fleet.messages.capacity import AccountStatus, CapacityProgress, CapacityRequest, CapacityResult, QuotaRaised, SiteInput, SiteStatus
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, SiteEvacuationInput
 from fleet.messages.join import JoinProgress, NodeJoinInput, NodeJoinResult
-from fleet.messages.repair import HoldInput, LadderState, NodeStatus, SkipToInput
+from fleet.messages.repair import (
+    GpuDecision, HoldInput, LadderState, NodeStatus, RepairGpuInput, ReturnGpuInput, SkipToInput,
+)
 from fleet.naming import (
     account_workflow_id, advisor_workflow_id, capacity_workflow_id, join_workflow_id, manual_evacuation_id,
     site_workflow_id,
@@ -339,10 +341,29 @@ class FleetClient:
         target = rung if isinstance(rung, SkipToInput) else validate(SkipToInput, {"rung": rung})
         return await self._update(self._repair_id(node, gpu), flows.GpuRepair.skip_to, [target], LadderState)
 
+    async def return_gpu(self, node: str, gpu: int, reason: str) -> GpuDecision:
+        """A GPU the node's entity holds for a person (its repair ended unproven: ``needs_person``
+        in ``node_status``) back in service on a person's word: un-fenced, the node uncordoned
+        unless another GPU of it is fenced. Refused (:class:`Rejected`, naming ``gpu``) for a GPU
+        not held for a person; :class:`NotFound` when the node's entity is not running."""
+        order = validate(ReturnGpuInput, {"gpu": gpu, "reason": reason})
+        return await self._update(self._node_id(node), flows.Node.return_gpu, [_payload(order)], GpuDecision)
+
+    async def retry_repair(self, node: str, gpu: int, reason: str, rung: Rung | str | None = None) -> GpuDecision:
+        """A new GpuRepair of a GPU the node's entity holds for a person, admitted by its Site
+        entity like any finding: at ``rung``, or (None) where the policy starts for the finding
+        its ended repair was started for (a reset when none is known). Refused as ``return_gpu``."""
+        order = validate(RepairGpuInput, {"gpu": gpu, "reason": reason, **({} if rung is None else {"rung": rung})})
+        return await self._update(self._node_id(node), flows.Node.repair_gpu, [_payload(order)], GpuDecision)
+
     async def node_status(self, node: str) -> NodeStatus:
+        return await self._query(self._node_id(node), flows.Node.status, NodeStatus)
+
+    @staticmethod
+    def _node_id(node: str) -> str:
         from fleet.naming import node_workflow_id
 
-        return await self._query(node_workflow_id(_text("node", node)), flows.Node.status, NodeStatus)
+        return node_workflow_id(_text("node", node))
 
     @staticmethod
     def _repair_id(node: str, gpu: int) -> str:

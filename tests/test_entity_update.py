@@ -28,7 +28,8 @@ from workflows import ALL_WORKFLOWS
 
 
 @pytest.mark.parametrize("raw, field, words", [
-    ({"entity": "node/lambda-us-east-1", "update": "hold"}, "entity", "repair/<node>/gpu<index>"),
+    ({"entity": "gpu/lambda-us-east-1", "update": "hold"}, "entity", "repair/<node>/gpu<index>"),
+    ({"entity": "node/lambda-us-east-1", "update": "hold"}, "update", "a Node entity takes only return_gpu, repair_gpu"),
     ({"entity": "site/lambda-us-east", "update": "hold"}, "update", "a Site entity takes only reconcile_now"),
     ({"entity": "site/lambda-us-east", "update": "admit_repair"}, "update", "Input should be"),
     ({"entity": "site/lambda-us-east", "update": "reconcile_now", "args": {"now": True}}, "args.now", "Extra"),
@@ -64,6 +65,8 @@ def test_arguments_travel_as_the_entity_handler_takes_them() -> None:
     assert wire({"entity": "rollout/m/v1", "update": "abort", "args": {"reason": "bad canary"}}) == ["bad canary"]
     assert wire({"entity": "evacuate/s1/manual-7", "update": "declare_recovered"}) == [""]
     assert wire({"entity": "site/s1", "update": "reconcile_now"}) == []
+    assert wire({"entity": "node/n1", "update": "return_gpu", "args": {"gpu": 0, "reason": "vendor"}}) == [
+        {"gpu": 0, "reason": "vendor"}]
 
 
 def test_the_allow_list_names_real_updates_of_real_workflows() -> None:

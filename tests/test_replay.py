@@ -34,6 +34,9 @@ EXPECTED = {
     # the old code's run, which climbed on after the cancel, replays too.
     "gpu_repair_cancelled", "gpu_repair_cancelled_replacing", "gpu_repair_cancelled_before",
     "node_entity_repair_cancelled", "node_entity_repair_cancelled_before",
+    # A person's way out for a GPU held for a person: ``return_gpu`` and ``repair_gpu`` updates on the
+    # Node entity (tests/test_repair_needs_person.py).
+    "node_entity_gpu_returned", "node_entity_gpu_retried",
     "node_entity_two_repairs_local_facts", "node_entity_two_repairs_contain_first",
     "site_incident_tripped",
     "advisor_report",

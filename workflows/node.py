@@ -21,7 +21,10 @@ reboot, reinstall or replace, and an action that started after a child's fault
 was detected covers that child (two GPUs failing together → one reboot). When
 too many of a site's nodes are unhealthy it stops repairing there and hands the
 decision to the Site entity: every repair is first admitted by ``site/<site>``
-(``admit_repair``), which holds it while its provider-incident rule is tripped.
+(``admit_repair``), which holds it while its provider-incident rule is tripped. A GPU whose
+repair ended unproven (cancelled, failed, terminated) stays fenced, held for a person
+(``needs_person``); the person's updates ``return_gpu`` (un-fence it) and ``repair_gpu`` (a new
+repair, admitted like any finding's) are the way out.
 
 An entity (``workflows.entity``, docs/design/entities.md): its one state is ``NodeCarry``
 (ledger, findings on hold, last health, recent node actions, what the watch last acknowledged).
@@ -42,7 +45,7 @@ from pydantic import BaseModel, ValidationError
 from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy, WorkflowIDReusePolicy
 from temporalio.workflow import ParentClosePolicy
-from temporalio.exceptions import ActivityError, FailureError, is_cancelled_exception
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import workflows as flows
@@ -62,11 +65,12 @@ with workflow.unsafe.imports_passed_through():
     from fleet.models import GpuHealth
     from fleet.repair_policy import Finding, RepairSettings, Rung, classify, conditions
     from workflows.entity import Entity
-    from workflows.inputs import describe, first_problem, parse_input, parse_signal
+    from workflows.inputs import describe, first_problem, invalid_input, parse_input, parse_signal
     from workflows.steps import CLUSTER_RETRY, QUICK, count_bad_report, failure_message, show_details
     from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
     from fleet.messages.watches import ClusterNodeState
     from fleet.messages.repair import (
+        GpuDecision,
         GpuRepairInput,
         GpuRepairResult,
         NodeAction,
@@ -80,6 +84,8 @@ with workflow.unsafe.imports_passed_through():
         NodeStatus,
         NodeWatchInput,
         NodeWatchResult,
+        RepairGpuInput,
+        ReturnGpuInput,
     )
 
 #: Workflow patch: repairs are admitted by the Site entity (provider incidents, fleet.incident).
@@ -245,11 +251,14 @@ class NodeEntity(Entity[NodeCarry]):
         self._idle_answers = 0
 
     # -- signals and queries ---------------------------------------------------------------
-    # No handler awaits: each changes the state in one step, most only queue for the loop. Two
-    # writers change the state across awaits, each its own part: the loop (findings and repairs:
-    # on hold, fenced, ledger, node actions) and the health-watch loop (what the node reported:
-    # the watch's sequence, digest and spot notice, bad reports); the rest (the log, a quarantine's
-    # reason, a repair's end) changes in one step. So no lock (entity rule 2, ``workflows.entity``).
+    # No signal handler awaits: each changes the state in one step, most only queue for the loop.
+    # Three writers change the state across awaits: the loop and a person's ``return_gpu`` and
+    # ``repair_gpu`` (findings and repairs: on hold, fenced, held for a person, ledger) each hold
+    # ``state_lock`` across their change (entity rule 2, ``workflows.entity``); the health-watch
+    # loop changes its own part (what the node reported: the watch's sequence, digest and spot
+    # notice, bad reports); the rest (the log, a quarantine's reason, a repair's end, the action
+    # slot) changes in one step. The lock is never held at the continue-as-new gate, which waits
+    # for the updates to finish.
     @workflow.signal
     def health_report(self, report: HealthReport) -> None:
         self._pending.append(report)
@@ -329,6 +338,84 @@ class NodeEntity(Entity[NodeCarry]):
             needs_person={str(gpu): why for gpu, why in sorted(self.state.needs_person.items())},
         )
 
+    # -- a person's decision on a GPU held for a person --------------------------------------
+    # A GPU whose repair ended unproven (cancelled, failed, terminated) stays fenced and its node
+    # cordoned (``needs_person``) until a new finding starts a repair, which a clean GPU never
+    # reports. These two are a person's way out.
+    @workflow.update
+    async def return_gpu(self, raw: Any) -> GpuDecision:
+        """Back in service on a person's word: un-fence the GPU; the node is uncordoned unless
+        another GPU of it is fenced (one under repair is: its repair fenced it)."""
+        order = parse_input(ReturnGpuInput, raw)
+        index = order.gpu
+        async with self.state_lock:  # the loop changes fences and repairs across its awaits too
+            self._require_held(index)  # again: a repair may have taken it over while this waited
+            result = await self._unfence(index, by=f"returned to service by a person ({order.reason})")
+            if result is None:  # still fenced and held for a person; the log says why
+                raise ApplicationError(f"GPU {index} of {self._node} is still fenced: the cluster did not answer; "
+                                       "try again", type="ClusterUnavailable", non_retryable=True)
+            self.state.needs_person.pop(index, None)
+            self.state.left_findings.pop(index, None)
+            detail = f"GPU {index} returned to service by a person"
+            if not self._active and self.state.state == "needs-person":
+                self._set_state(self._idle_state(), detail)
+            else:
+                self._show(detail)
+        return GpuDecision(
+            node_name=self._node, gpu=index, outcome="returned", uncordoned=result.uncordoned,
+            still_fenced=result.still_fenced, state=self.state.state,
+            detail=f"GPU {index} of {self._node} un-fenced" + (
+                ", node uncordoned" if result.uncordoned
+                else f"; the node stays cordoned: GPUs {', '.join(map(str, result.still_fenced))} still fenced"),
+        )
+
+    @return_gpu.validator
+    def _validate_return_gpu(self, raw: Any) -> None:
+        self._require_held(parse_input(ReturnGpuInput, raw).gpu)
+
+    @workflow.update
+    async def repair_gpu(self, raw: Any) -> GpuDecision:
+        """A new GpuRepair of the GPU, by the path a finding takes (fenced, admitted by the Site
+        entity, the node's repeat-fault limits applied), at the person's rung or where the policy
+        starts for the finding its ended repair was started for (none known: a reset). The repair
+        takes over the GPU's containment; held by the site, it waits like any finding."""
+        order = parse_input(RepairGpuInput, raw)
+        index = order.gpu
+        async with self.state_lock:  # the loop changes fences and repairs across its awaits too
+            self._require_held(index)  # again: a repair may have taken it over while this waited
+            last = self.state.left_findings.get(index)
+            asked = f"a person asked ({order.reason})"
+            start_at = order.rung if order.rung is not None else (last.rung if last and last.rung else Rung.RESET)
+            finding = Finding(index=index, rung=start_at, reasons=[*(last.reasons if last else []), asked],
+                              fatal_xids=list(last.fatal_xids) if last else [])
+            before = self.state.log  # ``_log`` makes a new list: then its last line is what ``_act`` said
+            rung = await self._act(finding)  # the rung started at (escalated by the limits), or None
+            said = self.state.log[-1] if self.state.log is not before and self.state.log else ""
+            repair_id = self._active.get(index, "")
+            if rung is not None and repair_id:
+                outcome, detail = "repairing", f"{repair_id} started at {rung}"
+            elif index in self.state.deferred:  # the GPU stays fenced and held for a person meanwhile
+                outcome = "awaiting-site"
+                detail = f"{said or self.state.state}; the repair starts once the site admits it"
+            else:
+                raise ApplicationError(f"no repair of GPU {index} started: {said or self.state.state}",
+                                       type="RepairNotStarted", non_retryable=True)
+        return GpuDecision(node_name=self._node, gpu=index, outcome=outcome, detail=detail, repair_id=repair_id,
+                           rung=rung, state=self.state.state)
+
+    @repair_gpu.validator
+    def _validate_repair_gpu(self, raw: Any) -> None:
+        self._require_held(parse_input(RepairGpuInput, raw).gpu)
+
+    def _require_held(self, index: int) -> None:
+        """Refuse, naming ``gpu``, a GPU the entity does not hold for a person."""
+        if index in self.state.needs_person:
+            return
+        held = ", ".join(map(str, sorted(self.state.needs_person))) or "none"
+        now = f"; {self._active[index]} repairs it" if index in self._active else ""
+        raise invalid_input(f"gpu: GPU {index} of {self._node or 'this node'} is not held for a person{now} "
+                            f"(held for a person: {held})", ["gpu"])
+
     # -- the loop --------------------------------------------------------------------------
     def _log(self, line: str, warn: bool = False) -> None:
         (workflow.logger.warning if warn else workflow.logger.info)("node %s: %s", self._node, line)
@@ -385,14 +472,16 @@ class NodeEntity(Entity[NodeCarry]):
                 recheck_at = workflow.now()
             self._wake = False
             await self._grant_next()
-            while self._pending:
-                await self._handle(self._pending.pop(0))
-            if self._quarantine is not None:
-                finding, self._quarantine = self._quarantine, None
-                await self._act(finding)
-            if recheck_at is not None:
-                recheck_at = None
-                await self._recheck()
+            # Uncontended (no person's update running) the lock issues no command and never waits.
+            async with self.state_lock:
+                while self._pending:
+                    await self._handle(self._pending.pop(0))
+                if self._quarantine is not None:
+                    finding, self._quarantine = self._quarantine, None
+                    await self._act(finding)
+                if recheck_at is not None:
+                    recheck_at = None
+                    await self._recheck()
             if self._gone and not self._active:
                 self._set_state("gone", "replaced or removed")
                 return self.status()
@@ -405,8 +494,10 @@ class NodeEntity(Entity[NodeCarry]):
                 # (and a node found gone meanwhile ends the entity: for runs that wait for the watch).
                 await self.continue_as_new_when_ready(
                     lambda: NodeEntityInput(node_name=self._node, carry=self.state).model_dump(mode="json"),
+                    # (``_active``: a person's ``repair_gpu`` during the wait started a repair, which
+                    # the loop watches out; nothing else starts one while the loop waits here.)
                     unless=lambda: bool(self._pending or self._requests or self._quarantine is not None
-                                        or (self._gate_waits_watch and self._gone)),
+                                        or (self._gate_waits_watch and self._gone) or self._active),
                 )
 
     # -- the pulled health watch -----------------------------------------------------------
@@ -678,7 +769,7 @@ class NodeEntity(Entity[NodeCarry]):
             left = index in self.state.needs_person
             if (not finding.fatal_xids and not quarantined and not left and latest is not None
                     and not latest.problems()):
-                if index in self.state.fenced and not await self._unfence(index):
+                if index in self.state.fenced and await self._unfence(index) is None:
                     continue  # still fenced: the next recheck tries again
                 self.state.deferred.pop(index)
                 self._log(f"GPU {index}: healed while waiting, no repair")
@@ -695,8 +786,9 @@ class NodeEntity(Entity[NodeCarry]):
             workflow.upsert_search_attributes([sa.SITE.value_set(self._facts.site)])
         return self._facts
 
-    async def _act(self, finding: Finding) -> None:
-        """A sick GPU: contain it, ask its site whether to repair now, start its GpuRepair."""
+    async def _act(self, finding: Finding) -> Rung | None:
+        """A sick GPU: contain it, ask its site whether to repair now, start its GpuRepair. The
+        rung its repair started at; None: none started (held by the site, the log says why)."""
         index = finding.index
         self.state.deferred.pop(index, None)
         if index in self._active:
@@ -721,7 +813,8 @@ class NodeEntity(Entity[NodeCarry]):
         else:
             admitted = await self._site_healthy_enough(facts, finding)
         if admitted:
-            await self._start_repair(facts, finding)
+            return await self._start_repair(facts, finding)
+        return None
 
     async def _admitted_by_site(self, facts: NodeFacts, finding: Finding) -> bool:
         """The Site entity owns the incident rule (fleet.incident): it admits or holds this repair.
@@ -761,8 +854,9 @@ class NodeEntity(Entity[NodeCarry]):
             return False
         return True
 
-    async def _start_repair(self, facts: NodeFacts, finding: Finding) -> None:
-        """The rung the ledger escalates to, as a GpuRepair child that outlives the entity."""
+    async def _start_repair(self, facts: NodeFacts, finding: Finding) -> Rung | None:
+        """The rung the ledger escalates to, as a GpuRepair child that outlives the entity; the
+        rung it started at (None: not started, the log says why)."""
         index, settings = finding.index, facts.settings
         now = workflow.now()
         rung, why = self.state.ledger.escalate(finding, now.timestamp(), settings.thresholds)
@@ -784,17 +878,19 @@ class NodeEntity(Entity[NodeCarry]):
             )
         except FailureError as error:  # already running (e.g. started by an operator)
             self._log(f"GPU {index}: could not start {repair_id}: {failure_message(error)}", warn=True)
-            return
+            return None
         finally:
             # Either way a repair owns the GPU's containment from here (it un-contains when it ends).
             if index in self.state.fenced:
                 self.state.fenced.remove(index)
         self._active[index] = repair_id
         self.state.needs_person.pop(index, None)  # this repair owns the GPU's containment now
+        self.state.left_findings.pop(index, None)
         self.state.quarantine_reasons = [r for r in self.state.quarantine_reasons if r not in finding.reasons]
         self._log(f"GPU {index}: {', '.join(finding.reasons)} → {repair_id} at {rung}" + (f" ({why})" if why else ""))
         self._set_state("repairing", f"GPU {index} at {rung}")
-        self.spawn(self._watch(index, repair_id, handle))  # ends with the repair; never raises (below)
+        self.spawn(self._watch(index, repair_id, handle, finding))  # ends with the repair; never raises (below)
+        return rung
 
     # -- containment before the decision ----------------------------------------------------
     async def _fence(self, index: int, finding: Finding) -> None:
@@ -810,22 +906,27 @@ class NodeEntity(Entity[NodeCarry]):
             return
         self.state.fenced.append(index)
 
-    async def _unfence(self, index: int) -> bool:
-        """A held finding whose GPU healed: lift the entity's own fence (the node is uncordoned
-        only when no other GPU of it is fenced). False: the cluster did not answer."""
+    async def _unfence(self, index: int, by: str = "") -> UncontainResult | None:
+        """Lift a fence the entity holds: a held finding whose GPU healed, or (``by``: who and
+        why) a GPU held for a person that a person returned, whose fence its ended repair left.
+        The node is uncordoned only when no other GPU of it is fenced (a GPU under repair is).
+        None: the cluster did not answer, the GPU is still fenced."""
         try:
             result: UncontainResult = await workflow.execute_local_activity(
                 act.uncontain_gpu, UncontainInput(node_name=self._node, gpu=index),
                 start_to_close_timeout=QUICK, retry_policy=FENCE_RETRY, summary=f"un-fence GPU {index}",
             )
         except ActivityError as error:
-            self._log(f"GPU {index}: still fenced ({failure_message(error)}); the next recheck tries again", warn=True)
-            return False
-        self.state.fenced.remove(index)
-        self._log(f"GPU {index}: un-fenced" + ("" if result.uncordoned else f", GPUs {result.still_fenced} still fenced"))
-        return True
+            self._log(f"GPU {index}: still fenced ({failure_message(error)})"
+                      + ("" if by else "; the next recheck tries again"), warn=True)
+            return None
+        if index in self.state.fenced:
+            self.state.fenced.remove(index)
+        self._log(f"GPU {index}: " + (f"{by}: " if by else "") + "un-fenced"
+                  + ("" if result.uncordoned else f", GPUs {result.still_fenced} still fenced"))
+        return result
 
-    async def _watch(self, index: int, repair_id: str, handle) -> None:
+    async def _watch(self, index: int, repair_id: str, handle, finding: Finding) -> None:
         try:
             result: GpuRepairResult = await handle
             self._log(f"GPU {index}: {repair_id} ended {result.outcome}")
@@ -836,6 +937,7 @@ class NodeEntity(Entity[NodeCarry]):
             # fenced and the node cordoned, which only a person may undo.
             how = "cancelled" if is_cancelled_exception(error) else f"failed: {failure_message(error)}"
             self.state.needs_person[index] = f"{repair_id} {how}; GPU {index} left fenced, node cordoned"
+            self.state.left_findings[index] = finding  # a person's retry starts from it
             self._log(f"GPU {index}: {repair_id} {how}; the GPU stays fenced: a person decides", warn=True)
         except (workflow.NondeterminismError, asyncio.CancelledError):
             raise

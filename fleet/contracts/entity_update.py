@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from pydantic_core import PydanticCustomError
 
 from fleet.messages.capacity import QuotaRaised
-from fleet.messages.repair import HoldInput, SkipToInput
+from fleet.messages.repair import HoldInput, RepairGpuInput, ReturnGpuInput, SkipToInput
 from fleet.models import Strict
 from fleet import naming
 from fleet.contracts import workflows as flows
@@ -75,6 +75,13 @@ KINDS: dict[str, EntityKind] = {
         updates={flows.GpuRepair.hold: HoldInput, flows.GpuRepair.release: HoldInput,
                  flows.GpuRepair.skip_to: SkipToInput},
     ),
+    "node": EntityKind(
+        workflow_type=flows.Node.TYPE, id_shape=naming.node_workflow_id("<node>"),
+        id_pattern=re.compile(rf"node/{_SEGMENT}"),
+        # A person's decision on a GPU the entity holds for a person; its signals are the control
+        # plane's (a node's health, repairs' slot requests), not an operator's.
+        updates={flows.Node.return_gpu: ReturnGpuInput, flows.Node.repair_gpu: RepairGpuInput},
+    ),
     "rollout": EntityKind(
         workflow_type=flows.ModelRollout.TYPE, id_shape=naming.rollout_id("<model>", "<version>"),
         id_pattern=re.compile(rf"rollout/{_SEGMENT}/{_SEGMENT}"),
@@ -101,8 +108,8 @@ KINDS: dict[str, EntityKind] = {
     ),
 }
 
-UpdateName = Literal["quota_raised", "credentials_rotated", "hold", "release", "skip_to", "pause", "resume",
-                     "abort", "declare_recovered", "cancel", "look_again", "reconcile_now"]
+UpdateName = Literal["quota_raised", "credentials_rotated", "hold", "release", "skip_to", "return_gpu", "repair_gpu",
+                     "pause", "resume", "abort", "declare_recovered", "cancel", "look_again", "reconcile_now"]
 
 
 def kind_of(entity: str) -> EntityKind | None:
@@ -179,6 +186,6 @@ class EntityUpdateResult(BaseModel):
     #: Workflow type of the entity that took the update.
     workflow_type: str
     #: The update's result as the entity returned it (plain JSON: AccountStatus, LadderState,
-    #: RolloutProgress, EvacuationProgress, CapacityProgress, or a sentence for ``look_again`` and
-    #: ``reconcile_now``).
+    #: GpuDecision, RolloutProgress, EvacuationProgress, CapacityProgress, or a sentence for
+    #: ``look_again`` and ``reconcile_now``).
     result: Any = None

@@ -119,6 +119,8 @@ class Node(Workflow, name="Node"):
     node_action_done: Name = Signal()
     node_action_request: Name = Signal()
     quarantine: Name = Signal()
+    repair_gpu: Name = Update()
+    return_gpu: Name = Update()
     status: Name = Query()
 
 

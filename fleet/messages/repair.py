@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
-from fleet.models import EpochSeconds, GpuHealth, MaybeName, Name, Text, XidEvent
+from fleet.models import EpochSeconds, GpuHealth, MaybeName, Name, Strict, Text, XidEvent
 from fleet.repair_policy import Finding, Ledger, RepairSettings, Rung
 
 
@@ -49,8 +49,12 @@ class NodeCarry(BaseModel):
     not_ready_since: float | None = None
     #: GPU → why a person must look: its repair ended without proving it (cancelled, terminated,
     #: failed), so it stays fenced and the node cordoned. The entity's state is ``needs-person``
-    #: while any is here; a new repair of the GPU takes it over.
+    #: while any is here; a new repair of the GPU takes it over, or a person's ``return_gpu``
+    #: un-fences it, or ``repair_gpu`` starts one.
     needs_person: dict[int, str] = Field(default_factory=dict)
+    #: GPU in ``needs_person`` → the finding its ended repair was started for: a person's
+    #: ``repair_gpu`` with no rung starts where the policy would for it (none known: a reset).
+    left_findings: dict[int, Finding] = Field(default_factory=dict)
 
 
 class NodeWatchInput(BaseModel):
@@ -241,6 +245,51 @@ class NodeStatus(BaseModel):
     not_ready_since: float | None = None
     #: GPU index → why a person must look (its repair ended unproven; the GPU stays fenced).
     needs_person: dict[str, str] = Field(default_factory=dict)
+
+
+#: A person's words on a GPU the Node entity holds for a person (shown in its log and details).
+PersonReason = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1, max_length=500)]
+
+
+class ReturnGpuInput(Strict):
+    """The Node entity's ``return_gpu`` update: a person returns a GPU the entity holds for a
+    person (``NodeCarry.needs_person``) to service: un-fenced, its node uncordoned unless another
+    GPU of it is fenced (under repair or held)."""
+
+    gpu: int = Field(ge=0, lt=MAX_NODE_GPUS)
+    #: Why it may serve (a vendor's word, a manual test): required, it is a person's decision.
+    reason: PersonReason
+
+
+class RepairGpuInput(Strict):
+    """The Node entity's ``repair_gpu`` update: a person starts a new GpuRepair of a GPU the
+    entity holds for a person, through the same path as a finding (the Site entity admits it)."""
+
+    gpu: int = Field(ge=0, lt=MAX_NODE_GPUS)
+    #: The rung to start at; None: where the policy starts for the finding its ended repair was
+    #: started for, else a reset. The node's repeat-fault limits apply as to any finding.
+    rung: Rung | None = None
+    reason: PersonReason
+
+
+class GpuDecision(BaseModel):
+    """What the Node entity did on a person's ``return_gpu`` or ``repair_gpu``."""
+
+    node_name: str
+    gpu: int
+    #: returned (un-fenced), repairing (its GpuRepair started), awaiting-site (the Site entity holds
+    #: the repair for its incident: it starts once admitted; the GPU stays fenced meanwhile).
+    outcome: str
+    #: One sentence saying what happened, for a person.
+    detail: str
+    #: ``returned``: the node is schedulable again, or the other GPUs still fenced keep it cordoned.
+    uncordoned: bool = False
+    still_fenced: list[int] = Field(default_factory=list)
+    #: ``repairing``: the repair's workflow id and the rung it starts at.
+    repair_id: str = ""
+    rung: Rung | None = None
+    #: The entity's state afterwards (``ready``, ``needs-person``, ``repairing``, ``awaiting-site``).
+    state: str = ""
 
 
 class GpuRepairInput(BaseModel):

@@ -1,0 +1,148 @@
+"""A GPU its Node entity holds for a person (its repair was cancelled, failed or terminated:
+fenced, node cordoned, ``needs_person``) is a person's to decide: ``gpufleet repair return``
+puts it back in service, ``gpufleet repair retry`` repairs it again through its Site entity.
+
+Product rule: nothing un-fences a GPU no proof passed but a person. Before these commands the
+only way out was a new finding from the node's health watch, which a clean GPU never reports:
+the node stayed cordoned for good.
+
+The needs-person state is built as tests/test_repair_cancel.py builds it: a repair cancelled
+while its reboot waits for the machine to boot again.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
+
+from activities.repair import fence_key
+from fleet.messages.join import JoinedNode
+from fleet.messages.repair import GpuRepairResult, NodeStatus
+from fleet.repair_policy import Rung
+from tests.conftest import Stack
+from tests.repair_helpers import eventually, exists, join_node, node_status, repair_handle
+from tests.replay import replay_and_record
+from tests.test_cli import gpufleet
+from tests.test_repair_cancel import SLOW_BOOT_SECONDS, _told_a_person, _waiting_for_boot, rstack  # noqa: F401
+
+#: How fast the machine boots once the cancel has landed (the site's boot time in the test fleet).
+QUICK_BOOT_SECONDS = 1.0
+
+
+async def _held_for_a_person(stack: Stack) -> JoinedNode:
+    """A node whose GPU 0 its entity holds for a person: the repair was cancelled during its
+    reboot's wait for boot, the GPU left fenced and the node cordoned. The machine is then let
+    boot at once (the slow boot was there only for the cancel to land in the wait), and its node
+    is back on the new boot, so the node is healthy and nothing but a person moves it on."""
+    node = await join_node(stack)
+    stack.world.set_site("site-a", boot_seconds=SLOW_BOOT_SECONDS)
+    stack.world.inject_fault(node.machine_id, 0, "xid", 79, clears_on="reboot")
+    handle = repair_handle(stack, node.node_name, 0)
+    await eventually(lambda: exists(handle), timeout=30)
+    await eventually(lambda: _waiting_for_boot(handle), timeout=30)
+    await handle.cancel()
+    status = await eventually(lambda: _told_a_person(stack, node.node_name), timeout=60)
+    assert set(status.needs_person) == {"0"}, status.needs_person
+
+    stack.world.set_site("site-a", boot_seconds=QUICK_BOOT_SECONDS)
+    with stack.world.tx() as db:  # the reboot the cancel left in flight ends now
+        db.execute("UPDATE machines SET boot_at=? WHERE id=?", (time.time(), node.machine_id))
+    await eventually(lambda: _on_its_new_boot(stack, node), timeout=30)
+    assert fence_key(0) in stack.cluster.annotate_node(node.node_name, {})
+    assert stack.cluster.get_node(node.node_name).unschedulable
+    return node
+
+
+async def _on_its_new_boot(stack: Stack, node: JoinedNode) -> bool:
+    record = stack.cluster.get_node(node.node_name)
+    return record is not None and record.ready and record.boot_id == stack.world.machine(node.machine_id)["boot_id"]
+
+
+def _node_entity(stack: Stack, node: JoinedNode) -> WorkflowHandle:
+    return stack.client.get_workflow_handle(f"node/{node.node_name}")
+
+
+async def _ready(stack: Stack, node: JoinedNode) -> NodeStatus | None:
+    status = await node_status(stack, node.node_name)
+    return status if status and status.state == "ready" and not status.active_repairs else None
+
+
+async def test_return_puts_the_gpu_back_in_service_and_uncordons_the_node(rstack: Stack) -> None:
+    node = await _held_for_a_person(rstack)
+
+    done = await gpufleet(rstack, "repair", "return", node.node_name, "0", "--reason", "vendor reseated the card")
+
+    assert done.returncode == 0, done.stderr
+    assert "returned" in done.stdout and "un-fenced, node uncordoned" in done.stdout, done.stdout
+    assert fence_key(0) not in rstack.cluster.annotate_node(node.node_name, {})
+    assert not rstack.cluster.get_node(node.node_name).unschedulable, "the node serves again"
+    status = await node_status(rstack, node.node_name)
+    assert status.state == "ready" and status.needs_person == {} and status.fenced == [], status
+    assert any("returned to service by a person (vendor reseated the card)" in line for line in status.log), status.log
+    shown = await gpufleet(rstack, "repair", "node", node.node_name)
+    assert shown.returncode == 0, shown.stderr
+    assert ": ready," in shown.stdout.splitlines()[0] and "needs a person" not in shown.stdout, shown.stdout
+    # A person's word did it, not a repair: the cancelled one is still the GPU's last.
+    assert (await repair_handle(rstack, node.node_name, 0).describe()).status == WorkflowExecutionStatus.CANCELED
+
+    await replay_and_record(_node_entity(rstack, node), "node_entity_gpu_returned")
+
+
+async def test_retry_at_a_rung_starts_a_new_repair_that_runs_to_repaired(rstack: Stack) -> None:
+    node = await _held_for_a_person(rstack)
+    cancelled_run = (await repair_handle(rstack, node.node_name, 0).describe()).run_id
+
+    done = await gpufleet(rstack, "repair", "retry", node.node_name, "0", "--rung", "reboot",
+                          "--reason", "the card was reseated; prove it")
+
+    assert done.returncode == 0, done.stderr
+    assert f"repair/{node.node_name}/gpu0 started at reboot" in done.stdout, done.stdout
+    handle = repair_handle(rstack, node.node_name, 0)
+    assert (await handle.describe()).run_id != cancelled_run, "a new run of the repair"
+    result = GpuRepairResult.model_validate(await handle.result())
+    assert result.outcome == "repaired" and [(a.rung, a.outcome) for a in result.attempts] == [
+        (Rung.REBOOT, "passed")], result
+    assert await _site_admissions(rstack) == 2, "admitted by the Site entity, as a finding's repair is"
+    assert rstack.world.machine(node.machine_id)["reboots"] == 2, "the cancelled reboot and the retry's"
+    # The repair took over the containment and gave the GPU back when its proof passed.
+    assert fence_key(0) not in rstack.cluster.annotate_node(node.node_name, {})
+    assert not rstack.cluster.get_node(node.node_name).unschedulable
+    status = await eventually(lambda: _ready(rstack, node), timeout=30)
+    assert status.needs_person == {}
+    assert any("a person asked (the card was reseated; prove it)" in line and "at reboot" in line
+               for line in status.log), status.log
+
+    await replay_and_record(_node_entity(rstack, node), "node_entity_gpu_retried")
+
+
+async def _site_admissions(stack: Stack) -> int:
+    """How many repairs the node asked its Site entity to admit (``admit_repair``): the
+    cancelled one's, then the retry's."""
+    history = await stack.client.get_workflow_handle("site/site-a").fetch_history()
+    return sum(1 for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
+               and e.workflow_execution_update_accepted_event_attributes.accepted_request.input.name
+               == "admit_repair")
+
+
+@pytest.mark.parametrize("command", [("return",), ("retry", "--rung", "reboot")], ids=["return", "retry"])
+async def test_a_gpu_not_held_for_a_person_is_refused_naming_it(rstack: Stack, command: tuple[str, ...]) -> None:
+    node = await _held_for_a_person(rstack)  # GPU 0 is held; GPU 1 is healthy and serving
+
+    refused = await gpufleet(rstack, "repair", *command[:1], node.node_name, "1", *command[1:], "--reason", "typo")
+
+    assert refused.returncode == 1, (refused.stdout, refused.stderr)
+    assert "gpu: GPU 1" in refused.stderr and "not held for a person (held for a person: 0)" in refused.stderr, \
+        refused.stderr
+    # Nothing changed: GPU 0 still held and fenced, the node cordoned, no repair of GPU 1.
+    status = await node_status(rstack, node.node_name)
+    assert set(status.needs_person) == {"0"} and status.state == "needs-person", status
+    assert not await exists(repair_handle(rstack, node.node_name, 1))
+    assert fence_key(0) in rstack.cluster.annotate_node(node.node_name, {})
+    assert rstack.cluster.get_node(node.node_name).unschedulable
+
+    # A node with no running entity: refused, naming it.
+    unknown = await gpufleet(rstack, "repair", *command[:1], "no-such-node", "0", *command[1:], "--reason", "typo")
+    assert unknown.returncode == 1 and "no running Node entity node/no-such-node" in unknown.stderr, unknown.stderr
