@@ -14,6 +14,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, Wor
 from temporalio.exceptions import CancelledError
 
 from activities.repair import fence_key
+from fleet.messages.join import JoinedNode
 from fleet.messages.repair import NodeStatus
 from fleet.repair_policy import Rung
 from tests.conftest import Stack
@@ -68,13 +69,20 @@ async def _told_a_person(stack: Stack, node: str) -> NodeStatus | None:
     return status if status and not status.active_repairs and status.state == "needs-person" else None
 
 
-async def test_cancel_during_the_reboot_wait_stops_the_ladder_and_leaves_the_gpu_fenced(rstack: Stack) -> None:
-    node = await join_node(rstack)
-    rstack.world.set_site("site-a", boot_seconds=SLOW_BOOT_SECONDS)
-    rstack.world.inject_fault(node.machine_id, 0, "xid", 79, clears_on="reboot")
-    handle = repair_handle(rstack, node.node_name, 0)
+async def repair_waiting_for_boot(stack: Stack) -> tuple[JoinedNode, WorkflowHandle]:
+    """A node whose GPU 0 (XID 79) is being repaired at the reboot rung, its repair waiting for
+    the machine's slow boot: where a cancel lands."""
+    node = await join_node(stack)
+    stack.world.set_site("site-a", boot_seconds=SLOW_BOOT_SECONDS)
+    stack.world.inject_fault(node.machine_id, 0, "xid", 79, clears_on="reboot")
+    handle = repair_handle(stack, node.node_name, 0)
     await eventually(lambda: exists(handle), timeout=30)
     await eventually(lambda: _waiting_for_boot(handle), timeout=30)
+    return node, handle
+
+
+async def test_cancel_during_the_reboot_wait_stops_the_ladder_and_leaves_the_gpu_fenced(rstack: Stack) -> None:
+    node, handle = await repair_waiting_for_boot(rstack)
     machines_before = len(rstack.world.machines())
 
     await handle.cancel()

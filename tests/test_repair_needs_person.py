@@ -23,10 +23,10 @@ from fleet.messages.join import JoinedNode
 from fleet.messages.repair import GpuRepairResult, NodeStatus
 from fleet.repair_policy import Rung
 from tests.conftest import Stack
-from tests.repair_helpers import eventually, exists, join_node, node_status, repair_handle
+from tests.repair_helpers import eventually, exists, node_status, repair_handle
 from tests.replay import replay_and_record
 from tests.test_cli import gpufleet
-from tests.test_repair_cancel import SLOW_BOOT_SECONDS, _told_a_person, _waiting_for_boot, rstack  # noqa: F401
+from tests.test_repair_cancel import _told_a_person, repair_waiting_for_boot, rstack  # noqa: F401
 
 #: How fast the machine boots once the cancel has landed (the site's boot time in the test fleet).
 QUICK_BOOT_SECONDS = 1.0
@@ -37,12 +37,7 @@ async def _held_for_a_person(stack: Stack) -> JoinedNode:
     reboot's wait for boot, the GPU left fenced and the node cordoned. The machine is then let
     boot at once (the slow boot was there only for the cancel to land in the wait), and its node
     is back on the new boot, so the node is healthy and nothing but a person moves it on."""
-    node = await join_node(stack)
-    stack.world.set_site("site-a", boot_seconds=SLOW_BOOT_SECONDS)
-    stack.world.inject_fault(node.machine_id, 0, "xid", 79, clears_on="reboot")
-    handle = repair_handle(stack, node.node_name, 0)
-    await eventually(lambda: exists(handle), timeout=30)
-    await eventually(lambda: _waiting_for_boot(handle), timeout=30)
+    node, handle = await repair_waiting_for_boot(stack)
     await handle.cancel()
     status = await eventually(lambda: _told_a_person(stack, node.node_name), timeout=60)
     assert set(status.needs_person) == {"0"}, status.needs_person
