@@ -187,6 +187,17 @@ NODE_WATCH_GATE_PATCH = "node-continue-when-watch-rests"
 #:   repair settings' ``watch_pace_seconds`` to ``watch_pace_max_seconds``: 5 s to 5 minutes)
 #:   until an answer comes at its wait.
 NODE_PATCHES_AT_START_2 = "node-patches-at-start-2"
+#: Workflow patch, asked first thing right after ``NODE_PATCHES_AT_START_2`` (runs that have it),
+#: with a marker of its own for the same reason: a run open at the deploy may hold the old path's
+#: commands in its middle. A repair that ended (cancelled, failed, terminated) while its request for
+#: the node's action slot was queued no longer holds a place in the queue: its watcher drops the
+#: request when it sees the repair end, and ``_grant_next`` skips a request of a repair this run saw
+#: end. Before it the slot, once free, went to the ended repair: the grant signal went to a closed
+#: workflow, and an action record for a reboot or reinstall that never ran was kept, started after
+#: the faults queued behind it were detected, so it "covered" them and their repairs skipped their
+#: own action (the GPU unrepaired, proven only by a smoke test). Under it, too, a grant the repair
+#: never received (its signal failed: the repair had closed) leaves no action record.
+NODE_PATCHES_AT_START_3 = "node-patches-at-start-3"
 WATCH_IDLE_FREE = 3
 WATCH_EARLY_FREE = 30
 
@@ -245,6 +256,12 @@ class NodeEntity(Entity[NodeCarry]):
         self._gate_waits_watch = False
         #: ``NODE_PATCHES_AT_START_2`` (asked once, first): first-task cluster_state; paced watches.
         self._settled_2 = False
+        #: ``NODE_PATCHES_AT_START_3`` (asked once, first): an ended repair's slot requests are dropped.
+        self._settled_3 = False
+        #: Repairs this run watched end (``NODE_PATCHES_AT_START_3``): a request of one that reaches
+        #: the queue late (sent as it ended) is never granted. One id per GPU at most; a new repair of
+        #: the GPU (the same id) takes its id out again.
+        self._ended: set[str] = set()
         #: Watch answers in a row long before their wait: all, and those that changed nothing
         #: (the pace, ``_pace_watch``).
         self._early_answers = 0
@@ -440,6 +457,7 @@ class NodeEntity(Entity[NodeCarry]):
         self._settled = workflow.patched(NODE_PATCHES_AT_START)  # first: before any local activity
         self._gate_waits_watch = self._settled or workflow.patched(NODE_WATCH_GATE_PATCH)  # the same
         self._settled_2 = self._settled and workflow.patched(NODE_PATCHES_AT_START_2)
+        self._settled_3 = self._settled_2 and workflow.patched(NODE_PATCHES_AT_START_3)
         if self._settled_2:
             self._told_by_cluster = True  # before ``start_with``: a first task's cluster_state counts
         inp = parse_input(NodeEntityInput, raw)
@@ -884,6 +902,7 @@ class NodeEntity(Entity[NodeCarry]):
             if index in self.state.fenced:
                 self.state.fenced.remove(index)
         self._active[index] = repair_id
+        self._ended.discard(repair_id)  # a new run under the id of one that ended: its requests count
         self.state.needs_person.pop(index, None)  # this repair owns the GPU's containment now
         self.state.left_findings.pop(index, None)
         self.state.quarantine_reasons = [r for r in self.state.quarantine_reasons if r not in finding.reasons]
@@ -949,6 +968,8 @@ class NodeEntity(Entity[NodeCarry]):
             self._log(f"GPU {index}: watching {repair_id} failed ({type(error).__name__}: "
                       f"{str(error)[:MAX_PROBLEM_SHOWN]}); taken as ended", warn=True)
         self._active.pop(index, None)
+        if self._settled_3:
+            self._forget_requests(index, repair_id)
         if self._holder == repair_id:
             self._finish_action(repair_id)
         if not self._active:
@@ -978,15 +999,29 @@ class NodeEntity(Entity[NodeCarry]):
             self._holder = None
             self._wake = True
 
+    def _forget_requests(self, index: int, repair_id: str) -> None:
+        """An ended repair waits for nothing: its queued requests for the slot go (granted, the
+        slot would go to a closed workflow and an action that never ran would cover later faults)."""
+        self._ended.add(repair_id)
+        queued = [r for r in self._requests if r.repair_id == repair_id]
+        if queued:
+            self._requests = [r for r in self._requests if r.repair_id != repair_id]
+            self._log(f"GPU {index}: {repair_id} ended while waiting for the node's action slot "
+                      f"({queued[0].rung}): its request is dropped")
+
     async def _grant_next(self) -> None:
         while self._requests and self._holder is None:
             request = self._requests.pop(0)
+            if self._settled_3 and request.repair_id in self._ended:
+                self._log(f"{request.repair_id} asked for the node's action slot after it ended: not granted")
+                continue
             covering = [
                 a for a in self.state.actions
                 if a.finished_at is not None and a.rung.level >= request.rung.level
                 and a.started_at >= request.detected_at and a.repair_id != request.repair_id
             ]
             handle = workflow.get_external_workflow_handle(request.repair_id)
+            action: NodeAction | None = None
             if covering:
                 by = covering[-1]
                 grant = NodeActionGrant(go=False, covered_by=by.rung,
@@ -1000,6 +1035,8 @@ class NodeEntity(Entity[NodeCarry]):
                 await handle.signal(flows.GpuRepair.node_action_grant, grant)
             except FailureError as error:
                 self._log(f"{request.repair_id} gone before its grant: {failure_message(error)}", warn=True)
+                if self._settled_3 and action is not None:  # never granted: no action ran, none covers a later fault
+                    self.state.actions = [a for a in self.state.actions if a is not action]
                 if self._holder == request.repair_id:
                     self._finish_action(request.repair_id)
             if grant.go:

@@ -1,0 +1,170 @@
+"""A repair that ends while it waits for its node's action slot gives up its place in the queue.
+
+Product rule: one disruptive action per node at a time, and an action that started after a
+fault was detected covers that fault's repair (two GPUs failing together cost one reboot).
+Both rest on the Node entity's record of the actions that ran. A repair cancelled (or failed,
+or terminated) while its request for the slot was queued used to keep that request: once the
+slot was free the entity granted it to the closed repair and recorded a reboot that never
+happened, which then "covered" the repairs queued behind it. They skipped their own action and
+the GPU they were for was never reset or rebooted.
+
+The slot is held by a reboot whose machine is slow to boot (tests/test_repair_cancel.py builds
+it); the faults queued behind it are reported by the control plane's own ``send_report``, as
+the node's agent is down for the reboot.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pytest
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
+
+from fleet.contracts import workflows as flows
+from fleet.messages.join import JoinedNode
+from fleet.messages.nodes import HealthReport
+from fleet.messages.repair import GpuRepairResult, NodeStatus
+from fleet.models import GpuHealth, XidEvent
+from fleet.repair_policy import Rung
+from tests.conftest import Stack
+from tests.repair_helpers import eventually, exists, ladder, node_status, repair_fleet, repair_handle, running_stack
+from tests.replay import HISTORIES, replay_and_record
+from tests.test_repair_cancel import repair_waiting_for_boot
+from workers.health_report import send_report
+
+#: The recorded Node run of this scenario on today's code, and the same run on the code before
+#: ``node-patches-at-start-3`` (it granted the slot to the cancelled repair; it must still replay).
+RECORDED = "node_entity_queued_request_of_an_ended_repair"
+RECORDED_BEFORE = f"{RECORDED}_before"
+
+
+@pytest.fixture
+async def rstack(temporal_env, tmp_path):
+    """The repair tests' stack, with three GPUs a machine at site-a: one fault holds the slot, two queue."""
+    fleet = repair_fleet()
+    fleet["sites"][0]["gpus_per_machine"] = 3
+    async for stack in running_stack(temporal_env.client, tmp_path, fleet):
+        yield stack
+
+
+async def _report_xid(stack: Stack, node: JoinedNode, gpu: int, xid: int) -> None:
+    """A fatal XID on ``gpu``, reported by the control plane (the node's agent is down)."""
+    event = XidEvent(xid=xid, at=datetime.now(timezone.utc))
+    await send_report(stack.client, stack.settings.task_queue, HealthReport(
+        node_name=node.node_name, boot_id="", gpus=[GpuHealth(index=gpu, uuid=f"GPU-{gpu}", xid_events=[event])]))
+
+
+async def _waiting_for_the_slot(stack: Stack, node: JoinedNode, gpu: int) -> bool:
+    """The repair waits for its grant, its request delivered to the Node entity (not only sent)."""
+    state = await ladder(stack, node.node_name, gpu)
+    if state is None or state.step != "waiting for the node":
+        return False
+    history = await repair_handle(stack, node.node_name, gpu).fetch_history()
+    return any(e.event_type == EventType.EVENT_TYPE_EXTERNAL_WORKFLOW_EXECUTION_SIGNALED for e in history.events)
+
+
+async def _closed(handle: WorkflowHandle) -> bool:
+    return (await handle.describe()).status != WorkflowExecutionStatus.RUNNING
+
+
+async def _queued_behind(stack: Stack, node: JoinedNode, gpu: int, xid: int) -> WorkflowHandle:
+    """GPU ``gpu`` fails while the slot is held: its repair starts and asks for the slot."""
+    await _report_xid(stack, node, gpu, xid)
+    handle = repair_handle(stack, node.node_name, gpu)
+    await eventually(lambda: exists(handle), timeout=30)
+    await eventually(lambda: _waiting_for_the_slot(stack, node, gpu), timeout=30)
+    return handle
+
+
+async def _signals_after_its_end(node_entity: WorkflowHandle, repair_id: str) -> list[str]:
+    """The signals the Node entity sent to ``repair_id`` after it saw that repair end."""
+    history = await node_entity.fetch_history()
+    ended, sent = False, []
+    for event in history.events:
+        if event.event_type in (EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_CANCELED,
+                                EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_FAILED,
+                                EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_TERMINATED):
+            attributes = getattr(event, event.WhichOneof("attributes"))
+            ended = ended or attributes.workflow_execution.workflow_id == repair_id
+        elif event.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED and ended:
+            attributes = event.signal_external_workflow_execution_initiated_event_attributes
+            if attributes.workflow_execution.workflow_id == repair_id:
+                sent.append(attributes.signal_name)
+    return sent
+
+
+async def _settled(stack: Stack, node: JoinedNode) -> NodeStatus | None:
+    status = await node_status(stack, node.node_name)
+    return status if status and not status.active_repairs and status.state == "needs-person" else None
+
+
+async def test_a_repair_cancelled_in_the_queue_is_not_granted_and_covers_no_later_fault(rstack: Stack) -> None:
+    # GPU 0 falls off the bus: its repair holds the node's slot while the machine reboots (slowly).
+    node, first = await repair_waiting_for_boot(rstack)
+    # GPU 1 too: its repair queues for the slot behind the reboot, and is cancelled there.
+    second = await _queued_behind(rstack, node, 1, xid=79)
+    await second.cancel()
+    await eventually(lambda: _closed(second), timeout=30)
+    # GPU 2 then has a double-bit ECC error: its repair (a reset) queues behind the cancelled one.
+    third = await _queued_behind(rstack, node, 2, xid=48)
+
+    # The reboot ends; the slot is free.
+    rstack.world.set_site("site-a", boot_seconds=1.0)
+    with rstack.world.tx() as db:
+        db.execute("UPDATE machines SET boot_at=? WHERE id=?", (time.time(), node.machine_id))
+    assert GpuRepairResult.model_validate(await first.result()).outcome == "repaired"
+    third_result = GpuRepairResult.model_validate(await third.result())
+    status = await eventually(lambda: _settled(rstack, node), timeout=30)
+
+    node_entity = rstack.client.get_workflow_handle(f"node/{node.node_name}")
+    assert await _signals_after_its_end(node_entity, second.id) == [], "nothing is sent to a closed repair"
+    assert [a.repair_id for a in status.node_actions] == [first.id, third.id], (
+        "the actions that ran, and no action for the cancelled repair")
+    # The reset ran for GPU 2: the reboot before its fault covers nothing of it, and nothing else ran.
+    assert [(a.rung, a.outcome) for a in third_result.attempts] == [(Rung.RESET, "passed")], third_result
+    assert third_result.outcome == "repaired"
+    assert rstack.world.machine(node.machine_id)["reboots"] == 1
+    # The cancelled repair's GPU is held for a person, as any cancelled repair's.
+    assert set(status.needs_person) == {"1"} and "cancelled" in status.needs_person["1"], status.needs_person
+    assert any(f"{second.id} ended while waiting for the node's action slot" in line for line in status.log), \
+        status.log
+
+    await replay_and_record(node_entity, RECORDED)
+
+
+def test_a_node_run_from_before_the_patch_granted_the_ended_repair_and_one_after_did_not() -> None:
+    """What the two recorded runs are (tests/test_replay.py replays both against today's code): the
+    run from before ``node-patches-at-start-3`` replays down its old path, the grant to a closed
+    repair and the covered reset included, as a Node run open at the deploy must."""
+    from workflows.node import NODE_PATCHES_AT_START_3
+
+    before, after = _grants(HISTORIES / f"{RECORDED_BEFORE}.json"), _grants(HISTORIES / f"{RECORDED}.json")
+    assert NODE_PATCHES_AT_START_3 not in before["markers"]
+    assert before["to_the_cancelled"] == [flows.GpuRepair.node_action_grant], before
+    assert NODE_PATCHES_AT_START_3 in after["markers"]
+    assert after["to_the_cancelled"] == [], after
+
+
+def _grants(path: Path) -> dict[str, list[str]]:
+    """A recorded Node run's patch markers, and the signals it sent to GPU 1's repair (cancelled
+    while queued) after that repair ended."""
+    events = json.loads(path.read_text())["events"]
+    markers, to_the_cancelled, ended = [], [], False
+    for event in events:
+        kind = event["eventType"]
+        if kind == "EVENT_TYPE_MARKER_RECORDED" and "patch-data" in event["markerRecordedEventAttributes"]["details"]:
+            payload = event["markerRecordedEventAttributes"]["details"]["patch-data"]["payloads"][0]["data"]
+            markers.append(json.loads(base64.b64decode(payload))["id"])
+        elif kind == "EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_CANCELED":
+            attributes = event["childWorkflowExecutionCanceledEventAttributes"]
+            ended = ended or attributes["workflowExecution"]["workflowId"].endswith("/gpu1")
+        elif kind == "EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED" and ended:
+            attributes = event["signalExternalWorkflowExecutionInitiatedEventAttributes"]
+            if attributes["workflowExecution"]["workflowId"].endswith("/gpu1"):
+                to_the_cancelled.append(attributes["signalName"])
+    return {"markers": markers, "to_the_cancelled": to_the_cancelled}
