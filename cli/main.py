@@ -237,6 +237,7 @@ async def _watch_joins(fleet, handles: list) -> int:
     """Until every join ends: a live table on a terminal, one line per change when piped."""
     from rich.live import Live
     from temporalio.client import WorkflowFailureError
+    from temporalio.exceptions import CancelledError
 
     def render(states: dict[str, str]) -> Table:
         table = Table("workflow", "step")
@@ -281,8 +282,12 @@ async def _watch_joins(fleet, handles: list) -> int:
                             result = task.result()
                             states[handle.id] = "[green]ready[/] " + ", ".join(n.node_name for n in result.nodes)
                         except WorkflowFailureError as error:
-                            kind, message = failure(error)
-                            states[handle.id] = f"[red]{escape(message)}[/]"
+                            if isinstance(error.cause, CancelledError):  # by someone else: not a failure of its own
+                                kind, message = "Cancelled", await _cancelled_join(fleet, handle.id)
+                                states[handle.id] = f"[yellow]{escape(message)}[/]"
+                            else:
+                                kind, message = failure(error)
+                                states[handle.id] = f"[red]{escape(message)}[/]"
                             failures.append((handle.id, kind, message))
                     else:
                         try:
@@ -300,9 +305,21 @@ async def _watch_joins(fleet, handles: list) -> int:
     finally:
         for task in pending.values():
             task.cancel()
-    for wid, _kind, message in failures:
-        err.print(f"[red]{wid} failed:[/] {escape(message)}")
+    for wid, kind, message in failures:
+        if kind == "Cancelled":
+            err.print(f"[yellow]{escape(message)}[/]")
+        else:
+            err.print(f"[red]{wid} failed:[/] {escape(message)}")
     return 1 if failures else 0
+
+
+async def _cancelled_join(fleet, workflow_id: str) -> str:
+    """What a join cancelled elsewhere left: its machine deleted, or nothing bought (the same
+    words as ``gpufleet join``'s own cancel; the cancel of an ended join changes nothing)."""
+    try:
+        return (await fleet.cancel_join(workflow_id)).summary()
+    except Exception:  # noqa: BLE001 - the server away: at least how it ended
+        return f"cancelled {workflow_id}"
 
 
 #: How often a watched join's activities are described (cli/waits.py).

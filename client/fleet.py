@@ -101,13 +101,15 @@ class JoinCancelled:
     """How a cancelled join ended (``FleetClient.cancel_join``)."""
 
     workflow_id: str
-    #: ``canceled`` (also when it ended by failing its step as CancelledError); ``completed`` when it
-    #: had admitted its node before the cancel; ``failed`` when it failed on its own first.
+    #: ``canceled`` (also a join of the code before, which ended by failing its step as
+    #: CancelledError); ``completed`` when it had admitted its node before the cancel; ``failed``
+    #: when it failed on its own first.
     status: str
     #: The machine it bought ("" = none yet: nothing was bought). Deleted unless ``needs_person``
     #: or the join had completed (then it is the admitted node's, and stays).
     machine_id: str = ""
     node_name: str = ""
+    #: The step the cancel stopped it at.
     step: str = ""
     #: Its clean-up could not delete the machine (the join's history says why).
     needs_person: bool = False
@@ -200,7 +202,7 @@ class FleetClient:
         try:
             await handle.result()
         except WorkflowFailureError as error:
-            # A join cancelled mid-step reports the step's cancellation as its failure, typed so.
+            # A join ends Canceled; one of the code before reported the cancel as its failure, typed so.
             cause = error.cause
             cancelled = isinstance(cause, CancelledError) or getattr(cause, "type", None) == "CancelledError"
             status = "canceled" if cancelled else "failed"
@@ -216,7 +218,8 @@ class FleetClient:
             progress = JoinProgress(step="starting")
         state = description.typed_search_attributes.get(sa.FLEET_STATE) or ""
         return JoinCancelled(workflow_id=workflow_id, status=status, machine_id=progress.machine_id,
-                             node_name=progress.node_name, step=progress.step, needs_person=state == "needs-person")
+                             node_name=progress.node_name, step=progress.cancelled_while or progress.step,
+                             needs_person=state == "needs-person")
 
     def check_capacity_request(self, request: CapacityRequest | Mapping[str, Any]) -> CapacityRequest:
         """The request, or :class:`InvalidArgument` naming each field no configured site can

@@ -24,6 +24,9 @@ from tests.replay import HISTORIES, replay_and_record, replay_file
 EXPECTED = {
     # NodeJoin after the retirement: ``join-patches-at-start`` deprecated (its marker deprecated).
     "node_join_happy", "node_join_count2", "node_join_smoke_failed",
+    # A join cancelled while waiting for registration deletes its machine and ends cancelled, not
+    # failed (tests/test_join_cancelled.py; no patch: only the run's last command differs).
+    "node_join_cancelled",
     "node_entity_health_watch", "node_entity_watch_from_join_state",
     "capacity_no_capacity_fallback", "capacity_over_quota", "capacity_bad_credentials", "capacity_wait_then_resume",
     "account_quota_raised", "account_credentials_rotated", "site_fill_below_min", "site_retire_above_max",

@@ -9,6 +9,11 @@ one activity → smoke test on the node's own queue (it also returns the node's 
 lift the taint and start the node's Node entity with that state (the admit activity
 also tells the Site entity). Anything failing after the machine exists deletes the
 machine: a failed join leaks nothing and never admits the node.
+
+A cancel (``temporal workflow cancel``, ``gpufleet join`` interrupted, a parent request or
+repair cancelled) cleans up the same way, then ends the run cancelled, not failed:
+``FleetState = "cancelled"`` (``needs-person`` when the machine could not be deleted), its
+details naming the step it stopped at and what it deleted.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError, FailureError
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError, is_cancelled_exception
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -66,6 +71,10 @@ JOIN_PATCHES_AT_START = "join-patches-at-start"
 class NodeJoin:
     def __init__(self) -> None:
         self._progress = JoinProgress(step="starting")
+        #: The clean-up ran (the machine it bought was deleted unless ``_left_behind`` says otherwise).
+        self._cleaned_up = False
+        #: What the clean-up could not delete or remove.
+        self._left_behind: list[str] = []
 
     @workflow.query
     def progress(self) -> JoinProgress:
@@ -90,9 +99,15 @@ class NodeJoin:
             return await self._join_many(request)
         try:
             return NodeJoinResult(nodes=[await self._join_one(request)])
-        except (ActivityError, ApplicationError) as error:
-            # One typed failure for callers: the root cause's type, where it happened.
+        except (ActivityError, ApplicationError, asyncio.CancelledError) as error:
             step = self._progress.step
+            if self._cancelled(error):
+                self._stopped_by_cancel(step)
+                # The run closes Canceled: a cancel of it was requested and this is a cancel error.
+                raise
+            if isinstance(error, asyncio.CancelledError):
+                raise
+            # One typed failure for callers: the root cause's type, where it happened.
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("failed")])
             kind = failure_type(error)
             # The activity's message may already start with its type: say each cause once.
@@ -111,6 +126,13 @@ class NodeJoin:
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("failed")])
             self._step("failed", f"{error.type}: {error.message}")
             raise
+        except asyncio.CancelledError as error:
+            if self._cancelled(error):
+                # Its children were cancelled with it and have ended (each waited for).
+                base = workflow.info().workflow_id
+                self._cancelled_fan_out(f"its joins {base}/0 to {base}/{request.count - 1} were cancelled with it: "
+                                        "each deleted the machine it bought; a node already admitted stays")
+            raise
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("ready")])
         self._step("ready", f"{len(result.nodes)} nodes at {request.site}")
         return result
@@ -128,6 +150,9 @@ class NodeJoin:
                 start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=f"look up site {request.site}",
             )
         except ActivityError as error:
+            if self._cancelled(error):
+                self._cancelled_fan_out("nothing was bought")
+                raise
             kind = failure_type(error)
             message = failure_message(error).removeprefix(f"{kind}: ")
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("failed")])
@@ -245,6 +270,7 @@ class NodeJoin:
             machine = (await provisioning).machine
             self._progress.machine_id = machine.id
             await self._clean_up(site, machine, node_name)
+            self._progress.step = "provisioning"  # report where it was cancelled, not the clean-up
             raise
         except ActivityError as error:
             # Every adapter looks the key up before it reports no capacity: then nothing is there. A
@@ -288,6 +314,8 @@ class NodeJoin:
                 summary="GPUs visible, counters clean, compute check", include_state=True,
             )
         except ActivityError as error:
+            if self._cancelled(error):
+                raise  # the join was cancelled during its smoke test: the test did not fail
             # The node's own failure, whatever type it names: the join's failure type is read by
             # AcquireCapacity (BadCredentials revokes the account, OverQuota blocks the offer,
             # InvalidRequest ends the whole request), so a node must not choose it.
@@ -328,7 +356,8 @@ class NodeJoin:
     async def _clean_up(self, site: Site, machine: Machine, node_name: str) -> None:
         """Never leave a machine behind: machine deleted, node object out."""
         self._step("cleaning up", f"deleting machine {machine.id}")
-        failed = []
+        self._cleaned_up = True
+        failed = self._left_behind
         try:
             await workflow.execute_activity(
                 act.delete_machine, DeleteMachineInput(site=site.name, machine_id=machine.id),
@@ -348,6 +377,38 @@ class NodeJoin:
         if failed:
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("needs-person")])
             workflow.logger.error("clean-up incomplete: %s", "; ".join(failed))
+
+    def _cancelled(self, error: BaseException) -> bool:
+        """Whether ``error`` is this join's own cancel reaching the step it was in: a cancel of the
+        run was requested, and the wait ended cancelled (an activity cancelled with it, or the
+        wait itself). Anything else, a node's own answer included, is a failure as before."""
+        return workflow.cancellation_reason() is not None and is_cancelled_exception(error)
+
+    def _stopped_by_cancel(self, where: str) -> None:
+        """A cancelled join has cleaned up (machine deleted, node object out, tokens deleted):
+        say so where the operator looks (``FleetState``, details, the progress query)."""
+        p = self._progress
+        if self._left_behind:
+            state = "needs-person"
+            what = f"clean-up incomplete, a person looks: {'; '.join(self._left_behind)}"
+        elif p.machine_id:
+            state = "cancelled"
+            what = f"machine {p.machine_id} deleted, node {p.node_name} never admitted"
+        else:
+            state, what = "cancelled", "nothing was bought"
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(state)])
+        p.cancelled_while = where
+        if self._cleaned_up:
+            p.step = "cleaning up"  # done: where it was cancelled, then the clean-up
+        reason = workflow.cancellation_reason()
+        self._step("cancelled", f"cancelled{f' ({reason})' if reason else ''} while {where}: {what}")
+
+    def _cancelled_fan_out(self, what: str) -> None:
+        p = self._progress
+        p.cancelled_while = p.step
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("cancelled")])
+        reason = workflow.cancellation_reason()
+        self._step("cancelled", f"cancelled{f' ({reason})' if reason else ''} while {p.cancelled_while}: {what}")
 
     async def _revoke_node_tokens(self, node_name: str) -> None:
         try:

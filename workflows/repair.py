@@ -261,9 +261,9 @@ class GpuRepair:
     def _cancelled(self, error: BaseException) -> bool:
         """Whether ``error`` ends the repair because it was cancelled, rather than failing a rung:
         the repair was asked to cancel, and ``error`` is what ended the wait it was in. That is a
-        cancel (the activity cancelled with it) or a failure: a replacement NodeJoin cancelled
-        with it deletes its machine and ends *failed*. A join someone else cancelled is a failed
-        site, as before. Runs from before ``CANCEL_STOPS_PATCH`` answer False, as they ran."""
+        cancel (the activity or the replacement NodeJoin cancelled with it) or a failure: a
+        NodeJoin of the code before a cancelled join ended cancelled reported its cancel as its own
+        failure. A join someone else cancelled is a failed site, as before. Runs from before ``CANCEL_STOPS_PATCH`` answer False, as they ran."""
         return (workflow.cancellation_reason() is not None
                 and (is_cancelled_exception(error) or isinstance(error, FailureError))
                 and workflow.patched(CANCEL_STOPS_PATCH))

@@ -44,3 +44,5 @@ class JoinProgress(BaseModel):
     node_name: str = ""
     machine_id: str = ""
     done: list[str] = Field(default_factory=list)
+    #: The step a cancel stopped it at (then ``step`` is ``cancelled``); "" = not cancelled.
+    cancelled_while: str = ""
