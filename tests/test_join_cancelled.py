@@ -184,3 +184,21 @@ async def test_gpufleet_join_watching_a_join_cancelled_elsewhere_says_cancelled_
     assert proc.returncode == 1, out
     assert f"cancelled join/site-a/{request}: machine " in out and "deleted" in out, out
     assert "failed" not in out, out
+
+
+async def test_a_failed_join_whose_clean_up_left_its_machine_says_a_person_must_look(stack: Stack) -> None:
+    """The node never registers in time, and meanwhile the provider account's credentials were
+    revoked: the join fails, and its clean-up cannot delete the machine. The machine may be
+    billing: the join ends needs-person (its failure names what it left), not as an ordinary
+    failure."""
+    stack.world.set_site("site-a", boot_seconds=SLOW_BOOT_SECONDS)
+    handle = await stack.start_join({"site": "site-a", "timeouts": {"registration_seconds": 3}},
+                                    request=f"leaky-{uuid.uuid4().hex[:6]}")
+    (machine,) = await wait_for(lambda: stack.world.machines("site-a"), timeout=20)
+    stack.world.set_credentials_valid(machine["account"], False)
+    with pytest.raises(WorkflowFailureError) as ended:
+        await asyncio.wait_for(handle.result(), 120)
+    assert f"clean-up incomplete, a person looks: machine {machine['id']}" in str(ended.value.cause), ended.value.cause
+    assert stack.world.machine(machine["id"])["deleted_at"] is None, "the machine is still there"
+    description = await handle.describe()
+    assert description.typed_search_attributes.get(sa.FLEET_STATE) == "needs-person"

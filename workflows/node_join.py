@@ -107,13 +107,16 @@ class NodeJoin:
                 raise
             if isinstance(error, asyncio.CancelledError):
                 raise
-            # One typed failure for callers: the root cause's type, where it happened.
-            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("failed")])
+            # One typed failure for callers: the root cause's type, where it happened. A clean-up
+            # that left something behind keeps saying so (``needs-person``): a machine may be billing.
+            left = self._left_behind
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("needs-person" if left else "failed")])
             kind = failure_type(error)
             # The activity's message may already start with its type: say each cause once.
             message = failure_message(error).removeprefix(f"{kind}: ")
-            self._step("failed", f"{kind} while {step}: {message}")
-            raise ApplicationError(f"{kind} while {step}: {message}", type=kind, non_retryable=True) from error
+            behind = f"; clean-up incomplete, a person looks: {'; '.join(left)}" if left else ""
+            self._step("failed", f"{kind} while {step}: {message}{behind}")
+            raise ApplicationError(f"{kind} while {step}: {message}{behind}", type=kind, non_retryable=True) from error
 
     async def _join_many(self, request: NodeJoinInput) -> NodeJoinResult:
         """One child join per node, so each machine has its own id and history."""
