@@ -139,7 +139,7 @@ def test_alert_rules_pass_promtool() -> None:
                              capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     alerts = {r["alert"] for r in alert_rules()}
-    assert {"GpufleetAccountNeedsPerson", "GpufleetIncidentOpen", "GpufleetRepairStuckOnRung",
+    assert {"GpufleetAccountNeedsPerson", "GpufleetIncidentOpen", "GpufleetRepairStuckOnRung", "GpufleetNodeNeedsPerson",
             "GpufleetOrphanedMachine", "GpufleetScheduleToStartHigh", "GpufleetSiteBelowMinimum"} <= alerts
 
 
@@ -326,6 +326,7 @@ async def test_prometheus_sees_the_fleet(temporal_env, tmp_path: Path, moto_s3, 
             await prom.value('sum(gpufleet_repairs{outcome="in-progress"})', 1)
             await prom.value(f'count(gpufleet_repair_in_progress{{node="{held_node}",gpu="0",site="{mid}"}})', 1)
             await prom.value(f'gpufleet_incidents_open{{{q}}}', 0)
+            await prom.value(f'gpufleet_nodes_needing_a_person{{{q}}}', 0)
             await prom.value(f'gpufleet_capacity_attempts_total{{{q},provider="lambda",result="ok"}}', 2)
             await prom.value(f'gpufleet_capacity_attempts_total{{{q},result="OverQuota"}}', 1)
             await prom.value(f'gpufleet_capacity_attempts_total{{site="{mid}",provider="nebius",result="ok"}}', 1)

@@ -112,6 +112,12 @@ async def test_cancel_during_the_reboot_wait_stops_the_ladder_and_leaves_the_gpu
     assert all(a.finished_at is not None for a in status.node_actions), "the action slot was given back"
     assert "0" in status.needs_person and "cancelled" in status.needs_person["0"]
     assert "needs a person" in await _details(rstack.client.get_workflow_handle(f"node/{node.node_name}"))
+    # The metrics count the node (GpufleetNodeNeedsPerson pages on it), by its site.
+    from activities.env import FleetEnv
+    from workers.metrics import fleet_snapshot
+
+    snap = await fleet_snapshot(FleetEnv.from_settings(rstack.settings), rstack.client, rstack.settings.task_queue)
+    assert snap.nodes_needing_a_person == {"site-a": 1}, snap.nodes_needing_a_person
     # And `gpufleet repair node` says it, rather than that the GPU waits for its site.
     from tests.test_cli import gpufleet
 

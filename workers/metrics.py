@@ -154,6 +154,9 @@ class FleetSnapshot:
     repairs: list[RepairRow] = field(default_factory=list)
     site_states: dict[str, str] = field(default_factory=dict)  # site entity's FleetState
     incidents: Tally = field(default_factory=Tally)  # site → open evacuations
+    #: site → running Node entities whose FleetState is ``needs-person``: a GPU whose repair ended
+    #: unproven (cancelled, failed) is held fenced for a person.
+    nodes_needing_a_person: Tally = field(default_factory=Tally)
     accounts: list = field(default_factory=list)  # (account, provider, state, blocked offers)
     spend: dict[tuple[str, str], float] = field(default_factory=dict)  # (site, provider) → $/h
     routing: dict[tuple[str, str], int] = field(default_factory=dict)  # (model, site) → weight
@@ -205,6 +208,9 @@ async def _visibility(client: Client, task_queue: str, snap: FleetSnapshot, limi
         snap.site_states[str(site)] = str(_attr(wf, sa.FLEET_STATE) or "")
     async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.SiteEvacuation.TYPE}"', limit=limit):
         snap.incidents[str(_attr(wf, sa.SITE) or wf.id.split("/")[1])] += 1
+    held = f'{running} AND WorkflowType = "{flows.Node.TYPE}" AND {sa.FLEET_STATE.name} = "needs-person"'
+    async for wf in client.list_workflows(held, limit=limit):
+        snap.nodes_needing_a_person[str(_attr(wf, sa.SITE) or "")] += 1
     async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.AcquireCapacity.TYPE}"', limit=limit):
         snap.capacity_requests.append((wf.id, str(_attr(wf, sa.FLEET_STATE) or "")))
     joining: set[str] = set()
@@ -366,6 +372,12 @@ def _visibility_families(snap: FleetSnapshot, sites: dict, orphans: bool) -> Ite
     for name in sorted(set(sites) | set(snap.incidents)):
         incidents.add_metric([name], snap.incidents[name])
     yield incidents
+    held = GaugeMetricFamily("gpufleet_nodes_needing_a_person", "Nodes whose entity holds a GPU for a person (its "
+                             "repair ended unproven: the GPU stays fenced until `gpufleet repair return` or `retry`), "
+                             "by site.", labels=["site"])
+    for name in sorted(set(sites) | set(snap.nodes_needing_a_person)):
+        held.add_metric([name], snap.nodes_needing_a_person[name])
+    yield held
     state = GaugeMetricFamily("gpufleet_site_state", "1 for the state each Site entity reports (FleetState).",
                               labels=["site", "state"])
     for name, word in sorted(snap.site_states.items()):
