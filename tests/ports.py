@@ -14,6 +14,10 @@ import socket
 #: Below Linux's default ephemeral range (32768-60999), with room for the offsets `gpufleet dev`
 #: adds to its --port (HTTP API +10, node gateway +67).
 LOW, HIGH = 20000, 32600
+#: The ports `gpufleet dev` takes from its --port when not given one each (cli/main.py ``dev``): the
+#: server's own and its services' (+1 to +8), HTTP API, S3 emulator, node gateway, UI. It refuses
+#: to start when one is taken (the front door and metrics ports are moved instead).
+DEV_OFFSETS = (0, *range(1, 9), 10, 11, 67, 1000)
 
 
 def free_port() -> int:
@@ -27,3 +31,22 @@ def free_port() -> int:
                 continue
             return port
     raise OSError(f"no free port in {LOW}-{HIGH}")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_dev_port() -> int:
+    """A --port for `gpufleet dev` whose every derived port (``DEV_OFFSETS``) is free right now:
+    with ``free_port()`` alone, a derived one held by a neighbouring test made the stack refuse."""
+    for _ in range(200):
+        port = random.randint(LOW, HIGH - 1000)
+        if all(_free(port + offset) for offset in DEV_OFFSETS):
+            return port
+    raise OSError(f"no free block of dev ports in {LOW}-{HIGH}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from cli.dev import DEV_S3_KEY, DevPorts, port_in_use
-from tests.ports import free_port
+from tests.ports import free_dev_port, free_port
 from tests.test_dev_stack import child_logs, children_of, command_of, gpufleet, start_dev
 
 pytestmark = pytest.mark.integration  # `gpufleet dev` as a process
@@ -68,7 +68,7 @@ def test_every_port_derives_from_port_unless_its_flag_is_given() -> None:
 
 
 def test_two_of_the_stacks_ports_on_one_number_are_refused_before_anything_starts(tmp_path: Path) -> None:
-    port = free_port()
+    port = free_dev_port()
     env = builtin_fleet_env(tmp_path, port)
     done = gpufleet(env, "dev", "--port", str(port), "--ui-port", str(free_port()), "--s3-port", str(port + 67),
                     timeout=60)
@@ -80,7 +80,7 @@ def test_two_of_the_stacks_ports_on_one_number_are_refused_before_anything_start
 @pytest.mark.timeout(600)
 def test_a_killed_child_comes_back_and_ctrl_c_leaves_nothing_behind(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    port = free_port()
+    port = free_dev_port()
     ports = {"--ui-port": free_port(), "--http-port": free_port(), "--s3-port": free_port(),
              "--gateway-port": free_port(), "--front-door-port": free_port()}
     env = builtin_fleet_env(tmp_path, port)
@@ -158,7 +158,7 @@ def test_a_killed_child_comes_back_and_ctrl_c_leaves_nothing_behind(tmp_path: Pa
 @pytest.mark.timeout(300)
 def test_ctrl_c_while_starting_stops_what_started_without_a_traceback(tmp_path: Path) -> None:
     """Before: Ctrl-C during start-up went on to start every worker and say "up" first."""
-    port = free_port()
+    port = free_dev_port()
     env = builtin_fleet_env(tmp_path, port)
     log = tmp_path / "dev.log"
     dev = subprocess.Popen([sys.executable, "-m", "cli", "dev", "--port", str(port), "--ui-port", str(free_port()),
@@ -219,7 +219,7 @@ def test_ctrl_c_inside_a_childs_spawn_stops_that_child_too(tmp_path: Path, monke
 def test_a_killed_stack_takes_its_children_with_it(tmp_path: Path) -> None:
     """Before: `kill -9` of `gpufleet dev` (or a parent that kills it, as `bootstrap.py dev` did on
     Ctrl-C) orphaned every child, the S3 emulator holding its port, so the next start exited 2."""
-    port, s3_port = free_port(), free_port()
+    port, s3_port = free_dev_port(), free_port()
     env = builtin_fleet_env(tmp_path, port)
     log = tmp_path / "dev.log"
     dev = subprocess.Popen([sys.executable, "-m", "cli", "dev", "--port", str(port), "--ui-port", str(free_port()),
@@ -242,7 +242,7 @@ def test_a_killed_stack_takes_its_children_with_it(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(300)
 def test_ctrl_c_on_bootstrap_dev_stops_everything_without_a_traceback(tmp_path: Path) -> None:
-    port = free_port()
+    port = free_dev_port()
     env = {**builtin_fleet_env(tmp_path, port), "GPUFLEET_VENV": str(Path(sys.executable).parent.parent)}
     log = tmp_path / "dev.log"
     root = Path(__file__).resolve().parents[1]

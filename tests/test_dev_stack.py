@@ -15,7 +15,7 @@ import pytest
 from cli.dev import SERVER_START_SECONDS
 from tests.conftest import write_fleet
 from workers.node_agent import SIM_HOST_NICE
-from tests.ports import free_port
+from tests.ports import free_dev_port, free_port
 
 
 
@@ -80,7 +80,7 @@ def nice_of(pid: int) -> int:
 
 @pytest.mark.timeout(600)
 def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
-    port, ui_port = free_port(), free_port()
+    port, ui_port = free_dev_port(), free_port()
     env = {**os.environ, "GPUFLEET_STATE_DIR": str(tmp_path / "state"), "GPUFLEET_CONFIG": str(write_fleet(tmp_path)),
            "TEMPORAL_ADDRESS": f"127.0.0.1:{port}", "COLUMNS": "200"}
     env.pop("GPUFLEET_TASK_QUEUE", None)
@@ -141,7 +141,7 @@ def test_dev_reports_a_server_that_cannot_start(tmp_path: Path) -> None:
     (state / "temporal.db").mkdir(parents=True)  # SQLite cannot open a folder
     env = {**os.environ, "GPUFLEET_STATE_DIR": str(state), "GPUFLEET_CONFIG": str(write_fleet(tmp_path)),
            "COLUMNS": "200"}
-    port = free_port()
+    port = free_dev_port()
     started = time.monotonic()
     done = gpufleet(env, "dev", "--port", str(port), "--ui-port", str(free_port()), "--http-port", str(free_port()),
                     timeout=120)

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.ports import free_port
+from tests.ports import free_dev_port, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 # The tour moved from the README to the docs site; the name stays for the tests that read it.
@@ -193,7 +193,7 @@ def fleet_invariants(stack: dict, step: str, on_purpose: set[str], machines_expe
 @pytest.fixture(scope="module")
 def dev_stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("walk")
-    port, ui_port, http_port, s3_port = free_port(), free_port(), free_port(), free_port()
+    port, ui_port, http_port, s3_port = free_dev_port(), free_port(), free_port(), free_port()
     config = tmp / "sites.yaml"
     builtin = (ROOT / "fleet" / "default_sites.yaml").read_text()
     assert "127.0.0.1:7244" in builtin
