@@ -150,3 +150,17 @@ async def test_a_later_notice_gives_the_drain_the_time_it_adds(cap: CapStack) ->
     assert cap.cluster.pods(node) == []
     assert cap.world.machine(machine_id)["deleted_at"] is not None
     await replay_and_record(handle, "spot_reclaim_later_notice")
+
+
+async def test_a_notice_far_off_is_believed_for_an_hour_at_most(cap: CapStack) -> None:
+    """The notice is the node's word: one saying the year 2100 held the node's own drain, and the
+    wait for its replacement, open for good. No provider gives more than minutes; the run acts by
+    an hour after it began at the latest."""
+    node, machine_id = await a_spot_node_whose_pods_cannot_leave(cap, "far")
+    handle = await start_reclaim(cap, node, machine_id, time.time() + 600)
+    await until_draining(handle)
+    await handle.signal("notice", {"terminate_at": datetime(2100, 1, 1, tzinfo=timezone.utc).timestamp()})
+    began = (await handle.describe()).start_time.timestamp()
+    shown = await until_details(handle, lambda text: f"until {utc(began + 3600)}" in text)
+    assert "2100" not in shown
+    await handle.terminate("test over")

@@ -49,6 +49,11 @@ with workflow.unsafe.imports_passed_through():
 NOTICE_MOVES_DEADLINE_PATCH = "reclaim-newest-notice-deadline"
 
 
+#: The most time a notice is believed to give: providers give minutes (AWS two, GCP and Azure
+#: thirty seconds); a later time is the node's word, and is cut to this after the run began.
+MAX_NOTICE_SECONDS = 3600
+
+
 def replacement_request_constraints(site: Site, asked: dict[str, Any] | None) -> dict[str, Any]:
     """The request's constraints over the replacement rule's (same GPU and GPUs per machine
     by default), except the compliance geography: the rule's ``geographies``/``sites``
@@ -87,9 +92,12 @@ class SpotReclaim:
             self._terminate_at = notice.terminate_at
 
     def _deadline(self) -> datetime:
-        """When the provider takes the machine, as the newest notice says."""
+        """When the provider takes the machine, as the newest notice says, and no later than
+        ``MAX_NOTICE_SECONDS`` after the run began: the notice comes from the node, which may say
+        2100 and so hold its own drain, and the wait for its replacement, open for good."""
         assert self._terminate_at is not None  # set from the input first thing in ``run``
-        return datetime.fromtimestamp(self._terminate_at, timezone.utc)
+        latest = workflow.info().start_time + timedelta(seconds=MAX_NOTICE_SECONDS)
+        return min(datetime.fromtimestamp(self._terminate_at, timezone.utc), latest)
 
     def _left(self) -> float:
         return max((self._deadline() - workflow.now()).total_seconds(), 0.0)
