@@ -77,6 +77,7 @@ async def _running_repairs(client, site: str):
 
 
 async def _running(client, workflow_id: str) -> bool:
+    """Whether ``workflow_id`` (its latest run) is running; one that is not on record is not."""
     try:
         return (await client.get_workflow_handle(workflow_id).describe()).status == WorkflowExecutionStatus.RUNNING
     except RPCError as error:
@@ -92,17 +93,6 @@ CLAIM_HOLDER = "workflow-id"
 
 class _ClaimMoved(Exception):
     """The site's evacuation claim changed between its read and its write."""
-
-
-async def _running(client, workflow_id: str) -> bool:
-    """Whether ``workflow_id`` (its latest run) is running; one that is not on record is not."""
-    try:
-        described = await client.get_workflow_handle(workflow_id).describe()
-    except RPCError as error:
-        if error.status == RPCStatusCode.NOT_FOUND:
-            return False
-        raise
-    return described.status == WorkflowExecutionStatus.RUNNING
 
 
 class EvacuationActivities:

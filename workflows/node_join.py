@@ -399,19 +399,18 @@ class NodeJoin:
             what = f"machine {p.machine_id} deleted, node {p.node_name} never admitted"
         else:
             state, what = "cancelled", "nothing was bought"
-        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(state)])
-        p.cancelled_while = where
         if self._cleaned_up:
             p.step = "cleaning up"  # done: where it was cancelled, then the clean-up
-        reason = workflow.cancellation_reason()
-        self._step("cancelled", f"cancelled{f' ({reason})' if reason else ''} while {where}: {what}")
+        self._say_cancelled(state, where, what)
 
     def _cancelled_fan_out(self, what: str) -> None:
-        p = self._progress
-        p.cancelled_while = p.step
-        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("cancelled")])
+        self._say_cancelled("cancelled", self._progress.step, what)
+
+    def _say_cancelled(self, state: str, where: str, what: str) -> None:
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(state)])
+        self._progress.cancelled_while = where
         reason = workflow.cancellation_reason()
-        self._step("cancelled", f"cancelled{f' ({reason})' if reason else ''} while {p.cancelled_while}: {what}")
+        self._step("cancelled", f"cancelled{f' ({reason})' if reason else ''} while {where}: {what}")
 
     async def _revoke_node_tokens(self, node_name: str) -> None:
         try:
