@@ -9,7 +9,8 @@ from datetime import datetime, timezone
 
 import pytest
 from typer.testing import CliRunner
-from temporalio.client import WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.testing import ActivityEnvironment
 
 from activities.evacuation import EvacuationActivities
@@ -21,6 +22,7 @@ from cli.main import app
 from fleet.models import GpuHealth, XidEvent
 from fleet.repair_policy import Rung
 from tests.conftest import Stack, terminate_running
+from tests.replay import replay_and_record
 from tests.repair_helpers import (
     eventually,
     exists,
@@ -37,7 +39,7 @@ from tests.repair_helpers import (
 )
 from workers.control_plane import build_worker
 from workers.health_report import send_report
-from fleet.messages.repair import SkipToInput
+from fleet.messages.repair import GpuRepairInput, LadderState, SkipToInput
 
 
 @pytest.fixture
@@ -206,7 +208,7 @@ async def test_failing_proof_keeps_the_node_out_and_operator_controls(temporal_e
         assert cordoned(stack, node.node_name), "still held"
         await handle.execute_update("release", {"reason": "reseated and checked"})
         result = await asyncio.wait_for(handle.result(), 30)
-        assert result["outcome"] == "repaired"
+        assert result["outcome"] == "repaired", [(a["rung"], a["outcome"], a.get("detail")) for a in result["attempts"]]
         assert not cordoned(stack, node.node_name)
         with pytest.raises(Exception):
             await handle.execute_update("hold")  # validator: the repair is over
@@ -245,6 +247,33 @@ async def test_a_site_releases_the_repairs_it_held_and_no_others(temporal_env, t
         assert await hold(False) == held
         assert await holds() == [(False, incident), (True, "vendor ticket 4711")], \
             "the incident's hold went, the operator's stayed"
+
+
+async def test_a_repair_held_the_moment_it_starts_is_held(rstack: Stack) -> None:
+    """An operator (or a site's incident) holds a repair the moment it appears. The update then
+    reaches the run's first task, whose updates the SDK hands to their handlers before ``run``
+    has built the ladder, and the hold was refused: "the repair is not running" (a full CI run
+    hit it). Now such a hold starts the ladder held: nothing contained until it is released."""
+    node = await join_node(rstack)
+    repair_id = f"repair/{node.node_name}/gpu0"
+    start = WithStartWorkflowOperation(
+        flows.GpuRepair.TYPE, GpuRepairInput(node_name=node.node_name, gpu=0, site="site-a", machine_id=node.machine_id, gpus=2),
+        id=repair_id, task_queue=rstack.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+    held = await rstack.client.execute_update_with_start_workflow(
+        flows.GpuRepair.hold, {"reason": "looking at it first"}, start_workflow_operation=start,
+        result_type=LadderState)
+    assert (held.held, held.hold_reason) == (True, "looking at it first")
+    handle = await start.workflow_handle()
+    await asyncio.sleep(0.5)
+    state = await ladder(rstack, node.node_name, 0)
+    assert state.held and state.attempts == [], state
+    assert "contain_gpu" not in await history_order(rstack, repair_id), "held: not even contained"
+    assert not cordoned(rstack, node.node_name)
+    await handle.execute_update(flows.GpuRepair.release, {"reason": "go ahead"})
+    result = await asyncio.wait_for(handle.result(), 30)
+    assert result["outcome"] == "repaired", [(a["rung"], a["outcome"], a.get("detail")) for a in result["attempts"]]
+    assert not cordoned(rstack, node.node_name)
+    await replay_and_record(handle, "gpu_repair_held_at_start")
 
 
 async def _exhausted(stack: Stack, node: str, gpu: int = 0):

@@ -93,6 +93,8 @@ class GpuRepair:
         self._state: LadderState | None = None
         self._grant: NodeActionGrant | None = None
         self._input: GpuRepairInput | None = None
+        #: A hold that came before ``run`` built the ladder (see ``_require_running``).
+        self._hold_at_start: HoldInput | None = None
 
     # -- operator surface ---------------------------------------------------------------
     @workflow.query
@@ -102,13 +104,27 @@ class GpuRepair:
         return self._state
 
     def _require_running(self) -> None:
-        if self._state is None or self._state.done:
+        """Refuse a repair that has ended. One still starting is running: an operator (or the
+        site, for its incident) acts on a repair the moment it appears, and its run's first task
+        hands that task's updates to their handlers before ``run`` has built the ladder."""
+        if self._state is not None and self._state.done:
             raise ValueError("the repair is not running")
 
+    async def _started(self) -> None:
+        """Wait for ``run`` to have built the ladder (an update of the run's first task)."""
+        if self._state is None:
+            await workflow.wait_condition(lambda: self._state is not None)
+
     @workflow.update
-    def hold(self, raw: Any = None) -> LadderState:
+    async def hold(self, raw: Any = None) -> LadderState:
+        asked = parse_input(HoldInput, {} if raw is None else raw)
+        if self._state is None:
+            # Before the ladder exists: run starts it held, so not even containment begins.
+            self._hold_at_start = asked
+            await self._started()
+            return self._state
         self._state.held = True
-        self._state.hold_reason = parse_input(HoldInput, {} if raw is None else raw).reason
+        self._state.hold_reason = asked.reason
         self._show()
         return self._state
 
@@ -118,7 +134,8 @@ class GpuRepair:
         self._require_running()
 
     @workflow.update
-    def release(self, raw: Any = None) -> LadderState:
+    async def release(self, raw: Any = None) -> LadderState:
+        await self._started()
         self._state.held = False
         self._state.hold_reason = parse_input(HoldInput, {} if raw is None else raw).reason
         self._show()
@@ -132,7 +149,8 @@ class GpuRepair:
         self._require_running()
 
     @workflow.update
-    def skip_to(self, raw: Any) -> LadderState:
+    async def skip_to(self, raw: Any) -> LadderState:
+        await self._started()
         self._state.skip_to = parse_input(SkipToInput, raw).rung
         self._show()
         return self._state
@@ -141,7 +159,7 @@ class GpuRepair:
     def _validate_skip_to(self, raw: Any) -> None:
         parse_input(SkipToInput, raw)  # an unknown rung is refused naming the field
         self._require_running()
-        if self._state.outcome == "replaced":
+        if self._state is not None and self._state.outcome == "replaced":
             raise ValueError("the node was already replaced")
 
     @workflow.signal
@@ -177,6 +195,8 @@ class GpuRepair:
         rung = inp.rung if inp.rung.level <= max_rung.level else max_rung
         self._state = LadderState(node_name=inp.node_name, gpu=inp.gpu, rung=rung, step="containing",
                                   reasons=list(inp.reasons))
+        if self._hold_at_start is not None:
+            self._state.held, self._state.hold_reason = True, self._hold_at_start.reason
         if inp.escalated_because:
             self._state.reasons.append(f"escalated: {inp.escalated_because}")
         workflow.upsert_search_attributes([
