@@ -29,8 +29,9 @@ from __future__ import annotations
 import threading
 import time
 import uuid
+from contextlib import contextmanager
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Iterator
 
 from fleet.cluster import GPU_RESOURCE, LABEL_PROVIDER, LABEL_SITE
 from providers.cluster.base import PodInfo
@@ -135,6 +136,9 @@ class RealHarness:
         self.owners: dict[tuple[str, str], dict[str, Any]] = {}
         self._ending: dict[str, float] = {}  # pod uid -> when its stand-in kubelet ends it
         self._stop = threading.Event()
+        #: Held by each round of the stand-in kubelets; ``pods_held`` takes it to stop them between rounds.
+        self._kubelet_round = threading.Lock()
+        self._pods_held = False
         self._kubelet = threading.Thread(target=self._kubelets, daemon=True, name="contract-kubelets")
         self._kubelet.start()
 
@@ -230,29 +234,45 @@ class RealHarness:
             admin=True, content_type=MERGE)
         assert status in (200, 404), answer  # 404: deleted meanwhile
 
+    @contextmanager
+    def pods_held(self) -> Iterator[None]:
+        """The stand-in kubelets start no pod meanwhile (they end deleted ones still), as a node
+        pulling a large image would not: what a test reads right after a write is then the state
+        before any replica ran, however slow the loaded machine made the write."""
+        with self._kubelet_round:  # the round in progress ends first
+            self._pods_held = True
+        try:
+            yield
+        finally:
+            self._pods_held = False
+
     def _kubelets(self) -> None:
         """The harness's Nodes' kubelets: start each pod bound to one of them, end each deleted."""
         while not self._stop.wait(0.2):
-            try:
-                status, pods = self.real.request("GET", "/api/v1/pods", admin=True)
-            except OSError:
+            with self._kubelet_round:
+                self._kubelet_round_once()
+
+    def _kubelet_round_once(self) -> None:
+        try:
+            status, pods = self.real.request("GET", "/api/v1/pods", admin=True)
+        except OSError:
+            return
+        if status != 200:
+            return
+        for pod in pods["items"]:
+            meta, spec = pod["metadata"], pod["spec"]
+            if spec.get("nodeName") not in self.nodes:
                 continue
-            if status != 200:
-                continue
-            for pod in pods["items"]:
-                meta, spec = pod["metadata"], pod["spec"]
-                if spec.get("nodeName") not in self.nodes:
-                    continue
-                namespace, name = meta["namespace"], meta["name"]
-                if meta.get("deletionTimestamp"):
-                    seconds = float((meta.get("annotations") or {}).get(TERMINATING_ANNOTATION, 0))
-                    ends = self._ending.setdefault(meta["uid"], time.monotonic() + seconds)
-                    if time.monotonic() >= ends:
-                        self.real.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
-                                          {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
-                                           "preconditions": {"uid": meta["uid"]}}, admin=True)
-                elif (pod.get("status") or {}).get("phase", "Pending") == "Pending":
-                    self._report_running(namespace, name)
+            namespace, name = meta["namespace"], meta["name"]
+            if meta.get("deletionTimestamp"):
+                seconds = float((meta.get("annotations") or {}).get(TERMINATING_ANNOTATION, 0))
+                ends = self._ending.setdefault(meta["uid"], time.monotonic() + seconds)
+                if time.monotonic() >= ends:
+                    self.real.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}",
+                                      {"apiVersion": "v1", "kind": "DeleteOptions", "gracePeriodSeconds": 0,
+                                       "preconditions": {"uid": meta["uid"]}}, admin=True)
+            elif (pod.get("status") or {}).get("phase", "Pending") == "Pending" and not self._pods_held:
+                self._report_running(namespace, name)
 
     def pods(self, node: str) -> list[PodInfo]:
         """The pods on ``node``, less those of the cluster's own DaemonSets the test did not add:

@@ -61,7 +61,8 @@ def test_drain_waits_for_evicted_pods_to_terminate(harness: RealHarness):
 def test_serving_ready_waits_for_the_controller(harness: RealHarness):
     harness.add_node("gpu-1", site="site-a")
     spec = ServingSpec(model="m", site="site-a", image="img:1", replicas=1)
-    status = harness.cluster.apply_serving(spec)
+    with harness.pods_held():  # no replica can have started when apply_serving answers
+        status = harness.cluster.apply_serving(spec)
     assert not status.ready and status.available_replicas == 0, "no replica has started yet"
 
     def ready(generation: int):
@@ -72,7 +73,8 @@ def test_serving_ready_waits_for_the_controller(harness: RealHarness):
         return now
 
     assert ready(1).available_replicas == 1
-    status = harness.cluster.apply_serving(spec.model_copy(update={"image": "img:2"}))
+    with harness.pods_held():
+        status = harness.cluster.apply_serving(spec.model_copy(update={"image": "img:2"}))
     assert not status.ready and status.generation == 2
     status = ready(2)
     assert status.image == "img:2" and status.updated_replicas == status.available_replicas == 1
