@@ -202,3 +202,31 @@ async def test_a_failed_join_whose_clean_up_left_its_machine_says_a_person_must_
     assert stack.world.machine(machine["id"])["deleted_at"] is None, "the machine is still there"
     description = await handle.describe()
     assert description.typed_search_attributes.get(sa.FLEET_STATE) == "needs-person"
+
+
+async def test_a_cancel_during_a_failed_joins_clean_up_does_not_stop_it(stack: Stack) -> None:
+    """The node never registers in time, and the join cleans up; an operator (or the request
+    that started it) cancels it meanwhile. The cancel used to cancel the machine's delete: the
+    machine was left billing for the sweep and the join ended needs-person. Now the clean-up runs
+    to its end under the cancel (``join-patches-at-start-2``) and the join ends as it was going to:
+    failed, the machine deleted, no token left."""
+    stack.world.set_site("site-a", boot_seconds=SLOW_BOOT_SECONDS)
+    handle = await stack.start_join({"site": "site-a", "timeouts": {"registration_seconds": 2}},
+                                    request=f"late-{uuid.uuid4().hex[:6]}")
+    (machine,) = await wait_for(lambda: stack.world.machines("site-a"), timeout=20)
+    stack.world.set_site("site-a", api_latency_ms=3000)  # the delete is slow: the cancel lands in it
+
+    async def cleaning_up() -> bool:
+        return (await _progress(handle)).step == "cleaning up"
+
+    await eventually(cleaning_up, timeout=30)
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError) as ended:
+        await asyncio.wait_for(handle.result(), 60)
+    assert "clean-up incomplete" not in str(ended.value.cause), ended.value.cause
+    assert "while waiting for registration" in str(ended.value.cause), ended.value.cause
+    description = await handle.describe()
+    assert description.typed_search_attributes.get(sa.FLEET_STATE) == "failed"
+    assert stack.world.machine(machine["id"])["deleted_at"] is not None, "the machine is deleted"
+    assert stack.world.query("SELECT * FROM join_tokens WHERE node_name=?", machine["name"]) == []
+    await replay_and_record(handle, "node_join_failed_clean_up_cancelled")

@@ -18,6 +18,7 @@ from fleet.naming import node_name_for
 from providers.cluster.bootstrap import read_join_configuration
 from fleet.cluster import UNPROVEN_TAINT
 from tests.conftest import Stack, run_node_host, wait_for
+from tests.replay import replay_and_record
 from workers.control_plane import build_worker
 from fleet.messages.join import NodeJoinResult
 
@@ -286,4 +287,8 @@ async def test_join_cancelled_mid_create_still_deletes_the_machine(stack: Stack)
     with pytest.raises(WorkflowFailureError):
         await handle.result()
     assert stack.world.machines("site-b") == [], "deleted before the join reported cancelled"
-    assert len(stack.world.machines("site-b", include_deleted=True)) == 1
+    (machine,) = stack.world.machines("site-b", include_deleted=True)
+    # And its join token, which the machine never used (``join-patches-at-start-2``; it was left to
+    # expire at its TTL before).
+    assert stack.world.query("SELECT * FROM join_tokens WHERE node_name=?", machine["name"]) == []
+    await replay_and_record(handle, "node_join_cancelled_mid_create")

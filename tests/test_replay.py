@@ -27,6 +27,9 @@ EXPECTED = {
     # A join cancelled while waiting for registration deletes its machine and ends cancelled, not
     # failed (tests/test_join_cancelled.py; no patch: only the run's last command differs).
     "node_join_cancelled",
+    # ``join-patches-at-start-2``: a cancel does not stop a failed join's clean-up; a join cancelled
+    # mid-create deletes its join token too (tests/test_join_cancelled.py, tests/test_node_join.py).
+    "node_join_failed_clean_up_cancelled", "node_join_cancelled_mid_create",
     "node_entity_health_watch", "node_entity_watch_from_join_state",
     "capacity_no_capacity_fallback", "capacity_over_quota", "capacity_bad_credentials", "capacity_wait_then_resume",
     "account_quota_raised", "account_credentials_rotated", "site_fill_below_min", "site_retire_above_max",

@@ -65,6 +65,13 @@ with workflow.unsafe.imports_passed_through():
 #: ``admit-together``, ``tell-site-entity``, ``clean-up-machine-first``) are gone with their old
 #: branches: only runs from before it recorded their markers, and none of those is open.
 JOIN_PATCHES_AT_START = "join-patches-at-start"
+#: Workflow patch, asked once in the run's first task (never after the local activity): the
+#: join's clean-up converges under a cancel. A cancel that landed during the clean-up of a failed
+#: join cancelled the machine's delete (the machine left for the sweep, the join needs-person);
+#: now the clean-up's activities are shielded from it. And a join cancelled while its machine was
+#: being created deleted the machine but left the node's join token until its TTL; now it
+#: deletes the token too. Runs from before it (no marker) keep the old path.
+JOIN_PATCHES_AT_START_2 = "join-patches-at-start-2"
 
 
 @workflow.defn(name="NodeJoin")
@@ -75,6 +82,8 @@ class NodeJoin:
         self._cleaned_up = False
         #: What the clean-up could not delete or remove.
         self._left_behind: list[str] = []
+        #: ``JOIN_PATCHES_AT_START_2``: a cancel does not stop the clean-up.
+        self._clean_up_converges = False
 
     @workflow.query
     def progress(self) -> JoinProgress:
@@ -94,6 +103,7 @@ class NodeJoin:
     @workflow.run
     async def run(self, raw: Any) -> NodeJoinResult:
         workflow.deprecate_patch(JOIN_PATCHES_AT_START)  # first: before the local activity
+        self._clean_up_converges = workflow.patched(JOIN_PATCHES_AT_START_2)
         request = parse_input(NodeJoinInput, raw)
         if request.count > 1:
             return await self._join_many(request)
@@ -273,6 +283,8 @@ class NodeJoin:
             machine = (await provisioning).machine
             self._progress.machine_id = machine.id
             await self._clean_up(site, machine, node_name)
+            if self._clean_up_converges:
+                await self._revoke_node_tokens(node_name)  # its machine never used it
             self._progress.step = "provisioning"  # report where it was cancelled, not the clean-up
             raise
         except ActivityError as error:
@@ -345,11 +357,11 @@ class NodeJoin:
         step = self._progress.step
         self._step("cleaning up", "deleting any machine an earlier attempt created")
         try:
-            await workflow.execute_activity(
+            await self._finish(workflow.start_activity(
                 act.release_provision, ReleaseProvisionInput(site=site.name, name=spec.name, idempotency_key=provision_key),
                 start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
                 summary=f"delete any machine created as {spec.name}",
-            )
+            ))
         except ActivityError as error:
             # The sweep is the bound on this leak: it finds the machine by its marker later.
             workflow.logger.warning("could not look for a machine created as %s: %s", spec.name,
@@ -362,19 +374,19 @@ class NodeJoin:
         self._cleaned_up = True
         failed = self._left_behind
         try:
-            await workflow.execute_activity(
+            await self._finish(workflow.start_activity(
                 act.delete_machine, DeleteMachineInput(site=site.name, machine_id=machine.id),
                 start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
                 summary=f"delete machine {machine.id}",
-            )
+            ))
         except ActivityError as error:
             failed.append(f"machine {machine.id}: {failure_message(error)}")
         finally:
             try:
-                await workflow.execute_activity(
+                await self._finish(workflow.start_activity(
                     act.remove_node, RemoveNodeInput(node_name=node_name), start_to_close_timeout=QUICK,
                     retry_policy=CLUSTER_RETRY, summary=f"remove node {node_name}",
-                )
+                ))
             except ActivityError as error:
                 failed.append(f"node {node_name}: {failure_message(error)}")
         if failed:
@@ -412,12 +424,24 @@ class NodeJoin:
         reason = workflow.cancellation_reason()
         self._step("cancelled", f"cancelled{f' ({reason})' if reason else ''} while {where}: {what}")
 
+    async def _finish(self, clean_up: workflow.ActivityHandle[Any]) -> Any:
+        """Await a clean-up step to its end. A cancel of the join that lands meanwhile (a failed
+        join cleaning up, an operator pressing Ctrl-C) must not stop it: it would leave the machine
+        billing and the join saying a person must look. The cancel is not lost: the join ends
+        right after its clean-up, the way it was going to end."""
+        if not self._clean_up_converges:
+            return await clean_up
+        try:
+            return await asyncio.shield(clean_up)
+        except asyncio.CancelledError:
+            return await clean_up
+
     async def _revoke_node_tokens(self, node_name: str) -> None:
         try:
-            await workflow.execute_activity(
+            await self._finish(workflow.start_activity(
                 act.revoke_node_tokens, RevokeNodeTokensInput(node_name=node_name),
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="delete the node's join tokens",
-            )
+            ))
         except ActivityError as error:
             # Each token expires within the hour anyway, and is good only for this node's name.
             workflow.logger.warning("could not delete the join tokens of %s: %s", node_name, failure_message(error))
