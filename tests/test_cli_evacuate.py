@@ -15,10 +15,13 @@ import sys
 import uuid
 
 import pytest
-from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus
+from temporalio.common import WorkflowIDConflictPolicy
 
+from fleet.contracts import workflows as flows
 from fleet.messages.evacuation import EvacuationResult
 from tests.evacuation_helpers import IncStack, incident_fleet, open_incident_stack, poll
+from tests.replay import replay_and_record
 from tests.test_cli_cancel import finished, read_until
 
 
@@ -103,6 +106,27 @@ async def test_ctrl_c_while_the_start_call_returns_aborts_the_evacuation_it_star
     assert cordoned(inc, site) == set(), "whatever it had cordoned is uncordoned"
     routes = inc.cluster.get_site_routes().sites[site]
     assert (routes.weight, routes.healthy, routes.draining) == (100, True, False)
+
+
+async def test_an_abort_in_the_evacuations_first_task_is_taken(inc: IncStack) -> None:
+    """What the test above depends on: the command's abort, sent at once, can reach the run's
+    first task (a loaded worker polls late), whose updates the SDK hands to their handlers before
+    ``run`` has begun. Refused there ("still starting"), the command said "nothing to abort" and
+    the evacuation went on to drain the site. Update-with-start puts the abort there every time."""
+    site, names = await evacuating(inc, inc.site("a"))
+    workflow_id = f"evacuate/{site}/manual-first-task"
+    start = WithStartWorkflowOperation(
+        flows.SiteEvacuation.TYPE, {"site": site, "reason": "test: interrupted at once"}, id=workflow_id,
+        task_queue=inc.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+    await inc.client.execute_update_with_start_workflow(
+        flows.SiteEvacuation.abort, "test: Ctrl-C", start_workflow_operation=start)
+    handle = await start.workflow_handle()
+    result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+    assert result.outcome == "aborted"
+    assert cordoned(inc, site) == set(), "nothing drained"
+    routes = inc.cluster.get_site_routes().sites[site]
+    assert (routes.weight, routes.healthy, routes.draining) == (100, True, False)
+    await replay_and_record(handle, "site_evacuation_aborted_in_its_first_task")
 
 
 async def test_recovered_ends_a_watched_evacuation_restored(inc: IncStack) -> None:

@@ -73,6 +73,9 @@ EXPECTED = {
     # A rollback that failed says so and needs a person (tests/rollout/test_rollback_failed.py);
     # the old code's run, which said "rolled back", replays too.
     "rollout_aborted_rollback_failed", "rollout_aborted_rollback_failed_before",
+    # Aborted in its run's first task (update-with-start): taken, where it was refused as "still
+    # starting" (no patch: a refused update leaves nothing in a history).
+    "rollout_aborted_in_its_first_task",
     # The newest spot notice sets the deadline (``reclaim-newest-notice-deadline``, tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # The HTTP relay of an operator update (tests/test_entity_update.py).
@@ -89,6 +92,7 @@ EXPECTED = {
     "capacity_deadline_join_in_flight_before", "capacity_deadline_after_wait_before",
     "site_evacuation_restored_releases", "site_evacuation_aborted_restores", "site_evacuation_cancelled_restores",
     "site_evacuation_aborted_while_buying", "site_evacuation_aborted_restores_after_continue_as_new",
+    "site_evacuation_aborted_in_its_first_task",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).
     "node_join_happy_patches_at_start", "node_join_count2_patches_at_start",
     "node_join_smoke_failed_patches_at_start", "node_entity_two_repairs_patches_at_start",

@@ -186,18 +186,24 @@ class SiteEvacuation:
                               "declare the site recovered there", "following")
 
     @workflow.update
-    def abort(self, reason: Any = "") -> EvacuationProgress:
+    async def abort(self, reason: Any = "") -> EvacuationProgress:
         """Stop, and put back what it changed: nodes it cordoned uncordoned (unless held for a
         reason of their own), the site's Deployments and routing weights as they were, the
         replicas it added elsewhere and the capacity it bought gone. Answers at once (watch
         ``progress``: state ``restoring``, then ``aborted``)."""
+        if self._progress is None:
+            # The run's first task (``gpufleet evacuate start`` interrupted as its start call
+            # returned): its updates reach their handlers before ``run`` has begun. Refused, the
+            # command heard "nothing to abort" and the evacuation went on draining the site.
+            await workflow.wait_condition(lambda: self._progress is not None)
         self._abort = reason or "aborted by an operator"
         return self._progress
 
     @abort.validator
     def _validate_abort(self, reason: Any = "") -> None:
         check_text("reason", reason)
-        self._require_running()
+        if self._progress is not None:  # still starting: taken once it has (above)
+            self._require_running()
 
     @workflow.signal
     def retry(self) -> None:

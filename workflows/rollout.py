@@ -117,16 +117,24 @@ class ModelRollout:
         return self._p
 
     def _accepting(self) -> None:
-        """The rollout's state, not the input, refuses an operator's update (``WrongState``)."""
+        """The rollout's state, not the input, refuses an operator's update (``WrongState``).
+        One still starting accepts it: an update sent the moment the rollout appears reaches the
+        run's first task, whose updates the SDK hands to their handlers before ``run`` has built
+        the progress; each handler waits for it (``_started``), then acts."""
         if self._p is None:
-            raise wrong_state("the rollout is still starting", "starting")
+            return
         if self._finished:
             raise wrong_state(f"the rollout has finished ({self._p.phase})", self._p.phase)
         if self._abort:
             raise wrong_state("the rollout is being aborted", "aborting")
 
+    async def _started(self) -> None:
+        if self._p is None:
+            await workflow.wait_condition(lambda: self._p is not None)
+
     @workflow.update
     async def pause(self, reason: Any = "") -> RolloutProgress:
+        await self._started()
         self._paused = True
         self._p.paused = True
         self._say(f"paused by operator{': ' + reason if reason else ''}")
@@ -142,6 +150,7 @@ class ModelRollout:
 
     @workflow.update
     async def resume(self, reason: Any = "") -> RolloutProgress:
+        await self._started()
         self._paused = False
         self._p.paused = False
         self._say(f"resumed by operator{': ' + reason if reason else ''}")
@@ -153,11 +162,12 @@ class ModelRollout:
         check_text("reason", reason)
         self._accepting()
         if not self._paused:
-            raise wrong_state("not paused", self._p.phase)
+            raise wrong_state("not paused", self._p.phase if self._p else "starting")
 
     @workflow.update
     async def abort(self, reason: Any = "") -> RolloutProgress:
         """Stop and roll back every site already updated; returns at once (watch ``progress``)."""
+        await self._started()
         self._abort = True
         self._abort_reason = reason or "aborted by operator"
         self._p.aborting = True

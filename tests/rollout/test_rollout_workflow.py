@@ -7,7 +7,8 @@ import re
 import json
 
 import pytest
-from temporalio.client import WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.client import WithStartWorkflowOperation, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
@@ -165,6 +166,27 @@ async def test_abort_midway_rolls_back_updated_sites(rollout_stack: RolloutStack
     assert rollbacks == [0, 0], rollbacks
     with pytest.raises((WorkflowUpdateFailedError, RPCError)):  # finished: rejected
         await handle.execute_update("abort", "again")
+
+
+async def test_an_abort_in_the_rollouts_first_task_is_taken(rollout_stack: RolloutStack) -> None:
+    """An abort sent the moment a rollout appears (a script, a person's reflex) reaches the run's
+    first task, whose updates the SDK hands to their handlers before ``run`` has built the
+    progress: it was refused as "still starting" and the rollout went on to update every site.
+    Update-with-start puts it there every time: now it is taken, and no site changes."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a", "site-b"])
+    raw = stack.request({"site-a": 1, "site-b": 1})
+    workflow_id = f"rollout/{raw.get('model')}/{raw.get('version')}-first-task"
+    start = WithStartWorkflowOperation("ModelRollout", raw, id=workflow_id, task_queue=stack.settings.task_queue,
+                                       id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+    taken = await stack.client.execute_update_with_start_workflow(
+        "abort", "test: stopped at once", start_workflow_operation=start)
+    assert taken["aborting"], taken
+    handle = await start.workflow_handle()
+    result = RolloutResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+    assert result.outcome == "aborted"
+    assert [stack.image(s) for s in ("site-a", "site-b")] == ["img:v1"] * 2, "no site was updated"
+    await replay_and_record(handle, "rollout_aborted_in_its_first_task")
 
 
 async def test_an_abort_after_a_scale_puts_the_old_version_back(rollout_stack: RolloutStack) -> None:
