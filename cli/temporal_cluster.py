@@ -101,18 +101,24 @@ def built() -> bool:
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 below the ephemeral range (32768-60999), which an outgoing
-    connection could otherwise take between "free" and the service's own bind."""
+    connection could otherwise take between "free" and the service's own bind. Taken from
+    ``GPUFLEET_PORT_RANGE`` (``LOW-HIGH``) where set: processes starting servers side by side
+    (the test suite's workers) give each its own range, since a port another one found free a
+    moment ago looks free here too until its service binds it."""
     import random
 
+    low, high = 20000, 32600
+    if ranged := os.environ.get("GPUFLEET_PORT_RANGE", ""):
+        low, high = (int(part) for part in ranged.split("-", 1))
     for _ in range(200):
-        port = random.randint(20000, 32600)
+        port = random.randint(low, high - 1)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
             return port
-    raise OSError("no free port in 20000-32600")
+    raise OSError(f"no free port in {low}-{high}")
 
 
 def values() -> dict[str, Any]:

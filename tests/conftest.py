@@ -10,6 +10,7 @@ from here (``from tests.conftest import Stack, wait_for``), as the tests always 
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import pytest
 import yaml
 
 from tests.plugins import ast_race, tiers
+from tests.ports import worker_port_range
 from tests.tools import require_marked
 
 if TYPE_CHECKING:
@@ -31,6 +33,8 @@ SERVER_FIXTURES = tiers.SERVER_FIXTURES
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # This worker's own ports (tests/ports.py), for the servers the CLI starts too (and its children).
+    os.environ["GPUFLEET_PORT_RANGE"] = "-".join(map(str, worker_port_range()))
     ast_race.install()  # CPython 3.11's gh-106905 under the suite's threads (tests/plugins/ast_race.py)
     # A plugin module, not this conftest's hooks: its hook wrappers guard every test, also those
     # of directories with a conftest of their own. (It may be loaded already, by ``-p``.)

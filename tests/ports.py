@@ -8,12 +8,27 @@ that then exits at start-up). Ports below that range are never taken by a connec
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 
 #: Below Linux's default ephemeral range (32768-60999), with room for the offsets `gpufleet dev`
 #: adds to its --port (HTTP API +10, node gateway +67).
 LOW, HIGH = 20000, 32600
+
+
+def worker_port_range() -> tuple[int, int]:
+    """This pytest-xdist worker's own slice of ``LOW``-``HIGH``. "Free" is true only until the
+    server binds: a neighbouring worker's Temporal server binds its services' ports (+1 to +8)
+    seconds after its --port was chosen, and one of them was once the UI port a test here had
+    just found free (the server then exits at start-up). Disjoint slices cannot meet."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    if count <= 1 or index >= count:
+        return LOW, HIGH
+    width = (HIGH - LOW) // count
+    return LOW + index * width, LOW + (index + 1) * width
 #: The ports `gpufleet dev` takes from its --port when not given one each (cli/main.py ``dev``): the
 #: server's own and its services' (+1 to +8), HTTP API, S3 emulator, node gateway, UI. It refuses
 #: to start when one is taken (the front door and metrics ports are moved instead).
@@ -22,15 +37,12 @@ DEV_OFFSETS = (0, *range(1, 9), 10, 11, 67, 1000)
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1, outside the ephemeral range, that nothing holds right now."""
+    low, high = worker_port_range()
     for _ in range(200):
-        port = random.randint(LOW, HIGH)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        port = random.randint(low, high - 1)
+        if _free(port):
             return port
-    raise OSError(f"no free port in {LOW}-{HIGH}")
+    raise OSError(f"no free port in {low}-{high}")
 
 
 def _free(port: int) -> bool:
@@ -45,8 +57,9 @@ def _free(port: int) -> bool:
 def free_dev_port() -> int:
     """A --port for `gpufleet dev` whose every derived port (``DEV_OFFSETS``) is free right now:
     with ``free_port()`` alone, a derived one held by a neighbouring test made the stack refuse."""
+    low, high = worker_port_range()
     for _ in range(200):
-        port = random.randint(LOW, HIGH - 1000)
+        port = random.randint(low, high - 1 - max(DEV_OFFSETS))
         if all(_free(port + offset) for offset in DEV_OFFSETS):
             return port
-    raise OSError(f"no free block of dev ports in {LOW}-{HIGH}")
+    raise OSError(f"no free block of dev ports in {low}-{high}")
