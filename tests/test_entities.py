@@ -16,7 +16,8 @@ from typing import Any, AsyncIterator
 import pytest
 import yaml
 from temporalio import activity
-from temporalio.client import Client
+from temporalio.client import Client, WithStartWorkflowOperation, WorkflowUpdateFailedError
+from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor, Worker
 
@@ -192,6 +193,51 @@ async def test_account_credentials_rotated_during_a_report_write_leaves_guard_an
         assert (final.state, list(final.blocked_offers)) == (AccountState.QUOTA_BLOCKED, [offer])
         await replay_and_record(handle, "account_rotated_during_report_write")
         await handle.terminate("test over")
+
+
+async def test_an_update_in_a_continued_accounts_first_task_sees_its_carried_state(temporal_env, tmp_path: Path) -> None:
+    """A run continued as new gets the account's status in its input; an update that reaches its
+    first task (a person's ``gpufleet accounts rotated`` at that moment) met the state
+    ``__init__`` made (none) and was refused: "credentials are not revoked: nothing to rotate",
+    of an account whose credentials were revoked. Now it waits for ``run`` to take its state
+    (``Entity.until_started``). The run is started here as a continue-as-new starts it (the
+    carried status in its input), with the update in its first task (update-with-start)."""
+    uid = uuid.uuid4().hex[:6]
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(capacity_fleet(uid)))
+    settings = Settings(address=temporal_env.client.service_client.config.target_host,
+                        task_queue=f"acct-first-{uid}", state_dir=tmp_path, config=str(path))
+    env = FleetEnv.from_settings(settings)
+    client = temporal_env.client
+    account = f"a-{uid}"
+    carried = AccountStatus(account=account, provider="lambda", state=AccountState.CREDENTIALS_REVOKED,
+                            since="2026-12-05T00:00:00+00:00", reason="BadCredentials: 401")
+    worker = Worker(client, task_queue=settings.task_queue, workflows=ALL_WORKFLOWS,
+                    activities=control_plane_activities(env), activity_executor=ThreadPoolExecutor(max_workers=8),
+                    workflow_runner=workflow_runner(client.data_converter))
+    async with worker:
+        start = WithStartWorkflowOperation(
+            "ProviderAccount", {"account": account, "provider": "lambda", "status": carried.model_dump(mode="json")},
+            id=f"account/lambda/{account}", task_queue=settings.task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+        rotated = await client.execute_update_with_start_workflow(
+            "credentials_rotated", start_workflow_operation=start, result_type=AccountStatus)
+        assert rotated.state == AccountState.HEALTHY, rotated
+        assert env.accounts.get(account).state == AccountState.HEALTHY, "the guard store says so too"
+        handle = await start.workflow_handle()
+        await replay_and_record(handle, "account_rotated_in_its_first_task")
+        # And one that has nothing to act on is still refused, naming the state: checked in the
+        # handler once the run has its state (the validator could not).
+        again = WithStartWorkflowOperation(
+            "ProviderAccount", {"account": f"b-{uid}", "provider": "lambda",
+                                "status": {"account": f"b-{uid}", "provider": "lambda"}},
+            id=f"account/lambda/b-{uid}", task_queue=settings.task_queue,
+            id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+        with pytest.raises(WorkflowUpdateFailedError) as refused:
+            await client.execute_update_with_start_workflow("credentials_rotated", start_workflow_operation=again)
+        assert "nothing to rotate" in str(refused.value.cause), refused.value.cause
+        await handle.terminate("test over")
+        await (await again.workflow_handle()).terminate("test over")
 
 
 # -- helpers ------------------------------------------------------------------------------------

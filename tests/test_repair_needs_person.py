@@ -16,11 +16,13 @@ import time
 
 import pytest
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.common import WorkflowIDConflictPolicy
 
 from activities.repair import fence_key
 from fleet.messages.join import JoinedNode
-from fleet.messages.repair import GpuRepairResult, NodeStatus
+from fleet.contracts import workflows as flows
+from fleet.messages.repair import GpuDecision, GpuRepairResult, NodeCarry, NodeEntityInput, NodeStatus
 from fleet.repair_policy import Rung
 from tests.conftest import Stack
 from tests.repair_helpers import eventually, exists, node_status, repair_handle
@@ -141,3 +143,26 @@ async def test_a_gpu_not_held_for_a_person_is_refused_naming_it(rstack: Stack, c
     # A node with no running entity: refused, naming it.
     unknown = await gpufleet(rstack, "repair", *command[:1], "no-such-node", "0", *command[1:], "--reason", "typo")
     assert unknown.returncode == 1 and "no running Node entity node/no-such-node" in unknown.stderr, unknown.stderr
+
+
+async def test_a_return_in_a_continued_runs_first_task_sees_the_carried_hold(rstack: Stack) -> None:
+    """A run continued as new gets what the entity knows in its input (``carry``); a person's
+    ``gpufleet repair return`` that reaches its first task met the empty state ``__init__`` made
+    and was refused: "GPU 0 is not held for a person (held for a person: none)". Now it waits
+    for ``run`` to take its state (``Entity.until_started``). The run is started here as a
+    continue-as-new starts it, its carry in its input, with the update in its first task."""
+    node = await _held_for_a_person(rstack)
+    entity = _node_entity(rstack, node)
+    await entity.terminate("test: stands for the run that continued as new")
+    carry = NodeCarry(state="needs-person", needs_person={0: "its repair was cancelled"},
+                      boot_id=rstack.world.machine(node.machine_id)["boot_id"])
+    start = WithStartWorkflowOperation(
+        flows.Node.TYPE, NodeEntityInput(node_name=node.node_name, carry=carry).model_dump(mode="json"),
+        id=entity.id, task_queue=rstack.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING)
+    decision = await rstack.client.execute_update_with_start_workflow(
+        flows.Node.return_gpu, {"gpu": 0, "reason": "checked by hand"}, start_workflow_operation=start,
+        result_type=GpuDecision)
+    assert decision.outcome == "returned" and decision.uncordoned, decision
+    assert fence_key(0) not in rstack.cluster.annotate_node(node.node_name, {})
+    assert not rstack.cluster.get_node(node.node_name).unschedulable, "the node serves again"
+    await replay_and_record(await start.workflow_handle(), "node_entity_gpu_returned_in_its_first_task")

@@ -43,6 +43,9 @@ EXPECTED = {
     # A person's way out for a GPU held for a person: ``return_gpu`` and ``repair_gpu`` updates on the
     # Node entity (tests/test_repair_needs_person.py).
     "node_entity_gpu_returned", "node_entity_gpu_retried",
+    # An update in an entity run's first task (as a continued run's) waits for ``run`` to take its
+    # state (``Entity.until_started``) where it was checked against none and refused.
+    "node_entity_gpu_returned_in_its_first_task", "account_rotated_in_its_first_task",
     # A repair held in its run's first task (update-with-start) starts held (tests/test_repair.py;
     # no patch: such a hold was refused before, so no older history holds one).
     "gpu_repair_held_at_start",

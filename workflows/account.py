@@ -73,7 +73,7 @@ CONTINUE_WHEN_READY_PATCH = "account-continue-when-ready"
 class ProviderAccount(Entity[AccountStatus | None]):
     def __init__(self) -> None:
         # The state (``run`` sets it: a report sent with the start is queued here until then, and
-        # an update before it is refused as "starting").
+        # an update before it waits for it: ``Entity.until_started``).
         super().__init__(None)
         #: Reports not yet taken by the loop (in flight: the gate lets the loop take them first).
         self._reports: list[ReportAccountInput] = []
@@ -92,8 +92,11 @@ class ProviderAccount(Entity[AccountStatus | None]):
 
     @workflow.update
     async def quota_raised(self, raw: Any = None) -> AccountStatus:
-        status = self.state
         request = parse_input(QuotaRaised, raw or {})
+        if not self.started:  # the validator could not look at the state yet
+            await self.until_started()
+            self._check_blocked(request)
+        status = self.state
         # Locked: a report's store write, still in flight, would land after this one and re-block the offers.
         async with self._locked():
             if request.offers:
@@ -119,11 +122,14 @@ class ProviderAccount(Entity[AccountStatus | None]):
                                 ["offers"])
         if request.offers and request.all:
             raise invalid_input("all: either offers or all, not both", ["all"])
+        if self.started:  # else the handler checks, once the run has its state
+            self._check_blocked(request)
+
+    def _check_blocked(self, request: QuotaRaised) -> None:
         status = self.state
-        if status is None or not status.blocked_offers:
+        if not status.blocked_offers:
             # The account's state, not the input: nothing is blocked now.
-            raise wrong_state(f"account {status.account if status else '?'} has no quota-blocked offer",
-                              status.state.value if status else "starting")
+            raise wrong_state(f"account {status.account} has no quota-blocked offer", status.state.value)
         unknown = [o for o in request.offers if o not in status.blocked_offers]
         if unknown:
             # The input: offers that are not blocked here (a typo, or another account's).
@@ -132,6 +138,9 @@ class ProviderAccount(Entity[AccountStatus | None]):
 
     @workflow.update
     async def credentials_rotated(self) -> AccountStatus:
+        if not self.started:  # the validator could not look at the state yet
+            await self.until_started()
+            self._check_rotated()
         status = self.state
         # Locked, check included: a report's store write (still revoked), in flight meanwhile, would land
         # after this one and leave the guard revoked while the entity says healthy.
@@ -167,9 +176,10 @@ class ProviderAccount(Entity[AccountStatus | None]):
 
     @credentials_rotated.validator
     def _check_rotated(self) -> None:
-        if self.state is None or self.state.state != AccountState.CREDENTIALS_REVOKED:
-            raise wrong_state("credentials are not revoked: nothing to rotate",
-                              self.state.state.value if self.state else "starting")
+        if not self.started:  # the handler checks, once the run has its state
+            return
+        if self.state.state != AccountState.CREDENTIALS_REVOKED:
+            raise wrong_state("credentials are not revoked: nothing to rotate", self.state.state.value)
 
     # -- the entity loop ------------------------------------------------------------------
     @workflow.run

@@ -11,7 +11,9 @@ temporalio/samples-python ``message_passing/safe_message_handlers``. Three rules
    starts with through ``start_with(carried)``, and a signal handler changes the state through
    ``after_start(change)``: the SDK hands the signals of a run's first task (one sent with the
    start, one that reached a continued run before its first task) to their handlers *before*
-   ``run`` begins, and a change made then to the state ``run`` replaces would be lost.
+   ``run`` begins, and a change made then to the state ``run`` replaces would be lost. Updates
+   of that task come before ``run`` too: one whose checks read the state waits
+   (``until_started``) rather than be refused against the state ``__init__`` made.
    (Not ``@workflow.init``: an ``__init__`` that takes the input fails the workflow *task*,
    for ever, on a start with the wrong number of inputs, before the input guard can refuse it.)
 2. **One lock policy.** The workflow runs one coroutine at a time, so a change made between two
@@ -93,6 +95,20 @@ class Entity(Generic[StateT]):
         changes, self._before_start = self._before_start, []
         for change in changes:
             change()
+
+    @property
+    def started(self) -> bool:
+        """``run`` has taken its state (``start_with``)."""
+        return self._started
+
+    async def until_started(self) -> None:
+        """An update handler whose checks read the state, first thing. An update of a run's first
+        task (one sent with the start, or the moment a run continued as new) reaches its validator
+        and handler before ``run`` took its state: checked against the state ``__init__`` made, it
+        was refused for what the entity did not yet know. Its validator skips the state's checks
+        until ``started``; its handler waits here, then makes them."""
+        if not self._started:
+            await workflow.wait_condition(lambda: self._started)
 
     def after_start(self, change: Callable[[], None]) -> None:
         """A handler's change of the state: made now, or, for a signal handled before ``run``

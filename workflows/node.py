@@ -365,6 +365,7 @@ class NodeEntity(Entity[NodeCarry]):
         another GPU of it is fenced (one under repair is: its repair fenced it)."""
         order = parse_input(ReturnGpuInput, raw)
         index = order.gpu
+        await self.until_started()  # the GPUs held for a person are the state's
         async with self.state_lock:  # the loop changes fences and repairs across its awaits too
             self._require_held(index)  # again: a repair may have taken it over while this waited
             result = await self._unfence(index, by=f"returned to service by a person ({order.reason})")
@@ -388,7 +389,9 @@ class NodeEntity(Entity[NodeCarry]):
 
     @return_gpu.validator
     def _validate_return_gpu(self, raw: Any) -> None:
-        self._require_held(parse_input(ReturnGpuInput, raw).gpu)
+        gpu = parse_input(ReturnGpuInput, raw).gpu
+        if self.started:  # else the handler checks, once the run has its state
+            self._require_held(gpu)
 
     @workflow.update
     async def repair_gpu(self, raw: Any) -> GpuDecision:
@@ -398,6 +401,7 @@ class NodeEntity(Entity[NodeCarry]):
         takes over the GPU's containment; held by the site, it waits like any finding."""
         order = parse_input(RepairGpuInput, raw)
         index = order.gpu
+        await self.until_started()
         async with self.state_lock:  # the loop changes fences and repairs across its awaits too
             self._require_held(index)  # again: a repair may have taken it over while this waited
             last = self.state.left_findings.get(index)
@@ -422,7 +426,9 @@ class NodeEntity(Entity[NodeCarry]):
 
     @repair_gpu.validator
     def _validate_repair_gpu(self, raw: Any) -> None:
-        self._require_held(parse_input(RepairGpuInput, raw).gpu)
+        gpu = parse_input(RepairGpuInput, raw).gpu
+        if self.started:  # else the handler checks, once the run has its state
+            self._require_held(gpu)
 
     def _require_held(self, index: int) -> None:
         """Refuse, naming ``gpu``, a GPU the entity does not hold for a person."""
