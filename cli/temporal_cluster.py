@@ -107,9 +107,7 @@ def free_port() -> int:
     moment ago looks free here too until its service binds it."""
     import random
 
-    low, high = 20000, 32600
-    if ranged := os.environ.get("GPUFLEET_PORT_RANGE", ""):
-        low, high = (int(part) for part in ranged.split("-", 1))
+    low, high = (int(part) for part in CliEnv.get("port_range").split("-", 1))
     for _ in range(200):
         port = random.randint(low, high - 1)
         with socket.socket() as s:

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Annotated, Any, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from fleet.naming import CONTROL_PLANE_QUEUE
 
 
@@ -225,6 +225,10 @@ class CliEnv(EnvSettings):
     realtemporal_cache: Optional[Path] = envvar("GPUFLEET_REALTEMPORAL_CACHE", None,
                                                 "where `gpufleet dev --temporal cluster` caches its binaries "
                                                 "(unset: ~/.cache/gpufleet/realtemporal)")
+    port_range: Annotated[str, StringConstraints(pattern=r"^[0-9]{4,5}-[0-9]{4,5}$")] = envvar("GPUFLEET_PORT_RANGE", "20000-32600",
+                             "LOW-HIGH: the loopback ports `gpufleet dev --temporal cluster` picks its services' "
+                             "from (processes starting servers side by side, the test suite's workers, give "
+                             "each its own)")
 
 
 #: The settings of every kind of process.

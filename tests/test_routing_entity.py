@@ -217,7 +217,13 @@ async def test_a_site_event_moves_the_weights_at_once_and_replaces_the_watch(tem
     assert weights(inc, model) == {a: 0, c: TOTAL}
     await handle.signal("site_event", {"kind": "restore", "site": a})
     await wait_for(lambda: weights(inc, model).get(a, 0) > weights(inc, model).get(c, 0), timeout=5)
-    progress = await handle.query("progress")
+
+    async def all_applied():
+        # The weights are written inside the write activity; ``applied`` counts once it returns.
+        progress = await handle.query("progress")
+        return progress if progress["applied"] == 3 else None
+
+    progress = await poll(all_applied, timeout=5)
     assert progress["applied"] == progress["events"] == 3
 
 
