@@ -148,20 +148,11 @@ async def test_account_credentials_rotated_during_a_report_write_leaves_guard_an
     temporal_env, tmp_path: Path,
 ) -> None:
     uid = uuid.uuid4().hex[:6]
-    path = tmp_path / "sites.yaml"
-    path.write_text(yaml.safe_dump(capacity_fleet(uid)))
-    settings = Settings(address=temporal_env.client.service_client.config.target_host,
-                        task_queue=f"acct-{uid}", state_dir=tmp_path, config=str(path))
-    env = FleetEnv.from_settings(settings)
-    client = temporal_env.client
     slow = SlowStoreWrite()
     account = f"a-{uid}"
     offer = f"cheap-{uid}/cheap.2xh100"
-    worker = Worker(
-        client, task_queue=settings.task_queue, workflows=ALL_WORKFLOWS, activities=control_plane_activities(env),
-        activity_executor=ThreadPoolExecutor(max_workers=16), interceptors=[slow],
-        workflow_runner=workflow_runner(client.data_converter),
-    )
+    client = temporal_env.client
+    env, settings, worker = _account_worker(client, tmp_path, uid, slow)
     async with worker:
         handle = await client.start_workflow(
             "ProviderAccount", {"account": account, "provider": "lambda"}, id=f"account/lambda/{account}",
@@ -203,18 +194,11 @@ async def test_an_update_in_a_continued_accounts_first_task_sees_its_carried_sta
     (``Entity.until_started``). The run is started here as a continue-as-new starts it (the
     carried status in its input), with the update in its first task (update-with-start)."""
     uid = uuid.uuid4().hex[:6]
-    path = tmp_path / "sites.yaml"
-    path.write_text(yaml.safe_dump(capacity_fleet(uid)))
-    settings = Settings(address=temporal_env.client.service_client.config.target_host,
-                        task_queue=f"acct-first-{uid}", state_dir=tmp_path, config=str(path))
-    env = FleetEnv.from_settings(settings)
-    client = temporal_env.client
     account = f"a-{uid}"
     carried = AccountStatus(account=account, provider="lambda", state=AccountState.CREDENTIALS_REVOKED,
                             since="2026-12-05T00:00:00+00:00", reason="BadCredentials: 401")
-    worker = Worker(client, task_queue=settings.task_queue, workflows=ALL_WORKFLOWS,
-                    activities=control_plane_activities(env), activity_executor=ThreadPoolExecutor(max_workers=8),
-                    workflow_runner=workflow_runner(client.data_converter))
+    client = temporal_env.client
+    env, settings, worker = _account_worker(client, tmp_path, uid)
     async with worker:
         start = WithStartWorkflowOperation(
             "ProviderAccount", {"account": account, "provider": "lambda", "status": carried.model_dump(mode="json")},
@@ -241,6 +225,22 @@ async def test_an_update_in_a_continued_accounts_first_task_sees_its_carried_sta
 
 
 # -- helpers ------------------------------------------------------------------------------------
+def _account_worker(client: Client, tmp_path: Path, uid: str,
+                    *interceptors: Interceptor) -> tuple[FleetEnv, Settings, Worker]:
+    """The capacity fleet's environment and a control-plane worker on a queue of its own."""
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(capacity_fleet(uid)))
+    settings = Settings(address=client.service_client.config.target_host,
+                        task_queue=f"acct-{uid}", state_dir=tmp_path, config=str(path))
+    env = FleetEnv.from_settings(settings)
+    worker = Worker(
+        client, task_queue=settings.task_queue, workflows=ALL_WORKFLOWS, activities=control_plane_activities(env),
+        activity_executor=ThreadPoolExecutor(max_workers=16), interceptors=list(interceptors),
+        workflow_runner=workflow_runner(client.data_converter),
+    )
+    return env, settings, worker
+
+
 async def _has(get, check) -> bool:
     try:
         value = await get()
