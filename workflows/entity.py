@@ -40,6 +40,9 @@ from typing import Any, Callable, Coroutine, Generic, Iterator, TypeVar
 
 from temporalio import workflow
 
+with workflow.unsafe.imports_passed_through():
+    from workflows.steps import until_run_began
+
 StateT = TypeVar("StateT")
 
 
@@ -107,8 +110,7 @@ class Entity(Generic[StateT]):
         and handler before ``run`` took its state: checked against the state ``__init__`` made, it
         was refused for what the entity did not yet know. Its validator skips the state's checks
         until ``started``; its handler waits here, then makes them."""
-        if not self._started:
-            await workflow.wait_condition(lambda: self._started)
+        await until_run_began(lambda: self._started)
 
     def after_start(self, change: Callable[[], None]) -> None:
         """A handler's change of the state: made now, or, for a signal handled before ``run``

@@ -103,6 +103,7 @@ with workflow.unsafe.imports_passed_through():
         failure_text,
         failure_type,
         show_details,
+        until_run_began,
         wait_for_serving,
     )
     from fleet.cluster import ServingStatus
@@ -191,11 +192,10 @@ class SiteEvacuation:
         reason of their own), the site's Deployments and routing weights as they were, the
         replicas it added elsewhere and the capacity it bought gone. Answers at once (watch
         ``progress``: state ``restoring``, then ``aborted``)."""
-        if self._progress is None:
-            # The run's first task (``gpufleet evacuate start`` interrupted as its start call
-            # returned): its updates reach their handlers before ``run`` has begun. Refused, the
-            # command heard "nothing to abort" and the evacuation went on draining the site.
-            await workflow.wait_condition(lambda: self._progress is not None)
+        # An abort of the run's first task (``gpufleet evacuate start`` interrupted as its start
+        # call returned), refused, left the command saying "nothing to abort" while the
+        # evacuation went on draining the site.
+        await until_run_began(lambda: self._progress is not None)
         self._abort = reason or "aborted by an operator"
         return self._progress
 

@@ -64,6 +64,7 @@ with workflow.unsafe.imports_passed_through():
         retire_machine,
         show_details,
         smoke_test_node,
+        until_run_began,
     )
     from fleet.messages.repair import (
         Attempt,
@@ -103,6 +104,9 @@ class GpuRepair:
             raise ApplicationError("repair not started yet", type="NotStarted")
         return self._state
 
+    def _ladder_built(self) -> bool:
+        return self._state is not None
+
     def _require_running(self) -> None:
         """Refuse a repair that has ended. One still starting is running: an operator (or the
         site, for its incident) acts on a repair the moment it appears, and its run's first task
@@ -110,18 +114,13 @@ class GpuRepair:
         if self._state is not None and self._state.done:
             raise ValueError("the repair is not running")
 
-    async def _started(self) -> None:
-        """Wait for ``run`` to have built the ladder (an update of the run's first task)."""
-        if self._state is None:
-            await workflow.wait_condition(lambda: self._state is not None)
-
     @workflow.update
     async def hold(self, raw: Any = None) -> LadderState:
         asked = parse_input(HoldInput, {} if raw is None else raw)
         if self._state is None:
             # Before the ladder exists: run starts it held, so not even containment begins.
             self._hold_at_start = asked
-            await self._started()
+            await until_run_began(self._ladder_built)
             return self._state
         self._state.held = True
         self._state.hold_reason = asked.reason
@@ -135,7 +134,7 @@ class GpuRepair:
 
     @workflow.update
     async def release(self, raw: Any = None) -> LadderState:
-        await self._started()
+        await until_run_began(self._ladder_built)
         self._state.held = False
         self._state.hold_reason = parse_input(HoldInput, {} if raw is None else raw).reason
         self._show()
@@ -150,7 +149,7 @@ class GpuRepair:
 
     @workflow.update
     async def skip_to(self, raw: Any) -> LadderState:
-        await self._started()
+        await until_run_began(self._ladder_built)
         self._state.skip_to = parse_input(SkipToInput, raw).rung
         self._show()
         return self._state

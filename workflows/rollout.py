@@ -58,7 +58,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import check_text, parse_input
     from workflows.refusals import wrong_state
     from workflows.steps import (
-        CLUSTER_RETRY, PUT_BACK_RETRY, QUICK, WAIT_HEARTBEAT, failure_text, show_details, wait_for_serving,
+        CLUSTER_RETRY, PUT_BACK_RETRY, QUICK, WAIT_HEARTBEAT, failure_text, show_details, until_run_began,
+        wait_for_serving,
     )
 
 #: Copying weights: many files over a slow link, so more attempts than a plain provider call;
@@ -120,7 +121,7 @@ class ModelRollout:
         """The rollout's state, not the input, refuses an operator's update (``WrongState``).
         One still starting accepts it: an update sent the moment the rollout appears reaches the
         run's first task, whose updates the SDK hands to their handlers before ``run`` has built
-        the progress; each handler waits for it (``_started``), then acts."""
+        the progress; each handler waits for it (``until_run_began``), then acts."""
         if self._p is None:
             return
         if self._finished:
@@ -128,13 +129,9 @@ class ModelRollout:
         if self._abort:
             raise wrong_state("the rollout is being aborted", "aborting")
 
-    async def _started(self) -> None:
-        if self._p is None:
-            await workflow.wait_condition(lambda: self._p is not None)
-
     @workflow.update
     async def pause(self, reason: Any = "") -> RolloutProgress:
-        await self._started()
+        await until_run_began(lambda: self._p is not None)
         self._paused = True
         self._p.paused = True
         self._say(f"paused by operator{': ' + reason if reason else ''}")
@@ -150,7 +147,7 @@ class ModelRollout:
 
     @workflow.update
     async def resume(self, reason: Any = "") -> RolloutProgress:
-        await self._started()
+        await until_run_began(lambda: self._p is not None)
         self._paused = False
         self._p.paused = False
         self._say(f"resumed by operator{': ' + reason if reason else ''}")
@@ -167,7 +164,7 @@ class ModelRollout:
     @workflow.update
     async def abort(self, reason: Any = "") -> RolloutProgress:
         """Stop and roll back every site already updated; returns at once (watch ``progress``)."""
-        await self._started()
+        await until_run_began(lambda: self._p is not None)
         self._abort = True
         self._abort_reason = reason or "aborted by operator"
         self._p.aborting = True

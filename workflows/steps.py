@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import TypeAdapter, ValidationError
 from temporalio import workflow
@@ -99,6 +99,17 @@ def failure_text(error: BaseException) -> str:
     starts with its type, as the activities' typed errors do, is not prefixed twice)."""
     kind, message = failure_type(error), failure_message(error)
     return message if message.startswith(f"{kind}:") else f"{kind}: {message}"
+
+
+# -- an update of a run's first task ---------------------------------------------------------
+async def until_run_began(began: Callable[[], bool]) -> None:
+    """An update handler, first thing, where what it acts on is what ``run`` builds. The SDK hands
+    the updates of a run's first task (one sent with the start or the moment the run appeared,
+    or as an entity continued as new) to their handlers before ``run`` begins: such an update
+    waits for ``run`` rather than be refused (or act) against what ``__init__`` made. Issues no
+    command when ``run`` has begun."""
+    if not began():
+        await workflow.wait_condition(began)
 
 
 # -- current details ------------------------------------------------------------------------
