@@ -555,8 +555,12 @@ def _quietly(step: Callable[[], None], label: str) -> None:
         console.print(f"[red]{label}: {error}[/]", highlight=False)
 
 
-class Interrupted(Exception):
-    """Ctrl-C (or SIGTERM) while the stack was still starting."""
+class Interrupted(BaseException):
+    """Ctrl-C (or SIGTERM) while the stack was still starting.
+
+    A BaseException, as KeyboardInterrupt is: raised from the signal handler wherever start-up
+    happens to be, it must not be taken for "not up yet" by the ``except Exception`` that waits for
+    the server (it was, and the stack went on to start every worker, then exited 0)."""
 
 
 def _refused_flag(settings: Settings, temporal: str, port: int, ports: DevPorts, s3: dict,
@@ -665,6 +669,8 @@ class _Stack:
         self.interrupted_by: str | None = None
 
     def start(self, name: str, command: list[str], after_start: Callable[[], None] | None = None) -> None:
+        if self.interrupted_by:
+            raise Interrupted(self.interrupted_by)  # start nothing more once Ctrl-C has come
         label = self.LABELS.get(name) or (f"S3 emulator (port {name[3:]})" if name.startswith("s3-") else name)
         child = Child(name, label, command, dict(self.env), self.logs / f"{name}.log", after_start)
         self.children[name] = child
@@ -694,10 +700,10 @@ class _Stack:
         self.stopping = True
         if not self.starting:
             return
+        self.interrupted_by = signal.Signals(signum).name
         if self.spawning:
-            self.interrupted_by = signal.Signals(signum).name  # raised by start() once the child is known
-            return
-        raise Interrupted(signal.Signals(signum).name)
+            return  # raised by start() once the child is known
+        raise Interrupted(self.interrupted_by)
 
 
 def _start_object_stores(stack: _Stack, config, s3: dict[int, list]) -> None:
@@ -818,6 +824,8 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
         gateway_env = _start_workers(stack, settings, ports, metrics)
         front_door = front_door_line(stack.start, port_in_use, ports.front_door, "front_door" in ports.given)
         stack.starting = False
+        if stack.interrupted_by:
+            return 130
         if stack.stopping:
             return 0
         _print_up(settings, env, ports, stack.cluster, logs, gateway_env, s3, rewritten, metrics, front_door)

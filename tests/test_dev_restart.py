@@ -215,6 +215,40 @@ def test_ctrl_c_inside_a_childs_spawn_stops_that_child_too(tmp_path: Path, monke
     assert spawned and spawned[0].returncode is not None
 
 
+def test_ctrl_c_while_waiting_for_the_server_is_not_taken_for_not_up_yet(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race behind a CI failure: the Ctrl-C landed while start-up waited for the Temporal server
+    to answer, inside the ``except Exception`` that retries "not up yet". The interrupt was swallowed
+    there, every worker was started, and `gpufleet dev` exited 0. Here it lands there every time."""
+    import cli.dev as dev
+    from fleet.settings import Settings
+
+    attempts: list[int] = []
+
+    async def connect_then_ctrl_c(_settings):
+        attempts.append(1)
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs at the next bytecodes, still in here
+        for _ in range(10_000):
+            pass
+        raise ConnectionRefusedError("not up yet")
+
+    stack = dev._Stack(dict(os.environ), tmp_path)
+    previous = signal.signal(signal.SIGINT, stack.on_signal)
+    monkeypatch.setattr(dev, "connect", connect_then_ctrl_c)
+    try:
+        with pytest.raises(dev.Interrupted):
+            dev._server_answers(Settings(address="127.0.0.1:9"), subprocess.Popen([sys.executable, "-c", "pass"]),
+                                tmp_path / "none.log")
+        # Nothing more starts once Ctrl-C has come, even where the interrupt was caught on the way.
+        with pytest.raises(dev.Interrupted):
+            stack.start("control-plane", [sys.executable, "-c", "import time; time.sleep(120)"])
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        stack.stop_all()
+    assert len(attempts) == 1
+    assert "control-plane" not in stack.children
+
+
 @pytest.mark.timeout(300)
 def test_a_killed_stack_takes_its_children_with_it(tmp_path: Path) -> None:
     """Before: `kill -9` of `gpufleet dev` (or a parent that kills it, as `bootstrap.py dev` did on
