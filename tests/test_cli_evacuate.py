@@ -129,6 +129,39 @@ async def test_an_abort_in_the_evacuations_first_task_is_taken(inc: IncStack) ->
     await replay_and_record(handle, "site_evacuation_aborted_in_its_first_task")
 
 
+async def test_recovered_and_look_again_in_the_evacuations_first_task_are_taken(inc: IncStack) -> None:
+    """An operator's `recovered` or `look_again` can land in a run's first task: with its start, or
+    as a long wait for recovery continues as new, where ``run`` has not yet restored the progress.
+    Both were refused "the evacuation is still starting"; they wait for the run and are taken."""
+    site, names = await evacuating(inc, inc.site("a"))
+    workflow_id = f"evacuate/{site}/manual-first-look"
+    start = WithStartWorkflowOperation(
+        flows.SiteEvacuation.TYPE, {"site": site, "reason": "test: looked at once"}, id=workflow_id,
+        task_queue=inc.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+    said = await inc.client.execute_update_with_start_workflow(
+        flows.SiteEvacuation.look_again, start_workflow_operation=start)
+    assert said.startswith("noted, but nothing waits for it: the evacuation is evacuating"), said
+    handle = await start.workflow_handle()
+    await handle.execute_update(flows.SiteEvacuation.abort, "test: done looking")
+    assert EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60)).outcome == "aborted"
+    await replay_and_record(handle, "site_evacuation_looked_at_in_its_first_task")
+
+    inc.world.set_site(site, unreachable=0)  # the provider is back: the smoke tests can pass
+    workflow_id = f"evacuate/{site}/manual-first-recovered"
+    start = WithStartWorkflowOperation(
+        flows.SiteEvacuation.TYPE, {"site": site, "reason": "test: recovered at once"}, id=workflow_id,
+        task_queue=inc.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+    await inc.client.execute_update_with_start_workflow(
+        flows.SiteEvacuation.declare_recovered, "provider ticket closed", start_workflow_operation=start)
+    handle = await start.workflow_handle()
+    result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+    assert result.outcome == "restored"
+    assert ("recovered", "provider ticket closed") in [(step.name, step.detail) for step in result.timeline]
+    assert cordoned(inc, site) == set(), "nothing left cordoned"
+    assert inc.cluster.get_site_routes().sites[site].weight == 100
+    await replay_and_record(handle, "site_evacuation_recovered_in_its_first_task")
+
+
 async def test_recovered_ends_a_watched_evacuation_restored(inc: IncStack) -> None:
     site, names = await evacuating(inc, inc.site("a"))
     proc = gpufleet(inc, "evacuate", "start", site, "--request", "rec")

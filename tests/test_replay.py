@@ -96,6 +96,8 @@ EXPECTED = {
     "site_evacuation_restored_releases", "site_evacuation_aborted_restores", "site_evacuation_cancelled_restores",
     "site_evacuation_aborted_while_buying", "site_evacuation_aborted_restores_after_continue_as_new",
     "site_evacuation_aborted_in_its_first_task",
+    "site_evacuation_looked_at_in_its_first_task",
+    "site_evacuation_recovered_in_its_first_task",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).
     "node_join_happy_patches_at_start", "node_join_count2_patches_at_start",
     "node_join_smoke_failed_patches_at_start", "node_entity_two_repairs_patches_at_start",

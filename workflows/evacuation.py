@@ -153,6 +153,9 @@ class Aborted(Exception):
 class SiteEvacuation:
     def __init__(self) -> None:
         self._progress: EvacuationProgress | None = None
+        #: Whether this run knows if it follows another evacuation begun first (its first
+        #: activity asks): what ``declare_recovered`` is refused or taken against.
+        self._follow_known = False
         self._recovered = ""
         self._recovered_placing = False  # RECOVERED_WHILE_PLACING_PATCH: back before anything moved
         self._abort = ""
@@ -173,14 +176,22 @@ class SiteEvacuation:
 
     # -- operator surface -----------------------------------------------------------------
     @workflow.update
-    def declare_recovered(self, note: Any = "") -> EvacuationProgress:
+    async def declare_recovered(self, note: Any = "") -> EvacuationProgress:
         """The operator says the provider is back: restore now (nodes must still pass smoke tests)."""
+        # In a run's first task (the operator's `recovered` as the evacuation continued as new, or
+        # with its start) it was refused "still starting": it waits for the run, then is checked.
+        await until_run_began(lambda: self._follow_known)
+        self._check_recoverable()
         self._recovered = note or "declared recovered by an operator"
         return self._progress
 
     @declare_recovered.validator
     def _validate_recovered(self, note: Any = "") -> None:
         check_text("note", note)
+        if self._follow_known:  # still starting: checked once it knows (above)
+            self._check_recoverable()
+
+    def _check_recoverable(self) -> None:
         self._require_running()
         if self._progress.following:
             raise wrong_state(f"this evacuation follows {self._progress.following}, which began first: "
@@ -212,8 +223,12 @@ class SiteEvacuation:
         self._retry += 1
 
     @workflow.update
-    def look_again(self) -> str:
+    async def look_again(self) -> str:
         """``retry`` for a person: look again now, and say whether that woke a wait."""
+        # In a continued run's first task it was refused "still starting" (and a count taken
+        # before ``run`` would be overwritten by the carried one): it waits for the run.
+        await until_run_began(lambda: self._progress is not None)
+        self._require_running()
         self._retry += 1
         p = self._progress
         if p.state == "needs-person":
@@ -223,7 +238,8 @@ class SiteEvacuation:
 
     @look_again.validator
     def _validate_look_again(self) -> None:
-        self._require_running()
+        if self._progress is not None:  # still starting: checked once it has (above)
+            self._require_running()
 
     def _require_running(self) -> None:
         """The evacuation's state, not the input, refuses: it has not started or has ended."""
@@ -303,6 +319,7 @@ class SiteEvacuation:
         site = args.site
         if args.carry is not None:
             self._resume(args.carry)  # search attributes carry over by themselves
+            self._follow_known = True  # a run that follows another never continues as new
             self._show(self._progress.step)
         else:
             self._progress = EvacuationProgress(site=site)
@@ -319,8 +336,10 @@ class SiteEvacuation:
                     # Temporal's visibility away for minutes: acting is safer than not evacuating.
                     first = ""
                     self._mark("acting without knowing of others", failure_text(error))
+                self._follow_known = True
                 if first:
                     return await self._follow(first)
+            self._follow_known = True
         try:
             await self._evacuate(args.carry.phase if args.carry else "")
             outcome = "restored"
