@@ -108,19 +108,23 @@ async def test_ctrl_c_while_the_start_call_returns_aborts_the_evacuation_it_star
     assert (routes.weight, routes.healthy, routes.draining) == (100, True, False)
 
 
+async def in_first_task(inc: IncStack, site: str, request: str, update, *args):
+    """Start an evacuation of ``site`` with ``update`` in its first task (update-with-start puts it
+    there every time); the update's answer and the evacuation's handle."""
+    start = WithStartWorkflowOperation(
+        flows.SiteEvacuation.TYPE, {"site": site, "reason": f"test: {request}"}, id=f"evacuate/{site}/manual-{request}",
+        task_queue=inc.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+    said = await inc.client.execute_update_with_start_workflow(update, *args, start_workflow_operation=start)
+    return said, await start.workflow_handle()
+
+
 async def test_an_abort_in_the_evacuations_first_task_is_taken(inc: IncStack) -> None:
     """What the test above depends on: the command's abort, sent at once, can reach the run's
     first task (a loaded worker polls late), whose updates the SDK hands to their handlers before
     ``run`` has begun. Refused there ("still starting"), the command said "nothing to abort" and
     the evacuation went on to drain the site. Update-with-start puts the abort there every time."""
     site, names = await evacuating(inc, inc.site("a"))
-    workflow_id = f"evacuate/{site}/manual-first-task"
-    start = WithStartWorkflowOperation(
-        flows.SiteEvacuation.TYPE, {"site": site, "reason": "test: interrupted at once"}, id=workflow_id,
-        task_queue=inc.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
-    await inc.client.execute_update_with_start_workflow(
-        flows.SiteEvacuation.abort, "test: Ctrl-C", start_workflow_operation=start)
-    handle = await start.workflow_handle()
+    _, handle = await in_first_task(inc, site, "first-task", flows.SiteEvacuation.abort, "test: Ctrl-C")
     result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
     assert result.outcome == "aborted"
     assert cordoned(inc, site) == set(), "nothing drained"
@@ -134,26 +138,15 @@ async def test_recovered_and_look_again_in_the_evacuations_first_task_are_taken(
     as a long wait for recovery continues as new, where ``run`` has not yet restored the progress.
     Both were refused "the evacuation is still starting"; they wait for the run and are taken."""
     site, names = await evacuating(inc, inc.site("a"))
-    workflow_id = f"evacuate/{site}/manual-first-look"
-    start = WithStartWorkflowOperation(
-        flows.SiteEvacuation.TYPE, {"site": site, "reason": "test: looked at once"}, id=workflow_id,
-        task_queue=inc.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
-    said = await inc.client.execute_update_with_start_workflow(
-        flows.SiteEvacuation.look_again, start_workflow_operation=start)
+    said, handle = await in_first_task(inc, site, "first-look", flows.SiteEvacuation.look_again)
     assert said.startswith("noted, but nothing waits for it: the evacuation is evacuating"), said
-    handle = await start.workflow_handle()
     await handle.execute_update(flows.SiteEvacuation.abort, "test: done looking")
     assert EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60)).outcome == "aborted"
     await replay_and_record(handle, "site_evacuation_looked_at_in_its_first_task")
 
     inc.world.set_site(site, unreachable=0)  # the provider is back: the smoke tests can pass
-    workflow_id = f"evacuate/{site}/manual-first-recovered"
-    start = WithStartWorkflowOperation(
-        flows.SiteEvacuation.TYPE, {"site": site, "reason": "test: recovered at once"}, id=workflow_id,
-        task_queue=inc.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
-    await inc.client.execute_update_with_start_workflow(
-        flows.SiteEvacuation.declare_recovered, "provider ticket closed", start_workflow_operation=start)
-    handle = await start.workflow_handle()
+    _, handle = await in_first_task(inc, site, "first-recovered", flows.SiteEvacuation.declare_recovered,
+                                    "provider ticket closed")
     result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
     assert result.outcome == "restored"
     assert ("recovered", "provider ticket closed") in [(step.name, step.detail) for step in result.timeline]
