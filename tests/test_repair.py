@@ -312,3 +312,34 @@ async def test_worker_killed_mid_ladder_resumes_without_a_second_reboot(temporal
 
 async def _rebooting(stack: Stack, machine_id: str) -> bool:
     return stack.world.machine(machine_id)["reboots"] >= 1
+
+
+async def test_a_worker_stopped_under_an_open_repair_lets_python_close_it_quietly(temporal_env, tmp_path) -> None:
+    """A control-plane worker that stops (every deploy) with a repair cached leaves that run's
+    coroutine for Python to close, which throws ``GeneratorExit`` into the wait it is in. The
+    ladder's cancel handling caught every BaseException and asked the workflow whether it was
+    cancelled, outside any workflow's event loop: an 'Exception ignored' traceback on the way out
+    (a full run showed it), and code run for a run that no longer exists."""
+    import gc
+    import traceback
+
+    ignored: list[str] = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = lambda raised: ignored.append("".join(traceback.format_exception(
+        raised.exc_type, raised.exc_value, raised.exc_traceback)))
+    try:
+        async for stack in running_stack(temporal_env.client, tmp_path):
+            node = await join_node(stack)
+            start = WithStartWorkflowOperation(
+                flows.GpuRepair.TYPE, GpuRepairInput(node_name=node.node_name, gpu=0, site="site-a",
+                                                     machine_id=node.machine_id, gpus=2),
+                id=f"repair/{node.node_name}/gpu0", task_queue=stack.settings.task_queue,
+                id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+            await stack.client.execute_update_with_start_workflow(
+                flows.GpuRepair.hold, {"reason": "open while the worker stops"}, start_workflow_operation=start)
+        for _ in range(3):
+            gc.collect()
+            await asyncio.sleep(0.1)
+    finally:
+        sys.unraisablehook = previous
+    assert not [text for text in ignored if "workflows/repair.py" in text], ignored

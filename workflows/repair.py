@@ -16,6 +16,7 @@ cancel) for a person, who is told so by the details and ``FleetState = "needs-pe
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 from typing import Any
 
@@ -204,7 +205,10 @@ class GpuRepair:
         ])
         try:
             return await self._ladder(rung)
-        except BaseException as error:  # asyncio.CancelledError (a cancel in a wait) is a BaseException
+        # asyncio.CancelledError (a cancel in a wait) is a BaseException; GeneratorExit (Python closing
+        # the run's coroutine after its worker stopped) is one too, and must pass untouched: no
+        # workflow call works then, outside any workflow's event loop.
+        except (Exception, asyncio.CancelledError) as error:
             if not self._cancelled(error):
                 raise
             where = self._state.step
