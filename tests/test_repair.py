@@ -249,6 +249,18 @@ async def test_a_site_releases_the_repairs_it_held_and_no_others(temporal_env, t
             "the incident's hold went, the operator's stayed"
 
 
+async def held_from_its_start(stack: Stack, node, reason: str):
+    """GPU 0's repair on ``node``, started with a hold in its first task (update-with-start puts it
+    there every time): the hold's answer and the repair's handle."""
+    start = WithStartWorkflowOperation(
+        flows.GpuRepair.TYPE, GpuRepairInput(node_name=node.node_name, gpu=0, site="site-a", machine_id=node.machine_id, gpus=2),
+        id=f"repair/{node.node_name}/gpu0", task_queue=stack.settings.task_queue,
+        id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+    held = await stack.client.execute_update_with_start_workflow(
+        flows.GpuRepair.hold, {"reason": reason}, start_workflow_operation=start, result_type=LadderState)
+    return held, await start.workflow_handle()
+
+
 async def test_a_repair_held_the_moment_it_starts_is_held(rstack: Stack) -> None:
     """An operator (or a site's incident) holds a repair the moment it appears. The update then
     reaches the run's first task, whose updates the SDK hands to their handlers before ``run``
@@ -256,14 +268,8 @@ async def test_a_repair_held_the_moment_it_starts_is_held(rstack: Stack) -> None
     hit it). Now such a hold starts the ladder held: nothing contained until it is released."""
     node = await join_node(rstack)
     repair_id = f"repair/{node.node_name}/gpu0"
-    start = WithStartWorkflowOperation(
-        flows.GpuRepair.TYPE, GpuRepairInput(node_name=node.node_name, gpu=0, site="site-a", machine_id=node.machine_id, gpus=2),
-        id=repair_id, task_queue=rstack.settings.task_queue, id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
-    held = await rstack.client.execute_update_with_start_workflow(
-        flows.GpuRepair.hold, {"reason": "looking at it first"}, start_workflow_operation=start,
-        result_type=LadderState)
+    held, handle = await held_from_its_start(rstack, node, "looking at it first")
     assert (held.held, held.hold_reason) == (True, "looking at it first")
-    handle = await start.workflow_handle()
     await asyncio.sleep(0.5)
     state = await ladder(rstack, node.node_name, 0)
     assert state.held and state.attempts == [], state
@@ -329,14 +335,7 @@ async def test_a_worker_stopped_under_an_open_repair_lets_python_close_it_quietl
         raised.exc_type, raised.exc_value, raised.exc_traceback)))
     try:
         async for stack in running_stack(temporal_env.client, tmp_path):
-            node = await join_node(stack)
-            start = WithStartWorkflowOperation(
-                flows.GpuRepair.TYPE, GpuRepairInput(node_name=node.node_name, gpu=0, site="site-a",
-                                                     machine_id=node.machine_id, gpus=2),
-                id=f"repair/{node.node_name}/gpu0", task_queue=stack.settings.task_queue,
-                id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
-            await stack.client.execute_update_with_start_workflow(
-                flows.GpuRepair.hold, {"reason": "open while the worker stops"}, start_workflow_operation=start)
+            await held_from_its_start(stack, await join_node(stack), "open while the worker stops")
         for _ in range(3):
             gc.collect()
             await asyncio.sleep(0.1)

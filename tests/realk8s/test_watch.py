@@ -81,15 +81,18 @@ def test_a_watch_whose_version_is_gone_lists_again_and_returns_on_a_node_change(
     add_node(real_cluster, f"{site}-2", site)
     add_node(real_cluster, f"{site}-noise", f"{site}-elsewhere")
     time.sleep(max(0.0, CACHE_FRESHNESS_SECONDS - (time.monotonic() - taken_at)))
-    gone: object = None
+    def gone(answer: object) -> bool:
+        return isinstance(answer, dict) and answer.get("object", {}).get("code") == 410
+
+    answer: object = None
     for written in range(0, EVENTS_AT_MOST, EVENTS_AT_A_TIME):
         for i in range(written, written + EVENTS_AT_A_TIME):
             label(real_cluster, f"{site}-noise", "example.com/noise", str(i))
-        status, gone = real_cluster.request(
+        status, answer = real_cluster.request(
             "GET", f"/api/v1/nodes?watch=true&resourceVersion={aged}&timeoutSeconds=1", admin=True)
-        if isinstance(gone, dict) and gone.get("object", {}).get("code") == 410:
+        if gone(answer):
             break
-    assert isinstance(gone, dict) and gone.get("object", {}).get("code") == 410, f"not gone yet: {gone}"
+    assert gone(answer), f"not gone yet: {answer}"
     for name in (f"{site}-1", f"{site}-2"):  # their "kubelets" post again (the controller marked them by now)
         set_ready(real_cluster, name, True)
 
