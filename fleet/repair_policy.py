@@ -177,11 +177,17 @@ def fingerprint(boot_id: str, gpus: list[GpuHealth]) -> str:
 
 
 # -- escalation -------------------------------------------------------------------------
+#: The ledger's hard cap on one GPU's XID hits in the window. The ledger is carried across
+#: continue-as-new (a 2 MiB input), and a node can report fresh fatal XIDs in every answer.
+MAX_XID_HITS_PER_GPU = 64
+
+
 class RepairThresholds(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    #: The same fatal XID on one GPU this many times inside the window → replace.
-    same_xid_limit: int = Field(5, ge=1)
+    #: The same fatal XID on one GPU this many times inside the window → replace (no more than
+    #: the Node entity keeps of a GPU's fatal XIDs).
+    same_xid_limit: int = Field(5, ge=1, le=MAX_XID_HITS_PER_GPU)
     same_xid_window_seconds: float = Field(24 * 3600, gt=0)
     #: This many remediations on one node inside the window → replace.
     node_remediation_limit: int = Field(5, ge=1)
@@ -197,18 +203,46 @@ class XidHit(BaseModel):
 
 
 class Ledger(BaseModel):
-    """The Node entity's memory of faults and repairs (carried across continue-as-new)."""
+    """The Node entity's memory of faults and repairs (carried across continue-as-new, so each
+    part is bounded whatever a node reports)."""
 
+    #: Fatal XIDs in the window, oldest first: per GPU and XID the newest ``same_xid_limit``, per
+    #: GPU at most ``MAX_XID_HITS_PER_GPU`` (``record_xids``).
     xid_hits: list[XidHit] = Field(default_factory=list)
     remediations: list[float] = Field(default_factory=list)
+    #: Keyed by the table's application XIDs only (``classify`` sorts any other XID a node names
+    #: into ``unknown_xids``): four keys at most.
     app_xids: dict[str, int] = Field(default_factory=dict)
 
     def prune(self, now: float, limits: RepairThresholds) -> None:
         self.xid_hits = [h for h in self.xid_hits if now - h.at < limits.same_xid_window_seconds]
         self.remediations = [t for t in self.remediations if now - t < limits.node_remediation_window_seconds]
 
-    def record_xids(self, gpu: int, xids: list[int], now: float) -> None:
-        self.xid_hits += [XidHit(gpu=gpu, xid=x, at=now) for x in xids]
+    def record_xids(self, gpu: int, xids: list[int], now: float, limits: RepairThresholds) -> int:
+        """Record a GPU's new fatal XIDs; how many hits the per-GPU cap dropped (0 unless a GPU
+        reported more than ``MAX_XID_HITS_PER_GPU`` in the window).
+
+        Pruned here, not only when a repair starts: a node reporting fresh XIDs in every answer
+        (or on a GPU it does not have, whose findings never reach ``escalate``) would grow the
+        carried list without end. Of one GPU and XID only the newest ``same_xid_limit`` are kept:
+        ``escalate`` asks whether there are that many, so the rest change no decision."""
+        hits = [h for h in [*self.xid_hits, *(XidHit(gpu=gpu, xid=x, at=now) for x in xids)]
+                if now - h.at < limits.same_xid_window_seconds]
+        per_xid: dict[tuple[int, int], int] = {}
+        per_gpu: dict[int, int] = {}
+        kept: list[XidHit] = []
+        dropped = 0
+        for hit in reversed(hits):  # newest first
+            if per_xid.get((hit.gpu, hit.xid), 0) >= limits.same_xid_limit:
+                continue
+            if per_gpu.get(hit.gpu, 0) >= MAX_XID_HITS_PER_GPU:
+                dropped += 1
+                continue
+            per_xid[(hit.gpu, hit.xid)] = per_xid.get((hit.gpu, hit.xid), 0) + 1
+            per_gpu[hit.gpu] = per_gpu.get(hit.gpu, 0) + 1
+            kept.append(hit)
+        self.xid_hits = kept[::-1]
+        return dropped
 
     def record_app_xids(self, xids: list[int]) -> None:
         for x in xids:

@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 from temporalio import activity
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
@@ -35,6 +35,19 @@ async def server_suggesting_continue_as_new(after_events: int) -> AsyncIterator[
 async def runs(client: Client, workflow_id: str) -> int:
     """How many runs of ``workflow_id`` the server has (each continue-as-new adds one)."""
     return len([w async for w in client.list_workflows(f'WorkflowId = "{workflow_id}"')])
+
+
+async def run_chain(client: Client, workflow_id: str, first_run_id: str) -> list[WorkflowHistory]:
+    """The histories of every run, first to latest, following continue-as-new."""
+    histories = []
+    run_id = first_run_id
+    while True:
+        history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
+        histories.append(history)
+        last = history.events[-1]
+        if not last.HasField("workflow_execution_continued_as_new_event_attributes"):
+            return histories
+        run_id = last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
 
 
 async def history_length(handle: WorkflowHandle) -> int:

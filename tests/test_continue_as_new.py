@@ -19,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from fleet.messages.capacity import CapacityProgress, CapacityResult
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult
-from tests.can_server import server_suggesting_continue_as_new
+from tests.can_server import run_chain, server_suggesting_continue_as_new
 from tests.capacity_fleet import CapStack, open_stack
 from tests.evacuation_helpers import IncStack, open_incident_stack, poll
 from tests.replay import replay_and_record
@@ -34,19 +34,6 @@ async def can_env() -> AsyncIterator[WorkflowEnvironment]:
 
 
 # -- helpers --------------------------------------------------------------------------------
-async def run_chain(client: Client, workflow_id: str, first_run_id: str) -> list[WorkflowHistory]:
-    """The histories of every run, first to latest, following continue-as-new."""
-    histories = []
-    run_id = first_run_id
-    while True:
-        history = await client.get_workflow_handle(workflow_id, run_id=run_id).fetch_history()
-        histories.append(history)
-        last = history.events[-1]
-        if not last.HasField("workflow_execution_continued_as_new_event_attributes"):
-            return histories
-        run_id = last.workflow_execution_continued_as_new_event_attributes.new_execution_run_id
-
-
 def open_when_closed(history: WorkflowHistory) -> list[str]:
     """Activities and child workflows a run left open when it closed (by name)."""
     scheduled, children = {}, {}

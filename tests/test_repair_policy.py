@@ -9,6 +9,7 @@ import pytest
 from fleet.models import GpuHealth, XidEvent
 from fleet.repair_policy import (
     LADDER,
+    MAX_XID_HITS_PER_GPU,
     Ledger,
     RepairThresholds,
     Rung,
@@ -76,15 +77,50 @@ def test_same_fatal_xid_five_times_a_day_escalates_to_replace() -> None:
     ledger = Ledger()
     now = T0.timestamp()
     for i in range(4):
-        ledger.record_xids(0, [48], now + i)
+        ledger.record_xids(0, [48], now + i, limits)
     finding = classify(gpu(48))
     assert ledger.escalate(finding, now + 10, limits)[0] == Rung.RESET
-    ledger.record_xids(0, [48], now + 5)
+    ledger.record_xids(0, [48], now + 5, limits)
     rung, why = ledger.escalate(finding, now + 10, limits)
     assert rung == Rung.REPLACE and "XID 48" in why
     # Another GPU's hits do not count; hits older than the window fall out.
     assert ledger.escalate(classify(gpu(48, index=1)), now + 10, limits)[0] == Rung.RESET
     assert ledger.escalate(finding, now + 25 * 3600, limits)[0] == Rung.RESET
+
+
+def test_the_ledger_stays_bounded_and_escalates_the_same() -> None:
+    """A node reporting fresh fatal XIDs in every answer (64 of them on each of a GPU's entries)
+    cannot grow the carried ledger: hits past the window go when recorded, of one GPU and XID the
+    newest ``same_xid_limit`` are kept (all ``escalate`` asks), and a GPU keeps at most
+    ``MAX_XID_HITS_PER_GPU``, counted when dropped. Escalation decides as before."""
+    limits = RepairThresholds(node_remediation_limit=100, same_xid_window_seconds=3600)
+    ledger = Ledger()
+    now = T0.timestamp()
+    for report in range(100):
+        assert ledger.record_xids(0, [79] * 64, now + report, limits) == 0
+    assert len(ledger.xid_hits) == limits.same_xid_limit
+    assert [h.at for h in ledger.xid_hits] == [now + 99] * limits.same_xid_limit, "the newest, oldest first"
+    assert ledger.escalate(classify(gpu(79)), now + 100, limits)[0] == Rung.REPLACE
+
+    # Every fatal XID of the table, past the per-GPU cap: the newest kept, the rest counted.
+    fatal = [48, 63, 64, 94, 95, 119, 120, 140, 74, 79]
+    many = RepairThresholds(same_xid_limit=MAX_XID_HITS_PER_GPU, same_xid_window_seconds=3600)
+    ledger = Ledger()
+    assert ledger.record_xids(1, fatal * 6, now, many) == 0, "60: under the cap"
+    dropped = ledger.record_xids(1, fatal * 6, now + 1, many)
+    assert dropped == 2 * 60 - MAX_XID_HITS_PER_GPU
+    assert len(ledger.xid_hits) == MAX_XID_HITS_PER_GPU
+    assert sum(h.at == now + 1 for h in ledger.xid_hits) == 60, "the newest kept"
+    assert ledger.record_xids(2, [48], now + 2, many) == 0, "another GPU has a cap of its own"
+
+    # Past the window a GPU's hits go at the next record, whichever GPU it is for.
+    ledger.record_xids(0, [48], now + 3600 + 2, many)
+    assert [(h.gpu, h.xid) for h in ledger.xid_hits] == [(0, 48)]
+
+
+def test_the_same_xid_limit_is_no_more_than_the_ledger_keeps() -> None:
+    with pytest.raises(ValueError, match="same_xid_limit"):
+        RepairThresholds(same_xid_limit=MAX_XID_HITS_PER_GPU + 1)
 
 
 def test_node_remediations_escalate_to_replace() -> None:

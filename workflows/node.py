@@ -63,13 +63,14 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet import search_attributes as sa
     from fleet.models import GpuHealth
-    from fleet.repair_policy import Finding, RepairSettings, Rung, classify, conditions
+    from fleet.repair_policy import MAX_XID_HITS_PER_GPU, Finding, RepairSettings, Rung, classify, conditions
     from workflows.entity import Entity
     from workflows.inputs import describe, first_problem, invalid_input, parse_input, parse_signal
     from workflows.steps import CLUSTER_RETRY, QUICK, count_bad_report, failure_message, show_details
     from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
     from fleet.messages.watches import ClusterNodeState
     from fleet.messages.repair import (
+        MAX_NODE_GPUS,
         GpuDecision,
         GpuRepairInput,
         GpuRepairResult,
@@ -209,6 +210,15 @@ MAX_LOG = 20
 def _xid_key(gpu: GpuHealth, index: int) -> str:
     event = gpu.xid_events[index]
     return f"{gpu.index}:{event.xid}:{event.at.timestamp():.6f}"
+
+
+def _last_seen(gpu: GpuHealth) -> GpuHealth:
+    """What the state keeps of a GPU's last health (``latest``): a recheck asks only whether the
+    GPU still shows a problem (``problems()``, where any XID event is one), so one event without
+    its message is enough; the ledger and ``seen_xids`` keep what the events decide. Carried
+    whole, 64 events of 1,000-character messages per GPU made the state megabytes."""
+    last = [event.model_copy(update={"message": ""}) for event in gpu.xid_events[-1:]]
+    return gpu.model_copy(update={"xid_events": last})
 
 
 def _condition_words(gpu: GpuHealth) -> list[str]:
@@ -528,6 +538,14 @@ class NodeEntity(Entity[NodeCarry]):
     def _settings(self) -> RepairSettings | None:
         return self._facts.settings if self._facts is not None else self._joined_settings
 
+    def _gpus_it_can_have(self) -> int:
+        """How many GPUs the node can have, as ``_act`` judges a finding: the count in its facts
+        once read (no more than a report may name: the count may be its kubelet's word), before
+        that the most a report may name."""
+        if self._facts is not None and self._facts.found:
+            return min(self._facts.gpus, MAX_NODE_GPUS)
+        return MAX_NODE_GPUS
+
     # -- background loops ------------------------------------------------------------------
     def _background(self, name: str, loop: Callable[[], Awaitable[None]]) -> asyncio.Task:
         """``loop`` as a task that is never lost: an exception in a task nobody awaits vanishes
@@ -758,8 +776,18 @@ class NodeEntity(Entity[NodeCarry]):
             carry.boot_id = report.boot_id
         findings: list[Finding] = []
         seen = set(carry.seen_xids)
+        # The state is carried across continue-as-new (a 2 MiB input): a GPU's last health and XID
+        # hits are kept only for GPUs the node can have, so a node naming GPUs it lacks cannot grow
+        # it (their findings still go to ``_act``, which names and ignores them).
+        gpus = self._gpus_it_can_have()
+        if any(not 0 <= index < gpus for index in carry.latest):  # kept before the facts were read
+            carry.latest = {index: health for index, health in carry.latest.items() if 0 <= index < gpus}
+        thresholds = (self._settings() or RepairSettings()).thresholds
+        over_cap = 0
         for gpu in report.gpus:
-            self.state.latest[gpu.index] = gpu
+            ours = 0 <= gpu.index < gpus
+            if ours:
+                carry.latest[gpu.index] = _last_seen(gpu)
             new_xids = []
             for i, event in enumerate(gpu.xid_events):
                 key = _xid_key(gpu, i)
@@ -769,17 +797,25 @@ class NodeEntity(Entity[NodeCarry]):
                     new_xids.append(event.xid)
             words = _condition_words(gpu)
             new_words = set(words) - set(carry.baseline.get(str(gpu.index), []))
-            carry.baseline[str(gpu.index)] = words
+            # Up to the most GPUs a report may name, not the node's count: without its words, a GPU
+            # the node lacks would send the same finding to ``_act`` (a facts read) every report.
+            # A few short words each (``conditions``).
+            if 0 <= gpu.index < MAX_NODE_GPUS:
+                carry.baseline[str(gpu.index)] = words
             finding = classify(gpu, xids=new_xids)
             carry.ledger.record_app_xids(finding.app_xids)
             if finding.app_xids:
                 self._log(f"GPU {gpu.index}: application XID {finding.app_xids} counted, no repair")
             if finding.unknown_xids:
                 self._log(f"GPU {gpu.index}: XID {finding.unknown_xids} not in the table, counted, no repair")
-            carry.ledger.record_xids(gpu.index, finding.fatal_xids, now.timestamp())
+            if ours:  # a GPU the node lacks is never repaired: its hits would only be carried
+                over_cap += carry.ledger.record_xids(gpu.index, finding.fatal_xids, now.timestamp(), thresholds)
             if finding.rung is not None and (finding.fatal_xids or new_words):
                 findings.append(finding)
         carry.seen_xids = carry.seen_xids[-MAX_SEEN:]
+        if over_cap:  # one line a report (the log is carried too), not one an XID
+            self._log(f"{over_cap} fatal XID hits not kept: the ledger keeps the newest "
+                      f"{MAX_XID_HITS_PER_GPU} of a GPU in the window", warn=True)
         for finding in findings:
             await self._act(finding)
 

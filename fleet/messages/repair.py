@@ -27,7 +27,8 @@ class NodeCarry(BaseModel):
     #: GPUs this entity fenced (their node cordoned) that no repair has taken over yet: a
     #: finding on hold whose GPU heals is un-fenced by the entity itself.
     fenced: list[int] = Field(default_factory=list)
-    #: GPU → its last reported health: a recheck forgets a finding whose GPU healed.
+    #: GPU → its last reported health: a recheck forgets a finding whose GPU healed. Only GPUs the
+    #: node can have, each with one XID event at most (``workflows.node._last_seen``).
     latest: dict[int, GpuHealth] = Field(default_factory=dict)
     #: The node's recent disruptive actions: a later one covers a repair detected before it.
     actions: list[NodeAction] = Field(default_factory=list)

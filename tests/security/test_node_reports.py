@@ -34,6 +34,7 @@ from fleet.messages.repair import NodeStatus, NodeWatchInput
 from fleet.naming import node_queue
 from sim.cluster import SimCluster
 from tests.bad_input_helpers import task_failures
+from tests.can_server import run_chain
 from tests.conftest import Stack
 from tests.repair_helpers import (
     REPAIR, eventually, exists, join_node, node_status, repair_fleet, repair_handle, running_stack,
@@ -378,3 +379,72 @@ async def test_an_error_in_the_watch_loop_is_shown_and_the_loop_restarts(reclaim
     assert any("health watch failed (RuntimeError: an unexpected error in the watch loop)" in line
                for line in now.log), now.log
     assert await task_failures(handle) == 0
+
+
+# -- what a node's well-formed answers make the entity carry ----------------------------------
+#: The biggest answers the gateway lets through (512 KiB): five GPUs as large as ``NodeReport``
+#: allows (64 XID events of 1,000-character messages each).
+BLOATED_GPUS = 5
+#: Continue-as-new's input is a 2 MiB blob at most; the carried state must stay far below it.
+CARRY_BOUND = 128 * 1024
+
+
+def bloated(number: int) -> Forgery:
+    """A well-formed answer of GPUs the node does not have (it has 2), as large as the model
+    allows, fresh every answer: application XIDs on most, fatal ones on the first (on the old code
+    each GPU's events were kept whole in ``latest`` and every fatal XID in the ledger)."""
+    def forge(input: NodeWatchInput) -> Payload:
+        first = 2 + (number * BLOATED_GPUS) % (64 - 2 - BLOATED_GPUS)
+        gpus = [{"index": index, "uuid": "U" * 128, "name": "N" * 1000, "xid_events": [
+            {"xid": 79 if index == first else 13, "at": 1_700_000_000 + number * 100 + k, "message": "m" * 1000}
+            for k in range(64)]} for index in range(first, first + BLOATED_GPUS)]
+        return as_json({"node_name": input.node_name, "seq": input.seq + 1, "digest": f"{number:064x}",
+                        "boot_id": "b" * 36, "gpus": gpus})
+    return forge
+
+
+async def test_well_formed_answers_cannot_grow_what_the_entity_carries(hostile) -> None:
+    """A node's answers that pass validation, as large as it allows and fresh every time (GPUs
+    it does not have, 64 XIDs each with 1,000-character messages, fatal ones among them), made the
+    Node entity's carried state 4 MB: its continue-as-new failed every workflow task after
+    (PayloadsTooLarge) and the node's health went unwatched. Now the entity continues as new
+    twice over with a small state, no workflow task fails, an answer past the model's limits is a
+    bad report, and a real fault after all that is still repaired."""
+    stack, node, watch = hostile
+    handle = entity(stack, node)
+    first_run = (await handle.describe()).run_id
+    run_ids = {first_run}
+    for number in range(1, 80):  # about 12 answers fill a run's history to where the server asks
+        try:
+            await watch.answer(bloated(number))
+        except AssertionError:
+            failures = sum(await _task_failures(stack, handle, first_run))
+            raise AssertionError(f"the watch stopped after answer {number}: {failures} workflow tasks failed")
+        run_ids.add((await handle.describe()).run_id)
+        if len(run_ids) == 3:
+            break
+    chain = await run_chain(stack.client, handle.id, first_run)
+    assert len(chain) == 3, f"continued as new twice ({number} answers)"
+    carried = [len(h.events[-1].workflow_execution_continued_as_new_event_attributes.input.payloads[0].data)
+               for h in chain[:-1]]
+    assert max(carried) < CARRY_BOUND, f"carried {carried} bytes"
+
+    # In the new run (its facts read at its start): a small answer of the same kind, one past the
+    # model's limits (65 XID events), and the node's honest answers after.
+    await watch.answer(replacing(("gpus",), [
+        {"index": 5, "uuid": "GPU-5", "xid_events": [{"xid": 79, "at": "2026-01-01T00:00:00Z"}]}]))
+    await watch.answer(replacing(("gpus", 0, "xid_events"), [{"xid": 13, "at": 1_700_000_000 + k} for k in range(65)]))
+    assert (await status(stack, node)).bad_reports == 1
+    stack.world.inject_fault(node.machine_id, 1, "xid", 48, clears_on="reset")
+    await eventually(lambda: exists(repair_handle(stack, node.node_name, 1)), timeout=30)
+    assert await _task_failures(stack, handle, first_run) == [0, 0, 0]
+    assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+    assert len((await handle.fetch_history()).events[0].workflow_execution_started_event_attributes
+               .input.payloads[0].data) < CARRY_BOUND
+    await replay_and_record(handle, "node_carry_bounded_after_bloated_answers")
+
+
+async def _task_failures(stack: Stack, handle: WorkflowHandle, first_run: str) -> list[int]:
+    """Failed workflow tasks in each run of the entity, first to latest."""
+    return [sum(e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED for e in history.events)
+            for history in await run_chain(stack.client, handle.id, first_run)]
