@@ -1,14 +1,16 @@
 """One hostile node, in a process of its own: on ``on`` (a line on stdin) it holds ``--polls``
 long polls on its own queue open through the node gateway (each re-sent a second after it
-ends), over as many connections as that takes, and keeps ``--big`` polls of ``--big-bytes``
+ends, or a minute after it was sent), over as many connections as that takes, and keeps ``--big`` polls of ``--big-bytes``
 each in flight the same way; on ``off`` it cancels them all (its connections stay open).
 
     python -m tests.security.flood_attacker ADDRESS CA CERT KEY NODE [--polls 1300] [--big 40]
 
 It answers ``holding`` once every call is started (at once when they are) and ``quiet`` once
 every call is gone.
-Each call is re-sent a second after it ends rather than at once: the attack is the holding
-(the frontend's poll budget, the gateway's memory), not a flood of bytes over two shared cores.
+Each call is re-sent a second after it ends rather than at once, and one the gateway refused
+at once (beyond what it holds of a node) when a held one would have ended: the attack is the
+holding (the frontend's poll budget, the gateway's memory), not a flood of calls over two
+shared cores (calls refused at once load any server as fast as a node sends them).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from temporalio.api.workflowservice.v1 import PollActivityTaskQueueRequest
 SERVICE = "/temporal.api.workflowservice.v1.WorkflowService/"
 #: Calls per connection: under the gateway's 32 streams, so every call is on the wire at once.
 PER_CONNECTION = 30
+#: The gateway's longest hold (``proxy.HOLD_SECONDS``): each call is sent at most this often.
+RESEND_SECONDS = 60.0
 
 
 async def main() -> None:
@@ -51,13 +55,15 @@ async def main() -> None:
 
     async def hold(i: int, request: bytes) -> None:
         poll = polls[i // PER_CONNECTION]
+        loop = asyncio.get_running_loop()
         while True:
+            sent = loop.time()
             try:
                 await poll(request, timeout=70)
                 ended["OK"] += 1
             except grpc.aio.AioRpcError as error:
                 ended[error.code().name] += 1
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(max(1.0, sent + RESEND_SECONDS - loop.time()))
 
     tasks: list[asyncio.Task] = []
     loop = asyncio.get_running_loop()

@@ -52,6 +52,8 @@ from workers.gateway.proxy import (
     HEARTBEAT_BURST,
     HEARTBEATS_PER_SECOND,
     HELD_BYTES_PER_NODE,
+    HELD_CALL_BYTES,
+    HELD_CALLS_PER_NODE,
     POLLS_PER_NODE,
     REQUEST_BYTES,
     RESULT_BYTES,
@@ -161,7 +163,7 @@ async def test_a_node_holds_no_more_than_its_share_of_the_gateways_memory(gatewa
     payload = Payload(metadata={"encoding": b"binary/plain"}, data=b"r" * (RESULT_BYTES - 4096))
     result = RespondActivityTaskCompletedRequest(namespace="default", task_token=b"t",
                                                  result=Payloads(payloads=[payload])).SerializeToString()
-    can_hold = HELD_BYTES_PER_NODE // len(result)
+    can_hold = HELD_BYTES_PER_NODE // (len(result) + HELD_CALL_BYTES)
     others = [node_channel(gateway.access, node) for _ in range(3)]  # within its connection limit
     try:
         answered_at: list[float] = []
@@ -183,6 +185,66 @@ async def test_a_node_holds_no_more_than_its_share_of_the_gateways_memory(gatewa
             await c.close()
     await gather_codes(polls)
     assert stats.held_bytes == 0
+
+
+async def test_a_node_holds_no_more_than_its_count_of_calls_however_small(temporal_env, gateway, attacker) -> None:
+    """Each held call costs the gateway about 25 KiB however small its request: a node over its
+    call limit that sends empty requests, 25 on each of connection after connection, gets
+    HELD_CALLS_PER_NODE of them held; the rest are refused at once, saying why, and another
+    node's calls still go through. Before, all were held (9,000 took 223 MiB) at 0 held bytes."""
+    node, channel = attacker
+    loop = asyncio.get_running_loop()
+    polls = [asyncio.ensure_future(call(channel, "PollActivityTaskQueue")(poll_request(node.name), timeout=8))
+             for _ in range(CALLS_PER_NODE)]
+    await wait_for(lambda: gateway.running.gateway.load_of(node.name).calls == CALLS_PER_NODE, timeout=5)
+    most_held = 0
+
+    def sample() -> None:
+        nonlocal most_held
+        most_held = max(most_held, load_held(gateway, node.name))
+
+    watcher = asyncio.ensure_future(_every(0.005, sample))
+    others = [node_channel(gateway.access, node) for _ in range(8)]  # past its connection limit too
+    try:
+        refusals: list[tuple[float, grpc.StatusCode, str]] = []
+
+        async def send(c) -> None:
+            try:
+                await call(c, "GetSystemInfo")(b"", timeout=6)
+            except grpc.aio.AioRpcError as error:
+                refusals.append((loop.time(), error.code(), error.details()))
+
+        started = loop.time()
+        sends = [asyncio.ensure_future(send(c)) for c in others for _ in range(25)]
+        refused_now = len(sends) - HELD_CALLS_PER_NODE
+        await wait_for(lambda: len(refusals) >= refused_now, timeout=4)
+        assert load_held(gateway, node.name) == HELD_CALLS_PER_NODE, "its count is held, no more"
+        assert all(t - started < 3.0 for t, _, _ in refusals[:refused_now]), "the rest refused at once"
+        assert {code for _, code, _ in refusals} == {EXHAUSTED}
+        assert f"{HELD_CALLS_PER_NODE} of its calls held already" in refusals[0][2], refusals[0][2]
+
+        other = unique("atk-other")
+        await live_entity(temporal_env.client, other)
+        async with node_channel(gateway.access, credentials(gateway.pki, other)) as theirs:
+            asked = loop.time()
+            assert await code_of(call(theirs, "GetSystemInfo")(b"", timeout=3)) == OK
+            assert loop.time() - asked < 1.0, "another node is served at once"
+        await end_entity(temporal_env.client, other)
+        await asyncio.gather(*sends)
+        assert len(refusals) == len(sends), "the held ones end RESOURCE_EXHAUSTED at their deadline"
+    finally:
+        watcher.cancel()
+        for c in others:
+            await c.close()
+    await gather_codes(polls)
+    assert most_held == HELD_CALLS_PER_NODE
+    assert gateway.running.gateway.stats.held_bytes == 0
+
+
+async def _every(seconds: float, do) -> None:
+    while True:
+        do()
+        await asyncio.sleep(seconds)
 
 
 def load_held(gateway, node: str) -> int:

@@ -48,8 +48,9 @@ certificate for its name from any other signer, opens nothing.
 Per node, at most ``POLLS_PER_NODE`` polls and ``CALLS_PER_NODE`` calls go on at once,
 over at most ``CONNECTIONS_PER_NODE`` connections, each request at most
 ``REQUEST_BYTES`` (results ``RESULT_BYTES``): a call over them is held, without going
-upstream, and then answered (a poll with no task), so one node cannot take the frontend's
-poll budget or the gateway's memory from the others.
+upstream, and then answered (a poll with no task), up to ``HELD_CALLS_PER_NODE`` of them
+(refused at once beyond), so one node cannot take the frontend's poll budget or the
+gateway's memory from the others.
 
 The gateway is stateless but for the delivered tokens, kept in memory on purpose:
 after a restart (or on another replica) a completion for a task delivered before it

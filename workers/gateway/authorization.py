@@ -154,7 +154,8 @@ class GatewayStats:
     limited: int = 0
     #: Calls held now because their node is over its limits.
     held_over_limits: int = 0
-    #: Request bytes of the calls held now (``proxy.HELD_BYTES`` at most).
+    #: Bytes charged for the calls held now, each its request and ``proxy.HELD_CALL_BYTES``
+    #: (``proxy.HELD_BYTES`` at most).
     held_bytes: int = 0
     #: node → serial of the certificate it last presented (agents reload rotated keys).
     serials: dict[str, int] = field(default_factory=dict)

@@ -5,8 +5,9 @@ connection (the standard ``TEMPORAL_*`` settings: mTLS or API key).
 Per node, at most ``POLLS_PER_NODE`` polls and ``CALLS_PER_NODE`` calls go on at once,
 over at most ``CONNECTIONS_PER_NODE`` connections, each request at most
 ``REQUEST_BYTES`` (results ``RESULT_BYTES``): a call over them is held, without going
-upstream, and then answered (a poll with no task), so one node cannot take the frontend's
-poll budget or the gateway's memory from the others.
+upstream, and then answered (a poll with no task), up to ``HELD_CALLS_PER_NODE`` of them
+(refused at once beyond), so one node cannot take the frontend's poll budget or the
+gateway's memory from the others.
 """
 
 from __future__ import annotations
@@ -55,13 +56,24 @@ STREAMS_PER_CONNECTION = 32
 #: RESOURCE_EXHAUSTED. Held, it costs a little memory and no CPU, nothing goes upstream, and a
 #: node that keeps more calls open than its limits gets no more through than they allow.
 HOLD_SECONDS = 60.0
-#: Request bytes held at once, per node and in all. A held call's request stays in memory until
-#: the call ends (gRPC's frame that called the handler keeps it): without a bound, a node that
-#: opens connection after connection of half-megabyte results over its limits holds the
-#: gateway's memory, which every node's calls need. A call over limits beyond either bound is
-#: answered at once, as it would be after its hold.
+#: Bytes held at once, per node and in all. A held call's request stays in memory until the
+#: call ends (gRPC's frame that called the handler keeps it), and so does the call itself
+#: (``HELD_CALL_BYTES``): without a bound, a node that opens connection after connection of
+#: calls over its limits holds the gateway's memory, which every node's calls need. A call over
+#: limits beyond either bound, or beyond ``HELD_CALLS_PER_NODE``, is refused at once
+#: (RESOURCE_EXHAUSTED, naming the bound).
 HELD_BYTES_PER_NODE = 4 * 1024 * 1024
 HELD_BYTES = 256 * 1024 * 1024
+#: What a held call costs beyond its request (gRPC's call and stream, the handler's coroutine
+#: and timer), charged against the bounds above: 9,000 held calls with empty requests took
+#: 223 MiB (about 25 KiB each), so ``HELD_BYTES`` holds at most 8,192 calls in all.
+HELD_CALL_BYTES = 32 * 1024
+#: Calls held at once per node. An honest agent is never held: its one poller, five activities
+#: (a heartbeat or a result each) and a start-up call make about seven calls at once
+#: (workers/node_agent.py), under ``CALLS_PER_NODE``, on one connection or two (while a renewed
+#: key's replaces the old). Four times that: were an agent's calls ever held, none is refused;
+#: a node that opens more gets no more of the gateway's memory.
+HELD_CALLS_PER_NODE = 32
 #: Activity heartbeats a node may send upstream, per second on average and at once. Each one is
 #: a write of its workflow's state in the store every workflow shares; the SDK sends one per
 #: activity at most every 0.8 × its heartbeat timeout, and an agent runs at most five
@@ -157,8 +169,8 @@ class NodeGateway(grpc.GenericRpcHandler):
             if len(self._limit_logged) > 100_000:
                 self._limit_logged.clear()
             self._limit_logged[node] = now
-            log.warning("node %s over its limits (%s); its calls over them are held, then answered "
-                        "(logged once a minute, each counted)", node, why)
+            log.warning("node %s over its limits (%s); its calls over them are held, then answered, "
+                        "or refused beyond what it may hold (logged once a minute, each counted)", node, why)
 
     async def _alive(self, node: str, key: str) -> Verdict | None:
         try:
@@ -189,24 +201,34 @@ class NodeGateway(grpc.GenericRpcHandler):
     async def _hold(self, node: str, load: NodeLoad, polling: bool, why: str, size: int,
                     context: grpc.aio.ServicerContext) -> bytes:
         """A call over the node's limits: held, then answered, and nothing sent upstream. Beyond
-        what may be held (``HELD_BYTES_PER_NODE``, ``HELD_BYTES``), answered at once."""
-        if load.held_bytes + size > HELD_BYTES_PER_NODE or self.stats.held_bytes + size > HELD_BYTES:
-            self._over_limit(node, f"{why}, and more held than the gateway keeps")
-            self._release(node, load)
+        what may be held (``HELD_CALLS_PER_NODE``, ``HELD_BYTES_PER_NODE``, ``HELD_BYTES``),
+        refused at once, polls too (an empty answer at once would only be polled again)."""
+        cost = size + HELD_CALL_BYTES
+        if load.held >= HELD_CALLS_PER_NODE:
+            beyond = f"{HELD_CALLS_PER_NODE} of its calls held already"
+        elif load.held_bytes + cost > HELD_BYTES_PER_NODE:
+            beyond = f"{HELD_BYTES_PER_NODE // 2**20} MiB of its calls held already"
+        elif self.stats.held_bytes + cost > HELD_BYTES:
+            beyond = "the gateway holds all it keeps for nodes over their limits"
         else:
-            self._over_limit(node, why)
-            load.held += 1
-            load.held_bytes += size
-            self.stats.held_over_limits += 1
-            self.stats.held_bytes += size
-            try:
-                await asyncio.sleep(self._hold_seconds(context))
-            finally:
-                load.held -= 1
-                load.held_bytes -= size
-                self.stats.held_over_limits -= 1
-                self.stats.held_bytes -= size
-                self._release(node, load)
+            beyond = None
+        if beyond:
+            self._over_limit(node, f"{why}, and {beyond}")
+            self._release(node, load)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}, and {beyond}; slow down")
+        self._over_limit(node, why)
+        load.held += 1
+        load.held_bytes += cost
+        self.stats.held_over_limits += 1
+        self.stats.held_bytes += cost
+        try:
+            await asyncio.sleep(self._hold_seconds(context))
+        finally:
+            load.held -= 1
+            load.held_bytes -= cost
+            self.stats.held_over_limits -= 1
+            self.stats.held_bytes -= cost
+            self._release(node, load)
         if polling:
             return b""  # no task: the agent polls again
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
@@ -238,6 +260,8 @@ class NodeGateway(grpc.GenericRpcHandler):
         if load is None:
             load = self._load[node] = NodeLoad()
         peer = context.peer()
+        # The limits come before authorization and the liveness check: a lookup can wait (the
+        # control plane away), and the calls waiting on it must count within them.
         if peer not in load.connections and len(load.connections) >= CONNECTIONS_PER_NODE:
             return await self._hold(node, load, polling, f"more than {CONNECTIONS_PER_NODE} connections",
                                     len(request), context)
@@ -391,7 +415,8 @@ class GatewayCollector:
                                 "Calls held now because their node is over its limits.",
                                 value=stats.held_over_limits)
         yield GaugeMetricFamily("gpufleet_gateway_held_bytes",
-                                "Request bytes of the calls held now (bounded per node and in all).",
+                                "Bytes charged for the calls held now, each its request and HELD_CALL_BYTES "
+                                "(bounded per node and in all).",
                                 value=stats.held_bytes)
 
 
