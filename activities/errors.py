@@ -24,7 +24,11 @@ def as_application_error(error: FleetError) -> ApplicationError:
 
 
 def typed_errors(fn: F) -> F:
-    """Raise ``FleetError``s as ``ApplicationError(type=<class name>)``."""
+    """Raise ``FleetError``s as ``ApplicationError(type=<class name>)``.
+
+    The ``FleetError`` stays the cause (its traceback says where an adapter raised it); what is
+    chained below it travels into workflow history and worker logs too, so an adapter chains only
+    failures that cannot quote a request's secrets (``providers.base.translated``)."""
 
     if inspect.iscoroutinefunction(fn):
         @functools.wraps(fn)

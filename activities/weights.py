@@ -47,7 +47,7 @@ from fleet.messages.rollout import Checkpoint, OpenUpload, Part, ReplicateInput,
 from fleet.config import ObjectStore
 from fleet.errors import InvalidRequest
 from fleet.rollout import WeightFile, part_size_for
-from providers.object_store import Throttle, classify, head, is_digest_error, make_s3_client
+from providers.object_store import Throttle, cause, classify, head, is_digest_error, make_s3_client
 
 #: Test hook: ``fn(site, path, attempt, data) -> data`` applied to bytes on their way
 #: to the destination store (simulates corruption in transit). None in production.
@@ -108,7 +108,7 @@ class Replicator:
         except Exception as error:  # noqa: BLE001 - classified below
             if is_digest_error(error):
                 raise ChecksumMismatch(f"{what}: store rejected the checksum") from error
-            raise classify(error, what) from error
+            raise classify(error, what) from cause(error)
 
     def _stream(self, f: WeightFile, start: int = 0, end: int | None = None):
         """Chunks of the source file from ``start`` (to ``end`` exclusive)."""

@@ -66,6 +66,7 @@ from fleet.errors import (
     Transient,
 )
 from fleet.models import MACHINE_TAG_SITE, CapacityType, Machine, MachineSpec, Offer
+from providers.base import transport_failure
 from providers.credentials import aws_keys, read_secret
 
 PROVIDER = "aws"
@@ -125,6 +126,10 @@ EXCEPTION_ERRORS: tuple[tuple[type[Exception], type[ProviderError]], ...] = (
     (bce.ConnectionError, Transient),  # connect/read timeouts, refused, closed
     (bce.HTTPClientError, Transient),
 )
+#: botocore's failures of the HTTP layer: their messages quote what urllib3 said (a header it
+#: refused, the session token's included; a proxy's URL with its password), so neither their
+#: message nor they themselves (a cause travels into workflow history) go into our error.
+TRANSPORT_ERRORS: tuple[type[Exception], ...] = (bce.ConnectionError, bce.HTTPClientError)
 
 #: EC2 instance state -> Machine.state.
 STATES = {
@@ -178,7 +183,8 @@ def _translate(exc: Exception, operation: str) -> ProviderError:
     for exc_type, cls in EXCEPTION_ERRORS:
         if isinstance(exc, exc_type):
             code = type(exc).__name__
-            return cls(f"EC2 {operation}: {code}: {exc}", provider=PROVIDER, code=code)
+            said = transport_failure(exc) if isinstance(exc, TRANSPORT_ERRORS) else f"{code}: {exc}"
+            return cls(f"EC2 {operation}: {said}", provider=PROVIDER, code=code)
     code = type(exc).__name__
     return Transient(f"EC2 {operation}: unexpected {code}: {exc}", provider=PROVIDER, code=code)
 
@@ -239,6 +245,8 @@ class AwsProvider:
         try:
             return getattr(client, operation)(**params)
         except (bce.ClientError, bce.BotoCoreError) as exc:
+            if isinstance(exc, TRANSPORT_ERRORS):
+                raise _translate(exc, operation) from None
             raise _translate(exc, operation) from exc
 
     def _describe(self, **params: Any) -> list[dict[str, Any]]:

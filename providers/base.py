@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
+from urllib.parse import urlsplit
 
 from fleet.errors import (
     BadCredentials,
@@ -34,6 +35,7 @@ __all__ = [
     "InvalidRequest",
     "NotFound",
     "translated",
+    "transport_failure",
 ]
 
 
@@ -92,9 +94,16 @@ class PowersOff(Protocol):
 
 
 @contextmanager
-def translated(taxonomy_error: Callable[[Exception], ProviderError | None]) -> Iterator[None]:
+def translated(
+    taxonomy_error: Callable[[Exception], ProviderError | None], *, answered: Callable[[Exception], bool]
+) -> Iterator[None]:
     """Raise the block's SDK failures as the taxonomy: ``taxonomy_error`` names the error for one
-    (None: not the SDK's, raised as it is). A taxonomy error raised inside passes untouched."""
+    (None: not the SDK's, raised as it is). A taxonomy error raised inside passes untouched.
+
+    Only a failure ``answered`` by the provider (its message is the provider's words) stays the
+    taxonomy error's cause. Any other, the transport's above all, can quote the request: requests
+    and h11 quote a header they refuse whole, ``Authorization: Bearer <key>`` included, and a
+    cause travels into workflow history and worker logs. The taxonomy error names its type."""
     try:
         yield
     except ProviderError:
@@ -103,4 +112,21 @@ def translated(taxonomy_error: Callable[[Exception], ProviderError | None]) -> I
         error = taxonomy_error(exc)
         if error is None:
             raise
-        raise error from exc
+        if answered(exc):
+            raise error from exc
+        raise error from None
+
+
+def transport_failure(exc: Exception) -> str:
+    """What an error message may say of a transport failure: its type, and the endpoint it names
+    (botocore's ``endpoint_url``) without user, password, query or fragment. Never the failure's
+    own message, which quotes what the HTTP layer said: a header it refused, a proxy's URL."""
+    url = (getattr(exc, "kwargs", None) or {}).get("endpoint_url")
+    if not isinstance(url, str) or not url:
+        return type(exc).__name__
+    try:
+        parts = urlsplit(url)
+        host, port = parts.hostname or "", f":{parts.port}" if parts.port else ""
+    except ValueError:  # not a URL after all
+        return type(exc).__name__
+    return f"{type(exc).__name__} ({parts.scheme}://{host}{port}{parts.path})"

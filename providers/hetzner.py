@@ -69,7 +69,7 @@ from fleet.errors import (
 )
 from fleet.models import MACHINE_TAG_SITE, CapacityType, Machine, MachineSpec, Offer
 from providers.base import translated
-from providers.credentials import read_secret
+from providers.credentials import read_token
 
 PROVIDER = "hetzner"
 DEFAULT_ENDPOINT = "https://api.hetzner.cloud/v1"
@@ -138,7 +138,12 @@ def classify(code: str | int, message: str) -> ProviderError:
 
 def _translated(action: str) -> AbstractContextManager[None]:
     """Turn SDK and transport failures inside the block into the taxonomy."""
-    return translated(lambda exc: _sdk_error(exc, action))
+    return translated(lambda exc: _sdk_error(exc, action), answered=_answered)
+
+
+def _answered(exc: Exception) -> bool:
+    """Whether the SDK failure is Hetzner's answer (not the transport's, which quotes headers)."""
+    return isinstance(exc, (APIException, ActionFailedException, ActionTimeoutException))
 
 
 def _sdk_error(exc: Exception, action: str) -> ProviderError | None:
@@ -192,7 +197,7 @@ class HetznerProvider:
 
     def _client(self) -> Client:
         """A fresh SDK client; reads the token now, makes no call yet."""
-        token = read_secret(self.account.credentials, provider=PROVIDER)
+        token = read_token(self.account.credentials, provider=PROVIDER)
         poll = float(self.account.option("poll_interval_s", 1.0))
         client = Client(
             token=token,

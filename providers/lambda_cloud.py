@@ -66,7 +66,7 @@ from fleet.errors import (
     Transient,
 )
 from fleet.models import CapacityType, Machine, MachineSpec, Offer
-from providers.credentials import read_secret
+from providers.credentials import read_token
 from providers.http_api import error_object, send
 
 PROVIDER = "lambda"
@@ -176,7 +176,7 @@ class LambdaProvider:
         overrides: dict[str, type[ProviderError]] | None = None,
     ) -> Any:
         """``data`` of a successful answer; a taxonomy error otherwise."""
-        key = read_secret(self.account.credentials, provider=PROVIDER)
+        key = read_token(self.account.credentials, provider=PROVIDER)
         what = f"{method} {path}"
 
         def call() -> httpx.Response:

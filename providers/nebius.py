@@ -105,7 +105,7 @@ from fleet.errors import (
 )
 from fleet.models import MACHINE_TAG_SITE, CapacityType, Machine, MachineSpec, Offer
 from providers.base import translated
-from providers.credentials import read_secret
+from providers.credentials import header_safe, read_secret
 
 PROVIDER = "nebius"
 DEFAULT_DOMAIN = "api.nebius.cloud:443"
@@ -187,8 +187,9 @@ def _classify_request_error(exc: RequestError, action: str) -> ProviderError:
 
 
 def _translated(action: str) -> AbstractContextManager[None]:
-    """Turn SDK failures (RPC errors and failed operations alike) into the taxonomy."""
-    return translated(lambda exc: _sdk_error(exc, action))
+    """Turn SDK failures (RPC errors and failed operations alike) into the taxonomy. Only those
+    are Nebius's answer: the SDK's own (the channel's, the token's) are not chained."""
+    return translated(lambda exc: _sdk_error(exc, action), answered=lambda exc: isinstance(exc, RequestError))
 
 
 def _sdk_error(exc: Exception, action: str) -> ProviderError | None:
@@ -287,8 +288,8 @@ class NebiusProvider:
     def _credentials(self) -> Any:
         """IAM token, or a service-account reader from a credentials JSON. No network."""
         secret = read_secret(self.account.credentials, provider=PROVIDER)
-        if not secret.lstrip().startswith("{"):
-            return secret
+        if not secret.startswith("{"):  # an IAM token: sent as gRPC metadata
+            return header_safe(secret, self.account.credentials, provider=PROVIDER)
         from nebius.base.service_account.credentials_file import ServiceAccountCredentials
         from nebius.base.service_account.service_account import ServiceAccount
         from nebius.base.service_account.static import Reader

@@ -15,6 +15,7 @@ from typing import Any
 
 from fleet.config import ObjectStore
 from fleet.errors import BadCredentials, InvalidRequest, NotFound, ProviderError, Transient
+from providers.base import transport_failure
 from providers.credentials import aws_keys, read_secret
 
 PROVIDER = "s3"
@@ -95,8 +96,8 @@ def classify(error: Exception, what: str) -> ProviderError:
     (401/403 BadCredentials, 404 NotFound, 429 and 5xx Transient, other 4xx
     InvalidRequest); no answer at all (connection, timeout) is Transient."""
     answer = _answer(error)
-    if answer is None:
-        return Transient(f"{what}: {type(error).__name__}: {error}", provider=PROVIDER)
+    if answer is None:  # its message would quote urllib3's: a header it refused, the session token's
+        return Transient(f"{what}: {transport_failure(error)}", provider=PROVIDER)
     code, status = answer
     message = f"{what}: {code or status} {error.response.get('Error', {}).get('Message', '')}".strip()
     cls: type[ProviderError]
@@ -113,6 +114,13 @@ def classify(error: Exception, what: str) -> ProviderError:
     return cls(message, provider=PROVIDER, code=code)
 
 
+def cause(error: Exception) -> Exception | None:
+    """What ``classify``'s error is raised from: ``error`` when it is the store's answer, else
+    nothing (a cause travels into workflow history and worker logs, and one without an answer
+    is the transport's, whose message can quote a request header)."""
+    return error if _answer(error) is not None else None
+
+
 def is_digest_error(error: Exception) -> bool:
     """Whether the store refused the bytes because their checksum did not match."""
     answer = _answer(error)
@@ -127,7 +135,7 @@ def head(client: Any, bucket: str, key: str) -> dict[str, Any] | None:
         answer = _answer(error)
         if answer is not None and answer[1] == 404:
             return None
-        raise classify(error, f"head s3://{bucket}/{key}") from error
+        raise classify(error, f"head s3://{bucket}/{key}") from cause(error)
 
 
 class Throttle:

@@ -12,11 +12,17 @@ Optional attributes the contract suite uses when present:
   that it never appears in returned models or error messages.
 * ``unknown_id``: a well-formed machine id the fake does not know (default
   ``"does-not-exist-0000"``).
+* ``secret_in_header``: False where the credential travels encoded (HTTP basic auth), so that
+  a control character in it is no error (default True: sent as it is, ``Bearer <key>``).
 """
 
 from __future__ import annotations
 
+import traceback
 from typing import Protocol, runtime_checkable
+
+from temporalio.api.failure.v1 import Failure
+from temporalio.converter import DataConverter
 
 from fleet.errors import BadCredentials, InvalidRequest, NoCapacity, OverQuota, ProviderError, Transient
 from fleet.models import MachineSpec
@@ -48,3 +54,10 @@ class Harness(Protocol):
         ...
 
 
+def stored_failure(error: BaseException) -> str:
+    """All that leaves the worker of an activity's failure: the Failure in workflow history (message,
+    type, details and the whole cause chain, as Temporal's failure converter encodes them) and the
+    traceback the worker logs with it."""
+    failure = Failure()
+    DataConverter.default.failure_converter.to_failure(error, DataConverter.default.payload_converter, failure)
+    return str(failure) + "".join(traceback.format_exception(error))

@@ -135,6 +135,8 @@ class OwnDcHarness:
     #: own-dc has no account quota, so it never raises OverQuota.
     error_kinds = ("NoCapacity", "BadCredentials", "Transient", "InvalidRequest")
     secret = SECRET
+    #: user:password goes as HTTP basic auth, base64-encoded: any character travels.
+    secret_in_header = False
     unknown_id = "rack9-node99"
 
     def __init__(self, proxy: FaultProxy, state_dir: Path) -> None:

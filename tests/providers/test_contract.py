@@ -7,10 +7,10 @@ import uuid
 
 import pytest
 
-from fleet.errors import NotFound
+from fleet.errors import BadCredentials, NotFound
 from fleet.models import Machine, Offer
 from providers.base import Provider
-from tests.providers.harness import ERROR_KINDS, Harness
+from tests.providers.harness import ERROR_KINDS, Harness, stored_failure
 
 PROVIDERS = ["aws", "lambda", "nebius", "hetzner", "own_dc"]
 
@@ -122,23 +122,16 @@ def test_full_cycle_never_shows_the_credential(harness: Harness) -> None:
         assert not leaks(secret, model.model_dump_json())
 
 
-def test_activity_payloads_never_carry_the_credential(harness: Harness, tmp_path) -> None:
-    """What Temporal would store: every activity input, result and failure of a
-    create/get/delete cycle, encoded by the worker's data converter."""
-    from temporalio.contrib.pydantic import pydantic_data_converter
-    from temporalio.exceptions import ApplicationError
+def provider_activities(harness: Harness, tmp_path):
+    """The control plane's provider activities on the harness's adapter (pointed at its fake), and
+    a runner for one call: the provider activities are async (they run the SDK in a thread)."""
     from temporalio.testing import ActivityEnvironment
 
     from activities.control_plane import ControlPlaneActivities
     from activities.env import FleetEnv
-    from fleet.messages.nodes import DeleteMachineInput, ProvisionMachineInput
     from fleet.config import FleetConfig
     from fleet.settings import Settings
 
-    secret = getattr(harness, "secret", None)
-    if not secret:
-        pytest.skip("harness does not expose its secret")
-    site = harness.spec.site
     config = FleetConfig(mode="real", sites=[harness.provider.site], accounts=[harness.provider.account])
     # The account guard of mode real lives in the cluster: the simulated one keeps the port's contract.
     from sim.cluster import SimCluster
@@ -146,20 +139,33 @@ def test_activity_payloads_never_carry_the_credential(harness: Harness, tmp_path
 
     cluster = SimCluster(SimWorld(tmp_path / "cluster.db"))
     env = FleetEnv(settings=Settings(state_dir=tmp_path), config=config, cluster=cluster)
-    env._providers[site] = harness.provider  # the adapter pointed at its fake
-    activities = ControlPlaneActivities(env)
+    env._providers[harness.spec.site] = harness.provider  # the adapter pointed at its fake
     environment = ActivityEnvironment()
 
     def run(fn, arg):
-        """One activity call; the provider activities are async (they run the SDK in a thread)."""
         result = environment.run(fn, arg)
         return asyncio.run(result) if asyncio.iscoroutine(result) else result
 
+    return ControlPlaneActivities(env), run
+
+
+def test_activity_payloads_never_carry_the_credential(harness: Harness, tmp_path) -> None:
+    """What Temporal would store: every activity input, result and failure of a
+    create/get/delete cycle, encoded by the worker's data converter."""
+    from temporalio.contrib.pydantic import pydantic_data_converter
+    from temporalio.exceptions import ApplicationError
+
+    from fleet.messages.nodes import DeleteMachineInput, ProvisionMachineInput
+
+    secret = getattr(harness, "secret", None)
+    if not secret:
+        pytest.skip("harness does not expose its secret")
+    activities, run = provider_activities(harness, tmp_path)
     payloads: list = []
 
-    create = ProvisionMachineInput(site=site, spec=harness.spec, idempotency_key=key())
+    create = ProvisionMachineInput(site=harness.spec.site, spec=harness.spec, idempotency_key=key())
     machine = run(activities.provision_machine, create)
-    delete = DeleteMachineInput(site=site, machine_id=machine.id)
+    delete = DeleteMachineInput(site=harness.spec.site, machine_id=machine.id)
     run(activities.delete_machine, delete)
     payloads += [create, machine, delete]
 
@@ -173,3 +179,76 @@ def test_activity_payloads_never_carry_the_credential(harness: Harness, tmp_path
     encoded = asyncio.run(pydantic_data_converter.encode(payloads))
     for payload in encoded:
         assert not leaks(secret, payload.data.decode(errors="replace"))
+
+
+# -- a credential as people store it: a trailing newline, a stray control character --------------
+def set_credential(harness: Harness, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    env = harness.provider.account.credentials.env
+    assert env, "the harnesses read their credential from a variable"
+    monkeypatch.setenv(env, value)
+
+
+def test_a_credential_read_with_a_trailing_newline_works(harness: Harness, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`kubectl create secret --from-file` and `echo` leave a newline after the key."""
+    secret = getattr(harness, "secret", None)
+    if not secret:
+        pytest.skip("harness does not expose its secret")
+    set_credential(harness, monkeypatch, f"  {secret}\n")
+    machine = harness.provider.create_machine(harness.spec, key())
+    assert machine.id in {m.id for m in harness.provider.list_machines()}
+    harness.provider.delete_machine(machine.id)
+    assert harness.machine_count() == 0
+
+
+def test_a_blank_credential_is_bad_credentials_naming_its_reference(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_credential(harness, monkeypatch, " \n")
+    with pytest.raises(BadCredentials) as caught:
+        harness.provider.create_machine(harness.spec, key())
+    assert harness.provider.account.credentials.env in str(caught.value)
+
+
+def provision_with_a_broken_credential(harness: Harness, monkeypatch: pytest.MonkeyPatch, tmp_path) -> Exception:
+    """How provisioning fails with the harness's key broken over two lines (as pasted), checked
+    to leave the worker with no part of the key: the HTTP client refuses such a header with an
+    error that quotes it whole (the part after the newline included)."""
+    from fleet.messages.nodes import ProvisionMachineInput
+
+    secret = getattr(harness, "secret", None)
+    if not secret or not getattr(harness, "secret_in_header", True):
+        pytest.skip("the credential does not travel as a header value")
+    quoted = secret[6:]
+    set_credential(harness, monkeypatch, secret[:6] + "\n" + quoted)
+    activities, run = provider_activities(harness, tmp_path)
+    create = ProvisionMachineInput(site=harness.spec.site, spec=harness.spec, idempotency_key=key())
+    with pytest.raises(Exception) as failure:
+        run(activities.provision_machine, create)
+    stored = stored_failure(failure.value)
+    assert not leaks(secret, stored) and not leaks(quoted, stored), stored
+    return failure.value
+
+
+def test_a_credential_no_header_can_carry_is_bad_credentials_and_never_shown(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """Sent as it is, the header would be refused with an error quoting it, retried as Transient
+    though no retry can mend the key."""
+    from temporalio.exceptions import ApplicationError
+
+    failure = provision_with_a_broken_credential(harness, monkeypatch, tmp_path)
+    assert isinstance(failure, ApplicationError), failure
+    assert (failure.type, failure.non_retryable) == ("BadCredentials", True), failure
+    assert harness.provider.account.credentials.env in str(failure)
+    assert harness.machine_count() == 0
+
+
+def test_a_transport_failure_quoting_the_credential_stays_out_of_history(
+    harness: Harness, monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """Whatever header value reaches the transport unchecked (here the key itself, the adapter's
+    check taken away), the HTTP client's error that quotes it is neither our error's message nor
+    its cause."""
+    for module in ("providers.credentials", type(harness.provider).__module__):
+        monkeypatch.setattr(f"{module}.header_safe", lambda value, *args, **kwargs: value, raising=False)
+    provision_with_a_broken_credential(harness, monkeypatch, tmp_path)

@@ -13,9 +13,12 @@ from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities import weights
+from activities.errors import typed_errors
 from activities.weights import Checkpoint, ReplicateInput, Replicator, WeightsActivities
 from fleet.config import ObjectStore
 from fleet.rollout import Replication, WeightFile
+from providers.object_store import head
+from tests.providers.harness import stored_failure
 from tests.rollout.conftest import MotoS3, put_files
 
 KiB = 1024
@@ -212,3 +215,18 @@ def test_one_listing_instead_of_a_head_per_file(moto_s3: MotoS3, source: ObjectS
     unlisted = Counting(moto_s3.client(dest), refuse={"get_paginator"})
     assert set(run(unlisted).files.values()) == {"skipped"}, "a store that will not list: a HEAD per file"
     assert unlisted.calls["head_object"] == len(files)
+
+
+def test_a_store_transport_failure_quoting_the_session_token_stays_out_of_history() -> None:
+    """urllib3 refuses a header with a newline in it with an error quoting the header whole; the
+    session token's too (a token made BadCredentials by the store's own credentials check aside)."""
+    import boto3
+
+    token = "FwoGZXIvYXdzEBYaDH7gpufleetSESSIONTOKEN"
+    client = boto3.session.Session().client(
+        "s3", endpoint_url="http://127.0.0.1:9", region_name="us-east-1", aws_access_key_id="AKIAIOSFODNN7EXAMPLE",
+        aws_secret_access_key="wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY", aws_session_token=f"Fwo\n{token}")
+    with pytest.raises(ApplicationError) as failure:
+        typed_errors(head)(client, "bucket", "models/llm/v2/config.json")
+    assert failure.value.type == "Transient"
+    assert token not in stored_failure(failure.value)
