@@ -97,6 +97,9 @@ class NodeIdentity(BaseModel):
 NODE_KEYS_KIND = "node-client-keys"
 #: Keys kept per node: the current one and those still on open connections after a renewal.
 NODE_KEYS_KEPT = 4
+#: The record's field naming the newest CSR a key was bound for (creation time, then name): an
+#: approved CSR not newer than it had its key bound when it was approved, rotated out since.
+NODE_KEYS_NEWEST_CSR = "newest-csr"
 
 
 def client_key_fingerprint(public_key_der: bytes) -> str:
@@ -109,10 +112,12 @@ def bound_keys(record: dict[str, str]) -> list[str]:
     return [k for k in (record.get("keys") or "").split(",") if k]
 
 
-def with_key(record: dict[str, str], fingerprint: str) -> dict[str, str]:
-    """The record with ``fingerprint`` bound (newest), keeping the last ``NODE_KEYS_KEPT``."""
+def with_key(record: dict[str, str], fingerprint: str, csr: str = "") -> dict[str, str]:
+    """The record with ``fingerprint`` bound (newest), keeping the last ``NODE_KEYS_KEPT``; ``csr``:
+    the CSR it is bound for (creation time, then name), kept when newer than ``NODE_KEYS_NEWEST_CSR``."""
     keys = [k for k in bound_keys(record) if k != fingerprint] + [fingerprint]
-    return {"keys": ",".join(keys[-NODE_KEYS_KEPT:])}
+    newest = max(record.get(NODE_KEYS_NEWEST_CSR, ""), csr)
+    return {"keys": ",".join(keys[-NODE_KEYS_KEPT:]), **({NODE_KEYS_NEWEST_CSR: newest} if newest else {})}
 
 
 def gpufleet_provider_id(provider: str, account: str, node_name: str) -> str:

@@ -118,7 +118,9 @@ class CsrWatchInput(Strict):
 
 
 class CsrWatchResult(BaseModel):
-    #: Every CSR without a decision (Approved or Denied) when the watch returned.
+    #: Every CSR still open when the watch returned: neither Denied nor Failed, so pending, or
+    #: approved and not yet cleaned up (``watch_open_csrs``). An approved one counts: one that
+    #: kubeadm's auto-approval approved before the watch saw it still wants a pass to bind its key.
     pending: list[str] = Field(default_factory=list)
     changed: bool = False
 

@@ -55,10 +55,11 @@ from fleet.errors import BadCredentials, ClusterForbidden, ClusterInvalid
 from fleet.messages.capacity import SiteNodesInput
 from fleet.models import Node
 from fleet.settings import Settings
-from fleet.cluster import NODE_KEYS_KIND, NodeIdentity, bound_keys
+from fleet.cluster import NODE_KEYS_KEPT, NODE_KEYS_KIND, NodeIdentity, bound_keys
 from providers.cluster.base import CONTROL_PLANE_LABEL
 from providers.cluster.check import KUBEADM_BINDINGS
 from providers.cluster.kubernetes import NODE_IDENTITY_KIND, KubernetesCluster, bootstrap_secret_name
+from providers.cluster.kubernetes.csrs import RENEWALS_PER_WINDOW
 from tests.cluster.test_csr_renewals import renewal
 from tests.conftest import write_fleet
 from tests.realk8s.test_blast_radius import kubeadm_bindings_restored  # noqa: F401 - a fixture
@@ -677,6 +678,58 @@ def test_the_approver_binds_the_keys_it_approves_and_only_those(real_cluster, ku
     kube.remove_node(live)
     assert kube.read_state(NODE_KEYS_KIND, live) == {}, "a removed node's keys open nothing"
     assert kube.node_identity(live) is None
+
+
+def _live_node(kube, nodes, name: str) -> str:
+    node = nodes(name)
+    identity = NodeIdentity(node_name=node, machine_id="m-1", provider="lambda", account="a", site="s")
+    kube.update_state(NODE_IDENTITY_KIND, node, lambda _current: identity.state())
+    return node
+
+
+def test_a_pass_over_renewals_approved_and_bound_before_writes_nothing(real_cluster, kube, nodes, csrs, unique) -> None:
+    """More approved renewals than keys kept: the oldest keys are rotated out of the record, and
+    their CSRs stay listed for an hour. A later pass (every join's wait polls one) must not bind
+    them again: each would rotate out another key, a ConfigMap write per CSR on every pass."""
+    live = _live_node(kube, nodes, f"gpu-live-{unique}")
+    made = []
+    for i in range(NODE_KEYS_KEPT + 2):  # in order, so creation time (then name) orders them
+        made.append(_csr_as_node(real_cluster, f"k{i}-{unique}", live))
+        csrs.append(made[-1]["metadata"]["name"])
+        _approve_as_kubeadm(real_cluster, made[-1])
+    try:
+        kube.review_csrs(lambda _node: None)
+        newest = [key_of(csr) for csr in made[-NODE_KEYS_KEPT:]]
+        assert bound_keys(kube.read_state(NODE_KEYS_KIND, live)) == newest
+        seen = record_requests(kube)
+        for _ in range(2):
+            kube.review_csrs(lambda _node: None)
+        writes = [r for r in seen if r[0] in ("POST", "PUT", "PATCH", "DELETE") and "/configmaps" in r[1]]
+        assert writes == [], writes
+        assert bound_keys(kube.read_state(NODE_KEYS_KIND, live)) == newest, "the rotated-out keys stay out"
+    finally:
+        kube.remove_node(live)
+
+
+def test_a_node_asking_for_many_renewals_gets_a_few(real_cluster, kube, nodes, csrs, unique) -> None:
+    live = _live_node(kube, nodes, f"gpu-live-{unique}")
+    names = [f"m{i}-{unique}" for i in range(RENEWALS_PER_WINDOW + 3)]
+    for name in names:
+        _csr_as_node(real_cluster, name, live)
+        csrs.append(name)
+    try:
+        verdicts = {d.name: d for d in kube.review_csrs(lambda _node: None) if d.name in names}
+        assert [n for n in names if verdicts[n].approve] == names[:RENEWALS_PER_WINDOW], "the first ones asked"
+        refused = verdicts[names[-1]]
+        assert f"node {live} had {RENEWALS_PER_WINDOW} client certificates renewed" in refused.reason
+        assert [_conditions(real_cluster, n) for n in names[RENEWALS_PER_WINDOW:]] == [["Denied"]] * 3
+        assert len(bound_keys(kube.read_state(NODE_KEYS_KIND, live))) == RENEWALS_PER_WINDOW
+        # A later pass (its window still open) approves no more of them, nor of a new one.
+        _csr_as_node(real_cluster, f"later-{unique}", live)
+        csrs.append(f"later-{unique}")
+        assert [d.approve for d in kube.review_csrs(lambda _node: None) if d.name == f"later-{unique}"] == [False]
+    finally:
+        kube.remove_node(live)
 
 
 # -- the network model on the API server (tests/cluster/test_network.py) ------------------------

@@ -8,26 +8,42 @@ and was issued for exactly the node in the CSR's subject; a renewal from
 ``system:node:<name>`` only for ``<name>``, and only while ``<name>`` is a live
 gpufleet node (its identity record) or a control-plane node (``CONTROL_PLANE_LABEL``);
 any other node's client renewal is denied, so kubeadm's self-renewal binding can go
-and a removed node's certificate is its last. A kubelet-serving CSR only when
-its names are the node's name and the addresses the provider reports for its
-machine. Other CSRs (other signers, other requesters) are left alone.
+and a removed node's certificate is its last; so is a renewal past ``RENEWALS_PER_WINDOW``
+in ``RENEWAL_WINDOW`` (a kubelet renews once per certificate lifetime). A kubelet-serving
+CSR only when its names are the node's name and the addresses the provider reports for
+its machine. Other CSRs (other signers, other requesters) are left alone.
 """
 
 from __future__ import annotations
 
 import base64
 import copy
-from datetime import datetime, timezone
+from collections import Counter
+from datetime import datetime, timedelta, timezone
 from typing import Any, Callable
 
 from kubernetes.client.exceptions import ApiException
 
-from fleet.cluster import NODE_IDENTITY_KIND, NODE_KEYS_KIND, bound_keys, client_key_fingerprint, with_key
+from fleet.cluster import (
+    NODE_IDENTITY_KIND,
+    NODE_KEYS_KEPT,
+    NODE_KEYS_KIND,
+    NODE_KEYS_NEWEST_CSR,
+    bound_keys,
+    client_key_fingerprint,
+    with_key,
+)
 from providers.cluster.base import CLIENT_SIGNER, CONTROL_PLANE_LABEL, CsrDecision, csr_decision
 from providers.cluster.kubernetes.api import _translate
 from providers.cluster.kubernetes.state import ControlPlaneState
 from providers.cluster.kubernetes.tokens import _TOKEN_ID, JOIN_TOKEN_KIND
 from providers.cluster.kubernetes.watch import Watches
+
+#: Client-certificate renewals approved per node within ``RENEWAL_WINDOW``: with the key in use
+#: each stays bound (``NODE_KEYS_KEPT``). A node asking for more is denied: it would rotate the
+#: keys of its own record, and give every pass a write per renewal.
+RENEWALS_PER_WINDOW = NODE_KEYS_KEPT - 1
+RENEWAL_WINDOW = timedelta(hours=1)
 
 
 class CsrApprover(Watches, ControlPlaneState):
@@ -57,10 +73,15 @@ class CsrApprover(Watches, ControlPlaneState):
             return csr_decision(csr, lambda token_id: self._token_node(token_id, tokens),
                                 lambda node: node in identities, addresses, renewable)
 
-        def bind_key(node: str, fingerprint: str) -> None:
-            keys[0][node] = self.update_state(NODE_KEYS_KIND, node, lambda old: with_key(old, fingerprint))
+        def bind_key(node: str, fingerprint: str, csr: str) -> None:
+            keys[0][node] = self.update_state(NODE_KEYS_KIND, node, lambda old: with_key(old, fingerprint, csr))
 
-        for csr in listed.get("items", []):
+        # Oldest first: a node's keys are bound in the order it asked for them, and its earliest
+        # renewals are the ones approved.
+        items = sorted(listed.get("items", []), key=_order)
+        since = datetime.now(timezone.utc) - RENEWAL_WINDOW
+        renewed = Counter(node for csr in items if (node := _renewal_of(csr)) and _approved_after(csr, since))
+        for csr in items:
             status = csr.get("status") or {}
             judged = {c.get("type") for c in status.get("conditions") or []}
             if "Denied" in judged or "Failed" in judged:
@@ -68,18 +89,31 @@ class CsrApprover(Watches, ControlPlaneState):
             client_key = _client_csr_key(csr)
             if client_key is not None and not keys:
                 keys.append(self.list_state(NODE_KEYS_KIND))
-            unbound = client_key is not None and client_key[1] not in bound_keys(keys[0].get(client_key[0], {}))
+            record = keys[0].get(client_key[0], {}) if client_key is not None else {}
+            unbound = client_key is not None and client_key[1] not in bound_keys(record)
             if "Approved" in judged:
                 # Approved by another approver (kubeadm's auto-approval): its key opens the node
-                # gateway only where gpufleet's own judgement approves it too.
-                if unbound and (decision := judge(csr)) is not None and decision.approve:
-                    bind_key(*client_key)
+                # gateway only where gpufleet's own judgement approves it too. Bound once: one no
+                # newer than the newest CSR bound had its key rotated out by later ones (a CSR stays
+                # listed for an hour after it is approved), and binding it again would rotate out
+                # another, on every pass.
+                if unbound and _order(csr) > record.get(NODE_KEYS_NEWEST_CSR, "") \
+                        and (decision := judge(csr)) is not None and decision.approve:
+                    bind_key(*client_key, _order(csr))
                 continue
             decision = judge(csr)
             if decision is None:
                 continue
+            if decision.approve and (node := _renewal_of(csr)) is not None:
+                if renewed[node] >= RENEWALS_PER_WINDOW:
+                    decision = decision.model_copy(update={"approve": False, "reason": (
+                        f"node {node} had {renewed[node]} client certificates renewed in the last "
+                        f"{RENEWAL_WINDOW.total_seconds() / 3600:g} h, the most it may: a kubelet renews "
+                        "once per certificate lifetime")})
+                else:
+                    renewed[node] += 1
             if decision.approve and unbound:
-                bind_key(*client_key)  # before the approval: no certificate is ever out unbound
+                bind_key(*client_key, _order(csr))  # before the approval: no certificate is ever out unbound
             self._decide(csr, decision)
             decisions.append(decision)
         return decisions
@@ -118,6 +152,33 @@ class CsrApprover(Watches, ControlPlaneState):
 
         return self._follow("CSRs", self.certificates.list_certificate_signing_request, convert, until, timeout_s,
                             recheck_s, heartbeat)
+
+
+def _order(csr: dict[str, Any]) -> str:
+    """Where a CSR stands among the others: its creation time (whole seconds), then its name."""
+    meta = csr.get("metadata") or {}
+    return f"{meta.get('creationTimestamp') or ''} {meta.get('name') or ''}"
+
+
+def _renewal_of(csr: dict[str, Any]) -> str | None:
+    """The node whose kubelet asks to renew its client certificate (the requester), or None."""
+    spec = csr.get("spec") or {}
+    user = spec.get("username") or ""
+    if spec.get("signerName") != CLIENT_SIGNER or not user.startswith("system:node:"):
+        return None
+    return user.removeprefix("system:node:")
+
+
+def _approved_after(csr: dict[str, Any], since: datetime) -> bool:
+    """Whether the CSR was approved after ``since`` (the API server stamps the condition's time)."""
+    for condition in (csr.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == "Approved":
+            stamp = condition.get("lastUpdateTime") or (csr.get("metadata") or {}).get("creationTimestamp") or ""
+            try:
+                return datetime.fromisoformat(stamp.replace("Z", "+00:00")) > since
+            except (TypeError, ValueError):
+                return True  # approved, and it does not say when: counted as recent
+    return False
 
 
 def _client_csr_key(csr: dict[str, Any]) -> tuple[str, str] | None:
