@@ -10,8 +10,8 @@ import sys
 
 import pytest
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import WorkflowFailureError
-from temporalio.exceptions import ApplicationError
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.exceptions import ApplicationError, CancelledError
 
 from fleet import search_attributes as sa
 from fleet.naming import node_name_for
@@ -20,7 +20,8 @@ from fleet.cluster import UNPROVEN_TAINT
 from tests.conftest import Stack, run_node_host, wait_for
 from tests.replay import replay_and_record
 from workers.control_plane import build_worker
-from fleet.messages.join import NodeJoinResult
+from fleet.messages.join import JoinProgress, NodeJoinResult
+from tests.repair_helpers import eventually
 
 FAST = {"timeouts": {"registration_seconds": 3, "smoke_test_seconds": 5, "heartbeat_seconds": 2}}
 
@@ -292,3 +293,25 @@ async def test_join_cancelled_mid_create_still_deletes_the_machine(stack: Stack)
     # expire at its TTL before).
     assert stack.world.query("SELECT * FROM join_tokens WHERE node_name=?", machine["name"]) == []
     await replay_and_record(handle, "node_join_cancelled_mid_create")
+
+
+async def test_join_cancelled_mid_create_that_then_finds_no_capacity_cleans_up_and_ends_cancelled(stack: Stack) -> None:
+    """The cancel lands while the provider is still answering the create call, and its answer is
+    no capacity: the join still deletes the node's join token (good for an hour otherwise) and
+    ends cancelled, as a cancelled join does, not failed with the provider's error."""
+    stack.world.set_site("site-b", capacity=0, api_latency_ms=3000)  # "no capacity", 3 s later
+    handle = await stack.start_join({"site": "site-b"})
+
+    async def token_issued() -> str:
+        name = JoinProgress.model_validate(await handle.query("progress")).node_name
+        return name if name and stack.world.query("SELECT * FROM join_tokens WHERE node_name=?", name) else ""
+
+    node_name = await eventually(token_issued, timeout=30)
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError) as ended:
+        await handle.result()
+    assert stack.world.query("SELECT * FROM join_tokens WHERE node_name=?", node_name) == []
+    assert isinstance(ended.value.cause, CancelledError), ended.value.cause
+    assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+    assert stack.world.machines("site-b", include_deleted=True) == []
+    await replay_and_record(handle, "node_join_cancelled_mid_create_no_capacity")

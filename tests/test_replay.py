@@ -30,6 +30,10 @@ EXPECTED = {
     # ``join-patches-at-start-2``: a cancel does not stop a failed join's clean-up; a join cancelled
     # mid-create deletes its join token too (tests/test_join_cancelled.py, tests/test_node_join.py).
     "node_join_failed_clean_up_cancelled", "node_join_cancelled_mid_create",
+    # A join cancelled mid-create whose create then failed (no capacity) still deletes its join
+    # token and ends cancelled, not failed (tests/test_node_join.py; no patch: the old code's run
+    # failed in the task that took the create's failure, so no open run is past that point).
+    "node_join_cancelled_mid_create_no_capacity",
     "node_entity_health_watch", "node_entity_watch_from_join_state",
     "capacity_no_capacity_fallback", "capacity_over_quota", "capacity_bad_credentials", "capacity_wait_then_resume",
     "account_quota_raised", "account_credentials_rotated", "site_fill_below_min", "site_retire_above_max",

@@ -279,8 +279,16 @@ class NodeJoin:
         try:
             # Shielded: a join cancelled mid-create must still learn the machine to delete it.
             provisioned: ProvisionedMachine = await asyncio.shield(provisioning)
-        except asyncio.CancelledError:
-            machine = (await provisioning).machine
+        except asyncio.CancelledError as cancel:
+            try:
+                machine = (await provisioning).machine
+            except ActivityError as error:
+                # The create failed after the cancel: the failed create's clean-up all the same
+                # (the token; any machine made under the key), and the join still ends cancelled,
+                # not failed with the provider's answer to a create nobody wants any more.
+                await self._provision_failed(site, spec, provision_key, error)
+                self._progress.step = "provisioning"
+                raise cancel from None
             self._progress.machine_id = machine.id
             await self._clean_up(site, machine, node_name)
             if self._clean_up_converges:
@@ -288,14 +296,18 @@ class NodeJoin:
             self._progress.step = "provisioning"  # report where it was cancelled, not the clean-up
             raise
         except ActivityError as error:
-            # Every adapter looks the key up before it reports no capacity: then nothing is there. A
-            # revoked account may not be called at all (rule 6): the sweep finds it once rotated.
-            if failure_type(error) not in ("NoCapacity", "BadCredentials"):
-                await self._release_provision(site, spec, provision_key)
-            await self._revoke_node_tokens(node_name)
+            await self._provision_failed(site, spec, provision_key, error)
             raise
         self._progress.machine_id = provisioned.machine.id
         return provisioned
+
+    async def _provision_failed(self, site: Site, spec: MachineSpec, provision_key: str, error: ActivityError) -> None:
+        """A failed create leaves nothing: any machine made under its key, the node's join tokens."""
+        # Every adapter looks the key up before it reports no capacity: then nothing is there. A
+        # revoked account may not be called at all (rule 6): the sweep finds it once rotated.
+        if failure_type(error) not in ("NoCapacity", "BadCredentials"):
+            await self._release_provision(site, spec, provision_key)
+        await self._revoke_node_tokens(spec.name)
 
     async def _await_registration(self, site: Site, node_name: str, provisioned: ProvisionedMachine,
                                   join_id: str, timeouts: JoinTimeouts) -> None:
