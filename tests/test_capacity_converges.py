@@ -12,23 +12,28 @@ import os
 import signal
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import AsyncIterator
 
 import pytest
+from temporalio import activity, workflow
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
-from temporalio.exceptions import CancelledError
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle, WorkflowUpdateStage
+from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.testing import WorkflowEnvironment
+from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from client import FleetClient, InvalidArgument
-from fleet.config import load_config
+from fleet.config import Site, load_config
 from fleet.feasibility import request_problems
-from fleet.messages.capacity import CapacityProgress, CapacityResult
+from fleet.messages.capacity import Catalog, CapacityProgress, CapacityResult, GetCatalogInput
+from fleet.messages.join import JoinedNode, NodeJoinResult
 from fleet.placement import Constraints
 from tests.bad_input_helpers import invalid_input, task_failures
 from tests.capacity_fleet import CapStack, capacity_fleet, open_stack
 from tests.conftest import wait_for
+from tests.repair_helpers import eventually
 from tests.replay import replay_and_record
 
 #: Joins that stay in flight: the machine boots for a minute, registration may take two.
@@ -191,6 +196,95 @@ async def test_a_cancel_after_the_end_is_refused_not_applied(cap: CapStack) -> N
     with pytest.raises((Rejected, NotFound)):
         await FleetClient(cap.settings, cap.client).cancel_capacity(handle.id)
     assert len(live(cap)) == 1, "the joined node stays"
+
+
+# -- a request that gave up on failed joins ---------------------------------------------------
+#: One site, so every join of a request is at the same offer. A 2-GPU machine at $2.00/GPU-h.
+GAVE_UP_SITE = Site(name="s1", provider="lambda", account="a1", region="r", gpu="H100", gpus_per_machine=2,
+                    instance_type="t", price_per_gpu_hour=2.0, max_nodes=8)
+
+
+@workflow.defn(name="NodeJoin", sandboxed=False)
+class JoinStandIn:
+    """A request's joins: the first fails its smoke test at once (one failure too many with
+    ``max_other_failures: 0``); the others boot until told ``booted``, then deliver a node."""
+
+    def __init__(self) -> None:
+        self._booted = False
+
+    @workflow.signal
+    def booted(self) -> None:
+        self._booted = True
+
+    @workflow.run
+    async def run(self, raw: dict) -> NodeJoinResult:
+        join_id = workflow.info().workflow_id
+        if join_id.endswith("-1"):
+            raise ApplicationError("smoke test failed", type="SmokeTestFailed", non_retryable=True)
+        await workflow.wait_condition(lambda: self._booted)
+        return NodeJoinResult(nodes=[JoinedNode(node_name=f"node-{join_id[-1]}", machine_id=f"m-{join_id[-1]}",
+                                                site="s1", provider="lambda", gpus=2)])
+
+
+@activity.defn(name="get_catalog")
+async def one_site_catalog(input: GetCatalogInput) -> Catalog:
+    return Catalog(offers=[GAVE_UP_SITE.offer("lambda")], sites=[GAVE_UP_SITE])
+
+
+@pytest.fixture
+async def gave_up(temporal_env: WorkflowEnvironment) -> AsyncIterator[tuple[WorkflowHandle, WorkflowHandle]]:
+    """A request for two nodes that gave up after its first join failed, and its second join, still
+    in flight (booting until told)."""
+    from workflows.capacity import AcquireCapacity
+
+    client, uid = temporal_env.client, uuid.uuid4().hex[:6]
+    queue = f"capacity-gave-up-{uid}"
+    async with Worker(client, task_queue=queue, workflows=[AcquireCapacity, JoinStandIn],
+                      activities=[one_site_catalog], workflow_runner=UnsandboxedWorkflowRunner()):
+        handle = await client.start_workflow(
+            "AcquireCapacity", {"constraints": {"sites": ["s1"]}, "count": 2, "concurrency": 2,
+                                "max_other_failures": 0},
+            id=f"capacity/gave-up-{uid}", task_queue=queue)
+
+        async def failed_once() -> bool:
+            progress = await handle.query("progress", result_type=CapacityProgress)
+            return any(a.outcome == "SmokeTestFailed" for a in progress.attempts)
+
+        await eventually(failed_once, timeout=20, interval=0.05)
+        yield handle, client.get_workflow_handle(f"join/s1/gave-up-{uid}-2")
+
+
+async def test_a_request_that_gave_up_on_failed_joins_still_takes_a_cancel(gave_up) -> None:
+    """The cancel stops the join still in flight (it deletes its machine) and answers; before, it
+    waited for that join to deliver its node, and the node was kept."""
+    handle, join = gave_up
+    cancel = await handle.start_update("cancel", "not needed", wait_for_stage=WorkflowUpdateStage.ACCEPTED,
+                                       result_type=CapacityProgress)
+    answered, _ = await asyncio.wait({asyncio.ensure_future(cancel.result())}, timeout=20)
+    if not answered:
+        await join.signal("booted")  # the run ends (the join delivers its node) before the test does
+    assert answered, "the cancel is answered while the join is in flight"
+    stopped = answered.pop().result()
+    assert stopped.released == [f"{join.id} (s1/t): machine deleted"], stopped
+    assert (await join.describe()).status == WorkflowExecutionStatus.CANCELED
+    result = CapacityResult.model_validate(await handle.result())
+    assert result.cancelled == "not needed" and result.nodes == [] and result.cost_per_hour == 0, result
+    await replay_and_record(handle, "capacity_cancelled_after_giving_up")
+
+
+async def test_a_node_that_joins_after_the_request_gave_up_is_counted_in_its_cost(gave_up) -> None:
+    """Before, the request said "joining" until the end and left that node out of its cost."""
+    handle, join = gave_up
+    progress = await handle.query("progress", result_type=CapacityProgress)
+    assert progress.step == "finishing the joins in flight" and progress.joins == [join.id], progress
+    await join.signal("booted")
+    result = CapacityResult.model_validate(await handle.result())
+    assert [n.node_name for n in result.nodes] == ["node-2"] and not result.complete
+    assert result.cost_per_hour == 4.0, "its 2 GPUs at $2.00/GPU-h"
+    assert result.why[0] == "1 of 2 not joined: too many failed joins"
+    progress = await handle.query("progress", result_type=CapacityProgress)
+    assert progress.joined == 1 and progress.in_flight == [] and progress.joins == [], progress
+    await replay_and_record(handle, "capacity_gave_up_join_in_flight")
 
 
 # -- the command line --------------------------------------------------------------------------

@@ -89,6 +89,13 @@ CANCEL_WINDS_DOWN_PATCH = "capacity-cancel-winds-down"
 #: before it started a join whenever one in flight ended past the deadline (the deadline was
 #: checked only with nothing in flight), buying machines until the count was met.
 DEADLINE_STOPS_BUYING_PATCH = "capacity-deadline-stops-buying"
+#: A request that gave up on failed joins (``max_other_failures``) takes each join still in flight
+#: as it ends (its node counted in the cost, the progress saying what is left), and a cancel stops
+#: them as anywhere else. Asked where the two paths first differ, as the request gives up with joins
+#: in flight. Runs before it waited for all of them at once: deaf to a cancel (the accepted cancel
+#: answered only once they had finished, their nodes kept), a node that joined then left out of
+#: ``cost_per_hour`` and the progress still "joining".
+GAVE_UP_TAKES_JOINS_PATCH = "capacity-gave-up-takes-joins"
 
 
 def _names_what(req: CapacityRequest) -> bool:
@@ -331,7 +338,11 @@ class AcquireCapacity:
         out of the ranking for a while, an account told, a fatal failure, or one more failure."""
         req, in_flight, accounts = self._req, self._in_flight, self._accounts
         self._progress.waiting_for = []
-        if workflow.now() >= self._deadline and not self._buys_past_deadline:
+        if self._other_failures > req.max_other_failures:
+            self._show("finishing the joins in flight", ranked,
+                       f"too many failed joins ({self._other_failures}): no join starts; it returns what "
+                       f"joined once the joins in flight ({len(in_flight)}) end")
+        elif workflow.now() >= self._deadline and not self._buys_past_deadline:
             self._show("finishing the joins in flight", ranked,
                        "no join starts past the deadline; it returns what joined once the joins "
                        f"in flight ({len(in_flight)}) end")
@@ -389,9 +400,15 @@ class AcquireCapacity:
         """5. The nodes joined, their cost, and why any are missing."""
         req, joined = self._req, self._joined
         if self._in_flight:  # gave up on other failures: let the ones in flight finish
-            for task in await asyncio.gather(*self._in_flight, return_exceptions=True):
-                if isinstance(task, JoinedNode):
-                    joined.append(task)
+            if workflow.patched(GAVE_UP_TAKES_JOINS_PATCH):
+                while self._in_flight and not self._cancel:
+                    await self._take_ended_joins(self._placement())
+                if self._cancel:
+                    return await self._cancelled(req, self._costs)
+            else:
+                for task in await asyncio.gather(*self._in_flight, return_exceptions=True):
+                    if isinstance(task, JoinedNode):
+                        joined.append(task)
         result = CapacityResult(
             requested=req.count, nodes=joined, complete=len(joined) >= req.count, attempts=self._progress.attempts,
             cost_per_hour=round(sum(self._costs.values()), 6),
