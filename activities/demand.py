@@ -315,6 +315,8 @@ class DemandActivities:
         for node in nodes:
             site = node.labels[LABEL_SITE]
             result.site_nodes[site] = result.site_nodes.get(site, 0) + 1
+            if node.unschedulable:
+                result.cordoned.append(node.name)
             if node.name in busy or UNPROVEN_TAINT in node.taints or not node.ready or node.gpus_allocatable <= 0:
                 continue
             result.idle.append(IdleNode(

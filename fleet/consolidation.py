@@ -45,17 +45,20 @@ def consolidate(
     now: float,
     settings: ConsolidationSettings,
     keep_warm: dict[str, int] | None = None,
+    cordoned: set[str] | None = None,
 ) -> tuple[list[Retire], dict[str, str]]:
     """Which idle nodes go back now, most expensive first: idle past the TTL, never a node
-    a Pending pod waits for, never below a site's ``min_nodes``, never more than
-    ``max_site_fraction`` of a site (counting retirements already running), and never the
-    GPUs a model's warm headroom keeps at a site (``keep_warm``: site → GPUs).
+    a Pending pod waits for, never one someone else cordoned (``cordoned``), never below a
+    site's ``min_nodes``, never more than ``max_site_fraction`` of a site (counting retirements
+    already running), and never the GPUs a model's warm headroom keeps at a site
+    (``keep_warm``: site → GPUs).
     Returns the retirements and, for each idle node kept, why."""
+    cordoned = cordoned or set()
     keep_warm = dict(keep_warm or {})
-    # The cheapest idle nodes of a site are the ones kept warm.
+    # The cheapest idle nodes of a site are the ones kept warm (a cordoned one takes no pod).
     warm: set[str] = set()
     for node in sorted(idle, key=lambda n: (n.price_per_gpu_hour, n.name)):
-        if keep_warm.get(node.site, 0) > 0 and not node.awaited:
+        if keep_warm.get(node.site, 0) > 0 and not node.awaited and node.name not in cordoned:
             keep_warm[node.site] -= node.gpus
             warm.add(node.name)
     chosen: list[Retire] = []
@@ -64,7 +67,12 @@ def consolidate(
     for node in sorted(idle, key=lambda n: (-n.price_per_gpu_hour * max(n.gpus, 1), -n.price_per_gpu_hour, n.name)):
         total = site_nodes.get(node.site, 0)
         idle_for = now - node.idle_since
-        if node.awaited:
+        if node.name in cordoned:
+            # Idle because someone emptied it on purpose: a repair containing a GPU (or holding it
+            # for a person), an evacuation, an operator. Retiring it would take the machine from
+            # under them (a repair whose node vanished climbs to replace it, buying another).
+            kept[node.name] = "cordoned by a repair, an evacuation or a person: not the loop's to retire"
+        elif node.awaited:
             kept[node.name] = "a Pending pod is bound or nominated to it"
         elif idle_for < settings.idle_ttl_seconds:
             kept[node.name] = f"idle {idle_for:.0f}s of {settings.idle_ttl_seconds:.0f}s"

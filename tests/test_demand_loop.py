@@ -198,6 +198,33 @@ async def test_consolidation_honours_pdbs_and_the_site_fraction(temporal_env, tm
         assert cap.cluster.get_node(guarded.name) is not None
         assert [p.name for p in cap.cluster.pods(guarded.name)] == ["keeper"]
         assert any("keeper" in line for line in state.log if guarded.name in line)
+        # The loop's own cordon is the loop's to try again: once the budget allows, the node goes.
+        cap.cluster.delete_pdb("default", "keeper")
+        await wait_for(lambda: cap.cluster.get_node(guarded.name) is None, timeout=60)
+        await handle.terminate("test over")
+
+
+async def test_consolidation_leaves_a_node_a_repair_contained(temporal_env, tmp_path):
+    """A repair contains a GPU (the node fenced, cordoned, drained): the node is idle, and stays
+    idle past the TTL, but it is the repair's; the loop retires the other idle node only. Before,
+    it retired the contained node too, and the repair, its node gone, would climb to replace it."""
+    from activities.repair import fence_key
+
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        cheap = cap.site("cheap")
+        await cap.client.execute_workflow("NodeJoin", {"site": cheap, "count": 2, "timeouts": FAST_JOIN},
+                                          id=f"join/{cheap}/idle", task_queue=cap.settings.task_queue)
+        contained, free = cap.cluster.list_nodes({LABEL_SITE: cheap})
+        cap.cluster.annotate_node(contained.name, {fence_key(0): "reset"})  # as contain_gpu does
+        cap.cluster.cordon(contained.name)
+        handle = await start_demand(cap)
+        await wait_for(lambda: cap.cluster.get_node(free.name) is None, timeout=60)
+        state = await until_status(handle, lambda s: contained.name in s.kept_idle)
+        assert "cordoned" in state.kept_idle[contained.name], state.kept_idle
+        await asyncio.sleep(3)  # several passes, each past the 1 s TTL
+        assert cap.cluster.get_node(contained.name) is not None, (await status(handle)).log[-5:]
+        assert not any(contained.name in line for line in (await status(handle)).log)
+        await replay_and_record(handle, "demand_leaves_a_contained_node")
         await handle.terminate("test over")
 
 

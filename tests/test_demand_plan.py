@@ -198,3 +198,13 @@ def test_consolidation_rules():
     # Warm headroom keeps the cheapest idle GPUs.
     chosen, kept = consolidate(nodes[:3], {"a": 10}, {}, {}, now=100, settings=settings, keep_warm={"a": 2})
     assert "warm" in kept["a1"] and {r.node for r in chosen} == {"a2", "a3"}
+
+
+def test_consolidation_leaves_a_node_someone_else_cordoned():
+    """A repair's contained node, an evacuation's drained one: idle, but not the loop's to retire,
+    nor warm headroom (it takes no pod)."""
+    settings = ConsolidationSettings(idle_ttl_seconds=60, max_site_fraction=1)
+    nodes = [idle("a1", "a", 2.0), idle("a2", "a", 3.0), idle("a3", "a", 4.0)]
+    chosen, kept = consolidate(nodes, {"a": 3}, {}, {}, now=100, settings=settings, cordoned={"a1"},
+                               keep_warm={"a": 2})
+    assert "cordoned" in kept["a1"] and "warm" in kept["a2"] and [r.node for r in chosen] == ["a3"]

@@ -89,6 +89,9 @@ EXPECTED = {
     "entity_update_quota_raised", "entity_update_rejected",
     # The demand loop: pods bought for, bound, gone; their idle nodes retired (tests/test_demand_loop.py).
     "demand_buy_then_retire",
+    # Consolidation leaves a node a repair contained (cordoned by someone else) idle and in place
+    # (tests/test_demand_loop.py; no patch: the same commands, the idle list now says who cordoned).
+    "demand_leaves_a_contained_node",
     # Operations converge (issue 36): a capacity request refused at start or cancelled
     # (tests/test_capacity_converges.py); an evacuation that ends puts back what it changed
     # (tests/test_evacuation.py).

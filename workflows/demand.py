@@ -288,8 +288,12 @@ class Demand(Entity[DemandCarry]):
             site = self._seen.retiring.get(node, "").split(":", 1)[0]
             retiring[site] = retiring.get(site, 0) + 1
         candidates = [n for n in found.idle if n.name not in self._retirements]
+        # A cordoned node is left alone unless the loop's own retirement cordoned it (uncordoned
+        # or gone since: no longer the loop's).
+        self.state.left_cordoned = [n for n in self.state.left_cordoned if n in found.cordoned]
+        others = set(found.cordoned) - set(self.state.left_cordoned)
         chosen, kept = consolidate(candidates, found.site_nodes, found.site_min, retiring, now,
-                                   self._consolidation, keep_warm=found.keep_warm)
+                                   self._consolidation, keep_warm=found.keep_warm, cordoned=others)
         self._seen.kept_idle = kept
         for retire in chosen:
             self._seen.retiring[retire.node] = f"{retire.site}: {retire.reason}"
@@ -306,3 +310,4 @@ class Demand(Entity[DemandCarry]):
             self._log(f"kept {node}: {outcome.blocked or outcome.failed}")
             # Uncordon is the drain's business to undo: a blocked drain leaves the node
             # cordoned, so it is tried again next time (still idle) rather than reused.
+            self.state.left_cordoned = [*(n for n in self.state.left_cordoned if n != node), node]

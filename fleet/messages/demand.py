@@ -93,6 +93,8 @@ class IdleNodesResult(BaseModel):
     site_min: dict[str, int] = Field(default_factory=dict)
     #: site → GPUs warm headroom keeps there (the models' primary sites).
     keep_warm: dict[str, int] = Field(default_factory=dict)
+    #: Fleet nodes that are cordoned, idle or not, whoever cordoned them.
+    cordoned: list[str] = Field(default_factory=list)
 
 
 # -- the workflow ---------------------------------------------------------------------------
@@ -119,6 +121,9 @@ class DemandCarry(BaseModel):
     idle_since: dict[str, float] = Field(default_factory=dict)
     excluded: dict[str, float] = Field(default_factory=dict)
     log: list[str] = Field(default_factory=list)
+    #: Nodes the loop's own retirement left cordoned (its drain blocked, or the delete failed):
+    #: the loop's to try again, unlike a node someone else cordoned.
+    left_cordoned: list[str] = Field(default_factory=list)
 
 
 class DemandInput(Strict):
