@@ -178,6 +178,32 @@ class SiteRouteState(Strict):
     incident: str = ""
 
 
+#: A document's reason, one line. Events build it from what their senders wrote (any length),
+#: so it is made to fit (``reason_for``, ``next_document``), never refused: a refusal would fail
+#: the entity's workflow task on every retry, its routes frozen.
+MAX_REASON = 500
+#: A reason names at most this many events, the latest; earlier ones are only counted.
+REASON_EVENTS = 5
+
+
+def shortened(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, an ellipsis marking the cut."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
+def reason_for(events: list[str], earlier: int = 0) -> str:
+    """The reason for a recompute from the events that asked for it (oldest first) and a count of
+    ``earlier`` ones: the latest ``REASON_EVENTS``, each shortened to its share of ``MAX_REASON``,
+    so one long event never hides the others."""
+    named = events[-REASON_EVENTS:]
+    if not named:
+        return ""
+    earlier += len(events) - len(named)
+    tail = f" (and {earlier} earlier)" if earlier else ""
+    share = max(1, (MAX_REASON - len(tail) - 2 * (len(named) - 1)) // len(named))
+    return "; ".join(shortened(event, share) for event in named) + tail
+
+
 class RoutingDocument(Strict):
     """The one thing the front doors render: a model's per-site weights, versioned.
 
@@ -188,7 +214,7 @@ class RoutingDocument(Strict):
     version: int = Field(ge=0)
     sites: dict[str, SiteRouteState] = Field(default_factory=dict)
     #: Why the last change was made (the event or sample that caused it).
-    reason: str = Field("", max_length=500)
+    reason: str = Field("", max_length=MAX_REASON)
 
     @property
     def weights(self) -> dict[str, int]:
@@ -208,7 +234,7 @@ def next_document(
     if previous is not None and previous.sites == entries:
         return previous
     return RoutingDocument(model=model, version=(previous.version + 1 if previous else 1), sites=entries,
-                           reason=reason)
+                           reason=shortened(reason, MAX_REASON))
 
 
 #: Control-plane state (``Cluster.read_state``) listing the model servers of one model at one

@@ -66,6 +66,8 @@ EXPECTED = {
     # Started with its first event (signal-with-start): the event kept since ``start_with``; the
     # run of the code before, which lost it, replays too (tests/test_routing_entity.py).
     "routing_started_with_an_event", "routing_started_with_an_event_lost",
+    # Events with long details: the reason is shortened to fit the document (tests/test_routing_entity.py).
+    "routing_long_event_details",
     # A Node run whose first task held a NotReady (tests/test_site_events.py): kept since
     # ``node-patches-at-start-2``; the old code's run, which dropped it, replays too.
     "node_cluster_state_in_the_first_task", "node_cluster_state_in_the_first_task_lost",

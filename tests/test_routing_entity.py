@@ -17,17 +17,20 @@ from temporalio.client import Client, WorkflowHandle
 
 from cli.front_door import DevFrontDoor
 from fleet.cluster import UNPROVEN_TAINT, ServingSpec, SiteRoute
-from fleet.routing import ENDPOINTS_KIND, TOTAL, RoutingDocument, endpoints_key
+from fleet.routing import ENDPOINTS_KIND, TOTAL, RoutingDocument, RoutingPolicy, SiteLoad, endpoints_key, next_document
 from fleet.contracts import workflows as flows
-from fleet.messages.routing import RoutingInput
+from fleet.messages.routing import RoutingInput, SiteEvent
 from fleet.naming import routing_workflow_id
 from activities.env import FleetEnv
 from fleet.settings import Settings
+from tests.bad_input_helpers import task_failures
 from tests.conftest import terminate_running, wait_for
 from tests.evacuation_helpers import IncStack, incident_fleet, poll
 from tests.replay import replay_and_record
 from sim.model_server import SimModelServer
 from workers.control_plane import build_worker
+from workflows.inputs import parse_input
+from workflows.routing import RoutingEntity
 from tests.rollout.conftest import add_node
 from tests.tools import needs
 
@@ -246,6 +249,56 @@ async def test_an_event_sent_with_the_start_is_in_the_first_routes(temporal_env,
     # No patch: the commands are the ones a run before the fix issued (its history,
     # ``routing_started_with_an_event_lost``, replays against this code).
     await replay_and_record(handle, "routing_started_with_an_event")
+
+
+async def test_long_event_details_reach_the_routes_shortened(temporal_env, inc: IncStack):
+    """An event's detail is free text of up to 2000 characters (a provider's error, a rollout's
+    reason) and a document's reason holds 500: the reason is shortened to fit, each event's line
+    and the whole. It was not: the document was refused, failing the entity's workflow task on
+    every retry with its routes frozen and the failed site still taking traffic."""
+    model = f"llm-{uuid.uuid4().hex[:6]}"
+    a, c = serve(inc, model, "a", 2), serve(inc, model, "c", 2)
+    handle = await start_routing(temporal_env.client, inc, model)
+    await wait_for(lambda: len(weights(inc, model)) == 2 and all(weights(inc, model).values()))
+    first = weights(inc, model)
+    await handle.signal("site_event", {"kind": "incident", "site": a, "detail": "provider down: " + "x" * 2000})
+    await wait_for(lambda: weights(inc, model) == {a: 0, c: TOTAL}, timeout=10)
+    doc = await handle.query(flows.Routing.document, result_type=RoutingDocument)
+    assert doc.reason.startswith(f"incident at {a}: provider down: xxx") and doc.reason.endswith("…")
+    assert len(doc.reason) == 500 and not doc.sites[a].healthy
+
+    # Ordinary events: five of these are over 500 characters together, when one recompute takes them.
+    for n in range(4):
+        await handle.signal("site_event", {"kind": "scale", "site": c, "detail": f"replica {n} Ready " + "r" * 100})
+    await handle.signal("site_event", {"kind": "restore", "site": a, "detail": "provider back " + "b" * 100})
+    await wait_for(lambda: weights(inc, model) == first, timeout=10)
+    doc = await handle.query(flows.Routing.document, result_type=RoutingDocument)
+    assert len(doc.reason) <= 500 and doc.sites[a].healthy
+    assert await task_failures(handle) == 0
+    await replay_and_record(handle, "routing_long_event_details")
+
+
+def test_events_pending_while_a_recompute_waits_stay_within_the_carried_state():
+    """However many events arrive while a recompute waits on the cluster, the state carried over
+    continue-as-new is one the next run takes: the latest events, each shortened, the rest counted.
+    Five ordinary ones make a reason the document takes."""
+    entity = RoutingEntity()
+    for n in range(1200):
+        detail = f"event {n} " + "d" * (2000 if n % 2 else 100)
+        entity._take_event(SiteEvent(kind="scale", site="site-a", detail=detail))
+    carried = RoutingInput(model="llm", state=entity.state).model_dump(mode="json")
+    state = parse_input(RoutingInput, carried).state
+    assert state.events == 1200
+    reason = state.take_pending()
+    assert len(reason) <= 500 and "event 1199 " in reason and reason.endswith("(and 1195 earlier)")
+    assert state.pending == [] and state.pending_earlier == 0
+
+    entity = RoutingEntity()
+    for n in range(5):
+        entity._take_event(SiteEvent(kind="scale", site="site-a", detail=f"replica {n} Ready " + "r" * 100))
+    reason = entity.state.take_pending()
+    assert len(reason) <= 500 and reason.startswith("scale at site-a: replica 0") and "replica 4" in reason
+    assert next_document("llm", [SiteLoad(site="site-a", ready_replicas=1)], RoutingPolicy(), None, reason).reason == reason
 
 
 async def test_an_evacuation_decision_reaches_the_model_through_the_entity(temporal_env, inc: IncStack):

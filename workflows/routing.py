@@ -95,7 +95,7 @@ class RoutingEntity(Entity[RoutingState]):
         else:
             self.state.overrides[event.site] = o
         self.state.events += 1
-        self.state.pending.append(f"{event.kind} at {event.site}" + (f": {event.detail}" if event.detail else ""))
+        self.state.add_pending(f"{event.kind} at {event.site}" + (f": {event.detail}" if event.detail else ""))
 
     @workflow.query
     def document(self) -> RoutingDocument | None:
@@ -117,15 +117,16 @@ class RoutingEntity(Entity[RoutingState]):
         reason = "start"
         while True:
             await self._recompute(args, reason)
+            timed_out = False
             try:
                 await workflow.wait_condition(
                     lambda: bool(self.state.pending) or self.continue_as_new_suggested(),
                     timeout=timedelta(seconds=args.sample_seconds), timeout_summary="next load sample",
                 )
-                reason = "; ".join(self.state.pending[-5:])
             except asyncio.TimeoutError:
-                reason = "load sample"
-            self.state.pending = []
+                timed_out = True
+            events = self.state.take_pending()
+            reason = "load sample" if timed_out else events
             if self.continue_as_new_suggested():
                 # An event taken meanwhile is pending in the carried state: the next run recomputes first.
                 await self.continue_as_new_when_ready(
@@ -136,8 +137,7 @@ class RoutingEntity(Entity[RoutingState]):
         the watch, which returns only with a sample the routes must follow. Nothing on a timer
         but the pause after a watch refused for good."""
         # Events carried over continue-as-new are in the first recompute.
-        reason, self.state.pending = "; ".join(self.state.pending[-5:]) or "start", []
-        await self._recompute(args, reason)
+        await self._recompute(args, self.state.take_pending() or "start")
         paused = False
         while True:
             if self._watch is None and not paused:
@@ -153,8 +153,7 @@ class RoutingEntity(Entity[RoutingState]):
             if self._watch is not None and self._watch.done():
                 paused = not await self._take_watch(args)
             if self.state.pending:
-                reason = "; ".join(self.state.pending[-5:])
-                self.state.pending = []
+                reason = self.state.take_pending()
                 # The watch in flight judges by the overrides and document before the event.
                 await self._drop_watch()
                 await self._recompute(args, reason)

@@ -8,7 +8,7 @@ from pydantic import Field
 
 from fleet.messages.watches import MAX_WATCH_SECONDS
 from fleet.models import Name, Strict, Text
-from fleet.routing import RoutingDocument, RoutingPolicy, SiteLoad
+from fleet.routing import MAX_REASON, REASON_EVENTS, RoutingDocument, RoutingPolicy, SiteLoad, reason_for, shortened
 
 DAY = 86400
 
@@ -45,8 +45,24 @@ class RoutingState(Strict):
     #: Of those, how many the last written document reflects: a caller that saw ``events``
     #: reach n after its signal knows its event is in the routes once ``applied`` >= n.
     applied: int = Field(0, ge=0)
-    #: Why a recompute is wanted (events since the last one); empty: none pending.
+    #: Why a recompute is wanted (events since the last one, the latest ``REASON_EVENTS``: a
+    #: reason names no more); empty: none pending. ``add_pending`` keeps it within its bounds,
+    #: however many events arrive while a recompute waits on the cluster.
     pending: list[Text] = Field(default_factory=list, max_length=1000)
+    #: Events since the last recompute older than those in ``pending``: counted, not kept.
+    pending_earlier: int = Field(0, ge=0)
+
+    def add_pending(self, event: str) -> None:
+        self.pending.append(shortened(event, MAX_REASON))
+        if len(self.pending) > REASON_EVENTS:
+            self.pending_earlier += len(self.pending) - REASON_EVENTS
+            del self.pending[:-REASON_EVENTS]
+
+    def take_pending(self) -> str:
+        """The reason for a recompute from the pending events, which it takes: none pending after."""
+        reason = reason_for(self.pending, self.pending_earlier)
+        self.pending, self.pending_earlier = [], 0
+        return reason
 
 
 class RoutingInput(Strict):
