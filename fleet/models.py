@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
@@ -28,6 +28,19 @@ class Strict(BaseModel):
     """Unknown keys are an error, so a typo never silently becomes a default; floats are finite."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def fields_of(model: type[BaseModel]) -> Any:
+    """The type of a JSON object of some of ``model``'s fields (each of which has a default) that
+    workflow code merges into a ``model`` it passes on, a child's input. Checked as a ``model``
+    when it arrives, so a bad value is refused at the start, naming its field
+    (``capacity_request.constraints``), instead of failing the workflow task that merges it; kept
+    as given, so what is merged, carried over continue-as-new and recorded is as before."""
+    def check(value: dict[str, Any]) -> dict[str, Any]:
+        model.model_validate(value)  # its errors name their fields under this one
+        return value
+
+    return Annotated[dict[str, Any], AfterValidator(check)]
 
 
 class CapacityType(StrEnum):

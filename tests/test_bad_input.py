@@ -9,6 +9,7 @@ on; a bad update is refused naming the field. Never a ``WorkflowTaskFailed`` eve
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import time
 import uuid
@@ -66,6 +67,47 @@ async def test_join_timeout_out_of_range_fails_before_provisioning(stack: Stack,
     await invalid_input(handle, "timeouts.registration_seconds")
     assert provider_calls(stack) == 0
     assert stack.world.machines(include_deleted=True) == []
+
+
+#: Some of an AcquireCapacity request's fields that a workflow merges into the request it starts:
+#: the workflow, a start without them, and where they go in it.
+PASSED_ON = [
+    ("SpotReclaim", {"node_name": "site-a-ghost", "site": "site-a"}, ("replacement",)),
+    ("Site", {"site": "site-a"}, ("fill_request",)),
+    ("Site", {"site": "site-a"}, ("evacuation", "capacity_request")),
+    ("SiteEvacuation", {"site": "site-a"}, ("capacity_request",)),
+    ("Demand", {}, ("capacity_request",)),
+]
+
+
+@pytest.mark.parametrize("workflow_type, start, path", PASSED_ON, ids=[f"{w}.{'.'.join(p)}" for w, _, p in PASSED_ON])
+async def test_capacity_request_fields_to_pass_on_are_checked_at_the_start(
+        idle_fleet: Stack, workflow_type: str, start: dict, path: tuple[str, ...]) -> None:
+    """``{"constraints": "H100"}`` (or null, where the workflow spreads them) passed the start
+    and failed the workflow task that merged them into the request, on every retry: a
+    reclaim's as it asked for the replacement, a Site's at its fill, an evacuation's once the
+    site's routing weight was already 0. Now the start is refused, naming the field, with
+    nothing run. A reclaim's null stays what it was: the replacement rule's constraints alone."""
+    if workflow_type == "SpotReclaim":
+        start = {**start, "terminate_at": time.time() + 3600}
+    for constraints, refused in (("H100", True), (None, workflow_type != "SpotReclaim")):
+        fields = {"constraints": constraints}
+        for key in reversed(path):
+            fields = {key: fields}
+        handle = await start_raw(idle_fleet, workflow_type, json.dumps({**start, **fields}))
+        if not refused:  # it runs: its first activity asked for (none runs here)
+            await wait_for_async(lambda: _ran(handle), bool)
+            assert await task_failures(handle) == 0
+            continue
+        await invalid_input(handle, ".".join(path) + ".constraints")
+        assert await _ran(handle) == []
+
+
+async def _ran(handle: WorkflowHandle) -> list[str]:
+    """The activities and children the workflow asked for."""
+    return [EventType.Name(e.event_type) for e in (await handle.fetch_history()).events
+            if e.event_type in (EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED,
+                                EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED)]
 
 
 async def test_site_sweep_input_of_the_wrong_type(stack: Stack) -> None:

@@ -159,3 +159,14 @@ async def test_an_evacuation_of_an_unknown_site_says_so_at_the_top(stack: Stack)
                 and kinds[e.activity_task_started_event_attributes.scheduled_event_id] == "evacuation_facts"]
     assert attempts == [1], "refused once, never retried"
     assert await task_failures(handle) == 0
+
+
+async def test_an_evacuation_by_hand_with_bad_capacity_request_fields_is_refused_before_it_starts(
+        fleet_world: Stack) -> None:
+    """They went on to the workflow, whose task failed after the site's routing weight was 0."""
+    fleet = FleetClient(fleet_world.settings, fleet_world.client)
+    for constraints in ("H100", None):
+        with pytest.raises(InvalidArgument) as caught:
+            await fleet.evacuate_site({"site": "site-a", "capacity_request": {"constraints": constraints}},
+                                      request_id=uuid.uuid4().hex[:6])
+        assert caught.value.field == "capacity_request.constraints", caught.value

@@ -8,10 +8,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.config import Site
-from fleet.models import AccountState, DAY, EpochSeconds, MaybeName, Name, Offer, Strict, Text
+from fleet.models import AccountState, DAY, EpochSeconds, MaybeName, Name, Offer, Strict, Text, fields_of
 from fleet.placement import AccountView, Constraints
-from fleet.messages.evacuation import IncidentCarry, IncidentView
-from fleet.messages.join import JoinedNode, JoinTimeouts
+from fleet.messages.acquire import (  # noqa: F401 - moved to ``acquire``, still imported from here
+    CapacityCarry, CapacityRequest, CapacityRequestFields, ExcludedOffer, Exclusion, JoinAttempt,
+)
+from fleet.messages.evacuation import EvacuationFields, IncidentCarry, IncidentView
+from fleet.messages.join import JoinedNode
 
 
 # -- activities -----------------------------------------------------------------------------
@@ -97,67 +100,6 @@ class RetireMachineInput(BaseModel):
 
 
 # -- workflows ------------------------------------------------------------------------------
-class Exclusion(Strict):
-    offer: Name
-    reason: Text = "excluded by the caller"
-    seconds: float = Field(600, ge=0, le=30 * DAY)
-
-
-class CapacityRequest(Strict):
-    """Start with plain JSON: ``{"constraints": {"gpu": "H100"}, "count": 4}``."""
-
-    constraints: Constraints = Field(default_factory=Constraints)
-    count: int = Field(1, ge=1, le=256)
-    #: Give up (returning what joined) this long after the start.
-    deadline_seconds: float = Field(3600, gt=0, le=30 * DAY)
-    #: Joins in flight at once.
-    concurrency: int = Field(4, ge=1, le=64)
-    #: How long a NoCapacity answer keeps an offer out of the ranking.
-    unavailable_ttl_seconds: float = Field(180, ge=0, le=7 * DAY)
-    #: Waiting for capacity: first backoff, doubling up to the max.
-    backoff_seconds: float = Field(300, gt=0, le=DAY)
-    max_backoff_seconds: float = Field(1800, gt=0, le=DAY)
-    #: Failed joins for reasons other than the three provider errors (smoke test, registration) before giving up.
-    max_other_failures: int = Field(3, ge=0, le=1000)
-    catalog_max_age_seconds: float = Field(60, ge=0, le=DAY)
-    exclude: list[Exclusion] = Field(default_factory=list, max_length=1000)
-    join_timeouts: JoinTimeouts | None = None
-    #: Ask the Site entity after each join (set by Site itself).
-    reason: Text = ""
-    #: Set by the workflow itself when it continues as new; never by a caller.
-    carry: CapacityCarry | None = None
-
-
-class JoinAttempt(BaseModel):
-    """One join tried at one offer (a repair's try at one rung is ``fleet.messages.repair.Attempt``)."""
-
-    offer: str
-    outcome: str
-    message: str = ""
-
-
-class ExcludedOffer(BaseModel):
-    offer: str
-    until: datetime
-    reason: str
-
-
-class CapacityCarry(BaseModel):
-    """What AcquireCapacity carries over continue-as-new. Taken only while it waits with no
-    join in flight, so the joins it started are all in ``joined`` or ``attempts``."""
-
-    deadline: datetime
-    joined: list[JoinedNode] = Field(default_factory=list)
-    #: node name → machine cost per hour (the spend cap counts them).
-    costs: dict[str, float] = Field(default_factory=dict)
-    attempts: list[JoinAttempt] = Field(default_factory=list)
-    excluded: list[ExcludedOffer] = Field(default_factory=list)
-    other_failures: int = 0
-    #: Joins started so far: the next join's id continues the numbering.
-    seq: int = 0
-    backoff_seconds: float
-
-
 class CapacityResult(BaseModel):
     requested: int
     nodes: list[JoinedNode] = Field(default_factory=list)
@@ -234,12 +176,12 @@ class SiteInput(Strict):
     #: nodes' transitions wake it for every change (each reconcile is billed Temporal actions).
     reconcile_seconds: float = Field(1800, gt=0, le=DAY)
     #: Passed to the AcquireCapacity it starts (tests shorten them).
-    fill_request: dict = Field(default_factory=dict)
+    fill_request: CapacityRequestFields = Field(default_factory=dict)
     drain_seconds: float = Field(300, ge=0, le=DAY)
     #: Provider incidents: state carried by runs before ``state``, and fields merged into the
     #: SiteEvacuation input it starts (``settings``, ``capacity_request``; tests shorten them).
     incident: IncidentCarry | None = None
-    evacuation: dict = Field(default_factory=dict)
+    evacuation: fields_of(EvacuationFields) = Field(default_factory=dict)
 
 
 class NodeTransition(BaseModel):
@@ -280,6 +222,13 @@ class SiteState(BaseModel):
     watched: dict[str, str] = Field(default_factory=dict)
 
 
+class ReplacementRequest(CapacityRequest):
+    """``SpotReclaimInput.replacement``: merged into the request for the replacement, whose
+    ``constraints`` are these over the replacement rule's (null: the rule's alone)."""
+
+    constraints: Constraints | None = None
+
+
 class SpotReclaimInput(Strict):
     node_name: Name
     machine_id: MaybeName = ""
@@ -288,7 +237,7 @@ class SpotReclaimInput(Strict):
     terminate_at: EpochSeconds
     #: How long the replacement avoids the reclaimed offer.
     exclude_seconds: float = Field(1800, ge=0, le=7 * DAY)
-    replacement: dict = Field(default_factory=dict)
+    replacement: fields_of(ReplacementRequest) = Field(default_factory=dict)
 
 
 class SpotNotice(BaseModel):

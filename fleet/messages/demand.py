@@ -6,6 +6,7 @@ from pydantic import BaseModel, Field
 
 from fleet.consolidation import IdleNode
 from fleet.demand_planner import DemandPlan, ModelUsage, NodeRoom
+from fleet.messages.acquire import CapacityRequestFields
 from fleet.models import CapacityType, DAY, Offer, Strict
 from fleet.placement import AccountView
 
@@ -143,7 +144,7 @@ class DemandInput(Strict):
     exclude_seconds: float = Field(300, ge=0, le=DAY)
     drain_seconds: float = Field(300, ge=0, le=DAY)
     #: Fields merged into each AcquireCapacity request (``join_timeouts``; tests shorten them).
-    capacity_request: dict = Field(default_factory=dict)
+    capacity_request: CapacityRequestFields = Field(default_factory=dict)
     consolidate: bool = True
     #: How often the watch lists Pending pods (a real watch would be pushed; the list is cheap).
     poll_seconds: float = Field(0.2, gt=0, le=60)

@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 from fleet.incident import Failure, IncidentSettings, SiteFacts, Verdict
 from fleet.cluster import RoutingTable, ServingStatus
 from fleet.messages.join import JoinedNode
+from fleet.messages.acquire import CapacityRequestFields
 from fleet.models import Name, Strict, Text
 
 
@@ -114,9 +115,17 @@ class SiteEvacuationInput(Strict):
     #: Overrides the site's incident settings (tests shorten timers); None = from the config.
     settings: IncidentSettings | None = None
     #: Merged into the AcquireCapacity request (e.g. join_timeouts, backoff_seconds).
-    capacity_request: dict = Field(default_factory=dict)
+    capacity_request: CapacityRequestFields = Field(default_factory=dict)
     #: Set by the workflow itself when it continues as new; never by a caller.
     carry: EvacuationCarry | None = None
+
+
+class EvacuationFields(Strict):
+    """``SiteInput.evacuation``: merged into the input of each SiteEvacuation the Site entity
+    starts, which gives the site and the reason itself."""
+
+    settings: IncidentSettings | None = None
+    capacity_request: CapacityRequestFields = Field(default_factory=dict)
 
 
 class EvacuationFacts(BaseModel):
