@@ -60,9 +60,11 @@ class ServingActivities:
     @activity.defn
     def resolve_rollout_sites(self, input: ResolveRolloutSitesInput) -> RolloutSites:
         sites = {s.name: s for s in self.env.config.sites}
+        asked = [name for name in input.sites if name in sites]
         return RolloutSites(
-            known=sorted(sites), stores={name: sites[name].object_store for name in input.sites if name in sites},
+            known=sorted(sites), stores={name: sites[name].object_store for name in asked},
             object_stores=sorted(self.env.config.object_stores),
+            gpus_per_machine={name: sites[name].gpus_per_machine for name in asked},
         )
 
     @activity.defn

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from enum import StrEnum
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -181,8 +181,11 @@ def check_source(request: RolloutInput, object_stores: Iterable[str]) -> list[st
             + (f"known: {', '.join(names)}" if names else "the fleet config names none (object_stores:)")]
 
 
-def check_sites(request: RolloutInput, stores: dict[str, ObjectStore | None], known: Iterable[str]) -> list[str]:
-    """Problems that need the fleet config: unknown sites, sites without an object store."""
+def check_sites(request: RolloutInput, stores: dict[str, ObjectStore | None], known: Iterable[str],
+                gpus_per_machine: Mapping[str, int]) -> list[str]:
+    """Problems that need the fleet config: unknown sites, sites without an object store, sites
+    whose machines have fewer GPUs than a replica asks for (its pods could never be scheduled:
+    the rollout would copy the weights, wait out ``ready_timeout_seconds`` and roll back)."""
     known = set(known)
     problems = []
     for i, target in enumerate(request.sites):
@@ -190,6 +193,13 @@ def check_sites(request: RolloutInput, stores: dict[str, ObjectStore | None], kn
             problems.append(f"sites[{i}].site: unknown site {target.site!r}; known sites: {', '.join(sorted(known))}")
         elif stores.get(target.site) is None:
             problems.append(f"sites[{i}].site: site {target.site!r} has no object_store configured for weights")
+    # A site given no replicas schedules no pod: whatever its machines, it fits.
+    too_small = [t.site for t in request.sites if t.replicas and t.site in gpus_per_machine
+                 and gpus_per_machine[t.site] < request.gpus_per_replica]
+    if too_small:
+        where = ", ".join(f"{site} ({gpus_per_machine[site]} GPUs per machine)" for site in too_small)
+        problems.append(f"gpus_per_replica: {request.gpus_per_replica} GPUs per replica, more than one machine has "
+                        f"at {where}: its pods could never be scheduled there")
     return problems
 
 

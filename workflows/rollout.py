@@ -3,7 +3,8 @@
 The runbook (product rules 10 and 11):
 
 1. validate: the manifest (every file has a sha256), the sites (known, with an
-   object store), replicas (not zero everywhere) - before anything is copied;
+   object store, machines with ``gpus_per_replica`` GPUs), replicas (not zero
+   everywhere) - before anything is copied;
 2. replicate the weights to every target site's object store, sites in
    parallel, each verified by checksum (``replicate_weights``); a site whose
    copy fails twice is failed (a failed canary stops the rollout);
@@ -270,7 +271,7 @@ class ModelRollout:
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary="look up target sites and their object stores",
         )
-        problems = check_sites(request, sites.stores, sites.known)
+        problems = check_sites(request, sites.stores, sites.known, sites.gpus_per_machine)
         problems = check_source(request, sites.object_stores) + problems
         if problems:
             self._finished = True

@@ -75,6 +75,9 @@ class RolloutSites(BaseModel):
     stores: dict[str, ObjectStore | None]
     #: The names of the fleet config's ``object_stores`` (a manifest's possible sources).
     object_stores: list[str] = Field(default_factory=list)
+    #: The asked-for sites that exist, with their machines' GPU count (none in a result recorded
+    #: before it: nothing to check against).
+    gpus_per_machine: dict[str, int] = Field(default_factory=dict)
 
 
 class ServingRef(BaseModel):

@@ -61,10 +61,22 @@ def test_bad_manifests_rejected(change: dict, field: str) -> None:
 def test_check_sites() -> None:
     request = RolloutInput.model_validate(raw(sites=[{"site": "a", "replicas": 1}, {"site": "nope", "replicas": 1},
                                                      {"site": "c", "replicas": 1}]))
-    problems = check_sites(request, {"a": ObjectStore(bucket="x"), "c": None}, ["a", "c"])
+    problems = check_sites(request, {"a": ObjectStore(bucket="x"), "c": None}, ["a", "c"], {"a": 8, "c": 8})
     assert len(problems) == 2
     assert "unknown site 'nope'" in problems[0]
     assert "no object_store" in problems[1]
+
+
+def test_a_replica_larger_than_a_sites_machines_is_refused_naming_the_sites() -> None:
+    """Its pods could never be scheduled there: the rollout copied every weight, waited out
+    ``ready_timeout_seconds`` and rolled back. A site given no replicas places no pod."""
+    stores = {name: ObjectStore(bucket=name) for name in "abc"}
+    request = RolloutInput.model_validate(raw(gpus_per_replica=8, sites=[
+        {"site": "a", "replicas": 1}, {"site": "b", "replicas": 1}, {"site": "c", "replicas": 0}]))
+    assert check_sites(request, stores, "abc", {"a": 8, "b": 8, "c": 1}) == []
+    (problem,) = check_sites(request, stores, "abc", {"a": 8, "b": 4, "c": 2})
+    assert problem.startswith("gpus_per_replica: 8 GPUs per replica"), problem
+    assert "b (4 GPUs per machine)" in problem and "a (" not in problem and "c (" not in problem
 
 
 def test_plan_batches_and_deferral() -> None:

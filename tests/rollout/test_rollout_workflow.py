@@ -126,6 +126,28 @@ async def test_bad_input_rejected_before_copying(rollout_stack: RolloutStack) ->
     assert stack.s3.client(store).list_objects_v2(Bucket=store.bucket).get("KeyCount", 0) == 0
 
 
+async def test_a_replica_no_machine_of_a_site_can_hold_is_refused_before_copying(rollout_stack: RolloutStack) -> None:
+    """16 GPUs per replica on sites of 8-GPU machines: the pods could never be scheduled. The
+    rollout copied every weight, waited out ``ready_timeout_seconds`` and rolled back; now it is
+    refused at start, naming the field and the sites, with nothing copied or applied."""
+    stack = rollout_stack
+    request = stack.request({"site-a": 1, "site-b": 1})
+    request["gpus_per_replica"] = 16
+    handle = await stack.start(request, "too-big")
+    error = await failure_of(handle)
+    assert error.type == "InvalidInput" and error.non_retryable, error
+    assert "gpus_per_replica: 16 GPUs per replica" in str(error), error
+    assert "site-a (8 GPUs per machine), site-b (8 GPUs per machine)" in str(error), error
+    history = await handle.fetch_history()
+    scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                 if e.HasField("activity_task_scheduled_event_attributes")]
+    assert scheduled == ["resolve_rollout_sites"], "only the look-up ran: no copy, no Deployment"
+    for site in ("site-a", "site-b"):
+        store = stack.stores[site]
+        assert stack.s3.client(store).list_objects_v2(Bucket=store.bucket).get("KeyCount", 0) == 0
+        assert stack.image(site) is None
+
+
 async def test_canary_fails_gate_rolled_back_others_untouched(rollout_stack: RolloutStack) -> None:
     stack = rollout_stack
     stack.serve_v1(["site-a", "site-b", "site-c"])
