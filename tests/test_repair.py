@@ -9,15 +9,21 @@ from datetime import datetime, timezone
 
 import pytest
 from typer.testing import CliRunner
-from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowUpdateFailedError
+from temporalio.client import (
+    WithStartWorkflowOperation,
+    WorkflowExecutionStatus,
+    WorkflowFailureError,
+    WorkflowUpdateFailedError,
+)
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 from activities.evacuation import EvacuationActivities
 from fleet.contracts import workflows as flows
 from fleet.messages.evacuation import HoldRepairsInput
 from fleet.messages.nodes import HealthReport
-from activities.repair import fence_key
+from activities.repair import FENCE_PREFIX, fence_key
 from cli.main import app
 from fleet.models import GpuHealth, XidEvent
 from fleet.repair_policy import Rung
@@ -280,6 +286,33 @@ async def test_a_repair_held_the_moment_it_starts_is_held(rstack: Stack) -> None
     assert result["outcome"] == "repaired", [(a["rung"], a["outcome"], a.get("detail")) for a in result["attempts"]]
     assert not cordoned(rstack, node.node_name)
     await replay_and_record(handle, "gpu_repair_held_at_start")
+
+
+@pytest.mark.parametrize("given, field, words", [
+    # gpus left at its default (1) on a node of 2: every proof failed ("2 of 1 GPUs visible"), the
+    # ladder climbed to replace, bought a machine and retired the healthy node.
+    ({"gpu": 0}, "gpus", "gpus: 1, but node {node} has 2 GPUs"),
+    ({"gpu": 2, "gpus": 2}, "gpu", "gpu: must be less than gpus (2)"),
+])
+async def test_a_repair_started_by_hand_for_gpus_the_node_lacks_is_refused_at_start(
+        rstack: Stack, given: dict, field: str, words: str) -> None:
+    node = await join_node(rstack)
+    machines = len(rstack.world.machines(include_deleted=True))
+    handle = await rstack.client.start_workflow(
+        flows.GpuRepair.TYPE, {"node_name": node.node_name, "site": "site-a", **given},
+        id=f"repair/{node.node_name}/gpu{given['gpu']}", task_queue=rstack.settings.task_queue)
+    with pytest.raises(WorkflowFailureError) as caught:
+        await asyncio.wait_for(handle.result(), 60)
+    refusal = caught.value.cause
+    assert isinstance(refusal, ApplicationError) and refusal.type == "InvalidInput" and refusal.non_retryable
+    assert words.format(node=node.node_name) in refusal.message and refusal.details[0]["fields"] == [field], refusal
+    assert set(await history_order(rstack, handle.id)) <= {"node_facts"}, "nothing contained, reset or bought"
+    assert not cordoned(rstack, node.node_name)
+    assert not any(k.startswith(FENCE_PREFIX) for k in rstack.cluster.annotate_node(node.node_name, {})), "no GPU fenced"
+    assert len(rstack.world.machines(include_deleted=True)) == machines, "no machine bought"
+    assert rstack.world.machine(node.machine_id)["reboots"] == 0
+    if field == "gpus":
+        await replay_and_record(handle, "gpu_repair_refused_gpus")
 
 
 async def _exhausted(stack: Stack, node: str, gpu: int = 0):

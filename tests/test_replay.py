@@ -53,6 +53,9 @@ EXPECTED = {
     # A repair held in its run's first task (update-with-start) starts held (tests/test_repair.py;
     # no patch: such a hold was refused before, so no older history holds one).
     "gpu_repair_held_at_start",
+    # A repair started by hand with a ``gpus`` that is not the node's is refused at start
+    # (``repair-checks-gpus``, tests/test_repair.py); runs started before it replay as they ran.
+    "gpu_repair_refused_gpus",
     "node_entity_two_repairs_local_facts", "node_entity_two_repairs_contain_first",
     "site_incident_tripped",
     "advisor_report",

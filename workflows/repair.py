@@ -85,6 +85,11 @@ with workflow.unsafe.imports_passed_through():
 #: that was never cancelled records no marker, and a run from before it that was cancelled
 #: replays down the old path (False: no marker in its history).
 CANCEL_STOPS_PATCH = "repair-cancel-stops"
+#: Workflow patch: a repair started by hand (no Node entity as parent) reads the node's facts
+#: first and is refused when its ``gpus`` is not the node's GPU count. With a wrong count every
+#: proof failed ("8 of 1 GPUs visible") and the ladder climbed to replace a healthy node. Asked
+#: only without a parent (the Node entity gives the count from the same facts), first in ``run``.
+CHECKS_GPUS_PATCH = "repair-checks-gpus"
 
 NODE_RETRY = RetryPolicy(maximum_attempts=2, non_retryable_error_types=["GpuResetFailed", "DriverReinstallFailed"])
 
@@ -199,6 +204,8 @@ class GpuRepair:
             self._state.held, self._state.hold_reason = True, self._hold_at_start.reason
         if inp.escalated_because:
             self._state.reasons.append(f"escalated: {inp.escalated_because}")
+        if workflow.info().parent is None and workflow.patched(CHECKS_GPUS_PATCH):
+            await self._check_gpus()
         workflow.upsert_search_attributes([
             sa.NODE_NAME.value_set(inp.node_name), sa.SITE.value_set(inp.site), sa.GPU_INDEX.value_set(inp.gpu),
             sa.REPAIR_RUNG.value_set(rung.value), sa.FLEET_STATE.value_set("containing"),
@@ -218,6 +225,18 @@ class GpuRepair:
             # What the cancel ended surfaced as a failure (a replacement join that cleaned up after
             # it was cancelled fails): the run still ends cancelled, not failed.
             raise CancelledError(f"repair cancelled while {where}") from error
+
+    async def _check_gpus(self) -> None:
+        """Refuse, before anything is contained, a ``gpus`` that is not the node's GPU count as
+        the cluster knows it. A node the cluster does not know is left to the ladder."""
+        inp = self._input
+        facts = await self._facts()
+        if facts.found and facts.gpus != inp.gpus:
+            self._state.outcome, self._state.done = "refused", True
+            message = (f"invalid GpuRepairInput: gpus: {inp.gpus}, but node {inp.node_name} has {facts.gpus} GPUs: "
+                       f"every proof would fail; start it with gpus={facts.gpus}")
+            self._step("refused", message)
+            raise invalid_input(message, ["gpus"])
 
     async def _ladder(self, rung: Rung) -> GpuRepairResult:
         """Contain, then recover and prove rung by rung until repaired, replaced or exhausted."""

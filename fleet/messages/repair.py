@@ -5,7 +5,17 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StringConstraints
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from fleet.models import EpochSeconds, GpuHealth, MaybeName, Name, Strict, Text, XidEvent
 from fleet.repair_policy import Finding, Ledger, RepairSettings, Rung
@@ -300,12 +310,25 @@ class GpuRepairInput(BaseModel):
     gpu: int = Field(ge=0, le=63)
     site: Name
     machine_id: MaybeName = ""
+    #: The node's GPU count: the proof expects that many visible. A repair started by hand (no
+    #: Node entity as parent) is refused when it is not the count the cluster knows.
     gpus: int = Field(1, ge=1, le=64)
     rung: Rung = Rung.RESET
     reasons: list[Text] = Field(default_factory=list, max_length=1000)
     escalated_because: Text = ""
     detected_at: datetime | None = None
     settings: RepairSettings = Field(default_factory=RepairSettings)
+
+    @model_validator(mode="after")
+    def _gpu_on_the_node(self) -> "GpuRepairInput":
+        # Raised under ``gpu``: a plain ValueError here would name only ``(input)``.
+        if self.gpu >= self.gpus:
+            raise ValidationError.from_exception_data(type(self).__name__, [{
+                "type": PydanticCustomError("gpu_not_on_node", "must be less than gpus ({gpus}), the node's GPU "
+                                            "count: its GPUs are 0 to {last}", {"gpus": self.gpus, "last": self.gpus - 1}),
+                "loc": ("gpu",), "input": self.gpu,
+            }])
+        return self
 
 
 class Attempt(BaseModel):
@@ -329,7 +352,7 @@ class LadderState(BaseModel):
     skip_to: Rung | None = None
     done: bool = False
     #: repaired, replaced, exhausted (contained, needs a person), gone, cancelled (stopped where
-    #: it was, still contained: needs a person).
+    #: it was, still contained: needs a person), refused (its input, at start: nothing done).
     outcome: str = ""
     reasons: list[str] = Field(default_factory=list)
     attempts: list[Attempt] = Field(default_factory=list)
