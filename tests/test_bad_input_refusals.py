@@ -25,9 +25,12 @@ from temporalio.client import (
 from temporalio.exceptions import ApplicationError
 
 from client import FleetClient, InvalidArgument
+from fleet.messages.repair import LadderState
+from fleet.repair_policy import Rung
 from tests.bad_input_helpers import idle_workflows, processed, raw, task_failures
 from tests.conftest import Stack
 from tests.test_bad_input_property import valid_starts
+from workflows.repair import GpuRepair
 
 
 @pytest.fixture
@@ -130,6 +133,27 @@ async def test_a_rollout_refuses_for_its_state_with_a_type_of_its_own(idle_fleet
     again = await refused(rollout, "pause", '"look again"')
     assert again.type == "WrongState" and again.message == "already paused", again
     assert await task_failures(rollout) == 0
+
+
+@pytest.mark.parametrize("validator, argument", [
+    (GpuRepair._validate_hold, {"reason": "look"}),
+    (GpuRepair._validate_release, {"reason": "go"}),
+    (GpuRepair._validate_skip_to, {"rung": "reboot"}),
+])
+def test_a_repair_that_has_ended_refuses_its_updates_for_its_state(validator, argument: dict) -> None:
+    """A repair ends in the task that ends its run, so only an update that races its last task
+    meets its validator with the ladder done: called here on that state. It was a retryable
+    ``ValueError`` ("the repair is not running"; skip_to after a replacement, "the node was
+    already replaced"), which says neither that the input was fine nor to stop retrying."""
+    repair = GpuRepair()
+    repair._state = LadderState(node_name="site-a-1", gpu=0, rung=Rung.REPLACE, step="replaced",
+                                done=True, outcome="replaced")
+    with pytest.raises(ApplicationError) as caught:
+        validator(repair, argument)
+    refusal = caught.value
+    assert refusal.type == "WrongState" and refusal.non_retryable, repr(refusal)
+    assert refusal.message == "the repair is not running: it has ended (replaced)", refusal.message
+    assert refusal.details == ({"state": "replaced"},)
 
 
 async def test_an_evacuation_of_an_unknown_site_says_so_at_the_top(stack: Stack) -> None:

@@ -53,6 +53,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.repair_policy import Rung
     from workflows.inputs import invalid_input, parse_input
+    from workflows.refusals import wrong_state
     from fleet.messages.join import NodeJoinResult
     from workflows.steps import (
         CLUSTER_RETRY,
@@ -114,11 +115,12 @@ class GpuRepair:
         return self._state is not None
 
     def _require_running(self) -> None:
-        """Refuse a repair that has ended. One still starting is running: an operator (or the
-        site, for its incident) acts on a repair the moment it appears, and its run's first task
-        hands that task's updates to their handlers before ``run`` has built the ladder."""
+        """Refuse a repair that has ended (``WrongState``, naming how: a replaced node, for one).
+        One still starting is running: an operator (or the site, for its incident) acts on a
+        repair the moment it appears, and its run's first task hands that task's updates to
+        their handlers before ``run`` has built the ladder."""
         if self._state is not None and self._state.done:
-            raise ValueError("the repair is not running")
+            raise wrong_state(f"the repair is not running: it has ended ({self._state.outcome})", self._state.outcome)
 
     @workflow.update
     async def hold(self, raw: Any = None) -> LadderState:
@@ -163,9 +165,7 @@ class GpuRepair:
     @skip_to.validator
     def _validate_skip_to(self, raw: Any) -> None:
         parse_input(SkipToInput, raw)  # an unknown rung is refused naming the field
-        self._require_running()
-        if self._state is not None and self._state.outcome == "replaced":
-            raise ValueError("the node was already replaced")
+        self._require_running()  # a replaced node's repair has ended
 
     @workflow.signal
     def node_action_grant(self, grant: NodeActionGrant) -> None:
