@@ -8,7 +8,10 @@ geography; stepwise restore; no false trips; resume after a worker restart.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import re
+import threading
+import typing
 import uuid
 
 import pytest
@@ -340,7 +343,11 @@ async def test_an_abort_while_buying_stops_the_purchase(inc: IncStack) -> None:
     await inc.start_site("a", evacuation={"capacity_request": {"join_timeouts": slow, "backoff_seconds": 1}})
 
     inc.world.set_site(a, unreachable=1)
-    await poll(lambda: _buying(inc), timeout=30)
+    buying = await poll(lambda: _buying(inc), timeout=30)
+    # The wait says for what and until when (before: the step "capacity requested", no detail).
+    assert buying.step == "waiting for capacity", buying.step
+    assert re.fullmatch(rf"2 nodes from capacity/evacuate-{a}-1 until \d\d:\d\d:\d\d UTC at most; then the "
+                        "replicas move to what joined", buying.step_detail), buying.step_detail
     await poll(lambda: _machines_at(inc, c, 3), timeout=30)
 
     await inc.evacuation("a").execute_update("abort", "test: not worth buying for")
@@ -359,9 +366,129 @@ async def test_an_abort_while_buying_stops_the_purchase(inc: IncStack) -> None:
     await replay_and_record(inc.evacuation("a"), "site_evacuation_aborted_while_buying")
 
 
-async def _a_lost_and_evacuated_to_d(inc) -> tuple[str, str]:
-    """Site a (3 nodes serving MODEL) goes unreachable, d (one idle node) takes its share; returns
-    once the evacuation waits for a's recovery. The two sites' names."""
+async def test_the_proof_says_until_when_and_a_cancel_during_it_puts_the_site_back(inc: IncStack) -> None:
+    """The smoke tests of the proof wait for every node's answer (up to ``smoke_test_seconds``, 10
+    minutes by default): the wait says so and until when (before: the step "recovered", no detail).
+    A cancel then ends the evacuation as an abort does, and says it was cancelled."""
+    a, d = await _a_lost_and_evacuated_to_d(inc)
+    handle = inc.evacuation("a")
+    # Declared back while its agents still answer nothing: the smoke tests wait for them.
+    await handle.execute_update("declare_recovered", "test: the provider says so")
+
+    async def proving():
+        p = await inc.progress("a")
+        return p if p is not None and p.step == "smoke-testing the nodes" else None
+
+    progress = await poll(proving, timeout=30)
+    assert re.fullmatch(rf"3 nodes at {a} until \d\d:\d\d:\d\d UTC at most \(one that has not answered by then "
+                        r"fails its proof\)", progress.step_detail), progress.step_detail
+    await handle.cancel()
+    progress = await _ended_cancelled(handle)
+    assert progress.state == "cancelled" and progress.timeline[-1].name == "ended", progress
+    assert await _cordoned(inc, a) == set(), "the nodes it drained are uncordoned"
+    routes = inc.cluster.get_site_routes().sites[a]
+    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0
+    await replay_and_record(handle, "site_evacuation_cancelled_while_proving")
+
+
+def held_open(monkeypatch, activities: type, name: str, at: str) -> threading.Event:
+    """``activities.<name>`` for ``at`` (its input's ``site``) waits until the returned event is set
+    (30 s at most), then answers as it does: a step held open for a test to act in."""
+    answer = getattr(activities, name)
+    released = threading.Event()
+
+    if inspect.iscoroutinefunction(answer):
+        async def held(self, input):
+            if input.site == at:
+                await asyncio.to_thread(released.wait, 30)
+            return await answer(self, input)
+    else:
+        def held(self, input):
+            if input.site == at:
+                released.wait(30)
+            return answer(self, input)
+
+    held.__annotations__ = typing.get_type_hints(answer)  # the input decoded as the activity's own type
+    monkeypatch.setattr(activities, name, activity.defn(name=name)(held))
+    return released
+
+
+async def _ended_cancelled(handle) -> EvacuationProgress:
+    """The run ended Canceled (not failed, not running); its last progress."""
+    with pytest.raises(WorkflowFailureError) as caught:
+        await asyncio.wait_for(handle.result(), 60)
+    assert isinstance(caught.value.cause, CancelledError), repr(caught.value.cause)
+    assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+    return await handle.query("progress", result_type=EvacuationProgress)
+
+
+async def test_a_cancel_while_the_replicas_elsewhere_get_ready_puts_back_and_drains_nothing(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """Temporal's cancel (the UI's button, ``temporal workflow cancel``) while the evacuation waited
+    for its replicas elsewhere reached the wait as a cancelled activity, taken for "not ready":
+    the evacuation cordoned and drained every node of the site, scaled its Deployments to 0 and
+    ran on. Now a cancel at that step ends it as an abort does, and the run ends cancelled."""
+    uid = uuid.uuid4().hex[:6]
+    released = held_open(monkeypatch, ServingActivities, "wait_serving_ready", f"d-{uid}")
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, incident_fleet(uid), uid):
+        a, d = await _a_lost(inc)
+
+        async def waiting_elsewhere():
+            p = await inc.progress("a")
+            return p if p is not None and p.step == "waiting for the replicas elsewhere" else None
+
+        await poll(waiting_elsewhere, timeout=30)
+        assert inc.cluster.serving_status(MODEL, d).desired_replicas == 1, "the replica went to d"
+        handle = inc.evacuation("a")
+        await handle.cancel()
+        progress = await _ended_cancelled(handle)
+        released.set()  # the activity the cancel reached, still running
+        assert progress.state == "cancelled", progress.state
+        names = step_names(progress)
+        assert "drained" not in names and progress.drained == [], names
+        assert progress.timeline[-1].name == "ended" and progress.timeline[-1].detail.startswith("cancelled")
+        assert await _cordoned(inc, a) == set(), "nothing cordoned"
+        routes = inc.cluster.get_site_routes().sites[a]
+        assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+        assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1, "the site's Deployment kept its replica"
+        assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "the replica it added at d went"
+        site = await poll(lambda: _closed(inc.client.get_workflow_handle(f"site/{a}")), timeout=15)
+        assert "cancel" in site.incident.history[-1].outcome.lower(), site.incident.history[-1].outcome
+        await replay_and_record(handle, "site_evacuation_cancelled_waiting_for_replicas_elsewhere")
+
+
+async def test_a_cancel_during_its_first_step_ends_it_before_it_changes_anything(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """A cancel while the evacuation asked whether another began first was taken for Temporal's
+    visibility being away ("acting without knowing of others"), and it went on: weight 0, drain."""
+    uid = uuid.uuid4().hex[:6]
+    released = held_open(monkeypatch, EvacuationActivities, "evacuation_begun_first", f"a-{uid}")
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, incident_fleet(uid), uid):
+        a = inc.site("a")
+        await inc.join("a", 2)
+        inc.serve(MODEL, "a", replicas=1)
+        handle = await inc.client.start_workflow(
+            "SiteEvacuation", {"site": a, "reason": "test: by hand"}, id=f"evacuate/{a}/manual-cancel",
+            task_queue=inc.settings.task_queue)
+        await poll(lambda: _evacuation_state(handle, "evacuating"), timeout=30)
+        await handle.cancel()
+        progress = await _ended_cancelled(handle)
+        released.set()  # the activity the cancel reached, still running
+        assert progress.state == "cancelled", progress.state
+        assert step_names(progress) == ["detected", "ended"], step_names(progress)
+        assert progress.timeline[-1].detail.startswith("cancelled"), progress.timeline[-1].detail
+        acted = {e.activity_task_scheduled_event_attributes.activity_type.name
+                 async for e in handle.fetch_history_events() if e.HasField("activity_task_scheduled_event_attributes")}
+        assert acted == {"evacuation_begun_first"}, f"it changed something: {acted}"
+        assert await _cordoned(inc, a) == set()
+        await replay_and_record(handle, "site_evacuation_cancelled_in_its_first_step")
+
+
+async def _a_lost(inc) -> tuple[str, str]:
+    """Site a (3 nodes serving MODEL) goes unreachable, d (one idle node) is there to take its
+    share; returns at once (the Site entity evacuates a). The two sites' names."""
     a, d = inc.site("a"), inc.site("d")
     await inc.join("a", 3)
     await inc.join("d", 1)
@@ -369,6 +496,12 @@ async def _a_lost_and_evacuated_to_d(inc) -> tuple[str, str]:
     inc.serve(MODEL, "d", replicas=0)
     await inc.start_site("a")
     inc.world.set_site(a, unreachable=1)
+    return a, d
+
+
+async def _a_lost_and_evacuated_to_d(inc) -> tuple[str, str]:
+    """``_a_lost``, once the evacuation waits for a's recovery."""
+    a, d = await _a_lost(inc)
     await poll(lambda: _state(inc, "waiting-for-recovery"), timeout=30)
     return a, d
 

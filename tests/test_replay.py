@@ -115,6 +115,11 @@ EXPECTED = {
     "site_evacuation_aborted_in_its_first_task",
     "site_evacuation_looked_at_in_its_first_task",
     "site_evacuation_recovered_in_its_first_task",
+    # Temporal's cancel ends an evacuation at any step as an abort does, and the run cancelled
+    # (``evacuation-cancel-is-an-abort``, tests/test_evacuation.py); ``site_evacuation_cancelled_restores``,
+    # a cancel in the recovery wait before the patch, replays too.
+    "site_evacuation_cancelled_waiting_for_replicas_elsewhere", "site_evacuation_cancelled_in_its_first_step",
+    "site_evacuation_cancelled_while_proving",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).
     "node_join_happy_patches_at_start", "node_join_count2_patches_at_start",
     "node_join_smoke_failed_patches_at_start", "node_entity_two_repairs_patches_at_start",

@@ -97,6 +97,7 @@ with workflow.unsafe.imports_passed_through():
         QUICK,
         SMOKE_RETRY,
         WAIT_HEARTBEAT,
+        cancelled_by_request,
         drain_and_retire,
         drain_node,
         failure_message,
@@ -141,6 +142,13 @@ FOLLOWS_PATCH = "evacuation-follows-the-first"
 #: site skips the moves and the drain and goes to the proof and the restore. Before, the wait
 #: only looked for a place, so such a site stayed at weight 0 until one appeared, recovered or not.
 RECOVERED_WHILE_PLACING_PATCH = "evacuation-recovered-while-placing"
+#: Temporal's cancel (the UI's button, ``temporal workflow cancel``) ends an evacuation at any step as
+#: an abort does: what it changed put back, then the run ends cancelled (``FleetState`` and
+#: ``progress.state`` ``cancelled``). Before, a cancel that reached an activity was taken for that
+#: step's failure: in the wait for the replicas elsewhere for "not ready" (and the site drained
+#: anyway), in its first step for "acting without knowing of others", in the proof for a failed
+#: smoke test, at any other step for a failed evacuation. Asked only where a cancel is seen.
+CANCEL_IS_AN_ABORT_PATCH = "evacuation-cancel-is-an-abort"
 #: How long one wait for the evacuation it follows lasts (then it is asked again).
 FOLLOW_WAIT = timedelta(days=1)
 
@@ -245,7 +253,7 @@ class SiteEvacuation:
         """The evacuation's state, not the input, refuses: it has not started or has ended."""
         if self._progress is None:
             raise wrong_state("the evacuation is still starting", "starting")
-        if self._progress.state in ("restored", "aborted", "followed"):
+        if self._progress.state in ("restored", "aborted", "followed", "cancelled"):
             raise wrong_state(f"the evacuation is not running (it has {self._progress.state})", self._progress.state)
 
     @workflow.query
@@ -279,6 +287,21 @@ class SiteEvacuation:
     def _check(self) -> None:
         if self._abort:
             raise Aborted(self._abort)
+
+    def _cancelled(self, error: BaseException) -> bool:
+        """Whether ``error`` is this evacuation's cancel reaching the step it was in: it then ends as
+        an abort does, never as the step's failure. Runs before ``CANCEL_IS_AN_ABORT_PATCH`` took it
+        for the step's failure, and replay so."""
+        return cancelled_by_request(error) and workflow.patched(CANCEL_IS_AN_ABORT_PATCH)
+
+    def _end_cancelled(self, why: str) -> None:
+        self._mark("ended", why)
+        self._state("cancelled")
+
+    @staticmethod
+    def _cancelled_why() -> str:
+        reason = workflow.cancellation_reason()
+        return f"cancelled ({reason})" if reason else "cancelled"
 
     async def _wait(self, seconds: float, until, summary: str) -> bool:
         """Wait ``seconds`` or until ``until()`` / an abort; True when ``until()`` came true."""
@@ -332,7 +355,14 @@ class SiteEvacuation:
                         start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                         summary=f"another evacuation of {site} begun first?",
                     )
-                except ActivityError as error:
+                except (ActivityError, asyncio.CancelledError) as error:
+                    # A cancel comes as the activity cancelled, or (the activity completed as the
+                    # cancel came) as the wait's own cancel.
+                    if self._cancelled(error):
+                        self._end_cancelled(f"{self._cancelled_why()} before it changed anything")
+                        raise
+                    if isinstance(error, asyncio.CancelledError):
+                        raise
                     # Temporal's visibility away for minutes: acting is safer than not evacuating.
                     first = ""
                     self._mark("acting without knowing of others", failure_text(error))
@@ -355,6 +385,12 @@ class SiteEvacuation:
             # Failed (a step out of retries) or cancelled: the incident ends here too, so what it
             # changed goes back before the failure is reported.
             workflow.deprecate_patch(RESTORES_PATCH)
+            if self._cancelled(error):
+                # As an abort, and the run ends cancelled (the SDK sees the request and a cancel error).
+                why = self._cancelled_why()
+                await self._undo(why)
+                self._end_cancelled(why)
+                raise
             why = "cancelled" if isinstance(error, asyncio.CancelledError) else f"failed: {failure_text(error)}"
             await self._undo(why)
             self._mark("ended", why)
@@ -384,7 +420,13 @@ class SiteEvacuation:
             act.evacuation_end, EvacuationRef(site=site, workflow_id=first), start_to_close_timeout=FOLLOW_WAIT,
             heartbeat_timeout=LONG_WATCH_HEARTBEAT, retry_policy=LONG_WATCH_RETRY, summary=f"until {first} ends",
         )
-        await workflow.wait_condition(lambda: ended.done() or bool(self._abort))
+        try:
+            await workflow.wait_condition(lambda: ended.done() or bool(self._abort))
+        except asyncio.CancelledError as error:
+            if self._cancelled(error):  # nothing to put back: it changed nothing
+                ended.cancel()
+                self._end_cancelled(f"{self._cancelled_why()} while following {first}")
+            raise
         if not ended.done():
             ended.cancel()
             self._state("aborted")
@@ -583,6 +625,8 @@ class SiteEvacuation:
         child_id = capacity_workflow_id(workflow.info().workflow_id.replace("/", "-"))
         p.capacity_request = child_id
         self._mark("capacity requested", f"{count} nodes ({missing_gpus} GPUs) at {', '.join(targets)}")
+        self._show("waiting for capacity", f"{count} nodes from {child_id} {self._until(request['deadline_seconds'])} "
+                                           "at most; then the replicas move to what joined")
         workflow.deprecate_patch(RESTORES_PATCH)
         self._capacity = asyncio.ensure_future(workflow.execute_child_workflow(
             flows.AcquireCapacity.TYPE, request, id=child_id, result_type=CapacityResult,
@@ -612,6 +656,14 @@ class SiteEvacuation:
         # Cancelled meanwhile: ``_capacity`` stays set, so the undo stops it and takes its nodes.
         self._check()
 
+    @staticmethod
+    def _until(seconds: Any) -> str:
+        """``until HH:MM:SS UTC`` that many seconds from now; "until its deadline" for a value a
+        caller passed in ``capacity_request`` that is no number of seconds (the request refuses it)."""
+        if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and 0 < seconds <= 366 * 86400:
+            return f"until {workflow.now() + timedelta(seconds=seconds):%H:%M:%S} UTC"
+        return "until its deadline"
+
     async def _stop_capacity(self, why: str) -> None:
         """Tell the capacity request in flight to stop (its joins delete their machines); its
         result, with the nodes that joined before, still comes back through ``_capacity``."""
@@ -637,6 +689,8 @@ class SiteEvacuation:
             try:
                 await wait_for_serving(model, target, deadline, poll_seconds=1.0, summary=f"wait for {model} at {target}")
             except ActivityError as error:
+                if self._cancelled(error):
+                    raise
                 self._progress.needs_person = f"{model} at {target} not ready: {failure_message(error)}"
                 self._show("replicas elsewhere not all ready; draining anyway")
             self._check()
@@ -697,6 +751,9 @@ class SiteEvacuation:
             retry_policy=CLUSTER_RETRY, summary=f"nodes at {site}",
         )
         gpus = self._facts.site.gpus_per_machine
+        by = workflow.now() + timedelta(seconds=s.smoke_test_seconds)
+        self._show("smoke-testing the nodes", f"{len(nodes)} nodes at {site} until {by:%H:%M:%S} UTC at most (one "
+                                              "that has not answered by then fails its proof)")
         failures = []
         workflow.deprecate_patch(PROOF_PER_NODE_PATCH)
         unproven: dict[str, str] = {}
@@ -708,6 +765,8 @@ class SiteEvacuation:
                     failures.append(f"{name}: {why}")
                     unproven[name] = why
             except ActivityError as error:
+                if self._cancelled(error):
+                    raise
                 failures.append(f"{name}: smoke test did not run ({failure_type(error)})")
                 unproven[name] = f"smoke test did not run ({failure_type(error)})"
 
@@ -835,6 +894,10 @@ class SiteEvacuation:
                 await wait_for_serving(here.model, site, deadline, poll_seconds=1.0,
                                        summary=f"wait for {here.model} back at {site}")
             except ActivityError as error:
+                # A cancel while restoring puts back the rest at once, as an abort would; one while
+                # putting back (an abort's) must not stop it: the undo goes on to the end.
+                if not undo and self._cancelled(error):
+                    raise
                 p.needs_person = f"{here.model} at {site} not ready again: {failure_message(error)}"
             if not undo:
                 self._check()

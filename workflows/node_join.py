@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ApplicationError, FailureError, is_cancelled_exception
+from temporalio.exceptions import ActivityError, ApplicationError, FailureError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -49,6 +49,7 @@ with workflow.unsafe.imports_passed_through():
         CLUSTER_RETRY,
         PROVIDER_RETRY,
         QUICK,
+        cancelled_by_request,
         failure_message,
         failure_type,
         show_details,
@@ -409,7 +410,7 @@ class NodeJoin:
         """Whether ``error`` is this join's own cancel reaching the step it was in: a cancel of the
         run was requested, and the wait ended cancelled (an activity cancelled with it, or the
         wait itself). Anything else, a node's own answer included, is a failure as before."""
-        return workflow.cancellation_reason() is not None and is_cancelled_exception(error)
+        return cancelled_by_request(error)
 
     def _stopped_by_cancel(self, where: str) -> None:
         """A cancelled join has cleaned up (machine deleted, node object out, tokens deleted):

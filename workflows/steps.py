@@ -16,7 +16,7 @@ from typing import Any, Callable
 from pydantic import TypeAdapter, ValidationError
 from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, FailureError
+from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, FailureError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
@@ -92,6 +92,15 @@ def failure_message(error: BaseException) -> str:
     while isinstance(error, (ActivityError, ChildWorkflowError)) and error.cause is not None:
         error = error.cause
     return str(error)
+
+
+def cancelled_by_request(error: BaseException) -> bool:
+    """Whether ``error`` is the run's own cancel (Temporal's cancel, the UI's button) reaching the
+    step it was in: a cancel of the run was requested, and what the step awaited ended cancelled
+    (an activity or child cancelled with it, or the wait itself). A step that catches
+    ``ActivityError`` to go on must not catch this one: the cancel would be taken for the step's
+    failure, and lost."""
+    return workflow.cancellation_reason() is not None and is_cancelled_exception(error)
 
 
 def failure_text(error: BaseException) -> str:
