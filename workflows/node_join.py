@@ -54,6 +54,7 @@ with workflow.unsafe.imports_passed_through():
         failure_type,
         show_details,
         smoke_test_node,
+        to_its_end,
     )
     from fleet.messages.join import JoinedNode, JoinProgress, JoinTimeouts, NodeJoinInput, NodeJoinResult
 
@@ -444,10 +445,7 @@ class NodeJoin:
         right after its clean-up, the way it was going to end."""
         if not self._clean_up_converges:
             return await clean_up
-        try:
-            return await asyncio.shield(clean_up)
-        except asyncio.CancelledError:
-            return await clean_up
+        return await to_its_end(clean_up)
 
     async def _revoke_node_tokens(self, node_name: str) -> None:
         try:

@@ -19,6 +19,8 @@ Operators: ``pause`` (holds before the next batch; replication goes on),
 ``resume``, ``abort`` (stops and rolls back every site already updated), all
 updates with validators; the ``progress`` query; current details show the
 site x state table; search attributes ``Model``, ``ModelVersion``, ``FleetState``.
+Temporal's cancel rolls back as ``abort`` does, then the run ends Canceled
+(phase ``cancelled``).
 """
 
 from __future__ import annotations
@@ -59,8 +61,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import check_text, parse_input
     from workflows.refusals import wrong_state
     from workflows.steps import (
-        CLUSTER_RETRY, PUT_BACK_RETRY, QUICK, WAIT_HEARTBEAT, failure_text, show_details, until_run_began,
-        wait_for_serving,
+        CLUSTER_RETRY, PUT_BACK_RETRY, QUICK, WAIT_HEARTBEAT, cancelled_by_request, failure_text, show_details,
+        to_its_end, until_run_began, wait_for_serving,
     )
 
 #: Copying weights: many files over a slow link, so more attempts than a plain provider call;
@@ -226,20 +228,30 @@ class ModelRollout:
 
     async def _wait_ready_unless_aborted(self, site: str, ready_by) -> None:
         """The site's Deployment ready by ``ready_by``; an abort meanwhile cancels the wait (the
-        caller's ``_check_abort`` then ends the rollout, which rolls the site back)."""
+        caller's ``_check_abort`` then ends the rollout, which rolls the site back), and so does a
+        cancel of the rollout (which rolls it back too)."""
         ready = asyncio.ensure_future(wait_for_serving(self._req.model, site, ready_by,
                                                        summary=f"wait until {site} is ready"))
         aborted = asyncio.ensure_future(workflow.wait_condition(lambda: self._abort))
-        await workflow.wait([ready, aborted], return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await workflow.wait([ready, aborted], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            aborted.cancel()
+            await self._cut_short(ready)
+            raise
         aborted.cancel()
         if not ready.done() and workflow.patched(ABORT_CUTS_WAIT_PATCH):
-            ready.cancel()
-            try:
-                await ready
-            except (asyncio.CancelledError, ActivityError):
-                pass  # cancelled on purpose: the abort rolls the site back
+            await self._cut_short(ready)
             return
         await ready
+
+    @staticmethod
+    async def _cut_short(ready: asyncio.Future) -> None:
+        ready.cancel()
+        try:
+            await ready
+        except (asyncio.CancelledError, ActivityError):
+            pass  # cancelled on purpose: the site is rolled back next
 
     async def _sleep_unless_aborted(self, seconds: float, summary: str) -> None:
         try:
@@ -265,6 +277,18 @@ class ModelRollout:
         workflow.upsert_search_attributes([
             sa.MODEL.value_set(request.model), sa.MODEL_VERSION.value_set(request.version),
         ])
+        try:
+            return await self._run_book(request)
+        except (ActivityError, asyncio.CancelledError) as error:
+            # Temporal's cancel (the UI's button, ``temporal workflow cancel``) at any step: each site
+            # it changed is rolled back as an abort does. Before, the cancel ended the run where it
+            # was: the canary went on serving the new version, the progress still "baking".
+            if not cancelled_by_request(error):
+                raise
+            await self._finish_cancel()
+            raise  # the run ends Canceled: a cancel was requested and this is a cancel error
+
+    async def _run_book(self, request: RolloutInput) -> RolloutResult:
         self._phase("validating")
         sites: RolloutSites = await workflow.execute_activity(
             act.resolve_rollout_sites, ResolveRolloutSitesInput(sites=[t.site for t in request.sites]),
@@ -303,15 +327,23 @@ class ModelRollout:
     async def _replicate(self) -> None:
         self._phase("replicating")
         tasks = [asyncio.ensure_future(self._replicate_site(t.site)) for t in self._req.sites]
-        await workflow.wait_condition(lambda: self._abort or all(t.done() for t in tasks))
+        try:
+            await workflow.wait_condition(lambda: self._abort or all(t.done() for t in tasks))
+        except asyncio.CancelledError:
+            await self._stop_copies(tasks)  # a cancel stops the copies as an abort does
+            raise
         if self._abort:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await self._stop_copies(tasks)
             raise _Aborted()
         failed = [s for s in self._req.canaries if self._p.site(s).state == SiteState.FAILED]
         if failed:
             raise _SiteFailed(failed[0], "weights replication: " + self._p.site(failed[0]).detail)
+
+    @staticmethod
+    async def _stop_copies(tasks: list[asyncio.Future]) -> None:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _replicate_input(self, site: str, store) -> ReplicateInput:
         request, source = self._req, self._req.weights.source
@@ -333,6 +365,8 @@ class ModelRollout:
                 summary=f"copy {len(request.weights.files)} weight files to {site} (s3://{store.bucket})",
             )
         except ActivityError as error:
+            if cancelled_by_request(error):
+                raise  # the rollout's cancel, not the copy's failure
             self._set(site, SiteState.FAILED, failure_text(error))
             return
         progress = self._set(
@@ -459,6 +493,8 @@ class ModelRollout:
                 await self._sleep_unless_aborted(gate.bake_seconds, f"bake {site}")
                 await self._gate(site, "after bake")
         except ActivityError as error:
+            if cancelled_by_request(error):
+                raise  # the rollout's cancel, not the site's failure: it rolls back every site it changed
             raise _SiteFailed(site, await self._roll_back_after(site, failure_text(error))) from None
         except _SiteFailed as failure:
             raise _SiteFailed(site, await self._roll_back_after(site, failure.reason)) from None
@@ -476,6 +512,8 @@ class ModelRollout:
                 summary=f"routing of {self._req.model}: {site} serves {self._req.version}",
             )
         except ActivityError as error:
+            if cancelled_by_request(error):
+                raise
             # The site serves either way, and the entity's next sample finds it.
             self._p.site(site).detail += f"; routing not told: {failure_text(error)}"
             self._show()
@@ -513,16 +551,19 @@ class ModelRollout:
             self._set(site, SiteState.ROLLED_BACK, f"{reason} (the Deployment was not changed)")
             return True
         progress = self._set(site, SiteState.ROLLING_BACK, reason)
+        rollback = workflow.start_activity(
+            act.rollback_site,
+            self._undo(site, had_previous=progress.previous_generation is not None),
+            # Until done, as every put-back: after ten attempts (a few minutes of API-server
+            # trouble) the site was left FAILED serving the version it was rolled back from,
+            # and nothing tried again. A rollback refused for good still fails at once.
+            start_to_close_timeout=QUICK, retry_policy=PUT_BACK_RETRY,
+            summary=f"roll {site} back to " + (progress.previous_image or "nothing (remove)"),
+        )
         try:
-            await workflow.execute_activity(
-                act.rollback_site,
-                self._undo(site, had_previous=progress.previous_generation is not None),
-                # Until done, as every put-back: after ten attempts (a few minutes of API-server
-                # trouble) the site was left FAILED serving the version it was rolled back from,
-                # and nothing tried again. A rollback refused for good still fails at once.
-                start_to_close_timeout=QUICK, retry_policy=PUT_BACK_RETRY,
-                summary=f"roll {site} back to " + (progress.previous_image or "nothing (remove)"),
-            )
+            # A cancel of the rollout while a site is put back (an abort's, a failed site's) must not
+            # stop it: the site would be left FAILED, serving the new version.
+            await to_its_end(rollback)
         except ActivityError as error:
             why = failure_text(error)
             self._p.rollback_failed_at(site, why)
@@ -546,17 +587,29 @@ class ModelRollout:
 
     async def _finish_abort(self) -> RolloutResult:
         self._phase("aborting", self._abort_reason)
+        rolled_back = await self._roll_back_touched(self._abort_reason)
+        self._phase("aborted", f"{self._abort_reason}; rolled back: {', '.join(rolled_back) or 'none'}")
+        return RolloutResult(rollout_id=self._p.rollout_id, outcome="aborted", sites=self._p.sites,
+                             reason=self._p.reason, needs_person=self._p.needs_person)
+
+    async def _finish_cancel(self) -> None:
+        """Cancelled: the abort's rollbacks, and the progress says it was cancelled."""
+        reason = workflow.cancellation_reason()
+        why = f"cancelled ({reason})" if reason else "cancelled"
+        self._phase("cancelling", why)
+        rolled_back = await self._roll_back_touched(why)
+        self._phase("cancelled", f"{why}; rolled back: {', '.join(rolled_back) or 'none'}")
+
+    async def _roll_back_touched(self, reason: str) -> list[str]:
+        """Roll back every site the rollout changed, the last first; the others are skipped. The
+        sites that are back: one whose rollback failed is named by ``needs_person``."""
         touched = [s.site for s in self._p.sites if s.site in self._updated_generation
                    and (s.state in TOUCHED or s.state == SiteState.ROLLING_BACK)]
         for site in reversed(touched):
-            await self._rollback(site, self._abort_reason)
+            await self._rollback(site, reason)
         for s in self._p.sites:
             if s.state not in (SiteState.ROLLED_BACK, SiteState.FAILED):
                 s.state = SiteState.SKIPPED
         self._finished = True
         self._p.aborting = False
-        # Only the sites that are back: one whose rollback failed is named by ``needs_person``.
-        rolled_back = [site for site in touched if self._p.site(site).state == SiteState.ROLLED_BACK]
-        self._phase("aborted", f"{self._abort_reason}; rolled back: {', '.join(rolled_back) or 'none'}")
-        return RolloutResult(rollout_id=self._p.rollout_id, outcome="aborted", sites=self._p.sites,
-                             reason=self._p.reason, needs_person=self._p.needs_person)
+        return [site for site in touched if self._p.site(site).state == SiteState.ROLLED_BACK]

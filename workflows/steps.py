@@ -8,10 +8,11 @@ exists once, with one retry count and the reason for it next to it.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from pydantic import TypeAdapter, ValidationError
 from temporalio import workflow
@@ -108,6 +109,17 @@ def failure_text(error: BaseException) -> str:
     starts with its type, as the activities' typed errors do, is not prefixed twice)."""
     kind, message = failure_type(error), failure_message(error)
     return message if message.startswith(f"{kind}:") else f"{kind}: {message}"
+
+
+# -- a step that puts back ------------------------------------------------------------------
+async def to_its_end(step: Awaitable[Any]) -> Any:
+    """Await a step that puts something back (an activity's handle) to its end, even when a cancel
+    of the run lands meanwhile: cancelled, it would leave what it puts back half done. The cancel
+    is taken (a cancel reaches a run once): what the caller does next is how the run ends."""
+    try:
+        return await asyncio.shield(step)
+    except asyncio.CancelledError:
+        return await step
 
 
 # -- an update of a run's first task ---------------------------------------------------------

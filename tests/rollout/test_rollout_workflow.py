@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import re
 import json
+import threading
+from typing import Callable, NamedTuple
 
 import pytest
-from temporalio.client import WithStartWorkflowOperation, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.client import (
+    WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError,
+)
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
 
 from fleet.cluster import ServingSpec, SiteRoute
@@ -20,6 +24,7 @@ from providers.cluster.kubernetes import render_pod_template
 from tests.conftest import wait_for
 from tests.evacuation_helpers import activity_inputs
 from tests.replay import replay_and_record
+from sim.cluster import SimCluster
 from tests.rollout.conftest import MODEL, RolloutStack
 
 
@@ -279,6 +284,88 @@ async def test_an_abort_cuts_the_readiness_wait_short(rollout_stack: RolloutStac
     status = stack.cluster.serving_status(MODEL, "site-a")
     assert (status.image, status.desired_replicas) == ("img:v1", 2)
     await replay_and_record(handle, "rollout_aborted_while_waiting_for_ready")
+
+
+class CancelAt(NamedTuple):
+    """Where a cancel lands: the sites' replicas, the gate, the progress that shows the rollout is
+    there, the sites it changed by then, and the name of the history recorded."""
+
+    sites: dict[str, int]
+    gate: dict
+    there: Callable[[RolloutProgress], bool]
+    changed: list[str]
+    history: str
+
+
+CANCEL_AT = {
+    # No GPUs for 20 replicas: the canary's readiness wait lasts its whole minute.
+    "readiness wait": CancelAt({"site-a": 20, "site-b": 1}, {"ready_timeout_seconds": 60},
+                               lambda p: "to be ready" in p.site("site-a").detail, ["site-a"],
+                               "rollout_cancelled_while_waiting_for_ready"),
+    "bake": CancelAt({"site-a": 2, "site-b": 2}, {"bake_seconds": 300}, lambda p: states(p)["site-a"] == "baking",
+                     ["site-a"], "rollout_cancelled_while_baking"),
+    # site-c is under evacuation: a and b updated, the rollout looks again every 0.2 s.
+    "evacuation wait": CancelAt({"site-a": 1, "site-b": 1, "site-c": 1}, {"bake_seconds": 0},
+                                lambda p: states(p) == {"site-a": "done", "site-b": "done", "site-c": "deferred"},
+                                ["site-a", "site-b"], "rollout_cancelled_while_a_site_is_evacuated"),
+}
+
+
+@pytest.mark.parametrize("where", list(CANCEL_AT))
+async def test_a_cancel_rolls_back_every_site_it_changed(rollout_stack: RolloutStack, where: str) -> None:
+    """Temporal's cancel (the UI's button, ``temporal workflow cancel``) ended the rollout where it
+    was: the canary went on serving the new image and the progress said "baking" for good. Now a
+    cancel rolls back every site the rollout changed, as an abort does, and the run ends Canceled."""
+    stack = rollout_stack
+    at = CANCEL_AT[where]
+    stack.serve_v1(list(at.sites))
+    if "site-c" in at.sites:
+        stack.cluster.set_site_routes({"site-a": SiteRoute(weight=100), "site-b": SiteRoute(weight=100),
+                                       "site-c": SiteRoute(weight=0, draining=True)})
+    handle = await stack.start(stack.request(at.sites, gate=at.gate), f"cancel-{where.replace(' ', '-')}")
+    await until(handle, at.there)
+    assert [stack.image(s) for s in at.changed] == ["img:v2"] * len(at.changed)
+    asked = asyncio.get_running_loop().time()
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError) as caught:
+        await asyncio.wait_for(handle.result(), 30)
+    assert asyncio.get_running_loop().time() - asked < 20, "the cancel waited out the step"
+    assert isinstance(caught.value.cause, CancelledError), repr(caught.value.cause)
+    assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+    for site in at.sites:
+        status = stack.cluster.serving_status(MODEL, site)
+        assert (status.image, status.desired_replicas) == ("img:v1", 2), f"{site} not back: {status}"
+    p = await progress(handle)
+    assert (p.phase, p.reason) == ("cancelled", f"cancelled; rolled back: {', '.join(at.changed)}"), p
+    assert states(p) == {s: "rolled-back" if s in at.changed else "skipped" for s in at.sites}, states(p)
+    await replay_and_record(handle, at.history)
+
+
+async def test_a_cancel_during_an_aborts_rollback_does_not_stop_it(rollout_stack: RolloutStack, monkeypatch) -> None:
+    """A cancel that landed while an abort rolled a site back cancelled the rollback: the site was
+    marked FAILED, "rollback failed", a person needed, and the rollout went on to end aborted."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a"])
+    rolling_back, go_on = threading.Event(), threading.Event()
+    roll_back = SimCluster.rollback_serving
+
+    def held(self, model, site):
+        rolling_back.set()
+        go_on.wait(30)
+        return roll_back(self, model, site)
+
+    monkeypatch.setattr(SimCluster, "rollback_serving", held)
+    handle = await stack.start(stack.request({"site-a": 2}, gate={"bake_seconds": 300}), "cancel-rollback")
+    await until(handle, lambda p: states(p)["site-a"] == "baking")
+    await handle.execute_update("abort", "bad numbers")
+    await asyncio.to_thread(rolling_back.wait, 30)
+    await handle.cancel()
+    await asyncio.sleep(0.5)  # the cancel reaches the run while the rollback is held
+    go_on.set()
+    result = RolloutResult.model_validate(await asyncio.wait_for(handle.result(), 30))
+    assert result.outcome == "aborted" and result.needs_person == "", result
+    assert result.sites[0].state.value == "rolled-back", result.sites[0]
+    assert stack.image("site-a") == "img:v1"
 
 
 async def test_pause_holds_and_resume_continues(rollout_stack: RolloutStack) -> None:
