@@ -85,9 +85,10 @@ def start(
 
 async def _start(fleet, raw: dict, request: str, detach: bool) -> int:
     from temporalio.client import WorkflowFailureError
+    from temporalio.exceptions import CancelledError
 
     from cli.common import failure
-    from cli.requests import abort_evacuation, announce, detached, owned
+    from cli.requests import abort_evacuation, announce, detached, evacuation_summary, owned
 
     from client import InvalidArgument, manual_evacuation_id
 
@@ -122,12 +123,14 @@ async def _start(fleet, raw: dict, request: str, detach: bool) -> int:
         result = await owned(start_and_watch, lambda why: abort_evacuation(fleet, workflow_id, site, why),
                              "gpufleet evacuate start", ended=(WorkflowFailureError,))
     except WorkflowFailureError as error:
+        if isinstance(error.cause, CancelledError):  # cancelled elsewhere (the UI, `temporal`): as an abort
+            err.print(evacuation_summary(workflow_id, await fleet.evacuation_progress(workflow_id)),
+                      markup=False, highlight=False)
+            return 1
         err.print(f"[red]{workflow_id} failed:[/] {escape(failure(error)[1])}")
         return 1
     if isinstance(result, int):  # interrupted (aborted), or refused at start
         return result
-    from cli.requests import evacuation_summary
-
     p = await fleet.evacuation_progress(workflow_id)
     console.print(evacuation_summary(workflow_id, p), markup=False, highlight=False)
     return 0 if result.outcome == "restored" else 1

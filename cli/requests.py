@@ -204,7 +204,7 @@ async def _evacuation_end(fleet, workflow_id: str):
 def evacuation_summary(workflow_id: str, p) -> str:
     """How an evacuation ended (its ``EvacuationProgress``)."""
     text = f"{p.state} {workflow_id}"
-    if p.state == "aborted":
+    if p.state in ("aborted", "cancelled"):  # a cancel puts back what it changed, as an abort does
         uncordoned = [node for node in p.drained if node not in p.held]
         text += f": {len(uncordoned)} drained node(s) uncordoned, routing weights as before"
     text += "".join(f"\n  stays cordoned: {node}: {why}" for node, why in sorted(p.held.items()))

@@ -87,6 +87,29 @@ async def test_ctrl_c_on_evacuate_start_aborts_and_puts_everything_back(inc: Inc
     assert EvacuationResult.model_validate(await handle.result()).outcome == "aborted"
 
 
+async def test_a_cancel_from_temporal_while_evacuate_start_watches_says_what_it_put_back(inc: IncStack) -> None:
+    """Someone presses Cancel in the UI (or `temporal workflow cancel`) while an operator's
+    `evacuate start` follows the evacuation: the cancel puts back what it changed, as an abort
+    does, and the command says so instead of calling it a failure."""
+    site, names = await evacuating(inc, inc.site("a"))
+    request = "ui-cancel"
+    workflow_id = f"evacuate/{site}/manual-{request}"
+    proc = gpufleet(inc, "evacuate", "start", site, "--request", request, "--reason", "test: provider down")
+    try:
+        early = await read_until(proc, "waiting-for-recovery", timeout=60)
+        assert cordoned(inc, site) == set(names), "the evacuation drained the site"
+        await inc.client.get_workflow_handle(workflow_id).cancel()
+        out = early + await finished(proc, timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, out
+    assert f"cancelled {workflow_id}: 2 drained node(s) uncordoned, routing weights as before" in out, out
+    assert "failed" not in out and "Traceback" not in out, out
+    assert cordoned(inc, site) == set(), "every node it cordoned is uncordoned"
+    assert (await inc.client.get_workflow_handle(workflow_id).describe()).status == WorkflowExecutionStatus.CANCELED
+
+
 async def test_ctrl_c_while_the_start_call_returns_aborts_the_evacuation_it_started(inc: IncStack) -> None:
     """The server has started the evacuation; the Ctrl-C lands before the command heard so."""
     import os
