@@ -104,6 +104,7 @@ with workflow.unsafe.imports_passed_through():
         failure_text,
         failure_type,
         show_details,
+        summarised,
         until_run_began,
         wait_for_serving,
     )
@@ -812,7 +813,7 @@ class SiteEvacuation:
             return f"bad report: undecodable ({type(error).__name__})"
         if report.passed:
             return ""
-        return "; ".join(report.failures)[:1000] or "failed"
+        return "; ".join(summarised(report.failures)) or "failed"
 
     async def _quarantine_unproven(self) -> None:
         """Each node that failed the proof goes to its Node entity: cordoned, the repair ladder

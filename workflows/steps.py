@@ -159,6 +159,12 @@ def show_details(title: str, *lines: str, detail: str = "") -> None:
 # -- what a node says -------------------------------------------------------------------------
 #: A bad report is named by its first problem, cut to this length (the log, the details, errors).
 MAX_PROBLEM_SHOWN = 300
+#: What one smoke test may put into any message or detail (a join's failure, a repair attempt,
+#: AcquireCapacity's attempts, an evacuation's proof): its first failures, each cut, then how many
+#: more. Its model allows 256 failures of 1,000 characters (about 512 KB, what the node gateway
+#: lets a result be), and repeated whole into each of those they passed Temporal's 2 MiB limit.
+SMOKE_FAILURES_SHOWN = 5
+SMOKE_FAILURE_CHARS = 160
 #: The metric of bad reports (``_total`` is added by the SDK's Prometheus exporter): by site and
 #: by what the node answered (watch, smoke_test, reset_gpu, reinstall_driver), not by node. Node
 #: names are never reused (each carries its join's nonce), so a node label would add a series per
@@ -212,11 +218,19 @@ def node_answer(answer: Any, model: Any, what: str) -> tuple[Any, str]:
     return None, f"{name}: {problem}"[:MAX_PROBLEM_SHOWN]
 
 
+def summarised(failures: list[str]) -> list[str]:
+    """A node's smoke-test failures as any message may repeat them: at most about 850 characters."""
+    shown = [failure[:SMOKE_FAILURE_CHARS] for failure in failures[:SMOKE_FAILURES_SHOWN]]
+    if len(failures) > SMOKE_FAILURES_SHOWN:
+        shown.append(f"and {len(failures) - SMOKE_FAILURES_SHOWN} more")
+    return shown
+
+
 def checked_smoke(node_name: str, answer: Any) -> SmokeResult:
     """A smoke test's answer as a workflow acts on it: ``SmokeReport`` (``passed`` a real
     boolean, bounded failures and boot id) and its state, if any, a ``NodeReport``. A malformed
     one is a failed smoke test whose one failure names the field: never a passed one, never a
-    failed workflow task."""
+    failed workflow task. Its failures are ``summarised``: no workflow sees more."""
     value, problem = _decoded(answer)
     report = state = None
     if problem:
@@ -230,7 +244,7 @@ def checked_smoke(node_name: str, answer: Any) -> SmokeResult:
         count_bad_report("smoke_test")
         return SmokeResult(passed=False, gpus_seen=0, failures=[f"bad report from {node_name}: {problem}"])
     return SmokeResult(passed=report.passed, gpus_seen=report.gpus_seen, boot_id=report.boot_id,
-                       failures=list(report.failures), state=state)
+                       failures=summarised(report.failures), state=state)
 
 
 # -- node steps -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import json
 import math
 import time
 import uuid
@@ -231,6 +232,47 @@ async def test_a_malformed_join_smoke_test_fails_the_join_naming_the_field(hosti
         assert await task_failures(handle) == 0
     # Each failed join deleted its machine: only the node that joined honestly is left.
     assert [m["name"] for m in stack.world.machines(node.site)] == [node.node_name]
+
+
+async def test_smoke_tests_failing_at_their_models_limits_leave_a_capacity_request_short_answers(hostile) -> None:
+    """A well-formed failed smoke test may name 256 failures of 1,000 characters each: about 512 KB,
+    all the node gateway lets a result be. Before, each join repeated them whole in its failure, and
+    AcquireCapacity kept each failed join's message in its attempts: six joins failing so made its
+    result about 3 MB, past Temporal's 2 MiB payload limit, and the request could not end. Now a
+    node's failures are summarised where its answer is checked (the first few, each cut, and how
+    many more), and the request ends with what it tried, in a few kilobytes."""
+    from fleet.messages.capacity import CapacityResult
+    from workers.gateway.proxy import RESULT_BYTES
+
+    stack, node, agent = hostile
+    failures = [f"GPU {i % 8}: " + "é" * 993 for i in range(256)]
+    answer = {**smoke("ignored", node.gpus), "passed": False, "failures": failures}
+    forged = json.dumps(answer, ensure_ascii=False).encode()  # what an agent's converter writes
+    assert RESULT_BYTES - 16 * 1024 < len(forged) < RESULT_BYTES
+    request = f"verbose-{uuid.uuid4().hex[:6]}"
+    joins = [f"join/{node.site}/{request}-{seq}" for seq in range(1, 7)]
+    for join_id in joins:
+        agent.arm("smoke_test", join_id, bytes_of(forged))
+    handle = await stack.client.start_workflow(
+        "AcquireCapacity", {"constraints": {"sites": [node.site]}, "count": 6, "concurrency": 6},
+        id=f"capacity/{request}", task_queue=stack.settings.task_queue)
+    result = CapacityResult.model_validate(await asyncio.wait_for(handle.result(), 120))
+
+    assert not result.complete and len(result.attempts) == 6, result.attempts
+    for attempt in result.attempts:
+        assert attempt.outcome == "SmokeTestFailed", attempt
+        assert f"smoke test failed on {node.site}-" in attempt.message and "GPU 0: éééé" in attempt.message
+        assert attempt.message.endswith("; and 251 more") and len(attempt.message) < 1000, attempt.message
+    assert len(result.model_dump_json()) < 16 * 1024
+    assert await task_failures(handle) == 0
+    # A join's own failure: the smoke test's (its cause) says the same in its details.
+    with pytest.raises(WorkflowFailureError) as failed:
+        await stack.client.get_workflow_handle(joins[0]).result()
+    smoke_failure = failed.value.cause.cause
+    (details,) = smoke_failure.details
+    assert len(smoke_failure.message) < 1000, smoke_failure.message
+    assert len(details["failures"]) == 6 and details["failures"][-1] == "and 251 more", details
+    assert [m["name"] for m in stack.world.machines(node.site)] == [node.node_name], "each failed join deleted its machine"
 
 
 async def test_a_node_failing_its_join_smoke_test_does_not_choose_the_joins_failure_type(hostile) -> None:
