@@ -287,6 +287,37 @@ async def test_a_node_that_joins_after_the_request_gave_up_is_counted_in_its_cos
     await replay_and_record(handle, "capacity_gave_up_join_in_flight")
 
 
+@workflow.defn(name="NodeJoin", sandboxed=False)
+class FailingJoin:
+    """Every join fails its smoke test at once, at length."""
+
+    @workflow.run
+    async def run(self, raw: dict) -> NodeJoinResult:
+        raise ApplicationError("smoke test failed: " + "x" * 3000, type="SmokeTestFailed", non_retryable=True)
+
+
+async def test_a_request_keeps_its_newest_attempts_however_many_joins_failed(temporal_env) -> None:
+    """A request keeps the joins it tried in its progress, its result and the carry it continues as
+    new with, each bounded at 2 MiB; it may try for days. Before, it kept every one, whole."""
+    from fleet.messages.capacity import ATTEMPT_MESSAGE_CHARS, ATTEMPTS_KEPT
+    from workflows.capacity import AcquireCapacity
+
+    client, uid = temporal_env.client, uuid.uuid4().hex[:6]
+    queue = f"capacity-attempts-{uid}"
+    async with Worker(client, task_queue=queue, workflows=[AcquireCapacity, FailingJoin],
+                      activities=[one_site_catalog], workflow_runner=UnsandboxedWorkflowRunner()):
+        handle = await client.start_workflow(
+            "AcquireCapacity", {"constraints": {"sites": ["s1"]}, "max_other_failures": ATTEMPTS_KEPT + 10,
+                                "unavailable_ttl_seconds": 0},
+            id=f"capacity/attempts-{uid}", task_queue=queue)
+        result = CapacityResult.model_validate(await asyncio.wait_for(handle.result(), 120))
+        progress = await handle.query("progress", result_type=CapacityProgress)
+    assert result.why[0] == "1 of 1 not joined: too many failed joins", result.why
+    assert len(result.attempts) == ATTEMPTS_KEPT and progress.attempts == result.attempts
+    assert all(a.outcome == "SmokeTestFailed" and len(a.message) == ATTEMPT_MESSAGE_CHARS for a in result.attempts)
+    assert await task_failures(handle) == 0
+
+
 # -- the command line --------------------------------------------------------------------------
 def gpufleet(cap: CapStack, *args: str) -> subprocess.Popen:
     env = {**os.environ, **cap.settings.env(), "COLUMNS": "250"}

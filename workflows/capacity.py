@@ -46,6 +46,8 @@ from temporalio.workflow import ParentClosePolicy
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
     from fleet.messages.capacity import (
+        ATTEMPT_MESSAGE_CHARS,
+        ATTEMPTS_KEPT,
         CapacityCarry,
         CapacityProgress,
         CapacityRequest,
@@ -181,6 +183,12 @@ class AcquireCapacity:
         lines += [f"- tried {a.offer}: {a.outcome}" + (f" ({a.message})" if a.message else "") for a in p.attempts[-10:]]
         show_details(step, *lines, detail=detail)
 
+    def _attempted(self, offer: str, outcome: str, message: str) -> None:
+        """One join's outcome kept in ``attempts``: the newest ``ATTEMPTS_KEPT``, each message cut."""
+        attempts = self._progress.attempts
+        attempts.append(JoinAttempt(offer=offer, outcome=outcome, message=message[:ATTEMPT_MESSAGE_CHARS]))
+        del attempts[:-ATTEMPTS_KEPT]
+
     def _track(self) -> None:
         self._progress.in_flight = [c.key for c, _ in self._in_flight.values()]
         self._progress.joins = [join_id for _, join_id in self._in_flight.values()]
@@ -260,7 +268,7 @@ class AcquireCapacity:
         self._excluded: dict[str, tuple[datetime, str]] = {e.offer: (e.until, e.reason) for e in carry.excluded}
         self._joined.extend(carry.joined)
         self._costs: dict[str, float] = dict(carry.costs)
-        self._progress.attempts.extend(carry.attempts)
+        self._progress.attempts.extend(carry.attempts[-ATTEMPTS_KEPT:])
         self._progress.joined = len(self._joined)
         self._other_failures = carry.other_failures
         self._seq = carry.seq
@@ -363,11 +371,11 @@ class AcquireCapacity:
                 self._joined.append(node)
                 self._costs[node.node_name] = cand.machine_cost_per_hour
                 self._progress.joined = len(self._joined)
-                self._progress.attempts.append(JoinAttempt(offer=cand.key, outcome="joined", message=node.node_name))
+                self._attempted(cand.key, "joined", node.node_name)
                 self._backoff = req.backoff_seconds
                 continue
             kind, message = failure_type(error), failure_message(error)
-            self._progress.attempts.append(JoinAttempt(offer=cand.key, outcome=kind, message=message))
+            self._attempted(cand.key, kind, message)
             now = workflow.now()
             if kind == "NoCapacity":
                 until = now + timedelta(seconds=req.unavailable_ttl_seconds)
@@ -453,11 +461,10 @@ class AcquireCapacity:
             self._in_flight.pop(task, None)
             if isinstance(outcome, JoinedNode):
                 self._joined.append(outcome)
-                self._progress.attempts.append(JoinAttempt(offer=cand.key, outcome="joined",
-                                                           message=outcome.node_name))
+                self._attempted(cand.key, "joined", outcome.node_name)
             else:
                 self._progress.released.append(f"{join_id} ({cand.key}): machine deleted")
-                self._progress.attempts.append(JoinAttempt(offer=cand.key, outcome="cancelled", message=why))
+                self._attempted(cand.key, "cancelled", why)
         self._progress.joined = len(self._joined)
         self._track()
 

@@ -26,6 +26,14 @@ class JoinAttempt(BaseModel):
     message: str = ""
 
 
+#: The joins a request keeps in its ``attempts`` (progress, result and carry): the newest. A request
+#: may try for days (a ``NoCapacity`` answer each few minutes) and continue as new with them, and
+#: each of those payloads is bounded at 2 MiB.
+ATTEMPTS_KEPT = 50
+#: ... each message cut to this (a failed join's, ending with the node's or provider's words).
+ATTEMPT_MESSAGE_CHARS = 1000
+
+
 class ExcludedOffer(BaseModel):
     offer: str
     until: datetime

@@ -11,7 +11,8 @@ from fleet.config import Site
 from fleet.models import AccountState, DAY, EpochSeconds, MaybeName, Name, Offer, Strict, Text, fields_of
 from fleet.placement import AccountView, Constraints
 from fleet.messages.acquire import (  # noqa: F401 - moved to ``acquire``, still imported from here
-    CapacityCarry, CapacityRequest, CapacityRequestFields, ExcludedOffer, Exclusion, JoinAttempt,
+    ATTEMPT_MESSAGE_CHARS, ATTEMPTS_KEPT, CapacityCarry, CapacityRequest, CapacityRequestFields, ExcludedOffer,
+    Exclusion, JoinAttempt,
 )
 from fleet.messages.evacuation import EvacuationFields, IncidentCarry, IncidentView
 from fleet.messages.join import JoinedNode
@@ -108,6 +109,7 @@ class CapacityResult(BaseModel):
     cancelled: str = ""
     #: Why the rest did not join (empty when complete).
     why: list[str] = Field(default_factory=list)
+    #: The newest joins tried (``ATTEMPTS_KEPT``).
     attempts: list[JoinAttempt] = Field(default_factory=list)
     cost_per_hour: float = 0.0
 
