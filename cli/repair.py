@@ -68,6 +68,8 @@ def _show_ladder(state) -> None:
     show_rows("attempts", ["rung", "outcome", "started", "finished", "detail"],
               [[a.rung, a.outcome, f"{a.started_at:%H:%M:%S}", f"{a.finished_at:%H:%M:%S}" if a.finished_at else "",
                 a.detail] for a in state.attempts], drop_narrow=("started",))
+    if state.earlier_attempts:
+        console.print(f"  and {state.earlier_attempts} earlier attempts (only the newest are kept)")
 
 
 @repair_app.command("list")

@@ -45,7 +45,7 @@ from tests.repair_helpers import (
 )
 from workers.control_plane import build_worker
 from workers.health_report import send_report
-from fleet.messages.repair import GpuRepairInput, LadderState, SkipToInput
+from fleet.messages.repair import ATTEMPTS_KEPT, GpuRepairInput, LadderState, SkipToInput
 
 
 @pytest.fixture
@@ -218,6 +218,34 @@ async def test_failing_proof_keeps_the_node_out_and_operator_controls(temporal_e
         assert not cordoned(stack, node.node_name)
         with pytest.raises(Exception):
             await handle.execute_update("hold")  # validator: the repair is over
+
+
+async def test_a_ladder_re_run_many_times_keeps_its_newest_attempts(temporal_env, tmp_path) -> None:
+    """A person may re-run an exhausted ladder (``skip_to``) any number of times, and each attempt's
+    detail holds what the node said: the ladder (its query, the result its Node entity gets, at most
+    2 MiB) keeps the newest ``ATTEMPTS_KEPT`` attempts and counts the rest. Each attempt is still
+    its own (its reset keyed apart, so each ran). Before, every attempt was kept."""
+    async for stack in running_stack(temporal_env.client, tmp_path, repair_fleet(max_rung="reset")):
+        node = await join_node(stack)
+        stack.world.inject_fault(node.machine_id, 0, "compute", clears_on="never")
+        stack.world.inject_fault(node.machine_id, 0, "ecc", 3, clears_on="never")
+        handle = repair_handle(stack, node.node_name, 0)
+
+        async def exhausted_after(resets: int) -> LadderState | None:
+            ran = sum(a["op"] == "gpu_reset" for a in stack.world.actions(node.machine_id))
+            return await _exhausted(stack, node.node_name) if ran == resets else None
+
+        runs = ATTEMPTS_KEPT + 2
+        await eventually(lambda: exhausted_after(1), timeout=60)
+        for run in range(2, runs + 1):
+            await handle.execute_update("skip_to", SkipToInput(rung=Rung.RESET))
+            state = await eventually(lambda: exhausted_after(run), timeout=30)
+        assert len(state.attempts) == ATTEMPTS_KEPT and state.earlier_attempts == runs - ATTEMPTS_KEPT, state
+        assert all((a.rung, a.outcome) == (Rung.RESET, "failed") for a in state.attempts)
+        shown = await asyncio.to_thread(CliRunner().invoke, app, ["repair", "show", node.node_name, "0",
+                                                                  "--address", stack.settings.address])
+        assert "and 2 earlier attempts" in " ".join(shown.output.split()), shown.output
+        await handle.terminate("seen enough")
 
 
 async def test_a_site_releases_the_repairs_it_held_and_no_others(temporal_env, tmp_path) -> None:

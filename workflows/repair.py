@@ -261,11 +261,11 @@ class GpuRepair:
                 rung, self._state.skip_to = self._state.skip_to, None
             self._state.rung = rung
             attempt = Attempt(rung=rung, started_at=workflow.now())
-            self._state.attempts.append(attempt)
+            attempt_no = self._state.add_attempt(attempt)
             self._set_fleet_state("repairing")
             self._step("recovering", f"{rung}")
 
-            ok, outcome, detail = await self._recover(rung, len(self._state.attempts))
+            ok, outcome, detail = await self._recover(rung, attempt_no)
             if outcome == "replaced":
                 attempt.outcome, attempt.detail, attempt.finished_at = "replaced", detail, workflow.now()
                 return self._finish("replaced")
@@ -330,7 +330,8 @@ class GpuRepair:
         self._step(outcome)
         return GpuRepairResult(
             node_name=self._state.node_name, gpu=self._state.gpu, outcome=outcome, rung=self._state.rung,
-            attempts=self._state.attempts, replacement_node=self._state.replacement_node,
+            attempts=self._state.attempts, earlier_attempts=self._state.earlier_attempts,
+            replacement_node=self._state.replacement_node,
         )
 
     async def _hold_point(self) -> None:

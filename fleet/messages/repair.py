@@ -341,6 +341,12 @@ class Attempt(BaseModel):
     detail: str = ""
 
 
+#: The attempts a repair keeps (its ladder query and its result): the newest. A person may re-run an
+#: exhausted ladder (``skip_to``) any number of times, each attempt's detail holds what the node
+#: said, and the result is bounded at 2 MiB.
+ATTEMPTS_KEPT = 20
+
+
 class LadderState(BaseModel):
     node_name: str
     gpu: int
@@ -355,8 +361,19 @@ class LadderState(BaseModel):
     #: it was, still contained: needs a person), refused (its input, at start: nothing done).
     outcome: str = ""
     reasons: list[str] = Field(default_factory=list)
+    #: The newest ``ATTEMPTS_KEPT`` attempts ...
     attempts: list[Attempt] = Field(default_factory=list)
+    #: ... and how many came before them.
+    earlier_attempts: int = 0
     replacement_node: str = ""
+
+    def add_attempt(self, attempt: Attempt) -> int:
+        """``attempt`` added (the oldest beyond ``ATTEMPTS_KEPT`` let go); its number, from 1."""
+        self.attempts.append(attempt)
+        if len(self.attempts) > ATTEMPTS_KEPT:
+            self.earlier_attempts += len(self.attempts) - ATTEMPTS_KEPT
+            del self.attempts[:-ATTEMPTS_KEPT]
+        return self.earlier_attempts + len(self.attempts)
 
 
 class HoldInput(BaseModel):
@@ -381,5 +398,7 @@ class GpuRepairResult(BaseModel):
     gpu: int
     outcome: str
     rung: Rung
+    #: As ``LadderState``'s.
     attempts: list[Attempt] = Field(default_factory=list)
+    earlier_attempts: int = 0
     replacement_node: str = ""
