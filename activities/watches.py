@@ -43,6 +43,7 @@ from fleet.messages.capacity import SignalSitesInput
 from fleet.messages.demand import DemandBatch
 from fleet.messages.evacuation import ProbeNode
 from fleet.messages.watches import (
+    CSRS_NAMED,
     CsrWatchInput,
     CsrWatchResult,
     DemandWake,
@@ -292,16 +293,25 @@ class WatchActivities:
     @typed_errors
     def watch_csrs(self, input: CsrWatchInput) -> CsrWatchResult:
         """Until a CSR the approver has not seen appears (a new name among those still open);
-        unchanged after ``max_wait_seconds``. A CSR gone (decided, cleaned up) wakes nothing."""
+        unchanged after ``max_wait_seconds``. A CSR gone (decided, cleaned up) wakes nothing.
+        Names the newest ``CSRS_NAMED`` open CSRs and counts them all."""
         known = set(input.known)
         beat = RareHeartbeat()
         recheck = min(RECHECK_SECONDS, beat.every or RECHECK_SECONDS)
+
+        def unseen(open_: list[str]) -> bool:
+            if input.known_cut:
+                # Only the newest were named: the CSRs before the oldest of them still open (oldest
+                # first) were seen too. None left open: every open CSR counts as new (one pass more).
+                open_ = open_[next((i for i, name in enumerate(open_) if name in known), 0):]
+            return any(name not in known for name in open_)
+
         def new_one(open_: list[str]) -> bool:
             stop_if_asked()
-            return bool(set(open_) - known)
+            return unseen(open_)
 
         names = self.env.cluster.watch_open_csrs(new_one, input.max_wait_seconds, recheck_s=recheck, heartbeat=beat)
-        return CsrWatchResult(pending=sorted(names), changed=bool(set(names) - known))
+        return CsrWatchResult(pending=names[-CSRS_NAMED:], open_count=len(names), changed=unseen(names))
 
     # -- the Schedule's safety sweep ----------------------------------------------------------
     @activity.defn

@@ -28,7 +28,7 @@ from temporalio.exceptions import ActivityError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
-    from fleet.messages.csr import CsrApproverInput, CsrApproverResult
+    from fleet.messages.csr import VERDICTS_NAMED, CsrApproverInput, CsrApproverResult
     from fleet.messages.watches import CsrWatchInput, CsrWatchResult
     from workflows.inputs import parse_input
     from workflows.steps import CLUSTER_RETRY, WAIT_HEARTBEAT, show_details
@@ -57,20 +57,22 @@ class CsrApprover:
             return result
         started = workflow.now()
         known: list[str] = []
+        known_cut = False
         decided = list(result.decided)
         try:
             while not workflow.info().is_continue_as_new_suggested() and \
                     workflow.now() - started < timedelta(seconds=CSR_RUN_SECONDS):
                 seen: CsrWatchResult = await workflow.execute_activity(
-                    act.watch_csrs, CsrWatchInput(known=known, max_wait_seconds=CSR_WATCH_SECONDS),
+                    act.watch_csrs,
+                    CsrWatchInput(known=known, known_cut=known_cut, max_wait_seconds=CSR_WATCH_SECONDS),
                     start_to_close_timeout=timedelta(seconds=CSR_WATCH_SECONDS) + CSR_WATCH_HEARTBEAT,
                     heartbeat_timeout=CSR_WATCH_HEARTBEAT, retry_policy=CLUSTER_RETRY,
                     summary="wait for a new kubelet CSR (watch)",
                 )
-                known = seen.pending
+                known, known_cut = seen.pending, seen.cut
                 result = await self._pass("a new kubelet CSR: approve or deny" if seen.changed
                                           else "safety sweep: approve or deny pending kubelet CSRs")
-                decided = [*decided, *result.decided][-100:]
+                decided = [*decided, *result.decided][-VERDICTS_NAMED:]
         except (asyncio.CancelledError, ActivityError) as error:
             if not is_cancelled_exception(error):
                 raise
@@ -80,7 +82,7 @@ class CsrApprover:
             show_details("cancelled", detail=f"{self._approved} approved, {self._denied} denied")
         # Ends rather than continuing as new: the Schedule follows the run it started, so its next
         # pass starts the next run (a continued run would not be its to skip).
-        return CsrApproverResult(decided=decided)
+        return CsrApproverResult(decided=decided, approved=self._approved, denied=self._denied)
 
     async def _pass(self, summary: str) -> CsrApproverResult:
         result: CsrApproverResult = await workflow.execute_activity(

@@ -111,18 +111,34 @@ class DemandWake(BaseModel):
 
 
 # -- watch_csrs -----------------------------------------------------------------------------
+#: The open CSRs a watch names (and its caller hands the next watch as ``known``): the newest.
+#: Every node's kubelet may create CSRs, thousands of them, each name up to 253 characters, and a
+#: watch's result and the next one's input are each bounded at 2 MiB.
+CSRS_NAMED = 500
+
+
 class CsrWatchInput(Strict):
     #: CSRs still pending that the last pass left alone (not gpufleet's to judge): no wake-up.
     known: list[str] = Field(default_factory=list, max_length=100_000)
+    #: ``known`` is the newest of them only (the last watch's ``pending``, cut): an open CSR older
+    #: than the oldest of ``known`` still open is known too.
+    known_cut: bool = False
     max_wait_seconds: float = Field(600, gt=0, le=MAX_WATCH_SECONDS)
 
 
 class CsrWatchResult(BaseModel):
-    #: Every CSR still open when the watch returned: neither Denied nor Failed, so pending, or
-    #: approved and not yet cleaned up (``watch_open_csrs``). An approved one counts: one that
-    #: kubeadm's auto-approval approved before the watch saw it still wants a pass to bind its key.
+    #: The newest ``CSRS_NAMED`` CSRs still open when the watch returned, oldest first: neither
+    #: Denied nor Failed, so pending, or approved and not yet cleaned up (``watch_open_csrs``). An
+    #: approved one counts: one that kubeadm's auto-approval approved before the watch saw it still
+    #: wants a pass to bind its key.
     pending: list[str] = Field(default_factory=list)
+    #: How many were open: more than ``pending`` names when it was cut.
+    open_count: int = 0
     changed: bool = False
+
+    @property
+    def cut(self) -> bool:
+        return self.open_count > len(self.pending)
 
 
 # -- the Node entity's word from the cluster ------------------------------------------------

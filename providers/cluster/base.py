@@ -286,8 +286,8 @@ class Cluster(WeightedRouting, Protocol):
         heartbeat: Callable[[], None] | None = None,
     ) -> list[str]:
         """The names of the CSRs still open (neither Denied nor Failed: pending, or approved and
-        not yet cleaned up) as soon as ``until`` holds for them, or after ``timeout_s``: a watch
-        on CSRs, as ``watch_nodes``. A new CSR is a new name."""
+        not yet cleaned up), oldest first (by creation, then name), as soon as ``until`` holds for
+        them, or after ``timeout_s``: a watch on CSRs, as ``watch_nodes``. A new CSR is a new name."""
         ...
 
     # -- per-site serving -----------------------------------------------------------------

@@ -148,10 +148,13 @@ class CsrApprover(Watches, ControlPlaneState):
             conditions = (obj.get("status") or {}).get("conditions") or []
             if any(c.get("type") in ("Denied", "Failed") for c in conditions):
                 return None
-            return (obj.get("metadata") or {}).get("name") or None
+            return _order(obj) if (obj.get("metadata") or {}).get("name") else None
 
-        return self._follow("CSRs", self.certificates.list_certificate_signing_request, convert, until, timeout_s,
-                            recheck_s, heartbeat)
+        def names(orders: list[str]) -> list[str]:
+            return [order.split(" ", 1)[1] for order in sorted(orders)]
+
+        return names(self._follow("CSRs", self.certificates.list_certificate_signing_request, convert,
+                                  lambda orders: until(names(orders)), timeout_s, recheck_s, heartbeat))
 
 
 def _order(csr: dict[str, Any]) -> str:

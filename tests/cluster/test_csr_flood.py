@@ -1,0 +1,98 @@
+"""Nodes flooding the CSR approver: every node's kubelet may create CSRs (its credentials are
+bound to ``system:node``'s create on them), thousands, each name up to 253 characters. What the
+approver's activities tell ``CsrApprover`` stays bounded however many there are, and every CSR
+is still decided or left alone as before.
+
+Against the fake API server: thousands of CSRs are put into its store at once, where the real tier
+(tests/realk8s/test_csr_approver.py, the approver's run end to end) would take minutes to post them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import threading
+import time
+
+import pytest
+from temporalio.contrib.pydantic import pydantic_data_converter
+from temporalio.testing import ActivityEnvironment
+
+from activities.control_plane import ControlPlaneActivities
+from activities.env import FleetEnv
+from activities.watches import WatchActivities
+from fleet.config import load_config
+from fleet.messages.csr import VERDICTS_NAMED
+from fleet.messages.watches import CSRS_NAMED, CsrWatchInput, CsrWatchResult
+from fleet.settings import Settings
+from providers.cluster.base import CLIENT_SIGNER
+from tests.cluster.sim_kubelet import csr_pem
+from tests.conftest import write_fleet
+
+CSRS = ("certificates.k8s.io", "certificatesigningrequests")
+#: A node's request, once (its key is not what is judged here).
+REQUEST = base64.b64encode(csr_pem("system:node:gone", ["system:nodes"])).decode()
+
+
+@pytest.fixture
+def env(kube, tmp_path) -> FleetEnv:
+    return FleetEnv(Settings(state_dir=tmp_path), load_config(write_fleet(tmp_path)), kube)
+
+
+def flood(fake, count: int, prefix: str, signer: str) -> list[str]:
+    """``count`` CSRs from the kubelet of ``gone`` (a node gpufleet does not know), names of 253 characters."""
+    names = [f"{prefix}{'x' * (246 - len(prefix))}-{i:06d}" for i in range(count)]
+    for name in names:
+        fake.put(*CSRS, {"metadata": {"name": name}, "spec": {
+            "request": REQUEST, "signerName": signer, "username": "system:node:gone", "groups": ["system:nodes"],
+            "usages": ["digital signature", "client auth"]}})
+    return names
+
+
+def payload_bytes(value) -> int:
+    """What the worker's converter makes of an activity's result (Temporal bounds it at 2 MiB)."""
+    return pydantic_data_converter.payload_converter.to_payloads([value])[0].ByteSize()
+
+
+def watch(env: FleetEnv, known: CsrWatchResult | None, wait: float) -> CsrWatchResult:
+    inp = CsrWatchInput(max_wait_seconds=wait)
+    if known is not None:
+        inp = CsrWatchInput(known=known.pending, known_cut=known.cut, max_wait_seconds=wait)
+    return ActivityEnvironment().run(WatchActivities(env).watch_csrs, inp)
+
+
+def test_a_pass_over_thousands_of_csrs_decides_each_and_names_a_few(env, fake) -> None:
+    """Each client renewal of a node gpufleet does not know is denied, on its CSR; the pass's result
+    names the first ``VERDICTS_NAMED`` and counts them all. Before, it named every one (each
+    verdict with its 253-character name and its reason)."""
+    names = flood(fake, 600, "renew", CLIENT_SIGNER)
+    result = asyncio.run(ActivityEnvironment().run(ControlPlaneActivities(env).approve_node_csrs))
+    assert payload_bytes(result) < 64 * 1024, payload_bytes(result)
+    assert (result.approved, result.denied) == (0, 600)
+    assert [v.name for v in result.decided] == names[:VERDICTS_NAMED]
+    conditions = {c["metadata"]["name"]: c["status"]["conditions"] for c in fake.objects(*CSRS)}
+    assert all([c["type"] for c in conditions[name]] == ["Denied"] for name in names)
+
+
+def test_the_csr_watch_names_the_newest_of_thousands_and_still_wakes_for_a_new_one(env, fake) -> None:
+    """8,500 CSRs of a signer gpufleet leaves alone (they stay open a day): 2.2 MB of names, which
+    the watch returned whole, past the 2 MiB limit (and the approver handed them to its next watch).
+    Now it names the newest ``CSRS_NAMED`` and counts them all; the next watch, told those, waits
+    rather than waking for the older ones it was not told of, and wakes for a new CSR."""
+    names = flood(fake, 8500, "foreign", "example.com/flood")
+    first = watch(env, None, wait=5)
+    assert payload_bytes(first) < 256 * 1024, payload_bytes(first)
+    assert first.changed and first.open_count == 8500 and first.pending == names[-CSRS_NAMED:]
+
+    started = time.monotonic()
+    quiet = watch(env, first, wait=1)
+    assert not quiet.changed and time.monotonic() - started >= 0.9, "nothing new: it waited"
+
+    # A second later (a newer creation time than the flood's), a kubelet's renewal.
+    renewal = threading.Timer(1.5, lambda: flood(fake, 1, "renewal", CLIENT_SIGNER))
+    renewal.start()
+    started = time.monotonic()
+    woken = watch(env, quiet, wait=30)
+    renewal.join()
+    assert woken.changed and woken.pending[-1].startswith("renewal") and time.monotonic() - started < 15
+    assert woken.open_count == 8501 and len(woken.pending) == CSRS_NAMED
