@@ -19,7 +19,7 @@ from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity
 from fleet.contracts import workflows as flows
-from fleet.errors import AccountRevoked, NotFound
+from fleet.errors import AccountRevoked, FleetError, NotFound
 from fleet.messages.sweep import (
     IdentitySweepReport,
     SiteSweepReport,
@@ -30,6 +30,9 @@ from fleet.messages.sweep import (
 from fleet.models import Machine
 from fleet.naming import node_name_for
 from fleet.search_attributes import NODE_NAME
+
+#: A failed delete's message in the report, cut (a provider's answer can be long).
+FAILURE_SHOWN = 300
 
 RUNNING_JOINS = f'WorkflowType = "{flows.NodeJoin.TYPE}" AND ExecutionStatus = "Running"'
 
@@ -128,10 +131,15 @@ class SweepActivities:
                 provider.delete_machine(machine.id)
             except NotFound:
                 pass  # gone already: the delete is done
-            except Exception as error:  # noqa: BLE001 - one machine's failure must not hide the others
-                if getattr(error, "type_name", "") in ("BadCredentials", "OverQuota"):
+            except FleetError as error:
+                if error.type_name in ("BadCredentials", "OverQuota"):
                     raise
-                report.failed.append(f"{machine.id}: {type(error).__name__}: {error}")
+                report.failed.append(f"{machine.id}: {type(error).__name__}: {str(error)[:FAILURE_SHOWN]}")
+                continue
+            except Exception as error:  # noqa: BLE001 - one machine's failure must not hide the others
+                # Not one of our typed errors, whose messages are written not to quote a request: its
+                # own text may (a transport failure quotes a header it refused, a key with it).
+                report.failed.append(f"{machine.id}: {type(error).__name__}")
                 continue
             report.deleted.append(machine.id)
             activity.logger.warning("sweep deleted orphan %s (%s) at %s", machine.id, machine.name, site.name)

@@ -16,6 +16,7 @@ from activities.account_store import AccountStore
 from activities.env import FleetEnv
 from activities.sweep import SweepActivities
 from fleet.config import FleetConfig
+from fleet.errors import Transient
 from fleet.messages.sweep import SweepKnown, SweepSiteInput
 from fleet.naming import node_name_for
 from fleet.settings import Settings
@@ -79,3 +80,27 @@ def test_lambda_instances_without_the_fleet_name_are_never_swept(lambda_harness,
         acts.sweep_site, SweepSiteInput(site=site, known=SweepKnown(), grace_seconds=0))
     assert report.unmarked == 1 and report.deleted == []
     assert foreign.id in {m.id for m in provider.list_machines()}
+
+
+def test_a_failed_delete_is_reported_in_our_words_only(lambda_harness, tmp_path, monkeypatch) -> None:
+    """A delete that fails is reported and the sweep goes on. The report is an activity result, in
+    workflow history: a typed error's message (written not to quote a request) is cut short, and any
+    other failure is named by its type alone. Before, its own text went in whole, a transport
+    failure's included, which quotes the header it refused (a key with it)."""
+    provider = lambda_harness.provider
+    site = provider.site.name
+    acts = SweepActivities(sweep_env(lambda_harness, tmp_path))
+    orphans = [provider.create_machine(lambda_harness.spec.model_copy(update={"name": node_name_for(site, key)}), key)
+               for key in (f"join/{site}/lost-{uuid.uuid4().hex[:6]}" for _ in range(2))]
+    failures = {orphans[0].id: Transient("the provider answered 503: " + "busy " * 2000, provider="lambda"),
+                orphans[1].id: ValueError("Invalid header value b'Bearer secret_live_key\\n'")}
+
+    def failing_delete(machine_id: str) -> None:
+        raise failures[machine_id]
+
+    monkeypatch.setattr(provider, "delete_machine", failing_delete)
+    report = run(acts.sweep_site, SweepSiteInput(site=site, known=SweepKnown(), grace_seconds=0))
+    assert report.deleted == [] and len(report.failed) == 2, report
+    transient, other = sorted(report.failed, key=lambda line: not line.startswith(orphans[0].id))
+    assert transient.startswith(f"{orphans[0].id}: Transient: the provider answered 503: busy") and len(transient) < 400
+    assert other == f"{orphans[1].id}: ValueError"
