@@ -56,10 +56,11 @@ from fleet.messages.capacity import SiteNodesInput
 from fleet.models import Node
 from fleet.settings import Settings
 from fleet.cluster import NODE_KEYS_KEPT, NODE_KEYS_KIND, NodeIdentity, bound_keys
-from providers.cluster.base import CONTROL_PLANE_LABEL
+from providers.cluster.base import CONTROL_PLANE_LABEL, SERVING_SIGNER
 from providers.cluster.check import KUBEADM_BINDINGS
 from providers.cluster.kubernetes import NODE_IDENTITY_KIND, KubernetesCluster, bootstrap_secret_name
-from providers.cluster.kubernetes.csrs import RENEWALS_PER_WINDOW
+from providers.cluster.kubernetes.csrs import RENEWALS_PER_WINDOW, SERVING_PER_WINDOW
+from tests.cluster.sim_kubelet import csr_pem
 from tests.cluster.test_csr_renewals import renewal
 from tests.conftest import write_fleet
 from tests.realk8s.test_blast_radius import kubeadm_bindings_restored  # noqa: F401 - a fixture
@@ -593,10 +594,15 @@ def key_of(csr: dict) -> str:
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo))
 
 
-def _csr_as_node(real: RealCluster, name: str, node: str) -> dict:
-    """A client-certificate renewal as the node's kubelet sends it: made *as* ``system:node:<node>``
-    (the admin impersonates it), so the real API server writes the CSR's username and groups."""
+def _csr_as_node(real: RealCluster, name: str, node: str, serving_ip: str = "") -> dict:
+    """A client-certificate renewal (or, with ``serving_ip``, a serving certificate for the node's
+    name and that address) as the node's kubelet sends it: made *as* ``system:node:<node>`` (the
+    admin impersonates it), so the real API server writes the CSR's username and groups."""
     csr = renewal(name, node)
+    if serving_ip:
+        request = csr_pem(f"system:node:{node}", ["system:nodes"], ips=[serving_ip], dns=[node])
+        csr["spec"].update(signerName=SERVING_SIGNER, usages=["digital signature", "server auth"],
+                           request=base64.b64encode(request).decode())
     csr["spec"] = {k: v for k, v in csr["spec"].items() if k not in ("username", "groups")}
     as_node = {"Impersonate-User": f"system:node:{node}", "Impersonate-Group": "system:nodes"}
     status, answer = real.request("POST", CSRS, csr, admin=True, headers=as_node)
@@ -728,6 +734,31 @@ def test_a_node_asking_for_many_renewals_gets_a_few(real_cluster, kube, nodes, c
         _csr_as_node(real_cluster, f"later-{unique}", live)
         csrs.append(f"later-{unique}")
         assert [d.approve for d in kube.review_csrs(lambda _node: None) if d.name == f"later-{unique}"] == [False]
+    finally:
+        kube.remove_node(live)
+
+
+def test_a_node_asking_for_many_serving_certificates_gets_a_few(real_cluster, kube, nodes, csrs, unique) -> None:
+    """Each serving certificate approved is an API write and a signed certificate: a node that
+    asks for them by the hundred, for its own name and address, gets the first few."""
+    live, address = _live_node(kube, nodes, f"gpu-live-{unique}"), "198.51.100.7"
+    names = [f"s{i}-{unique}" for i in range(SERVING_PER_WINDOW + 3)]
+    for name in names:
+        _csr_as_node(real_cluster, name, live, serving_ip=address)
+        csrs.append(name)
+    try:
+        verdicts = {d.name: d for d in kube.review_csrs(lambda node: [address] if node == live else None)
+                    if d.name in names}
+        assert [n for n in names if verdicts[n].approve] == names[:SERVING_PER_WINDOW], "the first ones asked"
+        assert f"node {live} had {SERVING_PER_WINDOW} serving certificates approved" in verdicts[names[-1]].reason
+        assert [_conditions(real_cluster, n) for n in names[SERVING_PER_WINDOW:]] == [["Denied"]] * 3
+        # Its client renewals are counted apart: a renewal is still approved.
+        _csr_as_node(real_cluster, f"renewal-{unique}", live)
+        csrs.append(f"renewal-{unique}")
+        _csr_as_node(real_cluster, f"later-{unique}", live, serving_ip=address)
+        csrs.append(f"later-{unique}")
+        later = {d.name: d.approve for d in kube.review_csrs(lambda node: [address] if node == live else None)}
+        assert (later[f"renewal-{unique}"], later[f"later-{unique}"]) == (True, False)
     finally:
         kube.remove_node(live)
 

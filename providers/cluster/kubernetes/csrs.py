@@ -11,7 +11,8 @@ any other node's client renewal is denied, so kubeadm's self-renewal binding can
 and a removed node's certificate is its last; so is a renewal past ``RENEWALS_PER_WINDOW``
 in ``RENEWAL_WINDOW`` (a kubelet renews once per certificate lifetime). A kubelet-serving
 CSR only when its names are the node's name and the addresses the provider reports for
-its machine. Other CSRs (other signers, other requesters) are left alone.
+its machine, and at most ``SERVING_PER_WINDOW`` of a node's in ``RENEWAL_WINDOW``. Other CSRs
+(other signers, other requesters) are left alone.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from fleet.cluster import (
     client_key_fingerprint,
     with_key,
 )
-from providers.cluster.base import CLIENT_SIGNER, CONTROL_PLANE_LABEL, CsrDecision, csr_decision
+from providers.cluster.base import CLIENT_SIGNER, CONTROL_PLANE_LABEL, SERVING_SIGNER, CsrDecision, csr_decision
 from providers.cluster.kubernetes.api import _translate
 from providers.cluster.kubernetes.state import ControlPlaneState
 from providers.cluster.kubernetes.tokens import _TOKEN_ID, JOIN_TOKEN_KIND
@@ -43,7 +44,20 @@ from providers.cluster.kubernetes.watch import Watches
 #: each stays bound (``NODE_KEYS_KEPT``). A node asking for more is denied: it would rotate the
 #: keys of its own record, and give every pass a write per renewal.
 RENEWALS_PER_WINDOW = NODE_KEYS_KEPT - 1
+#: Serving certificates approved per node within ``RENEWAL_WINDOW``. A kubelet asks for one when it
+#: starts (its join, or the fresh start a reinstall gives the same name) and again once per
+#: certificate lifetime: a start, a rotation and a reinstall in one hour is the most an honest node
+#: needs. Every approval is an API write and a signed certificate, so a node asking for more is
+#: denied: it would otherwise have any number of them, each a write on the pass every join polls.
+SERVING_PER_WINDOW = 3
 RENEWAL_WINDOW = timedelta(hours=1)
+#: What a node's kubelet asks for, capped per node in ``RENEWAL_WINDOW``: (most approved, what they are, why).
+_CAPPED = {
+    CLIENT_SIGNER: (RENEWALS_PER_WINDOW, "client certificates renewed",
+                    "a kubelet renews once per certificate lifetime"),
+    SERVING_SIGNER: (SERVING_PER_WINDOW, "serving certificates approved",
+                     "a kubelet asks for one when it starts and once per certificate lifetime"),
+}
 
 
 class CsrApprover(Watches, ControlPlaneState):
@@ -80,7 +94,7 @@ class CsrApprover(Watches, ControlPlaneState):
         # renewals are the ones approved.
         items = sorted(listed.get("items", []), key=_order)
         since = datetime.now(timezone.utc) - RENEWAL_WINDOW
-        renewed = Counter(node for csr in items if (node := _renewal_of(csr)) and _approved_after(csr, since))
+        approved = Counter(asked for csr in items if (asked := _node_asks(csr)) and _approved_after(csr, since))
         for csr in items:
             status = csr.get("status") or {}
             judged = {c.get("type") for c in status.get("conditions") or []}
@@ -104,14 +118,14 @@ class CsrApprover(Watches, ControlPlaneState):
             decision = judge(csr)
             if decision is None:
                 continue
-            if decision.approve and (node := _renewal_of(csr)) is not None:
-                if renewed[node] >= RENEWALS_PER_WINDOW:
+            if decision.approve and (asked := _node_asks(csr)) is not None:
+                most, what, why = _CAPPED[asked[0]]
+                if approved[asked] >= most:
                     decision = decision.model_copy(update={"approve": False, "reason": (
-                        f"node {node} had {renewed[node]} client certificates renewed in the last "
-                        f"{RENEWAL_WINDOW.total_seconds() / 3600:g} h, the most it may: a kubelet renews "
-                        "once per certificate lifetime")})
+                        f"node {asked[1]} had {approved[asked]} {what} in the last "
+                        f"{RENEWAL_WINDOW.total_seconds() / 3600:g} h, the most it may: {why}")})
                 else:
-                    renewed[node] += 1
+                    approved[asked] += 1
             if decision.approve and unbound:
                 bind_key(*client_key, _order(csr))  # before the approval: no certificate is ever out unbound
             self._decide(csr, decision)
@@ -163,13 +177,14 @@ def _order(csr: dict[str, Any]) -> str:
     return f"{meta.get('creationTimestamp') or ''} {meta.get('name') or ''}"
 
 
-def _renewal_of(csr: dict[str, Any]) -> str | None:
-    """The node whose kubelet asks to renew its client certificate (the requester), or None."""
+def _node_asks(csr: dict[str, Any]) -> tuple[str, str] | None:
+    """(signer, node) of a certificate a node's kubelet asks for as itself (the requester), a
+    client renewal or a serving certificate, or None."""
     spec = csr.get("spec") or {}
-    user = spec.get("username") or ""
-    if spec.get("signerName") != CLIENT_SIGNER or not user.startswith("system:node:"):
+    user, signer = spec.get("username") or "", spec.get("signerName")
+    if signer not in _CAPPED or not user.startswith("system:node:"):
         return None
-    return user.removeprefix("system:node:")
+    return signer, user.removeprefix("system:node:")
 
 
 def _approved_after(csr: dict[str, Any], since: datetime) -> bool:
