@@ -717,48 +717,72 @@ def test_a_pass_over_renewals_approved_and_bound_before_writes_nothing(real_clus
         kube.remove_node(live)
 
 
+def _asked_one_at_a_time(real_cluster, kube, csrs, live: str, names: list[str], addresses, **kind) -> dict[str, bool]:
+    """Each CSR asked for, then a pass over it (a kubelet asks again only once its last request
+    is answered or given up on): whether each was approved."""
+    approved = {}
+    for name in names:
+        _csr_as_node(real_cluster, name, live, **kind)
+        csrs.append(name)
+        approved.update({d.name: d.approve for d in kube.review_csrs(addresses) if d.name == name})
+    return approved
+
+
 def test_a_node_asking_for_many_renewals_gets_a_few(real_cluster, kube, nodes, csrs, unique) -> None:
     live = _live_node(kube, nodes, f"gpu-live-{unique}")
-    names = [f"m{i}-{unique}" for i in range(RENEWALS_PER_WINDOW + 3)]
-    for name in names:
-        _csr_as_node(real_cluster, name, live)
-        csrs.append(name)
+    names = [f"m{i}-{unique}" for i in range(RENEWALS_PER_WINDOW + 2)]
     try:
-        verdicts = {d.name: d for d in kube.review_csrs(lambda _node: None) if d.name in names}
-        assert [n for n in names if verdicts[n].approve] == names[:RENEWALS_PER_WINDOW], "the first ones asked"
-        refused = verdicts[names[-1]]
-        assert f"node {live} had {RENEWALS_PER_WINDOW} client certificates renewed" in refused.reason
-        assert [_conditions(real_cluster, n) for n in names[RENEWALS_PER_WINDOW:]] == [["Denied"]] * 3
+        approved = _asked_one_at_a_time(real_cluster, kube, csrs, live, names, lambda _node: None)
+        assert [n for n in names if approved[n]] == names[:RENEWALS_PER_WINDOW], approved
+        assert [_conditions(real_cluster, n) for n in names[RENEWALS_PER_WINDOW:]] == [["Denied"]] * 2
         assert len(bound_keys(kube.read_state(NODE_KEYS_KIND, live))) == RENEWALS_PER_WINDOW
-        # A later pass (its window still open) approves no more of them, nor of a new one.
-        _csr_as_node(real_cluster, f"later-{unique}", live)
-        csrs.append(f"later-{unique}")
-        assert [d.approve for d in kube.review_csrs(lambda _node: None) if d.name == f"later-{unique}"] == [False]
+        # Asked for at once (a pass that came late): the newest is judged, the rest superseded.
+        at_once = [f"n{i}-{unique}" for i in range(3)]
+        for name in at_once:
+            _csr_as_node(real_cluster, name, live)
+            csrs.append(name)
+        verdicts = {d.name: d for d in kube.review_csrs(lambda _node: None) if d.name in at_once}
+        assert f"node {live} had {RENEWALS_PER_WINDOW} client certificates renewed" in verdicts[at_once[-1]].reason
+        assert all("superseded" in verdicts[n].reason for n in at_once[:-1]), verdicts
     finally:
         kube.remove_node(live)
 
 
 def test_a_node_asking_for_many_serving_certificates_gets_a_few(real_cluster, kube, nodes, csrs, unique) -> None:
     """Each serving certificate approved is an API write and a signed certificate: a node that
-    asks for them by the hundred, for its own name and address, gets the first few."""
+    asks for them by the hundred, for its own name and address, gets a few."""
     live, address = _live_node(kube, nodes, f"gpu-live-{unique}"), "198.51.100.7"
-    names = [f"s{i}-{unique}" for i in range(SERVING_PER_WINDOW + 3)]
+    addresses = lambda node: [address] if node == live else None  # noqa: E731
+    names = [f"s{i}-{unique}" for i in range(SERVING_PER_WINDOW + 2)]
+    try:
+        approved = _asked_one_at_a_time(real_cluster, kube, csrs, live, names, addresses, serving_ip=address)
+        assert [n for n in names if approved[n]] == names[:SERVING_PER_WINDOW], approved
+        assert [_conditions(real_cluster, n) for n in names[SERVING_PER_WINDOW:]] == [["Denied"]] * 2
+        # Its client renewals are counted apart: a renewal is still approved.
+        renewal = _asked_one_at_a_time(real_cluster, kube, csrs, live, [f"renewal-{unique}"], addresses)
+        assert renewal == {f"renewal-{unique}": True}
+    finally:
+        kube.remove_node(live)
+
+
+def test_after_an_approver_outage_the_request_a_kubelet_waits_on_is_approved(real_cluster, kube, nodes, csrs,
+                                                                            unique) -> None:
+    """A kubelet whose serving CSR goes unanswered for minutes gives up on it and asks again. After
+    an approver outage several of a node's requests are open; it waits only on the newest, which
+    is approved. The older are denied as superseded and do not count against the node's
+    allowance: approved oldest first, the newest was denied and the node went without a serving
+    certificate for the hour."""
+    live, address = _live_node(kube, nodes, f"gpu-live-{unique}"), "198.51.100.8"
+    names = [f"o{i}-{unique}" for i in range(SERVING_PER_WINDOW + 2)]
     for name in names:
         _csr_as_node(real_cluster, name, live, serving_ip=address)
         csrs.append(name)
     try:
         verdicts = {d.name: d for d in kube.review_csrs(lambda node: [address] if node == live else None)
                     if d.name in names}
-        assert [n for n in names if verdicts[n].approve] == names[:SERVING_PER_WINDOW], "the first ones asked"
-        assert f"node {live} had {SERVING_PER_WINDOW} serving certificates approved" in verdicts[names[-1]].reason
-        assert [_conditions(real_cluster, n) for n in names[SERVING_PER_WINDOW:]] == [["Denied"]] * 3
-        # Its client renewals are counted apart: a renewal is still approved.
-        _csr_as_node(real_cluster, f"renewal-{unique}", live)
-        csrs.append(f"renewal-{unique}")
-        _csr_as_node(real_cluster, f"later-{unique}", live, serving_ip=address)
-        csrs.append(f"later-{unique}")
-        later = {d.name: d.approve for d in kube.review_csrs(lambda node: [address] if node == live else None)}
-        assert (later[f"renewal-{unique}"], later[f"later-{unique}"]) == (True, False)
+        assert [n for n in names if verdicts[n].approve] == names[-1:], verdicts
+        assert all("superseded" in verdicts[n].reason for n in names[:-1]), verdicts
+        assert [_conditions(real_cluster, n) for n in names] == [["Denied"]] * (len(names) - 1) + [["Approved"]]
     finally:
         kube.remove_node(live)
 

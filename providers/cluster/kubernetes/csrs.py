@@ -90,11 +90,20 @@ class CsrApprover(Watches, ControlPlaneState):
         def bind_key(node: str, fingerprint: str, csr: str) -> None:
             keys[0][node] = self.update_state(NODE_KEYS_KIND, node, lambda old: with_key(old, fingerprint, csr))
 
-        # Oldest first: a node's keys are bound in the order it asked for them, and its earliest
-        # renewals are the ones approved.
+        # Oldest first: a node's keys are bound in the order it asked for them.
         items = sorted(listed.get("items", []), key=_order)
         since = datetime.now(timezone.utc) - RENEWAL_WINDOW
         approved = Counter(asked for csr in items if (asked := _node_asks(csr)) and _approved_after(csr, since))
+        # Judged before any is decided: a kubelet waits only on the newest certificate it asked for
+        # (one unanswered for minutes it gives up on, and asks again), so of a node's open requests
+        # of one kind that gpufleet would approve only the newest is, the older are denied as
+        # superseded. Approved oldest first, they spent the node's allowance on requests nobody
+        # waits for, and after an approver outage the one its kubelet waits on was denied, leaving
+        # the node without a certificate for the window.
+        verdicts = {_order(csr): judge(csr) for csr in items if not _judged(csr)}
+        newest = {asked: _order(csr) for csr in items
+                  if (verdict := verdicts.get(_order(csr))) is not None and verdict.approve
+                  and (asked := _node_asks(csr))}
         for csr in items:
             status = csr.get("status") or {}
             judged = {c.get("type") for c in status.get("conditions") or []}
@@ -115,12 +124,15 @@ class CsrApprover(Watches, ControlPlaneState):
                         and (decision := judge(csr)) is not None and decision.approve:
                     bind_key(*client_key, _order(csr))
                 continue
-            decision = judge(csr)
+            decision = verdicts[_order(csr)]
             if decision is None:
                 continue
             if decision.approve and (asked := _node_asks(csr)) is not None:
                 most, what, why = _CAPPED[asked[0]]
-                if approved[asked] >= most:
+                if _order(csr) < newest[asked]:
+                    decision = decision.model_copy(update={"approve": False, "reason": (
+                        f"superseded: node {asked[1]} asked again since (its kubelet waits on its newest request)")})
+                elif approved[asked] >= most:
                     decision = decision.model_copy(update={"approve": False, "reason": (
                         f"node {asked[1]} had {approved[asked]} {what} in the last "
                         f"{RENEWAL_WINDOW.total_seconds() / 3600:g} h, the most it may: {why}")})
@@ -175,6 +187,12 @@ def _order(csr: dict[str, Any]) -> str:
     """Where a CSR stands among the others: its creation time (whole seconds), then its name."""
     meta = csr.get("metadata") or {}
     return f"{meta.get('creationTimestamp') or ''} {meta.get('name') or ''}"
+
+
+def _judged(csr: dict[str, Any]) -> bool:
+    """Whether the CSR is approved, denied or failed already."""
+    conditions = (csr.get("status") or {}).get("conditions") or []
+    return any(c.get("type") in ("Approved", "Denied", "Failed") for c in conditions)
 
 
 def _node_asks(csr: dict[str, Any]) -> tuple[str, str] | None:
