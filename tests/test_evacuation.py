@@ -16,8 +16,10 @@ import uuid
 
 import pytest
 from temporalio import activity
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError, CancelledError
+from temporalio.service import RPCError
 
 from tests.evacuation_helpers import (
     IncStack,
@@ -393,20 +395,21 @@ async def test_the_proof_says_until_when_and_a_cancel_during_it_puts_the_site_ba
     await replay_and_record(handle, "site_evacuation_cancelled_while_proving")
 
 
-def held_open(monkeypatch, activities: type, name: str, at: str) -> threading.Event:
-    """``activities.<name>`` for ``at`` (its input's ``site``) waits until the returned event is set
-    (30 s at most), then answers as it does: a step held open for a test to act in."""
+def held_open(monkeypatch, activities: type, name: str, at: str | None) -> threading.Event:
+    """``activities.<name>`` for ``at`` (its input's ``site``; None: every call) waits until the
+    returned event is set (30 s at most), then answers as it does: a step held open for a test to
+    act in."""
     answer = getattr(activities, name)
     released = threading.Event()
 
     if inspect.iscoroutinefunction(answer):
         async def held(self, input):
-            if input.site == at:
+            if at is None or input.site == at:
                 await asyncio.to_thread(released.wait, 30)
             return await answer(self, input)
     else:
         def held(self, input):
-            if input.site == at:
+            if at is None or input.site == at:
                 released.wait(30)
             return answer(self, input)
 
@@ -484,6 +487,77 @@ async def test_a_cancel_during_its_first_step_ends_it_before_it_changes_anything
         assert acted == {"evacuation_begun_first"}, f"it changed something: {acted}"
         assert await _cordoned(inc, a) == set()
         await replay_and_record(handle, "site_evacuation_cancelled_in_its_first_step")
+
+
+@pytest.mark.parametrize("ending", ["abort", "failure"])
+async def test_a_cancel_while_it_puts_back_stops_nothing(temporal_env, tmp_path, monkeypatch, ending: str) -> None:
+    """Temporal's cancel while an evacuation put the site back after an abort or a failed step (its
+    nodes being uncordoned) cancelled that step: it failed, the site's Deployment and routing weight
+    were never put back, and the run ended needing a person. Now the put-back runs to its end
+    whatever cancel comes; then an aborted run ends Canceled (the cancel asked to stop, and all is
+    back), a failed one still fails (its failure is what ended it)."""
+    uid = uuid.uuid4().hex[:6]
+    released = held_open(monkeypatch, EvacuationActivities, "release_nodes", None)  # only ever on the way back
+    if ending == "failure":
+        probe = EvacuationActivities.recovery_probe
+
+        def broken(self, input):
+            raise ApplicationError("test: the probe is broken", type="InvalidInput", non_retryable=True)
+
+        broken.__annotations__ = typing.get_type_hints(probe)
+        monkeypatch.setattr(EvacuationActivities, "recovery_probe", activity.defn(name="recovery_probe")(broken))
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, incident_fleet(uid), uid):
+        a, d = await _a_lost(inc)
+        handle = inc.evacuation("a")
+        if ending == "abort":
+            await poll(lambda: _state(inc, "waiting-for-recovery"), timeout=30)
+            await handle.execute_update("abort", "test: the provider says it was a blip")
+        await poll(lambda: _running_activity(handle, "release_nodes"), timeout=30)
+        await handle.cancel()
+        await poll(lambda: _cancel_seen(handle), timeout=15)
+        inc.world.set_site(a, unreachable=0)  # its replica can be ready again: nothing left for a person
+        released.set()
+        try:
+            await asyncio.wait_for(handle.result(), 60)
+            ended_by = None
+        except WorkflowFailureError as error:
+            ended_by = error.cause
+        progress = await handle.query("progress", result_type=EvacuationProgress)
+        assert progress.needs_person == "", progress.needs_person
+        assert "restore incomplete" not in step_names(progress) and "routing restored" in step_names(progress)
+        assert await _cordoned(inc, a) == set(), "the nodes it drained are uncordoned"
+        routes = inc.cluster.get_site_routes().sites[a]
+        assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+        assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1, "the site's Deployment is back"
+        assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "the replica it added at d went"
+        ended = progress.timeline[-1]
+        assert ended.name == "ended", step_names(progress)
+        if ending == "abort":
+            assert isinstance(ended_by, CancelledError), repr(ended_by)
+            assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+            assert progress.state == "cancelled", progress.state
+            assert re.fullmatch(r"cancelled.* as it put back what it changed \(aborted: test: the provider says it "
+                                r"was a blip\)", ended.detail), ended.detail
+        else:
+            assert isinstance(ended_by, ApplicationError) and ended_by.message == "test: the probe is broken", ended_by
+            assert re.fullmatch(r"failed: InvalidInput: test: the probe is broken; cancelled.* as it put back what "
+                                "it changed", ended.detail), ended.detail
+        await replay_and_record(handle, f"site_evacuation_cancelled_while_putting_back_after_{ending}")
+
+
+async def _running_activity(handle, name: str) -> bool:
+    try:
+        pending = (await handle.describe()).raw_description.pending_activities
+    except RPCError:  # not started yet
+        return False
+    return any(running.activity_type.name == name for running in pending)
+
+
+async def _cancel_seen(handle) -> bool:
+    """The run has taken its cancel request: a workflow task completed after it."""
+    kinds = [e.event_type async for e in handle.fetch_history_events()]
+    requested = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED
+    return requested in kinds and EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED in kinds[kinds.index(requested):]
 
 
 async def _a_lost(inc) -> tuple[str, str]:

@@ -125,6 +125,11 @@ EXPECTED = {
     # a cancel in the recovery wait before the patch, replays too.
     "site_evacuation_cancelled_waiting_for_replicas_elsewhere", "site_evacuation_cancelled_in_its_first_step",
     "site_evacuation_cancelled_while_proving",
+    # What an abort or a failed step puts back runs to its end when a cancel lands meanwhile
+    # (``evacuation-put-back-runs-to-its-end``); ``_before``: the code before, where the cancel
+    # stopped the uncordon in flight and the run ended aborted, half restored.
+    "site_evacuation_cancelled_while_putting_back_after_abort", "site_evacuation_cancelled_while_putting_back_after_failure",
+    "site_evacuation_cancelled_while_putting_back_after_abort_before",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).
     "node_join_happy_patches_at_start", "node_join_count2_patches_at_start",
     "node_join_smoke_failed_patches_at_start", "node_entity_two_repairs_patches_at_start",

@@ -20,7 +20,9 @@ query):
    step, ends it and puts back what it changed (so do Temporal's cancel and a failed
    step): its capacity request stopped, the nodes it cordoned uncordoned (not one
    cordoned before it began, nor one whose GPU a repair fences: ``held`` says why),
-   the site's Deployments and routing weights as they were, what it added elsewhere gone;
+   the site's Deployments and routing weights as they were, what it added elsewhere gone.
+   A cancel that comes while it puts back stops nothing: the put-back runs to its end, then
+   an abort's run ends Canceled (a failed step's still fails);
 6. **restore**: the nodes smoke-test (as many failing as would trip an incident →
    back to 5; fewer: each one that fails or garbles its answer stays cordoned and goes
    to its Node entity's repair ladder, and the site returns with the others), the site's
@@ -150,6 +152,12 @@ RECOVERED_WHILE_PLACING_PATCH = "evacuation-recovered-while-placing"
 #: anyway), in its first step for "acting without knowing of others", in the proof for a failed
 #: smoke test, at any other step for a failed evacuation. Asked only where a cancel is seen.
 CANCEL_IS_AN_ABORT_PATCH = "evacuation-cancel-is-an-abort"
+#: What the evacuation puts back as it ends (``_undo``: an abort's, a failed step's) runs to its end
+#: when Temporal's cancel lands meanwhile, and an abort's then ends the run Canceled. Before, the
+#: cancel stopped the step in flight (an uncordon, the Deployments or weights back): it failed, the
+#: rest was skipped, and the run ended aborted with the site half restored and ``needs_person`` set.
+#: Asked only where a cancel lands during a put-back.
+PUT_BACK_TO_ITS_END_PATCH = "evacuation-put-back-runs-to-its-end"
 #: How long one wait for the evacuation it follows lasts (then it is asked again).
 FOLLOW_WAIT = timedelta(days=1)
 
@@ -179,6 +187,8 @@ class SiteEvacuation:
         #: The AcquireCapacity child while it runs (an abort stops it and waits for its result).
         self._capacity: asyncio.Task | None = None
         self._facts: EvacuationFacts | None = None
+        #: A cancel of the run landed while it put back, and stopped nothing (``_undo``).
+        self._cancel_taken = False
         #: Nodes whose cordon-and-drain began (``progress.drained`` has those it finished; a
         #: run never continues as new mid-drain, so this one need not be carried).
         self._cordoning: list[str] = []
@@ -379,6 +389,10 @@ class SiteEvacuation:
         except Aborted as stop:
             workflow.deprecate_patch(RESTORES_PATCH)
             await self._undo(f"aborted: {stop}")
+            if self._cancel_taken:
+                # Cancelled while it put back: all is back, and the run ends as the cancel asked.
+                self._end_cancelled(f"{self._cancelled_why()} as it put back what it changed (aborted: {stop})")
+                raise asyncio.CancelledError()
             outcome = "aborted"
             self._state("aborted")
             self._mark("aborted", str(stop))
@@ -394,6 +408,9 @@ class SiteEvacuation:
                 raise
             why = "cancelled" if isinstance(error, asyncio.CancelledError) else f"failed: {failure_text(error)}"
             await self._undo(why)
+            if self._cancel_taken:
+                # Cancelled while it put back after a failure: the failure is what ended it, and stands.
+                why += f"; {self._cancelled_why()} as it put back what it changed"
             self._mark("ended", why)
             if isinstance(error, (ActivityError, ChildWorkflowError)):
                 # The root cause at the top ("site: unknown site 'x'", InvalidInput), not "Activity task
@@ -847,6 +864,23 @@ class SiteEvacuation:
             self._mark("nodes held", "; ".join(f"{node}: {why}" for node, why in sorted(held.items())))
 
     async def _undo(self, why: str) -> None:
+        """``_put_back``, to its end even when Temporal's cancel lands meanwhile (during an abort's
+        put-back or a failed step's): cancelled, the step in flight failed and the rest was skipped,
+        the site left half restored. The cancel is taken (it reaches a run once): ``_cancel_taken``
+        says so, for the run to end as it asked once all is back."""
+        putting_back = asyncio.ensure_future(self._put_back(why))
+        try:
+            await asyncio.shield(putting_back)
+        except asyncio.CancelledError:
+            if putting_back.cancelled():
+                raise  # its own end, not the run's cancel
+            if workflow.patched(PUT_BACK_TO_ITS_END_PATCH):
+                self._cancel_taken = True
+            else:
+                putting_back.cancel()  # a run from before: the cancel stops the step in flight, as it did
+            await putting_back
+
+    async def _put_back(self, why: str) -> None:
         """Put back what this evacuation changed (it ends without restoring): the capacity request
         stopped, then ``_restore`` in one step (no proof: the operator chose to end it; nodes a
         repair holds stay cordoned). A failure on the way is left to a person, said in progress."""
