@@ -13,6 +13,7 @@ import re
 import threading
 import typing
 import uuid
+from typing import Any
 
 import pytest
 from temporalio import activity
@@ -32,6 +33,8 @@ from tests.evacuation_helpers import (
 from temporalio.testing import ActivityEnvironment
 
 from activities.env import FleetEnv
+from activities.node_agent import NodeAgentActivities
+from fleet.messages.nodes import SmokeTestInput
 from fleet.messages.rollout import EvacuationInput
 from activities.serving import ServingActivities
 from fleet.messages.capacity import CapacityResult, SiteStatus
@@ -578,6 +581,60 @@ async def _a_lost_and_evacuated_to_d(inc) -> tuple[str, str]:
     a, d = await _a_lost(inc)
     await poll(lambda: _state(inc, "waiting-for-recovery"), timeout=30)
     return a, d
+
+
+async def test_a_site_that_keeps_failing_its_proof_keeps_a_bounded_timeline(temporal_env, tmp_path, monkeypatch) -> None:
+    """Each failed proof (the site back, its nodes failing their smoke tests) added two steps to the
+    timeline, which the wait for recovery carries whole over continue-as-new, each with every
+    node's failures: a site that flapped for days grew it without end, toward Temporal's 2 MiB
+    payload limit. The timeline keeps how the evacuation began and its newest steps, counts those
+    between, and a failed round names a few nodes' failures and how many more."""
+    failing = threading.Event()
+    honest = NodeAgentActivities.smoke_test
+
+    @activity.defn(name="smoke_test")
+    def smoke_test(self, input: SmokeTestInput) -> Any:  # no hint on self: the SDK skips it
+        if failing.is_set() and activity.info().workflow_type == "SiteEvacuation":
+            return {"passed": False, "gpus_seen": 2, "failures": [f"GPU {i}: {'x' * 900}" for i in range(8)]}
+        return honest(self, input)
+
+    monkeypatch.setattr(NodeAgentActivities, "smoke_test", smoke_test)
+    uid = uuid.uuid4().hex[:6]
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, incident_fleet(uid), uid):
+        a, _ = await _a_lost_and_evacuated_to_d(inc)
+        handle = inc.evacuation("a")
+        began = step_names(await inc.progress("a"))
+        failing.set()
+        inc.world.set_site(a, unreachable=0)  # back, and failing every proof
+        rounds = 0
+        while rounds < 30:
+            # ``recovered`` skips the wait before the next proof (it doubles toward 10 minutes).
+            await handle.execute_update("declare_recovered", f"test: try again after {rounds} failed proofs")
+            rounds = await poll(lambda: _failed_proofs(inc, more_than=rounds), timeout=30)
+        progress = await inc.progress("a")
+        names = step_names(progress)
+        assert len(names) == 50 and progress.timeline_left_out == len(began) + 2 * rounds - 50, (len(names), rounds)
+        assert names[:len(began)] == began == ["detected", "weight 0", "replicas ready elsewhere", "drained"]
+        assert names[-2:] == ["recovered", "smoke tests failed"], names
+        failed = [s.detail for s in progress.timeline if s.name == "smoke tests failed"]
+        assert max(map(len, failed)) < 600, max(failed, key=len)
+        # What the wait for recovery carries over continue-as-new: this progress, and what does not
+        # grow (the facts, the weights before, the nodes bought, counters).
+        assert len(progress.model_dump_json()) < 40_000
+
+        failing.clear()
+        await handle.execute_update("declare_recovered", "test: back for good")
+        result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+        assert result.outcome == "restored"
+        assert [s.name for s in result.timeline[:len(began)]] == began and result.timeline[-1].name == "restored"
+        assert len(result.timeline) == 50 and result.timeline_left_out > progress.timeline_left_out
+
+
+async def _failed_proofs(inc: IncStack, more_than: int) -> int:
+    """How many proofs failed, once more than ``more_than`` have (0 until then)."""
+    p = await inc.progress("a")
+    found = re.match(r"proof (\d+) failed", p.step_detail) if p is not None else None
+    return int(found.group(1)) if found and int(found.group(1)) > more_than else 0
 
 
 async def test_worker_killed_mid_evacuation_resumes(temporal_env, tmp_path) -> None:

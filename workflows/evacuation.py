@@ -160,6 +160,11 @@ CANCEL_IS_AN_ABORT_PATCH = "evacuation-cancel-is-an-abort"
 PUT_BACK_TO_ITS_END_PATCH = "evacuation-put-back-runs-to-its-end"
 #: How long one wait for the evacuation it follows lasts (then it is asked again).
 FOLLOW_WAIT = timedelta(days=1)
+#: The timeline keeps its first steps (how the evacuation began) and its newest (the end of a
+#: restore fits whole); those between are counted. Each failed proof adds two steps: a site that
+#: flapped for days grew the timeline, carried whole over continue-as-new and shown in the details,
+#: toward Temporal's 2 MiB payload limit.
+TIMELINE_FIRST, TIMELINE_NEWEST = 10, 40
 
 
 class Aborted(Exception):
@@ -277,7 +282,12 @@ class SiteEvacuation:
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(state)])
 
     def _mark(self, name: str, detail: str = "") -> None:
-        self._progress.timeline.append(Step(name=name, at=workflow.now(), detail=detail))
+        p = self._progress
+        p.timeline.append(Step(name=name, at=workflow.now(), detail=detail))
+        over = len(p.timeline) - TIMELINE_FIRST - TIMELINE_NEWEST
+        if over > 0:
+            del p.timeline[TIMELINE_FIRST:TIMELINE_FIRST + over]
+            p.timeline_left_out += over
         self._show(name)
 
     def _show(self, step: str, detail: str = "") -> None:
@@ -288,12 +298,14 @@ class SiteEvacuation:
         if p.needs_person:
             lines.append(f"**needs a person**: {p.needs_person}")
         lines += [f"- stays cordoned: `{node}`: {why}" for node, why in sorted(p.held.items())]
-        lines += [
+        steps = [
             f"- {s.at.isoformat(timespec='seconds')} (+{(s.at - start).total_seconds():.1f}s) {s.name}"
             + (f": {s.detail}" if s.detail else "")
             for s in p.timeline
         ]
-        show_details(step, *lines, detail=detail)
+        if p.timeline_left_out:
+            steps.insert(TIMELINE_FIRST, f"- … {p.timeline_left_out} steps left out")
+        show_details(step, *lines, *steps, detail=detail)
 
     def _check(self) -> None:
         if self._abort:
@@ -423,7 +435,7 @@ class SiteEvacuation:
                 raise ApplicationError(message, type=failure_type(error), non_retryable=True) from error
             raise
         return EvacuationResult(site=site, outcome=outcome, timeline=self._progress.timeline,
-                                held=self._progress.held)
+                                timeline_left_out=self._progress.timeline_left_out, held=self._progress.held)
 
     async def _follow(self, first: str) -> EvacuationResult:
         """Another evacuation of this site began first: wait for it to end, changing nothing (an
@@ -797,7 +809,8 @@ class SiteEvacuation:
         if too_many:
             self._recovered = ""
             self._state("waiting-for-recovery")
-            self._mark("smoke tests failed", "; ".join(failures) or "no nodes")
+            # Every round that fails says this: a few nodes' failures, and how many more.
+            self._mark("smoke tests failed", "; ".join(summarised(failures)) or "no nodes")
             return False
         if unproven:
             self._unproven = unproven

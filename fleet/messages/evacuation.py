@@ -209,7 +209,10 @@ class EvacuationProgress(BaseModel):
     #: What the step waits for and until when (the Temporal UI shows the same in its details).
     step_detail: str = ""
     state: str = "evacuating"
+    #: Its first steps (how it began) and its newest; those between are counted in
+    #: ``timeline_left_out`` (a site that flaps for days adds two steps per failed proof).
     timeline: list[Step] = Field(default_factory=list)
+    timeline_left_out: int = 0
     moves: dict[str, dict[str, int]] = Field(default_factory=dict)
     capacity_request: str = ""
     acquired: list[str] = Field(default_factory=list)
@@ -236,6 +239,8 @@ class EvacuationResult(BaseModel):
     #: restored | aborted | "followed <id>: <how that one ended>"
     outcome: str
     timeline: list[Step] = Field(default_factory=list)
+    #: As ``EvacuationProgress.timeline_left_out``.
+    timeline_left_out: int = 0
     #: As ``EvacuationProgress.held``.
     held: dict[str, str] = Field(default_factory=dict)
 
