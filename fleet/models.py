@@ -43,6 +43,18 @@ def fields_of(model: type[BaseModel]) -> Any:
     return Annotated[dict[str, Any], AfterValidator(check)]
 
 
+def append_bounded(items: list[Any], item: Any, newest: int, first: int = 0) -> int:
+    """Append ``item``, keeping the ``first`` items and the ``newest`` after them; how many between
+    were let go. For a list a workflow carries or returns, which must stay bounded whatever comes
+    (a payload is at most 2 MiB, and attempts, events and steps can come for days)."""
+    items.append(item)
+    over = len(items) - first - newest
+    if over <= 0:
+        return 0
+    del items[first:first + over]
+    return over
+
+
 class CapacityType(StrEnum):
     ON_DEMAND = "on-demand"
     SPOT = "spot"

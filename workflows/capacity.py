@@ -60,7 +60,7 @@ with workflow.unsafe.imports_passed_through():
         ReportAccountInput,
     )
     from fleet import search_attributes as sa
-    from fleet.models import AccountState
+    from fleet.models import AccountState, append_bounded
     from fleet.naming import join_workflow_id
     from fleet.placement import AccountView, Candidate, Placement, rank
     from fleet.feasibility import EMPTY, request_problems, waiting_for
@@ -185,9 +185,8 @@ class AcquireCapacity:
 
     def _attempted(self, offer: str, outcome: str, message: str) -> None:
         """One join's outcome kept in ``attempts``: the newest ``ATTEMPTS_KEPT``, each message cut."""
-        attempts = self._progress.attempts
-        attempts.append(JoinAttempt(offer=offer, outcome=outcome, message=message[:ATTEMPT_MESSAGE_CHARS]))
-        del attempts[:-ATTEMPTS_KEPT]
+        append_bounded(self._progress.attempts,
+                       JoinAttempt(offer=offer, outcome=outcome, message=message[:ATTEMPT_MESSAGE_CHARS]), ATTEMPTS_KEPT)
 
     def _track(self) -> None:
         self._progress.in_flight = [c.key for c, _ in self._in_flight.values()]

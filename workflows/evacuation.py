@@ -59,6 +59,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.nodes import ResolveSiteInput, SmokeTestInput
     from fleet.messages.repair import NodeQuarantine, SmokeReport
     from fleet.config import Site
+    from fleet.models import append_bounded
     from fleet import search_attributes as sa
     from fleet.incident import (
         Deficit,
@@ -100,6 +101,7 @@ with workflow.unsafe.imports_passed_through():
         SMOKE_RETRY,
         WAIT_HEARTBEAT,
         cancelled_by_request,
+        cancelled_words,
         drain_and_retire,
         drain_node,
         failure_message,
@@ -283,11 +285,8 @@ class SiteEvacuation:
 
     def _mark(self, name: str, detail: str = "") -> None:
         p = self._progress
-        p.timeline.append(Step(name=name, at=workflow.now(), detail=detail))
-        over = len(p.timeline) - TIMELINE_FIRST - TIMELINE_NEWEST
-        if over > 0:
-            del p.timeline[TIMELINE_FIRST:TIMELINE_FIRST + over]
-            p.timeline_left_out += over
+        p.timeline_left_out += append_bounded(p.timeline, Step(name=name, at=workflow.now(), detail=detail),
+                                              TIMELINE_NEWEST, first=TIMELINE_FIRST)
         self._show(name)
 
     def _show(self, step: str, detail: str = "") -> None:
@@ -320,11 +319,6 @@ class SiteEvacuation:
     def _end_cancelled(self, why: str) -> None:
         self._mark("ended", why)
         self._state("cancelled")
-
-    @staticmethod
-    def _cancelled_why() -> str:
-        reason = workflow.cancellation_reason()
-        return f"cancelled ({reason})" if reason else "cancelled"
 
     async def _wait(self, seconds: float, until, summary: str) -> bool:
         """Wait ``seconds`` or until ``until()`` / an abort; True when ``until()`` came true."""
@@ -382,7 +376,7 @@ class SiteEvacuation:
                     # A cancel comes as the activity cancelled, or (the activity completed as the
                     # cancel came) as the wait's own cancel.
                     if self._cancelled(error):
-                        self._end_cancelled(f"{self._cancelled_why()} before it changed anything")
+                        self._end_cancelled(f"{cancelled_words()} before it changed anything")
                         raise
                     if isinstance(error, asyncio.CancelledError):
                         raise
@@ -403,7 +397,7 @@ class SiteEvacuation:
             await self._undo(f"aborted: {stop}")
             if self._cancel_taken:
                 # Cancelled while it put back: all is back, and the run ends as the cancel asked.
-                self._end_cancelled(f"{self._cancelled_why()} as it put back what it changed (aborted: {stop})")
+                self._end_cancelled(f"{cancelled_words()} as it put back what it changed (aborted: {stop})")
                 raise asyncio.CancelledError()
             outcome = "aborted"
             self._state("aborted")
@@ -414,7 +408,7 @@ class SiteEvacuation:
             workflow.deprecate_patch(RESTORES_PATCH)
             if self._cancelled(error):
                 # As an abort, and the run ends cancelled (the SDK sees the request and a cancel error).
-                why = self._cancelled_why()
+                why = cancelled_words()
                 await self._undo(why)
                 self._end_cancelled(why)
                 raise
@@ -422,7 +416,7 @@ class SiteEvacuation:
             await self._undo(why)
             if self._cancel_taken:
                 # Cancelled while it put back after a failure: the failure is what ended it, and stands.
-                why += f"; {self._cancelled_why()} as it put back what it changed"
+                why += f"; {cancelled_words()} as it put back what it changed"
             self._mark("ended", why)
             if isinstance(error, (ActivityError, ChildWorkflowError)):
                 # The root cause at the top ("site: unknown site 'x'", InvalidInput), not "Activity task
@@ -455,7 +449,7 @@ class SiteEvacuation:
         except asyncio.CancelledError as error:
             if self._cancelled(error):  # nothing to put back: it changed nothing
                 ended.cancel()
-                self._end_cancelled(f"{self._cancelled_why()} while following {first}")
+                self._end_cancelled(f"{cancelled_words()} while following {first}")
             raise
         if not ended.done():
             ended.cancel()

@@ -50,6 +50,7 @@ with workflow.unsafe.imports_passed_through():
         PROVIDER_RETRY,
         QUICK,
         cancelled_by_request,
+        cancelled_words,
         failure_message,
         failure_type,
         show_details,
@@ -435,8 +436,7 @@ class NodeJoin:
     def _say_cancelled(self, state: str, where: str, what: str) -> None:
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(state)])
         self._progress.cancelled_while = where
-        reason = workflow.cancellation_reason()
-        self._step("cancelled", f"cancelled{f' ({reason})' if reason else ''} while {where}: {what}")
+        self._step("cancelled", f"{cancelled_words()} while {where}: {what}")
 
     async def _finish(self, clean_up: workflow.ActivityHandle[Any]) -> Any:
         """Await a clean-up step to its end. A cancel of the join that lands meanwhile (a failed

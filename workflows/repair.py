@@ -59,6 +59,7 @@ with workflow.unsafe.imports_passed_through():
         CLUSTER_RETRY,
         PROVIDER_RETRY,
         QUICK,
+        cancelled_words,
         count_bad_report,
         failure_text,
         failure_type,
@@ -319,9 +320,8 @@ class GpuRepair:
         if s.attempts and s.attempts[-1].outcome == "running":
             s.attempts[-1].outcome, s.attempts[-1].finished_at = "cancelled", workflow.now()
         s.outcome, s.done = "cancelled", True
-        reason = workflow.cancellation_reason()
         self._set_fleet_state("needs-person")
-        self._step("cancelled", f"cancelled{f' ({reason})' if reason else ''} while {s.step}: GPU {s.gpu} stays "
+        self._step("cancelled", f"{cancelled_words()} while {s.step}: GPU {s.gpu} stays "
                                 f"fenced and `{s.node_name}` cordoned; a person decides (nothing proved the GPU)")
 
     def _finish(self, outcome: str) -> GpuRepairResult:

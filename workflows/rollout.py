@@ -61,8 +61,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import check_text, parse_input
     from workflows.refusals import wrong_state
     from workflows.steps import (
-        CLUSTER_RETRY, PUT_BACK_RETRY, QUICK, WAIT_HEARTBEAT, cancelled_by_request, failure_text, show_details,
-        to_its_end, until_run_began, wait_for_serving,
+        CLUSTER_RETRY, PUT_BACK_RETRY, QUICK, WAIT_HEARTBEAT, cancelled_by_request, cancelled_words, failure_text,
+        show_details, to_its_end, until_run_began, wait_for_serving,
     )
 
 #: Copying weights: many files over a slow link, so more attempts than a plain provider call;
@@ -594,8 +594,7 @@ class ModelRollout:
 
     async def _finish_cancel(self) -> None:
         """Cancelled: the abort's rollbacks, and the progress says it was cancelled."""
-        reason = workflow.cancellation_reason()
-        why = f"cancelled ({reason})" if reason else "cancelled"
+        why = cancelled_words()
         self._phase("cancelling", why)
         rolled_back = await self._roll_back_touched(why)
         self._phase("cancelled", f"{why}; rolled back: {', '.join(rolled_back) or 'none'}")

@@ -95,6 +95,12 @@ def failure_message(error: BaseException) -> str:
     return str(error)
 
 
+def cancelled_words() -> str:
+    """``cancelled``, with the reason the cancel gave, for a run's progress and timeline."""
+    reason = workflow.cancellation_reason()
+    return f"cancelled ({reason})" if reason else "cancelled"
+
+
 def cancelled_by_request(error: BaseException) -> bool:
     """Whether ``error`` is the run's own cancel (Temporal's cancel, the UI's button) reaching the
     step it was in: a cancel of the run was requested, and what the step awaited ended cancelled

@@ -17,7 +17,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from fleet.models import EpochSeconds, GpuHealth, MaybeName, Name, Strict, Text, XidEvent
+from fleet.models import EpochSeconds, GpuHealth, MaybeName, Name, Strict, Text, XidEvent, append_bounded
 from fleet.repair_policy import Finding, Ledger, RepairSettings, Rung
 
 
@@ -369,10 +369,7 @@ class LadderState(BaseModel):
 
     def add_attempt(self, attempt: Attempt) -> int:
         """``attempt`` added (the oldest beyond ``ATTEMPTS_KEPT`` let go); its number, from 1."""
-        self.attempts.append(attempt)
-        if len(self.attempts) > ATTEMPTS_KEPT:
-            self.earlier_attempts += len(self.attempts) - ATTEMPTS_KEPT
-            del self.attempts[:-ATTEMPTS_KEPT]
+        self.earlier_attempts += append_bounded(self.attempts, attempt, ATTEMPTS_KEPT)
         return self.earlier_attempts + len(self.attempts)
 
 

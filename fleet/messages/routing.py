@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from fleet.messages.watches import MAX_WATCH_SECONDS
-from fleet.models import Name, Strict, Text
+from fleet.models import Name, Strict, Text, append_bounded
 from fleet.routing import MAX_REASON, REASON_EVENTS, RoutingDocument, RoutingPolicy, SiteLoad, reason_for, shortened
 
 DAY = 86400
@@ -53,10 +53,7 @@ class RoutingState(Strict):
     pending_earlier: int = Field(0, ge=0)
 
     def add_pending(self, event: str) -> None:
-        self.pending.append(shortened(event, MAX_REASON))
-        if len(self.pending) > REASON_EVENTS:
-            self.pending_earlier += len(self.pending) - REASON_EVENTS
-            del self.pending[:-REASON_EVENTS]
+        self.pending_earlier += append_bounded(self.pending, shortened(event, MAX_REASON), REASON_EVENTS)
 
     def take_pending(self) -> str:
         """The reason for a recompute from the pending events, which it takes: none pending after."""
