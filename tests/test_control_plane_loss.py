@@ -48,18 +48,25 @@ NODES_PER_SITE = 4
 
 
 async def _server(settings: Settings) -> tuple[subprocess.Popen, object]:
-    port, ui, http = metrics_port(0), metrics_port(0), metrics_port(0)
-    settings.address = f"127.0.0.1:{port}"
     log = open(settings.state_dir / "temporal.log", "ab")
-    proc = subprocess.Popen(server_command(settings, port, ui, http), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    for _ in range(200):
-        try:
-            client = await connect(settings)
-            await search_attributes.ensure_registered(client)
-            return proc, client
-        except Exception:  # noqa: BLE001 - not up yet
-            await asyncio.sleep(0.1)
+    # A port found free can be taken by another test's process before the server binds it (it
+    # then exits: "address already in use"): such a start is tried again on fresh ports.
+    for _ in range(3):
+        port, ui, http = metrics_port(0), metrics_port(0), metrics_port(0)
+        settings.address = f"127.0.0.1:{port}"
+        proc = subprocess.Popen(server_command(settings, port, ui, http), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        for _ in range(200):
+            if proc.poll() is not None:
+                break  # exited: its ports were taken meanwhile
+            try:
+                client = await connect(settings)
+                await search_attributes.ensure_registered(client)
+                return proc, client
+            except Exception:  # noqa: BLE001 - not up yet
+                await asyncio.sleep(0.1)
+        else:
+            break
     raise AssertionError("the test's Temporal server did not come up")
 
 
