@@ -45,12 +45,9 @@ retire path deletes those records, so a retired node's certificate stops working
 the verdict cache's ``--live-ttl`` (1 s), and a Node object its kubelet re-creates, or a
 certificate for its name from any other signer, opens nothing.
 
-Per node, at most ``POLLS_PER_NODE`` polls and ``CALLS_PER_NODE`` calls go on at once,
-over at most ``CONNECTIONS_PER_NODE`` connections, each request at most
-``REQUEST_BYTES`` (results ``RESULT_BYTES``): a call over them is held, without going
-upstream, and then answered (a poll with no task), up to ``HELD_CALLS_PER_NODE`` of them
-(refused at once beyond), so one node cannot take the frontend's poll budget or the
-gateway's memory from the others.
+Per node, calls, polls, connections and request sizes are bounded (see ``proxy``): a call
+over a bound is held without going upstream, and a node holding too many is refused at once,
+so one node cannot take the frontend's poll budget or the gateway's memory from the others.
 
 The gateway is stateless but for the delivered tokens, kept in memory on purpose:
 after a restart (or on another replica) a completion for a task delivered before it
