@@ -47,7 +47,8 @@ from fleet.contracts import workflows as flows
 
 def site_facts(site: Site) -> SiteFacts:
     return SiteFacts(name=site.name, geography=site.geography, compliance=site.compliance,
-                     gpus_per_machine=site.gpus_per_machine, price_per_gpu_hour=site.price_per_gpu_hour)
+                     gpus_per_machine=site.gpus_per_machine, price_per_gpu_hour=site.price_per_gpu_hour,
+                     max_nodes=site.max_nodes)
 
 
 

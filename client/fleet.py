@@ -223,15 +223,18 @@ class FleetClient:
 
     def check_capacity_request(self, request: CapacityRequest | Mapping[str, Any]) -> CapacityRequest:
         """The request, or :class:`InvalidArgument` naming each field no configured site can
-        ever satisfy (an empty request, an unknown site or GPU, an impossible combination),
-        checked against this client's fleet config; the workflow checks the same at start."""
-        from fleet.feasibility import EMPTY, request_problems
+        ever satisfy (an empty request, an unknown site or GPU, an impossible combination, a
+        ``count`` more than the eligible sites' ``max_nodes`` together), checked against this
+        client's fleet config; the workflow checks the same at start."""
+        from fleet.feasibility import EMPTY, count_problems, request_problems
 
         args = validate(CapacityRequest, request)
         config = self.config()
         problems = request_problems(args.constraints, config.sites if config else [])
         if config is None:  # no config to check against: only what needs none
             problems = [p for p in problems if p[1] == EMPTY]
+        elif not problems:
+            problems = count_problems(args.count, args.constraints, config.sites)
         if problems:
             raise InvalidArgument(problems, "CapacityRequest")
         return args

@@ -8,7 +8,8 @@ machine anywhere), an unknown site, GPU or geography, an empty list (``[]`` neve
 means "all"), or a combination of constraints that rules out every site. What a
 person or time can change (an account revoked or over quota, no capacity now, a
 spend cap used up by machines already bought) is not a problem here: the request
-waits for those and says why. Pure functions, deterministic: the workflow calls
+waits for those and says why. ``count_problems`` refuses a count more than the sites it may buy
+at can ever hold (their ``max_nodes``). Pure functions, deterministic: the workflow calls
 them on its catalog, the client on its config.
 """
 
@@ -100,6 +101,30 @@ def request_problems(constraints: Constraints, sites: list[Site],
     reasons = "; ".join(f"{key}: {why}" for key, (_, why) in sorted(blocked.items())[:12])
     return [(", ".join(fields) or "constraints",
              f"no configured site can ever satisfy this combination ({reasons or 'no sites configured'})")]
+
+
+def eligible_sites(constraints: Constraints, sites: list[Site], offers: list[Offer] | None = None) -> list[Site]:
+    """The configured sites with an offer ``constraints`` allow for good: those a request may
+    ever buy at, whatever the moment says."""
+    by_name = {s.name: s for s in sites}
+    allowed = {o.site for o in [*offers_from_config(sites), *(offers or [])]
+               if o.site in by_name and _blocking(o, by_name[o.site], constraints) is None}
+    return [s for s in sites if s.name in allowed]
+
+
+def count_problems(count: int, constraints: Constraints, sites: list[Site],
+                   offers: list[Offer] | None = None) -> list[tuple[str, str]]:
+    """``[("count", why)]`` when the eligible sites can never hold ``count`` nodes together: the sum
+    of their configured ``max_nodes`` (not the room they have now, which changes). Such a request
+    would buy what it can, past a site's max for its Site entity to retire, or wait out its deadline."""
+    eligible = eligible_sites(constraints, sites, offers)
+    most = sum(s.max_nodes for s in eligible)
+    if count <= most:
+        return []
+    held = ", ".join(f"{s.name} {s.max_nodes}" for s in eligible[:12])
+    held += f", … ({len(eligible)} sites)" if len(eligible) > 12 else ""
+    return [("count", f"{count} nodes is more than the eligible sites can ever hold together: {most} "
+                      f"(max_nodes: {held or 'no eligible site'})")]
 
 
 def waiting_for(placement: Placement, offers: list[Offer], sites: list[Site], constraints: Constraints,

@@ -191,6 +191,8 @@ class SiteFacts(BaseModel):
     compliance: bool = False
     gpus_per_machine: int = 1
     price_per_gpu_hour: float = 0.0
+    #: The site's configured most nodes (None in facts recorded before it: nothing to cap by).
+    max_nodes: int | None = None
 
 
 def incident_hold_reason(site: str, incident_id: str) -> str:

@@ -26,7 +26,7 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from client import FleetClient, InvalidArgument
 from fleet.config import Site, load_config
-from fleet.feasibility import request_problems
+from fleet.feasibility import count_problems, request_problems
 from fleet.messages.capacity import Catalog, CapacityProgress, CapacityResult, GetCatalogInput
 from fleet.messages.join import JoinedNode, NodeJoinResult
 from fleet.placement import Constraints
@@ -78,6 +78,17 @@ def test_impossible_requests_name_their_field() -> None:
     assert problems(gpu="H100") == [] and problems(sites=["cheap-u"], spend_cap_per_hour=4.0) == []
 
 
+def test_a_count_is_checked_against_the_max_nodes_of_the_sites_the_request_may_buy_at() -> None:
+    """The eligible sites are those its constraints allow (eu: mid and spot, 8 nodes each); their
+    configured max_nodes, not the room they have now."""
+    sites = load_config_from(capacity_fleet("u")).sites
+    eu = Constraints(gpu="H100", geographies=["eu"])
+    assert count_problems(16, eu, sites) == []
+    assert count_problems(17, eu, sites) == [
+        ("count", "17 nodes is more than the eligible sites can ever hold together: 16 (max_nodes: mid-u 8, spot-u 8)")]
+    assert count_problems(32, Constraints(gpu="H100"), sites) == []
+
+
 def load_config_from(fleet: dict):
     import tempfile
 
@@ -111,10 +122,37 @@ async def test_acquire_capacity_refuses_what_no_site_can_serve(cap: CapStack, re
     await replay_and_record(handle, "capacity_refused_at_start")
 
 
+@pytest.fixture
+async def small_sites(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[CapStack]:
+    """The capacity fleet with cheap and mid held to one node each (max_nodes), each provider
+    still able to sell four."""
+    address = temporal_env.client.service_client.config.target_host
+    uid = uuid.uuid4().hex[:6]
+    fleet = capacity_fleet(uid, cheap={"max_nodes": 1}, mid={"max_nodes": 1})
+    async for stack in open_stack(temporal_env.client, address, tmp_path, fleet, uid):
+        yield stack
+
+
+async def test_a_count_the_eligible_sites_can_never_hold_is_refused_at_start(small_sites: CapStack) -> None:
+    """Three nodes from two sites of at most one node each. Before, the request bought all three
+    at the cheaper site, two above its max_nodes (for its Site entity to drain and retire)."""
+    cap = small_sites
+    handle = await cap.request({"constraints": {"sites": [cap.site("cheap"), cap.site("mid")]}, "count": 3,
+                                "deadline_seconds": 30, "backoff_seconds": 1})
+    cause = await invalid_input(handle, "count")
+    assert cause.message == (f"invalid AcquireCapacity: count: 3 nodes is more than the eligible sites can ever "
+                             f"hold together: 2 (max_nodes: {cap.site('cheap')} 1, {cap.site('mid')} 1)"), cause.message
+    assert bought(cap) == [], "nothing bought"
+    await replay_and_record(handle, "capacity_refused_count")
+
+
 def test_the_client_refuses_before_anything_starts(tmp_path: Path) -> None:
     """No server needed: the client checks against its own fleet config."""
-    from fleet.settings import Settings
+    from typer.testing import CliRunner
     import yaml
+
+    from cli.main import app
+    from fleet.settings import Settings
 
     path = tmp_path / "sites.yaml"
     path.write_text(yaml.safe_dump(capacity_fleet("u")))
@@ -124,6 +162,16 @@ def test_the_client_refuses_before_anything_starts(tmp_path: Path) -> None:
         with pytest.raises(InvalidArgument) as caught:
             asyncio.run(fleet.acquire_capacity(body, request_id="x"))
         assert caught.value.field == field, caught.value
+    # Two eu sites of max_nodes 8: 17 nodes never fit; `gpufleet capacity` says so before connecting.
+    with pytest.raises(InvalidArgument) as caught:
+        asyncio.run(fleet.acquire_capacity({"constraints": {"gpu": "H100", "geographies": ["eu"]}, "count": 17},
+                                           request_id="x"))
+    assert caught.value.problems == [("count", "17 nodes is more than the eligible sites can ever hold together: "
+                                               "16 (max_nodes: mid-u 8, spot-u 8)")]
+    refused = CliRunner().invoke(app, ["capacity", "--gpu", "H100", "--geo", "eu", "--count", "17",
+                                       "--address", "127.0.0.1:1", "--config", str(path)], env={"COLUMNS": "250"})
+    assert refused.exit_code == 2, refused.output
+    assert "--count: 17 nodes is more than the eligible sites can ever hold together: 16" in refused.output, refused.output
 
 
 # -- a cancel stops spending -------------------------------------------------------------------

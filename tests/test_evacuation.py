@@ -371,6 +371,36 @@ async def test_an_abort_while_buying_stops_the_purchase(inc: IncStack) -> None:
     await replay_and_record(inc.evacuation("a"), "site_evacuation_aborted_while_buying")
 
 
+async def test_an_evacuation_buys_what_the_targets_max_nodes_hold_not_more(temporal_env, tmp_path) -> None:
+    """a's 3 replicas (6 GPUs) need 3 new nodes at c, whose max_nodes is 2. The capacity request
+    is capped to 2 (the timeline says so), both join, and what fits moves; before, it asked for 3
+    (a count the request now refuses at its start)."""
+    uid = uuid.uuid4().hex[:6]
+    fleet = incident_fleet(uid, c={"max_nodes": 2})
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, fleet, uid):
+        a, c = inc.site("a"), inc.site("c")
+        await inc.join("a", 3)
+        inc.serve(MODEL, "a", replicas=3)
+        inc.serve(MODEL, "c", replicas=0)  # c runs the model's Deployment on no node yet
+        await inc.start_site("a")
+        inc.world.set_site(a, unreachable=1)
+        progress = await poll(lambda: _joined_capacity(inc), timeout=60)
+        steps = {s.name: s.detail for s in progress.timeline}
+        assert steps.get("capacity capped") == f"3 nodes needed (6 GPUs), 2 at most: the max_nodes of {c} together", steps
+        assert steps["capacity requested"] == f"2 nodes (6 GPUs) at {c}", steps
+        assert steps["capacity joined"] == "2 of 2 nodes", steps
+        assert len(inc.world.machines(c)) == 2
+        await inc.evacuation("a").execute_update("abort", "test: seen enough")
+        result = EvacuationResult.model_validate(await asyncio.wait_for(inc.evacuation("a").result(), 60))
+        assert result.outcome == "aborted", result
+        await replay_and_record(inc.evacuation("a"), "site_evacuation_capacity_capped")
+
+
+async def _joined_capacity(inc: IncStack):
+    progress = await inc.progress("a")
+    return progress if progress is not None and "capacity joined" in step_names(progress) else None
+
+
 async def test_the_proof_says_until_when_and_a_cancel_during_it_puts_the_site_back(inc: IncStack) -> None:
     """The smoke tests of the proof wait for every node's answer (up to ``smoke_test_seconds``, 10
     minutes by default): the wait says so and until when (before: the step "recovered", no detail).

@@ -1,7 +1,8 @@
 """AcquireCapacity (id ``capacity/<request>``): ranked fallback across sites and providers.
 
 The runbook: refuse what no configured site can ever serve (fleet.feasibility: an
-empty request, an unknown site, GPU or geography, an impossible combination;
+empty request, an unknown site, GPU or geography, an impossible combination, a
+``count`` more than the eligible sites' ``max_nodes`` together;
 ``InvalidInput`` naming the field, nothing bought) → read the catalog → rank the offers for the request's constraints
 (fleet.placement) → join the best candidate through a NodeJoin child, several
 nodes at once (bounded) → on each failure apply the three-error rule:
@@ -63,7 +64,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.models import AccountState, append_bounded
     from fleet.naming import join_workflow_id
     from fleet.placement import AccountView, Candidate, Placement, rank
-    from fleet.feasibility import EMPTY, request_problems, waiting_for
+    from fleet.feasibility import EMPTY, count_problems, request_problems, waiting_for
     from workflows.inputs import check_text, invalid_input, parse_input
     from fleet.messages.join import JoinedNode, NodeJoinResult
     from workflows.node_join import NodeJoin
@@ -98,6 +99,11 @@ DEADLINE_STOPS_BUYING_PATCH = "capacity-deadline-stops-buying"
 #: answered only once they had finished, their nodes kept), a node that joined then left out of
 #: ``cost_per_hour`` and the progress still "joining".
 GAVE_UP_TAKES_JOINS_PATCH = "capacity-gave-up-takes-joins"
+#: A ``count`` more than the eligible sites can ever hold together (their ``max_nodes``) is refused at
+#: start, naming ``count`` and that most. Asked only for such a count, after the catalog is read
+#: (an activity). Runs before it bought what they could: past a site's max (for its Site entity
+#: to retire), or waiting out the deadline.
+REFUSE_COUNT_PATCH = "capacity-refuse-count-over-max"
 
 
 def _names_what(req: CapacityRequest) -> bool:
@@ -221,7 +227,11 @@ class AcquireCapacity:
         # A continued run resumes right after a backoff, where the catalog is always read afresh.
         await self._read_catalog(force=req.carry is not None)
         if req.carry is None:  # a continued run was checked by its first
-            self._refuse(request_problems(req.constraints, self._catalog_now.sites, self._catalog_now.offers))
+            catalog = self._catalog_now
+            self._refuse(request_problems(req.constraints, catalog.sites, catalog.offers))
+            over = count_problems(req.count, req.constraints, catalog.sites, catalog.offers)
+            if over and workflow.patched(REFUSE_COUNT_PATCH):
+                self._refuse(over)
         while (len(self._joined) < req.count and self._fatal is None
                and self._other_failures <= req.max_other_failures and not self._cancel):
             ranked = self._start_joins()

@@ -10,8 +10,10 @@ query):
 2. **capacity**: the serving deficit (replicas per model at the site) is placed
    on other sites that already run the model's Deployment, honouring compliance
    geography; what does not fit is bought through AcquireCapacity restricted to
-   those sites. Nothing compliant → ``needs-person``, waiting (``retry`` signal
-   or the probe interval) — never outside the geography;
+   those sites, at most what their ``max_nodes`` hold together (more is refused at
+   its start; the timeline says "capacity capped"). Nothing compliant →
+   ``needs-person``, waiting (``retry`` signal or the probe interval) — never
+   outside the geography;
 3. **replicas elsewhere**: those Deployments scale up and must be ready;
 4. **drain**: only then are the site's nodes cordoned and drained (PDBs, deadline)
    and its Deployments scaled to 0;
@@ -640,6 +642,16 @@ class SiteEvacuation:
         targets = sorted({t for d in deficits if d.model in plan.missing for t in d.targets})
         per_machine = min((x.gpus_per_machine for x in self._facts.sites if x.name in targets), default=1)
         count = nodes_needed(missing_gpus, per_machine)
+        # The request refuses a count its sites can never hold: ask for what they can (None: facts
+        # recorded before they carried max_nodes, asked for the whole count as then).
+        limits = [x.max_nodes for x in self._facts.sites if x.name in targets]
+        most = None if None in limits else sum(limits)
+        if most is not None and count > most:
+            self._mark("capacity capped", f"{count} nodes needed ({missing_gpus} GPUs), {most} at most: "
+                                          f"the max_nodes of {', '.join(targets)} together")
+            count = most
+            if count == 0:
+                return  # nothing may be bought there: what fits moves
         base = dict(self._args.capacity_request)
         request = {
             **base, "count": count, "reason": f"evacuate {site}",
