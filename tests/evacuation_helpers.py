@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import yaml
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import Client, WorkflowHandle
 
 from activities.env import FleetEnv
@@ -171,3 +172,10 @@ async def activity_inputs(handle: WorkflowHandle, activity_type: str) -> list[di
             if attrs.activity_type.name == activity_type:
                 out.append(json.loads(attrs.input.payloads[0].data))
     return out
+
+
+async def cancel_seen(handle: WorkflowHandle) -> bool:
+    """The run has taken its cancel request: a workflow task completed after it."""
+    kinds = [e.event_type async for e in handle.fetch_history_events()]
+    requested = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED
+    return requested in kinds and EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED in kinds[kinds.index(requested):]

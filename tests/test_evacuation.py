@@ -23,8 +23,10 @@ from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
 
 from tests.evacuation_helpers import (
+    FAST_JOIN,
     IncStack,
     activity_inputs,
+    cancel_seen,
     incident_fleet,
     open_incident_stack,
     poll,
@@ -32,12 +34,13 @@ from tests.evacuation_helpers import (
 )
 from temporalio.testing import ActivityEnvironment
 
+from activities.control_plane import ControlPlaneActivities
 from activities.env import FleetEnv
 from activities.node_agent import NodeAgentActivities
 from fleet.messages.nodes import SmokeTestInput
 from fleet.messages.rollout import EvacuationInput
 from activities.serving import ServingActivities
-from fleet.messages.capacity import CapacityResult, SiteStatus
+from fleet.messages.capacity import CapacityProgress, CapacityResult, SiteStatus
 from activities.evacuation import EvacuationActivities
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, HoldRepairsInput
 from fleet.rollout import RolloutProgress, RolloutResult
@@ -428,21 +431,29 @@ async def test_the_proof_says_until_when_and_a_cancel_during_it_puts_the_site_ba
     await replay_and_record(handle, "site_evacuation_cancelled_while_proving")
 
 
-def held_open(monkeypatch, activities: type, name: str, at: str | None) -> threading.Event:
+def held_open(monkeypatch, activities: type, name: str, at: str | None, skip: int = 0) -> threading.Event:
     """``activities.<name>`` for ``at`` (its input's ``site``; None: every call) waits until the
     returned event is set (30 s at most), then answers as it does: a step held open for a test to
-    act in."""
+    act in. The first ``skip`` such calls answer at once (one join of two goes through)."""
     answer = getattr(activities, name)
     released = threading.Event()
+    calls, counting = [0], threading.Lock()  # a sync activity answers in the worker's threads
+
+    def holds(input) -> bool:
+        if at is not None and input.site != at:
+            return False
+        with counting:
+            calls[0] += 1
+            return calls[0] > skip
 
     if inspect.iscoroutinefunction(answer):
         async def held(self, input):
-            if at is None or input.site == at:
+            if holds(input):
                 await asyncio.to_thread(released.wait, 30)
             return await answer(self, input)
     else:
         def held(self, input):
-            if at is None or input.site == at:
+            if holds(input):
                 released.wait(30)
             return answer(self, input)
 
@@ -546,16 +557,7 @@ async def test_a_cancel_while_it_puts_back_stops_nothing(temporal_env, tmp_path,
             await poll(lambda: _state(inc, "waiting-for-recovery"), timeout=30)
             await handle.execute_update("abort", "test: the provider says it was a blip")
         await poll(lambda: _running_activity(handle, "release_nodes"), timeout=30)
-        await handle.cancel()
-        await poll(lambda: _cancel_seen(handle), timeout=15)
-        inc.world.set_site(a, unreachable=0)  # its replica can be ready again: nothing left for a person
-        released.set()
-        try:
-            await asyncio.wait_for(handle.result(), 60)
-            ended_by = None
-        except WorkflowFailureError as error:
-            ended_by = error.cause
-        progress = await handle.query("progress", result_type=EvacuationProgress)
+        ended_by, progress = await _cancel_while_held(inc, handle, released)
         assert progress.needs_person == "", progress.needs_person
         assert "restore incomplete" not in step_names(progress) and "routing restored" in step_names(progress)
         assert await _cordoned(inc, a) == set(), "the nodes it drained are uncordoned"
@@ -578,19 +580,93 @@ async def test_a_cancel_while_it_puts_back_stops_nothing(temporal_env, tmp_path,
         await replay_and_record(handle, f"site_evacuation_cancelled_while_putting_back_after_{ending}")
 
 
+async def test_a_cancel_while_an_abort_waits_for_its_capacity_request_retires_what_joined(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """An abort while the evacuation buys capacity stops its request and waits for it to wind down
+    (each join in flight deletes its machine), then retires the nodes that had joined. Temporal's
+    cancel during that wait cancelled the wait, and the request with it: the request ended
+    Canceled, its result was lost, and the node that had joined was never retired (it billed on
+    for nobody) while the run ended aborted, the cancel absorbed. Now the wait and the retirement
+    run to their end, then the run ends Canceled."""
+    uid = uuid.uuid4().hex[:6]
+    c = f"c-{uid}"
+    # Of the two machines bought at c the first joins; the second's create is held, so the stopped
+    # request waits for that join, which must learn its machine to delete it.
+    released = held_open(monkeypatch, ControlPlaneActivities, "provision_joining_machine", c, skip=1)
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, incident_fleet(uid), uid):
+        a = inc.site("a")
+        await inc.join("a", 3)
+        inc.serve(MODEL, "a", replicas=2)
+        inc.serve(MODEL, "c", replicas=0)  # c has no node: a's 2 replicas need 2 new machines there
+        # Heartbeats of a minute: the held create is neither timed out nor retried meanwhile.
+        joins = {**FAST_JOIN, "heartbeat_seconds": 60}
+        await inc.start_site("a", evacuation={"capacity_request": {"join_timeouts": joins, "backoff_seconds": 1}})
+        inc.world.set_site(a, unreachable=1)
+        capacity = inc.client.get_workflow_handle(f"capacity/evacuate-{a}-1")
+        await poll(lambda: _capacity_joined(capacity, 1), timeout=60)
+        handle = inc.evacuation("a")
+        await handle.execute_update("abort", "test: not worth buying for")
+        await poll(lambda: _stop_delivered(handle, capacity.id), timeout=15)  # it waits for the request now
+        ended_by, progress = await _cancel_while_held(inc, handle, released)
+        names = step_names(progress)
+        assert inc.world.machines(c) == [], (f"the node that joined is retired, the held join's machine deleted: "
+                                             f"{progress.timeline[-4:]} (ended by {ended_by!r})")
+        assert "capacity joined" in names and "capacity failed" not in names, names
+        assert "restore incomplete" not in names and progress.needs_person == "", progress.needs_person
+        assert progress.timeline[names.index("surplus drained")].detail == "1 nodes retired", progress.timeline
+        assert isinstance(ended_by, CancelledError), repr(ended_by)
+        assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
+        assert progress.state == "cancelled" and progress.timeline[-1].name == "ended", step_names(progress)
+        assert re.fullmatch(r"cancelled.* as it put back what it changed \(aborted: test: not worth buying for\)",
+                            progress.timeline[-1].detail), progress.timeline[-1].detail
+        bought = CapacityResult.model_validate(await capacity.result())
+        assert len(bought.nodes) == 1 and bought.cancelled, bought
+        routes = inc.cluster.get_site_routes().sites[a]
+        assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+        await replay_and_record(handle, "site_evacuation_cancelled_while_an_abort_waits_for_capacity")
+
+
+async def _cancel_while_held(inc: IncStack, handle, released: threading.Event) -> tuple[Any, EvacuationProgress]:
+    """Temporal's cancel while a step of the evacuation's way out is held: once the run has taken
+    it, site a is reachable again (its replicas can be ready: nothing left for a person) and the
+    step goes on. How the run ended (None: completed) and its last progress."""
+    await handle.cancel()
+    await poll(lambda: cancel_seen(handle), timeout=15)
+    inc.world.set_site(inc.site("a"), unreachable=0)
+    released.set()
+    try:
+        await asyncio.wait_for(handle.result(), 60)
+        ended_by = None
+    except WorkflowFailureError as error:
+        ended_by = error.cause
+    return ended_by, await handle.query("progress", result_type=EvacuationProgress)
+
+
+async def _capacity_joined(capacity, count: int) -> bool:
+    try:
+        return (await capacity.query("progress", result_type=CapacityProgress)).joined >= count
+    except RPCError:  # not started yet
+        return False
+
+
+async def _stop_delivered(handle, capacity_id: str) -> bool:
+    """The evacuation has told its capacity request to stop, and taken that the signal got there: it
+    awaits the request's result."""
+    events = [e async for e in handle.fetch_history_events()]
+    signalled = [i for i, e in enumerate(events)
+                 if e.HasField("external_workflow_execution_signaled_event_attributes")
+                 and e.external_workflow_execution_signaled_event_attributes.workflow_execution.workflow_id
+                 == capacity_id]
+    return bool(signalled) and any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED
+                                   for e in events[signalled[0]:])
+
+
 async def _running_activity(handle, name: str) -> bool:
     try:
         pending = (await handle.describe()).raw_description.pending_activities
     except RPCError:  # not started yet
         return False
     return any(running.activity_type.name == name for running in pending)
-
-
-async def _cancel_seen(handle) -> bool:
-    """The run has taken its cancel request: a workflow task completed after it."""
-    kinds = [e.event_type async for e in handle.fetch_history_events()]
-    requested = EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED
-    return requested in kinds and EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED in kinds[kinds.index(requested):]
 
 
 async def _a_lost(inc) -> tuple[str, str]:

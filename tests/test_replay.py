@@ -137,6 +137,11 @@ EXPECTED = {
     # stopped the uncordon in flight and the run ended aborted, half restored.
     "site_evacuation_cancelled_while_putting_back_after_abort", "site_evacuation_cancelled_while_putting_back_after_failure",
     "site_evacuation_cancelled_while_putting_back_after_abort_before",
+    # An abort waits to the end for the capacity request it stopped, and retires the node it joined,
+    # when a cancel lands meanwhile (``evacuation-abort-waits-for-capacity``); ``_before``: the code
+    # before, where the cancel reached the request, its node was never retired, the run ended aborted.
+    "site_evacuation_cancelled_while_an_abort_waits_for_capacity",
+    "site_evacuation_cancelled_while_an_abort_waits_for_capacity_before",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).
     "node_join_happy_patches_at_start", "node_join_count2_patches_at_start",
     "node_join_smoke_failed_patches_at_start", "node_entity_two_repairs_patches_at_start",

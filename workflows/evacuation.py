@@ -23,7 +23,8 @@ query):
    step): its capacity request stopped, the nodes it cordoned uncordoned (not one
    cordoned before it began, nor one whose GPU a repair fences: ``held`` says why),
    the site's Deployments and routing weights as they were, what it added elsewhere gone.
-   A cancel that comes while it puts back stops nothing: the put-back runs to its end, then
+   A cancel that comes while it puts back stops nothing (nor the wait for the capacity request
+   an abort stopped, whose joined nodes are then retired): the put-back runs to its end, then
    an abort's run ends Canceled (a failed step's still fails);
 6. **restore**: the nodes smoke-test (as many failing as would trip an incident →
    back to 5; fewer: each one that fails or garbles its answer stays cordoned and goes
@@ -162,6 +163,12 @@ CANCEL_IS_AN_ABORT_PATCH = "evacuation-cancel-is-an-abort"
 #: rest was skipped, and the run ended aborted with the site half restored and ``needs_person`` set.
 #: Asked only where a cancel lands during a put-back.
 PUT_BACK_TO_ITS_END_PATCH = "evacuation-put-back-runs-to-its-end"
+#: An abort while the capacity request buys waits for the request it stopped to the end when
+#: Temporal's cancel lands meanwhile, then retires the nodes it joined and the run ends Canceled.
+#: Before, the cancel cancelled the wait and the request with it: the request ended Canceled, its
+#: result was lost, and the nodes it had joined were never retired (they billed on for nobody)
+#: while the run ended aborted. Asked only where a cancel lands during that wait.
+ABORT_WAITS_FOR_CAPACITY_PATCH = "evacuation-abort-waits-for-capacity"
 #: How long one wait for the evacuation it follows lasts (then it is asked again).
 FOLLOW_WAIT = timedelta(days=1)
 #: The timeline keeps its first steps (how the evacuation began) and its newest (the end of a
@@ -680,7 +687,7 @@ class SiteEvacuation:
                 aborted.cancel()
             if not self._capacity.done():
                 await self._stop_capacity(f"the evacuation of {site} was aborted")
-            result: CapacityResult = await self._capacity
+            result: CapacityResult = await self._capacity_to_its_end()
             self._acquired = result.nodes
             p.acquired = [n.node_name for n in result.nodes]
             self._mark("capacity joined", f"{len(result.nodes)} of {count} nodes")
@@ -691,6 +698,22 @@ class SiteEvacuation:
             self._mark("capacity failed", failure_text(error))
         # Cancelled meanwhile: ``_capacity`` stays set, so the undo stops it and takes its nodes.
         self._check()
+
+    async def _capacity_to_its_end(self) -> CapacityResult:
+        """The result of the capacity request an abort stopped, waited for to the end even when
+        Temporal's cancel lands meanwhile: cancelled, the wait cancelled the request too, whose
+        result (the nodes it joined, for the put-back to retire) was lost. The cancel is taken
+        (``_cancel_taken``): the run ends as it asked once all is put back."""
+        try:
+            return await asyncio.shield(self._capacity)
+        except asyncio.CancelledError:
+            if self._capacity.cancelled():
+                raise  # its own end, not the run's cancel
+            if workflow.patched(ABORT_WAITS_FOR_CAPACITY_PATCH):
+                self._cancel_taken = True
+            else:
+                self._capacity.cancel()  # a run from before: the cancel reaches the request, as it did
+            return await self._capacity
 
     @staticmethod
     def _until(seconds: Any) -> str:
