@@ -93,6 +93,9 @@ EXPECTED = {
     # the cancel, so no open run has one in its history).
     "rollout_cancelled_while_waiting_for_ready", "rollout_cancelled_while_baking",
     "rollout_cancelled_while_a_site_is_evacuated",
+    # A cancel while an abort rolls back stops no rollback, then the run ends Canceled, not aborted
+    # (no patch: only the run's last command differs, and a run that took it has closed).
+    "rollout_cancelled_during_an_aborts_rollback",
     # The newest spot notice sets the deadline (``reclaim-newest-notice-deadline``, tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # The HTTP relay of an operator update (tests/test_entity_update.py).

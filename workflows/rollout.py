@@ -20,7 +20,8 @@ Operators: ``pause`` (holds before the next batch; replication goes on),
 updates with validators; the ``progress`` query; current details show the
 site x state table; search attributes ``Model``, ``ModelVersion``, ``FleetState``.
 Temporal's cancel rolls back as ``abort`` does, then the run ends Canceled
-(phase ``cancelled``).
+(phase ``cancelled``); one that lands while an abort rolls back stops no rollback,
+and the run then ends Canceled too, not aborted.
 """
 
 from __future__ import annotations
@@ -283,8 +284,8 @@ class ModelRollout:
             # Temporal's cancel (the UI's button, ``temporal workflow cancel``) at any step: each site
             # it changed is rolled back as an abort does. Before, the cancel ended the run where it
             # was: the canary went on serving the new version, the progress still "baking".
-            if not cancelled_by_request(error):
-                raise
+            if not cancelled_by_request(error) or self._finished:
+                raise  # not the run's cancel, or one an abort's rollbacks took (``_finish_abort``)
             await self._finish_cancel()
             raise  # the run ends Canceled: a cancel was requested and this is a cancel error
 
@@ -588,7 +589,13 @@ class ModelRollout:
     async def _finish_abort(self) -> RolloutResult:
         self._phase("aborting", self._abort_reason)
         rolled_back = await self._roll_back_touched(self._abort_reason)
-        self._phase("aborted", f"{self._abort_reason}; rolled back: {', '.join(rolled_back) or 'none'}")
+        done = f"rolled back: {', '.join(rolled_back) or 'none'}"
+        if workflow.cancellation_reason() is not None:
+            # Temporal's cancel came while the abort rolled back (the rollbacks ran to their end): the
+            # run ends Canceled as the cancel asked. Ended "aborted", the operator's cancel was lost.
+            self._phase("cancelled", f"{cancelled_words()} as it rolled back ({self._abort_reason}); {done}")
+            raise asyncio.CancelledError()
+        self._phase("aborted", f"{self._abort_reason}; {done}")
         return RolloutResult(rollout_id=self._p.rollout_id, outcome="aborted", sites=self._p.sites,
                              reason=self._p.reason, needs_person=self._p.needs_person)
 

@@ -22,7 +22,7 @@ from fleet.messages.rollout import RollbackSiteInput
 from fleet.rollout import RolloutProgress, RolloutResult
 from providers.cluster.kubernetes import render_pod_template
 from tests.conftest import wait_for
-from tests.evacuation_helpers import activity_inputs
+from tests.evacuation_helpers import activity_inputs, cancel_seen, poll
 from tests.replay import replay_and_record
 from sim.cluster import SimCluster
 from tests.rollout.conftest import MODEL, RolloutStack
@@ -343,7 +343,9 @@ async def test_a_cancel_rolls_back_every_site_it_changed(rollout_stack: RolloutS
 
 async def test_a_cancel_during_an_aborts_rollback_does_not_stop_it(rollout_stack: RolloutStack, monkeypatch) -> None:
     """A cancel that landed while an abort rolled a site back cancelled the rollback: the site was
-    marked FAILED, "rollback failed", a person needed, and the rollout went on to end aborted."""
+    marked FAILED, "rollback failed", a person needed, and the rollout went on to end aborted. Then
+    the rollback ran to its end, but the run still ended aborted (completed): the operator's cancel
+    was absorbed. Now the rollback runs to its end and the run ends Canceled, phase ``cancelled``."""
     stack = rollout_stack
     stack.serve_v1(["site-a"])
     rolling_back, go_on = threading.Event(), threading.Event()
@@ -360,12 +362,18 @@ async def test_a_cancel_during_an_aborts_rollback_does_not_stop_it(rollout_stack
     await handle.execute_update("abort", "bad numbers")
     await asyncio.to_thread(rolling_back.wait, 30)
     await handle.cancel()
-    await asyncio.sleep(0.5)  # the cancel reaches the run while the rollback is held
+    await poll(lambda: cancel_seen(handle), timeout=15)  # the run took the cancel while the rollback is held
     go_on.set()
-    result = RolloutResult.model_validate(await asyncio.wait_for(handle.result(), 30))
-    assert result.outcome == "aborted" and result.needs_person == "", result
-    assert result.sites[0].state.value == "rolled-back", result.sites[0]
+    with pytest.raises(WorkflowFailureError) as caught:
+        await asyncio.wait_for(handle.result(), 30)
+    assert isinstance(caught.value.cause, CancelledError), repr(caught.value.cause)
+    assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
     assert stack.image("site-a") == "img:v1"
+    p = await progress(handle)
+    assert (p.phase, p.needs_person) == ("cancelled", ""), p
+    assert p.reason == "cancelled as it rolled back (bad numbers); rolled back: site-a", p.reason
+    assert states(p) == {"site-a": "rolled-back"}, states(p)
+    await replay_and_record(handle, "rollout_cancelled_during_an_aborts_rollback")
 
 
 async def test_pause_holds_and_resume_continues(rollout_stack: RolloutStack) -> None:
