@@ -86,10 +86,21 @@ class CredentialsRef(Strict):
     activity at call time.
     """
 
+    #: An environment variable of the worker's process. The shipped control-plane pod sets none
+    #: for credentials: there, use ``secret``.
     env: str | None = None
+    #: A file the worker can read. The shipped control-plane pod mounts none for credentials:
+    #: there, use ``secret``.
     file: str | None = None
-    #: Kubernetes Secret as ``namespace/name#key``.
+    #: Kubernetes Secret as ``namespace/name#key``. The shipped RBAC lets the control plane get
+    #: Secrets in ``gpufleet`` (deploy/kubernetes/rbac.yaml, gpufleet-credentials).
     secret: str | None = None
+
+    def secret_location(self) -> tuple[str, str, str]:
+        """(namespace, name, key) of the ``secret`` reference; a part not given is ""."""
+        namespace_name, _, key = (self.secret or "").partition("#")
+        namespace, _, name = namespace_name.partition("/")
+        return namespace, name, key
 
     def describe(self) -> str:
         if self.env:

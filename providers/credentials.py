@@ -30,7 +30,7 @@ def read_secret(ref: CredentialsRef | None, *, provider: str = "") -> str:
         except OSError:
             value = ""
     elif ref.secret:
-        value = _read_kubernetes_secret(ref.secret)
+        value = _read_kubernetes_secret(ref)
     value = value.strip()
     if not value:
         raise BadCredentials(f"credentials reference {ref.describe()} is missing or empty (or only whitespace)",
@@ -93,13 +93,12 @@ ACCESS = (AccessRule(verb="get", group="", resource="secrets", namespace="gpufle
                      purpose="provider credentials given as `secret: gpufleet/<name>#<key>`"),)
 
 
-def _read_kubernetes_secret(ref: str) -> str:
+def _read_kubernetes_secret(ref: CredentialsRef) -> str:
     import base64
 
     from kubernetes import client, config
 
-    namespace_name, _, key = ref.partition("#")
-    namespace, _, name = namespace_name.partition("/")
+    namespace, name, key = ref.secret_location()
     try:
         config.load_config()
         secret = client.CoreV1Api().read_namespaced_secret(name, namespace)

@@ -9,9 +9,12 @@ from string import Template
 
 import pytest
 import yaml
+from pydantic import BaseModel
 
 from providers.cluster.base import dns_label, serving_name
 from fleet.cluster import ANNOTATION_TEMPLATE, ServingSpec, SiteRoute
+from fleet.config import load_config
+from fleet.models import CredentialsRef
 from providers.cluster.kubernetes import access_table, render_deployment, render_service
 from providers.cluster.envoy_gateway import render_httproute
 from tests.helm.chart import package_version
@@ -94,6 +97,58 @@ def test_control_plane_deployment():
     assert container["command"] == ["python", "-m", "workers.control_plane"]
     env = {e["name"] for e in container["env"]}
     assert {"TEMPORAL_ADDRESS", "TEMPORAL_NAMESPACE", "GPUFLEET_TASK_QUEUE", "GPUFLEET_CONFIG"} <= env
+
+
+#: The fleet configs gpufleet ships for an operator to copy into the ConfigMap gpufleet-config.
+SHIPPED_CONFIGS = [DEPLOY.parent / "sites.example.yaml"]
+
+
+def credential_references(value: object, where: str = "") -> list[tuple[str, CredentialsRef]]:
+    """Every credentials reference in a loaded config (accounts, object stores, the webhook, ...),
+    each with where it sits, so a reference added to the config later is checked too."""
+    if isinstance(value, CredentialsRef):
+        return [(where, value)]
+    if isinstance(value, BaseModel):
+        items = [(name, getattr(value, name)) for name in type(value).model_fields]
+    elif isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = [(getattr(v, "name", i), v) for i, v in enumerate(value)]
+    else:
+        return []
+    return [found for key, item in items for found in credential_references(item, f"{where}.{key}".lstrip("."))]
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
+def test_every_credential_a_shipped_config_names_resolves_in_the_shipped_control_plane_pod(path):
+    """An operator who copies the example and applies deploy/kubernetes (or the chart: the same
+    Deployment, tests/test_helm.py) gets no BadCredentials on an account's first call, which
+    marks the account credentials-revoked and pages. In the pod as shipped an ``env:`` resolves
+    only if the container sets the variable, a ``file:`` only under a Secret the pod mounts, a
+    ``secret:`` only in full (a Secret's key, no default) where the credentials Role grants get;
+    tests/realk8s/test_permissions.py asks the real authorizer about each Secret."""
+    (deployment,) = _docs("control-plane.yaml")
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = {e["name"] for e in container["env"]}
+    secret_volumes = {v["name"] for v in pod["volumes"] if "secret" in v or "projected" in v}
+    secret_mounts = [Path(m["mountPath"]) for m in container["volumeMounts"] if m["name"] in secret_volumes]
+    readable = {namespace for verb, group, resource, _, namespace in _granted(_docs("rbac.yaml"), "credentials")
+                if (verb, group, resource) == ("get", "", "secrets")}
+    references = credential_references(load_config(path))
+    assert references, "the example names its credentials"
+    unresolved = []
+    for where, ref in references:
+        if ref.env:
+            ok = ref.env in env
+        elif ref.file:
+            ok = any(Path(ref.file).is_relative_to(mount) for mount in secret_mounts)
+        else:
+            namespace, name, key = ref.secret_location()
+            ok = bool(name and key) and namespace in readable
+        if not ok:
+            unresolved.append(f"{where}: {ref.describe()}")
+    assert unresolved == [], "does not resolve in the shipped control-plane pod"
 
 
 def test_node_agent_daemonset_runs_on_gpu_nodes_including_unproven():

@@ -332,6 +332,20 @@ class RealCluster:
         with urllib.request.urlopen(request, context=self.ssl_context(cert, key), timeout=30) as response:
             return json.loads(response.read())["status"]
 
+    def may(self, user: str, verb: str, resource: str, namespace: str, name: str = "", group: str = "",
+            groups: tuple[str, ...] = ()) -> bool:
+        """Whether the real authorizer lets ``user`` (in ``groups``) do ``verb`` on that object: a
+        SubjectAccessReview asked by the admin, as ``kubectl auth can-i --as`` does."""
+        review = {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                  "spec": {"user": user, "groups": list(groups),
+                           "resourceAttributes": {"verb": verb, "group": group, "resource": resource,
+                                                  "namespace": namespace, "name": name}}}
+        status, answer = self.request("POST", "/apis/authorization.k8s.io/v1/subjectaccessreviews", review,
+                                      admin=True)
+        if status != 201:
+            raise ClusterFailed(f"SubjectAccessReview: {status} {answer}")
+        return bool(answer["status"].get("allowed"))
+
     def api_client(self, token: str | None = None):
         """The official Python client against this server: as the admin, or with a bearer token."""
         from kubernetes import client as k8s

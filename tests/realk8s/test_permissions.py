@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from fleet.config import load_config
 from providers.cluster.base import AccessRule
 from providers.cluster.check import CHECK_ACCESS
 from providers.cluster.kubernetes import BOOTSTRAP_NAMESPACE, TOKEN_NAMESPACE, access_table
 from providers.credentials import ACCESS as CREDENTIALS_ACCESS
+from tests.cluster.test_manifests import SHIPPED_CONFIGS, credential_references
 from tests.realk8s.cluster import RealCluster
 from workers.gateway.liveness import ACCESS as GATEWAY_ACCESS
 
@@ -58,6 +60,29 @@ def expected(rules) -> dict[str, set[Grant]]:
 ])
 def test_each_service_account_may_do_exactly_what_its_code_calls(real_cluster: RealCluster, account, rules) -> None:
     assert matrix(real_cluster, f"system:serviceaccount:gpufleet:{account}") == expected(rules)
+
+
+@pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
+def test_the_control_plane_may_get_every_secret_a_shipped_config_names(real_cluster: RealCluster, path) -> None:
+    """An operator who copies the example gets no BadCredentials on an account's first call: the
+    real authorizer, over the shipped RBAC, lets the control plane's service account (with the
+    groups its token carries) get each Secret it names. In the shipped pod only a Secret
+    resolves: it sets no credential variable and mounts no credential file
+    (tests/cluster/test_manifests.py checks those against the Deployment)."""
+    account = "gpufleet-control-plane"
+    groups = ("system:serviceaccounts", "system:serviceaccounts:gpufleet", "system:authenticated")
+    references = credential_references(load_config(path))
+    assert references
+    refused = []
+    for where, ref in references:
+        namespace, name, _ = ref.secret_location()
+        if not (ref.secret and real_cluster.may(f"system:serviceaccount:gpufleet:{account}", "get", "secrets",
+                                                namespace, name, groups=groups)):
+            refused.append(f"{where}: {ref.describe()}")
+    assert refused == []
+    # The question is the authorizer's: a Secret outside the credentials Role's namespace is refused.
+    assert not real_cluster.may(f"system:serviceaccount:gpufleet:{account}", "get", "secrets", "default",
+                                "lambda-prod", groups=groups)
 
 
 #: deploy/network's Konnectivity identities. The agent calls nothing on the API server (its projected

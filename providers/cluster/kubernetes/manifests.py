@@ -35,8 +35,7 @@ def _weights_init(spec: ServingSpec) -> tuple[dict[str, Any], dict[str, Any], st
     store = pull.store
     env: list[dict[str, Any]] = []
     if store.credentials is not None and store.credentials.secret:
-        ref = store.credentials.secret
-        name, _, key = ref.partition("/")[2].partition("#")
+        _, name, key = store.credentials.secret_location()
         env.append({"name": WEIGHTS_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
         store = store.model_copy(update={"credentials": CredentialsRef(env=WEIGHTS_KEY_ENV)})
     else:  # a control-plane env/file reference means nothing on the node: the node's own role
