@@ -199,6 +199,13 @@ NODE_PATCHES_AT_START_2 = "node-patches-at-start-2"
 #: own action (the GPU unrepaired, proven only by a smoke test). Under it, too, a grant the repair
 #: never received (its signal failed: the repair had closed) leaves no action record.
 NODE_PATCHES_AT_START_3 = "node-patches-at-start-3"
+#: Workflow patch, asked first thing right after ``NODE_PATCHES_AT_START_3`` (runs that have it),
+#: with a marker of its own for the same reason. A finding on a GPU an admitted node is known to
+#: lack (its facts, read before, say it has fewer) is ignored without reading the facts again, with
+#: one log line a report. Before it each such finding cost a facts read (a local activity) before
+#: ``_act`` ignored it: a node naming fatal XIDs on all 64 GPUs a report may name drove a facts read
+#: for each one it lacks, every report (62 for a 2-GPU node).
+NODE_PATCHES_AT_START_4 = "node-patches-at-start-4"
 WATCH_IDLE_FREE = 3
 WATCH_EARLY_FREE = 30
 
@@ -268,6 +275,8 @@ class NodeEntity(Entity[NodeCarry]):
         self._settled_2 = False
         #: ``NODE_PATCHES_AT_START_3`` (asked once, first): an ended repair's slot requests are dropped.
         self._settled_3 = False
+        #: ``NODE_PATCHES_AT_START_4`` (asked once, first): findings on GPUs known lacking read no facts.
+        self._settled_4 = False
         #: Repairs this run watched end (``NODE_PATCHES_AT_START_3``): a request of one that reaches
         #: the queue late (sent as it ended) is never granted. One id per GPU at most; a new repair of
         #: the GPU (the same id) takes its id out again.
@@ -474,6 +483,7 @@ class NodeEntity(Entity[NodeCarry]):
         self._gate_waits_watch = self._settled or workflow.patched(NODE_WATCH_GATE_PATCH)  # the same
         self._settled_2 = self._settled and workflow.patched(NODE_PATCHES_AT_START_2)
         self._settled_3 = self._settled_2 and workflow.patched(NODE_PATCHES_AT_START_3)
+        self._settled_4 = self._settled_3 and workflow.patched(NODE_PATCHES_AT_START_4)
         if self._settled_2:
             self._told_by_cluster = True  # before ``start_with``: a first task's cluster_state counts
         inp = parse_input(NodeEntityInput, raw)
@@ -816,8 +826,23 @@ class NodeEntity(Entity[NodeCarry]):
         if over_cap:  # one line a report (the log is carried too), not one an XID
             self._log(f"{over_cap} fatal XID hits not kept: the ledger keeps the newest "
                       f"{MAX_XID_HITS_PER_GPU} of a GPU in the window", warn=True)
+        lacked = []
         for finding in findings:
+            if self._settled_4 and self._known_to_lack(finding.index):
+                lacked.append(finding.index)  # ``_act`` would read the facts again only to ignore it
+                continue
             await self._act(finding)
+        if lacked:  # one line a report (the log is carried too), not one a GPU
+            shown = ", ".join(map(str, lacked[:5])) + (f" and {len(lacked) - 5} more" if len(lacked) > 5 else "")
+            self._log(f"health report for unknown GPU{'s' if len(lacked) > 1 else ''} {shown} "
+                      f"(node has {self._facts.gpus}): ignored", warn=True)
+
+    def _known_to_lack(self, index: int) -> bool:
+        """Whether the facts last read say the node has no GPU ``index``. Only for a node admitted
+        (joined and proven), whose count is its site's: before that it may be its kubelet's
+        allocatable count, which can still grow, and a real fault must not be missed for it."""
+        facts = self._facts
+        return facts is not None and facts.found and facts.admitted and not 0 <= index < facts.gpus
 
     async def _recheck(self) -> None:
         """Deferred findings: act if the GPU is still sick, forget them if it healed."""

@@ -30,7 +30,7 @@ import fleet.naming
 import workers.node_agent
 from activities.node_agent import NodeAgentActivities
 from fleet.messages.join import JoinedNode
-from fleet.messages.repair import NodeStatus, NodeWatchInput
+from fleet.messages.repair import MAX_NODE_GPUS, NodeStatus, NodeWatchInput
 from fleet.naming import node_queue
 from sim.cluster import SimCluster
 from tests.bad_input_helpers import task_failures
@@ -442,6 +442,59 @@ async def test_well_formed_answers_cannot_grow_what_the_entity_carries(hostile) 
     assert len((await handle.fetch_history()).events[0].workflow_execution_started_event_attributes
                .input.payloads[0].data) < CARRY_BOUND
     await replay_and_record(handle, "node_carry_bounded_after_bloated_answers")
+
+
+# -- what a node's well-formed answers make the control plane do ------------------------------
+def fatal_on_every_gpu(number: int) -> Forgery:
+    """A well-formed answer naming the most GPUs a report may (64; the node has 2), a fresh fatal
+    XID on each."""
+    def forge(input: NodeWatchInput) -> Payload:
+        gpus = [{"index": index, "uuid": f"GPU-{index}", "xid_events": [{"xid": 79, "at": 1_700_000_000 + number}]}
+                for index in range(MAX_NODE_GPUS)]
+        return as_json({"node_name": input.node_name, "seq": input.seq + 1, "digest": f"{number:064x}",
+                        "boot_id": "b" * 36, "gpus": gpus})
+    return forge
+
+
+def facts_reads(histories) -> int:
+    """The Node entity's ``node_facts`` calls: a local activity is a ``MarkerRecorded`` event
+    (``core_local_activity``) whose data names its activity type."""
+    return sum(e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED
+               and e.marker_recorded_event_attributes.marker_name == "core_local_activity"
+               and b'"activity_type":"node_facts"' in e.marker_recorded_event_attributes.details["data"].payloads[0].data
+               for history in histories for e in history.events)
+
+
+async def test_fatal_xids_on_gpus_the_node_lacks_cost_no_facts_reads(hostile) -> None:
+    """Each finding on a GPU the node lacks cost the control-plane worker a facts read (a local
+    activity) before it was ignored: a node naming 64 GPUs drove 62 such reads a report. Now the
+    GPUs its facts say it lacks are ignored without one, and its real GPUs' faults are still
+    contained."""
+    stack, node, watch = hostile
+    handle = entity(stack, node)
+    first_run = (await handle.describe()).run_id
+    before = facts_reads(await run_chain(stack.client, handle.id, first_run))
+    reports = (await status(stack, node)).reports
+    answers = 3
+    for number in range(1, answers + 1):
+        await watch.answer(fatal_on_every_gpu(number))
+    # Then one of no GPUs: reports are handled in order, so once it is counted the others are done.
+    await watch.answer(replacing(("gpus",), []))
+
+    async def handled() -> bool:
+        return (await status(stack, node)).reports >= reports + answers + 1
+
+    await eventually(handled, timeout=120)
+    # The faults on its two GPUs are contained (fenced, each handed to its repair); none other is.
+    assert await exists(repair_handle(stack, node.node_name, 0)) and await exists(repair_handle(stack, node.node_name, 1))
+    assert not await exists(repair_handle(stack, node.node_name, 2))
+    reads = facts_reads(await run_chain(stack.client, handle.id, first_run)) - before
+    assert reads <= 2, f"{reads} facts reads for {answers} reports: one for each real GPU's finding at most"
+    lines = [line for line in (await status(stack, node)).log if "unknown GPU" in line]
+    assert lines == ["health report for unknown GPUs 2, 3, 4, 5, 6 and 57 more (node has 2): ignored"] * answers, \
+        "one line a report"
+    assert not any(await _task_failures(stack, handle, first_run))
+    await replay_and_record(handle, "node_fatal_xids_on_gpus_it_lacks")
 
 
 async def _task_failures(stack: Stack, handle: WorkflowHandle, first_run: str) -> list[int]:
