@@ -547,10 +547,12 @@ def samples(values: list[float]) -> str:
 #: and the worker's for its local activities: this machine's clock), the first from the fault's
 #: injection to the driver's write of it into the sim world returning. The cordon is written in
 #: the Node entity's workflow task that took the watch result (the node's facts, then the fence,
-#: both local activities); the Site's admission, the GpuRepair and its drain come after it.
+#: local activities; under ``node-patches-at-start-4`` regular ones, each a task of its own); the
+#: Site's admission, the GpuRepair and its drain come after it.
 PATH_HOPS = ("fault in the sim world", "watch result", "node task started", "facts answered", "fenced",
              "cordon seen")
-#: The local activities in that task, by the worker's completion time in their markers.
+#: Those activities, by the worker's completion time in a local one's marker or the server's
+#: time of a regular one's ActivityTaskCompleted.
 LOCAL_HOPS = {"node_facts": "facts answered", "fence_gpu": "fenced"}
 
 
@@ -575,6 +577,12 @@ async def report_to_contained(client, step: Step) -> None:
                     if kind == "watch_node" and seconds(event) >= injected_at:
                         marks["watch result"] = seconds(event)
                         step.report_contain.append(cordoned_at - seconds(event))
+                elif event.HasField("activity_task_completed_event_attributes") and "node task started" in marks:
+                    hop = LOCAL_HOPS.get(activities.get(event.activity_task_completed_event_attributes.scheduled_event_id))
+                    if hop and hop not in marks:
+                        marks[hop] = seconds(event)
+                    if "fenced" in marks:
+                        break
                 elif (event.HasField("workflow_task_started_event_attributes") and "watch result" in marks
                       and "node task started" not in marks):
                     marks["node task started"] = seconds(event)

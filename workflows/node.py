@@ -205,6 +205,13 @@ NODE_PATCHES_AT_START_3 = "node-patches-at-start-3"
 #: one log line a report. Before it each such finding cost a facts read (a local activity) before
 #: ``_act`` ignored it: a node naming fatal XIDs on all 64 GPUs a report may name drove a facts read
 #: for each one it lacks, every report (62 for a 2-GPU node).
+#: Under it, too, the facts read, the fence and the un-fence are regular activities, not local
+#: ones: a query answered while a local activity ran lets the worker complete the workflow task
+#: with the activity's marker and hand its result to the workflow only in the next task, together
+#: with whatever happened meanwhile (a watch's answer, a signal). The code after the activity then
+#: ran after the health-watch loop's next command, where a replay, resolving the activity from its
+#: marker a task earlier, runs it before: a nondeterminism that wedges the entity once it is
+#: replayed (a worker restart). A regular activity's result is an event of its own, in order.
 NODE_PATCHES_AT_START_4 = "node-patches-at-start-4"
 WATCH_IDLE_FREE = 3
 WATCH_EARLY_FREE = 30
@@ -862,7 +869,7 @@ class NodeEntity(Entity[NodeCarry]):
             await self._act(finding)
 
     async def _refresh_facts(self) -> NodeFacts:
-        local = self._settled or workflow.patched(LOCAL_FACTS_PATCH)
+        local = not self._settled_4 and (self._settled or workflow.patched(LOCAL_FACTS_PATCH))
         self._facts = await (workflow.execute_local_activity if local else workflow.execute_activity)(
             act.node_facts, NodeFactsInput(node_name=self._node),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="node, site, repair settings",
@@ -979,11 +986,16 @@ class NodeEntity(Entity[NodeCarry]):
         return rung
 
     # -- containment before the decision ----------------------------------------------------
+    def _cluster_write(self):
+        """How a fence or un-fence runs: a regular activity under ``NODE_PATCHES_AT_START_4`` (a
+        local one's result may reach the workflow a task late, out of order), local before it."""
+        return workflow.execute_activity if self._settled_4 else workflow.execute_local_activity
+
     async def _fence(self, index: int, finding: Finding) -> None:
         """Fence the GPU and cordon the node, by the entity's own node name (never one from a
         report). A cluster that does not answer leaves it to the repair's containment."""
         try:
-            await workflow.execute_local_activity(
+            await self._cluster_write()(
                 act.fence_gpu, FenceInput(node_name=self._node, gpu=index, rung=finding.rung.value if finding.rung else ""),
                 start_to_close_timeout=QUICK, retry_policy=FENCE_RETRY, summary=f"fence GPU {index}, cordon the node",
             )
@@ -998,7 +1010,7 @@ class NodeEntity(Entity[NodeCarry]):
         The node is uncordoned only when no other GPU of it is fenced (a GPU under repair is).
         None: the cluster did not answer, the GPU is still fenced."""
         try:
-            result: UncontainResult = await workflow.execute_local_activity(
+            result: UncontainResult = await self._cluster_write()(
                 act.uncontain_gpu, UncontainInput(node_name=self._node, gpu=index),
                 start_to_close_timeout=QUICK, retry_policy=FENCE_RETRY, summary=f"un-fence GPU {index}",
             )
