@@ -96,13 +96,15 @@ def _print_tunnels(console: Console, report) -> None:
     for column in ("", "part", "state"):
         table.add_column(column)
 
-    def row(ok: bool, part: str, state: str) -> None:
-        table.add_row("[green]ok[/green]" if ok else "[red]MISSING[/red]", part, state)
+    def row(ok: bool, part: str, state: str, wrong: str = "MISSING") -> None:
+        table.add_row("[green]ok[/green]" if ok else f"[red]{wrong}[/red]", part, state)
 
     if report.error:
         row(False, "pods and nodes", f"cannot be read: {report.error}")
     else:
         row(bool(report.servers), "konnectivity-server", ", ".join(report.servers) or "none running")
+        if report.servers:
+            row(not report.miscounted, "--server-count", _server_count_state(report), wrong="WRONG")
         total = len(report.agents) + len(report.missing)
         shown = ", ".join(report.missing[:10]) + (f" and {len(report.missing) - 10} more" if len(report.missing) > 10
                                                    else "")
@@ -111,9 +113,26 @@ def _print_tunnels(console: Console, report) -> None:
     console.print(table)
     if report.ok:
         console.print("[green]tunnels running[/green] (the API server's egress selector: README checklist)")
-    else:
+    elif report.error or not report.servers or report.missing:
         console.print("[red]tunnels missing[/red]: kubectl logs/exec/port-forward fail for nodes behind NAT; "
                       "apply deploy/network/konnectivity (deploy/network/README.md)")
+    if report.miscounted:
+        console.print(f"[red]server count wrong[/red]: set --server-count={len(report.servers)} in "
+                      "/etc/kubernetes/manifests/konnectivity-server.yaml on every control-plane host")
+
+
+def _server_count_state(report) -> str:
+    """Each server tells its agents how many servers to hold a tunnel to: too few, and an agent
+    stops dialling the load balancer before it reaches every host's server."""
+    running = len(report.servers)
+    if not report.miscounted:
+        return f"each of the {running} running server(s) declares {running}"
+    declared = ", ".join(f"{name} declares {count}" for name, count in report.server_counts.items())
+    too_few = any(not count.isdigit() or int(count) < running for count in report.miscounted.values())
+    harm = ("agents stop dialling once they hold that many servers, so kubectl logs/exec/port-forward fail "
+            "through the API servers whose own server they missed" if too_few else
+            "agents keep redialling for servers that do not run (harmless, noisy)")
+    return f"{declared}; {running} running: {harm}"
 
 
 @cluster_app.command("node-config")

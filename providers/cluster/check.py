@@ -73,6 +73,8 @@ def check_access(api_client: k8s.ApiClient, namespace: str = "gpufleet") -> list
 TUNNEL_NAMESPACE = "kube-system"
 TUNNEL_SERVER = "konnectivity-server"
 TUNNEL_AGENT = "konnectivity-agent"
+#: What a server without ``--server-count`` tells its agents (apiserver-network-proxy's default).
+DEFAULT_SERVER_COUNT = "1"
 
 
 class TunnelReport(BaseModel):
@@ -87,12 +89,23 @@ class TunnelReport(BaseModel):
     agents: dict[str, str] = Field(default_factory=dict)
     #: gpufleet nodes (the ones with a site label) with no running agent.
     missing: list[str] = Field(default_factory=list)
+    #: Running server → the ``--server-count`` its container args declare (the default when absent).
+    #: The server hands it to every agent, which stops dialling the load balancer once it holds
+    #: that many distinct servers.
+    server_counts: dict[str, str] = Field(default_factory=dict)
     #: Why the cluster could not be read, when it could not.
     error: str = ""
 
     @property
+    def miscounted(self) -> dict[str, str]:
+        """The running servers whose ``--server-count`` is not the number of running servers."""
+        running = len(self.servers)
+        return {name: count for name, count in self.server_counts.items()
+                if not (count.isdigit() and int(count) == running)}
+
+    @property
     def ok(self) -> bool:
-        return not self.error and bool(self.servers) and not self.missing
+        return not self.error and bool(self.servers) and not self.missing and not self.miscounted
 
 
 def _is(pod: dict[str, Any], component: str) -> bool:
@@ -109,9 +122,23 @@ def _running(pod: dict[str, Any]) -> bool:
     return status.get("phase") == "Running" and ready and not (pod.get("metadata") or {}).get("deletionTimestamp")
 
 
+def _server_count(pod: dict[str, Any]) -> str:
+    """The ``--server-count`` a server pod's containers are started with (a static pod's mirror
+    pod carries its spec), or the upstream default."""
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        flags = [str(a) for a in (container.get("command") or []) + (container.get("args") or [])]
+        for i, flag in enumerate(flags):
+            if flag.startswith("--server-count="):
+                return flag.split("=", 1)[1]
+            if flag == "--server-count" and i + 1 < len(flags):
+                return flags[i + 1]
+    return DEFAULT_SERVER_COUNT
+
+
 def check_tunnels(api_client: k8s.ApiClient) -> TunnelReport:
-    """Which Konnectivity servers run, and which gpufleet nodes have a running agent.
-    Two list calls the control plane's RBAC already grants (pods, nodes)."""
+    """Which Konnectivity servers run, whether each tells agents to connect to as many servers as
+    run, and which gpufleet nodes have a running agent. Two list calls the control plane's RBAC
+    already grants (pods, nodes)."""
     core = k8s.CoreV1Api(api_client)
     try:
         pods = core.list_namespaced_pod(TUNNEL_NAMESPACE, _preload_content=False)
@@ -120,10 +147,14 @@ def check_tunnels(api_client: k8s.ApiClient) -> TunnelReport:
     except ApiException as error:
         return TunnelReport(error=f"{error.status} {error.reason}")
     running = [p for p in pods if _running(p)]
-    servers = sorted(p["metadata"]["name"] for p in running if _is(p, TUNNEL_SERVER))
-    agents = {p["spec"].get("nodeName", ""): p["metadata"]["name"] for p in running if _is(p, TUNNEL_AGENT)}
     names = sorted(n["metadata"]["name"] for n in nodes)
-    return TunnelReport(servers=servers, agents={n: agents[n] for n in names if n in agents},
+    # No server runs on a GPU node: a pod named like one there is that node's own mirror pod (a
+    # kubelet may publish any it likes), and must not pass for a server or change their count.
+    servers = {p["metadata"]["name"]: _server_count(p) for p in running
+               if _is(p, TUNNEL_SERVER) and p["spec"].get("nodeName") not in names}
+    agents = {p["spec"].get("nodeName", ""): p["metadata"]["name"] for p in running if _is(p, TUNNEL_AGENT)}
+    return TunnelReport(servers=sorted(servers), server_counts=dict(sorted(servers.items())),
+                        agents={n: agents[n] for n in names if n in agents},
                         missing=[n for n in names if n not in agents])
 
 

@@ -204,6 +204,31 @@ def test_the_api_servers_egress_goes_to_the_konnectivity_socket() -> None:
     assert args["authentication-audience"] == "system:konnectivity-server"
 
 
+def test_the_server_count_is_set_by_hand_for_an_ha_control_plane_and_agents_get_no_lease_grants() -> None:
+    """An agent stops dialling the load balancer once it holds as many distinct servers as the
+    servers' ``--server-count`` (apiserver-network-proxy v0.31.2); with 1 behind a three-host
+    kubeadm HA control plane, `kubectl logs/exec/port-forward` fail through two API servers of
+    three. The count is shipped for that typical HA plane and set by hand; ``gpufleet cluster
+    check`` compares it with the servers running. Agents do not count the servers' Leases
+    instead: that would grant every GPU node's agent token (a hostile node's) list and watch of
+    all Leases in kube-system, and every agent would watch every Lease there."""
+    konnectivity = DEPLOY / "network" / "konnectivity"
+    (server_pod,) = yaml.safe_load_all((konnectivity / "control-plane" / "konnectivity-server.yaml").read_text())
+    (server,) = server_pod["spec"]["containers"]
+    (agent_set,) = [d for d in yaml.safe_load_all((konnectivity / "agent.yaml").read_text())
+                    if d and d["kind"] == "DaemonSet"]
+    (agent,) = agent_set["spec"]["template"]["spec"]["containers"]
+    server_args = dict(a.lstrip("-").split("=", 1) for a in server["args"] if "=" in a)
+    assert server_args.get("server-count") == "3", "one server per host of a three-host control plane"
+    flags = [a.split("=", 1)[0] for a in server["args"] + agent["args"]]
+    assert not {"--enable-lease-controller", "--count-server-leases"} & set(flags), flags
+    # No Role or ClusterRole shipped for Konnectivity names Leases.
+    for path in sorted(konnectivity.rglob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            for rule in (doc or {}).get("rules") or []:
+                assert "leases" not in rule.get("resources", []), (path.name, rule)
+
+
 def test_overlay_templates_listen_only_at_the_hub() -> None:
     wireguard = DEPLOY / "network" / "wireguard"
     hub, spoke = (wireguard / "hub.conf.template").read_text(), (wireguard / "spoke.conf.template").read_text()
@@ -249,6 +274,18 @@ def test_no_server_is_not_ok(fake):
     _tunnels(fake, server=False)
     report = check_tunnels(fake.api_client())
     assert not report.ok and report.servers == [] and not report.missing
+
+
+def test_a_gpu_nodes_own_pod_named_like_a_server_is_no_server(fake):
+    """A node is hostile, and its kubelet may publish a mirror pod of any name in kube-system:
+    one posing as a Konnectivity server neither stands in for a missing server nor changes the
+    count the real servers' --server-count is held to."""
+    # Fake: the report's verdict covers every gpufleet node and kube-system pod of the cluster (see above).
+    _tunnels(fake)
+    fake.add_pod("gpu-1", "konnectivity-server-gpu-1", "kube-system", owner_kind="", mirror=True)
+    fake.set_pod_ready("kube-system", "konnectivity-server-gpu-1")
+    report = check_tunnels(fake.api_client())
+    assert report.servers == ["konnectivity-server-cp-1"] and not report.miscounted and report.ok
 
 
 def test_cli_reports_the_tunnels(fake, tmp_path):

@@ -7,6 +7,9 @@ kustomization with ``kubectl apply -k``, and the CoreDNS patch server-side over 
 taints of the JoinConfiguration the shipped cloud-init renders (a real machine registering with
 them, and keeping the fleet taint after admission, is tests/realk8s/test_placement.py); the real
 DaemonSet controller and kube-scheduler decide, no kubelet is needed for that.
+
+``gpufleet cluster check`` also reads each Konnectivity server's ``--server-count`` from its mirror
+pod and flags one that is not the number of servers running.
 """
 
 from __future__ import annotations
@@ -16,10 +19,15 @@ import uuid
 from pathlib import Path
 
 import pytest
+import yaml
+from typer.testing import CliRunner
 
+from cli.cluster import cluster_app
 from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from providers.cluster.bootstrap import JoinParams, read_join_configuration, render_user_data
+from providers.cluster.check import TunnelReport, check_tunnels
 from tests.realk8s.cluster import RealCluster
+from tests.realk8s.test_adapter import _kubeconfig
 from tests.realk8s.test_adapter_objects import nodes  # noqa: F401 - the fixture
 
 REPO = Path(__file__).resolve().parents[2]
@@ -152,3 +160,84 @@ def test_the_konnectivity_agent_and_coredns_run_on_gpu_nodes_that_keep_the_fleet
         assert "1 node(s) had untolerated taint" in wait_for(refused, 30, "CoreDNS refused on the unproven node")
     finally:
         real.kubectl("delete", "pods", "-n", "kube-system", "-l", "gpufleet-test=coredns-probe", "--wait=false")
+
+
+# -- the Konnectivity servers' --server-count, as `gpufleet cluster check` reads it ------------
+SERVER_MANIFEST = NETWORK / "konnectivity" / "control-plane" / "konnectivity-server.yaml"
+
+
+def server_mirror_pod(real: RealCluster, node: str, server_count: str | None) -> str:
+    """The mirror pod a control-plane host's kubelet publishes for the shipped static pod (its
+    spec, named ``<name>-<node>``, bound there, owned by the Node), with ``--server-count`` set to
+    ``server_count`` (None: no flag, the upstream default), reported Running and Ready."""
+    (pod,) = yaml.safe_load_all(SERVER_MANIFEST.read_text())
+    (container,) = pod["spec"]["containers"]
+    args = [a for a in container["args"] if not a.startswith("--server-count")]
+    container["args"] = args + ([f"--server-count={server_count}"] if server_count is not None else [])
+    _, owner = real.request("GET", f"/api/v1/nodes/{node}", admin=True)
+    name = f"{pod['metadata']['name']}-{node}"
+    pod["metadata"] |= {"name": name, "annotations": {"kubernetes.io/config.mirror": uuid.uuid4().hex,
+                                                      "kubernetes.io/config.source": "file"},
+                        "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": node,
+                                             "uid": owner["metadata"]["uid"], "controller": True}]}
+    pod["spec"] |= {"nodeName": node, "tolerations": [{"operator": "Exists", "effect": "NoExecute"}]}
+    status, answer = real.request("POST", "/api/v1/namespaces/kube-system/pods", pod, admin=True)
+    assert status == 201, answer
+    status, answer = real.request("PATCH", f"/api/v1/namespaces/kube-system/pods/{name}/status", {"status": {
+        "phase": "Running", "conditions": [{"type": "Ready", "status": "True"}]}},
+        admin=True, content_type="application/merge-patch+json")
+    assert status == 200, answer
+    return name
+
+
+def delete_pods(real: RealCluster, names: list[str]) -> None:
+    """Gone at once (no kubelet confirms a bound pod's graceful end here)."""
+    for name in names:
+        real.request("DELETE", f"/api/v1/namespaces/kube-system/pods/{name}", {"gracePeriodSeconds": 0}, admin=True)
+    wait_for(lambda: all(real.request("GET", f"/api/v1/namespaces/kube-system/pods/{n}", admin=True)[0] == 404
+                         for n in names), 30, "server pods deleted")
+
+
+def test_cluster_check_flags_servers_whose_server_count_is_not_the_number_running(real_cluster, nodes,
+                                                                                 tmp_path) -> None:
+    """Two control-plane hosts' Konnectivity servers that each tell agents `--server-count` 1 (one
+    by the flag, one by the upstream default): an agent holding one server stops dialling, so
+    `kubectl logs/exec/port-forward` fail through the other host's API server. The check reads
+    the count from the mirror pods it already lists (the control plane's own token: no new
+    grant), flags both and names the number running; declaring 2, both are ok.
+
+    The pods are the shipped static pod's spec as a kubelet mirrors it, not running servers: the
+    real proxy-server cannot be built here (the Go module sigs.k8s.io/apiserver-network-proxy is
+    refused by the module proxy, 403); what it does with the count is its v0.31.2 source
+    (deploy/network/README.md)."""
+    real, unique = real_cluster, uuid.uuid4().hex[:6]
+    hosts = [nodes(f"cp-{side}-{unique}", {"kubernetes.io/os": "linux", CONTROL_PLANE_ROLE: ""},
+                   taints=[{"key": CONTROL_PLANE_ROLE, "effect": "NoSchedule"}]) for side in "ab"]
+    token = real.service_account_token("gpufleet", "gpufleet-control-plane")
+    kubeconfig = _kubeconfig(real, tmp_path, token)
+
+    def checked() -> tuple[TunnelReport, str, str]:
+        """The report, the CLI's --server-count row, and its whole output."""
+        report = check_tunnels(real.api_client(token))
+        result = CliRunner().invoke(cluster_app, ["check", "--kubeconfig", kubeconfig], env={"COLUMNS": "400"})
+        assert result.exit_code in (0, 1), result.output
+        (line,) = [line for line in result.output.splitlines() if "--server-count" in line and "declares" in line]
+        return report, line, result.output
+
+    servers = [server_mirror_pod(real, hosts[0], "1"), server_mirror_pod(real, hosts[1], None)]
+    try:
+        report, line, output = checked()
+        assert report.servers == sorted(servers) and report.server_counts == dict.fromkeys(sorted(servers), "1")
+        assert report.miscounted == report.server_counts and not report.ok
+        assert "WRONG" in line and "2 running" in line and "kubectl logs/exec/port-forward fail" in line
+        assert "set --server-count=2" in output
+        assert all(f"{name} declares 1" in line for name in servers), line
+        delete_pods(real, servers)
+
+        servers = [server_mirror_pod(real, host, "2") for host in hosts]
+        report, line, output = checked()
+        assert report.server_counts == dict.fromkeys(sorted(servers), "2") and not report.miscounted
+        assert "ok" in line and "WRONG" not in line and "each of the 2 running server(s) declares 2" in line
+        assert "server count wrong" not in output
+    finally:
+        delete_pods(real, servers)
