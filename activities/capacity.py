@@ -311,7 +311,8 @@ class CapacityActivities:
         A node already gone has nothing left to drain (a reclaim the provider finished first)."""
         try:
             return self.env.cluster.drain_node(
-                input.node_name, input.deadline_seconds, force=input.force, heartbeat=activity.heartbeat
+                input.node_name, input.deadline_seconds, force=input.force, heartbeat=activity.heartbeat,
+                cordoned_by=input.cordoned_by,
             )
         except NodeNotFound:
             return DrainResult(node=input.node_name, completed=True)

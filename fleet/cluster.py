@@ -38,6 +38,14 @@ LABEL_MODEL = "gpufleet.io/model"
 #: On join-token Secrets (never on Nodes: a node's kubelet may write its own annotations,
 #: so the machine behind a node comes from the control plane's identity record).
 ANNOTATION_MACHINE_ID = "gpufleet.io/machine-id"
+#: On a cordoned Node: who of gpufleet's cordoned it, when that is an owner that must recognise
+#: its own cordon from the cluster alone (``CORDONED_BY_DEMAND``). ``Cluster.cordon(by=...)`` writes
+#: it with the cordon; an uncordon through the port removes it. A person takes a node over by
+#: overwriting it (``kubectl annotate node N gpufleet.io/cordoned-by=<who> --overwrite``). The
+#: node's kubelet may write it too: it decides only about that node's own machine.
+ANNOTATION_CORDONED_BY = "gpufleet.io/cordoned-by"
+#: The demand loop's mark: it cordoned the node to retire it (a drain that may have blocked).
+CORDONED_BY_DEMAND = "demand"
 #: The control-plane state kind (``Cluster.update_state``) holding each joined node's
 #: identity, written by the join when the node registered: a node cannot write it.
 NODE_IDENTITY_KIND = "node-identity"

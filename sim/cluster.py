@@ -41,6 +41,7 @@ from providers.cluster.base import (
     serving_name,
 )
 from fleet.cluster import (
+    ANNOTATION_CORDONED_BY,
     LABEL_PROVIDER,
     LABEL_SITE,
     NODE_IDENTITY_KIND,
@@ -408,8 +409,14 @@ class SimCluster(EvictionDrain, WeightedRouting):
     def set_taints(self, name: str, add: list[str] = (), remove: list[str] = ()) -> Node:
         return self._update(name, "taints", lambda old: json.dumps(apply_taints(json.loads(old), add, remove)))
 
-    def cordon(self, name: str, unschedulable: bool = True) -> Node:
-        return self._update(name, "unschedulable", lambda _old: int(unschedulable))
+    def cordon(self, name: str, unschedulable: bool = True, *, by: str | None = None) -> Node:
+        # Never a mark on a schedulable node: it goes before an uncordon, comes after a cordon.
+        if not unschedulable:
+            self.annotate_node(name, {ANNOTATION_CORDONED_BY: None})
+        node = self._update(name, "unschedulable", lambda _old: int(unschedulable))
+        if unschedulable and by:
+            self.annotate_node(name, {ANNOTATION_CORDONED_BY: by})
+        return node
 
     def remove_node(self, name: str) -> None:
         with self.world.tx() as db:

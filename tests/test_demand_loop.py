@@ -16,7 +16,7 @@ import pytest
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import WorkflowEnvironment
 
-from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_MODEL, LABEL_SITE
+from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, LABEL_GPU_PRODUCT, LABEL_MODEL, LABEL_SITE
 from fleet.demand import (
     DEMAND_TAINT_KEY,
     LABEL_CAPACITY_TYPE,
@@ -225,6 +225,70 @@ async def test_consolidation_leaves_a_node_a_repair_contained(temporal_env, tmp_
         assert cap.cluster.get_node(contained.name) is not None, (await status(handle)).log[-5:]
         assert not any(contained.name in line for line in (await status(handle)).log)
         await replay_and_record(handle, "demand_leaves_a_contained_node")
+        await handle.terminate("test over")
+
+
+async def guarded_node(cap: CapStack) -> str:
+    """One idle node at ``mid`` whose drain a PodDisruptionBudget blocks (a pod, not a GPU pod)."""
+    mid = cap.site("mid")
+    await cap.client.execute_workflow("NodeJoin", {"site": mid, "timeouts": FAST_JOIN},
+                                      id=f"join/{mid}/guarded", task_queue=cap.settings.task_queue)
+    (guarded,) = cap.cluster.list_nodes({LABEL_SITE: mid})
+    cap.cluster.add_pod(guarded.name, "keeper", labels={"app": "keeper"})
+    cap.cluster.set_pdb("default", "keeper", {"app": "keeper"}, min_available=1)
+    return guarded.name
+
+
+def logged(state: DemandStatus, start: str) -> bool:
+    return any(line.split(" ", 1)[1].startswith(start) for line in state.log)
+
+
+async def test_consolidation_lets_go_a_node_a_repair_took_after_its_drain_blocked(temporal_env, tmp_path):
+    """The loop's drain of an idle node blocked (it stays cordoned, the loop's to try again), then a
+    repair fenced a GPU of it: the node is the repair's now. The loop lets it go (says why) and does
+    not retire it once the drain could pass. Before, it drained and deleted the node under repair,
+    and the repair, its node gone, would climb to replace it."""
+    from activities.repair import fence_key
+
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        handle = await start_demand(cap)
+        await until_status(handle, lambda s: logged(s, f"kept {node}: drain blocked"))
+        assert cap.cluster.annotate_node(node, {})[ANNOTATION_CORDONED_BY] == CORDONED_BY_DEMAND
+        cap.cluster.annotate_node(node, {fence_key(1): "reset"})  # as fence_gpu does (already cordoned)
+        await until_status(handle, lambda s: logged(s, f"let go {node}"))
+        # Kept, with why (once no drain of it is in flight).
+        state = await until_status(handle, lambda s: node in s.kept_idle)
+        assert "repair" in state.kept_idle[node] and "GPU 1 fenced" in state.kept_idle[node], state.kept_idle
+        assert ANNOTATION_CORDONED_BY not in cap.cluster.annotate_node(node, {}), "the cordon is the repair's now"
+        await asyncio.sleep(FAST["drain_seconds"] + 1)  # a drain in flight when the fence landed ends blocked
+        cap.cluster.delete_pdb("default", "keeper")
+        await asyncio.sleep(4)  # several passes past the TTL, a drain would now pass
+        assert cap.cluster.get_node(node) is not None, (await status(handle)).log[-5:]
+        assert cap.cluster.get_node(node).unschedulable, "the cordon is left to the repair"
+        assert [p.name for p in cap.cluster.pods(node)] == ["keeper"]
+        await replay_and_record(handle, "demand_lets_go_a_node_a_repair_took")
+        await handle.terminate("test over")
+
+
+async def test_a_new_run_retires_a_node_an_earlier_run_left_cordoned(temporal_env, tmp_path):
+    """A run's drain blocked and it ended (its carried state gone: terminated, or from before the
+    loop carried such nodes): the node stays cordoned, idle. The next run knows it as its own from
+    the cluster's mark and retires it once the drain passes. Before, nothing ever did: a node paid
+    for and unusable."""
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        first = await start_demand(cap)
+        await until_status(first, lambda s: logged(s, f"kept {node}: drain blocked"))
+        await first.terminate("its state is lost")
+        assert cap.cluster.get_node(node).unschedulable
+        cap.cluster.delete_pdb("default", "keeper")
+        handle = await start_demand(cap)
+        await wait_for(lambda: cap.cluster.get_node(node) is None, timeout=60)
+        state = await status(handle)
+        assert logged(state, f"{node}: cordoned by an earlier drain of the loop's"), state.log[-5:]
+        assert logged(state, f"retired {node}"), state.log[-5:]
+        await replay_and_record(handle, "demand_retires_a_node_it_left_cordoned")
         await handle.terminate("test over")
 
 

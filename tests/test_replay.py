@@ -105,6 +105,11 @@ EXPECTED = {
     # Consolidation leaves a node a repair contained (cordoned by someone else) idle and in place
     # (tests/test_demand_loop.py; no patch: the same commands, the idle list now says who cordoned).
     "demand_leaves_a_contained_node",
+    # A node the loop's blocked drain left cordoned: let go once a repair holds it (a GPU fenced);
+    # and known as the loop's own from the cluster's mark (gpufleet.io/cordoned-by) by a run that
+    # does not carry it, then retired (tests/test_demand_loop.py; no patch: the same commands, the
+    # drain's input and the idle list now carry who cordoned).
+    "demand_lets_go_a_node_a_repair_took", "demand_retires_a_node_it_left_cordoned",
     # Operations converge (issue 36): a capacity request refused at start or cancelled
     # (tests/test_capacity_converges.py); an evacuation that ends puts back what it changed
     # (tests/test_evacuation.py).

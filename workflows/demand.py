@@ -35,6 +35,7 @@ from temporalio import workflow
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
     from fleet import search_attributes as sa
+    from fleet.cluster import CORDONED_BY_DEMAND
     from fleet.consolidation import ConsolidationSettings, consolidate
     from fleet.messages.capacity import Catalog, GetCatalogInput
     from fleet.messages.demand import CancelOutcome, CancelPurchaseInput, DemandBatch, DemandCarry, DemandInput, DemandStatus, IdleNodesResult, JoiningMachine, PlanDemandInput, PlanDemandResult, Purchase, PurchaseState, PurchaseStatusInput, StartPurchaseInput, WatchDemandInput
@@ -288,12 +289,13 @@ class Demand(Entity[DemandCarry]):
             site = self._seen.retiring.get(node, "").split(":", 1)[0]
             retiring[site] = retiring.get(site, 0) + 1
         candidates = [n for n in found.idle if n.name not in self._retirements]
-        # A cordoned node is left alone unless the loop's own retirement cordoned it (uncordoned
-        # or gone since: no longer the loop's).
-        self.state.left_cordoned = [n for n in self.state.left_cordoned if n in found.cordoned]
+        self.state.left_cordoned = self._own_cordons(found)
         others = set(found.cordoned) - set(self.state.left_cordoned)
         chosen, kept = consolidate(candidates, found.site_nodes, found.site_min, retiring, now,
                                    self._consolidation, keep_warm=found.keep_warm, cordoned=others)
+        for node in kept:
+            if node in found.held:
+                kept[node] = f"{found.held[node]}: not the loop's to retire"
         self._seen.kept_idle = kept
         for retire in chosen:
             self._seen.retiring[retire.node] = f"{retire.site}: {retire.reason}"
@@ -301,8 +303,29 @@ class Demand(Entity[DemandCarry]):
             self._retirements[retire.node] = self.spawn(self._retire(retire.site, retire.node,
                                                                      retire.machine_id, retire.reason))
 
+    def _own_cordons(self, found: IdleNodesResult) -> list[str]:
+        """The cordoned nodes that are the loop's to retire: those its own blocked drain left
+        cordoned (carried) and those the cluster marks as its cordon (a run whose carried state
+        lacks them: from before ``left_cordoned``, or lost), unless someone else holds one now (a
+        repair fenced a GPU of it, a person marked it theirs): that one the loop lets go, its
+        cordon left to them. A node uncordoned or gone since is no longer the loop's either."""
+        own: list[str] = []
+        for node in self.state.left_cordoned:
+            if node in found.held:
+                self._log(f"let go {node}, left cordoned by a retirement of the loop's: {found.held[node]} "
+                          "now; the cordon is theirs")
+            elif node in found.cordoned:
+                own.append(node)
+        for node in found.own_cordon:
+            if node not in own and node not in self._retirements:
+                self._log(f"{node}: cordoned by an earlier drain of the loop's (the cluster's mark): "
+                          "the loop's to retire")
+                own.append(node)
+        return own
+
     async def _retire(self, site: str, node: str, machine_id: str, reason: str) -> None:
-        outcome = await drain_and_retire(site, node, machine_id, self._args.drain_seconds, why=f"idle: {reason}")
+        outcome = await drain_and_retire(site, node, machine_id, self._args.drain_seconds, why=f"idle: {reason}",
+                                         cordoned_by=CORDONED_BY_DEMAND)
         if outcome.retired:
             self._log(f"retired {node} at {site}")
             self.state.idle_since.pop(node, None)

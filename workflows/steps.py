@@ -254,14 +254,16 @@ def checked_smoke(node_name: str, answer: Any) -> SmokeResult:
 
 
 # -- node steps -----------------------------------------------------------------------------
-async def drain_node(node_name: str, deadline_seconds: float, *, summary: str) -> DrainResult:
+async def drain_node(node_name: str, deadline_seconds: float, *, summary: str,
+                     cordoned_by: str | None = None) -> DrainResult:
     """Cordon and evict within the deadline, PodDisruptionBudgets honoured.
 
     Retried as a cluster call: the drain activity is idempotent (a second cordon and the
     evictions of pods already gone change nothing) and returns what was left, never raises
     for a blocked pod."""
     return await workflow.execute_activity(
-        act.drain_within, DrainNodeInput(node_name=node_name, deadline_seconds=deadline_seconds),
+        act.drain_within, DrainNodeInput(node_name=node_name, deadline_seconds=deadline_seconds,
+                                         cordoned_by=cordoned_by),
         start_to_close_timeout=timedelta(seconds=deadline_seconds + 60),
         heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY, summary=summary,
     )
@@ -305,9 +307,10 @@ class Retirement:
 
 
 async def drain_and_retire(site: str, node_name: str, machine_id: str, drain_seconds: float, *,
-                           why: str) -> Retirement:
-    """Drain, then retire only a node whose drain completed."""
-    drained = await drain_node(node_name, drain_seconds, summary=f"drain {node_name} ({why}; PDBs honoured)")
+                           why: str, cordoned_by: str | None = None) -> Retirement:
+    """Drain (its cordon marked ``cordoned_by``), then retire only a node whose drain completed."""
+    drained = await drain_node(node_name, drain_seconds, summary=f"drain {node_name} ({why}; PDBs honoured)",
+                               cordoned_by=cordoned_by)
     if not drained.completed:
         return Retirement(False, blocked="drain blocked (" + "; ".join(p.reason for p in drained.blocked) + ")")
     try:

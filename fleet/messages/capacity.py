@@ -71,6 +71,8 @@ class DrainNodeInput(BaseModel):
     node_name: str
     deadline_seconds: float = Field(ge=0)
     force: bool = False
+    #: Who the cordon is marked as (``fleet.cluster.ANNOTATION_CORDONED_BY``); none: unmarked.
+    cordoned_by: str | None = None
 
 
 class SiteNodesInput(BaseModel):

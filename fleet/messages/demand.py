@@ -96,6 +96,12 @@ class IdleNodesResult(BaseModel):
     keep_warm: dict[str, int] = Field(default_factory=dict)
     #: Fleet nodes that are cordoned, idle or not, whoever cordoned them.
     cordoned: list[str] = Field(default_factory=list)
+    #: Cordoned nodes whose cordon the cluster marks as the demand loop's own (a drain of its that
+    #: blocked, in this run or one whose carried state is lost) and that nothing else holds.
+    own_cordon: list[str] = Field(default_factory=list)
+    #: Cordoned node → who holds it now, where the cluster says so: a GPU fenced by its repair, a
+    #: cordon marked as someone else's. The loop lets such a node go even if it cordoned it first.
+    held: dict[str, str] = Field(default_factory=dict)
 
 
 # -- the workflow ---------------------------------------------------------------------------

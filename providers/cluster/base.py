@@ -230,7 +230,10 @@ class Cluster(WeightedRouting, Protocol):
         """Add/remove taints given as ``key[=value]:Effect``. Idempotent."""
         ...
 
-    def cordon(self, name: str, unschedulable: bool = True) -> Node:
+    def cordon(self, name: str, unschedulable: bool = True, *, by: str | None = None) -> Node:
+        """Cordon (or uncordon). With ``by``, the same change marks who cordoned it
+        (``ANNOTATION_CORDONED_BY``); an uncordon removes that mark, whoever wrote it. A cordon
+        without ``by`` leaves the mark as it is."""
         ...
 
     def remove_node(self, name: str) -> None:
@@ -245,10 +248,11 @@ class Cluster(WeightedRouting, Protocol):
         ...
 
     def drain_node(
-        self, name: str, deadline_s: float, force: bool = False, heartbeat: Callable[[], None] | None = None
+        self, name: str, deadline_s: float, force: bool = False, heartbeat: Callable[[], None] | None = None,
+        *, cordoned_by: str | None = None,
     ) -> DrainResult:
-        """Cordon, then evict every pod but DaemonSet and mirror pods through the
-        Eviction API, retrying PDB refusals with backoff until ``deadline_s``.
+        """Cordon (``cordon(by=cordoned_by)``), then evict every pod but DaemonSet and mirror pods
+        through the Eviction API, retrying PDB refusals with backoff until ``deadline_s``.
         With ``force``, pods still refused at the deadline are deleted (PDB
         bypassed). ``heartbeat`` is called between rounds (activity heartbeats)."""
         ...
@@ -623,9 +627,10 @@ class EvictionDrain:
     pods with the implementation's own ``_pods_on``, ``_evict`` and ``_delete_pod``."""
 
     def drain_node(
-        self, name: str, deadline_s: float, force: bool = False, heartbeat: Callable[[], None] | None = None
+        self, name: str, deadline_s: float, force: bool = False, heartbeat: Callable[[], None] | None = None,
+        *, cordoned_by: str | None = None,
     ) -> DrainResult:
-        self.cordon(name)  # type: ignore[attr-defined]
+        self.cordon(name, by=cordoned_by)  # type: ignore[attr-defined]
         return run_drain(
             name, deadline_s, force,
             list_pods=lambda: self._pods_on(name),  # type: ignore[attr-defined]

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from providers.cluster.base import Cluster, NodeNotFound, NoPreviousTemplate, ServingNotFound, serving_name
-from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingSpec
+from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, LABEL_SITE, UNPROVEN_TAINT, ServingSpec
 
 
 def test_both_implement_the_port(harness):
@@ -109,6 +109,23 @@ def test_cordon_and_uncordon(harness):
     assert harness.cluster.cordon("gpu-1").unschedulable
     assert harness.cluster.cordon("gpu-1").unschedulable
     assert not harness.cluster.cordon("gpu-1", False).unschedulable
+
+
+def test_a_cordon_says_who_made_it_and_an_uncordon_forgets_it(harness):
+    """The demand loop knows its own cordon from the cluster alone (its carried state may be lost):
+    the drain's cordon marks it; a later cordon by someone else leaves the mark and the fences; an
+    uncordon drops the mark, so a person's later ``kubectl cordon`` never reads as the loop's."""
+    harness.add_node("gpu-1")
+    harness.cluster.annotate_node("gpu-1", {"gpufleet.io/fenced-gpu-0": "reset"})
+    assert harness.cluster.drain_node("gpu-1", deadline_s=1, cordoned_by=CORDONED_BY_DEMAND).completed
+    assert harness.cluster.get_node("gpu-1").unschedulable
+    assert harness.cluster.annotate_node("gpu-1", {})[ANNOTATION_CORDONED_BY] == CORDONED_BY_DEMAND
+    assert harness.cluster.cordon("gpu-1").unschedulable
+    assert harness.cluster.annotate_node("gpu-1", {})[ANNOTATION_CORDONED_BY] == CORDONED_BY_DEMAND
+    assert not harness.cluster.cordon("gpu-1", False).unschedulable
+    assert harness.cluster.annotate_node("gpu-1", {}) == {"gpufleet.io/fenced-gpu-0": "reset"}
+    harness.cluster.cordon("gpu-1")
+    assert ANNOTATION_CORDONED_BY not in harness.cluster.annotate_node("gpu-1", {})
 
 
 def test_annotations_merge_and_remove(harness):

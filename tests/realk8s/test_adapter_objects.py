@@ -291,6 +291,24 @@ def test_cordon_patches_spec_unschedulable(real_cluster, kube, nodes, unique):
     assert not _node(real_cluster, name)["spec"].get("unschedulable")
 
 
+def test_a_cordon_and_who_made_it_are_one_patch(real_cluster, kube, nodes, unique):
+    """The demand loop's drain marks its cordon in the same write (never a cordoned node unmarked
+    between two); an uncordon drops the mark with it, so a later ``kubectl cordon`` is a person's."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND
+
+    name = nodes(f"gpu-{unique}")
+    seen = record_requests(kube)
+    kube.cordon(name, by=CORDONED_BY_DEMAND)
+    assert _writes(seen, f"/nodes/{name}") == ["PATCH"]
+    stored = _node(real_cluster, name)
+    assert stored["spec"]["unschedulable"] is True
+    assert stored["metadata"]["annotations"][ANNOTATION_CORDONED_BY] == CORDONED_BY_DEMAND
+    kube.cordon(name, False)
+    stored = _node(real_cluster, name)
+    assert not stored["spec"].get("unschedulable")
+    assert ANNOTATION_CORDONED_BY not in (stored["metadata"].get("annotations") or {})
+
+
 def test_a_fence_cordons_the_node_and_lifting_the_last_uncordons(real_cluster, kube, nodes, unique, tmp_path):
     """Contain first, against the API server: the Node entity's ``fence_gpu`` writes the fence
     and the cordon; ``uncontain_gpu`` lifts them, uncordoning only when no GPU is fenced."""

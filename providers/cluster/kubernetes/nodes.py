@@ -21,6 +21,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.utils import parse_quantity
 
 from fleet.cluster import (
+    ANNOTATION_CORDONED_BY,
     GPU_RESOURCE,
     LABEL_PROVIDER,
     LABEL_SITE,
@@ -143,8 +144,13 @@ class Nodes(EvictionDrain, Watches, ControlPlaneState):
 
         return self._retry_on_conflict(f"node {name}: taints", attempt)
 
-    def cordon(self, name: str, unschedulable: bool = True) -> Node:
-        body = {"spec": {"unschedulable": True if unschedulable else None}}
+    def cordon(self, name: str, unschedulable: bool = True, *, by: str | None = None) -> Node:
+        body: dict[str, Any] = {"spec": {"unschedulable": True if unschedulable else None}}
+        # One patch: the cordon and who made it land together (an uncordon drops the mark).
+        if not unschedulable:
+            body["metadata"] = {"annotations": {ANNOTATION_CORDONED_BY: None}}
+        elif by:
+            body["metadata"] = {"annotations": {ANNOTATION_CORDONED_BY: by}}
         return self._node(self._retry_on_conflict(f"node {name}", lambda: self._patch_node(name, body, MERGE)))
 
     def remove_node(self, name: str) -> None:
