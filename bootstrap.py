@@ -151,6 +151,24 @@ def build_real_components() -> None:
     build_with_go("helm", "tests/helm/build.py", "the Helm chart's tests (tests/test_helm.py)")
 
 
+def build_image_install() -> None:
+    """The images' Python install (tests/realk8s/image.py): a second venv holding what each
+    Containerfile's `pip install .` installs, no test extras, which the real Kubernetes tier runs
+    the shipped pods with. Built once per pyproject.toml (about 30 s with pip's cache), then
+    reused; in CI a failed build fails the run."""
+    import time
+
+    started = time.monotonic()
+    code = subprocess.call([sys.executable, str(ROOT / "tests" / "realk8s" / "image.py")])
+    if code != 0:
+        if os.environ.get("CI") == "true":
+            raise SystemExit(f"building the images' Python install failed (exit {code})")
+        print("building the images' Python install failed: the real Kubernetes tier's pods will fail",
+              file=sys.stderr, flush=True)
+        return
+    print(f"the images' Python install ready ({time.monotonic() - started:.0f} s)", flush=True)
+
+
 def serial_asked(rest: list[str]) -> bool:
     return any(arg.startswith(("-n", "--numprocesses", "--pdb", "--trace")) or arg == "no:xdist" for arg in rest)
 
@@ -207,6 +225,7 @@ def main(argv: list[str]) -> int:
             return fast_tier([arg for arg in rest if arg != "--fast"])
         ensure_system_packages()
         build_real_components()
+        build_image_install()
         code = subprocess.call([PYTHON, "-m", "pytest", *full_suite_workers(rest), *rest],
                                env=bytecode_written())
         if code == 5:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -15,17 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.realk8s.image import instructions
 from tests.tools import require
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTAINERS = ROOT / "deploy" / "containers"
 CONTAINERFILES = sorted(CONTAINERS.glob("Containerfile.*"))
-
-
-def instructions(path: Path) -> list[tuple[str, str]]:
-    text = re.sub(r"\\\n", " ", path.read_text())
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
 
 
 def test_there_is_an_image_for_each_worker() -> None:

@@ -7,13 +7,14 @@ bump in pyproject.toml that misses one of them fails here.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.realk8s.image import instructions
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTAINERFILES = sorted((ROOT / "deploy" / "containers").glob("Containerfile.*"))
@@ -23,12 +24,6 @@ PRODUCTION = ROOT / "docs" / "production" / "index.md"
 
 def package_version() -> str:
     return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
-
-
-def instructions(path: Path) -> list[tuple[str, str]]:
-    text = re.sub(r"\\\n", " ", path.read_text())
-    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in text.splitlines()
-            if line.strip() and not line.lstrip().startswith("#")]
 
 
 def version_check(path: Path) -> str:

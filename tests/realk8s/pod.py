@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
+from tests.realk8s import image
 from tests.realk8s.cluster import ClusterFailed, RealCluster
 from tests.realk8s.nsforward import TcpToUnix
 from tests.realk8s.relay import UnixRelay
@@ -286,11 +287,13 @@ class RunningPod:
         return code
 
 
-def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tuple[str, int]]) -> RunningPod:
+def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tuple[str, int]],
+            stand_ins: Path | None = None) -> RunningPod:
     """Start the pod's one container as a process (see the module's docstring).
 
     ``upstreams``: ``host:port`` the container dials (the API server's Service is added here)
-    → where that really is on this host's loopback."""
+    → where that really is on this host's loopback. ``stand_ins``: a folder of test stand-in
+    modules for what this machine lacks (the node agent's pynvml), the one thing on PYTHONPATH."""
     spec = pod["spec"]
     (container,) = spec["containers"]
     security = {**(spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
@@ -322,16 +325,18 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
             folder.chmod(0o2775 if "emptyDir" in volumes[mount["name"]] else 0o755)
         binds.append((folder, mount["mountPath"], bool(mount.get("readOnly"))))
 
-    env = container_env(cluster, pod, container)
+    # The image's Python install, WORKDIR and ENV (tests/realk8s/image.py), not the dev venv's.
+    installed = image.for_container(container["image"])
+    env = {**installed.env, **container_env(cluster, pod, container)}
     env.update(KUBERNETES_SERVICE_HOST=api_host, KUBERNETES_SERVICE_PORT=str(api_port),
                KUBERNETES_SERVICE_PORT_HTTPS=str(api_port),
-               # The image's: its PATH, and the package where its WORKDIR would hold it.
-               PATH=os.environ["PATH"], PYTHONPATH=str(REPO), HOME="/")
+               PATH=f"{installed.python.parent}{os.pathsep}{os.environ['PATH']}", HOME="/",
+               **({"PYTHONPATH": str(stand_ins)} if stand_ins else {}))
     command = [part for part in container["command"]]
     for name, value in env.items():
         command = [part.replace(f"$({name})", value) for part in command]
     if command[0] == "python":
-        command[0] = sys.executable
+        command[0] = str(installed.python)
 
     # Network: the Service's ClusterIP on lo; names the manifest dials, in /etc/hosts.
     hosts = ["127.0.0.1 localhost"]
@@ -391,7 +396,7 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
                 f"--groups={group}" if group is not None else "--clear-groups", "--inh-caps=-all",
                 "--bounding-set=-all", "--no-new-privs"]
     environment = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
-    inner = "set -e; " + "; ".join(mounts) + f"; cd {shlex.quote(str(REPO))}; exec " + shlex.join(
+    inner = "set -e; " + "; ".join(mounts) + f"; cd {shlex.quote(str(installed.workdir))}; exec " + shlex.join(
         [*user, *environment, *command])
     outer = ("set -e; " + "; ".join(network) + f"; cd {shlex.quote(str(REPO))}; {shlex.join(forward)} & "
              + shlex.join(["exec", "unshare", "--mount", "--propagation", "private", "--", "sh", "-c", inner]))

@@ -10,6 +10,9 @@ holding the manifest's resources. Its Temporal frontend (``temporal-frontend.tem
 mutual TLS only) is a TLS-terminating proxy in front of the dev server, as for the gateway
 (``test_node_agent.py``).
 
+Its Python is the image's install (``tests/realk8s/image.py``): the venv ``pip install .`` makes,
+with no test extras, and the WORKDIR its Containerfile lays out.
+
 What it must do with only that: poll its queue and approve a live node's client-certificate
 renewal as ``gpufleet-control-plane`` (the identity record read, the CSR's approval written:
 each a verb of the shipped RBAC), and stop cleanly on SIGTERM.
@@ -28,6 +31,7 @@ from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity
 from fleet.messages.csr import CsrApproverResult
 from providers.cluster.kubernetes import KubernetesCluster
 from tests.conftest import wait_for
+from tests.realk8s import image
 from tests.realk8s.cluster import RealCluster
 from tests.realk8s.pod import created_pods, run_pod
 from tests.realk8s.test_adapter_objects import CSRS, csrs, nodes  # noqa: F401 - fixtures
@@ -45,6 +49,22 @@ def control_plane_deployment() -> dict:
     """The Deployment as shipped (what kubectl applied unchanged), for what the test expects of it."""
     docs = yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "control-plane.yaml").read_text())
     return next(d for d in docs if d and d["kind"] == "Deployment")
+
+
+def assert_runs_what_the_image_installs(pid: int, image_name: str) -> None:
+    """The pod's process runs the image's Python install (``pip install .``, no extras) from the
+    WORKDIR its Containerfile lays out: gpufleet from there, its dependencies from the image's
+    venv, and nothing of the dev venv (which has the ``[test]`` extras) nor of the repository, so
+    a runtime import only the test extras satisfy would fail here as in production."""
+    seen = image.imports_of(pid, ["workers", "providers.cluster", "temporalio", "pytest", "hypothesis", "tests"])
+    workdir = image.workdir(image_name)
+    assert {m: seen.found[m] for m in ("pytest", "hypothesis", "tests")} == {
+        "pytest": None, "hypothesis": None, "tests": None}, seen
+    assert Path(seen.found["workers"]).is_relative_to(workdir), seen
+    assert Path(seen.found["providers.cluster"]).is_relative_to(workdir), seen
+    assert Path(seen.found["temporalio"]).is_relative_to(image.VENV), seen
+    # The process itself loaded its compiled dependencies (Temporal's core, pydantic's) from there.
+    assert seen.mapped and all(path.is_relative_to(image.VENV) for path in seen.mapped), seen.mapped
 
 
 async def test_the_control_plane_worker_started_from_its_deployment_approves_a_live_nodes_renewal(
@@ -77,6 +97,7 @@ async def test_the_control_plane_worker_started_from_its_deployment_approves_a_l
         await wait_for(lambda: "polling task queue" in worker.log_tail(20_000) or worker.process.poll() is not None,
                        timeout=60, interval=0.3)
         assert worker.process.poll() is None, worker.log_tail()
+        assert_runs_what_the_image_installs(worker.process.pid, "control-plane")
         values = worker.cgroup_values()  # as the kubelet sets them (cgroup v1 or v2)
         assert values.get("memory.limit_in_bytes", values.get("memory.max")) == str(
             int(parse_quantity(shipped_container["resources"]["limits"]["memory"]))), values
