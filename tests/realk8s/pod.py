@@ -16,10 +16,13 @@ How it runs (needs root, as ``machine.py``):
 * ``unshare --mount``: a mount namespace in which ``/etc`` and ``/run`` get an overlay (so the
   mount points can be made without touching the host), each volume is a folder bind-mounted on
   its ``mountPath`` (the service account's at ``/var/run/secrets/kubernetes.io/serviceaccount``,
-  where the client's in-cluster loader reads it), cluster DNS is an ``/etc/hosts`` entry
+  where the client's in-cluster loader reads it; a ``hostPath`` the folder the test's node
+  keeps at that path), cluster DNS is an ``/etc/hosts`` entry
   (nothing here resolves ``*.svc``), and the root is then remounted read-only when the container
   asks for ``readOnlyRootFilesystem``.
-* ``setpriv``: the pod's ``runAsUser``/``runAsGroup``/``fsGroup``, all capabilities dropped.
+* ``setpriv``: the pod's ``runAsUser``/``runAsGroup``/``fsGroup`` (uid 0 too, when the
+  container asks for it), every capability dropped but those its ``capabilities.add`` names,
+  ``no_new_privs`` where it sets ``allowPrivilegeEscalation: false`` (the kubelet's rule).
 * cgroups: the container's ``resources`` as the kubelet sets them (cgroup v1: its memory limit
   as ``memory.limit_in_bytes``, its CPU request as ``cpu.shares``, a CPU limit as a CFS quota;
   cgroup v2: ``memory.max``, ``cpu.weight``, ``cpu.max``), the process and its children in them.
@@ -72,6 +75,24 @@ def created_pods(cluster: RealCluster, namespace: str, app: str, count: int, sec
             return sorted(pods, key=lambda p: p["metadata"]["name"])
         if time.monotonic() > deadline:
             raise ClusterFailed(f"{len(pods)} pod(s) of {app} in {seconds:.0f} s, not {count}")
+        time.sleep(0.3)
+
+
+def daemon_pod(cluster: RealCluster, namespace: str, app: str, node_name: str, seconds: float = 60) -> dict:
+    """The Pod the DaemonSet controller made for ``node_name``, once the scheduler bound it there
+    (what the node's kubelet then starts; ``spec.nodeName`` is what its fieldRefs read)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        listed = _get(cluster, f"/api/v1/namespaces/{namespace}/pods?labelSelector="
+                               + quote(f"app.kubernetes.io/name={app}"))
+        pods = [p for p in listed["items"]
+                if p["spec"].get("nodeName") == node_name and not p["metadata"].get("deletionTimestamp")]
+        if pods:
+            (pod,) = pods
+            return pod
+        if time.monotonic() > deadline:
+            raise ClusterFailed(f"no pod of {app} bound to {node_name} in {seconds:.0f} s: "
+                                f"{[(p['metadata']['name'], p['status']) for p in listed['items']]}")
         time.sleep(0.3)
 
 
@@ -287,13 +308,26 @@ class RunningPod:
         return code
 
 
+def _module_file(interpreter: str, env: dict[str, str], module: str) -> str:
+    """Where ``interpreter``, in the container's environment, imports ``module`` from."""
+    done = subprocess.run([interpreter, "-c", "import importlib.util, sys; "
+                           f"print(importlib.util.find_spec({module!r}).origin)"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        raise ClusterFailed(f"the container's interpreter has no module {module}: {done.stderr[-2000:]}")
+    return done.stdout.strip()
+
+
 def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tuple[str, int]],
-            stand_ins: Path | None = None) -> RunningPod:
+            host_paths: dict[str, Path] | None = None, stand_in_modules: dict[str, Path] | None = None) -> RunningPod:
     """Start the pod's one container as a process (see the module's docstring).
 
     ``upstreams``: ``host:port`` the container dials (the API server's Service is added here)
-    → where that really is on this host's loopback. ``stand_ins``: a folder of test stand-in
-    modules for what this machine lacks (the node agent's pynvml), the one thing on PYTHONPATH."""
+    → where that really is on this host's loopback.
+    ``host_paths``: a ``hostPath`` volume's path on the pod's node → the folder that is that
+    path on the test's node (bind-mounted itself, as the kubelet mounts the host's).
+    ``stand_in_modules``: a Python module of the image → a test's stand-in for it, bind-mounted
+    read-only over the module's file: only for what this machine cannot have (a GPU's NVML)."""
     spec = pod["spec"]
     (container,) = spec["containers"]
     security = {**(spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
@@ -310,7 +344,16 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
     volumes = {v["name"]: v for v in spec["volumes"]}
     group = spec.get("securityContext", {}).get("fsGroup")
     binds: list[tuple[Path, str, bool]] = []
+    node_folders: list[tuple[str, Path, bool]] = []  # a hostPath's mountPath, the test node's folder
     for number, mount in enumerate(container["volumeMounts"]):
+        host_path = volumes[mount["name"]].get("hostPath")
+        if host_path is not None:
+            folder = (host_paths or {}).get(host_path["path"])
+            if folder is None or (host_path.get("type") == "Directory" and not folder.is_dir()):
+                raise ClusterFailed(f"hostPath {host_path}: the test's node has no such folder ({folder})")
+            binds.append((folder, mount["mountPath"], bool(mount.get("readOnly"))))
+            node_folders.append((mount["mountPath"], folder, bool(mount.get("readOnly"))))
+            continue
         folder = root / "volumes" / f"{number}-{mount['name']}"
         folder.mkdir(parents=True)
         for name, (data, mode) in volume_files(cluster, pod, volumes[mount["name"]]).items():
@@ -330,8 +373,7 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
     env = {**installed.env, **container_env(cluster, pod, container)}
     env.update(KUBERNETES_SERVICE_HOST=api_host, KUBERNETES_SERVICE_PORT=str(api_port),
                KUBERNETES_SERVICE_PORT_HTTPS=str(api_port),
-               PATH=f"{installed.python.parent}{os.pathsep}{os.environ['PATH']}", HOME="/",
-               **({"PYTHONPATH": str(stand_ins)} if stand_ins else {}))
+               PATH=f"{installed.python.parent}{os.pathsep}{os.environ['PATH']}", HOME="/")
     command = [part for part in container["command"]]
     for name, value in env.items():
         command = [part.replace(f"$({name})", value) for part in command]
@@ -373,6 +415,10 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
         mounts.append(f"mount -t overlay overlay -o lowerdir={top},upperdir={upper},workdir={work} {top}")
     mounts.append(f"cp /etc/hosts /etc/hosts.host && printf %s {shlex.quote(chr(10).join(hosts) + chr(10))}"
                   " > /etc/hosts")
+    # Before the volumes: the stand-in may lie under a mountPath (a test's folder under /tmp).
+    for module, stand_in in (stand_in_modules or {}).items():
+        path = shlex.quote(_module_file(command[0], env, module))
+        mounts += [f"mount --bind {shlex.quote(str(stand_in))} {path}", f"mount -o remount,bind,ro {path}"]
     # A mountPath above the volumes' own folders (an emptyDir on /tmp) goes last, or it hides them.
     # A mountPath inside another volume's (the Temporal client Secret inside the config's
     # ConfigMap) is mounted after it, on a mount point made in that volume's folder, as the
@@ -388,13 +434,28 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
         mounts.append(f"mkdir -p {shlex.quote(path)} && mount --bind {shlex.quote(str(folder))} {shlex.quote(path)}")
         if read_only:
             mounts.append(f"mount -o remount,bind,ro {shlex.quote(path)}")
+    # The test's node keeps its filesystem in a folder, so the links its kubelet writes there name
+    # their files by that folder's path (kubelet-client-current.pem → <folder>/kubelet-client-<date>.pem)
+    # where a real node's name the hostPath's own: that path leads to the mounted volume too.
+    # Made last, from the mountPath: the folder may lie under another volume's (an emptyDir on /tmp).
+    for path, folder, read_only in node_folders:
+        mounts += [f"mkdir -p {shlex.quote(str(folder))}",
+                   f"mount --bind {shlex.quote(path)} {shlex.quote(str(folder))}"]
+        if read_only:
+            mounts.append(f"mount -o remount,bind,ro {shlex.quote(str(folder))}")
     if security.get("readOnlyRootFilesystem"):
         mounts.append("mount -o remount,bind,ro /")
     user = []
     if security.get("runAsUser") is not None:
+        # As the container runtime grants them: the bounding set is what a process of the
+        # container can ever hold (for uid 0, what it holds after exec), nothing inheritable.
+        added = "".join(f",+{name.lower().removeprefix('cap_')}"
+                        for name in (security.get("capabilities") or {}).get("add") or [])
         user = ["setpriv", f"--reuid={security['runAsUser']}", f"--regid={security.get('runAsGroup', 0)}",
                 f"--groups={group}" if group is not None else "--clear-groups", "--inh-caps=-all",
-                "--bounding-set=-all", "--no-new-privs"]
+                f"--bounding-set=-all{added}"]
+        if security.get("allowPrivilegeEscalation") is False:
+            user.append("--no-new-privs")
     environment = ["env", "-i", *(f"{k}={v}" for k, v in env.items())]
     inner = "set -e; " + "; ".join(mounts) + f"; cd {shlex.quote(str(installed.workdir))}; exec " + shlex.join(
         [*user, *environment, *command])

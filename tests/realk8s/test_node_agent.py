@@ -1,12 +1,16 @@
 """The node agent as its DaemonSet starts it completes a health watch through the node gateway.
 
-Everything the agent gets is what the shipped DaemonSet gives it on a real node: the DaemonSet
-and the ``gpufleet-node-gateway`` ConfigMap are read back from the real API server (the
-ConfigMap as ``gpufleet cluster node-config`` printed it and kubectl applied it), each env
-var resolved as the kubelet resolves it (a value, ``fieldRef: spec.nodeName``, a
-``configMapKeyRef``), each volume a folder holding what the kubelet would mount there: the
-ConfigMap's keys and the real kubelet's own ``/var/lib/kubelet/pki`` of a machine that joined
-from its user data.
+The agent is the Pod the real DaemonSet controller made of ``deploy/kubernetes/node-agent.yaml``
+(applied unchanged) for a machine that joined from its user data and was labelled as NodeJoin
+labels it, bound to that node by the real scheduler, run by ``tests/realk8s/pod.py`` as the
+kubelet would run its container: its command and env (``fieldRef: spec.nodeName``, the
+``gpufleet-node-gateway`` ConfigMap as ``gpufleet cluster node-config`` printed it and kubectl
+applied it, ``GPUFLEET_METRICS_PORT`` as shipped), the ConfigMap's CA and the real kubelet's own
+``/var/lib/kubelet/pki`` (its ``hostPath``) at their mountPaths, read-only root, uid 0 with
+CAP_SYS_ADMIN only, its cgroups holding the manifest's memory limit, a network namespace of its
+own in which the gateway's public endpoint (a name only the ConfigMap gives) leads to the
+gateway's Service, and its metrics port served back to the host, where the test scrapes what
+the dashboard's "Node agents running" panel reads.
 
 The gateway is its own Deployment's processes too (``tests/realk8s/pod.py``): each of the
 Deployment's replicas, a Pod the real ReplicaSet controller made from
@@ -24,36 +28,44 @@ nodes reach the replicas through one address, as through the gateway's Service (
 from __future__ import annotations
 
 import asyncio
-import os
 import subprocess
 import sys
 import textwrap
+import urllib.request
 import uuid
 from datetime import timedelta
 from pathlib import Path
 
 import yaml
 from kubernetes.utils import parse_quantity
+from prometheus_client.parser import text_string_to_metric_families
 from temporalio import workflow
 from temporalio.common import RetryPolicy
 from temporalio.worker import Worker
 
+from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_PROVIDER, LABEL_REGION, LABEL_SITE, UNPROVEN_TAINT
 from fleet.messages.repair import NodeWatchInput, NodeWatchResult
 from fleet.naming import node_queue
 from tests.realk8s.cluster import RealCluster
-from tests.realk8s.pod import ServiceFront, created_pods, run_pod
+from tests.realk8s.pod import ServiceFront, created_pods, daemon_pod, run_pod
 from tests.realk8s.test_join import RealJoining, one  # noqa: F401
+from tests.test_observability import dashboard, referenced_metrics
 from tests.test_temporal_manifests import frontend_pki
 from tests.test_temporal_tls import start_tls_proxy
 from workers.gateway.pki import Pki
 
 REPO = Path(__file__).resolve().parents[2]
-DAEMONSET = "/apis/apps/v1/namespaces/gpufleet/daemonsets/gpufleet-node-agent"
-CONFIGMAP = "/api/v1/namespaces/gpufleet/configmaps/gpufleet-node-gateway"
+#: The node gateway's public endpoint (``node_gateway.endpoint``: its Service's load balancer,
+#: port 443): a name nothing here resolves but the agent pod's /etc/hosts.
+GATEWAY_ENDPOINT = "nodes.gpufleet.example:443"
+#: linux/capability.h
+CAP_SYS_ADMIN = 21
 
 #: The one thing not as on a real node: this machine has no GPU, so ``pynvml`` (which the
-#: agent's NvmlBackend imports) is a stand-in module on PYTHONPATH reporting two healthy GPUs.
-#: Everything above NVML (the backend, the watch, the worker, TLS, the gateway) is the shipped code.
+#: agent's NvmlBackend imports) is a stand-in reporting two healthy GPUs, bind-mounted over the
+#: image's module inside the pod (as on a GPU node the NVIDIA runtime mounts the driver's NVML
+#: into the container): the pod's env and PYTHONPATH stay the image's. Everything above NVML
+#: (the backend, the watch, the worker, TLS, the gateway) is the shipped code.
 FAKE_PYNVML = textwrap.dedent('''
     """pynvml stand-in for tests/realk8s/test_node_agent.py: two healthy GPUs, no XID events."""
     import time
@@ -140,69 +152,12 @@ def rendered_node_config(tmp: Path, endpoint: str, ca: bytes) -> str:
     return done.stdout
 
 
-def as_the_kubelet_starts_it(daemonset: dict, configmap: dict, node_name: str, kubelet_pki: Path,
-                             root: Path) -> tuple[list[str], dict[str, str]]:
-    """The agent container's command and environment, as the kubelet would start it on
-    ``node_name``: each volume a folder under ``root``."""
-    pod = daemonset["spec"]["template"]["spec"]
-    (container,) = pod["containers"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    mounts = {}
-    for mount in container["volumeMounts"]:
-        source = volumes[mount["name"]]
-        if "hostPath" in source:
-            assert source["hostPath"]["path"] == "/var/lib/kubelet/pki", source
-            mounts[mount["mountPath"]] = kubelet_pki  # the node's own folder, as a hostPath
-            continue
-        folder = root / mount["mountPath"].lstrip("/")
-        folder.mkdir(parents=True, exist_ok=True)
-        if "configMap" in source:
-            assert source["configMap"]["name"] == configmap["metadata"]["name"], source
-            items = source["configMap"].get("items") or [{"key": k, "path": k} for k in configmap["data"]]
-            for item in items:
-                (folder / item["path"]).write_text(configmap["data"][item["key"]])
-        else:
-            assert "emptyDir" in source, source
-        mounts[mount["mountPath"]] = folder
-
-    def relocated(value: str) -> str:
-        for path, folder in mounts.items():
-            if value.startswith(path + "/"):
-                return str(folder / value[len(path) + 1:])
-        return value
-
-    env: dict[str, str] = {}
-    for variable in container["env"]:
-        if "value" in variable:
-            value = variable["value"]
-        elif variable["valueFrom"].get("fieldRef", {}).get("fieldPath") == "spec.nodeName":
-            value = node_name
-        else:
-            ref = variable["valueFrom"]["configMapKeyRef"]
-            assert ref["name"] == configmap["metadata"]["name"], ref
-            value = configmap["data"][ref["key"]]
-        env[variable["name"]] = relocated(value)
-    # Kubernetes expands $(VAR) in the command from the container's env.
-    command = []
-    for part in container["command"]:
-        for name, value in env.items():
-            part = part.replace(f"$({name})", value)
-        command.append(sys.executable if part == "python" else relocated(part))
-    fake = root / "stand-in"
-    fake.mkdir()
-    (fake / "pynvml.py").write_text(FAKE_PYNVML)
-    # The image's WORKDIR is /app holding the package (deploy/containers/Containerfile.node-agent);
-    # here that is the repository, and the stand-in NVML comes first.
-    env.update(PATH=os.environ["PATH"], HOME=str(root), PYTHONPATH=f"{fake}{os.pathsep}{REPO}",
-               TEMPORAL_CONFIG_FILE=str(root / "absent.toml"))
-    env.pop("GPUFLEET_METRICS_PORT", None)  # the container's own port; many tests share this host
-    return command, env
-
-
-def create_gateway_objects(cluster: RealCluster, tmp: Path, gateway_pki: Pki, temporal_secret: Path) -> None:
-    """What node-gateway.yaml says an operator creates: its server certificate, the cluster CA,
-    the control plane's Temporal client certificate, and the fleet config (real mode)."""
-    cert, key = gateway_pki.server_cert()
+def create_gateway_objects(cluster: RealCluster, tmp: Path, gateway_pki: Pki, temporal_secret: Path,
+                           public_hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> None:
+    """What node-gateway.yaml says an operator creates: its server certificate (for
+    ``public_hosts``, its public endpoint's), the cluster CA, the control plane's Temporal
+    client certificate, and the fleet config (real mode)."""
+    cert, key = gateway_pki.server_cert(public_hosts)
     (tmp / "gateway.crt").write_bytes(cert)
     (tmp / "gateway.key").write_bytes(key)
     (tmp / "cluster-ca.crt").write_bytes(cluster.ca_pem)
@@ -215,6 +170,22 @@ def create_gateway_objects(cluster: RealCluster, tmp: Path, gateway_pki: Pki, te
                  ["configmap", "gpufleet-config", f"--from-file=sites.yaml={tmp / 'fleet.yaml'}"]):
         made = cluster.kubectl("-n", "gpufleet", "create", *kind, "--dry-run=client", "-o", "yaml")
         cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=made.stdout)
+
+
+def node_agent_container() -> dict:
+    """The DaemonSet's container as shipped (what kubectl applied unchanged)."""
+    docs = yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "node-agent.yaml").read_text())
+    (container,) = next(d for d in docs if d and d["kind"] == "DaemonSet")["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def agents_running_gauge(address: str) -> float:
+    """What the dashboard's "Node agents running" panel sums, as the agent at ``address`` serves it."""
+    (panel,) = [p for p in dashboard()["panels"] if p.get("title") == "Node agents running"]
+    (metric,) = referenced_metrics(panel["targets"][0]["expr"])
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as answer:
+        page = answer.read().decode()
+    return next(s.value for f in text_string_to_metric_families(page) for s in f.samples if s.name == metric)
 
 
 def gateway_deployment() -> dict:
@@ -239,11 +210,16 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
     """Through either of the gateway Deployment's replicas: both Pods the ReplicaSet made run,
     each in cgroups holding the manifest's resources, behind one Service address; once the
     replica the agent reached stops (a rollout, a lost host), its next health watch goes
-    through the other."""
+    through the other. The agent's pod serves its metrics on the port its manifest names,
+    with the gauge the dashboard counts running agents by."""
     # The join's activities run their own event loops (tests.providers.test_join_real.run).
     provisioned = await asyncio.to_thread(one.provision)
     machine = await asyncio.to_thread(lambda: one.machine(provisioned.machine.id).boot())
-    node = await asyncio.to_thread(one.await_registration, provisioned)
+    # Labelled and tainted as NodeJoin's registration step leaves it: what the DaemonSet selects.
+    site = one.site
+    node = await asyncio.to_thread(one.await_registration, provisioned, labels={
+        LABEL_SITE: site.name, LABEL_PROVIDER: site.provider, LABEL_REGION: site.region,
+        LABEL_GPU_PRODUCT: site.gpu}, add_taints=[UNPROVEN_TAINT])
 
     client = temporal_env.client
     gateway_pki = Pki.create("gpufleet test gateway CA")
@@ -257,7 +233,8 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
     manifest_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
     temporal_pki, temporal_secret = frontend_pki(tmp_path, manifest_env["TEMPORAL_TLS_SERVER_NAME"])
     frontend, frontend_port = await start_tls_proxy(temporal_pki, client.service_client.config.target_host)
-    create_gateway_objects(one.real, tmp_path, gateway_pki, temporal_secret)
+    create_gateway_objects(one.real, tmp_path, gateway_pki, temporal_secret,
+                           public_hosts=(GATEWAY_ENDPOINT.rpartition(":")[0],))
     frontend_host, _, port = manifest_env["TEMPORAL_ADDRESS"].rpartition(":")
     gateways = await asyncio.gather(*(asyncio.to_thread(
         run_pod, one.real, pod, tmp_path / f"gateway-pod-{number}",
@@ -276,21 +253,36 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
                 int(parse_quantity(limits["memory"]))), values
             assert values.get("cpu.shares") in (None, str(int(parse_quantity(requests["cpu"]) * 1024))), values
         one.real.kubectl("apply", "--server-side", "-f", "-",
-                         input=rendered_node_config(tmp_path, service.address, gateway_pki.ca_pem))
-        status, daemonset = one.real.request("GET", DAEMONSET, admin=True)
-        assert status == 200, daemonset
-        status, configmap = one.real.request("GET", CONFIGMAP, admin=True)
-        assert status == 200, configmap
-        command, env = as_the_kubelet_starts_it(daemonset, configmap, node.name,
-                                                machine.client_pem.parent, tmp_path / "pod")
-        log = tmp_path / "node-agent.log"
-        agent = subprocess.Popen(command, env=env, cwd=tmp_path / "pod", stdout=log.open("wb"),
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+                         input=rendered_node_config(tmp_path, GATEWAY_ENDPOINT, gateway_pki.ca_pem))
+        agent_pod = await asyncio.to_thread(daemon_pod, one.real, "gpufleet", "gpufleet-node-agent", node.name)
+        assert [o["kind"] for o in agent_pod["metadata"]["ownerReferences"]] == ["DaemonSet"]
+        (agent_container,) = agent_pod["spec"]["containers"]
+        assert agent_container["resources"] == node_agent_container()["resources"]
+        (stand_in := tmp_path / "pynvml.py").write_text(FAKE_PYNVML)
+        # The node's /var/lib/kubelet/pki is the joined machine's; its gateway endpoint, only
+        # the pod's netns knows, leads to the gateway Deployment's Service.
+        service_host, _, service_port = service.address.rpartition(":")
+        agent = await asyncio.to_thread(
+            run_pod, one.real, agent_pod, tmp_path / "agent-pod", {GATEWAY_ENDPOINT: (service_host, int(service_port))},
+            host_paths={"/var/lib/kubelet/pki": machine.client_pem.parent}, stand_in_modules={"pynvml": stand_in})
+        log = agent.log
         queue = f"health-watch-{uuid.uuid4().hex[:6]}"
         result = await one_health_watch(client, queue, node.name, log, gateways)
         assert result.node_name == node.name
         assert len(result.gpus) == 2 and result.digest, result
-        assert agent.poll() is None, log.read_text()[-3000:]
+        assert agent.process.poll() is None, agent.log_tail()
+        # As the manifest runs it: root with CAP_SYS_ADMIN alone, in its 512Mi memory limit.
+        proc_status = dict(line.split(":\t", 1) for line in
+                      Path(f"/proc/{agent.process.pid}/status").read_text().splitlines() if ":\t" in line)
+        assert proc_status["Uid"].split()[0] == "0", proc_status
+        assert int(proc_status["CapEff"], 16) == 1 << CAP_SYS_ADMIN, proc_status
+        values = agent.cgroup_values()
+        assert values.get("memory.limit_in_bytes", values.get("memory.max")) == str(
+            int(parse_quantity(agent_container["resources"]["limits"]["memory"]))), values
+        # The "Node agents running" panel's gauge, on the port the manifest's env names.
+        metrics_port = int({e["name"]: e.get("value") for e in agent_container["env"]}["GPUFLEET_METRICS_PORT"])
+        assert metrics_port in [p["containerPort"] for p in agent_container["ports"]]
+        assert await asyncio.to_thread(agents_running_gauge, agent.ports[metrics_port]) == 1, agent.log_tail()
         assert all(gateway.process.poll() is None for gateway in gateways), [g.log_tail() for g in gateways]
 
         # The replica the agent's connection went to stops, as the kubelet stops it.
@@ -299,11 +291,9 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
         result = await one_health_watch(client, queue, node.name, log, gateways)
         assert result.node_name == node.name and len(result.gpus) == 2, result
         assert service.backends[1 - reached] in service.chosen, "the other replica served the agent"
-        assert agent.poll() is None, log.read_text()[-3000:]
+        assert agent.process.poll() is None, agent.log_tail()
     finally:
-        if agent is not None:
-            agent.terminate()
-            await asyncio.to_thread(agent.wait, 30)
+        agent_code = await asyncio.to_thread(agent.stop) if agent is not None else None
         service.close()
         # As the kubelet stops them; the frontend's proxy runs on this loop, so wait off it.
         for number, gateway in enumerate(gateways):
@@ -311,3 +301,4 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
                 codes[number] = await asyncio.to_thread(gateway.stop)
         frontend.close()
     assert codes == {0: 0, 1: 0}, [g.log_tail() for g in gateways]
+    assert agent_code == 0, agent.log_tail()
