@@ -40,9 +40,9 @@ from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocke
 from fleet.models import AccountState
 from fleet.naming import account_workflow_id, site_workflow_id
 from fleet.placement import AccountView
-from fleet.cluster import FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT, DrainResult
+from fleet.cluster import ANNOTATION_CORDONED_BY, FENCE_PREFIX, FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT, DrainResult
 from fleet.demand import placement_drift, public_placement_labels
-from providers.cluster.base import NodeNotFound
+from providers.cluster.base import Cluster, NodeNotFound
 from fleet.contracts import workflows as flows
 
 R = TypeVar("R")
@@ -128,6 +128,27 @@ def reports_account(site_of: Callable[[Any], str], offer_of: Callable[[Any], str
         return run  # type: ignore[return-value]
 
     return wrap
+
+
+def who_holds(cluster: Cluster, name: str, mine: str) -> tuple[str, str]:
+    """Who holds the node ``name`` now, other than the owner whose cordon mark is ``mine``
+    (``ANNOTATION_CORDONED_BY``), and the mark it carries: ``(who, mark)``, ``who`` empty when no
+    one else does. A GPU fenced by its repair outranks any cordon mark; a repair that fenced a
+    node ``mine`` cordoned has taken the cordon over, so ``mine`` is dropped (once its fences go by
+    hand the node must not read as ``mine`` again; the repair's own uncordon drops it anyway).
+    The node's kubelet can write these annotations, so they decide only about that node, and
+    what is said of them is bounded. Raises ``NotFound`` for a node gone."""
+    marks = cluster.annotate_node(name, {})  # a read: nothing merged
+    fenced = sorted(key.removeprefix(FENCE_PREFIX) for key in marks if key.startswith(FENCE_PREFIX))
+    by = marks.get(ANNOTATION_CORDONED_BY, "")
+    if fenced:
+        if by == mine:
+            cluster.annotate_node(name, {ANNOTATION_CORDONED_BY: None})
+        gpus = ", ".join(gpu[:8] for gpu in fenced[:4]) + (f" +{len(fenced) - 4}" if len(fenced) > 4 else "")
+        return f"cordoned by its repair (GPU {gpus} fenced)", by
+    if by and by != mine:
+        return f"cordoned by {by[:40]!r} ({ANNOTATION_CORDONED_BY})", by
+    return "", by
 
 
 class CapacityActivities:
@@ -320,12 +341,22 @@ class CapacityActivities:
     @activity.defn
     @typed_errors
     @reports_account(lambda input: input.site)
-    def retire_machine(self, input: RetireMachineInput) -> None:
-        """Machine deleted (queued if the account is revoked), then the Node object out.
+    def retire_machine(self, input: RetireMachineInput) -> str | None:
+        """Machine deleted (queued if the account is revoked), then the Node object out; returns
+        None. With ``cordoned_by``, a node someone else took since its owner chose it (a repair
+        fenced a GPU during the drain) is kept: returns who holds it, deletes nothing.
 
         The machine first: it bills until deleted, and a Node that cannot be removed
         (the cluster refusing) must not keep the delete from running."""
+        if input.cordoned_by is not None:
+            try:
+                held, _ = who_holds(self.env.cluster, input.node_name, input.cordoned_by)
+            except NodeNotFound:
+                held = ""  # the Node is gone: its machine still goes
+            if held:
+                return held
         if input.machine_id:
             self.env.delete_machine(input.site, input.machine_id)
             record_retire(self.env, input.site, input.machine_id)  # a reclaim when SpotReclaim retires it
         self.env.cluster.remove_node(input.node_name)
+        return None

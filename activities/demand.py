@@ -17,9 +17,10 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryFail
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
+from activities.capacity import who_holds
 from activities.env import FleetEnv
 from activities.errors import typed_errors
-from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, LABEL_SITE, UNPROVEN_TAINT
+from fleet.cluster import CORDONED_BY_DEMAND, LABEL_SITE, UNPROVEN_TAINT
 from fleet.consolidation import IdleNode
 from fleet.demand import opted_in, site_labels
 from fleet.errors import NotFound
@@ -338,28 +339,15 @@ class DemandActivities:
 
     def _who_holds(self, name: str, result: IdleNodesResult) -> None:
         """A cordoned node's marks: the loop's own cordon (``CORDONED_BY_DEMAND``), or who holds it
-        now (a GPU fenced by its repair outranks any cordon mark). The node's kubelet can write
-        these annotations, so they decide only about that node, and what the loop logs of them
-        is bounded."""
-        from activities.repair import FENCE_PREFIX
-
+        now (``activities.capacity.who_holds``)."""
         try:
-            marks = self.env.cluster.annotate_node(name, {})  # a read: nothing merged
+            held, by = who_holds(self.env.cluster, name, CORDONED_BY_DEMAND)
         except NotFound:
             return  # gone since the list: nothing to hold
-        fenced = sorted(key.removeprefix(FENCE_PREFIX) for key in marks if key.startswith(FENCE_PREFIX))
-        by = marks.get(ANNOTATION_CORDONED_BY, "")
-        if fenced:
-            gpus = ", ".join(gpu[:8] for gpu in fenced[:4]) + (f" +{len(fenced) - 4}" if len(fenced) > 4 else "")
-            result.held[name] = f"cordoned by its repair (GPU {gpus} fenced)"
-            if by == CORDONED_BY_DEMAND:
-                # The cordon is the repair's now: once its fences go by hand, the node must not
-                # read as the loop's again (the repair's own uncordon drops the mark anyway).
-                self.env.cluster.annotate_node(name, {ANNOTATION_CORDONED_BY: None})
+        if held:
+            result.held[name] = held
         elif by == CORDONED_BY_DEMAND:
             result.own_cordon.append(name)
-        elif by:
-            result.held[name] = f"cordoned by {by[:40]!r} ({ANNOTATION_CORDONED_BY})"
 
     @activity.defn
     @typed_errors

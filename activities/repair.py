@@ -35,11 +35,8 @@ from providers.base import PowersOff
 from fleet.models import Node
 from fleet.replacement import replacement_sites
 from activities.control_plane import bootstrap_user_data, machine_addresses
-from fleet.cluster import LABEL_SITE, MAX_JOIN_TOKEN_TTL_S, UNPROVEN_TAINT
+from fleet.cluster import FENCE_PREFIX, LABEL_SITE, MAX_JOIN_TOKEN_TTL_S, UNPROVEN_TAINT
 
-#: One annotation per fenced GPU: ``gpufleet.io/fenced-gpu-<i>: <rung>``. The node's
-#: device plugin treats a fenced GPU as unhealthy (not allocatable).
-FENCE_PREFIX = "gpufleet.io/fenced-gpu-"
 #: On the Node: the boot id a reboot/reinstall was requested from. A retried activity that
 #: finds it equal to its own ``boot_id_before`` asked already and does not restart again,
 #: even when the node has not yet reported its new boot id (the kubelet lags the machine).

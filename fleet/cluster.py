@@ -46,6 +46,10 @@ ANNOTATION_MACHINE_ID = "gpufleet.io/machine-id"
 ANNOTATION_CORDONED_BY = "gpufleet.io/cordoned-by"
 #: The demand loop's mark: it cordoned the node to retire it (a drain that may have blocked).
 CORDONED_BY_DEMAND = "demand"
+#: On a Node, one annotation per GPU its repair fenced: ``gpufleet.io/fenced-gpu-<i>: <rung>``. The
+#: node's device plugin treats a fenced GPU as unhealthy (not allocatable); while one is there the
+#: node is its repair's, whoever cordoned it first.
+FENCE_PREFIX = "gpufleet.io/fenced-gpu-"
 #: The control-plane state kind (``Cluster.update_state``) holding each joined node's
 #: identity, written by the join when the node registered: a node cannot write it.
 NODE_IDENTITY_KIND = "node-identity"

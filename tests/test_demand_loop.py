@@ -271,6 +271,57 @@ async def test_consolidation_lets_go_a_node_a_repair_took_after_its_drain_blocke
         await handle.terminate("test over")
 
 
+async def test_a_retirement_keeps_a_node_a_repair_took_during_its_drain(temporal_env, tmp_path):
+    """The loop chose an idle node and drains it; while the drain runs a repair fences a GPU of it,
+    then the drain passes. The node is the repair's now: the retirement keeps it (node, machine and
+    cordon), says who holds it, and the loop lets it go. Before, the node and its machine were
+    deleted under the repair, which would then climb its ladder to replace a node that vanished."""
+    from activities.repair import fence_key
+
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        (machine,) = cap.world.machines(cap.site("mid"))
+        handle = await start_demand(cap, drain_seconds=30)  # the drain waits on the PDB meanwhile
+        await wait_for(lambda: cap.cluster.annotate_node(node, {}).get(ANNOTATION_CORDONED_BY) == CORDONED_BY_DEMAND,
+                       timeout=30)
+        cap.cluster.annotate_node(node, {fence_key(1): "reset"})  # as fence_gpu does (already cordoned)
+        cap.cluster.delete_pdb("default", "keeper")  # the drain passes
+        state = await until_status(handle, lambda s: logged(s, f"kept {node}: cordoned by its repair (GPU 1 fenced)"))
+        assert not logged(state, f"retired {node}"), state.log[-5:]
+        await asyncio.sleep(3)  # several passes past the TTL: the node is held, not the loop's
+        assert cap.cluster.get_node(node) is not None, (await status(handle)).log[-5:]
+        assert [m["id"] for m in cap.world.machines(cap.site("mid"))] == [machine["id"]], "its machine stays"
+        assert cap.cluster.get_node(node).unschedulable, "the cordon is left to the repair"
+        assert ANNOTATION_CORDONED_BY not in cap.cluster.annotate_node(node, {}), "the cordon is the repair's now"
+        state = await until_status(handle, lambda s: node in s.kept_idle)
+        assert "GPU 1 fenced" in state.kept_idle[node], state.kept_idle
+        await replay_and_record(handle, "demand_keeps_a_node_a_repair_took_during_its_drain")
+        await handle.terminate("test over")
+
+
+async def test_a_retirement_keeps_a_node_a_person_marked_theirs_and_a_repairs_own_retire_goes_on(
+        temporal_env, tmp_path):
+    """The retire activity itself: given the loop's mark, a node a person marked theirs since is
+    kept (who holds it said, nothing deleted); without a mark (a repair retiring its own node, a
+    reclaim) it retires whoever holds it, as always."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.capacity import CapacityActivities
+    from fleet.messages.capacity import RetireMachineInput
+
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        (machine,) = cap.world.machines(cap.site("mid"))
+        cap.cluster.cordon(node, by="alice")
+        retire = CapacityActivities(cap.env).retire_machine
+        mine = RetireMachineInput(site=cap.site("mid"), node_name=node, machine_id=machine["id"],
+                                  cordoned_by=CORDONED_BY_DEMAND)
+        assert await ActivityEnvironment().run(retire, mine) == f"cordoned by 'alice' ({ANNOTATION_CORDONED_BY})"
+        assert cap.cluster.get_node(node) is not None and cap.world.machines(cap.site("mid")), "nothing deleted"
+        assert await ActivityEnvironment().run(retire, mine.model_copy(update={"cordoned_by": None})) is None
+        assert cap.cluster.get_node(node) is None and not cap.world.machines(cap.site("mid"))
+
+
 async def test_a_new_run_retires_a_node_an_earlier_run_left_cordoned(temporal_env, tmp_path):
     """A run's drain blocked and it ended (its carried state gone: terminated, or from before the
     loop carried such nodes): the node stays cordoned, idle. The next run knows it as its own from

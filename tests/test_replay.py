@@ -110,6 +110,10 @@ EXPECTED = {
     # does not carry it, then retired (tests/test_demand_loop.py; no patch: the same commands, the
     # drain's input and the idle list now carry who cordoned).
     "demand_lets_go_a_node_a_repair_took", "demand_retires_a_node_it_left_cordoned",
+    # A retirement keeps a node a repair took during its drain (a GPU fenced): node, machine and
+    # cordon left to the repair (tests/test_demand_loop.py; no patch: the same commands, the retire
+    # activity's input carries the loop's mark and its result who holds the node, None before).
+    "demand_keeps_a_node_a_repair_took_during_its_drain",
     # Operations converge (issue 36): a capacity request refused at start or cancelled
     # (tests/test_capacity_converges.py); an evacuation that ends puts back what it changed
     # (tests/test_evacuation.py).

@@ -329,6 +329,11 @@ class Demand(Entity[DemandCarry]):
         if outcome.retired:
             self._log(f"retired {node} at {site}")
             self.state.idle_since.pop(node, None)
+        elif outcome.kept:
+            # Taken since the loop chose it (a repair fenced a GPU during the drain): not the
+            # loop's to retire, nor its cordon to carry.
+            self._log(f"kept {node}: {outcome.kept} since it was chosen; the cordon is theirs")
+            self.state.left_cordoned = [n for n in self.state.left_cordoned if n != node]
         else:
             self._log(f"kept {node}: {outcome.blocked or outcome.failed}")
             # Uncordon is the drain's business to undo: a blocked drain leaves the node

@@ -284,15 +284,20 @@ async def smoke_test_node(node_name: str, expected_gpus: int, *, timeout_seconds
     return checked_smoke(node_name, answer)
 
 
-async def retire_machine(site: str, node_name: str, machine_id: str, *, summary: str) -> None:
-    """Machine deleted at the provider (queued while its account is revoked), Node object out.
+async def retire_machine(site: str, node_name: str, machine_id: str, *, summary: str,
+                         cordoned_by: str | None = None) -> str:
+    """Machine deleted at the provider (queued while its account is revoked), Node object out;
+    returns "". With ``cordoned_by`` (the caller's cordon mark), a node someone else holds by now
+    is kept: returns who holds it.
 
     ``PROVIDER_RETRY``: a provider call, bounded, because a delete that keeps failing must
     reach a person (every caller reports it) rather than bill on behind an endless retry."""
-    await workflow.execute_activity(
-        act.retire_machine, RetireMachineInput(site=site, node_name=node_name, machine_id=machine_id),
+    held = await workflow.execute_activity(
+        act.retire_machine, RetireMachineInput(site=site, node_name=node_name, machine_id=machine_id,
+                                               cordoned_by=cordoned_by),
         start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=summary,
     )
+    return held or ""  # None: retired (and every history recorded before the check)
 
 
 @dataclass
@@ -304,20 +309,25 @@ class Retirement:
     blocked: str = ""
     #: Drained, but the provider delete failed after its retries: a person looks.
     failed: str = ""
+    #: Drained, but someone else took the node meanwhile (who holds it): nothing deleted, the
+    #: cordon is theirs.
+    kept: str = ""
 
 
 async def drain_and_retire(site: str, node_name: str, machine_id: str, drain_seconds: float, *,
                            why: str, cordoned_by: str | None = None) -> Retirement:
-    """Drain (its cordon marked ``cordoned_by``), then retire only a node whose drain completed."""
+    """Drain (its cordon marked ``cordoned_by``), then retire only a node whose drain completed
+    and, with ``cordoned_by``, that no one else holds by then (a repair fenced a GPU of it)."""
     drained = await drain_node(node_name, drain_seconds, summary=f"drain {node_name} ({why}; PDBs honoured)",
                                cordoned_by=cordoned_by)
     if not drained.completed:
         return Retirement(False, blocked="drain blocked (" + "; ".join(p.reason for p in drained.blocked) + ")")
     try:
-        await retire_machine(site, node_name, machine_id, summary=f"retire {node_name} (machine {machine_id})")
+        held = await retire_machine(site, node_name, machine_id, summary=f"retire {node_name} (machine {machine_id})",
+                                    cordoned_by=cordoned_by)
     except ActivityError as error:
         return Retirement(False, failed=f"retire failed: {failure_message(error)}")
-    return Retirement(True)
+    return Retirement(False, kept=held) if held else Retirement(True)
 
 
 # -- serving steps --------------------------------------------------------------------------

@@ -405,8 +405,9 @@ async def resolve_site(input: ResolveSiteInput) -> Site:
 
 
 @activity.defn(name="retire_machine")
-async def retire_machine(input: RetireMachineInput) -> None:
-    """Machine deleted (queued if the account is revoked), then the Node object out. Body:
+async def retire_machine(input: RetireMachineInput) -> str | None:
+    """Machine deleted (queued if the account is revoked), then the Node object out; or, with
+    ``cordoned_by``, who holds the node now, nothing deleted. Body:
     ``activities/capacity.py``, ``CapacityActivities.retire_machine``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 

@@ -100,6 +100,10 @@ class RetireMachineInput(BaseModel):
     site: str
     node_name: str
     machine_id: str
+    #: The retiring owner's cordon mark (``fleet.cluster.ANNOTATION_CORDONED_BY``): set, a node
+    #: someone else holds by now (a GPU fenced by its repair, another mark) is kept, not deleted.
+    #: None: retired whoever holds it (its repair's own replace, a reclaim whose machine goes).
+    cordoned_by: str | None = None
 
 
 # -- workflows ------------------------------------------------------------------------------
