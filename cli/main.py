@@ -363,15 +363,18 @@ def reconcile(
 @app.command()
 def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, output: OutputFormat = "table",
           address: Address = "localhost:7233") -> None:
-    """Every site: provider, GPUs, price, min/max; its nodes serving, cordoned (and by what: repair,
-    quarantine, evacuation, incident, operator), joining; its last incident (and the sim's knobs)."""
+    """Every site: provider, GPUs, price, min/max; its nodes serving, cordoned (by what: repair,
+    quarantine, evacuation, incident, demand loop, a mark's owner, operator), joining; its last incident.
+
+    A cordon nothing running holds is named by its mark (gpufleet.io/cordoned-by): the demand loop's
+    retirement, or whoever a person wrote; ``operator`` without one. With the sim: its knobs too."""
     from cli import site_status
 
     env = fleet_env(state_dir, config)
     nodes = env.cluster.list_nodes()
     names = [site.name for site in env.config.sites]
     holds = run(_site_holds(settings(address, state_dir, config), names, nodes))
-    now = site_status.summarize(names, nodes, holds)
+    now = site_status.summarize(names, nodes, holds, site_status.cordon_marks(env.cluster, nodes))
     columns = ["site", "provider", "region", "geo", "GPU", "$/GPU-h", "type", "min", "max", "serving/nodes",
                "cordoned", "joining", "last incident"]
     sim = {row["name"]: row for row in env.world.sites()} if env.world else {}

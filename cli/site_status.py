@@ -15,11 +15,14 @@ from collections import Counter
 from dataclasses import dataclass, field
 from datetime import datetime
 
-from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
+from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, LABEL_SITE, UNPROVEN_TAINT
 
 #: What can hold a node cordoned, in the order a node held for several reasons is shown by: the
-#: one that outlasts the others first (a repair keeps its node after the evacuation ends).
-CORDON_REASONS = ("quarantine", "repair", "evacuation", "incident", "operator")
+#: one that outlasts the others first (a repair keeps its node after the evacuation ends). After
+#: them, a cordon marked as someone else's shows the mark's value.
+CORDON_REASONS = ("quarantine", "repair", "evacuation", "incident", "demand loop", "operator")
+#: A cordon mark (``ANNOTATION_CORDONED_BY``) is shown cut to this: the node's kubelet can write it.
+MARK_SHOWN = 24
 #: The reason the Node entity gives when its agent's reports were bad too often in a row
 #: (``workflows.node``): a quarantine, though no ``quarantine`` signal logged it.
 BAD_REPORTS_QUARANTINE = "bad reports in a row from the node agent"
@@ -56,13 +59,17 @@ class SiteNow:
         total = sum(self.cordoned.values())
         if not total:
             return "0"
-        parts = [f"{reason} {self.cordoned[reason]}" for reason in (*CORDON_REASONS, UNKNOWN) if self.cordoned[reason]]
+        known = (*CORDON_REASONS, UNKNOWN)
+        order = [*known, *sorted(reason for reason in self.cordoned if reason not in known)]
+        parts = [f"{reason} {self.cordoned[reason]}" for reason in order if self.cordoned[reason]]
         return f"{total}: {', '.join(parts)}"
 
 
-def cordon_reason(node, site: str, holds: Holds | None) -> str:
-    """Why a cordoned node is cordoned: the first of ``CORDON_REASONS`` that holds it; ``operator``
-    when nothing of gpufleet's does (a person's ``kubectl cordon``); ``?`` without Temporal."""
+def cordon_reason(node, site: str, holds: Holds | None, mark: str = "") -> str:
+    """Why a cordoned node is cordoned: the first of ``CORDON_REASONS`` that holds it; else who its
+    cordon mark ``mark`` (``ANNOTATION_CORDONED_BY``) names: ``demand loop`` (its retirement's
+    drain), or the mark's value (a person who took the node); ``operator`` for a cordon without a
+    mark (a person's ``kubectl cordon``); ``?`` without Temporal."""
     if holds is None:
         return UNKNOWN
     if node.name in holds.quarantined:
@@ -73,12 +80,32 @@ def cordon_reason(node, site: str, holds: Holds | None) -> str:
         return "evacuation"
     if site in holds.incident_open:
         return "incident"
-    return "operator"
+    if mark == CORDONED_BY_DEMAND:
+        return "demand loop"
+    return mark[:MARK_SHOWN] or "operator"
 
 
-def summarize(site_names: list[str], nodes: list, holds: Holds | None) -> dict[str, SiteNow]:
-    """Per site: its nodes, those serving (Ready, schedulable, proven), those cordoned by reason,
-    those joining (a running join's node or machine, or a node not yet proven), the last incident."""
+def cordon_marks(cluster, nodes: list) -> dict[str, str]:
+    """Each cordoned node's cordon mark (``ANNOTATION_CORDONED_BY``), where it has one."""
+    from fleet.errors import NotFound
+
+    marks = {}
+    for node in (n for n in nodes if n.unschedulable):
+        try:
+            mark = cluster.annotate_node(node.name, {}).get(ANNOTATION_CORDONED_BY, "")  # a read: nothing merged
+        except NotFound:
+            continue  # gone since the list
+        if mark:
+            marks[node.name] = mark
+    return marks
+
+
+def summarize(site_names: list[str], nodes: list, holds: Holds | None,
+              marks: dict[str, str] | None = None) -> dict[str, SiteNow]:
+    """Per site: its nodes, those serving (Ready, schedulable, proven), those cordoned by reason
+    (``marks``: node → its cordon mark), those joining (a running join's node or machine, or a node
+    not yet proven), the last incident."""
+    marks = marks or {}
     out = {name: SiteNow() for name in site_names}
     for node in nodes:
         site = node.labels.get(LABEL_SITE) or node.site
@@ -90,7 +117,7 @@ def summarize(site_names: list[str], nodes: list, holds: Holds | None) -> dict[s
         if node.ready and not node.unschedulable and not unproven:
             now.serving += 1
         if node.unschedulable:
-            now.cordoned[cordon_reason(node, site, holds)] += 1
+            now.cordoned[cordon_reason(node, site, holds, marks.get(node.name, ""))] += 1
     for name, now in out.items():
         registering = {n.name for n in nodes if (n.labels.get(LABEL_SITE) or n.site) == name
                        and UNPROVEN_TAINT in n.taints}

@@ -48,6 +48,30 @@ def test_an_open_incident_holds_what_nothing_else_does_and_a_repair_outlasts_an_
     assert summarize(SITES, nodes, both)["a"].cordoned_cell() == "2: repair 1, evacuation 1"
 
 
+def test_a_cordon_the_demand_loop_or_a_person_marked_is_theirs_not_an_operators() -> None:
+    """The demand loop's retirement drain marks its cordon (``gpufleet.io/cordoned-by: demand``), a
+    person who takes a node over writes their own: ``sites`` reads the mark, where before each read
+    ``operator``. A repair still outranks the mark (it took the node), and a node's overlong mark is cut."""
+    from cli.site_status import cordon_marks
+    from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND
+
+    nodes = [node("retiring", cordoned=True), node("taken", cordoned=True), node("by-hand", cordoned=True),
+             node("repaired", cordoned=True), node("loud", cordoned=True), node("serving")]
+    annotations = {"retiring": {ANNOTATION_CORDONED_BY: CORDONED_BY_DEMAND},
+                   "taken": {ANNOTATION_CORDONED_BY: "alice"}, "repaired": {ANNOTATION_CORDONED_BY: CORDONED_BY_DEMAND},
+                   "loud": {ANNOTATION_CORDONED_BY: "x" * 300}, "serving": {ANNOTATION_CORDONED_BY: "stale"}}
+
+    class Cluster:
+        def annotate_node(self, name: str, changes: dict) -> dict:
+            assert changes == {}, "only read"
+            return annotations.get(name, {})
+
+    marks = cordon_marks(Cluster(), nodes)
+    assert set(marks) == {"retiring", "taken", "repaired", "loud"}, "cordoned nodes with a mark only"
+    cell = summarize(SITES, nodes, Holds(repairs={"repaired": ["XID 79"]}), marks)["a"].cordoned_cell()
+    assert cell == f"5: repair 1, demand loop 1, operator 1, alice 1, {'x' * 24} 1"
+
+
 def test_without_temporal_the_counts_stand_and_what_it_would_say_is_unknown() -> None:
     now = summarize(SITES, [node("x", cordoned=True), node("new", unproven=True)], None)["a"]
     assert now.cordoned_cell() == "1: ? 1" and now.joining == 1 and now.last_incident == "?"
