@@ -246,9 +246,9 @@ async def test_bad_reports_in_a_row_quarantine_the_node(hostile, monkeypatch) ->
     cordoned: list[tuple[str, bool]] = []
     real_cordon = SimCluster.cordon
 
-    def recording_cordon(cluster, name: str, unschedulable: bool = True):
+    def recording_cordon(cluster, name: str, unschedulable: bool = True, **marks):
         cordoned.append((name, unschedulable))
-        return real_cordon(cluster, name, unschedulable)
+        return real_cordon(cluster, name, unschedulable, **marks)
 
     monkeypatch.setattr(SimCluster, "cordon", recording_cordon)
     for _ in range(MAX_BAD_REPORTS_IN_A_ROW - 1):
