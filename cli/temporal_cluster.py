@@ -18,6 +18,12 @@ sizes; the address and password are this machine's), ``server.dynamicConfig`` (w
 deploy/temporal/dynamic-config.yaml; the file itself is what the services read), and the
 namespaces with their retention, created as the chart's namespace job creates them.
 
+Given the Secrets values.yaml mounts (``RealTemporal.tls_secrets``), also its ``server.config.tls``
+(the frontend's mutual TLS), each file at its Secret's folder here, and the namespace job's client
+is the admin tools' (``admintools.additionalEnv``). Without them (``gpufleet dev --temporal
+cluster``, the tier's shared cluster) the frontend is plaintext on loopback, as the dev server is;
+tests/realtemporal/test_tls.py runs the shipped TLS.
+
 The binaries are built by ``python3 tests/realtemporal/build.py`` (from the Go module proxy);
 this module only finds them where that script puts them (``cache_dir`` below).
 
@@ -243,6 +249,45 @@ def datastores(pg: Postgres) -> dict[str, Any]:
     return persistence
 
 
+def mounted_secrets(component: str) -> dict[str, str]:
+    """The Secrets values.yaml mounts into ``component``'s pods (``server``, ``admintools``,
+    ``web``: ``additionalVolumes`` and ``additionalVolumeMounts``), by name: their mountPath."""
+    settings = values().get(component) or {}
+    by_volume = {v["name"]: v["secret"]["secretName"] for v in settings.get("additionalVolumes") or ()
+                 if "secret" in v}
+    return {by_volume[m["name"]]: m["mountPath"].rstrip("/") for m in settings.get("additionalVolumeMounts") or ()
+            if m["name"] in by_volume}
+
+
+def relocated(value: Any, component: str, secrets: dict[str, Path]) -> Any:
+    """``value`` (values.yaml's, any nesting) with every path under a Secret's mountPath in
+    ``component``'s pods moved to that Secret's folder on this machine (``secrets``: name → folder)."""
+    if isinstance(value, dict):
+        return {key: relocated(item, component, secrets) for key, item in value.items()}
+    if isinstance(value, list):
+        return [relocated(item, component, secrets) for item in value]
+    if isinstance(value, str):
+        for name, mount in mounted_secrets(component).items():
+            if value.startswith(mount + "/"):
+                if name not in secrets:
+                    raise ClusterFailed(f"values.yaml's {component} reads {value} from the Secret {name}: "
+                                        f"give its files (tls_secrets)")
+                return str(secrets[name] / value[len(mount) + 1:])
+    return value
+
+
+def server_tls(secrets: dict[str, Path]) -> dict[str, Any]:
+    """values.yaml's ``server.config.tls`` as the server reads it (the chart renders it verbatim as
+    ``global.tls``), its files those of ``secrets``."""
+    return relocated(values()["server"]["config"].get("tls") or {}, "server", secrets)
+
+
+def admintools_env(secrets: dict[str, Path]) -> dict[str, str]:
+    """The admin tools' ``additionalEnv`` (the namespace job's too), its files those of ``secrets``."""
+    env = values().get("admintools", {}).get("additionalEnv") or ()
+    return {e["name"]: relocated(e["value"], "admintools", secrets) for e in env}
+
+
 @dataclass
 class RealTemporal:
     """The cluster: PostgreSQL, the schema, four services, the namespaces and search attributes."""
@@ -258,6 +303,10 @@ class RealTemporal:
     #: Any other port by its name (``INTERNAL_PORTS``, ``METRICS_PORTS``): ``gpufleet dev`` sets them
     #: all, from its ``--port``; each one not named here is a free one (the test tier's clusters).
     fixed_ports: dict[str, int] = field(default_factory=dict)
+    #: The Secrets values.yaml mounts, by name: a folder holding each one's files (``tls.crt``,
+    #: ``tls.key``, ``ca.crt``). Given, the frontend serves values.yaml's mutual TLS from them;
+    #: None, plaintext (see the module's docstring).
+    tls_secrets: dict[str, Path] | None = None
     postgres: Postgres = field(default_factory=Postgres)
     ports: dict[str, int] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -294,6 +343,7 @@ class RealTemporal:
                 # Each process its own metrics port (they are separate processes, as in the chart).
                 "metrics": {"prometheus": {"framework": "tally", "timerType": "histogram",
                                            "listenAddress": f"127.0.0.1:{self.ports[f'{service}-metrics']}"}},
+                **({"tls": server_tls(self.tls_secrets)} if self.tls_secrets is not None else {}),
             },
             "services": rpc,
             "clusterMetadata": {
@@ -405,11 +455,18 @@ class RealTemporal:
                 raise ClusterFailed(f"temporal-server {service} exited ({process.returncode}):\n{self.log_tail()}")
 
     async def connect(self, namespace: str | None = None, address: str | None = None):
+        """A client of the frontend; over mutual TLS, as the admin tools connect (the namespace
+        job's client: ``admintools_env``, read as the ``temporal`` CLI reads it)."""
         from temporalio.client import Client
         from temporalio.contrib.pydantic import pydantic_data_converter
+        from temporalio.envconfig import ClientConfigProfile
 
+        tls: Any = False
+        if self.tls_secrets is not None:
+            profile = ClientConfigProfile.load(disable_file=True, override_env_vars=admintools_env(self.tls_secrets))
+            tls = profile.to_client_connect_config().get("tls", False)
         return await Client.connect(address or self.address, namespace=namespace or self.namespaces[0][0],
-                                    data_converter=pydantic_data_converter)
+                                    data_converter=pydantic_data_converter, tls=tls)
 
     async def until_frontend_answers(self) -> None:
         """Once history and matching have joined the ring, the frontend serves."""

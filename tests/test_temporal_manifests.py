@@ -5,8 +5,11 @@ rendered Deployment gives it (``kubectl kustomize deploy/kubernetes``, read here
 its ``env`` list, and each mounted volume as a folder at the same path under a scratch root
 (the Secret ``gpufleet-temporal-client`` holds a certificate of a test CA). Only the frontend's
 address differs: ``temporal-frontend.temporal.svc`` is cluster DNS, so it becomes a loopback
-port where a TLS-terminating proxy (the dev server has no TLS flags) sits in front of the dev
-server and asks for a client certificate. The server name stays the manifest's.
+port where a TLS-terminating proxy sits in front of the dev server and asks for a client
+certificate. The server name stays the manifest's. A proxy, not the real server's own TLS: these
+tests run on the suite's dev server, in every tier, without the built server; the real server
+serving deploy/temporal/values.yaml's mutual TLS to this same manifest env is
+tests/realtemporal/test_tls.py.
 """
 
 from __future__ import annotations
@@ -64,29 +67,41 @@ def test_every_temporal_client_of_the_control_plane_uses_mutual_tls_from_its_sec
     assert not volume["secret"].get("optional"), "without the Secret the pod must not start"
 
 
+def new_ca(common_name: str) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    return key, _cert(common_name, key, key, _name(common_name), ca=True)
+
+
+def tls_secret(folder: Path, ca: tuple[ec.EllipticCurvePrivateKey, x509.Certificate], who: str,
+               san: list[x509.GeneralName], usage) -> Path:
+    """A TLS Secret's files as cert-manager or ``kubectl create secret`` write them: ``tls.crt``
+    (a certificate for ``who`` that ``ca`` signed), ``tls.key``, ``ca.crt``."""
+    ca_key, ca_cert = ca
+    folder.mkdir(parents=True)
+    key = ec.generate_private_key(ec.SECP256R1())
+    (folder / "tls.crt").write_bytes(_cert(who, key, ca_key, ca_cert.subject, san=san, usage=usage)
+                                     .public_bytes(serialization.Encoding.PEM))
+    (folder / "tls.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+    (folder / "ca.crt").write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
+    return folder
+
+
+def control_plane_secret(folder: Path, ca) -> Path:
+    """``gpufleet-temporal-client``'s files: the control plane's client certificate of ``ca``."""
+    return tls_secret(folder, ca, "gpufleet-control-plane", [x509.DNSName("gpufleet-control-plane")],
+                      ExtendedKeyUsageOID.CLIENT_AUTH)
+
+
 def frontend_pki(root: Path, server_name: str) -> tuple[dict[str, Path], Path]:
     """A CA with a server certificate for the manifest's server name (and loopback), and the
     Secret's three files: the control plane's client certificate, its key, the CA."""
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _cert("temporal test CA", ca_key, ca_key, _name("temporal test CA"), ca=True)
-    pki = {"ca": root / "ca.pem"}
-    pki["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    secret = root / "secret"
-    secret.mkdir()
-    (secret / "ca.crt").write_bytes(pki["ca"].read_bytes())
-    for who, san, usage, cert_path, key_path in (
-        ("server", [x509.DNSName(server_name), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
-         ExtendedKeyUsageOID.SERVER_AUTH, root / "server.pem", root / "server.key"),
-        ("gpufleet-control-plane", [x509.DNSName("gpufleet-control-plane")], ExtendedKeyUsageOID.CLIENT_AUTH,
-         secret / "tls.crt", secret / "tls.key"),
-    ):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert_path.write_bytes(_cert(who, key, ca_key, ca.subject, san=san, usage=usage)
-                              .public_bytes(serialization.Encoding.PEM))
-        key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                               serialization.NoEncryption()))
-    pki.update(server=root / "server.pem", server_key=root / "server.key")
-    return pki, secret
+    ca = new_ca("temporal test CA")
+    secret = control_plane_secret(root / "secret", ca)
+    server = tls_secret(root / "server", ca, "server",
+                        [x509.DNSName(server_name), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+                        ExtendedKeyUsageOID.SERVER_AUTH)
+    return {"ca": secret / "ca.crt", "server": server / "tls.crt", "server_key": server / "tls.key"}, secret
 
 
 def as_its_manifest_starts_it(pod: dict, root: Path, files: dict[str, dict[str, bytes]],

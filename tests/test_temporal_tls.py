@@ -1,6 +1,8 @@
 """Temporal over mutual TLS, configured only through Temporal's standard environment
 variables: a test CA (``cryptography``) signs a server and a client certificate, and a
-TLS-terminating proxy (the dev server has no TLS flags) sits in front of the dev server."""
+TLS-terminating proxy sits in front of the dev server (``start-dev`` serves no TLS of its own).
+What is under test is the client side, in the unit tier's speed and without the built server;
+the real server serving the shipped mutual TLS is tests/realtemporal/test_tls.py."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ a real bound service-account token where the Kubernetes client's in-cluster load
 its own network and mount namespaces, read-only root, uid 10001, no capabilities, its cgroups
 holding the manifest's resources. Its Temporal frontend (``temporal-frontend.temporal.svc:7233``,
 mutual TLS only) is a TLS-terminating proxy in front of the dev server, as for the gateway
-(``test_node_agent.py``).
+(``test_node_agent.py``; the real server's own TLS is ``tests/realtemporal/test_tls.py``).
 
 Its Python is the image's install (``tests/realk8s/image.py``): the venv ``pip install .`` makes,
 with no test extras, and the WORKDIR its Containerfile lays out.

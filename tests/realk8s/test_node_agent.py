@@ -21,7 +21,9 @@ service-account token at ``/var/run/secrets/kubernetes.io/serviceaccount``, from
 Kubernetes client's in-cluster loader asks the real API server, as the gateway's service
 account, whether the node is bound to that key. Its Temporal frontend
 (``temporal-frontend.temporal.svc:7233``, mutual TLS from ``gpufleet-temporal-client``) is a
-TLS-terminating proxy in front of the dev server (``tests/test_temporal_manifests.py``). The
+TLS-terminating proxy in front of the dev server (``tests/test_temporal_manifests.py``): the
+rest of the test drives that dev server, and the real server's own mutual TLS, as
+deploy/temporal/values.yaml ships it, is proven in ``tests/realtemporal/test_tls.py``. The
 nodes reach the replicas through one address, as through the gateway's Service (``ServiceFront``).
 """
 

@@ -1,0 +1,159 @@
+"""The frontend's mutual TLS as deploy/temporal/values.yaml ships it, on the real server.
+
+A cluster of this tier (``cli/temporal_cluster.py``) with values.yaml's ``server.config.tls``
+(the chart's ``global.tls``), its files from the two Secrets values.yaml mounts
+(``temporal-frontend-tls``: a certificate for the name the control-plane manifest dials,
+``TEMPORAL_TLS_SERVER_NAME``; ``temporal-client-tls``: Temporal's own clients'), created its
+namespace over mutual TLS as the chart's namespace job does, with the admin tools' variables.
+Then a client configured exactly as the control-plane Deployment's env configures it (its
+Secret ``gpufleet-temporal-client`` at its mountPath) must run a workflow, the server's own
+worker service must run a Schedule (its client certificate is values.yaml's ``systemWorker``),
+and a client with no certificate, another CA's, or expecting another server name is refused.
+
+The dev-server tests (tests/test_temporal_manifests.py, tests/realk8s) keep a TLS proxy in
+front of the dev server: they run without the built server; this is where the real server's
+TLS, and the shipped settings of it, are proven.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from datetime import timedelta
+from pathlib import Path
+from typing import AsyncIterator
+
+import pytest
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+from temporalio import workflow
+from temporalio.client import Schedule, ScheduleActionStartWorkflow, ScheduleSpec
+from temporalio.worker import Worker
+
+from fleet.settings import Settings
+from fleet.temporal import connect
+from tests.realtemporal.cluster import RealTemporal
+from tests.test_temporal_manifests import as_its_manifest_starts_it, control_plane_secret, new_ca, pod_spec, tls_secret
+
+#: The Secrets values.yaml mounts into the server's pods.
+FRONTEND_SECRET = "temporal-frontend-tls"
+CLIENT_SECRET = "temporal-client-tls"
+
+
+@workflow.defn(sandboxed=False)
+class Hello:
+    @workflow.run
+    async def run(self, name: str) -> str:
+        return f"hello {name}"
+
+
+@pytest.fixture(scope="module")
+def manifest_env() -> dict[str, str]:
+    (container,) = pod_spec("gpufleet-control-plane")["containers"]
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory, manifest_env) -> dict[str, Path]:
+    """One CA for the frontend, Temporal's own clients and gpufleet (values.yaml's comment says
+    so), and a client certificate of another CA."""
+    root = tmp_path_factory.mktemp("temporal-pki")
+    ca = new_ca("temporal test CA")
+    return {
+        # As production: the frontend's name only, no address: every client must name it.
+        FRONTEND_SECRET: tls_secret(root / FRONTEND_SECRET, ca, "temporal-frontend",
+                                    [x509.DNSName(manifest_env["TEMPORAL_TLS_SERVER_NAME"])],
+                                    ExtendedKeyUsageOID.SERVER_AUTH),
+        CLIENT_SECRET: tls_secret(root / CLIENT_SECRET, ca, "temporal-system",
+                                  [x509.DNSName("temporal-system")], ExtendedKeyUsageOID.CLIENT_AUTH),
+        "gpufleet-temporal-client": control_plane_secret(root / "gpufleet-temporal-client", ca),
+        "stranger": control_plane_secret(root / "stranger", new_ca("another CA")),
+    }
+
+
+@pytest.fixture(scope="module")
+async def tls_temporal(temporal_server, tmp_path_factory, pki) -> AsyncIterator[RealTemporal]:
+    running = RealTemporal(tmp_path_factory.mktemp("realtemporal-tls"),
+                           tls_secrets={name: pki[name] for name in (FRONTEND_SECRET, CLIENT_SECRET)})
+    await asyncio.to_thread(running.start)
+    try:
+        yield running
+    finally:
+        await asyncio.to_thread(running.stop)
+
+
+def control_plane_env(tmp_path: Path, address: str, secret: Path, **changed: str | None) -> dict[str, str]:
+    """The control-plane container's environment, its Secret ``secret``'s files at the
+    manifest's mountPath (under ``tmp_path``), the frontend at ``address``; ``changed`` variables
+    set (None: removed)."""
+    files = {"temporal-client": {name: (secret / name).read_bytes() for name in ("tls.crt", "tls.key", "ca.crt")}}
+    _, env = as_its_manifest_starts_it(pod_spec("gpufleet-control-plane"), tmp_path / "pod", files, address)
+    for name, value in changed.items():
+        if value is None:
+            del env[name]
+        else:
+            env[name] = value
+    return env
+
+
+async def connect_as(env: dict[str, str], monkeypatch):
+    """Connect as the control plane does (fleet.temporal.connect from the environment alone)."""
+    for name in [n for n in os.environ if n.startswith("TEMPORAL_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        if name.startswith("TEMPORAL_"):
+            monkeypatch.setenv(name, value)
+    return await asyncio.wait_for(connect(Settings.from_env()), 60)
+
+
+async def test_the_control_plane_runs_a_workflow_over_the_frontends_shipped_mutual_tls(
+        tls_temporal, pki, tmp_path, monkeypatch) -> None:
+    client = await connect_as(control_plane_env(tmp_path, tls_temporal.address, pki["gpufleet-temporal-client"]),
+                              monkeypatch)
+    queue = f"tls-{uuid.uuid4().hex[:8]}"
+    async with Worker(client, task_queue=queue, workflows=[Hello]):
+        assert await client.execute_workflow(Hello.run, "fleet", id=f"hello-{queue}", task_queue=queue,
+                                             execution_timeout=timedelta(seconds=60)) == "hello fleet"
+
+
+async def test_temporals_own_worker_service_reaches_the_frontend_with_its_certificate(
+        tls_temporal, pki, tmp_path, monkeypatch) -> None:
+    """Schedules (gpufleet's periodic work) run in Temporal's worker service, a client of the
+    frontend like any other: its certificate is values.yaml's ``systemWorker``."""
+    client = await connect_as(control_plane_env(tmp_path, tls_temporal.address, pki["gpufleet-temporal-client"]),
+                              monkeypatch)
+    queue = f"tls-schedule-{uuid.uuid4().hex[:8]}"
+    action = ScheduleActionStartWorkflow(Hello.run, "schedule", id=f"hello-{queue}", task_queue=queue)
+    handle = await client.create_schedule(f"schedule-{queue}", Schedule(action=action, spec=ScheduleSpec()),
+                                          trigger_immediately=True)
+    try:
+        async with Worker(client, task_queue=queue, workflows=[Hello]):
+            deadline = asyncio.get_running_loop().time() + 90
+            while not (await handle.describe()).info.recent_actions:
+                assert asyncio.get_running_loop().time() < deadline, (
+                    f"the scheduler started nothing in 90 s:\n{tls_temporal.log_tail()}")
+                await asyncio.sleep(0.5)
+            (started,) = (await handle.describe()).info.recent_actions
+            run = client.get_workflow_handle(started.action.workflow_id, run_id=started.action.first_execution_run_id)
+            assert await run.result() == "hello schedule"
+    finally:
+        await handle.delete()
+
+
+@pytest.mark.parametrize("refused", ["no client certificate", "another CA's certificate", "another server name"])
+async def test_the_frontend_refuses_a_client_the_shipped_settings_do_not_admit(
+        tls_temporal, pki, tmp_path, monkeypatch, refused: str) -> None:
+    secret = pki["stranger" if refused == "another CA's certificate" else "gpufleet-temporal-client"]
+    changed = {
+        "no client certificate": {"TEMPORAL_TLS_CLIENT_CERT_PATH": None, "TEMPORAL_TLS_CLIENT_KEY_PATH": None},
+        "another server name": {"TEMPORAL_TLS_SERVER_NAME": "temporal-frontend.elsewhere.svc"},
+    }.get(refused, {})
+    env = control_plane_env(tmp_path / "refused", tls_temporal.address, secret, **changed)
+    if refused == "another CA's certificate":  # it trusts the frontend: only its own certificate is foreign
+        Path(env["TEMPORAL_TLS_SERVER_CA_CERT_PATH"]).write_bytes((pki[CLIENT_SECRET] / "ca.crt").read_bytes())
+    with pytest.raises(RuntimeError):
+        await connect_as(env, monkeypatch)
+    # Refused for that one difference: the manifest's own settings connect.
+    admitted = control_plane_env(tmp_path / "admitted", tls_temporal.address, pki["gpufleet-temporal-client"])
+    assert (await (await connect_as(admitted, monkeypatch)).count_workflows()).count >= 0
