@@ -40,7 +40,7 @@ from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocke
 from fleet.models import AccountState
 from fleet.naming import account_workflow_id, site_workflow_id
 from fleet.placement import AccountView
-from fleet.cluster import ANNOTATION_CORDONED_BY, FENCE_PREFIX, FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT, DrainResult
+from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS, FENCE_PREFIX, FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT, DrainResult
 from fleet.demand import placement_drift, public_placement_labels
 from providers.cluster.base import Cluster, NodeNotFound
 from fleet.contracts import workflows as flows
@@ -308,9 +308,18 @@ class CapacityActivities:
                     pass  # gone since the list
         return [
             SiteNode(node_name=n.name, machine_id=n.machine_id, ready=n.ready, unproven=UNPROVEN_TAINT in n.taints,
-                     registered_at=n.registered_at, price_per_gpu_hour=site.price_per_gpu_hour)
+                     registered_at=n.registered_at, price_per_gpu_hour=site.price_per_gpu_hour,
+                     held=self._held(n.name) if n.unschedulable else "")
             for n in nodes
         ]
+
+    def _held(self, name: str) -> str:
+        """Who holds a cordoned node of the site (a fence, a person's mark: never without a cordon),
+        so that a retirement of the site's surplus does not choose it."""
+        try:
+            return who_holds(self.env.cluster, name, CORDONED_BY_SURPLUS)[0]
+        except NodeNotFound:
+            return ""  # gone since the list: nothing holds it
 
     @activity.defn
     async def signal_sites(self, input: SignalSitesInput) -> list[str]:

@@ -46,6 +46,9 @@ ANNOTATION_MACHINE_ID = "gpufleet.io/machine-id"
 ANNOTATION_CORDONED_BY = "gpufleet.io/cordoned-by"
 #: The demand loop's mark: it cordoned the node to retire it (a drain that may have blocked).
 CORDONED_BY_DEMAND = "demand"
+#: The mark of a retirement of a site's surplus: the Site entity's above its max, an evacuation's of
+#: the nodes it bought. A node cordoned so (a drain of either that blocked) is neither's hold on it.
+CORDONED_BY_SURPLUS = "surplus"
 #: On a Node, one annotation per GPU its repair fenced: ``gpufleet.io/fenced-gpu-<i>: <rung>``. The
 #: node's device plugin treats a fenced GPU as unhealthy (not allocatable); while one is there the
 #: node is its repair's, whoever cordoned it first.

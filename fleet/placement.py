@@ -221,9 +221,13 @@ def expired(until: datetime, now: datetime) -> bool:
 
 
 def surplus_to_retire(nodes: list, n: int) -> list:
-    """The ``n`` nodes to retire above a site's max: most expensive first, then newest.
+    """The ``n`` nodes to retire above a site's max: most expensive first, then newest; never one
+    someone holds (``held``: a repair fenced a GPU of it, a person marked it theirs), so fewer than
+    ``n`` when too few are free. A held node is its holder's business: it counts, and is retired
+    once free again (its repair's uncordon wakes the site), if the site is still above its max.
 
-    ``nodes`` have ``price_per_gpu_hour`` and ``registered_at`` (None sorts oldest)."""
+    ``nodes`` have ``price_per_gpu_hour``, ``registered_at`` (None sorts oldest) and ``held``."""
+    nodes = [node for node in nodes if not node.held]
     if n <= 0:
         return []
     epoch = datetime.min.replace(tzinfo=None)

@@ -399,6 +399,33 @@ async def test_an_evacuation_buys_what_the_targets_max_nodes_hold_not_more(tempo
         await replay_and_record(inc.evacuation("a"), "site_evacuation_capacity_capped")
 
 
+async def test_an_evacuation_keeps_a_node_it_bought_that_a_repair_holds(inc: IncStack) -> None:
+    """As it ends an evacuation retires the nodes it bought, but not one a repair fenced a GPU of
+    meanwhile: that node, machine and cordon, is the repair's, and the timeline says so. Before, it
+    was drained and deleted under the repair, which then climbs its ladder to replace a node that
+    vanished."""
+    from activities.repair import fence_key
+
+    a, c = inc.site("a"), inc.site("c")
+    await inc.join("a", 3)
+    inc.serve(MODEL, "a", replicas=2)
+    inc.serve(MODEL, "c", replicas=0)  # c runs the model's Deployment on no node yet: 2 nodes bought
+    await inc.start_site("a")
+    inc.world.set_site(a, unreachable=1)
+    await poll(lambda: _joined_capacity(inc), timeout=60)
+    repaired, free = sorted(m["name"] for m in inc.world.machines(c))
+    inc.cluster.annotate_node(repaired, {fence_key(0): "reset"})  # as fence_gpu does
+    inc.cluster.cordon(repaired, True)
+    await inc.evacuation("a").execute_update("abort", "test: the provider says it was a blip")
+    result = EvacuationResult.model_validate(await asyncio.wait_for(inc.evacuation("a").result(), 60))
+    assert result.outcome == "aborted", result
+    steps = {s.name: s.detail for s in result.timeline}
+    assert steps["surplus drained"] == f"1 nodes retired; kept {repaired}: cordoned by its repair (GPU 0 fenced)", steps
+    assert [m["name"] for m in inc.world.machines(c)] == [repaired], "its machine stays"
+    assert inc.cluster.get_node(free) is None and inc.cluster.get_node(repaired).unschedulable
+    await replay_and_record(inc.evacuation("a"), "site_evacuation_keeps_a_bought_node_a_repair_holds")
+
+
 async def _joined_capacity(inc: IncStack):
     progress = await inc.progress("a")
     return progress if progress is not None and "capacity joined" in step_names(progress) else None

@@ -104,3 +104,20 @@ def test_surplus_is_most_expensive_then_newest() -> None:
     ]
     assert [n.node_name for n in surplus_to_retire(nodes, 2)] == ["old-dear", "new-cheap"]
     assert surplus_to_retire(nodes, 0) == []
+
+
+def test_surplus_is_never_a_node_someone_holds() -> None:
+    """A node a repair fenced a GPU of, or a person marked theirs, is never surplus, however dear or
+    new: the free ones go first, and with too few free the site retires fewer. Before, the newest
+    (the one a repair had just fenced) was drained and deleted under the repair."""
+    now = datetime(2026, 1, 1, tzinfo=timezone.utc)
+    nodes = [
+        SiteNode(node_name="old", price_per_gpu_hour=2.0, registered_at=now),
+        SiteNode(node_name="repaired", price_per_gpu_hour=2.0, registered_at=now + timedelta(hours=2),
+                 held="cordoned by its repair (GPU 1 fenced)"),
+        SiteNode(node_name="new", price_per_gpu_hour=2.0, registered_at=now + timedelta(hours=1)),
+        SiteNode(node_name="alices", price_per_gpu_hour=3.0, registered_at=now,
+                 held="cordoned by 'alice' (gpufleet.io/cordoned-by)"),
+    ]
+    assert [n.node_name for n in surplus_to_retire(nodes, 1)] == ["new"]
+    assert [n.node_name for n in surplus_to_retire(nodes, 3)] == ["new", "old"], "only the free ones"

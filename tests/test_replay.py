@@ -114,6 +114,13 @@ EXPECTED = {
     # cordon left to the repair (tests/test_demand_loop.py; no patch: the same commands, the retire
     # activity's input carries the loop's mark and its result who holds the node, None before).
     "demand_keeps_a_node_a_repair_took_during_its_drain",
+    # A site above its max retires its free nodes, never one a repair or a person holds, and one
+    # freed by its repair's end; its retirement keeps a node a repair took during the drain
+    # (tests/test_site_reclaim.py); an evacuation keeps a node it bought that a repair holds
+    # (tests/test_evacuation.py). No patch: the same commands where no node is held, and every
+    # history recorded before reads each listed node as free (``SiteNode.held``) and each retired.
+    "site_above_max_leaves_held_nodes_to_their_holders", "site_above_max_keeps_a_node_a_repair_took_during_its_drain",
+    "site_evacuation_keeps_a_bought_node_a_repair_holds",
     # Operations converge (issue 36): a capacity request refused at start or cancelled
     # (tests/test_capacity_converges.py); an evacuation that ends puts back what it changed
     # (tests/test_evacuation.py).

@@ -65,6 +65,79 @@ async def test_site_below_min_fills_and_above_max_retires_the_newest(cap: CapSta
     await replay_and_record(mid, "site_retire_above_max")
 
 
+async def test_above_max_retires_free_nodes_and_leaves_held_ones_to_their_holders(cap: CapStack) -> None:
+    """mid (max 1) has three nodes: the newest is a repair's (a GPU fenced), the next a person's
+    (marked theirs). The site retires the free one and says who holds the others, deleting neither;
+    once the repair ends (its uncordon) that node is free and retired. Before, the newest two were
+    chosen, drained and deleted under the repair (which then climbs its ladder to replace a node
+    that vanished) and under the person."""
+    from activities.repair import fence_key
+    from fleet.cluster import ANNOTATION_CORDONED_BY
+
+    mid = cap.site("mid")
+    names = []
+    for name in ("first", "second", "third"):
+        joined = await cap.client.execute_workflow("NodeJoin", {"site": mid, "timeouts": FAST_JOIN},
+                                                   id=f"join/{mid}/{name}", task_queue=cap.settings.task_queue)
+        names.append(joined["nodes"][0]["node_name"])
+    free, alices, repaired = names
+    cap.cluster.annotate_node(repaired, {fence_key(1): "reset"})  # as fence_gpu does
+    cap.cluster.cordon(repaired, True)
+    cap.cluster.cordon(alices, by="alice")
+    machines = {m["name"]: m["id"] for m in live(cap, "mid")}
+    site = await start_site(cap, "mid")
+
+    async def status() -> SiteStatus:
+        return await site.query("status", result_type=SiteStatus)
+
+    await wait_for(lambda: cap.cluster.get_node(free) is None, timeout=30)
+    await wait_for(lambda: sorted(m["name"] for m in live(cap, "mid")) == sorted([alices, repaired]), timeout=10)
+    for _ in range(100):
+        last = (await status()).last
+        if "nothing retired" in last:
+            break
+        await asyncio.sleep(0.1)
+    assert f"{repaired} (cordoned by its repair (GPU 1 fenced))" in last, last
+    assert f"{alices} (cordoned by 'alice' ({ANNOTATION_CORDONED_BY}))" in last, last
+    await asyncio.sleep(2)  # more reconciles: still neither
+    assert cap.cluster.get_node(repaired) is not None and cap.cluster.get_node(alices) is not None
+
+    cap.cluster.annotate_node(repaired, {fence_key(1): None})  # the repair ends: as uncontain_gpu does
+    cap.cluster.cordon(repaired, False)
+    await wait_for(lambda: [m["id"] for m in live(cap, "mid")] == [machines[alices]], timeout=30)
+    assert cap.cluster.get_node(repaired) is None and cap.cluster.get_node(alices).unschedulable
+    await replay_and_record(site, "site_above_max_leaves_held_nodes_to_their_holders")
+
+
+async def test_above_max_keeps_a_node_a_repair_took_during_its_drain(cap: CapStack) -> None:
+    """mid (max 1) retires its newest node; while a PodDisruptionBudget holds the drain a repair
+    fences a GPU of it, then the drain passes. The retirement looks again before it deletes: the
+    node, its machine and its cordon are the repair's, the site says so and, the node held, retires
+    the other one. Before, the node was deleted under the repair."""
+    from activities.repair import fence_key
+    from fleet.cluster import ANNOTATION_CORDONED_BY
+
+    mid = cap.site("mid")
+    names = []
+    for name in ("first", "second"):
+        joined = await cap.client.execute_workflow("NodeJoin", {"site": mid, "timeouts": FAST_JOIN},
+                                                   id=f"join/{mid}/{name}", task_queue=cap.settings.task_queue)
+        names.append(joined["nodes"][0]["node_name"])
+    first, newest = names
+    machines = {m["name"]: m["id"] for m in live(cap, "mid")}
+    cap.cluster.add_pod(newest, "keeper", labels={"app": "keeper"})
+    cap.cluster.set_pdb("default", "keeper", {"app": "keeper"}, min_available=1)
+    site = await start_site(cap, "mid", drain_seconds=30)
+    await wait_for(lambda: cap.cluster.get_node(newest).unschedulable, timeout=30)  # its drain began
+    cap.cluster.annotate_node(newest, {fence_key(1): "reset"})  # as fence_gpu does (already cordoned)
+    cap.cluster.delete_pdb("default", "keeper")  # the drain passes
+    await wait_for(lambda: cap.cluster.get_node(first) is None, timeout=30)
+    assert [m["id"] for m in live(cap, "mid")] == [machines[newest]], "its machine stays"
+    assert cap.cluster.get_node(newest).unschedulable, "the cordon is left to the repair"
+    assert ANNOTATION_CORDONED_BY not in cap.cluster.annotate_node(newest, {}), "the cordon is the repair's now"
+    await replay_and_record(site, "site_above_max_keeps_a_node_a_repair_took_during_its_drain")
+
+
 async def test_a_join_tells_its_site_entity_at_once(cap: CapStack) -> None:
     """A node joined from outside the entity (CLI, temporal CLI) is in its status
     when the join ends, not at the next reconcile minutes later."""

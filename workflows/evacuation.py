@@ -31,7 +31,9 @@ query):
    to its Node entity's repair ladder, and the site returns with the others), the site's
    Deployments come back, the weight climbs in steps (10 → 50 → 100 % with a bake
    time between), the extra replicas elsewhere go, and the nodes bought for the
-   evacuation are retired while their site is above its min.
+   evacuation are retired while their site is above its min, but not one someone holds (a
+   repair fenced a GPU of it, a person marked it theirs): the timeline's "surplus drained"
+   names each kept one and who holds it; it stays its site's, like any other node there.
 
 One evacuation acts on a site at a time: one that finds another of its site running, begun first
 (a person's ``gpufleet evacuate start`` beside the Site entity's), follows it (state
@@ -115,7 +117,7 @@ with workflow.unsafe.imports_passed_through():
         until_run_began,
         wait_for_serving,
     )
-    from fleet.cluster import ServingStatus
+    from fleet.cluster import CORDONED_BY_SURPLUS, ServingStatus
     from fleet.messages.routing import SiteEvent, SiteEventInput
 
 
@@ -996,12 +998,18 @@ class SiteEvacuation:
         for model, where in sorted(p.moves.items()):
             for target in sorted(where):
                 await self._scale(model, target, self._replicas_before(model, target))
-        retired = await self._retire_acquired()
-        self._mark("surplus drained", f"{retired} nodes retired")
+        retired, kept = await self._retire_acquired()
+        self._mark("surplus drained", f"{retired} nodes retired"
+                   + "".join(f"; kept {node}: {why}" for node, why in kept.items()))
 
-    async def _retire_acquired(self) -> int:
+    async def _retire_acquired(self) -> tuple[int, dict[str, str]]:
+        """Retire the nodes it bought while their site is above its min; how many, and each one
+        kept because someone holds it (a repair fenced a GPU of it, a person marked it theirs):
+        that node is its holder's business, then its site's min/max and the demand loop's, like
+        any other node there. Its drain marks the cordon ``CORDONED_BY_SURPLUS``, so a node taken
+        during the drain is kept too (``retire_machine``'s last look)."""
         s = self._s
-        retired = 0
+        retired, kept = 0, {}
         for node in self._acquired:
             nodes = await workflow.execute_activity(
                 act.site_nodes, SiteNodesInput(site=node.site),
@@ -1009,12 +1017,18 @@ class SiteEvacuation:
             )
             if len(nodes) <= await self._min_nodes(node.site):
                 continue
+            held = next((n.held for n in nodes if n.node_name == node.node_name), "")
+            if held:
+                kept[node.node_name] = held
+                continue
             outcome = await drain_and_retire(node.site, node.node_name, node.machine_id, s.drain_seconds,
-                                             why="bought for the evacuation")
+                                             why="bought for the evacuation", cordoned_by=CORDONED_BY_SURPLUS)
             retired += outcome.retired
+            if outcome.kept:
+                kept[node.node_name] = outcome.kept
             if outcome.failed:
                 self._progress.needs_person = f"{node.node_name}: {outcome.failed}"
-        return retired
+        return retired, kept
 
     async def _min_nodes(self, site: str) -> int:
         resolved: Site = await workflow.execute_activity(

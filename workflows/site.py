@@ -10,7 +10,11 @@ transition reconciles. Each reconcile counts the site's nodes in the cluster, th
 
 - below min: an AcquireCapacity restricted to this site for the missing nodes;
 - above max: drain (PDBs honoured) and retire the surplus, most expensive first,
-  then newest.
+  then newest, never a node someone holds (a repair fenced a GPU of it, a person marked it
+  theirs: ``SiteNode.held``). Held nodes count; with only held ones above the max the site
+  waits, saying who holds them, and retires such a node once it is free again (its repair's
+  uncordon wakes the watch). The drain marks its cordon ``CORDONED_BY_SURPLUS``, so a node
+  taken during the drain is kept (``retire_machine``'s last look).
 
 Provider incidents (product rule 5, ``fleet.incident``; recorded as patch
 ``incident-v1``): the entity also
@@ -73,6 +77,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.demand import public_placement_labels
     from fleet.messages.repair import NodeQuarantine
     from fleet.placement import surplus_to_retire
+    from fleet.cluster import CORDONED_BY_SURPLUS
     from workflows.entity import Entity
     from workflows.inputs import invalid_input, parse_input, parse_signal
     from workflows.steps import (
@@ -223,7 +228,7 @@ class SiteEntity(Entity[SiteState]):
             return f"{head}; below its min: acquires {site.min_nodes - known} nodes unless the count finds more"
         if known > site.max_nodes:
             return (f"{head}; above its max: drains and retires {known - site.max_nodes} (most expensive first, "
-                    "then newest) unless the count finds fewer")
+                    "then newest; never a node a repair or a person holds) unless the count finds fewer")
         return f"{head}; within min/max: nothing to change unless the count differs"
 
     @workflow.signal
@@ -752,7 +757,16 @@ class SiteEntity(Entity[SiteState]):
             self._start_fill(site.min_nodes - count)
             self._show(f"below min ({count} < {site.min_nodes}): acquiring {site.min_nodes - count}")
         elif count > site.max_nodes:
-            await self._retire(surplus_to_retire(nodes, count - site.max_nodes), count)
+            surplus = surplus_to_retire(nodes, count - site.max_nodes)
+            # Held nodes are named only where they leave the site above its max.
+            held = [n for n in nodes if n.held] if len(surplus) < count - site.max_nodes else []
+            if surplus:
+                await self._retire(surplus, count, held)
+            else:
+                # Only held nodes above the max: the site waits for their holders; a repair's
+                # uncordon wakes it (the watch), and a node free again is retired then.
+                self._show(f"above max ({count} > {site.max_nodes}): nothing retired, the nodes past it are held: "
+                           + self._holders(held))
         else:
             self._set_fleet_state("ok")
             self._show(f"{count} nodes, within min/max")
@@ -788,20 +802,32 @@ class SiteEntity(Entity[SiteState]):
 
         self._fill = self.spawn(fill())
 
-    async def _retire(self, surplus: list[SiteNode], count: int) -> None:
+    @staticmethod
+    def _holders(held: list[SiteNode]) -> str:
+        shown = "; ".join(f"{n.node_name} ({n.held})" for n in held[:5])
+        more = f"; {len(held) - 5} more" if len(held) > 5 else ""
+        return f"{shown}{more}: retired once free, if the site is still above its max"
+
+    async def _retire(self, surplus: list[SiteNode], count: int, held: list[SiteNode]) -> None:
         site, s = self._site, self.state.status
         self._set_fleet_state("retiring")
         s.retiring = [n.node_name for n in surplus]
-        self._show(f"above max ({count} > {site.max_nodes}): retiring {len(surplus)}")
+        self._show(f"above max ({count} > {site.max_nodes}): retiring {len(surplus)}"
+                   + (f"; held, so not chosen: {self._holders(held)}" if held else ""))
+        notes: list[str] = []
         for node in surplus:
+            # Marked, the cordon is the surplus retirement's; a node someone takes during the
+            # drain (a repair fences a GPU) is kept, and the next reconcile no longer chooses it.
             outcome = await drain_and_retire(site.name, node.node_name, node.machine_id, self._args.drain_seconds,
-                                             why="above the site's max")
+                                             why="above the site's max", cordoned_by=CORDONED_BY_SURPLUS)
             if outcome.retired:
                 s.nodes[node.node_name] = "gone"
+            elif outcome.kept:
+                notes.append(f"kept {node.node_name}: {outcome.kept} since it was chosen; the cordon is theirs")
             else:
-                s.last = f"{node.node_name}: {outcome.blocked or outcome.failed}; next reconcile"
+                notes.append(f"{node.node_name}: {outcome.blocked or outcome.failed}; next reconcile")
         s.retiring = []
-        self._show(f"retired surplus at {site.name}")
+        self._show("; ".join([f"retired surplus at {site.name}", *notes]))
 
 
 #: Workflow patch: the Schedule's sweep (no sites named) starts the entities that are not running

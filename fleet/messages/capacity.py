@@ -86,6 +86,10 @@ class SiteNode(BaseModel):
     unproven: bool = False
     registered_at: datetime | None = None
     price_per_gpu_hour: float = 0.0
+    #: Who holds the node, where someone does (``activities.capacity.who_holds``): a repair that
+    #: fenced a GPU of it, a person's cordon mark. Never chosen as a site's surplus. Empty: free
+    #: (and in every result recorded before the field).
+    held: str = ""
 
 
 class SignalSitesInput(BaseModel):
