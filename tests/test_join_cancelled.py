@@ -12,6 +12,7 @@ import asyncio
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -19,12 +20,15 @@ import pytest
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
 from temporalio.exceptions import CancelledError
+from temporalio.worker import HandleQueryInput, Interceptor, WorkflowInboundInterceptor
 
+from activities.control_plane import ControlPlaneActivities
 from activities.node_agent import NodeAgentActivities
 from client import FleetClient
 from fleet import search_attributes as sa
 from fleet.messages.join import JoinProgress
-from fleet.messages.nodes import SmokeTestInput
+from fleet.messages.nodes import ResolveSiteInput, SmokeTestInput
+from workers import control_plane
 from tests.conftest import Stack, wait_for
 from tests.repair_helpers import eventually
 from tests.replay import replay_and_record
@@ -156,6 +160,62 @@ async def test_a_join_cancelled_during_its_smoke_test_ends_cancelled_not_with_a_
         assert [n for n in stack.cluster.list_nodes() if n.name == machine["name"]] == [], "node object removed"
         progress = await _progress(handle)
         assert progress.step == "cancelled" and progress.cancelled_while == "smoke test", progress
+
+
+async def test_a_join_cancelled_while_its_progress_is_answered_during_the_site_lookup_replays(
+        fleet_world: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`gpufleet join` and the UI query a join's progress from its start, and a cancel (Ctrl-C, the
+    request that started it) can come during its first task. When the site's lookup was a local
+    activity that ended while the worker answered such a query, the worker handed its result over
+    a task late, with the cancel: the run ended cancelled at the lookup where a replay (the result
+    from its marker, a task earlier) had scheduled the machine's create, so the history did not
+    replay and a query of the ended join failed (`gpufleet join` then named no step). The lookup is
+    a regular activity since ``join-patches-at-start-3``."""
+    answering, cancelled = threading.Event(), threading.Event()
+    honest = ControlPlaneActivities.resolve_site
+
+    @activity.defn(name="resolve_site")
+    def resolve_site(self, input: ResolveSiteInput) -> Any:  # no hint on self: the SDK skips it
+        answering.wait(30)  # the lookup ends while the query is answered, after the cancel came
+        cancelled.wait(30)
+        time.sleep(0.3)  # (as a regular activity, after the task that takes the cancel)
+        return honest(self, input)
+
+    class SlowProgress(WorkflowInboundInterceptor):
+        def handle_query(self, input: HandleQueryInput) -> Any:
+            if input.query == "progress":
+                answering.set()
+                time.sleep(1.0)  # a loaded worker answers slowly
+            return super().handle_query(input)
+
+    class SlowProgressQueries(Interceptor):
+        def workflow_interceptor_class(self, input: Any) -> type[WorkflowInboundInterceptor]:
+            return SlowProgress
+
+    monkeypatch.setattr(ControlPlaneActivities, "resolve_site", resolve_site)
+    interceptors = control_plane.worker_interceptors
+    monkeypatch.setattr(control_plane, "worker_interceptors", lambda: [*interceptors(), SlowProgressQueries()])
+    from tests.plugins.stack import running_stack
+
+    handle = await fleet_world.start_join({"site": "site-a"}, request=f"lookup-{uuid.uuid4().hex[:6]}")
+    watching = asyncio.create_task(_progress(handle))  # no worker yet: it comes with the first task
+    await asyncio.sleep(0.5)
+    async with running_stack(fleet_world) as stack:
+        try:
+            await asyncio.to_thread(answering.wait, 30)
+            await handle.cancel()
+        finally:
+            cancelled.set()
+        assert (await watching).step == "resolving site"
+        with pytest.raises(WorkflowFailureError) as ended:
+            await asyncio.wait_for(handle.result(), 60)
+
+        assert isinstance(ended.value.cause, CancelledError), f"ended by {ended.value.cause!r}, not by the cancel"
+        assert stack.world.machines("site-a") == [], "nothing was bought"
+        progress = await _progress(handle)  # a query of the ended join replays its history
+        assert progress.step == "cancelled" and progress.cancelled_while == "resolving site", progress
+        assert "nothing was bought" in await _details(handle)
+        await replay_and_record(handle, "node_join_cancelled_while_queried_in_site_lookup")
 
 
 async def test_gpufleet_join_watching_a_join_cancelled_elsewhere_says_cancelled_not_failed(stack: Stack) -> None:

@@ -1,6 +1,6 @@
 """NodeJoin (id ``join/<site>/<request>``): one machine from provider to serving.
 
-The runbook: resolve the site (a local activity: a config lookup) → a join token bound
+The runbook: resolve the site (an activity: a config lookup) → a join token bound
 to the node's name, then the machine with its bootstrap (kubeadm join) in its user data,
 in one activity (the workflow id is the provider's idempotency key and the token's) →
 approve its kubelet's certificate, wait for it to register as this machine (providerID,
@@ -68,13 +68,21 @@ with workflow.unsafe.imports_passed_through():
 #: ``admit-together``, ``tell-site-entity``, ``clean-up-machine-first``) are gone with their old
 #: branches: only runs from before it recorded their markers, and none of those is open.
 JOIN_PATCHES_AT_START = "join-patches-at-start"
-#: Workflow patch, asked once in the run's first task (never after the local activity): the
+#: Workflow patch, asked once in the run's first task (before any activity): the
 #: join's clean-up converges under a cancel. A cancel that landed during the clean-up of a failed
 #: join cancelled the machine's delete (the machine left for the sweep, the join needs-person);
 #: now the clean-up's activities are shielded from it. And a join cancelled while its machine was
 #: being created deleted the machine but left the node's join token until its TTL; now it
 #: deletes the token too. Runs from before it (no marker) keep the old path.
 JOIN_PATCHES_AT_START_2 = "join-patches-at-start-2"
+#: Workflow patch, asked once in the run's first task after ``JOIN_PATCHES_AT_START_2``: the site
+#: is resolved by a regular activity, not a local one. A query answered while the local activity
+#: ran (``gpufleet join`` and the UI poll ``progress``) let the worker complete the first task with
+#: its marker and hand the result over in the next task, together with a cancel that came
+#: meanwhile: the run ended cancelled at the lookup, where a replay (the result from the marker, a
+#: task earlier) had already scheduled the machine's create, and the history did not replay
+#: (a query of the closed join failed). Runs from before it (no marker) keep the local activity.
+JOIN_PATCHES_AT_START_3 = "join-patches-at-start-3"
 
 
 @workflow.defn(name="NodeJoin")
@@ -87,6 +95,8 @@ class NodeJoin:
         self._left_behind: list[str] = []
         #: ``JOIN_PATCHES_AT_START_2``: a cancel does not stop the clean-up.
         self._clean_up_converges = False
+        #: ``JOIN_PATCHES_AT_START_3``: the site is resolved by a regular activity.
+        self._no_local_activity = False
 
     @workflow.query
     def progress(self) -> JoinProgress:
@@ -105,8 +115,9 @@ class NodeJoin:
 
     @workflow.run
     async def run(self, raw: Any) -> NodeJoinResult:
-        workflow.deprecate_patch(JOIN_PATCHES_AT_START)  # first: before the local activity
+        workflow.deprecate_patch(JOIN_PATCHES_AT_START)  # first: before any activity
         self._clean_up_converges = workflow.patched(JOIN_PATCHES_AT_START_2)
+        self._no_local_activity = workflow.patched(JOIN_PATCHES_AT_START_3)
         request = parse_input(NodeJoinInput, raw)
         if request.count > 1:
             return await self._join_many(request)
@@ -246,7 +257,8 @@ class NodeJoin:
     async def _resolve_site(self, name: str, node_name: str, join_id: str) -> Site:
         """1. The site's provider, region, instance type and account."""
         self._step("resolving site", name)
-        site: Site = await workflow.execute_local_activity(
+        execute = workflow.execute_activity if self._no_local_activity else workflow.execute_local_activity
+        site: Site = await execute(
             act.resolve_site, ResolveSiteInput(site=name),
             start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=f"look up site {name}",
         )
