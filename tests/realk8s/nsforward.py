@@ -19,7 +19,7 @@ import socket
 import threading
 from pathlib import Path
 
-from tests.realk8s.relay import UnixRelay
+from tests.realk8s.relay import UnixRelay, no_delay
 
 
 def _split(address: str) -> tuple[str, int]:
@@ -43,6 +43,7 @@ class TcpToUnix:
                 inbound, _ = self._listener.accept()
             except OSError:
                 return
+            no_delay(inbound)
             outbound = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 outbound.connect(str(self.path))

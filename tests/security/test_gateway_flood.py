@@ -5,17 +5,30 @@ concurrent polls per namespace, one node holding more took all of it, and anothe
 activity round trip went from 54-82 ms to 2.3-10.4 s; 40 polls of 3 MB each added 535 MB to
 the gateway and 625 MB to the Temporal server.
 
-Here, as deployed: the gateway in its own process (``python -m workers.node_gateway``) in front
-of a Temporal dev server with the production frontend's default poll budget (1,200; the
-suite's shared server raises it for the fleet benches), a victim node's agent (the SDK's
-Worker, one poller) through it, and the attacker in a process of its own holding 1,300 polls
-and 40 polls of 3 MB each (the gateway takes 16 of its calls, two upstream, holds 32 more,
-``HELD_CALLS_PER_NODE``, and refuses the rest). The victim's round trips (server event times,
-scheduled → completed) with the attack on and off alternate in short batches in one run; its p99 with the
-attack may be at most 1.2 times its p99 without (the issue's 20%), or above it by no more than
-this run's own noise, measured in it (how far apart the quiet batches' slowest round trips are,
-at least 10 ms: other test workers share the two cores); and the gateway's peak resident memory
-stays within the limit its manifest sets (deploy/kubernetes/node-gateway.yaml).
+Here, as deployed: the gateway is a Pod the real ReplicaSet controller made of
+deploy/kubernetes/node-gateway.yaml (applied unchanged to a real control plane of this test's
+own, ``tests/realk8s/cluster.py``), run by ``tests/realk8s/pod.py`` as the kubelet runs its
+container: the Deployment's command and env (``GPUFLEET_CONFIG``, so liveness asks the real API
+server, as the gateway's service account, for each node's identity record and bound keys; mutual
+TLS to ``temporal-frontend.temporal.svc:7233`` with the ``gpufleet-temporal-client`` Secret), its
+Secrets and ConfigMap created as an operator creates them, the image's Python install, uid 10001
+and read-only root, in cgroups holding its ``resources`` (the 1Gi memory limit). Its frontend is
+a TLS-terminating proxy (``tests/test_temporal_tls.py``) in front of a Temporal dev server with
+the production frontend's default poll budget (1,200; the suite's shared server raises it for
+the fleet benches). The attacker and the victim are nodes the control plane recorded (identity
+record and client key, as the join and the CSR approver write them), with certificates of the
+cluster CA. What still differs from a cluster: one of the Deployment's two replicas runs (a
+node's connection reaches one replica; the limits and the memory limit are each replica's), and
+the pod's network is ``pod.py``'s (loopback relays where a Service and a load balancer would be).
+
+A victim node's agent (the SDK's Worker, one poller) goes through it, and the attacker in a
+process of its own holds 1,300 polls and 40 polls of 3 MB each (the gateway takes 16 of its
+calls, two upstream, holds 32 more, ``HELD_CALLS_PER_NODE``, and refuses the rest). The victim's
+round trips (server event times, scheduled → completed) with the attack on and off alternate in
+short batches in one run; its p99 with the attack may be at most 1.2 times its p99 without (the
+issue's 20%), or above it by no more than this run's own noise, measured in it (how far apart
+the quiet batches' slowest round trips are, at least 10 ms: other test workers share the two
+cores); and the gateway's peak resident memory stays within the limit its manifest sets.
 """
 
 from __future__ import annotations
@@ -30,7 +43,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 from kubernetes.utils import parse_quantity
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -39,10 +53,18 @@ from temporalio.worker import PollerBehaviorSimpleMaximum, UnsandboxedWorkflowRu
 
 from bench.common import pct
 from bench.gateway import RoundTrips, noop, round_trips
-from cli.dev import DEV_SERVER_DYNAMIC_CONFIG, temporal_binary, wait_for_port
+from cli.dev import DEV_SERVER_DYNAMIC_CONFIG, temporal_binary
 from fleet import search_attributes
-from tests.ports import free_port
-from tests.security.gateway_helpers import credentials, end_entity, live_entity, unique
+from fleet.cluster import NODE_IDENTITY_KIND, NODE_KEYS_KIND, NodeIdentity, with_key
+from providers.cluster.kubernetes import KubernetesCluster
+from tests.realk8s import build, machine
+from tests.realk8s.cluster import RealCluster
+from tests.realk8s.conftest import apply_shipped_manifests
+from tests.realk8s.pod import created_pods, run_pod
+from tests.realk8s.test_node_agent import create_gateway_objects, gateway_deployment
+from tests.security.gateway_helpers import NodeCredentials, credentials, end_entity, live_entity, unique
+from tests.test_temporal_manifests import frontend_pki
+from tests.test_temporal_tls import start_tls_proxy
 from workers.node_agent import connect_via_gateway
 from workers.gateway.node_identity import GatewayAccess
 from workers.gateway.pki import Pki
@@ -66,9 +88,7 @@ ATTACK_POLLS, BIG_POLLS = 1300, 40
 
 
 def manifest_memory_limit() -> int:
-    docs = yaml.safe_load_all((ROOT / "deploy/kubernetes/node-gateway.yaml").read_text())
-    (deployment,) = [d for d in docs if d and d["kind"] == "Deployment"]
-    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    (container,) = gateway_deployment()["spec"]["template"]["spec"]["containers"]
     return int(parse_quantity(container["resources"]["limits"]["memory"]))
 
 
@@ -91,10 +111,45 @@ async def production_frontend():
     await env.shutdown()
 
 
-def gateway_figures(metrics_port: int) -> dict[str, float]:
+@pytest.fixture(scope="module")
+def control_plane(tmp_path_factory) -> RealCluster:
+    """A real Kubernetes control plane of this module's own, the shipped manifests applied (as the
+    real tier's ``real_cluster``): the gateway's Pod comes from its Deployment there, and its
+    liveness asks that API server. Skipped where the real tier cannot run, failed so in CI."""
+    reason = build.missing_reason() or machine.missing_reason()
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the gateway as deployed: {reason}")
+        pytest.skip(reason)
+    cluster = RealCluster(tmp_path_factory.mktemp("flood-k8s")).start()
+    try:
+        apply_shipped_manifests(cluster)
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+def cluster_ca(cluster: RealCluster) -> Pki:
+    """The cluster CA (what signs kubelet client certificates, the gateway's ``--client-ca``)."""
+    return Pki(serialization.load_pem_private_key((cluster.pki / "ca.key").read_bytes(), None),
+               x509.load_pem_x509_certificate(cluster.ca_pem))
+
+
+def recorded(cluster: RealCluster, node: NodeCredentials) -> None:
+    """What the control plane writes for a node, as its service account: the identity record
+    (the join) and the node's client key bound (the CSR approver) — what the gateway's liveness reads."""
+    kube = KubernetesCluster(api_client=cluster.api_client(
+        cluster.service_account_token("gpufleet", "gpufleet-control-plane")), namespace="gpufleet")
+    identity = NodeIdentity(node_name=node.name, machine_id=f"m-{node.name}", provider="own-dc", account="own",
+                            site="dc-1")
+    kube.update_state(NODE_IDENTITY_KIND, node.name, lambda _old: identity.state())
+    kube.update_state(NODE_KEYS_KIND, node.name, lambda old: with_key(old, node.fingerprint))
+
+
+def gateway_figures(metrics: str) -> dict[str, float]:
     """Polls the gateway forwards and holds now, calls it holds for nodes over their limits, and
     calls over limits (held or refused) since it started."""
-    page = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    page = httpx.get(f"http://{metrics}/metrics", timeout=5).text
     samples = {s.name: s.value for f in text_string_to_metric_families(page) for s in f.samples}
     return {"polls": samples.get("gpufleet_gateway_held_polls", 0.0),
             "over_limits": samples.get("gpufleet_gateway_held_over_limits", 0.0),
@@ -102,33 +157,41 @@ def gateway_figures(metrics_port: int) -> dict[str, float]:
 
 
 async def test_one_node_holding_1300_polls_and_3_mb_requests_moves_no_other_nodes_p99(production_frontend,
-                                                                                     tmp_path) -> None:
+                                                                                     control_plane, tmp_path) -> None:
     client = production_frontend.client
-    pki = Pki.create("gpufleet flood-test CA")
-    server_cert, server_key = pki.server_cert()
-    files = {"ca": pki.ca_pem, "cert": server_cert, "key": server_key}
-    attacker, victim = credentials(pki, unique("attacker")), credentials(pki, unique("victim"))
-    files |= {"attacker.pem": attacker.cert, "attacker.key": attacker.key}
-    for name, data in files.items():
-        (tmp_path / name).write_bytes(data)
+    shipped = gateway_deployment()
+    (pod, *_) = created_pods(control_plane, "gpufleet", "gpufleet-node-gateway", shipped["spec"]["replicas"])
+    (container,) = pod["spec"]["containers"]
+    manifest_env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    temporal_pki, temporal_secret = frontend_pki(tmp_path, manifest_env["TEMPORAL_TLS_SERVER_NAME"])
+    frontend, frontend_port = await start_tls_proxy(temporal_pki, client.service_client.config.target_host)
+    gateway_pki = Pki.create("gpufleet flood-test gateway CA")
+    create_gateway_objects(control_plane, tmp_path, gateway_pki, temporal_secret)
+    ca = cluster_ca(control_plane)
+    attacker, victim = credentials(ca, unique("attacker")), credentials(ca, unique("victim"))
+    (tmp_path / "gateway-ca").write_bytes(gateway_pki.ca_pem)
+    (tmp_path / "attacker.pem").write_bytes(attacker.cert)
+    (tmp_path / "attacker.key").write_bytes(attacker.key)
     for node in (attacker, victim):
+        recorded(control_plane, node)
         await live_entity(client, node.name)
-    port, metrics_port = free_port(), free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPUFLEET_", "TEMPORAL_"))}
-    env |= {"TEMPORAL_ADDRESS": client.service_client.config.target_host, "TEMPORAL_NAMESPACE": "default",
-            "GPUFLEET_METRICS_PORT": str(metrics_port)}
-    gateway = subprocess.Popen([sys.executable, "-m", "workers.node_gateway", "--listen", f"127.0.0.1:{port}",
-                                "--cert", str(tmp_path / "cert"), "--key", str(tmp_path / "key"),
-                                "--client-ca", str(tmp_path / "ca")], env=env, cwd=ROOT)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert int(manifest_env["GPUFLEET_METRICS_PORT"]) == ports["metrics"]
+    gateway = await asyncio.to_thread(run_pod, control_plane, pod, tmp_path / "gateway-pod",
+                                      {manifest_env["TEMPORAL_ADDRESS"]: ("127.0.0.1", frontend_port)})
     attack: subprocess.Popen | None = None
     quiet, attacked, most_held = [], [], 0.0
     try:
-        wait_for_port(port)
-        wait_for_port(metrics_port)
-        access = GatewayAccess(f"127.0.0.1:{port}", pki.ca_pem)
+        await asyncio.to_thread(gateway.wait_ready, 90)
+        metrics = gateway.ports[ports["metrics"]]
+        # The gateway's own process (the container's), in cgroups holding the manifest's memory limit.
+        assert b"workers.node_gateway" in Path(f"/proc/{gateway.process.pid}/cmdline").read_bytes()
+        held_to = gateway.cgroup_values()
+        assert held_to.get("memory.limit_in_bytes", held_to.get("memory.max")) == str(manifest_memory_limit()), held_to
+        access = GatewayAccess(gateway.ports[ports["nodes"]], gateway_pki.ca_pem)
         agent = await connect_via_gateway(access, "default", victim.cert, victim.key)
         attack = subprocess.Popen(
-            [sys.executable, "-m", "tests.security.flood_attacker", access.address, str(tmp_path / "ca"),
+            [sys.executable, "-m", "tests.security.flood_attacker", access.address, str(tmp_path / "gateway-ca"),
              str(tmp_path / "attacker.pem"), str(tmp_path / "attacker.key"), attacker.name,
              "--polls", str(ATTACK_POLLS), "--big", str(BIG_POLLS)],
             cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -144,7 +207,7 @@ async def test_one_node_holding_1300_polls_and_3_mb_requests_moves_no_other_node
             deadline = asyncio.get_running_loop().time() + 20
             before = None
             while True:
-                now = await asyncio.to_thread(gateway_figures, metrics_port)
+                now = await asyncio.to_thread(gateway_figures, metrics)
                 # Off: the victim's own poll, and at most a couple of the attacker's that the
                 # gateway has not yet seen cancelled (each ends within its deadline anyway).
                 # On: as many held as the gateway holds of one node, and the burst of calls the
@@ -181,15 +244,18 @@ async def test_one_node_holding_1300_polls_and_3_mb_requests_moves_no_other_node
                     if not on:
                         quiet_rounds.append(batch)
             await attacking(False)
-        peak, limit = peak_rss(gateway.pid), manifest_memory_limit()
+        peak, limit = peak_rss(gateway.process.pid), manifest_memory_limit()
     finally:
         if attack is not None:
             attack.kill()
             attack.wait(10)
-        gateway.terminate()
-        gateway.wait(15)
+        # As the kubelet stops it; the frontend's proxy runs on this loop, so wait off it.
+        stopped = await asyncio.to_thread(gateway.stop)
+        frontend.close()
         for node in (attacker, victim):
             await end_entity(client, node.name)
+    # Killed in its cgroup (over the manifest's memory limit) it would not have exited cleanly.
+    assert stopped == 0, gateway.log_tail()
     ratio = pct(attacked, 99) / pct(quiet, 99)
     # The noise of this run, measured in it and nowhere else: how far apart the quiet batches'
     # own slowest round trips are (each batch ran between attacked ones, on the same two shared
