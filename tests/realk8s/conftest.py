@@ -9,7 +9,9 @@ tier must run.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -47,7 +49,14 @@ def real_cluster(tmp_path_factory) -> RealCluster:
     reason = _missing()
     if reason:
         pytest.fail(f"CI must run the real Kubernetes tier: {reason}")
-    cluster = RealCluster(tmp_path_factory.mktemp("realk8s")).start()
+    with shipped_cluster(tmp_path_factory.mktemp("realk8s")) as cluster:
+        yield cluster
+
+
+@contextmanager
+def shipped_cluster(root: Path) -> Iterator[RealCluster]:
+    """A control plane in ``root`` with gpufleet's manifests applied; stopped afterwards."""
+    cluster = RealCluster(root).start()
     try:
         apply_shipped_manifests(cluster)
         yield cluster

@@ -59,7 +59,7 @@ from fleet.cluster import NODE_IDENTITY_KIND, NODE_KEYS_KIND, NodeIdentity, with
 from providers.cluster.kubernetes import KubernetesCluster
 from tests.realk8s import build, machine
 from tests.realk8s.cluster import RealCluster
-from tests.realk8s.conftest import apply_shipped_manifests
+from tests.realk8s.conftest import shipped_cluster
 from tests.realk8s.pod import created_pods, run_pod
 from tests.realk8s.test_node_agent import create_gateway_objects, gateway_deployment
 from tests.security.gateway_helpers import NodeCredentials, credentials, end_entity, live_entity, unique
@@ -121,12 +121,8 @@ def control_plane(tmp_path_factory) -> RealCluster:
         if os.environ.get("CI") == "true":
             pytest.fail(f"CI must run the gateway as deployed: {reason}")
         pytest.skip(reason)
-    cluster = RealCluster(tmp_path_factory.mktemp("flood-k8s")).start()
-    try:
-        apply_shipped_manifests(cluster)
+    with shipped_cluster(tmp_path_factory.mktemp("flood-k8s")) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 def cluster_ca(cluster: RealCluster) -> Pki:
