@@ -26,6 +26,7 @@ from fleet.messages.capacity import (
     DrainNodeInput,
     GetCatalogInput,
     NotifyInput,
+    ReleaseCordonsInput,
     ReportAccountInput,
     RetireMachineInput,
     SignalSitesInput,
@@ -168,6 +169,7 @@ class CapacityActivities:
             self.site_nodes,
             self.signal_sites,
             self.retire_machine,
+            self.release_cordons,
             self.fleet_sites,
         ]
 
@@ -309,17 +311,37 @@ class CapacityActivities:
         return [
             SiteNode(node_name=n.name, machine_id=n.machine_id, ready=n.ready, unproven=UNPROVEN_TAINT in n.taints,
                      registered_at=n.registered_at, price_per_gpu_hour=site.price_per_gpu_hour,
-                     held=self._held(n.name) if n.unschedulable else "")
+                     **(self._held(n.name) if n.unschedulable else {}))
             for n in nodes
         ]
 
-    def _held(self, name: str) -> str:
+    def _held(self, name: str) -> dict:
         """Who holds a cordoned node of the site (a fence, a person's mark: never without a cordon),
-        so that a retirement of the site's surplus does not choose it."""
+        so that a retirement of the site's surplus does not choose it; else whether the cordon is
+        the Site's own (a surplus drain of its that blocked)."""
         try:
-            return who_holds(self.env.cluster, name, CORDONED_BY_SURPLUS)[0]
+            held, by = who_holds(self.env.cluster, name, CORDONED_BY_SURPLUS)
         except NodeNotFound:
-            return ""  # gone since the list: nothing holds it
+            return {}  # gone since the list: nothing holds it
+        return {"held": held, "surplus_cordon": not held and by == CORDONED_BY_SURPLUS}
+
+    @activity.defn
+    @typed_errors
+    def release_cordons(self, input: ReleaseCordonsInput) -> list[str]:
+        """Uncordon each node still cordoned with its owner's mark that no one else holds now (the
+        uncordon drops the mark); which ones. A node taken since its owner looked (a repair fenced a
+        GPU, a person marked it theirs), uncordoned or gone is left as it is."""
+        released = []
+        for name in input.nodes:
+            try:
+                held, by = who_holds(self.env.cluster, name, input.cordoned_by)
+                if held or by != input.cordoned_by:
+                    continue
+                self.env.cluster.cordon(name, False)
+            except NodeNotFound:
+                continue  # gone: nothing to uncordon
+            released.append(name)
+        return released
 
     @activity.defn
     async def signal_sites(self, input: SignalSitesInput) -> list[str]:

@@ -46,9 +46,13 @@ ANNOTATION_MACHINE_ID = "gpufleet.io/machine-id"
 ANNOTATION_CORDONED_BY = "gpufleet.io/cordoned-by"
 #: The demand loop's mark: it cordoned the node to retire it (a drain that may have blocked).
 CORDONED_BY_DEMAND = "demand"
-#: The mark of a retirement of a site's surplus: the Site entity's above its max, an evacuation's of
-#: the nodes it bought. A node cordoned so (a drain of either that blocked) is neither's hold on it.
+#: The Site entity's mark: it cordoned the node to retire it above the site's max. A node left
+#: cordoned so (its drain blocked) is the Site's to retire first, or to uncordon once the site is
+#: back within its max.
 CORDONED_BY_SURPLUS = "surplus"
+#: An evacuation's mark: it cordoned a node it bought to retire it as it ends. Its own, not the
+#: Site's: the Site must not uncordon a node the evacuation is draining.
+CORDONED_BY_EVACUATION = "evacuation"
 #: On a Node, one annotation per GPU its repair fenced: ``gpufleet.io/fenced-gpu-<i>: <rung>``. The
 #: node's device plugin treats a fenced GPU as unhealthy (not allocatable); while one is there the
 #: node is its repair's, whoever cordoned it first.

@@ -221,12 +221,15 @@ def expired(until: datetime, now: datetime) -> bool:
 
 
 def surplus_to_retire(nodes: list, n: int) -> list:
-    """The ``n`` nodes to retire above a site's max: most expensive first, then newest; never one
-    someone holds (``held``: a repair fenced a GPU of it, a person marked it theirs), so fewer than
-    ``n`` when too few are free. A held node is its holder's business: it counts, and is retired
-    once free again (its repair's uncordon wakes the site), if the site is still above its max.
+    """The ``n`` nodes to retire above a site's max: first those an earlier retirement of the
+    site's left cordoned (``surplus_cordon``: a drain that blocked, already partly drained), then
+    the most expensive, then the newest; never one someone holds (``held``: a repair fenced a GPU
+    of it, a person marked it theirs), so fewer than ``n`` when too few are free. A held node is
+    its holder's business: it counts, and is retired once free again (its repair's uncordon wakes
+    the site), if the site is still above its max.
 
-    ``nodes`` have ``price_per_gpu_hour``, ``registered_at`` (None sorts oldest) and ``held``."""
+    ``nodes`` have ``price_per_gpu_hour``, ``registered_at`` (None sorts oldest), ``held`` and
+    ``surplus_cordon``."""
     nodes = [node for node in nodes if not node.held]
     if n <= 0:
         return []
@@ -236,4 +239,5 @@ def surplus_to_retire(nodes: list, n: int) -> list:
         at = node.registered_at
         return at.replace(tzinfo=None) if at is not None else epoch
 
-    return sorted(nodes, key=lambda node: (node.price_per_gpu_hour, when(node), node.node_name), reverse=True)[:n]
+    return sorted(nodes, key=lambda node: (node.surplus_cordon, node.price_per_gpu_hour, when(node), node.node_name),
+                  reverse=True)[:n]

@@ -406,14 +406,8 @@ async def test_an_evacuation_keeps_a_node_it_bought_that_a_repair_holds(inc: Inc
     vanished."""
     from activities.repair import fence_key
 
-    a, c = inc.site("a"), inc.site("c")
-    await inc.join("a", 3)
-    inc.serve(MODEL, "a", replicas=2)
-    inc.serve(MODEL, "c", replicas=0)  # c runs the model's Deployment on no node yet: 2 nodes bought
-    await inc.start_site("a")
-    inc.world.set_site(a, unreachable=1)
-    await poll(lambda: _joined_capacity(inc), timeout=60)
-    repaired, free = sorted(m["name"] for m in inc.world.machines(c))
+    c = inc.site("c")
+    repaired, free = await _two_bought_at_c(inc)
     inc.cluster.annotate_node(repaired, {fence_key(0): "reset"})  # as fence_gpu does
     inc.cluster.cordon(repaired, True)
     await inc.evacuation("a").execute_update("abort", "test: the provider says it was a blip")
@@ -424,6 +418,41 @@ async def test_an_evacuation_keeps_a_node_it_bought_that_a_repair_holds(inc: Inc
     assert [m["name"] for m in inc.world.machines(c)] == [repaired], "its machine stays"
     assert inc.cluster.get_node(free) is None and inc.cluster.get_node(repaired).unschedulable
     await replay_and_record(inc.evacuation("a"), "site_evacuation_keeps_a_bought_node_a_repair_holds")
+
+
+async def test_an_evacuation_uncordons_a_node_it_bought_whose_drain_blocked(inc: IncStack) -> None:
+    """As it ends an evacuation retires the nodes it bought; a PodDisruptionBudget blocks one's
+    drain. That node is uncordoned (the evacuation's mark dropped), its site's, serving, like any
+    other node there, and the timeline says what blocked it. Before, it stayed cordoned for good:
+    paid for and unusable, and the timeline did not name it."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY
+
+    c = inc.site("c")
+    guarded, free = await _two_bought_at_c(inc)
+    inc.cluster.add_pod(guarded, "keeper", labels={"app": "keeper"})
+    inc.cluster.set_pdb("default", "keeper", {"app": "keeper"}, min_available=1)
+    await inc.evacuation("a").execute_update("abort", "test: the provider says it was a blip")
+    result = EvacuationResult.model_validate(await asyncio.wait_for(inc.evacuation("a").result(), 60))
+    assert result.outcome == "aborted", result
+    steps = {s.name: s.detail for s in result.timeline}
+    assert steps["surplus drained"].startswith(f"1 nodes retired; kept {guarded}: drain blocked ("), steps
+    assert steps["surplus drained"].endswith("; uncordoned, its site's like any other node there"), steps
+    assert [m["name"] for m in inc.world.machines(c)] == [guarded], "its machine stays"
+    assert inc.cluster.get_node(free) is None and not inc.cluster.get_node(guarded).unschedulable
+    assert ANNOTATION_CORDONED_BY not in inc.cluster.annotate_node(guarded, {})
+    await replay_and_record(inc.evacuation("a"), "site_evacuation_uncordons_a_bought_node_whose_drain_blocked")
+
+
+async def _two_bought_at_c(inc: IncStack) -> list[str]:
+    """a (3 nodes, 2 replicas) goes unreachable; its evacuation buys 2 nodes at c, which runs the
+    model's Deployment on no node yet. Their names, sorted."""
+    await inc.join("a", 3)
+    inc.serve(MODEL, "a", replicas=2)
+    inc.serve(MODEL, "c", replicas=0)
+    await inc.start_site("a")
+    inc.world.set_site(inc.site("a"), unreachable=1)
+    await poll(lambda: _joined_capacity(inc), timeout=60)
+    return sorted(m["name"] for m in inc.world.machines(inc.site("c")))
 
 
 async def _joined_capacity(inc: IncStack):

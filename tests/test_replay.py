@@ -125,6 +125,13 @@ EXPECTED = {
     # history recorded before reads each listed node as free (``SiteNode.held``) and each retired.
     "site_above_max_leaves_held_nodes_to_their_holders", "site_above_max_keeps_a_node_a_repair_took_during_its_drain",
     "site_evacuation_keeps_a_bought_node_a_repair_holds",
+    # A Site's own blocked surplus drain converges (tests/test_site_reclaim.py): back within its max
+    # the Site uncordons the node, above it retires that node first (no patch: a recorded
+    # ``site_nodes`` result reads no node as its own cordon, ``SiteNode.surplus_cordon``); an
+    # evacuation uncordons a node it bought whose drain blocked (tests/test_evacuation.py; patch
+    # ``evacuation-releases-blocked-drain``).
+    "site_back_within_max_uncordons_its_blocked_drain", "site_above_max_retires_its_blocked_drain_first",
+    "site_evacuation_uncordons_a_bought_node_whose_drain_blocked",
     # Operations converge (issue 36): a capacity request refused at start or cancelled
     # (tests/test_capacity_converges.py); an evacuation that ends puts back what it changed
     # (tests/test_evacuation.py).

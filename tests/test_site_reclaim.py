@@ -138,6 +138,87 @@ async def test_above_max_keeps_a_node_a_repair_took_during_its_drain(cap: CapSta
     await replay_and_record(site, "site_above_max_keeps_a_node_a_repair_took_during_its_drain")
 
 
+async def _join(cap: CapStack, site: str, *names: str) -> list[str]:
+    joined = []
+    for name in names:
+        result = await cap.client.execute_workflow("NodeJoin", {"site": cap.site(site), "timeouts": FAST_JOIN},
+                                                   id=f"join/{cap.site(site)}/{name}", task_queue=cap.settings.task_queue)
+        joined.append(result["nodes"][0]["node_name"])
+    return joined
+
+
+async def test_back_within_its_max_the_site_uncordons_a_node_its_blocked_drain_left(cap: CapStack) -> None:
+    """mid (max 1) retires its newest node; a PodDisruptionBudget blocks the drain, so the node
+    stays cordoned, marked the Site's. Then the other node leaves (an operator deletes it): the
+    site is within its max, and the Site uncordons the node (its mark dropped) and says so. Before,
+    nothing ever uncordoned it: paid for, idle and unusable for good."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS
+
+    first, newest = await _join(cap, "mid", "first", "second")
+    cap.cluster.add_pod(newest, "keeper", labels={"app": "keeper"})
+    cap.cluster.set_pdb("default", "keeper", {"app": "keeper"}, min_available=1)
+    site = await start_site(cap, "mid", drain_seconds=1)
+    await wait_for(lambda: cap.cluster.annotate_node(newest, {}).get(ANNOTATION_CORDONED_BY) == CORDONED_BY_SURPLUS,
+                   timeout=30)  # its drain began
+    await asyncio.sleep(3)  # the drain (1 s) blocks on the PodDisruptionBudget
+    assert cap.cluster.get_node(newest).unschedulable and cap.cluster.get_node(first) is not None
+
+    cap.cluster.remove_node(first)  # the site is back within its max
+    await wait_for(lambda: not cap.cluster.get_node(newest).unschedulable, timeout=30)
+    # The status said so only until the uncordon woke the Site again: its history keeps the release.
+    history = await site.fetch_history()
+    released = [e.activity_task_scheduled_event_attributes.input.payloads[0].data for e in history.events
+                if e.activity_task_scheduled_event_attributes.activity_type.name == "release_cordons"]
+    assert len(released) == 1 and newest.encode() in released[0], released
+    assert ANNOTATION_CORDONED_BY not in cap.cluster.annotate_node(newest, {}), "the uncordon drops the mark"
+    assert [m["name"] for m in live(cap, "mid") if m["name"] == newest], "its machine stays"
+    await replay_and_record(site, "site_back_within_max_uncordons_its_blocked_drain")
+
+
+async def test_above_its_max_the_site_first_retires_a_node_its_blocked_drain_left(cap: CapStack) -> None:
+    """mid (max 1) has two nodes; the older one is cordoned with the Site's mark (an earlier run's
+    drain blocked, then that run ended). The new run knows it as its own from the cluster and
+    retires it, already drained, keeping the newest, in service. Before, the newest was drained and
+    retired and the cordoned one stayed, idle, within the max, for good."""
+    first, newest = await _join(cap, "mid", "first", "second")
+    from fleet.cluster import CORDONED_BY_SURPLUS
+
+    cap.cluster.cordon(first, by=CORDONED_BY_SURPLUS)  # as the blocked drain left it
+    site = await start_site(cap, "mid")
+    await wait_for(lambda: cap.cluster.get_node(first) is None or cap.cluster.get_node(newest) is None, timeout=30)
+    assert cap.cluster.get_node(first) is None, "the node its own drain left cordoned goes first"
+    assert [m["name"] for m in live(cap, "mid")] == [newest] and not cap.cluster.get_node(newest).unschedulable
+    await replay_and_record(site, "site_above_max_retires_its_blocked_drain_first")
+
+
+async def test_release_cordons_uncordons_only_its_owners_free_cordons(cap: CapStack) -> None:
+    """The Site's release of its own cordons leaves every other: a person's mark, the demand loop's,
+    a cordon without a mark (a person's `kubectl cordon`), a node whose GPU a repair fenced since."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.capacity import CapacityActivities
+    from activities.repair import fence_key
+    from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, CORDONED_BY_SURPLUS
+    from fleet.messages.capacity import ReleaseCordonsInput
+
+    mine, alices, demands, fenced = await _join(cap, "dear", "a", "b", "c", "d")
+    (unmarked,) = await _join(cap, "mid", "e")
+    for node in (mine, fenced):
+        cap.cluster.cordon(node, by=CORDONED_BY_SURPLUS)
+    cap.cluster.cordon(alices, by="alice")
+    cap.cluster.cordon(demands, by=CORDONED_BY_DEMAND)
+    cap.cluster.cordon(unmarked, True)
+    cap.cluster.annotate_node(fenced, {fence_key(0): "reset"})  # a repair took it since
+    release = CapacityActivities(cap.env).release_cordons
+    asked = ReleaseCordonsInput(nodes=[mine, alices, demands, unmarked, fenced, "gone"], cordoned_by=CORDONED_BY_SURPLUS)
+    assert ActivityEnvironment().run(release, asked) == [mine]
+    assert not cap.cluster.get_node(mine).unschedulable
+    assert ANNOTATION_CORDONED_BY not in cap.cluster.annotate_node(mine, {})
+    for node in (alices, demands, unmarked, fenced):
+        assert cap.cluster.get_node(node).unschedulable, node
+    assert cap.cluster.annotate_node(alices, {})[ANNOTATION_CORDONED_BY] == "alice"
+
+
 async def test_a_join_tells_its_site_entity_at_once(cap: CapStack) -> None:
     """A node joined from outside the entity (CLI, temporal CLI) is in its status
     when the join ends, not at the next reconcile minutes later."""

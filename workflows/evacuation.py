@@ -33,7 +33,9 @@ query):
    time between), the extra replicas elsewhere go, and the nodes bought for the
    evacuation are retired while their site is above its min, but not one someone holds (a
    repair fenced a GPU of it, a person marked it theirs): the timeline's "surplus drained"
-   names each kept one and who holds it; it stays its site's, like any other node there.
+   names each kept one and who holds it; it stays its site's, like any other node there. One
+   whose drain blocked is uncordoned, its site's the same way (patch
+   ``evacuation-releases-blocked-drain``), and named there with what blocked it.
 
 One evacuation acts on a site at a time: one that finds another of its site running, begun first
 (a person's ``gpufleet evacuate start`` beside the Site entity's), follows it (state
@@ -76,7 +78,7 @@ with workflow.unsafe.imports_passed_through():
         restore_percents,
         trip_threshold,
     )
-    from fleet.messages.capacity import CapacityResult, SiteNodesInput, SiteNode
+    from fleet.messages.capacity import CapacityResult, ReleaseCordonsInput, SiteNodesInput, SiteNode
     from fleet.messages.evacuation import (
         EvacuationCarry,
         EvacuationFacts,
@@ -117,7 +119,7 @@ with workflow.unsafe.imports_passed_through():
         until_run_began,
         wait_for_serving,
     )
-    from fleet.cluster import CORDONED_BY_SURPLUS, ServingStatus
+    from fleet.cluster import CORDONED_BY_EVACUATION, ServingStatus
     from fleet.messages.routing import SiteEvent, SiteEventInput
 
 
@@ -171,6 +173,10 @@ PUT_BACK_TO_ITS_END_PATCH = "evacuation-put-back-runs-to-its-end"
 #: result was lost, and the nodes it had joined were never retired (they billed on for nobody)
 #: while the run ended aborted. Asked only where a cancel lands during that wait.
 ABORT_WAITS_FOR_CAPACITY_PATCH = "evacuation-abort-waits-for-capacity"
+#: A node it bought whose drain blocked as it ends (a PodDisruptionBudget, the deadline) is
+#: uncordoned, its site's like any other node there, and the timeline says so. Before, it stayed
+#: cordoned for good: paid for, and nothing could use it. Asked only where such a drain blocked.
+RELEASES_BLOCKED_DRAIN_PATCH = "evacuation-releases-blocked-drain"
 #: How long one wait for the evacuation it follows lasts (then it is asked again).
 FOLLOW_WAIT = timedelta(days=1)
 #: The timeline keeps its first steps (how the evacuation began) and its newest (the end of a
@@ -1006,8 +1012,9 @@ class SiteEvacuation:
         """Retire the nodes it bought while their site is above its min; how many, and each one
         kept because someone holds it (a repair fenced a GPU of it, a person marked it theirs):
         that node is its holder's business, then its site's min/max and the demand loop's, like
-        any other node there. Its drain marks the cordon ``CORDONED_BY_SURPLUS``, so a node taken
-        during the drain is kept too (``retire_machine``'s last look)."""
+        any other node there. Its drain marks the cordon ``CORDONED_BY_EVACUATION``, so a node taken
+        during the drain is kept too (``retire_machine``'s last look), and one whose drain blocked
+        is uncordoned: the evacuation ends, and nothing else would."""
         s = self._s
         retired, kept = 0, {}
         for node in self._acquired:
@@ -1022,13 +1029,32 @@ class SiteEvacuation:
                 kept[node.node_name] = held
                 continue
             outcome = await drain_and_retire(node.site, node.node_name, node.machine_id, s.drain_seconds,
-                                             why="bought for the evacuation", cordoned_by=CORDONED_BY_SURPLUS)
+                                             why="bought for the evacuation", cordoned_by=CORDONED_BY_EVACUATION)
             retired += outcome.retired
             if outcome.kept:
                 kept[node.node_name] = outcome.kept
+            if outcome.blocked and workflow.patched(RELEASES_BLOCKED_DRAIN_PATCH):
+                kept[node.node_name] = await self._release_blocked(node.site, node.node_name, outcome.blocked)
             if outcome.failed:
                 self._progress.needs_person = f"{node.node_name}: {outcome.failed}"
         return retired, kept
+
+    async def _release_blocked(self, site: str, node: str, blocked: str) -> str:
+        """Uncordon a node it bought whose drain blocked (a PodDisruptionBudget, the deadline), unless
+        someone took it meanwhile: it stays its site's, serving, like any other node there (the
+        Site's max and the demand loop's consolidation decide on it). What the timeline says."""
+        try:
+            released = await workflow.execute_activity(
+                act.release_cordons, ReleaseCordonsInput(nodes=[node], cordoned_by=CORDONED_BY_EVACUATION),
+                start_to_close_timeout=QUICK, retry_policy=self._cluster_retry(),
+                summary=f"uncordon {node} at {site}: its drain blocked",
+            )
+        except ActivityError as error:
+            self._progress.needs_person = f"{node}: {blocked}; not uncordoned ({failure_message(error)})"
+            return f"{blocked}; not uncordoned ({failure_message(error)}): uncordon it by hand"
+        if released:
+            return f"{blocked}; uncordoned, its site's like any other node there"
+        return f"{blocked}; its cordon is no longer the evacuation's: left as it is"
 
     async def _min_nodes(self, site: str) -> int:
         resolved: Site = await workflow.execute_activity(

@@ -14,7 +14,9 @@ transition reconciles. Each reconcile counts the site's nodes in the cluster, th
   theirs: ``SiteNode.held``). Held nodes count; with only held ones above the max the site
   waits, saying who holds them, and retires such a node once it is free again (its repair's
   uncordon wakes the watch). The drain marks its cordon ``CORDONED_BY_SURPLUS``, so a node
-  taken during the drain is kept (``retire_machine``'s last look).
+  taken during the drain is kept (``retire_machine``'s last look), and a node its blocked
+  drain left cordoned is recognised from the cluster: retired first while the site is above
+  its max, uncordoned (the mark dropped) once it is not.
 
 Provider incidents (product rule 5, ``fleet.incident``; recorded as patch
 ``incident-v1``): the entity also
@@ -64,6 +66,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.capacity import (
         CapacityResult,
         NodeTransition,
+        ReleaseCordonsInput,
         SignalSitesInput,
         SiteInput,
         SiteNode,
@@ -750,26 +753,58 @@ class SiteEntity(Entity[SiteState]):
         if self.state.incident.open is not None:
             self._show(f"{count} nodes; incident {self.state.incident.open.id} open: no fill or retire")
             return
+        # Nodes its own retirement left cordoned (a drain that blocked): retired first while the
+        # site is above its max (``surplus_to_retire``), else uncordoned, or they stay idle for good.
+        own = [n for n in nodes if n.surplus_cordon]
+        released = await self._release(own, "the site is within its max again") if count <= site.max_nodes else ""
         if self._fill is not None:
-            self._show(f"{count} nodes; filling")
+            self._show(f"{count} nodes; filling{released}")
             return
         if count < site.min_nodes:
             self._start_fill(site.min_nodes - count)
-            self._show(f"below min ({count} < {site.min_nodes}): acquiring {site.min_nodes - count}")
+            self._show(f"below min ({count} < {site.min_nodes}): acquiring {site.min_nodes - count}{released}")
         elif count > site.max_nodes:
             surplus = surplus_to_retire(nodes, count - site.max_nodes)
+            chosen = {n.node_name for n in surplus}
+            released = await self._release([n for n in own if n.node_name not in chosen],
+                                           "not needed to bring the site to its max")
             # Held nodes are named only where they leave the site above its max.
             held = [n for n in nodes if n.held] if len(surplus) < count - site.max_nodes else []
             if surplus:
-                await self._retire(surplus, count, held)
+                await self._retire(surplus, count, held, released)
             else:
                 # Only held nodes above the max: the site waits for their holders; a repair's
                 # uncordon wakes it (the watch), and a node free again is retired then.
                 self._show(f"above max ({count} > {site.max_nodes}): nothing retired, the nodes past it are held: "
-                           + self._holders(held))
+                           + self._holders(held) + released)
         else:
             self._set_fleet_state("ok")
-            self._show(f"{count} nodes, within min/max")
+            self._show(f"{count} nodes, within min/max{released}")
+
+    async def _release(self, own: list[SiteNode], why: str) -> str:
+        """Uncordon the nodes its own retirement left cordoned that it no longer retires: nothing
+        else would (a node marked so is no one else's), and each, paid for, would stay idle for
+        good. ``release_cordons`` leaves one someone took since the count. What the status says."""
+        if not own:
+            return ""
+        site = self._site.name
+        names = [n.node_name for n in own]
+        try:
+            released: list[str] = await workflow.execute_activity(
+                act.release_cordons, ReleaseCordonsInput(nodes=names, cordoned_by=CORDONED_BY_SURPLUS),
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary=f"uncordon {', '.join(names[:5])} at {site}: left cordoned by its retirement above the max",
+            )
+        except ActivityError as error:
+            workflow.logger.warning("site %s: %s not uncordoned (%s); next reconcile", site, ", ".join(names),
+                                    failure_message(error))
+            return f"; {', '.join(names)} not uncordoned ({failure_message(error)}): next reconcile"
+        if not released:
+            return ""
+        note = (f"uncordoned {', '.join(released)}, left cordoned by its retirement above the max "
+                f"(a drain that blocked): {why}")
+        workflow.logger.info("site %s: %s", site, note)
+        return f"; {note}"
 
     def _start_fill(self, need: int) -> None:
         site = self._site
@@ -808,7 +843,7 @@ class SiteEntity(Entity[SiteState]):
         more = f"; {len(held) - 5} more" if len(held) > 5 else ""
         return f"{shown}{more}: retired once free, if the site is still above its max"
 
-    async def _retire(self, surplus: list[SiteNode], count: int, held: list[SiteNode]) -> None:
+    async def _retire(self, surplus: list[SiteNode], count: int, held: list[SiteNode], released: str) -> None:
         site, s = self._site, self.state.status
         self._set_fleet_state("retiring")
         s.retiring = [n.node_name for n in surplus]
@@ -827,7 +862,7 @@ class SiteEntity(Entity[SiteState]):
             else:
                 notes.append(f"{node.node_name}: {outcome.blocked or outcome.failed}; next reconcile")
         s.retiring = []
-        self._show("; ".join([f"retired surplus at {site.name}", *notes]))
+        self._show("; ".join([f"retired surplus at {site.name}", *notes]) + released)
 
 
 #: Workflow patch: the Schedule's sweep (no sites named) starts the entities that are not running

@@ -20,7 +20,7 @@ from fleet.incident import IncidentSettings
 from fleet.messages.advisor import Usage
 from fleet.messages.capacity import (
     AccountInput, AccountRecordInput, Catalog, DrainNodeInput, GetCatalogInput, NotifyInput,
-    ReportAccountInput, RetireMachineInput, SignalSitesInput, SiteNode, SiteNodesInput,
+    ReleaseCordonsInput, ReportAccountInput, RetireMachineInput, SignalSitesInput, SiteNode, SiteNodesInput,
 )
 from fleet.messages.csr import CsrApproverResult
 from fleet.messages.demand import (
@@ -332,6 +332,13 @@ async def reinstall_machine(input: RestartMachineInput) -> str:
 @activity.defn(name="relay_entity_update")
 async def relay_entity_update(input: EntityUpdateInput) -> EntityUpdateResult:
     """Body: ``activities/entity_update.py``, ``EntityUpdateActivities.relay_entity_update``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="release_cordons")
+async def release_cordons(input: ReleaseCordonsInput) -> list[str]:
+    """Uncordon the nodes still cordoned with their owner's mark that no one else holds; which
+    ones. Body: ``activities/capacity.py``, ``CapacityActivities.release_cordons``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -90,6 +90,18 @@ class SiteNode(BaseModel):
     #: fenced a GPU of it, a person's cordon mark. Never chosen as a site's surplus. Empty: free
     #: (and in every result recorded before the field).
     held: str = ""
+    #: Cordoned with the Site's own mark (``CORDONED_BY_SURPLUS``) and held by no one else: its
+    #: retirement above the max left it so (a drain that blocked). False in every result recorded
+    #: before the field.
+    surplus_cordon: bool = False
+
+
+class ReleaseCordonsInput(BaseModel):
+    """Uncordon the nodes still cordoned with ``cordoned_by`` (their owner's mark) that no one else
+    holds by now; any other is left as it is."""
+
+    nodes: list[str]
+    cordoned_by: str
 
 
 class SignalSitesInput(BaseModel):
