@@ -31,8 +31,8 @@ def check(
 ) -> None:
     """Check that these credentials may do everything the cluster adapter does, that what
     they (and a node's certificate) can reach beyond that is fenced (kubeadm's auto-approve
-    bindings removed, the Secret admission policy enforced), and that the API server can
-    reach every gpufleet node's kubelet (Konnectivity).
+    bindings removed, the admission policies on the control plane's Secrets and on a node's own
+    marks enforced), and that the API server can reach every gpufleet node's kubelet (Konnectivity).
 
     Exit 0 when every permission is granted, the fences stand and the tunnels run, 1 when
     anything is missing or a kubeadm auto-approve binding is present, 2 when the cluster
@@ -88,7 +88,7 @@ def _print_hardening(console: Console, rows) -> None:
         console.print(f"[red]remove kubeadm's auto-approve bindings[/red]: {remove_kubeadm_bindings_command(present)}"
                       "  (kubeadm upgrade apply puts them back: check again after every upgrade)")
     if all(row.ok for row in rows):
-        console.print("[green]kubeadm's auto-approve bindings absent, admission policy enforced[/green]")
+        console.print("[green]kubeadm's auto-approve bindings absent, admission policies enforced[/green]")
 
 
 def _print_tunnels(console: Console, report) -> None:

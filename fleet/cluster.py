@@ -42,7 +42,8 @@ ANNOTATION_MACHINE_ID = "gpufleet.io/machine-id"
 #: its own cordon from the cluster alone (``CORDONED_BY_DEMAND``). ``Cluster.cordon(by=...)`` writes
 #: it with the cordon; an uncordon through the port removes it. A person takes a node over by
 #: overwriting it (``kubectl annotate node N gpufleet.io/cordoned-by=<who> --overwrite``). The
-#: node's kubelet may write it too: it decides only about that node's own machine.
+#: node's kubelet may not write it, nor any ``gpufleet.io/`` annotation or its cordon: a node that
+#: could would keep itself for good (deploy/kubernetes/admission-policy.yaml, gpufleet-node-marks).
 ANNOTATION_CORDONED_BY = "gpufleet.io/cordoned-by"
 #: The demand loop's mark: it cordoned the node to retire it (a drain that may have blocked).
 CORDONED_BY_DEMAND = "demand"

@@ -174,6 +174,15 @@ KUBEADM_BINDINGS: dict[str, str] = {
 }
 #: deploy/kubernetes/admission-policy.yaml: the policy and its binding share this name.
 ADMISSION_POLICY = "gpufleet-control-plane-secrets"
+#: deploy/kubernetes/admission-policy.yaml: what a node's own credential may not write on its Node
+#: (gpufleet's marks, its cordon); the policy and its binding share this name.
+NODE_MARKS_POLICY = "gpufleet-node-marks"
+#: The shipped admission policies, each with what a cluster without it is open to.
+ADMISSION_POLICIES: dict[str, str] = {
+    ADMISSION_POLICY: "the control plane's token may write any kube-system Secret",
+    NODE_MARKS_POLICY: ("a node's credential may fence, mark, cordon or uncordon its own Node, so the "
+                        "control plane keeps it for good or uncordons it"),
+}
 RBAC_GROUP = "rbac.authorization.k8s.io"
 ADMISSION_GROUP = "admissionregistration.k8s.io"
 
@@ -185,15 +194,15 @@ CHECK_ACCESS: tuple[AccessRule, ...] = (
     AccessRule(verb="get", group=RBAC_GROUP, resource="clusterrolebindings",
                purpose="cluster check: kubeadm's auto-approve bindings"),
     AccessRule(verb="get", group=ADMISSION_GROUP, resource="validatingadmissionpolicies",
-               purpose="cluster check: the control plane's Secret admission policy"),
+               purpose="cluster check: gpufleet's admission policies"),
     AccessRule(verb="get", group=ADMISSION_GROUP, resource="validatingadmissionpolicybindings",
-               purpose="cluster check: the control plane's Secret admission policy"),
+               purpose="cluster check: gpufleet's admission policies"),
 )
 #: The names each ``CHECK_ACCESS`` resource is read by.
 CHECK_NAMES: dict[str, tuple[str, ...]] = {
     "clusterrolebindings": tuple(KUBEADM_BINDINGS),
-    "validatingadmissionpolicies": (ADMISSION_POLICY,),
-    "validatingadmissionpolicybindings": (ADMISSION_POLICY,),
+    "validatingadmissionpolicies": tuple(ADMISSION_POLICIES),
+    "validatingadmissionpolicybindings": tuple(ADMISSION_POLICIES),
 }
 
 
@@ -224,8 +233,8 @@ def _read(what: str, fn: Callable[..., Any], name: str) -> tuple[dict[str, Any] 
 
 def check_hardening(api_client: k8s.ApiClient) -> list[HardeningRow]:
     """kubeadm's two auto-approve bindings must be gone (a row each, with the command that
-    removes it) and the admission policy that fences the control plane's Secret writes must be
-    installed and bound with ``Deny``. A read refused counts as not ok: the check cannot vouch."""
+    removes it) and each admission policy (the control plane's Secret writes, a node's own marks)
+    must be installed and bound with ``Deny``. A read refused counts as not ok: the check cannot vouch."""
     rbac = k8s.RbacAuthorizationV1Api(api_client)
     admission = k8s.AdmissionregistrationV1Api(api_client)
     rows = []
@@ -241,16 +250,22 @@ def check_hardening(api_client: k8s.ApiClient) -> list[HardeningRow]:
                 what=what, ok=False, fix=remove_kubeadm_bindings_command([name]),
                 state=f"present: it {harm}; `kubeadm upgrade apply` creates it again, run the check after "
                       "every upgrade"))
+    for name, harm in ADMISSION_POLICIES.items():
+        rows += _admission_policy_rows(admission, name, harm)
+    return rows
+
+
+def _admission_policy_rows(admission: k8s.AdmissionregistrationV1Api, name: str, harm: str) -> list[HardeningRow]:
+    """The policy ``name`` and its binding (same name): installed, and bound with ``Deny``."""
     apply = "kubectl apply -f deploy/kubernetes/admission-policy.yaml"
-    what = f"validatingadmissionpolicy {ADMISSION_POLICY}"
-    policy, error = _read(what, admission.read_validating_admission_policy, ADMISSION_POLICY)
-    rows.append(HardeningRow(what=what, ok=policy is not None, fix="" if policy is not None else apply,
-                             state=error or ("installed" if policy is not None else
-                                             "missing: the control plane's token may write any kube-system Secret")))
-    what = f"validatingadmissionpolicybinding {ADMISSION_POLICY}"
-    binding, error = _read(what, admission.read_validating_admission_policy_binding, ADMISSION_POLICY)
+    what = f"validatingadmissionpolicy {name}"
+    policy, error = _read(what, admission.read_validating_admission_policy, name)
+    rows = [HardeningRow(what=what, ok=policy is not None, fix="" if policy is not None else apply,
+                         state=error or ("installed" if policy is not None else f"missing: {harm}"))]
+    what = f"validatingadmissionpolicybinding {name}"
+    binding, error = _read(what, admission.read_validating_admission_policy_binding, name)
     spec = (binding or {}).get("spec") or {}
-    denies = spec.get("policyName") == ADMISSION_POLICY and "Deny" in (spec.get("validationActions") or [])
+    denies = spec.get("policyName") == name and "Deny" in (spec.get("validationActions") or [])
     if error:
         rows.append(HardeningRow(what=what, ok=False, state=error))
     elif binding is None:

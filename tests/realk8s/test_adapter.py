@@ -41,10 +41,12 @@ from fleet.demand import opted_in
 from fleet.errors import ClusterConflict
 from providers.cluster.base import state_object_name
 from providers.cluster.check import (
+    ADMISSION_POLICIES,
     ADMISSION_POLICY,
     KUBEADM_AUTOAPPROVE_BOOTSTRAP,
     KUBEADM_AUTOAPPROVE_ROTATION,
     KUBEADM_BINDINGS,
+    NODE_MARKS_POLICY,
     check_access,
     check_hardening,
 )
@@ -549,8 +551,9 @@ def test_kubeadms_auto_approve_bindings_are_reported_with_the_command_that_remov
     assert not bootstrap.ok and "ANY node name" in bootstrap.state and "kubeadm upgrade apply" in bootstrap.state
     assert bootstrap.fix == f"kubectl delete clusterrolebinding {KUBEADM_AUTOAPPROVE_BOOTSTRAP}"
     assert not rotation.ok and "never ends" in rotation.state
-    assert rows[f"validatingadmissionpolicy {ADMISSION_POLICY}"].ok
-    assert rows[f"validatingadmissionpolicybinding {ADMISSION_POLICY}"].ok
+    for policy in (ADMISSION_POLICY, NODE_MARKS_POLICY):
+        assert rows[f"validatingadmissionpolicy {policy}"].ok
+        assert rows[f"validatingadmissionpolicybinding {policy}"].ok
 
     real_cluster.kubectl("delete", "clusterrolebinding", KUBEADM_AUTOAPPROVE_BOOTSTRAP)
     rows = _rows(kube)
@@ -558,21 +561,25 @@ def test_kubeadms_auto_approve_bindings_are_reported_with_the_command_that_remov
     assert not rows[f"clusterrolebinding {KUBEADM_AUTOAPPROVE_ROTATION}"].ok, "each binding on its own"
 
 
-def test_a_missing_or_auditing_policy_is_not_a_fence(real_cluster, kube, admission_policy_restored) -> None:
+@pytest.mark.parametrize("policy", [ADMISSION_POLICY, NODE_MARKS_POLICY])
+def test_a_missing_or_auditing_policy_is_not_a_fence(real_cluster, kube, admission_policy_restored, policy) -> None:
     status, answer = real_cluster.request(
-        "PATCH", f"{ADMISSION}/validatingadmissionpolicybindings/{ADMISSION_POLICY}",
+        "PATCH", f"{ADMISSION}/validatingadmissionpolicybindings/{policy}",
         {"spec": {"validationActions": ["Audit"]}}, admin=True, content_type="application/merge-patch+json")
     assert status == 200, answer
-    auditing = _rows(kube)[f"validatingadmissionpolicybinding {ADMISSION_POLICY}"]
+    auditing = _rows(kube)[f"validatingadmissionpolicybinding {policy}"]
     assert not auditing.ok and "denies nothing" in auditing.state
 
     for kind in ("validatingadmissionpolicybindings", "validatingadmissionpolicies"):
-        status, answer = real_cluster.request("DELETE", f"{ADMISSION}/{kind}/{ADMISSION_POLICY}", admin=True)
+        status, answer = real_cluster.request("DELETE", f"{ADMISSION}/{kind}/{policy}", admin=True)
         assert status == 200, answer
     rows = _rows(kube)
-    assert not rows[f"validatingadmissionpolicy {ADMISSION_POLICY}"].ok
-    missing = rows[f"validatingadmissionpolicybinding {ADMISSION_POLICY}"]
+    gone = rows[f"validatingadmissionpolicy {policy}"]
+    assert not gone.ok and gone.state == f"missing: {ADMISSION_POLICIES[policy]}"
+    missing = rows[f"validatingadmissionpolicybinding {policy}"]
     assert not missing.ok and "admission-policy.yaml" in missing.fix
+    [other] = set(ADMISSION_POLICIES) - {policy}
+    assert rows[f"validatingadmissionpolicy {other}"].ok, "each policy on its own"
 
 
 def test_a_binding_the_check_may_not_read_is_not_vouched_for(real_cluster, unique) -> None:

@@ -149,7 +149,7 @@ def test_the_check_reports_kubeadms_auto_approve_bindings_until_its_advice_is_ap
     real_cluster.kubectl(*command[1:])  # the advice, as an admin runs it
     code, output = check(real_cluster, tmp_path)
     assert code == 0, output
-    assert "admission policy enforced" in output
+    assert "admission policies enforced" in output
     assert "Konnectivity" not in output, "--no-tunnels checks permissions only"
 
 

@@ -245,7 +245,8 @@ MERGE = "application/merge-patch+json"
 def keeps_to_its_own_identity(joining: RealJoining, provisioned, machine: Machine, victim: str) -> None:
     """NodeRestriction, as the machine's kubelet (its client certificate): it may annotate its own
     Node and set labels of no consequence, which change nothing the control plane knows of it;
-    gpufleet's placement labels, its taints, its providerID and any other Node are refused; and
+    gpufleet's placement labels and annotations, its taints, its providerID and any other Node are
+    refused; and
     gpufleet's approver denies it a serving certificate for an address not its machine's."""
     name, cert = joining.node_name, machine.client_pem
     repair = RepairActivities(joining.env)
@@ -257,10 +258,11 @@ def keeps_to_its_own_identity(joining: RealJoining, provisioned, machine: Machin
         return joining.real.request("PATCH", f"/api/v1/nodes/{node}", patch, cert=cert, content_type=MERGE)
 
     status, answer = as_the_node(name, {"metadata": {
-        "annotations": {"gpufleet.io/machine-id": "victim-machine"},
+        "annotations": {"example.com/machine-id": "victim-machine"},
         "labels": {"gpufleet.io/site": "another-site", "gpufleet.io/provider": "aws"}}})
     assert status == 200, (joining.site.provider, answer)
-    for refused in ({"metadata": {"labels": {LABEL_SITE: "another-site"}}},
+    for refused in ({"metadata": {"annotations": {"gpufleet.io/machine-id": "victim-machine"}}},  # gpufleet-node-marks
+                    {"metadata": {"labels": {LABEL_SITE: "another-site"}}},
                     {"metadata": {"labels": {LABEL_PROVIDER: "aws"}}},
                     {"spec": {"taints": []}},
                     {"spec": {"providerID": "gpufleet://aws/x/victim"}}):

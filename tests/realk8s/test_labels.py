@@ -8,6 +8,9 @@ may set on itself) and refuses the control plane's own ``node-restriction.kubern
 label. The Site entity's watch (``watch_site``, as the control-plane service account with the
 shipped RBAC) returns within seconds, having put the zone back, and names the node and what it
 wrote: what the entity turns into the Node entity's quarantine (tests/security/test_self_labels.py).
+
+The marks the control plane keeps or retires a node by (gpufleet.io/ annotations, its cordon) the
+node may not write at all: the shipped admission policy refuses them (gpufleet-node-marks).
 """
 
 from __future__ import annotations
@@ -21,17 +24,26 @@ from temporalio.testing import ActivityEnvironment
 
 from fleet.messages.nodes import AwaitRegistrationInput
 from activities.watches import WatchActivities
-from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_PROVIDER, LABEL_REGION, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
+from fleet.cluster import (
+    ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS, FENCE_PREFIX, LABEL_GPU_PRODUCT, LABEL_PROVIDER, LABEL_REGION, LABEL_SITE,
+    LABEL_ZONE, UNPROVEN_TAINT,
+)
 from fleet.demand import public_placement_labels
 from fleet.messages.watches import SiteWatchInput, SiteWatchResult, node_summary
 from activities.watches import probe_nodes
+from providers.cluster.check import NODE_MARKS_POLICY
 from tests.providers.test_join_real import run
 from tests.realk8s.test_join import RealJoining, one  # noqa: F401 - the fixture
 
 
 def as_the_node(one: RealJoining, name: str, labels: dict[str, str]) -> tuple[int, dict]:
     """A label write on its own Node with the real kubelet's client certificate."""
-    return one.real.request("PATCH", f"/api/v1/nodes/{name}", {"metadata": {"labels": labels}},
+    return node_write(one, name, {"metadata": {"labels": labels}})
+
+
+def node_write(one: RealJoining, name: str, patch: dict, subresource: str = "") -> tuple[int, dict]:
+    """A merge patch of its own Node (or its status, ``/status``) with the real kubelet's client certificate."""
+    return one.real.request("PATCH", f"/api/v1/nodes/{name}{subresource}", patch,
                             cert=one.machines[0].client_pem, content_type="application/merge-patch+json")
 
 
@@ -87,3 +99,71 @@ def test_a_node_that_moves_itself_to_another_zone_is_put_back_within_seconds_and
     assert again.self_labelled == {}
     status, stored = one.real.request("GET", f"/api/v1/nodes/{node.name}", admin=True)
     assert stored["metadata"]["labels"][LABEL_ZONE] == site.name
+
+
+def refused_by(answer) -> str:
+    """Who refused a write: the node-marks policy, NodeRestriction, or else the server's message."""
+    message = answer.get("message", "") if isinstance(answer, dict) else str(answer)
+    if NODE_MARKS_POLICY in message:
+        return NODE_MARKS_POLICY
+    return "NodeRestriction" if "is not allowed to modify" in message or "NodeRestriction" in message else message
+
+
+def test_a_node_may_not_mark_cordon_or_uncordon_itself(one: RealJoining) -> None:
+    """The control plane decides whether to keep or retire a node from the marks on its Node (a
+    repair's fence, who cordoned it, spec.unschedulable): its kubelet's credential writes none of
+    them (deploy/kubernetes/admission-policy.yaml), through the Node or its status. The kubelet
+    registered with its taints and keeps its own writes (a non-gpufleet annotation)."""
+    provisioned = one.provision()
+    one.machine(provisioned.machine.id).boot()
+    node = one.await_registration(provisioned, add_taints=[UNPROVEN_TAINT])
+    assert node.ready and UNPROVEN_TAINT in node.taints, "registered with its taints under the policy"
+    name = node.name
+    # The API server loads admission policies asynchronously: give it until a dry run is refused.
+    deadline = time.monotonic() + 30
+    while node_write(one, name, {"spec": {"unschedulable": True}}, "?dryRun=All")[0] == 200:
+        if time.monotonic() > deadline:
+            break  # not enforced: the table below says what the node could do
+        time.sleep(0.5)
+
+    def outcome(patch: dict, subresource: str = "") -> str:
+        status, answer = node_write(one, name, patch, subresource)
+        return "allowed" if status == 200 else f"{status} {refused_by(answer)}"
+
+    refused = f"403 {NODE_MARKS_POLICY}"
+    fence, who = f"{FENCE_PREFIX}0", ANNOTATION_CORDONED_BY
+    # Unmarked and schedulable: the node makes itself un-retirable, or cordons itself.
+    found = {
+        "add fence": outcome({"metadata": {"annotations": {fence: "reset"}}}),
+        "add fence via status": outcome({"metadata": {"annotations": {fence: "reset"}}}, "/status"),
+        "add cordoned-by person": outcome({"metadata": {"annotations": {who: "alice"}}}),
+        "self-cordon": outcome({"spec": {"unschedulable": True}}),
+        "own annotation": outcome({"metadata": {"annotations": {"example.com/kubelet-note": "x"}}}),
+        "change a taint": outcome({"spec": {"taints": None}}),
+    }
+    # Marked by the control plane (a surplus cordon, a repair's fence), again before each write:
+    # the node takes them over, drops them, or uncordons itself.
+
+    def marked(patch: dict, subresource: str = "") -> str:
+        one.cluster.cordon(name, by=CORDONED_BY_SURPLUS)
+        one.cluster.annotate_node(name, {f"{FENCE_PREFIX}1": "reset"})
+        return outcome(patch, subresource)
+
+    found |= {
+        "change cordoned-by": marked({"metadata": {"annotations": {who: "alice"}}}),
+        "remove fence": marked({"metadata": {"annotations": {f"{FENCE_PREFIX}1": None}}}),
+        "remove fence via status": marked({"metadata": {"annotations": {f"{FENCE_PREFIX}1": None}}}, "/status"),
+        "self-uncordon": marked({"spec": {"unschedulable": None}}),
+    }
+    assert found == {
+        "add fence": refused, "add fence via status": refused, "add cordoned-by person": refused,
+        "self-cordon": refused, "own annotation": "allowed", "change a taint": "403 NodeRestriction",
+        "change cordoned-by": refused, "remove fence": refused, "remove fence via status": refused,
+        "self-uncordon": refused,
+    }, found
+    status, stored = one.real.request("GET", f"/api/v1/nodes/{name}", admin=True)
+    marks = {k: v for k, v in stored["metadata"]["annotations"].items() if k.startswith("gpufleet.io/")}
+    assert marks == {who: CORDONED_BY_SURPLUS, f"{FENCE_PREFIX}1": "reset"} and stored["spec"]["unschedulable"]
+    # The control plane still writes them: it uncordons and lifts the fence.
+    one.cluster.annotate_node(name, {f"{FENCE_PREFIX}1": None})
+    assert not one.cluster.cordon(name, unschedulable=False).unschedulable
