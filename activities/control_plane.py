@@ -119,21 +119,22 @@ class ControlPlaneActivities:
 
     @activity.defn
     @typed_errors
-    @reports_account(lambda input: input.site, lambda input: input.spec.instance_type)
+    @reports_account(lambda input: input.site, lambda input: input.spec.instance_type if input.spec else None)
     def provision_joining_machine(self, input: ProvisionJoinInput) -> ProvisionedMachine:
-        """Token first (kept under the join's id: a retry renders the same user data, and a
-        machine found by the key carries it already), then the machine with its bootstrap
-        document in the provider's user data. Only the token's id leaves this activity."""
+        """The site looked up (an unknown one is refused before anything is bought), the token
+        (kept under the join's id: a retry renders the same user data, and a machine found by the
+        key carries it already), then the machine with its bootstrap document in the provider's
+        user data. Only the token's id leaves this activity, with the site's facts."""
         site = self.env.site(input.site)
-        self.env.check_account(input.site, input.spec.instance_type)
-        node_name = input.spec.name
+        spec = input.spec or site.machine_spec(input.name, input.tags)
+        self.env.check_account(input.site, spec.instance_type)
+        node_name = spec.name
         token = self.env.cluster.issue_bootstrap_token(node_name, input.idempotency_key, input.ttl_seconds)
         provider_id = gpufleet_provider_id(site.provider, site.account, node_name)
         user_data = bootstrap_user_data(self.env.cluster, token, node_name, provider_id)
         with metrics.capacity_attempt(site.provider, input.site):
-            machine = self.env.provider(input.site).create_machine(input.spec, input.idempotency_key,
-                                                                   user_data=user_data)
-        return ProvisionedMachine(machine=machine, token=token.ref, provider_id=provider_id)
+            machine = self.env.provider(input.site).create_machine(spec, input.idempotency_key, user_data=user_data)
+        return ProvisionedMachine(machine=machine, token=token.ref, provider_id=provider_id, site=site)
 
     @activity.defn
     @typed_errors

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fleet.config_checks import cross_check
 from fleet.incident import ControlPlaneSettings, IncidentSettings
-from fleet.models import PROVIDERS, CapacityType, CredentialsRef, Offer
+from fleet.models import PROVIDERS, CapacityType, CredentialsRef, MachineSpec, Offer
 from fleet.repair_policy import RepairSettings
 from fleet.settings import Settings
 
@@ -100,6 +100,13 @@ class Site(_Strict):
     compliance: bool = False
     #: Provider-incident rule for this site; replaces the top-level ``incident:`` block.
     incident: IncidentSettings | None = None
+
+    def machine_spec(self, name: str, tags: dict[str, str]) -> MachineSpec:
+        """What a join asks the site's provider for: one machine of its offer, named ``name``."""
+        return MachineSpec(
+            name=name, site=self.name, region=self.region, instance_type=self.instance_type, gpu=self.gpu,
+            gpus=self.gpus_per_machine, capacity_type=self.capacity_type, image=self.image, tags=tags,
+        )
 
     def offer(self, provider: str, **reported: Any) -> Offer:
         """What the site sells, as configured here; ``reported`` holds the fields the provider's own

@@ -134,6 +134,31 @@ async def test_join_happy_path(stack: Stack) -> None:
     assert len(await listed()) == 1
 
 
+async def test_join_looks_its_site_up_in_its_provisioning_activity(stack: Stack) -> None:
+    """The provisioning activity looks the site up and returns its facts (``join-patches-at-start-3``):
+    a join schedules no lookup of its own and runs no local activity (a local one's result could
+    reach the join a task late, with a cancel, and its history then did not replay), and it still
+    sets its search attributes from the site. An unknown site is refused by provisioning, naming
+    ``site``, before anything is bought."""
+    handle = await stack.start_join({"site": "site-a"}, request="site-in-provisioning")
+    await handle.result()
+    history = await handle.fetch_history()
+    scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                 if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+    assert scheduled[0] == "provision_joining_machine" and "resolve_site" not in scheduled, scheduled
+    markers = [e.marker_recorded_event_attributes.marker_name for e in history.events
+               if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED]
+    assert "core_local_activity" not in markers, markers
+    found = (await handle.describe()).typed_search_attributes
+    assert (found[sa.PROVIDER], found[sa.ACCOUNT]) == ("lambda", "acct-a")
+
+    calls = provider_calls(stack)
+    error = await failure_of(await stack.start_join({"site": "atlantis"}, request="unknown-site"))
+    assert error.type == "InvalidRequest" and error.non_retryable, error
+    assert error.message.startswith("InvalidRequest while provisioning: site: unknown site 'atlantis'"), error.message
+    assert provider_calls(stack) == calls and len(stack.world.machines(include_deleted=True)) == 1, "nothing bought"
+
+
 async def test_join_fans_out_for_count(stack: Stack) -> None:
     handle = await stack.start_join({"site": "site-b", "count": 3}, request="three")
     result = NodeJoinResult.model_validate(await handle.result())

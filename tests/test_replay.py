@@ -34,9 +34,10 @@ EXPECTED = {
     # token and ends cancelled, not failed (tests/test_node_join.py; no patch: the old code's run
     # failed in the task that took the create's failure, so no open run is past that point).
     "node_join_cancelled_mid_create_no_capacity",
-    # ``join-patches-at-start-3``: the site's lookup is a regular activity, so a join cancelled while
-    # a progress query was answered during it replays (tests/test_join_cancelled.py; as a local
-    # activity its result came a task late, with the cancel, and the history did not replay).
+    # ``join-patches-at-start-3``: the provisioning activity looks the site up (no local activity), so a
+    # join cancelled while a progress query was answered in its first steps replays
+    # (tests/test_join_cancelled.py; as a local activity the lookup's result came a task late, with
+    # the cancel, and the history did not replay).
     "node_join_cancelled_while_queried_in_site_lookup",
     "node_entity_health_watch", "node_entity_watch_from_join_state",
     "capacity_no_capacity_fallback", "capacity_over_quota", "capacity_bad_credentials", "capacity_wait_then_resume",

@@ -1,8 +1,9 @@
 """NodeJoin (id ``join/<site>/<request>``): one machine from provider to serving.
 
-The runbook: resolve the site (an activity: a config lookup) → a join token bound
-to the node's name, then the machine with its bootstrap (kubeadm join) in its user data,
-in one activity (the workflow id is the provider's idempotency key and the token's) →
+The runbook: the site looked up (its config), a join token bound to the node's name, then
+the machine with its bootstrap (kubeadm join) in its user data, in one activity (the
+workflow id is the provider's idempotency key and the token's; runs from before
+``join-patches-at-start-3`` looked the site up first, in a local activity) →
 approve its kubelet's certificate, wait for it to register as this machine (providerID,
 addresses), delete the token, record its identity, label it and taint it unproven, in
 one activity → smoke test on the node's own queue (it also returns the node's state) →
@@ -34,7 +35,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet import search_attributes as sa
     from fleet.config import Site
-    from fleet.models import MACHINE_TAG_JOIN, MACHINE_TAG_SITE, Machine, MachineSpec, Node
+    from fleet.models import MACHINE_TAG_JOIN, MACHINE_TAG_SITE, Machine, Node
     from fleet.naming import node_name_for, node_queue
     from fleet.cluster import (
         LABEL_GPU_PRODUCT,
@@ -76,12 +77,14 @@ JOIN_PATCHES_AT_START = "join-patches-at-start"
 #: deletes the token too. Runs from before it (no marker) keep the old path.
 JOIN_PATCHES_AT_START_2 = "join-patches-at-start-2"
 #: Workflow patch, asked once in the run's first task after ``JOIN_PATCHES_AT_START_2``: the site
-#: is resolved by a regular activity, not a local one. A query answered while the local activity
+#: is looked up by the provisioning activity (which returns its facts), not by a local activity
+#: before it. A query answered while the local activity
 #: ran (``gpufleet join`` and the UI poll ``progress``) let the worker complete the first task with
 #: its marker and hand the result over in the next task, together with a cancel that came
 #: meanwhile: the run ended cancelled at the lookup, where a replay (the result from the marker, a
 #: task earlier) had already scheduled the machine's create, and the history did not replay
-#: (a query of the closed join failed). Runs from before it (no marker) keep the local activity.
+#: (a query of the closed join failed). A regular activity of its own would cost every join a task
+#: (bench.join_overhead). Runs from before it (no marker) keep the local activity.
 JOIN_PATCHES_AT_START_3 = "join-patches-at-start-3"
 
 
@@ -95,7 +98,7 @@ class NodeJoin:
         self._left_behind: list[str] = []
         #: ``JOIN_PATCHES_AT_START_2``: a cancel does not stop the clean-up.
         self._clean_up_converges = False
-        #: ``JOIN_PATCHES_AT_START_3``: the site is resolved by a regular activity.
+        #: ``JOIN_PATCHES_AT_START_3``: the provisioning activity looks the site up.
         self._no_local_activity = False
 
     @workflow.query
@@ -218,8 +221,8 @@ class NodeJoin:
         return NodeJoinResult(nodes=joined)
 
     async def _join_one(self, request: NodeJoinInput) -> JoinedNode:
-        """The runbook: look the site up, buy the machine with its bootstrap, wait for it to
-        register, prove its GPUs, admit it. A step that fails deletes the machine."""
+        """The runbook: buy the machine with its bootstrap (the same step looks the site up), wait
+        for it to register, prove its GPUs, admit it. A step that fails deletes the machine."""
         join_id = workflow.info().workflow_id
         # A node name is never reused: a later join started with this same id names its node
         # anew, so an earlier machine's certificate for the old name never becomes a live node's.
@@ -227,20 +230,25 @@ class NodeJoin:
         node_name = node_name_for(request.site, join_id, nonce)
         self._progress.node_name = node_name
 
-        site = await self._resolve_site(request.site, node_name, join_id)
         # The provider's idempotency key too: the same id started again buys a new machine,
         # never the one an earlier run created (and may have deleted) under that key.
-        provisioned = await self._provision(site, node_name, request, provision_key=f"{join_id}#{nonce}" if nonce else join_id)
+        provision_key = f"{join_id}#{nonce}" if nonce else join_id
+        # Runs from before ``JOIN_PATCHES_AT_START_3`` look the site up first, in a local activity;
+        # now provisioning does, and returns the site's facts with the machine.
+        site = None if self._no_local_activity else await self._resolve_site(request.site, node_name, join_id)
+        provisioned = await self._provision(request.site, node_name, request, provision_key=provision_key, site=site)
         machine = provisioned.machine
         token: JoinTokenRef | None = provisioned.token
         try:
+            if site is None:
+                site = self._found_site(provisioned, node_name, join_id)
             await self._await_registration(site, node_name, provisioned, join_id, request.timeouts)
             token = None  # deleted by the activity the moment the node registered
             smoke = await self._smoke_test(site, node_name, request.timeouts)
             await self._admit(site, node_name, machine, smoke)
         except (FailureError, asyncio.CancelledError):
             step = self._progress.step
-            await self._clean_up(site, machine, node_name)
+            await self._clean_up(request.site, machine, node_name)
             self._progress.step = step  # report where it failed, not the clean-up
             raise
         finally:
@@ -255,13 +263,28 @@ class NodeJoin:
         )
 
     async def _resolve_site(self, name: str, node_name: str, join_id: str) -> Site:
-        """1. The site's provider, region, instance type and account."""
+        """1. The site's provider, region, instance type and account (runs from before
+        ``JOIN_PATCHES_AT_START_3``; provisioning looks it up now)."""
         self._step("resolving site", name)
-        execute = workflow.execute_activity if self._no_local_activity else workflow.execute_local_activity
-        site: Site = await execute(
+        site: Site = await workflow.execute_local_activity(
             act.resolve_site, ResolveSiteInput(site=name),
             start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=f"look up site {name}",
         )
+        self._set_site_attributes(site, node_name, join_id)
+        return site
+
+    def _found_site(self, provisioned: ProvisionedMachine, node_name: str, join_id: str) -> Site:
+        """The site's facts as the provisioning activity found them: the join's search attributes
+        and what its steps say."""
+        site = provisioned.site
+        if site is None:  # only a worker from before the field answers without it
+            raise ApplicationError("provisioning returned no site: a worker older than this workflow",
+                                   type="WorkerTooOld", non_retryable=True)
+        self._set_site_attributes(site, node_name, join_id)
+        self._show(f"{site.instance_type} at {site.provider} {site.region}: machine {provisioned.machine.id}")
+        return site
+
+    def _set_site_attributes(self, site: Site, node_name: str, join_id: str) -> None:
         # A starter that knew the site set these at start (``sa.join_start_attributes``): upsert what differs.
         started_with = workflow.info().typed_search_attributes
         wanted = [(pair.key, node_name if pair.key == sa.NODE_NAME else pair.value)
@@ -269,27 +292,30 @@ class NodeJoin:
         changed = [key.value_set(value) for key, value in wanted if started_with.get(key) != value]
         if changed:
             workflow.upsert_search_attributes(changed)
-        return site
 
-    async def _provision(self, site: Site, node_name: str, request: NodeJoinInput, *,
-                         provision_key: str) -> ProvisionedMachine:
-        """2. A node-bound join token, then the machine with it in its user data."""
+    async def _provision(self, site_name: str, node_name: str, request: NodeJoinInput, *,
+                         provision_key: str, site: Site | None = None) -> ProvisionedMachine:
+        """2. The site looked up (unless ``site`` was), a node-bound join token, then the machine
+        with it in its user data. An unknown site is refused before anything is bought."""
         timeouts = request.timeouts
-        self._step("provisioning", f"{site.instance_type} at {site.provider} {site.region}")
-        spec = MachineSpec(
-            name=node_name, site=site.name, region=site.region, instance_type=site.instance_type, gpu=site.gpu,
-            gpus=site.gpus_per_machine, capacity_type=site.capacity_type, image=site.image,
-            tags={MACHINE_TAG_JOIN: workflow.info().workflow_id, MACHINE_TAG_SITE: site.name},
-        )
+        tags = {MACHINE_TAG_JOIN: workflow.info().workflow_id, MACHINE_TAG_SITE: site_name}
+        if site is None:
+            self._step("provisioning", f"looking up site {site_name}, then its machine")
+            what = ProvisionJoinInput(site=site_name, name=node_name, tags=tags, idempotency_key=provision_key,
+                                      ttl_seconds=request.token_ttl_seconds)
+            summary = f"look up site {site_name}, node-bound join token, then its machine with it in its user data"
+        else:
+            self._step("provisioning", f"{site.instance_type} at {site.provider} {site.region}")
+            what = ProvisionJoinInput(site=site_name, spec=site.machine_spec(node_name, tags),
+                                      idempotency_key=provision_key, ttl_seconds=request.token_ttl_seconds)
+            summary = f"node-bound join token, then {site.instance_type} at {site_name} with it in its user data"
         provisioning = workflow.start_activity(
-            act.provision_joining_machine,
-            ProvisionJoinInput(site=site.name, spec=spec, idempotency_key=provision_key,
-                               ttl_seconds=request.token_ttl_seconds),
+            act.provision_joining_machine, what,
             start_to_close_timeout=timedelta(seconds=timeouts.provision_seconds),
             # The activity heartbeats while the provider creates the machine: a lost worker is
             # retried within the heartbeat timeout, under the same key (no second machine).
             heartbeat_timeout=timedelta(seconds=timeouts.heartbeat_seconds), retry_policy=PROVIDER_RETRY,
-            summary=f"node-bound join token, then {site.instance_type} at {site.name} with it in its user data",
+            summary=summary,
         )
         try:
             # Shielded: a join cancelled mid-create must still learn the machine to delete it.
@@ -301,28 +327,28 @@ class NodeJoin:
                 # The create failed after the cancel: the failed create's clean-up all the same
                 # (the token; any machine made under the key), and the join still ends cancelled,
                 # not failed with the provider's answer to a create nobody wants any more.
-                await self._provision_failed(site, spec, provision_key, error)
+                await self._provision_failed(site_name, node_name, provision_key, error)
                 self._progress.step = "provisioning"
                 raise cancel from None
             self._progress.machine_id = machine.id
-            await self._clean_up(site, machine, node_name)
+            await self._clean_up(site_name, machine, node_name)
             if self._clean_up_converges:
                 await self._revoke_node_tokens(node_name)  # its machine never used it
             self._progress.step = "provisioning"  # report where it was cancelled, not the clean-up
             raise
         except ActivityError as error:
-            await self._provision_failed(site, spec, provision_key, error)
+            await self._provision_failed(site_name, node_name, provision_key, error)
             raise
         self._progress.machine_id = provisioned.machine.id
         return provisioned
 
-    async def _provision_failed(self, site: Site, spec: MachineSpec, provision_key: str, error: ActivityError) -> None:
+    async def _provision_failed(self, site_name: str, node_name: str, provision_key: str, error: ActivityError) -> None:
         """A failed create leaves nothing: any machine made under its key, the node's join tokens."""
         # Every adapter looks the key up before it reports no capacity: then nothing is there. A
         # revoked account may not be called at all (rule 6): the sweep finds it once rotated.
         if failure_type(error) not in ("NoCapacity", "BadCredentials"):
-            await self._release_provision(site, spec, provision_key)
-        await self._revoke_node_tokens(spec.name)
+            await self._release_provision(site_name, node_name, provision_key)
+        await self._revoke_node_tokens(node_name)
 
     async def _await_registration(self, site: Site, node_name: str, provisioned: ProvisionedMachine,
                                   join_id: str, timeouts: JoinTimeouts) -> None:
@@ -380,29 +406,29 @@ class NodeJoin:
             summary="admit: remove unproven taint, tell the Site entity",
         )
 
-    async def _release_provision(self, site: Site, spec: MachineSpec, provision_key: str) -> None:
+    async def _release_provision(self, site_name: str, node_name: str, provision_key: str) -> None:
         step = self._progress.step
         self._step("cleaning up", "deleting any machine an earlier attempt created")
         try:
             await self._finish(workflow.start_activity(
-                act.release_provision, ReleaseProvisionInput(site=site.name, name=spec.name, idempotency_key=provision_key),
+                act.release_provision, ReleaseProvisionInput(site=site_name, name=node_name, idempotency_key=provision_key),
                 start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
-                summary=f"delete any machine created as {spec.name}",
+                summary=f"delete any machine created as {node_name}",
             ))
         except ActivityError as error:
             # The sweep is the bound on this leak: it finds the machine by its marker later.
-            workflow.logger.warning("could not look for a machine created as %s: %s", spec.name,
+            workflow.logger.warning("could not look for a machine created as %s: %s", node_name,
                                     failure_message(error))
         self._progress.step = step  # report where it failed, not the clean-up
 
-    async def _clean_up(self, site: Site, machine: Machine, node_name: str) -> None:
+    async def _clean_up(self, site_name: str, machine: Machine, node_name: str) -> None:
         """Never leave a machine behind: machine deleted, node object out."""
         self._step("cleaning up", f"deleting machine {machine.id}")
         self._cleaned_up = True
         failed = self._left_behind
         try:
             await self._finish(workflow.start_activity(
-                act.delete_machine, DeleteMachineInput(site=site.name, machine_id=machine.id),
+                act.delete_machine, DeleteMachineInput(site=site_name, machine_id=machine.id),
                 start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
                 summary=f"delete machine {machine.id}",
             ))

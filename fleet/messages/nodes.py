@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field, StrictStr, StringConstraints
 
 from fleet.cluster import JoinTokenRef
+from fleet.config import Site
 from fleet.messages.repair import NodeWatchResult
 from fleet.models import GpuHealth, Machine, MachineSpec
 from fleet.repair_policy import RepairSettings
@@ -29,10 +30,15 @@ class ProvisionJoinInput(BaseModel):
     token's secret) exists only inside it."""
 
     site: str
-    spec: MachineSpec
+    #: Absent: the activity builds it from the site's config, with ``name`` and ``tags`` (the join
+    #: then needs no lookup of its own before it: ``join-patches-at-start-3``).
+    spec: MachineSpec | None = None
     #: The join's id: the provider's idempotency key, and the key its token is kept under.
     idempotency_key: str
     ttl_seconds: int = Field(3600, gt=0, le=3600)
+    #: The node's name, and the machine's tags, where ``spec`` is absent.
+    name: str = ""
+    tags: dict[str, str] = Field(default_factory=dict)
 
 
 class ProvisionedMachine(BaseModel):
@@ -40,6 +46,8 @@ class ProvisionedMachine(BaseModel):
     token: JoinTokenRef
     #: What the machine's kubelet was told to register as its providerID.
     provider_id: str
+    #: The site it was bought at, as the activity found it in the config (absent from older workers).
+    site: Site | None = None
 
 
 class AwaitRegistrationInput(BaseModel):
