@@ -21,7 +21,7 @@ from fleet.errors import FleetError, Transient
 from fleet.incident import IncidentSettings, SiteFacts, incident_of_hold, recovery, weight_at
 from fleet.naming import site_workflow_id
 from providers.cluster.base import serving_capacity
-from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute
+from fleet.cluster import FENCE_PREFIX, LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute
 from fleet.messages.evacuation import (
     AdmitRepairInput,
     EvacuationFacts,
@@ -329,8 +329,6 @@ class EvacuationActivities:
         a GPU still fenced by its repair (the repair uncordons it when done). ``keep_cordoned``
         (cordoned before it began) stay as they are. Returns each node's outcome, with why a
         held one stays cordoned."""
-        from activities.repair import FENCE_PREFIX
-
         cluster, out = self.env.cluster, ReleaseNodesResult()
         for name in [*input.nodes, *input.keep_cordoned]:
             node = cluster.get_node(name)
