@@ -17,7 +17,7 @@ from activities.env import FleetEnv
 from fleet.settings import Settings
 from sim.cluster import SimCluster
 from sim.world import SimWorld
-from tests.conftest import run_node_host, stop_stack
+from tests.conftest import CONTROL_PLANE_QUEUES, run_node_host, stop_stack
 from workers.control_plane import build_worker
 from tests.replay import replay_and_record  # noqa: F401 - used by the scenario tests
 
@@ -99,7 +99,8 @@ async def open_stack(client: Client, address: str, tmp_path: Path, fleet: dict |
     uid = uid or uuid.uuid4().hex[:6]
     path = tmp_path / "sites.yaml"
     path.write_text(yaml.safe_dump(fleet or capacity_fleet(uid)))
-    settings = Settings(address=address, task_queue=f"cap-{uid}", state_dir=tmp_path, config=str(path))
+    settings = Settings(address=address, task_queue=CONTROL_PLANE_QUEUES.get(address, f"cap-{uid}"), state_dir=tmp_path,
+                        config=str(path))
     env = FleetEnv.from_settings(settings)
     stack = CapStack(client, settings, env.world, env.cluster, env, uid)
     stop = asyncio.Event()

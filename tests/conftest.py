@@ -100,7 +100,7 @@ async def wait_for(predicate, timeout: float = 10, interval: float = 0.05):
 
 
 #: Names tests import from here that live with the heavy fixtures (loaded on first use).
-STACK_NAMES = {"NODE_GATEWAYS", "SessionGateway", "Stack", "TEARDOWN_SECONDS", "bounded_teardown",
+STACK_NAMES = {"CONTROL_PLANE_QUEUES", "NODE_GATEWAYS", "SessionGateway", "Stack", "TEARDOWN_SECONDS", "bounded_teardown",
                "make_settings", "run_node_host", "sim_host", "stacks_now", "start_test_gateway", "stop_stack",
                "terminate_running"}
 

@@ -169,3 +169,20 @@ def test_gpu_workloads_tolerate_every_taint_an_admitted_gpu_node_keeps() -> None
     serving = render_pod_template(ServingSpec(model="m", site="s", image="i"))["spec"]
     assert all(any(t.tolerates(taint) for t in tolerations_of(serving)) for taint in kept)
     assert not any(t.tolerates(UNPROVEN_TAINT) for t in tolerations_of(serving)), "nothing serves before the smoke test"
+
+
+def test_the_control_plane_worker_polls_every_partition_of_its_queue() -> None:
+    """The worker keeps polls on each partition the shipped dynamic config gives its queue: with
+    more partitions than polls, those without one only forward their tasks (the SDK's defaults held
+    one workflow poll on it for four partitions)."""
+    from fleet.naming import CONTROL_PLANE_QUEUE
+    from workers import control_plane as worker
+
+    config = yaml.safe_load((ROOT / "deploy" / "temporal" / "dynamic-config.yaml").read_text())
+    for key in ("matching.numTaskqueueReadPartitions", "matching.numTaskqueueWritePartitions"):
+        (partitions,) = [entry["value"] for entry in config[key]
+                         if entry.get("constraints") == {"taskQueueName": CONTROL_PLANE_QUEUE}]
+        assert partitions == worker.QUEUE_PARTITIONS, key
+    nonsticky = worker.WORKFLOW_TASK_POLLS * worker.NONSTICKY_POLL_RATIO
+    assert nonsticky >= 2 * worker.QUEUE_PARTITIONS
+    assert worker.ACTIVITY_TASK_POLLS >= 2 * worker.QUEUE_PARTITIONS

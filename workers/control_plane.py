@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 
 import typer
 from temporalio.client import Client
-from temporalio.worker import Worker
+from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
 from activities import control_plane_activities
 from activities.entity_update import EntityUpdateActivities
@@ -67,6 +67,21 @@ def max_cached_workflows() -> int:
         raise SystemExit(str(error)) from None
 
 
+#: The control plane's queue has four partitions (deploy/temporal/dynamic-config.yaml), and
+#: each long poll waits on one of them. A partition with no poller waiting only forwards its
+#: tasks to one that has, a hop for every task; so the worker keeps two polls per partition on
+#: the queue, for workflow tasks and for activities. The SDK's defaults left one workflow poll
+#: on it (five, four of them on the worker's sticky queue) and five activity polls: two of the
+#: four workflow partitions were polled by no one (tests/realtemporal/test_config.py).
+QUEUE_PARTITIONS = 4
+POLLS_PER_PARTITION = 2
+#: The non-sticky share of the workflow polls (the rest wait on the worker's own sticky queue,
+#: one partition, where a cached workflow's next tasks go).
+NONSTICKY_POLL_RATIO = 0.5
+WORKFLOW_TASK_POLLS = int(QUEUE_PARTITIONS * POLLS_PER_PARTITION / NONSTICKY_POLL_RATIO)
+ACTIVITY_TASK_POLLS = QUEUE_PARTITIONS * POLLS_PER_PARTITION
+
+
 def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None, *,
                  workflows: list[type] | None = None) -> Worker:
     """The control-plane worker; ``workflows`` replaces ``ALL_WORKFLOWS`` only for a test that runs
@@ -83,6 +98,9 @@ def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None
         activity_executor=ThreadPoolExecutor(max_workers=128, thread_name_prefix="activity"),
         max_concurrent_activities=128,
         max_cached_workflows=max_cached_workflows(),
+        workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLS),
+        nonsticky_to_sticky_poll_ratio=NONSTICKY_POLL_RATIO,
+        activity_task_poller_behavior=PollerBehaviorSimpleMaximum(ACTIVITY_TASK_POLLS),
         interceptors=worker_interceptors(),
         workflow_runner=workflow_runner(client.data_converter),
     )

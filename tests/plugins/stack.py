@@ -71,6 +71,12 @@ class SessionGateway:
 
 #: Dev server address → its node gateway (``sim_host`` routes agents through it).
 NODE_GATEWAYS: dict[str, SessionGateway] = {}
+#: Server address → the task queue the suite's stacks there run their control plane on. The real
+#: Temporal tier (tests/realtemporal/conftest.py) runs them on the production queue, with the
+#: partitions deploy/temporal/dynamic-config.yaml gives it (its tests run one at a time, and each
+#: stack's teardown ends what it left running there). Elsewhere each stack has a queue of its
+#: own: many tests share one dev server at once.
+CONTROL_PLANE_QUEUES: dict[str, str] = {}
 
 
 async def start_test_gateway(client: Client, pki: Pki | None = None, port: int = 0,
@@ -113,9 +119,10 @@ class Stack:
 
 
 def make_settings(temporal_env: WorkflowEnvironment, tmp_path: Path) -> Settings:
+    address = temporal_env.client.service_client.config.target_host
     return Settings(
-        address=temporal_env.client.service_client.config.target_host,
-        task_queue=f"gpufleet-test-{uuid.uuid4().hex[:8]}",
+        address=address,
+        task_queue=CONTROL_PLANE_QUEUES.get(address, f"gpufleet-test-{uuid.uuid4().hex[:8]}"),
         state_dir=tmp_path,
         config=str(write_fleet(tmp_path)),
     )

@@ -91,14 +91,18 @@ async def temporal_env(real_temporal: RealTemporal) -> AsyncIterator[WorkflowEnv
     # Imported here: collecting this tier must not load the stack (tests/conftest.py loads it lazily).
     from temporalio.testing import WorkflowEnvironment
 
-    from tests.conftest import NODE_GATEWAYS, start_test_gateway
+    from fleet.naming import CONTROL_PLANE_QUEUE
+    from tests.conftest import CONTROL_PLANE_QUEUES, NODE_GATEWAYS, start_test_gateway
 
     client = await real_temporal.connect(namespace=real_temporal.namespaces[0][0])
     gateway = await start_test_gateway(client)
     NODE_GATEWAYS[real_temporal.address] = gateway
+    # The stacks' control planes poll the production queue and its four partitions.
+    CONTROL_PLANE_QUEUES[real_temporal.address] = CONTROL_PLANE_QUEUE
     try:
         yield WorkflowEnvironment.from_client(client)
     finally:
+        CONTROL_PLANE_QUEUES.pop(real_temporal.address, None)
         NODE_GATEWAYS.pop(real_temporal.address, None)
         await gateway.running.stop(grace=None)
 

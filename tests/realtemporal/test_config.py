@@ -16,10 +16,11 @@ from datetime import timedelta
 
 import pytest
 import yaml
-from temporalio.api.enums.v1 import TaskQueueKind
+from temporalio.api.enums.v1 import TaskQueueKind, TaskQueueType
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import (
     DescribeNamespaceRequest,
+    DescribeTaskQueueRequest,
     GetClusterInfoRequest,
     ListTaskQueuePartitionsRequest,
     PollActivityTaskQueueRequest,
@@ -143,3 +144,26 @@ def test_the_cloud_steps_add_every_search_attribute_with_its_type() -> None:
     listed = dict(re.findall(r"--sa (\w+)=(\w+)", guide))
     assert listed == {key.name: key.indexed_value_type.name.removeprefix("INDEXED_VALUE_TYPE_").title()
                       for key in sa.ALL}
+
+
+async def test_the_control_plane_runs_on_its_queue_with_a_poller_on_every_partition(stack) -> None:
+    """The suite's stacks on this cluster run on the production queue (this tier's end-to-end tests
+    with them), and the worker as built polls each of its four partitions, workflow and activity
+    tasks alike: a partition no one polls only forwards its tasks to one that is polled, a hop for
+    every task, and with fewer pollers than partitions some are always without one."""
+    assert stack.settings.task_queue == CONTROL_PLANE_QUEUE
+    handle = await stack.start_join({"site": "site-a"}, request=f"partitions-{uuid.uuid4().hex[:6]}")
+    await handle.result()
+    assert (await handle.describe()).task_queue == CONTROL_PLANE_QUEUE
+    client = stack.client
+
+    async def pollers(partition: str, kind: TaskQueueType.ValueType) -> set[str]:
+        described = await client.workflow_service.describe_task_queue(DescribeTaskQueueRequest(
+            namespace=client.namespace, task_queue=TaskQueue(name=partition, kind=TaskQueueKind.TASK_QUEUE_KIND_NORMAL),
+            task_queue_type=kind))
+        return {poller.identity for poller in described.pollers}
+
+    names = [CONTROL_PLANE_QUEUE] + [f"/_sys/{CONTROL_PLANE_QUEUE}/{n}" for n in range(1, 4)]
+    for kind in (TaskQueueType.TASK_QUEUE_TYPE_WORKFLOW, TaskQueueType.TASK_QUEUE_TYPE_ACTIVITY):
+        without = [name for name in names if not await pollers(name, kind)]
+        assert not without, f"{TaskQueueType.Name(kind)} partitions no one polls: {without}"
