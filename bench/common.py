@@ -78,10 +78,12 @@ def echo_worker(client, task_queue: str):
     from temporalio.worker import Worker
 
     from bench.echo import Echo, mark
+    from workers.control_plane import POLLERS
     from workers.workflow_runner import workflow_runner
 
     return Worker(client, task_queue=task_queue, workflows=[Echo], activities=[mark],
-                  workflow_runner=workflow_runner(client.data_converter), activity_executor=ThreadPoolExecutor(8))
+                  workflow_runner=workflow_runner(client.data_converter), activity_executor=ThreadPoolExecutor(8),
+                  **POLLERS)
 
 
 async def timed(run: Callable[[], Awaitable[object]]) -> float:

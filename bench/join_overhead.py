@@ -33,7 +33,7 @@ from fleet.naming import join_workflow_id
 from bench.baseline import NoopSteps, NoopStepsWithMetadata, noop
 from bench.common import (Smoke, bench_env, command_line, fleet, median, bench_args, run, start_node_host, timed,
                           proc_cpu, server_pid)
-from workers.control_plane import build_worker
+from workers.control_plane import POLLERS, build_worker
 from workers.workflow_runner import workflow_runner
 from fleet.contracts import workflows as flows
 
@@ -92,7 +92,8 @@ async def main(args) -> None:
         baseline_queue = f"{settings.task_queue}-baseline"
         baseline_worker = Worker(client, task_queue=baseline_queue, workflows=[NoopSteps, NoopStepsWithMetadata], activities=[noop],
                                  workflow_runner=workflow_runner(client.data_converter),
-                                 activity_executor=ThreadPoolExecutor(128), max_concurrent_activities=128)
+                                 activity_executor=ThreadPoolExecutor(128), max_concurrent_activities=128,
+                                 **POLLERS)
 
         async def baseline(workflow=NoopSteps) -> None:
             await asyncio.gather(*[

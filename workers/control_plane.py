@@ -80,6 +80,12 @@ POLLS_PER_PARTITION = 2
 NONSTICKY_POLL_RATIO = 0.5
 WORKFLOW_TASK_POLLS = int(QUEUE_PARTITIONS * POLLS_PER_PARTITION / NONSTICKY_POLL_RATIO)
 ACTIVITY_TASK_POLLS = QUEUE_PARTITIONS * POLLS_PER_PARTITION
+#: ``Worker`` options; the benchmarks' baseline workers take them too, to compare like with like.
+POLLERS = dict(
+    workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLS),
+    nonsticky_to_sticky_poll_ratio=NONSTICKY_POLL_RATIO,
+    activity_task_poller_behavior=PollerBehaviorSimpleMaximum(ACTIVITY_TASK_POLLS),
+)
 
 
 def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None, *,
@@ -98,9 +104,7 @@ def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None
         activity_executor=ThreadPoolExecutor(max_workers=128, thread_name_prefix="activity"),
         max_concurrent_activities=128,
         max_cached_workflows=max_cached_workflows(),
-        workflow_task_poller_behavior=PollerBehaviorSimpleMaximum(WORKFLOW_TASK_POLLS),
-        nonsticky_to_sticky_poll_ratio=NONSTICKY_POLL_RATIO,
-        activity_task_poller_behavior=PollerBehaviorSimpleMaximum(ACTIVITY_TASK_POLLS),
+        **POLLERS,
         interceptors=worker_interceptors(),
         workflow_runner=workflow_runner(client.data_converter),
     )
