@@ -54,7 +54,8 @@ SYSTEM_TOOLS = {
     "cloud-init": "cloud-init",  # `cloud-init schema` and its NoCloud code on the bootstrap documents
     "haproxy": "haproxy",  # the front door
     "curl": "curl",  # the README's HTTP examples, run as written
-    "ip": "iproute2", "unshare": "util-linux",  # the real Kubernetes tier's machines: a netns each
+    # The real Kubernetes tier's machines: a netns each; the install step's: a mount namespace each.
+    "ip": "iproute2", "unshare": "util-linux",
     # The real Temporal tier's database. The server (initdb, postgres) sits off PATH under
     # /usr/lib/postgresql/<v>/bin: this is postgresql-common's wrapper, which comes with it.
     "pg_ctlcluster": "postgresql",
@@ -70,7 +71,7 @@ SKIPPED_WITHOUT = {
     "haproxy": ["tests/test_front_door.py", "tests/test_routing_entity.py", "tests/test_bench_smoke.py"],
     "curl": ["tests/test_readme_http.py"],
     "ip": ["the real Kubernetes tier (tests/realk8s)"],
-    "unshare": ["the real Kubernetes tier (tests/realk8s)"],
+    "unshare": ["the real Kubernetes tier (tests/realk8s)", "tests/test_node_install.py"],
     "pg_ctlcluster": ["the real Temporal tier (tests/realtemporal)"],
     # Not a Debian package: built with the real Kubernetes tier (build_real_components).
     "kubectl": ["tests/test_deploy.py", "tests/cluster/test_network.py", "tests/test_helm.py"],

@@ -240,12 +240,10 @@ MODELS: tuple[type[EnvSettings], ...] = (Settings, WorkerEnv, ControlPlaneEnv, N
 WEIGHTS_KEY_ENV = "GPUFLEET_WEIGHTS_KEY"
 DEV_S3_KEY_ENV = "GPUFLEET_DEV_S3_KEY"
 VENV_ENV = "GPUFLEET_VENV"
-INSTALL_ROOT_ENV = "GPUFLEET_INSTALL_ROOT"
 ELSEWHERE: dict[str, str] = {
     WEIGHTS_KEY_ENV: "a serving pod's object-store key, from a Secret (its weights pull's credentials reference)",
     DEV_S3_KEY_ENV: "the dev object stores' key (the dev config's credentials reference; gpufleet dev sets it)",
     VENV_ENV: "bootstrap.py's virtual environment (default: .venv); read before any dependency is installed",
-    INSTALL_ROOT_ENV: "deploy/bootstrap/install-node.sh's root (a test's scratch directory; empty on a machine)",
 }
 
 

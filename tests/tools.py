@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import NoReturn
 
 import pytest
 
@@ -44,11 +45,15 @@ def require(name: str) -> str:
     """The program's path; else skip the test (fail it in CI) naming how to get it."""
     path = find(name)
     if path is None:
-        reason = missing_reason(name) or name
-        if os.environ.get("CI") == "true":
-            pytest.fail(f"CI runs every test: {reason}", pytrace=False)
-        pytest.skip(reason)
+        skip_or_fail(missing_reason(name) or name)
     return path
+
+
+def skip_or_fail(reason: str) -> NoReturn:
+    """Skip the test saying why; in CI fail it instead: CI runs every test."""
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI runs every test: {reason}", pytrace=False)
+    pytest.skip(reason)
 
 
 def needs(*names: str) -> pytest.MarkDecorator:

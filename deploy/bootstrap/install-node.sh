@@ -6,7 +6,6 @@
 # missing is fetched from its publisher and checked against its pinned sum before anything is
 # unpacked, and a part without a pinned sum, or whose download does not match, stops the join.
 set -eu
-ROOT="${GPUFLEET_INSTALL_ROOT:-}"  # a test's scratch root; empty on a machine
 say() { echo "gpufleet install: $*"; }
 die() { echo "gpufleet install: $*: not joining" >&2; exit 1; }
 have() { command -v "$1" >/dev/null 2>&1; }
@@ -17,7 +16,7 @@ case "$(uname -m)" in
 esac
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-CONFIG="$ROOT/etc/containerd/config.toml"
+CONFIG=/etc/containerd/config.toml
 DID=""
 
 fetch() {  # part url: $WORK/part, its sha256 the pinned one
@@ -31,43 +30,43 @@ fetch() {  # part url: $WORK/part, its sha256 the pinned one
 }
 
 unit() {  # path: the unit read from stdin
-  mkdir -p "$(dirname "$ROOT$1")"
-  cat > "$ROOT$1"
+  mkdir -p "$(dirname "$1")"
+  cat > "$1"
 }
 
 unit_missing() {  # name: no systemd unit of that name anywhere systemd looks
   for dir in /etc/systemd/system /usr/local/lib/systemd/system /lib/systemd/system /usr/lib/systemd/system; do
-    [ ! -f "$ROOT$dir/$1" ] || return 1
+    [ ! -f "$dir/$1" ] || return 1
   done
 }
 
 # kubeadm's preflight: IPv4 forwarding, bridged traffic through iptables, no swap.
-if [ ! -d "$ROOT/sys/module/br_netfilter" ]; then
-  mkdir -p "$ROOT/etc/modules-load.d"
-  printf 'overlay\nbr_netfilter\n' > "$ROOT/etc/modules-load.d/gpufleet-kubernetes.conf"
+if [ ! -d /sys/module/br_netfilter ]; then
+  mkdir -p /etc/modules-load.d
+  printf 'overlay\nbr_netfilter\n' > /etc/modules-load.d/gpufleet-kubernetes.conf
   modprobe overlay
   modprobe br_netfilter
   DID="$DID br_netfilter"
 fi
-if [ "$(cat "$ROOT/proc/sys/net/ipv4/ip_forward" 2>/dev/null)" != 1 ] \
-    || [ "$(cat "$ROOT/proc/sys/net/bridge/bridge-nf-call-iptables" 2>/dev/null)" != 1 ]; then
-  mkdir -p "$ROOT/etc/sysctl.d"
+if [ "$(cat /proc/sys/net/ipv4/ip_forward 2>/dev/null)" != 1 ] \
+    || [ "$(cat /proc/sys/net/bridge/bridge-nf-call-iptables 2>/dev/null)" != 1 ]; then
+  mkdir -p /etc/sysctl.d
   printf 'net.ipv4.ip_forward = 1\nnet.bridge.bridge-nf-call-iptables = 1\nnet.bridge.bridge-nf-call-ip6tables = 1\n' \
-    > "$ROOT/etc/sysctl.d/90-gpufleet-kubernetes.conf"
-  sysctl -q -p "$ROOT/etc/sysctl.d/90-gpufleet-kubernetes.conf"
+    > /etc/sysctl.d/90-gpufleet-kubernetes.conf
+  sysctl -q -p /etc/sysctl.d/90-gpufleet-kubernetes.conf
   DID="$DID sysctl"
 fi
-if [ -r "$ROOT/proc/swaps" ] && [ "$(wc -l < "$ROOT/proc/swaps")" -gt 1 ]; then
+if [ -r /proc/swaps ] && [ "$(wc -l < /proc/swaps)" -gt 1 ]; then
   swapoff -a
-  [ ! -f "$ROOT/etc/fstab" ] || sed -i 's/^\([^#].*[[:space:]]swap[[:space:]].*\)$/# off for the kubelet: \1/' "$ROOT/etc/fstab"
+  [ ! -f /etc/fstab ] || sed -i 's/^\([^#].*[[:space:]]swap[[:space:]].*\)$/# off for the kubelet: \1/' /etc/fstab
   DID="$DID swap-off"
 fi
 
 # containerd with its CRI plugin (kubeadm talks to it) and runc.
 if ! have containerd; then
   fetch containerd "https://github.com/containerd/containerd/releases/download/v$CONTAINERD_VERSION/containerd-$CONTAINERD_VERSION-linux-$ARCH.tar.gz"
-  mkdir -p "$ROOT/usr/local"
-  tar -C "$ROOT/usr/local" -xzf "$WORK/containerd"
+  mkdir -p /usr/local
+  tar -C /usr/local -xzf "$WORK/containerd"
 fi
 # The units, as containerd's repository and kubeadm's packages ship them, where no package did.
 if unit_missing containerd.service; then
@@ -95,8 +94,8 @@ EOF
 fi
 if ! have runc; then
   fetch runc "https://github.com/opencontainers/runc/releases/download/v$RUNC_VERSION/runc.$ARCH"
-  mkdir -p "$ROOT/usr/local/sbin"
-  install -m 0755 "$WORK/runc" "$ROOT/usr/local/sbin/runc"
+  mkdir -p /usr/local/sbin
+  install -m 0755 "$WORK/runc" /usr/local/sbin/runc
 fi
 # Docker's containerd packages ship `disabled_plugins = ["cri"]`; no config at all is CRI's
 # defaults with the cgroupfs driver. Either way: containerd's own defaults, systemd cgroups.
@@ -129,8 +128,8 @@ fi
 for tool in kubeadm kubelet; do
   if ! have $tool; then
     fetch $tool "https://dl.k8s.io/release/$KUBERNETES_VERSION/bin/linux/$ARCH/$tool"
-    mkdir -p "$ROOT/usr/local/bin"
-    install -m 0755 "$WORK/$tool" "$ROOT/usr/local/bin/$tool"
+    mkdir -p /usr/local/bin
+    install -m 0755 "$WORK/$tool" "/usr/local/bin/$tool"
   fi
 done
 if unit_missing kubelet.service; then
