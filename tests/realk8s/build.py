@@ -164,16 +164,8 @@ def build() -> Path:
     return bin_dir()
 
 
-def main(argv: list[str]) -> int:
-    if argv[:1] == ["--check"]:
-        if built():
-            print(bin_dir())
-            return 0
-        print(missing_reason(), file=sys.stderr)
-        return 1
-    print(build())
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # a script: the repository's tests package
+    from tests.gobuild import main
+
+    sys.exit(main(sys.argv[1:], built, build, missing_reason))
