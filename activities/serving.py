@@ -118,16 +118,26 @@ class ServingActivities:
             cluster.delete_serving(input.model, input.site)
             return None
         status = cluster.serving_status(input.model, input.site)
-        if input.updated_template and status is not None:
-            ours_live = status.template == input.updated_template
-            if ours_live and input.updated_template != input.previous_template:
+        if (input.updated_template or input.unanswered_image) and status is not None:
+            ours_live = self._ours_live(input, status)
+            if ours_live and status.template != input.previous_template:
                 status = cluster.rollback_serving(input.model, input.site)  # the one before comes back
             elif not ours_live and status.template != input.previous_template:
                 return status  # someone else's template since ours: theirs stays
+            # Where the template before ours is live (ours never landed, or a retry: rolled back
+            # already), rollback_serving is not called: it would go to the version before that one.
             return self._put_back_replicas(input, status)
         if status is not None and input.updated_generation and status.generation > input.updated_generation:
             return status  # a retried attempt: the rollback already happened
         return cluster.rollback_serving(input.model, input.site)
+
+    @staticmethod
+    def _ours_live(input: RollbackSiteInput, status: ServingStatus) -> bool:
+        """Whether the template our update wrote is the live one. Where the update gave no answer,
+        ours is any template other than the one before that runs the image it asked for."""
+        if input.updated_template:
+            return status.template == input.updated_template
+        return status.template != input.previous_template and status.image == input.unanswered_image
 
     def _put_back_replicas(self, input: RollbackSiteInput, status: ServingStatus) -> ServingStatus:
         """The replicas the Deployment had before our update, unless someone changed ours since."""

@@ -101,6 +101,11 @@ EXPECTED = {
     # A cancel while an abort rolls back stops no rollback, then the run ends Canceled, not aborted
     # (no patch: only the run's last command differs, and a run that took it has closed).
     "rollout_cancelled_during_an_aborts_rollback",
+    # A cancel during a site's update waits for its answer and rolls that site back; an update that
+    # failed after writing the Deployment is rolled back (``rollout-rolls-back-an-unanswered-update``,
+    # tests/rollout/test_rollout_workflow.py); the old code's run, which left the site on v2, replays too.
+    "rollout_cancelled_while_updating", "rollout_update_failed_half_applied",
+    "rollout_cancelled_while_updating_before",
     # The newest spot notice sets the deadline (``reclaim-newest-notice-deadline``, tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # The HTTP relay of an operator update (tests/test_entity_update.py).

@@ -21,7 +21,8 @@ updates with validators; the ``progress`` query; current details show the
 site x state table; search attributes ``Model``, ``ModelVersion``, ``FleetState``.
 Temporal's cancel rolls back as ``abort`` does, then the run ends Canceled
 (phase ``cancelled``); one that lands while an abort rolls back stops no rollback,
-and the run then ends Canceled too, not aborted.
+and the run then ends Canceled too, not aborted. One that lands while a site's
+Deployment is updated waits for the update's answer, then rolls that site back too.
 """
 
 from __future__ import annotations
@@ -95,6 +96,13 @@ WEIGHTS_PULL_PATCH = "rollout-weights-pull-and-routing"
 #: rolled back at once. Runs before it waited out ``ready_timeout_seconds`` (up to a day) first.
 #: Asked when an abort comes in during the wait, the first point where the two paths differ.
 ABORT_CUTS_WAIT_PATCH = "rollout-abort-cuts-the-readiness-wait"
+#: Workflow patch: a site whose Deployment update gave no answer yet may have changed. A cancel
+#: during the update waits for its answer (the call to the cluster hears no cancel and applies
+#: anyway) and rolls the site back with the others; an update that failed, perhaps after it wrote
+#: the Deployment, is rolled back if its template landed. Runs before it took the cancel at once
+#: and left the site serving the new version, marked skipped, and called a failed update's site
+#: "not changed". Asked where a cancel lands during an update, and where such a site is rolled back.
+UNANSWERED_UPDATE_PATCH = "rollout-rolls-back-an-unanswered-update"
 
 
 @workflow.defn(name="ModelRollout")
@@ -104,6 +112,8 @@ class ModelRollout:
         self._req: RolloutInput | None = None
         self._stores: dict = {}
         self._updated_generation: dict[str, int] = {}
+        #: The sites whose update was asked and gave no answer: each may have changed.
+        self._unanswered: set[str] = set()
         #: Each site's Deployment before and after our update: what a rollback puts back (its
         #: template and replicas) and how it knows whether that already happened.
         self._before: dict[str, ServingStatus] = {}
@@ -473,14 +483,7 @@ class ModelRollout:
                                 prefix=request.dest_prefix(store), files=request.weights.files),
         )
         try:
-            status: ServingStatus = await workflow.execute_activity(
-                act.update_serving, UpdateServingInput(spec=spec),
-                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
-                summary=f"{request.model} {request.version} at {site}: {spec.replicas} replicas (surge)",
-            )
-            if before is None or status.generation != before.generation:
-                self._updated_generation[site] = status.generation  # changed: rollback has something to undo
-                self._after[site] = status
+            await self._update(spec, before)
             ready_by = workflow.now() + timedelta(seconds=gate.ready_timeout_seconds)
             self._set(site, SiteState.UPDATING, f"waiting for {spec.replicas} replicas of {request.version} "
                                                 f"to be ready, until {ready_by:%H:%M:%S} UTC")
@@ -501,6 +504,48 @@ class ModelRollout:
             raise _SiteFailed(site, await self._roll_back_after(site, failure.reason)) from None
         self._set(site, SiteState.DONE, f"serving {request.version}")
         await self._tell_routing(site)
+
+    async def _update(self, spec: ServingSpec, before: Optional[ServingStatus]) -> None:
+        """Apply ``spec`` at its site. Until the answer comes the site may have changed
+        (``_unanswered``): one call to the cluster, which hears no cancel, or whose first half
+        (the Deployment, not yet its Service) may have been written before it failed."""
+        site = spec.site
+        self._unanswered.add(site)
+        update = workflow.start_activity(
+            act.update_serving, UpdateServingInput(spec=spec),
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            summary=f"{spec.model} {self._req.version} at {site}: {spec.replicas} replicas (surge)",
+        )
+        try:
+            status: ServingStatus = await asyncio.shield(update)
+        except asyncio.CancelledError:
+            if not workflow.patched(UNANSWERED_UPDATE_PATCH):
+                # The code before: the update cancelled (that raises) and forgotten, so the site was
+                # skipped, serving whatever the call applied.
+                self._unanswered.discard(site)
+                update.cancel()
+                await update
+                raise
+            # The call hears no cancel and applies anyway: no cancel is sent, its answer (its retries
+            # too) is awaited, then the rollout's cancel rolls the site back with the others.
+            try:
+                status = await update
+            except ActivityError:
+                raise asyncio.CancelledError() from None  # still unanswered: rolled back where it landed
+            self._answered(site, before, status)
+            raise
+        self._answered(site, before, status)
+
+    def _answered(self, site: str, before: Optional[ServingStatus], status: ServingStatus) -> None:
+        self._unanswered.discard(site)
+        if before is None or status.generation != before.generation:
+            self._updated_generation[site] = status.generation  # changed: rollback has something to undo
+            self._after[site] = status
+
+    def _may_have_changed(self, site: str) -> bool:
+        """``site`` changed by the rollout, or possibly changed: its update gave no answer."""
+        return site in self._updated_generation or (site in self._unanswered
+                                                    and workflow.patched(UNANSWERED_UPDATE_PATCH))
 
     async def _tell_routing(self, site: str) -> None:
         """A new version (or a site new to the model) is serving: its Routing entity samples
@@ -548,7 +593,7 @@ class ModelRollout:
         """Put ``site`` back as it was before the update: whether that was done. A rollback that
         fails (refused for good: anything else is retried until done) marks the site FAILED and
         the rollout as needing a person, naming the site and why."""
-        if site not in self._updated_generation:
+        if not self._may_have_changed(site):
             self._set(site, SiteState.ROLLED_BACK, f"{reason} (the Deployment was not changed)")
             return True
         progress = self._set(site, SiteState.ROLLING_BACK, reason)
@@ -578,13 +623,16 @@ class ModelRollout:
     def _undo(self, site: str, had_previous: bool) -> RollbackSiteInput:
         """What the rollback of ``site`` puts back, and what it finds if that already happened."""
         before, after = self._before.get(site), self._after.get(site)
-        return RollbackSiteInput(
+        undo = RollbackSiteInput(
             model=self._req.model, site=site, had_previous=had_previous,
             updated_generation=self._updated_generation.get(site, 0),
             previous_template=before.template if before else "", updated_template=after.template if after else "",
             previous_replicas=before.desired_replicas if before else None,
             updated_replicas=after.desired_replicas if after else None,
         )
+        if site in self._unanswered:  # what the update asked for: the rollback looks whether it landed
+            undo.unanswered_image, undo.updated_replicas = self._req.image, self._req.replicas(site)
+        return undo
 
     async def _finish_abort(self) -> RolloutResult:
         self._phase("aborting", self._abort_reason)
@@ -609,8 +657,8 @@ class ModelRollout:
     async def _roll_back_touched(self, reason: str) -> list[str]:
         """Roll back every site the rollout changed, the last first; the others are skipped. The
         sites that are back: one whose rollback failed is named by ``needs_person``."""
-        touched = [s.site for s in self._p.sites if s.site in self._updated_generation
-                   and (s.state in TOUCHED or s.state == SiteState.ROLLING_BACK)]
+        touched = [s.site for s in self._p.sites if (s.state in TOUCHED or s.state == SiteState.ROLLING_BACK)
+                   and self._may_have_changed(s.site)]
         for site in reversed(touched):
             await self._rollback(site, reason)
         for s in self._p.sites:

@@ -121,6 +121,10 @@ class RollbackSiteInput(BaseModel):
     #: Replicas before and as our update set them: put back unless changed since.
     previous_replicas: int | None = None
     updated_replicas: int | None = None
+    #: Set where our update gave no answer (it failed, perhaps after it wrote the Deployment; a
+    #: cancel came): the image it asked for. ``updated_template`` is then unknown: ours is live
+    #: where the template is not the one before and runs this image.
+    unanswered_image: str = ""
 
 
 class EvacuationInput(BaseModel):

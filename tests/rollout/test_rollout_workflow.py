@@ -17,6 +17,7 @@ from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
 
 from fleet.cluster import ServingSpec, SiteRoute
+from fleet.errors import ClusterInvalid
 from activities.serving import ServingActivities
 from fleet.messages.rollout import RollbackSiteInput
 from fleet.rollout import RolloutProgress, RolloutResult
@@ -252,6 +253,27 @@ async def test_a_rollback_puts_back_the_replicas_and_runs_once(rollout_stack: Ro
     assert (again.image, again.desired_replicas, again.template) == (status.image, 2, status.template)
 
 
+async def test_the_rollback_of_an_update_that_gave_no_answer_goes_back_only_if_it_landed(
+        rollout_stack: RolloutStack) -> None:
+    """An update that gave no answer (it failed, a cancel came) may or may not have applied. Where it
+    did not, "back to the previous template" would take the site to the version before the one it
+    served (v0); where it did, v1 comes back with its replicas, once."""
+    stack = rollout_stack
+    stack.cluster.apply_serving(ServingSpec(model=MODEL, site="site-a", image="img:v0", replicas=2))
+    stack.serve_v1(["site-a"])
+    v1 = stack.cluster.serving_status(MODEL, "site-a")
+    undo = RollbackSiteInput(model=MODEL, site="site-a", had_previous=True, previous_template=v1.template,
+                             previous_replicas=2, updated_replicas=1, unanswered_image="img:v2")
+    serving = ServingActivities(stack.env)
+    not_landed = serving.rollback_site(undo)
+    assert (not_landed.image, not_landed.generation) == ("img:v1", v1.generation)
+    stack.cluster.apply_serving(ServingSpec(model=MODEL, site="site-a", image="img:v2", replicas=1))
+    landed = serving.rollback_site(undo)
+    assert (landed.image, landed.desired_replicas, landed.template) == ("img:v1", 2, v1.template)
+    again = serving.rollback_site(undo)  # a retried attempt
+    assert (again.image, again.generation) == ("img:v1", landed.generation)
+
+
 async def test_the_readiness_wait_and_the_bake_say_until_when(rollout_stack: RolloutStack) -> None:
     stack = rollout_stack
     stack.serve_v1(["site-a", "site-b"])
@@ -374,6 +396,69 @@ async def test_a_cancel_during_an_aborts_rollback_does_not_stop_it(rollout_stack
     assert p.reason == "cancelled as it rolled back (bad numbers); rolled back: site-a", p.reason
     assert states(p) == {"site-a": "rolled-back"}, states(p)
     await replay_and_record(handle, "rollout_cancelled_during_an_aborts_rollback")
+
+
+async def test_a_cancel_during_a_sites_update_rolls_that_site_back(rollout_stack: RolloutStack,
+                                                                    monkeypatch) -> None:
+    """The update of a Deployment is one call to the cluster that hears no cancel: a cancel that
+    landed during it ended the rollout at once, the call applied the new template anyway, and the
+    site was marked skipped ("rolled back: site-a" only), serving v2 for good. Now the cancel waits
+    for the update to its end and rolls that site back too."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a", "site-b"])
+    updating, go_on, applied = threading.Event(), threading.Event(), threading.Event()
+    apply = SimCluster.apply_serving
+
+    def held(self, spec):
+        if spec.site != "site-b":
+            return apply(self, spec)
+        updating.set()
+        go_on.wait(30)
+        try:
+            return apply(self, spec)
+        finally:
+            applied.set()
+
+    monkeypatch.setattr(SimCluster, "apply_serving", held)
+    # site-a is the canary: updated, gated and done before site-b's update begins.
+    handle = await stack.start(stack.request({"site-a": 2, "site-b": 2}, gate={"bake_seconds": 0}), "cancel-update")
+    await asyncio.to_thread(updating.wait, 30)
+    await handle.cancel()
+    await poll(lambda: cancel_seen(handle), timeout=15)  # the run took the cancel while the update is held
+    go_on.set()
+    await asyncio.to_thread(applied.wait, 30)
+    with pytest.raises(WorkflowFailureError) as caught:
+        await asyncio.wait_for(handle.result(), 30)
+    assert isinstance(caught.value.cause, CancelledError), repr(caught.value.cause)
+    assert [stack.image(s) for s in ("site-a", "site-b")] == ["img:v1"] * 2
+    p = await progress(handle)
+    assert (p.phase, p.reason) == ("cancelled", "cancelled; rolled back: site-a, site-b"), p
+    assert states(p) == {"site-a": "rolled-back", "site-b": "rolled-back"}, states(p)
+    await replay_and_record(handle, "rollout_cancelled_while_updating")
+
+
+async def test_an_update_that_failed_after_writing_the_deployment_is_rolled_back(rollout_stack: RolloutStack,
+                                                                                   monkeypatch) -> None:
+    """An update that wrote the Deployment, then failed for good (its Service refused): the site was
+    reported "rolled back (the Deployment was not changed)" while it served v2. Now it is rolled back."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a"])
+    apply = SimCluster.apply_serving
+
+    def half_applied(self, spec):
+        apply(self, spec)
+        raise ClusterInvalid(f"service llm-{spec.site}: spec.ports[0].port: Invalid value", code="422")
+
+    monkeypatch.setattr(SimCluster, "apply_serving", half_applied)
+    handle = await stack.start(stack.request({"site-a": 2}), "update-fails")
+    error = await failure_of(handle)
+    assert error.type == "RolloutFailed" and "ClusterInvalid" in str(error), str(error)
+    assert stack.image("site-a") == "img:v1"
+    p = await progress(handle)
+    assert states(p) == {"site-a": "rolled-back"} and not p.needs_person, p
+    assert p.site("site-a").detail == "ClusterInvalid: service llm-site-a: spec.ports[0].port: Invalid value", p
+    assert p.reason.endswith("Invalid value; rolled back"), p.reason
+    await replay_and_record(handle, "rollout_update_failed_half_applied")
 
 
 async def test_pause_holds_and_resume_continues(rollout_stack: RolloutStack) -> None:
