@@ -321,8 +321,11 @@ async def test_a_repair_held_the_moment_it_starts_is_held(rstack: Stack) -> None
     # ladder climbed to replace, bought a machine and retired the healthy node.
     ({"gpu": 0}, "gpus", "gpus: 1, but node {node} has 2 GPUs"),
     ({"gpu": 2, "gpus": 2}, "gpu", "gpu: must be less than gpus (2)"),
+    # Another site than the node's: its reboot, its replacement and the machine's retirement went to
+    # that site and its provider account.
+    ({"gpu": 0, "gpus": 2, "site": "site-b"}, "site", "site: site-b, but node {node} is at site-a"),
 ])
-async def test_a_repair_started_by_hand_for_gpus_the_node_lacks_is_refused_at_start(
+async def test_a_repair_started_by_hand_with_gpus_or_a_site_the_node_lacks_is_refused_at_start(
         rstack: Stack, given: dict, field: str, words: str) -> None:
     node = await join_node(rstack)
     machines = len(rstack.world.machines(include_deleted=True))
@@ -339,8 +342,8 @@ async def test_a_repair_started_by_hand_for_gpus_the_node_lacks_is_refused_at_st
     assert not any(k.startswith(FENCE_PREFIX) for k in rstack.cluster.annotate_node(node.node_name, {})), "no GPU fenced"
     assert len(rstack.world.machines(include_deleted=True)) == machines, "no machine bought"
     assert rstack.world.machine(node.machine_id)["reboots"] == 0
-    if field == "gpus":
-        await replay_and_record(handle, "gpu_repair_refused_gpus")
+    if field in ("gpus", "site"):
+        await replay_and_record(handle, f"gpu_repair_refused_{field}")
 
 
 async def _exhausted(stack: Stack, node: str, gpu: int = 0):

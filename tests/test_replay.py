@@ -61,6 +61,8 @@ EXPECTED = {
     # A repair started by hand with a ``gpus`` that is not the node's is refused at start
     # (``repair-checks-gpus``, tests/test_repair.py); runs started before it replay as they ran.
     "gpu_repair_refused_gpus",
+    # ... and one with a ``site`` that is not the node's (``repair-checks-site``, tests/test_repair.py).
+    "gpu_repair_refused_site",
     "node_entity_two_repairs_local_facts", "node_entity_two_repairs_contain_first",
     "site_incident_tripped",
     "advisor_report",

@@ -92,6 +92,11 @@ CANCEL_STOPS_PATCH = "repair-cancel-stops"
 #: proof failed ("8 of 1 GPUs visible") and the ladder climbed to replace a healthy node. Asked
 #: only without a parent (the Node entity gives the count from the same facts), first in ``run``.
 CHECKS_GPUS_PATCH = "repair-checks-gpus"
+#: Workflow patch: the same start-up check refuses a ``site`` that is not the node's (its facts name
+#: one). With the wrong site the later steps (a reboot, the replacement's candidate sites, the
+#: machine's retirement) went to another site and its provider account. Asked only where the sites differ, after the
+#: facts read (a regular activity), so a run with the right site records no marker.
+CHECKS_SITE_PATCH = "repair-checks-site"
 
 NODE_RETRY = RetryPolicy(maximum_attempts=2, non_retryable_error_types=["GpuResetFailed", "DriverReinstallFailed"])
 
@@ -206,7 +211,7 @@ class GpuRepair:
         if inp.escalated_because:
             self._state.reasons.append(f"escalated: {inp.escalated_because}")
         if workflow.info().parent is None and workflow.patched(CHECKS_GPUS_PATCH):
-            await self._check_gpus()
+            await self._check_against_the_node()
         workflow.upsert_search_attributes([
             sa.NODE_NAME.value_set(inp.node_name), sa.SITE.value_set(inp.site), sa.GPU_INDEX.value_set(inp.gpu),
             sa.REPAIR_RUNG.value_set(rung.value), sa.FLEET_STATE.value_set("containing"),
@@ -227,17 +232,26 @@ class GpuRepair:
             # it was cancelled fails): the run still ends cancelled, not failed.
             raise CancelledError(f"repair cancelled while {where}") from error
 
-    async def _check_gpus(self) -> None:
-        """Refuse, before anything is contained, a ``gpus`` that is not the node's GPU count as
-        the cluster knows it. A node the cluster does not know is left to the ladder."""
+    async def _check_against_the_node(self) -> None:
+        """Refuse, before anything is contained, a ``gpus`` that is not the node's GPU count or a
+        ``site`` that is not its site, as the cluster knows them. A node the cluster does not know
+        is left to the ladder."""
         inp = self._input
         facts = await self._facts()
-        if facts.found and facts.gpus != inp.gpus:
-            self._state.outcome, self._state.done = "refused", True
-            message = (f"invalid GpuRepairInput: gpus: {inp.gpus}, but node {inp.node_name} has {facts.gpus} GPUs: "
-                       f"every proof would fail; start it with gpus={facts.gpus}")
-            self._step("refused", message)
-            raise invalid_input(message, ["gpus"])
+        if not facts.found:
+            return
+        if facts.gpus != inp.gpus:
+            self._refuse(f"gpus: {inp.gpus}, but node {inp.node_name} has {facts.gpus} GPUs: every proof would fail; "
+                         f"start it with gpus={facts.gpus}", "gpus")
+        if facts.site and facts.site != inp.site and workflow.patched(CHECKS_SITE_PATCH):
+            self._refuse(f"site: {inp.site}, but node {inp.node_name} is at {facts.site}: a reboot, a replacement and the "
+                         f"machine's retirement would go to the wrong site; start it with site={facts.site}", "site")
+
+    def _refuse(self, problem: str, field: str) -> None:
+        self._state.outcome, self._state.done = "refused", True
+        message = f"invalid GpuRepairInput: {problem}"
+        self._step("refused", message)
+        raise invalid_input(message, [field])
 
     async def _ladder(self, rung: Rung) -> GpuRepairResult:
         """Contain, then recover and prove rung by rung until repaired, replaced or exhausted."""
