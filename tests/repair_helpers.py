@@ -13,10 +13,12 @@ from temporalio.client import Client, WorkflowHandle
 from temporalio.service import RPCError
 
 from activities.env import FleetEnv
+from fleet.errors import ClusterForbidden
 from fleet.settings import Settings
 from tests.conftest import TEST_FLEET, Stack, sim_host, write_fleet
 from fleet.messages.join import JoinedNode, NodeJoinResult
 from fleet.messages.repair import GpuRepairResult, LadderState, NodeStatus
+from sim.cluster import SimCluster
 
 REPAIR = {
     "timeouts": {"contain_seconds": 10, "drain_seconds": 1, "reset_seconds": 5, "reboot_seconds": 15,
@@ -119,3 +121,22 @@ async def running_stack(client: Client, tmp_path: Path, fleet: dict[str, Any] | 
         from tests.conftest import stop_stack
 
         await stop_stack(client, stack.settings.task_queue, worker, running, stop, host)
+
+
+def cluster_refuses_to_read(monkeypatch, node_name: str) -> list[bool]:
+    """Every read of ``node_name`` from the simulated cluster (the worker's own ``SimCluster`` too)
+    raises what the Kubernetes adapter raises for a 403 (an RBAC mistake) while the returned flag
+    is set: non-retryable, so the entity's facts read fails at once under its real retry policy.
+    A transient outage (an API server away during an upgrade) fails the same read the same way,
+    only after ``CLUSTER_RETRY``'s 10 attempts (about 2.5 minutes)."""
+    refusing, read = [True], SimCluster.get_node
+
+    def get_node(cluster: SimCluster, name: str):
+        if refusing[0] and name == node_name:
+            raise ClusterForbidden(f'get node {name}: nodes "{name}" is forbidden: User '
+                                   '"system:serviceaccount:gpufleet:control-plane" cannot get resource "nodes"',
+                                   code="403")
+        return read(cluster, name)
+
+    monkeypatch.setattr(SimCluster, "get_node", get_node)
+    return refusing

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -29,7 +30,9 @@ from fleet.models import GpuHealth, XidEvent
 from fleet.repair_policy import Rung
 from tests.conftest import Stack, terminate_running
 from tests.replay import replay_and_record
+from tests.test_repair_cancel import _details
 from tests.repair_helpers import (
+    cluster_refuses_to_read,
     eventually,
     exists,
     join_node,
@@ -174,6 +177,55 @@ async def test_reports_for_unknown_node_or_gpu_are_ignored(rstack: Stack) -> Non
 async def _logged(stack: Stack, node: str, text: str):
     status = await node_status(stack, node)
     return status if status and any(text in line for line in status.log) else None
+
+
+async def test_a_node_entity_outlives_a_cluster_that_will_not_answer_and_repairs_once_it_does(
+        rstack: Stack, monkeypatch) -> None:
+    """The Node entity reads the node from the cluster before it acts on a finding. A read that
+    failed (its retries spent, or refused) left ``run`` and failed the entity for good: the sick
+    GPU never fenced, the node's health watch (spot notices too) gone, and nothing restarts it.
+    Now the finding is kept on hold, the entity says what it waits for and until when, and acts
+    as it would have once the cluster answers."""
+    node = await join_node(rstack)
+    entity = rstack.client.get_workflow_handle(f"node/{node.node_name}")
+    refusing = cluster_refuses_to_read(monkeypatch, node.node_name)
+    rstack.world.inject_fault(node.machine_id, 0, "xid", 48, clears_on="reset")
+
+    async def refused_or_ended():
+        if (await entity.describe()).status != WorkflowExecutionStatus.RUNNING:
+            return True  # the old code: failed by the read's ActivityError
+        return await _logged(rstack, node.node_name, "could not read node")
+
+    await eventually(refused_or_ended, timeout=30)
+    await asyncio.sleep(1)  # a few rechecks, each refused again
+    assert (await entity.describe()).status == WorkflowExecutionStatus.RUNNING
+    status = await node_status(rstack, node.node_name)
+    assert status.deferred == [0] and status.active_repairs == {}, status
+    waits = re.compile(rf"could not read node {node.node_name} from the cluster \(ClusterForbidden: get node "
+                       rf"{node.node_name}: .*\); trying again at \d\d:\d\d:\d\d UTC")
+    assert any(waits.search(line) for line in status.log), status.log
+    assert "GPU 0: XID 48" in next(line for line in status.log if waits.search(line))
+    details = await _details(entity)  # what the UI shows
+    assert waits.search(details), details
+    assert not await exists(repair_handle(rstack, node.node_name, 0)), "nothing acted on unread facts"
+    [row] = rstack.world.query("SELECT unschedulable FROM nodes WHERE name=?", node.node_name)  # not by get_node
+    assert not row["unschedulable"]
+
+    refusing[0] = False  # the cluster answers again: fenced, admitted by its site, repaired
+    result = await repair_result(rstack, node.node_name, 0)
+    assert result.outcome == "repaired" and [(a.rung, a.outcome) for a in result.attempts] == [
+        (Rung.RESET, "passed")], result
+    assert "fence_gpu" in await history_order(rstack, entity.id), "contained by the entity, as it would have been"
+    assert (await entity.describe()).status == WorkflowExecutionStatus.RUNNING
+    status = await eventually(lambda: _ready(rstack, node.node_name), timeout=30)
+    assert status.deferred == [], status
+    assert not cordoned(rstack, node.node_name)
+    await replay_and_record(entity, "node_entity_repairs_once_the_cluster_answers")
+
+
+async def _ready(stack: Stack, node: str):
+    status = await node_status(stack, node)
+    return status if status and status.state == "ready" and not status.active_repairs else None
 
 
 async def test_failing_proof_keeps_the_node_out_and_operator_controls(temporal_env, tmp_path) -> None:

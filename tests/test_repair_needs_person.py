@@ -25,7 +25,7 @@ from fleet.contracts import workflows as flows
 from fleet.messages.repair import GpuDecision, GpuRepairResult, NodeCarry, NodeEntityInput, NodeStatus
 from fleet.repair_policy import Rung
 from tests.conftest import Stack
-from tests.repair_helpers import eventually, exists, node_status, repair_handle
+from tests.repair_helpers import cluster_refuses_to_read, eventually, exists, node_status, repair_handle
 from tests.replay import replay_and_record
 from tests.test_cli import gpufleet
 from tests.test_repair_cancel import _told_a_person, repair_waiting_for_boot, rstack  # noqa: F401
@@ -143,6 +143,32 @@ async def test_a_gpu_not_held_for_a_person_is_refused_naming_it(rstack: Stack, c
     # A node with no running entity: refused, naming it.
     unknown = await gpufleet(rstack, "repair", *command[:1], "no-such-node", "0", *command[1:], "--reason", "typo")
     assert unknown.returncode == 1 and "no running Node entity node/no-such-node" in unknown.stderr, unknown.stderr
+
+
+async def test_a_retry_the_cluster_cannot_read_the_node_for_is_refused_saying_so(rstack: Stack, monkeypatch) -> None:
+    """``gpufleet repair retry`` reads the node first, as a finding's repair does. While the cluster
+    does not answer (here it refuses: an RBAC mistake) the person hears that, in words naming the
+    node and the cluster's answer, and the GPU stays held for them (before: the update failed with
+    the read's bare "Activity task failed"). The entity runs on; the retry works once it answers."""
+    node = await _held_for_a_person(rstack)
+    refusing = cluster_refuses_to_read(monkeypatch, node.node_name)
+
+    refused = await gpufleet(rstack, "repair", "retry", node.node_name, "0", "--reason", "reseated")
+
+    assert refused.returncode == 1, (refused.stdout, refused.stderr)
+    said = " ".join(refused.stderr.split())
+    assert f"could not read node {node.node_name} from the cluster (ClusterForbidden: get node" in said, said
+    assert "GPU 0 stays held for a person: try again" in said, said
+    assert (await _node_entity(rstack, node).describe()).status == WorkflowExecutionStatus.RUNNING
+    status = await node_status(rstack, node.node_name)
+    assert set(status.needs_person) == {"0"} and status.deferred == [] and status.active_repairs == {}, status
+    assert (await repair_handle(rstack, node.node_name, 0).describe()).status == WorkflowExecutionStatus.CANCELED
+
+    refusing[0] = False
+    done = await gpufleet(rstack, "repair", "retry", node.node_name, "0", "--reason", "reseated")
+    assert done.returncode == 0 and f"repair/{node.node_name}/gpu0 started" in done.stdout, (done.stdout, done.stderr)
+
+    await replay_and_record(_node_entity(rstack, node), "node_entity_retried_after_the_cluster_refused")
 
 
 async def test_a_return_in_a_continued_runs_first_task_sees_the_carried_hold(rstack: Stack) -> None:

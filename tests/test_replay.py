@@ -202,6 +202,14 @@ EXPECTED = {
     # tests/security/test_node_reports.py); ``node_carry_bounded_after_bloated_answers``, the code
     # before reading them for each, replays too.
     "node_fatal_xids_on_gpus_it_lacks",
+    # A Node entity whose read of the node fails (the cluster refuses it) keeps the finding on hold and
+    # reads again after a growing pause, then fences and repairs (tests/test_repair.py; no patch: the
+    # code before failed the run in the task that took the failure, so no open run is past it).
+    "node_entity_repairs_once_the_cluster_answers",
+    # A person's ``repair_gpu`` while the cluster refuses the read is refused ``ClusterUnavailable``,
+    # nothing kept (tests/test_repair_needs_person.py); ``_before``: the code before, whose update
+    # failed with the bare activity error, replays: the same commands, only the update's failure differs.
+    "node_entity_retried_after_the_cluster_refused", "node_entity_retried_after_the_cluster_refused_before",
 }
 
 

@@ -24,7 +24,9 @@ decision to the Site entity: every repair is first admitted by ``site/<site>``
 (``admit_repair``), which holds it while its provider-incident rule is tripped. A GPU whose
 repair ended unproven (cancelled, failed, terminated) stays fenced, held for a person
 (``needs_person``); the person's updates ``return_gpu`` (un-fence it) and ``repair_gpu`` (a new
-repair, admitted like any finding's) are the way out.
+repair, admitted like any finding's) are the way out. The entity never ends because a cluster call
+failed: a finding it cannot act on because the cluster does not answer its read of the node is kept
+on hold and acted on once it does (``_facts_or_wait``), its details saying until when.
 
 An entity (``workflows.entity``, docs/design/entities.md): its one state is ``NodeCarry``
 (ledger, findings on hold, last health, recent node actions, what the watch last acknowledged).
@@ -38,7 +40,7 @@ the state are carried, in the run that began it.
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Awaitable, Callable
 
 from pydantic import BaseModel, ValidationError
@@ -66,7 +68,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.repair_policy import MAX_XID_HITS_PER_GPU, Finding, RepairSettings, Rung, classify, conditions
     from workflows.entity import Entity
     from workflows.inputs import describe, first_problem, invalid_input, parse_input, parse_signal
-    from workflows.steps import CLUSTER_RETRY, QUICK, count_bad_report, failure_message, show_details
+    from workflows.steps import CLUSTER_RETRY, QUICK, count_bad_report, failure_message, failure_text, show_details
     from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
     from fleet.messages.watches import ClusterNodeState
     from fleet.messages.repair import (
@@ -216,6 +218,13 @@ NODE_PATCHES_AT_START_4 = "node-patches-at-start-4"
 WATCH_IDLE_FREE = 3
 WATCH_EARLY_FREE = 30
 
+#: A finding the entity cannot act on because the cluster did not answer its read of the node (the
+#: API server away past the read's retries, a control-plane upgrade; or a refusal, ClusterForbidden
+#: after an RBAC mistake) is kept on hold and the read tried again after a pause: the repair
+#: settings' ``recheck_seconds`` at first, doubling up to this. The entity never ends for it: it
+#: alone fences the node's GPUs, watches its health (spot notices too) and answers its repairs.
+FACTS_RETRY_MAX = timedelta(minutes=10)
+
 #: Bounded memory: XID event keys remembered for de-duplication, log lines kept.
 MAX_SEEN = 512
 MAX_LOG = 20
@@ -292,6 +301,10 @@ class NodeEntity(Entity[NodeCarry]):
         #: (the pace, ``_pace_watch``).
         self._early_answers = 0
         self._idle_answers = 0
+        #: The cluster did not answer the last read of the node: findings wait on hold, unread, until
+        #: this time, then the read is tried again (``_facts_or_wait``); the pause doubles each time.
+        self._facts_retry_at: datetime | None = None
+        self._facts_pause = timedelta(0)
 
     # -- signals and queries ---------------------------------------------------------------
     # No signal handler awaits: each changes the state in one step, most only queue for the loop.
@@ -436,7 +449,9 @@ class NodeEntity(Entity[NodeCarry]):
             finding = Finding(index=index, rung=start_at, reasons=[*(last.reasons if last else []), asked],
                               fatal_xids=list(last.fatal_xids) if last else [])
             before = self.state.log  # ``_log`` makes a new list: then its last line is what ``_act`` said
-            rung = await self._act(finding)  # the rung started at (escalated by the limits), or None
+            # The rung started at (escalated by the limits), or None. A cluster that does not answer
+            # is the person's to hear now (ClusterUnavailable): the GPU stays held, they try again.
+            rung = await self._act(finding, answer_now=True)
             said = self.state.log[-1] if self.state.log is not before and self.state.log else ""
             repair_id = self._active.get(index, "")
             if rung is not None and repair_id:
@@ -501,7 +516,7 @@ class NodeEntity(Entity[NodeCarry]):
             sa.NODE_NAME.value_set(self._node), sa.FLEET_STATE.value_set(self.state.state),
         ])
         if self.state.deferred:
-            await self._refresh_facts()  # findings carried on hold: their recheck interval is in the settings
+            await self._facts_or_wait()  # findings carried on hold: their recheck interval is in the settings
         if self._settled or workflow.patched(HEALTH_WATCH_PATCH):
             self._told_by_cluster = self._settled or workflow.patched(NOT_READY_PATCH)
             self._first_state = inp.first_state
@@ -510,14 +525,11 @@ class NodeEntity(Entity[NodeCarry]):
                 self.own(self._watching)  # continue-as-new waits until it rests at its watch
         recheck_at = None
         while True:
-            timeout = None
-            if self.state.deferred and self._facts is not None:
-                timeout = timedelta(seconds=self._facts.settings.recheck_seconds)
             try:
                 await workflow.wait_condition(
                     lambda: bool(self._pending or self._wake or self._quarantine
                                  or (self._requests and self._holder is None)),
-                    timeout=timeout,
+                    timeout=self._recheck_in(),
                 )
             except asyncio.TimeoutError:
                 recheck_at = workflow.now()
@@ -868,6 +880,53 @@ class NodeEntity(Entity[NodeCarry]):
                 continue
             await self._act(finding)
 
+    def _recheck_in(self) -> timedelta | None:
+        """How long the loop waits before it rechecks the findings on hold: until the next read of
+        the node when the cluster did not answer the last one (facts read or not), else the facts'
+        ``recheck_seconds``; None: nothing on hold."""
+        if not self.state.deferred:
+            return None
+        if self._facts_retry_at is not None:
+            return max(self._facts_retry_at - workflow.now(), timedelta(seconds=1))
+        if self._facts is not None:
+            return timedelta(seconds=self._facts.settings.recheck_seconds)
+        return None
+
+    async def _facts_or_wait(self, finding: Finding | None = None, *, answer_now: bool = False) -> NodeFacts | None:
+        """The node's facts read afresh, or None when the cluster did not answer (the read spent
+        its retries, or was refused): ``finding`` is kept on hold, as one its site holds, and the
+        recheck reads again at ``_facts_retry_at``; until then findings are kept without a read.
+        ``answer_now``: a person waits for the answer, and hears ``ClusterUnavailable`` at once
+        (nothing kept: the GPU stays held for them, to try again)."""
+        if finding is not None and not answer_now and self._facts_retry_at is not None \
+                and workflow.now() < self._facts_retry_at:
+            self.state.deferred[finding.index] = finding
+            self._log(f"GPU {finding.index}: {', '.join(finding.reasons)}: on hold until the cluster answers "
+                      f"(next read of node {self._node} at {self._facts_retry_at:%H:%M:%S} UTC)", warn=True)
+            return None
+        try:
+            facts = await self._refresh_facts()
+        except ActivityError as error:
+            why = failure_text(error)[:MAX_PROBLEM_SHOWN]
+            if answer_now:
+                raise ApplicationError(f"could not read node {self._node} from the cluster ({why}); GPU "
+                                       f"{finding.index} stays held for a person: try again",
+                                       type="ClusterUnavailable", non_retryable=True) from None
+            first = timedelta(seconds=(self._settings() or RepairSettings()).recheck_seconds)
+            self._facts_pause = min(max(first, self._facts_pause * 2), FACTS_RETRY_MAX)
+            self._facts_retry_at = workflow.now() + self._facts_pause
+            waits = (f"could not read node {self._node} from the cluster ({why}); "
+                     f"trying again at {self._facts_retry_at:%H:%M:%S} UTC")
+            if finding is not None:
+                self.state.deferred[finding.index] = finding
+                self._log(f"GPU {finding.index}: {', '.join(finding.reasons)} on hold: {waits}", warn=True)
+            else:
+                self._log(waits, warn=True)
+            self._show(waits)
+            return None
+        self._facts_retry_at, self._facts_pause = None, timedelta(0)
+        return facts
+
     async def _refresh_facts(self) -> NodeFacts:
         local = not self._settled_4 and (self._settled or workflow.patched(LOCAL_FACTS_PATCH))
         self._facts = await (workflow.execute_local_activity if local else workflow.execute_activity)(
@@ -878,15 +937,17 @@ class NodeEntity(Entity[NodeCarry]):
             workflow.upsert_search_attributes([sa.SITE.value_set(self._facts.site)])
         return self._facts
 
-    async def _act(self, finding: Finding) -> Rung | None:
+    async def _act(self, finding: Finding, *, answer_now: bool = False) -> Rung | None:
         """A sick GPU: contain it, ask its site whether to repair now, start its GpuRepair. The
-        rung its repair started at; None: none started (held by the site, the log says why)."""
+        rung its repair started at; None: none started (held by the site or until the cluster
+        answers, the log says why). ``answer_now``: see ``_facts_or_wait``."""
         index = finding.index
         self.state.deferred.pop(index, None)
         if index in self._active:
             self._log(f"GPU {index}: {', '.join(finding.reasons)} while its repair runs; the repair handles it")
             return
-        facts = await self._refresh_facts()
+        if (facts := await self._facts_or_wait(finding, answer_now=answer_now)) is None:
+            return None
         if not facts.found:
             self._log("health report for a node the cluster does not know: ignored", warn=True)
             self._gone = True
