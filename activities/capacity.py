@@ -41,9 +41,11 @@ from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocke
 from fleet.models import AccountState
 from fleet.naming import account_workflow_id, site_workflow_id
 from fleet.placement import AccountView
-from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS, FENCE_PREFIX, FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT, DrainResult
+from fleet.cluster import (
+    ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS, FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT, DrainResult, fenced_gpus,
+)
 from fleet.demand import placement_drift, public_placement_labels
-from providers.cluster.base import Cluster, NodeNotFound
+from providers.cluster.base import Cluster, NodeMarks, NodeNotFound, decide_on_node
 from fleet.contracts import workflows as flows
 
 R = TypeVar("R")
@@ -131,17 +133,18 @@ def reports_account(site_of: Callable[[Any], str], offer_of: Callable[[Any], str
     return wrap
 
 
-def who_holds(cluster: Cluster, name: str, mine: str) -> tuple[str, str]:
-    """Who holds the node ``name`` now, other than the owner whose cordon mark is ``mine``
-    (``ANNOTATION_CORDONED_BY``), and the mark it carries: ``(who, mark)``, ``who`` empty when no
-    one else does. A GPU fenced by its repair outranks any cordon mark; a repair that fenced a
-    node ``mine`` cordoned has taken the cordon over, so ``mine`` is dropped (once its fences go by
-    hand the node must not read as ``mine`` again; the repair's own uncordon drops it anyway).
-    The node's kubelet can write these annotations, so they decide only about that node, and
-    what is said of them is bounded. Raises ``NotFound`` for a node gone."""
-    marks = cluster.annotate_node(name, {})  # a read: nothing merged
-    fenced = sorted(key.removeprefix(FENCE_PREFIX) for key in marks if key.startswith(FENCE_PREFIX))
-    by = marks.get(ANNOTATION_CORDONED_BY, "")
+def who_holds(cluster: Cluster, name: str, mine: str, marks: NodeMarks | None = None) -> tuple[str, str]:
+    """Who holds the node ``name`` now (its ``marks`` as read already, else read here), other than
+    the owner whose cordon mark is ``mine`` (``ANNOTATION_CORDONED_BY``), and the mark it carries:
+    ``(who, mark)``, ``who`` empty when no one else does. A GPU fenced by its repair outranks any
+    cordon mark; a repair that fenced a node ``mine`` cordoned has taken the cordon over, so
+    ``mine`` is dropped (once its fences go by hand the node must not read as ``mine`` again; the
+    repair's own uncordon drops it anyway). The node's kubelet can write these annotations, so
+    they decide only about that node, and what is said of them is bounded. Raises ``NotFound``
+    for a node gone."""
+    annotations = (marks or cluster.node_marks(name)).annotations
+    fenced = fenced_gpus(annotations)
+    by = annotations.get(ANNOTATION_CORDONED_BY, "")
     if fenced:
         if by == mine:
             cluster.annotate_node(name, {ANNOTATION_CORDONED_BY: None})
@@ -150,6 +153,20 @@ def who_holds(cluster: Cluster, name: str, mine: str) -> tuple[str, str]:
     if by and by != mine:
         return f"cordoned by {by[:40]!r} ({ANNOTATION_CORDONED_BY})", by
     return "", by
+
+
+def take_node(cluster: Cluster, name: str, mine: str) -> str:
+    """Cordon the node marked ``mine``, its owner's, unless someone else holds it (``who_holds``):
+    who does, or "" once it is taken. The cordon is written on the marks it was decided on, so a
+    fence or a person's mark that lands in between is never overwritten: it is seen and kept."""
+
+    def take(marks: NodeMarks) -> str:
+        held, _ = who_holds(cluster, name, mine, marks)
+        if not held:
+            cluster.cordon(name, True, by=mine, version=marks.version)
+        return held
+
+    return decide_on_node(cluster, name, take)
 
 
 class CapacityActivities:
@@ -331,16 +348,23 @@ class CapacityActivities:
         """Uncordon each node still cordoned with its owner's mark that no one else holds now (the
         uncordon drops the mark); which ones. A node taken since its owner looked (a repair fenced a
         GPU, a person marked it theirs), uncordoned or gone is left as it is."""
+        cluster, mine = self.env.cluster, input.cordoned_by
+
+        def release(name: str, marks: NodeMarks) -> bool:
+            held, by = who_holds(cluster, name, mine, marks)
+            if held or by != mine:
+                return False
+            # On the marks read: a repair's fence or a person's mark since refuses it, and is seen.
+            cluster.cordon(name, False, version=marks.version)
+            return True
+
         released = []
         for name in input.nodes:
             try:
-                held, by = who_holds(self.env.cluster, name, input.cordoned_by)
-                if held or by != input.cordoned_by:
-                    continue
-                self.env.cluster.cordon(name, False)
+                if decide_on_node(cluster, name, lambda marks: release(name, marks)):
+                    released.append(name)
             except NodeNotFound:
                 continue  # gone: nothing to uncordon
-            released.append(name)
         return released
 
     @activity.defn
@@ -360,11 +384,18 @@ class CapacityActivities:
     @typed_errors
     def drain_within(self, input: DrainNodeInput) -> DrainResult:
         """Cordon and evict through the Eviction API (PDBs honoured) until the deadline.
-        A node already gone has nothing left to drain (a reclaim the provider finished first)."""
+        A node already gone has nothing left to drain (a reclaim the provider finished first).
+        With ``cordoned_by`` (its owner's mark), a node someone else holds by now (a repair fenced
+        a GPU, a person marked it theirs since its owner chose it) is left as it is: ``held`` says
+        who holds it, nothing cordoned or evicted."""
         try:
+            if input.cordoned_by is not None:
+                held = take_node(self.env.cluster, input.node_name, input.cordoned_by)
+                if held:
+                    return DrainResult(node=input.node_name, held=held)
+            # Its cordon leaves the mark just written (or whoever's lands since: the retire looks again).
             return self.env.cluster.drain_node(
                 input.node_name, input.deadline_seconds, force=input.force, heartbeat=activity.heartbeat,
-                cordoned_by=input.cordoned_by,
             )
         except NodeNotFound:
             return DrainResult(node=input.node_name, completed=True)

@@ -20,8 +20,8 @@ from fleet.config import Site
 from fleet.errors import FleetError, Transient
 from fleet.incident import IncidentSettings, SiteFacts, incident_of_hold, recovery, weight_at
 from fleet.naming import site_workflow_id
-from providers.cluster.base import serving_capacity
-from fleet.cluster import FENCE_PREFIX, LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute
+from providers.cluster.base import NodeMarks, NodeNotFound, decide_on_node, serving_capacity
+from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute, fenced_gpus
 from fleet.messages.evacuation import (
     AdmitRepairInput,
     EvacuationFacts,
@@ -315,11 +315,23 @@ class EvacuationActivities:
     @activity.defn
     @typed_errors
     def uncordon_nodes(self, input: UncordonInput) -> list[str]:
+        """(Evacuations from before ``release_nodes``.) Uncordon each node, but one a GPU of which its
+        repair fenced (the repair uncordons it when done); which ones."""
+        cluster = self.env.cluster
+
+        def uncordon(name: str, marks: NodeMarks) -> bool:
+            if fenced_gpus(marks.annotations):
+                return False
+            cluster.cordon(name, False, version=marks.version)  # a fence since refuses it, and is seen
+            return True
+
         done = []
         for name in input.nodes:
-            if self.env.cluster.get_node(name) is not None:
-                self.env.cluster.cordon(name, False)
-                done.append(name)
+            try:
+                if decide_on_node(cluster, name, lambda marks: uncordon(name, marks)):
+                    done.append(name)
+            except NodeNotFound:
+                continue
         return done
 
     @activity.defn
@@ -330,22 +342,25 @@ class EvacuationActivities:
         (cordoned before it began) stay as they are. Returns each node's outcome, with why a
         held one stays cordoned."""
         cluster, out = self.env.cluster, ReleaseNodesResult()
-        for name in [*input.nodes, *input.keep_cordoned]:
-            node = cluster.get_node(name)
-            if node is None:
-                out.gone.append(name)
-                continue
-            fenced = sorted(key.removeprefix(FENCE_PREFIX) for key in cluster.annotate_node(name, {})
-                            if key.startswith(FENCE_PREFIX))
+
+        def release(name: str, marks: NodeMarks) -> None:
+            fenced = fenced_gpus(marks.annotations)
             if fenced:
                 out.held[name] = (f"GPU {', '.join(fenced)} fenced by its repair (its Node entity uncordons "
                                   f"it when the GPU is healthy)")
             elif name in input.keep_cordoned:
                 out.held[name] = "cordoned before the evacuation began (left as it was found)"
             else:
-                if node.unschedulable:
-                    cluster.cordon(name, False)
+                if marks.unschedulable:
+                    # On the marks read: a repair's fence since refuses it, and is seen.
+                    cluster.cordon(name, False, version=marks.version)
                 out.uncordoned.append(name)
+
+        for name in [*input.nodes, *input.keep_cordoned]:
+            try:
+                decide_on_node(cluster, name, lambda marks: release(name, marks))
+            except NodeNotFound:
+                out.gone.append(name)
         return out
 
     @activity.defn

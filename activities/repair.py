@@ -32,10 +32,11 @@ from fleet.messages.nodes import (
 )
 from fleet.errors import NotFound
 from providers.base import PowersOff
+from providers.cluster.base import NodeMarks, decide_on_node
 from fleet.models import Node
 from fleet.replacement import replacement_sites
 from activities.control_plane import bootstrap_user_data, machine_addresses
-from fleet.cluster import FENCE_PREFIX, LABEL_SITE, MAX_JOIN_TOKEN_TTL_S, UNPROVEN_TAINT
+from fleet.cluster import FENCE_PREFIX, LABEL_SITE, MAX_JOIN_TOKEN_TTL_S, UNPROVEN_TAINT, fenced_gpus
 
 #: On the Node: the boot id a reboot/reinstall was requested from. A retried activity that
 #: finds it equal to its own ``boot_id_before`` asked already and does not restart again,
@@ -136,12 +137,17 @@ class RepairActivities:
     @typed_errors
     def uncontain_gpu(self, input: UncontainInput) -> UncontainResult:
         cluster = self.env.cluster
-        annotations = cluster.annotate_node(input.node_name, {fence_key(input.gpu): None})
-        still = sorted(int(k.removeprefix(FENCE_PREFIX)) for k in annotations if k.startswith(FENCE_PREFIX))
-        if still:
-            return UncontainResult(uncordoned=False, still_fenced=still)
-        cluster.cordon(input.node_name, False)
-        return UncontainResult(uncordoned=True)
+        cluster.annotate_node(input.node_name, {fence_key(input.gpu): None})
+
+        def uncordon(marks: NodeMarks) -> UncontainResult:
+            still = sorted(int(gpu) for gpu in fenced_gpus(marks.annotations))
+            if still:
+                return UncontainResult(uncordoned=False, still_fenced=still)
+            # On the marks read: another GPU's repair that fences since refuses it, and is seen.
+            cluster.cordon(input.node_name, False, version=marks.version)
+            return UncontainResult(uncordoned=True)
+
+        return decide_on_node(cluster, input.node_name, uncordon)
 
     # -- restart ----------------------------------------------------------------------
     def _restart(self, input: RestartMachineInput, op: str) -> str:

@@ -58,6 +58,13 @@ CORDONED_BY_EVACUATION = "evacuation"
 #: node's device plugin treats a fenced GPU as unhealthy (not allocatable); while one is there the
 #: node is its repair's, whoever cordoned it first.
 FENCE_PREFIX = "gpufleet.io/fenced-gpu-"
+
+
+def fenced_gpus(annotations: dict[str, str]) -> list[str]:
+    """The GPUs of a node that their repairs fenced, as its annotations (``FENCE_PREFIX``) name them."""
+    return sorted(key.removeprefix(FENCE_PREFIX) for key in annotations if key.startswith(FENCE_PREFIX))
+
+
 #: The control-plane state kind (``Cluster.update_state``) holding each joined node's
 #: identity, written by the join when the node registered: a node cannot write it.
 NODE_IDENTITY_KIND = "node-identity"
@@ -168,6 +175,10 @@ class DrainResult(BaseModel):
     blocked: list[DrainPod] = Field(default_factory=list)
     completed: bool = False
     elapsed_s: float = 0.0
+    #: Who holds the node, where a drain for an owner (``DrainNodeInput.cordoned_by``) found it
+    #: someone else's (a GPU fenced by its repair, a person's cordon mark): nothing was cordoned
+    #: or evicted. Empty in every result recorded before the field.
+    held: str = ""
 
 
 class ServingSpec(BaseModel):

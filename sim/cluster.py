@@ -26,6 +26,8 @@ from providers.cluster.base import (
     CsrDecision,
     format_taint,
     EvictOutcome,
+    NodeChanged,
+    NodeMarks,
     NodeNotFound,
     NoPreviousTemplate,
     PodInfo,
@@ -122,6 +124,26 @@ PDB_REFUSAL = "The disruption budget {pdb} needs {need} healthy pods and has {ha
 
 def _hash(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
+
+
+#: A node's row and its annotations in one read (one statement: one snapshot of both).
+_NODE_AND_MARKS = ("SELECT n.*, a.annotations AS annotations FROM nodes n "
+                   "LEFT JOIN node_annotations a ON a.name = n.name WHERE n.name=?")
+
+
+def _node_and_marks(rows: list, name: str) -> tuple[dict, dict[str, str]]:
+    """``_NODE_AND_MARKS``'s answer: the node's row and its annotations. Raises ``NodeNotFound``."""
+    if not rows:
+        raise NodeNotFound(f"node {name} not found", provider="sim", code="404")
+    row = dict(zip(rows[0].keys(), rows[0]))
+    return row, json.loads(row["annotations"] or "{}")
+
+
+def _version(row: dict) -> str:
+    """The simulated node's resourceVersion: a digest of it as stored, annotations and all, so that
+    any write to it changes it. (A change undone since reads as none: for a write decided on what
+    was read, that is the same node.)"""
+    return hashlib.sha256(json.dumps(row, sort_keys=True).encode()).hexdigest()[:16]
 
 
 class KubeletView(NamedTuple):
@@ -409,14 +431,24 @@ class SimCluster(EvictionDrain, WeightedRouting):
     def set_taints(self, name: str, add: list[str] = (), remove: list[str] = ()) -> Node:
         return self._update(name, "taints", lambda old: json.dumps(apply_taints(json.loads(old), add, remove)))
 
-    def cordon(self, name: str, unschedulable: bool = True, *, by: str | None = None) -> Node:
-        # Never a mark on a schedulable node: it goes before an uncordon, comes after a cordon.
-        if not unschedulable:
-            self.annotate_node(name, {ANNOTATION_CORDONED_BY: None})
-        node = self._update(name, "unschedulable", lambda _old: int(unschedulable))
-        if unschedulable and by:
-            self.annotate_node(name, {ANNOTATION_CORDONED_BY: by})
-        return node
+    def cordon(self, name: str, unschedulable: bool = True, *, by: str | None = None,
+               version: str | None = None) -> Node:
+        with self.world.tx() as db:  # the cordon and its mark land together, on the version read
+            row, annotations = _node_and_marks(db.execute(_NODE_AND_MARKS, (name,)).fetchall(), name)
+            if version is not None and version != _version(row):
+                raise NodeChanged(f"node {name} changed since it was read: nothing written", code="409")
+            if not unschedulable:
+                annotations.pop(ANNOTATION_CORDONED_BY, None)
+            elif by:
+                annotations[ANNOTATION_CORDONED_BY] = by
+            db.execute("UPDATE nodes SET unschedulable=? WHERE name=?", (int(unschedulable), name))
+            db.execute("INSERT OR REPLACE INTO node_annotations(name, annotations) VALUES (?, ?)",
+                       (name, json.dumps(annotations)))
+        return self.get_node(name)
+
+    def node_marks(self, name: str) -> NodeMarks:
+        row, annotations = _node_and_marks(self.world.query(_NODE_AND_MARKS, name), name)
+        return NodeMarks(annotations=annotations, unschedulable=bool(row["unschedulable"]), version=_version(row))
 
     def remove_node(self, name: str) -> None:
         with self.world.tx() as db:

@@ -14,7 +14,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 import pytest
 import yaml
@@ -97,6 +97,25 @@ async def wait_for(predicate, timeout: float = 10, interval: float = 0.05):
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(interval)
+
+
+def write_before_next_cordon(monkeypatch: pytest.MonkeyPatch, cluster: Any, node: str,
+                             write: Callable[[], None]) -> list[tuple]:
+    """Another writer's ``write`` lands on ``node`` right before the next ``cordon`` of it by any
+    cluster of ``cluster``'s class (the worker's own too), so after whatever its caller read to
+    decide on that cordon: the race a cordon made on the marks read closes. Once; returns the
+    cordon calls it came before (one, once it did)."""
+    kind = type(cluster)
+    real, raced = kind.cordon, []
+
+    def cordon(self, name: str, *args, **kwargs):
+        if name == node and not raced:
+            raced.append((name, *args, kwargs))
+            write()  # its own cordons go straight through: ``raced`` is set
+        return real(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(kind, "cordon", cordon)
+    return raced
 
 
 #: Names tests import from here that live with the heavy fixtures (loaded on first use).

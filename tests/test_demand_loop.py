@@ -33,7 +33,7 @@ from tests.capacity_fleet import (
     open_stack,
     replay_and_record,
 )
-from tests.conftest import terminate_running, wait_for
+from tests.conftest import terminate_running, wait_for, write_before_next_cordon
 
 FAST = {"tick_seconds": 0.5, "batch_idle_seconds": 0.3, "batch_max_seconds": 2, "idle_ttl_seconds": 1,
         "max_site_fraction": 1, "purchase_deadline_seconds": 20, "drain_seconds": 2,
@@ -296,6 +296,31 @@ async def test_a_retirement_keeps_a_node_a_repair_took_during_its_drain(temporal
         state = await until_status(handle, lambda s: node in s.kept_idle)
         assert "GPU 1 fenced" in state.kept_idle[node], state.kept_idle
         await replay_and_record(handle, "demand_keeps_a_node_a_repair_took_during_its_drain")
+        await handle.terminate("test over")
+
+
+async def test_a_retirement_keeps_a_node_a_person_took_right_before_its_drain(temporal_env, tmp_path, monkeypatch):
+    """The loop chose an idle node (a pod on it, no GPU pod); a person cordons it and marks it theirs
+    right before the drain's cordon. That cordon, made on the marks the drain read, is refused; read
+    again, the node is the person's: nothing cordoned over or evicted, the retirement keeps it and
+    the loop lets it go. Before, the drain's cordon overwrote the person's mark with the loop's, so
+    their pod was evicted and their node and machine deleted."""
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        cap.cluster.delete_pdb("default", "keeper")  # nothing but the person's mark keeps the node
+        (machine,) = cap.world.machines(cap.site("mid"))
+        raced = write_before_next_cordon(monkeypatch, cap.cluster, node, lambda: cap.cluster.cordon(node, by="alice"))
+        handle = await start_demand(cap)
+        state = await until_status(handle, lambda s: logged(s, f"kept {node}: cordoned by 'alice'"))
+        assert raced and not logged(state, f"retired {node}"), state.log[-5:]
+        await asyncio.sleep(3)  # several passes past the TTL: the node is the person's, not the loop's
+        assert [m["id"] for m in cap.world.machines(cap.site("mid"))] == [machine["id"]], "its machine stays"
+        assert cap.cluster.get_node(node).unschedulable
+        assert cap.cluster.annotate_node(node, {})[ANNOTATION_CORDONED_BY] == "alice", "the mark is the person's"
+        assert [p.name for p in cap.cluster.pods(node)] == ["keeper"], "nothing evicted"
+        state = await until_status(handle, lambda s: node in s.kept_idle)
+        assert "'alice'" in state.kept_idle[node], state.kept_idle
+        await replay_and_record(handle, "demand_keeps_a_node_a_person_took_before_its_drain")
         await handle.terminate("test over")
 
 

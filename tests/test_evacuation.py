@@ -44,7 +44,10 @@ from fleet.messages.capacity import CapacityProgress, CapacityResult, SiteStatus
 from activities.evacuation import EvacuationActivities
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, HoldRepairsInput
 from fleet.rollout import RolloutProgress, RolloutResult
+from fleet.settings import Settings
+from tests.conftest import write_before_next_cordon
 from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3: the rollout's S3 stores (a fixture)
+from tests.test_watches import add_node
 
 MODEL = "llm"
 
@@ -397,6 +400,50 @@ async def test_an_evacuation_buys_what_the_targets_max_nodes_hold_not_more(tempo
         result = EvacuationResult.model_validate(await asyncio.wait_for(inc.evacuation("a").result(), 60))
         assert result.outcome == "aborted", result
         await replay_and_record(inc.evacuation("a"), "site_evacuation_capacity_capped")
+
+
+def test_release_nodes_leaves_a_node_a_repair_fenced_between_its_look_and_its_uncordon(tmp_path, monkeypatch) -> None:
+    """As an evacuation ends it reads each node it cordoned and uncordons it, unless its repair
+    fenced a GPU of it; a repair fences one right in between (and cordons). The uncordon, made on
+    the marks read, is refused; read again, the node is the repair's: held, cordoned. Before, the
+    uncordon lifted the repair's cordon: the node took pods on a GPU under repair."""
+    from activities.repair import fence_key
+    from fleet.messages.evacuation import ReleaseNodesInput
+
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
+    for name in ("raced", "free"):
+        add_node(env, name)
+        env.cluster.cordon(name, True)
+
+    def repair_fences() -> None:  # as fence_gpu does
+        env.cluster.annotate_node("raced", {fence_key(0): "reset"})
+        env.cluster.cordon("raced", True)
+
+    raced = write_before_next_cordon(monkeypatch, env.cluster, "raced", repair_fences)
+    out = ActivityEnvironment().run(EvacuationActivities(env).release_nodes,
+                                    ReleaseNodesInput(nodes=["raced", "free", "gone"]))
+    assert raced, "the repair fenced between the release's look and its uncordon"
+    assert (out.uncordoned, out.gone, list(out.held)) == (["free"], ["gone"], ["raced"]), out
+    assert out.held["raced"].startswith("GPU 0 fenced by its repair")
+    assert env.cluster.get_node("raced").unschedulable and not env.cluster.get_node("free").unschedulable
+
+
+def test_an_evacuation_from_before_release_nodes_leaves_a_fenced_node_cordoned(tmp_path) -> None:
+    """Runs from before ``release_nodes`` uncordon through ``uncordon_nodes``: a node whose GPU a
+    repair fenced stays cordoned, the repair's, as ``release_nodes`` leaves it. Before, it uncordoned
+    every node it was given, fenced or not."""
+    from activities.repair import fence_key
+    from fleet.messages.evacuation import UncordonInput
+
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
+    for name in ("fenced", "free"):
+        add_node(env, name)
+        env.cluster.cordon(name, True)
+    env.cluster.annotate_node("fenced", {fence_key(1): "reset"})
+    done = ActivityEnvironment().run(EvacuationActivities(env).uncordon_nodes,
+                                     UncordonInput(nodes=["fenced", "free", "gone"]))
+    assert done == ["free"]
+    assert env.cluster.get_node("fenced").unschedulable and not env.cluster.get_node("free").unschedulable
 
 
 async def test_an_evacuation_keeps_a_node_it_bought_that_a_repair_holds(inc: IncStack) -> None:

@@ -20,17 +20,20 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
+from activities.env import FleetEnv
 from activities.evacuation import EvacuationActivities
 from fleet.contracts import workflows as flows
 from fleet.messages.evacuation import HoldRepairsInput
 from fleet.messages.nodes import HealthReport
-from activities.repair import FENCE_PREFIX, fence_key
+from activities.repair import FENCE_PREFIX, RepairActivities, fence_key
 from cli.main import app
 from fleet.models import GpuHealth, XidEvent
 from fleet.repair_policy import Rung
-from tests.conftest import Stack, terminate_running
+from fleet.settings import Settings
+from tests.conftest import Stack, terminate_running, write_before_next_cordon
 from tests.replay import replay_and_record
 from tests.test_repair_cancel import _details
+from tests.test_watches import add_node
 from tests.repair_helpers import (
     cluster_refuses_to_read,
     eventually,
@@ -67,6 +70,30 @@ async def history_order(stack: Stack, workflow_id: str) -> list[str]:
     history = await stack.client.get_workflow_handle(workflow_id).fetch_history()
     return [e.activity_task_scheduled_event_attributes.activity_type.name
             for e in history.events if e.HasField("activity_task_scheduled_event_attributes")]
+
+
+def test_uncontain_leaves_a_node_another_gpus_repair_fenced_between_its_look_and_its_uncordon(
+        tmp_path, monkeypatch) -> None:
+    """GPU 0's repair is done: it drops its fence and, no other GPU fenced, uncordons the node; GPU 1's
+    repair fences it right in between (and cordons). The uncordon, made on the marks read, is
+    refused; read again, GPU 1 is fenced: the node stays cordoned, that repair's. Before, the
+    uncordon lifted GPU 1's cordon: the node took pods on a GPU under repair."""
+    from fleet.messages.nodes import FenceInput, UncontainInput
+
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
+    add_node(env, "gpu-node")
+    acts = RepairActivities(env)
+    ActivityEnvironment().run(acts.fence_gpu, FenceInput(node_name="gpu-node", gpu=0, rung="reset"))
+
+    def gpu_1_fenced() -> None:  # as fence_gpu does
+        env.cluster.annotate_node("gpu-node", {fence_key(1): "reset"})
+        env.cluster.cordon("gpu-node", True)
+
+    raced = write_before_next_cordon(monkeypatch, env.cluster, "gpu-node", gpu_1_fenced)
+    result = ActivityEnvironment().run(acts.uncontain_gpu, UncontainInput(node_name="gpu-node", gpu=0))
+    assert raced, "GPU 1 was fenced between the uncontain's look and its uncordon"
+    assert (result.uncordoned, result.still_fenced) == (False, [1]), result
+    assert env.cluster.get_node("gpu-node").unschedulable, "GPU 1's repair keeps the node cordoned"
 
 
 async def test_xid48_reset_fixes_and_node_serves_only_after_proof(rstack: Stack) -> None:

@@ -126,6 +126,10 @@ EXPECTED = {
     # cordon left to the repair (tests/test_demand_loop.py; no patch: the same commands, the retire
     # activity's input carries the loop's mark and its result who holds the node, None before).
     "demand_keeps_a_node_a_repair_took_during_its_drain",
+    # ... and one a person took (cordoned, marked theirs) right before its drain's cordon: that
+    # cordon, made on the marks the drain read, is refused, and the drain says who holds the node
+    # (no patch: no drain result recorded before ``DrainResult.held`` has it; those take the old branches).
+    "demand_keeps_a_node_a_person_took_before_its_drain",
     # A site above its max retires its free nodes, never one a repair or a person holds, and one
     # freed by its repair's end; its retirement keeps a node a repair took during the drain
     # (tests/test_site_reclaim.py); an evacuation keeps a node it bought that a repair holds

@@ -14,7 +14,7 @@ from temporalio.testing import WorkflowEnvironment
 from fleet.messages.capacity import AccountStatus, SiteStatus, SpotReclaimResult
 from tests.can_server import server_suggesting_continue_as_new
 from tests.capacity_fleet import FAST_JOIN, CapStack, capacity_fleet, open_stack, replay_and_record
-from tests.conftest import wait_for
+from tests.conftest import wait_for, write_before_next_cordon
 
 FILL = {"join_timeouts": FAST_JOIN, "backoff_seconds": 1}
 
@@ -217,6 +217,34 @@ async def test_release_cordons_uncordons_only_its_owners_free_cordons(cap: CapSt
     for node in (alices, demands, unmarked, fenced):
         assert cap.cluster.get_node(node).unschedulable, node
     assert cap.cluster.annotate_node(alices, {})[ANNOTATION_CORDONED_BY] == "alice"
+
+
+async def test_release_cordons_leaves_a_node_a_repair_fenced_between_its_look_and_its_uncordon(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Site's release reads a node's marks (its own cordon, no one else's) and uncordons it; a
+    repair fences a GPU of it and cordons it right in between. The uncordon, made on the marks
+    read, is refused; read again, the node is the repair's and stays cordoned. Before, the
+    uncordon lifted the repair's cordon: the node took pods on a GPU under repair."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.capacity import CapacityActivities
+    from activities.repair import fence_key
+    from fleet.cluster import CORDONED_BY_SURPLUS
+    from fleet.messages.capacity import ReleaseCordonsInput
+
+    (node,) = await _join(cap, "dear", "a")
+    cap.cluster.cordon(node, by=CORDONED_BY_SURPLUS)
+
+    def repair_fences() -> None:  # as fence_gpu does
+        cap.cluster.annotate_node(node, {fence_key(0): "reset"})
+        cap.cluster.cordon(node, True)
+
+    raced = write_before_next_cordon(monkeypatch, cap.cluster, node, repair_fences)
+    asked = ReleaseCordonsInput(nodes=[node], cordoned_by=CORDONED_BY_SURPLUS)
+    assert ActivityEnvironment().run(CapacityActivities(cap.env).release_cordons, asked) == []
+    assert raced, "the repair fenced between the release's look and its uncordon"
+    assert cap.cluster.get_node(node).unschedulable, "the repair's cordon stays"
+    assert fence_key(0) in cap.cluster.annotate_node(node, {})
 
 
 async def test_a_join_tells_its_site_entity_at_once(cap: CapStack) -> None:

@@ -309,17 +309,20 @@ class Retirement:
     blocked: str = ""
     #: Drained, but the provider delete failed after its retries: a person looks.
     failed: str = ""
-    #: Drained, but someone else took the node meanwhile (who holds it): nothing deleted, the
-    #: cordon is theirs.
+    #: Someone else took the node since it was chosen (who holds it), before its drain (nothing
+    #: cordoned or evicted) or during it: nothing deleted, the cordon is theirs.
     kept: str = ""
 
 
 async def drain_and_retire(site: str, node_name: str, machine_id: str, drain_seconds: float, *,
                            why: str, cordoned_by: str | None = None) -> Retirement:
     """Drain (its cordon marked ``cordoned_by``), then retire only a node whose drain completed
-    and, with ``cordoned_by``, that no one else holds by then (a repair fenced a GPU of it)."""
+    and, with ``cordoned_by``, that no one else holds, before the drain (a person marked it
+    theirs) or by its end (a repair fenced a GPU of it)."""
     drained = await drain_node(node_name, drain_seconds, summary=f"drain {node_name} ({why}; PDBs honoured)",
                                cordoned_by=cordoned_by)
+    if drained.held:  # never in a result recorded before the field: those take the branches below
+        return Retirement(False, kept=drained.held)
     if not drained.completed:
         return Retirement(False, blocked="drain blocked (" + "; ".join(p.reason for p in drained.blocked) + ")")
     try:

@@ -137,7 +137,8 @@ async def demand_settings() -> dict:
 
 @activity.defn(name="drain_within")
 async def drain_within(input: DrainNodeInput) -> DrainResult:
-    """Cordon and evict through the Eviction API (PDBs honoured) until the deadline. Body:
+    """Cordon and evict through the Eviction API (PDBs honoured) until the deadline; with
+    ``cordoned_by``, a node someone else holds by now is left as it is (``held``). Body:
     ``activities/capacity.py``, ``CapacityActivities.drain_within``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 

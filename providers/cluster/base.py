@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, Field
 
-from fleet.errors import InvalidRequest, NotFound
+from fleet.errors import ClusterConflict, InvalidRequest, NotFound
 from fleet.demand import GpuPod
 from fleet.models import Node
 from fleet.cluster import (
@@ -38,6 +38,25 @@ if TYPE_CHECKING:
 
 class NodeNotFound(NotFound, LookupError):
     """The node does not exist (a ``LookupError`` too, for plain callers)."""
+
+
+class NodeChanged(ClusterConflict):
+    """A write made on a node as read (``cordon(..., version=...)``) found it changed since: nothing
+    was written. Read it again and decide again (``decide_on_node``). Workflows see a
+    ``ClusterConflict``: a later attempt may win."""
+
+    @property
+    def type_name(self) -> str:
+        return ClusterConflict.__name__
+
+
+class NodeMarks(BaseModel):
+    """A node's annotations and cordon as read at one version of it (Kubernetes: its
+    resourceVersion), which a ``cordon(..., version=...)`` writes on only if it is still that."""
+
+    annotations: dict[str, str]
+    unschedulable: bool
+    version: str
 
 
 class ServingNotFound(NotFound, LookupError):
@@ -230,10 +249,17 @@ class Cluster(WeightedRouting, Protocol):
         """Add/remove taints given as ``key[=value]:Effect``. Idempotent."""
         ...
 
-    def cordon(self, name: str, unschedulable: bool = True, *, by: str | None = None) -> Node:
+    def cordon(self, name: str, unschedulable: bool = True, *, by: str | None = None,
+               version: str | None = None) -> Node:
         """Cordon (or uncordon). With ``by``, the same change marks who cordoned it
         (``ANNOTATION_CORDONED_BY``); an uncordon removes that mark, whoever wrote it. A cordon
-        without ``by`` leaves the mark as it is."""
+        without ``by`` leaves the mark as it is. With ``version`` (a ``node_marks`` read's), only
+        if the node has not changed since that read: else ``NodeChanged``, nothing written."""
+        ...
+
+    def node_marks(self, name: str) -> NodeMarks:
+        """The node's annotations and cordon, with the version they were read at (for a
+        ``cordon`` decided on them). Raises ``NodeNotFound``."""
         ...
 
     def remove_node(self, name: str) -> None:
@@ -249,9 +275,8 @@ class Cluster(WeightedRouting, Protocol):
 
     def drain_node(
         self, name: str, deadline_s: float, force: bool = False, heartbeat: Callable[[], None] | None = None,
-        *, cordoned_by: str | None = None,
     ) -> DrainResult:
-        """Cordon (``cordon(by=cordoned_by)``), then evict every pod but DaemonSet and mirror pods
+        """Cordon (leaving any cordon mark as it is), then evict every pod but DaemonSet and mirror pods
         through the Eviction API, retrying PDB refusals with backoff until ``deadline_s``.
         With ``force``, pods still refused at the deadline are deleted (PDB
         bypassed). ``heartbeat`` is called between rounds (activity heartbeats)."""
@@ -501,6 +526,24 @@ def poll_watch(
         sleep(max(0.0, min(poll_s, deadline - now)))
 
 
+#: Reads of a node before ``decide_on_node`` gives up: a decision is lost only to another writer
+#: of that node in between its read and its write, which takes milliseconds.
+NODE_DECISION_TRIES = 5
+
+
+def decide_on_node(cluster: Cluster, name: str, decide: Callable[[NodeMarks], T]) -> T:
+    """``decide(marks)`` on the node's marks as read now, its writes made on that read
+    (``version=marks.version``); one meeting ``NodeChanged`` (the node changed in between: a repair
+    fenced a GPU, a person marked it theirs) is decided again on a fresh read. Past
+    ``NODE_DECISION_TRIES``, ``NodeChanged`` (retryable). Raises ``NodeNotFound`` for a node gone."""
+    for _ in range(NODE_DECISION_TRIES - 1):
+        try:
+            return decide(cluster.node_marks(name))
+        except NodeChanged:
+            continue
+    return decide(cluster.node_marks(name))  # the last try's NodeChanged goes to the caller
+
+
 def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
@@ -628,9 +671,8 @@ class EvictionDrain:
 
     def drain_node(
         self, name: str, deadline_s: float, force: bool = False, heartbeat: Callable[[], None] | None = None,
-        *, cordoned_by: str | None = None,
     ) -> DrainResult:
-        self.cordon(name, by=cordoned_by)  # type: ignore[attr-defined]
+        self.cordon(name)  # type: ignore[attr-defined]
         return run_drain(
             name, deadline_s, force,
             list_pods=lambda: self._pods_on(name),  # type: ignore[attr-defined]

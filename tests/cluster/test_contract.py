@@ -10,8 +10,10 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 
-from providers.cluster.base import Cluster, NodeNotFound, NoPreviousTemplate, ServingNotFound, serving_name
-from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, LABEL_SITE, UNPROVEN_TAINT, ServingSpec
+from providers.cluster.base import (
+    Cluster, NodeChanged, NodeNotFound, NoPreviousTemplate, ServingNotFound, decide_on_node, serving_name,
+)
+from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, CORDONED_BY_SURPLUS, LABEL_SITE, UNPROVEN_TAINT, ServingSpec
 
 
 def test_both_implement_the_port(harness):
@@ -113,11 +115,13 @@ def test_cordon_and_uncordon(harness):
 
 def test_a_cordon_says_who_made_it_and_an_uncordon_forgets_it(harness):
     """The demand loop knows its own cordon from the cluster alone (its carried state may be lost):
-    the drain's cordon marks it; a later cordon by someone else leaves the mark and the fences; an
-    uncordon drops the mark, so a person's later ``kubectl cordon`` never reads as the loop's."""
+    its cordon marks it; a later cordon by someone else (a drain's own) leaves the mark and the
+    fences; an uncordon drops the mark, so a person's later ``kubectl cordon`` never reads as the
+    loop's."""
     harness.add_node("gpu-1")
     harness.cluster.annotate_node("gpu-1", {"gpufleet.io/fenced-gpu-0": "reset"})
-    assert harness.cluster.drain_node("gpu-1", deadline_s=1, cordoned_by=CORDONED_BY_DEMAND).completed
+    harness.cluster.cordon("gpu-1", by=CORDONED_BY_DEMAND)
+    assert harness.cluster.drain_node("gpu-1", deadline_s=1).completed
     assert harness.cluster.get_node("gpu-1").unschedulable
     assert harness.cluster.annotate_node("gpu-1", {})[ANNOTATION_CORDONED_BY] == CORDONED_BY_DEMAND
     assert harness.cluster.cordon("gpu-1").unschedulable
@@ -128,6 +132,32 @@ def test_a_cordon_says_who_made_it_and_an_uncordon_forgets_it(harness):
     assert ours == {"gpufleet.io/fenced-gpu-0": "reset"}
     harness.cluster.cordon("gpu-1")
     assert ANNOTATION_CORDONED_BY not in harness.cluster.annotate_node("gpu-1", {})
+
+
+def test_a_cordon_decided_on_a_read_lands_only_on_the_node_as_read(harness):
+    """A cordon or uncordon made with the version of a ``node_marks`` read is refused
+    (``NodeChanged``, nothing written) once anyone wrote the node since: here a repair's fence, then
+    a person's mark. Read again, it lands."""
+    harness.add_node("gpu-1")
+    harness.cluster.cordon("gpu-1", by=CORDONED_BY_SURPLUS)
+    marks = harness.cluster.node_marks("gpu-1")
+    assert marks.unschedulable and marks.annotations[ANNOTATION_CORDONED_BY] == CORDONED_BY_SURPLUS
+    harness.cluster.annotate_node("gpu-1", {"gpufleet.io/fenced-gpu-0": "reset"})  # a repair, since
+    with pytest.raises(NodeChanged):
+        harness.cluster.cordon("gpu-1", False, version=marks.version)
+    assert harness.cluster.get_node("gpu-1").unschedulable
+    marks = harness.cluster.node_marks("gpu-1")
+    assert marks.annotations["gpufleet.io/fenced-gpu-0"] == "reset"
+    harness.cluster.cordon("gpu-1", by="alice")  # a person, since
+    with pytest.raises(NodeChanged):
+        harness.cluster.cordon("gpu-1", by=CORDONED_BY_DEMAND, version=marks.version)
+    assert harness.cluster.node_marks("gpu-1").annotations[ANNOTATION_CORDONED_BY] == "alice"
+    # As the activities do: decided again on a fresh read (a real cluster's controllers write nodes too).
+    decide_on_node(harness.cluster, "gpu-1", lambda marks: harness.cluster.cordon("gpu-1", False, version=marks.version))
+    assert not harness.cluster.get_node("gpu-1").unschedulable
+    assert ANNOTATION_CORDONED_BY not in harness.cluster.node_marks("gpu-1").annotations
+    with pytest.raises(NodeNotFound):
+        harness.cluster.node_marks("gone")
 
 
 def test_annotations_merge_and_remove(harness):

@@ -5,6 +5,9 @@ what ``tests/cluster/conftest.py``'s access-table check stood in for on the fake
 * control-plane state under real ``resourceVersion`` conflicts: a replace carrying a stale
   version is refused with 409 by the API server, the loser reads again and keeps both changes,
   two creators race on ``create`` (409 AlreadyExists), writers that keep losing end retryable;
+* a node's cordon decided on its marks (the Site's release of its cordon, the demand loop's drain):
+  written under the resourceVersion read, it is refused with 409 once a repair fenced the node or a
+  person marked it theirs in between, and the activity, reading again, leaves the node to them;
 * join-token records: a retried join renders the same token from its record without reading
   kube-system (whose Secrets the shipped RBAC does not let it read), revocation deletes the
   real bootstrap-token Secret;
@@ -27,18 +30,25 @@ import time
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Callable
 from urllib.parse import urlparse
 
 import pytest
 import yaml
 from kubernetes.client.exceptions import ApiException
+from temporalio.testing import ActivityEnvironment
 from typer.testing import CliRunner
 
 from cli.cluster import cluster_app
+from activities.capacity import CapacityActivities
 
-from fleet.cluster import GPU_RESOURCE, LABEL_MODEL
+from fleet.cluster import (
+    ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, CORDONED_BY_SURPLUS, FENCE_PREFIX, GPU_RESOURCE, LABEL_MODEL,
+)
 from fleet.demand import opted_in
 from fleet.errors import ClusterConflict
+from fleet.messages.capacity import DrainNodeInput, ReleaseCordonsInput
 from providers.cluster.base import state_object_name
 from providers.cluster.check import (
     ADMISSION_POLICIES,
@@ -56,6 +66,7 @@ from tests.cluster.test_demand_pods import OPT_IN
 from tests.realk8s.cluster import RealCluster
 from tests.realk8s.test_blast_radius import kubeadm_bindings_restored  # noqa: F401 - a fixture
 from tests.realk8s.test_join import control_plane_cluster
+from tests.conftest import write_before_next_cordon
 
 RBAC = "/apis/rbac.authorization.k8s.io/v1"
 REPO = Path(__file__).resolve().parents[2]
@@ -213,6 +224,75 @@ def test_two_allocators_never_take_the_same_rack_machine(real_cluster, kube, uni
     got_mine = reserve(mine, "k-mine", lambda: once or once.append(reserve(theirs, "k-theirs")))
     assert once == ["rack1-node1"] and got_mine == "rack1-node2"
     assert set(ClusterAllocations(kube, pool).read()["allocations"]) == {"rack1-node1", "rack1-node2"}
+
+
+# -- a node's cordon decided on its marks, under the real API server's resourceVersion ---------
+@pytest.fixture
+def node_of_ours(real_cluster, unique):
+    name = f"marks-{unique}"
+    _post(real_cluster, "/api/v1/nodes", {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name}})
+    yield name
+    real_cluster.request("DELETE", f"/api/v1/nodes/{name}", admin=True)
+
+
+def _another_writer(real: RealCluster, name: str, annotations: dict[str, str]) -> Callable[[], None]:
+    """A cordon and annotations written on the node by someone else (a repair, a person: the admin)."""
+
+    def write() -> None:
+        status, answer = real.request("PATCH", f"/api/v1/nodes/{name}", {
+            "metadata": {"annotations": annotations}, "spec": {"unschedulable": True}},
+            admin=True, content_type="application/merge-patch+json")
+        assert status == 200, answer
+
+    return write
+
+
+def _node_marks(real: RealCluster, name: str) -> tuple[bool, dict[str, str]]:
+    """The node's cordon and annotations, as the admin reads them."""
+    _, node = real.request("GET", f"/api/v1/nodes/{name}", admin=True)
+    return bool(node["spec"].get("unschedulable")), node["metadata"].get("annotations") or {}
+
+
+def _refused(seen: list[Request], name: str) -> list[Request]:
+    return [r for r in seen if r[0] == "PATCH" and r[1] == f"/api/v1/nodes/{name}" and r.status == 409]
+
+
+def test_an_uncordon_decided_on_a_read_is_refused_once_a_repair_fenced_the_node(
+        real_cluster, kube, node_of_ours, monkeypatch):
+    """The Site's release reads its own cordon on a node and uncordons it; right in between a repair
+    fences a GPU of the node and cordons it. The API server refuses the uncordon, whose patch
+    carries the resourceVersion read (409); the release reads again, finds the fence and leaves the
+    node cordoned, the repair's. Before, the uncordon was a plain merge patch: it lifted the
+    repair's cordon, and the node took pods on a GPU under repair."""
+    name, fence = node_of_ours, f"{FENCE_PREFIX}0"
+    kube.cordon(name, by=CORDONED_BY_SURPLUS)
+    raced = write_before_next_cordon(monkeypatch, kube, name, _another_writer(real_cluster, name, {fence: "reset"}))
+    seen = record_requests(kube)
+    release = CapacityActivities(SimpleNamespace(cluster=kube)).release_cordons  # it uses the cluster only
+    assert ActivityEnvironment().run(release, ReleaseCordonsInput(nodes=[name], cordoned_by=CORDONED_BY_SURPLUS)) == []
+    assert raced and _refused(seen, name), seen
+    cordoned, annotations = _node_marks(real_cluster, name)
+    assert cordoned and annotations[fence] == "reset", annotations
+
+
+def test_a_drain_for_the_loop_is_refused_once_a_person_marked_the_node_theirs(
+        real_cluster, kube, node_of_ours, monkeypatch):
+    """The demand loop chose an idle node; right before its drain's cordon a person cordons it and
+    marks it theirs. The API server refuses that cordon (409: the node changed since the drain read
+    it); read again, the node is the person's, and the drain leaves it, saying who holds it. Before,
+    the cordon was a plain merge patch that overwrote the person's mark with the loop's, and the
+    retirement after the drain deleted their node."""
+    name = node_of_ours
+    raced = write_before_next_cordon(monkeypatch, kube, name,
+                                     _another_writer(real_cluster, name, {ANNOTATION_CORDONED_BY: "alice"}))
+    seen = record_requests(kube)
+    drain = CapacityActivities(SimpleNamespace(cluster=kube)).drain_within  # it uses the cluster only
+    drained = ActivityEnvironment().run(drain, DrainNodeInput(node_name=name, deadline_seconds=5,
+                                                              cordoned_by=CORDONED_BY_DEMAND))
+    cordoned, annotations = _node_marks(real_cluster, name)
+    assert cordoned and annotations[ANNOTATION_CORDONED_BY] == "alice", annotations
+    assert raced and _refused(seen, name), seen
+    assert drained.held == f"cordoned by 'alice' ({ANNOTATION_CORDONED_BY})" and not drained.completed, drained
 
 
 # -- join-token records -----------------------------------------------------------------------

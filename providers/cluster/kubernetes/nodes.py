@@ -7,7 +7,9 @@ the node's labels or annotations, which its kubelet may write.
 
 Nodes: only our labels, annotations and taints are touched (label and
 annotation patches are merges; taints are read-modify-write under the
-node's resourceVersion, retried on 409).
+node's resourceVersion, retried on 409; a cordon decided on a read of the
+node's marks is written under that read's resourceVersion, and a 409 is the
+caller's to decide on again: ``NodeChanged``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from fleet.errors import Transient
 from fleet.models import Node
 from providers.cluster.base import (
     EvictOutcome,
+    NodeChanged,
+    NodeMarks,
     NodeNotFound,
     PodInfo,
     apply_taints,
@@ -144,14 +148,29 @@ class Nodes(EvictionDrain, Watches, ControlPlaneState):
 
         return self._retry_on_conflict(f"node {name}: taints", attempt)
 
-    def cordon(self, name: str, unschedulable: bool = True, *, by: str | None = None) -> Node:
+    def cordon(self, name: str, unschedulable: bool = True, *, by: str | None = None,
+               version: str | None = None) -> Node:
         body: dict[str, Any] = {"spec": {"unschedulable": True if unschedulable else None}}
         # One patch: the cordon and who made it land together (an uncordon drops the mark).
         if not unschedulable:
             body["metadata"] = {"annotations": {ANNOTATION_CORDONED_BY: None}}
         elif by:
             body["metadata"] = {"annotations": {ANNOTATION_CORDONED_BY: by}}
-        return self._node(self._retry_on_conflict(f"node {name}", lambda: self._patch_node(name, body, MERGE)))
+        if version is None:
+            return self._node(self._retry_on_conflict(f"node {name}", lambda: self._patch_node(name, body, MERGE)))
+        # The API server refuses a patch carrying a resourceVersion the node no longer has (409).
+        body.setdefault("metadata", {})["resourceVersion"] = version
+        try:
+            return self._node(self._patch_node(name, body, MERGE))
+        except _Conflict as error:
+            raise NodeChanged(f"node {name} changed since it was read: nothing written", code="409") from error
+
+    def node_marks(self, name: str) -> NodeMarks:
+        node = self._read_node(name)
+        meta = node["metadata"]
+        return NodeMarks(annotations=dict(meta.get("annotations") or {}),
+                         unschedulable=bool((node.get("spec") or {}).get("unschedulable")),
+                         version=meta["resourceVersion"])
 
     def remove_node(self, name: str) -> None:
         # The node's client keys first: its certificates stop opening the node gateway at once.
