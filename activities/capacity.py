@@ -405,14 +405,18 @@ class CapacityActivities:
     @reports_account(lambda input: input.site)
     def retire_machine(self, input: RetireMachineInput) -> str | None:
         """Machine deleted (queued if the account is revoked), then the Node object out; returns
-        None. With ``cordoned_by``, a node someone else took since its owner chose it (a repair
-        fenced a GPU during the drain) is kept: returns who holds it, deletes nothing.
+        None. With ``cordoned_by`` (after its owner's drain, which cordoned it), a node someone
+        else took since its owner chose it (a repair fenced a GPU during the drain) or put back to
+        work (uncordoned it) is kept: returns why, deletes nothing.
 
         The machine first: it bills until deleted, and a Node that cannot be removed
         (the cluster refusing) must not keep the delete from running."""
         if input.cordoned_by is not None:
             try:
-                held, _ = who_holds(self.env.cluster, input.node_name, input.cordoned_by)
+                marks = self.env.cluster.node_marks(input.node_name)
+                held, _ = who_holds(self.env.cluster, input.node_name, input.cordoned_by, marks)
+                if not held and not marks.unschedulable:
+                    held = "uncordoned since its drain: someone put it back to work"
             except NodeNotFound:
                 held = ""  # the Node is gone: its machine still goes
             if held:

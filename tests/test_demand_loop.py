@@ -347,6 +347,30 @@ async def test_a_retirement_keeps_a_node_a_person_marked_theirs_and_a_repairs_ow
         assert cap.cluster.get_node(node) is None and not cap.world.machines(cap.site("mid"))
 
 
+async def test_a_retirement_keeps_a_node_a_person_uncordoned_after_its_drain(temporal_env, tmp_path):
+    """The drain cordoned the node with the loop's mark and ended; before the retire a person
+    uncordons it (which drops the mark): they put it back to work. The retire keeps it, saying so,
+    and deletes nothing. Before, the node and its machine were deleted: nothing held it any more."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.capacity import CapacityActivities
+    from fleet.messages.capacity import RetireMachineInput
+
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        (machine,) = cap.world.machines(cap.site("mid"))
+        cap.cluster.cordon(node, by=CORDONED_BY_DEMAND)  # as the loop's drain leaves it
+        cap.cluster.cordon(node, False)  # `kubectl uncordon`
+        retire = CapacityActivities(cap.env).retire_machine
+        mine = RetireMachineInput(site=cap.site("mid"), node_name=node, machine_id=machine["id"],
+                                  cordoned_by=CORDONED_BY_DEMAND)
+        assert "uncordoned" in await ActivityEnvironment().run(retire, mine)
+        assert cap.cluster.get_node(node) is not None and cap.world.machines(cap.site("mid")), "nothing deleted"
+        cap.cluster.cordon(node, by=CORDONED_BY_DEMAND)  # drained again: the loop's, it goes
+        assert await ActivityEnvironment().run(retire, mine) is None
+        assert cap.cluster.get_node(node) is None and not cap.world.machines(cap.site("mid"))
+
+
 async def test_a_new_run_retires_a_node_an_earlier_run_left_cordoned(temporal_env, tmp_path):
     """A run's drain blocked and it ended (its carried state gone: terminated, or from before the
     loop carried such nodes): the node stays cordoned, idle. The next run knows it as its own from
