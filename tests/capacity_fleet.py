@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 import yaml
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 
 from activities.env import FleetEnv
 from fleet.settings import Settings
@@ -111,3 +111,33 @@ async def open_stack(client: Client, address: str, tmp_path: Path, fleet: dict |
         yield stack
     finally:
         await stop_stack(client, settings.task_queue, worker, running, stop, host)
+
+
+# -- an entity's failed pass (workflows/passes.py) ----------------------------------------------
+async def details(handle: WorkflowHandle) -> str:
+    """The workflow's current details (the UI's "User Metadata" tab)."""
+    metadata = await handle.query("__temporal_workflow_metadata")
+    return metadata.current_details if hasattr(metadata, "current_details") else metadata["currentDetails"]
+
+
+async def failed_pass_shown(handle: WorkflowHandle, timeout: float = 15) -> str:
+    """The entity's details once they say a pass failed ("could not ..."), the entity still
+    running: a failed call ended it, before."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        status = (await handle.describe()).status
+        assert status == WorkflowExecutionStatus.RUNNING, f"{handle.id} ended: {status.name}"
+        text = await details(handle)
+        if "could not" in text:
+            return text
+        assert asyncio.get_running_loop().time() < deadline, f"no failed pass shown: {text}"
+        await asyncio.sleep(0.1)
+
+
+async def failed_pass_cleared(handle: WorkflowHandle, timeout: float = 10) -> None:
+    """A pass that worked: the details no longer say one failed, the entity still running."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while "could not" in (text := await details(handle)):
+        assert asyncio.get_running_loop().time() < deadline, f"still shown: {text}"
+        await asyncio.sleep(0.1)
+    assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -12,7 +13,7 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from fleet.messages.capacity import AccountStatus, CapacityProgress, CapacityResult
 from activities.control_plane import ControlPlaneActivities
 from fleet.messages.nodes import DeleteMachineInput
-from tests.capacity_fleet import CapStack, open_stack, replay_and_record
+from tests.capacity_fleet import CapStack, failed_pass_cleared, failed_pass_shown, open_stack, replay_and_record
 from tests.conftest import wait_for
 
 
@@ -133,6 +134,52 @@ async def test_revoked_credentials_stop_every_call_until_rotated(cap: CapStack) 
     assert cap.env.accounts.pending_deletes(a) == []
     await replay_and_record(handle, "capacity_bad_credentials")
     await replay_and_record(account, "account_credentials_rotated")
+
+
+async def test_an_account_whose_guard_store_refuses_its_write_stays_up_says_so_and_writes_it_later(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report reaches the ProviderAccount entity while its guard store (the cluster, in a real
+    deployment) refuses the write: a 403 after an RBAC mistake, which no retry helps (the API server
+    away past the retries ends the same way). The entity stays up with what it was told, its
+    details saying what failed and when it tries again; once the store takes writes again the
+    record lands and a person is notified. Before, the failed write failed the entity: the record
+    a person fixes the account from was gone, and its updates had nothing to reach."""
+    from activities.account_store import AccountStore
+    from fleet.errors import ClusterForbidden
+
+    a, put = cap.account("a"), AccountStore.put
+    refusing = [True]
+
+    def refused(self, record) -> None:
+        if refusing[0] and record.name == a:
+            # As the cluster's store raises a 403 (providers/cluster/kubernetes/api.py).
+            raise ClusterForbidden('update configmaps "gpufleet-accounts" is forbidden: User '
+                                   '"system:serviceaccount:gpufleet:control-plane" cannot update', code="403")
+        put(self, record)
+
+    monkeypatch.setattr(AccountStore, "put", refused)
+    account = await cap.client.start_workflow(
+        "ProviderAccount", {"account": a, "provider": "lambda"}, id=cap.account_handle("lambda", "a").id,
+        task_queue=cap.settings.task_queue)
+    await account.signal("report", {"account": a, "kind": "OverQuota", "offer": cap.offer("cheap"),
+                                    "message": "quota reached"})
+
+    shown = await failed_pass_shown(account)
+    assert re.search(r"could not write the account guard \(ClusterForbidden: update configmaps .*\); "
+                     r"next try at \d\d:\d\d:\d\d UTC", shown), shown
+    status = await account.query("status", result_type=AccountStatus)
+    assert status.state == "quota-blocked" and list(status.blocked_offers) == [cap.offer("cheap")]
+    assert cap.env.accounts.get(a).state == "healthy", "not written yet"
+
+    refusing[0] = False  # the RBAC fixed
+    await wait_for(lambda: cap.env.accounts.get(a).blocked_offers == [cap.offer("cheap")], timeout=30)
+    assert cap.env.accounts.get(a).state == "quota-blocked"
+    await failed_pass_cleared(account)
+    history = await account.fetch_history()
+    notified = [e for e in history.events if e.HasField("activity_task_scheduled_event_attributes")
+                and e.activity_task_scheduled_event_attributes.activity_type.name == "notify_person"]
+    assert len(notified) == 1, "a person is told once the record is written"
+    await replay_and_record(account, "account_guard_write_refused_then_written")
 
 
 async def test_all_exhausted_waits_and_resumes_when_capacity_appears(cap: CapStack) -> None:

@@ -42,7 +42,14 @@ EXPECTED = {
     "node_entity_health_watch", "node_entity_watch_from_join_state",
     "capacity_no_capacity_fallback", "capacity_over_quota", "capacity_bad_credentials", "capacity_wait_then_resume",
     "account_quota_raised", "account_credentials_rotated", "site_fill_below_min", "site_retire_above_max",
+    # A report whose guard-store write was refused past its retries (a 403) is shown and written
+    # again after a pause, then notified (tests/test_capacity.py; no patch, as the Site's below).
+    "account_guard_write_refused_then_written",
     "site_counts_joins",
+    # A reconcile refused past its retries (a 403 listing the site's nodes) is shown and tried again
+    # after a pause; the entity then fills to its min (tests/test_site_reclaim.py; no patch: the
+    # old code's run failed in the task that took the refusal, so no open run is past that point).
+    "site_reconcile_refused_then_fills",
     "spot_reclaim",
     "gpu_repair_reset", "gpu_repair_reboot_after_reset", "gpu_repair_covered", "node_entity_two_repairs",
     # A cancelled repair stops where it is (``repair-cancel-stops``, tests/test_repair_cancel.py);

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -13,7 +14,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from fleet.messages.capacity import AccountStatus, SiteStatus, SpotReclaimResult
 from tests.can_server import server_suggesting_continue_as_new
-from tests.capacity_fleet import FAST_JOIN, CapStack, capacity_fleet, open_stack, replay_and_record
+from tests.capacity_fleet import (FAST_JOIN, CapStack, capacity_fleet, failed_pass_cleared, failed_pass_shown, open_stack,
+                                  replay_and_record)
 from tests.conftest import wait_for, write_before_next_cordon
 
 FILL = {"join_timeouts": FAST_JOIN, "backoff_seconds": 1}
@@ -63,6 +65,42 @@ async def test_site_below_min_fills_and_above_max_retires_the_newest(cap: CapSta
     await wait_for(lambda: status.last, timeout=5)
     await replay_and_record(handle, "site_fill_below_min")
     await replay_and_record(mid, "site_retire_above_max")
+
+
+async def test_a_site_the_cluster_refuses_to_list_stays_up_says_so_and_fills_once_it_may(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cheap (min 2) starts while the control plane may not list its nodes (an RBAC mistake: 403,
+    ``ClusterForbidden``, which no retry helps; the API server away past the ten retries ends the
+    same way, as ``Transient``). The entity stays up, its details saying what failed and when it
+    tries again; once listing is allowed again it fills to its min as usual. Before, the failed
+    reconcile failed the Site entity: min/max, retirement and the incident rule stopped at the site
+    until the sweep started it again, with none of its carried state."""
+    from fleet.cluster import LABEL_SITE
+    from fleet.errors import ClusterForbidden
+    from sim.cluster import SimCluster
+
+    cheap, listed = cap.site("cheap"), SimCluster.list_nodes
+    refusing = [True]
+
+    def list_nodes(self, selector=None):
+        if refusing[0] and (selector or {}).get(LABEL_SITE) == cheap:
+            # As the Kubernetes adapter raises a 403 (providers/cluster/kubernetes/api.py).
+            raise ClusterForbidden('list nodes: nodes is forbidden: User "system:serviceaccount:gpufleet:'
+                                   'control-plane" cannot list resource "nodes"', code="403")
+        return listed(self, selector)
+
+    monkeypatch.setattr(SimCluster, "list_nodes", list_nodes)
+    handle = await start_site(cap, "cheap")
+
+    shown = await failed_pass_shown(handle)
+    assert re.search(r"could not reconcile \(ClusterForbidden: list nodes: nodes is forbidden: .*\); "
+                     r"next try at \d\d:\d\d:\d\d UTC", shown), shown
+    assert live(cap, "cheap") == [], "nothing bought on a count it could not make"
+
+    refusing[0] = False  # the RBAC fixed
+    await wait_for(lambda: len(live(cap, "cheap")) == 2, timeout=60)
+    await failed_pass_cleared(handle)
+    await replay_and_record(handle, "site_reconcile_refused_then_fills")
 
 
 async def test_above_max_retires_free_nodes_and_leaves_held_ones_to_their_holders(cap: CapStack) -> None:

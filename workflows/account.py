@@ -51,6 +51,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.models import AccountState
     from workflows.entity import Entity
     from workflows.inputs import invalid_input, parse_input, parse_signal
+    from workflows.passes import FailedPasses
     from workflows.refusals import wrong_state
     from workflows.steps import QUICK, STORE_RETRY, failure_message, show_details
 
@@ -77,6 +78,10 @@ class ProviderAccount(Entity[AccountStatus | None]):
         super().__init__(None)
         #: Reports not yet taken by the loop (in flight: the gate lets the loop take them first).
         self._reports: list[ReportAccountInput] = []
+        #: A report taken whose store write failed past its retries: written (and a person told)
+        #: again after a pause, until it lands (``_write_and_notify``).
+        self._unwritten = False
+        self._passes = FailedPasses()
 
     # -- what workflows and people send ---------------------------------------------------
     @workflow.signal
@@ -195,10 +200,16 @@ class ProviderAccount(Entity[AccountStatus | None]):
         self._show()
         while True:
             await workflow.wait_condition(
-                lambda: bool(self._reports) or self.continue_as_new_suggested()
+                lambda: bool(self._reports) or self._unwritten or self.continue_as_new_suggested()
             )
+            # A write that failed (the store away, or refusing: a 403) is shown and tried again after
+            # a pause: raised, it failed the entity, and with it the record a person fixes things from.
+            shown = lambda _failing: self._show()  # noqa: E731 - ``_show`` adds what failed
+            if self._unwritten:
+                await self._passes.attempt("write the account guard", self._write_and_notify, shown)
+                continue
             if self._reports:
-                await self._apply(self._reports.pop(0))
+                await self._passes.attempt("write the account guard", lambda: self._apply(self._reports.pop(0)), shown)
                 continue
             carried = lambda: {"account": args.account, "provider": args.provider,  # noqa: E731
                                "status": self.state.model_dump(mode="json")}
@@ -223,7 +234,19 @@ class ProviderAccount(Entity[AccountStatus | None]):
             if (status.state, set(status.blocked_offers)) == before:
                 return
             self._log(f"{report.kind}: {report.message}")
+            self._unwritten = True
             await self._persist()
+        await self._notify()
+
+    async def _write_and_notify(self) -> None:
+        """The write of a report that failed, again, then the notification it did not reach."""
+        async with self._locked():
+            await self._persist()
+        await self._notify()
+
+    async def _notify(self) -> None:
+        status = self.state
+        self._unwritten = False
         try:
             await workflow.execute_activity(
                 act.notify_person,
@@ -259,6 +282,8 @@ class ProviderAccount(Entity[AccountStatus | None]):
     def _show(self) -> None:
         s = self.state
         lines = [s.reason] if s.reason else []
+        if self._passes.failing:
+            lines.append(self._passes.failing)
         lines += [f"- quota-blocked: {offer} (since {since})" for offer, since in s.blocked_offers.items()]
         if s.state == AccountState.CREDENTIALS_REVOKED:
             lines.append("a person must rotate the credentials, then send the `credentials_rotated` update")

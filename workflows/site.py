@@ -44,7 +44,9 @@ evacuation are its own tasks, each watching its child; it continues as new when 
 suggests it and neither runs (the watch and the timer cancelled: the next run starts them
 again), through the base's gate, once every handler has finished. ``admit_repair`` awaits
 without the state lock (see it). An admission still settling at the gate can open an incident:
-it is in the carried state, so the next run starts its evacuation.
+it is in the carried state, so the next run starts its evacuation. A reconcile (or probe) that fails
+past its retries (the API server away, a 403) never ends the entity: it is shown and tried again
+after a growing pause (``workflows.passes``), its state kept.
 
 SiteSweep (id ``site-sweep``, run by a Schedule): signal-with-start every site's
 entity with ``reconcile``.
@@ -83,6 +85,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.cluster import CORDONED_BY_SURPLUS
     from workflows.entity import Entity
     from workflows.inputs import invalid_input, parse_input, parse_signal
+    from workflows.passes import FailedPasses
     from workflows.steps import (
         CLUSTER_RETRY,
         LONG_WATCH_HEARTBEAT,
@@ -197,6 +200,8 @@ class SiteEntity(Entity[SiteState]):
         # Patched in (``SELF_LABELS_PATCH``): nodes this run told to quarantine for their own labels.
         self._self_labels = False
         self._reported: set[str] = set()
+        # A reconcile (or probe) that failed past its retries: shown, and tried again after a pause.
+        self._passes = FailedPasses()
 
     @workflow.signal
     def reconcile(self) -> None:
@@ -218,6 +223,9 @@ class SiteEntity(Entity[SiteState]):
             name = self._args.site if self._args is not None else workflow.info().workflow_id.removeprefix("site/")
             return f"{name}: starting; it reconciles first thing, once it has read its min/max from the config"
         known = sum(state != "gone" for state in s.nodes.values())
+        if self._passes.failing:  # the loop waits out its pause: the answer says until when
+            return (f"{site.name}: {self._passes.failing}; it reconciles then ({known} known, "
+                    f"min {site.min_nodes}, max {site.max_nodes})")
         head = f"{site.name}: counting its nodes now ({known} known, min {site.min_nodes}, max {site.max_nodes})"
         incident = self.state.incident.open
         if incident is not None:
@@ -401,13 +409,14 @@ class SiteEntity(Entity[SiteState]):
                 if not incidents or workflow.now() >= next_reconcile:
                     self.state.wanted = True
                 if incidents:
-                    await self._probe()
+                    await self._passes.attempt("probe its nodes and provider API", self._probe, self._show,
+                                               wake=lambda: self.state.incident.evacuate)
             if self.state.incident.evacuate:
                 await self._start_evacuation()
             if self.state.wanted:
                 self.state.wanted = False
                 next_reconcile = workflow.now() + timedelta(seconds=args.reconcile_seconds)
-                await self._reconcile()
+                await self._reconcile_or_later()
             if self._may_continue():
                 # An admission still settling can open an incident meanwhile: it is in the state, carried.
                 await self.continue_as_new_when_ready(lambda: args.model_copy(
@@ -446,7 +455,7 @@ class SiteEntity(Entity[SiteState]):
             if self.state.wanted:
                 self.state.wanted = False
                 next_reconcile = workflow.now().timestamp() + every
-                await self._reconcile()
+                await self._reconcile_or_later()
             if (safety and self.state.incident.open is None and self._evac is None
                     and workflow.patched(ORPHANED_HOLDS_PATCH)):
                 await self._release_orphaned_holds()
@@ -739,7 +748,18 @@ class SiteEntity(Entity[SiteState]):
         if s.filling:
             lines.append(f"filling: {s.filling}")
         lines += [f"- retiring {n}" for n in s.retiring]
+        if self._passes.failing and self._passes.failing != line:
+            lines.append(self._passes.failing)  # until a reconcile works, whatever else is shown
         show_details(line, *lines)
+
+    async def _reconcile_or_later(self) -> None:
+        """A reconcile that failed (the cluster away past its retries, or refusing: a 403) is
+        shown and tried again after a pause, with everything the entity carries: raised, it failed
+        the entity, and min/max, retirement and the incident rule stopped at its site. An incident
+        to evacuate does not wait out the pause."""
+        if not await self._passes.attempt("reconcile", self._reconcile, self._show,
+                                          wake=lambda: self.state.incident.evacuate):
+            self.state.wanted = True
 
     async def _reconcile(self) -> None:
         site, s = self._site, self.state.status
@@ -850,18 +870,20 @@ class SiteEntity(Entity[SiteState]):
         self._show(f"above max ({count} > {site.max_nodes}): retiring {len(surplus)}"
                    + (f"; held, so not chosen: {self._holders(held)}" if held else ""))
         notes: list[str] = []
-        for node in surplus:
-            # Marked, the cordon is the surplus retirement's; a node someone takes during the
-            # drain (a repair fences a GPU) is kept, and the next reconcile no longer chooses it.
-            outcome = await drain_and_retire(site.name, node.node_name, node.machine_id, self._args.drain_seconds,
-                                             why="above the site's max", cordoned_by=CORDONED_BY_SURPLUS)
-            if outcome.retired:
-                s.nodes[node.node_name] = "gone"
-            elif outcome.kept:
-                notes.append(f"kept {node.node_name}: {outcome.kept} since it was chosen; the cordon is theirs")
-            else:
-                notes.append(f"{node.node_name}: {outcome.blocked or outcome.failed}; next reconcile")
-        s.retiring = []
+        try:
+            for node in surplus:
+                # Marked, the cordon is the surplus retirement's; a node someone takes during the
+                # drain (a repair fences a GPU) is kept, and the next reconcile no longer chooses it.
+                outcome = await drain_and_retire(site.name, node.node_name, node.machine_id, self._args.drain_seconds,
+                                                 why="above the site's max", cordoned_by=CORDONED_BY_SURPLUS)
+                if outcome.retired:
+                    s.nodes[node.node_name] = "gone"
+                elif outcome.kept:
+                    notes.append(f"kept {node.node_name}: {outcome.kept} since it was chosen; the cordon is theirs")
+                else:
+                    notes.append(f"{node.node_name}: {outcome.blocked or outcome.failed}; next reconcile")
+        finally:
+            s.retiring = []  # a drain that failed (the cluster away) too: the next reconcile chooses again
         self._show("; ".join([f"retired surplus at {site.name}", *notes]) + released)
 
 

@@ -1,0 +1,67 @@
+"""A long-lived entity outlives a failed call: the pass that failed is shown and tried again later.
+
+An entity (Site, ProviderAccount) runs for the life of what it stands for. A call in its loop that
+fails past its bounded retry (the Kubernetes API server away for a control-plane upgrade, a 403
+after an RBAC mistake, which no retry helps) must not end it: raised, it failed the workflow, and
+with it everything the entity does (a site's min/max, retirement and incident rule), until
+something started it again, with none of its carried state. Such a pass is logged, shown in the
+entity's details ("could not <step> (Type: message); next try at HH:MM:SS UTC") and tried again
+after a pause that doubles from ``FIRST_PAUSE`` to ``MAX_PAUSE``; the run and its state go on.
+
+Only an activity's failure is taken: a bug in the workflow's own code fails its workflow task
+(retried, the run intact, until a fixed worker runs it), and a cancel of the run stays the run's.
+(The Node entity's background loops restart the same way: ``Node._background``.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Any, Awaitable, Callable
+
+from temporalio import workflow
+from temporalio.exceptions import ActivityError
+
+with workflow.unsafe.imports_passed_through():
+    from workflows.steps import LONG_WATCH_PAUSE, MAX_PROBLEM_SHOWN, cancelled_by_request, failure_text
+
+#: The first pause after a failed pass, doubled by each that fails again. A refusal that no retry
+#: helps fails at once, so the pause is all that paces it; a call retried until it gave up (the
+#: API server away, ``CLUSTER_RETRY``: about two and a half minutes) has waited already ...
+FIRST_PAUSE = timedelta(seconds=5)
+#: ... up to this, as long as a site's watch refused for good waits.
+MAX_PAUSE = LONG_WATCH_PAUSE
+
+
+class FailedPasses:
+    """One entity loop's failed passes: what failed (shown until a pass works) and the next pause.
+    Not carried: a run that continues as new starts again from ``FIRST_PAUSE``."""
+
+    def __init__(self) -> None:
+        self.pause = FIRST_PAUSE
+        #: "could not <step> (...); next try at ..." while the last pass failed, else "".
+        self.failing = ""
+
+    async def attempt(self, step: str, work: Callable[[], Awaitable[Any]], show: Callable[[str], None], *,
+                      wake: Callable[[], bool] = lambda: False) -> bool:
+        """``work()``, one pass (``step`` names it for a person: "reconcile"); True when it worked.
+        One that failed is logged and shown (``show``), the pause is waited (cut short once
+        ``wake()`` holds: work that must not wait), and False returned: the loop tries again."""
+        self.failing = ""  # trying again now: what the pass shows as it goes is the news
+        try:
+            await work()
+        except ActivityError as error:
+            if cancelled_by_request(error):
+                raise  # the run's own cancel, not a failed call
+            pause, self.pause = self.pause, min(self.pause * 2, MAX_PAUSE)
+            self.failing = (f"could not {step} ({failure_text(error)[:MAX_PROBLEM_SHOWN]}); "
+                            f"next try at {workflow.now() + pause:%H:%M:%S} UTC")
+            workflow.logger.warning("%s", self.failing)
+            show(self.failing)
+            try:
+                await workflow.wait_condition(wake, timeout=pause, timeout_summary=f"could not {step}: try again")
+            except asyncio.TimeoutError:
+                pass
+            return False
+        self.pause = FIRST_PAUSE
+        return True
