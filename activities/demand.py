@@ -251,7 +251,9 @@ class DemandActivities:
             handle = client.get_workflow_handle(workflow_id)
             try:
                 described = await handle.describe()
-            except RPCError:
+            except RPCError as error:
+                if error.status != RPCStatusCode.NOT_FOUND:
+                    raise  # Temporal did not answer: retried, never taken for a purchase that is gone
                 found.append(PurchaseState(workflow_id=workflow_id, status="missing"))
                 continue
             status = described.status

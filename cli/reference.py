@@ -256,7 +256,7 @@ def _workflow_ids() -> dict[str, str]:
     return {
         "NodeJoin": n.join_workflow_id("<site>", "<request>"),
         "AcquireCapacity": n.capacity_workflow_id("<request>") + "; a demand purchase "
-                           + n.purchase_workflow_id("<n>"),  # type: ignore[arg-type]
+                           + n.purchase_workflow_id("<n>", "<series>"),  # type: ignore[arg-type]
         "CatalogRefresh": n.CATALOG_REFRESH_ID + " (Schedule)",
         "ProviderAccount": n.account_workflow_id("<provider>", "<account>"),
         "Site": n.site_workflow_id("<site>"),

@@ -55,9 +55,10 @@ def capacity_workflow_id(request: str) -> str:
     return f"capacity/{request}"
 
 
-def purchase_workflow_id(seq: int) -> str:
-    """The AcquireCapacity a demand purchase runs as (``capacity/<request>``)."""
-    return capacity_workflow_id(f"demand-{seq}")
+def purchase_workflow_id(seq: int, series: str = "") -> str:
+    """The AcquireCapacity a demand purchase runs as (``capacity/<request>``): the loop's ``seq``-th
+    in its ``series`` (a loop started before series: none, ``capacity/demand-<seq>``)."""
+    return capacity_workflow_id(f"demand-{series}-{seq}" if series else f"demand-{seq}")
 
 
 def reclaim_workflow_id(node_name: str) -> str:

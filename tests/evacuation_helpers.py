@@ -162,6 +162,34 @@ async def poll(predicate, timeout: float = 30, interval: float = 0.1):
         await asyncio.sleep(interval)
 
 
+def refuse(monkeypatch, method: str, error: Exception) -> dict[str, bool]:
+    """The simulated cluster's ``method`` raises ``error`` (what the Kubernetes adapter raises: a
+    403, a 503) while the switch it returns is on (``switch["on"] = False``: it answers again)."""
+    switch = {"on": True}
+    real = getattr(SimCluster, method)
+
+    def refusing(self, *args, **kwargs):
+        if switch["on"]:
+            raise error
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(SimCluster, method, refusing)
+    return switch
+
+
+async def failed_pass(handle: WorkflowHandle) -> str:
+    """An entity's current details once they say a pass of its loop failed ("could not ...",
+    ``workflows.steps.PassRetry``), or how its run ended if it did; else "" (for ``poll``)."""
+    from temporalio.client import WorkflowExecutionStatus
+
+    described = await handle.describe()
+    if described.status != WorkflowExecutionStatus.RUNNING:
+        return f"the run ended {described.status.name}"
+    metadata = await handle.query("__temporal_workflow_metadata")
+    text = metadata.current_details if hasattr(metadata, "current_details") else metadata["currentDetails"]
+    return text if "could not" in text else ""
+
+
 async def activity_inputs(handle: WorkflowHandle, activity_type: str) -> list[dict]:
     """The inputs of every ``activity_type`` the workflow scheduled, in order."""
     history = await handle.fetch_history()

@@ -190,3 +190,29 @@ async def test_a_purchase_that_cannot_say_which_joins_it_runs_is_kept(time_skipp
         assert not outcome.cancelled
         assert outcome.reason.startswith(f"could not ask {purchase_id} which joins it runs")
         assert not await cancel_asked(purchase)
+
+
+async def test_a_purchase_temporal_does_not_describe_now_is_not_taken_for_gone(client: Client) -> None:
+    """``purchase_status`` says "missing" (the loop plans its pods again) only for a purchase Temporal
+    does not know. A describe Temporal did not answer (unavailable, a timeout) is the activity's
+    retried failure, and after its retries the loop's failed pass. Before, any error read as a
+    purchase gone: a purchase still buying was taken for failed, and its pods bought for twice."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    from fleet.messages.demand import PurchaseStatusInput
+
+    status_of = DemandActivities(None).purchase_status  # type: ignore[arg-type]
+    never = PurchaseStatusInput(workflow_ids=[purchase_workflow_id(404, "nosuch")])
+    assert [s.status for s in await ActivityEnvironment(client=client).run(status_of, never)] == ["missing"]
+
+    class Unavailable:
+        """A client whose Temporal frontend does not answer."""
+
+        def get_workflow_handle(self, workflow_id: str) -> "Unavailable":
+            return self
+
+        async def describe(self) -> None:
+            raise RPCError("failed to connect: connection refused", RPCStatusCode.UNAVAILABLE, b"")
+
+    with pytest.raises(RPCError, match="connection refused"):
+        await ActivityEnvironment(client=Unavailable()).run(status_of, never)  # type: ignore[arg-type]

@@ -7,6 +7,7 @@ cancels its purchase before provisioning."""
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
@@ -34,6 +35,7 @@ from tests.capacity_fleet import (
     replay_and_record,
 )
 from tests.conftest import terminate_running, wait_for, write_before_next_cordon
+from tests.evacuation_helpers import failed_pass, poll, refuse
 
 FAST = {"tick_seconds": 0.5, "batch_idle_seconds": 0.3, "batch_max_seconds": 2, "idle_ttl_seconds": 1,
         "max_site_fraction": 1, "purchase_deadline_seconds": 20, "drain_seconds": 2,
@@ -153,6 +155,33 @@ async def until_status(handle, predicate, timeout: float = 30) -> DemandStatus:
             return state
         assert asyncio.get_running_loop().time() < deadline, state.log[-10:]
         await asyncio.sleep(0.1)
+
+
+async def test_a_loop_started_again_never_books_new_pods_on_an_earlier_loops_purchase(cap: CapStack):
+    """The loop ended (a person terminated it, or an older build's loop failed) while a purchase of
+    its was still buying, and ``gpufleet demand --start`` started a new one, with nothing carried.
+    The new loop's purchase for a new Pending pod is a purchase of its own. Before, every fresh loop
+    numbered ``capacity/demand-1`` on: its start found the earlier loop's purchase still running
+    under that id and took it for its own, and nothing was bought for the new pod."""
+    # Each purchase holds before its first join (its offer out of its own ranking for 60 s).
+    hold = {**FAST["capacity_request"], "exclude": [{"offer": cap.offer(name), "seconds": 60}
+                                                    for name in ("cheap", "mid")]}
+    first = await start_demand(cap, capacity_request=hold)
+    cap.cluster.create_pod(demand_pod("early", 2, **{LABEL_SITE: cap.site("mid")}))
+    (earlier,) = (await until_status(first, lambda s: s.purchases)).purchases
+    await first.terminate("the loop ended")
+    cap.cluster.delete_pod("ml", "early")  # its purchase buys on: no loop to cancel it
+
+    again = await start_demand(cap, capacity_request=hold)
+    cap.cluster.create_pod(demand_pod("late", 2, **{LABEL_SITE: cap.site("cheap")}))
+    state = await until_status(again, lambda s: s.purchases)
+    (late,) = state.purchases
+    assert late.pods == ["ml/late"] and late.site == cap.site("cheap")
+    assert late.workflow_id != earlier.workflow_id, "booked on the earlier loop's purchase"
+    for purchase in (earlier, late):
+        described = await cap.client.get_workflow_handle(purchase.workflow_id).describe()
+        assert described.status == WorkflowExecutionStatus.RUNNING, purchase.workflow_id
+    await again.terminate("test over")
 
 
 async def test_a_pod_that_goes_cancels_what_was_bought_for_it_before_provisioning(cap: CapStack):
@@ -462,3 +491,66 @@ async def test_on_events_pods_buy_and_idle_nodes_go_back_with_no_tick(cap: CapSt
     # The node goes in the retire step's activity; the loop logs it once that step has returned.
     await until_status(handle, lambda s: any(line.split(" ", 1)[1].startswith("retired") for line in s.log))
     await replay_and_record(handle, "demand_events_buy_then_retire")
+
+
+async def test_the_loop_outlives_a_cluster_that_refuses_and_buys_again_once_it_answers(cap: CapStack, monkeypatch):
+    """The Kubernetes API refuses the loop's pod watch (``ClusterForbidden``, a 403: what the real
+    adapter raises when the control plane's token is refused, e.g. during a control-plane upgrade;
+    non-retryable, so each pass fails at once). The loop stays up, says what failed and when it
+    looks again, and once the cluster answers buys for a new Pending pod, numbering on from the
+    purchases it carried. Before, the first refusal failed the workflow: Pending pods bought nothing
+    and idle nodes billed on until a person started the loop again, with its purchases forgotten."""
+    from fleet.errors import ClusterForbidden
+
+    handle = await start_demand(cap)
+    cap.cluster.create_pod(demand_pod("before", 2, **{LABEL_SITE: cap.site("cheap")}))
+    await wait_for(lambda: "ml/before" in bound(cap), timeout=60)
+    (bought,) = (await status(handle)).purchases
+
+    refused = refuse(monkeypatch, "watch_gpu_pods", ClusterForbidden("GET /api/v1/pods?watch=1: 403 Forbidden",
+                                                                     code="403"))
+    shown = await poll(lambda: failed_pass(handle), timeout=30)
+    assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING, shown
+    assert re.search(r"could not watch the Pending pods \(ClusterForbidden: GET /api/v1/pods\?watch=1: "
+                     r"403 Forbidden\); next pass at \d\d:\d\d:\d\d", shown), shown
+    assert logged(await status(handle), "could not watch the Pending pods")
+
+    refused["on"] = False
+    cap.cluster.create_pod(demand_pod("after", 2, **{LABEL_SITE: cap.site("cheap")}))
+    await wait_for(lambda: "ml/after" in bound(cap), timeout=60)
+    state = await status(handle)
+    assert [p.workflow_id for p in state.purchases] == [bought.workflow_id, bought.workflow_id[:-1] + "2"]
+    assert logged(state, "a pass went through again"), state.log[-5:]
+    await replay_and_record(handle, "demand_outlives_a_refused_watch")
+    await handle.terminate("test over")
+
+
+@pytest.mark.timeout(60)  # minutes of retries and pauses; without the skipping this would not end
+async def test_the_loop_outlives_a_cluster_api_away_for_longer_than_its_retries(time_skipping_env, tmp_path,
+                                                                               monkeypatch):
+    """The Kubernetes API answers 503 (``Transient``, as the real adapter raises it) for seven
+    minutes, a control-plane upgrade: longer than the watch's retries (10 attempts, about 2.5
+    minutes). The loop stays up, says what failed and when it looks again, and tries again after a
+    pause that grows. Before, the watch's last attempt failed the workflow. (The time-skipping
+    server: minutes of retries and pauses in no time. That the loop buys again once the API answers
+    is the dev-server test's above.)"""
+    from fleet.errors import Transient
+    from tests.conftest import TEST_FLEET
+    from tests.test_time_skipping import control_plane, timeline
+
+    refuse(monkeypatch, "watch_gpu_pods",
+           Transient("GET /api/v1/pods?watch=1: 503 Service Unavailable", provider="kubernetes", code="503"))
+    async with control_plane(time_skipping_env, tmp_path, TEST_FLEET) as (settings, _):
+        handle = await time_skipping_env.client.start_workflow(
+            "Demand", FAST, id=f"demand-{uuid.uuid4().hex[:6]}", task_queue=settings.task_queue)
+        await time_skipping_env.sleep(7 * 60)
+        shown = await failed_pass(handle)
+        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING, shown
+        assert re.search(r"could not watch the Pending pods \(Transient: GET /api/v1/pods\?watch=1: 503 Service "
+                         r"Unavailable\); next pass at \d\d:\d\d:\d\d", shown), shown
+        # Two passes failed, each after all its attempts; the pause after each grows.
+        timers, _, _ = await timeline(handle)
+        assert timers == [1, 2], timers
+        state = await status(handle)
+        assert sum("could not watch the Pending pods" in line for line in state.log) == 1, "one line a streak"
+        await handle.terminate("test over")

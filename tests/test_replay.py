@@ -137,6 +137,12 @@ EXPECTED = {
     # cordon, made on the marks the drain read, is refused, and the drain says who holds the node
     # (no patch: no drain result recorded before ``DrainResult.held`` has it; those take the old branches).
     "demand_keeps_a_node_a_person_took_before_its_drain",
+    # A failed pass is no end of the entity: the cluster refused the demand loop's watch, then the
+    # Routing entity's sample; each said so, paused and passed again, its state kept
+    # (tests/test_demand_loop.py, tests/test_routing_entity.py; no patch: the code before failed the
+    # run there). The loop's fresh run numbers its purchases in a series of its own
+    # (``demand-purchase-series``).
+    "demand_outlives_a_refused_watch", "routing_outlives_a_refused_sample",
     # A site above its max retires its free nodes, never one a repair or a person holds, and one
     # freed by its repair's end; its retirement keeps a node a repair took during the drain
     # (tests/test_site_reclaim.py); an evacuation keeps a node it bought that a repair holds

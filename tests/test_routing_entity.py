@@ -6,6 +6,7 @@ stack's front door (real HAProxy, real streaming servers)."""
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -13,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from temporalio.client import Client, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 
 from cli.front_door import DevFrontDoor
 from fleet.cluster import UNPROVEN_TAINT, ServingSpec, SiteRoute
@@ -25,7 +26,7 @@ from activities.env import FleetEnv
 from fleet.settings import Settings
 from tests.bad_input_helpers import task_failures
 from tests.conftest import terminate_running, wait_for
-from tests.evacuation_helpers import IncStack, incident_fleet, poll
+from tests.evacuation_helpers import IncStack, failed_pass, incident_fleet, poll, refuse
 from tests.replay import replay_and_record
 from sim.model_server import SimModelServer
 from workers.control_plane import build_worker
@@ -276,6 +277,48 @@ async def test_long_event_details_reach_the_routes_shortened(temporal_env, inc: 
     assert len(doc.reason) <= 500 and doc.sites[a].healthy
     assert await task_failures(handle) == 0
     await replay_and_record(handle, "routing_long_event_details")
+
+
+async def test_the_entity_outlives_a_cluster_that_refuses_and_keeps_its_overrides(temporal_env, inc: IncStack,
+                                                                                monkeypatch):
+    """The Kubernetes API refuses the entity's sample (``ClusterForbidden``, a 403: what the real
+    adapter raises when the control plane's token is refused; non-retryable, so the recompute fails
+    at once) as an event arrives. The entity stays up, says what failed and when it tries again, and
+    once the cluster answers writes the event's routes, the incident it took before still holding
+    and the document's versions going on. Before, the failed recompute failed the workflow: the
+    next event started a new entity with no overrides and no document, and the site in incident
+    got its traffic back."""
+    from fleet.errors import ClusterForbidden
+
+    model = f"llm-{uuid.uuid4().hex[:6]}"
+    a, c = serve(inc, model, "a", 2), serve(inc, model, "c", 2)
+    handle = await start_routing(temporal_env.client, inc, model)
+    await handle.signal("site_event", {"kind": "incident", "site": a, "detail": "provider down"})
+    await wait_for(lambda: weights(inc, model) == {a: 0, c: TOTAL})
+    version = inc.cluster.get_routing(model).version
+
+    refused = refuse(monkeypatch, "list_serving", ClusterForbidden("GET /apis/apps/v1/deployments: 403 Forbidden",
+                                                                   code="403"))
+    serve(inc, model, "c", 2)
+    inc.cluster.scale_serving(model, c, 4)
+    await handle.signal("site_event", {"kind": "scale", "site": c, "detail": "two more replicas"})
+    shown = await poll(lambda: failed_pass(handle), timeout=30)
+    assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING, shown
+    assert re.search(r"could not sample the model's sites \(ClusterForbidden: GET /apis/apps/v1/deployments: "
+                     r"403 Forbidden\); next pass at \d\d:\d\d:\d\d", shown), shown
+
+    refused["on"] = False
+    await poll(lambda: _ready_at(handle, c, 4), timeout=30)
+    assert weights(inc, model) == {a: 0, c: TOTAL}, "the incident taken before the outage still holds"
+    doc = await handle.query(flows.Routing.document, result_type=RoutingDocument)
+    assert doc.version > version and "scale at " in doc.reason and not doc.sites[a].healthy
+    assert (await handle.query(flows.Routing.progress))["applied"] == 2
+    await replay_and_record(handle, "routing_outlives_a_refused_sample")
+
+
+async def _ready_at(handle: WorkflowHandle, site: str, replicas: int) -> bool:
+    doc = await handle.query(flows.Routing.document, result_type=RoutingDocument)
+    return doc is not None and site in doc.sites and doc.sites[site].ready_replicas == replicas
 
 
 def test_events_pending_while_a_recompute_waits_stay_within_the_carried_state():

@@ -39,10 +39,12 @@ def sold_out_fleet() -> dict:
 
 
 @asynccontextmanager
-async def control_plane(env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[tuple[Settings, FleetEnv]]:
+async def control_plane(env: WorkflowEnvironment, tmp_path: Path,
+                        fleet_config: dict | None = None) -> AsyncIterator[tuple[Settings, FleetEnv]]:
+    """The control-plane worker on the test server; its fleet ``sold_out_fleet()`` unless given."""
     settings = Settings(address=env.client.service_client.config.target_host,
                         task_queue=f"timers-{uuid.uuid4().hex[:8]}", state_dir=tmp_path,
-                        config=str(write_fleet(tmp_path, sold_out_fleet())))
+                        config=str(write_fleet(tmp_path, fleet_config or sold_out_fleet())))
     fleet = FleetEnv.from_settings(settings)
     async with build_worker(env.client, settings, fleet):
         yield settings, fleet

@@ -9,7 +9,7 @@ One entity per fleet, a loop:
 3. plan (activity, pure ``fleet.demand_planner.plan_demand``): pods that fit a node or a join
    in flight buy nothing; the rest are bin-packed onto the cheapest qualifying offers;
 4. buy: one ``AcquireCapacity`` per planned machine, pinned to its offer, started with
-   the standard id ``capacity/demand-<n>`` (not a child: a purchase outlives this run's
+   the standard id ``capacity/demand-<series>-<n>`` (not a child: a purchase outlives this run's
    continue-as-new; a failed one puts its offer out of the plan for a while and the pods
    are planned again, elsewhere);
 5. consolidate: nodes idle past the TTL are drained (PDBs honoured) and retired,
@@ -17,6 +17,8 @@ One entity per fleet, a loop:
 
 Every decision (pods → offer → purchase, with its reason; cancellations; retirements)
 is in the current details and the ``status`` query (``gpufleet demand``).
+A pass whose cluster or provider call failed (out of its retries, or refused) is no end of the
+loop: it is shown and passed again after a growing pause, the state as it was (``PassRetry``).
 
 An entity (``workflows.entity``, docs/design/entities.md): its one state is ``DemandCarry``
 (the purchase numbering, the purchases, when each idle node went idle, offers out of the plan,
@@ -31,6 +33,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
@@ -49,7 +52,12 @@ with workflow.unsafe.imports_passed_through():
         QUICK,
         STORE_RETRY,
         WAIT_HEARTBEAT,
+        MAX_PROBLEM_SHOWN,
+        PassRetry,
+        Retirement,
+        cancelled_by_request,
         drain_and_retire,
+        failure_text,
         show_details,
     )
 
@@ -63,6 +71,20 @@ LOG_LINES = 60
 #: node's TTL or after ``tick_seconds`` (the safety look). The catalog and the plan are read only
 #: for new pods, an ended purchase or the safety look; idle nodes only when they may have changed.
 EVENTS_PATCH = "demand-events"
+#: Workflow patch: a loop started afresh numbers its purchases ``capacity/demand-<series>-<n>``,
+#: its series the last 8 hex digits of its first run's id, carried over continue-as-new. Before
+#: it every fresh start numbered ``capacity/demand-1`` on, and a purchase an earlier loop still
+#: ran under that id took the new pods (``start_purchase`` joins a running purchase of its id):
+#: nothing was bought for them. Asked only by a run started afresh, before its first command.
+SERIES_PATCH = "demand-purchase-series"
+#: What a pass was doing, by the activity that failed (``PassRetry``: "could not <step> ...").
+STEPS = {
+    "demand_settings": "read the fleet config's demand: block",
+    "watch_demand_events": "watch the Pending pods", "watch_demand": "watch the Pending pods",
+    "purchase_status": "look at the purchases in flight", "cancel_purchase": "cancel a purchase whose pods went",
+    "get_catalog": "read the provider catalog", "plan_demand": "plan the Pending pods",
+    "start_purchase": "start a purchase", "idle_nodes": "list the idle nodes",
+}
 
 
 @workflow.defn(name="Demand")
@@ -72,6 +94,7 @@ class Demand(Entity[DemandCarry]):
         #: What the last look found (Pending pods, the plan's verdicts, retirements in flight):
         #: not carried, the next run looks again. ``status`` adds the state's purchases and log.
         self._seen = DemandStatus()
+        self._retry = PassRetry(STEPS, show=self._show, log=self._log)
 
     @workflow.query
     def status(self) -> DemandStatus:
@@ -88,6 +111,8 @@ class Demand(Entity[DemandCarry]):
         lines += [f"- `{p.workflow_id}`: {len(p.pods)} pods → {p.offer} ({p.reason})" for p in buying[:10]]
         lines += [f"- not placed {pod}: {why}" for pod, why in list(s.unplaceable.items())[:5]]
         lines += [f"- retiring {node}: {why}" for node, why in s.retiring.items()]
+        if self._retry.failed and self._retry.last != step:  # a pass after a failed one: still say why
+            lines.append(f"- the last pass: {self._retry.last}")
         lines += [f"- {line}" for line in s.log[-8:]]
         show_details(step, *lines)
 
@@ -96,54 +121,81 @@ class Demand(Entity[DemandCarry]):
         args = parse_input(DemandInput, raw)
         self._args = args
         self.start_with(args.carry)
+        if args.carry is None and workflow.patched(SERIES_PATCH):
+            # A loop started afresh (``gpufleet demand --start`` after one ended) numbers its
+            # purchases in a series of its own: never onto an earlier loop's purchase in flight.
+            # The run id's end, its random part: a UUIDv7 begins with the time, alike for runs a minute apart.
+            self.state.series = workflow.info().first_execution_run_id.replace("-", "")[-8:]
         #: Node → its retirement (an own task: continue-as-new waits for it).
         self._retirements: dict[str, asyncio.Task] = {}
         #: Nodes holding GPU pods as the last watch saw them (``EVENTS_PATCH``).
         self._busy: list[str] | None = None
+        #: The fleet config's ``demand:`` block, read by the first pass that gets through it.
+        self._config: dict | None = None
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("watching")])
+        # A full pass first, and after a failed one: plan and consolidate whatever woke it.
+        full = True
+        while True:
+            try:
+                await self._pass(full)
+            except ActivityError as error:  # the cluster or a provider away: never the loop's end
+                await self._retry.pause_after(error)
+                full = True
+            else:
+                self._retry.passed()
+                full = False
+            if self.continue_as_new_suggested():
+                # Blocks the loop until the retirements end (drains, in minutes), then continues.
+                await self.continue_as_new_when_ready(
+                    lambda: self._args.model_copy(update={"carry": self.state}).model_dump(mode="json"))
+
+    async def _read_config(self) -> None:
         config: dict = await workflow.execute_activity(
             act.demand_settings, start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
             summary="the fleet config's demand: block",
         )
-        batch_idle = args.batch_idle_seconds if args.batch_idle_seconds is not None else config["batch_idle_seconds"]
-        batch_max = args.batch_max_seconds if args.batch_max_seconds is not None else config["batch_max_seconds"]
+        args = self._args
+        self._batch_idle = (args.batch_idle_seconds if args.batch_idle_seconds is not None
+                            else config["batch_idle_seconds"])
+        self._batch_max = args.batch_max_seconds if args.batch_max_seconds is not None else config["batch_max_seconds"]
         self._consolidation = ConsolidationSettings(
             idle_ttl_seconds=args.idle_ttl_seconds if args.idle_ttl_seconds is not None else config["idle_ttl_seconds"],
             max_site_fraction=(args.max_site_fraction if args.max_site_fraction is not None
                                else config["max_site_fraction"]),
         )
-        events = workflow.patched(EVENTS_PATCH)
-        first = True
-        while True:
-            self._show("watching Pending pods")
-            known = sorted({pod for p in self._buying() for pod in p.pods}
-                           | set(self._seen.covered) | set(self._seen.unplaceable))
-            why = "tick"
-            if events:
-                wake = await self._watch_events(known, batch_idle, batch_max)
-                batch, why, self._busy = wake.batch, wake.why, wake.busy
-            else:
-                batch = await workflow.execute_activity(
-                    act.watch_demand,
-                    WatchDemandInput(known=known, batch_idle_seconds=batch_idle, batch_max_seconds=batch_max,
-                                     wait_seconds=args.tick_seconds, poll_seconds=args.poll_seconds),
-                    start_to_close_timeout=timedelta(seconds=args.tick_seconds + batch_max + 60),
-                    heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY,
-                    summary="wait for Pending GPU pods; batch them",
-                )
-            if batch.new:
-                self._seen.window_seconds = batch.window_seconds
-            ended = await self._follow_purchases(set(batch.present))
-            # On events: the plan only when there is something new to plan (or the safety look).
-            if not events or first or batch.new or ended or why == "timeout":
-                await self._plan_and_buy(batch)
-            if args.consolidate and (not events or first or why in ("idle", "timeout") or ended):
-                await self._consolidate()
-            first = False
-            if self.continue_as_new_suggested():
-                # Blocks the loop until the retirements end (drains, in minutes), then continues.
-                await self.continue_as_new_when_ready(
-                    lambda: self._args.model_copy(update={"carry": self.state}).model_dump(mode="json"))
+        self._events = workflow.patched(EVENTS_PATCH)
+        self._config = config
+
+    async def _pass(self, full: bool) -> None:
+        """One pass: watch, follow the purchases, plan and buy, consolidate. ``full``: plan and
+        consolidate whatever woke it (the first pass, the one after a failed pass)."""
+        if self._config is None:
+            await self._read_config()
+        args, events = self._args, self._events
+        self._show("watching Pending pods")
+        known = sorted({pod for p in self._buying() for pod in p.pods}
+                       | set(self._seen.covered) | set(self._seen.unplaceable))
+        why = "tick"
+        if events:
+            wake = await self._watch_events(known, self._batch_idle, self._batch_max)
+            batch, why, self._busy = wake.batch, wake.why, wake.busy
+        else:
+            batch = await workflow.execute_activity(
+                act.watch_demand,
+                WatchDemandInput(known=known, batch_idle_seconds=self._batch_idle, batch_max_seconds=self._batch_max,
+                                 wait_seconds=args.tick_seconds, poll_seconds=args.poll_seconds),
+                start_to_close_timeout=timedelta(seconds=args.tick_seconds + self._batch_max + 60),
+                heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY,
+                summary="wait for Pending GPU pods; batch them",
+            )
+        if batch.new:
+            self._seen.window_seconds = batch.window_seconds
+        ended = await self._follow_purchases(set(batch.present))
+        # On events: the plan only when there is something new to plan (or the safety look).
+        if not events or full or batch.new or ended or why == "timeout":
+            await self._plan_and_buy(batch)
+        if args.consolidate and (not events or full or why in ("idle", "timeout") or ended):
+            await self._consolidate()
 
     async def _watch_events(self, known: list[str], batch_idle: float, batch_max: float) -> DemandWake:
         """One ``watch_demand_events``: until the next thing the loop acts on, at most until the
@@ -202,6 +254,10 @@ class Demand(Entity[DemandCarry]):
             if state.status == "completed":
                 purchase.status, purchase.nodes = "joined", state.nodes
                 self._log(f"{purchase.workflow_id}: joined {', '.join(state.nodes)} for {len(purchase.pods)} pods")
+            elif state.status == "missing":
+                # Never started (its start failed while Temporal was away): its offer did not fail.
+                purchase.status = "failed"
+                self._log(f"{purchase.workflow_id}: not found, never started; its pods are planned again")
             else:
                 purchase.status = "failed"
                 self.state.excluded[purchase.offer] = now + self._args.exclude_seconds
@@ -238,7 +294,7 @@ class Demand(Entity[DemandCarry]):
                 self._log(f"{pod}: nothing bought: {why}")
         for machine in plan.machines:
             self.state.seq += 1
-            workflow_id = purchase_workflow_id(self.state.seq)
+            workflow_id = purchase_workflow_id(self.state.seq, self.state.series)
             model_gpus: dict[str, int] = {}
             request = {
                 "constraints": {"sites": [machine.site], "gpu": machine.gpu, "gpus_per_machine": machine.gpus,
@@ -249,6 +305,16 @@ class Demand(Entity[DemandCarry]):
                 **self._args.capacity_request,
             }
             pods = ", ".join(machine.pods[:4]) + (f" +{len(machine.pods) - 4}" if len(machine.pods) > 4 else "")
+            if machine.model:
+                for name in machine.model.split(","):
+                    model_gpus[name] = machine.gpus_used
+            # Followed before it is started: a start that failed after its retries (Temporal away)
+            # may still have started it, and a purchase running untracked would be bought twice.
+            self.state.purchases.append(Purchase(
+                workflow_id=workflow_id, offer=machine.offer, site=machine.site, gpus=machine.gpus,
+                capacity_type=machine.capacity_type, pods=machine.pods, model_gpus=model_gpus,
+                reason=machine.reason, started_at=workflow.now().timestamp(),
+            ))
             await workflow.execute_activity(
                 act.start_purchase, StartPurchaseInput(
                     workflow_id=workflow_id, request=request,
@@ -256,14 +322,6 @@ class Demand(Entity[DemandCarry]):
                 start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
                 summary=f"buy {machine.offer} for {len(machine.pods)} pods",
             )
-            if machine.model:
-                for name in machine.model.split(","):
-                    model_gpus[name] = machine.gpus_used
-            self.state.purchases.append(Purchase(
-                workflow_id=workflow_id, offer=machine.offer, site=machine.site, gpus=machine.gpus,
-                capacity_type=machine.capacity_type, pods=machine.pods, model_gpus=model_gpus,
-                reason=machine.reason, started_at=workflow.now().timestamp(),
-            ))
             self._log(f"{pods} → {machine.offer} → `{workflow_id}`: {machine.reason}")
         if result.labelled:
             self._log(f"fleet labels set on {', '.join(result.labelled[:5])}")
@@ -324,8 +382,13 @@ class Demand(Entity[DemandCarry]):
         return own
 
     async def _retire(self, site: str, node: str, machine_id: str, reason: str) -> None:
-        outcome = await drain_and_retire(site, node, machine_id, self._args.drain_seconds, why=f"idle: {reason}",
-                                         cordoned_by=CORDONED_BY_DEMAND)
+        try:
+            outcome = await drain_and_retire(site, node, machine_id, self._args.drain_seconds,
+                                             why=f"idle: {reason}", cordoned_by=CORDONED_BY_DEMAND)
+        except ActivityError as error:  # the cluster away: said, not lost with the task
+            if cancelled_by_request(error):
+                raise
+            outcome = Retirement(False, failed=f"could not drain ({failure_text(error)[:MAX_PROBLEM_SHOWN]})")
         if outcome.retired:
             self._log(f"retired {node} at {site}")
             self.state.idle_since.pop(node, None)

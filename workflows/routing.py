@@ -19,6 +19,10 @@ the site (the fleet-wide site document: draining, incident, weight ceiling), so
 an evacuation and its restore move traffic through this entity. Events only add
 to that: an event's override holds until a later event (``restore``) lifts it.
 
+A sample or write that failed (the cluster away past its retries, or refusing) is no end of the
+entity: it is shown and recomputed after a growing pause, its overrides and events kept
+(``PassRetry``).
+
 An entity (``workflows.entity``, docs/design/entities.md): its one state is ``RoutingState``
 (overrides, the last document, pending reasons). Its handler never awaits (one step each, no
 lock); it continues as new when the server suggests it, through the base's gate, once the
@@ -52,7 +56,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.entity import Entity
     from workflows.inputs import parse_input, parse_signal
     from workflows.steps import (
-        CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, LONG_WATCH_PAUSE, LONG_WATCH_RETRY, QUICK, failure_message, show_details,
+        CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, LONG_WATCH_PAUSE, LONG_WATCH_RETRY, QUICK, PassRetry, failure_message,
+        show_details,
     )
 
 #: Workflow patch (issue 37): load reaches the routes through ``watch_routing``, which returns
@@ -63,6 +68,8 @@ EVENTS_PATCH = "routing-events"
 #: A watch that saw a change the entity did not (worker and workflow code out of step) is
 #: followed by one that waits this long before it may return on a change: no spinning.
 WATCH_HOLD_SECONDS = 60.0
+#: What a pass was doing, by the activity that failed (``PassRetry``: "could not <step> ...").
+STEPS = {"routing_sample": "sample the model's sites", "write_routing": "write the routes"}
 
 
 @workflow.defn(name="Routing")
@@ -111,12 +118,19 @@ class RoutingEntity(Entity[RoutingState]):
         on_events = workflow.patched(EVENTS_PATCH)  # first: before any activity
         args = parse_input(RoutingInput, raw)
         self.start_with(args.state)
+        self._retry = PassRetry(STEPS, show=lambda line: self._show_routes(args, line))
         if on_events:
             await self._run_on_events(args)
             return
         reason = "start"
         while True:
-            await self._recompute(args, reason)
+            try:
+                await self._recompute(args, reason)
+            except ActivityError as error:
+                self.state.add_pending(reason)  # the next pass recomputes for it
+                await self._retry.pause_after(error)
+            else:
+                self._retry.passed()
             timed_out = False
             try:
                 await workflow.wait_condition(
@@ -137,9 +151,30 @@ class RoutingEntity(Entity[RoutingState]):
         the watch, which returns only with a sample the routes must follow. Nothing on a timer
         but the pause after a watch refused for good."""
         # Events carried over continue-as-new are in the first recompute.
-        await self._recompute(args, self.state.take_pending() or "start")
+        if not self.state.pending:
+            self.state.add_pending("start")
         paused = False
         while True:
+            reason = ""
+            try:
+                if self._watch is not None and self._watch.done():
+                    reason = "load sample"
+                    paused = not await self._take_watch(args)
+                if self.state.pending:
+                    reason = self.state.take_pending()
+                    # The watch in flight judges by the overrides and document before the event.
+                    await self._drop_watch()
+                    await self._recompute(args, reason)
+                    paused = False  # the cluster answered the event's sample: watch again
+            except ActivityError as error:
+                # The overrides are in the state already; the next pass recomputes for the reason.
+                self.state.add_pending(reason)
+                await self._retry.pause_after(error)
+                await self._continue_as_new_if_suggested(args)
+                continue
+            if reason:
+                self._retry.passed()
+            await self._continue_as_new_if_suggested(args)
             if self._watch is None and not paused:
                 self._watch = self._start_watch(args)
             try:
@@ -150,19 +185,13 @@ class RoutingEntity(Entity[RoutingState]):
                 )
             except asyncio.TimeoutError:
                 paused = False
-            if self._watch is not None and self._watch.done():
-                paused = not await self._take_watch(args)
-            if self.state.pending:
-                reason = self.state.take_pending()
-                # The watch in flight judges by the overrides and document before the event.
-                await self._drop_watch()
-                await self._recompute(args, reason)
-                paused = False  # the cluster answered the event's sample: watch again
-            if self.continue_as_new_suggested():
-                await self._drop_watch()
-                # An event taken meanwhile is pending in the carried state: the next run recomputes first.
-                await self.continue_as_new_when_ready(
-                    lambda: args.model_copy(update={"state": self.state}).model_dump(mode="json"))
+
+    async def _continue_as_new_if_suggested(self, args: RoutingInput) -> None:
+        if self.continue_as_new_suggested():
+            await self._drop_watch()
+            # An event taken meanwhile is pending in the carried state: the next run recomputes first.
+            await self.continue_as_new_when_ready(
+                lambda: args.model_copy(update={"state": self.state}).model_dump(mode="json"))
 
     def _start_watch(self, args: RoutingInput) -> workflow.ActivityHandle[RoutingWatchResult]:
         hold, self._hold = self._hold, 0.0

@@ -124,6 +124,10 @@ class DemandCarry(BaseModel):
     """What the loop carries over continue-as-new (taken with no retirement in flight)."""
 
     seq: int = 0
+    #: The loop's purchase ids are ``capacity/demand-<series>-<seq>`` (``fleet.naming``): a loop
+    #: started afresh has a series of its own, so it never takes an earlier loop's purchase for one
+    #: of its own. Empty in a loop started before series (``capacity/demand-<seq>``).
+    series: str = Field("", max_length=64)
     purchases: list[Purchase] = Field(default_factory=list)
     idle_since: dict[str, float] = Field(default_factory=dict)
     excluded: dict[str, float] = Field(default_factory=dict)
