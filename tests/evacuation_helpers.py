@@ -179,7 +179,7 @@ def refuse(monkeypatch, method: str, error: Exception) -> dict[str, bool]:
 
 async def failed_pass(handle: WorkflowHandle) -> str:
     """An entity's current details once they say a pass of its loop failed ("could not ...",
-    ``workflows.steps.PassRetry``), or how its run ended if it did; else "" (for ``poll``)."""
+    ``workflows.passes.FailedPasses``), or how its run ended if it did; else "" (for ``poll``)."""
     from temporalio.client import WorkflowExecutionStatus
 
     described = await handle.describe()

@@ -512,7 +512,7 @@ async def test_the_loop_outlives_a_cluster_that_refuses_and_buys_again_once_it_a
     shown = await poll(lambda: failed_pass(handle), timeout=30)
     assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING, shown
     assert re.search(r"could not watch the Pending pods \(ClusterForbidden: GET /api/v1/pods\?watch=1: "
-                     r"403 Forbidden\); next pass at \d\d:\d\d:\d\d", shown), shown
+                     r"403 Forbidden\); next try at \d\d:\d\d:\d\d UTC", shown), shown
     assert logged(await status(handle), "could not watch the Pending pods")
 
     refused["on"] = False
@@ -547,7 +547,7 @@ async def test_the_loop_outlives_a_cluster_api_away_for_longer_than_its_retries(
         shown = await failed_pass(handle)
         assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING, shown
         assert re.search(r"could not watch the Pending pods \(Transient: GET /api/v1/pods\?watch=1: 503 Service "
-                         r"Unavailable\); next pass at \d\d:\d\d:\d\d", shown), shown
+                         r"Unavailable\); next try at \d\d:\d\d:\d\d UTC", shown), shown
         # Two passes failed, each after all its attempts; the pause after each grows.
         timers, _, _ = await timeline(handle)
         assert timers == [1, 2], timers

@@ -305,7 +305,7 @@ async def test_the_entity_outlives_a_cluster_that_refuses_and_keeps_its_override
     shown = await poll(lambda: failed_pass(handle), timeout=30)
     assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING, shown
     assert re.search(r"could not sample the model's sites \(ClusterForbidden: GET /apis/apps/v1/deployments: "
-                     r"403 Forbidden\); next pass at \d\d:\d\d:\d\d", shown), shown
+                     r"403 Forbidden\); next try at \d\d:\d\d:\d\d UTC", shown), shown
 
     refused["on"] = False
     await poll(lambda: _ready_at(handle, c, 4), timeout=30)

@@ -18,7 +18,7 @@ One entity per fleet, a loop:
 Every decision (pods → offer → purchase, with its reason; cancellations; retirements)
 is in the current details and the ``status`` query (``gpufleet demand``).
 A pass whose cluster or provider call failed (out of its retries, or refused) is no end of the
-loop: it is shown and passed again after a growing pause, the state as it was (``PassRetry``).
+loop: it is shown and passed again after a growing pause, the state as it was (``FailedPasses``).
 
 An entity (``workflows.entity``, docs/design/entities.md): its one state is ``DemandCarry``
 (the purchase numbering, the purchases, when each idle node went idle, offers out of the plan,
@@ -46,6 +46,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.watches import DemandWake, DemandWatchInput
     from workflows.entity import Entity
     from workflows.inputs import parse_input
+    from workflows.passes import FailedPasses
     from workflows.steps import (
         CLUSTER_RETRY,
         PROVIDER_RETRY,
@@ -53,7 +54,6 @@ with workflow.unsafe.imports_passed_through():
         STORE_RETRY,
         WAIT_HEARTBEAT,
         MAX_PROBLEM_SHOWN,
-        PassRetry,
         Retirement,
         cancelled_by_request,
         drain_and_retire,
@@ -77,7 +77,9 @@ EVENTS_PATCH = "demand-events"
 #: ran under that id took the new pods (``start_purchase`` joins a running purchase of its id):
 #: nothing was bought for them. Asked only by a run started afresh, before its first command.
 SERIES_PATCH = "demand-purchase-series"
-#: What a pass was doing, by the activity that failed (``PassRetry``: "could not <step> ...").
+#: The loop's first pause after a failed pass (``FailedPasses``): Pending pods wait on it.
+FIRST_PAUSE = timedelta(seconds=1)
+#: What a pass was doing, by the activity that failed (``FailedPasses``: "could not <step> ...").
 STEPS = {
     "demand_settings": "read the fleet config's demand: block",
     "watch_demand_events": "watch the Pending pods", "watch_demand": "watch the Pending pods",
@@ -94,7 +96,7 @@ class Demand(Entity[DemandCarry]):
         #: What the last look found (Pending pods, the plan's verdicts, retirements in flight):
         #: not carried, the next run looks again. ``status`` adds the state's purchases and log.
         self._seen = DemandStatus()
-        self._retry = PassRetry(STEPS, show=self._show, log=self._log)
+        self._retry = FailedPasses(STEPS, show=self._show, log=self._log, first_pause=FIRST_PAUSE)
 
     @workflow.query
     def status(self) -> DemandStatus:
@@ -111,8 +113,8 @@ class Demand(Entity[DemandCarry]):
         lines += [f"- `{p.workflow_id}`: {len(p.pods)} pods → {p.offer} ({p.reason})" for p in buying[:10]]
         lines += [f"- not placed {pod}: {why}" for pod, why in list(s.unplaceable.items())[:5]]
         lines += [f"- retiring {node}: {why}" for node, why in s.retiring.items()]
-        if self._retry.failed and self._retry.last != step:  # a pass after a failed one: still say why
-            lines.append(f"- the last pass: {self._retry.last}")
+        if self._retry.failing and self._retry.failing != step:  # a pass after a failed one: still say why
+            lines.append(f"- the last pass: {self._retry.failing}")
         lines += [f"- {line}" for line in s.log[-8:]]
         show_details(step, *lines)
 

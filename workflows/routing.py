@@ -21,7 +21,7 @@ to that: an event's override holds until a later event (``restore``) lifts it.
 
 A sample or write that failed (the cluster away past its retries, or refusing) is no end of the
 entity: it is shown and recomputed after a growing pause, its overrides and events kept
-(``PassRetry``).
+(``FailedPasses``).
 
 An entity (``workflows.entity``, docs/design/entities.md): its one state is ``RoutingState``
 (overrides, the last document, pending reasons). Its handler never awaits (one step each, no
@@ -55,8 +55,9 @@ with workflow.unsafe.imports_passed_through():
     from fleet.routing import RoutingDocument, next_document
     from workflows.entity import Entity
     from workflows.inputs import parse_input, parse_signal
+    from workflows.passes import FailedPasses
     from workflows.steps import (
-        CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, LONG_WATCH_PAUSE, LONG_WATCH_RETRY, QUICK, PassRetry, failure_message,
+        CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, LONG_WATCH_PAUSE, LONG_WATCH_RETRY, QUICK, failure_message,
         show_details,
     )
 
@@ -68,8 +69,10 @@ EVENTS_PATCH = "routing-events"
 #: A watch that saw a change the entity did not (worker and workflow code out of step) is
 #: followed by one that waits this long before it may return on a change: no spinning.
 WATCH_HOLD_SECONDS = 60.0
-#: What a pass was doing, by the activity that failed (``PassRetry``: "could not <step> ...").
+#: What a pass was doing, by the activity that failed (``FailedPasses``: "could not <step> ...").
 STEPS = {"routing_sample": "sample the model's sites", "write_routing": "write the routes"}
+#: The first pause after a failed pass (``FailedPasses``): the routes wait on it.
+FIRST_PAUSE = timedelta(seconds=1)
 
 
 @workflow.defn(name="Routing")
@@ -118,7 +121,7 @@ class RoutingEntity(Entity[RoutingState]):
         on_events = workflow.patched(EVENTS_PATCH)  # first: before any activity
         args = parse_input(RoutingInput, raw)
         self.start_with(args.state)
-        self._retry = PassRetry(STEPS, show=lambda line: self._show_routes(args, line))
+        self._retry = FailedPasses(STEPS, show=lambda line: self._show_routes(args, line), first_pause=FIRST_PAUSE)
         if on_events:
             await self._run_on_events(args)
             return

@@ -117,56 +117,6 @@ def failure_text(error: BaseException) -> str:
     return message if message.startswith(f"{kind}:") else f"{kind}: {message}"
 
 
-# -- a long-lived loop's failed pass --------------------------------------------------------
-#: A loop's pass that failed is tried again after this pause, doubling up to the maximum: a
-#: pass refused at once every time (RBAC taken away) costs a timer per pass, and the loop is
-#: back within the maximum of the cluster answering again.
-PASS_PAUSE_FIRST = timedelta(seconds=1)
-PASS_PAUSE_MAX = timedelta(minutes=5)
-
-
-class PassRetry:
-    """How an entity's loop outlives a pass that failed: a cluster or provider call out of its
-    bounded retries (an API server away for a control-plane upgrade) or refused for good. Left to
-    the workflow, that ``ActivityError`` fails the run: the loop stops for good and its state
-    (purchases in flight, overrides) is lost. Instead the failure is shown ("could not <step>
-    (Type: message); next pass at HH:MM:SS"), the first of a streak logged, and the loop pauses,
-    ``PASS_PAUSE_FIRST`` doubling to ``PASS_PAUSE_MAX``, then runs the pass again with its state as
-    it was. A bug in workflow code is no ``ActivityError``: it fails the workflow task, as before.
-
-    ``steps``: activity type → what the loop was doing, in words (others: "run `<type>`")."""
-
-    def __init__(self, steps: dict[str, str], *, show: Callable[[str], None],
-                 log: Callable[[str], None] = lambda line: None) -> None:
-        self._steps, self._show, self._log = steps, show, log
-        #: Passes failed in a row, and what the last one said.
-        self.failed = 0
-        self.last = ""
-        self._pause = PASS_PAUSE_FIRST
-
-    async def pause_after(self, error: ActivityError) -> None:
-        """Show the failure and sleep until the next pass; the run's own cancel is raised."""
-        if cancelled_by_request(error):
-            raise error
-        self.failed += 1
-        pause, self._pause = self._pause, min(self._pause * 2, PASS_PAUSE_MAX)
-        step = self._steps.get(error.activity_type or "", f"run `{error.activity_type}`")
-        line = (f"could not {step} ({failure_text(error)[:MAX_PROBLEM_SHOWN]}); "
-                f"next pass at {(workflow.now() + pause).strftime('%H:%M:%S')}")
-        workflow.logger.warning(line)
-        if self.failed == 1:  # one line a streak in the loop's log: its decisions stay readable
-            self._log(line)
-        self.last = line
-        self._show(line)
-        await workflow.sleep(pause, summary="a pass failed: the next one")
-
-    def passed(self) -> None:
-        """A pass went through: the next failure starts a new streak at the first pause."""
-        if self.failed:
-            self._log(f"a pass went through again, after {self.failed} that failed")
-        self.failed, self.last, self._pause = 0, "", PASS_PAUSE_FIRST
-
-
 # -- a step that puts back ------------------------------------------------------------------
 async def to_its_end(step: Awaitable[Any]) -> Any:
     """Await a step that puts something back (an activity's handle) to its end, even when a cancel
