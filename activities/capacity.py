@@ -45,7 +45,7 @@ from fleet.cluster import (
     ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS, FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT, DrainResult, fenced_gpus,
 )
 from fleet.demand import placement_drift, public_placement_labels
-from providers.cluster.base import Cluster, NodeMarks, NodeNotFound, decide_on_node
+from providers.cluster.base import Cluster, NodeMarks, NodeNotFound, decide_on_node, uncordon_unless
 from fleet.contracts import workflows as flows
 
 R = TypeVar("R")
@@ -350,22 +350,11 @@ class CapacityActivities:
         GPU, a person marked it theirs), uncordoned or gone is left as it is."""
         cluster, mine = self.env.cluster, input.cordoned_by
 
-        def release(name: str, marks: NodeMarks) -> bool:
+        def kept(name: str, marks: NodeMarks) -> bool:
             held, by = who_holds(cluster, name, mine, marks)
-            if held or by != mine:
-                return False
-            # On the marks read: a repair's fence or a person's mark since refuses it, and is seen.
-            cluster.cordon(name, False, version=marks.version)
-            return True
+            return bool(held) or by != mine
 
-        released = []
-        for name in input.nodes:
-            try:
-                if decide_on_node(cluster, name, lambda marks: release(name, marks)):
-                    released.append(name)
-            except NodeNotFound:
-                continue  # gone: nothing to uncordon
-        return released
+        return uncordon_unless(cluster, input.nodes, kept)
 
     @activity.defn
     async def signal_sites(self, input: SignalSitesInput) -> list[str]:

@@ -20,7 +20,7 @@ from fleet.config import Site
 from fleet.errors import FleetError, Transient
 from fleet.incident import IncidentSettings, SiteFacts, incident_of_hold, recovery, weight_at
 from fleet.naming import site_workflow_id
-from providers.cluster.base import NodeMarks, NodeNotFound, decide_on_node, serving_capacity
+from providers.cluster.base import NodeMarks, NodeNotFound, decide_on_node, serving_capacity, uncordon_unless
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute, fenced_gpus
 from fleet.messages.evacuation import (
     AdmitRepairInput,
@@ -317,22 +317,7 @@ class EvacuationActivities:
     def uncordon_nodes(self, input: UncordonInput) -> list[str]:
         """(Evacuations from before ``release_nodes``.) Uncordon each node, but one a GPU of which its
         repair fenced (the repair uncordons it when done); which ones."""
-        cluster = self.env.cluster
-
-        def uncordon(name: str, marks: NodeMarks) -> bool:
-            if fenced_gpus(marks.annotations):
-                return False
-            cluster.cordon(name, False, version=marks.version)  # a fence since refuses it, and is seen
-            return True
-
-        done = []
-        for name in input.nodes:
-            try:
-                if decide_on_node(cluster, name, lambda marks: uncordon(name, marks)):
-                    done.append(name)
-            except NodeNotFound:
-                continue
-        return done
+        return uncordon_unless(self.env.cluster, input.nodes, lambda _name, marks: bool(fenced_gpus(marks.annotations)))
 
     @activity.defn
     @typed_errors

@@ -544,6 +544,27 @@ def decide_on_node(cluster: Cluster, name: str, decide: Callable[[NodeMarks], T]
     return decide(cluster.node_marks(name))  # the last try's NodeChanged goes to the caller
 
 
+def uncordon_unless(cluster: Cluster, names: list[str], keep: Callable[[str, NodeMarks], bool]) -> list[str]:
+    """Uncordon each node of ``names`` that ``keep(name, marks)`` does not keep, each decided on
+    its marks as read (``decide_on_node``: a fence or a mark written since refuses the uncordon,
+    and is seen); the ones uncordoned. A node gone is skipped."""
+
+    def uncordon(name: str, marks: NodeMarks) -> bool:
+        if keep(name, marks):
+            return False
+        cluster.cordon(name, False, version=marks.version)
+        return True
+
+    done = []
+    for name in names:
+        try:
+            if decide_on_node(cluster, name, lambda marks: uncordon(name, marks)):
+                done.append(name)
+        except NodeNotFound:
+            continue
+    return done
+
+
 def selector_matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
     return all(labels.get(k) == v for k, v in selector.items())
 
