@@ -35,12 +35,20 @@ def worker_port_range() -> tuple[int, int]:
 DEV_OFFSETS = (0, *range(1, 9), 10, 11, 67, 1000)
 
 
+#: The ports this process handed out: a test asks for several before its server binds any (`gpufleet
+#: dev`'s --ui-port, --http-port, ...), and a second ask must not get the first one's port again
+#: (it is still free: "port 27083 is also --front-door-port's").
+_HANDED: set[int] = set()
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1, outside the ephemeral range, that nothing holds right now."""
+    """A TCP port on 127.0.0.1, outside the ephemeral range, that nothing holds right now and
+    this process has not handed out before."""
     low, high = worker_port_range()
     for _ in range(200):
         port = random.randint(low, high - 1)
-        if _free(port):
+        if port not in _HANDED and _free(port):
+            _HANDED.add(port)
             return port
     raise OSError(f"no free port in {low}-{high}")
 
@@ -60,6 +68,8 @@ def free_dev_port() -> int:
     low, high = worker_port_range()
     for _ in range(200):
         port = random.randint(low, high - 1 - max(DEV_OFFSETS))
-        if all(_free(port + offset) for offset in DEV_OFFSETS):
+        block = {port + offset for offset in DEV_OFFSETS}
+        if not block & _HANDED and all(_free(p) for p in block):
+            _HANDED.update(block)
             return port
     raise OSError(f"no free block of dev ports in {low}-{high}")
