@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from fleet.config_checks import cross_check
 from fleet.incident import ControlPlaneSettings, IncidentSettings
 from fleet.models import PROVIDERS, CapacityType, CredentialsRef, MachineSpec, Offer
+from fleet.naming import LABEL_VALUE_PATTERN, MAX_SITE_NAME, SITE_NAME_PATTERN, label_value_problem, site_name_problem
 from fleet.repair_policy import RepairSettings
+from fleet.routing import MAX_ROUTED_SITES
 from fleet.settings import Settings
 
 #: The built-in simulated fleet that ``gpufleet dev`` runs when no file is given.
@@ -77,13 +79,23 @@ class ObjectStore(_Strict):
     checksum_verification: Literal["store", "read-back"] = "store"
 
 
+#: In the schema for editors only: loading checks these with messages that say why.
+_LABEL_VALUE_SCHEMA = {"pattern": LABEL_VALUE_PATTERN, "minLength": 1, "maxLength": 63}
+
+
 class Site(_Strict):
-    name: str
+    #: Names the site's nodes (``<name>-<8 hex digits>``, also their hostname label) and is a
+    #: label on each: lowercase letters, digits and '-', at most 54 characters.
+    name: str = Field(json_schema_extra={"pattern": SITE_NAME_PATTERN, "maxLength": MAX_SITE_NAME})
     provider: Literal["aws", "lambda", "nebius", "hetzner", "own-dc"]
     account: str
-    region: str
+    #: The provider's region; also the nodes' ``topology.kubernetes.io/region`` label, so a
+    #: Kubernetes label value (letters, digits, '-', '_', '.'; at most 63 characters).
+    region: str = Field(json_schema_extra=_LABEL_VALUE_SCHEMA)
     geography: str | None = None
-    gpu: str
+    #: The GPU model (``H100``); also the nodes' ``nvidia.com/gpu.product`` label, so a Kubernetes
+    #: label value (``H100-SXM``, not ``H100 SXM``).
+    gpu: str = Field(json_schema_extra=_LABEL_VALUE_SCHEMA)
     gpus_per_machine: int = Field(ge=1)
     gpu_memory_gb: int = Field(0, ge=0)
     instance_type: str
@@ -100,6 +112,16 @@ class Site(_Strict):
     compliance: bool = False
     #: Provider-incident rule for this site; replaces the top-level ``incident:`` block.
     incident: IncidentSettings | None = None
+
+    # The join writes the name, region and GPU as node labels and names nodes after the site:
+    # a value the API server refuses would fail every join after its machine was bought.
+    @field_validator("name", "region", "gpu")
+    @classmethod
+    def _kubernetes_name(cls, value: str, info: ValidationInfo) -> str:
+        problem = (site_name_problem if info.field_name == "name" else label_value_problem)(value)
+        if problem:
+            raise ValueError(problem)
+        return value
 
     def machine_spec(self, name: str, tags: dict[str, str]) -> MachineSpec:
         """What a join asks the site's provider for: one machine of its offer, named ``name``."""
@@ -139,10 +161,11 @@ class ServingPolicy(_Strict):
     """
 
     mode: Literal["active-active", "active-passive", "burst"] = "active-active"
-    #: Primary sites (every serving site in ``active-active``), in order of preference.
-    sites: list[str] = Field(default_factory=list, max_length=100)
+    #: Primary sites (every serving site in ``active-active``), in order of preference. With
+    #: ``standby_sites``, at most 16: the model's route reaches no more (Gateway API's limit).
+    sites: list[str] = Field(default_factory=list, json_schema_extra={"maxItems": MAX_ROUTED_SITES})
     #: Passive (``active-passive``) or burst (``burst``) sites; none in ``active-active``.
-    standby_sites: list[str] = Field(default_factory=list, max_length=100)
+    standby_sites: list[str] = Field(default_factory=list, json_schema_extra={"maxItems": MAX_ROUTED_SITES})
     #: At most this share of the model's GPUs on spot capacity (0: never spot) ...
     spot_share: float = Field(1.0, ge=0, le=1, allow_inf_nan=False)
     #: ... and never fewer than this many on-demand or owned GPUs (a reclaim cannot take them).
@@ -150,6 +173,14 @@ class ServingPolicy(_Strict):
     #: Spare GPUs kept ready, as a share of the GPUs the model's new pods take, so that a
     #: scale-out lands on slack instead of waiting for a machine.
     warm_headroom: float = Field(0.0, ge=0, le=1, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _routable(self) -> "ServingPolicy":
+        named = len(self.sites) + len(self.standby_sites)
+        if named > MAX_ROUTED_SITES:
+            raise ValueError(f"sites and standby_sites: {named} sites; a model is routed to at most "
+                             f"{MAX_ROUTED_SITES} (its HTTPRoute's backendRefs, Gateway API's limit)")
+        return self
 
 
 class DemandSettings(_Strict):

@@ -5,6 +5,7 @@ queries: ``fleet/contracts/workflows.py``."""
 from __future__ import annotations
 
 import hashlib
+import re
 
 #: The control-plane worker's task queue.
 CONTROL_PLANE_QUEUE = "gpufleet"
@@ -23,6 +24,42 @@ CSR_APPROVER_ID = "csr-approver"
 def node_queue(node_name: str) -> str:
     """The task queue a node's agent polls."""
     return f"node/{node_name}"
+
+
+#: What ``node_name_for`` puts after the site's name: "-" and 8 hex digits.
+NODE_NAME_SUFFIX = 9
+#: A node's name is also its ``kubernetes.io/hostname`` label value, 63 characters at most, so a
+#: site's name leaves room for the suffix.
+MAX_SITE_NAME = 63 - NODE_NAME_SUFFIX
+#: A site's name: a lowercase DNS label (RFC 1123), as a node's name is made of.
+SITE_NAME_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+#: Kubernetes' label value syntax (apimachinery ``IsValidLabelValue``), less the empty value.
+LABEL_VALUE_PATTERN = r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$"
+
+
+def label_value_problem(value: str) -> str | None:
+    """Why the API server would refuse ``value`` as a label value (None: it takes it). The
+    fleet writes some config values (a site's GPU, region) as node labels: checked at load,
+    they never fail a join after its machine is bought."""
+    if len(value) > 63:
+        return f"{value!r} is not a Kubernetes label value (at most 63 characters, not {len(value)})"
+    if not re.match(LABEL_VALUE_PATTERN, value):
+        return (f"{value!r} is not a Kubernetes label value (letters, digits, '-', '_' and '.', "
+                "beginning and ending with a letter or digit)")
+    return None
+
+
+def site_name_problem(site: str) -> str | None:
+    """Why ``site`` cannot name a site (None: it can): its nodes are named ``<site>-<8 hex>``,
+    which must be a lowercase DNS name and fit the hostname label, and the site itself is
+    a label value (``LABEL_SITE``, ``LABEL_ZONE``) on each of them."""
+    if not re.match(SITE_NAME_PATTERN, site):
+        return (f"{site!r} cannot name nodes: a site name is a lowercase DNS label (a-z, 0-9 and '-', "
+                "beginning and ending with a letter or digit)")
+    if len(site) > MAX_SITE_NAME:
+        return (f"{site!r} cannot name nodes: at most {MAX_SITE_NAME} characters, not {len(site)} (a node is "
+                f"named '<site>-<8 hex digits>', and a node's name is its 63-character hostname label)")
+    return None
 
 
 def node_name_for(site: str, join_id: str, nonce: str = "") -> str:

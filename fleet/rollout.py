@@ -9,15 +9,17 @@ next batch starts (product rules 10 and 11).
 
 from __future__ import annotations
 
+import json
 import math
 from enum import StrEnum
-from typing import Iterable, Mapping
+from typing import Any, Iterable, Mapping
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, field_validator, model_validator
 
 from fleet.config import ObjectStore
 from fleet.models import Strict
 from fleet.naming import rollout_id
+from fleet.routing import MAX_ROUTED_SITES
 
 SHA256_HEX = r"^[0-9a-f]{64}$"
 MiB = 1024 * 1024
@@ -27,6 +29,15 @@ DAY = 86400
 #: No model's weights come near this (1 PiB); a bigger number is a typo.
 MAX_BYTES = 2**50
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+KiB = 1024
+#: What a rollout's own input (its weights manifest, image, args and env) may take of a serving
+#: pod template. The Kubernetes adapter keeps each template it writes, as JSON, in a Deployment
+#: annotation, and the one before it in another (the rollback's), and Kubernetes refuses an
+#: object whose annotations pass 256 KiB in all (apimachinery ``TotalAnnotationSizeLimitB``; the
+#: ReplicaSets get copies): two such templates with their fixed part (labels, probes, the site's
+#: store) leave room for the other annotations. The manifest also travels as one environment
+#: variable of the weights step, which Linux caps at 128 KiB.
+POD_TEMPLATE_BUDGET = 112 * KiB
 
 
 class WeightFile(Strict):
@@ -41,6 +52,29 @@ class WeightFile(Strict):
         if path.startswith("/") or ".." in path.split("/"):
             raise ValueError("must be a relative path without '..'")
         return path
+
+
+_FILES = TypeAdapter(list[WeightFile])
+
+
+def pod_template_bytes(value: Any) -> int:
+    """Bytes ``value`` takes in a serving pod template as the adapter stores it (compact JSON)."""
+    return len(json.dumps(value, separators=(",", ":")))
+
+
+def manifest_template_bytes(files: list[WeightFile]) -> int:
+    """Bytes the manifest's files take in the template: their JSON, inside the weights step's
+    environment variable (a JSON string in the template, so escaped once more)."""
+    return pod_template_bytes(_FILES.dump_json(files).decode())
+
+
+def _check_template_budget(size: int, what: str, remedy: str) -> None:
+    """Refuse ``what`` taking ``size`` bytes of the serving pod template past the budget: before
+    any copy, where every site's update would fail for good (422)."""
+    if size > POD_TEMPLATE_BUDGET:
+        raise ValueError(f"{what} take {size / KiB:.1f} KiB of the serving pod template; at most "
+                         f"{POD_TEMPLATE_BUDGET // KiB} KiB fit (Kubernetes keeps a Deployment's annotations, "
+                         f"which hold the template twice, under 256 KiB): {remedy}")
 
 
 class WeightsSource(Strict):
@@ -75,6 +109,12 @@ class WeightsManifest(Strict):
             if f.path in seen:
                 raise ValueError(f"duplicate file {f.path!r}")
             seen.add(f.path)
+        return files
+
+    @field_validator("files")
+    @classmethod
+    def _fits_a_deployment(cls, files: list[WeightFile]) -> list[WeightFile]:
+        _check_template_budget(manifest_template_bytes(files), f"{len(files)} files", "use fewer, larger files")
         return files
 
     @property
@@ -150,6 +190,12 @@ class RolloutInput(Strict):
         unknown = [c for c in self.strategy.canary_sites if c not in names]
         if unknown:
             raise ValueError(f"strategy.canary_sites: not among the target sites: {', '.join(unknown)}")
+        if len(names) > MAX_ROUTED_SITES:
+            raise ValueError(f"sites: {len(names)} target sites; a model is routed to at most {MAX_ROUTED_SITES} "
+                             "(its HTTPRoute's backendRefs, Gateway API's limit)")
+        _check_template_budget(manifest_template_bytes(self.weights.files)
+                              + pod_template_bytes([self.image, self.args, self.env]),
+                              "weights.files, image, args and env together", "shorten them")
         return self
 
     @property

@@ -20,6 +20,12 @@ from fleet.models import Strict
 
 #: Weights of one model always sum to this (or are all 0: nothing can serve).
 TOTAL = 1000
+#: Sites one model can be routed to. Its HTTPRoute holds one weighted backendRef per site
+#: serving it, in one rule, and Gateway API allows 16 backendRefs in a rule (the CRD's
+#: ``maxItems``: the API server refuses a 17th). Weights split traffic only among one rule's
+#: backends, so more rules would not help: a model's serving policy and a rollout name at
+#: most this many sites.
+MAX_ROUTED_SITES = 16
 
 
 class Strategy(StrEnum):

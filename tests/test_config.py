@@ -12,7 +12,7 @@ import yaml
 from typer.testing import CliRunner
 
 from cli.main import app
-from fleet.config import ConfigError, load_config
+from fleet.config import ConfigError, load_config, parse_config
 from tests.conftest import TEST_FLEET
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,6 +48,18 @@ CASES = {
                     ["sites[1] (site-b).gpu_count", "unknown key"]),
     "unknown key in sim block": (lambda f: f["sites"][0]["sim"].update(capacty=3),
                                  ["sites[0] (site-a).sim.capacty", "unknown key"]),
+    # The join writes these as node labels and names nodes after the site: refused at load, not
+    # by the API server after the machine was bought.
+    "gpu not a label value": (lambda f: f["sites"][1].update(gpu="H100 SXM"),
+                              ["sites[1] (site-b).gpu", "'H100 SXM' is not a Kubernetes label value"]),
+    "region not a label value": (lambda f: f["sites"][1].update(region="eu-north1 "),
+                                 ["sites[1] (site-b).region", "'eu-north1 ' is not a Kubernetes label value"]),
+    "site name not a node name": (lambda f: f["sites"][0].update(name="US_East"),
+                                  ["sites[0] (US_East).name", "'US_East' cannot name nodes",
+                                   "lowercase DNS label"]),
+    "site name too long for its nodes' names": (lambda f: f["sites"][0].update(name="a" * 55),
+                                                [f"sites[0] ({'a' * 55}).name", "at most 54 characters, not 55",
+                                                 "hostname label"]),
 }
 
 
@@ -78,6 +90,26 @@ def test_shipped_configs_are_valid() -> None:
     assert len(builtin.sites) >= 5 and len({s.provider for s in builtin.sites}) >= 4
     assert {"spot", "owned"} <= {s.capacity_type.value for s in builtin.sites}
     assert len({s.price_per_gpu_hour for s in builtin.sites}) == len(builtin.sites)
+
+
+def test_the_longest_site_name_and_label_values_load() -> None:
+    fleet = broken(lambda f: f["sites"][0].update(name="a" * 54, gpu="NVIDIA-H100-80GB-HBM3", region="us_east.1"))
+    assert parse_config(fleet).sites[0].name == "a" * 54
+
+
+def test_a_model_routed_to_more_than_16_sites_is_refused(tmp_path: Path) -> None:
+    """The model's HTTPRoute has one backendRef per site serving it, and Gateway API allows 16."""
+    def seventeen(f):
+        f["sites"] += [{**f["sites"][0], "name": f"site-{i}"} for i in range(15)]
+        names = [s["name"] for s in f["sites"]]
+        f["models"] = {"llama": {"mode": "burst", "sites": names[:9], "standby_sites": names[9:]}}
+
+    code, output = check(tmp_path, broken(seventeen))
+    assert code == 2, output
+    assert "models.llama: sites and standby_sites: 17 sites; a model is routed to at most 16" in " ".join(output.split())
+    sixteen = broken(seventeen)
+    sixteen["models"]["llama"]["standby_sites"].pop()
+    assert parse_config(sixteen).models["llama"].standby_sites
 
 
 def test_real_mode_needs_credentials_references(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
-"""deploy/kubernetes/ against the adapter: RBAC grants exactly ``ACCESS``, and
-the serving / HTTPRoute templates are what the adapter renders."""
+"""deploy/kubernetes/ against the adapter: RBAC grants exactly ``ACCESS``, the serving / HTTPRoute
+templates are what the adapter renders, and the largest manifest a rollout takes fits a
+Deployment's annotations."""
 
 from __future__ import annotations
 
@@ -11,10 +12,13 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from providers.cluster.base import dns_label, serving_name
-from fleet.cluster import ANNOTATION_TEMPLATE, ServingSpec, SiteRoute
-from fleet.config import load_config
+from providers.cluster.base import ANNOTATION_MODEL, dns_label, serving_name
+from fleet.cluster import ANNOTATION_PREVIOUS_TEMPLATE, ANNOTATION_TEMPLATE, ServingSpec, SiteRoute
+from fleet.config import ObjectStore, load_config
 from fleet.models import CredentialsRef
+from fleet.rollout import POD_TEMPLATE_BUDGET, RolloutInput, WeightFile, manifest_template_bytes
+from fleet.weights_pull import ENV as WEIGHTS_ENV
+from fleet.weights_pull import WeightsPull
 from providers.cluster.kubernetes import access_table, render_deployment, render_service
 from providers.cluster.envoy_gateway import render_httproute
 from tests.helm.chart import package_version
@@ -208,3 +212,59 @@ def test_httproute_template_is_what_the_adapter_renders():
     )
     (route,) = [d for d in yaml.safe_load_all(text) if d]
     assert route == render_httproute(model, sites, "gpufleet", "gpufleet", "gpufleet")
+
+
+def largest_manifest() -> list[WeightFile]:
+    """The most shards a rollout takes: one more and its manifest passes ``POD_TEMPLATE_BUDGET``."""
+    files: list[WeightFile] = []
+    while True:
+        shard = WeightFile(path=f"model-{len(files):05d}-of-99999.safetensors", size=5 * 10**9, sha256="a" * 64)
+        if manifest_template_bytes([*files, shard]) > POD_TEMPLATE_BUDGET:
+            return files
+        files.append(shard)
+
+
+def rollout_spec(files: list[WeightFile], version: str, model: str = "m" * 128, site: str = "s" * 54) -> ServingSpec:
+    """What ModelRollout asks a site for (workflows/rollout.py ``_update_site``), with the longest
+    names a rollout takes and a site store whose fields are long."""
+    store = ObjectStore(endpoint_url=f"https://{'e' * 200}.example.com", bucket="b" * 63, prefix="p" * 200 + "/",
+                        credentials=CredentialsRef(secret="gpufleet/weights-store#credentials"))
+    prefix = f"{store.prefix}models/{model}/{version}/"
+    env = {"MODEL_NAME": model, "MODEL_VERSION": version, "WEIGHTS_URI": f"s3://{store.bucket}/{prefix}",
+           "AWS_ENDPOINT_URL_S3": store.endpoint_url}
+    return ServingSpec(model=model, site=site, image="vllm/vllm-openai:v0.6.3", replicas=1, env=env,
+                       weights_path=f"/models/{model}/{version}",
+                       weights=WeightsPull(model=model, version=version, store=store, prefix=prefix, files=files))
+
+
+#: The annotations the deployment controller adds to a Deployment and its ReplicaSets, at their longest.
+CONTROLLER_ANNOTATIONS = {"deployment.kubernetes.io/revision": "9" * 19,
+                          "deployment.kubernetes.io/desired-replicas": "9" * 10,
+                          "deployment.kubernetes.io/max-replicas": "9" * 10}
+
+
+def test_the_largest_manifest_a_rollout_takes_fits_a_deployment_with_the_one_before():
+    """A rollout's second version: the Deployment (and its ReplicaSet) holds both templates in its
+    annotations, which Kubernetes caps at 256 KiB in all; the manifest, one environment variable
+    of the weights step, stays under Linux's 128 KiB for one."""
+    files = largest_manifest()
+
+    def request(shards: list[WeightFile]) -> dict:
+        return {"model": "m" * 128, "version": "v" * 128, "image": "vllm/vllm-openai:v0.6.3",
+                "sites": [{"site": "s" * 54, "replicas": 1}],
+                "weights": {"source": {"store": "src"}, "files": [f.model_dump() for f in shards]}}
+
+    RolloutInput.model_validate(request(files))
+    with pytest.raises(ValueError, match="weights.files"):
+        RolloutInput.model_validate(request([*files, WeightFile(path="extra.safetensors", size=1, sha256="a" * 64)]))
+
+    before = render_deployment(rollout_spec(files, "1" * 128), "gpufleet")["metadata"]["annotations"]
+    after = render_deployment(rollout_spec(files, "2" * 128), "gpufleet")
+    annotations = {**after["metadata"]["annotations"], ANNOTATION_PREVIOUS_TEMPLATE: before[ANNOTATION_TEMPLATE],
+                   **CONTROLLER_ANNOTATIONS}
+    assert set(annotations) == {ANNOTATION_MODEL, ANNOTATION_TEMPLATE, ANNOTATION_PREVIOUS_TEMPLATE,
+                                *CONTROLLER_ANNOTATIONS}
+    assert sum(len(k) + len(v) for k, v in annotations.items()) <= 256 * 1024
+    (init,) = after["spec"]["template"]["spec"]["initContainers"]
+    (manifest,) = [e["value"] for e in init["env"] if e["name"] == WEIGHTS_ENV]
+    assert len(f"{WEIGHTS_ENV}={manifest}".encode()) < 128 * 1024

@@ -15,6 +15,9 @@ so it is built from the same module and shares its compiled dependencies.
 
 The binaries are cached by version under $GPUFLEET_REALK8S_CACHE (default
 ~/.cache/gpufleet/realk8s/<version>) and reused; the Go build cache is Go's own.
+Beside them, Gateway API's published HTTPRoute CRD (standard channel), copied from its Go module
+(sigs.k8s.io/gateway-api carries config/crd/): the tier serves HTTPRoute from it, so the real
+API server holds gpufleet's routes to the published schema and its limits.
 stdlib only: bootstrap.py calls this before any venv exists.
 """
 
@@ -44,6 +47,9 @@ COMMANDS = {
     "kubectl": "k8s.io/kubernetes/cmd/kubectl",
     "etcd": "go.etcd.io/etcd/server/v3",
 }
+#: Gateway API's release whose CRDs the tier installs (pinned: the module proxy serves it).
+GATEWAY_API_VERSION = "v1.4.1"
+GATEWAY_API_CRDS = ("gateway.networking.k8s.io_httproutes.yaml",)
 #: Our machine harness (kubeadm's join code, the kubelet's bootstrap, kubemark's hollow kubelet),
 #: keyed by the version and its own sources, so editing it rebuilds it alone.
 HARNESS_COMMANDS = {"gpufleet-join": "gpufleet.test/realk8s/harness/join"}
@@ -73,9 +79,17 @@ def _fresh(names: dict[str, str], stamp_name: str, stamp: str) -> bool:
     return path.exists() and path.read_text() == stamp and all((bin_dir() / n).exists() for n in names)
 
 
-def built() -> bool:
+def gateway_api_crd_dir() -> Path:
+    return cache_dir() / f"gateway-api-{GATEWAY_API_VERSION}"
+
+
+def _binaries_built() -> bool:
     return (_fresh(COMMANDS, "built", KUBERNETES_VERSION)
             and _fresh(HARNESS_COMMANDS, "built-harness", _harness_stamp()))
+
+
+def built() -> bool:
+    return _binaries_built() and all((gateway_api_crd_dir() / name).exists() for name in GATEWAY_API_CRDS)
 
 
 def missing_reason() -> str | None:
@@ -145,6 +159,25 @@ def build() -> Path:
     work.mkdir(parents=True, exist_ok=True)
     bin_dir().mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
+    if not _binaries_built():
+        build_binaries(work, env, started)
+    fetch_gateway_api_crds(env)
+    return bin_dir()
+
+
+def fetch_gateway_api_crds(env: dict[str, str]) -> None:
+    """The published CRDs, as the module carries them (unchanged: the API server checks against them)."""
+    # Outside our module (no go.mod above the cache folder): a download, nothing required.
+    info = json.loads(_go(["mod", "download", "-json", f"sigs.k8s.io/gateway-api@{GATEWAY_API_VERSION}"],
+                          cache_dir(), env))
+    source = Path(info["Dir"]) / "config" / "crd" / "standard"
+    gateway_api_crd_dir().mkdir(parents=True, exist_ok=True)
+    for name in GATEWAY_API_CRDS:
+        shutil.copyfile(source / name, gateway_api_crd_dir() / f".{name}.partial")
+        (gateway_api_crd_dir() / f".{name}.partial").rename(gateway_api_crd_dir() / name)
+
+
+def build_binaries(work: Path, env: dict[str, str], started: float) -> None:
     print(f"building Kubernetes {KUBERNETES_VERSION} (etcd, control plane, kubeadm, kubectl) and the machine "
           f"harness from the Go module proxy into {bin_dir()}", flush=True)
     write_module(work, env)
@@ -161,7 +194,6 @@ def build() -> Path:
             print(f"  built {name} ({time.monotonic() - started:.0f} s)", flush=True)
         (cache_dir() / stamp_name).write_text(stamp)
     print(f"real Kubernetes built in {time.monotonic() - started:.0f} s", flush=True)
-    return bin_dir()
 
 
 if __name__ == "__main__":

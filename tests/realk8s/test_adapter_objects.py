@@ -54,13 +54,16 @@ from fleet.config import load_config
 from fleet.errors import BadCredentials, ClusterForbidden, ClusterInvalid
 from fleet.messages.capacity import SiteNodesInput
 from fleet.models import Node
+from fleet.naming import MAX_SITE_NAME, label_value_problem, node_name_for, site_name_problem
+from fleet.rollout import WeightFile
 from fleet.settings import Settings
 from fleet.cluster import NODE_KEYS_KEPT, NODE_KEYS_KIND, NodeIdentity, bound_keys
-from providers.cluster.base import CONTROL_PLANE_LABEL, SERVING_SIGNER
+from providers.cluster.base import CONTROL_PLANE_LABEL, SERVING_SIGNER, serving_name
 from providers.cluster.check import KUBEADM_BINDINGS
 from providers.cluster.kubernetes import NODE_IDENTITY_KIND, KubernetesCluster, bootstrap_secret_name
 from providers.cluster.kubernetes.csrs import RENEWALS_PER_WINDOW, SERVING_PER_WINDOW
 from tests.cluster.sim_kubelet import csr_pem
+from tests.cluster.test_manifests import largest_manifest, rollout_spec
 from tests.cluster.test_csr_renewals import renewal
 from tests.conftest import write_fleet
 from tests.realk8s.test_blast_radius import kubeadm_bindings_restored  # noqa: F401 - a fixture
@@ -485,6 +488,41 @@ def test_foreign_changes_to_the_deployment_survive_apply(real_cluster, kube, uni
     assert stored["metadata"]["annotations"]["argocd.argoproj.io/sync"] == "x"
 
 
+def test_the_largest_manifest_a_rollout_takes_updates_a_deployment_and_its_replica_set(
+        real_cluster, kube, unique, serving_cleanup):
+    """Two versions of the largest manifest ``RolloutInput`` takes, one over the other: the real
+    API server keeps both templates in the Deployment's annotations and the controller copies them
+    to the new ReplicaSet (256 KiB in all on each). The 1000 shards the rollout took before are
+    refused there at the second version, what every site's update met mid-rollout."""
+    model, site = f"m{unique}" + "x" * 121, f"s{unique}" + "x" * 47
+    name = serving_name(model, site)
+    serving_cleanup.append(name)
+    files = largest_manifest()
+    kube.apply_serving(rollout_spec(files, "1" * 128, model, site))
+    kube.apply_serving(rollout_spec(files, "2" * 128, model, site))
+    deployment = _deployment(real_cluster, name)
+    templates = [json.loads(deployment["metadata"]["annotations"][key])
+                 for key in (ANNOTATION_PREVIOUS_TEMPLATE, ANNOTATION_TEMPLATE)]
+    versions = [e["value"] for t in templates for e in t["spec"]["containers"][0]["env"] if e["name"] == "MODEL_VERSION"]
+    assert versions == ["1" * 128, "2" * 128]
+    deadline = time.monotonic() + 30
+    while not any(rs["metadata"]["annotations"].get(ANNOTATION_TEMPLATE)
+                  == deployment["metadata"]["annotations"][ANNOTATION_TEMPLATE]
+                  for rs in _get(real_cluster, "/apis/apps/v1/namespaces/gpufleet/replicasets")["items"]
+                  if rs["metadata"]["name"].startswith(name)):
+        assert time.monotonic() < deadline, _deployment(real_cluster, name).get("status")
+        time.sleep(0.2)
+
+    shards = [WeightFile(path=f"model-{i:05d}-of-01000.safetensors", size=5 * 10**9, sha256="a" * 64)
+              for i in range(1000)]
+    elsewhere = f"t{unique}"
+    serving_cleanup.append(serving_name(model, elsewhere))
+    kube.apply_serving(rollout_spec(shards, "1" * 128, model, elsewhere))
+    with pytest.raises(ClusterInvalid, match="metadata.annotations: Too long") as caught:
+        kube.apply_serving(rollout_spec(shards, "2" * 128, model, elsewhere))
+    assert not caught.value.retryable
+
+
 # -- errors -----------------------------------------------------------------------------------
 def test_forbidden_is_cluster_forbidden(real_cluster, unique):
     """Not BadCredentials: a cluster RBAC gap must never revoke a provider account. A service
@@ -543,6 +581,29 @@ def test_an_invalid_label_value_is_cluster_invalid_and_asked_once(kube, nodes, u
         kube.label_node(name, {LABEL_GPU_PRODUCT: "H100 SXM 80GB"})
     assert caught.value.code == "422" and not caught.value.retryable
     assert _node_patches(seen, name) == 1
+
+
+def test_what_the_config_takes_for_node_names_and_labels_the_api_server_takes(real_cluster, kube, nodes, unique):
+    """A site names its nodes (``<site>-<8 hex>``, also their hostname label), and its name,
+    region and GPU are their labels: at their longest, the real API server takes them; what the
+    config refuses at load, the server would have refused at the join, after the machine."""
+    site = f"s{unique}" + "a" * (MAX_SITE_NAME - 7)
+    region, gpu = "r" * 63, "NVIDIA-H100_80GB.HBM3"
+    assert not any(problem(v) for problem, v in ((site_name_problem, site), (label_value_problem, region),
+                                                 (label_value_problem, gpu)))
+    name = nodes(node_name_for(site, f"join/{site}/1"), {LABEL_SITE: site, LABEL_ZONE: site, LABEL_REGION: region,
+                                                         LABEL_GPU_PRODUCT: gpu})
+    for refused in (site + "b", f"Site_{unique}"):
+        assert site_name_problem(refused)
+        node = node_name_for(refused, f"join/{refused}/1")
+        status, answer = real_cluster.request("POST", "/api/v1/nodes", {
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": node, "labels": {"kubernetes.io/hostname": node}}}, admin=True)
+        assert status == 422, answer
+    for refused in ("H100 SXM", "r" * 64):
+        assert label_value_problem(refused)
+        with pytest.raises(ClusterInvalid, match="metadata.labels"):
+            kube.label_node(name, {LABEL_GPU_PRODUCT: refused})
 
 
 def test_prepare_node_with_an_invalid_label_fails_named_and_final(kube, nodes, unique, tmp_path):

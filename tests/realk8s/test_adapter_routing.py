@@ -1,7 +1,8 @@
 """What only the Kubernetes adapter has, that the fake API server used to stand in for because the
-real tier lacked a piece (issue 33): its routing objects (Gateway API's ``HTTPRoute``, Envoy
-Gateway's ``BackendTrafficPolicy``, served here from CRDs with an open schema), a drain that
-waits for a graceful termination, and a Deployment's rollout status from the real controllers.
+real tier lacked a piece (issue 33): its routing objects (Gateway API's ``HTTPRoute``, served
+here from its published CRD, and Envoy Gateway's ``BackendTrafficPolicy``, from a CRD with an
+open schema), a drain that waits for a graceful termination, and a Deployment's rollout status
+from the real controllers.
 The adapter runs as the control plane's service account under the shipped RBAC, in a namespace
 of the test's own (``tests/realk8s/contract.py``'s ``RealHarness``, whose stand-in kubelet starts
 the pods bound to its Nodes and ends those deleted, after the seconds a pod asks for).
@@ -14,7 +15,13 @@ from __future__ import annotations
 import json
 import time
 
+import pytest
+from pydantic import ValidationError
+
 from fleet.cluster import ServingSpec
+from fleet.config import ServingPolicy
+from fleet.errors import ClusterInvalid
+from fleet.rollout import RolloutInput
 from providers.cluster.kubernetes import ROUTING_CONFIGMAP
 from tests.realk8s.contract import RealHarness
 from tests.realk8s.test_adapter import record_requests
@@ -105,6 +112,28 @@ def test_routing_update_is_one_write_per_object_and_repeats_write_nothing(harnes
     route = _route(harness, "llama-3-8b")
     assert [r["weight"] for r in route["spec"]["rules"][0]["backendRefs"]] == [50, 50]
     assert route["metadata"]["generation"] == 2
+
+
+def test_a_route_reaches_16_sites_and_gpufleet_refuses_a_17th_before_the_api_server_does(harness: RealHarness):
+    """Gateway API's published HTTPRoute CRD allows 16 backendRefs in a rule: the real API server
+    takes a model's route to 16 sites and refuses one to 17 (and the routes stay as they were, the
+    weights frozen). A serving policy or a rollout that would give a model a 17th site is refused
+    first: at config load, at the rollout's start."""
+    sites = [f"site-{i:02d}" for i in range(17)]
+    harness.cluster.set_routing_weights("llama-3-8b", {site: 1 for site in sites[:16]})
+    assert len(_route(harness, "llama-3-8b")["spec"]["rules"][0]["backendRefs"]) == 16
+    with pytest.raises(ClusterInvalid, match="backendRefs") as caught:
+        harness.cluster.set_routing_weights("llama-3-8b", {site: 1 for site in sites})
+    assert caught.value.code == "422" and not caught.value.retryable
+    assert len(_route(harness, "llama-3-8b")["spec"]["rules"][0]["backendRefs"]) == 16
+
+    with pytest.raises(ValidationError, match="17 sites; a model is routed to at most 16"):
+        ServingPolicy(mode="burst", sites=sites[:9], standby_sites=sites[9:])
+    with pytest.raises(ValidationError, match="17 target sites; a model is routed to at most 16"):
+        RolloutInput.model_validate({
+            "model": "llama-3-8b", "version": "v2", "image": "img:2",
+            "weights": {"source": {"store": "src"}, "files": [{"path": "w", "size": 1, "sha256": "a" * 64}]},
+            "sites": [{"site": site, "replicas": 1} for site in sites]})
 
 
 def test_routing_applies_the_envoy_gateway_policy_with_the_route(harness: RealHarness):

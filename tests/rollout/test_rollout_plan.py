@@ -143,3 +143,42 @@ def test_check_source_names_the_field_and_the_known_stores() -> None:
     assert check_source(request, ["src", "other"]) == []
     (problem,) = check_source(request, ["other"])
     assert problem.startswith("weights.source.store: unknown object store 'src'") and "other" in problem
+
+
+def _shards(count: int) -> list[dict]:
+    return [{"path": f"model-{i:05d}-of-{count:05d}.safetensors", "size": 5 * 10**9, "sha256": SHA}
+            for i in range(count)]
+
+
+def test_a_manifest_too_big_for_a_deployment_is_refused_naming_the_files_and_the_limit() -> None:
+    """The Kubernetes adapter keeps the manifest in the pod template, which a Deployment holds
+    twice in its annotations (256 KiB in all): 1000 shards would be refused (422) at every site's
+    update, after the copies; so the rollout is refused at start, naming the field."""
+    from client.errors import InvalidArgument
+    from client.fleet import validate
+
+    with pytest.raises(ValidationError) as caught:
+        RolloutInput.model_validate(raw(weights={"source": {"store": "src"}, "files": _shards(1000)}))
+    (error,) = caught.value.errors()
+    assert error["loc"] == ("weights", "files")
+    assert "1000 files take 144" in error["msg"] and "at most 112 KiB" in error["msg"], error["msg"]
+    assert "256 KiB" in error["msg"] and "fewer, larger files" in error["msg"]
+    with pytest.raises(InvalidArgument) as refused:
+        validate(RolloutInput, raw(weights={"source": {"store": "src"}, "files": _shards(1000)}), "rollout")
+    assert refused.value.field == "weights.files"
+    assert RolloutInput.model_validate(raw(weights={"source": {"store": "src"}, "files": _shards(700)}))
+
+
+def test_args_and_env_count_with_the_manifest_against_the_same_limit() -> None:
+    request = raw(weights={"source": {"store": "src"}, "files": _shards(700)}, args=["--chat-template", "x" * 20_000])
+    with pytest.raises(ValidationError, match="weights.files, image, args and env together take .* at most 112 KiB"):
+        RolloutInput.model_validate(request)
+
+
+def test_a_rollout_to_more_sites_than_a_route_can_reach_is_refused() -> None:
+    """Each target site gets a Deployment, and the model's HTTPRoute one backendRef per such site;
+    Gateway API allows 16 in a rule."""
+    sites = [{"site": f"s{i}", "replicas": 1} for i in range(17)]
+    with pytest.raises(ValidationError, match="sites: 17 target sites; a model is routed to at most 16"):
+        RolloutInput.model_validate(raw(sites=sites))
+    assert RolloutInput.model_validate(raw(sites=sites[:16]))
