@@ -10,6 +10,11 @@ serving Deployment's replicas are available as far as the site's ready,
 schedulable, untainted nodes have GPUs for them; its rollout is instant.
 ``add_pod``/``set_pdb``/``delete_pod`` are the test- and CLI-facing knobs that
 mirror what the tests' fake API server offers.
+
+A serving Deployment's replicas are also pods on nodes (``serving_pods``, ``_run_serving``),
+for what a drain meets: it evicts them under the Deployment's PodDisruptionBudget, as on a
+real cluster (``_evict_replica``). They are a drain's business only: the demand loop's GPU
+pods (``list_gpu_pods``) and the serving status do not read them.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import hashlib
 import hmac
 import json
 import time
+import uuid
+from collections import defaultdict
 from typing import NamedTuple
 
 from fleet.models import Node
@@ -41,6 +48,7 @@ from providers.cluster.base import (
     selector_matches,
     serving_capacity,
     serving_name,
+    takes_serving,
 )
 from fleet.cluster import (
     ANNOTATION_CORDONED_BY,
@@ -102,6 +110,9 @@ CREATE TABLE IF NOT EXISTS serving (
     replicas INTEGER, generation INTEGER,
     PRIMARY KEY (model, site)
 );
+CREATE TABLE IF NOT EXISTS serving_pods (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, name TEXT UNIQUE, model TEXT, site TEXT, node TEXT
+);
 CREATE TABLE IF NOT EXISTS routing (
     model TEXT PRIMARY KEY, version INTEGER, sites TEXT
 );
@@ -120,6 +131,8 @@ POD_SPEC_COLUMNS = (
 
 #: What the Eviction API answers when a PodDisruptionBudget refuses (HTTP 429).
 PDB_REFUSAL = "The disruption budget {pdb} needs {need} healthy pods and has {have} currently"
+#: The namespace of the serving replicas' pods (the Kubernetes adapter's default).
+SERVING_NAMESPACE = "gpufleet"
 
 
 def _hash(secret: str) -> str:
@@ -562,14 +575,19 @@ class SimCluster(EvictionDrain, WeightedRouting):
             return db.execute("DELETE FROM pods WHERE namespace=? AND name=?", (namespace, name)).rowcount > 0
 
     def pods(self, node: str | None = None) -> list[PodInfo]:
-        sql, args = "SELECT * FROM pods", []
-        if node is not None:
-            sql, args = sql + " WHERE node=?", [node]
-        return [
-            PodInfo(namespace=r["namespace"], name=r["name"], owner_kinds=[r["owner_kind"]] if r["owner_kind"] else [],
-                    mirror=bool(r["mirror"]))
-            for r in self.world.query(sql + " ORDER BY namespace, name", *args)
-        ]
+        """The pods on ``node`` (every pod without one), the serving replicas' among them."""
+        where, args = ("", []) if node is None else (" WHERE node=?", [node])
+        with self.world.tx() as db:
+            self._run_serving(db, self._site_of(db, node) if node is not None else None)
+            found = [
+                PodInfo(namespace=r["namespace"], name=r["name"], mirror=bool(r["mirror"]),
+                        owner_kinds=[r["owner_kind"]] if r["owner_kind"] else [])
+                for r in db.execute("SELECT * FROM pods" + where, args).fetchall()
+            ] + [
+                PodInfo(namespace=SERVING_NAMESPACE, name=r["name"], owner_kinds=["ReplicaSet"])
+                for r in db.execute("SELECT name FROM serving_pods" + where, args).fetchall()
+            ]
+        return sorted(found, key=lambda p: (p.namespace, p.name))
 
     def set_pdb(
         self,
@@ -596,6 +614,8 @@ class SimCluster(EvictionDrain, WeightedRouting):
     def _evict(self, namespace: str, name: str) -> tuple[EvictOutcome, str]:
         """The Eviction API, simulated: refuse while the pod's PDB allows no disruption."""
         with self.world.tx() as db:
+            if (replica := self._replica(db, namespace, name)) is not None:
+                return self._evict_replica(db, replica)
             pod = db.execute("SELECT * FROM pods WHERE namespace=? AND name=?", (namespace, name)).fetchone()
             if pod is None:
                 return "gone", ""
@@ -629,7 +649,91 @@ class SimCluster(EvictionDrain, WeightedRouting):
         return self.pods(node)
 
     def _delete_pod(self, namespace: str, name: str) -> None:
+        with self.world.tx() as db:
+            if (replica := self._replica(db, namespace, name)) is not None:
+                db.execute("DELETE FROM serving_pods WHERE id=?", (replica["id"],))
+                self._run_serving(db, replica["site"])  # its ReplicaSet replaces it
+                return
         self.delete_pod(namespace, name)
+
+    # -- serving replicas as pods (what a drain meets) ----------------------------------
+    @staticmethod
+    def _site_of(db, node: str) -> str | None:
+        row = db.execute("SELECT labels FROM nodes WHERE name=?", (node,)).fetchone()
+        return json.loads(row["labels"]).get(LABEL_SITE) if row else None
+
+    def _replica(self, db, namespace: str, name: str):
+        """The serving replica pod ``namespace/name``'s row, its site's replicas run first; None
+        when it is no serving replica (or gone)."""
+        if namespace != SERVING_NAMESPACE:
+            return None
+        row = db.execute("SELECT site FROM serving_pods WHERE name=?", (name,)).fetchone()
+        if row is None:
+            return None
+        self._run_serving(db, row["site"])
+        return db.execute("SELECT * FROM serving_pods WHERE name=?", (name,)).fetchone()
+
+    def _run_serving(self, db, site: str | None = None) -> None:
+        """The ReplicaSet controller and the scheduler for the serving replicas (at ``site``; None:
+        everywhere), one pass. Each Deployment has a pod per replica: one whose Deployment or node
+        is gone goes, and is replaced; scaled down, the Pending ones go first, then the newest (as a
+        ReplicaSet picks). A Pending one is bound to the node of its site that ``takes_serving``
+        with the most GPUs free among those it fits (the default scheduler spreads), or stays
+        Pending. A cordon moves no pod: what runs on the node stays until it is evicted."""
+        by_site, args = ("", []) if site is None else (" WHERE site=?", [site])
+        servings = {(r["model"], r["site"]): r for r in db.execute(
+            "SELECT model, site, template, replicas FROM serving" + by_site, args).fetchall()}
+        sites = {s for _, s in servings} if site is None else {site}
+        nodes = [self._node(r) for r in db.execute("SELECT * FROM nodes ORDER BY name").fetchall()
+                 if json.loads(r["labels"]).get(LABEL_SITE) in sites]
+        names = {r["name"] for r in db.execute("SELECT name FROM nodes").fetchall()}
+        gpus = {key: json.loads(r["template"])["gpus_per_replica"] for key, r in servings.items()}
+        free = {n.name: n.gpus_allocatable for n in nodes}
+        pods: dict[tuple[str, str], list] = defaultdict(list)
+        for pod in db.execute("SELECT * FROM serving_pods" + by_site + " ORDER BY id", args).fetchall():
+            key = (pod["model"], pod["site"])
+            if key not in servings or (pod["node"] and pod["node"] not in names):
+                db.execute("DELETE FROM serving_pods WHERE id=?", (pod["id"],))
+                continue
+            pods[key].append(pod)
+            if pod["node"] in free:
+                free[pod["node"]] -= gpus[key]
+        for key, serving in servings.items():
+            surplus = len(pods[key]) - serving["replicas"]
+            for pod in sorted(pods[key], key=lambda p: (p["node"] is not None, -p["id"]))[:max(surplus, 0)]:
+                db.execute("DELETE FROM serving_pods WHERE id=?", (pod["id"],))
+                if pod["node"] in free:
+                    free[pod["node"]] += gpus[key]
+            for _ in range(-surplus):
+                db.execute("INSERT INTO serving_pods(name, model, site, node) VALUES (?,?,?,NULL)",
+                           (f"{serving_name(*key)}-{uuid.uuid4().hex[:5]}", *key))
+        pending = "SELECT * FROM serving_pods WHERE node IS NULL" + ("" if site is None else " AND site=?")
+        for pod in db.execute(pending + " ORDER BY id", args).fetchall():
+            need = gpus[(pod["model"], pod["site"])]
+            fits = [n for n in nodes if takes_serving(n, pod["site"]) and free[n.name] >= need]
+            if fits:
+                target = max(fits, key=lambda n: free[n.name])  # the first by name of those as free
+                free[target.name] -= need
+                db.execute("UPDATE serving_pods SET node=? WHERE id=?", (target.name, pod["id"]))
+
+    def _evict_replica(self, db, replica) -> tuple[EvictOutcome, str]:
+        """The Eviction API for a serving replica, under its Deployment's PodDisruptionBudget
+        (``render_pdb``: maxUnavailable 1 of the Deployment's replicas): refused (HTTP 429) unless
+        all the others are healthy (bound to a ready node). One evicted is replaced at once; a
+        replacement that cannot schedule (every node of its site cordoned) keeps the next eviction
+        refused until the drain's deadline, as on a real cluster. A Pending pod is evicted anyway."""
+        if replica["node"] is not None:
+            serving = db.execute("SELECT name, replicas FROM serving WHERE model=? AND site=?",
+                                 (replica["model"], replica["site"])).fetchone()
+            healthy = db.execute(
+                "SELECT COUNT(*) FROM serving_pods p JOIN nodes n ON n.name = p.node AND n.ready = 1"
+                " WHERE p.model=? AND p.site=?", (replica["model"], replica["site"])).fetchone()[0]
+            need = max(0, serving["replicas"] - 1)
+            if healthy - need <= 0:
+                return "blocked", PDB_REFUSAL.format(pdb=serving["name"], need=need, have=healthy)
+        db.execute("DELETE FROM serving_pods WHERE id=?", (replica["id"],))
+        self._run_serving(db, replica["site"])
+        return "evicted", ""
 
     # -- serving ----------------------------------------------------------------------
     @staticmethod
@@ -672,6 +776,7 @@ class SimCluster(EvictionDrain, WeightedRouting):
                     " WHERE model=? AND site=?",
                     (template, previous, spec.replicas, spec.model, spec.site),
                 )
+            self._run_serving(db, spec.site)
         return self.serving_status(spec.model, spec.site)
 
     def serving_status(self, model: str, site: str) -> ServingStatus | None:
@@ -694,6 +799,7 @@ class SimCluster(EvictionDrain, WeightedRouting):
                     "UPDATE serving SET replicas=?, generation=generation+1 WHERE model=? AND site=?",
                     (replicas, model, site),
                 )
+            self._run_serving(db, site)  # scaled down: its pods end now (no grace in the sim)
         return self.serving_status(model, site)
 
     def rollback_serving(self, model: str, site: str) -> ServingStatus:
@@ -710,6 +816,7 @@ class SimCluster(EvictionDrain, WeightedRouting):
     def delete_serving(self, model: str, site: str) -> None:
         with self.world.tx() as db:
             db.execute("DELETE FROM serving WHERE model=? AND site=?", (model, site))
+            self._run_serving(db, site)
 
     # -- routing ----------------------------------------------------------------------
     def store_routes(self, model: str, sites: dict[str, SiteRoute]) -> RoutingTable:

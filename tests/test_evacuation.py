@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import re
 import threading
 import typing
@@ -140,6 +141,44 @@ async def test_four_of_eight_failing_evacuates_once_and_restores_stepwise(inc: I
     # deprecated, and the files of runs before it gone: docs/design/patches.md, "Retired").
     await replay_and_record(inc.evacuation("a"), "site_evacuation_restored_releases")
     await replay_and_record(site_handle, "site_incident_tripped")
+
+
+async def test_a_full_site_drains_at_once_its_replicas_scaled_to_zero_first(temporal_env, tmp_path) -> None:
+    """gpufleet's own PodDisruptionBudget per model and site (maxUnavailable 1) held an evacuation's
+    drain: a's two nodes run one of the model's two replicas each, the drain evicted one, whose
+    replacement could not schedule (every node cordoned, none with room), and the Eviction API
+    refused the other until ``drain_seconds`` ran out: the incident response that much slower, and
+    "drained" naming gpufleet's own replica as blocked. Only then did the site go to 0. Now its
+    Deployments go to 0 first (the replicas elsewhere are ready by then) and the drain ends at once,
+    nothing blocked; on the way back its nodes are uncordoned before its Deployments return, and the
+    replicas elsewhere go last."""
+    uid = uuid.uuid4().hex[:6]
+    drain_seconds = 6
+    fleet = incident_fleet(uid, incident={"drain_seconds": drain_seconds})
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, fleet, uid):
+        a, d = inc.site("a"), inc.site("d")
+        nodes = sorted(inc.world.machine(m)["name"] for m in await inc.join("a", 2))
+        await inc.join("d", 2)
+        inc.serve(MODEL, "a", replicas=2)  # 2 GPUs each on 2-GPU machines: one per node, no room left
+        inc.serve(MODEL, "d", replicas=0)
+        assert [len(inc.cluster.pods(n)) for n in nodes] == [1, 1]
+        handle = await inc.client.start_workflow("SiteEvacuation", {"site": a, "reason": "test: a full site"},
+                                                 id=f"evacuate/{a}/1", task_queue=inc.settings.task_queue)
+        result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 90))
+        assert result.outcome == "restored", result
+        steps = {s.name: s for s in result.timeline}
+        drained = steps["drained"]
+        took = (drained.at - steps["replicas ready elsewhere"].at).total_seconds()
+        assert (drained.detail, took < drain_seconds) == ("2 nodes", True), (drained.detail, f"{took:.1f} s")
+
+        calls = [(name, i.get("site"), i.get("replicas")) if name == "scale_serving" else name
+                 for name, i in await _activity_calls(handle, "scale_serving", "drain_within", "release_nodes")]
+        assert calls == [("scale_serving", d, 2), ("scale_serving", a, 0), "drain_within", "drain_within",
+                         "release_nodes", ("scale_serving", a, 2), ("scale_serving", d, 0)], calls
+        assert not any(inc.cluster.get_node(n).unschedulable for n in nodes)
+        assert [len(inc.cluster.pods(n)) for n in nodes] == [1, 1], "a's replicas back on its nodes"
+        assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0
+        await replay_and_record(handle, "site_evacuation_scales_down_before_draining")
 
 
 async def test_no_false_trips(inc: IncStack) -> None:
@@ -935,6 +974,15 @@ async def _activity_order(inc: IncStack, name: str) -> list[str]:
     history = await inc.evacuation(name).fetch_history()
     return [e.activity_task_scheduled_event_attributes.activity_type.name
             for e in history.events if e.HasField("activity_task_scheduled_event_attributes")]
+
+
+async def _activity_calls(handle, *types: str) -> list[tuple[str, dict]]:
+    """Each activity of ``types`` the workflow scheduled, in order, with its input."""
+    history = await handle.fetch_history()
+    return [(attrs.activity_type.name, json.loads(attrs.input.payloads[0].data))
+            for attrs in (e.activity_task_scheduled_event_attributes for e in history.events
+                          if e.HasField("activity_task_scheduled_event_attributes"))
+            if attrs.activity_type.name in types]
 
 
 async def _cordoned(inc: IncStack, site: str) -> set[str]:

@@ -197,6 +197,10 @@ EXPECTED = {
     # before, where the cancel reached the request, its node was never retired, the run ended aborted.
     "site_evacuation_cancelled_while_an_abort_waits_for_capacity",
     "site_evacuation_cancelled_while_an_abort_waits_for_capacity_before",
+    # A full site's Deployments go to 0 before its drain, which then ends at once
+    # (``evacuation-scales-down-before-draining``, tests/test_evacuation.py); ``_before``: the code
+    # before, where the drain came first and the model's own PodDisruptionBudget held it to the deadline.
+    "site_evacuation_scales_down_before_draining", "site_evacuation_scales_down_before_draining_before",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).
     "node_join_happy_patches_at_start", "node_join_count2_patches_at_start",
     "node_join_smoke_failed_patches_at_start", "node_entity_two_repairs_patches_at_start",

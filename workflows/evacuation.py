@@ -15,8 +15,10 @@ query):
    ``needs-person``, waiting (``retry`` signal or the probe interval) — never
    outside the geography;
 3. **replicas elsewhere**: those Deployments scale up and must be ready;
-4. **drain**: only then are the site's nodes cordoned and drained (PDBs, deadline)
-   and its Deployments scaled to 0;
+4. **drain**: only then are the site's Deployments scaled to 0 and its nodes cordoned
+   and drained (PDBs, deadline): in that order, or each Deployment's own PodDisruptionBudget
+   would hold the drain of its replicas to the deadline (patch
+   ``evacuation-scales-down-before-draining``);
 5. **wait for recovery**: a periodic probe (provider API answers, every node's
    agent back) or the operator update ``declare_recovered``; ``abort`` (update), at any
    step, ends it and puts back what it changed (so do Temporal's cancel and a failed
@@ -177,6 +179,13 @@ ABORT_WAITS_FOR_CAPACITY_PATCH = "evacuation-abort-waits-for-capacity"
 #: uncordoned, its site's like any other node there, and the timeline says so. Before, it stayed
 #: cordoned for good: paid for, and nothing could use it. Asked only where such a drain blocked.
 RELEASES_BLOCKED_DRAIN_PATCH = "evacuation-releases-blocked-drain"
+#: The site's Deployments go to 0 before its nodes are drained (the replicas elsewhere are ready by
+#: then). Before, they went after: each Deployment's own PodDisruptionBudget (maxUnavailable 1)
+#: let a drain evict one replica, whose replacement could not schedule on the cordoned site, and
+#: refused the next until the deadline, so with two replicas at the site the drain took all of
+#: ``drain_seconds`` (5 minutes by default) and named gpufleet's own replicas as blocked. Asked at
+#: the drain, where the two orders part.
+SCALES_DOWN_BEFORE_DRAINING_PATCH = "evacuation-scales-down-before-draining"
 #: How long one wait for the evacuation it follows lasts (then it is asked again).
 FOLLOW_WAIT = timedelta(days=1)
 #: The timeline keeps its first steps (how the evacuation began) and its newest (the end of a
@@ -772,6 +781,13 @@ class SiteEvacuation:
     async def _drain(self) -> None:
         p, s, site = self._progress, self._s, self._args.site
         blocked = []
+        # Its replicas elsewhere are ready: the site's go first, so no drain waits on their
+        # PodDisruptionBudgets (a replacement could never schedule on the cordoned site).
+        scale_first = workflow.patched(SCALES_DOWN_BEFORE_DRAINING_PATCH)
+        if scale_first:
+            for here in self._facts.here:
+                await self._scale(here.model, site, 0)
+            self._check()  # aborted meanwhile: nothing cordoned, the Deployments go back
 
         async def drain(name: str) -> None:
             self._cordoning.append(name)  # cordoned from here on, even if the drain then fails
@@ -784,8 +800,9 @@ class SiteEvacuation:
                                f"until {by:%H:%M:%S} UTC (then the pods left are named)")
         await asyncio.gather(*(drain(n.name) for n in self._facts.nodes))
         self._check()
-        for here in self._facts.here:
-            await self._scale(here.model, site, 0)
+        if not scale_first:
+            for here in self._facts.here:
+                await self._scale(here.model, site, 0)
         self._mark("drained", f"{len(p.drained)} nodes" + (f"; blocked: {'; '.join(blocked)}" if blocked else ""))
 
     async def _wait_recovery(self) -> None:

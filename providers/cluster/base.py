@@ -580,17 +580,21 @@ def _repels_serving(taint: str) -> bool:
 SERVING_TOLERATED = (GPU_RESOURCE, FLEET_TAINT_KEY)
 
 
+def takes_serving(node: Node, site: str) -> bool:
+    """Whether a new serving replica of ``site`` may be placed on ``node``: a ready, schedulable
+    node at the site with no NoSchedule/NoExecute taint (but ``nvidia.com/gpu:NoSchedule``)."""
+    return (node.labels.get(LABEL_SITE) == site and node.ready and not node.unschedulable
+            and not any(_repels_serving(t) for t in node.taints))
+
+
 def serving_capacity(nodes: Iterable[Node], site: str, gpus_per_replica: int) -> int:
     """How many replicas the site's nodes can hold (what both the simulated cluster
-    and the test API server's scheduler assume): ready, schedulable nodes at the
-    site with no NoSchedule/NoExecute taint (but ``nvidia.com/gpu:NoSchedule``), GPUs divided per replica."""
+    and the test API server's scheduler assume): the nodes that ``takes_serving``, GPUs
+    divided per replica."""
     total = 0
     for node in nodes:
-        if node.labels.get(LABEL_SITE) != site or not node.ready or node.unschedulable:
-            continue
-        if any(_repels_serving(t) for t in node.taints):
-            continue
-        total += node.gpus_allocatable // gpus_per_replica if gpus_per_replica else 1_000
+        if takes_serving(node, site):
+            total += node.gpus_allocatable // gpus_per_replica if gpus_per_replica else 1_000
     return total
 
 

@@ -361,6 +361,47 @@ def test_serving_names_are_dns_labels(harness):
     assert status.name == "meta-llama-llama-3-1-70b-instruct-site-a"
     assert harness.cluster.serving_status("meta-llama/Llama-3.1-70B-Instruct", "site-a").name == status.name
 
+def _replicas_on(harness, node: str, name: str) -> list[str]:
+    """The serving Deployment ``name``'s pods on ``node`` (``<name>-<suffix>``)."""
+    return sorted(p.name for p in harness.pods(node) if p.name.startswith(f"{name}-"))
+
+
+def test_a_drain_meets_the_models_own_pdb_once_its_replacement_cannot_schedule(harness):
+    """Serving replicas are pods a drain must evict, under gpufleet's PodDisruptionBudget per model
+    and site (``render_pdb``: maxUnavailable 1). Two replicas on the site's one node: the first
+    eviction is allowed, its replacement is Pending (the node is cordoned, and it is the only one),
+    and the Eviction API refuses the second (HTTP 429) until the drain's deadline, which then names
+    it blocked. (What an evacuation that drained before scaling its site to 0 met: its own replicas
+    held each drain for all of ``drain_seconds``.)"""
+    name = serving_name("llama-3-8b", "site-a")
+    harness.add_node("gpu-1", site="site-a", gpus=8)
+    harness.cluster.apply_serving(_spec(replicas=2))  # 2 × 4 GPUs: both on gpu-1
+    assert _wait_ready(harness.cluster, "llama-3-8b", "site-a").available_replicas == 2
+    assert len(_replicas_on(harness, "gpu-1", name)) == 2
+    result = harness.cluster.drain_node("gpu-1", deadline_s=3)
+    assert not result.completed
+    assert [p.name.startswith(f"{name}-") for p in result.evicted] == [True]
+    assert [p.name.startswith(f"{name}-") for p in result.blocked] == [True], result
+    assert f"The disruption budget {name} needs 1 healthy pods" in result.blocked[0].reason, result.blocked
+    assert result.elapsed_s >= 2.5, "refused until the deadline"
+    assert _replicas_on(harness, "gpu-1", name) == [result.blocked[0].name]
+
+
+def test_a_serving_scaled_to_zero_leaves_the_drain_nothing_to_wait_for(harness):
+    """The same node, its replicas scaled to 0 first (an evacuation's order since
+    ``evacuation-scales-down-before-draining``): their pods are the Deployment's to end, no eviction
+    is refused, and the drain completes at once."""
+    name = serving_name("llama-3-8b", "site-a")
+    harness.add_node("gpu-1", site="site-a", gpus=8)
+    harness.cluster.apply_serving(_spec(replicas=2))
+    assert _wait_ready(harness.cluster, "llama-3-8b", "site-a").available_replicas == 2
+    harness.cluster.scale_serving("llama-3-8b", "site-a", 0)
+    result = harness.cluster.drain_node("gpu-1", deadline_s=20)
+    assert result.completed and not result.blocked, result
+    assert result.elapsed_s < 10
+    assert _replicas_on(harness, "gpu-1", name) == []
+
+
 
 # -- routing ------------------------------------------------------------------------------
 def test_routing_versions_bump_once_per_change_and_not_on_repeats(harness):
