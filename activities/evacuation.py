@@ -20,7 +20,7 @@ from fleet.config import Site
 from fleet.errors import FleetError, Transient
 from fleet.incident import IncidentSettings, SiteFacts, incident_of_hold, recovery, weight_at
 from fleet.naming import site_workflow_id
-from providers.cluster.base import NodeMarks, NodeNotFound, decide_on_node, serving_capacity, uncordon_unless
+from providers.cluster.base import NodeMarks, NodeNotFound, decide_on_node, free_gpus_at, uncordon_unless
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute, fenced_gpus
 from fleet.messages.evacuation import (
     AdmitRepairInput,
@@ -296,16 +296,11 @@ class EvacuationActivities:
     @activity.defn
     @typed_errors
     def free_gpus(self, input: FreeGpusInput) -> dict[str, int]:
-        """GPUs at each site not asked for by a serving Deployment (ready, schedulable nodes)."""
+        """GPUs at each site neither a serving Deployment nor another pod (a training job) holds
+        or asks for, on ready, schedulable nodes (``providers.cluster.base.free_gpus_at``)."""
         cluster = self.env.cluster
-        nodes = self.env.nodes()
-        serving = cluster.list_serving()
-        out = {}
-        for site in input.sites:
-            total = serving_capacity(nodes, site, 1)
-            used = sum(s.desired_replicas * s.gpus_per_replica for s in serving if s.site == site)
-            out[site] = max(0, total - used)
-        return out
+        nodes, serving, pods = self.env.nodes(), cluster.list_serving(), cluster.list_gpu_pods()
+        return {site: free_gpus_at(nodes, serving, pods, site) for site in input.sites}
 
     @activity.defn
     @typed_errors

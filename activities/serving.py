@@ -30,7 +30,8 @@ from fleet.messages.rollout import (
     WaitServingInput,
 )
 from fleet.rollout import ProbeResult
-from fleet.cluster import ServingStatus
+from fleet.cluster import ServingSpec, ServingStatus
+from providers.cluster.base import free_gpus_at
 
 
 class ServingActivities:
@@ -75,9 +76,40 @@ class ServingActivities:
     @activity.defn
     @typed_errors
     def update_serving(self, input: UpdateServingInput) -> ServingStatus:
-        """Create or update the Deployment (idempotent: the same spec changes nothing).
-        The rolling update surges (new pods before old ones go) per the cluster adapter."""
-        return self.env.cluster.apply_serving(input.spec)
+        """Create or update the Deployment (idempotent: the same spec changes nothing). The
+        rolling update surges where the site has room for it (``_strategy``)."""
+        return self.env.cluster.apply_serving(self._strategy(input.spec))
+
+    def _strategy(self, spec: ServingSpec) -> ServingSpec:
+        """``spec``, or where its surge replica could never start, ``spec`` replacing one replica
+        at a time (``max_surge`` 0, which the answer's ``max_surge`` shows).
+
+        A surge starts a new replica before an old one goes, and no old one goes before it is
+        available (maxUnavailable 0): at a site whose GPUs are all held (the model's replicas,
+        another model's, other GPU pods) that pod stays Pending, the update never ends, and the
+        readiness wait ends in ServingNotReady and a rollback. One at a time, one replica fewer
+        serves meanwhile; where that is the model's last available replica anywhere, the update
+        is refused instead (product rule 11: a rollout never takes every site down)."""
+        cluster = self.env.cluster
+        live = cluster.serving_status(spec.model, spec.site)
+        if not spec.max_surge or live is None or live.template == cluster.serving_template(spec):
+            return spec  # no replica replaced: a new Deployment, or the template it runs (a retry)
+        serving = cluster.list_serving()
+        free = free_gpus_at(self.env.nodes(), serving, cluster.list_gpu_pods(), spec.site)
+        # GPUs for the replicas the update adds (fewer frees some), and for the surge replica.
+        added = spec.gpus_per_replica * (spec.replicas - live.desired_replicas)
+        needed = added + spec.gpus_per_replica
+        if free >= needed or free < added:
+            return spec  # room to surge; or none for the replicas asked for, however they are replaced
+        elsewhere = sum(s.available_replicas for s in serving if s.model == spec.model and s.site != spec.site)
+        if spec.replicas == 1 and live.available_replicas and not elsewhere:
+            raise ApplicationError(
+                f"no room for a surge replica at {spec.site} ({free} GPUs free, {needed} needed), and replacing "
+                f"its one replica would leave {spec.model} served nowhere: free {needed - free} GPUs there or "
+                "serve the model at another site first",
+                type="NoRoomToUpdate", non_retryable=True,
+            )
+        return spec.model_copy(update={"max_surge": 0})
 
     @activity.defn
     @typed_errors

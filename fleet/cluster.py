@@ -197,7 +197,8 @@ class ServingSpec(BaseModel):
     #: The container's HTTP port (the Service always listens on ``SERVING_PORT``).
     port: int = Field(SERVING_PORT, ge=1, le=65535)
     #: Extra replicas a rollout may start before old ones stop: > 0 loses no
-    #: capacity during an update (needs spare GPUs); 0 replaces one at a time.
+    #: capacity during an update (needs spare GPUs); 0 replaces one at a time (what
+    #: ``update_serving`` asks for at a site with no GPUs to spare).
     max_surge: int = Field(1, ge=0)
     #: Verified weights on the node: an init step pulls them into the node-local cache
     #: (``fleet.weights_pull``) and the server reads them from there; supersedes ``weights_path``.
@@ -226,6 +227,9 @@ class ServingStatus(BaseModel):
     #: Which pod template the Deployment runs (``template_fingerprint``): a scale leaves it, an
     #: update or a rollback changes it. "" where the adapter could not say.
     template: str = ""
+    #: Replicas the rolling update may start above ``desired_replicas`` (``ServingSpec.max_surge``):
+    #: 0 replaces one at a time. None where the adapter could not say (a percentage).
+    max_surge: int | None = None
 
 
 def template_fingerprint(template_json: str) -> str:

@@ -5,9 +5,10 @@ which kubelet does for real) is ``register_with_token``, called by the
 simulated node host.
 
 Pods, PodDisruptionBudgets, serving Deployments and the routing table live in
-the tables created below. The simulated scheduler is ``serving_capacity``: a
-serving Deployment's replicas are available as far as the site's ready,
-schedulable, untainted nodes have GPUs for them; its rollout is instant.
+the tables created below. The simulated scheduler for serving is ``_roll_out``: a
+site's serving Deployments, the oldest first, take the GPUs of its ready,
+schedulable, untainted nodes that its other pods leave; an update is instant once
+it can start (a surge replica's GPUs to spare, or replacing one at a time).
 ``add_pod``/``set_pdb``/``delete_pod`` are the test- and CLI-facing knobs that
 mirror what the tests' fake API server offers.
 
@@ -46,6 +47,7 @@ from providers.cluster.base import (
     EvictionDrain,
     poll_watch,
     selector_matches,
+    gpus_held_by_pods,
     serving_capacity,
     serving_name,
     takes_serving,
@@ -87,6 +89,17 @@ def _valid_token(db, token: str, now: float):
     return row
 
 
+def _pods_template(row, template: str) -> str | None:
+    """What a serving row's pods run once its template is ``template``: the template they ran
+    before it while they still do (an update waiting for room), None when they run it."""
+    running = row["pods_template"] or row["template"]
+    return None if running == template else running
+
+
+def _without_surge(template: str | None) -> str | None:
+    return template and json.dumps({k: v for k, v in json.loads(template).items() if k != "max_surge"}, sort_keys=True)
+
+
 def _registration_taints(config: dict) -> list[str]:
     """``nodeRegistration.taints`` as the kubelet registers them."""
     taints = (config.get("nodeRegistration") or {}).get("taints") or []
@@ -107,7 +120,7 @@ CREATE TABLE IF NOT EXISTS pdbs (
 );
 CREATE TABLE IF NOT EXISTS serving (
     model TEXT, site TEXT, name TEXT, template TEXT, previous_template TEXT,
-    replicas INTEGER, generation INTEGER,
+    replicas INTEGER, generation INTEGER, max_surge INTEGER DEFAULT 1, pods_template TEXT,
     PRIMARY KEY (model, site)
 );
 CREATE TABLE IF NOT EXISTS serving_pods (
@@ -179,6 +192,13 @@ class SimCluster(EvictionDrain, WeightedRouting):
             for column, kind in POD_SPEC_COLUMNS:
                 if column not in have:
                     db.execute(f"ALTER TABLE pods ADD COLUMN {column} {kind}")
+            if "max_surge" not in {r[1] for r in db.execute("PRAGMA table_info(serving)").fetchall()}:
+                # One made before the rolling update was simulated: the strategy leaves the templates.
+                db.execute("ALTER TABLE serving ADD COLUMN max_surge INTEGER DEFAULT 1")
+                db.execute("ALTER TABLE serving ADD COLUMN pods_template TEXT")
+                for row in db.execute("SELECT rowid, template, previous_template FROM serving").fetchall():
+                    db.execute("UPDATE serving SET template=?, previous_template=? WHERE rowid=?",
+                               (_without_surge(row[1]), _without_surge(row[2]), row[0]))
 
     # -- join tokens ------------------------------------------------------------------
     def create_join_token(self, node_name: str, machine_id: str, ttl_seconds: int) -> JoinTokenRef:
@@ -738,25 +758,65 @@ class SimCluster(EvictionDrain, WeightedRouting):
     # -- serving ----------------------------------------------------------------------
     @staticmethod
     def _template(spec: ServingSpec) -> str:
-        # ``weights`` only when set: a spec written before it existed keeps its template.
-        exclude = {"model", "site", "replicas"} | ({"weights"} if spec.weights is None else set())
+        # ``weights`` only when set: a spec written before it existed keeps its template. The
+        # strategy (``max_surge``) is the Deployment's, not its pod template's.
+        exclude = {"model", "site", "replicas", "max_surge"} | ({"weights"} if spec.weights is None else set())
         return json.dumps(spec.model_dump(mode="json", exclude=exclude), sort_keys=True)
+
+    def serving_template(self, spec: ServingSpec) -> str:
+        return template_fingerprint(self._template(spec))
+
+    def _roll_out(self, site: str | None = None) -> dict[tuple[str, str], int]:
+        """The simulated scheduler and Deployment controller for serving, one pass: at each site,
+        the Deployments in the order they were made take the GPUs its other pods leave (a replica
+        that fits nowhere is Pending). An update whose pods still run the template before
+        (``pods_template``) goes through, at once, where the Deployment replaces one at a time
+        (``max_surge`` 0) or the site has a replica's GPUs to spare for the surge pod; without,
+        as with a real Deployment (maxSurge 1, maxUnavailable 0: no old pod goes before a new
+        one is available), it waits, the old replicas serving. Returns the replicas available
+        per (model, site)."""
+        available: dict[tuple[str, str], int] = {}
+        nodes = [self._node(r) for r in self.world.query("SELECT * FROM nodes ORDER BY name")]
+        pods = [self._gpu_pod(r) for r in self.world.query("SELECT * FROM pods WHERE gpus > 0")]
+        rows = self.world.query("SELECT rowid, * FROM serving" + (" WHERE site=?" if site else "") + " ORDER BY rowid",
+                                *((site,) if site else ()))
+        rolled = []
+        for where in dict.fromkeys(row["site"] for row in rows):
+            at_site = [row for row in rows if row["site"] == where]
+            left = serving_capacity(nodes, where, 1) - gpus_held_by_pods(
+                nodes, pods, where, [(row["model"], where) for row in at_site])
+            for row in at_site:
+                gpus, desired = json.loads(row["template"])["gpus_per_replica"], row["replicas"]
+                fit = serving_capacity(nodes, where, gpus)
+                if gpus:
+                    fit = min(fit, max(0, left) // gpus)
+                if row["pods_template"] is not None and (not row["max_surge"] or not desired or fit > desired):
+                    rolled.append(row)
+                available[(row["model"], where)] = min(desired, fit)
+                left -= min(desired, fit) * gpus
+        if rolled:  # a write only when an update goes through, and only to the update that was read
+            with self.world.tx() as db:
+                for row in rolled:
+                    db.execute("UPDATE serving SET pods_template=NULL WHERE rowid=? AND template=? AND pods_template=?",
+                               (row["rowid"], row["template"], row["pods_template"]))
+        return available
 
     def _serving_row(self, model: str, site: str):
         rows = self.world.query("SELECT * FROM serving WHERE model=? AND site=?", model, site)
         return rows[0] if rows else None
 
-    def _serving_status(self, row) -> ServingStatus:
+    def _serving_status(self, row, available: int) -> ServingStatus:
         template = json.loads(row["template"])
-        capacity = serving_capacity(self.list_nodes(), row["site"], template["gpus_per_replica"])
         desired = row["replicas"]
-        available = min(desired, capacity)
+        # An update waiting for room: its surge pod Pending (updated, not available), the old serving.
+        waiting = row["pods_template"] is not None
         return ServingStatus(
             model=row["model"], site=row["site"], name=row["name"], image=template["image"],
             desired_replicas=desired, generation=row["generation"], observed_generation=row["generation"],
-            replicas=desired, updated_replicas=desired, available_replicas=available, ready=available == desired,
-            can_rollback=bool(row["previous_template"]), gpus_per_replica=template["gpus_per_replica"],
-            template=template_fingerprint(row["template"]),
+            replicas=desired + (1 if waiting else 0), updated_replicas=1 if waiting else desired, available_replicas=available,
+            ready=available == desired and not waiting, can_rollback=bool(row["previous_template"]),
+            gpus_per_replica=template["gpus_per_replica"], template=template_fingerprint(row["template"]),
+            max_surge=row["max_surge"],
         )
 
     def apply_serving(self, spec: ServingSpec) -> ServingStatus:
@@ -765,23 +825,28 @@ class SimCluster(EvictionDrain, WeightedRouting):
             row = db.execute("SELECT * FROM serving WHERE model=? AND site=?", (spec.model, spec.site)).fetchone()
             if row is None:
                 db.execute(
-                    "INSERT INTO serving(model, site, name, template, previous_template, replicas, generation)"
-                    " VALUES (?,?,?,?,NULL,?,1)",
-                    (spec.model, spec.site, serving_name(spec.model, spec.site), template, spec.replicas),
+                    "INSERT INTO serving(model, site, name, template, previous_template, replicas, generation,"
+                    " max_surge) VALUES (?,?,?,?,NULL,?,1,?)",
+                    (spec.model, spec.site, serving_name(spec.model, spec.site), template, spec.replicas,
+                     spec.max_surge),
                 )
             elif row["template"] != template or row["replicas"] != spec.replicas:
-                previous = row["template"] if row["template"] != template else row["previous_template"]
+                changed = row["template"] != template
+                previous = row["template"] if changed else row["previous_template"]
+                # As the Kubernetes adapter: the strategy is written with a new template.
                 db.execute(
-                    "UPDATE serving SET template=?, previous_template=?, replicas=?, generation=generation+1"
-                    " WHERE model=? AND site=?",
-                    (template, previous, spec.replicas, spec.model, spec.site),
+                    "UPDATE serving SET template=?, previous_template=?, replicas=?, generation=generation+1,"
+                    " max_surge=?, pods_template=? WHERE model=? AND site=?",
+                    (template, previous, spec.replicas, spec.max_surge if changed else row["max_surge"],
+                     _pods_template(row, template), spec.model, spec.site),
                 )
             self._run_serving(db, spec.site)
         return self.serving_status(spec.model, spec.site)
 
     def serving_status(self, model: str, site: str) -> ServingStatus | None:
+        available = self._roll_out(site)
         row = self._serving_row(model, site)
-        return self._serving_status(row) if row else None
+        return self._serving_status(row, available.get((model, site), 0)) if row else None
 
     def _serving_or_raise(self, db, model: str, site: str):
         row = db.execute("SELECT * FROM serving WHERE model=? AND site=?", (model, site)).fetchone()
@@ -808,8 +873,9 @@ class SimCluster(EvictionDrain, WeightedRouting):
             if not row["previous_template"]:
                 raise NoPreviousTemplate(f"{row['name']}: no previous template to roll back to", provider="sim")
             db.execute(
-                "UPDATE serving SET template=?, previous_template=?, generation=generation+1 WHERE model=? AND site=?",
-                (row["previous_template"], row["template"], model, site),
+                "UPDATE serving SET template=?, previous_template=?, pods_template=?, generation=generation+1"
+                " WHERE model=? AND site=?",
+                (row["previous_template"], row["template"], _pods_template(row, row["previous_template"]), model, site),
             )
         return self.serving_status(model, site)
 
@@ -838,10 +904,12 @@ class SimCluster(EvictionDrain, WeightedRouting):
 
     # -- additive: listing serving, the fleet-wide site routes -----------------------------
     def list_serving(self, site: str | None = None) -> list[ServingStatus]:
+        available = self._roll_out(site)
         sql, args = "SELECT * FROM serving", []
         if site is not None:
             sql, args = sql + " WHERE site=?", [site]
-        return [self._serving_status(r) for r in self.world.query(sql + " ORDER BY model, site", *args)]
+        return [self._serving_status(r, available.get((r["model"], r["site"]), 0))
+                for r in self.world.query(sql + " ORDER BY model, site", *args)]
 
     def set_site_routes(self, sites: dict[str, SiteRoute]) -> RoutingTable:
         weights = {name: route.weight for name, route in sites.items()}

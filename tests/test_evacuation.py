@@ -467,6 +467,26 @@ def test_release_nodes_leaves_a_node_a_repair_fenced_between_its_look_and_its_un
     assert env.cluster.get_node("raced").unschedulable and not env.cluster.get_node("free").unschedulable
 
 
+def test_free_gpus_leaves_out_what_other_gpu_pods_hold(tmp_path) -> None:
+    """Where an evacuation scales replicas up, the GPUs a training job holds are not free: before,
+    only serving Deployments were counted, and replicas sent onto the job's GPUs stayed Pending
+    while the lost site was drained. A serving replica's own pod counts once, as its Deployment's."""
+    from fleet.cluster import ServingSpec
+    from fleet.demand import GpuPod
+    from fleet.messages.evacuation import FreeGpusInput
+    from providers.cluster.base import serving_labels
+
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
+    add_node(env, "n-1", site="site-0")  # 8 GPUs
+    add_node(env, "n-2", site="site-0")
+    env.cluster.apply_serving(ServingSpec(model="llm", site="site-0", image="img:v1", replicas=2, gpus_per_replica=2))
+    env.cluster.create_pod(GpuPod(namespace="jobs", name="train-0", node="n-1", phase="Running", gpus=6))
+    env.cluster.create_pod(GpuPod(namespace="gpufleet", name="llm-site-0-x", node="n-2", phase="Running", gpus=2,
+                                  labels=serving_labels("llm", "site-0")))
+    free = ActivityEnvironment().run(EvacuationActivities(env).free_gpus, FreeGpusInput(sites=["site-0"]))
+    assert free == {"site-0": 16 - 4 - 6}
+
+
 def test_an_evacuation_from_before_release_nodes_leaves_a_fenced_node_cordoned(tmp_path) -> None:
     """Runs from before ``release_nodes`` uncordon through ``uncordon_nodes``: a node whose GPU a
     repair fenced stays cordoned, the repair's, as ``release_nodes`` leaves it. Before, it uncordoned

@@ -115,6 +115,9 @@ EXPECTED = {
     # tests/rollout/test_rollout_workflow.py); the old code's run, which left the site on v2, replays too.
     "rollout_cancelled_while_updating", "rollout_update_failed_half_applied",
     "rollout_cancelled_while_updating_before",
+    # A site its replicas fill is updated one replica at a time, the details saying so (tests/rollout/
+    # test_rollout_workflow.py; no patch: update_serving decides, and only the details differ).
+    "rollout_full_site_one_at_a_time",
     # The newest spot notice sets the deadline (``reclaim-newest-notice-deadline``, tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # The HTTP relay of an operator update (tests/test_entity_update.py).

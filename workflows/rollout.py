@@ -9,7 +9,8 @@ The runbook (product rules 10 and 11):
    parallel, each verified by checksum (``replicate_weights``); a site whose
    copy fails twice is failed (a failed canary stops the rollout);
 3. canary site(s), one at a time: update the Deployment (surge: the old
-   replicas serve until the new ones are ready), wait until ready, probe,
+   replicas serve until the new ones are ready; at a site with no GPUs to spare
+   for a surge replica, one replica at a time), wait until ready, probe,
    bake, probe again. A failed gate rolls that site back and stops;
 4. the other sites in batches of ``batch_size``, one batch in flight at a
    time, each site gated the same way; a site under evacuation is deferred and
@@ -485,7 +486,12 @@ class ModelRollout:
         try:
             await self._update(spec, before)
             ready_by = workflow.now() + timedelta(seconds=gate.ready_timeout_seconds)
-            self._set(site, SiteState.UPDATING, f"waiting for {spec.replicas} replicas of {request.version} "
+            how = ""
+            if self._one_at_a_time(site):
+                how = f"no room for a surge replica at {site}: replacing one at a time" + (
+                    " (its one replica is down until the new one is ready; the other sites serve)"
+                    if spec.replicas == 1 else "") + "; "
+            self._set(site, SiteState.UPDATING, f"{how}waiting for {spec.replicas} replicas of {request.version} "
                                                 f"to be ready, until {ready_by:%H:%M:%S} UTC")
             await self._wait_ready_unless_aborted(site, ready_by)
             self._check_abort()
@@ -502,8 +508,19 @@ class ModelRollout:
             raise _SiteFailed(site, await self._roll_back_after(site, failure_text(error))) from None
         except _SiteFailed as failure:
             raise _SiteFailed(site, await self._roll_back_after(site, failure.reason)) from None
-        self._set(site, SiteState.DONE, f"serving {request.version}")
+        done = f"serving {request.version}"
+        if self._one_at_a_time(site):
+            done += " (replaced one at a time: no room for a surge replica" + (
+                "; its one replica was down until the new one was ready)" if spec.replicas == 1 else ")")
+        self._set(site, SiteState.DONE, done)
         await self._tell_routing(site)
+
+    def _one_at_a_time(self, site: str) -> bool:
+        """Whether ``update_serving`` found no GPUs at ``site`` for a surge replica and replaced
+        its replicas one at a time (not where it surged, made the Deployment or changed nothing)."""
+        before, after = self._before.get(site), self._after.get(site)
+        return (before is not None and after is not None and after.max_surge == 0
+                and after.template != before.template)
 
     async def _update(self, spec: ServingSpec, before: Optional[ServingStatus]) -> None:
         """Apply ``spec`` at its site. Until the answer comes the site may have changed
@@ -514,7 +531,7 @@ class ModelRollout:
         update = workflow.start_activity(
             act.update_serving, UpdateServingInput(spec=spec),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
-            summary=f"{spec.model} {self._req.version} at {site}: {spec.replicas} replicas (surge)",
+            summary=f"{spec.model} {self._req.version} at {site}: {spec.replicas} replicas",
         )
         try:
             status: ServingStatus = await asyncio.shield(update)

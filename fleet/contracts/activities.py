@@ -571,8 +571,10 @@ async def uncordon_nodes(input: UncordonInput) -> list[str]:
 
 @activity.defn(name="update_serving")
 async def update_serving(input: UpdateServingInput) -> ServingStatus:
-    """Create or update the Deployment (idempotent: the same spec changes nothing). Body:
-    ``activities/serving.py``, ``ServingActivities.update_serving``."""
+    """Create or update the Deployment (idempotent: the same spec changes nothing). Where the
+    site has no GPUs for a surge replica the update replaces one replica at a time (the answer's
+    ``max_surge`` is 0), or is refused (``NoRoomToUpdate``) where that would leave the model served
+    nowhere. Body: ``activities/serving.py``, ``ServingActivities.update_serving``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -20,6 +20,7 @@ from fleet.demand import GpuPod
 from fleet.models import Node
 from fleet.cluster import (
     NodeIdentity,
+    LABEL_MODEL,
     LABEL_SITE,
     GPU_RESOURCE,
     FLEET_TAINT_KEY,
@@ -322,7 +323,13 @@ class Cluster(WeightedRouting, Protocol):
     # -- per-site serving -----------------------------------------------------------------
     def apply_serving(self, spec: ServingSpec) -> ServingStatus:
         """Create or update the model's Deployment and Service at the site. A changed
-        template keeps the one before it for ``rollback_serving``. Idempotent."""
+        template keeps the one before it for ``rollback_serving``; it comes with the spec's
+        ``max_surge`` (a Deployment's strategy). Idempotent."""
+        ...
+
+    def serving_template(self, spec: ServingSpec) -> str:
+        """The pod template ``apply_serving(spec)`` leaves the Deployment on, as
+        ``ServingStatus.template`` names it: a status showing another is replaced by the apply."""
         ...
 
     def scale_serving(self, model: str, site: str, replicas: int) -> ServingStatus:
@@ -588,14 +595,37 @@ def takes_serving(node: Node, site: str) -> bool:
 
 
 def serving_capacity(nodes: Iterable[Node], site: str, gpus_per_replica: int) -> int:
-    """How many replicas the site's nodes can hold (what both the simulated cluster
-    and the test API server's scheduler assume): the nodes that ``takes_serving``, GPUs
-    divided per replica."""
-    total = 0
-    for node in nodes:
-        if takes_serving(node, site):
-            total += node.gpus_allocatable // gpus_per_replica if gpus_per_replica else 1_000
-    return total
+    """How many replicas the site's nodes can hold, with nothing else on them (what both the
+    simulated cluster and the test API server's scheduler assume): the nodes that take serving
+    (``takes_serving``), GPUs divided per replica."""
+    return sum(node.gpus_allocatable // gpus_per_replica if gpus_per_replica else 1_000
+               for node in nodes if takes_serving(node, site))
+
+
+def serving_labels(model: str, site: str) -> dict[str, str]:
+    """The labels of ``model``'s serving objects at ``site``; its pods' selector."""
+    return {LABEL_MODEL: label_value(dns_label(model)), LABEL_SITE: label_value(site)}
+
+
+def gpus_held_by_pods(nodes: Iterable[Node], pods: Iterable[GpuPod], site: str,
+                      serving: Iterable[tuple[str, str]] = ()) -> int:
+    """GPUs the pods bound to ``site``'s serving nodes hold (a training job, a demand pod), but
+    the pods of the ``serving`` (model, site) Deployments: those are counted as their Deployment's."""
+    names = {node.name for node in nodes if takes_serving(node, site)}
+    selectors = [serving_labels(model, where) for model, where in serving]
+    return sum(pod.gpus for pod in pods if pod.node in names and pod.phase not in ("Succeeded", "Failed")
+               and not any(selector_matches(s, pod.labels) for s in selectors))
+
+
+def free_gpus_at(nodes: Iterable[Node], serving: Iterable[ServingStatus], pods: Iterable[GpuPod], site: str) -> int:
+    """GPUs at ``site`` no one holds or asks for: its serving nodes' GPUs less each serving
+    Deployment's there (replicas x GPUs per replica, scheduled or still Pending) and those every
+    other pod on those nodes holds. Counted per site, not per node: GPUs left on two nodes may
+    add up to a replica neither node can hold."""
+    nodes, serving = list(nodes), [s for s in serving if s.site == site]
+    asked = sum(s.desired_replicas * s.gpus_per_replica for s in serving)
+    held = gpus_held_by_pods(nodes, pods, site, [(s.model, s.site) for s in serving])
+    return max(0, serving_capacity(nodes, site, 1) - asked - held)
 
 
 class PodInfo(BaseModel):

@@ -9,6 +9,7 @@ import uuid
 
 import pytest
 
+from fleet.demand import GpuPod
 from providers.cluster.base import PodInfo
 from fleet.cluster import LABEL_PROVIDER, LABEL_SITE
 from providers.cluster.kubernetes import KubernetesCluster, access_table
@@ -77,7 +78,11 @@ class SimHarness:
         self.cluster.set_node_status(name, ready=ready)
 
     def add_pod(self, node: str, name: str, namespace: str = "default", labels: dict | None = None,
-                owner_kind: str = "ReplicaSet", mirror: bool = False) -> None:
+                owner_kind: str = "ReplicaSet", mirror: bool = False, gpus: int = 0) -> None:
+        if gpus:  # one that holds GPUs: a pod with a spec (the demand loop's kind), bound and running
+            self.cluster.create_pod(GpuPod(namespace=namespace, name=name, node=node, phase="Running", gpus=gpus,
+                                           labels=labels or {}, owner_kinds=[owner_kind]))
+            return
         self.cluster.add_pod(node, name, namespace, labels, owner_kind, mirror)
 
     def set_pdb(self, namespace: str, name: str, selector: dict, min_available: int | None = None,

@@ -355,6 +355,74 @@ def test_scale_and_delete_serving(harness):
     assert harness.cluster.serving_status("llama-3-8b", "site-a") is None
 
 
+def _wait_status(cluster, model, site, until, timeout=30.0):
+    """The serving's status once ``until(status)`` holds, or the last one read at ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = cluster.serving_status(model, site)
+        if until(status) or time.monotonic() > deadline:
+            return status
+        time.sleep(0.05)
+
+
+#: How long a test watches for an update that must never complete: the real tier's controllers
+#: and scheduler act within a second, the simulated cluster at once.
+NEVER_S = 3.0
+
+
+def test_serving_counts_the_gpus_other_replicas_and_pods_hold(harness):
+    """A site's GPUs are shared: another model's replicas and other GPU pods (a training job)
+    hold theirs, and a replica that finds none left is not available."""
+    harness.add_node("gpu-1", site="site-a", gpus=8)
+    harness.add_node("gpu-2", site="site-a", gpus=8)
+    harness.add_pod("gpu-2", "train-0", namespace="jobs", gpus=4)
+    harness.cluster.apply_serving(_spec(model="mistral-7b"))  # 2 replicas of 4 GPUs, of the 12 left
+    assert _wait_ready(harness.cluster, "mistral-7b", "site-a").available_replicas == 2
+    harness.cluster.apply_serving(_spec())  # 4 GPUs left: one replica of two
+    status = _wait_status(harness.cluster, "llama-3-8b", "site-a", lambda s: s.available_replicas >= 1)
+    time.sleep(NEVER_S / 3)  # a second replica, were there room, is scheduled meanwhile
+    status = harness.cluster.serving_status("llama-3-8b", "site-a")
+    assert not status.ready and status.available_replicas == 1
+    assert harness.cluster.serving_status("mistral-7b", "site-a").available_replicas == 2
+
+
+def test_an_update_needs_gpus_for_its_surge_replica(harness):
+    """Deployment rolling-update semantics: with maxSurge 1 and maxUnavailable 0 a new replica
+    starts before an old one goes. Where the replicas fill the site's GPUs that pod stays Pending
+    and the update never completes (the old replicas serve on) until GPUs are freed or added.
+    Rolled back, it is done at once (the old pods run that template); replacing one replica at a
+    time (``max_surge`` 0: maxUnavailable 1) needs no GPU to spare."""
+    harness.add_node("gpu-1", site="site-a", gpus=8)
+    harness.cluster.apply_serving(_spec())  # 2 replicas of 4 GPUs: the node is full
+    assert _wait_ready(harness.cluster, "llama-3-8b", "site-a").available_replicas == 2
+    harness.cluster.apply_serving(_spec(image="vllm:0.7"))
+    stuck = _wait_ready(harness.cluster, "llama-3-8b", "site-a", timeout=NEVER_S)
+    assert not stuck.ready and stuck.available_replicas == 2 and stuck.max_surge == 1
+    back = harness.cluster.rollback_serving("llama-3-8b", "site-a")
+    assert back.image == "vllm:0.6"
+    assert _wait_ready(harness.cluster, "llama-3-8b", "site-a").available_replicas == 2
+
+    one_at_a_time = _spec(image="vllm:0.7", max_surge=0)
+    assert harness.cluster.apply_serving(one_at_a_time).max_surge == 0
+    done = _wait_ready(harness.cluster, "llama-3-8b", "site-a")
+    assert done.ready and done.image == "vllm:0.7" and done.available_replicas == 2
+
+    harness.cluster.apply_serving(_spec(image="vllm:0.8"))
+    assert not _wait_ready(harness.cluster, "llama-3-8b", "site-a", timeout=NEVER_S).ready
+    harness.add_node("gpu-2", site="site-a", gpus=8)  # room for the surge replica
+    done = _wait_ready(harness.cluster, "llama-3-8b", "site-a")
+    assert done.ready and done.image == "vllm:0.8" and done.available_replicas == 2
+
+
+def test_serving_template_names_the_template_apply_leaves(harness):
+    harness.add_node("gpu-1", site="site-a")
+    spec = _spec()
+    assert harness.cluster.apply_serving(spec).template == harness.cluster.serving_template(spec)
+    # The strategy is the Deployment's, not its pods': applying another replaces no replica.
+    assert harness.cluster.serving_template(_spec(max_surge=0)) == harness.cluster.serving_template(spec)
+    assert harness.cluster.serving_template(_spec(image="vllm:0.7")) != harness.cluster.serving_template(spec)
+
+
 def test_serving_names_are_dns_labels(harness):
     harness.add_node("gpu-1", site="site-a")
     status = harness.cluster.apply_serving(_spec(model="meta-llama/Llama-3.1-70B-Instruct", replicas=1))

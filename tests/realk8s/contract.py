@@ -211,7 +211,8 @@ class RealHarness:
         return {k: v for k, v in self.owners[key].items() if not k.startswith("_")}
 
     def add_pod(self, node: str, name: str, namespace: str = "default", labels: dict | None = None,
-                owner_kind: str = "ReplicaSet", mirror: bool = False, terminating_seconds: float = 0) -> None:
+                owner_kind: str = "ReplicaSet", mirror: bool = False, terminating_seconds: float = 0,
+                gpus: int = 0) -> None:
         meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": labels or {}, "annotations": {}}
         if owner_kind:
             meta["ownerReferences"] = [self._owner(owner_kind, namespace, node)]
@@ -221,6 +222,8 @@ class RealHarness:
             meta["annotations"][TERMINATING_ANNOTATION] = str(terminating_seconds)
         spec: dict[str, Any] = {"nodeName": node, "automountServiceAccountToken": False,
                                 "containers": [{"name": "c", "image": "registry.invalid/app:1"}]}
+        if gpus:  # held on the node, as the scheduler counts them
+            spec["containers"][0]["resources"] = {"limits": {GPU_RESOURCE: str(gpus)}}
         if not mirror:
             spec["serviceAccountName"] = "default"
         # No grace unless asked: a pod ends as soon as it is evicted (its kubelet says so at once).

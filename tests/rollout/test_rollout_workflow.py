@@ -274,6 +274,51 @@ async def test_the_rollback_of_an_update_that_gave_no_answer_goes_back_only_if_i
     assert (again.image, again.generation) == ("img:v1", landed.generation)
 
 
+async def test_a_site_its_replicas_fill_is_updated_one_replica_at_a_time(rollout_stack: RolloutStack) -> None:
+    """Two replicas of 4 GPUs fill site-a's one 8-GPU node. The update surged (maxSurge 1,
+    maxUnavailable 0): its new replica found no GPUs, no old one went, and the readiness wait
+    ended in ServingNotReady and a rollback: a rollout that could never pass at a full site. Now
+    the update replaces one replica at a time there, and the details say so."""
+    stack = rollout_stack
+    stack.cluster.apply_serving(ServingSpec(model=MODEL, site="site-a", image="img:v1", replicas=2,
+                                            gpus_per_replica=4))
+    handle = await stack.start({**stack.request({"site-a": 2}), "gpus_per_replica": 4}, "full-site")
+    result = RolloutResult.model_validate(await handle.result())
+    assert result.outcome == "completed", result.reason
+    assert result.sites[0].detail == "serving v2 (replaced one at a time: no room for a surge replica)"
+    status = stack.cluster.serving_status(MODEL, "site-a")
+    assert (status.image, status.available_replicas, status.max_surge) == ("img:v2", 2, 0)
+    await replay_and_record(handle, "rollout_full_site_one_at_a_time")
+
+
+async def test_a_full_sites_one_replica_is_replaced_only_while_another_site_serves(
+        rollout_stack: RolloutStack) -> None:
+    """One replica of 8 GPUs fills site-a. Replaced one at a time, the model is down there until
+    the new replica is ready: taken where another site serves it (said in the details), refused
+    where site-a's replica is the model's only one (product rule 11), nothing changed."""
+    stack = rollout_stack
+    for site in ("site-a", "site-b"):
+        stack.cluster.apply_serving(ServingSpec(model=MODEL, site=site, image="img:v1", replicas=1,
+                                                gpus_per_replica=8))
+    stack.cluster.scale_serving(MODEL, "site-b", 0)  # site-a alone serves
+    raw = {**stack.request({"site-a": 1}), "gpus_per_replica": 8}
+    refused = await failure_of(await stack.start(raw, "only-replica"))
+    assert "no room for a surge replica at site-a" in str(refused), str(refused)
+    assert "would leave llm served nowhere" in str(refused), str(refused)
+    assert stack.image("site-a") == "img:v1"
+
+    stack.cluster.scale_serving(MODEL, "site-b", 1)
+    result = RolloutResult.model_validate(await (await stack.start(raw, "one-replica")).result())
+    assert result.outcome == "completed", result.reason
+    assert result.sites[0].detail == ("serving v2 (replaced one at a time: no room for a surge replica; its one "
+                                       "replica was down until the new one was ready)")
+    assert stack.image("site-a") == "img:v2" and stack.image("site-b") == "img:v1"
+    # Run again, site-a alone serving: already on v2, no replica is replaced, nothing is refused.
+    stack.cluster.scale_serving(MODEL, "site-b", 0)
+    again = RolloutResult.model_validate(await (await stack.start(raw, "again")).result())
+    assert again.outcome == "completed" and again.sites[0].detail == "serving v2", again
+
+
 async def test_the_readiness_wait_and_the_bake_say_until_when(rollout_stack: RolloutStack) -> None:
     stack = rollout_stack
     stack.serve_v1(["site-a", "site-b"])

@@ -12,13 +12,9 @@ from fleet.models import CredentialsRef
 from fleet.weights_pull import CACHE_ROOT as WEIGHTS_CACHE_ROOT
 from fleet.weights_pull import ENV as WEIGHTS_ENV
 from fleet.weights_pull import KEY_ENV as WEIGHTS_KEY_ENV
-from providers.cluster.base import ANNOTATION_MODEL, SERVING_TOLERATED, dns_label, serving_name
+from providers.cluster.base import ANNOTATION_MODEL, SERVING_TOLERATED, dns_label, serving_labels, serving_name
 from providers.cluster.base import label_value as _label_value
 from providers.cluster.kubernetes.api import _canonical
-
-
-def _serving_labels(spec_model: str, site: str) -> dict[str, str]:
-    return {LABEL_MODEL: _label_value(dns_label(spec_model)), LABEL_SITE: _label_value(site)}
 
 
 #: The model server's readiness: a replica that has not loaded its model answers no
@@ -65,7 +61,7 @@ def _metadata(name: str, namespace: str, labels: dict[str, str], model: str,
 
 
 def render_pod_template(spec: ServingSpec) -> dict[str, Any]:
-    labels = {**_serving_labels(spec.model, spec.site), "app.kubernetes.io/managed-by": "gpufleet"}
+    labels = {**serving_labels(spec.model, spec.site), "app.kubernetes.io/managed-by": "gpufleet"}
     env = [{"name": "MODEL_NAME", "value": spec.model}]
     if spec.weights is not None:
         init, volume, weights_dir = _weights_init(spec)
@@ -107,11 +103,11 @@ def render_deployment(spec: ServingSpec, namespace: str) -> dict[str, Any]:
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _metadata(serving_name(spec.model, spec.site), namespace, _serving_labels(spec.model, spec.site),
+        "metadata": _metadata(serving_name(spec.model, spec.site), namespace, serving_labels(spec.model, spec.site),
                               spec.model, {ANNOTATION_TEMPLATE: _canonical(template)}),
         "spec": {
             "replicas": spec.replicas,
-            "selector": {"matchLabels": _serving_labels(spec.model, spec.site)},
+            "selector": {"matchLabels": serving_labels(spec.model, spec.site)},
             # Surge keeps serving capacity during an update; without spare GPUs
             # (max_surge 0) pods are replaced one at a time instead.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {
@@ -125,9 +121,9 @@ def render_service(model: str, site: str, namespace: str) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(serving_name(model, site), namespace, _serving_labels(model, site), model),
+        "metadata": _metadata(serving_name(model, site), namespace, serving_labels(model, site), model),
         "spec": {
-            "selector": _serving_labels(model, site),
+            "selector": serving_labels(model, site),
             "ports": [{"name": "http", "port": SERVING_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -158,6 +154,6 @@ def render_pdb(model: str, site: str, namespace: str) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _metadata(serving_name(model, site), namespace, _serving_labels(model, site), model),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _serving_labels(model, site)}},
+        "metadata": _metadata(serving_name(model, site), namespace, serving_labels(model, site), model),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": serving_labels(model, site)}},
     }

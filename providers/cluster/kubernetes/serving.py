@@ -72,6 +72,9 @@ class Serving(KubernetesApi):
         self._apply_pdb(spec.model, spec.site)
         return self._status_or_raise(spec.model, spec.site)
 
+    def serving_template(self, spec: ServingSpec) -> str:
+        return template_fingerprint(render_deployment(spec, self.namespace)["metadata"]["annotations"][ANNOTATION_TEMPLATE])
+
     def _apply_pdb(self, model: str, site: str) -> None:
         desired = render_pdb(model, site, self.namespace)
         name = desired["metadata"]["name"]
@@ -136,6 +139,7 @@ class Serving(KubernetesApi):
             # What apply and rollback wrote (the API server defaults fields in the live template).
             template=template_fingerprint((meta.get("annotations") or {}).get(ANNOTATION_TEMPLATE)
                                           or _canonical(spec.get("template"))),
+            max_surge=_max_surge(spec),
         )
 
     def serving_status(self, model: str, site: str) -> ServingStatus | None:
@@ -210,6 +214,13 @@ class Serving(KubernetesApi):
             if model and where and (site is None or where == site):
                 out.append(self._status(model, where, item))
         return sorted(out, key=lambda s: (s.model, s.site))
+
+
+def _max_surge(spec: dict[str, Any]) -> int | None:
+    """The rolling update's ``maxSurge`` when a number (a percentage, as a Deployment not made
+    here may have, is no count of replicas to reason with)."""
+    surge = ((spec.get("strategy") or {}).get("rollingUpdate") or {}).get("maxSurge")
+    return surge if isinstance(surge, int) else None
 
 
 def _same_service(current: dict[str, Any], desired: dict[str, Any]) -> bool:
