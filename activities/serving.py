@@ -31,6 +31,7 @@ from fleet.messages.rollout import (
 )
 from fleet.rollout import ProbeResult
 from fleet.cluster import ServingSpec, ServingStatus
+from fleet.naming import kubernetes_name_clash
 from providers.cluster.base import free_gpus_at
 
 
@@ -59,6 +60,7 @@ class ServingActivities:
         return self._probe
 
     @activity.defn
+    @typed_errors
     def resolve_rollout_sites(self, input: ResolveRolloutSitesInput) -> RolloutSites:
         sites = {s.name: s for s in self.env.config.sites}
         asked = [name for name in input.sites if name in sites]
@@ -66,7 +68,18 @@ class ServingActivities:
             known=sorted(sites), stores={name: sites[name].object_store for name in asked},
             object_stores=sorted(self.env.config.object_stores),
             gpus_per_machine={name: sites[name].gpus_per_machine for name in asked},
+            problems=self._name_clashes(input.model) if input.model else [],
         )
+
+    def _name_clashes(self, model: str) -> list[str]:
+        """Another model served under ``model``'s Kubernetes name: its Deployments would take
+        this rollout's template and its route this model's sites, with no error anywhere."""
+        served: dict[str, list[str]] = {}
+        for status in self.env.cluster.list_serving():
+            served.setdefault(status.model, []).append(status.site)
+        return [f"model: {clash}: {other!r} is served at {', '.join(sorted(where))}; roll out under its name "
+                "or rename the model"
+                for other, where in sorted(served.items()) if (clash := kubernetes_name_clash(model, other))]
 
     @activity.defn
     @typed_errors

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from fleet.models import PROVIDERS
+from fleet.naming import kubernetes_name_clash
 from fleet.replacement import may_move
 
 
@@ -70,7 +71,8 @@ def cross_check(raw: dict[str, Any]) -> list[str]:
 
 def _check_models(raw: dict[str, Any]) -> list[str]:
     """Every model names known sites; standby sites only where the mode has them, and only
-    inside a compliance primary's geography (fleet.replacement)."""
+    inside a compliance primary's geography (fleet.replacement); no two models share one
+    Kubernetes name."""
     models = raw.get("models")
     if not isinstance(models, dict):
         return []
@@ -103,5 +105,8 @@ def _check_models(raw: dict[str, Any]) -> list[str]:
                                                                      bool(other.get("compliance")))):
                     problems.append(f"{where}: {name} is outside compliance site {first['name']}'s geography "
                                     f"{first.get('geography')!r}")
+    names = [str(model) for model in models]
+    for i, model in enumerate(names):
+        problems += [f"models: {clash}" for other in names[:i] if (clash := kubernetes_name_clash(model, other))]
     return problems
 

@@ -62,6 +62,29 @@ def site_name_problem(site: str) -> str | None:
     return None
 
 
+def dns_label(value: str, max_len: int = 63) -> str:
+    """A DNS-1035 label (lowercase, ``[a-z0-9-]``, starts with a letter) for ``value``.
+    Names cut to fit get a short hash so two long names stay distinct."""
+    slug = re.sub(r"[^a-z0-9]+", "-", value.lower()).strip("-") or "x"
+    if not slug[0].isalpha():
+        slug = f"m-{slug}"
+    if len(slug) > max_len:
+        digest = hashlib.sha256(value.encode()).hexdigest()[:8]
+        slug = f"{slug[: max_len - 9].rstrip('-')}-{digest}"
+    return slug
+
+
+def kubernetes_name_clash(model: str, other: str) -> str | None:
+    """Why ``model`` and ``other`` cannot both be served (None: they can): the Kubernetes
+    adapter names a model's Deployments, Services, PodDisruptionBudgets, HTTPRoute and routing
+    entry after ``dns_label(model)``, so two names with one label (``Llama-3-8B``,
+    ``llama_3_8b``) would write each other's objects."""
+    label = dns_label(model)
+    if model == other or dns_label(other) != label:
+        return None
+    return f"{other!r} and {model!r} are one Kubernetes name ({label})"
+
+
 def node_name_for(site: str, join_id: str, nonce: str = "") -> str:
     """A node name that a retried or replayed join always computes the same. ``nonce``: the
     join's per-start nonce (its first run id): a later join started with the same id gets a

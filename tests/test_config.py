@@ -112,6 +112,22 @@ def test_a_model_routed_to_more_than_16_sites_is_refused(tmp_path: Path) -> None
     assert parse_config(sixteen).models["llama"].standby_sites
 
 
+def test_models_of_one_kubernetes_name_are_refused(tmp_path: Path) -> None:
+    """The Kubernetes adapter names a model's Deployments, Services and route after its DNS
+    label: two models of one label would write each other's objects."""
+    def clash(f):
+        policy = {"sites": [f["sites"][0]["name"]]}
+        f["models"] = {"Llama-3-8B": policy, "llama-3-70b": policy, "llama_3_8b": policy}
+
+    code, output = check(tmp_path, broken(clash))
+    assert code == 2, output
+    assert "models: 'Llama-3-8B' and 'llama_3_8b' are one Kubernetes name (llama-3-8b)" in " ".join(output.split())
+    assert "llama-3-70b" not in output
+    apart = broken(clash)
+    del apart["models"]["llama_3_8b"]
+    assert set(parse_config(apart).models) == {"Llama-3-8B", "llama-3-70b"}
+
+
 def test_real_mode_needs_credentials_references(tmp_path: Path) -> None:
     fleet = broken(lambda f: (f.update(mode="real"), f["accounts"][0].pop("credentials")))
     code, output = check(tmp_path, fleet)

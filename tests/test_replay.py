@@ -118,6 +118,10 @@ EXPECTED = {
     # A site its replicas fill is updated one replica at a time, the details saying so (tests/rollout/
     # test_rollout_workflow.py; no patch: update_serving decides, and only the details differ).
     "rollout_full_site_one_at_a_time",
+    # A model under another served model's Kubernetes name is refused at start, naming ``model``
+    # (tests/rollout/test_rollout_workflow.py; no patch: the look-up's input carries the model and
+    # its result the refusal, so a run recorded before, with neither, takes the same path).
+    "rollout_refused_kubernetes_name_clash",
     # The newest spot notice sets the deadline (``reclaim-newest-notice-deadline``, tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # The HTTP relay of an operator update (tests/test_entity_update.py).

@@ -303,12 +303,13 @@ class ModelRollout:
     async def _run_book(self, request: RolloutInput) -> RolloutResult:
         self._phase("validating")
         sites: RolloutSites = await workflow.execute_activity(
-            act.resolve_rollout_sites, ResolveRolloutSitesInput(sites=[t.site for t in request.sites]),
+            act.resolve_rollout_sites, ResolveRolloutSitesInput(sites=[t.site for t in request.sites],
+                                                                model=request.model),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary="look up target sites and their object stores",
         )
         problems = check_sites(request, sites.stores, sites.known, sites.gpus_per_machine)
-        problems = check_source(request, sites.object_stores) + problems
+        problems = sites.problems + check_source(request, sites.object_stores) + problems
         if problems:
             self._finished = True
             self._phase("failed", "; ".join(problems))

@@ -66,6 +66,9 @@ class ReplicateResult(BaseModel):
 
 class ResolveRolloutSitesInput(BaseModel):
     sites: list[str]
+    #: The rollout's model, checked against the models the cluster serves (none in an input
+    #: recorded before it: nothing checked).
+    model: str | None = None
 
 
 class RolloutSites(BaseModel):
@@ -78,6 +81,8 @@ class RolloutSites(BaseModel):
     #: The asked-for sites that exist, with their machines' GPU count (none in a result recorded
     #: before it: nothing to check against).
     gpus_per_machine: dict[str, int] = Field(default_factory=dict)
+    #: Why the model may not roll out, each naming its field (none in a result recorded before it).
+    problems: list[str] = Field(default_factory=list)
 
 
 class ServingRef(BaseModel):

@@ -18,6 +18,7 @@ from pydantic import BaseModel, Field
 from fleet.errors import ClusterConflict, InvalidRequest, NotFound
 from fleet.demand import GpuPod
 from fleet.models import Node
+from fleet.naming import dns_label
 from fleet.cluster import (
     NodeIdentity,
     LABEL_MODEL,
@@ -433,18 +434,6 @@ def label_value(value: str) -> str:
     """A valid label value (≤63, alphanumerics at both ends)."""
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", value)[:63]
     return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
-
-
-def dns_label(value: str, max_len: int = 63) -> str:
-    """A DNS-1035 label (lowercase, ``[a-z0-9-]``, starts with a letter) for ``value``.
-    Names cut to fit get a short hash so two long names stay distinct."""
-    slug = re.sub(r"[^a-z0-9]+", "-", value.lower()).strip("-") or "x"
-    if not slug[0].isalpha():
-        slug = f"m-{slug}"
-    if len(slug) > max_len:
-        digest = hashlib.sha256(value.encode()).hexdigest()[:8]
-        slug = f"{slug[: max_len - 9].rstrip('-')}-{digest}"
-    return slug
 
 
 def serving_name(model: str, site: str) -> str:

@@ -154,6 +154,29 @@ async def test_a_replica_no_machine_of_a_site_can_hold_is_refused_before_copying
         assert stack.image(site) is None
 
 
+async def test_a_model_whose_kubernetes_name_another_served_model_has_is_refused(rollout_stack: RolloutStack) -> None:
+    """``LLM`` and ``llm`` are one Kubernetes name: the adapter's Deployment, Service, HTTPRoute
+    and routing entry of one are the other's, so the rollout would replace the served model's
+    template and fight over its route. The simulated cluster keys by the exact name; the refusal
+    comes at start, naming ``model``, with nothing copied or applied."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a"])
+    before = stack.cluster.serving_status(MODEL, "site-a")
+    request = stack.request({"site-a": 1, "site-b": 1})
+    request["model"] = MODEL.upper()
+    handle = await stack.start(request, "clash")
+    error = await failure_of(handle)
+    assert error.type == "InvalidInput" and error.non_retryable, error
+    assert "model: 'llm' and 'LLM' are one Kubernetes name (llm): 'llm' is served at site-a" in str(error), error
+    history = await handle.fetch_history()
+    scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                 if e.HasField("activity_task_scheduled_event_attributes")]
+    assert scheduled == ["resolve_rollout_sites"], "only the look-up ran: no copy, no Deployment"
+    assert stack.cluster.serving_status(MODEL, "site-a") == before
+    assert [(s.model, s.site) for s in stack.cluster.list_serving()] == [(MODEL, "site-a")]
+    await replay_and_record(handle, "rollout_refused_kubernetes_name_clash")
+
+
 async def test_canary_fails_gate_rolled_back_others_untouched(rollout_stack: RolloutStack) -> None:
     stack = rollout_stack
     stack.serve_v1(["site-a", "site-b", "site-c"])
