@@ -774,6 +774,28 @@ def _start_workers(stack: _Stack, settings: Settings, ports: DevPorts, metrics: 
     return gateway_env
 
 
+#: How long a worker may take to serve its metrics page after it was started: its imports and its
+#: SDK runtime, on a busy 2-core machine a few seconds.
+WORKER_START_SECONDS = 60
+
+
+def _workers_not_listening(stack: _Stack, metrics: dict[str, int]) -> str | None:
+    """None once the control-plane worker and the node host serve their metrics pages, so that "is up"
+    means up (before, a scrape or a look at the node host right after it could find nothing there);
+    else why not: the worker that exited at start-up, or the one still silent after ``WORKER_START_SECONDS``."""
+    deadline = time.monotonic() + WORKER_START_SECONDS
+    for name in ("control-plane", "node-agents"):
+        child = stack.children[name]
+        while not port_in_use(metrics[name]):
+            if child.proc.poll() is not None:
+                return f"the {child.label} exited at start-up (exit code {child.proc.returncode}); see {child.log}"
+            if time.monotonic() > deadline:
+                return (f"the {child.label} did not open its metrics port {metrics[name]} within "
+                        f"{WORKER_START_SECONDS} s; see {child.log}")
+            time.sleep(0.1)
+    return None
+
+
 def _fatal_processes(cluster) -> dict[str, tuple[subprocess.Popen, Path]]:
     """What ``supervise`` stops the stack for when it exits, with its log."""
     # The cluster's services and PostgreSQL are the cluster's to run: one that exits stops the stack.
@@ -822,6 +844,11 @@ def run_dev(settings: Settings, port: int = 7233, ui_port: int | None = None, ht
         if server is None or not _server_answers(settings, *server):
             return 1
         gateway_env = _start_workers(stack, settings, ports, metrics)
+        not_listening = _workers_not_listening(stack, metrics)
+        if not_listening is not None:
+            console.print("[red]error:[/]", end=" ")
+            console.print(not_listening, markup=False, highlight=False)
+            return 1
         front_door = front_door_line(stack.start, port_in_use, ports.front_door, "front_door" in ports.given)
         stack.starting = False
         if stack.interrupted_by:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -87,6 +89,13 @@ def test_dev_stack_stops_cleanly_and_resumes_open_joins(tmp_path: Path) -> None:
 
     dev = start_dev(env, port, ui_port, tmp_path / "dev1.log")
     children = children_of(dev.pid)
+    # "is up" means up: every metrics page it lists answers at once (before, the node host's could
+    # still be importing, and a scrape or a test right after found nothing on its port).
+    pages = re.findall(r"metrics +(http://\S+/metrics)", (tmp_path / "dev1.log").read_text())
+    assert len(pages) == 3, (tmp_path / "dev1.log").read_text()  # control-plane, node-agents, the dev server
+    for page in pages:
+        with urllib.request.urlopen(page, timeout=10) as answer:
+            assert answer.status == 200, page
     # The front door (HAProxy) is a fourth child where haproxy is installed and port 8080 free.
     front_door = "front door       http" in (tmp_path / "dev1.log").read_text()
     assert len(children) == 4 + front_door, "temporal server, control-plane worker, node gateway, node-agent host[, front door]"

@@ -147,7 +147,7 @@ def test_dev_stack_on_the_real_cluster_joins_and_stops_cleanly(tmp_path: Path, t
         assert sorted(held) == sorted(cluster_own), (held, derived)
         stack = listening_ports(everything)
         for name in ("node-gateway", "control-plane", "node-agents"):
-            assert derived[name] in stack, (name, derived, stack)
+            assert derived[name] in stack, (name, derived, stack, printed, child_logs(env))
         assert f"PostgreSQL       127.0.0.1:{port + 8}" in printed, printed
         assert f"history {port + 1}, matching {port + 2}, worker {port + 3}" in printed, printed
     except BaseException:
