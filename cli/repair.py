@@ -65,6 +65,8 @@ def _show_ladder(state) -> None:
     console.print(f"[bold]{state.node_name}[/] GPU {state.gpu}: rung [bold]{state.rung}[/], {state.step}{flags}{outcome}")
     if state.reasons:
         console.print("  why: " + "; ".join(state.reasons))
+    if state.waiting_for:  # the node's action slot: who holds it, until when
+        console.print("  waiting: " + escape(state.waiting_for))
     show_rows("attempts", ["rung", "outcome", "started", "finished", "detail"],
               [[a.rung, a.outcome, f"{a.started_at:%H:%M:%S}", f"{a.finished_at:%H:%M:%S}" if a.finished_at else "",
                 a.detail] for a in state.attempts], drop_narrow=("started",))

@@ -316,3 +316,11 @@ class RepairSettings(BaseModel):
     recheck_seconds: float = Field(30, gt=0)
     #: A watch result observed longer ago than this is ignored (set by ``control_plane:``).
     max_report_age_seconds: float = Field(120, gt=0, le=3600)
+
+    def slot_seconds(self, rung: Rung) -> float:
+        """How long a repair at ``rung`` is expected to hold its node's action slot: its rung's
+        timeouts as the repair sets them (a reboot or reimage: the provider's call, then the wait
+        for the new boot id). Retries can run past it; a holder still there after it is worth a look."""
+        timeouts = self.timeouts
+        through_provider = rung == Rung.REBOOT or (rung == Rung.REINSTALL and self.reinstall_via == "provider")
+        return (timeouts.provider_call_seconds if through_provider else 0) + timeouts.rung_seconds(rung)

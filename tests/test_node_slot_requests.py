@@ -11,6 +11,10 @@ the GPU they were for was never reset or rebooted.
 The slot is held by a reboot whose machine is slow to boot (tests/test_repair_cancel.py builds
 it); the faults queued behind it are reported by the control plane's own ``send_report``, as
 the node's agent is down for the reboot.
+
+A repair queued for the slot says who holds it and until when that holder is expected to give it
+back ("every wait says why and until when"): an operator can tell a reboot that takes its time
+from a stuck one.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -34,13 +38,17 @@ from fleet.repair_policy import Rung
 from tests.conftest import Stack
 from tests.repair_helpers import eventually, exists, ladder, node_status, repair_fleet, repair_handle, running_stack
 from tests.replay import HISTORIES, replay_and_record
-from tests.test_repair_cancel import repair_waiting_for_boot
+from tests.test_repair_cancel import _details, repair_waiting_for_boot
+from tests.test_cli import gpufleet
 from workers.health_report import send_report
 
 #: The recorded Node run of this scenario on today's code, and the same run on the code before
 #: ``node-patches-at-start-3`` (it granted the slot to the cancelled repair; it must still replay).
 RECORDED = "node_entity_queued_request_of_an_ended_repair"
 RECORDED_BEFORE = f"{RECORDED}_before"
+#: The Node run and a queued repair's run of the scenario where the queue is told who holds the slot.
+RECORDED_TOLD = "node_entity_tells_the_queue_who_holds_the_slot"
+RECORDED_TOLD_REPAIR = "gpu_repair_told_who_holds_the_slot"
 
 
 @pytest.fixture
@@ -135,6 +143,79 @@ async def test_a_repair_cancelled_in_the_queue_is_not_granted_and_covers_no_late
         status.log
 
     await replay_and_record(node_entity, RECORDED)
+
+
+@pytest.fixture
+async def slow_reboots(temporal_env, tmp_path):
+    """``rstack``, with reboots allowed two minutes: the test, not the timeout, ends each one."""
+    fleet = repair_fleet()
+    fleet["sites"][0]["gpus_per_machine"] = 3
+    fleet["repair"]["timeouts"]["reboot_seconds"] = 120
+    async for stack in running_stack(temporal_env.client, tmp_path, fleet):
+        yield stack
+
+
+def _booted(stack: Stack, node: JoinedNode) -> None:
+    """The reboot in flight ends now: the machine comes back with its new boot id."""
+    with stack.world.tx() as db:
+        db.execute("UPDATE machines SET boot_at=? WHERE id=?", (time.time(), node.machine_id))
+
+
+async def _held_by(stack: Stack, node: JoinedNode, repair_id: str) -> str:
+    """What a queued repair must say of the slot ``repair_id`` holds for a reboot: since when (the
+    Node entity's record) and until when it is expected back, then plus the reboot's timeouts
+    (the provider's call and the wait for the new boot id)."""
+    status = await eventually(lambda: node_status(stack, node.node_name), timeout=30)
+    (action,) = [a for a in status.node_actions if a.repair_id == repair_id and a.finished_at is None]
+    assert action.rung == Rung.REBOOT
+    until = action.started_at + timedelta(seconds=4 + 120)  # provider_call_seconds + reboot_seconds
+    return (f"the slot is held by {repair_id} for its reboot since {action.started_at:%H:%M:%S} UTC, "
+            f"expected back by {until:%H:%M:%S} UTC")
+
+
+async def _details_naming(handle: WorkflowHandle, words: str) -> str | None:
+    details = await _details(handle)
+    return details if words in details else None
+
+
+async def test_a_queued_repair_names_the_slots_holder_and_when_it_is_expected_back(slow_reboots: Stack) -> None:
+    stack = slow_reboots
+    # GPU 0's repair holds the node's slot for a reboot; GPU 1's (a reboot) and GPU 2's (a reset) queue.
+    node, first = await repair_waiting_for_boot(stack)
+    second = await _queued_behind(stack, node, 1, xid=79)
+    third = await _queued_behind(stack, node, 2, xid=48)
+    held = await _held_by(stack, node, first.id)
+
+    # Each waiting repair's details name the holder and until when, and its place in the queue.
+    shown = await eventually(lambda: _details_naming(second, held), timeout=30)
+    assert "queued ahead" not in shown and "reboot needs the node's action slot" in shown, shown
+    await eventually(lambda: _details_naming(third, f"{held}; 1 more queued ahead"), timeout=30)
+    # ... and so do its ladder and `gpufleet repair show`.
+    assert (await ladder(stack, node.node_name, 1)).waiting_for == held
+    cli = await gpufleet(stack, "repair", "show", node.node_name, "2")
+    assert cli.returncode == 0, cli.stderr
+    assert f"waiting: {held}; 1 more queued ahead" in cli.stdout, cli.stdout
+
+    # The reboot ends: GPU 1's repair takes the slot for its own reboot, and GPU 2's, next in line,
+    # is told the new holder.
+    _booted(stack, node)
+    assert GpuRepairResult.model_validate(await first.result()).outcome == "repaired"
+    await eventually(lambda: _details_naming(second, "recovering"), timeout=30)
+    held = await _held_by(stack, node, second.id)
+    shown = await eventually(lambda: _details_naming(third, held), timeout=30)
+    assert "queued ahead" not in shown and first.id not in shown, shown
+
+    # The second reboot ends; it covers GPU 2's fault (detected before it began), whose repair
+    # stops waiting and says nothing of the slot any more.
+    _booted(stack, node)
+    assert GpuRepairResult.model_validate(await second.result()).outcome == "repaired"
+    third_result = GpuRepairResult.model_validate(await third.result())
+    assert [(a.rung, a.outcome) for a in third_result.attempts] == [(Rung.RESET, "covered")], third_result
+    assert (await ladder(stack, node.node_name, 2)).waiting_for == ""
+    assert "held by" not in await _details(third)
+
+    await replay_and_record(stack.client.get_workflow_handle(f"node/{node.node_name}"), RECORDED_TOLD)
+    await replay_and_record(third, RECORDED_TOLD_REPAIR)
 
 
 def test_a_node_run_from_before_the_patch_granted_the_ended_repair_and_one_after_did_not() -> None:

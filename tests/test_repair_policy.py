@@ -11,6 +11,7 @@ from fleet.repair_policy import (
     LADDER,
     MAX_XID_HITS_PER_GPU,
     Ledger,
+    RepairSettings,
     RepairThresholds,
     Rung,
     classify,
@@ -132,6 +133,17 @@ def test_node_remediations_escalate_to_replace() -> None:
     assert ledger.escalate(classify(gpu(48)), 2, limits)[0] == Rung.REPLACE
     assert ledger.escalate(classify(gpu(48)), 150, limits)[0] == Rung.RESET, "old remediations expire"
     assert ledger.escalate(classify(gpu(13)), 2, limits)[0] is None
+
+
+def test_a_slot_holder_is_expected_back_within_its_rungs_timeouts() -> None:
+    """What a repair queued for the node's action slot is told: the holder's rung's timeouts, a
+    reboot or reimage through the provider including its call (reinstall by the agent: none)."""
+    settings = RepairSettings.model_validate({"timeouts": {
+        "reset_seconds": 300, "reboot_seconds": 900, "reinstall_seconds": 3600, "replace_seconds": 7200,
+        "provider_call_seconds": 120}})
+    assert [settings.slot_seconds(r) for r in LADDER] == [300, 120 + 900, 120 + 3600, 7200]
+    by_agent = settings.model_copy(update={"reinstall_via": "agent"})
+    assert by_agent.slot_seconds(Rung.REINSTALL) == 3600
 
 
 def test_fingerprint_ignores_temperature_noise_but_not_faults() -> None:

@@ -223,6 +223,10 @@ EXPECTED = {
     # slot, and no action is recorded for it (``node-patches-at-start-3``, tests/test_node_slot_requests.py);
     # the old code's run, which granted it and let that phantom reboot cover a later fault, replays too.
     "node_entity_queued_request_of_an_ended_repair", "node_entity_queued_request_of_an_ended_repair_before",
+    # A repair queued for the slot is told who holds it and until when, again as the holder changes
+    # (``node-patches-at-start-5``, tests/test_node_slot_requests.py): the Node run that told it, and
+    # the queued repair's run that took it into its details (no patch there: a signal handler, no command).
+    "node_entity_tells_the_queue_who_holds_the_slot", "gpu_repair_told_who_holds_the_slot",
     # A node's well-formed answers as large as they may be, past two continues-as-new: the state keeps
     # only what later decisions need, for GPUs the node has (tests/security/test_node_reports.py).
     "node_carry_bounded_after_bloated_answers",

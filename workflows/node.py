@@ -80,6 +80,7 @@ with workflow.unsafe.imports_passed_through():
         NodeActionDone,
         NodeActionGrant,
         NodeActionRequest,
+        NodeActionWait,
         NodeCarry,
         NodeEntityInput,
         NodeQuarantine,
@@ -215,6 +216,13 @@ NODE_PATCHES_AT_START_3 = "node-patches-at-start-3"
 #: marker a task earlier, runs it before: a nondeterminism that wedges the entity once it is
 #: replayed (a worker restart). A regular activity's result is an event of its own, in order.
 NODE_PATCHES_AT_START_4 = "node-patches-at-start-4"
+#: Workflow patch, asked first thing right after ``NODE_PATCHES_AT_START_4`` (runs that have it),
+#: with a marker of its own for the same reason. A repair queued for the node's action slot is told
+#: who holds it and until when it is expected back (``node_action_wait``: the holder, its rung, since
+#: when, and that plus the rung's timeouts, ``RepairSettings.slot_seconds``), when it queues and again
+#: whenever the holder or its place in the queue changes; its details say so. Before it a queued
+#: repair said only that it waited, and nobody could tell a slow reboot ahead of it from a stuck one.
+NODE_PATCHES_AT_START_5 = "node-patches-at-start-5"
 WATCH_IDLE_FREE = 3
 WATCH_EARLY_FREE = 30
 
@@ -293,6 +301,10 @@ class NodeEntity(Entity[NodeCarry]):
         self._settled_3 = False
         #: ``NODE_PATCHES_AT_START_4`` (asked once, first): findings on GPUs known lacking read no facts.
         self._settled_4 = False
+        #: ``NODE_PATCHES_AT_START_5`` (asked once, first): queued repairs are told who holds the slot.
+        self._settled_5 = False
+        #: Repair id → what it was last told while queued for the slot: the holder and how many ahead.
+        self._told: dict[str, tuple[str, int]] = {}
         #: Repairs this run watched end (``NODE_PATCHES_AT_START_3``): a request of one that reaches
         #: the queue late (sent as it ended) is never granted. One id per GPU at most; a new repair of
         #: the GPU (the same id) takes its id out again.
@@ -506,6 +518,7 @@ class NodeEntity(Entity[NodeCarry]):
         self._settled_2 = self._settled and workflow.patched(NODE_PATCHES_AT_START_2)
         self._settled_3 = self._settled_2 and workflow.patched(NODE_PATCHES_AT_START_3)
         self._settled_4 = self._settled_3 and workflow.patched(NODE_PATCHES_AT_START_4)
+        self._settled_5 = self._settled_4 and workflow.patched(NODE_PATCHES_AT_START_5)
         if self._settled_2:
             self._told_by_cluster = True  # before ``start_with``: a first task's cluster_state counts
         inp = parse_input(NodeEntityInput, raw)
@@ -528,13 +541,16 @@ class NodeEntity(Entity[NodeCarry]):
             try:
                 await workflow.wait_condition(
                     lambda: bool(self._pending or self._wake or self._quarantine
-                                 or (self._requests and self._holder is None)),
+                                 or (self._requests and self._holder is None)
+                                 or (self._settled_5 and self._queue_news())),
                     timeout=self._recheck_in(),
                 )
             except asyncio.TimeoutError:
                 recheck_at = workflow.now()
             self._wake = False
             await self._grant_next()
+            if self._settled_5:
+                await self._tell_the_queue()
             # Uncontended (no person's update running) the lock issues no command and never waits.
             async with self.state_lock:
                 while self._pending:
@@ -1143,6 +1159,7 @@ class NodeEntity(Entity[NodeCarry]):
         """An ended repair waits for nothing: its queued requests for the slot go (granted, the
         slot would go to a closed workflow and an action that never ran would cover later faults)."""
         self._ended.add(repair_id)
+        self._told.pop(repair_id, None)
         queued = [r for r in self._requests if r.repair_id == repair_id]
         if queued:
             self._requests = [r for r in self._requests if r.repair_id != repair_id]
@@ -1152,6 +1169,7 @@ class NodeEntity(Entity[NodeCarry]):
     async def _grant_next(self) -> None:
         while self._requests and self._holder is None:
             request = self._requests.pop(0)
+            self._told.pop(request.repair_id, None)  # out of the queue: a later request of it is told afresh
             if self._settled_3 and request.repair_id in self._ended:
                 self._log(f"{request.repair_id} asked for the node's action slot after it ended: not granted")
                 continue
@@ -1181,3 +1199,40 @@ class NodeEntity(Entity[NodeCarry]):
                     self._finish_action(request.repair_id)
             if grant.go:
                 self._set_state(self.state.state, f"{request.rung} for {request.repair_id}")
+
+    def _queue_news(self) -> list[tuple[NodeActionRequest, tuple[str, int]]]:
+        """Each repair queued for the held slot that was not told the holder and its place as they
+        are now, with what to tell it: (holder, requests ahead of it)."""
+        if self._holder is None:
+            return []
+        news, seen = [], set()
+        for request in self._requests:
+            if request.repair_id in self._ended or request.repair_id in seen:
+                continue  # dropped at its turn; a request sent twice is one place in the queue
+            told = (self._holder, len(seen))
+            seen.add(request.repair_id)
+            if self._told.get(request.repair_id) != told:
+                news.append((request, told))
+        return news
+
+    async def _tell_the_queue(self) -> None:
+        """Tell each repair queued for the slot who holds it and until when it is expected back
+        (its details say so): once per holder and place in the queue, so a queue that does not move
+        costs nothing more."""
+        holding = next((a for a in reversed(self.state.actions)
+                        if a.repair_id == self._holder and a.finished_at is None), None)
+        if holding is None:
+            return
+        settings = self._settings() or RepairSettings()
+        until = holding.started_at + timedelta(seconds=settings.slot_seconds(holding.rung))
+        for request, told in self._queue_news():
+            if self._holder != holding.repair_id:
+                return  # the slot changed hands meanwhile: the next pass tells the rest the new holder
+            self._told[request.repair_id] = told
+            wait = NodeActionWait(holder=holding.repair_id, rung=holding.rung, since=holding.started_at, until=until,
+                                  ahead=told[1])
+            try:
+                await workflow.get_external_workflow_handle(request.repair_id).signal(
+                    flows.GpuRepair.node_action_wait, wait)
+            except FailureError as error:
+                self._log(f"{request.repair_id} not told who holds the node's action slot: {failure_message(error)}")

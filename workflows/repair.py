@@ -77,6 +77,7 @@ with workflow.unsafe.imports_passed_through():
         NodeActionDone,
         NodeActionGrant,
         NodeActionRequest,
+        NodeActionWait,
         HoldInput,
         SkipToInput,
     )
@@ -177,6 +178,19 @@ class GpuRepair:
     def node_action_grant(self, grant: NodeActionGrant) -> None:
         self._grant = grant
 
+    @workflow.signal
+    def node_action_wait(self, wait: NodeActionWait) -> None:
+        """Who holds the node's action slot this repair waits for, and until when: the Node entity
+        says so when it queues the request and again when the holder or the queue ahead changes.
+        One that comes after the grant (or outside a wait) is old news."""
+        s = self._state
+        if s is None or self._grant is not None or s.step != "waiting for the node":
+            return
+        ahead = f"; {wait.ahead} more queued ahead" if wait.ahead else ""
+        s.waiting_for = (f"the slot is held by {wait.holder} for its {wait.rung} since {wait.since:%H:%M:%S} UTC, "
+                         f"expected back by {wait.until:%H:%M:%S} UTC{ahead}")
+        self._show(f"{s.rung} needs the node's action slot")
+
     # -- the ladder ---------------------------------------------------------------------
     def _step(self, step: str, detail: str = "") -> None:
         self._state.step = step
@@ -185,6 +199,8 @@ class GpuRepair:
     def _show(self, detail: str = "") -> None:
         s = self._state
         lines = [f"node `{s.node_name}` GPU {s.gpu}: " + ", ".join(s.reasons)]
+        if s.waiting_for:
+            lines.append(s.waiting_for)
         if s.held:
             # An operator's hold, or a site's for its incident (its reason says which).
             lines.append("**held** (contained, doing nothing until released)"
@@ -333,7 +349,7 @@ class GpuRepair:
         s = self._state
         if s.attempts and s.attempts[-1].outcome == "running":
             s.attempts[-1].outcome, s.attempts[-1].finished_at = "cancelled", workflow.now()
-        s.outcome, s.done = "cancelled", True
+        s.outcome, s.done, s.waiting_for = "cancelled", True, ""
         self._set_fleet_state("needs-person")
         self._step("cancelled", f"{cancelled_words()} while {s.step}: GPU {s.gpu} stays "
                                 f"fenced and `{s.node_name}` cordoned; a person decides (nothing proved the GPU)")
@@ -368,6 +384,7 @@ class GpuRepair:
                               detected_at=self._input.detected_at or workflow.info().start_time),
         )
         await workflow.wait_condition(lambda: self._grant is not None)
+        self._state.waiting_for = ""
         return self._grant
 
     async def _release(self, rung: Rung, ok: bool) -> None:

@@ -128,6 +128,7 @@ class GpuRepair(Workflow, name="GpuRepair"):
     """``workflows/repair.py``, ``GpuRepair``."""
 
     node_action_grant: Name = Signal()
+    node_action_wait: Name = Signal()
     hold: Name = Update()
     release: Name = Update()
     skip_to: Name = Update()

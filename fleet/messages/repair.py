@@ -217,6 +217,21 @@ class NodeActionGrant(BaseModel):
     detail: Text = ""
 
 
+class NodeActionWait(BaseModel):
+    """The Node entity tells a repair queued for the node's action slot who holds it and until
+    when (sent when it queues, and again whenever the holder or the queue ahead changes)."""
+
+    #: The repair (its workflow id) that holds the slot, its rung and since when.
+    holder: Name
+    rung: Rung
+    since: datetime
+    #: When the holder is expected to give it back: ``since`` plus its rung's timeouts
+    #: (``RepairSettings.slot_seconds``).
+    until: datetime
+    #: Requests queued before this one, granted (or covered) first.
+    ahead: int = 0
+
+
 class NodeActionDone(BaseModel):
     repair_id: Name
     rung: Rung
@@ -366,6 +381,8 @@ class LadderState(BaseModel):
     #: ... and how many came before them.
     earlier_attempts: int = 0
     replacement_node: str = ""
+    #: While the ladder waits for the node's action slot: who holds it and until when (as its details say).
+    waiting_for: str = ""
 
     def add_attempt(self, attempt: Attempt) -> int:
         """``attempt`` added (the oldest beyond ``ATTEMPTS_KEPT`` let go); its number, from 1."""
