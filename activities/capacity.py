@@ -139,15 +139,19 @@ def who_holds(cluster: Cluster, name: str, mine: str, marks: NodeMarks | None = 
     ``(who, mark)``, ``who`` empty when no one else does. A GPU fenced by its repair outranks any
     cordon mark; a repair that fenced a node ``mine`` cordoned has taken the cordon over, so
     ``mine`` is dropped (once its fences go by hand the node must not read as ``mine`` again; the
-    repair's own uncordon drops it anyway). The node's kubelet can write these annotations, so
-    they decide only about that node, and what is said of them is bounded. Raises ``NotFound``
-    for a node gone."""
-    annotations = (marks or cluster.node_marks(name)).annotations
+    repair's own uncordon drops it anyway), on the marks read: given ``marks``, a node changed
+    since raises ``NodeChanged`` for the caller's ``decide_on_node`` to read again. The node's
+    kubelet can write these annotations, so they decide only about that node, and what is said of
+    them is bounded. Raises ``NotFound`` for a node gone."""
+    if marks is None:
+        return decide_on_node(cluster, name, lambda read: who_holds(cluster, name, mine, read))
+    annotations = marks.annotations
     fenced = fenced_gpus(annotations)
     by = annotations.get(ANNOTATION_CORDONED_BY, "")
     if fenced:
         if by == mine:
-            cluster.annotate_node(name, {ANNOTATION_CORDONED_BY: None})
+            # Only ours as read: a person's mark written since is theirs, never dropped.
+            cluster.annotate_node(name, {ANNOTATION_CORDONED_BY: None}, version=marks.version)
         gpus = ", ".join(gpu[:8] for gpu in fenced[:4]) + (f" +{len(fenced) - 4}" if len(fenced) > 4 else "")
         return f"cordoned by its repair (GPU {gpus} fenced)", by
     if by and by != mine:
@@ -398,14 +402,25 @@ class CapacityActivities:
         else took since its owner chose it (a repair fenced a GPU during the drain) or put back to
         work (uncordoned it) is kept: returns why, deletes nothing.
 
+        The decision to delete is written on the node as it was read (its cordon again, with that
+        read's version) before anything is deleted: a fence, an uncordon or a person's mark that
+        lands after the look refuses it, and is seen on a fresh read.
+
         The machine first: it bills until deleted, and a Node that cannot be removed
         (the cluster refusing) must not keep the delete from running."""
         if input.cordoned_by is not None:
-            try:
-                marks = self.env.cluster.node_marks(input.node_name)
-                held, _ = who_holds(self.env.cluster, input.node_name, input.cordoned_by, marks)
+            cluster, name, mine = self.env.cluster, input.node_name, input.cordoned_by
+
+            def claim(marks: NodeMarks) -> str:
+                held, _ = who_holds(cluster, name, mine, marks)
                 if not held and not marks.unschedulable:
                     held = "uncordoned since its drain: someone put it back to work"
+                if not held:
+                    cluster.cordon(name, True, version=marks.version)  # changes nothing: the node as read
+                return held
+
+            try:
+                held = decide_on_node(cluster, name, claim)
             except NodeNotFound:
                 held = ""  # the Node is gone: its machine still goes
             if held:
@@ -413,5 +428,6 @@ class CapacityActivities:
         if input.machine_id:
             self.env.delete_machine(input.site, input.machine_id)
             record_retire(self.env, input.site, input.machine_id)  # a reclaim when SpotReclaim retires it
+        # Not on the version claimed: with its machine gone, a Node kept for a change since is a ghost.
         self.env.cluster.remove_node(input.node_name)
         return None

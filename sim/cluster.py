@@ -172,6 +172,12 @@ def _version(row: dict) -> str:
     return hashlib.sha256(json.dumps(row, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def _unchanged_since(name: str, row: dict, version: str | None) -> None:
+    """A write made on the node as read at ``version`` (any, when None) finds it so, or is refused."""
+    if version is not None and version != _version(row):
+        raise NodeChanged(f"node {name} changed since it was read: nothing written", code="409")
+
+
 class KubeletView(NamedTuple):
     name: str
     ready: bool
@@ -468,8 +474,7 @@ class SimCluster(EvictionDrain, WeightedRouting):
                version: str | None = None) -> Node:
         with self.world.tx() as db:  # the cordon and its mark land together, on the version read
             row, annotations = _node_and_marks(db.execute(_NODE_AND_MARKS, (name,)).fetchall(), name)
-            if version is not None and version != _version(row):
-                raise NodeChanged(f"node {name} changed since it was read: nothing written", code="409")
+            _unchanged_since(name, row, version)
             if not unschedulable:
                 annotations.pop(ANNOTATION_CORDONED_BY, None)
             elif by:
@@ -490,12 +495,11 @@ class SimCluster(EvictionDrain, WeightedRouting):
             db.execute("DELETE FROM control_state WHERE kind IN (?,?) AND key=?",
                        (NODE_IDENTITY_KIND, NODE_KEYS_KIND, name))
 
-    def annotate_node(self, name: str, annotations: dict[str, str | None]) -> dict[str, str]:
+    def annotate_node(self, name: str, annotations: dict[str, str | None], *,
+                      version: str | None = None) -> dict[str, str]:
         with self.world.tx() as db:
-            if not db.execute("SELECT 1 FROM nodes WHERE name=?", (name,)).fetchone():
-                raise NodeNotFound(f"node {name} not found", provider="sim", code="404")
-            row = db.execute("SELECT annotations FROM node_annotations WHERE name=?", (name,)).fetchone()
-            current = json.loads(row[0]) if row else {}
+            row, current = _node_and_marks(db.execute(_NODE_AND_MARKS, (name,)).fetchall(), name)
+            _unchanged_since(name, row, version)
             for key, value in annotations.items():
                 if value is None:
                     current.pop(key, None)

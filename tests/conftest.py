@@ -118,6 +118,26 @@ def write_before_next_cordon(monkeypatch: pytest.MonkeyPatch, cluster: Any, node
     return raced
 
 
+def write_after_next_read(monkeypatch: pytest.MonkeyPatch, cluster: Any, node: str,
+                          write: Callable[[], None]) -> list[str]:
+    """Another writer's ``write`` lands on ``node`` right after the next ``node_marks`` read of it by
+    any cluster of ``cluster``'s class returns: whatever its caller decides on that read, and
+    writes or deletes next, meets the node changed. Once; returns the reads it came after (one,
+    once it did)."""
+    kind = type(cluster)
+    real, raced = kind.node_marks, []
+
+    def node_marks(self, name: str):
+        marks = real(self, name)
+        if name == node and not raced:
+            raced.append(name)
+            write()  # its own reads go straight through: ``raced`` is set
+        return marks
+
+    monkeypatch.setattr(kind, "node_marks", node_marks)
+    return raced
+
+
 #: Names tests import from here that live with the heavy fixtures (loaded on first use).
 STACK_NAMES = {"CONTROL_PLANE_QUEUES", "NODE_GATEWAYS", "SessionGateway", "Stack", "TEARDOWN_SECONDS", "bounded_teardown",
                "make_settings", "run_node_host", "sim_host", "stacks_now", "start_test_gateway", "stop_stack",

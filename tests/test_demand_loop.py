@@ -34,7 +34,7 @@ from tests.capacity_fleet import (
     open_stack,
     replay_and_record,
 )
-from tests.conftest import terminate_running, wait_for, write_before_next_cordon
+from tests.conftest import terminate_running, wait_for, write_after_next_read, write_before_next_cordon
 from tests.evacuation_helpers import failed_pass, poll, refuse
 
 FAST = {"tick_seconds": 0.5, "batch_idle_seconds": 0.3, "batch_max_seconds": 2, "idle_ttl_seconds": 1,
@@ -398,6 +398,73 @@ async def test_a_retirement_keeps_a_node_a_person_uncordoned_after_its_drain(tem
         cap.cluster.cordon(node, by=CORDONED_BY_DEMAND)  # drained again: the loop's, it goes
         assert await ActivityEnvironment().run(retire, mine) is None
         assert cap.cluster.get_node(node) is None and not cap.world.machines(cap.site("mid"))
+
+
+def _repair_fences(cluster, node: str) -> None:  # as fence_gpu does
+    cluster.annotate_node(node, {"gpufleet.io/fenced-gpu-0": "reset"})
+    cluster.cordon(node, True)
+
+
+#: What lands on a node the loop drained, right after the retire read it, and what the retire says.
+TAKEN_AFTER_THE_LOOK = {
+    "a repair fences a GPU": (_repair_fences, "cordoned by its repair (GPU 0 fenced)"),
+    "a person uncordons it": (lambda cluster, node: cluster.cordon(node, False), "uncordoned since its drain"),
+    "a person marks it theirs": (lambda cluster, node: cluster.cordon(node, by="alice"),
+                                 f"cordoned by 'alice' ({ANNOTATION_CORDONED_BY})"),
+}
+
+
+@pytest.mark.parametrize("taken", TAKEN_AFTER_THE_LOOK)
+async def test_a_retirement_keeps_a_node_taken_between_its_look_and_its_delete(
+        temporal_env, tmp_path, monkeypatch, taken):
+    """The retire reads the node as the loop's drain left it (its cordon and mark, no one else's)
+    and decides to delete it; right then a repair fences a GPU of it, or a person uncordons it or
+    marks it theirs. The decision, written on the node as read before anything is deleted, is
+    refused; read again, the node is theirs: the retire says so and deletes nothing. Before, the
+    machine and the node were deleted on the look alone."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.capacity import CapacityActivities
+    from fleet.messages.capacity import RetireMachineInput
+
+    write, said = TAKEN_AFTER_THE_LOOK[taken]
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        (machine,) = cap.world.machines(cap.site("mid"))
+        cap.cluster.cordon(node, by=CORDONED_BY_DEMAND)  # as the loop's drain leaves it
+        raced = write_after_next_read(monkeypatch, cap.cluster, node, lambda: write(cap.cluster, node))
+        retire = CapacityActivities(cap.env).retire_machine
+        mine = RetireMachineInput(site=cap.site("mid"), node_name=node, machine_id=machine["id"],
+                                  cordoned_by=CORDONED_BY_DEMAND)
+        held = await ActivityEnvironment().run(retire, mine)
+        assert raced and held and held.startswith(said), held
+        assert cap.cluster.get_node(node) is not None, "the node stays"
+        assert [m["id"] for m in cap.world.machines(cap.site("mid"))] == [machine["id"]], "its machine stays"
+
+
+async def test_a_drain_for_the_loop_keeps_a_persons_mark_written_as_it_drops_its_own_from_a_fenced_node(
+        temporal_env, tmp_path, monkeypatch):
+    """The loop cordoned a node, then a repair fenced a GPU of it: the repair's now, so the loop's
+    next look drops the loop's mark. Right after that look read the node, a person marks it theirs.
+    The drop, made on the node as read, is refused; read again, the mark is the person's, and it
+    stays. Before, the drop was a plain merge that deleted whatever mark the node had by then:
+    the person's, whose node then read as no one's once the repair was done."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.capacity import CapacityActivities
+    from activities.repair import fence_key
+    from fleet.messages.capacity import DrainNodeInput
+
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        cap.cluster.cordon(node, by=CORDONED_BY_DEMAND)
+        cap.cluster.annotate_node(node, {fence_key(0): "reset"})
+        raced = write_after_next_read(monkeypatch, cap.cluster, node, lambda: cap.cluster.cordon(node, by="alice"))
+        drain = CapacityActivities(cap.env).drain_within
+        drained = ActivityEnvironment().run(drain, DrainNodeInput(node_name=node, deadline_seconds=1,
+                                                                  cordoned_by=CORDONED_BY_DEMAND))
+        assert raced and drained.held == "cordoned by its repair (GPU 0 fenced)", drained
+        assert cap.cluster.annotate_node(node, {})[ANNOTATION_CORDONED_BY] == "alice", "the person's mark stays"
 
 
 async def test_a_new_run_retires_a_node_an_earlier_run_left_cordoned(temporal_env, tmp_path):

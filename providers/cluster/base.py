@@ -271,8 +271,11 @@ class Cluster(WeightedRouting, Protocol):
         succeeds."""
         ...
 
-    def annotate_node(self, name: str, annotations: dict[str, str | None]) -> dict[str, str]:
-        """Merge our annotations (``None`` removes one); returns all the node's annotations."""
+    def annotate_node(self, name: str, annotations: dict[str, str | None], *,
+                      version: str | None = None) -> dict[str, str]:
+        """Merge our annotations (``None`` removes one); returns all the node's annotations. With
+        ``version`` (a ``node_marks`` read's), only if the node has not changed since that read:
+        else ``NodeChanged``, nothing written."""
         ...
 
     def drain_node(

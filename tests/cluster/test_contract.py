@@ -160,6 +160,26 @@ def test_a_cordon_decided_on_a_read_lands_only_on_the_node_as_read(harness):
         harness.cluster.node_marks("gone")
 
 
+def test_annotations_written_on_a_read_land_only_on_the_node_as_read(harness):
+    """Annotations merged with the version of a ``node_marks`` read (the drop of an owner's mark
+    from a node its repair took) are refused (``NodeChanged``, nothing written) once anyone wrote
+    the node since: here a person's mark. On a fresh read they land, and say what the node has."""
+    harness.add_node("gpu-1")
+    harness.cluster.cordon("gpu-1", by=CORDONED_BY_DEMAND)
+    harness.cluster.annotate_node("gpu-1", {"gpufleet.io/fenced-gpu-0": "reset"})
+    marks = harness.cluster.node_marks("gpu-1")
+    harness.cluster.cordon("gpu-1", by="alice")  # a person, since
+    with pytest.raises(NodeChanged):
+        harness.cluster.annotate_node("gpu-1", {ANNOTATION_CORDONED_BY: None}, version=marks.version)
+    assert harness.cluster.node_marks("gpu-1").annotations[ANNOTATION_CORDONED_BY] == "alice"
+    fresh = harness.cluster.node_marks("gpu-1")
+    after = harness.cluster.annotate_node("gpu-1", {ANNOTATION_CORDONED_BY: None}, version=fresh.version)
+    assert ANNOTATION_CORDONED_BY not in after and after["gpufleet.io/fenced-gpu-0"] == "reset"
+    assert harness.cluster.node_marks("gpu-1").version != fresh.version, "a write is a new version"
+    with pytest.raises(NodeNotFound):
+        harness.cluster.annotate_node("gone", {"gpufleet.io/x": "1"}, version=fresh.version)
+
+
 def test_annotations_merge_and_remove(harness):
     harness.add_node("gpu-1")
     first = harness.cluster.annotate_node("gpu-1", {"gpufleet.io/repair": "reboot", "gpufleet.io/x": "1"})

@@ -5,9 +5,10 @@ what ``tests/cluster/conftest.py``'s access-table check stood in for on the fake
 * control-plane state under real ``resourceVersion`` conflicts: a replace carrying a stale
   version is refused with 409 by the API server, the loser reads again and keeps both changes,
   two creators race on ``create`` (409 AlreadyExists), writers that keep losing end retryable;
-* a node's cordon decided on its marks (the Site's release of its cordon, the demand loop's drain):
-  written under the resourceVersion read, it is refused with 409 once a repair fenced the node or a
-  person marked it theirs in between, and the activity, reading again, leaves the node to them;
+* a node's cordon decided on its marks (the Site's release of its cordon, the demand loop's drain,
+  its retire, the drop of its mark from a fenced node): written under the resourceVersion read, it
+  is refused with 409 once a repair fenced the node or a person marked it theirs in between, and
+  the activity, reading again, leaves the node to them;
 * join-token records: a retried join renders the same token from its record without reading
   kube-system (whose Secrets the shipped RBAC does not let it read), revocation deletes the
   real bootstrap-token Secret;
@@ -23,6 +24,7 @@ Names are unique per test: the control plane is shared by the tier's tests.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import threading
@@ -45,10 +47,11 @@ from activities.capacity import CapacityActivities
 
 from fleet.cluster import (
     ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, CORDONED_BY_SURPLUS, FENCE_PREFIX, GPU_RESOURCE, LABEL_MODEL,
+    DrainResult,
 )
 from fleet.demand import opted_in
 from fleet.errors import ClusterConflict
-from fleet.messages.capacity import DrainNodeInput, ReleaseCordonsInput
+from fleet.messages.capacity import DrainNodeInput, ReleaseCordonsInput, RetireMachineInput
 from providers.cluster.base import state_object_name
 from providers.cluster.check import (
     ADMISSION_POLICIES,
@@ -66,7 +69,7 @@ from tests.cluster.test_demand_pods import OPT_IN
 from tests.realk8s.cluster import RealCluster
 from tests.realk8s.test_blast_radius import kubeadm_bindings_restored  # noqa: F401 - a fixture
 from tests.realk8s.test_join import control_plane_cluster
-from tests.conftest import write_before_next_cordon
+from tests.conftest import write_after_next_read, write_before_next_cordon
 
 RBAC = "/apis/rbac.authorization.k8s.io/v1"
 REPO = Path(__file__).resolve().parents[2]
@@ -253,6 +256,20 @@ def _node_marks(real: RealCluster, name: str) -> tuple[bool, dict[str, str]]:
     return bool(node["spec"].get("unschedulable")), node["metadata"].get("annotations") or {}
 
 
+def _a_person_marks_it_theirs(when: Callable, monkeypatch, real: RealCluster, kube: KubernetesCluster,
+                              name: str) -> tuple[list, list[Request]]:
+    """A person marks the node theirs at ``when`` (``write_before_next_cordon``,
+    ``write_after_next_read``): whether they did, and the adapter's requests from now on."""
+    raced = when(monkeypatch, kube, name, _another_writer(real, name, {ANNOTATION_CORDONED_BY: "alice"}))
+    return raced, record_requests(kube)
+
+
+def _drain_for_the_loop(kube: KubernetesCluster, name: str) -> DrainResult:
+    drain = CapacityActivities(SimpleNamespace(cluster=kube)).drain_within  # it uses the cluster only
+    return ActivityEnvironment().run(drain, DrainNodeInput(node_name=name, deadline_seconds=5,
+                                                           cordoned_by=CORDONED_BY_DEMAND))
+
+
 def _refused(seen: list[Request], name: str) -> list[Request]:
     return [r for r in seen if r[0] == "PATCH" and r[1] == f"/api/v1/nodes/{name}" and r.status == 409]
 
@@ -283,16 +300,51 @@ def test_a_drain_for_the_loop_is_refused_once_a_person_marked_the_node_theirs(
     the cordon was a plain merge patch that overwrote the person's mark with the loop's, and the
     retirement after the drain deleted their node."""
     name = node_of_ours
-    raced = write_before_next_cordon(monkeypatch, kube, name,
-                                     _another_writer(real_cluster, name, {ANNOTATION_CORDONED_BY: "alice"}))
-    seen = record_requests(kube)
-    drain = CapacityActivities(SimpleNamespace(cluster=kube)).drain_within  # it uses the cluster only
-    drained = ActivityEnvironment().run(drain, DrainNodeInput(node_name=name, deadline_seconds=5,
-                                                              cordoned_by=CORDONED_BY_DEMAND))
+    raced, seen = _a_person_marks_it_theirs(write_before_next_cordon, monkeypatch, real_cluster, kube, name)
+    drained = _drain_for_the_loop(kube, name)
     cordoned, annotations = _node_marks(real_cluster, name)
     assert cordoned and annotations[ANNOTATION_CORDONED_BY] == "alice", annotations
     assert raced and _refused(seen, name), seen
     assert drained.held == f"cordoned by 'alice' ({ANNOTATION_CORDONED_BY})" and not drained.completed, drained
+
+
+def test_a_retirement_decided_on_a_read_is_refused_once_a_person_marked_the_node_theirs(
+        real_cluster, kube, node_of_ours, monkeypatch):
+    """The loop's drain left the node cordoned with its mark; its retire reads the node, finds it
+    the loop's and decides to delete it. Right after that read a person marks it theirs. The
+    decision, written under the resourceVersion read before anything is deleted, is refused (409);
+    read again, the node is the person's: the retire says so and the node stays. Before, the node
+    (and its machine) were deleted on the read alone."""
+    name = node_of_ours
+    kube.cordon(name, by=CORDONED_BY_DEMAND)
+    raced, seen = _a_person_marks_it_theirs(write_after_next_read, monkeypatch, real_cluster, kube, name)
+    retire = CapacityActivities(SimpleNamespace(cluster=kube)).retire_machine  # no machine: the cluster only
+    held = asyncio.run(ActivityEnvironment().run(retire, RetireMachineInput(
+        site="east", node_name=name, machine_id="", cordoned_by=CORDONED_BY_DEMAND)))
+    status, _ = real_cluster.request("GET", f"/api/v1/nodes/{name}", admin=True)
+    assert status == 200, "the node stays"
+    cordoned, annotations = _node_marks(real_cluster, name)
+    assert cordoned and annotations[ANNOTATION_CORDONED_BY] == "alice", annotations
+    assert raced and _refused(seen, name), seen
+    assert held == f"cordoned by 'alice' ({ANNOTATION_CORDONED_BY})", held
+
+
+def test_dropping_the_loops_mark_from_a_fenced_node_keeps_a_persons_mark_written_since(
+        real_cluster, kube, node_of_ours, monkeypatch):
+    """A repair fenced a GPU of a node the loop cordoned: the node is the repair's, and the loop's
+    next look (its drain) drops the loop's mark. A person marks the node theirs right after that
+    look read it. The drop, a patch under the resourceVersion read, is refused (409); read again,
+    the mark is the person's and stays. Before, the drop was a plain merge patch that deleted the
+    person's mark."""
+    name, fence = node_of_ours, f"{FENCE_PREFIX}0"
+    kube.cordon(name, by=CORDONED_BY_DEMAND)
+    kube.annotate_node(name, {fence: "reset"})
+    raced, seen = _a_person_marks_it_theirs(write_after_next_read, monkeypatch, real_cluster, kube, name)
+    drained = _drain_for_the_loop(kube, name)
+    cordoned, annotations = _node_marks(real_cluster, name)
+    assert cordoned and annotations[ANNOTATION_CORDONED_BY] == "alice" and fence in annotations, annotations
+    assert raced and _refused(seen, name), seen
+    assert drained.held == "cordoned by its repair (GPU 0 fenced)", drained
 
 
 # -- join-token records -----------------------------------------------------------------------

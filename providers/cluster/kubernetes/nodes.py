@@ -119,9 +119,13 @@ class Nodes(EvictionDrain, Watches, ControlPlaneState):
         body = {"metadata": {"labels": dict(labels)}}
         return self._node(self._retry_on_conflict(f"node {name}", lambda: self._patch_node(name, body, STRATEGIC)))
 
-    def annotate_node(self, name: str, annotations: dict[str, str | None]) -> dict[str, str]:
-        body = {"metadata": {"annotations": dict(annotations)}}
-        node = self._retry_on_conflict(f"node {name}", lambda: self._patch_node(name, body, MERGE))
+    def annotate_node(self, name: str, annotations: dict[str, str | None], *,
+                      version: str | None = None) -> dict[str, str]:
+        body: dict[str, Any] = {"metadata": {"annotations": dict(annotations)}}
+        if version is None:
+            node = self._retry_on_conflict(f"node {name}", lambda: self._patch_node(name, body, MERGE))
+        else:
+            node = self._patch_node_as_read(name, body, version)
         return dict(node["metadata"].get("annotations") or {})
 
     def set_taints(self, name: str, add: list[str] = (), remove: list[str] = ()) -> Node:
@@ -158,10 +162,15 @@ class Nodes(EvictionDrain, Watches, ControlPlaneState):
             body["metadata"] = {"annotations": {ANNOTATION_CORDONED_BY: by}}
         if version is None:
             return self._node(self._retry_on_conflict(f"node {name}", lambda: self._patch_node(name, body, MERGE)))
-        # The API server refuses a patch carrying a resourceVersion the node no longer has (409).
+        return self._node(self._patch_node_as_read(name, body, version))
+
+    def _patch_node_as_read(self, name: str, body: dict[str, Any], version: str) -> dict[str, Any]:
+        """Merge ``body`` into the node only if it is still at ``version``: the API server refuses a
+        patch carrying a resourceVersion the node no longer has (409), and that is the caller's to
+        decide on again (``NodeChanged``), not retried here."""
         body.setdefault("metadata", {})["resourceVersion"] = version
         try:
-            return self._node(self._patch_node(name, body, MERGE))
+            return self._patch_node(name, body, MERGE)
         except _Conflict as error:
             raise NodeChanged(f"node {name} changed since it was read: nothing written", code="409") from error
 
