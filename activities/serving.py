@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import activity
+from temporalio.client import WorkflowQueryFailedError, WorkflowQueryRejectedError
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError
 
 from activities.capacity import heartbeating
 from activities.env import FleetEnv
@@ -29,9 +31,10 @@ from fleet.messages.rollout import (
     UpdateServingInput,
     WaitServingInput,
 )
-from fleet.rollout import ProbeResult
+from fleet.rollout import ProbeResult, RolloutProgress, check_routed_sites
 from fleet.cluster import ServingSpec, ServingStatus
-from fleet.naming import kubernetes_name_clash
+from fleet.contracts import workflows as flows
+from fleet.naming import kubernetes_name_clash, serving_name_clash
 from providers.cluster.base import free_gpus_at
 
 
@@ -61,25 +64,76 @@ class ServingActivities:
 
     @activity.defn
     @typed_errors
-    def resolve_rollout_sites(self, input: ResolveRolloutSitesInput) -> RolloutSites:
+    async def resolve_rollout_sites(self, input: ResolveRolloutSitesInput) -> RolloutSites:
         sites = {s.name: s for s in self.env.config.sites}
         asked = [name for name in input.sites if name in sites]
+        problems = []
+        if input.model:
+            # The other rollouts first: one that ends meanwhile has its Deployments listed next.
+            rolling_out = await self._other_rollouts(input.model)
+            served: dict[str, list[str]] = {}
+            for status in await asyncio.to_thread(self.env.cluster.list_serving):
+                served.setdefault(status.model, []).append(status.site)
+            problems = (self._name_clashes(input.model, served) + self._serving_name_clashes(input, served)
+                        + check_routed_sites(input.model, input.sites, served.get(input.model, []), rolling_out))
         return RolloutSites(
             known=sorted(sites), stores={name: sites[name].object_store for name in asked},
             object_stores=sorted(self.env.config.object_stores),
             gpus_per_machine={name: sites[name].gpus_per_machine for name in asked},
-            problems=self._name_clashes(input.model) if input.model else [],
+            problems=problems,
         )
 
-    def _name_clashes(self, model: str) -> list[str]:
-        """Another model served under ``model``'s Kubernetes name: its Deployments would take
-        this rollout's template and its route this model's sites, with no error anywhere."""
-        served: dict[str, list[str]] = {}
-        for status in self.env.cluster.list_serving():
-            served.setdefault(status.model, []).append(status.site)
-        return [f"model: {clash}: {other!r} is served at {', '.join(sorted(where))}; roll out under its name "
-                "or rename the model"
-                for other, where in sorted(served.items()) if (clash := kubernetes_name_clash(model, other))]
+    def _name_clashes(self, model: str, served: dict[str, list[str]]) -> list[str]:
+        """Another model, served or in the fleet config, under ``model``'s Kubernetes name: its
+        Deployments would take this rollout's template and its route this model's sites, with
+        no error anywhere."""
+        problems = []
+        for other in sorted(set(served) | set(self.env.config.models)):
+            clash = kubernetes_name_clash(model, other)
+            if clash:
+                where = (f"is served at {', '.join(sorted(served[other]))}" if other in served
+                         else f"is named in the fleet config (models.{other})")
+                problems.append(f"model: {clash}: {other!r} {where}; roll out under its name or rename the model")
+        return problems
+
+    def _serving_name_clashes(self, input: ResolveRolloutSitesInput, served: dict[str, list[str]]) -> list[str]:
+        """A target site where the model's serving name is another model's at one of its sites,
+        served or in the fleet config (``a-b`` at ``c``, ``a`` at ``b-c``): the Deployment,
+        Service and PodDisruptionBudget the rollout writes there would be that model's."""
+        placed = {(other, site): f"is served at {site}" for other, where in served.items() for site in where}
+        for other, policy in self.env.config.models.items():
+            for site in [*policy.sites, *policy.standby_sites]:
+                placed.setdefault((other, site), f"is to serve at {site} (models.{other} in the fleet config)")
+        problems = []
+        for i, target in enumerate(input.sites):
+            problems += [f"sites[{i}].site: {clash}: {other!r} {where}; rename the model or roll out to another site"
+                         for (other, site), where in sorted(placed.items())
+                         if (clash := serving_name_clash(input.model, target, other, site))]
+        return problems
+
+    @staticmethod
+    async def _other_rollouts(model: str) -> dict[str, list[str]]:
+        """The target sites of the model's other running rollouts (rollout id -> sites): each
+        adds its sites to the model's route. Rollouts of one model have one id per version, so
+        two can run at once; of two started together, the one that looks later sees the other
+        (once the list shows it: visibility lags a start by a moment). One that ended between
+        the list and its query is left out (its Deployments are listed after), and so is one
+        whose run has not begun (it looks itself, and sees this one)."""
+        client, info = activity.client(), activity.info()
+        query = (f'WorkflowType = "{flows.ModelRollout.TYPE}" AND ExecutionStatus = "Running" '
+                 f'AND TaskQueue = "{info.task_queue}" AND Model = "{model}"')
+        found: dict[str, list[str]] = {}
+        async for wf in client.list_workflows(query):
+            if wf.run_id == info.workflow_run_id:
+                continue
+            try:
+                progress = await client.get_workflow_handle(wf.id, run_id=wf.run_id).query(
+                    flows.ModelRollout.progress, result_type=RolloutProgress)
+            except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError):
+                continue
+            if progress is not None:
+                found[wf.id] = [s.site for s in progress.sites]
+        return found
 
     @activity.defn
     @typed_errors

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from fleet.models import PROVIDERS
-from fleet.naming import kubernetes_name_clash
+from fleet.naming import kubernetes_name_clash, serving_name_clash
 from fleet.replacement import may_move
 
 
@@ -72,7 +72,7 @@ def cross_check(raw: dict[str, Any]) -> list[str]:
 def _check_models(raw: dict[str, Any]) -> list[str]:
     """Every model names known sites; standby sites only where the mode has them, and only
     inside a compliance primary's geography (fleet.replacement); no two models share one
-    Kubernetes name."""
+    Kubernetes name, nor two models at their sites one serving name."""
     models = raw.get("models")
     if not isinstance(models, dict):
         return []
@@ -108,5 +108,23 @@ def _check_models(raw: dict[str, Any]) -> list[str]:
     names = [str(model) for model in models]
     for i, model in enumerate(names):
         problems += [f"models: {clash}" for other in names[:i] if (clash := kubernetes_name_clash(model, other))]
+    return problems + _serving_name_clashes(models)
+
+
+def _serving_name_clashes(models: dict[Any, Any]) -> list[str]:
+    """Two models whose sites give one serving name (``a-b`` at ``c``, ``a`` at ``b-c``): the
+    Kubernetes adapter would write one Deployment, Service and PodDisruptionBudget for both."""
+    placed: list[tuple[str, str, str]] = []  # (field, model, site), in the file's order
+    for model, policy in models.items():
+        if not isinstance(policy, dict):
+            continue
+        for field in ("sites", "standby_sites"):
+            names = policy.get(field)
+            placed += [(f"models.{model}.{field}", str(model), site)
+                       for site in (names if isinstance(names, list) else []) if isinstance(site, str)]
+    problems = []
+    for i, (field, model, site) in enumerate(placed):
+        problems += [f"{field}: {clash}" for _, other, other_site in placed[:i]
+                     if (clash := serving_name_clash(model, site, other, other_site))]
     return problems
 

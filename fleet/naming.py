@@ -85,6 +85,22 @@ def kubernetes_name_clash(model: str, other: str) -> str | None:
     return f"{other!r} and {model!r} are one Kubernetes name ({label})"
 
 
+def serving_name(model: str, site: str) -> str:
+    """Deployment, Service and PodDisruptionBudget name for ``model`` at ``site``: ``<model>-<site>``."""
+    return dns_label(f"{model}-{site}")
+
+
+def serving_name_clash(model: str, site: str, other: str, other_site: str) -> str | None:
+    """Why ``model`` at ``site`` and ``other`` at ``other_site`` cannot both be served (None: they
+    can): ``serving_name`` joins model and site with the '-' that either may hold, so model
+    ``a-b`` at site ``c`` and model ``a`` at site ``b-c`` would write one Deployment. Models of
+    one label are ``kubernetes_name_clash``'s, not counted again here."""
+    name = serving_name(model, site)
+    if dns_label(model) == dns_label(other) or serving_name(other, other_site) != name:
+        return None
+    return f"{other!r} at {other_site} and {model!r} at {site} are one Kubernetes name ({name})"
+
+
 def node_name_for(site: str, join_id: str, nonce: str = "") -> str:
     """A node name that a retried or replayed join always computes the same. ``nonce``: the
     join's per-start nonce (its first run id): a later join started with the same id gets a

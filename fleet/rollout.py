@@ -249,6 +249,29 @@ def check_sites(request: RolloutInput, stores: dict[str, ObjectStore | None], kn
     return problems
 
 
+def check_routed_sites(model: str, targets: list[str], served: Iterable[str],
+                       rolling_out: Mapping[str, Iterable[str]]) -> list[str]:
+    """The model's route past ``MAX_ROUTED_SITES`` once this rollout is done: its HTTPRoute has a
+    backendRef for every site with the model's Deployment, which is each site it is ``served``
+    at (a rollout retires none), each target (given one even at 0 replicas), and each target of
+    its other running rollouts ``rolling_out`` (rollout id -> sites). Refused at start: the API
+    server would refuse the route's write only after the copies and the Deployments."""
+    counted = set(targets)
+    parts = [f"the target sites ({', '.join(targets)})"]
+    for what, sites in [("the sites it is served at already", served),
+                        *((f"the sites running rollout {rollout} targets too", sites)
+                          for rollout, sites in sorted(rolling_out.items()))]:
+        more = sorted(set(sites) - counted)
+        counted |= set(more)
+        if more:
+            parts.append(f"{what} ({', '.join(more)})")
+    if len(counted) <= MAX_ROUTED_SITES:
+        return []
+    return [f"sites: {model!r} would be routed to {len(counted)} sites, at most {MAX_ROUTED_SITES} (its HTTPRoute's "
+            f"backendRefs, Gateway API's limit): {'; '.join(parts)}. A rollout retires no site: target fewer sites "
+            "it is not served at"]
+
+
 def plan_batches(sites: list[str], canaries: list[str], batch_size: int) -> list[list[str]]:
     """Each canary alone first, then the other sites in order, ``batch_size`` at a time."""
     rest = [s for s in sites if s not in canaries]

@@ -128,6 +128,22 @@ def test_models_of_one_kubernetes_name_are_refused(tmp_path: Path) -> None:
     assert set(parse_config(apart).models) == {"Llama-3-8B", "llama-3-70b"}
 
 
+def test_models_whose_sites_give_one_serving_name_are_refused(tmp_path: Path) -> None:
+    """The Kubernetes adapter names a model's Deployment, Service and PodDisruptionBudget at a
+    site ``<model>-<site>``: ``a-b`` at ``c`` and ``a`` at ``b-c`` would write one set of them."""
+    def clash(f):
+        f["sites"] += [{**f["sites"][0], "name": "c"}, {**f["sites"][0], "name": "b-c"}]
+        f["models"] = {"a-b": {"sites": ["c"]}, "a": {"sites": ["site-a", "b-c"]}}
+
+    code, output = check(tmp_path, broken(clash))
+    assert code == 2, output
+    # (yaml.safe_dump writes the models in name order: a, then a-b)
+    assert "models.a-b.sites: 'a' at b-c and 'a-b' at c are one Kubernetes name (a-b-c)" in " ".join(output.split())
+    apart = broken(clash)
+    apart["models"]["a"]["sites"] = ["site-a", "c"]
+    assert parse_config(apart).models["a"].sites == ["site-a", "c"]
+
+
 def test_real_mode_needs_credentials_references(tmp_path: Path) -> None:
     fleet = broken(lambda f: (f.update(mode="real"), f["accounts"][0].pop("credentials")))
     code, output = check(tmp_path, fleet)

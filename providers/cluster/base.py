@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from fleet.errors import ClusterConflict, InvalidRequest, NotFound
 from fleet.demand import GpuPod
 from fleet.models import Node
-from fleet.naming import dns_label
+from fleet.naming import dns_label, serving_name
 from fleet.cluster import (
     NodeIdentity,
     LABEL_MODEL,
@@ -437,11 +437,6 @@ def label_value(value: str) -> str:
     """A valid label value (≤63, alphanumerics at both ends)."""
     cleaned = re.sub(r"[^A-Za-z0-9._-]+", "-", value)[:63]
     return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", cleaned)
-
-
-def serving_name(model: str, site: str) -> str:
-    """Deployment and Service name for ``model`` at ``site``: ``<model>-<site>``."""
-    return dns_label(f"{model}-{site}")
 
 
 def parse_taint(taint: str) -> tuple[str, str, str]:

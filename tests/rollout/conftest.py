@@ -156,13 +156,15 @@ class RolloutStack(Stack):
 
 
 @pytest.fixture
-async def rollout_stack(temporal_env, tmp_path: Path, moto_s3: MotoS3) -> AsyncIterator[RolloutStack]:
+async def rollout_stack(temporal_env, tmp_path: Path, moto_s3: MotoS3, request) -> AsyncIterator[RolloutStack]:
+    """Parametrized indirectly, the fleet config's ``models:`` (none otherwise)."""
     source = moto_s3.bucket(moto_s3.store(0))
     stores = {"site-a": moto_s3.bucket(moto_s3.store(0, checksum_verification="read-back")),
               "site-b": moto_s3.bucket(moto_s3.store(1)),
               "site-c": moto_s3.bucket(moto_s3.store(1))}
     settings = make_settings(temporal_env, tmp_path)
-    (tmp_path / "sites.yaml").write_text(yaml.safe_dump(rollout_fleet(stores, source)))
+    fleet = {**rollout_fleet(stores, source), "models": getattr(request, "param", {})}
+    (tmp_path / "sites.yaml").write_text(yaml.safe_dump(fleet))
     env = FleetEnv.from_settings(settings)
     for site in stores:
         add_node(env, site)

@@ -177,6 +177,115 @@ async def test_a_model_whose_kubernetes_name_another_served_model_has_is_refused
     await replay_and_record(handle, "rollout_refused_kubernetes_name_clash")
 
 
+def only_the_look_up_ran(history) -> None:
+    scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                 if e.HasField("activity_task_scheduled_event_attributes")]
+    assert scheduled == ["resolve_rollout_sites"], "only the look-up ran: no copy, no Deployment"
+
+
+@pytest.mark.parametrize("rollout_stack", [{"LLM": {"sites": ["site-c"]}}], indirect=True)
+async def test_a_model_whose_kubernetes_name_a_configured_model_has_is_refused(rollout_stack: RolloutStack) -> None:
+    """``LLM`` is in the fleet config's ``models:`` but served nowhere yet: a rollout of ``llm``
+    would take the Deployments, Services and route that ``LLM``'s first rollout writes."""
+    stack = rollout_stack
+    handle = await stack.start(stack.request({"site-a": 1, "site-b": 1}), "configured-clash")
+    error = await failure_of(handle)
+    assert error.type == "InvalidInput" and error.non_retryable, error
+    assert ("model: 'LLM' and 'llm' are one Kubernetes name (llm): 'LLM' is named in the fleet config "
+            "(models.LLM); roll out under its name or rename the model") in str(error), error
+    only_the_look_up_ran(await handle.fetch_history())
+    assert stack.cluster.list_serving() == []
+
+
+async def test_a_model_whose_serving_name_at_a_site_another_model_has_is_refused(rollout_stack: RolloutStack) -> None:
+    """The adapter names a model's Deployment, Service and PodDisruptionBudget at a site
+    ``<model>-<site>``: ``llm`` at ``site-a`` is ``llm-site`` at ``a``. The rollout would take
+    that model's Deployment there; it is refused at start, naming the target and both models."""
+    stack = rollout_stack
+    stack.cluster.apply_serving(ServingSpec(model="llm-site", site="a", image="other:v1", replicas=1))
+    handle = await stack.start(stack.request({"site-b": 1, "site-a": 1}), "serving-name-clash")
+    error = await failure_of(handle)
+    assert error.type == "InvalidInput" and error.non_retryable, error
+    assert ("sites[1].site: 'llm-site' at a and 'llm' at site-a are one Kubernetes name (llm-site-a): 'llm-site' "
+            "is served at a; rename the model or roll out to another site") in str(error), error
+    assert "sites[0]" not in str(error)
+    only_the_look_up_ran(await handle.fetch_history())
+    assert [(s.model, s.site, s.image) for s in stack.cluster.list_serving()] == [("llm-site", "a", "other:v1")]
+
+
+async def test_a_target_where_a_configured_model_has_the_serving_name_is_refused(temporal_env, tmp_path) -> None:
+    """``a-b`` is to serve at ``c`` (the fleet config's ``models:``) and serves nowhere yet: a
+    rollout of ``a`` to ``b-c`` would write the Deployment ``a-b``'s first rollout writes there."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.env import FleetEnv
+    from fleet.messages.rollout import ResolveRolloutSitesInput
+    from tests.conftest import TEST_FLEET, make_settings, write_fleet
+
+    site = TEST_FLEET["sites"][0]
+    settings = make_settings(temporal_env, tmp_path)
+    write_fleet(tmp_path, {**TEST_FLEET, "sites": [*TEST_FLEET["sites"], {**site, "name": "c"}, {**site, "name": "b-c"}],
+                           "models": {"a-b": {"sites": ["c"]}}})
+    look_up = ServingActivities(FleetEnv.from_settings(settings)).resolve_rollout_sites
+    found = await ActivityEnvironment(client=temporal_env.client).run(
+        look_up, ResolveRolloutSitesInput(sites=[site["name"], "b-c"], model="a"))
+    assert found.problems == ["sites[1].site: 'a-b' at c and 'a' at b-c are one Kubernetes name (a-b-c): 'a-b' is "
+                              "to serve at c (models.a-b in the fleet config); rename the model or roll out to "
+                              "another site"]
+    apart = await ActivityEnvironment(client=temporal_env.client).run(
+        look_up, ResolveRolloutSitesInput(sites=[site["name"], "c"], model="a"))
+    assert apart.problems == []
+
+
+def serve_elsewhere(stack: RolloutStack, count: int) -> list[str]:
+    """``MODEL`` served at ``count`` more sites (Deployments only: the route counts them)."""
+    sites = [f"old-{i:02d}" for i in range(count)]
+    for site in sites:
+        stack.cluster.apply_serving(ServingSpec(model=MODEL, site=site, image="img:v1", replicas=1))
+    return sites
+
+
+async def test_a_rollout_that_would_route_the_model_to_more_than_16_sites_is_refused(rollout_stack: RolloutStack) -> None:
+    """Served at 15 sites, rolled out to two more: a rollout retires no site, so the model's
+    HTTPRoute would need 17 backendRefs, which the API server refuses (Gateway API allows 16)
+    when the route is written, after the copies and the Deployments. Refused at start, naming
+    ``sites``, the targets and the sites it is served at."""
+    stack = rollout_stack
+    served = serve_elsewhere(stack, 15)
+    handle = await stack.start(stack.request({"site-a": 1, "site-b": 1}), "17-sites")
+    error = await failure_of(handle)
+    assert error.type == "InvalidInput" and error.non_retryable, error
+    assert ("sites: 'llm' would be routed to 17 sites, at most 16 (its HTTPRoute's backendRefs, Gateway API's "
+            f"limit): the target sites (site-a, site-b); the sites it is served at already ({', '.join(served)})"
+            in str(error)), error
+    only_the_look_up_ran(await handle.fetch_history())
+    for site in ("site-a", "site-b"):
+        store = stack.stores[site]
+        assert stack.s3.client(store).list_objects_v2(Bucket=store.bucket).get("KeyCount", 0) == 0
+        assert stack.image(site) is None
+
+
+async def test_a_rollout_counts_the_sites_of_the_models_other_running_rollout(rollout_stack: RolloutStack) -> None:
+    """Rollouts of one model have one id per version, so two run at once: served at 14 sites,
+    one rollout to site-a and site-b (16 then) and another to site-c would end at 17. The second
+    is refused at start, naming the first; alone it would pass (15)."""
+    stack = rollout_stack
+    serve_elsewhere(stack, 14)
+    first = await stack.start(stack.request({"site-a": 1, "site-b": 1}), "first")
+    await first.execute_update("pause", "holding the first one")
+    await until(first, lambda p: p.phase == "paused")
+    second = await stack.start(stack.request({"site-c": 1}, version="v3"), "second")
+    error = await failure_of(second)
+    assert error.type == "InvalidInput" and error.non_retryable, error
+    assert "sites: 'llm' would be routed to 17 sites, at most 16" in str(error), error
+    assert f"the sites running rollout {first.id} targets too (site-a, site-b)" in str(error), error
+    only_the_look_up_ran(await second.fetch_history())
+    store = stack.stores["site-c"]
+    assert stack.s3.client(store).list_objects_v2(Bucket=store.bucket).get("KeyCount", 0) == 0
+    assert stack.image("site-c") is None
+    assert (await progress(first)).phase == "paused"
+
+
 async def test_canary_fails_gate_rolled_back_others_untouched(rollout_stack: RolloutStack) -> None:
     stack = rollout_stack
     stack.serve_v1(["site-a", "site-b", "site-c"])
