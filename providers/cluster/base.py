@@ -35,6 +35,8 @@ from fleet.cluster import (
 )
 
 if TYPE_CHECKING:
+    from cryptography import x509
+
     from providers.cluster.bootstrap import BootstrapToken
 
 
@@ -90,6 +92,33 @@ _USAGES = {
 }
 
 
+#: The most of the parser's message a denial of an unreadable request repeats: the reason lands
+#: on the CSR and in the pass's result, and the message describes bytes a node wrote.
+_PARSE_ERROR_CHARS = 120
+
+
+class UnparseableRequest(ValueError):
+    """A CSR's request that cryptography cannot read whole (``read_csr``)."""
+
+
+def read_csr(request: object) -> "x509.CertificateSigningRequest":
+    """A CSR's ``spec.request`` (base64 PEM), read whole: its subject, its key and every extension.
+
+    cryptography reads a request's extensions only when first asked for them, and raises there
+    (a ValueError, a DuplicateExtension) on what the API server accepted: Go's
+    ``x509.ParseCertificateRequest`` reads only the SAN extension. So whatever a node wrote is
+    read here, once, and anything unreadable raises UnparseableRequest, never later."""
+    from cryptography import x509
+
+    try:
+        parsed = x509.load_pem_x509_csr(base64.b64decode(request))
+        parsed.subject, parsed.public_key(), parsed.extensions  # each parsed when first read
+    except Exception as error:  # noqa: BLE001 - whatever the parser raises on a node's bytes, they are unreadable
+        raise UnparseableRequest(f"unparseable request ({type(error).__name__}: "
+                                 f"{str(error)[:_PARSE_ERROR_CHARS]})") from error
+    return parsed
+
+
 def csr_decision(
     csr: dict,
     token_node: Callable[[str], "str | None"],
@@ -132,9 +161,9 @@ def csr_decision(
         return CsrDecision(name=name, requester=user, approve=approve, reason=reason)
 
     try:
-        request = x509.load_pem_x509_csr(base64.b64decode(spec.get("request") or ""))
-    except ValueError:
-        return verdict(False, "the request is not a PEM certificate request")
+        request = read_csr(spec.get("request") or "")
+    except UnparseableRequest as error:
+        return verdict(False, str(error))  # denied by itself: the pass goes on to decide the others
     common = [a.value for a in request.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
     orgs = [a.value for a in request.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)]
     subject = f"system:node:{want}"

@@ -1,7 +1,8 @@
 """Nodes flooding the CSR approver: every node's kubelet may create CSRs (its credentials are
 bound to ``system:node``'s create on them), thousands, each name up to 253 characters. What the
 approver's activities tell ``CsrApprover`` stays bounded however many there are, and every CSR
-is still decided or left alone as before.
+is still decided or left alone as before; and a request the approver cannot read is denied by
+itself, never failing the pass that decides everyone else's.
 
 Against the fake API server: thousands of CSRs are put into its store at once, where the real tier
 (tests/realk8s/test_csr_approver.py, the approver's run end to end) would take minutes to post them.
@@ -21,12 +22,13 @@ from temporalio.testing import ActivityEnvironment
 from activities.control_plane import ControlPlaneActivities
 from activities.env import FleetEnv
 from activities.watches import WatchActivities
+from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity
 from fleet.config import load_config
 from fleet.messages.csr import VERDICTS_NAMED
 from fleet.messages.watches import CSRS_NAMED, CsrWatchInput, CsrWatchResult
 from fleet.settings import Settings
 from providers.cluster.base import CLIENT_SIGNER
-from tests.cluster.sim_kubelet import csr_pem
+from tests.cluster.sim_kubelet import csr_pem, unreadable_csr_pem
 from tests.conftest import write_fleet
 
 CSRS = ("certificates.k8s.io", "certificatesigningrequests")
@@ -96,3 +98,29 @@ def test_the_csr_watch_names_the_newest_of_thousands_and_still_wakes_for_a_new_o
     renewal.join()
     assert woken.changed and woken.pending[-1].startswith("renewal") and time.monotonic() - started < 15
     assert woken.open_count == 8501 and len(woken.pending) == CSRS_NAMED
+
+
+def test_a_request_whose_extensions_cannot_be_read_is_denied_and_the_pass_decides_the_others(env, fake, kube) -> None:
+    """A live node's kubelet may post a CSR with the right subject and usages whose KeyUsage is
+    malformed, or given twice: the API server reads only its SAN extension and accepts it, and
+    cryptography raised only once the approver read the extensions, which failed the whole pass
+    (every other node's renewal, every join waiting on its CSR) until the CSR was collected a day
+    later. Now that request is denied, saying why in a bounded reason, and the others are decided."""
+    for node in ("gpu-honest", "gpu-hostile"):
+        identity = NodeIdentity(node_name=node, machine_id=f"m-{node}", provider="p", account="a", site="s")
+        kube.update_state(NODE_IDENTITY_KIND, node, lambda _old, identity=identity: identity.state())
+    requests = {"a-renewal": ("gpu-honest", csr_pem("system:node:gpu-honest", ["system:nodes"])),
+                **{f"b-{flaw}": ("gpu-hostile", unreadable_csr_pem("system:node:gpu-hostile", ["system:nodes"], flaw))
+                   for flaw in ("key-usage", "duplicate")}}
+    for name, (node, request) in requests.items():
+        fake.put(*CSRS, {"metadata": {"name": name}, "spec": {
+            "request": base64.b64encode(request).decode(), "signerName": CLIENT_SIGNER,
+            "username": f"system:node:{node}", "groups": ["system:nodes"], "usages": ["digital signature", "client auth"]}})
+
+    result = asyncio.run(ActivityEnvironment().run(ControlPlaneActivities(env).approve_node_csrs))
+    verdicts = {v.name: v for v in result.decided}
+    assert (result.approved, result.denied) == (1, 2) and verdicts["a-renewal"].approve
+    for name in ("b-key-usage", "b-duplicate"):
+        assert verdicts[name].reason.startswith("unparseable request") and len(verdicts[name].reason) <= 200
+    conditions = {c["metadata"]["name"]: [k["type"] for k in c["status"]["conditions"]] for c in fake.objects(*CSRS)}
+    assert conditions == {"a-renewal": ["Approved"], "b-key-usage": ["Denied"], "b-duplicate": ["Denied"]}

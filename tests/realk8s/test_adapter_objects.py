@@ -62,7 +62,7 @@ from providers.cluster.base import CONTROL_PLANE_LABEL, SERVING_SIGNER, serving_
 from providers.cluster.check import KUBEADM_BINDINGS
 from providers.cluster.kubernetes import NODE_IDENTITY_KIND, KubernetesCluster, bootstrap_secret_name
 from providers.cluster.kubernetes.csrs import RENEWALS_PER_WINDOW, SERVING_PER_WINDOW
-from tests.cluster.sim_kubelet import csr_pem
+from tests.cluster.sim_kubelet import csr_pem, unreadable_csr_pem
 from tests.cluster.test_manifests import largest_manifest, rollout_spec
 from tests.cluster.test_csr_renewals import renewal
 from tests.conftest import write_fleet
@@ -673,21 +673,30 @@ def key_of(csr: dict) -> str:
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo))
 
 
-def _csr_as_node(real: RealCluster, name: str, node: str, serving_ip: str = "") -> dict:
+def _csr_as_node(real: RealCluster, name: str, node: str, serving_ip: str = "", request: bytes = b"") -> dict:
     """A client-certificate renewal (or, with ``serving_ip``, a serving certificate for the node's
-    name and that address) as the node's kubelet sends it: made *as* ``system:node:<node>`` (the
-    admin impersonates it), so the real API server writes the CSR's username and groups."""
+    name and that address; with ``request``, a renewal of that PEM request) as the node's kubelet
+    sends it: made *as* ``system:node:<node>`` (the admin impersonates it), so the real API server
+    writes the CSR's username and groups."""
+    status, answer = _post_as_node(real, name, node, serving_ip, request)
+    assert status == 201, answer
+    assert answer["spec"]["username"] == f"system:node:{node}"
+    return answer
+
+
+def _post_as_node(real: RealCluster, name: str, node: str, serving_ip: str = "",
+                  request: bytes = b"") -> tuple[int, dict]:
+    """``_csr_as_node``'s request, and the API server's answer, whatever it is."""
     csr = renewal(name, node)
+    if request:
+        csr["spec"]["request"] = base64.b64encode(request).decode()
     if serving_ip:
         request = csr_pem(f"system:node:{node}", ["system:nodes"], ips=[serving_ip], dns=[node])
         csr["spec"].update(signerName=SERVING_SIGNER, usages=["digital signature", "server auth"],
                            request=base64.b64encode(request).decode())
     csr["spec"] = {k: v for k, v in csr["spec"].items() if k not in ("username", "groups")}
     as_node = {"Impersonate-User": f"system:node:{node}", "Impersonate-Group": "system:nodes"}
-    status, answer = real.request("POST", CSRS, csr, admin=True, headers=as_node)
-    assert status == 201, answer
-    assert answer["spec"]["username"] == f"system:node:{node}"
-    return answer
+    return real.request("POST", CSRS, csr, admin=True, headers=as_node)
 
 
 def _approve_as_kubeadm(real: RealCluster, csr: dict) -> None:
@@ -862,6 +871,33 @@ def test_after_an_approver_outage_the_request_a_kubelet_waits_on_is_approved(rea
         assert [n for n in names if verdicts[n].approve] == names[-1:], verdicts
         assert all("superseded" in verdicts[n].reason for n in names[:-1]), verdicts
         assert [_conditions(real_cluster, n) for n in names] == [["Denied"]] * (len(names) - 1) + [["Approved"]]
+    finally:
+        kube.remove_node(live)
+
+
+def test_a_request_the_api_server_accepts_and_cryptography_cannot_read_is_denied_alone(real_cluster, kube, nodes,
+                                                                                      csrs, unique) -> None:
+    """The real API server accepts a live node's CSR whose KeyUsage is malformed (it reads only the
+    SAN extension), which failed every pass until it was collected a day later: it is now denied
+    by itself, and the node's honest renewal beside it approved (tests/cluster/test_csr_flood.py).
+    A KeyUsage given twice the API server refuses itself: the approver's denial of that one
+    (tested against the fake API server) is defence in depth."""
+    live = _live_node(kube, nodes, f"gpu-live-{unique}")
+    status, answer = _post_as_node(real_cluster, f"u-duplicate-{unique}", live, request=unreadable_csr_pem(
+        f"system:node:{live}", ["system:nodes"], "duplicate"))
+    assert status == 403 and "duplicate requested extensions" in answer["message"], answer
+    unreadable, honest = f"u-key-usage-{unique}", f"v-renewal-{unique}"  # the renewal newest: none superseded
+    _csr_as_node(real_cluster, unreadable, live, request=unreadable_csr_pem(
+        f"system:node:{live}", ["system:nodes"], "key-usage"))
+    csrs.append(unreadable)
+    _csr_as_node(real_cluster, honest, live)
+    csrs.append(honest)
+    try:
+        verdicts = {d.name: d for d in kube.review_csrs(lambda _node: None) if d.name in (unreadable, honest)}
+        assert verdicts[honest].approve
+        assert not verdicts[unreadable].approve and verdicts[unreadable].reason.startswith("unparseable request")
+        assert {n: _conditions(real_cluster, n) for n in (unreadable, honest)} == {
+            unreadable: ["Denied"], honest: ["Approved"]}
     finally:
         kube.remove_node(live)
 

@@ -17,7 +17,6 @@ its machine, and at most ``SERVING_PER_WINDOW`` of a node's in ``RENEWAL_WINDOW`
 
 from __future__ import annotations
 
-import base64
 import copy
 from collections import Counter
 from datetime import datetime, timedelta, timezone
@@ -34,7 +33,8 @@ from fleet.cluster import (
     client_key_fingerprint,
     with_key,
 )
-from providers.cluster.base import CLIENT_SIGNER, CONTROL_PLANE_LABEL, SERVING_SIGNER, CsrDecision, csr_decision
+from providers.cluster.base import (CLIENT_SIGNER, CONTROL_PLANE_LABEL, SERVING_SIGNER, CsrDecision, UnparseableRequest,
+                                    csr_decision, read_csr)
 from providers.cluster.kubernetes.api import _translate
 from providers.cluster.kubernetes.state import ControlPlaneState
 from providers.cluster.kubernetes.tokens import _TOKEN_ID, JOIN_TOKEN_KIND
@@ -219,7 +219,6 @@ def _approved_after(csr: dict[str, Any], since: datetime) -> bool:
 
 def _client_csr_key(csr: dict[str, Any]) -> tuple[str, str] | None:
     """(node, key fingerprint) of a kubelet client CSR (``system:node:<node>``), or None."""
-    from cryptography import x509
     from cryptography.hazmat.primitives import serialization
     from cryptography.x509.oid import NameOID
 
@@ -227,11 +226,11 @@ def _client_csr_key(csr: dict[str, Any]) -> tuple[str, str] | None:
     if spec.get("signerName") != CLIENT_SIGNER:
         return None
     try:
-        request = x509.load_pem_x509_csr(base64.b64decode(spec.get("request") or ""))
-        public = request.public_key().public_bytes(serialization.Encoding.DER,
-                                                   serialization.PublicFormat.SubjectPublicKeyInfo)
-    except (ValueError, TypeError):
+        request = read_csr(spec.get("request") or "")
+    except UnparseableRequest:
         return None
+    public = request.public_key().public_bytes(serialization.Encoding.DER,
+                                               serialization.PublicFormat.SubjectPublicKeyInfo)
     common = [a.value for a in request.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
     if len(common) != 1 or not str(common[0]).startswith("system:node:"):
         return None
