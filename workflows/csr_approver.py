@@ -8,8 +8,10 @@ token group is bound to no auto-approval), so without a timer a fleet that is no
 or repairing would lose its kubelets when their certificates lapse.
 
 A run makes one pass, then (patch ``csr-watch``) waits on ``watch_csrs``, a watch on CSRs that
-returns when one it has not seen appears, and makes a pass for it; each watch returns unchanged
-after ``CSR_WATCH_SECONDS`` (a pass then too: the safety sweep). The run ends when its history
+returns when one it has not seen appears under a signer gpufleet judges (no sooner than
+``activities.watches.CSR_PACE_SECONDS`` after it began, so CSRs that keep coming get a pass per
+that, not one each), and makes a pass for it; each watch returns unchanged after
+``CSR_WATCH_SECONDS`` (a pass then too: the safety sweep). The run ends when its history
 asks to be continued (or after ``CSR_RUN_SECONDS``), and the Schedule (overlap SKIP, every
 ``fleet.schedules.CSR_APPROVER_EVERY``) starts the next: a run that is lost is replaced within
 that, and a Schedule keeps it visible and pausable in the UI. A cancelled run ends with what it

@@ -127,9 +127,9 @@ class CsrWatchInput(Strict):
 
 
 class CsrWatchResult(BaseModel):
-    #: The newest ``CSRS_NAMED`` CSRs still open when the watch returned, oldest first: neither
-    #: Denied nor Failed, so pending, or approved and not yet cleaned up (``watch_open_csrs``). An
-    #: approved one counts: one that kubeadm's auto-approval approved before the watch saw it still
+    #: The newest ``CSRS_NAMED`` CSRs under a signer gpufleet judges still open when the watch
+    #: returned, oldest first: neither Denied nor Failed, so pending, or approved and not yet
+    #: cleaned up (``watch_open_csrs``). An approved one counts: one that kubeadm's auto-approval approved before the watch saw it still
     #: wants a pass to bind its key.
     pending: list[str] = Field(default_factory=list)
     #: How many were open: more than ``pending`` names when it was cut.

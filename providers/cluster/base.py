@@ -90,6 +90,8 @@ _USAGES = {
     CLIENT_SIGNER: {"digital signature", "key encipherment", "client auth"},
     SERVING_SIGNER: {"digital signature", "key encipherment", "server auth"},
 }
+#: The signers whose CSRs gpufleet judges (``csr_decision``): one under any other wakes no pass.
+JUDGED_SIGNERS = frozenset(_USAGES)
 
 
 #: The most of the parser's message a denial of an unreadable request repeats: the reason lands
@@ -348,8 +350,8 @@ class Cluster(WeightedRouting, Protocol):
         self, until: Callable[[list[str]], bool], timeout_s: float, recheck_s: float = 30.0,
         heartbeat: Callable[[], None] | None = None,
     ) -> list[str]:
-        """The names of the CSRs still open (neither Denied nor Failed: pending, or approved and
-        not yet cleaned up), oldest first (by creation, then name), as soon as ``until`` holds for
+        """The names of the CSRs under a signer gpufleet judges (``JUDGED_SIGNERS``) still open
+        (neither Denied nor Failed: pending, or approved and not yet cleaned up), oldest first (by creation, then name), as soon as ``until`` holds for
         them, or after ``timeout_s``: a watch on CSRs, as ``watch_nodes``. A new CSR is a new name."""
         ...
 

@@ -1,8 +1,9 @@
 """Nodes flooding the CSR approver: every node's kubelet may create CSRs (its credentials are
 bound to ``system:node``'s create on them), thousands, each name up to 253 characters. What the
 approver's activities tell ``CsrApprover`` stays bounded however many there are, and every CSR
-is still decided or left alone as before; and a request the approver cannot read is denied by
-itself, never failing the pass that decides everyone else's.
+is still decided or left alone as before; CSRs that keep coming wake ``CsrApprover`` at a pace,
+not for a pass each; and a request the approver cannot read is denied by itself, never failing
+the pass that decides everyone else's.
 
 Against the fake API server: thousands of CSRs are put into its store at once, where the real tier
 (tests/realk8s/test_csr_approver.py, the approver's run end to end) would take minutes to post them.
@@ -14,13 +15,15 @@ import asyncio
 import base64
 import threading
 import time
+import uuid
 
 import pytest
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.testing import ActivityEnvironment
+from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from activities.control_plane import ControlPlaneActivities
 from activities.env import FleetEnv
+from activities import watches
 from activities.watches import WatchActivities
 from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity
 from fleet.config import load_config
@@ -29,7 +32,8 @@ from fleet.messages.watches import CSRS_NAMED, CsrWatchInput, CsrWatchResult
 from fleet.settings import Settings
 from providers.cluster.base import CLIENT_SIGNER
 from tests.cluster.sim_kubelet import csr_pem, unreadable_csr_pem
-from tests.conftest import write_fleet
+from tests.conftest import wait_for, write_fleet
+from workers.control_plane import build_worker
 
 CSRS = ("certificates.k8s.io", "certificatesigningrequests")
 #: A node's request, once (its key is not what is judged here).
@@ -76,12 +80,13 @@ def test_a_pass_over_thousands_of_csrs_decides_each_and_names_a_few(env, fake) -
     assert all([c["type"] for c in conditions[name]] == ["Denied"] for name in names)
 
 
-def test_the_csr_watch_names_the_newest_of_thousands_and_still_wakes_for_a_new_one(env, fake) -> None:
-    """8,500 CSRs of a signer gpufleet leaves alone (they stay open a day): 2.2 MB of names, which
+def test_the_csr_watch_names_the_newest_of_thousands_and_still_wakes_for_a_new_one(env, fake, monkeypatch) -> None:
+    """8,500 open kubelet CSRs (a node's renewals that no pass has denied yet): 2.2 MB of names, which
     the watch returned whole, past the 2 MiB limit (and the approver handed them to its next watch).
     Now it names the newest ``CSRS_NAMED`` and counts them all; the next watch, told those, waits
     rather than waking for the older ones it was not told of, and wakes for a new CSR."""
-    names = flood(fake, 8500, "foreign", "example.com/flood")
+    monkeypatch.setattr(watches, "CSR_PACE_SECONDS", 1.0)  # the pace is the test below's
+    names = flood(fake, 8500, "unjudged", CLIENT_SIGNER)
     first = watch(env, None, wait=5)
     assert payload_bytes(first) < 256 * 1024, payload_bytes(first)
     assert first.changed and first.open_count == 8500 and first.pending == names[-CSRS_NAMED:]
@@ -124,3 +129,54 @@ def test_a_request_whose_extensions_cannot_be_read_is_denied_and_the_pass_decide
         assert verdicts[name].reason.startswith("unparseable request") and len(verdicts[name].reason) <= 200
     conditions = {c["metadata"]["name"]: [k["type"] for k in c["status"]["conditions"]] for c in fake.objects(*CSRS)}
     assert conditions == {"a-renewal": ["Approved"], "b-key-usage": ["Denied"], "b-duplicate": ["Denied"]}
+
+
+def test_a_csr_under_a_signer_gpufleet_does_not_judge_wakes_no_watch(env, fake) -> None:
+    """Any node may post CSRs under any other signer, and they stay open a day: each woke the
+    approver for a pass that decided nothing. Now the watch waits on, and names none of them."""
+    flood(fake, 1, "foreign", "example.com/flood")
+    posted = threading.Timer(0.5, lambda: flood(fake, 1, "later", "example.com/flood"))
+    posted.start()
+    quiet = watch(env, None, wait=3)
+    posted.join()
+    assert not quiet.changed and quiet.pending == [] and quiet.open_count == 0
+
+
+async def test_csrs_that_keep_coming_get_a_pass_per_pace_not_one_each(env, fake, monkeypatch,
+                                                                     time_skipping_env: WorkflowEnvironment) -> None:
+    """A node posting kubelet CSRs one after another woke ``CsrApprover`` for a pass each, two
+    activities in its history each: some 340 filled it, and the run ended, leaving the fleet
+    without an approver until the Schedule's next start. Now a watch that sees a new CSR returns
+    no sooner than ``CSR_PACE_SECONDS`` after it began, and the passes keep that pace however many
+    CSRs come; every one is still decided."""
+    monkeypatch.setattr(watches, "CSR_PACE_SECONDS", 4.0)
+    monkeypatch.setattr(watches, "RECHECK_SECONDS", 1.0)  # the worker's shutdown ends the watch in flight at once
+    settings = Settings(address=time_skipping_env.client.service_client.config.target_host,
+                        task_queue=f"csr-pace-{uuid.uuid4().hex[:8]}", state_dir=env.settings.state_dir)
+    client = time_skipping_env.client
+
+    async def passes() -> int:
+        count = 0
+        async for event in run.fetch_history_events():
+            if event.HasField("activity_task_scheduled_event_attributes"):
+                count += event.activity_task_scheduled_event_attributes.activity_type.name == "approve_node_csrs"
+        return count
+
+    def denied() -> int:
+        return sum(any(c["type"] == "Denied" for c in (csr.get("status") or {}).get("conditions") or [])
+                   for csr in fake.objects(*CSRS))
+
+    async with build_worker(client, settings, env):
+        run = await client.start_workflow("CsrApprover", {}, id=f"csr-approver-{uuid.uuid4().hex[:6]}",
+                                          task_queue=settings.task_queue)
+        await wait_for(lambda: fake.requests and any(r[2] == "certificatesigningrequests" and r[0] == "watch"
+                                                     for r in fake.requests), timeout=30)
+        for i in range(24):  # one every half second, for 12 s: renewals of a node gpufleet does not know
+            flood(fake, 1, f"r{i:02d}", CLIENT_SIGNER)
+            await asyncio.sleep(0.5)
+        await wait_for(lambda: denied() == 24, timeout=30)
+        made = await passes()
+        await run.cancel()
+        await run.result()
+    # The first pass, then one per 4 s of the 12 (the last perhaps after them); before, one per CSR.
+    assert 2 <= made <= 6, made

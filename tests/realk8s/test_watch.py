@@ -154,26 +154,30 @@ def test_a_node_whose_kubelet_falls_silent_is_seen_notready_through_the_watch(re
     assert silent_for < 75, f"seen NotReady {silent_for:.0f}s after its kubelet's last post"
 
 
-def test_a_new_csr_wakes_the_csr_watch(real_cluster: RealCluster) -> None:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+def test_a_new_kubelet_csr_wakes_the_csr_watch_and_another_signers_does_not(real_cluster: RealCluster) -> None:
     import base64
+
+    from providers.cluster.base import CLIENT_SIGNER
+    from tests.cluster.sim_kubelet import csr_pem
 
     cluster = control_plane(real_cluster)
     before = cluster.watch_open_csrs(lambda names: True, timeout_s=1)
-    key = ec.generate_private_key(ec.SECP256R1())
-    request = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([
-        x509.NameAttribute(NameOID.COMMON_NAME, "watch-test"),
-    ])).sign(key, hashes.SHA256())
-    name = f"watch-{uuid.uuid4().hex[:6]}"
-    body = {"apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest", "metadata": {"name": name},
-            "spec": {"request": base64.b64encode(request.public_bytes(serialization.Encoding.PEM)).decode(),
-                     "signerName": "example.com/watch-test", "usages": ["digital signature"]}}
-    creator = later(2, lambda: real_cluster.request("POST", "/apis/certificates.k8s.io/v1/certificatesigningrequests",
-                                                    body, admin=True))
+
+    def post(name: str, signer: str, usages: list[str]) -> None:
+        request = csr_pem("system:node:watch-test", ["system:nodes"])
+        body = {"apiVersion": "certificates.k8s.io/v1", "kind": "CertificateSigningRequest",
+                "metadata": {"name": name}, "spec": {"request": base64.b64encode(request).decode(),
+                                                     "signerName": signer, "usages": usages}}
+        status, answer = real_cluster.request("POST", "/apis/certificates.k8s.io/v1/certificatesigningrequests",
+                                              body, admin=True)
+        assert status == 201, answer
+
+    foreign, name = f"watch-foreign-{uuid.uuid4().hex[:6]}", f"watch-{uuid.uuid4().hex[:6]}"
+    creators = [later(1, lambda: post(foreign, "example.com/watch-test", ["digital signature"])),
+                later(3, lambda: post(name, CLIENT_SIGNER, ["digital signature", "client auth"]))]
     started = time.monotonic()
     names = cluster.watch_open_csrs(lambda names: bool(set(names) - set(before)), timeout_s=60, recheck_s=30)
-    creator.join()
-    assert name in names and 1.5 <= time.monotonic() - started < 30
+    for creator in creators:
+        creator.join()
+    # Woken by the kubelet's CSR only: gpufleet judges no other signer's, so a pass would decide nothing.
+    assert name in names and foreign not in names and 2.5 <= time.monotonic() - started < 30

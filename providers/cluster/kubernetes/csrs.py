@@ -33,8 +33,8 @@ from fleet.cluster import (
     client_key_fingerprint,
     with_key,
 )
-from providers.cluster.base import (CLIENT_SIGNER, CONTROL_PLANE_LABEL, SERVING_SIGNER, CsrDecision, UnparseableRequest,
-                                    csr_decision, read_csr)
+from providers.cluster.base import (CLIENT_SIGNER, CONTROL_PLANE_LABEL, SERVING_SIGNER, CsrDecision, JUDGED_SIGNERS,
+                                    UnparseableRequest, csr_decision, read_csr)
 from providers.cluster.kubernetes.api import _translate
 from providers.cluster.kubernetes.state import ControlPlaneState
 from providers.cluster.kubernetes.tokens import _TOKEN_ID, JOIN_TOKEN_KIND
@@ -171,6 +171,8 @@ class CsrApprover(Watches, ControlPlaneState):
     def watch_open_csrs(self, until: Callable[[list[str]], bool], timeout_s: float, recheck_s: float = 30.0,
                         heartbeat: Callable[[], None] | None = None) -> list[str]:
         def convert(obj: dict[str, Any]) -> str | None:
+            if (obj.get("spec") or {}).get("signerName") not in JUDGED_SIGNERS:
+                return None  # left to another approver: no pass of gpufleet's decides it
             conditions = (obj.get("status") or {}).get("conditions") or []
             if any(c.get("type") in ("Denied", "Failed") for c in conditions):
                 return None
