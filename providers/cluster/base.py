@@ -170,7 +170,7 @@ def csr_decision(
     orgs = [a.value for a in request.subject.get_attributes_for_oid(NameOID.ORGANIZATION_NAME)]
     subject = f"system:node:{want}"
     if common != [subject] or orgs != ["system:nodes"]:
-        asked = common[0] if common else "no common name"
+        asked = _quoted(common[0]) if common else "no common name"
         return verdict(False, f"{user} may get a certificate for {subject} only; it asked for {asked}")
     if not set(spec.get("usages") or []) <= _USAGES[signer]:
         return verdict(False, f"usages {sorted(spec.get('usages') or [])} are not a kubelet's")
@@ -187,11 +187,24 @@ def csr_decision(
         return None  # nothing to check the addresses against: no serving certificate from us
     dns = sans.get_values_for_type(x509.DNSName) if sans else []
     ips = [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] if sans else []
-    wrong = [d for d in dns if d != want] + [ip for ip in ips if ip not in reported]
+    wrong = sorted({d for d in dns if d != want} | {ip for ip in ips if ip not in reported})
     if wrong or not ips:
-        return verdict(False, f"serving names {sorted(wrong) or 'without an address'} are not node {want}'s "
+        named = ", ".join(_quoted(name) for name in wrong[:CSR_NAMES_SAID]) + \
+            (f" and {len(wrong) - CSR_NAMES_SAID} more" if len(wrong) > CSR_NAMES_SAID else "")
+        return verdict(False, f"serving names {named or 'without an address'} are not node {want}'s "
                               f"(the provider reports {sorted(reported)})")
     return verdict(True, f"serving names match node {want} and its machine's addresses")
+
+
+#: A denial names at most this many of the names a CSR asked for, each cut to ``CSR_NAME_SAID``
+#: characters: the node wrote them (any number, any length), and the reason goes onto the CSR, into
+#: the approver's activity result and its history, and onto every join that waits on the pass.
+CSR_NAMES_SAID, CSR_NAME_SAID = 4, 64
+
+
+def _quoted(name: str) -> str:
+    """A name a node wrote, quoted and cut short (its length and characters are its own choice)."""
+    return repr(name if len(name) <= CSR_NAME_SAID else name[:CSR_NAME_SAID] + "…")
 
 
 class AccessRule(BaseModel):

@@ -20,7 +20,9 @@ def csr_pem(common_name: str, orgs: list[str], ips: list[str] = (), dns: list[st
 
     key = ec.generate_private_key(ec.SECP256R1())
     subject = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs]
-    subject.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
+    # Unvalidated: RFC 5280 bounds a common name to 64 characters, which cryptography enforces when it
+    # builds one but not when it reads one, and Go's parser (the API server's) not at all; a node may.
+    subject.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name, _validate=False))
     builder = x509.CertificateSigningRequestBuilder().subject_name(x509.Name(subject))
     sans = [x509.DNSName(d) for d in dns] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
     if sans:
@@ -40,7 +42,9 @@ def unreadable_csr_pem(common_name: str, orgs: list[str], flaw: str) -> bytes:
 
     key = ec.generate_private_key(ec.SECP256R1())
     subject = [x509.NameAttribute(NameOID.ORGANIZATION_NAME, o) for o in orgs]
-    subject.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name))
+    # Unvalidated: RFC 5280 bounds a common name to 64 characters, which cryptography enforces when it
+    # builds one but not when it reads one, and Go's parser (the API server's) not at all; a node may.
+    subject.append(x509.NameAttribute(NameOID.COMMON_NAME, common_name, _validate=False))
     builder = x509.CertificateSigningRequestBuilder().subject_name(x509.Name(subject))
     if flaw == "key-usage":
         builder = builder.add_extension(x509.UnrecognizedExtension(ExtensionOID.KEY_USAGE, b"\x05\x00"), critical=False)

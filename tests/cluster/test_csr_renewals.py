@@ -34,3 +34,25 @@ def test_a_renewal_is_judged_for_live_and_control_plane_nodes_and_denied_for_any
     assert decide(renewal("e", "gpu-retired")) is None
     assert decide(renewal("f", "gpu-retired", signer=SERVING_SIGNER), control_plane) is None
 
+
+
+def test_a_denial_says_a_few_of_the_names_a_node_asked_for_each_cut_short() -> None:
+    """The names in a CSR are the node's to choose, any number of any length; the denial's reason
+    goes onto the CSR, into the approver's result and history and onto every join waiting on the
+    pass. Before, it repeated them all: 1,000 names of 200 characters made a 200 KB reason."""
+    def decide(csr):
+        return csr_decision(csr, lambda _t: None, {"gpu-live"}.__contains__, lambda _n: ["10.0.0.7"])
+
+    long_name = "x" * 5000
+    wrong_subject = decide(renewal("a", "gpu-live", subject=long_name))
+    assert not wrong_subject.approve and "it asked for 'system:node:xxx" in wrong_subject.reason
+    assert len(wrong_subject.reason) < 300, len(wrong_subject.reason)
+
+    names = [f"{i:04d}-" + "y" * 200 for i in range(1000)]
+    serving = renewal("b", "gpu-live", signer=SERVING_SIGNER)
+    serving["spec"]["usages"] = ["digital signature", "server auth"]
+    serving["spec"]["request"] = base64.b64encode(
+        csr_pem("system:node:gpu-live", ["system:nodes"], ips=["10.0.0.7"], dns=names)).decode()
+    denied = decide(serving)
+    assert not denied.approve and "'0000-yyy" in denied.reason and "and 996 more" in denied.reason, denied.reason
+    assert len(denied.reason) < 600, len(denied.reason)
