@@ -34,7 +34,7 @@ from fleet.messages.rollout import (
 from fleet.rollout import ProbeResult, RolloutProgress, check_routed_sites
 from fleet.cluster import ServingSpec, ServingStatus
 from fleet.contracts import workflows as flows
-from fleet.naming import kubernetes_name_clash, serving_name_clash
+from fleet.naming import kubernetes_name_clash, model_service_clash, serving_name_clash
 from providers.cluster.base import free_gpus_at
 
 
@@ -104,11 +104,16 @@ class ServingActivities:
         for other, policy in self.env.config.models.items():
             for site in [*policy.sites, *policy.standby_sites]:
                 placed.setdefault((other, site), f"is to serve at {site} (models.{other} in the fleet config)")
-        problems = []
+        problems = [f"model: {clash}: {other!r} {where}; rename the model"
+                    for (other, site), where in sorted(placed.items())
+                    if (clash := model_service_clash(input.model, other, site))]
+        models = sorted({other for other, _ in placed} | set(self.env.config.models))
         for i, target in enumerate(input.sites):
             problems += [f"sites[{i}].site: {clash}: {other!r} {where}; rename the model or roll out to another site"
                          for (other, site), where in sorted(placed.items())
                          if (clash := serving_name_clash(input.model, target, other, site))]
+            problems += [f"sites[{i}].site: {clash}: {other!r} is a model; rename the model or roll out to another site"
+                         for other in models if (clash := model_service_clash(other, input.model, target))]
         return problems
 
     @staticmethod

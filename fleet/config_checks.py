@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 from fleet.models import PROVIDERS
-from fleet.naming import kubernetes_name_clash, serving_name_clash
+from fleet.naming import kubernetes_name_clash, model_service_clash, serving_name_clash
 from fleet.replacement import may_move
 
 
@@ -113,7 +113,8 @@ def _check_models(raw: dict[str, Any]) -> list[str]:
 
 def _serving_name_clashes(models: dict[Any, Any]) -> list[str]:
     """Two models whose sites give one serving name (``a-b`` at ``c``, ``a`` at ``b-c``): the
-    Kubernetes adapter would write one Deployment, Service and PodDisruptionBudget for both."""
+    Kubernetes adapter would write one Deployment, Service and PodDisruptionBudget for both; or a
+    model's site whose serving name is another model's own (``a`` at ``b``, ``a-b``): one Service."""
     placed: list[tuple[str, str, str]] = []  # (field, model, site), in the file's order
     for model, policy in models.items():
         if not isinstance(policy, dict):
@@ -126,5 +127,8 @@ def _serving_name_clashes(models: dict[Any, Any]) -> list[str]:
     for i, (field, model, site) in enumerate(placed):
         problems += [f"{field}: {clash}" for _, other, other_site in placed[:i]
                      if (clash := serving_name_clash(model, site, other, other_site))]
+    for model in models:
+        problems += [f"{field}: {clash}" for field, other, site in placed
+                     if (clash := model_service_clash(str(model), other, site))]
     return problems
 

@@ -101,6 +101,16 @@ def serving_name_clash(model: str, site: str, other: str, other_site: str) -> st
     return f"{other!r} at {other_site} and {model!r} at {site} are one Kubernetes name ({name})"
 
 
+def model_service_clash(model: str, other: str, other_site: str) -> str | None:
+    """Why ``model`` and ``other`` at ``other_site`` cannot both be served (None: they can): the
+    model-wide Service is named ``dns_label(model)``, so model ``a-b`` and model ``a`` at site ``b``
+    would name one Service, and the per-site one takes it over (``a-b``'s clients reach ``a``)."""
+    label = dns_label(model)
+    if label == dns_label(other) or serving_name(other, other_site) != label:
+        return None
+    return f"{other!r} at {other_site} and model {model!r} name one Service ({label})"
+
+
 def node_name_for(site: str, join_id: str, nonce: str = "") -> str:
     """A node name that a retried or replayed join always computes the same. ``nonce``: the
     join's per-start nonce (its first run id): a later join started with the same id gets a

@@ -144,6 +144,21 @@ def test_models_whose_sites_give_one_serving_name_are_refused(tmp_path: Path) ->
     assert parse_config(apart).models["a"].sites == ["site-a", "c"]
 
 
+def test_a_models_site_whose_serving_name_is_another_models_own_is_refused(tmp_path: Path) -> None:
+    """The model-wide Service is named after the model, ``a-b``; model ``a``'s Service at site ``b``
+    is ``a-b`` too, and the per-site one takes it over: ``a-b``'s clients would reach ``a``."""
+    def clash(f):
+        f["sites"] += [{**f["sites"][0], "name": "b"}]
+        f["models"] = {"a-b": {"sites": ["site-a"]}, "a": {"sites": ["b"]}}
+
+    code, output = check(tmp_path, broken(clash))
+    assert code == 2, output
+    assert "models.a.sites: 'a' at b and model 'a-b' name one Service (a-b)" in " ".join(output.split())
+    apart = broken(clash)
+    apart["models"]["a"]["sites"] = ["site-a"]
+    assert parse_config(apart).models["a"].sites == ["site-a"]
+
+
 def test_real_mode_needs_credentials_references(tmp_path: Path) -> None:
     fleet = broken(lambda f: (f.update(mode="real"), f["accounts"][0].pop("credentials")))
     code, output = check(tmp_path, fleet)

@@ -237,6 +237,34 @@ async def test_a_target_where_a_configured_model_has_the_serving_name_is_refused
     assert apart.problems == []
 
 
+async def test_a_rollout_that_would_name_another_models_service_is_refused(temporal_env, tmp_path) -> None:
+    """A model's model-wide Service is named after it (``a-b``), another's at a site after both
+    (``a`` at ``b``: ``a-b`` too): either rollout would take the other model's Service. Refused
+    at start both ways, the configured model counting as the served one does."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.env import FleetEnv
+    from fleet.messages.rollout import ResolveRolloutSitesInput
+    from tests.conftest import TEST_FLEET, make_settings, write_fleet
+
+    site = TEST_FLEET["sites"][0]
+    settings = make_settings(temporal_env, tmp_path)
+    write_fleet(tmp_path, {**TEST_FLEET, "sites": [*TEST_FLEET["sites"], {**site, "name": "b"}],
+                           "models": {"a-b": {"sites": [site["name"]]}}})
+    look_up = ServingActivities(FleetEnv.from_settings(settings)).resolve_rollout_sites
+    run = ActivityEnvironment(client=temporal_env.client).run
+    found = await run(look_up, ResolveRolloutSitesInput(sites=[site["name"], "b"], model="a"))
+    assert found.problems == ["sites[1].site: 'a' at b and model 'a-b' name one Service (a-b): 'a-b' is a model; "
+                              "rename the model or roll out to another site"]
+    write_fleet(tmp_path, {**TEST_FLEET, "sites": [*TEST_FLEET["sites"], {**site, "name": "b"}],
+                           "models": {"a": {"sites": ["b"]}}})
+    look_up = ServingActivities(FleetEnv.from_settings(settings)).resolve_rollout_sites
+    found = await run(look_up, ResolveRolloutSitesInput(sites=[site["name"]], model="a-b"))
+    assert found.problems == ["model: 'a' at b and model 'a-b' name one Service (a-b): 'a' is to serve at b "
+                              "(models.a in the fleet config); rename the model"]
+    assert (await run(look_up, ResolveRolloutSitesInput(sites=[site["name"]], model="a-c"))).problems == []
+
+
 def serve_elsewhere(stack: RolloutStack, count: int) -> list[str]:
     """``MODEL`` served at ``count`` more sites (Deployments only: the route counts them)."""
     sites = [f"old-{i:02d}" for i in range(count)]
