@@ -249,6 +249,9 @@ def next_document(
 ENDPOINTS_KIND = "serving-endpoints"
 #: The gauge a load sample sums over a site's servers (vLLM's name for it).
 QUEUE_METRIC = "vllm:num_requests_waiting"
+#: The most one server's gauge counts for, far above a real queue: the page is served from a
+#: node, and a claim of 1e300 must weigh like a full server, not overflow the site's sum.
+MAX_SERVER_QUEUE = 1e6
 
 
 def endpoints_key(model: str, site: str) -> str:

@@ -15,12 +15,14 @@ import httpx
 import pytest
 import yaml
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.testing import ActivityEnvironment
 
 from cli.front_door import DevFrontDoor
 from fleet.cluster import UNPROVEN_TAINT, ServingSpec, SiteRoute
-from fleet.routing import ENDPOINTS_KIND, TOTAL, RoutingDocument, RoutingPolicy, SiteLoad, endpoints_key, next_document
+from activities.routing import RoutingActivities
+from fleet.routing import ENDPOINTS_KIND, MAX_SERVER_QUEUE, TOTAL, RoutingDocument, RoutingPolicy, SiteLoad, endpoints_key, next_document
 from fleet.contracts import workflows as flows
-from fleet.messages.routing import RoutingInput, SiteEvent
+from fleet.messages.routing import RoutingInput, RoutingSampleInput, SiteEvent
 from fleet.naming import routing_workflow_id
 from activities.env import FleetEnv
 from fleet.settings import Settings
@@ -146,6 +148,34 @@ async def test_a_loaded_site_loses_weight_with_hysteresis(temporal_env, inc: Inc
             for server in running:
                 await server.stop()
         await asyncio.gather(*busy, return_exceptions=True)
+
+
+@pytest.mark.parametrize("claim", [float("nan"), -5.0, float("inf"), 1e300])
+async def test_one_model_server_answering_no_count_leaves_the_sample_to_the_others(inc: IncStack, claim):
+    """A model server runs on a node, so its ``/metrics`` is the node's word: one page answering
+    NaN, a negative or an absurd queue among honest ones still gives the model a load sample
+    (else every retry fails and the model's routes stop following load, events and evacuations
+    at every site); the honest servers' queues still count, the liar's at most one full server."""
+    model = f"llm-{uuid.uuid4().hex[:6]}"
+    a, c = serve(inc, model, "a", 3), serve(inc, model, "c", 1)
+    servers = {a: [await SimModelServer(site=a, model=model).start() for _ in range(3)],
+               c: [await SimModelServer(site=c, model=model).start()]}
+    for server in servers[a][:2] + servers[c]:
+        server.waiting = 3
+    servers[a][2].waiting = claim
+    for site, running in servers.items():
+        inc.cluster.update_state(ENDPOINTS_KIND, endpoints_key(model, site),
+                                 lambda _, r=running: {s.name: f"http://{s.address}" for s in r})
+    try:
+        acts = RoutingActivities(FleetEnv.from_settings(inc.settings))
+        sample = await asyncio.to_thread(
+            ActivityEnvironment().run, acts.routing_sample, RoutingSampleInput(model=model))
+    finally:
+        for running in servers.values():
+            for server in running:
+                await server.stop()
+    depth = {s.site: s.queue_depth for s in sample.sites}
+    assert depth == {a: 6 + (MAX_SERVER_QUEUE if claim == 1e300 else 0), c: 3}
 
 
 async def _samples_since(handle: WorkflowHandle, after: int, n: int) -> bool:
