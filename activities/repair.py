@@ -80,14 +80,15 @@ class RepairActivities:
         # Site, provider, account and machine: what the join recorded (the cluster port fills them
         # in from the node's identity record), never the node's own labels or annotations.
         site, machine_id = node.site, node.machine_id
-        gpus = node.gpus_allocatable
+        gpus, capacity_type = node.gpus_allocatable, None
         if site:
             try:
-                gpus = self.env.site(site).gpus_per_machine
+                configured = self.env.site(site)
+                gpus, capacity_type = configured.gpus_per_machine, configured.capacity_type
             except Exception:  # noqa: BLE001 - a site gone from the config: keep the node's count
                 pass
         return NodeFacts(
-            node_name=node.name, found=True, site=site,
+            node_name=node.name, found=True, site=site, capacity_type=capacity_type,
             provider=node.provider, account=node.account, machine_id=machine_id, gpus=gpus,
             boot_id=node.boot_id, ready=node.ready,
             admitted=bool(site) and UNPROVEN_TAINT not in node.taints, settings=settings,

@@ -256,6 +256,8 @@ async def main(args) -> int:
         args.events, args.settle_seconds = 1, 8
     port = free_port()
     config = fleet(sites=args.sites, capacity=args.nodes + 2 * args.events + 4)
+    for site in config["sites"]:  # the reclaim burst: only a spot node's notice is acted on
+        site["capacity_type"] = "spot"
     # The joined nodes hold no pods: the Demand loop would retire them after its idle TTL (10
     # minutes), in the middle of a long idle window, which is then not idle. Kept for the run.
     config["demand"] = {"idle_ttl_seconds": 7 * 86400}

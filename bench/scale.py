@@ -888,6 +888,7 @@ async def main(args) -> None:
     config = fleet(sites=args.sites, capacity=per_site)
     for site in config["sites"]:
         site["gpus_per_machine"] = args.gpus_per_node
+        site["capacity_type"] = "spot"  # the reclaims: only a spot node's notice is acted on
     # The heartbeat timeout is the product's default unless asked: every Node entity's watch
     # heartbeats at most every 0.8 x timeout, and each heartbeat is a write on the server.
     config["repair"] = {"timeouts": {"drain_seconds": 1, "smoke_test_seconds": 10,

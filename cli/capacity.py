@@ -289,8 +289,12 @@ def add_sim_commands(sim_app: typer.Typer) -> None:
         seconds: Annotated[float, typer.Option(help="notice before the machine is taken")] = 120,
         state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None,
     ) -> None:
-        """Post a spot reclaim notice for a simulated machine (its agent starts SpotReclaim)."""
+        """Post a spot reclaim notice for a simulated spot machine (its Node entity starts SpotReclaim)."""
         world, machine = sim_machine(state_dir, config, node)
+        if machine["capacity_type"] != "spot":
+            # Its Node entity would take the notice for a lie from the node: a bad report, nothing reclaimed.
+            fail(f"node: {node} is at {machine['site']}, a site of {machine['capacity_type']} machines: "
+                 "a provider reclaims only spot machines", 2)
         world.post_reclaim_notice(machine["id"], seconds)
         console.print(f"{node}: reclaim notice, taken in {seconds:.0f}s")
         # Unlike every other knob there is no undo line: a provider that reclaims takes the machine.

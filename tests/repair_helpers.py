@@ -36,6 +36,14 @@ def repair_fleet(**repair: Any) -> dict[str, Any]:
     return fleet
 
 
+def spot(fleet: dict[str, Any]) -> dict[str, Any]:
+    """``fleet`` with every site spot: a reclaim notice is obeyed only from a node at a spot site."""
+    fleet = copy.deepcopy(fleet)
+    for site in fleet["sites"]:
+        site["capacity_type"] = "spot"
+    return fleet
+
+
 def repair_settings(client: Client, tmp_path: Path, fleet: dict[str, Any] | None = None) -> Settings:
     return Settings(
         address=client.service_client.config.target_host,

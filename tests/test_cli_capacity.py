@@ -62,7 +62,7 @@ async def test_schedules_apply_is_idempotent_and_listed(cap: CapStack) -> None:
 
 async def test_accounts_commands_and_sim_reclaim(cap: CapStack) -> None:
     cap.world.set_site(cap.site("cheap"), quota=0)
-    done = await gpufleet(cap, "capacity", "--gpu", "H100", "--site", cap.site("cheap"), "--site", cap.site("mid"))
+    done = await gpufleet(cap, "capacity", "--gpu", "H100", "--site", cap.site("cheap"), "--site", cap.site("spot"))
     assert done.returncode == 0, done.stderr
     await cap.listed(f'WorkflowId = "account/lambda/{cap.account("a")}" AND FleetState = "needs-person"')
     listed = await gpufleet(cap, "accounts", "list", "--needs-person")
@@ -75,7 +75,7 @@ async def test_accounts_commands_and_sim_reclaim(cap: CapStack) -> None:
     again = await gpufleet(cap, "accounts", "credentials-rotated", cap.account("a"))
     assert again.returncode == 1 and "not revoked" in again.stderr
 
-    (machine,) = cap.world.machines(cap.site("mid"))
+    (machine,) = cap.world.machines(cap.site("spot"))  # a spot machine: only its notice is obeyed
     await wait_for(lambda: cap.cluster.get_node(machine["name"]), timeout=10)
     posted = await gpufleet(cap, "sim", "reclaim", machine["name"], "--seconds", "5")
     assert posted.returncode == 0, posted.stderr

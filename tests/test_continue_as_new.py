@@ -260,7 +260,9 @@ async def test_no_entity_spins_while_its_children_and_tasks_are_open(spin_env: W
     from tests.evacuation_helpers import FAST_JOIN, incident_fleet, open_incident_stack
 
     uid = uuid.uuid4().hex[:6]
-    fleet = incident_fleet(uid, c={"min_nodes": 1, "sim": {"capacity": 0, "quota": 12, "boot_seconds": 0.1}})
+    # d is spot: only a spot node's reclaim notice is obeyed.
+    fleet = incident_fleet(uid, c={"min_nodes": 1, "sim": {"capacity": 0, "quota": 12, "boot_seconds": 0.1}},
+                           d={"capacity_type": "spot"})
     async for inc in open_incident_stack(spin_env.client, tmp_path, fleet, uid):
         client, queue = inc.client, inc.settings.task_queue
         a, c, d = inc.site("a"), inc.site("c"), inc.site("d")

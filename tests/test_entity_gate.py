@@ -19,7 +19,7 @@ from temporalio.testing import WorkflowEnvironment
 
 from fleet.naming import reclaim_workflow_id
 from tests.can_server import Hold, server_suggesting_continue_as_new
-from tests.repair_helpers import eventually, join_node, running_stack
+from tests.repair_helpers import eventually, join_node, repair_fleet, running_stack, spot
 from tests.replay import replay_and_record
 
 CAN_EVENTS = 80
@@ -52,7 +52,7 @@ async def test_a_node_continues_as_new_only_once_its_watch_loop_rests(can_env, t
     facts = Hold("node_facts")  # a local activity: the worker's interceptors hold it too
     interceptors = workers.control_plane.worker_interceptors
     monkeypatch.setattr(workers.control_plane, "worker_interceptors", lambda: [*interceptors(), facts])
-    async for stack in running_stack(can_env.client, tmp_path):
+    async for stack in running_stack(can_env.client, tmp_path, spot(repair_fleet())):
         node = None
         try:
             node = await join_node(stack)

@@ -138,14 +138,16 @@ def test_sim_reclaim_says_it_cannot_be_undone_and_what_to_do_instead(tmp_path) -
     from activities.env import FleetEnv
     from cli.main import app
     from fleet.settings import Settings
-    from tests.conftest import write_fleet
+    from tests.conftest import TEST_FLEET, write_fleet
+    from tests.repair_helpers import spot
 
-    config = write_fleet(tmp_path)
+    config = write_fleet(tmp_path, spot(TEST_FLEET))
     env = FleetEnv.from_settings(Settings(state_dir=tmp_path, config=str(config)))
     site = env.config.site("site-a")
     provider = SimProvider(site, env.config.account(site.account), env.world)
     machine = provider.create_machine(MachineSpec(name="site-a-spot", site="site-a", region=site.region,
-                                                  instance_type=site.instance_type, gpu=site.gpu, gpus=1), "key-r")
+                                                  instance_type=site.instance_type, gpu=site.gpu, gpus=1,
+                                                  capacity_type=site.capacity_type), "key-r")
     done = CliRunner().invoke(app, ["sim", "reclaim", machine.name, "--seconds", "60",
                                     "--state-dir", str(tmp_path), "--config", str(config)])
     assert done.exit_code == 0, done.output
@@ -154,3 +156,27 @@ def test_sim_reclaim_says_it_cannot_be_undone_and_what_to_do_instead(tmp_path) -
     assert any(line.startswith("no undo: a spot reclaim cannot be undone") for line in lines), done.output
     assert "instead, to try it on a node you can lose: gpufleet join --site site-a, then gpufleet sim reclaim" \
         in done.output, done.output
+
+
+def test_sim_reclaim_refuses_a_machine_that_is_not_spot(tmp_path) -> None:
+    """A provider reclaims only spot machines, and the Node entity ignores a notice from any other
+    (a bad report): posted for an on-demand machine it would reclaim nothing, so it is refused."""
+    from typer.testing import CliRunner
+
+    from activities.env import FleetEnv
+    from cli.main import app
+    from fleet.settings import Settings
+    from tests.conftest import write_fleet
+
+    config = write_fleet(tmp_path)
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path, config=str(config)))
+    site = env.config.site("site-a")
+    provider = SimProvider(site, env.config.account(site.account), env.world)
+    machine = provider.create_machine(MachineSpec(name="site-a-1", site="site-a", region=site.region,
+                                                  instance_type=site.instance_type, gpu=site.gpu, gpus=1), "key-o")
+    done = CliRunner().invoke(app, ["sim", "reclaim", machine.name, "--state-dir", str(tmp_path),
+                                    "--config", str(config)])
+    assert done.exit_code == 2, done.output
+    assert "site-a-1 is at site-a, a site of on-demand machines: a provider reclaims only spot machines" \
+        in " ".join(done.output.split()), done.output
+    assert env.world.reclaim_notices() == {}

@@ -8,7 +8,7 @@ entity schedules the next one. The node's identity is the queue it answered on
 (the node gateway lets a node poll only its own), never a name in a payload; the
 state is level-triggered, so a run that continues as new loses nothing: its first
 watch returns at once if the node changed meanwhile. A spot notice starts the
-node's SpotReclaim. What the node returns is untrusted: each result is validated by the entity
+node's SpotReclaim if the node's site is a spot site (else it is a bad report). What the node returns is untrusted: each result is validated by the entity
 (``NodeReport``); a malformed one is a bad report (logged, counted in the status, shown), the
 watch goes on, and ``MAX_BAD_REPORTS_IN_A_ROW`` of them quarantine the node (cordoned, repair
 ladder), as the ``quarantine`` signal does for a node that failed an evacuation's proof. A
@@ -64,7 +64,7 @@ with workflow.unsafe.imports_passed_through():
         UncontainResult,
     )
     from fleet import search_attributes as sa
-    from fleet.models import GpuHealth
+    from fleet.models import CapacityType, GpuHealth
     from fleet.repair_policy import MAX_XID_HITS_PER_GPU, Finding, RepairSettings, Rung, classify, conditions
     from workflows.entity import Entity
     from workflows.inputs import describe, first_problem, invalid_input, parse_input, parse_signal
@@ -223,6 +223,14 @@ NODE_PATCHES_AT_START_4 = "node-patches-at-start-4"
 #: whenever the holder or its place in the queue changes; its details say so. Before it a queued
 #: repair said only that it waited, and nobody could tell a slow reboot ahead of it from a stuck one.
 NODE_PATCHES_AT_START_5 = "node-patches-at-start-5"
+#: Workflow patch, asked first thing right after ``NODE_PATCHES_AT_START_5`` (runs that have it),
+#: with a marker of its own for the same reason. A reclaim notice from a node whose site is not
+#: spot (on-demand, owned; or a site gone from the config), as the node's facts say (the join's
+#: record and the config, never the node), is ignored: a bad report, logged once (an agent repeats
+#: its notice in every answer; only a new one counts), and no SpotReclaim. Before it any node's
+#: notice started ``reclaim/<node>``, which drains by the node's deadline, retires the machine
+#: past PodDisruptionBudgets and buys a replacement.
+NODE_PATCHES_AT_START_6 = "node-patches-at-start-6"
 WATCH_IDLE_FREE = 3
 WATCH_EARLY_FREE = 30
 
@@ -305,6 +313,8 @@ class NodeEntity(Entity[NodeCarry]):
         self._settled_5 = False
         #: Repair id → what it was last told while queued for the slot: the holder and how many ahead.
         self._told: dict[str, tuple[str, int]] = {}
+        #: ``NODE_PATCHES_AT_START_6`` (asked once, first): only a spot site's node is reclaimed.
+        self._settled_6 = False
         #: Repairs this run watched end (``NODE_PATCHES_AT_START_3``): a request of one that reaches
         #: the queue late (sent as it ended) is never granted. One id per GPU at most; a new repair of
         #: the GPU (the same id) takes its id out again.
@@ -519,6 +529,7 @@ class NodeEntity(Entity[NodeCarry]):
         self._settled_3 = self._settled_2 and workflow.patched(NODE_PATCHES_AT_START_3)
         self._settled_4 = self._settled_3 and workflow.patched(NODE_PATCHES_AT_START_4)
         self._settled_5 = self._settled_4 and workflow.patched(NODE_PATCHES_AT_START_5)
+        self._settled_6 = self._settled_5 and workflow.patched(NODE_PATCHES_AT_START_6)
         if self._settled_2:
             self._told_by_cluster = True  # before ``start_with``: a first task's cluster_state counts
         inp = parse_input(NodeEntityInput, raw)
@@ -641,6 +652,11 @@ class NodeEntity(Entity[NodeCarry]):
         if not (self._settled or workflow.patched(NODE_REPORTS_PATCH)):
             # A run from before the patch decoded it with the wire model (or failed its task).
             return NodeWatchResult.model_validate(value)
+        self._bad_report(problem)
+        return None
+
+    def _bad_report(self, problem: str) -> None:
+        """Counted and shown; after ``MAX_BAD_REPORTS_IN_A_ROW`` in a row the node is quarantined."""
         problem = problem[:MAX_PROBLEM_SHOWN]
         carry = self.state
         carry.bad_reports += 1
@@ -653,7 +669,6 @@ class NodeEntity(Entity[NodeCarry]):
         if carry.bad_reports_in_a_row >= MAX_BAD_REPORTS_IN_A_ROW:
             carry.bad_reports_in_a_row = 0
             self._quarantine_node(f"{MAX_BAD_REPORTS_IN_A_ROW} bad reports in a row from the node agent")
-        return None
 
     def _quarantine_node(self, reason: str) -> None:
         """Cordon the node and hand it to the repair ladder (the loop acts: ``_act`` on GPU 0)."""
@@ -704,6 +719,7 @@ class NodeEntity(Entity[NodeCarry]):
                         self._wake = True
                         return
                     continue
+            streak = carry.bad_reports_in_a_row  # ``_checked`` ends it for a well-formed answer
             if (result := self._checked(answer)) is None:
                 continue  # a bad report: the next watch asks again
             if result.node_name != self._node or result.seq < carry.watch_seq:
@@ -714,7 +730,11 @@ class NodeEntity(Entity[NodeCarry]):
             if result.digest != carry.watch_digest:
                 self._pending.append(HealthReport(node_name=self._node, boot_id=result.boot_id, gpus=result.gpus))
             if result.reclaim_at is not None and result.reclaim_at != carry.reclaim_at:
-                await self._reclaim(result.reclaim_at)
+                if refused := await self._reclaim(result.reclaim_at):
+                    # Its health is taken; its notice makes it a bad report, in a row with those before.
+                    carry.bad_reports_in_a_row = streak
+                    self._bad_report(refused)
+                    moved = result.digest != carry.watch_digest  # the notice changed nothing here
             carry.watch_seq, carry.watch_digest, carry.reclaim_at = result.seq, result.digest, result.reclaim_at
             self._wake = True  # also: the loop looks at continue-as-new after every watch
 
@@ -785,12 +805,17 @@ class NodeEntity(Entity[NodeCarry]):
         self._log(f"ignored a health report observed {age:.0f}s ago (bound {bound:g}s): watching again", warn=True)
         return True
 
-    async def _reclaim(self, terminate_at: float) -> None:
+    async def _reclaim(self, terminate_at: float) -> str:
         """The provider will take the machine: SpotReclaim drains and replaces it. Site and
-        machine come from the cluster's record of the node, never from the node."""
+        machine come from the cluster's record of the node, never from the node. Why the notice
+        is refused (its site is no spot site: ``NODE_PATCHES_AT_START_6``), or ""."""
         facts = await self._refresh_facts()
         if not facts.found:
-            return
+            return ""
+        if self._settled_6 and facts.capacity_type is not CapacityType.SPOT:
+            kind = f"an {facts.capacity_type} site" if facts.capacity_type else "a site not in the config"
+            return (f"reclaim_at: a spot reclaim notice (terminates at {terminate_at:.0f}) from a node at "
+                    f"{facts.site or 'no site'}, {kind}: only spot machines are reclaimed; ignored")
         self._log(f"spot reclaim notice: terminates at {terminate_at:.0f}", warn=True)
         try:
             await workflow.start_child_workflow(
@@ -807,6 +832,7 @@ class NodeEntity(Entity[NodeCarry]):
                     flows.SpotReclaim.notice, {"terminate_at": terminate_at})
             except FailureError as error:
                 self._log(f"spot notice not passed on: {failure_message(error)}", warn=True)
+        return ""
 
     # -- health reports --------------------------------------------------------------------
     async def _handle(self, report: HealthReport) -> None:

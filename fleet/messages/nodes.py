@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field, StrictStr, StringConstraints
 from fleet.cluster import JoinTokenRef
 from fleet.config import Site
 from fleet.messages.repair import NodeWatchResult
-from fleet.models import GpuHealth, Machine, MachineSpec
+from fleet.models import CapacityType, GpuHealth, Machine, MachineSpec
 from fleet.repair_policy import RepairSettings
 
 
@@ -192,6 +192,9 @@ class NodeFacts(BaseModel):
     #: Where it was bought (site, provider, account and machine come from the join's record).
     account: str = ""
     machine_id: str = ""
+    #: Its site's, as the config says: only a spot machine is ever reclaimed. None: no site, or
+    #: one gone from the config (and every result recorded before the field).
+    capacity_type: CapacityType | None = None
     gpus: int = 0
     boot_id: str = ""
     ready: bool = False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import time
 import urllib.request
 from typing import Any, AsyncIterator, Callable
 
@@ -37,7 +38,7 @@ from tests.bad_input_helpers import task_failures
 from tests.can_server import run_chain
 from tests.conftest import Stack
 from tests.repair_helpers import (
-    REPAIR, eventually, exists, join_node, node_status, repair_fleet, repair_handle, running_stack,
+    REPAIR, eventually, exists, join_node, node_status, repair_fleet, repair_handle, running_stack, spot,
 )
 from tests.replay import replay_and_record
 from tests.test_bad_input_property import draw
@@ -180,12 +181,16 @@ EXAMPLES = 20
 
 
 @pytest.fixture
-async def hostile(temporal_env, tmp_path, monkeypatch) -> AsyncIterator[tuple[Stack, JoinedNode, HostileWatch]]:
+async def hostile(temporal_env, tmp_path, monkeypatch, request) -> AsyncIterator[tuple[Stack, JoinedNode, HostileWatch]]:
+    """The node at site-a, an on-demand site; at a spot one where a test asks
+    (``@pytest.mark.parametrize("hostile", ["spot"], indirect=True)``)."""
     watch = HostileWatch()
     monkeypatch.setattr(workers.node_agent, "build_agent", watch.build_agent)
     # Its answers come at once and most change nothing: the entity paces such a node's watches
     # (tests/security/test_watch_pacing.py), here by a hundredth of a second.
     fleet = repair_fleet(timeouts={**REPAIR["timeouts"], "watch_pace_seconds": 0.01, "watch_pace_max_seconds": 0.01})
+    if getattr(request, "param", None) == "spot":
+        fleet = spot(fleet)
     async for stack in running_stack(temporal_env.client, tmp_path, fleet):
         node = await join_node(stack)
         # The entity is up and its watch (after the join's state) waits at the node.
@@ -362,6 +367,7 @@ def reclaim_id_fails_once(monkeypatch) -> FailsOnce:
     return fails
 
 
+@pytest.mark.parametrize("hostile", ["spot"], indirect=True)  # only a spot node's notice is acted on
 async def test_an_error_in_the_watch_loop_is_shown_and_the_loop_restarts(reclaim_id_fails_once, hostile) -> None:
     """An exception inside the entity's background watch loop used to end it silently (the node
     still counted as live, nothing watched it). Now it is logged and shown, the loop restarts,
@@ -379,6 +385,49 @@ async def test_an_error_in_the_watch_loop_is_shown_and_the_loop_restarts(reclaim
     assert any("health watch failed (RuntimeError: an unexpected error in the watch loop)" in line
                for line in now.log), now.log
     assert await task_failures(handle) == 0
+
+
+def notice(terminate_at: float) -> Forgery:
+    """A well-formed answer that changes nothing but carries a spot reclaim notice."""
+    return lambda input: as_json({"node_name": input.node_name, "seq": input.seq, "digest": input.digest,
+                                  "boot_id": "b", "reclaim_at": terminate_at})
+
+
+async def test_a_reclaim_notice_from_a_node_at_an_on_demand_site_is_a_bad_report(hostile) -> None:
+    """A spot notice is the provider's word, but it reaches the entity in the node's own answer.
+    Obeyed from a node at an on-demand site (site-a), it started the node's SpotReclaim: drained
+    by the node's deadline, the machine retired past PodDisruptionBudgets and a replacement
+    bought. Now it is ignored: a bad report per notice (not per answer: an agent repeats its
+    notice in each), no ``reclaim/<node>``, the machine kept and schedulable. (A spot site's
+    notice is obeyed: tests/test_site_reclaim.py.)"""
+    stack, node, watch = hostile
+    handle = entity(stack, node)
+    await watch.answer(notice(time.time() + 600))  # forged by the node
+    now = await status(stack, node)
+    assert now.bad_reports == 1, now.log
+    assert f"at {node.site}, an on-demand site: only spot machines are reclaimed; ignored" in now.last_bad_report
+
+    # The agent's own notice (the sim's provider posting one), in every answer from now on.
+    stack.world.post_reclaim_notice(node.machine_id, 600)
+    await eventually(lambda: _bad_reports(stack, node, 2), timeout=15)
+    stack.world.inject_fault(node.machine_id, 1, "xid", 13, clears_on="reset")  # an answer for it
+    await eventually(lambda: _app_xids(stack, node), timeout=15)
+    now = await status(stack, node)
+    assert now.bad_reports == 2 and now.bad_reports_in_a_row == 0, now.log
+
+    assert not await exists(stack.client.get_workflow_handle(fleet.naming.reclaim_workflow_id(node.node_name)))
+    assert stack.world.machine(node.machine_id)["deleted_at"] is None
+    assert not stack.cluster.get_node(node.node_name).unschedulable
+    assert await task_failures(handle) == 0
+    await replay_and_record(handle, "node_reclaim_notice_at_an_on_demand_site")
+
+
+async def _bad_reports(stack: Stack, node: JoinedNode, count: int) -> bool:
+    return (await status(stack, node)).bad_reports >= count
+
+
+async def _app_xids(stack: Stack, node: JoinedNode) -> bool:
+    return bool((await status(stack, node)).app_xids)
 
 
 # -- what a node's well-formed answers make the entity carry ----------------------------------
