@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import uuid
 from collections import Counter
 from pathlib import Path
@@ -424,3 +425,51 @@ async def test_provider_loss_game_day_moves_traffic_through_the_routing_entity(t
             await wait_for(lambda: weights(inc, model).get(a, 0) >= 450)
     finally:
         await door.stop()
+
+
+def test_a_model_server_sending_an_endless_or_dripping_page_leaves_the_sample_to_the_others() -> None:
+    """A model server's page is the node's to send: one that never ends, or comes a line at a time
+    (each within the read timeout), is cut at ``MAX_PAGE_BYTES`` or ``PAGE_SECONDS`` and counts
+    nothing; the honest servers still count. Before, the worker read either for as long as the
+    node liked (the endless one into memory), and every model's sample waited behind it."""
+    import socket
+    import threading
+
+    from providers.model_server_metrics import MAX_PAGE_BYTES, queue_depth
+
+    sent = {"endless": 0}
+
+    def serve(kind: str) -> str:
+        listener = socket.create_server(("127.0.0.1", 0))
+
+        def answer() -> None:
+            while True:
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    if kind == "honest":
+                        body = b"vllm:num_requests_waiting 3\n"
+                        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                        continue
+                    conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nvllm:num_requests_waiting 500\n")
+                    try:
+                        while True:
+                            line = b"# " + b"x" * 4094 + b"\n"
+                            conn.sendall(line)
+                            if kind == "endless":
+                                sent["endless"] += len(line)
+                            else:
+                                time.sleep(0.2)
+                    except OSError:
+                        pass  # the reader hung up
+
+        threading.Thread(target=answer, daemon=True).start()
+        return f"http://127.0.0.1:{listener.getsockname()[1]}"
+
+    urls = [serve("honest"), serve("endless"), serve("drip"), serve("honest")]
+    result: list[float] = []
+    reader = threading.Thread(target=lambda: result.append(queue_depth(urls)), daemon=True)
+    reader.start()
+    reader.join(timeout=60)
+    assert result == [6.0], "the sample never came back: the endless or the dripping page held it"
+    assert sent["endless"] < 4 * MAX_PAGE_BYTES, sent
