@@ -19,7 +19,7 @@ from activities.errors import typed_errors
 from fleet.config import Site
 from fleet.errors import FleetError, Transient
 from fleet.incident import IncidentSettings, SiteFacts, incident_of_hold, recovery, weight_at
-from fleet.naming import site_workflow_id
+from fleet.naming import evacuation_number, evacuation_workflow_id, site_workflow_id
 from providers.cluster.base import NodeMarks, NodeNotFound, decide_on_node, free_gpus_at, uncordon_unless
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute, fenced_gpus
 from fleet.messages.evacuation import (
@@ -29,6 +29,8 @@ from fleet.messages.evacuation import (
     EvacuationResult,
     FreeGpusInput,
     HoldRepairsInput,
+    IncidentNumber,
+    IncidentNumberInput,
     ProbeNode,
     RecoveryProbe,
     RepairDecision,
@@ -103,7 +105,7 @@ class EvacuationActivities:
     def all(self) -> list:
         return [
             self.admit_repair, self.incident_settings, self.incident_probe, self.hold_site_repairs,
-            self.release_orphaned_holds,
+            self.release_orphaned_holds, self.incident_number,
             self.evacuation_begun_first, self.evacuation_end,
             self.evacuation_facts, self.set_site_weight, self.free_gpus, self.scale_serving,
             self.uncordon_nodes, self.release_nodes, self.recovery_probe,
@@ -194,6 +196,40 @@ class EvacuationActivities:
                 continue
             released.append(repair_id)
         return released
+
+    @activity.defn
+    async def incident_number(self, input: IncidentNumberInput) -> IncidentNumber:
+        """The number of the site's next Site-entity incident, ``input.at_least`` or more: one no
+        ``evacuate/<site>/<n>`` on record has (Temporal keeps a closed run under its id until the
+        namespace's retention ends: a second run there hid the first from `gpufleet evacuate` and
+        the progress reads), or that of one still running, begun by an earlier run of the entity
+        (terminated, reset or started again), which the entity adopts rather than start a second.
+        A person's ``manual-<request>`` evacuations are not the entity's: never counted."""
+        client, site = activity.client(), input.site
+        taken, running = [], []
+        query = f'WorkflowType = "{flows.SiteEvacuation.TYPE}" AND Site = "{site}"'
+        async for wf in client.list_workflows(query):
+            n = evacuation_number(site, wf.id)
+            if n is not None:
+                taken.append(n)
+                if wf.status == WorkflowExecutionStatus.RUNNING:
+                    running.append(n)
+        for n in sorted(running):
+            if await _running(client, evacuation_workflow_id(site, n)):  # the list can be a moment behind
+                return IncidentNumber(n=n, running=True)
+        # The list lags its writes (Elasticsearch by about a second) and an evacuation sets ``Site``
+        # in its first task: each candidate is described, which does not lag.
+        n = max([input.at_least - 1, *taken]) + 1
+        while True:
+            try:
+                status = (await client.get_workflow_handle(evacuation_workflow_id(site, n)).describe()).status
+            except RPCError as error:
+                if error.status == RPCStatusCode.NOT_FOUND:
+                    return IncidentNumber(n=n)
+                raise
+            if status == WorkflowExecutionStatus.RUNNING:
+                return IncidentNumber(n=n, running=True)
+            n += 1
 
     # -- SiteEvacuation -----------------------------------------------------------------------
     @activity.defn

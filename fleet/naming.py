@@ -160,6 +160,13 @@ def evacuation_workflow_id(site: str, n: int) -> str:
     return f"evacuate/{site}/{n}"
 
 
+def evacuation_number(site: str, workflow_id: str) -> int | None:
+    """``n`` of the Site entity's ``evacuate/<site>/<n>``; None for any other id (a person's
+    ``manual-<request>``, another site's)."""
+    found = re.fullmatch(rf"evacuate/{re.escape(site)}/([1-9][0-9]*)", workflow_id)
+    return int(found.group(1)) if found else None
+
+
 def manual_evacuation_id(site: str, request_id: str) -> str:
     """A SiteEvacuation started by a person: its own series beside the Site entity's
     ``evacuate/<site>/<n>``, so the entity's next incident never collides with it."""

@@ -1230,3 +1230,139 @@ async def test_a_site_entity_started_again_releases_the_holds_of_an_incident_it_
 async def _at_least(listing, n: int):
     found = await listing
     return found if len(found) >= n else None
+
+
+async def _open_incident(site, not_id: str = "") -> str | None:
+    """The Site entity's open incident's id (one other than ``not_id``), for ``poll``."""
+    try:
+        status = await site.query("status", result_type=SiteStatus)
+    except Exception:  # noqa: BLE001 - its first task may not have run yet
+        return None
+    opened = status.incident.open if status.incident is not None else None
+    return opened.id if opened is not None and opened.id != not_id else None
+
+
+async def _closed_incident(site, incident_id: str):
+    """The Site entity's record of ``incident_id`` once it has closed, for ``poll``."""
+    status = await site.query("status", result_type=SiteStatus)
+    closed = [r for r in status.incident.history if r.id == incident_id] if status.incident is not None else []
+    return closed[-1] if closed and status.incident.open is None else None
+
+
+async def _runs(client, workflow_id: str) -> list:
+    """Every run Temporal lists under ``workflow_id``."""
+    return [w async for w in client.list_workflows(f'WorkflowId = "{workflow_id}"')]
+
+
+async def test_a_site_entity_started_again_numbers_its_next_incident_past_those_on_record(inc: IncStack) -> None:
+    """A Site entity terminated (or reset, or its state lost) and started again counted its incidents
+    from 1 again: its next incident started a second run behind ``evacuate/<site>/1``, and `gpufleet
+    evacuate`, the progress and the incident record read that one for both. Now it numbers past every
+    evacuation of its site on record; the first incident's run stays the only one behind its id."""
+    from client import FleetClient
+
+    a, _d = await _a_lost_and_evacuated_to_d(inc)
+    first = inc.evacuation("a")
+    inc.world.set_site(a, unreachable=0)
+    assert EvacuationResult.model_validate(await asyncio.wait_for(first.result(), 60)).outcome == "restored"
+    site = inc.client.get_workflow_handle(f"site/{a}")
+    await poll(lambda: _closed_incident(site, first.id), timeout=30)
+    await site.terminate("test: stuck, an operator terminates it (its carried state is lost)")
+    await inc.start_site("a")  # as the sweep or `gpufleet site reconcile` start it again
+
+    inc.world.set_site(a, unreachable=1)  # a second outage
+    second = await poll(lambda: _open_incident(site), timeout=30)
+    assert second == f"evacuate/{a}/2"
+    fleet = FleetClient(inc.settings, inc.client)
+    assert await poll(lambda: fleet.running_evacuation(a), timeout=30) == second
+    # The first incident is still its own run, restored, readable by its id.
+    assert len(await _runs(inc.client, first.id)) == 1
+    progress = await fleet.evacuation_progress(first.id)
+    assert progress.state == "restored" and progress.timeline[0].name == "detected", progress
+
+    inc.world.set_site(a, unreachable=0)
+    closed = await poll(lambda: _closed_incident(site, second), timeout=60)
+    assert closed.outcome == "restored"
+    assert len(await inc.workflows("SiteEvacuation", "a")) == 2
+    await replay_and_record(site, "site_numbers_incidents_past_those_on_record")
+
+
+@pytest.mark.parametrize("drained", [True, False], ids=["drained", "waiting-for-a-person"])
+async def test_a_site_entity_started_again_mid_incident_takes_the_running_evacuation_as_its_own(
+        inc: IncStack, drained: bool) -> None:
+    """The Site entity stopped mid-incident (terminated, reset; its evacuation outlives it on purpose)
+    and started again. Before: with the site drained (its nodes cordoned, so none counted unreachable)
+    it opened no incident at all, its min/max and repairs going on under the evacuation; with the site
+    still waiting (for a person: no compliant place for a replica) its rule tripped again, the start of
+    ``evacuate/<site>/1`` failed (already running) and the incident closed at once, "failed", releasing
+    the running evacuation's hold of the site's repairs. Now the running evacuation is its open
+    incident, watched to its end and closed with its outcome; no second one starts."""
+    if drained:
+        name, (lost, _) = "a", await _a_lost_and_evacuated_to_d(inc)
+    else:
+        name, lost = "b", inc.site("b")
+        await inc.join("b", 3)
+        inc.serve(MODEL, "b", replicas=1)
+        inc.serve("eu-only", "b", replicas=1)  # nowhere compliant to go: the evacuation waits for a person
+        await inc.start_site("b")
+        inc.world.set_site(lost, unreachable=1)
+        await poll(lambda: _state(inc, "needs-person", "b"), timeout=30)
+    running = inc.evacuation(name)
+    site = inc.client.get_workflow_handle(f"site/{lost}")
+    await site.terminate("test: the entity stops mid-incident")
+    await inc.start_site(name)
+
+    assert await poll(lambda: _open_incident(site), timeout=30) == running.id
+    # Its repairs are held for the incident (the node asks first: answered "hold").
+    decision = await site.execute_update(
+        "admit_repair", {"site": lost, "node_name": inc.cluster.list_nodes({"node-restriction.kubernetes.io/"
+                                                                            "gpufleet-site": lost})[0].name,
+                         "gpu": 0, "reasons": ["test"]})
+    assert (decision["repair"], decision["incident"]) == (False, running.id), decision
+
+    inc.world.set_site(lost, unreachable=0)
+    closed = await poll(lambda: _closed_incident(site, running.id), timeout=60)
+    assert closed.outcome == "restored"
+    assert len(await inc.workflows("SiteEvacuation", name)) == 1
+    assert len(await _runs(inc.client, running.id)) == 1
+    if drained:
+        await replay_and_record(site, "site_takes_a_running_evacuation_as_its_incident")
+
+
+async def test_incident_numbers_pass_every_evacuation_on_record_of_the_site_but_a_persons(temporal_env) -> None:
+    """``incident_number``: past the site's ``evacuate/<site>/<n>`` on record, listed by its site or
+    (not listed yet: an evacuation sets ``Site`` in its first task) described; a running one of them is
+    the number to adopt. A person's ``manual-<request>``, running, is neither counted nor adopted."""
+    from temporalio.common import SearchAttributePair, TypedSearchAttributes
+    from fleet import search_attributes as sa
+    from fleet.messages.evacuation import IncidentNumber, IncidentNumberInput
+
+    client, uid = temporal_env.client, uuid.uuid4().hex[:6]
+    site, nobody = f"s-{uid}", f"nobody-{uid}"  # no worker polls ``nobody``: each stays as started
+
+    async def start(workflow_id: str, listed: bool = True, close: bool = True):
+        attributes = TypedSearchAttributes([SearchAttributePair(sa.SITE, site)] if listed else [])
+        handle = await client.start_workflow("SiteEvacuation", {"site": site, "reason": "test"}, id=workflow_id,
+                                             task_queue=nobody, search_attributes=attributes)
+        if close:
+            await handle.terminate("test: a closed incident")
+        elif listed:
+            await poll(lambda: _runs(client, workflow_id), timeout=10)  # the list catches up
+        return handle
+
+    def number(at_least: int = 1) -> IncidentNumber:
+        return ActivityEnvironment(client=client).run(EvacuationActivities(None).incident_number,  # type: ignore[arg-type]
+                                                      IncidentNumberInput(site=site, at_least=at_least))
+
+    assert await number() == IncidentNumber(n=1)
+    assert await number(4) == IncidentNumber(n=4)
+    await start(f"evacuate/{site}/1")
+    await start(f"evacuate/{site}/2", listed=False)  # described
+    manual = await start(f"evacuate/{site}/manual-9", close=False)
+    try:
+        assert await number() == IncidentNumber(n=3)
+        running = await start(f"evacuate/{site}/5", close=False)
+        assert await number() == IncidentNumber(n=5, running=True)
+        await running.terminate("test over")
+    finally:
+        await manual.terminate("test over")

@@ -102,6 +102,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.refusals import wrong_state
     from workflows.steps import (
         CLUSTER_RETRY,
+        FOLLOW_WAIT,
         LONG_WATCH_HEARTBEAT,
         LONG_WATCH_RETRY,
         PROVIDER_RETRY,
@@ -186,8 +187,6 @@ RELEASES_BLOCKED_DRAIN_PATCH = "evacuation-releases-blocked-drain"
 #: ``drain_seconds`` (5 minutes by default) and named gpufleet's own replicas as blocked. Asked at
 #: the drain, where the two orders part.
 SCALES_DOWN_BEFORE_DRAINING_PATCH = "evacuation-scales-down-before-draining"
-#: How long one wait for the evacuation it follows lasts (then it is asked again).
-FOLLOW_WAIT = timedelta(days=1)
 #: The timeline keeps its first steps (how the evacuation began) and its newest (the end of a
 #: restore fits whole); those between are counted. Each failed proof adds two steps: a site that
 #: flapped for days grew the timeline, carried whole over continue-as-new and shown in the details,

@@ -33,6 +33,9 @@ Provider incidents (product rule 5, ``fleet.incident``; recorded as patch
   a second trip while it runs starts nothing. When the evacuation ends the
   incident closes and held repairs are released. No min/max fill or retire
   while an incident is open.
+- numbers its incidents past every ``evacuate/<site>/<n>`` Temporal has on record, so an entity
+  started again (terminated, reset) never puts a second run behind an earlier incident's id; one
+  of them still running is its open incident, watched to its end, never started twice.
 
 Its watch also keeps its nodes' public placement labels (zone, region, GPU product) as the
 site's config says, within seconds of a change; a node that changed its own is told to
@@ -59,6 +62,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
 from temporalio.exceptions import ActivityError, FailureError
 from temporalio.workflow import ParentClosePolicy
 
@@ -88,6 +92,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.passes import FailedPasses
     from workflows.steps import (
         CLUSTER_RETRY,
+        FOLLOW_WAIT,
         LONG_WATCH_HEARTBEAT,
         LONG_WATCH_PAUSE,
         LONG_WATCH_RETRY,
@@ -115,8 +120,11 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.evacuation import (
         AdmitRepairInput,
         EvacuationResult,
+        EvacuationRef,
         HoldRepairsInput,
         IncidentCarry,
+        IncidentNumber,
+        IncidentNumberInput,
         IncidentRecord,
         IncidentView,
         RepairDecision,
@@ -153,6 +161,23 @@ SELF_LABELS_PATCH = "self-labels-quarantine"
 #: reconcile, not at a run's start: one activity more per run start kept an entity on a low
 #: continue-as-new threshold continuing for ever.)
 ORPHANED_HOLDS_PATCH = "site-releases-orphaned-holds"
+#: Workflow patch: an incident's evacuation id is one Temporal has no run of, and an evacuation of the
+#: entity's still running is its incident. A run with no carried state (the entity's first, or one
+#: started again after it was terminated) numbers its incidents on from the highest
+#: ``evacuate/<site>/<n>`` on record and takes one of them still running as its open incident (its
+#: hold, no fill or retire, the release when it ends); each incident's number is checked before its
+#: evacuation starts (``incident_number``: a reset run carries an old count), which starts with
+#: ``REJECT_DUPLICATE``. Before, such a run counted from 1 again: the next incident started a second
+#: run behind ``evacuate/<site>/1`` (`gpufleet evacuate`, the progress and the incident record read
+#: the newest), or, the first still running, its start failed and the incident closed "failed:
+#: Workflow execution already started", releasing the running evacuation's hold of the site's
+#: repairs; a drained site (its nodes cordoned, so not unreachable) opened none, and min/max and
+#: repairs went on under the evacuation. Asked at such a run's start and at each evacuation's start.
+EVACUATION_IDS_PATCH = "site-evacuation-ids-unique"
+#: ``incident_number`` (a visibility list and a describe or two): a few quick tries; an evacuation
+#: does not wait on it longer (refused, the entity numbers as before, and the start still refuses a
+#: used id).
+NUMBER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 #: The site's watch returns unchanged after this long; its heartbeat timeout (a beat at half of
 #: it): a control-plane worker lost without a word is noticed within it, a retried watch then
 #: says how long nobody watched. Two watches and twelve heartbeats an hour.
@@ -202,6 +227,9 @@ class SiteEntity(Entity[SiteState]):
         self._reported: set[str] = set()
         # A reconcile (or probe) that failed past its retries: shown, and tried again after a pause.
         self._passes = FailedPasses()
+        # Patched in (``EVACUATION_IDS_PATCH``): the evacuation this run found running at its start,
+        # its open incident (watched to its end, not started again).
+        self._adopted = ""
 
     @workflow.signal
     def reconcile(self) -> None:
@@ -375,11 +403,14 @@ class SiteEntity(Entity[SiteState]):
         incidents = workflow.patched(INCIDENT_PATCH)
         if incidents:
             self._returns = workflow.patched(CONTROL_PLANE_PATCH)
-            self._incident_settings = await workflow.execute_activity(
+            settings: IncidentSettings = await workflow.execute_activity(
                 act.incident_settings, SiteRef(site=site.name),
                 start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY,
                 summary=f"incident rule of {site.name}",
             )
+            if args.state is None and args.incident is None and workflow.patched(EVACUATION_IDS_PATCH):
+                await self._learn_incidents()  # before any admission can open one (they wait for the settings)
+            self._incident_settings = settings
         self._fleet_state = "reconciling"
         if incidents and workflow.patched(EVENTS_PATCH):
             self._events = True
@@ -680,13 +711,84 @@ class SiteEntity(Entity[SiteState]):
             workflow.logger.warning("site %s: released %d repairs held for an incident no longer running: %s",
                                     site, len(released), ", ".join(released))
 
+    async def _incident_number(self, at_least: int) -> IncidentNumber | None:
+        """``incident_number``; None where Temporal did not answer (logged: the caller goes on)."""
+        site = self._site.name
+        try:
+            return await workflow.execute_activity(
+                act.incident_number, IncidentNumberInput(site=site, at_least=at_least),
+                start_to_close_timeout=QUICK, retry_policy=NUMBER_RETRY,
+                summary=f"{site}: the next incident number no evacuation has, or one still running",
+            )
+        except ActivityError as error:
+            workflow.logger.warning("site %s: evacuations on record not read (%s)", site, failure_message(error))
+            return None
+
+    async def _learn_incidents(self) -> None:
+        """A run with no carried state (the entity's first, or one started again after it was
+        terminated): its incidents go on from the highest number on record, and an evacuation of its
+        own still running (the entity was stopped mid-incident) is its open incident."""
+        inc, site = self.state.incident, self._site.name
+        found = await self._incident_number(1)
+        if found is None:
+            return  # each incident's number is checked again as its evacuation starts
+        inc.count = found.n if found.running else found.n - 1
+        if found.running:
+            self._adopted = evacuation_workflow_id(site, found.n)
+            inc.open = IncidentRecord(id=self._adopted, opened_at=workflow.now(),
+                                      reason="begun by an earlier run of this entity, still evacuating")
+            inc.evacuate = True
+
+    async def _check_number(self, incident: IncidentRecord) -> tuple[bool, bool]:
+        """(whether the incident's evacuation runs already, whether its number was checked:
+        ``EVACUATION_IDS_PATCH``). Its provisional number may be on record (a reset run carries an
+        old count): it takes the one ``incident_number`` gives."""
+        if incident.id == self._adopted:
+            return True, True
+        if not workflow.patched(EVACUATION_IDS_PATCH):
+            return False, False
+        found = await self._incident_number(self.state.incident.count)
+        if found is None:
+            return False, True
+        self.state.incident.count = found.n
+        incident.id = evacuation_workflow_id(self._site.name, found.n)
+        return found.running, True
+
+    async def _evacuation_outcome(self, incident: IncidentRecord, running: bool, checked: bool) -> str:
+        """Its evacuation's outcome: started as the entity's child, or (``running``, begun by an
+        earlier run of the entity) waited for."""
+        site = self._site.name
+        if running:
+            return await workflow.execute_activity(
+                act.evacuation_end, EvacuationRef(site=site, workflow_id=incident.id),
+                start_to_close_timeout=FOLLOW_WAIT, heartbeat_timeout=LONG_WATCH_HEARTBEAT,
+                retry_policy=LONG_WATCH_RETRY, summary=f"until {incident.id} ends",
+            )
+        # Checked: never a second run behind an id, and listed by its site from its start.
+        unique = dict(id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                      search_attributes=TypedSearchAttributes([SearchAttributePair(sa.SITE, site)])) if checked else {}
+        result: EvacuationResult = await workflow.execute_child_workflow(
+            flows.SiteEvacuation.TYPE, {**self._args.evacuation, "site": site, "reason": incident.reason},
+            id=incident.id, result_type=EvacuationResult,
+            # Outlives the entity on purpose: a reset or terminated entity must not stop an
+            # evacuation halfway (traffic off, nodes draining); the next run finds it.
+            parent_close_policy=ParentClosePolicy.ABANDON,
+            static_summary=f"evacuate {site}: {incident.reason}", **unique,
+        )
+        return result.outcome
+
     async def _start_evacuation(self) -> None:
         inc = self.state.incident
         inc.evacuate = False
         incident = inc.open
         site = self._site.name
+        running, checked = await self._check_number(incident)
         self._set_fleet_state("incident")
-        self._show(f"provider incident: {incident.reason}; evacuating ({incident.id})")
+        if running:
+            self._show(f"provider incident: {incident.id} still evacuating, begun before this run of the entity: "
+                       "watching it")
+        else:
+            self._show(f"provider incident: {incident.reason}; evacuating ({incident.id})")
         # The same reason at the hold and the release: the release lets go only of what this held.
         held_for = incident_hold_reason(site, incident.id)
         try:
@@ -702,18 +804,10 @@ class SiteEntity(Entity[SiteState]):
                                     site, failure_message(error))
             self._show(f"provider incident: {incident.reason}; evacuating ({incident.id}); running repairs "
                        f"not held: {failure_message(error)}")
-        raw = {**self._args.evacuation, "site": site, "reason": incident.reason}
 
         async def evacuate() -> None:
             try:
-                result: EvacuationResult = await workflow.execute_child_workflow(
-                    flows.SiteEvacuation.TYPE, raw, id=incident.id, result_type=EvacuationResult,
-                    # Outlives the entity on purpose: a reset or terminated entity must not stop an
-                    # evacuation halfway (traffic off, nodes draining); the next run finds it by id.
-                    parent_close_policy=ParentClosePolicy.ABANDON,
-                    static_summary=f"evacuate {site}: {incident.reason}",
-                )
-                incident.outcome = result.outcome
+                incident.outcome = await self._evacuation_outcome(incident, running, checked)
             except Exception as error:  # noqa: BLE001 - a failed evacuation closes the incident for a person
                 incident.outcome = f"failed: {failure_message(error)}"
             incident.closed_at = workflow.now()

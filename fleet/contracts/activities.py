@@ -29,9 +29,9 @@ from fleet.messages.demand import (
 )
 from fleet.contracts.entity_update import EntityUpdateInput, EntityUpdateResult
 from fleet.messages.evacuation import (
-    AdmitRepairInput, EvacuationFacts, EvacuationRef, FreeGpusInput, HoldRepairsInput, RecoveryProbe,
-    ReleaseNodesInput, ReleaseNodesResult, RepairDecision, ScaleInput, SiteProbe, SiteRef,
-    SiteWeightInput, SiteWeightResult, UncordonInput,
+    AdmitRepairInput, EvacuationFacts, EvacuationRef, FreeGpusInput, HoldRepairsInput, IncidentNumber,
+    IncidentNumberInput, RecoveryProbe, ReleaseNodesInput, ReleaseNodesResult, RepairDecision, ScaleInput,
+    SiteProbe, SiteRef, SiteWeightInput, SiteWeightResult, UncordonInput,
 )
 from fleet.messages.nodes import (
     AdmitNodeInput, AwaitRegistrationInput, ContainInput, ContainResult, DeleteMachineInput,
@@ -210,6 +210,14 @@ async def hold_site_repairs(input: HoldRepairsInput) -> list[str]:
 async def idle_nodes() -> IdleNodesResult:
     """Fleet GPU nodes with no GPU pod on them, and what consolidation must respect. Body:
     ``activities/demand.py``, ``DemandActivities.idle_nodes``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="incident_number")
+async def incident_number(input: IncidentNumberInput) -> IncidentNumber:
+    """The number of the site's next Site-entity incident: one no evacuation on record has, or one
+    whose evacuation still runs (to adopt). Body: ``activities/evacuation.py``,
+    ``EvacuationActivities.incident_number``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
