@@ -22,7 +22,7 @@ from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.cluster import CORDONED_BY_DEMAND, LABEL_SITE, UNPROVEN_TAINT
 from fleet.consolidation import IdleNode
-from fleet.demand import opted_in, site_labels
+from fleet.demand import gpus_counted, opted_in, site_labels
 from fleet.errors import NotFound
 from fleet.demand_planner import ModelUsage, NodeRoom, plan_demand
 from fleet.messages.capacity import CapacityProgress, CapacityResult
@@ -178,16 +178,16 @@ class DemandActivities:
         used: dict[str, int] = defaultdict(int)
         usage: dict[str, ModelUsage] = defaultdict(ModelUsage)
         node_site = {n.name: sites.get(n.labels.get(LABEL_SITE, "")) for n in nodes}
-        for pod in pods:
-            if pod.node:
-                used[pod.node] += pod.gpus
-                site = node_site.get(pod.node)
-                if pod.model and site is not None:
-                    held = usage[pod.model]
-                    if site.capacity_type == CapacityType.SPOT:
-                        held.spot_gpus += pod.gpus
-                    else:
-                        held.other_gpus += pod.gpus
+        for pod, gpus in gpus_counted(pods, {n.name: n.gpus_allocatable for n in nodes}):
+            used[pod.node] += gpus
+            site = node_site.get(pod.node)
+            # A mirror pod's label is its node's word: no model's spot share counts it.
+            if pod.model and not pod.mirror and site is not None:
+                held = usage[pod.model]
+                if site.capacity_type == CapacityType.SPOT:
+                    held.spot_gpus += gpus
+                else:
+                    held.other_gpus += gpus
         rooms = [
             # The fleet's own labels from the config over what the node carries: a kubelet may
             # write its GPU product or region itself, and no plan may believe it.
@@ -311,7 +311,8 @@ class DemandActivities:
     def _idle(self) -> IdleNodesResult:
         config, cluster = self.env.config, self.env.cluster
         sites = {s.name: s for s in config.sites}
-        nodes = [n for n in self.env.nodes() if n.labels.get(LABEL_SITE) in sites]
+        every_node = self.env.nodes()
+        nodes = [n for n in every_node if n.labels.get(LABEL_SITE) in sites]
         pods = cluster.list_gpu_pods()
         busy = {p.node for p in pods if p.node}
         awaited = {p.nominated_node for p in pods if p.nominated_node}
@@ -330,9 +331,9 @@ class DemandActivities:
             ))
         # Warm headroom: the share of each model's GPUs in use kept spare at its first primary.
         in_use: dict[str, int] = defaultdict(int)
-        for pod in pods:
-            if pod.node and pod.model:
-                in_use[pod.model] += pod.gpus
+        for pod, gpus in gpus_counted(pods, {n.name: n.gpus_allocatable for n in every_node}):
+            if pod.model and not pod.mirror:  # a mirror pod's label is its node's word
+                in_use[pod.model] += gpus
         for model, policy in config.models.items():
             if policy.warm_headroom > 0 and policy.sites and in_use.get(model):
                 site = policy.sites[0]

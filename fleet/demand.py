@@ -26,7 +26,7 @@ The geography and capacity-type labels and the fleet marker live under the
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from pydantic import BaseModel, Field
 
@@ -103,6 +103,10 @@ class GpuPod(BaseModel):
     unschedulable: bool = False
     owner_kinds: list[str] = Field(default_factory=list)
     created_at: float = 0.0
+    #: A static pod's mirror: a node's kubelet wrote it (NodeRestriction lets a node create a pod
+    #: only so: bound to itself, annotated ``kubernetes.io/config.mirror``, owned by no one but
+    #: that Node). Its labels and its GPU request are the node's word, and decide nothing else.
+    mirror: bool = False
 
     @property
     def key(self) -> str:
@@ -115,6 +119,23 @@ class GpuPod(BaseModel):
     @property
     def pending(self) -> bool:
         return self.phase == "Pending" and not self.node
+
+
+def gpus_counted(pods: Iterable[GpuPod], node_gpus: Mapping[str, int]) -> list[tuple[GpuPod, int]]:
+    """Each pod that holds GPUs on a node of ``node_gpus`` (node name → the GPUs it is believed
+    to have, ``Node.believed``), with the GPUs counted for it: what it asks, but no more than
+    its node has left. A node's pods never hold more than the node has, so a pod a node wrote
+    itself (a mirror pod, which may ask for "1E", 10^18) takes at most that node's own GPUs;
+    the pods others made count first. A pod bound elsewhere, or ended, is left out."""
+    left = {name: max(0, gpus) for name, gpus in node_gpus.items()}
+    counted = []
+    for pod in sorted(pods, key=lambda p: (p.mirror, p.key)):
+        if pod.node not in left or pod.phase in ("Succeeded", "Failed"):
+            continue
+        gpus = min(pod.gpus, left[pod.node])
+        left[pod.node] -= gpus
+        counted.append((pod, gpus))
+    return counted
 
 
 def opted_in(pod: GpuPod) -> bool:

@@ -537,9 +537,10 @@ class SimCluster(EvictionDrain, WeightedRouting):
             db.execute(
                 "INSERT OR REPLACE INTO pods(namespace, name, node, labels, owner_kind, mirror, phase, gpus,"
                 " node_selector, tolerations, annotations, nominated, unschedulable, created_at)"
-                " VALUES (?,?,?,?,?,0,?,?,?,?,?,?,0,?)",
+                " VALUES (?,?,?,?,?,?,?,?,?,?,?,?,0,?)",
                 (pod.namespace, pod.name, pod.node or None, json.dumps(pod.labels),
-                 pod.owner_kinds[0] if pod.owner_kinds else "ReplicaSet", pod.phase if pod.node else "Pending",
+                 pod.owner_kinds[0] if pod.owner_kinds else "ReplicaSet", int(pod.mirror),
+                 pod.phase if pod.node else "Pending",
                  pod.gpus, json.dumps(pod.node_selector), json.dumps([t.model_dump() for t in pod.tolerations]),
                  json.dumps(pod.annotations), pod.nominated_node, pod.created_at or time.time()),
             )
@@ -553,6 +554,7 @@ class SimCluster(EvictionDrain, WeightedRouting):
             tolerations=[Toleration(**t) for t in json.loads(row["tolerations"] or "[]")],
             nominated_node=row["nominated"] or "", unschedulable=bool(row["unschedulable"]),
             owner_kinds=[row["owner_kind"]] if row["owner_kind"] else [], created_at=row["created_at"] or 0.0,
+            mirror=bool(row["mirror"]),
         )
 
     def schedule(self) -> list[tuple[str, str]]:

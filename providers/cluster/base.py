@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Literal, Protocol, TypeVar
 from pydantic import BaseModel, Field
 
 from fleet.errors import ClusterConflict, InvalidRequest, NotFound
-from fleet.demand import GpuPod
+from fleet.demand import GpuPod, gpus_counted
 from fleet.models import Node
 from fleet.naming import dns_label, serving_name
 from fleet.cluster import (
@@ -641,11 +641,14 @@ def serving_labels(model: str, site: str) -> dict[str, str]:
 def gpus_held_by_pods(nodes: Iterable[Node], pods: Iterable[GpuPod], site: str,
                       serving: Iterable[tuple[str, str]] = ()) -> int:
     """GPUs the pods bound to ``site``'s serving nodes hold (a training job, a demand pod), but
-    the pods of the ``serving`` (model, site) Deployments: those are counted as their Deployment's."""
-    names = {node.name for node in nodes if takes_serving(node, site)}
+    the pods of the ``serving`` (model, site) Deployments: those are counted as their Deployment's.
+    Each node's pods hold at most the GPUs it has (``gpus_counted``): a node's own mirror pod,
+    whatever it asks, takes no GPU of another node. A mirror pod is never a replica, whatever its
+    labels (a ReplicaSet adopts no pod another controller owns)."""
+    on_nodes = {node.name: node.gpus_allocatable for node in nodes if takes_serving(node, site)}
     selectors = [serving_labels(model, where) for model, where in serving]
-    return sum(pod.gpus for pod in pods if pod.node in names and pod.phase not in ("Succeeded", "Failed")
-               and not any(selector_matches(s, pod.labels) for s in selectors))
+    return sum(gpus for pod, gpus in gpus_counted(pods, on_nodes)
+               if pod.mirror or not any(selector_matches(s, pod.labels) for s in selectors))
 
 
 def free_gpus_at(nodes: Iterable[Node], serving: Iterable[ServingStatus], pods: Iterable[GpuPod], site: str) -> int:

@@ -81,7 +81,7 @@ class SimHarness:
                 owner_kind: str = "ReplicaSet", mirror: bool = False, gpus: int = 0) -> None:
         if gpus:  # one that holds GPUs: a pod with a spec (the demand loop's kind), bound and running
             self.cluster.create_pod(GpuPod(namespace=namespace, name=name, node=node, phase="Running", gpus=gpus,
-                                           labels=labels or {}, owner_kinds=[owner_kind]))
+                                           labels=labels or {}, owner_kinds=[owner_kind], mirror=mirror))
             return
         self.cluster.add_pod(node, name, namespace, labels, owner_kind, mirror)
 

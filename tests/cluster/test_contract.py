@@ -11,7 +11,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from providers.cluster.base import (
-    Cluster, NodeChanged, NodeNotFound, NoPreviousTemplate, ServingNotFound, decide_on_node, serving_name,
+    Cluster, NodeChanged, NodeNotFound, NoPreviousTemplate, ServingNotFound, decide_on_node, free_gpus_at,
+    serving_labels, serving_name,
 )
 from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, CORDONED_BY_SURPLUS, LABEL_SITE, UNPROVEN_TAINT, ServingSpec
 
@@ -404,6 +405,28 @@ def test_serving_counts_the_gpus_other_replicas_and_pods_hold(harness):
     status = harness.cluster.serving_status("llama-3-8b", "site-a")
     assert not status.ready and status.available_replicas == 1
     assert harness.cluster.serving_status("mistral-7b", "site-a").available_replicas == 2
+
+
+def test_a_nodes_own_pod_holds_no_gpu_of_another_node(harness):
+    """A kubelet may create pods bound to its own node (the mirrors of its static pods, which
+    NodeRestriction allows it) with any labels and any GPU request. Such a pod asking a thousand
+    GPUs, labelled as another model's replica, is reported as the node's own (``mirror``); it
+    holds that node's GPUs only, the site's other nodes count as free as before, and it is no
+    replica of that model. Before, it took every GPU of the site from ``free_gpus_at`` (an
+    evacuation's room, a rollout's surge) and, in the simulated cluster, from every Deployment."""
+    harness.add_node("gpu-1", site="site-a", gpus=8)
+    harness.add_node("gpu-2", site="site-a", gpus=8)
+    harness.add_pod("gpu-1", "static-gpu-1", namespace="kube-system", owner_kind="Node", mirror=True, gpus=1000,
+                    labels=serving_labels("mistral-7b", "site-a"))
+    nodes = [n for n in harness.cluster.list_nodes({LABEL_SITE: "site-a"}) if n.name not in harness.foreign]
+    [static] = [p for p in harness.cluster.list_gpu_pods() if p.name == "static-gpu-1"]
+    assert static.mirror and static.node == "gpu-1"
+    assert free_gpus_at(nodes, [], harness.cluster.list_gpu_pods(), "site-a") == 8, "gpu-2's, as before"
+
+    harness.cluster.apply_serving(_spec(model="mistral-7b"))  # 2 replicas of 4 GPUs: gpu-2's
+    assert _wait_ready(harness.cluster, "mistral-7b", "site-a").available_replicas == 2
+    free = free_gpus_at(nodes, harness.cluster.list_serving(), harness.cluster.list_gpu_pods(), "site-a")
+    assert free == 0, "the replicas hold gpu-2's GPUs, the node's own pod gpu-1's"
 
 
 def test_an_update_needs_gpus_for_its_surge_replica(harness):

@@ -16,7 +16,8 @@ ends each pod deleted on them, as their kubelet would; a pod annotated
 ``TERMINATING_ANNOTATION`` takes that many seconds to end (a graceful termination).  Pods a
 test adds name real owner objects (a ReplicaSet that places nothing, a suspended Job, a
 DaemonSet that fits no node, the Node itself for a mirror pod), not controllers of them: the
-garbage collector deletes a pod whose owner does not exist.
+garbage collector deletes a pod whose owner does not exist. A mirror pod is made as its node
+(``system:node:<name>``, under NodeRestriction), the way a hostile kubelet would make one.
 
 The routing objects are custom resources of Gateway API's ``HTTPRoute`` and Envoy Gateway's
 ``BackendTrafficPolicy`` kinds, served by the real API server from CRDs ``install_routing_crds``
@@ -186,8 +187,8 @@ class RealHarness:
     # -- pods -----------------------------------------------------------------------------
     def _owner(self, kind: str, namespace: str, node: str) -> dict[str, Any]:
         """A real object of ``kind`` a pod can name as its owner (not its controller)."""
-        if kind == "Node":
-            return {"apiVersion": "v1", "kind": "Node", "name": node, "uid": self.nodes[node], "controller": False}
+        if kind == "Node":  # its controller: NodeRestriction lets a node own its mirror pods only so
+            return {"apiVersion": "v1", "kind": "Node", "name": node, "uid": self.nodes[node], "controller": True}
         key = (kind, namespace)
         if key not in self.owners:
             api_version, path = OWNER_API[kind]
@@ -228,8 +229,12 @@ class RealHarness:
             spec["serviceAccountName"] = "default"
         # No grace unless asked: a pod ends as soon as it is evicted (its kubelet says so at once).
         spec["terminationGracePeriodSeconds"] = 30 if terminating_seconds else 0
+        # A mirror pod is made by its node's kubelet, as ``system:node:<node>`` (the admin
+        # impersonates it): what NodeRestriction lets a node write, and nothing more.
+        as_node = {"Impersonate-User": f"system:node:{node}", "Impersonate-Group": "system:nodes"} if mirror else None
         _ok(self.real.request("POST", f"/api/v1/namespaces/{namespace}/pods",
-                              {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}, admin=True), 201)
+                              {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}, admin=True,
+                              headers=as_node), 201)
         self.pod_keys.append((namespace, name))
         self._report_running(namespace, name)
 

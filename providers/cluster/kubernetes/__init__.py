@@ -34,7 +34,7 @@ from providers.cluster.kubernetes.api import (
     load_api_client,
 )
 from providers.cluster.kubernetes.csrs import CsrApprover
-from providers.cluster.kubernetes.gpu_pods import GpuPods, gpu_pod
+from providers.cluster.kubernetes.gpu_pods import MIRROR_ANNOTATION, GpuPods, gpu_pod
 from providers.cluster.kubernetes.manifests import (
     READINESS_PROBE,
     render_deployment,
@@ -43,7 +43,7 @@ from providers.cluster.kubernetes.manifests import (
     render_pod_template,
     render_service,
 )
-from providers.cluster.kubernetes.nodes import MIRROR_ANNOTATION, Nodes, _machine_from_provider_id
+from providers.cluster.kubernetes.nodes import Nodes, _machine_from_provider_id
 from providers.cluster.kubernetes.routing import ROUTING_CONFIGMAP, Routing
 from providers.cluster.kubernetes.serving import Serving
 from providers.cluster.kubernetes.state import ANNOTATION_STATE_KEY, LABEL_STATE

@@ -12,25 +12,37 @@ from fleet.cluster import GPU_RESOURCE
 from fleet.demand import DEMAND_ANNOTATIONS, GpuPod, Toleration
 from providers.cluster.kubernetes.watch import Watches
 
+#: What the kubelet writes on a static pod's mirror, the one kind of pod a node may create.
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+#: More GPUs than any pod asks for in earnest. A node's own mirror pod may ask for any quantity
+#: ("1E" is 10^18; a quantity's exponent makes ``int`` run for ever): a larger one counts as
+#: this many, and what a node's pods hold is capped at its own GPUs (``fleet.demand.gpus_counted``).
+MOST_GPUS = 1 << 20
+
 
 def container_gpus(container: dict[str, Any]) -> int:
-    """The GPUs a container asks for (0 for none, or for a value that is no quantity)."""
+    """The GPUs a container asks for: 0 for none, or for a value that is no quantity or below
+    zero; ``MOST_GPUS`` for more."""
     resources = container.get("resources") or {}
     # An extended resource may be given as a limit only: the request then equals it.
     value = (resources.get("requests") or {}).get(GPU_RESOURCE, (resources.get("limits") or {}).get(GPU_RESOURCE, 0))
     try:
-        return int(parse_quantity(str(value)))
+        quantity = parse_quantity(str(value))
     except ValueError:
         return 0
+    if not quantity.is_finite() or quantity <= 0:
+        return 0
+    return MOST_GPUS if quantity > MOST_GPUS else int(quantity)
 
 
 def gpu_pod(pod: dict[str, Any]) -> GpuPod:
     """A Pod object as the demand loop reads it (its effective GPU request: the containers'
     sum, or an init container's, whichever is larger, as the scheduler counts it)."""
     meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
-    gpus = max(sum(container_gpus(c) for c in spec.get("containers") or []),
-               max((container_gpus(c) for c in spec.get("initContainers") or []), default=0))
+    gpus = min(MOST_GPUS, max(sum(container_gpus(c) for c in spec.get("containers") or []),
+                              max((container_gpus(c) for c in spec.get("initContainers") or []), default=0)))
     conditions = status.get("conditions") or []
+    owners = [o.get("kind", "") for o in meta.get("ownerReferences") or []]
     created = meta.get("creationTimestamp")
     try:
         created_at = datetime.fromisoformat(str(created).replace("Z", "+00:00")).timestamp() if created else 0.0
@@ -48,8 +60,9 @@ def gpu_pod(pod: dict[str, Any]) -> GpuPod:
         nominated_node=status.get("nominatedNodeName") or "",
         unschedulable=any(c.get("type") == "PodScheduled" and c.get("status") == "False"
                           and c.get("reason") == "Unschedulable" for c in conditions),
-        owner_kinds=[o.get("kind", "") for o in meta.get("ownerReferences") or []],
+        owner_kinds=owners,
         created_at=created_at,
+        mirror=MIRROR_ANNOTATION in (meta.get("annotations") or {}) or "Node" in owners,
     )
 
 

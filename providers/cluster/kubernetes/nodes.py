@@ -45,10 +45,9 @@ from providers.cluster.base import (
     EvictionDrain,
 )
 from providers.cluster.kubernetes.api import MERGE, PROVIDER, STRATEGIC, _Conflict, _message, _translate
+from providers.cluster.kubernetes.gpu_pods import MIRROR_ANNOTATION
 from providers.cluster.kubernetes.state import ControlPlaneState
 from providers.cluster.kubernetes.watch import Watches
-
-MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 
 
 class Nodes(EvictionDrain, Watches, ControlPlaneState):
