@@ -173,6 +173,22 @@ def take_node(cluster: Cluster, name: str, mine: str) -> str:
     return decide_on_node(cluster, name, take)
 
 
+def cordon_if_schedulable(cluster: Cluster, name: str, mine: str) -> None:
+    """Cordon the node marked ``mine`` where it is schedulable and no one else holds it, on the marks
+    it was decided on: that cordon is then its owner's to take back. A node cordoned already (by
+    anyone: its mark, or none, as it is; the owner's own from an earlier attempt) or held (a GPU
+    fenced) is left to the drain's own cordon, which marks nothing."""
+
+    def cordon(marks: NodeMarks) -> None:
+        if marks.unschedulable:
+            return
+        held, _ = who_holds(cluster, name, mine, marks)
+        if not held:
+            cluster.cordon(name, True, by=mine, version=marks.version)
+
+    decide_on_node(cluster, name, cordon)
+
+
 class CapacityActivities:
     def __init__(self, env: FleetEnv) -> None:
         self.env = env
@@ -380,9 +396,12 @@ class CapacityActivities:
         A node already gone has nothing left to drain (a reclaim the provider finished first).
         With ``cordoned_by`` (its owner's mark), a node someone else holds by now (a repair fenced
         a GPU, a person marked it theirs since its owner chose it) is left as it is: ``held`` says
-        who holds it, nothing cordoned or evicted."""
+        who holds it, nothing cordoned or evicted; with ``machine_goes`` (a reclaim: the machine goes
+        anyway) it is drained all the same, its cordon marked only where this drain cordons it."""
         try:
-            if input.cordoned_by is not None:
+            if input.cordoned_by is not None and input.machine_goes:
+                cordon_if_schedulable(self.env.cluster, input.node_name, input.cordoned_by)
+            elif input.cordoned_by is not None:
                 held = take_node(self.env.cluster, input.node_name, input.cordoned_by)
                 if held:
                     return DrainResult(node=input.node_name, held=held)

@@ -54,6 +54,9 @@ CORDONED_BY_SURPLUS = "surplus"
 #: An evacuation's mark: it cordoned a node it bought to retire it as it ends. Its own, not the
 #: Site's: the Site must not uncordon a node the evacuation is draining.
 CORDONED_BY_EVACUATION = "evacuation"
+#: A spot reclaim's mark: its drain cordoned the node, whose machine the provider takes at the
+#: notice. A cancelled reclaim (the notice was false) uncordons a node still so marked, and no other.
+CORDONED_BY_RECLAIM = "reclaim"
 #: On a Node, one annotation per GPU its repair fenced: ``gpufleet.io/fenced-gpu-<i>: <rung>``. The
 #: node's device plugin treats a fenced GPU as unhealthy (not allocatable); while one is there the
 #: node is its repair's, whoever cordoned it first.

@@ -1,9 +1,12 @@
-"""SpotReclaim acts against the newest notice's termination time (``reclaim-newest-notice-deadline``).
+"""SpotReclaim acts against the newest notice's termination time (``reclaim-newest-notice-deadline``),
+and a cancel of it puts back what it changed (``reclaim-cancel-puts-back``).
 
 The provider may post a newer notice for a machine already being reclaimed (the Node entity signals
 it as ``notice``). Before, the run kept the time it read at its start: an earlier one left it
 draining and waiting past a machine already gone, a later one cut the drain short of the time the
 provider still gave. Each wait also names in the current details what it waits for and until when.
+A person who believes a notice false cancels the reclaim (``temporal workflow cancel``): before, the
+node stayed cordoned for good and unmarked, read as a person's cordon, ``FleetState`` ``reclaiming``.
 
 Against the real dev server, the control-plane worker and the simulated providers. The run is
 started and told as the Node entity does (``tests/test_site_reclaim.py`` covers the way there)."""
@@ -15,10 +18,14 @@ import re
 import time
 from datetime import datetime, timezone
 
-from temporalio.client import WorkflowHandle
+import pytest
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
+from temporalio.exceptions import CancelledError
 
+from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_RECLAIM
 from fleet.messages.capacity import SpotReclaimResult
 from tests.capacity_fleet import FAST_JOIN, CapStack
+from tests.conftest import wait_for
 from tests.replay import replay_and_record
 from tests.test_site_reclaim import cap, live  # noqa: F401 - cap: the fixture
 
@@ -164,3 +171,91 @@ async def test_a_notice_far_off_is_believed_for_an_hour_at_most(cap: CapStack) -
     shown = await until_details(handle, lambda text: f"until {utc(began + 3600)}" in text)
     assert "2100" not in shown
     await handle.terminate("test over")
+
+
+# -- a cancel ---------------------------------------------------------------------------------
+def cordon_mark(cap: CapStack, node: str) -> str | None:
+    return cap.cluster.annotate_node(node, {}).get(ANNOTATION_CORDONED_BY)  # a read: nothing merged
+
+
+async def cancelled(handle: WorkflowHandle) -> None:
+    """Cancel the run (``temporal workflow cancel``) and wait until it has ended Canceled."""
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError) as caught:
+        await asyncio.wait_for(handle.result(), 60)
+    assert isinstance(caught.value.cause, CancelledError), caught.value.cause
+
+
+async def test_a_cancel_during_the_drain_uncordons_the_node_and_stops_the_replacement(cap: CapStack) -> None:
+    """The notice was false: a person cancels the reclaim while it drains and its replacement boots.
+    The node is uncordoned and its machine kept, the replacement's machine deleted before the run
+    ends, ``FleetState`` ``cancelled`` and the details saying so (before: the node stayed cordoned
+    for good, with no mark, read as a person's cordon, and the run said ``reclaiming``)."""
+    node, machine_id = await a_spot_node_whose_pods_cannot_leave(cap, "cancel")
+    for other in ("cheap", "mid", "dear"):  # the replacement's machine boots for a minute
+        cap.world.set_site(cap.site(other), boot_seconds=60)
+    handle = await start_reclaim(cap, node, machine_id, time.time() + 600)
+    await until_draining(handle)
+    await wait_for(lambda: cordon_mark(cap, node) == CORDONED_BY_RECLAIM, timeout=20)
+    bought = await wait_for(lambda: [m for m in cap.world.machines() if m["id"] != machine_id], timeout=30)
+
+    await cancelled(handle)
+    after = cap.cluster.get_node(node)
+    assert after is not None and not after.unschedulable, "the node serves again"
+    assert cordon_mark(cap, node) is None
+    assert cap.world.machine(machine_id)["deleted_at"] is None, "the machine is kept"
+    assert sorted(p.name for p in cap.cluster.pods(node)) == ["web-1", "web-2"]
+    replacement = await cap.client.get_workflow_handle(f"capacity/reclaim-{node}").describe()
+    assert replacement.status != WorkflowExecutionStatus.RUNNING, "the replacement still buys"
+    assert [cap.world.machine(m["id"])["deleted_at"] is not None for m in bought] == [True] * len(bought), \
+        "the replacement's machine was deleted before the reclaim ended"
+    assert await cap.listed(f'WorkflowId = "{handle.id}" AND FleetState = "cancelled"')
+    shown = await details(handle)
+    assert shown.startswith("**cancelled**: cancelled while draining: ") and f"{node} uncordoned" in shown, shown
+    assert "the replacement request stopped" in shown, shown
+    await asyncio.sleep(3)  # time for anything still running to buy more (nothing must)
+    assert [m["id"] for m in cap.world.machines()] == [machine_id]
+    await replay_and_record(handle, "spot_reclaim_cancelled_while_draining")
+
+
+async def test_a_cancel_leaves_a_cordon_that_was_not_the_reclaims(cap: CapStack) -> None:
+    """A person had cordoned the node before the notice (``kubectl cordon``, no mark): the reclaim
+    drains it all the same (the machine goes at the notice), marks nothing, and its cancel leaves
+    that cordon to the person. A replacement that joined before the cancel stays."""
+    node, machine_id = await a_spot_node_whose_pods_cannot_leave(cap, "theirs")
+    cap.cluster.cordon(node)
+    handle = await start_reclaim(cap, node, machine_id, time.time() + 600)
+    await until_draining(handle)
+    replacement = cap.client.get_workflow_handle(f"capacity/reclaim-{node}")
+    await asyncio.wait_for(replacement.result(), 30)
+
+    await cancelled(handle)
+    assert cap.cluster.get_node(node).unschedulable and cordon_mark(cap, node) is None
+    shown = await details(handle)
+    assert f"{node} left cordoned: its cordon is not the reclaim's" in shown, shown
+    assert "the replacement had joined already and stays" in shown, shown
+
+
+async def test_a_cancel_once_the_machine_is_retired_stops_the_replacement(cap: CapStack) -> None:
+    """The notice's time came and the node was retired; the replacement still boots when a person
+    cancels the reclaim. The replacement's machine is deleted and the run ends Canceled, saying the
+    node was retired (before: the cancel was taken for the replacement's failure and the run
+    completed, ``replacement failed``)."""
+    spot = cap.site("spot")
+    await cap.client.execute_workflow("NodeJoin", {"site": spot, "timeouts": FAST_JOIN}, id=f"join/{spot}/gone",
+                                      task_queue=cap.settings.task_queue)
+    ((node, machine_id),) = [(m["name"], m["id"]) for m in live(cap, "spot")]
+    for other in ("cheap", "mid", "dear"):  # the replacement's machine boots for a minute
+        cap.world.set_site(cap.site(other), boot_seconds=60)
+    handle = await start_reclaim(cap, node, machine_id, time.time() + 3)
+    await until_details(handle, lambda text: text.startswith("**waiting for the replacement**"))
+    assert cap.world.machine(machine_id)["deleted_at"] is not None
+    bought = [m for m in cap.world.machines() if m["site"] != spot]
+
+    await cancelled(handle)
+    assert bought and all(cap.world.machine(m["id"])["deleted_at"] is not None for m in bought), bought
+    assert await cap.listed(f'WorkflowId = "{handle.id}" AND FleetState = "cancelled"')
+    shown = await details(handle)
+    assert f"cancelled while waiting for the replacement: {node} retired" in shown, shown
+    assert "the replacement request stopped" in shown, shown
+    await replay_and_record(handle, "spot_reclaim_cancelled_waiting_for_the_replacement")

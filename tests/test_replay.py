@@ -124,6 +124,10 @@ EXPECTED = {
     "rollout_refused_kubernetes_name_clash",
     # The newest spot notice sets the deadline (``reclaim-newest-notice-deadline``, tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
+    # A cancelled reclaim uncordons its node and stops its replacement (``reclaim-cancel-puts-back``,
+    # tests/test_reclaim_deadline.py); the old code's run, which ended at the cancel, replays too.
+    "spot_reclaim_cancelled_while_draining", "spot_reclaim_cancelled_while_draining_before",
+    "spot_reclaim_cancelled_waiting_for_the_replacement",
     # The HTTP relay of an operator update (tests/test_entity_update.py).
     "entity_update_quota_raised", "entity_update_rejected",
     # The demand loop: pods bought for, bound, gone; their idle nodes retired (tests/test_demand_loop.py).

@@ -119,6 +119,7 @@ with workflow.unsafe.imports_passed_through():
         failure_type,
         show_details,
         summarised,
+        to_its_end_if,
         until_run_began,
         wait_for_serving,
     )
@@ -720,16 +721,13 @@ class SiteEvacuation:
         Temporal's cancel lands meanwhile: cancelled, the wait cancelled the request too, whose
         result (the nodes it joined, for the put-back to retire) was lost. The cancel is taken
         (``_cancel_taken``): the run ends as it asked once all is put back."""
-        try:
-            return await asyncio.shield(self._capacity)
-        except asyncio.CancelledError:
-            if self._capacity.cancelled():
-                raise  # its own end, not the run's cancel
-            if workflow.patched(ABORT_WAITS_FOR_CAPACITY_PATCH):
-                self._cancel_taken = True
-            else:
-                self._capacity.cancel()  # a run from before: the cancel reaches the request, as it did
-            return await self._capacity
+        return await to_its_end_if(lambda: self._took_cancel(workflow.patched(ABORT_WAITS_FOR_CAPACITY_PATCH)),
+                                   self._capacity)
+
+    def _took_cancel(self, taken: bool) -> bool:
+        """``taken`` (a patch's answer where a cancel landed), kept in ``_cancel_taken``."""
+        self._cancel_taken = self._cancel_taken or taken
+        return taken
 
     @staticmethod
     def _until(seconds: Any) -> str:
@@ -934,17 +932,8 @@ class SiteEvacuation:
         put-back or a failed step's): cancelled, the step in flight failed and the rest was skipped,
         the site left half restored. The cancel is taken (it reaches a run once): ``_cancel_taken``
         says so, for the run to end as it asked once all is back."""
-        putting_back = asyncio.ensure_future(self._put_back(why))
-        try:
-            await asyncio.shield(putting_back)
-        except asyncio.CancelledError:
-            if putting_back.cancelled():
-                raise  # its own end, not the run's cancel
-            if workflow.patched(PUT_BACK_TO_ITS_END_PATCH):
-                self._cancel_taken = True
-            else:
-                putting_back.cancel()  # a run from before: the cancel stops the step in flight, as it did
-            await putting_back
+        await to_its_end_if(lambda: self._took_cancel(workflow.patched(PUT_BACK_TO_ITS_END_PATCH)),
+                            asyncio.ensure_future(self._put_back(why)))
 
     async def _put_back(self, why: str) -> None:
         """Put back what this evacuation changed (it ends without restoring): the capacity request

@@ -11,6 +11,14 @@ The deadline is the newest notice's termination time (signal ``notice``): one th
 earlier cuts the drain and the wait for the replacement short then; one that moves it later gives
 the pods still on the node and the replacement the extra time. Each wait names in the current
 details what it waits for and until when (UTC).
+
+The drain marks its cordon ``reclaim`` (``CORDONED_BY_RECLAIM``). Temporal's cancel (a person who
+believes the notice was false: ``temporal workflow cancel``) stops the run and puts back what it
+changed: the drain stopped, the replacement request stopped (its joins in flight delete their
+machines; a node that joined stays), and the node uncordoned while it is still the reclaim's (a
+repair's fence or a person's mark keeps it) unless the notice's time has come or the machine is
+being retired, which then runs to its end; the run ends Canceled, ``FleetState`` ``cancelled``,
+its details saying what was done.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, ChildWorkflowError
+from temporalio.exceptions import ActivityError, ChildWorkflowError, FailureError, is_cancelled_exception
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -34,9 +42,13 @@ with workflow.unsafe.imports_passed_through():
     from fleet.config import Site
     from fleet.naming import capacity_workflow_id
     from fleet.placement import offer_key, replacement_constraints
-    from fleet.cluster import DrainResult
+    from fleet.cluster import CORDONED_BY_RECLAIM, DrainResult
+    from fleet.messages.capacity import ReleaseCordonsInput
     from workflows.inputs import parse_input, parse_signal
-    from workflows.steps import PROVIDER_RETRY, QUICK, drain_node, failure_message, retire_machine, show_details
+    from workflows.steps import (
+        PROVIDER_RETRY, PUT_BACK_RETRY, QUICK, cancelled_by_request, cancelled_words, drain_node, failure_message,
+        failure_text, retire_machine, show_details, to_its_end, to_its_end_if,
+    )
 
 
 #: Workflow patch: the newest notice's termination time is the deadline the run acts against. One
@@ -47,6 +59,17 @@ with workflow.unsafe.imports_passed_through():
 #: waiting past a machine already taken. Asked first thing in ``run``, before any command: both
 #: waits take their new form from the start (they wake on a notice, a command the old run lacks).
 NOTICE_MOVES_DEADLINE_PATCH = "reclaim-newest-notice-deadline"
+
+#: Workflow patch: Temporal's cancel stops the reclaim and puts back what it changed (the module's
+#: docstring): the drain and the replacement request stopped, the node uncordoned while its cordon
+#: is still the reclaim's, or, once the notice's time has come or the machine's retirement began,
+#: retired to its end; the run ends Canceled, ``FleetState`` ``cancelled``. Before, the run ended
+#: at the cancel: the node stayed cordoned for good, with no mark (``gpufleet sites``: "operator"),
+#: ``FleetState`` ``reclaiming``; a cancel during the retirement cancelled the machine's delete and
+#: the run went on, as one during the last wait for the replacement, which it cancelled, then
+#: completed. Asked only where a cancel of the run is seen, so a run never cancelled records no
+#: marker, and one from before it that was cancelled replays down the old path.
+CANCEL_PUTS_BACK_PATCH = "reclaim-cancel-puts-back"
 
 
 #: The most time a notice is believed to give: providers give minutes (AWS two, GCP and Azure
@@ -83,6 +106,14 @@ class SpotReclaim:
         #: before; the input's until a notice comes.
         self._terminate_at: float | None = None
         self._step = "starting"
+        #: The drain in flight (the newest: a later notice drains again) and the replacement
+        #: request, once started: what a cancel stops.
+        self._drain: asyncio.Task[DrainResult] | None = None
+        self._replace: asyncio.Task[CapacityResult] | None = None
+        #: The machine's retirement began: a cancel lets it run to its end ...
+        self._retiring = False
+        #: ... and is taken then: the run ends as it asked once the machine is retired.
+        self._cancel_taken = False
 
     @workflow.signal
     def notice(self, raw: dict[str, Any] | None = None) -> None:
@@ -114,10 +145,27 @@ class SpotReclaim:
     async def run(self, raw: Any) -> SpotReclaimResult:
         args = parse_input(SpotReclaimInput, raw)
         newest_notice_wins = workflow.patched(NOTICE_MOVES_DEADLINE_PATCH)
-        node = args.node_name
         workflow.upsert_search_attributes([
-            sa.NODE_NAME.value_set(node), sa.SITE.value_set(args.site), sa.FLEET_STATE.value_set("reclaiming"),
+            sa.NODE_NAME.value_set(args.node_name), sa.SITE.value_set(args.site),
+            sa.FLEET_STATE.value_set("reclaiming"),
         ])
+        try:
+            return await self._reclaim(args, newest_notice_wins)
+        # asyncio.CancelledError (a cancel in a wait) is a BaseException; GeneratorExit (Python closing
+        # the run's coroutine after its worker stopped) is one too, and must pass untouched.
+        except (Exception, asyncio.CancelledError) as error:
+            if not self._cancelled(error):
+                raise
+            await self._put_back(args)
+            raise  # the run ends Canceled: the SDK sees the cancel request and a cancel error
+
+    def _cancelled(self, error: BaseException) -> bool:
+        """Whether ``error`` is this run's cancel reaching the step it was in, to put back what the
+        reclaim changed. Runs before ``CANCEL_PUTS_BACK_PATCH`` ended at it, and replay so."""
+        return cancelled_by_request(error) and workflow.patched(CANCEL_PUTS_BACK_PATCH)
+
+    async def _reclaim(self, args: SpotReclaimInput, newest_notice_wins: bool) -> SpotReclaimResult:
+        node = args.node_name
         site: Site = await workflow.execute_activity(
             act.resolve_site, ResolveSiteInput(site=args.site), start_to_close_timeout=QUICK,
             retry_policy=PROVIDER_RETRY, summary=f"look up site {args.site}",
@@ -129,8 +177,9 @@ class SpotReclaim:
         self._show("draining", f"waiting for the drain of {node} (PDBs honoured) until {terminate_at:%H:%M:%S} UTC, "
                                "when the provider takes the machine; acquiring a replacement")
 
-        drain = asyncio.create_task(
-            drain_node(node, left, summary=f"cordon and evict {node} before {terminate_at:%H:%M:%S}"))
+        drain = self._drain = asyncio.create_task(drain_node(
+            node, left, summary=f"cordon and evict {node} before {terminate_at:%H:%M:%S}",
+            cordoned_by=CORDONED_BY_RECLAIM, machine_goes=True))
         reclaimed = offer_key(site.name, site.instance_type)
         replacement_request = {
             "count": 1,
@@ -141,7 +190,7 @@ class SpotReclaim:
             "reason": f"replace reclaimed {node}",
         }
         buys_until = workflow.now() + timedelta(seconds=buying_seconds(args.replacement))
-        replace = asyncio.create_task(workflow.execute_child_workflow(
+        replace = self._replace = asyncio.create_task(workflow.execute_child_workflow(
             flows.AcquireCapacity.TYPE, replacement_request, id=capacity_workflow_id(f"reclaim-{node}"),
             result_type=CapacityResult, static_summary=f"replacement for reclaimed {node}",
             # The reclaim ended (terminated, cancelled): its replacement request and joins stop too.
@@ -171,11 +220,9 @@ class SpotReclaim:
                 self._show(step, outcome)
 
         self._show("marking the node gone", node)
-        try:
-            await retire_machine(site.name, node, args.machine_id, summary=f"node {node} gone")
-        except ActivityError as error:
-            workflow.logger.warning("could not delete reclaimed machine %s: %s", args.machine_id,
-                                    failure_message(error))
+        await self._retire(site.name, node, args.machine_id)
+        if self._cancel_taken:
+            raise asyncio.CancelledError()  # cancelled while it retired: now what the cancel asked
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("gone")])
 
         replacement: CapacityResult | None = None
@@ -184,11 +231,126 @@ class SpotReclaim:
                        f"{capacity_workflow_id(f'reclaim-{node}')} buys until {buys_until:%H:%M:%S} UTC, "
                        "then ends with what joined")
         try:
-            replacement = await replace
+            replacement = await self._replacement_to_its_end(replace)
             self._show("done", f"replacement: {', '.join(n.node_name + ' at ' + n.site for n in replacement.nodes) or 'none'}")
         except ChildWorkflowError as error:
             self._show("done", f"replacement failed: {failure_message(error)}")
         return SpotReclaimResult(node_name=node, drained=drained.completed, blocked=blocked, replacement=replacement)
+
+    async def _retire(self, site: str, node: str, machine_id: str) -> None:
+        """The machine deleted and the Node removed (a failure logged: the provider takes the machine
+        anyway), to its end when Temporal's cancel lands meanwhile (``_cancel_taken``: the caller
+        ends the run as it asked). A run from before ``CANCEL_PUTS_BACK_PATCH`` cancelled the delete,
+        logged that as its failure and went on."""
+        self._retiring = True
+        retiring = asyncio.ensure_future(retire_machine(site, node, machine_id, summary=f"node {node} gone"))
+        try:
+            await to_its_end_if(lambda: self._took_cancel(workflow.patched(CANCEL_PUTS_BACK_PATCH)), retiring)
+        except ActivityError as error:
+            workflow.logger.warning("could not delete reclaimed machine %s: %s", machine_id, failure_message(error))
+
+    def _took_cancel(self, taken: bool) -> bool:
+        """``taken`` (the patch's answer where a cancel landed), kept in ``_cancel_taken``."""
+        self._cancel_taken = self._cancel_taken or taken
+        return taken
+
+    async def _replacement_to_its_end(self, replace: asyncio.Task[CapacityResult]) -> CapacityResult:
+        """The replacement's result. Temporal's cancel meanwhile reaches the caller, to stop it
+        (``_put_back``); a run from before ``CANCEL_PUTS_BACK_PATCH`` cancelled the request and
+        took its end as the replacement's failure, as it did."""
+        try:
+            return await asyncio.shield(replace)
+        except asyncio.CancelledError:
+            if replace.cancelled() or workflow.patched(CANCEL_PUTS_BACK_PATCH):
+                raise
+            replace.cancel()
+            return await replace
+
+    # -- a cancel ----------------------------------------------------------------------------
+    async def _put_back(self, args: SpotReclaimInput) -> None:
+        """What a cancelled reclaim puts back (``CANCEL_PUTS_BACK_PATCH``), each step to its end: the
+        drain stopped; the replacement request stopped (its joins in flight delete their machines, a
+        node that joined stays: its site's, like any other); the node uncordoned while its cordon is
+        still the reclaim's, or, once the notice's time has come (the provider takes the machine) or
+        its retirement began, retired. ``FleetState`` ``cancelled`` (``needs-person`` when the node
+        could not be uncordoned), the details saying what was done."""
+        node, where = args.node_name, self._step
+        if self._drain is None:  # cancelled as it read the site: nothing changed yet
+            self._end(f"{cancelled_words()} while {where}, before it changed anything")
+            return
+        if not self._drain.done():
+            self._drain.cancel()  # stop evicting
+            try:
+                await self._drain
+            except (asyncio.CancelledError, ActivityError):
+                pass
+        await self._stop_replacement(args)
+        said, state = await self._put_node_back(args)
+        said.append(await self._replacement_end())
+        self._end(f"{cancelled_words()} while {where}: " + "; ".join(part for part in said if part), state)
+
+    def _end(self, detail: str, state: str = "cancelled") -> None:
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(state)])
+        self._show("cancelled", detail)
+
+    async def _put_node_back(self, args: SpotReclaimInput) -> tuple[list[str], str]:
+        """The node uncordoned (the machine stays) or retired; what was done, and the run's state."""
+        node = args.node_name
+        if self._retiring:
+            return [f"{node} retired (the notice's time had come; its retirement had begun)"], "cancelled"
+        if self._left() <= 0:
+            self._show("marking the node gone", f"{node}: cancelled, but the notice's time has come")
+            await self._retire(args.site, node, args.machine_id)
+            return [f"{node} retired: the notice's time had come, the provider takes the machine"], "cancelled"
+        self._show("uncordoning", f"{node}: cancelled before the notice's time; the machine stays")
+        try:
+            released: list[str] = await to_its_end(workflow.start_activity(
+                act.release_cordons, ReleaseCordonsInput(nodes=[node], cordoned_by=CORDONED_BY_RECLAIM),
+                # Retried until done: nothing else ever uncordons it. Refused for good: a person does.
+                start_to_close_timeout=QUICK, retry_policy=PUT_BACK_RETRY,
+                summary=f"uncordon {node}: the reclaim was cancelled",
+            ))
+        except ActivityError as error:
+            return [f"{node} not uncordoned ({failure_text(error)}): a person uncordons it "
+                    f"(`kubectl uncordon {node}`)"], "needs-person"
+        if released:
+            return [f"{node} uncordoned, the machine kept (the pods the drain moved stay where they went)"], "cancelled"
+        return [f"{node} left cordoned: its cordon is not the reclaim's (a repair's, a person's, or one "
+                "from before the drain)"], "cancelled"
+
+    async def _stop_replacement(self, args: SpotReclaimInput) -> None:
+        """Tell the replacement request to stop (its joins in flight delete their machines); its result,
+        with any node that joined, still comes back. One that cannot be told (not started yet) is
+        cancelled."""
+        replace = self._replace
+        if replace is None or replace.done():
+            return
+        child = capacity_workflow_id(f"reclaim-{args.node_name}")
+        try:
+            await workflow.get_external_workflow_handle(child).signal(
+                flows.AcquireCapacity.stop, f"the reclaim of {args.node_name} was cancelled")
+        except FailureError as error:
+            workflow.logger.info("replacement %s not stopped: %s", child, failure_message(error))
+            if not replace.done():
+                replace.cancel()
+
+    async def _replacement_end(self) -> str:
+        """Waits for the replacement request's end; what it did, as the details say it."""
+        replace = self._replace
+        if replace is None:
+            return ""
+        try:
+            result = await to_its_end(replace)
+        except (ChildWorkflowError, asyncio.CancelledError) as error:
+            if is_cancelled_exception(error):
+                return "the replacement request cancelled: its joins in flight deleted their machines"
+            return f"the replacement request failed: {failure_text(error)}"
+        joined = ", ".join(f"{n.node_name} at {n.site}" for n in result.nodes)
+        if not result.cancelled:
+            return (f"the replacement had joined already and stays: {joined}" if joined
+                    else "the replacement request had ended, nothing joined")
+        return ("the replacement request stopped, its joins in flight deleted their machines"
+                + (f"; joined before and stays: {joined}" if joined else ""))
 
     async def _drain_until_the_newest_notice(
             self, node: str, drain: asyncio.Task[DrainResult], given: datetime,
@@ -227,8 +389,9 @@ class SpotReclaim:
                 return drained, None
             # A later notice came while the drain ran: the pods it left get the time it added.
             given = until
-            drain = asyncio.create_task(drain_node(
-                node, self._left(), summary=f"evict what is left on {node} before {until:%H:%M:%S} UTC (a later notice)"))
+            drain = self._drain = asyncio.create_task(drain_node(
+                node, self._left(), summary=f"evict what is left on {node} before {until:%H:%M:%S} UTC (a later notice)",
+                cordoned_by=CORDONED_BY_RECLAIM, machine_goes=True))
 
     async def _wait_for_replacement_until_the_newest_notice(
             self, replace: asyncio.Task[CapacityResult], step: str, outcome: str) -> None:

@@ -131,6 +131,22 @@ async def to_its_end(step: Awaitable[Any]) -> Any:
         return await step
 
 
+async def to_its_end_if(takes_cancel: Callable[[], bool], step: asyncio.Future[Any]) -> Any:
+    """``to_its_end`` where whether a cancel of the run may stop the step is decided as one lands:
+    ``takes_cancel()`` (a workflow patch, so asked only then: a run never cancelled records no
+    marker) True, the step runs to its end and the cancel is the caller's to take; False (a run
+    from before the patch), the cancel stops the step, as it did. The step's result, or what it
+    raised."""
+    try:
+        return await asyncio.shield(step)
+    except asyncio.CancelledError:
+        if step.cancelled():
+            raise  # its own end, not the run's cancel
+        if not takes_cancel():
+            step.cancel()  # a run from before: the cancel stops the step, as it did
+        return await step
+
+
 # -- an update of a run's first task ---------------------------------------------------------
 async def until_run_began(began: Callable[[], bool]) -> None:
     """An update handler, first thing, where what it acts on is what ``run`` builds. The SDK hands
@@ -258,15 +274,16 @@ def checked_smoke(node_name: str, answer: Any) -> SmokeResult:
 
 # -- node steps -----------------------------------------------------------------------------
 async def drain_node(node_name: str, deadline_seconds: float, *, summary: str,
-                     cordoned_by: str | None = None) -> DrainResult:
-    """Cordon and evict within the deadline, PodDisruptionBudgets honoured.
+                     cordoned_by: str | None = None, machine_goes: bool = False) -> DrainResult:
+    """Cordon and evict within the deadline, PodDisruptionBudgets honoured (``DrainNodeInput``:
+    ``cordoned_by`` marks the cordon, ``machine_goes`` drains a node someone else holds too).
 
     Retried as a cluster call: the drain activity is idempotent (a second cordon and the
     evictions of pods already gone change nothing) and returns what was left, never raises
     for a blocked pod."""
     return await workflow.execute_activity(
         act.drain_within, DrainNodeInput(node_name=node_name, deadline_seconds=deadline_seconds,
-                                         cordoned_by=cordoned_by),
+                                         cordoned_by=cordoned_by, machine_goes=machine_goes),
         start_to_close_timeout=timedelta(seconds=deadline_seconds + 60),
         heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY, summary=summary,
     )

@@ -73,6 +73,11 @@ class DrainNodeInput(BaseModel):
     force: bool = False
     #: Who the cordon is marked as (``fleet.cluster.ANNOTATION_CORDONED_BY``); none: unmarked.
     cordoned_by: str | None = None
+    #: The machine goes whoever holds the node (a spot reclaim): its pods are evicted even where
+    #: someone else holds it, and its cordon is marked ``cordoned_by`` only where this drain is what
+    #: cordons it. A node cordoned already (a person's ``kubectl cordon``, a repair's) keeps its
+    #: cordon and mark as they are: the owner's cancel uncordons only its own.
+    machine_goes: bool = False
 
 
 class SiteNodesInput(BaseModel):
