@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import pytest
-from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.testing import WorkflowEnvironment
 
 from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, LABEL_GPU_PRODUCT, LABEL_MODEL, LABEL_SITE
@@ -26,6 +26,7 @@ from fleet.demand import (
     GpuPod,
     Toleration,
 )
+from fleet.messages.capacity import CapacityResult
 from fleet.messages.demand import DemandStatus
 from tests.capacity_fleet import (
     FAST_JOIN,
@@ -201,6 +202,69 @@ async def test_a_pod_that_goes_cancels_what_was_bought_for_it_before_provisionin
     await handle.terminate("test over")
 
 
+def start_slowly(monkeypatch, seconds: float) -> None:
+    """Each purchase's start (``start_purchase``'s call to Temporal) takes ``seconds``."""
+    real = Client.start_workflow
+
+    async def slow(self, *args, id: str, **kwargs):
+        if id.startswith("capacity/demand-"):
+            await asyncio.sleep(seconds)
+        return await real(self, *args, id=id, **kwargs)
+
+    monkeypatch.setattr(Client, "start_workflow", slow)
+
+
+async def purchase_end(cap: CapStack, workflow_id: str, timeout: float) -> CapacityResult:
+    """The purchase's result once it has ended, within ``timeout`` (it may not have started yet)."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    handle = cap.client.get_workflow_handle(workflow_id, result_type=CapacityResult)
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                return await handle.result()
+            except RPCError as error:
+                if error.status != RPCStatusCode.NOT_FOUND:
+                    raise
+            await asyncio.sleep(0.1)
+
+
+async def cancelled(handle) -> DemandStatus:
+    """Cancel the loop (``temporal workflow cancel``); its status once it has ended cancelled."""
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError) as ended:
+        await handle.result()
+    assert "cancel" in str(ended.value.cause).lower(), ended.value
+    return await status(handle)
+
+
+@pytest.mark.parametrize("when", ["while it buys", "as it starts"])
+async def test_a_cancelled_loop_stops_its_purchase_still_buying(cap: CapStack, monkeypatch, when: str):
+    """The loop is cancelled while a purchase of its waits for capacity (or while its start is in
+    flight): the purchase is told to stop, ends with nothing bought, and the loop says so. Before,
+    the loop ended at the cancel and the purchase bought on until its deadline, for pods that may be
+    gone (a start in flight as the cancel landed started it after the loop had ended)."""
+    # The purchase holds before its first join: its offer is out of its own ranking for 60 s.
+    hold = {**FAST["capacity_request"], "exclude": [{"offer": cap.offer("cheap"), "seconds": 60}]}
+    if when == "as it starts":
+        start_slowly(monkeypatch, 2)
+    handle = await start_demand(cap, capacity_request=hold)
+    cap.cluster.create_pod(demand_pod("waiting", **{LABEL_SITE: cap.site("cheap")}))
+    if when == "as it starts":  # followed before its start: the start is in flight
+        (purchase,) = (await until_status(handle, lambda s: s.purchases)).purchases
+    else:
+        (purchase,) = (await until_status(handle, lambda s: logged(s, "ml/waiting → "))).purchases
+    state = await cancelled(handle)
+
+    result = await purchase_end(cap, purchase.workflow_id, timeout=10)  # its deadline (20 s) would end it later
+    assert result.cancelled.startswith("the demand loop was cancelled"), result
+    assert not result.nodes and not cap.world.query("SELECT * FROM machines"), "nothing was bought"
+    assert [p.status for p in state.purchases] == ["stopped"]
+    assert logged(state, f"cancelled: stopped purchases {purchase.workflow_id}; no node left cordoned"), state.log[-3:]
+    await replay_and_record(handle, "demand_cancelled_stops_its_purchase" if when == "while it buys"
+                            else "demand_cancelled_as_its_purchase_starts")
+
+
 async def test_consolidation_honours_pdbs_and_the_site_fraction(temporal_env, tmp_path):
     async with demand_stack(temporal_env, tmp_path) as cap:
         cheap, mid = cap.site("cheap"), cap.site("mid")
@@ -268,6 +332,17 @@ async def guarded_node(cap: CapStack) -> str:
     return guarded.name
 
 
+async def draining(cap: CapStack):
+    """The loop draining ``guarded_node`` (its drain waits on the PDB, 30 s at most): the node, its
+    machine and the loop's handle, once the drain has cordoned it with the loop's mark."""
+    node = await guarded_node(cap)
+    (machine,) = cap.world.machines(cap.site("mid"))
+    handle = await start_demand(cap, drain_seconds=30)
+    await wait_for(lambda: cap.cluster.annotate_node(node, {}).get(ANNOTATION_CORDONED_BY) == CORDONED_BY_DEMAND,
+                   timeout=30)
+    return node, machine, handle
+
+
 def logged(state: DemandStatus, start: str) -> bool:
     return any(line.split(" ", 1)[1].startswith(start) for line in state.log)
 
@@ -308,11 +383,7 @@ async def test_a_retirement_keeps_a_node_a_repair_took_during_its_drain(temporal
     from activities.repair import fence_key
 
     async with demand_stack(temporal_env, tmp_path) as cap:
-        node = await guarded_node(cap)
-        (machine,) = cap.world.machines(cap.site("mid"))
-        handle = await start_demand(cap, drain_seconds=30)  # the drain waits on the PDB meanwhile
-        await wait_for(lambda: cap.cluster.annotate_node(node, {}).get(ANNOTATION_CORDONED_BY) == CORDONED_BY_DEMAND,
-                       timeout=30)
+        node, machine, handle = await draining(cap)
         cap.cluster.annotate_node(node, {fence_key(1): "reset"})  # as fence_gpu does (already cordoned)
         cap.cluster.delete_pdb("default", "keeper")  # the drain passes
         state = await until_status(handle, lambda s: logged(s, f"kept {node}: cordoned by its repair (GPU 1 fenced)"))
@@ -326,6 +397,22 @@ async def test_a_retirement_keeps_a_node_a_repair_took_during_its_drain(temporal
         assert "GPU 1 fenced" in state.kept_idle[node], state.kept_idle
         await replay_and_record(handle, "demand_keeps_a_node_a_repair_took_during_its_drain")
         await handle.terminate("test over")
+
+
+async def test_a_cancelled_loop_uncordons_the_node_it_was_draining(temporal_env, tmp_path):
+    """The loop is cancelled while it drains an idle node (a PodDisruptionBudget holds the drain):
+    the drain is cancelled and the node uncordoned, its mark gone, nothing deleted; the loop says so.
+    Before, the loop ended at the cancel and the node stayed cordoned by the loop, unusable and
+    paid for, with no loop left to retire it."""
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node, machine, handle = await draining(cap)
+        state = await cancelled(handle)
+        assert not cap.cluster.get_node(node).unschedulable, state.log[-3:]
+        assert ANNOTATION_CORDONED_BY not in cap.cluster.annotate_node(node, {}), "the loop's mark is gone"
+        assert [m["id"] for m in cap.world.machines(cap.site("mid"))] == [machine["id"]], "its machine stays"
+        assert [p.name for p in cap.cluster.pods(node)] == ["keeper"]
+        assert logged(state, f"cancelled: no purchase was buying; uncordoned {node}"), state.log[-3:]
+        await replay_and_record(handle, "demand_cancelled_uncordons_its_drain")
 
 
 async def test_a_retirement_keeps_a_node_a_person_took_right_before_its_drain(temporal_env, tmp_path, monkeypatch):

@@ -154,6 +154,13 @@ EXPECTED = {
     # run there). The loop's fresh run numbers its purchases in a series of its own
     # (``demand-purchase-series``).
     "demand_outlives_a_refused_watch", "routing_outlives_a_refused_sample",
+    # A cancelled demand loop winds down before it ends: it stops its purchase still buying (and one
+    # whose start was in flight, once started) and uncordons the node it was draining, saying so
+    # (``demand-cancel-winds-down``, tests/test_demand_loop.py); ``_before``: the code before, which
+    # ended at the cancel (during a drain, during a purchase's start), replays too.
+    "demand_cancelled_stops_its_purchase", "demand_cancelled_as_its_purchase_starts",
+    "demand_cancelled_uncordons_its_drain", "demand_cancelled_while_draining_before",
+    "demand_cancelled_as_its_purchase_starts_before",
     # A site above its max retires its free nodes, never one a repair or a person holds, and one
     # freed by its repair's end; its retirement keeps a node a repair took during the drain
     # (tests/test_site_reclaim.py); an evacuation keeps a node it bought that a repair holds

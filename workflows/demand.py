@@ -17,6 +17,11 @@ One entity per fleet, a loop:
 
 Every decision (pods → offer → purchase, with its reason; cancellations; retirements)
 is in the current details and the ``status`` query (``gpufleet demand``).
+Cancelled (``temporal workflow cancel``, the UI), the loop stops spending before it ends: each
+purchase still buying (or kept after its pods went) is told to ``stop`` (its joins in flight delete
+their machines; nodes already joined stay), its drains in flight are cancelled and their nodes
+uncordoned (a node already retired stays retired), and its details and log say what it stopped
+(``CANCEL_WINDS_DOWN_PATCH``).
 A pass whose cluster or provider call failed (out of its retries, or refused) is no end of the
 loop: it is shown and passed again after a growing pause, the state as it was (``FailedPasses``).
 
@@ -33,14 +38,15 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError
+from temporalio.exceptions import ActivityError, FailureError
 
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
+    from fleet.contracts import workflows as flows
     from fleet import search_attributes as sa
     from fleet.cluster import CORDONED_BY_DEMAND
     from fleet.consolidation import ConsolidationSettings, consolidate
-    from fleet.messages.capacity import Catalog, GetCatalogInput
+    from fleet.messages.capacity import Catalog, GetCatalogInput, ReleaseCordonsInput
     from fleet.messages.demand import CancelOutcome, CancelPurchaseInput, DemandBatch, DemandCarry, DemandInput, DemandStatus, IdleNodesResult, JoiningMachine, PlanDemandInput, PlanDemandResult, Purchase, PurchaseState, PurchaseStatusInput, StartPurchaseInput, WatchDemandInput
     from fleet.naming import purchase_workflow_id
     from fleet.messages.watches import DemandWake, DemandWatchInput
@@ -50,15 +56,20 @@ with workflow.unsafe.imports_passed_through():
     from workflows.steps import (
         CLUSTER_RETRY,
         PROVIDER_RETRY,
+        PUT_BACK_RETRY,
         QUICK,
         STORE_RETRY,
         WAIT_HEARTBEAT,
         MAX_PROBLEM_SHOWN,
         Retirement,
         cancelled_by_request,
-        drain_and_retire,
+        cancelled_words,
+        drain_node,
+        failure_message,
         failure_text,
+        retire_drained,
         show_details,
+        to_its_end,
     )
 
 #: The event watch's heartbeat timeout (one beat per half: the watch waits up to ``tick_seconds``).
@@ -77,6 +88,13 @@ EVENTS_PATCH = "demand-events"
 #: ran under that id took the new pods (``start_purchase`` joins a running purchase of its id):
 #: nothing was bought for them. Asked only by a run started afresh, before its first command.
 SERIES_PATCH = "demand-purchase-series"
+#: Workflow patch: a cancelled loop winds down before it ends: each purchase still buying (or kept
+#: after its pods went) is told to ``stop``, its drains in flight are cancelled and their nodes (and those its blocked drains left
+#: cordoned) uncordoned, unless someone else holds them; a purchase whose start is in flight as the
+#: cancel lands is started first, so it is stopped too. Runs before it ended at the cancel: the
+#: purchases bought on until their deadline, for pods perhaps gone, and the nodes stayed cordoned.
+#: Asked only where the run's cancel is seen (Demand runs no local activity).
+CANCEL_WINDS_DOWN_PATCH = "demand-cancel-winds-down"
 #: The loop's first pause after a failed pass (``FailedPasses``): Pending pods wait on it.
 FIRST_PAUSE = timedelta(seconds=1)
 #: What a pass was doing, by the activity that failed (``FailedPasses``: "could not <step> ...").
@@ -130,11 +148,22 @@ class Demand(Entity[DemandCarry]):
             self.state.series = workflow.info().first_execution_run_id.replace("-", "")[-8:]
         #: Node → its retirement (an own task: continue-as-new waits for it).
         self._retirements: dict[str, asyncio.Task] = {}
+        #: The nodes whose retirement is at its drain (a cancel of the loop cancels those drains).
+        self._draining: set[str] = set()
         #: Nodes holding GPU pods as the last watch saw them (``EVENTS_PATCH``).
         self._busy: list[str] | None = None
         #: The fleet config's ``demand:`` block, read by the first pass that gets through it.
         self._config: dict | None = None
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("watching")])
+        try:
+            await self._loop()
+        except (asyncio.CancelledError, ActivityError) as error:
+            if cancelled_by_request(error) and workflow.patched(CANCEL_WINDS_DOWN_PATCH):
+                # The cancel is taken here once: the wind-down runs to its end, then the run ends cancelled.
+                await to_its_end(asyncio.ensure_future(self._wind_down()))
+            raise
+
+    async def _loop(self) -> None:
         # A full pass first, and after a failed one: plan and consolidate whatever woke it.
         full = True
         while True:
@@ -317,16 +346,101 @@ class Demand(Entity[DemandCarry]):
                 capacity_type=machine.capacity_type, pods=machine.pods, model_gpus=model_gpus,
                 reason=machine.reason, started_at=workflow.now().timestamp(),
             ))
-            await workflow.execute_activity(
+            await self._start_purchase(workflow.start_activity(
                 act.start_purchase, StartPurchaseInput(
                     workflow_id=workflow_id, request=request,
                     summary=f"demand: {pods} → {machine.offer}: {machine.reason}"),
                 start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
                 summary=f"buy {machine.offer} for {len(machine.pods)} pods",
-            )
+            ))
             self._log(f"{pods} → {machine.offer} → `{workflow_id}`: {machine.reason}")
         if result.labelled:
             self._log(f"fleet labels set on {', '.join(result.labelled[:5])}")
+
+    @staticmethod
+    async def _start_purchase(starting: workflow.ActivityHandle[str]) -> None:
+        """A purchase's start, awaited to its answer even when the run's cancel lands meanwhile:
+        the activity starts the purchase whether or not its cancel reaches it (it waits on one call
+        to Temporal), so a start cancelled with the run could start a purchase after the wind-down
+        looked, which would buy on for nobody. The cancel is raised once the start has answered."""
+        try:
+            await asyncio.shield(starting)
+        except asyncio.CancelledError:
+            if not workflow.patched(CANCEL_WINDS_DOWN_PATCH):
+                starting.cancel()  # a run from before: the start cancelled with the run, as it was
+                await starting
+            try:
+                await starting
+            except ActivityError:
+                pass  # it may have started all the same: the wind-down tells it to stop either way
+            raise
+
+    # -- the run's cancel ----------------------------------------------------------------
+    async def _wind_down(self) -> None:
+        """The run's cancel (``CANCEL_WINDS_DOWN_PATCH``): stop spending, then put back what the
+        loop's drains changed. Each purchase still buying is told to ``stop`` (its joins in flight
+        delete their machines; nodes already joined stay); each drain in flight is cancelled, a
+        retire past its drain ends as it goes (a node retired stays retired), and the nodes the
+        loop cordoned are uncordoned unless someone else holds them now. Said in the log and the
+        details: "cancelled: stopped purchases X, Y; uncordoned A"."""
+        why = f"the demand loop was {cancelled_words()}"
+        self._show("cancelled: winding down")
+        stopped, ended = await self._stop_purchases(why)
+        uncordoned, left = await self._release_drains()
+        said = [f"stopped purchases {', '.join(stopped)}" if stopped else "no purchase was buying"]
+        if ended:
+            said.append(f"already ended: {', '.join(ended)}")
+        said.append(f"uncordoned {', '.join(uncordoned)}" if uncordoned else "no node left cordoned")
+        if left:
+            said.append(left)
+        self._log("cancelled: " + "; ".join(said))
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("cancelled")])
+        show_details("cancelled", *(f"- {line}" for line in said), detail=why)
+
+    async def _stop_purchases(self, why: str) -> tuple[list[str], list[str]]:
+        """Signal ``stop`` to each purchase still buying, and to each kept after its pods went (its
+        node was to come for consolidation to give back, and no loop is left to): the ones stopped,
+        and those still buying as the loop last looked that had ended (or never started)."""
+        buying = [p for p in self.state.purchases if p.status in ("buying", "kept")]
+
+        async def stop(purchase: Purchase) -> bool:
+            try:
+                await workflow.get_external_workflow_handle(purchase.workflow_id).signal(flows.AcquireCapacity.stop, why)
+            except FailureError as error:
+                workflow.logger.info("purchase %s not stopped: %s", purchase.workflow_id, failure_message(error))
+                return False
+            purchase.status = "stopped"
+            return True
+
+        done = await asyncio.gather(*(stop(p) for p in buying))
+        return ([p.workflow_id for p, ok in zip(buying, done) if ok],
+                [p.workflow_id for p, ok in zip(buying, done) if not ok and p.status == "buying"])
+
+    async def _release_drains(self) -> tuple[list[str], str]:
+        """Cancel the drains in flight, let a retire past its drain finish, then uncordon the nodes
+        the loop cordoned (those drains', and those its blocked drains left cordoned): on the marks
+        as read, so a node someone took since (a repair's fence, a person's mark) is left to them.
+        The ones uncordoned, and what could not be done."""
+        draining = sorted(self._draining)
+        for node in draining:
+            self._retirements[node].cancel()
+        await asyncio.gather(*self._retirements.values(), return_exceptions=True)
+        self._seen.retiring = {}
+        nodes = sorted({*draining, *self.state.left_cordoned})
+        if not nodes:
+            return [], ""
+        try:
+            # Until done, as every put-back: no loop is left to try again.
+            released: list[str] = await workflow.execute_activity(
+                act.release_cordons, ReleaseCordonsInput(nodes=nodes, cordoned_by=CORDONED_BY_DEMAND),
+                start_to_close_timeout=QUICK, retry_policy=PUT_BACK_RETRY,
+                summary=f"uncordon {', '.join(nodes[:5])}: cordoned by the loop's drains (the loop was cancelled)",
+            )
+        except ActivityError as error:
+            # Refused for good. Marked the loop's: a loop started again retires them once idle (``_own_cordons``).
+            return [], f"{', '.join(nodes)} not uncordoned ({failure_text(error)[:MAX_PROBLEM_SHOWN]})"
+        self.state.left_cordoned = [n for n in self.state.left_cordoned if n not in released]
+        return released, ""
 
     # -- consolidation --------------------------------------------------------------------
     async def _consolidate(self) -> None:
@@ -385,8 +499,15 @@ class Demand(Entity[DemandCarry]):
 
     async def _retire(self, site: str, node: str, machine_id: str, reason: str) -> None:
         try:
-            outcome = await drain_and_retire(site, node, machine_id, self._args.drain_seconds,
-                                             why=f"idle: {reason}", cordoned_by=CORDONED_BY_DEMAND)
+            # The drain, then the retire (``steps.drain_and_retire``): a cancel of the loop cancels
+            # the drain, never a retire under way.
+            self._draining.add(node)
+            try:
+                drained = await drain_node(node, self._args.drain_seconds, cordoned_by=CORDONED_BY_DEMAND,
+                                           summary=f"drain {node} (idle: {reason}; PDBs honoured)")
+            finally:
+                self._draining.discard(node)
+            outcome = await retire_drained(site, node, machine_id, drained, cordoned_by=CORDONED_BY_DEMAND)
         except ActivityError as error:  # the cluster away: said, not lost with the task
             if cancelled_by_request(error):
                 raise

@@ -341,6 +341,13 @@ async def drain_and_retire(site: str, node_name: str, machine_id: str, drain_sec
     theirs) or by its end (a repair fenced a GPU of it)."""
     drained = await drain_node(node_name, drain_seconds, summary=f"drain {node_name} ({why}; PDBs honoured)",
                                cordoned_by=cordoned_by)
+    return await retire_drained(site, node_name, machine_id, drained, cordoned_by=cordoned_by)
+
+
+async def retire_drained(site: str, node_name: str, machine_id: str, drained: DrainResult, *,
+                         cordoned_by: str | None = None) -> Retirement:
+    """``drain_and_retire`` past its drain: retire only a node whose drain completed and, with
+    ``cordoned_by``, that no one else holds."""
     if drained.held:  # never in a result recorded before the field: those take the branches below
         return Retirement(False, kept=drained.held)
     if not drained.completed:

@@ -114,7 +114,8 @@ class Purchase(BaseModel):
     pods: list[str] = Field(default_factory=list)
     model_gpus: dict[str, int] = Field(default_factory=dict)
     reason: str = ""
-    #: buying, joined, failed, cancelled, kept (its pods went, but it was already provisioning).
+    #: buying, joined, failed, cancelled, kept (its pods went, but it was already provisioning),
+    #: stopped (the loop was cancelled while it was buying: told to stop).
     status: str = "buying"
     nodes: list[str] = Field(default_factory=list)
     started_at: float = 0.0
