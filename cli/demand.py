@@ -90,16 +90,32 @@ async def _start(client, settings) -> None:
 
 
 async def _status(settings, start: bool) -> DemandStatus:
+    """The loop's status; without ``start``, a loop not running is said to be, with how its last
+    run ended (before, a cancelled or failed loop's last status read as a running loop's)."""
+    from temporalio.client import WorkflowExecutionStatus
     from temporalio.service import RPCError
 
     client = await connect(settings)
     if start:
         await _start(client, settings)
+    handle = client.get_workflow_handle(DEMAND_WORKFLOW_ID)
+    if not start:
+        try:
+            described = await handle.describe()
+        except RPCError:  # never started, or its run is gone from retention
+            described = None
+        if described is None or described.status != WorkflowExecutionStatus.RUNNING:
+            ended = "" if described is None else (
+                f": its last run ended {described.status.name.lower().replace('_', ' ')}"
+                + (f" at {described.close_time:%Y-%m-%d %H:%M:%S} UTC" if described.close_time else "")
+                + "; what it last said follows")
+            console.print(f"[yellow]the demand loop is not running[/]{ended} (gpufleet demand --start)",
+                          soft_wrap=True)
+            if described is None:
+                return DemandStatus()
     try:
-        return await client.get_workflow_handle(DEMAND_WORKFLOW_ID).query(flows.Demand.status, result_type=DemandStatus)
+        return await handle.query(flows.Demand.status, result_type=DemandStatus)
     except RPCError:
-        if not start:
-            console.print("[yellow]the demand loop is not running[/] (gpufleet demand --start)")
         return DemandStatus()
 
 

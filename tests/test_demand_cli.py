@@ -103,3 +103,35 @@ def test_demand_start_prints_the_loops_temporal_ui_link(tmp_path, monkeypatch):
     # Without --start nothing is started and no link is printed.
     shown = runner.invoke(app, ["demand", *common])
     assert shown.exit_code == 0 and "  UI: " not in shown.output and started == [DEMAND_WORKFLOW_ID], shown.output
+
+
+def test_demand_says_a_loop_that_ended_is_not_running_and_how_it_ended(tmp_path, monkeypatch):
+    """A cancelled (or failed) loop answers its status query still: `gpufleet demand` printed its
+    last purchases as a running loop's. It says the loop is not running, how and when it ended."""
+    from datetime import datetime, timezone
+
+    from cli import demand as demand_cli
+    from fleet.messages.demand import DemandStatus
+
+    class Handle:
+        async def describe(self):
+            return SimpleNamespace(status=WorkflowExecutionStatus.CANCELED,
+                                   close_time=datetime(2026, 12, 6, 9, 30, 5, tzinfo=timezone.utc))
+
+        async def query(self, *args, **kwargs):
+            return DemandStatus(log=["cancelled: stopped purchases capacity/demand-1-1"])
+
+    class Client:
+        def get_workflow_handle(self, workflow_id):
+            return Handle()
+
+    async def connect(settings):
+        return Client()
+
+    monkeypatch.setattr(demand_cli, "connect", connect)
+    config = str(write_fleet(tmp_path))
+    shown = CliRunner().invoke(app, ["demand", "--state-dir", str(tmp_path), "--config", config])
+    assert shown.exit_code == 0, shown.output
+    said = " ".join(shown.output.split())
+    assert "the demand loop is not running: its last run ended canceled at 2026-12-06 09:30:05 UTC" in said, said
+    assert "cancelled: stopped purchases capacity/demand-1-1" in said
