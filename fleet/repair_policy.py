@@ -322,5 +322,9 @@ class RepairSettings(BaseModel):
         timeouts as the repair sets them (a reboot or reimage: the provider's call, then the wait
         for the new boot id). Retries can run past it; a holder still there after it is worth a look."""
         timeouts = self.timeouts
-        through_provider = rung == Rung.REBOOT or (rung == Rung.REINSTALL and self.reinstall_via == "provider")
-        return (timeouts.provider_call_seconds if through_provider else 0) + timeouts.rung_seconds(rung)
+        return (timeouts.provider_call_seconds if self.through_provider(rung) else 0) + timeouts.rung_seconds(rung)
+
+    def through_provider(self, rung: Rung) -> bool:
+        """Whether ``rung`` restarts the machine through the provider's API (a reboot, a reimage),
+        then waits for its new boot id."""
+        return rung == Rung.REBOOT or (rung == Rung.REINSTALL and self.reinstall_via == "provider")

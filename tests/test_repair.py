@@ -6,7 +6,8 @@ import asyncio
 import re
 import subprocess
 import sys
-from datetime import datetime, timezone
+import time
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from typer.testing import CliRunner
@@ -28,9 +29,11 @@ from fleet.messages.nodes import HealthReport
 from activities.repair import FENCE_PREFIX, RepairActivities, fence_key
 from cli.main import app
 from fleet.models import GpuHealth, XidEvent
+from fleet.naming import node_queue
 from fleet.repair_policy import Rung
 from fleet.settings import Settings
 from tests.conftest import Stack, terminate_running, write_before_next_cordon
+from tests.details_helpers import held, scheduled, until
 from tests.replay import replay_and_record
 from tests.test_repair_cancel import _details
 from tests.test_watches import add_node
@@ -40,6 +43,7 @@ from tests.repair_helpers import (
     exists,
     join_node,
     ladder,
+    REPAIR,
     make_stack,
     node_status,
     repair_fleet,
@@ -49,6 +53,9 @@ from tests.repair_helpers import (
     running_stack,
     start_host,
 )
+from sim.cluster import SimCluster
+from sim.gpu import SimGpuBackend
+from sim.provider import SimProvider
 from workers.control_plane import build_worker
 from workers.health_report import send_report
 from fleet.messages.repair import ATTEMPTS_KEPT, GpuRepairInput, LadderState, SkipToInput
@@ -141,6 +148,86 @@ async def test_xid79_starts_at_reboot(rstack: Stack) -> None:
     assert "reset_gpu" not in await history_order(rstack, f"repair/{node.node_name}/gpu0")
     assert rstack.cluster.get_node(node.node_name).boot_id != boot_before, "boot id changed"
     assert rstack.world.machine(node.machine_id)["reboots"] == 1
+
+
+#: Each step's limit long enough that a test, not the limit, ends the step it holds open.
+PATIENT = {**REPAIR["timeouts"], "contain_seconds": 120, "reset_seconds": 150, "reboot_seconds": 180,
+           "smoke_test_seconds": 210}
+
+
+@pytest.fixture
+async def patient(temporal_env, tmp_path):
+    async for stack in running_stack(temporal_env.client, tmp_path, repair_fleet(timeouts=PATIENT)):
+        yield stack
+
+
+async def _saying(handle, words: str) -> str | None:
+    details = await _details(handle)
+    return details if words in details else None
+
+
+async def test_each_wait_of_a_reset_says_until_when(patient: Stack, monkeypatch) -> None:
+    """The repair's page names the bound of each step it waits in, by the workflow's clock in UTC:
+    containing (one try's limit, ``contain_seconds``), the reset (``reset_seconds``: when a repair
+    queued for the node's action slot is told it is expected back) and the proof
+    (``smoke_test_seconds``). Before, none said until when."""
+    stack, timeouts = patient, PATIENT
+    node = await join_node(stack)
+    draining, drained = held(monkeypatch, SimCluster, "drain_node")
+    resetting, reset = held(monkeypatch, SimGpuBackend, "reset_gpu")
+    proving, proved = held(monkeypatch, SimGpuBackend, "compute_check")  # after the join's own proof
+    stack.world.inject_fault(node.machine_id, 0, "xid", 48, clears_on="reset")
+    handle = repair_handle(stack, node.node_name, 0)
+    await eventually(lambda: exists(handle), timeout=30)
+
+    await eventually(lambda: asyncio.to_thread(draining.wait, 0.1), timeout=30)
+    began, _ = await scheduled(handle, "contain_gpu")
+    shown = await eventually(lambda: _saying(handle, "containing"), timeout=30)
+    assert f"cordon, {until(began, timeouts['contain_seconds'])} (per try)" in shown, shown
+    drained.set()
+
+    await eventually(lambda: asyncio.to_thread(resetting.wait, 0.1), timeout=30)
+    began, _ = await scheduled(handle, "reset_gpu")
+    shown = await eventually(lambda: _saying(handle, "recovering"), timeout=30)
+    assert f"reset {until(began, timeouts['reset_seconds'])}" in shown, shown
+    reset.set()
+
+    await eventually(lambda: asyncio.to_thread(proving.wait, 0.1), timeout=30)
+    began, _ = await scheduled(handle, "smoke_test")
+    shown = await eventually(lambda: _saying(handle, "proving"), timeout=30)
+    assert f"smoke test on {node_queue(node.node_name)} {until(began, timeouts['smoke_test_seconds'])}" in shown, shown
+    proved.set()
+    assert (await repair_result(stack, node.node_name, 0)).outcome == "repaired"
+
+
+async def test_each_wait_of_a_reboot_says_until_when(patient: Stack, monkeypatch) -> None:
+    """A reboot holds the node's action slot for the provider's call and the wait for a new boot id:
+    its page says until when (what a repair queued behind it is told), then the wait's own deadline.
+    Before: "reboot", then "reboot: waiting for a new boot id", with no time."""
+    stack, timeouts = patient, PATIENT
+    node = await join_node(stack)
+    stack.world.set_site("site-a", boot_seconds=600)  # the machine comes back when the test says
+    rebooting, rebooted = held(monkeypatch, SimProvider, "reboot_machine")
+    stack.world.inject_fault(node.machine_id, 0, "xid", 79, clears_on="reboot")
+    handle = repair_handle(stack, node.node_name, 0)
+    await eventually(lambda: exists(handle), timeout=30)
+
+    await eventually(lambda: asyncio.to_thread(rebooting.wait, 0.1), timeout=30)
+    began, _ = await scheduled(handle, "node_facts")  # the grant's task: facts, then the provider's call
+    shown = await eventually(lambda: _saying(handle, "recovering"), timeout=30)
+    slot = timeouts["provider_call_seconds"] + timeouts["reboot_seconds"]
+    assert f"reboot {until(began, slot)} (the provider's call, then a new boot id)" in shown, shown
+    rebooted.set()
+
+    began, waiting = await eventually(lambda: scheduled(handle, "wait_for_boot"), timeout=30)
+    deadline = datetime.fromisoformat(waiting["deadline"])
+    # The task's clock, read here from its history to the microsecond the SDK may round.
+    assert abs(deadline - began - timedelta(seconds=timeouts["reboot_seconds"])) < timedelta(milliseconds=1)
+    shown = await eventually(lambda: _saying(handle, "waiting for a new boot id"), timeout=30)
+    assert f"reboot: waiting for a new boot id {until(deadline)}" in shown, shown
+    with stack.world.tx() as db:  # back now, with its new boot id
+        db.execute("UPDATE machines SET boot_at=? WHERE id=?", (time.time(), node.machine_id))
+    assert (await repair_result(stack, node.node_name, 0, timeout=90)).outcome == "repaired"
 
 
 async def test_two_faults_on_one_node_cost_one_reboot(rstack: Stack) -> None:

@@ -18,6 +18,7 @@ from fleet.messages.join import JoinedNode
 from fleet.messages.repair import NodeStatus
 from fleet.repair_policy import Rung
 from tests.conftest import Stack
+from tests.details_helpers import current_details as _details
 from tests.repair_helpers import eventually, exists, join_node, ladder, node_status, repair_handle, running_stack
 from tests.replay import replay_and_record
 
@@ -175,7 +176,3 @@ async def _ended_or_joined_again(handle: WorkflowHandle) -> bool:
 async def _waiting_for_boot(handle: WorkflowHandle) -> bool:
     return "wait_for_boot" in await _scheduled(handle)
 
-
-async def _details(handle: WorkflowHandle) -> str:
-    metadata = await handle.query("__temporal_workflow_metadata")  # the UI reads its details here
-    return metadata.current_details if hasattr(metadata, "current_details") else metadata["currentDetails"]

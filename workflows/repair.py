@@ -67,6 +67,8 @@ with workflow.unsafe.imports_passed_through():
         retire_machine,
         show_details,
         smoke_test_node,
+        until,
+        until_in,
         until_run_began,
     )
     from fleet.messages.repair import (
@@ -274,7 +276,9 @@ class GpuRepair:
         inp, settings = self._input, self._input.settings
         max_rung = settings.max_rung
         await self._hold_point()
-        self._step("containing", "fence the GPU, drain its pods (PDBs honoured), cordon")
+        # The activity's limit is one try's (a try that fails is tried again, ``CLUSTER_RETRY``).
+        self._step("containing", "fence the GPU, drain its pods (PDBs honoured), cordon, "
+                                 f"{until_in(settings.timeouts.contain_seconds)} (per try)")
         contained: ContainResult = await workflow.execute_activity(
             act.contain_gpu,
             ContainInput(node_name=inp.node_name, gpu=inp.gpu, rung=rung.value,
@@ -303,7 +307,8 @@ class GpuRepair:
             if ok:
                 await self._hold_point()
                 self._set_fleet_state("proving")
-                self._step("proving", f"smoke test on {node_queue(inp.node_name)}")
+                self._step("proving", f"smoke test on {node_queue(inp.node_name)} "
+                                      f"{until_in(settings.timeouts.smoke_test_seconds)}")
                 proved, proof = await self._prove()
                 ok, detail = proved, (f"{detail}; " if detail else "") + proof
             attempt.finished_at = workflow.now()
@@ -403,7 +408,7 @@ class GpuRepair:
             return True, "covered", grant.detail
         ok = False
         try:
-            self._step("recovering", f"{rung}")
+            self._step("recovering", self._recovering(rung))
             if rung == Rung.RESET:
                 detail = await self._reset(attempt_no)
             elif rung == Rung.REPLACE:
@@ -422,6 +427,17 @@ class GpuRepair:
             # Also on a cancel: the slot goes back (the signal is a command a cancelled run may
             # still send; the Node entity frees the slot too when it sees the repair end).
             await self._release(rung, ok)
+
+    def _recovering(self, rung: Rung) -> str:
+        """The rung and when the node's action slot is expected back: what a repair queued behind
+        this one is told (``RepairSettings.slot_seconds``, the rung's timeouts; a reboot's or
+        reimage's wait for the new boot id then names its own deadline). Nothing bounds a
+        replacement's join by it: the join has its own timeouts."""
+        at = workflow.now() + timedelta(seconds=self._input.settings.slot_seconds(rung))
+        if rung == Rung.REPLACE:
+            return f"{rung}, expected done by {at:%H:%M:%S} UTC"
+        return f"{rung} {until(at)}" + (" (the provider's call, then a new boot id)"
+                                        if self._input.settings.through_provider(rung) else "")
 
     async def _reset(self, attempt_no: int) -> str:
         inp = self._input
@@ -476,12 +492,13 @@ class GpuRepair:
             start_to_close_timeout=timedelta(seconds=timeouts.provider_call_seconds),
             retry_policy=PROVIDER_RETRY, summary=f"{rung} machine {machine_id} (boot {facts.boot_id[:8]})",
         )
-        self._step("recovering", f"{rung}: waiting for a new boot id")
         seconds = timeouts.rung_seconds(rung)
+        deadline = workflow.now() + timedelta(seconds=seconds)
+        self._step("recovering", f"{rung}: waiting for a new boot id {until(deadline)}")
         await workflow.execute_activity(
             act.wait_for_boot,
             WaitForBootInput(node_name=inp.node_name, boot_id_before=facts.boot_id,
-                             deadline=workflow.now() + timedelta(seconds=seconds), poll_seconds=1.0),
+                             deadline=deadline, poll_seconds=1.0),
             start_to_close_timeout=timedelta(seconds=seconds + 60),
             heartbeat_timeout=timedelta(seconds=timeouts.heartbeat_seconds),
             retry_policy=CLUSTER_RETRY, summary=f"wait for {inp.node_name} to boot again",

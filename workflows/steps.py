@@ -181,6 +181,16 @@ def show_details(title: str, *lines: str, detail: str = "") -> None:
     workflow.set_current_details(render_details(title, *lines, detail=detail))
 
 
+def until(at: datetime) -> str:
+    """``until HH:MM:SS UTC``: how a wait's details say its bound (workflow time is UTC)."""
+    return f"until {at:%H:%M:%S} UTC"
+
+
+def until_in(seconds: float) -> str:
+    """``until HH:MM:SS UTC``, ``seconds`` from now: a wait bounded by a timeout that starts now."""
+    return until(workflow.now() + timedelta(seconds=seconds))
+
+
 # -- what a node says -------------------------------------------------------------------------
 #: A bad report is named by its first problem, cut to this length (the log, the details, errors).
 MAX_PROBLEM_SHOWN = 300
