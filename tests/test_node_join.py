@@ -7,6 +7,7 @@ import base64
 import json
 import subprocess
 import sys
+from datetime import datetime, timedelta
 
 import pytest
 from temporalio.api.enums.v1 import EventType
@@ -18,9 +19,12 @@ from fleet.naming import node_name_for
 from providers.cluster.bootstrap import read_join_configuration
 from fleet.cluster import UNPROVEN_TAINT
 from tests.conftest import Stack, run_node_host, wait_for
+from tests.details_helpers import current_details, held, scheduled, until
 from tests.replay import replay_and_record
+from sim.gpu import SimGpuBackend
+from sim.provider import SimProvider
 from workers.control_plane import build_worker
-from fleet.messages.join import JoinProgress, NodeJoinResult
+from fleet.messages.join import JoinProgress, JoinTimeouts, NodeJoinResult
 from tests.repair_helpers import eventually
 
 FAST = {"timeouts": {"registration_seconds": 3, "smoke_test_seconds": 5, "heartbeat_seconds": 2}}
@@ -132,6 +136,42 @@ async def test_join_happy_path(stack: Stack) -> None:
             break
         await asyncio.sleep(0.1)
     assert len(await listed()) == 1
+
+
+async def test_each_wait_of_a_join_says_until_when(stack: Stack, monkeypatch) -> None:
+    """The join's page names the bound of each step it waits in, by the workflow's clock in UTC:
+    provisioning (one try's limit), registration (its deadline) and the smoke test. Before:
+    "until 900s" for registration (a duration with no start), nothing for the others."""
+    timeouts = JoinTimeouts()  # the defaults: 600 s, 900 s, 600 s
+    creating, created = held(monkeypatch, SimProvider, "create_machine")
+    testing, tested = held(monkeypatch, SimGpuBackend, "compute_check")
+    stack.world.set_site("site-a", unreachable=1)  # booted, it dials home when the test says
+    handle = await stack.start_join({"site": "site-a"}, request="until-when")
+
+    async def saying(words: str) -> str | None:
+        details = await current_details(handle)
+        return details if words in details else None
+
+    await eventually(lambda: asyncio.to_thread(creating.wait, 0.1), timeout=30)
+    began, _ = await scheduled(handle, "provision_joining_machine")
+    shown = await eventually(lambda: saying("provisioning"), timeout=30)
+    assert f"{until(began, timeouts.provision_seconds)} (per try)" in shown, shown
+    created.set()
+
+    began, registering = await eventually(lambda: scheduled(handle, "await_registration"), timeout=30)
+    deadline = datetime.fromisoformat(registering["deadline"])
+    # The task's clock, read here from its history to the microsecond the SDK may round.
+    assert abs(deadline - began - timedelta(seconds=timeouts.registration_seconds)) < timedelta(milliseconds=1)
+    shown = await eventually(lambda: saying("waiting for registration"), timeout=30)
+    assert f"**waiting for registration**: {until(deadline)}; its certificate" in shown, shown
+    stack.world.set_site("site-a", unreachable=0)
+
+    await eventually(lambda: asyncio.to_thread(testing.wait, 0.1), timeout=30)
+    began, _ = await scheduled(handle, "smoke_test")
+    shown = await eventually(lambda: saying("smoke test"), timeout=30)
+    assert until(began, timeouts.smoke_test_seconds) in shown, shown
+    tested.set()
+    assert NodeJoinResult.model_validate(await handle.result()).nodes
 
 
 async def test_join_looks_its_site_up_in_its_provisioning_activity(stack: Stack) -> None:

@@ -57,6 +57,8 @@ with workflow.unsafe.imports_passed_through():
         show_details,
         smoke_test_node,
         to_its_end,
+        until,
+        until_in,
     )
     from fleet.messages.join import JoinedNode, JoinProgress, JoinTimeouts, NodeJoinInput, NodeJoinResult
 
@@ -299,13 +301,15 @@ class NodeJoin:
         with it in its user data. An unknown site is refused before anything is bought."""
         timeouts = request.timeouts
         tags = {MACHINE_TAG_JOIN: workflow.info().workflow_id, MACHINE_TAG_SITE: site_name}
+        # The activity's limit is one try's: a try that fails is tried again (``PROVIDER_RETRY``).
+        bound = f"{until_in(timeouts.provision_seconds)} (per try)"
         if site is None:
-            self._step("provisioning", f"looking up site {site_name}, then its machine")
+            self._step("provisioning", f"looking up site {site_name}, then its machine, {bound}")
             what = ProvisionJoinInput(site=site_name, name=node_name, tags=tags, idempotency_key=provision_key,
                                       ttl_seconds=request.token_ttl_seconds)
             summary = f"look up site {site_name}, node-bound join token, then its machine with it in its user data"
         else:
-            self._step("provisioning", f"{site.instance_type} at {site.provider} {site.region}")
+            self._step("provisioning", f"{site.instance_type} at {site.provider} {site.region}, {bound}")
             what = ProvisionJoinInput(site=site_name, spec=site.machine_spec(node_name, tags),
                                       idempotency_key=provision_key, ttl_seconds=request.token_ttl_seconds)
             summary = f"node-bound join token, then {site.instance_type} at {site_name} with it in its user data"
@@ -357,7 +361,7 @@ class NodeJoin:
         labels = {LABEL_SITE: site.name, LABEL_PROVIDER: site.provider, LABEL_REGION: site.region,
                   LABEL_GPU_PRODUCT: site.gpu}
         deadline = workflow.now() + timedelta(seconds=timeouts.registration_seconds)
-        self._step("waiting for registration", f"until {timeouts.registration_seconds:.0f}s; "
+        self._step("waiting for registration", f"{until(deadline)}; "
                    "its certificate only for its own name, providerID and addresses its machine's"
                    "; then labelled, tainted unproven until the smoke test passes")
         await workflow.execute_activity(
@@ -373,7 +377,7 @@ class NodeJoin:
 
     async def _smoke_test(self, site: Site, node_name: str, timeouts: JoinTimeouts) -> SmokeResult:
         """4. On the node's own queue: GPUs visible, counters clean, compute check."""
-        self._step("smoke test", f"on {node_queue(node_name)}")
+        self._step("smoke test", f"on {node_queue(node_name)} {until_in(timeouts.smoke_test_seconds)}")
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("proving")])
         try:
             smoke = await smoke_test_node(
