@@ -65,7 +65,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.refusals import wrong_state
     from workflows.steps import (
         CLUSTER_RETRY, PUT_BACK_RETRY, QUICK, WAIT_HEARTBEAT, cancelled_by_request, cancelled_words, failure_text,
-        show_details, to_its_end, until_run_began, wait_for_serving,
+        show_details, to_its_end, until_in, until_run_began, wait_for_serving,
     )
 
 #: Copying weights: many files over a slow link, so more attempts than a plain provider call;
@@ -367,7 +367,9 @@ class ModelRollout:
     async def _replicate_site(self, site: str) -> None:
         request, options = self._req, self._req.replication
         store = self._stores[site]
-        self._set(site, SiteState.REPLICATING)
+        # The activity's limit is one try's: a try that fails (a lost worker) resumes the copy.
+        self._set(site, SiteState.REPLICATING, f"copying {len(request.weights.files)} weight files to "
+                                               f"s3://{store.bucket} {until_in(options.timeout_seconds)} (per try)")
         try:
             result: ReplicateResult = await workflow.execute_activity(
                 act.replicate_weights,
@@ -379,6 +381,7 @@ class ModelRollout:
             )
         except ActivityError as error:
             if cancelled_by_request(error):
+                self._p.site(site).detail = "copy stopped"  # no longer copying until then
                 raise  # the rollout's cancel, not the copy's failure
             self._set(site, SiteState.FAILED, failure_text(error))
             return

@@ -23,6 +23,8 @@ from fleet.messages.rollout import RollbackSiteInput
 from fleet.rollout import RolloutProgress, RolloutResult
 from providers.cluster.kubernetes import render_pod_template
 from tests.conftest import wait_for
+from tests.details_helpers import current_details, scheduled
+from tests.details_helpers import until as until_utc
 from tests.evacuation_helpers import activity_inputs, cancel_seen, poll
 from tests.replay import replay_and_record
 from sim.cluster import SimCluster
@@ -493,6 +495,29 @@ async def test_the_readiness_wait_and_the_bake_say_until_when(rollout_stack: Rol
     assert re.fullmatch(r"30s, until \d\d:\d\d:\d\d UTC, then the gate again", p.site("site-b").detail)
     await baking.execute_update("abort", "done looking")
     await baking.result()
+
+
+async def test_a_site_copying_its_weights_says_until_when(rollout_stack: RolloutStack) -> None:
+    """A site copies its weights for up to ``replication.timeout_seconds`` a try (6 h by default): its
+    row says so, until when in UTC, where it was empty; and a copy the rollout's cancel stops no
+    longer does."""
+    stack = rollout_stack
+    raw = stack.request({"site-a": 1})
+    raw["replication"].update(bandwidth_limit_bytes_per_s=16 * 1024, timeout_seconds=7200)  # a copy of ~13 s
+    handle = await stack.start(raw, "copy-until")
+    p = await until(handle, lambda p: states(p)["site-a"] == "replicating")
+    began, _ = await scheduled(handle, "replicate_weights")
+    copying = (f"copying {len(stack.files)} weight files to s3://{stack.stores['site-a'].bucket} "
+               f"{until_utc(began, 7200)} (per try)")
+    assert p.site("site-a").detail == copying, p.site("site-a").detail
+    assert f"| replicating | 0/{len(stack.files)} files" in (shown := await current_details(handle)), shown
+    assert copying in shown, shown
+
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError):
+        await handle.result()
+    p = await progress(handle)
+    assert p.phase == "cancelled" and [(s.state.value, s.detail) for s in p.sites] == [("skipped", "copy stopped")], p
 
 
 async def test_an_abort_cuts_the_readiness_wait_short(rollout_stack: RolloutStack) -> None:
