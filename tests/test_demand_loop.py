@@ -36,6 +36,8 @@ from tests.capacity_fleet import (
     replay_and_record,
 )
 from tests.conftest import terminate_running, wait_for, write_after_next_read, write_before_next_cordon
+from tests.details_helpers import current_details, until
+from tests.details_helpers import scheduled as watch_scheduled
 from tests.evacuation_helpers import failed_pass, poll, refuse
 
 FAST = {"tick_seconds": 0.5, "batch_idle_seconds": 0.3, "batch_max_seconds": 2, "idle_ttl_seconds": 1,
@@ -639,6 +641,10 @@ async def test_on_events_pods_buy_and_idle_nodes_go_back_with_no_tick(cap: CapSt
     before = await scheduled()
     await asyncio.sleep(5)
     assert await scheduled() == before, "the loop worked on a tick while nothing happened"
+    # Its page says until when it watches with nothing new (before: "watching Pending pods", no time).
+    began, watching = await watch_scheduled(handle, "watch_demand_events", last=True)
+    shown = await current_details(handle)
+    assert shown.startswith(f"**watching Pending pods {until(began, watching['wait_seconds'])} with nothing new**"), shown
     for key in placed:
         cap.cluster.delete_pod(*key.split("/"))
     await wait_for(lambda: not cap.cluster.list_nodes(), timeout=60)

@@ -70,6 +70,7 @@ with workflow.unsafe.imports_passed_through():
         retire_drained,
         show_details,
         to_its_end,
+        until_in,
     )
 
 #: The event watch's heartbeat timeout (one beat per half: the watch waits up to ``tick_seconds``).
@@ -203,12 +204,13 @@ class Demand(Entity[DemandCarry]):
         if self._config is None:
             await self._read_config()
         args, events = self._args, self._events
-        self._show("watching Pending pods")
+        wait = self._watch_wait()
+        self._show(f"watching Pending pods {until_in(wait)} with nothing new")
         known = sorted({pod for p in self._buying() for pod in p.pods}
                        | set(self._seen.covered) | set(self._seen.unplaceable))
         why = "tick"
         if events:
-            wake = await self._watch_events(known, self._batch_idle, self._batch_max)
+            wake = await self._watch_events(known, self._batch_idle, self._batch_max, wait)
             batch, why, self._busy = wake.batch, wake.why, wake.busy
         else:
             batch = await workflow.execute_activity(
@@ -228,17 +230,22 @@ class Demand(Entity[DemandCarry]):
         if args.consolidate and (not events or full or why in ("idle", "timeout") or ended):
             await self._consolidate()
 
-    async def _watch_events(self, known: list[str], batch_idle: float, batch_max: float) -> DemandWake:
-        """One ``watch_demand_events``: until the next thing the loop acts on, at most until the
-        earliest idle node's TTL or ``tick_seconds`` (the safety look). Heartbeats once per
-        ``DEMAND_WATCH_HEARTBEAT`` half: the watch is long."""
+    def _watch_wait(self) -> float:
+        """How long the next watch waits with nothing new: ``tick_seconds`` (the safety look); on
+        events at most until the earliest idle node's TTL."""
         args, now = self._args, workflow.now().timestamp()
         wait = args.tick_seconds
-        if args.consolidate:
+        if self._events and args.consolidate:
             ttl = self._consolidation.idle_ttl_seconds
             due = [since + ttl - now for node, since in self.state.idle_since.items()
                    if since + ttl > now and node not in self._retirements]
             wait = min([wait, *due])
+        return wait
+
+    async def _watch_events(self, known: list[str], batch_idle: float, batch_max: float, wait: float) -> DemandWake:
+        """One ``watch_demand_events``: until the next thing the loop acts on, at most ``wait``
+        (``_watch_wait``). Heartbeats once per ``DEMAND_WATCH_HEARTBEAT`` half: the watch is long."""
+        args = self._args
         buying = self._buying()
         return await workflow.execute_activity(
             act.watch_demand_events,

@@ -621,8 +621,9 @@ class NodeEntity(Entity[NodeCarry]):
                         raise  # a run from before the patch: the loop ended here when it ran
                     self._loop_restarts += 1
                     why = f"{type(error).__name__}: {str(error)[:MAX_PROBLEM_SHOWN]}"
-                    self._log(f"{name} failed ({why}); restarting in {pause.total_seconds():g}s", warn=True)
-                    self._show(f"{name} failed ({why}); restarting")
+                    failed = f"{name} failed ({why}); restarting at {workflow.now() + pause:%H:%M:%S} UTC"
+                    self._log(failed, warn=True)
+                    self._show(failed)
                     with self.resting():  # the next run starts the loop afresh
                         await workflow.sleep(pause)
                     pause = min(pause * 2, LOOP_RESTART_MAX)

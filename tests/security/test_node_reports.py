@@ -14,6 +14,7 @@ import json
 import math
 import time
 import urllib.request
+from datetime import timedelta
 from typing import Any, AsyncIterator, Callable
 
 import pytest
@@ -37,6 +38,7 @@ from sim.cluster import SimCluster
 from tests.bad_input_helpers import task_failures
 from tests.can_server import run_chain
 from tests.conftest import Stack
+from tests.details_helpers import decided
 from tests.repair_helpers import (
     REPAIR, eventually, exists, join_node, node_status, repair_fleet, repair_handle, running_stack, spot,
 )
@@ -382,8 +384,11 @@ async def test_an_error_in_the_watch_loop_is_shown_and_the_loop_restarts(reclaim
     assert not reclaim_id_fails_once.armed, "the error was raised"
     now = await status(stack, node)
     assert now.loop_restarts == 1
-    assert any("health watch failed (RuntimeError: an unexpected error in the watch loop)" in line
-               for line in now.log), now.log
+    # ... and says when it restarts (before: "restarting in 1s", in a log whose lines carry no time).
+    paused, _ = await decided(handle, lambda event: event.event_type == EventType.EVENT_TYPE_TIMER_STARTED
+                              and event.timer_started_event_attributes.start_to_fire_timeout.ToSeconds() == 1)
+    assert (f"health watch failed (RuntimeError: an unexpected error in the watch loop); restarting at "
+            f"{paused + timedelta(seconds=1):%H:%M:%S} UTC") in now.log, now.log
     assert await task_failures(handle) == 0
 
 
