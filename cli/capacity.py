@@ -11,7 +11,9 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from cli.common import Address, ConfigPath, OutputFormat, StateDir, console, err, fail, fleet_client, run, show_rows, sim_machine
+from cli.common import (
+    Address, ConfigPath, OutputFormat, StateDir, clock, console, err, fail, fleet_client, run, show_rows, sim_machine,
+)
 from cli.common import connect as _connect
 from cli.common import settings as _settings
 from cli.requests import announce, cancel_capacity, cancel_summary, detached, owned, watch_until_done
@@ -89,7 +91,7 @@ def _flag(field: str) -> str:
 
 
 def _clock(at) -> str:
-    return at.astimezone().strftime("%H:%M:%S") if at is not None else "-"
+    return clock(at) if at is not None else "-"
 
 
 def capacity_line(workflow_id: str, p) -> str:

@@ -4,6 +4,7 @@ settings, the Temporal connection, and how a failure is reported."""
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Annotated, NoReturn, Optional
 
@@ -145,6 +146,12 @@ def human(message: str, kind: str | None = None) -> str:
     if kind and not text.startswith(kind):
         text = f"{kind}: {text}"
     return text
+
+
+def clock(at: datetime) -> str:
+    """``HH:MM:SS UTC``: the zone the workflows' details give their times in, whatever this
+    machine's is, so a line the CLI adds to a step reads on the same clock as the step."""
+    return f"{at.astimezone(timezone.utc):%H:%M:%S} UTC"
 
 
 def failure(error: BaseException) -> tuple[str, str]:

@@ -16,6 +16,8 @@ from typing import Iterable
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.api.workflow.v1 import PendingActivityInfo
 
+from cli.common import clock
+
 #: The SDK sends an activity's heartbeats at most every 80% of its heartbeat timeout: silent for
 #: longer (and this slack), its worker is likely gone and the server will time the attempt out.
 HEARTBEAT_SHARE = 0.8
@@ -29,10 +31,6 @@ def _when(stamp) -> datetime | None:
     return stamp.ToDatetime(tzinfo=timezone.utc) if stamp is not None and stamp.seconds else None
 
 
-def _clock(at: datetime) -> str:
-    return at.astimezone().strftime("%H:%M:%S")
-
-
 def activity_wait(pending: PendingActivityInfo, now: datetime) -> str | None:
     """Why ``pending`` holds its workflow up and until when, or None when it is simply running."""
     name = pending.activity_type.name
@@ -44,7 +42,7 @@ def activity_wait(pending: PendingActivityInfo, now: datetime) -> str | None:
             return None
         attempt = f" (attempt {pending.attempt})" if pending.attempt > 1 else ""
         return (f"{name}{attempt}: no heartbeat for {(now - last).total_seconds():.0f} s, its worker may be gone; "
-                f"retried by {_clock(last + heartbeat)} (heartbeat timeout {heartbeat.total_seconds():g} s)")
+                f"retried by {clock(last + heartbeat)} (heartbeat timeout {heartbeat.total_seconds():g} s)")
     if pending.state != PendingActivityState.PENDING_ACTIVITY_STATE_SCHEDULED:
         return None
     parts = []
@@ -53,7 +51,7 @@ def activity_wait(pending: PendingActivityInfo, now: datetime) -> str | None:
         parts.append(f"{name} failed (attempt {max(pending.attempt - 1, 1)}): {failure[:MAX_FAILURE_SHOWN]}")
     ready_at = _when(pending.next_attempt_schedule_time) or _when(pending.scheduled_time)
     if ready_at is not None and ready_at > now:
-        parts.append(f"next try at {_clock(ready_at)}")
+        parts.append(f"next try at {clock(ready_at)}")
     elif ready_at is not None and now - ready_at >= UNSTARTED_AFTER:
         queue = options.task_queue.name if options is not None else ""
         parts.append(("" if failure else f"{name}: ") + f"no worker has taken it for "

@@ -1,7 +1,9 @@
-"""cli/waits.py: what a watched workflow's activities wait for, said with why and until when."""
+"""cli/waits.py: what a watched workflow's activities wait for, said with why and until when (in UTC,
+as the workflows' own details say their times)."""
 
 from __future__ import annotations
 
+import time
 from datetime import datetime, timedelta, timezone
 
 import pytest
@@ -13,7 +15,9 @@ from temporalio.api.failure.v1 import Failure
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflow.v1 import PendingActivityInfo
 
+from cli.capacity import capacity_line
 from cli.waits import activity_wait, activity_waits
+from fleet.messages.capacity import CapacityProgress
 
 pytestmark = pytest.mark.unit
 
@@ -45,17 +49,15 @@ def test_a_running_activity_that_beats_waits_for_nothing() -> None:
 def test_a_silent_worker_is_named_with_when_the_server_retries() -> None:
     said = activity_wait(activity(STARTED, heartbeat=600, last_started_time=stamp(900),
                                   last_heartbeat_time=stamp(550)), NOW)
-    clock = (NOW + timedelta(seconds=50)).astimezone().strftime("%H:%M:%S")
-    assert said == (f"provision_joining_machine: no heartbeat for 550 s, its worker may be gone; retried by {clock} "
-                    "(heartbeat timeout 600 s)")
+    assert said == ("provision_joining_machine: no heartbeat for 550 s, its worker may be gone; retried by "
+                    "12:00:50 UTC (heartbeat timeout 600 s)")
 
 
 def test_a_failed_attempt_says_why_and_when_it_is_tried_again() -> None:
     waiting = activity(SCHEDULED, attempt=2, last_failure=Failure(message="activity Heartbeat timeout"),
                        scheduled_time=stamp(60), next_attempt_schedule_time=stamp(-5))
-    clock = (NOW + timedelta(seconds=5)).astimezone().strftime("%H:%M:%S")
     assert activity_wait(waiting, NOW) == ("provision_joining_machine failed (attempt 1): activity Heartbeat timeout; "
-                                           f"next try at {clock}")
+                                           "next try at 12:00:05 UTC")
 
 
 def test_a_retry_no_worker_takes_says_so() -> None:
@@ -66,3 +68,30 @@ def test_a_retry_no_worker_takes_says_so() -> None:
     first = activity(SCHEDULED, scheduled_time=stamp(16))
     assert activity_wait(first, NOW) == \
         "provision_joining_machine: no worker has taken it for 16 s (is one polling gpufleet?)"
+
+
+@pytest.fixture
+def new_york(monkeypatch):
+    """This machine's clock in another zone than the workflows' (UTC)."""
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    yield
+    monkeypatch.undo()
+    time.tzset()
+
+
+def test_the_times_the_cli_adds_to_a_step_are_in_utc_as_the_steps_own(new_york) -> None:
+    """A workflow's details give their times in UTC ("until 12:05:00 UTC"); the lines the CLI adds
+    to a step printed this machine's local time with no zone, so one screen read 12:05 and 07:00
+    for the same moment."""
+    assert datetime(2026, 12, 4, 12).astimezone().utcoffset() == timedelta(hours=-5), "the zone took"
+    waiting = activity(SCHEDULED, attempt=2, last_failure=Failure(message="activity Heartbeat timeout"),
+                       scheduled_time=stamp(60), next_attempt_schedule_time=stamp(-5))
+    assert activity_wait(waiting, NOW).endswith("next try at 12:00:05 UTC")
+    silent = activity(STARTED, heartbeat=600, last_started_time=stamp(900), last_heartbeat_time=stamp(550))
+    assert "retried by 12:00:50 UTC (heartbeat timeout 600 s)" in activity_wait(silent, NOW)
+    waiting_for_offers = CapacityProgress(step="waiting for capacity", requested=2, wait_until=NOW + timedelta(minutes=5),
+                                          deadline=NOW + timedelta(hours=1))
+    assert capacity_line("capacity/x", waiting_for_offers) == ("capacity/x: waiting for capacity, 0 of 2 joined; looks "
+                                                               "again at 12:05:00 UTC or when offers change; gives up "
+                                                               "at 13:00:00 UTC")
