@@ -69,6 +69,30 @@ async def test_join_timeout_out_of_range_fails_before_provisioning(stack: Stack,
     assert stack.world.machines(include_deleted=True) == []
 
 
+@pytest.mark.parametrize("workflow_type, start, field, words", [
+    # The token is issued before the machine is created: at 30 s it expired while the machine
+    # booted, and the join waited out its 900 s registration wait for a machine billing.
+    ("NodeJoin", {"site": "site-a", "token_ttl_seconds": 30}, "token_ttl_seconds",
+     "give at least 1500 or shorten the timeouts"),
+    ("NodeJoin", {"site": "site-a", "token_ttl_seconds": 600, "timeouts": {"registration_seconds": 60}},
+     "token_ttl_seconds", "give at least 660"),
+    # A wait past the longest token (3600 s): no token can cover it, for a join or for every
+    # join a capacity request starts.
+    ("NodeJoin", {"site": "site-a", "timeouts": {"registration_seconds": 3600}}, "timeouts.registration_seconds",
+     "(4200 s) must be at most 3600 s"),
+    ("AcquireCapacity", {"constraints": {"sites": ["site-a"]},
+                         "join_timeouts": {"provision_seconds": 1800, "registration_seconds": 1801}},
+     "join_timeouts.registration_seconds", "(3601 s) must be at most 3600 s"),
+])
+async def test_a_join_token_that_expires_before_registration_fails_before_provisioning(
+        stack: Stack, workflow_type: str, start: dict, field: str, words: str) -> None:
+    handle = await start_raw(stack, workflow_type, json.dumps(start))
+    failure = await invalid_input(handle, f"{field}: ", words)
+    assert "expires before the machine can register" in failure.message or "longest a join token lives" in failure.message
+    assert provider_calls(stack) == 0
+    assert stack.world.machines(include_deleted=True) == []
+
+
 #: Some of an AcquireCapacity request's fields that a workflow merges into the request it starts:
 #: the workflow, a start without them, and where they go in it.
 PASSED_ON = [

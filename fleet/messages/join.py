@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
+from fleet.cluster import MAX_JOIN_TOKEN_TTL_S
 from fleet.models import DAY, Strict
+
+
+def _refuse(model: str, field: str, value: float, kind: str, message: str) -> ValidationError:
+    """Raised under ``field``: a plain ValueError in a model validator would name only the model."""
+    return ValidationError.from_exception_data(model, [{
+        "type": PydanticCustomError(kind, message.replace("{", "{{").replace("}", "}}")), "loc": (field,), "input": value,
+    }])
 
 
 class JoinTimeouts(Strict):
@@ -14,6 +23,23 @@ class JoinTimeouts(Strict):
     #: How soon a dead worker's activity is noticed and retried elsewhere.
     heartbeat_seconds: float = Field(30, gt=0, le=3600)
 
+    @property
+    def until_registered_seconds(self) -> float:
+        """The longest a join waits, from its token's issue, for its machine to register with it:
+        the machine's create, then the registration wait."""
+        return self.provision_seconds + self.registration_seconds
+
+    @model_validator(mode="after")
+    def _registers_within_a_token(self) -> "JoinTimeouts":
+        # Waiting past the longest token a join can have waits for a machine that can no longer
+        # join, billing (AcquireCapacity passes these to every join it starts: refused there too).
+        if self.until_registered_seconds > MAX_JOIN_TOKEN_TTL_S:
+            raise _refuse(type(self).__name__, "registration_seconds", self.registration_seconds, "join_outlives_token",
+                          f"provision_seconds + registration_seconds ({self.until_registered_seconds:.0f} s) must be "
+                          f"at most {MAX_JOIN_TOKEN_TTL_S} s, the longest a join token lives: a machine not "
+                          "registered by then never can")
+        return self
+
 
 class NodeJoinInput(Strict):
     """Start with plain JSON: ``{"site": "lambda-us-east"}``."""
@@ -21,8 +47,22 @@ class NodeJoinInput(Strict):
     site: str = Field(min_length=1, max_length=253)
     #: More than one: the join fans out to one child NodeJoin per node.
     count: int = Field(1, ge=1, le=64)
-    token_ttl_seconds: int = Field(3600, gt=0, le=3600)
+    #: At least ``timeouts.provision_seconds + timeouts.registration_seconds`` (1500 s by default):
+    #: the token is issued before the machine is created and must still work when it registers.
+    token_ttl_seconds: int = Field(MAX_JOIN_TOKEN_TTL_S, gt=0, le=MAX_JOIN_TOKEN_TTL_S)
     timeouts: JoinTimeouts = Field(default_factory=JoinTimeouts)
+
+    @model_validator(mode="after")
+    def _token_outlives_the_wait(self) -> "NodeJoinInput":
+        # A shorter token expires while the join still waits: the machine can never join and
+        # bills until the registration wait ends. Refused before anything is bought.
+        wait = self.timeouts.until_registered_seconds
+        if self.token_ttl_seconds < wait:
+            raise _refuse(type(self).__name__, "token_ttl_seconds", self.token_ttl_seconds, "token_expires_first",
+                          f"{self.token_ttl_seconds} s expires before the machine can register: the join waits "
+                          f"up to timeouts.provision_seconds + timeouts.registration_seconds ({wait:.0f} s) for "
+                          f"it to register with this token; give at least {wait:.0f} or shorten the timeouts")
+        return self
 
 
 class JoinedNode(BaseModel):
