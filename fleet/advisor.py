@@ -23,13 +23,23 @@ from dataclasses import dataclass, field
 
 from fleet.config import Site
 from fleet.messages.advisor import AdvisorReport, LedgerEntry, SiteRate, Usage, Workload, WorkloadAdvice
-from fleet.models import CapacityType, Offer
+from fleet.models import CapacityType, Offer, listing
 from fleet.placement import AccountView, Constraints, effective_price, offer_key, rank, replacement_constraints
 
 HOUR = 3600.0
 _UNITS = {"h": 1.0, "d": 24.0, "w": 168.0}
 #: The workload name of machines at a site that serves no model.
 NO_WORKLOAD = "(none)"
+
+
+def unserved_constraints(constraints: dict[str, Constraints], workloads: list[Workload]) -> list[tuple[str, str]]:
+    """``(field, problem)`` for each model ``constraints`` names that no workload serves: its
+    constraints apply to nothing (a mistyped key was dropped, and the report priced the model
+    with its site's defaults while its reader believed the constraint applied)."""
+    served = {w.model for w in workloads}
+    return [(f"constraints.{model}", f"no workload serves a model {model!r}, so its constraints would apply "
+             f"to nothing (served: {listing(served)})")
+            for model in sorted(constraints) if model not in served]
 
 
 def period_hours(since: str) -> float:

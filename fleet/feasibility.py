@@ -16,18 +16,12 @@ them on its catalog, the client on its config.
 from __future__ import annotations
 
 from fleet.config import Site
-from fleet.models import AccountState, Offer
+from fleet.models import AccountState, Offer, listing
 from fleet.placement import AccountView, Constraints, Placement, offer_key, offers_from_config
 
 #: What an empty request is told: naming what to buy is the caller's job.
 EMPTY = ("an empty request would buy the cheapest machine anywhere: name a GPU "
          "(constraints.gpu or constraints.gpu_class) or the sites to buy at (constraints.sites)")
-
-
-def _listing(names: set[str] | list[str], limit: int = 12) -> str:
-    ordered = sorted(set(names))
-    shown = ", ".join(ordered[:limit])
-    return shown + (f", … ({len(ordered)} in all)" if len(ordered) > limit else "") if ordered else "none"
 
 
 def _unknown(field: str, asked: list[str] | None, known: set[str], what: str) -> list[tuple[str, str]]:
@@ -39,7 +33,7 @@ def _unknown(field: str, asked: list[str] | None, known: set[str], what: str) ->
     if not missing:
         return []
     names = ", ".join(repr(name) for name in missing)
-    return [(field, f"unknown {what} {names} (configured: {_listing(known)})")]
+    return [(field, f"unknown {what} {names} (configured: {listing(known)})")]
 
 
 def _blocking(offer: Offer, site: Site, c: Constraints) -> tuple[str, str] | None:
@@ -82,7 +76,7 @@ def request_problems(constraints: Constraints, sites: list[Site],
     problems = _unknown("constraints.sites", c.sites, set(by_name), "site")
     gpus = {o.gpu for o in catalog if o.site in by_name}
     if c.gpu and c.gpu not in gpus:
-        problems.append(("constraints.gpu", f"no configured site sells GPU {c.gpu!r} (sold: {_listing(gpus)})"))
+        problems.append(("constraints.gpu", f"no configured site sells GPU {c.gpu!r} (sold: {listing(gpus)})"))
     problems += _unknown("constraints.gpu_class", c.gpu_class, gpus, "GPU")
     problems += _unknown("constraints.geographies", c.geographies,
                          {s.geography for s in sites if s.geography}, "geography")

@@ -43,6 +43,13 @@ def fields_of(model: type[BaseModel]) -> Any:
     return Annotated[dict[str, Any], AfterValidator(check)]
 
 
+def listing(names: set[str] | list[str], limit: int = 12) -> str:
+    """Names for a message, sorted, at most ``limit`` of them (then how many in all); ``none``."""
+    ordered = sorted(set(names))
+    shown = ", ".join(ordered[:limit])
+    return shown + (f", … ({len(ordered)} in all)" if len(ordered) > limit else "") if ordered else "none"
+
+
 def append_bounded(items: list[Any], item: Any, newest: int, first: int = 0) -> int:
     """Append ``item``, keeping the ``first`` items and the ``newest`` after them; how many between
     were let go. For a list a workflow carries or returns, which must stay bounded whatever comes

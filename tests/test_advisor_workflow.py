@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import pytest
+from temporalio.client import WorkflowFailureError
+from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 from temporalio.testing import WorkflowEnvironment
 
@@ -107,12 +109,17 @@ async def gpufleet(cap: CapStack, *args: str) -> subprocess.CompletedProcess:
         subprocess.run, [sys.executable, "-m", "cli", *args], env=env, capture_output=True, text=True, timeout=120)
 
 
-async def test_the_cli_shows_the_table_the_markdown_and_writes_a_png_chart(cap: CapStack, tmp_path: Path) -> None:
+def chat_served_at_mid(cap: CapStack, machine_id: str) -> None:
+    """Three hours of a machine at mid in the ledger, and "chat" served there."""
     mid = cap.site("mid")
-    UsageLedger(cap.cluster).joined(LedgerEntry(machine_id="i-cli", site=mid, offer="mid.2xh100", gpu="H100", gpus=2,
-                                                gpu_memory_gb=80, price_per_gpu_hour=2.5,
+    UsageLedger(cap.cluster).joined(LedgerEntry(machine_id=machine_id, site=mid, offer="mid.2xh100", gpu="H100",
+                                                gpus=2, gpu_memory_gb=80, price_per_gpu_hour=2.5,
                                                 joined_at=time.time() - 3 * H))
     cap.cluster.apply_serving(ServingSpec(model="chat", site=mid, image="img", replicas=1, gpus_per_replica=2))
+
+
+async def test_the_cli_shows_the_table_the_markdown_and_writes_a_png_chart(cap: CapStack, tmp_path: Path) -> None:
+    chat_served_at_mid(cap, "i-cli")
     chart = tmp_path / "advisor.png"
     table = await gpufleet(cap, "advisor", "--since", "2d", "--chart", str(chart))
     assert table.returncode == 0, table.stderr
@@ -128,3 +135,27 @@ async def test_the_cli_shows_the_table_the_markdown_and_writes_a_png_chart(cap: 
 
     bad = await gpufleet(cap, "advisor", "--since", "7y")
     assert bad.returncode == 2 and "since" in bad.stderr
+
+
+async def test_constraints_for_a_model_no_workload_serves_are_refused_naming_the_key(cap: CapStack,
+                                                                                     tmp_path: Path) -> None:
+    """A mistyped model key (``chta`` for ``chat``) was dropped: the report priced chat with its
+    site's defaults (spot allowed) while the operator believed on-demand only applied."""
+    chat_served_at_mid(cap, "i-typo")
+    constraints = tmp_path / "constraints.yaml"
+    constraints.write_text("chta:\n  capacity_types: [on-demand]\n")
+
+    shown = await gpufleet(cap, "advisor", "--since", "4d", "--constraints", str(constraints))
+    assert shown.returncode == 1, shown.stdout
+    assert ("constraints.chta: no workload serves a model 'chta', so its constraints would apply to nothing "
+            "(served: chat)") in " ".join(shown.stderr.split()), shown.stderr
+    assert "total: now" not in shown.stdout
+
+    handle = cap.client.get_workflow_handle("advisor/4d")
+    with pytest.raises(WorkflowFailureError) as caught:
+        await handle.result()
+    cause = caught.value.cause
+    assert isinstance(cause, ApplicationError) and cause.type == "InvalidInput" and cause.non_retryable, cause
+    assert cause.message.startswith("invalid AdvisorInput: constraints.chta: "), cause.message
+    assert cause.details == ({"fields": ["constraints.chta"]},)
+    await replay_and_record(handle, "advisor_refused_unserved_constraints")

@@ -73,6 +73,10 @@ EXPECTED = {
     "node_entity_two_repairs_local_facts", "node_entity_two_repairs_contain_first",
     "site_incident_tripped",
     "advisor_report",
+    # Constraints for a model no workload serves are refused, naming ``constraints.<model>``
+    # (``advisor-refuses-unserved-constraints``, tests/test_advisor_workflow.py); the old code's
+    # run, which dropped them and reported with the defaults, replays too.
+    "advisor_refused_unserved_constraints", "advisor_refused_unserved_constraints_before",
     # Evacuations through the Routing entity; the Routing entity itself.
     "site_evacuation_resumed_routed",
     "site_evacuation_continued_as_new_routed", "site_evacuation_restored_after_continue_as_new_routed",

@@ -3,7 +3,9 @@ workload's GPU-hours would have cost on the cheapest qualifying placement. Read-
 
 The runbook: read the usage ledger and the workloads served now (``read_usage``) and
 the provider catalog (``get_catalog``: offers and account states; a fresh-enough
-stored catalog is used as is, otherwise providers are *listed*) → the counterfactual
+stored catalog is used as is, otherwise providers are *listed*) → constraints for a
+model no workload serves are refused (``InvalidInput`` naming ``constraints.<model>``)
+→ the counterfactual
 (fleet.advisor, pure) → the report is the result and the current details. Nothing
 here buys, deletes, labels or scales: no activity it runs calls a provider's or the
 cluster's write API.
@@ -18,16 +20,20 @@ from temporalio import workflow
 
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
-    from fleet.advisor import HOUR, advise, period_hours
+    from fleet.advisor import HOUR, advise, period_hours, unserved_constraints
     from fleet.messages.advisor import AdvisorInput, AdvisorReport, Usage
     from fleet.messages.capacity import Catalog, GetCatalogInput
-    from workflows.inputs import parse_input
+    from workflows.inputs import parse_input, refusal
     from workflows.steps import PROVIDER_RETRY, QUICK, STORE_RETRY, show_details
 
 #: A catalog listed within the hour is recent enough to price a week of history.
 CATALOG_MAX_AGE = 3600.0
 #: Workload lines in the current details; the result holds them all.
 DETAIL_LINES = 40
+#: Constraints for a model no workload serves are refused, naming ``constraints.<model>``. Asked
+#: only for such constraints, after the workloads are read (an activity). Runs before it dropped
+#: them and reported that model's site with its defaults.
+REFUSE_UNSERVED_PATCH = "advisor-refuses-unserved-constraints"
 
 
 @workflow.defn(name="Advisor")
@@ -53,6 +59,12 @@ class Advisor:
                                       start_to_close_timeout=QUICK,
                                       retry_policy=PROVIDER_RETRY, summary="provider catalog (list offers)"),
         )
+        unserved = unserved_constraints(args.constraints, usage.workloads)
+        if unserved and workflow.patched(REFUSE_UNSERVED_PATCH):
+            self._step = "refused"
+            refused = refusal("AdvisorInput", unserved)
+            show_details("refused", detail=refused.message)
+            raise refused
         report = advise(usage, catalog.offers, catalog.sites, start=start, end=end, since=args.since,
                         constraints=args.constraints, accounts=catalog.accounts,
                         reclaim_cost_hours=args.reclaim_cost_hours, catalog_errors=catalog.errors)

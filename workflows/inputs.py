@@ -78,6 +78,13 @@ def first_problem(value: Any) -> tuple[str, str] | None:
     return next(_walk(value, "", 0), None)
 
 
+def refusal(name: str, problems: list[tuple[str, str]]) -> ApplicationError:
+    """``InvalidInput`` for a start that what the workflow read refuses (the served models, the
+    fleet config): ``invalid <name>: field: problem; ...``, naming each field."""
+    text = "; ".join(f"{field}: {problem}" for field, problem in problems)
+    return invalid_input(f"invalid {name}: {text}", [field for field, _ in problems])
+
+
 def describe(error: ValidationError) -> tuple[str, list[str]]:
     """Pydantic's errors in an operator's words: ``field: problem; ...`` and the fields."""
     problems, fields = [], []
