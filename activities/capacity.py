@@ -20,6 +20,7 @@ from temporalio.common import WorkflowIDConflictPolicy
 
 from activities.account_store import AccountRecord, CatalogEntry
 from fleet.messages.capacity import (
+    AccountConfigInput,
     AccountInput,
     AccountRecordInput,
     Catalog,
@@ -38,7 +39,7 @@ from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.ledger import record_retire
 from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocked, OverQuota
-from fleet.models import AccountState
+from fleet.models import AccountState, listing
 from fleet.naming import account_workflow_id, site_workflow_id
 from fleet.placement import AccountView
 from fleet.cluster import (
@@ -198,6 +199,7 @@ class CapacityActivities:
             self.get_catalog,
             self.report_account,
             self.write_account_state,
+            self.account_config_problems,
             self.check_credentials,
             self.run_queued_deletes,
             self.notify_person,
@@ -276,6 +278,21 @@ class CapacityActivities:
             name=input.account, provider=input.provider, state=input.state, blocked_offers=input.blocked_offers,
             reason=input.reason, since=since if input.state != AccountState.HEALTHY else None,
         ))
+
+    @activity.defn
+    def account_config_problems(self, input: AccountConfigInput) -> list[tuple[str, str]]:
+        """What the fleet config says against a ProviderAccount entity's account and provider:
+        ``(field, problem)`` for each it does not have (an entity started by hand for a typo, or
+        one whose account left the config); none when it does. Reads the config only."""
+        accounts = self.env.config.accounts
+        account = next((a for a in accounts if a.name == input.account), None)
+        if account is None:
+            return [("account", f"{input.account!r} is not in the fleet config (accounts: "
+                                f"{listing([a.name for a in accounts])})")]
+        if account.provider != input.provider:
+            return [("provider", f"account {input.account} is a {account.provider} account in the fleet config, "
+                                 f"not {input.provider}")]
+        return []
 
     @activity.defn
     @typed_errors

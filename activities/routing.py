@@ -22,6 +22,7 @@ from activities.errors import typed_errors
 from activities.watches import RareHeartbeat, stop_if_asked
 from fleet.messages.routing import (
     RoutingInput,
+    RoutingModelInput,
     RoutingProgress,
     RoutingSample,
     RoutingSampleInput,
@@ -31,6 +32,7 @@ from fleet.messages.routing import (
     apply_override,
 )
 from fleet.routing import ENDPOINTS_KIND, RoutingDocument, SiteLoad, endpoints_key, next_document
+from fleet.models import listing
 from fleet.naming import routing_workflow_id
 from providers.model_server_metrics import queue_depth
 from fleet.contracts import workflows as flows
@@ -49,7 +51,22 @@ class RoutingActivities:
         self.env = env
 
     def all(self) -> list:
-        return [self.routing_sample, self.watch_routing, self.write_routing, self.routing_event]
+        return [self.routing_model_problems, self.routing_sample, self.watch_routing, self.write_routing,
+                self.routing_event]
+
+    @activity.defn
+    @typed_errors
+    def routing_model_problems(self, input: RoutingModelInput) -> list[tuple[str, str]]:
+        """``[("model", problem)]`` when no site serves the model (a Deployment of it, at any replica
+        count: the system starts a model's entity only once one exists) and the fleet config does
+        not name it (``models:``): an entity started by hand for a typo. None otherwise."""
+        if input.model in self.env.config.models:
+            return []
+        served = {status.model for status in self.env.cluster.list_serving()}
+        if input.model in served:
+            return []
+        return [("model", f"no site serves {input.model!r} and the fleet config does not name it (models:); "
+                          f"served: {listing(served)}")]
 
     @activity.defn
     @typed_errors

@@ -21,6 +21,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowU
 from temporalio.exceptions import ApplicationError
 
 from cli.dev import temporal_binary
+from fleet.cluster import ServingSpec
 from tests.bad_input_helpers import (
     idle_workflows,
     invalid_input,
@@ -30,7 +31,9 @@ from tests.bad_input_helpers import (
     task_failures,
     wait_for_async,
 )
+from tests.capacity_fleet import details
 from tests.conftest import Stack
+from tests.replay import replay_and_record
 
 
 @pytest.fixture
@@ -156,6 +159,59 @@ async def test_operator_cli_start_with_two_inputs_or_a_string(stack: Stack) -> N
 async def account_entity(stack: Stack) -> WorkflowHandle:
     return await start_raw(stack, "ProviderAccount", '{"account": "acct-a", "provider": "lambda"}',
                            workflow_id=f"account/lambda/acct-a-{uuid.uuid4().hex[:6]}")
+
+
+ENTITY_TYPOS = [
+    ("ProviderAccount", {"account": "acct-c", "provider": "lambda"}, "account",
+     "'acct-c' is not in the fleet config (accounts: acct-a, acct-b)", "account_refused_not_in_config"),
+    ("ProviderAccount", {"account": "acct-a", "provider": "aws"}, "provider",
+     "account acct-a is a lambda account in the fleet config, not aws", ""),
+    ("Routing", {"model": "chta"}, "model",
+     "no site serves 'chta' and the fleet config does not name it (models:); served: ", "routing_refused_unknown_model"),
+]
+
+
+@pytest.mark.parametrize("workflow_type, start, field, words, history", ENTITY_TYPOS,
+                         ids=[f"{w}.{f}" for w, _, f, _, _ in ENTITY_TYPOS])
+async def test_an_entity_started_by_hand_for_what_the_fleet_lacks_is_refused_naming_the_field(
+        stack: Stack, workflow_type: str, start: dict, field: str, words: str, history: str) -> None:
+    """``temporal workflow start --type Routing --input '{"model": "chta"}'`` (for chat) ran an
+    entity for good that wrote an empty routing table for chta; a ProviderAccount for a typo (or
+    the wrong provider) ran as a healthy account nothing reports to. The system starts both only
+    for what the config and the cluster have, so a fresh start for anything else is a typo."""
+    stack.cluster.apply_serving(ServingSpec(model="chat", site="site-a", image="img", replicas=0))
+    workflow_id = (f"account/{start['provider']}/{start['account']}" if workflow_type == "ProviderAccount"
+                   else f"routing/{start['model']}")
+    handle = await start_raw(stack, workflow_type, json.dumps(start), workflow_id=workflow_id)
+    failure = await invalid_input(handle, f"invalid {workflow_type}: {field}: ", words)
+    assert failure.details == ({"fields": [field]},)
+    if workflow_type == "Routing":
+        assert "chat" in failure.message
+        assert stack.cluster.get_routing("chta") is None, "a routing table written for the typo"
+    if history:
+        await replay_and_record(handle, history)
+
+
+async def test_an_entity_whose_account_or_model_left_the_config_runs_on_and_says_so(stack: Stack) -> None:
+    """A continued run (its state carried) of an account the config no longer has, or of a model
+    no site serves any more, is not refused: it keeps what it holds (a blocked offer, overrides)
+    and its details say why nothing reaches it."""
+    blocked = {"site-x/big": "2026-12-01T00:00:00+00:00"}
+    account = await start_raw(stack, "ProviderAccount", json.dumps({
+        "account": "acct-gone", "provider": "lambda",
+        "status": {"account": "acct-gone", "provider": "lambda", "state": "quota-blocked", "blocked_offers": blocked},
+    }), workflow_id="account/lambda/acct-gone")
+    shown = await wait_for_async(lambda: details(account), lambda d: "not in the fleet config any more" in d)
+    assert "'acct-gone' is not in the fleet config (accounts: acct-a, acct-b)" in shown, shown
+    assert (await account.query("status"))["blocked_offers"] == blocked
+    routing = await start_raw(stack, "Routing", json.dumps({"model": "retired", "state": {}}),
+                              workflow_id="routing/retired")
+    await wait_for_async(lambda: details(routing), lambda d: "no site serves this model now: nothing to route" in d)
+    for handle in (account, routing):
+        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+        assert await task_failures(handle) == 0
+    await replay_and_record(account, "account_not_in_config_any_more")
+    await replay_and_record(routing, "routing_model_served_nowhere_any_more")
 
 
 @pytest.mark.parametrize("payload", ['{"x": 1}', '{"account": "acct-a", "kind": "Broken", "message": "?"}',

@@ -82,6 +82,12 @@ EXPECTED = {
     "site_evacuation_continued_as_new_routed", "site_evacuation_restored_after_continue_as_new_routed",
     "site_evacuation_continued_as_new_placing_routed",
     "routing_events_and_samples",
+    # An entity started afresh for what the fleet lacks is refused, naming the field
+    # (``account-checked-against-config``, ``routing-checks-its-model``; tests/test_bad_input.py);
+    # the old code's runs of such typos, which ran for good, replay too, and so do continued runs
+    # whose account left the config or whose model no site serves, which run on and say so.
+    "account_refused_not_in_config", "account_refused_not_in_config_before", "account_not_in_config_any_more",
+    "routing_refused_unknown_model", "routing_refused_unknown_model_before", "routing_model_served_nowhere_any_more",
     # The Routing entity on its watch, no timer (issue 37: ``routing-events``).
     "routing_events_and_samples_on_watch",
     # Started with its first event (signal-with-start): the event kept since ``start_with``; the

@@ -39,6 +39,7 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
     from fleet.messages.capacity import (
+        AccountConfigInput,
         AccountInput,
         AccountRecordInput,
         AccountStatus,
@@ -50,7 +51,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.models import AccountState
     from workflows.entity import Entity
-    from workflows.inputs import invalid_input, parse_input, parse_signal
+    from workflows.inputs import invalid_input, parse_input, parse_signal, refusal
     from workflows.passes import FailedPasses
     from workflows.refusals import wrong_state
     from workflows.steps import QUICK, STORE_RETRY, failure_message, show_details
@@ -68,6 +69,12 @@ QUOTA_ALL_EXPLICIT_PATCH = "quota-raised-all-explicit"
 #: came in meanwhile is taken first. Before it the wait also needed an empty report queue, which
 #: only this waiting loop empties: a report during an update's wait stopped the entity for good.
 CONTINUE_WHEN_READY_PATCH = "account-continue-when-ready"
+#: Workflow patch: each run first asks the fleet config about its account
+#: (``account_config_problems``). A run started afresh (no carried status: by hand, for a typo)
+#: for an account the config lacks, or names with another provider, is refused, ``InvalidInput``
+#: naming the field; a continued run whose account left the config goes on and says so. Before
+#: it, such an entity ran for good, listed by ``gpufleet accounts`` as a healthy account.
+CONFIG_CHECKED_PATCH = "account-checked-against-config"
 
 
 @workflow.defn(name="ProviderAccount")
@@ -82,6 +89,8 @@ class ProviderAccount(Entity[AccountStatus | None]):
         #: again after a pause, until it lands (``_write_and_notify``).
         self._unwritten = False
         self._passes = FailedPasses()
+        #: Why the fleet config does not have this run's account (a continued run: shown); "" = it does.
+        self._not_in_config = ""
 
     # -- what workflows and people send ---------------------------------------------------
     @workflow.signal
@@ -192,7 +201,12 @@ class ProviderAccount(Entity[AccountStatus | None]):
         args = parse_input(ProviderAccountInput, raw)
         workflow.patched(STATE_LOCK_PATCH)  # decided (and recorded) once, at the start of the run
         takes_reports_at_gate = workflow.patched(CONTINUE_WHEN_READY_PATCH)  # the same, before any activity
+        checks_config = workflow.patched(CONFIG_CHECKED_PATCH)  # the same
         self.start_with(args.status or AccountStatus(account=args.account, provider=args.provider))
+        if checks_config:
+            # After the state is set: an update meanwhile is checked against it, not held until the check
+            # ends (a fresh run's state refuses every update: nothing is blocked or revoked yet).
+            await self._check_config(args)
         workflow.upsert_search_attributes([
             sa.ACCOUNT.value_set(args.account), sa.PROVIDER.value_set(args.provider),
             sa.FLEET_STATE.value_set(self._fleet_state()),
@@ -218,6 +232,27 @@ class ProviderAccount(Entity[AccountStatus | None]):
                 await self.continue_as_new_when_ready(carried, unless=lambda: bool(self._reports))
             else:  # a run from before the patch (see it): an empty queue too, which a report made never
                 await self.continue_as_new_when_ready(carried, until=lambda: not self._reports)
+
+    async def _check_config(self, args: ProviderAccountInput) -> None:
+        """Refuse a fresh start for an account the fleet config does not have; a continued run's
+        account that left the config is shown, and the entity keeps the record it holds."""
+        try:
+            problems = await workflow.execute_activity(
+                act.account_config_problems, AccountConfigInput(account=args.account, provider=args.provider),
+                start_to_close_timeout=QUICK, retry_policy=STORE_RETRY, summary="the account in the fleet config",
+            )
+        except ActivityError as error:
+            # Not known either way: the entity runs as before rather than end over a config read.
+            workflow.logger.warning("could not check account %s against the fleet config: %s", args.account,
+                                    failure_message(error))
+            return
+        if not problems:
+            return
+        if args.status is None:
+            refused = refusal("ProviderAccount", problems)
+            show_details("refused", detail=refused.message)
+            raise refused
+        self._not_in_config = "; ".join(f"{field}: {problem}" for field, problem in problems)
 
     async def _apply(self, report: ReportAccountInput) -> None:
         status = self.state
@@ -282,6 +317,9 @@ class ProviderAccount(Entity[AccountStatus | None]):
     def _show(self) -> None:
         s = self.state
         lines = [s.reason] if s.reason else []
+        if self._not_in_config:
+            lines.append(f"not in the fleet config any more ({self._not_in_config}): no report reaches this "
+                         "entity; terminate it once its record is no longer needed")
         if self._passes.failing:
             lines.append(self._passes.failing)
         lines += [f"- quota-blocked: {offer} (since {since})" for offer, since in s.blocked_offers.items()]

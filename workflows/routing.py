@@ -36,12 +36,15 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
+from temporalio.common import RetryPolicy
 from temporalio.exceptions import ActivityError
 
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
+    from fleet.errors import NON_RETRYABLE_TYPES
     from fleet.messages.routing import (
         RoutingInput,
+        RoutingModelInput,
         RoutingProgress,
         RoutingSample,
         RoutingSampleInput,
@@ -54,7 +57,7 @@ with workflow.unsafe.imports_passed_through():
     )
     from fleet.routing import RoutingDocument, next_document
     from workflows.entity import Entity
-    from workflows.inputs import parse_input, parse_signal
+    from workflows.inputs import parse_input, parse_signal, refusal
     from workflows.passes import FailedPasses
     from workflows.steps import (
         CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, LONG_WATCH_PAUSE, LONG_WATCH_RETRY, QUICK, failure_message,
@@ -73,6 +76,17 @@ WATCH_HOLD_SECONDS = 60.0
 STEPS = {"routing_sample": "sample the model's sites", "write_routing": "write the routes"}
 #: The first pause after a failed pass (``FailedPasses``): the routes wait on it.
 FIRST_PAUSE = timedelta(seconds=1)
+#: Workflow patch: a run started afresh (no carried state) first asks whether its model is one
+#: the fleet has (``routing_model_problems``: a site serves it, or ``models:`` names it); one that
+#: is not (started by hand for a typo: the system starts a model's entity only once a Deployment
+#: of it exists) is refused, ``InvalidInput`` naming ``model``, before it writes a routing table.
+#: Asked only in such a run. Before it, the entity wrote an empty table for the typo and watched it
+#: for good. A continued run is not asked: its model may have gone since, and it says so.
+MODEL_CHECKED_PATCH = "routing-checks-its-model"
+#: The check must not hold a new model's first routes for long: a cluster that does not answer it
+#: leaves the entity to run as before.
+MODEL_CHECK_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3,
+                                non_retryable_error_types=NON_RETRYABLE_TYPES)
 
 
 @workflow.defn(name="Routing")
@@ -120,6 +134,8 @@ class RoutingEntity(Entity[RoutingState]):
     async def run(self, raw: Any) -> None:
         on_events = workflow.patched(EVENTS_PATCH)  # first: before any activity
         args = parse_input(RoutingInput, raw)
+        if args.state is None and workflow.patched(MODEL_CHECKED_PATCH):
+            await self._check_model(args)
         self.start_with(args.state)
         self._retry = FailedPasses(STEPS, show=lambda line: self._show_routes(args, line), first_pause=FIRST_PAUSE)
         if on_events:
@@ -148,6 +164,23 @@ class RoutingEntity(Entity[RoutingState]):
                 # An event taken meanwhile is pending in the carried state: the next run recomputes first.
                 await self.continue_as_new_when_ready(
                     lambda: args.model_copy(update={"state": self.state}).model_dump(mode="json"))
+
+    async def _check_model(self, args: RoutingInput) -> None:
+        """Refuse a model no site serves and the fleet config does not name (nothing written)."""
+        try:
+            problems = await workflow.execute_activity(
+                act.routing_model_problems, RoutingModelInput(model=args.model),
+                start_to_close_timeout=QUICK, retry_policy=MODEL_CHECK_RETRY,
+                summary=f"is {args.model} served or configured",
+            )
+        except ActivityError as error:
+            # Not known either way: the entity runs as before rather than end over a cluster read.
+            workflow.logger.warning("could not check model %s: %s", args.model, failure_message(error))
+            return
+        if problems:
+            refused = refusal("Routing", problems)
+            show_details("refused", detail=refused.message)
+            raise refused
 
     async def _run_on_events(self, args: RoutingInput) -> None:
         """Recompute at start and on every site event (a fresh sample, at once); otherwise sleep on
@@ -266,6 +299,10 @@ class RoutingEntity(Entity[RoutingState]):
         lines = [f"{site}: weight {r.weight}/1000, {r.ready_replicas} ready"
                  + (" (draining)" if r.draining else "") + ("" if r.healthy else " (unhealthy)")
                  for site, r in sorted(doc.sites.items())] if doc else ["no sites serve this model yet"]
+        if doc is not None and not doc.sites:
+            # Its Deployments went (a model retired): the entity stays, routing nothing.
+            lines = [f"no site serves this model now: nothing to route (a model gone for good: terminate "
+                     f"routing/{args.model})"]
         show_details(f"routing of {args.model}, v{doc.version if doc else 0}", *lines,
                      detail=f"last change: {doc.reason if doc else '-'}; {self.state.events} site events"
                      + (f"; {note}" if note else ""))

@@ -19,7 +19,7 @@ from fleet.config import Site
 from fleet.incident import IncidentSettings
 from fleet.messages.advisor import Usage
 from fleet.messages.capacity import (
-    AccountInput, AccountRecordInput, Catalog, DrainNodeInput, GetCatalogInput, NotifyInput,
+    AccountConfigInput, AccountInput, AccountRecordInput, Catalog, DrainNodeInput, GetCatalogInput, NotifyInput,
     ReleaseCordonsInput, ReportAccountInput, RetireMachineInput, SignalSitesInput, SiteNode, SiteNodesInput,
 )
 from fleet.messages.csr import CsrApproverResult
@@ -49,7 +49,7 @@ from fleet.messages.rollout import (
     WaitServingInput,
 )
 from fleet.messages.routing import (
-    RoutingSample, RoutingSampleInput, RoutingWatchInput, RoutingWatchResult, SiteEventInput,
+    RoutingModelInput, RoutingSample, RoutingSampleInput, RoutingWatchInput, RoutingWatchResult, SiteEventInput,
 )
 from fleet.messages.sweep import (
     IdentitySweepReport, SiteSweepReport, SweepIdentitiesInput, SweepKnown, SweepSiteInput,
@@ -105,6 +105,14 @@ async def cancel_purchase(input: CancelPurchaseInput) -> CancelOutcome:
     """Cancel a purchase whose pods all went, unless its join already asked the provider for a
     machine (then the node comes, and consolidation gives it back once idle). Body:
     ``activities/demand.py``, ``DemandActivities.cancel_purchase``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="account_config_problems")
+async def account_config_problems(input: AccountConfigInput) -> list[tuple[str, str]]:
+    """``(field, problem)`` for the account or provider of a ProviderAccount entity that the fleet
+    config does not have; none when it does. Body: ``activities/capacity.py``,
+    ``CapacityActivities.account_config_problems``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
@@ -459,6 +467,14 @@ async def rollback_site(input: RollbackSiteInput) -> ServingStatus | None:
 async def routing_event(input: SiteEventInput) -> list[str]:
     """Signal ``routing/<model>`` (started if needed) with the event; the models told. Body:
     ``activities/routing.py``, ``RoutingActivities.routing_event``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="routing_model_problems")
+async def routing_model_problems(input: RoutingModelInput) -> list[tuple[str, str]]:
+    """``[("model", problem)]`` when no site serves the model (a Deployment of it, at any replica
+    count) and the fleet config does not name it (``models:``); none otherwise. Body:
+    ``activities/routing.py``, ``RoutingActivities.routing_model_problems``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -61,6 +61,13 @@ class AccountInput(BaseModel):
     account: str
 
 
+class AccountConfigInput(BaseModel):
+    """A ProviderAccount entity's account and provider, to check against the fleet config."""
+
+    account: str
+    provider: str
+
+
 class NotifyInput(BaseModel):
     subject: str
     workflow_id: str

@@ -105,6 +105,12 @@ class SiteEventInput(Strict):
     wait_seconds: float = Field(0, ge=0, le=3600)
 
 
+class RoutingModelInput(Strict):
+    """``routing_model_problems``: whether a fresh Routing entity's model is one the fleet has."""
+
+    model: Name
+
+
 class RoutingSampleInput(Strict):
     model: Name
     geography: str | None = None
