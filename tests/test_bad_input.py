@@ -72,28 +72,54 @@ async def test_join_timeout_out_of_range_fails_before_provisioning(stack: Stack,
     assert stack.world.machines(include_deleted=True) == []
 
 
-@pytest.mark.parametrize("workflow_type, start, field, words", [
+@pytest.mark.parametrize("workflow_type, start, field, words, history", [
     # The token is issued before the machine is created: at 30 s it expired while the machine
     # booted, and the join waited out its 900 s registration wait for a machine billing.
     ("NodeJoin", {"site": "site-a", "token_ttl_seconds": 30}, "token_ttl_seconds",
-     "give at least 1500 or shorten the timeouts"),
+     "give at least 1500 or shorten the timeouts", "join_refused_a_token_that_expires_first"),
     ("NodeJoin", {"site": "site-a", "token_ttl_seconds": 600, "timeouts": {"registration_seconds": 60}},
-     "token_ttl_seconds", "give at least 660"),
+     "token_ttl_seconds", "give at least 660", ""),
     # A wait past the longest token (3600 s): no token can cover it, for a join or for every
     # join a capacity request starts.
     ("NodeJoin", {"site": "site-a", "timeouts": {"registration_seconds": 3600}}, "timeouts.registration_seconds",
-     "(4200 s) must be at most 3600 s"),
+     "(4200 s) must be at most 3600 s", ""),
     ("AcquireCapacity", {"constraints": {"sites": ["site-a"]},
                          "join_timeouts": {"provision_seconds": 1800, "registration_seconds": 1801}},
-     "join_timeouts.registration_seconds", "(3601 s) must be at most 3600 s"),
+     "join_timeouts.registration_seconds", "(3601 s) must be at most 3600 s",
+     "capacity_refused_join_timeouts_past_a_token"),
 ])
 async def test_a_join_token_that_expires_before_registration_fails_before_provisioning(
-        stack: Stack, workflow_type: str, start: dict, field: str, words: str) -> None:
+        stack: Stack, workflow_type: str, start: dict, field: str, words: str, history: str) -> None:
     handle = await start_raw(stack, workflow_type, json.dumps(start))
     failure = await invalid_input(handle, f"{field}: ", words)
     assert "expires before the machine can register" in failure.message or "longest a join token lives" in failure.message
     assert provider_calls(stack) == 0
     assert stack.world.machines(include_deleted=True) == []
+    if history:
+        await replay_and_record(handle, history)
+
+
+@pytest.mark.parametrize("history", ["join_refused_a_token_that_expires_first",
+                                     "capacity_refused_join_timeouts_past_a_token"])
+def test_a_run_from_before_the_token_checks_parses_its_input_as_it_did(history: str) -> None:
+    """The token checks came after runs had started with such inputs: a run without the check's
+    marker (its history cut before it) replays its input as it took it, not refused. Refused on
+    replay, it would end where it went on: a nondeterminism that fails its every workflow task, and
+    the join never deletes its machine."""
+    from fleet.messages.acquire import CapacityRequest
+    from fleet.messages.join import TOKEN_CHECKS, NodeJoinInput
+    from workflows.inputs import parse_input
+
+    start = {"join_refused_a_token_that_expires_first": (NodeJoinInput, {"site": "site-a", "token_ttl_seconds": 30}),
+             "capacity_refused_join_timeouts_past_a_token": (CapacityRequest, {
+                 "constraints": {"sites": ["site-a"]},
+                 "join_timeouts": {"provision_seconds": 1800, "registration_seconds": 1801}})}
+    model, raw = start[history]
+    assert parse_input(model, raw, context={TOKEN_CHECKS: False})  # a run from before: as it took it
+    with pytest.raises(ApplicationError, match="InvalidInput|token|3600"):
+        parse_input(model, raw, context={TOKEN_CHECKS: True})
+    with pytest.raises(ApplicationError):
+        parse_input(model, raw)  # the CLI and the client: checked
 
 
 #: Some of an AcquireCapacity request's fields that a workflow merges into the request it starts:

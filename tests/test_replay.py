@@ -88,6 +88,11 @@ EXPECTED = {
     # whose account left the config or whose model no site serves, which run on and say so.
     "account_refused_not_in_config", "account_refused_not_in_config_before", "account_not_in_config_any_more",
     "routing_refused_unknown_model", "routing_refused_unknown_model_before", "routing_model_served_nowhere_any_more",
+    # A join token that expires before the machine can register, or join timeouts past the longest
+    # token, refuse the start (``join-patches-at-start-4``, ``capacity-checks-join-tokens``;
+    # tests/test_bad_input.py); the old code's runs, which took them and went on, replay as they ran.
+    "join_refused_a_token_that_expires_first", "join_took_a_token_that_expires_first_before",
+    "capacity_refused_join_timeouts_past_a_token", "capacity_took_join_timeouts_past_a_token_before",
     # The Routing entity on its watch, no timer (issue 37: ``routing-events``).
     "routing_events_and_samples_on_watch",
     # Started with its first event (signal-with-start): the event kept since ``start_with``; the

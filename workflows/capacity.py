@@ -66,7 +66,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.placement import AccountView, Candidate, Placement, rank
     from fleet.feasibility import EMPTY, count_problems, request_problems, waiting_for
     from workflows.inputs import check_text, invalid_input, parse_input
-    from fleet.messages.join import JoinedNode, NodeJoinResult
+    from fleet.messages.join import TOKEN_CHECKS, JoinedNode, NodeJoinResult
     from workflows.node_join import NodeJoin
     from workflows.steps import PROVIDER_RETRY, QUICK, STORE_RETRY, failure_message, failure_type, show_details
 
@@ -104,6 +104,10 @@ GAVE_UP_TAKES_JOINS_PATCH = "capacity-gave-up-takes-joins"
 #: (an activity). Runs before it bought what they could: past a site's max (for its Site entity
 #: to retire), or waiting out the deadline.
 REFUSE_COUNT_PATCH = "capacity-refuse-count-over-max"
+#: Workflow patch, asked first thing in ``run`` (before any activity): ``join_timeouts`` that
+#: outlast the longest join token refuse the start (``JoinTimeouts``' token check). A run from
+#: before it took them and went on: replayed, it parses its input as it did.
+CHECKS_JOIN_TOKENS_PATCH = "capacity-checks-join-tokens"
 
 
 def _names_what(req: CapacityRequest) -> bool:
@@ -256,7 +260,7 @@ class AcquireCapacity:
     def _begin(self, raw: Any) -> CapacityRequest:
         """1. The request checked (refused at start, naming the field, if it names nothing to buy)
         and the carry of an earlier run taken up."""
-        req = parse_input(CapacityRequest, raw)
+        req = parse_input(CapacityRequest, raw, context={TOKEN_CHECKS: workflow.patched(CHECKS_JOIN_TOKENS_PATCH)})
         self._req = req
         start = workflow.now()
         if req.carry is None:

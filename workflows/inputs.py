@@ -96,15 +96,16 @@ def describe(error: ValidationError) -> tuple[str, list[str]]:
     return "; ".join(problems), fields
 
 
-def validate(model: type[M], raw: Any) -> M:
-    """``model`` from ``raw``, or ``InvalidInput`` naming every bad field."""
+def validate(model: type[M], raw: Any, context: dict[str, Any] | None = None) -> M:
+    """``model`` from ``raw``, or ``InvalidInput`` naming every bad field. ``context``: pydantic's
+    validation context (a check added later, off for the runs from before it: ``TOKEN_CHECKS``)."""
     if isinstance(raw, model):
         return raw
     problem = first_problem(raw)
     if problem is not None:
         raise invalid_input(f"invalid {model.__name__}: {problem[0]}: {problem[1]}", [problem[0]])
     try:
-        return model.model_validate(raw)
+        return model.model_validate(raw, context=context)
     except ValidationError as error:
         text, fields = describe(error)
         raise invalid_input(f"invalid {model.__name__}: {text}", fields) from None

@@ -60,7 +60,14 @@ with workflow.unsafe.imports_passed_through():
         until,
         until_in,
     )
-    from fleet.messages.join import JoinedNode, JoinProgress, JoinTimeouts, NodeJoinInput, NodeJoinResult
+    from fleet.messages.join import (
+        TOKEN_CHECKS,
+        JoinedNode,
+        JoinProgress,
+        JoinTimeouts,
+        NodeJoinInput,
+        NodeJoinResult,
+    )
 
 #: Deprecated, to be removed (docs/design/patches.md, "Retired"): the patch that decided every
 #: older NodeJoin patch once, in the run's first task. A join lasts minutes and this patch came
@@ -88,6 +95,11 @@ JOIN_PATCHES_AT_START_2 = "join-patches-at-start-2"
 #: (a query of the closed join failed). A regular activity of its own would cost every join a task
 #: (bench.join_overhead). Runs from before it (no marker) keep the local activity.
 JOIN_PATCHES_AT_START_3 = "join-patches-at-start-3"
+#: Workflow patch, asked first thing right after ``JOIN_PATCHES_AT_START_3``: the input's token
+#: checks (``NodeJoinInput``: a ``token_ttl_seconds`` that expires before the machine can register,
+#: timeouts that outlast the longest token) refuse the start, nothing bought. A run from before
+#: them took such an input and went on: replayed, it must parse it as it did.
+JOIN_PATCHES_AT_START_4 = "join-patches-at-start-4"
 
 
 @workflow.defn(name="NodeJoin")
@@ -123,7 +135,8 @@ class NodeJoin:
         workflow.deprecate_patch(JOIN_PATCHES_AT_START)  # first: before any activity
         self._clean_up_converges = workflow.patched(JOIN_PATCHES_AT_START_2)
         self._no_local_activity = workflow.patched(JOIN_PATCHES_AT_START_3)
-        request = parse_input(NodeJoinInput, raw)
+        checks_tokens = self._no_local_activity and workflow.patched(JOIN_PATCHES_AT_START_4)
+        request = parse_input(NodeJoinInput, raw, context={TOKEN_CHECKS: checks_tokens})
         if request.count > 1:
             return await self._join_many(request)
         try:
