@@ -1,4 +1,5 @@
-"""Capacity activities: the provider catalog, the account guard, sites, drains, webhooks.
+"""Capacity activities: the provider catalog, the account guard, sites, drains, webhooks, and the
+numbering of a Site entity's children (its fills here; its incidents' evacuations share the helpers).
 
 Run by the control-plane worker. Every provider call here goes through
 ``FleetEnv.provider`` (which refuses a revoked account before an SDK is touched),
@@ -16,15 +17,22 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Awaitable, Callable, TypeVar
 
 from temporalio import activity
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.exceptions import ApplicationError, CancelledError, TerminatedError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.account_store import AccountRecord, CatalogEntry
 from fleet.messages.capacity import (
     AccountConfigInput,
     AccountInput,
     AccountRecordInput,
+    CapacityResult,
     Catalog,
+    ChildNumber,
+    ChildNumberInput,
     DrainNodeInput,
+    FillRef,
     GetCatalogInput,
     NotifyInput,
     ReleaseCordonsInput,
@@ -40,7 +48,7 @@ from activities.errors import typed_errors
 from activities.ledger import record_retire
 from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocked, OverQuota
 from fleet.models import AccountState, listing
-from fleet.naming import account_workflow_id, site_workflow_id
+from fleet.naming import account_workflow_id, fill_number_of, fill_workflow_id, site_workflow_id
 from fleet.placement import AccountView
 from fleet.cluster import (
     ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS, FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT, DrainResult, fenced_gpus,
@@ -98,6 +106,68 @@ async def heartbeating(work: Awaitable[R]) -> R:
             activity.heartbeat()
     finally:
         task.cancel()  # the activity was cancelled: so is the wait (a thread's call runs to its end)
+
+
+async def is_running(client: Client, workflow_id: str) -> bool:
+    """Whether ``workflow_id`` (its latest run) is running; one that is not on record is not."""
+    try:
+        return (await client.get_workflow_handle(workflow_id).describe()).status == WorkflowExecutionStatus.RUNNING
+    except RPCError as error:
+        if error.status == RPCStatusCode.NOT_FOUND:
+            return False
+        raise
+
+
+async def number_past_record(workflow_type: str, site: str, workflow_id: Callable[[int], str],
+                             number: Callable[[str], int | None], at_least: int) -> ChildNumber:
+    """The number of a Site entity's next numbered child of ``workflow_type`` (an incident's
+    evacuation, a fill), ``at_least`` or more: one no ``workflow_id(n)`` on record has (Temporal
+    keeps a closed run under its id until the namespace's retention ends: a second run there hid
+    the first from the CLI and the status reads), or that of one still running, begun by an earlier
+    run of the entity (terminated, reset or started again), which the entity adopts rather than
+    start a second. ``number`` reads ``n`` from an id of the entity's series (None for any other)."""
+    client = activity.client()
+    taken, running = [], []
+    async for wf in client.list_workflows(f'WorkflowType = "{workflow_type}" AND Site = "{site}"'):
+        n = number(wf.id)
+        if n is not None:
+            taken.append(n)
+            if wf.status == WorkflowExecutionStatus.RUNNING:
+                running.append(n)
+    for n in sorted(running):
+        if await is_running(client, workflow_id(n)):  # the list can be a moment behind
+            return ChildNumber(n=n, running=True)
+    # The list lags its writes (Elasticsearch by about a second), and lists no child without ``Site``
+    # (an evacuation sets it in its first task; a fill started before ``site-fill-ids-unique`` has
+    # none): each candidate is described, which does not lag.
+    n = max([at_least - 1, *taken]) + 1
+    while True:
+        try:
+            status = (await client.get_workflow_handle(workflow_id(n)).describe()).status
+        except RPCError as error:
+            if error.status == RPCStatusCode.NOT_FOUND:
+                return ChildNumber(n=n)
+            raise
+        if status == WorkflowExecutionStatus.RUNNING:
+            return ChildNumber(n=n, running=True)
+        n += 1
+
+
+async def run_end(workflow_id: str, result_type: type[R]) -> tuple[R | None, str]:
+    """Wait for ``workflow_id`` to end (through its continue-as-new runs), heartbeating: its result,
+    or None and how it closed otherwise ("failed: …", "terminated", "cancelled", "no longer on record")."""
+    handle = activity.client().get_workflow_handle(workflow_id, result_type=result_type)
+    try:
+        return await heartbeating(handle.result()), ""
+    except RPCError as error:
+        if error.status != RPCStatusCode.NOT_FOUND:
+            raise
+        return None, "no longer on record"
+    except WorkflowFailureError as error:
+        cause = error.cause
+        if isinstance(cause, (TerminatedError, CancelledError)):
+            return None, "terminated" if isinstance(cause, TerminatedError) else "cancelled"
+        return None, f"failed: {getattr(cause, 'message', None) or cause}"[:500]
 
 
 def reports_account(site_of: Callable[[Any], str], offer_of: Callable[[Any], str | None] = lambda _: None):
@@ -210,6 +280,8 @@ class CapacityActivities:
             self.retire_machine,
             self.release_cordons,
             self.fleet_sites,
+            self.fill_number,
+            self.fill_end,
         ]
 
     # -- catalog ----------------------------------------------------------------------------
@@ -368,6 +440,24 @@ class CapacityActivities:
                      **(self._held(n.name) if n.unschedulable else {}))
             for n in nodes
         ]
+
+    @activity.defn
+    async def fill_number(self, input: ChildNumberInput) -> ChildNumber:
+        """The number of the site's next Site-entity fill, ``input.at_least`` or more: one no
+        ``capacity/site-<site>-<n>`` on record has, or that of one still running (to adopt, not to
+        buy for twice). A person's or the demand loop's requests are other series: never counted."""
+        site = input.site
+        return await number_past_record(flows.AcquireCapacity.TYPE, site, lambda n: fill_workflow_id(site, n),
+                                        lambda workflow_id: fill_number_of(site, workflow_id), input.at_least)
+
+    @activity.defn
+    async def fill_end(self, input: FillRef) -> CapacityResult:
+        """Wait for the site's ``n``-th fill to end (heartbeats meanwhile): its result. One that
+        ended otherwise (failed, terminated, no longer on record) fails this, saying how; not retried."""
+        result, how = await run_end(fill_workflow_id(input.site, input.n), CapacityResult)
+        if result is None:
+            raise ApplicationError(how.removeprefix("failed: "), non_retryable=True)
+        return result
 
     def _held(self, name: str) -> dict:
         """Who holds a cordoned node of the site (a fence, a person's mark: never without a cordon),

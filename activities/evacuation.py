@@ -8,12 +8,11 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import activity
-from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowFailureError
+from temporalio.client import WithStartWorkflowOperation
 from temporalio.common import WorkflowIDConflictPolicy
-from temporalio.exceptions import ApplicationError, CancelledError, TerminatedError
-from temporalio.service import RPCError, RPCStatusCode
+from temporalio.exceptions import ApplicationError
 
-from activities.capacity import heartbeating
+from activities.capacity import is_running, number_past_record, run_end
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.config import Site
@@ -22,6 +21,7 @@ from fleet.incident import IncidentSettings, SiteFacts, incident_of_hold, recove
 from fleet.naming import evacuation_number, evacuation_workflow_id, site_workflow_id
 from providers.cluster.base import NodeMarks, NodeNotFound, decide_on_node, free_gpus_at, uncordon_unless
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute, fenced_gpus
+from fleet.messages.capacity import ChildNumber, ChildNumberInput
 from fleet.messages.evacuation import (
     AdmitRepairInput,
     EvacuationFacts,
@@ -29,8 +29,6 @@ from fleet.messages.evacuation import (
     EvacuationResult,
     FreeGpusInput,
     HoldRepairsInput,
-    IncidentNumber,
-    IncidentNumberInput,
     ProbeNode,
     RecoveryProbe,
     RepairDecision,
@@ -77,16 +75,6 @@ async def _running_repairs(client, site: str):
             activity.logger.info("%s: no ladder to read (%s)", wf.id, error)
             continue
         yield wf.id, handle, ladder
-
-
-async def _running(client, workflow_id: str) -> bool:
-    """Whether ``workflow_id`` (its latest run) is running; one that is not on record is not."""
-    try:
-        return (await client.get_workflow_handle(workflow_id).describe()).status == WorkflowExecutionStatus.RUNNING
-    except RPCError as error:
-        if error.status == RPCStatusCode.NOT_FOUND:
-            return False
-        raise
 
 
 #: Which SiteEvacuation acts at a site: state ``evacuation-claim``/<site> names it (``CLAIM_HOLDER``).
@@ -187,7 +175,7 @@ class EvacuationActivities:
         released = []
         async for repair_id, handle, ladder in _running_repairs(client, input.site):
             incident = incident_of_hold(input.site, ladder.hold_reason) if ladder.held else None
-            if incident is None or await _running(client, incident):
+            if incident is None or await is_running(client, incident):
                 continue
             try:
                 await handle.execute_update(flows.GpuRepair.release, {"reason": ladder.hold_reason})
@@ -198,38 +186,14 @@ class EvacuationActivities:
         return released
 
     @activity.defn
-    async def incident_number(self, input: IncidentNumberInput) -> IncidentNumber:
+    async def incident_number(self, input: ChildNumberInput) -> ChildNumber:
         """The number of the site's next Site-entity incident, ``input.at_least`` or more: one no
-        ``evacuate/<site>/<n>`` on record has (Temporal keeps a closed run under its id until the
-        namespace's retention ends: a second run there hid the first from `gpufleet evacuate` and
-        the progress reads), or that of one still running, begun by an earlier run of the entity
-        (terminated, reset or started again), which the entity adopts rather than start a second.
-        A person's ``manual-<request>`` evacuations are not the entity's: never counted."""
-        client, site = activity.client(), input.site
-        taken, running = [], []
-        query = f'WorkflowType = "{flows.SiteEvacuation.TYPE}" AND Site = "{site}"'
-        async for wf in client.list_workflows(query):
-            n = evacuation_number(site, wf.id)
-            if n is not None:
-                taken.append(n)
-                if wf.status == WorkflowExecutionStatus.RUNNING:
-                    running.append(n)
-        for n in sorted(running):
-            if await _running(client, evacuation_workflow_id(site, n)):  # the list can be a moment behind
-                return IncidentNumber(n=n, running=True)
-        # The list lags its writes (Elasticsearch by about a second) and an evacuation sets ``Site``
-        # in its first task: each candidate is described, which does not lag.
-        n = max([input.at_least - 1, *taken]) + 1
-        while True:
-            try:
-                status = (await client.get_workflow_handle(evacuation_workflow_id(site, n)).describe()).status
-            except RPCError as error:
-                if error.status == RPCStatusCode.NOT_FOUND:
-                    return IncidentNumber(n=n)
-                raise
-            if status == WorkflowExecutionStatus.RUNNING:
-                return IncidentNumber(n=n, running=True)
-            n += 1
+        ``evacuate/<site>/<n>`` on record has (a second run there hid the first from `gpufleet
+        evacuate` and the progress reads), or that of one still running (to adopt as its open
+        incident). A person's ``manual-<request>`` evacuations are not the entity's: never counted."""
+        site = input.site
+        return await number_past_record(flows.SiteEvacuation.TYPE, site, lambda n: evacuation_workflow_id(site, n),
+                                        lambda workflow_id: evacuation_number(site, workflow_id), input.at_least)
 
     # -- SiteEvacuation -----------------------------------------------------------------------
     @activity.defn
@@ -246,7 +210,7 @@ class EvacuationActivities:
         for _ in range(10):
             claim = await asyncio.to_thread(cluster.read_state, EVACUATION_CLAIM_KIND, input.site)
             holder = claim.get(CLAIM_HOLDER, "")
-            if holder and holder != input.workflow_id and await _running(client, holder):
+            if holder and holder != input.workflow_id and await is_running(client, holder):
                 return holder
             if holder == input.workflow_id:
                 return ""  # taken by an earlier attempt of this activity, or an earlier run of this one
@@ -267,18 +231,8 @@ class EvacuationActivities:
     async def evacuation_end(self, input: EvacuationRef) -> str:
         """Wait for ``input.workflow_id`` to end (through its continue-as-new runs): its outcome,
         or how it closed ("failed: …", "terminated"). Heartbeats while it waits."""
-        handle = activity.client().get_workflow_handle(input.workflow_id, result_type=EvacuationResult)
-        try:
-            return (await heartbeating(handle.result())).outcome
-        except RPCError as error:
-            if error.status != RPCStatusCode.NOT_FOUND:
-                raise
-            return "no longer on record"
-        except WorkflowFailureError as error:
-            cause = error.cause
-            if isinstance(cause, (TerminatedError, CancelledError)):
-                return "terminated" if isinstance(cause, TerminatedError) else "cancelled"
-            return f"failed: {getattr(cause, 'message', None) or cause}"[:500]
+        result, how = await run_end(input.workflow_id, EvacuationResult)
+        return result.outcome if result is not None else how
 
     @activity.defn
     @typed_errors

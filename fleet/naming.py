@@ -163,7 +163,24 @@ def evacuation_workflow_id(site: str, n: int) -> str:
 def evacuation_number(site: str, workflow_id: str) -> int | None:
     """``n`` of the Site entity's ``evacuate/<site>/<n>``; None for any other id (a person's
     ``manual-<request>``, another site's)."""
-    found = re.fullmatch(rf"evacuate/{re.escape(site)}/([1-9][0-9]*)", workflow_id)
+    return _number_after(f"evacuate/{site}/", workflow_id)
+
+
+def fill_workflow_id(site: str, n: int) -> str:
+    """The Site entity's n-th fill: the AcquireCapacity that brings the site to its min."""
+    return capacity_workflow_id(f"site-{site}-{n}")
+
+
+def fill_number_of(site: str, workflow_id: str) -> int | None:
+    """``n`` of the Site entity's ``capacity/site-<site>-<n>``; None for any other id (another
+    site's fill, a purchase, a person's request)."""
+    return _number_after(capacity_workflow_id(f"site-{site}-"), workflow_id)
+
+
+def _number_after(prefix: str, workflow_id: str) -> int | None:
+    """The number (1 or more) that ``workflow_id`` is ``prefix`` followed by; None for an id that is
+    not (another series, another site's)."""
+    found = re.fullmatch(rf"{re.escape(prefix)}([1-9][0-9]*)", workflow_id)
     return int(found.group(1)) if found else None
 
 

@@ -1335,7 +1335,7 @@ async def test_incident_numbers_pass_every_evacuation_on_record_of_the_site_but_
     the number to adopt. A person's ``manual-<request>``, running, is neither counted nor adopted."""
     from temporalio.common import SearchAttributePair, TypedSearchAttributes
     from fleet import search_attributes as sa
-    from fleet.messages.evacuation import IncidentNumber, IncidentNumberInput
+    from fleet.messages.capacity import ChildNumber, ChildNumberInput
 
     client, uid = temporal_env.client, uuid.uuid4().hex[:6]
     site, nobody = f"s-{uid}", f"nobody-{uid}"  # no worker polls ``nobody``: each stays as started
@@ -1350,19 +1350,19 @@ async def test_incident_numbers_pass_every_evacuation_on_record_of_the_site_but_
             await poll(lambda: _runs(client, workflow_id), timeout=10)  # the list catches up
         return handle
 
-    def number(at_least: int = 1) -> IncidentNumber:
+    def number(at_least: int = 1) -> ChildNumber:
         return ActivityEnvironment(client=client).run(EvacuationActivities(None).incident_number,  # type: ignore[arg-type]
-                                                      IncidentNumberInput(site=site, at_least=at_least))
+                                                      ChildNumberInput(site=site, at_least=at_least))
 
-    assert await number() == IncidentNumber(n=1)
-    assert await number(4) == IncidentNumber(n=4)
+    assert await number() == ChildNumber(n=1)
+    assert await number(4) == ChildNumber(n=4)
     await start(f"evacuate/{site}/1")
     await start(f"evacuate/{site}/2", listed=False)  # described
     manual = await start(f"evacuate/{site}/manual-9", close=False)
     try:
-        assert await number() == IncidentNumber(n=3)
+        assert await number() == ChildNumber(n=3)
         running = await start(f"evacuate/{site}/5", close=False)
-        assert await number() == IncidentNumber(n=5, running=True)
+        assert await number() == ChildNumber(n=5, running=True)
         await running.terminate("test over")
     finally:
         await manual.terminate("test over")

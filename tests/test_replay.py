@@ -277,6 +277,10 @@ EXPECTED = {
     # the code before replays in ``site_incident_tripped``, ``site_events_notready_trips``,
     # ``site_incident_carried``.
     "site_numbers_incidents_past_those_on_record", "site_takes_a_running_evacuation_as_its_incident",
+    # A Site entity started again numbers its next fill past the fills on record, and takes one still
+    # running as its fill (``site-fill-ids-unique``, tests/test_site_reclaim.py); the code before
+    # replays in ``site_fill_below_min``, ``site_reconcile_refused_then_fills``.
+    "site_numbers_fills_past_those_on_record", "site_takes_a_running_fill_as_its_own",
 }
 
 

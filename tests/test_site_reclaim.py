@@ -12,11 +12,12 @@ import pytest
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.testing import WorkflowEnvironment
 
-from fleet.messages.capacity import AccountStatus, SiteStatus, SpotReclaimResult
+from fleet.messages.capacity import AccountStatus, CapacityResult, SiteStatus, SpotReclaimResult
 from tests.can_server import server_suggesting_continue_as_new
 from tests.capacity_fleet import (FAST_JOIN, CapStack, capacity_fleet, failed_pass_cleared, failed_pass_shown, open_stack,
                                   replay_and_record)
 from tests.conftest import wait_for, write_before_next_cordon
+from tests.evacuation_helpers import poll
 
 FILL = {"join_timeouts": FAST_JOIN, "backoff_seconds": 1}
 
@@ -422,3 +423,83 @@ async def test_entities_continue_as_new(tmp_path: Path) -> None:
             status = await account.query("status", result_type=AccountStatus)
             await wait_for(lambda: True)
             assert status.state == "quota-blocked" and len(status.blocked_offers) >= 1
+
+
+
+
+async def _fill_runs(cap: CapStack, name: str) -> dict[str, int]:
+    """How many runs Temporal has behind each of the site's fill ids ``capacity/site-<site>-<n>``."""
+    runs: dict[str, int] = {}
+    query = f'WorkflowType = "AcquireCapacity" AND TaskQueue = "{cap.settings.task_queue}"'
+    async for wf in cap.client.list_workflows(query):
+        if wf.id.startswith(f"capacity/site-{cap.site(name)}-"):
+            runs[wf.id] = runs.get(wf.id, 0) + 1
+    return runs
+
+
+async def _filling(site) -> str:
+    """The fill the Site entity says it is filling with, for ``poll``."""
+    try:
+        return (await site.query("status", result_type=SiteStatus)).filling
+    except Exception:  # noqa: BLE001 - its first task may not have run yet
+        return ""
+
+
+async def _fill_result(cap: CapStack, fill_id: str) -> CapacityResult:
+    return CapacityResult.model_validate(await asyncio.wait_for(cap.client.get_workflow_handle(fill_id).result(), 30))
+
+
+async def test_a_site_entity_started_again_numbers_its_next_fill_past_those_on_record(cap: CapStack) -> None:
+    """A Site entity terminated (or reset, or its state lost) and started again counted its fills
+    from 1 again: its next fill put a second run behind ``capacity/site-<site>-1``, and `gpufleet
+    capacity`, the status and the site's ``filling`` read that one for both. Now it numbers past every
+    fill of its site on record; the first fill stays the only run behind its id."""
+    cheap = cap.site("cheap")
+    first, second = f"capacity/site-{cheap}-1", f"capacity/site-{cheap}-2"
+    site = await start_site(cap, "cheap")
+    assert await poll(lambda: _filling(site), timeout=30) == first
+    assert len((await _fill_result(cap, first)).nodes) == 2
+    await site.terminate("test: stuck, an operator terminates it (its carried state is lost)")
+    cap.cluster.remove_node(live(cap, "cheap")[0]["name"])  # the site is below its min again
+    site = await start_site(cap, "cheap")  # as the sweep or `gpufleet site reconcile` start it again
+
+    assert await poll(lambda: _filling(site), timeout=30) == second
+    assert len((await _fill_result(cap, second)).nodes) == 1
+    assert await _fill_runs(cap, "cheap") == {first: 1, second: 1}
+    # Each listed by its site from its start: the next run started afresh numbers past them.
+    listed = await cap.listed(f'WorkflowType = "AcquireCapacity" AND Site = "{cheap}"')
+    assert sorted(w.id for w in listed) == [first, second]
+    await wait_for(lambda: len(live(cap, "cheap")) == 3, timeout=10)
+    await poll(lambda: _not_filling(site), timeout=10)
+    await replay_and_record(site, "site_numbers_fills_past_those_on_record")
+
+
+async def _not_filling(site) -> bool:
+    return (await site.query("status", result_type=SiteStatus)).filling == ""
+
+
+async def test_a_site_entity_started_again_mid_fill_takes_the_running_fill_as_its_own(cap: CapStack) -> None:
+    """The Site entity stopped mid-fill (terminated, reset; its fill outlives it on purpose) and was
+    started again. Before: the start of ``capacity/site-<site>-1`` failed (already running), the fill
+    counted as failed and the next reconcile started fill 2 beside it: both bought, four machines
+    for a site whose min is 2 (max 3), one then retired. Now the running fill is its fill: the site
+    says so, starts no other and reconciles once it ends; two machines bought, one fill on record."""
+    cheap = cap.site("cheap")
+    first = f"capacity/site-{cheap}-1"
+    cap.world.set_site(cheap, capacity=0)  # the fill waits for capacity
+    site = await start_site(cap, "cheap")
+    assert await poll(lambda: _filling(site), timeout=30) == first
+    await site.terminate("test: the entity stops mid-fill")
+    site = await start_site(cap, "cheap")
+
+    assert await poll(lambda: _filling(site), timeout=30) == first
+    await asyncio.sleep(2)  # it reconciles meanwhile (it just started): no other fill starts
+    cap.world.set_site(cheap, capacity=4)
+    await cap.refresh_catalog()
+    assert len((await _fill_result(cap, first)).nodes) == 2
+    await poll(lambda: _not_filling(site), timeout=10)
+    await asyncio.sleep(2)  # time for anything else to buy (nothing must)
+    assert cap.world.calls(cap.account("a"), "create") == 2
+    assert len(live(cap, "cheap")) == 2
+    assert await _fill_runs(cap, "cheap") == {first: 1}
+    await replay_and_record(site, "site_takes_a_running_fill_as_its_own")

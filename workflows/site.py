@@ -37,6 +37,9 @@ Provider incidents (product rule 5, ``fleet.incident``; recorded as patch
   started again (terminated, reset) never puts a second run behind an earlier incident's id; one
   of them still running is its open incident, watched to its end, never started twice.
 
+Its fills (``capacity/site-<site>-<n>``) are numbered the same way: past every one on record, and
+one still running, begun by an earlier run of the entity, is its fill, waited for, never bought twice.
+
 Its watch also keeps its nodes' public placement labels (zone, region, GPU product) as the
 site's config says, within seconds of a change; a node that changed its own is told to
 quarantine (``SELF_LABELS_PATCH``).
@@ -59,7 +62,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any
+from typing import Any, Awaitable
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy, SearchAttributePair, TypedSearchAttributes, WorkflowIDReusePolicy
@@ -71,6 +74,9 @@ with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
     from fleet.messages.capacity import (
         CapacityResult,
+        ChildNumber,
+        ChildNumberInput,
+        FillRef,
         NodeTransition,
         ReleaseCordonsInput,
         SignalSitesInput,
@@ -115,7 +121,7 @@ with workflow.unsafe.imports_passed_through():
         incident_hold_reason,
         record,
     )
-    from fleet.naming import capacity_workflow_id, evacuation_workflow_id, node_workflow_id
+    from fleet.naming import evacuation_workflow_id, fill_workflow_id, node_workflow_id
     from fleet.messages.watches import ClusterNodeState, SiteWatchInput, SiteWatchResult, node_summary
     from fleet.messages.evacuation import (
         AdmitRepairInput,
@@ -123,8 +129,6 @@ with workflow.unsafe.imports_passed_through():
         EvacuationRef,
         HoldRepairsInput,
         IncidentCarry,
-        IncidentNumber,
-        IncidentNumberInput,
         IncidentRecord,
         IncidentView,
         RepairDecision,
@@ -174,9 +178,20 @@ ORPHANED_HOLDS_PATCH = "site-releases-orphaned-holds"
 #: repairs; a drained site (its nodes cordoned, so not unreachable) opened none, and min/max and
 #: repairs went on under the evacuation. Asked at such a run's start and at each evacuation's start.
 EVACUATION_IDS_PATCH = "site-evacuation-ids-unique"
-#: ``incident_number`` (a visibility list and a describe or two): a few quick tries; an evacuation
-#: does not wait on it longer (refused, the entity numbers as before, and the start still refuses a
-#: used id).
+#: Workflow patch: a fill's id (``capacity/site-<site>-<n>``) is one Temporal has no run of, and a
+#: fill of the entity's still running is its fill. A run with no carried state numbers its fills on
+#: from the highest on record and takes one of them still running as its fill (``filling``, waited
+#: for with ``fill_end``, no second started meanwhile); each fill's number is checked as it starts
+#: (``fill_number``: a reset run carries an old count), and it starts with ``REJECT_DUPLICATE`` and
+#: its ``Site`` search attribute. Before, such a run counted from 1 again: its next fill put a second
+#: run behind ``capacity/site-<site>-1`` (the CLI and ``filling`` read the newest), or, the first
+#: still running (it outlives the entity on purpose), the start failed "already started", the fill
+#: counted as failed and the next reconcile started fill 2 beside it: the site bought for twice, then
+#: retired what passed its max. Asked at such a run's start and at each fill's start.
+FILL_IDS_PATCH = "site-fill-ids-unique"
+#: ``incident_number``, ``fill_number`` (a visibility list and a describe or two): a few quick tries;
+#: an evacuation or a fill does not wait on it longer (refused, the entity numbers as before, and the
+#: start still refuses a used id).
 NUMBER_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_attempts=3)
 #: The site's watch returns unchanged after this long; its heartbeat timeout (a beat at half of
 #: it): a control-plane worker lost without a word is noticed within it, a retried watch then
@@ -185,6 +200,13 @@ SITE_WATCH_SECONDS = 1800.0
 #: The sim has no watch: its nodes are looked at this often at most (``check_seconds`` if shorter).
 SIM_POLL_SECONDS = 1.0
 
+
+
+def _unique_start(site: str) -> dict[str, Any]:
+    """How a numbered child (an incident's evacuation, a fill) whose number was checked starts:
+    never a second run behind its id, and listed by its site from its start (``*_number`` finds it)."""
+    return dict(id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
+                search_attributes=TypedSearchAttributes([SearchAttributePair(sa.SITE, site)]))
 
 
 def _starting_state(args: SiteInput) -> SiteState:
@@ -412,6 +434,8 @@ class SiteEntity(Entity[SiteState]):
                 await self._learn_incidents()  # before any admission can open one (they wait for the settings)
             self._incident_settings = settings
         self._fleet_state = "reconciling"
+        if args.state is None and args.incident is None and workflow.patched(FILL_IDS_PATCH):
+            await self._learn_fills()  # before its first reconcile, which would start a fill beside it
         if incidents and workflow.patched(EVENTS_PATCH):
             self._events = True
             self._self_labels = workflow.patched(SELF_LABELS_PATCH)
@@ -711,17 +735,20 @@ class SiteEntity(Entity[SiteState]):
             workflow.logger.warning("site %s: released %d repairs held for an incident no longer running: %s",
                                     site, len(released), ", ".join(released))
 
-    async def _incident_number(self, at_least: int) -> IncidentNumber | None:
-        """``incident_number``; None where Temporal did not answer (logged: the caller goes on)."""
-        site = self._site.name
+    async def _number(self, series: str, at_least: int) -> ChildNumber | None:
+        """The next number of the entity's incidents (``series`` "incident": ``incident_number``) or
+        fills ("fill": ``fill_number``), ``at_least`` or more, no run on record has, or one still
+        running; None where Temporal did not answer (logged: the caller goes on)."""
+        site, fills = self._site.name, series == "fill"
+        runs = "fill" if fills else "evacuation"
         try:
             return await workflow.execute_activity(
-                act.incident_number, IncidentNumberInput(site=site, at_least=at_least),
+                act.fill_number if fills else act.incident_number, ChildNumberInput(site=site, at_least=at_least),
                 start_to_close_timeout=QUICK, retry_policy=NUMBER_RETRY,
-                summary=f"{site}: the next incident number no evacuation has, or one still running",
+                summary=f"{site}: the next {series} number no {runs} has, or one still running",
             )
         except ActivityError as error:
-            workflow.logger.warning("site %s: evacuations on record not read (%s)", site, failure_message(error))
+            workflow.logger.warning("site %s: %ss on record not read (%s)", site, runs, failure_message(error))
             return None
 
     async def _learn_incidents(self) -> None:
@@ -729,7 +756,7 @@ class SiteEntity(Entity[SiteState]):
         terminated): its incidents go on from the highest number on record, and an evacuation of its
         own still running (the entity was stopped mid-incident) is its open incident."""
         inc, site = self.state.incident, self._site.name
-        found = await self._incident_number(1)
+        found = await self._number("incident", 1)
         if found is None:
             return  # each incident's number is checked again as its evacuation starts
         inc.count = found.n if found.running else found.n - 1
@@ -747,7 +774,7 @@ class SiteEntity(Entity[SiteState]):
             return True, True
         if not workflow.patched(EVACUATION_IDS_PATCH):
             return False, False
-        found = await self._incident_number(self.state.incident.count)
+        found = await self._number("incident", self.state.incident.count)
         if found is None:
             return False, True
         self.state.incident.count = found.n
@@ -764,9 +791,7 @@ class SiteEntity(Entity[SiteState]):
                 start_to_close_timeout=FOLLOW_WAIT, heartbeat_timeout=LONG_WATCH_HEARTBEAT,
                 retry_policy=LONG_WATCH_RETRY, summary=f"until {incident.id} ends",
             )
-        # Checked: never a second run behind an id, and listed by its site from its start.
-        unique = dict(id_reuse_policy=WorkflowIDReusePolicy.REJECT_DUPLICATE,
-                      search_attributes=TypedSearchAttributes([SearchAttributePair(sa.SITE, site)])) if checked else {}
+        unique = _unique_start(site) if checked else {}
         result: EvacuationResult = await workflow.execute_child_workflow(
             flows.SiteEvacuation.TYPE, {**self._args.evacuation, "site": site, "reason": incident.reason},
             id=incident.id, result_type=EvacuationResult,
@@ -875,8 +900,11 @@ class SiteEntity(Entity[SiteState]):
             self._show(f"{count} nodes; filling{released}")
             return
         if count < site.min_nodes:
-            self._start_fill(site.min_nodes - count)
-            self._show(f"below min ({count} < {site.min_nodes}): acquiring {site.min_nodes - count}{released}")
+            if await self._start_fill(site.min_nodes - count):
+                self._show(f"below min ({count} < {site.min_nodes}): {self.state.status.filling} still filling it, "
+                           f"begun before this run of the entity: waiting for it{released}")
+            else:
+                self._show(f"below min ({count} < {site.min_nodes}): acquiring {site.min_nodes - count}{released}")
         elif count > site.max_nodes:
             surplus = surplus_to_retire(nodes, count - site.max_nodes)
             chosen = {n.node_name for n in surplus}
@@ -920,28 +948,67 @@ class SiteEntity(Entity[SiteState]):
         workflow.logger.info("site %s: %s", site, note)
         return f"; {note}"
 
-    def _start_fill(self, need: int) -> None:
+    async def _learn_fills(self) -> None:
+        """A run with no carried state (the entity's first, or one started again after it was
+        terminated): its fills go on from the highest number on record, and a fill of its own still
+        running (the entity was stopped mid-fill; the fill outlives it on purpose) is its fill."""
+        found = await self._number("fill", 1)
+        if found is None:
+            return  # each fill's number is checked again as it starts
+        if found.running:
+            self._adopt_fill(found.n)
+        else:
+            self.state.fills = found.n - 1
+
+    async def _start_fill(self, need: int) -> bool:
+        """Start a fill for ``need`` nodes; or (``FILL_IDS_PATCH``) take the fill of the site's still
+        running, begun by an earlier run of the entity (a reset run carries an old count), rather
+        than buy for the site twice. True where it took one."""
         site = self._site
-        self.state.fills += 1
-        fill_id = capacity_workflow_id(f"site-{site.name}-{self.state.fills}")
+        checked = workflow.patched(FILL_IDS_PATCH)
+        found = await self._number("fill", self.state.fills + 1) if checked else None
+        if found is not None and found.running:
+            self._adopt_fill(found.n)
+            return True
+        self.state.fills = found.n if found is not None else self.state.fills + 1
+        fill_id = fill_workflow_id(site.name, self.state.fills)
         request = {
             "count": need, "reason": f"site {site.name} below min",
             **self._args.fill_request,
             "constraints": {**self._args.fill_request.get("constraints", {}), "sites": [site.name]},
         }
+        unique = _unique_start(site.name) if checked else {}
+        self._follow_fill(fill_id, workflow.execute_child_workflow(
+            flows.AcquireCapacity.TYPE, request, id=fill_id, result_type=CapacityResult,
+            # Outlives the entity on purpose: the fill is what the site needs whatever
+            # happens to this run, and its joins clean up after themselves; the next run takes it.
+            parent_close_policy=ParentClosePolicy.ABANDON,
+            static_summary=f"fill {site.name} to its min ({need} nodes)", **unique,
+        ))
+        return False
+
+    def _adopt_fill(self, n: int) -> None:
+        """The site's ``n``-th fill, begun by an earlier run of the entity and still running, is
+        this run's: waited for to its end (``fill_end``), never started again."""
+        site = self._site.name
+        self.state.fills = max(self.state.fills, n)
+        fill_id = fill_workflow_id(site, n)
+        self._follow_fill(fill_id, workflow.execute_activity(
+            act.fill_end, FillRef(site=site, n=n),
+            start_to_close_timeout=FOLLOW_WAIT, heartbeat_timeout=LONG_WATCH_HEARTBEAT,
+            retry_policy=LONG_WATCH_RETRY, summary=f"until {fill_id} ends",
+        ))
+
+    def _follow_fill(self, fill_id: str, ended: Awaitable[CapacityResult]) -> None:
+        """The entity's fill task: the site is ``filling`` (no other fill, no retire) until ``ended``
+        (the fill's result) answers; then it reconciles."""
         self.state.status.filling = fill_id
         self._set_fleet_state("filling")
 
         async def fill() -> None:
             try:
-                result: CapacityResult = await workflow.execute_child_workflow(
-                    flows.AcquireCapacity.TYPE, request, id=fill_id, result_type=CapacityResult,
-                    # Outlives the entity on purpose: the fill is what the site needs whatever
-                    # happens to this run, and its joins clean up after themselves.
-                    parent_close_policy=ParentClosePolicy.ABANDON,
-                    static_summary=f"fill {site.name} to its min ({need} nodes)",
-                )
-                self.state.status.last = f"fill {fill_id}: {len(result.nodes)} of {need} joined"
+                result = await ended
+                self.state.status.last = f"fill {fill_id}: {len(result.nodes)} of {result.requested} joined"
             except Exception as error:  # noqa: BLE001 - a failed fill is retried by the next reconcile
                 self.state.status.last = f"fill {fill_id} failed: {failure_message(error)}"
             finally:

@@ -69,8 +69,8 @@ LONG_WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_in
 #: ... and one refused for good (an unknown site, a forbidden list) shown and tried again this
 #: much later.
 LONG_WATCH_PAUSE = timedelta(minutes=5)
-#: How long one wait for another's evacuation to end lasts (then it is asked again): one that
-#: follows the first, a Site entity's incident begun by an earlier run of it.
+#: How long one wait for another's evacuation (or fill) to end lasts (then it is asked again): one
+#: that follows the first, a Site entity's incident or fill begun by an earlier run of it.
 FOLLOW_WAIT = timedelta(days=1)
 #: A step that puts back what an operation changed (a site's held repairs released): the same
 #: policy as the long watch's, retried until done. A bounded retry would leave the change in place

@@ -19,8 +19,9 @@ from fleet.config import Site
 from fleet.incident import IncidentSettings
 from fleet.messages.advisor import Usage
 from fleet.messages.capacity import (
-    AccountConfigInput, AccountInput, AccountRecordInput, Catalog, DrainNodeInput, GetCatalogInput, NotifyInput,
-    ReleaseCordonsInput, ReportAccountInput, RetireMachineInput, SignalSitesInput, SiteNode, SiteNodesInput,
+    AccountConfigInput, AccountInput, AccountRecordInput, CapacityResult, Catalog, ChildNumber, ChildNumberInput,
+    DrainNodeInput, FillRef, GetCatalogInput, NotifyInput, ReleaseCordonsInput, ReportAccountInput, RetireMachineInput,
+    SignalSitesInput, SiteNode, SiteNodesInput,
 )
 from fleet.messages.csr import CsrApproverResult
 from fleet.messages.demand import (
@@ -29,9 +30,9 @@ from fleet.messages.demand import (
 )
 from fleet.contracts.entity_update import EntityUpdateInput, EntityUpdateResult
 from fleet.messages.evacuation import (
-    AdmitRepairInput, EvacuationFacts, EvacuationRef, FreeGpusInput, HoldRepairsInput, IncidentNumber,
-    IncidentNumberInput, RecoveryProbe, ReleaseNodesInput, ReleaseNodesResult, RepairDecision, ScaleInput,
-    SiteProbe, SiteRef, SiteWeightInput, SiteWeightResult, UncordonInput,
+    AdmitRepairInput, EvacuationFacts, EvacuationRef, FreeGpusInput, HoldRepairsInput, RecoveryProbe,
+    ReleaseNodesInput, ReleaseNodesResult, RepairDecision, ScaleInput, SiteProbe, SiteRef, SiteWeightInput,
+    SiteWeightResult, UncordonInput,
 )
 from fleet.messages.nodes import (
     AdmitNodeInput, AwaitRegistrationInput, ContainInput, ContainResult, DeleteMachineInput,
@@ -186,6 +187,20 @@ async def fence_gpu(input: FenceInput) -> None:
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
+@activity.defn(name="fill_end")
+async def fill_end(input: FillRef) -> CapacityResult:
+    """Waits for that fill (begun by an earlier run of the Site entity) to end: its result; one that
+    ended otherwise fails this, saying how. Body: ``activities/capacity.py``, ``CapacityActivities.fill_end``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="fill_number")
+async def fill_number(input: ChildNumberInput) -> ChildNumber:
+    """The number of the site's next Site-entity fill: one no fill on record has, or one whose fill
+    still runs (to adopt). Body: ``activities/capacity.py``, ``CapacityActivities.fill_number``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
 @activity.defn(name="fleet_sites")
 async def fleet_sites() -> list:
     """Body: ``activities/capacity.py``, ``CapacityActivities.fleet_sites``."""
@@ -222,7 +237,7 @@ async def idle_nodes() -> IdleNodesResult:
 
 
 @activity.defn(name="incident_number")
-async def incident_number(input: IncidentNumberInput) -> IncidentNumber:
+async def incident_number(input: ChildNumberInput) -> ChildNumber:
     """The number of the site's next Site-entity incident: one no evacuation on record has, or one
     whose evacuation still runs (to adopt). Body: ``activities/evacuation.py``,
     ``EvacuationActivities.incident_number``."""

@@ -116,6 +116,30 @@ class ReleaseCordonsInput(BaseModel):
     cordoned_by: str
 
 
+class ChildNumberInput(BaseModel):
+    """``incident_number``, ``fill_number``: the site, and the least number its Site entity's next
+    incident (or fill) may take."""
+
+    site: Name
+    at_least: int = Field(1, ge=1)
+
+
+class ChildNumber(BaseModel):
+    """The number of a Site entity's incident (``evacuate/<site>/<n>``) or fill
+    (``capacity/site-<site>-<n>``): one no run on record has, or (``running``) one whose run still
+    runs, begun by an earlier run of the entity."""
+
+    n: int
+    running: bool = False
+
+
+class FillRef(BaseModel):
+    """``fill_end``: the Site entity's ``n``-th fill of ``site``."""
+
+    site: Name
+    n: int = Field(ge=1)
+
+
 class SignalSitesInput(BaseModel):
     """Also SiteSweep's input."""
 

@@ -66,21 +66,6 @@ class IncidentCarry(BaseModel):
     returned_at: float | None = None
 
 
-class IncidentNumberInput(BaseModel):
-    """``incident_number``: the site, and the least number its next incident may take."""
-
-    site: Name
-    at_least: int = Field(1, ge=1)
-
-
-class IncidentNumber(BaseModel):
-    """The number of a Site entity's incident (``evacuate/<site>/<n>``): one no evacuation on record
-    has, or (``running``) one whose evacuation still runs, begun by an earlier run of the entity."""
-
-    n: int
-    running: bool = False
-
-
 class IncidentView(BaseModel):
     """``status`` query: the incident part."""
 
