@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from fleet.models import PROVIDERS
+from fleet.models import JOIN_OPTIONS, PROVIDERS
 from fleet.naming import kubernetes_name_clash, model_service_clash, serving_name_clash
 from fleet.replacement import may_move
 
@@ -47,7 +47,8 @@ def cross_check(raw: dict[str, Any]) -> list[str]:
     problems: list[str] = []
     real = raw.get("mode") == "real"
     accounts: dict[str, Any] = {}
-    for where, account in _named_entries(raw, "accounts", "account", problems):
+    account_entries = list(_named_entries(raw, "accounts", "account", problems))
+    for where, account in account_entries:
         if isinstance(account.get("name"), str):
             accounts.setdefault(account["name"], account.get("provider"))
         if real and account.get("credentials") is None:
@@ -66,7 +67,29 @@ def cross_check(raw: dict[str, Any]) -> list[str]:
                     and accounts[account] != site.get("provider"):
                 problems.append(f"{where}.account: account {account!r} is a {accounts[account]} account, "
                                 f"site is {site.get('provider')}")
+    if real:
+        problems += _missing_join_options(account_entries, [site for _, site in _entries(raw, "sites")])
     return problems + _check_models(raw)
+
+
+def _missing_join_options(accounts: list[tuple[str, dict[str, Any]]], sites: list[dict[str, Any]]) -> list[str]:
+    """The options an account's provider joins no machine without (``fleet.models.JOIN_OPTIONS``),
+    where a site of the account can join (its ``max_nodes`` is not 0): each of its joins would
+    be refused after the worker started, and a site with ``min_nodes`` keeps failing its fills."""
+    problems = []
+    for where, account in accounts:
+        provider = account.get("provider")
+        needed = JOIN_OPTIONS.get(provider, {}) if isinstance(provider, str) else {}
+        joining = [str(site.get("name")) for site in sites
+                   if site.get("account") == account.get("name") and site.get("max_nodes") != 0]
+        options = account.get("options") or {}
+        if not needed or not joining or not isinstance(options, dict):
+            continue  # options of another type: the field error names them
+        for option, purpose in needed.items():
+            if not options.get(option):
+                problems.append(f"{where}.options.{option}: missing; {provider} needs {purpose}: "
+                                f"without it every join at {', '.join(joining)} fails")
+    return problems
 
 
 def _check_models(raw: dict[str, Any]) -> list[str]:

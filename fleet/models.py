@@ -13,6 +13,13 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 DAY = 86400.0
 #: The providers gpufleet has an adapter for (``providers/``), as ``sites.yaml`` names them.
 PROVIDERS = ("aws", "lambda", "nebius", "hetzner", "own-dc")
+#: The account options a provider's adapter joins no machine without (option: what it is for):
+#: ``sites.yaml`` must set them on an account whose sites can join (``fleet.config_checks``), so
+#: a missing one is refused at load, not by every join after the worker started.
+JOIN_OPTIONS: dict[str, dict[str, str]] = {
+    "own-dc": {"seed_dir": "the folder the worker writes each joining machine's bootstrap (NoCloud seed) to, "
+                           "which the seed server (python -m providers.own_dc_seed) hands out"},
+}
 #: Sites, accounts, nodes, machine ids, offer keys: Kubernetes' name limit is plenty.
 Name = Annotated[str, StringConstraints(min_length=1, max_length=253)]
 MaybeName = Annotated[str, StringConstraints(max_length=253)]

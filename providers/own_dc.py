@@ -48,7 +48,8 @@ Quirks
       at a URL holding the nonce. Written (0600, directory 0700) before the machine is
       powered on, rewritten for a reinstall (a fresh ``instance-id``, so cloud-init
       runs again, and a fresh nonce), removed when the machine goes back to the pool.
-      No ``seed_dir`` and user data to hand over -> ``InvalidRequest`` naming the option.
+      No ``seed_dir`` and user data to hand over -> ``InvalidRequest`` naming the option
+      (declared in ``fleet.models.JOIN_OPTIONS``, so a config without it is refused at load).
     * ``delete_machine`` powers the machine off (ForceOff, else GracefulShutdown)
       and returns it to the pool. Unknown or unallocated machines are already gone.
     * ``get_machine`` of a machine in the pool (not allocated) is ``NotFound``.
@@ -85,7 +86,7 @@ from fleet.errors import (
     ProviderError,
     Transient,
 )
-from fleet.models import Machine, MachineSpec, Offer
+from fleet.models import JOIN_OPTIONS, Machine, MachineSpec, Offer
 from providers.credentials import read_secret
 from providers.http_api import error_object, send
 from providers.own_dc_seed import SEED_FILES, write_private
@@ -502,8 +503,8 @@ class OwnDcProvider:
     def _seed_dir(self) -> Path:
         seed_dir = self.options.get("seed_dir")
         if not seed_dir:
-            raise InvalidRequest(f"account {self.account.name}: options.seed_dir is needed to hand a machine its "
-                                 "bootstrap (NoCloud seed)", provider=PROVIDER, code="config/seed_dir")
+            raise InvalidRequest(f"account {self.account.name}: options.seed_dir is needed: "
+                                 f"{JOIN_OPTIONS[PROVIDER]['seed_dir']}", provider=PROVIDER, code="config/seed_dir")
         return Path(seed_dir).expanduser()
 
     def _write_seed(self, machine_id: str, hostname: str, user_data: str) -> None:

@@ -166,6 +166,25 @@ def test_real_mode_needs_credentials_references(tmp_path: Path) -> None:
     assert "accounts[0] (acct-a).credentials" in output
 
 
+def test_an_own_rack_account_that_can_join_needs_its_seed_dir(tmp_path: Path) -> None:
+    """Without ``seed_dir`` the own-dc adapter refuses every join (the seed is the machine's only
+    way to its bootstrap): refused at load, naming the option, not after the worker started."""
+    example = yaml.safe_load((REPO / "deploy" / "sites.example.yaml").read_text())
+    ((index, account),) = [(i, a) for i, a in enumerate(example["accounts"]) if a["provider"] == "own-dc"]
+    account["options"].pop("seed_dir", None)
+    code, output = check(tmp_path, example)
+    flat = " ".join(output.split())
+    assert code == 2, flat
+    assert f"accounts[{index}] ({account['name']}).options.seed_dir: missing" in flat
+    assert "without it every join at own-dc-ber fails" in flat
+    # A site that never joins (max_nodes 0), or a simulated fleet, hands no seed to anyone.
+    (site,) = [s for s in example["sites"] if s["account"] == account["name"]]
+    site.update(min_nodes=0, max_nodes=0)
+    assert check(tmp_path, example)[0] == 0
+    site.update(min_nodes=2, max_nodes=2)
+    assert check(tmp_path, {**example, "mode": "sim"})[0] == 0
+
+
 def test_unreadable_and_non_yaml_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")

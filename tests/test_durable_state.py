@@ -96,6 +96,7 @@ async def restarted_control_plane_forgets_nothing(
     fleet = _fleet(suffix, lam.url)
     for machine in fleet["accounts"][1]["options"]["machines"]:
         machine["bmc_url"] = bmc.url
+    fleet["accounts"][1]["options"]["seed_dir"] = str(tmp_path / "seeds")  # a config without it is refused
     config = tmp_path / "sites.yaml"
     config.write_text(yaml.safe_dump(fleet))
     lam_site, rack_site = f"lambda-{suffix}", f"rack-{suffix}"
