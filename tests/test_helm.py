@@ -30,6 +30,7 @@ from tests.helm.chart import (
     template,
     without_helm_metadata,
 )
+from tests.realk8s.image import Containerfile, image_name
 from tests.tools import needs, require
 
 pytestmark = pytest.mark.integration  # runs helm (and kubectl kustomize)
@@ -228,7 +229,9 @@ def test_metrics_off_serves_none_and_ports_move() -> None:
     assert not [d for d in off if d["metadata"]["name"].endswith("-metrics") or d["kind"] == "ServiceMonitor"]
     for d in off:
         for c in containers(d):
-            assert "GPUFLEET_METRICS_PORT" not in env_of(c), "unset: the worker serves no /metrics"
+            # The environment the container runs with: its image's ENV under its own env.
+            baked = Containerfile.read(image_name(c["image"])).env
+            assert "GPUFLEET_METRICS_PORT" not in {**baked, **env_of(c)}, "unset: the worker serves no /metrics"
             assert "metrics" not in {p["name"] for p in c.get("ports", [])}
     moved = documents(template("--set", "metrics.ports.controlPlane=19464"))
     (worker,) = pod_of(workload(moved, "gpufleet-control-plane"))["containers"]

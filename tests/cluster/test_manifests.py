@@ -21,7 +21,8 @@ from fleet.weights_pull import ENV as WEIGHTS_ENV
 from fleet.weights_pull import WeightsPull
 from providers.cluster.kubernetes import access_table, render_deployment, render_service
 from providers.cluster.envoy_gateway import render_httproute
-from tests.helm.chart import package_version
+from tests.helm.chart import containers, package_version
+from tests.realk8s.image import CONTAINERFILES, Containerfile
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 
@@ -176,6 +177,27 @@ def test_node_agent_daemonset_runs_on_gpu_nodes_including_unproven():
     assert pod["automountServiceAccountToken"] is False, "the agent calls no Kubernetes API"
     node_name = next(e for e in container["env"] if e["name"] == "NODE_NAME")
     assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+
+
+def test_a_workers_settings_are_its_manifests_alone_metrics_port_included():
+    """A container's environment is its image's ENV under its manifest's ``env``: a GPUFLEET_*
+    setting baked into an image applies wherever a manifest leaves it out, as the metrics port
+    did under the chart's ``metrics.enabled: false`` (the workers served /metrics on ports no
+    manifest declared). So no image sets one, and each worker that declares a metrics port
+    sets it, and one that declares none serves none."""
+    for path in sorted(CONTAINERFILES.glob("Containerfile.*")):
+        baked = sorted(name for name in Containerfile.read(path.name.removeprefix("Containerfile.")).env
+                       if name.startswith("GPUFLEET_"))
+        assert baked == [], f"{path.name} sets {', '.join(baked)}: the manifests' to set"
+    (kustomization,) = _docs("kustomization.yaml")
+    workers = [c for name in kustomization["resources"] for d in _docs(name) for c in containers(d)
+               if c["image"].startswith("gpufleet-")]
+    assert {c["name"] for c in workers} >= {"worker", "agent", "gateway"}
+    for container in workers:
+        declared = [str(p["containerPort"]) for p in container.get("ports", []) if p["name"] == "metrics"]
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        set_port = [env["GPUFLEET_METRICS_PORT"]] if "GPUFLEET_METRICS_PORT" in env else []
+        assert set_port == declared, f"{container['name']}: serves /metrics on {set_port}, declares {declared}"
 
 
 def test_kustomization_lists_the_applied_files():
