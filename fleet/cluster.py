@@ -150,10 +150,21 @@ def with_key(record: dict[str, str], fingerprint: str, csr: str = "") -> dict[st
     return {"keys": ",".join(keys[-NODE_KEYS_KEPT:]), **({NODE_KEYS_NEWEST_CSR: newest} if newest else {})}
 
 
+#: The scheme of the providerID of every machine gpufleet joins (``gpufleet_provider_id``).
+PROVIDER_ID_SCHEME = "gpufleet://"
+
+
 def gpufleet_provider_id(provider: str, account: str, node_name: str) -> str:
     """The providerID a gpufleet machine's kubelet sets: written into its user data before
     the provider's own id exists, so it names the machine by the name gpufleet chose."""
-    return f"gpufleet://{provider}/{account}/{node_name}"
+    return f"{PROVIDER_ID_SCHEME}{provider}/{account}/{node_name}"
+
+
+def provider_of(provider_id: str) -> str | None:
+    """The provider a ``gpufleet_provider_id`` names; None for any other providerID."""
+    if not provider_id.startswith(PROVIDER_ID_SCHEME):
+        return None
+    return provider_id.removeprefix(PROVIDER_ID_SCHEME).split("/")[0] or None
 
 
 class DrainPod(BaseModel):

@@ -198,7 +198,9 @@ class NodeAgentEnv(EnvSettings):
     sim_signer_dir: Optional[Path] = envvar("GPUFLEET_SIM_SIGNER_DIR", None,
                                             "--sim: the dev CA's directory, to sign the simulated nodes' CSRs")
     spot_notice: str = envvar("GPUFLEET_SPOT_NOTICE", "",
-                              "where reclaim notices come from: aws or gcp metadata; unset: none")
+                              "where spot reclaim notices come from: auto (the node's provider's, by the "
+                              "providerID gpufleet gave it; the shipped DaemonSet's), aws or gcp metadata; "
+                              "unset: none")
     health_seconds: float = envvar("GPUFLEET_HEALTH_SECONDS", 5.0,
                                    "a waiting health watch's probe interval, seconds (0: only when woken)")
     driver_reinstall_cmd: Optional[str] = envvar("GPUFLEET_DRIVER_REINSTALL_CMD", None,

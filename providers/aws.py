@@ -37,6 +37,8 @@ Quirks
       launch AMI and ``DeleteReplacedRootVolume``: the instance keeps its id, network
       interfaces and instance-store data; the root volume is rebuilt from the AMI and
       the instance reboots. The task runs asynchronously.
+    * Every instance is launched with IMDSv2 required and a hop limit of 2
+      (``MetadataOptions``): the node agent's pod reads the spot notice through it.
     * Offers: one per site, for ``site.instance_type``, available when
       ``DescribeInstanceTypeOfferings`` lists it in the region; GPU count and memory
       come from ``DescribeInstanceTypes``; the price is ``site.price_per_gpu_hour``
@@ -311,6 +313,11 @@ class AwsProvider:
                 {"ResourceType": "instance", "Tags": [{"Key": k, "Value": v} for k, v in tags.items()]},
             ],
         }
+        # IMDSv2 only (tokens required), its token's answer reaching one hop past the instance:
+        # the node agent reads the spot notice from a pod without host networking, where the
+        # default limit of 1 never delivers a token. Enabled explicitly: an account's metadata
+        # defaults may turn the endpoint off.
+        params["MetadataOptions"] = {"HttpTokens": "required", "HttpPutResponseHopLimit": 2, "HttpEndpoint": "enabled"}
         if spec.capacity_type == CapacityType.SPOT:
             spot: dict[str, Any] = {"SpotInstanceType": "one-time", "InstanceInterruptionBehavior": "terminate"}
             if self.options.get("spot_max_price"):

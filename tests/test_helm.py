@@ -32,6 +32,7 @@ from tests.helm.chart import (
 )
 from tests.realk8s.image import Containerfile, image_name
 from tests.tools import needs, require
+from workers.reclaim_watch import KUBELET_FLAGS
 
 pytestmark = pytest.mark.integration  # runs helm (and kubectl kustomize)
 
@@ -198,6 +199,7 @@ def test_a_temporal_connection_without_credentials_is_refused() -> None:
     ("temporal.address=no-port", "/temporal/address"),
     ("nodeGateway.service.type=NodePort", "/nodeGateway/service/type"),  # no node ports (README "Network model")
     ("metrics.ports.nodeAgent=70000", "/metrics/ports/nodeAgent"),
+    ("nodeAgent.spotNotice=azure", "/nodeAgent/spotNotice"),     # a source the agent has not
 ])
 def test_bad_values_are_refused_naming_the_field(value: str, field: str) -> None:
     done = helm("template", "gpufleet", str(CHART), "--set", value, check=False)
@@ -239,6 +241,24 @@ def test_metrics_off_serves_none_and_ports_move() -> None:
     assert worker["ports"] == [{"name": "metrics", "containerPort": 19464}]
     (service,) = [d for d in moved if d["metadata"]["name"] == "gpufleet-control-plane-metrics"]
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 19464, "targetPort": "metrics"}]
+
+
+def test_node_agents_read_the_spot_notices_of_their_own_provider() -> None:
+    """By default each agent reads its own provider's notices (``auto``), from the providerID in
+    the kubelet's flags, mounted read-only; another source reaches the env and mounts nothing."""
+    pod = pod_of(workload(documents(template()), "gpufleet-node-agent"))
+    (agent,) = pod["containers"]
+    assert env_of(agent)["GPUFLEET_SPOT_NOTICE"] == "auto"
+    (mount,) = [m for m in agent["volumeMounts"] if m["mountPath"] == str(KUBELET_FLAGS)]
+    assert mount["readOnly"] is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["hostPath"] == {"path": str(KUBELET_FLAGS), "type": "FileOrCreate"}, "an agent starts on any node"
+    for value, env in (("aws", "aws"), ("", "")):
+        pod = pod_of(workload(documents(template("--set", f"nodeAgent.spotNotice={value}")), "gpufleet-node-agent"))
+        (agent,) = pod["containers"]
+        assert env_of(agent)["GPUFLEET_SPOT_NOTICE"] == env
+        assert str(KUBELET_FLAGS) not in {m["mountPath"] for m in agent["volumeMounts"]}
+        assert "kubelet-flags" not in {v["name"] for v in pod["volumes"]}
 
 
 def test_node_gateway_endpoint_and_namespaces() -> None:

@@ -177,6 +177,12 @@ def test_node_agent_daemonset_runs_on_gpu_nodes_including_unproven():
     assert pod["automountServiceAccountToken"] is False, "the agent calls no Kubernetes API"
     node_name = next(e for e in container["env"] if e["name"] == "NODE_NAME")
     assert node_name["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # Spot notices of the node's own provider, named in the providerID in kubeadm's flags.
+    assert {"name": "GPUFLEET_SPOT_NOTICE", "value": "auto"} in container["env"]
+    flags = next(m for m in container["volumeMounts"] if m["mountPath"] == "/var/lib/kubelet/kubeadm-flags.env")
+    assert flags["readOnly"] is True
+    volume = next(v for v in pod["volumes"] if v["name"] == flags["name"])
+    assert volume["hostPath"] == {"path": "/var/lib/kubelet/kubeadm-flags.env", "type": "FileOrCreate"}
 
 
 def test_a_workers_settings_are_its_manifests_alone_metrics_port_included():

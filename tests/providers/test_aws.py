@@ -57,6 +57,19 @@ def test_run_instances_carries_client_token_and_tags(aws_harness: AwsHarness) ->
     assert machine.state in ("pending", "running") and machine.created_at is not None
 
 
+def test_instances_require_imds_tokens_that_reach_the_node_agents_pod(aws_harness: AwsHarness) -> None:
+    """The node agent reads the spot notice from a pod without host networking: IMDSv2 with a
+    hop limit of 1 (EC2's default) never delivers that pod a token, so no notice is ever seen."""
+    machine = aws_harness.provider.create_machine(aws_harness.spec, f"wf-{uuid.uuid4()}")
+    [run] = aws_harness.requests("RunInstances")
+    assert run["MetadataOptions.HttpTokens"] == "required"
+    assert run["MetadataOptions.HttpPutResponseHopLimit"] == "2"
+    assert run["MetadataOptions.HttpEndpoint"] == "enabled"
+    [instance] = [i for i in aws_harness.live_instances() if i["InstanceId"] == machine.id]
+    assert instance["MetadataOptions"]["HttpTokens"] == "required", instance.get("MetadataOptions")
+    assert instance["MetadataOptions"]["HttpPutResponseHopLimit"] == 2
+
+
 def test_repeat_create_sends_no_second_run_instances(aws_harness: AwsHarness) -> None:
     key = "x" * 100
     first = aws_harness.provider.create_machine(aws_harness.spec, key)

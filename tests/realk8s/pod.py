@@ -16,8 +16,8 @@ How it runs (needs root, as ``machine.py``):
 * ``unshare --mount``: a mount namespace in which ``/etc`` and ``/run`` get an overlay (so the
   mount points can be made without touching the host), each volume is a folder bind-mounted on
   its ``mountPath`` (the service account's at ``/var/run/secrets/kubernetes.io/serviceaccount``,
-  where the client's in-cluster loader reads it; a ``hostPath`` the folder the test's node
-  keeps at that path), cluster DNS is an ``/etc/hosts`` entry
+  where the client's in-cluster loader reads it; a ``hostPath`` the folder, or file, the test's
+  node keeps at that path), cluster DNS is an ``/etc/hosts`` entry
   (nothing here resolves ``*.svc``), and the root is then remounted read-only when the container
   asks for ``readOnlyRootFilesystem``.
 * ``setpriv``: the pod's ``runAsUser``/``runAsGroup``/``fsGroup`` (uid 0 too, when the
@@ -349,10 +349,13 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
         host_path = volumes[mount["name"]].get("hostPath")
         if host_path is not None:
             folder = (host_paths or {}).get(host_path["path"])
-            if folder is None or (host_path.get("type") == "Directory" and not folder.is_dir()):
-                raise ClusterFailed(f"hostPath {host_path}: the test's node has no such folder ({folder})")
+            kind = host_path.get("type")
+            if folder is None or (kind == "Directory" and not folder.is_dir()) or (
+                    kind in ("File", "FileOrCreate") and not folder.is_file()):
+                raise ClusterFailed(f"hostPath {host_path}: the test's node has no such {kind or 'path'} ({folder})")
             binds.append((folder, mount["mountPath"], bool(mount.get("readOnly"))))
-            node_folders.append((mount["mountPath"], folder, bool(mount.get("readOnly"))))
+            if folder.is_dir():  # a file holds no links to its own path
+                node_folders.append((mount["mountPath"], folder, bool(mount.get("readOnly"))))
             continue
         folder = root / "volumes" / f"{number}-{mount['name']}"
         folder.mkdir(parents=True)
@@ -431,7 +434,12 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
             if path.startswith(outer_path.rstrip("/") + "/"):
                 (outer_folder / path[len(outer_path.rstrip("/")) + 1:]).mkdir(parents=True, exist_ok=True)
     for folder, path, read_only in binds:
-        mounts.append(f"mkdir -p {shlex.quote(path)} && mount --bind {shlex.quote(str(folder))} {shlex.quote(path)}")
+        if folder.is_file():  # a file's mount point is a file, as the container runtime makes it
+            point = (f"mkdir -p {shlex.quote(str(Path(path).parent))} && "
+                     f"{{ [ -e {shlex.quote(path)} ] || touch {shlex.quote(path)}; }}")
+        else:
+            point = f"mkdir -p {shlex.quote(path)}"
+        mounts.append(f"{point} && mount --bind {shlex.quote(str(folder))} {shlex.quote(path)}")
         if read_only:
             mounts.append(f"mount -o remount,bind,ro {shlex.quote(path)}")
     # The test's node keeps its filesystem in a folder, so the links its kubelet writes there name

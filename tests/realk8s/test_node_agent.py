@@ -5,8 +5,9 @@ The agent is the Pod the real DaemonSet controller made of ``deploy/kubernetes/n
 labels it, bound to that node by the real scheduler, run by ``tests/realk8s/pod.py`` as the
 kubelet would run its container: its command and env (``fieldRef: spec.nodeName``, the
 ``gpufleet-node-gateway`` ConfigMap as ``gpufleet cluster node-config`` printed it and kubectl
-applied it, ``GPUFLEET_METRICS_PORT`` as shipped), the ConfigMap's CA and the real kubelet's own
-``/var/lib/kubelet/pki`` (its ``hostPath``) at their mountPaths, read-only root, uid 0 with
+applied it, ``GPUFLEET_METRICS_PORT`` and ``GPUFLEET_SPOT_NOTICE`` as shipped), the ConfigMap's CA,
+the real kubelet's own ``/var/lib/kubelet/pki`` and the flags kubeadm's join code wrote for it
+(``hostPath``s) at their mountPaths, read-only root, uid 0 with
 CAP_SYS_ADMIN only, its cgroups holding the manifest's memory limit, a network namespace of its
 own in which the gateway's public endpoint (a name only the ConfigMap gives) leads to the
 gateway's Service, and its metrics port served back to the host, where the test scrapes what
@@ -261,12 +262,15 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
         (agent_container,) = agent_pod["spec"]["containers"]
         assert agent_container["resources"] == node_agent_container()["resources"]
         (stand_in := tmp_path / "pynvml.py").write_text(FAKE_PYNVML)
-        # The node's /var/lib/kubelet/pki is the joined machine's; its gateway endpoint, only
-        # the pod's netns knows, leads to the gateway Deployment's Service.
+        # The node's /var/lib/kubelet/pki and kubeadm's flags are the joined machine's; its gateway
+        # endpoint, only the pod's netns knows, leads to the gateway Deployment's Service.
         service_host, _, service_port = service.address.rpartition(":")
+        kubelet = machine.client_pem.parents[1]
         agent = await asyncio.to_thread(
             run_pod, one.real, agent_pod, tmp_path / "agent-pod", {GATEWAY_ENDPOINT: (service_host, int(service_port))},
-            host_paths={"/var/lib/kubelet/pki": machine.client_pem.parent}, stand_in_modules={"pynvml": stand_in})
+            host_paths={"/var/lib/kubelet/pki": kubelet / "pki",
+                        "/var/lib/kubelet/kubeadm-flags.env": kubelet / "kubeadm-flags.env"},
+            stand_in_modules={"pynvml": stand_in})
         log = agent.log
         queue = f"health-watch-{uuid.uuid4().hex[:6]}"
         result = await one_health_watch(client, queue, node.name, log, gateways)
@@ -278,6 +282,14 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
                       Path(f"/proc/{agent.process.pid}/status").read_text().splitlines() if ":\t" in line)
         assert proc_status["Uid"].split()[0] == "0", proc_status
         assert int(proc_status["CapEff"], 16) == 1 << CAP_SYS_ADMIN, proc_status
+        # Spot notices of the node's own provider: the agent runs with the manifest's choice and
+        # read the provider from the providerID kubeadm's join wrote into the kubelet's flags
+        # (Lambda sells no spot: it reads none; tests/test_reclaim_watch.py has AWS's).
+        environ = dict(entry.split("=", 1) for entry in
+                       Path(f"/proc/{agent.process.pid}/environ").read_text().split("\0") if "=" in entry)
+        assert environ.get("GPUFLEET_SPOT_NOTICE") == "auto", sorted(environ)
+        assert one.site.provider == "lambda"
+        assert "spot notices: none (lambda has no spot notice source)" in log.read_text(), agent.log_tail()
         values = agent.cgroup_values()
         assert values.get("memory.limit_in_bytes", values.get("memory.max")) == str(
             int(parse_quantity(agent_container["resources"]["limits"]["memory"]))), values
