@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NoReturn
+
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -40,16 +42,21 @@ def check(
     """
     from providers.cluster.check import check_access, check_hardening, check_tunnels
     from providers.cluster.kubernetes import load_api_client
+    from providers.cluster.kubernetes.api import unanswered
 
     console = Console()
     try:
         api_client = load_api_client(kubeconfig, context)
+    except Exception as error:  # noqa: BLE001 - a bad kubeconfig: one line, exit 2
+        _cannot_check(console, error)
+    try:
         rows = check_access(api_client, namespace)
         hardening = check_hardening(api_client)
         report = check_tunnels(api_client) if tunnels else None
-    except Exception as error:  # noqa: BLE001 - unreachable, bad kubeconfig, refused: one line, exit 2
-        console.print(f"[red]cannot check the cluster:[/red] {type(error).__name__}: {error}".splitlines()[0])
-        raise typer.Exit(2) from None
+    except Exception as error:  # noqa: BLE001 - unreachable, refused: one line, exit 2
+        # Never the client's own words for a request it could not send: they quote the request's
+        # Authorization header (a token ending in a newline), or a proxied URL with its password.
+        _cannot_check(console, unanswered(error, "ask the API server", api_client.configuration) or error)
     host = api_client.configuration.host
     table = Table(title=f"gpufleet cluster permissions at {host}")
     for column in ("", "verb", "resource", "namespace", "used for", "reason"):
@@ -71,6 +78,11 @@ def check(
         _print_tunnels(console, report)
     if missing or any(not row.ok for row in hardening) or (report is not None and not report.ok):
         raise typer.Exit(1)
+
+
+def _cannot_check(console: Console, error: Exception) -> NoReturn:
+    console.print(f"[red]cannot check the cluster:[/red] {type(error).__name__}: {error}".splitlines()[0])
+    raise typer.Exit(2) from None
 
 
 def _print_hardening(console: Console, rows) -> None:

@@ -117,16 +117,22 @@ def translated(
         raise error from None
 
 
-def transport_failure(exc: Exception) -> str:
-    """What an error message may say of a transport failure: its type, and the endpoint it names
-    (botocore's ``endpoint_url``) without user, password, query or fragment. Never the failure's
-    own message, which quotes what the HTTP layer said: a header it refused, a proxy's URL."""
-    url = (getattr(exc, "kwargs", None) or {}).get("endpoint_url")
+def transport_failure(exc: Exception, endpoint: str | None = None) -> str:
+    """What an error message may say of a transport failure: its type (and, for urllib3's
+    ``MaxRetryError``, the type of the ``reason`` its last try met), and the endpoint it names
+    (botocore's ``endpoint_url``, else ``endpoint``: where it was sent) without user, password,
+    query or fragment. Never the failure's own message, which quotes what the HTTP layer said: a
+    header it refused, a proxy's URL, the URL a proxied request went to with its password."""
+    said = type(exc).__name__
+    reason = getattr(exc, "reason", None)
+    if isinstance(reason, BaseException):
+        said = f"{said}: {type(reason).__name__}"
+    url = (getattr(exc, "kwargs", None) or {}).get("endpoint_url") or endpoint
     if not isinstance(url, str) or not url:
-        return type(exc).__name__
+        return said
     try:
         parts = urlsplit(url)
         host, port = parts.hostname or "", f":{parts.port}" if parts.port else ""
     except ValueError:  # not a URL after all
-        return type(exc).__name__
-    return f"{type(exc).__name__} ({parts.scheme}://{host}{port}{parts.path})"
+        return said
+    return f"{said} ({parts.scheme}://{host}{port}{parts.path})"

@@ -362,6 +362,27 @@ async def test_liveness_verdicts_are_renewed_ahead_and_never_older_than_the_ttl(
     assert await cache("n") is True
 
 
+async def test_a_cluster_token_no_header_can_carry_is_never_logged_by_the_gateway(tmp_path, caplog) -> None:
+    """The gateway logs why it cannot tell a node's liveness: when the cluster's token holds a line
+    break, http.client's refusal quotes the whole Authorization header; the log names where the
+    token comes from instead."""
+    from providers.cluster.kubernetes import KubernetesCluster
+    from tests.cluster.fake_apiserver import FakeKube
+
+    caplog.set_level(logging.DEBUG)
+    secret = "gpufleet-t0ken-3f9c1e7a"
+    fake = FakeKube().start()
+    try:
+        kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig", {"token": f"{secret}\nrest"})
+        # The cluster is asked first (identity record, bound keys): Temporal is never reached.
+        cache = LiveCache(node_liveness(None, KubernetesCluster(kubeconfig=kubeconfig)))
+        assert await cache("gpu-1", "key") is None, "cannot tell: refused as UNAVAILABLE"
+    finally:
+        fake.stop()
+    assert "liveness of gpu-1 unknown" in caplog.text and kubeconfig in caplog.text
+    assert secret not in caplog.text
+
+
 async def test_gateway_restart_mid_activity_loses_nothing(temporal_env, nodes) -> None:
     a, _b = nodes
     control = temporal_env.client

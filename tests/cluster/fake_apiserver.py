@@ -421,14 +421,15 @@ class FakeKube:
         configuration.host = self.url
         return client.ApiClient(configuration)
 
-    def kubeconfig(self, path) -> str:
-        """A kubeconfig file that points at this server."""
+    def kubeconfig(self, path, user: dict | None = None) -> str:
+        """A kubeconfig file that points at this server, with ``user`` as its user entry (the
+        admin's token by default)."""
         import yaml
 
         config = {
             "apiVersion": "v1", "kind": "Config", "current-context": "fake",
             "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "fake", "user": {"token": "fake-token"}}],
+            "users": [{"name": "fake", "user": user or {"token": "fake-token"}}],
             "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake"}}],
         }
         path.write_text(yaml.safe_dump(config))

@@ -5,6 +5,7 @@ What the check asks and how it reports a missing verb is answered by the real au
 
 from __future__ import annotations
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -25,3 +26,21 @@ def test_cli_check_unreachable_exits_2(tmp_path):
     result = runner.invoke(cluster_app, ["check", "--kubeconfig", str(kubeconfig)])
     assert result.exit_code == 2, result.output
     assert "cannot check the cluster" in result.output
+
+
+@pytest.mark.parametrize("token", ["gpufleet-t0ken-3f9c1e7a\n", "gpufleet-t0ken-3f9c1e7a\nrest"],
+                         ids=["trailing-newline", "line-break"])
+def test_cli_check_never_prints_the_token(tmp_path, token):
+    """http.client refuses a token with a line break in the Authorization header, with an error
+    quoting it whole; a trailing newline (`kubectl create token ... > file`) is trimmed and sent."""
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "nowhere",
+        "clusters": [{"name": "nowhere", "cluster": {"server": f"http://127.0.0.1:{free_port()}"}}],
+        "users": [{"name": "someone", "user": {"token": token}}],
+        "contexts": [{"name": "nowhere", "context": {"cluster": "nowhere", "user": "someone"}}]}))
+    result = runner.invoke(cluster_app, ["check", "--kubeconfig", str(kubeconfig)])
+    assert result.exit_code == 2, result.output
+    assert "gpufleet-t0ken" not in result.output, result.output
+    if "\n" in token.strip():  # a line break inside: the credentials' source is named
+        assert "ClusterForbidden" in result.output and str(kubeconfig) in result.output.replace("\n", "")

@@ -6,17 +6,23 @@ after one attempt: against the real API server, ``tests/realk8s/test_adapter_obj
 
 Here, against the fake API server, the answers a real one cannot be made to give on cue: a 409
 on exactly the next N writes (re-read and tried again inside the adapter, and past its bound a
-retryable ``ClusterConflict`` Temporal retries) and a 5xx (transient).
+retryable ``ClusterConflict`` Temporal retries) and a 5xx (transient); and the requests the
+client never sends or never has answered (a token no header can carry, a proxy that is down),
+whose failures quote the request and stay out of our errors.
 """
 
 from __future__ import annotations
 
+import logging
+import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
+from kubernetes import client as k8s
 from temporalio import workflow
+from temporalio.client import WorkflowFailureError
 from temporalio.common import RetryPolicy
 from temporalio.testing import ActivityEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
@@ -26,11 +32,13 @@ from activities.env import FleetEnv
 from fleet.messages.nodes import PrepareNodeInput
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
 from fleet.config import load_config
-from fleet.errors import NON_RETRYABLE_TYPES, ClusterConflict
+from fleet.errors import NON_RETRYABLE_TYPES, ClusterConflict, ClusterForbidden, Transient
 from fleet.models import Node
 from fleet.settings import Settings
 from providers.cluster import kubernetes
+from providers.cluster.kubernetes import KubernetesCluster, load_api_client
 from tests.conftest import write_fleet
+from tests.ports import free_port
 
 
 @pytest.fixture
@@ -102,14 +110,16 @@ class ClusterErrorsProbe:
         )
 
 
-async def _execute(temporal_env, acts: ControlPlaneActivities, inp: PrepareNodeInput) -> Node:
+async def _execute(temporal_env, acts: ControlPlaneActivities, inp: PrepareNodeInput,
+                   workflow_id: str = "") -> Node:
     queue = f"cluster-errors-{uuid.uuid4().hex[:8]}"
+    workflow_id = workflow_id or f"cluster-errors/{uuid.uuid4().hex[:8]}"
     with ThreadPoolExecutor(4) as pool:
         async with Worker(temporal_env.client, task_queue=queue, workflows=[ClusterErrorsProbe],
                           activities=[acts.prepare_node], activity_executor=pool,
                           workflow_runner=UnsandboxedWorkflowRunner()):
             return await temporal_env.client.execute_workflow(
-                ClusterErrorsProbe.run, inp, id=f"cluster-errors/{uuid.uuid4().hex[:8]}", task_queue=queue,
+                ClusterErrorsProbe.run, inp, id=workflow_id, task_queue=queue,
                 execution_timeout=timedelta(seconds=60),
             )
 
@@ -124,3 +134,102 @@ async def test_conflicts_past_the_adapters_bound_are_retried_by_temporal(tempora
     assert node.labels[LABEL_SITE] == "site-a"
     # and one more: the fleet taint every node of a site gets with its site label
     assert _patches(fake) == kubernetes._RETRY_CONFLICTS + 3 + 1
+
+
+# -- requests the client never sends, or never has answered -----------------------------------
+#: A token as a kubeconfig may hold it; none of it may leave the worker.
+SECRET = "gpufleet-t0ken-3f9c1e7a"
+
+
+def _travelling(error: BaseException) -> list[BaseException]:
+    """``error`` and every exception that travels with it: causes and contexts, suppressed or not."""
+    seen: list[BaseException] = []
+    todo = [error]
+    while todo:
+        current = todo.pop()
+        if current is None or any(current is e for e in seen):
+            continue
+        seen.append(current)
+        todo += [current.__cause__, current.__context__, getattr(current, "cause", None)]
+    return seen
+
+
+def _shown(error: BaseException) -> str:
+    """All an error says: each travelling exception's message, repr and args, and the traceback."""
+    return "".join(f"{e}|{e!r}|{e.args!r}" for e in _travelling(error)) + "".join(traceback.format_exception(error))
+
+
+@pytest.mark.parametrize("field", ["token", "tokenFile"])
+def test_a_kubeconfig_token_ending_in_a_newline_is_sent_without_it(fake, tmp_path, field):
+    # `kubectl create token ... > file`, `echo` and a Secret made from such a file end the token in
+    # a newline; kubectl (client-go) trims a token file, the Python client sent it as it was read.
+    fake.enable_bootstrap()  # authenticates each request: "Bearer fake-token" is the admin, else 401
+    fake.add_node("gpu-1")
+    if field == "tokenFile":
+        (tmp_path / "token").write_text("fake-token\n")
+        user = {"tokenFile": str(tmp_path / "token")}
+    else:
+        user = {"token": "fake-token\n"}
+    cluster = KubernetesCluster(kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig", user))
+    assert cluster.get_node("gpu-1").name == "gpu-1"
+
+
+def test_the_in_cluster_token_ending_in_a_newline_is_sent_without_it(tmp_path, monkeypatch):
+    """The control plane's own path: a pod's service account token (read again each minute). The
+    client's in-cluster loader points every request at the service's https address, which the
+    fake does not serve: what it puts in the Authorization header is read where requests read it."""
+    from kubernetes.config import incluster_config
+
+    token, ca = tmp_path / "token", tmp_path / "ca.crt"
+    token.write_text("fake-token\n")
+    ca.write_text("a CA bundle")
+    monkeypatch.setattr(incluster_config, "SERVICE_TOKEN_FILENAME", str(token))
+    monkeypatch.setattr(incluster_config, "SERVICE_CERT_FILENAME", str(ca))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
+    configuration = load_api_client().configuration
+    assert configuration.auth_settings()["BearerToken"]["value"] == "bearer fake-token"
+    assert str(token) in configuration.credentials
+
+
+@pytest.mark.parametrize("token", [f"{SECRET}\nrest", f"{SECRET}\u20ac"], ids=["line-break", "beyond-latin-1"])
+async def test_a_token_no_header_can_carry_is_cluster_forbidden_and_never_shown(
+        temporal_env, fake, tmp_path, caplog, token):
+    """http.client refuses the Authorization header with an error quoting it whole: neither the
+    adapter's error, nor anything chained to it, nor the activity's failure in workflow history,
+    nor the worker's log may hold any of the token. No retry mends the token: non-retryable."""
+    caplog.set_level(logging.DEBUG)
+    fake.add_node("gpu-1")
+    kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig", {"token": token})
+    cluster = KubernetesCluster(kubeconfig=kubeconfig)
+
+    with pytest.raises(ClusterForbidden) as caught:
+        cluster.get_node("gpu-1")
+    assert kubeconfig in str(caught.value) and SECRET not in _shown(caught.value)
+
+    acts = ControlPlaneActivities(FleetEnv(Settings(state_dir=tmp_path), load_config(write_fleet(tmp_path)), cluster))
+    workflow_id = f"cluster-errors/{uuid.uuid4().hex[:8]}"
+    with pytest.raises(WorkflowFailureError) as failed:
+        await _execute(temporal_env, acts, PrepareNodeInput(node_name="gpu-1", labels={LABEL_SITE: "site-a"}),
+                       workflow_id)
+    activity_failure = failed.value.cause.cause
+    assert (activity_failure.type, activity_failure.non_retryable) == ("ClusterForbidden", True)
+    assert kubeconfig in activity_failure.message
+    history = await temporal_env.client.get_workflow_handle(workflow_id).fetch_history()
+    assert history.to_json().count('"activityTaskFailedEventAttributes"') == 1  # one attempt
+    for said in (_shown(failed.value), history.to_json(), caplog.text):
+        assert SECRET not in said
+    assert not [r for r in caplog.records if r.exc_info and SECRET in _shown(r.exc_info[1])]
+
+
+def test_a_transport_failure_quoting_the_request_stays_out_of_the_error():
+    """urllib3's error for a proxied request quotes the URL it was sending, a password in the
+    server's address included: our error names the failure's type and the server without it."""
+    configuration = k8s.Configuration()
+    configuration.host = f"http://admin:{SECRET}@127.0.0.1:{free_port()}"
+    configuration.proxy = f"http://127.0.0.1:{free_port()}"  # nothing listens: the proxy is down
+    cluster = KubernetesCluster(api_client=k8s.ApiClient(configuration), request_timeout_s=2)
+    with pytest.raises(Transient) as caught:
+        cluster.get_node("gpu-1")
+    assert caught.value.retryable and "127.0.0.1" in str(caught.value)
+    assert SECRET not in _shown(caught.value)

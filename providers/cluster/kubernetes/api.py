@@ -5,10 +5,17 @@ taxonomy for what the API server answers.
 Every call goes through the generated client (paths, auth, TLS, kubeconfig) but
 reads and writes plain JSON (``_preload_content=False``), so fields newer than
 the client's models survive a read-modify-write.
+
+No error of ours quotes the client's failure to send a request, nor is raised from it: the
+HTTP layer quotes what it refused (``Invalid header value b'Bearer <token>\\n'``) and the URL it
+was sending to (a proxied request's, password and all), and a cause travels into workflow
+history and worker logs (``activities.errors.typed_errors``). An answer from the API server
+(``ApiException``) is the server's words and stays the cause.
 """
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import random
@@ -18,10 +25,20 @@ from typing import Any, Callable, TypeVar
 import urllib3
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
-from kubernetes.client.exceptions import ApiException
+from kubernetes.client.exceptions import ApiException, ApiTypeError, ApiValueError
+from kubernetes.config import incluster_config
 
-from fleet.errors import ClusterConflict, ClusterError, ClusterForbidden, ClusterInvalid, NotFound, Transient
+from fleet.errors import (
+    ClusterConflict,
+    ClusterError,
+    ClusterForbidden,
+    ClusterInvalid,
+    FleetError,
+    NotFound,
+    Transient,
+)
 from fleet.settings import ControlPlaneEnv
+from providers.base import transport_failure
 
 PROVIDER = "kubernetes"
 #: The namespace of the bootstrap channel and the join token key (the adapter's default).
@@ -30,16 +47,66 @@ MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
 
 
+class ClientConfiguration(k8s.Configuration):
+    """The client's configuration, saying where its credentials come from (``credentials``, what
+    an error names instead of their value), and sending its bearer token without surrounding
+    whitespace.
+
+    A token written by ``kubectl create token ... > file`` or ``echo``, or a Secret made from such
+    a file, ends in a newline: client-go (kubectl) trims a token file, the Python client sends what
+    it read, and http.client refuses the header with an error quoting it whole. Trimmed where every
+    request reads it, so a token the client reads again later (the in-cluster token file, each
+    minute; a kubeconfig's expired one) is trimmed too."""
+
+    #: Where the credentials come from: a kubeconfig and its context, the in-cluster service account.
+    credentials = "the API client's credentials"
+
+    def get_api_key_with_prefix(self, identifier: str, alias: str | None = None) -> str | None:
+        key = super().get_api_key_with_prefix(identifier, alias)
+        return key.strip() if isinstance(key, str) else key
+
+
 def load_api_client(kubeconfig: str | None = None, context: str | None = None) -> k8s.ApiClient:
     """``kubeconfig`` (and ``context``) if given; else the in-cluster service
     account when running in a pod; else ``$KUBECONFIG`` / ``~/.kube/config``."""
+    configuration = ClientConfiguration()
+    in_context = f"context {context}" if context else "its current context"
     if kubeconfig:
-        return k8s_config.new_client_from_config(config_file=kubeconfig, context=context)
+        configuration.credentials = f"kubeconfig {kubeconfig} ({in_context})"
+        return k8s_config.new_client_from_config(config_file=kubeconfig, context=context,
+                                                 client_configuration=configuration)
     if os.environ.get("KUBERNETES_SERVICE_HOST") and not context:
-        configuration = k8s.Configuration()
+        configuration.credentials = f"the in-cluster service account's token {incluster_config.SERVICE_TOKEN_FILENAME}"
         k8s_config.load_incluster_config(client_configuration=configuration)
         return k8s.ApiClient(configuration)
-    return k8s_config.new_client_from_config(context=context)
+    configuration.credentials = f"kubeconfig {os.environ.get('KUBECONFIG') or '~/.kube/config'} ({in_context})"
+    return k8s_config.new_client_from_config(context=context, client_configuration=configuration)
+
+
+def unanswered(error: Exception, what: str, configuration: k8s.Configuration) -> FleetError | None:
+    """The fleet's error for a request the client failed to send or to have answered, naming no
+    part of the request; None when ``error`` is no such failure (an ``ApiException`` is the
+    server's answer; an ``ApiTypeError``/``ApiValueError``, a call the adapter got wrong, names
+    only a parameter). Raise it outside the ``except`` block that caught ``error``: not even as a
+    suppressed ``__context__`` may ``error`` travel with it.
+
+    A transport failure is ``Transient``, named by its type and the API server's address. A
+    ``ValueError`` while the bearer token is no printable ASCII is http.client refusing the
+    Authorization header (a line break, a character beyond Latin-1): ``ClusterForbidden`` naming
+    where the credentials come from, since no retry mends them."""
+    if isinstance(error, (ApiException, ApiTypeError, ApiValueError)):
+        return None
+    if isinstance(error, (urllib3.exceptions.HTTPError, OSError, http.client.HTTPException)):
+        return Transient(f"{what}: {transport_failure(error, configuration.host)}", provider=PROVIDER,
+                         code=type(error).__name__)
+    token = configuration.get_api_key_with_prefix("BearerToken", alias="authorization") or ""
+    if isinstance(error, ValueError) and not (token.isascii() and token.isprintable()):
+        source = getattr(configuration, "credentials", ClientConfiguration.credentials)
+        return ClusterForbidden(
+            f"{what}: the request could not be sent: the token of {source} holds what no request "
+            "header can carry (a line break, a character beyond Latin-1); the value is not shown",
+            code="MalformedCredentials")
+    return None
 
 
 # -- JSON objects ------------------------------------------------------------------------
@@ -95,17 +162,15 @@ ERROR_STATUSES: dict[int, type[ClusterError]] = {
 }
 
 
-def _translate(error: Exception, what: str) -> Exception:
-    if isinstance(error, ApiException):
-        code, message = error.status, f"{what}: {_message(error)}"
-        if code in ERROR_STATUSES:
-            return ERROR_STATUSES[code](message, code=str(code))
-        if code == 404:
-            return NotFound(message, provider=PROVIDER, code="404")
-        if code == 409:
-            return ClusterConflict(message, code="409")
-        return Transient(message, provider=PROVIDER, code=str(code))
-    return Transient(f"{what}: {error}", provider=PROVIDER, code=type(error).__name__)
+def _translate(error: ApiException, what: str) -> Exception:
+    code, message = error.status, f"{what}: {_message(error)}"
+    if code in ERROR_STATUSES:
+        return ERROR_STATUSES[code](message, code=str(code))
+    if code == 404:
+        return NotFound(message, provider=PROVIDER, code="404")
+    if code == 409:
+        return ClusterConflict(message, code="409")
+    return Transient(message, provider=PROVIDER, code=str(code))
 
 
 class _Conflict(Exception):
@@ -154,14 +219,21 @@ class KubernetesApi:
         self.join_endpoint = join_endpoint if join_endpoint is not None else ControlPlaneEnv.get("join_endpoint")
 
     # -- plumbing -------------------------------------------------------------------------
+    def _send(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn``'s response; API errors stay ``ApiException``, a request never answered is
+        ``unanswered``'s error, raised outside the handler (the client's error, which can quote the
+        request, travels not even as its context)."""
+        try:
+            return fn(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 - unanswered() picks the client's failures, the rest re-raised
+            failure = unanswered(error, what, self.api_client.configuration)
+            if failure is None:
+                raise
+        raise failure
+
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Call ``fn`` and return the response body as JSON; API errors stay ``ApiException``."""
-        try:
-            response = fn(*args, _preload_content=False, _request_timeout=self.request_timeout, **kwargs)
-        except ApiException:
-            raise
-        except (urllib3.exceptions.HTTPError, OSError) as error:
-            raise _translate(error, what) from error
+        response = self._send(what, fn, *args, _preload_content=False, _request_timeout=self.request_timeout, **kwargs)
         data = response.data
         return json.loads(data) if data else {}
 

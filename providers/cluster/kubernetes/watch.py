@@ -75,15 +75,13 @@ class Watches(KubernetesApi):
         from kubernetes.watch.watch import iter_resp_lines
 
         try:
-            response = list_fn(watch=True, resource_version=version, timeout_seconds=seconds,
-                               allow_watch_bookmarks=True, _preload_content=False,
-                               _request_timeout=(self.request_timeout[0], seconds + self.request_timeout[0]),
-                               **selectors)
+            response = self._send(f"watch {what}", list_fn, watch=True, resource_version=version,
+                                  timeout_seconds=seconds, allow_watch_bookmarks=True, _preload_content=False,
+                                  _request_timeout=(self.request_timeout[0], seconds + self.request_timeout[0]),
+                                  **selectors)
         except ApiException as error:
             if error.status == 410:
                 raise _Gone(_message(error)) from error
-            raise _translate(error, f"watch {what}") from error
-        except (urllib3.exceptions.HTTPError, OSError) as error:
             raise _translate(error, f"watch {what}") from error
         try:
             for line in iter_resp_lines(response):
