@@ -4,6 +4,7 @@ rests at its watch, never in the middle of a step (patch ``node-continue-when-wa
 
 The server here suggests continuing as new after ``CAN_EVENTS`` events, so a few signals are
 enough to bring the entity to its gate. (The ProviderAccount's gate: tests/test_account_gate.py.)
+A run that continued with nothing changed upserts no search attribute: they carry over.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import pytest
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, WorkflowHistory
 from temporalio.testing import WorkflowEnvironment
 
+from fleet import search_attributes as sa
 from fleet.naming import reclaim_workflow_id
 from tests.can_server import Hold, server_suggesting_continue_as_new
 from tests.repair_helpers import eventually, join_node, repair_fleet, running_stack, spot
+from tests.test_node_join import own_upserts
 from tests.replay import replay_and_record
 
 CAN_EVENTS = 80
@@ -96,3 +99,42 @@ async def test_a_node_continues_as_new_only_once_its_watch_loop_rests(can_env, t
 
 async def _more_runs(client: Client, workflow_id: str, than: int) -> bool:
     return len(await runs(client, workflow_id)) > than
+
+
+async def test_a_continued_node_run_that_changes_nothing_upserts_no_search_attribute(can_env, tmp_path: Path) -> None:
+    """Search attributes carry over continue-as-new: a Node run that continued with nothing changed
+    keeps the join's ``NodeName`` and ``Site`` and its ``FleetState`` and upserts none of them
+    (``node-patches-at-start-7``). Before, every run upserted ``NodeName`` and ``FleetState`` at its
+    start and its facts read upserted ``Site``: two commands a run that changed nothing. The facts
+    read stays, once: it is how the run sees the config's repair settings as they are now."""
+    async for stack in running_stack(can_env.client, tmp_path, repair_fleet()):
+        node = await join_node(stack)
+        handle = stack.client.get_workflow_handle(f"node/{node.node_name}")
+        # Reports that change nothing, until the server asks the entity to continue as new.
+        report = {"node_name": node.node_name, "boot_id": "", "gpus": []}
+        for _ in range(100):
+            if await _more_runs(stack.client, handle.id, 1):
+                break
+            await handle.signal("health_report", report)
+            await asyncio.sleep(0.3)
+        continued = (await runs(stack.client, handle.id))[1]
+        second = stack.client.get_workflow_handle(handle.id, run_id=continued.run_id)
+        history = await eventually(lambda: _watching(second), timeout=30)  # settled: at its first watch
+
+        scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                     if e.HasField("activity_task_scheduled_event_attributes")]
+        assert scheduled == ["node_facts", "watch_node"], scheduled
+        assert own_upserts(history) == [], "no search attribute upserted"
+        kept = (await second.describe()).typed_search_attributes
+        assert (kept.get(sa.NODE_NAME), kept.get(sa.SITE), kept.get(sa.FLEET_STATE)) == (
+            node.node_name, "site-a", "ready")
+        await replay_and_record(second, "node_entity_continued_changing_nothing")
+
+
+async def _watching(handle: WorkflowHandle) -> WorkflowHistory | None:
+    """The run's history once it scheduled its first watch."""
+    history = await handle.fetch_history()
+    watching = any(e.HasField("activity_task_scheduled_event_attributes")
+                   and e.activity_task_scheduled_event_attributes.activity_type.name == "watch_node"
+                   for e in history.events)
+    return history if watching else None

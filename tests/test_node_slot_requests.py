@@ -15,10 +15,15 @@ the node's agent is down for the reboot.
 A repair queued for the slot says who holds it and until when that holder is expected to give it
 back ("every wait says why and until when"): an operator can tell a reboot that takes its time
 from a stuck one.
+
+Only an action on the whole node (a reboot, reinstall or replace) covers another GPU's repair: a
+reset is ``nvidia-smi -r -i <gpu>``, one GPU's. Two GPUs whose faults were seen together each get
+their own reset, the second after the first gives the slot back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import time
@@ -35,8 +40,12 @@ from fleet.messages.nodes import HealthReport
 from fleet.messages.repair import GpuRepairResult, NodeStatus
 from fleet.models import GpuHealth, XidEvent
 from fleet.repair_policy import Rung
+from sim.gpu import SimGpuBackend
 from tests.conftest import Stack
-from tests.repair_helpers import eventually, exists, ladder, node_status, repair_fleet, repair_handle, running_stack
+from tests.details_helpers import held
+from tests.repair_helpers import (
+    eventually, exists, join_node, ladder, node_status, repair_fleet, repair_handle, repair_result, running_stack,
+)
 from tests.replay import HISTORIES, replay_and_record
 from tests.test_repair_cancel import _details, repair_waiting_for_boot
 from tests.test_cli import gpufleet
@@ -49,6 +58,10 @@ RECORDED_BEFORE = f"{RECORDED}_before"
 #: The Node run and a queued repair's run of the scenario where the queue is told who holds the slot.
 RECORDED_TOLD = "node_entity_tells_the_queue_who_holds_the_slot"
 RECORDED_TOLD_REPAIR = "gpu_repair_told_who_holds_the_slot"
+#: The Node run where two GPUs' resets each get the slot (``node-patches-at-start-7``), and the same
+#: scenario on the code before, where the first reset "covered" the second (it must still replay).
+RECORDED_RESETS = "node_entity_grants_each_gpu_its_own_reset"
+RECORDED_RESETS_BEFORE = f"{RECORDED_RESETS}_before"
 
 
 @pytest.fixture
@@ -145,6 +158,67 @@ async def test_a_repair_cancelled_in_the_queue_is_not_granted_and_covers_no_late
     await replay_and_record(node_entity, RECORDED)
 
 
+def _faults_seen_together(stack: Stack, node: JoinedNode, xid: int, gpus: tuple[int, ...]) -> None:
+    """A fatal XID on each of ``gpus``, written in one transaction: the agent's next probe sees them
+    all, and one report brings every fault to the Node entity before any repair asks for the slot."""
+    with stack.world.tx() as db:
+        for gpu in gpus:
+            db.execute("INSERT INTO gpu_faults(machine_id, idx, kind, value, clears_on, at) VALUES (?,?,?,?,?,?)",
+                       (node.machine_id, gpu, "xid", xid, "reset", time.time()))
+
+
+async def _the_queued_one(stack: Stack, node: JoinedNode, gpus: tuple[int, ...]) -> int | None:
+    for gpu in gpus:
+        if await _waiting_for_the_slot(stack, node, gpu):
+            return gpu
+    return None
+
+
+async def test_a_reset_queued_behind_another_gpus_reset_runs_its_own(rstack: Stack, monkeypatch) -> None:
+    # Two GPUs of one node need a reset, their faults seen in one report: one repair holds the node's
+    # slot for its reset (held here), the other queues behind it.
+    node = await join_node(rstack)
+    resetting, reset = held(monkeypatch, SimGpuBackend, "reset_gpu")
+    _faults_seen_together(rstack, node, xid=48, gpus=(0, 1))
+    await eventually(lambda: asyncio.to_thread(resetting.wait, 0.1), timeout=30)
+    queued = await eventually(lambda: _the_queued_one(rstack, node, (0, 1)), timeout=30)
+    reset.set()
+
+    results = {gpu: await repair_result(rstack, node.node_name, gpu, timeout=90) for gpu in (0, 1)}
+    # The first reset covers nothing of the other GPU: it gets the slot and resets its own GPU. (Before,
+    # "covered", it went to the proof never reset, failed it and rebooted the node.)
+    for gpu, result in results.items():
+        assert [(a.rung, a.outcome) for a in result.attempts] == [(Rung.RESET, "passed")], (gpu, result)
+        assert result.outcome == "repaired"
+    resets = sorted(a["gpu"] for a in rstack.world.actions(node.machine_id) if a["op"] == "gpu_reset")
+    assert resets == [0, 1], "each GPU reset once"
+    assert rstack.world.machine(node.machine_id)["reboots"] == 0
+    status = await eventually(lambda: node_status(rstack, node.node_name), timeout=30)
+    granted = [(a.repair_id, a.rung) for a in status.node_actions]
+    assert granted[-1] == (repair_handle(rstack, node.node_name, queued).id, Rung.RESET), granted
+    assert sorted(granted) == [(repair_handle(rstack, node.node_name, gpu).id, Rung.RESET) for gpu in (0, 1)]
+
+    await replay_and_record(rstack.client.get_workflow_handle(f"node/{node.node_name}"), RECORDED_RESETS)
+
+
+async def test_a_reboot_covers_another_gpus_reset_queued_behind_it(rstack: Stack) -> None:
+    # GPU 0's reboot holds the slot (the machine slow to boot); GPU 1's reboot queues, then GPU 2's reset.
+    node, first = await repair_waiting_for_boot(rstack)
+    second = await _queued_behind(rstack, node, 1, xid=79)
+    third = await _queued_behind(rstack, node, 2, xid=48)
+
+    rstack.world.set_site("site-a", boot_seconds=1.0)
+    _booted(rstack, node)
+    assert GpuRepairResult.model_validate(await first.result()).outcome == "repaired"
+    assert GpuRepairResult.model_validate(await second.result()).outcome == "repaired"
+    # GPU 1's reboot began after GPU 2's fault was detected: it rebooted the whole node, GPU 2 included.
+    third_result = GpuRepairResult.model_validate(await third.result())
+    assert [(a.rung, a.outcome) for a in third_result.attempts] == [(Rung.RESET, "covered")], third_result
+    assert third_result.outcome == "repaired"
+    assert not [a for a in rstack.world.actions(node.machine_id) if a["op"] == "gpu_reset"], "no reset ran"
+    assert rstack.world.machine(node.machine_id)["reboots"] == 2
+
+
 @pytest.fixture
 async def slow_reboots(temporal_env, tmp_path):
     """``rstack``, with reboots allowed two minutes: the test, not the timeout, ends each one."""
@@ -231,21 +305,49 @@ def test_a_node_run_from_before_the_patch_granted_the_ended_repair_and_one_after
     assert after["to_the_cancelled"] == [], after
 
 
+def test_a_node_run_from_before_the_patch_let_one_reset_cover_another_and_one_after_did_not() -> None:
+    """What the two recorded runs of two GPUs' resets are (tests/test_replay.py replays both): the run
+    from before ``node-patches-at-start-7`` replays down its old path, the second GPU's reset "covered"
+    by the first, as a Node run open at the deploy must."""
+    from workflows.node import NODE_PATCHES_AT_START_7
+
+    def told(name: str) -> tuple[list[str], list[dict]]:
+        events = json.loads((HISTORIES / f"{name}.json").read_text())["events"]
+        grants = [json.loads(base64.b64decode(attributes["input"]["payloads"][0]["data"])) for event in events
+                  if (attributes := event.get("signalExternalWorkflowExecutionInitiatedEventAttributes"))
+                  and attributes["signalName"] == flows.GpuRepair.node_action_grant]
+        return _markers(events), grants
+
+    (before, granted_before), (after, granted_after) = told(RECORDED_RESETS_BEFORE), told(RECORDED_RESETS)
+    assert NODE_PATCHES_AT_START_7 not in before
+    assert [grant["covered_by"] for grant in granted_before if not grant["go"]] == ["reset"], granted_before
+    assert NODE_PATCHES_AT_START_7 in after
+    assert [grant["go"] for grant in granted_after] == [True, True], granted_after
+
+
+def _markers(events: list[dict]) -> list[str]:
+    """The patch markers of a recorded run's events."""
+    markers = []
+    for event in events:
+        if event["eventType"] == "EVENT_TYPE_MARKER_RECORDED" \
+                and "patch-data" in event["markerRecordedEventAttributes"]["details"]:
+            payload = event["markerRecordedEventAttributes"]["details"]["patch-data"]["payloads"][0]["data"]
+            markers.append(json.loads(base64.b64decode(payload))["id"])
+    return markers
+
+
 def _grants(path: Path) -> dict[str, list[str]]:
     """A recorded Node run's patch markers, and the signals it sent to GPU 1's repair (cancelled
     while queued) after that repair ended."""
     events = json.loads(path.read_text())["events"]
-    markers, to_the_cancelled, ended = [], [], False
+    to_the_cancelled, ended = [], False
     for event in events:
         kind = event["eventType"]
-        if kind == "EVENT_TYPE_MARKER_RECORDED" and "patch-data" in event["markerRecordedEventAttributes"]["details"]:
-            payload = event["markerRecordedEventAttributes"]["details"]["patch-data"]["payloads"][0]["data"]
-            markers.append(json.loads(base64.b64decode(payload))["id"])
-        elif kind == "EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_CANCELED":
+        if kind == "EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_CANCELED":
             attributes = event["childWorkflowExecutionCanceledEventAttributes"]
             ended = ended or attributes["workflowExecution"]["workflowId"].endswith("/gpu1")
         elif kind == "EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED" and ended:
             attributes = event["signalExternalWorkflowExecutionInitiatedEventAttributes"]
             if attributes["workflowExecution"]["workflowId"].endswith("/gpu1"):
                 to_the_cancelled.append(attributes["signalName"])
-    return {"markers": markers, "to_the_cancelled": to_the_cancelled}
+    return {"markers": _markers(events), "to_the_cancelled": to_the_cancelled}

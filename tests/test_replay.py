@@ -281,6 +281,12 @@ EXPECTED = {
     # running as its fill (``site-fill-ids-unique``, tests/test_site_reclaim.py); the code before
     # replays in ``site_fill_below_min``, ``site_reconcile_refused_then_fills``.
     "site_numbers_fills_past_those_on_record", "site_takes_a_running_fill_as_its_own",
+    # Two GPUs' resets queued one behind the other each get the slot: a reset covers no other GPU's
+    # (``node-patches-at-start-7``, tests/test_node_slot_requests.py); ``_before``: the code before,
+    # whose first reset "covered" the second, replays too. A continued Node run that changes nothing
+    # upserts no search attribute (the same patch, tests/test_entity_gate.py).
+    "node_entity_grants_each_gpu_its_own_reset", "node_entity_grants_each_gpu_its_own_reset_before",
+    "node_entity_continued_changing_nothing",
 }
 
 

@@ -17,8 +17,8 @@ are still handled.) The entity classifies each GPU (``fleet.repair_policy``),
 escalates repeat faults, fences a sick GPU and cordons the node at once (before anyone
 decides how to repair it), and starts one GpuRepair child per sick GPU. It owns
 the node's single disruptive-action slot: children ask for it before a reset,
-reboot, reinstall or replace, and an action that started after a child's fault
-was detected covers that child (two GPUs failing together → one reboot). When
+reboot, reinstall or replace, and a node-wide action (not a reset: one GPU's) that started after
+a child's fault was detected covers that child (two GPUs failing together → one reboot). When
 too many of a site's nodes are unhealthy it stops repairing there and hands the
 decision to the Site entity: every repair is first admitted by ``site/<site>``
 (``admit_repair``), which holds it while its provider-incident rule is tripped. A GPU whose
@@ -45,7 +45,7 @@ from typing import Any, Awaitable, Callable
 
 from pydantic import BaseModel, ValidationError
 from temporalio import workflow
-from temporalio.common import RawValue, RetryPolicy, WorkflowIDReusePolicy
+from temporalio.common import RawValue, RetryPolicy, SearchAttributeKey, WorkflowIDReusePolicy
 from temporalio.workflow import ParentClosePolicy
 from temporalio.exceptions import ActivityError, ApplicationError, FailureError, is_cancelled_exception
 
@@ -231,6 +231,20 @@ NODE_PATCHES_AT_START_5 = "node-patches-at-start-5"
 #: notice started ``reclaim/<node>``, which drains by the node's deadline, retires the machine
 #: past PodDisruptionBudgets and buys a replacement.
 NODE_PATCHES_AT_START_6 = "node-patches-at-start-6"
+#: Workflow patch, asked first thing right after ``NODE_PATCHES_AT_START_6`` (runs that have it),
+#: with a marker of its own for the same reason. Two changes:
+#: - Only a node-wide action (a reboot, reinstall or replace) covers another repair's request for
+#:   the slot. A reset is ``nvidia-smi -r -i <gpu>``: it resets its own GPU alone, and repair ids
+#:   are one per GPU (``repair/<node>/gpu<i>``), so it covers no other repair. Before it GPU 0's
+#:   reset "covered" GPU 1's reset queued behind it, and GPU 1 went to its proof never reset.
+#: - Search attributes are upserted only where their value differs from the run's own
+#:   (``workflow.info().typed_search_attributes``: set by the join's start, carried over
+#:   continue-as-new). Before it every run upserted ``NodeName`` and ``FleetState`` at its start,
+#:   and every facts read ``Site``: a continued run paid two upserts to change nothing.
+#: The facts read at a continued run's start stays: it is how a running node's entity sees a change
+#: of the config's repair settings (the watch's heartbeat and pace, the report age bound, the XID
+#: thresholds), which a healthy node otherwise never reads again.
+NODE_PATCHES_AT_START_7 = "node-patches-at-start-7"
 WATCH_IDLE_FREE = 3
 WATCH_EARLY_FREE = 30
 
@@ -315,6 +329,9 @@ class NodeEntity(Entity[NodeCarry]):
         self._told: dict[str, tuple[str, int]] = {}
         #: ``NODE_PATCHES_AT_START_6`` (asked once, first): only a spot site's node is reclaimed.
         self._settled_6 = False
+        #: ``NODE_PATCHES_AT_START_7`` (asked once, first): a reset covers no other repair; search
+        #: attributes upserted only when they change.
+        self._settled_7 = False
         #: Repairs this run watched end (``NODE_PATCHES_AT_START_3``): a request of one that reaches
         #: the queue late (sent as it ended) is never granted. One id per GPU at most; a new repair of
         #: the GPU (the same id) takes its id out again.
@@ -530,15 +547,14 @@ class NodeEntity(Entity[NodeCarry]):
         self._settled_4 = self._settled_3 and workflow.patched(NODE_PATCHES_AT_START_4)
         self._settled_5 = self._settled_4 and workflow.patched(NODE_PATCHES_AT_START_5)
         self._settled_6 = self._settled_5 and workflow.patched(NODE_PATCHES_AT_START_6)
+        self._settled_7 = self._settled_6 and workflow.patched(NODE_PATCHES_AT_START_7)
         if self._settled_2:
             self._told_by_cluster = True  # before ``start_with``: a first task's cluster_state counts
         inp = parse_input(NodeEntityInput, raw)
         self._node = inp.node_name
         self.start_with(inp.carry)
         self._joined_site, self._joined_settings = inp.site, inp.settings
-        workflow.upsert_search_attributes([
-            sa.NODE_NAME.value_set(self._node), sa.FLEET_STATE.value_set(self.state.state),
-        ])
+        self._upsert_search_attributes((sa.NODE_NAME, self._node), (sa.FLEET_STATE, self.state.state))
         if self.state.deferred:
             await self._facts_or_wait()  # findings carried on hold: their recheck interval is in the settings
         if self._settled or workflow.patched(HEALTH_WATCH_PATCH):
@@ -977,8 +993,18 @@ class NodeEntity(Entity[NodeCarry]):
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="node, site, repair settings",
         )
         if self._facts.site:
-            workflow.upsert_search_attributes([sa.SITE.value_set(self._facts.site)])
+            self._upsert_search_attributes((sa.SITE, self._facts.site))
         return self._facts
+
+    def _upsert_search_attributes(self, *values: tuple[SearchAttributeKey[str], str]) -> None:
+        """Set these keyword attributes: under ``NODE_PATCHES_AT_START_7`` only those whose value
+        differs from the run's own (set at its start, carried over continue-as-new, and kept by
+        the SDK as this run upserts), so a run that changes nothing upserts nothing."""
+        if self._settled_7:
+            current = workflow.info().typed_search_attributes
+            values = tuple((key, value) for key, value in values if current.get(key) != value)
+        if values:
+            workflow.upsert_search_attributes([key.value_set(value) for key, value in values])
 
     async def _act(self, finding: Finding, *, answer_now: bool = False) -> Rung | None:
         """A sick GPU: contain it, ask its site whether to repair now, start its GpuRepair. The
@@ -1200,11 +1226,7 @@ class NodeEntity(Entity[NodeCarry]):
             if self._settled_3 and request.repair_id in self._ended:
                 self._log(f"{request.repair_id} asked for the node's action slot after it ended: not granted")
                 continue
-            covering = [
-                a for a in self.state.actions
-                if a.finished_at is not None and a.rung.level >= request.rung.level
-                and a.started_at >= request.detected_at and a.repair_id != request.repair_id
-            ]
+            covering = [a for a in self.state.actions if self._covers(a, request)]
             handle = workflow.get_external_workflow_handle(request.repair_id)
             action: NodeAction | None = None
             if covering:
@@ -1226,6 +1248,15 @@ class NodeEntity(Entity[NodeCarry]):
                     self._finish_action(request.repair_id)
             if grant.go:
                 self._set_state(self.state.state, f"{request.rung} for {request.repair_id}")
+
+    def _covers(self, action: NodeAction, request: NodeActionRequest) -> bool:
+        """Whether ``action``, another repair's, did what ``request`` asks the slot for: it finished,
+        it started after the request's fault was detected, its rung is at least as strong, and
+        (``NODE_PATCHES_AT_START_7``) it acted on the whole node. A reset acts on its own GPU alone
+        and each GPU has one repair id, so a reset covers no other repair's request."""
+        return (action.finished_at is not None and action.rung.level >= request.rung.level
+                and action.started_at >= request.detected_at and action.repair_id != request.repair_id
+                and (action.rung.node_level or not self._settled_7))
 
     def _queue_news(self) -> list[tuple[NodeActionRequest, tuple[str, int]]]:
         """Each repair queued for the held slot that was not told the holder and its place as they

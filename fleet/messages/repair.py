@@ -40,7 +40,8 @@ class NodeCarry(BaseModel):
     #: GPU → its last reported health: a recheck forgets a finding whose GPU healed. Only GPUs the
     #: node can have, each with one XID event at most (``workflows.node._last_seen``).
     latest: dict[int, GpuHealth] = Field(default_factory=dict)
-    #: The node's recent disruptive actions: a later one covers a repair detected before it.
+    #: The node's recent disruptive actions: a later node-wide one (a reboot, reinstall or replace)
+    #: covers another GPU's repair detected before it; a reset covers no other repair.
     actions: list[NodeAction] = Field(default_factory=list)
     #: The pulled health watch (``watch_node``): the last result's sequence number and state
     #: digest, and the spot notice acted on. Carried, so a new run's first watch returns at
@@ -206,7 +207,8 @@ class NodeActionRequest(BaseModel):
 
     repair_id: Name
     rung: Rung
-    #: When the fault was detected: an action of at least this rung started later covers it.
+    #: When the fault was detected: another repair's node-wide action of at least this rung
+    #: started later covers it.
     detected_at: datetime
 
 
