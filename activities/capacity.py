@@ -41,11 +41,14 @@ from fleet.messages.capacity import (
     SignalSitesInput,
     SiteNode,
     SiteNodesInput,
+    WAITING_FOR_CAPACITY,
+    WakeRequestsInput,
 )
 from activities import notify
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.ledger import record_retire
+from fleet import search_attributes as sa
 from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocked, OverQuota
 from fleet.models import AccountState, listing
 from fleet.naming import account_workflow_id, fill_number_of, fill_workflow_id, site_workflow_id
@@ -58,6 +61,11 @@ from providers.cluster.base import Cluster, NodeMarks, NodeNotFound, decide_on_n
 from fleet.contracts import workflows as flows
 
 R = TypeVar("R")
+
+#: The cluster state object (kind, key, value key) with the digest of the offers the last catalog
+#: refresh listed (``wake_waiting_requests``): in the cluster, so a restarted or second control
+#: plane compares with what the waiting requests were last told. A backup leaves it out.
+CATALOG_STATE, LAST_REFRESH, OFFERS_DIGEST = "catalog", "last-refresh", "offers-digest"
 
 
 log = logging.getLogger("gpufleet.capacity")
@@ -394,17 +402,32 @@ class CapacityActivities:
         return await notify.post(self.env.config.notify_webhook, input.model_dump(mode="json"))
 
     @activity.defn
-    async def wake_waiting_requests(self) -> int:
-        """Signal every running AcquireCapacity: offers changed, look again."""
+    async def wake_waiting_requests(self, input: WakeRequestsInput | None = None) -> int:
+        """Signal each AcquireCapacity waiting for capacity (one with joins in flight looks again
+        as each ends): offers changed, look again. From a catalog refresh (``offers_digest``), only
+        when the offers differ from the last refresh's, and the signal says the catalog is listed:
+        W waiting requests then cost that one listing, not W more. The digest is written once they
+        are signalled, so a wake cut short is done again by its retry."""
+        input = input or WakeRequestsInput()
+        cluster = self.env.cluster
+        if input.offers_digest:
+            last = await asyncio.to_thread(cluster.read_state, CATALOG_STATE, LAST_REFRESH)
+            if last.get(OFFERS_DIGEST) == input.offers_digest:
+                return 0
         client = activity.client()
         woken = 0
-        query = f'WorkflowType = "{flows.AcquireCapacity.TYPE}" AND ExecutionStatus = "Running"'
+        query = (f'WorkflowType = "{flows.AcquireCapacity.TYPE}" AND ExecutionStatus = "Running" '
+                 f'AND {sa.FLEET_STATE.name} = "{WAITING_FOR_CAPACITY}"')
         async for wf in client.list_workflows(query):
             try:
-                await client.get_workflow_handle(wf.id, run_id=wf.run_id).signal(flows.AcquireCapacity.offers_changed)
+                await client.get_workflow_handle(wf.id, run_id=wf.run_id).signal(
+                    flows.AcquireCapacity.offers_changed, bool(input.offers_digest))
                 woken += 1
             except Exception:  # noqa: BLE001 - it may have finished meanwhile
                 pass
+        if input.offers_digest:
+            await asyncio.to_thread(cluster.update_state, CATALOG_STATE, LAST_REFRESH,
+                                    lambda _old: {OFFERS_DIGEST: input.offers_digest})
         return woken
 
     # -- sites and nodes --------------------------------------------------------------------

@@ -22,7 +22,9 @@ rate is printed beside it): joins, health changes, spot reclaims (notice →
 SpotReclaim done). A health change is what a node's watch returns most of the time, the
 traffic "100 health changes a second" stands for: an application XID on a GPU (XID 13),
 counted by the Node entity, nothing repaired; a GPU fault that needs a repair is a repair
-(its ladder, its own bill), not a health change. Prints actions/hour per idle site,
+(its ladder, its own bill), not a health change. Last, a request waiting for capacity at the
+empty site (what a site below its min with none to buy runs) through catalog refreshes whose
+offers did not change: its own billed events only. Prints actions/hour per idle site,
 per idle node, per idle model (its Routing entity) and for the Schedules, actions per event,
 the projection for 1,250 and 10,000 nodes at 10 sites and ``MODELS_PROJECTED`` models, and the
 targets.
@@ -59,6 +61,7 @@ from cli.demand import start_demand_loop
 from cli.dev import dev_server_tuning_flags, temporal_binary
 from fleet import search_attributes
 from fleet.cluster import ServingSpec
+from fleet.messages.capacity import CapacityProgress
 from fleet.messages.routing import RoutingInput
 from fleet.naming import reclaim_workflow_id, routing_workflow_id
 from fleet.schedules import SCHEDULES, apply_schedules
@@ -93,6 +96,9 @@ IDLE_NODE_MAX = 30.0      # actions/hour, its watch's heartbeats included
 IDLE_MODEL_MAX = 30.0     # actions/hour per served model (its Routing entity), heartbeats included
 SCHEDULES_MAX = 300.0     # actions/hour, all Schedules together
 HEALTH_CHANGE_MAX = 4.0   # actions per health change
+#: Actions a request waiting for capacity (a site below its min with none to buy: its fill) spends
+#: per catalog refresh (the Schedule's, every 10 minutes) whose offers did not change.
+WAITING_REFRESH_MAX = 0.0
 NAMESPACE_MAX = 500.0     # actions/s: 10,000 idle nodes at 10 sites + 100 health changes/s
 #: The per-node event rates the projection assumes (stated in the output).
 HEALTH_CHANGES_PER_NODE_S = 100 / 10_000
@@ -169,6 +175,16 @@ class Window:
         return sum(self.by_action_type.values())
 
 
+def event_seconds(event) -> float:
+    return event.event_time.seconds + event.event_time.nanos / 1e9
+
+
+def billed_in(events, start: float, end: float) -> Counter:
+    """One history's billed events in [start, end] (epoch seconds), by kind."""
+    return Counter(BILLED_EVENTS[e.event_type] for e in events
+                   if e.event_type in BILLED_EVENTS and start <= event_seconds(e) <= end)
+
+
 async def billed_by_workflow_type(client, start: float, end: float) -> tuple[Counter, dict[str, Counter], Counter]:
     """Billed history events in [start, end] (epoch seconds), by workflow type and kind; and the
     heartbeats each workflow type's activities were due to send in the window (one per half
@@ -181,13 +197,14 @@ async def billed_by_workflow_type(client, start: float, end: float) -> tuple[Cou
         if execution.close_time is not None and execution.close_time.timestamp() < start:
             continue
         history = await client.get_workflow_handle(execution.id, run_id=execution.run_id).fetch_history()
+        billed = billed_in(history.events, start, end)
+        if billed:
+            by_type[execution.workflow_type] += sum(billed.values())
+            detail.setdefault(execution.workflow_type, Counter()).update(billed)
         opened: dict[int, tuple[float, float]] = {}  # scheduled event id → (scheduled at, half timeout)
         closed: dict[int, float] = {}
         for event in history.events:
-            at = event.event_time.seconds + event.event_time.nanos / 1e9
-            if start <= at <= end and event.event_type in BILLED_EVENTS:
-                by_type[execution.workflow_type] += 1
-                detail.setdefault(execution.workflow_type, Counter())[BILLED_EVENTS[event.event_type]] += 1
+            at = event_seconds(event)
             if event.HasField("activity_task_scheduled_event_attributes"):
                 timeout = event.activity_task_scheduled_event_attributes.heartbeat_timeout.ToTimedelta()
                 if timeout.total_seconds() > 0:
@@ -248,6 +265,35 @@ def projection(f: dict[str, float], nodes: int, per_event: dict[str, float], pri
                       + RECLAIMS_PER_NODE_HOUR / 3600 * per_event.get("spot reclaim", 0.0))
     per_s = idle + events
     return {"idle": idle, "events": events, "per_s": per_s, "usd_month": per_s * 86400 * 30 * price / 1e6}
+
+
+async def waiting_request_per_refresh(client, queue: str, world, site: str, refreshes: int) -> Counter:
+    """A request waiting for capacity at ``site`` (none left there: what a site below its min with
+    none to buy runs, its fill), then ``refreshes`` catalog refreshes as the Schedule runs them, the
+    offers unchanged: the billed events of the request's history in that window, by kind."""
+    world.set_site(site, capacity=0)
+
+    async def refresh() -> None:
+        await client.execute_workflow(flows.CatalogRefresh.TYPE, None, id=f"catalog-refresh-bench-{uuid.uuid4().hex[:6]}",
+                                      task_queue=queue)
+
+    await refresh()  # the offers as they now are: the window's refreshes find them unchanged
+    handle = await client.start_workflow(
+        flows.AcquireCapacity.TYPE, {"constraints": {"sites": [site]}, "count": 1, "deadline_seconds": 3600},
+        id=f"capacity/bench-waiting-{uuid.uuid4().hex[:6]}", task_queue=queue)
+
+    async def waits() -> bool:
+        return (await handle.query(flows.AcquireCapacity.progress, result_type=CapacityProgress)).step == \
+            "waiting for capacity"
+
+    await until(waits, timeout=60, interval=0.2)
+    start = time.time()
+    for _ in range(refreshes):
+        await refresh()
+    await asyncio.sleep(3)  # a request woken reads the catalog and waits again within a second
+    billed = billed_in((await handle.fetch_history()).events, start, time.time())
+    await handle.execute_update(flows.AcquireCapacity.cancel, "the bench is done")
+    return billed
 
 
 async def main(args) -> int:
@@ -356,11 +402,14 @@ async def main(args) -> int:
                         print("  (spot reclaims still running after 120 s: counted so far)")
 
                 per_event["spot reclaim"] = await burst("spot reclaim", reclaim)
+                waiting = await waiting_request_per_refresh(client, queue, world, f"site-{args.sites - 1}", args.events)
         finally:
             host.terminate()
             host.wait()
 
     f = figures(idle, args.sites, args.nodes, args.models)
+    waiting_detail = ", ".join(f"{k} {v / args.events:,.1f}" for k, v in waiting.most_common())
+    waiting_per_refresh = sum(waiting.values()) / args.events
     print(f"Temporal actions: {args.sites} sites ({occupied if args.sites > 1 else 1} with nodes), {args.nodes} nodes, "
           f"{args.models} models, idle window {idle.seconds:.0f} s")
     print(f"  server counter, idle: {per_hour(idle.total, idle.seconds):,.0f} actions/hour in all")
@@ -396,6 +445,9 @@ async def main(args) -> int:
               f"(Schedules' passes included: {kinds})")
         for workflow_type, found in sorted(event_types[name].items()):
             print(f"      {workflow_type:22s}" + ", ".join(f"{k} {v / args.events:,.1f}" for k, v in found.most_common()))
+    print(f"  per waiting request, per catalog refresh, offers unchanged {waiting_per_refresh:,.1f} actions   "
+          f"(target <= {WAITING_REFRESH_MAX:g}; a site below its min with none to buy: its fill"
+          + (f"; {waiting_detail})" if waiting_detail else ")"))
     print(f"  projection at {SITES_PROJECTED} sites and {MODELS_PROJECTED} models, ${args.price_per_million:g} per "
           f"million actions; assumed per node: "
           f"{HEALTH_CHANGES_PER_NODE_S:g} health changes/s, a join every {1 / JOINS_PER_NODE_HOUR / 24:.0f} days, "
@@ -411,6 +463,7 @@ async def main(args) -> int:
         f"idle model <= {IDLE_MODEL_MAX:g}/hour": f["model"] <= IDLE_MODEL_MAX,
         f"Schedules <= {SCHEDULES_MAX:g}/hour": f["schedules"] <= SCHEDULES_MAX,
         f"health change <= {HEALTH_CHANGE_MAX:g} actions": per_event["health change"] <= HEALTH_CHANGE_MAX,
+        f"waiting request per refresh <= {WAITING_REFRESH_MAX:g}": waiting_per_refresh <= WAITING_REFRESH_MAX,
         f"10,000 nodes + 100 health changes/s <= {NAMESPACE_MAX:g}/s": projected[10_000]["per_s"] <= NAMESPACE_MAX,
     }
     for name, ok in checks.items():

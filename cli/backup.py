@@ -68,6 +68,8 @@ LEFT_OUT = {
     "join-token": "records of join tokens (an hour at most): their Secrets are not in a backup, so restored "
                   "records would approve nothing; a join in flight gets a new token",
     "serving-endpoints": "model-server addresses, published again by whoever starts the servers",
+    "catalog": "the digest of the offers the last catalog refresh listed: without it the next refresh "
+               "wakes the requests waiting for capacity once",
 }
 
 

@@ -16,6 +16,7 @@ import yaml
 from typer.testing import CliRunner
 
 from activities.account_store import ACCOUNT_STATE, AccountRecord
+from activities.capacity import CATALOG_STATE
 from activities.env import FleetEnv
 from activities.ledger import USAGE_STATE, UsageLedger
 from cli.backup import BACKED_UP, LEFT_OUT, SCHEMA_VERSION
@@ -102,7 +103,7 @@ def test_the_kinds_are_the_ones_their_owners_write() -> None:
     assert set(BACKED_UP) == {ACCOUNT_STATE, ALLOCATION_STATE, USAGE_STATE, NODE_KEYS_KIND, NODE_IDENTITY_KIND}
     from providers.cluster.kubernetes import JOIN_TOKEN_KIND
 
-    assert set(LEFT_OUT) == {JOIN_TOKEN_KIND, ENDPOINTS_KIND}
+    assert set(LEFT_OUT) == {JOIN_TOKEN_KIND, ENDPOINTS_KIND, CATALOG_STATE}
 
 
 def test_a_fresh_fleet_restored_from_a_backup_carries_on(source: Fleet, tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ def test_smoke_run_prints_every_figure() -> None:
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-3000:]
     for figure in ("per idle site", "per idle node", "per idle model", "Schedules, all", "per join",
-                   "per health change", "per spot reclaim"):
+                   "per health change", "per spot reclaim", "per catalog refresh, offers unchanged"):
         assert re.search(rf"{figure}\s+[0-9,.]+ actions", out), f"{figure} missing:\n{out}"
     for nodes in ("1,250", "10,000"):
         assert re.search(rf"{nodes} nodes: .* actions/s idle .*\$[0-9,]+/month", out), out
@@ -56,6 +56,8 @@ def test_smoke_run_prints_every_figure() -> None:
     assert re.search(rf"{HEARTBEAT}\s+[0-9,]+/hour", out), out
     assert out.count("target ") >= 6, out
     assert re.search(r"target idle model <= 30/hour\s+met", out), out
+    # A request waiting for capacity is woken by no catalog refresh that changed nothing.
+    assert re.search(r"target waiting request per refresh <= 0\s+met", out), out
 
 
 def test_heartbeats_are_shared_out_by_what_each_workflow_types_activities_were_due_to_send() -> None:

@@ -13,7 +13,8 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from fleet.messages.capacity import AccountStatus, CapacityProgress, CapacityResult
 from activities.control_plane import ControlPlaneActivities
 from fleet.messages.nodes import DeleteMachineInput
-from tests.capacity_fleet import CapStack, failed_pass_cleared, failed_pass_shown, open_stack, replay_and_record
+from tests.capacity_fleet import FAST_JOIN, CapStack, failed_pass_cleared, failed_pass_shown, open_stack, replay_and_record
+from tests.bad_input_helpers import wait_for_async
 from tests.conftest import wait_for
 
 
@@ -196,6 +197,69 @@ async def test_all_exhausted_waits_and_resumes_when_capacity_appears(cap: CapSta
     result = await result_of(handle)
     assert [n.site for n in result.nodes] == [cap.site("dear")]
     await replay_and_record(handle, "capacity_wait_then_resume")
+
+
+async def signals_to(handle, name: str = "offers_changed") -> int:
+    history = await handle.fetch_history()
+    return sum(1 for e in history.events if e.HasField("workflow_execution_signaled_event_attributes")
+               and e.workflow_execution_signaled_event_attributes.signal_name == name)
+
+
+def offer_listings(cap: CapStack) -> int:
+    return sum(cap.world.calls(cap.account(a), "offers") for a in "abcd")
+
+
+async def test_a_refresh_with_unchanged_offers_wakes_no_request(cap: CapStack) -> None:
+    # The Schedule refreshes every 10 minutes: a waiting request woken each time for nothing paid a
+    # signal, a forced listing of every provider, a timer and two upserts, and its backoff never
+    # grew past the refresh's period.
+    for site in ("cheap", "mid", "dear", "spot"):
+        cap.world.set_site(cap.site(site), capacity=0)
+    assert await cap.refresh_catalog() == 0  # nobody waits yet: what it listed is what it compares with
+    handle = await cap.request({"constraints": {"gpu": "H100"}, "count": 1, "backoff_seconds": 120,
+                                "deadline_seconds": 300})
+    assert await cap.listed(f'WorkflowId = "{handle.id}" AND FleetState = "waiting-for-capacity"')
+    refresh = await cap.client.start_workflow("CatalogRefresh", None, id=f"catalog-refresh-{cap.uid}-same",
+                                              task_queue=cap.settings.task_queue)
+    assert await refresh.result() == 0
+    assert await signals_to(handle) == 0
+    assert (await progress(handle)).step == "waiting for capacity"
+    await replay_and_record(refresh, "catalog_refresh_offers_unchanged")
+    await handle.execute_update("cancel", "the test is done")
+
+
+async def test_a_refresh_with_changed_offers_wakes_only_the_requests_waiting_for_capacity(cap: CapStack) -> None:
+    cap.world.set_site(cap.site("cheap"), capacity=0)
+    cap.world.set_site(cap.site("dear"), boot_seconds=600)  # its join stays in flight
+    await cap.refresh_catalog()
+    waiting = await cap.request({"constraints": {"sites": [cap.site("cheap")]}, "count": 1,
+                                 "backoff_seconds": 120, "deadline_seconds": 300}, name="waits")
+    joining = await cap.request({"constraints": {"sites": [cap.site("dear")]}, "count": 1, "deadline_seconds": 300,
+                                 "join_timeouts": {**FAST_JOIN, "registration_seconds": 900}}, name="joins")
+    assert await cap.listed(f'WorkflowId = "{waiting.id}" AND FleetState = "waiting-for-capacity"')
+    await wait_for_async(lambda: progress(joining), lambda p: p.in_flight)
+    cap.world.set_site(cap.site("mid"), capacity=0)  # an offer the waiting request cannot buy either
+    assert await cap.refresh_catalog() >= 1
+    assert await signals_to(waiting) == 1
+    assert await signals_to(joining) == 0, "a request with a join in flight looks again as it ends"
+    for handle in (waiting, joining):
+        await handle.execute_update("cancel", "the test is done")
+
+
+async def test_a_request_woken_by_a_refresh_reads_its_listing_and_lists_nothing(cap: CapStack) -> None:
+    for site in ("cheap", "mid", "dear", "spot"):
+        cap.world.set_site(cap.site(site), capacity=0)
+    handle = await cap.request({"constraints": {"gpu": "H100"}, "count": 1, "backoff_seconds": 120,
+                                "deadline_seconds": 300})
+    assert await cap.listed(f'WorkflowId = "{handle.id}" AND FleetState = "waiting-for-capacity"')
+    listed = offer_listings(cap)
+    cap.world.set_site(cap.site("dear"), capacity=1)
+    assert await cap.refresh_catalog() >= 1
+    result = await result_of(handle)
+    assert [n.site for n in result.nodes] == [cap.site("dear")]
+    # One listing per site, the refresh's: W woken requests cost no more provider calls than one.
+    assert offer_listings(cap) == listed + 4
+    await replay_and_record(handle, "capacity_woken_reads_the_refreshed_catalog")
 
 
 async def test_spend_cap_and_max_price_are_respected(cap: CapStack) -> None:

@@ -41,6 +41,10 @@ EXPECTED = {
     "node_join_cancelled_while_queried_in_site_lookup",
     "node_entity_health_watch", "node_entity_watch_from_join_state",
     "capacity_no_capacity_fallback", "capacity_over_quota", "capacity_bad_credentials", "capacity_wait_then_resume",
+    # A catalog refresh wakes only the requests waiting for capacity, and only when its offers changed;
+    # a request it woke reads what it listed (``get_catalog`` not forced) where it listed every site
+    # again (tests/test_capacity.py; no patch: the same commands, an activity's input differs).
+    "capacity_woken_reads_the_refreshed_catalog", "catalog_refresh_offers_unchanged",
     "account_quota_raised", "account_credentials_rotated", "site_fill_below_min", "site_retire_above_max",
     # A report whose guard-store write was refused past its retries (a 403) is shown and written
     # again after a pause, then notified (tests/test_capacity.py; no patch, as the Site's below).

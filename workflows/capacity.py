@@ -31,7 +31,8 @@ flight is cancelled and deletes its machine, nodes already joined stay; the
 update answers once that is done, naming each join it stopped.
 
 CatalogRefresh (id ``catalog-refresh``, run by a Schedule): refresh every site's
-offers and wake the waiting requests.
+offers and, when they changed since its last run, wake the requests waiting for capacity
+(each reads what it listed: one listing for them all).
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ with workflow.unsafe.imports_passed_through():
         GetCatalogInput,
         JoinAttempt,
         ReportAccountInput,
+        WAITING_FOR_CAPACITY,
+        WakeRequestsInput,
     )
     from fleet import search_attributes as sa
     from fleet.models import AccountState, append_bounded
@@ -121,6 +124,8 @@ class AcquireCapacity:
     def __init__(self) -> None:
         self._progress = CapacityProgress(step="starting")
         self._offers_changed = 0
+        #: A wake during this wait came without a fresh listing (an account unblocked): list again.
+        self._wake_needs_listing = False
         self._fleet_state = ""
         #: The ``cancel`` update's reason, once asked.
         self._cancel = ""
@@ -131,9 +136,13 @@ class AcquireCapacity:
         self._buys_past_deadline = False
 
     @workflow.signal
-    def offers_changed(self) -> None:
-        """A catalog refresh or an unblocked account: look again now."""
+    def offers_changed(self, listed: Any = False) -> None:
+        """A catalog refresh or an unblocked account: look again now. ``listed`` (``True`` from a
+        refresh that has just listed every site's offers): read the catalog as stored, with no
+        listing of its own; anything else (an account unblocked, a sender from before it): list."""
         self._offers_changed += 1
+        if listed is not True:
+            self._wake_needs_listing = True
 
     @workflow.query
     def progress(self) -> CapacityProgress:
@@ -244,12 +253,12 @@ class AcquireCapacity:
                 continue
             if workflow.now() >= self._deadline:
                 break
-            await self._wait_for_capacity(ranked)
+            listing = await self._wait_for_capacity(ranked)
             if self._cancel:
                 break
             await self._continue_as_new_if_suggested()
             self._state("acquiring")
-            await self._read_catalog(force=True)
+            await self._read_catalog(force=listing)
         self._progress.waiting_for = []
         if self._cancel:
             return await self._cancelled(req, self._costs)
@@ -321,24 +330,31 @@ class AcquireCapacity:
             ranked = self._placement()
         return ranked
 
-    async def _wait_for_capacity(self, ranked: Placement) -> None:
-        """3. Nothing can start: wait (backing off) until offers change, the backoff ends or a cancel."""
+    async def _wait_for_capacity(self, ranked: Placement) -> bool:
+        """3. Nothing can start: wait (backing off) until offers change, the backoff ends or a cancel.
+        Whether to list the offers again before looking: after the backoff, or a wake that did not
+        list them; not after a catalog refresh's wake (it has just listed them). A wake leaves the
+        backoff as it is: only a wait that ran out doubles it, a node that joined resets it."""
         req, catalog = self._req, self._catalog_now
         now = workflow.now()
         wait = min(timedelta(seconds=self._backoff), self._deadline - now)
         self._progress.wait_until = now + wait
         self._progress.waiting_for = waiting_for(ranked, catalog.offers, catalog.sites, req.constraints,
                                                  self._accounts, catalog.errors)
-        self._state("waiting-for-capacity")
+        self._state(WAITING_FOR_CAPACITY)
         self._show("waiting for capacity", ranked,
                    f"look again at {(now + wait).isoformat(timespec='seconds')} or when offers change")
         seen = self._offers_changed
+        self._wake_needs_listing = False
         try:
             await workflow.wait_condition(lambda: self._offers_changed != seen or bool(self._cancel),
                                           timeout=wait, timeout_summary="wait for capacity (backoff)")
         except asyncio.TimeoutError:
             self._backoff = min(self._backoff * 2, req.max_backoff_seconds)
-        self._progress.wait_until = None
+            return True
+        finally:
+            self._progress.wait_until = None
+        return self._wake_needs_listing
 
     async def _continue_as_new_if_suggested(self) -> None:
         """Nothing in flight (no child join open to be cut off): the carry is the whole state."""
@@ -527,7 +543,7 @@ class AcquireCapacity:
 
 @workflow.defn(name="CatalogRefresh")
 class CatalogRefresh:
-    """Refresh every site's offers, then wake requests waiting for capacity."""
+    """Refresh every site's offers, then wake the requests waiting for capacity if they changed."""
 
     @workflow.run
     async def run(self, raw: Any = None) -> int:
@@ -538,8 +554,9 @@ class CatalogRefresh:
             retry_policy=PROVIDER_RETRY, summary="list every site's offers",
         )
         woken: int = await workflow.execute_activity(
-            act.wake_waiting_requests, start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
-            summary="signal waiting AcquireCapacity workflows",
+            act.wake_waiting_requests, WakeRequestsInput(offers_digest=catalog.offers_digest()),
+            start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+            summary="signal waiting AcquireCapacity workflows if the offers changed",
         )
         available = sum(o.available for o in catalog.offers)
         show_details("done", detail=f"{len(catalog.offers)} offers ({available} available), "

@@ -21,7 +21,7 @@ from fleet.messages.advisor import Usage
 from fleet.messages.capacity import (
     AccountConfigInput, AccountInput, AccountRecordInput, CapacityResult, Catalog, ChildNumber, ChildNumberInput,
     DrainNodeInput, FillRef, GetCatalogInput, NotifyInput, ReleaseCordonsInput, ReportAccountInput, RetireMachineInput,
-    SignalSitesInput, SiteNode, SiteNodesInput,
+    SignalSitesInput, SiteNode, SiteNodesInput, WakeRequestsInput,
 )
 from fleet.messages.csr import CsrApproverResult
 from fleet.messages.demand import (
@@ -638,8 +638,9 @@ async def wait_serving_ready(input: WaitServingInput) -> ServingStatus:
 
 
 @activity.defn(name="wake_waiting_requests")
-async def wake_waiting_requests() -> int:
-    """Signal every running AcquireCapacity: offers changed, look again. Body:
+async def wake_waiting_requests(input: WakeRequestsInput | None = None) -> int:
+    """Signal each AcquireCapacity waiting for capacity: offers changed, look again; from a catalog
+    refresh, only when its offers differ from the last refresh's (none: every one). Body:
     ``activities/capacity.py``, ``CapacityActivities.wake_waiting_requests``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 

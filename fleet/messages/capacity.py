@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from datetime import datetime
 from typing import Literal
 
@@ -38,6 +40,25 @@ class Catalog(BaseModel):
     #: site → "Type: message" for sites whose offers could not be listed.
     errors: dict[str, str] = Field(default_factory=dict)
     refreshed_at: float = 0.0
+
+    def offers_digest(self) -> str:
+        """The offers as one value, the same for the same offers in any order: what a catalog
+        refresh compares with the last one's to tell whether the waiting requests have news."""
+        lines = sorted(json.dumps(o.model_dump(mode="json"), sort_keys=True) for o in self.offers)
+        return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
+#: AcquireCapacity's ``FleetState`` while nothing can start: the requests a catalog refresh wakes.
+WAITING_FOR_CAPACITY = "waiting-for-capacity"
+
+
+class WakeRequestsInput(BaseModel):
+    """Which waiting requests ``wake_waiting_requests`` wakes, and how they read the catalog then."""
+
+    #: A catalog refresh's ``Catalog.offers_digest`` of what it listed: the requests are woken only
+    #: when it differs from the last refresh's, and read the catalog as listed (no listing of their
+    #: own). Empty (an account unblocked): every waiting request is woken and lists it again.
+    offers_digest: str = ""
 
 
 class ReportAccountInput(BaseModel):
