@@ -4,13 +4,15 @@ evacuation. Each is thin and idempotent under retries.
 
 Evacuation is read through the cluster port, from the fleet-wide site document that
 SiteEvacuation writes and from the model's routing table: a site whose route is
-``draining`` or carries an ``incident`` is under evacuation. ``site_evacuations`` is
-the one place to change when the Site entity takes this over.
+``draining`` or carries an ``incident`` is under evacuation. ``_evacuations`` (the look
+of ``site_evacuations`` and ``wait_site_evacuations``) is the one place to change when the
+Site entity takes this over.
 """
 
 from __future__ import annotations
 
 import asyncio
+from datetime import datetime, timezone
 
 from temporalio import activity
 from temporalio.client import WorkflowQueryFailedError, WorkflowQueryRejectedError
@@ -21,8 +23,10 @@ from activities.capacity import heartbeating
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.waiting import poll_until
+from activities.watches import RECHECK_SECONDS, RareHeartbeat, stop_if_asked
 from fleet.messages.rollout import (
     EvacuationInput,
+    EvacuationWaitInput,
     ProbeServingInput,
     ResolveRolloutSitesInput,
     RollbackSiteInput,
@@ -46,7 +50,7 @@ class ServingActivities:
     def all(self) -> list:
         return [
             self.resolve_rollout_sites, self.serving_snapshot, self.update_serving, self.wait_serving_ready,
-            self.probe_serving, self.rollback_site, self.site_evacuations,
+            self.probe_serving, self.rollback_site, self.site_evacuations, self.wait_site_evacuations,
         ]
 
     @property
@@ -257,13 +261,40 @@ class ServingActivities:
         """site -> why it is under evacuation, for the asked sites that are: what the
         evacuation decided (the fleet-wide site document, written as it happens), or what
         the model's routes say (written by its Routing entity, a moment later)."""
+        return self._evacuations(input.model, input.sites)
+
+    def _evacuations(self, model: str, sites: list[str]) -> dict[str, str]:
         decided = self.env.cluster.get_site_routes()
-        table = self.env.cluster.get_routing(input.model)
+        table = self.env.cluster.get_routing(model)
         out: dict[str, str] = {}
-        for site in input.sites:
+        for site in sites:
             for routes in (decided, table):
                 route = routes.sites.get(site) if routes else None
                 if route is not None and (route.draining or route.incident):
                     out[site] = route.incident or "draining"
                     break
         return out
+
+    @activity.defn
+    @typed_errors
+    async def wait_site_evacuations(self, input: EvacuationWaitInput) -> dict[str, str]:
+        """The evacuations of the sites in ``input.seen`` (as ``site_evacuations``) once they
+        differ from it (a site came back, or another evacuation holds it now), or at
+        ``input.until``. A rollout whose next sites are all under evacuation waits here: the
+        routes are read every ``poll_seconds`` in the worker, with a heartbeat at most once per
+        half its timeout, where each look was an activity and a timer in the rollout's history
+        (120 actions an hour, its history full within days)."""
+        beat = RareHeartbeat()
+        sites = list(input.seen)
+        while True:
+            now = await asyncio.to_thread(self._evacuations, input.model, sites)
+            left = (input.until - datetime.now(timezone.utc)).total_seconds()
+            if now != input.seen or left <= 0:
+                return now
+            look = min(input.poll_seconds, left)
+            while look > 0:  # asleep between looks, heartbeating (each a write on the server)
+                stop_if_asked()
+                beat()
+                chunk = min(look, RECHECK_SECONDS)
+                await asyncio.sleep(chunk)
+                look -= chunk

@@ -141,6 +141,13 @@ EXPECTED = {
     # (tests/rollout/test_rollout_workflow.py; no patch: the look-up's input carries the model and
     # its result the refusal, so a run recorded before, with neither, takes the same path).
     "rollout_refused_kubernetes_name_clash",
+    # Sites all under evacuation are waited for in one activity, and the rollout continues as new in
+    # that wait when told to (``rollout-waits-out-evacuations-in-one-activity``, tests/rollout/
+    # test_rollout_workflow.py): its first run, the run that finished after it, an abort and a cancel
+    # during the wait; the old code's runs, a look and a timer each poll, replay too.
+    "rollout_waits_out_an_evacuation_in_one_activity", "rollout_continued_as_new_while_deferred",
+    "rollout_finished_after_continue_as_new", "rollout_aborted_routed_before",
+    "rollout_cancelled_while_a_site_is_evacuated_before",
     # The newest spot notice sets the deadline (``reclaim-newest-notice-deadline``, tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # A cancelled reclaim uncordons its node and stops its replacement (``reclaim-cancel-puts-back``,

@@ -14,7 +14,8 @@ The runbook (product rules 10 and 11):
    bake, probe again. A failed gate rolls that site back and stops;
 4. the other sites in batches of ``batch_size``, one batch in flight at a
    time, each site gated the same way; a site under evacuation is deferred and
-   stays queued until it is restored.
+   stays queued until it is restored (one activity waits for it, and the rollout
+   continues as new in that wait when Temporal suggests it).
 
 Operators: ``pause`` (holds before the next batch; replication goes on),
 ``resume``, ``abort`` (stops and rolls back every site already updated), all
@@ -29,7 +30,7 @@ Deployment is updated waits for the update's answer, then rolls that site back t
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Optional
 
 from temporalio import workflow
@@ -39,8 +40,9 @@ from temporalio.exceptions import ActivityError, ApplicationError
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
     from fleet.messages.rollout import (
-        EvacuationInput, ProbeServingInput, ReplicateInput, ReplicateResult, ResolveRolloutSitesInput,
-        RollbackSiteInput, RolloutSites, ServingRef, UpdateServingInput,
+        EvacuationInput, EvacuationWaitInput, ProbeServingInput, ReplicateInput, ReplicateResult,
+        ResolveRolloutSitesInput, RollbackSiteInput, RolloutCarry, RolloutRunInput, RolloutSites, ServingRef,
+        UpdateServingInput,
     )
     from fleet import search_attributes as sa
     from fleet.errors import NON_RETRYABLE_TYPES
@@ -64,7 +66,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import check_text, parse_input
     from workflows.refusals import wrong_state
     from workflows.steps import (
-        CLUSTER_RETRY, PUT_BACK_RETRY, QUICK, WAIT_HEARTBEAT, cancelled_by_request, cancelled_words, failure_text,
+        CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, PUT_BACK_RETRY, QUICK, WAIT_HEARTBEAT, cancelled_by_request,
+        cancelled_words, failure_text,
         show_details, to_its_end, until_in, until_run_began, wait_for_serving,
     )
 
@@ -104,13 +107,25 @@ ABORT_CUTS_WAIT_PATCH = "rollout-abort-cuts-the-readiness-wait"
 #: and left the site serving the new version, marked skipped, and called a failed update's site
 #: "not changed". Asked where a cancel lands during an update, and where such a site is rolled back.
 UNANSWERED_UPDATE_PATCH = "rollout-rolls-back-an-unanswered-update"
+#: Workflow patch: a rollout whose next sites are all under evacuation waits for one of them to
+#: come back in one activity (``wait_site_evacuations``: the worker reads the routes every
+#: ``evacuation_poll_seconds``), for at most ``EVACUATION_WAIT``, then looks again; and there it
+#: continues as new when Temporal suggests it, carrying its state (``RolloutCarry``). Runs before
+#: it looked every ``evacuation_poll_seconds`` with an activity and a timer (120 actions an hour)
+#: and never continued as new: an outage of three days took one to Temporal's history limit,
+#: which terminated it with its sites on two versions. Asked where a look finds every site the
+#: rollout waits for under evacuation, after that look (a regular activity).
+EVACUATION_WAIT_PATCH = "rollout-waits-out-evacuations-in-one-activity"
+#: The longest one wait for evacuated sites lasts: then the rollout looks again itself (a lost
+#: answer, a route no look compares, cost at most this).
+EVACUATION_WAIT = timedelta(hours=1)
 
 
 @workflow.defn(name="ModelRollout")
 class ModelRollout:
     def __init__(self) -> None:
         self._p: RolloutProgress | None = None
-        self._req: RolloutInput | None = None
+        self._req: RolloutRunInput | None = None
         self._stores: dict = {}
         self._updated_generation: dict[str, int] = {}
         #: The sites whose update was asked and gave no answer: each may have changed.
@@ -244,18 +259,23 @@ class ModelRollout:
         cancel of the rollout (which rolls it back too)."""
         ready = asyncio.ensure_future(wait_for_serving(self._req.model, site, ready_by,
                                                        summary=f"wait until {site} is ready"))
-        aborted = asyncio.ensure_future(workflow.wait_condition(lambda: self._abort))
-        try:
-            await workflow.wait([ready, aborted], return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            aborted.cancel()
-            await self._cut_short(ready)
-            raise
-        aborted.cancel()
-        if not ready.done() and workflow.patched(ABORT_CUTS_WAIT_PATCH):
+        if not await self._unless_aborted(ready) and workflow.patched(ABORT_CUTS_WAIT_PATCH):
             await self._cut_short(ready)
             return
         await ready
+
+    async def _unless_aborted(self, step: asyncio.Future) -> bool:
+        """Until ``step`` ends or an abort comes: whether it ended. A cancel of the rollout
+        meanwhile cuts the step short and is raised."""
+        aborted = asyncio.ensure_future(workflow.wait_condition(lambda: self._abort))
+        try:
+            await workflow.wait([step, aborted], return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            aborted.cancel()
+            await self._cut_short(step)
+            raise
+        aborted.cancel()
+        return step.done()
 
     @staticmethod
     async def _cut_short(ready: asyncio.Future) -> None:
@@ -277,15 +297,18 @@ class ModelRollout:
     async def run(self, raw: Any) -> RolloutResult:
         # Sources come from the fleet config's named object_stores.
         workflow.deprecate_patch(SOURCE_FROM_CONFIG_PATCH)
-        request = parse_input(RolloutInput, raw)
+        request = parse_input(RolloutRunInput, raw)
         self._req = request
-        canaries = request.canaries
-        files, total = len(request.weights.files), request.weights.total_bytes
-        self._p = RolloutProgress(
-            rollout_id=request.rollout_id, model=request.model, version=request.version,
-            sites=[SiteProgress(site=t.site, replicas=t.replicas, canary=t.site in canaries, bytes_total=total,
-                                files_total=files) for t in request.sites],
-        )
+        if request.carry is not None:
+            self._resume(request.carry)
+        else:
+            canaries = request.canaries
+            files, total = len(request.weights.files), request.weights.total_bytes
+            self._p = RolloutProgress(
+                rollout_id=request.rollout_id, model=request.model, version=request.version,
+                sites=[SiteProgress(site=t.site, replicas=t.replicas, canary=t.site in canaries, bytes_total=total,
+                                    files_total=files) for t in request.sites],
+            )
         workflow.upsert_search_attributes([
             sa.MODEL.value_set(request.model), sa.MODEL_VERSION.value_set(request.version),
         ])
@@ -300,25 +323,12 @@ class ModelRollout:
             await self._finish_cancel()
             raise  # the run ends Canceled: a cancel was requested and this is a cancel error
 
-    async def _run_book(self, request: RolloutInput) -> RolloutResult:
-        self._phase("validating")
-        sites: RolloutSites = await workflow.execute_activity(
-            act.resolve_rollout_sites, ResolveRolloutSitesInput(sites=[t.site for t in request.sites],
-                                                                model=request.model),
-            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
-            summary="look up target sites and their object stores",
-        )
-        problems = check_sites(request, sites.stores, sites.known, sites.gpus_per_machine)
-        problems = sites.problems + check_source(request, sites.object_stores) + problems
-        if problems:
-            self._finished = True
-            self._phase("failed", "; ".join(problems))
-            raise ApplicationError("invalid ModelRollout: " + "; ".join(problems), {"problems": problems},
-                                   type="InvalidInput", non_retryable=True)
-        self._stores = sites.stores
-
+    async def _run_book(self, request: RolloutRunInput) -> RolloutResult:
+        if request.carry is None:  # a continued run was validated and replicated by its first
+            await self._validate(request)
         try:
-            await self._replicate()
+            if request.carry is None:
+                await self._replicate()
             await self._roll_out()
         except _Aborted:
             return await self._finish_abort()
@@ -335,6 +345,23 @@ class ModelRollout:
         self._phase(outcome, f"not updated: {', '.join(failed)}" if failed else "every site serves " + request.version)
         return RolloutResult(rollout_id=request.rollout_id, outcome=outcome, sites=self._p.sites, reason=self._p.reason,
                              needs_person=self._p.needs_person)
+
+    async def _validate(self, request: RolloutInput) -> None:
+        self._phase("validating")
+        sites: RolloutSites = await workflow.execute_activity(
+            act.resolve_rollout_sites, ResolveRolloutSitesInput(sites=[t.site for t in request.sites],
+                                                                model=request.model),
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            summary="look up target sites and their object stores",
+        )
+        problems = check_sites(request, sites.stores, sites.known, sites.gpus_per_machine)
+        problems = sites.problems + check_source(request, sites.object_stores) + problems
+        if problems:
+            self._finished = True
+            self._phase("failed", "; ".join(problems))
+            raise ApplicationError("invalid ModelRollout: " + "; ".join(problems), {"problems": problems},
+                                   type="InvalidInput", non_retryable=True)
+        self._stores = sites.stores
 
     # -- 1. weights -----------------------------------------------------------------------
     async def _replicate(self) -> None:
@@ -396,11 +423,16 @@ class ModelRollout:
     # -- 2. + 3. serving ------------------------------------------------------------------
     async def _roll_out(self) -> None:
         request = self._req
-        canaries = request.canaries
+        # The sites still to update: in a fresh run every canary (a failed copy to one stopped the
+        # rollout) and each other site whose weights are there; in a continued run those of them
+        # its first did not update yet.
+        queued = {SiteState.REPLICATED, SiteState.DEFERRED}
+        canaries = [c for c in request.canaries if self._p.site(c).state in queued]
         queue = [t.site for t in request.sites
-                 if t.site not in canaries and self._p.site(t.site).state == SiteState.REPLICATED]
+                 if t.site not in request.canaries and self._p.site(t.site).state in queued]
         size = request.strategy.batch_size
-        self._p.batches = len(canaries) + -(-len(queue) // size)
+        if request.carry is None:
+            self._p.batches = len(canaries) + -(-len(queue) // size)
         for canary in canaries:
             await self._checkpoint()
             self._phase("canary")
@@ -411,14 +443,19 @@ class ModelRollout:
             self._phase("rolling-out")
             evacuating = await self._evacuations(queue)
             batch, deferred = next_batch(queue, evacuating, size)
+            until = self._evacuation_wait_ends() if not batch and workflow.patched(EVACUATION_WAIT_PATCH) else None
             for site in queue:
                 if site in deferred:
                     self._set(site, SiteState.DEFERRED, f"under evacuation ({evacuating[site]}); queued until restored "
-                                                        f"({self._next_look()})")
+                                                        f"({self._next_look(until)})")
                 elif self._p.site(site).state == SiteState.DEFERRED:
                     self._set(site, SiteState.REPLICATED, "restored; queued")
             if not batch:
-                await self._sleep_unless_aborted(request.strategy.evacuation_poll_seconds, "wait for evacuated sites")
+                if until is not None:
+                    await self._wait_for_evacuations(evacuating, until)
+                else:  # a run from before EVACUATION_WAIT_PATCH: a look and a timer each poll
+                    await self._sleep_unless_aborted(request.strategy.evacuation_poll_seconds,
+                                                     "wait for evacuated sites")
                 continue
             await self._run_batch(batch)
             queue = [s for s in queue if s not in batch]
@@ -429,20 +466,67 @@ class ModelRollout:
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="which sites are under evacuation",
         )
 
-    def _next_look(self) -> str:
+    def _next_look(self, until: datetime | None = None) -> str:
         """When a deferred site is looked at again: an evacuation ends by restore, abort, cancel or
-        failure, and each restores the site's routes, which the next look sees."""
-        at = workflow.now() + timedelta(seconds=self._req.strategy.evacuation_poll_seconds)
-        return f"next look at {at:%H:%M:%S} UTC"
+        failure, and each restores the site's routes, which the next look sees. Waiting in one
+        activity (``until``), the routes are read every poll in the worker, and the rollout
+        looks again itself at ``until`` at the latest."""
+        poll = self._req.strategy.evacuation_poll_seconds
+        if until is not None:
+            return f"watched every {poll:g} s, next look at {until:%H:%M:%S} UTC at the latest"
+        return f"next look at {workflow.now() + timedelta(seconds=poll):%H:%M:%S} UTC"
+
+    def _evacuation_wait_ends(self) -> datetime:
+        poll = timedelta(seconds=self._req.strategy.evacuation_poll_seconds)
+        return workflow.now() + max(EVACUATION_WAIT, poll)
 
     async def _wait_until_not_evacuating(self, site: str) -> None:
         while True:
             evacuating = await self._evacuations([site])
             if site not in evacuating:
                 return
+            until = self._evacuation_wait_ends() if workflow.patched(EVACUATION_WAIT_PATCH) else None
             self._set(site, SiteState.DEFERRED, f"under evacuation ({evacuating[site]}); waiting until restored "
-                                                f"({self._next_look()})")
-            await self._sleep_unless_aborted(self._req.strategy.evacuation_poll_seconds, f"wait for {site}")
+                                                f"({self._next_look(until)})")
+            if until is not None:
+                await self._wait_for_evacuations(evacuating, until)
+            else:  # a run from before EVACUATION_WAIT_PATCH
+                await self._sleep_unless_aborted(self._req.strategy.evacuation_poll_seconds, f"wait for {site}")
+
+    async def _wait_for_evacuations(self, seen: dict[str, str], until: datetime) -> None:
+        """Until the sites' evacuations differ from ``seen`` (one came back) or ``until``: one
+        activity, whatever the outage's length, which an abort or a cancel cuts short. Nothing
+        else is in flight here, so this is where the rollout continues as new when told to."""
+        await self._continue_as_new_if_suggested()
+        sites = ", ".join(seen)
+        wait = asyncio.ensure_future(workflow.execute_activity(
+            act.wait_site_evacuations,
+            EvacuationWaitInput(model=self._req.model, seen=seen, until=until,
+                                poll_seconds=self._req.strategy.evacuation_poll_seconds),
+            start_to_close_timeout=until - workflow.now() + QUICK, heartbeat_timeout=LONG_WATCH_HEARTBEAT,
+            retry_policy=CLUSTER_RETRY, summary=f"until {sites} come back from evacuation",
+        ))
+        if not await self._unless_aborted(wait):
+            await self._cut_short(wait)
+        self._check_abort()
+        await wait  # failed past its retries (the cluster refusing): the rollout fails, as a look did
+
+    async def _continue_as_new_if_suggested(self) -> None:
+        """Called only in the wait for evacuated sites, between batches: no site is being updated
+        and no activity is open, so the carry is the whole state, and the next run goes on with
+        the sites still queued."""
+        if not workflow.info().is_continue_as_new_suggested():
+            return
+        await workflow.wait_condition(workflow.all_handlers_finished)
+        self._check_abort()
+        carry = RolloutCarry(progress=self._p, stores=self._stores, before=self._before, after=self._after,
+                             updated_generation=self._updated_generation, paused=self._paused, reason=self._reason)
+        workflow.continue_as_new(self._req.model_copy(update={"carry": carry}).model_dump(mode="json"))
+
+    def _resume(self, carry: RolloutCarry) -> None:
+        self._p, self._stores, self._paused, self._reason = carry.progress, carry.stores, carry.paused, carry.reason
+        self._before, self._after = carry.before, carry.after
+        self._updated_generation = carry.updated_generation
 
     async def _run_batch(self, batch: list[str]) -> None:
         self._p.batch += 1

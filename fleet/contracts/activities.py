@@ -45,7 +45,7 @@ from fleet.messages.nodes import (
 )
 from fleet.messages.repair import NodeWatchInput, NodeWatchResult
 from fleet.messages.rollout import (
-    EvacuationInput, ProbeServingInput, ReplicateInput, ReplicateResult,
+    EvacuationInput, EvacuationWaitInput, ProbeServingInput, ReplicateInput, ReplicateResult,
     ResolveRolloutSitesInput, RollbackSiteInput, RolloutSites, ServingRef, UpdateServingInput,
     WaitServingInput,
 )
@@ -542,6 +542,14 @@ async def site_evacuations(input: EvacuationInput) -> dict[str, str]:
     (the fleet-wide site document, written as it happens), or what the model's routes say (written
     by its Routing entity, a moment later). Body: ``activities/serving.py``,
     ``ServingActivities.site_evacuations``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="wait_site_evacuations")
+async def wait_site_evacuations(input: EvacuationWaitInput) -> dict[str, str]:
+    """The evacuations of the sites a rollout waits for, once they differ from what it saw (a site
+    came back) or at its bound; the routes are read in the worker meanwhile. Body:
+    ``activities/serving.py``, ``ServingActivities.wait_site_evacuations``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -8,8 +8,8 @@ from datetime import datetime
 from pydantic import BaseModel, Field
 
 from fleet.config import ObjectStore
-from fleet.rollout import Replication, WeightFile
-from fleet.cluster import ServingSpec
+from fleet.rollout import Replication, RolloutInput, RolloutProgress, WeightFile
+from fleet.cluster import ServingSpec, ServingStatus
 
 
 class ReplicateInput(BaseModel):
@@ -136,3 +136,41 @@ class RollbackSiteInput(BaseModel):
 class EvacuationInput(BaseModel):
     model: str
     sites: list[str]
+
+
+class EvacuationWaitInput(BaseModel):
+    """``wait_site_evacuations``: the sites a rollout waits for, as its last look saw them
+    (site -> why it is under evacuation)."""
+
+    model: str
+    seen: dict[str, str]
+    #: Absolute, so a retried attempt keeps the original bound: then the rollout looks again.
+    until: datetime
+    #: How often the worker reads the routes meanwhile (``strategy.evacuation_poll_seconds``).
+    poll_seconds: float = 60
+
+
+class RolloutCarry(BaseModel):
+    """What ModelRollout carries over continue-as-new, taken only while it waits for evacuated
+    sites: no site is being updated, no activity is open, every site already updated is done."""
+
+    progress: RolloutProgress
+    #: Each target site's object store, as the validation found it.
+    stores: dict[str, ObjectStore | None]
+    #: Each updated site's Deployment before and after the update, and the generation the update
+    #: produced: what an abort or a cancel rolls back to, and how it knows it already did.
+    before: dict[str, ServingStatus] = Field(default_factory=dict)
+    after: dict[str, ServingStatus] = Field(default_factory=dict)
+    updated_generation: dict[str, int] = Field(default_factory=dict)
+    paused: bool = False
+    #: The reason as the runbook last said it (``RolloutProgress.reason`` adds what a person must do).
+    reason: str = ""
+
+
+class RolloutRunInput(RolloutInput):
+    """ModelRollout's input as the workflow reads it: a caller's ``RolloutInput`` (which has no
+    ``carry``: the client and ``gpufleet rollout start`` refuse one), and the state a run that
+    continued as new hands its next run."""
+
+    carry: RolloutCarry | None = None
+

@@ -10,19 +10,22 @@ import subprocess
 import sys
 import time
 import uuid
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, AsyncIterator
 
 import pytest
 import yaml
+from temporalio.testing import WorkflowEnvironment
 
 from activities.env import FleetEnv
 from activities.weights import make_s3_client
 from fleet.config import ObjectStore
 from fleet.models import CredentialsRef
-from fleet.cluster import LABEL_SITE, ServingSpec
+from fleet.cluster import LABEL_SITE, ServingSpec, SiteRoute
 from sim.probe import SimProbe
+from tests.can_server import server_suggesting_continue_as_new
 from tests.conftest import Stack, make_settings, terminate_running
 from workers.control_plane import build_worker
 
@@ -150,6 +153,18 @@ class RolloutStack(Stack):
             "replication": {"part_size_bytes": 64 * 1024, "chunk_size_bytes": 16 * 1024, "heartbeat_seconds": 5},
         }
 
+    def end_evacuation(self, sites: list[str]) -> None:
+        """An evacuation ends: its restore of ``sites``' routes, and (without waiting out the Routing
+        entity's next sample) the model's routes as that entity writes them."""
+        self.cluster.set_site_routes({s: SiteRoute(weight=100) for s in sites})
+        table = self.cluster.get_routing(MODEL)
+        if table is not None:
+            routes = {**table.sites, **{s: SiteRoute(weight=100) for s in sites}}
+            self.cluster.set_routing_weights(MODEL, {s: r.weight for s, r in routes.items()},
+                                             healthy={s: r.healthy for s, r in routes.items()},
+                                             draining={s: r.draining for s, r in routes.items()},
+                                             incident={s: r.incident for s, r in routes.items()})
+
     async def start(self, raw: dict, suffix: str | None = None):
         wid = f"rollout/{raw.get('model')}/{raw.get('version')}-{suffix or uuid.uuid4().hex[:6]}"
         return await self.client.start_workflow("ModelRollout", raw, id=wid, task_queue=self.settings.task_queue)
@@ -158,12 +173,33 @@ class RolloutStack(Stack):
 @pytest.fixture
 async def rollout_stack(temporal_env, tmp_path: Path, moto_s3: MotoS3, request) -> AsyncIterator[RolloutStack]:
     """Parametrized indirectly, the fleet config's ``models:`` (none otherwise)."""
+    async with open_rollout_stack(temporal_env, tmp_path, moto_s3, getattr(request, "param", {})) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+async def can_env() -> AsyncIterator[WorkflowEnvironment]:
+    """A dev server of its own that suggests continue-as-new after 50 events (the real one after
+    4,096): a rollout is told to continue as new once its canary is done."""
+    async with server_suggesting_continue_as_new(50) as env:
+        yield env
+
+
+@pytest.fixture
+async def continuing_rollout_stack(can_env, tmp_path: Path, moto_s3: MotoS3) -> AsyncIterator[RolloutStack]:
+    async with open_rollout_stack(can_env, tmp_path, moto_s3, {}) as stack:
+        yield stack
+
+
+@asynccontextmanager
+async def open_rollout_stack(temporal_env: WorkflowEnvironment, tmp_path: Path, moto_s3: MotoS3,
+                             models: dict) -> AsyncIterator[RolloutStack]:
     source = moto_s3.bucket(moto_s3.store(0))
     stores = {"site-a": moto_s3.bucket(moto_s3.store(0, checksum_verification="read-back")),
               "site-b": moto_s3.bucket(moto_s3.store(1)),
               "site-c": moto_s3.bucket(moto_s3.store(1))}
     settings = make_settings(temporal_env, tmp_path)
-    fleet = {**rollout_fleet(stores, source), "models": getattr(request, "param", {})}
+    fleet = {**rollout_fleet(stores, source), "models": models}
     (tmp_path / "sites.yaml").write_text(yaml.safe_dump(fleet))
     env = FleetEnv.from_settings(settings)
     for site in stores:

@@ -17,7 +17,7 @@ from cli.main import app
 from fleet.cluster import SiteRoute
 from fleet.rollout import RolloutProgress
 from tests.evacuation_helpers import poll
-from tests.rollout.conftest import MODEL, RolloutStack
+from tests.rollout.conftest import RolloutStack
 
 
 async def test_cli_start_status_and_updates(rollout_stack: RolloutStack, tmp_path) -> None:
@@ -86,16 +86,7 @@ async def test_start_wait_shows_each_change_and_why_a_site_waits(rollout_stack: 
 
     await poll(deferred, timeout=60)
     await asyncio.sleep(1.5)  # a look or two while deferred, as the operator sees it
-    # The evacuation ends: its restore, and (without waiting out the Routing entity's next sample)
-    # the model's routes as that entity writes them.
-    stack.cluster.set_site_routes({s: SiteRoute(weight=100) for s in ("site-a", "site-b")})
-    table = stack.cluster.get_routing(MODEL)
-    if table is not None:
-        routes = {**table.sites, "site-b": SiteRoute(weight=100)}
-        stack.cluster.set_routing_weights(MODEL, {s: r.weight for s, r in routes.items()},
-                                          healthy={s: r.healthy for s, r in routes.items()},
-                                          draining={s: r.draining for s, r in routes.items()},
-                                          incident={s: r.incident for s, r in routes.items()})
+    stack.end_evacuation(["site-a", "site-b"])
     result = await asyncio.wait_for(waiting, 60)
     assert result.exit_code == 0, result.output + screen.getvalue()
     lines = result.output.splitlines()

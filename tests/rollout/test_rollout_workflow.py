@@ -6,6 +6,7 @@ import asyncio
 import re
 import json
 import threading
+from datetime import datetime, timedelta, timezone
 from typing import Callable, NamedTuple
 
 import pytest
@@ -730,3 +731,93 @@ async def test_evacuated_site_deferred_until_restored(rollout_stack: RolloutStac
     stack.cluster.set_site_routes({s: SiteRoute(weight=100) for s in ("site-a", "site-b", "site-c")})
     result = RolloutResult.model_validate(await handle.result())
     assert result.outcome == "completed" and stack.image("site-b") == "img:v2"
+
+
+def scheduled_activities(history) -> list[str]:
+    return [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+            if e.HasField("activity_task_scheduled_event_attributes")]
+
+
+async def test_a_rollout_deferred_behind_an_evacuation_waits_in_one_activity(rollout_stack: RolloutStack) -> None:
+    """A rollout whose next site was under evacuation looked again every ``evacuation_poll_seconds``
+    with an activity and a timer (60 s: 120 actions an hour, about 11 history events a look), so a
+    long outage took it to Temporal's history limit, which terminated it with its sites on two
+    versions. Now one activity waits, reading the routes in the worker, for an hour at most; the
+    rollout goes on when the evacuation ends."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a", "site-b"])
+    stack.cluster.set_site_routes({"site-a": SiteRoute(weight=100),
+                                   "site-b": SiteRoute(weight=0, healthy=False, draining=True, incident="inc-3")})
+    handle = await stack.start(stack.request({"site-a": 1, "site-b": 1}, gate={"bake_seconds": 0}), "deferred-waits")
+    await until(handle, lambda p: states(p) == {"site-a": "done", "site-b": "deferred"})
+    await asyncio.sleep(3)  # fifteen poll periods
+    history = await handle.fetch_history()
+    looks = [name for name in scheduled_activities(history) if name in ("site_evacuations", "wait_site_evacuations")]
+    # The canary's look, the queue's, then one wait (before: a look and a timer every 0.2 s).
+    assert looks == ["site_evacuations", "site_evacuations", "wait_site_evacuations"], looks
+    assert not [e for e in history.events if e.HasField("timer_started_event_attributes")]
+    (wait,) = await activity_inputs(handle, "wait_site_evacuations")
+    started = history.events[0].event_time.ToDatetime(tzinfo=timezone.utc)
+    assert datetime.fromisoformat(wait["until"]) - started >= timedelta(minutes=30), wait
+    assert wait["seen"] == {"site-b": "inc-3"} and wait["poll_seconds"] == 0.2, wait
+    # Why it waits, and until when: the routes are watched every poll, the rollout's own look later.
+    detail = (await progress(handle)).site("site-b").detail
+    assert re.fullmatch(r"under evacuation \(inc-3\); queued until restored \(watched every 0\.2 s, "
+                        r"next look at \d\d:\d\d:\d\d UTC at the latest\)", detail), detail
+
+    stack.end_evacuation(["site-a", "site-b"])
+    result = RolloutResult.model_validate(await asyncio.wait_for(handle.result(), 30))
+    assert result.outcome == "completed" and stack.image("site-b") == "img:v2"
+    assert {s.site: s.state.value for s in result.sites} == {"site-a": "done", "site-b": "done"}
+    await replay_and_record(handle, "rollout_waits_out_an_evacuation_in_one_activity")
+
+
+@pytest.mark.parametrize("end", ["finishes", "aborted"])
+async def test_a_rollout_continued_as_new_while_deferred_keeps_its_progress(continuing_rollout_stack: RolloutStack,
+                                                                            end: str) -> None:
+    """A rollout never continued as new, so its history grew for as long as an evacuation held a
+    site back. Now, told to by Temporal (here after 50 events), it continues as new in that wait,
+    carrying its progress and what a rollback needs: the next run updates only the sites left and
+    finishes, or an abort there rolls back the site its first run updated."""
+    from tests.can_server import run_chain
+    from tests.test_continue_as_new import open_when_closed
+
+    stack = continuing_rollout_stack
+    stack.serve_v1(["site-a", "site-b"])
+    stack.cluster.set_site_routes({"site-a": SiteRoute(weight=100),
+                                   "site-b": SiteRoute(weight=0, healthy=False, draining=True, incident="inc-4")})
+    handle = await stack.start(stack.request({"site-a": 1, "site-b": 1}, gate={"bake_seconds": 0}), f"continued-{end}")
+
+    async def continued() -> list:
+        chain = await run_chain(stack.client, handle.id, handle.result_run_id)
+        return chain if len(chain) > 1 else []
+
+    await poll(continued, timeout=30)
+    latest = stack.client.get_workflow_handle(handle.id)
+    p = await until(latest, lambda p: "inc-4" in p.site("site-b").detail)
+    assert states(p) == {"site-a": "done", "site-b": "deferred"} and (p.batch, p.batches) == (1, 2), p
+    assert p.site("site-a").detail == "serving v2" and p.site("site-a").previous_image == "img:v1", p
+    if end == "finishes":
+        stack.end_evacuation(["site-a", "site-b"])
+        result = RolloutResult.model_validate(await asyncio.wait_for(latest.result(), 30))
+        assert result.outcome == "completed", result
+        assert {s.site: s.state.value for s in result.sites} == {"site-a": "done", "site-b": "done"}
+        assert [stack.image(s) for s in ("site-a", "site-b")] == ["img:v2"] * 2
+    else:
+        await latest.execute_update("abort", "bad numbers")
+        result = RolloutResult.model_validate(await asyncio.wait_for(latest.result(), 30))
+        assert result.outcome == "aborted", result
+        assert {s.site: s.state.value for s in result.sites} == {"site-a": "rolled-back", "site-b": "skipped"}
+        status = stack.cluster.serving_status(MODEL, "site-a")
+        assert (status.image, status.desired_replicas) == ("img:v1", 2), status
+    chain = await run_chain(stack.client, handle.id, handle.result_run_id)
+    for history in chain[:-1]:
+        assert open_when_closed(history) == [], "an activity was open when the run continued as new"
+    # The canary was copied to and updated once, by the first run: the later runs went on from there.
+    later = [name for history in chain[1:] for name in scheduled_activities(history)]
+    assert "replicate_weights" not in later and "resolve_rollout_sites" not in later, later
+    assert later.count("update_serving") == (1 if end == "finishes" else 0), later
+    if end == "finishes":
+        first = stack.client.get_workflow_handle(handle.id, run_id=handle.result_run_id)
+        await replay_and_record(first, "rollout_continued_as_new_while_deferred")
+        await replay_and_record(latest, "rollout_finished_after_continue_as_new")
