@@ -298,6 +298,10 @@ EXPECTED = {
     # upserts no search attribute (the same patch, tests/test_entity_gate.py).
     "node_entity_grants_each_gpu_its_own_reset", "node_entity_grants_each_gpu_its_own_reset_before",
     "node_entity_continued_changing_nothing",
+    # A Site drains its surplus beside its loop: an incident that opens meanwhile is evacuated at once
+    # and stops the retirement (``site-retires-beside-its-loop``, tests/test_site_events.py); the code
+    # before replays in ``site_retire_above_max`` and the other ``site_above_max_*``.
+    "site_incident_stops_its_surplus_retirement",
 }
 
 

@@ -21,6 +21,7 @@ from fleet.contracts import workflows as flows
 from fleet.messages.capacity import SiteStatus
 from fleet.messages.watches import ClusterNodeState
 from fleet.messages.repair import NodeStatus
+from tests.conftest import wait_for
 from tests.evacuation_helpers import IncStack, activity_inputs, incident_fleet, open_incident_stack, poll
 from tests.replay import replay_and_record
 
@@ -168,6 +169,69 @@ async def test_a_sites_nodes_going_notready_at_once_trip_its_incident_within_the
     assert status.incident.open is not None and "3 of 3 nodes" in status.incident.open.reason
     await inc.evacuation("a").execute_update("abort", "test: stop here")
     await replay_and_record(handle, "site_events_notready_trips")
+
+
+async def test_an_incident_is_evacuated_at_once_while_the_site_drains_its_surplus(temporal_env, tmp_path) -> None:
+    """a (max 1) has four nodes, three above its max, and a PodDisruptionBudget holds every drain
+    for its 60 s. Its details say which node it drains and until when. Then the provider goes
+    down: every node NotReady. The incident opens and its evacuation starts within seconds, long
+    before the first drain's 60 s end, and the retirement stops: the node it drained stays
+    cordoned with the Site's mark, no other is drained, none retired. Once the site is back and the
+    incident over, the site retires its surplus, that node first. Before, the loop drained the
+    three one after another inside its own pass: no watch result taken (the Node entities not told
+    NotReady), no incident, no evacuation, for 3 x 60 s (k x 300 s by default)."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS
+    from tests.details_helpers import current_details, scheduled, until
+
+    uid = uuid.uuid4().hex[:6]
+    fleet = incident_fleet(uid, incident={"check_seconds": 3600}, a={"max_nodes": 1})
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, fleet, uid):
+        a = inc.site("a")
+        for _ in range(4):  # one at a time: a join of more than the site's max is refused
+            await inc.join("a")
+        await inc.join("d", 1)
+        inc.serve(MODEL, "a", replicas=1)
+        inc.serve(MODEL, "d", replicas=0)
+        names = await node_names(inc, "a")
+        for name in names:
+            inc.cluster.add_pod(name, f"keeper-{name}", labels={"app": "keeper"})
+        inc.cluster.set_pdb("default", "keeper", {"app": "keeper"}, min_available=len(names))
+        handle = await inc.start_site("a", reconcile_seconds=3600, drain_seconds=60)
+
+        def marked() -> list[str]:
+            return [n for n in names if inc.cluster.get_node(n) is not None
+                    and inc.cluster.annotate_node(n, {}).get(ANNOTATION_CORDONED_BY) == CORDONED_BY_SURPLUS]
+
+        [draining] = await wait_for(marked, timeout=30)  # its first drain began
+        drain_began = time.monotonic()
+        shown = await current_details(handle)
+        began, _ = await scheduled(handle, "drain_within")
+
+        inc.world.set_site(a, unreachable=1)
+        await poll(lambda: inc.progress("a"), timeout=45)
+        assert time.monotonic() - drain_began < 30, "evacuated long before the blocked drain's 60 s ran out"
+        assert f"retiring 3: draining {draining} {until(began, 60)}" in shown, shown
+
+        # The retirement stopped: the node it drained left cordoned, marked the Site's; nothing
+        # else drained, nothing retired.
+        status = await handle.query("status", result_type=SiteStatus)
+        assert status.incident.open is not None and status.retiring == []
+        await asyncio.sleep(3)
+        assert [d["node_name"] for d in await activity_inputs(handle, "drain_within")] == [draining]
+        assert await activity_inputs(handle, "retire_machine") == []
+        assert len(inc.world.machines(a)) == 4 and marked() == [draining]
+        # The loop took the watch's results meanwhile: the silent nodes' entities know.
+        silent = [n for n in names if n != draining]
+        told = [await node(inc, n) for n in silent]
+        assert all(s is not None and s.not_ready_since is not None for s in told), told
+
+        # The site is back, the incident over: the surplus goes, the node it left cordoned first.
+        inc.world.set_site(a, unreachable=0)
+        inc.cluster.delete_pdb("default", "keeper")
+        await inc.evacuation("a").execute_update("abort", "test: the site is back")
+        await wait_for(lambda: len(inc.world.machines(a)) == 1, timeout=90)
+        assert inc.cluster.get_node(draining) is None
+        await replay_and_record(handle, "site_incident_stops_its_surplus_retirement")
 
 
 async def _watched(handle, count: int) -> bool:

@@ -382,6 +382,50 @@ async def test_joins_within_max_are_counted_without_listing_the_site_and_one_pas
     await replay_and_record(site, "site_counts_joins")
 
 
+@pytest.mark.integration  # a dev server with a low continue-as-new threshold
+async def test_a_site_continues_as_new_only_between_its_retirements(tmp_path: Path) -> None:
+    """The server suggests continue-as-new while the Site drains its surplus beside its loop, the
+    drain held by a PodDisruptionBudget for its 4 s: the run continues once that drain has ended,
+    never leaving one in flight behind it, and before it starts the next (a budget that never
+    yields must not keep it from continuing for good); the next run retires the node once the
+    budget goes."""
+    from temporalio.api.enums.v1 import EventType
+
+    async with server_suggesting_continue_as_new(20) as env:
+        address, uid = env.client.service_client.config.target_host, uuid.uuid4().hex[:6]
+        fleet = capacity_fleet(uid, mid={"max_nodes": 1})
+        async for stack in open_stack(env.client, address, tmp_path, fleet, uid):
+            first, newest = await _join(stack, "mid", "first", "second")
+            stack.cluster.add_pod(newest, "keeper", labels={"app": "keeper"})
+            stack.cluster.set_pdb("default", "keeper", {"app": "keeper"}, min_available=1)
+            site = await start_site(stack, "mid", drain_seconds=4)
+            first_run = (await site.describe()).run_id
+
+            async def continued() -> bool:
+                history = await env.client.get_workflow_handle(site.id, run_id=first_run).fetch_history()
+                return history.events[-1].event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
+
+            for _ in range(200):
+                if await continued():
+                    break
+                await asyncio.sleep(0.1)
+            events = (await env.client.get_workflow_handle(site.id, run_id=first_run).fetch_history()).events
+            drains = [e.event_id for e in events if e.HasField("activity_task_scheduled_event_attributes")
+                      and e.activity_task_scheduled_event_attributes.activity_type.name == "drain_within"]
+            ended = [e.event_id for e in events if e.HasField("activity_task_completed_event_attributes")
+                     and e.activity_task_completed_event_attributes.scheduled_event_id in drains]
+            suggested = [e.event_id for e in events if e.HasField("workflow_task_started_event_attributes")
+                         and e.workflow_task_started_event_attributes.suggest_continue_as_new]
+            assert events[-1].event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CONTINUED_AS_NEW
+            assert len(drains) == 1 and len(ended) == 1, "one drain, ended in the run that began it"
+            assert suggested and suggested[0] < ended[0], "suggested while it drained"
+            assert not any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED for e in events)
+
+            stack.cluster.delete_pdb("default", "keeper")
+            await wait_for(lambda: stack.cluster.get_node(newest) is None, timeout=60)
+            assert [m["name"] for m in live(stack, "mid")] == [first]
+
+
 async def test_entities_continue_as_new(tmp_path: Path) -> None:
     """A dev server of its own, suggesting continue-as-new after 40 events."""
     async with server_suggesting_continue_as_new(40) as env:

@@ -16,7 +16,11 @@ transition reconciles. Each reconcile counts the site's nodes in the cluster, th
   uncordon wakes the watch). The drain marks its cordon ``CORDONED_BY_SURPLUS``, so a node
   taken during the drain is kept (``retire_machine``'s last look), and a node its blocked
   drain left cordoned is recognised from the cluster: retired first while the site is above
-  its max, uncordoned (the mark dropped) once it is not.
+  its max, uncordoned (the mark dropped) once it is not. The retirement is a task of the entity's
+  own (patch ``site-retires-beside-its-loop``): the loop takes watch results and opens and
+  evacuates an incident meanwhile, a reconcile starts no second one, and an incident that opens
+  stops it (the surplus is moot while the site is evacuated): its drain in flight is cancelled and
+  its node left cordoned with the Site's mark, for the first reconcile after the incident.
 
 Provider incidents (product rule 5, ``fleet.incident``; recorded as patch
 ``incident-v1``): the entity also
@@ -45,9 +49,9 @@ site's config says, within seconds of a change; a node that changed its own is t
 quarantine (``SELF_LABELS_PATCH``).
 
 An entity (``workflows.entity``, docs/design/entities.md): its one state is ``SiteState``
-(nodes, counters, the incident rule's failures and the open incident, if any). A fill and an
-evacuation are its own tasks, each watching its child; it continues as new when the server
-suggests it and neither runs (the watch and the timer cancelled: the next run starts them
+(nodes, counters, the incident rule's failures and the open incident, if any). A fill, a
+retirement and an evacuation are its own tasks; it continues as new when the server
+suggests it and none runs (the watch and the timer cancelled: the next run starts them
 again), through the base's gate, once every handler has finished. ``admit_repair`` awaits
 without the state lock (see it). An admission still settling at the gate can open an incident:
 it is in the carried state, so the next run starts its evacuation. A reconcile (or probe) that fails
@@ -106,9 +110,13 @@ with workflow.unsafe.imports_passed_through():
         PUT_BACK_RETRY,
         QUICK,
         STORE_RETRY,
+        Retirement,
         drain_and_retire,
+        drain_node,
         failure_message,
+        retire_drained,
         show_details,
+        until_in,
     )
     from fleet.incident import (
         Failure,
@@ -189,6 +197,17 @@ EVACUATION_IDS_PATCH = "site-evacuation-ids-unique"
 #: counted as failed and the next reconcile started fill 2 beside it: the site bought for twice, then
 #: retired what passed its max. Asked at such a run's start and at each fill's start.
 FILL_IDS_PATCH = "site-fill-ids-unique"
+#: Workflow patch: the surplus above the max is drained and retired by a task of the entity's own,
+#: beside its loop, as a fill is; the details say "retiring N: draining <node> until HH:MM:SS UTC".
+#: The loop goes on taking watch results (its Node entities told NotReady) and an incident that
+#: opens is evacuated at once; a reconcile meanwhile starts no second retirement; the incident
+#: stops the retirement (the drain in flight cancelled, its node left cordoned with the Site's
+#: mark, no further node drained). A run the server asks to continue as new does so once the
+#: retirement ends, before it starts another (the next run reconciles first). Before, the loop
+#: drained the surplus one node at a time, up to ``drain_seconds`` (300 s by default) each where
+#: PodDisruptionBudgets held it: an incident opened meanwhile said "no new repairs" and evacuated
+#: nothing for up to k times that. Asked as a retirement starts, in the loop on events only.
+RETIRE_BESIDE_PATCH = "site-retires-beside-its-loop"
 #: ``incident_number``, ``fill_number`` (a visibility list and a describe or two): a few quick tries;
 #: an evacuation or a fill does not wait on it longer (refused, the entity numbers as before, and the
 #: start still refuses a used id).
@@ -228,6 +247,11 @@ class SiteEntity(Entity[SiteState]):
         # Own tasks (``spawn``), each watching its child: no continue-as-new while either runs.
         self._fill: asyncio.Task | None = None
         self._evac: asyncio.Task | None = None
+        # Patched in (``RETIRE_BESIDE_PATCH``): the retirement of the surplus, whether a reconcile
+        # waits for its end, and whether this run retires beside its loop.
+        self._retirement: asyncio.Task | None = None
+        self._recount = False
+        self._retires_beside = False
         # Patched in: watch the gap between its own timer and its next task (``_note_presence``).
         self._returns = False
         self._sleep = 0.0
@@ -524,10 +548,12 @@ class SiteEntity(Entity[SiteState]):
                     update={"state": self.state, "nodes": {}, "fills": 0, "incident": None}).model_dump(mode="json"))
 
     def _may_continue(self) -> bool:
-        """Continue as new only with no fill and no evacuation in flight: waiting on the server's
-        suggestion while one runs would wake the loop again at once, for ever (a spinning entity).
-        Each task clears its field however it ends (``finally``), so neither holds the run for good."""
-        return self.may_continue_as_new() and self._fill is None and self._evac is None
+        """Continue as new only with no fill, retirement or evacuation in flight: waiting on the
+        server's suggestion while one runs would wake the loop again at once, for ever (a spinning
+        entity). Each task clears its field however it ends (``finally``), so none holds the run for
+        good (a retirement at most ``drain_seconds`` a node it drains, an incident stops it)."""
+        return (self.may_continue_as_new() and self._fill is None and self._evac is None
+                and self._retirement is None)
 
     def _next_deadline(self, next_reconcile: float) -> float:
         """The earliest real deadline: the safety reconcile, a provider API failing for its limit
@@ -876,6 +902,16 @@ class SiteEntity(Entity[SiteState]):
         shown and tried again after a pause, with everything the entity carries: raised, it failed
         the entity, and min/max, retirement and the incident rule stopped at its site. An incident
         to evacuate does not wait out the pause."""
+        if self._retirement is not None:
+            # Once it is done, as a reconcile waited for the retirement before it ran beside the loop:
+            # counted now, the nodes it drains would be chosen twice, or uncordoned as "left cordoned".
+            self._recount = True
+            return
+        if self._retires_beside and self._may_continue():
+            # The next run reconciles first: a retirement started now would hold the continue-as-new
+            # for another drain, for ever where a PodDisruptionBudget never yields.
+            self.state.wanted = True
+            return
         if not await self._passes.attempt("reconcile", self._reconcile, self._show,
                                           wake=lambda: self.state.incident.evacuate):
             self.state.wanted = True
@@ -1028,8 +1064,15 @@ class SiteEntity(Entity[SiteState]):
         site, s = self._site, self.state.status
         self._set_fleet_state("retiring")
         s.retiring = [n.node_name for n in surplus]
-        self._show(f"above max ({count} > {site.max_nodes}): retiring {len(surplus)}"
-                   + (f"; held, so not chosen: {self._holders(held)}" if held else ""))
+        above = f"above max ({count} > {site.max_nodes})"
+        held_note = f"; held, so not chosen: {self._holders(held)}" if held else ""
+        # Only in the loop on events: the loop from before wakes on the server's suggestion alone,
+        # and would spin on it while a retirement of its own ran.
+        if self._events and workflow.patched(RETIRE_BESIDE_PATCH):
+            self._retires_beside = True
+            self._retirement = self.spawn(self._retire_beside(surplus, above, held_note, released))
+            return
+        self._show(f"{above}: retiring {len(surplus)}" + held_note)
         notes: list[str] = []
         try:
             for node in surplus:
@@ -1037,15 +1080,84 @@ class SiteEntity(Entity[SiteState]):
                 # drain (a repair fences a GPU) is kept, and the next reconcile no longer chooses it.
                 outcome = await drain_and_retire(site.name, node.node_name, node.machine_id, self._args.drain_seconds,
                                                  why="above the site's max", cordoned_by=CORDONED_BY_SURPLUS)
-                if outcome.retired:
-                    s.nodes[node.node_name] = "gone"
-                elif outcome.kept:
-                    notes.append(f"kept {node.node_name}: {outcome.kept} since it was chosen; the cordon is theirs")
-                else:
-                    notes.append(f"{node.node_name}: {outcome.blocked or outcome.failed}; next reconcile")
+                notes += self._retired(node, outcome)
         finally:
             s.retiring = []  # a drain that failed (the cluster away) too: the next reconcile chooses again
         self._show("; ".join([f"retired surplus at {site.name}", *notes]) + released)
+
+    def _retired(self, node: SiteNode, outcome: Retirement) -> list[str]:
+        """What the retirement says of a node it drained."""
+        if outcome.retired:
+            self.state.status.nodes[node.node_name] = "gone"
+            return []
+        if outcome.kept:
+            return [f"kept {node.node_name}: {outcome.kept} since it was chosen; the cordon is theirs"]
+        return [f"{node.node_name}: {outcome.blocked or outcome.failed}; next reconcile"]
+
+    async def _retire_beside(self, surplus: list[SiteNode], above: str, held_note: str, released: str) -> None:
+        """The retirement as a task of its own (``RETIRE_BESIDE_PATCH``): one node at a time, each
+        drain up to ``drain_seconds``, while the loop goes on. An incident that opens stops it: the
+        surplus is moot while the site is evacuated. The drain in flight is cancelled and its node
+        left cordoned with the Site's mark, as a blocked drain leaves one: the evacuation keeps a
+        node cordoned before it began as it found it, and the first reconcile after the incident
+        retires it first while the site is above its max, else uncordons it. (Uncordoned here, it
+        could race the evacuation's own look: taken for cordoned before it, then cordoned by its
+        drain with no mark, it stayed cordoned for good.)"""
+        site, s = self._site, self.state.status
+        notes: list[str] = []
+        stopped = ""
+        try:
+            try:
+                for done, node in enumerate(surplus):
+                    if self.state.incident.open is not None:
+                        stopped = self._stopped(surplus[done:], draining="")
+                        break
+                    self._show(f"{above}: retiring {len(surplus) - done}: draining {node.node_name} "
+                               f"{until_in(self._args.drain_seconds)}" + held_note)
+                    # Marked, the cordon is the surplus retirement's; a node someone takes during the
+                    # drain (a repair fences a GPU) is kept, and the next reconcile no longer chooses it.
+                    drain = asyncio.create_task(drain_node(
+                        node.node_name, self._args.drain_seconds, cordoned_by=CORDONED_BY_SURPLUS,
+                        summary=f"drain {node.node_name} (above the site's max; PDBs honoured)"))
+                    await workflow.wait_condition(lambda: drain.done() or self.state.incident.open is not None)
+                    if self.state.incident.open is not None:
+                        if not drain.done():
+                            drain.cancel()
+                            try:
+                                await drain
+                            except (asyncio.CancelledError, ActivityError):
+                                pass  # cancelled: it evicts no more
+                        stopped = self._stopped(surplus[done:], draining=node.node_name)
+                        break
+                    outcome = await retire_drained(site.name, node.node_name, node.machine_id, drain.result(),
+                                                   cordoned_by=CORDONED_BY_SURPLUS)
+                    notes += self._retired(node, outcome)
+            except ActivityError as error:
+                # A drain that failed past its retries (the cluster away, refusing): shown, and after
+                # the pause the next reconcile chooses again. An incident does not wait on the pause.
+                s.retiring, self._recount = [], True
+                await self._passes.pause_after(error, step="retire the surplus", show=self._show,
+                                               wake=lambda: self.state.incident.open is not None)
+                return
+            s.retiring = []
+            if stopped:
+                workflow.logger.info("site %s: %s", site.name, stopped)
+            self._show("; ".join([stopped or f"retired surplus at {site.name}", *notes]) + released)
+        finally:
+            s.retiring = []
+            self._retirement = None
+            # The reconcile that waited for it; stopped, the incident's end reconciles.
+            self.state.wanted = self.state.wanted or (self._recount and not stopped)
+            self._recount = False
+
+    def _stopped(self, left: list[SiteNode], draining: str) -> str:
+        """Why the retirement stopped (an incident opened), and what it leaves."""
+        names = ", ".join(n.node_name for n in left[:5]) + (f" and {len(left) - 5} more" if len(left) > 5 else "")
+        line = f"retirement of the surplus stopped, incident {self.state.incident.open.id} open: {names} not retired"
+        if draining:
+            line += (f"; {draining}'s drain cancelled, left cordoned (the Site's mark): after the incident it is "
+                     "retired first if the site is still above its max, else uncordoned")
+        return line
 
 
 #: Workflow patch: the Schedule's sweep (no sites named) starts the entities that are not running
