@@ -17,7 +17,7 @@ from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.config import Site
 from fleet.errors import FleetError, Transient
-from fleet.incident import IncidentSettings, SiteFacts, incident_of_hold, recovery, weight_at
+from fleet.incident import IncidentSettings, SiteFacts, incident_of_hold, plan_moves, recovery, weight_at
 from fleet.naming import evacuation_number, evacuation_workflow_id, site_workflow_id
 from providers.cluster.base import NodeMarks, NodeNotFound, decide_on_node, free_gpus_at, uncordon_unless
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute, fenced_gpus
@@ -237,7 +237,12 @@ class EvacuationActivities:
     @activity.defn
     @typed_errors
     def evacuation_facts(self, input: SiteRef) -> EvacuationFacts:
-        site = self._known_site(input.site)
+        return self._facts(input.site)
+
+    def _facts(self, name: str, whole: bool = True) -> EvacuationFacts:
+        """``evacuation_facts``; not ``whole``: without the models' routes and the site's nodes, which
+        planning does not read."""
+        site = self._known_site(name)
         cluster = self.env.cluster
         serving = cluster.list_serving()
         here = [s for s in serving if s.site == site.name]
@@ -246,9 +251,15 @@ class EvacuationActivities:
             site=site_facts(site), sites=[site_facts(s) for s in self.env.config.sites],
             settings=self.env.config.incident_for(site), here=here,
             elsewhere=[s for s in serving if s.site != site.name and s.model in models],
-            site_routes=cluster.get_site_routes(), model_routes={m: cluster.get_routing(m) for m in models},
-            nodes=self._nodes(site.name),
+            site_routes=cluster.get_site_routes(),
+            model_routes={m: cluster.get_routing(m) for m in models} if whole else {},
+            nodes=self._nodes(site.name) if whole else [],
         )
+
+    def unplaceable(self, site: str) -> list[str]:
+        """The models at ``site`` whose replicas nothing may take now (``Plan.impossible``, planned
+        from the facts as the evacuation plans): what holds an evacuation in its needs-person wait."""
+        return sorted(plan_moves(self._facts(site, whole=False).deficits(site), {}).impossible)
 
     def _known_site(self, name: str) -> Site:
         """The site, or the evacuation's bad input: an unknown site is the caller's mistake (never
@@ -336,13 +347,18 @@ class EvacuationActivities:
     @activity.defn
     @typed_errors
     def recovery_probe(self, input: SiteRef) -> RecoveryProbe:
-        """The site's provider API and nodes, judged by ``fleet.incident.recovery``. A cluster API
-        that does not answer is an answer too: not recovered yet. Raised, it failed the probe after
-        its ten attempts (a few minutes of API-server trouble), that failed the evacuation, and the
-        evacuation's undo sent traffic back to the site that was still down."""
-        ok, kind, message = self._api(input.site)
+        """The site's provider API and nodes, judged by ``fleet.incident.recovery`` (evacuations
+        from before ``watch_recovery``, and its looks)."""
+        return self.recovery_verdict(input.site)
+
+    def recovery_verdict(self, site: str) -> RecoveryProbe:
+        """``recovery_probe``. A cluster API that does not answer is an answer too: not recovered
+        yet. Raised, it failed the probe after its ten attempts (a few minutes of API-server
+        trouble), that failed the evacuation, and the evacuation's undo sent traffic back to the
+        site that was still down."""
+        ok, kind, message = self._api(site)
         try:
-            nodes = {} if not ok else {n.name: n.ready for n in self._nodes(input.site)}
+            nodes = {} if not ok else {n.name: n.ready for n in self._nodes(site)}
         except Transient as error:
             return RecoveryProbe(recovered=False, detail=f"the cluster API did not answer: {error}"[:500])
         verdict = recovery(None if ok else f"{kind}: {message}", nodes)

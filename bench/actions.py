@@ -15,7 +15,9 @@ metrics, and measures:
   from the counter (``grpc_RecordActivityTaskHeartbeat``) and shared out by what each type's
   long activities (the Node, Site and Routing watches) were due to send.
 
-Windows: idle (nothing happens), then events, each charged with the billed history events of
+Windows: idle (nothing happens but one evacuated site waiting for its recovery: the fleet's empty
+site, evacuated by hand before the window, whose SiteEvacuation waits for as long as the window
+lasts, the site having no nodes to come back; aborted after it), then events, each charged with the billed history events of
 the workflows it ran (every type but the Schedules', which pass on their own clock) and the
 heartbeats, less their idle rate over the same time (the server counter's delta less its idle
 rate is printed beside it): joins, health changes, spot reclaims (notice →
@@ -25,7 +27,8 @@ counted by the Node entity, nothing repaired; a GPU fault that needs a repair is
 (its ladder, its own bill), not a health change. Last, a request waiting for capacity at the
 empty site (what a site below its min with none to buy runs) through catalog refreshes whose
 offers did not change: its own billed events only. Prints actions/hour per idle site,
-per idle node, per idle model (its Routing entity) and for the Schedules, actions per event,
+per evacuated site (its SiteEvacuation, on top of its Site entity), per idle node, per idle
+model (its Routing entity) and for the Schedules, actions per event,
 the projection for 1,250 and 10,000 nodes at 10 sites and ``MODELS_PROJECTED`` models, and the
 targets.
 
@@ -63,10 +66,12 @@ from fleet import search_attributes
 from fleet.cluster import ServingSpec
 from fleet.messages.capacity import CapacityProgress
 from fleet.messages.routing import RoutingInput
-from fleet.naming import reclaim_workflow_id, routing_workflow_id
+from fleet.incident import IncidentSettings
+from fleet.naming import manual_evacuation_id, reclaim_workflow_id, routing_workflow_id
 from fleet.schedules import SCHEDULES, apply_schedules
 from fleet.settings import Settings
 from workers.control_plane import build_worker
+from workflows.steps import LONG_WATCH_HEARTBEAT
 from fleet.contracts import workflows as flows
 
 #: History events that are billed actions. A child's start and an external signal are
@@ -92,6 +97,9 @@ MODELS_PROJECTED = 50
 
 # -- targets (issue 37) --------------------------------------------------------------------
 IDLE_SITE_MAX = 30.0      # actions/hour
+#: actions/hour of a site's SiteEvacuation while it waits for the site's recovery (its watch's
+#: heartbeats included): what its Site entity costs idle, again
+EVACUATED_SITE_MAX = 30.0
 IDLE_NODE_MAX = 30.0      # actions/hour, its watch's heartbeats included
 IDLE_MODEL_MAX = 30.0     # actions/hour per served model (its Routing entity), heartbeats included
 SCHEDULES_MAX = 300.0     # actions/hour, all Schedules together
@@ -235,23 +243,39 @@ def per_hour(count: float, seconds: float) -> float:
     return count * 3600 / seconds if seconds > 0 else 0.0
 
 
-def figures(idle: Window, sites: int, nodes: int, models: int = 0) -> dict[str, float]:
-    """Actions/hour per idle site, per idle node and per idle model (its Routing entity; their
-    watches' heartbeats included), for the Schedules (the workflows they start, heartbeats
-    included), and the rest."""
+def figures(idle: Window, sites: int, nodes: int, models: int = 0, evacuated: int = 0) -> dict[str, float]:
+    """Actions/hour per idle site, per idle node, per idle model (its Routing entity) and per
+    evacuated site (its SiteEvacuation waiting for recovery; their watches' heartbeats included),
+    for the Schedules (the workflows they start, heartbeats included), and the rest."""
     beats = heartbeats_by_type(idle.by_action_type.get(HEARTBEAT, 0.0), idle.heartbeats_due)
     w = Counter(idle.by_workflow_type)
     w.update(beats)
     site = per_hour(w.get("Site", 0), idle.seconds) / sites
     node = (per_hour(w.get("Node", 0), idle.seconds) / nodes) if nodes else 0.0
     model = (per_hour(w.get("Routing", 0), idle.seconds) / models) if models else 0.0
+    evacuation = (per_hour(w.get(flows.SiteEvacuation.TYPE, 0), idle.seconds) / evacuated) if evacuated else 0.0
     schedules = per_hour(sum(v for k, v in w.items() if k in SCHEDULED_TYPES), idle.seconds)
-    own = {"Site", "Node"} | ({"Routing"} if models else set())
+    own = ({"Site", "Node"} | ({"Routing"} if models else set())
+           | ({flows.SiteEvacuation.TYPE} if evacuated else set()))
     other = per_hour(sum(v for k, v in w.items() if k not in SCHEDULED_TYPES | own), idle.seconds)
     return {"site": site, "node": node, "node_heartbeats": per_hour(beats.get("Node", 0.0), idle.seconds) / max(nodes, 1),
             "site_heartbeats": per_hour(beats.get("Site", 0.0), idle.seconds) / max(sites, 1),
             "model": model, "model_heartbeats": per_hour(beats.get("Routing", 0.0), idle.seconds) / max(models, 1),
+            "evacuated": evacuation,
+            "evacuated_heartbeats": per_hour(beats.get(flows.SiteEvacuation.TYPE, 0.0), idle.seconds) / max(evacuated, 1),
             "schedules": schedules, "other": other}
+
+
+def polled_recovery_per_hour(settings: IncidentSettings) -> float:
+    """What the wait for recovery cost before ``evacuation-watches-recovery``, by construction: a
+    ``recovery_probe`` and a timer every ``probe_seconds``."""
+    return 2 * 3600 / settings.probe_seconds
+
+
+def watched_recovery_per_hour(settings: IncidentSettings) -> float:
+    """What it costs now, by construction: the watch's return (an activity) every
+    ``recovery_watch_seconds`` and its heartbeats, one per half its heartbeat timeout."""
+    return 3600 / settings.recovery_watch_seconds + 3600 / (LONG_WATCH_HEARTBEAT.total_seconds() / 2)
 
 
 def projection(f: dict[str, float], nodes: int, per_event: dict[str, float], price: float,
@@ -331,6 +355,11 @@ async def main(args) -> int:
                                                  id=f"join/site-{i % occupied}/{uuid.uuid4().hex[:6]}",
                                                  task_queue=queue) for i in range(args.nodes)]
                 await asyncio.gather(*joins)
+                # An evacuated site for the whole run: the empty site (it never comes back: no nodes).
+                evacuated = [f"site-{args.sites - 1}"] if args.sites > 1 else []
+                for site in evacuated:
+                    await client.start_workflow(flows.SiteEvacuation.TYPE, {"site": site, "reason": "bench: site down"},
+                                                id=manual_evacuation_id(site, "bench"), task_queue=queue)
                 await asyncio.sleep(args.warmup_seconds)
 
                 # -- idle window ----------------------------------------------------------
@@ -338,6 +367,15 @@ async def main(args) -> int:
                 await asyncio.sleep(args.idle_seconds)
                 after, t1 = await meter.read(), time.time()
                 idle = Window(t1 - t0, after - before)
+                # The evacuated site's figure stands only while its evacuation waits for recovery.
+                waiting = {site: (await client.get_workflow_handle(manual_evacuation_id(site, "bench")).query(
+                    flows.SiteEvacuation.progress) or {}).get("state", "?") for site in evacuated}
+                # Ended before the events: a node bought for them at the empty site would "recover"
+                # it, and its restore would be charged to that burst.
+                for site in evacuated:
+                    evacuation = client.get_workflow_handle(manual_evacuation_id(site, "bench"))
+                    await evacuation.execute_update(flows.SiteEvacuation.abort, "bench: the idle window is over")
+                    await evacuation.result()
                 idle.by_workflow_type, idle.detail, idle.heartbeats_due = await billed_by_workflow_type(client, t0, t1)
                 idle_rate = idle.total / idle.seconds
                 # The idle rate of what an event is charged with: histories of every workflow but
@@ -407,7 +445,8 @@ async def main(args) -> int:
             host.terminate()
             host.wait()
 
-    f = figures(idle, args.sites, args.nodes, args.models)
+    f = figures(idle, args.sites, args.nodes, args.models, len(evacuated))
+    incident = IncidentSettings()  # the bench's fleet sets none: the shipped defaults
     waiting_detail = ", ".join(f"{k} {v / args.events:,.1f}" for k, v in waiting.most_common())
     waiting_per_refresh = sum(waiting.values()) / args.events
     print(f"Temporal actions: {args.sites} sites ({occupied if args.sites > 1 else 1} with nodes), {args.nodes} nodes, "
@@ -430,6 +469,13 @@ async def main(args) -> int:
         print(f"    {workflow_type:24s}{per_hour(count, idle.seconds):10,.0f}/hour   ({', '.join(kinds)})")
     print(f"  per idle site           {f['site']:10,.1f} actions/hour   (target <= {IDLE_SITE_MAX:g}; "
           f"{f['site_heartbeats']:,.1f} of them heartbeats)")
+    if evacuated:
+        print(f"  per evacuated site      {f['evacuated']:10,.1f} actions/hour   (target <= {EVACUATED_SITE_MAX:g}; "
+              f"{f['evacuated_heartbeats']:,.1f} of them heartbeats; its SiteEvacuation waiting for recovery, "
+              f"on top of its Site entity; {', '.join(f'{k} {v}' for k, v in waiting.items())} at the window's end)")
+        print(f"      by construction: polled (before) {polled_recovery_per_hour(incident):,.0f}/hour, a probe and a "
+              f"timer every {incident.probe_seconds:g} s; watched (now) {watched_recovery_per_hour(incident):,.0f}/hour, "
+              f"its watch's return every {incident.recovery_watch_seconds:g} s and its heartbeats")
     print(f"  per idle node           {f['node']:10,.1f} actions/hour   (target <= {IDLE_NODE_MAX:g}; "
           f"{f['node_heartbeats']:,.1f} of them heartbeats)")
     print(f"  per idle model          {f['model']:10,.1f} actions/hour   (target <= {IDLE_MODEL_MAX:g}; "
@@ -459,6 +505,7 @@ async def main(args) -> int:
               f"{p['per_s']:8.1f}/s, ${p['usd_month']:,.0f}/month")
     checks = {
         f"idle site <= {IDLE_SITE_MAX:g}/hour": f["site"] <= IDLE_SITE_MAX,
+        **({f"evacuated site <= {EVACUATED_SITE_MAX:g}/hour": f["evacuated"] <= EVACUATED_SITE_MAX} if evacuated else {}),
         f"idle node <= {IDLE_NODE_MAX:g}/hour": f["node"] <= IDLE_NODE_MAX,
         f"idle model <= {IDLE_MODEL_MAX:g}/hour": f["model"] <= IDLE_MODEL_MAX,
         f"Schedules <= {SCHEDULES_MAX:g}/hour": f["schedules"] <= SCHEDULES_MAX,

@@ -76,6 +76,10 @@ class IncidentSettings(BaseModel):
     capacity_deadline_seconds: float = Field(1800, gt=0)
     #: Recovery probe interval while the site is down.
     probe_seconds: float = Field(30, gt=0)
+    #: SiteEvacuation probes inside one long activity (no Temporal action per probe) while its site
+    #: is down and while nothing may take its replicas; that activity returns when the site is back
+    #: or what nothing may take changes, else after this long (a fresh look, the details said again).
+    recovery_watch_seconds: float = Field(1800, gt=0, le=3600)
     #: Routing weight comes back in these steps (percent of the weight before the incident) ...
     restore_steps: list[int] = Field(default_factory=lambda: [10, 50, 100], min_length=1)
     #: ... with this long between steps.

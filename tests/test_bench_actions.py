@@ -47,8 +47,8 @@ def test_smoke_run_prints_every_figure() -> None:
                           text=True, timeout=280)
     out = done.stdout
     assert done.returncode == 0, out + done.stderr[-3000:]
-    for figure in ("per idle site", "per idle node", "per idle model", "Schedules, all", "per join",
-                   "per health change", "per spot reclaim", "per catalog refresh, offers unchanged"):
+    for figure in ("per idle site", "per evacuated site", "per idle node", "per idle model", "Schedules, all",
+                   "per join", "per health change", "per spot reclaim", "per catalog refresh, offers unchanged"):
         assert re.search(rf"{figure}\s+[0-9,.]+ actions", out), f"{figure} missing:\n{out}"
     for nodes in ("1,250", "10,000"):
         assert re.search(rf"{nodes} nodes: .* actions/s idle .*\$[0-9,]+/month", out), out
@@ -58,6 +58,8 @@ def test_smoke_run_prints_every_figure() -> None:
     assert re.search(r"target idle model <= 30/hour\s+met", out), out
     # A request waiting for capacity is woken by no catalog refresh that changed nothing.
     assert re.search(r"target waiting request per refresh <= 0\s+met", out), out
+    # The evacuated site's wait, against what its poll cost (30 s probes: 240 an hour).
+    assert re.search(r"by construction: polled \(before\) 240/hour, .*; watched \(now\) 14/hour", out), out
 
 
 def test_heartbeats_are_shared_out_by_what_each_workflow_types_activities_were_due_to_send() -> None:
@@ -68,6 +70,17 @@ def test_heartbeats_are_shared_out_by_what_each_workflow_types_activities_were_d
     f = figures(idle, sites=1, nodes=3)
     assert f["node_heartbeats"] == 12 * 6 / 8 / 3 and f["site_heartbeats"] == 12 * 2 / 8
     assert f["node"] == f["node_heartbeats"] and f["site"] == f["site_heartbeats"]
+
+
+def test_an_evacuated_site_is_its_evacuation_waiting_for_recovery_not_everything_else() -> None:
+    """The SiteEvacuation of a site that is down (its history and its watch's heartbeats) is the
+    evacuated site's figure, per evacuated site, not part of "everything else"."""
+    idle = Window(seconds=3600, by_action_type=parse_actions(METRICS, "default"))  # 12 heartbeats
+    idle.by_workflow_type.update({"SiteEvacuation": 2, "Demand": 3})
+    idle.heartbeats_due.update({"Node": 2, "SiteEvacuation": 2})
+    f = figures(idle, sites=1, nodes=2, evacuated=2)
+    assert f["evacuated"] == (2 + 6) / 2 and f["evacuated_heartbeats"] == 3 and f["other"] == 3
+    assert figures(idle, sites=1, nodes=2)["other"] == 3 + 2 + 6, "no site evacuated: everything else"
 
 
 def test_an_idle_model_is_its_routing_entity_and_scales_the_projection_by_the_models() -> None:

@@ -21,7 +21,7 @@ from fleet.messages.capacity import CapacityProgress, CapacityResult
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult
 from tests.can_server import run_chain, server_suggesting_continue_as_new
 from tests.capacity_fleet import CapStack, open_stack
-from tests.evacuation_helpers import IncStack, open_incident_stack, poll
+from tests.evacuation_helpers import IncStack, incident_fleet, open_incident_stack, poll
 from tests.replay import replay_and_record
 
 MODEL = "llm"
@@ -64,7 +64,11 @@ async def continued_as_new(client: Client, workflow_id: str, first_run_id: str, 
 # -- SiteEvacuation -------------------------------------------------------------------------
 @pytest.fixture
 async def inc(can_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[IncStack]:
-    async for stack in open_incident_stack(can_env.client, tmp_path):
+    # Its waits' watch returns every second (30 minutes by default): the history grows, and each
+    # return is where the run may continue as new.
+    uid = uuid.uuid4().hex[:6]
+    async for stack in open_incident_stack(can_env.client, tmp_path,
+                                           incident_fleet(uid, incident={"recovery_watch_seconds": 1}), uid):
         yield stack
 
 

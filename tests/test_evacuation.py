@@ -14,6 +14,8 @@ import re
 import threading
 import typing
 import uuid
+from collections import Counter
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -43,6 +45,7 @@ from fleet.messages.rollout import EvacuationInput
 from activities.serving import ServingActivities
 from fleet.messages.capacity import CapacityProgress, CapacityResult, SiteStatus
 from activities.evacuation import EvacuationActivities
+from activities.watches import WatchActivities
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, HoldRepairsInput
 from fleet.rollout import RolloutProgress, RolloutResult
 from fleet.settings import Settings
@@ -704,14 +707,14 @@ async def test_a_cancel_while_it_puts_back_stops_nothing(temporal_env, tmp_path,
     back), a failed one still fails (its failure is what ended it)."""
     uid = uuid.uuid4().hex[:6]
     released = held_open(monkeypatch, EvacuationActivities, "release_nodes", None)  # only ever on the way back
-    if ending == "failure":
-        probe = EvacuationActivities.recovery_probe
+    if ending == "failure":  # the wait for recovery fails: its watch is refused for good
+        watch = WatchActivities.watch_recovery
 
         def broken(self, input):
             raise ApplicationError("test: the probe is broken", type="InvalidInput", non_retryable=True)
 
-        broken.__annotations__ = typing.get_type_hints(probe)
-        monkeypatch.setattr(EvacuationActivities, "recovery_probe", activity.defn(name="recovery_probe")(broken))
+        broken.__annotations__ = typing.get_type_hints(watch)
+        monkeypatch.setattr(WatchActivities, "watch_recovery", activity.defn(name="watch_recovery")(broken))
     async for inc in open_incident_stack(temporal_env.client, tmp_path, incident_fleet(uid), uid):
         a, d = await _a_lost(inc)
         handle = inc.evacuation("a")
@@ -922,6 +925,69 @@ async def test_worker_killed_mid_evacuation_resumes(temporal_env, tmp_path) -> N
         await replay_and_record(inc2.evacuation("a"), "site_evacuation_resumed_routed")
 
 
+async def test_a_site_waiting_for_recovery_costs_one_watch_not_a_probe_per_period(temporal_env, tmp_path) -> None:
+    """A cost review: while its site was down, an evacuation polled from the workflow, a probe
+    activity and a timer every ``probe_seconds`` (240 Temporal actions an hour per evacuated site at
+    30 s; a 12-hour outage about 3,000, where an idle site costs some 30 an hour). Now one watch
+    probes inside its activity: over many probe periods the wait schedules two activities (the first
+    look, which says why, and the watch) and no timer, and the site's return is still seen within a
+    probe period, though the watch's own bound is 30 minutes away."""
+    uid = uuid.uuid4().hex[:6]
+    probe = 1.0
+    async for inc in open_incident_stack(temporal_env.client, tmp_path,
+                                         incident_fleet(uid, incident={"probe_seconds": probe}), uid):
+        a, _ = await _a_lost_and_evacuated_to_d(inc)
+        handle = inc.evacuation("a")
+        waiting = await poll(lambda: _waiting_says_until_when(inc), timeout=15)
+        assert re.match(r"3 of 3 nodes not ready: .*; probing every 1 s, next look until \d\d:\d\d:\d\d UTC at "
+                        r"most \(or `gpufleet evacuate recovered`\)$", waiting.step_detail), waiting.step_detail
+        await asyncio.sleep(8 * probe)  # eight probe periods down
+
+        look = EvacuationActivities(FleetEnv.from_settings(inc.settings)).recovery_verdict
+        inc.world.set_site(a, unreachable=0)
+
+        async def back() -> bool:
+            return look(a).recovered
+
+        await poll(back, timeout=30, interval=0.05)
+        seen_back = datetime.now(timezone.utc)
+        result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+        assert result.outcome == "restored"
+        recovered = next(s for s in result.timeline if s.name == "recovered")
+        assert (recovered.at - seen_back).total_seconds() < probe + 2, (recovered.at, seen_back)
+        spent = await _spent_waiting(handle, until="site_nodes")
+        assert spent == {"watch_recovery": 2}, spent
+        await replay_and_record(handle, "site_evacuation_watches_recovery")
+
+
+async def test_recovered_cuts_the_recovery_watch_short(temporal_env, tmp_path) -> None:
+    """The operator's ``recovered`` (``declare_recovered``) ends the wait for recovery at once, the
+    next probe ten minutes away: the watch that waits for the site is cancelled, nothing polls on."""
+    uid = uuid.uuid4().hex[:6]
+    async for inc in open_incident_stack(temporal_env.client, tmp_path,
+                                         incident_fleet(uid, incident={"probe_seconds": 600}), uid):
+        a, _ = await _a_lost_and_evacuated_to_d(inc)
+        handle = inc.evacuation("a")
+        await poll(lambda: _waiting_says_until_when(inc), timeout=15)
+        await poll(lambda: _running_activity(handle, "watch_recovery"), timeout=15)
+        inc.world.set_site(a, unreachable=0)  # back (the smoke tests can pass); no probe for ten minutes
+        declared = datetime.now(timezone.utc)
+        await handle.execute_update("declare_recovered", "test: provider ticket closed")
+        result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+        assert result.outcome == "restored"
+        recovered = next(s for s in result.timeline if s.name == "recovered")
+        assert recovered.detail == "test: provider ticket closed"
+        assert (recovered.at - declared).total_seconds() < 2, (recovered.at, declared)
+        history = await handle.fetch_history()
+        watches = {e.event_id for e in history.events if e.HasField("activity_task_scheduled_event_attributes")
+                   and e.activity_task_scheduled_event_attributes.activity_type.name == "watch_recovery"}
+        cut = [e for e in history.events if e.HasField("activity_task_cancel_requested_event_attributes")
+               and e.activity_task_cancel_requested_event_attributes.scheduled_event_id in watches]
+        assert len(watches) == 2 and len(cut) == 1, (watches, cut)
+        assert await _spent_waiting(handle, until="site_nodes") == {"watch_recovery": 2}
+        await replay_and_record(handle, "site_evacuation_recovered_cuts_the_watch_short")
+
+
 async def test_an_evacuation_goes_on_when_the_hold_of_running_repairs_is_refused(
         temporal_env, tmp_path, monkeypatch) -> None:
     """Holding (and later releasing) the site's running repairs needs Temporal's visibility. A
@@ -964,8 +1030,28 @@ async def test_an_evacuation_goes_on_when_the_hold_of_running_repairs_is_refused
 # -- helpers --------------------------------------------------------------------------------
 async def _waiting_says_until_when(inc: IncStack) -> EvacuationProgress | None:
     progress = await inc.progress("a")
-    found = progress and re.search(r"next probe at \d\d:\d\d:\d\d UTC", progress.step_detail)
+    found = progress and re.search(r"next look until \d\d:\d\d:\d\d UTC at most", progress.step_detail)
     return progress if found else None
+
+
+async def _spent_waiting(handle, until: str) -> Counter:
+    """What the evacuation's wait scheduled, by activity type, and the timers it started (``timer``):
+    from its first look (a ``watch_recovery`` or ``recovery_probe``, or a timer) to the first
+    ``until`` activity after it."""
+    spent: Counter = Counter()
+    waiting = False
+    for e in (await handle.fetch_history()).events:
+        if e.HasField("activity_task_scheduled_event_attributes"):
+            name = e.activity_task_scheduled_event_attributes.activity_type.name
+            if waiting and name == until:
+                break
+            waiting = waiting or name in ("watch_recovery", "recovery_probe")
+            if waiting:
+                spent[name] += 1
+        elif e.event_type == EventType.EVENT_TYPE_TIMER_STARTED:
+            waiting = True
+            spent["timer"] += 1
+    return spent
 
 
 async def _state(inc: IncStack, state: str, name: str = "a"):
@@ -1168,20 +1254,27 @@ async def _evacuation_state(handle, state: str):
     return progress if progress.state == state else None
 
 
-async def test_a_site_that_recovers_while_nothing_may_take_its_replicas_comes_back(inc: IncStack) -> None:
-    """b is a compliance site whose eu-only replicas have nowhere to go: the evacuation waits for a
-    person (weight 0, nothing drained). Before: that wait only looked for a place, so when b's
-    provider came back, b stayed at weight 0 until a compliant site appeared, however long. Now the
-    wait probes recovery: b comes back (proof, then the weights), and nothing moved or drained."""
+async def _b_needs_a_person(inc: IncStack, d_nodes: int) -> tuple[str, str, EvacuationProgress]:
+    """b, a compliance site (3 nodes; MODEL and eu-only, which no compliant site serves), is lost:
+    its evacuation waits for a person. d (``d_nodes`` idle nodes) serves MODEL. The two sites' names,
+    and the evacuation's progress once it waits."""
     b, d = inc.site("b"), inc.site("d")
     await inc.join("b", 3)
-    await inc.join("d", 1)
+    await inc.join("d", d_nodes)
     inc.serve(MODEL, "b", replicas=1)
     inc.serve(MODEL, "d", replicas=0)
     inc.serve("eu-only", "b", replicas=1)  # no compliant Deployment elsewhere: impossible to place
     await inc.start_site("b")
     inc.world.set_site(b, unreachable=1)
-    waiting = await poll(lambda: _state(inc, "needs-person", "b"), timeout=30)
+    return b, d, await poll(lambda: _state(inc, "needs-person", "b"), timeout=30)
+
+
+async def test_a_site_that_recovers_while_nothing_may_take_its_replicas_comes_back(inc: IncStack) -> None:
+    """b is a compliance site whose eu-only replicas have nowhere to go: the evacuation waits for a
+    person (weight 0, nothing drained). Before: that wait only looked for a place, so when b's
+    provider came back, b stayed at weight 0 until a compliant site appeared, however long. Now the
+    wait probes recovery: b comes back (proof, then the weights), and nothing moved or drained."""
+    b, d, waiting = await _b_needs_a_person(inc, d_nodes=1)
     assert "eu-only" in waiting.needs_person
     assert "a site that recovers meanwhile comes back" in waiting.step_detail
 
@@ -1195,6 +1288,29 @@ async def test_a_site_that_recovers_while_nothing_may_take_its_replicas_comes_ba
     assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
     assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "nothing was moved to d"
     await replay_and_record(inc.evacuation("b"), "site_evacuation_recovered_while_placing")
+
+
+async def test_the_needs_person_wait_costs_one_watch_and_moves_on_when_a_place_appears(inc: IncStack) -> None:
+    """b is a compliance site whose eu-only replicas have nowhere to go. Its needs-person wait cost a
+    timer, a recovery probe, the facts read again and the free GPUs every ``probe_seconds`` (360 to
+    480 actions an hour at 30 s). Now one watch looks inside its activity, for b's recovery and
+    for a place: over many probe periods it schedules nothing more, and a compliant Deployment a person
+    adds is seen without ``retry`` (the facts read then, and the move follows)."""
+    b, d, waiting = await _b_needs_a_person(inc, d_nodes=2)  # room at d for both models
+    assert re.search(r"next look until \d\d:\d\d:\d\d UTC at most \(or `gpufleet evacuate retry`\); a site "
+                     r"that recovers meanwhile comes back$", waiting.step_detail), waiting.step_detail
+    await asyncio.sleep(8 * 0.5)  # eight probe periods with nowhere to go
+
+    inc.serve("eu-only", "d", replicas=0)  # a person adds a compliant Deployment, and says nothing
+    moved = await poll(lambda: _state(inc, "waiting-for-recovery", "b"), timeout=30)
+    assert moved.moves == {MODEL: {d: 1}, "eu-only": {d: 1}}
+    spent = await _spent_waiting(inc.evacuation("b"), until="scale_serving")
+    assert spent == {"watch_recovery": 1, "evacuation_facts": 1, "free_gpus": 1}, spent
+
+    inc.world.set_site(b, unreachable=0)
+    result = EvacuationResult.model_validate(await asyncio.wait_for(inc.evacuation("b").result(), 60))
+    assert result.outcome == "restored"
+    await replay_and_record(inc.evacuation("b"), "site_evacuation_watches_the_needs_person_wait")
 
 
 async def test_a_site_entity_started_again_releases_the_holds_of_an_incident_it_forgot(inc: IncStack) -> None:

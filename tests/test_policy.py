@@ -225,3 +225,24 @@ def test_a_failure_names_its_type_once():
     assert failure_text(typed) == "ServingNotFound: no Deployment m at site-b"
     untyped = failed(ApplicationError("the API server did not answer"))
     assert failure_text(untyped) == "ApplicationError: the API server did not answer"
+
+
+def test_the_recovery_watch_takes_a_cluster_api_away_for_no_change(tmp_path, monkeypatch):
+    """In an evacuation's needs-person wait, ``watch_recovery`` reads at every probe which models
+    nothing may take. A cluster API away meanwhile is no answer, so no change: the watch waits on to
+    its bound (raised, it would fail the evacuation; read as a change, it would wake the workflow to
+    read its facts again at every probe, the poll this watch replaced)."""
+    from activities.watches import WatchActivities
+    from fleet.errors import Transient
+    from fleet.messages.watches import RecoveryWatchInput
+
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
+    site_name = env.config.sites[0].name
+
+    def away(*_args, **_kwargs):
+        raise Transient("GET /apis/apps/v1/deployments: 503 Service Unavailable", provider="kubernetes", code="503")
+
+    monkeypatch.setattr(env.cluster, "list_serving", away)
+    watched = ActivityEnvironment().run(WatchActivities(env).watch_recovery, RecoveryWatchInput(
+        site=site_name, recovered=False, impossible=["llm"], probe_seconds=0.05, max_wait_seconds=0.3))
+    assert (watched.recovered, watched.detail, watched.placing_changed) == (False, "no nodes at the site", False)

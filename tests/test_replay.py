@@ -245,6 +245,13 @@ EXPECTED = {
     # (``evacuation-scales-down-before-draining``, tests/test_evacuation.py); ``_before``: the code
     # before, where the drain came first and the model's own PodDisruptionBudget held it to the deadline.
     "site_evacuation_scales_down_before_draining", "site_evacuation_scales_down_before_draining_before",
+    # While its site is down, and while nothing may take its replicas, an evacuation waits on one
+    # ``watch_recovery`` that probes inside the activity, which ``recovered`` cuts short
+    # (``evacuation-watches-recovery``, tests/test_evacuation.py); every evacuation history recorded
+    # before it (``site_evacuation_restored_releases``, ``site_evacuation_recovered_while_placing``,
+    # the ``_continued_as_new`` ones) polls, and replays.
+    "site_evacuation_watches_recovery", "site_evacuation_recovered_cuts_the_watch_short",
+    "site_evacuation_watches_the_needs_person_wait",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).
     "node_join_happy_patches_at_start", "node_join_count2_patches_at_start",
     "node_join_smoke_failed_patches_at_start", "node_entity_two_repairs_patches_at_start",

@@ -12,16 +12,17 @@ query):
    geography; what does not fit is bought through AcquireCapacity restricted to
    those sites, at most what their ``max_nodes`` hold together (more is refused at
    its start; the timeline says "capacity capped"). Nothing compliant →
-   ``needs-person``, waiting (``retry`` signal or the probe interval) — never
-   outside the geography;
+   ``needs-person``, waiting (``retry`` signal, or ``watch_recovery`` seeing a place or the
+   site back) — never outside the geography;
 3. **replicas elsewhere**: those Deployments scale up and must be ready;
 4. **drain**: only then are the site's Deployments scaled to 0 and its nodes cordoned
    and drained (PDBs, deadline): in that order, or each Deployment's own PodDisruptionBudget
    would hold the drain of its replicas to the deadline (patch
    ``evacuation-scales-down-before-draining``);
-5. **wait for recovery**: a periodic probe (provider API answers, every node's
-   agent back) or the operator update ``declare_recovered``; ``abort`` (update), at any
-   step, ends it and puts back what it changed (so do Temporal's cancel and a failed
+5. **wait for recovery**: a probe (provider API answers, every node's agent back) every
+   ``probe_seconds`` inside one long activity, ``watch_recovery``, that returns when the site is
+   back (no Temporal action per probe), or the operator update ``declare_recovered``; ``abort``
+   (update), at any step, ends it and puts back what it changed (so do Temporal's cancel and a failed
    step): its capacity request stopped, the nodes it cordoned uncordoned (not one
    cordoned before it began, nor one whose GPU a repair fences: ``held`` says why),
    the site's Deployments and routing weights as they were, what it added elsewhere gone.
@@ -43,8 +44,8 @@ One evacuation acts on a site at a time: one that finds another of its site runn
 (a person's ``gpufleet evacuate start`` beside the Site entity's), follows it (state
 ``following``): it changes nothing and ends when that one does, with its outcome.
 
-The waits of steps 2 (no compliant site) and 5 (recovery probes every 30 s, the
-one that runs for days) continue as new when the server suggests it, carrying
+The waits of steps 2 (no compliant site) and 5 (the one that runs for days; its watch returns
+at least every ``recovery_watch_seconds``) continue as new when the server suggests it, carrying
 the whole evacuation (``EvacuationCarry``); never while the AcquireCapacity
 child or an activity is open.
 """
@@ -53,7 +54,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import ValidationError
 from temporalio import workflow
@@ -74,7 +75,6 @@ with workflow.unsafe.imports_passed_through():
         Deficit,
         IncidentSettings,
         Plan,
-        allowed_targets,
         nodes_needed,
         plan_moves,
         restore_percents,
@@ -120,11 +120,13 @@ with workflow.unsafe.imports_passed_through():
         show_details,
         summarised,
         to_its_end_if,
+        until_in,
         until_run_began,
         wait_for_serving,
     )
     from fleet.cluster import CORDONED_BY_EVACUATION, ServingStatus
     from fleet.messages.routing import SiteEvent, SiteEventInput
+    from fleet.messages.watches import RecoveryWatchInput, RecoveryWatchResult
 
 
 #: The three patches below are deprecated, to be removed (docs/design/patches.md, "Retired"): every
@@ -188,6 +190,14 @@ RELEASES_BLOCKED_DRAIN_PATCH = "evacuation-releases-blocked-drain"
 #: ``drain_seconds`` (5 minutes by default) and named gpufleet's own replicas as blocked. Asked at
 #: the drain, where the two orders part.
 SCALES_DOWN_BEFORE_DRAINING_PATCH = "evacuation-scales-down-before-draining"
+#: While its site is down, and while nothing may take its replicas (the needs-person wait), the
+#: evacuation waits on one activity, ``watch_recovery``, that probes recovery every ``probe_seconds``
+#: inside (no Temporal action) and returns when the site is back, when what nothing may take changes,
+#: or after ``recovery_watch_seconds`` (30 minutes); ``declare_recovered``, ``retry`` and an abort
+#: cancel it. Before, the workflow polled: a probe activity and a timer every ``probe_seconds``, 240
+#: actions an hour per evacuated site (the needs-person wait also read the facts again: 360 to 480),
+#: about 3,000 in a 12-hour outage. Asked as each of those waits begins.
+RECOVERY_WATCH_PATCH = "evacuation-watches-recovery"
 #: The timeline keeps its first steps (how the evacuation began) and its newest (the end of a
 #: restore fits whole); those between are counted. Each failed proof adds two steps: a site that
 #: flapped for days grew the timeline, carried whole over continue-as-new and shown in the details,
@@ -225,6 +235,9 @@ class SiteEvacuation:
         #: Nodes whose cordon-and-drain began (``progress.drained`` has those it finished; a
         #: run never continues as new mid-drain, so this one need not be carried).
         self._cordoning: list[str] = []
+        #: When this run last cancelled a ``watch_recovery`` still running: the watch hears the cancel
+        #: at its next heartbeat, so until a heartbeat timeout later it may still be open.
+        self._watch_cut_at = None
 
     # -- operator surface -----------------------------------------------------------------
     @workflow.update
@@ -360,6 +373,8 @@ class SiteEvacuation:
         """Called only where no child and no activity is open: nothing is cut off or orphaned."""
         if not workflow.info().is_continue_as_new_suggested():
             return
+        if self._watch_cut_at is not None and workflow.now() - self._watch_cut_at < LONG_WATCH_HEARTBEAT:
+            return  # a watch cancelled since may be open still: the next look continues
         await workflow.wait_condition(workflow.all_handlers_finished)
         self._check()
         carry = EvacuationCarry(
@@ -573,20 +588,7 @@ class SiteEvacuation:
         )
 
     def _deficits(self) -> list[Deficit]:
-        facts, site = self._facts, self._args.site
-        # Never onto a site that is itself under an incident (or otherwise out of routing).
-        out_of_routing = {name for name, r in (facts.site_routes.sites if facts.site_routes else {}).items()
-                          if r.incident or r.draining or not r.healthy}
-        allowed = {t.name for t in allowed_targets(facts.site, facts.sites)} - out_of_routing
-        out = []
-        for here in facts.here:
-            if here.desired_replicas <= 0:
-                continue
-            targets = sorted(x.site for x in facts.elsewhere if x.model == here.model and x.site in allowed
-                             and x.site != site)
-            out.append(Deficit(model=here.model, replicas=here.desired_replicas,
-                               gpus_per_replica=here.gpus_per_replica, targets=targets))
-        return out
+        return self._facts.deficits(self._args.site)
 
     async def _free(self, deficits: list[Deficit]) -> dict[str, int]:
         sites = sorted({t for d in deficits for t in d.targets})
@@ -613,16 +615,22 @@ class SiteEvacuation:
                 )
                 self._state("needs-person")
                 watch_recovery = workflow.patched(RECOVERED_WHILE_PLACING_PATCH)
-                at = workflow.now() + timedelta(seconds=s.probe_seconds)
-                self._show("waiting: nothing may take the replicas",
-                           f"looking again at {at:%H:%M:%S} UTC (or `gpufleet evacuate retry`)"
-                           + ("; a site that recovers meanwhile comes back" if watch_recovery else ""))
-                seen = self._retry
-                await self._wait(s.probe_seconds,
-                                 lambda: self._retry != seen or (watch_recovery and bool(self._recovered)),
-                                 "look again for a compliant site")
-                if watch_recovery and await self._recovered_while_placing():
-                    return {}
+                if watch_recovery and workflow.patched(RECOVERY_WATCH_PATCH):
+                    await self._watch_placing(sorted(plan.impossible))
+                    if await self._recovered_while_placing(look=False):
+                        return {}
+                else:
+                    # Runs from before RECOVERY_WATCH_PATCH: a timer, a probe and the facts each time.
+                    at = workflow.now() + timedelta(seconds=s.probe_seconds)
+                    self._show("waiting: nothing may take the replicas",
+                               f"looking again at {at:%H:%M:%S} UTC (or `gpufleet evacuate retry`)"
+                               + ("; a site that recovers meanwhile comes back" if watch_recovery else ""))
+                    seen = self._retry
+                    await self._wait(s.probe_seconds,
+                                     lambda: self._retry != seen or (watch_recovery and bool(self._recovered)),
+                                     "look again for a compliant site")
+                    if watch_recovery and await self._recovered_while_placing():
+                        return {}
                 self._facts = await workflow.execute_activity(
                     act.evacuation_facts, SiteRef(site=site),
                     start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary="serving again",
@@ -643,11 +651,56 @@ class SiteEvacuation:
             p.moves = plan.moves
             return plan.moves
 
-    async def _recovered_while_placing(self) -> bool:
-        """In the needs-person wait: whether the site is back (declared, or the probe says so).
-        Then nothing moves and nothing drains: the proof and the restore follow."""
+    async def _watch_placing(self, impossible: list[str]) -> None:
+        """The needs-person wait: until the watch sees the site back (``_recovered``) or what nothing
+        may take differ from ``impossible``, or ``retry``, ``declare_recovered`` or an abort; each
+        return of the watch with nothing changed (its safety bound) starts the next one."""
+        s, site = self._s, self._args.site
+        seen = self._retry
+        while True:
+            self._show("waiting: nothing may take the replicas",
+                       f"probing every {s.probe_seconds:g} s for a place and for {site}'s recovery, next look "
+                       f"{until_in(s.recovery_watch_seconds)} at most (or `gpufleet evacuate retry`); a site "
+                       "that recovers meanwhile comes back")
+            found = await self._watch_recovery(False, impossible, lambda: self._retry != seen,
+                                               f"{site} back, or a place for its {len(impossible)} models?")
+            self._check()
+            if found is not None and found.recovered:
+                self._recovered = found.detail
+            if found is None or found.recovered or found.placing_changed:
+                return
+            await self._continue_as_new_if_suggested("placing")
+
+    async def _watch_recovery(self, recovered: bool | None, impossible: list[str] | None, wake: Callable[[], bool],
+                              summary: str) -> RecoveryWatchResult | None:
+        """One ``watch_recovery``: its answer, or None when ``wake()``, ``declare_recovered`` or an
+        abort came first (the watch is cancelled then, as on the run's cancel)."""
+        s = self._s
+        watch = workflow.start_activity(
+            act.watch_recovery,
+            RecoveryWatchInput(site=self._args.site, recovered=recovered, impossible=impossible,
+                               probe_seconds=s.probe_seconds, max_wait_seconds=s.recovery_watch_seconds),
+            start_to_close_timeout=timedelta(seconds=s.recovery_watch_seconds) + QUICK,
+            heartbeat_timeout=LONG_WATCH_HEARTBEAT, retry_policy=LONG_WATCH_RETRY, summary=summary,
+        )
+        try:
+            await workflow.wait_condition(lambda: watch.done() or wake() or bool(self._recovered or self._abort))
+        finally:
+            if not watch.done():
+                watch.cancel()
+                self._watch_cut_at = workflow.now()
+        if not watch.done():
+            return None
+        return watch.result()  # a watch that failed for good fails the step, as its probe did
+
+    async def _recovered_while_placing(self, look: bool = True) -> bool:
+        """In the needs-person wait: whether the site is back (declared, or the probe says so; with
+        RECOVERY_WATCH_PATCH the watch said so already: ``look`` False). Then nothing moves and
+        nothing drains: the proof and the restore follow."""
         p, site = self._progress, self._args.site
         if not self._recovered:
+            if not look:
+                return False
             probe: RecoveryProbe = await workflow.execute_activity(
                 act.recovery_probe, SiteRef(site=site), start_to_close_timeout=QUICK,
                 retry_policy=CLUSTER_RETRY, summary=f"is {site} back meanwhile?",
@@ -806,6 +859,12 @@ class SiteEvacuation:
         s, site = self._s, self._args.site
         self._state("waiting-for-recovery")
         self._show("waiting for recovery")
+        if workflow.patched(RECOVERY_WATCH_PATCH):
+            await self._watch_until_recovered()
+            self._check()
+            self._mark("recovered", self._recovered)
+            return
+        # Runs from before RECOVERY_WATCH_PATCH: a probe and a timer every ``probe_seconds``.
         while not self._recovered:
             probe: RecoveryProbe = await workflow.execute_activity(
                 act.recovery_probe, SiteRef(site=site), start_to_close_timeout=QUICK,
@@ -822,6 +881,25 @@ class SiteEvacuation:
                 await self._continue_as_new_if_suggested("recovering")
         self._check()
         self._mark("recovered", self._recovered)
+
+    async def _watch_until_recovered(self) -> None:
+        """Until the site is back: the watch's first look says why not (at once), the next waits for
+        the verdict to flip; ``declare_recovered`` or an abort cuts it short. Each return with nothing
+        changed (its safety bound) says the why again and starts the next."""
+        s, site = self._s, self._args.site
+        seen: bool | None = None
+        while not self._recovered:
+            found = await self._watch_recovery(seen, None, lambda: False, f"is {site} back?")
+            if found is None:
+                return  # declared recovered, or aborted: the caller checks
+            if found.recovered:
+                self._recovered = found.detail
+                return
+            seen = False
+            self._show("waiting for recovery", f"{found.detail}; probing every {s.probe_seconds:g} s, next look "
+                                               f"{until_in(s.recovery_watch_seconds)} at most "
+                                               "(or `gpufleet evacuate recovered`)")
+            await self._continue_as_new_if_suggested("recovering")
 
     async def _prove(self) -> bool:
         """Every node at the site passes a smoke test; a failure sends us back to waiting."""

@@ -56,8 +56,8 @@ from fleet.messages.sweep import (
     IdentitySweepReport, SiteSweepReport, SweepIdentitiesInput, SweepKnown, SweepSiteInput,
 )
 from fleet.messages.watches import (
-    CsrWatchInput, CsrWatchResult, DemandWake, DemandWatchInput, SiteWatchInput,
-    SiteWatchResult,
+    CsrWatchInput, CsrWatchResult, DemandWake, DemandWatchInput, RecoveryWatchInput, RecoveryWatchResult,
+    SiteWatchInput, SiteWatchResult,
 )
 from fleet.models import Machine, Node
 from fleet.rollout import ProbeResult
@@ -684,6 +684,15 @@ async def watch_node(input: NodeWatchInput) -> NodeAnswer:
     after ``max_wait_seconds``; heartbeat while waiting. Runs on the node
     (``activities/node_agent.py``, ``NodeAgentActivities.watch_node``); its answer, a
     ``NodeWatchResult``, is checked by ``NodeEntity._checked``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="watch_recovery")
+async def watch_recovery(input: RecoveryWatchInput) -> RecoveryWatchResult:
+    """A SiteEvacuation's site while it is down: its recovery probe every ``probe_seconds`` inside the
+    activity, until the verdict differs from ``recovered`` or (in the needs-person wait) the models
+    nothing may take differ from ``impossible``; unchanged after ``max_wait_seconds``. Body:
+    ``activities/watches.py``, ``WatchActivities.watch_recovery``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from fleet.incident import Failure, IncidentSettings, SiteFacts, Verdict
+from fleet.incident import Deficit, Failure, IncidentSettings, SiteFacts, Verdict, allowed_targets
 from fleet.cluster import RoutingTable, ServingStatus
 from fleet.messages.join import JoinedNode
 from fleet.messages.acquire import CapacityRequestFields
@@ -140,6 +140,24 @@ class EvacuationFacts(BaseModel):
     site_routes: RoutingTable | None = None
     model_routes: dict[str, RoutingTable | None] = Field(default_factory=dict)
     nodes: list[ProbeNode] = Field(default_factory=list)
+
+    def deficits(self, site: str) -> list[Deficit]:
+        """Each model's replicas at ``site`` to place elsewhere, with the sites that may take them:
+        those that run the model's Deployment already, allowed by compliance, and never one that is
+        itself under an incident (or otherwise out of routing). The evacuation plans from these, and
+        its needs-person watch (``watch_recovery``) reads from them what nothing may take."""
+        out_of_routing = {name for name, r in (self.site_routes.sites if self.site_routes else {}).items()
+                          if r.incident or r.draining or not r.healthy}
+        allowed = {t.name for t in allowed_targets(self.site, self.sites)} - out_of_routing
+        out = []
+        for here in self.here:
+            if here.desired_replicas <= 0:
+                continue
+            targets = sorted(x.site for x in self.elsewhere if x.model == here.model and x.site in allowed
+                             and x.site != site)
+            out.append(Deficit(model=here.model, replicas=here.desired_replicas,
+                               gpus_per_replica=here.gpus_per_replica, targets=targets))
+        return out
 
 
 class SiteWeightInput(BaseModel):

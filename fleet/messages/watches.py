@@ -9,6 +9,9 @@ almost nothing (issue 37: every activity, timer, signal and heartbeat is a bille
 - ``watch_demand_events``: the Demand loop's Pending GPU pods (a watch on pods), its purchases in flight
   and which nodes hold GPU pods (what consolidation reads).
 - ``watch_csrs``: kubelet CSRs waiting for a decision (a watch on CSRs).
+- ``watch_recovery``: a SiteEvacuation's site while it is down: its recovery probe (the provider
+  API, every node Ready) every ``probe_seconds`` inside the activity, and in the needs-person wait
+  which of its models nothing may take.
 
 Each is level-triggered, like the Node entity's ``watch_node``: the caller passes what it last
 saw, and the watch returns at once when the world already differs (a run that continued as new
@@ -149,3 +152,25 @@ class ClusterNodeState(BaseModel):
     ready: bool
     #: When the Site entity's watch saw it (epoch seconds).
     observed_at: float = 0.0
+
+
+# -- watch_recovery -------------------------------------------------------------------------
+class RecoveryWatchInput(Strict):
+    site: Name
+    #: The recovery verdict the evacuation last saw (None: none yet, return after the first look).
+    recovered: bool | None = None
+    #: In the needs-person wait: the models the evacuation found nothing may take (``Plan.impossible``);
+    #: the watch returns when that differs. None: not watched (the wait for recovery).
+    impossible: list[Name] | None = Field(None, max_length=10_000)
+    #: Look this often (inside the activity: no action).
+    probe_seconds: float = Field(30, gt=0, le=DAY)
+    #: Return unchanged after this long.
+    max_wait_seconds: float = Field(1800, gt=0, le=MAX_WATCH_SECONDS)
+
+
+class RecoveryWatchResult(BaseModel):
+    #: The last look's verdict (``fleet.incident.recovery``) and why.
+    recovered: bool
+    detail: str = ""
+    #: The models nothing may take differ from the input's ``impossible``.
+    placing_changed: bool = False
