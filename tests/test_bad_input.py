@@ -99,6 +99,23 @@ async def test_a_join_token_that_expires_before_registration_fails_before_provis
         await replay_and_record(handle, history)
 
 
+async def test_a_continued_request_and_its_joins_go_on_with_timeouts_its_start_took(stack: Stack) -> None:
+    """A request checks its join timeouts once, at its start: one begun before the token checks,
+    whose timeouts outlast the longest token, continues as new with them and its joins (each a new
+    run) join as before. Checked in every run, its next run failed InvalidInput, losing what it had
+    carried (the fill or the purchase behind it failed with it), and every join it started was refused."""
+    from datetime import datetime, timedelta, timezone
+
+    deadline = (datetime.now(timezone.utc) + timedelta(minutes=10)).isoformat()
+    handle = await start_raw(stack, "AcquireCapacity", json.dumps({
+        "constraints": {"sites": ["site-a"]}, "count": 1,
+        "join_timeouts": {"provision_seconds": 1800, "registration_seconds": 1801},
+        "carry": {"deadline": deadline, "backoff_seconds": 300}}))
+    result = await asyncio.wait_for(handle.result(), 120)
+    assert result["complete"] and len(result["nodes"]) == 1, result
+    assert await task_failures(handle) == 0
+
+
 @pytest.mark.parametrize("history", ["join_refused_a_token_that_expires_first",
                                      "capacity_refused_join_timeouts_past_a_token"])
 def test_a_run_from_before_the_token_checks_parses_its_input_as_it_did(history: str) -> None:

@@ -279,7 +279,7 @@ EXPECTED = {
     # before reading them for each, replays too.
     "node_fatal_xids_on_gpus_it_lacks",
     # A reclaim notice from a node at an on-demand site is a bad report, no SpotReclaim
-    # (``node-reclaims-spot-only``, tests/security/test_node_reports.py); ``_before``: the code
+    # (``node-patches-at-start-6``, tests/security/test_node_reports.py); ``_before``: the code
     # before, which started the node's SpotReclaim, replays too.
     "node_reclaim_notice_at_an_on_demand_site", "node_reclaim_notice_at_an_on_demand_site_before",
     # A Node entity whose read of the node fails (the cluster refuses it) keeps the finding on hold and

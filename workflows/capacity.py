@@ -107,9 +107,11 @@ GAVE_UP_TAKES_JOINS_PATCH = "capacity-gave-up-takes-joins"
 #: (an activity). Runs before it bought what they could: past a site's max (for its Site entity
 #: to retire), or waiting out the deadline.
 REFUSE_COUNT_PATCH = "capacity-refuse-count-over-max"
-#: Workflow patch, asked first thing in ``run`` (before any activity): ``join_timeouts`` that
-#: outlast the longest join token refuse the start (``JoinTimeouts``' token check). A run from
-#: before it took them and went on: replayed, it parses its input as it did.
+#: Workflow patch, asked first thing in a request's first run (before any activity): ``join_timeouts``
+#: that outlast the longest join token refuse the start (``JoinTimeouts``' token check). A run from
+#: before it took them and went on: replayed, it parses its input as it did, and so do the runs it
+#: continues as (not asked there: a request is checked once, at its start) and its joins (NodeJoin
+#: checks only a join a person started, ``JOIN_PATCHES_AT_START_4``).
 CHECKS_JOIN_TOKENS_PATCH = "capacity-checks-join-tokens"
 
 
@@ -269,7 +271,11 @@ class AcquireCapacity:
     def _begin(self, raw: Any) -> CapacityRequest:
         """1. The request checked (refused at start, naming the field, if it names nothing to buy)
         and the carry of an earlier run taken up."""
-        req = parse_input(CapacityRequest, raw, context={TOKEN_CHECKS: workflow.patched(CHECKS_JOIN_TOKENS_PATCH)})
+        # A request's first run only: a continued one was checked by its first, or (begun before the
+        # checks) took its input unchecked and must go on so (refused, it would lose what it carried).
+        first_run = not (isinstance(raw, dict) and raw.get("carry") is not None)
+        checks = first_run and workflow.patched(CHECKS_JOIN_TOKENS_PATCH)
+        req = parse_input(CapacityRequest, raw, context={TOKEN_CHECKS: checks})
         self._req = req
         start = workflow.now()
         if req.carry is None:

@@ -51,7 +51,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet.naming import purchase_workflow_id
     from fleet.messages.watches import DemandWake, DemandWatchInput
     from workflows.entity import Entity
-    from workflows.inputs import parse_input
+    from workflows.inputs import MAX_NOTE, parse_input
+    from fleet.routing import shortened
     from workflows.passes import FailedPasses
     from workflows.steps import (
         CLUSTER_RETRY,
@@ -390,9 +391,11 @@ class Demand(Entity[DemandCarry]):
         retire past its drain ends as it goes (a node retired stays retired), and the nodes the
         loop cordoned are uncordoned unless someone else holds them now. Said in the log and the
         details: "cancelled: stopped purchases X, Y; uncordoned A"."""
-        why = f"the demand loop was {cancelled_words()}"
+        # The cancel's reason is a person's free text: cut for the details, and not passed on to the
+        # purchases (``AcquireCapacity.stop`` drops a reason past MAX_NOTE, and the purchase bought on).
+        why = shortened(f"the demand loop was {cancelled_words()}", MAX_NOTE)
         self._show("cancelled: winding down")
-        stopped, ended = await self._stop_purchases(why)
+        stopped, ended = await self._stop_purchases("the demand loop was cancelled")
         uncordoned, left = await self._release_drains()
         said = [f"stopped purchases {', '.join(stopped)}" if stopped else "no purchase was buying"]
         if ended:

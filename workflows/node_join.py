@@ -95,10 +95,13 @@ JOIN_PATCHES_AT_START_2 = "join-patches-at-start-2"
 #: (a query of the closed join failed). A regular activity of its own would cost every join a task
 #: (bench.join_overhead). Runs from before it (no marker) keep the local activity.
 JOIN_PATCHES_AT_START_3 = "join-patches-at-start-3"
-#: Workflow patch, asked first thing right after ``JOIN_PATCHES_AT_START_3``: the input's token
-#: checks (``NodeJoinInput``: a ``token_ttl_seconds`` that expires before the machine can register,
-#: timeouts that outlast the longest token) refuse the start, nothing bought. A run from before
-#: them took such an input and went on: replayed, it must parse it as it did.
+#: Workflow patch, asked first thing right after ``JOIN_PATCHES_AT_START_3``, in a join started by
+#: hand (no parent): the input's token checks (``NodeJoinInput``: a ``token_ttl_seconds`` that
+#: expires before the machine can register, timeouts that outlast the longest token) refuse the
+#: start, nothing bought. A run from before them took such an input and went on: replayed, it must
+#: parse it as it did. A parent's join is not asked: its parent checked the input at its own start
+#: (an AcquireCapacity's ``join_timeouts``, ``capacity-checks-join-tokens``), or took it unchecked
+#: before the checks and its joins go on as they did.
 JOIN_PATCHES_AT_START_4 = "join-patches-at-start-4"
 
 
@@ -135,7 +138,11 @@ class NodeJoin:
         workflow.deprecate_patch(JOIN_PATCHES_AT_START)  # first: before any activity
         self._clean_up_converges = workflow.patched(JOIN_PATCHES_AT_START_2)
         self._no_local_activity = workflow.patched(JOIN_PATCHES_AT_START_3)
-        checks_tokens = self._no_local_activity and workflow.patched(JOIN_PATCHES_AT_START_4)
+        # Only a join started by a person (or a client): one a parent started (AcquireCapacity, a
+        # fan-out) has the input its parent checked at its own start, or took unchecked before the
+        # checks came and must go on joining as it did.
+        by_hand = workflow.info().parent is None
+        checks_tokens = self._no_local_activity and by_hand and workflow.patched(JOIN_PATCHES_AT_START_4)
         request = parse_input(NodeJoinInput, raw, context={TOKEN_CHECKS: checks_tokens})
         if request.count > 1:
             return await self._join_many(request)

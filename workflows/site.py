@@ -551,7 +551,8 @@ class SiteEntity(Entity[SiteState]):
         """Continue as new only with no fill, retirement or evacuation in flight: waiting on the
         server's suggestion while one runs would wake the loop again at once, for ever (a spinning
         entity). Each task clears its field however it ends (``finally``), so none holds the run for
-        good (a retirement at most ``drain_seconds`` a node it drains, an incident stops it)."""
+        good (a retirement: ``drain_seconds`` a node it drains, plus its retire's retries and a failed
+        pass's pause, up to 5 minutes; an incident stops it)."""
         return (self.may_continue_as_new() and self._fill is None and self._evac is None
                 and self._retirement is None)
 
