@@ -35,6 +35,7 @@ ENDS_INSTEAD = {"CsrApprover"}
 SHORT_BUT_CONTINUING = {
     "AcquireCapacity": "backs off until its deadline",
     "SiteEvacuation": "waits for its site to recover",
+    "ModelRollout": "waits out the evacuations of the sites it holds back",
 }
 #: What an entity leaves to the base's gate instead of calling it itself.
 GATE_CALLS = {"continue_as_new", "all_handlers_finished", "is_continue_as_new_suggested"}
