@@ -19,6 +19,7 @@ from fleet.errors import ClusterConflict, InvalidRequest, NotFound
 from fleet.demand import GpuPod, gpus_counted
 from fleet.models import Node
 from fleet.naming import dns_label, serving_name
+from fleet.routing import shortened
 from fleet.cluster import (
     NodeIdentity,
     LABEL_MODEL,
@@ -204,7 +205,7 @@ CSR_NAMES_SAID, CSR_NAME_SAID = 4, 64
 
 def _quoted(name: str) -> str:
     """A name a node wrote, quoted and cut short (its length and characters are its own choice)."""
-    return repr(name if len(name) <= CSR_NAME_SAID else name[:CSR_NAME_SAID] + "…")
+    return repr(shortened(name, CSR_NAME_SAID + 1))
 
 
 class AccessRule(BaseModel):
