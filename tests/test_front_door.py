@@ -78,7 +78,11 @@ async def _close(fd: FrontDoor) -> None:
 
 @pytest.fixture
 async def door(tmp_path: Path):
-    fd = await _front_door(tmp_path, {"site-a": 700, "site-b": 300})
+    # Health checks far apart: these tests are about weights, stickiness and drains, not health.
+    # The model servers share the test's event loop, so on a starved machine a 500 ms check could
+    # time out, HAProxy would mark a healthy server down and move its sessions (as it should), and
+    # a stickiness assertion would fail for a reason the test is not about.
+    fd = await _front_door(tmp_path, {"site-a": 700, "site-b": 300}, check_interval_ms=60_000)
     yield fd
     await _close(fd)
 
