@@ -32,7 +32,7 @@ model (its Routing entity) and for the Schedules, actions per event,
 the projection for 1,250 and 10,000 nodes at 10 sites and ``MODELS_PROJECTED`` models, and the
 targets.
 
-    python -m bench.actions [--idle-seconds 300] [--check]
+    python -m bench.actions [--idle-seconds 300] [--check]   # --check: an idle window of 1,860 s
     python -m bench.actions --smoke        # short windows (the suite runs this)
 """
 
@@ -59,18 +59,21 @@ from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 
 from activities.env import FleetEnv
-from bench.common import command_line, fleet, bench_args, start_node_host, until
+from bench.common import bench_args, command_line, fleet, start_node_host, until, usage_error
 from cli.demand import start_demand_loop
 from cli.dev import dev_server_tuning_flags, temporal_binary
 from fleet import search_attributes
 from fleet.cluster import ServingSpec
-from fleet.messages.capacity import CapacityProgress
+from fleet.messages.capacity import CapacityProgress, SiteInput
 from fleet.messages.routing import RoutingInput
 from fleet.incident import IncidentSettings
 from fleet.naming import manual_evacuation_id, reclaim_workflow_id, routing_workflow_id
 from fleet.schedules import SCHEDULES, apply_schedules
 from fleet.settings import Settings
 from workers.control_plane import build_worker
+from workflows.csr_approver import CSR_WATCH_SECONDS
+from workflows.node import WATCH_LONG_WAIT
+from workflows.site import SITE_WATCH_SECONDS
 from workflows.steps import LONG_WATCH_HEARTBEAT
 from fleet.contracts import workflows as flows
 
@@ -112,6 +115,38 @@ NAMESPACE_MAX = 500.0     # actions/s: 10,000 idle nodes at 10 sites + 100 healt
 HEALTH_CHANGES_PER_NODE_S = 100 / 10_000
 JOINS_PER_NODE_HOUR = 1 / (30 * 24)        # each node replaced about once a month
 RECLAIMS_PER_NODE_HOUR = 1 / (7 * 24)      # a spot node reclaimed about once a week
+
+
+def idle_cycles() -> dict[str, float]:
+    """What the idle fleet does on a clock of its own, with its period in seconds (the shipped
+    defaults). An idle window shorter than a period sees that cycle once or not at all, where its
+    share is window / period: a figure from such a window is low by up to that cycle's actions."""
+    return {
+        "a Site's safety reconcile": SiteInput.model_fields["reconcile_seconds"].default,
+        "a Site's watch answering unchanged": SITE_WATCH_SECONDS,
+        "a Node's long watch answering unchanged": WATCH_LONG_WAIT,
+        "a Routing entity's watch answering unchanged": RoutingInput.model_fields["watch_seconds"].default,
+        "an evacuation's recovery watch answering": IncidentSettings().recovery_watch_seconds,
+        "the CSR approver's safety sweep": CSR_WATCH_SECONDS,
+    }
+
+
+#: Past the longest idle cycle, so that ``--check`` judges every cycle at its share.
+CHECK_IDLE_SECONDS = max(idle_cycles().values()) + 60
+
+
+def idle_window(seconds: float | None, check: bool) -> tuple[float, dict[str, float]]:
+    """The idle window's length (given, else ``CHECK_IDLE_SECONDS`` for ``--check`` and 300 s for
+    a look) and the cycles longer than it. ``--check`` with a window that misses one is refused:
+    its targets would be judged on a count that leaves out that cycle's actions."""
+    window = seconds if seconds is not None else (CHECK_IDLE_SECONDS if check else 300.0)
+    missed = {what: every for what, every in idle_cycles().items() if every > window}
+    if check and missed:
+        what, every = max(missed.items(), key=lambda kv: kv[1])
+        usage_error(f"--idle-seconds {window:g} is shorter than {what} (every {every:g} s): its actions would "
+                    f"go uncounted and the targets judged without them; give --idle-seconds "
+                    f"{CHECK_IDLE_SECONDS:g} or more, or leave it out")
+    return window, missed
 
 
 @asynccontextmanager
@@ -324,6 +359,7 @@ async def main(args) -> int:
     if args.smoke:
         args.sites, args.nodes, args.models, args.idle_seconds, args.warmup_seconds = 3, 2, 1, 20, 5
         args.events, args.settle_seconds = 1, 8
+    args.idle_seconds, missed = idle_window(args.idle_seconds, args.check and not args.smoke)
     port = free_port()
     config = fleet(sites=args.sites, capacity=args.nodes + 2 * args.events + 4)
     for site in config["sites"]:  # the reclaim burst: only a spot node's notice is acted on
@@ -451,6 +487,10 @@ async def main(args) -> int:
     waiting_per_refresh = sum(waiting.values()) / args.events
     print(f"Temporal actions: {args.sites} sites ({occupied if args.sites > 1 else 1} with nodes), {args.nodes} nodes, "
           f"{args.models} models, idle window {idle.seconds:.0f} s")
+    if missed:
+        print(f"  the idle window is shorter than {len(missed)} of the idle cycles, each seen once or not at all: "
+              + "; ".join(f"{what} (every {every:g} s)" for what, every in missed.items())
+              + f"; the idle figures may be low by their share (--check waits {CHECK_IDLE_SECONDS:g} s)")
     print(f"  server counter, idle: {per_hour(idle.total, idle.seconds):,.0f} actions/hour in all")
     for action_type, count in idle.by_action_type.most_common():
         if count:
@@ -522,7 +562,8 @@ def cli(
     sites: Annotated[int, typer.Option()] = 5,
     nodes: Annotated[int, typer.Option()] = 6,
     models: Annotated[int, typer.Option(help="models served, each with its Routing entity")] = 2,
-    idle_seconds: Annotated[float, typer.Option()] = 300,
+    idle_seconds: Annotated[float | None, typer.Option(
+        help="the idle window; 300 by default, past the longest idle cycle with --check")] = None,
     warmup_seconds: Annotated[float, typer.Option(
         help="after the joins, before the idle window (first reconciles, first watches)")] = 60,
     events: Annotated[int, typer.Option(help="joins, health changes and reclaims, each")] = 3,

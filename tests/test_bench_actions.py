@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import typer
 
-from bench.actions import HEARTBEAT, Window, figures, parse_actions, projection
+from bench.actions import HEARTBEAT, Window, figures, idle_cycles, idle_window, parse_actions, projection
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +40,18 @@ def test_heartbeats_are_charged_to_nodes_and_the_projection_scales_with_them() -
     assert large["per_s"] > small["per_s"] and large["usd_month"] > small["usd_month"]
     # 100 health changes/s at 10,000 nodes, 2 actions each: 200 actions/s for events alone.
     assert large["events"] == pytest.approx(200)
+
+
+def test_a_check_judges_every_idle_cycle_at_its_share() -> None:
+    """A 300 s idle window sees the Site's 30-minute reconcile once or never: ``--check`` waits
+    past the longest cycle, a look says what it leaves out, a check that would leave one out is
+    refused before anything starts."""
+    window, missed = idle_window(None, check=True)
+    assert window > max(idle_cycles().values()) and not missed
+    window, missed = idle_window(None, check=False)
+    assert window == 300 and missed["a Site's safety reconcile"] == 1800
+    with pytest.raises(typer.BadParameter, match=r"a Site's safety reconcile \(every 1800 s\)"):
+        idle_window(300, check=True)
 
 
 @pytest.mark.timeout(300)
