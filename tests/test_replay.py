@@ -56,9 +56,8 @@ EXPECTED = {
     "site_reconcile_refused_then_fills",
     "spot_reclaim",
     "gpu_repair_reset", "gpu_repair_reboot_after_reset", "gpu_repair_covered", "node_entity_two_repairs",
-    # A cancelled repair stops where it is (``repair-cancel-stops``, tests/test_repair_cancel.py);
-    # the old code's run, which climbed on after the cancel, replays too.
-    "gpu_repair_cancelled", "gpu_repair_cancelled_replacing", "gpu_repair_cancelled_before",
+    # A cancelled repair stops where it is (``repair-cancel-stops``, tests/test_repair_cancel.py).
+    "gpu_repair_cancelled", "gpu_repair_cancelled_replacing",
     "node_entity_repair_cancelled", "node_entity_repair_cancelled_before",
     # A person's way out for a GPU held for a person: ``return_gpu`` and ``repair_gpu`` updates on the
     # Node entity (tests/test_repair_needs_person.py).
@@ -70,7 +69,7 @@ EXPECTED = {
     # no patch: such a hold was refused before, so no older history holds one).
     "gpu_repair_held_at_start",
     # A repair started by hand with a ``gpus`` that is not the node's is refused at start
-    # (``repair-checks-gpus``, tests/test_repair.py); runs started before it replay as they ran.
+    # (``repair-checks-gpus``, tests/test_repair.py).
     "gpu_repair_refused_gpus",
     # ... and one with a ``site`` that is not the node's (``repair-checks-site``, tests/test_repair.py).
     "gpu_repair_refused_site",
@@ -112,9 +111,8 @@ EXPECTED = {
     "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
     # An abort after a scale put v1 back (its rollback knows the templates: tests/rollout).
     "rollout_aborted_after_a_scale",
-    # An abort during a readiness wait cuts it short (``rollout-abort-cuts-the-readiness-wait``);
-    # the old code's run, which waited it out, replays too.
-    "rollout_aborted_while_waiting_for_ready", "rollout_aborted_while_waiting_for_ready_before",
+    # An abort during a readiness wait cuts it short (``rollout-abort-cuts-the-readiness-wait``).
+    "rollout_aborted_while_waiting_for_ready",
     # A rollback that failed says so and needs a person (tests/rollout/test_rollback_failed.py);
     # the old code's run, which said "rolled back", replays too.
     "rollout_aborted_rollback_failed", "rollout_aborted_rollback_failed_before",
@@ -131,9 +129,8 @@ EXPECTED = {
     "rollout_cancelled_during_an_aborts_rollback",
     # A cancel during a site's update waits for its answer and rolls that site back; an update that
     # failed after writing the Deployment is rolled back (``rollout-rolls-back-an-unanswered-update``,
-    # tests/rollout/test_rollout_workflow.py); the old code's run, which left the site on v2, replays too.
+    # tests/rollout/test_rollout_workflow.py).
     "rollout_cancelled_while_updating", "rollout_update_failed_half_applied",
-    "rollout_cancelled_while_updating_before",
     # A site its replicas fill is updated one replica at a time, the details saying so (tests/rollout/
     # test_rollout_workflow.py; no patch: update_serving decides, and only the details differ).
     "rollout_full_site_one_at_a_time",
@@ -144,10 +141,9 @@ EXPECTED = {
     # Sites all under evacuation are waited for in one activity, and the rollout continues as new in
     # that wait when told to (``rollout-waits-out-evacuations-in-one-activity``, tests/rollout/
     # test_rollout_workflow.py): its first run, the run that finished after it, an abort and a cancel
-    # during the wait; the old code's runs, a look and a timer each poll, replay too.
+    # during the wait; the old code's run, a look and a timer each poll, replays too.
     "rollout_waits_out_an_evacuation_in_one_activity", "rollout_continued_as_new_while_deferred",
-    "rollout_finished_after_continue_as_new", "rollout_aborted_routed_before",
-    "rollout_cancelled_while_a_site_is_evacuated_before",
+    "rollout_finished_after_continue_as_new", "rollout_cancelled_while_a_site_is_evacuated_before",
     # The newest spot notice sets the deadline (``reclaim-newest-notice-deadline``, tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # A cancelled reclaim uncordons its node and stops its replacement (``reclaim-cancel-puts-back``,

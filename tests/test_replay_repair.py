@@ -43,12 +43,12 @@ async def test_fresh_repair_histories_replay(temporal_env, tmp_path) -> None:
 
 #: Cancelled repairs (``repair-cancel-stops``, tests/test_repair_cancel.py): a cancel during a reboot's
 #: wait for boot, and during a replacement's join, each stopping the ladder; the Node entity that saw
-#: the first end (its GPU left for a person). ``_before``: the old code's runs. The repair, cancelled in
-#: the same wait, took the cancel for a failed reboot and climbed to a reinstall; it replays down the
-#: old path (no marker), as a run cancelled before the deploy must. The Node entity called itself
-#: ``ready`` when the repair ended, where it now says ``needs-person``: the same command (a search
-#: attribute upsert, whose values a replay does not compare), so it needs no patch and replays.
-CANCELLED_REPAIRS = ("gpu_repair_cancelled", "gpu_repair_cancelled_replacing", "gpu_repair_cancelled_before",
+#: the first end (its GPU left for a person). The repairs were recorded while the patch was asked with
+#: ``workflow.patched``: they hold its non-deprecated marker, as a run open when its deprecation
+#: deploys does, and replay against ``deprecate_patch``. ``node_entity_repair_cancelled_before``: the
+#: Node entity called itself ``ready`` when the repair ended, where it now says ``needs-person``: the
+#: same command (a search attribute upsert, whose values a replay does not compare), so it replays.
+CANCELLED_REPAIRS = ("gpu_repair_cancelled", "gpu_repair_cancelled_replacing",
                      "node_entity_repair_cancelled", "node_entity_repair_cancelled_before")
 
 
@@ -57,12 +57,12 @@ async def test_cancelled_repair_histories_replay(name: str) -> None:
     await replay_file(HISTORIES / f"{name}.json")
 
 
-def test_a_run_cancelled_before_the_patch_climbed_and_one_after_stopped() -> None:
-    """What the two recorded paths are: the replay above proves each still takes its own."""
-    before, after = (_after_cancel(HISTORIES / f"{name}.json") for name in ("gpu_repair_cancelled_before",
-                                                                           "gpu_repair_cancelled"))
-    assert CANCEL_STOPS_PATCH not in before["markers"] and "reinstall_machine" in before["scheduled"]
-    assert CANCEL_STOPS_PATCH in after["markers"] and after["scheduled"] == []
+def test_the_recorded_cancelled_repair_holds_the_marker_an_open_run_holds() -> None:
+    """What the replay above proves: a run that recorded the patch's non-deprecated marker, and
+    stopped at its cancel (nothing scheduled after it), replays against today's deprecated call.
+    Re-recorded, the file would hold the deprecated marker and prove nothing about open runs."""
+    after = _after_cancel(HISTORIES / "gpu_repair_cancelled.json")
+    assert after["markers"] == [{"id": CANCEL_STOPS_PATCH, "deprecated": False}] and after["scheduled"] == []
     assert after["ended"] == "EVENT_TYPE_WORKFLOW_EXECUTION_CANCELED"
 
 
@@ -75,7 +75,7 @@ def _after_cancel(path: Path) -> dict:
             cancelled = True
         elif event["eventType"] == "EVENT_TYPE_MARKER_RECORDED":
             payload = event["markerRecordedEventAttributes"]["details"]["patch-data"]["payloads"][0]["data"]
-            markers.append(json.loads(base64.b64decode(payload))["id"])
+            markers.append(json.loads(base64.b64decode(payload)))
         elif event["eventType"] == "EVENT_TYPE_ACTIVITY_TASK_SCHEDULED" and cancelled:
             scheduled.append(event["activityTaskScheduledEventAttributes"]["activityType"]["name"])
     return {"markers": markers, "scheduled": scheduled, "ended": events[-1]["eventType"]}

@@ -15,8 +15,11 @@ from tests.replay import HISTORIES, replay_and_record, replay_file
 from tests.rollout.conftest import MODEL, RolloutStack, moto_s3, rollout_stack  # noqa: F401 - fixtures
 from tests.rollout.test_rollout_workflow import states, until
 
-#: Recorded since rollouts pull weights on the node and tell the Routing entity (the first
-#: three names hold the histories from before; they keep replaying).
+#: A rollout that succeeds, one whose canary fails, and one deferred behind an evacuation, then
+#: paused, resumed and aborted. The first two were re-recorded once ``rollout-source-from-config``
+#: and ``rollout-weights-pull-and-routing`` were removed (their files held the two markers
+#: undeprecated); the third, recorded while those were deprecated, holds their deprecated markers,
+#: which a replay skips with no call.
 NAMES = ("rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed")
 
 

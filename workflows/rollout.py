@@ -88,24 +88,17 @@ class _SiteFailed(Exception):
         super().__init__(f"{site}: {reason}")
         self.site, self.reason = site, reason
 
-#: Deprecated, to be removed (docs/design/patches.md, "Retired"): no rollout open now started
-#: before these, so every run takes their new path; each call goes once no run holding its
-#: non-deprecated marker is open. ``rollout-source-from-config``: sources are the config's named
-#: object stores (before: a whole store in the manifest). ``rollout-weights-pull-and-routing``:
-#: pods pull the weights into the node's cache and the version reaches the routes through the
-#: Routing entity (before: a host path, and no one told).
-SOURCE_FROM_CONFIG_PATCH = "rollout-source-from-config"
-WEIGHTS_PULL_PATCH = "rollout-weights-pull-and-routing"
-#: Workflow patch: an abort during a site's readiness wait cancels the wait, and the site is
-#: rolled back at once. Runs before it waited out ``ready_timeout_seconds`` (up to a day) first.
-#: Asked when an abort comes in during the wait, the first point where the two paths differ.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): no rollout
+#: open now started before it, so every run takes its new path: an abort during a site's readiness
+#: wait cancels the wait, and the site is rolled back at once. The call stays, deprecated, until no
+#: run holding its non-deprecated marker is open.
 ABORT_CUTS_WAIT_PATCH = "rollout-abort-cuts-the-readiness-wait"
-#: Workflow patch: a site whose Deployment update gave no answer yet may have changed. A cancel
-#: during the update waits for its answer (the call to the cluster hears no cancel and applies
-#: anyway) and rolls the site back with the others; an update that failed, perhaps after it wrote
-#: the Deployment, is rolled back if its template landed. Runs before it took the cancel at once
-#: and left the site serving the new version, marked skipped, and called a failed update's site
-#: "not changed". Asked where a cancel lands during an update, and where such a site is rolled back.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): no rollout
+#: open now started before it, so every run takes its new path: a site whose Deployment update gave
+#: no answer yet may have changed. A cancel during the update waits for its answer (the call to the
+#: cluster hears no cancel and applies anyway) and rolls the site back with the others; an update
+#: that failed, perhaps after it wrote the Deployment, is rolled back if its template landed. The
+#: call stays, deprecated, until no run holding its non-deprecated marker is open.
 UNANSWERED_UPDATE_PATCH = "rollout-rolls-back-an-unanswered-update"
 #: Workflow patch: a rollout whose next sites are all under evacuation waits for one of them to
 #: come back in one activity (``wait_site_evacuations``: the worker reads the routes every
@@ -259,7 +252,8 @@ class ModelRollout:
         cancel of the rollout (which rolls it back too)."""
         ready = asyncio.ensure_future(wait_for_serving(self._req.model, site, ready_by,
                                                        summary=f"wait until {site} is ready"))
-        if not await self._unless_aborted(ready) and workflow.patched(ABORT_CUTS_WAIT_PATCH):
+        if not await self._unless_aborted(ready):
+            workflow.deprecate_patch(ABORT_CUTS_WAIT_PATCH)
             await self._cut_short(ready)
             return
         await ready
@@ -295,8 +289,6 @@ class ModelRollout:
     # -- the runbook ----------------------------------------------------------------------
     @workflow.run
     async def run(self, raw: Any) -> RolloutResult:
-        # Sources come from the fleet config's named object_stores.
-        workflow.deprecate_patch(SOURCE_FROM_CONFIG_PATCH)
         request = parse_input(RolloutRunInput, raw)
         self._req = request
         if request.carry is not None:
@@ -562,7 +554,6 @@ class ModelRollout:
             env["AWS_ENDPOINT_URL_S3"] = store.endpoint_url
         # Pods pull the verified weights from the site's store into the node's cache (an init
         # step), and the site's new version reaches the routes through its Routing entity.
-        workflow.deprecate_patch(WEIGHTS_PULL_PATCH)
         spec = ServingSpec(
             model=request.model, site=site, image=request.image, replicas=request.replicas(site),
             gpus_per_replica=request.gpus_per_replica, args=request.args, weights_path=request.weights_path,
@@ -624,13 +615,7 @@ class ModelRollout:
         try:
             status: ServingStatus = await asyncio.shield(update)
         except asyncio.CancelledError:
-            if not workflow.patched(UNANSWERED_UPDATE_PATCH):
-                # The code before: the update cancelled (that raises) and forgotten, so the site was
-                # skipped, serving whatever the call applied.
-                self._unanswered.discard(site)
-                update.cancel()
-                await update
-                raise
+            workflow.deprecate_patch(UNANSWERED_UPDATE_PATCH)
             # The call hears no cancel and applies anyway: no cancel is sent, its answer (its retries
             # too) is awaited, then the rollout's cancel rolls the site back with the others.
             try:
@@ -649,8 +634,12 @@ class ModelRollout:
 
     def _may_have_changed(self, site: str) -> bool:
         """``site`` changed by the rollout, or possibly changed: its update gave no answer."""
-        return site in self._updated_generation or (site in self._unanswered
-                                                    and workflow.patched(UNANSWERED_UPDATE_PATCH))
+        if site in self._updated_generation:
+            return True
+        if site in self._unanswered:
+            workflow.deprecate_patch(UNANSWERED_UPDATE_PATCH)
+            return True
+        return False
 
     async def _tell_routing(self, site: str) -> None:
         """A new version (or a site new to the model) is serving: its Routing entity samples
