@@ -39,7 +39,7 @@ def test_the_scan_finds_every_patch_the_source_calls() -> None:
     scanned = scan_patches()
     by_file = {(p.id, p.where.split("/")[-1].split(":")[0]) for p in scanned}
     assert by_file == grepped_patches()
-    assert Patch("join-patches-at-start", "NodeJoin", "", True) in [
+    assert Patch("join-patches-at-start-2", "NodeJoin", "", True) in [
         Patch(p.id, p.workflow_type, "", p.deprecated) for p in scanned]
     # Two modules name their constant EVENTS_PATCH: each resolves to its own id and type.
     assert {(p.id, p.workflow_type) for p in scanned} >= {("site-events", "Site"), ("demand-events", "Demand")}
@@ -130,7 +130,7 @@ async def test_an_open_run_started_before_the_deploy_keeps_its_types_patches_and
         while datetime.now(timezone.utc) <= after:
             await asyncio.sleep(0.05)
         join_ids = {p.id for p in scan_patches() if p.workflow_type == "NodeJoin"}
-        assert "join-patches-at-start" in join_ids
+        assert "join-patches-at-start-2" in join_ids
 
         rows = await asyncio.to_thread(gpufleet_patches, address, queue, after)
         verdicts = {(r["patch"], r["workflow"]): r["verdict"] for r in rows}
@@ -171,8 +171,8 @@ def test_workflows_with_local_activities_ask_their_patches_at_start() -> None:
     """A patch asked after a local activity can fail replay (docs/design/patches.md, "Where a patch
     may be asked"): in a workflow module that runs local activities, every ``workflow.patched`` call
     is behind ``self._settled or`` or asked at the start of ``run``, before its first ``await``; the
-    at-start one is ``run``'s first line. A module whose patches are all retired (NodeJoin: its
-    at-start patch deprecated) asks none."""
+    at-start one is ``run``'s first line. A module whose patches are all retired asks none (NodeJoin
+    runs no local activity since ``join-patches-at-start-3``)."""
     for path in sorted((ROOT / "workflows").glob("*.py")):
         text = path.read_text()
         if "execute_local_activity" not in text and "start_local_activity" not in text:

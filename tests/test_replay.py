@@ -22,7 +22,7 @@ from tests.replay import HISTORIES, replay_and_record, replay_file
 #: ``rollout-source-from-config``, the sweep before ``sweep-identity-records``, the evacuations
 #: before ``evacuation-abort-restores``).
 EXPECTED = {
-    # NodeJoin after the retirement: ``join-patches-at-start`` deprecated (its marker deprecated).
+    # NodeJoin since ``join-patches-at-start-2`` and ``-3`` were deprecated (their markers deprecated).
     "node_join_happy", "node_join_count2", "node_join_smoke_failed",
     # A join cancelled while waiting for registration deletes its machine and ends cancelled, not
     # failed (tests/test_join_cancelled.py; no patch: only the run's last command differs).
@@ -249,8 +249,7 @@ EXPECTED = {
     "site_evacuation_watches_recovery", "site_evacuation_recovered_cuts_the_watch_short",
     "site_evacuation_watches_the_needs_person_wait",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).
-    "node_join_happy_patches_at_start", "node_join_count2_patches_at_start",
-    "node_join_smoke_failed_patches_at_start", "node_entity_two_repairs_patches_at_start",
+    "node_entity_two_repairs_patches_at_start",
     "node_entity_self_labels_patches_at_start", "node_bad_reports_quarantine_patches_at_start",
     # "All" is said, never implied (issue 36): quota_raised with {"all": true}.
     "account_quota_raised_all_explicit",
@@ -320,8 +319,6 @@ async def _scenarios(stack: Stack) -> dict[str, object]:
     stack.world.inject_fault(machine[0]["id"], 0, "xid", 79, clears_on="reboot")
     with pytest.raises(WorkflowFailureError):
         await smoke.result()
-    # Today's code: ``join-patches-at-start`` deprecated. The ``*_patches_at_start`` files, recorded
-    # before its deprecation, stay: they are the runs open when the retiring release deploys.
     return {"node_join_happy": happy, "node_join_count2": many, "node_join_smoke_failed": smoke}
 
 

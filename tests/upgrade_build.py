@@ -34,5 +34,5 @@ class NodeJoinNextRelease(NodeJoin):
 
     @workflow.run
     async def run(self, raw: Any) -> NodeJoinResult:
-        self._next_path = workflow.patched(NEXT_PATCH)  # first: before the local activity
+        self._next_path = workflow.patched(NEXT_PATCH)  # first: before any activity
         return await super().run(raw)

@@ -2,8 +2,7 @@
 
 The runbook: the site looked up (its config), a join token bound to the node's name, then
 the machine with its bootstrap (kubeadm join) in its user data, in one activity (the
-workflow id is the provider's idempotency key and the token's; runs from before
-``join-patches-at-start-3`` looked the site up first, in a local activity) →
+workflow id is the provider's idempotency key and the token's) →
 approve its kubelet's certificate, wait for it to register as this machine (providerID,
 addresses), delete the token, record its identity, label it and taint it unproven, in
 one activity → smoke test on the node's own queue (it also returns the node's state) →
@@ -69,31 +68,17 @@ with workflow.unsafe.imports_passed_through():
         NodeJoinResult,
     )
 
-#: Deprecated, to be removed (docs/design/patches.md, "Retired"): the patch that decided every
-#: older NodeJoin patch once, in the run's first task. A join lasts minutes and this patch came
-#: hours before its retirement, so every join open now recorded its marker and takes the new
-#: paths; the call stays, deprecated, until no run holding that marker is open. The ids it
-#: covered (``join-many-site-and-failure``, ``join-name-nonce``, ``join-in-fewer-steps``,
-#: ``bootstrap-in-user-data``, ``release-failed-provision``, ``admit-tells-site``,
-#: ``admit-together``, ``tell-site-entity``, ``clean-up-machine-first``) are gone with their old
-#: branches: only runs from before it recorded their markers, and none of those is open.
-JOIN_PATCHES_AT_START = "join-patches-at-start"
-#: Workflow patch, asked once in the run's first task (before any activity): the
-#: join's clean-up converges under a cancel. A cancel that landed during the clean-up of a failed
-#: join cancelled the machine's delete (the machine left for the sweep, the join needs-person);
-#: now the clean-up's activities are shielded from it. And a join cancelled while its machine was
-#: being created deleted the machine but left the node's join token until its TTL; now it
-#: deletes the token too. Runs from before it (no marker) keep the old path.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): the join's
+#: clean-up converges under a cancel (its activities shielded from it, and a join cancelled while
+#: its machine was being created deletes the node's join token too). Every join open now started
+#: after it and recorded its marker; the call stays, deprecated, until no run holding that marker
+#: is open.
 JOIN_PATCHES_AT_START_2 = "join-patches-at-start-2"
-#: Workflow patch, asked once in the run's first task after ``JOIN_PATCHES_AT_START_2``: the site
-#: is looked up by the provisioning activity (which returns its facts), not by a local activity
-#: before it. A query answered while the local activity
-#: ran (``gpufleet join`` and the UI poll ``progress``) let the worker complete the first task with
-#: its marker and hand the result over in the next task, together with a cancel that came
-#: meanwhile: the run ended cancelled at the lookup, where a replay (the result from the marker, a
-#: task earlier) had already scheduled the machine's create, and the history did not replay
-#: (a query of the closed join failed). A regular activity of its own would cost every join a task
-#: (bench.join_overhead). Runs from before it (no marker) keep the local activity.
+#: Deprecated, to be removed in a later release, with ``JOIN_PATCHES_AT_START_2``: the site is
+#: looked up by the provisioning activity (which returns its facts), not by a local activity before
+#: it, whose result could reach the workflow a task late (docs/design/patches.md, "Where a patch may
+#: be asked"). The call stays, deprecated and in its place after ``JOIN_PATCHES_AT_START_2``, so the
+#: open runs' markers replay in the order they were recorded.
 JOIN_PATCHES_AT_START_3 = "join-patches-at-start-3"
 #: Workflow patch, asked first thing right after ``JOIN_PATCHES_AT_START_3``, in a join started by
 #: hand (no parent): the input's token checks (``NodeJoinInput``: a ``token_ttl_seconds`` that
@@ -113,10 +98,6 @@ class NodeJoin:
         self._cleaned_up = False
         #: What the clean-up could not delete or remove.
         self._left_behind: list[str] = []
-        #: ``JOIN_PATCHES_AT_START_2``: a cancel does not stop the clean-up.
-        self._clean_up_converges = False
-        #: ``JOIN_PATCHES_AT_START_3``: the provisioning activity looks the site up.
-        self._no_local_activity = False
 
     @workflow.query
     def progress(self) -> JoinProgress:
@@ -135,14 +116,14 @@ class NodeJoin:
 
     @workflow.run
     async def run(self, raw: Any) -> NodeJoinResult:
-        workflow.deprecate_patch(JOIN_PATCHES_AT_START)  # first: before any activity
-        self._clean_up_converges = workflow.patched(JOIN_PATCHES_AT_START_2)
-        self._no_local_activity = workflow.patched(JOIN_PATCHES_AT_START_3)
+        # First, in the order open runs recorded their markers: before any activity.
+        workflow.deprecate_patch(JOIN_PATCHES_AT_START_2)
+        workflow.deprecate_patch(JOIN_PATCHES_AT_START_3)
         # Only a join started by a person (or a client): one a parent started (AcquireCapacity, a
         # fan-out) has the input its parent checked at its own start, or took unchecked before the
         # checks came and must go on joining as it did.
         by_hand = workflow.info().parent is None
-        checks_tokens = self._no_local_activity and by_hand and workflow.patched(JOIN_PATCHES_AT_START_4)
+        checks_tokens = by_hand and workflow.patched(JOIN_PATCHES_AT_START_4)
         request = parse_input(NodeJoinInput, raw, context={TOKEN_CHECKS: checks_tokens})
         if request.count > 1:
             return await self._join_many(request)
@@ -255,15 +236,12 @@ class NodeJoin:
         # The provider's idempotency key too: the same id started again buys a new machine,
         # never the one an earlier run created (and may have deleted) under that key.
         provision_key = f"{join_id}#{nonce}" if nonce else join_id
-        # Runs from before ``JOIN_PATCHES_AT_START_3`` look the site up first, in a local activity;
-        # now provisioning does, and returns the site's facts with the machine.
-        site = None if self._no_local_activity else await self._resolve_site(request.site, node_name, join_id)
-        provisioned = await self._provision(request.site, node_name, request, provision_key=provision_key, site=site)
+        # Provisioning looks the site up, and returns the site's facts with the machine.
+        provisioned = await self._provision(request.site, node_name, request, provision_key=provision_key)
         machine = provisioned.machine
         token: JoinTokenRef | None = provisioned.token
         try:
-            if site is None:
-                site = self._found_site(provisioned, node_name, join_id)
+            site = self._found_site(provisioned, node_name, join_id)
             await self._await_registration(site, node_name, provisioned, join_id, request.timeouts)
             token = None  # deleted by the activity the moment the node registered
             smoke = await self._smoke_test(site, node_name, request.timeouts)
@@ -283,17 +261,6 @@ class NodeJoin:
             node_name=node_name, machine_id=machine.id, site=site.name, provider=site.provider,
             gpus=site.gpus_per_machine, account=site.account,
         )
-
-    async def _resolve_site(self, name: str, node_name: str, join_id: str) -> Site:
-        """1. The site's provider, region, instance type and account (runs from before
-        ``JOIN_PATCHES_AT_START_3``; provisioning looks it up now)."""
-        self._step("resolving site", name)
-        site: Site = await workflow.execute_local_activity(
-            act.resolve_site, ResolveSiteInput(site=name),
-            start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary=f"look up site {name}",
-        )
-        self._set_site_attributes(site, node_name, join_id)
-        return site
 
     def _found_site(self, provisioned: ProvisionedMachine, node_name: str, join_id: str) -> Site:
         """The site's facts as the provisioning activity found them: the join's search attributes
@@ -316,30 +283,23 @@ class NodeJoin:
             workflow.upsert_search_attributes(changed)
 
     async def _provision(self, site_name: str, node_name: str, request: NodeJoinInput, *,
-                         provision_key: str, site: Site | None = None) -> ProvisionedMachine:
-        """2. The site looked up (unless ``site`` was), a node-bound join token, then the machine
-        with it in its user data. An unknown site is refused before anything is bought."""
+                         provision_key: str) -> ProvisionedMachine:
+        """2. The site looked up, a node-bound join token, then the machine with it in its user
+        data. An unknown site is refused before anything is bought."""
         timeouts = request.timeouts
         tags = {MACHINE_TAG_JOIN: workflow.info().workflow_id, MACHINE_TAG_SITE: site_name}
         # The activity's limit is one try's: a try that fails is tried again (``PROVIDER_RETRY``).
         bound = f"{until_in(timeouts.provision_seconds)} (per try)"
-        if site is None:
-            self._step("provisioning", f"looking up site {site_name}, then its machine, {bound}")
-            what = ProvisionJoinInput(site=site_name, name=node_name, tags=tags, idempotency_key=provision_key,
-                                      ttl_seconds=request.token_ttl_seconds)
-            summary = f"look up site {site_name}, node-bound join token, then its machine with it in its user data"
-        else:
-            self._step("provisioning", f"{site.instance_type} at {site.provider} {site.region}, {bound}")
-            what = ProvisionJoinInput(site=site_name, spec=site.machine_spec(node_name, tags),
-                                      idempotency_key=provision_key, ttl_seconds=request.token_ttl_seconds)
-            summary = f"node-bound join token, then {site.instance_type} at {site_name} with it in its user data"
+        self._step("provisioning", f"looking up site {site_name}, then its machine, {bound}")
+        what = ProvisionJoinInput(site=site_name, name=node_name, tags=tags, idempotency_key=provision_key,
+                                  ttl_seconds=request.token_ttl_seconds)
         provisioning = workflow.start_activity(
             act.provision_joining_machine, what,
             start_to_close_timeout=timedelta(seconds=timeouts.provision_seconds),
             # The activity heartbeats while the provider creates the machine: a lost worker is
             # retried within the heartbeat timeout, under the same key (no second machine).
             heartbeat_timeout=timedelta(seconds=timeouts.heartbeat_seconds), retry_policy=PROVIDER_RETRY,
-            summary=summary,
+            summary=f"look up site {site_name}, node-bound join token, then its machine with it in its user data",
         )
         try:
             # Shielded: a join cancelled mid-create must still learn the machine to delete it.
@@ -356,8 +316,7 @@ class NodeJoin:
                 raise cancel from None
             self._progress.machine_id = machine.id
             await self._clean_up(site_name, machine, node_name)
-            if self._clean_up_converges:
-                await self._revoke_node_tokens(node_name)  # its machine never used it
+            await self._revoke_node_tokens(node_name)  # its machine never used it
             self._progress.step = "provisioning"  # report where it was cancelled, not the clean-up
             raise
         except ActivityError as error:
@@ -505,8 +464,6 @@ class NodeJoin:
         join cleaning up, an operator pressing Ctrl-C) must not stop it: it would leave the machine
         billing and the join saying a person must look. The cancel is not lost: the join ends
         right after its clean-up, the way it was going to end."""
-        if not self._clean_up_converges:
-            return await clean_up
         return await to_its_end(clean_up)
 
     async def _revoke_node_tokens(self, node_name: str) -> None:
