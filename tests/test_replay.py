@@ -202,18 +202,14 @@ EXPECTED = {
     # (tests/test_evacuation.py).
     "capacity_refused_at_start", "capacity_cancelled", "capacity_temporal_cancel",
     # No join starts past a capacity request's deadline (``capacity-deadline-stops-buying``,
-    # tests/test_capacity_deadline.py); the old code's runs, which bought on, replay too.
+    # tests/test_capacity_deadline.py).
     "capacity_deadline_join_in_flight", "capacity_deadline_after_wait",
-    "capacity_deadline_join_in_flight_before", "capacity_deadline_after_wait_before",
     # A request that gave up on failed joins takes each join still in flight (its node in the cost)
-    # and a cancel stops them (``capacity-gave-up-takes-joins``, tests/test_capacity_converges.py);
-    # the old code's runs, which waited for them all and ignored the cancel, replay too.
+    # and a cancel stops them (``capacity-gave-up-takes-joins``, tests/test_capacity_converges.py).
     "capacity_gave_up_join_in_flight", "capacity_cancelled_after_giving_up",
-    "capacity_gave_up_join_in_flight_before", "capacity_cancelled_after_giving_up_before",
     # A count more than the eligible sites' max_nodes together is refused at start
-    # (``capacity-refuse-count-over-max``, tests/test_capacity_converges.py); the old code's run,
-    # which bought all three nodes at a site of max_nodes 1, replays too.
-    "capacity_refused_count", "capacity_refused_count_before",
+    # (``capacity-refuse-count-over-max``, tests/test_capacity_converges.py).
+    "capacity_refused_count",
     "site_evacuation_restored_releases", "site_evacuation_aborted_restores", "site_evacuation_cancelled_restores",
     "site_evacuation_aborted_while_buying", "site_evacuation_aborted_restores_after_continue_as_new",
     "site_evacuation_aborted_in_its_first_task",

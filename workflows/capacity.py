@@ -78,34 +78,19 @@ with workflow.unsafe.imports_passed_through():
 #: one only buys and deletes more machines).
 FATAL = ("InvalidRequest", "InvalidInput", "ClusterForbidden")
 
-#: Both patches deprecated, to be removed (docs/design/patches.md, "Retired"): no request open now
-#: started before them, so every run takes their new path; each call goes once no run holding its
+#: The three patches below are deprecated, to be removed in a later release (docs/design/patches.md):
+#: a request ends at its deadline and these came a release before, so no request open now started
+#: before them and every run takes their new path; each call goes once no run holding its
 #: non-deprecated marker is open.
-#: A request no configured site can ever serve (empty, an unknown site, GPU or
-#: geography, an impossible combination) is refused at start, naming the field. Runs recorded
-#: before it ranked whatever they were given and waited out their deadline.
-REFUSE_IMPOSSIBLE_PATCH = "capacity-refuse-impossible"
-#: A cancelled request (Temporal's cancel: ``temporal workflow cancel``, the UI,
-#: ``handle.cancel()``) stops its joins in flight first; each deletes its machine. Before, the
-#: joins were cancelled only by the parent-close policy, after the request had closed.
-CANCEL_WINDS_DOWN_PATCH = "capacity-cancel-winds-down"
 #: Once the deadline has passed no join starts: the joins in flight finish and the request returns
-#: what joined. Asked where the two paths first differ, when a join would start past the deadline
-#: (after a child's end or an activity, never a local activity: AcquireCapacity runs none). Runs
-#: before it started a join whenever one in flight ended past the deadline (the deadline was
-#: checked only with nothing in flight), buying machines until the count was met.
+#: what joined. Asked where a join would start past the deadline.
 DEADLINE_STOPS_BUYING_PATCH = "capacity-deadline-stops-buying"
 #: A request that gave up on failed joins (``max_other_failures``) takes each join still in flight
 #: as it ends (its node counted in the cost, the progress saying what is left), and a cancel stops
-#: them as anywhere else. Asked where the two paths first differ, as the request gives up with joins
-#: in flight. Runs before it waited for all of them at once: deaf to a cancel (the accepted cancel
-#: answered only once they had finished, their nodes kept), a node that joined then left out of
-#: ``cost_per_hour`` and the progress still "joining".
+#: them as anywhere else. Asked as the request gives up with joins in flight.
 GAVE_UP_TAKES_JOINS_PATCH = "capacity-gave-up-takes-joins"
 #: A ``count`` more than the eligible sites can ever hold together (their ``max_nodes``) is refused at
-#: start, naming ``count`` and that most. Asked only for such a count, after the catalog is read
-#: (an activity). Runs before it bought what they could: past a site's max (for its Site entity
-#: to retire), or waiting out the deadline.
+#: start, naming ``count`` and that most. Asked only for such a count, after the catalog is read.
 REFUSE_COUNT_PATCH = "capacity-refuse-count-over-max"
 #: Workflow patch, asked first thing in a request's first run (before any activity): ``join_timeouts``
 #: that outlast the longest join token refuse the start (``JoinTimeouts``' token check). A run from
@@ -134,8 +119,6 @@ class AcquireCapacity:
         #: Joins in flight: task → (offer, join workflow id).
         self._in_flight: dict[asyncio.Task, tuple[Candidate, str]] = {}
         self._joined: list[JoinedNode] = []
-        #: A run from before ``capacity-deadline-stops-buying``: it still starts joins past its deadline.
-        self._buys_past_deadline = False
 
     @workflow.signal
     def offers_changed(self, listed: Any = False) -> None:
@@ -221,7 +204,6 @@ class AcquireCapacity:
         except asyncio.CancelledError:
             # Cancelled from outside: nothing more is bought, and no join is left running for nobody.
             if self._in_flight:
-                workflow.deprecate_patch(CANCEL_WINDS_DOWN_PATCH)
                 await self._stop_joins("the request was cancelled")
                 self._state("cancelled")
                 self._show("cancelled", None, f"{len(self._progress.released)} joins stopped, "
@@ -245,7 +227,8 @@ class AcquireCapacity:
             catalog = self._catalog_now
             self._refuse(request_problems(req.constraints, catalog.sites, catalog.offers))
             over = count_problems(req.count, req.constraints, catalog.sites, catalog.offers)
-            if over and workflow.patched(REFUSE_COUNT_PATCH):
+            if over:
+                workflow.deprecate_patch(REFUSE_COUNT_PATCH)
                 self._refuse(over)
         while (len(self._joined) < req.count and self._fatal is None
                and self._other_failures <= req.max_other_failures and not self._cancel):
@@ -278,10 +261,8 @@ class AcquireCapacity:
         req = parse_input(CapacityRequest, raw, context={TOKEN_CHECKS: checks})
         self._req = req
         start = workflow.now()
-        if req.carry is None:
-            workflow.deprecate_patch(REFUSE_IMPOSSIBLE_PATCH)
-            if not _names_what(req):
-                self._refuse([("constraints", EMPTY)])  # before any activity: ``{}`` never buys
+        if req.carry is None and not _names_what(req):
+            self._refuse([("constraints", EMPTY)])  # before any activity: ``{}`` never buys
         carry = req.carry or CapacityCarry(
             deadline=start + timedelta(seconds=req.deadline_seconds), backoff_seconds=req.backoff_seconds,
             excluded=[ExcludedOffer(offer=e.offer, until=start + timedelta(seconds=e.seconds), reason=e.reason)
@@ -324,10 +305,9 @@ class AcquireCapacity:
         req, in_flight = self._req, self._in_flight
         ranked = self._placement()
         while len(in_flight) < req.concurrency and len(self._joined) + len(in_flight) < req.count and ranked.candidates:
-            if workflow.now() >= self._deadline and not self._buys_past_deadline:
-                if workflow.patched(DEADLINE_STOPS_BUYING_PATCH):
-                    break  # past the deadline nothing more is bought
-                self._buys_past_deadline = True
+            if workflow.now() >= self._deadline:
+                workflow.deprecate_patch(DEADLINE_STOPS_BUYING_PATCH)
+                break  # past the deadline nothing more is bought
             best = ranked.candidates[0]
             self._seq += 1
             join_id = join_workflow_id(best.offer.site, f"{self._request_id}-{self._seq}")
@@ -385,7 +365,7 @@ class AcquireCapacity:
             self._show("finishing the joins in flight", ranked,
                        f"too many failed joins ({self._other_failures}): no join starts; it returns what "
                        f"joined once the joins in flight ({len(in_flight)}) end")
-        elif workflow.now() >= self._deadline and not self._buys_past_deadline:
+        elif workflow.now() >= self._deadline:
             self._show("finishing the joins in flight", ranked,
                        "no join starts past the deadline; it returns what joined once the joins "
                        f"in flight ({len(in_flight)}) end")
@@ -443,15 +423,11 @@ class AcquireCapacity:
         """5. The nodes joined, their cost, and why any are missing."""
         req, joined = self._req, self._joined
         if self._in_flight:  # gave up on other failures: let the ones in flight finish
-            if workflow.patched(GAVE_UP_TAKES_JOINS_PATCH):
-                while self._in_flight and not self._cancel:
-                    await self._take_ended_joins(self._placement())
-                if self._cancel:
-                    return await self._cancelled(req, self._costs)
-            else:
-                for task in await asyncio.gather(*self._in_flight, return_exceptions=True):
-                    if isinstance(task, JoinedNode):
-                        joined.append(task)
+            workflow.deprecate_patch(GAVE_UP_TAKES_JOINS_PATCH)
+            while self._in_flight and not self._cancel:
+                await self._take_ended_joins(self._placement())
+            if self._cancel:
+                return await self._cancelled(req, self._costs)
         result = CapacityResult(
             requested=req.count, nodes=joined, complete=len(joined) >= req.count, attempts=self._progress.attempts,
             cost_per_hour=round(sum(self._costs.values()), 6),
@@ -462,8 +438,7 @@ class AcquireCapacity:
             missing = f"{req.count - len(joined)} of {req.count} not joined"
             if workflow.now() >= self._deadline:
                 passed = f"the deadline passed at {self._deadline_text()}"
-                result.why = [f"{missing} by the deadline",
-                              passed + ("" if self._buys_past_deadline else ": no join starts after it")]
+                result.why = [f"{missing} by the deadline", f"{passed}: no join starts after it"]
                 summary += f"; stopped: {passed}"
             else:
                 result.why = [f"{missing}: too many failed joins"]

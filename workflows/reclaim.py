@@ -51,13 +51,12 @@ with workflow.unsafe.imports_passed_through():
     )
 
 
-#: Workflow patch: the newest notice's termination time is the deadline the run acts against. One
-#: that moves it earlier cuts the drain short then (the drain activity is cancelled) and the wait
-#: for the replacement too; one that moves it later drains again for the time it adds (pods the
-#: drain left) and waits that much longer for the replacement. Before, the run kept the time it
-#: read at its start: a newer notice was stored and never used, so the run went on draining and
-#: waiting past a machine already taken. Asked first thing in ``run``, before any command: both
-#: waits take their new form from the start (they wake on a notice, a command the old run lacks).
+#: Deprecated, to be removed in a later release (docs/design/patches.md): the newest notice's
+#: termination time is the deadline the run acts against (one that moves it earlier cuts the drain
+#: and the wait for the replacement short then; one that moves it later drains again for the time
+#: it adds). A reclaim lasts as long as its notice and this came a release before, so no run open
+#: now started before it and every run takes its new path; the call, first thing in ``run``, stays
+#: until no run holding its non-deprecated marker is open.
 NOTICE_MOVES_DEADLINE_PATCH = "reclaim-newest-notice-deadline"
 
 #: Workflow patch: Temporal's cancel stops the reclaim and puts back what it changed (the module's
@@ -144,13 +143,13 @@ class SpotReclaim:
     @workflow.run
     async def run(self, raw: Any) -> SpotReclaimResult:
         args = parse_input(SpotReclaimInput, raw)
-        newest_notice_wins = workflow.patched(NOTICE_MOVES_DEADLINE_PATCH)
+        workflow.deprecate_patch(NOTICE_MOVES_DEADLINE_PATCH)
         workflow.upsert_search_attributes([
             sa.NODE_NAME.value_set(args.node_name), sa.SITE.value_set(args.site),
             sa.FLEET_STATE.value_set("reclaiming"),
         ])
         try:
-            return await self._reclaim(args, newest_notice_wins)
+            return await self._reclaim(args)
         # asyncio.CancelledError (a cancel in a wait) is a BaseException; GeneratorExit (Python closing
         # the run's coroutine after its worker stopped) is one too, and must pass untouched.
         except (Exception, asyncio.CancelledError) as error:
@@ -164,7 +163,7 @@ class SpotReclaim:
         reclaim changed. Runs before ``CANCEL_PUTS_BACK_PATCH`` ended at it, and replay so."""
         return cancelled_by_request(error) and workflow.patched(CANCEL_PUTS_BACK_PATCH)
 
-    async def _reclaim(self, args: SpotReclaimInput, newest_notice_wins: bool) -> SpotReclaimResult:
+    async def _reclaim(self, args: SpotReclaimInput) -> SpotReclaimResult:
         node = args.node_name
         site: Site = await workflow.execute_activity(
             act.resolve_site, ResolveSiteInput(site=args.site), start_to_close_timeout=QUICK,
@@ -197,10 +196,7 @@ class SpotReclaim:
             parent_close_policy=ParentClosePolicy.REQUEST_CANCEL,
         ))
 
-        if newest_notice_wins:
-            drained, cut_at = await self._drain_until_the_newest_notice(node, drain, terminate_at)
-        else:
-            drained, cut_at = await drain, None
+        drained, cut_at = await self._drain_until_the_newest_notice(node, drain, terminate_at)
         blocked = [f"{p.key}: {p.reason}" for p in drained.blocked]
         if cut_at is not None:
             blocked.append(f"drain cut short at {cut_at:%H:%M:%S} UTC: a newer notice has the provider take "
@@ -208,16 +204,7 @@ class SpotReclaim:
         step = "drained" if drained.completed else "drain incomplete at the notice"
         outcome = "; ".join(blocked) or f"{len(drained.evicted)} pods evicted"
         # The machine is gone at the notice anyway; wait for the replacement until then.
-        if newest_notice_wins:
-            await self._wait_for_replacement_until_the_newest_notice(replace, step, outcome)
-        else:
-            left = max((terminate_at - workflow.now()).total_seconds(), 0.0)
-            if not replace.done() and left > 0:
-                self._show(step, f"{outcome}; waiting for the replacement until {terminate_at:%H:%M:%S} UTC, "
-                                 "when the provider takes the machine")
-                await workflow.wait([replace], timeout=left)
-            else:
-                self._show(step, outcome)
+        await self._wait_for_replacement_until_the_newest_notice(replace, step, outcome)
 
         self._show("marking the node gone", node)
         await self._retire(site.name, node, args.machine_id)

@@ -1161,7 +1161,8 @@ class SiteEntity(Entity[SiteState]):
         return line
 
 
-#: Workflow patch: the Schedule's sweep (no sites named) starts the entities that are not running
+#: Deprecated, to be removed in a later release (docs/design/patches.md; no sweep open now started
+#: before it): the Schedule's sweep (no sites named) starts the entities that are not running
 #: and signals none: a running entity wakes on its own watch and safety timer, and a signal to each
 #: site every sweep was most of an idle site's bill. A sweep that names sites still signals them.
 SWEEP_STARTS_PATCH = "sweep-starts-only"
@@ -1175,7 +1176,8 @@ class SiteSweep:
     @workflow.run
     async def run(self, raw: Any = None) -> list[str]:
         request = parse_input(SignalSitesInput, raw or {})
-        if not request.sites and workflow.patched(SWEEP_STARTS_PATCH):
+        if not request.sites:
+            workflow.deprecate_patch(SWEEP_STARTS_PATCH)
             started: list[str] = await workflow.execute_activity(
                 act.ensure_sites, request, start_to_close_timeout=QUICK,
                 retry_policy=STORE_RETRY, summary="start every site entity that is not running",

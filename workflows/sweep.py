@@ -42,12 +42,6 @@ with workflow.unsafe.imports_passed_through():
         show_details,
     )
 
-#: Deprecated, to be removed (docs/design/patches.md, "Retired"): the sweep also sweeps identity
-#: records. A sweep ends within minutes and this came days before its retirement: no run that
-#: skipped them is open, so every run takes that path; the call goes once no run holding its
-#: non-deprecated marker is open.
-IDENTITY_RECORDS_PATCH = "sweep-identity-records"
-
 
 @workflow.defn(name="FleetSweep")
 class FleetSweep:
@@ -86,7 +80,6 @@ class FleetSweep:
                 return SiteSweepReport(site=site, skipped=failure_text(error))
 
         reports = list(await asyncio.gather(*(one(site) for site in names)))
-        workflow.deprecate_patch(IDENTITY_RECORDS_PATCH)
         identities = await workflow.execute_activity(
             act.sweep_identities,
             SweepIdentitiesInput(joining=known.joining, grace_seconds=args.grace_seconds, dry_run=args.dry_run,
