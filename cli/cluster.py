@@ -189,3 +189,28 @@ def node_config(
                  "ca.crt": ca.strip() + "\n"},
     }
     typer.echo(yaml.safe_dump(doc, sort_keys=False), nl=False)
+
+
+@cluster_app.command("credentials-role")
+def credentials_role(
+    config: str = typer.Option(None, "--config", envvar=CONFIG_ENV, help="fleet config (sites.yaml)"),
+) -> None:
+    """Print the Role (and its RoleBinding) that lets the control plane get the Secrets the fleet
+    config names, each by name, and no other Secret: ``gpufleet cluster credentials-role |
+    kubectl apply -f -``. Run it again whenever sites.yaml names another Secret; applied over an
+    older ``gpufleet-credentials`` Role, it replaces that Role's rules.
+
+    Exit 2 when the config cannot be read or names a Secret outside ``gpufleet``.
+    """
+    import yaml
+    from rich.markup import escape
+
+    from fleet.config import ConfigError, load_config
+    from providers.credentials import credentials_role as render
+
+    try:
+        docs = render(load_config(config), config or "(config)")
+    except ConfigError as error:
+        Console(stderr=True).print(f"[red]cannot render the credentials Role:[/red] {escape(str(error))}")
+        raise typer.Exit(2) from None
+    typer.echo(yaml.safe_dump_all(docs, sort_keys=False), nl=False)

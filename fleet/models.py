@@ -106,8 +106,8 @@ class CredentialsRef(Strict):
     #: A file the worker can read. The shipped control-plane pod mounts none for credentials:
     #: there, use ``secret``.
     file: str | None = None
-    #: Kubernetes Secret as ``namespace/name#key``. The shipped RBAC lets the control plane get
-    #: Secrets in ``gpufleet`` (deploy/kubernetes/rbac.yaml, gpufleet-credentials).
+    #: Kubernetes Secret as ``namespace/name#key``. The control plane may get the Secrets in
+    #: ``gpufleet`` its config names, each by name (``gpufleet cluster credentials-role``).
     secret: str | None = None
 
     def secret_location(self) -> tuple[str, str, str]:

@@ -1,11 +1,16 @@
-"""Read an account's secret from its reference, inside an activity only."""
+"""Read an account's secret from its reference, inside an activity only; and the Role that
+lets the control plane read the Secrets its config names, and no other."""
 
 from __future__ import annotations
 
 import json
 import os
 from pathlib import Path
+from typing import Any
 
+from pydantic import BaseModel
+
+from fleet.config import ConfigError, FleetConfig
 from fleet.errors import BadCredentials
 from fleet.models import CredentialsRef
 from providers.cluster.base import AccessRule
@@ -87,10 +92,77 @@ def aws_keys(secret: str, ref: CredentialsRef | None, *, provider: str) -> dict[
     return {name: header_safe(part, ref, provider=provider, part=name) for name, part in zip(names, parts)}
 
 
+#: Where the control plane reads the Secrets its config names, and the Role that lets it.
+CREDENTIALS_NAMESPACE = "gpufleet"
+CREDENTIALS_ROLE = "gpufleet-credentials"
+CONTROL_PLANE_ACCOUNT = "gpufleet-control-plane"
+
 #: The one Kubernetes call credentials make (``secret: gpufleet/<name>#<key>`` in sites.yaml), as
-#: the control plane's service account runs it: deploy/kubernetes/rbac.yaml (gpufleet-credentials).
-ACCESS = (AccessRule(verb="get", group="", resource="secrets", namespace="gpufleet",
-                     purpose="provider credentials given as `secret: gpufleet/<name>#<key>`"),)
+#: the control plane's service account runs it: the Role ``credentials_role`` renders, which
+#: grants it for the Secrets the config names only (``control_plane_secrets``).
+ACCESS = (AccessRule(verb="get", group="", resource="secrets", namespace=CREDENTIALS_NAMESPACE,
+                     purpose="provider credentials given as `secret: gpufleet/<name>#<key>`, each by name"),)
+
+#: Config sections whose references the control plane never reads: ``node_gateway.ca`` is read by
+#: ``gpufleet cluster node-config``, run with the operator's own credentials.
+NOT_READ_BY_THE_CONTROL_PLANE = ("node_gateway",)
+
+
+def credential_references(value: object, where: str = "") -> list[tuple[str, CredentialsRef]]:
+    """Every credentials reference in a loaded config (accounts, object stores, a site's object
+    store, the webhook, ...), each with where it sits, so a reference added to the config later
+    is found too."""
+    if isinstance(value, CredentialsRef):
+        return [(where, value)]
+    if isinstance(value, BaseModel):
+        items = [(name, getattr(value, name)) for name in type(value).model_fields]
+    elif isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = [(getattr(v, "name", i), v) for i, v in enumerate(value)]
+    else:
+        return []
+    return [found for key, item in items for found in credential_references(item, f"{where}.{key}".lstrip("."))]
+
+
+def control_plane_secrets(config: FleetConfig, source: str = "<config>") -> list[str]:
+    """The names of the Secrets the control plane reads (its config's ``secret:`` references),
+    sorted, each once. ``ConfigError`` naming the field for a reference it could not read with
+    ``credentials_role``'s grant: a Secret outside ``gpufleet``, or no name."""
+    names, problems = set(), []
+    for where, ref in credential_references(config):
+        if not ref.secret or where.split(".", 1)[0] in NOT_READ_BY_THE_CONTROL_PLANE:
+            continue
+        namespace, name, _ = ref.secret_location()
+        if namespace != CREDENTIALS_NAMESPACE or not name:
+            problems.append(f"{where}: {ref.describe()}: the control plane reads credentials only as "
+                            f"`secret: {CREDENTIALS_NAMESPACE}/<name>#<key>` (a Secret in its own namespace)")
+        else:
+            names.add(name)
+    if problems:
+        raise ConfigError(source, problems)
+    return sorted(names)
+
+
+def credentials_role(config: FleetConfig, source: str = "<config>") -> list[dict[str, Any]]:
+    """The Role and RoleBinding that let the control plane's service account ``get`` exactly the
+    Secrets its config names (``gpufleet cluster credentials-role``), by name: it cannot read,
+    list or watch any other Secret in its namespace (another app's, the Temporal client's).
+
+    A config that names none gets a Role with no rules, never a rule with no names (RBAC reads
+    an empty ``resourceNames`` as every name). Applied over a Role of the same name, it replaces
+    that Role's rules whole."""
+    names = control_plane_secrets(config, source)
+    rules = [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": names, "verbs": ["get"]}] if names else []
+    metadata = {"name": CREDENTIALS_ROLE, "namespace": CREDENTIALS_NAMESPACE}
+    return [
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {**metadata, "labels": {"gpufleet.io/rbac-for": "credentials"}}, "rules": rules},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": metadata,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": CREDENTIALS_ROLE},
+         "subjects": [{"kind": "ServiceAccount", "name": CONTROL_PLANE_ACCOUNT,
+                       "namespace": CREDENTIALS_NAMESPACE}]},
+    ]
 
 
 def _read_kubernetes_secret(ref: CredentialsRef) -> str:

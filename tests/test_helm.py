@@ -226,6 +226,69 @@ def test_sites_config_from_a_file_becomes_the_config_map(tmp_path) -> None:
         assert volume["configMap"]["name"] == "fleet-sites"
 
 
+def _reference_fields(model: type, prefix: str = "") -> set[str]:
+    """Where a fleet config's schema holds a credentials reference: ``accounts[].credentials``."""
+    import types
+    import typing
+
+    from pydantic import BaseModel
+
+    from fleet.models import CredentialsRef
+
+    found = set()
+    for name, field in model.model_fields.items():
+        path, kinds = f"{prefix}{name}", [field.annotation]
+        while kinds:
+            kind = kinds.pop()
+            origin, args = typing.get_origin(kind), typing.get_args(kind)
+            if kind is CredentialsRef:
+                found.add(path)
+            elif isinstance(kind, type) and issubclass(kind, BaseModel):
+                found |= _reference_fields(kind, f"{path}.")
+            elif origin in (list, tuple):
+                path += "[]"
+                kinds += args
+            elif origin is dict:
+                path += "{}"
+                kinds.append(args[1])
+            elif origin in (typing.Union, types.UnionType):
+                kinds += args
+    return found
+
+
+def credentials_objects(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [without_helm_metadata(d) for d in docs if d["metadata"]["name"] == "gpufleet-credentials"]
+
+
+def test_the_credentials_role_is_rendered_from_sites_config_as_the_cli_renders_it(tmp_path) -> None:
+    """With ``sites.config`` the chart lets the control plane get exactly the Secrets that config
+    names, by name, as ``gpufleet cluster credentials-role`` does; ``credentials.secrets`` adds
+    names (a ConfigMap you create yourself); with neither there is no Role (the base's rendering),
+    never one whose empty resourceNames would be every Secret. A Secret outside `gpufleet` is
+    refused, naming the field."""
+    from fleet.config import FleetConfig, load_config
+    from providers.credentials import credentials_role
+    from tests.cluster.test_manifests import every_reference_config
+
+    # The chart's template reads each of these by name: a new place needs it taught there too.
+    assert _reference_fields(FleetConfig) == {"notify_webhook", "object_stores{}.credentials", "accounts[].credentials",
+                                              "sites[].object_store.credentials", "node_gateway.ca"}
+    path = every_reference_config(tmp_path)
+    rendered = credentials_objects(documents(template("--set-file", f"sites.config={path}")))
+    assert sorted(rendered, key=lambda d: d["kind"]) == credentials_role(load_config(path))
+
+    (role, _) = sorted(credentials_objects(documents(template("--set", "credentials.secrets={app-key,bmc}"))),
+                       key=lambda d: d["kind"])
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": ["app-key", "bmc"],
+                              "verbs": ["get"]}]
+    assert credentials_objects(documents(template())) == []
+    assert credentials_objects(documents(template("--set", "sites.config=mode: sim"))) == []
+
+    path.write_text(path.read_text().replace("gpufleet/pager-webhook#url", "kube-system/pager-webhook#url"))
+    done = helm("template", "gpufleet", str(CHART), "--set-file", f"sites.config={path}", check=False)
+    assert done.returncode != 0 and "sites.config: notify_webhook: secret:kube-system/pager-webhook#url" in done.stderr
+
+
 def test_metrics_off_serves_none_and_ports_move() -> None:
     off = documents(template("--set", "metrics.enabled=false", "--set", "metrics.serviceMonitor.enabled=true"))
     assert not [d for d in off if d["metadata"]["name"].endswith("-metrics") or d["kind"] == "ServiceMonitor"]

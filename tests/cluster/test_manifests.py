@@ -10,12 +10,12 @@ from string import Template
 
 import pytest
 import yaml
-from pydantic import BaseModel
 
 from providers.cluster.base import ANNOTATION_MODEL, dns_label, serving_name
 from fleet.cluster import ANNOTATION_PREVIOUS_TEMPLATE, ANNOTATION_TEMPLATE, ServingSpec, SiteRoute
 from fleet.config import ObjectStore, load_config
 from fleet.models import CredentialsRef
+from providers.credentials import NOT_READ_BY_THE_CONTROL_PLANE, credential_references, credentials_role
 from fleet.rollout import POD_TEMPLATE_BUDGET, RolloutInput, WeightFile, manifest_template_bytes
 from fleet.weights_pull import ENV as WEIGHTS_ENV
 from fleet.weights_pull import WeightsPull
@@ -108,29 +108,14 @@ def test_control_plane_deployment():
 SHIPPED_CONFIGS = [DEPLOY.parent / "sites.example.yaml"]
 
 
-def credential_references(value: object, where: str = "") -> list[tuple[str, CredentialsRef]]:
-    """Every credentials reference in a loaded config (accounts, object stores, the webhook, ...),
-    each with where it sits, so a reference added to the config later is checked too."""
-    if isinstance(value, CredentialsRef):
-        return [(where, value)]
-    if isinstance(value, BaseModel):
-        items = [(name, getattr(value, name)) for name in type(value).model_fields]
-    elif isinstance(value, dict):
-        items = list(value.items())
-    elif isinstance(value, (list, tuple)):
-        items = [(getattr(v, "name", i), v) for i, v in enumerate(value)]
-    else:
-        return []
-    return [found for key, item in items for found in credential_references(item, f"{where}.{key}".lstrip("."))]
-
-
 @pytest.mark.parametrize("path", SHIPPED_CONFIGS, ids=lambda p: p.name)
 def test_every_credential_a_shipped_config_names_resolves_in_the_shipped_control_plane_pod(path):
     """An operator who copies the example and applies deploy/kubernetes (or the chart: the same
     Deployment, tests/test_helm.py) gets no BadCredentials on an account's first call, which
     marks the account credentials-revoked and pages. In the pod as shipped an ``env:`` resolves
     only if the container sets the variable, a ``file:`` only under a Secret the pod mounts, a
-    ``secret:`` only in full (a Secret's key, no default) where the credentials Role grants get;
+    ``secret:`` only in full (a Secret's key, no default) where the credentials Role that
+    ``gpufleet cluster credentials-role`` renders from the config grants get, by its name;
     tests/realk8s/test_permissions.py asks the real authorizer about each Secret."""
     (deployment,) = _docs("control-plane.yaml")
     pod = deployment["spec"]["template"]["spec"]
@@ -138,22 +123,108 @@ def test_every_credential_a_shipped_config_names_resolves_in_the_shipped_control
     env = {e["name"] for e in container["env"]}
     secret_volumes = {v["name"] for v in pod["volumes"] if "secret" in v or "projected" in v}
     secret_mounts = [Path(m["mountPath"]) for m in container["volumeMounts"] if m["name"] in secret_volumes]
-    readable = {namespace for verb, group, resource, _, namespace in _granted(_docs("rbac.yaml"), "credentials")
-                if (verb, group, resource) == ("get", "", "secrets")}
-    references = credential_references(load_config(path))
+    config = load_config(path)
+    role, _ = credentials_role(config)
+    readable = {(role["metadata"]["namespace"], name) for rule in role["rules"] if rule["verbs"] == ["get"]
+                and rule["resources"] == ["secrets"] for name in rule["resourceNames"]}
+    references = credential_references(config)
     assert references, "the example names its credentials"
     unresolved = []
     for where, ref in references:
+        if where.split(".", 1)[0] in NOT_READ_BY_THE_CONTROL_PLANE:
+            continue
         if ref.env:
             ok = ref.env in env
         elif ref.file:
             ok = any(Path(ref.file).is_relative_to(mount) for mount in secret_mounts)
         else:
             namespace, name, key = ref.secret_location()
-            ok = bool(name and key) and namespace in readable
+            ok = bool(name and key) and (namespace, name) in readable
         if not ok:
             unresolved.append(f"{where}: {ref.describe()}")
     assert unresolved == [], "does not resolve in the shipped control-plane pod"
+
+
+def every_reference_config(tmp_path: Path) -> Path:
+    """The example with a ``secret:`` reference in every place a config holds one: the webhook,
+    a site's own object store, two accounts sharing a Secret (two keys), and the node gateway's
+    CA (which ``gpufleet cluster node-config`` reads with the operator's credentials, never the
+    control plane); plus an ``env:`` reference, which needs no Secret."""
+    raw = yaml.safe_load(SHIPPED_CONFIGS[0].read_text())
+    raw["notify_webhook"] = {"secret": "gpufleet/pager-webhook#url"}
+    raw["node_gateway"] = {"endpoint": "gateway.fleet.example.com:443", "ca": {"secret": "gpufleet/gateway-ca#ca.crt"}}
+    raw["object_stores"]["scratch"] = {"bucket": "scratch", "credentials": {"env": "SCRATCH_KEYS"}}
+    site = next(s for s in raw["sites"] if s["name"] == "nebius-eu-north")
+    site["object_store"] = {"bucket": "nebius-cache", "credentials": {"secret": "gpufleet/nebius-store#credentials"}}
+    shared = next(a for a in raw["accounts"] if a["name"] == "hetzner-prod")
+    raw["accounts"].append({**shared, "name": "hetzner-staging", "credentials": {"secret": "gpufleet/hetzner-prod#staging"}})
+    path = tmp_path / "every-reference.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+#: What ``every_reference_config`` names that the control plane reads.
+EVERY_REFERENCE_SECRETS = ["aws-prod", "bmc", "hetzner-prod", "lambda-prod", "nebius-prod", "nebius-store",
+                           "pager-webhook", "weights-source"]
+
+
+def _secret_rules(docs: list[dict]) -> list[dict]:
+    return [rule for doc in docs if doc["kind"] in ("Role", "ClusterRole") for rule in doc["rules"]
+            if {"secrets", "*"} & set(rule["resources"])]
+
+
+def test_the_credentials_role_lets_the_control_plane_get_the_secrets_its_config_names_and_no_other(tmp_path):
+    """The base grants no Secret in `gpufleet` at all; the Role ``gpufleet cluster credentials-role``
+    renders grants ``get`` on each Secret the config names, by name (never list or watch, and
+    never the node gateway's CA, which the control plane does not read), bound to the control
+    plane's service account. A config that names none gets a Role with no rules: an empty
+    resourceNames would be every Secret."""
+    granting = {(d["kind"], d["metadata"].get("namespace", "")) for d in _docs("rbac.yaml") if _secret_rules([d])}
+    assert granting == {("Role", "kube-system"), ("Role", "gpufleet-bootstrap")}, "none in gpufleet, none cluster-wide"
+
+    role, binding = credentials_role(load_config(every_reference_config(tmp_path)))
+    assert (role["kind"], role["metadata"]["name"], role["metadata"]["namespace"]) == (
+        "Role", "gpufleet-credentials", "gpufleet")
+    assert role["rules"] == [{"apiGroups": [""], "resources": ["secrets"], "resourceNames": EVERY_REFERENCE_SECRETS,
+                              "verbs": ["get"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "gpufleet-credentials"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "gpufleet-control-plane", "namespace": "gpufleet"}]
+    assert binding["metadata"]["namespace"] == "gpufleet"
+
+    none = tmp_path / "none.yaml"
+    none.write_text("mode: real\naccounts: [{name: la, provider: lambda, credentials: {env: LAMBDA_KEY}}]\n")
+    role, _ = credentials_role(load_config(none))
+    assert role["rules"] == []
+
+
+def test_a_secret_outside_gpufleet_is_refused_naming_the_field(tmp_path):
+    """The control plane reads Secrets in its own namespace only: a reference elsewhere (kube-system
+    above all) would need a grant there, so the Role is not rendered and the field is named."""
+    from fleet.config import ConfigError
+
+    raw = yaml.safe_load(SHIPPED_CONFIGS[0].read_text())
+    raw["accounts"][1]["credentials"] = {"secret": "kube-system/lambda-prod#api-key"}
+    raw["notify_webhook"] = {"secret": "gpufleet/#url"}
+    path = tmp_path / "elsewhere.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError) as raised:
+        credentials_role(load_config(path), str(path))
+    assert [p.split(":")[0] for p in raised.value.problems] == ["notify_webhook", "accounts.lambda-prod.credentials"]
+
+
+def test_the_cli_prints_the_credentials_role_to_apply(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli.cluster import cluster_app
+
+    runner = CliRunner()
+    path = every_reference_config(tmp_path)
+    done = runner.invoke(cluster_app, ["credentials-role", "--config", str(path)])
+    assert done.exit_code == 0, done.output
+    assert list(yaml.safe_load_all(done.stdout)) == credentials_role(load_config(path))
+    path.write_text(path.read_text().replace("gpufleet/lambda-prod#api-key", "default/lambda-prod#api-key"))
+    done = runner.invoke(cluster_app, ["credentials-role", "--config", str(path)])
+    assert done.exit_code == 2 and "accounts.lambda-prod.credentials" in done.output, done.output
 
 
 def test_node_agent_daemonset_runs_on_gpu_nodes_including_unproven():

@@ -64,10 +64,23 @@ def shipped_cluster(root: Path) -> Iterator[RealCluster]:
         cluster.stop()
 
 
+#: The fleet config the tier's control plane is installed for: the shipped example.
+SHIPPED_SITES = REPO / "deploy" / "sites.example.yaml"
+
+
 def apply_shipped_manifests(cluster: RealCluster) -> None:
-    """What an operator applies, unchanged: the kustomize base, the bootstrap RBAC, and the
-    frontend's NetworkPolicy into the namespace Temporal's chart would be installed in."""
+    """What an operator applies, unchanged: the kustomize base, the credentials Role that
+    ``gpufleet cluster credentials-role`` renders from the fleet config (the shipped example's),
+    the bootstrap RBAC, and the frontend's NetworkPolicy into the namespace Temporal's chart
+    would be installed in."""
+    from typer.testing import CliRunner
+
+    from cli.cluster import cluster_app
+
     cluster.kubectl("apply", "--server-side", "-k", str(REPO / "deploy" / "kubernetes"))
+    rendered = CliRunner().invoke(cluster_app, ["credentials-role", "--config", str(SHIPPED_SITES)])
+    assert rendered.exit_code == 0, rendered.output
+    cluster.kubectl("apply", "--server-side", "-f", "-", input=rendered.stdout)
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "deploy" / "bootstrap" / "rbac.yaml"))
     cluster.kubectl("create", "namespace", TEMPORAL_NAMESPACE)
     cluster.kubectl("apply", "--server-side", "-f", str(REPO / "deploy" / "temporal" / "network-policy.yaml"))

@@ -77,3 +77,51 @@ annotations:
   gpufleet.io/sites-config-sha256: {{ sha256sum . }}
 {{- end }}
 {{- end }}
+
+{{/*
+The Secrets the control plane may get, each by name, as a JSON list: those `sites.config` names
+(every `secret:` reference the control plane reads, as providers/credentials.py
+control_plane_secrets finds them; node_gateway.ca is read by `gpufleet cluster node-config`, with
+your credentials) and `credentials.secrets`. A reference outside `gpufleet` is refused, naming it.
+*/}}
+{{- define "gpufleet.credentialSecrets" -}}
+{{- $refs := list -}}
+{{- with .Values.sites.config -}}
+{{- $config := fromYaml . -}}
+{{- if hasKey $config "Error" -}}
+{{- fail (printf "sites.config is not a YAML mapping: %s" $config.Error) -}}
+{{- end -}}
+{{- with $config.notify_webhook -}}
+{{- $refs = append $refs (list "notify_webhook" .) -}}
+{{- end -}}
+{{- range $name, $store := $config.object_stores -}}
+{{- with $store.credentials -}}
+{{- $refs = append $refs (list (printf "object_stores.%s.credentials" $name) .) -}}
+{{- end -}}
+{{- end -}}
+{{- range $account := $config.accounts -}}
+{{- with $account.credentials -}}
+{{- $refs = append $refs (list (printf "accounts.%s.credentials" $account.name) .) -}}
+{{- end -}}
+{{- end -}}
+{{- range $site := $config.sites -}}
+{{- with $site.object_store -}}
+{{- with .credentials -}}
+{{- $refs = append $refs (list (printf "sites.%s.object_store.credentials" $site.name) .) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $names := list -}}
+{{- range $refs -}}
+{{- $where := index . 0 -}}
+{{- with (index . 1).secret -}}
+{{- $location := splitn "/" 2 (splitn "#" 2 .)._0 -}}
+{{- if or (ne $location._0 "gpufleet") (not $location._1) -}}
+{{- fail (printf "sites.config: %s: secret:%s: the control plane reads credentials only as `secret: gpufleet/<name>#<key>` (a Secret in its own namespace)" $where .) -}}
+{{- end -}}
+{{- $names = append $names $location._1 -}}
+{{- end -}}
+{{- end -}}
+{{- toJson (concat $names (.Values.credentials.secrets | default list) | uniq | sortAlpha) -}}
+{{- end }}
