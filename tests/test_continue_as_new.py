@@ -160,8 +160,7 @@ async def test_evacuation_continues_as_new_while_no_compliant_site_then_moves_on
         assert open_when_closed(history) == [], "continued as new with an activity or child open"
     await replay_and_record(inc.client.get_workflow_handle(handle.id, run_id=first_run),
                             "site_evacuation_continued_as_new_placing_routed")
-    # Named for the patch ``evacuation-abort-restores`` (now deprecated; the files of runs before it
-    # went with its old branch: docs/design/patches.md, "Retired").
+    # Named for the patch ``evacuation-abort-restores`` (now removed: docs/design/patches.md, "Retired").
     await replay_and_record(handle, "site_evacuation_aborted_restores_after_continue_as_new")
 
 

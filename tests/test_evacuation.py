@@ -141,7 +141,7 @@ async def test_four_of_eight_failing_evacuates_once_and_restores_stepwise(inc: I
     status = await poll(lambda: _closed(site_handle), timeout=15)
     assert status.incident.history[-1].outcome == "restored"
     # Named for the patch ``evacuation-abort-restores`` (only what it cordoned is uncordoned; now
-    # deprecated, and the files of runs before it gone: docs/design/patches.md, "Retired").
+    # removed: docs/design/patches.md, "Retired").
     await replay_and_record(inc.evacuation("a"), "site_evacuation_restored_releases")
     await replay_and_record(site_handle, "site_incident_tripped")
 

@@ -219,29 +219,23 @@ EXPECTED = {
     "site_evacuation_looked_at_in_its_first_task",
     "site_evacuation_recovered_in_its_first_task",
     # Temporal's cancel ends an evacuation at any step as an abort does, and the run cancelled
-    # (``evacuation-cancel-is-an-abort``, tests/test_evacuation.py); ``site_evacuation_cancelled_restores``,
-    # a cancel in the recovery wait before the patch, replays too.
+    # (``evacuation-cancel-is-an-abort``, tests/test_evacuation.py).
     "site_evacuation_cancelled_waiting_for_replicas_elsewhere", "site_evacuation_cancelled_in_its_first_step",
     "site_evacuation_cancelled_while_proving",
     # What an abort or a failed step puts back runs to its end when a cancel lands meanwhile
-    # (``evacuation-put-back-runs-to-its-end``); ``_before``: the code before, where the cancel
-    # stopped the uncordon in flight and the run ended aborted, half restored.
+    # (``evacuation-put-back-runs-to-its-end``).
     "site_evacuation_cancelled_while_putting_back_after_abort", "site_evacuation_cancelled_while_putting_back_after_failure",
-    "site_evacuation_cancelled_while_putting_back_after_abort_before",
     # An abort waits to the end for the capacity request it stopped, and retires the node it joined,
-    # when a cancel lands meanwhile (``evacuation-abort-waits-for-capacity``); ``_before``: the code
-    # before, where the cancel reached the request, its node was never retired, the run ended aborted.
+    # when a cancel lands meanwhile (``evacuation-abort-waits-for-capacity``).
     "site_evacuation_cancelled_while_an_abort_waits_for_capacity",
-    "site_evacuation_cancelled_while_an_abort_waits_for_capacity_before",
     # A full site's Deployments go to 0 before its drain, which then ends at once
-    # (``evacuation-scales-down-before-draining``, tests/test_evacuation.py); ``_before``: the code
-    # before, where the drain came first and the model's own PodDisruptionBudget held it to the deadline.
-    "site_evacuation_scales_down_before_draining", "site_evacuation_scales_down_before_draining_before",
+    # (``evacuation-scales-down-before-draining``, tests/test_evacuation.py).
+    "site_evacuation_scales_down_before_draining",
     # While its site is down, and while nothing may take its replicas, an evacuation waits on one
     # ``watch_recovery`` that probes inside the activity, which ``recovered`` cuts short
-    # (``evacuation-watches-recovery``, tests/test_evacuation.py); every evacuation history recorded
-    # before it (``site_evacuation_restored_releases``, ``site_evacuation_recovered_while_placing``,
-    # the ``_continued_as_new`` ones) polls, and replays.
+    # (``evacuation-watches-recovery``, tests/test_evacuation.py); the histories recorded before it
+    # (``site_evacuation_recovered_while_placing``, ``site_evacuation_scales_down_before_draining``,
+    # ``site_evacuation_restored_after_continue_as_new_routed``) poll, and replay.
     "site_evacuation_watches_recovery", "site_evacuation_recovered_cuts_the_watch_short",
     "site_evacuation_watches_the_needs_person_wait",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).

@@ -129,66 +129,40 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.watches import RecoveryWatchInput, RecoveryWatchResult
 
 
-#: The three patches below are deprecated, to be removed (docs/design/patches.md, "Retired"): every
-#: run takes their new path, and each call goes once no run holding its non-deprecated marker is
-#: open. ``evacuation-through-routing``: model routes come from each model's Routing entity
-#: (before: written by ``set_site_weight``).
-THROUGH_ROUTING_PATCH = "evacuation-through-routing"
-#: The proof is per node. Each node's smoke-test answer is taken undecoded and
-#: checked here (``SmokeReport``), so a garbled one fails that node's proof, never a workflow
-#: task; the site comes back with the nodes that pass unless the failing ones are as many as
-#: would trip an incident (``fleet.incident.trip_threshold``), and each node that does not pass
-#: stays cordoned and is handed to its Node entity (signal ``quarantine``: cordon, repair ladder).
-#: Before, one failing or garbled node (a hostile one on purpose) held its whole site at weight 0.
-PROOF_PER_NODE_PATCH = "evacuation-proof-per-node"
-#: An evacuation that ends any other way than restored (aborted by an operator,
-#: failed, cancelled) first puts back what it changed: its capacity request stopped (its joins
-#: delete their machines), the site's nodes it cordoned uncordoned, its Deployments and routing
-#: weights as they were, the replicas it added elsewhere and the nodes it bought gone. Every path
-#: (restored too) uncordons only nodes it cordoned itself, and a node held for a reason of its own
-#: (a repair's fenced GPU, a failed proof) stays cordoned, the reason shown. Before, an abort
-#: stopped where it was: nodes cordoned and the site at weight 0 for good.
-RESTORES_PATCH = "evacuation-abort-restores"
-#: One evacuation acts on a site at a time. One that finds another of its site running, begun
-#: first (one started by hand beside the Site entity's, or two entities' runs), follows it: it
-#: changes nothing, says whom it follows, and ends when that one ends, with its outcome. Before,
-#: both acted: each took the other's weight 0 and cordons as "before", and the first to end wrote
-#: weight 100 while the other still held the site out of service.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "Retired"): the seven
+#: patches below, down to ``SCALES_DOWN_BEFORE_DRAINING_PATCH``. Every run open now started after
+#: each of them and takes its new path; each ``workflow.deprecate_patch`` stays where the patch was
+#: asked until no run holding its non-deprecated marker is open.
+#:
+#: One evacuation acts on a site at a time: one that finds another of its site running, begun first
+#: (one started by hand beside the Site entity's, or two entities' runs), follows it: it changes
+#: nothing, says whom it follows, and ends when that one ends, with its outcome (two acting at once
+#: each took the other's weight 0 and cordons as "before"). Asked in a new run's first task.
 FOLLOWS_PATCH = "evacuation-follows-the-first"
 #: A site that recovers while nothing may take its replicas (the needs-person wait: no compliant
-#: site) comes back: the wait probes recovery and wakes on ``declare_recovered``, and a recovered
-#: site skips the moves and the drain and goes to the proof and the restore. Before, the wait
-#: only looked for a place, so such a site stayed at weight 0 until one appeared, recovered or not.
+#: site) comes back: it skips the moves and the drain and goes to the proof and the restore.
+#: Asked as the needs-person wait begins.
 RECOVERED_WHILE_PLACING_PATCH = "evacuation-recovered-while-placing"
 #: Temporal's cancel (the UI's button, ``temporal workflow cancel``) ends an evacuation at any step as
-#: an abort does: what it changed put back, then the run ends cancelled (``FleetState`` and
-#: ``progress.state`` ``cancelled``). Before, a cancel that reached an activity was taken for that
-#: step's failure: in the wait for the replicas elsewhere for "not ready" (and the site drained
-#: anyway), in its first step for "acting without knowing of others", in the proof for a failed
-#: smoke test, at any other step for a failed evacuation. Asked only where a cancel is seen.
+#: an abort does, never as that step's failure: what it changed put back, then the run ends cancelled
+#: (``FleetState`` and ``progress.state`` ``cancelled``). Asked only where a cancel is seen.
 CANCEL_IS_AN_ABORT_PATCH = "evacuation-cancel-is-an-abort"
 #: What the evacuation puts back as it ends (``_undo``: an abort's, a failed step's) runs to its end
-#: when Temporal's cancel lands meanwhile, and an abort's then ends the run Canceled. Before, the
-#: cancel stopped the step in flight (an uncordon, the Deployments or weights back): it failed, the
-#: rest was skipped, and the run ended aborted with the site half restored and ``needs_person`` set.
-#: Asked only where a cancel lands during a put-back.
+#: when Temporal's cancel lands meanwhile, and an abort's then ends the run Canceled. Asked only where
+#: a cancel lands during a put-back.
 PUT_BACK_TO_ITS_END_PATCH = "evacuation-put-back-runs-to-its-end"
 #: An abort while the capacity request buys waits for the request it stopped to the end when
-#: Temporal's cancel lands meanwhile, then retires the nodes it joined and the run ends Canceled.
-#: Before, the cancel cancelled the wait and the request with it: the request ended Canceled, its
-#: result was lost, and the nodes it had joined were never retired (they billed on for nobody)
-#: while the run ended aborted. Asked only where a cancel lands during that wait.
+#: Temporal's cancel lands meanwhile (its result names the nodes it joined, for the put-back to
+#: retire), and the run ends Canceled. Asked only where a cancel lands during that wait.
 ABORT_WAITS_FOR_CAPACITY_PATCH = "evacuation-abort-waits-for-capacity"
 #: A node it bought whose drain blocked as it ends (a PodDisruptionBudget, the deadline) is
-#: uncordoned, its site's like any other node there, and the timeline says so. Before, it stayed
-#: cordoned for good: paid for, and nothing could use it. Asked only where such a drain blocked.
+#: uncordoned, its site's like any other node there, and the timeline says so. Asked only where such
+#: a drain blocked.
 RELEASES_BLOCKED_DRAIN_PATCH = "evacuation-releases-blocked-drain"
 #: The site's Deployments go to 0 before its nodes are drained (the replicas elsewhere are ready by
-#: then). Before, they went after: each Deployment's own PodDisruptionBudget (maxUnavailable 1)
-#: let a drain evict one replica, whose replacement could not schedule on the cordoned site, and
-#: refused the next until the deadline, so with two replicas at the site the drain took all of
-#: ``drain_seconds`` (5 minutes by default) and named gpufleet's own replicas as blocked. Asked at
-#: the drain, where the two orders part.
+#: then): each Deployment's own PodDisruptionBudget (maxUnavailable 1) would otherwise let a drain
+#: evict one replica, whose replacement cannot schedule on the cordoned site, and refuse the next
+#: until ``drain_seconds`` ran out. Asked at the drain.
 SCALES_DOWN_BEFORE_DRAINING_PATCH = "evacuation-scales-down-before-draining"
 #: While its site is down, and while nothing may take its replicas (the needs-person wait), the
 #: evacuation waits on one activity, ``watch_recovery``, that probes recovery every ``probe_seconds``
@@ -217,7 +191,7 @@ class SiteEvacuation:
         #: activity asks): what ``declare_recovered`` is refused or taken against.
         self._follow_known = False
         self._recovered = ""
-        self._recovered_placing = False  # RECOVERED_WHILE_PLACING_PATCH: back before anything moved
+        self._recovered_placing = False  # back before anything moved: nothing to move or drain
         self._abort = ""
         self._retry = 0
         self._acquired: list = []
@@ -351,9 +325,11 @@ class SiteEvacuation:
 
     def _cancelled(self, error: BaseException) -> bool:
         """Whether ``error`` is this evacuation's cancel reaching the step it was in: it then ends as
-        an abort does, never as the step's failure. Runs before ``CANCEL_IS_AN_ABORT_PATCH`` took it
-        for the step's failure, and replay so."""
-        return cancelled_by_request(error) and workflow.patched(CANCEL_IS_AN_ABORT_PATCH)
+        an abort does, never as the step's failure (``CANCEL_IS_AN_ABORT_PATCH``, asked only then)."""
+        if not cancelled_by_request(error):
+            return False
+        workflow.deprecate_patch(CANCEL_IS_AN_ABORT_PATCH)
+        return True
 
     def _end_cancelled(self, why: str) -> None:
         self._mark("ended", why)
@@ -406,35 +382,33 @@ class SiteEvacuation:
             self._progress = EvacuationProgress(site=site)
             workflow.upsert_search_attributes([sa.SITE.value_set(site), sa.FLEET_STATE.value_set("evacuating")])
             self._mark("detected", args.reason)
-            if workflow.patched(FOLLOWS_PATCH):
-                try:
-                    first: str = await workflow.execute_activity(
-                        act.evacuation_begun_first, EvacuationRef(site=site, workflow_id=workflow.info().workflow_id),
-                        start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
-                        summary=f"another evacuation of {site} begun first?",
-                    )
-                except (ActivityError, asyncio.CancelledError) as error:
-                    # A cancel comes as the activity cancelled, or (the activity completed as the
-                    # cancel came) as the wait's own cancel.
-                    if self._cancelled(error):
-                        self._end_cancelled(f"{cancelled_words()} before it changed anything")
-                        raise
-                    if isinstance(error, asyncio.CancelledError):
-                        raise
-                    # Temporal's visibility away for minutes: acting is safer than not evacuating.
-                    first = ""
-                    self._mark("acting without knowing of others", failure_text(error))
-                self._follow_known = True
-                if first:
-                    return await self._follow(first)
+            workflow.deprecate_patch(FOLLOWS_PATCH)
+            try:
+                first: str = await workflow.execute_activity(
+                    act.evacuation_begun_first, EvacuationRef(site=site, workflow_id=workflow.info().workflow_id),
+                    start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                    summary=f"another evacuation of {site} begun first?",
+                )
+            except (ActivityError, asyncio.CancelledError) as error:
+                # A cancel comes as the activity cancelled, or (the activity completed as the
+                # cancel came) as the wait's own cancel.
+                if self._cancelled(error):
+                    self._end_cancelled(f"{cancelled_words()} before it changed anything")
+                    raise
+                if isinstance(error, asyncio.CancelledError):
+                    raise
+                # Temporal's visibility away for minutes: acting is safer than not evacuating.
+                first = ""
+                self._mark("acting without knowing of others", failure_text(error))
             self._follow_known = True
+            if first:
+                return await self._follow(first)
         try:
             await self._evacuate(args.carry.phase if args.carry else "")
             outcome = "restored"
             self._state("restored")
             self._mark("restored")
         except Aborted as stop:
-            workflow.deprecate_patch(RESTORES_PATCH)
             await self._undo(f"aborted: {stop}")
             if self._cancel_taken:
                 # Cancelled while it put back: all is back, and the run ends as the cancel asked.
@@ -446,7 +420,6 @@ class SiteEvacuation:
         except (FailureError, asyncio.CancelledError) as error:
             # Failed (a step out of retries) or cancelled: the incident ends here too, so what it
             # changed goes back before the failure is reported.
-            workflow.deprecate_patch(RESTORES_PATCH)
             if self._cancelled(error):
                 # As an abort, and the run ends cancelled (the SDK sees the request and a cancel error).
                 why = cancelled_words()
@@ -555,8 +528,6 @@ class SiteEvacuation:
         return next((x.desired_replicas for x in self._facts.elsewhere if (x.model, x.site) == (model, site)), 0)
 
     async def _weight(self, percent: int, healthy: bool, draining: bool, incident: str) -> SiteWeightResult:
-        # The model routes come from each model's Routing entity (the one writer of routes).
-        workflow.deprecate_patch(THROUGH_ROUTING_PATCH)
         if percent > 0:
             draining = False  # a site on its way back takes new sessions up to its cap
         result: SiteWeightResult = await workflow.execute_activity(
@@ -614,8 +585,8 @@ class SiteEvacuation:
                     for m, why in sorted(plan.impossible.items())
                 )
                 self._state("needs-person")
-                watch_recovery = workflow.patched(RECOVERED_WHILE_PLACING_PATCH)
-                if watch_recovery and workflow.patched(RECOVERY_WATCH_PATCH):
+                workflow.deprecate_patch(RECOVERED_WHILE_PLACING_PATCH)
+                if workflow.patched(RECOVERY_WATCH_PATCH):
                     await self._watch_placing(sorted(plan.impossible))
                     if await self._recovered_while_placing(look=False):
                         return {}
@@ -623,13 +594,12 @@ class SiteEvacuation:
                     # Runs from before RECOVERY_WATCH_PATCH: a timer, a probe and the facts each time.
                     at = workflow.now() + timedelta(seconds=s.probe_seconds)
                     self._show("waiting: nothing may take the replicas",
-                               f"looking again at {at:%H:%M:%S} UTC (or `gpufleet evacuate retry`)"
-                               + ("; a site that recovers meanwhile comes back" if watch_recovery else ""))
+                               f"looking again at {at:%H:%M:%S} UTC (or `gpufleet evacuate retry`); a site that "
+                               "recovers meanwhile comes back")
                     seen = self._retry
-                    await self._wait(s.probe_seconds,
-                                     lambda: self._retry != seen or (watch_recovery and bool(self._recovered)),
+                    await self._wait(s.probe_seconds, lambda: self._retry != seen or bool(self._recovered),
                                      "look again for a compliant site")
-                    if watch_recovery and await self._recovered_while_placing():
+                    if await self._recovered_while_placing():
                         return {}
                 self._facts = await workflow.execute_activity(
                     act.evacuation_facts, SiteRef(site=site),
@@ -740,7 +710,6 @@ class SiteEvacuation:
         self._mark("capacity requested", f"{count} nodes ({missing_gpus} GPUs) at {', '.join(targets)}")
         self._show("waiting for capacity", f"{count} nodes from {child_id} {self._until(request['deadline_seconds'])} "
                                            "at most; then the replicas move to what joined")
-        workflow.deprecate_patch(RESTORES_PATCH)
         self._capacity = asyncio.ensure_future(workflow.execute_child_workflow(
             flows.AcquireCapacity.TYPE, request, id=child_id, result_type=CapacityResult,
             # Cancel, not terminate: its joins then delete their machines (a terminated
@@ -771,16 +740,20 @@ class SiteEvacuation:
 
     async def _capacity_to_its_end(self) -> CapacityResult:
         """The result of the capacity request an abort stopped, waited for to the end even when
-        Temporal's cancel lands meanwhile: cancelled, the wait cancelled the request too, whose
-        result (the nodes it joined, for the put-back to retire) was lost. The cancel is taken
+        Temporal's cancel lands meanwhile: a cancelled wait would cancel the request too, and lose its
+        result (the nodes it joined, for the put-back to retire). The cancel is taken
         (``_cancel_taken``): the run ends as it asked once all is put back."""
-        return await to_its_end_if(lambda: self._took_cancel(workflow.patched(ABORT_WAITS_FOR_CAPACITY_PATCH)),
-                                   self._capacity)
+        def takes_cancel() -> bool:
+            workflow.deprecate_patch(ABORT_WAITS_FOR_CAPACITY_PATCH)  # asked only where a cancel landed
+            return self._take_cancel()
 
-    def _took_cancel(self, taken: bool) -> bool:
-        """``taken`` (a patch's answer where a cancel landed), kept in ``_cancel_taken``."""
-        self._cancel_taken = self._cancel_taken or taken
-        return taken
+        return await to_its_end_if(takes_cancel, self._capacity)
+
+    def _take_cancel(self) -> bool:
+        """A cancel landed during a step that runs to its end: the run ends as the cancel asked once
+        all is back (``_cancel_taken``)."""
+        self._cancel_taken = True
+        return True
 
     @staticmethod
     def _until(seconds: Any) -> str:
@@ -833,11 +806,10 @@ class SiteEvacuation:
         blocked = []
         # Its replicas elsewhere are ready: the site's go first, so no drain waits on their
         # PodDisruptionBudgets (a replacement could never schedule on the cordoned site).
-        scale_first = workflow.patched(SCALES_DOWN_BEFORE_DRAINING_PATCH)
-        if scale_first:
-            for here in self._facts.here:
-                await self._scale(here.model, site, 0)
-            self._check()  # aborted meanwhile: nothing cordoned, the Deployments go back
+        workflow.deprecate_patch(SCALES_DOWN_BEFORE_DRAINING_PATCH)
+        for here in self._facts.here:
+            await self._scale(here.model, site, 0)
+        self._check()  # aborted meanwhile: nothing cordoned, the Deployments go back
 
         async def drain(name: str) -> None:
             self._cordoning.append(name)  # cordoned from here on, even if the drain then fails
@@ -850,9 +822,6 @@ class SiteEvacuation:
                                f"until {by:%H:%M:%S} UTC (then the pods left are named)")
         await asyncio.gather(*(drain(n.name) for n in self._facts.nodes))
         self._check()
-        if not scale_first:
-            for here in self._facts.here:
-                await self._scale(here.model, site, 0)
         self._mark("drained", f"{len(p.drained)} nodes" + (f"; blocked: {'; '.join(blocked)}" if blocked else ""))
 
     async def _wait_recovery(self) -> None:
@@ -914,7 +883,6 @@ class SiteEvacuation:
         self._show("smoke-testing the nodes", f"{len(nodes)} nodes at {site} until {by:%H:%M:%S} UTC at most (one "
                                               "that has not answered by then fails its proof)")
         failures = []
-        workflow.deprecate_patch(PROOF_PER_NODE_PATCH)
         unproven: dict[str, str] = {}
 
         async def smoke(name: str) -> None:
@@ -1007,11 +975,14 @@ class SiteEvacuation:
 
     async def _undo(self, why: str) -> None:
         """``_put_back``, to its end even when Temporal's cancel lands meanwhile (during an abort's
-        put-back or a failed step's): cancelled, the step in flight failed and the rest was skipped,
-        the site left half restored. The cancel is taken (it reaches a run once): ``_cancel_taken``
-        says so, for the run to end as it asked once all is back."""
-        await to_its_end_if(lambda: self._took_cancel(workflow.patched(PUT_BACK_TO_ITS_END_PATCH)),
-                            asyncio.ensure_future(self._put_back(why)))
+        put-back or a failed step's), which would leave the site half restored. The cancel is taken
+        (it reaches a run once): ``_cancel_taken`` says so, for the run to end as it asked once all
+        is back."""
+        def takes_cancel() -> bool:
+            workflow.deprecate_patch(PUT_BACK_TO_ITS_END_PATCH)  # asked only where a cancel landed
+            return self._take_cancel()
+
+        await to_its_end_if(takes_cancel, asyncio.ensure_future(self._put_back(why)))
 
     async def _put_back(self, why: str) -> None:
         """Put back what this evacuation changed (it ends without restoring): the capacity request
@@ -1046,7 +1017,6 @@ class SiteEvacuation:
     async def _restore(self, undo: bool = False) -> None:
         p, s, site = self._progress, self._s, self._args.site
         self._putting_back = True
-        workflow.deprecate_patch(RESTORES_PATCH)
         await self._release()
         deadline = workflow.now() + timedelta(seconds=s.ready_seconds)
         for here in self._facts.here:
@@ -1116,7 +1086,8 @@ class SiteEvacuation:
             retired += outcome.retired
             if outcome.kept:
                 kept[node.node_name] = outcome.kept
-            if outcome.blocked and workflow.patched(RELEASES_BLOCKED_DRAIN_PATCH):
+            if outcome.blocked:
+                workflow.deprecate_patch(RELEASES_BLOCKED_DRAIN_PATCH)
                 kept[node.node_name] = await self._release_blocked(node.site, node.node_name, outcome.blocked)
             if outcome.failed:
                 self._progress.needs_person = f"{node.node_name}: {outcome.failed}"
