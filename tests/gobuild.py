@@ -1,5 +1,6 @@
 """The command line the Go-built test components' build scripts share (tests/realk8s/build.py,
-tests/realtemporal/build.py, tests/helm/build.py, tests/prometheus_operator/build.py).
+tests/realtemporal/build.py, tests/helm/build.py, tests/prometheus_operator/build.py,
+tests/ec2_metadata_mock/build.py).
 
 stdlib only: bootstrap.py runs those scripts before any venv exists.
 """

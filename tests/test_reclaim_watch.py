@@ -1,52 +1,120 @@
-"""A node's spot notice sources (``workers.reclaim_watch``): AWS's IMDSv2 as a node reads it
-(a stub metadata service on loopback), and ``auto``, what the shipped DaemonSet sets, picking
-the source of the provider gpufleet named in the node's providerID."""
+"""A node's spot notice sources (``workers.reclaim_watch``) as a node reads them: AWS's IMDSv2
+from AWS's own EC2 metadata mock, GCE's ``instance/preempted`` from a loopback stand-in, and
+``auto``, what the shipped DaemonSet sets, picking the source of the provider gpufleet named in
+the node's providerID."""
 
 from __future__ import annotations
 
-import json
+import subprocess
 import threading
+import time
 from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
+import httpx
 import pytest
+from temporalio.testing import ActivityEnvironment
 
+from activities.node_agent import NodeAgentActivities, NodeWatch
 from fleet.cluster import gpufleet_provider_id
+from fleet.messages.repair import NodeWatchInput
+from tests.ec2_metadata_mock import build as aemm
+from tests.ports import free_port
+from tests.tools import skip_or_fail
+from workers import reclaim_watch
 from workers.reclaim_watch import aws_spot_notice, gcp_preempted, spot_notice_source
 
-TOKEN = "imds-token-1"
 NOTICE_AT = "2026-05-01T12:02:00Z"
+INSTANCE_ACTION = "/latest/meta-data/spot/instance-action"
+PREEMPTED = "/computeMetadata/v1/instance/preempted"
 
 
-class StubImds:
-    """IMDSv2: a token from ``PUT /latest/api/token``; ``spot/instance-action`` only with it,
-    404 until a notice is posted."""
+@pytest.fixture
+def ec2_metadata_mock(tmp_path: Path) -> Iterator[Callable[..., str]]:
+    """``start(*spot_flags)``: AWS's EC2 metadata mock (tests/ec2_metadata_mock/build.py) serving
+    ``spot`` on loopback with IMDSv2 required (``-I``), as gpufleet launches its instances; its URL."""
+    reason = aemm.missing_reason()
+    if reason:
+        skip_or_fail(reason)
+    started: list[subprocess.Popen] = []
+
+    def start(*spot_flags: str) -> str:
+        port = free_port()
+        log = tmp_path / f"aemm-{port}.log"
+        # HOME and the working folder: no aemm-config.json of anyone's is read.
+        with log.open("wb") as out:
+            mock = subprocess.Popen(
+                [str(aemm.mock_path()), "spot", "-I", "-n", "127.0.0.1", "-p", str(port), *spot_flags],
+                cwd=tmp_path, env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"}, stdout=out, stderr=subprocess.STDOUT)
+        started.append(mock)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                httpx.get(f"{url}/latest/meta-data", timeout=1)
+                return url
+            except httpx.TransportError:
+                if mock.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"the EC2 metadata mock did not start:\n{log.read_text()}")
+                time.sleep(0.1)
+
+    yield start
+    for mock in started:
+        mock.terminate()
+        try:
+            mock.wait(5)
+        except subprocess.TimeoutExpired:
+            mock.kill()
+            mock.wait()
+
+
+@pytest.mark.integration  # the mock is a process
+def test_the_aws_source_reads_no_notice_before_the_interruption(ec2_metadata_mock) -> None:
+    """The interruption an hour away: IMDS answers 404, the node has no notice."""
+    imds = ec2_metadata_mock("--mock-delay-sec", "3600")
+    assert aws_spot_notice(imds) is None
+
+
+@pytest.mark.integration  # the mock is a process
+def test_the_aws_source_reads_the_interruption_time_with_an_imdsv2_token(ec2_metadata_mock) -> None:
+    """With the interruption posted: its termination time. IMDSv2 only: a read without a session
+    token is refused, so the source's read goes through its token."""
+    imds = ec2_metadata_mock("--time", NOTICE_AT)
+    assert httpx.get(f"{imds}{INSTANCE_ACTION}").status_code == 401
+    assert aws_spot_notice(imds) == datetime(2026, 5, 1, 12, 2, tzinfo=timezone.utc).timestamp()
+
+
+class StandInGceMetadata:
+    """GCE's metadata server, the slice the GCP source reads. A stand-in because no registry
+    publishes an emulator of it that serves ``instance/preempted`` (searched: PyPI, npm and the Go
+    module proxy; the Go proxy refuses the GitHub ones). As GCE documents it: a request without
+    ``Metadata-Flavor: Google`` gets 403, every answer carries that header, an unknown key 404,
+    and ``preempted`` is ``FALSE`` until the preemption, then ``TRUE``. ``answer`` replaces the
+    server's answer (status, body) to play a broken one."""
 
     def __init__(self) -> None:
-        self.notice: dict | None = None
-        self.calls: list[tuple[str, str]] = []
-        stub = self
+        self.preempted = False
+        self.answer: tuple[int, bytes] | None = None
+        self.flavors: list[str | None] = []  # each request's Metadata-Flavor header
+        stand_in = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_PUT(self) -> None:
-                stub.calls.append(("PUT", self.path))
-                ttl = self.headers.get("X-aws-ec2-metadata-token-ttl-seconds")
-                if self.path != "/latest/api/token" or not ttl:
-                    return self._answer(400, b"")
-                self._answer(200, TOKEN.encode())
-
             def do_GET(self) -> None:
-                stub.calls.append(("GET", self.path))
-                if self.headers.get("X-aws-ec2-metadata-token") != TOKEN:
-                    return self._answer(401, b"")
-                if self.path != "/latest/meta-data/spot/instance-action" or stub.notice is None:
-                    return self._answer(404, b"")
-                self._answer(200, json.dumps(stub.notice).encode())
+                stand_in.flavors.append(self.headers.get("Metadata-Flavor"))
+                if self.headers.get("Metadata-Flavor") != "Google":
+                    return self._answer(403, b"Missing required header: Metadata-Flavor")
+                if stand_in.answer is not None:
+                    return self._answer(*stand_in.answer)
+                if self.path != PREEMPTED:
+                    return self._answer(404, b"Not Found")
+                self._answer(200, b"TRUE" if stand_in.preempted else b"FALSE")
 
             def _answer(self, status: int, body: bytes) -> None:
                 self.send_response(status)
+                self.send_header("Metadata-Flavor", "Google")
+                self.send_header("Content-Type", "application/text")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -60,19 +128,58 @@ class StubImds:
 
 
 @pytest.fixture
-def imds() -> Iterator[StubImds]:
-    stub = StubImds()
-    yield stub
-    stub.server.shutdown()
-    stub.server.server_close()
+def gce(monkeypatch) -> Iterator[StandInGceMetadata]:
+    monkeypatch.setattr(reclaim_watch, "_first_seen", {})  # each test's preemption is seen first in it
+    stand_in = StandInGceMetadata()
+    yield stand_in
+    stand_in.server.shutdown()
+    stand_in.server.server_close()
 
 
-def test_the_aws_source_reads_the_notice_with_an_imdsv2_token(imds: StubImds) -> None:
-    """No notice: 404, None. A notice: its termination time. Each read asks for a token first."""
-    assert aws_spot_notice(imds.url) is None
-    imds.notice = {"action": "terminate", "time": NOTICE_AT}
-    assert aws_spot_notice(imds.url) == datetime(2026, 5, 1, 12, 2, tzinfo=timezone.utc).timestamp()
-    assert imds.calls == [("PUT", "/latest/api/token"), ("GET", "/latest/meta-data/spot/instance-action")] * 2
+def test_the_gcp_source_reads_preempted_with_the_metadata_flavor_header(gce: StandInGceMetadata) -> None:
+    """``FALSE``: no notice. ``TRUE``: 30 s from when it was first seen, the same time on each
+    later probe. Every read says ``Metadata-Flavor: Google``, without which GCE answers 403."""
+    assert gcp_preempted(gce.url) is None
+    gce.preempted = True
+    before = time.time()
+    first = gcp_preempted(gce.url)
+    assert first is not None and before + 30 <= first <= time.time() + 30
+    assert gcp_preempted(gce.url) == first
+    assert gce.flavors == ["Google"] * 3
+    assert httpx.get(f"{gce.url}{PREEMPTED}").status_code == 403
+
+
+@pytest.mark.parametrize("answer", [
+    (404, b"Not Found"),  # no such key on this metadata server
+    (200, b"<html>a captive portal</html>"),
+    (200, b"true-ish"),
+    (503, b"TRUE"),  # an error page is no preemption, whatever it says
+])
+def test_the_gcp_source_reads_no_notice_from_a_missing_key_or_a_garbage_answer(gce, answer) -> None:
+    gce.preempted, gce.answer = True, answer
+    assert gcp_preempted(gce.url) is None
+
+
+class NoGpus:
+    """A node's GPU backend with nothing to report: the test is the notice."""
+
+    def boot_id(self) -> str:
+        return "boot-1"
+
+    def probe(self) -> list:
+        return []
+
+
+async def test_an_unreachable_metadata_server_gives_no_notice_and_the_agents_watch_goes_on() -> None:
+    """``gcp`` chosen on a machine whose metadata server does not answer (nothing listens there):
+    the agent's watch still returns the node's state, with no notice, and the next probe reads again."""
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(httpx.TransportError):
+        gcp_preempted(nowhere)
+    watch = NodeWatch(NoGpus(), notice=lambda: gcp_preempted(nowhere), interval_s=0)
+    agent = NodeAgentActivities("gcp-node", NoGpus(), watch)
+    result = await ActivityEnvironment().run(agent.watch_node, NodeWatchInput(node_name="gcp-node"))
+    assert result.node_name == "gcp-node" and result.reclaim_at is None and result.seq == 1
 
 
 def kubeadm_flags(tmp_path: Path, provider_id: str) -> Path:
@@ -107,6 +214,7 @@ def test_auto_reads_none_on_a_node_gpufleet_did_not_join(tmp_path) -> None:
 
 def test_a_named_source_is_read_on_any_node_and_an_unknown_one_is_refused() -> None:
     assert spot_notice_source("aws") is aws_spot_notice
+    assert spot_notice_source("gcp") is gcp_preempted
     assert spot_notice_source("") is None
     with pytest.raises(ValueError, match="GPUFLEET_SPOT_NOTICE: 'azure' is not auto, aws or gcp"):
         spot_notice_source("azure")

@@ -3,7 +3,8 @@
 - Sim: ``SimWorld.reclaim_notices()`` (``gpufleet sim reclaim NODE`` posts one).
 - AWS: IMDSv2 ``/latest/meta-data/spot/instance-action`` (404 until a notice;
   then ``{"action": "terminate", "time": "2026-...Z"}``).
-- GCP: ``computeMetadata/v1/instance/preempted`` answers ``TRUE`` (30 s notice).
+- GCP: ``computeMetadata/v1/instance/preempted`` answers ``TRUE`` (30 s notice), ``FALSE``
+  until then; the metadata server answers only a request with ``Metadata-Flavor: Google``.
 - ``auto`` (what the shipped manifests set): the node's own provider's source, or none for a
   provider without one. The provider is the one the control plane named in the node's
   providerID (``gpufleet://<provider>/<account>/<node>``, put in the machine's user data and
@@ -30,7 +31,7 @@ from fleet.cluster import provider_of
 log = logging.getLogger(__name__)
 
 IMDS = "http://169.254.169.254"
-GCP_METADATA = "http://metadata.google.internal/computeMetadata/v1/instance/preempted"
+GCE_METADATA = "http://metadata.google.internal"
 #: Where kubeadm writes the kubelet's flags (``--provider-id`` among them) on a node it joined;
 #: the node agent's DaemonSet mounts it read-only.
 KUBELET_FLAGS = Path("/var/lib/kubelet/kubeadm-flags.env")
@@ -52,11 +53,13 @@ def aws_spot_notice(imds: str = IMDS) -> float | None:
     return datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp() if when else _first_seen.setdefault("aws", time.time() + 120)
 
 
-def gcp_preempted() -> float | None:
+def gcp_preempted(metadata: str = GCE_METADATA) -> float | None:
     """30 s from when the preemption was first seen: the same time on every later probe (the
-    watch returns on a changed notice, so a moving time would return it on every probe)."""
+    watch returns on a changed notice, so a moving time would return it on every probe).
+    Anything but ``200 TRUE`` (``FALSE``, a missing key, an error page) is no notice."""
     with httpx.Client(timeout=2) as http:
-        response = http.get(GCP_METADATA, headers={"Metadata-Flavor": "Google"})
+        response = http.get(f"{metadata}/computeMetadata/v1/instance/preempted",
+                            headers={"Metadata-Flavor": "Google"})
     if response.status_code == 200 and response.text.strip() == "TRUE":
         return _first_seen.setdefault("gcp", time.time() + 30)
     return None
