@@ -149,6 +149,17 @@ def test_the_gcp_source_reads_preempted_with_the_metadata_flavor_header(gce: Sta
     assert httpx.get(f"{gce.url}{PREEMPTED}").status_code == 403
 
 
+def test_metadata_is_read_directly_whatever_proxy_the_node_names(gce: StandInGceMetadata, monkeypatch) -> None:
+    """A node's ``HTTP_PROXY`` (set for its image pulls, say) is not the way to the machine's own
+    metadata service: the proxy cannot reach it, or answers for it."""
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens: a read through it fails
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    monkeypatch.delenv("no_proxy", raising=False)
+    gce.preempted = True
+    assert gcp_preempted(gce.url) is not None
+
+
 @pytest.mark.parametrize("answer", [
     (404, b"Not Found"),  # no such key on this metadata server
     (200, b"<html>a captive portal</html>"),

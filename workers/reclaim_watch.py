@@ -31,6 +31,10 @@ from fleet.cluster import provider_of
 log = logging.getLogger(__name__)
 
 IMDS = "http://169.254.169.254"
+#: Metadata is read straight from the link-local server, never through a proxy the node's
+#: environment names (``HTTP_PROXY``): a proxy would not reach the machine's own metadata service,
+#: or could answer for it with a notice of its choosing.
+_DIRECT = dict(timeout=2, trust_env=False)
 GCE_METADATA = "http://metadata.google.internal"
 #: Where kubeadm writes the kubelet's flags (``--provider-id`` among them) on a node it joined;
 #: the node agent's DaemonSet mounts it read-only.
@@ -41,7 +45,7 @@ _first_seen: dict[str, float] = {}
 
 def aws_spot_notice(imds: str = IMDS) -> float | None:
     """Termination time (epoch s) from AWS IMDSv2, or None without a notice."""
-    with httpx.Client(timeout=2) as http:
+    with httpx.Client(**_DIRECT) as http:
         token = http.put(f"{imds}/latest/api/token", headers={"X-aws-ec2-metadata-token-ttl-seconds": "300"})
         token.raise_for_status()
         response = http.get(f"{imds}/latest/meta-data/spot/instance-action",
@@ -57,7 +61,7 @@ def gcp_preempted(metadata: str = GCE_METADATA) -> float | None:
     """30 s from when the preemption was first seen: the same time on every later probe (the
     watch returns on a changed notice, so a moving time would return it on every probe).
     Anything but ``200 TRUE`` (``FALSE``, a missing key, an error page) is no notice."""
-    with httpx.Client(timeout=2) as http:
+    with httpx.Client(**_DIRECT) as http:
         response = http.get(f"{metadata}/computeMetadata/v1/instance/preempted",
                             headers={"Metadata-Flavor": "Google"})
     if response.status_code == 200 and response.text.strip() == "TRUE":
