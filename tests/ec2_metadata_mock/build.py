@@ -19,73 +19,20 @@ stdlib only: bootstrap.py calls this before any venv exists.
 
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+if __name__ == "__main__":  # a script: the repository's tests package
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from tests.gobuild import GoInstalled  # noqa: E402
 
 #: The newest release the module proxy serves.
 VERSION = "v1.13.0"
-COMMAND = "github.com/aws/amazon-ec2-metadata-mock/cmd/ec2-metadata-mock"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("GPUFLEET_EC2_METADATA_MOCK_CACHE") or str(
-        Path.home() / ".cache" / "gpufleet" / "ec2-metadata-mock")
-    return Path(root) / VERSION
-
-
-def bin_dir() -> Path:
-    return cache_dir() / "bin"
-
-
-def mock_path() -> Path:
-    return bin_dir() / "ec2-metadata-mock"
-
-
-def built() -> bool:
-    stamp = cache_dir() / "built"
-    return stamp.exists() and stamp.read_text() == VERSION and mock_path().exists()
-
-
-def missing_reason() -> str | None:
-    """None when the mock is built; else one line saying what is missing and how to get it."""
-    if built():
-        return None
-    if shutil.which("go") is None:
-        return (f"AWS's EC2 metadata mock {VERSION} is not built, and building it needs Go (`go` on PATH, then "
-                "`python3 tests/ec2_metadata_mock/build.py`; bootstrap.py test does)")
-    return (f"AWS's EC2 metadata mock {VERSION} is not built: run `python3 tests/ec2_metadata_mock/build.py` "
-            "(bootstrap.py test does)")
-
-
-def build() -> Path:
-    if built():
-        return bin_dir()
-    if shutil.which("go") is None:
-        raise SystemExit(missing_reason())
-    started = time.monotonic()
-    bin_dir().mkdir(parents=True, exist_ok=True)
-    (cache_dir() / "built").unlink(missing_ok=True)
-    # As the other Go-built components build (no cgo, this machine's Go), so shared packages are compiled once.
-    env = {**os.environ, "CGO_ENABLED": "0", "GOTOOLCHAIN": "local"}
-    print(f"building AWS's EC2 metadata mock {VERSION} from the Go module proxy into {bin_dir()}", flush=True)
-    partial = cache_dir() / "gobin"  # go install names the binary itself: moved into bin/ once whole
-    done = subprocess.run(["go", "install", "-ldflags", "-s -w", f"{COMMAND}@{VERSION}"], cwd=cache_dir(),
-                          env={**env, "GOBIN": str(partial)}, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"`go install {COMMAND}@{VERSION}` failed:\n{done.stderr[-6000:]}")
-    (partial / "ec2-metadata-mock").rename(mock_path())
-    partial.rmdir()
-    (cache_dir() / "built").write_text(VERSION)
-    print(f"AWS's EC2 metadata mock {VERSION} built in {time.monotonic() - started:.0f} s", flush=True)
-    return bin_dir()
-
+TOOL = GoInstalled(title="AWS's EC2 metadata mock", command="github.com/aws/amazon-ec2-metadata-mock/cmd/ec2-metadata-mock",
+                   version=VERSION, cache_env="GPUFLEET_EC2_METADATA_MOCK_CACHE", folder="ec2-metadata-mock",
+                   script="tests/ec2_metadata_mock/build.py")
+built, build, missing_reason, mock_path = TOOL.built, TOOL.build, TOOL.missing_reason, TOOL.path
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # a script: the repository's tests package
-    from tests.gobuild import main
-
-    sys.exit(main(sys.argv[1:], built, build, missing_reason))
+    sys.exit(TOOL.main(sys.argv[1:]))
