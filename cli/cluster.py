@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import shlex
 from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from fleet.settings import CONFIG_ENV
@@ -30,21 +32,37 @@ def check(
     tunnels: bool = typer.Option(True, "--tunnels/--no-tunnels",
                                  help="also check the Konnectivity tunnels (skip only when every GPU node "
                                       "shares the control plane's network)"),
+    config: str = typer.Option(None, "--config", envvar=CONFIG_ENV,
+                               help="fleet config (sites.yaml): also check that the control plane may get "
+                                    "each Secret it names"),
 ) -> None:
     """Check that these credentials may do everything the cluster adapter does, that what
     they (and a node's certificate) can reach beyond that is fenced (kubeadm's auto-approve
     bindings removed, the admission policies on the control plane's Secrets and on a node's own
-    marks enforced), and that the API server can reach every gpufleet node's kubelet (Konnectivity).
+    marks enforced), that the API server can reach every gpufleet node's kubelet (Konnectivity),
+    and, given the fleet config, that the control plane's service account may get each Secret
+    it names (the Role ``gpufleet cluster credentials-role`` renders). That last needs
+    credentials that may create SubjectAccessReviews, or the service account's own; with
+    neither it is a warning.
 
     Exit 0 when every permission is granted, the fences stand and the tunnels run, 1 when
     anything is missing or a kubeadm auto-approve binding is present, 2 when the cluster
-    cannot be asked.
+    cannot be asked or the config cannot be read.
     """
-    from providers.cluster.check import check_access, check_hardening, check_tunnels
+    from fleet.config import ConfigError, load_config
+    from providers.cluster.check import check_access, check_credentials_access, check_hardening, check_tunnels
     from providers.cluster.kubernetes import load_api_client
     from providers.cluster.kubernetes.api import unanswered
+    from providers.credentials import CONTROL_PLANE_ACCOUNT, CREDENTIALS_NAMESPACE, control_plane_secret_fields
 
     console = Console()
+    secrets = None
+    if config:  # before the cluster is asked anything: a config that cannot be read is the operator's to fix
+        try:
+            secrets = control_plane_secret_fields(load_config(config), config)
+        except ConfigError as error:
+            console.print(f"[red]cannot check the credentials the fleet config names:[/red] {escape(str(error))}")
+            raise typer.Exit(2) from None
     try:
         api_client = load_api_client(kubeconfig, context)
     except Exception as error:  # noqa: BLE001 - a bad kubeconfig: one line, exit 2
@@ -53,6 +71,8 @@ def check(
         rows = check_access(api_client, namespace)
         hardening = check_hardening(api_client)
         report = check_tunnels(api_client) if tunnels else None
+        credentials = (check_credentials_access(api_client, secrets, CREDENTIALS_NAMESPACE, CONTROL_PLANE_ACCOUNT)
+                       if secrets else None)
     except Exception as error:  # noqa: BLE001 - unreachable, refused: one line, exit 2
         # Never the client's own words for a request it could not send: they quote the request's
         # Authorization header (a token ending in a newline), or a proxied URL with its password.
@@ -76,8 +96,44 @@ def check(
     _print_hardening(console, hardening)
     if report is not None:
         _print_tunnels(console, report)
-    if missing or any(not row.ok for row in hardening) or (report is not None and not report.ok):
+    unreadable = _print_credentials(console, config, secrets, credentials)
+    if missing or any(not row.ok for row in hardening) or (report is not None and not report.ok) or unreadable:
         raise typer.Exit(1)
+
+
+def _print_credentials(console: Console, config: str | None, secrets, access) -> bool:
+    """The Secrets the fleet config names and whether the control plane may get each (never
+    their contents: the check reads none). True when one may not be got."""
+    if not config:
+        console.print("[yellow]no fleet config given[/yellow] (--config or $GPUFLEET_CONFIG): whether the control "
+                      "plane may get the Secrets it names is not checked")
+        return False
+    if not secrets:
+        console.print(f"[green]{escape(config)} names no Secret[/green] for the control plane to get")
+        return False
+    if access.unasked:
+        console.print(f"[yellow]WARNING: not checked whether {access.user} may get the {len(secrets)} Secret(s) "
+                      f"{escape(config)} names[/yellow]: {escape(access.unasked)}; run the check again with "
+                      "credentials that may (e.g. a cluster admin's) or with the service account's own")
+        return False
+    table = Table(title=f"may {access.user} get the Secrets {escape(config)} names?")
+    reasons = any(row.reason for row in access.rows)
+    for column in ("", "secret", "named by", *(("reason",) if reasons else ())):
+        table.add_column(column)
+    for row in access.rows:
+        mark = "[green]ok[/green]" if row.allowed else "[red]MISSING[/red]"
+        table.add_row(mark, f"gpufleet/{row.secret}", escape(", ".join(row.fields)),
+                      *((escape(row.reason),) if reasons else ()))
+    console.print(table)
+    refused = [row for row in access.rows if not row.allowed]
+    if refused:
+        console.print(f"[red]{len(refused)} Secret(s) the control plane may not get[/red] (each call with one fails "
+                      "with BadCredentials); render the credentials Role from this config and apply it: "
+                      f"gpufleet cluster credentials-role --config {escape(shlex.quote(config))} | kubectl apply -f -")
+    else:
+        console.print(f"[green]the control plane may get all {len(access.rows)} Secret(s) "
+                      f"{escape(config)} names[/green]")
+    return bool(refused)
 
 
 def _cannot_check(console: Console, error: Exception) -> NoReturn:
@@ -203,7 +259,6 @@ def credentials_role(
     Exit 2 when the config cannot be read or names a Secret outside ``gpufleet``.
     """
     import yaml
-    from rich.markup import escape
 
     from fleet.config import ConfigError, load_config
     from providers.credentials import credentials_role as render

@@ -129,7 +129,15 @@ def control_plane_secrets(config: FleetConfig, source: str = "<config>") -> list
     """The names of the Secrets the control plane reads (its config's ``secret:`` references),
     sorted, each once. ``ConfigError`` naming the field for a reference it could not read with
     ``credentials_role``'s grant: a Secret outside ``gpufleet``, or no name."""
-    names, problems = set(), []
+    return sorted(control_plane_secret_fields(config, source))
+
+
+def control_plane_secret_fields(config: FleetConfig, source: str = "<config>") -> dict[str, list[str]]:
+    """``control_plane_secrets``, each with the config fields that name it
+    (``accounts.lambda-prod.credentials``), so whoever finds one unreadable can say where it
+    comes from (``gpufleet cluster check``)."""
+    fields: dict[str, list[str]] = {}
+    problems = []
     for where, ref in credential_references(config):
         if not ref.secret or where.split(".", 1)[0] in NOT_READ_BY_THE_CONTROL_PLANE:
             continue
@@ -138,10 +146,10 @@ def control_plane_secrets(config: FleetConfig, source: str = "<config>") -> list
             problems.append(f"{where}: {ref.describe()}: the control plane reads credentials only as "
                             f"`secret: {CREDENTIALS_NAMESPACE}/<name>#<key>` (a Secret in its own namespace)")
         else:
-            names.add(name)
+            fields.setdefault(name, []).append(where)
     if problems:
         raise ConfigError(source, problems)
-    return sorted(names)
+    return dict(sorted(fields.items()))
 
 
 def credentials_role(config: FleetConfig, source: str = "<config>") -> list[dict[str, Any]]:

@@ -4,7 +4,8 @@ can the API server reach the kubelets of nodes behind a provider's NAT?
 One SelfSubjectAccessReview per row of ``providers.cluster.kubernetes.ACCESS``
 (the same table the RBAC manifests are tested against), so a missing verb is
 found before a workflow trips over it; then the Konnectivity server and agents
-(``check_tunnels``).
+(``check_tunnels``); and whether the control plane's service account may get each Secret
+its fleet config names (``check_credentials_access``).
 """
 
 from __future__ import annotations
@@ -66,6 +67,82 @@ def check_access(api_client: k8s.ApiClient, namespace: str = "gpufleet") -> list
             reasons.append(f"{name}: {reason}" if name and reason else reason)
         rows.append(AccessRow(**rule.model_dump(), allowed=allowed, reason="; ".join(r for r in reasons if r)))
     return rows
+
+
+# -- the Secrets the fleet config names: may the control plane get them? ----------------------
+class SecretAccessRow(BaseModel):
+    """May the control plane's service account get one Secret its fleet config names?"""
+
+    #: The Secret's name (in the control plane's namespace).
+    secret: str
+    #: The config fields that name it (``accounts.lambda-prod.credentials``).
+    fields: list[str]
+    allowed: bool
+    #: The authorizer's reason.
+    reason: str = ""
+
+
+class CredentialsAccess(BaseModel):
+    #: Whom the reviews asked about: ``system:serviceaccount:<namespace>:<account>``.
+    user: str
+    rows: list[SecretAccessRow] = Field(default_factory=list)
+    #: Why nothing could be asked (these credentials may not create SubjectAccessReviews), or "".
+    unasked: str = ""
+
+
+def service_account_user(namespace: str, account: str) -> tuple[str, list[str]]:
+    """The username and groups the API server gives the token of that service account."""
+    return (f"system:serviceaccount:{namespace}:{account}",
+            ["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"])
+
+
+def check_credentials_access(api_client: k8s.ApiClient, secrets: dict[str, list[str]], namespace: str,
+                             account: str) -> CredentialsAccess:
+    """For each Secret in ``namespace`` (its name → the config fields naming it), whether the
+    control plane's service account ``account`` (``providers.credentials.CONTROL_PLANE_ACCOUNT``)
+    may ``get`` it: the Role ``gpufleet cluster credentials-role`` renders grants exactly these, so one it may
+    not get fails with ``BadCredentials`` at run time.
+
+    Asked about the account with a SubjectAccessReview (an operator's credentials may create
+    one), or, where these credentials are the account's own token, with a SelfSubjectAccessReview
+    (they may not create the other). Neither possible: ``unasked`` says why. No Secret is read."""
+    user, groups = service_account_user(namespace, account)
+    authorization = k8s.AuthorizationV1Api(api_client)
+    own = _whoami(api_client) == user
+
+    def review(name: str):
+        attributes = {"verb": "get", "group": "", "resource": "secrets", "namespace": namespace, "name": name}
+        if own:
+            return authorization.create_self_subject_access_review({
+                "apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview",
+                "spec": {"resourceAttributes": attributes}})
+        return authorization.create_subject_access_review({
+            "apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+            "spec": {"user": user, "groups": groups, "resourceAttributes": attributes}})
+
+    rows = []
+    for name, fields in secrets.items():
+        try:
+            status = review(name).status
+        except ApiException as error:
+            if error.status != 403:
+                raise
+            return CredentialsAccess(user=user, unasked=f"these credentials may not create subjectaccessreviews "
+                                                        f"({error.status} {error.reason})")
+        rows.append(SecretAccessRow(secret=name, fields=fields, allowed=bool(status.allowed),
+                                    reason=status.reason or status.evaluation_error or ""))
+    return CredentialsAccess(user=user, rows=rows)
+
+
+def _whoami(api_client: k8s.ApiClient) -> str:
+    """The username these credentials carry (a SelfSubjectReview, which every authenticated user
+    may create), or "" where the API server does not say."""
+    try:
+        review = k8s.AuthenticationV1Api(api_client).create_self_subject_review(
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"}, _preload_content=False)
+    except ApiException:
+        return ""
+    return ((json.loads(review.data).get("status") or {}).get("userInfo") or {}).get("username") or ""
 
 
 # -- API server → kubelet tunnels (Konnectivity) ----------------------------------------

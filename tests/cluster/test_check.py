@@ -44,3 +44,16 @@ def test_cli_check_never_prints_the_token(tmp_path, token):
     assert "gpufleet-t0ken" not in result.output, result.output
     if "\n" in token.strip():  # a line break inside: the credentials' source is named
         assert "ClusterForbidden" in result.output and str(kubeconfig) in result.output.replace("\n", "")
+
+
+def test_cli_check_refuses_a_config_naming_a_secret_the_control_plane_cannot_be_granted(tmp_path):
+    """Read before the cluster is asked anything: a credential outside `gpufleet` is named by its
+    field, exit 2, and no kubeconfig is needed to learn it."""
+    config = tmp_path / "sites.yaml"
+    config.write_text(yaml.safe_dump({"mode": "real", "accounts": [
+        {"name": "lambda-prod", "provider": "lambda", "credentials": {"secret": "default/lambda-prod#api-key"}}]}))
+    result = runner.invoke(cluster_app, ["check", "--kubeconfig", str(tmp_path / "absent"), "--config", str(config)],
+                           env={"COLUMNS": "400"})
+    assert result.exit_code == 2, result.output
+    assert "cannot check the credentials the fleet config names" in result.output
+    assert "accounts.lambda-prod.credentials" in result.output and "cannot check the cluster" not in result.output

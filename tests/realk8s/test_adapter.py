@@ -49,6 +49,7 @@ from fleet.cluster import (
     ANNOTATION_CORDONED_BY, CORDONED_BY_DEMAND, CORDONED_BY_SURPLUS, FENCE_PREFIX, GPU_RESOURCE, LABEL_MODEL,
     DrainResult,
 )
+from fleet.config import load_config
 from fleet.demand import opted_in
 from fleet.errors import ClusterConflict
 from fleet.messages.capacity import DrainNodeInput, ReleaseCordonsInput, RetireMachineInput
@@ -64,9 +65,11 @@ from providers.cluster.check import (
     check_hardening,
 )
 from providers.cluster.kubernetes import ACCESS, JOIN_TOKEN_KIND, TOKEN_NAMESPACE, KubernetesCluster
+from providers.credentials import control_plane_secret_fields
 from providers.own_dc import ClusterAllocations
 from tests.cluster.test_demand_pods import OPT_IN
 from tests.realk8s.cluster import RealCluster
+from tests.realk8s.conftest import SHIPPED_SITES
 from tests.realk8s.test_blast_radius import kubeadm_bindings_restored  # noqa: F401 - a fixture
 from tests.realk8s.test_join import control_plane_cluster
 from tests.conftest import write_after_next_read, write_before_next_cordon
@@ -532,6 +535,99 @@ def test_cli_check_other_namespace(real_cluster, tmp_path, kubeadm_bindings_rest
     result = CliRunner().invoke(cluster_app, ["check", "--kubeconfig", kubeconfig, "--no-tunnels", "-n", "serving"])
     assert result.exit_code == 1, result.output
     assert "configmaps" in " ".join(line for line in result.output.splitlines() if "MISSING" in line)
+
+
+# -- cluster check: may the control plane get the Secrets its fleet config names? -------------
+@pytest.fixture
+def credentials_role_restored(real_cluster: RealCluster):
+    """The test takes away the credentials Role conftest rendered from the shipped example; the
+    package's other tests rely on it."""
+    yield
+    real_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-",
+                         input=_render_credentials_role(SHIPPED_SITES))
+
+
+def _render_credentials_role(config: Path) -> str:
+    rendered = CliRunner().invoke(cluster_app, ["credentials-role", "--config", str(config)])
+    assert rendered.exit_code == 0, rendered.output
+    return rendered.stdout
+
+
+def _check_credentials(kubeconfig: str, config: Path) -> tuple[int, str]:
+    result = CliRunner().invoke(cluster_app, ["check", "--kubeconfig", kubeconfig, "--no-tunnels",
+                                              "--config", str(config)], env={"COLUMNS": "400"})
+    return result.exit_code, result.output
+
+
+def _unreadable(output: str) -> dict[str, str]:
+    """Secret → the config fields naming it, for each the check says the control plane may not get."""
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in output.splitlines()]
+    return {row[1].removeprefix("gpufleet/"): row[2] for row in rows
+            if len(row) >= 3 and row[0] == "MISSING" and row[1].startswith("gpufleet/")}
+
+
+def test_cli_check_names_each_secret_the_control_plane_may_not_get_until_the_role_is_rendered(
+        real_cluster, tmp_path, unique, kubeadm_bindings_restored, credentials_role_restored):
+    """An operator who applied the base and not the rendered credentials Role: the check, with
+    their credentials, fails naming each Secret the config names and the field naming it, and
+    prints the command that fixes it; once that is applied, the credentials check passes. A
+    Secret's value is never shown (the check reads none)."""
+    for name in KUBEADM_BINDINGS:  # as the check advises, so only the credentials decide
+        real_cluster.kubectl("delete", "clusterrolebinding", name)
+    value = f"never-shown-{unique}"
+    real_cluster.kubectl("apply", "--server-side", "--force-conflicts", "-f", "-", input=json.dumps(
+        {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "lambda-prod", "namespace": "gpufleet"},
+         "type": "Opaque", "stringData": {"api-key": value}}))
+    real_cluster.kubectl("-n", "gpufleet", "delete", "role,rolebinding", "gpufleet-credentials")
+    named = control_plane_secret_fields(load_config(SHIPPED_SITES))
+    assert len(named) > 1, "the example names several Secrets"
+    admin = str(real_cluster.admin_kubeconfig)
+
+    code, output = _check_credentials(admin, SHIPPED_SITES)
+    assert code == 1, output
+    assert "permissions granted" in output and "admission policies enforced" in output, "only the credentials fail"
+    assert _unreadable(output) == {secret: ", ".join(fields) for secret, fields in named.items()}
+    fix = next(line for line in output.splitlines()
+               if line.startswith(f"{len(named)} Secret(s) the control plane may not get")).split(": ")[-1]
+    assert fix == f"gpufleet cluster credentials-role --config {SHIPPED_SITES} | kubectl apply -f -"
+    assert value not in output
+
+    # The advice, applied as printed.
+    real_cluster.kubectl("apply", "-f", "-", input=_render_credentials_role(SHIPPED_SITES))
+    code, output = _check_credentials(admin, SHIPPED_SITES)
+    assert code == 0, output
+    assert f"the control plane may get all {len(named)} Secret(s)" in output
+    assert "MISSING" not in output and value not in output
+
+
+def test_cli_check_names_the_account_added_since_the_role_was_rendered(
+        real_cluster, tmp_path, unique, kubeadm_bindings_restored):
+    """The Role rendered from the example, then an account added to sites.yaml and the Role not
+    rendered again: the check names that account's field and Secret, and only those. Asked with
+    the operator's credentials (a SubjectAccessReview) and with the service account's own token
+    (which may not create one: it asks of itself), the same answer; with credentials that can do
+    neither, a warning, not a failure."""
+    for name in KUBEADM_BINDINGS:
+        real_cluster.kubectl("delete", "clusterrolebinding", name)
+    sites = yaml.safe_load(SHIPPED_SITES.read_text())
+    added = next(a for a in sites["accounts"] if a["name"] == "lambda-prod")
+    sites["accounts"].append({**added, "name": f"lambda-{unique}",
+                              "credentials": {"secret": f"gpufleet/new-{unique}#api-key"}})
+    config = tmp_path / "sites.yaml"
+    config.write_text(yaml.safe_dump(sites))
+    own = _kubeconfig(real_cluster, tmp_path, real_cluster.service_account_token("gpufleet", "gpufleet-control-plane"))
+
+    for kubeconfig in (str(real_cluster.admin_kubeconfig), own):
+        code, output = _check_credentials(kubeconfig, config)
+        assert code == 1, output
+        assert _unreadable(output) == {f"new-{unique}": f"accounts.lambda-{unique}.credentials"}
+        assert f"credentials-role --config {config} | kubectl apply -f -" in output
+
+    with control_plane_less(real_cluster, unique, "get", "no-such-resource") as token:
+        code, output = _check_credentials(_kubeconfig(real_cluster, tmp_path, token), config)
+    assert code == 0, output
+    assert "WARNING: not checked whether system:serviceaccount:gpufleet:gpufleet-control-plane may get" in output
+    assert "may not create subjectaccessreviews" in output and not _unreadable(output)
 
 
 # -- pending GPU pods, as kube-scheduler leaves them -----------------------------------------
