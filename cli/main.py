@@ -40,7 +40,7 @@ from cli.common import connect as connect_or_exit
 from cli.config_check import stock_image_warnings
 from cli import demand as demand_commands
 from cli.advisor import advisor
-from cli.patches import patches
+from cli.patches import patches_app
 from workers.node_gateway import cli as node_gateway_cli
 from cli.gameday import gameday_app
 from cli.repair import repair_app
@@ -71,7 +71,7 @@ app.add_typer(backup_app, name="backup")
 demand_commands.register(app, sim_app)
 app.command("top")(top)
 app.command("advisor")(advisor)
-app.command("patches")(patches)
+app.add_typer(patches_app, name="patches")
 
 
 # grpc and cryptography load only when it runs (workers/node_gateway.py's main).

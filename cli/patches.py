@@ -16,7 +16,9 @@ may hold the old path (and some that reached the call only after the deploy and 
 one: counted too, erring on the side of keeping), and it is one visibility count per type:
 ``WorkflowType = T AND ExecutionStatus = 'Running' AND TaskQueue = Q AND StartTime < deploy``.
 An entity that continues as new starts a new run (a new ``StartTime``), so its old runs leave
-the count by themselves; a short workflow's leave when they end.
+the count by themselves; a short workflow's leave when they end. An idle entity may not continue
+as new for weeks: ``gpufleet patches renew`` sends each entity run the same query lists its
+``renew`` signal, and it continues as new at its next safe point (``workflows/entity.py``).
 
 The ids come from the source itself (``ast`` over the ``workflows`` package: each call of
 ``workflow.patched``/``workflow.deprecate_patch`` inside a ``@workflow.defn`` class, or a base
@@ -36,8 +38,11 @@ from typing import Annotated, Optional
 
 import typer
 
-from cli.common import Address, OutputFormat, connect, fail, run, settings, show_rows
+from cli.common import Address, OutputFormat, connect, err, fail, fleet_client, run, settings, show_rows
+from fleet.contracts import workflows as flows
 from fleet.settings import TASK_QUEUE_ENV
+from fleet.visibility import open_runs_query
+from fleet.visibility import utc_stamp as _stamp
 
 PATCH_CALLS = ("patched", "deprecate_patch")
 COLUMNS = ["patch", "workflow", "where", "open before", "verdict"]
@@ -185,12 +190,6 @@ def verdict(patch: Patch, open_before: int, deployed_since: datetime) -> str:
     return "can remove" if patch.deprecated else "can deprecate"
 
 
-def _stamp(moment: datetime) -> str:
-    """RFC 3339 in UTC, the fraction kept when there is one (a query's bound must not move)."""
-    utc = moment.astimezone(timezone.utc)
-    return utc.strftime("%Y-%m-%dT%H:%M:%S") + (f".{utc.microsecond:06d}Z" if utc.microsecond else "Z")
-
-
 def parse_deployed_since(text: str, now: datetime | None = None) -> datetime:
     """An ISO 8601 time (``Z`` or an offset; none means UTC), not in the future."""
     try:
@@ -204,32 +203,42 @@ def parse_deployed_since(text: str, now: datetime | None = None) -> datetime:
     return moment
 
 
-def open_runs_query(workflow_type: str, task_queue: str, deployed_since: datetime) -> str:
-    return (f'WorkflowType = "{workflow_type}" AND ExecutionStatus = "Running" AND TaskQueue = "{task_queue}" '
-            f'AND StartTime < "{_stamp(deployed_since)}"')
-
-
 async def open_before(client, workflow_types: set[str], task_queue: str, deployed_since: datetime) -> dict[str, int]:
     """Per workflow type: its open runs started before ``deployed_since`` (one count each)."""
     return {t: (await client.count_workflows(open_runs_query(t, task_queue, deployed_since))).count
             for t in sorted(workflow_types)}
 
 
+DeployedSince = Annotated[Optional[str], typer.Option(
+    "--deployed-since", callback=lambda text: text and _stamp(parse_deployed_since(text)),
+    help="when the release of this code (every patch listed) finished rolling out: from then on every "
+         "control-plane worker ran it. ISO 8601, e.g. 2026-12-03T18:00:00Z (no offset: UTC)")]
+TaskQueue = Annotated[Optional[str], typer.Option(
+    "--task-queue", envvar=TASK_QUEUE_ENV,
+    help="the control plane's task queue, where every workflow runs (default: gpufleet's)")]
+RENEWED_COLUMNS = ["workflow", "asked", "closed meanwhile"]
+
+patches_app = typer.Typer()
+
+
+@patches_app.callback(invoke_without_command=True)
 def patches(
-    deployed_since: Annotated[str, typer.Option(
-        "--deployed-since", callback=lambda text: text and _stamp(parse_deployed_since(text)),
-        help="when the release of this code (every patch listed) finished rolling out: from then on every "
-             "control-plane worker ran it. ISO 8601, e.g. 2026-12-03T18:00:00Z (no offset: UTC)")],
+    ctx: typer.Context,
+    deployed_since: DeployedSince = None,
     workflow: Annotated[Optional[str], typer.Option(help="only this workflow type's patches, e.g. NodeJoin")] = None,
-    task_queue: Annotated[Optional[str], typer.Option(
-        "--task-queue", envvar=TASK_QUEUE_ENV,
-        help="the control plane's task queue, where every workflow runs (default: gpufleet's)")] = None,
+    task_queue: TaskQueue = None,
     output: OutputFormat = "table",
     address: Address = "localhost:7233",
 ) -> None:
     """Every workflow patch id in the code, its workflow type, the open runs of that type started
     before --deployed-since, and whether it can be deprecated (or, deprecated already, removed).
-    Changes nothing; see docs/design/patches.md for the rule."""
+    Changes nothing; see docs/design/patches.md for the rule. `gpufleet patches renew` asks the
+    entity runs from before the deploy to move on."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if deployed_since is None:
+        raise typer.BadParameter("required: when the release of this code finished rolling out",
+                                 param_hint="'--deployed-since'")
     since = parse_deployed_since(deployed_since)
     try:
         found = scan_patches()
@@ -250,3 +259,37 @@ def patches(
     show_rows(f"workflow patches (deployed since {_stamp(since)})", COLUMNS,
               [[p.id, p.workflow_type, p.where, str(before[p.workflow_type]),
                 verdict(p, before[p.workflow_type], since)] for p in found], output, drop_narrow=NARROW)
+
+
+@patches_app.command("renew")
+def renew(
+    deployed_since: Annotated[str, typer.Option(
+        "--deployed-since", callback=lambda text: text and _stamp(parse_deployed_since(text)),
+        help="when the release now running finished rolling out (as for `gpufleet patches`): every entity run "
+             "started before it is asked. ISO 8601, e.g. 2026-12-03T18:00:00Z (no offset: UTC)")],
+    workflow: Annotated[Optional[str], typer.Option(
+        help=f"only this entity type's runs ({', '.join(sorted(flows.ENTITIES))}; default: every one)")] = None,
+    task_queue: TaskQueue = None,
+    output: OutputFormat = "table",
+    address: Address = "localhost:7233",
+) -> None:
+    """Ask every running entity run started before --deployed-since to continue as new.
+
+    Each continues as new at its next safe point (its `renew` signal), as on the server's
+    suggestion: the new run starts on the code deployed since, and the patches the old runs held
+    (`keep: N open runs of Node ...`) may go. Prints how many runs of each type it asked. Most
+    move on within seconds; one with work in flight once that ends (a Site's fill, evacuation or
+    retirement, a Node's repair, Demand's retirements). Other workflow types are no entities:
+    their runs end by themselves."""
+    from client import InvalidArgument
+
+    since = parse_deployed_since(deployed_since)
+    config = settings(address)
+    try:
+        renewed = run(fleet_client(config).renew_entities(
+            since, None if workflow is None else [workflow], task_queue=task_queue or config.task_queue))
+    except InvalidArgument as error:
+        fail(f"--{error.field.replace('_', '-')}: {error.problems[0][1]}", 2)
+    show_rows(f"entity runs started before {_stamp(since)} asked to renew", RENEWED_COLUMNS,
+              [[r.workflow_type, str(r.asked), str(r.closed)] for r in renewed], output)
+    err.print(f"`gpufleet patches --deployed-since {_stamp(since)}` counts the runs not yet renewed")

@@ -14,7 +14,7 @@ before anything is started. ``gpufleet`` (cli/) is built on this client.
 """
 
 from client.errors import FleetClientError, InvalidArgument, NotFound, Rejected, Unreachable
-from client.fleet import FleetClient, RolloutStatus, manual_evacuation_id
+from client.fleet import FleetClient, Renewed, RolloutStatus, manual_evacuation_id
 
 __all__ = [
     "FleetClient",
@@ -22,6 +22,7 @@ __all__ = [
     "InvalidArgument",
     "NotFound",
     "Rejected",
+    "Renewed",
     "RolloutStatus",
     "Unreachable",
     "manual_evacuation_id",

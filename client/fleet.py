@@ -10,8 +10,9 @@ the same answer, only later.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -46,6 +47,7 @@ from fleet.repair_policy import Rung
 from fleet.rollout import RolloutInput, RolloutProgress, RolloutResult
 from fleet.settings import Settings
 from fleet.contracts import workflows as flows
+from fleet.visibility import open_runs_query, utc_stamp
 
 M = TypeVar("M", bound=BaseModel)
 USE_EXISTING = WorkflowIDConflictPolicy.USE_EXISTING
@@ -125,6 +127,18 @@ class JoinCancelled:
             return (f"cancelled {self.workflow_id}: machine {self.machine_id} could NOT be deleted "
                     "(FleetState needs-person; its history says why)")
         return f"cancelled {self.workflow_id}: machine {self.machine_id} deleted, node {self.node_name} never admitted"
+
+
+@dataclass
+class Renewed:
+    """What ``FleetClient.renew_entities`` asked of one entity type's runs from before a deploy."""
+
+    workflow_type: str
+    #: Runs sent ``renew``: each continues as new at its next safe point.
+    asked: int = 0
+    #: Runs listed that had closed by the time they were asked (continued as new meanwhile, or
+    #: ended): nothing to ask.
+    closed: int = 0
 
 
 class FleetClient:
@@ -538,6 +552,43 @@ class FleetClient:
     async def advisor(self, request: AdvisorInput | Mapping[str, Any] | None = None) -> AdvisorReport:
         """The advisor's report (starts the run, waits for it)."""
         return await (await self.start_advisor(request)).result()
+
+    # -- upgrades ----------------------------------------------------------------------------
+    async def renew_entities(self, deployed_since: datetime, workflow_types: Iterable[str] | None = None, *,
+                             task_queue: str | None = None) -> list[Renewed]:
+        """Send ``renew`` to every running entity run (of ``workflow_types``, default every entity
+        type) started before ``deployed_since`` (no offset: UTC): each continues as new at its next
+        safe point, on the code deployed since, and stops holding the patches of the code before
+        (docs/design/patches.md). The run ids listed are the ones asked, so a run that continued as
+        new meanwhile (started after the deploy) is not asked again. Only entities continue as new:
+        another type is refused, naming ``workflow``."""
+        types = sorted(flows.ENTITIES) if workflow_types is None else list(dict.fromkeys(workflow_types))
+        not_entities = [t for t in types if t not in flows.ENTITIES]
+        if not_entities:
+            raise InvalidArgument([("workflow", f"{t!r} is no entity type ({', '.join(sorted(flows.ENTITIES))}): "
+                                    "its runs end by themselves, none continues as new") for t in not_entities])
+        if deployed_since.tzinfo is None:
+            deployed_since = deployed_since.replace(tzinfo=timezone.utc)
+        if deployed_since > datetime.now(timezone.utc):
+            raise InvalidArgument([("deployed_since", f"{utc_stamp(deployed_since)} is in the future: "
+                                                      "the deploy has not finished yet")])
+        client = await self.temporal()
+        queue = task_queue or self.settings.task_queue
+        renewed = []
+        for workflow_type in types:
+            done = Renewed(workflow_type)
+            async for run in client.list_workflows(open_runs_query(workflow_type, queue, deployed_since)):
+                try:
+                    await client.get_workflow_handle(run.id, run_id=run.run_id).signal(
+                        flows.ENTITIES[workflow_type].renew)
+                except RPCError as error:
+                    if error.status != RPCStatusCode.NOT_FOUND:
+                        raise
+                    done.closed += 1
+                else:
+                    done.asked += 1
+            renewed.append(done)
+        return renewed
 
     # -- the two primitives ----------------------------------------------------------------
     async def _query(self, workflow_id: str, name: str, result_type: type[M]) -> M:

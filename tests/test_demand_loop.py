@@ -656,6 +656,40 @@ async def test_on_events_pods_buy_and_idle_nodes_go_back_with_no_tick(cap: CapSt
     await replay_and_record(handle, "demand_events_buy_then_retire")
 
 
+async def test_renew_cuts_the_event_watch_and_the_loop_moves_on_with_its_purchases(cap: CapStack):
+    """``gpufleet patches renew`` after a deploy (``FleetClient.renew_entities``): the loop waits in its
+    event watch up to ``tick_seconds`` (an hour here) with nothing new; asked to renew, the watch is
+    cut and the run continues as new at once, its purchases and series carried."""
+    from datetime import datetime, timezone
+
+    from client import FleetClient, Renewed
+
+    handle = await start_demand(cap, tick_seconds=3600)
+    cap.cluster.create_pod(demand_pod("eu-0", **{LABEL_GEOGRAPHY: "eu", LABEL_CAPACITY_TYPE: "on-demand"}))
+    await wait_for(lambda: len(bound(cap)) == 1, timeout=60)
+    bought = await until_status(handle, lambda s: bool(s.purchases))
+
+    async def watching() -> bool:
+        pending = (await handle.describe()).raw_description.pending_activities
+        return [a.activity_type.name for a in pending] == ["watch_demand_events"]
+    await poll(watching, timeout=30)
+    run = (await handle.describe()).run_id
+    deployed = datetime.now(timezone.utc)
+    await asyncio.sleep(0.3)  # the next run starts after the deploy
+    renewed = await FleetClient(cap.settings, cap.client).renew_entities(deployed, ["Demand"])
+    assert renewed == [Renewed("Demand", asked=1)]
+
+    async def moved_on() -> bool:
+        return (await cap.client.get_workflow_handle(handle.id).describe()).run_id != run
+    await poll(moved_on, timeout=20)  # not the hour its watch had left
+    old = cap.client.get_workflow_handle(handle.id, run_id=run)
+    assert (await old.describe()).status == WorkflowExecutionStatus.CONTINUED_AS_NEW
+    now = await status(cap.client.get_workflow_handle(handle.id))
+    assert [(p.workflow_id, p.pods) for p in now.purchases] == [(p.workflow_id, p.pods) for p in bought.purchases]
+    assert all(p.workflow_id.startswith("capacity/demand-") for p in now.purchases)
+    await replay_and_record(old, "demand_renewed_in_its_watch")
+
+
 async def test_the_loop_outlives_a_cluster_that_refuses_and_buys_again_once_it_answers(cap: CapStack, monkeypatch):
     """The Kubernetes API refuses the loop's pod watch (``ClusterForbidden``, a 403: what the real
     adapter raises when the control plane's token is refused, e.g. during a control-plane upgrade;

@@ -17,7 +17,16 @@ from pathlib import Path
 import pytest
 import typer
 
-from cli.patches import Patch, ScanError, parse_deployed_since, scan_patches, verdict
+from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowExecutionStatus, WorkflowHandle
+
+from cli.patches import Patch, ScanError, _stamp, parse_deployed_since, scan_patches, verdict
+from fleet.contracts import workflows as flows
+from fleet.naming import node_workflow_id, site_workflow_id
+from fleet.visibility import open_runs_query
+from tests.conftest import Stack
+from tests.evacuation_helpers import FAST_JOIN, poll
+from tests.replay import replay_and_record
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH_CALL = re.compile(r"workflow\.(?:patched|deprecate_patch)\(\s*(?:\"([^\"]+)\"|([A-Za-z_][A-Za-z0-9_]*))")
@@ -105,12 +114,17 @@ def test_a_deploy_in_the_future_is_refused_and_no_offset_means_utc() -> None:
     assert verdict(deprecated, 2, now) == "keep deprecated: 2 open runs of Node started before 2026-12-03T19:00:00Z"
 
 
-def gpufleet_patches(address: str, queue: str, since: datetime, *more: str) -> list[dict[str, str]]:
+def run_patches(address: str, queue: str, since: datetime, *more: str) -> subprocess.CompletedProcess:
+    """``gpufleet patches <more> --deployed-since <since>`` on the dev server at ``address``."""
     env = {**os.environ, "TEMPORAL_ADDRESS": address, "TEMPORAL_NAMESPACE": "default"}
     env.pop("TEMPORAL_PROFILE", None)
-    done = subprocess.run([sys.executable, "-m", "cli", "patches", "--deployed-since", since.isoformat(),
-                           "--task-queue", queue, "-o", "json", *more],
+    return subprocess.run([sys.executable, "-m", "cli", "patches", *more, "--deployed-since", since.isoformat(),
+                           "--task-queue", queue, "-o", "json"],
                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def gpufleet_patches(address: str, queue: str, since: datetime, *more: str) -> list[dict[str, str]]:
+    done = run_patches(address, queue, since, *more)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 
@@ -189,3 +203,87 @@ def test_workflows_with_local_activities_ask_their_patches_at_start() -> None:
         assert f"workflow.patched({at_start[0]})" in first_line, path.name
         for name in at_start[1:]:
             assert f"workflow.patched({name})" in before_first_await, (path.name, name, "asked after an await")
+
+
+async def test_renew_moves_the_entity_runs_from_before_the_deploy_onto_new_runs(stack: Stack) -> None:
+    """docs/operations.md, "Upgrading the control plane", step 4: an idle entity keeps its run (and
+    its type's patches) for weeks; ``gpufleet patches renew`` asks it to continue as new, and the run
+    from before the deploy is gone in seconds, its state carried into the next. The Node entity's
+    loop does not wait on the suggestion (it looks after each watch, which rests on an idle node):
+    the request wakes it."""
+    client, queue = stack.client, stack.settings.task_queue
+    address = client.service_client.config.target_host
+    site = await client.start_workflow("Site", {"site": "site-a"}, id=site_workflow_id("site-a"), task_queue=queue)
+    joined = (await (await stack.start_join({"site": "site-a", "timeouts": FAST_JOIN})).result())["nodes"][0]
+    node = client.get_workflow_handle(node_workflow_id(joined["node_name"]))
+    reported = await poll(lambda: _status_with_reports(node), timeout=60)
+    deployed = datetime.now(timezone.utc)
+    await asyncio.sleep(0.3)  # whatever starts next starts after the deploy
+    since = _stamp(deployed)
+
+    said = {(r["workflow"], r["patch"]): r["verdict"]
+            for r in await asyncio.to_thread(gpufleet_patches, address, queue, deployed)}
+    for entity in ("Node", "Site"):
+        assert {v for (t, _), v in said.items() if t == entity} == {f"keep: 1 open run of {entity} started before {since}"}
+    runs = {h.id: (await h.describe()).run_id for h in (node, site)}
+
+    asked = {r["workflow"]: r["asked"] for r in await asyncio.to_thread(gpufleet_patches, address, queue, deployed, "renew")}
+    assert asked["Node"] == asked["Site"] == "1", asked
+    assert set(asked) == set(flows.ENTITIES)
+
+    async def moved_on() -> bool:
+        return all([(await client.get_workflow_handle(wid).describe()).run_id != run for wid, run in runs.items()])
+    await poll(moved_on, timeout=30)
+    carried = {}
+    for wid, run in runs.items():
+        old = client.get_workflow_handle(wid, run_id=run)
+        assert (await old.describe()).status == WorkflowExecutionStatus.CONTINUED_AS_NEW, wid
+        events = (await old.fetch_history()).events
+        assert not [e for e in events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED], wid
+        carried[wid] = json.loads(events[-1].workflow_execution_continued_as_new_event_attributes.input.payloads[0].data)
+    # The state came along into the next run: what the node reported and its watch's place (a fresh
+    # start's are empty), the nodes the site counts.
+    node_carry = carried[node.id]["carry"]
+    assert (node_carry["boot_id"], node_carry["reports"]) == (reported["boot_id"], reported["reports"])
+    assert node_carry["watch_seq"] >= 1 and node_carry["watch_digest"]
+    assert joined["node_name"] in carried[site.id]["state"]["status"]["nodes"]
+    now = await node.query("status")
+    assert (now["boot_id"], now["reports"]) == (reported["boot_id"], reported["reports"])
+
+    async def none_before() -> bool:
+        return all([not (await client.count_workflows(open_runs_query(t, queue, deployed))).count
+                    for t in ("Node", "Site")])
+    await poll(none_before, timeout=30)
+    said = {(r["workflow"], r["patch"]): r["verdict"]
+            for r in await asyncio.to_thread(gpufleet_patches, address, queue, deployed)}
+    for entity in ("Node", "Site"):
+        assert {v for (t, _), v in said.items() if t == entity} <= {"can deprecate", "can remove"}, entity
+    # Asked again, nothing is left to ask: the runs now open started after the deploy.
+    asked = {r["workflow"]: r["asked"] for r in await asyncio.to_thread(gpufleet_patches, address, queue, deployed, "renew")}
+    assert asked["Node"] == asked["Site"] == "0", asked
+    await replay_and_record(client.get_workflow_handle(node.id, run_id=runs[node.id]), "node_entity_renewed")
+
+
+async def _status_with_reports(node: WorkflowHandle) -> dict | None:
+    status = await node.query("status")
+    return status if status["boot_id"] and status["reports"] else None
+
+
+def test_renew_refuses_a_workflow_type_that_is_no_entity_and_a_deploy_in_the_future() -> None:
+    """Only entities continue as new: a short workflow's runs end by themselves, and CsrApprover's
+    each end too. Refused before anything is asked (no server at this address)."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    def renew(since: datetime, *more: str):
+        return CliRunner().invoke(app, ["patches", "renew", "--deployed-since", since.isoformat(), *more],
+                                  env={"COLUMNS": "200", "TEMPORAL_ADDRESS": "127.0.0.1:1"})
+
+    past = datetime.now(timezone.utc) - timedelta(hours=1)
+    for short in ("NodeJoin", "CsrApprover"):
+        done = renew(past, "--workflow", short)
+        assert done.exit_code == 2, done.output
+        assert f"--workflow: {short!r} is no entity type" in done.output, done.output
+    done = renew(datetime.now(timezone.utc) + timedelta(hours=1))
+    assert done.exit_code == 2 and "in the future" in done.output, done.output

@@ -294,6 +294,10 @@ EXPECTED = {
     # and stops the retirement (``site-retires-beside-its-loop``, tests/test_site_events.py); the code
     # before replays in ``site_retire_above_max`` and the other ``site_above_max_*``.
     "site_incident_stops_its_surplus_retirement",
+    # Entities asked to ``renew`` (``gpufleet patches renew``) continue as new at their next safe
+    # point: an idle Node's loop woken from its rest, Demand's event watch cut (tests/test_patches.py,
+    # tests/test_demand_loop.py; no patch: no history before holds the signal).
+    "node_entity_renewed", "demand_renewed_in_its_watch",
 }
 
 

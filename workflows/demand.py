@@ -28,7 +28,8 @@ loop: it is shown and passed again after a growing pause, the state as it was (`
 An entity (``workflows.entity``, docs/design/entities.md): its one state is ``DemandCarry``
 (the purchase numbering, the purchases, when each idle node went idle, offers out of the plan,
 the decisions' log). Each retirement is an own task; it continues as new when the server
-suggests it, through the base's gate, once they have ended (it has no handler that awaits).
+suggests it (or ``renew`` asks: the event watch in flight is cut), through the base's gate, once
+they have ended (it has no handler that awaits).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from datetime import timedelta
 from typing import Any
 
 from temporalio import workflow
-from temporalio.exceptions import ActivityError, FailureError
+from temporalio.exceptions import ActivityError, FailureError, is_cancelled_exception
 
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
@@ -117,6 +118,15 @@ class Demand(Entity[DemandCarry]):
         #: not carried, the next run looks again. ``status`` adds the state's purchases and log.
         self._seen = DemandStatus()
         self._retry = FailedPasses(STEPS, show=self._show, log=self._log, first_pause=FIRST_PAUSE)
+        #: The event watch in flight, which ``renew`` cuts.
+        self._watching: workflow.ActivityHandle[DemandWake] | None = None
+
+    def on_renewal_asked(self) -> None:
+        # The loop asks after its pass, whose event watch waits up to ``tick_seconds`` (10 minutes by
+        # default, up to a day): cut, the pass ends there. Level-triggered, nothing is lost: the next
+        # run's first pass, a full one, looks again at the Pending pods, purchases and idle nodes.
+        if self._watching is not None:
+            self._watching.cancel()
 
     @workflow.query
     def status(self) -> DemandStatus:
@@ -212,6 +222,8 @@ class Demand(Entity[DemandCarry]):
         why = "tick"
         if events:
             wake = await self._watch_events(known, self._batch_idle, self._batch_max, wait)
+            if wake is None:
+                return  # cut by ``renew``: the loop continues as new
             batch, why, self._busy = wake.batch, wake.why, wake.busy
         else:
             batch = await workflow.execute_activity(
@@ -243,12 +255,17 @@ class Demand(Entity[DemandCarry]):
             wait = min([wait, *due])
         return wait
 
-    async def _watch_events(self, known: list[str], batch_idle: float, batch_max: float, wait: float) -> DemandWake:
+    async def _watch_events(self, known: list[str], batch_idle: float, batch_max: float,
+                            wait: float) -> DemandWake | None:
         """One ``watch_demand_events``: until the next thing the loop acts on, at most ``wait``
-        (``_watch_wait``). Heartbeats once per ``DEMAND_WATCH_HEARTBEAT`` half: the watch is long."""
+        (``_watch_wait``). Heartbeats once per ``DEMAND_WATCH_HEARTBEAT`` half: the watch is long.
+        None: ``renew`` cut it (or came before it)."""
+        if self.renewal_asked:
+            return None
         args = self._args
         buying = self._buying()
-        return await workflow.execute_activity(
+        # The same command as ``execute_activity``, its handle kept for ``renew`` to cut.
+        self._watching = workflow.start_activity(
             act.watch_demand_events,
             DemandWatchInput(known=known, batch_idle_seconds=batch_idle, batch_max_seconds=batch_max,
                              wait_seconds=max(wait, 0.0), tracked=sorted({pod for p in buying for pod in p.pods}),
@@ -258,6 +275,14 @@ class Demand(Entity[DemandCarry]):
             heartbeat_timeout=DEMAND_WATCH_HEARTBEAT, retry_policy=CLUSTER_RETRY,
             summary="wait for Pending GPU pods (batched), purchases ending, nodes going idle",
         )
+        try:
+            return await self._watching
+        except ActivityError as error:
+            if self.renewal_asked and is_cancelled_exception(error) and not cancelled_by_request(error):
+                return None
+            raise
+        finally:
+            self._watching = None
 
     def _buying(self) -> list[Purchase]:
         return [p for p in self.state.purchases if p.status == "buying"]

@@ -26,7 +26,8 @@ temporalio/samples-python ``message_passing/safe_message_handlers``. Three rules
    every signal and update handler has finished *and* every task the entity started as its own
    (``spawn``/``own``) has ended or rests at an await where it may be left (``resting``), then
    continues as new with ``carried()``, built after the wait, so nothing a handler or task did
-   meanwhile is lost.
+   meanwhile is lost. A loop asks ``continue_as_new_suggested()``: the server's suggestion, or an
+   operator's ``renew`` (``gpufleet patches renew``: the runs from before a deploy move on).
 
 Tasks the loop cancels itself before the gate (a watch whose next run asks again) are not own
 tasks.
@@ -60,6 +61,7 @@ class Entity(Generic[StateT]):
         self._before_start: list[Callable[[], None]] = []
         self._own: list[asyncio.Task] = []
         self._resting: set[asyncio.Task] = set()
+        self._renewal_asked = False
 
     # -- own tasks ----------------------------------------------------------------------------
     def spawn(self, work: Coroutine[Any, Any, Any]) -> asyncio.Task:
@@ -121,10 +123,35 @@ class Entity(Generic[StateT]):
             self._before_start.append(change)
 
     # -- continue-as-new ------------------------------------------------------------------------
-    @staticmethod
-    def continue_as_new_suggested() -> bool:
-        """The server asks this run to continue as new (its history grew long)."""
-        return workflow.info().is_continue_as_new_suggested()
+    def continue_as_new_suggested(self) -> bool:
+        """The server asks this run to continue as new (its history grew long), or an operator
+        did (``renew``): every entity's loop asks here, never the server alone."""
+        return self._renewal_asked or workflow.info().is_continue_as_new_suggested()
+
+    @workflow.signal  # fleet.contracts.workflows.Entity.renew: every entity type answers it
+    def renew(self) -> None:
+        """Continue as new at the next safe point, through the same gate as on the server's
+        suggestion: ``gpufleet patches renew`` sends it to every run from before a deploy, so that
+        none is left holding the patches of the code before (an idle entity's history may not grow
+        long for weeks). The request is this run's alone, not carried: the next run starts on the
+        code deployed then and does not continue again.
+
+        No patch: a patch keeps the commands of a history already recorded, and no such history
+        holds this signal (the code before had no handler for it), so every recorded run replays as
+        it ran; a run that takes it continues as new, as it would have on the server's word."""
+        self._renewal_asked = True
+        self.on_renewal_asked()
+
+    @property
+    def renewal_asked(self) -> bool:
+        """``renew`` came: the loop continues as new at its next safe point."""
+        return self._renewal_asked
+
+    def on_renewal_asked(self) -> None:
+        """An entity whose loop may not look at ``continue_as_new_suggested`` for long (it waits
+        on what the suggestion does not wake, or awaits a long watch) wakes it here, at a point
+        where it may continue. The server's suggestion comes with new events, which wake the
+        loop anyway; an operator's request to an idle entity comes with nothing else."""
 
     def may_continue_as_new(self) -> bool:
         """Suggested, and nothing of its own runs: what a loop that keeps serving while its own

@@ -358,6 +358,12 @@ class NodeEntity(Entity[NodeCarry]):
     def health_report(self, report: HealthReport) -> None:
         self._pending.append(report)
 
+    def on_renewal_asked(self) -> None:
+        # The loop's wait does not include the suggestion: it looks after each watch, which may
+        # rest for hours on an idle node. Woken, it goes to its gate once nothing is in flight
+        # (a repair's end or the action slot's return wakes it again), where the watch is left.
+        self._wake = True
+
     @workflow.signal
     def quarantine(self, raw: Any) -> None:
         """The node failed someone else's proof (an evacuation's smoke test): the loop cordons

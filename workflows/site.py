@@ -475,9 +475,12 @@ class SiteEntity(Entity[SiteState]):
                 self.state.incident.last_seen, self._sleep = workflow.now().timestamp(), timeout
             timed_out = False
             try:
+                # Asked to renew, it wakes once it may continue (``_may_continue``): woken while a fill
+                # runs, it would find no way on and wake again at once, for ever. On the server's
+                # suggestion it wakes as the runs of this path always did.
                 await workflow.wait_condition(
                     lambda: (self.state.wanted or self.state.incident.evacuate
-                             or self.continue_as_new_suggested()),
+                             or (self._may_continue() if self.renewal_asked else self.continue_as_new_suggested())),
                     timeout=timedelta(seconds=timeout), timeout_summary="next reconcile",
                 )
             except asyncio.TimeoutError:

@@ -56,9 +56,19 @@ class Workflow:
     def __init_subclass__(cls, *, name: str, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         cls.TYPE = Name(name, kind="workflow", of=name)
-        for attribute, value in list(vars(cls).items()):
-            if isinstance(value, _Handler):
+        # Inherited too: the handlers every entity answers are declared once, in ``Entity``.
+        for attribute in dir(cls):
+            if isinstance(value := getattr(cls, attribute), _Handler):
                 setattr(cls, attribute, Name(attribute, kind=value.kind, of=name))
+
+
+class Entity:
+    """What every entity answers (``workflows/entity.py``, ``Entity``): ``class Node(Entity,
+    Workflow, name="Node")``."""
+
+    #: Continue as new at the next safe point, as on the server's suggestion
+    #: (``gpufleet patches renew``: the runs from before a deploy move on to its code).
+    renew: Name = Signal()
 
 
 
@@ -81,7 +91,7 @@ class CatalogRefresh(Workflow, name="CatalogRefresh"):
     """``workflows/capacity.py``, ``CatalogRefresh``."""
 
 
-class ProviderAccount(Workflow, name="ProviderAccount"):
+class ProviderAccount(Entity, Workflow, name="ProviderAccount"):
     """``workflows/account.py``, ``ProviderAccount``."""
 
     report: Name = Signal()
@@ -90,7 +100,7 @@ class ProviderAccount(Workflow, name="ProviderAccount"):
     status: Name = Query()
 
 
-class Site(Workflow, name="Site"):
+class Site(Entity, Workflow, name="Site"):
     """``workflows/site.py``, ``SiteEntity``."""
 
     node_transition: Name = Signal()
@@ -111,7 +121,7 @@ class SpotReclaim(Workflow, name="SpotReclaim"):
     step: Name = Query()
 
 
-class Node(Workflow, name="Node"):
+class Node(Entity, Workflow, name="Node"):
     """``workflows/node.py``, ``NodeEntity``."""
 
     cluster_state: Name = Signal()
@@ -164,7 +174,7 @@ class Advisor(Workflow, name="Advisor"):
     step: Name = Query()
 
 
-class Routing(Workflow, name="Routing"):
+class Routing(Entity, Workflow, name="Routing"):
     """``workflows/routing.py``, ``RoutingEntity``."""
 
     site_event: Name = Signal()
@@ -172,7 +182,7 @@ class Routing(Workflow, name="Routing"):
     progress: Name = Query()
 
 
-class Demand(Workflow, name="Demand"):
+class Demand(Entity, Workflow, name="Demand"):
     """``workflows/demand.py``, ``Demand``."""
 
     status: Name = Query()
@@ -184,3 +194,9 @@ class EntityUpdate(Workflow, name="EntityUpdate"):
 
 class CsrApprover(Workflow, name="CsrApprover"):
     """``workflows/csr_approver.py``, ``CsrApprover``."""
+
+
+#: Every entity type by its name: the long-lived workflows that continue as new (their runs from
+#: before a deploy move on when asked to ``renew``); every other type's runs end by themselves.
+ENTITIES: dict[str, type[Workflow]] = {
+    cls.TYPE: cls for cls in Workflow.__subclasses__() if issubclass(cls, Entity)}
