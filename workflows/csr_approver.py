@@ -7,8 +7,8 @@ and asks for a serving certificate. Nothing else approves those for gpufleet's n
 token group is bound to no auto-approval), so without a timer a fleet that is not joining
 or repairing would lose its kubelets when their certificates lapse.
 
-A run makes one pass, then (patch ``csr-watch``) waits on ``watch_csrs``, a watch on CSRs that
-returns when one it has not seen appears under a signer gpufleet judges (no sooner than
+A run makes one pass, then waits on ``watch_csrs``, a watch on CSRs that returns when one it has
+not seen appears under a signer gpufleet judges (no sooner than
 ``activities.watches.CSR_PACE_SECONDS`` after it began, so CSRs that keep coming get a pass per
 that, not one each), and makes a pass for it; each watch returns unchanged after
 ``CSR_WATCH_SECONDS`` (a pass then too: the safety sweep). The run ends when its history
@@ -35,7 +35,12 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import parse_input
     from workflows.steps import CLUSTER_RETRY, WAIT_HEARTBEAT, show_details
 
-#: Workflow patch: after its pass the run watches for new CSRs (before: one pass per Schedule run).
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "Retired"): after its
+#: first pass the run watches for new CSRs, where a run from before it made one pass and ended.
+#: CsrApprover is no entity: each run ends within ``CSR_RUN_SECONDS`` (a day) or when its history
+#: asks to be continued, and the Schedule starts the next. This patch landed three days before its
+#: deprecation, so no run from before it is open; the call stays, deprecated, until no run holding
+#: its non-deprecated marker is (one day after this release finished deploying).
 CSR_WATCH_PATCH = "csr-watch"
 #: A watch returns unchanged after this long (a pass then: the safety sweep) ...
 CSR_WATCH_SECONDS = 600.0
@@ -55,8 +60,6 @@ class CsrApprover:
     async def run(self, raw: Any = None) -> CsrApproverResult:
         parse_input(CsrApproverInput, raw or {})
         result = await self._pass("approve or deny pending kubelet CSRs of gpufleet's nodes")
-        if not workflow.patched(CSR_WATCH_PATCH):
-            return result
         started = workflow.now()
         known: list[str] = []
         known_cut = False
@@ -95,7 +98,9 @@ class CsrApprover:
         )
         self._approved += result.approved
         self._denied += result.denied
-        show_details("watching for new CSRs" if workflow.patched(CSR_WATCH_PATCH) else "done",
+        # Where the run's first pass asked it (its marker's place in recorded runs); memoized after.
+        workflow.deprecate_patch(CSR_WATCH_PATCH)
+        show_details("watching for new CSRs",
                      *(f"- `{v.name}` ({v.requester}): {'approved' if v.approve else 'denied'}, {v.reason}"
                        for v in result.decided[:20]),
                      detail=f"{self._approved} approved, {self._denied} denied")

@@ -142,7 +142,6 @@ async def test_the_scheduled_pass_approves_a_renewal_and_denies_a_foreign_addres
         assert [c["type"] for c in found[other]["status"]["conditions"]] == ["Denied"]
         assert "certificate" not in found[other]["status"]
         assert [c["reason"] for c in found[later]["status"]["conditions"]] == ["GpufleetApproved"]
-        # csr_approver_pass.json stays the history of a run from before the watch (one pass).
         await replay_and_record(run, "csr_approver_watch")
     finally:
         one.stop()
