@@ -71,12 +71,6 @@ LATE_SLACK_SECONDS = 10.0
 #: While opted-in pods are Pending, the fleet's labels are put on new nodes this often (a bought
 #: node must carry them before the scheduler can bind the pods it was bought for).
 LABEL_SECONDS = 2.0
-#: A CSR watch that sees a new CSR returns no sooner than this after it began, which is when the
-#: approver's pass before it ended: CSRs that keep coming (a node posting them by the hundred) get
-#: one pass per this at most. Each woke a pass of its own, two activities in ``CsrApprover``'s
-#: history, which some 340 filled: the run ended, and no approver ran until the Schedule's next
-#: start, up to ten minutes later.
-CSR_PACE_SECONDS = 10.0
 
 
 class RareHeartbeat:
@@ -307,7 +301,7 @@ class WatchActivities:
     @typed_errors
     def watch_csrs(self, input: CsrWatchInput) -> CsrWatchResult:
         """Until a CSR the approver has not seen appears (a new name among those still open under
-        a signer gpufleet judges), but no sooner than ``CSR_PACE_SECONDS`` after it began;
+        a signer gpufleet judges), but no sooner than ``input.pace_seconds`` after it began;
         unchanged after ``max_wait_seconds``. A CSR gone (decided, cleaned up) wakes nothing.
         Names the newest ``CSRS_NAMED`` open CSRs and counts them all."""
         known = set(input.known)
@@ -331,7 +325,7 @@ class WatchActivities:
 
         started = time.monotonic()
         names = self.env.cluster.watch_open_csrs(new_one, input.max_wait_seconds, recheck_s=recheck, heartbeat=beat)
-        early = min(CSR_PACE_SECONDS, input.max_wait_seconds) - (time.monotonic() - started)
+        early = min(input.pace_seconds, input.max_wait_seconds) - (time.monotonic() - started)
         if early > 0 and unseen(names):
             # Those that come meanwhile are this pass's too; it is told the open CSRs as they are then.
             names = self.env.cluster.watch_open_csrs(stopped, early, recheck_s=recheck, heartbeat=beat)

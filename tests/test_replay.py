@@ -108,6 +108,10 @@ EXPECTED = {
     "node_cluster_state_in_the_first_task", "node_cluster_state_in_the_first_task_lost",
     # A node answering every watch at once, paced (tests/security/test_watch_pacing.py).
     "node_watch_paced",
+    # A flood of junk CSRs: the approver's watch paced ever slower while its passes only deny, back to
+    # the base once one approves (tests/cluster/test_csr_flood.py; no patch: the same commands, a
+    # watch's input differs).
+    "csr_approver_paced_flood",
     "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
     # An abort after a scale put v1 back (its rollback knows the templates: tests/rollout).
     "rollout_aborted_after_a_scale",

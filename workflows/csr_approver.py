@@ -8,15 +8,31 @@ token group is bound to no auto-approval), so without a timer a fleet that is no
 or repairing would lose its kubelets when their certificates lapse.
 
 A run makes one pass, then waits on ``watch_csrs``, a watch on CSRs that returns when one it has
-not seen appears under a signer gpufleet judges (no sooner than
-``activities.watches.CSR_PACE_SECONDS`` after it began, so CSRs that keep coming get a pass per
-that, not one each), and makes a pass for it; each watch returns unchanged after
-``CSR_WATCH_SECONDS`` (a pass then too: the safety sweep). The run ends when its history
-asks to be continued (or after ``CSR_RUN_SECONDS``), and the Schedule (overlap SKIP, every
+not seen appears under a signer gpufleet judges (no sooner than its pace after it began, so CSRs
+that keep coming get a pass per pace, not one each), and makes a pass for it; each watch returns
+unchanged after ``CSR_WATCH_SECONDS`` (a pass then too: the safety sweep). The run ends when its
+history asks to be continued (or after ``CSR_RUN_SECONDS``), and the Schedule (overlap SKIP, every
 ``fleet.schedules.CSR_APPROVER_EVERY``) starts the next: a run that is lost is replaced within
 that, and a Schedule keeps it visible and pausable in the UI. A cancelled run ends with what it
 decided. An idle fleet's approver costs two activities and one heartbeat per ten minutes, where
 a pass every half minute cost 240 an hour.
+
+The pace is ``CSR_PACE_SECONDS`` (10 s) unless a flood slows it. A node is hostile: its kubelet
+(or a bootstrap token) may post CSRs at will, and junk posted steadily woke a pass every 10 s,
+which filled the run's history in about an hour; the run ended, and no approver ran until the
+Schedule's next start, up to ten minutes, while every genuine kubelet's CSR waited. Now each pass
+a new CSR woke that approved nothing doubles the next watch's pace, up to
+``CSR_FLOOD_PACE_SECONDS`` (5 minutes); a pass that approves something (a node gets at most three
+renewals an hour), or a watch that returns on its safety-sweep timeout, puts it back to the base.
+A pass decides every open CSR, so a genuine CSR posted during a flood waits at most one watch at
+the flood's pace, the pass in flight and its own: 5 minutes and seconds, half the safety sweep,
+and a kubelet asks for its renewal long before its certificate lapses (a joining node's CSRs are
+decided by its join's own passes). A run's day then holds 288 watches, fewer than the 340 that
+filled its history; what can still end it early is the history's size (Temporal suggests a new
+run at 4 MB): each watch names the CSRs open at its end (up to 500) and each pass up to 100
+verdicts, so past about three 253-character names a minute the run ends before its day, after
+some 75 minutes at one a second or more (at the base pace: an hour at one a second, minutes at
+ten).
 """
 
 from __future__ import annotations
@@ -31,7 +47,7 @@ from temporalio.exceptions import ActivityError, is_cancelled_exception
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
     from fleet.messages.csr import VERDICTS_NAMED, CsrApproverInput, CsrApproverResult
-    from fleet.messages.watches import CsrWatchInput, CsrWatchResult
+    from fleet.messages.watches import CSR_FLOOD_PACE_SECONDS, CSR_PACE_SECONDS, CsrWatchInput, CsrWatchResult
     from workflows.inputs import parse_input
     from workflows.steps import CLUSTER_RETRY, WAIT_HEARTBEAT, show_details
 
@@ -63,13 +79,18 @@ class CsrApprover:
         started = workflow.now()
         known: list[str] = []
         known_cut = False
+        pace = CSR_PACE_SECONDS
         decided = list(result.decided)
         try:
             while not workflow.info().is_continue_as_new_suggested() and \
                     workflow.now() - started < timedelta(seconds=CSR_RUN_SECONDS):
+                # The pace is an activity input, which replay does not compare: a run recorded before
+                # it (every watch at the activity's 10 s) issues the same commands in the same order,
+                # watch, pass, watch..., so it needs no patch (csr_approver_watch replays).
                 seen: CsrWatchResult = await workflow.execute_activity(
                     act.watch_csrs,
-                    CsrWatchInput(known=known, known_cut=known_cut, max_wait_seconds=CSR_WATCH_SECONDS),
+                    CsrWatchInput(known=known, known_cut=known_cut, max_wait_seconds=CSR_WATCH_SECONDS,
+                                  pace_seconds=pace),
                     start_to_close_timeout=timedelta(seconds=CSR_WATCH_SECONDS) + CSR_WATCH_HEARTBEAT,
                     heartbeat_timeout=CSR_WATCH_HEARTBEAT, retry_policy=CLUSTER_RETRY,
                     summary="wait for a new kubelet CSR (watch)",
@@ -78,6 +99,9 @@ class CsrApprover:
                 result = await self._pass("a new kubelet CSR: approve or deny" if seen.changed
                                           else "safety sweep: approve or deny pending kubelet CSRs")
                 decided = [*decided, *result.decided][-VERDICTS_NAMED:]
+                # New CSRs and nothing approved: junk (a flood), which gets a pass per doubled pace.
+                junk = seen.changed and not result.approved
+                pace = min(pace * 2, CSR_FLOOD_PACE_SECONDS) if junk else CSR_PACE_SECONDS
         except (asyncio.CancelledError, ActivityError) as error:
             if not is_cancelled_exception(error):
                 raise

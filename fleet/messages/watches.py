@@ -118,6 +118,18 @@ class DemandWake(BaseModel):
 #: Every node's kubelet may create CSRs, thousands of them, each name up to 253 characters, and a
 #: watch's result and the next one's input are each bounded at 2 MiB.
 CSRS_NAMED = 500
+#: A CSR watch that sees a new CSR returns no sooner than its ``pace_seconds`` after it began,
+#: which is when the approver's pass before it ended: CSRs that keep coming (a node posting them by
+#: the hundred) get one pass per pace at most. Each woke a pass of its own, two activities in
+#: ``CsrApprover``'s history, which some 340 filled: the run ended, and no approver ran until the
+#: Schedule's next start, up to ten minutes later. This is the pace while passes approve.
+CSR_PACE_SECONDS = 10.0
+#: While its passes approve nothing (a flood of junk: a node, or a bootstrap token, may post CSRs
+#: at will) ``CsrApprover`` doubles its watch's pace up to this: a run's day holds 288 watches,
+#: where 340 filled its history. Every pass decides every open CSR, so a genuine kubelet's CSR
+#: posted during a flood waits one paced watch (and a pass or two) at most: half the ten minutes
+#: the safety sweep alone would take (workflows/csr_approver.py says why that is soon enough).
+CSR_FLOOD_PACE_SECONDS = 300.0
 
 
 class CsrWatchInput(Strict):
@@ -127,6 +139,9 @@ class CsrWatchInput(Strict):
     #: than the oldest of ``known`` still open is known too.
     known_cut: bool = False
     max_wait_seconds: float = Field(600, gt=0, le=MAX_WATCH_SECONDS)
+    #: Having seen a new CSR, the watch returns no sooner than this after it began (an input
+    #: recorded before the field: the base pace, as its watch had).
+    pace_seconds: float = Field(CSR_PACE_SECONDS, gt=0, le=CSR_FLOOD_PACE_SECONDS)
 
 
 class CsrWatchResult(BaseModel):
