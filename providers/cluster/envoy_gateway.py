@@ -11,8 +11,8 @@
   send the answer downstream, so a streamed answer is never replayed).
 
 A draining or unhealthy site keeps its backendRef at weight 0, so its Service stays
-resolvable while sessions leave it. tests/test_envoy_gateway.py checks the objects
-against trimmed copies of the CRDs' schemas.
+resolvable while sessions leave it. tests/realk8s/test_adapter_routing.py applies the objects
+to a real API server serving both projects' published CRDs, with strict field validation.
 """
 
 from __future__ import annotations

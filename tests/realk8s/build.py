@@ -15,9 +15,11 @@ so it is built from the same module and shares its compiled dependencies.
 
 The binaries are cached by version under $GPUFLEET_REALK8S_CACHE (default
 ~/.cache/gpufleet/realk8s/<version>) and reused; the Go build cache is Go's own.
-Beside them, Gateway API's published HTTPRoute CRD (standard channel), copied from its Go module
-(sigs.k8s.io/gateway-api carries config/crd/): the tier serves HTTPRoute from it, so the real
-API server holds gpufleet's routes to the published schema and its limits.
+Beside them, the published CRDs of the routing objects gpufleet writes, copied unchanged from their
+projects' Go modules: Gateway API's HTTPRoute (standard channel; sigs.k8s.io/gateway-api carries
+config/crd/) and Envoy Gateway's BackendTrafficPolicy (github.com/envoyproxy/gateway carries its
+Helm chart's generated CRDs). The tier serves both kinds from them, so the real API server holds
+gpufleet's objects to the published schemas: fields, enums, limits and CEL rules.
 stdlib only: bootstrap.py calls this before any venv exists.
 """
 
@@ -50,6 +52,10 @@ COMMANDS = {
 #: Gateway API's release whose CRDs the tier installs (pinned: the module proxy serves it).
 GATEWAY_API_VERSION = "v1.4.1"
 GATEWAY_API_CRDS = ("gateway.networking.k8s.io_httproutes.yaml",)
+#: Envoy Gateway's release whose BackendTrafficPolicy CRD the tier installs (pinned: the module proxy
+#: serves it, and nothing else publishes it where the tier is built).
+ENVOY_GATEWAY_VERSION = "v1.9.1"
+ENVOY_GATEWAY_CRDS = ("gateway.envoyproxy.io_backendtrafficpolicies.yaml",)
 #: Our machine harness (kubeadm's join code, the kubelet's bootstrap, kubemark's hollow kubelet),
 #: keyed by the version and its own sources, so editing it rebuilds it alone.
 HARNESS_COMMANDS = {"gpufleet-join": "gpufleet.test/realk8s/harness/join"}
@@ -79,8 +85,21 @@ def _fresh(names: dict[str, str], stamp_name: str, stamp: str) -> bool:
     return path.exists() and path.read_text() == stamp and all((bin_dir() / n).exists() for n in names)
 
 
-def gateway_api_crd_dir() -> Path:
-    return cache_dir() / f"gateway-api-{GATEWAY_API_VERSION}"
+def published_crds() -> dict[Path, tuple[str, str, tuple[str, ...]]]:
+    """Each cached folder of published CRDs: the module@version they come from, the module's folder
+    that carries them (Envoy Gateway's moved into a subchart in v1.8), and the files."""
+    return {
+        cache_dir() / f"gateway-api-{GATEWAY_API_VERSION}":
+            (f"sigs.k8s.io/gateway-api@{GATEWAY_API_VERSION}", "config/crd/standard", GATEWAY_API_CRDS),
+        cache_dir() / f"envoy-gateway-{ENVOY_GATEWAY_VERSION}":
+            (f"github.com/envoyproxy/gateway@{ENVOY_GATEWAY_VERSION}",
+             "charts/gateway-helm/charts/crds/crds/generated", ENVOY_GATEWAY_CRDS),
+    }
+
+
+def crd_files() -> list[Path]:
+    """The published CRDs the tier installs, as cached."""
+    return [folder / name for folder, (_, _, names) in published_crds().items() for name in names]
 
 
 def _binaries_built() -> bool:
@@ -89,7 +108,7 @@ def _binaries_built() -> bool:
 
 
 def built() -> bool:
-    return _binaries_built() and all((gateway_api_crd_dir() / name).exists() for name in GATEWAY_API_CRDS)
+    return _binaries_built() and all(path.exists() for path in crd_files())
 
 
 def missing_reason() -> str | None:
@@ -161,20 +180,21 @@ def build() -> Path:
     env = {**os.environ, "CGO_ENABLED": "0", "GOFLAGS": "-mod=mod", "GOTOOLCHAIN": "local"}
     if not _binaries_built():
         build_binaries(work, env, started)
-    fetch_gateway_api_crds(env)
+    fetch_published_crds(env)
     return bin_dir()
 
 
-def fetch_gateway_api_crds(env: dict[str, str]) -> None:
-    """The published CRDs, as the module carries them (unchanged: the API server checks against them)."""
-    # Outside our module (no go.mod above the cache folder): a download, nothing required.
-    info = json.loads(_go(["mod", "download", "-json", f"sigs.k8s.io/gateway-api@{GATEWAY_API_VERSION}"],
-                          cache_dir(), env))
-    source = Path(info["Dir"]) / "config" / "crd" / "standard"
-    gateway_api_crd_dir().mkdir(parents=True, exist_ok=True)
-    for name in GATEWAY_API_CRDS:
-        shutil.copyfile(source / name, gateway_api_crd_dir() / f".{name}.partial")
-        (gateway_api_crd_dir() / f".{name}.partial").rename(gateway_api_crd_dir() / name)
+def fetch_published_crds(env: dict[str, str]) -> None:
+    """The published CRDs, as their modules carry them (unchanged: the API server checks against them)."""
+    for folder, (module, source, names) in published_crds().items():
+        if all((folder / name).exists() for name in names):
+            continue
+        # Outside our module (no go.mod above the cache folder): a download, nothing required.
+        info = json.loads(_go(["mod", "download", "-json", module], cache_dir(), env))
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.copyfile(Path(info["Dir"]) / source / name, folder / f".{name}.partial")
+            (folder / f".{name}.partial").rename(folder / name)
 
 
 def build_binaries(work: Path, env: dict[str, str], started: float) -> None:

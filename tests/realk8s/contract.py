@@ -20,11 +20,10 @@ garbage collector deletes a pod whose owner does not exist. A mirror pod is made
 (``system:node:<name>``, under NodeRestriction), the way a hostile kubelet would make one.
 
 The routing objects are custom resources of Gateway API's ``HTTPRoute`` and Envoy Gateway's
-``BackendTrafficPolicy`` kinds, served by the real API server from CRDs ``install_routing_crds``
-installs: Gateway API's published HTTPRoute CRD (tests/realk8s/build.py copies it from its Go
-module), so the server checks each route against its schema and limits, and for the
-BackendTrafficPolicy one with an open schema (Envoy Gateway's CRDs are not fetched here): real
-resourceVersions, generations and conflicts, and the shipped Role's verbs on them.
+``BackendTrafficPolicy`` kinds, served by the real API server from the projects' published CRDs
+(``install_routing_crds``; tests/realk8s/build.py copies them from their Go modules), so the
+server checks each object against its real schema, limits and CEL rules: real resourceVersions,
+generations and conflicts, and the shipped Role's verbs on them.
 """
 
 from __future__ import annotations
@@ -81,27 +80,12 @@ def ensure_namespace(real: RealCluster, name: str) -> None:
 
 
 def install_routing_crds(real: RealCluster) -> None:
-    """``HTTPRoute`` (gateway.networking.k8s.io/v1) from Gateway API's published CRD, and
-    ``BackendTrafficPolicy`` (gateway.envoyproxy.io/v1alpha1), namespaced, with a status
-    subresource (so a spec change bumps ``generation``, as with the published CRD) and an open
-    schema."""
-    for name in build.GATEWAY_API_CRDS:
-        real.kubectl("apply", "--server-side", "--field-manager=gateway-api-crds", "-f",
-                     str(build.gateway_api_crd_dir() / name))
-    open_schema = {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
-    group, version, kind, plural = "gateway.envoyproxy.io", "v1alpha1", "BackendTrafficPolicy", "backendtrafficpolicies"
-    crd = {"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-           "metadata": {"name": f"{plural}.{group}"},
-           "spec": {"group": group, "scope": "Namespaced",
-                    "names": {"kind": kind, "plural": plural, "singular": kind.lower(), "listKind": f"{kind}List"},
-                    "versions": [{"name": version, "served": True, "storage": True,
-                                  "subresources": {"status": {}},
-                                  "schema": {"openAPIV3Schema": {"type": "object", "properties": {
-                                      "spec": open_schema, "status": open_schema}}}}]}}
-    status, answer = real.request("POST", "/apis/apiextensions.k8s.io/v1/customresourcedefinitions", crd,
-                                  admin=True)
-    assert status in (201, 409), answer
-    for path in ("/apis/gateway.networking.k8s.io/v1/httproutes", f"/apis/{group}/{version}/{plural}"):
+    """``HTTPRoute`` (gateway.networking.k8s.io/v1) and ``BackendTrafficPolicy``
+    (gateway.envoyproxy.io/v1alpha1) from Gateway API's and Envoy Gateway's published CRDs."""
+    for path in build.crd_files():
+        real.kubectl("apply", "--server-side", "--field-manager=routing-crds", "-f", str(path))
+    for path in ("/apis/gateway.networking.k8s.io/v1/httproutes",
+                 "/apis/gateway.envoyproxy.io/v1alpha1/backendtrafficpolicies"):
         deadline = time.monotonic() + 30
         while real.request("GET", path, admin=True)[0] != 200:
             assert time.monotonic() < deadline, f"{path} not served"

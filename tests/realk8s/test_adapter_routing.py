@@ -1,8 +1,7 @@
 """What only the Kubernetes adapter has, that the fake API server used to stand in for because the
-real tier lacked a piece (issue 33): its routing objects (Gateway API's ``HTTPRoute``, served
-here from its published CRD, and Envoy Gateway's ``BackendTrafficPolicy``, from a CRD with an
-open schema), a drain that waits for a graceful termination, and a Deployment's rollout status
-from the real controllers.
+real tier lacked a piece (issue 33): its routing objects (Gateway API's ``HTTPRoute`` and Envoy
+Gateway's ``BackendTrafficPolicy``, served here from their published CRDs), a drain that waits
+for a graceful termination, and a Deployment's rollout status from the real controllers.
 The adapter runs as the control plane's service account under the shipped RBAC, in a namespace
 of the test's own (``tests/realk8s/contract.py``'s ``RealHarness``, whose stand-in kubelet starts
 the pods bound to its Nodes and ends those deleted, after the seconds a pod asks for).
@@ -12,6 +11,7 @@ Moved from tests/cluster/test_kubernetes_adapter.py, where only a hung server st
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 
@@ -22,9 +22,14 @@ from fleet.cluster import ServingSpec
 from fleet.config import ServingPolicy
 from fleet.errors import ClusterInvalid
 from fleet.rollout import RolloutInput
+from providers.cluster.envoy_gateway import render_routing
 from providers.cluster.kubernetes import ROUTING_CONFIGMAP
+from providers.cluster.kubernetes.api import _is_subset
+from tests.realk8s.cluster import ClusterFailed
 from tests.realk8s.contract import RealHarness
 from tests.realk8s.test_adapter import record_requests
+from tests.realk8s.test_monitoring import apply_strictly
+from tests.test_envoy_gateway import routing_document
 
 GW = "gateway.networking.k8s.io"
 ENVOY = "gateway.envoyproxy.io"
@@ -143,7 +148,8 @@ def test_routing_applies_the_envoy_gateway_policy_with_the_route(harness: RealHa
     harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 80, "site-b": 20})
     policy = _policy(harness, "llama-3-8b")
     assert policy["spec"]["targetRefs"] == [{"group": GW, "kind": "HTTPRoute", "name": "llama-3-8b"}]
-    assert policy["spec"]["loadBalancer"]["consistentHash"] == {"type": "Header", "header": {"name": "x-session-id"}}
+    hashed = policy["spec"]["loadBalancer"]["consistentHash"]  # with the CRD's default tableSize
+    assert (hashed["type"], hashed["header"]) == ("Header", {"name": "x-session-id"})
     assert policy["spec"]["retry"]["retryOn"]["triggers"] == ["connect-failure", "refused-stream"]
     harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 50, "site-b": 50})
     assert _writes(seen, "/backendtrafficpolicies") == ["POST"], "the policy does not change with the weights"
@@ -158,6 +164,43 @@ def test_routing_applies_the_envoy_gateway_policy_with_the_route(harness: RealHa
     assert _writes(seen, "/backendtrafficpolicies") == ["POST", "PUT"]
     assert _policy(harness, "llama-3-8b")["spec"]["retry"]["retryOn"]["triggers"] == ["connect-failure",
                                                                                        "refused-stream"]
+
+
+def _misspelled_retries(spec: dict) -> None:
+    spec["retry"]["numRetry"] = spec["retry"].pop("numRetries")
+
+
+def _unknown_trigger(spec: dict) -> None:
+    spec["retry"]["retryOn"]["triggers"] = ["connect_failure"]
+
+
+def _hash_without_its_header(spec: dict) -> None:
+    del spec["loadBalancer"]["consistentHash"]["header"]
+
+
+def test_the_routing_objects_pass_the_published_crds_strictly(harness: RealHarness):
+    """What gpufleet writes for a model (``render_routing``: the HTTPRoute and the
+    BackendTrafficPolicy the adapter writes) passes Gateway API's and Envoy Gateway's published
+    CRDs under strict field validation, as ``kubectl apply --validate=strict`` asks: a field the
+    CRD does not know is refused here, where a plain create or update would store the object
+    without it (stickiness or retries silently gone, and the adapter rewriting it on every
+    call). The server is the judge: a misspelled field, a trigger Envoy Gateway does not know,
+    and a consistent hash on a header without its header (a CEL rule) are each refused."""
+    route, policy = render_routing(routing_document(), harness.namespace, "gpufleet", "gpufleet")
+    stored = apply_strictly(harness.real, "-f", "-", manifest=json.dumps(
+        {"apiVersion": "v1", "kind": "List", "items": [route, policy]}))
+    assert [(o["kind"], o["metadata"]["name"]) for o in stored] == [
+        ("HTTPRoute", route["metadata"]["name"]), ("BackendTrafficPolicy", policy["metadata"]["name"])]
+    for sent, kept in zip((route, policy), stored):
+        assert _is_subset(sent["spec"], kept["spec"]), "the adapter's repeat check would rewrite it forever"
+
+    for mutate, refusal in ((_misspelled_retries, 'unknown field "numRetry"|numRetry: field not declared in schema'),
+                            (_unknown_trigger, 'Unsupported value: "connect_failure"'),
+                            (_hash_without_its_header, "If consistent hash type is header, the header field")):
+        wrong = copy.deepcopy(policy)
+        mutate(wrong["spec"])
+        with pytest.raises(ClusterFailed, match=refusal):
+            apply_strictly(harness.real, "-f", "-", manifest=json.dumps(wrong))
 
 
 def test_routing_table_write_retries_on_conflict(harness: RealHarness):
