@@ -103,11 +103,16 @@ def test_restore_percents_end_at_full_traffic():
     assert restore_percents([0, 150, 50]) == [1, 50, 100]
 
 
-def test_restore_weights_are_the_weights_at_each_step():
-    for original in (1, 5, 7, 100, 250):
-        steps = [10, 50, 100]
-        assert restore_weights(original, steps) == sorted({weight_at(original, p) for p in restore_percents(steps)})
-        assert restore_weights(original, steps)[-1] == original
+@pytest.mark.parametrize("original, steps, weights", [
+    (7, [10, 50, 100], [1, 4, 7]),       # 0.7 and 3.5 round up
+    (100, [10, 50], [10, 50, 100]),      # full traffic is always the last step
+    (250, [50, 10], [25, 125, 250]),     # steps in any order climb upwards
+    (3, [10, 20, 100], [1, 3]),          # 0.3 and 0.6 both give 1: one step, not two
+    (1, [10, 50, 100], [1]),
+    (0, [10, 50, 100], [0]),             # a site that had no traffic gets none back
+])
+def test_restore_weights_are_the_weights_at_each_step(original, steps, weights):
+    assert restore_weights(original, steps) == weights
 
 
 def test_the_weight_activity_writes_weight_at(tmp_path):
