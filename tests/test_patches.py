@@ -48,8 +48,6 @@ def test_the_scan_finds_every_patch_the_source_calls() -> None:
     scanned = scan_patches()
     by_file = {(p.id, p.where.split("/")[-1].split(":")[0]) for p in scanned}
     assert by_file == grepped_patches()
-    assert Patch("join-patches-at-start-2", "NodeJoin", "", True) in [
-        Patch(p.id, p.workflow_type, "", p.deprecated) for p in scanned]
     # Two modules name their constant EVENTS_PATCH: each resolves to its own id and type.
     assert {(p.id, p.workflow_type) for p in scanned} >= {("site-events", "Site"), ("demand-events", "Demand")}
     assert all(p.workflow_type for p in scanned)
