@@ -3,15 +3,18 @@ says, without a running loop, which pods wait."""
 
 from __future__ import annotations
 
+import asyncio
 import json
-from types import SimpleNamespace
 
-from temporalio.client import WorkflowExecutionStatus
-from temporalio.service import RPCError, RPCStatusCode
+import pytest
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 from typer.testing import CliRunner
 
+from cli.demand import start_demand_loop
 from cli.main import app
-from tests.conftest import write_fleet
+from fleet.naming import DEMAND_WORKFLOW_ID
+from fleet.settings import TASK_QUEUE_ENV
+from tests.conftest import Stack, write_fleet
 
 
 def test_sim_pods_add_list_delete_and_demand(tmp_path):
@@ -52,86 +55,56 @@ def test_sim_pods_add_prints_the_command_that_deletes_them_and_it_does(tmp_path)
     assert [p["pod"] for p in json.loads(listed.output)] == ["default/solo"]
 
 
-def test_demand_start_prints_the_loops_temporal_ui_link(tmp_path, monkeypatch):
+async def demand_cli(stack: Stack, *args: str, ui_url: str | None = None):
+    """``gpufleet demand`` against the test's dev server, on the test's task queue."""
+    env = {TASK_QUEUE_ENV: stack.settings.task_queue, "GPUFLEET_UI_URL": ui_url}
+    common = ["--address", stack.settings.address, "--state-dir", str(stack.settings.state_dir),
+              "--config", stack.settings.config]
+    return await asyncio.to_thread(CliRunner().invoke, app, ["demand", *args, *common], env=env)
+
+
+async def test_demand_start_prints_the_loops_temporal_ui_link(stack: Stack):
     """`gpufleet demand --start` names the workflow it started and its Temporal UI link, as every
     command that starts one does; a loop already running is said to be."""
-    from cli import demand as demand_cli
-    from fleet.messages.demand import DemandStatus
-    from fleet.naming import DEMAND_WORKFLOW_ID
-
-    started: list[str] = []
-    running = {"yes": False}
-
-    class Handle:
-        async def describe(self):
-            if not running["yes"]:
-                raise RPCError("not found", RPCStatusCode.NOT_FOUND, b"")
-            return SimpleNamespace(status=WorkflowExecutionStatus.RUNNING)
-
-        async def query(self, *args, **kwargs):
-            return DemandStatus()
-
-    class Client:
-        async def start_workflow(self, workflow, arg, *, id, **kwargs):
-            started.append(id)
-            running["yes"] = True
-
-        def get_workflow_handle(self, workflow_id):
-            assert workflow_id == DEMAND_WORKFLOW_ID
-            return Handle()
-
-    async def connect(settings):
-        return Client()
-
-    monkeypatch.setattr(demand_cli, "connect", connect)
-    monkeypatch.delenv("GPUFLEET_UI_URL", raising=False)
-    config = str(write_fleet(tmp_path))
-    common = ["--state-dir", str(tmp_path), "--config", config, "--address", "127.0.0.1:7300"]
-    runner = CliRunner()
-    first = runner.invoke(app, ["demand", "--start", *common])
+    handle = stack.client.get_workflow_handle(DEMAND_WORKFLOW_ID)
+    first = await demand_cli(stack, "--start")
     assert first.exit_code == 0, first.output
-    assert started == [DEMAND_WORKFLOW_ID]
     assert f"started {DEMAND_WORKFLOW_ID}" in first.output
-    assert f"  UI: http://127.0.0.1:8300/namespaces/default/workflows/{DEMAND_WORKFLOW_ID}" in first.output.splitlines()
+    host, _, port = stack.settings.address.rpartition(":")  # the dev server's UI: its port + 1000
+    link = f"  UI: http://{host}:{int(port) + 1000}/namespaces/default/workflows/{DEMAND_WORKFLOW_ID}"
+    assert link in first.output.splitlines(), first.output
+    started = await handle.describe()
+    assert (started.status, started.task_queue) == (WorkflowExecutionStatus.RUNNING, stack.settings.task_queue)
     # Started again: already running (the start is idempotent), and the same link.
-    again = runner.invoke(app, ["demand", "--start", *common], env={"GPUFLEET_UI_URL": "https://temporal.example.com/"})
-    assert f"already running {DEMAND_WORKFLOW_ID}" in again.output, again.output
+    again = await demand_cli(stack, "--start", ui_url="https://temporal.example.com/")
+    assert again.exit_code == 0 and f"already running {DEMAND_WORKFLOW_ID}" in again.output, again.output
     assert f"  UI: https://temporal.example.com/namespaces/default/workflows/{DEMAND_WORKFLOW_ID}" in again.output
+    # `gpufleet dev` starts the loop without looking first: a restart finds it running, and keeps it.
+    await start_demand_loop(stack.client, stack.settings.task_queue)
     # Where there is no UI (GPUFLEET_UI_URL=none: `gpufleet dev --temporal cluster`), no link.
-    bare = runner.invoke(app, ["demand", "--start", *common], env={"GPUFLEET_UI_URL": "none"})
+    bare = await demand_cli(stack, "--start", ui_url="none")
     assert bare.exit_code == 0 and "  UI: " not in bare.output, bare.output
     # Without --start nothing is started and no link is printed.
-    shown = runner.invoke(app, ["demand", *common])
-    assert shown.exit_code == 0 and "  UI: " not in shown.output and started == [DEMAND_WORKFLOW_ID], shown.output
+    shown = await demand_cli(stack)
+    assert shown.exit_code == 0 and "  UI: " not in shown.output, shown.output
+    assert (await handle.describe()).run_id == started.run_id, "one run all along"
 
 
-def test_demand_says_a_loop_that_ended_is_not_running_and_how_it_ended(tmp_path, monkeypatch):
+async def test_demand_says_a_loop_that_ended_is_not_running_and_how_it_ended(stack: Stack):
     """A cancelled (or failed) loop answers its status query still: `gpufleet demand` printed its
     last purchases as a running loop's. It says the loop is not running, how and when it ended."""
-    from datetime import datetime, timezone
+    started = await demand_cli(stack, "--start", ui_url="none")
+    assert started.exit_code == 0, started.output
+    handle = stack.client.get_workflow_handle(DEMAND_WORKFLOW_ID)
+    await handle.cancel()
+    with pytest.raises(WorkflowFailureError):
+        await asyncio.wait_for(handle.result(), 30)
+    ended = await handle.describe()
+    assert ended.status == WorkflowExecutionStatus.CANCELED
 
-    from cli import demand as demand_cli
-    from fleet.messages.demand import DemandStatus
-
-    class Handle:
-        async def describe(self):
-            return SimpleNamespace(status=WorkflowExecutionStatus.CANCELED,
-                                   close_time=datetime(2026, 12, 6, 9, 30, 5, tzinfo=timezone.utc))
-
-        async def query(self, *args, **kwargs):
-            return DemandStatus(log=["cancelled: stopped purchases capacity/demand-1-1"])
-
-    class Client:
-        def get_workflow_handle(self, workflow_id):
-            return Handle()
-
-    async def connect(settings):
-        return Client()
-
-    monkeypatch.setattr(demand_cli, "connect", connect)
-    config = str(write_fleet(tmp_path))
-    shown = CliRunner().invoke(app, ["demand", "--state-dir", str(tmp_path), "--config", config])
+    shown = await demand_cli(stack)
     assert shown.exit_code == 0, shown.output
     said = " ".join(shown.output.split())
-    assert "the demand loop is not running: its last run ended canceled at 2026-12-06 09:30:05 UTC" in said, said
-    assert "cancelled: stopped purchases capacity/demand-1-1" in said
+    assert (f"the demand loop is not running: its last run ended canceled at {ended.close_time:%Y-%m-%d %H:%M:%S} UTC"
+            in said), said
+    assert "cancelled: no purchase was buying; no node left cordoned" in said, said
