@@ -1,6 +1,7 @@
 """Provider-incident reaction time: threshold crossed → routing weight 0, and →
 replacement capacity requested, p50 over repeated drills, against the signal
-round-trip measured in the same run.
+round-trip measured in the same run (targets: at most 10 and 13 times it,
+``WEIGHT0_RATIO`` and ``CAPACITY_RATIO``).
 
 Each drill uses its own pair of sites (S: 3 nodes serving a model that fills them;
 T: one full node serving the same model). Faults are injected on 3 of S's nodes;
@@ -33,6 +34,25 @@ from workers.control_plane import build_worker
 from workers.health_report import send_report
 from fleet.contracts import workflows as flows
 from fleet.naming import evacuation_workflow_id, site_workflow_id
+
+
+#: Targets, each a p50 against the signal round-trip's p50 in the same run, which is about three
+#: steps (the signal, a workflow task, the query). From the third report to weight 0 the path is
+#: 15 steps one after another, 8 workflow tasks and 7 activities (the Node entity's fence and
+#: admission; the Site entity's incident number and hold of its repairs; the SiteEvacuation's
+#: start, facts and ``set_site_weight``), about 5 round trips' worth; to the capacity request 5
+#: steps more (the routing event, the free GPUs, the child's start), about 6.7. Twice that each:
+#: some of those activities read and write the sim world, which the round trip does not.
+WEIGHT0_RATIO = 10.0
+CAPACITY_RATIO = 13.0
+
+
+def incident_verdict(rtt: list[float], weight0: list[float], capacity: list[float]) -> tuple[tuple[float, float], bool]:
+    """The p50s of threshold crossed → weight 0 and → capacity requested over the signal
+    round-trip's, and whether both meet their targets."""
+    base = statistics.median(rtt)
+    ratios = (statistics.median(weight0) / base, statistics.median(capacity) / base)
+    return ratios, ratios[0] <= WEIGHT0_RATIO and ratios[1] <= CAPACITY_RATIO
 
 
 async def main(args) -> None:
@@ -126,10 +146,11 @@ async def main(args) -> None:
     p50 = statistics.median
     print(f"{args.drills} incident drills (3 of 3 nodes fail at a site), same dev server and worker")
     print(f"  {'signal round-trip (baseline)':40s}{ms(p50(rtt))}")
-    print(f"  {'threshold crossed -> routing weight 0':40s}{ms(p50(weight0))}   ratio {p50(weight0) / p50(rtt):.1f}x")
-    print(f"  {'threshold crossed -> capacity requested':40s}{ms(p50(capacity))}   ratio {p50(capacity) / p50(rtt):.1f}x")
-    ok = p50(weight0) < 2.0 and p50(capacity) < 5.0
-    print(f"  targets p50 < 2 s (weight 0) and < 5 s (capacity): {'met' if ok else 'NOT met'}")
+    (weight_ratio, capacity_ratio), ok = incident_verdict(rtt, weight0, capacity)
+    print(f"  {'threshold crossed -> routing weight 0':40s}{ms(p50(weight0))}   ratio {weight_ratio:.1f}x")
+    print(f"  {'threshold crossed -> capacity requested':40s}{ms(p50(capacity))}   ratio {capacity_ratio:.1f}x")
+    print(f"  targets p50 ratio <= {WEIGHT0_RATIO:g}x (weight 0) and <= {CAPACITY_RATIO:g}x (capacity): "
+          f"{'met' if ok else 'NOT met'}")
 
 
 def cli(drills: Annotated[int, typer.Option()] = 5) -> None:

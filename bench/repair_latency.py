@@ -13,6 +13,8 @@ Interleaved with each fault, on the same dev server and worker process:
 
 The agent's probe interval (``GPUFLEET_HEALTH_SECONDS``, 5 s by default) adds
 up to one interval of detection before the report; it is not in these numbers.
+Target: report → contained within 4 times signal → one activity, at p50 and at
+p99 (``CONTAIN_RATIO``).
 
     python -m bench.repair_latency [--faults 50] [--nodes 25]
 """
@@ -59,6 +61,24 @@ async def poll(predicate, timeout: float = 30, interval: float = 0.005) -> None:
         if time.perf_counter() > deadline:
             raise TimeoutError("condition not met")
         await asyncio.sleep(interval)
+
+
+#: Target: fault report → contained within 4 times the signal → one activity ran, at p50 and
+#: at p99, both measured in the same run. The baseline is a signal, a workflow task and one
+#: no-op activity; the containment is the report's signal, the Node entity's workflow task and
+#: its fence (an activity that writes the cordon), then this process's look at the node (every
+#: 5 ms, a read of the sim cluster): the baseline's path, the fence's writes and the look, each
+#: about one baseline, so about 3 by construction, and one baseline more for the noise of a
+#: shared machine.
+CONTAIN_RATIO = 4.0
+
+
+def contain_verdict(contain: list[float], baseline: list[float]) -> tuple[float, float, bool]:
+    """(p50 ratio, p99 ratio) of fault report → contained over signal → one activity, and whether
+    both are within ``CONTAIN_RATIO``."""
+    p50 = statistics.median(contain) / statistics.median(baseline)
+    p99 = pct(contain, 99) / pct(baseline, 99)
+    return p50, p99, p50 <= CONTAIN_RATIO and p99 <= CONTAIN_RATIO
 
 
 async def main(args) -> None:
@@ -128,9 +148,10 @@ async def main(args) -> None:
     print(f"  {'signal round-trip (query sees it)':34s}{ms(statistics.median(rtt))}{ms(pct(rtt, 99))}")
     print(f"  {'signal -> one activity ran':34s}{ms(statistics.median(sig_act))}{ms(pct(sig_act, 99))}")
     print(f"  {'fault report -> contained':34s}{ms(statistics.median(contain))}{ms(pct(contain, 99))}")
-    print(f"  ratio contained / signal->activity (p50): {statistics.median(contain) / statistics.median(sig_act):.1f}")
-    ok = statistics.median(contain) < 1.0 and pct(contain, 99) < 2.0
-    print(f"  target p50 < 1 s, p99 < 2 s: {'met' if ok else 'NOT met'}")
+    p50_ratio, p99_ratio, ok = contain_verdict(contain, sig_act)
+    print(f"  ratio contained / signal->activity (p50): {p50_ratio:.1f}")
+    print(f"  ratio contained / signal->activity (p99): {p99_ratio:.1f}")
+    print(f"  target both <= {CONTAIN_RATIO:g}: {'met' if ok else 'NOT met'}")
 
 
 def cli(faults: Annotated[int, typer.Option()] = 50, nodes: Annotated[int, typer.Option()] = 25) -> None:

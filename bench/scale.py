@@ -539,6 +539,22 @@ async def prepare_drills(client, settings, fleet_env: FleetEnv, drills: int) -> 
 P99_SAMPLES = 100
 
 
+#: Target: the fault → contained and report → contained p99 at the largest size within 5 times
+#: those at the first (a tenth of it by default), the same run. A fault's path touches one node's
+#: entity, so what grows with the fleet is the load on the machine every process shares: the
+#: report → contained target this replaces (500 ms at 1,250 nodes) was 5 to 10 times the first
+#: size's p99 in the runs docs/benchmarks.md records (48-100 ms at 125 nodes).
+P99_GROWTH = 5.0
+
+
+def growth_verdict(first: list[float], largest: list[float]) -> tuple[float, bool]:
+    """The largest size's p99 over the first size's, and whether it is within ``P99_GROWTH``."""
+    if not first or not largest:
+        return float("nan"), False
+    ratio = pct(largest, 99) / pct(first, 99)
+    return ratio, ratio <= P99_GROWTH
+
+
 def samples(values: list[float]) -> str:
     return f"p99 of {len(values)}" + (" = the slowest" if len(values) < P99_SAMPLES else "")
 
@@ -826,19 +842,21 @@ def print_table(args, steps: list[Step]) -> None:
                                                         for s in steps], "{:.0f}")
     print(f"  {'  counted by the Node entities (sampled nodes)':48s}"
           + "".join(f"{f'{s.health_checked[0]}/{s.health_checked[1]}':>12s}" for s in steps))
-    largest = steps[-1]
-    # The targets are taken at the largest size, where the window holds enough faults for a p99.
-    fault_p99 = pct(largest.contain, 99) if largest.contain else nan
-    print(f"  target fault -> contained p99 < 2 s at {largest.nodes}: {'met' if fault_p99 < 2 else 'NOT met'} "
-          f"({fault_p99:.2f} s, {samples(largest.contain)})")
-    report_p99 = pct(largest.report_contain, 99) if largest.report_contain else nan
-    smaller = [pct(s.report_contain, 99) * 1000 for s in steps[:-1] if s.report_contain]
-    print(f"  target report -> contained p99 < 500 ms at {largest.nodes}: {'met' if report_p99 < 0.5 else 'NOT met'} "
-          f"({report_p99 * 1000:.0f} ms, {samples(largest.report_contain)}"
-          + (f"; the worst smaller size {max(smaller):.0f} ms)" if smaller else ")"))
-    worst_incident = max((s.incident for s in steps), default=nan)
-    print(f"  incident: third fault -> routing weight 0, worst {worst_incident * 1000:.0f} ms "
-          f"(bench/incident's target, report -> weight 0 p50 < 2 s)")
+    largest, first = steps[-1], steps[0]
+    # The targets are taken at the largest size, where the window holds enough faults for a p99,
+    # against the first size of the same run.
+    for label, attr in (("fault -> contained", "contain"), ("report -> contained", "report_contain")):
+        before, after = getattr(first, attr), getattr(largest, attr)
+        if len(steps) < 2 or not before or not after:
+            judged = "not judged (one size, or none contained at one of them: no baseline)"
+        else:
+            ratio, ok = growth_verdict(before, after)
+            judged = (f"{'met' if ok else 'NOT met'} ({ratio:.2f}x: {pct(after, 99) * 1000:.0f} ms, {samples(after)}, "
+                      f"against {pct(before, 99) * 1000:.0f} ms, {samples(before)})")
+        print(f"  target {label} p99 at {largest.nodes} within {P99_GROWTH:g}x of at {first.nodes}: {judged}")
+    if len(steps) > 1 and first.incident:
+        print(f"  incident: third fault -> routing weight 0 at {largest.nodes} / at {first.nodes}: "
+              f"{largest.incident / first.incident:.2f}x (one drill each; bench.incident judges it)")
     worst = max(s.largest_history[0] for s in steps)
     print(f"  target no entity history > 10,000 events: {'met' if worst <= 10_000 else 'NOT met'} (largest {worst})")
     last = steps[-1]

@@ -1,9 +1,10 @@
-"""One hostile node, in a process of its own: on ``on`` (a line on stdin) it holds ``--polls``
+"""One hostile node, in a process of its own (``bench.gateway``'s flood part and
+tests/security/test_gateway_flood.py run it): on ``on`` (a line on stdin) it holds ``--polls``
 long polls on its own queue open through the node gateway (each re-sent a second after it
 ends, or a minute after it was sent), over as many connections as that takes, and keeps ``--big`` polls of ``--big-bytes``
 each in flight the same way; on ``off`` it cancels them all (its connections stay open).
 
-    python -m tests.security.flood_attacker ADDRESS CA CERT KEY NODE [--polls 1300] [--big 40]
+    python -m bench.flood_attacker ADDRESS CA CERT KEY NODE [--polls 1300] [--big 40]
 
 It answers ``holding`` once every call is started (at once when they are) and ``quiet`` once
 every call is gone.
