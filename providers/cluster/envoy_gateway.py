@@ -13,6 +13,10 @@
 A draining or unhealthy site keeps its backendRef at weight 0, so its Service stays
 resolvable while sessions leave it. tests/realk8s/test_adapter_routing.py applies the objects
 to a real API server serving both projects' published CRDs, with strict field validation.
+
+The adapter writes them with strict field validation too: a cluster whose CRDs predate a field
+gpufleet writes refuses the object (``ClusterInvalid`` naming the field and ``ROUTING_CRDS``'s
+release) instead of storing it without, stickiness or retries silently gone.
 """
 
 from __future__ import annotations
@@ -33,6 +37,14 @@ from providers.haproxy import SESSION_HEADER
 
 ENVOY_GROUP = "gateway.envoyproxy.io"
 ENVOY_VERSION = "v1alpha1"
+#: Per kind, the oldest releases whose published CRDs declare every field ``render_routing``
+#: writes (Gateway API v1.1.0's standard HTTPRoute, Envoy Gateway v1.2.4's BackendTrafficPolicy:
+#: the oldest the Go module proxy serves, read field by field; the real tier serves v1.4.1 and
+#: v1.9.1). What a refused write tells the operator to install; docs/production/index.md names them.
+ROUTING_CRDS = {
+    "HTTPRoute": "Gateway API v1.1 or later (its standard-channel CRDs)",
+    "BackendTrafficPolicy": "Envoy Gateway v1.2 or later (its CRDs)",
+}
 #: Retried only while no byte of the answer has left Envoy.
 RETRY_BEFORE_RESPONSE = ["connect-failure", "refused-stream"]
 

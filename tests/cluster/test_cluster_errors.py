@@ -32,7 +32,7 @@ from activities.env import FleetEnv
 from fleet.messages.nodes import PrepareNodeInput
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
 from fleet.config import load_config
-from fleet.errors import NON_RETRYABLE_TYPES, ClusterConflict, ClusterForbidden, Transient
+from fleet.errors import NON_RETRYABLE_TYPES, ClusterConflict, ClusterForbidden, ClusterInvalid, Transient
 from fleet.models import Node
 from fleet.settings import Settings
 from providers.cluster import kubernetes
@@ -84,6 +84,25 @@ def test_a_server_error_is_transient(kube, fake, code):
 def test_the_cluster_types_are_named_non_retryable():
     assert {"ClusterForbidden", "ClusterInvalid", "NotFound"} <= set(NON_RETRYABLE_TYPES)
     assert "ClusterConflict" not in NON_RETRYABLE_TYPES and "Transient" not in NON_RETRYABLE_TYPES
+
+
+def test_a_strictly_refused_patch_names_the_field_and_quotes_nothing_of_the_node(kube, fake):
+    # Fake: the adapter's node patches write only fields every Kubernetes declares. The answer is
+    # a real API server's to a merge patch refused by strict field validation (kube-apiserver
+    # v1.36, as tests/realk8s/test_adapter_routing.py meets it for a Service): it quotes the
+    # whole patched object, here a Node whose annotation its (hostile) node wrote.
+    fake.add_node("gpu-1")
+    node_wrote = r'strict decoding error: unknown field \"spec.podCIDR\" (hunter2)'
+    patched = '{\\"kind\\":\\"Node\\",\\"metadata\\":{\\"annotations\\":{\\"x\\":\\"' + node_wrote + '\\"}}}'
+    fake.fail("patch", "nodes", 422, "Invalid", f' "" is invalid: patch: Invalid value: "{patched}": '
+              'strict decoding error: unknown field "spec.newerThanTheCluster"', times=1)
+    with pytest.raises(ClusterInvalid) as caught:
+        kube.cordon("gpu-1")
+    message = str(caught.value)
+    assert message.startswith("patch node gpu-1: refused, nothing written: this cluster's object schema lacks "
+                              "spec.newerThanTheCluster, which gpufleet writes"), message
+    assert "Kubernetes 1.31 or later" in message and not caught.value.retryable
+    assert "hunter2" not in message and "podCIDR" not in message
 
 
 # -- the activity boundary --------------------------------------------------------------------

@@ -22,8 +22,9 @@ from fleet.cluster import ServingSpec
 from fleet.config import ServingPolicy
 from fleet.errors import ClusterInvalid
 from fleet.rollout import RolloutInput
+from providers.cluster import envoy_gateway
 from providers.cluster.envoy_gateway import render_routing
-from providers.cluster.kubernetes import ROUTING_CONFIGMAP
+from providers.cluster.kubernetes import ROUTING_CONFIGMAP, routing, serving
 from providers.cluster.kubernetes.api import _is_subset
 from tests.realk8s.cluster import ClusterFailed
 from tests.realk8s.contract import RealHarness
@@ -201,6 +202,93 @@ def test_the_routing_objects_pass_the_published_crds_strictly(harness: RealHarne
         mutate(wrong["spec"])
         with pytest.raises(ClusterFailed, match=refusal):
             apply_strictly(harness.real, "-f", "-", manifest=json.dumps(wrong))
+
+
+def _session_persistence_on_the_route(monkeypatch) -> None:
+    """Gateway API's rule-level ``sessionPersistence``: a real HTTPRoute field, of the experimental
+    channel only, so the standard-channel CRD the tier serves (v1.4.1) has no such field."""
+    rendered = envoy_gateway.render_httproute_spec
+
+    def with_it(*args):
+        spec = rendered(*args)
+        spec["rules"][0]["sessionPersistence"] = {"type": "Header", "sessionName": "x-session-id"}
+        return spec
+
+    monkeypatch.setattr(envoy_gateway, "render_httproute_spec", with_it)  # the create's
+    monkeypatch.setattr(routing, "render_httproute_spec", with_it)  # the update's
+
+
+def _a_field_envoy_gateway_lacks_on_the_policy(monkeypatch) -> None:
+    """A test-only field: every Envoy Gateway release the Go module proxy serves (v1.2.4 on)
+    declares each field gpufleet writes, so an older CRD cannot be installed to lack one."""
+    rendered = routing.render_backend_traffic_policy
+
+    def with_it(*args):
+        body = rendered(*args)
+        body["spec"]["loadBalancer"]["consistentHash"]["testOnlyField"] = "x"
+        return body
+
+    monkeypatch.setattr(routing, "render_backend_traffic_policy", with_it)
+
+
+@pytest.mark.parametrize("kind, inject, field, needs", [
+    ("HTTPRoute", _session_persistence_on_the_route, "spec.rules[0].sessionPersistence",
+     "Gateway API v1.1 or later"),
+    ("BackendTrafficPolicy", _a_field_envoy_gateway_lacks_on_the_policy,
+     "spec.loadBalancer.consistentHash.testOnlyField", "Envoy Gateway v1.2 or later"),
+], ids=["HTTPRoute", "BackendTrafficPolicy"])
+def test_a_routing_field_the_clusters_crd_lacks_is_refused_by_name_not_dropped(
+        harness: RealHarness, monkeypatch, kind, inject, field, needs):
+    """gpufleet writes a field the cluster's CRD does not declare (as on a cluster whose Gateway
+    API or Envoy Gateway is older than gpufleet's): the update and the create are refused, naming
+    the kind, the field and the release to install, and nothing stored changes. Without strict
+    field validation the API server stores each object without the field (a warning header the
+    only sign): stickiness or retries silently gone, and the object rewritten on every call."""
+    read = {"HTTPRoute": _route, "BackendTrafficPolicy": _policy}[kind]
+    collection = {"HTTPRoute": f"/apis/{GW}/v1/namespaces/{harness.namespace}/httproutes",
+                  "BackendTrafficPolicy": f"/apis/{ENVOY}/v1alpha1/namespaces/{harness.namespace}/"
+                                          "backendtrafficpolicies"}[kind]
+    harness.cluster.set_routing_weights("llama-3-8b", {"site-a": 80, "site-b": 20})
+    stored = read(harness, "llama-3-8b")
+    inject(monkeypatch)
+    seen = record_requests(harness.cluster)
+
+    for model in ("llama-3-8b", "mistral-7b"):  # the update of a stored object, then a create
+        with pytest.raises(ClusterInvalid) as caught:
+            harness.cluster.set_routing_weights(model, {"site-a": 80, "site-b": 20})
+        assert not caught.value.retryable and caught.value.code == "400"
+        assert f"refused, nothing written: this cluster's {kind} schema lacks {field}, which gpufleet writes" \
+            in str(caught.value)
+        assert needs in str(caught.value)
+    assert read(harness, "llama-3-8b") == stored, "the refused update changed nothing"
+    assert harness.real.request("GET", f"{collection}/mistral-7b", admin=True)[0] == 404, "the refused create"
+    writes = [(method, query) for method, _, query in seen if method in ("POST", "PUT", "PATCH")]
+    assert writes and all("fieldValidation=Strict" in query for _, query in writes), writes
+
+
+def test_serving_objects_are_written_with_strict_field_validation(harness: RealHarness, monkeypatch):
+    """The built-in kinds too: a field the cluster's Kubernetes does not declare (a field newer
+    than the cluster, or a typo) in the Service gpufleet writes is refused by name, in its create
+    and in its patch, not dropped."""
+    spec = ServingSpec(model="m", site="site-a", image="img:1", replicas=1)
+    harness.cluster.apply_serving(spec)
+    rendered = serving.render_service
+
+    def with_a_field_kubernetes_lacks(*args):
+        body = rendered(*args)
+        body["spec"]["testOnlyField"] = "x"
+        return body
+
+    monkeypatch.setattr(serving, "render_service", with_a_field_kubernetes_lacks)
+    for site, code, kind in (("site-a", "422", "object"), ("site-b", "400", "Service")):  # a patch, a create
+        with pytest.raises(ClusterInvalid) as caught:
+            harness.cluster.apply_serving(spec.model_copy(update={"site": site}))
+        assert not caught.value.retryable and caught.value.code == code
+        assert f"this cluster's {kind} schema lacks spec.testOnlyField, which gpufleet writes" in str(caught.value)
+        assert "Kubernetes 1.31 or later" in str(caught.value)
+    status, _ = harness.real.request("GET", f"/api/v1/namespaces/{harness.namespace}/services/m-site-b",
+                                     admin=True)
+    assert status == 404
 
 
 def test_routing_table_write_retries_on_conflict(harness: RealHarness):

@@ -4,7 +4,9 @@ taxonomy for what the API server answers.
 
 Every call goes through the generated client (paths, auth, TLS, kubeconfig) but
 reads and writes plain JSON (``_preload_content=False``), so fields newer than
-the client's models survive a read-modify-write.
+the client's models survive a read-modify-write. Every write asks for strict field validation:
+a field the cluster's schema does not declare is refused by name (``ClusterInvalid``), never
+stored without it.
 
 No error of ours quotes the client's failure to send a request, nor is raised from it: the
 HTTP layer quotes what it refused (``Invalid header value b'Bearer <token>\\n'``) and the URL it
@@ -19,6 +21,7 @@ import http.client
 import json
 import os
 import random
+import re
 import time
 from typing import Any, Callable, TypeVar
 
@@ -39,12 +42,22 @@ from fleet.errors import (
 )
 from fleet.settings import ControlPlaneEnv
 from providers.base import transport_failure
+from providers.cluster.envoy_gateway import ROUTING_CRDS
 
 PROVIDER = "kubernetes"
 #: The namespace of the bootstrap channel and the join token key (the adapter's default).
 BOOTSTRAP_NAMESPACE = "gpufleet-bootstrap"
 MERGE = "application/merge-patch+json"
 STRATEGIC = "application/strategic-merge-patch+json"
+#: The client's calls that write an object: each asks for ``fieldValidation=Strict``. Without it
+#: the API server stores an object without a field its schema lacks (an Envoy Gateway, a Gateway
+#: API or a Kubernetes older than what gpufleet writes), answering only with a warning header:
+#: session stickiness or retries silently gone, and the stored object, never matching what the
+#: adapter wants, rewritten on every call.
+_WRITES = ("create_", "replace_", "patch_")
+#: What a refusal for a field of a built-in kind asks for (docs/production/joining.md; the
+#: model-wide Service's ``trafficDistribution`` is the newest field gpufleet writes).
+KUBERNETES_REQUIRED = "Kubernetes 1.31 or later"
 
 
 class ClientConfiguration(k8s.Configuration):
@@ -162,7 +175,41 @@ ERROR_STATUSES: dict[int, type[ClusterError]] = {
 }
 
 
+#: A create or update strict field validation refused: ``<Kind> in version "<v>" cannot be handled
+#: as a <Kind>: strict decoding error: ...``. A refused patch quotes the patch or the whole patched
+#: object (a Node's annotations, as its node wrote them) before the same list: only that list is read.
+_STRICT_KIND = re.compile(r'^(\w+) in version "[^"]*" cannot be handled as ')
+_STRICT_ERROR = "strict decoding error: "
+_STRICT_FIELD = re.compile(r'(unknown|duplicate) field "([^"]*)"')
+
+
+def _strict_refusal(error: ApiException, what: str) -> ClusterInvalid | None:
+    """The refusal of a field the cluster's schema does not declare (or one sent twice), naming the
+    kind, each field and the release that declares them; None for any other answer. Built from the
+    field names alone: the server's message can quote the object."""
+    message = str(_status_of(error).get("message") or "")
+    if _STRICT_ERROR not in message:
+        return None
+    fields = _STRICT_FIELD.findall(message.rpartition(_STRICT_ERROR)[2])
+    if not fields:
+        return None
+    kind_match = _STRICT_KIND.match(message)
+    kind = kind_match.group(1) if kind_match else ""
+    unknown = [field for problem, field in fields if problem == "unknown"]
+    twice = [field for problem, field in fields if problem == "duplicate"]
+    refused = "; ".join(([f"lacks {', '.join(unknown)}, which gpufleet writes"] if unknown else [])
+                        + ([f"got {', '.join(twice)} twice"] if twice else []))
+    needs = ROUTING_CRDS.get(kind, KUBERNETES_REQUIRED)
+    return ClusterInvalid(
+        f"{what}: refused, nothing written: this cluster's {kind or 'object'} schema {refused} (strict "
+        f"field validation: no field is dropped silently). gpufleet needs {needs}: upgrade to it "
+        "(docs/production/index.md, \"Cluster requirements\")", code=str(error.status))
+
+
 def _translate(error: ApiException, what: str) -> Exception:
+    refused = _strict_refusal(error, what)
+    if refused is not None:
+        return refused
     code, message = error.status, f"{what}: {_message(error)}"
     if code in ERROR_STATUSES:
         return ERROR_STATUSES[code](message, code=str(code))
@@ -233,6 +280,8 @@ class KubernetesApi:
 
     def _call(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Call ``fn`` and return the response body as JSON; API errors stay ``ApiException``."""
+        if getattr(fn, "__name__", "").startswith(_WRITES):
+            kwargs.setdefault("field_validation", "Strict")
         response = self._send(what, fn, *args, _preload_content=False, _request_timeout=self.request_timeout, **kwargs)
         data = response.data
         return json.loads(data) if data else {}
