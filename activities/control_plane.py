@@ -37,7 +37,7 @@ from fleet.messages.nodes import (
 )
 from fleet import search_attributes as sa
 from fleet.config import Site
-from fleet.messages.csr import VERDICTS_NAMED, CsrApproverResult, CsrVerdict
+from fleet.messages.csr import CsrApproverResult, named_verdicts
 from fleet.messages.repair import NodeEntityInput
 from fleet.errors import InvalidRequest, NotFound, ProviderError
 from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
@@ -209,8 +209,7 @@ class ControlPlaneActivities:
             activity.logger.info("CSR %s from %s %s: %s", d.name, d.requester,
                                  "approved" if d.approve else "denied", d.reason)
         approved = sum(d.approve for d in decisions)
-        return CsrApproverResult(decided=[CsrVerdict(**d.model_dump()) for d in decisions[:VERDICTS_NAMED]],
-                                 approved=approved, denied=len(decisions) - approved)
+        return CsrApproverResult(decided=named_verdicts(decisions), approved=approved, denied=len(decisions) - approved)
 
     @activity.defn
     @typed_errors

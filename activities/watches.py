@@ -44,12 +44,12 @@ from activities.evacuation import EvacuationActivities, provider_api_answers
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
 from fleet.errors import Transient
 from fleet.demand import opted_in, placement_drift, public_placement_labels
-from providers.cluster.base import NodeNotFound
+from providers.cluster.base import NodeNotFound, OpenCsr
 from fleet.messages.capacity import SignalSitesInput
 from fleet.messages.demand import DemandBatch
 from fleet.messages.evacuation import ProbeNode
 from fleet.messages.watches import (
-    CSRS_NAMED,
+    CsrMark,
     CsrWatchInput,
     CsrWatchResult,
     DemandWake,
@@ -300,36 +300,41 @@ class WatchActivities:
     @activity.defn
     @typed_errors
     def watch_csrs(self, input: CsrWatchInput) -> CsrWatchResult:
-        """Until a CSR the approver has not seen appears (a new name among those still open under
-        a signer gpufleet judges), but no sooner than ``input.pace_seconds`` after it began;
-        unchanged after ``max_wait_seconds``. A CSR gone (decided, cleaned up) wakes nothing.
-        Names the newest ``CSRS_NAMED`` open CSRs and counts them all."""
-        known = set(input.known)
+        """Until a CSR the approver has not seen appears (one not in ``input.mark`` among those
+        still open under a signer gpufleet judges), but no sooner than ``input.pace_seconds`` after
+        it began; unchanged after ``max_wait_seconds``. A CSR gone (decided, cleaned up) wakes
+        nothing. Counts the open CSRs and marks them (``CsrMark``) for the next watch."""
+        known = set(input.known)  # an input from before the mark (a watch in flight at the deploy)
         beat = RareHeartbeat()
         recheck = min(RECHECK_SECONDS, beat.every or RECHECK_SECONDS)
 
-        def unseen(open_: list[str]) -> bool:
+        def unseen(open_: list[OpenCsr]) -> bool:
+            if input.mark is not None:
+                return any(not input.mark.seen(*csr) for csr in open_)
+            return unseen_by_name([csr.name for csr in open_])
+
+        def unseen_by_name(open_: list[str]) -> bool:
             if input.known_cut:
                 # Only the newest were named: the CSRs before the oldest of them still open (oldest
                 # first) were seen too. None left open: every open CSR counts as new (one pass more).
                 open_ = open_[next((i for i, name in enumerate(open_) if name in known), 0):]
             return any(name not in known for name in open_)
 
-        def new_one(open_: list[str]) -> bool:
+        def new_one(open_: list[OpenCsr]) -> bool:
             stop_if_asked()
             return unseen(open_)
 
-        def stopped(_open: list[str]) -> bool:
+        def stopped(_open: list[OpenCsr]) -> bool:
             stop_if_asked()
             return False
 
         started = time.monotonic()
-        names = self.env.cluster.watch_open_csrs(new_one, input.max_wait_seconds, recheck_s=recheck, heartbeat=beat)
+        found = self.env.cluster.watch_open_csrs(new_one, input.max_wait_seconds, recheck_s=recheck, heartbeat=beat)
         early = min(input.pace_seconds, input.max_wait_seconds) - (time.monotonic() - started)
-        if early > 0 and unseen(names):
+        if early > 0 and unseen(found):
             # Those that come meanwhile are this pass's too; it is told the open CSRs as they are then.
-            names = self.env.cluster.watch_open_csrs(stopped, early, recheck_s=recheck, heartbeat=beat)
-        return CsrWatchResult(pending=names[-CSRS_NAMED:], open_count=len(names), changed=unseen(names))
+            found = self.env.cluster.watch_open_csrs(stopped, early, recheck_s=recheck, heartbeat=beat)
+        return CsrWatchResult(mark=CsrMark.of(found), open_count=len(found), changed=unseen(found))
 
     # -- a SiteEvacuation's site while it is down ------------------------------------------------
     @activity.defn

@@ -38,6 +38,7 @@ from providers.cluster.base import (
     NodeMarks,
     NodeNotFound,
     NoPreviousTemplate,
+    OpenCsr,
     PodInfo,
     ServingNotFound,
     StateChange,
@@ -448,7 +449,7 @@ class SimCluster(EvictionDrain, WeightedRouting):
     def watch_gpu_pods(self, until, timeout_s, recheck_s=30.0, heartbeat=None, poll_s=0.2) -> list[GpuPod]:
         return poll_watch(self.list_gpu_pods, until, timeout_s, recheck_s, heartbeat, poll_s)
 
-    def watch_open_csrs(self, until, timeout_s, recheck_s=30.0, heartbeat=None) -> list[str]:
+    def watch_open_csrs(self, until, timeout_s, recheck_s=30.0, heartbeat=None) -> list[OpenCsr]:
         # No CSRs in the sim (``review_csrs``): nothing ever changes, so look seldom.
         return poll_watch(lambda: [], until, timeout_s, recheck_s, heartbeat, poll_s=min(recheck_s, 1.0))
 

@@ -28,11 +28,18 @@ A pass decides every open CSR, so a genuine CSR posted during a flood waits at m
 the flood's pace, the pass in flight and its own: 5 minutes and seconds, half the safety sweep,
 and a kubelet asks for its renewal long before its certificate lapses (a joining node's CSRs are
 decided by its join's own passes). A run's day then holds 288 watches, fewer than the 340 that
-filled its history; what can still end it early is the history's size (Temporal suggests a new
-run at 4 MB): each watch names the CSRs open at its end (up to 500) and each pass up to 100
-verdicts, so past about three 253-character names a minute the run ends before its day, after
-some 75 minutes at one a second or more (at the base pace: an hour at one a second, minutes at
-ten).
+filled its history.
+
+Nor does a flood fill its history by size (Temporal suggests a new run at 4 MB). A watch named the
+CSRs open at its end (up to 500, 253 characters each), which the next watch's input carried again,
+and a pass listed up to 100 verdicts: up to 300 KB a round, so a run under a flood of long names
+ended after a dozen rounds or so, about an hour at the flood's pace. Now a watch hands the next
+one a mark of what it saw (``CsrMark``: digests of the newest 32 open CSRs and when the oldest of
+them was created, some 500 bytes), and a pass lists ten verdicts, approvals first, each cut to a
+few hundred bytes, and counts them all: a round writes a few KB however many CSRs nodes post, or
+how long their names. In tests/cluster/test_csr_flood.py (300 CSRs of 253-character names every 2
+s) a round wrote up to 249 KB before, at most 4.8 KB now (the test's bound is 8 KB): at the flood
+pace a day's 288 rounds write about 1.4 MB (2.3 MB at the bound), and the run lasts its day.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ from temporalio.exceptions import ActivityError, is_cancelled_exception
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
     from fleet.messages.csr import VERDICTS_NAMED, CsrApproverInput, CsrApproverResult
-    from fleet.messages.watches import CSR_FLOOD_PACE_SECONDS, CSR_PACE_SECONDS, CsrWatchInput, CsrWatchResult
+    from fleet.messages.watches import (CSR_FLOOD_PACE_SECONDS, CSR_PACE_SECONDS, CsrMark, CsrWatchInput,
+                                        CsrWatchResult)
     from workflows.inputs import parse_input
     from workflows.steps import CLUSTER_RETRY, WAIT_HEARTBEAT, show_details
 
@@ -77,6 +85,7 @@ class CsrApprover:
         parse_input(CsrApproverInput, raw or {})
         result = await self._pass("approve or deny pending kubelet CSRs of gpufleet's nodes")
         started = workflow.now()
+        mark: CsrMark | None = CsrMark()
         known: list[str] = []
         known_cut = False
         pace = CSR_PACE_SECONDS
@@ -89,13 +98,15 @@ class CsrApprover:
                 # watch, pass, watch..., so it needs no patch (csr_approver_watch replays).
                 seen: CsrWatchResult = await workflow.execute_activity(
                     act.watch_csrs,
-                    CsrWatchInput(known=known, known_cut=known_cut, max_wait_seconds=CSR_WATCH_SECONDS,
+                    CsrWatchInput(mark=mark, known=known, known_cut=known_cut, max_wait_seconds=CSR_WATCH_SECONDS,
                                   pace_seconds=pace),
                     start_to_close_timeout=timedelta(seconds=CSR_WATCH_SECONDS) + CSR_WATCH_HEARTBEAT,
                     heartbeat_timeout=CSR_WATCH_HEARTBEAT, retry_policy=CLUSTER_RETRY,
                     summary="wait for a new kubelet CSR (watch)",
                 )
-                known, known_cut = seen.pending, seen.cut
+                # A result from before the mark (a watch in flight at the deploy) names the CSRs it
+                # saw, which the next watch is told as before; one since marks them, in a few hundred bytes.
+                mark, known, known_cut = seen.mark, seen.pending, seen.mark is None and seen.cut
                 result = await self._pass("a new kubelet CSR: approve or deny" if seen.changed
                                           else "safety sweep: approve or deny pending kubelet CSRs")
                 decided = [*decided, *result.decided][-VERDICTS_NAMED:]

@@ -20,6 +20,8 @@ loses nothing).
 
 from __future__ import annotations
 
+import hashlib
+
 from pydantic import BaseModel, Field
 
 from fleet.messages.demand import DemandBatch
@@ -114,10 +116,20 @@ class DemandWake(BaseModel):
 
 
 # -- watch_csrs -----------------------------------------------------------------------------
-#: The open CSRs a watch names (and its caller hands the next watch as ``known``): the newest.
-#: Every node's kubelet may create CSRs, thousands of them, each name up to 253 characters, and a
-#: watch's result and the next one's input are each bounded at 2 MiB.
+#: An old watch's result named the newest this many open CSRs (``pending``), which its caller
+#: handed the next watch (``known``): up to 125 KB each way, every round, in ``CsrApprover``'s
+#: history. Still honoured for one release, for a watch in flight at the deploy; then it goes.
 CSRS_NAMED = 500
+#: The open CSRs a watch remembers (``CsrMark``, what it returns and its caller hands the next
+#: watch), the newest, by a digest each: a node's kubelet (or a bootstrap token) may post CSRs at
+#: will, thousands, each name up to 253 characters, and the mark goes into the approver's history
+#: twice a round. Some 500 bytes, whatever nodes post.
+CSRS_MARKED = 32
+#: Hex characters of a CSR's digest (``csr_digest``): 48 bits, so two open CSRs' digests collide
+#: with odds of one in billions, and each is of the API server's creation time too, which no node
+#: can aim at. A collision only makes the watch sleep through that new CSR until the next wakes it
+#: (or the safety sweep).
+CSR_DIGEST_CHARS = 12
 #: A CSR watch that sees a new CSR returns no sooner than its ``pace_seconds`` after it began,
 #: which is when the approver's pass before it ended: CSRs that keep coming (a node posting them by
 #: the hundred) get one pass per pace at most. Each woke a pass of its own, two activities in
@@ -132,8 +144,47 @@ CSR_PACE_SECONDS = 10.0
 CSR_FLOOD_PACE_SECONDS = 300.0
 
 
+def csr_digest(created: str, name: str) -> str:
+    """A CSR's digest: of its creation time too, so one deleted and posted again later is new."""
+    return hashlib.sha256(f"{created} {name}".encode()).hexdigest()[:CSR_DIGEST_CHARS]
+
+
+class CsrMark(BaseModel):
+    """The open CSRs a watch saw when it returned (under a signer gpufleet judges, oldest first by
+    creation, then name), in some 500 bytes however many there were: a digest of each of the newest
+    ``CSRS_MARKED``, and the creation time of the oldest of those. The next watch counts an open CSR
+    as seen if its digest is here or, where more were open than it names, if it was created no later
+    than ``since``: a CSR is open from its creation until it is denied or fails, which the API server
+    does not take back, so an older one open now was open at the look, and one created after the
+    look is no older than any the look saw (the API server stamps creation, in whole seconds). While
+    at most ``CSRS_MARKED`` are open the mark is exact, as the names were, and a CSR gone wakes
+    nothing; past that, only one posted in the very second of the oldest it names (a flood of dozens
+    a second) may be taken as seen, and the flood's next CSR, or the safety sweep, wakes the pass
+    that decides it. (A lenient model, not ``Strict``: the workflow decodes it from a result.)"""
+
+    #: ``csr_digest`` of each of the newest open CSRs.
+    digests: list[str] = Field(default_factory=list, max_length=CSRS_MARKED)
+    #: More CSRs were open than ``digests`` names ...
+    cut: bool = False
+    #: ... and the oldest it names was created then (``metadata.creationTimestamp``; "" none open).
+    since: str = Field("", max_length=64)
+
+    @classmethod
+    def of(cls, open_csrs: list[tuple[str, str]]) -> "CsrMark":
+        """The mark of the open CSRs, each (creation time, name), oldest first."""
+        newest = open_csrs[-CSRS_MARKED:]
+        return cls(digests=sorted(csr_digest(created, name) for created, name in newest),
+                   cut=len(open_csrs) > len(newest), since=newest[0][0] if newest else "")
+
+    def seen(self, created: str, name: str) -> bool:
+        return csr_digest(created, name) in self.digests or (self.cut and created <= self.since)
+
+
 class CsrWatchInput(Strict):
-    #: CSRs still pending that the last pass left alone (not gpufleet's to judge): no wake-up.
+    #: What the last watch saw open (its result's ``mark``): a CSR it saw wakes nothing. None: an
+    #: input from before the mark (a watch in flight at the deploy), which ``known`` says.
+    mark: CsrMark | None = None
+    #: Before the mark: the last watch's ``pending`` (open CSRs by name); read only without a mark.
     known: list[str] = Field(default_factory=list, max_length=100_000)
     #: ``known`` is the newest of them only (the last watch's ``pending``, cut): an open CSR older
     #: than the oldest of ``known`` still open is known too.
@@ -145,17 +196,20 @@ class CsrWatchInput(Strict):
 
 
 class CsrWatchResult(BaseModel):
-    #: The newest ``CSRS_NAMED`` CSRs under a signer gpufleet judges still open when the watch
-    #: returned, oldest first: neither Denied nor Failed, so pending, or approved and not yet
-    #: cleaned up (``watch_open_csrs``). An approved one counts: one that kubeadm's auto-approval approved before the watch saw it still
-    #: wants a pass to bind its key.
+    #: The CSRs under a signer gpufleet judges still open when the watch returned: neither Denied
+    #: nor Failed, so pending, or approved and not yet cleaned up (``watch_open_csrs``). An approved
+    #: one counts: one that kubeadm's auto-approval approved before the watch saw it still wants a
+    #: pass to bind its key. (None: a result from before the mark, which ``pending`` names.)
+    mark: CsrMark | None = None
+    #: Before the mark: the newest ``CSRS_NAMED`` of them by name, oldest first (empty now).
     pending: list[str] = Field(default_factory=list)
-    #: How many were open: more than ``pending`` names when it was cut.
+    #: How many were open.
     open_count: int = 0
     changed: bool = False
 
     @property
     def cut(self) -> bool:
+        """A result from before the mark named only the newest of the open CSRs."""
         return self.open_count > len(self.pending)
 
 

@@ -11,7 +11,7 @@ import base64
 import hashlib
 import re
 import time
-from typing import TYPE_CHECKING, Callable, Iterable, Literal, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Iterable, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, Field
 
@@ -79,6 +79,14 @@ class CsrDecision(BaseModel):
     requester: str
     approve: bool
     reason: str
+
+
+class OpenCsr(NamedTuple):
+    """An open CSR as ``watch_open_csrs`` sees it; tuples of these sort oldest first."""
+
+    #: ``metadata.creationTimestamp``: the API server's, whole seconds (RFC 3339, UTC).
+    created: str
+    name: str
 
 
 CLIENT_SIGNER = "kubernetes.io/kube-apiserver-client-kubelet"
@@ -361,12 +369,13 @@ class Cluster(WeightedRouting, Protocol):
         ...
 
     def watch_open_csrs(
-        self, until: Callable[[list[str]], bool], timeout_s: float, recheck_s: float = 30.0,
+        self, until: Callable[[list[OpenCsr]], bool], timeout_s: float, recheck_s: float = 30.0,
         heartbeat: Callable[[], None] | None = None,
-    ) -> list[str]:
-        """The names of the CSRs under a signer gpufleet judges (``JUDGED_SIGNERS``) still open
-        (neither Denied nor Failed: pending, or approved and not yet cleaned up), oldest first (by creation, then name), as soon as ``until`` holds for
-        them, or after ``timeout_s``: a watch on CSRs, as ``watch_nodes``. A new CSR is a new name."""
+    ) -> list[OpenCsr]:
+        """The CSRs under a signer gpufleet judges (``JUDGED_SIGNERS``) still open (neither Denied
+        nor Failed: pending, or approved and not yet cleaned up), oldest first (by creation, then
+        name), as soon as ``until`` holds for them, or after ``timeout_s``: a watch on CSRs, as
+        ``watch_nodes``."""
         ...
 
     # -- per-site serving -----------------------------------------------------------------

@@ -28,15 +28,18 @@ from activities import watches
 from activities.watches import WatchActivities
 from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity
 from fleet.config import load_config
-from fleet.messages.csr import VERDICTS_NAMED
+from fleet.messages.csr import VERDICT_NAME_CHARS, VERDICTS_NAMED
 from fleet.messages import watches as watch_messages
-from fleet.messages.watches import CSRS_NAMED, CsrWatchInput, CsrWatchResult
+from fleet.messages.watches import CSR_FLOOD_PACE_SECONDS, CSRS_MARKED, CsrMark, CsrWatchInput, CsrWatchResult
+from fleet.routing import shortened
 from fleet.settings import Settings
 from providers.cluster.base import CLIENT_SIGNER
+from tests.cluster import fake_apiserver
 from tests.cluster.sim_kubelet import csr_pem, unreadable_csr_pem
 from tests.conftest import wait_for, write_fleet
 from tests.replay import replay_and_record
 from workers.control_plane import build_worker
+from workflows.csr_approver import CSR_RUN_SECONDS
 
 CSRS = ("certificates.k8s.io", "certificatesigningrequests")
 #: A node's request, once (its key is not what is judged here).
@@ -63,35 +66,49 @@ def payload_bytes(value) -> int:
     return pydantic_data_converter.payload_converter.to_payloads([value])[0].ByteSize()
 
 
-def watch(env: FleetEnv, known: CsrWatchResult | None, wait: float, pace: float = 10.0) -> CsrWatchResult:
-    inp = CsrWatchInput(max_wait_seconds=wait, pace_seconds=pace)
-    if known is not None:
-        inp = CsrWatchInput(known=known.pending, known_cut=known.cut, max_wait_seconds=wait, pace_seconds=pace)
+def watch(env: FleetEnv, last: CsrWatchResult | None, wait: float, pace: float = 10.0, **old) -> CsrWatchResult:
+    """The watch as ``CsrApprover`` runs it, told what the ``last`` one saw (``old``: an input from before
+    the mark, ``known`` and ``known_cut``)."""
+    mark = None if old else last.mark if last is not None else CsrMark()
+    inp = CsrWatchInput(mark=mark, max_wait_seconds=wait, pace_seconds=pace, **old)
     return ActivityEnvironment().run(WatchActivities(env).watch_csrs, inp)
 
 
-def test_a_pass_over_thousands_of_csrs_decides_each_and_names_a_few(env, fake) -> None:
-    """Each client renewal of a node gpufleet does not know is denied, on its CSR; the pass's result
-    names the first ``VERDICTS_NAMED`` and counts them all. Before, it named every one (each
-    verdict with its 253-character name and its reason)."""
+def genuine(fake, kube, name: str = "genuine") -> None:
+    """A renewal by the kubelet of ``gpu-live``, a node gpufleet knows: approved."""
+    identity = NodeIdentity(node_name="gpu-live", machine_id="m-gpu-live", provider="p", account="a", site="s")
+    kube.update_state(NODE_IDENTITY_KIND, "gpu-live", lambda _old: identity.state())
+    fake.put(*CSRS, {"metadata": {"name": name}, "spec": {
+        "request": base64.b64encode(csr_pem("system:node:gpu-live", ["system:nodes"])).decode(),
+        "signerName": CLIENT_SIGNER, "username": "system:node:gpu-live", "groups": ["system:nodes"],
+        "usages": ["digital signature", "client auth"]}})
+
+
+def test_a_pass_over_thousands_of_csrs_decides_each_and_lists_a_few_in_a_few_kb(env, fake, kube) -> None:
+    """Each client renewal of a node gpufleet does not know is denied, on its CSR; the pass's result,
+    which goes into ``CsrApprover``'s history each round, lists ``VERDICTS_NAMED`` of them, names cut,
+    and counts them all, and a genuine renewal the flood would hide is listed first. Before, it listed
+    a hundred, 253-character names and all (43 KB a pass), the approval not among them."""
     names = flood(fake, 600, "renew", CLIENT_SIGNER)
+    genuine(fake, kube)
     result = asyncio.run(ActivityEnvironment().run(ControlPlaneActivities(env).approve_node_csrs))
-    assert payload_bytes(result) < 64 * 1024, payload_bytes(result)
-    assert (result.approved, result.denied) == (0, 600)
-    assert [v.name for v in result.decided] == names[:VERDICTS_NAMED]
+    assert payload_bytes(result) < 4 * 1024, payload_bytes(result)
+    assert (result.approved, result.denied) == (1, 600)
+    assert result.decided[0].name == "genuine" and result.decided[0].approve
+    assert [v.name for v in result.decided[1:]] == [shortened(n, VERDICT_NAME_CHARS) for n in names[:VERDICTS_NAMED - 1]]
     conditions = {c["metadata"]["name"]: c["status"]["conditions"] for c in fake.objects(*CSRS)}
     assert all([c["type"] for c in conditions[name]] == ["Denied"] for name in names)
 
 
-def test_the_csr_watch_names_the_newest_of_thousands_and_still_wakes_for_a_new_one(env, fake) -> None:
-    """8,500 open kubelet CSRs (a node's renewals that no pass has denied yet): 2.2 MB of names, which
-    the watch returned whole, past the 2 MiB limit (and the approver handed them to its next watch).
-    Now it names the newest ``CSRS_NAMED`` and counts them all; the next watch, told those, waits
+def test_the_csr_watch_marks_thousands_in_a_few_hundred_bytes_and_still_wakes_for_a_new_one(env, fake) -> None:
+    """8,500 open kubelet CSRs (a node's renewals that no pass has denied yet). The watch named the
+    newest 500, 126 KB that the approver handed its next watch: 250 KB of its history a round. Now it
+    counts them and marks the newest ``CSRS_MARKED`` by digest; the next watch, told the mark, waits
     rather than waking for the older ones it was not told of, and wakes for a new CSR."""
-    names = flood(fake, 8500, "unjudged", CLIENT_SIGNER)
+    flood(fake, 8500, "unjudged", CLIENT_SIGNER)
     first = watch(env, None, wait=5, pace=1.0)  # the pace is the test below's
-    assert payload_bytes(first) < 256 * 1024, payload_bytes(first)
-    assert first.changed and first.open_count == 8500 and first.pending == names[-CSRS_NAMED:]
+    assert payload_bytes(first) < 1024, payload_bytes(first)
+    assert first.changed and first.open_count == 8500 and first.pending == []
 
     started = time.monotonic()
     quiet = watch(env, first, wait=1, pace=1.0)
@@ -103,8 +120,40 @@ def test_the_csr_watch_names_the_newest_of_thousands_and_still_wakes_for_a_new_o
     started = time.monotonic()
     woken = watch(env, quiet, wait=30, pace=1.0)
     renewal.join()
-    assert woken.changed and woken.pending[-1].startswith("renewal") and time.monotonic() - started < 15
-    assert woken.open_count == 8501 and len(woken.pending) == CSRS_NAMED
+    assert woken.changed and time.monotonic() - started < 15
+    assert woken.open_count == 8501 and payload_bytes(woken) < 1024
+
+
+def test_the_csr_watch_wakes_for_one_posted_in_the_second_it_saw_and_not_for_one_gone(env, fake, monkeypatch) -> None:
+    """What the watch saw is a mark of a few hundred bytes, not its CSRs' names, and still exact while
+    at most ``CSRS_MARKED`` are open: one posted in the same second as those it saw (whole seconds, the
+    API server's creation time), whose name sorts first, wakes the next watch; one it saw does not, nor
+    one decided or cleaned up meanwhile. A watch in flight at the deploy, told what it knows by name
+    (an input from before the mark), still waits for a new one, and answers with a mark."""
+    monkeypatch.setattr(fake_apiserver, "_now", lambda: "2026-12-06T12:00:00Z")  # every CSR, one second
+    names = flood(fake, CSRS_MARKED, "seen", CLIENT_SIGNER)
+    first = watch(env, None, wait=5, pace=0.1)
+    assert first.changed and first.open_count == CSRS_MARKED and payload_bytes(first) < 1024, payload_bytes(first)
+
+    with fake.lock:  # cleaned up (or denied) meanwhile: nothing new
+        del fake.store[(*CSRS, "", names[0])]
+    started = time.monotonic()
+    quiet = watch(env, first, wait=1, pace=0.1)
+    assert not quiet.changed and quiet.open_count == CSRS_MARKED - 1 and time.monotonic() - started >= 0.9
+
+    posted = threading.Timer(0.5, lambda: flood(fake, 1, "a-new", CLIENT_SIGNER))  # the same second, first by name
+    posted.start()
+    woken = watch(env, quiet, wait=10, pace=0.1)
+    posted.join()
+    assert woken.changed and woken.open_count == CSRS_MARKED
+
+    # A watch the approver started before the deploy: ``known`` names the CSRs it saw.
+    old = watch(env, None, wait=1, pace=0.1, known=names[1:], known_cut=False)
+    assert old.changed, "a-new is not among them"
+    started = time.monotonic()
+    old = watch(env, None, wait=1, pace=0.1, known=names[1:] + [f"a-new{'x' * 241}-000000"], known_cut=False)
+    assert not old.changed and time.monotonic() - started >= 0.9
+    assert old.mark == woken.mark and payload_bytes(old) < 1024
 
 
 def test_a_request_whose_extensions_cannot_be_read_is_denied_and_the_pass_decides_the_others(env, fake, kube) -> None:
@@ -157,8 +206,6 @@ async def test_a_steady_flood_of_junk_csrs_slows_the_approver_and_a_genuine_one_
     monkeypatch.setattr(watch_messages, "CSR_PACE_SECONDS", 0.5)
     monkeypatch.setattr(watch_messages, "CSR_FLOOD_PACE_SECONDS", 4.0)
     monkeypatch.setattr(watches, "RECHECK_SECONDS", 1.0)  # the worker's shutdown ends the watch in flight at once
-    identity = NodeIdentity(node_name="gpu-live", machine_id="m-gpu-live", provider="p", account="a", site="s")
-    kube.update_state(NODE_IDENTITY_KIND, "gpu-live", lambda _old: identity.state())
     settings = Settings(address=time_skipping_env.client.service_client.config.target_host,
                         task_queue=f"csr-pace-{uuid.uuid4().hex[:8]}", state_dir=env.settings.state_dir)
     client = time_skipping_env.client
@@ -187,10 +234,7 @@ async def test_a_steady_flood_of_junk_csrs_slows_the_approver_and_a_genuine_one_
             flood(fake, 1, f"j{i:03d}", CLIENT_SIGNER)
             if i == 96:  # 24 s of junk only; then, the flood going on, a live node's renewal
                 _, junk_passes = await watches_and_passes()
-                fake.put(*CSRS, {"metadata": {"name": "genuine"}, "spec": {
-                    "request": base64.b64encode(csr_pem("system:node:gpu-live", ["system:nodes"])).decode(),
-                    "signerName": CLIENT_SIGNER, "username": "system:node:gpu-live", "groups": ["system:nodes"],
-                    "usages": ["digital signature", "client auth"]}})
+                genuine(fake, kube)
                 posted = time.monotonic()
                 approved = asyncio.create_task(wait_for(lambda: "genuine" in decided("Approved") and time.monotonic(),
                                                         timeout=60))
@@ -210,3 +254,70 @@ async def test_a_steady_flood_of_junk_csrs_slows_the_approver_and_a_genuine_one_
     # The renewal waited one watch at the bound (4 s) at most, and a pass or two (slack for a loaded
     # machine): approved by a pass of the run, not left to the safety sweep (600 s).
     assert waited < 4.0 + 5.0, waited
+
+
+#: What one round of ``CsrApprover`` (a watch and the pass it woke) may write to its history, however
+#: many CSRs nodes post and however long their names: the events' protobuf bytes, what Temporal counts
+#: against the 4 MB at which it suggests a new run.
+ROUND_BYTES = 8 * 1024
+#: Temporal suggests continuing as new at this history size; the approver's run then ends.
+SUGGEST_CONTINUE_AS_NEW_BYTES = 4 * 1024 * 1024
+
+
+def rounds_written(history) -> list[int]:
+    """The bytes each whole round wrote: from a watch's scheduling to the next's (the first pass, and
+    the last round, which the cancel cut, left out)."""
+    rounds: list[int] = []
+    for event in history.events:
+        scheduled = event.activity_task_scheduled_event_attributes if event.HasField(
+            "activity_task_scheduled_event_attributes") else None
+        if scheduled is not None and scheduled.activity_type.name == "watch_csrs":
+            rounds.append(0)
+        if rounds:
+            rounds[-1] += event.ByteSize()
+    return rounds[:-1]
+
+
+async def test_a_flood_of_long_named_csrs_writes_a_few_kb_a_round_to_the_approvers_history(
+        env, fake, kube, monkeypatch, time_skipping_env: WorkflowEnvironment) -> None:
+    """A node posting junk kubelet CSRs with 253-character names, hundreds between two passes: each
+    round wrote the CSRs open at the watch's end (up to 500 names) into its result and again into the
+    next watch's input, and a hundred verdicts into the pass's result, some 200 KB a round, so even at
+    the flood pace (a round per 5 minutes) the history reached 4 MB, and the run ended, within hours.
+    Now a round writes a mark and ten verdicts, a few KB whatever the flood: at the flood pace a day's
+    288 rounds stay well under 4 MB, and the run lasts its day. Every CSR is still decided, and a
+    genuine renewal posted during the flood is approved by a pass of the run. (Scaled as the test
+    above: a base pace of 0.5 s, a bound of 4 s.)"""
+    monkeypatch.setattr(watch_messages, "CSR_PACE_SECONDS", 0.5)
+    monkeypatch.setattr(watch_messages, "CSR_FLOOD_PACE_SECONDS", 4.0)
+    monkeypatch.setattr(watches, "RECHECK_SECONDS", 1.0)
+    settings = Settings(address=time_skipping_env.client.service_client.config.target_host,
+                        task_queue=f"csr-bytes-{uuid.uuid4().hex[:8]}", state_dir=env.settings.state_dir)
+    client = time_skipping_env.client
+
+    def denied() -> int:
+        return sum(any(c["type"] == "Denied" for c in (csr.get("status") or {}).get("conditions") or [])
+                   for csr in fake.objects(*CSRS))
+
+    async with build_worker(client, settings, env):
+        run = await client.start_workflow("CsrApprover", {}, id=f"csr-approver-{uuid.uuid4().hex[:6]}",
+                                          task_queue=settings.task_queue)
+        await wait_for(lambda: any(r[2] == "certificatesigningrequests" and r[0] == "watch" for r in fake.requests),
+                       timeout=30)
+        for burst in range(6):  # 300 junk CSRs every 2 s, and a live node's renewal among them
+            flood(fake, 300, f"b{burst}-", CLIENT_SIGNER)
+            if burst == 3:
+                genuine(fake, kube)
+            await asyncio.sleep(2)
+        await wait_for(lambda: denied() == 1800 or None, timeout=60)
+        await wait_for(lambda: any(c["type"] == "Approved" for c in (
+            fake.get(*CSRS, "", "genuine")["status"].get("conditions") or [])), timeout=30)
+        await run.cancel()
+        await run.result()
+        history = await run.fetch_history()
+        await replay_and_record(run, "csr_approver_compact_flood")
+    written = rounds_written(history)
+    assert len(written) >= 3 and max(written) <= ROUND_BYTES, written
+    # The run's day at the flood pace: ``CSR_FLOOD_PACE_SECONDS`` (unscaled, 5 minutes) a round at
+    # least, 288 rounds, and what a round writes does not grow with the flood.
+    assert CSR_RUN_SECONDS / CSR_FLOOD_PACE_SECONDS * ROUND_BYTES < SUGGEST_CONTINUE_AS_NEW_BYTES

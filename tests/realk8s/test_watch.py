@@ -161,7 +161,7 @@ def test_a_new_kubelet_csr_wakes_the_csr_watch_and_another_signers_does_not(real
     from tests.cluster.sim_kubelet import csr_pem
 
     cluster = control_plane(real_cluster)
-    before = cluster.watch_open_csrs(lambda names: True, timeout_s=1)
+    before = set(cluster.watch_open_csrs(lambda found: True, timeout_s=1))
 
     def post(name: str, signer: str, usages: list[str]) -> None:
         request = csr_pem("system:node:watch-test", ["system:nodes"])
@@ -176,7 +176,8 @@ def test_a_new_kubelet_csr_wakes_the_csr_watch_and_another_signers_does_not(real
     creators = [later(1, lambda: post(foreign, "example.com/watch-test", ["digital signature"])),
                 later(3, lambda: post(name, CLIENT_SIGNER, ["digital signature", "client auth"]))]
     started = time.monotonic()
-    names = cluster.watch_open_csrs(lambda names: bool(set(names) - set(before)), timeout_s=60, recheck_s=30)
+    found = cluster.watch_open_csrs(lambda found: bool(set(found) - before), timeout_s=60, recheck_s=30)
+    names = [csr.name for csr in found]
     for creator in creators:
         creator.join()
     # Woken by the kubelet's CSR only: gpufleet judges no other signer's, so a pass would decide nothing.

@@ -34,7 +34,7 @@ from fleet.cluster import (
     with_key,
 )
 from providers.cluster.base import (CLIENT_SIGNER, CONTROL_PLANE_LABEL, SERVING_SIGNER, CsrDecision, JUDGED_SIGNERS,
-                                    UnparseableRequest, csr_decision, read_csr)
+                                    OpenCsr, UnparseableRequest, csr_decision, read_csr)
 from providers.cluster.kubernetes.api import _translate
 from providers.cluster.kubernetes.state import ControlPlaneState
 from providers.cluster.kubernetes.tokens import _TOKEN_ID, JOIN_TOKEN_KIND
@@ -168,21 +168,19 @@ class CsrApprover(Watches, ControlPlaneState):
                 return  # gone, or changed meanwhile: judged again on the next review
             raise _translate(error, f"decide CSR {name}") from error
 
-    def watch_open_csrs(self, until: Callable[[list[str]], bool], timeout_s: float, recheck_s: float = 30.0,
-                        heartbeat: Callable[[], None] | None = None) -> list[str]:
-        def convert(obj: dict[str, Any]) -> str | None:
+    def watch_open_csrs(self, until: Callable[[list[OpenCsr]], bool], timeout_s: float, recheck_s: float = 30.0,
+                        heartbeat: Callable[[], None] | None = None) -> list[OpenCsr]:
+        def convert(obj: dict[str, Any]) -> OpenCsr | None:
             if (obj.get("spec") or {}).get("signerName") not in JUDGED_SIGNERS:
                 return None  # left to another approver: no pass of gpufleet's decides it
             conditions = (obj.get("status") or {}).get("conditions") or []
             if any(c.get("type") in ("Denied", "Failed") for c in conditions):
                 return None
-            return _order(obj) if (obj.get("metadata") or {}).get("name") else None
+            meta = obj.get("metadata") or {}
+            return OpenCsr(meta.get("creationTimestamp") or "", meta["name"]) if meta.get("name") else None
 
-        def names(orders: list[str]) -> list[str]:
-            return [order.split(" ", 1)[1] for order in sorted(orders)]
-
-        return names(self._follow("CSRs", self.certificates.list_certificate_signing_request, convert,
-                                  lambda orders: until(names(orders)), timeout_s, recheck_s, heartbeat))
+        return sorted(self._follow("CSRs", self.certificates.list_certificate_signing_request, convert,
+                                   lambda found: until(sorted(found)), timeout_s, recheck_s, heartbeat))
 
 
 def _order(csr: dict[str, Any]) -> str:
