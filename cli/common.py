@@ -57,13 +57,18 @@ def fleet_client(config: Settings):
 
 
 def run(coro):
-    """``asyncio.run`` for a command: an unreachable server exits 1 saying where it was expected."""
-    from client import Unreachable
+    """``asyncio.run`` for a command: an unreachable server exits 1 saying where it was expected; a
+    query no worker answered exits 1 saying which, and where the worker should have been."""
+    from rich.markup import escape
+
+    from client import NoWorker, Unreachable
 
     try:
         return asyncio.run(coro)
     except Unreachable as error:
         unreachable(error)
+    except NoWorker as error:
+        fail(escape(str(error)))
 
 
 async def connect(config: Settings):

@@ -95,6 +95,8 @@ async def _status(settings, start: bool) -> DemandStatus:
     from temporalio.client import WorkflowExecutionStatus
     from temporalio.service import RPCError
 
+    from client import NotFound, query_workflow
+
     client = await connect(settings)
     if start:
         await _start(client, settings)
@@ -113,9 +115,10 @@ async def _status(settings, start: bool) -> DemandStatus:
                           soft_wrap=True)
             if described is None:
                 return DemandStatus()
-    try:
-        return await handle.query(flows.Demand.status, result_type=DemandStatus)
-    except RPCError:
+    try:  # no worker answers: NoWorker, which the command reports (an empty status here read as an idle loop)
+        return await query_workflow(client, DEMAND_WORKFLOW_ID, flows.Demand.status, DemandStatus,
+                                    task_queue=settings.task_queue)
+    except NotFound:  # gone from retention since the describe
         return DemandStatus()
 
 

@@ -393,9 +393,11 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, ou
             row += [str(s["capacity"]), str(s["quota"]), f"{s['api_latency_ms']} ms",
                     "[red]no[/]" if s["unreachable"] else "yes"]
         rows.append(row)
-    if holds is None and output != "json":
+    if output != "json" and holds is None:
         err.print(f"Temporal at {settings(address, state_dir, config).address} did not answer: what holds a "
                   "cordoned node, the joins in flight and the last incident show ?")
+    elif output != "json" and holds.unanswered:
+        err.print(f"what holds a cordoned node could not all be read (those show ?): {escape(holds.unanswered)}")
     # When narrow the site's static facts go first (-o wide and -o json keep every column), then the
     # sim's knobs; what is going on now (serving, cordoned, joining, last incident) stays.
     show_rows("sites", columns, rows, output,

@@ -45,6 +45,10 @@ class Holds:
     joining: dict[str, set[str]] = field(default_factory=dict)
     #: site → (evacuation id, state) of its newest SiteEvacuation.
     last_incident: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: Why what only a query tells could not be read (no worker answered): said once by the view.
+    unanswered: str = ""
+    #: Cordoned nodes whose hold only an unanswered query would have named: shown as ``?``.
+    unread: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -69,8 +73,9 @@ def cordon_reason(node, site: str, holds: Holds | None, mark: str = "") -> str:
     """Why a cordoned node is cordoned: the first of ``CORDON_REASONS`` that holds it; else who its
     cordon mark ``mark`` (``ANNOTATION_CORDONED_BY``) names: ``demand loop`` (its retirement's
     drain), or the mark's value (a person who took the node); ``operator`` for a cordon without a
-    mark (a person's ``kubectl cordon``); ``?`` without Temporal."""
-    if holds is None:
+    mark (a person's ``kubectl cordon``); ``?`` without Temporal, or where a query it needed went
+    unanswered."""
+    if holds is None or node.name in holds.unread:
         return UNKNOWN
     if node.name in holds.quarantined:
         return "quarantine"
@@ -144,9 +149,11 @@ def _state(execution, fleet_state) -> str:
 async def holds(client, task_queue: str, site_names: list[str], nodes: list, limit: int = 1000) -> Holds:
     """One look at what Temporal holds: three visibility lists, and queries only for cordoned
     nodes a running repair holds (is it a quarantine?) and for sites whose cordoned nodes nothing
-    else explains (is an incident open?)."""
+    else explains (is an incident open?). Once a query goes unanswered (no worker) no other is
+    asked: each would wait as long."""
     from temporalio.client import WorkflowExecutionStatus
 
+    from client import NoWorker, query_workflow
     from fleet import search_attributes as sa
     from fleet.messages.capacity import SiteStatus
     from fleet.messages.repair import LadderState, NodeStatus
@@ -176,8 +183,13 @@ async def holds(client, task_queue: str, site_names: list[str], nodes: list, lim
     cordoned = [n for n in nodes if n.unschedulable]
 
     async def query(workflow_id: str, name: str, kind):
+        if found.unanswered:
+            return None
         try:
-            return await client.get_workflow_handle(workflow_id).query(name, result_type=kind)
+            return await query_workflow(client, workflow_id, name, kind, task_queue=task_queue)
+        except NoWorker as error:
+            found.unanswered = str(error)
+            return None
         except Exception:  # noqa: BLE001 - closed meanwhile, not started, not there: no hold
             return None
 
@@ -203,4 +215,7 @@ async def holds(client, task_queue: str, site_names: list[str], nodes: list, lim
         status = await query(site_workflow_id(site), flows.Site.status, SiteStatus)
         if status is not None and status.incident is not None and status.incident.open is not None:
             found.incident_open.add(site)
+    if found.unanswered:  # a fenced GPU or an open incident may hold these: not known, not "operator"
+        found.unread = {n.name for n in cordoned if n.name not in found.repairs
+                        and (n.labels.get(LABEL_SITE) or n.site) not in found.evacuating | found.incident_open}
     return found

@@ -13,17 +13,19 @@ one), and refuses a bad argument with :class:`InvalidArgument` naming the field
 before anything is started. ``gpufleet`` (cli/) is built on this client.
 """
 
-from client.errors import FleetClientError, InvalidArgument, NotFound, Rejected, Unreachable
-from client.fleet import FleetClient, Renewed, RolloutStatus, manual_evacuation_id
+from client.errors import FleetClientError, InvalidArgument, NoWorker, NotFound, Rejected, Unreachable
+from client.fleet import FleetClient, Renewed, RolloutStatus, manual_evacuation_id, query_workflow
 
 __all__ = [
     "FleetClient",
     "FleetClientError",
     "InvalidArgument",
+    "NoWorker",
     "NotFound",
     "Rejected",
     "Renewed",
     "RolloutStatus",
     "Unreachable",
     "manual_evacuation_id",
+    "query_workflow",
 ]

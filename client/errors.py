@@ -59,3 +59,17 @@ class Rejected(FleetClientError):
         self.update = update
         self.reason = reason
         super().__init__(reason)
+
+
+class NoWorker(FleetClientError, TimeoutError):
+    """No worker answered a query in time: a workflow's queries are answered by a worker polling
+    its task queue (the control plane's), so its worker is down, not started, or too busy to
+    answer. The message says which query, how long it waited, and where to look."""
+
+    def __init__(self, workflow_id: str, query: str, task_queue: str, seconds: float) -> None:
+        self.workflow_id = workflow_id
+        self.query = query
+        self.task_queue = task_queue
+        self.seconds = seconds
+        super().__init__(f"no worker answered `{query}` of `{workflow_id}` within {seconds:g} s: is the control "
+                         f"plane running (its worker polls `{task_queue}`)? (gpufleet dev / kubectl -n gpufleet get pods)")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -29,7 +29,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes, Workfl
 from temporalio.exceptions import CancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
-from client.errors import InvalidArgument, NotFound, Rejected, Unreachable
+from client.errors import InvalidArgument, NoWorker, NotFound, Rejected, Unreachable
 from fleet import search_attributes as sa
 from fleet.config import ConfigError, FleetConfig, load_config
 from fleet.messages.advisor import AdvisorInput, AdvisorReport
@@ -51,6 +51,15 @@ from fleet.visibility import open_runs_query, utc_stamp
 
 M = TypeVar("M", bound=BaseModel)
 USE_EXISTING = WorkflowIDConflictPolicy.USE_EXISTING
+
+#: How long a query waits for a worker's answer. A worker answers from its cache in milliseconds,
+#: one that must first replay a long history in seconds. Unbounded, a query to a workflow no
+#: worker polls for (the control plane down) waited the server's own deadline, 30 s, and a command
+#: that asks several waited minutes, then showed nothing or an empty status.
+QUERY_TIMEOUT = timedelta(seconds=10)
+#: How long naming the task queue of a workflow whose query went unanswered may take (a describe:
+#: the server answers it itself, no worker needed).
+DESCRIBE_TIMEOUT = timedelta(seconds=5)
 
 
 def capacity_id(request: str) -> str:
@@ -592,11 +601,8 @@ class FleetClient:
 
     # -- the two primitives ----------------------------------------------------------------
     async def _query(self, workflow_id: str, name: str, result_type: type[M]) -> M:
-        client = await self.temporal()
-        try:
-            return await client.get_workflow_handle(workflow_id).query(name, result_type=result_type)
-        except RPCError as error:
-            raise _rpc(workflow_id, error) from None
+        return await query_workflow(await self.temporal(), workflow_id, name, result_type,
+                                    task_queue=self.settings.task_queue)
 
     async def _update(self, workflow_id: str, name: str, args: list[Any], result_type: type[M]) -> M:
         client = await self.temporal()
@@ -607,6 +613,32 @@ class FleetClient:
             raise Rejected(workflow_id, name, str(error.cause)) from error
         except RPCError as error:
             raise _rpc(workflow_id, error, name) from None
+
+
+async def query_workflow(client: Client, workflow_id: str, name: str, result_type: type[M], *, task_queue: str) -> M:
+    """The answer to ``workflow_id``'s query ``name`` within ``QUERY_TIMEOUT``; :class:`NotFound`
+    when there is no such workflow, :class:`NoWorker` when no worker answered in time (naming the
+    workflow's task queue, or ``task_queue``, the configured one, when even that cannot be read)."""
+    handle = client.get_workflow_handle(workflow_id)
+    try:
+        return await handle.query(name, result_type=result_type, rpc_timeout=QUERY_TIMEOUT)
+    except RPCError as error:
+        if not _unanswered(error):
+            raise _rpc(workflow_id, error) from None
+    try:
+        task_queue = (await handle.describe(rpc_timeout=DESCRIBE_TIMEOUT)).task_queue or task_queue
+    except RPCError:
+        pass  # the configured queue is the control plane's: where its worker would poll
+    raise NoWorker(workflow_id, name, task_queue, QUERY_TIMEOUT.total_seconds())
+
+
+def _unanswered(error: RPCError) -> bool:
+    """A query no worker took in time, as the dev server (1.32) says it: this client's deadline
+    passed (CANCELLED "Timeout expired"), the server's did (DEADLINE_EXCEEDED "query timed out
+    before a worker could process it"), or the server has seen no worker poll the queue lately
+    (FAILED_PRECONDITION "no poller seen for task queue recently, worker may be down")."""
+    return error.status in (RPCStatusCode.CANCELLED, RPCStatusCode.DEADLINE_EXCEEDED) or (
+        error.status == RPCStatusCode.FAILED_PRECONDITION and "no poller" in error.message)
 
 
 def _rpc(workflow_id: str, error: RPCError, update: str | None = None) -> Exception:

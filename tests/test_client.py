@@ -210,3 +210,64 @@ async def test_site_entity_and_an_evacuation_by_hand(inc: IncStack) -> None:
     assert isinstance(result, EvacuationResult) and result.outcome == "restored"
     assert (await second.result()).outcome == f"followed {handle.id}: restored"
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
+
+
+async def test_a_query_no_worker_answers_is_no_worker_naming_its_queue(fleet_world: Stack) -> None:
+    """A running workflow whose queue no worker polls (the control plane down): its query waited the
+    server's 30 s and raised a bare RPCError. It raises NoWorker within QUERY_TIMEOUT, naming the
+    query and the workflow's own task queue (read from the workflow, not the configured one)."""
+    import time
+
+    from client import NoWorker
+
+    fleet = FleetClient(fleet_world.settings, fleet_world.client)
+    queue = f"{fleet_world.settings.task_queue}-elsewhere"
+    workflow_id = f"evacuate/site-a/manual-{uuid.uuid4().hex[:8]}"
+    handle = await fleet_world.client.start_workflow("SiteEvacuation", {}, id=workflow_id, task_queue=queue)
+    try:
+        began = time.monotonic()
+        with pytest.raises(NoWorker) as unanswered:
+            await fleet.evacuation_progress(workflow_id)
+        took = time.monotonic() - began
+        assert took < 15, f"took {took:.0f} s"
+        error = unanswered.value
+        assert (error.workflow_id, error.query, error.task_queue) == (workflow_id, "progress", queue)
+        assert str(error).startswith(f"no worker answered `progress` of `{workflow_id}` within 10 s: "
+                                     f"is the control plane running (its worker polls `{queue}`)?"), str(error)
+    finally:
+        await handle.terminate()
+
+
+async def test_a_query_to_a_queue_whose_worker_went_away_is_no_worker() -> None:
+    """A worker that polled and then crashed: once it has been gone a while (20 s on the dev server
+    1.32), the server answers the query with FAILED_PRECONDITION "no poller seen for task queue
+    recently", which the client raised as a bare RPCError. It is NoWorker too; a precondition
+    that is not about pollers stays the server's own error."""
+    from types import SimpleNamespace
+
+    from client import NoWorker
+    from fleet.settings import Settings
+
+    class Handle:
+        def __init__(self, error: RPCError) -> None:
+            self.error = error
+
+        async def query(self, *args, **kwargs):
+            raise self.error
+
+        async def describe(self, **kwargs):
+            return SimpleNamespace(task_queue="gpufleet")
+
+    def fleet_raising(error: RPCError) -> FleetClient:
+        temporal = SimpleNamespace(get_workflow_handle=lambda workflow_id: Handle(error))
+        return FleetClient(Settings(address="127.0.0.1:1", task_queue="configured"), temporal)
+
+    gone = RPCError("no poller seen for task queue recently, worker may be down", RPCStatusCode.FAILED_PRECONDITION, b"")
+    with pytest.raises(NoWorker) as unanswered:
+        await fleet_raising(gone).site_status("site-a")
+    assert (unanswered.value.workflow_id, unanswered.value.query, unanswered.value.task_queue) == \
+        ("site/site-a", "status", "gpufleet")
+    other = RPCError("something else", RPCStatusCode.FAILED_PRECONDITION, b"")
+    with pytest.raises(RPCError) as raised:
+        await fleet_raising(other).site_status("site-a")
+    assert not isinstance(raised.value, NoWorker) and raised.value.message == "something else"

@@ -108,3 +108,28 @@ async def test_demand_says_a_loop_that_ended_is_not_running_and_how_it_ended(sta
     assert (f"the demand loop is not running: its last run ended canceled at {ended.close_time:%Y-%m-%d %H:%M:%S} UTC"
             in said), said
     assert "cancelled: no purchase was buying; no node left cordoned" in said, said
+
+
+async def test_demand_with_no_worker_says_so_and_fails_instead_of_an_empty_status(fleet_world: Stack):
+    """The loop runs but no control-plane worker polls its queue (crashed, the stack down): the
+    status query waited the server's 30 s, then `gpufleet demand` showed an empty status, as if the
+    loop were idle. It fails within the query's bound, naming the query and where the worker should be."""
+    import time
+
+    await start_demand_loop(fleet_world.client, fleet_world.settings.task_queue)
+    handle = fleet_world.client.get_workflow_handle(DEMAND_WORKFLOW_ID)
+    try:
+        described = await handle.describe()
+        assert (described.status, described.task_queue) == (WorkflowExecutionStatus.RUNNING,
+                                                            fleet_world.settings.task_queue)
+        began = time.monotonic()
+        shown = await demand_cli(fleet_world, ui_url="none")
+        took = time.monotonic() - began
+        said = " ".join(shown.output.split())
+        assert shown.exit_code == 1, said
+        assert took < 15, f"took {took:.0f} s"
+        assert (f"error: no worker answered `status` of `{DEMAND_WORKFLOW_ID}` within 10 s: is the control plane "
+                f"running (its worker polls `{fleet_world.settings.task_queue}`)?") in said, said
+        assert "purchases" not in said, "no empty status as if the loop were idle"
+    finally:
+        await handle.terminate()

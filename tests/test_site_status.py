@@ -96,3 +96,43 @@ def test_sites_shows_the_status_columns_and_fits_80_columns(tmp_path: Path) -> N
     row = json.loads(as_json.stdout)[0]
     assert {"serving/nodes": "0/0", "cordoned": "0", "joining": "0", "last incident": "?"}.items() <= row.items()
     assert "region" in row and "reachable" in row  # JSON keeps every column
+
+
+async def test_sites_says_once_that_no_worker_answered_and_asks_no_more(fleet_world, monkeypatch) -> None:
+    """Three cordoned nodes whose Node entities run on a queue no worker polls (the control plane
+    down): each node's hold lookup waited the server's 30 s and was swallowed, so `gpufleet sites`
+    took 90 s and named their cordons `operator`. It stops asking after the first unanswered query,
+    says once why the holds could not be read, and shows them as `?`."""
+    import asyncio
+    import time
+    import uuid
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from fleet.naming import node_workflow_id
+    from fleet.settings import TASK_QUEUE_ENV
+    from sim.cluster import SimCluster
+
+    queue = fleet_world.settings.task_queue
+    cordoned = [node(f"no-worker-{uuid.uuid4().hex[:6]}-{i}", site="site-a", cordoned=True) for i in range(3)]
+    handles = [await fleet_world.client.start_workflow("Node", {}, id=node_workflow_id(n.name), task_queue=queue)
+               for n in cordoned]
+    monkeypatch.setattr(SimCluster, "list_nodes", lambda self, selector=None: cordoned)
+    args = ["sites", "-o", "wide", "--address", fleet_world.settings.address,
+            "--state-dir", str(fleet_world.settings.state_dir), "--config", fleet_world.settings.config]
+    try:
+        began = time.monotonic()
+        shown = await asyncio.to_thread(CliRunner().invoke, app, args, env={TASK_QUEUE_ENV: queue})
+        took = time.monotonic() - began
+    finally:
+        for handle in handles:
+            await handle.terminate()
+    said = " ".join(shown.output.split())
+    assert shown.exit_code == 0, said
+    assert took < 20, f"took {took:.0f} s"
+    assert said.count("no worker answered") == 1, said
+    assert (f"what holds a cordoned node could not all be read (those show ?): no worker answered `status` of "
+            f"`{node_workflow_id(cordoned[0].name)}` within 10 s: is the control plane running "
+            f"(its worker polls `{queue}`)?") in said, said
+    assert "3: ? 3" in said, said
