@@ -18,11 +18,14 @@ sizes; the address and password are this machine's), ``server.dynamicConfig`` (w
 deploy/temporal/dynamic-config.yaml; the file itself is what the services read), and the
 namespaces with their retention, created as the chart's namespace job creates them.
 
-Given the Secrets values.yaml mounts (``RealTemporal.tls_secrets``), also its ``server.config.tls``
-(the frontend's mutual TLS), each file at its Secret's folder here, and the namespace job's client
-is the admin tools' (``admintools.additionalEnv``). Without them (``gpufleet dev --temporal
-cluster``, the tier's shared cluster) the frontend is plaintext on loopback, as the dev server is;
-tests/realtemporal/test_tls.py runs the shipped TLS.
+Always values.yaml's internode mutual TLS (``server.config.tls.internode``, and membership over it:
+the dynamic config's ``system.enableRingpopTLS``): history, matching and the worker service refuse
+any caller without its certificate. Given the Secrets values.yaml mounts (``RealTemporal.tls_secrets``),
+all of its ``server.config.tls`` (the frontend's mutual TLS too), each file at its Secret's folder
+here, and the namespace job's client is the admin tools' (``admintools.additionalEnv``). Without
+them (``gpufleet dev --temporal cluster``, the tier's shared cluster) the frontend is plaintext on
+loopback, as the dev server is, and the internode Secret is a throwaway one, of a CA made for this
+cluster alone; tests/realtemporal/test_tls.py runs the shipped TLS with an operator's Secrets.
 
 The binaries are built by ``python3 tests/realtemporal/build.py`` (from the Go module proxy);
 this module only finds them where that script puts them (``cache_dir`` below).
@@ -276,10 +279,45 @@ def relocated(value: Any, component: str, secrets: dict[str, Path]) -> Any:
     return value
 
 
-def server_tls(secrets: dict[str, Path]) -> dict[str, Any]:
+def server_tls(secrets: dict[str, Path], frontend: bool = True) -> dict[str, Any]:
     """values.yaml's ``server.config.tls`` as the server reads it (the chart renders it verbatim as
-    ``global.tls``), its files those of ``secrets``."""
-    return relocated(values()["server"]["config"].get("tls") or {}, "server", secrets)
+    ``global.tls``), its files those of ``secrets``; without ``frontend``, less what serves and
+    calls the frontend (``frontend``, ``systemWorker``): its clients connect in plaintext."""
+    tls = values()["server"]["config"].get("tls") or {}
+    if not frontend:
+        tls = {key: value for key, value in tls.items() if key not in ("frontend", "systemWorker")}
+    return relocated(tls, "server", secrets)
+
+
+def internode_tls() -> dict[str, Any]:
+    """values.yaml's ``server.config.tls.internode``: how the services serve and call each other."""
+    return values()["server"]["config"]["tls"]["internode"]
+
+
+def internode_secret() -> str:
+    """The Secret values.yaml's internode TLS reads its certificate from."""
+    cert = internode_tls()["server"]["certFile"]
+    (name,) = [name for name, mount in mounted_secrets("server").items() if cert.startswith(mount + "/")]
+    return name
+
+
+def throwaway_internode_secret(folder: Path) -> Path:
+    """Files as the internode Secret holds them (``tls.crt``, ``tls.key``, ``ca.crt``), of a CA made
+    for one cluster and never kept: one certificate for the name the services check
+    (``internode.client.serverName``), for serving and for calling, as each service uses it."""
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    from workers.gateway.pki import Pki
+
+    pki = Pki.create("gpufleet throwaway Temporal internode CA")
+    cert, key = pki.certificate("temporal-internode", (internode_tls()["client"]["serverName"],),
+                                [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tls.key").touch(mode=0o600)
+    (folder / "tls.key").write_bytes(key)
+    (folder / "tls.crt").write_bytes(cert)
+    (folder / "ca.crt").write_bytes(pki.ca_pem)
+    return folder
 
 
 def admintools_env(secrets: dict[str, Path]) -> dict[str, str]:
@@ -304,9 +342,11 @@ class RealTemporal:
     #: all, from its ``--port``; each one not named here is a free one (the test tier's clusters).
     fixed_ports: dict[str, int] = field(default_factory=dict)
     #: The Secrets values.yaml mounts, by name: a folder holding each one's files (``tls.crt``,
-    #: ``tls.key``, ``ca.crt``). Given, the frontend serves values.yaml's mutual TLS from them;
-    #: None, plaintext (see the module's docstring).
+    #: ``tls.key``, ``ca.crt``). Given, the services serve all of values.yaml's mutual TLS from
+    #: them; None, the frontend plaintext (see the module's docstring).
     tls_secrets: dict[str, Path] | None = None
+    #: The Secrets the services read, by name: ``tls_secrets``, or a throwaway internode one.
+    secret_files: dict[str, Path] = field(default_factory=dict)
     postgres: Postgres = field(default_factory=Postgres)
     ports: dict[str, int] = field(default_factory=dict)
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
@@ -343,7 +383,7 @@ class RealTemporal:
                 # Each process its own metrics port (they are separate processes, as in the chart).
                 "metrics": {"prometheus": {"framework": "tally", "timerType": "histogram",
                                            "listenAddress": f"127.0.0.1:{self.ports[f'{service}-metrics']}"}},
-                **({"tls": server_tls(self.tls_secrets)} if self.tls_secrets is not None else {}),
+                "tls": server_tls(self.secret_files, frontend=self.tls_secrets is not None),
             },
             "services": rpc,
             "clusterMetadata": {
@@ -377,6 +417,8 @@ class RealTemporal:
         if reason:
             raise ClusterFailed(reason)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.secret_files = (dict(self.tls_secrets) if self.tls_secrets is not None else
+                             {internode_secret(): throwaway_internode_secret(self.root / internode_secret())})
         self.ports = self.planned_ports()
         self.postgres.port = self.ports["postgres"]
         text = DYNAMIC_CONFIG.read_text()

@@ -230,7 +230,7 @@ async def test_other_ca_expired_missing_or_non_node_certificates_are_refused(tem
 
     key = ec.generate_private_key(ec.SECP256R1())
     admin = gw.pki._issue(subject_name("admin", "system:masters"), key.public_key(), dt.timedelta(hours=1),
-                          x509.ExtendedKeyUsageOID.CLIENT_AUTH)
+                          [x509.ExtendedKeyUsageOID.CLIENT_AUTH])
     with pytest.raises(RuntimeError) as caught:
         await connect_via_gateway(gw.access, "default", admin, pem_private_key(key))
     assert "PermissionDenied" in str(caught.value) or "not a node certificate" in str(caught.value)

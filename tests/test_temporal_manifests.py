@@ -32,7 +32,7 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import DescribeTaskQueueRequest
 
 from tests.conftest import TEST_FLEET
-from tests.test_deploy import rendered, workloads
+from tests.test_deploy import ROOT, rendered, workloads
 from tests.test_temporal_tls import _cert, _name, start_tls_proxy
 
 SECRET = "gpufleet-temporal-client"
@@ -188,3 +188,84 @@ async def test_a_control_plane_whose_certificate_the_frontend_does_not_trust_nev
         server.close()
     assert done.returncode != 0, done.stdout + done.stderr
     assert "connect" in (done.stdout + done.stderr).lower(), done.stdout[-2000:] + done.stderr[-2000:]
+
+
+NETWORK_POLICY = ROOT / "deploy" / "temporal" / "network-policy.yaml"
+#: The pods of Temporal's Helm chart (1.6.0, the version values.yaml installs), by
+#: app.kubernetes.io/component, with the ports each one opens (gRPC, membership, HTTP, metrics):
+#: the server's services, then its admin tools, web UI and jobs (component `database`).
+SERVER_PORTS = {"frontend": (7233, 6933, 7243, 9090), "internal-frontend": (7236, 6936, 7246, 9090),
+                "history": (7234, 6934, 9090), "matching": (7235, 6935, 9090), "worker": (7239, 6939, 9090)}
+TEMPORAL_TOOLS = ("admintools", "web", "database")
+
+
+def chart_pod_labels(component: str) -> dict[str, str]:
+    """The labels chart 1.6.0 puts on a pod of ``component`` (its templates' ``temporal.resourceLabels``,
+    release `temporal`; `helm template` of values.yaml renders exactly these, deploy/temporal/README.md)."""
+    return {"app.kubernetes.io/component": component, "app.kubernetes.io/name": "temporal",
+            "helm.sh/chart": "temporal-1.6.0", "app.kubernetes.io/managed-by": "Helm",
+            "app.kubernetes.io/instance": "temporal", "app.kubernetes.io/version": "1.31.2",
+            "app.kubernetes.io/part-of": "temporal"}
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector's verdict on ``labels``."""
+    if any(labels.get(key) != value for key, value in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator, values = expression["key"], expression["operator"], expression.get("values") or []
+        if not {"In": key in labels and labels[key] in values, "NotIn": labels.get(key) not in values,
+                "Exists": key in labels, "DoesNotExist": key not in labels}[operator]:
+            return False
+    return True
+
+
+def ingress_admits(policies: list[dict], namespace: str, labels: dict[str, str], port: int,
+                   source: tuple[str, dict[str, str]] | None) -> bool:
+    """Whether ``policies`` let ``source`` (namespace, pod labels; None: a host, no pod's address)
+    reach ``port`` of a pod with ``labels`` in ``namespace``, as a CNI enforcing them decides."""
+    selecting = [p for p in policies if p["metadata"]["namespace"] == namespace
+                 and "Ingress" in p["spec"]["policyTypes"] and selects(p["spec"]["podSelector"], labels)]
+    if not selecting:
+        return True  # a pod no policy selects takes anything
+    for rule in (r for p in selecting for r in p["spec"].get("ingress") or []):
+        assert all(isinstance(p["port"], int) and "endPort" not in p for p in rule.get("ports") or []), rule
+        if rule.get("ports") and port not in [p["port"] for p in rule["ports"]]:
+            continue
+        for peer in rule.get("from") or [{"ipBlock": {"cidr": "0.0.0.0/0"}}]:  # no `from`: from anywhere
+            if "ipBlock" in peer:
+                return True  # an address range: a GPU node's hosts and pods are somewhere in it
+            if source is None:
+                continue
+            source_namespace, source_labels = source
+            namespace_ok = (selects(peer["namespaceSelector"], {"kubernetes.io/metadata.name": source_namespace})
+                            if "namespaceSelector" in peer else source_namespace == namespace)
+            if namespace_ok and selects(peer.get("podSelector") or {}, source_labels):
+                return True
+    return False
+
+
+@pytest.mark.integration  # kubectl kustomize, for gpufleet's pods
+def test_every_temporal_service_takes_calls_only_from_temporals_services_and_the_frontends_clients() -> None:
+    """History, matching and the worker service answer anyone who reaches them, unauthorized: a
+    pod or a host of a GPU node that did could poll the control plane's queues and complete its
+    tasks. Every port of every service is for the other services only; the frontend's gRPC port
+    also for Temporal's tools (web UI, admin tools, jobs) and gpufleet's control plane and gateway."""
+    policies = [d for d in yaml.safe_load_all(NETWORK_POLICY.read_text()) if d]
+    assert {p["kind"] for p in policies} == {"NetworkPolicy"}
+    temporal = {component: ("temporal", chart_pod_labels(component)) for component in [*SERVER_PORTS, *TEMPORAL_TOOLS]}
+    gpufleet = {name: (w["metadata"]["namespace"], w["spec"]["template"]["metadata"]["labels"])
+                for name, w in workloads(rendered()).items()}
+    assert "gpufleet-node-agent" in gpufleet  # a GPU node's own pod
+    sources = {**temporal, **gpufleet, "a GPU node's host": None}
+    wrong = {}  # (component, port): (admitted but should not be, refused but should not be)
+    for component, ports in SERVER_PORTS.items():
+        for port in ports:
+            admitted = {name for name, source in sources.items()
+                        if ingress_admits(policies, "temporal", chart_pod_labels(component), port, source)}
+            expected = set(SERVER_PORTS)
+            if (component, port) == ("frontend", 7233):
+                expected |= {*TEMPORAL_TOOLS, "gpufleet-control-plane", "gpufleet-node-gateway"}
+            if admitted != expected:
+                wrong[(component, port)] = (sorted(admitted - expected), sorted(expected - admitted))
+    assert not wrong, wrong

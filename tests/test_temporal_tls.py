@@ -42,7 +42,8 @@ def _cert(subject: str, key, issuer_key, issuer: x509.Name, *, ca: bool = False,
     if san:
         builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
     if usage:
-        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usage if isinstance(usage, list) else [usage]),
+                                        critical=False)
     if ca:
         builder = builder.add_extension(x509.KeyUsage(
             digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,

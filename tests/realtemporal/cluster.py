@@ -24,6 +24,8 @@ from cli.temporal_cluster import (  # noqa: F401 - the tier's names
     RealTemporal,
     datastores,
     history_shards,
+    internode_secret,
+    internode_tls,
     main,
     missing_reason,
     parse_retention,

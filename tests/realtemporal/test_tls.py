@@ -10,6 +10,11 @@ Secret ``gpufleet-temporal-client`` at its mountPath) must run a workflow, the s
 worker service must run a Schedule (its client certificate is values.yaml's ``systemWorker``),
 and a client with no certificate, another CA's, or expecting another server name is refused.
 
+The services among themselves (values.yaml's ``tls.internode``, from the Secret
+``temporal-internode-tls``, of a CA of its own): everything above runs over it, and history's,
+matching's and the worker service's gRPC, and every service's membership port, refuse a caller
+in plaintext, one without a certificate, and one with a certificate of the frontend's CA.
+
 The dev-server tests (tests/test_temporal_manifests.py, tests/realk8s) keep a TLS proxy in
 front of the dev server: they run without the built server; this is where the real server's
 TLS, and the shipped settings of it, are proven.
@@ -19,11 +24,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
+import ssl
+import struct
 import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import AsyncIterator
 
+import grpc
 import pytest
 from cryptography import x509
 from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -33,12 +42,15 @@ from temporalio.worker import Worker
 
 from fleet.settings import Settings
 from fleet.temporal import connect
-from tests.realtemporal.cluster import RealTemporal
+from tests.realtemporal.cluster import RealTemporal, internode_secret, internode_tls
 from tests.test_temporal_manifests import as_its_manifest_starts_it, control_plane_secret, new_ca, pod_spec, tls_secret
 
 #: The Secrets values.yaml mounts into the server's pods.
 FRONTEND_SECRET = "temporal-frontend-tls"
 CLIENT_SECRET = "temporal-client-tls"
+INTERNODE_SECRET = internode_secret()
+#: The name every service's internode certificate is checked for.
+INTERNODE_NAME = internode_tls()["client"]["serverName"]
 
 
 @workflow.defn(sandboxed=False)
@@ -69,13 +81,17 @@ def pki(tmp_path_factory, manifest_env) -> dict[str, Path]:
                                   [x509.DNSName("temporal-system")], ExtendedKeyUsageOID.CLIENT_AUTH),
         "gpufleet-temporal-client": control_plane_secret(root / "gpufleet-temporal-client", ca),
         "stranger": control_plane_secret(root / "stranger", new_ca("another CA")),
+        # Its own CA (values.yaml says so): one certificate each service serves and calls with.
+        INTERNODE_SECRET: tls_secret(root / INTERNODE_SECRET, new_ca("temporal internode test CA"),
+                                     "temporal-internode", [x509.DNSName(INTERNODE_NAME)],
+                                     [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
     }
 
 
 @pytest.fixture(scope="module")
 async def tls_temporal(temporal_server, tmp_path_factory, pki) -> AsyncIterator[RealTemporal]:
     running = RealTemporal(tmp_path_factory.mktemp("realtemporal-tls"),
-                           tls_secrets={name: pki[name] for name in (FRONTEND_SECRET, CLIENT_SECRET)})
+                           tls_secrets={name: pki[name] for name in (FRONTEND_SECRET, CLIENT_SECRET, INTERNODE_SECRET)})
     await asyncio.to_thread(running.start)
     try:
         yield running
@@ -157,3 +173,96 @@ async def test_the_frontend_refuses_a_client_the_shipped_settings_do_not_admit(
     # Refused for that one difference: the manifest's own settings connect.
     admitted = control_plane_env(tmp_path / "admitted", tls_temporal.address, pki["gpufleet-temporal-client"])
     assert (await (await connect_as(admitted, monkeypatch)).count_workflows()).count >= 0
+
+
+#: How a caller of the services' internal ports presents itself: plaintext, TLS without a client
+#: certificate, TLS with the certificate of Temporal's own frontend clients (the web UI's, the
+#: admin tools': the frontend's CA), and the services' own internode certificate.
+CALLERS = ("plaintext", "no client certificate", "the frontend's CA's certificate", "the internode certificate")
+
+
+def presented(pki: dict[str, Path], caller: str) -> Path | None:
+    """The Secret whose certificate ``caller`` presents, if any. Every TLS caller trusts the
+    services' certificate (the internode CA): only what it presents differs."""
+    return {"the frontend's CA's certificate": pki[CLIENT_SECRET],
+            "the internode certificate": pki[INTERNODE_SECRET]}.get(caller)
+
+
+def grpc_credentials(pki: dict[str, Path], caller: str) -> grpc.ChannelCredentials | None:
+    if caller == "plaintext":
+        return None
+    root, secret = (pki[INTERNODE_SECRET] / "ca.crt").read_bytes(), presented(pki, caller)
+    if secret is None:
+        return grpc.ssl_channel_credentials(root_certificates=root)
+    return grpc.ssl_channel_credentials(root_certificates=root, private_key=(secret / "tls.key").read_bytes(),
+                                        certificate_chain=(secret / "tls.crt").read_bytes())
+
+
+def health_check(port: int, credentials: grpc.ChannelCredentials | None) -> bytes:
+    """grpc.health.v1.Health/Check of the server on ``port`` (plaintext without ``credentials``):
+    the response's bytes; any gRPC server of Temporal's answers it to whoever it admits."""
+    target = f"127.0.0.1:{port}"
+    channel = (grpc.secure_channel(target, credentials, [("grpc.ssl_target_name_override", INTERNODE_NAME)])
+               if credentials else grpc.insecure_channel(target))
+    with channel:
+        return channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=20)
+
+
+@pytest.mark.parametrize("service", ["history", "matching", "worker"])
+@pytest.mark.parametrize("caller", CALLERS)
+async def test_the_services_internal_grpc_admits_only_the_internode_certificate(
+        tls_temporal, pki, service: str, caller: str) -> None:
+    """Whoever reaches history's or matching's port and is admitted could poll any task queue,
+    complete tasks with results of its own, signal or terminate any workflow: no authorizer
+    stands behind these ports, only the internode certificate."""
+    call = asyncio.to_thread(health_check, tls_temporal.ports[service], grpc_credentials(pki, caller))
+    if caller == "the internode certificate":
+        assert await call == b"\x08\x01"  # SERVING: refused callers differ only in their credentials
+        return
+    with pytest.raises(grpc.RpcError) as refused:
+        await call
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+
+
+def tchannel_init_request() -> bytes:
+    """TChannel's first frame (init req, version 2), which ringpop's membership port answers with
+    an init res (frame type 0x02) before any gossip."""
+    headers = b"".join(struct.pack(">H", len(text)) + text
+                       for pair in ((b"host_port", b"127.0.0.1:1"), (b"process_name", b"gpufleet-test"))
+                       for text in pair)
+    body = struct.pack(">HH", 2, 2) + headers
+    return struct.pack(">HBBI8x", 16 + len(body), 0x01, 0, 1) + body
+
+
+def membership_answer(port: int, pki: dict[str, Path], caller: str) -> bytes:
+    """The first frame header the membership port at ``port`` answers an init req with (b"" when it
+    refuses the caller: closes, or a TLS alert)."""
+    context = None
+    if caller != "plaintext":
+        context = ssl.create_default_context(cafile=str(pki[INTERNODE_SECRET] / "ca.crt"))
+        secret = presented(pki, caller)
+        if secret is not None:
+            context.load_cert_chain(secret / "tls.crt", secret / "tls.key")
+    answer = b""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as raw:
+            conn = context.wrap_socket(raw, server_hostname=INTERNODE_NAME) if context else raw
+            conn.sendall(tchannel_init_request())
+            while len(answer) < 16:
+                received = conn.recv(16 - len(answer))
+                if not received:
+                    break
+                answer += received
+    except (ssl.SSLError, ConnectionError):
+        return b""
+    return answer
+
+
+@pytest.mark.parametrize("service", ["frontend", "history", "matching", "worker"])
+@pytest.mark.parametrize("caller", CALLERS)
+async def test_the_services_membership_admits_only_the_internode_certificate(
+        tls_temporal, pki, service: str, caller: str) -> None:
+    """A stranger admitted to the ring (ringpop) could join it and be handed history shards."""
+    answer = await asyncio.to_thread(membership_answer, tls_temporal.ports[f"{service}-membership"], pki, caller)
+    is_init_response = answer[2:3] == b"\x02"
+    assert is_init_response == (caller == "the internode certificate"), answer

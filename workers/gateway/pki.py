@@ -57,7 +57,7 @@ class Pki:
 
         return self.ca_cert.public_bytes(serialization.Encoding.PEM)
 
-    def _issue(self, subject, public_key, lifetime: dt.timedelta, usage, sans=None,
+    def _issue(self, subject, public_key, lifetime: dt.timedelta, usages: list, sans=None,
                not_before: dt.datetime | None = None) -> bytes:
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes, serialization
@@ -67,13 +67,20 @@ class Pki:
                    .public_key(public_key).serial_number(x509.random_serial_number())
                    .not_valid_before(start).not_valid_after(start + lifetime)
                    .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                   .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
+                   .add_extension(x509.ExtendedKeyUsage(usages), critical=False))
         if sans:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
         return builder.sign(self.ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM)
 
     def server_cert(self, hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> tuple[bytes, bytes]:
         """(certificate PEM, key PEM) for the gateway's listener."""
+        from cryptography import x509
+
+        return self.certificate("gpufleet node gateway", hosts, [x509.ExtendedKeyUsageOID.SERVER_AUTH])
+
+    def certificate(self, common_name: str, hosts: tuple[str, ...], usages: list) -> tuple[bytes, bytes]:
+        """(certificate PEM, key PEM) for ``hosts`` (addresses or DNS names), valid a year for
+        these extended key usages."""
         import ipaddress
 
         from cryptography import x509
@@ -86,8 +93,7 @@ class Pki:
                 sans.append(x509.IPAddress(ipaddress.ip_address(host)))
             except ValueError:
                 sans.append(x509.DNSName(host))
-        cert = self._issue(subject_name("gpufleet node gateway"), key.public_key(), dt.timedelta(days=365),
-                           x509.ExtendedKeyUsageOID.SERVER_AUTH, sans)
+        cert = self._issue(subject_name(common_name), key.public_key(), dt.timedelta(days=365), usages, sans)
         return cert, pem_private_key(key)
 
     def sign_node_csr(self, csr_pem: bytes, node_name: str, lifetime: dt.timedelta = dt.timedelta(days=1),
@@ -103,7 +109,7 @@ class Pki:
         if cns != [f"{NODE_PREFIX}{node_name}"]:
             raise ValueError(f"csr: subject {cns} is not {NODE_PREFIX}{node_name}")
         return self._issue(subject_name(f"{NODE_PREFIX}{node_name}", NODE_GROUP), csr.public_key(), lifetime,
-                           x509.ExtendedKeyUsageOID.CLIENT_AUTH, not_before=not_before)
+                           [x509.ExtendedKeyUsageOID.CLIENT_AUTH], not_before=not_before)
 
     def node_credentials(self, node_name: str, lifetime: dt.timedelta = dt.timedelta(days=1)) -> tuple[bytes, bytes]:
         """(certificate PEM, key PEM): the node's half (key, CSR) and the signer's, in one call."""
