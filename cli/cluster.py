@@ -38,12 +38,12 @@ def check(
 ) -> None:
     """Check that these credentials may do everything the cluster adapter does, that what
     they (and a node's certificate) can reach beyond that is fenced (kubeadm's auto-approve
-    bindings removed, the admission policies on the control plane's Secrets and on a node's own
-    marks enforced), that the API server can reach every gpufleet node's kubelet (Konnectivity),
-    and, given the fleet config, that the control plane's service account may get each Secret
-    it names (the Role ``gpufleet cluster credentials-role`` renders). That last needs
-    credentials that may create SubjectAccessReviews, or the service account's own; with
-    neither it is a warning.
+    bindings removed, the admission policies on the control plane's Secrets, on a node's own
+    marks and on its own pods enforced), that the API server can reach every gpufleet node's
+    kubelet (Konnectivity), and, given the fleet config, that the control plane's service
+    account may get each Secret it names (the Role ``gpufleet cluster credentials-role``
+    renders). That last needs credentials that may create SubjectAccessReviews, or the service
+    account's own; with neither it is a warning.
 
     Exit 0 when every permission is granted, the fences stand and the tunnels run, 1 when
     anything is missing or a kubeadm auto-approve binding is present, 2 when the cluster

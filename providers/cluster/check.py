@@ -254,11 +254,16 @@ ADMISSION_POLICY = "gpufleet-control-plane-secrets"
 #: deploy/kubernetes/admission-policy.yaml: what a node's own credential may not write on its Node
 #: (gpufleet's marks, its cordon); the policy and its binding share this name.
 NODE_MARKS_POLICY = "gpufleet-node-marks"
+#: deploy/kubernetes/admission-policy.yaml: where a node's own (mirror) pods may not go (gpufleet's and
+#: Temporal's namespaces, the labels gpufleet's selectors pick); the policy and its binding share this name.
+MIRROR_PODS_POLICY = "gpufleet-node-mirror-pods"
 #: The shipped admission policies, each with what a cluster without it is open to.
 ADMISSION_POLICIES: dict[str, str] = {
     ADMISSION_POLICY: "the control plane's token may write any kube-system Secret",
     NODE_MARKS_POLICY: ("a node's credential may fence, mark, cordon or uncordon its own Node, so the "
                         "control plane keeps it for good or uncordons it"),
+    MIRROR_PODS_POLICY: ("a node's credential may create its own pods as gpufleet's: behind the node gateway's "
+                         "or a model's Service (its connections, users' prompts), or in Temporal's namespace"),
 }
 RBAC_GROUP = "rbac.authorization.k8s.io"
 ADMISSION_GROUP = "admissionregistration.k8s.io"
@@ -310,8 +315,9 @@ def _read(what: str, fn: Callable[..., Any], name: str) -> tuple[dict[str, Any] 
 
 def check_hardening(api_client: k8s.ApiClient) -> list[HardeningRow]:
     """kubeadm's two auto-approve bindings must be gone (a row each, with the command that
-    removes it) and each admission policy (the control plane's Secret writes, a node's own marks)
-    must be installed and bound with ``Deny``. A read refused counts as not ok: the check cannot vouch."""
+    removes it) and each admission policy (the control plane's Secret writes, a node's own marks
+    and pods) must be installed and bound with ``Deny``. A read refused counts as not ok: the check
+    cannot vouch."""
     rbac = k8s.RbacAuthorizationV1Api(api_client)
     admission = k8s.AdmissionregistrationV1Api(api_client)
     rows = []

@@ -17,7 +17,8 @@ ends each pod deleted on them, as their kubelet would; a pod annotated
 test adds name real owner objects (a ReplicaSet that places nothing, a suspended Job, a
 DaemonSet that fits no node, the Node itself for a mirror pod), not controllers of them: the
 garbage collector deletes a pod whose owner does not exist. A mirror pod is made as its node
-(``system:node:<name>``, under NodeRestriction), the way a hostile kubelet would make one.
+(``system:node:<name>``, under NodeRestriction), the way a hostile kubelet would make one; one
+labelled as gpufleet's, which the shipped mirror-pod policy refuses a node, by the admin.
 
 The routing objects are custom resources of Gateway API's ``HTTPRoute`` and Envoy Gateway's
 ``BackendTrafficPolicy`` kinds, served by the real API server from the projects' published CRDs
@@ -38,6 +39,7 @@ from typing import Any, Iterator
 from fleet.cluster import GPU_RESOURCE, LABEL_PROVIDER, LABEL_SITE
 from providers.cluster.base import PodInfo
 from providers.cluster.kubernetes import KubernetesCluster
+from tests.cluster.test_cluster_check import node_pod_refusal
 from tests.realk8s import build
 from tests.realk8s.cluster import RealCluster
 
@@ -214,8 +216,12 @@ class RealHarness:
         # No grace unless asked: a pod ends as soon as it is evicted (its kubelet says so at once).
         spec["terminationGracePeriodSeconds"] = 30 if terminating_seconds else 0
         # A mirror pod is made by its node's kubelet, as ``system:node:<node>`` (the admin
-        # impersonates it): what NodeRestriction lets a node write, and nothing more.
-        as_node = {"Impersonate-User": f"system:node:{node}", "Impersonate-Group": "system:nodes"} if mirror else None
+        # impersonates it): what NodeRestriction lets a node write, and nothing more. One that the
+        # shipped mirror-pod policy refuses a node (labelled as gpufleet's) is made by the admin:
+        # what a cluster without that policy lets a node make, which the adapter must still read
+        # as the node's own (tests/realk8s/test_mirror_pods.py tries the node's refusal).
+        as_node = ({"Impersonate-User": f"system:node:{node}", "Impersonate-Group": "system:nodes"}
+                   if mirror and not node_pod_refusal(namespace, meta["labels"]) else None)
         _ok(self.real.request("POST", f"/api/v1/namespaces/{namespace}/pods",
                               {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}, admin=True,
                               headers=as_node), 201)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -172,6 +173,15 @@ class Machine:
         if not lines:
             raise MachineFailed("renew", done.stderr[-2000:])
         return lines[-1]
+
+    @property
+    def static_pod_dir(self) -> Path:
+        """Where its kubelet reads static pod manifests: each file there is a pod it runs and
+        publishes as a mirror pod. kubemark makes the folder in a root folder of its own under
+        /tmp (whatever $TMPDIR says), which its kubelet names in its log."""
+        [root] = set(re.findall(r"Using (\S+) as root dir for hollow-kubelet", self.log_tail(10_000_000)))
+        [found] = Path(root).glob("static-pods*")
+        return found
 
     @property
     def kubeconfig(self) -> Path:

@@ -31,7 +31,7 @@ from fleet.cluster import (
 from fleet.demand import public_placement_labels
 from fleet.messages.watches import SiteWatchInput, SiteWatchResult, node_summary
 from activities.watches import probe_nodes
-from providers.cluster.check import NODE_MARKS_POLICY
+from providers.cluster.check import ADMISSION_POLICIES, NODE_MARKS_POLICY
 from tests.providers.test_join_real import run
 from tests.realk8s.test_join import RealJoining, one  # noqa: F401 - the fixture
 
@@ -102,11 +102,13 @@ def test_a_node_that_moves_itself_to_another_zone_is_put_back_within_seconds_and
 
 
 def refused_by(answer) -> str:
-    """Who refused a write: the node-marks policy, NodeRestriction, or else the server's message."""
+    """Who refused a write: a shipped admission policy, NodeRestriction, or else the server's message."""
     message = answer.get("message", "") if isinstance(answer, dict) else str(answer)
-    if NODE_MARKS_POLICY in message:
-        return NODE_MARKS_POLICY
-    return "NodeRestriction" if "is not allowed to modify" in message or "NodeRestriction" in message else message
+    for policy in ADMISSION_POLICIES:
+        if policy in message:
+            return policy
+    node_restriction = ("is not allowed to modify", "NodeRestriction", 'node "')
+    return "NodeRestriction" if any(words in message for words in node_restriction) else message
 
 
 def test_a_node_may_not_mark_cordon_or_uncordon_itself(one: RealJoining) -> None:
