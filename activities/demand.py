@@ -108,7 +108,8 @@ class DemandActivities:
 
     def _pending(self) -> tuple[list[str], list[str]]:
         self._label_fleet_nodes()
-        pods = self.env.cluster.list_gpu_pods()
+        # A mirror pod is its node's own (any number, any name): never demand, never in the result.
+        pods = [p for p in self.env.cluster.list_gpu_pods() if not p.mirror]
         pending = [p.key for p in pods if p.pending and opted_in(p) and not p.nominated_node]
         return pending, [p.key for p in pods]
 
@@ -314,7 +315,8 @@ class DemandActivities:
         every_node = self.env.nodes()
         nodes = [n for n in every_node if n.labels.get(LABEL_SITE) in sites]
         pods = cluster.list_gpu_pods()
-        busy = {p.node for p in pods if p.node}
+        # A mirror pod is its node's word: a static pod asking for a GPU keeps no node (and its bill) on.
+        busy = {p.node for p in pods if p.node and not p.mirror}
         awaited = {p.nominated_node for p in pods if p.nominated_node}
         result = IdleNodesResult(site_min={s.name: s.min_nodes for s in config.sites})
         for node in nodes:

@@ -5,9 +5,10 @@ Every activity scheduled, every timer, signal and heartbeat is a billed (and rat
 Temporal action. A watch here holds one activity open for minutes, follows the cluster with a
 real watch (``Cluster.watch_nodes`` and friends: list, then watch from the list's
 resourceVersion, listed again on ``410 Gone``), does its periodic looks inside the activity
-(a provider probe, a describe of a purchase: no action), and heartbeats at most once per half
-its heartbeat timeout. Each is level-triggered: the entity passes what it last saw and the watch
-returns at once when the world already differs, so a run that continued as new loses nothing.
+(a provider probe: no action), waits on a workflow's end with Temporal's long poll (a read, no
+action), and heartbeats at most once per half its heartbeat timeout. Each is level-triggered:
+the entity passes what it last saw and the watch returns at once when the world already
+differs, so a run that continued as new loses nothing.
 
 - ``watch_site``: a Site entity's nodes (Ready, cordoned, proven; added, removed) and its
   provider's API (Transient failures trip the incident rule). It puts the public placement
@@ -16,7 +17,8 @@ returns at once when the world already differs, so a run that continued as new l
   watched: its own loop running late (its process frozen) or, on a retried attempt, the time
   since the lost attempt's last heartbeat; the entity takes that as the control plane's absence.
 - ``watch_demand_events``: the Demand loop's new Pending GPU pods (batched as before), the pods of its
-  purchases in flight, those purchases ending, and which nodes hold GPU pods (consolidation).
+  purchases in flight, those purchases ending (a long poll on each one's close), and which nodes
+  hold GPU pods (consolidation). A node's own mirror pods count for none of these.
 - ``watch_csrs``: a new kubelet CSR for gpufleet's approver.
 - ``watch_recovery``: a SiteEvacuation's site while it is down (and while nothing may take its
   replicas): the recovery probe every ``probe_seconds`` inside the activity, returning when the site
@@ -30,13 +32,14 @@ returns at once when the world already differs, so a run that continued as new l
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 from temporalio import activity
-from temporalio.client import WorkflowExecutionStatus
+from temporalio.client import WorkflowExecutionStatus, WorkflowHistoryEventFilterType
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError, CancelledError
-from temporalio.service import RPCError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.env import FleetEnv
 from activities.errors import typed_errors
@@ -49,6 +52,8 @@ from fleet.messages.capacity import SignalSitesInput
 from fleet.messages.demand import DemandBatch
 from fleet.messages.evacuation import ProbeNode
 from fleet.messages.watches import (
+    MAX_BUSY_NODES,
+    MAX_NEW_PODS,
     CsrMark,
     CsrWatchInput,
     CsrWatchResult,
@@ -110,6 +115,12 @@ def stop_if_asked() -> None:
         # A failure the server takes (a CancelledError nobody asked for is refused): retried on
         # another worker at once, not after the heartbeat timeout.
         raise ApplicationError("the watch's worker is stopping", type="WorkerStopping")
+
+
+def busy_nodes(pods) -> set[str]:
+    """The nodes holding one of ``pods`` (mirror pods already left out), the first
+    ``MAX_BUSY_NODES`` by name: what ``DemandWake.busy`` names and the next watch compares."""
+    return set(sorted({p.node for p in pods if p.node})[:MAX_BUSY_NODES])
 
 
 def probe_nodes(nodes) -> list[ProbeNode]:
@@ -200,18 +211,47 @@ class WatchActivities:
                                observed_at=time.time(), paused_seconds=round(paused, 3), self_labelled=self_labelled)
 
     # -- the Demand loop ----------------------------------------------------------------------
-    async def _purchases_running(self, ids: list[str]) -> list[str]:
-        """The purchases of ``ids`` that are still running (a describe each: no action)."""
+    @staticmethod
+    async def _purchase_closed(workflow_id: str, retry_seconds: float) -> None:
+        """Returns once the purchase ``workflow_id`` is no longer running (or was never found).
+
+        Temporal's long poll on its close event (``GetWorkflowExecutionHistory``, waiting for a new
+        event, close events only): the server answers the moment the run closes, so the watch wakes
+        as the purchase ends, at no action (a read, never billed). A run that closed by continuing
+        as new (or a retry) is followed: the purchase runs on in its new run. A long poll Temporal
+        did not answer (away, a deadline) is asked again after ``retry_seconds``: that answer is
+        the purchase's state then, so a purchase that ended meanwhile is seen at the retry."""
         client = activity.client()
-        running = []
-        for workflow_id in ids:
+        while True:
+            handle = client.get_workflow_handle(workflow_id)
             try:
-                described = await client.get_workflow_handle(workflow_id).describe()
-            except RPCError:
-                continue  # gone: not running
-            if described.status == WorkflowExecutionStatus.RUNNING:
-                running.append(workflow_id)
-        return running
+                closed = False
+                async for _close in handle.fetch_history_events(
+                        wait_new_event=True, event_filter_type=WorkflowHistoryEventFilterType.CLOSE_EVENT,
+                        skip_archival=True):
+                    closed = True
+                    break
+                if closed:
+                    described = await handle.describe()
+                    if described.status != WorkflowExecutionStatus.RUNNING:
+                        return
+                    continue  # continued as new: wait on its new run
+            except RPCError as error:
+                if error.status == RPCStatusCode.NOT_FOUND:
+                    return  # gone (or never started): not running
+            await asyncio.sleep(retry_seconds)
+
+    async def _first_purchase_closed(self, ids: list[str], retry_seconds: float) -> None:
+        """Returns when the first of the purchases ``ids`` is no longer running (one long poll each)."""
+        waits = [asyncio.ensure_future(self._purchase_closed(i, retry_seconds)) for i in dict.fromkeys(ids)]
+        try:
+            done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for wait in done:
+                wait.result()  # a failure of its own (no client: a bug) is no purchase's end
+        finally:
+            for wait in waits:
+                wait.cancel()
+            await asyncio.gather(*waits, return_exceptions=True)
 
     @activity.defn
     @typed_errors
@@ -219,7 +259,12 @@ class WatchActivities:
         """Until opted-in Pending GPU pods the loop has no answer for appear (then until the batch
         closes, as ``watch_demand`` did: ``batch_idle_seconds`` without another, at most
         ``batch_max_seconds``), a pod a purchase was bought for goes, a purchase ends, or the
-        nodes holding GPU pods change; after ``wait_seconds`` with nothing of that."""
+        nodes holding GPU pods change; after ``wait_seconds`` with nothing of that.
+
+        A mirror pod (a static pod a node's kubelet wrote, bound to itself) counts for nothing
+        here: it is never Pending demand, never a pod a purchase was bought for, and it makes no
+        node busy. A node may write thousands of them, with names of any length. The result names
+        only what the loop acts on, each list bounded (``DemandWake``)."""
         from activities.demand import DemandActivities
 
         labels = DemandActivities(self.env)
@@ -232,69 +277,99 @@ class WatchActivities:
         first = last = None
         seen: set[str] = set()
         why = "timeout"
-        pods: list = []
-        purchases_at = loop.time()
+        #: The pods as the watch's last look saw them (``decide`` runs in the watch's thread).
+        pods: list | None = None
+        #: Set once a purchase ended: the watch's thread changes nothing more and ends at its next look.
+        ended = False
+        lock = threading.Lock()
         await asyncio.to_thread(labels._label_fleet_nodes)
 
         def decide(found) -> bool:
-            nonlocal first, last, seen, why
-            stop_if_asked()
-            now = loop.time()
-            pending = {p.key for p in found if p.pending and opted_in(p) and not p.nominated_node}
-            new = pending - known
-            if new - seen:
-                first = first if first is not None else now
-                last = now
-            seen = (seen | new) & (new | known)  # a pod that went before the batch closed is not in it
-            if first is not None:
-                if now - last >= input.batch_idle_seconds or now - first >= input.batch_max_seconds:
-                    why = "pods"
+            nonlocal first, last, seen, why, pods
+            with lock:
+                if ended:
+                    return True
+                stop_if_asked()
+                pods = [p for p in found if not p.mirror]
+                now = loop.time()
+                pending = {p.key for p in pods if p.pending and opted_in(p) and not p.nominated_node}
+                new = pending - known
+                if new - seen:
+                    first = first if first is not None else now
+                    last = now
+                seen = (seen | new) & (new | known)  # a pod that went before the batch closed is not in it
+                if first is not None:
+                    if now - last >= input.batch_idle_seconds or now - first >= input.batch_max_seconds:
+                        why = "pods"
+                        return True
+                    return False
+                if tracked - {p.key for p in pods}:
+                    why = "pods gone"
+                    return True
+                if busy_before is not None and busy_nodes(pods) != busy_before:
+                    why = "idle"
                     return True
                 return False
-            present = {p.key for p in found}
-            if tracked - present:
-                why = "pods gone"
-                return True
-            if busy_before is not None and {p.node for p in found if p.node} != busy_before:
-                why = "idle"
-                return True
-            return False
 
-        while True:
-            now = loop.time()
-            left = max(0.0, start + input.wait_seconds - now)
-            # One watch for the whole wait, cut short where something else must be looked at:
-            # an open batch's window, the purchases' describe, the labels of new nodes.
-            chunk = left
-            if first is not None:
-                chunk = min(chunk, max(0.05, min(input.batch_idle_seconds, input.batch_max_seconds) / 2))
-            if input.purchases:
-                chunk = min(chunk, input.purchase_check_seconds)
-            if seen or any(p.pending and opted_in(p) for p in pods):
-                chunk = min(chunk, LABEL_SECONDS)
-            if beat.every:
-                chunk = min(chunk, beat.every)  # heartbeats go from this loop, never from the watch's thread
-            pods = await asyncio.to_thread(cluster.watch_gpu_pods, decide, chunk, min(RECHECK_SECONDS, chunk + 1),
-                                           None, input.poll_seconds)
-            present = [p.key for p in pods]
-            if why != "timeout":
-                break
-            if decide(pods):  # an open batch's window may have closed at the chunk's end
-                break
-            if input.purchases and loop.time() - purchases_at >= input.purchase_check_seconds:
-                purchases_at = loop.time()
-                if len(await self._purchases_running(input.purchases)) < len(input.purchases):
-                    why = "purchase ended"
+        # One long poll per purchase in flight, for the whole watch: it returns as one closes.
+        closing = (asyncio.ensure_future(self._first_purchase_closed(input.purchases, input.purchase_check_seconds))
+                   if input.purchases else None)
+        watching = None
+        try:
+            while True:
+                now = loop.time()
+                left = max(0.0, start + input.wait_seconds - now)
+                # One watch for the whole wait, cut short where something else must be looked at:
+                # an open batch's window, the labels of new nodes.
+                chunk = left
+                if first is not None:
+                    chunk = min(chunk, max(0.05, min(input.batch_idle_seconds, input.batch_max_seconds) / 2))
+                if seen or any(p.pending and opted_in(p) for p in pods or []):
+                    chunk = min(chunk, LABEL_SECONDS)
+                if beat.every:
+                    chunk = min(chunk, beat.every)  # heartbeats go from this loop, never from the watch's thread
+                watching = asyncio.ensure_future(asyncio.to_thread(
+                    cluster.watch_gpu_pods, decide, chunk, min(RECHECK_SECONDS, chunk + 1), None, input.poll_seconds))
+                await asyncio.wait([w for w in (watching, closing) if w is not None],
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if closing is not None and closing.done():
+                    closing.result()  # the long poll's own failure (no client) is the activity's, never "ended"
+                    with lock:
+                        ended = True
+                        if why == "timeout":  # the watch's own reason, taken in the same instant, comes first
+                            why = "purchase ended"
+                    if pods is None:  # before the watch's first look, which ``ended`` ends at once
+                        pods = [p for p in await watching if not p.mirror]
+                    # The node a purchase joined carries the fleet's labels (what its pods select)
+                    # now, not after the pass this wakes has planned: the scheduler binds them at once.
+                    await asyncio.to_thread(labels._label_fleet_nodes)
                     break
-            if any(p.pending and opted_in(p) for p in pods):
-                await asyncio.to_thread(labels._label_fleet_nodes)
-            if loop.time() - start >= input.wait_seconds and first is None:
-                break
-            beat()
+                found = watching.result()
+                if why != "timeout":
+                    break
+                if decide(found):  # an open batch's window may have closed at the chunk's end
+                    break
+                if any(p.pending and opted_in(p) for p in pods or []):
+                    await asyncio.to_thread(labels._label_fleet_nodes)
+                if loop.time() - start >= input.wait_seconds and first is None:
+                    break
+                beat()
+        finally:
+            with lock:
+                ended = True
+            if watching is not None and not watching.done():
+                # A real watch may wait up to its chunk (``RECHECK_SECONDS``) for its next event: its
+                # thread ends on its own then (``ended``), its answer no longer wanted: the last
+                # look's pods (``decide`` sees every change) are what it would say.
+                watching.add_done_callback(lambda done: done.cancelled() or done.exception())
+            if closing is not None:
+                closing.cancel()
+                await asyncio.gather(closing, return_exceptions=True)
+        pods = pods or []
         window = round(loop.time() - first, 3) if first is not None else 0.0
-        return DemandWake(batch=DemandBatch(new=sorted(seen) if why == "pods" else [], present=present,
-                                            window_seconds=window),
-                          why=why, busy=sorted({p.node for p in pods if p.node}))
+        return DemandWake(batch=DemandBatch(new=sorted(seen)[:MAX_NEW_PODS] if why == "pods" else [],
+                                            present=sorted(tracked & {p.key for p in pods}), window_seconds=window),
+                          why=why, busy=sorted(busy_nodes(pods)))
 
     # -- gpufleet's CSR approver --------------------------------------------------------------
     @activity.defn

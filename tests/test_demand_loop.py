@@ -656,6 +656,21 @@ async def test_on_events_pods_buy_and_idle_nodes_go_back_with_no_tick(cap: CapSt
     await replay_and_record(handle, "demand_events_buy_then_retire")
 
 
+async def test_an_idle_node_whose_own_static_pod_asks_for_a_gpu_is_retired_after_its_ttl(cap: CapStack):
+    """A node is hostile: its kubelet may publish a static pod's mirror, bound to itself, asking
+    for a GPU. That pod is the node's word, not a workload: the node, idle once the pods the fleet
+    placed on it went, is retired after its TTL. Before, the mirror pod made it busy for ever: never
+    consolidated, and billed on."""
+    await start_demand(cap)
+    cap.cluster.create_pod(demand_pod("eu-0", **{LABEL_GEOGRAPHY: "eu", LABEL_CAPACITY_TYPE: "on-demand"}))
+    placed = await wait_for(lambda: bound(cap).get("ml/eu-0"), timeout=60)
+    # The static pod comes before the workload goes: the node is never without a GPU pod.
+    cap.cluster.create_pod(GpuPod(namespace="kube-system", name=f"keep-me-{placed}", node=placed, phase="Running",
+                                  gpus=1, mirror=True, owner_kinds=["Node"]))
+    cap.cluster.delete_pod("ml", "eu-0")
+    await wait_for(lambda: placed not in {n.name for n in cap.cluster.list_nodes()}, timeout=45)
+
+
 async def test_renew_cuts_the_event_watch_and_the_loop_moves_on_with_its_purchases(cap: CapStack):
     """``gpufleet patches renew`` after a deploy (``FleetClient.renew_entities``): the loop waits in its
     event watch up to ``tick_seconds`` (an hour here) with nothing new; asked to renew, the watch is

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import threading
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -64,8 +65,8 @@ async def run(activity_env: ActivityEnvironment, fn, arg):
     return await asyncio.to_thread(activity_env.run, fn, arg)
 
 
-def quiet_env(heartbeat_seconds: float = 600) -> ActivityEnvironment:
-    activity_env = ActivityEnvironment()
+def quiet_env(heartbeat_seconds: float = 600, client=None) -> ActivityEnvironment:
+    activity_env = ActivityEnvironment(client)
     activity_env.info = dataclasses.replace(activity_env.info, heartbeat_timeout=timedelta(seconds=heartbeat_seconds))
     return activity_env
 
@@ -146,6 +147,38 @@ async def test_the_demand_watch_wakes_when_a_purchases_pods_are_gone(env) -> Non
         known=["ml/bought-for"], tracked=["ml/bought-for"], wait_seconds=30, poll_seconds=0.05))
     changer.join()
     assert wake.why == "pods gone" and "ml/bought-for" not in wake.batch.present
+
+
+async def test_the_demand_watch_returns_as_a_purchase_ends(env, temporal_env) -> None:
+    """A purchase in flight ends (here terminated; joined or failed alike): the watch returns
+    because it closed, its pod still there, with the fleet's labels on the node it joined. Before, the watch learned it from a describe
+    of each purchase every ``purchase_check_seconds`` (5 s by default), and the pod bought for
+    waited that long for the loop to label its new node; here that pause is longer than the
+    watch's whole wait, so only the purchase's close can end it."""
+    client = temporal_env.client
+    uid = uuid.uuid4().hex[:6]
+    # No worker serves their queue: each runs until it is terminated.
+    ending, buying = [await client.start_workflow("AcquireCapacity", {}, id=f"capacity/demand-watch-{uid}-{n}",
+                                                  task_queue=f"nobody-{uid}") for n in (1, 2)]
+    env.cluster.create_pod(wanting("bought-for"))
+    activity_env = quiet_env(client=client)
+
+    async def end_it() -> None:
+        await asyncio.sleep(0.5)
+        add_node(env, "bought")  # the node its join admitted: only the join's site label so far
+        await ending.terminate("the purchase ends")
+    ender = asyncio.ensure_future(end_it())
+    try:
+        wake = await run(activity_env, WatchActivities(env).watch_demand_events, DemandWatchInput(
+            known=["ml/bought-for"], tracked=["ml/bought-for"], purchases=[buying.id, ending.id],
+            wait_seconds=10, purchase_check_seconds=600, poll_seconds=0.05))
+        await ender
+        assert wake.why == "purchase ended"
+        assert wake.batch.present == ["ml/bought-for"] and wake.batch.new == []
+        # The fleet's labels, which the pod's selector needs, are on its node as the watch returns.
+        assert env.cluster.get_node("bought").labels.get(LABEL_FLEET) == "true"
+    finally:
+        await buying.terminate("test over")
 
 
 async def test_a_cancelled_watch_stops_its_thread(env) -> None:

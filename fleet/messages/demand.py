@@ -26,7 +26,9 @@ class WatchDemandInput(BaseModel):
 class DemandBatch(BaseModel):
     #: Opted-in Pending GPU pods not in ``known`` when the batch closed.
     new: list[str] = Field(default_factory=list)
-    #: Every pod that requests GPUs and has not finished (Pending or bound).
+    #: Pods that request GPUs and have not finished (Pending or bound), mirror pods left out:
+    #: ``watch_demand_events`` names only those of its ``tracked`` (the purchases' pods, all the
+    #: loop reads of it); ``watch_demand`` (runs from before the event watch) every one.
     present: list[str] = Field(default_factory=list)
     #: Seconds from the first new pod to the batch's close (the window).
     window_seconds: float = 0.0

@@ -87,6 +87,19 @@ class SiteWatchResult(BaseModel):
 
 
 # -- watch_demand_events ---------------------------------------------------------------------------
+#: The new Pending pods one ``DemandWake`` names. A pod's key is up to 317 characters (a 63-character
+#: namespace, a 253-character name), so 1,000 keys stay under 320 KB of the 2 MiB result. Past it
+#: the batch names the first 1,000 by key and the pass is the same: the plan lists every Pending pod
+#: itself (``plan_demand``), so the rest are planned (bought for, covered or unplaceable) in that
+#: pass too, and the next watch knows them; only the log's lines name the first ones.
+MAX_NEW_PODS = 1000
+#: The nodes holding GPU pods one ``DemandWake`` names (``busy``), the first by name: a node's name
+#: is up to 253 characters, 2,000 of them 500 KB. Past it a node beyond the first 2,000 that goes
+#: idle does not end the watch: the next consolidating pass (an idle node's TTL, the safety look
+#: after ``wait_seconds``, an ended purchase) finds it. Mirror pods make no node busy.
+MAX_BUSY_NODES = 2000
+
+
 class DemandWatchInput(Strict):
     #: Pods the loop already has an answer for (bought, covered, unplaceable): no wake-up.
     known: list[str] = Field(default_factory=list)
@@ -97,21 +110,29 @@ class DemandWatchInput(Strict):
     #: The pods the purchases in flight were bought for: return when one of them is gone.
     tracked: list[str] = Field(default_factory=list)
     #: The purchases in flight (AcquireCapacity ids): return when one of them is no longer running.
+    #: Each is waited on with Temporal's long poll on its close event: the watch returns as it closes.
     purchases: list[str] = Field(default_factory=list)
     #: Nodes with a GPU pod as the loop last saw them: return when that changes (a node went idle
     #: or got its first pod). None: not compared (the loop looks at idle nodes anyway).
     busy: list[str] | None = None
-    #: The purchases are looked up this often (a describe: no action).
+    #: A purchase's long poll that Temporal did not answer (away, a deadline) is asked again after
+    #: this long (before the long poll, the purchases were described this often).
     purchase_check_seconds: float = Field(5.0, gt=0, le=600)
     #: The simulated cluster has no watch: it is looked at this often (a real watch ignores it).
     poll_seconds: float = Field(0.2, gt=0, le=60)
 
 
 class DemandWake(BaseModel):
+    """What the loop acts on, never a list a node can grow: no mirror pod is in it, and each list
+    is bounded, so the result stays far under Temporal's 2 MiB payload limit (a result over it
+    fails the activity, and every pass with it)."""
+
+    #: ``new``: at most ``MAX_NEW_PODS``; ``present``: only the pods of ``tracked`` still there
+    #: (the purchases' pods, at most what the loop sent), not every GPU pod of the cluster.
     batch: DemandBatch = Field(default_factory=DemandBatch)
     #: Why the watch returned: "pods", "pods gone", "purchase ended", "idle", "timeout".
     why: str = "timeout"
-    #: Nodes with a GPU pod now (the next watch's ``busy``).
+    #: Nodes with a GPU pod now, mirror pods left out, at most ``MAX_BUSY_NODES`` (the next watch's ``busy``).
     busy: list[str] = Field(default_factory=list)
 
 

@@ -24,6 +24,7 @@ import asyncio
 import inspect
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import pytest
@@ -32,6 +33,7 @@ from temporalio.testing import ActivityEnvironment
 from activities.capacity import CapacityActivities
 from activities.demand import DemandActivities
 from activities.env import FleetEnv
+from activities.watches import WatchActivities
 from fleet.cluster import (
     GPU_RESOURCE,
     LABEL_GPU_PRODUCT,
@@ -51,6 +53,7 @@ from fleet.demand import (
 )
 from fleet.messages.capacity import DrainNodeInput, GetCatalogInput, RetireMachineInput
 from fleet.messages.demand import JoiningMachine, PlanDemandInput, WatchDemandInput
+from fleet.messages.watches import DemandWatchInput
 from fleet.models import CapacityType, MachineSpec
 from fleet.settings import Settings
 from providers.cluster.kubernetes import KubernetesCluster
@@ -130,6 +133,29 @@ class Fleet:
         _ok(self.real.request("PATCH", f"/api/v1/namespaces/{self.ns}/pods/{name}/status", {"status": {
             "phase": "Running", "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now()}]}},
             admin=True, content_type=MERGE), 200)
+
+    def mirror_pods(self, node: str, count: int, gpus: int) -> list[str]:
+        """Static pods' mirrors as ``node``'s kubelet publishes them, each asking for ``gpus`` and
+        named as long as a pod may be (253 characters): made as ``system:node:<node>`` under
+        NodeRestriction (bound to itself, annotated ``kubernetes.io/config.mirror``, owned by its
+        Node), what a hostile node may write at will. Their keys."""
+        name, uid = self.node(node), self.get_node(node)["metadata"]["uid"]
+        as_node = {"Impersonate-User": f"system:node:{name}", "Impersonate-Group": "system:nodes"}
+        names = [f"{i:05d}-{'m' * 247}" for i in range(count)]
+
+        def publish(pod: str) -> None:
+            _ok(self.real.request("POST", f"/api/v1/namespaces/{self.ns}/pods", {
+                "apiVersion": "v1", "kind": "Pod", "metadata": {
+                    "name": pod, "namespace": self.ns, "annotations": {"kubernetes.io/config.mirror": "static"},
+                    "ownerReferences": [{"apiVersion": "v1", "kind": "Node", "name": name, "uid": uid,
+                                         "controller": True}]},
+                "spec": {"nodeName": name, "tolerations": TOLERATE, "automountServiceAccountToken": False,
+                         "containers": [{"name": "c", "image": "static", "resources": {
+                             "limits": {GPU_RESOURCE: str(gpus)}}}]}}, admin=True, headers=as_node), 201)
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(publish, names))
+        return [self.key(pod) for pod in names]
 
     def add_node(self, node: str, labels: dict[str, str], gpus: int = 8, provider_id: str = "") -> None:
         """A Node as its kubelet registered it, Ready, with the fleet taint every gpufleet node keeps."""
@@ -343,3 +369,44 @@ def test_consolidation_drains_through_the_eviction_api_and_honours_pdbs(fleet: F
     assert f.get_node("gpu-idle") is None
     assert f.cluster.node_identity(idle_node) is None
     assert {n.name for n in run(f.demand.idle_nodes).idle} == {awaited_node}
+
+
+#: The mirror pods the hostile node publishes: 263-character keys, about 80 KB of names.
+MIRRORS = 300
+#: What the Demand watch's result may weigh here, whatever the node publishes: a few pods' and
+#: nodes' names (its lists' own caps, ``MAX_NEW_PODS`` and ``MAX_BUSY_NODES``, keep it under
+#: 2 MiB however many Pending pods and busy nodes there are).
+WAKE_BYTES = 16 * 1024
+
+
+async def test_a_nodes_mirror_pods_neither_grow_the_demand_watch_nor_keep_the_node_and_a_pending_pod_is_bought_for(
+        fleet: Fleet, temporal_env) -> None:
+    """A node is hostile. Its kubelet may publish mirror pods of any name, each asking for GPUs:
+    about 6,600 with the longest names carried the Demand watch's result (every GPU pod's key)
+    past Temporal's 2 MiB payload limit, failing every pass, and the fleet bought nothing for
+    real Pending pods. The watch's result names none of them and stays the same small size; a
+    real Pending pod is still planned onto a machine; and the node, whose only GPU pods are its own
+    static ones, is idle (consolidation gives it back)."""
+    from temporalio.contrib.pydantic import pydantic_data_converter
+
+    f = fleet
+    env = ActivityEnvironment(client=temporal_env.client)
+    f.joined(f.east, "gpu-hostile")
+    mirrors = f.mirror_pods("gpu-hostile", MIRRORS, gpus=1)
+    assert len(mirrors[0]) > 260
+    f.pending("h100", 8, **{LABEL_GPU_PRODUCT: "H100"})
+
+    wake = await env.run(WatchActivities(f.env).watch_demand_events, DemandWatchInput(
+        batch_idle_seconds=0.2, batch_max_seconds=2, wait_seconds=10, poll_seconds=0.05))
+    assert wake.why == "pods" and [k for k in wake.batch.new if k.startswith(f"{f.ns}/")] == [f.key("h100")]
+    (payload,) = pydantic_data_converter.payload_converter.to_payloads([wake])
+    assert payload.ByteSize() < WAKE_BYTES, f"the watch's result is {payload.ByteSize()} bytes"
+    assert not set(mirrors) & {*wake.batch.new, *wake.batch.present}
+    assert f.node("gpu-hostile") not in wake.busy, "its own static pods make no node busy"
+
+    catalog = await env.run(f.capacity.get_catalog, GetCatalogInput(max_age_seconds=60))
+    plan = (await env.run(f.demand.plan_demand, PlanDemandInput(offers=catalog.offers,
+                                                                accounts=catalog.accounts))).plan
+    assert f.key("h100") in {pod for machine in plan.machines for pod in machine.pods}, plan
+    idle = await env.run(f.demand.idle_nodes)
+    assert f.node("gpu-hostile") in {n.name for n in idle.idle}
