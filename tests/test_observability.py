@@ -10,6 +10,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -18,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
 
 from activities.env import FleetEnv
 from fleet.cluster import ServingSpec, SiteRoute
@@ -45,12 +47,12 @@ needs_prometheus = needs("prometheus")
 
 
 class Prometheus:
-    def __init__(self, tmp: Path, target: str) -> None:
+    def __init__(self, tmp: Path, scrape_configs: list[dict]) -> None:
         self.port = free_port()
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(OBSERVABILITY / "alerts.yaml")],
-            "scrape_configs": [{"job_name": "gpufleet", "static_configs": [{"targets": [target]}]}],
+            "scrape_configs": scrape_configs,
         }
         (tmp / "prometheus.yml").write_text(yaml.safe_dump(config))
         self.log = open(tmp / "prometheus.log", "w")
@@ -178,6 +180,334 @@ def test_the_prometheus_rules_groups_and_the_dashboards_queries_pass_promtool(tm
         assert "SUCCESS" in checked.stdout, checked.stdout
 
 
+# -- what a node's agent serves decides nothing about the rest of the fleet -----------------------
+# A GPU node is hostile (docs/security.md): its agent, or anything on it answering the scrape, may
+# serve any series it likes, named like the control plane's. Its ServiceMonitor keeps only the
+# names the agent defines, within limits; the alert rules read the control plane's job only.
+
+SERVICE_MONITORS = ROOT / "deploy" / "prometheus-operator" / "servicemonitor.yaml"
+METRICS_SERVICES = ROOT / "deploy" / "kubernetes" / "monitoring.yaml"
+#: The job the alert rules read: the control plane's metrics Service, as its ServiceMonitor names it.
+CONTROL_PLANE_JOB = "gpufleet-control-plane"
+NODE_AGENT_JOB = "gpufleet-node-agent"
+#: A ServiceMonitor's limits and the scrape settings Prometheus's configuration calls them.
+SCRAPE_LIMITS = {"sampleLimit": "sample_limit", "labelLimit": "label_limit",
+                 "labelNameLengthLimit": "label_name_length_limit",
+                 "labelValueLengthLimit": "label_value_length_limit", "bodySizeLimit": "body_size_limit"}
+RELABEL_FIELDS = {"sourceLabels": "source_labels", "targetLabel": "target_label", "regex": "regex",
+                  "replacement": "replacement", "separator": "separator", "modulus": "modulus", "action": "action"}
+
+
+def service_monitors() -> dict[str, dict]:
+    return {m["metadata"]["name"]: m for m in yaml.safe_load_all(SERVICE_MONITORS.read_text())}
+
+
+def monitor_job(monitor: dict, service: str) -> str:
+    """The `job` the Prometheus Operator gives the series of a metrics Service the monitor scrapes:
+    the value of the Service's label its jobLabel names, else the Service's name."""
+    (found,) = [s for s in yaml.safe_load_all(METRICS_SERVICES.read_text()) if s["metadata"]["name"] == service]
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= found["metadata"]["labels"].items(), service
+    return found["metadata"]["labels"].get(monitor["spec"].get("jobLabel", ""), service)
+
+
+def scrape_config(monitor: dict, job: str, targets: list[dict]) -> dict:
+    """A ServiceMonitor's scrape settings as the Prometheus Operator writes them into Prometheus's
+    configuration (its job, limits, honor_labels, target and metric relabelings), for static
+    targets that stand for what the operator's Kubernetes discovery finds: their labels are its
+    target labels and __meta_kubernetes_* labels, which Prometheus drops after relabeling."""
+    (endpoint,) = monitor["spec"]["endpoints"]
+
+    def relabel(rules: list[dict]) -> list[dict]:
+        return [{RELABEL_FIELDS[k]: (v.lower() if k == "action" else v) for k, v in rule.items()} for rule in rules]
+
+    config = {"job_name": job, "static_configs": targets, "honor_labels": endpoint.get("honorLabels", False),
+              "relabel_configs": relabel(endpoint.get("relabelings", [])),
+              "metric_relabel_configs": relabel(endpoint.get("metricRelabelings", []))}
+    config.update({ours: monitor["spec"][theirs] for theirs, ours in SCRAPE_LIMITS.items()
+                   if theirs in monitor["spec"]})
+    return config
+
+
+def kept_names(monitor: dict) -> set[str]:
+    """The metric names a monitor's one `keep` on __name__ lets through: an alternation of names."""
+    (endpoint,) = monitor["spec"]["endpoints"]
+    (keep,) = endpoint["metricRelabelings"]
+    assert (keep["action"], keep["sourceLabels"]) == ("keep", ["__name__"]), keep
+    names = set(keep["regex"].split("|"))
+    assert all(re.fullmatch(r"[a-z_]+", n) for n in names), "each alternative is a literal name"
+    return names
+
+
+#: What the node agent's process holds in its Python registry (workers.node_agent.main: the client
+#: library's default collectors, and gpufleet_node_agents_running), printed by a fresh interpreter.
+NODE_AGENT_REGISTRY = """
+import workers.node_agent
+from prometheus_client import REGISTRY
+from workers.metrics import agents_running
+agents_running(lambda: 1)
+for family in REGISTRY.collect():
+    print(family.type, family.name, *sorted({sample.name for sample in family.samples}))
+"""
+#: The samples of a family, by its type, as the text format names them.
+SAMPLE_SUFFIXES = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count"),
+                   "info": ("_info",)}
+
+
+def node_agent_registry_names() -> set[str]:
+    printed = subprocess.run([sys.executable, "-c", NODE_AGENT_REGISTRY], cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
+    names = set()
+    for line in printed.splitlines():
+        kind, family, *samples = line.split()
+        names |= {family + suffix for suffix in SAMPLE_SUFFIXES[kind]} | set(samples)
+    return names
+
+
+def sdk_activity_worker_names() -> set[str]:
+    """The Temporal SDK's metrics of an activity worker and its client (the node agent's worker runs
+    activities only: workers.node_agent.build_agent), named as the SDK's Prometheus exporter names
+    them for workers.metrics.MetricsServer (prefix temporal_, durations in seconds, counters _total).
+    Read from the SDK's own metric definitions, the sdk-core source its package ships."""
+    import temporalio
+
+    crates = Path(temporalio.__file__).parent / "bridge" / "sdk-core" / "crates"
+    worker = (crates / "sdk-core" / "src" / "telemetry" / "metrics.rs").read_text()
+    client = (crates / "client" / "src" / "metrics.rs").read_text()
+    common = (crates / "common" / "src" / "telemetry" / "metrics.rs").read_text()
+    constants = dict(re.findall(r'(?:const|static) (\w+): &str =\s*"(\w+)"', common + worker + client))
+    names = set()
+    # The worker's activity metrics, its slots and pollers; not its workflows', local activities',
+    # Nexus tasks' or sticky cache's. Every metric of the client.
+    for source, prefixes in ((worker, ("activity_", "worker_", "num_pollers")), (client, ("",))):
+        for maker, name, params in re.findall(r'(\w+)\(MetricParameters \{\s*name: (\w+|"\w+")\.into\(\),(.*?)\}\)',
+                                              source, re.S):
+            name = name.strip('"') if name.startswith('"') else constants[name]
+            if not name.startswith(prefixes):
+                continue
+            unit = re.search(r'unit: "(\w*)"', params).group(1)
+            assert unit in ("", "duration"), (name, unit)
+            name = "temporal_" + name + ("_seconds" if unit == "duration" else "")
+            kind = next(k for k in ("counter", "histogram", "gauge") if k in maker)
+            names |= {name + suffix for suffix in SAMPLE_SUFFIXES[kind]}
+    assert "temporal_activity_schedule_to_start_latency_seconds_bucket" in names, "the SDK's source was read"
+    return names
+
+
+@pytest.mark.integration  # the node agent's registry, printed by a Python process of its own
+def test_the_node_agents_scrape_keeps_only_the_names_the_agent_defines_within_limits() -> None:
+    """The node agents have a ServiceMonitor of their own. It keeps exactly the names the agent
+    defines (its Python registry, as its process builds it, and the SDK's metrics of an activity
+    worker and its client, from the SDK's source), so a new metric of the agent's fails here until
+    the monitor keeps it; it sets every per-scrape limit. No monitor honours the labels a page
+    names (job, instance, node)."""
+    monitors = service_monitors()
+    node = monitors["gpufleet-node-agent"]
+    assert monitor_job(node, "gpufleet-node-agent-metrics") == NODE_AGENT_JOB
+    assert kept_names(node) == node_agent_registry_names() | sdk_activity_worker_names()
+    assert all(isinstance(node["spec"][k], int) and node["spec"][k] > 0 for k in SCRAPE_LIMITS if k != "bodySizeLimit")
+    assert re.fullmatch(r"[0-9]+(Ki|Mi)B", node["spec"]["bodySizeLimit"]), node["spec"]["bodySizeLimit"]
+    # The control plane's monitor does not scrape the node agents (theirs is the only one that does).
+    others = [m for name, m in monitors.items() if name != "gpufleet-node-agent"]
+    for monitor in others:
+        chosen = {v for term in monitor["spec"]["selector"].get("matchExpressions", [])
+                  if term["key"] == "app.kubernetes.io/name" and term["operator"] == "In" for v in term["values"]}
+        assert chosen and "gpufleet-node-agent" not in chosen, monitor["metadata"]["name"]
+    for monitor in monitors.values():
+        assert not any(e.get("honorLabels") for e in monitor["spec"]["endpoints"]), monitor["metadata"]["name"]
+
+
+def test_every_alert_reads_the_control_planes_job_only() -> None:
+    """Every metric an alert rule reads is selected by the control plane's job, the job its
+    ServiceMonitor gives the control plane's metrics Service: a node's series of the same name feed
+    no alert. So do the dashboard's queries of a name a node agent's scrape keeps (its SDK's
+    schedule-to-start), but for the agents' own count."""
+    assert monitor_job(service_monitors()["gpufleet"], "gpufleet-control-plane-metrics") == CONTROL_PLANE_JOB
+    selected = f'job="{CONTROL_PLANE_JOB}"'
+    for rule in alert_rules():
+        for found in re.finditer(r"\b(?:gpufleet|temporal)_[a-z0-9_]+(\{[^}]*\})?", rule["expr"]):
+            assert selected in (found.group(1) or ""), (rule["alert"], found.group(0))
+    node_names = kept_names(service_monitors()["gpufleet-node-agent"]) - {"gpufleet_node_agents_running"}
+    for expr in dashboard_exprs():
+        for found in re.finditer(r"\b((?:gpufleet|temporal)_[a-z0-9_]+)(\{[^}]*\})?", expr):
+            if found.group(1) in node_names:
+                assert selected in (found.group(2) or ""), (expr, found.group(0))
+
+
+@needs("promtool")
+def test_a_nodes_series_under_the_control_planes_names_neither_silence_nor_raise_an_alert(tmp_path: Path) -> None:
+    """`promtool test rules` over the shipped rules. A node's agent serves series named like the
+    control plane's, under its own job: 5 ready nodes at site a (below its minimum of 2 with the
+    control plane's 1), a hundred times as many workflow tasks on the control plane's queue started
+    within a second (which would bring the p95 of 4.8 s under the alert's 2 s), an open incident at
+    a and an account needing a person. The control plane's own figures still raise
+    GpufleetSiteBelowMinimum and GpufleetScheduleToStartHigh; the node's raise nothing."""
+    cp = f'job="{CONTROL_PLANE_JOB}",instance="10.0.0.2:9464"'
+    node = f'job="{NODE_AGENT_JOB}",instance="10.0.0.9:9465",node="gpu-9"'
+
+    def waits(labels: str, le: str, values: str) -> dict:
+        return {"series": f'temporal_workflow_task_schedule_to_start_latency_seconds_bucket'
+                          f'{{{labels},task_queue="gpufleet",le="{le}"}}', "values": values}
+
+    series = [
+        {"series": f'gpufleet_nodes{{{cp},site="a",provider="lambda",state="ready"}}', "values": "1x40"},
+        {"series": f'gpufleet_site_min_nodes{{{cp},site="a",provider="lambda"}}', "values": "2x40"},
+        {"series": f'gpufleet_nodes{{{node},site="a",provider="lambda",state="ready"}}', "values": "5x40"},
+        # 60 a minute, each between 1 and 5 s; the node's 6,000 a minute under 1 s.
+        waits(cp, "1", "0x40"), waits(cp, "5", "0+60x40"), waits(cp, "+Inf", "0+60x40"),
+        waits(node, "1", "0+6000x40"), waits(node, "5", "0+6000x40"), waits(node, "+Inf", "0+6000x40"),
+        {"series": f'gpufleet_incidents_open{{{cp},site="a"}}', "values": "0x40"},
+        {"series": f'gpufleet_incidents_open{{{cp},site="b"}}', "values": "1x40"},
+        {"series": f'gpufleet_incidents_open{{{node},site="a"}}', "values": "1x40"},
+        {"series": f'gpufleet_account_needs_person{{{node},provider="lambda",account="main",'
+                   f'state="credentials-revoked"}}', "values": "1x40"},
+    ]
+    expected = {
+        "GpufleetSiteBelowMinimum": [{"exp_labels": {"severity": "ticket", "site": "a"}}],
+        "GpufleetScheduleToStartHigh": [{"exp_labels": {"severity": "ticket", "task_queue": "gpufleet"}}],
+        "GpufleetIncidentOpen": [{"exp_labels": {"severity": "page", "site": "b", "job": CONTROL_PLANE_JOB,
+                                                 "instance": "10.0.0.2:9464"}}],
+        "GpufleetAccountNeedsPerson": [],
+    }
+    # The shipped rules without their annotations: promtool compares an alert's annotations whole,
+    # and what is under test here is which series raise it.
+    groups = yaml.safe_load((OBSERVABILITY / "alerts.yaml").read_text())["groups"]
+    for group in groups:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
+        "rule_files": [str(tmp_path / "rules.yaml")],
+        "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series,
+                   "alert_rule_test": [{"eval_time": "35m", "alertname": name, "exp_alerts": alerts}
+                                       for name, alerts in expected.items()]}],
+    }))
+    tested = subprocess.run([require("promtool"), "test", "rules", str(tmp_path / "test.yaml")],
+                            capture_output=True, text=True)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
+
+
+class Pages:
+    """An HTTP server answering each path with its page, as a node's metrics port would."""
+
+    def __init__(self, pages: dict[str, bytes]) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                body = pages.get(self.path)
+                if body is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.address = f"127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def byte_size(text: str) -> int:
+    number, unit = re.fullmatch(r"([0-9]+)(Ki|Mi)?B", text).groups()
+    return int(number) * {None: 1, "Ki": 1024, "Mi": 1024 * 1024}[unit]
+
+
+@needs_prometheus
+@pytest.mark.timeout(120)
+async def test_a_hostile_node_agent_page_stores_none_of_its_forgeries_and_one_past_a_limit_stores_nothing(
+        tmp_path: Path) -> None:
+    """A real Prometheus scrapes pages a hostile node serves, with the node agents' ServiceMonitor's
+    settings (the pod's node name as the operator's discovery gives it). A page forging the control
+    plane's names and labels: only the agent's own names are stored, and under the target's job,
+    instance and node, the pod's (the page's own are kept as exported_*). A page past
+    any limit (samples, labels, a label's name or value, its size, the bulk of it dropped names)
+    fails its scrape whole: up is 0 and nothing of it is stored."""
+    node = service_monitors()["gpufleet-node-agent"]
+    limits = node["spec"]
+    honest = ('gpufleet_node_agents_running 1\n'
+              'temporal_num_pollers{poller_type="activity_task",task_queue="node/gpu-1"} 1\n')
+    forged = ('gpufleet_nodes{site="a",provider="lambda",state="ready"} 100\n'
+              'gpufleet_site_min_nodes{site="a",provider="lambda"} 0\n'
+              'temporal_workflow_task_schedule_to_start_latency_seconds_bucket{task_queue="gpufleet",le="+Inf"} 1e6\n'
+              f'temporal_worker_start_total{{job="{CONTROL_PLANE_JOB}",instance="10.0.0.2:9464",node="gpu-2"}} 1\n')
+    dropped_names = "".join(f'gpufleet_nodes{{site="s{i}",state="ready"}} 1\n'
+                            for i in range(byte_size(limits["bodySizeLimit"]) // 30))
+    pages = {
+        "forging": honest + forged,
+        "samples": honest + "".join(f'temporal_request_total{{operation="op{i}"}} 1\n'
+                                    for i in range(limits["sampleLimit"])),
+        "labels": honest + "temporal_request_total{" + ",".join(f'l{i}="x"' for i in range(limits["labelLimit"]))
+        + "} 1\n",
+        "label-name": honest + f'temporal_request_total{{{"l" * (limits["labelNameLengthLimit"] + 1)}="x"}} 1\n',
+        "label-value": honest
+        + f'temporal_request_total{{operation="{"x" * (limits["labelValueLengthLimit"] + 1)}"}} 1\n',
+        "body": honest + dropped_names,
+    }
+    assert len(pages["body"]) > byte_size(limits["bodySizeLimit"])
+    server = Pages({f"/{name}": page.encode() for name, page in pages.items()})
+    targets = [{"targets": [server.address], "labels": {"__meta_kubernetes_pod_node_name": "gpu-1", "page": name,
+                                                        "__metrics_path__": f"/{name}"}}
+               for name in pages]
+    prom = Prometheus(tmp_path, [scrape_config(node, NODE_AGENT_JOB, targets)])
+    try:
+        deadline = time.monotonic() + 60
+        while len(up := prom.query(f'up{{job="{NODE_AGENT_JOB}"}}')) < len(pages):
+            assert time.monotonic() < deadline, up
+            await asyncio.sleep(0.5)
+        assert {dict(labels)["page"]: value for labels, value in up.items()} == {
+            "forging": 1, "samples": 0, "labels": 0, "label-name": 0, "label-value": 0, "body": 0}
+        stored = prom.query(f'{{job="{NODE_AGENT_JOB}",__name__!~"up|scrape_.*"}}')
+        assert {dict(labels)["page"] for labels in stored} == {"forging"}, "a failed scrape stores nothing"
+        stored_names = set(prom.api("label/__name__/values", **{"match[]": '{page="forging"}'}))
+        assert {n for n in stored_names if n != "up" and not n.startswith("scrape_")} == {
+            "gpufleet_node_agents_running", "temporal_num_pollers", "temporal_worker_start_total"}
+        (spoofing,) = [dict(labels) for labels in prom.query("temporal_worker_start_total")]
+        assert spoofing == {"job": NODE_AGENT_JOB, "instance": server.address, "node": "gpu-1", "page": "forging",
+                            "exported_job": CONTROL_PLANE_JOB, "exported_instance": "10.0.0.2:9464",
+                            "exported_node": "gpu-2"}
+    finally:
+        prom.stop()
+        server.close()
+
+
+@needs_prometheus
+@pytest.mark.timeout(120)
+async def test_a_pod_a_node_made_is_never_scraped_as_the_control_plane(tmp_path: Path) -> None:
+    """A node may create pods bound to itself (the mirrors of its static pods) with any labels, so
+    one labelled as the control plane is an endpoint of its metrics Service. A real Prometheus, with
+    the control plane's ServiceMonitor's settings, over three endpoints as the operator's discovery
+    gives them: the control plane's pod, a pod with the mirror annotation and a pod owned by a Node,
+    each serving a different count of ready nodes at site a. Only the control plane's is scraped."""
+    monitor = service_monitors()["gpufleet"]
+    marks = {"control-plane": {},
+             "mirror": {"__meta_kubernetes_pod_annotationpresent_kubernetes_io_config_mirror": "true"},
+             "node-owned": {"__meta_kubernetes_pod_controller_kind": "Node"}}
+    server = Pages({f"/{name}": f'gpufleet_nodes{{site="a",state="ready"}} {i}\n'.encode()
+                    for i, name in enumerate(marks)})
+    targets = [{"targets": [server.address], "labels": {**labels, "pod": name, "__metrics_path__": f"/{name}"}}
+               for name, labels in marks.items()]
+    prom = Prometheus(tmp_path, [scrape_config(monitor, CONTROL_PLANE_JOB, targets)])
+    try:
+        await prom.value(f'gpufleet_nodes{{job="{CONTROL_PLANE_JOB}",site="a"}}', 0)
+        assert [dict(labels)["pod"] for labels in prom.query("up")] == ["control-plane"]
+        active = prom.api("targets")["activeTargets"]
+        assert [t["labels"]["pod"] for t in active] == ["control-plane"], active
+    finally:
+        prom.stop()
+        server.close()
+
+
 #: What a panel shows a problem by: counts that should be zero, and the rates of trouble (a
 #: latency percentile, a share of failures). Such a panel colours itself past a threshold.
 PROBLEM_COUNTS = ("gpufleet_incidents_open", "gpufleet_account_needs_person", "gpufleet_orphaned_machines",
@@ -276,12 +606,22 @@ async def test_prometheus_sees_the_fleet(temporal_env, tmp_path: Path, moto_s3, 
     client = await connect(settings, runtime=server.runtime)
     env = FleetEnv.from_settings(settings)
     collector = watch_fleet(env, client, settings.task_queue)
-    host = SimNodeHost(client, settings, poll_seconds=0.05)
+    # The node agents' page apart, as their own process serves it (workers.node_agent.main): their
+    # SDK metrics through a runtime of their own, and their count; scraped as their ServiceMonitor says.
+    agents_server = MetricsServer(0, "node-agent", host="127.0.0.1", registry=CollectorRegistry(),
+                                  worker_heartbeats=False)
+    host = SimNodeHost(await connect(settings, runtime=agents_server.runtime), settings, poll_seconds=0.05)
     host.health_seconds = 0.2
-    agents = agents_running(lambda: len(host.agents))
+    agents_running(lambda: len(host.agents), registry=agents_server.registry)
     stop = asyncio.Event()
     host_task = asyncio.create_task(host.run(stop))
-    prom = Prometheus(tmp_path, f"127.0.0.1:{server.port}")
+    monitors = service_monitors()
+    prom = Prometheus(tmp_path, [
+        scrape_config(monitors["gpufleet"], CONTROL_PLANE_JOB, [{"targets": [f"127.0.0.1:{server.port}"]}]),
+        scrape_config(monitors["gpufleet-node-agent"], NODE_AGENT_JOB,
+                      [{"targets": [f"127.0.0.1:{agents_server.port}"],
+                        "labels": {"__meta_kubernetes_pod_node_name": "sim-host"}}]),
+    ])
     try:
         async with build_worker(client, settings, env):
             # A join of two nodes at the cheapest site.
@@ -354,16 +694,29 @@ async def test_prometheus_sees_the_fleet(temporal_env, tmp_path: Path, moto_s3, 
             used = set().union(*(referenced_metrics(e) for e in dashboard_exprs()),
                                *(referenced_metrics(r["expr"]) for r in alert_rules()))
             assert used - names == set(), f"not in the scrape: {sorted(used - names)}"
+            # The node agents' page loses nothing to their scrape's keep list and limits (an honest
+            # agent's page sized them: this one is three agents', after joins and repairs).
+            agents_page = urllib.request.urlopen(f"http://127.0.0.1:{agents_server.port}/metrics", timeout=10).read()
+            served = {s.name for f in text_string_to_metric_families(agents_page.decode()) for s in f.samples}
+            assert {"gpufleet_node_agents_running", "temporal_activity_execution_latency_seconds_bucket"} <= served
+            await prom.value(f'up{{job="{NODE_AGENT_JOB}"}}', 1)
+
+            async def agents_names_stored() -> bool:
+                return served <= set(prom.api("label/__name__/values", **{"match[]": f'{{job="{NODE_AGENT_JOB}"}}'}))
+
+            await _eventually(agents_names_stored)
+            (samples,) = prom.query(f'scrape_samples_scraped{{job="{NODE_AGENT_JOB}"}}').values()
+            assert samples < monitors["gpufleet-node-agent"]["spec"]["sampleLimit"] / 4, samples
             # The alerts see what happened: an account needs a person, an orphan exists.
             await _eventually(lambda: _alerting(prom, {"GpufleetAccountNeedsPerson", "GpufleetOrphanedMachine"}))
             await terminate_running(client, settings.task_queue)
     finally:
         REGISTRY.unregister(collector)
-        REGISTRY.unregister(agents)
         stop.set()
         await host_task
         prom.stop()
         server.close()
+        agents_server.close()
 
 
 def _replicate_twice(s3, site: str, sizes: dict[str, int]) -> None:

@@ -9,9 +9,11 @@ schema does not know (a misspelling) is refused. (Server-side apply refuses one 
 update that does not ask for strict validation gets a warning, and the object is stored without it.)
 
 Then what an operator does with the objects, read from the objects as the server would store them: the
-ServiceMonitor's namespaces and selector find every metrics Service and nothing else, each found
-Service has the endpoints' port and fronts a workload's container port of that name, and the
-PrometheusRule and the ServiceMonitor carry the labels the docs tell a Prometheus to select.
+ServiceMonitors' namespaces and selectors find every metrics Service, each once, and nothing else
+(the node agents' with the limits and keep list of its own monitor), each found Service has the
+endpoints' port and fronts a workload's container port of that name, the alert rules read the job
+the control plane's monitor gives it, and the PrometheusRule and the ServiceMonitors carry the
+labels the docs tell a Prometheus to select.
 """
 
 from __future__ import annotations
@@ -91,45 +93,69 @@ def monitored_namespaces(monitor: dict[str, Any], all_namespaces: set[str]) -> s
 
 def assert_a_prometheus_operator_finds_the_workers(
         objects: list[dict[str, Any]], prometheus_selects: tuple[dict[str, Any], ...] = (DOCUMENTED_SELECTOR,)) -> None:
-    """What the operator's scrape configuration relies on, followed from the ServiceMonitor to the
-    containers: the Services it selects in its namespaces are exactly the metrics Services; each
-    has every endpoint's port, and that port reaches a container port of that name in a workload
-    the Service selects. A Prometheus whose serviceMonitorSelector and ruleSelector are each of
-    ``prometheus_selects`` picks up the ServiceMonitor and the PrometheusRule."""
+    """What the operator's scrape configuration relies on, followed from the ServiceMonitors to the
+    containers: each metrics Service is found by exactly one ServiceMonitor in its namespaces, and
+    no Service without a metrics port is; each found Service has every endpoint's port, and that
+    port reaches a container port of that name in a workload the Service selects. The node agents'
+    Service is found by the monitor with the per-scrape limits and a keep list, the control plane's
+    by one that gives it the job the PrometheusRule's expressions select. A Prometheus whose
+    serviceMonitorSelector and ruleSelector are each of ``prometheus_selects`` picks up the
+    ServiceMonitors and the PrometheusRule."""
     def of_kind(kind: str) -> list[dict[str, Any]]:
         return [o for o in objects if o["kind"] == kind]
 
-    (monitor,) = of_kind("ServiceMonitor")
+    monitors = of_kind("ServiceMonitor")
     (rule,) = of_kind("PrometheusRule")
     services = of_kind("Service")
     workloads = [o for o in objects if o["kind"] in WORKLOAD_KINDS]
-    ports = [e["port"] for e in monitor["spec"]["endpoints"]]
-    assert ports, "a ServiceMonitor endpoint names the Service port it scrapes"
+    assert monitors, "the shipped objects hold ServiceMonitors"
+    ports = {e["port"] for monitor in monitors for e in monitor["spec"]["endpoints"]}
+    assert all(ports), "a ServiceMonitor endpoint names the Service port it scrapes"
     metrics_services = {s["metadata"]["name"] for s in services
-                        if {p.get("name") for p in s["spec"]["ports"]} & set(ports)}
-    assert metrics_services, "the shipped objects hold the Services the ServiceMonitor is for"
-    namespaces = monitored_namespaces(monitor, {o["metadata"].get("namespace", "") for o in objects})
-    found = [s for s in services if s["metadata"]["namespace"] in namespaces
-             and selects(monitor["spec"]["selector"], s["metadata"].get("labels") or {})]
-    assert {s["metadata"]["name"] for s in found} == metrics_services, \
-        "the ServiceMonitor finds every metrics Service, and no Service without its port"
-    for service in found:
-        for port in ports:
-            (spec,) = [p for p in service["spec"]["ports"] if p.get("name") == port]
-            # The operator scrapes the endpoints behind the port: pods the Service selects, with a
-            # container port the targetPort names (a number would reach any container's port).
-            pods = [w["spec"]["template"] for w in workloads
-                    if w["metadata"]["namespace"] == service["metadata"]["namespace"]
-                    and service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
-            assert pods, f"{service['metadata']['name']} selects a shipped workload's pods"
-            container_ports = {cp.get("name") for pod in pods for c in pod["spec"]["containers"]
-                               for cp in c.get("ports") or []}
-            assert isinstance(spec["targetPort"], int) or spec["targetPort"] in container_ports, \
-                f"{service['metadata']['name']}: targetPort {spec['targetPort']} names a container port"
+                        if {p.get("name") for p in s["spec"]["ports"]} & ports}
+    assert metrics_services, "the shipped objects hold the Services the ServiceMonitors are for"
+    all_namespaces = {o["metadata"].get("namespace", "") for o in objects}
+    found_by: dict[str, list[dict[str, Any]]] = {}
+    for monitor in monitors:
+        namespaces = monitored_namespaces(monitor, all_namespaces)
+        for service in services:
+            if service["metadata"]["namespace"] in namespaces and \
+                    selects(monitor["spec"]["selector"], service["metadata"].get("labels") or {}):
+                found_by.setdefault(service["metadata"]["name"], []).append(monitor)
+                assert_the_port_reaches_a_container(monitor, service, workloads)
+    assert set(found_by) == metrics_services, \
+        "the ServiceMonitors find every metrics Service, and no Service without its port"
+    assert all(len(found) == 1 for found in found_by.values()), \
+        {name: [m["metadata"]["name"] for m in found] for name, found in found_by.items()}
+    ((agents,),) = [found for name, found in found_by.items() if name.startswith("gpufleet-node-agent")]
+    assert all(agents["spec"].get(limit) for limit in ("sampleLimit", "labelLimit", "labelNameLengthLimit",
+                                                       "labelValueLengthLimit", "bodySizeLimit"))
+    assert [r["action"] for e in agents["spec"]["endpoints"] for r in e["metricRelabelings"]] == ["keep"]
+    ((control_plane,),) = [found for name, found in found_by.items() if name.startswith("gpufleet-control-plane")]
+    (service,) = [s for s in services if s["metadata"]["name"].startswith("gpufleet-control-plane")]
+    job = service["metadata"]["labels"][control_plane["spec"]["jobLabel"]]
+    exprs = [r["expr"] for g in rule["spec"]["groups"] for r in g["rules"]]
+    assert all(f'job="{job}"' in expr for expr in exprs), f"every alert reads job {job}"
     for selector in prometheus_selects:
-        for obj in (monitor, rule):
+        for obj in (*monitors, rule):
             assert selects(selector, obj["metadata"].get("labels") or {}), f"{key(obj)}: not selected by {selector}"
     assert rule["spec"]["groups"] and all(g["rules"] for g in rule["spec"]["groups"])
+
+
+def assert_the_port_reaches_a_container(monitor: dict[str, Any], service: dict[str, Any],
+                                        workloads: list[dict[str, Any]]) -> None:
+    for port in (e["port"] for e in monitor["spec"]["endpoints"]):
+        (spec,) = [p for p in service["spec"]["ports"] if p.get("name") == port]
+        # The operator scrapes the endpoints behind the port: pods the Service selects, with a
+        # container port the targetPort names (a number would reach any container's port).
+        pods = [w["spec"]["template"] for w in workloads
+                if w["metadata"]["namespace"] == service["metadata"]["namespace"]
+                and service["spec"]["selector"].items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+        assert pods, f"{service['metadata']['name']} selects a shipped workload's pods"
+        container_ports = {cp.get("name") for pod in pods for c in pod["spec"]["containers"]
+                           for cp in c.get("ports") or []}
+        assert isinstance(spec["targetPort"], int) or spec["targetPort"] in container_ports, \
+            f"{service['metadata']['name']}: targetPort {spec['targetPort']} names a container port"
 
 
 def test_the_prometheus_operator_overlay_applies_strictly_and_finds_the_workers(monitoring_crds: RealCluster) -> None:
