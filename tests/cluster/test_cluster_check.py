@@ -262,10 +262,10 @@ def test_no_pod_selector_gpufleet_ships_or_renders_can_pick_a_pod_a_node_made() 
 
 
 def test_the_mirror_pod_policys_namespaces_are_gpufleets_and_temporals() -> None:
-    """The namespaces the base creates, and the one the frontend's NetworkPolicy is applied into."""
+    """The namespaces the base creates, and the one Temporal's NetworkPolicies are applied into."""
     namespaces = {d["metadata"]["name"] for d in _yaml_docs(DEPLOY / "namespaces.yaml")}
-    [frontend] = _yaml_docs(DEPLOY.parent / "temporal" / "network-policy.yaml")
-    assert set(mirror_pod_lists()["ownNamespaces"]) == namespaces | {frontend["metadata"]["namespace"]}
+    temporal = {d["metadata"]["namespace"] for d in _yaml_docs(DEPLOY.parent / "temporal" / "network-policy.yaml")}
+    assert set(mirror_pod_lists()["ownNamespaces"]) == namespaces | temporal
 
 
 def test_other_static_pods_stay_allowed() -> None:
