@@ -162,17 +162,22 @@ async def _gameday(settings, sites: list[str], heal_after: float, timeout: float
 
 async def _watch(fleet, world, sites: list[str], before: dict[str, int], broke_at: float, heal_after: float,
                  timeout: float) -> dict:
+    from datetime import datetime, timedelta, timezone
+
+    from cli.waits import UnansweredQueries
+
     state = {s: {"evacuation": "", "progress": None, "healed": None} for s in sites}
     print(f"{time.strftime('%H:%M:%S')} {', '.join(sites)}: lost (machines cut off from the control plane)",
           flush=True)
     deadline = time.monotonic() + timeout
+    unanswered = UnansweredQueries(until=datetime.now(timezone.utc) + timedelta(seconds=timeout))
     view = (Live(_timeline_table(sites, state, broke_at), console=console, refresh_per_second=4)
-            if console.is_terminal else _MilestoneLines(sites, state, broke_at))
+            if console.is_terminal else _MilestoneLines(sites, state, broke_at, unanswered))
     with view as live:
         while time.monotonic() < deadline:
             for site in sites:
-                await _follow_site(fleet, world, site, state[site], before[site], heal_after)
-            live.update(_timeline_table(sites, state, broke_at))
+                await _follow_site(fleet, world, site, state[site], before[site], heal_after, unanswered)
+            live.update(unanswered.beneath(_timeline_table(sites, state, broke_at)))
             if all(s["progress"] is not None and s["progress"].state in ("restored", "aborted")
                    for s in state.values()):
                 break
@@ -197,10 +202,10 @@ def _timeline_table(sites: list[str], state: dict[str, dict], broke_at: float) -
 
 class _MilestoneLines:
     """The view where the console is no terminal, in place of rich's ``Live``: its ``update`` prints
-    the new milestones."""
+    the new milestones, and when queries stop (and start again) being answered."""
 
-    def __init__(self, sites: list[str], state: dict[str, dict], broke_at: float) -> None:
-        self.sites, self.state, self.broke_at = sites, state, broke_at
+    def __init__(self, sites: list[str], state: dict[str, dict], broke_at: float, unanswered) -> None:
+        self.sites, self.state, self.broke_at, self.unanswered = sites, state, broke_at, unanswered
         self.printed: set[tuple[str, str]] = set()
 
     def update(self, _table) -> None:
@@ -210,6 +215,8 @@ class _MilestoneLines:
                 if (site, label) not in self.printed:
                     self.printed.add((site, label))
                     print(f"{time.strftime('%H:%M:%S')} {site}: {label} (+{seconds:.1f}s)", flush=True)
+        if (news := self.unanswered.news()) is not None:
+            print(f"{time.strftime('%H:%M:%S')} {news}", flush=True)
 
     def __enter__(self):
         return self
@@ -218,11 +225,13 @@ class _MilestoneLines:
         return None
 
 
-async def _follow_site(fleet, world, site: str, s: dict, evacuations_before: int, heal_after: float) -> None:
+async def _follow_site(fleet, world, site: str, s: dict, evacuations_before: int, heal_after: float,
+                       unanswered) -> None:
     """One look at a lost site: find its (new) evacuation, read its progress, heal the site
-    ``heal_after`` seconds after it is drained. Updates ``s``, the site's watch state."""
+    ``heal_after`` seconds after it is drained. Updates ``s``, the site's watch state. A query
+    no worker answers is skipped (``unanswered`` says why): the next look asks again."""
     if not s["evacuation"]:
-        status = await fleet.site_status(site)
+        status = await unanswered.ask(lambda: fleet.site_status(site))
         inc = status.incident if status else None
         if inc and inc.open:
             s["evacuation"] = inc.open.id
@@ -230,9 +239,11 @@ async def _follow_site(fleet, world, site: str, s: dict, evacuations_before: int
             s["evacuation"] = inc.history[-1].id
     if s["evacuation"]:
         try:
-            s["progress"] = await fleet.evacuation_progress(s["evacuation"])
+            progress = await unanswered.ask(lambda: fleet.evacuation_progress(s["evacuation"]))
         except Exception:  # noqa: BLE001 - its first task has not run yet
-            pass
+            progress = None
+        if progress is not None:  # unanswered: the last progress stands
+            s["progress"] = progress
     p = s["progress"]
     drained = p is not None and any(step.name == "drained" for step in p.timeline)
     if drained and s["healed"] is None:
@@ -593,45 +604,65 @@ async def _until_steady(fleet, client, settings, world, sites, picked, returned_
                         timeout: float):
     """Steady: every Site entity answers and has finished its return grace, every real fault is
     repaired (its GpuRepair closed, the GPU healthy), nothing open retries an activity, and no Node
-    entity holds a finding for a healthy GPU. Returns (when, what it last saw)."""
+    entity holds a finding for a healthy GPU. Returns (when, what it last saw). While no worker
+    answers a query, a line says so at once (and another once one does)."""
+    from datetime import datetime, timedelta, timezone
+    from functools import partial
+
+    from cli.waits import UnansweredQueries
+
     state = {"repaired": 0, "waiting": "the control plane to answer"}
     deadline = time.monotonic() + timeout
+    unanswered = UnansweredQueries(until=datetime.now(timezone.utc) + timedelta(seconds=timeout))
+    look = partial(_unsteady, fleet, client, settings, world, sites, picked, returned_at, shadow_until, state)
     while time.monotonic() < deadline:
         await asyncio.sleep(0.5)
         try:
-            waiting = [] if time.time() >= shadow_until else ["kubelets to post their status again"]
-            for site in sites:
-                status = await fleet.site_status(site)
-                inc = status.incident
-                if inc is None or (inc.grace_until is not None and inc.grace_until > time.time()):
-                    waiting.append(f"site/{site} reconciling")
-            repaired = 0
-            for node in picked:
-                healthy = not any(g.problems() for g in world.gpu_health(node.machine_id))
-                closed = False
-                try:
-                    described = await client.get_workflow_handle(repair_workflow_id(node.name, 0)).describe()
-                    closed = described.status is not None and described.status.name == "COMPLETED" \
-                        and described.start_time.timestamp() >= returned_at - 600
-                except Exception:  # noqa: BLE001 - not started yet
-                    pass
-                repaired += healthy and closed
-            state["repaired"] = repaired
-            if repaired < len(picked):
-                waiting.append(f"{len(picked) - repaired} faults being repaired")
-            query = f'TaskQueue = "{settings.task_queue}" AND ExecutionStatus = "Running"'
-            async for wf in client.list_workflows(query):
-                described = await client.get_workflow_handle(wf.id, run_id=wf.run_id).describe()
-                retrying = [a for a in described.raw_description.pending_activities if a.attempt > 3]
-                if retrying:
-                    waiting.append(f"{wf.id} retrying {retrying[0].activity_type.name}")
-                if wf.workflow_type == flows.Node.TYPE:
-                    status = await fleet.node_status(wf.id.removeprefix("node/"))
-                    if status.deferred and not any(wf.id == node_workflow_id(n.name) for n in picked):
-                        waiting.append(f"{wf.id} holds a finding")
-            state["waiting"] = "; ".join(waiting[:4])
-            if not waiting:
-                return time.time(), state
+            waiting = await unanswered.ask(look)
         except Exception as error:  # noqa: BLE001 - the control plane is still waking up
-            state["waiting"] = f"the control plane to answer ({type(error).__name__})"
+            waiting = [f"the control plane to answer ({type(error).__name__})"]
+        if (news := unanswered.news()) is not None:
+            print(f"{time.strftime('%H:%M:%S')} {news}", flush=True)
+        if waiting is None:
+            waiting = [f"the control plane to answer ({unanswered.error})"]
+        state["waiting"] = "; ".join(waiting[:4])
+        if not waiting:
+            return time.time(), state
     return None, state
+
+
+async def _unsteady(fleet, client, settings, world, sites, picked, returned_at: float, shadow_until: float,
+                    state: dict) -> list[str]:
+    """One look: what the fleet still waits for before it is steady (``_until_steady``); none when
+    it is. Counts the real faults repaired in ``state``."""
+    waiting = [] if time.time() >= shadow_until else ["kubelets to post their status again"]
+    for site in sites:
+        status = await fleet.site_status(site)
+        inc = status.incident
+        if inc is None or (inc.grace_until is not None and inc.grace_until > time.time()):
+            waiting.append(f"site/{site} reconciling")
+    repaired = 0
+    for node in picked:
+        healthy = not any(g.problems() for g in world.gpu_health(node.machine_id))
+        closed = False
+        try:
+            described = await client.get_workflow_handle(repair_workflow_id(node.name, 0)).describe()
+            closed = described.status is not None and described.status.name == "COMPLETED" \
+                and described.start_time.timestamp() >= returned_at - 600
+        except Exception:  # noqa: BLE001 - not started yet
+            pass
+        repaired += healthy and closed
+    state["repaired"] = repaired
+    if repaired < len(picked):
+        waiting.append(f"{len(picked) - repaired} faults being repaired")
+    query = f'TaskQueue = "{settings.task_queue}" AND ExecutionStatus = "Running"'
+    async for wf in client.list_workflows(query):
+        described = await client.get_workflow_handle(wf.id, run_id=wf.run_id).describe()
+        retrying = [a for a in described.raw_description.pending_activities if a.attempt > 3]
+        if retrying:
+            waiting.append(f"{wf.id} retrying {retrying[0].activity_type.name}")
+        if wf.workflow_type == flows.Node.TYPE:
+            status = await fleet.node_status(wf.id.removeprefix("node/"))
+            if status.deferred and not any(wf.id == node_workflow_id(n.name) for n in picked):
+                waiting.append(f"{wf.id} holds a finding")
+    return waiting

@@ -234,16 +234,21 @@ async def _join(settings: Settings, site: str, count: int, detach: bool, request
 
 
 async def _watch_joins(fleet, handles: list) -> int:
-    """Until every join ends: a live table on a terminal, one line per change when piped."""
+    """Until every join ends: a live table on a terminal, one line per change when piped; while
+    no worker answers, a line that says so (``UnansweredQueries``)."""
     from rich.live import Live
     from temporalio.client import WorkflowFailureError
     from temporalio.exceptions import CancelledError
 
-    def render(states: dict[str, str]) -> Table:
+    from cli.waits import UnansweredQueries
+
+    unanswered = UnansweredQueries()
+
+    def render(states: dict[str, str]):
         table = Table("workflow", "step")
         for wid, step in states.items():
             table.add_row(wid, step)
-        return table
+        return unanswered.beneath(table)
 
     states = {h.id: "starting" for h in handles}
     failures = []
@@ -257,12 +262,21 @@ async def _watch_joins(fleet, handles: list) -> int:
                 if shown.get(wid) != step:
                     shown[wid] = step
                     print(f"{wid}: {Text.from_markup(step).plain}", flush=True)
+            if (news := unanswered.news()) is not None:
+                print(news, flush=True)
 
         def __enter__(self):
             return self
 
         def __exit__(self, *exc) -> None:
             return None
+
+    async def step_of(handle) -> str | None:
+        try:
+            progress = await unanswered.ask(lambda: fleet.join_progress(handle.id))
+        except Exception:  # noqa: BLE001 - a query can race the workflow's first task
+            return None
+        return progress.step if progress is not None else None
 
     pending = {h.id: asyncio.ensure_future(h.result()) for h in handles}
     loop = asyncio.get_running_loop()
@@ -289,18 +303,16 @@ async def _watch_joins(fleet, handles: list) -> int:
                                 kind, message = failure(error)
                                 states[handle.id] = f"[red]{escape(message)}[/]"
                             failures.append((handle.id, kind, message))
-                    else:
-                        try:
-                            step = (await fleet.join_progress(handle.id)).step
-                        except Exception:  # noqa: BLE001 - a query can race the workflow's first task
-                            step = None
-                        if step is not None:
-                            # Why the step waits (a worker gone, a failed attempt): asked every
-                            # few seconds, not every refresh (a describe is a server call).
-                            if loop.time() >= next_look.get(handle.id, 0.0):
-                                next_look[handle.id] = loop.time() + WAIT_LOOK_SECONDS
-                                waits[handle.id] = await _activity_waits(handle)
-                            states[handle.id] = step + "".join(f"; {escape(w)}" for w in waits.get(handle.id, []))
+                # Asked together: with no worker each query waits its whole bound.
+                running = [h for h in handles if h.id in pending]
+                for handle, step in zip(running, await asyncio.gather(*(step_of(h) for h in running))):
+                    if step is not None:
+                        # Why the step waits (a worker gone, a failed attempt): asked every
+                        # few seconds, not every refresh (a describe is a server call).
+                        if loop.time() >= next_look.get(handle.id, 0.0):
+                            next_look[handle.id] = loop.time() + WAIT_LOOK_SECONDS
+                            waits[handle.id] = await _activity_waits(handle)
+                        states[handle.id] = step + "".join(f"; {escape(w)}" for w in waits.get(handle.id, []))
                 live.update(render(states))
     finally:
         for task in pending.values():

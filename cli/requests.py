@@ -217,28 +217,35 @@ async def watch_until_done(handle, progress: Callable[[], Awaitable[object]], li
                            render: Callable[[object, str], object] | None = None):
     """Until ``handle``'s workflow ends, its result: on a terminal a live line (or ``render``'s
     view of the progress and its line), piped one line per change. ``progress`` may fail
-    before the workflow's first task has run; the watch then waits for the next look."""
+    before the workflow's first task has run; the watch then waits for the next look. While no
+    worker answers, the view says so (``UnansweredQueries``) and the watch goes on asking."""
     from rich.live import Live
     from rich.text import Text
 
+    from cli.waits import UnansweredQueries
+
     result_task = asyncio.ensure_future(handle.result())
     live = Live(console=console, refresh_per_second=4) if console.is_terminal else None
-    last = ""
+    unanswered = UnansweredQueries()
+    last, view = "", None
     try:
         if live is not None:
             live.start()
         while not result_task.done():
             try:
-                p = await progress()
+                p = await unanswered.ask(progress)
             except Exception:  # noqa: BLE001 - the first task may not have run yet
                 p = None
             if p is not None:
                 now = line(p)
-                if live is not None:
-                    live.update(render(p, now) if render is not None else Text(now))
-                elif now != last:
+                view = render(p, now) if render is not None else Text(now)
+                if live is None and now != last:
                     print(now, flush=True)
                 last = now
+            if live is not None:
+                live.update(unanswered.beneath(view))
+            elif (news := unanswered.news()) is not None:
+                print(news, flush=True)
             await asyncio.wait([result_task], timeout=0.5)
         return result_task.result()
     finally:

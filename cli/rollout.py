@@ -99,15 +99,19 @@ def _live_view(rollout_id: str, progress):
 
 async def _wait(fleet, handle) -> int:
     """Until the rollout ends: on a terminal a live view redrawn in place (``_live_view``), piped
-    one line per change (the phase, or a site's state and detail)."""
+    one line per change (the phase, or a site's state and detail); while no worker answers, a
+    line that says so (``UnansweredQueries``)."""
     import asyncio
 
     from rich.live import Live
     from temporalio.client import WorkflowFailureError
 
     from cli.common import failure
+    from cli.waits import UnansweredQueries
 
     result = asyncio.ensure_future(handle.result())
+    unanswered = UnansweredQueries()
+    shown = None  # the last progress answered
     seen: dict[str, str] = {}
     # Piped, a redrawn view would be a stream of cursor moves: plain lines instead.
     live = Live(_live_view(handle.id, None), console=console, refresh_per_second=4) if console.is_terminal else None
@@ -117,18 +121,21 @@ async def _wait(fleet, handle) -> int:
         while True:
             done = result.done()
             try:
-                progress = await fleet.rollout_progress(handle.id)
+                progress = await unanswered.ask(lambda: fleet.rollout_progress(handle.id))
             except Exception:  # noqa: BLE001 - not queryable yet (first task) or already gone
                 progress = None
             if progress is not None:
-                if live is not None:
-                    live.update(_live_view(handle.id, progress))
-                else:
+                shown = progress
+                if live is None:
                     for key, line in [("phase", _phase_line(handle.id, progress))] + [
                             (s.site, _site_line(s)) for s in progress.sites]:
                         if seen.get(key) != line:
                             seen[key] = line
                             print(line, flush=True)
+            if live is not None:
+                live.update(unanswered.beneath(_live_view(handle.id, shown)))
+            elif (news := unanswered.news()) is not None:
+                print(news, flush=True)
             if done:
                 break
             await asyncio.wait([result], timeout=1.0)

@@ -6,17 +6,26 @@ stuck: the activity's worker may be gone (no heartbeat since), or the activity f
 for its next attempt, or no worker polls its task queue. Temporal knows each of these
 (``DescribeWorkflowExecution``'s pending activities); this turns them into "why, and until
 when", which the watching commands append to the step.
+
+Above the activities, the watch's own queries may go unanswered: no worker polls the workflow's
+task queue (the control plane down, or between two of its pods in a rolling deploy).
+``UnansweredQueries`` says so in the watch's view at once, and takes it back once a query is
+answered again; the watch keeps asking.
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
-from typing import Iterable
+from typing import Iterable, TypeVar
 
 from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.api.workflow.v1 import PendingActivityInfo
 
 from cli.common import clock
+from client.errors import NoWorker
+
+T = TypeVar("T")
 
 #: The SDK sends an activity's heartbeats at most every 80% of its heartbeat timeout: silent for
 #: longer (and this slack), its worker is likely gone and the server will time the attempt out.
@@ -63,3 +72,53 @@ def activity_waits(pending: Iterable[PendingActivityInfo], now: datetime | None 
     """Every pending activity's wait, as ``activity_wait`` says it."""
     now = now or datetime.now(timezone.utc)
     return [line for p in pending if (line := activity_wait(p, now))]
+
+
+class UnansweredQueries:
+    """What a live watch shows while no worker answers its queries. Each poll's query goes through
+    ``ask``; the view shows ``why`` (a terminal's live view: ``beneath``; piped: the ``news``
+    lines), so the operator sees why the view stopped moving rather than a frozen line."""
+
+    def __init__(self, until: datetime | None = None) -> None:
+        #: When the watch gives up on its own (its --timeout), said with the reason; None: never.
+        self.until = until
+        #: The last query no worker answered; None once one is answered.
+        self.error: NoWorker | None = None
+        self._said = False
+
+    @property
+    def why(self) -> str:
+        """Why the view does not move, and that the watch goes on; "" while queries are answered."""
+        if self.error is None:
+            return ""
+        until = f" until {clock(self.until)}" if self.until is not None else ""
+        return f"{self.error}; still watching{until}; Ctrl-C to stop"
+
+    async def ask(self, query: Callable[[], Awaitable[T]]) -> T | None:
+        """``query()``'s answer; None when no worker answered it (``why`` then says which, and
+        where the worker should poll). Any other error is the caller's: a workflow just started
+        may not be found for a moment, and each watch knows what it can wait out."""
+        try:
+            answer = await query()
+        except NoWorker as error:
+            self.error = error
+            return None
+        self.error = None
+        return answer
+
+    def news(self) -> str | None:
+        """For a watch that prints one line per change: ``why`` once when queries stop being
+        answered, and once when they are answered again; None otherwise (a watch of several
+        workflows would otherwise repeat the reason for each)."""
+        if bool(self.why) == self._said:
+            return None
+        self._said = bool(self.why)
+        return self.why or "a worker answers the queries again"
+
+    def beneath(self, view=None):
+        """A live view with ``why`` under it (``view`` None: ``why`` alone, or nothing)."""
+        from rich.console import Group
+        from rich.text import Text
+
+        return Group(*([view] if view is not None else []),
+                     *([Text(self.why, style="yellow")] if self.why else []))

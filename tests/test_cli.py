@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 import subprocess
 import sys
+import time
+import uuid
 
+import pytest
 from temporalio.testing import ActivityEnvironment
 
 from fleet.messages.nodes import ProbeGpusInput, SmokeTestInput
@@ -126,3 +131,107 @@ async def test_reconcile_says_what_the_site_will_do_and_refuses_an_unknown_site(
     assert done.stdout.startswith("site-a: ") and len(done.stdout.strip()) > len("site-a: "), done.stdout
     described = await stack.client.get_workflow_handle("site/site-a").describe()
     assert described.workflow_type == "Site"
+
+
+# -- watches while no worker answers (the control plane down) -----------------------------------
+def no_worker_line(workflow_id: str, query: str, stack: Stack) -> str:
+    return (f"no worker answered `{query}` of `{workflow_id}` within 10 s: is the control plane running "
+            f"(its worker polls `{stack.settings.task_queue}`)?")
+
+
+async def said_after_one_poll(fleet, query: str, watch) -> None:
+    """Run ``watch`` until it asks ``fleet.<query>`` a second time, then stop it (as Ctrl-C
+    would): whatever it printed by then, it printed after one poll."""
+    second_poll = asyncio.Event()
+    asked = 0
+    real = getattr(fleet, query)
+
+    async def counted(*args):
+        nonlocal asked
+        asked += 1
+        if asked > 1:
+            second_poll.set()
+            await asyncio.Event().wait()  # the watch is cancelled here
+        return await real(*args)
+
+    setattr(fleet, query, counted)
+    watching, polled = asyncio.ensure_future(watch), asyncio.ensure_future(second_poll.wait())
+    try:
+        await asyncio.wait({watching, polled}, timeout=60, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (watching, polled):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert asked == 2, f"the watch asked {asked} time(s), then stopped"
+
+
+async def test_gpufleet_join_with_no_worker_says_why_after_one_poll_and_keeps_watching(fleet_world: Stack,
+                                                                                        capsys) -> None:
+    """The join runs but no worker polls its queue (the control plane down, or mid-deploy): each
+    progress query was swallowed, and `gpufleet join` showed `starting` for ever. After one
+    unanswered poll it says which query went unanswered, where the worker should poll, and that
+    it goes on watching (the worker may come back); it asks again."""
+    from cli.main import _watch_joins
+    from client import FleetClient
+
+    fleet = FleetClient(fleet_world.settings, fleet_world.client)
+    handle = await fleet.start_join({"site": "site-a"}, request_id=f"no-worker-{uuid.uuid4().hex[:6]}")
+    try:
+        await said_after_one_poll(fleet, "join_progress", _watch_joins(fleet, [handle]))
+    finally:
+        await handle.terminate()
+    said = capsys.readouterr().out
+    assert f"{handle.id}: starting\n" in said, said
+    assert f"{no_worker_line(handle.id, 'progress', fleet_world)} (gpufleet dev / kubectl -n gpufleet get pods); " \
+           "still watching; Ctrl-C to stop\n" in said, said
+
+
+@pytest.mark.parametrize("workflow_type, workflow_id, query, watch", [
+    ("SiteEvacuation", "evacuate/site-a/manual-", "evacuation_progress", "cli.evacuate:_watch"),  # watch_until_done
+    ("ModelRollout", "rollout/no-worker/", "rollout_progress", "cli.rollout:_wait"),
+])
+async def test_a_watched_request_with_no_worker_says_why_after_one_poll(fleet_world: Stack, capsys, workflow_type,
+                                                                       workflow_id, query, watch) -> None:
+    """`watch_until_done` (gpufleet evacuate start, gpufleet capacity) and `gpufleet rollout start
+    --wait` swallowed every failed progress query: with no worker they printed nothing at all.
+    After one unanswered poll each says why, and that it goes on watching."""
+    import importlib
+
+    from client import FleetClient
+
+    module, _, name = watch.partition(":")
+    fleet = FleetClient(fleet_world.settings, fleet_world.client)
+    handle = await fleet_world.client.start_workflow(workflow_type, {}, id=workflow_id + uuid.uuid4().hex[:6],
+                                                     task_queue=fleet_world.settings.task_queue)
+    try:
+        await said_after_one_poll(fleet, query, getattr(importlib.import_module(module), name)(fleet, handle))
+    finally:
+        await handle.terminate()
+    said = capsys.readouterr().out
+    assert said.startswith(no_worker_line(handle.id, "progress", fleet_world)), said
+    assert said.endswith("; still watching; Ctrl-C to stop\n"), said
+
+
+async def test_a_game_day_with_no_worker_says_why_and_until_when_and_watches_to_its_timeout(fleet_world: Stack,
+                                                                                           capsys) -> None:
+    """The game day's watch asks the Site entity for its incident: with no worker that query
+    ended the game day with the server's error. It says why and until when it watches, and
+    watches to its --timeout."""
+    from cli.gameday import _watch
+    from client import FleetClient
+    from fleet.naming import site_workflow_id
+
+    fleet = FleetClient(fleet_world.settings, fleet_world.client)
+    site = f"lost-{uuid.uuid4().hex[:6]}"
+    handle = await fleet_world.client.start_workflow("Site", {}, id=site_workflow_id(site),
+                                                     task_queue=fleet_world.settings.task_queue)
+    try:  # the timeout has passed once the first look is done: one look
+        report = await asyncio.wait_for(_watch(fleet, fleet_world.world, [site], {site: 0}, time.time(), 2.0,
+                                               timeout=0.5), 60)
+    finally:
+        await handle.terminate()
+    said = capsys.readouterr().out
+    assert report["sites"][site]["outcome"] == "not detected", report
+    assert no_worker_line(site_workflow_id(site), "status", fleet_world) in said, said
+    assert re.search(r"; still watching until \d\d:\d\d:\d\d UTC; Ctrl-C to stop\n", said), said

@@ -16,7 +16,7 @@ from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflow.v1 import PendingActivityInfo
 
 from cli.capacity import capacity_line
-from cli.waits import activity_wait, activity_waits
+from cli.waits import UnansweredQueries, activity_wait, activity_waits
 from fleet.messages.capacity import CapacityProgress
 
 pytestmark = pytest.mark.unit
@@ -95,3 +95,34 @@ def test_the_times_the_cli_adds_to_a_step_are_in_utc_as_the_steps_own(new_york) 
     assert capacity_line("capacity/x", waiting_for_offers) == ("capacity/x: waiting for capacity, 0 of 2 joined; looks "
                                                                "again at 12:05:00 UTC or when offers change; gives up "
                                                                "at 13:00:00 UTC")
+
+
+async def test_a_watch_says_once_that_no_worker_answers_and_once_that_one_answers_again() -> None:
+    """A live watch's queries while the control plane's worker is away (a rolling deploy): the
+    reason at once, said once however many workflows the watch asks about, and taken back once a
+    query is answered; any other error stays the watch's own to handle."""
+    from client.errors import NoWorker, NotFound
+
+    answers: list = [NoWorker("join/site-a/x-0", "progress", "gpufleet", 10),
+                     NoWorker("join/site-a/x-1", "progress", "gpufleet", 10), "provisioning",
+                     NotFound("join/site-a/x-2")]
+
+    async def query():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    unanswered = UnansweredQueries(until=NOW)
+    assert unanswered.news() is None and unanswered.why == ""
+    assert await unanswered.ask(query) is None
+    said = ("no worker answered `progress` of `join/site-a/x-0` within 10 s: is the control plane running (its "
+            "worker polls `gpufleet`)? (gpufleet dev / kubectl -n gpufleet get pods); still watching until "
+            "12:00:00 UTC; Ctrl-C to stop")
+    assert unanswered.news() == said
+    assert await unanswered.ask(query) is None
+    assert "`join/site-a/x-1`" in unanswered.why and unanswered.news() is None  # said once
+    assert await unanswered.ask(query) == "provisioning"
+    assert (unanswered.why, unanswered.news(), unanswered.news()) == ("", "a worker answers the queries again", None)
+    with pytest.raises(NotFound):
+        await unanswered.ask(query)
