@@ -9,7 +9,7 @@ import json
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import yaml
 from temporalio.api.enums.v1 import EventType
@@ -107,6 +107,22 @@ class IncStack:
 
     def evacuation(self, name: str, n: int = 1) -> WorkflowHandle:
         return self.client.get_workflow_handle(f"evacuate/{self.site(name)}/{n}")
+
+    async def evacuate_with_a_liar(self, name: str, lies: Callable[[str], None]) -> tuple[WorkflowHandle, str]:
+        """Four nodes join ``name``; three fail (an incident: the site goes to weight 0) and,
+        once the evacuation is under way, recover; ``lies(node)`` is told the fourth's name
+        before its proof. Returns the evacuation and that node."""
+        machines = await self.join(name, 4)
+        await self.start_site(name)
+        for machine in machines[:3]:
+            self.world.inject_fault(machine, 0, "ecc", 1, clears_on="never")
+        evacuation = self.evacuation(name)
+        await poll(lambda: self.progress(name), timeout=60)
+        for machine in machines[:3]:
+            self.world.clear_faults(machine, "never")
+        liar = self.world.machine(machines[3])["name"]
+        lies(liar)
+        return evacuation, liar
 
     async def progress(self, name: str, n: int = 1) -> EvacuationProgress | None:
         try:

@@ -26,12 +26,22 @@ from tests.repair_helpers import exists
 from tests.replay import replay_and_record
 
 
+#: A garbled proof: "yes" is not a boolean; a count that is no number.
+GARBLED = Payload(metadata={"encoding": b"json/plain"}, data=json.dumps({"passed": "yes", "gpus_seen": "all"}).encode())
+#: A proof the SDK refuses before workflow code runs (TMPRL1105: an external-storage reference,
+#: no external storage configured): before the gateway rebuilt results, it failed the
+#: SiteEvacuation's workflow task on every retry, and the site stayed at weight 0.
+EXTERNALLY_STORED = Payload(metadata={"encoding": b"json/external-storage-reference"},
+                            data=b'{"driver_name": "s3", "driver_claim": {"key": "proof"}}')
+
+
 class GarbledProof:
     """Agents as usual, except that the nodes in ``nodes`` answer an evacuation's smoke test
-    with a garbled result ("yes" is not a boolean; a count that is no number)."""
+    with ``answer`` (``GARBLED`` unless told)."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: Payload = GARBLED) -> None:
         self.nodes: set[str] = set()
+        self.answer = answer
 
     def build_agent(self, client, node_name, gpus, executor, watch=None) -> Worker:
         agent = NodeAgentActivities(node_name, gpus, watch)
@@ -39,8 +49,7 @@ class GarbledProof:
         @activity.defn(name="smoke_test")
         def smoke_test(input: SmokeTestInput) -> Any:
             if node_name in self.nodes and activity.info().workflow_type == "SiteEvacuation":
-                return RawValue(Payload(metadata={"encoding": b"json/plain"},
-                                        data=json.dumps({"passed": "yes", "gpus_seen": "all"}).encode()))
+                return RawValue(self.answer)
             return agent.smoke_test(input)
 
         others = [a for a in agent.all() if getattr(a, "__name__", "") != "smoke_test"]
@@ -99,3 +108,28 @@ async def test_one_failing_and_one_garbled_node_do_not_keep_the_site_at_weight_z
         assert inc.cluster.get_site_routes().sites[inc.site("a")].weight == 100, "no new trip"
         assert await task_failures(evacuation) == 0
         await replay_and_record(evacuation, "site_evacuation_proof_per_node")
+
+
+async def test_a_proof_the_sdk_would_refuse_does_not_keep_the_site_at_weight_zero(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """Three of a site's four nodes fail (an incident: the site goes to weight 0) and recover;
+    the fourth answers its proof with an external-storage reference. The gateway replaces that
+    result: the evacuation ends with the site back at weight 100, the fourth node unproven (a bad
+    report) and cordoned, and no failed workflow task (before: the task failed on every retry)."""
+    poisoned = GarbledProof(EXTERNALLY_STORED)
+    monkeypatch.setattr(workers.node_agent, "build_agent", poisoned.build_agent)
+    async for inc in open_incident_stack(temporal_env.client, tmp_path):
+        evacuation, liar = await inc.evacuate_with_a_liar("a", poisoned.nodes.add)
+        try:
+            ended = await asyncio.wait_for(evacuation.result(), 90)
+        except asyncio.TimeoutError:
+            ended = None
+        failures = await task_failures(evacuation)
+        assert failures == 0 and ended is not None, f"{failures} failed workflow tasks; ended: {ended is not None}"
+        result = EvacuationResult.model_validate(ended)
+        assert result.outcome == "restored"
+        proven = next(s for s in result.timeline if s.name == "nodes proven")
+        assert proven.detail.startswith("3 nodes passed smoke tests"), proven.detail
+        assert liar in proven.detail and "bad report: undecodable" in proven.detail, proven.detail
+        assert inc.cluster.get_site_routes().sites[inc.site("a")].weight == 100
+        assert inc.cluster.get_node(liar).unschedulable

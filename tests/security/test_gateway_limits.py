@@ -308,10 +308,11 @@ async def test_deployment_options_and_unknown_fields_are_dropped(temporal_env, g
         namespace="default", identity=f"node:{node.name}",
         task_queue=TaskQueue(name=f"node/{node.name}", kind=1)).SerializeToString()
     gateway.running.gateway.authorization.remember(node.name, b"token-a")
-    done = RespondActivityTaskCompletedRequest(namespace="default", task_token=b"token-a", identity="me",
+    result = Payloads(payloads=[Payload(metadata={"encoding": b"json/plain"}, data=b"1")])
+    done = RespondActivityTaskCompletedRequest(namespace="default", task_token=b"token-a", identity="me", result=result,
                                                deployment_options=options).SerializeToString() + unknown
     forwarded, _ = gateway.running.gateway.authorization.authorize(node.name, "RespondActivityTaskCompleted", done)
-    assert forwarded == RespondActivityTaskCompletedRequest(namespace="default", task_token=b"token-a",
+    assert forwarded == RespondActivityTaskCompletedRequest(namespace="default", task_token=b"token-a", result=result,
                                                             identity=f"node:{node.name}").SerializeToString()
 
 

@@ -31,6 +31,7 @@ from temporalio.api.failure.v1 import ApplicationFailureInfo, Failure, TimeoutFa
 from temporalio.api.workflowservice.v1 import (
     RecordActivityTaskHeartbeatRequest,
     RespondActivityTaskCanceledRequest,
+    RespondActivityTaskCompletedRequest,
     RespondActivityTaskFailedRequest,
 )
 from temporalio.client import WorkflowExecutionStatus
@@ -43,13 +44,14 @@ from fleet.messages.nodes import SmokeTestInput
 from fleet.naming import node_queue
 from tests.bad_input_helpers import task_failures
 from tests.conftest import NODE_GATEWAYS
-from tests.evacuation_helpers import open_incident_stack, poll
+from tests.evacuation_helpers import open_incident_stack
 from tests.repair_helpers import eventually
 from tests.security.gateway_helpers import credentials, end_entity, live_entity, unique
 from tests.security.test_node_reports import entity, hostile  # noqa: F401 - the fixture
 from workers.gateway.authorization import (
     FAILURE_MESSAGE_CHARS,
     FAILURE_STACK_CHARS,
+    REFUSED_RESULT_ENCODING,
     GatewayStats,
     NodeAuthorization,
 )
@@ -134,6 +136,37 @@ def test_a_nodes_heartbeat_and_cancellation_details_are_dropped() -> None:
     bye = RespondActivityTaskCanceledRequest(namespace="default", task_token=b"tok", details=HOSTILE_DETAILS)
     out = RespondActivityTaskCanceledRequest.FromString(_authorized("RespondActivityTaskCanceled", bye))
     assert out == RespondActivityTaskCanceledRequest(namespace="default", task_token=b"tok", identity="node:n1")
+
+
+def test_a_nodes_result_is_one_json_payload_and_nothing_else() -> None:
+    """The SDK looks at a result's metadata before workflow code runs: a result keeps one payload,
+    its data and ``encoding: json/plain``; any other form is one payload nobody decodes, saying
+    why (end to end: ``test_node_reports.test_a_result_in_a_form_the_sdk_acts_on_fails_no_task``)."""
+    def completed(result: Payloads | None) -> Payloads:
+        request = RespondActivityTaskCompletedRequest(namespace="default", task_token=b"tok", result=result)
+        return RespondActivityTaskCompletedRequest.FromString(_authorized("RespondActivityTaskCompleted", request)).result
+
+    report = Payload(metadata={"encoding": b"json/plain", "__temporal_external_storage_reference": b"true",
+                               "messageType": b"x"}, data=b'{"seq": 1}',
+                     external_payloads=[Payload.ExternalPayloadDetails(size_bytes=1)])
+    assert completed(Payloads(payloads=[report])) == Payloads(
+        payloads=[Payload(metadata={"encoding": b"json/plain"}, data=b'{"seq": 1}')])
+    plain = Payload(metadata={"encoding": b"json/plain"}, data=b"1")
+    refused = {
+        "encoding 'json/external-storage-reference'": Payloads(payloads=[
+            Payload(metadata={"encoding": b"json/external-storage-reference"}, data=b"{}")]),
+        "encoding 'json/protobuf'": Payloads(payloads=[Payload(metadata={
+            "encoding": b"json/protobuf", "messageType": b"temporal.api.sdk.v1.ExternalStorageReference"})]),
+        "encoding 'binary/protobuf'": Payloads(payloads=[Payload(metadata={
+            "encoding": b"binary/protobuf", "messageType": b"temporal.api.common.v1.Payload"}, data=b"\x0a\x01x")]),
+        "encoding ''": Payloads(payloads=[Payload(data=b"1")]),
+        "2 payloads": Payloads(payloads=[plain, plain]),
+        "0 payloads": Payloads(),
+    }
+    for why, result in [*refused.items(), ("0 payloads", None)]:
+        (payload,) = completed(result).payloads
+        assert payload.metadata == {"encoding": REFUSED_RESULT_ENCODING}, why
+        assert why in payload.data.decode(), (why, payload.data)
 
 
 # -- end to end: a workflow that schedules an activity on a node's queue -----------------------
@@ -244,16 +277,7 @@ async def test_a_failed_proof_with_undecodable_details_does_not_stick_the_evacua
 
     monkeypatch.setattr(NodeAgentActivities, "smoke_test", smoke_test)
     async for inc in open_incident_stack(temporal_env.client, tmp_path):
-        machines = await inc.join("a", 4)
-        names = {m: inc.world.machine(m)["name"] for m in machines}
-        await inc.start_site("a")
-        for machine in machines[:3]:
-            inc.world.inject_fault(machine, 0, "ecc", 1, clears_on="never")
-        evacuation = inc.evacuation("a")
-        await poll(lambda: inc.progress("a"), timeout=60)
-        for machine in machines[:3]:
-            inc.world.clear_faults(machine, "never")
-        liars.add(names[machines[3]])
+        evacuation, _liar = await inc.evacuate_with_a_liar("a", liars.add)
         try:
             await asyncio.wait_for(evacuation.result(), 90)
         except asyncio.TimeoutError:

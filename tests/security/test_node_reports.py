@@ -22,8 +22,9 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 from temporalio import activity
-from temporalio.api.common.v1 import Payload
+from temporalio.api.common.v1 import Payload, Payloads
 from temporalio.api.enums.v1 import EventType
+from temporalio.api.workflowservice.v1 import RespondActivityTaskCompletedRequest
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
 from temporalio.common import RawValue
 from temporalio.worker import Worker
@@ -47,7 +48,9 @@ from tests.test_bad_input_property import draw
 from workers.metrics import MetricsServer
 from workflows.node import MAX_BAD_REPORTS_IN_A_ROW
 
-Forgery = Callable[[NodeWatchInput], Payload]
+#: A forged answer: one payload (returned as the activity's result), or several (``Payloads``,
+#: which no activity can return: the agent's own client completes the task with them).
+Forgery = Callable[[NodeWatchInput], "Payload | Payloads"]
 
 
 def as_json(value: Any) -> Payload:
@@ -91,7 +94,12 @@ class HostileWatch:
                 if self._newest is mine:
                     self._newest = None
             if mine.done():
-                return RawValue(mine.result()(input))
+                forged = mine.result()(input)
+                if isinstance(forged, Payloads):  # as a hostile node sends it: a raw completion
+                    await client.workflow_service.respond_activity_task_completed(RespondActivityTaskCompletedRequest(
+                        namespace=client.namespace, task_token=activity.info().task_token, result=forged))
+                    activity.raise_complete_async()
+                return RawValue(forged)
             return honest.result()
 
         others = [a for a in agent.all() if getattr(a, "__name__", "") != "watch_node"]
@@ -243,6 +251,56 @@ async def test_malformed_watch_results_fail_no_task_and_the_watch_lives_on(hosti
     stack.world.inject_fault(node.machine_id, 1, "xid", 48, clears_on="reset")
     await eventually(lambda: exists(repair_handle(stack, node.node_name, 1)), timeout=30)
     assert await task_failures(handle) == 0
+
+
+def with_metadata(forgery: Forgery, **metadata: bytes) -> Forgery:
+    def forge(input: NodeWatchInput) -> Payload:
+        payload = forgery(input)
+        for key, value in metadata.items():
+            payload.metadata[key] = value
+        return payload
+    return forge
+
+
+#: Results whose form the SDK acts on before workflow code runs (``decode_activation``, core's
+#: activity resolution): each failed the Node entity's workflow task on every retry before the
+#: gateway rebuilt results. (what, forgery, taken: whether the entity takes it as a report.) A
+#: protobuf result was a bad report before too (the SDK decodes it only when workflow code asks):
+#: ``test_a_nodes_result_is_one_json_payload_and_nothing_else`` checks the gateway replaces it.
+POISONED_RESULTS: list[tuple[str, Forgery, bool]] = [
+    # TMPRL1105: "externally stored payload(s) but external storage is not configured".
+    ("an external-storage reference", raw_bytes(b'{"driver_name": "s3"}', b"json/external-storage-reference"),
+     False),
+    ("a protobuf external-storage reference",
+     with_metadata(raw_bytes(b"{}", b"json/protobuf"), messageType=b"temporal.api.sdk.v1.ExternalStorageReference"),
+     False),
+    # The marker key on a well-formed report: dropped by the gateway, the report taken.
+    ("the external-storage marker key on a report", with_metadata(quiet, __temporal_external_storage_reference=b"true"),
+     True),
+    # Core: "Not exactly one payload in activity result".
+    ("two payloads", lambda input: Payloads(payloads=[quiet(input), quiet(input)]), False),
+    ("no payload", lambda _input: Payloads(), False),
+]
+
+
+@pytest.mark.parametrize("what, forgery, taken", POISONED_RESULTS, ids=[p[0] for p in POISONED_RESULTS])
+async def test_a_result_in_a_form_the_sdk_acts_on_fails_no_task(hostile, what: str, forgery: Forgery,
+                                                                  taken: bool) -> None:
+    """The gateway rebuilds a node's result: one payload, ``encoding: json/plain`` and its data,
+    nothing else. Any other form (an external-storage reference, several payloads or none)
+    reaches the entity as an undecodable payload: a bad report, no failed workflow task,
+    and the entity watches on; a report with extra metadata keys is taken without them."""
+    stack, node, watch = hostile
+    handle = entity(stack, node)
+    await watch.answer(forgery)
+    now = await status(stack, node)
+    assert now.bad_reports == (0 if taken else 1), f"{what}: {now.log[-1:]}"
+    if not taken:
+        assert "undecodable" in await details(handle), what
+    await watch.answer(quiet)  # the watch lives on, and its next answer is taken
+    assert (await status(stack, node)).bad_reports_in_a_row == 0
+    assert await task_failures(handle) == 0
+    assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
 
 
 async def test_bad_reports_in_a_row_quarantine_the_node(hostile, monkeypatch) -> None:

@@ -34,7 +34,8 @@ too: nothing reads a node's worker heartbeats, and they could fill the server's 
 Each forwarded request is rebuilt from only the fields the policy allows (unknown fields,
 deployment and versioning options, embedded worker heartbeats, heartbeat and cancellation
 details dropped; a failure rebuilt as message, type, ``non_retryable``, a bounded stack trace
-and one cause, without payloads the workflow's SDK would decode), with the caller's
+and one cause, without payloads the workflow's SDK would decode; a result as one ``json/plain``
+payload with no other metadata, any other form replaced by one nobody decodes), with the caller's
 ``identity`` replaced by ``node:<name>``, so histories name the authenticated node.
 
 Every call also checks the certificate (its expiry, so an open connection stops working

@@ -12,8 +12,8 @@ Everything else is refused (``Refused``: PERMISSION_DENIED, logged with the node
 ``RecordWorkerHeartbeat`` included (see ``_START_UP``). Each allowed request is rebuilt from
 only the fields the policy allows (unknown fields, deployment and versioning options, embedded
 worker heartbeats, heartbeat and cancellation details dropped; a failure rebuilt by
-``clean_failure``), with the caller's ``identity`` replaced by ``node:<name>``, so histories
-name the authenticated node.
+``clean_failure``, a result by ``clean_result``), with the caller's ``identity`` replaced by
+``node:<name>``, so histories name the authenticated node.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
+from temporalio.api.common.v1 import Payload, Payloads
 from temporalio.api.enums.v1 import TaskQueueKind
 from temporalio.api.failure.v1 import ApplicationFailureInfo, Failure
 from temporalio.api.taskqueue.v1 import TaskQueue
@@ -71,12 +72,12 @@ MAX_TOKENS_PER_NODE = 64
 ECHO_CHARS = 64
 #: The fields each forwarded request keeps (all others, unknown ones included, are dropped):
 #: no deployment or versioning options, no resource ids, nothing a newer SDK adds unread.
-#: No payloads but a completion's result either (validated by the workflow that takes it): the
-#: SDK decodes a failure's and a cancellation's details, and an activity's last heartbeat
-#: details on its heartbeat timeout, before workflow code runs, so details in an encoding the
-#: control plane does not speak would fail that workflow's task on every retry. Nothing in
-#: gpufleet reads a node activity's heartbeat or cancellation details; a failure is rebuilt by
-#: ``clean_failure``.
+#: No payloads but a completion's result either (validated by the workflow that takes it, and
+#: rebuilt by ``clean_result``): the SDK decodes a failure's and a cancellation's details, and an
+#: activity's last heartbeat details on its heartbeat timeout, before workflow code runs, so
+#: details in an encoding the control plane does not speak would fail that workflow's task on
+#: every retry. Nothing in gpufleet reads a node activity's heartbeat or cancellation details; a
+#: failure is rebuilt by ``clean_failure``.
 _KEPT = {
     "RespondActivityTaskCompleted": {"task_token", "result", "identity", "namespace"},
     "RespondActivityTaskFailed": {"task_token", "failure", "identity", "namespace", "cause"},
@@ -94,6 +95,18 @@ FAILURE_CAUSES = 1
 #: some types mean something about more than the node ("BadCredentials" revokes a provider
 #: account, "OverQuota" blocks an offer, "InvalidRequest" ends a whole capacity request).
 NODE_FAILURE_TYPES = frozenset({"GpuResetFailed", "DriverReinstallFailed", "InvalidInput"})
+#: The one encoding a node's result keeps: what every node agent's converter writes (each node
+#: activity returns a pydantic model or a string, JSON either way). The workflows take the result
+#: undecoded (``RawValue``) and validate it in workflow code, but the SDK looks at a payload's
+#: metadata before workflow code runs: an external-storage reference (its encoding, its marker
+#: key) with no external storage configured, or a result of more or fewer than one payload, fails
+#: the workflow task on every retry.
+RESULT_ENCODING = b"json/plain"
+#: What the workflow gets in place of a result in any other form: one payload in an encoding no
+#: converter speaks, which the SDK passes to workflow code untouched and the workflow's own
+#: validation finds undecodable (a bad report, a failed smoke test or rung). Its data says why,
+#: for whoever reads the history.
+REFUSED_RESULT_ENCODING = b"binary/refused-by-node-gateway"
 
 
 class Refused(Exception):
@@ -140,6 +153,22 @@ def clean_failure(failure: Failure, causes: int = FAILURE_CAUSES) -> Failure:
     if causes > 0 and failure.HasField("cause"):
         clean.cause.CopyFrom(clean_failure(failure.cause, causes - 1))
     return clean
+
+
+def clean_result(result: Payloads | None) -> tuple[Payloads, str]:
+    """What a node's activity result may be to the workflow: exactly one payload, its data and
+    ``encoding: json/plain`` and nothing else (other metadata keys, ``external_payloads``, unknown
+    fields dropped); or, for any other form, one payload of ``REFUSED_RESULT_ENCODING``. Returns
+    it and why it was refused ("" when kept)."""
+    payloads = result.payloads if result is not None else ()
+    if len(payloads) != 1:
+        why = f"{len(payloads)} payloads, not one"
+    elif (encoding := payloads[0].metadata.get("encoding", b"")) != RESULT_ENCODING:
+        why = f"encoding {echo(encoding.decode(errors='replace'))}, not {RESULT_ENCODING.decode()}"
+    else:
+        return Payloads(payloads=[Payload(metadata={"encoding": RESULT_ENCODING}, data=payloads[0].data)]), ""
+    refused = Payload(metadata={"encoding": REFUSED_RESULT_ENCODING}, data=f"a result of {why}".encode())
+    return Payloads(payloads=[refused]), why
 
 
 @dataclass
@@ -268,6 +297,11 @@ class NodeAuthorization:
             _only(message, _CLEARED[name])
             if name == "RespondActivityTaskFailed" and message.HasField("failure"):
                 message.failure.CopyFrom(clean_failure(message.failure))
+            if name == "RespondActivityTaskCompleted":
+                result, why = clean_result(message.result if message.HasField("result") else None)
+                message.result.CopyFrom(result)
+                if why:
+                    log.warning("node %s: its result replaced: a result of %s", node, why)
             message.identity = identity
             return message.SerializeToString(), message.task_token
         if name == "GetSystemInfo":
