@@ -211,6 +211,15 @@ class NodeGatewayEnv(EnvSettings):
     """The node gateway (``workers.node_gateway``; its ``--listen`` reads the variable)."""
 
     listen: str = envvar("GPUFLEET_GATEWAY_LISTEN", "127.0.0.1:7300", "host:port the gateway serves node agents on")
+    # Sized in workers/gateway/proxy.py (CALLS_PER_SECOND, CALL_BURST: what an honest agent sends).
+    calls_per_second: Annotated[float, Field(gt=0)] = envvar(
+        "GPUFLEET_GATEWAY_CALLS_PER_SECOND", 20.0,
+        "calls one node may send upstream per second, on average (a task delivered to it pays for "
+        "its poll and its result); beyond: RESOURCE_EXHAUSTED",
+        invalid="{name}: a number of calls above 0, not {raw!r}")
+    call_burst: Annotated[int, Field(gt=0)] = envvar(
+        "GPUFLEET_GATEWAY_CALL_BURST", 60, "calls one node may send upstream at once before its rate applies",
+        invalid="{name}: a whole number above 0, not {raw!r}")
 
 
 class WeightsPullEnv(EnvSettings):

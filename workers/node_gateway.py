@@ -39,6 +39,7 @@ async def main(args: GatewayOptions) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node-gateway %(levelname)s %(message)s")
     settings = Settings.from_env()
+    rates = NodeGatewayEnv.from_env()
     if args.dev:
         files = dev_gateway_files(settings.state_dir)
         args.cert, args.key, args.client_ca = files["cert"], files["key"], files["ca"]
@@ -47,7 +48,8 @@ async def main(args: GatewayOptions) -> None:
     host, _, port = args.listen.rpartition(":")
     running = await start_gateway(settings, Path(args.cert).read_bytes(), Path(args.key).read_bytes(),
                                   Path(args.client_ca).read_bytes(), host=host or "127.0.0.1", port=int(port),
-                                  live_ttl=args.live_ttl)
+                                  live_ttl=args.live_ttl, calls_per_second=rates.calls_per_second,
+                                  call_burst=rates.call_burst)
     log.info("node gateway on %s:%s → %s (namespace %s)", host, running.port, settings.address, settings.namespace)
     from prometheus_client import REGISTRY
 

@@ -7,7 +7,9 @@ over at most ``CONNECTIONS_PER_NODE`` connections, each request at most
 ``REQUEST_BYTES`` (results ``RESULT_BYTES``): a call over them is held, without going
 upstream, and then answered (a poll with no task), up to ``HELD_CALLS_PER_NODE`` of them
 (refused at once beyond), so one node cannot take the frontend's poll budget or the
-gateway's memory from the others.
+gateway's memory from the others. At most ``CALLS_PER_SECOND`` of a node's calls a second go
+upstream (``RESOURCE_EXHAUSTED`` beyond), and the start-up calls are answered from one copy
+(``StartupAnswers``), so one node cannot spend the frontend's request rate either.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import asyncio
 import logging
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 from temporalio.api.workflowservice.v1 import request_response_pb2 as wsr
 
-from fleet.settings import Settings, temporal_profile
+from fleet.settings import NodeGatewayEnv, Settings, temporal_profile
 from workers.gateway.authorization import (
     ALLOWED,
     FORWARDED_METADATA,
@@ -81,6 +85,34 @@ HELD_CALLS_PER_NODE = 32
 #: RESOURCE_EXHAUSTED, not forwarded (the activity times out if it never gets one through).
 HEARTBEATS_PER_SECOND = 10.0
 HEARTBEAT_BURST = 30
+#: Calls a node may send upstream, per second on average and at once
+#: (``GPUFLEET_GATEWAY_CALLS_PER_SECOND``, ``GPUFLEET_GATEWAY_CALL_BURST``). The frontend's
+#: request rate per namespace is shared by every node and the control plane, and a node calling
+#: as fast as it could spent it (16 DescribeNamespace at once: 4,768 forwarded in 3 s; a poll
+#: opened and cancelled in a loop: 350 upstream polls a second). What an honest agent sends of its own accord
+#: (workers/node_agent.py): its one poller's long poll, renewed about once a minute while no task
+#: comes; heartbeats, one per activity every 0.8 × its heartbeat timeout, five activities at most
+#: (``HEARTBEATS_PER_SECOND`` caps them at 10); a goodbye; its start-up calls are answered from
+#: ``StartupAnswers`` and cost nothing. The rest it sends because the control plane sent it a
+#: task: a poll that brings a task gives its call back and one more for the task's result
+#: (``RateLimits.give``), so however many tasks the workflows send a node, answering them costs it
+#: nothing. Twice the heartbeat cap a second, and a burst for an agent reconnecting with five
+#: activities in flight, are far above what an honest agent needs; over them a call is answered
+#: RESOURCE_EXHAUSTED at once, never forwarded (the SDK backs off and retries).
+CALLS_PER_SECOND: float = NodeGatewayEnv.model_fields["calls_per_second"].default
+CALL_BURST: int = NodeGatewayEnv.model_fields["call_burst"].default
+#: Calls a task delivered to a node gives back: the poll that brought it and the result it asks for.
+CALLS_PER_TASK = 2
+#: GetSystemInfo and DescribeNamespace (what the SDK asks on connecting) are answered from one
+#: copy for every node, fetched upstream at most once per this many seconds: the server's
+#: capabilities and the namespace's settings change rarely, and a node asking in a loop, or a
+#: fleet's agents reconnecting after a gateway restart, would otherwise send one pair each.
+STARTUP_ANSWER_SECONDS = 10.0
+#: How long the gateway waits for the frontend's answer to a start-up call it fetches.
+STARTUP_FETCH_SECONDS = 10.0
+#: The calls answered from ``StartupAnswers``: the same request from every node (rebuilt from the
+#: gateway's own namespace), the same answer.
+STARTUP_ANSWERED = frozenset({"GetSystemInfo", "DescribeNamespace"})
 #: A poll that got a slot with less time left than this is answered with no task, not
 #: forwarded: the frontend refuses a long poll this short (FAILED_PRECONDITION).
 MIN_UPSTREAM_POLL_SECONDS = 3.0
@@ -109,6 +141,36 @@ class RateLimits:
         self._buckets[node] = (tokens - 1.0, now)
         return True
 
+    def give(self, node: str, calls: float) -> None:
+        """``calls`` back to ``node`` (never above its burst)."""
+        if node in self._buckets:
+            tokens, then = self._buckets[node]
+            self._buckets[node] = (min(float(self.burst), tokens + calls), then)
+
+
+class StartupAnswers:
+    """The answers to the read-only start-up calls (``STARTUP_ANSWERED``), one copy for every
+    node, fetched again once ``seconds`` old. Concurrent callers share one fetch; a fetch that
+    failed is not kept (each of its callers gets its error, the next call fetches again)."""
+
+    def __init__(self, seconds: float, clock=time.monotonic) -> None:
+        self.seconds, self.clock = seconds, clock
+        self._answers: dict[str, tuple[float, asyncio.Future[bytes]]] = {}  # method → (expires, answer)
+
+    async def get(self, method: str, fetch: Callable[[], Awaitable[bytes]]) -> bytes:
+        kept = self._answers.get(method)
+        if kept is None or self._stale(*kept):
+            answer = asyncio.ensure_future(fetch())
+            # Read its error even when every caller left, so none is logged as never retrieved.
+            answer.add_done_callback(lambda done: done.cancelled() or done.exception())
+            kept = self._answers[method] = (self.clock() + self.seconds, answer)
+        return await asyncio.shield(kept[1])
+
+    def _stale(self, expires: float, answer: asyncio.Future[bytes]) -> bool:
+        if not answer.done():
+            return False
+        return answer.cancelled() or answer.exception() is not None or self.clock() >= expires
+
 
 @dataclass
 class NodeLoad:
@@ -129,7 +191,8 @@ class NodeLoad:
 class NodeGateway(grpc.GenericRpcHandler):
     def __init__(self, upstream: grpc.aio.Channel, namespace: str, live: Liveness,
                  upstream_metadata: list[tuple[str, str]] | None = None,
-                 poll_channels: list[grpc.aio.Channel] | None = None) -> None:
+                 poll_channels: list[grpc.aio.Channel] | None = None,
+                 calls_per_second: float = CALLS_PER_SECOND, call_burst: int = CALL_BURST) -> None:
         self.upstream = upstream
         # Held long polls (at most two per node) ride connections of their own: a completion or
         # a heartbeat never queues behind a thousand open polls for an HTTP/2 stream.
@@ -144,6 +207,8 @@ class NodeGateway(grpc.GenericRpcHandler):
         self._load: dict[str, NodeLoad] = {}
         self._limit_logged: dict[str, float] = {}
         self._heartbeats = RateLimits(HEARTBEATS_PER_SECOND, HEARTBEAT_BURST)
+        self._calls = RateLimits(calls_per_second, call_burst)
+        self._startup = StartupAnswers(STARTUP_ANSWER_SECONDS)
         # Sent upstream with every call, after the node's few forwarded client-* entries.
         self._metadata = (("temporal-namespace", namespace), *self.upstream_metadata)
         # One handler per method the policy knows, made once (gRPC asks for it on every call);
@@ -288,6 +353,8 @@ class NodeGateway(grpc.GenericRpcHandler):
             except Refused as refused:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node gateway: {refused}")
             del request  # the rebuilt request is what goes on
+            if name in STARTUP_ANSWERED:
+                return await self._startup_answer(method, forward, context)
             if name == "RecordActivityTaskHeartbeat" and not self._heartbeats.take(node):
                 why = f"more than {HEARTBEATS_PER_SECOND:g} heartbeats a second"
                 self._over_limit(node, why)
@@ -309,6 +376,10 @@ class NodeGateway(grpc.GenericRpcHandler):
                 remaining = context.time_remaining()
                 if remaining is not None and remaining < MIN_UPSTREAM_POLL_SECONDS:
                     return b""  # too late for a long poll upstream (the frontend refuses one this short)
+            if not self._calls.take(node):
+                why = f"more than {self._calls.rate:g} calls a second"
+                self._over_limit(node, why)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
             return await self._forward(method, node, load, name, forward, token, polling, context)
         finally:
             if slot:
@@ -330,9 +401,7 @@ class NodeGateway(grpc.GenericRpcHandler):
             response = await self._stub(method)(forward, metadata=metadata,
                                                 timeout=remaining if remaining and remaining < 1e6 else None)
         except grpc.aio.AioRpcError as error:
-            # Temporal's typed failures ride in the trailers (grpc-status-details-bin): pass them on.
-            context.set_trailing_metadata(tuple(error.trailing_metadata() or ()))
-            await context.abort(error.code(), error.details() or "")
+            await _pass_on(error, context)
         finally:
             self.stats.held_polls -= polling
             load.upstream_polls -= polling
@@ -341,9 +410,30 @@ class NodeGateway(grpc.GenericRpcHandler):
             delivered = _task_token(response)
             if delivered:
                 self.authorization.remember(node, delivered)
+                self._calls.give(node, CALLS_PER_TASK)
         elif token is not None and name != "RecordActivityTaskHeartbeat":
             self.authorization.answered(node, token)
         return response
+
+
+    async def _startup_answer(self, method: str, forward: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        """A start-up call's answer from ``StartupAnswers``: nothing upstream but its fetch."""
+        async def fetch() -> bytes:
+            answer = await self._stub(method)(forward, metadata=self._metadata, timeout=STARTUP_FETCH_SECONDS)
+            self.stats.forwarded += 1
+            return answer
+
+        try:
+            return await self._startup.get(method, fetch)
+        except grpc.aio.AioRpcError as error:
+            await _pass_on(error, context)
+
+
+async def _pass_on(error: grpc.aio.AioRpcError, context: grpc.aio.ServicerContext) -> NoReturn:
+    """The frontend's error, as the node's answer: Temporal's typed failures ride in the trailers
+    (grpc-status-details-bin), passed on with it."""
+    context.set_trailing_metadata(tuple(error.trailing_metadata() or ()))
+    await context.abort(error.code(), error.details() or "")
 
 
 def _task_token(response: bytes) -> bytes:
@@ -409,7 +499,7 @@ class GatewayCollector:
         yield GaugeMetricFamily("gpufleet_gateway_nodes", "Distinct node identities seen since start.",
                                 value=len(stats.serials))
         yield CounterMetricFamily("gpufleet_gateway_limited",
-                                  "Node calls over the node's limits (held, then answered; or too big).",
+                                  "Node calls over the node's limits (held, then answered; too big; or over its rate).",
                                   value=stats.limited)
         yield GaugeMetricFamily("gpufleet_gateway_held_over_limits",
                                 "Calls held now because their node is over its limits.",
@@ -440,13 +530,16 @@ class RunningGateway:
 
 async def start_gateway(settings: Settings, server_cert: bytes, server_key: bytes, client_ca: bytes,
                         live: Liveness | None = None, host: str = "127.0.0.1", port: int = 0,
-                        live_ttl: float = 1.0, poll_connections: int = 4) -> RunningGateway:
-    """Serve the gateway: mutual TLS, client certificates from ``client_ca`` required."""
+                        live_ttl: float = 1.0, poll_connections: int = 4,
+                        calls_per_second: float = CALLS_PER_SECOND, call_burst: int = CALL_BURST) -> RunningGateway:
+    """Serve the gateway: mutual TLS, client certificates from ``client_ca`` required; each node
+    sends at most ``calls_per_second`` calls upstream (``CALLS_PER_SECOND``), ``call_burst`` at once."""
     channel, metadata = upstream_channel(settings, own_connection=True)
     polls = [upstream_channel(settings, own_connection=True)[0] for _ in range(poll_connections)]
     if live is None:
         live = await default_liveness(settings)
-    gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl), metadata, polls)
+    gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl), metadata, polls,
+                          calls_per_second=calls_per_second, call_burst=call_burst)
     # A request over RESULT_BYTES is refused by gRPC from its length prefix, before it is held
     # in memory; a connection carries at most STREAMS_PER_CONNECTION calls; one with none for
     # five minutes is closed (a node agent's always holds a poll).
