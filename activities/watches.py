@@ -284,6 +284,19 @@ class WatchActivities:
         lock = threading.Lock()
         await asyncio.to_thread(labels._label_fleet_nodes)
 
+        def batch_closes_at() -> float | None:
+            """When the open batch closes if no other new pod comes (``loop.time()``, the watch's
+            clock too: ``time.monotonic()``); None: no batch is open. Called with ``lock`` held."""
+            if first is None:
+                return None
+            return min(last + input.batch_idle_seconds, first + input.batch_max_seconds)
+
+        def wake_at() -> float | None:
+            """The watch asks ``decide`` again then, though no pod changed: a real watch's server
+            may send nothing for a whole chunk (30 s), while the batch promises its window."""
+            with lock:
+                return batch_closes_at()
+
         def decide(found) -> bool:
             nonlocal first, last, seen, why, pods
             with lock:
@@ -299,7 +312,7 @@ class WatchActivities:
                     last = now
                 seen = (seen | new) & (new | known)  # a pod that went before the batch closed is not in it
                 if first is not None:
-                    if now - last >= input.batch_idle_seconds or now - first >= input.batch_max_seconds:
+                    if now >= batch_closes_at():
                         why = "pods"
                         return True
                     return False
@@ -319,17 +332,20 @@ class WatchActivities:
             while True:
                 now = loop.time()
                 left = max(0.0, start + input.wait_seconds - now)
-                # One watch for the whole wait, cut short where something else must be looked at:
-                # an open batch's window, the labels of new nodes.
+                # One watch for the whole wait (it asks ``decide`` as an open batch's window closes:
+                # ``wake_at``), cut short where something else must be looked at: the labels of new nodes.
                 chunk = left
-                if first is not None:
-                    chunk = min(chunk, max(0.05, min(input.batch_idle_seconds, input.batch_max_seconds) / 2))
+                with lock:
+                    closes = batch_closes_at()
+                if closes is not None:
+                    chunk = max(chunk, closes - now)  # a batch open as the wait ends still gets its window
                 if seen or any(p.pending and opted_in(p) for p in pods or []):
                     chunk = min(chunk, LABEL_SECONDS)
                 if beat.every:
                     chunk = min(chunk, beat.every)  # heartbeats go from this loop, never from the watch's thread
                 watching = asyncio.ensure_future(asyncio.to_thread(
-                    cluster.watch_gpu_pods, decide, chunk, min(RECHECK_SECONDS, chunk + 1), None, input.poll_seconds))
+                    cluster.watch_gpu_pods, decide, chunk, min(RECHECK_SECONDS, chunk + 1), None, input.poll_seconds,
+                    wake_at=wake_at))
                 await asyncio.wait([w for w in (watching, closing) if w is not None],
                                    return_when=asyncio.FIRST_COMPLETED)
                 if closing is not None and closing.done():

@@ -446,8 +446,9 @@ class SimCluster(EvictionDrain, WeightedRouting):
     def watch_nodes(self, selector, until, timeout_s, recheck_s=30.0, heartbeat=None, poll_s=1.0) -> list[Node]:
         return poll_watch(lambda: self._nodes_matching(selector), until, timeout_s, recheck_s, heartbeat, poll_s)
 
-    def watch_gpu_pods(self, until, timeout_s, recheck_s=30.0, heartbeat=None, poll_s=0.2) -> list[GpuPod]:
-        return poll_watch(self.list_gpu_pods, until, timeout_s, recheck_s, heartbeat, poll_s)
+    def watch_gpu_pods(self, until, timeout_s, recheck_s=30.0, heartbeat=None, poll_s=0.2,
+                       wake_at=None) -> list[GpuPod]:
+        return poll_watch(self.list_gpu_pods, until, timeout_s, recheck_s, heartbeat, poll_s, wake_at=wake_at)
 
     def watch_open_csrs(self, until, timeout_s, recheck_s=30.0, heartbeat=None) -> list[OpenCsr]:
         # No CSRs in the sim (``review_csrs``): nothing ever changes, so look seldom.

@@ -363,9 +363,13 @@ class Cluster(WeightedRouting, Protocol):
     def watch_gpu_pods(
         self, until: Callable[[list[GpuPod]], bool], timeout_s: float, recheck_s: float = 30.0,
         heartbeat: Callable[[], None] | None = None, poll_s: float = 0.2,
+        wake_at: Callable[[], float | None] | None = None,
     ) -> list[GpuPod]:
         """``list_gpu_pods()`` as soon as ``until`` holds for it, or after ``timeout_s``: a watch on
-        the pods that have not finished (every namespace), as ``watch_nodes``."""
+        the pods that have not finished (every namespace), as ``watch_nodes``. ``until`` is also
+        asked at ``wake_at()`` (``time.monotonic()``, asked after each look; None: no such time),
+        when it may hold though no pod changed (a batch's window closing): no wait of the watch
+        goes past it."""
         ...
 
     def watch_open_csrs(
@@ -557,10 +561,12 @@ def poll_watch(
     poll_s: float,
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.monotonic,
+    wake_at: Callable[[], float | None] | None = None,
 ) -> T:
     """A watch for a store that has none (the simulated cluster): ``look()`` every ``poll_s``
-    until ``until`` holds for what it saw or ``timeout_s`` passed; ``heartbeat`` every
-    ``recheck_s``. Looking costs the store a read, never the caller a Temporal action."""
+    (and at ``wake_at()``, when sooner) until ``until`` holds for what it saw or ``timeout_s``
+    passed; ``heartbeat`` every ``recheck_s``. Looking costs the store a read, never the caller a
+    Temporal action."""
     deadline = clock() + max(timeout_s, 0.0)
     beat_at = clock() + recheck_s
     while True:
@@ -571,7 +577,8 @@ def poll_watch(
         if heartbeat is not None and now >= beat_at:
             heartbeat()
             beat_at = now + recheck_s
-        sleep(max(0.0, min(poll_s, deadline - now)))
+        wake = wake_at() if wake_at is not None else None
+        sleep(max(0.0, min(poll_s, deadline - now, wake - now if wake is not None else poll_s)))
 
 
 #: Reads of a node before ``decide_on_node`` gives up: a decision is lost only to another writer

@@ -34,7 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 import yaml
@@ -749,6 +749,44 @@ def test_the_adapter_watches_pending_gpu_pods_with_a_real_watch(real_cluster, ku
         on_pods = [r for r in seen if r[1].endswith("/pods")]
         assert any("watch=" in r[2] for r in on_pods), "a watch, not a list every look"
         assert sum("watch=" not in r[2] for r in on_pods) == 1, f"one list, then the watch: {on_pods}"
+    finally:
+        _cleanup(real_cluster, [ml], [node])
+
+
+def test_a_gpu_pod_watch_asks_again_at_its_wake_time_and_resumes_from_its_version(real_cluster, kube, unique):
+    """``wake_at`` (what the Demand watch's batch window is): a read that would wait past it is cut
+    there and ``until`` asked with no event, the watch going on from the last version it saw: pods
+    made across those cuts each arrive, with one list and no watch resumed from an older version."""
+    ml, node = f"ml-{unique}", f"n1-{unique}"
+    _namespace(real_cluster, ml)
+    _gpu_node(real_cluster, node, 8)
+    names = [f"p{i}" for i in range(4)]
+    try:
+        def make() -> None:
+            for name in names:
+                time.sleep(0.7)
+                _pod(real_cluster, ml, name, 1, **OPT_IN)
+
+        asked: list[float] = []
+
+        def all_there(pods) -> bool:
+            asked.append(time.monotonic())
+            return {p.key for p in pods if p.namespace == ml} == {f"{ml}/{name}" for name in names}
+
+        changer = threading.Thread(target=make, daemon=True)
+        seen = record_requests(kube)
+        changer.start()
+        started = time.monotonic()
+        pods = kube.watch_gpu_pods(all_there, timeout_s=30, recheck_s=10, wake_at=lambda: time.monotonic() + 0.25)
+        changer.join()
+        assert sorted(p.key for p in pods if p.namespace == ml) == [f"{ml}/{name}" for name in names]
+        on_pods = [r for r in seen if r[1].endswith("/pods")]
+        assert sum("watch=" not in r[2] for r in on_pods) == 1, f"one list, then the watch: {on_pods}"
+        versions = [int(parse_qs(r[2])["resourceVersion"][0]) for r in on_pods if "watch=" in r[2]]
+        assert len(versions) > len(names), f"reads cut at the wake time: {on_pods}"
+        assert versions == sorted(versions), f"each chunk from the last version seen: {versions}"
+        quiet = [b - a for a, b in zip(asked, asked[1:])]
+        assert max(quiet) < 1.5, f"asked at the wake time, not at the chunk's end ({time.monotonic() - started:.1f}s)"
     finally:
         _cleanup(real_cluster, [ml], [node])
 

@@ -410,3 +410,63 @@ async def test_a_nodes_mirror_pods_neither_grow_the_demand_watch_nor_keep_the_no
     assert f.key("h100") in {pod for machine in plan.machines for pod in machine.pods}, plan
     idle = await env.run(f.demand.idle_nodes)
     assert f.node("gpu-hostile") in {n.name for n in idle.idle}
+
+
+#: The Demand watch's whole wait in the batch tests: longer than a watch chunk (``RECHECK_SECONDS``),
+#: so the first chunk's 30 s, not the wait, is what an unbounded read would end at.
+BATCH_WAIT_SECONDS = 60
+#: Far above any batch window here: only a watch that hangs meets it (no timing is asserted by it).
+BATCH_HANG_GUARD_SECONDS = 120
+
+
+async def _pods_added_while_the_demand_watch_waits(f: Fleet, input: DemandWatchInput, *pods: tuple[float, str]):
+    """The Demand watch's wake, each of ``pods`` (seconds after the first, name) created as an
+    opted-in Pending pod once the watch's real watch streams (the API server answered it): each
+    comes as events in a chunk already running, with nothing after it."""
+    async def add() -> None:
+        while not any(r[1] == "/api/v1/pods" and "watch=" in r[2] and r.status == 200 for r in f.seen):
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        for at, name in pods:
+            await asyncio.sleep(max(0.0, started + at - time.monotonic()))
+            await asyncio.to_thread(f.pending, name, 8, **{LABEL_GPU_PRODUCT: "H100"})
+
+    adding = asyncio.ensure_future(add())
+    env = ActivityEnvironment()
+    try:
+        wake = await asyncio.wait_for(env.run(WatchActivities(f.env).watch_demand_events, input),
+                                      BATCH_HANG_GUARD_SECONDS)
+    finally:
+        adding.cancel()
+    await asyncio.gather(adding, return_exceptions=True)
+    return wake
+
+
+def _pending_now(f: Fleet) -> list[str]:
+    """Pending pods the tier's other tests left (the loop would have an answer for them)."""
+    return [p.key for p in f.cluster.list_gpu_pods(pending_only=True)]
+
+
+async def test_a_pending_pod_closes_its_batch_after_the_idle_window_with_no_further_event(fleet: Fleet) -> None:
+    """One opted-in Pending pod, then nothing: the batch closes ``batch_idle_seconds`` after it, as
+    the loop's window promises, on a real API server whose watch sends nothing more. Before, the
+    real watch looked at the batch's deadlines only at its next event or at its chunk's end (up to
+    30 s): the batch closed then, with ``window_seconds`` the rest of the chunk, far past
+    ``batch_max_seconds``."""
+    f = fleet
+    input = DemandWatchInput(known=_pending_now(f), batch_idle_seconds=1, batch_max_seconds=10,
+                             wait_seconds=BATCH_WAIT_SECONDS, poll_seconds=0.05)
+    wake = await _pods_added_while_the_demand_watch_waits(f, input, (0.0, "alone"))
+    assert wake.why == "pods" and wake.batch.new == [f.key("alone")], wake
+    assert input.batch_idle_seconds <= wake.batch.window_seconds < input.batch_max_seconds / 2, wake.batch
+
+
+async def test_a_pending_pod_inside_the_idle_window_joins_the_batch_which_closes_after_it(fleet: Fleet) -> None:
+    """A second Pending pod 1 s after the first, inside the 2 s idle window: one batch holds both,
+    closed the idle window after the second (not at the chunk's end, nor at the first's window)."""
+    f = fleet
+    input = DemandWatchInput(known=_pending_now(f), batch_idle_seconds=2, batch_max_seconds=10,
+                             wait_seconds=BATCH_WAIT_SECONDS, poll_seconds=0.05)
+    wake = await _pods_added_while_the_demand_watch_waits(f, input, (0.0, "first"), (1.0, "second"))
+    assert wake.why == "pods" and wake.batch.new == [f.key("first"), f.key("second")], wake
+    assert input.batch_idle_seconds <= wake.batch.window_seconds < input.batch_max_seconds / 2, wake.batch

@@ -79,10 +79,11 @@ class GpuPods(Watches):
         return sorted((p for p in found if p.gpus > 0), key=lambda p: p.key)
 
     def watch_gpu_pods(self, until: Callable[[list[GpuPod]], bool], timeout_s: float, recheck_s: float = 30.0,
-                       heartbeat: Callable[[], None] | None = None, poll_s: float = 0.2) -> list[GpuPod]:
+                       heartbeat: Callable[[], None] | None = None, poll_s: float = 0.2,
+                       wake_at: Callable[[], float | None] | None = None) -> list[GpuPod]:
         def convert(obj: dict[str, Any]) -> GpuPod | None:
             pod = gpu_pod(obj)
             return pod if pod.gpus > 0 else None
 
         return self._follow("GPU pods", self.core.list_pod_for_all_namespaces, convert, until, timeout_s, recheck_s,
-                            heartbeat, field_selector="status.phase!=Succeeded,status.phase!=Failed")
+                            heartbeat, wake_at, field_selector="status.phase!=Succeeded,status.phase!=Failed")
