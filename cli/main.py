@@ -271,12 +271,11 @@ async def _watch_joins(fleet, handles: list) -> int:
         def __exit__(self, *exc) -> None:
             return None
 
-    async def step_of(handle) -> str | None:
-        try:
-            progress = await unanswered.ask(lambda: fleet.join_progress(handle.id))
-        except Exception:  # noqa: BLE001 - a query can race the workflow's first task
-            return None
-        return progress.step if progress is not None else None
+    async def steps_of(running: list) -> list[str | None]:
+        """Each join's step, asked together; None where it went unanswered or raced the join's
+        first task (a query may)."""
+        answers = await unanswered.ask_together([lambda h=h: fleet.join_progress(h.id) for h in running])
+        return [a.step if a is not None and not isinstance(a, BaseException) else None for a in answers]
 
     pending = {h.id: asyncio.ensure_future(h.result()) for h in handles}
     loop = asyncio.get_running_loop()
@@ -305,7 +304,7 @@ async def _watch_joins(fleet, handles: list) -> int:
                             failures.append((handle.id, kind, message))
                 # Asked together: with no worker each query waits its whole bound.
                 running = [h for h in handles if h.id in pending]
-                for handle, step in zip(running, await asyncio.gather(*(step_of(h) for h in running))):
+                for handle, step in zip(running, await steps_of(running)):
                     if step is not None:
                         # Why the step waits (a worker gone, a failed attempt): asked every
                         # few seconds, not every refresh (a describe is a server call).

@@ -15,6 +15,8 @@ answered again; the watch keeps asking.
 
 from __future__ import annotations
 
+import asyncio
+
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timedelta, timezone
 from typing import Iterable, TypeVar
@@ -105,6 +107,23 @@ class UnansweredQueries:
             return None
         self.error = None
         return answer
+
+    async def ask_together(self, queries: list[Callable[[], Awaitable[T]]]) -> list[T | BaseException | None]:
+        """Each of ``queries`` at once (with no worker each waits its whole bound), in order: an
+        answer, None where no worker answered, or the error it raised. ``why`` stays set when any
+        of them went unanswered: one answered query does not hide another's missing worker."""
+        missed: list[NoWorker] = []
+
+        async def one(query: Callable[[], Awaitable[T]]) -> T | None:
+            try:
+                return await query()
+            except NoWorker as error:
+                missed.append(error)
+                return None
+
+        answers = await asyncio.gather(*(one(q) for q in queries), return_exceptions=True)
+        self.error = missed[0] if missed else None
+        return answers
 
     def news(self) -> str | None:
         """For a watch that prints one line per change: ``why`` once when queries stop being

@@ -3,6 +3,8 @@ as the workflows' own details say their times)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -126,3 +128,25 @@ async def test_a_watch_says_once_that_no_worker_answers_and_once_that_one_answer
     assert (unanswered.why, unanswered.news(), unanswered.news()) == ("", "a worker answers the queries again", None)
     with pytest.raises(NotFound):
         await unanswered.ask(query)
+
+
+async def test_queries_asked_together_keep_the_reason_while_any_of_them_went_unanswered() -> None:
+    """A watch of several joins asks them at once: the one answered last must not hide that no
+    worker answered another (the join watch took whichever came back last)."""
+    from client.errors import NoWorker
+
+    async def unanswered_query():
+        raise NoWorker("join/site-a/x-0", "progress", "gpufleet", 10)
+
+    async def answered_late():
+        await asyncio.sleep(0.01)
+        return "provisioning"
+
+    async def raced():
+        raise RuntimeError("not found yet")
+
+    unanswered = UnansweredQueries()
+    answers = await unanswered.ask_together([unanswered_query, answered_late, raced])
+    assert answers[:2] == [None, "provisioning"] and isinstance(answers[2], RuntimeError)
+    assert "`join/site-a/x-0`" in unanswered.why
+    assert await unanswered.ask_together([answered_late]) == ["provisioning"] and unanswered.why == ""
