@@ -815,3 +815,31 @@ def test_dev_stack_workers_serve_their_metrics(tmp_path: Path) -> None:
         # The SDK's series (tagged service="node-agent") start with the first node's connection.
     finally:
         stop_dev(dev)
+
+
+@needs("promtool")
+def test_a_node_claiming_a_million_agents_counts_as_one_on_the_dashboard(tmp_path: Path) -> None:
+    """"Node agents running" sums what the agents serve: each node agent runs one agent, so a node
+    that serves a million (it may serve anything) counts once, and a series in another job (one
+    a node could put under the control plane's names) counts not at all."""
+    (panel,) = [p for p in dashboard()["panels"] if p.get("title") == "Node agents running"]
+    expr = panel["targets"][0]["expr"]
+    series = [
+        {"series": f'gpufleet_node_agents_running{{job="{NODE_AGENT_JOB}",instance="10.0.0.8:9465",node="gpu-8"}}',
+         "values": "1x10"},
+        {"series": f'gpufleet_node_agents_running{{job="{NODE_AGENT_JOB}",instance="10.0.0.9:9465",node="gpu-9"}}',
+         "values": "1000000x10"},
+        {"series": f'gpufleet_node_agents_running{{job="{CONTROL_PLANE_JOB}",instance="10.0.0.2:9464"}}',
+         "values": "500x10"},
+    ]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": [{"name": "panel", "rules": [
+        {"record": "gpufleet_dashboard:agents", "expr": expr}]}]}))
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
+        "rule_files": [str(tmp_path / "rules.yaml")], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "promql_expr_test": [
+            {"expr": "gpufleet_dashboard:agents", "eval_time": "5m",
+             "exp_samples": [{"labels": "gpufleet_dashboard:agents", "value": 2}]}]}],
+    }))
+    tested = subprocess.run([require("promtool"), "test", "rules", str(tmp_path / "test.yaml")],
+                            capture_output=True, text=True)
+    assert tested.returncode == 0, tested.stdout + tested.stderr
