@@ -249,20 +249,28 @@ def node_config(
 
 @cluster_app.command("credentials-role")
 def credentials_role(
-    config: str = typer.Option(None, "--config", envvar=CONFIG_ENV, help="fleet config (sites.yaml)"),
+    config: str = typer.Option(None, "--config", envvar=CONFIG_ENV,
+                               help="the fleet config the control plane runs with (sites.yaml); required"),
 ) -> None:
     """Print the Role (and its RoleBinding) that lets the control plane get the Secrets the fleet
-    config names, each by name, and no other Secret: ``gpufleet cluster credentials-role |
-    kubectl apply -f -``. Run it again whenever sites.yaml names another Secret; applied over an
-    older ``gpufleet-credentials`` Role, it replaces that Role's rules.
+    config names, each by name, and no other Secret: ``gpufleet cluster credentials-role --config
+    sites.yaml | kubectl apply -f -``. Run it again whenever sites.yaml names another Secret;
+    applied over an older ``gpufleet-credentials`` Role, it replaces that Role's rules.
 
-    Exit 2 when the config cannot be read or names a Secret outside ``gpufleet``.
+    Exit 2 when no config is given, the config cannot be read or it names a Secret outside
+    ``gpufleet``.
     """
     import yaml
 
     from fleet.config import ConfigError, load_config
     from providers.credentials import credentials_role as render
 
+    if not config:
+        # Not the built-in simulated fleet, as other commands default to: it names no Secret, and
+        # its Role, applied, would take every credential read from the real control plane.
+        Console(stderr=True).print(f"[red]cannot render the credentials Role:[/red] name the fleet config the "
+                                   f"control plane runs with (--config sites.yaml, or ${CONFIG_ENV})")
+        raise typer.Exit(2)
     try:
         docs = render(load_config(config), config or "(config)")
     except ConfigError as error:

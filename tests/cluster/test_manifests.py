@@ -227,6 +227,21 @@ def test_the_cli_prints_the_credentials_role_to_apply(tmp_path):
     assert done.exit_code == 2 and "accounts.lambda-prod.credentials" in done.output, done.output
 
 
+def test_the_credentials_role_is_never_rendered_from_the_built_in_fleet(monkeypatch):
+    """Without a config other commands run the built-in simulated fleet, which names no Secret:
+    its Role, applied over the real one, would take every credential read from the control plane
+    (each account then BadCredentials until rotated by hand)."""
+    from typer.testing import CliRunner
+
+    from cli.cluster import cluster_app
+    from fleet.settings import CONFIG_ENV
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    done = CliRunner().invoke(cluster_app, ["credentials-role"])
+    assert done.exit_code == 2 and "--config sites.yaml" in done.output, done.output
+    assert "kind: Role" not in done.output
+
+
 def test_node_agent_daemonset_runs_on_gpu_nodes_including_unproven():
     (daemonset,) = _docs("node-agent.yaml")
     assert daemonset["kind"] == "DaemonSet"
