@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from datetime import timedelta
 
 import grpc
@@ -35,7 +36,7 @@ from temporalio.api.workflowservice.v1 import (
 
 from temporalio.worker import Worker
 
-from tests.conftest import NODE_GATEWAYS, wait_for
+from tests.conftest import NODE_GATEWAYS, start_test_gateway, wait_for
 from tests.security.gateway_helpers import (
     call,
     code_of,
@@ -47,6 +48,9 @@ from tests.security.gateway_helpers import (
     poll_request,
     unique,
 )
+from workers.gateway.authorization import GatewayStats, NodeAuthorization
+from workers.gateway.liveness import Verdict
+from workers.gateway.node_log import NODE_LOG_SECONDS, NodeLog
 from workers.gateway.proxy import (
     CALLS_PER_NODE,
     HEARTBEAT_BURST,
@@ -370,3 +374,77 @@ async def test_names_a_node_sends_are_cut_short_in_errors_and_logs(gateway, atta
     assert caught.value.code() == DENIED and len(caught.value.details()) < 300
     lines = [r.getMessage() for r in caplog.records if r.name == "gpufleet.node_gateway" and node.name in r.getMessage()]
     assert len(lines) >= 3 and all(len(line) < 400 for line in lines), [line[:120] for line in lines]
+
+
+def _lines_about(caplog, name: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "gpufleet.node_gateway" and name in r.getMessage()]
+
+
+async def test_a_retired_node_refused_500_times_writes_a_few_log_lines(temporal_env, caplog) -> None:
+    """Security audit: every refused call was logged, one warning a call, so a retired node whose
+    certificate is still valid wrote the gateway's log (and the log pipeline every component
+    shares) at its full call rate: 500 calls, 500 lines. Now its first refusal is logged at once
+    and the rest are counted into one line when the minute ends; every call is still refused,
+    and counted in ``gpufleet_gateway_refused``."""
+    caplog.set_level(logging.WARNING, logger="gpufleet.node_gateway")
+    own = await start_test_gateway(temporal_env.client)
+    gateway = own.running.gateway
+    name = unique("retired")
+    await live_entity(temporal_env.client, name)
+    await end_entity(temporal_env.client, name)  # retired; its certificate is valid for hours more
+    node = credentials(own.pki, name)
+    try:
+        async with node_channel(own.access, node) as channel:
+            poll = call(channel, "PollActivityTaskQueue")
+
+            async def polls(count: int) -> list[grpc.StatusCode]:
+                return [await code_of(poll(poll_request(name), timeout=10)) for _ in range(count)]
+
+            # Ten at once: under CALLS_PER_NODE, so none is held.
+            codes = [code for some in await asyncio.gather(*(polls(50) for _ in range(10))) for code in some]
+            assert codes == [DENIED] * 500, "the refusal itself is unchanged"
+            first = _lines_about(caplog, name)
+            assert len(first) == 1, f"{len(first)} lines for 500 refused calls: {first[:3]}"
+            assert f"node {name}: PollActivityTaskQueue refused: {Verdict.RETIRED.value}" in first
+
+            # The minute is over: the next refusal brings the count, and is logged itself.
+            gateway.node_log.clock = lambda: time.monotonic() + NODE_LOG_SECONDS
+            assert await code_of(poll(poll_request(name), timeout=10)) == DENIED
+    finally:
+        await own.running.stop(grace=None)
+    lines = _lines_about(caplog, name)
+    assert len(lines) == 3, lines
+    assert (f"node {name}: 499 more PollActivityTaskQueue refused ({Verdict.RETIRED.value}) "
+            f"in the last {NODE_LOG_SECONDS:g} s") in lines, lines
+    assert gateway.stats.refused == 501, "the metric counts every refusal"
+
+
+async def test_a_nodes_left_out_warnings_are_counted_when_its_window_ends_and_its_keys_are_bounded(caplog) -> None:
+    """A node that stops calling still gets its count (at the window's end, no later call needed);
+    what a node sent never opens a window of its own; a full table closes its oldest window early,
+    its count logged, so the bookkeeping's memory is bounded."""
+    caplog.set_level(logging.WARNING, logger="test.node_log")
+    node_log = NodeLog(logging.getLogger("test.node_log"), seconds=0.3, windows=2)
+    for _ in range(4):
+        node_log.warn("n1", "Poll refused", "namespace …", "node %s: namespace %s", "n1", "'x'")
+    assert [r.getMessage() for r in caplog.records] == ["node n1: namespace 'x'"]
+    await wait_for(lambda: len(caplog.records) == 2, timeout=3)
+    assert caplog.records[1].getMessage() == "node n1: 3 more Poll refused (namespace …) in the last 0.3 s"
+
+    caplog.clear()
+    node_log.seconds, node_log.clock = 60.0, lambda: 100.0
+    for node in ("a", "a", "b", "c"):  # c's window is the third: a's, the oldest, closes early
+        node_log.warn(node, "calls over its limits", "", "node %s over its limits", node)
+    assert [r.getMessage() for r in caplog.records] == [
+        "node a over its limits", "node b over its limits",
+        "node a: 1 more calls over its limits in the last 0 s", "node c over its limits"]
+    assert len(node_log._windows) == 2
+
+    # Names a node makes up share one window; the workflow service's own calls are named.
+    caplog.clear()
+    authorization = NodeAuthorization("default", GatewayStats(), NodeLog(logging.getLogger("test.node_log")))
+    for made_up in ("Made", "Up", "Names", "StartWorkflowExecution"):
+        authorization.refuse("n1", made_up, "not a node agent's call")
+    assert [r.getMessage() for r in caplog.records] == [
+        "node n1: Made refused: not a node agent's call",
+        "node n1: StartWorkflowExecution refused: not a node agent's call"]

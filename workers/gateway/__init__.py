@@ -12,6 +12,9 @@ door from a GPU node to Temporal. Split by job:
 - ``proxy``: the gRPC server: per-node limits, forwarding over the control plane's own
   connection, the gateway's metrics.
 - ``pki``: the dev stack's and the tests' CA and signer (production uses the cluster CA's).
+- ``node_log``: the warnings a node's calls cause (refusals, limits, failed liveness checks),
+  at most one per node and reason a minute and then how many more: a node decides its call
+  rate, not how much the gateway writes to the log every component shares.
 
 This file imports none of them, so importing one part loads only what it needs.
 
@@ -29,7 +32,7 @@ or API key), only what a node agent needs:
 - the read-only calls the SDK's worker makes at start-up and its
   ``ShutdownWorker`` (see ``authorization._START_UP``).
 
-Everything else is ``PERMISSION_DENIED``, logged with the node's name (``RecordWorkerHeartbeat``
+Everything else is ``PERMISSION_DENIED``, logged with the node's name (``node_log``; ``RecordWorkerHeartbeat``
 too: nothing reads a node's worker heartbeats, and they could fill the server's worker list).
 Each forwarded request is rebuilt from only the fields the policy allows (unknown fields,
 deployment and versioning options, embedded worker heartbeats, heartbeat and cancellation

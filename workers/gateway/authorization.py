@@ -8,7 +8,8 @@ A node agent may only:
 - make the read-only calls the SDK's worker makes at start-up and its ``ShutdownWorker``
   (see ``_START_UP``).
 
-Everything else is refused (``Refused``: PERMISSION_DENIED, logged with the node's name),
+Everything else is refused (``Refused``: PERMISSION_DENIED, logged with the node's name: the
+first of each call and reason a minute, then how many more, ``node_log``),
 ``RecordWorkerHeartbeat`` included (see ``_START_UP``). Each allowed request is rebuilt from
 only the fields the policy allows (unknown fields, deployment and versioning options, embedded
 worker heartbeats, heartbeat and cancellation details dropped; a failure rebuilt by
@@ -31,9 +32,11 @@ from temporalio.api.enums.v1 import TaskQueueKind
 from temporalio.api.failure.v1 import ApplicationFailureInfo, Failure
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import request_response_pb2 as wsr
+from temporalio.api.workflowservice.v1 import service_pb2
 
 from fleet.naming import node_queue
 from workers.gateway.node_identity import NODE_GROUP, node_from_subject
+from workers.gateway.node_log import NodeLog
 
 log = logging.getLogger("gpufleet.node_gateway")
 
@@ -62,6 +65,11 @@ _RESPONDS = {
 }
 #: Every call a node may make (each still checked in ``NodeAuthorization.authorize``).
 ALLOWED = frozenset({"PollActivityTaskQueue", *_START_UP, *_RESPONDS})
+#: The calls a refusal's log windows (``NodeLog``) are kept apart by: the workflow service's own
+#: (a refused node's log says which it tried), a set Temporal's API fixes and no node can add to.
+#: Any other name is the node's own invention, one window for all ("other calls"): a node making
+#: up names would otherwise write a line per name.
+NAMED_CALLS = frozenset({*service_pb2.DESCRIPTOR.services_by_name["WorkflowService"].methods_by_name, "(any)"})
 #: The calls that carry an activity's result (they may be larger: ``proxy.RESULT_BYTES``).
 RESULTS = {"RespondActivityTaskCompleted", "RespondActivityTaskFailed", "RespondActivityTaskCanceled"}
 #: Only these of the caller's metadata go upstream: a node's own ``authorization`` never does.
@@ -205,20 +213,28 @@ class NodeAuthorization:
     place, and the task tokens delivered to each node (kept in memory on purpose: see the
     package's docstring)."""
 
-    def __init__(self, namespace: str, stats: GatewayStats) -> None:
+    def __init__(self, namespace: str, stats: GatewayStats, node_log: NodeLog | None = None) -> None:
         self.namespace = namespace
         self.stats = stats
+        self.node_log = node_log or NodeLog(log)
         self._tokens: dict[str, OrderedDict[bytes, None]] = {}
         self._certs: dict[bytes, NodeCert] = {}  # certificate PEM → what it says
         self._polls: dict[str, tuple[str, bytes]] = {}  # node → (worker instance key, the poll forwarded)
 
-    def refuse(self, node: str, method: str, why: str) -> Refused:
+    def refuse(self, node: str, method: str, why: str, *sent: object) -> Refused:
+        """The refusal of ``method``: ``why`` is the gateway's own words, each ``%s`` in it filled
+        with one of ``sent`` (what the node sent), cut short. Counted every time; logged as the
+        first of its (node, call, ``why``) in ``NodeLog``'s window, the rest as one count."""
         self.stats.refused += 1
-        call = echo(method.rsplit("/", 1)[-1]).strip("'")
-        line = f"{node or '?'}: {call} refused: {why}"
-        self.stats.refusals = [*self.stats.refusals, line][-200:]
-        log.warning("node %s: %s refused: %s", node or "?", call, why)
-        return Refused(why)
+        node = node or "?"
+        name = method.rsplit("/", 1)[-1]
+        call = echo(name).strip("'")
+        reason = why % tuple(echo(value) for value in sent) if sent else why
+        self.stats.refusals = [*self.stats.refusals, f"{node}: {call} refused: {reason}"][-200:]
+        self.node_log.warn(node, f"{name if name in NAMED_CALLS else 'other calls'} refused",
+                           why % (("…",) * len(sent)) if sent else why,
+                           "node %s: %s refused: %s", node, call, reason)
+        return Refused(reason)
 
     def identify(self, context: grpc.aio.ServicerContext) -> NodeCert:
         """The caller's certificate, checked again on every call: an open connection stops
@@ -236,7 +252,8 @@ class NodeAuthorization:
     def _parse(self, pem: bytes, names: list[str]) -> NodeCert:
         node = node_from_subject(names[0]) if names else None
         if node is None or not pem:
-            raise self.refuse("", "(any)", f"not a node certificate: {echo(names[0]) if names else 'none'}")
+            raise self.refuse("", "(any)", "not a node certificate: %s" if names else "not a node certificate: none",
+                              *names[:1])
         from cryptography import x509
         from cryptography.hazmat.primitives import serialization
 
@@ -258,7 +275,7 @@ class NodeAuthorization:
 
     def _namespace(self, node: str, name: str, namespace: str, empty_ok: bool = False) -> None:
         if namespace != self.namespace and not (empty_ok and not namespace):
-            raise self.refuse(node, name, f"namespace {echo(namespace)}")
+            raise self.refuse(node, name, "namespace %s", namespace)
 
     def authorize(self, node: str, name: str, request: bytes) -> tuple[bytes, bytes | None]:
         """The request to forward, rebuilt from only what the policy allows (identity rewritten,
@@ -268,9 +285,9 @@ class NodeAuthorization:
             poll = wsr.PollActivityTaskQueueRequest.FromString(request)
             self._namespace(node, name, poll.namespace)
             if poll.task_queue.name != queue:
-                raise self.refuse(node, name, f"task queue {echo(poll.task_queue.name)} is not {queue!r}")
+                raise self.refuse(node, name, f"task queue %s is not {queue!r}", poll.task_queue.name)
             if poll.worker_control_task_queue:
-                raise self.refuse(node, name, f"control queue {echo(poll.worker_control_task_queue)}")
+                raise self.refuse(node, name, "control queue %s", poll.worker_control_task_queue)
             instance = poll.worker_instance_key
             if not _INSTANCE_KEY.match(instance):
                 instance = ""
@@ -301,7 +318,8 @@ class NodeAuthorization:
                 result, why = clean_result(message.result if message.HasField("result") else None)
                 message.result.CopyFrom(result)
                 if why:
-                    log.warning("node %s: its result replaced: a result of %s", node, why)
+                    self.node_log.warn(node, "results replaced", "not one json/plain payload",
+                                       "node %s: its result replaced: a result of %s", node, why)
             message.identity = identity
             return message.SerializeToString(), message.task_token
         if name == "GetSystemInfo":
@@ -309,13 +327,13 @@ class NodeAuthorization:
         if name == "DescribeNamespace":
             described = wsr.DescribeNamespaceRequest.FromString(request)
             if described.namespace != self.namespace or described.id:
-                raise self.refuse(node, name, f"namespace {echo(described.namespace or described.id)}")
+                raise self.refuse(node, name, "namespace %s", described.namespace or described.id)
             return wsr.DescribeNamespaceRequest(namespace=self.namespace).SerializeToString(), None
         if name == "ShutdownWorker":
             bye = wsr.ShutdownWorkerRequest.FromString(request)
             self._namespace(node, name, bye.namespace)
             if bye.sticky_task_queue or bye.task_queue not in ("", queue):
-                raise self.refuse(node, name, f"queue {echo(bye.task_queue or bye.sticky_task_queue)}")
+                raise self.refuse(node, name, "queue %s", bye.task_queue or bye.sticky_task_queue)
             # Its own queue only, and no embedded worker heartbeat: that would describe a worker
             # (on any queue it names) to the server's worker list.
             forward = wsr.ShutdownWorkerRequest(namespace=self.namespace, identity=identity, task_queue=queue,

@@ -20,6 +20,7 @@ from fleet.contracts import workflows as flows
 from fleet.naming import node_workflow_id
 from fleet.settings import Settings
 from providers.cluster.base import AccessRule
+from workers.gateway.node_log import NodeLog
 
 log = logging.getLogger("gpufleet.node_gateway")
 
@@ -139,10 +140,12 @@ class LiveCache:
     """Each (node, key) verdict, never older than ``ttl`` seconds: a retired node is refused
     within ``ttl``. A node that keeps calling has its verdict renewed in the background once it
     is half that old, so its calls do not wait for a lookup (cluster and Temporal reads) on the
-    round trip's critical path."""
+    round trip's critical path. A lookup that fails is logged through ``node_log`` (a failure
+    is not kept, so each call of the node's can start another)."""
 
-    def __init__(self, check: Liveness, ttl: float = 1.0) -> None:
+    def __init__(self, check: Liveness, ttl: float = 1.0, node_log: NodeLog | None = None) -> None:
         self.check, self.ttl = check, ttl
+        self.node_log = node_log or NodeLog(log)
         self._seen: dict[tuple[str, str], tuple[float, Verdict | bool]] = {}
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
         self._tasks: set[asyncio.Task] = set()
@@ -178,7 +181,7 @@ class LiveCache:
             verdict = await self.check(*which)
             known = verdict is not None
         except Exception as error:  # noqa: BLE001 - cannot tell: refuse (fail closed), do not cache
-            log.warning("liveness of %s unknown: %s", which[0], error)
+            self.node_log.warn(which[0], "liveness checks failed", "", "liveness of %s unknown: %s", which[0], error)
         finally:
             self._inflight.pop(which, None)
             if known:

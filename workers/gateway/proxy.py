@@ -37,6 +37,7 @@ from workers.gateway.authorization import (
     echo,
 )
 from workers.gateway.liveness import LiveCache, Liveness, Verdict, default_liveness
+from workers.gateway.node_log import NodeLog
 
 log = logging.getLogger("gpufleet.node_gateway")
 
@@ -116,8 +117,6 @@ STARTUP_ANSWERED = frozenset({"GetSystemInfo", "DescribeNamespace"})
 #: A poll that got a slot with less time left than this is answered with no task, not
 #: forwarded: the frontend refuses a long poll this short (FAILED_PRECONDITION).
 MIN_UPSTREAM_POLL_SECONDS = 3.0
-#: A node over its limits is logged at most this often (every such call is counted).
-LIMIT_LOG_SECONDS = 60.0
 
 
 class RateLimits:
@@ -202,10 +201,11 @@ class NodeGateway(grpc.GenericRpcHandler):
         self.live = live
         self.upstream_metadata = list(upstream_metadata or [])
         self.stats = GatewayStats()
-        self.authorization = NodeAuthorization(namespace, self.stats)
+        # Every warning a node's calls cause: at most one per node and reason a minute, and a count.
+        self.node_log = NodeLog(log)
+        self.authorization = NodeAuthorization(namespace, self.stats, self.node_log)
         self._stubs: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._load: dict[str, NodeLoad] = {}
-        self._limit_logged: dict[str, float] = {}
         self._heartbeats = RateLimits(HEARTBEATS_PER_SECOND, HEARTBEAT_BURST)
         self._calls = RateLimits(calls_per_second, call_burst)
         self._startup = StartupAnswers(STARTUP_ANSWER_SECONDS)
@@ -228,20 +228,18 @@ class NodeGateway(grpc.GenericRpcHandler):
         return self._handlers.get(details.method) or self._handler(details.method)
 
     def _over_limit(self, node: str, why: str) -> None:
+        # One window per node whatever the limit (``why`` names what the node sent): the first
+        # line says which limit, the count says how many calls in all.
         self.stats.limited += 1
-        now = time.monotonic()
-        if now - self._limit_logged.get(node, -LIMIT_LOG_SECONDS) >= LIMIT_LOG_SECONDS:
-            if len(self._limit_logged) > 100_000:
-                self._limit_logged.clear()
-            self._limit_logged[node] = now
-            log.warning("node %s over its limits (%s); its calls over them are held, then answered, "
-                        "or refused beyond what it may hold (logged once a minute, each counted)", node, why)
+        self.node_log.warn(node, "calls over its limits", "",
+                           "node %s over its limits (%s); its calls over them are held, then answered, "
+                           "or refused beyond what it may hold (logged once a minute, each counted)", node, why)
 
     async def _alive(self, node: str, key: str) -> Verdict | None:
         try:
             verdict = await self.live(node, key)
         except Exception as error:  # noqa: BLE001 - a bare liveness check (no LiveCache) that could not tell
-            log.warning("liveness of %s unknown: %s", node, error)
+            self.node_log.warn(node, "liveness checks failed", "", "liveness of %s unknown: %s", node, error)
             return None
         if verdict is True:
             return Verdict.LIVE
@@ -345,7 +343,7 @@ class NodeGateway(grpc.GenericRpcHandler):
                     # stability), or a renewed key is not bound yet, an agent must keep retrying, not
                     # treat its identity as revoked.
                     if verdict is Verdict.UNBOUND:
-                        log.warning("node %s: %s", node, verdict.value)
+                        self.node_log.warn(node, f"{name} refused", verdict.value, "node %s: %s", node, verdict.value)
                     why = verdict.value if verdict else "cannot verify this node now (control plane unreachable)"
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"node gateway: {why}; retry")
                 if verdict is not Verdict.LIVE:
@@ -492,7 +490,8 @@ class GatewayCollector:
         yield CounterMetricFamily("gpufleet_gateway_forwarded", "Node agent calls forwarded to Temporal.",
                                   value=stats.forwarded)
         yield CounterMetricFamily("gpufleet_gateway_refused",
-                                  "Node agent calls refused (PERMISSION_DENIED), each logged with the node.",
+                                  "Node agent calls refused (PERMISSION_DENIED), every one (the log has the "
+                                  "first of each node and reason a minute, and how many more).",
                                   value=stats.refused)
         yield GaugeMetricFamily("gpufleet_gateway_held_polls", "Long polls the gateway holds open for nodes now.",
                                 value=stats.held_polls)
