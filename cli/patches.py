@@ -156,6 +156,8 @@ def scan_patches(package_dir: Path | None = None) -> list[Patch]:
                 where = f"{package}/{path.name}:{node.lineno}"
                 found.append((resolve(stem, node.args[0] if node.args else None, where), kind, where))
         for base in cls.bases:
+            if isinstance(base, ast.Subscript):
+                base = base.value  # a generic base, ``Entity[NodeCarry]``: the class is ``Entity``
             name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else None
             if name in classes and name not in seen:
                 found += calls_in(*classes[name], seen)
@@ -280,7 +282,8 @@ def renew(
     (`keep: N open runs of Node ...`) may go. Prints how many runs of each type it asked. Most
     move on within seconds; one with work in flight once that ends (a Site's fill, evacuation or
     retirement, a Node's repair, Demand's retirements). Other workflow types are no entities:
-    their runs end by themselves."""
+    their runs end by themselves. Only once the deploy has finished: a run whose signal reaches
+    a worker of a release before `renew` ignores it, and every later one."""
     from client import InvalidArgument
 
     since = parse_deployed_since(deployed_since)
@@ -292,4 +295,6 @@ def renew(
         fail(f"--{error.field.replace('_', '-')}: {error.problems[0][1]}", 2)
     show_rows(f"entity runs started before {_stamp(since)} asked to renew", RENEWED_COLUMNS,
               [[r.workflow_type, str(r.asked), str(r.closed)] for r in renewed], output)
-    err.print(f"`gpufleet patches --deployed-since {_stamp(since)}` counts the runs not yet renewed")
+    err.print(f"`gpufleet patches --deployed-since {_stamp(since)}` counts the runs not yet renewed; a run whose "
+              "signal reached a worker of a release before `renew` ignores it, and any sent again, until Temporal "
+              "suggests it continue as new")

@@ -73,7 +73,7 @@ def test_deprecated_and_inherited_patches_are_placed_and_an_unplaceable_call_is_
                     "from workflows.ids import SHARED\n"
                     "OLD = 'old-id'\n"
                     "@workflow.defn(name='Thing')\n"
-                    "class ThingEntity(Entity):\n"
+                    "class ThingEntity(Entity[int]):\n"
                     "    @workflow.run\n"
                     "    async def run(self):\n"
                     "        workflow.deprecate_patch(OLD)\n"

@@ -304,9 +304,13 @@ EXPECTED = {
     # before replays in ``site_retire_above_max`` and the other ``site_above_max_*``.
     "site_incident_stops_its_surplus_retirement",
     # Entities asked to ``renew`` (``gpufleet patches renew``) continue as new at their next safe
-    # point: an idle Node's loop woken from its rest, Demand's event watch cut (tests/test_patches.py,
-    # tests/test_demand_loop.py; no patch: no history before holds the signal).
+    # point: an idle Node's loop woken from its rest, Demand's event watch cut (``entity-renews``,
+    # tests/test_patches.py, tests/test_demand_loop.py). ``_before``: runs of the release before it
+    # (no handler), recorded on that code, whose worker kept a ``renew`` and went on (Demand to its
+    # next purchase and watches, the Node to its next watch): replayed, the signal is ignored as it
+    # was (without the patch the handler cut the watch, or continued as new, where they went on).
     "node_entity_renewed", "demand_renewed_in_its_watch",
+    "node_entity_renewed_before", "demand_renewed_in_its_watch_before",
 }
 
 

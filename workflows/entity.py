@@ -46,6 +46,24 @@ with workflow.unsafe.imports_passed_through():
 
 StateT = TypeVar("StateT")
 
+#: Workflow patch, asked where ``renew`` is taken (``Entity.renew``), before it changes anything.
+#: A worker of the release before has no handler: during a rolling deploy, or when ``gpufleet
+#: patches renew`` reaches a run on such a worker, the SDK keeps the signal (it stays in the
+#: history) and the run goes on recording its next commands (Demand's next watch, the Node's).
+#: Replayed by this code without the patch, the handler would run at the signal's place: Demand's
+#: watch cancelled, the Node's loop continuing as new, commands that history does not hold (a
+#: nondeterminism on every workflow task: the entity stuck). With it, that replay finds no marker
+#: and ignores the signal as the code before did; the SDK keeps that answer for the run, so such a
+#: run ignores every later ``renew`` too, and continues as new when Temporal next suggests it. A
+#: run that takes the signal live records the marker in that task and renews.
+#: Asked in the signal handler itself, never behind the Node entity's ``self._settled or``: a
+#: settled run may hold a signal an old worker kept (``node_entity_renewed_before``), and taking the
+#: new path without a marker there is the very divergence. A signal is taken in the workflow task
+#: of its event, live and on replay, so the marker is among that task's commands (no entity asks it
+#: right after a local activity: only the Node's runs from before ``node-patches-at-start-4`` run
+#: any, and this is no code after one).
+ENTITY_RENEW_PATCH = "entity-renews"
+
 
 class Entity(Generic[StateT]):
     """Base of every entity workflow class (not a workflow itself)."""
@@ -136,9 +154,10 @@ class Entity(Generic[StateT]):
         long for weeks). The request is this run's alone, not carried: the next run starts on the
         code deployed then and does not continue again.
 
-        No patch: a patch keeps the commands of a history already recorded, and no such history
-        holds this signal (the code before had no handler for it), so every recorded run replays as
-        it ran; a run that takes it continues as new, as it would have on the server's word."""
+        Behind ``ENTITY_RENEW_PATCH``: a signal a worker without this handler kept is ignored, as
+        it was then."""
+        if not workflow.patched(ENTITY_RENEW_PATCH):
+            return
         self._renewal_asked = True
         self.on_renewal_asked()
 
