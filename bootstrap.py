@@ -59,6 +59,8 @@ SYSTEM_TOOLS = {
     # The real Temporal tier's database. The server (initdb, postgres) sits off PATH under
     # /usr/lib/postgresql/<v>/bin: this is postgresql-common's wrapper, which comes with it.
     "pg_ctlcluster": "postgresql",
+    # The install pages' certificate recipes, run as written (tests/doc_recipes.py).
+    "openssl": "openssl",
 }
 #: What skips without each program (outside CI; in CI it fails instead): the tiers and files that
 #: drive it, as the message below names them. tests/test_tools.py keeps it in step with the tests'
@@ -73,6 +75,7 @@ SKIPPED_WITHOUT = {
     "ip": ["the real Kubernetes tier (tests/realk8s)"],
     "unshare": ["the real Kubernetes tier (tests/realk8s)", "tests/test_node_install.py"],
     "pg_ctlcluster": ["the real Temporal tier (tests/realtemporal)"],
+    "openssl": ["tests/realtemporal/test_tls.py", "tests/test_node_gateway.py"],
     # Not a Debian package: built with the real Kubernetes tier (build_real_components).
     "kubectl": ["tests/test_deploy.py", "tests/cluster/test_network.py", "tests/test_helm.py"],
 }

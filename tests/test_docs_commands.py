@@ -3,10 +3,12 @@ docs said ``gpufleet status``, which does not exist, ``gpufleet join <site>`` wh
 ``--site``, and "``gpufleet accounts`` lists it" where ``gpufleet accounts`` prints its help).
 
 Read from the Markdown as a reader copies it: each shell line of a fenced code block and each
-inline code span that starts with ``gpufleet`` (the deploy/ READMEs the docs include with
-``--8<--`` too). Its sub-command path must exist in the typer app and end at a command (a bare
-group only prints its help); every option it names must be one that command takes, and it may
-give no more arguments than the command has. No server: the app's click tree is walked."""
+inline code span that starts with ``gpufleet``, or runs it in a pod (``kubectl exec ... --
+gpufleet ...``: the production install runs the commands that need Temporal inside the control
+plane's pod), in the docs and in every deploy/ README. Its sub-command path must exist in the
+typer app and end at a command (a bare group only prints its help); every option it names must
+be one that command takes, and it may give no more arguments than the command has. No server:
+the app's click tree is walked."""
 
 from __future__ import annotations
 
@@ -29,14 +31,16 @@ SHELL_FENCES = {"", "bash", "sh", "shell", "console", "text", "shell-session", "
 SEPARATORS = re.compile(r"&&|\|\||[;|]|\$\(")
 ENV_ASSIGNMENT = re.compile(r"^[A-Z_][A-Z0-9_]*=\S*$")
 PROGRAM = re.compile(r"^(?:\S*/)?gpufleet$")
+KUBECTL = re.compile(r"^(?:\S*/)?kubectl$")
 #: Words that stand for something the reader fills in or a family of commands.
 PLACEHOLDER = re.compile(r"^(\.\.\.|…|<.*|\{.*|\[.*)$")
 
 
 def pages() -> list[Path]:
-    """The README, every docs page, and the files the pages include (``--8<-- "path"``)."""
+    """The README, every docs page, the files the pages include (``--8<-- "path"``) and every
+    README under deploy/ (the install steps beside the manifests and the chart)."""
     included = {ROOT / m for page in DOC_PAGES for m in re.findall(r'^--8<-- "([^"]+)"', page.read_text(), re.M)}
-    return DOC_PAGES + sorted(included)
+    return DOC_PAGES + sorted(included | set((ROOT / "deploy").rglob("README.md")))
 
 
 @dataclass(frozen=True)
@@ -50,7 +54,8 @@ class Shown:
 
 
 def command_words(segment: str) -> list[str] | None:
-    """The words after ``gpufleet`` when ``segment`` runs it (after a prompt and variables)."""
+    """The words after ``gpufleet`` when ``segment`` runs it (after a prompt and variables, or
+    in a pod: after ``kubectl ... exec ... --``)."""
     segment = segment.strip().removeprefix("$ ").strip()
     try:
         words = shlex.split(segment, comments=True)
@@ -58,6 +63,8 @@ def command_words(segment: str) -> list[str] | None:
         words = segment.split("#")[0].split()
     while words and ENV_ASSIGNMENT.match(words[0]):
         words.pop(0)
+    if words and KUBECTL.match(words[0]) and "exec" in words and "--" in words:
+        words = words[words.index("--") + 1:]  # what the pod runs
     if not words or not PROGRAM.match(words[0]):
         return None
     return words[1:]
@@ -164,7 +171,11 @@ def test_the_docs_show_commands_at_all() -> None:
     shown = [s for page in pages() for s, _ in shown_commands(page)]
     assert len(shown) > 100, len(shown)
     assert {"README.md", "docs/getting-started.md", "docs/production/joining.md",
-            "deploy/temporal/README.md"} <= {s.page for s in shown}
+            "deploy/temporal/README.md", "deploy/kubernetes/README.md",
+            "deploy/helm/gpufleet/README.md"} <= {s.page for s in shown}
+    in_the_pod = [s for s in shown if s.text.startswith("kubectl")]
+    assert {"docs/production/index.md", "deploy/temporal/README.md", "deploy/helm/gpufleet/README.md"} <= {
+        s.page for s in in_the_pod}, in_the_pod
 
 
 def test_every_command_in_the_readme_and_the_docs_exists(root: Any) -> None:
@@ -179,6 +190,11 @@ def test_every_command_in_the_readme_and_the_docs_exists(root: Any) -> None:
     ("gpufleet accounts", "`gpufleet accounts` is a group"),
     ("gpufleet capacity --gpu H100 --region eu", "takes no option --region"),
     ("gpufleet sim revoke a b", "takes 1 argument(s), not 2"),
+    # run in the control plane's pod: the same CLI
+    ("kubectl -n gpufleet exec deploy/gpufleet-control-plane -c worker -- gpufleet schedule apply",
+     "has no command 'schedule'"),
+    ("kubectl -n gpufleet exec deploy/gpufleet-control-plane -- gpufleet search-attributes --adress x:7233",
+     "takes no option --adress"),
 ])
 def test_the_old_mistakes_are_caught(root: Any, line: str, problem: str) -> None:
     assert any(problem in p for p in problems_of(command_words(line), root)), (line, problems_of(command_words(line), root))
@@ -189,6 +205,7 @@ def test_the_old_mistakes_are_caught(root: Any, line: str, problem: str) -> None
     "gpufleet capacity --gpu H100 --geo eu", "gpufleet sites -o json", "gpufleet sim <knob> ...", "gpufleet --help",
     "gpufleet sim fault <node> --gpu 3 --xid 79", "GPUFLEET_CONFIG=x.yaml gpufleet nodes",
     "gpufleet advisor [OPTIONS]", "gpufleet node-gateway --dev",
+    "kubectl -n gpufleet exec deploy/gpufleet-control-plane -c worker -- gpufleet schedules apply",
 ])
 def test_the_right_commands_pass(root: Any, line: str) -> None:
     assert problems_of(command_words(line), root) == []

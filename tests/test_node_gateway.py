@@ -16,6 +16,7 @@ from temporalio import activity, workflow
 from temporalio.api.common.v1 import WorkflowExecution
 from temporalio.api.taskqueue.v1 import TaskQueue
 from temporalio.api.workflowservice.v1 import (
+    GetSystemInfoRequest,
     GetWorkflowExecutionHistoryRequest,
     PollActivityTaskQueueRequest,
     PollWorkflowTaskQueueRequest,
@@ -29,7 +30,9 @@ from temporalio.service import RPCError, RPCStatusCode, TLSConfig
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from fleet import search_attributes as sa
+from tests.doc_recipes import ROOT, run_openssl_lines, secrets_as_written, shell_block
 from tests.replay import replay_and_record
+from tests.tools import require
 from tests.security.gateway_helpers import retire
 from tests.conftest import NODE_GATEWAYS, Stack, SessionGateway, start_test_gateway, wait_for
 from workers.node_agent import cert_key_fingerprint, connect_via_gateway
@@ -234,6 +237,45 @@ async def test_other_ca_expired_missing_or_non_node_certificates_are_refused(tem
     with pytest.raises(RuntimeError) as caught:
         await connect_via_gateway(gw.access, "default", admin, pem_private_key(key))
     assert "PermissionDenied" in str(caught.value) or "not a node certificate" in str(caught.value)
+
+
+async def test_a_node_accepts_the_gateway_certificate_the_production_page_makes(
+        temporal_env, nodes, tmp_path, monkeypatch) -> None:
+    """docs/production/index.md, "The node gateway", as an operator follows it: its openssl lines
+    make the certificate the gateway serves (the files its kubectl line puts in
+    gpufleet-node-gateway-tls), and ``gpufleet cluster node-config --config
+    deploy/sites.example.yaml``, run where they were made, renders the ConfigMap the DaemonSet
+    gives each agent: the endpoint's name to check and the CA that signed that certificate. A
+    node checking the gateway that way (its TLS is the agent's own) gets through."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from cli.cluster import cluster_app
+
+    require("openssl")
+    page = ROOT / "docs" / "production" / "index.md"
+    run_openssl_lines(shell_block(page, "gpufleet-node-gateway-tls"), tmp_path)
+    served = secrets_as_written(page.read_text())["gpufleet-node-gateway-tls"]
+    monkeypatch.chdir(tmp_path)  # the example's `ca: {file: node-gateway-ca.crt}` is read from here
+    example = ROOT / "deploy" / "sites.example.yaml"
+    rendered = CliRunner().invoke(cluster_app, ["node-config", "--config", str(example)])
+    assert rendered.exit_code == 0, rendered.output
+    agents = yaml.safe_load(rendered.stdout)["data"]
+    assert agents["ca.crt"] == (tmp_path / "node-gateway-ca.crt").read_text()
+    cluster_ca = Pki.create("the cluster CA")  # signs the kubelets' client certificates
+    gw = await start_test_gateway(temporal_env.client, cluster_ca, cert=(tmp_path / served["tls.crt"]).read_bytes(),
+                                  key=(tmp_path / served["tls.key"]).read_bytes())
+    try:
+        as_configured = GatewayAccess(gw.access.address, agents["ca.crt"].encode(), agents["server-name"])
+        a, _b = nodes
+        key, csr = node_key_and_csr(a)
+        node = await connect_via_gateway(as_configured, "default", cluster_ca.sign_node_csr(csr, a), key)
+        assert await node.workflow_service.get_system_info(GetSystemInfoRequest())
+        with pytest.raises(RuntimeError):  # the name checked is the certificate's, not any
+            await connect_via_gateway(GatewayAccess(gw.access.address, agents["ca.crt"].encode(), "gateway.elsewhere"),
+                                      "default", cluster_ca.sign_node_csr(csr, a), key)
+    finally:
+        await gw.running.stop()
 
 
 async def test_a_retired_nodes_certificate_stops_working(temporal_env) -> None:

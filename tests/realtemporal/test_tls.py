@@ -1,7 +1,8 @@
 """The frontend's mutual TLS as deploy/temporal/values.yaml ships it, on the real server.
 
 A cluster of this tier (``cli/temporal_cluster.py``) with values.yaml's ``server.config.tls``
-(the chart's ``global.tls``), its files from the two Secrets values.yaml mounts
+(the chart's ``global.tls``), its files from the Secrets values.yaml mounts, each made by
+deploy/temporal/README.md's openssl and kubectl lines as written
 (``temporal-frontend-tls``: a certificate for the name the control-plane manifest dials,
 ``TEMPORAL_TLS_SERVER_NAME``; ``temporal-client-tls``: Temporal's own clients'), created its
 namespace over mutual TLS as the chart's namespace job does, with the admin tools' variables.
@@ -24,9 +25,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import shlex
 import socket
 import ssl
 import struct
+import subprocess
+import sys
 import uuid
 from datetime import timedelta
 from pathlib import Path
@@ -34,17 +39,20 @@ from typing import AsyncIterator
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.x509.oid import ExtendedKeyUsageOID
 from temporalio import workflow
 from temporalio.client import Schedule, ScheduleActionStartWorkflow, ScheduleSpec
 from temporalio.worker import Worker
 
+from fleet.schedules import SCHEDULES
 from fleet.settings import Settings
 from fleet.temporal import connect
+from tests.doc_recipes import ROOT, run_openssl_lines, secret_folder, secrets_as_written, shell_block
 from tests.realtemporal.cluster import RealTemporal, internode_secret, internode_tls
-from tests.test_temporal_manifests import as_its_manifest_starts_it, control_plane_secret, new_ca, pod_spec, tls_secret
+from tests.test_temporal_manifests import as_its_manifest_starts_it, control_plane_secret, new_ca, pod_spec
+from tests.tools import require
 
+#: Where the certificates and Secrets come from: its openssl and kubectl lines, as written.
+README = ROOT / "deploy" / "temporal" / "README.md"
 #: The Secrets values.yaml mounts into the server's pods.
 FRONTEND_SECRET = "temporal-frontend-tls"
 CLIENT_SECRET = "temporal-client-tls"
@@ -61,30 +69,20 @@ class Hello:
 
 
 @pytest.fixture(scope="module")
-def manifest_env() -> dict[str, str]:
-    (container,) = pod_spec("gpufleet-control-plane")["containers"]
-    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory, manifest_env) -> dict[str, Path]:
-    """One CA for the frontend, Temporal's own clients and gpufleet (values.yaml's comment says
-    so), and a client certificate of another CA."""
+def pki(tmp_path_factory) -> dict[str, Path]:
+    """The Secrets as deploy/temporal/README.md makes them ("A cluster of your own"): its openssl
+    lines run as written, each Secret's files under the keys its kubectl lines give them (one CA
+    for the frontend, Temporal's own clients and gpufleet; the internode certificate of a CA of
+    its own); and a client certificate of another CA."""
+    require("openssl")
     root = tmp_path_factory.mktemp("temporal-pki")
-    ca = new_ca("temporal test CA")
+    made = root / "made"
+    run_openssl_lines(shell_block(README, "ca temporal-internode-ca"), made)
+    secrets = secrets_as_written(README.read_text())
     return {
-        # As production: the frontend's name only, no address: every client must name it.
-        FRONTEND_SECRET: tls_secret(root / FRONTEND_SECRET, ca, "temporal-frontend",
-                                    [x509.DNSName(manifest_env["TEMPORAL_TLS_SERVER_NAME"])],
-                                    ExtendedKeyUsageOID.SERVER_AUTH),
-        CLIENT_SECRET: tls_secret(root / CLIENT_SECRET, ca, "temporal-system",
-                                  [x509.DNSName("temporal-system")], ExtendedKeyUsageOID.CLIENT_AUTH),
-        "gpufleet-temporal-client": control_plane_secret(root / "gpufleet-temporal-client", ca),
+        **{name: secret_folder(root / name, secrets[name], made)
+           for name in (FRONTEND_SECRET, CLIENT_SECRET, INTERNODE_SECRET, "gpufleet-temporal-client")},
         "stranger": control_plane_secret(root / "stranger", new_ca("another CA")),
-        # Its own CA (values.yaml says so): one certificate each service serves and calls with.
-        INTERNODE_SECRET: tls_secret(root / INTERNODE_SECRET, new_ca("temporal internode test CA"),
-                                     "temporal-internode", [x509.DNSName(INTERNODE_NAME)],
-                                     [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
     }
 
 
@@ -155,6 +153,34 @@ async def test_temporals_own_worker_service_reaches_the_frontend_with_its_certif
             assert await run.result() == "hello schedule"
     finally:
         await handle.delete()
+
+
+#: How docs/production/index.md runs a command in the control plane's pod.
+IN_THE_POD = re.compile(r"^\s*kubectl -n gpufleet exec deploy/gpufleet-control-plane -c worker -- gpufleet ([^#\n]+)",
+                        re.M)
+
+
+async def test_the_commands_the_install_runs_in_the_control_plane_pod_work_there(tls_temporal, pki, tmp_path) -> None:
+    """The production page runs ``gpufleet search-attributes`` and ``schedules apply`` inside the
+    control plane's pod (only there does the frontend's name resolve, its network policy admit
+    the caller, and its client certificate sit): with nothing but that container's environment
+    and mounts (no ``--address``), each command of the page works against the shipped mutual TLS."""
+    page = (ROOT / "docs" / "production" / "index.md").read_text()
+    commands = [shlex.split(found) for found in IN_THE_POD.findall(page)]
+    assert {tuple(words[:2]) for words in commands} >= {("search-attributes",), ("schedules", "apply")}, commands
+    secret = pki["gpufleet-temporal-client"]
+    mounted = {"temporal-client": {name: (secret / name).read_bytes() for name in ("tls.crt", "tls.key", "ca.crt")},
+               "config": {"sites.yaml": (ROOT / "deploy" / "sites.example.yaml").read_bytes()}}
+    _, env = as_its_manifest_starts_it(pod_spec("gpufleet-control-plane"), tmp_path / "pod", mounted,
+                                       tls_temporal.address)
+    said = {}
+    for words in commands:
+        done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", *words], env=env, cwd=ROOT,
+                                       capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, f"gpufleet {' '.join(words)}:\n{done.stdout}\n{done.stderr}"
+        said[" ".join(words)] = done.stdout
+    listed = {line.split("\t")[0] for line in said["schedules list"].splitlines()[1:]}  # piped: tab-separated
+    assert listed == set(SCHEDULES), said
 
 
 @pytest.mark.parametrize("refused", ["no client certificate", "another CA's certificate", "another server name"])
