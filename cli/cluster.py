@@ -209,7 +209,7 @@ def node_config(
     namespace: str = typer.Option("gpufleet", "--namespace", "-n", help="namespace of the node-agent DaemonSet"),
 ) -> None:
     """Print the ConfigMap the node-agent DaemonSet reads (where agents dial the node gateway),
-    from ``node_gateway`` in the fleet config: ``gpufleet cluster node-config | kubectl apply -f -``.
+    from ``node_gateway`` in the fleet config: ``gpufleet cluster node-config --config sites.yaml | kubectl apply -f -``.
 
     Exit 2 when the config has no usable ``node_gateway``.
     """
