@@ -7,7 +7,6 @@ answers again. The recorded histories replay (tests/test_replay.py)."""
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -85,15 +84,15 @@ async def test_an_idle_site_costs_nothing_and_its_nodes_entities_learn_notready_
 
     # Both nodes fall silent (their agents and kubelets stop): 2 of 2, under the trip's 3 nodes.
     names = await node_names(inc, "a")
-    silent_at = time.monotonic()
     inc.world.set_site(a, unreachable=1)
 
     async def told() -> list[NodeStatus] | None:
         found = [await node(inc, n) for n in names]
         return found if all(s is not None and s.not_ready_since is not None for s in found) else None
 
-    statuses = await poll(told, timeout=60)
-    assert time.monotonic() - silent_at < 60, "a silent node is known to its entity within 60 s"
+    # Told by the site's watch, from the cluster (the reconcile that would tell is an hour away;
+    # the poll's bound only guards against a hang).
+    statuses = await poll(told, timeout=120)
     assert all(any("NotReady in the cluster" in line for line in s.log) for s in statuses)
     status = await handle.query("status", result_type=SiteStatus)
     assert sorted(status.incident.failing) == names and status.incident.open is None, "counted, not tripped"
@@ -161,10 +160,10 @@ async def test_a_sites_nodes_going_notready_at_once_trip_its_incident_within_the
     inc.serve(MODEL, "d", replicas=0)
     handle = await inc.start_site("a", reconcile_seconds=3600)
     await poll(lambda: _watched(handle, 3), timeout=30)
-    down_at = time.monotonic()
     inc.world.set_site(a, unreachable=1)
-    await poll(lambda: inc.progress("a"), timeout=30)
-    assert time.monotonic() - down_at < 30, "seen inside the incident window"
+    # The probe and the reconcile are an hour away: only the watch can open it (the poll's bound
+    # only guards against a hang). Three nodes failing inside the window is what trips it.
+    await poll(lambda: inc.progress("a"), timeout=90)
     status = await handle.query("status", result_type=SiteStatus)
     assert status.incident.open is not None and "3 of 3 nodes" in status.incident.open.reason
     await inc.evacuation("a").execute_update("abort", "test: stop here")
@@ -203,13 +202,11 @@ async def test_an_incident_is_evacuated_at_once_while_the_site_drains_its_surplu
                     and inc.cluster.annotate_node(n, {}).get(ANNOTATION_CORDONED_BY) == CORDONED_BY_SURPLUS]
 
         [draining] = await wait_for(marked, timeout=30)  # its first drain began
-        drain_began = time.monotonic()
         shown = await current_details(handle)
         began, _ = await scheduled(handle, "drain_within")
 
         inc.world.set_site(a, unreachable=1)
-        await poll(lambda: inc.progress("a"), timeout=45)
-        assert time.monotonic() - drain_began < 30, "evacuated long before the blocked drain's 60 s ran out"
+        await poll(lambda: inc.progress("a"), timeout=90)  # a guard against a hang only
         assert f"retiring 3: draining {draining} {until(began, 60)}" in shown, shown
 
         # The retirement stopped: the node it drained left cordoned, marked the Site's; nothing
@@ -218,6 +215,9 @@ async def test_an_incident_is_evacuated_at_once_while_the_site_drains_its_surplu
         assert status.incident.open is not None and status.retiring == []
         await asyncio.sleep(3)
         assert [d["node_name"] for d in await activity_inputs(handle, "drain_within")] == [draining]
+        # The evacuation began while that drain was still held by the budget, and the drain was
+        # cancelled: not run out (60 s), nor the next two drained first.
+        assert await _drain_cut_short_by_the_evacuation(handle), "the evacuation waited for the drain"
         assert await activity_inputs(handle, "retire_machine") == []
         assert len(inc.world.machines(a)) == 4 and marked() == [draining]
         # The loop took the watch's results meanwhile: the silent nodes' entities know.
@@ -232,6 +232,26 @@ async def test_an_incident_is_evacuated_at_once_while_the_site_drains_its_surplu
         await wait_for(lambda: len(inc.world.machines(a)) == 1, timeout=90)
         assert inc.cluster.get_node(draining) is None
         await replay_and_record(handle, "site_incident_stops_its_surplus_retirement")
+
+
+async def _drain_cut_short_by_the_evacuation(handle) -> bool:
+    """In the Site entity's history: its evacuation child started before its one drain ended,
+    and that drain was cancelled."""
+    events = (await handle.fetch_history()).events
+    [drain] = [e.event_id for e in events if e.HasField("activity_task_scheduled_event_attributes")
+               and e.activity_task_scheduled_event_attributes.activity_type.name == "drain_within"]
+    evacuation = next(e.event_id for e in events
+                      if e.event_type == EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED
+                      and e.start_child_workflow_execution_initiated_event_attributes.workflow_type.name
+                      == flows.SiteEvacuation.TYPE)
+    ended = [e.event_id for e in events for field in ("activity_task_completed_event_attributes",
+                                                      "activity_task_failed_event_attributes",
+                                                      "activity_task_timed_out_event_attributes",
+                                                      "activity_task_canceled_event_attributes")
+             if e.HasField(field) and getattr(e, field).scheduled_event_id == drain]
+    cancelled = [e for e in events if e.HasField("activity_task_cancel_requested_event_attributes")
+                 and e.activity_task_cancel_requested_event_attributes.scheduled_event_id == drain]
+    return all(end > evacuation for end in ended) and len(cancelled) == 1
 
 
 async def _watched(handle, count: int) -> bool:
