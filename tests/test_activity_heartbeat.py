@@ -1,4 +1,5 @@
-"""Every long activity heartbeats, so a lost worker's attempt is retried within a minute (issue 36).
+"""Every long activity heartbeats, so a lost worker's attempt is retried on its heartbeat timeout
+(issue 36).
 
 The fleet sweep's ``sweep_site`` lists (and deletes at) a provider: minutes at a slow one. It
 had no heartbeat timeout, so after ``kill -9`` of the control-plane worker mid-call the retry
@@ -20,12 +21,12 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import pytest
-from temporalio.api.enums.v1 import EventType, PendingActivityState
+from temporalio.api.enums.v1 import PendingActivityState
 from temporalio.client import WorkflowHandle
 
 from fleet.messages.sweep import FleetSweepResult
 from tests.conftest import Stack, terminate_running
-from tests.test_provision_heartbeat import pid_of, stop, worker
+from tests.test_provision_heartbeat import pid_of, retries, stop, timed_out_on_its_heartbeat, worker
 
 pytestmark = pytest.mark.integration  # control-plane workers as processes of their own
 
@@ -54,7 +55,7 @@ async def sweeping(handle: WorkflowHandle, timeout: float = 60):
         await asyncio.sleep(0.2)
 
 
-async def test_kill_9_of_the_worker_mid_sweep_is_retried_within_a_minute(world: Stack, tmp_path: Path) -> None:
+async def test_kill_9_of_the_worker_mid_sweep_is_retried_on_its_heartbeat_timeout(world: Stack, tmp_path: Path) -> None:
     stack = world
     stack.world.set_site("site-a", api_latency_ms=SLOW_MS)
     first = worker(stack, tmp_path / "worker-1.log")
@@ -68,20 +69,16 @@ async def test_kill_9_of_the_worker_mid_sweep_is_retried_within_a_minute(world: 
         await asyncio.sleep(12)  # mid-call, its first heartbeat sent
         os.kill(first.pid, signal.SIGKILL)
         first.wait()
-        killed = time.monotonic()
         stack.world.set_site("site-a", api_latency_ms=0)
         second = worker(stack, tmp_path / "worker-2.log")
+        # A guard against a hang only (the start-to-close timeout the retry once waited out is
+        # 5 minutes): which timeout ended the lost attempt, the history says.
         result = FleetSweepResult.model_validate(await asyncio.wait_for(handle.result(), 150))
-        took = time.monotonic() - killed
-        print(f"sweep completed {took:.1f}s after the kill")
-        assert took < 60, f"the lost attempt was retried only {took:.0f}s after the kill"
         by_site = {r.site: r for r in result.sites}
         assert by_site["site-a"].skipped == "" and by_site["site-a"].account == "acct-a", by_site["site-a"]
-        history = await handle.fetch_history()
-        attempts = [e.activity_task_started_event_attributes.attempt for e in history.events
-                    if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_STARTED
-                    and e.activity_task_started_event_attributes.attempt > 1]
-        assert attempts, "site-a's sweep ran again on the worker that came back"
+        [retry] = await retries(handle, "sweep_site")
+        assert retry.attempt == 2 and timed_out_on_its_heartbeat(retry), \
+            f"site-a's sweep ran again on the worker that came back after its heartbeat timeout: {retry}"
     finally:
         for proc in (first, second):
             if proc is not None:
