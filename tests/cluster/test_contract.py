@@ -240,12 +240,12 @@ def test_drain_waits_for_a_pdb_that_frees_up(harness):
 
     helper = threading.Thread(target=replacement_becomes_ready)
     helper.start()
-    started = time.monotonic()
     result = harness.cluster.drain_node("gpu-1", deadline_s=15)
     helper.join()
-    assert result.completed
+    # Evicted once the budget allowed it (the replacement came 0.6 s in), before the deadline:
+    # a drain that ran out would name web-1 blocked.
+    assert result.completed and not result.blocked
     assert [p.key for p in result.evicted] == ["default/web-1"]
-    assert 0.5 <= time.monotonic() - started < 10
     assert harness.pods("gpu-1") == []
 
 
@@ -260,8 +260,7 @@ def test_drain_reports_the_pods_a_pdb_keeps_blocking(harness):
     assert [p.key for p in result.evicted] == ["default/free-1"]
     assert [p.key for p in result.blocked] == ["data/db-0"]
     assert "db-pdb" in result.blocked[0].reason
-    assert 0.7 <= result.elapsed_s < 5
-    assert heartbeats
+    assert heartbeats, "refused, it was asked again (a heartbeat between rounds) until the deadline"
     assert [p.name for p in harness.pods("gpu-1")] == ["db-0"]
 
 
@@ -278,8 +277,9 @@ def test_drain_force_deletes_past_the_pdb_only_when_asked(harness):
 
 def test_drain_of_an_empty_node_completes_at_once(harness):
     harness.add_node("gpu-1")
-    result = harness.cluster.drain_node("gpu-1", deadline_s=0)
-    assert result.completed and result.evicted == [] and result.elapsed_s < 1
+    heartbeats = []
+    result = harness.cluster.drain_node("gpu-1", deadline_s=60, heartbeat=lambda: heartbeats.append(1))
+    assert result.completed and result.evicted == [] and heartbeats == [], "done at the first look, no round waited"
 
 
 # -- serving ------------------------------------------------------------------------------
@@ -489,12 +489,15 @@ def test_a_drain_meets_the_models_own_pdb_once_its_replacement_cannot_schedule(h
     harness.cluster.apply_serving(_spec(replicas=2))  # 2 × 4 GPUs: both on gpu-1
     assert _wait_ready(harness.cluster, "llama-3-8b", "site-a").available_replicas == 2
     assert len(_replicas_on(harness, "gpu-1", name)) == 2
-    result = harness.cluster.drain_node("gpu-1", deadline_s=3)
+    rounds = []
+    result = harness.cluster.drain_node("gpu-1", deadline_s=3, heartbeat=lambda: rounds.append(1))
     assert not result.completed
     assert [p.name.startswith(f"{name}-") for p in result.evicted] == [True]
     assert [p.name.startswith(f"{name}-") for p in result.blocked] == [True], result
     assert f"The disruption budget {name} needs 1 healthy pods" in result.blocked[0].reason, result.blocked
-    assert result.elapsed_s >= 2.5, "refused until the deadline"
+    # Refused until the deadline: asked again round after round (backing off from 0.1 s: five
+    # rounds in 3 s), not given up at the first refusal.
+    assert len(rounds) >= 3, rounds
     assert _replicas_on(harness, "gpu-1", name) == [result.blocked[0].name]
 
 
@@ -509,7 +512,6 @@ def test_a_serving_scaled_to_zero_leaves_the_drain_nothing_to_wait_for(harness):
     harness.cluster.scale_serving("llama-3-8b", "site-a", 0)
     result = harness.cluster.drain_node("gpu-1", deadline_s=20)
     assert result.completed and not result.blocked, result
-    assert result.elapsed_s < 10
     assert _replicas_on(harness, "gpu-1", name) == []
 
 
