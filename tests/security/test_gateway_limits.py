@@ -118,13 +118,14 @@ async def test_a_node_over_its_connection_limit_is_held_not_served(gateway, atta
                  for c in channels[:4]]
         await asyncio.sleep(1.0)
         describe = DescribeNamespaceRequest(namespace="default").SerializeToString()
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        # Its own connections are served (a held call ends RESOURCE_EXHAUSTED), none held.
         assert await code_of(call(channels[0], "DescribeNamespace")(describe, timeout=3)) == OK
-        assert loop.time() - started < 1.0, "its own connections are served at once"
-        started = loop.time()
-        assert await code_of(call(channels[4], "DescribeNamespace")(describe, timeout=3)) == EXHAUSTED
-        assert loop.time() - started > 2.0, "held until its deadline, not answered (nor refused) at once"
+        assert load_held(gateway, node.name) == 0
+        # The fifth is held while its deadline runs (not answered, nor refused, at once), then refused.
+        fifth = asyncio.ensure_future(call(channels[4], "DescribeNamespace")(describe, timeout=3))
+        await wait_for(lambda: load_held(gateway, node.name) == 1, timeout=30)
+        assert not fifth.done(), "answered at once, not held"
+        assert await code_of(fifth) == EXHAUSTED
         await gather_codes(polls)
     finally:
         for channel in channels:
@@ -141,11 +142,20 @@ async def test_big_requests_are_refused_before_they_are_held(gateway, attacker) 
     poll = call(channel, "PollActivityTaskQueue")
     huge = poll_request(node.name, identity="x" * 3_000_000)
     big = poll_request(node.name, identity="x" * (REQUEST_BYTES + 1))
-    started = asyncio.get_running_loop().time()
-    codes = await gather_codes([poll(huge, timeout=5) for _ in range(20)] + [poll(big, timeout=5)])
+    most = {"polls": before, "held": 0}
+
+    def sample() -> None:
+        most["polls"] = max(most["polls"], stats.held_polls)
+        most["held"] = max(most["held"], load_held(gateway, node.name))
+
+    watcher = asyncio.ensure_future(_every(0.005, sample))
+    try:
+        codes = await gather_codes([poll(huge, timeout=5) for _ in range(20)] + [poll(big, timeout=5)])
+    finally:
+        watcher.cancel()
     assert codes == [EXHAUSTED] * 21
-    assert asyncio.get_running_loop().time() - started < 4.0, "refused, not held for a long poll"
-    assert stats.held_polls == before, "none was forwarded"
+    # Refused, not held for a long poll: none was forwarded (a poll upstream) nor held meanwhile.
+    assert most == {"polls": before, "held": 0}, most
     # A result of a quarter megabyte is within its own limit: judged (an undelivered token) on its merits.
     payload = Payload(metadata={"encoding": b"binary/plain"}, data=b"r" * (RESULT_BYTES // 2))
     result = RespondActivityTaskCompletedRequest(namespace="default", task_token=b"not-delivered",
@@ -159,7 +169,6 @@ async def test_a_node_holds_no_more_than_its_share_of_the_gateways_memory(gatewa
     answered at once, so what it holds is bounded, however many it sends."""
     node, channel = attacker
     stats = gateway.running.gateway.stats
-    loop = asyncio.get_running_loop()
     # Its CALLS_PER_NODE calls: polls (two upstream, the rest waiting for a poll slot).
     polls = [asyncio.ensure_future(call(channel, "PollActivityTaskQueue")(poll_request(node.name), timeout=8))
              for _ in range(CALLS_PER_NODE)]
@@ -170,19 +179,18 @@ async def test_a_node_holds_no_more_than_its_share_of_the_gateways_memory(gatewa
     can_hold = HELD_BYTES_PER_NODE // (len(result) + HELD_CALL_BYTES)
     others = [node_channel(gateway.access, node) for _ in range(3)]  # within its connection limit
     try:
-        answered_at: list[float] = []
+        answered: list[grpc.StatusCode] = []
 
         async def send(c) -> grpc.StatusCode:
             code = await code_of(call(c, "RespondActivityTaskCompleted")(result, timeout=5))
-            answered_at.append(loop.time())
+            answered.append(code)
             return code
 
-        started = loop.time()
         sends = [asyncio.ensure_future(send(others[i % 3])) for i in range(can_hold + 12)]
-        await wait_for(lambda: len(answered_at) >= 12, timeout=4)
+        await wait_for(lambda: len(answered) >= 12, timeout=30)
         assert stats.held_bytes <= HELD_BYTES_PER_NODE
+        # Twelve answered while its share is still held: the rest were answered at once, not held.
         assert load_held(gateway, node.name) == can_hold, "its share is held, no more"
-        assert all(t - started < 3.0 for t in answered_at[:12]), "the rest answered at once"
         assert await asyncio.gather(*sends) == [EXHAUSTED] * len(sends)
     finally:
         for c in others:
@@ -197,7 +205,6 @@ async def test_a_node_holds_no_more_than_its_count_of_calls_however_small(tempor
     HELD_CALLS_PER_NODE of them held; the rest are refused at once, saying why, and another
     node's calls still go through. Before, all were held (9,000 took 223 MiB) at 0 held bytes."""
     node, channel = attacker
-    loop = asyncio.get_running_loop()
     polls = [asyncio.ensure_future(call(channel, "PollActivityTaskQueue")(poll_request(node.name), timeout=8))
              for _ in range(CALLS_PER_NODE)]
     await wait_for(lambda: gateway.running.gateway.load_of(node.name).calls == CALLS_PER_NODE, timeout=5)
@@ -210,29 +217,28 @@ async def test_a_node_holds_no_more_than_its_count_of_calls_however_small(tempor
     watcher = asyncio.ensure_future(_every(0.005, sample))
     others = [node_channel(gateway.access, node) for _ in range(8)]  # past its connection limit too
     try:
-        refusals: list[tuple[float, grpc.StatusCode, str]] = []
+        refusals: list[tuple[grpc.StatusCode, str]] = []
 
         async def send(c) -> None:
             try:
                 await call(c, "GetSystemInfo")(b"", timeout=6)
             except grpc.aio.AioRpcError as error:
-                refusals.append((loop.time(), error.code(), error.details()))
+                refusals.append((error.code(), error.details()))
 
-        started = loop.time()
         sends = [asyncio.ensure_future(send(c)) for c in others for _ in range(25)]
         refused_now = len(sends) - HELD_CALLS_PER_NODE
-        await wait_for(lambda: len(refusals) >= refused_now, timeout=4)
+        await wait_for(lambda: len(refusals) >= refused_now, timeout=30)
+        # All those refused while its count is still held: the rest were refused at once, not held.
         assert load_held(gateway, node.name) == HELD_CALLS_PER_NODE, "its count is held, no more"
-        assert all(t - started < 3.0 for t, _, _ in refusals[:refused_now]), "the rest refused at once"
-        assert {code for _, code, _ in refusals} == {EXHAUSTED}
-        assert f"{HELD_CALLS_PER_NODE} of its calls held already" in refusals[0][2], refusals[0][2]
+        assert {code for code, _ in refusals} == {EXHAUSTED}
+        assert f"{HELD_CALLS_PER_NODE} of its calls held already" in refusals[0][1], refusals[0][1]
 
         other = unique("atk-other")
         await live_entity(temporal_env.client, other)
         async with node_channel(gateway.access, credentials(gateway.pki, other)) as theirs:
-            asked = loop.time()
+            # Another node is served (a held call ends RESOURCE_EXHAUSTED), none of its calls held.
             assert await code_of(call(theirs, "GetSystemInfo")(b"", timeout=3)) == OK
-            assert loop.time() - asked < 1.0, "another node is served at once"
+            assert load_held(gateway, other) == 0
         await end_entity(temporal_env.client, other)
         await asyncio.gather(*sends)
         assert len(refusals) == len(sends), "the held ones end RESOURCE_EXHAUSTED at their deadline"
