@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections import Counter
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -224,7 +225,7 @@ async def test_capacity_continues_as_new_while_backing_off_and_keeps_its_attempt
 
 
 # -- no entity spins (issue 37) ---------------------------------------------------------------
-#: Each entity's status query; every one is asked throughout and must answer within a second.
+#: Each entity's status query; every one is asked throughout and must answer, over and over.
 STATUS_QUERIES = {"Site": "status", "Node": "status", "Demand": "status", "ProviderAccount": "status",
                   "Routing": "progress"}
 
@@ -257,8 +258,8 @@ async def test_no_entity_spins_while_its_children_and_tasks_are_open(spin_env: W
     capacity), an evacuation (site a: its provider down, waiting for recovery), a repair held by
     that incident (a node of a), a spot reclaim whose drain a PDB holds (a node of d), the watches
     (every Site, Node and the Demand loop), the Demand loop's own loop, a Routing and an account
-    entity. Throughout: no workflow task fails, and every entity answers its status query within
-    a second (a spinning entity fails its tasks and answers nothing)."""
+    entity. Throughout: no workflow task fails, and every entity answers its status query, over
+    and over (a spinning entity fails its tasks and answers nothing)."""
     from fleet.naming import account_workflow_id, reclaim_workflow_id
     from tests.evacuation_helpers import FAST_JOIN, incident_fleet, open_incident_stack
 
@@ -284,8 +285,8 @@ async def test_no_entity_spins_while_its_children_and_tasks_are_open(spin_env: W
         approver = await client.start_workflow("CsrApprover", {}, id=f"csr-approver-{uid}", task_queue=queue)
         # Every entity's status query, from here to the end (not only once things settled): a
         # spinning entity answers nothing, and one that stalls while its children open is as bad.
-        slowest: dict[str, float] = {}
-        querying = asyncio.create_task(_query_throughout(client, queue, slowest))
+        answered: Counter = Counter()
+        querying = asyncio.create_task(_query_throughout(client, queue, answered))
         # A repair at a, then a's provider goes down: the incident holds the repair and evacuates.
         machines_a = [m for m in inc.world.machines(a)]
         inc.world.inject_fault(machines_a[0]["id"], 0, "xid", 79, clears_on="reboot")
@@ -314,18 +315,20 @@ async def test_no_entity_spins_while_its_children_and_tasks_are_open(spin_env: W
             await asyncio.sleep(1.5)
 
         # While all that was set up (a busy machine: joins, an incident, a reclaim), every entity
-        # answered within 5 s; from here, settled, each answer within a second.
+        # answered; from here, settled, every one running throughout answers again and again.
         assert not querying.done(), querying.exception()
-        during_setup = dict(slowest)
-        slowest.clear()
+        during_setup = Counter(answered)
+        answered.clear()
+        running_before = await _entities(client, queue)
         await asyncio.sleep(20)  # the entities continue (or wait to) while the querier asks
+        running_after = await _entities(client, queue)
         querying.cancel()
         kinds = await asyncio.gather(asyncio.wait_for(querying, 30), return_exceptions=True)
         assert not [k for k in kinds if not isinstance(k, asyncio.CancelledError)], kinds
-        asked = {kind for _wid, kind in [*slowest, *during_setup]}
+        asked = {kind for _wid, kind in [*answered, *during_setup]}
         assert {"Site", "Node", "Demand", "ProviderAccount", "Routing"} <= asked, asked
-        worst = max(slowest.values())
-        assert worst < 1.0, sorted(slowest.items(), key=lambda kv: -kv[1])[:5]
+        silent = {key: answered[key] for key in running_before & running_after if answered[key] < 2}
+        assert not silent, f"entities that answered their status query less than twice in 20 s: {silent}"
         # The approver is open still (watching) or ended as a run does, never failed.
         assert (await approver.describe()).status in (WorkflowExecutionStatus.RUNNING,
                                                       WorkflowExecutionStatus.COMPLETED)
@@ -353,28 +356,37 @@ async def test_no_entity_spins_while_its_children_and_tasks_are_open(spin_env: W
         await inc.evacuation("a").execute_update("abort", "test: stop here")
 
 
-async def _query_throughout(client: Client, queue: str, slowest: dict[tuple[str, str], float]) -> None:
+#: A status query unanswered this long fails the test: a guard against an entity that answers
+#: nothing (spinning, or stuck), far above an answer's milliseconds on a busy machine.
+QUERY_GUARD_SECONDS = 30
+
+
+async def _entities(client: Client, queue: str) -> set[tuple[str, str]]:
+    """(workflow id, type) of every entity with a status query running on ``queue`` now."""
+    return {(wf.id, wf.workflow_type)
+            async for wf in client.list_workflows(f'TaskQueue = "{queue}" AND ExecutionStatus = "Running"')
+            if wf.workflow_type in STATUS_QUERIES}
+
+
+async def _query_throughout(client: Client, queue: str, answered: Counter) -> None:
     """Until cancelled: every running entity on ``queue`` asked its status query, over and over;
-    the slowest answer of each kept in ``slowest`` (by (workflow id, type)). A query not answered
-    within 5 s fails the test (through the task's result)."""
-    loop = asyncio.get_running_loop()
+    each answer counted in ``answered`` (by (workflow id, type)). A query not answered within
+    ``QUERY_GUARD_SECONDS`` fails the test (through the task's result)."""
     while True:
         async for wf in client.list_workflows(f'TaskQueue = "{queue}" AND ExecutionStatus = "Running"'):
             if wf.workflow_type not in STATUS_QUERIES:
                 continue
-            started = loop.time()
             try:
                 # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that comes as the query
                 # answers, so this loop never ended and the test hung until pytest's timeout (a CI
                 # run). asyncio.timeout runs the query in this task: a cancel always lands.
-                async with asyncio.timeout(5):
+                async with asyncio.timeout(QUERY_GUARD_SECONDS):
                     await client.get_workflow_handle(wf.id).query(STATUS_QUERIES[wf.workflow_type])
             except TimeoutError:
-                raise AssertionError(f"{wf.id} answered no status query within 5 s") from None
+                raise AssertionError(f"{wf.id} answered no status query within {QUERY_GUARD_SECONDS} s") from None
             except Exception:  # noqa: BLE001 - it continued as new or ended between the list and the query
                 continue
-            key = (wf.id, wf.workflow_type)
-            slowest[key] = max(slowest.get(key, 0.0), loop.time() - started)
+            answered[(wf.id, wf.workflow_type)] += 1
         await asyncio.sleep(0.2)
 
 

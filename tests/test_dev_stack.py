@@ -151,11 +151,11 @@ def test_dev_reports_a_server_that_cannot_start(tmp_path: Path) -> None:
     env = {**os.environ, "GPUFLEET_STATE_DIR": str(state), "GPUFLEET_CONFIG": str(write_fleet(tmp_path)),
            "COLUMNS": "200"}
     port = free_dev_port()
-    started = time.monotonic()
+    # At once: the server's exit is what it reports, not a start-up wait run out (240 s, and
+    # "did not answer" said). The timeout only guards against a hang.
     done = gpufleet(env, "dev", "--port", str(port), "--ui-port", str(free_port()), "--http-port", str(free_port()),
                     timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "the Temporal server exited" in done.stdout, done.stdout + done.stderr
     assert "last lines of" in done.stdout and "temporal.log" in done.stdout
-    assert "is up" not in done.stdout
-    assert time.monotonic() - started < 60
+    assert "is up" not in done.stdout and "did not answer" not in done.stdout

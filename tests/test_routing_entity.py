@@ -232,11 +232,10 @@ async def test_a_site_event_moves_the_weights_at_once_and_replaces_the_watch(tem
     handle = await start_routing(temporal_env.client, inc, model, sample_seconds=60, watch_seconds=1800)
     await wait_for(lambda: len(weights(inc, model)) == 2 and all(weights(inc, model).values()))
     await asyncio.sleep(0.5)  # the first watch is in flight
-    loop = asyncio.get_running_loop()
-    sent = loop.time()
     await handle.signal("site_event", {"kind": "incident", "site": a, "detail": "provider down"})
-    await wait_for(lambda: weights(inc, model) == {a: 0, c: TOTAL}, timeout=5)
-    assert loop.time() - sent < 5
+    # The watch's next look is a minute away: the bound only guards against a hang; what moved
+    # the weights is the event, which cut the watch short (its cancel in the history).
+    await wait_for(lambda: weights(inc, model) == {a: 0, c: TOTAL}, timeout=30)
     events = await _history(handle)
     assert any(e.HasField("activity_task_cancel_requested_event_attributes") for e in events)
     assert _billed(events)["timer"] == 0

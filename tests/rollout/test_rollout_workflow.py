@@ -526,13 +526,12 @@ async def test_an_abort_cuts_the_readiness_wait_short(rollout_stack: RolloutStac
     ``ready_timeout_seconds`` (600 s by default, up to a day) before it rolled back."""
     stack = rollout_stack
     stack.serve_v1(["site-a"])
-    # No GPUs for 20 replicas: the readiness wait would last its whole minute.
-    handle = await stack.start(stack.request({"site-a": 20}, gate={"ready_timeout_seconds": 60}), "abort-waiting")
+    # No GPUs for 20 replicas: the readiness wait would last its whole ten minutes.
+    handle = await stack.start(stack.request({"site-a": 20}, gate={"ready_timeout_seconds": 600}), "abort-waiting")
     await until(handle, lambda p: "to be ready" in p.site("site-a").detail)
-    asked = asyncio.get_running_loop().time()
     await handle.execute_update("abort", "wrong image")
-    result = RolloutResult.model_validate(await asyncio.wait_for(handle.result(), 60))
-    assert asyncio.get_running_loop().time() - asked < 20, "the abort waited out the readiness wait"
+    # Rolled back long before the wait's end (the bound only guards against a hang).
+    result = RolloutResult.model_validate(await asyncio.wait_for(handle.result(), 120))
     assert result.outcome == "aborted" and result.sites[0].state.value == "rolled-back"
     status = stack.cluster.serving_status(MODEL, "site-a")
     assert (status.image, status.desired_replicas) == ("img:v1", 2)
@@ -551,8 +550,8 @@ class CancelAt(NamedTuple):
 
 
 CANCEL_AT = {
-    # No GPUs for 20 replicas: the canary's readiness wait lasts its whole minute.
-    "readiness wait": CancelAt({"site-a": 20, "site-b": 1}, {"ready_timeout_seconds": 60},
+    # No GPUs for 20 replicas: the canary's readiness wait lasts its whole ten minutes.
+    "readiness wait": CancelAt({"site-a": 20, "site-b": 1}, {"ready_timeout_seconds": 600},
                                lambda p: "to be ready" in p.site("site-a").detail, ["site-a"],
                                "rollout_cancelled_while_waiting_for_ready"),
     "bake": CancelAt({"site-a": 2, "site-b": 2}, {"bake_seconds": 300}, lambda p: states(p)["site-a"] == "baking",
@@ -578,11 +577,10 @@ async def test_a_cancel_rolls_back_every_site_it_changed(rollout_stack: RolloutS
     handle = await stack.start(stack.request(at.sites, gate=at.gate), f"cancel-{where.replace(' ', '-')}")
     await until(handle, at.there)
     assert [stack.image(s) for s in at.changed] == ["img:v2"] * len(at.changed)
-    asked = asyncio.get_running_loop().time()
     await handle.cancel()
+    # Each step lasts minutes or for ever: the bound only guards against a hang.
     with pytest.raises(WorkflowFailureError) as caught:
-        await asyncio.wait_for(handle.result(), 30)
-    assert asyncio.get_running_loop().time() - asked < 20, "the cancel waited out the step"
+        await asyncio.wait_for(handle.result(), 120)
     assert isinstance(caught.value.cause, CancelledError), repr(caught.value.cause)
     assert (await handle.describe()).status == WorkflowExecutionStatus.CANCELED
     for site in at.sites:

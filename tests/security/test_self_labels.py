@@ -13,7 +13,6 @@ tests/realk8s/test_labels.py). The recorded histories replay (tests/test_replay.
 
 from __future__ import annotations
 
-import time
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -67,14 +66,14 @@ async def test_a_node_that_changes_its_own_zone_is_put_back_within_seconds_and_q
 
     # The node moves itself into another zone (PreferClose would send it another site's callers),
     # and claims another GPU product while at it.
-    changed_at = time.monotonic()
     inc.cluster.label_node(hostile, {LABEL_ZONE: "victim-zone", LABEL_GPU_PRODUCT: "B200"})
 
     async def put_back() -> bool:
         return placement(inc, hostile) == correct
 
-    await poll(put_back, timeout=20, interval=0.05)
-    assert time.monotonic() - changed_at < 20, "put back within seconds, not at the next reconcile"
+    # Put back by the site's watch, not at the next reconcile (an hour away): the bound only
+    # guards against a hang.
+    await poll(put_back, timeout=60, interval=0.05)
 
     async def quarantined() -> NodeStatus | None:
         status = await node_status(inc, hostile)
