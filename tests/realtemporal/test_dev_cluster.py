@@ -217,7 +217,11 @@ def test_a_busy_cluster_port_is_refused_before_anything_starts(tmp_path: Path, t
     state = tmp_path / "state"
     env = {**os.environ, "GPUFLEET_STATE_DIR": str(state), "GPUFLEET_CONFIG": str(write_fleet(tmp_path)),
            "COLUMNS": "250"}
-    port, first = stack_port(), stack_port()
+    port = stack_port()
+    # --cluster-port's range apart from the one --port derives (each as many ports as the
+    # cluster's internal services): two random picks may overlap, which the CLI refuses first.
+    span = len(temporal_cluster.INTERNAL_PORTS) + len(temporal_cluster.METRICS_PORTS) + 16
+    first = next(p for p in iter(stack_port, None) if abs(p - port) > span)
     for flags, busy, named in [((), port + 3, "--cluster-port (worker)"),
                                (("--cluster-port", str(first)), first + 7, "--cluster-port (postgres)")]:
         with socket.socket() as holder:
