@@ -17,6 +17,10 @@ PROVIDERS = ("aws", "lambda", "nebius", "hetzner", "own-dc")
 #: ``sites.yaml`` must set them on an account whose sites can join (``fleet.config_checks``), so
 #: a missing one is refused at load, not by every join after the worker started.
 JOIN_OPTIONS: dict[str, dict[str, str]] = {
+    "lambda": {"ssh_key_names": "the name of an SSH key registered in the Lambda account: Lambda launches "
+                                "no instance without one"},
+    "nebius": {"parent_id": "the project the instances are created in",
+               "subnet_id": "the subnet each instance's network interface is attached to"},
     "own-dc": {"seed_dir": "the folder the worker writes each joining machine's bootstrap (NoCloud seed) to, "
                            "which the seed server (python -m providers.own_dc_seed) hands out"},
 }

@@ -166,6 +166,27 @@ def test_real_mode_needs_credentials_references(tmp_path: Path) -> None:
     assert "accounts[0] (acct-a).credentials" in output
 
 
+@pytest.mark.parametrize(("provider", "option"), [("lambda", "ssh_key_names"), ("nebius", "parent_id"),
+                                                ("nebius", "subnet_id")])
+def test_a_cloud_account_that_can_join_needs_the_options_its_launch_takes(tmp_path: Path, provider: str,
+                                                                          option: str) -> None:
+    """Lambda launches no instance without an SSH key name, Nebius none without its project and
+    subnet: the adapters refused every create after the worker started (each fill failing, a site
+    with ``min_nodes`` retrying for ever). Refused at load, naming the option and the sites."""
+    example = yaml.safe_load((REPO / "deploy" / "sites.example.yaml").read_text())
+    ((index, account),) = [(i, a) for i, a in enumerate(example["accounts"]) if a["provider"] == provider]
+    account["options"].pop(option)
+    code, output = check(tmp_path, example)
+    flat = " ".join(output.split())
+    assert code == 2, flat
+    assert f"accounts[{index}] ({account['name']}).options.{option}: missing; {provider} needs" in flat, flat
+    sites = [s for s in example["sites"] if s["account"] == account["name"]]
+    assert f"without it every join at {', '.join(s['name'] for s in sites)} fails" in flat, flat
+    for site in sites:
+        site.update(min_nodes=0, max_nodes=0)
+    assert check(tmp_path, example)[0] == 0, "a site that never joins launches nothing"
+
+
 def test_an_own_rack_account_that_can_join_needs_its_seed_dir(tmp_path: Path) -> None:
     """Without ``seed_dir`` the own-dc adapter refuses every join (the seed is the machine's only
     way to its bootstrap): refused at load, naming the option, not after the worker started."""
@@ -205,10 +226,16 @@ def test_console_script_exit_code(tmp_path: Path) -> None:
     assert good.returncode == 0, good.stderr
 
 
+#: What an account of each provider must set for its sites to join (``fleet.models.JOIN_OPTIONS``).
+JOINING_OPTIONS = {"lambda": {"ssh_key_names": ["ops-key"]},
+                   "nebius": {"parent_id": "project-e00test", "subnet_id": "vpcsubnet-e00test"}}
+
+
 def _real_fleet(*sites: dict) -> dict:
     accounts = {s["account"]: s["provider"] for s in sites}
     return {"mode": "real",
-            "accounts": [{"name": name, "provider": provider, "credentials": {"env": "X"}}
+            "accounts": [{"name": name, "provider": provider, "credentials": {"env": "X"},
+                          "options": JOINING_OPTIONS.get(provider, {})}
                          for name, provider in accounts.items()],
             "sites": [{"region": "r1", "gpu": "H100", "gpus_per_machine": 8, "instance_type": "t",
                        "price_per_gpu_hour": 2.0, "max_nodes": 2, **s} for s in sites]}
