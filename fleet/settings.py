@@ -220,6 +220,23 @@ class NodeGatewayEnv(EnvSettings):
     call_burst: Annotated[int, Field(gt=0)] = envvar(
         "GPUFLEET_GATEWAY_CALL_BURST", 60, "calls one node may send upstream at once before its rate applies",
         invalid="{name}: a whole number above 0, not {raw!r}")
+    # Sized in workers/gateway/proxy.py (UPSTREAM_CALLS_PER_SECOND: under the frontend's defaults).
+    upstream_calls_per_second: Annotated[float, Field(gt=0)] = envvar(
+        "GPUFLEET_GATEWAY_UPSTREAM_CALLS_PER_SECOND", 1000.0,
+        "calls every node together may send upstream per second, through all the gateway's replicas "
+        "(each takes its part, GPUFLEET_GATEWAY_REPLICAS), shared fairly among the nodes calling; "
+        "a node with its share answered RESOURCE_EXHAUSTED beyond",
+        invalid="{name}: a number of calls above 0, not {raw!r}")
+    replicas: Annotated[int, Field(gt=0)] = envvar(
+        "GPUFLEET_GATEWAY_REPLICAS", 1,
+        "how many gateway replicas run: each sends upstream at most its part of "
+        "GPUFLEET_GATEWAY_UPSTREAM_CALLS_PER_SECOND (the manifests set it to their replicas)",
+        invalid="{name}: a whole number of replicas above 0, not {raw!r}")
+
+    @property
+    def replica_upstream_calls_per_second(self) -> float:
+        """What one replica may send upstream a second: its part of the whole gateway's."""
+        return self.upstream_calls_per_second / self.replicas
 
 
 class WeightsPullEnv(EnvSettings):

@@ -200,6 +200,7 @@ def test_a_temporal_connection_without_credentials_is_refused() -> None:
     ("nodeGateway.service.type=NodePort", "/nodeGateway/service/type"),  # no node ports (README "Network model")
     ("metrics.ports.nodeAgent=70000", "/metrics/ports/nodeAgent"),
     ("nodeAgent.spotNotice=azure", "/nodeAgent/spotNotice"),     # a source the agent has not
+    ("nodeGateway.upstreamCallsPerSecond=0", "/nodeGateway/upstreamCallsPerSecond"),
 ])
 def test_bad_values_are_refused_naming_the_field(value: str, field: str) -> None:
     done = helm("template", "gpufleet", str(CHART), "--set", value, check=False)
@@ -331,6 +332,13 @@ def test_node_gateway_endpoint_and_namespaces() -> None:
     assert service["spec"]["type"] == "ClusterIP"
     assert "allocateLoadBalancerNodePorts" not in service["spec"] and "externalTrafficPolicy" not in service["spec"]
     assert workload(docs, "gpufleet-node-gateway")["spec"]["replicas"] == 3
+    # Each of the three replicas sends the frontend a third of the gateway's upstream budget.
+    (gateway,) = pod_of(workload(docs, "gpufleet-node-gateway"))["containers"]
+    assert env_of(gateway)["GPUFLEET_GATEWAY_REPLICAS"] == "3"
+    assert "GPUFLEET_GATEWAY_UPSTREAM_CALLS_PER_SECOND" not in env_of(gateway), "unset: the settings' default"
+    budget = documents(template("--set", "nodeGateway.upstreamCallsPerSecond=1500"))
+    (gateway,) = pod_of(workload(budget, "gpufleet-node-gateway"))["containers"]
+    assert env_of(gateway)["GPUFLEET_GATEWAY_UPSTREAM_CALLS_PER_SECOND"] == "1500"
     assert not [d for d in docs if d["kind"] == "Namespace"]
     # The namespaces hold gpufleet's state: `helm uninstall` keeps them.
     for ns in (d for d in documents(template()) if d["kind"] == "Namespace"):

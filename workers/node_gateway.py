@@ -49,8 +49,11 @@ async def main(args: GatewayOptions) -> None:
     running = await start_gateway(settings, Path(args.cert).read_bytes(), Path(args.key).read_bytes(),
                                   Path(args.client_ca).read_bytes(), host=host or "127.0.0.1", port=int(port),
                                   live_ttl=args.live_ttl, calls_per_second=rates.calls_per_second,
-                                  call_burst=rates.call_burst)
-    log.info("node gateway on %s:%s → %s (namespace %s)", host, running.port, settings.address, settings.namespace)
+                                  call_burst=rates.call_burst,
+                                  upstream_calls_per_second=rates.replica_upstream_calls_per_second)
+    log.info("node gateway on %s:%s → %s (namespace %s); upstream at most %g calls a second, its part of %g "
+             "for %d replicas", host, running.port, settings.address, settings.namespace,
+             rates.replica_upstream_calls_per_second, rates.upstream_calls_per_second, rates.replicas)
     from prometheus_client import REGISTRY
 
     from workers.metrics import start_metrics

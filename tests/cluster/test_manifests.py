@@ -93,6 +93,20 @@ def test_the_node_gateway_may_only_read_a_node_and_its_identity_record():
     assert {"TEMPORAL_ADDRESS", "GPUFLEET_CONFIG"} <= env, "the control plane's settings and the cluster"
 
 
+def test_the_node_gateways_replicas_each_take_their_part_of_the_upstream_budget():
+    """Each replica sends the frontend its part of ``GPUFLEET_GATEWAY_UPSTREAM_CALLS_PER_SECOND``
+    (``NodeGatewayEnv.replica_upstream_calls_per_second``): the manifest tells them how many they
+    are, so that together they send no more than the whole budget."""
+    from fleet.settings import NodeGatewayEnv
+
+    (deployment,) = [d for d in _docs("node-gateway.yaml") if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    rates = NodeGatewayEnv.from_env(env)
+    assert rates.replicas == deployment["spec"]["replicas"]
+    assert rates.replica_upstream_calls_per_second * rates.replicas == rates.upstream_calls_per_second
+
+
 def test_control_plane_deployment():
     (deployment,) = _docs("control-plane.yaml")
     pod = deployment["spec"]["template"]["spec"]

@@ -1,4 +1,5 @@
-"""One node spends the frontend's request rate, which every node and the control plane share.
+"""One node, or many together, spend the frontend's request rate, which every node and the
+control plane share.
 
 Before, the gateway bounded a node's calls at once, not their rate (heartbeats only): 16
 ``DescribeNamespace`` at once got 4,768 calls forwarded in 3 s, and a poll opened and cancelled
@@ -6,6 +7,11 @@ in a loop sent about 350 polls a second upstream. Now each node has a token buck
 it sends upstream (``proxy.CALLS_PER_SECOND``; a task delivered to it pays for its poll and its
 result), a call over it is answered RESOURCE_EXHAUSTED by the gateway, and ``GetSystemInfo`` and
 ``DescribeNamespace`` are answered from one copy (``proxy.StartupAnswers``).
+
+Many nodes each within their own budget still spent it together: a call went upstream whenever
+its node's bucket had a token. Now everything the gateway forwards takes from one budget
+(``fleet_budget.FleetBudget``, ``proxy.UPSTREAM_CALLS_PER_SECOND``), shared max-min fairly: a
+node is refused only while every node that used as much of it or more is refused too.
 
 What reaches the frontend is counted there: the gateway under test forwards to a pass-through
 gRPC proxy in front of the session's dev server (``CountingFrontend``). Its budget is set far
@@ -19,6 +25,7 @@ import asyncio
 import math
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from datetime import timedelta
 
 import grpc
@@ -28,6 +35,7 @@ from temporalio.api.workflowservice.v1 import (
     DescribeNamespaceRequest,
     GetSystemInfoRequest,
     PollActivityTaskQueueRequest,
+    RespondActivityTaskCompletedRequest,
 )
 from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
@@ -44,10 +52,11 @@ from tests.security.gateway_helpers import (
     poll_request,
     unique,
 )
+from workers.gateway.fleet_budget import FleetBudget
 from workers.gateway.liveness import temporal_liveness
 from workers.gateway.node_identity import GatewayAccess
 from workers.gateway.pki import Pki
-from workers.gateway.proxy import STARTUP_ANSWER_SECONDS, StartupAnswers, start_gateway
+from workers.gateway.proxy import CALLS_PER_TASK, STARTUP_ANSWER_SECONDS, StartupAnswers, start_gateway
 from workers.node_agent import build_agent, connect_via_gateway
 
 #: The gateway's budget here: far below the default, so that what the old gateway forwarded
@@ -64,12 +73,13 @@ WATCHES = 15
 
 class CountingFrontend(grpc.GenericRpcHandler):
     """A pass-through gRPC proxy in front of the dev server, counting what reaches it: calls by
-    method, polls by task queue."""
+    method, polls by task queue, completions by the identity the gateway wrote in them."""
 
     def __init__(self, target: str) -> None:
         self.channel = grpc.aio.insecure_channel(target)
         self.calls: Counter[str] = Counter()
         self.polls: Counter[str] = Counter()
+        self.completions: Counter[str] = Counter()
 
     def service(self, details: grpc.HandlerCallDetails):
         method = details.method
@@ -79,6 +89,8 @@ class CountingFrontend(grpc.GenericRpcHandler):
             self.calls[method.rsplit("/", 1)[-1]] += 1
             if method.endswith("/PollActivityTaskQueue"):
                 self.polls[PollActivityTaskQueueRequest.FromString(request).task_queue.name] += 1
+            if method.endswith("/RespondActivityTaskCompleted"):
+                self.completions[RespondActivityTaskCompletedRequest.FromString(request).identity] += 1
             metadata = tuple((k, v) for k, v in context.invocation_metadata() or ()
                              if not k.startswith((":", "grpc-")) and k != "user-agent")
             try:
@@ -90,10 +102,10 @@ class CountingFrontend(grpc.GenericRpcHandler):
         return grpc.unary_unary_rpc_method_handler(forward)
 
 
-@pytest.fixture
-async def counted(temporal_env):
-    """A gateway of its own (``RATE``, ``BURST``), forwarding through a ``CountingFrontend``."""
-    client = temporal_env.client
+@asynccontextmanager
+async def counting_gateway(client, **limits):
+    """A gateway of its own (``limits``: ``start_gateway``'s), forwarding through a
+    ``CountingFrontend``: the frontend, the CA, the gateway's address and the gateway."""
     frontend = CountingFrontend(client.service_client.config.target_host)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((frontend,))
@@ -102,13 +114,21 @@ async def counted(temporal_env):
     pki = Pki.create("gpufleet rate-test CA")
     cert, key = pki.server_cert()
     running = await start_gateway(Settings(address=f"127.0.0.1:{port}", namespace=client.namespace), cert, key,
-                                  pki.ca_pem, live=temporal_liveness(client), calls_per_second=RATE, call_burst=BURST)
+                                  pki.ca_pem, live=temporal_liveness(client), **limits)
     try:
-        yield frontend, pki, GatewayAccess(running.address, pki.ca_pem)
+        yield frontend, pki, GatewayAccess(running.address, pki.ca_pem), running.gateway
     finally:
         await running.stop(grace=None)
         await server.stop(None)
         await frontend.channel.close()
+
+
+@pytest.fixture
+async def counted(temporal_env):
+    """A gateway of its own (``RATE``, ``BURST``), forwarding through a ``CountingFrontend``."""
+    async with counting_gateway(temporal_env.client, calls_per_second=RATE, call_burst=BURST) as (frontend, pki,
+                                                                                                   access, _):
+        yield frontend, pki, access
 
 
 class QuietGpus:
@@ -123,18 +143,51 @@ class QuietGpus:
 
 @workflow.defn(name="SecurityWatches", sandboxed=False)
 class Watches:
-    """The node's health watch (``watch_node`` on its queue), ``count`` times in a row."""
+    """The node's health watch (``watch_node`` on its queue), ``count`` times in a row, ``pause``
+    seconds apart (none unless given)."""
 
     @workflow.run
     async def run(self, args: list) -> list[int]:
-        node, count = args
+        node, count, *pause = args
         seen = []
         for seq in range(count):
+            if seq and pause:
+                await workflow.sleep(pause[0])
             answer = await workflow.execute_activity(
                 "watch_node", {"node_name": node, "seq": seq, "digest": "", "max_wait_seconds": 30},
                 task_queue=node_queue(node), start_to_close_timeout=timedelta(seconds=60))
             seen.append(answer["seq"])
         return seen
+
+
+@asynccontextmanager
+async def honest_agent(control, access: GatewayAccess, pki: Pki, honest: str):
+    """``honest``'s node agent connected through the gateway, and a worker running ``Watches``
+    for it: the workflows' task queue."""
+    victim = credentials(pki, honest)
+    # As the node agent runs it: no SDK worker heartbeats (workers/node_agent.py).
+    client = await connect_via_gateway(access, "default", victim.cert, victim.key, runtime=Runtime(
+        telemetry=TelemetryConfig(), worker_heartbeat_interval=None))
+    queue = unique("security-watches")
+    with ThreadPoolExecutor(5) as executor:
+        async with Worker(control, task_queue=queue, workflows=[Watches],
+                          workflow_runner=UnsandboxedWorkflowRunner()), \
+                build_agent(client, honest, QuietGpus(), executor):
+            yield queue
+
+
+async def open_and_cancel_poll(channel: grpc.aio.Channel, node: str, codes: Counter, pace: float) -> None:
+    """A poll on ``node``'s own queue, cancelled after ``pace`` seconds unless answered first (then
+    a pause of ``pace``: the same pace either way, the count is the point); how it ended counted in
+    ``codes``."""
+    pending = asyncio.ensure_future(call(channel, "PollActivityTaskQueue")(poll_request(node), timeout=60))
+    done, _ = await asyncio.wait({pending}, timeout=pace)
+    if not done:
+        pending.cancel()
+        codes["cancelled"] += 1
+    else:
+        codes[await code_of(pending)] += 1
+        await asyncio.sleep(pace)
 
 
 async def test_one_nodes_call_flood_reaches_the_frontend_as_a_bounded_count(temporal_env, counted, caplog) -> None:
@@ -150,60 +203,44 @@ async def test_one_nodes_call_flood_reaches_the_frontend_as_a_bounded_count(temp
     for name in (attacker, honest):
         await live_entity(control, name)
     channel = node_channel(access, credentials(pki, attacker))
-    victim = credentials(pki, honest)
     loop = asyncio.get_running_loop()
     try:
-        # As the node agent runs it: no SDK worker heartbeats (workers/node_agent.py).
-        victim_client = await connect_via_gateway(access, "default", victim.cert, victim.key, runtime=Runtime(
-            telemetry=TelemetryConfig(), worker_heartbeat_interval=None))
-        queue = unique("security-watches")
-        with ThreadPoolExecutor(5) as executor:
-            async with Worker(control, task_queue=queue, workflows=[Watches],
-                              workflow_runner=UnsandboxedWorkflowRunner()), \
-                    build_agent(victim_client, honest, QuietGpus(), executor):
-                startups_before = frontend.calls["DescribeNamespace"] + frontend.calls["GetSystemInfo"]
-                started = loop.time()
-                watched = asyncio.ensure_future(control.execute_workflow(
-                    "SecurityWatches", [honest, WATCHES], id=unique("security-watches"), task_queue=queue,
-                    execution_timeout=timedelta(seconds=120)))
+        async with honest_agent(control, access, pki, honest) as queue:
+            startups_before = frontend.calls["DescribeNamespace"] + frontend.calls["GetSystemInfo"]
+            started = loop.time()
+            watched = asyncio.ensure_future(control.execute_workflow(
+                "SecurityWatches", [honest, WATCHES], id=unique("security-watches"), task_queue=queue,
+                execution_timeout=timedelta(seconds=120)))
 
-                startup_codes: Counter = Counter()
-                startup_left = [STARTUP_CALLS]
+            startup_codes: Counter = Counter()
+            startup_left = [STARTUP_CALLS]
 
-                async def ask_at_start_up() -> None:
-                    describe = DescribeNamespaceRequest(namespace="default").SerializeToString()
-                    info = GetSystemInfoRequest().SerializeToString()
-                    while startup_left[0] > 0:
-                        startup_left[0] -= 1
-                        method, request = (("DescribeNamespace", describe) if startup_left[0] % 2
-                                           else ("GetSystemInfo", info))
-                        startup_codes[await code_of(call(channel, method)(request, timeout=10))] += 1
+            async def ask_at_start_up() -> None:
+                describe = DescribeNamespaceRequest(namespace="default").SerializeToString()
+                info = GetSystemInfoRequest().SerializeToString()
+                while startup_left[0] > 0:
+                    startup_left[0] -= 1
+                    method, request = (("DescribeNamespace", describe) if startup_left[0] % 2
+                                       else ("GetSystemInfo", info))
+                    startup_codes[await code_of(call(channel, method)(request, timeout=10))] += 1
 
-                poll_codes: Counter = Counter()
-                cycles = [0]
+            poll_codes: Counter = Counter()
+            cycles = [0]
 
-                async def open_and_cancel_polls() -> None:
-                    # Until the honest node's watches are done too: they run during the blast.
-                    while cycles[0] < POLL_CYCLES or not watched.done():
-                        cycles[0] += 1
-                        pending = asyncio.ensure_future(call(channel, "PollActivityTaskQueue")(
-                            poll_request(attacker), timeout=60))
-                        done, _ = await asyncio.wait({pending}, timeout=0.05)
-                        if not done:
-                            pending.cancel()
-                            poll_codes["cancelled"] += 1
-                        else:
-                            poll_codes[await code_of(pending)] += 1
-                            await asyncio.sleep(0.05)  # the same pace either way: the count is the point
+            async def open_and_cancel_polls() -> None:
+                # Until the honest node's watches are done too: they run during the blast.
+                while cycles[0] < POLL_CYCLES or not watched.done():
+                    cycles[0] += 1
+                    await open_and_cancel_poll(channel, attacker, poll_codes, 0.05)
 
-                await asyncio.gather(*(ask_at_start_up() for _ in range(STARTUP_LOOPS)),
-                                     *(open_and_cancel_polls() for _ in range(POLL_LOOPS)))
-                elapsed = loop.time() - started
-                # Each watch answers at once (its digest differs from the state the agent sees).
-                assert await watched == list(range(1, WATCHES + 1)), "the honest node's watches completed"
-                upstream_polls = frontend.polls[node_queue(attacker)]
-                upstream_startups = frontend.calls["DescribeNamespace"] + frontend.calls["GetSystemInfo"] \
-                    - startups_before
+            await asyncio.gather(*(ask_at_start_up() for _ in range(STARTUP_LOOPS)),
+                                 *(open_and_cancel_polls() for _ in range(POLL_LOOPS)))
+            elapsed = loop.time() - started
+            # Each watch answers at once (its digest differs from the state the agent sees).
+            assert await watched == list(range(1, WATCHES + 1)), "the honest node's watches completed"
+            upstream_polls = frontend.polls[node_queue(attacker)]
+            upstream_startups = frontend.calls["DescribeNamespace"] + frontend.calls["GetSystemInfo"] \
+                - startups_before
     finally:
         await channel.close()
         for name in (attacker, honest):
@@ -245,3 +282,146 @@ async def test_start_up_answers_are_fetched_once_for_callers_at_once_and_a_failu
     now[0] = 10.0
     await answers.get("DescribeNamespace", fetch)
     assert len(fetched) == 3, "fetched again once stale"
+
+
+# -- many nodes, each within its own budget ------------------------------------------------------
+#: The gateway's budgets in the many-nodes test: each node's, and every node's together. The
+#: attackers together ask for ``ATTACKERS`` × ``NODE_RATE``, six times the budget, each within its own.
+NODE_RATE, NODE_BURST = 5.0, 10
+UPSTREAM_RATE = 10.0
+ATTACKERS = 12
+#: The honest node's watches, one a second: each a poll and a result, a fifth of the budget.
+HONEST_WATCHES, HONEST_PAUSE = 10, 1.0
+#: Polls each attacker opens and cancels (at twice its own rate), at least, and on until the honest node's
+#: watches are done too.
+ATTACK_CYCLES = 60
+
+
+@pytest.fixture
+async def budgeted(temporal_env):
+    """A gateway of its own (``NODE_RATE``, ``NODE_BURST``, ``UPSTREAM_RATE``), forwarding through
+    a ``CountingFrontend``."""
+    async with counting_gateway(temporal_env.client, calls_per_second=NODE_RATE, call_burst=NODE_BURST,
+                                upstream_calls_per_second=UPSTREAM_RATE) as counted:
+        yield counted
+
+
+async def test_many_nodes_each_within_its_budget_reach_the_frontend_as_one_budget(temporal_env, budgeted,
+                                                                                   caplog) -> None:
+    """Twelve nodes (a compromised site) each open and cancel polls at twice their own rate, while
+    another node's honest agent runs its watches through the same gateway. Before, each node's
+    calls went upstream as its own bucket allowed: twelve buckets' worth. Now the frontend gets at
+    most the gateway's one budget however many nodes call, and the honest node, whose tasks pay
+    for its calls, is never refused while they are: each of its watches' polls and results
+    reaches the frontend."""
+    frontend, pki, access, gateway = budgeted
+    control = temporal_env.client
+    attackers = [unique(f"site-{i}") for i in range(ATTACKERS)]
+    honest = unique("honest")
+    for name in (*attackers, honest):
+        await live_entity(control, name)
+    channels = {name: node_channel(access, credentials(pki, name)) for name in attackers}
+    loop = asyncio.get_running_loop()
+    try:
+        async with honest_agent(control, access, pki, honest) as queue:
+            before = sum(frontend.calls.values())
+            started = loop.time()
+            codes: Counter = Counter()
+            cycles: Counter = Counter()
+            watched: asyncio.Future | None = None
+
+            async def open_and_cancel_polls(name: str) -> None:
+                while cycles[name] < ATTACK_CYCLES or watched is None or not watched.done():
+                    cycles[name] += 1
+                    await open_and_cancel_poll(channels[name], name, codes, 1 / (2 * NODE_RATE))
+
+            async def watch_once_the_attack_is_on() -> None:
+                # Once every attacker has asked for twice its burst: each is calling at its
+                # own rate, the budget shared among them all.
+                nonlocal watched
+                while min(cycles[name] for name in attackers) < 2 * NODE_BURST:
+                    await asyncio.sleep(0.05)
+                watched = asyncio.ensure_future(control.execute_workflow(
+                    "SecurityWatches", [honest, HONEST_WATCHES, HONEST_PAUSE], id=unique("security-watches"),
+                    task_queue=queue, execution_timeout=timedelta(seconds=120)))
+                await watched
+
+            await asyncio.gather(watch_once_the_attack_is_on(),
+                                 *(open_and_cancel_polls(name) for name in attackers))
+            elapsed = loop.time() - started
+            assert await watched == list(range(1, HONEST_WATCHES + 1)), "the honest node's watches completed"
+            upstream = sum(frontend.calls.values()) - before
+            attackers_upstream = {name: frontend.polls[node_queue(name)] for name in attackers}
+            honest_polls = frontend.polls[node_queue(honest)]
+            honest_results = frontend.completions[f"node:{honest}"]
+    finally:
+        for channel in channels.values():
+            await channel.close()
+        for name in (*attackers, honest):
+            await end_entity(control, name)
+
+    asked = sum(cycles.values())
+    budget = gateway.budget.burst + UPSTREAM_RATE * elapsed
+    startup_fetches = 2 * (1 + math.ceil(elapsed / STARTUP_ANSWER_SECONDS))
+    assert asked >= 3 * budget, f"the test proves nothing: the nodes asked {asked} calls, the budget is {budget:.0f}"
+    assert upstream <= budget + startup_fetches, (
+        f"{upstream} calls reached the frontend in {elapsed:.1f} s (the budget: {gateway.budget.burst:g} + "
+        f"{UPSTREAM_RATE:g}/s); the {ATTACKERS} nodes' polls: {attackers_upstream}, answers: {dict(codes)}")
+    assert codes[grpc.StatusCode.RESOURCE_EXHAUSTED] > 0 and gateway.stats.over_budget > 0, codes
+    # Every poll that brought the honest node a watch, and each watch's result, went upstream.
+    assert honest_results == HONEST_WATCHES and honest_polls >= HONEST_WATCHES, (honest_polls, honest_results)
+    over = [r.getMessage() for r in caplog.records if "over its limits" in r.getMessage()]
+    assert not [line for line in over if honest in line], over
+
+
+def test_the_upstream_budget_is_shared_max_min_fairly() -> None:
+    """Fifty nodes each asking 20 calls a second of a budget of 500, beside a node asking 3 and one
+    asking one every two seconds: the two are never refused, the fifty get the rest in equal
+    parts, and no more than the budget goes through."""
+    now = [0.0]
+    budget = FleetBudget(500.0, clock=lambda: now[0])
+    asks = {**{f"heavy-{i}": 20.0 for i in range(50)}, "moderate": 3.0, "light": 0.5}
+    admitted, refused = Counter(), Counter()
+    step, seconds = 0.001, 60.0
+    due = {node: (i % 50) / 1000 for i, node in enumerate(asks)}
+    while now[0] < seconds:
+        for node, rate in asks.items():
+            if due[node] <= now[0]:
+                due[node] += 1 / rate
+                (admitted if budget.admit(node) else refused)[node] += 1
+        now[0] += step
+    assert refused["moderate"] == refused["light"] == 0, refused
+    heavy = [admitted[f"heavy-{i}"] for i in range(50)]
+    assert sum(admitted.values()) <= budget.burst + 500 * seconds
+    assert sum(admitted.values()) >= 0.95 * 500 * seconds, "the budget was spent: the heavy nodes asked for more"
+    assert max(heavy) <= 1.05 * min(heavy), heavy
+
+
+def test_a_node_whose_tasks_pay_for_its_calls_stays_a_light_caller() -> None:
+    """Twenty nodes flood a budget of 100 a second while one node works through 30 tasks a second
+    (a poll that brings each and its result: 60 calls a second, more than an equal share). Its
+    calls paid by its tasks, it is never refused; the same calls unpaid, it gets an equal share."""
+    for pays in (True, False):
+        now = [0.0]
+        budget = FleetBudget(100.0, clock=lambda: now[0])
+        admitted, refused = Counter(), Counter()
+        step, seconds = 0.001, 30.0
+        due = {**{f"flood-{i}": i / 1000 for i in range(20)}, "busy": 0.0}
+        poll_next = True
+        while now[0] < seconds:
+            for node in due:
+                if due[node] <= now[0]:
+                    due[node] += 1 / 60 if node == "busy" else 1 / 20
+                    ok = budget.admit(node)
+                    (admitted if ok else refused)[node] += 1
+                    if node == "busy" and ok:
+                        if poll_next and pays:
+                            budget.paid(node, CALLS_PER_TASK)
+                        poll_next = not poll_next
+            now[0] += step
+        if pays:
+            assert refused["busy"] == 0 and admitted["busy"] >= 60 * seconds - 1, (admitted["busy"], refused["busy"])
+        else:
+            flood = [admitted[f"flood-{i}"] for i in range(20)]
+            assert admitted["busy"] <= 1.1 * max(flood), (admitted["busy"], flood)
+        assert sum(admitted.values()) <= budget.burst + 100 * seconds

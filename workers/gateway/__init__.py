@@ -11,6 +11,8 @@ door from a GPU node to Temporal. Split by job:
   and Node entity or NodeJoin), cached per (node, key).
 - ``proxy``: the gRPC server: per-node limits, forwarding over the control plane's own
   connection, the gateway's metrics.
+- ``fleet_budget``: what every node together may send upstream, shared max-min fairly among
+  the nodes calling.
 - ``pki``: the dev stack's and the tests' CA and signer (production uses the cluster CA's).
 - ``node_log``: the warnings a node's calls cause (refusals, limits, failed liveness checks),
   at most one per node and reason a minute and then how many more: a node decides its call
@@ -51,7 +53,9 @@ certificate for its name from any other signer, opens nothing.
 
 Per node, calls, polls, connections and request sizes are bounded (see ``proxy``): a call
 over a bound is held without going upstream, and a node holding too many is refused at once,
-so one node cannot take the frontend's poll budget or the gateway's memory from the others.
+so one node cannot take the frontend's poll budget or the gateway's memory from the others;
+and every node's calls together take from one budget (``fleet_budget``), so many nodes cannot
+take the frontend's request rate either.
 
 The gateway is stateless but for the delivered tokens, kept in memory on purpose:
 after a restart (or on another replica) a completion for a task delivered before it

@@ -189,6 +189,9 @@ class GatewayStats:
     held_polls: int = 0
     #: Calls over a node's limits (held, then answered; or too big), since start.
     limited: int = 0
+    #: Calls refused since start because every node's together reached the upstream budget
+    #: (``fleet_budget.FleetBudget``) and their node had its share (counted in ``limited`` too).
+    over_budget: int = 0
     #: Calls held now because their node is over its limits.
     held_over_limits: int = 0
     #: Bytes charged for the calls held now, each its request and ``proxy.HELD_CALL_BYTES``

@@ -9,7 +9,9 @@ upstream, and then answered (a poll with no task), up to ``HELD_CALLS_PER_NODE``
 (refused at once beyond), so one node cannot take the frontend's poll budget or the
 gateway's memory from the others. At most ``CALLS_PER_SECOND`` of a node's calls a second go
 upstream (``RESOURCE_EXHAUSTED`` beyond), and the start-up calls are answered from one copy
-(``StartupAnswers``), so one node cannot spend the frontend's request rate either.
+(``StartupAnswers``), so one node cannot spend the frontend's request rate either; nor can many
+together: everything the gateway forwards takes from one budget (``FleetBudget``,
+``UPSTREAM_CALLS_PER_SECOND``), shared max-min fairly among the nodes calling.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from workers.gateway.authorization import (
     Refused,
     echo,
 )
+from workers.gateway.fleet_budget import FleetBudget
 from workers.gateway.liveness import LiveCache, Liveness, Verdict, default_liveness
 from workers.gateway.node_log import NodeLog
 
@@ -104,6 +107,22 @@ CALLS_PER_SECOND: float = NodeGatewayEnv.model_fields["calls_per_second"].defaul
 CALL_BURST: int = NodeGatewayEnv.model_fields["call_burst"].default
 #: Calls a task delivered to a node gives back: the poll that brought it and the result it asks for.
 CALLS_PER_TASK = 2
+#: Calls every node together may send upstream per second, through all the gateway's replicas
+#: (``GPUFLEET_GATEWAY_UPSTREAM_CALLS_PER_SECOND``; each replica takes its part,
+#: ``GPUFLEET_GATEWAY_REPLICAS``). Each node's own budget bounds one node; fifty hostile nodes of
+#: a compromised site, each within its own, would still spend what the frontend admits of the
+#: namespace: Temporal v1.32's defaults are 2,400 calls a second per frontend
+#: (``frontend.namespaceRPS``, and ``frontend.rps`` for all namespaces) after a burst of twice
+#: that, and the gateway's few upstream connections may all land on one frontend (a Service
+#: balances connections, not calls), beside the control plane's own calls. 1,000 leaves the
+#: control plane 1,400 of one frontend's 2,400 and is five times what an honest fleet of 10,000
+#: idle nodes sends (a poll renewed about once a minute, a watch's heartbeat every five: about
+#: 200 a second); a fleet reconnecting at once after a gateway restart is admitted over seconds (the
+#: SDK backs off on RESOURCE_EXHAUSTED and polls again). Shared by ``FleetBudget``, max-min
+#: fairly: however many nodes call at their own limit, each gets at most an equal share of
+#: what the others leave, and a node that calls little, an honest one, is never refused while
+#: they are.
+UPSTREAM_CALLS_PER_SECOND: float = NodeGatewayEnv.model_fields["upstream_calls_per_second"].default
 #: GetSystemInfo and DescribeNamespace (what the SDK asks on connecting) are answered from one
 #: copy for every node, fetched upstream at most once per this many seconds: the server's
 #: capabilities and the namespace's settings change rarely, and a node asking in a loop, or a
@@ -191,7 +210,8 @@ class NodeGateway(grpc.GenericRpcHandler):
     def __init__(self, upstream: grpc.aio.Channel, namespace: str, live: Liveness,
                  upstream_metadata: list[tuple[str, str]] | None = None,
                  poll_channels: list[grpc.aio.Channel] | None = None,
-                 calls_per_second: float = CALLS_PER_SECOND, call_burst: int = CALL_BURST) -> None:
+                 calls_per_second: float = CALLS_PER_SECOND, call_burst: int = CALL_BURST,
+                 upstream_calls_per_second: float = UPSTREAM_CALLS_PER_SECOND) -> None:
         self.upstream = upstream
         # Held long polls (at most two per node) ride connections of their own: a completion or
         # a heartbeat never queues behind a thousand open polls for an HTTP/2 stream.
@@ -208,6 +228,8 @@ class NodeGateway(grpc.GenericRpcHandler):
         self._load: dict[str, NodeLoad] = {}
         self._heartbeats = RateLimits(HEARTBEATS_PER_SECOND, HEARTBEAT_BURST)
         self._calls = RateLimits(calls_per_second, call_burst)
+        # What every node's calls together may take of the frontend's rate (this replica's part).
+        self.budget = FleetBudget(upstream_calls_per_second)
         self._startup = StartupAnswers(STARTUP_ANSWER_SECONDS)
         # Sent upstream with every call, after the node's few forwarded client-* entries.
         self._metadata = (("temporal-namespace", namespace), *self.upstream_metadata)
@@ -378,6 +400,13 @@ class NodeGateway(grpc.GenericRpcHandler):
                 why = f"more than {self._calls.rate:g} calls a second"
                 self._over_limit(node, why)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
+            if not self.budget.admit(node):
+                self._calls.give(node, 1)  # nothing went upstream: its own budget keeps the call
+                self.stats.over_budget += 1
+                why = (f"more than its share ({self.budget.share():.3g} a second) of the {self.budget.rate:g} "
+                       f"calls a second the {self.budget.calling()} nodes calling share")
+                self._over_limit(node, why)
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
             return await self._forward(method, node, load, name, forward, token, polling, context)
         finally:
             if slot:
@@ -409,6 +438,7 @@ class NodeGateway(grpc.GenericRpcHandler):
             if delivered:
                 self.authorization.remember(node, delivered)
                 self._calls.give(node, CALLS_PER_TASK)
+                self.budget.paid(node, CALLS_PER_TASK)
         elif token is not None and name != "RecordActivityTaskHeartbeat":
             self.authorization.answered(node, token)
         return response
@@ -417,6 +447,7 @@ class NodeGateway(grpc.GenericRpcHandler):
     async def _startup_answer(self, method: str, forward: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """A start-up call's answer from ``StartupAnswers``: nothing upstream but its fetch."""
         async def fetch() -> bytes:
+            self.budget.spend()
             answer = await self._stub(method)(forward, metadata=self._metadata, timeout=STARTUP_FETCH_SECONDS)
             self.stats.forwarded += 1
             return answer
@@ -500,6 +531,10 @@ class GatewayCollector:
         yield CounterMetricFamily("gpufleet_gateway_limited",
                                   "Node calls over the node's limits (held, then answered; too big; or over its rate).",
                                   value=stats.limited)
+        yield CounterMetricFamily("gpufleet_gateway_over_budget",
+                                  "Node calls refused because every node's calls together reached the "
+                                  "gateway's upstream budget and the node had its share of it.",
+                                  value=stats.over_budget)
         yield GaugeMetricFamily("gpufleet_gateway_held_over_limits",
                                 "Calls held now because their node is over its limits.",
                                 value=stats.held_over_limits)
@@ -530,15 +565,19 @@ class RunningGateway:
 async def start_gateway(settings: Settings, server_cert: bytes, server_key: bytes, client_ca: bytes,
                         live: Liveness | None = None, host: str = "127.0.0.1", port: int = 0,
                         live_ttl: float = 1.0, poll_connections: int = 4,
-                        calls_per_second: float = CALLS_PER_SECOND, call_burst: int = CALL_BURST) -> RunningGateway:
+                        calls_per_second: float = CALLS_PER_SECOND, call_burst: int = CALL_BURST,
+                        upstream_calls_per_second: float = UPSTREAM_CALLS_PER_SECOND) -> RunningGateway:
     """Serve the gateway: mutual TLS, client certificates from ``client_ca`` required; each node
-    sends at most ``calls_per_second`` calls upstream (``CALLS_PER_SECOND``), ``call_burst`` at once."""
+    sends at most ``calls_per_second`` calls upstream (``CALLS_PER_SECOND``), ``call_burst`` at once,
+    and every node together ``upstream_calls_per_second`` (this gateway's part of
+    ``UPSTREAM_CALLS_PER_SECOND``), shared fairly."""
     channel, metadata = upstream_channel(settings, own_connection=True)
     polls = [upstream_channel(settings, own_connection=True)[0] for _ in range(poll_connections)]
     if live is None:
         live = await default_liveness(settings)
     gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl), metadata, polls,
-                          calls_per_second=calls_per_second, call_burst=call_burst)
+                          calls_per_second=calls_per_second, call_burst=call_burst,
+                          upstream_calls_per_second=upstream_calls_per_second)
     # A request over RESULT_BYTES is refused by gRPC from its length prefix, before it is held
     # in memory; a connection carries at most STREAMS_PER_CONNECTION calls; one with none for
     # five minutes is closed (a node agent's always holds a poll).
