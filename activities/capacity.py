@@ -555,8 +555,13 @@ class CapacityActivities:
         read's version) before anything is deleted: a fence, an uncordon or a person's mark that
         lands after the look refuses it, and is seen on a fresh read.
 
+        Only a node whose machine lives is kept so: one whose machine is gone already (an earlier
+        attempt deleted it before the Node's removal failed, a reclaim took it) is a ghost, and
+        goes whoever holds it. The provider is asked only then, on a node found held.
+
         The machine first: it bills until deleted, and a Node that cannot be removed
         (the cluster refusing) must not keep the delete from running."""
+        gone = False
         if input.cordoned_by is not None:
             cluster, name, mine = self.env.cluster, input.node_name, input.cordoned_by
 
@@ -573,9 +578,12 @@ class CapacityActivities:
             except NodeNotFound:
                 held = ""  # the Node is gone: its machine still goes
             if held:
-                return held
+                gone = bool(input.machine_id) and self.env.machine_gone(input.site, input.machine_id)
+                if not gone:
+                    return held
         if input.machine_id:
-            self.env.delete_machine(input.site, input.machine_id)
+            if not gone:
+                self.env.delete_machine(input.site, input.machine_id)
             record_retire(self.env, input.site, input.machine_id)  # a reclaim when SpotReclaim retires it
         # Not on the version claimed: with its machine gone, a Node kept for a change since is a ghost.
         self.env.cluster.remove_node(input.node_name)

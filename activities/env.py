@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from fleet.cluster import LABEL_SITE
 from fleet.config import FleetConfig, load_config
-from fleet.errors import AccountRevoked, InvalidRequest, OfferBlocked
+from fleet.errors import AccountRevoked, InvalidRequest, NotFound, OfferBlocked
 from fleet.models import AccountState, Node
 from fleet.settings import Settings
 from providers import make_provider
@@ -102,6 +102,18 @@ class FleetEnv:
             return False
         self.provider(site.name).delete_machine(machine_id)
         return True
+
+    def machine_gone(self, site_name: str, machine_id: str) -> bool:
+        """Whether the machine has left already: the provider no longer knows it or has it
+        terminated (deleted, reclaimed), or its delete is queued while its account is revoked.
+        A revoked account's machine with no delete queued is not asked after (rule 6): not gone."""
+        site = self.site(site_name)
+        if self.accounts.get(site.account).state == AccountState.CREDENTIALS_REVOKED:
+            return any(p.machine_id == machine_id for p in self.accounts.pending_deletes(site.account))
+        try:
+            return self.provider(site.name).get_machine(machine_id).state == "terminated"
+        except NotFound:
+            return True
 
     def provider(self, site_name: str, *, guard: bool = True) -> Provider:
         if guard:

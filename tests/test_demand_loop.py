@@ -534,6 +534,126 @@ async def test_a_retirement_keeps_a_node_taken_between_its_look_and_its_delete(
         assert [m["id"] for m in cap.world.machines(cap.site("mid"))] == [machine["id"]], "its machine stays"
 
 
+def node_removal_unavailable(node: str) -> Exception:
+    """What the Kubernetes adapter raises when the API answers a Node's removal with a 503."""
+    from fleet.errors import Transient
+
+    return Transient(f"DELETE /api/v1/nodes/{node}: 503 Service Unavailable", provider="kubernetes", code="503")
+
+
+@pytest.mark.parametrize("taken", TAKEN_AFTER_THE_LOOK)
+async def test_a_retry_removes_the_node_whose_machine_its_first_attempt_deleted_whoever_took_it_since(
+        temporal_env, tmp_path, monkeypatch, taken):
+    """The retire's first attempt deletes the machine, then the cluster refuses to remove the Node
+    (a 503); before the retry a repair fences a GPU of the node, or a person uncordons it or marks
+    it theirs. Its machine is gone: the retry removes the Node, a ghost whoever holds it. Before,
+    the retry found the node held and kept it: a Node with no machine, which pods could be
+    scheduled to and the site counted as working."""
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.capacity import CapacityActivities
+    from fleet.messages.capacity import RetireMachineInput
+
+    write, _ = TAKEN_AFTER_THE_LOOK[taken]
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        (machine,) = cap.world.machines(cap.site("mid"))
+        cap.cluster.cordon(node, by=CORDONED_BY_DEMAND)  # as the loop's drain leaves it
+        refused = refuse(monkeypatch, "remove_node", node_removal_unavailable(node))
+        retire = CapacityActivities(cap.env).retire_machine
+        mine = RetireMachineInput(site=cap.site("mid"), node_name=node, machine_id=machine["id"],
+                                  cordoned_by=CORDONED_BY_DEMAND)
+        with pytest.raises(ApplicationError, match="503"):
+            await ActivityEnvironment().run(retire, mine)
+        assert not cap.world.machines(cap.site("mid")) and cap.cluster.get_node(node) is not None, "the machine went"
+        refused["on"] = False
+        write(cap.cluster, node)
+        assert await ActivityEnvironment().run(retire, mine) is None, "retired"
+        assert cap.cluster.get_node(node) is None, "no Node without its machine"
+
+
+async def test_the_loop_retires_a_node_put_back_to_work_between_its_machines_delete_and_its_removal(
+        temporal_env, tmp_path, monkeypatch):
+    """The loop drains and retires an idle node: the retire deletes its machine, then the cluster
+    refuses to remove the Node (a 503), and a person uncordons it before the activity's retry. The
+    retry removes the Node (its machine is gone) and the loop says it retired it. Before, the retry
+    kept the node as put back to work: a Node with no machine, schedulable."""
+    from sim.cluster import SimCluster
+
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node, machine, handle = await draining(cap)
+        real, refused = SimCluster.remove_node, []
+
+        def remove_node(self, name: str) -> None:
+            if name == node and not refused:
+                refused.append(name)
+                self.cordon(name, False)  # `kubectl uncordon`, before the retry
+                raise node_removal_unavailable(name)
+            real(self, name)
+
+        monkeypatch.setattr(SimCluster, "remove_node", remove_node)
+        cap.cluster.delete_pdb("default", "keeper")  # the drain passes
+        state = await until_status(handle, lambda s: logged(s, f"retired {node}") or logged(s, f"kept {node}"))
+        assert refused and logged(state, f"retired {node}"), state.log[-5:]
+        assert cap.cluster.get_node(node) is None and not cap.world.machines(cap.site("mid"))
+        await handle.terminate("test over")
+
+
+async def test_a_retry_removes_the_node_whose_machines_delete_its_first_attempt_queued_for_a_revoked_account(
+        temporal_env, tmp_path, monkeypatch):
+    """The site's account is revoked: the retire's first attempt queues its machine's delete (no
+    call to the account), then the cluster refuses to remove the Node; a person uncordons it before
+    the retry. The machine's delete is decided: the retry removes the Node, still asks the account
+    nothing, and the delete stays queued for when the credentials are rotated."""
+    from temporalio.exceptions import ApplicationError
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.capacity import CapacityActivities
+    from fleet.messages.capacity import RetireMachineInput
+
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        (machine,) = cap.world.machines(cap.site("mid"))
+        site = cap.env.site(cap.site("mid"))
+        cap.env.accounts.mark_revoked(site.account, site.provider, "revoked in a test")
+        cap.cluster.cordon(node, by=CORDONED_BY_DEMAND)  # as the loop's drain leaves it
+        refused = refuse(monkeypatch, "remove_node", node_removal_unavailable(node))
+        retire = CapacityActivities(cap.env).retire_machine
+        mine = RetireMachineInput(site=site.name, node_name=node, machine_id=machine["id"],
+                                  cordoned_by=CORDONED_BY_DEMAND)
+        with pytest.raises(ApplicationError, match="503"):
+            await ActivityEnvironment().run(retire, mine)
+        refused["on"] = False
+        cap.cluster.cordon(node, False)  # `kubectl uncordon`
+        assert await ActivityEnvironment().run(retire, mine) is None, "retired"
+        assert cap.cluster.get_node(node) is None, "no Node without its machine"
+        assert [p.machine_id for p in cap.env.accounts.pending_deletes(site.account)] == [machine["id"]]
+        assert [m["id"] for m in cap.world.machines(site.name)] == [machine["id"]], "no call to the revoked account"
+
+
+async def test_a_retirement_removes_a_node_a_person_uncordoned_once_its_machine_is_gone(temporal_env, tmp_path):
+    """The loop's drain cordoned the node; a person uncordons it, and its machine is gone already
+    (the provider finished a reclaim). Uncordoned or not, the Node has no machine: the retire
+    removes it. Before, it was kept as put back to work, a Node with no machine."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.capacity import CapacityActivities
+    from fleet.messages.capacity import RetireMachineInput
+
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        (machine,) = cap.world.machines(cap.site("mid"))
+        cap.cluster.cordon(node, by=CORDONED_BY_DEMAND)  # as the loop's drain leaves it
+        cap.cluster.cordon(node, False)  # `kubectl uncordon`
+        cap.env.provider(cap.site("mid")).delete_machine(machine["id"])  # reclaimed
+        retire = CapacityActivities(cap.env).retire_machine
+        mine = RetireMachineInput(site=cap.site("mid"), node_name=node, machine_id=machine["id"],
+                                  cordoned_by=CORDONED_BY_DEMAND)
+        assert await ActivityEnvironment().run(retire, mine) is None
+        assert cap.cluster.get_node(node) is None
+
+
 async def test_a_drain_for_the_loop_keeps_a_persons_mark_written_as_it_drops_its_own_from_a_fenced_node(
         temporal_env, tmp_path, monkeypatch):
     """The loop cordoned a node, then a repair fenced a GPU of it: the repair's now, so the loop's
