@@ -18,6 +18,8 @@ from fleet import search_attributes as sa
 from fleet.naming import node_name_for
 from providers.cluster.bootstrap import read_join_configuration
 from fleet.cluster import UNPROVEN_TAINT
+from fleet.config import load_config
+from fleet.demand import DEMAND_TAINT_KEY, LABEL_FLEET, LABEL_GEOGRAPHY, GpuPod, Toleration, site_labels
 from tests.conftest import Stack, run_node_host, wait_for
 from tests.details_helpers import current_details, held, scheduled, until
 from tests.replay import replay_and_record
@@ -136,6 +138,30 @@ async def test_join_happy_path(stack: Stack) -> None:
             break
         await asyncio.sleep(0.1)
     assert len(await listed()) == 1
+
+
+async def test_a_pod_opted_in_to_the_fleet_binds_as_the_join_admits_its_node(stack: Stack, monkeypatch) -> None:
+    """A join labels its node, as it registers, with every label the fleet keeps on its site's nodes
+    (``site_labels``: the opt-in ``gpufleet: "true"``, the geography and the capacity type beside the
+    site, provider, region and GPU), so a Pending pod that opted in to the fleet binds the moment the
+    smoke test passed and the unproven taint went. Before, the join set four of them and the others
+    waited for the demand loop's next look (once the purchase had ended, or within 2 s while pods
+    were Pending): the pod a purchase was for waited on the loop after its node was admitted."""
+    testing, tested = held(monkeypatch, SimGpuBackend, "compute_check")
+    stack.cluster.create_pod(GpuPod(
+        namespace="ml", name="opted-in", gpus=2, node_selector={LABEL_FLEET: "true", LABEL_GEOGRAPHY: "us-east"},
+        tolerations=[Toleration(key=DEMAND_TAINT_KEY, operator="Exists", effect="NoSchedule")]))
+    handle = await stack.start_join({"site": "site-a"}, request="labelled")
+    await eventually(lambda: asyncio.to_thread(testing.wait, 0.1), timeout=30)
+    name = node_name_for("site-a", "join/site-a/labelled", handle.first_execution_run_id)
+    proving = stack.cluster.get_node(name)
+    wanted = site_labels(load_config(stack.settings.config).site("site-a"))
+    assert {k: proving.labels.get(k) for k in wanted} == wanted, "labelled as it registered, before it is proven"
+    assert UNPROVEN_TAINT in proving.taints
+    assert not {p.name: p.node for p in stack.cluster.list_gpu_pods()}["opted-in"], "bound before it was proven"
+    tested.set()
+    await handle.result()
+    assert {p.name: p.node for p in stack.cluster.list_gpu_pods()}["opted-in"] == name
 
 
 async def test_each_wait_of_a_join_says_until_when(stack: Stack, monkeypatch) -> None:

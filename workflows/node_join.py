@@ -36,14 +36,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet.config import Site
     from fleet.models import MACHINE_TAG_JOIN, MACHINE_TAG_SITE, Machine, Node
     from fleet.naming import node_name_for, node_queue
-    from fleet.cluster import (
-        LABEL_GPU_PRODUCT,
-        LABEL_PROVIDER,
-        LABEL_REGION,
-        LABEL_SITE,
-        UNPROVEN_TAINT,
-        JoinTokenRef,
-    )
+    from fleet.cluster import UNPROVEN_TAINT, JoinTokenRef
+    from fleet.demand import site_labels
     from workflows.inputs import parse_input
     from workflows.steps import (
         CLUSTER_RETRY,
@@ -337,8 +331,10 @@ class NodeJoin:
                                   join_id: str, timeouts: JoinTimeouts) -> None:
         """3. Its certificate approved only for its own name, providerID and addresses; its token
         deleted at registration; labelled, and tainted unproven."""
-        labels = {LABEL_SITE: site.name, LABEL_PROVIDER: site.provider, LABEL_REGION: site.region,
-                  LABEL_GPU_PRODUCT: site.gpu}
+        # Every label the fleet keeps on its site's nodes (``site_labels``), the demand loop's opt-in
+        # selector among them: a pod bought this node binds as its unproven taint goes, not once the
+        # loop next labels (which it did after the purchase ended, or within 2 s).
+        labels = site_labels(site)
         deadline = workflow.now() + timedelta(seconds=timeouts.registration_seconds)
         self._step("waiting for registration", f"{until(deadline)}; "
                    "its certificate only for its own name, providerID and addresses its machine's"
