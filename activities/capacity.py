@@ -316,6 +316,10 @@ class CapacityActivities:
     @activity.defn
     @typed_errors
     async def get_catalog(self, input: GetCatalogInput) -> Catalog:
+        """Offers of every site (stored ones when fresh), with account states (``read_catalog``)."""
+        return await self.read_catalog(input)
+
+    async def read_catalog(self, input: GetCatalogInput) -> Catalog:
         """Offers of every site (stored ones when fresh), with account states.
 
         A site whose provider answers BadCredentials is reported to its

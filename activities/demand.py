@@ -17,36 +17,46 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryFail
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.capacity import who_holds
+from activities.capacity import CapacityActivities, who_holds
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.cluster import CORDONED_BY_DEMAND, LABEL_SITE, UNPROVEN_TAINT
 from fleet.consolidation import IdleNode
 from fleet.demand import gpus_counted, opted_in, site_labels
 from fleet.errors import NotFound
-from fleet.demand_planner import ModelUsage, NodeRoom, plan_demand
-from fleet.messages.capacity import CapacityProgress, CapacityResult
+from fleet.demand_planner import ModelUsage, NodeRoom, PlannedMachine, plan_demand
+from fleet.messages.capacity import CapacityProgress, CapacityResult, GetCatalogInput
 from fleet.messages.demand import (
     CancelOutcome,
     CancelPurchaseInput,
     DemandBatch,
     IdleNodesResult,
+    JoiningMachine,
+    PlanAndBuyInput,
+    PlanAndBuyResult,
     PlanDemandInput,
     PlanDemandResult,
+    Purchase,
     PurchaseState,
     PurchaseStatusInput,
     StartPurchaseInput,
     WatchDemandInput,
+    purchase_request,
+    purchase_summary,
 )
 from fleet.messages.join import JoinProgress
 from fleet.models import CapacityType
-from fleet.naming import capacity_workflow_id
+from fleet.naming import capacity_workflow_id, purchase_workflow_id
 from fleet.contracts import workflows as flows
 
 #: NodeJoin steps before the provider is asked for a machine: cancelling then buys nothing.
 BEFORE_PROVISIONING = ("starting", "resolving site")
 #: The AcquireCapacity a SpotReclaim starts for its replacement (``workflows/reclaim.py``).
 RECLAIM_REPLACEMENT_PREFIX = capacity_workflow_id("reclaim-")
+#: The memo key under which a purchase ``plan_and_buy`` started keeps what the loop follows it as.
+PURCHASE_MEMO = "demand_purchase"
+#: The catalog the loop plans on may be this old (a purchase reads its own again).
+CATALOG_MAX_AGE_SECONDS = 60
 
 
 def _status_name(status: WorkflowExecutionStatus | None) -> str:
@@ -80,8 +90,8 @@ class DemandActivities:
         self.env = env
 
     def all(self) -> list:
-        return [self.demand_settings, self.watch_demand, self.plan_demand, self.start_purchase, self.purchase_status,
-                self.cancel_purchase, self.idle_nodes]
+        return [self.demand_settings, self.watch_demand, self.plan_demand, self.plan_and_buy, self.start_purchase,
+                self.purchase_status, self.cancel_purchase, self.idle_nodes]
 
     @activity.defn
     def demand_settings(self) -> dict:
@@ -92,7 +102,8 @@ class DemandActivities:
     def _label_fleet_nodes(self) -> tuple[list, list[str]]:
         """The fleet's own labels on each of its nodes, from its config (``site_labels``):
         what a pod's selector matches and what the planner predicts a bought node carries.
-        Set as soon as a node registers (it is still proving then), so it serves with them."""
+        A join sets them as its node registers; kept here for nodes joined before it did, and put
+        back where someone changed them."""
         sites = {s.name: s for s in self.env.config.sites}
         labelled = []
         nodes = self.env.nodes()
@@ -233,6 +244,73 @@ class DemandActivities:
         the loop's own purchases and SpotReclaims' replacements count as joining."""
         replacing = await self._reclaim_replacements(input)
         return await asyncio.to_thread(self._plan, input, replacing)
+
+    @activity.defn
+    @typed_errors
+    async def plan_and_buy(self, input: PlanAndBuyInput) -> PlanAndBuyResult:
+        """The loop's one step from new Pending pods to their purchases: read the catalog, plan as
+        ``plan_demand``, and start each planned machine's ``AcquireCapacity``, numbered on from
+        ``input.seq``. One activity where three ran one after the other (``get_catalog``,
+        ``plan_demand``, ``start_purchase``): the pods wait on each one's round trip through the loop.
+
+        The loop hears of the purchases only from this answer, so a step that failed after a start
+        (Temporal away for the next one, the worker gone) must not buy again: each purchase carries
+        what the loop follows it as in its memo, and the step first takes those an earlier try of it
+        started under the numbers it would use as its own, named first in the answer (one still
+        running counts as joining in the plan, so its pods buy nothing more)."""
+        (earlier, taken), catalog = await asyncio.gather(
+            self._started_earlier(input),
+            CapacityActivities(self.env).read_catalog(GetCatalogInput(max_age_seconds=CATALOG_MAX_AGE_SECONDS)))
+        joining = [*input.joining, *(JoiningMachine(purchase=p.workflow_id, site=p.site, gpus=p.gpus,
+                                                    capacity_type=p.capacity_type, model_gpus=p.model_gpus)
+                                     for p, running in earlier if running)]
+        planning = PlanDemandInput(offers=catalog.offers, accounts=catalog.accounts, joining=joining,
+                                   excluded=input.excluded)
+        replacing = await self._reclaim_replacements(planning)
+        planned = await asyncio.to_thread(self._plan, planning, replacing)
+        seq = input.seq + taken
+        started = await asyncio.gather(*(
+            self._start(purchase_workflow_id(seq + n, input.series), machine, input)
+            for n, machine in enumerate(planned.plan.machines, start=1)))
+        return PlanAndBuyResult(**dict(planned), purchases=[*(p for p, _ in earlier), *started],
+                                seq=seq + len(started))
+
+    async def _started_earlier(self, input: PlanAndBuyInput) -> tuple[list[tuple[Purchase, bool]], int]:
+        """The purchases under the numbers after ``input.seq`` that an earlier try of this step
+        started (its memo says how the loop follows it), each with whether it still runs, and how
+        many numbers are taken, up to the first free one. A number one of no step's runs under (an
+        earlier loop's, from before purchases had a series) is skipped while it runs: never joined."""
+        client = activity.client()
+        found: list[tuple[Purchase, bool]] = []
+        taken = 0
+        while True:
+            workflow_id = purchase_workflow_id(input.seq + taken + 1, input.series)
+            try:
+                described = await client.get_workflow_handle(workflow_id).describe()
+            except RPCError as error:
+                if error.status == RPCStatusCode.NOT_FOUND:
+                    return found, taken
+                raise
+            running = described.status == WorkflowExecutionStatus.RUNNING
+            purchase = await described.memo_value(PURCHASE_MEMO, None, type_hint=Purchase)
+            if purchase is None and not running:
+                return found, taken  # ended, of no step's: its number is free (a start makes a new run)
+            taken += 1
+            if purchase is not None:
+                found.append((purchase, running))
+
+    async def _start(self, workflow_id: str, machine: PlannedMachine, input: PlanAndBuyInput) -> Purchase:
+        purchase = Purchase.of(machine, workflow_id, started_at=time.time())
+        await activity.client().start_workflow(
+            flows.AcquireCapacity.TYPE, purchase_request(machine, input.deadline_seconds, input.capacity_request),
+            id=workflow_id, task_queue=activity.info().task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
+            static_summary=purchase_summary(machine)[:400], memo={PURCHASE_MEMO: purchase},
+            # Its first workflow task comes back in the start's answer, to this worker (it runs
+            # AcquireCapacity on this queue), rather than through the queue's matching: the pods wait
+            # on it. A server that does not start eagerly starts it as usual.
+            request_eager_start=True,
+        )
+        return purchase
 
     # -- buying -------------------------------------------------------------------------------
     @activity.defn

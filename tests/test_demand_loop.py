@@ -187,6 +187,81 @@ async def test_a_loop_started_again_never_books_new_pods_on_an_earlier_loops_pur
     await again.terminate("test over")
 
 
+def scheduled_activities(history) -> list[str]:
+    from temporalio.api.enums.v1 import EventType
+
+    return [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+
+
+async def test_a_pending_pods_purchase_starts_from_the_step_that_plans_it(cap: CapStack):
+    """From the watch that saw a new Pending pod to its purchase's start the loop runs one activity,
+    ``plan_and_buy`` (the catalog read, the plan and the start), and follows the purchase from its
+    answer. Before, three ran one after the other (``get_catalog``, ``plan_demand``,
+    ``start_purchase``), each a round trip through the loop that the pod waited on: pod → bound took
+    1.36 to 1.52 times a direct join of the same machine (``python -m bench.demand``, target 1.3)."""
+    handle = await start_demand(cap, tick_seconds=3600)
+    cap.cluster.create_pod(demand_pod("eu-0", **{LABEL_GEOGRAPHY: "eu", LABEL_CAPACITY_TYPE: "on-demand"}))
+    await wait_for(lambda: bound(cap).get("ml/eu-0"), timeout=60)
+    state = await until_status(handle, lambda s: [p.status for p in s.purchases] == ["joined"])
+    (purchase,) = state.purchases
+    assert (purchase.pods, purchase.offer) == (["ml/eu-0"], cap.offer("mid"))
+    assert logged(state, f"ml/eu-0 → {cap.offer('mid')} → `{purchase.workflow_id}`"), state.log[-5:]
+    steps = scheduled_activities(await handle.fetch_history())
+    saw = steps.index("watch_demand_events")  # the first watch: it returned with the pod
+    assert steps[saw + 1] == "plan_and_buy", steps
+    assert not {"get_catalog", "plan_demand", "start_purchase"} & set(steps), steps
+    await replay_and_record(handle, "demand_plans_and_buys_in_one_step")
+    await handle.terminate("test over")
+
+
+async def test_an_idle_loops_safety_look_costs_three_activities(cap: CapStack):
+    """Idle costs nothing: with no Pending pod, each safety look (every ``tick_seconds``) schedules its
+    watch, one activity to plan (``plan_and_buy``, which buys nothing) and the idle nodes' list: three
+    billed actions. Before, the plan was two (``get_catalog``, ``plan_demand``): four a look."""
+    handle = await start_demand(cap)  # a look every 0.5 s
+    await asyncio.sleep(3)
+    steps = scheduled_activities(await handle.fetch_history())
+    await handle.terminate("test over")
+    look = ["watch_demand_events", "plan_and_buy", "idle_nodes"]
+    assert steps[0] == "demand_settings" and len(steps) >= 1 + 3 * len(look), steps
+    assert steps[1:] == (look * len(steps))[:len(steps) - 1], steps
+
+
+async def test_a_step_that_failed_after_starting_a_purchase_does_not_buy_again(cap: CapStack, monkeypatch):
+    """The loop hears of a purchase only from the answer of the step that planned and started it.
+    That step failed right after the start (Temporal did not answer it): its next try finds the
+    purchase under the number it would use, takes it as the loop's (its pods counted as joining)
+    and buys nothing more; the loop follows it for the pod it was bought for."""
+    from temporalio.service import RPCError, RPCStatusCode
+
+    real, starts = Client.start_workflow, []
+
+    async def lost_answer(self, *args, id: str, **kwargs):
+        handle = await real(self, *args, id=id, **kwargs)
+        if id.startswith("capacity/demand-"):
+            starts.append(id)
+            if len(starts) == 1:
+                raise RPCError("the answer to the start was lost", RPCStatusCode.UNAVAILABLE, b"")
+        return handle
+
+    monkeypatch.setattr(Client, "start_workflow", lost_answer)
+    # The purchase holds before its first join: its offer is out of its own ranking for 60 s.
+    hold = {**FAST["capacity_request"], "exclude": [{"offer": cap.offer("cheap"), "seconds": 60}]}
+    handle = await start_demand(cap, capacity_request=hold)
+    cap.cluster.create_pod(demand_pod("once", **{LABEL_SITE: cap.site("cheap")}))
+    state = await until_status(handle, lambda s: s.purchases)
+    (purchase,) = state.purchases
+    assert (purchase.pods, purchase.offer, purchase.status) == (["ml/once"], cap.offer("cheap"), "buying")
+    assert starts == [purchase.workflow_id], "the try after the failed one started a purchase"
+    await asyncio.sleep(1.5)  # passes since: the pod is covered by its purchase
+    assert len((await status(handle)).purchases) == 1 and starts == [purchase.workflow_id]
+    described = await cap.client.get_workflow_handle(purchase.workflow_id).describe()
+    assert described.status == WorkflowExecutionStatus.RUNNING
+    await handle.terminate("test over")
+    await cap.client.get_workflow_handle(purchase.workflow_id).terminate("test over")
+
+
 async def test_a_pod_that_goes_cancels_what_was_bought_for_it_before_provisioning(cap: CapStack):
     # Each purchase holds before its first join: its offer is out of its own ranking for 60 s.
     hold = {**FAST["capacity_request"], "exclude": [{"offer": cap.offer("cheap"), "seconds": 60}]}
@@ -204,16 +279,19 @@ async def test_a_pod_that_goes_cancels_what_was_bought_for_it_before_provisionin
     await handle.terminate("test over")
 
 
-def start_slowly(monkeypatch, seconds: float) -> None:
-    """Each purchase's start (``start_purchase``'s call to Temporal) takes ``seconds``."""
-    real = Client.start_workflow
+def start_slowly(monkeypatch, seconds: float) -> asyncio.Event:
+    """Each purchase's start (the loop's call to Temporal) takes ``seconds``; the event is set as the
+    first one begins."""
+    real, starting = Client.start_workflow, asyncio.Event()
 
     async def slow(self, *args, id: str, **kwargs):
         if id.startswith("capacity/demand-"):
+            starting.set()
             await asyncio.sleep(seconds)
         return await real(self, *args, id=id, **kwargs)
 
     monkeypatch.setattr(Client, "start_workflow", slow)
+    return starting
 
 
 async def purchase_end(cap: CapStack, workflow_id: str, timeout: float) -> CapacityResult:
@@ -251,14 +329,15 @@ async def test_a_cancelled_loop_stops_its_purchase_still_buying(cap: CapStack, m
     # The purchase holds before its first join: its offer is out of its own ranking for 60 s.
     hold = {**FAST["capacity_request"], "exclude": [{"offer": cap.offer("cheap"), "seconds": 60}]}
     if when == "as it starts":
-        start_slowly(monkeypatch, 2)
+        starting = start_slowly(monkeypatch, 2)
     handle = await start_demand(cap, capacity_request=hold)
     cap.cluster.create_pod(demand_pod("waiting", **{LABEL_SITE: cap.site("cheap")}))
-    if when == "as it starts":  # followed before its start: the start is in flight
-        (purchase,) = (await until_status(handle, lambda s: s.purchases)).purchases
+    if when == "as it starts":  # the step that planned it is starting it: the loop has not heard of it yet
+        await wait_for(starting.is_set, timeout=30)
     else:
-        (purchase,) = (await until_status(handle, lambda s: logged(s, "ml/waiting → "))).purchases
+        await until_status(handle, lambda s: logged(s, "ml/waiting → "))
     state = await cancelled(handle, reason="x" * 5000 if when == "for a long reason" else "")
+    (purchase,) = state.purchases
 
     result = await purchase_end(cap, purchase.workflow_id, timeout=10)  # its deadline (20 s) would end it later
     assert result.cancelled.startswith("the demand loop was cancelled"), result
@@ -267,7 +346,7 @@ async def test_a_cancelled_loop_stops_its_purchase_still_buying(cap: CapStack, m
     assert logged(state, f"cancelled: stopped purchases {purchase.workflow_id}; no node left cordoned"), state.log[-3:]
     if when != "for a long reason":
         await replay_and_record(handle, "demand_cancelled_stops_its_purchase" if when == "while it buys"
-                                else "demand_cancelled_as_its_purchase_starts")
+                                else "demand_cancelled_as_its_step_starts_a_purchase")
 
 
 async def test_consolidation_honours_pdbs_and_the_site_fraction(temporal_env, tmp_path):

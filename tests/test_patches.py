@@ -179,6 +179,28 @@ def test_the_patch_table_in_the_docs_is_the_code_s() -> None:
     assert documented == {(p.workflow_type, p.id) for p in scan_patches()}
 
 
+def in_words(n: int) -> str:
+    """``n`` (below 100) as the docs write it: "sixty-six"."""
+    ones = ["zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven",
+            "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen", "nineteen"]
+    tens = ["", "", "twenty", "thirty", "forty", "fifty", "sixty", "seventy", "eighty", "ninety"]
+    if n < 20:
+        return ones[n]
+    return tens[n // 10] + (f"-{ones[n % 10]}" if n % 10 else "")
+
+
+def test_the_patch_count_in_the_docs_is_the_code_s() -> None:
+    """"The patches now" opens with how many ids the code asks, in how many workflow types, and how
+    many of them are deprecated: the counts a person retiring patches starts from."""
+    text = (ROOT / "docs" / "design" / "patches.md").read_text()
+    said = re.search(r"^## The patches now\n\n(\S+) ids in (\S+) workflow types, (\S+) of them deprecated",
+                     text, re.MULTILINE)
+    assert said, "the count sentence under \"The patches now\""
+    scanned = scan_patches()
+    counted = (len(scanned), len({p.workflow_type for p in scanned}), sum(p.deprecated for p in scanned))
+    assert [w.lower() for w in said.groups()] == [in_words(n) for n in counted]
+
+
 def test_workflows_with_local_activities_ask_their_patches_at_start() -> None:
     """A patch asked after a local activity can fail replay (docs/design/patches.md, "Where a patch
     may be asked"): in a workflow module that runs local activities, every ``workflow.patched`` call

@@ -192,6 +192,14 @@ EXPECTED = {
     "demand_cancelled_stops_its_purchase", "demand_cancelled_as_its_purchase_starts",
     "demand_cancelled_uncordons_its_drain", "demand_cancelled_while_draining_before",
     "demand_cancelled_as_its_purchase_starts_before",
+    # From the watch that saw new Pending pods to their purchases the loop runs one activity,
+    # ``plan_and_buy`` (``demand-plans-and-buys-in-one-step``, tests/test_demand_loop.py), a cancel
+    # while it starts one awaiting its answer; ``_before``: the code before (``get_catalog``,
+    # ``plan_demand``, ``start_purchase``), recorded on it, replays down the old branch (as do
+    # ``demand_buy_then_retire`` and the other demand histories above, and
+    # ``demand_cancelled_as_its_purchase_starts``, whose start was in flight as the cancel landed).
+    "demand_plans_and_buys_in_one_step", "demand_plans_and_buys_in_one_step_before",
+    "demand_cancelled_as_its_step_starts_a_purchase",
     # A site above its max retires its free nodes, never one a repair or a person holds, and one
     # freed by its repair's end; its retirement keeps a node a repair took during the drain
     # (tests/test_site_reclaim.py); an evacuation keeps a node it bought that a repair holds

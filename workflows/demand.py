@@ -6,12 +6,13 @@ One entity per fleet, a loop:
    answer for, then let the batch close (1 s without a new pod, 10 s at most);
 2. look at the purchases in flight; a purchase whose pods all went is cancelled while
    its join has not yet asked the provider for a machine;
-3. plan (activity, pure ``fleet.demand_planner.plan_demand``): pods that fit a node or a join
+3. plan (pure ``fleet.demand_planner.plan_demand``): pods that fit a node or a join
    in flight buy nothing; the rest are bin-packed onto the cheapest qualifying offers;
 4. buy: one ``AcquireCapacity`` per planned machine, pinned to its offer, started with
    the standard id ``capacity/demand-<series>-<n>`` (not a child: a purchase outlives this run's
    continue-as-new; a failed one puts its offer out of the plan for a while and the pods
-   are planned again, elsewhere);
+   are planned again, elsewhere). The catalog read, the plan and the starts are one activity,
+   ``plan_and_buy`` (``PLAN_AND_BUY_PATCH``): the pods wait on one round trip through the loop;
 5. consolidate: nodes idle past the TTL are drained (PDBs honoured) and retired,
    most expensive first, within the site minimums and fractions (``fleet.consolidation.consolidate``).
 
@@ -48,7 +49,11 @@ with workflow.unsafe.imports_passed_through():
     from fleet.cluster import CORDONED_BY_DEMAND
     from fleet.consolidation import ConsolidationSettings, consolidate
     from fleet.messages.capacity import Catalog, GetCatalogInput, ReleaseCordonsInput
-    from fleet.messages.demand import CancelOutcome, CancelPurchaseInput, DemandBatch, DemandCarry, DemandInput, DemandStatus, IdleNodesResult, JoiningMachine, PlanDemandInput, PlanDemandResult, Purchase, PurchaseState, PurchaseStatusInput, StartPurchaseInput, WatchDemandInput
+    from fleet.messages.demand import (
+        CancelOutcome, CancelPurchaseInput, DemandBatch, DemandCarry, DemandInput, DemandStatus, IdleNodesResult,
+        JoiningMachine, PlanAndBuyInput, PlanAndBuyResult, PlanDemandInput, PlanDemandResult, Purchase, PurchaseState,
+        PurchaseStatusInput, StartPurchaseInput, WatchDemandInput, pods_named, purchase_request, purchase_summary,
+    )
     from fleet.naming import purchase_workflow_id
     from fleet.messages.watches import DemandWake, DemandWatchInput
     from workflows.entity import Entity
@@ -98,6 +103,12 @@ SERIES_PATCH = "demand-purchase-series"
 #: purchases bought on until their deadline, for pods perhaps gone, and the nodes stayed cordoned.
 #: Asked only where the run's cancel is seen (Demand runs no local activity).
 CANCEL_WINDS_DOWN_PATCH = "demand-cancel-winds-down"
+#: Workflow patch: the catalog read, the plan and each planned machine's purchase start are one
+#: activity, ``plan_and_buy`` (it numbers the purchases on from the loop's, and takes those an earlier
+#: try of it started as its own). Runs before it scheduled ``get_catalog``, ``plan_demand`` and one
+#: ``start_purchase`` per machine, each a round trip through the loop that the Pending pods waited on.
+#: Asked where the pass plans, right before its first command there (Demand runs no local activity).
+PLAN_AND_BUY_PATCH = "demand-plans-and-buys-in-one-step"
 #: The loop's first pause after a failed pass (``FailedPasses``): Pending pods wait on it.
 FIRST_PAUSE = timedelta(seconds=1)
 #: What a pass was doing, by the activity that failed (``FailedPasses``: "could not <step> ...").
@@ -106,6 +117,7 @@ STEPS = {
     "watch_demand_events": "watch the Pending pods", "watch_demand": "watch the Pending pods",
     "purchase_status": "look at the purchases in flight", "cancel_purchase": "cancel a purchase whose pods went",
     "get_catalog": "read the provider catalog", "plan_demand": "plan the Pending pods",
+    "plan_and_buy": "plan the Pending pods and start their purchases",
     "start_purchase": "start a purchase", "idle_nodes": "list the idle nodes",
 }
 
@@ -333,22 +345,83 @@ class Demand(Entity[DemandCarry]):
         self.state.purchases = self._buying() + done[-50:]
         return len(self._buying()) < len(buying)
 
-    async def _plan_and_buy(self, batch: DemandBatch) -> None:
-        catalog: Catalog = await workflow.execute_activity(
-            act.get_catalog, GetCatalogInput(max_age_seconds=60),
-            start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary="provider catalog: offers, accounts",
-        )
+    def _joining_and_excluded(self) -> tuple[list[JoiningMachine], dict[str, str]]:
+        """What the plan counts as joining (the purchases buying) and the offers out of it now."""
         now = workflow.now().timestamp()
         self.state.excluded = {k: until for k, until in self.state.excluded.items() if until > now}
         joining = [JoiningMachine(purchase=p.workflow_id, site=p.site, gpus=p.gpus, capacity_type=p.capacity_type,
                                   model_gpus=p.model_gpus) for p in self._buying()]
+        return joining, {k: "a purchase there just failed" for k in self.state.excluded}
+
+    async def _plan_and_buy(self, batch: DemandBatch) -> None:
+        if workflow.patched(PLAN_AND_BUY_PATCH):
+            await self._plan_and_buy_in_one_step(batch)
+            return
+        # A run from before ``PLAN_AND_BUY_PATCH``: the catalog, the plan and each start, one activity each.
+        catalog: Catalog = await workflow.execute_activity(
+            act.get_catalog, GetCatalogInput(max_age_seconds=60),
+            start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary="provider catalog: offers, accounts",
+        )
+        joining, excluded = self._joining_and_excluded()
         result: PlanDemandResult = await workflow.execute_activity(
             act.plan_demand,
-            PlanDemandInput(offers=catalog.offers, accounts=catalog.accounts, joining=joining,
-                            excluded={k: "a purchase there just failed" for k in self.state.excluded}),
+            PlanDemandInput(offers=catalog.offers, accounts=catalog.accounts, joining=joining, excluded=excluded),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary=f"plan {len(batch.new)} new Pending pods (bin-pack onto the cheapest offers)",
         )
+        self._planned(batch, result)
+        for machine in result.plan.machines:
+            self.state.seq += 1
+            purchase = Purchase.of(machine, purchase_workflow_id(self.state.seq, self.state.series),
+                                   started_at=workflow.now().timestamp())
+            # Followed before it is started: a start that failed after its retries (Temporal away)
+            # may still have started it, and a purchase running untracked would be bought twice.
+            self.state.purchases.append(purchase)
+            await self._start_purchase(workflow.start_activity(
+                act.start_purchase, StartPurchaseInput(
+                    workflow_id=purchase.workflow_id,
+                    request=purchase_request(machine, self._args.purchase_deadline_seconds,
+                                             self._args.capacity_request),
+                    summary=purchase_summary(machine)),
+                start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+                summary=f"buy {machine.offer} for {len(machine.pods)} pods",
+            ))
+            self._bought(purchase)
+        self._labelled(result)
+
+    async def _plan_and_buy_in_one_step(self, batch: DemandBatch) -> None:
+        """``PLAN_AND_BUY_PATCH``: the catalog, the plan and the purchases' starts in one activity."""
+        joining, excluded = self._joining_and_excluded()
+        step = workflow.start_activity(
+            act.plan_and_buy,
+            PlanAndBuyInput(joining=joining, excluded=excluded, seq=self.state.seq, series=self.state.series,
+                            deadline_seconds=self._args.purchase_deadline_seconds,
+                            capacity_request=self._args.capacity_request),
+            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+            summary=f"plan {len(batch.new)} new Pending pods (bin-pack onto the cheapest offers) and buy",
+        )
+        try:
+            result = await asyncio.shield(step)
+        except asyncio.CancelledError:
+            # The run's cancel. The step starts its purchases whether or not a cancel reaches it, and
+            # the loop hears of them only from its answer: awaited to it, so the wind-down stops them.
+            try:
+                self._took(batch, await step)
+            except ActivityError:
+                pass  # failed meanwhile: what it started, the loop never heard of
+            raise
+        self._took(batch, result)
+
+    def _took(self, batch: DemandBatch, result: PlanAndBuyResult) -> None:
+        """What one ``plan_and_buy`` planned and started, followed from now on."""
+        self._planned(batch, result)
+        self.state.seq = max(self.state.seq, result.seq)
+        for purchase in result.purchases:
+            self.state.purchases.append(purchase)
+            self._bought(purchase)
+        self._labelled(result)
+
+    def _planned(self, batch: DemandBatch, result: PlanDemandResult) -> None:
         plan = result.plan
         self._seen.covered = plan.covered
         self._seen.unplaceable = plan.unplaceable
@@ -356,37 +429,11 @@ class Demand(Entity[DemandCarry]):
         for pod, why in plan.unplaceable.items():
             if pod in batch.new:
                 self._log(f"{pod}: nothing bought: {why}")
-        for machine in plan.machines:
-            self.state.seq += 1
-            workflow_id = purchase_workflow_id(self.state.seq, self.state.series)
-            model_gpus: dict[str, int] = {}
-            request = {
-                "constraints": {"sites": [machine.site], "gpu": machine.gpu, "gpus_per_machine": machine.gpus,
-                                "capacity_types": [machine.capacity_type.value]},
-                "count": 1, "deadline_seconds": self._args.purchase_deadline_seconds,
-                "backoff_seconds": min(60.0, self._args.purchase_deadline_seconds),
-                "reason": f"demand: {len(machine.pods)} Pending pods",
-                **self._args.capacity_request,
-            }
-            pods = ", ".join(machine.pods[:4]) + (f" +{len(machine.pods) - 4}" if len(machine.pods) > 4 else "")
-            if machine.model:
-                for name in machine.model.split(","):
-                    model_gpus[name] = machine.gpus_used
-            # Followed before it is started: a start that failed after its retries (Temporal away)
-            # may still have started it, and a purchase running untracked would be bought twice.
-            self.state.purchases.append(Purchase(
-                workflow_id=workflow_id, offer=machine.offer, site=machine.site, gpus=machine.gpus,
-                capacity_type=machine.capacity_type, pods=machine.pods, model_gpus=model_gpus,
-                reason=machine.reason, started_at=workflow.now().timestamp(),
-            ))
-            await self._start_purchase(workflow.start_activity(
-                act.start_purchase, StartPurchaseInput(
-                    workflow_id=workflow_id, request=request,
-                    summary=f"demand: {pods} → {machine.offer}: {machine.reason}"),
-                start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
-                summary=f"buy {machine.offer} for {len(machine.pods)} pods",
-            ))
-            self._log(f"{pods} → {machine.offer} → `{workflow_id}`: {machine.reason}")
+
+    def _bought(self, purchase: Purchase) -> None:
+        self._log(f"{pods_named(purchase.pods)} → {purchase.offer} → `{purchase.workflow_id}`: {purchase.reason}")
+
+    def _labelled(self, result: PlanDemandResult) -> None:
         if result.labelled:
             self._log(f"fleet labels set on {', '.join(result.labelled[:5])}")
 

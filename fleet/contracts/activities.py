@@ -25,8 +25,8 @@ from fleet.messages.capacity import (
 )
 from fleet.messages.csr import CsrApproverResult
 from fleet.messages.demand import (
-    CancelOutcome, CancelPurchaseInput, DemandBatch, IdleNodesResult, PlanDemandInput,
-    PlanDemandResult, PurchaseState, PurchaseStatusInput, StartPurchaseInput, WatchDemandInput,
+    CancelOutcome, CancelPurchaseInput, DemandBatch, IdleNodesResult, PlanAndBuyInput, PlanAndBuyResult,
+    PlanDemandInput, PlanDemandResult, PurchaseState, PurchaseStatusInput, StartPurchaseInput, WatchDemandInput,
 )
 from fleet.contracts.entity_update import EntityUpdateInput, EntityUpdateResult
 from fleet.messages.evacuation import (
@@ -281,6 +281,14 @@ async def plan_demand(input: PlanDemandInput) -> PlanDemandResult:
     """Keep the fleet's labels on its nodes, list GPU pods, and plan (``fleet.demand_planner``): the
     loop's own purchases and SpotReclaims' replacements count as joining. Body:
     ``activities/demand.py``, ``DemandActivities.plan_demand``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="plan_and_buy")
+async def plan_and_buy(input: PlanAndBuyInput) -> PlanAndBuyResult:
+    """Read the catalog, plan as ``plan_demand`` and start each planned machine's purchase, numbered
+    on from ``input.seq`` (purchases an earlier try started are taken as its own, not bought again).
+    Body: ``activities/demand.py``, ``DemandActivities.plan_and_buy``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from fleet.consolidation import IdleNode
-from fleet.demand_planner import DemandPlan, ModelUsage, NodeRoom
+from fleet.demand_planner import DemandPlan, ModelUsage, NodeRoom, PlannedMachine
 from fleet.messages.acquire import CapacityRequestFields
 from fleet.models import CapacityType, DAY, Offer, Strict
 from fleet.placement import AccountView
@@ -59,6 +59,30 @@ class PlanDemandResult(BaseModel):
     usage: dict[str, ModelUsage] = Field(default_factory=dict)
     down: dict[str, str] = Field(default_factory=dict)
     labelled: list[str] = Field(default_factory=list)
+
+
+class PlanAndBuyInput(BaseModel):
+    """The loop's one step from new Pending pods to their purchases (``plan_and_buy``): the catalog
+    read, the plan, each planned machine's purchase started, numbered on from ``seq``."""
+
+    joining: list[JoiningMachine] = Field(default_factory=list)
+    #: offer key → why it is out (a purchase there just failed).
+    excluded: dict[str, str] = Field(default_factory=dict)
+    #: The loop's last purchase number: the purchases this step starts are ``seq + 1`` on.
+    seq: int = 0
+    series: str = Field("", max_length=64)
+    #: What every purchase asks beside its offer (``purchase_request``).
+    deadline_seconds: float
+    capacity_request: dict = Field(default_factory=dict)
+
+
+class PlanAndBuyResult(PlanDemandResult):
+    #: The purchases started, numbered on from the input's ``seq``: first those an earlier try of
+    #: the step started that the loop never heard of (the step failed after their start), then this
+    #: plan's machines.
+    purchases: list[Purchase] = Field(default_factory=list)
+    #: The last purchase number taken (a number an unknown purchase runs under is skipped).
+    seq: int = 0
 
 
 class StartPurchaseInput(BaseModel):
@@ -121,6 +145,36 @@ class Purchase(BaseModel):
     status: str = "buying"
     nodes: list[str] = Field(default_factory=list)
     started_at: float = 0.0
+
+    @classmethod
+    def of(cls, machine: PlannedMachine, workflow_id: str, started_at: float) -> Purchase:
+        """The purchase of ``machine`` as the loop follows it."""
+        return cls(workflow_id=workflow_id, offer=machine.offer, site=machine.site, gpus=machine.gpus,
+                   capacity_type=machine.capacity_type, pods=machine.pods, reason=machine.reason,
+                   model_gpus={name: machine.gpus_used for name in machine.model.split(",")} if machine.model else {},
+                   started_at=started_at)
+
+
+def purchase_request(machine: PlannedMachine, deadline_seconds: float, capacity_request: dict) -> dict:
+    """The ``AcquireCapacity`` request that buys ``machine``: pinned to its offer, one machine."""
+    return {
+        "constraints": {"sites": [machine.site], "gpu": machine.gpu, "gpus_per_machine": machine.gpus,
+                        "capacity_types": [machine.capacity_type.value]},
+        "count": 1, "deadline_seconds": deadline_seconds,
+        "backoff_seconds": min(60.0, deadline_seconds),
+        "reason": f"demand: {len(machine.pods)} Pending pods",
+        **capacity_request,
+    }
+
+
+def pods_named(pods: list[str]) -> str:
+    """The first four of ``pods`` and how many more: a purchase's line in the log and its summary."""
+    return ", ".join(pods[:4]) + (f" +{len(pods) - 4}" if len(pods) > 4 else "")
+
+
+def purchase_summary(machine: PlannedMachine) -> str:
+    """The purchase's static summary (the UI's list): its pods, its offer and why that one."""
+    return f"demand: {pods_named(machine.pods)} → {machine.offer}: {machine.reason}"
 
 
 class DemandCarry(BaseModel):
