@@ -100,9 +100,8 @@ async def test_a_join_token_that_expires_before_registration_fails_before_provis
 
 
 async def test_a_continued_request_and_its_joins_go_on_with_timeouts_its_start_took(stack: Stack) -> None:
-    """A request checks its join timeouts once, at its start: one begun before the token checks,
-    whose timeouts outlast the longest token, continues as new with them and its joins (each a new
-    run) join as before. Checked in every run, its next run failed InvalidInput, losing what it had
+    """A request checks its join timeouts once, at its start: a continued run (its carry) whose
+    timeouts outlast the longest token goes on with them and its joins (each a new run) join. Checked in every run, its next run failed InvalidInput, losing what it had
     carried (the fill or the purchase behind it failed with it), and every join it started was refused."""
     from datetime import datetime, timedelta, timezone
 
@@ -114,29 +113,6 @@ async def test_a_continued_request_and_its_joins_go_on_with_timeouts_its_start_t
     result = await asyncio.wait_for(handle.result(), 120)
     assert result["complete"] and len(result["nodes"]) == 1, result
     assert await task_failures(handle) == 0
-
-
-@pytest.mark.parametrize("history", ["join_refused_a_token_that_expires_first",
-                                     "capacity_refused_join_timeouts_past_a_token"])
-def test_a_run_from_before_the_token_checks_parses_its_input_as_it_did(history: str) -> None:
-    """The token checks came after runs had started with such inputs: a run without the check's
-    marker (its history cut before it) replays its input as it took it, not refused. Refused on
-    replay, it would end where it went on: a nondeterminism that fails its every workflow task, and
-    the join never deletes its machine."""
-    from fleet.messages.acquire import CapacityRequest
-    from fleet.messages.join import TOKEN_CHECKS, NodeJoinInput
-    from workflows.inputs import parse_input
-
-    start = {"join_refused_a_token_that_expires_first": (NodeJoinInput, {"site": "site-a", "token_ttl_seconds": 30}),
-             "capacity_refused_join_timeouts_past_a_token": (CapacityRequest, {
-                 "constraints": {"sites": ["site-a"]},
-                 "join_timeouts": {"provision_seconds": 1800, "registration_seconds": 1801}})}
-    model, raw = start[history]
-    assert parse_input(model, raw, context={TOKEN_CHECKS: False})  # a run from before: as it took it
-    with pytest.raises(ApplicationError, match="InvalidInput|token|3600"):
-        parse_input(model, raw, context={TOKEN_CHECKS: True})
-    with pytest.raises(ApplicationError):
-        parse_input(model, raw)  # the CLI and the client: checked
 
 
 #: Some of an AcquireCapacity request's fields that a workflow merges into the request it starts:

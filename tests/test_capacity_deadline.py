@@ -1,6 +1,6 @@
-"""AcquireCapacity's deadline (``capacity-deadline-stops-buying``): once it has passed, no join
-starts, so nothing more is bought; the joins in flight finish (each may still deliver its node) and
-the request returns what joined, its result and its details naming the deadline.
+"""AcquireCapacity's deadline: once it has passed, no join starts, so nothing more is bought; the
+joins in flight finish (each may still deliver its node) and the request returns what joined, its
+result and its details naming the deadline.
 
 Against the real dev server, the control-plane worker and the simulated providers."""
 

@@ -169,9 +169,9 @@ async def test_a_join_cancelled_while_its_progress_is_answered_during_the_site_l
     activity that ended while the worker answered such a query, the worker handed its result over
     a task late, with the cancel: the run ended cancelled at the lookup where a replay (the result
     from its marker, a task earlier) had scheduled the machine's create, so the history did not
-    replay and a query of the ended join failed (`gpufleet join` then named no step). Since
-    ``join-patches-at-start-3`` the provisioning activity looks the site up: the join runs no
-    local activity, and one cancelled in that window deletes what it bought and replays."""
+    replay and a query of the ended join failed (`gpufleet join` then named no step). The
+    provisioning activity looks the site up: the join runs no local activity, and one cancelled
+    in that window deletes what it bought and replays."""
     answering, cancelled = threading.Event(), threading.Event()
     honest = ControlPlaneActivities.provision_joining_machine
 
@@ -273,7 +273,7 @@ async def test_a_cancel_during_a_failed_joins_clean_up_does_not_stop_it(stack: S
     """The node never registers in time, and the join cleans up; an operator (or the request
     that started it) cancels it meanwhile. The cancel used to cancel the machine's delete: the
     machine was left billing for the sweep and the join ended needs-person. Now the clean-up runs
-    to its end under the cancel (``join-patches-at-start-2``) and the join ends as it was going to:
+    to its end under the cancel and the join ends as it was going to:
     failed, the machine deleted, no token left."""
     stack.world.set_site("site-a", boot_seconds=SLOW_BOOT_SECONDS)
     handle = await stack.start_join({"site": "site-a", "timeouts": {"registration_seconds": 2}},

@@ -201,7 +201,7 @@ async def test_each_wait_of_a_join_says_until_when(stack: Stack, monkeypatch) ->
 
 
 async def test_join_looks_its_site_up_in_its_provisioning_activity(stack: Stack) -> None:
-    """The provisioning activity looks the site up and returns its facts (``join-patches-at-start-3``):
+    """The provisioning activity looks the site up and returns its facts:
     a join schedules no lookup of its own and runs no local activity (a local one's result could
     reach the join a task late, with a cancel, and its history then did not replay), and it still
     sets its search attributes from the site. An unknown site is refused by provisioning, naming
@@ -380,8 +380,7 @@ async def test_join_cancelled_mid_create_still_deletes_the_machine(stack: Stack)
         await handle.result()
     assert stack.world.machines("site-b") == [], "deleted before the join reported cancelled"
     (machine,) = stack.world.machines("site-b", include_deleted=True)
-    # And its join token, which the machine never used (``join-patches-at-start-2``; it was left to
-    # expire at its TTL before).
+    # And its join token, which the machine never used (it was left to expire at its TTL once).
     assert stack.world.query("SELECT * FROM join_tokens WHERE node_name=?", machine["name"]) == []
     await replay_and_record(handle, "node_join_cancelled_mid_create")
 

@@ -142,7 +142,7 @@ async def test_an_open_run_started_before_the_deploy_keeps_its_types_patches_and
         while datetime.now(timezone.utc) <= after:
             await asyncio.sleep(0.05)
         join_ids = {p.id for p in scan_patches() if p.workflow_type == "NodeJoin"}
-        assert "join-patches-at-start-2" in join_ids
+        assert "join-patches-at-start-4" in join_ids
 
         rows = await asyncio.to_thread(gpufleet_patches, address, queue, after)
         verdicts = {(r["patch"], r["workflow"]): r["verdict"] for r in rows}
@@ -206,7 +206,7 @@ def test_workflows_with_local_activities_ask_their_patches_at_start() -> None:
     may be asked"): in a workflow module that runs local activities, every ``workflow.patched`` call
     is behind ``self._settled or`` or asked at the start of ``run``, before its first ``await``; the
     at-start one is ``run``'s first line. A module whose patches are all retired asks none (NodeJoin
-    runs no local activity since ``join-patches-at-start-3``)."""
+    runs no local activity)."""
     for path in sorted((ROOT / "workflows").glob("*.py")):
         text = path.read_text()
         if "execute_local_activity" not in text and "start_local_activity" not in text:

@@ -22,20 +22,21 @@ from tests.replay import HISTORIES, replay_and_record, replay_file
 #: ``rollout-source-from-config``, the sweep before ``sweep-identity-records``, the evacuations
 #: before ``evacuation-abort-restores``).
 EXPECTED = {
-    # NodeJoin since ``join-patches-at-start-2`` and ``-3`` were deprecated (their markers deprecated).
+    # NodeJoin: runs that hold the deprecated markers of patches since removed (replayed with no call
+    # for them) and ``join-patches-at-start-4``'s.
     "node_join_happy", "node_join_count2", "node_join_smoke_failed",
     # A join cancelled while waiting for registration deletes its machine and ends cancelled, not
     # failed (tests/test_join_cancelled.py; no patch: only the run's last command differs).
     "node_join_cancelled",
-    # ``join-patches-at-start-2``: a cancel does not stop a failed join's clean-up; a join cancelled
-    # mid-create deletes its join token too (tests/test_join_cancelled.py, tests/test_node_join.py).
+    # A cancel does not stop a failed join's clean-up; a join cancelled mid-create deletes its join
+    # token too (tests/test_join_cancelled.py, tests/test_node_join.py).
     "node_join_failed_clean_up_cancelled", "node_join_cancelled_mid_create",
     # A join cancelled mid-create whose create then failed (no capacity) still deletes its join
     # token and ends cancelled, not failed (tests/test_node_join.py; no patch: the old code's run
     # failed in the task that took the create's failure, so no open run is past that point).
     "node_join_cancelled_mid_create_no_capacity",
-    # ``join-patches-at-start-3``: the provisioning activity looks the site up (no local activity), so a
-    # join cancelled while a progress query was answered in its first steps replays
+    # The provisioning activity looks the site up (no local activity), so a join cancelled while a
+    # progress query was answered in its first steps replays
     # (tests/test_join_cancelled.py; as a local activity the lookup's result came a task late, with
     # the cancel, and the history did not replay).
     "node_join_cancelled_while_queried_in_site_lookup",
@@ -93,9 +94,8 @@ EXPECTED = {
     "routing_refused_unknown_model", "routing_refused_unknown_model_before", "routing_model_served_nowhere_any_more",
     # A join token that expires before the machine can register, or join timeouts past the longest
     # token, refuse the start (``join-patches-at-start-4``, ``capacity-checks-join-tokens``;
-    # tests/test_bad_input.py); the old code's runs, which took them and went on, replay as they ran.
-    "join_refused_a_token_that_expires_first", "join_took_a_token_that_expires_first_before",
-    "capacity_refused_join_timeouts_past_a_token", "capacity_took_join_timeouts_past_a_token_before",
+    # tests/test_bad_input.py).
+    "join_refused_a_token_that_expires_first", "capacity_refused_join_timeouts_past_a_token",
     # The Routing entity on its watch, no timer (issue 37: ``routing-events``).
     "routing_events_and_samples_on_watch",
     # Started with its first event (signal-with-start): the event kept since ``start_with``; the
@@ -218,14 +218,13 @@ EXPECTED = {
     # (tests/test_capacity_converges.py); an evacuation that ends puts back what it changed
     # (tests/test_evacuation.py).
     "capacity_refused_at_start", "capacity_cancelled", "capacity_temporal_cancel",
-    # No join starts past a capacity request's deadline (``capacity-deadline-stops-buying``,
-    # tests/test_capacity_deadline.py).
+    # No join starts past a capacity request's deadline (tests/test_capacity_deadline.py).
     "capacity_deadline_join_in_flight", "capacity_deadline_after_wait",
     # A request that gave up on failed joins takes each join still in flight (its node in the cost)
-    # and a cancel stops them (``capacity-gave-up-takes-joins``, tests/test_capacity_converges.py).
+    # and a cancel stops them (tests/test_capacity_converges.py).
     "capacity_gave_up_join_in_flight", "capacity_cancelled_after_giving_up",
     # A count more than the eligible sites' max_nodes together is refused at start
-    # (``capacity-refuse-count-over-max``, tests/test_capacity_converges.py).
+    # (tests/test_capacity_converges.py).
     "capacity_refused_count",
     "site_evacuation_restored_releases", "site_evacuation_aborted_restores", "site_evacuation_cancelled_restores",
     "site_evacuation_aborted_while_buying", "site_evacuation_aborted_restores_after_continue_as_new",

@@ -82,7 +82,7 @@ async def test_a_new_release_takes_over_open_entities_and_a_join_mid_way(fleet_w
         rows = await asyncio.to_thread(gpufleet_patches, address, settings.task_queue, deployed)
         said = {(r["workflow"], r["patch"]): r["verdict"] for r in rows}
         since = _stamp(deployed)
-        assert said[("NodeJoin", "join-patches-at-start-2")] == \
+        assert said[("NodeJoin", "join-patches-at-start-4")] == \
             f"keep deprecated: 1 open run of NodeJoin started before {since}"
         assert {v for (t, _), v in said.items() if t == "Node"} == {f"keep: 1 open run of Node started before {since}"}
         assert {v for (t, _), v in said.items() if t == "Site"} == {f"keep: 1 open run of Site started before {since}"}
@@ -115,7 +115,7 @@ async def test_a_new_release_takes_over_open_entities_and_a_join_mid_way(fleet_w
         # The join from before has ended: NodeJoin's deprecated patch can go; the entities' stay.
         rows = await asyncio.to_thread(gpufleet_patches, address, settings.task_queue, deployed)
         said = {(r["workflow"], r["patch"]): r["verdict"] for r in rows}
-        assert said[("NodeJoin", "join-patches-at-start-2")] == "can remove"
+        assert said[("NodeJoin", "join-patches-at-start-4")] == "can remove"
         assert {v for (t, _), v in said.items() if t == "Node"} == {f"keep: 1 open run of Node started before {since}"}
     finally:
         await stop_stack(client, settings.task_queue, worker, running, stop, host)

@@ -78,25 +78,12 @@ with workflow.unsafe.imports_passed_through():
 #: one only buys and deletes more machines).
 FATAL = ("InvalidRequest", "InvalidInput", "ClusterForbidden")
 
-#: The three patches below are deprecated, to be removed in a later release (docs/design/patches.md):
-#: a request ends at its deadline and these came a release before, so no request open now started
-#: before them and every run takes their new path; each call goes once no run holding its
-#: non-deprecated marker is open.
-#: Once the deadline has passed no join starts: the joins in flight finish and the request returns
-#: what joined. Asked where a join would start past the deadline.
-DEADLINE_STOPS_BUYING_PATCH = "capacity-deadline-stops-buying"
-#: A request that gave up on failed joins (``max_other_failures``) takes each join still in flight
-#: as it ends (its node counted in the cost, the progress saying what is left), and a cancel stops
-#: them as anywhere else. Asked as the request gives up with joins in flight.
-GAVE_UP_TAKES_JOINS_PATCH = "capacity-gave-up-takes-joins"
-#: A ``count`` more than the eligible sites can ever hold together (their ``max_nodes``) is refused at
-#: start, naming ``count`` and that most. Asked only for such a count, after the catalog is read.
-REFUSE_COUNT_PATCH = "capacity-refuse-count-over-max"
-#: Workflow patch, asked first thing in a request's first run (before any activity): ``join_timeouts``
-#: that outlast the longest join token refuse the start (``JoinTimeouts``' token check). A run from
-#: before it took them and went on: replayed, it parses its input as it did, and so do the runs it
-#: continues as (not asked there: a request is checked once, at its start) and its joins (NodeJoin
-#: checks only a join a person started, ``JOIN_PATCHES_AT_START_4``).
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): a request's
+#: first run refuses ``join_timeouts`` that outlast the longest join token (``JoinTimeouts``' token
+#: check) before any activity. Every request open now started after it and recorded its marker; the
+#: call stays, deprecated, until no run holding that marker is open. Not asked in the runs a request
+#: continues as (it is checked once, at its start) nor in its joins (NodeJoin checks only a join a
+#: person started).
 CHECKS_JOIN_TOKENS_PATCH = "capacity-checks-join-tokens"
 
 
@@ -226,10 +213,7 @@ class AcquireCapacity:
         if req.carry is None:  # a continued run was checked by its first
             catalog = self._catalog_now
             self._refuse(request_problems(req.constraints, catalog.sites, catalog.offers))
-            over = count_problems(req.count, req.constraints, catalog.sites, catalog.offers)
-            if over:
-                workflow.deprecate_patch(REFUSE_COUNT_PATCH)
-                self._refuse(over)
+            self._refuse(count_problems(req.count, req.constraints, catalog.sites, catalog.offers))
         while (len(self._joined) < req.count and self._fatal is None
                and self._other_failures <= req.max_other_failures and not self._cancel):
             ranked = self._start_joins()
@@ -254,11 +238,11 @@ class AcquireCapacity:
     def _begin(self, raw: Any) -> CapacityRequest:
         """1. The request checked (refused at start, naming the field, if it names nothing to buy)
         and the carry of an earlier run taken up."""
-        # A request's first run only: a continued one was checked by its first, or (begun before the
-        # checks) took its input unchecked and must go on so (refused, it would lose what it carried).
+        # A request's first run only: a continued one was checked by its first.
         first_run = not (isinstance(raw, dict) and raw.get("carry") is not None)
-        checks = first_run and workflow.patched(CHECKS_JOIN_TOKENS_PATCH)
-        req = parse_input(CapacityRequest, raw, context={TOKEN_CHECKS: checks})
+        if first_run:
+            workflow.deprecate_patch(CHECKS_JOIN_TOKENS_PATCH)
+        req = parse_input(CapacityRequest, raw, context={TOKEN_CHECKS: first_run})
         self._req = req
         start = workflow.now()
         if req.carry is None and not _names_what(req):
@@ -306,7 +290,6 @@ class AcquireCapacity:
         ranked = self._placement()
         while len(in_flight) < req.concurrency and len(self._joined) + len(in_flight) < req.count and ranked.candidates:
             if workflow.now() >= self._deadline:
-                workflow.deprecate_patch(DEADLINE_STOPS_BUYING_PATCH)
                 break  # past the deadline nothing more is bought
             best = ranked.candidates[0]
             self._seq += 1
@@ -423,7 +406,6 @@ class AcquireCapacity:
         """5. The nodes joined, their cost, and why any are missing."""
         req, joined = self._req, self._joined
         if self._in_flight:  # gave up on other failures: let the ones in flight finish
-            workflow.deprecate_patch(GAVE_UP_TAKES_JOINS_PATCH)
             while self._in_flight and not self._cancel:
                 await self._take_ended_joins(self._placement())
             if self._cancel:

@@ -98,7 +98,7 @@ def describe(error: ValidationError) -> tuple[str, list[str]]:
 
 def validate(model: type[M], raw: Any, context: dict[str, Any] | None = None) -> M:
     """``model`` from ``raw``, or ``InvalidInput`` naming every bad field. ``context``: pydantic's
-    validation context (a check added later, off for the runs from before it: ``TOKEN_CHECKS``)."""
+    validation context (a check a workflow leaves out where it does not apply: ``TOKEN_CHECKS``)."""
     if isinstance(raw, model):
         return raw
     problem = first_problem(raw)

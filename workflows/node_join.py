@@ -62,25 +62,13 @@ with workflow.unsafe.imports_passed_through():
         NodeJoinResult,
     )
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): the join's
-#: clean-up converges under a cancel (its activities shielded from it, and a join cancelled while
-#: its machine was being created deletes the node's join token too). Every join open now started
-#: after it and recorded its marker; the call stays, deprecated, until no run holding that marker
-#: is open.
-JOIN_PATCHES_AT_START_2 = "join-patches-at-start-2"
-#: Deprecated, to be removed in a later release, with ``JOIN_PATCHES_AT_START_2``: the site is
-#: looked up by the provisioning activity (which returns its facts), not by a local activity before
-#: it, whose result could reach the workflow a task late (docs/design/patches.md, "Where a patch may
-#: be asked"). The call stays, deprecated and in its place after ``JOIN_PATCHES_AT_START_2``, so the
-#: open runs' markers replay in the order they were recorded.
-JOIN_PATCHES_AT_START_3 = "join-patches-at-start-3"
-#: Workflow patch, asked first thing right after ``JOIN_PATCHES_AT_START_3``, in a join started by
-#: hand (no parent): the input's token checks (``NodeJoinInput``: a ``token_ttl_seconds`` that
-#: expires before the machine can register, timeouts that outlast the longest token) refuse the
-#: start, nothing bought. A run from before them took such an input and went on: replayed, it must
-#: parse it as it did. A parent's join is not asked: its parent checked the input at its own start
-#: (an AcquireCapacity's ``join_timeouts``, ``capacity-checks-join-tokens``), or took it unchecked
-#: before the checks and its joins go on as they did.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): a join
+#: started by hand (no parent) checks its input against its join token (``NodeJoinInput``: a
+#: ``token_ttl_seconds`` that expires before the machine can register, timeouts that outlast the
+#: longest token) and refuses the start, nothing bought. Every join open now started after it and
+#: recorded its marker; the call stays, deprecated, until no run holding that marker is open. A
+#: parent's join is not asked: its parent checked the input at its own start (an AcquireCapacity's
+#: ``join_timeouts``, a fan-out's own input).
 JOIN_PATCHES_AT_START_4 = "join-patches-at-start-4"
 
 
@@ -110,15 +98,12 @@ class NodeJoin:
 
     @workflow.run
     async def run(self, raw: Any) -> NodeJoinResult:
-        # First, in the order open runs recorded their markers: before any activity.
-        workflow.deprecate_patch(JOIN_PATCHES_AT_START_2)
-        workflow.deprecate_patch(JOIN_PATCHES_AT_START_3)
         # Only a join started by a person (or a client): one a parent started (AcquireCapacity, a
-        # fan-out) has the input its parent checked at its own start, or took unchecked before the
-        # checks came and must go on joining as it did.
+        # fan-out) has the input its parent checked at its own start.
         by_hand = workflow.info().parent is None
-        checks_tokens = by_hand and workflow.patched(JOIN_PATCHES_AT_START_4)
-        request = parse_input(NodeJoinInput, raw, context={TOKEN_CHECKS: checks_tokens})
+        if by_hand:
+            workflow.deprecate_patch(JOIN_PATCHES_AT_START_4)  # first: before any activity
+        request = parse_input(NodeJoinInput, raw, context={TOKEN_CHECKS: by_hand})
         if request.count > 1:
             return await self._join_many(request)
         try:

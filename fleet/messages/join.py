@@ -16,10 +16,10 @@ def _refuse(model: str, field: str, value: float, kind: str, message: str) -> Va
     }])
 
 
-#: Validation context key: ``{TOKEN_CHECKS: False}`` leaves out the token checks below, which came
-#: after runs were started: a run from before them replays its input as it took it (refused now,
-#: the replay would end where the run went on, and the run would never finish its clean-up). The
-#: workflows pass ``workflow.patched(...)``; everywhere else (the CLI, the client) they apply.
+#: Validation context key: ``{TOKEN_CHECKS: False}`` leaves out the token checks below. A workflow
+#: checks them once, where a person or a client started it (a NodeJoin with no parent, an
+#: AcquireCapacity's first run), not in the runs it continues as or the joins it starts, which take
+#: the input it checked; everywhere else (the CLI, the client) they apply.
 TOKEN_CHECKS = "token_checks"
 
 

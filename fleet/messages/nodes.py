@@ -31,7 +31,7 @@ class ProvisionJoinInput(BaseModel):
 
     site: str
     #: Absent: the activity builds it from the site's config, with ``name`` and ``tags`` (the join
-    #: then needs no lookup of its own before it: ``join-patches-at-start-3``).
+    #: then needs no lookup of its own before it).
     spec: MachineSpec | None = None
     #: The join's id: the provider's idempotency key, and the key its token is kept under.
     idempotency_key: str
