@@ -57,7 +57,7 @@ EXPECTED = {
     "site_reconcile_refused_then_fills",
     "spot_reclaim",
     "gpu_repair_reset", "gpu_repair_reboot_after_reset", "gpu_repair_covered", "node_entity_two_repairs",
-    # A cancelled repair stops where it is (``repair-cancel-stops``, tests/test_repair_cancel.py).
+    # A cancelled repair stops where it is (tests/test_repair_cancel.py).
     "gpu_repair_cancelled", "gpu_repair_cancelled_replacing",
     "node_entity_repair_cancelled", "node_entity_repair_cancelled_before",
     # A person's way out for a GPU held for a person: ``return_gpu`` and ``repair_gpu`` updates on the
@@ -70,9 +70,9 @@ EXPECTED = {
     # no patch: such a hold was refused before, so no older history holds one).
     "gpu_repair_held_at_start",
     # A repair started by hand with a ``gpus`` that is not the node's is refused at start
-    # (``repair-checks-gpus``, tests/test_repair.py).
+    # (tests/test_repair.py).
     "gpu_repair_refused_gpus",
-    # ... and one with a ``site`` that is not the node's (``repair-checks-site``, tests/test_repair.py).
+    # ... and one with a ``site`` that is not the node's (tests/test_repair.py).
     "gpu_repair_refused_site",
     "node_entity_two_repairs_local_facts", "node_entity_two_repairs_contain_first",
     "site_incident_tripped",

@@ -84,21 +84,6 @@ with workflow.unsafe.imports_passed_through():
         SkipToInput,
     )
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): no repair
-#: open now started before it, so every run takes its new path: a cancel of the repair stops it
-#: (its rung's activity or child ends cancelled; no next, dearer rung is tried). The call stays,
-#: deprecated, until no run holding its non-deprecated marker is open.
-CANCEL_STOPS_PATCH = "repair-cancel-stops"
-#: Deprecated, to be removed in a later release, as ``CANCEL_STOPS_PATCH``: a repair started by
-#: hand (no Node entity as parent) reads the node's facts first and is refused when its ``gpus`` is
-#: not the node's GPU count (with a wrong count every proof fails and the ladder climbs to replace
-#: a healthy node).
-CHECKS_GPUS_PATCH = "repair-checks-gpus"
-#: Deprecated, to be removed in a later release, as ``CANCEL_STOPS_PATCH``: the same start-up check
-#: refuses a ``site`` that is not the node's (its facts name one): with the wrong site a reboot, the
-#: replacement's candidate sites and the machine's retirement would go to another site.
-CHECKS_SITE_PATCH = "repair-checks-site"
-
 NODE_RETRY = RetryPolicy(maximum_attempts=2, non_retryable_error_types=["GpuResetFailed", "DriverReinstallFailed"])
 
 
@@ -227,7 +212,6 @@ class GpuRepair:
         if inp.escalated_because:
             self._state.reasons.append(f"escalated: {inp.escalated_because}")
         if workflow.info().parent is None:  # the Node entity gives the count from the same facts
-            workflow.deprecate_patch(CHECKS_GPUS_PATCH)
             await self._check_against_the_node()
         workflow.upsert_search_attributes([
             sa.NODE_NAME.value_set(inp.node_name), sa.SITE.value_set(inp.site), sa.GPU_INDEX.value_set(inp.gpu),
@@ -261,7 +245,6 @@ class GpuRepair:
             self._refuse(f"gpus: {inp.gpus}, but node {inp.node_name} has {facts.gpus} GPUs: every proof would fail; "
                          f"start it with gpus={facts.gpus}", "gpus")
         if facts.site and facts.site != inp.site:
-            workflow.deprecate_patch(CHECKS_SITE_PATCH)
             self._refuse(f"site: {inp.site}, but node {inp.node_name} is at {facts.site}: a reboot, a replacement and the "
                          f"machine's retirement would go to the wrong site; start it with site={facts.site}", "site")
 
@@ -342,11 +325,8 @@ class GpuRepair:
         cancel (the activity or the replacement NodeJoin cancelled with it) or a failure: a
         NodeJoin of the code before a cancelled join ended cancelled reported its cancel as its own
         failure. A join someone else cancelled is a failed site, as before."""
-        if workflow.cancellation_reason() is None or not (is_cancelled_exception(error)
-                                                          or isinstance(error, FailureError)):
-            return False
-        workflow.deprecate_patch(CANCEL_STOPS_PATCH)
-        return True
+        return workflow.cancellation_reason() is not None and (is_cancelled_exception(error)
+                                                               or isinstance(error, FailureError))
 
     def _stopped_by_cancel(self) -> None:
         """What a cancelled repair leaves, said where the operator looks (details, ladder query,
