@@ -120,11 +120,10 @@ EXPECTED = {
     "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
     # An abort after a scale put v1 back (its rollback knows the templates: tests/rollout).
     "rollout_aborted_after_a_scale",
-    # An abort during a readiness wait cuts it short (``rollout-abort-cuts-the-readiness-wait``).
+    # An abort during a readiness wait cuts it short (tests/rollout/test_rollout_workflow.py).
     "rollout_aborted_while_waiting_for_ready",
-    # A rollback that failed says so and needs a person (tests/rollout/test_rollback_failed.py);
-    # the old code's run, which said "rolled back", replays too.
-    "rollout_aborted_rollback_failed", "rollout_aborted_rollback_failed_before",
+    # A rollback that failed says so and needs a person (tests/rollout/test_rollback_failed.py).
+    "rollout_aborted_rollback_failed",
     # Aborted in its run's first task (update-with-start): taken, where it was refused as "still
     # starting" (no patch: a refused update leaves nothing in a history).
     "rollout_aborted_in_its_first_task",
@@ -137,8 +136,7 @@ EXPECTED = {
     # (no patch: only the run's last command differs, and a run that took it has closed).
     "rollout_cancelled_during_an_aborts_rollback",
     # A cancel during a site's update waits for its answer and rolls that site back; an update that
-    # failed after writing the Deployment is rolled back (``rollout-rolls-back-an-unanswered-update``,
-    # tests/rollout/test_rollout_workflow.py).
+    # failed after writing the Deployment is rolled back (tests/rollout/test_rollout_workflow.py).
     "rollout_cancelled_while_updating", "rollout_update_failed_half_applied",
     # A site its replicas fill is updated one replica at a time, the details saying so (tests/rollout/
     # test_rollout_workflow.py; no patch: update_serving decides, and only the details differ).
@@ -150,9 +148,9 @@ EXPECTED = {
     # Sites all under evacuation are waited for in one activity, and the rollout continues as new in
     # that wait when told to (``rollout-waits-out-evacuations-in-one-activity``, tests/rollout/
     # test_rollout_workflow.py): its first run, the run that finished after it, an abort and a cancel
-    # during the wait; the old code's run, a look and a timer each poll, replays too.
+    # during the wait.
     "rollout_waits_out_an_evacuation_in_one_activity", "rollout_continued_as_new_while_deferred",
-    "rollout_finished_after_continue_as_new", "rollout_cancelled_while_a_site_is_evacuated_before",
+    "rollout_finished_after_continue_as_new",
     # The newest spot notice sets the deadline (``reclaim-newest-notice-deadline``, tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # A cancelled reclaim uncordons its node and stops its replacement (``reclaim-cancel-puts-back``,

@@ -11,7 +11,7 @@ import pytest
 from temporalio.client import WorkflowFailureError
 
 from fleet.cluster import SiteRoute
-from tests.replay import HISTORIES, replay_and_record, replay_file
+from tests.replay import replay_and_record
 from tests.rollout.conftest import MODEL, RolloutStack, moto_s3, rollout_stack  # noqa: F401 - fixtures
 from tests.rollout.test_rollout_workflow import states, until
 
@@ -45,12 +45,3 @@ async def test_fresh_rollout_histories_replay(rollout_stack: RolloutStack) -> No
 
     for name, handle in zip(NAMES, (happy, failed, aborted)):
         await replay_and_record(handle, name)
-
-
-async def test_a_run_whose_rollback_failed_on_the_code_before_replays() -> None:
-    """Recorded on the code before a failed rollback kept ``needs-person`` (tests/rollout/
-    test_rollback_failed.py's abort, recorded then): its last ``FleetState`` upsert says
-    ``aborted`` where today's code says ``needs-person``. The same command with another value,
-    which replay does not compare, so that change needs no patch; an open run of the code before
-    replays and goes on under today's code."""
-    await replay_file(HISTORIES / "rollout_aborted_rollback_failed_before.json")

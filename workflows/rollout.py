@@ -88,26 +88,14 @@ class _SiteFailed(Exception):
         super().__init__(f"{site}: {reason}")
         self.site, self.reason = site, reason
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): no rollout
-#: open now started before it, so every run takes its new path: an abort during a site's readiness
-#: wait cancels the wait, and the site is rolled back at once. The call stays, deprecated, until no
-#: run holding its non-deprecated marker is open.
-ABORT_CUTS_WAIT_PATCH = "rollout-abort-cuts-the-readiness-wait"
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): no rollout
-#: open now started before it, so every run takes its new path: a site whose Deployment update gave
-#: no answer yet may have changed. A cancel during the update waits for its answer (the call to the
-#: cluster hears no cancel and applies anyway) and rolls the site back with the others; an update
-#: that failed, perhaps after it wrote the Deployment, is rolled back if its template landed. The
-#: call stays, deprecated, until no run holding its non-deprecated marker is open.
-UNANSWERED_UPDATE_PATCH = "rollout-rolls-back-an-unanswered-update"
-#: Workflow patch: a rollout whose next sites are all under evacuation waits for one of them to
-#: come back in one activity (``wait_site_evacuations``: the worker reads the routes every
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): a rollout
+#: whose next sites (or its canary) are all under evacuation waits for one of them to come back in
+#: one activity (``wait_site_evacuations``: the worker reads the routes every
 #: ``evacuation_poll_seconds``), for at most ``EVACUATION_WAIT``, then looks again; and there it
-#: continues as new when Temporal suggests it, carrying its state (``RolloutCarry``). Runs before
-#: it looked every ``evacuation_poll_seconds`` with an activity and a timer (120 actions an hour)
-#: and never continued as new: an outage of three days took one to Temporal's history limit,
-#: which terminated it with its sites on two versions. Asked where a look finds every site the
-#: rollout waits for under evacuation, after that look (a regular activity).
+#: continues as new when Temporal suggests it, carrying its state (``RolloutCarry``). Every rollout
+#: open now started after it and recorded its marker where it first waited; the call stays,
+#: deprecated, where a look finds every site the rollout waits for under evacuation, until no run
+#: holding that marker is open.
 EVACUATION_WAIT_PATCH = "rollout-waits-out-evacuations-in-one-activity"
 #: The longest one wait for evacuated sites lasts: then the rollout looks again itself (a lost
 #: answer, a route no look compares, cost at most this).
@@ -253,7 +241,6 @@ class ModelRollout:
         ready = asyncio.ensure_future(wait_for_serving(self._req.model, site, ready_by,
                                                        summary=f"wait until {site} is ready"))
         if not await self._unless_aborted(ready):
-            workflow.deprecate_patch(ABORT_CUTS_WAIT_PATCH)
             await self._cut_short(ready)
             return
         await ready
@@ -435,7 +422,10 @@ class ModelRollout:
             self._phase("rolling-out")
             evacuating = await self._evacuations(queue)
             batch, deferred = next_batch(queue, evacuating, size)
-            until = self._evacuation_wait_ends() if not batch and workflow.patched(EVACUATION_WAIT_PATCH) else None
+            until = None
+            if not batch:
+                workflow.deprecate_patch(EVACUATION_WAIT_PATCH)
+                until = self._evacuation_wait_ends()
             for site in queue:
                 if site in deferred:
                     self._set(site, SiteState.DEFERRED, f"under evacuation ({evacuating[site]}); queued until restored "
@@ -443,11 +433,7 @@ class ModelRollout:
                 elif self._p.site(site).state == SiteState.DEFERRED:
                     self._set(site, SiteState.REPLICATED, "restored; queued")
             if not batch:
-                if until is not None:
-                    await self._wait_for_evacuations(evacuating, until)
-                else:  # a run from before EVACUATION_WAIT_PATCH: a look and a timer each poll
-                    await self._sleep_unless_aborted(request.strategy.evacuation_poll_seconds,
-                                                     "wait for evacuated sites")
+                await self._wait_for_evacuations(evacuating, until)
                 continue
             await self._run_batch(batch)
             queue = [s for s in queue if s not in batch]
@@ -477,13 +463,11 @@ class ModelRollout:
             evacuating = await self._evacuations([site])
             if site not in evacuating:
                 return
-            until = self._evacuation_wait_ends() if workflow.patched(EVACUATION_WAIT_PATCH) else None
+            workflow.deprecate_patch(EVACUATION_WAIT_PATCH)
+            until = self._evacuation_wait_ends()
             self._set(site, SiteState.DEFERRED, f"under evacuation ({evacuating[site]}); waiting until restored "
                                                 f"({self._next_look(until)})")
-            if until is not None:
-                await self._wait_for_evacuations(evacuating, until)
-            else:  # a run from before EVACUATION_WAIT_PATCH
-                await self._sleep_unless_aborted(self._req.strategy.evacuation_poll_seconds, f"wait for {site}")
+            await self._wait_for_evacuations(evacuating, until)
 
     async def _wait_for_evacuations(self, seen: dict[str, str], until: datetime) -> None:
         """Until the sites' evacuations differ from ``seen`` (one came back) or ``until``: one
@@ -615,7 +599,6 @@ class ModelRollout:
         try:
             status: ServingStatus = await asyncio.shield(update)
         except asyncio.CancelledError:
-            workflow.deprecate_patch(UNANSWERED_UPDATE_PATCH)
             # The call hears no cancel and applies anyway: no cancel is sent, its answer (its retries
             # too) is awaited, then the rollout's cancel rolls the site back with the others.
             try:
@@ -634,12 +617,7 @@ class ModelRollout:
 
     def _may_have_changed(self, site: str) -> bool:
         """``site`` changed by the rollout, or possibly changed: its update gave no answer."""
-        if site in self._updated_generation:
-            return True
-        if site in self._unanswered:
-            workflow.deprecate_patch(UNANSWERED_UPDATE_PATCH)
-            return True
-        return False
+        return site in self._updated_generation or site in self._unanswered
 
     async def _tell_routing(self, site: str) -> None:
         """A new version (or a site new to the model) is serving: its Routing entity samples
