@@ -151,12 +151,12 @@ EXPECTED = {
     # during the wait.
     "rollout_waits_out_an_evacuation_in_one_activity", "rollout_continued_as_new_while_deferred",
     "rollout_finished_after_continue_as_new",
-    # The newest spot notice sets the deadline (``reclaim-newest-notice-deadline``, tests/test_reclaim_deadline.py).
+    # The newest spot notice sets the deadline (tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # A cancelled reclaim uncordons its node and stops its replacement (``reclaim-cancel-puts-back``,
-    # tests/test_reclaim_deadline.py); the old code's run, which ended at the cancel, replays too.
-    "spot_reclaim_cancelled_while_draining", "spot_reclaim_cancelled_while_draining_before",
-    "spot_reclaim_cancelled_waiting_for_the_replacement",
+    # tests/test_reclaim_deadline.py): runs of the release before, which hold the patch's marker
+    # undeprecated (and a removed one's deprecated), as a reclaim open at its deprecation does.
+    "spot_reclaim_cancelled_while_draining", "spot_reclaim_cancelled_waiting_for_the_replacement",
     # The HTTP relay of an operator update (tests/test_entity_update.py).
     "entity_update_quota_raised", "entity_update_rejected",
     # The demand loop: pods bought for, bound, gone; their idle nodes retired (tests/test_demand_loop.py).

@@ -51,23 +51,12 @@ with workflow.unsafe.imports_passed_through():
     )
 
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md): the newest notice's
-#: termination time is the deadline the run acts against (one that moves it earlier cuts the drain
-#: and the wait for the replacement short then; one that moves it later drains again for the time
-#: it adds). A reclaim lasts as long as its notice and this came a release before, so no run open
-#: now started before it and every run takes its new path; the call, first thing in ``run``, stays
-#: until no run holding its non-deprecated marker is open.
-NOTICE_MOVES_DEADLINE_PATCH = "reclaim-newest-notice-deadline"
-
-#: Workflow patch: Temporal's cancel stops the reclaim and puts back what it changed (the module's
-#: docstring): the drain and the replacement request stopped, the node uncordoned while its cordon
-#: is still the reclaim's, or, once the notice's time has come or the machine's retirement began,
-#: retired to its end; the run ends Canceled, ``FleetState`` ``cancelled``. Before, the run ended
-#: at the cancel: the node stayed cordoned for good, with no mark (``gpufleet sites``: "operator"),
-#: ``FleetState`` ``reclaiming``; a cancel during the retirement cancelled the machine's delete and
-#: the run went on, as one during the last wait for the replacement, which it cancelled, then
-#: completed. Asked only where a cancel of the run is seen, so a run never cancelled records no
-#: marker, and one from before it that was cancelled replays down the old path.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): Temporal's
+#: cancel stops the reclaim and puts back what it changed (the module's docstring): the drain and the
+#: replacement request stopped, the node uncordoned while its cordon is still the reclaim's, or, once
+#: the notice's time has come or the machine's retirement began, retired to its end; the run ends
+#: Canceled, ``FleetState`` ``cancelled``. Every reclaim open now started after it; the call stays,
+#: deprecated, where a cancel of the run is seen, until no run holding its marker is open.
 CANCEL_PUTS_BACK_PATCH = "reclaim-cancel-puts-back"
 
 
@@ -143,7 +132,6 @@ class SpotReclaim:
     @workflow.run
     async def run(self, raw: Any) -> SpotReclaimResult:
         args = parse_input(SpotReclaimInput, raw)
-        workflow.deprecate_patch(NOTICE_MOVES_DEADLINE_PATCH)
         workflow.upsert_search_attributes([
             sa.NODE_NAME.value_set(args.node_name), sa.SITE.value_set(args.site),
             sa.FLEET_STATE.value_set("reclaiming"),
@@ -160,8 +148,11 @@ class SpotReclaim:
 
     def _cancelled(self, error: BaseException) -> bool:
         """Whether ``error`` is this run's cancel reaching the step it was in, to put back what the
-        reclaim changed. Runs before ``CANCEL_PUTS_BACK_PATCH`` ended at it, and replay so."""
-        return cancelled_by_request(error) and workflow.patched(CANCEL_PUTS_BACK_PATCH)
+        reclaim changed."""
+        if not cancelled_by_request(error):
+            return False
+        workflow.deprecate_patch(CANCEL_PUTS_BACK_PATCH)
+        return True
 
     async def _reclaim(self, args: SpotReclaimInput) -> SpotReclaimResult:
         node = args.node_name
@@ -227,35 +218,28 @@ class SpotReclaim:
     async def _retire(self, site: str, node: str, machine_id: str) -> None:
         """The machine deleted and the Node removed (a failure logged: the provider takes the machine
         anyway), to its end when Temporal's cancel lands meanwhile (``_cancel_taken``: the caller
-        ends the run as it asked). A run from before ``CANCEL_PUTS_BACK_PATCH`` cancelled the delete,
-        logged that as its failure and went on."""
+        ends the run as it asked)."""
         self._retiring = True
         retiring = asyncio.ensure_future(retire_machine(site, node, machine_id, summary=f"node {node} gone"))
         try:
-            await to_its_end_if(lambda: self._took_cancel(workflow.patched(CANCEL_PUTS_BACK_PATCH)), retiring)
+            await to_its_end_if(self._take_cancel, retiring)
         except ActivityError as error:
             workflow.logger.warning("could not delete reclaimed machine %s: %s", machine_id, failure_message(error))
 
-    def _took_cancel(self, taken: bool) -> bool:
-        """``taken`` (the patch's answer where a cancel landed), kept in ``_cancel_taken``."""
-        self._cancel_taken = self._cancel_taken or taken
-        return taken
+    def _take_cancel(self) -> bool:
+        """A cancel landed while the machine retires: kept in ``_cancel_taken``."""
+        workflow.deprecate_patch(CANCEL_PUTS_BACK_PATCH)
+        self._cancel_taken = True
+        return True
 
     async def _replacement_to_its_end(self, replace: asyncio.Task[CapacityResult]) -> CapacityResult:
         """The replacement's result. Temporal's cancel meanwhile reaches the caller, to stop it
-        (``_put_back``); a run from before ``CANCEL_PUTS_BACK_PATCH`` cancelled the request and
-        took its end as the replacement's failure, as it did."""
-        try:
-            return await asyncio.shield(replace)
-        except asyncio.CancelledError:
-            if replace.cancelled() or workflow.patched(CANCEL_PUTS_BACK_PATCH):
-                raise
-            replace.cancel()
-            return await replace
+        (``_put_back``)."""
+        return await asyncio.shield(replace)
 
     # -- a cancel ----------------------------------------------------------------------------
     async def _put_back(self, args: SpotReclaimInput) -> None:
-        """What a cancelled reclaim puts back (``CANCEL_PUTS_BACK_PATCH``), each step to its end: the
+        """What a cancelled reclaim puts back, each step to its end: the
         drain stopped; the replacement request stopped (its joins in flight delete their machines, a
         node that joined stays: its site's, like any other); the node uncordoned while its cordon is
         still the reclaim's, or, once the notice's time has come (the provider takes the machine) or
