@@ -19,7 +19,7 @@ from fleet.config import Site
 from fleet.errors import FleetError, Transient
 from fleet.incident import IncidentSettings, SiteFacts, incident_of_hold, plan_moves, recovery, weight_at
 from fleet.naming import evacuation_number, evacuation_workflow_id, site_workflow_id
-from providers.cluster.base import NodeMarks, NodeNotFound, decide_on_node, free_gpus_at, uncordon_unless
+from providers.cluster.base import NodeMarks, NodeNotFound, decide_on_node, free_gpus_at
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute, fenced_gpus
 from fleet.messages.capacity import ChildNumber, ChildNumberInput
 from fleet.messages.evacuation import (
@@ -39,7 +39,6 @@ from fleet.messages.evacuation import (
     SiteWeightResult,
     ReleaseNodesInput,
     ReleaseNodesResult,
-    UncordonInput,
 )
 from fleet.messages.repair import LadderState
 from fleet.contracts import workflows as flows
@@ -96,7 +95,7 @@ class EvacuationActivities:
             self.release_orphaned_holds, self.incident_number,
             self.evacuation_begun_first, self.evacuation_end,
             self.evacuation_facts, self.set_site_weight, self.free_gpus, self.scale_serving,
-            self.uncordon_nodes, self.release_nodes, self.recovery_probe,
+            self.release_nodes,
         ]
 
     # -- the Site entity's side ---------------------------------------------------------------
@@ -310,13 +309,6 @@ class EvacuationActivities:
 
     @activity.defn
     @typed_errors
-    def uncordon_nodes(self, input: UncordonInput) -> list[str]:
-        """(Evacuations from before ``release_nodes``.) Uncordon each node, but one a GPU of which its
-        repair fenced (the repair uncordons it when done); which ones."""
-        return uncordon_unless(self.env.cluster, input.nodes, lambda _name, marks: bool(fenced_gpus(marks.annotations)))
-
-    @activity.defn
-    @typed_errors
     def release_nodes(self, input: ReleaseNodesInput) -> ReleaseNodesResult:
         """Uncordon the nodes an evacuation cordoned, except one held for a reason of its own:
         a GPU still fenced by its repair (the repair uncordons it when done). ``keep_cordoned``
@@ -344,18 +336,12 @@ class EvacuationActivities:
                 out.gone.append(name)
         return out
 
-    @activity.defn
-    @typed_errors
-    def recovery_probe(self, input: SiteRef) -> RecoveryProbe:
-        """The site's provider API and nodes, judged by ``fleet.incident.recovery`` (evacuations
-        from before ``watch_recovery``, and its looks)."""
-        return self.recovery_verdict(input.site)
-
     def recovery_verdict(self, site: str) -> RecoveryProbe:
-        """``recovery_probe``. A cluster API that does not answer is an answer too: not recovered
-        yet. Raised, it failed the probe after its ten attempts (a few minutes of API-server
-        trouble), that failed the evacuation, and the evacuation's undo sent traffic back to the
-        site that was still down."""
+        """The site's provider API and nodes, judged by ``fleet.incident.recovery`` (each look of
+        ``watch_recovery``). A cluster API that does not answer is an answer too: not recovered
+        yet. Raised, it failed the watch after its attempts (a few minutes of API-server trouble),
+        that failed the evacuation, and the evacuation's undo sent traffic back to the site that was
+        still down."""
         ok, kind, message = self._api(site)
         try:
             nodes = {} if not ok else {n.name: n.ready for n in self._nodes(site)}

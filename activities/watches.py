@@ -431,7 +431,7 @@ class WatchActivities:
     @activity.defn
     @typed_errors
     def watch_recovery(self, input: RecoveryWatchInput) -> RecoveryWatchResult:
-        """Until the site's recovery verdict (``recovery_probe``'s, looked at every ``probe_seconds``)
+        """Until the site's recovery verdict (``recovery_verdict``, looked at every ``probe_seconds``)
         differs from ``input.recovered`` or, given ``input.impossible``, the models nothing may take
         differ from it; unchanged after ``max_wait_seconds``. A cluster API away while it reads what
         may take the replicas changes nothing (the next look reads again)."""

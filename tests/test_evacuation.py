@@ -488,24 +488,6 @@ def test_free_gpus_leaves_out_what_other_gpu_pods_hold(tmp_path) -> None:
     assert free == {"site-0": 16 - 4 - 6}
 
 
-def test_an_evacuation_from_before_release_nodes_leaves_a_fenced_node_cordoned(tmp_path) -> None:
-    """Runs from before ``release_nodes`` uncordon through ``uncordon_nodes``: a node whose GPU a
-    repair fenced stays cordoned, the repair's, as ``release_nodes`` leaves it. Before, it uncordoned
-    every node it was given, fenced or not."""
-    from activities.repair import fence_key
-    from fleet.messages.evacuation import UncordonInput
-
-    env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
-    for name in ("fenced", "free"):
-        add_node(env, name)
-        env.cluster.cordon(name, True)
-    env.cluster.annotate_node("fenced", {fence_key(1): "reset"})
-    done = ActivityEnvironment().run(EvacuationActivities(env).uncordon_nodes,
-                                     UncordonInput(nodes=["fenced", "free", "gone"]))
-    assert done == ["free"]
-    assert env.cluster.get_node("fenced").unschedulable and not env.cluster.get_node("free").unschedulable
-
-
 async def test_an_evacuation_keeps_a_node_it_bought_that_a_repair_holds(inc: IncStack) -> None:
     """As it ends an evacuation retires the nodes it bought, but not one a repair fenced a GPU of
     meanwhile: that node, machine and cordon, is the repair's, and the timeline says so. Before, it
@@ -1034,7 +1016,7 @@ async def _waiting_says_until_when(inc: IncStack) -> EvacuationProgress | None:
 
 async def _spent_waiting(handle, until: str) -> Counter:
     """What the evacuation's wait scheduled, by activity type, and the timers it started (``timer``):
-    from its first look (a ``watch_recovery`` or ``recovery_probe``, or a timer) to the first
+    from its first look (a ``watch_recovery``, or a timer) to the first
     ``until`` activity after it."""
     spent: Counter = Counter()
     waiting = False
@@ -1043,7 +1025,7 @@ async def _spent_waiting(handle, until: str) -> Counter:
             name = e.activity_task_scheduled_event_attributes.activity_type.name
             if waiting and name == until:
                 break
-            waiting = waiting or name in ("watch_recovery", "recovery_probe")
+            waiting = waiting or name == "watch_recovery"
             if waiting:
                 spent[name] += 1
         elif e.event_type == EventType.EVENT_TYPE_TIMER_STARTED:

@@ -15,7 +15,7 @@ from fleet.messages.nodes import ReplacementSitesInput
 from activities.repair import RepairActivities
 from fleet.config import Site
 from fleet.incident import SiteFacts, allowed_targets, recovery, restore_percents, restore_weights, weight_at
-from fleet.messages.evacuation import SiteRef, SiteWeightInput
+from fleet.messages.evacuation import SiteWeightInput
 from fleet.models import AccountState, CapacityType
 from fleet.placement import offers_from_config, rank, replacement_constraints
 from fleet.replacement import may_move, replacement_sites
@@ -128,17 +128,17 @@ def test_the_weight_activity_writes_weight_at(tmp_path):
         assert env.cluster.get_site_routes().sites[site_name].weight == expected
 
 
-def test_the_recovery_probe_reports_the_rule(tmp_path):
+def test_the_recovery_verdict_reports_the_rule(tmp_path):
     env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
     site_name = env.config.sites[0].name
-    probe = ActivityEnvironment().run(EvacuationActivities(env).recovery_probe, SiteRef(site=site_name))
+    probe = EvacuationActivities(env).recovery_verdict(site_name)
     assert (probe.recovered, probe.detail) == (False, "no nodes at the site")
 
 
-def test_a_recovery_probe_while_the_cluster_api_is_away_says_not_yet(tmp_path, monkeypatch):
+def test_a_recovery_verdict_while_the_cluster_api_is_away_says_not_yet(tmp_path, monkeypatch):
     """Before: the probe raised, failed after its ten attempts (a few minutes of API-server
     trouble), failed the evacuation, and the evacuation's undo routed traffic back to a site
-    that was still down. A probe is a question: no answer is "not recovered yet"."""
+    that was still down. A look at recovery is a question: no answer is "not recovered yet"."""
     from fleet.errors import Transient
 
     env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
@@ -148,7 +148,7 @@ def test_a_recovery_probe_while_the_cluster_api_is_away_says_not_yet(tmp_path, m
         raise Transient("GET /api/v1/nodes: 503 Service Unavailable", provider="kubernetes", code="503")
 
     monkeypatch.setattr(env.cluster, "list_nodes", away)
-    probe = ActivityEnvironment().run(EvacuationActivities(env).recovery_probe, SiteRef(site=site_name))
+    probe = EvacuationActivities(env).recovery_verdict(site_name)
     assert probe.recovered is False
     assert probe.detail == "the cluster API did not answer: GET /api/v1/nodes: 503 Service Unavailable"
 

@@ -208,8 +208,7 @@ EXPECTED = {
     # A Site's own blocked surplus drain converges (tests/test_site_reclaim.py): back within its max
     # the Site uncordons the node, above it retires that node first (no patch: a recorded
     # ``site_nodes`` result reads no node as its own cordon, ``SiteNode.surplus_cordon``); an
-    # evacuation uncordons a node it bought whose drain blocked (tests/test_evacuation.py; patch
-    # ``evacuation-releases-blocked-drain``).
+    # evacuation uncordons a node it bought whose drain blocked (tests/test_evacuation.py).
     "site_back_within_max_uncordons_its_blocked_drain", "site_above_max_retires_its_blocked_drain_first",
     "site_evacuation_uncordons_a_bought_node_whose_drain_blocked",
     # Operations converge (issue 36): a capacity request refused at start or cancelled
@@ -233,23 +232,22 @@ EXPECTED = {
     "site_evacuation_looked_at_in_its_first_task",
     "site_evacuation_recovered_in_its_first_task",
     # Temporal's cancel ends an evacuation at any step as an abort does, and the run cancelled
-    # (``evacuation-cancel-is-an-abort``, tests/test_evacuation.py).
+    # (tests/test_evacuation.py).
     "site_evacuation_cancelled_waiting_for_replicas_elsewhere", "site_evacuation_cancelled_in_its_first_step",
     "site_evacuation_cancelled_while_proving",
-    # What an abort or a failed step puts back runs to its end when a cancel lands meanwhile
-    # (``evacuation-put-back-runs-to-its-end``).
+    # What an abort or a failed step puts back runs to its end when a cancel lands meanwhile.
     "site_evacuation_cancelled_while_putting_back_after_abort", "site_evacuation_cancelled_while_putting_back_after_failure",
     # An abort waits to the end for the capacity request it stopped, and retires the node it joined,
-    # when a cancel lands meanwhile (``evacuation-abort-waits-for-capacity``).
+    # when a cancel lands meanwhile.
     "site_evacuation_cancelled_while_an_abort_waits_for_capacity",
     # A full site's Deployments go to 0 before its drain, which then ends at once
-    # (``evacuation-scales-down-before-draining``, tests/test_evacuation.py).
+    # (tests/test_evacuation.py).
     "site_evacuation_scales_down_before_draining",
     # While its site is down, and while nothing may take its replicas, an evacuation waits on one
     # ``watch_recovery`` that probes inside the activity, which ``recovered`` cuts short
-    # (``evacuation-watches-recovery``, tests/test_evacuation.py); the histories recorded before it
-    # (``site_evacuation_recovered_while_placing``, ``site_evacuation_scales_down_before_draining``,
-    # ``site_evacuation_restored_after_continue_as_new_routed``) poll, and replay.
+    # (``evacuation-watches-recovery``, tests/test_evacuation.py). Every ``site_evacuation_*`` file
+    # is a run of the release before its deprecation (the markers of the patches since removed
+    # deprecated, its own not), as an evacuation open at that deploy is, and replays.
     "site_evacuation_watches_recovery", "site_evacuation_recovered_cuts_the_watch_short",
     "site_evacuation_watches_the_needs_person_wait",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).

@@ -17,8 +17,7 @@ query):
 3. **replicas elsewhere**: those Deployments scale up and must be ready;
 4. **drain**: only then are the site's Deployments scaled to 0 and its nodes cordoned
    and drained (PDBs, deadline): in that order, or each Deployment's own PodDisruptionBudget
-   would hold the drain of its replicas to the deadline (patch
-   ``evacuation-scales-down-before-draining``);
+   would hold the drain of its replicas to the deadline;
 5. **wait for recovery**: a probe (provider API answers, every node's agent back) every
    ``probe_seconds`` inside one long activity, ``watch_recovery``, that returns when the site is
    back (no Temporal action per probe), or the operator update ``declare_recovered``; ``abort``
@@ -37,8 +36,8 @@ query):
    evacuation are retired while their site is above its min, but not one someone holds (a
    repair fenced a GPU of it, a person marked it theirs): the timeline's "surplus drained"
    names each kept one and who holds it; it stays its site's, like any other node there. One
-   whose drain blocked is uncordoned, its site's the same way (patch
-   ``evacuation-releases-blocked-drain``), and named there with what blocked it.
+   whose drain blocked is uncordoned, its site's the same way, and named there with what
+   blocked it.
 
 One evacuation acts on a site at a time: one that finds another of its site running, begun first
 (a person's ``gpufleet evacuate start`` beside the Site entity's), follows it (state
@@ -88,7 +87,6 @@ with workflow.unsafe.imports_passed_through():
         EvacuationRef,
         EvacuationResult,
         FreeGpusInput,
-        RecoveryProbe,
         ReleaseNodesInput,
         ReleaseNodesResult,
         ScaleInput,
@@ -119,7 +117,7 @@ with workflow.unsafe.imports_passed_through():
         failure_type,
         show_details,
         summarised,
-        to_its_end_if,
+        to_its_end_taking_cancel,
         until_in,
         until_run_began,
         wait_for_serving,
@@ -129,48 +127,13 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.watches import RecoveryWatchInput, RecoveryWatchResult
 
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "Retired"): the seven
-#: patches below, down to ``SCALES_DOWN_BEFORE_DRAINING_PATCH``. Every run open now started after
-#: each of them and takes its new path; each ``workflow.deprecate_patch`` stays where the patch was
-#: asked until no run holding its non-deprecated marker is open.
-#:
-#: One evacuation acts on a site at a time: one that finds another of its site running, begun first
-#: (one started by hand beside the Site entity's, or two entities' runs), follows it: it changes
-#: nothing, says whom it follows, and ends when that one ends, with its outcome (two acting at once
-#: each took the other's weight 0 and cordons as "before"). Asked in a new run's first task.
-FOLLOWS_PATCH = "evacuation-follows-the-first"
-#: A site that recovers while nothing may take its replicas (the needs-person wait: no compliant
-#: site) comes back: it skips the moves and the drain and goes to the proof and the restore.
-#: Asked as the needs-person wait begins.
-RECOVERED_WHILE_PLACING_PATCH = "evacuation-recovered-while-placing"
-#: Temporal's cancel (the UI's button, ``temporal workflow cancel``) ends an evacuation at any step as
-#: an abort does, never as that step's failure: what it changed put back, then the run ends cancelled
-#: (``FleetState`` and ``progress.state`` ``cancelled``). Asked only where a cancel is seen.
-CANCEL_IS_AN_ABORT_PATCH = "evacuation-cancel-is-an-abort"
-#: What the evacuation puts back as it ends (``_undo``: an abort's, a failed step's) runs to its end
-#: when Temporal's cancel lands meanwhile, and an abort's then ends the run Canceled. Asked only where
-#: a cancel lands during a put-back.
-PUT_BACK_TO_ITS_END_PATCH = "evacuation-put-back-runs-to-its-end"
-#: An abort while the capacity request buys waits for the request it stopped to the end when
-#: Temporal's cancel lands meanwhile (its result names the nodes it joined, for the put-back to
-#: retire), and the run ends Canceled. Asked only where a cancel lands during that wait.
-ABORT_WAITS_FOR_CAPACITY_PATCH = "evacuation-abort-waits-for-capacity"
-#: A node it bought whose drain blocked as it ends (a PodDisruptionBudget, the deadline) is
-#: uncordoned, its site's like any other node there, and the timeline says so. Asked only where such
-#: a drain blocked.
-RELEASES_BLOCKED_DRAIN_PATCH = "evacuation-releases-blocked-drain"
-#: The site's Deployments go to 0 before its nodes are drained (the replicas elsewhere are ready by
-#: then): each Deployment's own PodDisruptionBudget (maxUnavailable 1) would otherwise let a drain
-#: evict one replica, whose replacement cannot schedule on the cordoned site, and refuse the next
-#: until ``drain_seconds`` ran out. Asked at the drain.
-SCALES_DOWN_BEFORE_DRAINING_PATCH = "evacuation-scales-down-before-draining"
-#: While its site is down, and while nothing may take its replicas (the needs-person wait), the
-#: evacuation waits on one activity, ``watch_recovery``, that probes recovery every ``probe_seconds``
-#: inside (no Temporal action) and returns when the site is back, when what nothing may take changes,
-#: or after ``recovery_watch_seconds`` (30 minutes); ``declare_recovered``, ``retry`` and an abort
-#: cancel it. Before, the workflow polled: a probe activity and a timer every ``probe_seconds``, 240
-#: actions an hour per evacuated site (the needs-person wait also read the facts again: 360 to 480),
-#: about 3,000 in a 12-hour outage. Asked as each of those waits begins.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): while its
+#: site is down, and while nothing may take its replicas (the needs-person wait), the evacuation
+#: waits on one activity, ``watch_recovery``, that probes recovery every ``probe_seconds`` inside (no
+#: Temporal action) and returns when the site is back, when what nothing may take changes, or after
+#: ``recovery_watch_seconds`` (30 minutes); ``declare_recovered``, ``retry`` and an abort cancel it.
+#: Every evacuation open now started after it; the call stays, deprecated, as each of those waits
+#: begins, until no run holding its marker is open.
 RECOVERY_WATCH_PATCH = "evacuation-watches-recovery"
 #: The timeline keeps its first steps (how the evacuation began) and its newest (the end of a
 #: restore fits whole); those between are counted. Each failed proof adds two steps: a site that
@@ -325,11 +288,8 @@ class SiteEvacuation:
 
     def _cancelled(self, error: BaseException) -> bool:
         """Whether ``error`` is this evacuation's cancel reaching the step it was in: it then ends as
-        an abort does, never as the step's failure (``CANCEL_IS_AN_ABORT_PATCH``, asked only then)."""
-        if not cancelled_by_request(error):
-            return False
-        workflow.deprecate_patch(CANCEL_IS_AN_ABORT_PATCH)
-        return True
+        an abort does, never as the step's failure."""
+        return cancelled_by_request(error)
 
     def _end_cancelled(self, why: str) -> None:
         self._mark("ended", why)
@@ -382,7 +342,6 @@ class SiteEvacuation:
             self._progress = EvacuationProgress(site=site)
             workflow.upsert_search_attributes([sa.SITE.value_set(site), sa.FLEET_STATE.value_set("evacuating")])
             self._mark("detected", args.reason)
-            workflow.deprecate_patch(FOLLOWS_PATCH)
             try:
                 first: str = await workflow.execute_activity(
                     act.evacuation_begun_first, EvacuationRef(site=site, workflow_id=workflow.info().workflow_id),
@@ -571,7 +530,7 @@ class SiteEvacuation:
         )
 
     async def _place(self) -> dict[str, dict[str, int]]:
-        p, s, site = self._progress, self._s, self._args.site
+        p, site = self._progress, self._args.site
         prices = {x.name: x.price_per_gpu_hour for x in self._facts.sites}
         while True:
             deficits = self._deficits()
@@ -585,22 +544,11 @@ class SiteEvacuation:
                     for m, why in sorted(plan.impossible.items())
                 )
                 self._state("needs-person")
-                workflow.deprecate_patch(RECOVERED_WHILE_PLACING_PATCH)
-                if workflow.patched(RECOVERY_WATCH_PATCH):
-                    await self._watch_placing(sorted(plan.impossible))
-                    if await self._recovered_while_placing(look=False):
-                        return {}
-                else:
-                    # Runs from before RECOVERY_WATCH_PATCH: a timer, a probe and the facts each time.
-                    at = workflow.now() + timedelta(seconds=s.probe_seconds)
-                    self._show("waiting: nothing may take the replicas",
-                               f"looking again at {at:%H:%M:%S} UTC (or `gpufleet evacuate retry`); a site that "
-                               "recovers meanwhile comes back")
-                    seen = self._retry
-                    await self._wait(s.probe_seconds, lambda: self._retry != seen or bool(self._recovered),
-                                     "look again for a compliant site")
-                    if await self._recovered_while_placing():
-                        return {}
+                workflow.deprecate_patch(RECOVERY_WATCH_PATCH)
+                await self._watch_placing(sorted(plan.impossible))
+                if self._recovered:
+                    self._back_while_placing()
+                    return {}
                 self._facts = await workflow.execute_activity(
                     act.evacuation_facts, SiteRef(site=site),
                     start_to_close_timeout=QUICK, retry_policy=PROVIDER_RETRY, summary="serving again",
@@ -663,26 +611,14 @@ class SiteEvacuation:
             return None
         return watch.result()  # a watch that failed for good fails the step, as its probe did
 
-    async def _recovered_while_placing(self, look: bool = True) -> bool:
-        """In the needs-person wait: whether the site is back (declared, or the probe says so; with
-        RECOVERY_WATCH_PATCH the watch said so already: ``look`` False). Then nothing moves and
-        nothing drains: the proof and the restore follow."""
-        p, site = self._progress, self._args.site
-        if not self._recovered:
-            if not look:
-                return False
-            probe: RecoveryProbe = await workflow.execute_activity(
-                act.recovery_probe, SiteRef(site=site), start_to_close_timeout=QUICK,
-                retry_policy=CLUSTER_RETRY, summary=f"is {site} back meanwhile?",
-            )
-            if not probe.recovered:
-                return False
-            self._recovered = probe.detail
+    def _back_while_placing(self) -> None:
+        """The site is back (declared, or the watch saw it) in the needs-person wait: nothing moves
+        and nothing drains, the proof and the restore follow."""
+        p = self._progress
         self._recovered_placing = True
         p.needs_person = ""
         self._state("evacuating")
         self._mark("recovered before anything moved", self._recovered)
-        return True
 
     async def _acquire(self, deficits: list[Deficit], plan: Plan, missing_gpus: int) -> None:
         p, s, site = self._progress, self._s, self._args.site
@@ -743,17 +679,12 @@ class SiteEvacuation:
         Temporal's cancel lands meanwhile: a cancelled wait would cancel the request too, and lose its
         result (the nodes it joined, for the put-back to retire). The cancel is taken
         (``_cancel_taken``): the run ends as it asked once all is put back."""
-        def takes_cancel() -> bool:
-            workflow.deprecate_patch(ABORT_WAITS_FOR_CAPACITY_PATCH)  # asked only where a cancel landed
-            return self._take_cancel()
+        return await to_its_end_taking_cancel(self._take_cancel, self._capacity)
 
-        return await to_its_end_if(takes_cancel, self._capacity)
-
-    def _take_cancel(self) -> bool:
+    def _take_cancel(self) -> None:
         """A cancel landed during a step that runs to its end: the run ends as the cancel asked once
         all is back (``_cancel_taken``)."""
         self._cancel_taken = True
-        return True
 
     @staticmethod
     def _until(seconds: Any) -> str:
@@ -806,7 +737,6 @@ class SiteEvacuation:
         blocked = []
         # Its replicas elsewhere are ready: the site's go first, so no drain waits on their
         # PodDisruptionBudgets (a replacement could never schedule on the cordoned site).
-        workflow.deprecate_patch(SCALES_DOWN_BEFORE_DRAINING_PATCH)
         for here in self._facts.here:
             await self._scale(here.model, site, 0)
         self._check()  # aborted meanwhile: nothing cordoned, the Deployments go back
@@ -825,29 +755,10 @@ class SiteEvacuation:
         self._mark("drained", f"{len(p.drained)} nodes" + (f"; blocked: {'; '.join(blocked)}" if blocked else ""))
 
     async def _wait_recovery(self) -> None:
-        s, site = self._s, self._args.site
         self._state("waiting-for-recovery")
         self._show("waiting for recovery")
-        if workflow.patched(RECOVERY_WATCH_PATCH):
-            await self._watch_until_recovered()
-            self._check()
-            self._mark("recovered", self._recovered)
-            return
-        # Runs from before RECOVERY_WATCH_PATCH: a probe and a timer every ``probe_seconds``.
-        while not self._recovered:
-            probe: RecoveryProbe = await workflow.execute_activity(
-                act.recovery_probe, SiteRef(site=site), start_to_close_timeout=QUICK,
-                retry_policy=CLUSTER_RETRY, summary=f"is {site} back?",
-            )
-            if probe.recovered:
-                self._recovered = probe.detail
-                break
-            at = workflow.now() + timedelta(seconds=s.probe_seconds)
-            self._show("waiting for recovery", f"{probe.detail}; next probe at {at:%H:%M:%S} UTC "
-                                               "(or `gpufleet evacuate recovered`)")
-            await self._wait(s.probe_seconds, lambda: bool(self._recovered), "next recovery probe")
-            if not self._recovered:
-                await self._continue_as_new_if_suggested("recovering")
+        workflow.deprecate_patch(RECOVERY_WATCH_PATCH)
+        await self._watch_until_recovered()
         self._check()
         self._mark("recovered", self._recovered)
 
@@ -978,11 +889,7 @@ class SiteEvacuation:
         put-back or a failed step's), which would leave the site half restored. The cancel is taken
         (it reaches a run once): ``_cancel_taken`` says so, for the run to end as it asked once all
         is back."""
-        def takes_cancel() -> bool:
-            workflow.deprecate_patch(PUT_BACK_TO_ITS_END_PATCH)  # asked only where a cancel landed
-            return self._take_cancel()
-
-        await to_its_end_if(takes_cancel, asyncio.ensure_future(self._put_back(why)))
+        await to_its_end_taking_cancel(self._take_cancel, asyncio.ensure_future(self._put_back(why)))
 
     async def _put_back(self, why: str) -> None:
         """Put back what this evacuation changed (it ends without restoring): the capacity request
@@ -1087,7 +994,6 @@ class SiteEvacuation:
             if outcome.kept:
                 kept[node.node_name] = outcome.kept
             if outcome.blocked:
-                workflow.deprecate_patch(RELEASES_BLOCKED_DRAIN_PATCH)
                 kept[node.node_name] = await self._release_blocked(node.site, node.node_name, outcome.blocked)
             if outcome.failed:
                 self._progress.needs_person = f"{node.node_name}: {outcome.failed}"

@@ -47,7 +47,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import parse_input, parse_signal
     from workflows.steps import (
         PROVIDER_RETRY, PUT_BACK_RETRY, QUICK, cancelled_by_request, cancelled_words, drain_node, failure_message,
-        failure_text, retire_machine, show_details, to_its_end, to_its_end_if,
+        failure_text, retire_machine, show_details, to_its_end, to_its_end_taking_cancel,
     )
 
 
@@ -222,15 +222,14 @@ class SpotReclaim:
         self._retiring = True
         retiring = asyncio.ensure_future(retire_machine(site, node, machine_id, summary=f"node {node} gone"))
         try:
-            await to_its_end_if(self._take_cancel, retiring)
+            await to_its_end_taking_cancel(self._take_cancel, retiring)
         except ActivityError as error:
             workflow.logger.warning("could not delete reclaimed machine %s: %s", machine_id, failure_message(error))
 
-    def _take_cancel(self) -> bool:
+    def _take_cancel(self) -> None:
         """A cancel landed while the machine retires: kept in ``_cancel_taken``."""
         workflow.deprecate_patch(CANCEL_PUTS_BACK_PATCH)
         self._cancel_taken = True
-        return True
 
     async def _replacement_to_its_end(self, replace: asyncio.Task[CapacityResult]) -> CapacityResult:
         """The replacement's result. Temporal's cancel meanwhile reaches the caller, to stop it

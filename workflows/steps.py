@@ -131,19 +131,16 @@ async def to_its_end(step: Awaitable[Any]) -> Any:
         return await step
 
 
-async def to_its_end_if(takes_cancel: Callable[[], bool], step: asyncio.Future[Any]) -> Any:
-    """``to_its_end`` where whether a cancel of the run may stop the step is decided as one lands:
-    ``takes_cancel()`` (a workflow patch, so asked only then: a run never cancelled records no
-    marker) True, the step runs to its end and the cancel is the caller's to take; False (a run
-    from before the patch), the cancel stops the step, as it did. The step's result, or what it
-    raised."""
+async def to_its_end_taking_cancel(take_cancel: Callable[[], Any], step: asyncio.Future[Any]) -> Any:
+    """``to_its_end`` for a step that ends by itself too: a cancel of the run that lands meanwhile
+    is the caller's to take, ``take_cancel()`` called as it lands (the run ends as it asked once the
+    step is done); the step's own end, cancelled, is raised. The step's result, or what it raised."""
     try:
         return await asyncio.shield(step)
     except asyncio.CancelledError:
         if step.cancelled():
             raise  # its own end, not the run's cancel
-        if not takes_cancel():
-            step.cancel()  # a run from before: the cancel stops the step, as it did
+        take_cancel()
         return await step
 
 

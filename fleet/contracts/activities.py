@@ -30,9 +30,9 @@ from fleet.messages.demand import (
 )
 from fleet.contracts.entity_update import EntityUpdateInput, EntityUpdateResult
 from fleet.messages.evacuation import (
-    AdmitRepairInput, EvacuationFacts, EvacuationRef, FreeGpusInput, HoldRepairsInput, RecoveryProbe,
+    AdmitRepairInput, EvacuationFacts, EvacuationRef, FreeGpusInput, HoldRepairsInput,
     ReleaseNodesInput, ReleaseNodesResult, RepairDecision, ScaleInput, SiteProbe, SiteRef, SiteWeightInput,
-    SiteWeightResult, UncordonInput,
+    SiteWeightResult,
 )
 from fleet.messages.nodes import (
     AdmitNodeInput, AwaitRegistrationInput, ContainInput, ContainResult, DeleteMachineInput,
@@ -349,13 +349,6 @@ async def reboot_machine(input: RestartMachineInput) -> str:
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
-@activity.defn(name="recovery_probe")
-async def recovery_probe(input: SiteRef) -> RecoveryProbe:
-    """The site's provider API and nodes, judged by ``fleet.incident.recovery``. Body:
-    ``activities/evacuation.py``, ``EvacuationActivities.recovery_probe``."""
-    raise NotImplementedError("a declaration: the worker registers the body")
-
-
 @activity.defn(name="reinstall_driver")
 async def reinstall_driver(input: ReinstallDriverInput) -> NodeAnswer:
     """Runs on the node (``activities/node_agent.py``, ``NodeAgentActivities.reinstall_driver``);
@@ -615,12 +608,6 @@ async def sweep_site(input: SweepSiteInput) -> SiteSweepReport:
 @activity.defn(name="uncontain_gpu")
 async def uncontain_gpu(input: UncontainInput) -> UncontainResult:
     """Body: ``activities/repair.py``, ``RepairActivities.uncontain_gpu``."""
-    raise NotImplementedError("a declaration: the worker registers the body")
-
-
-@activity.defn(name="uncordon_nodes")
-async def uncordon_nodes(input: UncordonInput) -> list[str]:
-    """Body: ``activities/evacuation.py``, ``EvacuationActivities.uncordon_nodes``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

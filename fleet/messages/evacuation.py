@@ -190,10 +190,6 @@ class ScaleInput(BaseModel):
     replicas: int = Field(ge=0)
 
 
-class UncordonInput(BaseModel):
-    nodes: list[str]
-
-
 class ReleaseNodesInput(BaseModel):
     """The nodes an evacuation cordoned, to uncordon as it ends (however it ends)."""
 

@@ -502,9 +502,8 @@ def test_a_drain_meets_the_models_own_pdb_once_its_replacement_cannot_schedule(h
 
 
 def test_a_serving_scaled_to_zero_leaves_the_drain_nothing_to_wait_for(harness):
-    """The same node, its replicas scaled to 0 first (an evacuation's order since
-    ``evacuation-scales-down-before-draining``): their pods are the Deployment's to end, no eviction
-    is refused, and the drain completes at once."""
+    """The same node, its replicas scaled to 0 first (an evacuation's order): their pods are the
+    Deployment's to end, no eviction is refused, and the drain completes at once."""
     name = serving_name("llama-3-8b", "site-a")
     harness.add_node("gpu-1", site="site-a", gpus=8)
     harness.cluster.apply_serving(_spec(replicas=2))
