@@ -512,9 +512,10 @@ class CapacityActivities:
 
     @activity.defn
     async def signal_sites(self, input: SignalSitesInput) -> list[str]:
-        """Signal-with-start ``site/<name>`` with ``reconcile`` (the reconcile sweep)."""
+        """Signal-with-start ``site/<name>`` of each named site with ``reconcile`` (a sweep that names
+        sites; the Schedule's, naming none, only starts those not running: ``ensure_sites``)."""
         client = activity.client()
-        names = input.sites or [s.name for s in self.env.config.sites]
+        names = input.sites
         for name in names:
             await client.start_workflow(
                 flows.Site.TYPE, {"site": name}, id=site_workflow_id(name), task_queue=activity.info().task_queue,

@@ -1164,23 +1164,16 @@ class SiteEntity(Entity[SiteState]):
         return line
 
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md; no sweep open now started
-#: before it): the Schedule's sweep (no sites named) starts the entities that are not running
-#: and signals none: a running entity wakes on its own watch and safety timer, and a signal to each
-#: site every sweep was most of an idle site's bill. A sweep that names sites still signals them.
-SWEEP_STARTS_PATCH = "sweep-starts-only"
-
-
 @workflow.defn(name="SiteSweep")
 class SiteSweep:
-    """Start every site's entity that is not running (the Schedule's safety sweep); signal-with-start
-    the named sites' entities with ``reconcile`` (``{"sites": [...]}``)."""
+    """Start every site's entity that is not running (the Schedule's safety sweep: a running entity
+    wakes on its own watch and safety timer); signal-with-start the named sites' entities with
+    ``reconcile`` (``{"sites": [...]}``)."""
 
     @workflow.run
     async def run(self, raw: Any = None) -> list[str]:
         request = parse_input(SignalSitesInput, raw or {})
         if not request.sites:
-            workflow.deprecate_patch(SWEEP_STARTS_PATCH)
             started: list[str] = await workflow.execute_activity(
                 act.ensure_sites, request, start_to_close_timeout=QUICK,
                 retry_policy=STORE_RETRY, summary="start every site entity that is not running",
@@ -1189,8 +1182,8 @@ class SiteSweep:
                          (f": {', '.join(started[:20])}" if started else " (every one runs)"))
             return started
         sites: list[str] = await workflow.execute_activity(
-            act.signal_sites, parse_input(SignalSitesInput, raw or {}), start_to_close_timeout=QUICK,
-            retry_policy=STORE_RETRY, summary="reconcile every site",
+            act.signal_sites, request, start_to_close_timeout=QUICK,
+            retry_policy=STORE_RETRY, summary="reconcile the named sites",
         )
         show_details("done", detail=f"reconcile sent to {len(sites)} sites")
         return sites

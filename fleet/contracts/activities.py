@@ -532,7 +532,7 @@ async def set_site_weight(input: SiteWeightInput) -> SiteWeightResult:
 
 @activity.defn(name="signal_sites")
 async def signal_sites(input: SignalSitesInput) -> list[str]:
-    """Signal-with-start ``site/<name>`` with ``reconcile`` (the reconcile sweep). Body:
+    """Signal-with-start ``site/<name>`` of each named site with ``reconcile``. Body:
     ``activities/capacity.py``, ``CapacityActivities.signal_sites``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 

@@ -166,7 +166,7 @@ class SignalSitesInput(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    sites: list[Name] = Field(default_factory=list, max_length=1000)  # empty: every site in the config
+    sites: list[Name] = Field(default_factory=list, max_length=1000)  # empty: the Schedule's sweep of every site
 
 
 class RetireMachineInput(BaseModel):
