@@ -59,13 +59,6 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import parse_input
     from workflows.steps import CLUSTER_RETRY, WAIT_HEARTBEAT, show_details
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "Retired"): after its
-#: first pass the run watches for new CSRs, where a run from before it made one pass and ended.
-#: CsrApprover is no entity: each run ends within ``CSR_RUN_SECONDS`` (a day) or when its history
-#: asks to be continued, and the Schedule starts the next. This patch landed three days before its
-#: deprecation, so no run from before it is open; the call stays, deprecated, until no run holding
-#: its non-deprecated marker is (one day after this release finished deploying).
-CSR_WATCH_PATCH = "csr-watch"
 #: A watch returns unchanged after this long (a pass then: the safety sweep) ...
 CSR_WATCH_SECONDS = 600.0
 #: ... and heartbeats once per half of this.
@@ -95,7 +88,7 @@ class CsrApprover:
                     workflow.now() - started < timedelta(seconds=CSR_RUN_SECONDS):
                 # The pace is an activity input, which replay does not compare: a run recorded before
                 # it (every watch at the activity's 10 s) issues the same commands in the same order,
-                # watch, pass, watch..., so it needs no patch (csr_approver_watch replays).
+                # watch, pass, watch..., so it needs no patch.
                 seen: CsrWatchResult = await workflow.execute_activity(
                     act.watch_csrs,
                     CsrWatchInput(mark=mark, known=known, known_cut=known_cut, max_wait_seconds=CSR_WATCH_SECONDS,
@@ -133,8 +126,6 @@ class CsrApprover:
         )
         self._approved += result.approved
         self._denied += result.denied
-        # Where the run's first pass asked it (its marker's place in recorded runs); memoized after.
-        workflow.deprecate_patch(CSR_WATCH_PATCH)
         show_details("watching for new CSRs",
                      *(f"- `{v.name}` ({v.requester}): {'approved' if v.approve else 'denied'}, {v.reason}"
                        for v in result.decided[:20]),
