@@ -78,9 +78,8 @@ EXPECTED = {
     "site_incident_tripped",
     "advisor_report",
     # Constraints for a model no workload serves are refused, naming ``constraints.<model>``
-    # (``advisor-refuses-unserved-constraints``, tests/test_advisor_workflow.py); the old code's
-    # run, which dropped them and reported with the defaults, replays too.
-    "advisor_refused_unserved_constraints", "advisor_refused_unserved_constraints_before",
+    # (``advisor-refuses-unserved-constraints``, tests/test_advisor_workflow.py).
+    "advisor_refused_unserved_constraints",
     # Evacuations through the Routing entity; the Routing entity itself.
     "site_evacuation_resumed_routed",
     "site_evacuation_continued_as_new_routed", "site_evacuation_restored_after_continue_as_new_routed",

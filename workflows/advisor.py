@@ -30,9 +30,11 @@ with workflow.unsafe.imports_passed_through():
 CATALOG_MAX_AGE = 3600.0
 #: Workload lines in the current details; the result holds them all.
 DETAIL_LINES = 40
-#: Constraints for a model no workload serves are refused, naming ``constraints.<model>``. Asked
-#: only for such constraints, after the workloads are read (an activity). Runs before it dropped
-#: them and reported that model's site with its defaults.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): constraints
+#: for a model no workload serves are refused, naming ``constraints.<model>``. An Advisor run ends
+#: within its activities' timeouts; every one open now started after it. The call stays,
+#: deprecated, where such constraints are found (after the workloads are read, an activity), until
+#: no run holding its marker is open.
 REFUSE_UNSERVED_PATCH = "advisor-refuses-unserved-constraints"
 
 
@@ -60,7 +62,8 @@ class Advisor:
                                       retry_policy=PROVIDER_RETRY, summary="provider catalog (list offers)"),
         )
         unserved = unserved_constraints(args.constraints, usage.workloads)
-        if unserved and workflow.patched(REFUSE_UNSERVED_PATCH):
+        if unserved:
+            workflow.deprecate_patch(REFUSE_UNSERVED_PATCH)
             self._step = "refused"
             refused = refusal("AdvisorInput", unserved)
             show_details("refused", detail=refused.message)
