@@ -26,14 +26,11 @@ from fleet.messages.nodes import (
     RevokeNodeTokensInput,
     AdmitNodeInput,
     DeleteMachineInput,
-    IssueJoinTokenInput,
     PrepareNodeInput,
     ProvisionMachineInput,
     ReleaseProvisionInput,
     RemoveNodeInput,
     ResolveSiteInput,
-    RevokeJoinTokenInput,
-    WaitForRegistrationInput,
 )
 from fleet import search_attributes as sa
 from fleet.config import Site
@@ -44,7 +41,7 @@ from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
 from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinParams, render_user_data
 from fleet.models import Machine, Node
 from fleet.naming import node_workflow_id, site_workflow_id
-from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT, JoinTokenRef
+from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from fleet.contracts import workflows as flows
 
 
@@ -94,9 +91,6 @@ class ControlPlaneActivities:
             self.approve_node_csrs,
             self.release_provision,
             self.delete_machine,
-            self.issue_join_token,
-            self.revoke_join_token,
-            self.wait_for_registration,
             self.prepare_node,
             self.admit_node,
             self.remove_node,
@@ -241,30 +235,6 @@ class ControlPlaneActivities:
         record_retire(self.env, input.site, input.machine_id)
 
     # -- cluster ----------------------------------------------------------------------
-    @activity.defn
-    @typed_errors
-    def issue_join_token(self, input: IssueJoinTokenInput) -> JoinTokenRef:
-        return self.env.cluster.create_join_token(input.node_name, input.machine_id, input.ttl_seconds)
-
-    @activity.defn
-    @typed_errors
-    def revoke_join_token(self, input: RevokeJoinTokenInput) -> None:
-        self.env.cluster.revoke_join_token(input.token_id)
-
-    @activity.defn
-    @typed_errors
-    def wait_for_registration(self, input: WaitForRegistrationInput) -> Node:
-        """Poll the cluster until the node registers and is Ready, or the deadline."""
-
-        def registered() -> Node | None:
-            node = self.env.cluster.get_node(input.node_name)
-            return node if node is not None and node.ready else None
-
-        return poll_until(registered, input.deadline, input.poll_seconds, lambda: ApplicationError(
-            f"node {input.node_name} did not register by {input.deadline.isoformat()}",
-            type="RegistrationTimeout", non_retryable=True,
-        ))
-
     @activity.defn
     @typed_errors
     def prepare_node(self, input: PrepareNodeInput) -> Node:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from temporalio import activity
 from temporalio.common import RawValue
 
-from fleet.cluster import DrainResult, JoinTokenRef, ServingStatus
+from fleet.cluster import DrainResult, ServingStatus
 from fleet.config import Site
 from fleet.incident import IncidentSettings
 from fleet.messages.advisor import Usage
@@ -36,12 +36,12 @@ from fleet.messages.evacuation import (
 )
 from fleet.messages.nodes import (
     AdmitNodeInput, AwaitRegistrationInput, ContainInput, ContainResult, DeleteMachineInput,
-    FenceInput, GpuProbeResult, IssueJoinTokenInput, NodeFacts, NodeFactsInput,
+    FenceInput, GpuProbeResult, NodeFacts, NodeFactsInput,
     PrepareNodeInput, ProbeGpusInput, ProvisionJoinInput, ProvisionMachineInput,
     ProvisionedMachine, ReinstallDriverInput, ReleaseProvisionInput, RemoveNodeInput,
     ReplacementSitesInput, ResetGpuInput, ResolveSiteInput, RestartMachineInput,
-    RevokeJoinTokenInput, RevokeNodeTokensInput, SiteHealth, SiteHealthInput, SmokeResult,
-    SmokeTestInput, UncontainInput, UncontainResult, WaitForBootInput, WaitForRegistrationInput,
+    RevokeNodeTokensInput, SiteHealth, SiteHealthInput, SmokeResult,
+    SmokeTestInput, UncontainInput, UncontainResult, WaitForBootInput,
 )
 from fleet.messages.repair import NodeWatchInput, NodeWatchResult
 from fleet.messages.rollout import (
@@ -257,11 +257,6 @@ async def incident_settings(input: SiteRef) -> IncidentSettings:
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
-@activity.defn(name="issue_join_token")
-async def issue_join_token(input: IssueJoinTokenInput) -> JoinTokenRef:
-    """Body: ``activities/control_plane.py``, ``ControlPlaneActivities.issue_join_token``."""
-    raise NotImplementedError("a declaration: the worker registers the body")
-
 
 @activity.defn(name="node_facts")
 async def node_facts(input: NodeFactsInput) -> NodeFacts:
@@ -460,11 +455,6 @@ async def review_node_csrs() -> int:
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
-@activity.defn(name="revoke_join_token")
-async def revoke_join_token(input: RevokeJoinTokenInput) -> None:
-    """Body: ``activities/control_plane.py``, ``ControlPlaneActivities.revoke_join_token``."""
-    raise NotImplementedError("a declaration: the worker registers the body")
-
 
 @activity.defn(name="revoke_node_tokens")
 async def revoke_node_tokens(input: RevokeNodeTokensInput) -> list[str]:
@@ -626,12 +616,6 @@ async def wait_for_boot(input: WaitForBootInput) -> Node:
     ``activities/repair.py``, ``RepairActivities.wait_for_boot``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
-
-@activity.defn(name="wait_for_registration")
-async def wait_for_registration(input: WaitForRegistrationInput) -> Node:
-    """Poll the cluster until the node registers and is Ready, or the deadline. Body:
-    ``activities/control_plane.py``, ``ControlPlaneActivities.wait_for_registration``."""
-    raise NotImplementedError("a declaration: the worker registers the body")
 
 
 @activity.defn(name="wait_serving_ready")

@@ -83,23 +83,6 @@ class ReleaseProvisionInput(BaseModel):
     idempotency_key: str
 
 
-class IssueJoinTokenInput(BaseModel):
-    node_name: str
-    machine_id: str
-    ttl_seconds: int = Field(3600, gt=0, le=3600)
-
-
-class RevokeJoinTokenInput(BaseModel):
-    token_id: str
-
-
-class WaitForRegistrationInput(BaseModel):
-    node_name: str
-    #: Absolute, so a retried attempt keeps the original deadline.
-    deadline: datetime
-    poll_seconds: float = 1.0
-
-
 class PrepareNodeInput(BaseModel):
     node_name: str
     labels: dict[str, str]
