@@ -211,6 +211,11 @@ class NodeGatewayEnv(EnvSettings):
     """The node gateway (``workers.node_gateway``; its ``--listen`` reads the variable)."""
 
     listen: str = envvar("GPUFLEET_GATEWAY_LISTEN", "127.0.0.1:7300", "host:port the gateway serves node agents on")
+    token_keys: Optional[Path] = envvar(
+        "GPUFLEET_GATEWAY_TOKEN_KEYS", None,
+        "the directory of the Secret gpufleet-node-gateway-token-key: its file current (the key every "
+        "replica binds the task tokens it hands a node with) and, while rotating, previous (accepted too); "
+        "required but with --dev")
     # Sized in workers/gateway/proxy.py (CALLS_PER_SECOND, CALL_BURST: what an honest agent sends).
     calls_per_second: Annotated[float, Field(gt=0)] = envvar(
         "GPUFLEET_GATEWAY_CALLS_PER_SECOND", 20.0,

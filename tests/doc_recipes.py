@@ -44,7 +44,18 @@ def secrets_as_written(text: str) -> dict[str, dict[str, str]]:
     text = text.replace("\\\n", " ")
     commands = re.findall(r"`(kubectl [^`]*create secret [^`]*)`", text)
     commands += re.findall(r"^\s*(kubectl [^`\n]*create secret [^\n]*)$", text, re.M)
-    made: dict[str, dict[str, str]] = {}
+    return dict(secret_commands(commands))
+
+
+def secrets_in_order(lines: list[str]) -> list[tuple[str, dict[str, str]]]:
+    """The Secrets a shell block's ``kubectl ... create secret`` lines make, in order (one Secret
+    written again, as a rotation does, is there each time)."""
+    return secret_commands([line for line in lines if re.match(r"\s*kubectl .*create secret ", line)])
+
+
+def secret_commands(commands: list[str]) -> list[tuple[str, dict[str, str]]]:
+    """(name, key → file) of each ``kubectl ... create secret generic|tls NAME ...`` command."""
+    made: list[tuple[str, dict[str, str]]] = []
     for command in commands:
         words = shlex.split(command.replace("\n", " "), comments=True)
         at = words.index("secret")
@@ -58,7 +69,7 @@ def secrets_as_written(text: str) -> dict[str, dict[str, str]]:
                 keys[key or Path(source).name] = source
             elif option in ("--cert", "--key"):
                 keys["tls.crt" if option == "--cert" else "tls.key"] = value
-        made[words[at + 2]] = keys
+        made.append((words[at + 2], keys))
     return made
 
 

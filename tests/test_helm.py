@@ -339,6 +339,14 @@ def test_node_gateway_endpoint_and_namespaces() -> None:
     budget = documents(template("--set", "nodeGateway.upstreamCallsPerSecond=1500"))
     (gateway,) = pod_of(workload(budget, "gpufleet-node-gateway"))["containers"]
     assert env_of(gateway)["GPUFLEET_GATEWAY_UPSTREAM_CALLS_PER_SECOND"] == "1500"
+    # Every replica mounts the one task-token key, where its environment says.
+    keyed = pod_of(workload(documents(template("--set", "nodeGateway.tokenKeySecret=my-token-key")),
+                            "gpufleet-node-gateway"))
+    (secret,) = [v["secret"] for v in keyed["volumes"] if v["name"] == "token-keys"]
+    assert secret["secretName"] == "my-token-key"
+    (gateway,) = keyed["containers"]
+    mounted = {m["name"]: m["mountPath"] for m in gateway["volumeMounts"]}
+    assert env_of(gateway)["GPUFLEET_GATEWAY_TOKEN_KEYS"] == mounted["token-keys"]
     assert not [d for d in docs if d["kind"] == "Namespace"]
     # The namespaces hold gpufleet's state: `helm uninstall` keeps them.
     for ns in (d for d in documents(template()) if d["kind"] == "Namespace"):

@@ -1,5 +1,5 @@
 """The node gateway: a node reaches only its own queue and its own tasks (mutual TLS, per-node
-certificates from a CSR), a retired node is cut off, a gateway restart loses nothing; and the
+certificates from a CSR), a retired node is cut off, a gateway restart costs no retry; and the
 Node entity pulls health through it."""
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from fleet import search_attributes as sa
 from tests.doc_recipes import ROOT, run_openssl_lines, secrets_as_written, shell_block
+from tests.gateway_keys import keys_from_mount, token_keys_as_deployed
 from tests.replay import replay_and_record
 from tests.tools import require
 from tests.security.gateway_helpers import refused_once_its_verdict_is_stale, retire
@@ -50,10 +51,14 @@ async def echo(text: str) -> str:
     return f"{activity.info().task_queue}: {text}"
 
 
-@activity.defn(name="slow_echo")
-async def slow_echo(text: str) -> str:
-    """Heartbeats for a few seconds: long enough to restart the gateway under it."""
-    for _ in range(20):
+#: Set when ``beat_until_released`` may return.
+RELEASED = asyncio.Event()
+
+
+@activity.defn(name="beat_until_released")
+async def beat_until_released(text: str) -> str:
+    """Heartbeats (the SDK sends one at most every 0.8 × the heartbeat timeout) until released."""
+    while not RELEASED.is_set():
         activity.heartbeat()
         await asyncio.sleep(0.1)
     return f"attempt {activity.info().attempt}: {text}"
@@ -65,8 +70,8 @@ class GatewayEcho:
     async def run(self, args: list[str]) -> str:
         queue, activity_name, text = args
         return await workflow.execute_activity(
-            activity_name, text, task_queue=queue, start_to_close_timeout=timedelta(seconds=30),
-            heartbeat_timeout=timedelta(seconds=2),
+            activity_name, text, task_queue=queue, start_to_close_timeout=timedelta(seconds=90),
+            heartbeat_timeout=timedelta(seconds=10),
             retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=200), maximum_attempts=10),
         )
 
@@ -298,7 +303,8 @@ async def test_a_node_retired_by_the_common_retire_step_is_refused_at_once(stack
     pki = Pki.create("gpufleet retire-test CA")
     cert, key = pki.server_cert()
     settings = Settings(address=stack.settings.address, namespace=stack.settings.namespace)
-    running = await start_gateway(settings, cert, key, pki.ca_pem, live=node_liveness(stack.client, stack.cluster))
+    running = await start_gateway(settings, cert, key, pki.ca_pem, token_keys_as_deployed(),
+                                  live=node_liveness(stack.client, stack.cluster))
     try:
         node_cert, node_key, _ = bound_credentials(stack.cluster, pki, name, machine)
         node = await connect_via_gateway(GatewayAccess(running.address, pki.ca_pem), "default", node_cert, node_key)
@@ -348,7 +354,7 @@ async def test_a_node_the_gateway_cannot_verify_gets_a_retryable_error_not_a_rev
     pki = Pki.create("gpufleet unavailable-test CA")
     cert, key = pki.server_cert()
     settings = Settings(address=temporal_env.client.service_client.config.target_host, namespace="default")
-    running = await start_gateway(settings, cert, key, pki.ca_pem, live=check, live_ttl=0.2)
+    running = await start_gateway(settings, cert, key, pki.ca_pem, token_keys_as_deployed(), live=check, live_ttl=0.2)
     try:
         node_key, csr = node_key_and_csr(name)
         node = await connect_via_gateway(GatewayAccess(running.address, pki.ca_pem), "default",
@@ -419,32 +425,60 @@ async def test_a_cluster_token_no_header_can_carry_is_never_logged_by_the_gatewa
     assert secret not in caplog.text
 
 
-async def test_gateway_restart_mid_activity_loses_nothing(temporal_env, nodes) -> None:
+async def test_a_restarted_gateway_takes_the_heartbeats_and_result_of_a_task_delivered_before(
+        temporal_env, nodes, tmp_path) -> None:
+    """A task delivered to the node, then the gateway restarted (a new instance, the same key
+    from the same Secret: every control-plane upgrade rolls it): the agent's next heartbeat and
+    its result go through the new gateway, and the workflow proceeds on the same attempt. The
+    gateway used to remember delivered tokens in memory only: the new one refused both, and the
+    activity waited out its heartbeat timeout (a watch's is 10 minutes) to be tried again."""
     a, _b = nodes
     control = temporal_env.client
-    first = await start_test_gateway(control)
+    first = await start_test_gateway(control, token_keys=token_keys_as_deployed(tmp_path / "token-keys"))
     port = first.running.port
     key, csr = node_key_and_csr(a)
     node = await connect_via_gateway(first.access, "default", first.pki.sign_node_csr(csr, a), key)
     control_queue = f"{ECHO_QUEUE_PREFIX}-{uuid.uuid4().hex[:6]}"
     second = None
+    RELEASED.clear()
     try:
         async with Worker(control, task_queue=control_queue, workflows=[GatewayEcho],
                           workflow_runner=UnsandboxedWorkflowRunner()), \
-                Worker(node, task_queue=f"node/{a}", activities=[slow_echo]):
-            handle = await control.start_workflow("GatewayEcho", [f"node/{a}", "slow_echo", "survived"],
-                                                  id=f"gw-{uuid.uuid4().hex[:6]}", task_queue=control_queue)
-            await wait_for(lambda: first.running.gateway.stats.forwarded >= 3, timeout=10)  # polled, started
-            await asyncio.sleep(0.5)
+                Worker(node, task_queue=f"node/{a}", activities=[beat_until_released]):
+            handle = await control.start_workflow(
+                "GatewayEcho", [f"node/{a}", "beat_until_released", "survived"],
+                id=f"gw-{uuid.uuid4().hex[:6]}", task_queue=control_queue)
+            restarted = await heartbeat_after(handle, None)  # delivered through the first, beating
             await first.running.stop(grace=None)
             await asyncio.sleep(1.0)
-            second = await start_test_gateway(control, pki=first.pki, port=port, cert=first.cert, key=first.key)
-            result = await asyncio.wait_for(handle.result(), 60)
-        assert result.endswith(": survived")
-        assert second.running.gateway.stats.forwarded > 0, "the agent came back through the new gateway"
+            # The pod started again: the same Secret, read from its mount as at any start.
+            second = await start_test_gateway(control, pki=first.pki, port=port, cert=first.cert, key=first.key,
+                                              token_keys=keys_from_mount(tmp_path / "token-keys"))
+            await heartbeat_after(handle, restarted)  # a heartbeat the new gateway forwarded
+            RELEASED.set()
+            result = await asyncio.wait_for(handle.result(), 30)
+        assert result == "attempt 1: survived", "the task delivered before the restart was answered, not retried"
+        assert second.running.gateway.stats.refused == 0, second.running.gateway.stats.refusals
     finally:
+        RELEASED.set()
         if second is not None:
             await second.running.stop(grace=None)
+
+
+async def heartbeat_after(handle, since, timeout: float = 30):
+    """The time of the activity's last heartbeat the server took, once it is later than ``since``
+    (None: any); it fails when none comes within ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        pending = (await handle.describe()).raw_description.pending_activities
+        if pending and pending[0].HasField("last_heartbeat_time"):
+            beat = pending[0].last_heartbeat_time.ToDatetime()
+            if since is None or beat > since:
+                assert pending[0].attempt == 1, f"the activity was tried again: attempt {pending[0].attempt}"
+                return beat
+        assert asyncio.get_running_loop().time() < deadline, \
+            f"no heartbeat taken since {since} (the gateway refused it?); pending: {pending}"
+        await asyncio.sleep(0.2)
 
 
 async def test_health_arrives_through_the_pulled_watch(stack: Stack, temporal_env) -> None:

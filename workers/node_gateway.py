@@ -16,7 +16,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from fleet.settings import NodeGatewayEnv, Settings
+from fleet.settings import NodeGatewayEnv, Settings, SettingsError
 
 log = logging.getLogger("gpufleet.node_gateway")
 
@@ -36,24 +36,33 @@ async def main(args: GatewayOptions) -> None:
     # grpc and cryptography load here, not when the ``gpufleet`` CLI imports this module.
     from workers.gateway.pki import dev_gateway_files
     from workers.gateway.proxy import GatewayCollector, start_gateway
+    from workers.gateway.task_tokens import TokenKeys
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node-gateway %(levelname)s %(message)s")
     settings = Settings.from_env()
     rates = NodeGatewayEnv.from_env()
+    token_keys = rates.token_keys
     if args.dev:
         files = dev_gateway_files(settings.state_dir)
         args.cert, args.key, args.client_ca = files["cert"], files["key"], files["ca"]
+        token_keys = token_keys or files["token_keys"]
     if not (args.cert and args.key and args.client_ca):
         raise SystemExit("--cert, --key and --client-ca are required (or --dev)")
+    try:
+        keys = TokenKeys.load(token_keys)
+    except SettingsError as error:
+        raise SystemExit(str(error)) from None
     host, _, port = args.listen.rpartition(":")
     running = await start_gateway(settings, Path(args.cert).read_bytes(), Path(args.key).read_bytes(),
-                                  Path(args.client_ca).read_bytes(), host=host or "127.0.0.1", port=int(port),
+                                  Path(args.client_ca).read_bytes(), keys, host=host or "127.0.0.1", port=int(port),
                                   live_ttl=args.live_ttl, calls_per_second=rates.calls_per_second,
                                   call_burst=rates.call_burst,
                                   upstream_calls_per_second=rates.replica_upstream_calls_per_second)
     log.info("node gateway on %s:%s → %s (namespace %s); upstream at most %g calls a second, its part of %g "
              "for %d replicas", host, running.port, settings.address, settings.namespace,
              rates.replica_upstream_calls_per_second, rates.upstream_calls_per_second, rates.replicas)
+    log.info("task tokens bound to their node with the key in %s (%s)", token_keys,
+             "and the previous one accepted" if keys.previous else "no previous key")
     from prometheus_client import REGISTRY
 
     from workers.metrics import start_metrics

@@ -115,7 +115,7 @@ WATCH_MAX_WAIT = 300.0
 NOT_READY_PATCH = "cluster-not-ready"
 WATCH_LONG_WAIT = 1800.0
 WATCH_LONG_HEARTBEAT = 600.0
-#: The retries of one watch (heartbeat timeouts while the node reboots or the gateway restarts)
+#: The retries of one watch (heartbeat timeouts while the node reboots or is cut off)
 #: span at most this long; then the entity asks the cluster whether the node is still there.
 WATCH_GIVE_UP = timedelta(minutes=15)
 WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_interval=timedelta(seconds=10))

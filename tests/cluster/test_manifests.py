@@ -107,6 +107,24 @@ def test_the_node_gateways_replicas_each_take_their_part_of_the_upstream_budget(
     assert rates.replica_upstream_calls_per_second * rates.replicas == rates.upstream_calls_per_second
 
 
+def test_every_node_gateway_replica_mounts_the_one_task_token_key():
+    """Each replica binds the task tokens it hands a node with the key of the Secret
+    gpufleet-node-gateway-token-key, mounted where GPUFLEET_GATEWAY_TOKEN_KEYS (fleet/settings.py)
+    says: so any replica, and a restarted one, takes a node's answers. Not optional: without the
+    Secret the pods wait for it, rather than start with keys of their own. Every test gateway reads
+    its keys through this mount (tests/gateway_keys.py)."""
+    from fleet.settings import NodeGatewayEnv
+    from tests.gateway_keys import TOKEN_KEY_SECRET, gateway_container_and_volumes, token_key_mount
+
+    variable, path = token_key_mount()
+    assert variable == NodeGatewayEnv.variable("token_keys")
+    container, volumes = gateway_container_and_volumes()
+    (volume,) = [v for v in volumes if v.get("secret", {}).get("secretName") == TOKEN_KEY_SECRET]
+    assert not volume["secret"].get("optional") and "items" not in volume["secret"], "current and previous, both"
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == path]
+    assert mount["readOnly"] is True
+
+
 def test_control_plane_deployment():
     (deployment,) = _docs("control-plane.yaml")
     pod = deployment["spec"]["template"]["spec"]

@@ -34,7 +34,9 @@ from workers.gateway.liveness import temporal_liveness
 from workers.gateway.node_identity import GatewayAccess
 from workers.gateway.pki import Pki
 from workers.gateway.proxy import RunningGateway, start_gateway
+from workers.gateway.task_tokens import TokenKeys
 from tests.conftest import write_fleet
+from tests.gateway_keys import token_keys_as_deployed
 
 
 @asynccontextmanager
@@ -60,13 +62,15 @@ async def session_temporal_env() -> AsyncIterator[WorkflowEnvironment]:
 @dataclass
 class SessionGateway:
     """The session's node gateway: every simulated node agent reaches Temporal through it,
-    with a key of its own and a certificate from this CA."""
+    with a key of its own and a certificate from this CA. ``token_keys``: what it binds the
+    task tokens it hands a node with (a gateway started again with them takes their answers)."""
 
     running: RunningGateway
     pki: Pki
     access: GatewayAccess
     cert: bytes
     key: bytes
+    token_keys: TokenKeys
 
 
 #: Dev server address → its node gateway (``sim_host`` routes agents through it).
@@ -80,13 +84,18 @@ CONTROL_PLANE_QUEUES: dict[str, str] = {}
 
 
 async def start_test_gateway(client: Client, pki: Pki | None = None, port: int = 0,
-                             cert: bytes | None = None, key: bytes | None = None) -> SessionGateway:
+                             cert: bytes | None = None, key: bytes | None = None,
+                             token_keys: TokenKeys | None = None) -> SessionGateway:
+    """A gateway in front of ``client``'s server; its task-token keys as the manifest gives them
+    (a fresh key unless ``token_keys``)."""
     pki = pki or Pki.create("gpufleet test node CA")
     if cert is None or key is None:
         cert, key = pki.server_cert()
+    token_keys = token_keys or token_keys_as_deployed()
     settings = Settings(address=client.service_client.config.target_host, namespace=client.namespace)
-    running = await start_gateway(settings, cert, key, pki.ca_pem, live=temporal_liveness(client), port=port)
-    return SessionGateway(running, pki, GatewayAccess(running.address, pki.ca_pem), cert, key)
+    running = await start_gateway(settings, cert, key, pki.ca_pem, token_keys, live=temporal_liveness(client),
+                                  port=port)
+    return SessionGateway(running, pki, GatewayAccess(running.address, pki.ca_pem), cert, key, token_keys)
 
 
 def sim_host(client: Client, settings: Settings, **options: Any) -> SimNodeHost:

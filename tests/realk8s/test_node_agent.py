@@ -31,6 +31,7 @@ nodes reach the replicas through one address, as through the gateway's Service (
 from __future__ import annotations
 
 import asyncio
+import secrets
 import subprocess
 import sys
 import textwrap
@@ -158,16 +159,19 @@ def rendered_node_config(tmp: Path, endpoint: str, ca: bytes) -> str:
 def create_gateway_objects(cluster: RealCluster, tmp: Path, gateway_pki: Pki, temporal_secret: Path,
                            public_hosts: tuple[str, ...] = ("127.0.0.1", "localhost")) -> None:
     """What node-gateway.yaml says an operator creates: its server certificate (for
-    ``public_hosts``, its public endpoint's), the cluster CA, the control plane's Temporal
-    client certificate, and the fleet config (real mode)."""
+    ``public_hosts``, its public endpoint's), the cluster CA, the key its replicas bind task
+    tokens with, the control plane's Temporal client certificate, and the fleet config (real mode)."""
     cert, key = gateway_pki.server_cert(public_hosts)
     (tmp / "gateway.crt").write_bytes(cert)
     (tmp / "gateway.key").write_bytes(key)
     (tmp / "cluster-ca.crt").write_bytes(cluster.ca_pem)
+    (tmp / "gateway-token.key").write_text(secrets.token_hex(32) + "\n")
     (tmp / "fleet.yaml").write_text(yaml.safe_dump({"mode": "real", "accounts": [], "sites": []}))
     for kind in (["secret", "tls", "gpufleet-node-gateway-tls", f"--cert={tmp / 'gateway.crt'}",
                   f"--key={tmp / 'gateway.key'}"],
                  ["secret", "generic", "gpufleet-cluster-ca", f"--from-file=ca.crt={tmp / 'cluster-ca.crt'}"],
+                 ["secret", "generic", "gpufleet-node-gateway-token-key",
+                  f"--from-file=current={tmp / 'gateway-token.key'}"],
                  ["secret", "generic", "gpufleet-temporal-client",
                   *(f"--from-file={name}={temporal_secret / name}" for name in ("tls.crt", "tls.key", "ca.crt"))],
                  ["configmap", "gpufleet-config", f"--from-file=sites.yaml={tmp / 'fleet.yaml'}"]):

@@ -23,6 +23,7 @@ from workers.gateway.liveness import node_liveness
 from workers.gateway.node_identity import GatewayAccess, node_key_and_csr
 from workers.gateway.pki import Pki
 from workers.gateway.proxy import RunningGateway, start_gateway
+from tests.gateway_keys import token_keys_as_deployed
 
 #: How old a verdict the gateway may answer with (``start_gateway``'s ``live_ttl``, as the tests start it).
 VERDICT_TTL = 1.0
@@ -115,7 +116,8 @@ async def start_fleet_gateway(client: Client, cluster, live_ttl: float = VERDICT
     pki = Pki.create("gpufleet security-test CA")
     cert, key = pki.server_cert()
     settings = Settings(address=client.service_client.config.target_host, namespace=client.namespace)
-    running = await start_gateway(settings, cert, key, pki.ca_pem, live=node_liveness(client, cluster),
+    running = await start_gateway(settings, cert, key, pki.ca_pem, token_keys_as_deployed(),
+                                  live=node_liveness(client, cluster),
                                   live_ttl=live_ttl)
     return FleetGateway(running, pki, GatewayAccess(running.address, pki.ca_pem))
 

@@ -37,6 +37,7 @@ from temporalio.api.workflowservice.v1 import (
 from temporalio.worker import Worker
 
 from tests.conftest import NODE_GATEWAYS, start_test_gateway, wait_for
+from tests.gateway_keys import token_keys_as_deployed
 from tests.security.gateway_helpers import (
     call,
     code_of,
@@ -62,6 +63,7 @@ from workers.gateway.proxy import (
     REQUEST_BYTES,
     RESULT_BYTES,
 )
+from workers.gateway.task_tokens import TaskTokens
 
 OK, DENIED, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -317,9 +319,9 @@ async def test_deployment_options_and_unknown_fields_are_dropped(temporal_env, g
     assert forwarded == PollActivityTaskQueueRequest(
         namespace="default", identity=f"node:{node.name}",
         task_queue=TaskQueue(name=f"node/{node.name}", kind=1)).SerializeToString()
-    gateway.running.gateway.authorization.remember(node.name, b"token-a")
+    sealed = gateway.running.gateway.authorization.tokens.seal(node.name, b"token-a")  # as delivered to it
     result = Payloads(payloads=[Payload(metadata={"encoding": b"json/plain"}, data=b"1")])
-    done = RespondActivityTaskCompletedRequest(namespace="default", task_token=b"token-a", identity="me", result=result,
+    done = RespondActivityTaskCompletedRequest(namespace="default", task_token=sealed, identity="me", result=result,
                                                deployment_options=options).SerializeToString() + unknown
     forwarded, _ = gateway.running.gateway.authorization.authorize(node.name, "RespondActivityTaskCompleted", done)
     assert forwarded == RespondActivityTaskCompletedRequest(namespace="default", task_token=b"token-a", result=result,
@@ -448,7 +450,8 @@ async def test_a_nodes_left_out_warnings_are_counted_when_its_window_ends_and_it
 
     # Names a node makes up share one window; the workflow service's own calls are named.
     caplog.clear()
-    authorization = NodeAuthorization("default", GatewayStats(), NodeLog(logging.getLogger("test.node_log")))
+    authorization = NodeAuthorization("default", GatewayStats(), TaskTokens(token_keys_as_deployed()),
+                                      NodeLog(logging.getLogger("test.node_log")))
     for made_up in ("Made", "Up", "Names", "StartWorkflowExecution"):
         authorization.refuse("n1", made_up, "not a node agent's call")
     assert [r.getMessage() for r in caplog.records] == [

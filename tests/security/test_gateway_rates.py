@@ -42,6 +42,7 @@ from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
 from fleet.naming import node_queue
 from fleet.settings import Settings
+from tests.gateway_keys import token_keys_as_deployed
 from tests.security.gateway_helpers import (
     call,
     code_of,
@@ -114,7 +115,7 @@ async def counting_gateway(client, **limits):
     pki = Pki.create("gpufleet rate-test CA")
     cert, key = pki.server_cert()
     running = await start_gateway(Settings(address=f"127.0.0.1:{port}", namespace=client.namespace), cert, key,
-                                  pki.ca_pem, live=temporal_liveness(client), **limits)
+                                  pki.ca_pem, token_keys_as_deployed(), live=temporal_liveness(client), **limits)
     try:
         yield frontend, pki, GatewayAccess(running.address, pki.ca_pem), running.gateway
     finally:

@@ -45,6 +45,7 @@ from fleet.naming import node_queue
 from tests.bad_input_helpers import task_failures
 from tests.conftest import NODE_GATEWAYS
 from tests.evacuation_helpers import open_incident_stack
+from tests.gateway_keys import token_keys_as_deployed
 from tests.repair_helpers import eventually
 from tests.security.gateway_helpers import credentials, end_entity, live_entity, unique
 from tests.security.test_node_reports import entity, hostile  # noqa: F401 - the fixture
@@ -55,6 +56,7 @@ from workers.gateway.authorization import (
     GatewayStats,
     NodeAuthorization,
 )
+from workers.gateway.task_tokens import TaskTokens
 from workers.node_agent import connect_via_gateway
 
 HOSTILE = Payload(metadata={"encoding": b"binary/hostile"}, data=b"\x00")
@@ -62,8 +64,9 @@ HOSTILE_DETAILS = Payloads(payloads=[HOSTILE])
 
 
 def _authorized(name: str, request) -> bytes:
-    auth = NodeAuthorization("default", GatewayStats())
-    auth.remember("n1", b"tok")
+    """``request`` as the gateway forwards it from node n1, its token (``tok``) as delivered to n1."""
+    auth = NodeAuthorization("default", GatewayStats(), TaskTokens(token_keys_as_deployed()))
+    request.task_token = auth.tokens.seal("n1", request.task_token)
     forwarded, token = auth.authorize("n1", name, request.SerializeToString())
     assert token == b"tok"
     return forwarded

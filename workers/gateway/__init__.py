@@ -6,7 +6,9 @@ door from a GPU node to Temporal. Split by job:
   agent imports: the code that ships to third-party machines carries none of the CA's
   (an import-linter contract in pyproject.toml keeps it so).
 - ``authorization``: which calls a node may make, each request rebuilt from what the policy
-  allows, and the task tokens delivered to each node.
+  allows.
+- ``task_tokens``: each task token handed to a node sealed for it with the key every replica
+  holds, and opened again only for that node.
 - ``liveness``: whether a certificate's node is still live (its identity record, bound key,
   and Node entity or NodeJoin), cached per (node, key).
 - ``proxy``: the gRPC server: per-node limits, forwarding over the control plane's own
@@ -29,8 +31,8 @@ or API key), only what a node agent needs:
 
 - ``PollActivityTaskQueue`` on ``node/<its own name>``;
 - ``RespondActivityTask{Completed,Failed,Canceled}`` and
-  ``RecordActivityTaskHeartbeat`` with task tokens this gateway delivered to
-  that same node;
+  ``RecordActivityTaskHeartbeat`` with task tokens the gateway (any replica,
+  before or after a restart) delivered to that same node;
 - the read-only calls the SDK's worker makes at start-up and its
   ``ShutdownWorker`` (see ``authorization._START_UP``).
 
@@ -57,13 +59,10 @@ so one node cannot take the frontend's poll budget or the gateway's memory from 
 and every node's calls together take from one budget (``fleet_budget``), so many nodes cannot
 take the frontend's request rate either.
 
-The gateway is stateless but for the delivered tokens, kept in memory on purpose:
-after a restart (or on another replica) a completion for a task delivered before it
-is refused and the activity is retried when its timeout fires. Every node activity
-is already retried after a node reboot or a lost connection and is safe to run twice
-(a watch re-reads level-triggered state; a probe, smoke test, GPU reset or driver
-reinstall done again ends in the same state), so persisting tokens would buy nothing
-that replicas behind a load balancer could share anyway.
+The gateway keeps no state a restart or another replica would miss: the task token a
+node is handed is sealed for that node with the key every replica reads from one Secret
+(``task_tokens``), so its heartbeats and answers go through any replica, before or after
+a restart (each restart used to leave a node's watch unheard until its heartbeat timeout).
 
 PKI helpers (dev stack, tests): ``pki.Pki`` makes a CA and the gateway's server
 certificate; ``node_identity.node_key_and_csr`` runs on the node (the key never leaves

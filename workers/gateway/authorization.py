@@ -4,7 +4,8 @@ A node agent may only:
 
 - ``PollActivityTaskQueue`` on ``node/<its own name>``;
 - ``RespondActivityTask{Completed,Failed,Canceled}`` and ``RecordActivityTaskHeartbeat``
-  with task tokens this gateway delivered to that same node;
+  with task tokens the gateway (any replica, before or after a restart) delivered to that same
+  node: sealed for it with the gateway's key (``task_tokens``);
 - make the read-only calls the SDK's worker makes at start-up and its ``ShutdownWorker``
   (see ``_START_UP``).
 
@@ -23,7 +24,6 @@ import datetime as dt
 import logging
 import re
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import grpc
@@ -37,6 +37,7 @@ from temporalio.api.workflowservice.v1 import service_pb2
 from fleet.naming import node_queue
 from workers.gateway.node_identity import NODE_GROUP, node_from_subject
 from workers.gateway.node_log import NodeLog
+from workers.gateway.task_tokens import TaskTokens
 
 log = logging.getLogger("gpufleet.node_gateway")
 
@@ -74,8 +75,6 @@ NAMED_CALLS = frozenset({*service_pb2.DESCRIPTOR.services_by_name["WorkflowServi
 RESULTS = {"RespondActivityTaskCompleted", "RespondActivityTaskFailed", "RespondActivityTaskCanceled"}
 #: Only these of the caller's metadata go upstream: a node's own ``authorization`` never does.
 FORWARDED_METADATA = {"client-name", "client-version", "supported-server-versions"}
-#: Tokens remembered per node (a node agent runs at most a handful of activities at once).
-MAX_TOKENS_PER_NODE = 64
 #: Names a node sent that the gateway echoes (queues, namespaces, methods) are cut to this.
 ECHO_CHARS = 64
 #: The fields each forwarded request keeps (all others, unknown ones included, are dropped):
@@ -212,15 +211,16 @@ class NodeCert:
 
 class NodeAuthorization:
     """The policy for every node calling one gateway: who the caller is (its certificate,
-    checked again on every call), whether it may make the call, the request to forward in its
-    place, and the task tokens delivered to each node (kept in memory on purpose: see the
-    package's docstring)."""
+    checked again on every call), whether it may make the call, and the request to forward in
+    its place; ``tokens`` seals each task token delivered to a node for that node and opens
+    what it sends back (``task_tokens``: nothing kept per token)."""
 
-    def __init__(self, namespace: str, stats: GatewayStats, node_log: NodeLog | None = None) -> None:
+    def __init__(self, namespace: str, stats: GatewayStats, tokens: TaskTokens,
+                 node_log: NodeLog | None = None) -> None:
         self.namespace = namespace
         self.stats = stats
+        self.tokens = tokens
         self.node_log = node_log or NodeLog(log)
-        self._tokens: dict[str, OrderedDict[bytes, None]] = {}
         self._certs: dict[bytes, NodeCert] = {}  # certificate PEM → what it says
         self._polls: dict[str, tuple[str, bytes]] = {}  # node → (worker instance key, the poll forwarded)
 
@@ -282,7 +282,8 @@ class NodeAuthorization:
 
     def authorize(self, node: str, name: str, request: bytes) -> tuple[bytes, bytes | None]:
         """The request to forward, rebuilt from only what the policy allows (identity rewritten,
-        unknown fields and deployment options dropped), and the token it uses; or Refused."""
+        unknown fields and deployment options dropped, the task token taken out of its envelope),
+        and Temporal's task token it carries; or Refused."""
         identity, queue = f"node:{node}", node_queue(node)
         if name == "PollActivityTaskQueue":
             poll = wsr.PollActivityTaskQueueRequest.FromString(request)
@@ -312,8 +313,10 @@ class NodeAuthorization:
         if name in _RESPONDS:
             message = _RESPONDS[name].FromString(request)
             self._namespace(node, name, message.namespace, empty_ok=True)
-            if message.task_token not in self._tokens.get(node, ()):
+            token = self.tokens.open(node, message.task_token)
+            if token is None:  # one reason for every kind of envelope refused: none tells a forger more
                 raise self.refuse(node, name, "a task token this gateway did not deliver to this node")
+            message.task_token = token
             _only(message, _CLEARED[name])
             if name == "RespondActivityTaskFailed" and message.HasField("failure"):
                 message.failure.CopyFrom(clean_failure(message.failure))
@@ -324,7 +327,7 @@ class NodeAuthorization:
                     self.node_log.warn(node, "results replaced", "not one json/plain payload",
                                        "node %s: its result replaced: a result of %s", node, why)
             message.identity = identity
-            return message.SerializeToString(), message.task_token
+            return message.SerializeToString(), token
         if name == "GetSystemInfo":
             return wsr.GetSystemInfoRequest().SerializeToString(), None
         if name == "DescribeNamespace":
@@ -349,15 +352,3 @@ class NodeAuthorization:
             raise self.refuse(node, name, "worker heartbeats are off for node agents "
                                           "(Runtime(worker_heartbeat_interval=None))")
         raise self.refuse(node, name, "not a node agent's call")
-
-    def remember(self, node: str, token: bytes) -> None:
-        """``token`` was delivered to ``node``: it may answer (or heartbeat) it."""
-        tokens = self._tokens.setdefault(node, OrderedDict())
-        tokens[token] = None
-        while len(tokens) > MAX_TOKENS_PER_NODE:
-            tokens.popitem(last=False)
-
-
-    def answered(self, node: str, token: bytes) -> None:
-        """``token``'s task is done: the node may not answer it again."""
-        self._tokens.get(node, {}).pop(token, None)

@@ -118,15 +118,25 @@ class Pki:
 
 
 def dev_gateway_files(state_dir: Path) -> dict[str, Path]:
-    """The dev stack's CA and gateway certificate, made once under ``<state>/pki``."""
+    """The dev stack's CA and gateway certificate, and the gateway's task-token key (the folder
+    ``GPUFLEET_GATEWAY_TOKEN_KEYS`` names), made once under ``<state>/pki``: a restarted dev
+    gateway takes the answers to tasks it delivered before."""
     pki_dir = state_dir / "pki"
     pki = Pki.load_or_create(pki_dir)
     files = {"ca": pki_dir / "ca.pem", "ca_key": pki_dir / "ca.key",
-             "cert": pki_dir / "gateway.pem", "key": pki_dir / "gateway.key"}
+             "cert": pki_dir / "gateway.pem", "key": pki_dir / "gateway.key",
+             "token_keys": pki_dir / "token-keys"}
     if not files["cert"].exists() or not files["key"].exists():
         cert, key = pki.server_cert()
         files["key"].touch(mode=0o600)
         files["key"].write_bytes(key)
         files["cert"].write_bytes(cert)
+    current = files["token_keys"] / "current"
+    if not current.exists():
+        import secrets
+
+        files["token_keys"].mkdir(mode=0o700, exist_ok=True)
+        current.touch(mode=0o600)
+        current.write_text(secrets.token_hex(32) + "\n")
     return files
 

@@ -41,6 +41,7 @@ from workers.gateway.authorization import (
 from workers.gateway.fleet_budget import FleetBudget
 from workers.gateway.liveness import LiveCache, Liveness, Verdict, default_liveness
 from workers.gateway.node_log import NodeLog
+from workers.gateway.task_tokens import TaskTokens, TokenKeys
 
 log = logging.getLogger("gpufleet.node_gateway")
 
@@ -207,7 +208,7 @@ class NodeLoad:
 
 
 class NodeGateway(grpc.GenericRpcHandler):
-    def __init__(self, upstream: grpc.aio.Channel, namespace: str, live: Liveness,
+    def __init__(self, upstream: grpc.aio.Channel, namespace: str, live: Liveness, token_keys: TokenKeys,
                  upstream_metadata: list[tuple[str, str]] | None = None,
                  poll_channels: list[grpc.aio.Channel] | None = None,
                  calls_per_second: float = CALLS_PER_SECOND, call_burst: int = CALL_BURST,
@@ -223,7 +224,7 @@ class NodeGateway(grpc.GenericRpcHandler):
         self.stats = GatewayStats()
         # Every warning a node's calls cause: at most one per node and reason a minute, and a count.
         self.node_log = NodeLog(log)
-        self.authorization = NodeAuthorization(namespace, self.stats, self.node_log)
+        self.authorization = NodeAuthorization(namespace, self.stats, TaskTokens(token_keys), self.node_log)
         self._stubs: dict[str, grpc.aio.UnaryUnaryMultiCallable] = {}
         self._load: dict[str, NodeLoad] = {}
         self._heartbeats = RateLimits(HEARTBEATS_PER_SECOND, HEARTBEAT_BURST)
@@ -358,7 +359,7 @@ class NodeGateway(grpc.GenericRpcHandler):
         slot = False
         try:
             try:
-                forward, token = self.authorization.authorize(node, name, request)
+                forward, _token = self.authorization.authorize(node, name, request)
                 verdict = await self._alive(node, cert.key)
                 if verdict is None or verdict is Verdict.UNBOUND:
                     # Fail closed, but as a transient error: while the control plane is away (static
@@ -407,7 +408,7 @@ class NodeGateway(grpc.GenericRpcHandler):
                        f"calls a second the {self.budget.calling()} nodes calling share")
                 self._over_limit(node, why)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
-            return await self._forward(method, node, load, name, forward, token, polling, context)
+            return await self._forward(method, node, load, forward, polling, context)
         finally:
             if slot:
                 load.polls.release()
@@ -417,8 +418,8 @@ class NodeGateway(grpc.GenericRpcHandler):
                 del load.connections[peer]
             self._release(node, load)
 
-    async def _forward(self, method: str, node: str, load: NodeLoad, name: str, forward: bytes,
-                       token: bytes | None, polling: bool, context: grpc.aio.ServicerContext) -> bytes:
+    async def _forward(self, method: str, node: str, load: NodeLoad, forward: bytes, polling: bool,
+                       context: grpc.aio.ServicerContext) -> bytes:
         metadata = (*(m for m in context.invocation_metadata() or () if m[0] in FORWARDED_METADATA),
                     *self._metadata)
         remaining = context.time_remaining()
@@ -434,15 +435,13 @@ class NodeGateway(grpc.GenericRpcHandler):
             load.upstream_polls -= polling
         self.stats.forwarded += 1
         if polling and response:
-            delivered = _task_token(response)
+            delivered, rest = _task_token(response)
             if delivered:
-                self.authorization.remember(node, delivered)
+                # The node gets the token sealed for it: only it may answer, through any replica.
+                response = _with_task_token(self.authorization.tokens.seal(node, delivered), rest)
                 self._calls.give(node, CALLS_PER_TASK)
                 self.budget.paid(node, CALLS_PER_TASK)
-        elif token is not None and name != "RecordActivityTaskHeartbeat":
-            self.authorization.answered(node, token)
         return response
-
 
     async def _startup_answer(self, method: str, forward: bytes, context: grpc.aio.ServicerContext) -> bytes:
         """A start-up call's answer from ``StartupAnswers``: nothing upstream but its fetch."""
@@ -465,9 +464,10 @@ async def _pass_on(error: grpc.aio.AioRpcError, context: grpc.aio.ServicerContex
     await context.abort(error.code(), error.details() or "")
 
 
-def _task_token(response: bytes) -> bytes:
-    """``task_token`` (field 1) of a PollActivityTaskQueueResponse without decoding the rest
-    (the input payloads): serializers write fields in number order, so it leads."""
+def _task_token(response: bytes) -> tuple[bytes, bytes]:
+    """``task_token`` (field 1) of a PollActivityTaskQueueResponse and the response's other
+    fields, without decoding them (the input payloads): serializers write fields in number
+    order, so it leads."""
     if response[:1] == b"\x0a":
         length, shift, i = 0, 0, 1
         while i < len(response) and i < 6:
@@ -475,9 +475,25 @@ def _task_token(response: bytes) -> bytes:
             length |= (byte & 0x7F) << shift
             i += 1
             if not byte & 0x80:
-                return response[i:i + length]
+                if i + length <= len(response):
+                    return response[i:i + length], response[i + length:]
+                break
             shift += 7
-    return wsr.PollActivityTaskQueueResponse.FromString(response).task_token
+    decoded = wsr.PollActivityTaskQueueResponse.FromString(response)
+    token = decoded.task_token
+    decoded.ClearField("task_token")
+    return token, decoded.SerializeToString()
+
+
+def _with_task_token(token: bytes, rest: bytes) -> bytes:
+    """A PollActivityTaskQueueResponse of ``rest`` (its fields but the token) with ``token``:
+    the field is replaced, never added twice (a parser keeps the last of a repeated field)."""
+    length, size = bytearray(), len(token)
+    while size > 0x7F:
+        length.append(size & 0x7F | 0x80)
+        size >>= 7
+    length.append(size)
+    return b"\x0a" + bytes(length) + token + rest
 
 
 def upstream_channel(settings: Settings, own_connection: bool = False) -> tuple[grpc.aio.Channel, list[tuple[str, str]]]:
@@ -563,19 +579,20 @@ class RunningGateway:
 
 
 async def start_gateway(settings: Settings, server_cert: bytes, server_key: bytes, client_ca: bytes,
-                        live: Liveness | None = None, host: str = "127.0.0.1", port: int = 0,
+                        token_keys: TokenKeys, live: Liveness | None = None, host: str = "127.0.0.1", port: int = 0,
                         live_ttl: float = 1.0, poll_connections: int = 4,
                         calls_per_second: float = CALLS_PER_SECOND, call_burst: int = CALL_BURST,
                         upstream_calls_per_second: float = UPSTREAM_CALLS_PER_SECOND) -> RunningGateway:
     """Serve the gateway: mutual TLS, client certificates from ``client_ca`` required; each node
     sends at most ``calls_per_second`` calls upstream (``CALLS_PER_SECOND``), ``call_burst`` at once,
     and every node together ``upstream_calls_per_second`` (this gateway's part of
-    ``UPSTREAM_CALLS_PER_SECOND``), shared fairly."""
+    ``UPSTREAM_CALLS_PER_SECOND``), shared fairly. ``token_keys`` bind the task tokens delivered to
+    a node to it (``task_tokens``): every replica is given the same."""
     channel, metadata = upstream_channel(settings, own_connection=True)
     polls = [upstream_channel(settings, own_connection=True)[0] for _ in range(poll_connections)]
     if live is None:
         live = await default_liveness(settings)
-    gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl), metadata, polls,
+    gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl), token_keys, metadata, polls,
                           calls_per_second=calls_per_second, call_burst=call_burst,
                           upstream_calls_per_second=upstream_calls_per_second)
     # A request over RESULT_BYTES is refused by gRPC from its length prefix, before it is held
