@@ -8,9 +8,10 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import activity
-from temporalio.client import WithStartWorkflowOperation
+from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowQueryFailedError
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
 from activities.capacity import is_running, number_past_record, run_end
 from activities.env import FleetEnv
@@ -18,13 +19,14 @@ from activities.errors import typed_errors
 from fleet.config import Site
 from fleet.errors import FleetError, Transient
 from fleet.incident import IncidentSettings, SiteFacts, incident_of_hold, plan_moves, recovery, weight_at
-from fleet.naming import evacuation_number, evacuation_workflow_id, site_workflow_id
+from fleet.naming import evacuation_number, evacuation_workflow_id, is_evacuation_of, site_workflow_id
 from providers.cluster.base import NodeMarks, NodeNotFound, decide_on_node, free_gpus_at
-from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute, fenced_gpus
+from fleet.cluster import ANNOTATION_CORDONED_BY, LABEL_SITE, UNPROVEN_TAINT, ServingStatus, SiteRoute, fenced_gpus
 from fleet.messages.capacity import ChildNumber, ChildNumberInput
 from fleet.messages.evacuation import (
     AdmitRepairInput,
     EvacuationFacts,
+    EvacuationLeftovers,
     EvacuationRef,
     EvacuationResult,
     FreeGpusInput,
@@ -93,7 +95,7 @@ class EvacuationActivities:
         return [
             self.admit_repair, self.incident_settings, self.incident_probe, self.hold_site_repairs,
             self.release_orphaned_holds, self.incident_number,
-            self.evacuation_begun_first, self.evacuation_end,
+            self.evacuation_begun_first, self.evacuation_end, self.evacuation_leftovers, self.closed_evacuations,
             self.evacuation_facts, self.set_site_weight, self.free_gpus, self.scale_serving,
             self.release_nodes,
         ]
@@ -183,6 +185,58 @@ class EvacuationActivities:
                 continue
             released.append(repair_id)
         return released
+
+    @activity.defn
+    async def evacuation_leftovers(self, input: EvacuationRef) -> EvacuationLeftovers:
+        """What the closed evacuation ``input.workflow_id`` of ``input.site`` changed and did not put
+        back (its ``leftovers`` query, which replays its history): nothing for one still running (it
+        puts back itself) or gone from Temporal's record. One whose history no longer replays (closed
+        before a patch was removed) cannot say: that fails this, for good, naming it."""
+        if not is_evacuation_of(input.site, input.workflow_id):
+            raise ApplicationError(f"workflow_id: {input.workflow_id[:200]!r} is no evacuation of {input.site}",
+                                   type="InvalidInput", non_retryable=True)
+        handle = activity.client().get_workflow_handle(input.workflow_id)
+        try:
+            if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
+                return EvacuationLeftovers(site=input.site, note="still running")
+            left = await handle.query(flows.SiteEvacuation.leftovers, result_type=EvacuationLeftovers)
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND:
+                raise
+            return EvacuationLeftovers(site=input.site, note="no longer on record")
+        except WorkflowQueryFailedError as error:
+            raise ApplicationError(f"{input.workflow_id}: what it left could not be read ({error})"[:500],
+                                   type="QueryFailed", non_retryable=True) from None
+        if left.site != input.site:  # its own input named another site: not this site's to put back
+            return EvacuationLeftovers(site=input.site, note=f"an evacuation of {left.site[:100]}")
+        return left
+
+    @activity.defn
+    @typed_errors
+    async def closed_evacuations(self, input: SiteRef) -> list[str]:
+        """The site's evacuations no longer running that left something behind for all to see: a
+        cordon marked theirs (``fleet.cluster.ANNOTATION_CORDONED_BY``) on a node of the site, or the
+        site's entry in the routing document still naming them. What the Site entity's safety look
+        asks ``evacuation_leftovers`` of. A node's own annotations name at most one id each, and only
+        ids of this site's evacuations count (at most ten looked at)."""
+        site, cluster = input.site, self.env.cluster
+        found: set[str] = set()
+        doc = await asyncio.to_thread(cluster.get_site_routes)
+        route = doc.sites.get(site) if doc else None
+        if route is not None and is_evacuation_of(site, route.incident):
+            found.add(route.incident)
+        for node in await asyncio.to_thread(cluster.list_nodes, {LABEL_SITE: site}):
+            if not node.unschedulable:
+                continue
+            try:
+                marks = await asyncio.to_thread(cluster.node_marks, node.name)
+            except NodeNotFound:
+                continue  # gone since the list
+            mark = marks.annotations.get(ANNOTATION_CORDONED_BY, "")
+            if is_evacuation_of(site, mark):
+                found.add(mark)
+        client = activity.client()
+        return [workflow_id for workflow_id in sorted(found)[:10] if not await is_running(client, workflow_id)]
 
     @activity.defn
     async def incident_number(self, input: ChildNumberInput) -> ChildNumber:

@@ -54,6 +54,12 @@ CORDONED_BY_SURPLUS = "surplus"
 #: An evacuation's mark: it cordoned a node it bought to retire it as it ends. Its own, not the
 #: Site's: the Site must not uncordon a node the evacuation is draining.
 CORDONED_BY_EVACUATION = "evacuation"
+# An evacuation's drain of its own site marks each node it cordons with the evacuation's workflow id
+# (``evacuate/<site>/<n>``, a person's ``evacuate/<site>/manual-<request>``): a cordon it left behind
+# (the run terminated) is then told from a person's and from a repair's, and whose it is says whether
+# its owner still runs. Unmarked, such cordons read as a person's (``gpufleet`` said ``operator``), and
+# the next evacuation kept them as "cordoned before" it (``fleet.naming.is_evacuation_of``).
+
 #: A spot reclaim's mark: its drain cordoned the node, whose machine the provider takes at the
 #: notice. A cancelled reclaim (the notice was false) uncordons a node still so marked, and no other.
 CORDONED_BY_RECLAIM = "reclaim"

@@ -166,6 +166,14 @@ def evacuation_number(site: str, workflow_id: str) -> int | None:
     return _number_after(f"evacuate/{site}/", workflow_id)
 
 
+def is_evacuation_of(site: str, workflow_id: str) -> bool:
+    """Whether ``workflow_id`` names an evacuation of ``site``, the Site entity's or a person's (also
+    what an evacuation's drain marks its cordons with, ``fleet.cluster.ANNOTATION_CORDONED_BY``)."""
+    prefix = f"evacuate/{site}/"
+    return workflow_id.startswith(prefix) and 0 < len(workflow_id) - len(prefix) <= 100 and "/" not in \
+        workflow_id[len(prefix):]
+
+
 def fill_workflow_id(site: str, n: int) -> str:
     """The Site entity's n-th fill: the AcquireCapacity that brings the site to its min."""
     return capacity_workflow_id(f"site-{site}-{n}")

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from temporalio import activity
 from temporalio.api.enums.v1 import EventType
-from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError
+from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
 
@@ -319,6 +319,116 @@ async def test_an_ended_evacuation_uncordons_what_it_cordoned_and_nothing_else(i
     cluster = {"set_site_weight", "routing_event", "scale_serving", "release_nodes", "site_nodes"}
     assert {n for n, limit in attempts[:back] if n in cluster and limit == 10} >= {"set_site_weight", "scale_serving"}
     assert {limit for n, limit in attempts[back:] if n in cluster} == {0}, attempts[back:]
+
+
+#: The Site entity's run that put back what its terminated evacuation left (``site-puts-back-closed-
+#: evacuations``), and the same scenario on the code before, which closed the incident leaving it all.
+PUT_BACK = "site_puts_back_a_terminated_evacuation"
+PUT_BACK_BEFORE = f"{PUT_BACK}_before"
+
+
+async def _terminated_after_its_drain(inc: IncStack) -> tuple[WorkflowHandle, list[str], dict[str, str | None]]:
+    """Site ``a``'s five nodes (one a person cordoned before the incident) evacuated and drained; then
+    a person takes one of them over (their mark) and a repair fences a GPU of another, and an operator
+    terminates the evacuation (docs/design/patches.md's advice for a stuck run). The Site entity, the
+    nodes by name, and each one's cordon mark as the drain left it."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY, FENCE_PREFIX
+
+    a = inc.site("a")
+    machines = await inc.join("a", 5)
+    await inc.join("d", 1)
+    inc.serve(MODEL, "a", replicas=1)
+    inc.serve(MODEL, "d", replicas=0)
+    names = sorted(inc.world.machine(m)["name"] for m in machines)
+    inc.cluster.cordon(names[0], True)  # a person's `kubectl cordon`, before any incident: no mark
+    site = await inc.start_site("a")
+    inc.world.set_site(a, unreachable=1)
+    await poll(lambda: _state(inc, "waiting-for-recovery"), timeout=30)
+    assert await _cordoned(inc, a) == set(names)
+    marks = {name: inc.cluster.annotate_node(name, {}).get(ANNOTATION_CORDONED_BY) for name in names}
+    inc.cluster.annotate_node(names[1], {ANNOTATION_CORDONED_BY: "alice"})  # `kubectl annotate --overwrite`
+    inc.cluster.annotate_node(names[2], {f"{FENCE_PREFIX}0": "reset"})
+    await inc.evacuation("a").terminate("test: stuck, an operator terminates it")
+    inc.world.set_site(a, unreachable=0)  # the provider is back: no second incident trips
+    return site, names, marks
+
+
+async def test_a_terminated_evacuation_is_put_back_by_its_site_entity(inc: IncStack) -> None:
+    """Day-2 review: a SiteEvacuation terminated after its drain left its site's nodes cordoned with
+    no mark (``gpufleet`` said ``operator``; billed, idle), the site at weight 0 and its Deployment at
+    0, the replicas it moved still elsewhere, and no alert; the next evacuation there "restored" the
+    weight and kept both cordons as "cordoned before". Its drain marks its cordons with its id now,
+    and the Site entity, seeing its incident's evacuation closed without its own put-back, puts back
+    what its abort would: only the cordons still its own (a person's, before or since, and a repair's
+    fence stay), the Deployment, the routing weight, the replica elsewhere."""
+    a, d = inc.site("a"), inc.site("d")
+    site, names, marks = await _terminated_after_its_drain(inc)
+    assert marks == {names[0]: None, **{name: f"evacuate/{a}/1" for name in names[1:]}}, marks
+
+    status = await poll(lambda: _closed(site), timeout=90)
+    outcome = status.incident.history[-1].outcome
+    assert "put back what it left: 2 nodes uncordoned" in outcome, outcome
+    assert await _cordoned(inc, a) == set(names[:3]), "only the cordons still the evacuation's go"
+    routes = inc.cluster.get_site_routes().sites[a]
+    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "the replica it moved to d went"
+
+    async def routed_back():
+        route = inc.cluster.get_routing(MODEL).sites.get(a)
+        return route if route is not None and not route.draining and route.healthy and not route.incident else None
+
+    await poll(routed_back, timeout=30)
+    await replay_and_record(site, PUT_BACK)
+
+
+#: The Site entity's run whose safety look put back what a person's terminated evacuation left, and
+#: the same scenario on the code before (its safety look left it).
+PUT_BACK_SAFETY = "site_puts_back_a_persons_terminated_evacuation"
+PUT_BACK_SAFETY_BEFORE = f"{PUT_BACK_SAFETY}_before"
+
+
+async def _persons_evacuation_terminated(inc: IncStack) -> tuple[str, list[str]]:
+    """A person's evacuation of site ``a`` (``gpufleet evacuate start``: ``manual-<request>``, no Site
+    entity watches it) drained its four nodes, then was terminated; the provider is back. Its id and
+    the nodes by name."""
+    a = inc.site("a")
+    machines = await inc.join("a", 4)
+    await inc.join("d", 1)
+    inc.serve(MODEL, "a", replicas=1)
+    inc.serve(MODEL, "d", replicas=0)
+    inc.world.set_site(a, unreachable=1)
+    handle = await inc.client.start_workflow(
+        "SiteEvacuation", {"site": a, "reason": "test: a person's"}, id=f"evacuate/{a}/manual-t1",
+        task_queue=inc.settings.task_queue)
+    await poll(lambda: _evacuation_state(handle, "waiting-for-recovery"), timeout=30)
+    names = sorted(inc.world.machine(m)["name"] for m in machines)
+    assert await _cordoned(inc, a) == set(names)
+    await handle.terminate("test: stuck, an operator terminates it")
+    inc.world.set_site(a, unreachable=0)
+    return handle.id, names
+
+
+async def test_a_persons_terminated_evacuation_is_put_back_at_the_sites_safety_look(inc: IncStack) -> None:
+    """No Site entity watches a person's evacuation (``manual-<request>``), nor one an entity reset
+    forgot: terminated, what it left is put back at the Site entity's next safety reconcile, which
+    finds it by its cordon marks (or the site's routing entry still naming it)."""
+    a, d = inc.site("a"), inc.site("d")
+    evacuation_id, _names = await _persons_evacuation_terminated(inc)
+    site = await inc.start_site("a", reconcile_seconds=1)  # its safety reconcile (every 30 minutes by default)
+
+    async def put_back():  # its last step: the replica it moved to d gone
+        return inc.cluster.serving_status(MODEL, d).desired_replicas == 0 or None
+
+    await poll(put_back, timeout=60)
+    asked = await _activity_calls(site, "evacuation_leftovers", "release_cordons")
+    assert [(kind, call.get("workflow_id") or call.get("cordoned_by")) for kind, call in asked] == [
+        ("evacuation_leftovers", evacuation_id), ("release_cordons", evacuation_id)], asked
+    assert await _cordoned(inc, a) == set()
+    routes = inc.cluster.get_site_routes().sites[a]
+    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1
+    await replay_and_record(site, PUT_BACK_SAFETY)
 
 
 @pytest.mark.parametrize("ending", ["abort", "cancel"])

@@ -313,6 +313,12 @@ EXPECTED = {
     # was (without the patch the handler cut the watch, or continued as new, where they went on).
     "node_entity_renewed", "demand_renewed_in_its_watch",
     "node_entity_renewed_before", "demand_renewed_in_its_watch_before",
+    # What an evacuation of the site left when it closed without putting back (terminated) is put back
+    # by the Site entity: as its incident closes, and at a safety reconcile for a person's
+    # (``site-puts-back-closed-evacuations``, tests/test_evacuation.py). ``_before``: the same
+    # scenarios on the code before, which closed the incident (or looked) and left it all, replay too.
+    "site_puts_back_a_terminated_evacuation", "site_puts_back_a_terminated_evacuation_before",
+    "site_puts_back_a_persons_terminated_evacuation", "site_puts_back_a_persons_terminated_evacuation_before",
 }
 
 

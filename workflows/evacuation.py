@@ -83,6 +83,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.evacuation import (
         EvacuationCarry,
         EvacuationFacts,
+        EvacuationLeftovers,
         EvacuationProgress,
         EvacuationRef,
         EvacuationResult,
@@ -175,6 +176,8 @@ class SiteEvacuation:
         #: When this run last cancelled a ``watch_recovery`` still running: the watch hears the cancel
         #: at its next heartbeat, so until a heartbeat timeout later it may still be open.
         self._watch_cut_at = None
+        #: ``_restore`` ran to its end: nothing it changed is left (``leftovers``).
+        self._put_back_all = False
 
     # -- operator surface -----------------------------------------------------------------
     @workflow.update
@@ -253,6 +256,24 @@ class SiteEvacuation:
     @workflow.query
     def progress(self) -> EvacuationProgress:
         return self._progress
+
+    @workflow.query
+    def leftovers(self) -> EvacuationLeftovers:
+        """What it changed and has not put back: what its abort would put back. Asked of a closed run
+        by its Site entity (``SiteEntity._put_back_closed``): a terminated run put back nothing. A run
+        continues as new only while it waits (``EvacuationCarry``), so a continued run's cordons are
+        all in ``drained``."""
+        p = self._progress
+        if p is None or self._facts is None or p.following or self._put_back_all:
+            return EvacuationLeftovers(site=p.site if p else "", put_back=True)
+        cordoned = [*p.drained, *(name for name in self._cordoning if name not in p.drained)]
+        return EvacuationLeftovers(
+            site=p.site, put_back=False, original_models=self._original_models, original_site=self._original_site,
+            all_sites=self._all_sites, here={x.model: x.desired_replicas for x in self._facts.here},
+            elsewhere={model: {target: self._replicas_before(model, target) for target in where}
+                       for model, where in p.moves.items()},
+            cordoned=[name for name in cordoned if name not in self._unproven],
+        )
 
     def _state(self, state: str) -> None:
         if state != self._progress.state:
@@ -741,9 +762,16 @@ class SiteEvacuation:
             await self._scale(here.model, site, 0)
         self._check()  # aborted meanwhile: nothing cordoned, the Deployments go back
 
+        # Its cordons are marked its own (its id): one it leaves behind (the run terminated) is then no
+        # person's, and its Site entity puts it back (``leftovers``). Every node drains all the same,
+        # one someone else holds too (``machine_goes``: the site is lost), but only a schedulable one is
+        # marked: a node cordoned before keeps its cordon, and its mark or none, as it was.
+        mine = workflow.info().workflow_id
+
         async def drain(name: str) -> None:
             self._cordoning.append(name)  # cordoned from here on, even if the drain then fails
-            result = await drain_node(name, s.drain_seconds, summary=f"cordon and drain {name} (PDBs honoured)")
+            result = await drain_node(name, s.drain_seconds, summary=f"cordon and drain {name} (PDBs honoured)",
+                                      cordoned_by=mine, machine_goes=True)
             p.drained.append(name)
             blocked.extend(f"{b.key}: {b.reason}" for b in result.blocked)
 
@@ -967,6 +995,7 @@ class SiteEvacuation:
         retired, kept = await self._retire_acquired()
         self._mark("surplus drained", f"{retired} nodes retired"
                    + "".join(f"; kept {node}: {why}" for node, why in kept.items()))
+        self._put_back_all = True
 
     async def _retire_acquired(self) -> tuple[int, dict[str, str]]:
         """Retire the nodes it bought while their site is above its min; how many, and each one

@@ -117,6 +117,7 @@ with workflow.unsafe.imports_passed_through():
         retire_drained,
         show_details,
         until_in,
+        wait_for_serving,
     )
     from fleet.incident import (
         Failure,
@@ -133,6 +134,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.watches import ClusterNodeState, SiteWatchInput, SiteWatchResult, node_summary
     from fleet.messages.evacuation import (
         AdmitRepairInput,
+        EvacuationLeftovers,
         EvacuationResult,
         EvacuationRef,
         HoldRepairsInput,
@@ -140,9 +142,12 @@ with workflow.unsafe.imports_passed_through():
         IncidentRecord,
         IncidentView,
         RepairDecision,
+        ScaleInput,
         SiteProbe,
         SiteRef,
+        SiteWeightInput,
     )
+    from fleet.messages.routing import SiteEvent, SiteEventInput
 
 #: Workflow patch: incident detection, repair admission and evacuation in the Site entity.
 INCIDENT_PATCH = "incident-v1"
@@ -208,6 +213,20 @@ FILL_IDS_PATCH = "site-fill-ids-unique"
 #: PodDisruptionBudgets held it: an incident opened meanwhile said "no new repairs" and evacuated
 #: nothing for up to k times that. Asked as a retirement starts, in the loop on events only.
 RETIRE_BESIDE_PATCH = "site-retires-beside-its-loop"
+#: Workflow patch: what an evacuation of the site changed and did not put back (a run terminated,
+#: timed out, or whose own put-back gave up) is put back by the entity, through the activities its
+#: abort uses: the cordons marked with its id (none a person's or a repair's: ``release_cordons``),
+#: the site's Deployments, its routing weight, the replicas it added elsewhere (``leftovers``, its
+#: query). Asked as its incident closes, where the evacuation ended neither restored nor aborted
+#: (before the incident closes: no next evacuation meanwhile takes its cordons for "cordoned before"
+#: it), and at each safety reconcile with no incident open, for one the entity did not start or
+#: forgot (a person's, an entity reset). Before, the site stayed cordoned (read as a person's: billed,
+#: idle), at weight 0 and its Deployments at 0, with no alert; the next evacuation there "restored"
+#: the weight and kept both.
+PUT_BACK_PATCH = "site-puts-back-closed-evacuations"
+#: How long a put-back waits for the site's replicas before its routing returns (the evacuation's
+#: ``ready_seconds`` at most): a site still down does not hold the entity's loop for long.
+PUT_BACK_READY_SECONDS = 120.0
 #: ``incident_number``, ``fill_number`` (a visibility list and a describe or two): a few quick tries;
 #: an evacuation or a fill does not wait on it longer (refused, the entity numbers as before, and the
 #: start still refuses a used id).
@@ -541,6 +560,9 @@ class SiteEntity(Entity[SiteState]):
             if (safety and self.state.incident.open is None and self._evac is None
                     and workflow.patched(ORPHANED_HOLDS_PATCH)):
                 await self._release_orphaned_holds()
+            if (safety and self.state.incident.open is None and self._evac is None
+                    and workflow.patched(PUT_BACK_PATCH)):
+                await self._put_back_closed_evacuations()
             if self._may_continue():
                 # An admission still settling can open an incident meanwhile: it is in the state, carried.
                 self._stopping = True  # the watch's cancel is no failure to retry after a pause
@@ -765,6 +787,94 @@ class SiteEntity(Entity[SiteState]):
             workflow.logger.warning("site %s: released %d repairs held for an incident no longer running: %s",
                                     site, len(released), ", ".join(released))
 
+    async def _put_back_closed_evacuations(self) -> None:
+        """What evacuations of the site no longer running left behind (their cordon marks, the
+        site's routing entry): put back. One of a person's, or of an incident an entity reset forgot;
+        the entity's own incidents are put back as they close. Bounded tries: the next safety look
+        tries again."""
+        site = self._site.name
+        try:
+            closed: list[str] = await workflow.execute_activity(
+                act.closed_evacuations, SiteRef(site=site), start_to_close_timeout=QUICK,
+                retry_policy=CLUSTER_RETRY, summary=f"evacuations of {site} no longer running that left something",
+            )
+        except ActivityError as error:
+            workflow.logger.warning("site %s: evacuations' leftovers not looked for (%s)", site, failure_message(error))
+            return
+        for evacuation_id in closed:
+            note = await self._put_back_closed(evacuation_id, CLUSTER_RETRY)
+            if note:
+                self._show(f"{evacuation_id}{note.removeprefix(';')}")
+
+    async def _put_back_closed(self, evacuation_id: str, retry: RetryPolicy) -> str:
+        """Put back what the closed evacuation ``evacuation_id`` changed and left (its ``leftovers``),
+        as its abort would, through the same activities: its cordons uncordoned (only those still
+        marked its own: a node a person took or a repair fenced since stays), the site's Deployments
+        scaled back and waited for (``PUT_BACK_READY_SECONDS`` at most), its routing weight as before
+        the incident, the replicas it added elsewhere gone. Nodes it bought are their sites' (their
+        max retires them). What the incident's outcome adds ("" when nothing was left)."""
+        site = self._site.name
+        try:
+            left: EvacuationLeftovers = await workflow.execute_activity(
+                act.evacuation_leftovers, EvacuationRef(site=site, workflow_id=evacuation_id),
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary=f"what {evacuation_id} changed and did not put back",
+            )
+            if left.put_back:
+                return ""
+            workflow.logger.warning("site %s: %s closed without putting back what it changed: putting it back",
+                                    site, evacuation_id)
+            released: list[str] = await workflow.execute_activity(
+                act.release_cordons, ReleaseCordonsInput(nodes=left.cordoned, cordoned_by=evacuation_id),
+                start_to_close_timeout=QUICK, retry_policy=retry,
+                summary=f"uncordon the nodes {evacuation_id} cordoned at {site} (none someone else holds)",
+            )
+            for model, replicas in sorted(left.here.items()):
+                await self._scale(model, site, replicas, retry)
+            deadline = workflow.now() + timedelta(seconds=min(self._incident_settings.ready_seconds,
+                                                              PUT_BACK_READY_SECONDS))
+            late = []
+            for model in sorted(m for m, replicas in left.here.items() if replicas > 0):
+                try:
+                    await wait_for_serving(model, site, deadline, poll_seconds=1.0,
+                                           summary=f"wait for {model} back at {site}")
+                except ActivityError as error:
+                    late.append(f"{model} ({failure_message(error)})")
+            await workflow.execute_activity(
+                act.set_site_weight,
+                SiteWeightInput(site=site, percent=100, healthy=True, draining=False, incident="",
+                                original_models=left.original_models, original_site=left.original_site,
+                                all_sites=left.all_sites),
+                start_to_close_timeout=QUICK, retry_policy=retry, summary=f"routing weight of {site} as before",
+            )
+            event = SiteEvent(kind="restore", site=site, cap_percent=100,
+                              detail=f"restored to 100% ({evacuation_id} closed without putting back)")
+            await workflow.execute_activity(
+                act.routing_event, SiteEventInput(event=event, models=sorted(left.original_models), wait_seconds=50),
+                start_to_close_timeout=QUICK, heartbeat_timeout=timedelta(seconds=10), retry_policy=retry,
+                summary=f"routing of {len(left.original_models)} models: restore {site}",
+            )
+            for model, where in sorted(left.elsewhere.items()):
+                for target, replicas in sorted(where.items()):
+                    await self._scale(model, target, replicas, retry)
+        except ActivityError as error:
+            workflow.logger.error("site %s: what %s left not all put back (%s): see the runbook", site,
+                                  evacuation_id, failure_message(error))
+            return (f"; what it left not all put back ({failure_message(error)}): see GpufleetIncidentOpen in "
+                    "docs/operations.md")
+        note = (f"; put back what it left: {len(released)} nodes uncordoned, {len(left.here)} models' replicas "
+                f"and routing at {site}, {sum(len(w) for w in left.elsewhere.values())} scaled back elsewhere")
+        if late:
+            note += f"; not ready again by {deadline:%H:%M:%S} UTC: {', '.join(late)}"
+        workflow.logger.warning("site %s: %s%s", site, evacuation_id, note)
+        return note
+
+    async def _scale(self, model: str, site: str, replicas: int, retry: RetryPolicy) -> None:
+        await workflow.execute_activity(
+            act.scale_serving, ScaleInput(model=model, site=site, replicas=replicas),
+            start_to_close_timeout=QUICK, retry_policy=retry, summary=f"{model} at {site} → {replicas}",
+        )
+
     async def _number(self, series: str, at_least: int) -> ChildNumber | None:
         """The next number of the entity's incidents (``series`` "incident": ``incident_number``) or
         fills ("fill": ``fill_number``), ``at_least`` or more, no run on record has, or one still
@@ -865,6 +975,10 @@ class SiteEntity(Entity[SiteState]):
                 incident.outcome = await self._evacuation_outcome(incident, running, checked)
             except Exception as error:  # noqa: BLE001 - a failed evacuation closes the incident for a person
                 incident.outcome = f"failed: {failure_message(error)}"
+            if incident.outcome not in ("restored", "aborted") and workflow.patched(PUT_BACK_PATCH):
+                # Terminated, timed out, or its own put-back gave up: what it left is put back while
+                # the incident is still open, so no next evacuation takes it for "as it was".
+                incident.outcome += await self._put_back_closed(incident.id, PUT_BACK_RETRY)
             incident.closed_at = workflow.now()
             inc.history = [*inc.history, incident][-10:]
             inc.failures = []

@@ -30,7 +30,7 @@ from fleet.messages.demand import (
 )
 from fleet.contracts.entity_update import EntityUpdateInput, EntityUpdateResult
 from fleet.messages.evacuation import (
-    AdmitRepairInput, EvacuationFacts, EvacuationRef, FreeGpusInput, HoldRepairsInput,
+    AdmitRepairInput, EvacuationFacts, EvacuationLeftovers, EvacuationRef, FreeGpusInput, HoldRepairsInput,
     ReleaseNodesInput, ReleaseNodesResult, RepairDecision, ScaleInput, SiteProbe, SiteRef, SiteWeightInput,
     SiteWeightResult,
 )
@@ -124,6 +124,13 @@ async def check_credentials(input: AccountInput) -> str:
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
+@activity.defn(name="closed_evacuations")
+async def closed_evacuations(input: SiteRef) -> list[str]:
+    """The site's evacuations no longer running whose cordon marks or routing entry are still there.
+    Body: ``activities/evacuation.py``, ``EvacuationActivities.closed_evacuations``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
 @activity.defn(name="contain_gpu")
 async def contain_gpu(input: ContainInput) -> ContainResult:
     """Fence the GPU, then drain the node's pods honoring PodDisruptionBudgets. Body:
@@ -171,6 +178,13 @@ async def evacuation_begun_first(input: EvacuationRef) -> str:
 async def evacuation_end(input: EvacuationRef) -> str:
     """Waits for that evacuation to end: its outcome. Body: ``activities/evacuation.py``,
     ``EvacuationActivities.evacuation_end``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="evacuation_leftovers")
+async def evacuation_leftovers(input: EvacuationRef) -> EvacuationLeftovers:
+    """What a closed evacuation changed and did not put back (its ``leftovers`` query). Body:
+    ``activities/evacuation.py``, ``EvacuationActivities.evacuation_leftovers``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

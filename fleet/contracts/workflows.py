@@ -162,6 +162,7 @@ class SiteEvacuation(Workflow, name="SiteEvacuation"):
     declare_recovered: Name = Update()
     look_again: Name = Update()
     progress: Name = Query()
+    leftovers: Name = Query()
 
 
 class FleetSweep(Workflow, name="FleetSweep"):

@@ -248,6 +248,30 @@ class EvacuationRef(BaseModel):
     workflow_id: Text
 
 
+class EvacuationLeftovers(BaseModel):
+    """What a SiteEvacuation changed and has not put back (its ``leftovers`` query): what its abort
+    would put back, for its Site entity to put back once the run closed without doing so (terminated,
+    timed out, a put-back that gave up), through the same activities."""
+
+    site: str = ""
+    #: Nothing to put back: it put back what it changed (restored, aborted, cancelled), changed
+    #: nothing, or followed another. Also the answer for a run still running (it puts back itself) or
+    #: gone from Temporal's record.
+    put_back: bool = True
+    #: The weights before the incident (``SiteWeightInput``'s), and the sites its document lists.
+    original_models: dict[str, int] = Field(default_factory=dict)
+    original_site: int = 100
+    all_sites: list[str] = Field(default_factory=list)
+    #: Replicas of each model's Deployment at the site before its drain scaled them to 0.
+    here: dict[str, int] = Field(default_factory=dict)
+    #: Replicas before it, of each model at each site it moved replicas to (scaled back down).
+    elsewhere: dict[str, dict[str, int]] = Field(default_factory=dict)
+    #: Nodes it cordoned with its mark (its workflow id), but none it left to a repair (failed the proof).
+    cordoned: list[str] = Field(default_factory=list)
+    #: Why there is nothing to read, where that is so ("still running", "no longer on record").
+    note: str = ""
+
+
 class EvacuationResult(BaseModel):
     site: str
     #: restored | aborted | "followed <id>: <how that one ended>"
