@@ -5,9 +5,10 @@ What a fleet cannot rebuild from its config and its providers lives in control-p
 objects (``Cluster.update_state``: ConfigMaps labelled ``gpufleet.io/state`` in the control
 plane's namespace; the sim keeps them in ``sim.db``): the provider accounts' states (quota-blocked
 offers, revoked credentials, deletes queued while revoked), own-rack allocations, the identity
-record and bound client keys of every node, and the usage ledger. ``BACKED_UP`` names each kind;
-``LEFT_OUT`` names those a backup leaves out, and why. The sim keeps its account guard in tables
-of ``sim.db`` rather than state objects (``activities.account_store``): the document holds them
+record and bound client keys of every node, the usage ledger, and which evacuation acts at each
+site. ``BACKED_UP`` names each kind; ``LEFT_OUT`` names those a backup leaves out, and why (a test
+keeps the two together equal to every kind the product writes). The sim keeps its account guard
+in tables of ``sim.db`` rather than state objects (``activities.account_store``): the document holds them
 exactly as a real control plane's ``account`` objects, so a backup reads the same in both modes.
 
 No secret is ever read, so none can be written: provider credentials (Secrets, files and
@@ -62,6 +63,10 @@ BACKED_UP = {
     "usage": "the usage ledger: every machine's join and retirement (the advisor's input)",
     "node-client-keys": "the client keys bound to each node (SHA-256 of public keys): the node gateway's check",
     "node-identity": "each node's identity record: its machine, provider, account and site",
+    # A claim whose evacuation has ended is replaced by the next one, so an old claim restored does
+    # no harm; a claim lost while its evacuation runs on in Temporal lets a second one act beside it.
+    "evacuation-claim": "which SiteEvacuation acts at each site: without it a second evacuation "
+                        "started at that site would act beside one still running",
 }
 #: Kinds a backup leaves out, and why.
 LEFT_OUT = {
@@ -233,7 +238,8 @@ def export(
     namespace: Namespace = "gpufleet",
 ) -> None:
     """Write gpufleet's state in the cluster to FILE: provider account states, own-rack
-    allocations, node identity records and client keys, the usage ledger.
+    allocations, node identity records and client keys, the usage ledger, which evacuation acts
+    at each site.
 
     One YAML document with its schema version and the cluster, namespace and sites it came
     from. No secret is read, so none is written. Exit 0 written, 2 when the fleet's state
