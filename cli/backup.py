@@ -29,12 +29,12 @@ import json
 import os
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, NoReturn, Optional
+from typing import TYPE_CHECKING, Annotated, Any, NoReturn
 
 import typer
 from rich.markup import escape
 
-from cli.common import ConfigPath, StateDir, console, err, report_config
+from cli.common import ConfigPath, Context, Kubeconfig, Namespace, StateDir, console, err, report_config
 
 if TYPE_CHECKING:
     from fleet.config import FleetConfig
@@ -76,14 +76,6 @@ LEFT_OUT = {
     "catalog": "the digest of the offers the last catalog refresh listed: without it the next refresh "
                "wakes the requests waiting for capacity once",
 }
-
-
-Kubeconfig = Annotated[Optional[str], typer.Option(
-    "--kubeconfig", envvar="KUBECONFIG",
-    help="mode real: kubeconfig file(s), ':'-separated (default: in-cluster, then ~/.kube/config)")]
-Context = Annotated[Optional[str], typer.Option("--context", help="mode real: kubeconfig context")]
-Namespace = Annotated[str, typer.Option(
-    "--namespace", "-n", help="mode real: the control plane's namespace, where its state objects are")]
 
 
 # -- where the state is ---------------------------------------------------------------------------

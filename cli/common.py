@@ -21,6 +21,12 @@ Address = Annotated[str, typer.Option("--address", envvar="TEMPORAL_ADDRESS", he
 StateDir = Annotated[Path, typer.Option("--state-dir", envvar=STATE_DIR_ENV, help="where sim and dev state live")]
 ConfigPath = Annotated[Optional[str], typer.Option("--config", envvar=CONFIG_ENV,
                                                    help="sites.yaml (default: the built-in simulated fleet)")]
+Kubeconfig = Annotated[Optional[str], typer.Option(
+    "--kubeconfig", envvar="KUBECONFIG",
+    help="mode real: kubeconfig file(s), ':'-separated (default: in-cluster, then ~/.kube/config)")]
+Context = Annotated[Optional[str], typer.Option("--context", help="mode real: kubeconfig context")]
+Namespace = Annotated[str, typer.Option(
+    "--namespace", "-n", help="mode real: the control plane's namespace, where its state objects are")]
 
 DEFAULT_ADDRESS = "localhost:7233"
 DEFAULT_STATE_DIR = Path(".gpufleet")

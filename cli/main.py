@@ -24,6 +24,9 @@ from cli.common import (
     failure,
     show_rows,
     ConfigPath,
+    Context,
+    Kubeconfig,
+    Namespace,
     StateDir,
     console,
     err,
@@ -37,7 +40,7 @@ from cli.common import (
     sim_world,
 )
 from cli.common import connect as connect_or_exit
-from cli.config_check import stock_image_warnings
+from cli.config_check import removed_site_refusal, removed_sites_in_use, stock_image_warnings
 from cli import demand as demand_commands
 from cli.advisor import advisor
 from cli.patches import patches_app
@@ -130,8 +133,24 @@ def dev(
 
 
 @config_app.command("check")
-def config_check(file: Annotated[Path, typer.Argument(help="sites.yaml to check")]) -> None:
-    """Validate a fleet config; exit 2 naming the site and field of every problem."""
+def config_check(
+    file: Annotated[Path, typer.Argument(help="sites.yaml to check")],
+    fleet: Annotated[bool, typer.Option(
+        "--fleet", help="also check it against the fleet running now (mode real: the cluster at --kubeconfig; "
+                        "sim: --state-dir): refuse a site it drops while the cluster still has nodes there")] = False,
+    state_dir: StateDir = Path(".gpufleet"),
+    kubeconfig: Kubeconfig = None,
+    context: Context = None,
+    namespace: Namespace = "gpufleet",
+) -> None:
+    """Validate a fleet config; exit 2 naming the site and field of every problem.
+
+    With --fleet, before applying it to a running fleet: exit 1 naming each site it drops that
+    the cluster still has nodes (or identity records of nodes, whose machines may still be
+    billed) at; nothing would reconcile, sweep or count those once it is applied. Empty such a
+    site first (min_nodes and max_nodes 0). Exit 2 when the fleet cannot be read."""
+    from cli.config_check import FleetUnreadable, fleet_now
+
     try:
         config = load_config(file)
     except ConfigError as error:
@@ -140,6 +159,18 @@ def config_check(file: Annotated[Path, typer.Argument(help="sites.yaml to check"
     if config.mode == "real":
         for warning in stock_image_warnings(config):
             err.print(f"[yellow]warning[/]: {escape(warning)}")
+    if not fleet:
+        return
+    try:
+        nodes, records = fleet_now(config, state_dir, kubeconfig, context, namespace)
+    except FleetUnreadable as error:
+        fail(escape(str(error)), 2)
+    removed = removed_sites_in_use(config, nodes, records)
+    for use in removed:
+        err.print(f"[red]refused[/]: {escape(removed_site_refusal(use, str(file)))}")
+    if removed:
+        raise typer.Exit(1)
+    console.print(f"[green]ok[/]: every site the running fleet has nodes at is in {escape(str(file))}")
 
 
 
@@ -415,6 +446,10 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, ou
               drop_narrow=("region", "type", "min", "max", "latency", "geo", "quota", "capacity", "$/GPU-h",
                            "provider", ("serving/nodes", "serving"), "GPU", ("last incident", "incident"),
                            ("reachable", "up"), ("joining", "join")))
+    # A site dropped from the config while it had nodes is in no row: nothing reconciles, sweeps
+    # or counts them, so say so, with what to do.
+    for use in removed_sites_in_use(env.config, nodes):
+        err.print(f"[yellow]warning[/]: {escape(removed_site_refusal(use, 'the fleet config'))}")
 
 
 async def _site_holds(config: Settings, names: list[str], nodes: list):

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from fleet.config import ConfigError, load_config, parse_config
-from tests.conftest import TEST_FLEET
+from tests.conftest import TEST_FLEET, write_fleet
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -287,3 +287,77 @@ def test_the_example_config_boots_prepared_images_where_the_provider_takes_them(
 
     example = load_config(REPO / "deploy" / "sites.example.yaml")
     assert [s.provider for s in stock_images(example)] == ["lambda"], "Lambda takes no image of yours"
+
+
+# -- against the fleet running now (`--fleet`) -------------------------------------------------
+def _join_sim_node(cluster, name: str, site: str) -> None:
+    """A node registered and labelled for ``site`` as a join leaves it, with its identity record."""
+    from fleet.cluster import LABEL_SITE, NODE_IDENTITY_KIND, NodeIdentity
+
+    machine = f"m-{name}"
+    cluster.create_join_token(name, machine, 600)
+    cluster.register_with_token(machine, cluster.world.take_bootstrap_token(machine), "boot-1", 2)
+    cluster.label_node(name, {LABEL_SITE: site})
+    identity = NodeIdentity(node_name=name, machine_id=machine, provider="nebius", account="acct-b", site=site)
+    cluster.update_state(NODE_IDENTITY_KIND, name, lambda _old: identity.state())
+
+
+def test_check_against_the_fleet_refuses_dropping_a_site_that_still_has_nodes(tmp_path: Path) -> None:
+    """Applied, a config without site-b would leave its two nodes to nobody: no Site entity, no
+    sweep, no spend figure, and their machines billed for ever. The check names the site, its
+    nodes and the machine of a node already gone whose record remains, and says how to empty it;
+    the same file passes once the site has nothing left."""
+    from activities.env import FleetEnv
+    from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity
+    from fleet.settings import Settings
+
+    state = tmp_path / "state"
+    env = FleetEnv.from_settings(Settings(state_dir=state, config=str(write_fleet(tmp_path))))
+    for name, site in (("site-a-n1", "site-a"), ("site-b-n1", "site-b"), ("site-b-n2", "site-b")):
+        _join_sim_node(env.cluster, name, site)
+    gone = NodeIdentity(node_name="site-b-n3", machine_id="vm-still-billed", provider="nebius", account="acct-b",
+                        site="site-b")
+    env.cluster.update_state(NODE_IDENTITY_KIND, "site-b-n3", lambda _old: gone.state())
+
+    dropped = tmp_path / "dropped.yaml"
+    dropped.write_text(yaml.safe_dump({**TEST_FLEET, "sites": TEST_FLEET["sites"][:1]}))
+
+    def check_fleet(path: Path):
+        return CliRunner().invoke(app, ["config", "check", str(path), "--fleet", "--state-dir", str(state)],
+                                  env={"COLUMNS": "400"})
+
+    offline = CliRunner().invoke(app, ["config", "check", str(dropped)])
+    assert offline.exit_code == 0, "without --fleet the file alone is checked"
+    refused = check_fleet(dropped)
+    flat = " ".join(refused.output.split())
+    assert refused.exit_code == 1, refused.output
+    assert "site-b: not in" in flat and "2 node(s) there (site-b-n1, site-b-n2)" in flat, flat
+    assert "site-b-n3: machine vm-still-billed" in flat, flat
+    assert "with min_nodes: 0 and max_nodes: 0, until it has none" in flat and "Changing the fleet config" in flat, flat
+    assert "site-a:" not in flat, "a site the file keeps is not named"
+    # Applied anyway, `gpufleet sites` (which lists the config's sites) still names it.
+    from tests.ports import free_port
+
+    shown = CliRunner().invoke(app, ["sites", "--state-dir", str(state), "--config", str(dropped),
+                                     "--address", f"127.0.0.1:{free_port()}"], env={"COLUMNS": "400"})
+    assert "warning: site-b: not in the fleet config, but the cluster still has 2 node(s)" in \
+        " ".join(shown.output.split()), shown.output
+
+    emptying = tmp_path / "emptying.yaml"
+    sites = copy.deepcopy(TEST_FLEET["sites"])
+    sites[1].update(min_nodes=0, max_nodes=0)
+    emptying.write_text(yaml.safe_dump({**TEST_FLEET, "sites": sites}))
+    assert check_fleet(emptying).exit_code == 0, "keeping the site at 0 is the way to empty it"
+
+    for name in ("site-b-n1", "site-b-n2"):
+        env.cluster.remove_node(name)  # retired: its identity record goes with it
+    env.cluster.delete_state(NODE_IDENTITY_KIND, "site-b-n3")  # the fleet sweep's, once its machine is gone
+    emptied = check_fleet(dropped)
+    assert emptied.exit_code == 0, emptied.output
+    assert "every site the running fleet has nodes at is in" in " ".join(emptied.output.split())
+
+
+def test_check_against_no_fleet_exits_2(tmp_path: Path) -> None:
+    result = CliRunner().invoke(app, ["config", "check", str(write_fleet(tmp_path)), "--fleet",
+                                      "--state-dir", str(tmp_path / "none")])
+    assert result.exit_code == 2 and "no simulated fleet at" in result.output, result.output

@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from activities.env import FleetEnv
-from fleet.cluster import ServingSpec, SiteRoute
+from fleet.cluster import LABEL_SITE, ServingSpec, SiteRoute
 from fleet.models import MachineSpec
 from fleet.settings import Settings
 from fleet.temporal import connect
@@ -333,6 +333,39 @@ def test_every_alert_reads_the_control_planes_job_only() -> None:
                 assert selected in (found.group(2) or ""), (expr, found.group(0))
 
 
+def test_a_site_the_config_no_longer_names_is_a_series_while_it_has_nodes_or_an_entity() -> None:
+    """Before: a site removed from the config with nodes left vanished from every figure (no
+    gpufleet_spend_dollars_per_hour, no min/max), its machines billed with nothing to alert on.
+    Now each such site is a series: its nodes, or 0 with only its Site entity left running."""
+    snap = snapshot()
+    snap.nodes["removed"]["ready"] = 2
+    snap.nodes["removed"]["cordoned"] = 1
+    snap.site_states["emptied"] = "ok"
+    snap.nodes[""]["ready"] = 3  # the cluster's own nodes: no site at all
+    families = {f.name: f for f in fleet_families(snap)}
+    series = {s.labels["site"]: s.value for s in families["gpufleet_site_not_configured"].samples}
+    assert series == {"removed": 3, "emptied": 0}
+    snap.errors["temporal"] = "RPCError: the frontend is away"
+    families = {f.name: f for f in fleet_families(snap)}
+    assert {s.labels["site"]: s.value for s in families["gpufleet_site_not_configured"].samples} == {"removed": 3}
+    snap.errors["cluster"] = "ConnectionRefusedError: the API server is away"
+    assert "gpufleet_site_not_configured" not in {f.name for f in fleet_families(snap)}, "no nodes known: no series"
+
+
+@needs("promtool")
+def test_a_site_not_configured_raises_its_alert_after_15_minutes(tmp_path: Path) -> None:
+    """`promtool test rules`: a removed site with nodes, and one with only its entity left, each
+    raise GpufleetSiteNotConfigured once their series has stood for 15 minutes, not before."""
+    cp = f'job="{CONTROL_PLANE_JOB}",instance="10.0.0.2:9464"'
+    series = [{"series": f'gpufleet_site_not_configured{{{cp},site="removed"}}', "values": "2x30"},
+              {"series": f'gpufleet_site_not_configured{{{cp},site="emptied"}}', "values": "0x30"}]
+    fired = [{"exp_labels": {"severity": "ticket", "site": site, "job": CONTROL_PLANE_JOB,
+                             "instance": "10.0.0.2:9464"}} for site in ("emptied", "removed")]
+    run_shipped_alert_rules(tmp_path, series, [
+        {"eval_time": "10m", "alertname": "GpufleetSiteNotConfigured", "exp_alerts": []},
+        {"eval_time": "20m", "alertname": "GpufleetSiteNotConfigured", "exp_alerts": fired}])
+
+
 @needs("promtool")
 def test_a_nodes_series_under_the_control_planes_names_neither_silence_nor_raise_an_alert(tmp_path: Path) -> None:
     """`promtool test rules` over the shipped rules. A node's agent serves series named like the
@@ -368,8 +401,14 @@ def test_a_nodes_series_under_the_control_planes_names_neither_silence_nor_raise
                                                  "instance": "10.0.0.2:9464"}}],
         "GpufleetAccountNeedsPerson": [],
     }
-    # The shipped rules without their annotations: promtool compares an alert's annotations whole,
-    # and what is under test here is which series raise it.
+    run_shipped_alert_rules(tmp_path, series, [{"eval_time": "35m", "alertname": name, "exp_alerts": alerts}
+                                           for name, alerts in expected.items()])
+
+
+def run_shipped_alert_rules(tmp_path: Path, series: list[dict], alert_rule_test: list[dict]) -> None:
+    """`promtool test rules` of the shipped rules over ``series`` (one a minute), without their
+    annotations: promtool compares an alert's annotations whole, and what is under test is which
+    series raise it."""
     groups = yaml.safe_load((OBSERVABILITY / "alerts.yaml").read_text())["groups"]
     for group in groups:
         for rule in group["rules"]:
@@ -378,9 +417,7 @@ def test_a_nodes_series_under_the_control_planes_names_neither_silence_nor_raise
     (tmp_path / "test.yaml").write_text(yaml.safe_dump({
         "rule_files": [str(tmp_path / "rules.yaml")],
         "evaluation_interval": "1m",
-        "tests": [{"interval": "1m", "input_series": series,
-                   "alert_rule_test": [{"eval_time": "35m", "alertname": name, "exp_alerts": alerts}
-                                       for name, alerts in expected.items()]}],
+        "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": alert_rule_test}],
     }))
     tested = subprocess.run([require("promtool"), "test", "rules", str(tmp_path / "test.yaml")],
                             capture_output=True, text=True)
@@ -654,6 +691,11 @@ async def test_prometheus_sees_the_fleet(temporal_env, tmp_path: Path, moto_s3, 
             env.cluster.set_site_routes({cheap: SiteRoute(weight=100), mid: SiteRoute(weight=100)})
             sizes = {"config.json": 1000, "w.safetensors": 70_000}
             await asyncio.to_thread(_replicate_twice, moto_s3, cheap, sizes)
+            # A node left at a site the config no longer names (removed before it was empty).
+            removed = f"removed-{uid}"
+            env.cluster.create_join_token(f"{removed}-n1", f"m-{removed}", 600)
+            env.cluster.register_with_token(f"m-{removed}", env.world.take_bootstrap_token(f"m-{removed}"), "b", 2)
+            env.cluster.label_node(f"{removed}-n1", {LABEL_SITE: removed})
 
             q = f'site="{cheap}"'
             await prom.value(f'gpufleet_nodes{{{q},state="ready"}}', 2)
@@ -683,6 +725,8 @@ async def test_prometheus_sees_the_fleet(temporal_env, tmp_path: Path, moto_s3, 
             await prom.value(f'gpufleet_weights_verified_bytes_total{{{q}}}', 2 * sum(sizes.values()))
             await prom.value("gpufleet_node_agents_running", 3)
             await prom.value('min(gpufleet_source_up)', 1)
+            await prom.value(f'gpufleet_site_not_configured{{site="{removed}"}}', 1)
+            await prom.value('count(gpufleet_site_not_configured)', 1)
             # The SDK's own: workflow tasks were scheduled and started on this queue.
             sdk = prom.query(f'temporal_workflow_task_schedule_to_start_latency_seconds_count'
                              f'{{task_queue="{settings.task_queue}",service="control-plane"}}')
@@ -707,8 +751,10 @@ async def test_prometheus_sees_the_fleet(temporal_env, tmp_path: Path, moto_s3, 
             await _eventually(agents_names_stored)
             (samples,) = prom.query(f'scrape_samples_scraped{{job="{NODE_AGENT_JOB}"}}').values()
             assert samples < monitors["gpufleet-node-agent"]["spec"]["sampleLimit"] / 4, samples
-            # The alerts see what happened: an account needs a person, an orphan exists.
-            await _eventually(lambda: _alerting(prom, {"GpufleetAccountNeedsPerson", "GpufleetOrphanedMachine"}))
+            # The alerts see what happened: an account needs a person, an orphan exists, a node is
+            # left at a site the config no longer names.
+            await _eventually(lambda: _alerting(prom, {"GpufleetAccountNeedsPerson", "GpufleetOrphanedMachine",
+                                                       "GpufleetSiteNotConfigured"}))
             await terminate_running(client, settings.task_queue)
     finally:
         REGISTRY.unregister(collector)

@@ -309,6 +309,7 @@ def fleet_families(snap: FleetSnapshot) -> Iterable[GaugeMetricFamily]:
     yield from _bounds_families(snap)
     if cluster:
         yield _gpus_family(snap, sites)
+        yield _not_configured_family(snap, sites, entities="temporal" not in snap.errors)
     if "temporal" not in snap.errors:
         yield from _visibility_families(snap, sites, orphans=cluster)
     if "accounts" not in snap.errors:
@@ -328,6 +329,20 @@ def _nodes_family(snap: FleetSnapshot, sites: dict) -> GaugeMetricFamily:
         for state in NODE_STATES:
             nodes.add_metric([name, provider, state], snap.nodes.get(name, Tally())[state])
     return nodes
+
+
+def _not_configured_family(snap: FleetSnapshot, sites: dict, entities: bool) -> GaugeMetricFamily:
+    """Sites the config does not name that the cluster still has nodes at (a site removed before it
+    was empty) or, where Temporal answered (``entities``), a Site entity still runs for: nothing
+    reconciles, sweeps or counts what is there, and the other figures leave it out. The value is
+    the site's nodes (0: only its entity is left)."""
+    family = GaugeMetricFamily("gpufleet_site_not_configured", "Sites the fleet config does not name that still "
+                               "have nodes (the value) or a running Site entity: nothing reconciles, sweeps or "
+                               "prices them.", labels=["site"])
+    held = {name: sum(tally.values()) for name, tally in snap.nodes.items() if name and sum(tally.values())}
+    for name in sorted((set(held) | (set(snap.site_states) if entities else set())) - set(sites)):
+        family.add_metric([name], held.get(name, 0))
+    return family
 
 
 def _bounds_families(snap: FleetSnapshot) -> Iterable[GaugeMetricFamily]:

@@ -5,6 +5,8 @@ What the check asks and how it reports a missing verb is answered by the real au
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -57,3 +59,30 @@ def test_cli_check_refuses_a_config_naming_a_secret_the_control_plane_cannot_be_
     assert result.exit_code == 2, result.output
     assert "cannot check the credentials the fleet config names" in result.output
     assert "accounts.lambda-prod.credentials" in result.output and "cannot check the cluster" not in result.output
+
+
+def test_config_check_against_the_cluster_names_a_dropped_sites_nodes(tmp_path, fake):
+    """`gpufleet config check sites.yaml --fleet --kubeconfig ...` (mode real) reads the nodes and
+    node identity records through the adapter: a site the file drops while the cluster has a node
+    there is refused, naming it; the nodes of the sites it keeps are not."""
+    from cli.main import app
+    from fleet.cluster import LABEL_SITE, NODE_IDENTITY_KIND, NodeIdentity
+    from providers.cluster.kubernetes import KubernetesCluster
+
+    example = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy" / "sites.example.yaml").read_text())
+    example["sites"] = [s for s in example["sites"] if s["name"] != "lambda-us-east"]
+    config = tmp_path / "sites.yaml"
+    config.write_text(yaml.safe_dump(example))
+    fake.add_node("lambda-us-east-n1", labels={LABEL_SITE: "lambda-us-east"}, machine_id="i-1")
+    fake.add_node("hetzner-fsn1-n1", labels={LABEL_SITE: "hetzner-fsn1"}, machine_id="h-1")
+    identity = NodeIdentity(node_name="lambda-us-east-n1", machine_id="i-1", provider="lambda",
+                            account="lambda-prod", site="lambda-us-east")
+    KubernetesCluster(api_client=fake.api_client(), namespace="gpufleet").update_state(
+        NODE_IDENTITY_KIND, "lambda-us-east-n1", lambda _old: identity.state())
+
+    result = runner.invoke(app, ["config", "check", str(config), "--fleet",
+                                 "--kubeconfig", fake.kubeconfig(tmp_path / "kubeconfig")], env={"COLUMNS": "400"})
+    flat = " ".join(result.output.split())
+    assert result.exit_code == 1, result.output
+    assert "lambda-us-east: not in" in flat and "1 node(s) there (lambda-us-east-n1)" in flat, flat
+    assert "hetzner-fsn1" not in flat
