@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.client import WorkflowExecutionStatus
+from temporalio.exceptions import ApplicationError, WorkflowAlreadyStartedError
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -26,6 +27,10 @@ from fleet.messages.nodes import (
     RevokeNodeTokensInput,
     AdmitNodeInput,
     DeleteMachineInput,
+    MAX_ENTITY_STARTS,
+    MAX_STARTED_NAMED,
+    NodeEntitiesStarted,
+    StartedEntity,
     PrepareNodeInput,
     ProvisionMachineInput,
     ReleaseProvisionInput,
@@ -41,6 +46,7 @@ from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
 from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinParams, render_user_data
 from fleet.models import Machine, Node
 from fleet.naming import node_workflow_id, site_workflow_id
+from fleet.watched import closed_as, running_node_entities, unwatched_nodes
 from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from fleet.contracts import workflows as flows
 
@@ -93,6 +99,7 @@ class ControlPlaneActivities:
             self.delete_machine,
             self.prepare_node,
             self.admit_node,
+            self.ensure_node_entities,
             self.remove_node,
         ]
 
@@ -270,15 +277,10 @@ class ControlPlaneActivities:
         await record_join_async(self.env, input.site, input.machine_id, input.node_name)
         # The node's entity starts here, labelled from the join's own record: the node itself
         # can no longer start or signal a workflow (node gateway), it answers the entity's watch.
-        await activity.client().start_workflow(
-            flows.Node.TYPE, NodeEntityInput(node_name=input.node_name, site=input.site, settings=self.env.config.repair,
-                                    first_state=input.first_state), id=node_workflow_id(input.node_name),
-            task_queue=activity.info().task_queue, id_conflict_policy=WorkflowIDConflictPolicy.USE_EXISTING,
-            search_attributes=TypedSearchAttributes([
-                SearchAttributePair(sa.SITE, input.site), SearchAttributePair(sa.NODE_NAME, input.node_name),
-                SearchAttributePair(sa.PROVIDER, self.env.site(input.site).provider)]),
-            static_summary=f"node {input.node_name}: health, repairs",
-        )
+        await self._start_node_entity(
+            NodeEntityInput(node_name=input.node_name, site=input.site, settings=self.env.config.repair,
+                            first_state=input.first_state),
+            self.env.site(input.site).provider, WorkflowIDConflictPolicy.USE_EXISTING)
         transition = {"node_name": input.node_name, "state": "ready", "machine_id": input.machine_id}
         try:
             await activity.client().get_workflow_handle(site_workflow_id(input.site)).signal(flows.Site.node_transition, transition)
@@ -287,6 +289,62 @@ class ControlPlaneActivities:
                 raise
             # No Site entity running: it counts the cluster when it starts.
         return node
+
+    async def _start_node_entity(self, entity: NodeEntityInput, provider: str,
+                                 conflict: WorkflowIDConflictPolicy) -> None:
+        await activity.client().start_workflow(
+            flows.Node.TYPE, entity, id=node_workflow_id(entity.node_name),
+            task_queue=activity.info().task_queue, id_conflict_policy=conflict,
+            search_attributes=TypedSearchAttributes([
+                SearchAttributePair(sa.SITE, entity.site), SearchAttributePair(sa.NODE_NAME, entity.node_name),
+                SearchAttributePair(sa.PROVIDER, provider)]),
+            static_summary=f"node {entity.node_name}: health, repairs",
+        )
+
+    @activity.defn
+    @typed_errors
+    async def ensure_node_entities(self) -> NodeEntitiesStarted:
+        """Start the entity of every node that must have one running and has none
+        (``fleet.watched.unwatched_nodes``: Ready, proven, joined by gpufleet and not retired, not
+        cordoned by a retirement): terminated or failed, nothing else would start it again. From
+        the join's identity record, as ``admit_node`` starts it: its site and provider, the
+        config's repair settings. One visibility list and one list of nodes a pass; a describe and
+        a start only for a node the list leaves out. Each start is logged with how the run before
+        ended, and the new run's log says so too."""
+        client, queue = activity.client(), activity.info().task_queue
+        running = await running_node_entities(client, queue)
+        cluster = self.env.cluster
+        unwatched = await asyncio.to_thread(lambda: unwatched_nodes(cluster, cluster.list_nodes(), running))
+        done = NodeEntitiesStarted(running=len(running), left=max(0, len(unwatched) - MAX_ENTITY_STARTS))
+        for identity in unwatched[:MAX_ENTITY_STARTS]:
+            entity_id = node_workflow_id(identity.node_name)
+            try:
+                before = await client.get_workflow_handle(entity_id).describe()
+            except RPCError as error:
+                if error.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                before = None
+            if before is not None and before.status == WorkflowExecutionStatus.RUNNING:
+                continue  # started since the list (a join admitting it): visibility lagged
+            started = StartedEntity(node_name=identity.node_name, site=identity.site,
+                                    was=closed_as(before.status) if before else "none",
+                                    closed_at=before.close_time if before else None)
+            how = (f"its run before was {started.was} at {started.closed_at:%Y-%m-%d %H:%M:%S} UTC"
+                   if started.closed_at else "Temporal has no run of it on record")
+            try:
+                # FAIL on a running one: one started meanwhile is kept, and not counted as ours.
+                await self._start_node_entity(
+                    NodeEntityInput(node_name=identity.node_name, site=identity.site, settings=self.env.config.repair,
+                                    started_again=f"started again by the site sweep: {how}"),
+                    identity.provider, WorkflowIDConflictPolicy.FAIL)
+            except WorkflowAlreadyStartedError:
+                continue
+            activity.logger.warning("node %s (%s) had no running entity (%s): %s started again", identity.node_name,
+                                    identity.site, how, entity_id)
+            done.started += 1
+            if len(done.named) < MAX_STARTED_NAMED:
+                done.named.append(started)
+        return done
 
     @activity.defn
     @typed_errors

@@ -406,19 +406,22 @@ def reconcile(
 def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, output: OutputFormat = "table",
           address: Address = "localhost:7233") -> None:
     """Every site: provider, GPUs, price, min/max; its nodes serving, cordoned (by what: repair,
-    quarantine, evacuation, incident, demand loop, a mark's owner, operator), joining; its last incident.
+    quarantine, evacuation, incident, demand loop, a mark's owner, operator), unwatched (Ready, its
+    Node entity not running: the site sweep starts it again), joining; its last incident.
 
     A cordon nothing running holds is named by its mark (gpufleet.io/cordoned-by): the demand loop's
     retirement, or whoever a person wrote; ``operator`` without one. With the sim: its knobs too."""
     from cli import site_status
+    from fleet.watched import unwatched_nodes
 
     env = fleet_env(state_dir, config)
     nodes = env.cluster.list_nodes()
     names = [site.name for site in env.config.sites]
     holds = run(_site_holds(settings(address, state_dir, config), names, nodes))
-    now = site_status.summarize(names, nodes, holds, site_status.cordon_marks(env.cluster, nodes))
+    unwatched = unwatched_nodes(env.cluster, nodes, holds.watched) if holds is not None else None
+    now = site_status.summarize(names, nodes, holds, site_status.cordon_marks(env.cluster, nodes), unwatched)
     columns = ["site", "provider", "region", "geo", "GPU", "$/GPU-h", "type", "min", "max", "serving/nodes",
-               "cordoned", "joining", "last incident"]
+               "cordoned", "unwatched", "joining", "last incident"]
     sim = {row["name"]: row for row in env.world.sites()} if env.world else {}
     if sim:
         columns += ["capacity", "quota", "latency", "reachable"]
@@ -429,6 +432,7 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, ou
                f"{site.price_per_gpu_hour:.2f}", site.capacity_type.value, str(site.min_nodes), str(site.max_nodes),
                f"{here.serving}/{here.nodes}",
                f"[yellow]{escape(here.cordoned_cell())}[/]" if sum(here.cordoned.values()) else "0",
+               "?" if here.unwatched is None else f"[red]{here.unwatched}[/]" if here.unwatched else "0",
                str(here.joining), escape(here.last_incident)]
         if site.name in sim:
             s = sim[site.name]
@@ -445,7 +449,7 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, ou
     show_rows("sites", columns, rows, output,
               drop_narrow=("region", "type", "min", "max", "latency", "geo", "quota", "capacity", "$/GPU-h",
                            "provider", ("serving/nodes", "serving"), "GPU", ("last incident", "incident"),
-                           ("reachable", "up"), ("joining", "join")))
+                           ("reachable", "up"), ("joining", "join"), ("unwatched", "unw")))
     # A site dropped from the config while it had nodes is in no row: nothing reconciles, sweeps
     # or counts them, so say so, with what to do.
     for use in removed_sites_in_use(env.config, nodes):

@@ -114,8 +114,16 @@ def node_status(node: Node, output: OutputFormat = "table", address: Address = "
     if output == "json":
         print(s.model_dump_json(indent=2), flush=True)
         return
-    console.print(f"[bold]{s.node_name}[/] ({s.site or 'site unknown'}): {s.state}, boot {s.boot_id[:8]}, "
-                  f"{s.reports} reports, {s.remediations} remediations in the window")
+    counts = f"boot {s.boot_id[:8]}, {s.reports} reports, {s.remediations} remediations in the window"
+    if s.entity != "running" and s.state != "gone":
+        when = f" at {s.entity_closed_at:%Y-%m-%d %H:%M:%S} UTC" if s.entity_closed_at else ""
+        console.print(f"[bold]{s.node_name}[/] ({s.site or 'site unknown'}): [red]{s.state}[/]: its entity "
+                      f"node/{s.node_name} is not running ({s.entity}{when}): nothing watches its health or "
+                      "repairs it; the site sweep starts it again at its next pass while the node is Ready and "
+                      "not being retired")
+        console.print(f"  as that run left it: {counts}")
+    else:
+        console.print(f"[bold]{s.node_name}[/] ({s.site or 'site unknown'}): {s.state}, {counts}")
     for index, wid in sorted(s.active_repairs.items()):
         console.print(f"  GPU {index}: {wid}")
     for index, why in sorted(s.needs_person.items()):

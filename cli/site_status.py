@@ -1,5 +1,6 @@
 """What ``gpufleet sites`` says about each site now: nodes serving, cordoned (and what holds each
-cordoned node), joining, and the site's last incident.
+cordoned node), unwatched (Ready, its Node entity not running: ``fleet.watched``), joining, and the
+site's last incident.
 
 Each fact comes from where the product keeps it: the cluster's nodes (ready, cordoned, the
 ``unproven`` taint), Temporal's visibility (running GPU repairs by ``NodeName``, running joins,
@@ -49,6 +50,8 @@ class Holds:
     unanswered: str = ""
     #: Cordoned nodes whose hold only an unanswered query would have named: shown as ``?``.
     unread: set[str] = field(default_factory=set)
+    #: Nodes whose Node entity runs (the rest of a site's Ready nodes may be unwatched: ``fleet.watched``).
+    watched: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -58,6 +61,8 @@ class SiteNow:
     cordoned: Counter = field(default_factory=Counter)
     joining: int = 0
     last_incident: str = "none"
+    #: Ready nodes whose Node entity is not running (None: Temporal not asked).
+    unwatched: int | None = 0
 
     def cordoned_cell(self) -> str:
         total = sum(self.cordoned.values())
@@ -106,12 +111,16 @@ def cordon_marks(cluster, nodes: list) -> dict[str, str]:
 
 
 def summarize(site_names: list[str], nodes: list, holds: Holds | None,
-              marks: dict[str, str] | None = None) -> dict[str, SiteNow]:
+              marks: dict[str, str] | None = None, unwatched: list | None = None) -> dict[str, SiteNow]:
     """Per site: its nodes, those serving (Ready, schedulable, proven), those cordoned by reason
     (``marks``: node → its cordon mark), those joining (a running join's node or machine, or a node
-    not yet proven), the last incident."""
+    not yet proven), those unwatched (``unwatched``: the identity records ``fleet.watched`` found,
+    by the site they record; None: not known), the last incident."""
     marks = marks or {}
-    out = {name: SiteNow() for name in site_names}
+    out = {name: SiteNow(unwatched=None if unwatched is None else 0) for name in site_names}
+    for identity in unwatched or ():
+        if identity.site in out:
+            out[identity.site].unwatched += 1
     for node in nodes:
         site = node.labels.get(LABEL_SITE) or node.site
         now = out.get(site)
@@ -159,8 +168,10 @@ async def holds(client, task_queue: str, site_names: list[str], nodes: list, lim
     from fleet.messages.repair import LadderState, NodeStatus
     from fleet.contracts import workflows as flows
     from fleet.naming import node_workflow_id, site_workflow_id
+    from fleet.watched import running_node_entities
 
     found = Holds()
+    found.watched = await running_node_entities(client, task_queue)
     queue = f'TaskQueue = "{task_queue}"'
     running = f'{queue} AND ExecutionStatus = "Running"'
     repair_ids: dict[str, list[str]] = {}

@@ -48,6 +48,7 @@ from fleet.rollout import RolloutInput, RolloutProgress, RolloutResult
 from fleet.settings import Settings
 from fleet.contracts import workflows as flows
 from fleet.visibility import open_runs_query, utc_stamp
+from fleet.watched import closed_as
 
 M = TypeVar("M", bound=BaseModel)
 USE_EXISTING = WorkflowIDConflictPolicy.USE_EXISTING
@@ -386,7 +387,26 @@ class FleetClient:
         return await self._update(self._node_id(node), flows.Node.repair_gpu, [_payload(order)], GpuDecision)
 
     async def node_status(self, node: str) -> NodeStatus:
-        return await self._query(self._node_id(node), flows.Node.status, NodeStatus)
+        """The Node entity's status; where its run has closed (terminated, failed: nothing watches the
+        node until the site sweep starts it again) ``entity`` says how and ``entity_closed_at`` when,
+        and ``state`` is ``unwatched``: a closed run's query still answers with what it last knew
+        ("ready"). A run that ended with its node (``gone``) keeps its state."""
+        workflow_id = self._node_id(node)
+        client = await self.temporal()
+        try:
+            described = await client.get_workflow_handle(workflow_id).describe()
+        except RPCError as error:
+            raise _rpc(workflow_id, error) from None
+        if described.status == WorkflowExecutionStatus.RUNNING:
+            return await self._query(workflow_id, flows.Node.status, NodeStatus)
+        try:
+            status = await self._query(workflow_id, flows.Node.status, NodeStatus)
+        except Exception:  # noqa: BLE001 - a closed run's query replays its history: no worker, old code
+            status = NodeStatus(node_name=_text("node", node), state="")
+        closed = {"entity": closed_as(described.status), "entity_closed_at": described.close_time}
+        if status.state != "gone":
+            closed["state"] = "unwatched"
+        return status.model_copy(update=closed)
 
     @staticmethod
     def _node_id(node: str) -> str:

@@ -63,6 +63,9 @@ CORDONED_BY_EVACUATION = "evacuation"
 #: A spot reclaim's mark: its drain cordoned the node, whose machine the provider takes at the
 #: notice. A cancelled reclaim (the notice was false) uncordons a node still so marked, and no other.
 CORDONED_BY_RECLAIM = "reclaim"
+#: The marks of a cordon made to retire the node (its drain, then its machine deleted and the Node
+#: removed): such a node's Node entity ends with it, and is not started again (``fleet.watched``).
+RETIREMENT_MARKS = frozenset({CORDONED_BY_DEMAND, CORDONED_BY_SURPLUS, CORDONED_BY_EVACUATION, CORDONED_BY_RECLAIM})
 #: On a Node, one annotation per GPU its repair fenced: ``gpufleet.io/fenced-gpu-<i>: <rung>``. The
 #: node's device plugin treats a fenced GPU as unhealthy (not allocatable); while one is there the
 #: node is its repair's, whoever cordoned it first.

@@ -9,8 +9,10 @@ from fleet.contracts import workflows as flows
 from fleet.naming import CATALOG_REFRESH_ID, CSR_APPROVER_ID, FLEET_SWEEP_ID, SITE_SWEEP_ID, advisor_workflow_id
 
 SCHEDULES = {
-    # A safety sweep: starts every Site entity that is not running (a running one wakes on its watch).
-    "gpufleet-site-reconcile": (flows.SiteSweep.TYPE, SITE_SWEEP_ID, "start every site entity that is not running"),
+    # A safety sweep: starts every Site entity that is not running (a running one wakes on its watch),
+    # and every Node entity of a Ready node that is not running (terminated, failed: fleet.watched).
+    "gpufleet-site-reconcile": (flows.SiteSweep.TYPE, SITE_SWEEP_ID,
+                                "start every site and node entity that is not running"),
     "gpufleet-catalog-refresh": (flows.CatalogRefresh.TYPE, CATALOG_REFRESH_ID, "refresh provider offers, wake waiting requests"),
     "gpufleet-fleet-sweep": (flows.FleetSweep.TYPE, FLEET_SWEEP_ID, "delete orphaned machines (fleet-marked, past the grace)"),
     # Its runs are advisor/7d-<time>: the same series as `gpufleet advisor --since 7d`.

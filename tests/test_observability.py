@@ -372,8 +372,9 @@ def test_a_nodes_series_under_the_control_planes_names_neither_silence_nor_raise
     control plane's, under its own job: 5 ready nodes at site a (below its minimum of 2 with the
     control plane's 1), a hundred times as many workflow tasks on the control plane's queue started
     within a second (which would bring the p95 of 4.8 s under the alert's 2 s), an open incident at
-    a and an account needing a person. The control plane's own figures still raise
-    GpufleetSiteBelowMinimum and GpufleetScheduleToStartHigh; the node's raise nothing."""
+    a and an account needing a person, three unwatched nodes at b. The control plane's own figures
+    still raise GpufleetSiteBelowMinimum, GpufleetScheduleToStartHigh and GpufleetNodeUnwatched (a
+    node at a unwatched for 35 minutes; not b's, started again within 10); the node's raise nothing."""
     cp = f'job="{CONTROL_PLANE_JOB}",instance="10.0.0.2:9464"'
     node = f'job="{NODE_AGENT_JOB}",instance="10.0.0.9:9465",node="gpu-9"'
 
@@ -393,6 +394,11 @@ def test_a_nodes_series_under_the_control_planes_names_neither_silence_nor_raise
         {"series": f'gpufleet_incidents_open{{{node},site="a"}}', "values": "1x40"},
         {"series": f'gpufleet_account_needs_person{{{node},provider="lambda",account="main",'
                    f'state="credentials-revoked"}}', "values": "1x40"},
+        # A node left unwatched at a since the start; one at b for 10 minutes (the sweep's pass
+        # started its entity again); the node's own series says b has three.
+        {"series": f'gpufleet_nodes_unwatched{{{cp},site="a"}}', "values": "1x40"},
+        {"series": f'gpufleet_nodes_unwatched{{{cp},site="b"}}', "values": "0x20 1x10 0x10"},
+        {"series": f'gpufleet_nodes_unwatched{{{node},site="b"}}', "values": "3x40"},
     ]
     expected = {
         "GpufleetSiteBelowMinimum": [{"exp_labels": {"severity": "ticket", "site": "a"}}],
@@ -400,6 +406,8 @@ def test_a_nodes_series_under_the_control_planes_names_neither_silence_nor_raise
         "GpufleetIncidentOpen": [{"exp_labels": {"severity": "page", "site": "b", "job": CONTROL_PLANE_JOB,
                                                  "instance": "10.0.0.2:9464"}}],
         "GpufleetAccountNeedsPerson": [],
+        "GpufleetNodeUnwatched": [{"exp_labels": {"severity": "ticket", "site": "a", "job": CONTROL_PLANE_JOB,
+                                                  "instance": "10.0.0.2:9464"}}],
     }
     run_shipped_alert_rules(tmp_path, series, [{"eval_time": "35m", "alertname": name, "exp_alerts": alerts}
                                            for name, alerts in expected.items()])

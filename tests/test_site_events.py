@@ -7,6 +7,7 @@ answers again. The recorded histories replay (tests/test_replay.py)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -288,3 +289,135 @@ async def test_the_schedules_sweep_starts_the_sites_not_running_and_signals_none
                                               task_queue=inc.settings.task_queue, result_type=list[str])
     assert again == [], "every site runs: the sweep starts nothing"
     await replay_and_record(sweep, "site_sweep_starts_only")
+
+
+#: The recorded SiteSweep pass that starts a terminated Node entity again, and the same scenario's
+#: pass on the code before ``sweep-starts-node-entities`` (it started none; it must still replay).
+RECORDED_NODE_SWEEP = "site_sweep_restarts_node_entities"
+RECORDED_NODE_SWEEP_BEFORE = f"{RECORDED_NODE_SWEEP}_before"
+
+
+async def _sweep(inc: IncStack) -> tuple:
+    """One pass of the Schedule's SiteSweep (naming no site): its handle and what its node part
+    answered (``ensure_node_entities``'s result; None where the pass ran none)."""
+    sweep = await inc.client.start_workflow("SiteSweep", {}, id=f"sweep-{uuid.uuid4().hex[:6]}",
+                                            task_queue=inc.settings.task_queue, result_type=list[str])
+    await sweep.result()
+    events = (await sweep.fetch_history()).events
+    scheduled = {e.event_id for e in events if e.HasField("activity_task_scheduled_event_attributes")
+                 and e.activity_task_scheduled_event_attributes.activity_type.name == "ensure_node_entities"}
+    done = [e.activity_task_completed_event_attributes for e in events
+            if e.HasField("activity_task_completed_event_attributes")
+            and e.activity_task_completed_event_attributes.scheduled_event_id in scheduled]
+    if not done:
+        return sweep, None
+    from fleet.messages.nodes import NodeEntitiesStarted
+
+    return sweep, NodeEntitiesStarted.model_validate(json.loads(done[0].result.payloads[0].data))
+
+
+async def test_the_schedules_sweep_starts_a_terminated_node_entity_again_and_no_retiring_nodes(quiet) -> None:
+    """A Node entity is started by its node's join alone. Terminated (the Temporal UI, `temporal
+    workflow terminate`), its node went on serving with nothing watching it: its faults started no
+    repair, and `gpufleet repair node` said "ready". The Schedule's pass starts it again, from the
+    join's record, and the new run repairs the node's next fault. It leaves alone a node cordoned
+    for its retirement (the demand loop's drain) and one gpufleet has no identity record of (not
+    joined by it, or retired), and a second pass right after, visibility not yet listing the new
+    run, starts no second entity."""
+    from client import FleetClient
+    from fleet.cluster import CORDONED_BY_DEMAND, NODE_IDENTITY_KIND
+
+    inc = quiet
+    a = inc.site("a")
+    await inc.join("a", 3)
+    watched, retiring, unknown = names = await node_names(inc, "a")
+
+    async def entities_listed() -> bool:
+        query = (f'WorkflowType = "{flows.Node.TYPE}" AND ExecutionStatus = "Running" '
+                 f'AND TaskQueue = "{inc.settings.task_queue}"')
+        return len([w async for w in inc.client.list_workflows(query)]) == 3
+
+    await poll(entities_listed, timeout=30)  # each join's admission started its node's entity
+    entity = {n: inc.client.get_workflow_handle(naming.node_workflow_id(n)) for n in names}
+    terminated = {n: (await entity[n].describe()).run_id for n in names}
+    inc.cluster.cordon(retiring, True, by=CORDONED_BY_DEMAND)
+    inc.cluster.delete_state(NODE_IDENTITY_KIND, unknown)
+    for n in names:
+        await entity[n].terminate("an operator's slip in the Temporal UI")
+
+    # Before the pass: `gpufleet repair node` says the node is unwatched and how its entity ended,
+    # not "ready"; `gpufleet sites` counts it (not the retiring node, nor the one of no record).
+    shown = await _gpufleet(inc, "repair", "node", watched)
+    assert shown.returncode == 0, shown.stderr
+    assert f"{watched} ({a}): unwatched: its entity node/{watched} is not running (terminated at" in shown.stdout, \
+        shown.stdout
+    sites = await _gpufleet(inc, "sites", "-o", "json")
+    assert {row["site"]: row["unwatched"] for row in json.loads(sites.stdout)}[a] == "1", sites.stdout
+
+    sweep, first = await _sweep(inc)
+    await replay_and_record(sweep, RECORDED_NODE_SWEEP)  # before the asserts: ``_before`` is this on the old code
+    assert first is not None, "the pass did not look for node entities"
+    assert (first.started, [s.node_name for s in first.named]) == (1, [watched]), first
+    assert first.named[0].was == "terminated" and first.named[0].site == a
+    restarted = await entity[watched].describe()
+    assert restarted.status.name == "RUNNING" and restarted.run_id != terminated[watched]
+    for n in (retiring, unknown):
+        assert (await entity[n].describe()).status.name == "TERMINATED", n
+
+    # At once, before visibility lists the new run: the pass sees it running and starts nothing.
+    _, second = await _sweep(inc)
+    assert second is not None and second.started == 0, second
+    assert (await entity[watched].describe()).run_id == restarted.run_id, "a second entity"
+
+    # The new run says why it runs, and repairs the node's next fault.
+    status = await node(inc, watched)
+    assert any("started again by the site sweep: its run before was terminated at" in line for line in status.log)
+    [machine] = [m["id"] for m in inc.world.machines(a) if m["name"] == watched]
+    inc.world.inject_fault(machine, 0, "xid", 48, clears_on="reset")
+
+    async def repaired() -> bool:
+        return bool((s := await node(inc, watched)) and any("ended repaired" in line for line in s.log))
+
+    await poll(repaired, timeout=45)  # a guard against a hang only
+
+    # The client says which runs: the node left unwatched (its retirement's) is, not "ready".
+    fleet = FleetClient(inc.settings, inc.client)
+    left = await fleet.node_status(retiring)
+    assert (left.state, left.entity) == ("unwatched", "terminated") and left.entity_closed_at is not None, left
+    assert (await fleet.node_status(watched)).entity == "running"
+    sites = await _gpufleet(inc, "sites", "-o", "json")
+    assert {row["site"]: row["unwatched"] for row in json.loads(sites.stdout)}[a] == "0", sites.stdout
+
+
+async def _gpufleet(inc: IncStack, *args: str):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, **inc.settings.env(), "COLUMNS": "200"}
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", *args], env=env,
+                                   capture_output=True, text=True, timeout=120)
+
+
+def test_a_sweep_pass_from_before_the_patch_looked_for_no_node_entities_and_one_after_did() -> None:
+    """What the two recorded passes are (tests/test_replay.py replays both): the one from before
+    ``sweep-starts-node-entities`` ran the sites' activity alone, as a pass open at the deploy did;
+    the one after records the patch's marker and then the node entities' activity."""
+    import base64
+
+    from tests.replay import HISTORIES
+    from workflows.site import SWEEP_NODE_ENTITIES_PATCH
+
+    def steps(name: str) -> list[str]:
+        events = json.loads((HISTORIES / f"{name}.json").read_text())["events"]
+        out = []
+        for e in events:
+            if "activityTaskScheduledEventAttributes" in e:
+                out.append(e["activityTaskScheduledEventAttributes"]["activityType"]["name"])
+            elif "markerRecordedEventAttributes" in e:
+                data = e["markerRecordedEventAttributes"]["details"]["patch-data"]["payloads"][0]["data"]
+                out.append(json.loads(base64.b64decode(data))["id"])
+        return out
+
+    assert steps(RECORDED_NODE_SWEEP_BEFORE) == ["ensure_sites"]
+    assert steps(RECORDED_NODE_SWEEP) == ["ensure_sites", SWEEP_NODE_ENTITIES_PATCH, "ensure_node_entities"]

@@ -72,6 +72,36 @@ def test_a_cordon_the_demand_loop_or_a_person_marked_is_theirs_not_an_operators(
     assert cell == f"5: repair 1, demand loop 1, operator 1, alice 1, {'x' * 24} 1"
 
 
+def test_a_ready_node_without_a_running_entity_is_unwatched_unless_its_retirement_holds_it() -> None:
+    """``fleet.watched``, which the site sweep starts entities from, the metrics count and `sites`
+    shows: a Ready, proven node with the join's identity record and no running Node entity is
+    unwatched, whatever site its own label says (the record's counts); not a node whose entity runs,
+    a NotReady or unproven one, one gpufleet has no record of (not joined by it, or retired), nor one
+    cordoned for its retirement. A node cordoned by a person or a repair still needs its entity."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS, NodeIdentity
+    from fleet.watched import unwatched_nodes
+    from providers.cluster.base import NodeMarks
+
+    nodes = [node("watched"), node("lost", site="b"), node("not-ready", ready=False), node("new", unproven=True),
+             node("foreign"), node("retiring", cordoned=True), node("held", cordoned=True)]
+    marks = {"retiring": CORDONED_BY_SURPLUS, "held": "alice"}
+
+    class Cluster:
+        def node_identity(self, name: str) -> NodeIdentity | None:
+            if name == "foreign":
+                return None
+            return NodeIdentity(node_name=name, machine_id=f"m-{name}", provider="lambda", account="x", site="a")
+
+        def node_marks(self, name: str) -> NodeMarks:
+            return NodeMarks(annotations={ANNOTATION_CORDONED_BY: marks[name]}, unschedulable=True, version="1")
+
+    found = unwatched_nodes(Cluster(), nodes, watched={"watched"})
+    assert [i.node_name for i in found] == ["held", "lost"]
+    now = summarize(SITES, nodes, Holds(watched={"watched"}), unwatched=found)
+    assert (now["a"].unwatched, now["b"].unwatched) == (2, 0), "counted at the site its record names"
+    assert summarize(SITES, nodes, None)["a"].unwatched is None, "unknown without Temporal"
+
+
 def test_without_temporal_the_counts_stand_and_what_it_would_say_is_unknown() -> None:
     now = summarize(SITES, [node("x", cordoned=True), node("new", unproven=True)], None)["a"]
     assert now.cordoned_cell() == "1: ? 1" and now.joining == 1 and now.last_incident == "?"
@@ -94,7 +124,8 @@ def test_sites_shows_the_status_columns_and_fits_80_columns(tmp_path: Path) -> N
     as_json = subprocess.run([sys.executable, "-m", "cli", "sites", "-o", "json"], env=env, cwd=ROOT,
                              capture_output=True, text=True, timeout=60)
     row = json.loads(as_json.stdout)[0]
-    assert {"serving/nodes": "0/0", "cordoned": "0", "joining": "0", "last incident": "?"}.items() <= row.items()
+    assert {"serving/nodes": "0/0", "cordoned": "0", "unwatched": "?", "joining": "0",
+            "last incident": "?"}.items() <= row.items()
     assert "region" in row and "reachable" in row  # JSON keeps every column
 
 

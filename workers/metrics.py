@@ -40,6 +40,7 @@ from fleet.cluster import SITE_ROUTES, UNPROVEN_TAINT
 from fleet.contracts import workflows as flows
 from fleet.models import AccountState
 from fleet.settings import ControlPlaneEnv, SettingsError, WorkerEnv
+from fleet.watched import running_node_entities, unwatched_nodes
 
 if TYPE_CHECKING:
     from activities.env import FleetEnv
@@ -163,6 +164,10 @@ class FleetSnapshot:
     site_routes: dict[str, int] = field(default_factory=dict)  # site → fleet-wide weight
     capacity_requests: list[tuple[str, str]] = field(default_factory=list)  # (workflow id, FleetState) open
     orphans: Tally = field(default_factory=Tally)  # (site, provider) → machines
+    #: Nodes whose Node entity runs (visibility; None: not asked), and by site the nodes that must
+    #: have one and do not (``fleet.watched``): nothing watches their health or repairs them.
+    watched: set[str] | None = None
+    unwatched: Tally = field(default_factory=Tally)
     #: The source ``spend`` is counted from: the cluster's nodes, or (sim) the providers' machines.
     spend_from: str = "cluster"
     errors: dict[str, str] = field(default_factory=dict)  # source → what went wrong
@@ -213,6 +218,7 @@ async def _visibility(client: Client, task_queue: str, snap: FleetSnapshot, limi
         snap.nodes_needing_a_person[str(_attr(wf, sa.SITE) or "")] += 1
     async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.AcquireCapacity.TYPE}"', limit=limit):
         snap.capacity_requests.append((wf.id, str(_attr(wf, sa.FLEET_STATE) or "")))
+    snap.watched = await running_node_entities(client, task_queue)
     joining: set[str] = set()
     async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.NodeJoin.TYPE}"', limit=limit):
         if node := _attr(wf, sa.NODE_NAME):
@@ -258,6 +264,11 @@ def _from_fleet(env: "FleetEnv", snap: FleetSnapshot, joining: set[str] | None, 
         if name in sites:
             s = sites[name]
             snap.spend[(name, s.provider)] = count * s.gpus_per_machine * s.price_per_gpu_hour
+    if nodes is not None and snap.watched is not None:
+        try:
+            snap.unwatched.update(identity.site for identity in unwatched_nodes(env.cluster, nodes, snap.watched))
+        except Exception as error:  # noqa: BLE001 - reported as a failed source
+            snap.errors["cluster"] = f"{type(error).__name__}: {error}"
     if nodes is not None and joining is not None:
         known = {n.name for n in nodes} | {n.machine_id for n in nodes} | joining
         now = time.time()
@@ -366,6 +377,14 @@ def _gpus_family(snap: FleetSnapshot, sites: dict) -> GaugeMetricFamily:
     return gpus
 
 
+def _by_site(family: GaugeMetricFamily, sites: dict, counts: Tally) -> GaugeMetricFamily:
+    """``family`` (labelled by site) with a count for every configured site (0 where none), and for
+    any other site the count names."""
+    for name in sorted(set(sites) | set(counts)):
+        family.add_metric([name], counts[name])
+    return family
+
+
 def _visibility_families(snap: FleetSnapshot, sites: dict, orphans: bool) -> Iterable[GaugeMetricFamily]:
     """What Temporal's visibility says: repairs, incidents, site states, open capacity
     requests, and (``orphans``: the cluster answered too) the machines neither a node nor a
@@ -382,17 +401,11 @@ def _visibility_families(snap: FleetSnapshot, sites: dict, orphans: bool) -> Ite
         if r.open:
             open_.add_metric([r.workflow_id, r.node, str(r.gpu), r.site, r.rung], 1)
     yield open_
-    incidents = GaugeMetricFamily("gpufleet_incidents_open", "Open provider incidents (running evacuations) by site.",
-                                  labels=["site"])
-    for name in sorted(set(sites) | set(snap.incidents)):
-        incidents.add_metric([name], snap.incidents[name])
-    yield incidents
-    held = GaugeMetricFamily("gpufleet_nodes_needing_a_person", "Nodes whose entity holds a GPU for a person (its "
-                             "repair ended unproven: the GPU stays fenced until `gpufleet repair return` or `retry`), "
-                             "by site.", labels=["site"])
-    for name in sorted(set(sites) | set(snap.nodes_needing_a_person)):
-        held.add_metric([name], snap.nodes_needing_a_person[name])
-    yield held
+    yield _by_site(GaugeMetricFamily("gpufleet_incidents_open", "Open provider incidents (running evacuations) by "
+                                     "site.", labels=["site"]), sites, snap.incidents)
+    yield _by_site(GaugeMetricFamily("gpufleet_nodes_needing_a_person", "Nodes whose entity holds a GPU for a person "
+                                     "(its repair ended unproven: the GPU stays fenced until `gpufleet repair return` "
+                                     "or `retry`), by site.", labels=["site"]), sites, snap.nodes_needing_a_person)
     state = GaugeMetricFamily("gpufleet_site_state", "1 for the state each Site entity reports (FleetState).",
                               labels=["site", "state"])
     for name, word in sorted(snap.site_states.items()):
@@ -402,6 +415,10 @@ def _visibility_families(snap: FleetSnapshot, sites: dict, orphans: bool) -> Ite
                             value=len(snap.capacity_requests))
     if not orphans:
         return
+    yield _by_site(GaugeMetricFamily("gpufleet_nodes_unwatched", "Ready nodes of the fleet (joined by it, not being "
+                                     "retired) whose Node entity is not running (terminated, failed): nothing watches "
+                                     "their health or repairs them; the site sweep starts each again.",
+                                     labels=["site"]), sites, snap.unwatched)
     orphaned = GaugeMetricFamily("gpufleet_orphaned_machines", "Machines a provider holds with neither a node nor "
                                   "a running join, past the grace period.", labels=["site", "provider"])
     for name in sorted(sites):

@@ -1,10 +1,11 @@
 """Node (entity, id ``node/<name>``): one node's state, its health, its repairs.
 
 NodeJoin starts it when it admits the node (Site, Provider and NodeName from the
-join's own record). It pulls the node's health: ``watch_node``, a long-running,
-heartbeating activity on the node's own queue ``node/<name>``, returns the node's
-whole state (GPU health, spot notice, a sequence number) when it changed, and the
-entity schedules the next one. The node's identity is the queue it answered on
+join's own record); the site sweep starts it again, from the same record, where its node is
+Ready and it is not running (terminated, failed: ``fleet.watched``), and its log says so. It
+pulls the node's health: ``watch_node``, a long-running, heartbeating activity on the node's
+own queue ``node/<name>``, returns the node's whole state (GPU health, spot notice, a sequence
+number) when it changed, and the entity schedules the next one. The node's identity is the queue it answered on
 (the node gateway lets a node poll only its own), never a name in a payload; the
 state is level-triggered, so a run that continues as new loses nothing: its first
 watch returns at once if the node changed meanwhile. A spot notice starts the
@@ -560,6 +561,9 @@ class NodeEntity(Entity[NodeCarry]):
         self._node = inp.node_name
         self.start_with(inp.carry)
         self._joined_site, self._joined_settings = inp.site, inp.settings
+        if inp.started_again:  # by the site sweep: a log line, no command (no patch)
+            self._log(f"{inp.started_again}; what that run knew (its repairs, GPUs held for a person) is not carried",
+                      warn=True)
         self._upsert_search_attributes((sa.NODE_NAME, self._node), (sa.FLEET_STATE, self.state.state))
         if self.state.deferred:
             await self._facts_or_wait()  # findings carried on hold: their recheck interval is in the settings

@@ -58,8 +58,9 @@ it is in the carried state, so the next run starts its evacuation. A reconcile (
 past its retries (the API server away, a 403) never ends the entity: it is shown and tried again
 after a growing pause (``workflows.passes``), its state kept.
 
-SiteSweep (id ``site-sweep``, run by a Schedule): signal-with-start every site's
-entity with ``reconcile``.
+SiteSweep (id ``site-sweep``, run by a Schedule): start every site's entity that is not running,
+and every node's (``SWEEP_NODE_ENTITIES_PATCH``); with sites named, signal-with-start their entities
+with ``reconcile``.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ with workflow.unsafe.imports_passed_through():
         SiteState,
         SiteStatus,
     )
-    from fleet.messages.nodes import ResolveSiteInput
+    from fleet.messages.nodes import NodeEntitiesStarted, ResolveSiteInput
     from fleet import search_attributes as sa
     from fleet.config import Site
     from fleet.demand import public_placement_labels
@@ -227,6 +228,13 @@ PUT_BACK_PATCH = "site-puts-back-closed-evacuations"
 #: How long a put-back waits for the site's replicas before its routing returns (the evacuation's
 #: ``ready_seconds`` at most): a site still down does not hold the entity's loop for long.
 PUT_BACK_READY_SECONDS = 120.0
+#: SiteSweep's patch: the Schedule's pass also starts every node's entity that must run and does not
+#: (``ensure_node_entities``: Ready, proven, joined by gpufleet and not retired, not cordoned by a
+#: retirement; ``fleet.watched``). A Node entity is started by its join alone: terminated (the UI,
+#: ``temporal workflow terminate``, a reset gone wrong) or failed, its node went on serving unwatched
+#: for good, its agent refused by the gateway and its faults repaired by no one. One activity a pass,
+#: whatever the fleet's size. Asked after the sites' activity, where the pass was done before.
+SWEEP_NODE_ENTITIES_PATCH = "sweep-starts-node-entities"
 #: ``incident_number``, ``fill_number`` (a visibility list and a describe or two): a few quick tries;
 #: an evacuation or a fill does not wait on it longer (refused, the entity numbers as before, and the
 #: start still refuses a used id).
@@ -1281,8 +1289,9 @@ class SiteEntity(Entity[SiteState]):
 @workflow.defn(name="SiteSweep")
 class SiteSweep:
     """Start every site's entity that is not running (the Schedule's safety sweep: a running entity
-    wakes on its own watch and safety timer); signal-with-start the named sites' entities with
-    ``reconcile`` (``{"sites": [...]}``)."""
+    wakes on its own watch and safety timer), then (``SWEEP_NODE_ENTITIES_PATCH``) every node's that
+    must run and does not; signal-with-start the named sites' entities with ``reconcile``
+    (``{"sites": [...]}``)."""
 
     @workflow.run
     async def run(self, raw: Any = None) -> list[str]:
@@ -1292,8 +1301,15 @@ class SiteSweep:
                 act.ensure_sites, request, start_to_close_timeout=QUICK,
                 retry_policy=STORE_RETRY, summary="start every site entity that is not running",
             )
-            show_details("done", detail=f"{len(started)} site entities started" +
-                         (f": {', '.join(started[:20])}" if started else " (every one runs)"))
+            detail = f"{len(started)} site entities started" + (
+                f": {', '.join(started[:20])}" if started else " (every one runs)")
+            if workflow.patched(SWEEP_NODE_ENTITIES_PATCH):
+                nodes: NodeEntitiesStarted = await workflow.execute_activity(
+                    act.ensure_node_entities, start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+                    summary="start every node entity that must run and is not running",
+                )
+                detail += "; " + self._nodes_line(nodes)
+            show_details("done", detail=detail)
             return started
         sites: list[str] = await workflow.execute_activity(
             act.signal_sites, request, start_to_close_timeout=QUICK,
@@ -1301,3 +1317,14 @@ class SiteSweep:
         )
         show_details("done", detail=f"reconcile sent to {len(sites)} sites")
         return sites
+
+    @staticmethod
+    def _nodes_line(nodes: NodeEntitiesStarted) -> str:
+        if not nodes.started and not nodes.left:
+            return f"{nodes.running} node entities running, none missing"
+        named = ", ".join(f"{n.node_name} (was {n.was})" for n in nodes.named)
+        more = f" and {nodes.started - len(nodes.named)} more" if nodes.started > len(nodes.named) else ""
+        left = f"; {nodes.left} more unwatched, for the next pass" if nodes.left else ""
+        workflow.logger.warning("site sweep: %d node entities were not running and were started again: %s%s%s",
+                                nodes.started, named, more, left)
+        return f"{nodes.started} node entities started again (not running): {named}{more}{left}"

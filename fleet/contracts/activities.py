@@ -36,7 +36,7 @@ from fleet.messages.evacuation import (
 )
 from fleet.messages.nodes import (
     AdmitNodeInput, AwaitRegistrationInput, ContainInput, ContainResult, DeleteMachineInput,
-    FenceInput, GpuProbeResult, NodeFacts, NodeFactsInput,
+    FenceInput, GpuProbeResult, NodeEntitiesStarted, NodeFacts, NodeFactsInput,
     PrepareNodeInput, ProbeGpusInput, ProvisionJoinInput, ProvisionMachineInput,
     ProvisionedMachine, ReinstallDriverInput, ReleaseProvisionInput, RemoveNodeInput,
     ReplacementSitesInput, ResetGpuInput, ResolveSiteInput, RestartMachineInput,
@@ -164,6 +164,15 @@ async def ensure_sites(input: SignalSitesInput) -> list[str]:
     """Start the entity of every site (of ``input.sites``, or the config's) that is not running; a
     running one is left alone: its watch and safety timer keep it current, and a signal would be an
     action for nothing. Body: ``activities/watches.py``, ``WatchActivities.ensure_sites``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="ensure_node_entities")
+async def ensure_node_entities() -> NodeEntitiesStarted:
+    """Start the entity of every node that must have one and has none running (Ready, proven,
+    joined by gpufleet, not retired nor cordoned by a retirement: ``fleet.watched``), from the
+    join's identity record. Body: ``activities/control_plane.py``,
+    ``ControlPlaneActivities.ensure_node_entities``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -98,6 +98,33 @@ class AdmitNodeInput(BaseModel):
     first_state: NodeWatchResult | None = None
 
 
+class StartedEntity(BaseModel):
+    """A Node entity the site sweep started again, and how the run before it had ended."""
+
+    node_name: str
+    site: str
+    #: How its last run closed ("terminated", "failed", "timed-out", "canceled", "completed"), or
+    #: "none" where Temporal has no run of it on record (never started, or past its retention).
+    was: str
+    closed_at: datetime | None = None
+
+
+#: Node entities one sweep pass starts at most (a fleet whose entities were all terminated at once
+#: comes back over a few passes); the names a pass's result keeps.
+MAX_ENTITY_STARTS = 200
+MAX_STARTED_NAMED = 20
+
+
+class NodeEntitiesStarted(BaseModel):
+    """What ``ensure_node_entities`` found: the Node entities running, those it started again (the
+    first ``MAX_STARTED_NAMED`` named), and the unwatched nodes left for the next pass."""
+
+    running: int = 0
+    started: int = 0
+    named: list[StartedEntity] = Field(default_factory=list)
+    left: int = 0
+
+
 class RemoveNodeInput(BaseModel):
     node_name: str
 

@@ -200,6 +200,9 @@ class NodeEntityInput(BaseModel):
     site: MaybeName = ""
     settings: RepairSettings | None = None
     first_state: NodeWatchResult | None = None
+    #: Set by the site sweep when it starts the entity of a node that had none running (its run
+    #: before was terminated, or failed): how that run ended, for the new run's log.
+    started_again: Text = ""
 
 
 class NodeActionRequest(BaseModel):
@@ -273,6 +276,11 @@ class NodeStatus(BaseModel):
     not_ready_since: float | None = None
     #: GPU index → why a person must look (its repair ended unproven; the GPU stays fenced).
     needs_person: dict[str, str] = Field(default_factory=dict)
+    #: Whether the entity runs ("running"), else how its run closed ("terminated", "failed", ...)
+    #: and when: set by the client from Temporal, not by the entity (a closed run's query answers
+    #: with what it last knew, "ready" for a node it no longer watches).
+    entity: str = "running"
+    entity_closed_at: datetime | None = None
 
 
 #: A person's words on a GPU the Node entity holds for a person (shown in its log and details).

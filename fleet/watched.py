@@ -1,0 +1,63 @@
+"""Which of the fleet's nodes no Node entity watches.
+
+A node's entity (``node/<name>``) is started once, by its join (``admit_node``). Terminated (the
+Temporal UI, ``temporal workflow terminate``, a reset gone wrong) or failed, nothing else would
+start it: the node stays Ready and serving, its agent refused by the node gateway, its faults
+repaired by no one. The site sweep (``SiteSweep``'s ``ensure_node_entities``) starts such a node's
+entity again, the fleet's metrics count such nodes (``gpufleet_nodes_unwatched``) and
+``gpufleet sites`` shows them; all three decide here.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from fleet.contracts import workflows as flows
+from fleet.cluster import ANNOTATION_CORDONED_BY, RETIREMENT_MARKS, UNPROVEN_TAINT, NodeIdentity
+from fleet.errors import NotFound
+from fleet.naming import node_workflow_id
+
+
+def running_entities_query(task_queue: str) -> str:
+    """The visibility query of the running Node entities on the control plane's queue."""
+    return f'WorkflowType = "{flows.Node.TYPE}" AND ExecutionStatus = "Running" AND TaskQueue = "{task_queue}"'
+
+
+async def running_node_entities(client, task_queue: str) -> set[str]:
+    """The names of the nodes whose Node entity runs, as Temporal's visibility lists them (it
+    lags a second or so behind a start: check a node it leaves out with a describe)."""
+    prefix = node_workflow_id("")
+    return {found.id.removeprefix(prefix) async for found in client.list_workflows(running_entities_query(task_queue))}
+
+
+def closed_as(status) -> str:
+    """How a run stands in words (a ``WorkflowExecutionStatus``): "terminated", "timed-out", ..."""
+    return status.name.lower().replace("_", "-") if status else "unknown"
+
+
+def unwatched_nodes(cluster, nodes: Iterable, watched: set[str]) -> list[NodeIdentity]:
+    """The nodes among ``nodes`` that must have a running Node entity and are not in ``watched``:
+    Ready; proven (its join lifts the unproven taint, then starts the entity); joined by gpufleet
+    and not retired (the join's identity record, which no node can write, is there: a retirement
+    removes it with the Node); and not cordoned by a retirement in flight (``RETIREMENT_MARKS``:
+    its entity ends with the node). Returns their identity records, in name order: an entity
+    started again takes its site and provider from there, never from the node's own labels.
+
+    Only the nodes not watched are read again (their record, a cordoned one's mark): an idle
+    fleet's check is one list of nodes."""
+    found = []
+    for node in sorted(nodes, key=lambda n: n.name):
+        if node.name in watched or not node.ready or UNPROVEN_TAINT in node.taints:
+            continue
+        identity = cluster.node_identity(node.name)
+        if identity is None:
+            continue
+        if node.unschedulable:
+            try:
+                mark = cluster.node_marks(node.name).annotations.get(ANNOTATION_CORDONED_BY, "")
+            except NotFound:
+                continue  # removed since the list: retired
+            if mark in RETIREMENT_MARKS:
+                continue
+        found.append(identity)
+    return found
