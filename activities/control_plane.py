@@ -36,6 +36,7 @@ from fleet.messages.nodes import (
     ReleaseProvisionInput,
     RemoveNodeInput,
     ResolveSiteInput,
+    SiteConfigured,
 )
 from fleet import search_attributes as sa
 from fleet.config import Site
@@ -47,6 +48,7 @@ from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinPara
 from fleet.models import Machine, Node
 from fleet.naming import node_workflow_id, site_workflow_id
 from fleet.watched import closed_as, running_node_entities, unwatched_nodes
+from fleet.site_use import sites_in_use
 from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from fleet.contracts import workflows as flows
 
@@ -89,6 +91,7 @@ class ControlPlaneActivities:
     def all(self) -> list:
         return [
             self.resolve_site,
+            self.site_configured,
             self.provision_machine,
             self.provision_joining_machine,
             self.await_registration,
@@ -109,6 +112,23 @@ class ControlPlaneActivities:
     def resolve_site(self, input: ResolveSiteInput) -> Site:
         """The site's config, or InvalidRequest naming ``site`` when unknown."""
         return self.env.site(input.site)
+
+    @activity.defn
+    @typed_errors
+    def site_configured(self, input: ResolveSiteInput) -> SiteConfigured:
+        """Whether this worker's config names the site; where it does not, what the cluster still
+        has there (nodes, identity records of nodes gone), as ``gpufleet config check --fleet``
+        reads it. Listed only for a site that is not named: a Site entity asks once one of its
+        activities refused its site as unknown."""
+        if any(s.name == input.site for s in self.env.config.sites):
+            return SiteConfigured(configured=True)
+        cluster = self.env.cluster
+        # Records first, as the identity sweep reads them: one written meanwhile has its node listed.
+        records = cluster.list_state(NODE_IDENTITY_KIND)
+        use = sites_in_use(cluster.list_nodes(), records).get(input.site)
+        if use is None:
+            return SiteConfigured(configured=False)
+        return SiteConfigured(configured=False, nodes=list(use.nodes), gone=list(use.gone))
 
     @activity.defn
     @typed_errors

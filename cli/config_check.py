@@ -4,11 +4,9 @@ fleet running now (``--fleet``), the sites it drops while the cluster still has 
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
 from pathlib import Path
 
-from fleet.cluster import LABEL_SITE, NODE_IDENTITY_KIND, NodeIdentity
+from fleet.cluster import NODE_IDENTITY_KIND
 from fleet.config import FleetConfig, stock_images
 from fleet.models import Node
 from providers.cluster.bootstrap import BootstrapError, load_node_install, node_install_path
@@ -43,65 +41,6 @@ def stock_image_warnings(config: FleetConfig) -> list[str]:
 
 
 # -- a config against the fleet running now ---------------------------------------------------
-PROCEDURE = 'docs/operations.md, "Changing the fleet config"'
-
-
-@dataclass(frozen=True)
-class SiteInUse:
-    """What the cluster still has at one site: nodes labelled for it (or whose join recorded it),
-    and identity records of nodes no longer in the cluster, whose machines may still be billed."""
-
-    site: str
-    nodes: tuple[str, ...] = ()
-    gone: tuple[tuple[str, str], ...] = ()  # (node, machine)
-
-
-def sites_in_use(nodes: list[Node], records: dict[str, dict[str, str]] | None = None) -> dict[str, SiteInUse]:
-    """Each site the cluster's ``nodes`` and node identity ``records`` name, with what is there.
-    A node's site is its control-plane label (NodeRestriction keeps a kubelet from writing it),
-    else its join's record."""
-    identities = {name: NodeIdentity.from_state(data) for name, data in (records or {}).items()}
-    at: dict[str, set[str]] = defaultdict(set)
-    gone: dict[str, set[tuple[str, str]]] = defaultdict(set)
-    present = {n.name for n in nodes}
-    for node in nodes:
-        identity = identities.get(node.name)
-        site = node.labels.get(LABEL_SITE) or (identity.site if identity else "")
-        if site:
-            at[site].add(node.name)
-    for name, identity in identities.items():
-        if identity is not None and name not in present:
-            gone[identity.site].add((name, identity.machine_id))
-    return {site: SiteInUse(site, tuple(sorted(at[site])), tuple(sorted(gone[site])))
-            for site in sorted(set(at) | set(gone))}
-
-
-def removed_sites_in_use(config: FleetConfig, nodes: list[Node],
-                         records: dict[str, dict[str, str]] | None = None) -> list[SiteInUse]:
-    """The sites the cluster still has nodes or identity records at that ``config`` does not name:
-    applied, nothing would reconcile, sweep or count their machines, which stay billed."""
-    named = {s.name for s in config.sites}
-    return [use for site, use in sites_in_use(nodes, records).items() if site not in named]
-
-
-def _some(names: list[str], shown: int = 5) -> str:
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
-
-
-def removed_site_refusal(use: SiteInUse, file: str) -> str:
-    """Why a config without ``use.site`` may not be applied yet, and what to do instead."""
-    held = []
-    if use.nodes:
-        held.append(f"{len(use.nodes)} node(s) there ({_some(list(use.nodes))})")
-    if use.gone:
-        held.append(f"the identity record(s) of {len(use.gone)} node(s) no longer in the cluster, whose machines "
-                    f"may still be billed ({_some([f'{node}: machine {machine}' for node, machine in use.gone])})")
-    return (f"{use.site}: not in {file}, but the cluster still has {' and '.join(held)}. Without the site in the "
-            "config nothing reconciles, sweeps or counts them, and their machines are billed until deleted by hand: "
-            f"the config must name {use.site}, with min_nodes: 0 and max_nodes: 0, until it has none; then remove "
-            f"it ({PROCEDURE})")
-
-
 class FleetUnreadable(Exception):
     """The fleet running now could not be read; the message says why, in one line."""
 

@@ -40,7 +40,7 @@ from cli.common import (
     sim_world,
 )
 from cli.common import connect as connect_or_exit
-from cli.config_check import removed_site_refusal, removed_sites_in_use, stock_image_warnings
+from cli.config_check import stock_image_warnings
 from cli import demand as demand_commands
 from cli.advisor import advisor
 from cli.patches import patches_app
@@ -52,6 +52,7 @@ from cli.top import top
 from cli.weights import weights_app
 from fleet.config import ConfigError, load_config
 from fleet.settings import Settings
+from fleet.site_use import removed_site_refusal, removed_sites_in_use
 
 app = typer.Typer(help="gpufleet: one Kubernetes cluster, GPU nodes at many providers, run by Temporal.",
                   no_args_is_help=True, pretty_exceptions_show_locals=False)

@@ -12,6 +12,7 @@ from typing import Any, AsyncIterator
 
 import yaml
 from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle
+from temporalio.worker import Worker
 
 from activities.env import FleetEnv
 from fleet.settings import Settings
@@ -60,6 +61,24 @@ class CapStack:
     cluster: SimCluster
     env: FleetEnv
     uid: str
+    #: The control-plane worker and its task (``restart_worker`` replaces them).
+    worker: Worker | None = None
+    running: asyncio.Task | None = None
+
+    async def restart_worker(self, fleet: dict[str, Any]) -> None:
+        """The control plane restarted with another fleet config, as ``kubectl rollout restart``
+        after the ConfigMap changed (docs/operations.md, "Changing the fleet config"): the worker
+        stops (its watches fail over, as a pod's do), the file is rewritten, and a new worker reads it."""
+        await self.worker.shutdown()
+        await self.running
+        Path(self.settings.config).write_text(yaml.safe_dump(fleet))
+        self.env = FleetEnv.from_settings(self.settings)
+        self.worker = build_worker(self.client, self.settings, self.env)
+        self.running = asyncio.create_task(self.worker.run())
+
+    def fleet(self) -> dict[str, Any]:
+        """The fleet config the worker reads now."""
+        return yaml.safe_load(Path(self.settings.config).read_text())
 
     def site(self, name: str) -> str:
         return f"{name}-{self.uid}"
@@ -105,12 +124,12 @@ async def open_stack(client: Client, address: str, tmp_path: Path, fleet: dict |
     stack = CapStack(client, settings, env.world, env.cluster, env, uid)
     stop = asyncio.Event()
     host = await run_node_host(client, settings, stop)
-    worker = build_worker(client, settings)
-    running = asyncio.create_task(worker.run())
+    stack.worker = build_worker(client, settings)
+    stack.running = asyncio.create_task(stack.worker.run())
     try:
         yield stack
     finally:
-        await stop_stack(client, settings.task_queue, worker, running, stop, host)
+        await stop_stack(client, settings.task_queue, stack.worker, stack.running, stop, host)
 
 
 # -- an entity's failed pass (workflows/passes.py) ----------------------------------------------

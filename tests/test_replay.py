@@ -324,6 +324,13 @@ EXPECTED = {
     # code before, which started none (replayed without the patch, it fails: an activity where the
     # run completed); ``site_sweep_starts_only`` is an older such pass.
     "site_sweep_restarts_node_entities", "site_sweep_restarts_node_entities_before", "site_sweep_starts_only",
+    # The Site entity of a site taken out of the fleet config with nothing left there ends, saying why;
+    # one with a node left runs on, saying what is there; a run started after its site left the config
+    # ends too (``site-ends-once-removed-from-config``, tests/test_site_reclaim.py). ``_before``: the code
+    # before, which asked after the unknown site every 5 minutes for ever; replayed, its refusals take
+    # the old path (without the patch the refused watch asked for a reconcile where it only waited).
+    "site_removed_from_the_config_ends", "site_removed_from_the_config_ends_before",
+    "site_removed_from_the_config_with_a_node_runs_on", "site_started_after_it_left_the_config_ends",
 }
 
 

@@ -14,8 +14,8 @@ from temporalio.testing import WorkflowEnvironment
 
 from fleet.messages.capacity import AccountStatus, CapacityResult, SiteStatus, SpotReclaimResult
 from tests.can_server import server_suggesting_continue_as_new
-from tests.capacity_fleet import (FAST_JOIN, CapStack, capacity_fleet, failed_pass_cleared, failed_pass_shown, open_stack,
-                                  replay_and_record)
+from tests.capacity_fleet import (FAST_JOIN, CapStack, capacity_fleet, details, failed_pass_cleared, failed_pass_shown,
+                                  open_stack, replay_and_record)
 from tests.conftest import wait_for, write_before_next_cordon
 from tests.evacuation_helpers import poll
 
@@ -549,3 +549,125 @@ async def test_a_site_entity_started_again_mid_fill_takes_the_running_fill_as_it
     assert len(live(cap, "cheap")) == 2
     assert await _fill_runs(cap, "cheap") == {first: 1}
     await replay_and_record(site, "site_takes_a_running_fill_as_its_own")
+
+
+# -- a site taken out of the fleet config (``site-ends-once-removed-from-config``) ------------------
+#: The Site entity of a site emptied and then taken out of the config, which ends by itself; its
+#: ``_before`` twin is the same scenario on the code before, which asked after the unknown site
+#: every 5 minutes for ever (recorded on it; it replays).
+REMOVED = "site_removed_from_the_config_ends"
+REMOVED_BEFORE = f"{REMOVED}_before"
+#: ... one taken out with a node left, which runs on and says why; and a run started after its
+#: site left the config (started by hand, continued as new, renewed), which ends at once.
+REMOVED_WITH_A_NODE = "site_removed_from_the_config_with_a_node_runs_on"
+STARTED_AFTER_REMOVAL = "site_started_after_it_left_the_config_ends"
+
+
+def _without(fleet: dict, site: str) -> dict:
+    return {**fleet, "sites": [s for s in fleet["sites"] if s["name"] != site]}
+
+
+async def _said(site, words: str) -> bool:
+    try:
+        return words in (await site.query("status", result_type=SiteStatus)).last
+    except Exception:  # noqa: BLE001 - its first task may not have run yet
+        return False
+
+
+async def _looks(site) -> int:
+    """How many times the entity asked whether the config still names its site."""
+    return len([e async for e in site.fetch_history_events()
+                if e.HasField("activity_task_scheduled_event_attributes")
+                and e.activity_task_scheduled_event_attributes.activity_type.name == "site_configured"])
+
+
+async def test_a_site_emptied_and_taken_out_of_the_config_ends_its_entity(cap: CapStack) -> None:
+    """docs/operations.md's "Remove a site": mid is empty (its max_nodes 0 step done), its entry is
+    taken out and the control plane restarted. Before, its Site entity asked after the unknown site
+    every 5 minutes for ever (an activity's failure and a timer each time, GpufleetSiteNotConfigured)
+    until a person terminated it. Now it looks whether the config still names the site and what is
+    left there, three times at least over ``removed_seconds``, and completes saying why. Back in the
+    config, the site gets its entity again from the next SiteSweep."""
+    mid, fleet = cap.site("mid"), cap.fleet()
+    site = await start_site(cap, "mid", removed_seconds=1)
+    await poll(lambda: _said(site, "within min/max"), timeout=30)
+    await cap.restart_worker(_without(fleet, mid))
+
+    result = await asyncio.wait_for(site.result(), timeout=90)
+    assert result == f"site {mid} is no longer in the fleet config; nothing left there"
+    assert await _looks(site) >= 3, "one answer is never enough"
+    await replay_and_record(site, REMOVED)
+
+    await cap.restart_worker(fleet)  # the site is back
+    started = await cap.client.execute_workflow("SiteSweep", {}, id=f"site-sweep-{cap.uid}",
+                                                task_queue=cap.settings.task_queue)
+    assert mid in started
+    again = cap.client.get_workflow_handle(f"site/{mid}")
+    assert (await again.describe()).status == WorkflowExecutionStatus.RUNNING
+    await poll(lambda: _said(again, "within min/max"), timeout=30)
+
+
+async def test_a_site_taken_out_of_the_config_with_a_node_left_keeps_its_entity_which_says_why(
+        cap: CapStack) -> None:
+    """mid taken out of the config while a node is still there (against the procedure; `gpufleet
+    config check --fleet` refuses such a file): its entity must not end, or nothing would look after
+    that node. It runs on, however many looks, and its details say what is left and what to do."""
+    mid = cap.site("mid")
+    [node] = await _join(cap, "mid", "first")
+    site = await start_site(cap, "mid", removed_seconds=1)
+    await poll(lambda: _said(site, "within min/max"), timeout=30)
+    await cap.restart_worker(_without(cap.fleet(), mid))
+
+    await poll(lambda: _looked(site, 3), timeout=60)  # what ends an empty site's entity
+    shown = await details(site)
+    assert f"{mid}: not in the fleet config, but the cluster still has 1 node(s) there ({node})" in shown, shown
+    assert f"the config must name {mid}, with min_nodes: 0 and max_nodes: 0, until it has none" in shown, shown
+    assert "This entity runs on until then" in shown, shown
+    assert (await site.describe()).status == WorkflowExecutionStatus.RUNNING
+    assert cap.cluster.get_node(node) is not None
+    await replay_and_record(site, REMOVED_WITH_A_NODE)
+
+
+async def _looked(site, times: int) -> bool:
+    return await _looks(site) >= times
+
+
+async def test_a_site_entity_started_after_its_site_left_the_config_ends_too(cap: CapStack) -> None:
+    """A run that starts after its site left the config (by hand, or continued as new: `gpufleet
+    patches renew` moves on a run from before this change) has its first read of the config refused.
+    Before, that failed the run; now it looks as a running one does and ends with the same result."""
+    mid = cap.site("mid")
+    await cap.restart_worker(_without(cap.fleet(), mid))
+    site = await start_site(cap, "mid", removed_seconds=1)
+    result = await asyncio.wait_for(site.result(), timeout=60)
+    assert result == f"site {mid} is no longer in the fleet config; nothing left there"
+    await replay_and_record(site, STARTED_AFTER_REMOVAL)
+
+
+async def test_a_refusal_from_a_worker_whose_config_lacks_the_site_never_ends_its_entity(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """During a rolling deploy that adds a site, an old worker refuses it as unknown while the new
+    ones' config names it. The entity's look finds it named: however many refusals, it runs on, and
+    reconciles once the deploy is done."""
+    from activities.env import FleetEnv
+    from fleet.errors import InvalidRequest
+
+    mid, known = cap.site("mid"), FleetEnv.site
+    refusing = [False]
+
+    def site(self, name: str):
+        if refusing[0] and name == mid:
+            raise InvalidRequest(f"site: unknown site {name!r}; known sites: (an old worker's)")
+        return known(self, name)
+
+    monkeypatch.setattr(FleetEnv, "site", site)
+    handle = await start_site(cap, "mid", removed_seconds=0)
+    await poll(lambda: _said(handle, "within min/max"), timeout=30)
+    refusing[0] = True
+    await handle.signal("reconcile")
+    await poll(lambda: _looked(handle, 3), timeout=60)  # what ends an empty site's entity
+    assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
+    assert "not in the fleet config" not in await details(handle)
+    refusing[0] = False  # the deploy is done
+    await failed_pass_cleared(handle, timeout=60)
+    await poll(lambda: _said(handle, "within min/max"), timeout=30)

@@ -199,3 +199,10 @@ class Entity(Generic[StateT]):
         if unless is not None and unless():
             return
         workflow.continue_as_new(carried())
+
+    async def until_ready_to_end(self) -> None:
+        """The same gate for a run that ends instead (what the entity stands for is gone for good:
+        a Site the config no longer names, nothing left there): every handler finished and nothing
+        of its own mid-step, then the run returns its result, carrying nothing. What the loop would
+        start again (a watch, a timer) it cancels before."""
+        await workflow.wait_condition(self.ready_to_continue)

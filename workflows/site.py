@@ -58,6 +58,18 @@ it is in the carried state, so the next run starts its evacuation. A reconcile (
 past its retries (the API server away, a 403) never ends the entity: it is shown and tried again
 after a growing pause (``workflows.passes``), its state kept.
 
+The one way it ends (patch ``site-ends-once-removed-from-config``): its site taken out of the fleet
+config, emptied first as docs/operations.md says. An activity that refuses the site as unknown
+(``InvalidRequest``: the reconcile's count, the run's first read of its config; a refused watch asks
+for a reconcile) makes it ask ``site_configured``: is the site named, and if not, what does the
+cluster still have there. Not named, no node and no identity record left there, at three looks or
+more spanning ``removed_seconds`` (the failed passes' pauses space them), and the run ends, through
+the base's gate (its fill, retirement or evacuation ended first), with "site <name> is no longer in
+the fleet config; nothing left there". A look that finds it named (one refusal from a worker whose
+config differs, during a rolling deploy) or something there starts the count again; with nodes left
+it keeps running, its details saying what is there and what to do (``GpufleetSiteNotConfigured``).
+The site back in the config, the next SiteSweep starts its entity again.
+
 SiteSweep (id ``site-sweep``, run by a Schedule): start every site's entity that is not running,
 and every node's (``SWEEP_NODE_ENTITIES_PATCH``); with sites named, signal-with-start their entities
 with ``reconcile``.
@@ -66,7 +78,7 @@ with ``reconcile``.
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Awaitable
 
 from temporalio import workflow
@@ -91,12 +103,13 @@ with workflow.unsafe.imports_passed_through():
         SiteState,
         SiteStatus,
     )
-    from fleet.messages.nodes import NodeEntitiesStarted, ResolveSiteInput
+    from fleet.messages.nodes import NodeEntitiesStarted, ResolveSiteInput, SiteConfigured
     from fleet import search_attributes as sa
     from fleet.config import Site
     from fleet.demand import public_placement_labels
     from fleet.messages.repair import NodeQuarantine
     from fleet.placement import surplus_to_retire
+    from fleet.site_use import SiteInUse, removed_site_refusal
     from fleet.cluster import CORDONED_BY_SURPLUS
     from workflows.entity import Entity
     from workflows.inputs import invalid_input, parse_input, parse_signal
@@ -115,6 +128,7 @@ with workflow.unsafe.imports_passed_through():
         drain_and_retire,
         drain_node,
         failure_message,
+        failure_type,
         retire_drained,
         show_details,
         until_in,
@@ -225,6 +239,16 @@ RETIRE_BESIDE_PATCH = "site-retires-beside-its-loop"
 #: idle), at weight 0 and its Deployments at 0, with no alert; the next evacuation there "restored"
 #: the weight and kept both.
 PUT_BACK_PATCH = "site-puts-back-closed-evacuations"
+#: Workflow patch: a Site whose site the fleet config no longer names, with nothing left there, ends
+#: (``_removed_for_sure``). Asked where an activity's refusal of the site as unknown is taken (the
+#: reconcile's ``site_nodes``, the run's first ``resolve_site``, the watch), before anything else
+#: is done about it: after a regular activity, never a local one. Before, such a run showed the
+#: refusal and tried again every 5 minutes for ever (an activity's failure and a timer each time, an
+#: alert), until a person terminated it; a new run of it (continued as new, ``renew``) failed.
+REMOVED_PATCH = "site-ends-once-removed-from-config"
+#: Looks (``site_configured``) that must find the site unnamed, nothing left there, in a row, and
+#: span ``SiteInput.removed_seconds``, before the entity ends: one answer is not enough.
+REMOVED_LOOKS = 3
 #: How long a put-back waits for the site's replicas before its routing returns (the evacuation's
 #: ``ready_seconds`` at most): a site still down does not hold the entity's loop for long.
 PUT_BACK_READY_SECONDS = 120.0
@@ -303,6 +327,13 @@ class SiteEntity(Entity[SiteState]):
         # Patched in (``EVACUATION_IDS_PATCH``): the evacuation this run found running at its start,
         # its open incident (watched to its end, not started again).
         self._adopted = ""
+        # Patched in (``REMOVED_PATCH``): the looks in a row that found the site unnamed by the
+        # config with nothing left there (the first one's time), what the details say meanwhile,
+        # and why the run ends, once it is sure.
+        self._unnamed_since: float | None = None
+        self._unnamed_looks = 0
+        self._unnamed = ""
+        self._removed = ""
 
     @workflow.signal
     def reconcile(self) -> None:
@@ -456,15 +487,15 @@ class SiteEntity(Entity[SiteState]):
             inc.evacuate = True
 
     @workflow.run
-    async def run(self, raw: Any) -> None:
+    async def run(self, raw: Any) -> str | None:
         args = parse_input(SiteInput, raw)
         self._args = args
         self.start_with(_starting_state(args))
         self.state.wanted = True  # every run reconciles first: it reads the site's min/max again
-        site: Site = await workflow.execute_activity(
-            act.resolve_site, ResolveSiteInput(site=args.site), start_to_close_timeout=QUICK,
-            retry_policy=PROVIDER_RETRY, summary=f"min/max of {args.site} from the config",
-        )
+        site = await self._site_from_config(args)
+        if site is None:
+            # Nothing of its own started yet, and no Node entity asks about a site with no node.
+            return self._removed
         self._site = site
         status = self.state.status
         status.site, status.min_nodes, status.max_nodes = site.name, site.min_nodes, site.max_nodes
@@ -490,8 +521,7 @@ class SiteEntity(Entity[SiteState]):
         if incidents and workflow.patched(EVENTS_PATCH):
             self._events = True
             self._self_labels = workflow.patched(SELF_LABELS_PATCH)
-            await self._run_on_events(args)
-            return
+            return await self._run_on_events(args)
         # Runs from before ``EVENTS_PATCH``: a probe on a short timer (kept for their replay).
         next_reconcile = workflow.now() + timedelta(seconds=args.reconcile_seconds)
         while True:
@@ -526,13 +556,15 @@ class SiteEntity(Entity[SiteState]):
                 self.state.wanted = False
                 next_reconcile = workflow.now() + timedelta(seconds=args.reconcile_seconds)
                 await self._reconcile_or_later()
+            if self._removed:
+                return await self._end_removed()
             if self._may_continue():
                 # An admission still settling can open an incident meanwhile: it is in the state, carried.
                 await self.continue_as_new_when_ready(lambda: args.model_copy(
                     update={"state": self.state, "nodes": {}, "fills": 0, "incident": None}).model_dump(mode="json"))
 
     # -- on events (``EVENTS_PATCH``) -----------------------------------------------------------
-    async def _run_on_events(self, args: SiteInput) -> None:
+    async def _run_on_events(self, args: SiteInput) -> str:
         """Sleep until something happens: the watch returns (a node changed, the provider API's
         answer changed, or its safety look), a signal or transition, an admission that opened an
         incident, an ended fill or evacuation, or the one timer's deadline. Nothing on a short
@@ -565,6 +597,8 @@ class SiteEntity(Entity[SiteState]):
                 self.state.wanted = False
                 next_reconcile = workflow.now().timestamp() + every
                 await self._reconcile_or_later()
+            if self._removed:
+                return await self._end_removed()
             if (safety and self.state.incident.open is None and self._evac is None
                     and workflow.patched(ORPHANED_HOLDS_PATCH)):
                 await self._release_orphaned_holds()
@@ -633,6 +667,8 @@ class SiteEntity(Entity[SiteState]):
         except ActivityError as error:
             if self._stopping:
                 return  # cancelled for continue-as-new: the next run watches
+            if self._refused_as_unknown(error):
+                self.state.wanted = True  # the config may no longer name the site: the reconcile looks
             self._show(f"site watch failed ({failure_message(error)}); again in {LONG_WATCH_PAUSE}")
             await workflow.sleep(LONG_WATCH_PAUSE, summary="site watch failed: try again")
         finally:
@@ -1021,7 +1057,92 @@ class SiteEntity(Entity[SiteState]):
         lines += [f"- retiring {n}" for n in s.retiring]
         if self._passes.failing and self._passes.failing != line:
             lines.append(self._passes.failing)  # until a reconcile works, whatever else is shown
+        if self._unnamed and self._unnamed != line:
+            lines.append(self._unnamed)
         show_details(line, *lines)
+
+    # -- the site taken out of the fleet config (``REMOVED_PATCH``) -----------------------------
+    async def _site_from_config(self, args: SiteInput) -> Site | None:
+        """The site's entry in the config, the run's first activity. Refused as unknown (a run
+        started, or continued as new, after the site left the config; or one whose read reached a
+        worker whose config lacks a site just added): looked at as a reconcile's refusal is, and
+        read again after a pause until the config names the site, or the run ends (None)."""
+        while True:
+            try:
+                return await workflow.execute_activity(
+                    act.resolve_site, ResolveSiteInput(site=args.site), start_to_close_timeout=QUICK,
+                    retry_policy=PROVIDER_RETRY, summary=f"min/max of {args.site} from the config",
+                )
+            except ActivityError as error:
+                if not self._refused_as_unknown(error):
+                    raise
+                if await self._removed_for_sure(args.site):
+                    return None
+                await self._passes.pause_after(error, step="read its site's config", show=self._show)
+
+    @staticmethod
+    def _refused_as_unknown(error: ActivityError) -> bool:
+        """An activity refused the site (``InvalidRequest``: the worker's config does not name it),
+        and this run takes that path (``REMOVED_PATCH``, asked here, in the task that took the
+        failure)."""
+        return failure_type(error) == "InvalidRequest" and workflow.patched(REMOVED_PATCH)
+
+    async def _removed_for_sure(self, site: str) -> bool:
+        """An activity refused ``site`` as unknown: does the config no longer name it, with nothing
+        left there, for sure? One look (``site_configured``) each time; ``REMOVED_LOOKS`` in a row
+        spanning ``removed_seconds`` are sure (``self._removed`` then says why). A look that finds
+        it named (the refusal came from a worker whose config differs: a rolling deploy) or that
+        finds nodes or identity records there starts again; one that fails counts nothing."""
+        try:
+            found: SiteConfigured = await workflow.execute_activity(
+                act.site_configured, ResolveSiteInput(site=site), start_to_close_timeout=QUICK,
+                retry_policy=CLUSTER_RETRY, summary=f"is {site} still in the fleet config? what is left there?",
+            )
+        except ActivityError as error:
+            workflow.logger.warning("site %s: whether the config still names it not read (%s)", site,
+                                    failure_message(error))
+            return False
+        now = workflow.now().timestamp()
+        if found.configured or found.nodes or found.gone:
+            self._unnamed_since, self._unnamed_looks = None, 0
+            self._unnamed = "" if found.configured else self._left_there(site, found)
+            return False
+        if self._unnamed_since is None:
+            self._unnamed_since = now
+        self._unnamed_looks += 1
+        ends = self._unnamed_since + self._args.removed_seconds
+        if self._unnamed_looks >= REMOVED_LOOKS and now >= ends:
+            self._removed = f"site {site} is no longer in the fleet config; nothing left there"
+            return True
+        since = datetime.fromtimestamp(self._unnamed_since, timezone.utc)
+        self._unnamed = (f"not in the fleet config since {since:%H:%M:%S} UTC, nothing left there: this entity "
+                         f"ends at its first look after {datetime.fromtimestamp(ends, timezone.utc):%H:%M:%S} UTC "
+                         f"({REMOVED_LOOKS} looks at least) unless the config names the site again")
+        return False
+
+    @staticmethod
+    def _left_there(site: str, found: SiteConfigured) -> str:
+        """Why the entity of a site the config no longer names runs on, and what to do: what
+        ``gpufleet config check --fleet`` and ``gpufleet sites`` say of it."""
+        use = SiteInUse(site, tuple(found.nodes), tuple(tuple(pair) for pair in found.gone))
+        return f"{removed_site_refusal(use, 'the fleet config')}. This entity runs on until then"
+
+    async def _end_removed(self) -> str:
+        """The site left the config with nothing there (``_removed_for_sure``): the run ends with
+        why, once its own work in flight (a fill, a retirement, an evacuation) has ended, through
+        the base's gate. The watch and the timer are cancelled: nothing starts them again."""
+        self._stopping = True  # the watch's cancel is no failure to retry after a pause
+        for task in (self._watch, self._timer):
+            if task is not None:
+                task.cancel()
+        self._unnamed = ""
+        waiting = [what for what, task in (("its fill", self._fill), ("its retirement", self._retirement),
+                                           ("its evacuation", self._evac)) if task is not None]
+        self._show(self._removed + (f": ends once {' and '.join(waiting)} has ended" if waiting else ""))
+        await self.until_ready_to_end()
+        workflow.logger.warning("site %s: %s: the entity ends", self._site.name, self._removed)
+        self._show(self._removed)
+        return self._removed
 
     async def _reconcile_or_later(self) -> None:
         """A reconcile that failed (the cluster away past its retries, or refusing: a 403) is
@@ -1044,10 +1165,16 @@ class SiteEntity(Entity[SiteState]):
 
     async def _reconcile(self) -> None:
         site, s = self._site, self.state.status
-        nodes: list[SiteNode] = await workflow.execute_activity(
-            act.site_nodes, SiteNodesInput(site=site.name),
-            start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"nodes at {site.name}",
-        )
+        try:
+            nodes: list[SiteNode] = await workflow.execute_activity(
+                act.site_nodes, SiteNodesInput(site=site.name),
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary=f"nodes at {site.name}",
+            )
+        except ActivityError as error:
+            if self._refused_as_unknown(error) and await self._removed_for_sure(site.name):
+                return  # the loop ends the run
+            raise  # a failed pass: shown, tried again after a pause
+        self._unnamed_since, self._unnamed_looks, self._unnamed = None, 0, ""
         s.nodes = {n.node_name: ("ready" if n.ready and not n.unproven else "joining") for n in nodes}
         count = len(nodes)
         self.state.node_count = count

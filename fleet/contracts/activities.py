@@ -40,7 +40,7 @@ from fleet.messages.nodes import (
     PrepareNodeInput, ProbeGpusInput, ProvisionJoinInput, ProvisionMachineInput,
     ProvisionedMachine, ReinstallDriverInput, ReleaseProvisionInput, RemoveNodeInput,
     ReplacementSitesInput, ResetGpuInput, ResolveSiteInput, RestartMachineInput,
-    RevokeNodeTokensInput, SiteHealth, SiteHealthInput, SmokeResult,
+    RevokeNodeTokensInput, SiteConfigured, SiteHealth, SiteHealthInput, SmokeResult,
     SmokeTestInput, UncontainInput, UncontainResult, WaitForBootInput,
 )
 from fleet.messages.repair import NodeWatchInput, NodeWatchResult
@@ -547,6 +547,15 @@ async def set_site_weight(input: SiteWeightInput) -> SiteWeightResult:
 async def signal_sites(input: SignalSitesInput) -> list[str]:
     """Signal-with-start ``site/<name>`` of each named site with ``reconcile``. Body:
     ``activities/capacity.py``, ``CapacityActivities.signal_sites``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="site_configured")
+async def site_configured(input: ResolveSiteInput) -> SiteConfigured:
+    """Whether this worker's fleet config names the site, and where it does not, the nodes and
+    identity records the cluster still has there: a Site entity whose site was refused as unknown
+    asks before it ends. Body: ``activities/control_plane.py``,
+    ``ControlPlaneActivities.site_configured``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -259,6 +259,10 @@ class SiteInput(Strict):
     #: Passed to the AcquireCapacity it starts (tests shorten them).
     fill_request: CapacityRequestFields = Field(default_factory=dict)
     drain_seconds: float = Field(300, ge=0, le=DAY)
+    #: How long the config must go on not naming the site, with nothing left there, before its
+    #: entity ends (looked at three times at least): longer than a rolling deploy, whose old
+    #: worker may lack a site just added (tests shorten it).
+    removed_seconds: float = Field(300, ge=0, le=DAY)
     #: Provider incidents: state carried by runs before ``state``, and fields merged into the
     #: SiteEvacuation input it starts (``settings``, ``capacity_request``; tests shorten them).
     incident: IncidentCarry | None = None

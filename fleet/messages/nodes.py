@@ -19,6 +19,19 @@ class ResolveSiteInput(BaseModel):
     site: str
 
 
+class SiteConfigured(BaseModel):
+    """Whether the fleet config of the worker that answered names a site, and, where it does not,
+    what the cluster still has there (``fleet.site_use``): what decides whether the site's Site
+    entity may end."""
+
+    configured: bool
+    #: Nodes in the cluster labelled for the site (or whose join recorded it).
+    nodes: list[str] = Field(default_factory=list)
+    #: (node, machine) of each identity record of a node no longer in the cluster, whose machine
+    #: may still be billed.
+    gone: list[tuple[str, str]] = Field(default_factory=list)
+
+
 class ProvisionMachineInput(BaseModel):
     site: str
     spec: MachineSpec
