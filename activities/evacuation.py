@@ -25,6 +25,7 @@ from fleet.cluster import ANNOTATION_CORDONED_BY, LABEL_SITE, UNPROVEN_TAINT, Se
 from fleet.messages.capacity import ChildNumber, ChildNumberInput
 from fleet.messages.evacuation import (
     AdmitRepairInput,
+    ClosedEvacuationsInput,
     EvacuationFacts,
     EvacuationLeftovers,
     EvacuationRef,
@@ -198,7 +199,7 @@ class EvacuationActivities:
         handle = activity.client().get_workflow_handle(input.workflow_id)
         try:
             if (await handle.describe()).status == WorkflowExecutionStatus.RUNNING:
-                return EvacuationLeftovers(site=input.site, note="still running")
+                return EvacuationLeftovers(site=input.site, running=True, note="still running")
             left = await handle.query(flows.SiteEvacuation.leftovers, result_type=EvacuationLeftovers)
         except RPCError as error:
             if error.status != RPCStatusCode.NOT_FOUND:
@@ -213,13 +214,23 @@ class EvacuationActivities:
 
     @activity.defn
     @typed_errors
-    async def closed_evacuations(self, input: SiteRef) -> list[str]:
+    async def closed_evacuations(self, input: ClosedEvacuationsInput) -> list[str]:
         """The site's evacuations no longer running that left something behind for all to see: a
         cordon marked theirs (``fleet.cluster.ANNOTATION_CORDONED_BY``) on a node of the site, or the
         site's entry in the routing document still naming them. What the Site entity's safety look
         asks ``evacuation_leftovers`` of. A node's own annotations name at most one id each, and only
-        ids of this site's evacuations count (at most ten looked at)."""
-        site, cluster = input.site, self.env.cluster
+        ids of this site's evacuations count (at most ten looked at), none the entity put back already
+        (``input.put_back``). None at all while an evacuation of the site runs (the holder of its
+        ``evacuation-claim``, or one Temporal's visibility lists: begun, not yet claimed): it took the
+        site as it found it and puts back what it changed as it ends; a put-back meanwhile would route
+        to the site and scale it up under it."""
+        site, cluster, client = input.site, self.env.cluster, activity.client()
+        claim = await asyncio.to_thread(cluster.read_state, EVACUATION_CLAIM_KIND, site)
+        if claim.get(CLAIM_HOLDER) and await is_running(client, claim[CLAIM_HOLDER]):
+            return []
+        running = f'WorkflowType = "{flows.SiteEvacuation.TYPE}" AND Site = "{site}" AND ExecutionStatus = "Running"'
+        async for _ in client.list_workflows(running, limit=1):
+            return []
         found: set[str] = set()
         doc = await asyncio.to_thread(cluster.get_site_routes)
         route = doc.sites.get(site) if doc else None
@@ -235,7 +246,7 @@ class EvacuationActivities:
             mark = marks.annotations.get(ANNOTATION_CORDONED_BY, "")
             if is_evacuation_of(site, mark):
                 found.add(mark)
-        client = activity.client()
+        found -= set(input.put_back)
         return [workflow_id for workflow_id in sorted(found)[:10] if not await is_running(client, workflow_id)]
 
     @activity.defn

@@ -413,14 +413,11 @@ async def test_a_persons_terminated_evacuation_is_put_back_at_the_sites_safety_l
     """No Site entity watches a person's evacuation (``manual-<request>``), nor one an entity reset
     forgot: terminated, what it left is put back at the Site entity's next safety reconcile, which
     finds it by its cordon marks (or the site's routing entry still naming it)."""
-    a, d = inc.site("a"), inc.site("d")
+    a = inc.site("a")
     evacuation_id, _names = await _persons_evacuation_terminated(inc)
     site = await inc.start_site("a", reconcile_seconds=1)  # its safety reconcile (every 30 minutes by default)
 
-    async def put_back():  # its last step: the replica it moved to d gone
-        return inc.cluster.serving_status(MODEL, d).desired_replicas == 0 or None
-
-    await poll(put_back, timeout=60)
+    await poll(lambda: _put_back_to_d(inc), timeout=60)
     asked = await _activity_calls(site, "evacuation_leftovers", "release_cordons")
     assert [(kind, call.get("workflow_id") or call.get("cordoned_by")) for kind, call in asked] == [
         ("evacuation_leftovers", evacuation_id), ("release_cordons", evacuation_id)], asked
@@ -428,7 +425,85 @@ async def test_a_persons_terminated_evacuation_is_put_back_at_the_sites_safety_l
     routes = inc.cluster.get_site_routes().sites[a]
     assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
     assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1
+
+    async def next_look_leaves_it_out():  # put back once: the entity's next looks pass it on as such
+        looks = await _activity_calls(site, "closed_evacuations")
+        return looks[-1][1]["put_back"] == [evacuation_id] or None
+
+    await poll(next_look_leaves_it_out, timeout=30)
     await replay_and_record(site, PUT_BACK_SAFETY)
+
+
+async def test_a_closed_evacuation_is_put_back_once_not_at_every_safety_look(inc: IncStack) -> None:
+    """Review: a node the evacuation left to a repair keeps its cordon mark (a repair's fence keeps
+    it), so every safety look found the evacuation again and put it back again: each look scaled the
+    site's Deployments back to their counts before the incident, took away the replicas added
+    elsewhere since and reset the routing weight, undoing a person's later changes for as long as a
+    repair held that node. It is put back once."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY, FENCE_PREFIX
+
+    a, d = inc.site("a"), inc.site("d")
+    evacuation_id, names = await _persons_evacuation_terminated(inc)
+    site = await inc.start_site("a", reconcile_seconds=1)
+    await poll(lambda: _put_back_to_d(inc), timeout=60)
+    # A repair fences a GPU of one of its nodes, cordoned with the evacuation's mark; a person then
+    # scales the model up at both sites.
+    inc.cluster.cordon(names[0], True)
+    inc.cluster.annotate_node(names[0], {ANNOTATION_CORDONED_BY: evacuation_id, f"{FENCE_PREFIX}0": "reset"})
+    inc.serve(MODEL, "a", replicas=3)
+    inc.serve(MODEL, "d", replicas=2)
+    looks = len(await _activity_calls(site, "closed_evacuations"))
+
+    async def three_more_looks():
+        return len(await _activity_calls(site, "closed_evacuations")) >= looks + 3 or None
+
+    await poll(three_more_looks, timeout=60)
+    asked = await _activity_calls(site, "evacuation_leftovers", "release_cordons")
+    assert [kind for kind, _ in asked] == ["evacuation_leftovers", "release_cordons"], asked
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 3, "the person's scaling stays"
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 2
+    assert await _cordoned(inc, a) == {names[0]}, "the repair's node stays as it is"
+
+
+async def test_no_put_back_while_another_evacuation_of_the_site_runs(inc: IncStack) -> None:
+    """Review: the safety look's put-back looked only for the Site entity's own incident: a person's
+    evacuation running at the site, begun after an earlier one was terminated, had the site's weight
+    set back to 100, its Deployments scaled up and the earlier run's cordons lifted under it. While
+    any evacuation of the site runs, nothing is put back; once it ends, the earlier one is."""
+    from tests.evacuation_helpers import INCIDENT
+
+    a = inc.site("a")
+    evacuation_id, names = await _persons_evacuation_terminated(inc)
+    # The person evacuates the site again; it holds at its first restore step (a long bake).
+    second = await inc.client.start_workflow(
+        "SiteEvacuation",
+        {"site": a, "reason": "test: a person's second", "settings": {**INCIDENT, "bake_seconds": 3600}},
+        id=f"evacuate/{a}/manual-t2", task_queue=inc.settings.task_queue)
+    await poll(lambda: _evacuation_state(second, "restoring"), timeout=60)
+    weight = inc.cluster.get_site_routes().sites[a].weight
+    site = await inc.start_site("a", reconcile_seconds=1)
+
+    async def looks(n: int):
+        return len(await _activity_calls(site, "closed_evacuations")) >= n or None
+
+    await poll(lambda: looks(3), timeout=60)
+    assert await _activity_calls(site, "evacuation_leftovers") == [], "nothing put back while it runs"
+    routes = inc.cluster.get_site_routes().sites[a]
+    assert (routes.weight, routes.incident) == (weight, second.id), "the running evacuation's routing stays"
+    assert await _cordoned(inc, a) == set(names)
+
+    await second.execute_update("abort", "test: the person stops it")
+    await poll(lambda: _put_back_to_d(inc), timeout=60)
+    asked = await _activity_calls(site, "evacuation_leftovers")
+    assert [call["workflow_id"] for _, call in asked] == [evacuation_id], asked
+    routes = inc.cluster.get_site_routes().sites[a]
+    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+    assert await _cordoned(inc, a) == set()
+
+
+async def _put_back_to_d(inc: IncStack):
+    """The put-back's last step done: the replica moved to d gone (for ``poll``)."""
+    return inc.cluster.serving_status(MODEL, inc.site("d")).desired_replicas == 0 or None
 
 
 @pytest.mark.parametrize("ending", ["abort", "cancel"])

@@ -149,6 +149,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.watches import ClusterNodeState, SiteWatchInput, SiteWatchResult, node_summary
     from fleet.messages.evacuation import (
         AdmitRepairInput,
+        ClosedEvacuationsInput,
         EvacuationLeftovers,
         EvacuationResult,
         EvacuationRef,
@@ -234,10 +235,11 @@ RETIRE_BESIDE_PATCH = "site-retires-beside-its-loop"
 #: the site's Deployments, its routing weight, the replicas it added elsewhere (``leftovers``, its
 #: query). Asked as its incident closes, where the evacuation ended neither restored nor aborted
 #: (before the incident closes: no next evacuation meanwhile takes its cordons for "cordoned before"
-#: it), and at each safety reconcile with no incident open, for one the entity did not start or
-#: forgot (a person's, an entity reset). Before, the site stayed cordoned (read as a person's: billed,
-#: idle), at weight 0 and its Deployments at 0, with no alert; the next evacuation there "restored"
-#: the weight and kept both.
+#: it), and at each safety reconcile with no incident open and no evacuation of the site running, for
+#: one the entity did not start or forgot (a person's, an entity reset). Each is put back once
+#: (``PUT_BACK_KEPT``): a node a repair holds keeps its mark. Before, the site stayed cordoned (read as
+#: a person's: billed, idle), at weight 0 and its Deployments at 0, with no alert; the next evacuation
+#: there "restored" the weight and kept both.
 PUT_BACK_PATCH = "site-puts-back-closed-evacuations"
 #: Workflow patch: a Site whose site the fleet config no longer names, with nothing left there, ends
 #: (``_removed_for_sure``). Asked where an activity's refusal of the site as unknown is taken (the
@@ -249,6 +251,9 @@ REMOVED_PATCH = "site-ends-once-removed-from-config"
 #: Looks (``site_configured``) that must find the site unnamed, nothing left there, in a row, and
 #: span ``SiteInput.removed_seconds``, before the entity ends: one answer is not enough.
 REMOVED_LOOKS = 3
+#: How many evacuations a Site entity remembers having put back (``IncidentCarry.put_back``, newest
+#: kept): each is put back once, however long a repair keeps a node cordoned with its mark.
+PUT_BACK_KEPT = 50
 #: How long a put-back waits for the site's replicas before its routing returns (the evacuation's
 #: ``ready_seconds`` at most): a site still down does not hold the entity's loop for long.
 PUT_BACK_READY_SECONDS = 120.0
@@ -834,13 +839,14 @@ class SiteEntity(Entity[SiteState]):
     async def _put_back_closed_evacuations(self) -> None:
         """What evacuations of the site no longer running left behind (their cordon marks, the
         site's routing entry): put back. One of a person's, or of an incident an entity reset forgot;
-        the entity's own incidents are put back as they close. Bounded tries: the next safety look
-        tries again."""
+        the entity's own incidents are put back as they close. Each once (``IncidentCarry.put_back``),
+        none while an evacuation of the site runs. Bounded tries: the next safety look tries again."""
         site = self._site.name
         try:
             closed: list[str] = await workflow.execute_activity(
-                act.closed_evacuations, SiteRef(site=site), start_to_close_timeout=QUICK,
-                retry_policy=CLUSTER_RETRY, summary=f"evacuations of {site} no longer running that left something",
+                act.closed_evacuations, ClosedEvacuationsInput(site=site, put_back=self.state.incident.put_back),
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary=f"evacuations of {site} no longer running that left something",
             )
         except ActivityError as error:
             workflow.logger.warning("site %s: evacuations' leftovers not looked for (%s)", site, failure_message(error))
@@ -865,6 +871,8 @@ class SiteEntity(Entity[SiteState]):
                 summary=f"what {evacuation_id} changed and did not put back",
             )
             if left.put_back:
+                if not left.running:
+                    self._put_back_once(evacuation_id)  # nothing to put back: not asked again
                 return ""
             workflow.logger.warning("site %s: %s closed without putting back what it changed: putting it back",
                                     site, evacuation_id)
@@ -906,12 +914,20 @@ class SiteEntity(Entity[SiteState]):
                                   evacuation_id, failure_message(error))
             return (f"; what it left not all put back ({failure_message(error)}): see GpufleetIncidentOpen in "
                     "docs/operations.md")
+        self._put_back_once(evacuation_id)
         note = (f"; put back what it left: {len(released)} nodes uncordoned, {len(left.here)} models' replicas "
                 f"and routing at {site}, {sum(len(w) for w in left.elsewhere.values())} scaled back elsewhere")
         if late:
             note += f"; not ready again by {deadline:%H:%M:%S} UTC: {', '.join(late)}"
         workflow.logger.warning("site %s: %s%s", site, evacuation_id, note)
         return note
+
+    def _put_back_once(self, evacuation_id: str) -> None:
+        """Never put back ``evacuation_id`` again: the cordons a repair holds keep its mark (a safety
+        look finds it again), and a second put-back would scale the site and route to it as before its
+        incident, undoing whatever people changed since."""
+        inc = self.state.incident
+        inc.put_back = [*(i for i in inc.put_back if i != evacuation_id), evacuation_id][-PUT_BACK_KEPT:]
 
     async def _scale(self, model: str, site: str, replicas: int, retry: RetryPolicy) -> None:
         await workflow.execute_activity(

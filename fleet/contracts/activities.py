@@ -30,9 +30,9 @@ from fleet.messages.demand import (
 )
 from fleet.contracts.entity_update import EntityUpdateInput, EntityUpdateResult
 from fleet.messages.evacuation import (
-    AdmitRepairInput, EvacuationFacts, EvacuationLeftovers, EvacuationRef, FreeGpusInput, HoldRepairsInput,
-    ReleaseNodesInput, ReleaseNodesResult, RepairDecision, ScaleInput, SiteProbe, SiteRef, SiteWeightInput,
-    SiteWeightResult,
+    AdmitRepairInput, ClosedEvacuationsInput, EvacuationFacts, EvacuationLeftovers, EvacuationRef, FreeGpusInput,
+    HoldRepairsInput, ReleaseNodesInput, ReleaseNodesResult, RepairDecision, ScaleInput, SiteProbe, SiteRef,
+    SiteWeightInput, SiteWeightResult,
 )
 from fleet.messages.nodes import (
     AdmitNodeInput, AwaitRegistrationInput, ContainInput, ContainResult, DeleteMachineInput,
@@ -125,9 +125,10 @@ async def check_credentials(input: AccountInput) -> str:
 
 
 @activity.defn(name="closed_evacuations")
-async def closed_evacuations(input: SiteRef) -> list[str]:
-    """The site's evacuations no longer running whose cordon marks or routing entry are still there.
-    Body: ``activities/evacuation.py``, ``EvacuationActivities.closed_evacuations``."""
+async def closed_evacuations(input: ClosedEvacuationsInput) -> list[str]:
+    """The site's evacuations no longer running whose cordon marks or routing entry are still there,
+    less those put back already; none while an evacuation acts at the site. Body:
+    ``activities/evacuation.py``, ``EvacuationActivities.closed_evacuations``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -36,6 +36,14 @@ class SiteRef(BaseModel):
     site: str
 
 
+class ClosedEvacuationsInput(BaseModel):
+    """``closed_evacuations``: the site, and the evacuations its Site entity has put back already
+    (``IncidentCarry.put_back``), which it leaves out."""
+
+    site: str
+    put_back: list[str] = Field(default_factory=list, max_length=100)
+
+
 # -- the Site entity's incident state ---------------------------------------------------------
 class IncidentRecord(BaseModel):
     id: str
@@ -64,6 +72,12 @@ class IncidentCarry(BaseModel):
     last_seen: float | None = None
     #: When it last came back: repairs and incidents wait out ``control_plane.return_grace_seconds``.
     returned_at: float | None = None
+    #: Evacuations of the site that closed without putting back, whose leftovers the entity has put
+    #: back (or found none in), newest last and bounded (``workflows.site.PUT_BACK_KEPT``): never put
+    #: back twice. A node left to a repair keeps its evacuation's cordon mark, so ``closed_evacuations``
+    #: finds that evacuation at every safety look; put back again, the site's Deployments, its routing
+    #: and the replicas elsewhere went back to before its incident, undoing what people changed since.
+    put_back: list[str] = Field(default_factory=list)
 
 
 class IncidentView(BaseModel):
@@ -270,6 +284,8 @@ class EvacuationLeftovers(BaseModel):
     cordoned: list[str] = Field(default_factory=list)
     #: Why there is nothing to read, where that is so ("still running", "no longer on record").
     note: str = ""
+    #: It is still running (it puts back itself): the one answer to ask again later.
+    running: bool = False
 
 
 class EvacuationResult(BaseModel):
