@@ -39,6 +39,7 @@ from fleet.messages.demand import (
     Purchase,
     PurchaseState,
     PurchaseStatusInput,
+    StartedPurchasesInput,
     StartPurchaseInput,
     WatchDemandInput,
     purchase_request,
@@ -91,7 +92,7 @@ class DemandActivities:
 
     def all(self) -> list:
         return [self.demand_settings, self.watch_demand, self.plan_demand, self.plan_and_buy, self.start_purchase,
-                self.purchase_status, self.cancel_purchase, self.idle_nodes]
+                self.started_purchases, self.purchase_status, self.cancel_purchase, self.idle_nodes]
 
     @activity.defn
     def demand_settings(self) -> dict:
@@ -259,7 +260,7 @@ class DemandActivities:
         started under the numbers it would use as its own, named first in the answer (one still
         running counts as joining in the plan, so its pods buy nothing more)."""
         (earlier, taken), catalog = await asyncio.gather(
-            self._started_earlier(input),
+            self._started_earlier(input.seq, input.series),
             CapacityActivities(self.env).read_catalog(GetCatalogInput(max_age_seconds=CATALOG_MAX_AGE_SECONDS)))
         joining = [*input.joining, *(JoiningMachine(purchase=p.workflow_id, site=p.site, gpus=p.gpus,
                                                     capacity_type=p.capacity_type, model_gpus=p.model_gpus)
@@ -269,22 +270,35 @@ class DemandActivities:
         replacing = await self._reclaim_replacements(planning)
         planned = await asyncio.to_thread(self._plan, planning, replacing)
         seq = input.seq + taken
-        started = await asyncio.gather(*(
-            self._start(purchase_workflow_id(seq + n, input.series), machine, input)
-            for n, machine in enumerate(planned.plan.machines, start=1)))
+        started: list[Purchase] = []
+        for n, machine in enumerate(planned.plan.machines, start=1):
+            # One after another, in number order: a start that fails ends the step with no number
+            # after it started, so the next try's look (up to the first free number) finds every
+            # purchase this one started. Side by side, a later number could start as an earlier one
+            # failed: unseen behind that gap, its pods were planned and bought for again.
+            started.append(await self._start(purchase_workflow_id(seq + n, input.series), machine, input))
         return PlanAndBuyResult(**dict(planned), purchases=[*(p for p, _ in earlier), *started],
                                 seq=seq + len(started))
 
-    async def _started_earlier(self, input: PlanAndBuyInput) -> tuple[list[tuple[Purchase, bool]], int]:
-        """The purchases under the numbers after ``input.seq`` that an earlier try of this step
-        started (its memo says how the loop follows it), each with whether it still runs, and how
-        many numbers are taken, up to the first free one. A number one of no step's runs under (an
-        earlier loop's, from before purchases had a series) is skipped while it runs: never joined."""
+    @activity.defn
+    async def started_purchases(self, input: StartedPurchasesInput) -> list[Purchase]:
+        """The purchases still running that a ``plan_and_buy`` started under the numbers after
+        ``input.seq`` (each as the loop follows it): what a step that failed after a start left, for
+        a loop that will not plan again (cancelled) to stop."""
+        earlier, _ = await self._started_earlier(input.seq, input.series)
+        return [purchase for purchase, running in earlier if running]
+
+    async def _started_earlier(self, seq: int, series: str) -> tuple[list[tuple[Purchase, bool]], int]:
+        """The purchases under the numbers after ``seq`` that an earlier try of the step started
+        (its memo says how the loop follows it), each with whether it still runs, and how many
+        numbers are taken, up to the first free one (the step starts its numbers in order, so
+        none it started lies past it). A number one of no step's runs under (an earlier loop's,
+        from before purchases had a series) is skipped while it runs: never joined."""
         client = activity.client()
         found: list[tuple[Purchase, bool]] = []
         taken = 0
         while True:
-            workflow_id = purchase_workflow_id(input.seq + taken + 1, input.series)
+            workflow_id = purchase_workflow_id(seq + taken + 1, series)
             try:
                 described = await client.get_workflow_handle(workflow_id).describe()
             except RPCError as error:

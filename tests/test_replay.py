@@ -197,6 +197,9 @@ EXPECTED = {
     # ``demand_cancelled_as_its_purchase_starts``, whose start was in flight as the cancel landed).
     "demand_plans_and_buys_in_one_step", "demand_plans_and_buys_in_one_step_before",
     "demand_cancelled_as_its_step_starts_a_purchase",
+    # A loop cancelled while that step failed after a start takes the purchase it started from
+    # Temporal (``started_purchases``) and stops it (the same patch: a path no earlier run took).
+    "demand_cancelled_as_its_step_fails_after_a_start",
     # A site above its max retires its free nodes, never one a repair or a person holds, and one
     # freed by its repair's end; its retirement keeps a node a repair took during the drain
     # (tests/test_site_reclaim.py); an evacuation keeps a node it bought that a repair holds

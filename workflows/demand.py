@@ -19,7 +19,8 @@ One entity per fleet, a loop:
 Every decision (pods → offer → purchase, with its reason; cancellations; retirements)
 is in the current details and the ``status`` query (``gpufleet demand``).
 Cancelled (``temporal workflow cancel``, the UI), the loop stops spending before it ends: each
-purchase still buying (or kept after its pods went) is told to ``stop`` (its joins in flight delete
+purchase still buying (or kept after its pods went, or started by a ``plan_and_buy`` that failed
+before the loop heard of it: taken from Temporal first) is told to ``stop`` (its joins in flight delete
 their machines; nodes already joined stay), its drains in flight are cancelled and their nodes
 uncordoned (a node already retired stays retired), and its details and log say what it stopped
 (``CANCEL_WINDS_DOWN_PATCH``).
@@ -52,7 +53,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.demand import (
         CancelOutcome, CancelPurchaseInput, DemandBatch, DemandCarry, DemandInput, DemandStatus, IdleNodesResult,
         JoiningMachine, PlanAndBuyInput, PlanAndBuyResult, PlanDemandInput, PlanDemandResult, Purchase, PurchaseState,
-        PurchaseStatusInput, StartPurchaseInput, WatchDemandInput, pods_named, purchase_request, purchase_summary,
+        PurchaseStatusInput, StartedPurchasesInput, StartPurchaseInput, WatchDemandInput, pods_named, purchase_request,
+        purchase_summary,
     )
     from fleet.naming import purchase_workflow_id
     from fleet.messages.watches import DemandWake, DemandWatchInput
@@ -178,6 +180,8 @@ class Demand(Entity[DemandCarry]):
         self._busy: list[str] | None = None
         #: The fleet config's ``demand:`` block, read by the first pass that gets through it.
         self._config: dict | None = None
+        #: A ``plan_and_buy`` failed (or is in flight): purchases it started may be unknown to the loop.
+        self._unanswered = False
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("watching")])
         try:
             await self._loop()
@@ -392,6 +396,9 @@ class Demand(Entity[DemandCarry]):
     async def _plan_and_buy_in_one_step(self, batch: DemandBatch) -> None:
         """``PLAN_AND_BUY_PATCH``: the catalog, the plan and the purchases' starts in one activity."""
         joining, excluded = self._joining_and_excluded()
+        # Until its answer: a step that fails may have started purchases first, which the loop hears
+        # of only from the next step (it takes them) or, cancelled before that, from ``_take_started``.
+        self._unanswered = True
         step = workflow.start_activity(
             act.plan_and_buy,
             PlanAndBuyInput(joining=joining, excluded=excluded, seq=self.state.seq, series=self.state.series,
@@ -408,12 +415,13 @@ class Demand(Entity[DemandCarry]):
             try:
                 self._took(batch, await step)
             except ActivityError:
-                pass  # failed meanwhile: what it started, the loop never heard of
+                pass  # failed meanwhile: the wind-down looks for what it started (``_unanswered``)
             raise
         self._took(batch, result)
 
     def _took(self, batch: DemandBatch, result: PlanAndBuyResult) -> None:
         """What one ``plan_and_buy`` planned and started, followed from now on."""
+        self._unanswered = False
         self._planned(batch, result)
         self.state.seq = max(self.state.seq, result.seq)
         for purchase in result.purchases:
@@ -467,6 +475,8 @@ class Demand(Entity[DemandCarry]):
         # purchases (``AcquireCapacity.stop`` drops a reason past MAX_NOTE, and the purchase bought on).
         why = shortened(f"the demand loop was {cancelled_words()}", MAX_NOTE)
         self._show("cancelled: winding down")
+        if self._unanswered:
+            await self._take_started()
         stopped, ended = await self._stop_purchases("the demand loop was cancelled")
         uncordoned, left = await self._release_drains()
         said = [f"stopped purchases {', '.join(stopped)}" if stopped else "no purchase was buying"]
@@ -478,6 +488,25 @@ class Demand(Entity[DemandCarry]):
         self._log("cancelled: " + "; ".join(said))
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("cancelled")])
         show_details("cancelled", *(f"- {line}" for line in said), detail=why)
+
+    async def _take_started(self) -> None:
+        """The purchases still running that a failed ``plan_and_buy`` started under the loop's next
+        numbers (each carries what the loop follows it as), followed from now on: no later step
+        takes them, and unknown to the wind-down they would buy until their deadline. Retried until
+        done, as a put-back."""
+        try:
+            started: list[Purchase] = await workflow.execute_activity(
+                act.started_purchases, StartedPurchasesInput(seq=self.state.seq, series=self.state.series),
+                start_to_close_timeout=QUICK, retry_policy=PUT_BACK_RETRY,
+                summary="the purchases a failed step started (the loop was cancelled)",
+            )
+        except ActivityError as error:  # refused for good: the wind-down stops those it knows
+            problem = failure_text(error)[:MAX_PROBLEM_SHOWN]
+            self._log(f"could not look for the purchases a failed step started ({problem})")
+            return
+        for purchase in started:
+            self.state.purchases.append(purchase)
+            self._bought(purchase)
 
     async def _stop_purchases(self, why: str) -> tuple[list[str], list[str]]:
         """Signal ``stop`` to each purchase still buying, and to each kept after its pods went (its

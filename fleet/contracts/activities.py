@@ -26,7 +26,8 @@ from fleet.messages.capacity import (
 from fleet.messages.csr import CsrApproverResult
 from fleet.messages.demand import (
     CancelOutcome, CancelPurchaseInput, DemandBatch, IdleNodesResult, PlanAndBuyInput, PlanAndBuyResult,
-    PlanDemandInput, PlanDemandResult, PurchaseState, PurchaseStatusInput, StartPurchaseInput, WatchDemandInput,
+    PlanDemandInput, PlanDemandResult, Purchase, PurchaseState, PurchaseStatusInput, StartedPurchasesInput,
+    StartPurchaseInput, WatchDemandInput,
 )
 from fleet.contracts.entity_update import EntityUpdateInput, EntityUpdateResult
 from fleet.messages.evacuation import (
@@ -601,6 +602,14 @@ async def smoke_test(input: SmokeTestInput) -> NodeAnswer:
 async def start_purchase(input: StartPurchaseInput) -> str:
     """Start the purchase's AcquireCapacity (a retried start finds the one it started). Body:
     ``activities/demand.py``, ``DemandActivities.start_purchase``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="started_purchases")
+async def started_purchases(input: StartedPurchasesInput) -> list[Purchase]:
+    """The purchases still running that a ``plan_and_buy`` started under the numbers after
+    ``input.seq``, each as the loop follows it. Body: ``activities/demand.py``,
+    ``DemandActivities.started_purchases``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -85,6 +85,13 @@ class PlanAndBuyResult(PlanDemandResult):
     seq: int = 0
 
 
+class StartedPurchasesInput(BaseModel):
+    """The purchases a ``plan_and_buy`` started under the numbers after ``seq`` (``started_purchases``)."""
+
+    seq: int = 0
+    series: str = Field("", max_length=64)
+
+
 class StartPurchaseInput(BaseModel):
     workflow_id: str
     request: dict
