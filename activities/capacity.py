@@ -49,7 +49,7 @@ from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.ledger import record_retire
 from fleet import search_attributes as sa
-from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocked, OverQuota
+from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocked, OverQuota, ProviderError
 from fleet.models import AccountState, listing
 from fleet.naming import account_workflow_id, fill_number_of, fill_workflow_id, site_workflow_id
 from fleet.placement import AccountView
@@ -547,6 +547,17 @@ class CapacityActivities:
         except NodeNotFound:
             return DrainResult(node=input.node_name, completed=True)
 
+    def _machine_gone(self, site: str, machine_id: str) -> bool:
+        """``FleetEnv.machine_gone``, a provider that does not answer read as "not gone": the node
+        held is kept, as when the provider was not asked, and the next retirement asks again. The
+        retire does not wait on, nor fail with, a provider it needs only for a ghost."""
+        try:
+            return self.env.machine_gone(site, machine_id)
+        except ProviderError as error:
+            log.warning("could not ask %s whether machine %s is gone (%s: %s): kept as held",
+                        site, machine_id, error.type_name, error)
+            return False
+
     @activity.defn
     @typed_errors
     @reports_account(lambda input: input.site)
@@ -562,7 +573,8 @@ class CapacityActivities:
 
         Only a node whose machine lives is kept so: one whose machine is gone already (an earlier
         attempt deleted it before the Node's removal failed, a reclaim took it) is a ghost, and
-        goes whoever holds it. The provider is asked only then, on a node found held.
+        goes whoever holds it. The provider is asked only then, on a node found held; one that does
+        not answer leaves the node held (the next retirement asks again).
 
         The machine first: it bills until deleted, and a Node that cannot be removed
         (the cluster refusing) must not keep the delete from running."""
@@ -583,7 +595,7 @@ class CapacityActivities:
             except NodeNotFound:
                 held = ""  # the Node is gone: its machine still goes
             if held:
-                gone = bool(input.machine_id) and self.env.machine_gone(input.site, input.machine_id)
+                gone = bool(input.machine_id) and self._machine_gone(input.site, input.machine_id)
                 if not gone:
                     return held
         if input.machine_id:

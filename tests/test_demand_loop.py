@@ -830,6 +830,38 @@ async def test_a_retirement_removes_a_node_a_person_uncordoned_once_its_machine_
         assert cap.cluster.get_node(node) is None
 
 
+async def test_a_retirement_keeps_a_node_a_person_marked_theirs_while_the_provider_does_not_answer(
+        temporal_env, tmp_path, monkeypatch, caplog):
+    """A node the loop drained is a person's now, and the provider's API is down (a 503) as the
+    retire asks whether its machine is gone: not known gone, the node is kept as held, at once,
+    nothing deleted, and the fault logged; the next retirement pass asks again. Before, the retire
+    failed with the provider's error and was retried for minutes (its policy's attempts), a node
+    found held no longer answered by the cluster alone."""
+    from temporalio.testing import ActivityEnvironment
+
+    from activities.capacity import CapacityActivities
+    from fleet.errors import Transient
+    from fleet.messages.capacity import RetireMachineInput
+    from sim.provider import SimProvider
+
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node = await guarded_node(cap)
+        (machine,) = cap.world.machines(cap.site("mid"))
+        cap.cluster.cordon(node, by="alice")
+
+        def unavailable(self, machine_id: str):
+            raise Transient(f"GET /instances/{machine_id}: 503 Service Unavailable", provider="sim", code="503")
+
+        monkeypatch.setattr(SimProvider, "get_machine", unavailable)
+        retire = CapacityActivities(cap.env).retire_machine
+        mine = RetireMachineInput(site=cap.site("mid"), node_name=node, machine_id=machine["id"],
+                                  cordoned_by=CORDONED_BY_DEMAND)
+        assert await ActivityEnvironment().run(retire, mine) == f"cordoned by 'alice' ({ANNOTATION_CORDONED_BY})"
+        assert cap.cluster.get_node(node) is not None, "the node stays"
+        assert [m["id"] for m in cap.world.machines(cap.site("mid"))] == [machine["id"]], "its machine stays"
+        assert "503 Service Unavailable" in caplog.text, "the provider's fault is logged"
+
+
 async def test_a_drain_for_the_loop_keeps_a_persons_mark_written_as_it_drops_its_own_from_a_fenced_node(
         temporal_env, tmp_path, monkeypatch):
     """The loop cordoned a node, then a repair fenced a GPU of it: the repair's now, so the loop's
