@@ -75,7 +75,7 @@ SKIPPED_WITHOUT = {
     "ip": ["the real Kubernetes tier (tests/realk8s)"],
     "unshare": ["the real Kubernetes tier (tests/realk8s)", "tests/test_node_install.py"],
     "pg_ctlcluster": ["the real Temporal tier (tests/realtemporal)"],
-    "openssl": ["tests/realtemporal/test_tls.py", "tests/test_node_gateway.py"],
+    "openssl": ["tests/realtemporal/test_tls.py", "tests/security/test_gateway_tokens.py", "tests/test_node_gateway.py"],
     # Not a Debian package: built with the real Kubernetes tier (build_real_components).
     "kubectl": ["tests/test_deploy.py", "tests/cluster/test_network.py", "tests/test_helm.py"],
 }
