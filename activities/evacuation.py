@@ -221,9 +221,9 @@ class EvacuationActivities:
         asks ``evacuation_leftovers`` of. A node's own annotations name at most one id each, and only
         ids of this site's evacuations count (at most ten looked at), none the entity put back already
         (``input.put_back``). None at all while an evacuation of the site runs (the holder of its
-        ``evacuation-claim``, or one Temporal's visibility lists: begun, not yet claimed): it took the
-        site as it found it and puts back what it changed as it ends; a put-back meanwhile would route
-        to the site and scale it up under it."""
+        ``evacuation-claim``, or one Temporal's visibility lists: begun, not yet claimed): it took over
+        what they left as it began (``EvacuationFacts.left``) and puts back what it changed as it ends;
+        a put-back meanwhile would route to the site and scale it up under it."""
         site, cluster, client = input.site, self.env.cluster, activity.client()
         claim = await asyncio.to_thread(cluster.read_state, EVACUATION_CLAIM_KIND, site)
         if claim.get(CLAIM_HOLDER) and await is_running(client, claim[CLAIM_HOLDER]):
@@ -231,6 +231,11 @@ class EvacuationActivities:
         running = f'WorkflowType = "{flows.SiteEvacuation.TYPE}" AND Site = "{site}" AND ExecutionStatus = "Running"'
         async for _ in client.list_workflows(running, limit=1):
             return []
+        return await self._closed(site, set(input.put_back))
+
+    async def _closed(self, site: str, put_back: set[str] = frozenset()) -> list[str]:
+        """``closed_evacuations``, whoever acts at the site, less ``put_back``."""
+        cluster, client = self.env.cluster, activity.client()
         found: set[str] = set()
         doc = await asyncio.to_thread(cluster.get_site_routes)
         route = doc.sites.get(site) if doc else None
@@ -246,8 +251,28 @@ class EvacuationActivities:
             mark = marks.annotations.get(ANNOTATION_CORDONED_BY, "")
             if is_evacuation_of(site, mark):
                 found.add(mark)
-        found -= set(input.put_back)
+        found -= put_back
         return [workflow_id for workflow_id in sorted(found)[:10] if not await is_running(client, workflow_id)]
+
+    async def _left_by_closed(self, site: str) -> dict[str, EvacuationLeftovers]:
+        """What the site's evacuations no longer running changed and did not put back, by id
+        (``EvacuationFacts.left``). One that cannot say (its history no longer replays), or a look
+        that fails, is left out: the Site entity's put-back is then its way back, as before."""
+        try:
+            closed = await self._closed(site)
+        except (FleetError, RPCError) as error:
+            activity.logger.warning("site %s: evacuations' leftovers not looked for (%s)", site, error)
+            return {}
+        left = {}
+        for workflow_id in closed:
+            try:
+                found = await self.evacuation_leftovers(EvacuationRef(site=site, workflow_id=workflow_id))
+            except (ApplicationError, RPCError) as error:
+                activity.logger.warning("%s: what it left not read (%s)", workflow_id, error)
+                continue
+            if not found.put_back:
+                left[workflow_id] = found
+        return left
 
     @activity.defn
     async def incident_number(self, input: ChildNumberInput) -> ChildNumber:
@@ -300,8 +325,10 @@ class EvacuationActivities:
 
     @activity.defn
     @typed_errors
-    def evacuation_facts(self, input: SiteRef) -> EvacuationFacts:
-        return self._facts(input.site)
+    async def evacuation_facts(self, input: SiteRef) -> EvacuationFacts:
+        facts = await asyncio.to_thread(self._facts, input.site)
+        facts.left = await self._left_by_closed(input.site)
+        return facts
 
     def _facts(self, name: str, whole: bool = True) -> EvacuationFacts:
         """``evacuation_facts``; not ``whole``: without the models' routes and the site's nodes, which
@@ -375,22 +402,31 @@ class EvacuationActivities:
     @activity.defn
     @typed_errors
     def release_nodes(self, input: ReleaseNodesInput) -> ReleaseNodesResult:
-        """Uncordon the nodes an evacuation cordoned, except one held for a reason of its own:
-        a GPU still fenced by its repair (the repair uncordons it when done). ``keep_cordoned``
-        (cordoned before it began) stay as they are. Returns each node's outcome, with why a
-        held one stays cordoned."""
+        """Uncordon the nodes an evacuation cordoned, except one someone took since: a repair that
+        fenced a GPU of it (the repair uncordons it when done), or a person or another owner who marked
+        the cordon theirs (``ANNOTATION_CORDONED_BY``; the evacuation's drain marked it with its id, the
+        calling workflow's). ``keep_cordoned`` (cordoned before it began) stay as they are, but for one
+        whose cordon is marked with the id of an evacuation it took over (``adopted``): that cordon is
+        its own now. Returns each node's outcome, with why a held one stays cordoned."""
         cluster, out = self.env.cluster, ReleaseNodesResult()
+        ours = {activity.info().workflow_id, *input.adopted}
+        before = set(input.keep_cordoned)
 
         def release(name: str, marks: NodeMarks) -> None:
             fenced = fenced_gpus(marks.annotations)
+            by = marks.annotations.get(ANNOTATION_CORDONED_BY, "")
             if fenced:
                 out.held[name] = (f"GPU {', '.join(fenced)} fenced by its repair (its Node entity uncordons "
                                   f"it when the GPU is healthy)")
-            elif name in input.keep_cordoned:
+            elif name in before and by not in ours:
                 out.held[name] = "cordoned before the evacuation began (left as it was found)"
+            elif by and by not in ours:
+                # Bounded: the node's own annotation, said in the evacuation's outcome.
+                out.held[name] = (f"cordoned by {by[:40]!r} ({ANNOTATION_CORDONED_BY}): the cordon is no "
+                                  "longer the evacuation's, left as it is")
             else:
                 if marks.unschedulable:
-                    # On the marks read: a repair's fence since refuses it, and is seen.
+                    # On the marks read: a repair's fence or a person's mark since refuses it, and is seen.
                     cluster.cordon(name, False, version=marks.version)
                 out.uncordoned.append(name)
 

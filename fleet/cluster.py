@@ -58,7 +58,9 @@ CORDONED_BY_EVACUATION = "evacuation"
 # (``evacuate/<site>/<n>``, a person's ``evacuate/<site>/manual-<request>``): a cordon it left behind
 # (the run terminated) is then told from a person's and from a repair's, and whose it is says whether
 # its owner still runs. Unmarked, such cordons read as a person's (``gpufleet`` said ``operator``), and
-# the next evacuation kept them as "cordoned before" it (``fleet.naming.is_evacuation_of``).
+# the next evacuation kept them as "cordoned before" it (``fleet.naming.is_evacuation_of``); now it takes
+# over what one that ended left (``EvacuationFacts.left``), and its put-back lifts only the cordons still
+# so marked (one a person marked theirs since stays).
 
 #: A spot reclaim's mark: its drain cordoned the node, whose machine the provider takes at the
 #: notice. A cancelled reclaim (the notice was false) uncordons a node still so marked, and no other.

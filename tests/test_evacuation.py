@@ -388,10 +388,10 @@ PUT_BACK_SAFETY = "site_puts_back_a_persons_terminated_evacuation"
 PUT_BACK_SAFETY_BEFORE = f"{PUT_BACK_SAFETY}_before"
 
 
-async def _persons_evacuation_terminated(inc: IncStack) -> tuple[str, list[str]]:
+async def _persons_evacuation_drained(inc: IncStack) -> tuple[WorkflowHandle, list[str]]:
     """A person's evacuation of site ``a`` (``gpufleet evacuate start``: ``manual-<request>``, no Site
-    entity watches it) drained its four nodes, then was terminated; the provider is back. Its id and
-    the nodes by name."""
+    entity watches it), its four nodes drained and its one replica moved to d, waits for the provider
+    to recover. It, and the nodes by name."""
     a = inc.site("a")
     machines = await inc.join("a", 4)
     await inc.join("d", 1)
@@ -404,6 +404,14 @@ async def _persons_evacuation_terminated(inc: IncStack) -> tuple[str, list[str]]
     await poll(lambda: _evacuation_state(handle, "waiting-for-recovery"), timeout=30)
     names = sorted(inc.world.machine(m)["name"] for m in machines)
     assert await _cordoned(inc, a) == set(names)
+    return handle, names
+
+
+async def _persons_evacuation_terminated(inc: IncStack) -> tuple[str, list[str]]:
+    """``_persons_evacuation_drained``, then terminated; the provider is back. Its id and the nodes by
+    name."""
+    a = inc.site("a")
+    handle, names = await _persons_evacuation_drained(inc)
     await handle.terminate("test: stuck, an operator terminates it")
     inc.world.set_site(a, unreachable=0)
     return handle.id, names
@@ -504,6 +512,96 @@ async def test_no_put_back_while_another_evacuation_of_the_site_runs(inc: IncSta
 async def _put_back_to_d(inc: IncStack):
     """The put-back's last step done: the replica moved to d gone (for ``poll``)."""
     return inc.cluster.serving_status(MODEL, inc.site("d")).desired_replicas == 0 or None
+
+
+async def test_an_abort_leaves_cordoned_a_node_a_person_took_since_its_drain(inc: IncStack) -> None:
+    """Review: an evacuation's abort uncordoned every node its drain had cordoned, one a person had
+    taken since (``kubectl annotate node N gpufleet.io/cordoned-by=alice --overwrite``) included: their
+    node took pods again behind their back. The put-back lifts only the cordons still the evacuation's
+    (marked with its id); the person's stays, and the outcome names the node and whose it is."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY
+
+    a = inc.site("a")
+    handle, names = await _persons_evacuation_drained(inc)
+    inc.cluster.annotate_node(names[1], {ANNOTATION_CORDONED_BY: "alice"})
+
+    await handle.execute_update("abort", "test: the provider says it was a blip")
+    result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+    assert result.outcome == "aborted"
+    assert await _cordoned(inc, a) == {names[1]}, "only the node a person took since stays cordoned"
+    assert result.held == {names[1]: f"cordoned by 'alice' ({ANNOTATION_CORDONED_BY}): the cordon is no longer "
+                                     "the evacuation's, left as it is"}, result.held
+    assert inc.cluster.annotate_node(names[1], {}).get(ANNOTATION_CORDONED_BY) == "alice"
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1
+
+
+#: A person's evacuation run after another was terminated, before the Site entity's safety look put
+#: that one's leftovers back: it takes them over (``EvacuationFacts.left``).
+TAKES_OVER = "site_evacuation_takes_over_a_terminated_ones_leftovers"
+
+
+async def test_a_new_evacuation_takes_over_what_a_terminated_one_left(inc: IncStack) -> None:
+    """Review: a person's evacuation of a site whose last evacuation was terminated (before the Site
+    entity's safety look put back what it left) read that one's cordons as a person's: "cordoned
+    before", kept cordoned after its own restore (billed, idle), and its Deployment at 0 and replica
+    elsewhere as "before". It takes over what the closed one left: after its restore the site is back
+    as it was before both (only the node a person took stays cordoned), and the Site entity has
+    nothing left to find."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY
+    from fleet.messages.evacuation import ClosedEvacuationsInput
+
+    a, d = inc.site("a"), inc.site("d")
+    first, names = await _persons_evacuation_terminated(inc)
+    inc.cluster.annotate_node(names[1], {ANNOTATION_CORDONED_BY: "alice"})  # a person takes one over
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 0
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 1
+
+    handle = await inc.client.start_workflow(
+        "SiteEvacuation", {"site": a, "reason": "test: a person's, again"}, id=f"evacuate/{a}/manual-t2",
+        task_queue=inc.settings.task_queue)
+    result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 90))
+    assert result.outcome == "restored", result
+    assert await _cordoned(inc, a) == {names[1]}, "only the node a person took stays cordoned"
+    assert result.held == {names[1]: "cordoned before the evacuation began (left as it was found)"}, result.held
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1, "the Deployment as before both"
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "the replica the first moved to d went"
+    steps = {s.name: s.detail for s in result.timeline}
+    assert steps["took over what closed evacuations left"] == (
+        f"{first}: 4 nodes it cordoned, the replicas of 2 Deployments before it"), steps
+    routes = inc.cluster.get_site_routes().sites[a]
+    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+    # Nothing left for the Site entity's safety look to find (and put back a second time).
+    look = EvacuationActivities(FleetEnv.from_settings(inc.settings)).closed_evacuations
+    assert await ActivityEnvironment(inc.client).run(look, ClosedEvacuationsInput(site=a)) == []
+    await replay_and_record(handle, TAKES_OVER)
+
+
+async def test_the_sites_safety_look_leaves_a_closed_evacuations_leftovers_to_the_one_acting(
+        temporal_env, tmp_path) -> None:
+    """The Site entity's safety look put back what a closed evacuation left while another evacuation
+    of the site was under way (a person's, which the entity does not watch): the site's weight back to
+    100 and its Deployments up beside that one's weight 0 and drain, its cordons lifted. While an
+    evacuation acts there (it holds the site's claim and runs: it took those leftovers over), the look
+    finds none; once it ends, what is still left is found."""
+    from activities.evacuation import CLAIM_HOLDER, EVACUATION_CLAIM_KIND
+    from fleet.cluster import ANNOTATION_CORDONED_BY
+    from fleet.messages.evacuation import ClosedEvacuationsInput
+
+    uid = uuid.uuid4().hex[:6]
+    site, client = f"site-{uid}", temporal_env.client
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
+    add_node(env, "n-1", site=site)
+    dead = f"evacuate/{site}/manual-dead"  # never on record: not running
+    env.cluster.cordon("n-1", True, by=dead)
+    acting = await client.start_workflow("SiteEvacuation", {"site": site}, id=f"evacuate/{site}/manual-acting",
+                                         task_queue=f"nobody-{uid}")  # no worker: it stays running
+    env.cluster.update_state(EVACUATION_CLAIM_KIND, site, lambda _: {CLAIM_HOLDER: acting.id})
+    look = lambda: ActivityEnvironment(client).run(  # noqa: E731
+        EvacuationActivities(env).closed_evacuations, ClosedEvacuationsInput(site=site))
+    assert await look() == []
+    await acting.terminate("test: it ends")
+    assert await look() == [dead]
+    assert env.cluster.annotate_node("n-1", {}).get(ANNOTATION_CORDONED_BY) == dead
 
 
 @pytest.mark.parametrize("ending", ["abort", "cancel"])

@@ -23,7 +23,8 @@ query):
    back (no Temporal action per probe), or the operator update ``declare_recovered``; ``abort``
    (update), at any step, ends it and puts back what it changed (so do Temporal's cancel and a failed
    step): its capacity request stopped, the nodes it cordoned uncordoned (not one
-   cordoned before it began, nor one whose GPU a repair fences: ``held`` says why),
+   cordoned before it began, nor one whose GPU a repair fences or whose cordon a person marked
+   theirs since: ``held`` says why),
    the site's Deployments and routing weights as they were, what it added elsewhere gone.
    A cancel that comes while it puts back stops nothing (nor the wait for the capacity request
    an abort stopped, whose joined nodes are then retired): the put-back runs to its end, then
@@ -38,6 +39,11 @@ query):
    names each kept one and who holds it; it stays its site's, like any other node there. One
    whose drain blocked is uncordoned, its site's the same way, and named there with what
    blocked it.
+
+What an evacuation of the site that ended left (terminated before its Site entity put it back) is
+taken over as this one begins (``EvacuationFacts.left``): its cordons are this one's to lift, and
+the site's Deployments, weights and the replicas it added elsewhere go back to how they were before
+it, not to how this one found them.
 
 One evacuation acts on a site at a time: one that finds another of its site running, begun first
 (a person's ``gpufleet evacuate start`` beside the Site entity's), follows it (state
@@ -178,6 +184,9 @@ class SiteEvacuation:
         self._watch_cut_at = None
         #: ``_restore`` ran to its end: nothing it changed is left (``leftovers``).
         self._put_back_all = False
+        #: What closed evacuations of the site left, taken over as it began (``EvacuationFacts.left``):
+        #: put back with what it changed itself, as if it had changed it.
+        self._adopted: dict[str, EvacuationLeftovers] = {}
 
     # -- operator surface -----------------------------------------------------------------
     @workflow.update
@@ -269,9 +278,9 @@ class SiteEvacuation:
         cordoned = [*p.drained, *(name for name in self._cordoning if name not in p.drained)]
         return EvacuationLeftovers(
             site=p.site, put_back=False, original_models=self._original_models, original_site=self._original_site,
-            all_sites=self._all_sites, here={x.model: x.desired_replicas for x in self._facts.here},
+            all_sites=self._all_sites, here={x.model: self._here_before(x) for x in self._facts.here},
             elsewhere={model: {target: self._replicas_before(model, target) for target in where}
-                       for model, where in p.moves.items()},
+                       for model, where in self._moved().items()},
             cordoned=[name for name in cordoned if name not in self._unproven],
         )
 
@@ -338,7 +347,7 @@ class SiteEvacuation:
             phase=phase, progress=self._progress, facts=self._facts, settings=self._s,
             original_models=self._original_models, original_site=self._original_site, all_sites=self._all_sites,
             acquired=self._acquired, bought=self._bought, failed_proofs=self._failed_proofs, retry=self._retry,
-            recovered=self._recovered,
+            recovered=self._recovered, adopted=self._adopted,
         )
         workflow.continue_as_new(self._args.model_copy(update={"carry": carry}).model_dump(mode="json"))
 
@@ -348,6 +357,7 @@ class SiteEvacuation:
         self._all_sites, self._acquired = carry.all_sites, carry.acquired
         self._bought, self._failed_proofs, self._retry = carry.bought, carry.failed_proofs, carry.retry
         self._recovered = carry.recovered
+        self._adopted = carry.adopted
 
     # -- the runbook ----------------------------------------------------------------------
     @workflow.run
@@ -498,13 +508,52 @@ class SiteEvacuation:
         route = facts.site_routes.sites.get(site) if facts.site_routes else None
         self._original_site = route.weight if route and not route.incident and route.weight else 100
         self._all_sites = [x.name for x in facts.sites]
+        if facts.left:
+            self._take_over(facts.left)
         await self._weight(0, healthy=False, draining=True, incident=incident)
         self._mark("weight 0", f"{len(self._original_models)} models")
         self._check()
 
+    def _take_over(self, left: dict[str, EvacuationLeftovers]) -> None:
+        """Take over what the closed evacuations ``left`` changed and did not put back (terminated
+        before their Site entity put it back): the site as it was before them is the one to put back
+        (its weights, its Deployments' replicas, the replicas they added elsewhere), and their cordons
+        are this one's to uncordon (``release_nodes``, ``adopted``). Before, it took the site as it
+        found it: their cordons kept as "cordoned before" (billed, idle), the Deployments they scaled
+        to 0 put back at 0 and the replicas they added elsewhere kept."""
+        self._adopted = left
+        for model in self._original_models:
+            self._original_models[model] = next(
+                (x.original_models[model] for x in left.values() if model in x.original_models),
+                self._original_models[model])
+        self._original_site = next(iter(left.values())).original_site
+        self._mark("took over what closed evacuations left", "; ".join(
+            f"{workflow_id}: {len(x.cordoned)} nodes it cordoned, the replicas of "
+            f"{len(x.here) + sum(len(where) for where in x.elsewhere.values())} Deployments before it"
+            for workflow_id, x in sorted(left.items())))
+
+    def _here_before(self, here: ServingStatus) -> int:
+        """Replicas of the Deployment ``here`` at the site to put back: as before the evacuations it
+        took over, else as it found them."""
+        return next((x.here[here.model] for x in self._adopted.values() if here.model in x.here),
+                    here.desired_replicas)
+
+    def _moved(self) -> dict[str, list[str]]:
+        """Each model's sites it added replicas to, or an evacuation it took over did: scaled back."""
+        moved = {model: set(where) for model, where in self._progress.moves.items()}
+        for left in self._adopted.values():
+            for model, where in left.elsewhere.items():
+                moved.setdefault(model, set()).update(where)
+        return {model: sorted(where) for model, where in sorted(moved.items())}
+
     def _replicas_before(self, model: str, site: str) -> int:
-        """Replicas of ``model`` at another ``site`` before the evacuation moved any there: from
-        the last facts read before the move (a Deployment a person added meanwhile counts)."""
+        """Replicas of ``model`` at another ``site`` before the evacuation moved any there: before
+        one it took over did, else from the last facts read before the move (a Deployment a person
+        added meanwhile counts)."""
+        taken = next((x.elsewhere[model][site] for x in self._adopted.values()
+                      if site in x.elsewhere.get(model, {})), None)
+        if taken is not None:
+            return taken
         return next((x.desired_replicas for x in self._facts.elsewhere if (x.model, x.site) == (model, site)), 0)
 
     async def _weight(self, percent: int, healthy: bool, draining: bool, incident: str) -> SiteWeightResult:
@@ -901,9 +950,12 @@ class SiteEvacuation:
         cordoned = [*p.drained, *(name for name in self._cordoning if name not in p.drained)]
         release = [name for name in cordoned if name not in held and name not in before]
         keep = [name for name in cordoned if name not in held and name in before]
+        # Those an evacuation it took over cordoned, drained by this one or not: uncordoned where still so marked.
+        theirs = {name for left in self._adopted.values() for name in left.cordoned}
+        keep += sorted(theirs - set(cordoned) - set(held))
         if release or keep:
             released: ReleaseNodesResult = await workflow.execute_activity(
-                act.release_nodes, ReleaseNodesInput(nodes=release, keep_cordoned=keep),
+                act.release_nodes, ReleaseNodesInput(nodes=release, keep_cordoned=keep, adopted=sorted(self._adopted)),
                 start_to_close_timeout=QUICK, retry_policy=self._cluster_retry(),
                 summary=f"uncordon the {len(release)} nodes it cordoned at {site} (not those a repair holds)",
             )
@@ -955,13 +1007,13 @@ class SiteEvacuation:
         await self._release()
         deadline = workflow.now() + timedelta(seconds=s.ready_seconds)
         for here in self._facts.here:
-            await self._scale(here.model, site, here.desired_replicas)
-        if any(here.desired_replicas > 0 for here in self._facts.here):
+            await self._scale(here.model, site, self._here_before(here))
+        if any(self._here_before(here) > 0 for here in self._facts.here):
             # Routing returns, and the replicas elsewhere go, once the site serves again.
             self._show("waiting for the replicas back", f"at {site} until {deadline.isoformat(timespec='seconds')} "
                                                         "at most; then routing returns")
         for here in self._facts.here:
-            if here.desired_replicas <= 0:
+            if self._here_before(here) <= 0:
                 continue
             try:
                 await wait_for_serving(here.model, site, deadline, poll_seconds=1.0,
@@ -989,8 +1041,8 @@ class SiteEvacuation:
         if undo:
             self._mark("routing restored", f"weights as before the incident at {site}")
         # Surplus elsewhere back toward each site's min.
-        for model, where in sorted(p.moves.items()):
-            for target in sorted(where):
+        for model, where in self._moved().items():
+            for target in where:
                 await self._scale(model, target, self._replicas_before(model, target))
         retired, kept = await self._retire_acquired()
         self._mark("surplus drained", f"{retired} nodes retired"

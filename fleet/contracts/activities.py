@@ -128,7 +128,7 @@ async def check_credentials(input: AccountInput) -> str:
 @activity.defn(name="closed_evacuations")
 async def closed_evacuations(input: ClosedEvacuationsInput) -> list[str]:
     """The site's evacuations no longer running whose cordon marks or routing entry are still there,
-    less those put back already; none while an evacuation acts at the site. Body:
+    less those put back already; none while an evacuation acts at the site (it took them over). Body:
     ``activities/evacuation.py``, ``EvacuationActivities.closed_evacuations``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
@@ -201,7 +201,8 @@ async def evacuation_leftovers(input: EvacuationRef) -> EvacuationLeftovers:
 
 @activity.defn(name="evacuation_facts")
 async def evacuation_facts(input: SiteRef) -> EvacuationFacts:
-    """Body: ``activities/evacuation.py``, ``EvacuationActivities.evacuation_facts``."""
+    """The site's serving, routing and nodes, and what closed evacuations of it left. Body:
+    ``activities/evacuation.py``, ``EvacuationActivities.evacuation_facts``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
@@ -398,7 +399,8 @@ async def release_cordons(input: ReleaseCordonsInput) -> list[str]:
 @activity.defn(name="release_nodes")
 async def release_nodes(input: ReleaseNodesInput) -> ReleaseNodesResult:
     """Uncordon the nodes an evacuation cordoned, except one held for a reason of its own: a GPU
-    still fenced by its repair (the repair uncordons it when done). Body:
+    still fenced by its repair (the repair uncordons it when done), a cordon a person or another owner
+    marked theirs since. Body:
     ``activities/evacuation.py``, ``EvacuationActivities.release_nodes``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 

@@ -142,6 +142,33 @@ class EvacuationFields(Strict):
     capacity_request: CapacityRequestFields = Field(default_factory=dict)
 
 
+class EvacuationLeftovers(BaseModel):
+    """What a SiteEvacuation changed and has not put back (its ``leftovers`` query): what its abort
+    would put back, for its Site entity to put back once the run closed without doing so (terminated,
+    timed out, a put-back that gave up), through the same activities, or for the next evacuation of
+    its site begun before that to take over (``EvacuationFacts.left``)."""
+
+    site: str = ""
+    #: Nothing to put back: it put back what it changed (restored, aborted, cancelled), changed
+    #: nothing, or followed another. Also the answer for a run still running (it puts back itself) or
+    #: gone from Temporal's record.
+    put_back: bool = True
+    #: The weights before the incident (``SiteWeightInput``'s), and the sites its document lists.
+    original_models: dict[str, int] = Field(default_factory=dict)
+    original_site: int = 100
+    all_sites: list[str] = Field(default_factory=list)
+    #: Replicas of each model's Deployment at the site before its drain scaled them to 0.
+    here: dict[str, int] = Field(default_factory=dict)
+    #: Replicas before it, of each model at each site it moved replicas to (scaled back down).
+    elsewhere: dict[str, dict[str, int]] = Field(default_factory=dict)
+    #: Nodes it cordoned with its mark (its workflow id), but none it left to a repair (failed the proof).
+    cordoned: list[str] = Field(default_factory=list)
+    #: Why there is nothing to read, where that is so ("still running", "no longer on record").
+    note: str = ""
+    #: It is still running (it puts back itself): the one answer to ask again later.
+    running: bool = False
+
+
 class EvacuationFacts(BaseModel):
     site: SiteFacts
     #: Every site of the fleet (for compliance and geography).
@@ -154,6 +181,10 @@ class EvacuationFacts(BaseModel):
     site_routes: RoutingTable | None = None
     model_routes: dict[str, RoutingTable | None] = Field(default_factory=dict)
     nodes: list[ProbeNode] = Field(default_factory=list)
+    #: What evacuations of the site no longer running changed and did not put back (terminated before
+    #: their Site entity's put-back came), by id: the evacuation that reads these facts as it begins
+    #: takes that over, and puts it back as its own (empty in facts recorded before they carried it).
+    left: dict[str, EvacuationLeftovers] = Field(default_factory=dict)
 
     def deficits(self, site: str) -> list[Deficit]:
         """Each model's replicas at ``site`` to place elsewhere, with the sites that may take them:
@@ -210,6 +241,9 @@ class ReleaseNodesInput(BaseModel):
     nodes: list[str]
     #: Nodes it drained that were cordoned already when it began: left cordoned, with why.
     keep_cordoned: list[str] = Field(default_factory=list)
+    #: The closed evacuations whose leftovers it took over (``EvacuationFacts.left``): a cordon marked
+    #: with one of their ids is its own to uncordon, as one marked with its own id is.
+    adopted: list[str] = Field(default_factory=list)
 
 
 class ReleaseNodesResult(BaseModel):
@@ -248,7 +282,8 @@ class EvacuationProgress(BaseModel):
     needs_person: str = ""
     weights: dict[str, int] = Field(default_factory=dict)
     #: Nodes it drained that stay cordoned after it ended, each with why (a repair holds a GPU
-    #: of it, it failed the proof, it was cordoned before the evacuation began).
+    #: of it, it failed the proof, it was cordoned before the evacuation began, a person or another
+    #: owner marked the cordon theirs since).
     held: dict[str, str] = Field(default_factory=dict)
     #: The evacuation of the same site that began first, which this one follows (state
     #: ``following``): it changes nothing itself and ends when that one does.
@@ -260,32 +295,6 @@ class EvacuationRef(BaseModel):
 
     site: Name
     workflow_id: Text
-
-
-class EvacuationLeftovers(BaseModel):
-    """What a SiteEvacuation changed and has not put back (its ``leftovers`` query): what its abort
-    would put back, for its Site entity to put back once the run closed without doing so (terminated,
-    timed out, a put-back that gave up), through the same activities."""
-
-    site: str = ""
-    #: Nothing to put back: it put back what it changed (restored, aborted, cancelled), changed
-    #: nothing, or followed another. Also the answer for a run still running (it puts back itself) or
-    #: gone from Temporal's record.
-    put_back: bool = True
-    #: The weights before the incident (``SiteWeightInput``'s), and the sites its document lists.
-    original_models: dict[str, int] = Field(default_factory=dict)
-    original_site: int = 100
-    all_sites: list[str] = Field(default_factory=list)
-    #: Replicas of each model's Deployment at the site before its drain scaled them to 0.
-    here: dict[str, int] = Field(default_factory=dict)
-    #: Replicas before it, of each model at each site it moved replicas to (scaled back down).
-    elsewhere: dict[str, dict[str, int]] = Field(default_factory=dict)
-    #: Nodes it cordoned with its mark (its workflow id), but none it left to a repair (failed the proof).
-    cordoned: list[str] = Field(default_factory=list)
-    #: Why there is nothing to read, where that is so ("still running", "no longer on record").
-    note: str = ""
-    #: It is still running (it puts back itself): the one answer to ask again later.
-    running: bool = False
 
 
 class EvacuationResult(BaseModel):
@@ -313,6 +322,8 @@ class EvacuationCarry(BaseModel):
     original_models: dict[str, int] = Field(default_factory=dict)
     original_site: int = 100
     all_sites: list[str] = Field(default_factory=list)
+    #: What closed evacuations of the site left, taken over as it began (``EvacuationFacts.left``).
+    adopted: dict[str, EvacuationLeftovers] = Field(default_factory=dict)
     #: Nodes bought for the evacuation (retired at the end while their site is above its min).
     acquired: list[JoinedNode] = Field(default_factory=list)
     #: Capacity purchases so far (at most one per evacuation).
