@@ -204,6 +204,9 @@ def test_a_csr_under_a_signer_gpufleet_does_not_judge_wakes_no_watch(env, fake) 
     assert not quiet.changed and quiet.pending == [] and quiet.open_count == 0
 
 
+# A real-time flood of half a minute (the pace is the watch's, in seconds): the full suite runs it,
+# the fast tier (under a minute in all) does not.
+@pytest.mark.integration
 async def test_a_steady_flood_of_junk_csrs_slows_the_approver_and_a_genuine_one_is_still_approved(
         env, fake, kube, monkeypatch, time_skipping_env: WorkflowEnvironment) -> None:
     """A node posting kubelet CSRs steadily (its kubelet, or a bootstrap token, may post them at
@@ -300,6 +303,8 @@ def rounds_written(history) -> list[int]:
     return rounds[:-1]
 
 
+# Rounds of a real-time flood (over ten seconds): the full suite runs it, the fast tier does not.
+@pytest.mark.integration
 async def test_a_flood_of_long_named_csrs_writes_a_few_kb_a_round_to_the_approvers_history(
         env, fake, kube, monkeypatch, time_skipping_env: WorkflowEnvironment) -> None:
     """A node posting junk kubelet CSRs with 253-character names, hundreds between two passes: each
