@@ -7,12 +7,15 @@ idempotent, so a retried attempt after a worker crash changes nothing twice.
 
 from __future__ import annotations
 
+import asyncio
 from datetime import datetime, timedelta, timezone
 
 from temporalio import activity
+from temporalio.client import WorkflowExecutionStatus, WorkflowQueryFailedError
 from temporalio.exceptions import ApplicationError
+from temporalio.service import RPCError, RPCStatusCode
 
-from activities.capacity import reports_account
+from activities.capacity import reports_account, run_end
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.waiting import poll_until
@@ -30,10 +33,14 @@ from fleet.messages.nodes import (
     UncontainResult,
     WaitForBootInput,
 )
+from fleet.contracts import workflows as flows
 from fleet.errors import NotFound
+from fleet.messages.repair import MAX_NODE_GPUS, GpuRepairResult, LadderState, LeftRepair, NodeLeft, RepairRef
+from fleet.naming import node_workflow_id, repair_workflow_id
+from fleet.repair_policy import Rung
 from providers.base import PowersOff
 from providers.cluster.base import NodeMarks, decide_on_node
-from fleet.models import Node
+from fleet.models import CapacityType, Node
 from fleet.replacement import replacement_sites
 from activities.control_plane import bootstrap_user_data, machine_addresses
 from fleet.cluster import FENCE_PREFIX, LABEL_SITE, MAX_JOIN_TOKEN_TTL_S, UNPROVEN_TAINT, fenced_gpus
@@ -67,6 +74,8 @@ class RepairActivities:
             self.reinstall_machine,
             self.wait_for_boot,
             self.replacement_sites,
+            self.node_left,
+            self.repair_end,
         ]
 
     # -- facts ------------------------------------------------------------------------
@@ -80,19 +89,86 @@ class RepairActivities:
         # Site, provider, account and machine: what the join recorded (the cluster port fills them
         # in from the node's identity record), never the node's own labels or annotations.
         site, machine_id = node.site, node.machine_id
-        gpus, capacity_type = node.gpus_allocatable, None
-        if site:
-            try:
-                configured = self.env.site(site)
-                gpus, capacity_type = configured.gpus_per_machine, configured.capacity_type
-            except Exception:  # noqa: BLE001 - a site gone from the config: keep the node's count
-                pass
+        gpus, capacity_type = self._gpus_and_capacity(node)
         return NodeFacts(
             node_name=node.name, found=True, site=site, capacity_type=capacity_type,
             provider=node.provider, account=node.account, machine_id=machine_id, gpus=gpus,
             boot_id=node.boot_id, ready=node.ready,
             admitted=bool(site) and UNPROVEN_TAINT not in node.taints, settings=settings,
         )
+
+    def _gpus_and_capacity(self, node: Node) -> tuple[int, CapacityType | None]:
+        """How many GPUs the node has and its site's capacity type, as the config says (a site gone
+        from it: the node's own count, no type)."""
+        if node.site:
+            try:
+                configured = self.env.site(node.site)
+                return configured.gpus_per_machine, configured.capacity_type
+            except Exception:  # noqa: BLE001 - a site gone from the config: keep the node's count
+                pass
+        return node.gpus_allocatable, None
+
+    @activity.defn
+    @typed_errors
+    async def node_left(self, input: NodeFactsInput) -> NodeLeft:
+        """What a Node entity started again takes as its state, which the run before kept and took
+        with it: the GPUs fenced and the cordon, as the cluster shows them, and the node's repairs
+        still running, as Temporal does (a describe for each GPU the node has, a ladder query of each
+        one running). The fences are on the node's own object, which its kubelet can write: they
+        decide only about this node, and no GPU past its count is taken."""
+        cluster = self.env.cluster
+        node = await asyncio.to_thread(cluster.get_node, input.node_name)
+        if node is None:
+            return NodeLeft()
+        try:
+            marks = await asyncio.to_thread(cluster.node_marks, input.node_name)
+        except NotFound:
+            return NodeLeft()
+        gpus = min(self._gpus_and_capacity(node)[0], MAX_NODE_GPUS)
+        rungs = {rung.value for rung in Rung}
+        fenced = {int(index): (rung if (rung := marks.annotations[fence_key(index)]) in rungs else "")
+                  for index in fenced_gpus(marks.annotations) if index.isdigit() and int(index) < gpus}
+        repairs = [repair for gpu in range(gpus) if (repair := await self._running_repair(input.node_name, gpu))]
+        return NodeLeft(found=True, fenced=fenced, cordoned=marks.unschedulable, repairs=repairs)
+
+    async def _running_repair(self, node_name: str, gpu: int) -> LeftRepair | None:
+        """The GPU's repair if it runs: its rung, and whether it waits for or holds the node's action
+        slot (its ladder's step; only a repair the Node entity started asks for the slot)."""
+        repair_id = repair_workflow_id(node_name, gpu)
+        handle = activity.client().get_workflow_handle(repair_id)
+        try:
+            described = await handle.describe()
+        except RPCError as error:
+            if error.status == RPCStatusCode.NOT_FOUND:
+                return None
+            raise
+        if described.status != WorkflowExecutionStatus.RUNNING:
+            return None
+        left = LeftRepair(gpu=gpu, repair_id=repair_id, rung=Rung.RESET, since=described.start_time)
+        try:
+            ladder = await handle.query(flows.GpuRepair.ladder, result_type=LadderState,
+                                        rpc_timeout=timedelta(seconds=10))
+        except (RPCError, WorkflowQueryFailedError):
+            return left  # not past its first step yet, or ended since the describe: followed all the same
+        left.rung, left.reasons = ladder.rung, ladder.reasons[-20:]
+        if described.parent_id != node_workflow_id(node_name):
+            return left  # started by hand: it asks no Node entity for the slot
+        if ladder.step == "waiting for the node":
+            left.slot = "waiting"
+        elif (ladder.step == "recovering" and not ladder.held and ladder.attempts
+              and ladder.attempts[-1].outcome == "running"):
+            # (Held, it may be past its action, waiting to prove: the slot is taken as free.)
+            left.slot, left.since = "acting", ladder.attempts[-1].started_at
+        return left
+
+    @activity.defn
+    async def repair_end(self, input: RepairRef) -> GpuRepairResult:
+        """Wait for the repair to end (heartbeats meanwhile): its result. One that ended otherwise
+        (cancelled, terminated, failed, no longer on record) fails this, saying how; not retried."""
+        result, how = await run_end(input.repair_id, GpuRepairResult)
+        if result is None:
+            raise ApplicationError(how, type="RepairUnproven", non_retryable=True)
+        return result
 
     @activity.defn
     @typed_errors

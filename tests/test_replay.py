@@ -338,6 +338,12 @@ EXPECTED = {
     # (its facts carry it: ``EvacuationFacts.left``) and puts it back as its own (tests/test_evacuation.py;
     # no patch: a run whose facts were read before carries none, and takes the old path).
     "site_evacuation_takes_over_a_terminated_ones_leftovers",
+    # A Node entity the sweep started again takes what the run before left from the cluster: a GPU an
+    # ended repair left fenced is held for a person (then returned), a repair still running is followed
+    # to its end (``node-started-again-takes-what-was-left``, tests/test_site_events.py). ``_before``:
+    # the first on the code before, which took nothing; replayed, it takes the old path.
+    "node_entity_started_again_holds_the_fenced_gpu", "node_entity_started_again_holds_the_fenced_gpu_before",
+    "node_entity_started_again_follows_the_running_repair",
 }
 
 

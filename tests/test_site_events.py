@@ -14,6 +14,7 @@ from typing import AsyncIterator
 
 import pytest
 from temporalio.api.enums.v1 import EventType
+from temporalio.client import WorkflowHandle
 from temporalio.testing import WorkflowEnvironment
 
 from fleet import naming
@@ -24,6 +25,8 @@ from fleet.messages.repair import NodeStatus
 from tests.conftest import wait_for
 from tests.evacuation_helpers import IncStack, activity_inputs, incident_fleet, open_incident_stack, poll
 from tests.replay import replay_and_record
+from tests.repair_helpers import eventually
+from tests.test_repair_cancel import rstack  # noqa: F401 - the fixture
 
 MODEL = "llm"
 #: Billed history events a Site entity records when it does something (an activity, a timer, a
@@ -397,6 +400,111 @@ async def _gpufleet(inc: IncStack, *args: str):
     env = {**os.environ, **inc.settings.env(), "COLUMNS": "200"}
     return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", *args], env=env,
                                    capture_output=True, text=True, timeout=120)
+
+
+#: A Node entity the sweep started again, on a node whose GPU 0 an ended repair left fenced (the new
+#: path of ``node-started-again-takes-what-was-left``; ``_before``: the code before, which held
+#: nothing, replays), and one on a node whose repair still ran.
+RECORDED_STARTED_AGAIN_HELD = "node_entity_started_again_holds_the_fenced_gpu"
+RECORDED_STARTED_AGAIN_FOLLOWS = "node_entity_started_again_follows_the_running_repair"
+
+
+async def _started_again(stack, node_name: str) -> WorkflowHandle:
+    """Terminate the node's entity, then one pass of the Schedule's SiteSweep: the new run's handle."""
+    entity = stack.client.get_workflow_handle(naming.node_workflow_id(node_name))
+    before = (await entity.describe()).run_id
+    await entity.terminate("an operator's slip in the Temporal UI")
+    _, done = await _sweep(stack)
+    assert done is not None and [s.node_name for s in done.named] == [node_name], done
+    assert (await entity.describe()).run_id != before
+    return entity
+
+
+async def _taken(stack, node_name: str) -> NodeStatus | None:
+    """The new run's status once it took what the run before left (or, on the code before, said it
+    did not), else None."""
+    status = await node(stack, node_name)
+    took = ("not carried", "held for a person", "following it")
+    return status if status and any(word in line for line in status.log for word in took) else None
+
+
+async def test_a_node_entity_started_again_holds_the_gpu_a_repair_left_fenced_for_a_person(rstack) -> None:
+    """A GPU whose repair ended unproven stays fenced, its node cordoned, held for a person by the
+    node's entity. That entity terminated and started again by the sweep, the new run knew nothing
+    of it: `gpufleet repair return` was refused ("not held for a person"), nothing showed the GPU
+    as needing anyone, and it stayed fenced, the node cordoned, for good. The new run reads the
+    node's fences first: the GPU is held for a person again, and `return` puts it back in service."""
+    from activities.repair import fence_key
+    from tests.test_cli import gpufleet
+    from tests.test_repair_needs_person import _held_for_a_person
+
+    node_name = (await _held_for_a_person(rstack)).node_name
+    entity = await _started_again(rstack, node_name)
+    status = await eventually(lambda: _taken(rstack, node_name), timeout=30)
+    await replay_and_record(entity, RECORDED_STARTED_AGAIN_HELD)  # before the asserts: ``_before`` is this on the old code
+
+    assert status.state == "needs-person" and set(status.needs_person) == {"0"}, status
+    assert "fenced in the cluster for a reboot when its entity was started again" in status.needs_person["0"], status
+    assert any("GPU 0: fenced in the cluster and no repair runs: held for a person" in line for line in status.log)
+    shown = await gpufleet(rstack, "repair", "node", node_name)
+    assert "needs a person" in shown.stdout, shown.stdout
+
+    done = await gpufleet(rstack, "repair", "return", node_name, "0", "--reason", "checked after the restart")
+    assert done.returncode == 0, done.stderr
+    assert "un-fenced, node uncordoned" in done.stdout, done.stdout
+    assert fence_key(0) not in rstack.cluster.annotate_node(node_name, {})
+    assert not rstack.cluster.get_node(node_name).unschedulable, "the node serves again"
+    status = await node(rstack, node_name)
+    assert status.state == "ready" and status.needs_person == {} and status.fenced == [], status
+    await replay_and_record(entity, RECORDED_STARTED_AGAIN_HELD)
+
+
+async def test_a_node_entity_started_again_follows_the_repair_still_running_to_its_end(rstack) -> None:
+    """A repair outlives its Node entity (abandoned, not cancelled, when the entity ends). Its entity
+    terminated while the repair was held by a person after its reboot, and started again by the
+    sweep, the new run did not know it: it showed the node "ready" and would not have held the GPU
+    for a person had the repair ended unproven. The new run follows it to its end."""
+    import time
+
+    from activities.repair import fence_key
+    from fleet.messages.repair import LadderState
+    from tests.test_repair_cancel import repair_waiting_for_boot
+
+    joined, repair = await repair_waiting_for_boot(rstack)
+    node_name = joined.node_name
+    await repair.execute_update(flows.GpuRepair.hold, {"reason": "look at the card before its proof"})
+    rstack.world.set_site("site-a", boot_seconds=1.0)
+    with rstack.world.tx() as db:  # the reboot ends now; the repair stops, held, before its proof
+        db.execute("UPDATE machines SET boot_at=? WHERE id=?", (time.time(), joined.machine_id))
+
+    async def held_after_its_reboot() -> bool:
+        ladder = await repair.query(flows.GpuRepair.ladder, result_type=LadderState)
+        status = await node(rstack, node_name)
+        return bool(ladder.held and ladder.attempts and status and status.node_actions
+                    and status.node_actions[-1].finished_at is not None
+                    and rstack.cluster.get_node(node_name).ready)
+
+    await eventually(held_after_its_reboot, timeout=30)
+    entity = await _started_again(rstack, node_name)
+    status = await eventually(lambda: _taken(rstack, node_name), timeout=30)
+    await replay_and_record(entity, RECORDED_STARTED_AGAIN_FOLLOWS)
+
+    assert status.state == "repairing" and status.active_repairs == {"0": repair.id}, status
+    assert any(f"GPU 0: {repair.id} still runs (at reboot): following it" in line for line in status.log), status.log
+
+    await repair.execute_update(flows.GpuRepair.release, {"reason": "the card looks fine"})
+    assert (await repair.result())["outcome"] == "repaired"
+
+    async def ended() -> NodeStatus | None:
+        got = await node(rstack, node_name)
+        return got if got and got.state == "ready" and not got.active_repairs else None
+
+    status = await eventually(ended, timeout=30)
+    assert any(f"GPU 0: {repair.id} ended repaired" in line for line in status.log), status.log
+    assert status.needs_person == {}, status
+    assert fence_key(0) not in rstack.cluster.annotate_node(node_name, {})
+    assert not rstack.cluster.get_node(node_name).unschedulable
+    await replay_and_record(entity, RECORDED_STARTED_AGAIN_FOLLOWS)
 
 
 def test_a_sweep_pass_from_before_the_patch_looked_for_no_node_entities_and_one_after_did() -> None:

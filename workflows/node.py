@@ -2,7 +2,8 @@
 
 NodeJoin starts it when it admits the node (Site, Provider and NodeName from the
 join's own record); the site sweep starts it again, from the same record, where its node is
-Ready and it is not running (terminated, failed: ``fleet.watched``), and its log says so. It
+Ready and it is not running (terminated, failed: ``fleet.watched``), and its log says so; that run
+first takes from the cluster the fences and repairs the run before left (``STARTED_AGAIN_PATCH``). It
 pulls the node's health: ``watch_node``, a long-running, heartbeating activity on the node's
 own queue ``node/<name>``, returns the node's whole state (GPU health, spot notice, a sequence
 number) when it changed, and the entity schedules the next one. The node's identity is the queue it answered on
@@ -69,7 +70,10 @@ with workflow.unsafe.imports_passed_through():
     from fleet.repair_policy import MAX_XID_HITS_PER_GPU, Finding, RepairSettings, Rung, classify, conditions
     from workflows.entity import Entity
     from workflows.inputs import describe, first_problem, invalid_input, parse_input, parse_signal
-    from workflows.steps import CLUSTER_RETRY, QUICK, count_bad_report, failure_message, failure_text, show_details
+    from workflows.steps import (
+        CLUSTER_RETRY, FOLLOW_WAIT, LONG_WATCH_HEARTBEAT, LONG_WATCH_RETRY, QUICK, count_bad_report, failure_message,
+        failure_text, show_details,
+    )
     from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
     from fleet.messages.watches import ClusterNodeState
     from fleet.messages.repair import (
@@ -77,6 +81,7 @@ with workflow.unsafe.imports_passed_through():
         GpuDecision,
         GpuRepairInput,
         GpuRepairResult,
+        LeftRepair,
         NodeAction,
         NodeActionDone,
         NodeActionGrant,
@@ -84,12 +89,14 @@ with workflow.unsafe.imports_passed_through():
         NodeActionWait,
         NodeCarry,
         NodeEntityInput,
+        NodeLeft,
         NodeQuarantine,
         NodeReport,
         NodeStatus,
         NodeWatchInput,
         NodeWatchResult,
         RepairGpuInput,
+        RepairRef,
         ReturnGpuInput,
     )
 
@@ -246,6 +253,18 @@ NODE_PATCHES_AT_START_6 = "node-patches-at-start-6"
 #: of the config's repair settings (the watch's heartbeat and pace, the report age bound, the XID
 #: thresholds), which a healthy node otherwise never reads again.
 NODE_PATCHES_AT_START_7 = "node-patches-at-start-7"
+#: Workflow patch, asked in a run the site sweep started again (``started_again``), first thing in
+#: ``run`` once its input is read, with a marker of its own: such a run before it issued its first
+#: watch where this path first reads what was left. Before its first step the run takes as its
+#: state what the cluster and Temporal show of the node (``node_left``), which the run before kept
+#: and took with it: a GPU fenced with no repair running is held for a person (``return_gpu`` and
+#: ``repair_gpu`` take it; before, they refused it as "not held for a person", nothing alerted, and
+#: the GPU stayed fenced, the node maybe cordoned, for good); a repair still running is followed to
+#: its end (``repair_end``: an unproven end holds its GPU for a person, as a child's does), and its
+#: request for the node's action slot, or its hold of it, taken over (before: its request had gone
+#: to the run before and it waited for a grant for good, or a second repair was granted the slot
+#: beside the action it ran). A cluster that does not answer leaves the run as it was before, logged.
+STARTED_AGAIN_PATCH = "node-started-again-takes-what-was-left"
 WATCH_IDLE_FREE = 3
 WATCH_EARLY_FREE = 30
 
@@ -337,6 +356,8 @@ class NodeEntity(Entity[NodeCarry]):
         #: the queue late (sent as it ended) is never granted. One id per GPU at most; a new repair of
         #: the GPU (the same id) takes its id out again.
         self._ended: set[str] = set()
+        #: ``STARTED_AGAIN_PATCH``: reading what the run before left (a person's update waits for it).
+        self._taking_what_was_left = False
         #: Watch answers in a row long before their wait: all, and those that changed nothing
         #: (the pace, ``_pace_watch``).
         self._early_answers = 0
@@ -475,7 +496,7 @@ class NodeEntity(Entity[NodeCarry]):
     @return_gpu.validator
     def _validate_return_gpu(self, raw: Any) -> None:
         gpu = parse_input(ReturnGpuInput, raw).gpu
-        if self.started:  # else the handler checks, once the run has its state
+        if self.started and not self._taking_what_was_left:  # else the handler checks, once the run has its state
             self._require_held(gpu)
 
     @workflow.update
@@ -514,7 +535,7 @@ class NodeEntity(Entity[NodeCarry]):
     @repair_gpu.validator
     def _validate_repair_gpu(self, raw: Any) -> None:
         gpu = parse_input(RepairGpuInput, raw).gpu
-        if self.started:  # else the handler checks, once the run has its state
+        if self.started and not self._taking_what_was_left:  # else the handler checks, once the run has its state
             self._require_held(gpu)
 
     def _require_held(self, index: int) -> None:
@@ -561,10 +582,19 @@ class NodeEntity(Entity[NodeCarry]):
         self._node = inp.node_name
         self.start_with(inp.carry)
         self._joined_site, self._joined_settings = inp.site, inp.settings
-        if inp.started_again:  # by the site sweep: a log line, no command (no patch)
+        takes_what_was_left = bool(inp.started_again) and self._settled_7 and workflow.patched(STARTED_AGAIN_PATCH)
+        if inp.started_again and not takes_what_was_left:  # a run from before the patch: a log line
             self._log(f"{inp.started_again}; what that run knew (its repairs, GPUs held for a person) is not carried",
                       warn=True)
         self._upsert_search_attributes((sa.NODE_NAME, self._node), (sa.FLEET_STATE, self.state.state))
+        if takes_what_was_left:
+            self._log(f"{inp.started_again}: taking its fences and repairs from the cluster", warn=True)
+            self._taking_what_was_left = True
+            try:
+                async with self.state_lock:  # a person's return_gpu or repair_gpu waits for what it finds
+                    await self._take_what_was_left()
+            finally:
+                self._taking_what_was_left = False
         if self.state.deferred:
             await self._facts_or_wait()  # findings carried on hold: their recheck interval is in the settings
         if self._settled or workflow.patched(HEALTH_WATCH_PATCH):
@@ -615,6 +645,65 @@ class NodeEntity(Entity[NodeCarry]):
                     unless=lambda: bool(self._pending or self._requests or self._quarantine is not None
                                         or (self._gate_waits_watch and self._gone) or self._active),
                 )
+
+    # -- a run started again ----------------------------------------------------------------
+    async def _take_what_was_left(self) -> None:
+        """What the run before left, read from the cluster and Temporal (``STARTED_AGAIN_PATCH``):
+        each repair still running is followed as one this run started, with its place at the node's
+        action slot; each GPU fenced that no repair holds is held for a person."""
+        try:
+            left: NodeLeft = await workflow.execute_activity(
+                act.node_left, NodeFactsInput(node_name=self._node),
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="fences and repairs left",
+            )
+        except ActivityError as error:
+            self._log(f"could not read what the run before left ({failure_text(error)[:MAX_PROBLEM_SHOWN]}): a GPU "
+                      "it fenced is not held for a person; see the node's gpufleet.io/fenced-gpu-* annotations",
+                      warn=True)
+            return
+        if not left.found:
+            return  # the node is gone: the watch ends the entity
+        for repair in left.repairs:
+            self._follow(repair)
+        for index, rung in sorted(left.fenced.items()):
+            if index in self._active:
+                continue  # its repair holds the fence and takes it off
+            self.state.needs_person[index] = (f"fenced in the cluster{f' for a {rung}' if rung else ''} when its "
+                                              f"entity was started again, no repair running; node "
+                                              f"{'cordoned' if left.cordoned else 'not cordoned'}")
+            self.state.left_findings[index] = Finding(index=index, rung=Rung(rung) if rung else None,
+                                                      reasons=["fenced when the entity was started again"])
+            self._log(f"GPU {index}: fenced in the cluster and no repair runs: held for a person "
+                      "(gpufleet repair return or retry)", warn=True)
+        if self._active:
+            self._set_state("repairing", "following the repairs the run before started")
+        elif self.state.needs_person:
+            self._set_state("needs-person", "GPUs the run before left fenced")
+
+    def _follow(self, repair: LeftRepair) -> None:
+        """A repair the run before started, still running: this run's, to its end (``repair_end``);
+        waiting for the node's action slot, its request (sent to the run before) is queued here; acting,
+        it holds the slot until it says it is done."""
+        index, repair_id = repair.gpu, repair.repair_id
+        self._active[index] = repair_id
+        if index in self.state.fenced:
+            self.state.fenced.remove(index)
+        if repair.slot == "waiting" and all(r.repair_id != repair_id for r in self._requests):
+            self._requests.append(NodeActionRequest(repair_id=repair_id, rung=repair.rung, detected_at=repair.since))
+        elif repair.slot == "acting" and self._holder is None:
+            self._holder = repair_id
+            self.state.actions = [*self.state.actions, NodeAction(repair_id=repair_id, rung=repair.rung,
+                                                                  started_at=repair.since)][-MAX_LOG:]
+        ended = workflow.execute_activity(
+            act.repair_end, RepairRef(repair_id=repair_id),
+            start_to_close_timeout=FOLLOW_WAIT, heartbeat_timeout=LONG_WATCH_HEARTBEAT,
+            retry_policy=LONG_WATCH_RETRY, summary=f"until {repair_id} ends",
+        )
+        finding = Finding(index=index, rung=repair.rung, reasons=repair.reasons)
+        self._log(f"GPU {index}: {repair_id} still runs (at {repair.rung}"
+                  + (", waiting for the node's action slot" if repair.slot == "waiting" else "")
+                  + (", holding the node's action slot" if repair.slot == "acting" else "") + "): following it")
+        self.spawn(self._watch(index, repair_id, ended, finding, followed=True))
 
     # -- the pulled health watch -----------------------------------------------------------
     def _settings(self) -> RepairSettings | None:
@@ -1164,7 +1253,9 @@ class NodeEntity(Entity[NodeCarry]):
                   + ("" if result.uncordoned else f", GPUs {result.still_fenced} still fenced"))
         return result
 
-    async def _watch(self, index: int, repair_id: str, handle, finding: Finding) -> None:
+    async def _watch(self, index: int, repair_id: str, handle, finding: Finding, followed: bool = False) -> None:
+        """Until the repair ends: its child handle, or (``followed``: one the run before started)
+        ``repair_end``, whose failure says how it ended."""
         try:
             result: GpuRepairResult = await handle
             self._log(f"GPU {index}: {repair_id} ended {result.outcome}")
@@ -1173,7 +1264,8 @@ class NodeEntity(Entity[NodeCarry]):
         except FailureError as error:
             # It ended before proving the GPU (un-containing is its last step): the GPU stays
             # fenced and the node cordoned, which only a person may undo.
-            how = "cancelled" if is_cancelled_exception(error) else f"failed: {failure_message(error)}"
+            how = (failure_message(error) if followed
+                   else "cancelled" if is_cancelled_exception(error) else f"failed: {failure_message(error)}")
             self.state.needs_person[index] = f"{repair_id} {how}; GPU {index} left fenced, node cordoned"
             self.state.left_findings[index] = finding  # a person's retry starts from it
             self._log(f"GPU {index}: {repair_id} {how}; the GPU stays fenced: a person decides", warn=True)

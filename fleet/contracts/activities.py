@@ -44,7 +44,7 @@ from fleet.messages.nodes import (
     RevokeNodeTokensInput, SiteConfigured, SiteHealth, SiteHealthInput, SmokeResult,
     SmokeTestInput, UncontainInput, UncontainResult, WaitForBootInput,
 )
-from fleet.messages.repair import NodeWatchInput, NodeWatchResult
+from fleet.messages.repair import GpuRepairResult, NodeLeft, NodeWatchInput, NodeWatchResult, RepairRef
 from fleet.messages.rollout import (
     EvacuationInput, EvacuationWaitInput, ProbeServingInput, ReplicateInput, ReplicateResult,
     ResolveRolloutSitesInput, RollbackSiteInput, RolloutSites, ServingRef, UpdateServingInput,
@@ -290,6 +290,13 @@ async def node_facts(input: NodeFactsInput) -> NodeFacts:
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
+@activity.defn(name="node_left")
+async def node_left(input: NodeFactsInput) -> NodeLeft:
+    """What a Node entity started again takes as its state: the node's fenced GPUs and cordon, and its
+    repairs still running. Body: ``activities/repair.py``, ``RepairActivities.node_left``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
 @activity.defn(name="notify_person")
 async def notify_person(input: NotifyInput) -> bool:
     """POST to the configured webhook (activities.notify); none configured: nothing to do. Body:
@@ -423,6 +430,14 @@ async def release_provision(input: ReleaseProvisionInput) -> list[str]:
 @activity.defn(name="remove_node")
 async def remove_node(input: RemoveNodeInput) -> None:
     """Body: ``activities/control_plane.py``, ``ControlPlaneActivities.remove_node``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="repair_end")
+async def repair_end(input: RepairRef) -> GpuRepairResult:
+    """Waits for a repair a Node entity started again follows to end: its result; one that ended
+    otherwise (cancelled, terminated, failed) fails this, saying how. Body: ``activities/repair.py``,
+    ``RepairActivities.repair_end``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

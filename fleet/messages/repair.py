@@ -426,3 +426,37 @@ class GpuRepairResult(BaseModel):
     attempts: list[Attempt] = Field(default_factory=list)
     earlier_attempts: int = 0
     replacement_node: str = ""
+
+
+class LeftRepair(BaseModel):
+    """A GpuRepair of the node still running when its Node entity was started again: the new run
+    follows it (``repair_end``) and, where it waits for or holds the node's action slot, takes
+    that over from the run before, which its requests went to."""
+
+    gpu: int = Field(ge=0, lt=MAX_NODE_GPUS)
+    repair_id: Name
+    rung: Rung
+    reasons: list[Text] = Field(default_factory=list, max_length=20)
+    #: "waiting": for the node's action slot (its request went to the run before); "acting": it holds
+    #: the slot (its rung's action runs); "": neither (containing, proving), or no Node entity is its parent.
+    slot: str = ""
+    #: When its fault was detected (the repair's start) or, "acting", when its action began.
+    since: datetime
+
+
+class NodeLeft(BaseModel):
+    """``node_left``: what the cluster and Temporal show of a node that a Node entity started again
+    must know: GPUs fenced (``gpufleet.io/fenced-gpu-<i>``, each with the rung it was fenced for), the
+    node's cordon, and the node's repairs still running."""
+
+    found: bool = False
+    #: GPU index → the rung written in its fence ("" where it names none this code knows).
+    fenced: dict[int, str] = Field(default_factory=dict)
+    cordoned: bool = False
+    repairs: list[LeftRepair] = Field(default_factory=list)
+
+
+class RepairRef(BaseModel):
+    """``repair_end``: one GpuRepair of a node, by its workflow id (``repair/<node>/gpu<i>``)."""
+
+    repair_id: Name
