@@ -37,6 +37,7 @@ from temporalio.api.workflowservice.v1 import (
     PollActivityTaskQueueRequest,
     RespondActivityTaskCompletedRequest,
 )
+from temporalio.client import Client
 from temporalio.runtime import Runtime, TelemetryConfig
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
@@ -104,9 +105,10 @@ class CountingFrontend(grpc.GenericRpcHandler):
 
 
 @asynccontextmanager
-async def counting_gateway(client, **limits):
+async def counting_gateway(client, lookups_counted: bool = False, **limits):
     """A gateway of its own (``limits``: ``start_gateway``'s), forwarding through a
-    ``CountingFrontend``: the frontend, the CA, the gateway's address and the gateway."""
+    ``CountingFrontend``: the frontend, the CA, the gateway's address and the gateway.
+    ``lookups_counted``: its liveness lookups go through the ``CountingFrontend`` too."""
     frontend = CountingFrontend(client.service_client.config.target_host)
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((frontend,))
@@ -114,6 +116,8 @@ async def counting_gateway(client, **limits):
     await server.start()
     pki = Pki.create("gpufleet rate-test CA")
     cert, key = pki.server_cert()
+    if lookups_counted:
+        client = await Client.connect(f"127.0.0.1:{port}", namespace=client.namespace)
     running = await start_gateway(Settings(address=f"127.0.0.1:{port}", namespace=client.namespace), cert, key,
                                   pki.ca_pem, token_keys_as_deployed(), live=temporal_liveness(client), **limits)
     try:
@@ -283,6 +287,48 @@ async def test_start_up_answers_are_fetched_once_for_callers_at_once_and_a_failu
     now[0] = 10.0
     await answers.get("DescribeNamespace", fetch)
     assert len(fetched) == 3, "fetched again once stale"
+
+
+#: Certificates, each with a key of its own, a node presents one after another to a gateway whose
+#: upstream budget is ``LOOKUP_RATE`` a second: each is a (node, key) no verdict is kept for.
+KEYS, LOOKUP_RATE = 60, 1.0
+
+
+async def test_a_nodes_liveness_lookups_reach_the_frontend_within_its_share(temporal_env) -> None:
+    """A node presents a certificate with a new key on each call (a kubelet may renew its own
+    through an approver that does not ask gpufleet; without a cluster, as here, every key is looked
+    up in Temporal). Each is a liveness lookup no cached verdict answers, and each lookup went to
+    the frontend beside the budget: 60 certificates, 60 DescribeWorkflowExecution. Now each lookup
+    takes from the node's share of the upstream budget, and one over it is answered
+    RESOURCE_EXHAUSTED without a lookup."""
+    control = temporal_env.client
+    node = unique("many-keys")
+    await live_entity(control, node)
+    loop = asyncio.get_running_loop()
+    codes: Counter = Counter()
+    info = GetSystemInfoRequest().SerializeToString()
+    try:
+        async with counting_gateway(control, lookups_counted=True,
+                                    upstream_calls_per_second=LOOKUP_RATE) as (frontend, pki, access, gateway):
+            certificates = [credentials(pki, node) for _ in range(KEYS)]
+            started = loop.time()
+            for certificate in certificates:
+                channel = node_channel(access, certificate)
+                try:
+                    codes[await code_of(call(channel, "GetSystemInfo")(info, timeout=10))] += 1
+                finally:
+                    await channel.close()
+            elapsed = loop.time() - started
+            lookups = frontend.calls["DescribeWorkflowExecution"] + frontend.calls["CountWorkflowExecutions"]
+            burst = gateway.budget.burst
+    finally:
+        await end_entity(control, node)
+
+    assert codes[grpc.StatusCode.OK] >= 1, codes
+    assert lookups <= burst + LOOKUP_RATE * elapsed, (
+        f"{lookups} liveness lookups of one node's {KEYS} certificates reached the frontend in {elapsed:.1f} s "
+        f"(the budget: {burst:g} + {LOOKUP_RATE:g}/s); answers: {dict(codes)}")
+    assert codes[grpc.StatusCode.RESOURCE_EXHAUSTED] > 0, codes
 
 
 # -- many nodes, each within its own budget ------------------------------------------------------

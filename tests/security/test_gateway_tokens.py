@@ -248,6 +248,49 @@ async def test_a_key_rotation_as_the_production_page_does_it_refuses_only_keys_n
         assert await handle.result() == "done"
 
 
+async def test_the_metrics_page_shows_when_the_previous_key_stops_opening_tokens(temporal_env, nodes,
+                                                                                  tmp_path) -> None:
+    """What the rotation's last step waits for: a replica of step 2 counts each token it opens by
+    the key that opened it (``gpufleet_gateway_task_tokens_opened_total``, ``key`` current or
+    previous). A token bound before the rotation rises the previous key's count; once nodes answer
+    only tasks delivered since, only the current key's rises, and the previous key can go. Before,
+    no figure told the operator when that was."""
+    from prometheus_client import CollectorRegistry, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from workers.gateway.proxy import GatewayCollector
+
+    old = token_keys_as_deployed(tmp_path / "old")
+    rotated = token_keys_as_deployed(tmp_path / "rotated", previous=old.current)
+    a, _b = nodes
+    client = temporal_env.client
+    queue = unique("tok-wf")
+    async with Worker(client, task_queue=queue, workflows=[TokenTask]), \
+            replicas(client, old, rotated) as (pki, (before, after)), \
+            connected(pki, (before, after), a) as (on_old, on_rotated):
+        registry = CollectorRegistry()
+        registry.register(GatewayCollector(after.running.gateway))
+
+        def opened() -> dict[str, float]:
+            page = generate_latest(registry).decode()
+            return {s.labels["key"]: s.value for f in text_string_to_metric_families(page) for s in f.samples
+                    if s.name == "gpufleet_gateway_task_tokens_opened_total"}
+
+        assert opened() == {"current": 0, "previous": 0}
+        handle, bound_before = await deliver(client, queue, on_old, a)
+        assert await heartbeat(on_rotated, bound_before) == OK
+        assert await complete(on_rotated, bound_before) == OK
+        await handle.result()
+        assert opened() == {"current": 0, "previous": 2}, "a token bound before the rotation"
+        handle, bound_after = await deliver(client, queue, on_rotated, a)
+        assert await heartbeat(on_rotated, bound_after) == OK
+        assert await complete(on_rotated, bound_after) == OK
+        await handle.result()
+        assert opened() == {"current": 2, "previous": 2}, "only the current key's count rises now"
+        assert await heartbeat(on_rotated, b"\x01" + b"x" * 40) == DENIED
+        assert opened() == {"current": 2, "previous": 2}, "what opens under no key is counted by neither"
+
+
 async def test_the_key_is_never_in_a_log_line_or_an_error(temporal_env, nodes, tmp_path, caplog) -> None:
     """The key is a secret: not in the gateway's log (its refusals included), not in what a
     refused node hears, not in ``TokenKeys``' repr, not in the error of a key that is refused."""

@@ -44,6 +44,9 @@ class Verdict(enum.Enum):
     #: (a certificate some other signer issued for the name; or a renewal the approver has not
     #: seen yet): refused as UNAVAILABLE, so an agent retries rather than treat its identity as gone.
     UNBOUND = "this certificate's key was not bound to the node at its join or a renewal"
+    #: Not looked up: the node's lookups are over its share of the gateway's upstream budget
+    #: (``LiveCache``'s ``admit``): RESOURCE_EXHAUSTED, as a call over its share is.
+    OVER_BUDGET = "its liveness lookups are over its share of the upstream budget"
 
 
 #: (node name, SHA-256 of the certificate's public key) → verdict; True/False are LIVE/RETIRED.
@@ -141,10 +144,21 @@ class LiveCache:
     within ``ttl``. A node that keeps calling has its verdict renewed in the background once it
     is half that old, so its calls do not wait for a lookup (cluster and Temporal reads) on the
     round trip's critical path. A lookup that fails is logged through ``node_log`` (a failure
-    is not kept, so each call of the node's can start another)."""
+    is not kept, so each call of the node's can start another).
 
-    def __init__(self, check: Liveness, ttl: float = 1.0, node_log: NodeLog | None = None) -> None:
+    What a node decides, it can make lookups of: a certificate with a new key is a new (node, key)
+    (a kubelet's renewals may be approved by others than gpufleet, and without a cluster every key
+    is looked up in Temporal), a failed lookup is kept by no cache, and every call after the
+    verdict went stale starts one. So each lookup a node's call starts is one of the node's calls
+    upstream, admitted by ``admit`` (the gateway's ``FleetBudget``: its fair share of what every
+    node shares): a lookup is up to two Temporal calls and two reads of the API server, and a node
+    over its share is answered ``OVER_BUDGET`` rather than looked up; a verdict still fresh is kept
+    without its background renewal."""
+
+    def __init__(self, check: Liveness, ttl: float = 1.0, node_log: NodeLog | None = None,
+                 admit: Callable[[str], bool] | None = None) -> None:
         self.check, self.ttl = check, ttl
+        self.admit = admit or (lambda node: True)
         self.node_log = node_log or NodeLog(log)
         self._seen: dict[tuple[str, str], tuple[float, Verdict | bool]] = {}
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
@@ -156,10 +170,14 @@ class LiveCache:
         now, which = time.monotonic(), (name, key)
         hit = self._seen.get(which)
         if hit is not None and now - hit[0] < self.ttl:
-            if now - hit[0] >= self.ttl / 2 and which not in self._inflight:
+            if now - hit[0] >= self.ttl / 2 and which not in self._inflight and self.admit(name):
                 self._start(which)
             return hit[1]
-        inflight = self._inflight.get(which) or self._start(which)
+        inflight = self._inflight.get(which)
+        if inflight is None:
+            if not self.admit(name):
+                return Verdict.OVER_BUDGET
+            inflight = self._start(which)
         return await asyncio.shield(inflight)
 
     def _start(self, which: tuple[str, str]) -> asyncio.Future:

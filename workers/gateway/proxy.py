@@ -41,7 +41,7 @@ from workers.gateway.authorization import (
 from workers.gateway.fleet_budget import FleetBudget
 from workers.gateway.liveness import LiveCache, Liveness, Verdict, default_liveness
 from workers.gateway.node_log import NodeLog
-from workers.gateway.task_tokens import TaskTokens, TokenKeys
+from workers.gateway.task_tokens import CURRENT, PREVIOUS, TaskTokens, TokenKeys
 
 log = logging.getLogger("gpufleet.node_gateway")
 
@@ -212,7 +212,8 @@ class NodeGateway(grpc.GenericRpcHandler):
                  upstream_metadata: list[tuple[str, str]] | None = None,
                  poll_channels: list[grpc.aio.Channel] | None = None,
                  calls_per_second: float = CALLS_PER_SECOND, call_burst: int = CALL_BURST,
-                 upstream_calls_per_second: float = UPSTREAM_CALLS_PER_SECOND) -> None:
+                 upstream_calls_per_second: float = UPSTREAM_CALLS_PER_SECOND,
+                 budget: FleetBudget | None = None) -> None:
         self.upstream = upstream
         # Held long polls (at most two per node) ride connections of their own: a completion or
         # a heartbeat never queues behind a thousand open polls for an HTTP/2 stream.
@@ -229,8 +230,9 @@ class NodeGateway(grpc.GenericRpcHandler):
         self._load: dict[str, NodeLoad] = {}
         self._heartbeats = RateLimits(HEARTBEATS_PER_SECOND, HEARTBEAT_BURST)
         self._calls = RateLimits(calls_per_second, call_burst)
-        # What every node's calls together may take of the frontend's rate (this replica's part).
-        self.budget = FleetBudget(upstream_calls_per_second)
+        # What every node's calls together may take of the frontend's rate (this replica's part);
+        # the liveness lookups a node's calls start take from it too (``LiveCache``'s ``admit``).
+        self.budget = budget or FleetBudget(upstream_calls_per_second)
         self._startup = StartupAnswers(STARTUP_ANSWER_SECONDS)
         # Sent upstream with every call, after the node's few forwarded client-* entries.
         self._metadata = (("temporal-namespace", namespace), *self.upstream_metadata)
@@ -267,6 +269,13 @@ class NodeGateway(grpc.GenericRpcHandler):
         if verdict is True:
             return Verdict.LIVE
         return Verdict.RETIRED if verdict is False else verdict
+
+    async def _over_budget(self, node: str, context: grpc.aio.ServicerContext) -> NoReturn:
+        self.stats.over_budget += 1
+        why = (f"more than its share ({self.budget.share():.3g} a second) of the {self.budget.rate:g} "
+               f"calls a second the {self.budget.calling()} nodes calling share")
+        self._over_limit(node, why)
+        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
 
     def _stub(self, method: str) -> grpc.aio.UnaryUnaryMultiCallable:
         channel = self.upstream
@@ -361,6 +370,8 @@ class NodeGateway(grpc.GenericRpcHandler):
             try:
                 forward, _token = self.authorization.authorize(node, name, request)
                 verdict = await self._alive(node, cert.key)
+                if verdict is Verdict.OVER_BUDGET:
+                    await self._over_budget(node, context)
                 if verdict is None or verdict is Verdict.UNBOUND:
                     # Fail closed, but as a transient error: while the control plane is away (static
                     # stability), or a renewed key is not bound yet, an agent must keep retrying, not
@@ -403,11 +414,7 @@ class NodeGateway(grpc.GenericRpcHandler):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
             if not self.budget.admit(node):
                 self._calls.give(node, 1)  # nothing went upstream: its own budget keeps the call
-                self.stats.over_budget += 1
-                why = (f"more than its share ({self.budget.share():.3g} a second) of the {self.budget.rate:g} "
-                       f"calls a second the {self.budget.calling()} nodes calling share")
-                self._over_limit(node, why)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
+                await self._over_budget(node, context)
             return await self._forward(method, node, load, forward, polling, context)
         finally:
             if slot:
@@ -551,6 +558,13 @@ class GatewayCollector:
                                   "Node calls refused because every node's calls together reached the "
                                   "gateway's upstream budget and the node had its share of it.",
                                   value=stats.over_budget)
+        opened = CounterMetricFamily("gpufleet_gateway_task_tokens_opened",
+                                     "Task tokens a node sent back that opened, by the key that opened them "
+                                     "(current, previous): a rotation drops the previous key once its count "
+                                     "stops rising.", labels=["key"])
+        for key in (CURRENT, PREVIOUS):
+            opened.add_metric([key], self.gateway.authorization.tokens.opened[key])
+        yield opened
         yield GaugeMetricFamily("gpufleet_gateway_held_over_limits",
                                 "Calls held now because their node is over its limits.",
                                 value=stats.held_over_limits)
@@ -592,9 +606,9 @@ async def start_gateway(settings: Settings, server_cert: bytes, server_key: byte
     polls = [upstream_channel(settings, own_connection=True)[0] for _ in range(poll_connections)]
     if live is None:
         live = await default_liveness(settings)
-    gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl), token_keys, metadata, polls,
-                          calls_per_second=calls_per_second, call_burst=call_burst,
-                          upstream_calls_per_second=upstream_calls_per_second)
+    budget = FleetBudget(upstream_calls_per_second)
+    gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl, admit=budget.admit), token_keys,
+                          metadata, polls, calls_per_second=calls_per_second, call_burst=call_burst, budget=budget)
     # A request over RESULT_BYTES is refused by gRPC from its length prefix, before it is held
     # in memory; a connection carries at most STREAMS_PER_CONNECTION calls; one with none for
     # five minutes is closed (a node agent's always holds a poll).

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -95,7 +96,11 @@ class TaskTokens:
     """Seals the tokens delivered to a node and opens the envelopes it sends back."""
 
     def __init__(self, keys: TokenKeys) -> None:
-        self._keys = tuple(k for k in (keys.current, keys.previous) if k)
+        self._keys = tuple((name, k) for name, k in ((CURRENT, keys.current), (PREVIOUS, keys.previous)) if k)
+        #: Envelopes opened since start, by the key that opened them (``CURRENT``, ``PREVIOUS``):
+        #: once the previous key's count stops rising, no node holds a token bound with it and a
+        #: rotation may drop it (``gpufleet_gateway_task_tokens_opened_total``).
+        self.opened: Counter[str] = Counter()
 
     @staticmethod
     def _mac(key: bytes, node: str, token: bytes) -> bytes:
@@ -103,7 +108,7 @@ class TaskTokens:
 
     def seal(self, node: str, token: bytes) -> bytes:
         """The envelope of Temporal's ``token`` for ``node``, under the current key."""
-        return VERSION + self._mac(self._keys[0], node, token) + token
+        return VERSION + self._mac(self._keys[0][1], node, token) + token
 
     def open(self, node: str, envelope: bytes) -> bytes | None:
         """Temporal's token inside ``envelope`` when it was sealed for ``node`` under the current
@@ -111,7 +116,8 @@ class TaskTokens:
         if len(envelope) <= 1 + MAC_BYTES or envelope[:1] != VERSION:
             return None
         mac, token = envelope[1:1 + MAC_BYTES], envelope[1 + MAC_BYTES:]
-        for key in self._keys:
+        for name, key in self._keys:
             if hmac.compare_digest(mac, self._mac(key, node, token)):
+                self.opened[name] += 1
                 return token
         return None
