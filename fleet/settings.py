@@ -238,6 +238,13 @@ class NodeGatewayEnv(EnvSettings):
         "GPUFLEET_GATEWAY_UPSTREAM_CALLS_PER_SECOND (the manifests set it to their replicas)",
         invalid="{name}: a whole number of replicas above 0, not {raw!r}")
 
+    peers: Annotated[Optional[str], Field(pattern=r"^[^:\s]+:[0-9]+$")] = envvar(
+        "GPUFLEET_GATEWAY_PEERS", None,
+        "host:port: a name resolving to every replica (the headless Service gpufleet-node-gateway-peers) "
+        "and the port each serves the others what it forwarded for each node on, so that a node gets "
+        "one fair share of the upstream budget however many replicas it reaches; unset: one replica",
+        invalid="{name}: host:port (a name resolving to every replica, and their peer port), not {raw!r}")
+
     @property
     def replica_upstream_calls_per_second(self) -> float:
         """What one replica may send upstream a second: its part of the whole gateway's."""

@@ -34,6 +34,7 @@ class GatewayOptions:
 
 async def main(args: GatewayOptions) -> None:
     # grpc and cryptography load here, not when the ``gpufleet`` CLI imports this module.
+    from workers.gateway.peers import dns_peers
     from workers.gateway.pki import dev_gateway_files
     from workers.gateway.proxy import GatewayCollector, start_gateway
     from workers.gateway.task_tokens import TokenKeys
@@ -57,7 +58,9 @@ async def main(args: GatewayOptions) -> None:
                                   Path(args.client_ca).read_bytes(), keys, host=host or "127.0.0.1", port=int(port),
                                   live_ttl=args.live_ttl, calls_per_second=rates.calls_per_second,
                                   call_burst=rates.call_burst,
-                                  upstream_calls_per_second=rates.replica_upstream_calls_per_second)
+                                  upstream_calls_per_second=rates.replica_upstream_calls_per_second,
+                                  peers=dns_peers(rates.peers) if rates.peers else None,
+                                  peer_port=int(rates.peers.rpartition(":")[2]) if rates.peers else 0)
     log.info("node gateway on %s:%s → %s (namespace %s); upstream at most %g calls a second, its part of %g "
              "for %d replicas", host, running.port, settings.address, settings.namespace,
              rates.replica_upstream_calls_per_second, rates.upstream_calls_per_second, rates.replicas)

@@ -472,3 +472,76 @@ def test_a_node_whose_tasks_pay_for_its_calls_stays_a_light_caller() -> None:
             flood = [admitted[f"flood-{i}"] for i in range(20)]
             assert admitted["busy"] <= 1.1 * max(flood), (admitted["busy"], flood)
         assert sum(admitted.values()) <= budget.burst + 100 * seconds
+
+
+def test_a_node_calling_every_replica_gets_one_share_of_the_whole_gateway() -> None:
+    """Two replicas, each with half of a budget of 200 a second: ten nodes flood each replica, each
+    node connected to one, and one node floods both (it reconnected until it had a connection on
+    each). Judged by what each replica saw alone, it got a share on each: twice what each honest
+    node got. Each replica now counts what the other forwarded for a node (``report``, ``heard``,
+    exchanged every second by ``peers.PeerUsage``): it gets about one share in all."""
+    for told in (True, False):
+        now = [0.0]
+        replicas = [FleetBudget(100.0, clock=lambda: now[0]) for _ in range(2)]
+        on = {**{f"first-{i}": [0] for i in range(10)}, **{f"second-{i}": [1] for i in range(10)}, "both": [0, 1]}
+        admitted: Counter = Counter()
+        step, seconds, told_at = 0.001, 60.0, 0.0
+        due = {node: (i % 20) / 1000 for i, node in enumerate(on)}
+        while now[0] < seconds:
+            if told and now[0] >= told_at:
+                told_at += 1.0
+                first, second = (replica.report() for replica in replicas)
+                replicas[0].heard(second)
+                replicas[1].heard(first)
+            for node, where in on.items():
+                if due[node] <= now[0]:
+                    due[node] += 1 / 20  # 20 a second to each replica it is connected to
+                    admitted[node] += sum(replicas[r].admit(node) for r in where)
+            now[0] += step
+        honest = sorted(admitted[node] for node in on if node != "both")
+        assert sum(admitted.values()) <= sum(r.burst for r in replicas) + 200 * seconds
+        if told:
+            assert admitted["both"] <= 1.15 * honest[len(honest) // 2], (admitted["both"], honest)
+        else:
+            assert admitted["both"] >= 1.6 * honest[len(honest) // 2], "the test proves nothing"
+
+
+async def test_the_replicas_tell_each_other_what_they_forwarded_and_a_report_only_they_make_counts(tmp_path) -> None:
+    """Each replica serves its report on its peer port, sealed with the key every replica holds,
+    and reads the others' (its own, found under the same name, skipped). A report sealed with a key
+    the replicas do not hold (a pod a node labelled as the gateway) counts for nothing, and what a
+    replica that went away said stops counting once stale: its nodes, reconnecting to the others,
+    are not judged by it."""
+    from workers.gateway.peers import STALE_SECONDS, PeerUsage
+
+    now = [1_000.0]
+    keys = token_keys_as_deployed(tmp_path / "keys")
+    budgets = [FleetBudget(100.0) for _ in range(3)]
+    addresses: list[tuple[str, int]] = []
+
+    async def peers() -> list[tuple[str, int]]:
+        return list(addresses)
+
+    replicas = [PeerUsage(budgets[0], keys, peers, clock=lambda: now[0]),
+                PeerUsage(budgets[1], keys, peers, clock=lambda: now[0]),
+                PeerUsage(budgets[2], token_keys_as_deployed(tmp_path / "foreign"), peers, clock=lambda: now[0])]
+    try:
+        for replica in replicas:
+            addresses.append(("127.0.0.1", await replica.start("127.0.0.1", 0)))
+        for _ in range(20):
+            budgets[0].admit("busy")
+            budgets[2].admit("honest")  # the foreign "replica" says the honest node is heavy
+        await replicas[1].read_peers()
+        elsewhere = budgets[1].elsewhere
+        assert elsewhere.get("busy", 0) > 5, elsewhere
+        assert "honest" not in elsewhere, "a report under a key the replicas do not hold counts for nothing"
+        await replicas[0].read_peers()
+        assert "busy" not in budgets[0].elsewhere, "a replica's own report is not counted twice"
+        await replicas[0].stop()
+        addresses.pop(0)
+        now[0] += STALE_SECONDS + 1
+        await replicas[1].read_peers()
+        assert budgets[1].elsewhere == {}, "what a replica gone said stops counting"
+    finally:
+        for replica in replicas[1:]:
+            await replica.stop()

@@ -26,6 +26,22 @@ back: the result before it is sent (the usage may go below nothing, as credit th
 usage does), so a node working through a flood of tasks stays as light a caller as one that
 makes no call at all. They still take tokens: the bucket counts what reaches the frontend,
 whoever asked for it.
+
+Each replica has a bucket of its own (its part of the gateway's budget), and a node may hold a
+connection to every replica (the Service balances connections; a node reconnects until it has one
+on each): judged by what it sent this replica alone, it was one of the lighter callers on each,
+and got a share on each, N shares where an honest node, connected to one, got one. Judged by what
+it sent all of them, it is a heavy caller everywhere: so a node's usage here is what this replica
+forwarded for it plus what the other replicas forwarded for it lately (``heard``, from the reports
+``peers.PeerUsage`` exchanges every second), and the heaviest callers, by their calls through every
+replica, are cut down to one level: one node, one share of the whole gateway, however many
+replicas it reaches. Other designs need less but are not sound: a replica cannot tell from what it
+sees alone whether a node also calls another (counting every node's share as its share over the
+replicas cuts the honest node as much as the attacker); pinning a node to one replica by its name
+cannot be enforced (the load balancer, not the node, picks the replica) and starves the nodes that
+landed on the other one while theirs restarts. A report older than ``peers.STALE_SECONDS`` is
+dropped, so when a replica goes, what it forwarded stops counting within seconds, and its nodes,
+reconnecting to the others, are judged by what they send from then on.
 """
 
 from __future__ import annotations
@@ -56,6 +72,9 @@ SWEEP_SECONDS = 0.25
 #: bucket near full and the light callers' bursts (an agent's poll and result, several tasks in
 #: a row) find it so.
 STEEPNESS = 2.0
+#: Nodes a replica tells the others about (``report``): the heaviest callers, the only ones whose
+#: calls elsewhere can make them heavy callers here (about 60 KB of JSON a second to each replica).
+REPORTED_NODES = 2_000
 
 
 class _Usage:
@@ -93,12 +112,14 @@ class FleetBudget:
         self._paid = _Usage(self._then)
         self._swept = self._then
         self._level = rate  # calls a second: the fair level (no node called yet: the whole rate)
+        #: node → calls a second the other replicas forwarded for it lately (``heard``).
+        self.elsewhere: dict[str, float] = {}
 
     def admit(self, node: str) -> bool:
         """Whether ``node``'s call may go upstream now (its token taken if so)."""
         now = self._refill()
         usage = self._usage.get(node) or _Usage(now)
-        if self._tokens < self._needed(usage.rate(now)):
+        if self._tokens < self._needed(usage.rate(now) + self.elsewhere.get(node, 0.0)):
             return False
         self._tokens -= 1.0
         usage.count += 1.0
@@ -118,6 +139,19 @@ class FleetBudget:
         usage = self._usage.setdefault(node, _Usage(now))
         usage.count = usage.decayed(now) - calls
         self._paid.count = self._paid.decayed(now) + calls
+
+    def report(self) -> dict[str, float]:
+        """What this replica forwarded for each node lately, calls a second (its tasks' calls not
+        counted): the heaviest ``REPORTED_NODES`` callers, for the other replicas' ``heard``."""
+        now = self.clock()
+        rates = ((node, usage.rate(now)) for node, usage in self._usage.items())
+        heaviest = sorted((item for item in rates if item[1] > 0), key=lambda item: -item[1])[:REPORTED_NODES]
+        return {node: round(rate, 3) for node, rate in heaviest}
+
+    def heard(self, elsewhere: dict[str, float]) -> None:
+        """What the other replicas forwarded for each node lately (calls a second, summed over
+        them): counted in the node's usage here."""
+        self.elsewhere = elsewhere
 
     def share(self) -> float:
         """The fair level now (calls a second): what each of the heaviest callers gets."""
@@ -148,7 +182,7 @@ class FleetBudget:
         less than ``f`` keeps what it uses and every other gets ``f``, the budget spent (what the
         nodes' tasks paid for taken first). While the nodes together use less than the budget, the
         heaviest one's use and what is left over."""
-        used = sorted(usage.rate(now) for usage in self._usage.values())
+        used = sorted(usage.rate(now) + self.elsewhere.get(node, 0.0) for node, usage in self._usage.items())
         left = max(self.rate - self._paid.rate(now), self.rate / 100)
         for lighter, rate in enumerate(used):
             if rate * (len(used) - lighter) >= left:

@@ -149,11 +149,13 @@ class LiveCache:
     What a node decides, it can make lookups of: a certificate with a new key is a new (node, key)
     (a kubelet's renewals may be approved by others than gpufleet, and without a cluster every key
     is looked up in Temporal), a failed lookup is kept by no cache, and every call after the
-    verdict went stale starts one. So each lookup a node's call starts is one of the node's calls
-    upstream, admitted by ``admit`` (the gateway's ``FleetBudget``: its fair share of what every
-    node shares): a lookup is up to two Temporal calls and two reads of the API server, and a node
-    over its share is answered ``OVER_BUDGET`` rather than looked up; a verdict still fresh is kept
-    without its background renewal."""
+    verdict went stale starts one. So each lookup a call finds no fresh verdict for is one of the
+    node's calls upstream, admitted by ``admit`` (the gateway's ``FleetBudget``: its fair share of
+    what every node shares): a lookup is up to two Temporal calls and two reads of the API server,
+    and a node over its share is answered ``OVER_BUDGET`` rather than looked up. A renewal of a
+    verdict still fresh is not charged: it needs a call on that very key within ``ttl``, and a node
+    holds at most ``proxy.CONNECTIONS_PER_NODE`` connections (a key each) at once, so it is bounded
+    per node by the cache, and a busy honest node's renewals do not make it a heavy caller."""
 
     def __init__(self, check: Liveness, ttl: float = 1.0, node_log: NodeLog | None = None,
                  admit: Callable[[str], bool] | None = None) -> None:
@@ -170,7 +172,7 @@ class LiveCache:
         now, which = time.monotonic(), (name, key)
         hit = self._seen.get(which)
         if hit is not None and now - hit[0] < self.ttl:
-            if now - hit[0] >= self.ttl / 2 and which not in self._inflight and self.admit(name):
+            if now - hit[0] >= self.ttl / 2 and which not in self._inflight:
                 self._start(which)
             return hit[1]
         inflight = self._inflight.get(which)

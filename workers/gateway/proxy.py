@@ -41,6 +41,7 @@ from workers.gateway.authorization import (
 from workers.gateway.fleet_budget import FleetBudget
 from workers.gateway.liveness import LiveCache, Liveness, Verdict, default_liveness
 from workers.gateway.node_log import NodeLog
+from workers.gateway.peers import PeerUsage, Peers
 from workers.gateway.task_tokens import CURRENT, PREVIOUS, TaskTokens, TokenKeys
 
 log = logging.getLogger("gpufleet.node_gateway")
@@ -447,7 +448,9 @@ class NodeGateway(grpc.GenericRpcHandler):
                 # The node gets the token sealed for it: only it may answer, through any replica.
                 response = _with_task_token(self.authorization.tokens.seal(node, delivered), rest)
                 self._calls.give(node, CALLS_PER_TASK)
-                self.budget.paid(node, CALLS_PER_TASK)
+                # Each of the task's calls may start a liveness lookup, which takes from the
+                # budget too (``LiveCache``): the task pays for those as well.
+                self.budget.paid(node, 2 * CALLS_PER_TASK)
         return response
 
     async def _startup_answer(self, method: str, forward: bytes, context: grpc.aio.ServicerContext) -> bytes:
@@ -581,12 +584,15 @@ class RunningGateway:
     port: int
     channel: grpc.aio.Channel
     poll_channels: list[grpc.aio.Channel] = field(default_factory=list)
+    peer_usage: PeerUsage | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     async def stop(self, grace: float | None = 1.0) -> None:
+        if self.peer_usage is not None:
+            await self.peer_usage.stop()
         await self.server.stop(grace)
         for channel in [self.channel, *self.poll_channels]:
             await channel.close()
@@ -596,12 +602,15 @@ async def start_gateway(settings: Settings, server_cert: bytes, server_key: byte
                         token_keys: TokenKeys, live: Liveness | None = None, host: str = "127.0.0.1", port: int = 0,
                         live_ttl: float = 1.0, poll_connections: int = 4,
                         calls_per_second: float = CALLS_PER_SECOND, call_burst: int = CALL_BURST,
-                        upstream_calls_per_second: float = UPSTREAM_CALLS_PER_SECOND) -> RunningGateway:
+                        upstream_calls_per_second: float = UPSTREAM_CALLS_PER_SECOND,
+                        peers: Peers | None = None, peer_port: int = 0) -> RunningGateway:
     """Serve the gateway: mutual TLS, client certificates from ``client_ca`` required; each node
     sends at most ``calls_per_second`` calls upstream (``CALLS_PER_SECOND``), ``call_burst`` at once,
     and every node together ``upstream_calls_per_second`` (this gateway's part of
     ``UPSTREAM_CALLS_PER_SECOND``), shared fairly. ``token_keys`` bind the task tokens delivered to
-    a node to it (``task_tokens``): every replica is given the same."""
+    a node to it (``task_tokens``): every replica is given the same. ``peers``: the other
+    replicas, told on ``peer_port`` what this one forwarded for each node, and asked the same
+    (``peers``), so a node gets one share however many replicas it reaches; None: one replica."""
     channel, metadata = upstream_channel(settings, own_connection=True)
     polls = [upstream_channel(settings, own_connection=True)[0] for _ in range(poll_connections)]
     if live is None:
@@ -626,5 +635,9 @@ async def start_gateway(settings: Settings, server_cert: bytes, server_key: byte
                                               require_client_auth=True)
     bound = server.add_secure_port(f"{host}:{port}", credentials)
     await server.start()
-    return RunningGateway(server, gateway, bound, channel, polls)
+    peer_usage = None
+    if peers is not None:
+        peer_usage = PeerUsage(budget, token_keys, peers)
+        await peer_usage.start(host, peer_port)
+    return RunningGateway(server, gateway, bound, channel, polls, peer_usage)
 

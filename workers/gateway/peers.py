@@ -1,0 +1,153 @@
+"""The gateway's replicas tell each other what they forwarded for each node, so that a node gets
+one fair share of the whole gateway's budget however many replicas it reaches
+(``fleet_budget``'s docstring says why this and not a design without it).
+
+No shared store: each replica serves its ``FleetBudget.report()`` on its peer port
+(``GPUFLEET_GATEWAY_PEERS``' port), and every ``PEER_SECONDS`` reads every other replica's, found
+by the name the headless Service ``gpufleet-node-gateway-peers`` resolves to (the ready
+replicas' addresses). A report is sealed with the task-token key every replica holds (an HMAC of
+its own purpose): a node may create pods bound to itself with any labels, one labelled as the
+gateway would be an endpoint of that Service, but it cannot make a report a replica takes, so it
+can neither make an honest node look heavy nor itself light. A report is taken only while fresh
+(``STALE_SECONDS``): one replaying an old one, or a replica gone, counts for nothing within
+seconds, and the nodes it served are judged by what they send the others from then on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import socket
+import time
+from collections.abc import Awaitable, Callable
+
+from workers.gateway.fleet_budget import FleetBudget
+from workers.gateway.task_tokens import TokenKeys
+
+log = logging.getLogger("gpufleet.node_gateway")
+
+#: How often a replica reads the others' reports (and how old what it knows of them gets).
+PEER_SECONDS = 1.0
+#: A report sent longer ago than this (by its own clock, or received by ours) is not taken.
+STALE_SECONDS = 3.0 * PEER_SECONDS
+#: How long a replica waits for another's report.
+READ_SECONDS = 0.5
+#: A report is at most ``fleet_budget.REPORTED_NODES`` nodes; anything longer is not one.
+REPORT_BYTES = 1024 * 1024
+#: Replicas read at most (a name resolving to more is not the gateway's few).
+MAX_PEERS = 16
+_PURPOSE = b"gpufleet node gateway peer usage\x00"
+
+#: The other replicas' peer addresses (host, port), asked again every round.
+Peers = Callable[[], Awaitable[list[tuple[str, int]]]]
+
+
+def dns_peers(address: str) -> Peers:
+    """``host:port``: every address ``host`` resolves to (the headless Service's ready replicas,
+    this one included: its own report is known by its id and skipped), each at ``port``."""
+    host, _, port = address.rpartition(":")
+
+    async def resolve() -> list[tuple[str, int]]:
+        found = await asyncio.get_running_loop().getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        return sorted({(info[4][0], int(port)) for info in found})
+
+    return resolve
+
+
+class PeerUsage:
+    """Serves this replica's report and reads the others', for ``budget.heard``."""
+
+    def __init__(self, budget: FleetBudget, keys: TokenKeys, peers: Peers, clock=time.time) -> None:
+        self.budget, self.peers, self.clock = budget, peers, clock
+        self._keys = tuple(k for k in (keys.current, keys.previous) if k)
+        self.replica = secrets.token_hex(8)
+        self._heard: dict[str, tuple[float, dict[str, float]]] = {}  # replica → (when read, its report)
+        self._server: asyncio.base_events.Server | None = None
+        self._task: asyncio.Task | None = None
+
+    def _seal(self, payload: bytes) -> bytes:
+        return hmac.new(self._keys[0], _PURPOSE + payload, hashlib.sha256).digest() + payload
+
+    def sealed_report(self) -> bytes:
+        return self._seal(json.dumps({"replica": self.replica, "sent": self.clock(),
+                                      "usage": self.budget.report()}).encode())
+
+    def open(self, sealed: bytes) -> tuple[str, dict[str, float]] | None:
+        """(the replica, its report) when ``sealed`` is a fresh report under a key this replica
+        holds; None for anything else."""
+        mac, payload = sealed[:32], sealed[32:]
+        if not any(hmac.compare_digest(mac, hmac.new(key, _PURPOSE + payload, hashlib.sha256).digest())
+                   for key in self._keys):
+            return None
+        try:
+            report = json.loads(payload)
+            replica, sent = str(report["replica"]), float(report["sent"])
+            usage = {str(node): max(0.0, float(rate)) for node, rate in report["usage"].items()}
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+        if abs(self.clock() - sent) > STALE_SECONDS:
+            return None
+        return replica, usage
+
+    async def start(self, host: str, port: int) -> int:
+        """Serve this replica's report on ``host:port`` and read the others' every ``PEER_SECONDS``;
+        the port served on."""
+        self._server = await asyncio.start_server(self._serve, host, port)
+        self._task = asyncio.create_task(self._run())
+        return self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            writer.write(self.sealed_report())
+            await writer.drain()
+        except OSError:
+            pass
+        finally:
+            writer.close()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await self.read_peers()
+            except Exception as error:  # noqa: BLE001 - the next round tries again; the budget keeps what it knew
+                log.warning("reading the other replicas' usage failed: %s", error)
+            await asyncio.sleep(PEER_SECONDS)
+
+    async def read_peers(self) -> None:
+        """One round: every other replica's report read, the stale ones dropped, the sum heard."""
+        addresses = (await self.peers())[:MAX_PEERS]
+        for opened in await asyncio.gather(*(self._read(host, port) for host, port in addresses)):
+            if opened is not None and opened[0] != self.replica:
+                self._heard[opened[0]] = (self.clock(), opened[1])
+        now = self.clock()
+        self._heard = {r: heard for r, heard in self._heard.items() if now - heard[0] <= STALE_SECONDS}
+        elsewhere: dict[str, float] = {}
+        for _when, usage in self._heard.values():
+            for node, rate in usage.items():
+                elsewhere[node] = elsewhere.get(node, 0.0) + rate
+        self.budget.heard(elsewhere)
+
+    async def _read(self, host: str, port: int) -> tuple[str, dict[str, float]] | None:
+        try:
+            async with asyncio.timeout(READ_SECONDS):
+                reader, writer = await asyncio.open_connection(host, port)
+                try:
+                    sealed = await reader.read(REPORT_BYTES + 1)
+                    while len(sealed) <= REPORT_BYTES and (more := await reader.read(REPORT_BYTES + 1 - len(sealed))):
+                        sealed += more
+                finally:
+                    writer.close()
+        except (OSError, TimeoutError):
+            return None  # a replica starting or gone: what it said before goes stale
+        return self.open(sealed) if len(sealed) <= REPORT_BYTES else None
