@@ -545,3 +545,45 @@ async def test_the_replicas_tell_each_other_what_they_forwarded_and_a_report_onl
     finally:
         for replica in replicas[1:]:
             await replica.stop()
+
+
+async def test_mirror_pods_posing_as_the_gateway_cannot_keep_the_replicas_from_hearing_each_other(tmp_path) -> None:
+    """A node's mirror pods labelled as the gateway are endpoints of the peer Service as well. Many
+    of them, at addresses listed before the real replicas, once left no room for the replicas among
+    the addresses a round reads, and each node got a share on every replica again. A replica whose
+    report opened is read every round from then on; the rest are tried in turn."""
+    from workers.gateway.peers import MAX_PEERS, PeerUsage
+
+    keys = token_keys_as_deployed(tmp_path / "keys")
+    budgets = [FleetBudget(100.0) for _ in range(2)]
+    addresses: list[tuple[str, int]] = []
+
+    async def posing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"\0" * 64)  # anything: a node holds no key the replicas take
+        writer.close()
+
+    async def peers() -> list[tuple[str, int]]:
+        return list(addresses)
+
+    fakes = [await asyncio.start_server(posing, "127.0.0.1", 0) for _ in range(2 * MAX_PEERS)]
+    replicas = [PeerUsage(budget, keys, peers) for budget in budgets]
+    try:
+        addresses += [("127.0.0.1", fake.sockets[0].getsockname()[1]) for fake in fakes]
+        for replica in replicas:
+            addresses.append(("127.0.0.1", await replica.start("127.0.0.1", 0)))
+        for _ in range(20):
+            budgets[0].admit("busy")
+        for _ in range(30):
+            await replicas[1].read_peers()
+            if budgets[1].elsewhere:
+                break
+        assert budgets[1].elsewhere.get("busy", 0) > 5, "the other replica was never read"
+        for _ in range(10):  # once found, read every round
+            budgets[0].admit("busy")
+            await replicas[1].read_peers()
+            assert budgets[1].elsewhere.get("busy", 0) > 5
+    finally:
+        for replica in replicas:
+            await replica.stop()
+        for fake in fakes:
+            fake.close()

@@ -20,6 +20,7 @@ import hashlib
 import hmac
 import json
 import logging
+import random
 import secrets
 import socket
 import time
@@ -38,7 +39,10 @@ STALE_SECONDS = 3.0 * PEER_SECONDS
 READ_SECONDS = 0.5
 #: A report is at most ``fleet_budget.REPORTED_NODES`` nodes; anything longer is not one.
 REPORT_BYTES = 1024 * 1024
-#: Replicas read at most (a name resolving to more is not the gateway's few).
+#: Addresses read a round at most (a name resolving to more is not the gateway's few). Those whose
+#: last report opened are read first and the rest in a random order: a node's mirror pods labelled as
+#: the gateway are endpoints of the peer Service too, and many of them, at addresses sorted first,
+#: would otherwise keep the real replicas from being read (each node judged per replica again).
 MAX_PEERS = 16
 _PURPOSE = b"gpufleet node gateway peer usage\x00"
 
@@ -66,6 +70,7 @@ class PeerUsage:
         self._keys = tuple(k for k in (keys.current, keys.previous) if k)
         self.replica = secrets.token_hex(8)
         self._heard: dict[str, tuple[float, dict[str, float]]] = {}  # replica → (when read, its report)
+        self._answered: set[tuple[str, int]] = set()  # addresses whose last report opened
         self._server: asyncio.base_events.Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -126,8 +131,14 @@ class PeerUsage:
 
     async def read_peers(self) -> None:
         """One round: every other replica's report read, the stale ones dropped, the sum heard."""
-        addresses = (await self.peers())[:MAX_PEERS]
-        for opened in await asyncio.gather(*(self._read(host, port) for host, port in addresses)):
+        found = await self.peers()
+        known = [address for address in found if address in self._answered]
+        others = [address for address in found if address not in self._answered]
+        random.shuffle(others)
+        addresses = (known + others)[:MAX_PEERS]
+        answers = await asyncio.gather(*(self._read(host, port) for host, port in addresses))
+        self._answered = {address for address, opened in zip(addresses, answers) if opened is not None}
+        for opened in answers:
             if opened is not None and opened[0] != self.replica:
                 self._heard[opened[0]] = (self.clock(), opened[1])
         now = self.clock()
