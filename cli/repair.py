@@ -126,6 +126,8 @@ def node_status(node: Node, output: OutputFormat = "table", address: Address = "
         console.print(f"[bold]{s.node_name}[/] ({s.site or 'site unknown'}): {s.state}, {counts}")
     for index, wid in sorted(s.active_repairs.items()):
         console.print(f"  GPU {index}: {wid}")
+    if s.slot_queue:
+        console.print(f"  queued for the node's action slot, next first: {', '.join(s.slot_queue)}")
     for index, why in sorted(s.needs_person.items()):
         console.print(f"  GPU {index}: [yellow]needs a person[/]: {escape(why)}")
     for index in s.fenced:

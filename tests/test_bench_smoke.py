@@ -104,6 +104,10 @@ SMOKE: dict[str, Smoke] = {
         rf"fault reported -> contained, 2 faults on 2 nodes behind the gateway",
         rf"gateway resident memory with 10 idle nodes held: {NUMBER} MB",
     ), seconds=180),
+    "bench.slot_queue": Smoke(("--smoke",), (
+        r"one 8-GPU node, Q repairs queued for its action slot",
+        rf"node_action_wait at Q=4: before {NUMBER}, now {NUMBER}; ratio now / 2Q-3: {NUMBER}",
+    )),
 }
 
 #: Benches whose smoke run is another test of the suite (module → that test).

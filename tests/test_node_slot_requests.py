@@ -58,6 +58,10 @@ RECORDED_BEFORE = f"{RECORDED}_before"
 #: The Node run and a queued repair's run of the scenario where the queue is told who holds the slot.
 RECORDED_TOLD = "node_entity_tells_the_queue_who_holds_the_slot"
 RECORDED_TOLD_REPAIR = "gpu_repair_told_who_holds_the_slot"
+#: The same Node run on the code before ``node-tells-the-queue-once``, and a Node run of five repairs
+#: queued at once, each told its wait once (and the next in line again).
+RECORDED_TOLD_BEFORE = f"{RECORDED_TOLD}_before"
+RECORDED_QUEUE = "node_entity_tells_a_queue_of_five_once"
 #: The Node run where two GPUs' resets each get the slot (``node-patches-at-start-7``), and the same
 #: scenario on the code before, where the first reset "covered" the second (it must still replay).
 RECORDED_RESETS = "node_entity_grants_each_gpu_its_own_reset"
@@ -247,6 +251,20 @@ async def _held_by(stack: Stack, node: JoinedNode, repair_id: str) -> str:
             f"expected back by {until:%H:%M:%S} UTC")
 
 
+def _back_by(held: str) -> datetime:
+    """The time a holder is expected back by, as ``_held_by`` says it (today's date: the test's)."""
+    at = datetime.strptime(held.rsplit("expected back by ", 1)[1], "%H:%M:%S UTC").time()
+    return datetime.combine(datetime.now(timezone.utc).date(), at, tzinfo=timezone.utc)
+
+
+def _queued_when_told(behind: str, ahead: int, held: str, turn_by: datetime) -> str:
+    """What a repair with others ahead of it in the queue says, told once as it queued: the request
+    right ahead of it, how many were ahead and who held the slot then, and the bound of its own turn."""
+    then = held.removeprefix("the slot is ")
+    return (f"queued behind {behind} ({ahead} ahead when it queued, the slot then {then}), "
+            f"its turn expected by {turn_by:%H:%M:%S} UTC at the latest")
+
+
 async def _details_naming(handle: WorkflowHandle, words: str) -> str | None:
     details = await _details(handle)
     return details if words in details else None
@@ -260,15 +278,17 @@ async def test_a_queued_repair_names_the_slots_holder_and_when_it_is_expected_ba
     third = await _queued_behind(stack, node, 2, xid=48)
     held = await _held_by(stack, node, first.id)
 
-    # Each waiting repair's details name the holder and until when, and its place in the queue.
+    # Each waiting repair's details name the holder and until when; one further back, the request
+    # right ahead of it and when its own turn comes at the latest (the holder's bound plus a reboot's).
     shown = await eventually(lambda: _details_naming(second, held), timeout=30)
     assert "queued ahead" not in shown and "reboot needs the node's action slot" in shown, shown
-    await eventually(lambda: _details_naming(third, f"{held}; 1 more queued ahead"), timeout=30)
+    queued = _queued_when_told(second.id, 1, held, _back_by(held) + timedelta(seconds=4 + 120))
+    await eventually(lambda: _details_naming(third, queued), timeout=30)
     # ... and so do its ladder and `gpufleet repair show`.
     assert (await ladder(stack, node.node_name, 1)).waiting_for == held
     cli = await gpufleet(stack, "repair", "show", node.node_name, "2")
     assert cli.returncode == 0, cli.stderr
-    assert f"waiting: {held}; 1 more queued ahead" in cli.stdout, cli.stdout
+    assert f"waiting: {queued}" in " ".join(cli.stdout.split()), cli.stdout
 
     # The reboot ends: GPU 1's repair takes the slot for its own reboot, and GPU 2's, next in line,
     # is told the new holder.
@@ -292,6 +312,82 @@ async def test_a_queued_repair_names_the_slots_holder_and_when_it_is_expected_ba
     await replay_and_record(third, RECORDED_TOLD_REPAIR)
 
 
+@pytest.fixture
+async def five_gpus(temporal_env, tmp_path):
+    """``slow_reboots`` on five-GPU machines: one repair holds the slot, four queue behind it."""
+    fleet = repair_fleet()
+    fleet["sites"][0]["gpus_per_machine"] = 5
+    fleet["repair"]["timeouts"]["reboot_seconds"] = 120
+    fleet["repair"]["thresholds"] = {"node_remediation_limit": 10}  # five repairs of one node: none a replace
+    async for stack in running_stack(temporal_env.client, tmp_path, fleet):
+        yield stack
+
+
+async def _waits_sent(node_entity: WorkflowHandle) -> list[str]:
+    """The repairs the Node entity sent a ``node_action_wait``, one entry a signal, from its history."""
+    history = await node_entity.fetch_history()
+    return [attributes.workflow_execution.workflow_id for event in history.events
+            if event.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+            and (attributes := event.signal_external_workflow_execution_initiated_event_attributes).signal_name
+            == flows.GpuRepair.node_action_wait]
+
+
+async def test_repairs_queued_for_the_slot_are_told_their_wait_in_signals_linear_in_the_queue(five_gpus: Stack) -> None:
+    """Q repairs of one node queued for its action slot cost at most two ``node_action_wait`` each:
+    told once as it queues, and once more as the next in line (2Q-3 in all). Before, every waiter
+    was told again each time the slot changed hands: Q(Q-1)/2, 10 here, 28 for an 8-GPU node."""
+    stack = five_gpus
+    # GPU 0's reboot holds the node's slot; four GPUs' resets (none covers another) queue behind it.
+    node, first = await repair_waiting_for_boot(stack)
+    queued = [await _queued_behind(stack, node, gpu, xid=48) for gpu in (1, 2, 3, 4)]
+    held = await _held_by(stack, node, first.id)
+
+    # The last in line still says why it waits and until when: the request right ahead of it, and its
+    # own turn at the latest, once the reboot and the three resets ahead (5 s each) gave the slot back.
+    turn_by = _back_by(held) + timedelta(seconds=3 * 5)
+    await eventually(lambda: _details_naming(queued[-1], _queued_when_told(queued[-2].id, 3, held, turn_by)),
+                     timeout=30)
+    await eventually(lambda: _details_naming(queued[0], held), timeout=30)
+    # The queue as it is now is the Node entity's to say.
+    status = await eventually(lambda: node_status(stack, node.node_name), timeout=30)
+    assert status.slot_queue == [handle.id for handle in queued], status.slot_queue
+    cli = await gpufleet(stack, "repair", "node", node.node_name)
+    assert cli.returncode == 0, cli.stderr
+    assert f"queued for the node's action slot, next first: {queued[0].id}" in cli.stdout, cli.stdout
+
+    _booted(stack, node)
+    for handle in (first, *queued):
+        result = GpuRepairResult.model_validate(await handle.result())
+        assert result.outcome == "repaired", (handle.id, result)
+
+    # Told once as it queued, and once more on becoming next in line behind a holder it was not
+    # told of; the first in line, behind the reboot from the start, once.
+    node_entity = stack.client.get_workflow_handle(f"node/{node.node_name}")
+    waits, q = await _waits_sent(node_entity), 5
+    assert [waits.count(handle.id) for handle in queued] == [1, 2, 2, 2], waits
+    assert len(waits) == 2 * q - 3, waits  # the code before: q * (q - 1) / 2 = 10
+
+    await replay_and_record(node_entity, RECORDED_QUEUE)
+
+
+def test_a_node_run_from_before_the_patch_told_the_whole_queue_at_each_hand_over() -> None:
+    """What the two recorded runs of three repairs queued are (tests/test_replay.py replays both): the
+    run from before ``node-tells-the-queue-once`` replays down its old path, and one after it records
+    the patch; the same three signals either way (2Q-3 = Q(Q-1)/2 at Q = 3), the one further back told
+    when its turn comes."""
+    from workflows.node import NODE_TELLS_THE_QUEUE_ONCE
+
+    wait = flows.GpuRepair.node_action_wait
+    (before, waits_before), (after, waits_after) = _sent(RECORDED_TOLD_BEFORE, wait), _sent(RECORDED_TOLD, wait)
+    assert NODE_TELLS_THE_QUEUE_ONCE not in before and len(waits_before) == 3
+    assert not any(wait.get("turn_by") for wait in waits_before), waits_before
+    assert NODE_TELLS_THE_QUEUE_ONCE in after and len(waits_after) == 3
+    assert [bool(wait["turn_by"]) for wait in waits_after] == [False, True, False], waits_after
+    # Five repairs queued (the recorded run of the test above): 2Q-3 = 7, where the path before sent 10.
+    queue, waits = _sent(RECORDED_QUEUE, wait)
+    assert NODE_TELLS_THE_QUEUE_ONCE in queue and len(waits) == 7, waits
+
+
 def test_a_node_run_from_before_the_patch_granted_the_ended_repair_and_one_after_did_not() -> None:
     """What the two recorded runs are (tests/test_replay.py replays both against today's code): the
     run from before ``node-patches-at-start-3`` replays down its old path, the grant to a closed
@@ -311,18 +407,22 @@ def test_a_node_run_from_before_the_patch_let_one_reset_cover_another_and_one_af
     by the first, as a Node run open at the deploy must."""
     from workflows.node import NODE_PATCHES_AT_START_7
 
-    def told(name: str) -> tuple[list[str], list[dict]]:
-        events = json.loads((HISTORIES / f"{name}.json").read_text())["events"]
-        grants = [json.loads(base64.b64decode(attributes["input"]["payloads"][0]["data"])) for event in events
-                  if (attributes := event.get("signalExternalWorkflowExecutionInitiatedEventAttributes"))
-                  and attributes["signalName"] == flows.GpuRepair.node_action_grant]
-        return _markers(events), grants
-
-    (before, granted_before), (after, granted_after) = told(RECORDED_RESETS_BEFORE), told(RECORDED_RESETS)
+    grant = flows.GpuRepair.node_action_grant
+    (before, granted_before) = _sent(RECORDED_RESETS_BEFORE, grant)
+    (after, granted_after) = _sent(RECORDED_RESETS, grant)
     assert NODE_PATCHES_AT_START_7 not in before
     assert [grant["covered_by"] for grant in granted_before if not grant["go"]] == ["reset"], granted_before
     assert NODE_PATCHES_AT_START_7 in after
     assert [grant["go"] for grant in granted_after] == [True, True], granted_after
+
+
+def _sent(name: str, signal: str) -> tuple[list[str], list[dict]]:
+    """A recorded run's patch markers, and the payloads of the ``signal`` signals it sent."""
+    events = json.loads((HISTORIES / f"{name}.json").read_text())["events"]
+    sent = [json.loads(base64.b64decode(attributes["input"]["payloads"][0]["data"])) for event in events
+            if (attributes := event.get("signalExternalWorkflowExecutionInitiatedEventAttributes"))
+            and attributes["signalName"] == signal]
+    return _markers(events), sent
 
 
 def _markers(events: list[dict]) -> list[str]:

@@ -270,6 +270,10 @@ EXPECTED = {
     # (``node-patches-at-start-5``, tests/test_node_slot_requests.py): the Node run that told it, and
     # the queued repair's run that took it into its details (no patch there: a signal handler, no command).
     "node_entity_tells_the_queue_who_holds_the_slot", "gpu_repair_told_who_holds_the_slot",
+    # ... once as it queues, with when its own turn comes, and again only as the next in line: 2Q-3
+    # signals for Q repairs queued, not Q(Q-1)/2 (``node-tells-the-queue-once``); ``_before``: the
+    # code before, which told every waiter again at each hand-over, replays too.
+    "node_entity_tells_a_queue_of_five_once", "node_entity_tells_the_queue_who_holds_the_slot_before",
     # A node's well-formed answers as large as they may be, past two continues-as-new: the state keeps
     # only what later decisions need, for GPUs the node has (tests/security/test_node_reports.py).
     "node_carry_bounded_after_bloated_answers",

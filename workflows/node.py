@@ -279,6 +279,16 @@ FACTS_RETRY_MAX = timedelta(minutes=10)
 MAX_SEEN = 512
 MAX_LOG = 20
 
+#: Workflow patch, asked where the run first tells its queue for the action slot (``_tell_the_queue``;
+#: only in runs under ``NODE_PATCHES_AT_START_5``, which run no local activity, so it may be asked
+#: there). A repair queued for the slot is told once, when it queues: the holder and until when, how
+#: many are ahead of it, the request right ahead of it and when its own turn is expected at the latest
+#: (the holder's expected return plus the slot times of those ahead); and once more only when it is
+#: next in line behind a holder it was not told of. At most two ``node_action_wait`` per request: 2Q-3
+#: for Q repairs queued together (13 for 8). Before it every waiter was told again each time the slot
+#: changed hands or its place moved: Q(Q-1)/2 (28 for 8). The node's status lists the queue as it is.
+NODE_TELLS_THE_QUEUE_ONCE = "node-tells-the-queue-once"
+
 
 def _xid_key(gpu: GpuHealth, index: int) -> str:
     event = gpu.xid_events[index]
@@ -347,6 +357,8 @@ class NodeEntity(Entity[NodeCarry]):
         self._settled_5 = False
         #: Repair id → what it was last told while queued for the slot: the holder and how many ahead.
         self._told: dict[str, tuple[str, int]] = {}
+        #: ``NODE_TELLS_THE_QUEUE_ONCE``, asked where the queue is first told (None: not yet asked).
+        self._tells_once: bool | None = None
         #: ``NODE_PATCHES_AT_START_6`` (asked once, first): only a spot site's node is reclaimed.
         self._settled_6 = False
         #: ``NODE_PATCHES_AT_START_7`` (asked once, first): a reset covers no other repair; search
@@ -454,6 +466,7 @@ class NodeEntity(Entity[NodeCarry]):
             boot_id=self.state.boot_id, reports=self.state.reports,
             active_repairs={str(k): v for k, v in self._active.items()}, app_xids=self.state.ledger.app_xids,
             remediations=len(self.state.ledger.remediations), node_actions=self.state.actions,
+            slot_queue=[r.repair_id for r in self._queued()],
             deferred=sorted(self.state.deferred), fenced=sorted(self.state.fenced), log=self.state.log,
             bad_reports=self.state.bad_reports, bad_reports_in_a_row=self.state.bad_reports_in_a_row,
             last_bad_report=self._last_bad_report, loop_restarts=self._loop_restarts,
@@ -1360,37 +1373,60 @@ class NodeEntity(Entity[NodeCarry]):
                 and action.started_at >= request.detected_at and action.repair_id != request.repair_id
                 and (action.rung.node_level or not self._settled_7))
 
+    def _queued(self) -> list[NodeActionRequest]:
+        """The requests queued for the slot, in their order: a request sent twice is one place in
+        the queue, and an ended repair's (dropped at its turn) none."""
+        queued, seen = [], set()
+        for request in self._requests:
+            if request.repair_id not in self._ended and request.repair_id not in seen:
+                seen.add(request.repair_id)
+                queued.append(request)
+        return queued
+
     def _queue_news(self) -> list[tuple[NodeActionRequest, tuple[str, int]]]:
-        """Each repair queued for the held slot that was not told the holder and its place as they
-        are now, with what to tell it: (holder, requests ahead of it)."""
+        """Each repair queued for the held slot to tell now, with what: (holder, requests ahead of
+        it). Under ``NODE_TELLS_THE_QUEUE_ONCE`` one not told yet, and the next in line told of
+        another holder; before it (or not yet asked), each whose holder or place changed."""
         if self._holder is None:
             return []
-        news, seen = [], set()
-        for request in self._requests:
-            if request.repair_id in self._ended or request.repair_id in seen:
-                continue  # dropped at its turn; a request sent twice is one place in the queue
-            told = (self._holder, len(seen))
-            seen.add(request.repair_id)
-            if self._told.get(request.repair_id) != told:
+        news = []
+        for ahead, request in enumerate(self._queued()):
+            told, last = (self._holder, ahead), self._told.get(request.repair_id)
+            if self._tells_once:
+                due = last is None or (ahead == 0 and last[0] != self._holder)
+            else:
+                due = last != told
+            if due:
                 news.append((request, told))
         return news
 
     async def _tell_the_queue(self) -> None:
         """Tell each repair queued for the slot who holds it and until when it is expected back
-        (its details say so): once per holder and place in the queue, so a queue that does not move
-        costs nothing more."""
+        (its details say so); under ``NODE_TELLS_THE_QUEUE_ONCE`` once when it queues, with when its
+        own turn is expected, and once more as the next in line, so Q queued repairs cost 2Q-3
+        signals, not one to every waiter each time the slot changes hands (Q(Q-1)/2)."""
         holding = next((a for a in reversed(self.state.actions)
                         if a.repair_id == self._holder and a.finished_at is None), None)
         if holding is None:
             return
+        if self._tells_once is None and self._queue_news():
+            # Asked here, not at the start: only a run under NODE_PATCHES_AT_START_5 tells its queue,
+            # and it runs no local activity (NODE_PATCHES_AT_START_4) whose late result could move
+            # the marker to another task.
+            self._tells_once = self._settled_5 and workflow.patched(NODE_TELLS_THE_QUEUE_ONCE)
         settings = self._settings() or RepairSettings()
         until = holding.started_at + timedelta(seconds=settings.slot_seconds(holding.rung))
+        queued = self._queued()
         for request, told in self._queue_news():
             if self._holder != holding.repair_id:
                 return  # the slot changed hands meanwhile: the next pass tells the rest the new holder
             self._told[request.repair_id] = told
             wait = NodeActionWait(holder=holding.repair_id, rung=holding.rung, since=holding.started_at, until=until,
                                   ahead=told[1])
+            if self._tells_once and told[1]:
+                ahead_of_it = queued[:told[1]]
+                wait.behind = ahead_of_it[-1].repair_id
+                wait.turn_by = until + timedelta(seconds=sum(settings.slot_seconds(r.rung) for r in ahead_of_it))
             try:
                 await workflow.get_external_workflow_handle(request.repair_id).signal(
                     flows.GpuRepair.node_action_wait, wait)

@@ -166,14 +166,23 @@ class GpuRepair:
     @workflow.signal
     def node_action_wait(self, wait: NodeActionWait) -> None:
         """Who holds the node's action slot this repair waits for, and until when: the Node entity
-        says so when it queues the request and again when the holder or the queue ahead changes.
-        One that comes after the grant (or outside a wait) is old news."""
+        says so when it queues the request, with when its own turn is expected if others are ahead,
+        and again once it is next in line (a Node run from before ``node-tells-the-queue-once``:
+        whenever the holder or the queue ahead changes). One that comes after the grant (or outside
+        a wait) is old news."""
         s = self._state
         if s is None or self._grant is not None or s.step != "waiting for the node":
             return
-        ahead = f"; {wait.ahead} more queued ahead" if wait.ahead else ""
-        s.waiting_for = (f"the slot is held by {wait.holder} for its {wait.rung} since {wait.since:%H:%M:%S} UTC, "
-                         f"expected back by {wait.until:%H:%M:%S} UTC{ahead}")
+        held = (f"held by {wait.holder} for its {wait.rung} since {wait.since:%H:%M:%S} UTC, "
+                f"expected back by {wait.until:%H:%M:%S} UTC")
+        if wait.ahead and wait.turn_by is not None:
+            # Told once as it queued (the next in line is told again): what it was told then, and the
+            # bound of its own turn, which stays true; the node's status lists the queue as it is now.
+            s.waiting_for = (f"queued behind {wait.behind or 'the holder'} ({wait.ahead} ahead when it queued, the "
+                             f"slot then {held}), its turn expected by {wait.turn_by:%H:%M:%S} UTC at the latest")
+        else:
+            ahead = f"; {wait.ahead} more queued ahead" if wait.ahead else ""
+            s.waiting_for = f"the slot is {held}{ahead}"
         self._show(f"{s.rung} needs the node's action slot")
 
     # -- the ladder ---------------------------------------------------------------------

@@ -235,6 +235,11 @@ class NodeActionWait(BaseModel):
     until: datetime
     #: Requests queued before this one, granted (or covered) first.
     ahead: int = 0
+    #: With ``ahead``: the request right ahead of this one, and when this one's turn is expected at
+    #: the latest (``until`` plus the slot times of those ahead; a covered one takes less). A repair
+    #: further back is told once, as it queues, and again only once it is next in line.
+    behind: MaybeName = ""
+    turn_by: datetime | None = None
 
 
 class NodeActionDone(BaseModel):
@@ -261,6 +266,9 @@ class NodeStatus(BaseModel):
     app_xids: dict[str, int] = Field(default_factory=dict)
     remediations: int = 0
     node_actions: list[NodeAction] = Field(default_factory=list)
+    #: The repairs queued for the node's action slot as it is now, next in line first (a queued
+    #: repair was told its place once, as it queued).
+    slot_queue: list[str] = Field(default_factory=list)
     deferred: list[int] = Field(default_factory=list)
     #: GPUs the entity fenced (node cordoned) whose repair has not started: held by the site.
     fenced: list[int] = Field(default_factory=list)
