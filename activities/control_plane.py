@@ -31,8 +31,6 @@ from fleet.messages.nodes import (
     MAX_STARTED_NAMED,
     NodeEntitiesStarted,
     StartedEntity,
-    PrepareNodeInput,
-    ProvisionMachineInput,
     ReleaseProvisionInput,
     RemoveNodeInput,
     ResolveSiteInput,
@@ -45,7 +43,7 @@ from fleet.messages.repair import NodeEntityInput
 from fleet.errors import InvalidRequest, NotFound, ProviderError
 from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
 from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinParams, render_user_data
-from fleet.models import Machine, Node
+from fleet.models import Node
 from fleet.naming import node_workflow_id, site_workflow_id
 from fleet.watched import closed_as, running_node_entities, unwatched_nodes
 from fleet.site_use import sites_in_use
@@ -92,15 +90,12 @@ class ControlPlaneActivities:
         return [
             self.resolve_site,
             self.site_configured,
-            self.provision_machine,
             self.provision_joining_machine,
             self.await_registration,
             self.revoke_node_tokens,
-            self.review_node_csrs,
             self.approve_node_csrs,
             self.release_provision,
             self.delete_machine,
-            self.prepare_node,
             self.admit_node,
             self.ensure_node_entities,
             self.remove_node,
@@ -129,14 +124,6 @@ class ControlPlaneActivities:
         if use is None:
             return SiteConfigured(configured=False)
         return SiteConfigured(configured=False, nodes=list(use.nodes), gone=list(use.gone))
-
-    @activity.defn
-    @typed_errors
-    @reports_account(lambda input: input.site, lambda input: input.spec.instance_type)
-    def provision_machine(self, input: ProvisionMachineInput) -> Machine:
-        self.env.check_account(input.site, input.spec.instance_type)  # blocked account/offer: no provider call
-        with metrics.capacity_attempt(self.env.site(input.site).provider, input.site):
-            return self.env.provider(input.site).create_machine(input.spec, input.idempotency_key)
 
     @activity.defn
     @typed_errors
@@ -210,19 +197,12 @@ class ControlPlaneActivities:
 
     @activity.defn
     @typed_errors
-    def review_node_csrs(self) -> int:
-        """gpufleet's CSR approver, one pass (kubelet certificate renewals, serving CSRs):
-        how many CSRs it decided."""
-        return len(self.env.cluster.review_csrs(machine_addresses(self.env)))
-
-    @activity.defn
-    @typed_errors
     async def approve_node_csrs(self) -> CsrApproverResult:
-        """The same pass for the ``CsrApprover`` workflow (woken by its CSR watch): what it
-        decided and why. Each decision is also a condition on its CSR. The pass lists every CSR
-        and every machine of the fleet (provider calls): it runs in a thread and heartbeats
-        meanwhile when the workflow asks for it, so a lost worker's pass is retried within the
-        heartbeat timeout."""
+        """gpufleet's CSR approver, one pass (kubelet certificate renewals, serving CSRs), for the
+        ``CsrApprover`` workflow (woken by its CSR watch): what it decided and why. Each decision
+        is also a condition on its CSR. The pass lists every CSR and every machine of the fleet
+        (provider calls): it runs in a thread and heartbeats meanwhile when the workflow asks for
+        it, so a lost worker's pass is retried within the heartbeat timeout."""
         env = self.env
         decisions = await heartbeating(asyncio.to_thread(
             lambda: env.cluster.review_csrs(machine_addresses(env))))
@@ -262,14 +242,7 @@ class ControlPlaneActivities:
         record_retire(self.env, input.site, input.machine_id)
 
     # -- cluster ----------------------------------------------------------------------
-    @activity.defn
-    @typed_errors
-    def prepare_node(self, input: PrepareNodeInput) -> Node:
-        """Our labels and taints on the node; touches no other key."""
-        return self._label_and_taint(input.node_name, input.labels, add=input.add_taints, remove=input.remove_taints)
-
-    def _label_and_taint(self, node_name: str, labels: dict[str, str], *, add: list[str],
-                         remove: list[str] | None = None) -> Node:
+    def _label_and_taint(self, node_name: str, labels: dict[str, str], *, add: list[str]) -> Node:
         cluster = self.env.cluster
         labels = dict(labels)
         add = list(add)
@@ -281,8 +254,7 @@ class ControlPlaneActivities:
                 add.append(FLEET_TAINT)
         if labels:
             cluster.label_node(node_name, labels)
-        # Admission lifts only the unproven taint: the fleet taint is never removed by a join.
-        return cluster.set_taints(node_name, add=add, remove=[t for t in remove or [] if t != FLEET_TAINT])
+        return cluster.set_taints(node_name, add=add)
 
     @activity.defn
     @typed_errors

@@ -120,6 +120,11 @@ async def restarted_control_plane_forgets_nothing(
             id=f"durable-{activity}-{uuid.uuid4().hex[:8]}", task_queue=driver_queue,
         )
 
+    async def provision(site: str, spec: dict, key: str) -> dict:
+        """A join's machine (its token issued, its user data handed over), as NodeJoin buys it."""
+        provisioned = await run("provision_joining_machine", {"site": site, "spec": spec, "idempotency_key": key})
+        return provisioned["machine"]
+
     async def refused(activity: str, payload: dict[str, Any]) -> str:
         with pytest.raises(WorkflowFailureError) as failure:
             await run(activity, payload)
@@ -151,10 +156,8 @@ async def restarted_control_plane_forgets_nothing(
             # -- the first pod ----------------------------------------------------------------
             first, first_dirs = control_plane(1)
             async with first:
-                doomed = await run("provision_machine", {"site": lam_site, "spec": lambda_spec(f"gpu-l1-{suffix}"),
-                                                         "idempotency_key": f"k-l1-{suffix}"})
-                racked = await run("provision_machine", {"site": rack_site, "spec": rack_spec(f"gpu-r1-{suffix}"),
-                                                         "idempotency_key": f"k-r1-{suffix}"})
+                doomed = await provision(lam_site, lambda_spec(f"gpu-l1-{suffix}"), f"k-l1-{suffix}")
+                racked = await provision(rack_site, rack_spec(f"gpu-r1-{suffix}"), f"k-r1-{suffix}")
                 # The Lambda key is revoked; a workflow meets it and reports it.
                 monkeypatch.setenv(harness_lambda.CREDENTIALS_ENV, "secret_revoked-key")
                 await run("report_account", {"account": lam_account, "kind": "BadCredentials",
@@ -174,18 +177,16 @@ async def restarted_control_plane_forgets_nothing(
             async with second:
                 calls = len(lam.requests)
                 # Still revoked: refused before any call to the account.
-                assert await refused("provision_machine", {
+                assert await refused("provision_joining_machine", {
                     "site": lam_site, "spec": lambda_spec(f"gpu-l2-{suffix}"), "idempotency_key": f"k-l2-{suffix}",
                 }) == "BadCredentials"
                 assert len(lam.requests) == calls
 
                 # The rack machine allocated by the first pod is not handed out again...
-                other = await run("provision_machine", {"site": rack_site, "spec": rack_spec(f"gpu-r2-{suffix}"),
-                                                        "idempotency_key": f"k-r2-{suffix}"})
+                other = await provision(rack_site, rack_spec(f"gpu-r2-{suffix}"), f"k-r2-{suffix}")
                 assert other["id"] != racked["id"]
                 # ...and the first allocation's key still finds its machine.
-                again = await run("provision_machine", {"site": rack_site, "spec": rack_spec(f"gpu-r1-{suffix}"),
-                                                        "idempotency_key": f"k-r1-{suffix}"})
+                again = await provision(rack_site, rack_spec(f"gpu-r1-{suffix}"), f"k-r1-{suffix}")
                 assert again["id"] == racked["id"]
 
                 # A person rotates the key: the entity checks it and runs the queued delete.
@@ -198,6 +199,8 @@ async def restarted_control_plane_forgets_nothing(
 
                 for machine in (racked, other):
                     await run("delete_machine", {"site": rack_site, "machine_id": machine["id"]})
+                for machine in (doomed, racked, other):  # their joins end here: no token stays behind
+                    await run("revoke_node_tokens", {"node_name": machine["name"]})
                 await terminate_running(client, queue)
             assert _files(*second_dirs) == []
         finally:

@@ -38,7 +38,7 @@ from fleet.messages.evacuation import (
 from fleet.messages.nodes import (
     AdmitNodeInput, AwaitRegistrationInput, ContainInput, ContainResult, DeleteMachineInput,
     FenceInput, GpuProbeResult, NodeEntitiesStarted, NodeFacts, NodeFactsInput,
-    PrepareNodeInput, ProbeGpusInput, ProvisionJoinInput, ProvisionMachineInput,
+    ProbeGpusInput, ProvisionJoinInput,
     ProvisionedMachine, ReinstallDriverInput, ReleaseProvisionInput, RemoveNodeInput,
     ReplacementSitesInput, ResetGpuInput, ResolveSiteInput, RestartMachineInput,
     RevokeNodeTokensInput, SiteConfigured, SiteHealth, SiteHealthInput, SmokeResult,
@@ -60,7 +60,7 @@ from fleet.messages.watches import (
     CsrWatchInput, CsrWatchResult, DemandWake, DemandWatchInput, RecoveryWatchInput, RecoveryWatchResult,
     SiteWatchInput, SiteWatchResult,
 )
-from fleet.models import Machine, Node
+from fleet.models import Node
 from fleet.rollout import ProbeResult
 from fleet.routing import RoutingDocument
 
@@ -87,8 +87,9 @@ async def admit_repair(input: AdmitRepairInput) -> RepairDecision:
 
 @activity.defn(name="approve_node_csrs")
 async def approve_node_csrs() -> CsrApproverResult:
-    """The same pass for the ``CsrApprover`` workflow (woken by its CSR watch): what it decided and
-    why. Body: ``activities/control_plane.py``, ``ControlPlaneActivities.approve_node_csrs``."""
+    """gpufleet's CSR approver, one pass (kubelet certificate renewals, serving CSRs), for the
+    ``CsrApprover`` workflow (woken by its CSR watch): what it decided and why. Body:
+    ``activities/control_plane.py``, ``ControlPlaneActivities.approve_node_csrs``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
@@ -320,13 +321,6 @@ async def plan_and_buy(input: PlanAndBuyInput) -> PlanAndBuyResult:
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
-@activity.defn(name="prepare_node")
-async def prepare_node(input: PrepareNodeInput) -> Node:
-    """Our labels and taints on the node; touches no other key. Body:
-    ``activities/control_plane.py``, ``ControlPlaneActivities.prepare_node``."""
-    raise NotImplementedError("a declaration: the worker registers the body")
-
-
 @activity.defn(name="probe_gpus")
 async def probe_gpus(input: ProbeGpusInput) -> NodeAnswer:
     """Runs on the node (``activities/node_agent.py``, ``NodeAgentActivities.probe_gpus``); its
@@ -349,12 +343,6 @@ async def provision_joining_machine(input: ProvisionJoinInput) -> ProvisionedMac
     found by the key carries it already), then the machine with its bootstrap document in the
     provider's user data. Body: ``activities/control_plane.py``,
     ``ControlPlaneActivities.provision_joining_machine``."""
-    raise NotImplementedError("a declaration: the worker registers the body")
-
-
-@activity.defn(name="provision_machine")
-async def provision_machine(input: ProvisionMachineInput) -> Machine:
-    """Body: ``activities/control_plane.py``, ``ControlPlaneActivities.provision_machine``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
@@ -487,15 +475,6 @@ async def retire_machine(input: RetireMachineInput) -> str | None:
     ``cordoned_by``, who holds the node now, nothing deleted. Body:
     ``activities/capacity.py``, ``CapacityActivities.retire_machine``."""
     raise NotImplementedError("a declaration: the worker registers the body")
-
-
-@activity.defn(name="review_node_csrs")
-async def review_node_csrs() -> int:
-    """gpufleet's CSR approver, one pass (kubelet certificate renewals, serving CSRs): how many CSRs
-    it decided. Body: ``activities/control_plane.py``,
-    ``ControlPlaneActivities.review_node_csrs``."""
-    raise NotImplementedError("a declaration: the worker registers the body")
-
 
 
 @activity.defn(name="revoke_node_tokens")

@@ -32,12 +32,6 @@ class SiteConfigured(BaseModel):
     gone: list[tuple[str, str]] = Field(default_factory=list)
 
 
-class ProvisionMachineInput(BaseModel):
-    site: str
-    spec: MachineSpec
-    idempotency_key: str
-
-
 class ProvisionJoinInput(BaseModel):
     """Token, user data and machine in one activity: the rendered bootstrap (it holds the
     token's secret) exists only inside it."""
@@ -72,8 +66,7 @@ class AwaitRegistrationInput(BaseModel):
     #: Absolute, so a retried attempt keeps the original deadline.
     deadline: datetime
     poll_seconds: float = 1.0
-    #: Once the registration is this join's machine: our labels and taints on the node (the
-    #: ``prepare_node`` step, done in the same activity).
+    #: Once the registration is this join's machine: our labels and taints on the node.
     labels: dict[str, str] = Field(default_factory=dict)
     add_taints: list[str] = Field(default_factory=list)
 
@@ -94,13 +87,6 @@ class ReleaseProvisionInput(BaseModel):
     #: The machine's name, which every adapter derives from the idempotency key.
     name: str
     idempotency_key: str
-
-
-class PrepareNodeInput(BaseModel):
-    node_name: str
-    labels: dict[str, str]
-    add_taints: list[str] = Field(default_factory=list)
-    remove_taints: list[str] = Field(default_factory=list)
 
 
 class AdmitNodeInput(BaseModel):

@@ -27,13 +27,12 @@ from temporalio.common import RetryPolicy
 from temporalio.testing import ActivityEnvironment
 from temporalio.worker import UnsandboxedWorkflowRunner, Worker
 
-from activities.control_plane import ControlPlaneActivities
+from activities.capacity import CapacityActivities
 from activities.env import FleetEnv
-from fleet.messages.nodes import PrepareNodeInput
-from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
+from fleet.messages.capacity import SiteNode, SiteNodesInput
+from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from fleet.config import load_config
 from fleet.errors import NON_RETRYABLE_TYPES, ClusterConflict, ClusterForbidden, ClusterInvalid, Transient
-from fleet.models import Node
 from fleet.settings import Settings
 from providers.cluster import kubernetes
 from providers.cluster.kubernetes import KubernetesCluster, load_api_client
@@ -42,17 +41,22 @@ from tests.ports import free_port
 
 
 @pytest.fixture
-def activities(kube, tmp_path) -> ControlPlaneActivities:
+def activities(kube, tmp_path) -> CapacityActivities:
     env = FleetEnv(Settings(state_dir=tmp_path), load_config(write_fleet(tmp_path)), kube)
-    return ControlPlaneActivities(env)
+    return CapacityActivities(env)
 
 
 def _patches(fake, resource: str = "nodes") -> int:
     return sum(1 for verb, _, res, _, _ in fake.requests if (verb, res) == ("patch", resource))
 
 
-def _run(acts: ControlPlaneActivities, inp: PrepareNodeInput) -> Node:
-    return ActivityEnvironment().run(acts.prepare_node, inp)
+#: The Site entity's reconcile (``site_nodes``): it writes a node of the site that lacks the site's
+#: placement labels and the fleet taint, one label patch and one taint patch.
+SITE = SiteNodesInput(site="site-a")
+
+
+def _run(acts: CapacityActivities, inp: SiteNodesInput) -> list[SiteNode]:
+    return ActivityEnvironment().run(acts.site_nodes, inp)
 
 
 # -- the adapter ------------------------------------------------------------------------------
@@ -106,36 +110,36 @@ def test_a_strictly_refused_patch_names_the_field_and_quotes_nothing_of_the_node
 
 
 # -- the activity boundary --------------------------------------------------------------------
-def test_prepare_node_rides_out_a_few_conflicts(activities, fake):
+def test_a_site_reconcile_rides_out_a_few_conflicts(activities, kube, fake):
     # Fake: a 409 on exactly the next N writes is an injected fault; a real server gives conflicts
     # only to a racing writer (that case, real: tests/realk8s/test_adapter_objects.py, taints).
-    fake.add_node("gpu-1")
+    fake.add_node("gpu-1", labels={LABEL_SITE: "site-a"})  # no zone label, no fleet taint
     fake.fail("patch", "nodes", 409, "Conflict", times=3)
-    node = _run(activities, PrepareNodeInput(node_name="gpu-1", labels={LABEL_SITE: "site-a"},
-                                             add_taints=[UNPROVEN_TAINT]))
-    assert node.labels[LABEL_SITE] == "site-a" and UNPROVEN_TAINT in node.taints
+    assert [n.node_name for n in _run(activities, SITE)] == ["gpu-1"]
+    node = kube.get_node("gpu-1")
+    assert node.labels[LABEL_ZONE] == "site-a" and FLEET_TAINT in node.taints
 
 
 # -- through Temporal, under a retry policy with no attempt limit ------------------------------
 @workflow.defn(name="ClusterErrorsProbe", sandboxed=False)
 class ClusterErrorsProbe:
     @workflow.run
-    async def run(self, inp: PrepareNodeInput) -> Node:
+    async def run(self, inp: SiteNodesInput) -> list[SiteNode]:
         return await workflow.execute_activity(
-            "prepare_node", inp, result_type=Node, start_to_close_timeout=timedelta(seconds=30),
+            "site_nodes", inp, result_type=list[SiteNode], start_to_close_timeout=timedelta(seconds=30),
             # Unbounded and no non-retryable types listed: the error's own non_retryable flag must end it.
             retry_policy=RetryPolicy(initial_interval=timedelta(milliseconds=100),
                                      maximum_interval=timedelta(milliseconds=200)),
         )
 
 
-async def _execute(temporal_env, acts: ControlPlaneActivities, inp: PrepareNodeInput,
-                   workflow_id: str = "") -> Node:
+async def _execute(temporal_env, acts: CapacityActivities, inp: SiteNodesInput,
+                   workflow_id: str = "") -> list[SiteNode]:
     queue = f"cluster-errors-{uuid.uuid4().hex[:8]}"
     workflow_id = workflow_id or f"cluster-errors/{uuid.uuid4().hex[:8]}"
     with ThreadPoolExecutor(4) as pool:
         async with Worker(temporal_env.client, task_queue=queue, workflows=[ClusterErrorsProbe],
-                          activities=[acts.prepare_node], activity_executor=pool,
+                          activities=[acts.site_nodes], activity_executor=pool,
                           workflow_runner=UnsandboxedWorkflowRunner()):
             return await temporal_env.client.execute_workflow(
                 ClusterErrorsProbe.run, inp, id=workflow_id, task_queue=queue,
@@ -143,15 +147,15 @@ async def _execute(temporal_env, acts: ControlPlaneActivities, inp: PrepareNodeI
             )
 
 
-async def test_conflicts_past_the_adapters_bound_are_retried_by_temporal(temporal_env, activities, fake):
+async def test_conflicts_past_the_adapters_bound_are_retried_by_temporal(temporal_env, activities, kube, fake):
     # Fake: a 409 on exactly the next N writes is an injected fault; a real server gives conflicts
     # only to a racing writer (that case, real: tests/realk8s/test_adapter_objects.py, taints).
-    fake.add_node("gpu-1")
+    fake.add_node("gpu-1", labels={LABEL_SITE: "site-a"})  # no zone label, no fleet taint
     # The first attempt meets only conflicts (ClusterConflict, retryable); the second wins.
     fake.fail("patch", "nodes", 409, "Conflict", times=kubernetes._RETRY_CONFLICTS + 2)
-    node = await _execute(temporal_env, activities, PrepareNodeInput(node_name="gpu-1", labels={LABEL_SITE: "site-a"}))
-    assert node.labels[LABEL_SITE] == "site-a"
-    # and one more: the fleet taint every node of a site gets with its site label
+    assert [n.node_name for n in await _execute(temporal_env, activities, SITE)] == ["gpu-1"]
+    assert kube.get_node("gpu-1").labels[LABEL_ZONE] == "site-a"
+    # and one more: the fleet taint the reconcile puts back on a node of the site
     assert _patches(fake) == kubernetes._RETRY_CONFLICTS + 3 + 1
 
 
@@ -226,11 +230,10 @@ async def test_a_token_no_header_can_carry_is_cluster_forbidden_and_never_shown(
         cluster.get_node("gpu-1")
     assert kubeconfig in str(caught.value) and SECRET not in _shown(caught.value)
 
-    acts = ControlPlaneActivities(FleetEnv(Settings(state_dir=tmp_path), load_config(write_fleet(tmp_path)), cluster))
+    acts = CapacityActivities(FleetEnv(Settings(state_dir=tmp_path), load_config(write_fleet(tmp_path)), cluster))
     workflow_id = f"cluster-errors/{uuid.uuid4().hex[:8]}"
     with pytest.raises(WorkflowFailureError) as failed:
-        await _execute(temporal_env, acts, PrepareNodeInput(node_name="gpu-1", labels={LABEL_SITE: "site-a"}),
-                       workflow_id)
+        await _execute(temporal_env, acts, SITE, workflow_id)
     activity_failure = failed.value.cause.cause
     assert (activity_failure.type, activity_failure.non_retryable) == ("ClusterForbidden", True)
     assert kubeconfig in activity_failure.message

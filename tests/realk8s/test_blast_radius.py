@@ -189,7 +189,7 @@ def test_without_kubeadms_self_renewal_gpufleet_renews_a_live_node_and_denies_a_
         thread.start()
     try:
         while any(thread.is_alive() for thread in threads):
-            run(one.acts.review_node_csrs)
+            run(one.acts.approve_node_csrs)
             threads[0].join(1)
     finally:
         for thread in threads:

@@ -14,9 +14,7 @@ import threading
 import uuid
 
 from activities.demand import DemandActivities
-from fleet.messages.nodes import PrepareNodeInput
 from fleet.cluster import GPU_RESOURCE, LABEL_SITE, UNPROVEN_TAINT
-from tests.providers.test_join_real import run
 from tests.realk8s.test_join import RealJoining, control_plane_cluster, one, wait_for  # noqa: F401
 
 UNPROVEN = {"key": "gpufleet.io/unproven", "operator": "Exists"}
@@ -139,11 +137,10 @@ def test_consolidation_sees_real_pods_and_a_drain_moves_them_to_the_other_node(o
         one.new_join()
         provisioned = one.provision()
         one.machine(provisioned.machine.id).boot()
-        name = one.await_registration(provisioned).name
-        # Labelled and proven by the join's own activity, as after a passed smoke test
-        # (consolidation never picks an unproven node, nor one of no site).
-        run(one.acts.prepare_node, PrepareNodeInput(node_name=name, labels={LABEL_SITE: one.site.name},
-                                                    remove_taints=[UNPROVEN_TAINT]))
+        # Labelled by the join's own activity, then proven as admit_node does after a passed smoke
+        # test (consolidation never picks an unproven node, nor one of no site).
+        name = one.await_registration(provisioned, labels={LABEL_SITE: one.site.name}).name
+        one.cluster.set_taints(name, remove=[UNPROVEN_TAINT])
         nodes.append(name)
     app = f"serve-{uuid.uuid4().hex[:6]}"
     deployment = gpu_deployment(app, nodes[0], replicas=1, gpus=2)

@@ -211,7 +211,7 @@ def joined(joining: RealJoining, provisioned, user_data: str, machine: Machine) 
                      and c["spec"]["username"] == f"system:node:{node.name}"), None)
 
     wait_for(serving, 60, "the kubelet's serving CSR")
-    run(joining.acts.review_node_csrs)
+    run(joining.acts.approve_node_csrs)
     issued = wait_for(lambda: (c := serving()) and c["status"].get("certificate") and c, 30, "the serving certificate")
     assert ("Approved", "GpufleetApproved") in conditions(issued)
 
@@ -279,7 +279,7 @@ def keeps_to_its_own_identity(joining: RealJoining, provisioned, machine: Machin
                  "signerName": "kubernetes.io/kubelet-serving", "usages": ["digital signature", "server auth"]}},
         cert=cert)
     assert status == 201, (joining.site.provider, answer)
-    run(joining.acts.review_node_csrs)
+    run(joining.acts.approve_node_csrs)
     [csr] = [c for c in joining.csrs() if c["metadata"]["name"] == serving]
     assert [t for t, _ in conditions(csr)] == ["Denied"] and not csr["status"].get("certificate"), \
         (joining.site.provider, conditions(csr))
@@ -306,7 +306,7 @@ def renews_for_600_seconds(machines: list[tuple[RealJoining, Machine]]) -> None:
         thread.start()
     try:
         while any(thread.is_alive() for thread in threads):
-            run(machines[0][0].acts.review_node_csrs)
+            run(machines[0][0].acts.approve_node_csrs)
             threads[0].join(1)
     finally:
         for thread in threads:
@@ -345,7 +345,7 @@ def another_token_gets_no_certificate_for_its_name(joining: RealJoining) -> None
                      "usages": ["digital signature", "client auth"]}}, bearer=token)
         assert status == 201, (joining.site.provider, answer)
         assert answer["spec"]["username"] == f"system:bootstrap:{token.split('.')[0]}"
-        assert run(joining.acts.review_node_csrs) >= 1
+        assert run(joining.acts.approve_node_csrs).denied >= 1
         time.sleep(1)  # the signer's chance to issue, were it approved
         [csr] = [c for c in joining.csrs() if c["metadata"]["name"] == name]
         assert [t for t, _ in conditions(csr)] == ["Denied"], (joining.site.provider, conditions(csr))

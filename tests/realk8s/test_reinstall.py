@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 import pytest
 from temporalio.exceptions import ApplicationError
 
-from fleet.messages.nodes import PrepareNodeInput, RestartMachineInput, RevokeNodeTokensInput
+from fleet.messages.nodes import RestartMachineInput, RevokeNodeTokensInput
 from activities.repair import RepairActivities
 from fleet.cluster import LABEL_SITE, NODE_IDENTITY_KIND, NodeIdentity
 from providers.cluster.bootstrap import BOOTSTRAP_GROUP, read_join_configuration
@@ -44,8 +44,7 @@ def test_a_reinstalled_rack_machine_rejoins_once_its_old_node_is_not_ready(own_d
         provisioned = world.provision()
         machine_id = provisioned.machine.id
         old = world.machine(machine_id, name="first-install").boot()
-        node = world.await_registration(provisioned)
-        run(world.acts.prepare_node, PrepareNodeInput(node_name=node.name, labels={LABEL_SITE: world.site.name}))
+        node = world.await_registration(provisioned, labels={LABEL_SITE: world.site.name})
         deadline = time.monotonic() + 60
         while not _ready(world, node.name) and time.monotonic() < deadline:
             time.sleep(0.5)
@@ -85,7 +84,7 @@ def test_a_reinstalled_rack_machine_rejoins_once_its_old_node_is_not_ready(own_d
         rejoined.wait_step("kubelet-start", 60)  # past kubeadm's existing-Node check
         deadline = time.monotonic() + 90
         while not _ready(world, node.name) and time.monotonic() < deadline:
-            run(world.acts.review_node_csrs)  # the approver's pass (its Schedule runs it every 30 s)
+            run(world.acts.approve_node_csrs)  # the approver's pass (the CsrApprover runs it on each new CSR)
             time.sleep(1)
         assert _ready(world, node.name), world.diagnosis()
         status, stored = world.real.request("GET", f"/api/v1/nodes/{node.name}", admin=True)
