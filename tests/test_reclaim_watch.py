@@ -5,6 +5,7 @@ the node's providerID."""
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import threading
 import time
@@ -92,11 +93,14 @@ class StandInGceMetadata:
     module proxy; the Go proxy refuses the GitHub ones). As GCE documents it: a request without
     ``Metadata-Flavor: Google`` gets 403, every answer carries that header, an unknown key 404,
     and ``preempted`` is ``FALSE`` until the preemption, then ``TRUE``. ``answer`` replaces the
-    server's answer (status, body) to play a broken one."""
+    server's answer (status, body) to play a broken one; ``flavored = False`` drops the
+    ``Metadata-Flavor`` header from its answers, to play something else on the path (a proxy, a
+    captive portal, a pod listening on the link-local address) that answers anything."""
 
     def __init__(self) -> None:
         self.preempted = False
         self.answer: tuple[int, bytes] | None = None
+        self.flavored = True
         self.flavors: list[str | None] = []  # each request's Metadata-Flavor header
         stand_in = self
 
@@ -113,7 +117,8 @@ class StandInGceMetadata:
 
             def _answer(self, status: int, body: bytes) -> None:
                 self.send_response(status)
-                self.send_header("Metadata-Flavor", "Google")
+                if stand_in.flavored:
+                    self.send_header("Metadata-Flavor", "Google")
                 self.send_header("Content-Type", "application/text")
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
@@ -130,6 +135,7 @@ class StandInGceMetadata:
 @pytest.fixture
 def gce(monkeypatch) -> Iterator[StandInGceMetadata]:
     monkeypatch.setattr(reclaim_watch, "_first_seen", {})  # each test's preemption is seen first in it
+    monkeypatch.setattr(reclaim_watch, "_impostors_warned", set())  # and each test's impostor warned of in it
     stand_in = StandInGceMetadata()
     yield stand_in
     stand_in.server.shutdown()
@@ -169,6 +175,29 @@ def test_metadata_is_read_directly_whatever_proxy_the_node_names(gce: StandInGce
 def test_the_gcp_source_reads_no_notice_from_a_missing_key_or_a_garbage_answer(gce, answer) -> None:
     gce.preempted, gce.answer = True, answer
     assert gcp_preempted(gce.url) is None
+
+
+@pytest.mark.parametrize("body", [b"TRUE", b"FALSE"])
+async def test_an_answer_without_the_metadata_flavor_header_is_neither_a_notice_nor_none(
+        gce: StandInGceMetadata, body: bytes, caplog) -> None:
+    """Whatever answers at the metadata address without GCE's ``Metadata-Flavor: Google`` is not
+    GCE: its ``TRUE`` drains nothing, its ``FALSE`` vouches for nothing. The source does not answer
+    (as an unreachable server does), says so once in the agent's log, and the agent's watch
+    reports no notice and goes on; GCE answering again is read again."""
+    gce.flavored, gce.answer = False, (200, body)
+    with caplog.at_level(logging.WARNING, logger=reclaim_watch.__name__):
+        for _ in range(2):
+            with pytest.raises(reclaim_watch.NotTheMetadataServer):
+                gcp_preempted(gce.url)
+        watch = NodeWatch(NoGpus(), notice=lambda: gcp_preempted(gce.url), interval_s=0)
+        agent = NodeAgentActivities("gcp-node", NoGpus(), watch)
+        result = await ActivityEnvironment().run(agent.watch_node, NodeWatchInput(node_name="gcp-node"))
+    assert result.reclaim_at is None
+    assert gce.flavors == ["Google"] * 3, "the source asks with the header GCE requires"
+    warned = [r.getMessage() for r in caplog.records if "Metadata-Flavor" in r.getMessage()]
+    assert len(warned) == 1 and gce.url in warned[0] and "not read" in warned[0], warned
+    gce.flavored, gce.answer, gce.preempted = True, None, True
+    assert gcp_preempted(gce.url) is not None
 
 
 class NoGpus:

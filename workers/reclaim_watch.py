@@ -4,7 +4,8 @@
 - AWS: IMDSv2 ``/latest/meta-data/spot/instance-action`` (404 until a notice;
   then ``{"action": "terminate", "time": "2026-...Z"}``).
 - GCP: ``computeMetadata/v1/instance/preempted`` answers ``TRUE`` (30 s notice), ``FALSE``
-  until then; the metadata server answers only a request with ``Metadata-Flavor: Google``.
+  until then; the metadata server answers only a request with ``Metadata-Flavor: Google``, and
+  its every answer carries that header back: one without it is from something else on the path.
 - ``auto`` (what the shipped manifests set): the node's own provider's source, or none for a
   provider without one. The provider is the one the control plane named in the node's
   providerID (``gpufleet://<provider>/<account>/<node>``, put in the machine's user data and
@@ -57,13 +58,34 @@ def aws_spot_notice(imds: str = IMDS) -> float | None:
     return datetime.fromisoformat(when.replace("Z", "+00:00")).timestamp() if when else _first_seen.setdefault("aws", time.time() + 120)
 
 
+class NotTheMetadataServer(Exception):
+    """What answered at the metadata address is not the provider's metadata server."""
+
+
+#: The sources already warned of an impostor: it is logged once, not at every probe.
+_impostors_warned: set[str] = set()
+
+
 def gcp_preempted(metadata: str = GCE_METADATA) -> float | None:
     """30 s from when the preemption was first seen: the same time on every later probe (the
     watch returns on a changed notice, so a moving time would return it on every probe).
-    Anything but ``200 TRUE`` (``FALSE``, a missing key, an error page) is no notice."""
+    Anything but ``200 TRUE`` (``FALSE``, a missing key, an error page) is no notice.
+
+    GCE's metadata server sets ``Metadata-Flavor: Google`` on every answer (Google's own clients
+    check it the same way). An answer without it (a proxy, a captive portal, a pod listening on
+    the link-local address) is neither a notice nor "no notice": it raises, as a server that does
+    not answer does, and the watch reports no notice and asks again at its next probe."""
     with httpx.Client(**_DIRECT) as http:
         response = http.get(f"{metadata}/computeMetadata/v1/instance/preempted",
                             headers={"Metadata-Flavor": "Google"})
+    if response.headers.get("Metadata-Flavor") != "Google":
+        if "gcp" not in _impostors_warned:
+            _impostors_warned.add("gcp")
+            log.warning("spot notices: %s answered (HTTP %d) without the 'Metadata-Flavor: Google' header GCE's "
+                        "metadata server always sends: something else answers there (a proxy, a captive portal, "
+                        "a pod on the link-local address); its answers are not read until it does",
+                        metadata, response.status_code)
+        raise NotTheMetadataServer(f"{metadata}: an answer without 'Metadata-Flavor: Google' is not GCE's")
     if response.status_code == 200 and response.text.strip() == "TRUE":
         return _first_seen.setdefault("gcp", time.time() + 30)
     return None
