@@ -1,6 +1,7 @@
 """``gpufleet config check``'s warnings for ``mode: real``: what the file allows but a real
-fleet would trip over (sites whose machines boot a stock image without kubeadm); and, against the
-fleet running now (``--fleet``), the sites it drops while the cluster still has nodes there."""
+fleet would trip over (sites whose machines boot a stock image without kubeadm, spot sites whose
+machines post no reclaim notice); and, against the fleet running now (``--fleet``), the sites it
+drops while the cluster still has nodes there."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 
 from fleet.cluster import NODE_IDENTITY_KIND
 from fleet.config import FleetConfig, stock_images
-from fleet.models import Node
+from fleet.models import CapacityType, Node
 from providers.cluster.bootstrap import BootstrapError, load_node_install, node_install_path
+from workers.reclaim_watch import SOURCES as SPOT_NOTICE_SOURCES
 
 RECIPE = "deploy/bootstrap/README.md, \"An image with the pinned parts\""
 
@@ -38,6 +40,16 @@ def stock_image_warnings(config: FleetConfig) -> list[str]:
             warnings.append(f"{said}: its machines install kubelet, kubeadm and containerd at first boot "
                             f"(minutes per join, downloads from dl.k8s.io and GitHub){sooner}")
     return warnings
+
+
+def unannounced_spot_warnings(config: FleetConfig) -> list[str]:
+    """One line per spot site whose provider's machines post no reclaim notice the node agent can
+    read (Nebius): its machines are taken without the drain ahead that SpotReclaim gives."""
+    return [f"sites[{i}] ({site.name}).capacity_type: spot at a {site.provider} site, whose preempted machines "
+            f"post no reclaim notice the node agent can read: no SpotReclaim drains one ahead, it goes NotReady "
+            f"unannounced (docs/concepts/capacity.md, \"Spot without a notice\")"
+            for i, site in enumerate(config.sites)
+            if site.capacity_type == CapacityType.SPOT and site.provider not in SPOT_NOTICE_SOURCES]
 
 
 # -- a config against the fleet running now ---------------------------------------------------

@@ -262,6 +262,28 @@ def test_real_mode_warns_of_stock_images_without_kubeadm(tmp_path: Path) -> None
     assert code == 0 and "warning" not in output
 
 
+def test_real_mode_warns_of_a_spot_site_whose_machines_post_no_reclaim_notice(tmp_path: Path) -> None:
+    """Nebius documents no preemption notice a machine can read: a spot site there gets no drain
+    ahead of a reclaim, and the operator who chose spot for it is told so where they check the file.
+    AWS posts one (the agent reads it); an on-demand Nebius site has nothing to be reclaimed."""
+    fleet = _real_fleet(
+        {"name": "nb-spot", "provider": "nebius", "account": "nb", "image": "computeimage-e00prepared",
+         "capacity_type": "spot"},
+        {"name": "nb-regular", "provider": "nebius", "account": "nb", "image": "computeimage-e00prepared"},
+        {"name": "aws-spot", "provider": "aws", "account": "aw", "image": "ami-0123456789abcdef0",
+         "capacity_type": "spot"},
+    )
+    code, output = check(tmp_path, fleet)
+    flat = " ".join(output.split())
+    assert code == 0, flat
+    assert flat.count("warning: ") == 1, flat
+    assert "warning: sites[0] (nb-spot).capacity_type: spot at a nebius site" in flat
+    assert "no SpotReclaim drains one ahead" in flat and "docs/concepts/capacity.md" in flat
+    fleet["mode"] = "sim"  # the simulated fleet posts its own notices, at any provider
+    code, output = check(tmp_path, fleet)
+    assert code == 0 and "warning" not in output
+
+
 def test_stock_image_warning_follows_the_pins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from providers.cluster.bootstrap import DEFAULT_NODE_INSTALL
 

@@ -6,6 +6,9 @@
 - GCP: ``computeMetadata/v1/instance/preempted`` answers ``TRUE`` (30 s notice), ``FALSE``
   until then; the metadata server answers only a request with ``Metadata-Flavor: Google``, and
   its every answer carries that header back: one without it is from something else on the path.
+- Nebius: none. Nebius documents no preemption notice a machine can read (its metadata service's
+  ``instance-events`` lists maintenance events; a preempted VM gets only a shutdown signal 60 s
+  before it stops), so a preemptible node there goes without SpotReclaim (docs/concepts/capacity.md).
 - ``auto`` (what the shipped manifests set): the node's own provider's source, or none for a
   provider without one. The provider is the one the control plane named in the node's
   providerID (``gpufleet://<provider>/<account>/<node>``, put in the machine's user data and
