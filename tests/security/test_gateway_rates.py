@@ -58,7 +58,14 @@ from workers.gateway.fleet_budget import FleetBudget
 from workers.gateway.liveness import temporal_liveness
 from workers.gateway.node_identity import GatewayAccess
 from workers.gateway.pki import Pki
-from workers.gateway.proxy import CALLS_PER_TASK, STARTUP_ANSWER_SECONDS, StartupAnswers, start_gateway
+from workers.gateway.proxy import (
+    CALLS_PER_TASK,
+    FAILED_STARTUP_ANSWER_SECONDS,
+    MIN_UPSTREAM_POLL_SECONDS,
+    STARTUP_ANSWER_SECONDS,
+    StartupAnswers,
+    start_gateway,
+)
 from workers.node_agent import build_agent, connect_via_gateway
 
 #: The gateway's budget here: far below the default, so that what the old gateway forwarded
@@ -75,22 +82,28 @@ WATCHES = 15
 
 class CountingFrontend(grpc.GenericRpcHandler):
     """A pass-through gRPC proxy in front of the dev server, counting what reaches it: calls by
-    method, polls by task queue, completions by the identity the gateway wrote in them."""
+    method, polls by task queue, completions by the identity the gateway wrote in them. The
+    methods in ``failing`` are answered UNAVAILABLE, not passed on (a frontend restarting, or
+    refusing under load)."""
 
     def __init__(self, target: str) -> None:
         self.channel = grpc.aio.insecure_channel(target)
         self.calls: Counter[str] = Counter()
         self.polls: Counter[str] = Counter()
         self.completions: Counter[str] = Counter()
+        self.failing: set[str] = set()
 
     def service(self, details: grpc.HandlerCallDetails):
         method = details.method
         stub = self.channel.unary_unary(method, request_serializer=None, response_deserializer=None)
 
         async def forward(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-            self.calls[method.rsplit("/", 1)[-1]] += 1
+            name = method.rsplit("/", 1)[-1]
+            self.calls[name] += 1
             if method.endswith("/PollActivityTaskQueue"):
                 self.polls[PollActivityTaskQueueRequest.FromString(request).task_queue.name] += 1
+            if name in self.failing:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "frontend away")
             if method.endswith("/RespondActivityTaskCompleted"):
                 self.completions[RespondActivityTaskCompletedRequest.FromString(request).identity] += 1
             metadata = tuple((k, v) for k, v in context.invocation_metadata() or ()
@@ -104,12 +117,18 @@ class CountingFrontend(grpc.GenericRpcHandler):
         return grpc.unary_unary_rpc_method_handler(forward)
 
 
+async def every_node_live(node: str, key: str) -> bool:
+    return True
+
+
 @asynccontextmanager
 async def counting_gateway(client, lookups_counted: bool = False, **limits):
     """A gateway of its own (``limits``: ``start_gateway``'s), forwarding through a
     ``CountingFrontend``: the frontend, the CA, the gateway's address and the gateway.
-    ``lookups_counted``: its liveness lookups go through the ``CountingFrontend`` too."""
-    frontend = CountingFrontend(client.service_client.config.target_host)
+    ``lookups_counted``: its liveness lookups go through the ``CountingFrontend`` too. No
+    ``client``: no server behind the frontend (every method the test calls must be ``failing``),
+    and every node live."""
+    frontend = CountingFrontend(client.service_client.config.target_host if client else "127.0.0.1:9")
     server = grpc.aio.server()
     server.add_generic_rpc_handlers((frontend,))
     port = server.add_insecure_port("127.0.0.1:0")
@@ -118,8 +137,9 @@ async def counting_gateway(client, lookups_counted: bool = False, **limits):
     cert, key = pki.server_cert()
     if lookups_counted:
         client = await Client.connect(f"127.0.0.1:{port}", namespace=client.namespace)
-    running = await start_gateway(Settings(address=f"127.0.0.1:{port}", namespace=client.namespace), cert, key,
-                                  pki.ca_pem, token_keys_as_deployed(), live=temporal_liveness(client), **limits)
+    running = await start_gateway(Settings(address=f"127.0.0.1:{port}", namespace=client.namespace if client else "default"),
+                                  cert, key, pki.ca_pem, token_keys_as_deployed(),
+                                  live=temporal_liveness(client) if client else every_node_live, **limits)
     try:
         yield frontend, pki, GatewayAccess(running.address, pki.ca_pem), running.gateway
     finally:
@@ -265,9 +285,12 @@ async def test_one_nodes_call_flood_reaches_the_frontend_as_a_bounded_count(temp
     assert [line for line in over if attacker in line], "the test proves nothing: the flood was never over its budget"
 
 
-async def test_start_up_answers_are_fetched_once_for_callers_at_once_and_a_failure_is_not_kept() -> None:
+async def test_start_up_answers_are_fetched_once_for_callers_at_once_and_a_failure_is_kept_a_second() -> None:
+    """Callers at once share one fetch; its answer is kept 10 s, its error 1 s (before: not at
+    all, so while the frontend failed every call fetched again); a fetch its caller may not start
+    (``start`` raises) is neither made nor kept."""
     now = [0.0]
-    answers = StartupAnswers(10.0, clock=lambda: now[0])
+    answers = StartupAnswers(10.0, 1.0, clock=lambda: now[0])
     fetched: list[str] = []
 
     async def fetch() -> bytes:
@@ -277,16 +300,71 @@ async def test_start_up_answers_are_fetched_once_for_callers_at_once_and_a_failu
             raise RuntimeError("the frontend is away")
         return b"answer"
 
+    def refused() -> bytes:
+        raise PermissionError("over its rate")
+
     first = await asyncio.gather(*(answers.get("DescribeNamespace", fetch) for _ in range(5)), return_exceptions=True)
     assert len(fetched) == 1 and all(isinstance(e, RuntimeError) for e in first), "one fetch, its error to each"
+    now[0] = 0.9
+    with pytest.raises(RuntimeError):
+        await answers.get("DescribeNamespace", fetch)
+    assert len(fetched) == 1, "the failure is kept a second: no fetch meanwhile"
+    now[0] = 1.0
+    with pytest.raises(PermissionError):
+        await answers.get("DescribeNamespace", refused)
     assert await asyncio.gather(*(answers.get("DescribeNamespace", fetch) for _ in range(5))) == [b"answer"] * 5
-    assert len(fetched) == 2, "the failure was not kept; the answer is"
-    now[0] = 9.9
+    assert len(fetched) == 2, "a refused fetch keeps nothing; the answer is kept"
+    now[0] = 10.9
     await answers.get("DescribeNamespace", fetch)
     assert len(fetched) == 2
-    now[0] = 10.0
+    now[0] = 11.0
     await answers.get("DescribeNamespace", fetch)
     assert len(fetched) == 3, "fetched again once stale"
+
+
+async def describe_namespace_in_loops(channel: grpc.aio.Channel, loops: int, seconds: float) -> Counter:
+    """``DescribeNamespace`` from ``loops`` loops at once for ``seconds``: how the calls ended."""
+    request = DescribeNamespaceRequest(namespace="default").SerializeToString()
+    codes: Counter = Counter()
+    end = asyncio.get_running_loop().time() + seconds
+
+    async def ask() -> None:
+        while asyncio.get_running_loop().time() < end:
+            codes[await code_of(call(channel, "DescribeNamespace")(request, timeout=5))] += 1
+
+    await asyncio.gather(*(ask() for _ in range(loops)))
+    return codes
+
+
+async def test_a_node_over_its_rate_starts_no_start_up_fetch_and_the_budget_never_goes_below_empty() -> None:
+    """While the frontend fails, a node over its own rate asks ``DescribeNamespace``, then asks it
+    16 at once for a second. Before, each call started a fetch, outside the node's rate, taking a
+    token whatever the budget held (a failed fetch was not kept): about a thousand tokens below
+    empty, and a node that never called was refused (for minutes at the default budget). Now the
+    call that starts a fetch takes one of its node's calls (over its rate, it is refused without a
+    fetch) and a token only if the budget holds one."""
+    async with counting_gateway(None, calls_per_second=1.0, call_burst=3, upstream_calls_per_second=10.0) as (
+            frontend, pki, access, gateway):
+        frontend.failing = {"DescribeNamespace", "PollActivityTaskQueue"}
+        node = unique("looping")
+        channel = node_channel(access, credentials(pki, node))
+        try:
+            # Its own rate spent on polls (each forwarded, and failed upstream).
+            while await code_of(call(channel, "PollActivityTaskQueue")(poll_request(node), timeout=5)) \
+                    != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                pass
+            over_its_rate = await code_of(call(channel, "DescribeNamespace")(
+                DescribeNamespaceRequest(namespace="default").SerializeToString(), timeout=5))
+            fetched_over_its_rate = frontend.calls["DescribeNamespace"]
+            codes = await describe_namespace_in_loops(channel, 16, 1.0)
+            never_called_admitted = gateway.budget.admit(unique("never-called"))
+        finally:
+            await channel.close()
+    assert over_its_rate == grpc.StatusCode.RESOURCE_EXHAUSTED and not fetched_over_its_rate, (
+        over_its_rate, "a node over its own rate started a fetch")
+    assert never_called_admitted, (
+        f"a node that never called was refused: {frontend.calls['DescribeNamespace']} fetches for "
+        f"{dict(codes)} calls took the budget below empty")
 
 
 #: Certificates, each with a key of its own, a node presents one after another to a gateway whose
@@ -421,6 +499,50 @@ async def test_many_nodes_each_within_its_budget_reach_the_frontend_as_one_budge
     assert not [line for line in over if honest in line], over
 
 
+#: How long the frontend fails while a node loops on ``DescribeNamespace``.
+FAILING_SECONDS = 2.0
+
+
+async def test_a_node_looping_on_a_failing_start_up_call_leaves_the_frontend_and_the_budget_alone(
+        temporal_env) -> None:
+    """The frontend answers ``DescribeNamespace`` UNAVAILABLE (a Temporal restart) while one node
+    asks it 16 at once, at 5 calls a second of its own and 10 for the whole gateway. Before, every
+    call started a fetch: 3,507 reached the frontend in 3 s and took the budget 3,457 tokens below
+    empty, and once the frontend was back another node's first poll was refused (about six minutes
+    to refill). Now a failed fetch answers every call for a second, so the frontend gets at most
+    one a second, and the other node's poll goes through."""
+    control = temporal_env.client
+    looping, honest = unique("looping"), unique("honest")
+    for name in (looping, honest):
+        await live_entity(control, name)
+    loop = asyncio.get_running_loop()
+    try:
+        async with counting_gateway(control, calls_per_second=NODE_RATE, call_burst=NODE_BURST,
+                                    upstream_calls_per_second=UPSTREAM_RATE) as (frontend, pki, access, _):
+            frontend.failing = {"DescribeNamespace"}
+            channel = node_channel(access, credentials(pki, looping))
+            honest_channel = node_channel(access, credentials(pki, honest))
+            try:
+                started = loop.time()
+                codes = await describe_namespace_in_loops(channel, 16, FAILING_SECONDS)
+                elapsed = loop.time() - started
+                fetches = frontend.calls["DescribeNamespace"]
+                frontend.failing.clear()  # the frontend is back
+                # A long poll the frontend holds until its deadline, then answers with no task.
+                honest_poll = await code_of(call(honest_channel, "PollActivityTaskQueue")(
+                    poll_request(honest), timeout=MIN_UPSTREAM_POLL_SECONDS + 1))
+            finally:
+                await channel.close()
+                await honest_channel.close()
+    finally:
+        for name in (looping, honest):
+            await end_entity(control, name)
+
+    assert fetches <= 1 + math.ceil(elapsed / FAILED_STARTUP_ANSWER_SECONDS), (
+        f"{fetches} DescribeNamespace reached the failing frontend in {elapsed:.1f} s; answers: {dict(codes)}")
+    assert honest_poll == grpc.StatusCode.OK and frontend.polls[node_queue(honest)] == 1, honest_poll
+
+
 def test_the_upstream_budget_is_shared_max_min_fairly() -> None:
     """Fifty nodes each asking 20 calls a second of a budget of 500, beside a node asking 3 and one
     asking one every two seconds: the two are never refused, the fifty get the rest in equal
@@ -442,6 +564,18 @@ def test_the_upstream_budget_is_shared_max_min_fairly() -> None:
     assert sum(admitted.values()) <= budget.burst + 500 * seconds
     assert sum(admitted.values()) >= 0.95 * 500 * seconds, "the budget was spent: the heavy nodes asked for more"
     assert max(heavy) <= 1.05 * min(heavy), heavy
+
+
+def test_the_gateways_own_calls_never_take_the_budget_below_empty() -> None:
+    """The gateway's own calls (``spend``: the start-up answers' fetches) go only while the bucket
+    holds a token. Before, each took one whatever it held: 100,000 of them left the budget of
+    1,000 a second 38,000 below empty a minute later, every node refused for 38 s more."""
+    now = [0.0]
+    budget = FleetBudget(1000.0, clock=lambda: now[0])
+    spent = sum(bool(budget.spend()) for _ in range(100_000))
+    assert spent == budget.burst, spent
+    now[0] += 0.01  # ten tokens back
+    assert budget.admit("never-called"), "a node that never called was refused: the budget below empty"
 
 
 def test_a_node_whose_tasks_pay_for_its_calls_stays_a_light_caller() -> None:

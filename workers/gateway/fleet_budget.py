@@ -27,6 +27,12 @@ usage does), so a node working through a flood of tasks stays as light a caller 
 makes no call at all. They still take tokens: the bucket counts what reaches the frontend,
 whoever asked for it.
 
+The bucket is never below empty: a call taken whatever it held leaves a debt every node then
+waits out. The gateway's own calls (``spend``: the start-up answers' fetches, every node's) once
+were, and while the frontend answered errors one node's loop on a start-up call took thousands
+(3,457 tokens below empty in 3 s at 10 a second: every node refused for six minutes); now one goes
+only when the bucket holds its token.
+
 Each replica has a bucket of its own (its part of the gateway's budget), and a node may hold a
 connection to every replica (the Service balances connections; a node reconnects until it has one
 on each): judged by what it sent this replica alone, it was one of the lighter callers on each,
@@ -126,11 +132,14 @@ class FleetBudget:
         self._usage[node] = usage
         return True
 
-    def spend(self) -> None:
-        """A call of the gateway's own (a start-up answer's fetch): always made, and counted; the
-        bucket may go below empty, and the nodes' calls wait for it to refill."""
+    def spend(self) -> bool:
+        """Whether a call of the gateway's own (a start-up answer's fetch, every node's) may go
+        upstream now: its token taken if the bucket holds one, counted in no node's usage."""
         self._refill()
+        if self._tokens < 1.0:
+            return False
         self._tokens -= 1.0
+        return True
 
     def paid(self, node: str, calls: float) -> None:
         """``calls`` of ``node``'s are for a task delivered to it (the poll that brought it, the

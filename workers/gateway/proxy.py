@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -99,10 +100,10 @@ HEARTBEAT_BURST = 30
 #: (workers/node_agent.py): its one poller's long poll, renewed about once a minute while no task
 #: comes; heartbeats, one per activity every 0.8 × its heartbeat timeout, five activities at most
 #: (``HEARTBEATS_PER_SECOND`` caps them at 10); a goodbye; its start-up calls are answered from
-#: ``StartupAnswers`` and cost nothing. The rest it sends because the control plane sent it a
-#: task: a poll that brings a task gives its call back and one more for the task's result
-#: (``RateLimits.give``), so however many tasks the workflows send a node, answering them costs it
-#: nothing. Twice the heartbeat cap a second, and a burst for an agent reconnecting with five
+#: ``StartupAnswers`` and cost nothing (one that starts a fetch costs a call). The rest it sends
+#: because the control plane sent it a task: a poll that brings a task gives its call back and one
+#: more for the task's result (``RateLimits.give``), so however many tasks the workflows send a
+#: node, answering them costs it nothing. Twice the heartbeat cap a second, and a burst for an agent reconnecting with five
 #: activities in flight, are far above what an honest agent needs; over them a call is answered
 #: RESOURCE_EXHAUSTED at once, never forwarded (the SDK backs off and retries).
 CALLS_PER_SECOND: float = NodeGatewayEnv.model_fields["calls_per_second"].default
@@ -130,6 +131,10 @@ UPSTREAM_CALLS_PER_SECOND: float = NodeGatewayEnv.model_fields["upstream_calls_p
 #: capabilities and the namespace's settings change rarely, and a node asking in a loop, or a
 #: fleet's agents reconnecting after a gateway restart, would otherwise send one pair each.
 STARTUP_ANSWER_SECONDS = 10.0
+#: A fetch that failed answers every start-up call with its error for this long: while the
+#: frontend is away or refusing under load, it gets at most one fetch of each a second from the
+#: gateway, however many nodes reconnect or loop on it; a node's SDK retries anyway.
+FAILED_STARTUP_ANSWER_SECONDS = 1.0
 #: How long the gateway waits for the frontend's answer to a start-up call it fetches.
 STARTUP_FETCH_SECONDS = 10.0
 #: The calls answered from ``StartupAnswers``: the same request from every node (rebuilt from the
@@ -170,26 +175,44 @@ class RateLimits:
 
 class StartupAnswers:
     """The answers to the read-only start-up calls (``STARTUP_ANSWERED``), one copy for every
-    node, fetched again once ``seconds`` old. Concurrent callers share one fetch; a fetch that
-    failed is not kept (each of its callers gets its error, the next call fetches again)."""
+    node, fetched again once ``seconds`` old. Concurrent callers share one fetch. A fetch that
+    failed is kept ``failed_seconds`` too, its error the answer to every call meanwhile: not kept,
+    while the frontend answered errors (a restart, RESOURCE_EXHAUSTED under load) every call of
+    every node started a fetch of its own, thousands a second from one node, when the frontend
+    could least take them; kept, it gets at most one fetch a ``failed_seconds``."""
 
-    def __init__(self, seconds: float, clock=time.monotonic) -> None:
-        self.seconds, self.clock = seconds, clock
-        self._answers: dict[str, tuple[float, asyncio.Future[bytes]]] = {}  # method → (expires, answer)
+    def __init__(self, seconds: float, failed_seconds: float, clock=time.monotonic) -> None:
+        self.seconds, self.failed_seconds, self.clock = seconds, failed_seconds, clock
+        self._answers: dict[str, _Kept] = {}
 
-    async def get(self, method: str, fetch: Callable[[], Awaitable[bytes]]) -> bytes:
+    async def get(self, method: str, start: Callable[[], Awaitable[bytes]]) -> bytes:
+        """``method``'s answer: the one kept, else the one ``start()`` fetches. ``start`` is
+        called only when this call starts a fetch, and may raise to refuse the call (nothing is
+        fetched or kept then)."""
         kept = self._answers.get(method)
-        if kept is None or self._stale(*kept):
-            answer = asyncio.ensure_future(fetch())
-            # Read its error even when every caller left, so none is logged as never retrieved.
-            answer.add_done_callback(lambda done: done.cancelled() or done.exception())
-            kept = self._answers[method] = (self.clock() + self.seconds, answer)
-        return await asyncio.shield(kept[1])
+        if kept is None or self._stale(kept):
+            kept = _Kept(asyncio.ensure_future(start()))
+            kept.answer.add_done_callback(lambda done, kept=kept: self._ended(kept))
+            self._answers[method] = kept
+        return await asyncio.shield(kept.answer)
 
-    def _stale(self, expires: float, answer: asyncio.Future[bytes]) -> bool:
-        if not answer.done():
-            return False
-        return answer.cancelled() or answer.exception() is not None or self.clock() >= expires
+    def _ended(self, kept: "_Kept") -> None:
+        if kept.answer.cancelled():  # the gateway stopping: nothing learned of the frontend
+            kept.until = -math.inf
+        else:
+            # Reading its error also keeps it from being logged as never retrieved when every caller left.
+            kept.until = self.clock() + (self.failed_seconds if kept.answer.exception() else self.seconds)
+
+    def _stale(self, kept: "_Kept") -> bool:
+        return kept.answer.done() and self.clock() >= kept.until
+
+
+@dataclass
+class _Kept:
+    """A start-up answer (or the fetch of it in flight), kept until ``until`` once it ended."""
+
+    answer: asyncio.Future[bytes]
+    until: float = math.inf
 
 
 @dataclass
@@ -234,7 +257,7 @@ class NodeGateway(grpc.GenericRpcHandler):
         # What every node's calls together may take of the frontend's rate (this replica's part);
         # the liveness lookups a node's calls start take from it too (``LiveCache``'s ``admit``).
         self.budget = budget or FleetBudget(upstream_calls_per_second)
-        self._startup = StartupAnswers(STARTUP_ANSWER_SECONDS)
+        self._startup = StartupAnswers(STARTUP_ANSWER_SECONDS, FAILED_STARTUP_ANSWER_SECONDS)
         # Sent upstream with every call, after the node's few forwarded client-* entries.
         self._metadata = (("temporal-namespace", namespace), *self.upstream_metadata)
         # One handler per method the policy knows, made once (gRPC asks for it on every call);
@@ -275,6 +298,9 @@ class NodeGateway(grpc.GenericRpcHandler):
         self.stats.over_budget += 1
         why = (f"more than its share ({self.budget.share():.3g} a second) of the {self.budget.rate:g} "
                f"calls a second the {self.budget.calling()} nodes calling share")
+        await self._slow_down(node, why, context)
+
+    async def _slow_down(self, node: str, why: str, context: grpc.aio.ServicerContext) -> NoReturn:
         self._over_limit(node, why)
         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
 
@@ -387,11 +413,9 @@ class NodeGateway(grpc.GenericRpcHandler):
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"node gateway: {refused}")
             del request  # the rebuilt request is what goes on
             if name in STARTUP_ANSWERED:
-                return await self._startup_answer(method, forward, context)
+                return await self._startup_answer(method, node, forward, context)
             if name == "RecordActivityTaskHeartbeat" and not self._heartbeats.take(node):
-                why = f"more than {HEARTBEATS_PER_SECOND:g} heartbeats a second"
-                self._over_limit(node, why)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
+                await self._slow_down(node, f"more than {HEARTBEATS_PER_SECOND:g} heartbeats a second", context)
             if polling:
                 if load.polls.locked():
                     # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows the cancel of
@@ -410,9 +434,7 @@ class NodeGateway(grpc.GenericRpcHandler):
                 if remaining is not None and remaining < MIN_UPSTREAM_POLL_SECONDS:
                     return b""  # too late for a long poll upstream (the frontend refuses one this short)
             if not self._calls.take(node):
-                why = f"more than {self._calls.rate:g} calls a second"
-                self._over_limit(node, why)
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"node gateway: {why}; slow down")
+                await self._slow_down(node, f"more than {self._calls.rate:g} calls a second", context)
             if not self.budget.admit(node):
                 self._calls.give(node, 1)  # nothing went upstream: its own budget keeps the call
                 await self._over_budget(node, context)
@@ -453,18 +475,40 @@ class NodeGateway(grpc.GenericRpcHandler):
                 self.budget.paid(node, 2 * CALLS_PER_TASK)
         return response
 
-    async def _startup_answer(self, method: str, forward: bytes, context: grpc.aio.ServicerContext) -> bytes:
+    async def _startup_answer(self, method: str, node: str, forward: bytes,
+                              context: grpc.aio.ServicerContext) -> bytes:
         """A start-up call's answer from ``StartupAnswers``: nothing upstream but its fetch."""
         async def fetch() -> bytes:
-            self.budget.spend()
             answer = await self._stub(method)(forward, metadata=self._metadata, timeout=STARTUP_FETCH_SECONDS)
             self.stats.forwarded += 1
             return answer
 
+        def start() -> Awaitable[bytes]:
+            # The call that starts a fetch takes one of its node's calls, so a node over its own
+            # rate is refused without one, and a token of the budget, only if there is one: before,
+            # a node looping on a start-up call while the frontend failed sent a fetch with each
+            # call, past its rate, each taking a token the budget did not have (thousands below
+            # empty: every node refused for minutes after the frontend came back). The answer is
+            # every node's, so the fetch counts in no node's share: counted in the caller's, the
+            # first honest node to ask after the answer expired looked a heavy caller.
+            if not self._calls.take(node):
+                raise _OverLimit(f"more than {self._calls.rate:g} calls a second")
+            if not self.budget.spend():
+                self._calls.give(node, 1)  # nothing went upstream: its own budget keeps the call
+                self.stats.over_budget += 1
+                raise _OverLimit(f"the {self.budget.rate:g} calls a second every node shares are spent")
+            return fetch()
+
         try:
-            return await self._startup.get(method, fetch)
+            return await self._startup.get(method, start)
+        except _OverLimit as over:
+            await self._slow_down(node, str(over), context)
         except grpc.aio.AioRpcError as error:
             await _pass_on(error, context)
+
+
+class _OverLimit(Exception):
+    """A start-up call refused without a fetch: its node is over its rate, or the budget spent (why)."""
 
 
 async def _pass_on(error: grpc.aio.AioRpcError, context: grpc.aio.ServicerContext) -> NoReturn:
