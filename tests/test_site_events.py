@@ -529,3 +529,76 @@ def test_a_sweep_pass_from_before_the_patch_looked_for_no_node_entities_and_one_
 
     assert steps(RECORDED_NODE_SWEEP_BEFORE) == ["ensure_sites"]
     assert steps(RECORDED_NODE_SWEEP) == ["ensure_sites", SWEEP_NODE_ENTITIES_PATCH, "ensure_node_entities"]
+
+
+RECORDED_REPAIR_OUTLIVES_ITS_ENTITY = "gpu_repair_outlives_its_node_entity"
+
+
+async def test_a_repair_whose_node_entity_was_terminated_waits_for_the_next_run_and_ends_repaired(rstack) -> None:
+    """A repair outlives its Node entity (abandoned, not cancelled, when the entity ends), but it
+    asks that entity for the node's action slot and gives it back by a signal. Its entity terminated
+    while the repair rebooted the node, the repair's `node_action_done` found no run and the repair
+    failed: its GPU stayed fenced, the node cordoned, and the next run held it for a person. Now the
+    give-back that could not be delivered is only noted, the repair proves, climbs to a reinstall and
+    keeps its request for the slot pending, saying why; the sweep's next run takes the request over
+    from the ladder, grants it, and the node ends repaired, un-fenced and uncordoned."""
+    import time
+
+    from activities.repair import fence_key
+    from fleet.messages.repair import LadderState
+    from tests.details_helpers import current_details
+    from tests.repair_helpers import exists, join_node, repair_handle
+    from tests.test_repair_cancel import SLOW_BOOT_SECONDS
+
+    joined = await join_node(rstack)
+    node_name = joined.node_name
+    rstack.world.set_site("site-a", boot_seconds=SLOW_BOOT_SECONDS)
+    rstack.world.inject_fault(joined.machine_id, 0, "xid", 79, clears_on="reinstall")  # a reboot does not clear it
+    repair = repair_handle(rstack, node_name, 0)
+    await eventually(lambda: exists(repair), timeout=30)
+
+    async def rebooting() -> bool:
+        status = await node(rstack, node_name)
+        ladder = await repair.query(flows.GpuRepair.ladder, result_type=LadderState)
+        return bool(ladder.step == "recovering" and "new boot id" in await current_details(repair)
+                    and status and status.node_actions and status.node_actions[-1].finished_at is None)
+
+    await eventually(rebooting, timeout=30)  # the repair holds the slot, waiting for the new boot id
+    entity = rstack.client.get_workflow_handle(naming.node_workflow_id(node_name))
+    await entity.terminate("an operator's slip in the Temporal UI")
+    rstack.world.set_site("site-a", boot_seconds=1.0)
+    with rstack.world.tx() as db:  # the reboot ends now; its proof fails and the ladder climbs
+        db.execute("UPDATE machines SET boot_at=? WHERE id=?", (time.time(), joined.machine_id))
+
+    async def asking_for_the_reinstall() -> LadderState | bool:
+        if (await repair.describe()).status.name != "RUNNING":
+            return True  # the defect: the repair ended at its signal to no run
+        ladder = await repair.query(flows.GpuRepair.ladder, result_type=LadderState)
+        return ladder if ladder.step == "waiting for the node" and ladder.rung == "reinstall" else False
+
+    ladder = await eventually(asking_for_the_reinstall, timeout=60)
+    described = await repair.describe()
+    assert described.status.name == "RUNNING", f"the repair ended {described.status.name} with its entity gone"
+    assert [(a.rung, a.outcome) for a in ladder.attempts] == [("reboot", "failed"), ("reinstall", "running")], ladder
+    assert f"node/{node_name} is not running" in ladder.waiting_for, ladder
+    details = await current_details(repair)
+    assert "its request for the slot was not delivered and stays pending" in details and "the site sweep" in details, details
+    assert "could not give the node's action slot back" in details, details
+    assert fence_key(0) in rstack.cluster.annotate_node(node_name, {}), "contained while it waits"
+
+    _, done = await _sweep(rstack)
+    assert done is not None and [s.node_name for s in done.named] == [node_name], done
+    assert (await repair.result())["outcome"] == "repaired"
+
+    async def ended() -> NodeStatus | None:
+        got = await node(rstack, node_name)
+        return got if got and got.state == "ready" and not got.active_repairs else None
+
+    status = await eventually(ended, timeout=30)
+    assert any(f"GPU 0: {repair.id} still runs (at reinstall, waiting for the node's action slot)" in line
+               for line in status.log), status.log
+    assert [(a.repair_id, a.rung) for a in status.node_actions] == [(repair.id, "reinstall")], status
+    assert status.needs_person == {} and status.fenced == [], status
+    assert fence_key(0) not in rstack.cluster.annotate_node(node_name, {})
+    assert not rstack.cluster.get_node(node_name).unschedulable, "the node serves again"
+    await replay_and_record(repair, RECORDED_REPAIR_OUTLIVES_ITS_ENTITY)

@@ -5,7 +5,9 @@ cordon) → recover at the current rung (reset → reboot → reinstall → repl
 → prove (smoke test on the node's own queue) → pass: un-contain, the node
 serves again; fail: climb one rung. A rung is left only when its proof failed.
 Node-level actions take the node's one slot from the Node entity (the parent),
-so two GPUs failing together cost one reboot, not two.
+so two GPUs failing together cost one reboot, not two. A repair outlives its entity's run: one
+that finds no run there (terminated, failed) to ask or give the slot back to fails nothing; its
+request waits, saying so, for the run the site sweep starts next, which takes it from the ladder.
 
 Operators: updates ``hold`` / ``release`` / ``skip_to`` (validated), query
 ``ladder``. A held ladder stays contained and does nothing at the next step. A cancel
@@ -195,6 +197,8 @@ class GpuRepair:
         lines = [f"node `{s.node_name}` GPU {s.gpu}: " + ", ".join(s.reasons)]
         if s.waiting_for:
             lines.append(s.waiting_for)
+        if s.slot_note:
+            lines.append(s.slot_note)
         if s.held:
             # An operator's hold, or a site's for its incident (its reason says which).
             lines.append("**held** (contained, doing nothing until released)"
@@ -374,21 +378,49 @@ class GpuRepair:
             return NodeActionGrant(go=True)
         self._grant = None
         self._step("waiting for the node", f"{rung} needs the node's action slot")
-        await workflow.get_external_workflow_handle(parent.workflow_id).signal(
-            flows.Node.node_action_request,
-            NodeActionRequest(repair_id=workflow.info().workflow_id, rung=rung,
-                              detected_at=self._input.detected_at or workflow.info().start_time),
-        )
+        try:
+            await workflow.get_external_workflow_handle(parent.workflow_id).signal(
+                flows.Node.node_action_request,
+                NodeActionRequest(repair_id=workflow.info().workflow_id, rung=rung,
+                                  detected_at=self._input.detected_at or workflow.info().start_time),
+            )
+        except FailureError as error:
+            if self._cancelled(error):
+                raise
+            # The entity's run ended (terminated, failed) and none runs yet. The request is not sent
+            # again: the sweep's next run takes it from this ladder's step (``node_left``), and a
+            # second copy reaching a run that took it would be granted twice, holding the slot.
+            self._state.waiting_for = (
+                f"{self._entity_gone(parent.workflow_id, error)}: its request for the slot was not delivered and "
+                f"stays pending since {workflow.now():%H:%M:%S} UTC, until the site sweep's next pass (Schedule "
+                "gpufleet-site-reconcile) starts the entity again, whose run takes the request from this ladder")
+            workflow.logger.warning("%s: %s", workflow.info().workflow_id, self._state.waiting_for)
+            self._show(f"{rung} needs the node's action slot")
         await workflow.wait_condition(lambda: self._grant is not None)
         self._state.waiting_for = ""
         return self._grant
 
     async def _release(self, rung: Rung, ok: bool) -> None:
         parent = workflow.info().parent
-        if parent is not None:
+        if parent is None:
+            return
+        try:
             await workflow.get_external_workflow_handle(parent.workflow_id).signal(
                 flows.Node.node_action_done, NodeActionDone(repair_id=workflow.info().workflow_id, rung=rung, ok=ok),
             )
+        except FailureError as error:
+            if self._cancelled(error):
+                raise
+            # Not the repair's failure: the slot was the run's that ended, and the entity's next run,
+            # following this repair, takes the slot as free once the repair is past its action.
+            self._state.slot_note = (f"could not give the node's action slot back after its {rung} at "
+                                     f"{workflow.now():%H:%M:%S} UTC: {self._entity_gone(parent.workflow_id, error)}; "
+                                     "the entity's next run frees it as it follows this repair")
+            workflow.logger.warning("%s: %s", workflow.info().workflow_id, self._state.slot_note)
+
+    @staticmethod
+    def _entity_gone(entity_id: str, error: FailureError) -> str:
+        return f"the Node entity {entity_id} is not running ({failure_text(error)})"
 
     async def _recover(self, rung: Rung, attempt_no: int) -> tuple[bool, str, str]:
         """(recovered, outcome word, detail). Failures are outcomes, not exceptions."""

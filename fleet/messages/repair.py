@@ -401,6 +401,8 @@ class LadderState(BaseModel):
     replacement_node: str = ""
     #: While the ladder waits for the node's action slot: who holds it and until when (as its details say).
     waiting_for: str = ""
+    #: The node's action slot given back to no Node entity run (terminated, failed): said, not an error.
+    slot_note: str = ""
 
     def add_attempt(self, attempt: Attempt) -> int:
         """``attempt`` added (the oldest beyond ``ATTEMPTS_KEPT`` let go); its number, from 1."""
