@@ -6,6 +6,7 @@ thin and idempotent under retries.
 from __future__ import annotations
 
 import asyncio
+import json
 
 from temporalio import activity
 from temporalio.client import WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowQueryFailedError
@@ -32,6 +33,7 @@ from fleet.messages.evacuation import (
     EvacuationResult,
     FreeGpusInput,
     HoldRepairsInput,
+    PUT_BACK_KEPT,
     ProbeNode,
     RecoveryProbe,
     RepairDecision,
@@ -82,6 +84,20 @@ async def _running_repairs(client, site: str):
 #: Which SiteEvacuation acts at a site: state ``evacuation-claim``/<site> names it (``CLAIM_HOLDER``).
 EVACUATION_CLAIM_KIND = "evacuation-claim"
 CLAIM_HOLDER = "workflow-id"
+#: The same record's evacuations of the site whose leftovers the Site entity put back (a JSON list of
+#: ids, newest last, ``PUT_BACK_KEPT`` at most): kept beside the claim, which outlives the entity's
+#: runs and is backed up, so that a Site entity started again does not put one back a second time.
+CLAIM_PUT_BACK = "put-back"
+
+
+def put_back_recorded(claim: dict[str, str]) -> list[str]:
+    """The evacuations the claim record says were put back, oldest first; none where the record is
+    unreadable (edited by hand): at worst one is put back again, as before the record."""
+    try:
+        ids = json.loads(claim.get(CLAIM_PUT_BACK, "[]"))
+    except ValueError:
+        return []
+    return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
 
 
 class _ClaimMoved(Exception):
@@ -96,7 +112,8 @@ class EvacuationActivities:
         return [
             self.admit_repair, self.incident_settings, self.incident_probe, self.hold_site_repairs,
             self.release_orphaned_holds, self.incident_number,
-            self.evacuation_begun_first, self.evacuation_end, self.evacuation_leftovers, self.closed_evacuations,
+            self.evacuation_begun_first, self.evacuation_end, self.evacuation_leftovers, self.evacuation_put_back,
+            self.closed_evacuations,
             self.evacuation_facts, self.set_site_weight, self.free_gpus, self.scale_serving,
             self.release_nodes,
         ]
@@ -214,14 +231,33 @@ class EvacuationActivities:
 
     @activity.defn
     @typed_errors
+    def evacuation_put_back(self, input: EvacuationRef) -> None:
+        """Record, with the site's evacuation claim, that the Site entity put back what the closed
+        evacuation ``input.workflow_id`` left (or found nothing to): ``closed_evacuations`` leaves it out
+        from then on, whichever run of the entity looks. The newest ``PUT_BACK_KEPT`` are kept; the
+        claim's holder is left as it is. Run again, it changes nothing."""
+        if not is_evacuation_of(input.site, input.workflow_id):
+            raise ApplicationError(f"workflow_id: {input.workflow_id[:200]!r} is no evacuation of {input.site}",
+                                   type="InvalidInput", non_retryable=True)
+
+        def add(data: dict[str, str]) -> dict[str, str]:
+            kept = [i for i in put_back_recorded(data) if i != input.workflow_id]
+            ids = [*kept, input.workflow_id][-PUT_BACK_KEPT:]
+            return {**data, CLAIM_PUT_BACK: json.dumps(ids)}
+
+        self.env.cluster.update_state(EVACUATION_CLAIM_KIND, input.site, add)
+
+    @activity.defn
+    @typed_errors
     async def closed_evacuations(self, input: ClosedEvacuationsInput) -> list[str]:
         """The site's evacuations no longer running that left something behind for all to see: a
         cordon marked theirs (``fleet.cluster.ANNOTATION_CORDONED_BY``) on a node of the site, or the
         site's entry in the routing document still naming them. What the Site entity's safety look
         asks ``evacuation_leftovers`` of. A node's own annotations name at most one id each, and only
         ids of this site's evacuations count (at most ten looked at), none the entity put back already
-        (``input.put_back``). None at all while an evacuation of the site runs (the holder of its
-        ``evacuation-claim``, or one Temporal's visibility lists: begun, not yet claimed): it took over
+        (``input.put_back``, and the claim's record of them: ``evacuation_put_back``). None at all
+        while an evacuation of the site runs (the holder of its ``evacuation-claim``, or one Temporal's
+        visibility lists: begun, not yet claimed): it took over
         what they left as it began (``EvacuationFacts.left``) and puts back what it changed as it ends;
         a put-back meanwhile would route to the site and scale it up under it."""
         site, cluster, client = input.site, self.env.cluster, activity.client()
@@ -231,11 +267,15 @@ class EvacuationActivities:
         running = f'WorkflowType = "{flows.SiteEvacuation.TYPE}" AND Site = "{site}" AND ExecutionStatus = "Running"'
         async for _ in client.list_workflows(running, limit=1):
             return []
-        return await self._closed(site, set(input.put_back))
+        return await self._closed(site, set(input.put_back), claim)
 
-    async def _closed(self, site: str, put_back: set[str] = frozenset()) -> list[str]:
-        """``closed_evacuations``, whoever acts at the site, less ``put_back``."""
+    async def _closed(self, site: str, put_back: set[str] = frozenset(), claim: dict[str, str] | None = None) \
+            -> list[str]:
+        """``closed_evacuations``, whoever acts at the site, less ``put_back`` and those the site's
+        evacuation ``claim`` (read here when not given) records as put back."""
         cluster, client = self.env.cluster, activity.client()
+        if claim is None:
+            claim = await asyncio.to_thread(cluster.read_state, EVACUATION_CLAIM_KIND, site)
         found: set[str] = set()
         doc = await asyncio.to_thread(cluster.get_site_routes)
         route = doc.sites.get(site) if doc else None
@@ -251,7 +291,7 @@ class EvacuationActivities:
             mark = marks.annotations.get(ANNOTATION_CORDONED_BY, "")
             if is_evacuation_of(site, mark):
                 found.add(mark)
-        found -= put_back
+        found -= put_back | set(put_back_recorded(claim))
         return [workflow_id for workflow_id in sorted(found)[:10] if not await is_running(client, workflow_id)]
 
     async def _left_by_closed(self, site: str) -> dict[str, EvacuationLeftovers]:
@@ -307,7 +347,7 @@ class EvacuationActivities:
             def take(data: dict[str, str], seen: str = holder) -> dict[str, str]:
                 if data.get(CLAIM_HOLDER, "") != seen:
                     raise _ClaimMoved  # another took it since it was read: look again
-                return {CLAIM_HOLDER: input.workflow_id}
+                return {**data, CLAIM_HOLDER: input.workflow_id}  # the put-back record stays
 
             try:
                 await asyncio.to_thread(cluster.update_state, EVACUATION_CLAIM_KIND, input.site, take)

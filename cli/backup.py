@@ -66,7 +66,8 @@ BACKED_UP = {
     # A claim whose evacuation has ended is replaced by the next one, so an old claim restored does
     # no harm; a claim lost while its evacuation runs on in Temporal lets a second one act beside it.
     "evacuation-claim": "which SiteEvacuation acts at each site: without it a second evacuation "
-                        "started at that site would act beside one still running",
+                        "started at that site would act beside one still running; and the closed ones "
+                        "the Site entity put back: without it one is put back again",
 }
 #: Kinds a backup leaves out, and why.
 LEFT_OUT = {

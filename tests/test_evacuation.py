@@ -473,6 +473,51 @@ async def test_a_closed_evacuation_is_put_back_once_not_at_every_safety_look(inc
     assert await _cordoned(inc, a) == {names[0]}, "the repair's node stays as it is"
 
 
+#: A Site entity's run that put back what a person's terminated evacuation left and recorded it with
+#: the site's evacuation claim (``site-records-put-backs-with-the-claim``), then was terminated; and
+#: the same on the code before, which remembered it in its own state only.
+PUT_BACK_RECORDED = "site_records_its_put_back_with_the_claim"
+PUT_BACK_RECORDED_BEFORE = f"{PUT_BACK_RECORDED}_before"
+
+
+async def test_a_closed_evacuation_is_put_back_once_even_by_a_site_entity_started_again(inc: IncStack) -> None:
+    """Review: the Site entity remembered the evacuations it put back only in its own state, so one
+    terminated and started again (the UI, ``temporal workflow terminate``, a reset) found the
+    evacuation again by the mark a repair's node kept, and put it back a second time: the site's
+    Deployment scaled back to its count before the incident, the replica a person added elsewhere
+    taken away, the routing weight reset. The put-back is recorded with the site's evacuation claim,
+    which outlives the entity's runs: a new run leaves it alone."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY, FENCE_PREFIX
+
+    a, d = inc.site("a"), inc.site("d")
+    evacuation_id, names = await _persons_evacuation_terminated(inc)
+    site = await inc.start_site("a", reconcile_seconds=1)
+
+    async def next_look_leaves_it_out():  # put back, and done with it
+        looks = await _activity_calls(site, "closed_evacuations")
+        return bool(looks) and looks[-1][1]["put_back"] == [evacuation_id] or None
+
+    await poll(next_look_leaves_it_out, timeout=60)
+    inc.cluster.cordon(names[0], True)
+    inc.cluster.annotate_node(names[0], {ANNOTATION_CORDONED_BY: evacuation_id, f"{FENCE_PREFIX}0": "reset"})
+    inc.serve(MODEL, "a", replicas=3)
+    inc.serve(MODEL, "d", replicas=2)
+
+    await site.terminate("test: an operator terminates the Site entity")
+    await replay_and_record(site, PUT_BACK_RECORDED)
+    again = await inc.start_site("a", reconcile_seconds=1)
+
+    async def three_looks():
+        return len(await _activity_calls(again, "closed_evacuations")) >= 3 or None
+
+    await poll(three_looks, timeout=60)
+    assert await _activity_calls(again, "evacuation_leftovers", "release_cordons") == [], "not put back again"
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 3, "the person's scaling stays"
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 2
+    assert await _cordoned(inc, a) == {names[0]}, "the repair's node stays as it is"
+    assert inc.cluster.annotate_node(names[0], {}).get(ANNOTATION_CORDONED_BY) == evacuation_id
+
+
 async def test_no_put_back_while_another_evacuation_of_the_site_runs(inc: IncStack) -> None:
     """Review: the safety look's put-back looked only for the Site entity's own incident: a person's
     evacuation running at the site, begun after an earlier one was terminated, had the site's weight
@@ -604,6 +649,42 @@ async def test_the_sites_safety_look_leaves_a_closed_evacuations_leftovers_to_th
     await acting.terminate("test: it ends")
     assert await look() == [dead]
     assert env.cluster.annotate_node("n-1", {}).get(ANNOTATION_CORDONED_BY) == dead
+
+
+async def test_an_evacuation_recorded_as_put_back_stays_so_when_the_next_one_claims_the_site(
+        temporal_env, tmp_path) -> None:
+    """The Site entity's record of a closed evacuation it put back lives with the site's evacuation
+    claim: the safety look leaves that evacuation out, whoever looks, after the next evacuation takes
+    the claim and once that one ended too, and the next one does not take it over either (its cordon
+    marks read as a closed one's leftovers, the site's Deployments put back as before it)."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY
+    from fleet.messages.evacuation import ClosedEvacuationsInput, EvacuationRef
+
+    uid = uuid.uuid4().hex[:6]
+    site, client = f"site-{uid}", temporal_env.client
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
+    add_node(env, "n-1", site=site)
+    add_node(env, "n-2", site=site)
+    put_back, left = f"evacuate/{site}/manual-put-back", f"evacuate/{site}/manual-left"  # never on record
+    env.cluster.cordon("n-1", True, by=put_back)  # a repair's node kept the mark after the put-back
+    env.cluster.cordon("n-2", True, by=left)
+    acts, run = EvacuationActivities(env), ActivityEnvironment(client).run
+    look = lambda: run(acts.closed_evacuations, ClosedEvacuationsInput(site=site))  # noqa: E731
+    assert await look() == [left, put_back]
+    run(acts.evacuation_put_back, EvacuationRef(site=site, workflow_id=put_back))  # sync: no await
+    assert await look() == [left], "a Site run that carries nothing leaves it out"
+
+    nxt = await client.start_workflow("SiteEvacuation", {"site": site}, id=f"evacuate/{site}/manual-next",
+                                      task_queue=f"nobody-{uid}")  # no worker: it stays running
+    try:
+        assert await run(acts.evacuation_begun_first, EvacuationRef(site=site, workflow_id=nxt.id)) == ""
+        assert await run(acts._closed, site) == [left], "what the next one takes over"
+    finally:
+        await nxt.terminate("test: it ends")
+    assert await look() == [left]
+    assert env.cluster.annotate_node("n-1", {}).get(ANNOTATION_CORDONED_BY) == put_back
+    with pytest.raises(ApplicationError, match="workflow_id: 'evacuate/other/1' is no evacuation of"):
+        run(acts.evacuation_put_back, EvacuationRef(site=site, workflow_id="evacuate/other/1"))
 
 
 @pytest.mark.parametrize("ending", ["abort", "cancel"])

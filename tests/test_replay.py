@@ -326,6 +326,10 @@ EXPECTED = {
     # scenarios on the code before, which closed the incident (or looked) and left it all, replay too.
     "site_puts_back_a_terminated_evacuation", "site_puts_back_a_terminated_evacuation_before",
     "site_puts_back_a_persons_terminated_evacuation", "site_puts_back_a_persons_terminated_evacuation_before",
+    # ... and records each evacuation it put back with the site's evacuation claim, which a run started
+    # again reads (``site-records-put-backs-with-the-claim``, tests/test_evacuation.py). ``_before``: the
+    # same run on the code before, which remembered it in its own state only, replays too.
+    "site_records_its_put_back_with_the_claim", "site_records_its_put_back_with_the_claim_before",
     # The Schedule's SiteSweep pass starts a Node entity that was terminated again
     # (``sweep-starts-node-entities``, tests/test_site_events.py). ``_before``: the same pass on the
     # code before, which started none (replayed without the patch, it fails: an activity where the

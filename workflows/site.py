@@ -157,6 +157,7 @@ with workflow.unsafe.imports_passed_through():
         IncidentCarry,
         IncidentRecord,
         IncidentView,
+        PUT_BACK_KEPT,
         RepairDecision,
         ScaleInput,
         SiteProbe,
@@ -248,12 +249,17 @@ PUT_BACK_PATCH = "site-puts-back-closed-evacuations"
 #: refusal and tried again every 5 minutes for ever (an activity's failure and a timer each time, an
 #: alert), until a person terminated it; a new run of it (continued as new, ``renew``) failed.
 REMOVED_PATCH = "site-ends-once-removed-from-config"
+#: Workflow patch: an evacuation put back (or found with nothing to put back) is recorded with the
+#: site's evacuation claim too (``evacuation_put_back``), which ``closed_evacuations`` reads: the
+#: claim outlives the entity's runs. Asked where it is put back once, after its last activity.
+#: Before, only the run's state (``IncidentCarry.put_back``) remembered it: a Site entity terminated
+#: and started again found it once more by the cordon mark a repair's node kept, and put it back a
+#: second time (the site's Deployments and routing as before its incident, the replicas added
+#: elsewhere since taken away), undoing what people had changed since.
+PUT_BACK_RECORDED_PATCH = "site-records-put-backs-with-the-claim"
 #: Looks (``site_configured``) that must find the site unnamed, nothing left there, in a row, and
 #: span ``SiteInput.removed_seconds``, before the entity ends: one answer is not enough.
 REMOVED_LOOKS = 3
-#: How many evacuations a Site entity remembers having put back (``IncidentCarry.put_back``, newest
-#: kept): each is put back once, however long a repair keeps a node cordoned with its mark.
-PUT_BACK_KEPT = 50
 #: How long a put-back waits for the site's replicas before its routing returns (the evacuation's
 #: ``ready_seconds`` at most): a site still down does not hold the entity's loop for long.
 PUT_BACK_READY_SECONDS = 120.0
@@ -872,7 +878,7 @@ class SiteEntity(Entity[SiteState]):
             )
             if left.put_back:
                 if not left.running:
-                    self._put_back_once(evacuation_id)  # nothing to put back: not asked again
+                    await self._put_back_once(evacuation_id)  # nothing to put back: not asked again
                 return ""
             workflow.logger.warning("site %s: %s closed without putting back what it changed: putting it back",
                                     site, evacuation_id)
@@ -914,7 +920,7 @@ class SiteEntity(Entity[SiteState]):
                                   evacuation_id, failure_message(error))
             return (f"; what it left not all put back ({failure_message(error)}): see GpufleetIncidentOpen in "
                     "docs/operations.md")
-        self._put_back_once(evacuation_id)
+        await self._put_back_once(evacuation_id)
         note = (f"; put back what it left: {len(released)} nodes uncordoned, {len(left.here)} models' replicas "
                 f"and routing at {site}, {sum(len(w) for w in left.elsewhere.values())} scaled back elsewhere")
         if late:
@@ -922,12 +928,25 @@ class SiteEntity(Entity[SiteState]):
         workflow.logger.warning("site %s: %s%s", site, evacuation_id, note)
         return note
 
-    def _put_back_once(self, evacuation_id: str) -> None:
+    async def _put_back_once(self, evacuation_id: str) -> None:
         """Never put back ``evacuation_id`` again: the cordons a repair holds keep its mark (a safety
         look finds it again), and a second put-back would scale the site and route to it as before its
-        incident, undoing whatever people changed since."""
+        incident, undoing whatever people changed since. Remembered by this run, and recorded with the
+        site's evacuation claim for the runs after it (a run started afresh carries nothing)."""
         inc = self.state.incident
         inc.put_back = [*(i for i in inc.put_back if i != evacuation_id), evacuation_id][-PUT_BACK_KEPT:]
+        if not workflow.patched(PUT_BACK_RECORDED_PATCH):
+            return
+        site = self._site.name
+        try:
+            await workflow.execute_activity(
+                act.evacuation_put_back, EvacuationRef(site=site, workflow_id=evacuation_id),
+                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
+                summary=f"record {evacuation_id} as put back",
+            )
+        except ActivityError as error:  # this run still remembers it; a run started afresh would not
+            workflow.logger.warning("site %s: %s not recorded as put back (%s)", site, evacuation_id,
+                                    failure_message(error))
 
     async def _scale(self, model: str, site: str, replicas: int, retry: RetryPolicy) -> None:
         await workflow.execute_activity(

@@ -200,6 +200,14 @@ async def evacuation_leftovers(input: EvacuationRef) -> EvacuationLeftovers:
     raise NotImplementedError("a declaration: the worker registers the body")
 
 
+@activity.defn(name="evacuation_put_back")
+async def evacuation_put_back(input: EvacuationRef) -> None:
+    """Record with the site's evacuation claim that the Site entity put back what that closed
+    evacuation left: ``closed_evacuations`` leaves it out from then on. Body:
+    ``activities/evacuation.py``, ``EvacuationActivities.evacuation_put_back``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
 @activity.defn(name="evacuation_facts")
 async def evacuation_facts(input: SiteRef) -> EvacuationFacts:
     """The site's serving, routing and nodes, and what closed evacuations of it left. Body:

@@ -36,6 +36,13 @@ class SiteRef(BaseModel):
     site: str
 
 
+#: How many evacuations of a site are remembered as put back by its Site entity, newest kept: in the
+#: entity's state (``IncidentCarry.put_back``) and with the site's evacuation claim, which outlives
+#: the entity's runs (``EvacuationActivities.evacuation_put_back``). Each is put back once, however
+#: long a repair keeps a node cordoned with its mark.
+PUT_BACK_KEPT = 50
+
+
 class ClosedEvacuationsInput(BaseModel):
     """``closed_evacuations``: the site, and the evacuations its Site entity has put back already
     (``IncidentCarry.put_back``), which it leaves out."""
@@ -73,7 +80,7 @@ class IncidentCarry(BaseModel):
     #: When it last came back: repairs and incidents wait out ``control_plane.return_grace_seconds``.
     returned_at: float | None = None
     #: Evacuations of the site that closed without putting back, whose leftovers the entity has put
-    #: back (or found none in), newest last and bounded (``workflows.site.PUT_BACK_KEPT``): never put
+    #: back (or found none in), newest last and bounded (``PUT_BACK_KEPT``): never put
     #: back twice. A node left to a repair keeps its evacuation's cordon mark, so ``closed_evacuations``
     #: finds that evacuation at every safety look; put back again, the site's Deployments, its routing
     #: and the replicas elsewhere went back to before its incident, undoing what people changed since.
