@@ -377,8 +377,8 @@ async def test_a_nodes_liveness_lookups_reach_the_frontend_within_its_share(temp
     through an approver that does not ask gpufleet; without a cluster, as here, every key is looked
     up in Temporal). Each is a liveness lookup no cached verdict answers, and each lookup went to
     the frontend beside the budget: 60 certificates, 60 DescribeWorkflowExecution. Now each lookup
-    takes from the node's share of the upstream budget, and one over it is answered
-    RESOURCE_EXHAUSTED without a lookup."""
+    is one of the node's calls and takes a token of the upstream budget, and one over either is
+    answered RESOURCE_EXHAUSTED without a lookup."""
     control = temporal_env.client
     node = unique("many-keys")
     await live_entity(control, node)
@@ -431,8 +431,7 @@ async def budgeted(temporal_env):
         yield counted
 
 
-async def test_many_nodes_each_within_its_budget_reach_the_frontend_as_one_budget(temporal_env, budgeted,
-                                                                                   caplog) -> None:
+async def test_many_nodes_each_within_its_budget_reach_the_frontend_as_one_budget(temporal_env, budgeted) -> None:
     """Twelve nodes (a compromised site) each open and cancel polls at twice their own rate, while
     another node's honest agent runs its watches through the same gateway. Before, each node's
     calls went upstream as its own bucket allowed: twelve buckets' worth. Now the frontend gets at
@@ -440,6 +439,9 @@ async def test_many_nodes_each_within_its_budget_reach_the_frontend_as_one_budge
     for its calls, is never refused while they are: each of its watches' polls and results
     reaches the frontend."""
     frontend, pki, access, gateway = budgeted
+    refused: list[str] = []  # each call refused, by its node (the log says so once a minute)
+    over_limit = gateway._over_limit
+    gateway._over_limit = lambda node, why: (refused.append(node), over_limit(node, why))
     control = temporal_env.client
     attackers = [unique(f"site-{i}") for i in range(ATTACKERS)]
     honest = unique("honest")
@@ -454,6 +456,7 @@ async def test_many_nodes_each_within_its_budget_reach_the_frontend_as_one_budge
             codes: Counter = Counter()
             cycles: Counter = Counter()
             watched: asyncio.Future | None = None
+            attack_on = 0  # refusals before every attacker called at its rate
 
             async def open_and_cancel_polls(name: str) -> None:
                 while cycles[name] < ATTACK_CYCLES or watched is None or not watched.done():
@@ -463,9 +466,10 @@ async def test_many_nodes_each_within_its_budget_reach_the_frontend_as_one_budge
             async def watch_once_the_attack_is_on() -> None:
                 # Once every attacker has asked for twice its burst: each is calling at its
                 # own rate, the budget shared among them all.
-                nonlocal watched
+                nonlocal watched, attack_on
                 while min(cycles[name] for name in attackers) < 2 * NODE_BURST:
                     await asyncio.sleep(0.05)
+                attack_on = len(refused)
                 watched = asyncio.ensure_future(control.execute_workflow(
                     "SecurityWatches", [honest, HONEST_WATCHES, HONEST_PAUSE], id=unique("security-watches"),
                     task_queue=queue, execution_timeout=timedelta(seconds=120)))
@@ -495,8 +499,11 @@ async def test_many_nodes_each_within_its_budget_reach_the_frontend_as_one_budge
     assert codes[grpc.StatusCode.RESOURCE_EXHAUSTED] > 0 and gateway.stats.over_budget > 0, codes
     # Every poll that brought the honest node a watch, and each watch's result, went upstream.
     assert honest_results == HONEST_WATCHES and honest_polls >= HONEST_WATCHES, (honest_polls, honest_results)
-    over = [r.getMessage() for r in caplog.records if "over its limits" in r.getMessage()]
-    assert not [line for line in over if honest in line], over
+    # Once the attack is on. As it begins, each attacker new, the honest node's calls of the
+    # second before are the most of anyone's, and max-min fairness may refuse one (its agent
+    # retries): a node is refused only while every node that used as much or more is.
+    assert honest not in refused[attack_on:], Counter(refused[attack_on:])
+    assert refused[attack_on:], "the test proves nothing: no call was refused once the attack was on"
 
 
 #: How long the frontend fails while a node loops on ``DescribeNamespace``.

@@ -44,8 +44,8 @@ class Verdict(enum.Enum):
     #: (a certificate some other signer issued for the name; or a renewal the approver has not
     #: seen yet): refused as UNAVAILABLE, so an agent retries rather than treat its identity as gone.
     UNBOUND = "this certificate's key was not bound to the node at its join or a renewal"
-    #: Not looked up: the node's lookups are over its share of the gateway's upstream budget
-    #: (``LiveCache``'s ``admit``): RESOURCE_EXHAUSTED, as a call over its share is.
+    #: Not looked up: the node's lookups are over its rate, or the gateway's upstream budget is
+    #: spent (``LiveCache``'s ``admit``): RESOURCE_EXHAUSTED, as a call over either is.
     OVER_BUDGET = "its liveness lookups are over its share of the upstream budget"
 
 
@@ -149,13 +149,14 @@ class LiveCache:
     What a node decides, it can make lookups of: a certificate with a new key is a new (node, key)
     (a kubelet's renewals may be approved by others than gpufleet, and without a cluster every key
     is looked up in Temporal), a failed lookup is kept by no cache, and every call after the
-    verdict went stale starts one. So each lookup a call finds no fresh verdict for is one of the
-    node's calls upstream, admitted by ``admit`` (the gateway's ``FleetBudget``: its fair share of
-    what every node shares): a lookup is up to two Temporal calls and two reads of the API server,
-    and a node over its share is answered ``OVER_BUDGET`` rather than looked up. A renewal of a
-    verdict still fresh is not charged: it needs a call on that very key within ``ttl``, and a node
-    holds at most ``proxy.CONNECTIONS_PER_NODE`` connections (a key each) at once, so it is bounded
-    per node by the cache, and a busy honest node's renewals do not make it a heavy caller."""
+    verdict went stale starts one. So a lookup of a key not found live before, or after a failed
+    one, is admitted by ``admit`` (``NodeGateway.admit_lookup``: one of the node's own calls and a
+    token of the gateway's upstream budget): a lookup is up to two Temporal calls and two reads of
+    the API server, and a node over its rate, or with the budget spent, is answered
+    ``OVER_BUDGET`` rather than looked up. A renewal of a verdict still fresh is not charged, nor a
+    lookup of a key last found live: it needs a call on that very key (one bound to the node at
+    its join or a renewal) within ``ttl``, and a node holds at most ``proxy.CONNECTIONS_PER_NODE``
+    connections (a key each) at once, so it is bounded per node by the cache."""
 
     def __init__(self, check: Liveness, ttl: float = 1.0, node_log: NodeLog | None = None,
                  admit: Callable[[str], bool] | None = None) -> None:
@@ -177,7 +178,11 @@ class LiveCache:
             return hit[1]
         inflight = self._inflight.get(which)
         if inflight is None:
-            if not self.admit(name):
+            # A key last found live is looked up again free: at most one lookup per ``ttl`` for each
+            # key bound to the node, few. Charged, those lookups refused an honest node coming back
+            # from a long poll while others spent the budget (its verdict had gone stale meanwhile).
+            renewal = hit is not None and (hit[1] is True or hit[1] is Verdict.LIVE)
+            if not renewal and not self.admit(name):
                 return Verdict.OVER_BUDGET
             inflight = self._start(which)
         return await asyncio.shield(inflight)

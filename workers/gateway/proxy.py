@@ -294,6 +294,19 @@ class NodeGateway(grpc.GenericRpcHandler):
             return Verdict.LIVE
         return Verdict.RETIRED if verdict is False else verdict
 
+    def admit_lookup(self, node: str) -> bool:
+        """Whether a liveness lookup a call of ``node``'s starts may go upstream (``LiveCache``'s
+        ``admit``: a key not found live before, a lookup that failed): one of the node's own calls,
+        and a token of the budget counted, as a start-up fetch's, in no node's share. Counted in
+        the node's share, an honest node's first lookups as it connected, while others spent the
+        budget, made it look a heavy caller, and its polls were refused."""
+        if not self._calls.take(node):
+            return False
+        if not self.budget.spend():
+            self._calls.give(node, 1)
+            return False
+        return True
+
     async def _over_budget(self, node: str, context: grpc.aio.ServicerContext) -> NoReturn:
         self.stats.over_budget += 1
         why = (f"more than its share ({self.budget.share():.3g} a second) of the {self.budget.rate:g} "
@@ -660,8 +673,10 @@ async def start_gateway(settings: Settings, server_cert: bytes, server_key: byte
     if live is None:
         live = await default_liveness(settings)
     budget = FleetBudget(upstream_calls_per_second)
-    gateway = NodeGateway(channel, settings.namespace, LiveCache(live, live_ttl, admit=budget.admit), token_keys,
+    lookups = LiveCache(live, live_ttl)
+    gateway = NodeGateway(channel, settings.namespace, lookups, token_keys,
                           metadata, polls, calls_per_second=calls_per_second, call_burst=call_burst, budget=budget)
+    lookups.admit = gateway.admit_lookup
     # A request over RESULT_BYTES is refused by gRPC from its length prefix, before it is held
     # in memory; a connection carries at most STREAMS_PER_CONNECTION calls; one with none for
     # five minutes is closed (a node agent's always holds a poll).
