@@ -7,6 +7,7 @@ credentials, join-token values) exist only inside these functions.
 from __future__ import annotations
 
 import asyncio
+import time
 
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus
@@ -31,6 +32,7 @@ from fleet.messages.nodes import (
     MAX_STARTED_NAMED,
     NodeEntitiesStarted,
     StartedEntity,
+    StoppedSpotReclaims,
     ReleaseProvisionInput,
     RemoveNodeInput,
     ResolveSiteInput,
@@ -40,12 +42,12 @@ from fleet import search_attributes as sa
 from fleet.config import Site
 from fleet.messages.csr import CsrApproverResult, named_verdicts
 from fleet.messages.repair import NodeEntityInput
-from fleet.errors import InvalidRequest, NotFound, ProviderError
+from fleet.errors import FleetError, InvalidRequest, NotFound, ProviderError
 from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
 from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinParams, render_user_data
-from fleet.models import Node
-from fleet.naming import node_workflow_id, site_workflow_id
-from fleet.watched import closed_as, running_node_entities, unwatched_nodes
+from fleet.models import CapacityType, Node
+from fleet.naming import node_workflow_id, reclaim_workflow_id, site_workflow_id
+from fleet.watched import closed_as, retiring, running_node_entities, unwatched_nodes
 from fleet.site_use import sites_in_use
 from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from fleet.contracts import workflows as flows
@@ -98,6 +100,7 @@ class ControlPlaneActivities:
             self.delete_machine,
             self.admit_node,
             self.ensure_node_entities,
+            self.reclaim_stopped_spot,
             self.remove_node,
         ]
 
@@ -337,6 +340,76 @@ class ControlPlaneActivities:
             if len(done.named) < MAX_STARTED_NAMED:
                 done.named.append(started)
         return done
+
+    @activity.defn
+    @typed_errors
+    async def reclaim_stopped_spot(self) -> StoppedSpotReclaims:
+        """Start the SpotReclaim (``reclaim/<node>``, terminating now) of every spot node that is
+        NotReady while its provider reports its machine stopped or terminated: the provider took it
+        without a notice the node agent read (Nebius posts none; an agent that was down missed one).
+        Without it the node stayed, NotReady and counted toward its site's min_nodes, until a person
+        acted. A reclaim already running is left alone, and so is a node a GpuRepair works on (its
+        reboot stops the machine). Spot, site and machine come from the join's identity record and
+        the site's config, never from the node; an on-demand machine stopped may be a person's doing
+        and is left as it is. One list of nodes a pass; one provider list for each spot site that
+        has such a node; a visibility list of the running repairs only where one was found."""
+        done = StoppedSpotReclaims()
+        stopped = await asyncio.to_thread(self._stopped_spot_nodes, done)
+        if not stopped:
+            return done
+        client = activity.client()
+        repairing = {wf.typed_search_attributes.get(sa.NODE_NAME) async for wf in client.list_workflows(
+            f'WorkflowType = "{flows.GpuRepair.TYPE}" AND ExecutionStatus = "Running"')}
+        for identity in stopped:
+            node = identity.node_name
+            if node in repairing:
+                done.repairing.append(node)
+                continue
+            try:
+                await client.start_workflow(
+                    flows.SpotReclaim.TYPE,
+                    {"node_name": node, "site": identity.site, "machine_id": identity.machine_id,
+                     # The machine is gone already: the drain is short and the replacement bought now.
+                     "terminate_at": time.time()},
+                    id=reclaim_workflow_id(node), task_queue=activity.info().task_queue,
+                    id_conflict_policy=WorkflowIDConflictPolicy.FAIL,
+                    static_summary=f"spot reclaim of {node}: its machine stopped without a notice; replace it",
+                )
+            except WorkflowAlreadyStartedError:
+                done.running.append(node)
+                continue
+            activity.logger.warning("node %s (%s): machine %s stopped by its provider without a notice: %s started",
+                                    node, identity.site, identity.machine_id, reclaim_workflow_id(node))
+            done.started.append(node)
+        return done
+
+    def _stopped_spot_nodes(self, done: StoppedSpotReclaims) -> list[NodeIdentity]:
+        """The identity records of the spot nodes NotReady whose machine their provider reports
+        stopped or terminated; each site whose provider did not answer goes to ``done.skipped``."""
+        env, cluster = self.env, self.env.cluster
+        spot = {s.name for s in env.config.sites if s.capacity_type == CapacityType.SPOT}
+        records = cluster.list_state(NODE_IDENTITY_KIND)
+        at: dict[str, list[NodeIdentity]] = {}
+        for node in sorted(cluster.list_nodes(), key=lambda n: n.name):
+            identity = NodeIdentity.from_state(records.get(node.name, {}))
+            if node.ready or identity is None or not identity.machine_id or identity.site not in spot:
+                continue
+            if retiring(cluster, node):
+                continue  # its retirement (or reclaim) deletes the machine on purpose
+            at.setdefault(identity.site, []).append(identity)
+        found = []
+        for site, identities in at.items():
+            try:
+                states = {m.id: m.state for m in env.provider(site).list_machines()}
+            except FleetError as error:
+                done.skipped.append(f"{site}: {error.type_name}: {str(error)[:300]}")
+                continue
+            except Exception as error:  # noqa: BLE001 - one site's provider must not hide the others
+                # Not one of our typed errors, whose messages are written not to quote a request.
+                done.skipped.append(f"{site}: {type(error).__name__}")
+                continue
+            found += [i for i in identities if states.get(i.machine_id) in ("stopped", "terminated")]
+        return found
 
     @activity.defn
     @typed_errors

@@ -47,7 +47,8 @@ def unannounced_spot_warnings(config: FleetConfig) -> list[str]:
     read (Nebius): its machines are taken without the drain ahead that SpotReclaim gives."""
     return [f"sites[{i}] ({site.name}).capacity_type: spot at a {site.provider} site, whose preempted machines "
             f"post no reclaim notice the node agent can read: no SpotReclaim drains one ahead, it goes NotReady "
-            f"unannounced (docs/concepts/capacity.md, \"Spot without a notice\")"
+            f"unannounced and is replaced only at the next site sweep (docs/concepts/capacity.md, "
+            f"\"Spot without a notice\")"
             for i, site in enumerate(config.sites)
             if site.capacity_type == CapacityType.SPOT and site.provider not in SPOT_NOTICE_SOURCES]
 

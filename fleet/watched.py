@@ -52,12 +52,19 @@ def unwatched_nodes(cluster, nodes: Iterable, watched: set[str]) -> list[NodeIde
         identity = cluster.node_identity(node.name)
         if identity is None:
             continue
-        if node.unschedulable:
-            try:
-                mark = cluster.node_marks(node.name).annotations.get(ANNOTATION_CORDONED_BY, "")
-            except NotFound:
-                continue  # removed since the list: retired
-            if mark in RETIREMENT_MARKS:
-                continue
+        if retiring(cluster, node):
+            continue
         found.append(identity)
     return found
+
+
+def retiring(cluster, node) -> bool:
+    """Whether ``node`` (as listed) is cordoned by a retirement in flight (``RETIREMENT_MARKS``: its
+    machine goes on purpose), or removed since the list (retired). Only a cordoned node is read again."""
+    if not node.unschedulable:
+        return False
+    try:
+        mark = cluster.node_marks(node.name).annotations.get(ANNOTATION_CORDONED_BY, "")
+    except NotFound:
+        return True
+    return mark in RETIREMENT_MARKS

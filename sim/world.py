@@ -113,6 +113,8 @@ BOOTSTRAP_COLUMNS = (
     ("join_tokens", "token", "TEXT"),
     ("nodes", "provider_id", "TEXT"),
 )
+#: When the provider stopped the machine (``SimWorld.preempt_machine``); NULL: it was not.
+STOP_COLUMNS = (("machines", "stopped_at", "REAL"),)
 
 #: How strong a repair clears a simulated fault: a fault clears at its rung or any stronger one.
 RUNGS = ("reset", "reboot", "reinstall", "never")
@@ -139,7 +141,7 @@ class SimWorld(SqliteDb):
     def __init__(self, path: str | Path) -> None:
         super().__init__(path, SCHEMA)
         with self.tx() as db:
-            for table, column, kind in BOOTSTRAP_COLUMNS:
+            for table, column, kind in BOOTSTRAP_COLUMNS + STOP_COLUMNS:
                 have = {r[1] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
                 if column not in have:  # a sim.db made before machines got user data
                     db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
@@ -251,6 +253,16 @@ class SimWorld(SqliteDb):
                 (machine_id, now, now + seconds),
             )
         return now + seconds
+
+    def preempt_machine(self, machine_id: str) -> None:
+        """The provider takes this spot machine without a notice (Nebius's preemption,
+        ``on_preemption: STOP``): the machine stays, stopped (``Machine.state`` "stopped"), its
+        kubelet and agent gone with it, so its node turns NotReady."""
+        with self.tx() as db:
+            if not db.execute("UPDATE machines SET stopped_at=? WHERE id=? AND deleted_at IS NULL",
+                              (_now(), machine_id)).rowcount:
+                raise KeyError(machine_id)
+            self.record_action(db, machine_id, "preempt")
 
     def add_foreign_machine(self, site: str, name: str, age_seconds: float = 0.0) -> str:
         """A machine someone else launched into the site's account (no fleet marker)."""
@@ -436,6 +448,8 @@ def _machine(row: sqlite3.Row, provider: str) -> Machine:
     now = _now()
     if row["deleted_at"] is not None:
         state = "terminated"
+    elif row["stopped_at"] is not None:
+        state = "stopped"
     elif row["boot_at"] > now:
         state = "pending" if row["reboots"] == 0 and row["reinstalls"] == 0 else "rebooting"
     else:

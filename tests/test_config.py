@@ -279,6 +279,7 @@ def test_real_mode_warns_of_a_spot_site_whose_machines_post_no_reclaim_notice(tm
     assert flat.count("warning: ") == 1, flat
     assert "warning: sites[0] (nb-spot).capacity_type: spot at a nebius site" in flat
     assert "no SpotReclaim drains one ahead" in flat and "docs/concepts/capacity.md" in flat
+    assert "replaced only at the next site sweep" in flat
     fleet["mode"] = "sim"  # the simulated fleet posts its own notices, at any provider
     code, output = check(tmp_path, fleet)
     assert code == 0 and "warning" not in output

@@ -335,6 +335,11 @@ EXPECTED = {
     # code before, which started none (replayed without the patch, it fails: an activity where the
     # run completed); ``site_sweep_starts_only`` is an older such pass.
     "site_sweep_restarts_node_entities", "site_sweep_restarts_node_entities_before", "site_sweep_starts_only",
+    # The pass starts the SpotReclaim of a spot node whose machine stopped without a notice, and that
+    # reclaim's run (``sweep-reclaims-stopped-spot``, tests/test_site_reclaim.py). ``_before``: the same
+    # pass on the code before, which reclaimed nothing.
+    "site_sweep_reclaims_stopped_spot", "site_sweep_reclaims_stopped_spot_before",
+    "spot_reclaim_of_a_machine_stopped_without_a_notice",
     # The Site entity of a site taken out of the fleet config with nothing left there ends, saying why;
     # one with a node left runs on, saying what is there; a run started after its site left the config
     # ends too (``site-ends-once-removed-from-config``, tests/test_site_reclaim.py). ``_before``: the code

@@ -339,6 +339,59 @@ async def test_spot_reclaim_drains_honoring_pdb_and_replaces_elsewhere(cap: CapS
     await replay_and_record(handle, "spot_reclaim")
 
 
+#: The Schedule's SiteSweep pass that starts the SpotReclaim of a spot node whose machine stopped
+#: without a notice (``sweep-reclaims-stopped-spot``), and that reclaim's run, terminating at once.
+RECORDED_STOPPED_SPOT_SWEEP = "site_sweep_reclaims_stopped_spot"
+RECORDED_STOPPED_SPOT_RECLAIM = "spot_reclaim_of_a_machine_stopped_without_a_notice"
+
+
+async def test_a_spot_machine_stopped_without_a_notice_is_reclaimed_and_replaced_by_the_site_sweep(
+        cap: CapStack) -> None:
+    """Nebius preempts a spot machine without a notice the node agent can read: the machine stops
+    (``on_preemption: STOP``) and its node turns NotReady. Before, nothing drained or replaced it: it
+    stayed, counted toward its site's min_nodes, until a person started or deleted the machine. The
+    Schedule's SiteSweep pass sees its provider report the machine stopped and starts its SpotReclaim,
+    terminating now: the node is retired, its machine deleted, and a replacement joins elsewhere. An
+    on-demand machine stopped (a person may have stopped it) is left as it is, and a second pass
+    starts no second reclaim."""
+    spot, mid = cap.site("spot"), cap.site("mid")
+    for site in (spot, mid):
+        await cap.client.execute_workflow("NodeJoin", {"site": site, "timeouts": FAST_JOIN}, id=f"join/{site}/s1",
+                                          task_queue=cap.settings.task_queue)
+    (taken,), (stopped,) = live(cap, "spot"), live(cap, "mid")
+    for machine in (taken, stopped):
+        cap.world.preempt_machine(machine["id"])
+    await wait_for(lambda: not any(cap.cluster.get_node(m["name"]).ready for m in (taken, stopped)), timeout=20)
+
+    async def sweep_pass(n: int) -> str:
+        handle = await cap.client.start_workflow("SiteSweep", {}, id=f"site-sweep-{cap.uid}-{n}",
+                                                 task_queue=cap.settings.task_queue, result_type=list[str])
+        await handle.result()
+        if n == 1:
+            await replay_and_record(handle, RECORDED_STOPPED_SPOT_SWEEP)
+        return await details(handle)
+
+    said = await sweep_pass(1)
+    assert f"reclaim started for {taken['name']} (spot machine stopped without a notice)" in said, said
+    assert stopped["name"] not in said, said
+    reclaim = cap.client.get_workflow_handle(f"reclaim/{taken['name']}")
+    first_run = (await reclaim.describe()).run_id
+    said = await sweep_pass(2)  # the reclaim running (or done: the node gone) is left alone
+    assert "reclaim started" not in said, said
+    assert (await reclaim.describe()).run_id == first_run
+
+    result = SpotReclaimResult.model_validate(await asyncio.wait_for(reclaim.result(), timeout=60))
+    (new,) = result.replacement.nodes
+    assert new.site != spot and cap.cluster.get_node(new.node_name).ready
+    assert cap.cluster.get_node(taken["name"]) is None
+    assert cap.world.machine(taken["id"])["deleted_at"] is not None
+    # The on-demand machine: no reclaim, kept (stopped) with its node, as a person left it.
+    assert [w async for w in cap.client.list_workflows(f'WorkflowId = "reclaim/{stopped["name"]}"')] == []
+    assert cap.world.machine(stopped["id"])["deleted_at"] is None
+    assert not cap.cluster.get_node(stopped["name"]).ready
+    await replay_and_record(reclaim, RECORDED_STOPPED_SPOT_RECLAIM)
+
+
 async def test_joins_within_max_are_counted_without_listing_the_site_and_one_past_it_is_retired(
         cap: CapStack) -> None:
     """A fleet coming up sends each Site entity one transition per join: a join within max is

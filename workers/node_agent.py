@@ -247,7 +247,7 @@ class SimNodeHost:
         self._next_renewal = min((at for at, _client in self.identities.values()), default=float("inf"))
 
     def _up_machines(self) -> dict[str, tuple[str, str]]:
-        """machine id → (node name, boot id) for machines booted at reachable sites."""
+        """machine id → (node name, boot id) for machines booted, not stopped, at reachable sites."""
         now = time.time()
         unreachable = {row["name"] for row in self.world.sites() if row["unreachable"]}
         machines = self.world.machines()
@@ -256,7 +256,7 @@ class SimNodeHost:
         return {
             row["id"]: (row["name"], row["boot_id"])
             for row in machines
-            if row["boot_at"] <= now and row["site"] not in unreachable
+            if row["boot_at"] <= now and row["site"] not in unreachable and row["stopped_at"] is None
         }
 
     def _sync_kubelets(self, up: dict[str, tuple[str, str]]) -> set[str]:

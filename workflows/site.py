@@ -71,8 +71,9 @@ it keeps running, its details saying what is there and what to do (``GpufleetSit
 The site back in the config, the next SiteSweep starts its entity again.
 
 SiteSweep (id ``site-sweep``, run by a Schedule): start every site's entity that is not running,
-and every node's (``SWEEP_NODE_ENTITIES_PATCH``); with sites named, signal-with-start their entities
-with ``reconcile``.
+and every node's (``SWEEP_NODE_ENTITIES_PATCH``), and the SpotReclaim of every spot node whose
+machine its provider stopped without a notice (``SWEEP_RECLAIMS_STOPPED_SPOT_PATCH``); with sites
+named, signal-with-start their entities with ``reconcile``.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ with workflow.unsafe.imports_passed_through():
         SiteState,
         SiteStatus,
     )
-    from fleet.messages.nodes import NodeEntitiesStarted, ResolveSiteInput, SiteConfigured
+    from fleet.messages.nodes import NodeEntitiesStarted, ResolveSiteInput, SiteConfigured, StoppedSpotReclaims
     from fleet import search_attributes as sa
     from fleet.config import Site
     from fleet.demand import public_placement_labels
@@ -270,6 +271,13 @@ PUT_BACK_READY_SECONDS = 120.0
 #: for good, its agent refused by the gateway and its faults repaired by no one. One activity a pass,
 #: whatever the fleet's size. Asked after the sites' activity, where the pass was done before.
 SWEEP_NODE_ENTITIES_PATCH = "sweep-starts-node-entities"
+#: SiteSweep's patch: the Schedule's pass also starts the SpotReclaim (terminating now) of every spot
+#: node that is NotReady while its provider reports its machine stopped or terminated
+#: (``reclaim_stopped_spot``): taken without a notice the node agent read (Nebius posts none; an agent
+#: that was down missed one). Before, nothing drained or replaced such a node: it stayed NotReady,
+#: counted toward its site's min_nodes, until a person started or deleted the machine. One activity a
+#: pass, one provider list per spot site with a NotReady node. Asked after the node entities' activity.
+SWEEP_RECLAIMS_STOPPED_SPOT_PATCH = "sweep-reclaims-stopped-spot"
 #: ``incident_number``, ``fill_number`` (a visibility list and a describe or two): a few quick tries;
 #: an evacuation or a fill does not wait on it longer (refused, the entity numbers as before, and the
 #: start still refuses a used id).
@@ -1452,8 +1460,9 @@ class SiteEntity(Entity[SiteState]):
 class SiteSweep:
     """Start every site's entity that is not running (the Schedule's safety sweep: a running entity
     wakes on its own watch and safety timer), then (``SWEEP_NODE_ENTITIES_PATCH``) every node's that
-    must run and does not; signal-with-start the named sites' entities with ``reconcile``
-    (``{"sites": [...]}``)."""
+    must run and does not, and (``SWEEP_RECLAIMS_STOPPED_SPOT_PATCH``) the SpotReclaim of every spot
+    node whose machine its provider stopped without a notice; signal-with-start the named sites'
+    entities with ``reconcile`` (``{"sites": [...]}``)."""
 
     @workflow.run
     async def run(self, raw: Any = None) -> list[str]:
@@ -1471,6 +1480,8 @@ class SiteSweep:
                     summary="start every node entity that must run and is not running",
                 )
                 detail += "; " + self._nodes_line(nodes)
+            if workflow.patched(SWEEP_RECLAIMS_STOPPED_SPOT_PATCH):
+                detail += "; " + await self._reclaim_stopped_spot()
             show_details("done", detail=detail)
             return started
         sites: list[str] = await workflow.execute_activity(
@@ -1479,6 +1490,32 @@ class SiteSweep:
         )
         show_details("done", detail=f"reconcile sent to {len(sites)} sites")
         return sites
+
+    @staticmethod
+    async def _reclaim_stopped_spot() -> str:
+        """The SpotReclaims of the spot nodes whose machines their provider stopped without a
+        notice; what the pass says of them. A failure past its retries is said, not raised: the
+        sites' and nodes' entities were started, and the next pass looks again."""
+        try:
+            found: StoppedSpotReclaims = await workflow.execute_activity(
+                act.reclaim_stopped_spot, start_to_close_timeout=timedelta(minutes=5),
+                retry_policy=CLUSTER_RETRY, summary="reclaim the spot nodes whose machines stopped without a notice",
+            )
+        except ActivityError as error:
+            workflow.logger.warning("site sweep: stopped spot machines not looked at: %s", failure_message(error))
+            return f"stopped spot machines not looked at ({failure_message(error)}): next pass"
+        parts = []
+        if found.started:
+            workflow.logger.warning("site sweep: spot machines stopped without a notice, reclaim started for %s",
+                                    ", ".join(found.started))
+            parts.append(f"reclaim started for {', '.join(found.started)} (spot machine stopped without a notice)")
+        if found.running:
+            parts.append(f"reclaim already running for {', '.join(found.running)}")
+        if found.repairing:
+            parts.append(f"machine stopped under a running repair, not reclaimed: {', '.join(found.repairing)}")
+        if found.skipped:
+            parts.append(f"not asked: {'; '.join(found.skipped)}")
+        return "; ".join(parts) or "no spot machine stopped under a NotReady node"
 
     @staticmethod
     def _nodes_line(nodes: NodeEntitiesStarted) -> str:

@@ -42,7 +42,7 @@ from fleet.messages.nodes import (
     ProvisionedMachine, ReinstallDriverInput, ReleaseProvisionInput, RemoveNodeInput,
     ReplacementSitesInput, ResetGpuInput, ResolveSiteInput, RestartMachineInput,
     RevokeNodeTokensInput, SiteConfigured, SiteHealth, SiteHealthInput, SmokeResult,
-    SmokeTestInput, UncontainInput, UncontainResult, WaitForBootInput,
+    SmokeTestInput, StoppedSpotReclaims, UncontainInput, UncontainResult, WaitForBootInput,
 )
 from fleet.messages.repair import GpuRepairResult, NodeLeft, NodeWatchInput, NodeWatchResult, RepairRef
 from fleet.messages.rollout import (
@@ -176,6 +176,14 @@ async def ensure_node_entities() -> NodeEntitiesStarted:
     joined by gpufleet, not retired nor cordoned by a retirement: ``fleet.watched``), from the
     join's identity record. Body: ``activities/control_plane.py``,
     ``ControlPlaneActivities.ensure_node_entities``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="reclaim_stopped_spot")
+async def reclaim_stopped_spot() -> StoppedSpotReclaims:
+    """Start the SpotReclaim of every spot node NotReady whose machine its provider reports stopped
+    or terminated (taken without a notice the node agent read), one provider list a site. Body:
+    ``activities/control_plane.py``, ``ControlPlaneActivities.reclaim_stopped_spot``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -124,6 +124,19 @@ class NodeEntitiesStarted(BaseModel):
     left: int = 0
 
 
+class StoppedSpotReclaims(BaseModel):
+    """What ``reclaim_stopped_spot`` found: the spot nodes NotReady whose machine their provider
+    reports stopped or terminated, taken without a notice the node agent read. ``started``: a
+    SpotReclaim started for each; ``running``: one already ran, left alone; ``repairing``: a GpuRepair
+    of the node runs (a reboot stops the machine); ``skipped``: ``<site>: why`` its provider was not
+    asked or did not answer (the next pass asks again)."""
+
+    started: list[str] = Field(default_factory=list)
+    running: list[str] = Field(default_factory=list)
+    repairing: list[str] = Field(default_factory=list)
+    skipped: list[str] = Field(default_factory=list)
+
+
 class RemoveNodeInput(BaseModel):
     node_name: str
 
