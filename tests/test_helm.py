@@ -325,6 +325,25 @@ def test_node_agents_read_the_spot_notices_of_their_own_provider() -> None:
         assert "kubelet-flags" not in {v["name"] for v in pod["volumes"]}
 
 
+def test_the_gateways_network_policy_opens_the_ports_it_serves_and_the_peer_port_to_itself() -> None:
+    """The policy follows the gateway's ports (the default rendering is the base's, whose policy
+    tests/cluster/test_manifests.py judges): its metrics port where it moves, none with metrics
+    off; its peer port admitted from its own pods only, whatever the values."""
+    for values, metrics in (((), 9466), (("--set", "metrics.ports.nodeGateway=19466"), 19466),
+                            (("--set", "metrics.enabled=false"), None)):
+        docs = documents(template(*values))
+        (gateway,) = pod_of(workload(docs, "gpufleet-node-gateway"))["containers"]
+        ports = {p["name"]: p["containerPort"] for p in gateway["ports"]}
+        (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"
+                     and d["metadata"]["name"] == "gpufleet-node-gateway"]
+        anyone, own = policy["spec"]["ingress"]
+        assert "from" not in anyone
+        assert [p["port"] for p in anyone["ports"]] == [ports["nodes"]] + ([metrics] if metrics else []), values
+        assert ports.get("metrics") == metrics, values
+        assert own == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "gpufleet-node-gateway"}}}],
+                       "ports": [{"protocol": "TCP", "port": ports["peers"]}]}
+
+
 def test_node_gateway_endpoint_and_namespaces() -> None:
     docs = documents(template("--set", "nodeGateway.service.type=ClusterIP", "--set", "nodeGateway.replicas=3",
                               "--set", "namespaces.create=false"))

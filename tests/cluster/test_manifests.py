@@ -125,6 +125,57 @@ def test_every_node_gateway_replica_mounts_the_one_task_token_key():
     assert mount["readOnly"] is True
 
 
+def policy_admits(policy: dict, port: int, namespace: str | None, labels: dict[str, str]) -> bool:
+    """Whether the ingress NetworkPolicy ``policy`` admits a connection to ``port`` of the pods it
+    selects from a pod of ``namespace`` with ``labels``, or from a host (``namespace`` None: a GPU
+    node's own address, no pod's). Only what gpufleet's policies use: a rule with no ``from``
+    admits anyone; a peer is a ``podSelector`` of matchLabels in the policy's namespace."""
+    for rule in policy["spec"]["ingress"]:
+        if "ports" in rule and port not in {p["port"] for p in rule["ports"] if p.get("protocol", "TCP") == "TCP"}:
+            continue
+        if "from" not in rule:
+            return True
+        for peer in rule["from"]:
+            assert set(peer) == {"podSelector"} and set(peer["podSelector"]) == {"matchLabels"}, f"teach this: {peer}"
+            if namespace == policy["metadata"]["namespace"] and \
+                    peer["podSelector"]["matchLabels"].items() <= labels.items():
+                return True
+    return False
+
+
+def test_only_the_gateways_own_pods_reach_its_peer_port_and_anyone_its_node_port():
+    """The peer port served every node's name and call rate, and sealed the report anew, for
+    anyone who reached a gateway pod's address: a GPU node's host or pods included. The gateway's
+    NetworkPolicy admits the peer port from the gateway's own pods in gpufleet only, and leaves its
+    node port (the nodes' endpoint, through a LoadBalancer that keeps their addresses) and its
+    metrics port open as before: every port the gateway's container serves is in it."""
+    from fleet.settings import NodeGatewayEnv
+
+    docs = _docs("node-gateway.yaml")
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    template = deployment["spec"]["template"]
+    (container,) = template["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+    assert int(NodeGatewayEnv.from_env(env).peers.rpartition(":")[2]) == ports["peers"]
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert policy["metadata"]["namespace"] == deployment["metadata"]["namespace"] == "gpufleet"
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"], "every gateway pod"
+
+    gateway = template["metadata"]["labels"]
+    (agent,) = [d for d in _docs("node-agent.yaml") if d["kind"] == "DaemonSet"]
+    agent_labels = agent["spec"]["template"]["metadata"]["labels"]
+    assert policy_admits(policy, ports["peers"], "gpufleet", gateway)
+    for who, namespace, labels in (("a GPU node's host", None, {}),
+                                   ("a node agent", "gpufleet", agent_labels),
+                                   ("a pod labelled as the gateway elsewhere", "default", gateway)):
+        assert not policy_admits(policy, ports["peers"], namespace, labels), who
+        for name in ("nodes", "metrics"):
+            assert policy_admits(policy, ports[name], namespace, labels), (who, name)
+    assert set(ports) == {"nodes", "peers", "metrics"}, "a new port: say who may reach it"
+
+
 def test_control_plane_deployment():
     (deployment,) = _docs("control-plane.yaml")
     pod = deployment["spec"]["template"]["spec"]

@@ -652,8 +652,8 @@ async def test_the_replicas_tell_each_other_what_they_forwarded_and_a_report_onl
     and reads the others' (its own, found under the same name, skipped). A report sealed with a key
     the replicas do not hold (a pod a node labelled as the gateway) counts for nothing, and what a
     replica that went away said stops counting once stale: its nodes, reconnecting to the others,
-    are not judged by it."""
-    from workers.gateway.peers import STALE_SECONDS, PeerUsage
+    are not judged by it. A replica serves the report it sealed at most a round ago."""
+    from workers.gateway.peers import PEER_SECONDS, STALE_SECONDS, PeerUsage
 
     now = [1_000.0]
     keys = token_keys_as_deployed(tmp_path / "keys")
@@ -672,6 +672,7 @@ async def test_the_replicas_tell_each_other_what_they_forwarded_and_a_report_onl
         for _ in range(20):
             budgets[0].admit("busy")
             budgets[2].admit("honest")  # the foreign "replica" says the honest node is heavy
+        now[0] += PEER_SECONDS  # the next round: what each sealed at its start is resealed
         await replicas[1].read_peers()
         elsewhere = budgets[1].elsewhere
         assert elsewhere.get("busy", 0) > 5, elsewhere
@@ -688,8 +689,112 @@ async def test_the_replicas_tell_each_other_what_they_forwarded_and_a_report_onl
             await replica.stop()
 
 
+async def test_a_burst_of_peer_connections_is_served_one_sealed_report_and_no_more_than_the_cap(tmp_path) -> None:
+    """Anyone who reaches the peer port (a GPU node's host, where the CNI enforces no policy) used
+    to have the usage table sorted and ~60 KB sealed for each connection, as many at once as it
+    liked, and read every node's name and rate in it. 50 connections at once: the report is sealed
+    once for them all, those over the cap are closed unanswered, and what is sent names no node;
+    a replica opens it. A round later the report is sealed anew."""
+    import socket
+
+    from workers.gateway import peers as peer_module
+    from workers.gateway.peers import PEER_SECONDS, PeerUsage
+
+    now = [1_000.0]
+    keys = token_keys_as_deployed(tmp_path / "keys")
+    budget = FleetBudget(100.0)
+    for _ in range(20):
+        budget.admit("busy-node")
+    built = Counter()
+    report = budget.report
+
+    def counted() -> dict[str, float]:
+        built["reports"] += 1
+        return report()
+
+    budget.report = counted
+
+    async def no_peers() -> list[tuple[str, int]]:
+        return []
+
+    replica, reader = PeerUsage(budget, keys, no_peers, clock=lambda: now[0]), PeerUsage(FleetBudget(100.0), keys,
+                                                                                         no_peers, clock=lambda: now[0])
+    port = await replica.start("127.0.0.1", 0)
+    loop = asyncio.get_running_loop()
+    try:
+        # Connected before the replica accepts any (the kernel's handshakes): all at once to it.
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(50)]
+
+        def read_all(client: socket.socket) -> bytes:
+            with client:
+                client.settimeout(10)
+                got = b""
+                try:
+                    while more := client.recv(1 << 16):
+                        got += more
+                except ConnectionResetError:
+                    pass
+                return got
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = await asyncio.gather(*(loop.run_in_executor(pool, read_all, c) for c in clients))
+        answered = [a for a in answers if a]
+        assert built["reports"] == 1, "the report is sealed once for every connection of a round"
+        assert 1 <= len(answered) <= peer_module.MAX_CONNECTIONS, len(answered)
+        assert len(set(answered)) == 1 and all(b"busy-node" not in a for a in answered), "no node named in clear"
+        assert reader.open(answered[0])[1].get("busy-node", 0) > 5
+
+        now[0] += PEER_SECONDS
+        opened = reader.open(await loop.run_in_executor(None, read_all, socket.create_connection(("127.0.0.1", port))))
+        assert built["reports"] == 2 and opened is not None
+    finally:
+        await replica.stop()
+
+
+async def test_a_peer_connection_that_does_not_read_is_dropped_after_the_write_timeout(tmp_path, monkeypatch) -> None:
+    """A connection that takes nothing (its receive window full) once held its slot and the report's
+    bytes for ever; now for ``WRITE_SECONDS``, then it is dropped, the report not all sent."""
+    import socket
+
+    from workers.gateway import peers as peer_module
+    from workers.gateway.peers import PeerUsage
+
+    monkeypatch.setattr(peer_module, "WRITE_SECONDS", 0.3)
+
+    async def no_peers() -> list[tuple[str, int]]:
+        return []
+
+    replica = PeerUsage(FleetBudget(100.0), token_keys_as_deployed(tmp_path / "keys"), no_peers)
+    total = 16 << 20  # more than any socket buffers hold
+    large = b"x" * total
+    replica.sealed_report = lambda: large
+    port = await replica.start("127.0.0.1", 0)
+    try:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", port))
+        await asyncio.sleep(1.5)  # reading nothing, well past the write timeout
+
+        def read_all() -> int:
+            with client:
+                client.settimeout(10)
+                got = 0
+                try:
+                    while more := client.recv(1 << 20):
+                        got += len(more)
+                except ConnectionResetError:
+                    pass
+                return got
+
+        got = await asyncio.get_running_loop().run_in_executor(None, read_all)
+        assert got < total, "dropped once the write timeout passed"
+    finally:
+        await replica.stop()
+
+
 async def test_mirror_pods_posing_as_the_gateway_cannot_keep_the_replicas_from_hearing_each_other(tmp_path) -> None:
-    """A node's mirror pods labelled as the gateway are endpoints of the peer Service as well. Many
+    """Were a node's mirror pods labelled as the gateway endpoints of the peer Service (the
+    admission policy that keeps them out of gpufleet missing: this is defence in depth), many
     of them, at addresses listed before the real replicas, once left no room for the replicas among
     the addresses a round reads, and each node got a share on every replica again. A replica whose
     report opened is read every round from then on; the rest are tried in turn."""

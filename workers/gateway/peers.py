@@ -5,12 +5,20 @@ one fair share of the whole gateway's budget however many replicas it reaches
 No shared store: each replica serves its ``FleetBudget.report()`` on its peer port
 (``GPUFLEET_GATEWAY_PEERS``' port), and every ``PEER_SECONDS`` reads every other replica's, found
 by the name the headless Service ``gpufleet-node-gateway-peers`` resolves to (the ready
-replicas' addresses). A report is sealed with the task-token key every replica holds (an HMAC of
-its own purpose): a node may create pods bound to itself with any labels, one labelled as the
-gateway would be an endpoint of that Service, but it cannot make a report a replica takes, so it
-can neither make an honest node look heavy nor itself light. A report is taken only while fresh
+replicas' addresses). A report is sealed with AES-GCM under a key derived from the task-token key
+every replica holds: only a replica can read one (which nodes call and how often is the fleet's
+operational data, not a GPU node's to read) or make one a replica takes, so no one else can make an
+honest node look heavy nor a node look light. Who may reach the port at all is the gateway's
+NetworkPolicy's (deploy/kubernetes/node-gateway.yaml: the gateway's own pods only), and no node may
+create a pod in ``gpufleet`` (the mirror-pod admission policy), so an endpoint of that Service
+that is no replica is not expected; the seal and the random order below are defence in depth,
+for a cluster whose CNI enforces no policy. A report is taken only while fresh
 (``STALE_SECONDS``): one replaying an old one, or a replica gone, counts for nothing within
 seconds, and the nodes it served are judged by what they send the others from then on.
+
+What any one who connects can make a replica spend is bounded: the report is sealed at most once
+a ``PEER_SECONDS`` and those bytes are served to every caller, at most ``MAX_CONNECTIONS`` at a
+time (more are closed at once, unanswered) and each for at most ``WRITE_SECONDS``.
 """
 
 from __future__ import annotations
@@ -20,11 +28,15 @@ import hashlib
 import hmac
 import json
 import logging
+import os
 import random
 import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from workers.gateway.fleet_budget import FleetBudget
 from workers.gateway.task_tokens import TokenKeys
@@ -40,11 +52,19 @@ READ_SECONDS = 0.5
 #: A report is at most ``fleet_budget.REPORTED_NODES`` nodes; anything longer is not one.
 REPORT_BYTES = 1024 * 1024
 #: Addresses read a round at most (a name resolving to more is not the gateway's few). Those whose
-#: last report opened are read first and the rest in a random order: a node's mirror pods labelled as
-#: the gateway are endpoints of the peer Service too, and many of them, at addresses sorted first,
-#: would otherwise keep the real replicas from being read (each node judged per replica again).
+#: last report opened are read first and the rest in a random order, in depth: were pods that are no
+#: replica endpoints of the peer Service (the admission policy that keeps a node's mirror pods out of
+#: ``gpufleet`` missing), many of them, at addresses sorted first, would otherwise keep the real
+#: replicas from being read (each node judged per replica again).
 MAX_PEERS = 16
+#: Peer connections served at once: every replica reading this one, twice over (a replica reads at
+#: most ``MAX_PEERS`` addresses a round). Any more are closed at once, unanswered.
+MAX_CONNECTIONS = 2 * MAX_PEERS
+#: How long a reader has to take the report (a replica reads it in ``READ_SECONDS``).
+WRITE_SECONDS = 2 * READ_SECONDS
+#: What the report key is derived for: no other use of the task-token key makes the same key.
 _PURPOSE = b"gpufleet node gateway peer usage\x00"
+_NONCE_BYTES = 12
 
 #: The other replicas' peer addresses (host, port), asked again every round.
 Peers = Callable[[], Awaitable[list[tuple[str, int]]]]
@@ -67,26 +87,42 @@ class PeerUsage:
 
     def __init__(self, budget: FleetBudget, keys: TokenKeys, peers: Peers, clock=time.time) -> None:
         self.budget, self.peers, self.clock = budget, peers, clock
-        self._keys = tuple(k for k in (keys.current, keys.previous) if k)
+        # AES-256-GCM keys, derived from the current task-token key (sealing, and opening) and the
+        # previous one (opening, while the keys rotate).
+        self._keys = tuple(AESGCM(hmac.new(k, _PURPOSE, hashlib.sha256).digest())
+                           for k in (keys.current, keys.previous) if k)
         self.replica = secrets.token_hex(8)
         self._heard: dict[str, tuple[float, dict[str, float]]] = {}  # replica → (when read, its report)
         self._answered: set[tuple[str, int]] = set()  # addresses whose last report opened
+        self._sealed: tuple[float, bytes] | None = None  # (when sealed, the report served)
+        self._serving = 0  # peer connections open now
         self._server: asyncio.base_events.Server | None = None
         self._task: asyncio.Task | None = None
 
     def _seal(self, payload: bytes) -> bytes:
-        return hmac.new(self._keys[0], _PURPOSE + payload, hashlib.sha256).digest() + payload
+        nonce = os.urandom(_NONCE_BYTES)
+        return nonce + self._keys[0].encrypt(nonce, payload, _PURPOSE)
 
     def sealed_report(self) -> bytes:
-        return self._seal(json.dumps({"replica": self.replica, "sent": self.clock(),
-                                      "usage": self.budget.report()}).encode())
+        """This replica's report, sealed: the one sealed less than ``PEER_SECONDS`` ago, else a new
+        one (sorting the usage table and sealing ~60 KB is the work, done once for every caller)."""
+        now = self.clock()
+        if self._sealed is None or not 0 <= now - self._sealed[0] < PEER_SECONDS:
+            self._sealed = now, self._seal(json.dumps({"replica": self.replica, "sent": now,
+                                                       "usage": self.budget.report()}).encode())
+        return self._sealed[1]
 
     def open(self, sealed: bytes) -> tuple[str, dict[str, float]] | None:
         """(the replica, its report) when ``sealed`` is a fresh report under a key this replica
         holds; None for anything else."""
-        mac, payload = sealed[:32], sealed[32:]
-        if not any(hmac.compare_digest(mac, hmac.new(key, _PURPOSE + payload, hashlib.sha256).digest())
-                   for key in self._keys):
+        nonce, ciphertext = sealed[:_NONCE_BYTES], sealed[_NONCE_BYTES:]
+        for key in self._keys:
+            try:
+                payload = key.decrypt(nonce, ciphertext, _PURPOSE)
+                break
+            except (InvalidTag, ValueError):
+                continue
+        else:
             return None
         try:
             report = json.loads(payload)
@@ -113,13 +149,20 @@ class PeerUsage:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._serving >= MAX_CONNECTIONS:
+            writer.transport.abort()  # more than the replicas make: nothing sealed or sent for it
+            return
+        self._serving += 1
         try:
-            writer.write(self.sealed_report())
-            await writer.drain()
-        except OSError:
-            pass
+            async with asyncio.timeout(WRITE_SECONDS):
+                writer.write(self.sealed_report())
+                await writer.drain()
+                writer.close()
+                await writer.wait_closed()  # counted until the reader has it all
+        except (OSError, TimeoutError):
+            writer.transport.abort()
         finally:
-            writer.close()
+            self._serving -= 1
 
     async def _run(self) -> None:
         while True:
