@@ -53,6 +53,11 @@ RESTARTED_FROM = "gpufleet.io/restarted-from-boot"
 #: timeout (the reinstall call still has to be made), polling this often.
 NOT_READY_MARGIN = timedelta(seconds=20)
 NOT_READY_POLL_SECONDS = 2.0
+#: ``node_left``: a repair's ladder query, asked this many times (pausing 1 s, then 2 s) before the
+#: activity fails; the workflow's timeouts for it (``NODE_LEFT_TIMEOUT``) fit these.
+LADDER_QUERY_TRIES = 3
+LADDER_QUERY_TIMEOUT = timedelta(seconds=10)
+LADDER_QUERY_PAUSE_SECONDS = 1.0
 
 
 def fence_key(gpu: int) -> str:
@@ -112,24 +117,27 @@ class RepairActivities:
     @typed_errors
     async def node_left(self, input: NodeFactsInput) -> NodeLeft:
         """What a Node entity started again takes as its state, which the run before kept and took
-        with it: the GPUs fenced and the cordon, as the cluster shows them, and the node's repairs
-        still running, as Temporal does (a describe for each GPU the node has, a ladder query of each
-        one running). The fences are on the node's own object, which its kubelet can write: they
-        decide only about this node, and no GPU past its count is taken."""
+        with it: the node's repairs still running, as Temporal shows them (a describe for each GPU the
+        node has, a ladder query of each one running), then the GPUs fenced and the cordon, as the
+        cluster does. Read in that order: a repair that un-fences and ends between the two reads is
+        followed to its end, not its GPU held for a person as fenced. The fences are on the node's
+        own object: they decide only about this node, no GPU past its count is taken, and the rung
+        in one is only shown (``NodeLeft.fenced``)."""
         cluster = self.env.cluster
         node = await asyncio.to_thread(cluster.get_node, input.node_name)
         if node is None:
             return NodeLeft()
+        gpus = min(self._gpus_and_capacity(node)[0], MAX_NODE_GPUS)
+        found = await asyncio.gather(*(self._running_repair(input.node_name, gpu) for gpu in range(gpus)))
         try:
             marks = await asyncio.to_thread(cluster.node_marks, input.node_name)
         except NotFound:
             return NodeLeft()
-        gpus = min(self._gpus_and_capacity(node)[0], MAX_NODE_GPUS)
         rungs = {rung.value for rung in Rung}
         fenced = {int(index): (rung if (rung := marks.annotations[fence_key(index)]) in rungs else "")
                   for index in fenced_gpus(marks.annotations) if index.isdigit() and int(index) < gpus}
-        repairs = [repair for gpu in range(gpus) if (repair := await self._running_repair(input.node_name, gpu))]
-        return NodeLeft(found=True, fenced=fenced, cordoned=marks.unschedulable, repairs=repairs)
+        return NodeLeft(found=True, fenced=fenced, cordoned=marks.unschedulable,
+                        repairs=[repair for repair in found if repair])
 
     async def _running_repair(self, node_name: str, gpu: int) -> LeftRepair | None:
         """The GPU's repair if it runs: its rung, and whether it waits for or holds the node's action
@@ -142,13 +150,12 @@ class RepairActivities:
             if error.status == RPCStatusCode.NOT_FOUND:
                 return None
             raise
+        activity.heartbeat()
         if described.status != WorkflowExecutionStatus.RUNNING:
             return None
         left = LeftRepair(gpu=gpu, repair_id=repair_id, rung=Rung.RESET, since=described.start_time)
-        try:
-            ladder = await handle.query(flows.GpuRepair.ladder, result_type=LadderState,
-                                        rpc_timeout=timedelta(seconds=10))
-        except (RPCError, WorkflowQueryFailedError):
+        ladder = await self._ladder(handle)
+        if ladder is None:
             return left  # not past its first step yet, or ended since the describe: followed all the same
         left.rung, left.reasons = ladder.rung, ladder.reasons[-20:]
         if described.parent_id != node_workflow_id(node_name):
@@ -160,6 +167,29 @@ class RepairActivities:
             # (Held, it may be past its action, waiting to prove: the slot is taken as free.)
             left.slot, left.since = "acting", ladder.attempts[-1].started_at
         return left
+
+    @staticmethod
+    async def _ladder(handle) -> LadderState | None:
+        """The repair's ladder; None where its workflow answers that it cannot (its first task not
+        run yet, or ended). A query the server does not answer is asked again: a repair followed
+        with no step known is never queued for the slot it may wait for, and waits for good. Still
+        unanswered, the activity fails and is retried whole."""
+        for attempt in range(LADDER_QUERY_TRIES):
+            try:
+                return await handle.query(flows.GpuRepair.ladder, result_type=LadderState,
+                                          rpc_timeout=LADDER_QUERY_TIMEOUT)
+            except WorkflowQueryFailedError:
+                return None
+            except RPCError as error:
+                if error.status == RPCStatusCode.NOT_FOUND:
+                    return None
+                if attempt + 1 == LADDER_QUERY_TRIES:
+                    raise ApplicationError(f"{handle.id}: its ladder did not answer {LADDER_QUERY_TRIES} queries "
+                                           f"({error.status.name if error.status else 'no status'})",
+                                           type="LadderUnanswered") from None
+                activity.heartbeat()
+                await asyncio.sleep(LADDER_QUERY_PAUSE_SECONDS * (attempt + 1))
+        return None
 
     @activity.defn
     async def repair_end(self, input: RepairRef) -> GpuRepairResult:

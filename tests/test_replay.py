@@ -357,6 +357,9 @@ EXPECTED = {
     # the first on the code before, which took nothing; replayed, it takes the old path.
     "node_entity_started_again_holds_the_fenced_gpu", "node_entity_started_again_holds_the_fenced_gpu_before",
     "node_entity_started_again_follows_the_running_repair",
+    # A repair read acting whose action ended while the new run read what was left: its give-back
+    # counts, and its next rung is granted (not held behind itself).
+    "node_entity_started_again_action_done_while_it_read",
     # A repair whose Node entity was terminated mid-ladder: the slot given back to no run is noted, its
     # request for the next rung's slot stays pending until the sweep's next run takes it over
     # (tests/test_site_events.py; no patch: the code before failed the run at that signal).

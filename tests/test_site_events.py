@@ -444,7 +444,8 @@ async def test_a_node_entity_started_again_holds_the_gpu_a_repair_left_fenced_fo
     await replay_and_record(entity, RECORDED_STARTED_AGAIN_HELD)  # before the asserts: ``_before`` is this on the old code
 
     assert status.state == "needs-person" and set(status.needs_person) == {"0"}, status
-    assert "fenced in the cluster for a reboot when its entity was started again" in status.needs_person["0"], status
+    assert "fenced in the cluster (its mark says reboot) when its entity was started again" in \
+        status.needs_person["0"], status
     assert any("GPU 0: fenced in the cluster and no repair runs: held for a person" in line for line in status.log)
     shown = await gpufleet(rstack, "repair", "node", node_name)
     assert "needs a person" in shown.stdout, shown.stdout
@@ -459,32 +460,40 @@ async def test_a_node_entity_started_again_holds_the_gpu_a_repair_left_fenced_fo
     await replay_and_record(entity, RECORDED_STARTED_AGAIN_HELD)
 
 
+async def _held_before_its_proof(stack) -> tuple[str, WorkflowHandle]:
+    """A node whose GPU 0's repair, held by a person, stopped after its reboot and before its proof
+    (its action slot given back): the node's name and the repair's handle."""
+    import time
+
+    from fleet.messages.repair import LadderState
+    from tests.test_repair_cancel import repair_waiting_for_boot
+
+    joined, repair = await repair_waiting_for_boot(stack)
+    node_name = joined.node_name
+    await repair.execute_update(flows.GpuRepair.hold, {"reason": "look at the card before its proof"})
+    stack.world.set_site("site-a", boot_seconds=1.0)
+    with stack.world.tx() as db:  # the reboot ends now; the repair stops, held, before its proof
+        db.execute("UPDATE machines SET boot_at=? WHERE id=?", (time.time(), joined.machine_id))
+
+    async def held_after_its_reboot() -> bool:
+        ladder = await repair.query(flows.GpuRepair.ladder, result_type=LadderState)
+        status = await node(stack, node_name)
+        return bool(ladder.held and ladder.attempts and status and status.node_actions
+                    and status.node_actions[-1].finished_at is not None
+                    and stack.cluster.get_node(node_name).ready)
+
+    await eventually(held_after_its_reboot, timeout=30)
+    return node_name, repair
+
+
 async def test_a_node_entity_started_again_follows_the_repair_still_running_to_its_end(rstack) -> None:
     """A repair outlives its Node entity (abandoned, not cancelled, when the entity ends). Its entity
     terminated while the repair was held by a person after its reboot, and started again by the
     sweep, the new run did not know it: it showed the node "ready" and would not have held the GPU
     for a person had the repair ended unproven. The new run follows it to its end."""
-    import time
-
     from activities.repair import fence_key
-    from fleet.messages.repair import LadderState
-    from tests.test_repair_cancel import repair_waiting_for_boot
 
-    joined, repair = await repair_waiting_for_boot(rstack)
-    node_name = joined.node_name
-    await repair.execute_update(flows.GpuRepair.hold, {"reason": "look at the card before its proof"})
-    rstack.world.set_site("site-a", boot_seconds=1.0)
-    with rstack.world.tx() as db:  # the reboot ends now; the repair stops, held, before its proof
-        db.execute("UPDATE machines SET boot_at=? WHERE id=?", (time.time(), joined.machine_id))
-
-    async def held_after_its_reboot() -> bool:
-        ladder = await repair.query(flows.GpuRepair.ladder, result_type=LadderState)
-        status = await node(rstack, node_name)
-        return bool(ladder.held and ladder.attempts and status and status.node_actions
-                    and status.node_actions[-1].finished_at is not None
-                    and rstack.cluster.get_node(node_name).ready)
-
-    await eventually(held_after_its_reboot, timeout=30)
+    node_name, repair = await _held_before_its_proof(rstack)
     entity = await _started_again(rstack, node_name)
     status = await eventually(lambda: _taken(rstack, node_name), timeout=30)
     await replay_and_record(entity, RECORDED_STARTED_AGAIN_FOLLOWS)
@@ -505,6 +514,194 @@ async def test_a_node_entity_started_again_follows_the_repair_still_running_to_i
     assert fence_key(0) not in rstack.cluster.annotate_node(node_name, {})
     assert not rstack.cluster.get_node(node_name).unschedulable
     await replay_and_record(entity, RECORDED_STARTED_AGAIN_FOLLOWS)
+
+
+async def test_the_rung_a_fence_names_is_shown_and_a_retry_of_a_gpu_held_after_a_start_again_starts_at_a_reset(
+        rstack) -> None:
+    """The rung in a GPU's fence is on the node's own object. A Node entity started again took it as
+    where a person's `repair retry` without `--rung` starts: a node that wrote "replace" in its fence
+    had its machine deleted and a new one bought on a person's retry. The rung is shown only; the
+    retry starts at a reset, as one of any GPU held for a person whose fault nobody knows."""
+    from activities.repair import fence_key
+    from tests.repair_helpers import repair_handle
+    from tests.test_cli import gpufleet
+    from tests.test_repair_needs_person import _held_for_a_person
+
+    node_name = (await _held_for_a_person(rstack)).node_name
+    rstack.cluster.annotate_node(node_name, {fence_key(0): "replace"})  # the node's word on its own object
+    machines = len(rstack.world.machines())
+    await _started_again(rstack, node_name)
+    held = (await eventually(lambda: _taken(rstack, node_name), timeout=30)).needs_person
+
+    done = await gpufleet(rstack, "repair", "retry", node_name, "0", "--reason", "checked after the restart")
+    assert done.returncode == 0, done.stderr
+    assert f"repair/{node_name}/gpu0 started at reset" in done.stdout, done.stdout
+    assert (await repair_handle(rstack, node_name, 0).result())["outcome"] == "repaired"
+    assert len(rstack.world.machines()) == machines, "nothing bought"
+    assert "fenced in the cluster (its mark says replace) when its entity was started again" in held["0"], held
+    assert "a retry starts at a reset unless it names a rung" in held["0"], held
+
+
+async def test_a_repair_the_new_run_took_as_holding_the_slot_is_granted_its_next_rung(rstack, monkeypatch) -> None:
+    """The new run read a repair as acting in the instant its action ended, its give-back sent to no
+    run (the entity was terminated): the run held the slot for it, and nothing freed it. Its proof
+    failed, it asked for the slot for a reinstall and waited behind itself for good, the node fenced
+    and cordoned. A request from the slot's holder is its give-back: the reinstall is granted."""
+    from activities.repair import RepairActivities
+
+    node_name, repair = await _held_before_its_proof(rstack)
+    [machine_id] = [m["id"] for m in rstack.world.machines() if m["name"] == node_name]
+    running_repair = RepairActivities._running_repair
+
+    async def read_acting(self, node: str, gpu: int):
+        left = await running_repair(self, node, gpu)
+        if left is not None and left.repair_id == repair.id:
+            left.slot = "acting"
+        return left
+
+    monkeypatch.setattr(RepairActivities, "_running_repair", read_acting)
+    await _started_again(rstack, node_name)
+    status = await eventually(lambda: _taken(rstack, node_name), timeout=30)
+    assert any("holding the node's action slot): following it" in line for line in status.log), status.log
+
+    rstack.world.inject_fault(machine_id, 0, "xid", 79, clears_on="reinstall")  # its proof fails
+    await repair.execute_update(flows.GpuRepair.release, {"reason": "the card looks fine"})
+    result = await asyncio.wait_for(repair.result(), timeout=120)
+    assert result["outcome"] == "repaired" and result["attempts"][-1]["rung"] == "reinstall", result
+    await eventually(lambda: _idle(rstack, node_name), timeout=30)
+    assert not rstack.cluster.get_node(node_name).unschedulable
+
+
+async def _read_what_was_left(entity: WorkflowHandle) -> bool:
+    """Whether the new run's ``node_left`` completed."""
+    events = (await entity.fetch_history()).events
+    scheduled = {e.event_id for e in events if e.HasField("activity_task_scheduled_event_attributes")
+                 and e.activity_task_scheduled_event_attributes.activity_type.name == "node_left"}
+    return any(e.activity_task_completed_event_attributes.scheduled_event_id in scheduled for e in events
+               if e.HasField("activity_task_completed_event_attributes"))
+
+
+async def test_a_node_entity_started_again_holds_no_gpu_whose_repair_ended_while_it_read_the_node(
+        rstack, monkeypatch) -> None:
+    """The new run read the node's fences, then its repairs: a repair that un-fenced its GPU and
+    ended between the two reads left the GPU read fenced and no repair running, and the new run held
+    a repaired GPU for a person, the node cordoned. Now the repairs are read first."""
+    from activities.repair import RepairActivities, fence_key
+
+    node_name, repair = await _held_before_its_proof(rstack)
+    running_repair = RepairActivities._running_repair
+
+    async def ends_first(self, node: str, gpu: int):
+        if gpu == 0 and node == node_name:  # the repair proves, un-fences and ends as the run reads
+            await repair.execute_update(flows.GpuRepair.release, {"reason": "the card looks fine"})
+            assert (await repair.result())["outcome"] == "repaired"
+        return await running_repair(self, node, gpu)
+
+    monkeypatch.setattr(RepairActivities, "_running_repair", ends_first)
+    entity = await _started_again(rstack, node_name)
+    await eventually(lambda: _read_what_was_left(entity), timeout=60)
+
+    async def settled() -> NodeStatus | None:
+        got = await node(rstack, node_name)
+        return got if got and not got.active_repairs and got.state in ("ready", "needs-person") else None
+
+    status = await eventually(settled, timeout=30)
+    assert status.state == "ready" and status.needs_person == {}, status
+    assert fence_key(0) not in rstack.cluster.annotate_node(node_name, {})
+    assert not rstack.cluster.get_node(node_name).unschedulable
+
+
+async def test_a_node_entity_started_again_asks_a_repairs_ladder_again_when_the_server_does_not_answer(
+        rstack, monkeypatch) -> None:
+    """A ladder query that timed out once left the repair followed with nothing known of it: its
+    rung taken as a reset and its place at the node's action slot lost (one waiting for it was never
+    queued, and waited for a grant for good). The query is asked again."""
+    from temporalio.client import WorkflowHandle as Handle
+    from temporalio.service import RPCError, RPCStatusCode
+
+    node_name, repair = await _held_before_its_proof(rstack)
+    query, failed = Handle.query, []
+
+    async def times_out_once(self, *args, **kwargs):
+        if self.id == repair.id and not failed:
+            failed.append(self.id)
+            raise RPCError("query timed out", RPCStatusCode.DEADLINE_EXCEEDED, b"")
+        return await query(self, *args, **kwargs)
+
+    monkeypatch.setattr(Handle, "query", times_out_once)
+    await _started_again(rstack, node_name)
+    status = await eventually(lambda: _taken(rstack, node_name), timeout=60)
+    assert failed, "the ladder query never failed"
+    assert any(f"GPU 0: {repair.id} still runs (at reboot): following it" in line for line in status.log), status.log
+    await repair.execute_update(flows.GpuRepair.release, {"reason": "the card looks fine"})
+    assert (await repair.result())["outcome"] == "repaired"
+
+
+RECORDED_STARTED_AGAIN_DONE_WHILE_READING = "node_entity_started_again_action_done_while_it_read"
+
+
+async def test_a_repair_whose_action_ended_while_the_new_run_read_it_is_not_held_at_the_slot_for_good(
+        rstack, monkeypatch) -> None:
+    """The new run read a repair as acting (its GPU reset running), and the reset ended while the run
+    was still reading: the repair's `node_action_done` reached the new run, which held no slot yet and
+    did nothing, and then the run made the repair the slot's holder, which nothing freed. Its proof
+    failed, it asked for the slot for a reboot and waited behind itself for good, the node fenced and
+    cordoned. Now a give-back that comes while the run reads counts: the reboot is granted."""
+    import threading
+
+    from activities.repair import RepairActivities
+    from fleet.messages.repair import LadderState
+    from sim.gpu import SimGpuBackend
+    from tests.repair_helpers import exists, join_node, repair_handle
+
+    resetting_may_end = threading.Event()
+    reset, running_repair = SimGpuBackend.reset_gpu, RepairActivities._running_repair
+    read_acting = []
+
+    def slow_reset(self, index: int) -> str:
+        resetting_may_end.wait(timeout=50)  # the repair holds the slot while the reset runs
+        return reset(self, index)
+
+    async def done_while_reading(self, node_name: str, gpu: int):
+        left = await running_repair(self, node_name, gpu)
+        if left is not None and left.slot == "acting":
+            read_acting.append(True)
+            resetting_may_end.set()  # its done, its failed proof and its request reach the new run now
+            for _ in range(150):
+                ladder = await repair.query(flows.GpuRepair.ladder, result_type=LadderState)
+                if ladder.rung == "reboot" and ladder.step == "waiting for the node":
+                    break
+                await asyncio.sleep(0.2)
+        return left
+
+    monkeypatch.setattr(SimGpuBackend, "reset_gpu", slow_reset)
+    monkeypatch.setattr(RepairActivities, "_running_repair", done_while_reading)
+    joined = await join_node(rstack)
+    node_name = joined.node_name
+    rstack.world.inject_fault(joined.machine_id, 1, "xid", 48, clears_on="reboot")  # a reset does not clear it
+    repair = repair_handle(rstack, node_name, 1)
+    await eventually(lambda: exists(repair), timeout=30)
+
+    async def resetting() -> bool:
+        ladder = await repair.query(flows.GpuRepair.ladder, result_type=LadderState)
+        return bool(ladder.step == "recovering" and ladder.rung == "reset" and ladder.attempts
+                    and ladder.attempts[-1].outcome == "running")
+
+    await eventually(resetting, timeout=30)
+    await asyncio.sleep(1)
+    entity = await _started_again(rstack, node_name)
+    result = await asyncio.wait_for(repair.result(), timeout=90)
+    await replay_and_record(entity, RECORDED_STARTED_AGAIN_DONE_WHILE_READING)
+
+    assert read_acting, "the new run never read the repair acting"
+    assert result["outcome"] == "repaired" and [a["rung"] for a in result["attempts"]] == ["reset", "reboot"], result
+    await eventually(lambda: _idle(rstack, node_name), timeout=30)
+    assert not rstack.cluster.get_node(node_name).unschedulable
+
+
+async def _idle(stack, node_name: str) -> NodeStatus | None:
+    got = await node(stack, node_name)
+    return got if got and got.state == "ready" and not got.active_repairs else None
 
 
 def test_a_sweep_pass_from_before_the_patch_looked_for_no_node_entities_and_one_after_did() -> None:

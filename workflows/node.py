@@ -265,6 +265,10 @@ NODE_PATCHES_AT_START_7 = "node-patches-at-start-7"
 #: to the run before and it waited for a grant for good, or a second repair was granted the slot
 #: beside the action it ran). A cluster that does not answer leaves the run as it was before, logged.
 STARTED_AGAIN_PATCH = "node-started-again-takes-what-was-left"
+#: ``node_left``: a describe and up to ``LADDER_QUERY_TRIES`` ladder queries (10 s each) per GPU, the
+#: GPUs read side by side; it heartbeats after each answer.
+NODE_LEFT_TIMEOUT = timedelta(minutes=3)
+NODE_LEFT_HEARTBEAT = timedelta(seconds=30)
 WATCH_IDLE_FREE = 3
 WATCH_EARLY_FREE = 30
 
@@ -370,6 +374,11 @@ class NodeEntity(Entity[NodeCarry]):
         self._ended: set[str] = set()
         #: ``STARTED_AGAIN_PATCH``: reading what the run before left (a person's update waits for it).
         self._taking_what_was_left = False
+        #: ``STARTED_AGAIN_PATCH``: this run took what the run before left (it may have taken a holder of
+        #: the action slot over), and the repairs whose ``node_action_done`` came while it read that:
+        #: their action is over, whatever ``node_left`` read of them before.
+        self._took_what_was_left = False
+        self._done_while_taking: set[str] = set()
         #: Watch answers in a row long before their wait: all, and those that changed nothing
         #: (the pace, ``_pace_watch``).
         self._early_answers = 0
@@ -447,10 +456,19 @@ class NodeEntity(Entity[NodeCarry]):
 
     @workflow.signal
     def node_action_request(self, request: NodeActionRequest) -> None:
+        if self._took_what_was_left and request.repair_id == self._holder:
+            # A repair asks for the slot only once its last action is done: one this run took over as
+            # holding it (``_follow``) gave it back to no run that could hear it. Its new request is its
+            # give-back, or it would wait behind itself for good, the node fenced, other repairs starved.
+            self._log(f"{request.repair_id} asked for the node's action slot while holding it: its action "
+                      "is taken as done", warn=True)
+            self._finish_action(request.repair_id)
         self._requests.append(request)
 
     @workflow.signal
     def node_action_done(self, done: NodeActionDone) -> None:
+        if self._taking_what_was_left:  # ``node_left`` may have read it acting: ``_follow`` must not hold it
+            self._done_while_taking.add(done.repair_id)
         self._finish_action(done.repair_id)
         # The node booted again (its repair waited for a new boot id): the watch in flight was
         # held by the agent of the boot before, which may have died without a word. A reboot
@@ -602,7 +620,7 @@ class NodeEntity(Entity[NodeCarry]):
         self._upsert_search_attributes((sa.NODE_NAME, self._node), (sa.FLEET_STATE, self.state.state))
         if takes_what_was_left:
             self._log(f"{inp.started_again}: taking its fences and repairs from the cluster", warn=True)
-            self._taking_what_was_left = True
+            self._taking_what_was_left = self._took_what_was_left = True
             try:
                 async with self.state_lock:  # a person's return_gpu or repair_gpu waits for what it finds
                     await self._take_what_was_left()
@@ -667,7 +685,8 @@ class NodeEntity(Entity[NodeCarry]):
         try:
             left: NodeLeft = await workflow.execute_activity(
                 act.node_left, NodeFactsInput(node_name=self._node),
-                start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY, summary="fences and repairs left",
+                start_to_close_timeout=NODE_LEFT_TIMEOUT, heartbeat_timeout=NODE_LEFT_HEARTBEAT,
+                retry_policy=CLUSTER_RETRY, summary="fences and repairs left",
             )
         except ActivityError as error:
             self._log(f"could not read what the run before left ({failure_text(error)[:MAX_PROBLEM_SHOWN]}): a GPU "
@@ -681,10 +700,13 @@ class NodeEntity(Entity[NodeCarry]):
         for index, rung in sorted(left.fenced.items()):
             if index in self._active:
                 continue  # its repair holds the fence and takes it off
-            self.state.needs_person[index] = (f"fenced in the cluster{f' for a {rung}' if rung else ''} when its "
-                                              f"entity was started again, no repair running; node "
-                                              f"{'cordoned' if left.cordoned else 'not cordoned'}")
-            self.state.left_findings[index] = Finding(index=index, rung=Rung(rung) if rung else None,
+            # The rung in the fence is on the node's own object: shown, never where a retry starts (a
+            # node that wrote "replace" would have its machine deleted and a new one bought).
+            self.state.needs_person[index] = (f"fenced in the cluster{f' (its mark says {rung})' if rung else ''} "
+                                              f"when its entity was started again, no repair running; node "
+                                              f"{'cordoned' if left.cordoned else 'not cordoned'}; a retry starts "
+                                              f"at a {Rung.RESET} unless it names a rung")
+            self.state.left_findings[index] = Finding(index=index, rung=None,
                                                       reasons=["fenced when the entity was started again"])
             self._log(f"GPU {index}: fenced in the cluster and no repair runs: held for a person "
                       "(gpufleet repair return or retry)", warn=True)
@@ -703,7 +725,8 @@ class NodeEntity(Entity[NodeCarry]):
             self.state.fenced.remove(index)
         if repair.slot == "waiting" and all(r.repair_id != repair_id for r in self._requests):
             self._requests.append(NodeActionRequest(repair_id=repair_id, rung=repair.rung, detected_at=repair.since))
-        elif repair.slot == "acting" and self._holder is None:
+        elif (repair.slot == "acting" and self._holder is None and repair_id not in self._done_while_taking
+              and all(r.repair_id != repair_id for r in self._requests)):  # (asking again: its action is done)
             self._holder = repair_id
             self.state.actions = [*self.state.actions, NodeAction(repair_id=repair_id, rung=repair.rung,
                                                                   started_at=repair.since)][-MAX_LOG:]
@@ -715,7 +738,9 @@ class NodeEntity(Entity[NodeCarry]):
         finding = Finding(index=index, rung=repair.rung, reasons=repair.reasons)
         self._log(f"GPU {index}: {repair_id} still runs (at {repair.rung}"
                   + (", waiting for the node's action slot" if repair.slot == "waiting" else "")
-                  + (", holding the node's action slot" if repair.slot == "acting" else "") + "): following it")
+                  + (", holding the node's action slot" if self._holder == repair_id else "")
+                  + (", its action done as this run read it" if repair_id in self._done_while_taking else "")
+                  + "): following it")
         self.spawn(self._watch(index, repair_id, ended, finding, followed=True))
 
     # -- the pulled health watch -----------------------------------------------------------

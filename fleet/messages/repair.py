@@ -460,7 +460,8 @@ class NodeLeft(BaseModel):
     node's cordon, and the node's repairs still running."""
 
     found: bool = False
-    #: GPU index → the rung written in its fence ("" where it names none this code knows).
+    #: GPU index → the rung written in its fence ("" where it names none this code knows): the node's
+    #: own object, shown to a person, never where a repair starts.
     fenced: dict[int, str] = Field(default_factory=dict)
     cordoned: bool = False
     repairs: list[LeftRepair] = Field(default_factory=list)
