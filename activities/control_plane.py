@@ -47,7 +47,7 @@ from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
 from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinParams, render_user_data
 from fleet.models import CapacityType, Node
 from fleet.naming import node_workflow_id, reclaim_workflow_id, site_workflow_id
-from fleet.watched import closed_as, retiring, running_node_entities, unwatched_nodes
+from fleet.watched import closed_as, nodes_under_repair, retiring, running_node_entities, unwatched_nodes
 from fleet.site_use import sites_in_use
 from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from fleet.contracts import workflows as flows
@@ -300,16 +300,21 @@ class ControlPlaneActivities:
     @typed_errors
     async def ensure_node_entities(self) -> NodeEntitiesStarted:
         """Start the entity of every node that must have one running and has none
-        (``fleet.watched.unwatched_nodes``: Ready, proven, joined by gpufleet and not retired, not
-        cordoned by a retirement): terminated or failed, nothing else would start it again. From
-        the join's identity record, as ``admit_node`` starts it: its site and provider, the
-        config's repair settings. One visibility list and one list of nodes a pass; a describe and
-        a start only for a node the list leaves out. Each start is logged with how the run before
-        ended, and the new run's log says so too."""
+        (``fleet.watched.unwatched_nodes``: Ready, or NotReady under a running GpuRepair, which waits
+        for an entity to take its request for the node's action slot over; proven, joined by
+        gpufleet and not retired, not cordoned by a retirement): terminated or failed, nothing else
+        would start it again. From the join's identity record, as ``admit_node`` starts it: its site
+        and provider, the config's repair settings. One visibility list and one list of nodes a
+        pass, a second visibility list (the running repairs) only where a NotReady node has no
+        entity; a describe and a start only for a node the lists leave out. Each start is logged
+        with how the run before ended, and the new run's log says so too."""
         client, queue = activity.client(), activity.info().task_queue
         running = await running_node_entities(client, queue)
         cluster = self.env.cluster
-        unwatched = await asyncio.to_thread(lambda: unwatched_nodes(cluster, cluster.list_nodes(), running))
+        nodes = await asyncio.to_thread(cluster.list_nodes)
+        not_ready = {n.name for n in nodes if not n.ready and n.name not in running}
+        under_repair = await nodes_under_repair(client, queue) if not_ready else set()
+        unwatched = await asyncio.to_thread(lambda: unwatched_nodes(cluster, nodes, running, under_repair))
         done = NodeEntitiesStarted(running=len(running), left=max(0, len(unwatched) - MAX_ENTITY_STARTS))
         for identity in unwatched[:MAX_ENTITY_STARTS]:
             entity_id = node_workflow_id(identity.node_name)
@@ -326,6 +331,8 @@ class ControlPlaneActivities:
                                     closed_at=before.close_time if before else None)
             how = (f"its run before was {started.was} at {started.closed_at:%Y-%m-%d %H:%M:%S} UTC"
                    if started.closed_at else "Temporal has no run of it on record")
+            if identity.node_name in not_ready:  # listed for its repair alone
+                how += "; its node is NotReady and a GpuRepair of it runs, waiting for the entity"
             try:
                 # FAIL on a running one: one started meanwhile is kept, and not counted as ours.
                 await self._start_node_entity(

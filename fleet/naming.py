@@ -155,6 +155,14 @@ def repair_workflow_id(node_name: str, gpu: int) -> str:
     return f"repair/{node_name}/gpu{gpu}"
 
 
+def repair_node_name(workflow_id: str) -> str | None:
+    """``<node>`` of ``repair/<node>/gpu<N>``; None for any other id."""
+    node, slash, gpu = workflow_id.removeprefix("repair/").rpartition("/gpu")
+    if not workflow_id.startswith("repair/") or not slash or not node or "/" in node or not gpu.isdigit():
+        return None
+    return node
+
+
 def evacuation_workflow_id(site: str, n: int) -> str:
     """The Site entity's n-th incident."""
     return f"evacuate/{site}/{n}"

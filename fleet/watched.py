@@ -5,7 +5,10 @@ Temporal UI, ``temporal workflow terminate``, a reset gone wrong) or failed, not
 start it: the node stays Ready and serving, its agent refused by the node gateway, its faults
 repaired by no one. The site sweep (``SiteSweep``'s ``ensure_node_entities``) starts such a node's
 entity again, the fleet's metrics count such nodes (``gpufleet_nodes_unwatched``) and
-``gpufleet sites`` shows them; all three decide here.
+``gpufleet sites`` shows them; all three decide here. A node that is not Ready needs its entity
+too while a GpuRepair of it runs: the repair asks the entity for the node's action slot and waits
+for a run to take the request over (a reboot that timed out leaves the node NotReady; its
+reinstall is what brings it back).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Iterable
 from fleet.contracts import workflows as flows
 from fleet.cluster import ANNOTATION_CORDONED_BY, RETIREMENT_MARKS, UNPROVEN_TAINT, NodeIdentity
 from fleet.errors import NotFound
-from fleet.naming import node_workflow_id
+from fleet.naming import node_workflow_id, repair_node_name
 
 
 def running_entities_query(task_queue: str) -> str:
@@ -30,14 +33,24 @@ async def running_node_entities(client, task_queue: str) -> set[str]:
     return {found.id.removeprefix(prefix) async for found in client.list_workflows(running_entities_query(task_queue))}
 
 
+async def nodes_under_repair(client, task_queue: str) -> set[str]:
+    """The names of the nodes a GpuRepair runs on, on the control plane's queue: from each run's
+    id (``repair/<node>/gpu<N>``, which a Node entity run takes over by: ``node_left``)."""
+    query = (f'WorkflowType = "{flows.GpuRepair.TYPE}" AND ExecutionStatus = "Running" '
+             f'AND TaskQueue = "{task_queue}"')
+    return {name async for found in client.list_workflows(query) if (name := repair_node_name(found.id))}
+
+
 def closed_as(status) -> str:
     """How a run stands in words (a ``WorkflowExecutionStatus``): "terminated", "timed-out", ..."""
     return status.name.lower().replace("_", "-") if status else "unknown"
 
 
-def unwatched_nodes(cluster, nodes: Iterable, watched: set[str]) -> list[NodeIdentity]:
+def unwatched_nodes(cluster, nodes: Iterable, watched: set[str],
+                    under_repair: frozenset[str] | set[str] = frozenset()) -> list[NodeIdentity]:
     """The nodes among ``nodes`` that must have a running Node entity and are not in ``watched``:
-    Ready; proven (its join lifts the unproven taint, then starts the entity); joined by gpufleet
+    Ready, or not Ready while a GpuRepair of it runs (``under_repair``: waiting for the entity to
+    grant it the node's action slot, it would wait for good); proven (its join lifts the unproven taint, then starts the entity); joined by gpufleet
     and not retired (the join's identity record, which no node can write, is there: a retirement
     removes it with the Node); and not cordoned by a retirement in flight (``RETIREMENT_MARKS``:
     its entity ends with the node). Returns their identity records, in name order: an entity
@@ -47,7 +60,9 @@ def unwatched_nodes(cluster, nodes: Iterable, watched: set[str]) -> list[NodeIde
     fleet's check is one list of nodes."""
     found = []
     for node in sorted(nodes, key=lambda n: n.name):
-        if node.name in watched or not node.ready or UNPROVEN_TAINT in node.taints:
+        if node.name in watched or UNPROVEN_TAINT in node.taints:
+            continue
+        if not node.ready and node.name not in under_repair:
             continue
         identity = cluster.node_identity(node.name)
         if identity is None:

@@ -799,3 +799,71 @@ async def test_a_repair_whose_node_entity_was_terminated_waits_for_the_next_run_
     assert fence_key(0) not in rstack.cluster.annotate_node(node_name, {})
     assert not rstack.cluster.get_node(node_name).unschedulable, "the node serves again"
     await replay_and_record(repair, RECORDED_REPAIR_OUTLIVES_ITS_ENTITY)
+
+
+async def test_a_repair_waiting_for_a_node_left_not_ready_gets_its_entity_from_the_sweep_and_ends_repaired(
+        rstack) -> None:
+    """A repair's Node entity terminated while the repair rebooted the node, and the machine's boot
+    outlasted the reboot's timeout: the node stays NotReady, the repair climbs to a reinstall and
+    waits for an entity run to take its request for the node's action slot over. The sweep started
+    the entity of a Ready node only: nothing ever started this one, and the repair sat at "waiting
+    for the node" for good, its GPU fenced. The sweep starts the entity of a NotReady node a repair
+    runs on; the new run, its node's agent down, takes the request over and grants it, and once the
+    machine is back the repair proves the GPU and the node serves again."""
+    import time
+
+    from activities.repair import fence_key
+    from fleet.messages.repair import LadderState
+    from tests.details_helpers import current_details
+    from tests.repair_helpers import exists, join_node, repair_handle
+    from tests.test_repair_cancel import SLOW_BOOT_SECONDS
+
+    joined = await join_node(rstack)
+    node_name = joined.node_name
+    rstack.world.set_site("site-a", boot_seconds=SLOW_BOOT_SECONDS)  # past the reboot's 15 s: it times out
+    rstack.world.inject_fault(joined.machine_id, 0, "xid", 79, clears_on="reboot")
+    repair = repair_handle(rstack, node_name, 0)
+    await eventually(lambda: exists(repair), timeout=30)
+
+    async def rebooting() -> bool:
+        ladder = await repair.query(flows.GpuRepair.ladder, result_type=LadderState)
+        return ladder.step == "recovering" and "new boot id" in await current_details(repair)
+
+    await eventually(rebooting, timeout=30)
+    await rstack.client.get_workflow_handle(naming.node_workflow_id(node_name)).terminate(
+        "an operator's slip in the Temporal UI")
+
+    async def waiting_for_the_reinstall() -> LadderState | None:
+        ladder = await repair.query(flows.GpuRepair.ladder, result_type=LadderState)
+        return ladder if ladder.step == "waiting for the node" and ladder.rung == "reinstall" else None
+
+    ladder = await eventually(waiting_for_the_reinstall, timeout=60)
+    assert [(a.rung, a.outcome) for a in ladder.attempts] == [("reboot", "failed"), ("reinstall", "running")], ladder
+    assert not rstack.cluster.get_node(node_name).ready, "the reboot left the node NotReady"
+
+    _, done = await _sweep(rstack)
+    assert done is not None and [s.node_name for s in done.named] == [node_name], \
+        f"the sweep left the NotReady node's repair waiting for good: {done}"
+
+    async def granted() -> bool:
+        return "reinstall: waiting for a new boot id" in await current_details(repair)
+
+    await eventually(granted, timeout=30)  # the new run took the request over and granted it
+    assert not rstack.cluster.get_node(node_name).ready
+    with rstack.world.tx() as db:  # the slow boot ends now
+        db.execute("UPDATE machines SET boot_at=? WHERE id=?", (time.time(), joined.machine_id))
+    assert (await repair.result())["outcome"] == "repaired"
+
+    async def ended() -> NodeStatus | None:
+        got = await node(rstack, node_name)
+        return got if got and got.state == "ready" and not got.active_repairs else None
+
+    status = await eventually(ended, timeout=30)
+    assert any("its node is NotReady and a GpuRepair of it runs, waiting for the entity" in line
+               for line in status.log), status.log
+    assert any(f"GPU 0: {repair.id} still runs (at reinstall, waiting for the node's action slot)" in line
+               for line in status.log), status.log
+    assert [(a.repair_id, a.rung) for a in status.node_actions] == [(repair.id, "reinstall")], status
+    assert status.needs_person == {} and status.fenced == [], status
+    assert fence_key(0) not in rstack.cluster.annotate_node(node_name, {})
+    assert rstack.cluster.get_node(node_name).ready and not rstack.cluster.get_node(node_name).unschedulable

@@ -102,6 +102,39 @@ def test_a_ready_node_without_a_running_entity_is_unwatched_unless_its_retiremen
     assert summarize(SITES, nodes, None)["a"].unwatched is None, "unknown without Temporal"
 
 
+def test_a_not_ready_node_a_repair_runs_on_needs_its_entity_unless_its_retirement_holds_it() -> None:
+    """A GpuRepair asks the node's entity for its action slot and, the entity gone, waits for the
+    site sweep to start one. Its reboot timed out, the node stays NotReady, and the sweep, which
+    looked only at Ready nodes, never started the entity: the repair waited for good. A NotReady
+    node under a running repair (``repair/<node>/gpu<N>``) needs its entity, from the join's record
+    and not while cordoned for its retirement; a NotReady node no repair runs on does not."""
+    from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS, NodeIdentity
+    from fleet.naming import repair_node_name, repair_workflow_id
+    from fleet.watched import unwatched_nodes
+    from providers.cluster.base import NodeMarks
+
+    nodes = [node("rebooted", ready=False), node("stopped", ready=False), node("foreign", ready=False),
+             node("retiring", ready=False, cordoned=True), node("fenced", ready=False, cordoned=True)]
+    marks = {"retiring": CORDONED_BY_SURPLUS, "fenced": "repair/fenced/gpu1"}
+
+    class Cluster:
+        def node_identity(self, name: str) -> NodeIdentity | None:
+            if name == "foreign":
+                return None
+            return NodeIdentity(node_name=name, machine_id=f"m-{name}", provider="lambda", account="x", site="a")
+
+        def node_marks(self, name: str) -> NodeMarks:
+            return NodeMarks(annotations={ANNOTATION_CORDONED_BY: marks[name]}, unschedulable=True, version="1")
+
+    repairs = [repair_workflow_id(n, 1) for n in ("rebooted", "foreign", "retiring", "fenced")]
+    under_repair = {repair_node_name(r) for r in repairs + ["repair/x/y/gpu0", "repair/z/gpux", "reclaim/stopped"]}
+    assert under_repair == {"rebooted", "foreign", "retiring", "fenced", None}
+    found = unwatched_nodes(Cluster(), nodes, watched=set(), under_repair=under_repair - {None})
+    assert [i.node_name for i in found] == ["fenced", "rebooted"]
+    assert unwatched_nodes(Cluster(), nodes, watched={"rebooted", "fenced"}, under_repair=under_repair) == []
+    assert unwatched_nodes(Cluster(), nodes, watched=set()) == [], "without a repair a NotReady node waits"
+
+
 def test_without_temporal_the_counts_stand_and_what_it_would_say_is_unknown() -> None:
     now = summarize(SITES, [node("x", cordoned=True), node("new", unproven=True)], None)["a"]
     assert now.cordoned_cell() == "1: ? 1" and now.joining == 1 and now.last_incident == "?"

@@ -265,11 +265,12 @@ REMOVED_LOOKS = 3
 #: ``ready_seconds`` at most): a site still down does not hold the entity's loop for long.
 PUT_BACK_READY_SECONDS = 120.0
 #: SiteSweep's patch: the Schedule's pass also starts every node's entity that must run and does not
-#: (``ensure_node_entities``: Ready, proven, joined by gpufleet and not retired, not cordoned by a
-#: retirement; ``fleet.watched``). A Node entity is started by its join alone: terminated (the UI,
-#: ``temporal workflow terminate``, a reset gone wrong) or failed, its node went on serving unwatched
-#: for good, its agent refused by the gateway and its faults repaired by no one. One activity a pass,
-#: whatever the fleet's size. Asked after the sites' activity, where the pass was done before.
+#: (``ensure_node_entities``: Ready, or NotReady under a running GpuRepair; proven, joined by gpufleet
+#: and not retired, not cordoned by a retirement; ``fleet.watched``). A Node entity is started by its
+#: join alone: terminated (the UI, ``temporal workflow terminate``, a reset gone wrong) or failed, its
+#: node went on serving unwatched for good, its agent refused by the gateway and its faults repaired
+#: by no one. One activity a pass, whatever the fleet's size. Asked after the sites' activity, where
+#: the pass was done before.
 SWEEP_NODE_ENTITIES_PATCH = "sweep-starts-node-entities"
 #: SiteSweep's patch: the Schedule's pass also starts the SpotReclaim (terminating now) of every spot
 #: node that is NotReady while its provider reports its machine stopped or terminated
