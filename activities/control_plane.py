@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from datetime import datetime, timedelta, timezone
 
 from temporalio import activity
 from temporalio.client import WorkflowExecutionStatus
@@ -51,6 +52,12 @@ from fleet.watched import closed_as, nodes_under_repair, retiring, running_node_
 from fleet.site_use import sites_in_use
 from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from fleet.contracts import workflows as flows
+
+#: How long the site sweep leaves a stopped spot machine to a person who cancelled or terminated its
+#: node's SpotReclaim (``reclaim/<node>``), e.g. to start the machine again: the pass does not start
+#: another before, and says so. Started again and Ready, its node is not looked at at all; still
+#: stopped after this, it is reclaimed as any other.
+RECLAIM_LEFT_TO_A_PERSON = timedelta(hours=6)
 
 
 def bootstrap_user_data(cluster, token: BootstrapToken, node_name: str, provider_id: str) -> str:
@@ -356,10 +363,13 @@ class ControlPlaneActivities:
         without a notice the node agent read (Nebius posts none; an agent that was down missed one).
         Without it the node stayed, NotReady and counted toward its site's min_nodes, until a person
         acted. A reclaim already running is left alone, and so is a node a GpuRepair works on (its
-        reboot stops the machine). Spot, site and machine come from the join's identity record and
+        reboot stops the machine) and one whose last reclaim a person cancelled or terminated less
+        than ``RECLAIM_LEFT_TO_A_PERSON`` ago (to start the machine again, say: before, every pass
+        started another). Spot, site and machine come from the join's identity record and
         the site's config, never from the node; an on-demand machine stopped may be a person's doing
         and is left as it is. One list of nodes a pass; one provider list for each spot site that
-        has such a node; a visibility list of the running repairs only where one was found."""
+        has such a node; a visibility list of the running repairs only where one was found, and a
+        describe of each such node's reclaim."""
         done = StoppedSpotReclaims()
         stopped = await asyncio.to_thread(self._stopped_spot_nodes, done)
         if not stopped:
@@ -371,6 +381,13 @@ class ControlPlaneActivities:
             node = identity.node_name
             if node in repairing:
                 done.repairing.append(node)
+                continue
+            last = await self._last_reclaim(client, node)
+            if last is not None and last.status == WorkflowExecutionStatus.RUNNING:
+                done.running.append(node)
+                continue
+            if last is not None and (held := self._left_to_a_person(node, last)):
+                done.left_to_a_person.append(held)
                 continue
             try:
                 await client.start_workflow(
@@ -389,6 +406,29 @@ class ControlPlaneActivities:
                                     node, identity.site, identity.machine_id, reclaim_workflow_id(node))
             done.started.append(node)
         return done
+
+    @staticmethod
+    async def _last_reclaim(client, node: str):
+        """The describe of the node's last ``reclaim/<node>`` run; None where Temporal has none."""
+        try:
+            return await client.get_workflow_handle(reclaim_workflow_id(node)).describe()
+        except RPCError as error:
+            if error.status != RPCStatusCode.NOT_FOUND:
+                raise
+            return None
+
+    @staticmethod
+    def _left_to_a_person(node: str, last) -> str:
+        """Why the pass leaves the node's stopped machine alone, until when: its last reclaim was
+        cancelled or terminated (a person's doing: the sweep and the Node entity only start one)
+        less than ``RECLAIM_LEFT_TO_A_PERSON`` ago; "" otherwise."""
+        if last.status not in (WorkflowExecutionStatus.CANCELED, WorkflowExecutionStatus.TERMINATED):
+            return ""
+        if last.close_time is None or datetime.now(timezone.utc) >= last.close_time + RECLAIM_LEFT_TO_A_PERSON:
+            return ""
+        until = last.close_time + RECLAIM_LEFT_TO_A_PERSON
+        return (f"{node} (its reclaim was {closed_as(last.status)} at {last.close_time:%Y-%m-%d %H:%M} UTC: "
+                f"not started again before {until:%Y-%m-%d %H:%M} UTC while its machine stays stopped)")
 
     def _stopped_spot_nodes(self, done: StoppedSpotReclaims) -> list[NodeIdentity]:
         """The identity records of the spot nodes NotReady whose machine their provider reports

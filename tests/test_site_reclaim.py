@@ -392,6 +392,53 @@ async def test_a_spot_machine_stopped_without_a_notice_is_reclaimed_and_replaced
     await replay_and_record(reclaim, RECORDED_STOPPED_SPOT_RECLAIM)
 
 
+async def test_a_reclaim_a_person_cancelled_is_not_started_again_by_the_sweep_while_the_machine_stays_stopped(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A person cancels the SpotReclaim of a spot node whose machine the provider shows stopped (to
+    start the machine again themselves): the node is uncordoned and kept. The next SiteSweep pass
+    started a reclaim again, and every pass after it. Now a pass leaves the node to the person for
+    ``RECLAIM_LEFT_TO_A_PERSON`` after the cancel, its details saying so and until when; past that,
+    the machine still stopped, it is reclaimed."""
+    import time
+
+    import activities.control_plane
+    from fleet.cluster import CORDONED_BY_RECLAIM
+    from tests.test_reclaim_deadline import cancelled, cordon_mark, start_reclaim
+
+    spot = cap.site("spot")
+    await cap.client.execute_workflow("NodeJoin", {"site": spot, "timeouts": FAST_JOIN}, id=f"join/{spot}/c1",
+                                      task_queue=cap.settings.task_queue)
+    (machine,) = live(cap, "spot")
+    node = machine["name"]
+    reclaim = await start_reclaim(cap, node, machine["id"], time.time() + 600)
+    await wait_for(lambda: cordon_mark(cap, node) == CORDONED_BY_RECLAIM, timeout=20)
+    await cancelled(reclaim)
+    cancelled_run = (await reclaim.describe()).run_id
+    cap.world.preempt_machine(machine["id"])
+    await wait_for(lambda: not cap.cluster.get_node(node).ready and not cap.cluster.get_node(node).unschedulable,
+                   timeout=20)
+
+    async def sweep_pass(n: int) -> str:
+        handle = await cap.client.start_workflow("SiteSweep", {}, id=f"site-sweep-{cap.uid}-{n}",
+                                                 task_queue=cap.settings.task_queue, result_type=list[str])
+        await handle.result()
+        return await details(handle)
+
+    for n in (1, 2):
+        said = await sweep_pass(n)
+        assert "reclaim started" not in said, f"pass {n} started the cancelled reclaim again: {said}"
+        assert re.search(rf"reclaim ended by a person, left to them: {node} \(its reclaim was canceled at "
+                         r"[-\d: ]+ UTC: not started again before [-\d: ]+ UTC while its machine stays stopped\)",
+                         said), said
+        assert (await reclaim.describe()).run_id == cancelled_run
+    assert cap.world.machine(machine["id"])["deleted_at"] is None, "the machine is the person's"
+
+    monkeypatch.setattr(activities.control_plane, "RECLAIM_LEFT_TO_A_PERSON", activities.control_plane.timedelta(0))
+    said = await sweep_pass(3)  # the person's time is up, the machine still stopped
+    assert f"reclaim started for {node} (spot machine stopped without a notice)" in said, said
+    assert (await reclaim.describe()).run_id != cancelled_run
+
+
 async def test_joins_within_max_are_counted_without_listing_the_site_and_one_past_it_is_retired(
         cap: CapStack) -> None:
     """A fleet coming up sends each Site entity one transition per join: a join within max is

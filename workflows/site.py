@@ -1514,6 +1514,8 @@ class SiteSweep:
             parts.append(f"reclaim already running for {', '.join(found.running)}")
         if found.repairing:
             parts.append(f"machine stopped under a running repair, not reclaimed: {', '.join(found.repairing)}")
+        if found.left_to_a_person:
+            parts.append(f"reclaim ended by a person, left to them: {'; '.join(found.left_to_a_person)}")
         if found.skipped:
             parts.append(f"not asked: {'; '.join(found.skipped)}")
         return "; ".join(parts) or "no spot machine stopped under a NotReady node"

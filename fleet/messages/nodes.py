@@ -129,12 +129,15 @@ class StoppedSpotReclaims(BaseModel):
     reports stopped or terminated, taken without a notice the node agent read. ``started``: a
     SpotReclaim started for each; ``running``: one already ran, left alone; ``repairing``: a GpuRepair
     of the node runs (a reboot stops the machine); ``skipped``: ``<site>: why`` its provider was not
-    asked or did not answer (the next pass asks again)."""
+    asked or did not answer (the next pass asks again); ``left_to_a_person``: ``<node> (why, until
+    when)`` for a node whose last reclaim a person cancelled or terminated a while ago (a person who
+    starts the machine again): not started again meanwhile."""
 
     started: list[str] = Field(default_factory=list)
     running: list[str] = Field(default_factory=list)
     repairing: list[str] = Field(default_factory=list)
     skipped: list[str] = Field(default_factory=list)
+    left_to_a_person: list[str] = Field(default_factory=list)
 
 
 class RemoveNodeInput(BaseModel):
