@@ -72,30 +72,41 @@ def test_a_cordon_the_demand_loop_or_a_person_marked_is_theirs_not_an_operators(
     assert cell == f"5: repair 1, demand loop 1, operator 1, alice 1, {'x' * 24} 1"
 
 
+class WatchedCluster:
+    """The cluster as ``fleet.watched`` reads it: every node's identity record but "foreign"'s, and
+    the cordon marks given (node → its ``cordoned-by``)."""
+
+    def __init__(self, marks: dict[str, str]) -> None:
+        self.marks = marks
+
+    def node_identity(self, name: str):
+        from fleet.cluster import NodeIdentity
+
+        if name == "foreign":
+            return None
+        return NodeIdentity(node_name=name, machine_id=f"m-{name}", provider="lambda", account="x", site="a")
+
+    def node_marks(self, name: str):
+        from fleet.cluster import ANNOTATION_CORDONED_BY
+        from providers.cluster.base import NodeMarks
+
+        return NodeMarks(annotations={ANNOTATION_CORDONED_BY: self.marks[name]}, unschedulable=True, version="1")
+
+
 def test_a_ready_node_without_a_running_entity_is_unwatched_unless_its_retirement_holds_it() -> None:
     """``fleet.watched``, which the site sweep starts entities from, the metrics count and `sites`
     shows: a Ready, proven node with the join's identity record and no running Node entity is
     unwatched, whatever site its own label says (the record's counts); not a node whose entity runs,
     a NotReady or unproven one, one gpufleet has no record of (not joined by it, or retired), nor one
     cordoned for its retirement. A node cordoned by a person or a repair still needs its entity."""
-    from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS, NodeIdentity
+    from fleet.cluster import CORDONED_BY_SURPLUS
     from fleet.watched import unwatched_nodes
-    from providers.cluster.base import NodeMarks
 
     nodes = [node("watched"), node("lost", site="b"), node("not-ready", ready=False), node("new", unproven=True),
              node("foreign"), node("retiring", cordoned=True), node("held", cordoned=True)]
     marks = {"retiring": CORDONED_BY_SURPLUS, "held": "alice"}
 
-    class Cluster:
-        def node_identity(self, name: str) -> NodeIdentity | None:
-            if name == "foreign":
-                return None
-            return NodeIdentity(node_name=name, machine_id=f"m-{name}", provider="lambda", account="x", site="a")
-
-        def node_marks(self, name: str) -> NodeMarks:
-            return NodeMarks(annotations={ANNOTATION_CORDONED_BY: marks[name]}, unschedulable=True, version="1")
-
-    found = unwatched_nodes(Cluster(), nodes, watched={"watched"})
+    found = unwatched_nodes(WatchedCluster(marks), nodes, watched={"watched"})
     assert [i.node_name for i in found] == ["held", "lost"]
     now = summarize(SITES, nodes, Holds(watched={"watched"}), unwatched=found)
     assert (now["a"].unwatched, now["b"].unwatched) == (2, 0), "counted at the site its record names"
@@ -108,31 +119,22 @@ def test_a_not_ready_node_a_repair_runs_on_needs_its_entity_unless_its_retiremen
     looked only at Ready nodes, never started the entity: the repair waited for good. A NotReady
     node under a running repair (``repair/<node>/gpu<N>``) needs its entity, from the join's record
     and not while cordoned for its retirement; a NotReady node no repair runs on does not."""
-    from fleet.cluster import ANNOTATION_CORDONED_BY, CORDONED_BY_SURPLUS, NodeIdentity
+    from fleet.cluster import CORDONED_BY_SURPLUS
     from fleet.naming import repair_node_name, repair_workflow_id
     from fleet.watched import unwatched_nodes
-    from providers.cluster.base import NodeMarks
 
     nodes = [node("rebooted", ready=False), node("stopped", ready=False), node("foreign", ready=False),
              node("retiring", ready=False, cordoned=True), node("fenced", ready=False, cordoned=True)]
     marks = {"retiring": CORDONED_BY_SURPLUS, "fenced": "repair/fenced/gpu1"}
 
-    class Cluster:
-        def node_identity(self, name: str) -> NodeIdentity | None:
-            if name == "foreign":
-                return None
-            return NodeIdentity(node_name=name, machine_id=f"m-{name}", provider="lambda", account="x", site="a")
-
-        def node_marks(self, name: str) -> NodeMarks:
-            return NodeMarks(annotations={ANNOTATION_CORDONED_BY: marks[name]}, unschedulable=True, version="1")
-
     repairs = [repair_workflow_id(n, 1) for n in ("rebooted", "foreign", "retiring", "fenced")]
     under_repair = {repair_node_name(r) for r in repairs + ["repair/x/y/gpu0", "repair/z/gpux", "reclaim/stopped"]}
     assert under_repair == {"rebooted", "foreign", "retiring", "fenced", None}
-    found = unwatched_nodes(Cluster(), nodes, watched=set(), under_repair=under_repair - {None})
+    found = unwatched_nodes(WatchedCluster(marks), nodes, watched=set(), under_repair=under_repair - {None})
     assert [i.node_name for i in found] == ["fenced", "rebooted"]
-    assert unwatched_nodes(Cluster(), nodes, watched={"rebooted", "fenced"}, under_repair=under_repair) == []
-    assert unwatched_nodes(Cluster(), nodes, watched=set()) == [], "without a repair a NotReady node waits"
+    watched = {"rebooted", "fenced"}
+    assert unwatched_nodes(WatchedCluster(marks), nodes, watched=watched, under_repair=under_repair) == []
+    assert unwatched_nodes(WatchedCluster(marks), nodes, watched=set()) == [], "without a repair a NotReady node waits"
 
 
 def test_without_temporal_the_counts_stand_and_what_it_would_say_is_unknown() -> None:
