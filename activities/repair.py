@@ -45,9 +45,11 @@ from fleet.replacement import replacement_sites
 from activities.control_plane import bootstrap_user_data, machine_addresses
 from fleet.cluster import FENCE_PREFIX, LABEL_SITE, MAX_JOIN_TOKEN_TTL_S, UNPROVEN_TAINT, fenced_gpus
 
-#: On the Node: the boot id a reboot/reinstall was requested from. A retried activity that
-#: finds it equal to its own ``boot_id_before`` asked already and does not restart again,
-#: even when the node has not yet reported its new boot id (the kubelet lags the machine).
+#: On the Node: which restart was requested from which boot, ``<op>:<boot id>`` (``reboot`` or
+#: ``reinstall``). A retried activity that finds its own op and ``boot_id_before`` asked already and
+#: does not restart again, even when the node has not yet reported its new boot id (the kubelet
+#: lags the machine); a reinstall after a reboot from the same boot (its new boot never came) is
+#: another request.
 RESTARTED_FROM = "gpufleet.io/restarted-from-boot"
 #: A reinstall's wait for the old Node to go NotReady ends this long before the activity's own
 #: timeout (the reinstall call still has to be made), polling this often.
@@ -62,6 +64,17 @@ LADDER_QUERY_PAUSE_SECONDS = 1.0
 
 def fence_key(gpu: int) -> str:
     return f"{FENCE_PREFIX}{gpu}"
+
+
+def restart_requested(mark: str | None) -> tuple[str, str] | None:
+    """``RESTARTED_FROM``'s value as (op, boot id). A bare boot id (written before the mark named
+    its op) reads as a reboot's: a repair whose reboot ran before the upgrade still reinstalls
+    after it. An old reinstall's mark read so can be requested once more by a retry; a second
+    reinstall ends as one does, while a skipped one would leave the machine to be replaced."""
+    if not mark:
+        return None
+    op, colon, boot_id = mark.partition(":")
+    return (op, boot_id) if colon else ("reboot", mark)
 
 
 class RepairActivities:
@@ -258,18 +271,24 @@ class RepairActivities:
 
     # -- restart ----------------------------------------------------------------------
     def _restart(self, input: RestartMachineInput, op: str) -> str:
-        """Reboot/reinstall at most once per boot: a retry that finds the boot id
-        changed, the restart already requested from this boot, or the machine already
-        restarting, does not restart it again."""
+        """Each restart (reboot, reinstall) at most once per boot: a retry that finds the boot id
+        changed, this restart already requested from this boot, or the machine already restarting,
+        does not restart it again. A reinstall after this boot's reboot is not held back by that
+        reboot's mark nor by the machine still rebooting: the reboot's wait for its new boot ran
+        out, and a machine stuck in that boot is what the reinstall is for (every provider
+        reinstalls a rebooting machine). Such a reinstall whose retry comes before its mark was
+        written (right after the call) is requested again: twice converges, never does not."""
         provider = self.env.provider(input.site)
         cluster = self.env.cluster
         node = cluster.get_node(input.node_name)
         if node is not None and node.boot_id and node.boot_id != input.boot_id_before:
             return f"already restarted (boot {node.boot_id[:8]})"
         marks = self._annotations(input.node_name) if node is not None else {}
-        if input.boot_id_before and marks.get(RESTARTED_FROM) == input.boot_id_before:
+        requested = restart_requested(marks.get(RESTARTED_FROM))
+        if input.boot_id_before and requested == (op, input.boot_id_before):
             return f"already requested from boot {input.boot_id_before[:8]}"
-        if provider.get_machine(input.machine_id).state in ("rebooting", "pending"):
+        after_this_boots_reboot = op == "reinstall" and requested == ("reboot", input.boot_id_before)
+        if not after_this_boots_reboot and provider.get_machine(input.machine_id).state in ("rebooting", "pending"):
             return "already restarting"
         identity = cluster.node_identity(input.node_name) if op == "reinstall" else None
         if identity is not None:
@@ -293,7 +312,7 @@ class RepairActivities:
             getattr(provider, f"{op}_machine")(input.machine_id)
         if node is not None and input.boot_id_before:
             try:
-                cluster.annotate_node(input.node_name, {RESTARTED_FROM: input.boot_id_before})
+                cluster.annotate_node(input.node_name, {RESTARTED_FROM: f"{op}:{input.boot_id_before}"})
             except NotFound:
                 pass  # the node went meanwhile: nothing left to mark
         return f"{op} requested"

@@ -16,7 +16,7 @@ from activities.control_plane import ControlPlaneActivities
 from activities.env import FleetEnv
 from fleet.messages.nodes import DeleteMachineInput, ReleaseProvisionInput, ResetGpuInput, RestartMachineInput
 from activities.node_agent import NodeAgentActivities
-from activities.repair import RepairActivities
+from activities.repair import RESTARTED_FROM, RepairActivities
 from fleet.messages.join import NodeJoinResult
 from fleet.messages.sweep import FleetSweepResult
 from fleet.models import AccountState, MachineSpec
@@ -133,6 +133,31 @@ async def test_a_retried_reboot_is_not_repeated_before_the_node_reports_its_new_
     again = await ActivityEnvironment().run(acts.reboot_machine, inp)  # the retry of a lost reply
     assert again.startswith("already")
     assert actions(stack, node.machine_id, "reboot") == 1
+
+
+@pytest.mark.parametrize("bare_mark", [False, True], ids=["marked", "marked-before-the-op-was-named"])
+async def test_a_reinstall_after_a_reboot_from_the_same_boot_reinstalls_once(stack: Stack, bare_mark: bool) -> None:
+    """The reboot's new boot never came (the machine still rebooting, the node on its old boot
+    id), and the ladder reinstalls from that boot. The reinstall took the reboot's mark for its
+    own request and never reinstalled. It is requested, once across retries; so after a reboot
+    marked by a version whose mark was the bare boot id (a repair mid-flight across an upgrade)."""
+    result = NodeJoinResult.model_validate(await (await stack.start_join({"site": "site-a", **FAST})).result())
+    node = result.nodes[0]
+    stack.host_stop.set()  # no kubelet: the node keeps reporting its old boot id
+    stack.world.set_site("site-a", boot_seconds=600)  # the reboot's new boot never comes
+    boot_before = stack.cluster.get_node(node.node_name).boot_id
+    acts = RepairActivities(FleetEnv.from_settings(stack.settings))
+    inp = RestartMachineInput(site="site-a", machine_id=node.machine_id, node_name=node.node_name,
+                              boot_id_before=boot_before)
+    assert await ActivityEnvironment().run(acts.reboot_machine, inp) == "reboot requested"
+    if bare_mark:
+        stack.cluster.annotate_node(node.node_name, {RESTARTED_FROM: boot_before})
+    assert (await ActivityEnvironment().run(acts.reboot_machine, inp)).startswith("already requested")
+    assert await ActivityEnvironment().run(acts.reinstall_machine, inp) == "reinstall requested"
+    again = await ActivityEnvironment().run(acts.reinstall_machine, inp)  # the retry of a lost reply
+    assert again.startswith("already requested")
+    assert actions(stack, node.machine_id, "reboot") == 1
+    assert actions(stack, node.machine_id, "reinstall") == 1
 
 
 async def test_a_delete_that_finds_nothing_is_done(stack: Stack) -> None:

@@ -35,7 +35,7 @@ from fleet.settings import Settings
 from tests.conftest import Stack, terminate_running, write_before_next_cordon
 from tests.details_helpers import held, scheduled, until
 from tests.replay import replay_and_record
-from tests.test_repair_cancel import _details
+from tests.test_repair_cancel import SLOW_BOOT_SECONDS, _details
 from tests.test_watches import add_node
 from tests.repair_helpers import (
     cluster_refuses_to_read,
@@ -148,6 +148,26 @@ async def test_xid79_starts_at_reboot(rstack: Stack) -> None:
     assert "reset_gpu" not in await history_order(rstack, f"repair/{node.node_name}/gpu0")
     assert rstack.cluster.get_node(node.node_name).boot_id != boot_before, "boot id changed"
     assert rstack.world.machine(node.machine_id)["reboots"] == 1
+
+
+async def test_a_reinstall_after_a_reboot_whose_boot_never_came_reinstalls_and_repairs(rstack: Stack) -> None:
+    """The reboot's new boot never came (its wait ran out, the node still on its old boot id) and
+    the GPU's fault clears only on a reinstall. The reinstall found the reboot's mark from that
+    boot and took it for its own request: it never called the provider, and the ladder deleted
+    the machine and bought another where a reinstall fixes it. The reinstall is requested, and
+    the repair ends repaired on the same machine."""
+    node = await join_node(rstack)
+    rstack.world.set_site("site-a", boot_seconds=SLOW_BOOT_SECONDS)  # past the reboot's 15 s: it times out
+    rstack.world.inject_fault(node.machine_id, 0, "xid", 79, clears_on="reinstall")
+    await eventually(lambda: _rebooting(rstack, node.machine_id), timeout=40)
+    rstack.world.set_site("site-a", boot_seconds=1)  # the reinstall's boot comes within its wait
+    result = await repair_result(rstack, node.node_name, 0, timeout=120)
+    assert [(a.rung, a.outcome) for a in result.attempts] == [(Rung.REBOOT, "failed"), (Rung.REINSTALL, "passed")], \
+        result.attempts
+    assert "did not come back with a new boot id" in result.attempts[0].detail
+    assert result.outcome == "repaired"
+    machine = rstack.world.machine(node.machine_id)
+    assert machine["reinstalls"] == 1 and machine["deleted_at"] is None
 
 
 #: Each step's limit long enough that a test, not the limit, ends the step it holds open.
