@@ -833,3 +833,121 @@ async def test_mirror_pods_posing_as_the_gateway_cannot_keep_the_replicas_from_h
             await replica.stop()
         for fake in fakes:
             fake.close()
+
+
+async def test_callers_holding_every_peer_connection_cannot_keep_a_replica_from_reading_the_report(
+        tmp_path, monkeypatch) -> None:
+    """Where the CNI enforces no policy, whoever reaches the peer port could open ``MAX_CONNECTIONS``
+    connections and read nothing: each held its slot for ``WRITE_SECONDS`` (the kernel takes ~46 KB
+    of a ~60 KB report on a real network, so the close waits), the replicas' reads were closed
+    unanswered and each node was judged per replica again. Now one address holds ``PER_ADDRESS``
+    connections at most, and the addresses the peer Service resolved to (the replicas) are served
+    apart from everyone else's ``MAX_CONNECTIONS``: neither one caller (127.0.0.2) nor many
+    (127.0.0.3 on; Linux routes 127/8 to loopback) keeps the other replica (127.0.0.1) from it."""
+    import socket
+
+    from workers.gateway import peers as peer_module
+    from workers.gateway.peers import MAX_CONNECTIONS, STALE_SECONDS, PeerUsage
+
+    monkeypatch.setattr(peer_module, "WRITE_SECONDS", 5.0)  # held through the test, however slow the machine
+    keys = token_keys_as_deployed(tmp_path / "keys")
+    budgets = [FleetBudget(100.0) for _ in range(2)]
+    report = budgets[0].report
+    # As many nodes as a real report names (~60 KB), the one that calls heaviest among them.
+    budgets[0].report = lambda: {**{f"node-{i:04d}.gpu.example": 1.0 for i in range(1_800)}, **report()}
+    addresses: list[tuple[str, int]] = []
+
+    async def peers() -> list[tuple[str, int]]:
+        return list(addresses)
+
+    now = [1_000.0]  # moved on past what the replica heard before each read the test makes
+    replicas = [PeerUsage(budget, keys, peers, clock=lambda: now[0]) for budget in budgets]
+    held: list[socket.socket] = []
+
+    def hold(source: str, count: int) -> None:
+        for _ in range(count):
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # and reads nothing
+            client.bind((source, 0))
+            client.connect(("127.0.0.1", addresses[0][1]))
+            held.append(client)
+
+    def served(clients: list[socket.socket]) -> int:
+        """How many of ``clients`` were sent any of the report (the rest were closed unanswered)."""
+        count = 0
+        for client in clients:
+            client.settimeout(2)
+            try:
+                count += bool(client.recv(1))
+            except OSError:
+                pass
+        return count
+
+    for _ in range(20):
+        budgets[0].admit("busy")
+    try:
+        for replica in replicas:
+            addresses.append(("127.0.0.1", await replica.start("127.0.0.1", 0)))
+        # What a real network's kernel takes of a report at once (loopback's would take it all).
+        replicas[0]._server.sockets[0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 << 10)
+        await replicas[0].read_peers()  # the replicas' addresses, as every round resolves them
+
+        hold("127.0.0.2", 2 * MAX_CONNECTIONS)
+        await asyncio.sleep(0.5)  # each accepted and served, or closed
+        now[0] += STALE_SECONDS + 1
+        await replicas[1].read_peers()
+        assert budgets[1].elsewhere.get("busy", 0) > 5, "one caller's connections kept the replica from reading"
+        assert served(held) <= peer_module.PER_ADDRESS
+
+        for source in range(MAX_CONNECTIONS):
+            hold(f"127.0.0.{3 + source}", peer_module.PER_ADDRESS)
+        await asyncio.sleep(0.5)
+        now[0] += STALE_SECONDS + 1
+        await replicas[1].read_peers()
+        assert budgets[1].elsewhere.get("busy", 0) > 5, "many callers' connections kept the replica from reading"
+    finally:
+        for client in held:
+            client.close()
+        for replica in replicas:
+            await replica.stop()
+
+
+async def test_a_replica_of_the_release_before_which_serves_no_peer_port_costs_a_round_nothing(
+        tmp_path, caplog) -> None:
+    """While the release that brings the exchange rolls out, the peer Service may name a replica of
+    the release before, which serves no peer port (and reads none). A new replica's read of it is
+    refused at once, not waited on: the round still hears the other new replicas well within
+    ``READ_SECONDS``, logs nothing, and the nodes on the old replica are just not counted until it
+    is replaced. No report format of before is kept: the exchange never shipped before."""
+    import logging
+    import socket
+    import time
+
+    from workers.gateway.peers import READ_SECONDS, PeerUsage
+
+    keys = token_keys_as_deployed(tmp_path / "keys")
+    budgets = [FleetBudget(100.0) for _ in range(2)]
+    for _ in range(20):
+        budgets[0].admit("busy")
+    old = socket.socket()  # the old replica's address: bound, nothing listening on it
+    old.bind(("127.0.0.1", 0))
+    addresses = [old.getsockname()]
+
+    async def peers() -> list[tuple[str, int]]:
+        return list(addresses)
+
+    replicas = [PeerUsage(budget, keys, peers) for budget in budgets]
+    try:
+        for replica in replicas:
+            addresses.append(("127.0.0.1", await replica.start("127.0.0.1", 0)))
+        caplog.set_level(logging.WARNING, logger="gpufleet.node_gateway")
+        for _ in range(3):
+            started = time.monotonic()
+            await replicas[1].read_peers()
+            assert time.monotonic() - started < READ_SECONDS, "the old replica's read was waited on (timed out)"
+            assert budgets[1].elsewhere.get("busy", 0) > 5
+        assert not caplog.records, caplog.records
+    finally:
+        old.close()
+        for replica in replicas:
+            await replica.stop()

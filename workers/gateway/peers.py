@@ -17,8 +17,11 @@ for a cluster whose CNI enforces no policy. A report is taken only while fresh
 seconds, and the nodes it served are judged by what they send the others from then on.
 
 What any one who connects can make a replica spend is bounded: the report is sealed at most once
-a ``PEER_SECONDS`` and those bytes are served to every caller, at most ``MAX_CONNECTIONS`` at a
-time (more are closed at once, unanswered) and each for at most ``WRITE_SECONDS``.
+a ``PEER_SECONDS`` and those bytes are served to every caller, each for at most ``WRITE_SECONDS``,
+and at most ``MAX_CONNECTIONS`` at a time from the addresses the peer Service resolved to and as
+many from all others, at most ``PER_ADDRESS`` from any one of them (more are closed at once,
+unanswered): whoever else connects, however many and from however many addresses, cannot take the
+replicas' own connections.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import random
 import secrets
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
 from cryptography.exceptions import InvalidTag
@@ -57,9 +61,16 @@ REPORT_BYTES = 1024 * 1024
 #: ``gpufleet`` missing), many of them, at addresses sorted first, would otherwise keep the real
 #: replicas from being read (each node judged per replica again).
 MAX_PEERS = 16
-#: Peer connections served at once: every replica reading this one, twice over (a replica reads at
-#: most ``MAX_PEERS`` addresses a round). Any more are closed at once, unanswered.
+#: Peer connections served at once from the addresses the peer Service resolved to last round (the
+#: replicas): every replica reading this one, twice over (a replica reads at most ``MAX_PEERS``
+#: addresses a round); and as many again from all other addresses (a replica started since, or
+#: whoever the CNI lets through). Any more are closed at once, unanswered. One pool for everyone
+#: once let a caller that opened this many, reading nothing, keep the replicas' reads out.
 MAX_CONNECTIONS = 2 * MAX_PEERS
+#: Connections served at once from any one address the peer Service did not resolve to: a replica
+#: reads an address once a round, so two are one read still closing as the next begins. (Those it
+#: resolved to are at most ``MAX_PEERS``, bounded together by ``MAX_CONNECTIONS``.)
+PER_ADDRESS = 2
 #: How long a reader has to take the report (a replica reads it in ``READ_SECONDS``).
 WRITE_SECONDS = 2 * READ_SECONDS
 #: What the report key is derived for: no other use of the task-token key makes the same key.
@@ -95,7 +106,9 @@ class PeerUsage:
         self._heard: dict[str, tuple[float, dict[str, float]]] = {}  # replica → (when read, its report)
         self._answered: set[tuple[str, int]] = set()  # addresses whose last report opened
         self._sealed: tuple[float, bytes] | None = None  # (when sealed, the report served)
-        self._serving = 0  # peer connections open now
+        self._replicas: frozenset[str] = frozenset()  # hosts the peer Service resolved to last round
+        self._serving = {True: 0, False: 0}  # peer connections open now: from those hosts, from others
+        self._open_from: Counter[str] = Counter()  # peer connections open now from each address
         self._server: asyncio.base_events.Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -149,10 +162,13 @@ class PeerUsage:
             await self._server.wait_closed()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if self._serving >= MAX_CONNECTIONS:
+        address = (writer.get_extra_info("peername") or ("",))[0]
+        replica = address in self._replicas
+        if self._serving[replica] >= MAX_CONNECTIONS or (not replica and self._open_from[address] >= PER_ADDRESS):
             writer.transport.abort()  # more than the replicas make: nothing sealed or sent for it
             return
-        self._serving += 1
+        self._serving[replica] += 1
+        self._open_from[address] += 1
         try:
             async with asyncio.timeout(WRITE_SECONDS):
                 writer.write(self.sealed_report())
@@ -162,7 +178,10 @@ class PeerUsage:
         except (OSError, TimeoutError):
             writer.transport.abort()
         finally:
-            self._serving -= 1
+            self._serving[replica] -= 1
+            self._open_from[address] -= 1
+            if not self._open_from[address]:
+                del self._open_from[address]
 
     async def _run(self) -> None:
         while True:
@@ -179,6 +198,7 @@ class PeerUsage:
         others = [address for address in found if address not in self._answered]
         random.shuffle(others)
         addresses = (known + others)[:MAX_PEERS]
+        self._replicas = frozenset(host for host, _port in addresses)
         answers = await asyncio.gather(*(self._read(host, port) for host, port in addresses))
         self._answered = {address for address, opened in zip(addresses, answers) if opened is not None}
         for opened in answers:
