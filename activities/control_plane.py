@@ -363,9 +363,9 @@ class ControlPlaneActivities:
         without a notice the node agent read (Nebius posts none; an agent that was down missed one).
         Without it the node stayed, NotReady and counted toward its site's min_nodes, until a person
         acted. A reclaim already running is left alone, and so is a node a GpuRepair works on (its
-        reboot stops the machine) and one whose last reclaim a person cancelled or terminated less
-        than ``RECLAIM_LEFT_TO_A_PERSON`` ago (to start the machine again, say: before, every pass
-        started another). Spot, site and machine come from the join's identity record and
+        reboot stops the machine) and one whose last reclaim a person cancelled or terminated
+        (to start the machine again, say: before, every pass started another) while
+        ``_left_to_a_person`` holds it. Spot, site and machine come from the join's identity record and
         the site's config, never from the node; an on-demand machine stopped may be a person's doing
         and is left as it is. One list of nodes a pass; one provider list for each spot site that
         has such a node; a visibility list of the running repairs only where one was found, and a
@@ -377,7 +377,7 @@ class ControlPlaneActivities:
         client = activity.client()
         repairing = {wf.typed_search_attributes.get(sa.NODE_NAME) async for wf in client.list_workflows(
             f'WorkflowType = "{flows.GpuRepair.TYPE}" AND ExecutionStatus = "Running"')}
-        for identity in stopped:
+        for identity, ready_changed_at, state in stopped:
             node = identity.node_name
             if node in repairing:
                 done.repairing.append(node)
@@ -386,7 +386,7 @@ class ControlPlaneActivities:
             if last is not None and last.status == WorkflowExecutionStatus.RUNNING:
                 done.running.append(node)
                 continue
-            if last is not None and (held := self._left_to_a_person(node, last)):
+            if last is not None and (held := self._left_to_a_person(node, last, state, ready_changed_at)):
                 done.left_to_a_person.append(held)
                 continue
             try:
@@ -418,32 +418,44 @@ class ControlPlaneActivities:
             return None
 
     @staticmethod
-    def _left_to_a_person(node: str, last) -> str:
+    def _left_to_a_person(node: str, last, state: str, ready_changed_at: datetime | None) -> str:
         """Why the pass leaves the node's stopped machine alone, until when: its last reclaim was
         cancelled or terminated (a person's doing: the sweep and the Node entity only start one)
-        less than ``RECLAIM_LEFT_TO_A_PERSON`` ago; "" otherwise."""
+        less than ``RECLAIM_LEFT_TO_A_PERSON`` ago, its machine is stopped (a terminated one
+        cannot be started again: held, it stayed NotReady and unreplaced, counted toward
+        min_nodes), and its node has not been Ready since (its Ready condition last changed before
+        the reclaim ended; a person who started the machine again is done with it, and a second
+        stop is the provider's, reclaimed at once). "" otherwise. Where the cluster does not say
+        when the node's Ready last changed, the reclaim's end decides alone. The time is the
+        node's own status, written by its kubelet or the node controller: it decides only
+        whether this node's own machine is reclaimed now or after the hold."""
+        if state != "stopped":
+            return ""
         if last.status not in (WorkflowExecutionStatus.CANCELED, WorkflowExecutionStatus.TERMINATED):
             return ""
         if last.close_time is None or datetime.now(timezone.utc) >= last.close_time + RECLAIM_LEFT_TO_A_PERSON:
+            return ""
+        if ready_changed_at is not None and ready_changed_at > last.close_time:
             return ""
         until = last.close_time + RECLAIM_LEFT_TO_A_PERSON
         return (f"{node} (its reclaim was {closed_as(last.status)} at {last.close_time:%Y-%m-%d %H:%M} UTC: "
                 f"not started again before {until:%Y-%m-%d %H:%M} UTC while its machine stays stopped)")
 
-    def _stopped_spot_nodes(self, done: StoppedSpotReclaims) -> list[NodeIdentity]:
-        """The identity records of the spot nodes NotReady whose machine their provider reports
-        stopped or terminated; each site whose provider did not answer goes to ``done.skipped``."""
+    def _stopped_spot_nodes(self, done: StoppedSpotReclaims) -> list[tuple[NodeIdentity, datetime | None, str]]:
+        """(identity record, when its node's Ready last changed, the machine's state) of each spot
+        node NotReady whose machine its provider reports stopped or terminated; each site whose
+        provider did not answer goes to ``done.skipped``."""
         env, cluster = self.env, self.env.cluster
         spot = {s.name for s in env.config.sites if s.capacity_type == CapacityType.SPOT}
         records = cluster.list_state(NODE_IDENTITY_KIND)
-        at: dict[str, list[NodeIdentity]] = {}
+        at: dict[str, list[tuple[NodeIdentity, datetime | None]]] = {}
         for node in sorted(cluster.list_nodes(), key=lambda n: n.name):
             identity = NodeIdentity.from_state(records.get(node.name, {}))
             if node.ready or identity is None or not identity.machine_id or identity.site not in spot:
                 continue
             if retiring(cluster, node):
                 continue  # its retirement (or reclaim) deletes the machine on purpose
-            at.setdefault(identity.site, []).append(identity)
+            at.setdefault(identity.site, []).append((identity, node.ready_changed_at))
         found = []
         for site, identities in at.items():
             try:
@@ -455,7 +467,8 @@ class ControlPlaneActivities:
                 # Not one of our typed errors, whose messages are written not to quote a request.
                 done.skipped.append(f"{site}: {type(error).__name__}")
                 continue
-            found += [i for i in identities if states.get(i.machine_id) in ("stopped", "terminated")]
+            found += [(i, changed, states[i.machine_id]) for i, changed in identities
+                      if states.get(i.machine_id) in ("stopped", "terminated")]
         return found
 
     @activity.defn

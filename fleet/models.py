@@ -251,6 +251,9 @@ class Node(BaseModel):
     labels: dict[str, str] = Field(default_factory=dict)
     taints: list[str] = Field(default_factory=list)
     ready: bool = False
+    #: When ``ready`` last changed (the Ready condition's ``lastTransitionTime``): for a NotReady
+    #: node, when it stopped being Ready. None where the cluster did not say.
+    ready_changed_at: datetime | None = None
     unschedulable: bool = False
     boot_id: str = ""
     gpus_allocatable: int = 0

@@ -389,7 +389,8 @@ class SimCluster(EvictionDrain, WeightedRouting):
         labels = json.loads(row["labels"])
         node = Node(
             name=row["name"], machine_id=row["machine_id"], labels=labels, taints=json.loads(row["taints"]),
-            ready=bool(row["ready"]), unschedulable=bool(row["unschedulable"]), boot_id=row["boot_id"] or "",
+            ready=bool(row["ready"]), ready_changed_at=_utc(row["ready_changed_at"]),
+            unschedulable=bool(row["unschedulable"]), boot_id=row["boot_id"] or "",
             gpus_allocatable=row["gpus"] or 0, registered_at=_utc(row["registered_at"]),
             site=labels.get(LABEL_SITE, ""), provider=labels.get(LABEL_PROVIDER, ""),
             provider_id=row["provider_id"] or "",

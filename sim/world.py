@@ -115,6 +115,15 @@ BOOTSTRAP_COLUMNS = (
 )
 #: When the provider stopped the machine (``SimWorld.preempt_machine``); NULL: it was not.
 STOP_COLUMNS = (("machines", "stopped_at", "REAL"),)
+#: When a node's ``ready`` last changed (its Ready condition's ``lastTransitionTime``), written by
+#: ``READY_CHANGED`` for every writer (kubelet, host, tests); made after the column is there.
+READY_COLUMNS = (("nodes", "ready_changed_at", "REAL"),)
+READY_CHANGED = """
+CREATE TRIGGER IF NOT EXISTS nodes_ready_registered AFTER INSERT ON nodes
+BEGIN UPDATE nodes SET ready_changed_at = (julianday('now') - 2440587.5) * 86400.0 WHERE name = NEW.name; END;
+CREATE TRIGGER IF NOT EXISTS nodes_ready_changed AFTER UPDATE OF ready ON nodes WHEN OLD.ready IS NOT NEW.ready
+BEGIN UPDATE nodes SET ready_changed_at = (julianday('now') - 2440587.5) * 86400.0 WHERE name = NEW.name; END;
+"""
 
 #: How strong a repair clears a simulated fault: a fault clears at its rung or any stronger one.
 RUNGS = ("reset", "reboot", "reinstall", "never")
@@ -141,10 +150,11 @@ class SimWorld(SqliteDb):
     def __init__(self, path: str | Path) -> None:
         super().__init__(path, SCHEMA)
         with self.tx() as db:
-            for table, column, kind in BOOTSTRAP_COLUMNS + STOP_COLUMNS:
+            for table, column, kind in BOOTSTRAP_COLUMNS + STOP_COLUMNS + READY_COLUMNS:
                 have = {r[1] for r in db.execute(f"PRAGMA table_info({table})").fetchall()}
                 if column not in have:  # a sim.db made before machines got user data
                     db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            db.executescript(READY_CHANGED)
 
     # -- setup -------------------------------------------------------------------
     def seed(self, config: FleetConfig) -> None:
@@ -263,6 +273,15 @@ class SimWorld(SqliteDb):
                               (_now(), machine_id)).rowcount:
                 raise KeyError(machine_id)
             self.record_action(db, machine_id, "preempt")
+
+    def start_machine(self, machine_id: str) -> None:
+        """A person starts a machine its provider stopped (``preempt_machine``) again: it boots
+        (``Machine.state`` "running"), and its kubelet reports its node Ready again."""
+        with self.tx() as db:
+            if not db.execute("UPDATE machines SET stopped_at=NULL WHERE id=? AND deleted_at IS NULL",
+                              (machine_id,)).rowcount:
+                raise KeyError(machine_id)
+            self.record_action(db, machine_id, "start")
 
     def add_foreign_machine(self, site: str, name: str, age_seconds: float = 0.0) -> str:
         """A machine someone else launched into the site's account (no fleet marker)."""

@@ -399,33 +399,18 @@ async def test_a_reclaim_a_person_cancelled_is_not_started_again_by_the_sweep_wh
     started a reclaim again, and every pass after it. Now a pass leaves the node to the person for
     ``RECLAIM_LEFT_TO_A_PERSON`` after the cancel, its details saying so and until when; past that,
     the machine still stopped, it is reclaimed."""
-    import time
-
     import activities.control_plane
-    from fleet.cluster import CORDONED_BY_RECLAIM
-    from tests.test_reclaim_deadline import cancelled, cordon_mark, start_reclaim
 
     spot = cap.site("spot")
     await cap.client.execute_workflow("NodeJoin", {"site": spot, "timeouts": FAST_JOIN}, id=f"join/{spot}/c1",
                                       task_queue=cap.settings.task_queue)
     (machine,) = live(cap, "spot")
     node = machine["name"]
-    reclaim = await start_reclaim(cap, node, machine["id"], time.time() + 600)
-    await wait_for(lambda: cordon_mark(cap, node) == CORDONED_BY_RECLAIM, timeout=20)
-    await cancelled(reclaim)
+    reclaim = await reclaim_cancelled_while_stopped(cap, machine)
     cancelled_run = (await reclaim.describe()).run_id
-    cap.world.preempt_machine(machine["id"])
-    await wait_for(lambda: not cap.cluster.get_node(node).ready and not cap.cluster.get_node(node).unschedulable,
-                   timeout=20)
-
-    async def sweep_pass(n: int) -> str:
-        handle = await cap.client.start_workflow("SiteSweep", {}, id=f"site-sweep-{cap.uid}-{n}",
-                                                 task_queue=cap.settings.task_queue, result_type=list[str])
-        await handle.result()
-        return await details(handle)
 
     for n in (1, 2):
-        said = await sweep_pass(n)
+        said = await sweep_pass(cap, n)
         assert "reclaim started" not in said, f"pass {n} started the cancelled reclaim again: {said}"
         assert re.search(rf"reclaim ended by a person, left to them: {node} \(its reclaim was canceled at "
                          r"[-\d: ]+ UTC: not started again before [-\d: ]+ UTC while its machine stays stopped\)",
@@ -434,9 +419,68 @@ async def test_a_reclaim_a_person_cancelled_is_not_started_again_by_the_sweep_wh
     assert cap.world.machine(machine["id"])["deleted_at"] is None, "the machine is the person's"
 
     monkeypatch.setattr(activities.control_plane, "RECLAIM_LEFT_TO_A_PERSON", activities.control_plane.timedelta(0))
-    said = await sweep_pass(3)  # the person's time is up, the machine still stopped
+    said = await sweep_pass(cap, 3)  # the person's time is up, the machine still stopped
     assert f"reclaim started for {node} (spot machine stopped without a notice)" in said, said
     assert (await reclaim.describe()).run_id != cancelled_run
+
+
+async def reclaim_cancelled_while_stopped(cap: CapStack, machine: dict):
+    """The provider stops the spot machine, its SpotReclaim starts and a person cancels it; until
+    its node is NotReady and uncordoned. Returns the reclaim's handle."""
+    import time
+
+    from fleet.cluster import CORDONED_BY_RECLAIM
+    from tests.test_reclaim_deadline import cancelled, cordon_mark, start_reclaim
+
+    node = machine["name"]
+    cap.world.preempt_machine(machine["id"])
+    await wait_for(lambda: not cap.cluster.get_node(node).ready, timeout=20)
+    reclaim = await start_reclaim(cap, node, machine["id"], time.time() + 600)
+    await wait_for(lambda: cordon_mark(cap, node) == CORDONED_BY_RECLAIM, timeout=20)
+    await cancelled(reclaim)
+    await wait_for(lambda: not cap.cluster.get_node(node).unschedulable, timeout=20)
+    return reclaim
+
+
+async def sweep_pass(cap: CapStack, n: int) -> str:
+    """One SiteSweep pass (``site-sweep-<uid>-<n>``): its details once it ended."""
+    handle = await cap.client.start_workflow("SiteSweep", {}, id=f"site-sweep-{cap.uid}-{n}",
+                                             task_queue=cap.settings.task_queue, result_type=list[str])
+    await handle.result()
+    return await details(handle)
+
+
+async def test_a_cancelled_reclaim_holds_neither_a_terminated_machine_nor_one_whose_node_was_ready_since(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two spot nodes whose reclaims a person cancelled while their machines were stopped. One
+    machine the provider then reports terminated: it cannot be started again, yet the hold kept
+    its node NotReady and unreplaced for 6 hours, counted toward min_nodes. The other the person
+    started again, its node Ready, and the provider took it again an hour later: the hold still
+    ran from the cancel. The next pass starts the reclaim of both."""
+    from sim.provider import SimProvider
+
+    spot = cap.site("spot")
+    for n in (1, 2):
+        await cap.client.execute_workflow("NodeJoin", {"site": spot, "timeouts": FAST_JOIN}, id=f"join/{spot}/t{n}",
+                                          task_queue=cap.settings.task_queue)
+    terminated, restarted = live(cap, "spot")
+    for machine in (terminated, restarted):
+        await reclaim_cancelled_while_stopped(cap, machine)
+    said = await sweep_pass(cap, 1)
+    assert "reclaim started" not in said, said
+    assert all(f"{m['name']} (its reclaim was canceled at" in said for m in (terminated, restarted)), said
+
+    cap.world.start_machine(restarted["id"])  # the person's doing
+    await wait_for(lambda: cap.cluster.get_node(restarted["name"]).ready, timeout=20)
+    cap.world.preempt_machine(restarted["id"])  # the provider's, again
+    await wait_for(lambda: not cap.cluster.get_node(restarted["name"]).ready, timeout=20)
+    listed = SimProvider.list_machines
+    monkeypatch.setattr(SimProvider, "list_machines", lambda self: [
+        m.model_copy(update={"state": "terminated"}) if m.id == terminated["id"] else m for m in listed(self)])
+
+    said = await sweep_pass(cap, 2)
+    both = ", ".join(sorted(m["name"] for m in (terminated, restarted)))
+    assert f"reclaim started for {both} (spot machine stopped without a notice)" in said, said
 
 
 async def test_joins_within_max_are_counted_without_listing_the_site_and_one_past_it_is_retired(

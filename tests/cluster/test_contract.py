@@ -61,8 +61,13 @@ def test_get_node_maps_the_node(harness):
     assert node.machine_id == "m-77"
     assert node.boot_id == "boot-xyz"
     assert node.registered_at is not None
+    before = datetime.now(timezone.utc) - timedelta(seconds=1)  # an API server's times are whole seconds
     harness.set_ready("gpu-1", False)
-    assert not harness.cluster.get_node("gpu-1").ready
+    node = harness.cluster.get_node("gpu-1")
+    assert not node.ready
+    # When it stopped being Ready (the Ready condition's lastTransitionTime): the site sweep's
+    # hold of a cancelled spot reclaim ends once the node was Ready after the cancel.
+    assert node.ready_changed_at is not None and node.ready_changed_at >= before
 
 
 def test_list_nodes_by_label(harness):

@@ -65,6 +65,7 @@ class Nodes(EvictionDrain, Watches, ControlPlaneState):
         conditions = status.get("conditions") or []
         gpus = (status.get("allocatable") or {}).get(GPU_RESOURCE, "0")
         created = meta.get("creationTimestamp")
+        ready_changed = next((c.get("lastTransitionTime") for c in conditions if c.get("type") == "Ready"), None)
         del annotations  # the node's kubelet may write them: no identity comes from there
         return Node(
             name=meta["name"],
@@ -79,10 +80,11 @@ class Nodes(EvictionDrain, Watches, ControlPlaneState):
             labels=labels,
             taints=[format_taint(t["key"], t.get("value"), t["effect"]) for t in spec.get("taints") or []],
             ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions),
+            ready_changed_at=_timestamp(ready_changed),
             unschedulable=bool(spec.get("unschedulable")),
             boot_id=(status.get("nodeInfo") or {}).get("bootID", ""),
             gpus_allocatable=int(parse_quantity(gpus)),
-            registered_at=datetime.fromisoformat(created.replace("Z", "+00:00")) if created else None,
+            registered_at=_timestamp(created),
         )
 
     def _read_node(self, name: str) -> dict[str, Any]:
@@ -258,3 +260,8 @@ def _machine_from_provider_id(provider_id: str) -> str:
     _scheme, _, rest = provider_id.partition("://")
     parts = [p for p in (rest or provider_id).split("/") if p]
     return parts[-1] if parts else ""
+
+
+def _timestamp(value: str | None) -> datetime | None:
+    """An API server timestamp (RFC 3339, ``Z``) as an aware datetime; None where absent."""
+    return datetime.fromisoformat(value.replace("Z", "+00:00")) if value else None
