@@ -10,6 +10,7 @@ when they say the credentials are fixed.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import functools
 import time
@@ -116,6 +117,21 @@ async def heartbeating(work: Awaitable[R]) -> R:
         task.cancel()  # the activity was cancelled: so is the wait (a thread's call runs to its end)
 
 
+#: The event loop of the async activity whose body runs in a thread (``reports_account``).
+_ACTIVITY_LOOP: contextvars.ContextVar[asyncio.AbstractEventLoop] = contextvars.ContextVar("activity_loop")
+
+
+def heartbeat_from_body(*details: Any) -> None:
+    """``activity.heartbeat`` from a ``reports_account`` body: it runs in a thread of an async
+    activity, where the SDK's heartbeat needs the event loop, so it is handed to that loop (in
+    order: before the body's result or error, so the attempt's completion waits for it)."""
+    loop = _ACTIVITY_LOOP.get(None)
+    if loop is None:
+        activity.heartbeat(*details)
+        return
+    loop.call_soon_threadsafe(functools.partial(activity.heartbeat, *details), context=contextvars.copy_context())
+
+
 async def is_running(client: Client, workflow_id: str) -> bool:
     """Whether ``workflow_id`` (its latest run) is running; one that is not on record is not."""
     try:
@@ -190,6 +206,7 @@ def reports_account(site_of: Callable[[Any], str], offer_of: Callable[[Any], str
     def wrap(fn: Callable[[Any, Any], R]) -> Callable[[Any, Any], Awaitable[R]]:
         @functools.wraps(fn)
         async def run(self, input):
+            _ACTIVITY_LOOP.set(asyncio.get_running_loop())  # the body's thread gets a copy of this context
             try:
                 return await heartbeating(asyncio.to_thread(fn, self, input))
             except (BadCredentials, OverQuota) as error:

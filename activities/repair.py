@@ -15,7 +15,7 @@ from temporalio.client import WorkflowExecutionStatus, WorkflowQueryFailedError
 from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
-from activities.capacity import reports_account, run_end
+from activities.capacity import heartbeat_from_body, reports_account, run_end
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.waiting import poll_until
@@ -276,8 +276,16 @@ class RepairActivities:
         does not restart it again. A reinstall after this boot's reboot is not held back by that
         reboot's mark nor by the machine still rebooting: the reboot's wait for its new boot ran
         out, and a machine stuck in that boot is what the reinstall is for (every provider
-        reinstalls a rebooting machine). Such a reinstall whose retry comes before its mark was
-        written (right after the call) is requested again: twice converges, never does not."""
+        reinstalls a rebooting machine), so a retry cannot tell from the machine whether the
+        reinstall was requested. The call that went through is recorded as the activity's
+        heartbeat (``<op>:<boot id>``) before the mark is written: a retry finds it in its
+        heartbeat details (the server hands an attempt the last one recorded) and does not call
+        again. Before, a call that went through, its mark not written (the annotate failed),
+        was requested again by the retry: Hetzner's rebuild wiped the machine twice. Not a mark
+        written before the call: it cannot say whether the call then went through, and a retry
+        that trusted it would never reinstall after a call that failed. Only a worker lost
+        between the call and the heartbeat's send requests it again: twice converges, never
+        does not."""
         provider = self.env.provider(input.site)
         cluster = self.env.cluster
         node = cluster.get_node(input.node_name)
@@ -287,6 +295,11 @@ class RepairActivities:
         requested = restart_requested(marks.get(RESTARTED_FROM))
         if input.boot_id_before and requested == (op, input.boot_id_before):
             return f"already requested from boot {input.boot_id_before[:8]}"
+        this_restart = f"{op}:{input.boot_id_before}"
+        if this_restart in activity.info().heartbeat_details:
+            # An earlier attempt's call went through and its mark was not written: write it now.
+            self._mark_restarted(node, input, this_restart)
+            return f"already requested from boot {input.boot_id_before[:8]} by an earlier attempt"
         after_this_boots_reboot = op == "reinstall" and requested == ("reboot", input.boot_id_before)
         if not after_this_boots_reboot and provider.get_machine(input.machine_id).state in ("rebooting", "pending"):
             return "already restarting"
@@ -310,12 +323,17 @@ class RepairActivities:
                 raise
         else:
             getattr(provider, f"{op}_machine")(input.machine_id)
-        if node is not None and input.boot_id_before:
-            try:
-                cluster.annotate_node(input.node_name, {RESTARTED_FROM: f"{op}:{input.boot_id_before}"})
-            except NotFound:
-                pass  # the node went meanwhile: nothing left to mark
+        heartbeat_from_body(this_restart)  # seen by a retry whatever becomes of the mark
+        self._mark_restarted(node, input, this_restart)
         return f"{op} requested"
+
+    def _mark_restarted(self, node: Node | None, input: RestartMachineInput, restart: str) -> None:
+        if node is None or not input.boot_id_before:
+            return
+        try:
+            self.env.cluster.annotate_node(input.node_name, {RESTARTED_FROM: restart})
+        except NotFound:
+            pass  # the node went meanwhile: nothing left to mark
 
     def _until_not_ready(self, node_name: str) -> None:
         """Until the Node is NotReady (its controller marks it so a grace period after the

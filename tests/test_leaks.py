@@ -160,6 +160,50 @@ async def test_a_reinstall_after_a_reboot_from_the_same_boot_reinstalls_once(sta
     assert actions(stack, node.machine_id, "reinstall") == 1
 
 
+async def test_a_retried_reinstall_after_a_reboot_whose_call_went_through_does_not_wipe_the_machine_again(
+        stack: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reinstall after this boot's reboot went through at the provider, but its mark was not
+    written (the API server refused the annotate). Its retry found only the reboot's mark, which
+    lets a reinstall past the machine's rebuilding state, and wiped the machine a second time.
+    The attempt's heartbeat records the call; the retry, which the server hands that heartbeat,
+    does not call the provider again and writes the mark."""
+    import dataclasses
+
+    from fleet.errors import Transient
+
+    result = NodeJoinResult.model_validate(await (await stack.start_join({"site": "site-a", **FAST})).result())
+    node = result.nodes[0]
+    stack.host_stop.set()  # no kubelet: the node keeps reporting its old boot id
+    stack.world.set_site("site-a", boot_seconds=600)  # the reboot's and the reinstall's boots never come
+    boot_before = stack.cluster.get_node(node.node_name).boot_id
+    acts = RepairActivities(FleetEnv.from_settings(stack.settings))
+    inp = RestartMachineInput(site="site-a", machine_id=node.machine_id, node_name=node.node_name,
+                              boot_id_before=boot_before)
+    assert await ActivityEnvironment().run(acts.reboot_machine, inp) == "reboot requested"
+
+    annotate = acts.env.cluster.annotate_node
+
+    def refused_once(name: str, changes: dict, *args, **kwargs):
+        if changes.get(RESTARTED_FROM, "").startswith("reinstall:"):
+            monkeypatch.setattr(acts.env.cluster, "annotate_node", annotate)
+            raise Transient("the API server answered 503", provider="kubernetes", code="503")
+        return annotate(name, changes, *args, **kwargs)
+
+    monkeypatch.setattr(acts.env.cluster, "annotate_node", refused_once)
+    first, beats = ActivityEnvironment(), []
+    first.on_heartbeat = lambda *details: beats.extend(details)
+    with pytest.raises(Exception, match="503"):
+        await first.run(acts.reinstall_machine, inp)
+    assert actions(stack, node.machine_id, "reinstall") == 1
+    assert sim_provider(stack, "site-a").get_machine(node.machine_id).state == "rebooting"
+
+    retry = ActivityEnvironment()  # what the server hands attempt 2: attempt 1's last heartbeat
+    retry.info = dataclasses.replace(retry.info, attempt=2, heartbeat_details=beats)
+    assert (await retry.run(acts.reinstall_machine, inp)).startswith("already requested")
+    assert actions(stack, node.machine_id, "reinstall") == 1, "the retry wiped the machine again"
+    assert stack.cluster.annotate_node(node.node_name, {})[RESTARTED_FROM] == f"reinstall:{boot_before}"
+
+
 async def test_a_delete_that_finds_nothing_is_done(stack: Stack) -> None:
     machine = make_machine(stack, "site-a", f"join/site-a/{uuid.uuid4().hex[:8]}")
     acts = ControlPlaneActivities(FleetEnv.from_settings(stack.settings))
