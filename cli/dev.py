@@ -452,15 +452,23 @@ RESTART_MAX_SECONDS = 30.0
 RESTART_STABLE_SECONDS = 60.0
 
 
-def _die_with_parent() -> None:
-    """Linux, in the child before it runs: SIGTERM when ``gpufleet dev`` dies, however it dies
-    (a ``kill -9``, a parent that kills it), so no child outlives the stack holding its port."""
-    try:
-        import ctypes
+def _die_with(parent: int) -> Callable[[], None]:
+    """For the child of ``parent``, run in it before it runs (Linux): SIGTERM when ``gpufleet dev``
+    dies, however it dies (a ``kill -9``, a parent that kills it), so no child outlives the stack
+    holding its port. A stack killed between the fork and the ``prctl`` sends no signal (it is
+    set for the parent the child has then, init): the child sees that it was orphaned and exits.
+    Before, a Temporal server started as the stack was killed lived on, holding its ports."""
+    def die_with_parent() -> None:
+        try:
+            import ctypes
 
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            return
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return die_with_parent
 
 
 @dataclass
@@ -485,7 +493,7 @@ class Child:
             # the children in order (workers before the server they talk to).
             self.proc = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+                                         preexec_fn=_die_with(os.getpid()) if sys.platform.startswith("linux") else None)
         self.started_at, self.restart_at = time.monotonic(), None
 
     def exit_code(self) -> int | None:

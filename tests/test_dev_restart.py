@@ -274,6 +274,24 @@ def test_a_killed_stack_takes_its_children_with_it(tmp_path: Path) -> None:
     assert not port_in_use(s3_port)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_child_whose_stack_died_before_it_could_ask_for_the_death_signal_exits() -> None:
+    """The stack killed between a child's fork and its ``prctl`` (a loaded machine; the full suite
+    saw a Temporal server live on, orphaned, holding its ports): the signal is then set for the
+    child's new parent and never comes. The child finds its parent is not the stack and exits
+    before it runs. Here the stack's pid is one that is not the child's parent."""
+    from cli import dev
+
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             preexec_fn=dev._die_with(os.getpid() + 1_000_000))
+    try:
+        assert child.wait(timeout=20) == 1
+    finally:
+        child.kill()
+    same = subprocess.Popen([sys.executable, "-c", "pass"], preexec_fn=dev._die_with(os.getpid()))
+    assert same.wait(timeout=20) == 0, "a child of the live stack runs"
+
+
 @pytest.mark.timeout(300)
 def test_ctrl_c_on_bootstrap_dev_stops_everything_without_a_traceback(tmp_path: Path) -> None:
     port = free_dev_port()
