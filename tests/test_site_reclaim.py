@@ -10,6 +10,7 @@ from typing import AsyncIterator
 
 import pytest
 from temporalio.client import WorkflowExecutionStatus
+from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
 
 from fleet.messages.capacity import AccountStatus, CapacityResult, SiteStatus, SpotReclaimResult
@@ -636,7 +637,17 @@ async def _filling(site) -> str:
 
 
 async def _fill_result(cap: CapStack, fill_id: str) -> CapacityResult:
-    return CapacityResult.model_validate(await asyncio.wait_for(cap.client.get_workflow_handle(fill_id).result(), 30))
+    """The fill's result. The site says ``filling`` from the workflow task that starts the fill, and a
+    query can answer before the server has taken that task's commands, so the fill may not exist yet."""
+    async def result() -> object:
+        while True:
+            try:
+                return await cap.client.get_workflow_handle(fill_id).result()
+            except RPCError as error:
+                if error.status != RPCStatusCode.NOT_FOUND:
+                    raise
+                await asyncio.sleep(0.1)
+    return CapacityResult.model_validate(await asyncio.wait_for(result(), 30))
 
 
 async def test_a_site_entity_started_again_numbers_its_next_fill_past_those_on_record(cap: CapStack) -> None:
