@@ -30,6 +30,7 @@ from fleet import search_attributes
 from fleet.schedules import apply_schedules
 from fleet.settings import CONFIG_ENV, DEV_S3_KEY_ENV, NodeAgentEnv, Settings, WorkerEnv
 from fleet.temporal import connect
+from providers.child_process import die_with
 
 console = Console()
 
@@ -452,25 +453,6 @@ RESTART_MAX_SECONDS = 30.0
 RESTART_STABLE_SECONDS = 60.0
 
 
-def _die_with(parent: int) -> Callable[[], None]:
-    """For the child of ``parent``, run in it before it runs (Linux): SIGTERM when ``gpufleet dev``
-    dies, however it dies (a ``kill -9``, a parent that kills it), so no child outlives the stack
-    holding its port. A stack killed between the fork and the ``prctl`` sends no signal (it is
-    set for the parent the child has then, init): the child sees that it was orphaned and exits.
-    Before, a Temporal server started as the stack was killed lived on, holding its ports."""
-    def die_with_parent() -> None:
-        try:
-            import ctypes
-
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            return
-        if os.getppid() != parent:
-            os._exit(1)
-
-    return die_with_parent
-
-
 @dataclass
 class Child:
     """One process of the stack, restarted with backoff when it exits (``supervise``)."""
@@ -493,7 +475,7 @@ class Child:
             # the children in order (workers before the server they talk to).
             self.proc = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                         preexec_fn=_die_with(os.getpid()) if sys.platform.startswith("linux") else None)
+                                         preexec_fn=die_with(os.getpid()))
         self.started_at, self.restart_at = time.monotonic(), None
 
     def exit_code(self) -> int | None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fleet.routing import RoutingDocument
+from providers.child_process import die_with
 
 #: HAProxy's largest server weight.
 MAX_WEIGHT = 256
@@ -135,17 +136,6 @@ def render_config(
     return "\n".join(lines) + "\n"
 
 
-def _die_with_parent() -> None:
-    """Linux: HAProxy gets SIGTERM when the process that started it dies, however it dies,
-    so a killed front door never leaves a proxy holding its port."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 15)  # PR_SET_PDEATHSIG, SIGTERM
-    except (OSError, AttributeError):
-        pass
-
-
 def runtime(socket_path: str, command: str, timeout: float = 5.0) -> str:
     """One runtime API call (several commands joined by ``;``); the answer's text."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
@@ -231,7 +221,7 @@ class HAProxy:
             args += ["-sf", str(old.pid)]  # the old process finishes its streams, then exits
         log = open(self.workdir / "haproxy.log", "ab")
         self.process = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL,
-                                        preexec_fn=_die_with_parent)
+                                        preexec_fn=die_with(os.getpid()))
         log.close()
         self._wait_ready(old)
 

@@ -280,15 +280,15 @@ def test_a_child_whose_stack_died_before_it_could_ask_for_the_death_signal_exits
     saw a Temporal server live on, orphaned, holding its ports): the signal is then set for the
     child's new parent and never comes. The child finds its parent is not the stack and exits
     before it runs. Here the stack's pid is one that is not the child's parent."""
-    from cli import dev
+    from providers.child_process import die_with
 
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             preexec_fn=dev._die_with(os.getpid() + 1_000_000))
+                             preexec_fn=die_with(os.getpid() + 1_000_000))
     try:
         assert child.wait(timeout=20) == 1
     finally:
         child.kill()
-    same = subprocess.Popen([sys.executable, "-c", "pass"], preexec_fn=dev._die_with(os.getpid()))
+    same = subprocess.Popen([sys.executable, "-c", "pass"], preexec_fn=die_with(os.getpid()))
     assert same.wait(timeout=20) == 0, "a child of the live stack runs"
 
 

@@ -7,6 +7,7 @@ which installs it (tests/tools.py).
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -15,7 +16,7 @@ import httpx
 import pytest
 
 from fleet.routing import RoutingDocument, SiteRouteState
-from providers.haproxy import HAProxy, Replica
+from providers.haproxy import HAProxy, HAProxyError, Replica
 from tests.tools import needs
 from sim.model_server import SimModelServer
 
@@ -178,3 +179,24 @@ async def test_a_front_door_in_a_deep_state_dir_starts_and_is_steered(tmp_path: 
     finally:
         await _close(fd)
     assert not Path(fd.proxy.socket_path).exists(), "the short socket outside the state dir goes with it"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_an_haproxy_whose_front_door_died_before_it_could_ask_for_the_death_signal_exits(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The front door killed between HAProxy's fork and its ``prctl``: the death signal is then set
+    for HAProxy's new parent and never comes, and an orphaned HAProxy held the front door's port
+    for good. Now it sees it was orphaned and exits before it runs. Here the front door's pid, as
+    the child is told it, is one that is not its parent."""
+    import providers.haproxy as haproxy_module
+
+    monkeypatch.setattr(haproxy_module.os, "getpid", lambda: 1_000_000_000)
+    proxy = HAProxy(tmp_path / "haproxy", models={"llm": {}}, documents={})
+    with pytest.raises(HAProxyError, match="exited with 1"):
+        proxy.start()
+    monkeypatch.undo()
+    proxy = HAProxy(tmp_path / "haproxy-live", models={"llm": {}}, documents={}).start()
+    try:
+        assert proxy.process is not None and proxy.process.poll() is None, "an HAProxy of a live front door runs"
+    finally:
+        proxy.stop()
