@@ -29,6 +29,7 @@ from fleet.cluster import (
     JoinTokenRef,
     DrainPod,
     DrainResult,
+    SKIPPED_LISTED,
     ServingSpec,
     ServingStatus,
     SiteRoute,
@@ -714,12 +715,13 @@ def run_drain(
     result = DrainResult(node=node)
     pending: dict[str, PodInfo] = {}
     for pod in list_pods():
-        if pod.mirror:
-            result.skipped.append(DrainPod(namespace=pod.namespace, name=pod.name, reason="mirror pod"))
-        elif "DaemonSet" in pod.owner_kinds:
-            result.skipped.append(DrainPod(namespace=pod.namespace, name=pod.name, reason="DaemonSet pod"))
-        else:
+        left_alone = "mirror pod" if pod.mirror else "DaemonSet pod" if "DaemonSet" in pod.owner_kinds else ""
+        if not left_alone:
             pending[f"{pod.namespace}/{pod.name}"] = pod
+        elif len(result.skipped) < SKIPPED_LISTED:
+            result.skipped.append(DrainPod(namespace=pod.namespace, name=pod.name, reason=left_alone))
+        else:
+            result.skipped_unlisted += 1
     reasons: dict[str, str] = {}
     delay = 0.1
 

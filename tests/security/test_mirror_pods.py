@@ -29,6 +29,7 @@ from fleet.messages.demand import PlanDemandInput
 from fleet.messages.evacuation import FreeGpusInput
 from fleet.messages.rollout import UpdateServingInput
 from fleet.settings import Settings
+from providers.cluster.base import PodInfo, run_drain
 from providers.cluster.kubernetes.gpu_pods import MOST_GPUS, gpu_pod
 from tests.security.test_self_reported_gpus import node_reporting
 
@@ -86,3 +87,21 @@ def test_a_gpu_request_that_is_garbage_counts_as_none_or_the_most(quantity: str,
                        {"name": "c", "resources": {"limits": {"nvidia.com/gpu": quantity}}},
                        {"name": "d", "resources": {"limits": {"nvidia.com/gpu": quantity}}}]}})
     assert pod.mirror and pod.gpus == min(2 * gpus, MOST_GPUS)
+
+
+def test_a_nodes_many_own_pods_keep_a_drain_of_it_within_what_history_takes() -> None:
+    """A node may create mirror pods of itself without limit, and a drain leaves them alone. Its
+    result named each: 10,000 long-named ones made it about 3 MB, over the 2 MiB Temporal takes, so
+    the drain of that node failed (an evacuation failed and undid itself; a surplus node was kept
+    and billed). Now it names the first few and counts the rest."""
+    pods = [PodInfo(namespace="default", name=f"{i:05d}-" + "x" * 247, owner_kinds=["Node"], mirror=True)
+            for i in range(10_000)]
+    pods.append(PodInfo(namespace="ml", name="tenant-0"))
+    evicted: list[str] = []
+    result = run_drain("liar", 10, False, list_pods=lambda: [p for p in pods if p.name not in evicted],
+                       evict=lambda ns, name: (evicted.append(name), ("gone", ""))[1],
+                       delete=lambda ns, name: None, sleep=lambda s: None)
+    assert evicted == ["tenant-0"] and result.completed
+    assert len(result.model_dump_json()) < 64 * 1024
+    assert len(result.skipped) + result.skipped_unlisted == 10_000
+    assert result.skipped[0].reason == "mirror pod"
