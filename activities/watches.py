@@ -160,6 +160,9 @@ class WatchActivities:
         judged = bool(input.placement) and input.placement == wanted
         reported = set(input.reported)
         self_labelled: dict[str, list[str]] = {}
+        # Said once a watch for each node: a node may write its labels again as fast as it likes,
+        # and each put-back is a write of ours, but it gets no log line of ours each time.
+        warned: set[str] = set()
 
         def put_back(nodes) -> bool:
             """Every node of the site is one the control plane labelled (``LABEL_SITE`` is its, set in
@@ -174,8 +177,11 @@ class WatchActivities:
                     n.labels = self.env.cluster.label_node(n.name, wanted).labels
                 except NodeNotFound:
                     continue  # gone since the look
-                activity.logger.warning("site %s: node %s changed its placement labels (%s): put back", site,
-                                        n.name, ", ".join(drift))
+                if n.name not in warned:
+                    warned.add(n.name)
+                    activity.logger.warning("site %s: node %s changed its placement labels (%s): put back "
+                                            "(again each time it does, said once a watch)", site, n.name,
+                                            ", ".join(d[:200] for d in drift))
                 if judged and n.name not in reported:
                     self_labelled[n.name] = [d[:200] for d in drift]
                     reported.add(n.name)

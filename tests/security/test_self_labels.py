@@ -13,6 +13,7 @@ tests/realk8s/test_labels.py). The recorded histories replay (tests/test_replay.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -48,7 +49,8 @@ def placement(inc: IncStack, name: str) -> dict[str, str]:
     return {k: labels.get(k) for k in (LABEL_ZONE, LABEL_REGION, LABEL_GPU_PRODUCT)}
 
 
-async def test_a_node_that_changes_its_own_zone_is_put_back_within_seconds_and_quarantined(quiet) -> None:
+async def test_a_node_that_changes_its_own_zone_is_put_back_within_seconds_and_quarantined(
+        quiet, caplog: pytest.LogCaptureFixture) -> None:
     inc = quiet
     site = inc.site("a")
     await inc.join("a", 2)
@@ -106,3 +108,13 @@ async def test_a_node_that_changes_its_own_zone_is_put_back_within_seconds_and_q
     await replay_and_record(handle, "site_self_labels_quarantine")
     # Named for the newest Node patch (``node-patches-at-start``); the older file stays (runs in flight).
     await replay_and_record(inc.client.get_workflow_handle(f"node/{hostile}"), "node_entity_self_labels_patches_at_start")
+
+    # A node that writes its zone again and again has each put back, and the control plane's log
+    # says so once a watch, not once a write (it logged each: the node's writes were its lines).
+    caplog.set_level(logging.WARNING)
+    caplog.clear()
+    for i in range(20):
+        inc.cluster.label_node(hostile, {LABEL_ZONE: f"flip-{i}"})
+        await poll(put_back, timeout=30, interval=0.05)
+    said = [r for r in caplog.records if f"node {hostile} changed its placement labels" in r.getMessage()]
+    assert 1 <= len(said) <= 3, [r.getMessage() for r in said]
