@@ -253,9 +253,10 @@ class EvacuationActivities:
         """The site's evacuations no longer running that left something behind for all to see: a
         cordon marked theirs (``fleet.cluster.ANNOTATION_CORDONED_BY``) on a node of the site, or the
         site's entry in the routing document still naming them. What the Site entity's safety look
-        asks ``evacuation_leftovers`` of. A node's own annotations name at most one id each, and only
-        ids of this site's evacuations count (at most ten looked at), none the entity put back already
-        (``input.put_back``, and the claim's record of them: ``evacuation_put_back``). None at all
+        asks ``evacuation_leftovers`` of; and those whose put-back the entity began and did not finish
+        (``input.unfinished``: its last steps leave neither). A node's own annotations name at most one
+        id each, and only ids of this site's evacuations count (at most ten looked at), none the entity
+        put back already (``input.put_back``, and the claim's record of them: ``evacuation_put_back``). None at all
         while an evacuation of the site runs (the holder of its ``evacuation-claim``, or one Temporal's
         visibility lists: begun, not yet claimed): it took over
         what they left as it began (``EvacuationFacts.left``) and puts back what it changed as it ends;
@@ -267,16 +268,16 @@ class EvacuationActivities:
         running = f'WorkflowType = "{flows.SiteEvacuation.TYPE}" AND Site = "{site}" AND ExecutionStatus = "Running"'
         async for _ in client.list_workflows(running, limit=1):
             return []
-        return await self._closed(site, set(input.put_back), claim)
+        return await self._closed(site, set(input.put_back), claim, set(input.unfinished))
 
-    async def _closed(self, site: str, put_back: set[str] = frozenset(), claim: dict[str, str] | None = None) \
-            -> list[str]:
-        """``closed_evacuations``, whoever acts at the site, less ``put_back`` and those the site's
-        evacuation ``claim`` (read here when not given) records as put back."""
+    async def _closed(self, site: str, put_back: set[str] = frozenset(), claim: dict[str, str] | None = None,
+                      unfinished: set[str] = frozenset()) -> list[str]:
+        """``closed_evacuations``, whoever acts at the site, with ``unfinished``, less ``put_back`` and
+        those the site's evacuation ``claim`` (read here when not given) records as put back."""
         cluster, client = self.env.cluster, activity.client()
         if claim is None:
             claim = await asyncio.to_thread(cluster.read_state, EVACUATION_CLAIM_KIND, site)
-        found: set[str] = set()
+        found: set[str] = {workflow_id for workflow_id in unfinished if is_evacuation_of(site, workflow_id)}
         doc = await asyncio.to_thread(cluster.get_site_routes)
         route = doc.sites.get(site) if doc else None
         if route is not None and is_evacuation_of(site, route.incident):

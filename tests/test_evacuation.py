@@ -518,6 +518,69 @@ async def test_a_closed_evacuation_is_put_back_once_even_by_a_site_entity_starte
     assert inc.cluster.annotate_node(names[0], {}).get(ANNOTATION_CORDONED_BY) == evacuation_id
 
 
+#: A Site entity's run whose put-back of a person's terminated evacuation stopped at its last step
+#: (scaling back the replica it moved to d, refused), then finished at a later safety look
+#: (``site-finishes-an-unfinished-put-back``); and the same scenario on the code before, which left it.
+PUT_BACK_FINISHED = "site_finishes_an_unfinished_put_back"
+PUT_BACK_FINISHED_BEFORE = f"{PUT_BACK_FINISHED}_before"
+
+
+async def test_a_put_back_that_stopped_at_the_replicas_elsewhere_is_finished_at_a_later_safety_look(
+        inc: IncStack, monkeypatch) -> None:
+    """Review (a dead evacuation's extra replicas): the Site entity's put-back of a terminated
+    evacuation restores the site first (cordons, Deployments, routing) and scales back the replicas it
+    added elsewhere last. Refused there (the control plane may not scale d's Deployment until a person
+    fixes its Role), the site was restored but the extra replica at d stayed, and no later look found
+    the evacuation again (it had no cordon and no routing entry left): held for good, it kept d's GPUs
+    used, so the demand loop neither retired d's node nor counted its GPUs free. An unfinished
+    put-back is tried again at the next safety looks until it is done, and then never again."""
+    from fleet.errors import ClusterForbidden
+    from sim.cluster import SimCluster
+
+    a, d = inc.site("a"), inc.site("d")
+    evacuation_id, _names = await _persons_evacuation_terminated(inc)
+    refused = {"on": True, "tries": 0}
+    real_scale = SimCluster.scale_serving
+
+    def scale(self, model: str, site: str, replicas: int):
+        if site == d and refused["on"]:
+            refused["tries"] += 1
+            raise ClusterForbidden(f"PATCH deployments/{model}-{site}/scale: 403 Forbidden", code="403")
+        return real_scale(self, model, site, replicas)
+
+    monkeypatch.setattr(SimCluster, "scale_serving", scale)
+    site = await inc.start_site("a", reconcile_seconds=1)
+
+    async def stopped_at_d():
+        return refused["tries"] >= 1 and inc.cluster.get_site_routes().sites[a].incident == "" or None
+
+    await poll(stopped_at_d, timeout=60)
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1, "the site itself is back"
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 1, "the replica it moved to d is left"
+    refused["on"] = False  # a person grants the Role
+
+    await poll(lambda: _put_back_to_d(inc), timeout=60)
+
+    async def next_look_leaves_it_out():  # done with it: not put back again
+        looks = await _activity_calls(site, "closed_evacuations")
+        return looks[-1][1]["put_back"] == [evacuation_id] and not looks[-1][1].get("unfinished") or None
+
+    await poll(next_look_leaves_it_out, timeout=30)
+    asked = await _activity_calls(site, "evacuation_leftovers")
+    assert {call["workflow_id"] for _, call in asked} == {evacuation_id} and len(asked) >= 2, asked
+    looks = len(await _activity_calls(site, "closed_evacuations"))
+
+    async def three_more_looks():
+        return len(await _activity_calls(site, "closed_evacuations")) >= looks + 3 or None
+
+    await poll(three_more_looks, timeout=60)
+    assert len(await _activity_calls(site, "evacuation_leftovers")) == len(asked), "put back once"
+    routes = inc.cluster.get_site_routes().sites[a]
+    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1
+    await replay_and_record(site, PUT_BACK_FINISHED)
+
+
 async def test_no_put_back_while_another_evacuation_of_the_site_runs(inc: IncStack) -> None:
     """Review: the safety look's put-back looked only for the Site entity's own incident: a person's
     evacuation running at the site, begun after an earlier one was terminated, had the site's weight

@@ -330,6 +330,10 @@ EXPECTED = {
     # again reads (``site-records-put-backs-with-the-claim``, tests/test_evacuation.py). ``_before``: the
     # same run on the code before, which remembered it in its own state only, replays too.
     "site_records_its_put_back_with_the_claim", "site_records_its_put_back_with_the_claim_before",
+    # ... and a put-back that did not finish (refused at scaling back the replica it moved elsewhere) is
+    # tried again at the next safety looks until done (``site-finishes-unfinished-put-backs``,
+    # tests/test_evacuation.py). ``_before``: the same run on the code before, which never tried again.
+    "site_finishes_an_unfinished_put_back", "site_finishes_an_unfinished_put_back_before",
     # The Schedule's SiteSweep pass starts a Node entity that was terminated again
     # (``sweep-starts-node-entities``, tests/test_site_events.py). ``_before``: the same pass on the
     # code before, which started none (replayed without the patch, it fails: an activity where the

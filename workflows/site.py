@@ -159,6 +159,7 @@ with workflow.unsafe.imports_passed_through():
         IncidentRecord,
         IncidentView,
         PUT_BACK_KEPT,
+        PUT_BACK_UNFINISHED_KEPT,
         RepairDecision,
         ScaleInput,
         SiteProbe,
@@ -258,6 +259,13 @@ REMOVED_PATCH = "site-ends-once-removed-from-config"
 #: second time (the site's Deployments and routing as before its incident, the replicas added
 #: elsewhere since taken away), undoing what people had changed since.
 PUT_BACK_RECORDED_PATCH = "site-records-put-backs-with-the-claim"
+#: Workflow patch: a put-back of a closed evacuation that did not finish (a step refused, or out of
+#: its tries) is remembered (``IncidentCarry.put_back_unfinished``) and tried again at each safety look
+#: until done (``closed_evacuations`` is handed it). Asked where a put-back fails. Before, one that
+#: stopped after the site's routing was restored (scaling back the replicas it added elsewhere) was
+#: never found again, neither cordon nor routing entry naming it: those replicas stayed for good, their
+#: GPUs used for no one, their nodes never idle for the demand loop to give back.
+PUT_BACK_FINISHED_PATCH = "site-finishes-unfinished-put-backs"
 #: Looks (``site_configured``) that must find the site unnamed, nothing left there, in a row, and
 #: span ``SiteInput.removed_seconds``, before the entity ends: one answer is not enough.
 REMOVED_LOOKS = 3
@@ -853,13 +861,15 @@ class SiteEntity(Entity[SiteState]):
 
     async def _put_back_closed_evacuations(self) -> None:
         """What evacuations of the site no longer running left behind (their cordon marks, the
-        site's routing entry): put back. One of a person's, or of an incident an entity reset forgot;
-        the entity's own incidents are put back as they close. Each once (``IncidentCarry.put_back``),
-        none while an evacuation of the site runs. Bounded tries: the next safety look tries again."""
+        site's routing entry), or what this entity's put-back of one did not finish: put back. One of a
+        person's, or of an incident an entity reset forgot; the entity's own incidents are put back as
+        they close. Each once (``IncidentCarry.put_back``), none while an evacuation of the site runs.
+        Bounded tries: the next safety look tries again (``IncidentCarry.put_back_unfinished``)."""
         site = self._site.name
         try:
             closed: list[str] = await workflow.execute_activity(
-                act.closed_evacuations, ClosedEvacuationsInput(site=site, put_back=self.state.incident.put_back),
+                act.closed_evacuations, ClosedEvacuationsInput(site=site, put_back=self.state.incident.put_back,
+                                                               unfinished=self.state.incident.put_back_unfinished),
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                 summary=f"evacuations of {site} no longer running that left something",
             )
@@ -927,6 +937,12 @@ class SiteEntity(Entity[SiteState]):
         except ActivityError as error:
             workflow.logger.error("site %s: what %s left not all put back (%s): see the runbook", site,
                                   evacuation_id, failure_message(error))
+            if workflow.patched(PUT_BACK_FINISHED_PATCH):
+                inc = self.state.incident
+                inc.put_back_unfinished = [*(i for i in inc.put_back_unfinished if i != evacuation_id),
+                                           evacuation_id][-PUT_BACK_UNFINISHED_KEPT:]
+                return (f"; what it left not all put back ({failure_message(error)}): tried again at the next "
+                        "safety look; see GpufleetIncidentOpen in docs/operations.md")
             return (f"; what it left not all put back ({failure_message(error)}): see GpufleetIncidentOpen in "
                     "docs/operations.md")
         await self._put_back_once(evacuation_id)
@@ -944,6 +960,7 @@ class SiteEntity(Entity[SiteState]):
         site's evacuation claim for the runs after it (a run started afresh carries nothing)."""
         inc = self.state.incident
         inc.put_back = [*(i for i in inc.put_back if i != evacuation_id), evacuation_id][-PUT_BACK_KEPT:]
+        inc.put_back_unfinished = [i for i in inc.put_back_unfinished if i != evacuation_id]
         if not workflow.patched(PUT_BACK_RECORDED_PATCH):
             return
         site = self._site.name

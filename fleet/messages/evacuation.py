@@ -41,6 +41,9 @@ class SiteRef(BaseModel):
 #: the entity's runs (``EvacuationActivities.evacuation_put_back``). Each is put back once, however
 #: long a repair keeps a node cordoned with its mark.
 PUT_BACK_KEPT = 50
+#: How many unfinished put-backs a Site entity carries (``IncidentCarry.put_back_unfinished``), newest
+#: kept: as many as ``closed_evacuations`` looks at.
+PUT_BACK_UNFINISHED_KEPT = 10
 
 
 class ClosedEvacuationsInput(BaseModel):
@@ -49,6 +52,9 @@ class ClosedEvacuationsInput(BaseModel):
 
     site: str
     put_back: list[str] = Field(default_factory=list, max_length=100)
+    #: The evacuations whose put-back the entity began and did not finish
+    #: (``IncidentCarry.put_back_unfinished``): looked at again even with nothing of theirs left to see.
+    unfinished: list[str] = Field(default_factory=list, max_length=100)
 
 
 # -- the Site entity's incident state ---------------------------------------------------------
@@ -85,6 +91,12 @@ class IncidentCarry(BaseModel):
     #: finds that evacuation at every safety look; put back again, the site's Deployments, its routing
     #: and the replicas elsewhere went back to before its incident, undoing what people changed since.
     put_back: list[str] = Field(default_factory=list)
+    #: Evacuations whose put-back the entity began and did not finish (a step refused or out of its
+    #: tries), newest last and bounded (``PUT_BACK_UNFINISHED_KEPT``): tried again at each safety look
+    #: until done. Its last steps leave nothing for ``closed_evacuations`` to find by (the cordons are
+    #: lifted, the routing entry restored): one that stopped at scaling back the replicas it added
+    #: elsewhere left them there for good, their GPUs used for no one.
+    put_back_unfinished: list[str] = Field(default_factory=list)
 
 
 class IncidentView(BaseModel):
