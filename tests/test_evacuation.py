@@ -519,8 +519,8 @@ async def test_a_closed_evacuation_is_put_back_once_even_by_a_site_entity_starte
 
 
 #: A Site entity's run whose put-back of a person's terminated evacuation stopped at its last step
-#: (scaling back the replica it moved to d, refused), then finished at a later safety look
-#: (``site-finishes-an-unfinished-put-back``); and the same scenario on the code before, which left it.
+#: (scaling back the replica it moved to d, refused), then finished that step alone at a later safety
+#: look (``site-finishes-unfinished-put-backs``); and the same scenario on the code before, which left it.
 PUT_BACK_FINISHED = "site_finishes_an_unfinished_put_back"
 PUT_BACK_FINISHED_BEFORE = f"{PUT_BACK_FINISHED}_before"
 
@@ -533,7 +533,13 @@ async def test_a_put_back_that_stopped_at_the_replicas_elsewhere_is_finished_at_
     fixes its Role), the site was restored but the extra replica at d stayed, and no later look found
     the evacuation again (it had no cordon and no routing entry left): held for good, it kept d's GPUs
     used, so the demand loop neither retired d's node nor counted its GPUs free. An unfinished
-    put-back is tried again at the next safety looks until it is done, and then never again."""
+    put-back is tried again at the next safety looks until it is done, and then never again.
+
+    Review: each try redid the whole put-back, so the site a person had scaled and weighted since the
+    first try (3 replicas, weight 50) was set back to its counts and weight before the incident at
+    every look until d's step went through. A try resumes at the step that stopped: the person's
+    scale and weight stand."""
+    from fleet.cluster import SiteRoute
     from fleet.errors import ClusterForbidden
     from sim.cluster import SimCluster
 
@@ -557,6 +563,17 @@ async def test_a_put_back_that_stopped_at_the_replicas_elsewhere_is_finished_at_
     await poll(stopped_at_d, timeout=60)
     assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1, "the site itself is back"
     assert inc.cluster.serving_status(MODEL, d).desired_replicas == 1, "the replica it moved to d is left"
+    # The site back, a person scales it up and lowers its weight; the next tries stop at d again.
+    inc.cluster.scale_serving(MODEL, a, 3)
+    inc.cluster.set_site_routes({**inc.cluster.get_site_routes().sites, a: SiteRoute(weight=50)})
+    tries = refused["tries"]
+
+    async def tried_again():
+        return refused["tries"] >= tries + 2 or None
+
+    await poll(tried_again, timeout=60)
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 3, "the person's scaling stands"
+    assert inc.cluster.get_site_routes().sites[a].weight == 50, "the person's weight stands"
     refused["on"] = False  # a person grants the Role
 
     await poll(lambda: _put_back_to_d(inc), timeout=60)
@@ -575,9 +592,11 @@ async def test_a_put_back_that_stopped_at_the_replicas_elsewhere_is_finished_at_
 
     await poll(three_more_looks, timeout=60)
     assert len(await _activity_calls(site, "evacuation_leftovers")) == len(asked), "put back once"
+    done = [kind for kind, _ in await _activity_calls(site, "release_cordons", "set_site_weight", "routing_event")]
+    assert done == ["release_cordons", "set_site_weight", "routing_event"], "each step done once"
     routes = inc.cluster.get_site_routes().sites[a]
-    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
-    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1
+    assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (50, True, False, "")
+    assert inc.cluster.serving_status(MODEL, a).desired_replicas == 3
     await replay_and_record(site, PUT_BACK_FINISHED)
 
 

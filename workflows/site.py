@@ -159,7 +159,9 @@ with workflow.unsafe.imports_passed_through():
         IncidentRecord,
         IncidentView,
         PUT_BACK_KEPT,
+        PUT_BACK_STEPS,
         PUT_BACK_UNFINISHED_KEPT,
+        PutBackStep,
         RepairDecision,
         ScaleInput,
         SiteProbe,
@@ -260,11 +262,13 @@ REMOVED_PATCH = "site-ends-once-removed-from-config"
 #: elsewhere since taken away), undoing what people had changed since.
 PUT_BACK_RECORDED_PATCH = "site-records-put-backs-with-the-claim"
 #: Workflow patch: a put-back of a closed evacuation that did not finish (a step refused, or out of
-#: its tries) is remembered (``IncidentCarry.put_back_unfinished``) and tried again at each safety look
-#: until done (``closed_evacuations`` is handed it). Asked where a put-back fails. Before, one that
-#: stopped after the site's routing was restored (scaling back the replicas it added elsewhere) was
-#: never found again, neither cordon nor routing entry naming it: those replicas stayed for good, their
-#: GPUs used for no one, their nodes never idle for the demand loop to give back.
+#: its tries) is remembered with the step it stopped at (``IncidentCarry.put_back_unfinished``) and
+#: tried again from that step at each safety look until done (``closed_evacuations`` is handed it): the
+#: steps done are not redone, which undid people's scaling and weight of the site every look. Asked
+#: where a put-back fails. Before, one that stopped after the site's routing was restored (scaling
+#: back the replicas it added elsewhere) was never found again, neither cordon nor routing entry
+#: naming it: those replicas stayed for good, their GPUs used for no one, their nodes never idle for
+#: the demand loop to give back.
 PUT_BACK_FINISHED_PATCH = "site-finishes-unfinished-put-backs"
 #: Looks (``site_configured``) that must find the site unnamed, nothing left there, in a row, and
 #: span ``SiteInput.removed_seconds``, before the entity ends: one answer is not enough.
@@ -866,10 +870,11 @@ class SiteEntity(Entity[SiteState]):
         they close. Each once (``IncidentCarry.put_back``), none while an evacuation of the site runs.
         Bounded tries: the next safety look tries again (``IncidentCarry.put_back_unfinished``)."""
         site = self._site.name
+        inc = self.state.incident
         try:
             closed: list[str] = await workflow.execute_activity(
-                act.closed_evacuations, ClosedEvacuationsInput(site=site, put_back=self.state.incident.put_back,
-                                                               unfinished=self.state.incident.put_back_unfinished),
+                act.closed_evacuations, ClosedEvacuationsInput(site=site, put_back=inc.put_back,
+                                                               unfinished=list(inc.put_back_unfinished)),
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                 summary=f"evacuations of {site} no longer running that left something",
             )
@@ -887,8 +892,26 @@ class SiteEntity(Entity[SiteState]):
         marked its own: a node a person took or a repair fenced since stays), the site's Deployments
         scaled back and waited for (``PUT_BACK_READY_SECONDS`` at most), its routing weight as before
         the incident, the replicas it added elsewhere gone. Nodes it bought are their sites' (their
-        max retires them). What the incident's outcome adds ("" when nothing was left)."""
+        max retires them). What the incident's outcome adds ("" when nothing was left).
+
+        An earlier try that stopped at a step (``IncidentCarry.put_back_unfinished``) is resumed at
+        that step: the steps it did are not done again, for people may have changed the site's scale
+        or weight since (``PUT_BACK_STEPS``)."""
         site = self._site.name
+        resume: PutBackStep = self.state.incident.put_back_unfinished.get(evacuation_id, PUT_BACK_STEPS[0])
+        reached = resume
+
+        def due(step: PutBackStep) -> bool:
+            """Whether ``step`` is still to do (not done by an earlier try); if so, it is the one under way."""
+            nonlocal reached
+            if PUT_BACK_STEPS.index(step) < PUT_BACK_STEPS.index(resume):
+                return False
+            reached = step
+            return True
+
+        released: list[str] = []
+        late: list[str] = []
+        deadline = workflow.now()
         try:
             left: EvacuationLeftovers = await workflow.execute_activity(
                 act.evacuation_leftovers, EvacuationRef(site=site, workflow_id=evacuation_id),
@@ -899,55 +922,71 @@ class SiteEntity(Entity[SiteState]):
                 if not left.running:
                     await self._put_back_once(evacuation_id)  # nothing to put back: not asked again
                 return ""
-            workflow.logger.warning("site %s: %s closed without putting back what it changed: putting it back",
-                                    site, evacuation_id)
-            released: list[str] = await workflow.execute_activity(
-                act.release_cordons, ReleaseCordonsInput(nodes=left.cordoned, cordoned_by=evacuation_id),
-                start_to_close_timeout=QUICK, retry_policy=retry,
-                summary=f"uncordon the nodes {evacuation_id} cordoned at {site} (none someone else holds)",
-            )
-            for model, replicas in sorted(left.here.items()):
-                await self._scale(model, site, replicas, retry)
-            deadline = workflow.now() + timedelta(seconds=min(self._incident_settings.ready_seconds,
-                                                              PUT_BACK_READY_SECONDS))
-            late = []
-            for model in sorted(m for m, replicas in left.here.items() if replicas > 0):
-                try:
-                    await wait_for_serving(model, site, deadline, poll_seconds=1.0,
-                                           summary=f"wait for {model} back at {site}")
-                except ActivityError as error:
-                    late.append(f"{model} ({failure_message(error)})")
-            await workflow.execute_activity(
-                act.set_site_weight,
-                SiteWeightInput(site=site, percent=100, healthy=True, draining=False, incident="",
-                                original_models=left.original_models, original_site=left.original_site,
-                                all_sites=left.all_sites),
-                start_to_close_timeout=QUICK, retry_policy=retry, summary=f"routing weight of {site} as before",
-            )
-            event = SiteEvent(kind="restore", site=site, cap_percent=100,
-                              detail=f"restored to 100% ({evacuation_id} closed without putting back)")
-            await workflow.execute_activity(
-                act.routing_event, SiteEventInput(event=event, models=sorted(left.original_models), wait_seconds=50),
-                start_to_close_timeout=QUICK, heartbeat_timeout=timedelta(seconds=10), retry_policy=retry,
-                summary=f"routing of {len(left.original_models)} models: restore {site}",
-            )
-            for model, where in sorted(left.elsewhere.items()):
-                for target, replicas in sorted(where.items()):
-                    await self._scale(model, target, replicas, retry)
+            if resume == PUT_BACK_STEPS[0]:
+                workflow.logger.warning("site %s: %s closed without putting back what it changed: putting it back",
+                                        site, evacuation_id)
+            else:
+                workflow.logger.warning("site %s: putting back the rest of what %s left, from its %s step on",
+                                        site, evacuation_id, resume)
+            if due("uncordon"):
+                released = await workflow.execute_activity(
+                    act.release_cordons, ReleaseCordonsInput(nodes=left.cordoned, cordoned_by=evacuation_id),
+                    start_to_close_timeout=QUICK, retry_policy=retry,
+                    summary=f"uncordon the nodes {evacuation_id} cordoned at {site} (none someone else holds)",
+                )
+            if due("scale-here"):
+                for model, replicas in sorted(left.here.items()):
+                    await self._scale(model, site, replicas, retry)
+            if due("wait-here"):
+                deadline = workflow.now() + timedelta(seconds=min(self._incident_settings.ready_seconds,
+                                                                  PUT_BACK_READY_SECONDS))
+                for model in sorted(m for m, replicas in left.here.items() if replicas > 0):
+                    try:
+                        await wait_for_serving(model, site, deadline, poll_seconds=1.0,
+                                               summary=f"wait for {model} back at {site}")
+                    except ActivityError as error:
+                        late.append(f"{model} ({failure_message(error)})")
+            if due("weight"):
+                await workflow.execute_activity(
+                    act.set_site_weight,
+                    SiteWeightInput(site=site, percent=100, healthy=True, draining=False, incident="",
+                                    original_models=left.original_models, original_site=left.original_site,
+                                    all_sites=left.all_sites),
+                    start_to_close_timeout=QUICK, retry_policy=retry, summary=f"routing weight of {site} as before",
+                )
+            if due("routing-event"):
+                event = SiteEvent(kind="restore", site=site, cap_percent=100,
+                                  detail=f"restored to 100% ({evacuation_id} closed without putting back)")
+                await workflow.execute_activity(
+                    act.routing_event,
+                    SiteEventInput(event=event, models=sorted(left.original_models), wait_seconds=50),
+                    start_to_close_timeout=QUICK, heartbeat_timeout=timedelta(seconds=10), retry_policy=retry,
+                    summary=f"routing of {len(left.original_models)} models: restore {site}",
+                )
+            if due("scale-elsewhere"):
+                for model, where in sorted(left.elsewhere.items()):
+                    for target, replicas in sorted(where.items()):
+                        await self._scale(model, target, replicas, retry)
         except ActivityError as error:
             workflow.logger.error("site %s: what %s left not all put back (%s): see the runbook", site,
                                   evacuation_id, failure_message(error))
             if workflow.patched(PUT_BACK_FINISHED_PATCH):
                 inc = self.state.incident
-                inc.put_back_unfinished = [*(i for i in inc.put_back_unfinished if i != evacuation_id),
-                                           evacuation_id][-PUT_BACK_UNFINISHED_KEPT:]
-                return (f"; what it left not all put back ({failure_message(error)}): tried again at the next "
-                        "safety look; see GpufleetIncidentOpen in docs/operations.md")
+                unfinished = {i: step for i, step in inc.put_back_unfinished.items() if i != evacuation_id}
+                unfinished[evacuation_id] = reached  # newest last
+                inc.put_back_unfinished = dict(list(unfinished.items())[-PUT_BACK_UNFINISHED_KEPT:])
+                return (f"; what it left not all put back ({failure_message(error)}): tried again from its {reached} "
+                        "step at the next safety look; see GpufleetIncidentOpen in docs/operations.md")
             return (f"; what it left not all put back ({failure_message(error)}): see GpufleetIncidentOpen in "
                     "docs/operations.md")
         await self._put_back_once(evacuation_id)
-        note = (f"; put back what it left: {len(released)} nodes uncordoned, {len(left.here)} models' replicas "
-                f"and routing at {site}, {sum(len(w) for w in left.elsewhere.values())} scaled back elsewhere")
+        elsewhere = sum(len(w) for w in left.elsewhere.values())
+        if resume == PUT_BACK_STEPS[0]:
+            note = (f"; put back what it left: {len(released)} nodes uncordoned, {len(left.here)} models' replicas "
+                    f"and routing at {site}, {elsewhere} scaled back elsewhere")
+        else:
+            note = (f"; put back the rest of what it left, from its {resume} step on (an earlier try did the steps "
+                    f"before): {elsewhere} scaled back elsewhere")
         if late:
             note += f"; not ready again by {deadline:%H:%M:%S} UTC: {', '.join(late)}"
         workflow.logger.warning("site %s: %s%s", site, evacuation_id, note)
@@ -960,7 +999,7 @@ class SiteEntity(Entity[SiteState]):
         site's evacuation claim for the runs after it (a run started afresh carries nothing)."""
         inc = self.state.incident
         inc.put_back = [*(i for i in inc.put_back if i != evacuation_id), evacuation_id][-PUT_BACK_KEPT:]
-        inc.put_back_unfinished = [i for i in inc.put_back_unfinished if i != evacuation_id]
+        inc.put_back_unfinished.pop(evacuation_id, None)
         if not workflow.patched(PUT_BACK_RECORDED_PATCH):
             return
         site = self._site.name

@@ -4,7 +4,7 @@ state, repair admission, SiteEvacuation and its activities (one model each)."""
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, Field
 
@@ -44,6 +44,11 @@ PUT_BACK_KEPT = 50
 #: How many unfinished put-backs a Site entity carries (``IncidentCarry.put_back_unfinished``), newest
 #: kept: as many as ``closed_evacuations`` looks at.
 PUT_BACK_UNFINISHED_KEPT = 10
+#: The steps of a Site entity's put-back of a closed evacuation, in order: its cordons lifted, the
+#: site's Deployments scaled back, waited for, the site's routing weight as before its incident, the
+#: routing event telling the models' Routing entities, the replicas it added elsewhere scaled back.
+PutBackStep = Literal["uncordon", "scale-here", "wait-here", "weight", "routing-event", "scale-elsewhere"]
+PUT_BACK_STEPS: tuple[PutBackStep, ...] = get_args(PutBackStep)
 
 
 class ClosedEvacuationsInput(BaseModel):
@@ -92,11 +97,13 @@ class IncidentCarry(BaseModel):
     #: and the replicas elsewhere went back to before its incident, undoing what people changed since.
     put_back: list[str] = Field(default_factory=list)
     #: Evacuations whose put-back the entity began and did not finish (a step refused or out of its
-    #: tries), newest last and bounded (``PUT_BACK_UNFINISHED_KEPT``): tried again at each safety look
-    #: until done. Its last steps leave nothing for ``closed_evacuations`` to find by (the cordons are
-    #: lifted, the routing entry restored): one that stopped at scaling back the replicas it added
-    #: elsewhere left them there for good, their GPUs used for no one.
-    put_back_unfinished: list[str] = Field(default_factory=list)
+    #: tries), each with the step it stopped at, newest last and bounded (``PUT_BACK_UNFINISHED_KEPT``):
+    #: tried again at each safety look from that step on until done. Its last steps leave nothing for
+    #: ``closed_evacuations`` to find by (the cordons are lifted, the routing entry restored): one that
+    #: stopped at scaling back the replicas it added elsewhere left them there for good, their GPUs used
+    #: for no one. The steps done are not redone: each look scaled the site and set its weight back to
+    #: before the incident again, undoing what people had changed since.
+    put_back_unfinished: dict[str, PutBackStep] = Field(default_factory=dict)
 
 
 class IncidentView(BaseModel):
