@@ -137,6 +137,7 @@ def csr_decision(
     is_our_node: Callable[[str], bool],
     addresses: Callable[[str], "list[str] | None"],
     renewable: Callable[[str], bool] | None = None,
+    serving_spent: Callable[[str], "str | None"] = lambda _node: None,
 ) -> CsrDecision | None:
     """Approve, deny, or ``None`` (not gpufleet's to judge: left to its usual approver).
 
@@ -146,7 +147,10 @@ def csr_decision(
     With ``renewable`` gpufleet judges every node's client-certificate renewal (so kubeadm's
     ``kubeadm:node-autoapprove-certificate-rotation`` can go): a live gpufleet node's, or one
     of a node ``renewable`` vouches for (a control-plane node), for its own name; any other
-    node's is denied, so a removed node's credential ends with its certificate."""
+    node's is denied, so a removed node's credential ends with its certificate.
+
+    ``serving_spent(node)`` says why a node may get no more serving certificates now (None: it may):
+    its serving request is then denied without asking ``addresses``, each ask a provider call."""
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
@@ -192,6 +196,8 @@ def csr_decision(
         if sans is not None:
             return verdict(False, "a kubelet client certificate names no alternative names")
         return verdict(True, f"{user} asked for {subject}, the node it may be")
+    if spent := serving_spent(want):
+        return verdict(False, spent)
     reported = addresses(want)
     if not reported:
         return None  # nothing to check the addresses against: no serving certificate from us

@@ -17,7 +17,8 @@ import dataclasses
 import json
 import threading
 import uuid
-from datetime import timedelta
+from collections import Counter
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from temporalio.contrib.pydantic import pydantic_data_converter
@@ -32,9 +33,11 @@ from fleet.config import load_config
 from fleet.messages.csr import VERDICT_NAME_CHARS, VERDICTS_NAMED
 from fleet.messages import watches as watch_messages
 from fleet.messages.watches import CSR_FLOOD_PACE_SECONDS, CSRS_MARKED, CsrMark, CsrWatchInput, CsrWatchResult
+from fleet.models import Machine
 from fleet.routing import shortened
 from fleet.settings import Settings
-from providers.cluster.base import CLIENT_SIGNER
+from providers.cluster.base import CLIENT_SIGNER, SERVING_SIGNER
+from providers.cluster.kubernetes.csrs import SERVING_PER_WINDOW
 from tests.cluster import fake_apiserver
 from tests.cluster.sim_kubelet import csr_pem, unreadable_csr_pem
 from tests.conftest import wait_for, write_fleet
@@ -191,6 +194,86 @@ def test_a_request_whose_extensions_cannot_be_read_is_denied_and_the_pass_decide
         assert verdicts[name].reason.startswith("unparseable request") and len(verdicts[name].reason) <= 200
     conditions = {c["metadata"]["name"]: [k["type"] for k in c["status"]["conditions"]] for c in fake.objects(*CSRS)}
     assert conditions == {"a-renewal": ["Approved"], "b-key-usage": ["Denied"], "b-duplicate": ["Denied"]}
+
+
+class MachineLookups:
+    """Site ``site-a``'s provider as the approver uses it: the addresses of each machine, and how many
+    times it was asked (each a call against the account's rate limit, shared by all its sites)."""
+
+    def __init__(self, addresses: dict[str, str]) -> None:
+        self.addresses, self.calls = addresses, Counter()
+
+    def get_machine(self, machine_id: str) -> Machine:
+        self.calls[machine_id] += 1
+        return Machine(id=machine_id, name=machine_id, site="site-a", provider="lambda", state="running",
+                       addresses=[self.addresses[machine_id]])
+
+
+def live_serving_nodes(env: FleetEnv, kube, addresses: dict[str, str]) -> MachineLookups:
+    """Live nodes at ``site-a`` (node → its machine's address; machine ``m-<node>``) and the provider."""
+    for node in addresses:
+        identity = NodeIdentity(node_name=node, machine_id=f"m-{node}", provider="lambda", account="acct-a",
+                                site="site-a")
+        kube.update_state(NODE_IDENTITY_KIND, node, lambda _old, identity=identity: identity.state())
+    lookups = MachineLookups({f"m-{node}": address for node, address in addresses.items()})
+    env._providers["site-a"] = lookups
+    return lookups
+
+
+def serving_csrs(fake, names: list[str], node: str, address: str, approved_at: datetime | None = None) -> None:
+    """Serving CSRs from ``node``'s kubelet for its own name and address, one request (a node may reuse
+    it); ``approved_at``: approved then."""
+    request = base64.b64encode(csr_pem(f"system:node:{node}", ["system:nodes"], ips=[address], dns=[node])).decode()
+    status = {"conditions": [{"type": "Approved", "status": "True", "reason": "GpufleetApproved",
+                              "lastUpdateTime": approved_at.strftime("%Y-%m-%dT%H:%M:%SZ")}]} if approved_at else {}
+    for name in names:
+        fake.put(*CSRS, {"metadata": {"name": name}, "status": status, "spec": {
+            "request": request, "signerName": SERVING_SIGNER, "username": f"system:node:{node}",
+            "groups": ["system:nodes"], "usages": ["digital signature", "server auth"]}})
+
+
+def test_a_live_nodes_flood_of_serving_csrs_asks_its_provider_once_a_pass(env, fake, kube) -> None:
+    """A live node's kubelet posted 400 serving CSRs for its own name and address. Each was judged
+    against the provider before any was decided: 400 calls against its account's rate limit a pass,
+    and every join's 1 s poll runs a pass; rate limited, the provider probe fails and the site is
+    evacuated. Now a pass asks the provider once per node, approves the newest (the one its kubelet
+    waits on) and denies the rest as superseded; an honest node's request posted after the flood is
+    approved, and written before the flood's 399 denials."""
+    lookups = live_serving_nodes(env, kube, {"gpu-hostile": "10.0.0.66", "gpu-honest": "10.0.0.7"})
+    flood_names = [f"a-flood-{i:04d}" for i in range(400)]
+    serving_csrs(fake, flood_names, "gpu-hostile", "10.0.0.66")
+    serving_csrs(fake, ["z-honest"], "gpu-honest", "10.0.0.7")
+
+    result = asyncio.run(ActivityEnvironment().run(ControlPlaneActivities(env).approve_node_csrs))
+    assert lookups.calls == {"m-gpu-hostile": 1, "m-gpu-honest": 1}, lookups.calls
+    assert (result.approved, result.denied) == (2, 399)
+    csrs = {c["metadata"]["name"]: c for c in fake.objects(*CSRS)}
+    verdicts = {name: [k["type"] for k in c["status"]["conditions"]] for name, c in csrs.items()}
+    assert verdicts == {"z-honest": ["Approved"], flood_names[-1]: ["Approved"],
+                        **{name: ["Denied"] for name in flood_names[:-1]}}
+    # Written in that order (the fake's resourceVersion counts writes): no approval waits on a flood's denials.
+    written = {name: int(c["metadata"]["resourceVersion"]) for name, c in csrs.items()}
+    assert written["z-honest"] < min(written[name] for name in flood_names[:-1])
+
+
+def test_a_node_whose_serving_allowance_is_spent_costs_its_provider_no_call(env, fake, kube) -> None:
+    """A live node approved ``SERVING_PER_WINDOW`` serving certificates this hour may get no more, and
+    its requests were denied only after each was judged against the provider: a node that keeps
+    asking cost a provider call for every request, on every pass. Now they are denied without one."""
+    lookups = live_serving_nodes(env, kube, {"gpu-hostile": "10.0.0.66"})
+    approved_at = datetime.now(timezone.utc) - timedelta(minutes=5)
+    serving_csrs(fake, [f"a-approved-{i}" for i in range(SERVING_PER_WINDOW)], "gpu-hostile", "10.0.0.66",
+                 approved_at=approved_at)
+    flood_names = [f"b-flood-{i:04d}" for i in range(50)]
+    serving_csrs(fake, flood_names, "gpu-hostile", "10.0.0.66")
+
+    result = asyncio.run(ActivityEnvironment().run(ControlPlaneActivities(env).approve_node_csrs))
+    assert lookups.calls == {}, lookups.calls
+    assert (result.approved, result.denied) == (0, 50)
+    denied = {c["metadata"]["name"]: c["status"]["conditions"] for c in fake.objects(*CSRS)
+              if c["metadata"]["name"] in flood_names}
+    assert all([k["type"] for k in conditions] == ["Denied"] for conditions in denied.values()), denied
+    assert f"had {SERVING_PER_WINDOW} serving certificates approved" in denied[flood_names[-1]][0]["message"]
 
 
 def test_a_csr_under_a_signer_gpufleet_does_not_judge_wakes_no_watch(env, fake) -> None:

@@ -12,7 +12,9 @@ and a removed node's certificate is its last; so is a renewal past ``RENEWALS_PE
 in ``RENEWAL_WINDOW`` (a kubelet renews once per certificate lifetime). A kubelet-serving
 CSR only when its names are the node's name and the addresses the provider reports for
 its machine, and at most ``SERVING_PER_WINDOW`` of a node's in ``RENEWAL_WINDOW``. Other CSRs
-(other signers, other requesters) are left alone.
+(other signers, other requesters) are left alone. A node's requests are its own to post, any
+number: a pass asks the provider for a node's addresses once, and not at all once its allowance
+is spent, and writes its approvals before its denials.
 """
 
 from __future__ import annotations
@@ -82,10 +84,19 @@ class CsrApprover(Watches, ControlPlaneState):
             return node in control_plane[0]
 
         keys: list[dict[str, dict[str, str]]] = []  # NODE_KEYS_KIND, listed when first needed
+        looked_up: dict[str, list[str] | None] = {}
+
+        def addresses_once(node: str) -> list[str] | None:
+            """Asked once per node a pass, however many requests it posted: each ask is a call to the
+            provider, against a rate limit its account's other machines and sites share."""
+            if node not in looked_up:
+                looked_up[node] = addresses(node)
+            return looked_up[node]
 
         def judge(csr: dict[str, Any]) -> CsrDecision | None:
             return csr_decision(csr, lambda token_id: self._token_node(token_id, tokens),
-                                lambda node: node in identities, addresses, renewable)
+                                lambda node: node in identities, addresses_once, renewable,
+                                lambda node: spent((SERVING_SIGNER, node)))
 
         def bind_key(node: str, fingerprint: str, csr: str) -> None:
             keys[0][node] = self.update_state(NODE_KEYS_KIND, node, lambda old: with_key(old, fingerprint, csr))
@@ -94,6 +105,15 @@ class CsrApprover(Watches, ControlPlaneState):
         items = sorted(listed.get("items", []), key=_order)
         since = datetime.now(timezone.utc) - RENEWAL_WINDOW
         approved = Counter(asked for csr in items if (asked := _node_asks(csr)) and _approved_after(csr, since))
+
+        def spent(asked: tuple[str, str]) -> str | None:
+            """Why the node may get no more certificates of this kind in the window (None: it may)."""
+            most, what, why = _CAPPED[asked[0]]
+            if approved[asked] < most:
+                return None
+            return (f"node {asked[1]} had {approved[asked]} {what} in the last "
+                    f"{RENEWAL_WINDOW.total_seconds() / 3600:g} h, the most it may: {why}")
+
         # Judged before any is decided: a kubelet waits only on the newest certificate it asked for
         # (one unanswered for minutes it gives up on, and asks again), so of a node's open requests
         # of one kind that gpufleet would approve only the newest is, the older are denied as
@@ -104,6 +124,7 @@ class CsrApprover(Watches, ControlPlaneState):
         newest = {asked: _order(csr) for csr in items
                   if (verdict := verdicts.get(_order(csr))) is not None and verdict.approve
                   and (asked := _node_asks(csr))}
+        denials: list[tuple[dict[str, Any], CsrDecision]] = []
         for csr in items:
             status = csr.get("status") or {}
             judged = {c.get("type") for c in status.get("conditions") or []}
@@ -128,20 +149,23 @@ class CsrApprover(Watches, ControlPlaneState):
             if decision is None:
                 continue
             if decision.approve and (asked := _node_asks(csr)) is not None:
-                most, what, why = _CAPPED[asked[0]]
                 if _order(csr) < newest[asked]:
                     decision = decision.model_copy(update={"approve": False, "reason": (
                         f"superseded: node {asked[1]} asked again since (its kubelet waits on its newest request)")})
-                elif approved[asked] >= most:
-                    decision = decision.model_copy(update={"approve": False, "reason": (
-                        f"node {asked[1]} had {approved[asked]} {what} in the last "
-                        f"{RENEWAL_WINDOW.total_seconds() / 3600:g} h, the most it may: {why}")})
+                elif reason := spent(asked):
+                    decision = decision.model_copy(update={"approve": False, "reason": reason})
                 else:
                     approved[asked] += 1
             if decision.approve and unbound:
                 bind_key(*client_key, _order(csr))  # before the approval: no certificate is ever out unbound
-            self._decide(csr, decision)
+            if decision.approve:
+                self._decide(csr, decision)
+            else:
+                denials.append((csr, decision))
             decisions.append(decision)
+        # Denied last: one node's thousands of requests, a write each, delay no node's approval.
+        for csr, decision in denials:
+            self._decide(csr, decision)
         return decisions
 
     def _token_node(self, token_id: str, cache: dict[str, str | None]) -> str | None:
