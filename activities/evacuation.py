@@ -15,6 +15,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities.capacity import is_running, number_past_record, run_end
+from activities.claims import CLAIM_HOLDER, take_claim
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from fleet.config import Site
@@ -83,7 +84,6 @@ async def _running_repairs(client, site: str):
 
 #: Which SiteEvacuation acts at a site: state ``evacuation-claim``/<site> names it (``CLAIM_HOLDER``).
 EVACUATION_CLAIM_KIND = "evacuation-claim"
-CLAIM_HOLDER = "workflow-id"
 #: The same record's evacuations of the site whose leftovers the Site entity put back (a JSON list of
 #: ids, newest last, ``PUT_BACK_KEPT`` at most): kept beside the claim, which outlives the entity's
 #: runs and is backed up, so that a Site entity started again does not put one back a second time.
@@ -98,10 +98,6 @@ def put_back_recorded(claim: dict[str, str]) -> list[str]:
     except ValueError:
         return []
     return [i for i in ids if isinstance(i, str)] if isinstance(ids, list) else []
-
-
-class _ClaimMoved(Exception):
-    """The site's evacuation claim changed between its read and its write."""
 
 
 class EvacuationActivities:
@@ -336,26 +332,8 @@ class EvacuationActivities:
         visibility, asked before, is eventually consistent: two evacuations started within its lag,
         such as a person's beside the Site entity's at the same outage, each listed none and both
         acted.)"""
-        client, cluster = activity.client(), self.env.cluster
-        for _ in range(10):
-            claim = await asyncio.to_thread(cluster.read_state, EVACUATION_CLAIM_KIND, input.site)
-            holder = claim.get(CLAIM_HOLDER, "")
-            if holder and holder != input.workflow_id and await is_running(client, holder):
-                return holder
-            if holder == input.workflow_id:
-                return ""  # taken by an earlier attempt of this activity, or an earlier run of this one
-
-            def take(data: dict[str, str], seen: str = holder) -> dict[str, str]:
-                if data.get(CLAIM_HOLDER, "") != seen:
-                    raise _ClaimMoved  # another took it since it was read: look again
-                return {**data, CLAIM_HOLDER: input.workflow_id}  # the put-back record stays
-
-            try:
-                await asyncio.to_thread(cluster.update_state, EVACUATION_CLAIM_KIND, input.site, take)
-            except _ClaimMoved:
-                continue
-            return ""
-        raise Transient(f"{input.site}: the evacuation claim kept changing", provider="kubernetes")
+        return await take_claim(activity.client(), self.env.cluster, EVACUATION_CLAIM_KIND, input.site,
+                                input.workflow_id)
 
     @activity.defn
     async def evacuation_end(self, input: EvacuationRef) -> str:

@@ -20,6 +20,7 @@ from temporalio.exceptions import ApplicationError
 from temporalio.service import RPCError
 
 from activities.capacity import heartbeating
+from activities.claims import take_claim
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.waiting import poll_until
@@ -35,11 +36,17 @@ from fleet.messages.rollout import (
     UpdateServingInput,
     WaitServingInput,
 )
-from fleet.rollout import ProbeResult, RolloutProgress, check_routed_sites
+from fleet.rollout import ProbeResult, RolloutProgress, another_rollout_running, check_routed_sites
 from fleet.cluster import ServingSpec, ServingStatus
 from fleet.contracts import workflows as flows
-from fleet.naming import kubernetes_name_clash, model_service_clash, serving_name_clash
+from fleet.naming import dns_label, kubernetes_name_clash, model_service_clash, serving_name_clash
 from providers.cluster.base import free_gpus_at
+
+
+#: Which ModelRollout acts on a model: state ``rollout-claim``/<the model's Kubernetes name> names it.
+ROLLOUT_CLAIM_KIND = "rollout-claim"
+#: A rollout's phases before it changes anything, and once it ended (a closed run the list still shows).
+NOT_ACTING = {"starting", "validating", "failed", "completed", "completed-with-failures", "aborted", "cancelled"}
 
 
 class ServingActivities:
@@ -73,13 +80,13 @@ class ServingActivities:
         asked = [name for name in input.sites if name in sites]
         problems = []
         if input.model:
-            # The other rollouts first: one that ends meanwhile has its Deployments listed next.
-            rolling_out = await self._other_rollouts(input.model)
+            running = await self._rollout_running(input.model)
             served: dict[str, list[str]] = {}
             for status in await asyncio.to_thread(self.env.cluster.list_serving):
                 served.setdefault(status.model, []).append(status.site)
-            problems = (self._name_clashes(input.model, served) + self._serving_name_clashes(input, served)
-                        + check_routed_sites(input.model, input.sites, served.get(input.model, []), rolling_out))
+            problems = ([running] if running else []) + (
+                self._name_clashes(input.model, served) + self._serving_name_clashes(input, served)
+                + check_routed_sites(input.model, input.sites, served.get(input.model, [])))
         return RolloutSites(
             known=sorted(sites), stores={name: sites[name].object_store for name in asked},
             object_stores=sorted(self.env.config.object_stores),
@@ -120,29 +127,39 @@ class ServingActivities:
                          for other in models if (clash := model_service_clash(other, input.model, target))]
         return problems
 
+    async def _rollout_running(self, model: str) -> str:
+        """The problem when another rollout of ``model`` runs (``another_rollout_running``), else ""
+        with the model's rollout claim taken (``activities.claims``): rollouts of one model have one
+        id per version, which Temporal does not keep apart. The claim is keyed by the model's
+        Kubernetes name, the objects a rollout writes (``Llama-3-8B`` and ``llama_3_8b`` share
+        them), and taken here, the rollout's first step, so a rollout started from code or the
+        ``temporal`` CLI takes it too; it is free once its holder ended, however it ended."""
+        client, me = activity.client(), activity.info().workflow_id
+        holder = (await take_claim(client, self.env.cluster, ROLLOUT_CLAIM_KIND, dns_label(model), me)
+                  or await self._unclaimed_rollout(model))
+        return another_rollout_running(holder) if holder else ""
+
     @staticmethod
-    async def _other_rollouts(model: str) -> dict[str, list[str]]:
-        """The target sites of the model's other running rollouts (rollout id -> sites): each
-        adds its sites to the model's route. Rollouts of one model have one id per version, so
-        two can run at once; of two started together, the one that looks later sees the other
-        (once the list shows it: visibility lags a start by a moment). One that ended between
-        the list and its query is left out (its Deployments are listed after), and so is one
-        whose run has not begun (it looks itself, and sees this one)."""
+    async def _unclaimed_rollout(model: str) -> str:
+        """A rollout of ``model`` that acts without the claim, by Temporal's list: one started
+        before rollouts took it (or whose record was lost), past its validation, so running long
+        enough for the list to show it. One still validating is left out: it takes the claim (or
+        is refused by it) itself, and counted here two started together would each refuse the
+        other. A closed one the list still shows as running says so by its phase."""
         client, info = activity.client(), activity.info()
         query = (f'WorkflowType = "{flows.ModelRollout.TYPE}" AND ExecutionStatus = "Running" '
                  f'AND TaskQueue = "{info.task_queue}" AND Model = "{model}"')
-        found: dict[str, list[str]] = {}
         async for wf in client.list_workflows(query):
-            if wf.run_id == info.workflow_run_id:
+            if wf.id == info.workflow_id:
                 continue
             try:
                 progress = await client.get_workflow_handle(wf.id, run_id=wf.run_id).query(
                     flows.ModelRollout.progress, result_type=RolloutProgress)
             except (RPCError, WorkflowQueryFailedError, WorkflowQueryRejectedError):
                 continue
-            if progress is not None:
-                found[wf.id] = [s.site for s in progress.sites]
-        return found
+            if progress is not None and progress.phase not in NOT_ACTING:
+                return wf.id
+        return ""
 
     @activity.defn
     @typed_errors

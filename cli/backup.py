@@ -1,15 +1,16 @@
 """``gpufleet backup export FILE`` / ``gpufleet backup restore FILE``: gpufleet's state in the
 cluster, in one versioned YAML document.
 
-What a fleet cannot rebuild from its config and its providers lives in control-plane state
-objects (``Cluster.update_state``: ConfigMaps labelled ``gpufleet.io/state`` in the control
-plane's namespace; the sim keeps them in ``sim.db``): the provider accounts' states (quota-blocked
-offers, revoked credentials, deletes queued while revoked), own-rack allocations, the identity
-record and bound client keys of every node, the usage ledger, and which evacuation acts at each
-site. ``BACKED_UP`` names each kind; ``LEFT_OUT`` names those a backup leaves out, and why (a test
-keeps the two together equal to every kind the product writes). The sim keeps its account guard
-in tables of ``sim.db`` rather than state objects (``activities.account_store``): the document holds them
-exactly as a real control plane's ``account`` objects, so a backup reads the same in both modes.
+What a fleet cannot rebuild from its config and its providers lives in control-plane state objects
+(``Cluster.update_state``: ConfigMaps labelled ``gpufleet.io/state`` in the control plane's
+namespace; the sim keeps them in ``sim.db``): the provider accounts' states (quota-blocked offers,
+revoked credentials, deletes queued while revoked), own-rack allocations, the identity record and
+bound client keys of every node, the usage ledger, which evacuation acts at each site and which
+rollout on each model. ``BACKED_UP`` names each kind; ``LEFT_OUT`` names those a backup leaves out,
+and why (a test keeps the two together equal to every kind the product writes). The sim keeps its
+account guard in tables of ``sim.db`` rather than state objects (``activities.account_store``): the
+document holds them exactly as a real control plane's ``account`` objects, so a backup reads the
+same in both modes.
 
 No secret is ever read, so none can be written: provider credentials (Secrets, files and
 variables the config names), join tokens and the join-token key (Secrets in ``kube-system`` and
@@ -68,6 +69,9 @@ BACKED_UP = {
     "evacuation-claim": "which SiteEvacuation acts at each site: without it a second evacuation "
                         "started at that site would act beside one still running; and the closed ones "
                         "the Site entity put back: without it one is put back again",
+    # As an evacuation's: a rollout claim whose rollout has ended is taken by the next one.
+    "rollout-claim": "which ModelRollout acts on each model: without it one still running is known to the "
+                     "next rollout of its model only by Temporal's list, which shows a run a moment late",
 }
 #: Kinds a backup leaves out, and why.
 LEFT_OUT = {

@@ -44,7 +44,7 @@ from fleet.naming import (
     site_workflow_id,
 )
 from fleet.repair_policy import Rung
-from fleet.rollout import RolloutInput, RolloutProgress, RolloutResult
+from fleet.rollout import RolloutInput, RolloutProgress, RolloutResult, another_rollout_running
 from fleet.settings import Settings
 from fleet.contracts import workflows as flows
 from fleet.visibility import open_runs_query, utc_stamp
@@ -312,6 +312,10 @@ class FleetClient:
             if problems:
                 field, _, message = problems[0].partition(": ")
                 raise InvalidArgument([(field, message)], "rollout")
+        running = await self.running_rollout(args.model)
+        if running is not None and running != args.rollout_id:  # the same version attaches
+            field, _, message = another_rollout_running(running).partition(": ")
+            raise InvalidArgument([(field, message)], "rollout")
         client = await self.temporal()
         return await client.start_workflow(
             flows.ModelRollout.TYPE, _payload(args), id=args.rollout_id, task_queue=self.settings.task_queue,
@@ -320,6 +324,25 @@ class FleetClient:
                                                      SearchAttributePair(sa.MODEL_VERSION, args.version)]),
             static_summary=f"roll {args.model} {args.version} out to {len(args.sites)} sites",
         )
+
+    async def running_rollout(self, model: str) -> str | None:
+        """The id of the rollout of ``model`` running now, as Temporal's list shows it (a moment
+        after its start: one started within that moment is refused by the rollout's first step,
+        which claims the model, instead)."""
+        client = await self.temporal()
+        query = (f'WorkflowType = "{flows.ModelRollout.TYPE}" AND ExecutionStatus = "Running" '
+                 f'AND TaskQueue = "{self.settings.task_queue}" AND Model = "{_text("model", model)}"')
+        async for wf in client.list_workflows(query):
+            # The list lags a close too: the run itself says whether it still runs.
+            try:
+                described = await client.get_workflow_handle(wf.id).describe()
+            except RPCError as error:
+                if error.status == RPCStatusCode.NOT_FOUND:
+                    continue
+                raise
+            if described.status == WorkflowExecutionStatus.RUNNING:
+                return wf.id
+        return None
 
     async def rollout_progress(self, rollout: str) -> RolloutProgress | None:
         """None while the rollout is still starting."""

@@ -249,27 +249,28 @@ def check_sites(request: RolloutInput, stores: dict[str, ObjectStore | None], kn
     return problems
 
 
-def check_routed_sites(model: str, targets: list[str], served: Iterable[str],
-                       rolling_out: Mapping[str, Iterable[str]]) -> list[str]:
+def check_routed_sites(model: str, targets: list[str], served: Iterable[str]) -> list[str]:
     """The model's route past ``MAX_ROUTED_SITES`` once this rollout is done: its HTTPRoute has a
     backendRef for every site with the model's Deployment, which is each site it is ``served``
-    at (a rollout retires none), each target (given one even at 0 replicas), and each target of
-    its other running rollouts ``rolling_out`` (rollout id -> sites). Refused at start: the API
-    server would refuse the route's write only after the copies and the Deployments."""
-    counted = set(targets)
-    parts = [f"the target sites ({', '.join(targets)})"]
-    for what, sites in [("the sites it is served at already", served),
-                        *((f"the sites running rollout {rollout} targets too", sites)
-                          for rollout, sites in sorted(rolling_out.items()))]:
-        more = sorted(set(sites) - counted)
-        counted |= set(more)
-        if more:
-            parts.append(f"{what} ({', '.join(more)})")
-    if len(counted) <= MAX_ROUTED_SITES:
+    at (a rollout retires none) and each target (given one even at 0 replicas). No other rollout
+    of the model adds to it: one runs at a time. Refused at start: the API server would refuse
+    the route's write only after the copies and the Deployments."""
+    more = sorted(set(served) - set(targets))
+    counted = len(set(targets)) + len(more)
+    if counted <= MAX_ROUTED_SITES:
         return []
-    return [f"sites: {model!r} would be routed to {len(counted)} sites, at most {MAX_ROUTED_SITES} (its HTTPRoute's "
+    parts = [f"the target sites ({', '.join(targets)})"] + (
+        [f"the sites it is served at already ({', '.join(more)})"] if more else [])
+    return [f"sites: {model!r} would be routed to {counted} sites, at most {MAX_ROUTED_SITES} (its HTTPRoute's "
             f"backendRefs, Gateway API's limit): {'; '.join(parts)}. A rollout retires no site: target fewer sites "
             "it is not served at"]
+
+
+def another_rollout_running(running: str) -> str:
+    """The problem of a rollout started while ``running``, another rollout of its model, runs: each
+    scales and rolls the model's Deployments to its own version, so two at once fight over them."""
+    return (f"model: {running} is still running, and a model is rolled out by one rollout at a time: wait for it "
+            f"to end, or stop it (gpufleet rollout abort {running}), then start this one again")
 
 
 def plan_batches(sites: list[str], canaries: list[str], batch_size: int) -> list[list[str]]:

@@ -138,6 +138,26 @@ def write_after_next_read(monkeypatch: pytest.MonkeyPatch, cluster: Any, node: s
     return raced
 
 
+def visibility_lagging(monkeypatch, seconds: float = 3.0) -> None:
+    """Temporal's visibility as a production store serves it: eventually consistent (with
+    Elasticsearch about a second behind), so a run started less than ``seconds`` ago is not
+    listed yet. The dev server's SQLite visibility answers at once, which hid this race."""
+    from datetime import datetime, timezone
+
+    from temporalio.client import Client
+
+    listed_now = Client.list_workflows
+
+    def listed_late(self, query=None, **kwargs):
+        async def rows():
+            async for row in listed_now(self, query, **kwargs):
+                if (datetime.now(timezone.utc) - row.start_time).total_seconds() >= seconds:
+                    yield row
+        return rows()
+
+    monkeypatch.setattr(Client, "list_workflows", listed_late)
+
+
 #: Names tests import from here that live with the heavy fixtures (loaded on first use).
 STACK_NAMES = {"CONTROL_PLANE_QUEUES", "NODE_GATEWAYS", "SessionGateway", "Stack", "TEARDOWN_SECONDS", "bounded_teardown",
                "make_settings", "run_node_host", "sim_host", "stacks_now", "start_test_gateway", "stop_stack",

@@ -101,14 +101,16 @@ def source(tmp_path) -> Fleet:
     return fleet
 
 
-#: Where a kind of state is written by a variable rather than a name: the restore itself.
-WRITES_ANY_KIND = {"cli/backup.py"}
+#: Where a kind of state is written by a variable rather than a name: the restore itself, and the
+#: claims' one writer (each claim's kind is named where ``take_claim`` is called).
+WRITES_ANY_KIND = {"cli/backup.py", "activities/claims.py"}
 
 
 def kinds_the_product_writes() -> tuple[set[str], list[str]]:
     """Every kind of state some product module writes (``update_state(KIND, ...)``, directly or
-    through ``asyncio.to_thread``), its argument resolved in that module; and the calls whose kind
-    could not be resolved, outside ``WRITES_ANY_KIND``."""
+    through ``asyncio.to_thread``, or a claim's ``take_claim(client, cluster, KIND, ...)``), its
+    argument resolved in that module; and the calls whose kind could not be resolved, outside
+    ``WRITES_ANY_KIND``."""
     import ast
     import importlib
     import tomllib
@@ -119,7 +121,7 @@ def kinds_the_product_writes() -> tuple[set[str], list[str]]:
     for package in packages:
         for path in sorted((root / package).rglob("*.py")):
             text = path.read_text()
-            if "update_state" not in text:
+            if "update_state" not in text and "take_claim" not in text:
                 continue
             where = path.relative_to(root).as_posix()
             module = None
@@ -130,6 +132,8 @@ def kinds_the_product_writes() -> tuple[set[str], list[str]]:
                     kind = node.args[0] if node.args else None
                 elif node.args and isinstance(node.args[0], ast.Attribute) and node.args[0].attr == "update_state":
                     kind = node.args[1] if len(node.args) > 1 else None
+                elif isinstance(node.func, ast.Name) and node.func.id == "take_claim":
+                    kind = node.args[2] if len(node.args) > 2 else None
                 else:
                     continue
                 if isinstance(kind, ast.Constant):

@@ -48,7 +48,7 @@ from activities.watches import WatchActivities
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, HoldRepairsInput
 from fleet.rollout import RolloutProgress, RolloutResult
 from fleet.settings import Settings
-from tests.conftest import write_before_next_cordon
+from tests.conftest import visibility_lagging, write_before_next_cordon
 from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3: the rollout's S3 stores (a fixture)
 from tests.test_watches import add_node
 
@@ -1619,26 +1619,6 @@ async def test_an_evacuation_started_beside_the_site_entitys_follows_it(inc: Inc
     assert (routes.weight, routes.healthy, routes.draining) == (100, True, False)
     assert not any(n.unschedulable for n in inc.cluster.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": a}))
     await replay_and_record(beside, "site_evacuation_followed")
-
-
-def visibility_lagging(monkeypatch, seconds: float = 3.0) -> None:
-    """Temporal's visibility as a production store serves it: eventually consistent (with
-    Elasticsearch about a second behind), so a run started less than ``seconds`` ago is not
-    listed yet. The dev server's SQLite visibility answers at once, which hid this race."""
-    from datetime import datetime, timezone
-
-    from temporalio.client import Client
-
-    listed_now = Client.list_workflows
-
-    def listed_late(self, query=None, **kwargs):
-        async def rows():
-            async for row in listed_now(self, query, **kwargs):
-                if (datetime.now(timezone.utc) - row.start_time).total_seconds() >= seconds:
-                    yield row
-        return rows()
-
-    monkeypatch.setattr(Client, "list_workflows", listed_late)
 
 
 async def test_two_evacuations_started_at_once_act_as_one(inc: IncStack, monkeypatch) -> None:

@@ -66,9 +66,9 @@ class ReplicateResult(BaseModel):
 
 class ResolveRolloutSitesInput(BaseModel):
     sites: list[str]
-    #: The rollout's model, checked against the models the cluster serves and the fleet config
-    #: names, and its route against the sites it is served at and its other rollouts target
-    #: (none in an input recorded before it: nothing checked).
+    #: The rollout's model, claimed for the rollout (another of it running is refused), checked
+    #: against the models the cluster serves and the fleet config names, and its route against
+    #: the sites it is served at (none in an input recorded before it: nothing checked).
     model: str | None = None
 
 

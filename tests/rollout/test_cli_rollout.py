@@ -11,6 +11,7 @@ import uuid
 import pytest
 from rich.console import Console
 from rich.text import Text
+from temporalio.service import RPCError
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -44,6 +45,45 @@ async def test_cli_start_status_and_updates(rollout_stack: RolloutStack, tmp_pat
 
     result = await asyncio.to_thread(runner.invoke, app, ["rollout", "pause", "rollout/llm/v9"], env=env)
     assert result.exit_code == 1 and "rejected" in result.output
+
+
+async def test_cli_start_refuses_a_second_rollout_of_a_model_naming_the_running_one(rollout_stack: RolloutStack,
+                                                                                   tmp_path) -> None:
+    """`gpufleet rollout start` of another version while one of the model runs (paused here) is
+    refused before anything starts, naming the running one and how to stop it; the running one's
+    own spec still attaches to it."""
+    stack = rollout_stack
+    runner = CliRunner()
+    env = {**stack.settings.env()}
+    stack.serve_v1(["site-a", "site-b"])
+
+    async def start(version: str):
+        spec = tmp_path / f"{version}.json"
+        spec.write_text(json.dumps(stack.request({"site-a": 1, "site-b": 1}, version=version)))
+        return await asyncio.to_thread(runner.invoke, app, ["rollout", "start", str(spec)], env=env)
+
+    assert (await start("v2")).exit_code == 0
+    first = stack.client.get_workflow_handle("rollout/llm/v2")
+    await first.execute_update("pause", "holding the first one")
+    await poll(lambda: _paused(first), timeout=30)
+
+    result = await start("v3")
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.output.split())
+    assert ("model: rollout/llm/v2 is still running, and a model is rolled out by one rollout at a time: wait for it "
+            "to end, or stop it (gpufleet rollout abort rollout/llm/v2)") in said, said
+    with pytest.raises(RPCError):
+        await stack.client.get_workflow_handle("rollout/llm/v3").describe()
+
+    run_id = (await first.describe()).run_id
+    result = await start("v2")
+    assert result.exit_code == 0 and "rollout/llm/v2" in result.output, result.output
+    assert (await first.describe()).run_id == run_id and await _paused(first)
+
+
+async def _paused(handle) -> bool:
+    progress = await handle.query("progress", result_type=RolloutProgress)
+    return progress is not None and progress.phase == "paused"
 
 
 def _rollout_with_site_b_evacuating(stack: RolloutStack, tmp_path, incident: str):

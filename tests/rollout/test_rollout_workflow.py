@@ -19,11 +19,11 @@ from temporalio.service import RPCError
 
 from fleet.cluster import ServingSpec, SiteRoute
 from fleet.errors import ClusterInvalid
-from activities.serving import ServingActivities
+from activities.serving import ROLLOUT_CLAIM_KIND, ServingActivities
 from fleet.messages.rollout import RollbackSiteInput
 from fleet.rollout import RolloutProgress, RolloutResult
 from providers.cluster.kubernetes import render_pod_template
-from tests.conftest import wait_for
+from tests.conftest import visibility_lagging, wait_for
 from tests.details_helpers import current_details, scheduled
 from tests.details_helpers import until as until_utc
 from tests.evacuation_helpers import activity_inputs, cancel_seen, poll
@@ -296,25 +296,65 @@ async def test_a_rollout_that_would_route_the_model_to_more_than_16_sites_is_ref
         assert stack.image(site) is None
 
 
-async def test_a_rollout_counts_the_sites_of_the_models_other_running_rollout(rollout_stack: RolloutStack) -> None:
-    """Rollouts of one model have one id per version, so two run at once: served at 14 sites,
-    one rollout to site-a and site-b (16 then) and another to site-c would end at 17. The second
-    is refused at start, naming the first; alone it would pass (15)."""
+async def test_two_rollouts_of_one_model_started_together_run_one_at_a_time(rollout_stack: RolloutStack,
+                                                                            monkeypatch) -> None:
+    """Two rollouts of one model (v2 and v3: one workflow id per version) started back to back,
+    from code as from the ``temporal`` CLI, within the visibility store's lag: both ran, each
+    rolling the model's Deployment to its own version. One acts: the other is refused at start,
+    naming the one running, having copied and changed nothing; and the model is free the moment
+    the first ends."""
+    visibility_lagging(monkeypatch)
     stack = rollout_stack
-    serve_elsewhere(stack, 14)
+    stack.serve_v1(["site-a"])
+    versions = ("v2", "v3")
+    twins = await asyncio.gather(*(stack.start(stack.request({"site-a": 1}, version=v, gate={"bake_seconds": 1}),
+                                               "twin") for v in versions))
+    ended = await asyncio.gather(*(twin.result() for twin in twins), return_exceptions=True)
+    refused = [i for i, end in enumerate(ended) if isinstance(end, WorkflowFailureError)]
+    assert len(refused) == 1, ended
+    loser, winner = refused[0], 1 - refused[0]
+    error = ended[loser].cause
+    assert isinstance(error, ApplicationError) and error.type == "InvalidInput" and error.non_retryable, error
+    assert (f"model: {twins[winner].id} is still running, and a model is rolled out by one rollout at a time: "
+            f"wait for it to end, or stop it (gpufleet rollout abort {twins[winner].id})") in str(error), error
+    only_the_look_up_ran(await twins[loser].fetch_history())
+    store = stack.stores["site-a"]
+    copied = stack.s3.client(store).list_objects_v2(Bucket=store.bucket, Prefix=f"models/llm/{versions[loser]}/")
+    assert copied.get("KeyCount", 0) == 0
+    assert RolloutResult.model_validate(ended[winner]).outcome == "completed"
+    assert stack.image("site-a") == f"img:{versions[winner]}"
+    after = await stack.start(stack.request({"site-a": 1}, version="v4"), "after")
+    assert RolloutResult.model_validate(await after.result()).outcome == "completed"
+    assert stack.image("site-a") == "img:v4"
+
+
+async def test_a_paused_rollout_holds_its_model_until_it_is_aborted(rollout_stack: RolloutStack) -> None:
+    """A paused rollout still runs: another version of its model is refused at start, naming it
+    and how to stop it; so is one started where the paused one took no claim (started before
+    rollouts claimed their model: Temporal's list shows it). Aborted, the model is free at once."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a", "site-b"])
     first = await stack.start(stack.request({"site-a": 1, "site-b": 1}), "first")
     await first.execute_update("pause", "holding the first one")
     await until(first, lambda p: p.phase == "paused")
+    refused = f"model: {first.id} is still running, and a model is rolled out by one rollout at a time"
     second = await stack.start(stack.request({"site-c": 1}, version="v3"), "second")
     error = await failure_of(second)
-    assert error.type == "InvalidInput" and error.non_retryable, error
-    assert "sites: 'llm' would be routed to 17 sites, at most 16" in str(error), error
-    assert f"the sites running rollout {first.id} targets too (site-a, site-b)" in str(error), error
+    assert error.type == "InvalidInput" and error.non_retryable and refused in str(error), error
     only_the_look_up_ran(await second.fetch_history())
-    store = stack.stores["site-c"]
-    assert stack.s3.client(store).list_objects_v2(Bucket=store.bucket).get("KeyCount", 0) == 0
+    assert stack.cluster.delete_state(ROLLOUT_CLAIM_KIND, MODEL)
+    third = await stack.start(stack.request({"site-c": 1}, version="v4"), "third")
+    error = await failure_of(third)
+    assert error.type == "InvalidInput" and refused in str(error), error
+    only_the_look_up_ran(await third.fetch_history())
     assert stack.image("site-c") is None
     assert (await progress(first)).phase == "paused"
+
+    await first.execute_update("abort", "make way for v5")
+    assert RolloutResult.model_validate(await first.result()).outcome == "aborted"
+    fifth = await stack.start(stack.request({"site-c": 1}, version="v5"), "fifth")
+    assert RolloutResult.model_validate(await fifth.result()).outcome == "completed"
+    assert stack.image("site-c") == "img:v5"
 
 
 async def test_canary_fails_gate_rolled_back_others_untouched(rollout_stack: RolloutStack) -> None:
