@@ -43,7 +43,7 @@ from providers.cluster.base import NodeMarks, decide_on_node
 from fleet.models import CapacityType, Node
 from fleet.replacement import replacement_sites
 from activities.control_plane import bootstrap_user_data, machine_addresses
-from fleet.cluster import FENCE_PREFIX, LABEL_SITE, MAX_JOIN_TOKEN_TTL_S, UNPROVEN_TAINT, fenced_gpus
+from fleet.cluster import FENCE_ON_HOLD, FENCE_PREFIX, LABEL_SITE, MAX_JOIN_TOKEN_TTL_S, UNPROVEN_TAINT, fenced_gpus
 
 #: On the Node: which restart was requested from which boot, ``<op>:<boot id>`` (``reboot`` or
 #: ``reinstall``). A retried activity that finds its own op and ``boot_id_before`` asked already and
@@ -133,9 +133,12 @@ class RepairActivities:
         with it: the node's repairs still running, as Temporal shows them (a describe for each GPU the
         node has, a ladder query of each one running), then the GPUs fenced and the cordon, as the
         cluster does. Read in that order: a repair that un-fences and ends between the two reads is
-        followed to its end, not its GPU held for a person as fenced. The fences are on the node's
-        own object: they decide only about this node, no GPU past its count is taken, and the rung
-        in one is only shown (``NodeLeft.fenced``)."""
+        followed to its end, not its GPU held for a person as fenced; and a fenced GPU the first read
+        found no repair of is read again, so a repair started meanwhile (by hand, say), which fenced it
+        after that read, is followed too. The fences are on the node's own object: they decide only
+        about this node, no GPU past its count is taken, and the rung in one is only shown
+        (``NodeLeft.fenced``); one the entity wrote before its repair started (``FENCE_ON_HOLD``) is
+        named in ``NodeLeft.on_hold``."""
         cluster = self.env.cluster
         node = await asyncio.to_thread(cluster.get_node, input.node_name)
         if node is None:
@@ -147,10 +150,21 @@ class RepairActivities:
         except NotFound:
             return NodeLeft()
         rungs = {rung.value for rung in Rung}
-        fenced = {int(index): (rung if (rung := marks.annotations[fence_key(index)]) in rungs else "")
-                  for index in fenced_gpus(marks.annotations) if index.isdigit() and int(index) < gpus}
-        return NodeLeft(found=True, fenced=fenced, cordoned=marks.unschedulable,
-                        repairs=[repair for repair in found if repair])
+        fenced, on_hold = {}, []
+        for index in fenced_gpus(marks.annotations):
+            if not (index.isdigit() and int(index) < gpus):
+                continue
+            value = marks.annotations[fence_key(index)]
+            rung = value.removesuffix(FENCE_ON_HOLD)
+            fenced[int(index)] = rung if rung in rungs else ""
+            if value.endswith(FENCE_ON_HOLD):
+                on_hold.append(int(index))
+        repairs = {repair.gpu: repair for repair in found if repair}
+        again = await asyncio.gather(*(self._running_repair(input.node_name, gpu)
+                                       for gpu in sorted(fenced) if gpu not in repairs))
+        repairs.update((repair.gpu, repair) for repair in again if repair)
+        return NodeLeft(found=True, fenced=fenced, on_hold=on_hold, cordoned=marks.unschedulable,
+                        repairs=[repairs[gpu] for gpu in sorted(repairs)])
 
     async def _running_repair(self, node_name: str, gpu: int) -> LeftRepair | None:
         """The GPU's repair if it runs: its rung, and whether it waits for or holds the node's action
@@ -248,9 +262,10 @@ class RepairActivities:
     @typed_errors
     def fence_gpu(self, input: FenceInput) -> None:
         """Fence the GPU and cordon the node: no new pod lands there. Containment's first
-        half, quick enough for a local activity; ``contain_gpu`` drains (and repeats both)."""
+        half, quick enough for a local activity; ``contain_gpu`` drains (and repeats both). The
+        fence says it is the entity's, on hold (``FENCE_ON_HOLD``), until the repair's own replaces it."""
         cluster = self.env.cluster
-        cluster.annotate_node(input.node_name, {fence_key(input.gpu): input.rung})
+        cluster.annotate_node(input.node_name, {fence_key(input.gpu): input.rung + FENCE_ON_HOLD})
         cluster.cordon(input.node_name, True)
 
     @activity.defn

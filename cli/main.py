@@ -407,8 +407,9 @@ def reconcile(
 def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, output: OutputFormat = "table",
           address: Address = "localhost:7233") -> None:
     """Every site: provider, GPUs, price, min/max; its nodes serving, cordoned (by what: repair,
-    quarantine, evacuation, incident, demand loop, a mark's owner, operator), unwatched (Ready, its
-    Node entity not running: the site sweep starts it again), joining; its last incident.
+    quarantine, evacuation, incident, demand loop, a mark's owner, operator), unwatched (Ready, or
+    NotReady under a running repair, its Node entity not running: the site sweep starts it again),
+    joining; its last incident.
 
     A cordon nothing running holds is named by its mark (gpufleet.io/cordoned-by): the demand loop's
     retirement, or whoever a person wrote; ``operator`` without one. With the sim: its knobs too."""
@@ -419,7 +420,7 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, ou
     nodes = env.cluster.list_nodes()
     names = [site.name for site in env.config.sites]
     holds = run(_site_holds(settings(address, state_dir, config), names, nodes))
-    unwatched = unwatched_nodes(env.cluster, nodes, holds.watched) if holds is not None else None
+    unwatched = unwatched_nodes(env.cluster, nodes, holds.watched, holds.under_repair) if holds is not None else None
     now = site_status.summarize(names, nodes, holds, site_status.cordon_marks(env.cluster, nodes), unwatched)
     columns = ["site", "provider", "region", "geo", "GPU", "$/GPU-h", "type", "min", "max", "serving/nodes",
                "cordoned", "unwatched", "joining", "last incident"]

@@ -1,6 +1,6 @@
 """What ``gpufleet sites`` says about each site now: nodes serving, cordoned (and what holds each
-cordoned node), unwatched (Ready, its Node entity not running: ``fleet.watched``), joining, and the
-site's last incident.
+cordoned node), unwatched (Ready, or NotReady under a running repair, its Node entity not running:
+``fleet.watched``), joining, and the site's last incident.
 
 Each fact comes from where the product keeps it: the cluster's nodes (ready, cordoned, the
 ``unproven`` taint), Temporal's visibility (running GPU repairs by ``NodeName``, running joins,
@@ -52,6 +52,8 @@ class Holds:
     unread: set[str] = field(default_factory=set)
     #: Nodes whose Node entity runs (the rest of a site's Ready nodes may be unwatched: ``fleet.watched``).
     watched: set[str] = field(default_factory=set)
+    #: Nodes a GpuRepair runs on (by its id): a NotReady one waits for its entity (``fleet.watched``).
+    under_repair: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -61,7 +63,7 @@ class SiteNow:
     cordoned: Counter = field(default_factory=Counter)
     joining: int = 0
     last_incident: str = "none"
-    #: Ready nodes whose Node entity is not running (None: Temporal not asked).
+    #: Nodes that must have a running Node entity and have none (``fleet.watched``; None: Temporal not asked).
     unwatched: int | None = 0
 
     def cordoned_cell(self) -> str:
@@ -167,7 +169,7 @@ async def holds(client, task_queue: str, site_names: list[str], nodes: list, lim
     from fleet.messages.capacity import SiteStatus
     from fleet.messages.repair import LadderState, NodeStatus
     from fleet.contracts import workflows as flows
-    from fleet.naming import node_workflow_id, site_workflow_id
+    from fleet.naming import node_workflow_id, repair_node_name, site_workflow_id
     from fleet.watched import running_node_entities
 
     found = Holds()
@@ -178,6 +180,8 @@ async def holds(client, task_queue: str, site_names: list[str], nodes: list, lim
     async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.GpuRepair.TYPE}"', limit=limit):
         if node := wf.typed_search_attributes.get(sa.NODE_NAME):
             repair_ids.setdefault(str(node), []).append(wf.id)
+        if node := repair_node_name(wf.id):
+            found.under_repair.add(node)
     async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.NodeJoin.TYPE}"', limit=limit):
         node, site = wf.typed_search_attributes.get(sa.NODE_NAME), wf.typed_search_attributes.get(sa.SITE)
         if node and site:  # a single-node join (a fan-out names no node: its children do)

@@ -72,6 +72,12 @@ RETIREMENT_MARKS = frozenset({CORDONED_BY_DEMAND, CORDONED_BY_SURPLUS, CORDONED_
 #: node's device plugin treats a fenced GPU as unhealthy (not allocatable); while one is there the
 #: node is its repair's, whoever cordoned it first.
 FENCE_PREFIX = "gpufleet.io/fenced-gpu-"
+#: The end of a fence's value (``<rung> on hold``) that a Node entity wrote before the GPU's repair
+#: started (contain first: ``fence_gpu``), while its site or the cluster held the finding; the repair's
+#: own containment writes its rung alone over it. A Node entity started again tells the two apart: a
+#: fence still on hold was its run before's finding, which went with that run, and is checked again;
+#: a repair's fence with no repair running was left by one that ended unproven, for a person.
+FENCE_ON_HOLD = " on hold"
 
 
 def fenced_gpus(annotations: dict[str, str]) -> list[str]:

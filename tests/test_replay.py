@@ -364,6 +364,11 @@ EXPECTED = {
     # A repair read acting whose action ended while the new run read what was left: its give-back
     # counts, and its next rung is granted (not held behind itself).
     "node_entity_started_again_action_done_while_it_read",
+    # A GPU the run before fenced while its site held the repair is taken on hold again and its site
+    # asked again, then repaired (``node-started-again-rechecks-what-was-on-hold``). ``_before``: the
+    # code before, which held it for a person; its ``node_left`` names no fence on hold: the old path.
+    "node_entity_started_again_rechecks_a_gpu_fenced_on_hold",
+    "node_entity_started_again_rechecks_a_gpu_fenced_on_hold_before",
     # A repair whose Node entity was terminated mid-ladder: the slot given back to no run is noted, its
     # request for the next rung's slot stays pending until the sweep's next run takes it over
     # (tests/test_site_events.py; no patch: the code before failed the run at that signal).

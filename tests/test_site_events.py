@@ -20,6 +20,7 @@ from temporalio.testing import WorkflowEnvironment
 from fleet import naming
 from fleet.contracts import workflows as flows
 from fleet.messages.capacity import SiteStatus
+from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
 from fleet.messages.watches import ClusterNodeState
 from fleet.messages.repair import NodeStatus
 from tests.conftest import wait_for
@@ -637,6 +638,126 @@ async def test_a_node_entity_started_again_asks_a_repairs_ladder_again_when_the_
     assert (await repair.result())["outcome"] == "repaired"
 
 
+#: A Node entity the sweep started again, on a node whose GPU 0 the run before fenced while its site
+#: held the repair (the new path of ``node-started-again-rechecks-what-was-on-hold``; ``_before``: the
+#: code before, which held it for a person, replays).
+RECORDED_STARTED_AGAIN_ON_HOLD = "node_entity_started_again_rechecks_a_gpu_fenced_on_hold"
+
+
+async def test_a_node_entity_started_again_asks_the_site_again_for_a_gpu_its_run_before_fenced_on_hold(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """A sick GPU is fenced at once, its node cordoned, and while its site holds the repair (an
+    incident settling) the finding waits on hold in the Node entity. That entity terminated and
+    started again by the sweep, the finding went with the run before, and the new run took the
+    fence for one an ended repair left: the GPU was held for a person, the node cordoned until
+    someone ran `gpufleet repair return` or `retry`. The fence says it was on hold: the new run
+    asks the site again, and once the site admits it the GPU is repaired and serves again. (A
+    quarantine: nothing in the node's health reports finds it again.)"""
+    from temporalio import activity
+
+    from activities.evacuation import EvacuationActivities
+    from activities.repair import fence_key
+    from tests.repair_helpers import exists, join_node, repair_handle, running_stack
+
+    admit, holding = EvacuationActivities.admit_repair, [True]
+
+    @activity.defn(name="admit_repair")  # (its annotations are read from this module's names)
+    async def held_while_an_incident_settles(self, input: AdmitRepairInput) -> RepairDecision:
+        if holding[0]:
+            return RepairDecision(repair=False, incident=f"evacuate/{input.site}/1", why="an incident settles")
+        return await admit(self, input)
+
+    monkeypatch.setattr(EvacuationActivities, "admit_repair", held_while_an_incident_settles)  # before the worker
+    async for stack in running_stack(temporal_env.client, tmp_path):
+        joined = await join_node(stack)
+        node_name = joined.node_name
+        await stack.client.get_workflow_handle(naming.node_workflow_id(node_name)).signal(
+            flows.Node.quarantine, {"reason": "failed an evacuation's proof"})
+
+        async def on_hold() -> NodeStatus | None:
+            got = await node(stack, node_name)
+            return got if got and got.state == "awaiting-site" and got.deferred == [0] and got.fenced == [0] else None
+
+        await eventually(on_hold, timeout=30)
+        assert stack.cluster.get_node(node_name).unschedulable
+        entity = await _started_again(stack, node_name)
+
+        async def taken() -> NodeStatus | None:
+            got = await node(stack, node_name)
+            took = ("held for a person", "asking its site again")
+            return got if got and any(word in line for line in got.log for word in took) else None
+
+        status = await eventually(taken, timeout=30)
+        await replay_and_record(entity, RECORDED_STARTED_AGAIN_ON_HOLD)  # before the asserts: ``_before``, the old code
+        assert status.needs_person == {} and status.state == "awaiting-site", status
+        assert (status.deferred, status.fenced) == ([0], [0]), status
+        assert any("GPU 0: fenced on hold by the run before (its mark says reboot)" in line for line in status.log)
+
+        holding[0] = False  # the incident settled: the site admits the next recheck's repair
+        repair = repair_handle(stack, node_name, 0)
+        await eventually(lambda: exists(repair), timeout=30)
+        result = await asyncio.wait_for(repair.result(), timeout=60)
+        assert result["outcome"] == "repaired" and [a["rung"] for a in result["attempts"]] == ["reset"], result
+        status = await eventually(lambda: _idle(stack, node_name), timeout=30)
+        assert status.needs_person == {} and status.fenced == [] and status.deferred == [], status
+        assert fence_key(0) not in stack.cluster.annotate_node(node_name, {})
+        assert not stack.cluster.get_node(node_name).unschedulable, "the node serves again"
+        await replay_and_record(entity, RECORDED_STARTED_AGAIN_ON_HOLD)
+
+
+async def test_a_node_entity_started_again_follows_a_repair_started_by_hand_between_its_two_reads(
+        rstack, monkeypatch) -> None:
+    """A person starts a GpuRepair by hand (``temporal workflow start --type GpuRepair``, its id the
+    node's ``repair/<node>/gpu<i>``) just as the node's entity, started again, reads what was left: not
+    yet running at the read of the repairs, it had fenced its GPU by the read of the fences. The GPU
+    was held for a person while its repair ran, and `gpufleet repair node` said so. A fenced GPU the
+    first read found no repair of is read again: the repair is followed to its end."""
+    import threading
+
+    from activities.repair import RepairActivities, fence_key
+    from fleet.messages.repair import GpuRepairInput
+    from sim.gpu import SimGpuBackend
+    from tests.repair_helpers import join_node, repair_handle
+
+    joined = await join_node(rstack)
+    node_name = joined.node_name
+    repair = repair_handle(rstack, node_name, 0)
+    resetting_may_end = threading.Event()
+    reset, running_repair = SimGpuBackend.reset_gpu, RepairActivities._running_repair
+    started = []
+
+    def slow_reset(self, index: int) -> str:
+        resetting_may_end.wait(timeout=50)  # the repair runs while the new run reads and follows it
+        return reset(self, index)
+
+    async def started_by_hand_after_this_read(self, node: str, gpu: int):
+        left = await running_repair(self, node, gpu)
+        if gpu == 0 and not started:
+            started.append(True)
+            await rstack.client.start_workflow(
+                flows.GpuRepair.TYPE, GpuRepairInput(node_name=node, gpu=0, site="site-a", machine_id=joined.machine_id,
+                                                     gpus=2), id=repair.id, task_queue=rstack.settings.task_queue)
+            for _ in range(150):  # until its containment fenced the GPU, before the read of the fences
+                if fence_key(0) in rstack.cluster.annotate_node(node, {}):
+                    break
+                await asyncio.sleep(0.1)
+        return left
+
+    monkeypatch.setattr(SimGpuBackend, "reset_gpu", slow_reset)
+    monkeypatch.setattr(RepairActivities, "_running_repair", started_by_hand_after_this_read)
+    await _started_again(rstack, node_name)
+    status = await eventually(lambda: _taken(rstack, node_name), timeout=30)
+    assert started and fence_key(0) in rstack.cluster.annotate_node(node_name, {})
+    assert status.needs_person == {} and status.active_repairs == {"0": repair.id}, status
+    assert any(f"GPU 0: {repair.id} still runs (at reset): following it" in line for line in status.log), status.log
+
+    resetting_may_end.set()
+    assert (await asyncio.wait_for(repair.result(), timeout=60))["outcome"] == "repaired"
+    status = await eventually(lambda: _idle(rstack, node_name), timeout=30)
+    assert status.needs_person == {} and any(f"GPU 0: {repair.id} ended repaired" in line for line in status.log)
+    assert not rstack.cluster.get_node(node_name).unschedulable
+
+
 RECORDED_STARTED_AGAIN_DONE_WHILE_READING = "node_entity_started_again_action_done_while_it_read"
 
 
@@ -840,6 +961,15 @@ async def test_a_repair_waiting_for_a_node_left_not_ready_gets_its_entity_from_t
     ladder = await eventually(waiting_for_the_reinstall, timeout=60)
     assert [(a.rung, a.outcome) for a in ladder.attempts] == [("reboot", "failed"), ("reinstall", "running")], ladder
     assert not rstack.cluster.get_node(node_name).ready, "the reboot left the node NotReady"
+    # Until the sweep's pass the fleet's metrics (GpufleetNodeUnwatched) and `gpufleet sites` count
+    # it unwatched: they counted Ready nodes alone, and this repair waited on its entity unseen.
+    from activities.env import FleetEnv
+    from workers.metrics import fleet_snapshot
+
+    snap = await fleet_snapshot(FleetEnv.from_settings(rstack.settings), rstack.client, rstack.settings.task_queue)
+    assert (dict(snap.unwatched), snap.errors) == ({"site-a": 1}, {}), snap
+    sites = await _gpufleet(rstack, "sites", "-o", "json")
+    assert {row["site"]: row["unwatched"] for row in json.loads(sites.stdout)}["site-a"] == "1", sites.stdout
 
     _, done = await _sweep(rstack)
     assert done is not None and [s.node_name for s in done.named] == [node_name], \

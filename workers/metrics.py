@@ -40,7 +40,7 @@ from fleet.cluster import SITE_ROUTES, UNPROVEN_TAINT
 from fleet.contracts import workflows as flows
 from fleet.models import AccountState
 from fleet.settings import ControlPlaneEnv, SettingsError, WorkerEnv
-from fleet.watched import running_node_entities, unwatched_nodes
+from fleet.watched import nodes_under_repair, running_node_entities, unwatched_nodes
 
 if TYPE_CHECKING:
     from activities.env import FleetEnv
@@ -167,6 +167,8 @@ class FleetSnapshot:
     #: Nodes whose Node entity runs (visibility; None: not asked), and by site the nodes that must
     #: have one and do not (``fleet.watched``): nothing watches their health or repairs them.
     watched: set[str] | None = None
+    #: Nodes a GpuRepair runs on: a NotReady one among them waits for its entity, so it must have one.
+    under_repair: set[str] = field(default_factory=set)
     unwatched: Tally = field(default_factory=Tally)
     #: The source ``spend`` is counted from: the cluster's nodes, or (sim) the providers' machines.
     spend_from: str = "cluster"
@@ -219,6 +221,7 @@ async def _visibility(client: Client, task_queue: str, snap: FleetSnapshot, limi
     async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.AcquireCapacity.TYPE}"', limit=limit):
         snap.capacity_requests.append((wf.id, str(_attr(wf, sa.FLEET_STATE) or "")))
     snap.watched = await running_node_entities(client, task_queue)
+    snap.under_repair = await nodes_under_repair(client, task_queue)
     joining: set[str] = set()
     async for wf in client.list_workflows(f'{running} AND WorkflowType = "{flows.NodeJoin.TYPE}"', limit=limit):
         if node := _attr(wf, sa.NODE_NAME):
@@ -266,7 +269,8 @@ def _from_fleet(env: "FleetEnv", snap: FleetSnapshot, joining: set[str] | None, 
             snap.spend[(name, s.provider)] = count * s.gpus_per_machine * s.price_per_gpu_hour
     if nodes is not None and snap.watched is not None:
         try:
-            snap.unwatched.update(identity.site for identity in unwatched_nodes(env.cluster, nodes, snap.watched))
+            snap.unwatched.update(identity.site for identity
+                                  in unwatched_nodes(env.cluster, nodes, snap.watched, snap.under_repair))
         except Exception as error:  # noqa: BLE001 - reported as a failed source
             snap.errors["cluster"] = f"{type(error).__name__}: {error}"
     if nodes is not None and joining is not None:
@@ -415,8 +419,9 @@ def _visibility_families(snap: FleetSnapshot, sites: dict, orphans: bool) -> Ite
                             value=len(snap.capacity_requests))
     if not orphans:
         return
-    yield _by_site(GaugeMetricFamily("gpufleet_nodes_unwatched", "Ready nodes of the fleet (joined by it, not being "
-                                     "retired) whose Node entity is not running (terminated, failed): nothing watches "
+    yield _by_site(GaugeMetricFamily("gpufleet_nodes_unwatched", "Nodes of the fleet (joined by it, not being "
+                                     "retired), Ready or NotReady under a running GpuRepair (which waits for the "
+                                     "entity), whose Node entity is not running (terminated, failed): nothing watches "
                                      "their health or repairs them; the site sweep starts each again.",
                                      labels=["site"]), sites, snap.unwatched)
     orphaned = GaugeMetricFamily("gpufleet_orphaned_machines", "Machines a provider holds with neither a node nor "

@@ -265,6 +265,18 @@ NODE_PATCHES_AT_START_7 = "node-patches-at-start-7"
 #: to the run before and it waited for a grant for good, or a second repair was granted the slot
 #: beside the action it ran). A cluster that does not answer leaves the run as it was before, logged.
 STARTED_AGAIN_PATCH = "node-started-again-takes-what-was-left"
+#: Workflow patch, asked in a run under ``STARTED_AGAIN_PATCH`` where what was left names a GPU fenced on
+#: hold (``NodeLeft.on_hold``: the run before fenced it and its site or the cluster held the finding, no
+#: repair started), behind ``self._settled_7 and`` (true in every such run: it runs no local activity, so
+#: the patch may be asked there). The GPU's finding went with the run before: it is taken on hold again
+#: (``LEFT_ON_HOLD``), its fence the entity's, and the next recheck asks its site again, as that run
+#: would have; admitted, its repair starts at a reset. Before it the GPU was held for a person as if a
+#: repair had ended unproven (``return`` or ``retry`` the only way out).
+STARTED_AGAIN_RECHECKS_PATCH = "node-started-again-rechecks-what-was-on-hold"
+#: The reason of a finding a run started again takes from a fence on hold (what the finding was went with
+#: the run before): its recheck never takes a clean snapshot for healed (a fatal XID, an event, is not
+#: undone by one), so the GPU is repaired once its site admits it.
+LEFT_ON_HOLD = "fenced on hold when the entity was started again"
 #: ``node_left``: a describe and up to ``LADDER_QUERY_TRIES`` ladder queries (10 s each) per GPU, the
 #: GPUs read side by side; it heartbeats after each answer.
 NODE_LEFT_TIMEOUT = timedelta(minutes=3)
@@ -700,6 +712,13 @@ class NodeEntity(Entity[NodeCarry]):
         for index, rung in sorted(left.fenced.items()):
             if index in self._active:
                 continue  # its repair holds the fence and takes it off
+            if index in left.on_hold and self._settled_7 and workflow.patched(STARTED_AGAIN_RECHECKS_PATCH):
+                self.state.deferred[index] = Finding(index=index, rung=Rung.RESET, reasons=[LEFT_ON_HOLD])
+                self.state.fenced.append(index)
+                self._log(f"GPU {index}: fenced on hold by the run before{f' (its mark says {rung})' if rung else ''}, "
+                          "no repair running: its finding went with that run; asking its site again at the next "
+                          "recheck", warn=True)
+                continue
             # The rung in the fence is on the node's own object: shown, never where a retry starts (a
             # node that wrote "replace" would have its machine deleted and a new one bought).
             self.state.needs_person[index] = (f"fenced in the cluster{f' (its mark says {rung})' if rung else ''} "
@@ -714,6 +733,8 @@ class NodeEntity(Entity[NodeCarry]):
             self._set_state("repairing", "following the repairs the run before started")
         elif self.state.needs_person:
             self._set_state("needs-person", "GPUs the run before left fenced")
+        elif self.state.deferred:
+            self._set_state("awaiting-site", "GPUs the run before fenced on hold: asking their site again")
 
     def _follow(self, repair: LeftRepair) -> None:
         """A repair the run before started, still running: this run's, to its end (``repair_end``);
@@ -1065,8 +1086,9 @@ class NodeEntity(Entity[NodeCarry]):
             latest = self.state.latest.get(index)
             # A fatal XID is an event, not a state: a clean snapshot since does not undo it.
             quarantined = any(reason in self.state.quarantine_reasons for reason in finding.reasons)
-            # A GPU an ended repair left for a person is not un-fenced by a clean snapshot either.
-            left = index in self.state.needs_person
+            # A GPU an ended repair left for a person is not un-fenced by a clean snapshot either, nor
+            # one whose finding went with the run before (what it was is not known).
+            left = index in self.state.needs_person or LEFT_ON_HOLD in finding.reasons
             if (not finding.fatal_xids and not quarantined and not left and latest is not None
                     and not latest.problems()):
                 if index in self.state.fenced and await self._unfence(index) is None:

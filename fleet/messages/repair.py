@@ -463,6 +463,9 @@ class NodeLeft(BaseModel):
     #: GPU index → the rung written in its fence ("" where it names none this code knows): the node's
     #: own object, shown to a person, never where a repair starts.
     fenced: dict[int, str] = Field(default_factory=dict)
+    #: GPUs of ``fenced`` whose fence their Node entity wrote before a repair started (``FENCE_ON_HOLD``:
+    #: its site or the cluster held the finding) and no repair's containment replaced since.
+    on_hold: list[int] = Field(default_factory=list)
     cordoned: bool = False
     repairs: list[LeftRepair] = Field(default_factory=list)
 
