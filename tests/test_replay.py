@@ -126,6 +126,7 @@ EXPECTED = {
     # Aborted in its run's first task (update-with-start): taken, where it was refused as "still
     # starting" (no patch: a refused update leaves nothing in a history).
     "rollout_aborted_in_its_first_task",
+    "rollout_pauses_before_a_canary_back_from_evacuation",
     # Temporal's cancel rolls back every site a rollout changed, as an abort does, and the run ends
     # Canceled (tests/rollout/test_rollout_workflow.py; no patch: the code before ended the run at
     # the cancel, so no open run has one in its history).

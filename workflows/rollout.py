@@ -97,6 +97,11 @@ class _SiteFailed(Exception):
 #: deprecated, where a look finds every site the rollout waits for under evacuation, until no run
 #: holding that marker is open.
 EVACUATION_WAIT_PATCH = "rollout-waits-out-evacuations-in-one-activity"
+#: Workflow patch: a pause (or an abort) that comes while the rollout waits out an evacuation, or
+#: while it asks which sites are evacuating, holds before the batch it was waiting for. Before, the
+#: pause was looked at only before that wait: the site that came back was updated anyway (a canary
+#: after hours of outage) while the progress said "paused".
+PAUSE_BEFORE_BATCH_PATCH = "rollout-pauses-before-each-batch"
 #: The longest one wait for evacuated sites lasts: then the rollout looks again itself (a lost
 #: answer, a route no look compares, cost at most this).
 EVACUATION_WAIT = timedelta(hours=1)
@@ -233,6 +238,12 @@ class ModelRollout:
             await workflow.wait_condition(lambda: not self._paused or self._abort)
             self._check_abort()
             self._phase(phase)
+
+    async def _checkpoint_before_batch(self) -> None:
+        """``_checkpoint`` again right before a batch: the look at which sites are evacuating, and a
+        wait for one to come back (hours, for a canary), lie between the first and the batch."""
+        if workflow.patched(PAUSE_BEFORE_BATCH_PATCH):
+            await self._checkpoint()
 
     async def _wait_ready_unless_aborted(self, site: str, ready_by) -> None:
         """The site's Deployment ready by ``ready_by``; an abort meanwhile cancels the wait (the
@@ -416,6 +427,7 @@ class ModelRollout:
             await self._checkpoint()
             self._phase("canary")
             await self._wait_until_not_evacuating(canary)
+            await self._checkpoint_before_batch()
             await self._run_batch([canary])
         while queue:
             await self._checkpoint()
@@ -435,6 +447,7 @@ class ModelRollout:
             if not batch:
                 await self._wait_for_evacuations(evacuating, until)
                 continue
+            await self._checkpoint_before_batch()
             await self._run_batch(batch)
             queue = [s for s in queue if s not in batch]
 

@@ -751,6 +751,29 @@ async def test_pause_holds_and_resume_continues(rollout_stack: RolloutStack) -> 
         await handle.execute_update("resume")  # finished
 
 
+async def test_a_pause_while_the_canary_waits_out_an_evacuation_holds_when_it_comes_back(
+        rollout_stack: RolloutStack) -> None:
+    """Paused while its canary site was under evacuation (a wait of hours): the progress said
+    "paused", yet when the site came back its Deployment was updated at once, the pause looked at
+    only before the wait. Now the rollout holds there until resumed."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a", "site-b"])
+    stack.cluster.set_site_routes({"site-b": SiteRoute(weight=100),
+                                   "site-a": SiteRoute(weight=0, healthy=False, draining=True, incident="inc-9")})
+    handle = await stack.start(stack.request({"site-a": 1, "site-b": 1}, gate={"bake_seconds": 0}), "paused-canary")
+    await until(handle, lambda p: p.phase == "canary" and states(p)["site-a"] == "deferred")
+    await handle.execute_update("pause", "change freeze")
+    stack.end_evacuation(["site-a"])
+    await until(handle, lambda p: p.phase == "paused")
+    for _ in range(10):  # five looks at the routes: the site is back
+        assert stack.image("site-a") == "img:v1"
+        await asyncio.sleep(0.1)
+    await handle.execute_update("resume")
+    result = RolloutResult.model_validate(await handle.result())
+    assert result.outcome == "completed" and stack.image("site-a") == "img:v2"
+    await replay_and_record(handle, "rollout_pauses_before_a_canary_back_from_evacuation")
+
+
 async def test_evacuated_site_deferred_until_restored(rollout_stack: RolloutStack) -> None:
     stack = rollout_stack
     stack.serve_v1(["site-a", "site-b", "site-c"])
