@@ -73,20 +73,27 @@ def bootstrap_user_data(cluster, token: BootstrapToken, node_name: str, provider
 def machine_addresses(env: FleetEnv, joining: dict[str, tuple[str, str]] | None = None):
     """node → the addresses the provider reports for its machine (None: not a gpufleet node,
     or nothing to check against). The machine comes from ``joining`` (a join in flight:
-    node → (site, machine id)) or from the node's identity record, never from the node."""
+    node → (site, machine id)) or from the node's identity record, never from the node.
+    The provider's answer is kept a while (``env.address_memo``): a pass runs every second for
+    each wait in flight, and a node's requests decide which of them ask. ``fresh=True`` asks the
+    provider now (its answer kept for the passes after)."""
     joining = joining or {}
 
-    def addresses(node_name: str) -> list[str] | None:
+    def addresses(node_name: str, fresh: bool = False) -> list[str] | None:
         site, machine_id = joining.get(node_name, ("", ""))
         if not machine_id:
             identity = env.cluster.node_identity(node_name)
             if identity is None:
                 return None
             site, machine_id = identity.site, identity.machine_id
-        try:
-            return env.provider(site).get_machine(machine_id).addresses or None
-        except (ProviderError, InvalidRequest):
-            return None
+
+        def ask() -> list[str] | None:
+            try:
+                return env.provider(site).get_machine(machine_id).addresses or None
+            except (ProviderError, InvalidRequest):
+                return None
+
+        return env.address_memo.addresses((node_name, site, machine_id), ask, fresh=fresh)
 
     return addresses
 
@@ -180,7 +187,7 @@ class ControlPlaneActivities:
         problems = []
         if node.provider_id != input.provider_id:
             problems.append(f"providerID {node.provider_id or '(none)'!r} is not {input.provider_id!r}")
-        reported = addresses(input.node_name) or []
+        reported = addresses(input.node_name, fresh=True) or []  # the machine as it is now, not as a pass kept it
         if reported and (not node.addresses or not set(node.addresses) <= set(reported)):
             problems.append(f"addresses {sorted(node.addresses)} are not the machine's {sorted(reported)}")
         if problems:

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from activities.address_memo import AddressMemo
 from fleet.cluster import LABEL_SITE
 from fleet.config import FleetConfig, load_config
 from fleet.errors import AccountRevoked, InvalidRequest, NotFound, OfferBlocked
@@ -36,6 +37,8 @@ class FleetEnv:
     _providers: dict[str, Provider] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _accounts: "AccountStore | ClusterAccountStore | None" = None
+    #: Each node's machine addresses as its provider reported them, kept across CSR passes.
+    address_memo: AddressMemo = field(default_factory=AddressMemo)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "FleetEnv":

@@ -16,6 +16,7 @@ import base64
 import dataclasses
 import json
 import threading
+import time
 import uuid
 from collections import Counter
 from datetime import datetime, timedelta, timezone
@@ -24,12 +25,14 @@ import pytest
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
-from activities.control_plane import ControlPlaneActivities
+from activities.address_memo import NONE_KEPT_SECONDS, AddressMemo
+from activities.control_plane import ControlPlaneActivities, machine_addresses
 from activities.env import FleetEnv
 from activities import watches
 from activities.watches import WatchActivities
 from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity
 from fleet.config import load_config
+from fleet.errors import Transient
 from fleet.messages.csr import VERDICT_NAME_CHARS, VERDICTS_NAMED
 from fleet.messages import watches as watch_messages
 from fleet.messages.watches import CSR_FLOOD_PACE_SECONDS, CSRS_MARKED, CsrMark, CsrWatchInput, CsrWatchResult
@@ -200,13 +203,17 @@ class MachineLookups:
     """Site ``site-a``'s provider as the approver uses it: the addresses of each machine, and how many
     times it was asked (each a call against the account's rate limit, shared by all its sites)."""
 
-    def __init__(self, addresses: dict[str, str]) -> None:
+    def __init__(self, addresses: dict[str, "str | Exception"]) -> None:
         self.addresses, self.calls = addresses, Counter()
 
     def get_machine(self, machine_id: str) -> Machine:
+        """The machine, with its address ("": none yet, as one just bought); an exception is raised."""
         self.calls[machine_id] += 1
+        answer = self.addresses[machine_id]
+        if isinstance(answer, Exception):
+            raise answer
         return Machine(id=machine_id, name=machine_id, site="site-a", provider="lambda", state="running",
-                       addresses=[self.addresses[machine_id]])
+                       addresses=[answer] if answer else [])
 
 
 def live_serving_nodes(env: FleetEnv, kube, addresses: dict[str, str]) -> MachineLookups:
@@ -274,6 +281,99 @@ def test_a_node_whose_serving_allowance_is_spent_costs_its_provider_no_call(env,
               if c["metadata"]["name"] in flood_names}
     assert all([k["type"] for k in conditions] == ["Denied"] for conditions in denied.values()), denied
     assert f"had {SERVING_PER_WINDOW} serving certificates approved" in denied[flood_names[-1]][0]["message"]
+
+
+class PassClock:
+    """The time the approver's passes see (``env.address_memo``'s clock), a pass a second as joins poll."""
+
+    def __init__(self, env: FleetEnv) -> None:
+        self.now = 0.0
+        env.address_memo = AddressMemo(clock=lambda: self.now)
+
+
+def approver_pass(env: FleetEnv):
+    return asyncio.run(ActivityEnvironment().run(ControlPlaneActivities(env).approve_node_csrs))
+
+
+def csr_verdicts(fake) -> dict[str, list[str]]:
+    return {c["metadata"]["name"]: [k["type"] for k in (c.get("status") or {}).get("conditions") or []]
+            for c in fake.objects(*CSRS)}
+
+
+def test_a_node_posting_wrong_addresses_before_each_pass_costs_its_provider_a_call_a_minute(env, fake, kube) -> None:
+    """A live node posted a fresh serving CSR naming an address not its machine's before each pass.
+    Each is denied without counting against its allowance, and each pass asked its provider again:
+    with a pass a second per join or reboot wait in flight, a few waits took its account past
+    Hetzner's 3,600 calls an hour, and the provider-API incident evacuated the site. Now the machine's
+    answer is kept a minute: two minutes of passes cost two calls, every request is still denied, and
+    an honest node's request is approved in the first pass that sees it."""
+    clock = PassClock(env)
+    lookups = live_serving_nodes(env, kube, {"gpu-hostile": "10.0.0.66", "gpu-honest": "10.0.0.7"})
+    for second in range(120):
+        clock.now = float(second)
+        serving_csrs(fake, [f"a-wrong-{second:03d}"], "gpu-hostile", "10.9.9.9")
+        if second == 90:
+            serving_csrs(fake, ["z-honest"], "gpu-honest", "10.0.0.7")
+        result = approver_pass(env)
+        assert (result.approved, result.denied) == (int(second == 90), 1), (second, result)
+    assert lookups.calls == {"m-gpu-hostile": 2, "m-gpu-honest": 1}, lookups.calls
+    verdicts = csr_verdicts(fake)
+    assert verdicts.pop("z-honest") == ["Approved"]
+    assert set(map(tuple, verdicts.values())) == {("Denied",)}, verdicts
+    assert "are not node gpu-hostile's" in fake.objects(*CSRS)[0]["status"]["conditions"][0]["message"]
+
+
+@pytest.mark.parametrize("unanswered", [Transient("rate limited: 3600 requests per hour"), ""],
+                         ids=["provider-rate-limited", "machine-reports-no-address-yet"])
+def test_a_serving_csr_left_open_while_its_machine_gives_no_address_is_asked_about_every_ten_seconds(
+        env, fake, kube, unanswered) -> None:
+    """A node's serving CSR stays open while the provider gives no address for its machine: its account
+    already rate limited, or a machine just bought that reports none yet. Every pass asked again, a call
+    a second per wait in flight against a limit already hit. Now no answer is kept ``NONE_KEPT_SECONDS``:
+    three calls in the 25 s it lasts, and once the machine reports its address the request is approved
+    within that, so a new machine's first serving certificate waits seconds."""
+    clock = PassClock(env)
+    lookups = live_serving_nodes(env, kube, {"gpu-new": "10.0.0.8"})
+    lookups.addresses["m-gpu-new"] = unanswered
+    serving_csrs(fake, ["a-serving"], "gpu-new", "10.0.0.8")
+    for second in range(25):
+        clock.now = float(second)
+        assert approver_pass(env).decided == [], second  # nothing to check its addresses against: left open
+    assert lookups.calls == {"m-gpu-new": 3}, lookups.calls
+    lookups.addresses["m-gpu-new"] = "10.0.0.8"  # answers from second 25
+    second = 25
+    while (result := approver_pass(env)).approved == 0:
+        second += 1
+        clock.now = float(second)
+        assert second <= 25 + NONE_KEPT_SECONDS, lookups.calls
+    assert csr_verdicts(fake) == {"a-serving": ["Approved"]}
+    assert lookups.calls == {"m-gpu-new": 4}, lookups.calls
+
+
+def test_passes_asking_while_the_provider_is_slow_to_answer_make_one_call(env, kube) -> None:
+    """A rate-limited provider answers slowly, and the passes of every wait in flight ask for the same
+    node meanwhile: each made its own call, more the slower it got. Now they wait for the one in flight."""
+    lookups = live_serving_nodes(env, kube, {"gpu-slow": "10.0.0.9"})
+    asked, answer = threading.Event(), threading.Event()
+    get_machine = lookups.get_machine
+
+    def slow(machine_id: str) -> Machine:
+        asked.set()
+        answer.wait(10)
+        return get_machine(machine_id)
+
+    lookups.get_machine = slow
+    found: list = []
+    passes = [threading.Thread(target=lambda: found.append(machine_addresses(env)("gpu-slow"))) for _ in range(5)]
+    passes[0].start()
+    assert asked.wait(10)
+    for waiting in passes[1:]:
+        waiting.start()
+    time.sleep(0.5)  # each at its ask by then (one that came later would find the answer kept: no call either)
+    answer.set()
+    for each in passes:
+        each.join(10)
+    assert found == [["10.0.0.9"]] * 5 and lookups.calls == {"m-gpu-slow": 1}, (found, lookups.calls)
 
 
 def test_a_csr_under_a_signer_gpufleet_does_not_judge_wakes_no_watch(env, fake) -> None:

@@ -14,7 +14,9 @@ CSR only when its names are the node's name and the addresses the provider repor
 its machine, and at most ``SERVING_PER_WINDOW`` of a node's in ``RENEWAL_WINDOW``. Other CSRs
 (other signers, other requesters) are left alone. A node's requests are its own to post, any
 number: a pass asks the provider for a node's addresses once, and not at all once its allowance
-is spent, and writes its approvals before its denials.
+is spent, and writes its approvals before its denials. Across passes the ``addresses`` the activities
+hand in keep each machine's answer a while (activities/address_memo.py), so what a node posts sets no
+pace of calls to its provider.
 """
 
 from __future__ import annotations
