@@ -365,6 +365,8 @@ class DemandActivities:
     async def cancel_purchase(self, input: CancelPurchaseInput) -> CancelOutcome:
         """Cancel a purchase whose pods all went, unless one of its joins already asked the
         provider for a machine (then the node comes, and consolidation gives it back once idle).
+        The loop asks again at each pass while a purchase it kept runs: one kept because it could not
+        be asked, or whose join failed and that buys on, is cancelled once nothing of it is past provisioning.
 
         The purchase itself says which joins it runs (its ``progress`` query): a purchase may run
         several, numbered on, each at whichever site it chose. A join that already ended does not

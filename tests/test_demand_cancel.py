@@ -1,7 +1,7 @@
 """The demand loop's ``cancel_purchase``: a purchase whose pods all went is cancelled only when
 none of the joins it runs has asked a provider for a machine; otherwise it is kept (its node comes,
 and consolidation gives it back once idle), since cancelling it would delete a machine already
-bought.
+bought. The loop asks again at each pass while a kept purchase runs (tests/test_demand_loop.py).
 
 The purchase (an AcquireCapacity) and its joins (NodeJoins) are stand-ins here that answer the
 real workflows' ``progress`` queries with the real messages, so each case (which join is where)

@@ -329,6 +329,64 @@ async def test_a_pod_that_goes_cancels_what_was_bought_for_it_before_provisionin
     await handle.terminate("test over")
 
 
+#: A loop's run that kept a purchase after its pods went (it could not be asked which joins it runs),
+#: planned a new pod onto it and cancelled it once it could be asked (``demand-follows-kept-purchases``);
+#: and the same scenario on the code before, which bought beside it and never asked again.
+KEPT = "demand_follows_a_kept_purchase"
+KEPT_BEFORE = f"{KEPT}_before"
+
+
+async def test_a_kept_purchase_is_followed_new_pods_wait_on_it_and_it_is_cancelled_once_it_can_be_asked(
+        cap: CapStack, monkeypatch):
+    """A purchase's pod goes while Temporal does not answer its ``progress`` query (a transient
+    error): ``cancel_purchase`` keeps it, since it cannot tell whether a join is buying a machine.
+    The loop follows it on: a new pod that fits waits on it instead of buying a machine beside it,
+    and the next pass that can ask cancels it (nothing of it was past provisioning); the new pod is
+    then bought for. Before, a kept purchase was never looked at again: the new pod bought a second
+    machine beside it, and it ran on alone to its deadline, buying for pods that were gone."""
+    from temporalio.client import WorkflowHandle
+    from temporalio.service import RPCError, RPCStatusCode
+
+    real, unanswered = WorkflowHandle.query, {"on": False, "asked": 0}
+
+    async def purchases_unanswered(self, *args, **kwargs):
+        if unanswered["on"] and self.id.startswith("capacity/demand-"):
+            unanswered["asked"] += 1
+            raise RPCError("context deadline exceeded", RPCStatusCode.DEADLINE_EXCEEDED, b"")
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(WorkflowHandle, "query", purchases_unanswered)
+    # Each purchase holds before its first join: its offer is out of its own ranking for 60 s.
+    hold = {**FAST["capacity_request"], "exclude": [{"offer": cap.offer("cheap"), "seconds": 60}]}
+    handle = await start_demand(cap, capacity_request=hold, purchase_deadline_seconds=60)
+    cap.cluster.create_pod(demand_pod("gone", **{LABEL_SITE: cap.site("cheap")}))
+    (kept,) = (await until_status(handle, lambda s: any(p.status == "buying" for p in s.purchases))).purchases
+    unanswered["on"] = True
+    cap.cluster.delete_pod("ml", "gone")
+    state = await until_status(handle, lambda s: s.purchases[0].status != "buying")
+    assert state.purchases[0].status == "kept", state.log[-5:]
+    assert logged(state, f"{kept.workflow_id}: pods gone; could not ask {kept.workflow_id} which joins it runs")
+
+    cap.cluster.create_pod(demand_pod("late", **{LABEL_SITE: cap.site("cheap")}))  # fits the kept one's machine
+    state = await until_status(handle, lambda s: "ml/late" in s.covered or len(s.purchases) > 1)
+    assert [p.workflow_id for p in state.purchases] == [kept.workflow_id], "bought beside the kept purchase"
+    asked = unanswered["asked"]
+    await wait_for(lambda: unanswered["asked"] > asked, timeout=10)  # a later pass asks again
+    unanswered["on"] = False
+    state = await until_status(handle, lambda s: len(s.purchases) > 1)
+    await replay_and_record(handle, KEPT)
+    await handle.terminate("test over")
+    statuses = {p.workflow_id: p.status for p in state.purchases}
+    (late,) = [p for p in state.purchases if p.workflow_id != kept.workflow_id]
+    assert statuses == {kept.workflow_id: "cancelled", late.workflow_id: "buying"}, state.log[-5:]
+    assert late.pods == ["ml/late"]
+    assert sum(line.count(f"{kept.workflow_id}: pods gone;") for line in state.log) == 2, "kept is said once"
+    described = await cap.client.get_workflow_handle(kept.workflow_id).describe()
+    assert described.status == WorkflowExecutionStatus.CANCELED
+    assert not cap.world.query("SELECT * FROM machines"), "nothing was bought"
+    await cap.client.get_workflow_handle(late.workflow_id).terminate("test over")
+
+
 def start_slowly(monkeypatch, seconds: float) -> asyncio.Event:
     """Each purchase's start (the loop's call to Temporal) takes ``seconds``; the event is set as the
     first one begins."""

@@ -201,6 +201,11 @@ EXPECTED = {
     # A loop cancelled while that step failed after a start takes the purchase it started from
     # Temporal (``started_purchases``) and stops it (the same patch: a path no earlier run took).
     "demand_cancelled_as_its_step_fails_after_a_start",
+    # A purchase kept after its pods went (it could not be asked) is followed: a new pod waits on it,
+    # and a later pass cancels it once it can be asked (``demand-follows-kept-purchases``,
+    # tests/test_demand_loop.py); ``_before``: the code before, which bought beside it and never asked
+    # again, replays down the old branch.
+    "demand_follows_a_kept_purchase", "demand_follows_a_kept_purchase_before",
     # A site above its max retires its free nodes, never one a repair or a person holds, and one
     # freed by its repair's end; its retirement keeps a node a repair took during the drain
     # (tests/test_site_reclaim.py); an evacuation keeps a node it bought that a repair holds

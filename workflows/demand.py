@@ -5,9 +5,10 @@ One entity per fleet, a loop:
 1. watch (activity, heartbeating): wait for opted-in Pending GPU pods the loop has no
    answer for, then let the batch close (1 s without a new pod, 10 s at most);
 2. look at the purchases in flight; a purchase whose pods all went is cancelled while
-   its join has not yet asked the provider for a machine;
-3. plan (pure ``fleet.demand_planner.plan_demand``): pods that fit a node or a join
-   in flight buy nothing; the rest are bin-packed onto the cheapest qualifying offers;
+   its join has not yet asked the provider for a machine; one kept (its join past that, or it
+   could not be asked) is followed and asked again each pass while it runs (``FOLLOWS_KEPT_PATCH``);
+3. plan (pure ``fleet.demand_planner.plan_demand``): pods that fit a node or a join in flight
+   (a kept purchase's too) buy nothing; the rest are bin-packed onto the cheapest qualifying offers;
 4. buy: one ``AcquireCapacity`` per planned machine, pinned to its offer, started with
    the standard id ``capacity/demand-<series>-<n>`` (not a child: a purchase outlives this run's
    continue-as-new; a failed one puts its offer out of the plan for a while and the pods
@@ -111,6 +112,13 @@ CANCEL_WINDS_DOWN_PATCH = "demand-cancel-winds-down"
 #: ``start_purchase`` per machine, each a round trip through the loop that the Pending pods waited on.
 #: Asked where the pass plans, right before its first command there (Demand runs no local activity).
 PLAN_AND_BUY_PATCH = "demand-plans-and-buys-in-one-step"
+#: Workflow patch: a purchase kept after its pods went (a join of it past provisioning, or it could
+#: not be asked: a transient error) is followed while it runs, as one buying: each pass asks to cancel
+#: it again (cancelled once it can be asked and has nothing past provisioning), the plan counts it as
+#: joining, and its end wakes the watch. Runs before it never looked at a kept purchase again: it ran
+#: alone to its deadline, buying again for nobody if its join failed, and new pods bought beside it.
+#: Asked where the loop first follows a kept purchase (Demand runs no local activity).
+FOLLOWS_KEPT_PATCH = "demand-follows-kept-purchases"
 #: The loop's first pause after a failed pass (``FailedPasses``): Pending pods wait on it.
 FIRST_PAUSE = timedelta(seconds=1)
 #: What a pass was doing, by the activity that failed (``FailedPasses``: "could not <step> ...").
@@ -285,7 +293,8 @@ class Demand(Entity[DemandCarry]):
             act.watch_demand_events,
             DemandWatchInput(known=known, batch_idle_seconds=batch_idle, batch_max_seconds=batch_max,
                              wait_seconds=max(wait, 0.0), tracked=sorted({pod for p in buying for pod in p.pods}),
-                             purchases=[p.workflow_id for p in buying], busy=self._busy if args.consolidate else None,
+                             purchases=[p.workflow_id for p in self._followed()],
+                             busy=self._busy if args.consolidate else None,
                              poll_seconds=args.poll_seconds),
             start_to_close_timeout=timedelta(seconds=wait + batch_max + 120),
             heartbeat_timeout=DEMAND_WATCH_HEARTBEAT, retry_policy=CLUSTER_RETRY,
@@ -303,20 +312,27 @@ class Demand(Entity[DemandCarry]):
     def _buying(self) -> list[Purchase]:
         return [p for p in self.state.purchases if p.status == "buying"]
 
+    def _followed(self) -> list[Purchase]:
+        """The purchases the loop follows until they end: those buying and, since
+        ``FOLLOWS_KEPT_PATCH``, those kept after their pods went (the patch asked once one is kept)."""
+        kept = any(p.status == "kept" for p in self.state.purchases) and workflow.patched(FOLLOWS_KEPT_PATCH)
+        return [p for p in self.state.purchases if p.status == "buying" or (kept and p.status == "kept")]
+
     # -- purchases ------------------------------------------------------------------------
     async def _follow_purchases(self, present: set[str]) -> bool:
-        """Purchases that ended (joined or failed) or were cancelled: True when any did."""
-        buying = self._buying()
-        if not buying:
+        """Purchases that ended (joined or failed), were cancelled or kept: True when any did."""
+        followed = self._followed()
+        if not followed:
             return False
+        was = [p.status for p in followed]
         states: list[PurchaseState] = await workflow.execute_activity(
-            act.purchase_status, PurchaseStatusInput(workflow_ids=[p.workflow_id for p in buying]),
+            act.purchase_status, PurchaseStatusInput(workflow_ids=[p.workflow_id for p in followed]),
             start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
-            summary=f"how {len(buying)} purchases are doing",
+            summary=f"how {len(followed)} purchases are doing",
         )
         by_id = {s.workflow_id: s for s in states}
         now = workflow.now().timestamp()
-        for purchase in buying:
+        for purchase in followed:
             state = by_id.get(purchase.workflow_id)
             if state is None or state.status == "running":
                 if purchase.pods and not any(pod in present for pod in purchase.pods):
@@ -327,9 +343,11 @@ class Demand(Entity[DemandCarry]):
                         start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
                         summary=f"pods gone: cancel {purchase.workflow_id} unless provisioning",
                     )
-                    purchase.status = "cancelled" if outcome.cancelled else "kept"
-                    self._log(f"{purchase.workflow_id}: pods gone; " + ("cancelled before provisioning"
-                                                                        if outcome.cancelled else outcome.reason))
+                    status = "cancelled" if outcome.cancelled else "kept"
+                    if status != purchase.status:  # one kept again, pass after pass, is said once
+                        self._log(f"{purchase.workflow_id}: pods gone; " + ("cancelled before provisioning"
+                                                                            if outcome.cancelled else outcome.reason))
+                    purchase.status = status
                 continue
             if state.status == "completed":
                 purchase.status, purchase.nodes = "joined", state.nodes
@@ -345,16 +363,19 @@ class Demand(Entity[DemandCarry]):
                 self._log(f"{purchase.workflow_id}: {purchase.offer} failed ({why}); out of the plan for "
                           f"{self._args.exclude_seconds:.0f}s, its pods are planned again")
         # Keep the finished ones a while for the status; the newest 50.
-        done = [p for p in self.state.purchases if p.status != "buying"]
-        self.state.purchases = self._buying() + done[-50:]
-        return len(self._buying()) < len(buying)
+        following = self._followed()
+        followed_ids = {p.workflow_id for p in following}
+        done = [p for p in self.state.purchases if p.workflow_id not in followed_ids]
+        self.state.purchases = following + done[-50:]
+        return [p.status for p in followed] != was
 
     def _joining_and_excluded(self) -> tuple[list[JoiningMachine], dict[str, str]]:
-        """What the plan counts as joining (the purchases buying) and the offers out of it now."""
+        """What the plan counts as joining (the purchases followed: a kept one may still bring its
+        node, and new pods wait on it rather than buy beside it) and the offers out of it now."""
         now = workflow.now().timestamp()
         self.state.excluded = {k: until for k, until in self.state.excluded.items() if until > now}
         joining = [JoiningMachine(purchase=p.workflow_id, site=p.site, gpus=p.gpus, capacity_type=p.capacity_type,
-                                  model_gpus=p.model_gpus) for p in self._buying()]
+                                  model_gpus=p.model_gpus) for p in self._followed()]
         return joining, {k: "a purchase there just failed" for k in self.state.excluded}
 
     async def _plan_and_buy(self, batch: DemandBatch) -> None:

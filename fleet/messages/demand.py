@@ -147,8 +147,9 @@ class Purchase(BaseModel):
     pods: list[str] = Field(default_factory=list)
     model_gpus: dict[str, int] = Field(default_factory=dict)
     reason: str = ""
-    #: buying, joined, failed, cancelled, kept (its pods went, but it was already provisioning),
-    #: stopped (the loop was cancelled while it was buying: told to stop).
+    #: buying, joined, failed, cancelled, kept (its pods went, but it was already provisioning or could
+    #: not be asked: followed, and asked again, until it ends), stopped (the loop was cancelled while it
+    #: was buying or kept: told to stop).
     status: str = "buying"
     nodes: list[str] = Field(default_factory=list)
     started_at: float = 0.0
