@@ -105,8 +105,10 @@ EXPECTED = {
     # A Node run whose first task held a NotReady (tests/test_site_events.py): kept since
     # ``node-patches-at-start-2``; the old code's run, which dropped it, replays too.
     "node_cluster_state_in_the_first_task", "node_cluster_state_in_the_first_task_lost",
-    # A node answering every watch at once, paced (tests/security/test_watch_pacing.py).
-    "node_watch_paced",
+    # A node answering every watch at once, paced (tests/security/test_watch_pacing.py); and one
+    # whose answers make its entity continue as new, its pace carried (``node-patches-at-start-8``:
+    # the run's first watch waits out the pause the run before was in).
+    "node_watch_paced", "node_watch_paced_across_continue_as_new",
     # A flood of junk CSRs: the approver's watch paced ever slower while its passes only deny, back to
     # the base once one approves (tests/cluster/test_csr_flood.py; no patch: the same commands, a
     # watch's input differs).

@@ -253,6 +253,14 @@ NODE_PATCHES_AT_START_6 = "node-patches-at-start-6"
 #: of the config's repair settings (the watch's heartbeat and pace, the report age bound, the XID
 #: thresholds), which a healthy node otherwise never reads again.
 NODE_PATCHES_AT_START_7 = "node-patches-at-start-7"
+#: Workflow patch, asked first thing right after ``NODE_PATCHES_AT_START_7`` (runs that have it),
+#: with a marker of its own for the same reason. The watch's pace (its counts of early and idle
+#: answers, and the pause it is in) goes over continue-as-new with the state, and a run's first
+#: watch waits out the pause the run before was in. Before it each run counted afresh and watched
+#: at once: a node answering at once with a new digest each time (30 early answers free) and
+#: padding (each answer up to the gateway's 512 KiB, so the server suggests continue-as-new every
+#: ~9 answers) was never paced, an endless chain of ~4 MB runs.
+NODE_PATCHES_AT_START_8 = "node-patches-at-start-8"
 #: Workflow patch, asked in a run the site sweep started again (``started_again``), first thing in
 #: ``run`` once its input is read, with a marker of its own: such a run before it issued its first
 #: watch where this path first reads what was left. Before its first step the run takes as its
@@ -391,10 +399,8 @@ class NodeEntity(Entity[NodeCarry]):
         #: their action is over, whatever ``node_left`` read of them before.
         self._took_what_was_left = False
         self._done_while_taking: set[str] = set()
-        #: Watch answers in a row long before their wait: all, and those that changed nothing
-        #: (the pace, ``_pace_watch``).
-        self._early_answers = 0
-        self._idle_answers = 0
+        #: ``NODE_PATCHES_AT_START_8`` (asked once, first): the watch's pace is carried.
+        self._settled_8 = False
         #: The cluster did not answer the last read of the node: findings wait on hold, unread, until
         #: this time, then the read is tried again (``_facts_or_wait``); the pause doubles each time.
         self._facts_retry_at: datetime | None = None
@@ -619,11 +625,14 @@ class NodeEntity(Entity[NodeCarry]):
         self._settled_5 = self._settled_4 and workflow.patched(NODE_PATCHES_AT_START_5)
         self._settled_6 = self._settled_5 and workflow.patched(NODE_PATCHES_AT_START_6)
         self._settled_7 = self._settled_6 and workflow.patched(NODE_PATCHES_AT_START_7)
+        self._settled_8 = self._settled_7 and workflow.patched(NODE_PATCHES_AT_START_8)
         if self._settled_2:
             self._told_by_cluster = True  # before ``start_with``: a first task's cluster_state counts
         inp = parse_input(NodeEntityInput, raw)
         self._node = inp.node_name
         self.start_with(inp.carry)
+        if not self._settled_8:  # each run counted its watch's pace afresh
+            self.state.watch_early_answers = self.state.watch_idle_answers = 0
         self._joined_site, self._joined_settings = inp.site, inp.settings
         takes_what_was_left = bool(inp.started_again) and self._settled_7 and workflow.patched(STARTED_AGAIN_PATCH)
         if inp.started_again and not takes_what_was_left:  # a run from before the patch: a log line
@@ -865,6 +874,10 @@ class NodeEntity(Entity[NodeCarry]):
                 pass
         took: timedelta | None = None  # how long the last watch took to answer ...
         moved = False  # ... and whether its answer changed what the entity knows
+        if self._settled_8 and (paced_until := self.state.watch_paced_until) is not None:
+            if (left := paced_until - workflow.now().timestamp()) > 0:  # the run before's pause, to its end
+                with self.resting():
+                    await workflow.sleep(left, summary=f"pace {self._node}'s watch: the pause before continue-as-new")
         while not self._gone:
             if (settings := self._settings()) is not None:
                 heartbeat = timedelta(seconds=settings.timeouts.watch_heartbeat())
@@ -920,20 +933,26 @@ class NodeEntity(Entity[NodeCarry]):
     async def _pace_watch(self, took: timedelta, moved: bool) -> None:
         """Past ``WATCH_IDLE_FREE`` answers in a row long before their wait that changed nothing,
         or ``WATCH_EARLY_FREE`` early ones of any kind, a pause before the next watch, doubling
-        while they go on (``NODE_PATCHES_AT_START_2``). Resting: the next run watches at once."""
+        while they go on (``NODE_PATCHES_AT_START_2``). Resting: the next run watches at once, or
+        (``NODE_PATCHES_AT_START_8``) once the pause is over, counting on from here."""
+        carry = self.state
         if took >= timedelta(seconds=self._watch_wait() / 2):
-            self._early_answers = self._idle_answers = 0
+            carry.watch_early_answers = carry.watch_idle_answers = 0
             return
-        self._early_answers += 1
-        self._idle_answers = 0 if moved else self._idle_answers + 1
-        over = max(self._idle_answers - WATCH_IDLE_FREE, self._early_answers - WATCH_EARLY_FREE)
+        carry.watch_early_answers += 1
+        carry.watch_idle_answers = 0 if moved else carry.watch_idle_answers + 1
+        over = max(carry.watch_idle_answers - WATCH_IDLE_FREE, carry.watch_early_answers - WATCH_EARLY_FREE)
         if over <= 0:
             return
         timeouts = (self._settings() or RepairSettings()).timeouts
-        pause = timedelta(seconds=min(timeouts.watch_pace_seconds * 2 ** (over - 1), timeouts.watch_pace_max_seconds))
+        # The doublings capped: the counts are carried, and days of answers at once would pass a float's range.
+        doublings = min(over - 1, 32)
+        pause = timedelta(seconds=min(timeouts.watch_pace_seconds * 2 ** doublings, timeouts.watch_pace_max_seconds))
         if over == 1:
-            self._log(f"watch answers long before their wait ({self._early_answers} in a row, {self._idle_answers} "
-                      f"changing nothing): the next watches are paced, from {pause.total_seconds():.0f}s", warn=True)
+            self._log(f"watch answers long before their wait ({carry.watch_early_answers} in a row, "
+                      f"{carry.watch_idle_answers} changing nothing): the next watches are paced, from "
+                      f"{pause.total_seconds():.0f}s", warn=True)
+        carry.watch_paced_until = (workflow.now() + pause).timestamp()
         with self.resting():
             await workflow.sleep(pause, summary=f"pace {self._node}'s watch: it answers at once")
 

@@ -53,6 +53,13 @@ class NodeCarry(BaseModel):
     #: (carried, so a hostile node cannot clear its count by waiting for a continue-as-new).
     bad_reports: int = 0
     bad_reports_in_a_row: int = 0
+    #: The watch's pace (``workflows.node._pace_watch``): answers in a row long before their wait,
+    #: all and those that changed nothing, and until when the next watch waits (epoch seconds).
+    #: Carried, so a node cannot clear its pace by driving its entity to continue as new (padded
+    #: answers pass the server's history-size suggestion every few answers).
+    watch_early_answers: int = 0
+    watch_idle_answers: int = 0
+    watch_paced_until: float | None = None
     #: The reasons of quarantines not yet handed to a repair: such a finding is about the node's
     #: word, not its GPU, so a clean GPU snapshot while it waits does not forget it.
     quarantine_reasons: list[str] = Field(default_factory=list)
@@ -277,6 +284,13 @@ class NodeStatus(BaseModel):
     #: Watch results refused as malformed: in all, in a row, and the latest one's problem.
     bad_reports: int = 0
     bad_reports_in_a_row: int = 0
+    #: The watch's pace (``workflows.node._pace_watch``): answers in a row long before their wait,
+    #: all and those that changed nothing, and until when the next watch waits (epoch seconds).
+    #: Carried, so a node cannot clear its pace by driving its entity to continue as new (padded
+    #: answers pass the server's history-size suggestion every few answers).
+    watch_early_answers: int = 0
+    watch_idle_answers: int = 0
+    watch_paced_until: float | None = None
     last_bad_report: str = ""
     #: Background loops (the health watch, a repair's watcher) restarted after an error.
     loop_restarts: int = 0

@@ -7,6 +7,12 @@ and the gateway bounds a node's calls in flight, not their rate: such a node dro
 task, an activity and about half a megabyte of history per round trip on the shared control-plane
 worker and Temporal store, as fast as it liked (100 round trips, 42 MB, in 10 s). Since
 ``node-patches-at-start-2`` the entity paces the next watch (workflows/node.py ``_pace_watch``).
+
+A node that also changes its digest on every answer (its GPUs unchanged) has each answer count as
+a change: the first ``WATCH_EARLY_FREE`` (30) are free. The pace was counted per run, and the
+padding alone passes the server's continue-as-new suggestion every ~9 answers (4 MiB of history),
+so every run started counting afresh and such a node was never paced. Since
+``node-patches-at-start-8`` the counts and the pause go over continue-as-new with the entity's state.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from fleet.contracts import workflows as flows
 from fleet.messages.repair import NodeStatus, NodeWatchInput
 from fleet.naming import node_queue
 from tests.bad_input_helpers import task_failures
+from tests.can_server import run_chain, server_suggesting_continue_as_new
 from tests.repair_helpers import eventually, join_node, running_stack
 from tests.replay import replay_and_record
+from workflows.node import WATCH_EARLY_FREE
 
 #: Extra fields the report model ignores: each string under first_problem's 64 KiB bound.
 PAD = {"pad": ["x" * 60_000] * 7}
@@ -36,10 +44,13 @@ SECONDS = 10.0
 
 
 class EagerWatch:
-    def __init__(self) -> None:
+    def __init__(self, new_digests: bool = False) -> None:
         self.inputs: list[NodeWatchInput] = []
         self.armed = False
         self.bytes = 0
+        #: Each answer a new digest (and sequence number), the node's GPUs unchanged.
+        self.new_digests = new_digests
+        self.boot_id = "b"
 
     def build_agent(self, client, node_name, gpus, executor, watch=None) -> Worker:
         agent = NodeAgentActivities(node_name, gpus, watch)
@@ -48,9 +59,14 @@ class EagerWatch:
         async def watch_node(input: NodeWatchInput) -> Any:
             self.inputs.append(input)
             if not self.armed:
-                return await agent.watch_node(input)
-            data = json.dumps({"node_name": input.node_name, "seq": input.seq, "digest": input.digest,
-                               "boot_id": "b", **PAD}).encode()
+                result = await agent.watch_node(input)
+                self.boot_id = result.boot_id
+                return result
+            seq, digest = input.seq, input.digest
+            if self.new_digests:
+                seq, digest = seq + 1, f"padded-{len(self.inputs)}"
+            data = json.dumps({"node_name": input.node_name, "seq": seq, "digest": digest,
+                               "boot_id": self.boot_id, **PAD}).encode()
             self.bytes += len(data)
             return RawValue(Payload(metadata={"encoding": b"json/plain"}, data=data))
 
@@ -59,17 +75,22 @@ class EagerWatch:
                       activity_executor=executor, max_concurrent_activities=5)
 
 
-@pytest.fixture
-async def eager(temporal_env, tmp_path, monkeypatch) -> AsyncIterator:
-    watch = EagerWatch()
+async def watched_by(watch: EagerWatch, client, tmp_path, monkeypatch) -> AsyncIterator:
+    """A stack with a node joined whose agent's watches ``watch`` answers, once it watches."""
     monkeypatch.setattr(workers.node_agent, "build_agent", watch.build_agent)
-    async for stack in running_stack(temporal_env.client, tmp_path):
+    async for stack in running_stack(client, tmp_path):
         node = await join_node(stack)
 
         async def watching() -> bool:
             return bool(watch.inputs)
 
         await eventually(watching, timeout=30)
+        yield stack, node, watch
+
+
+@pytest.fixture
+async def eager(temporal_env, tmp_path, monkeypatch) -> AsyncIterator:
+    async for stack, node, watch in watched_by(EagerWatch(), temporal_env.client, tmp_path, monkeypatch):
         yield stack, node, watch
 
 
@@ -90,3 +111,46 @@ async def test_a_node_answering_every_watch_at_once_is_paced(eager) -> None:
     status = await handle.query(flows.Node.status, result_type=NodeStatus)
     assert any("the next watches are paced" in line for line in status.log), status.log
     await replay_and_record(handle, "node_watch_paced")
+
+
+@pytest.fixture(scope="module")
+async def can_env() -> AsyncIterator:
+    """A dev server that suggests continue-as-new every 40 events, as the padding's 4 MiB would."""
+    async with server_suggesting_continue_as_new(40) as env:
+        yield env
+
+
+@pytest.fixture
+async def eager_new_digests(can_env, tmp_path, monkeypatch) -> AsyncIterator:
+    async for stack, node, watch in watched_by(EagerWatch(new_digests=True), can_env.client, tmp_path, monkeypatch):
+        yield stack, node, watch
+
+
+async def test_a_node_changing_its_digest_on_every_answer_stays_paced_across_continue_as_new(
+        eager_new_digests) -> None:
+    stack, node, watch = eager_new_digests
+    handle = stack.client.get_workflow_handle(f"node/{node.node_name}")
+    first_run = (await handle.describe()).run_id
+    before = len(watch.inputs)
+
+    async def paced_or_flooding() -> bool:
+        if len(watch.inputs) - before > WATCH_EARLY_FREE + 10:
+            return True
+        status = await handle.query(flows.Node.status, result_type=NodeStatus)  # the newest run
+        return any("the next watches are paced" in line for line in status.log)
+
+    watch.armed = True
+    stack.world.inject_fault(node.machine_id, 0, "xid", 13, clears_on="never")  # ends the watch in flight
+    await eventually(paced_or_flooding, timeout=90, interval=0.2)
+    await asyncio.sleep(8)  # paced: a pause of 5 s, then of 10 s, whichever run it falls in
+    watch.armed = False
+    rounds = len(watch.inputs) - before
+    chain = await run_chain(stack.client, handle.id, first_run)
+    # The free early answers are counted across runs (the old code counted from 0 in every
+    # run, which the padding ends every few answers: never paced).
+    assert rounds <= WATCH_EARLY_FREE + 4, (
+        f"{rounds} watch rounds over {len(chain)} runs ({watch.bytes / 1e6:.1f} MB of history)")
+    assert len(chain) >= 3, "the answers' history did not make the entity continue as new"
+    assert not [run for run in chain if any(e.HasField("workflow_task_failed_event_attributes")
+                                            for e in run.events)]
+    await replay_and_record(handle, "node_watch_paced_across_continue_as_new")
