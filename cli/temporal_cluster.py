@@ -307,14 +307,14 @@ def throwaway_internode_secret(folder: Path) -> Path:
     (``internode.client.serverName``), for serving and for calling, as each service uses it."""
     from cryptography.x509.oid import ExtendedKeyUsageOID
 
+    from providers.private_files import private_folder, write_private
     from workers.gateway.pki import Pki
 
     pki = Pki.create("gpufleet throwaway Temporal internode CA")
     cert, key = pki.certificate("temporal-internode", (internode_tls()["client"]["serverName"],),
                                 [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tls.key").touch(mode=0o600)
-    (folder / "tls.key").write_bytes(key)
+    private_folder(folder)
+    write_private(folder / "tls.key", key)
     (folder / "tls.crt").write_bytes(cert)
     (folder / "ca.crt").write_bytes(pki.ca_pem)
     return folder

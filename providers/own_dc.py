@@ -89,7 +89,8 @@ from fleet.errors import (
 from fleet.models import JOIN_OPTIONS, Machine, MachineSpec, Offer
 from providers.credentials import read_secret
 from providers.http_api import error_object, send
-from providers.own_dc_seed import SEED_FILES, write_private
+from providers.own_dc_seed import SEED_FILES
+from providers.private_files import private_folder, write_private
 
 if TYPE_CHECKING:
     from providers.cluster.base import Cluster
@@ -511,8 +512,7 @@ class OwnDcProvider:
         """The machine's NoCloud seed; a new ``instance-id`` each time so cloud-init runs it,
         and a new nonce (the seed server's one-time URL), written last: a URL handed out
         before this seed was complete stops working once it is."""
-        folder = self._seed_dir() / machine_id
-        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        folder = private_folder(self._seed_dir() / machine_id)
         meta = f"instance-id: {machine_id}-{int(time.time() * 1000)}\nlocal-hostname: {hostname}\n"
         for name, text in (("meta-data", meta), ("user-data", user_data), ("nonce", secrets.token_urlsafe(32))):
             write_private(folder / name, text)

@@ -46,15 +46,6 @@ log = logging.getLogger("gpufleet.own_dc_seed")
 SEED_FILES = ("user-data", "meta-data", "nonce")
 
 
-def write_private(path: Path, text: str) -> None:
-    """``text`` to ``path``, 0600 from the first byte, replacing it in one step."""
-    partial = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial")
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(text)
-    os.replace(partial, path)
-
-
 def read_nonce(folder: Path) -> str:
     try:
         return (folder / "nonce").read_text().strip()

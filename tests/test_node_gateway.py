@@ -537,3 +537,31 @@ async def test_site_admits_repairs_only_for_its_own_nodes(stack: Stack) -> None:
     assert "invented-1" not in str(status["incident"]["failing"]), "an unknown name never counts"
     await replay_and_record(site, "site_admit_known_nodes")
 
+
+
+def test_the_dev_keys_are_their_owners_only_whatever_was_there(tmp_path) -> None:
+    """A CA key written into a ``ca.key`` left behind (its ``ca.pem`` lost in a crash), or a gateway
+    key and token folder restored by ``cp`` with loose modes: ``touch(mode=0o600)`` and
+    ``mkdir(exist_ok=True)`` kept the old mode, so the dev CA's key (which signs node certificates)
+    and the task-token key were world-readable. Each is now its owner's only."""
+    import stat
+
+    from workers.gateway.pki import dev_gateway_files
+
+    pki_dir = tmp_path / "pki"
+    pki_dir.mkdir(mode=0o755)
+    (pki_dir / "ca.key").write_text("left behind")
+    (pki_dir / "token-keys").mkdir(mode=0o755)
+    for loose in (pki_dir, pki_dir / "ca.key", pki_dir / "token-keys"):
+        loose.chmod(0o777 if loose.is_dir() else 0o644)
+    files = dev_gateway_files(tmp_path)
+    assert (pki_dir / "ca.key").read_text().startswith("-----BEGIN"), "a new CA key was written"
+    files["key"].chmod(0o644)  # the gateway's key restored by cp
+    files = dev_gateway_files(tmp_path)
+
+    def mode(path) -> int:
+        return stat.S_IMODE(path.stat().st_mode)
+
+    assert {name: mode(files[name]) for name in ("ca_key", "key")} == {"ca_key": 0o600, "key": 0o600}
+    assert mode(files["token_keys"] / "current") == 0o600
+    assert mode(pki_dir) == 0o700 and mode(files["token_keys"]) == 0o700

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
+from providers.private_files import private_folder, write_private
 from workers.gateway.node_identity import NODE_GROUP, NODE_PREFIX, node_key_and_csr, pem_private_key, subject_name
 
 
@@ -45,9 +46,8 @@ class Pki:
             return cls(serialization.load_pem_private_key(key_pem.read_bytes(), None),
                        x509.load_pem_x509_certificate(ca_pem.read_bytes()))
         pki = cls.create()
-        directory.mkdir(parents=True, exist_ok=True)
-        key_pem.touch(mode=0o600)
-        key_pem.write_bytes(pem_private_key(pki.ca_key))
+        private_folder(directory)
+        write_private(key_pem, pem_private_key(pki.ca_key))
         ca_pem.write_bytes(pki.ca_pem)
         return pki
 
@@ -121,22 +121,21 @@ def dev_gateway_files(state_dir: Path) -> dict[str, Path]:
     """The dev stack's CA and gateway certificate, and the gateway's task-token key (the folder
     ``GPUFLEET_GATEWAY_TOKEN_KEYS`` names), made once under ``<state>/pki``: a restarted dev
     gateway takes the answers to tasks it delivered before."""
-    pki_dir = state_dir / "pki"
+    pki_dir = private_folder(state_dir / "pki")
     pki = Pki.load_or_create(pki_dir)
     files = {"ca": pki_dir / "ca.pem", "ca_key": pki_dir / "ca.key",
              "cert": pki_dir / "gateway.pem", "key": pki_dir / "gateway.key",
              "token_keys": pki_dir / "token-keys"}
     if not files["cert"].exists() or not files["key"].exists():
         cert, key = pki.server_cert()
-        files["key"].touch(mode=0o600)
-        files["key"].write_bytes(key)
+        write_private(files["key"], key)
         files["cert"].write_bytes(cert)
-    current = files["token_keys"] / "current"
+    current = private_folder(files["token_keys"]) / "current"
     if not current.exists():
         import secrets
 
-        files["token_keys"].mkdir(mode=0o700, exist_ok=True)
-        current.touch(mode=0o600)
-        current.write_text(secrets.token_hex(32) + "\n")
+        write_private(current, secrets.token_hex(32) + "\n")
+    for secret in (files["ca_key"], files["key"], current):
+        secret.chmod(0o600)  # kept from before (restored by ``cp``, say): its owner's only, whatever it was
     return files
 
