@@ -47,7 +47,7 @@ from tests.repair_helpers import (
     eventually, exists, join_node, ladder, node_status, repair_fleet, repair_handle, repair_result, running_stack,
 )
 from tests.replay import HISTORIES, replay_and_record
-from tests.test_repair_cancel import _details, repair_waiting_for_boot
+from tests.test_repair_cancel import _details, _waiting_for_boot, repair_waiting_for_boot
 from tests.test_cli import gpufleet
 from workers.health_report import send_report
 
@@ -66,6 +66,12 @@ RECORDED_QUEUE = "node_entity_tells_a_queue_of_five_once"
 #: scenario on the code before, where the first reset "covered" the second (it must still replay).
 RECORDED_RESETS = "node_entity_grants_each_gpu_its_own_reset"
 RECORDED_RESETS_BEFORE = f"{RECORDED_RESETS}_before"
+#: A repair held while queued for the slot (``repair-holds-at-the-grant``) and the Node run that took
+#: its slot back unused (``node-slot-given-back-unused``); ``_before``: the repair's run on the code
+#: before, which rebooted held on its grant.
+RECORDED_HELD = "gpu_repair_held_in_the_queue_gives_the_slot_back"
+RECORDED_HELD_BEFORE = f"{RECORDED_HELD}_before"
+RECORDED_HELD_NODE = "node_entity_slot_given_back_unused"
 
 
 @pytest.fixture
@@ -310,6 +316,56 @@ async def test_a_queued_repair_names_the_slots_holder_and_when_it_is_expected_ba
 
     await replay_and_record(stack.client.get_workflow_handle(f"node/{node.node_name}"), RECORDED_TOLD)
     await replay_and_record(third, RECORDED_TOLD_REPAIR)
+
+
+async def _next_action(stack: Stack, node: JoinedNode, after: str) -> NodeStatus | None:
+    """The Node entity's status once it recorded an action after ``after``'s (granted, or given back)."""
+    status = await node_status(stack, node.node_name)
+    ids = [a.repair_id for a in status.node_actions] if status else []
+    return status if after in ids and ids[-1] != after else None
+
+
+async def test_a_repair_held_in_the_queue_gives_the_slot_back_and_acts_only_once_released(
+        slow_reboots: Stack) -> None:
+    """A hold (an operator's ``gpufleet repair hold``, or the site's for an incident) that reaches a
+    repair queued for the node's action slot holds it there: the grant goes back unused, and the
+    repair queued behind it takes the slot for its own action. Before, the held repair ran its rung
+    on the grant (at the replace rung: bought a machine during the incident) while its details said
+    "held (contained, doing nothing until released)"; and a slot given back finished an action the
+    Node entity recorded as run, which "covered" the faults queued behind it."""
+    stack = slow_reboots
+    # GPU 0's reboot holds the slot; GPU 1's reboot queues behind it and is held there, then GPU 2's.
+    node, first = await repair_waiting_for_boot(stack)
+    second = await _queued_behind(stack, node, 1, xid=79)
+    await second.execute_update(flows.GpuRepair.hold, {"reason": "vendor ticket 4711"})
+    third = await _queued_behind(stack, node, 2, xid=79)
+
+    # The reboot ends: the slot comes to the held repair, which gives it back; GPU 2's takes it.
+    _booted(stack, node)
+    assert GpuRepairResult.model_validate(await first.result()).outcome == "repaired"
+    status = await eventually(lambda: _next_action(stack, node, first.id), timeout=30)
+    assert [a.repair_id for a in status.node_actions] == [first.id, third.id], \
+        "the held repair acted, or its slot given back stays on record as an action that ran"
+    await eventually(lambda: _waiting_for_boot(third), timeout=30)  # its own reboot, GPU 1's fault beside it
+    held_state = await ladder(stack, node.node_name, 1)
+    assert held_state.held and held_state.step == "held", held_state
+    assert [(a.rung, a.outcome) for a in held_state.attempts] == [(Rung.REBOOT, "running")]
+    shown = await _details(second)
+    assert "**held**" in shown and "went back unused" in shown, shown
+    assert stack.world.machine(node.machine_id)["reboots"] == 2, "GPU 0's and GPU 2's reboots; none held"
+
+    _booted(stack, node)
+    third_result = GpuRepairResult.model_validate(await third.result())
+    assert [(a.rung, a.outcome) for a in third_result.attempts] == [(Rung.REBOOT, "passed")], third_result
+    # Released, GPU 1's repair asks for the slot again: GPU 2's reboot, begun after its fault, covers it.
+    await second.execute_update(flows.GpuRepair.release, {"reason": "ticket closed"})
+    second_result = GpuRepairResult.model_validate(await second.result())
+    assert [(a.rung, a.outcome) for a in second_result.attempts] == [(Rung.REBOOT, "covered")], second_result
+    assert second_result.outcome == "repaired"
+    assert stack.world.machine(node.machine_id)["reboots"] == 2
+
+    await replay_and_record(second, RECORDED_HELD)
+    await replay_and_record(stack.client.get_workflow_handle(f"node/{node.node_name}"), RECORDED_HELD_NODE)
 
 
 @pytest.fixture

@@ -381,6 +381,13 @@ EXPECTED = {
     # request for the next rung's slot stays pending until the sweep's next run takes it over
     # (tests/test_site_events.py; no patch: the code before failed the run at that signal).
     "gpu_repair_outlives_its_node_entity",
+    # A repair held while queued for its node's action slot gives the grant back unused and asks again
+    # once released (``repair-holds-at-the-grant``), and the Node run keeps no record of the action that
+    # never ran (``node-slot-given-back-unused``; tests/test_node_slot_requests.py). ``_before``: the
+    # repair on the code before, which rebooted held; the Node on the code before, which kept the
+    # give-back as a reboot that ran.
+    "gpu_repair_held_in_the_queue_gives_the_slot_back", "gpu_repair_held_in_the_queue_gives_the_slot_back_before",
+    "node_entity_slot_given_back_unused", "node_entity_slot_given_back_unused_before",
 }
 
 

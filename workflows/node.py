@@ -312,6 +312,14 @@ MAX_LOG = 20
 #: for Q repairs queued together (13 for 8). Before it every waiter was told again each time the slot
 #: changed hands or its place moved: Q(Q-1)/2 (28 for 8). The node's status lists the queue as it is.
 NODE_TELLS_THE_QUEUE_ONCE = "node-tells-the-queue-once"
+#: Workflow patch, asked in ``node_action_done`` where a repair gives the slot back unused
+#: (``NodeActionDone.acted`` false: the grant reached a held repair, which ran nothing and asks
+#: again once released), behind ``self._settled_7 and`` (such a run runs no local activity, so it may
+#: be asked there). The grant's action record goes: no action ran, so none covers another repair's
+#: fault. Before it the give-back finished the record like any action's, and a reboot (or a
+#: replace) that never ran "covered" the repairs queued behind it, which skipped their own action
+#: (a covering replace: they ended "replaced" with the machine still there).
+NODE_SLOT_BACK_UNUSED = "node-slot-given-back-unused"
 
 
 def _xid_key(gpu: GpuHealth, index: int) -> str:
@@ -487,6 +495,10 @@ class NodeEntity(Entity[NodeCarry]):
     def node_action_done(self, done: NodeActionDone) -> None:
         if self._taking_what_was_left:  # ``node_left`` may have read it acting: ``_follow`` must not hold it
             self._done_while_taking.add(done.repair_id)
+        if not done.acted and self._settled_7 and workflow.patched(NODE_SLOT_BACK_UNUSED):
+            self._drop_action(done.repair_id)
+            self._log(f"{done.repair_id} gave the node's action slot back unused (held): no {done.rung} ran")
+            return
         self._finish_action(done.repair_id)
         # The node booted again (its repair waited for a new boot id): the watch in flight was
         # held by the agent of the boot before, which may have died without a word. A reboot
@@ -1385,6 +1397,15 @@ class NodeEntity(Entity[NodeCarry]):
         for action in self.state.actions:
             if action.repair_id == repair_id and action.finished_at is None:
                 action.finished_at = workflow.now()
+        if self._holder == repair_id:
+            self._holder = None
+            self._wake = True
+
+    def _drop_action(self, repair_id: str) -> None:
+        """The slot back from ``repair_id`` with no action run: its record goes (finished, it would
+        cover the faults queued behind it), and the slot is free."""
+        self.state.actions = [a for a in self.state.actions
+                              if not (a.repair_id == repair_id and a.finished_at is None)]
         if self._holder == repair_id:
             self._holder = None
             self._wake = True

@@ -10,7 +10,8 @@ that finds no run there (terminated, failed) to ask or give the slot back to fai
 request waits, saying so, for the run the site sweep starts next, which takes it from the ladder.
 
 Operators: updates ``hold`` / ``release`` / ``skip_to`` (validated), query
-``ladder``. A held ladder stays contained and does nothing at the next step. A cancel
+``ladder``. A held ladder stays contained and does nothing at the next step (a grant of the
+node's slot that reaches it held goes back unused). A cancel
 (``temporal workflow cancel``, the UI) stops the ladder where it is: no next rung, no
 replacement bought, and the GPU stays fenced (a possibly broken GPU never serves again by a
 cancel) for a person, who is told so by the details and ``FleetState = "needs-person"``.
@@ -87,6 +88,13 @@ with workflow.unsafe.imports_passed_through():
     )
 
 NODE_RETRY = RetryPolicy(maximum_attempts=2, non_retryable_error_types=["GpuResetFailed", "DriverReinstallFailed"])
+
+#: Workflow patch, asked where the Node entity's grant of the action slot reaches a ladder held while
+#: it waited for it (an operator's ``hold``, or its site's for an incident): the slot goes back unused
+#: (``NodeActionDone.acted`` false), the ladder waits held, and asks for the slot again once released.
+#: Before it the rung ran on the grant, held or not: a reset, reboot or reinstall, or a replacement
+#: bought during the incident, while the details said "held (contained, doing nothing until released)".
+HOLD_AT_THE_GRANT_PATCH = "repair-holds-at-the-grant"
 
 
 @workflow.defn(name="GpuRepair")
@@ -364,10 +372,10 @@ class GpuRepair:
             replacement_node=self._state.replacement_node,
         )
 
-    async def _hold_point(self) -> None:
+    async def _hold_point(self, detail: str = "held") -> None:
         if self._state.held:
             self._set_fleet_state("held")
-            self._show("held")
+            self._show(detail)
             await workflow.wait_condition(lambda: not self._state.held)
 
     # -- recover --------------------------------------------------------------------------
@@ -400,13 +408,14 @@ class GpuRepair:
         self._state.waiting_for = ""
         return self._grant
 
-    async def _release(self, rung: Rung, ok: bool) -> None:
+    async def _release(self, rung: Rung, ok: bool, acted: bool = True) -> None:
         parent = workflow.info().parent
         if parent is None:
             return
         try:
             await workflow.get_external_workflow_handle(parent.workflow_id).signal(
-                flows.Node.node_action_done, NodeActionDone(repair_id=workflow.info().workflow_id, rung=rung, ok=ok),
+                flows.Node.node_action_done,
+                NodeActionDone(repair_id=workflow.info().workflow_id, rung=rung, ok=ok, acted=acted),
             )
         except FailureError as error:
             if self._cancelled(error):
@@ -425,6 +434,8 @@ class GpuRepair:
     async def _recover(self, rung: Rung, attempt_no: int) -> tuple[bool, str, str]:
         """(recovered, outcome word, detail). Failures are outcomes, not exceptions."""
         grant = await self._acquire(rung)
+        while grant.go and self._state.held and workflow.patched(HOLD_AT_THE_GRANT_PATCH):
+            grant = await self._held_at_the_grant(rung)
         if not grant.go:
             if grant.covered_by == Rung.REPLACE:
                 return True, "replaced", grant.detail
@@ -450,6 +461,17 @@ class GpuRepair:
             # Also on a cancel: the slot goes back (the signal is a command a cancelled run may
             # still send; the Node entity frees the slot too when it sees the repair end).
             await self._release(rung, ok)
+
+    async def _held_at_the_grant(self, rung: Rung) -> NodeActionGrant:
+        """The slot came while the ladder was held (the hold reached it in the queue): a held ladder
+        does nothing, so the slot goes back unused (the Node entity keeps no record of an action that
+        never ran, which would cover the faults queued behind it; they take the slot now), the
+        ladder waits for its release, then asks for the slot again."""
+        await self._release(rung, ok=False, acted=False)
+        self._state.step = "held"
+        await self._hold_point(f"{rung}: the node's action slot came while held and went back unused; "
+                               "asked for again once released")
+        return await self._acquire(rung)
 
     def _recovering(self, rung: Rung) -> str:
         """The rung and when the node's action slot is expected back: what a repair queued behind

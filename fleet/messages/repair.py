@@ -253,6 +253,10 @@ class NodeActionDone(BaseModel):
     repair_id: Name
     rung: Rung
     ok: bool = True
+    #: False: the slot is given back unused (the grant reached a held repair, which ran nothing and
+    #: asks again once released): no action ran, so the Node entity keeps no record that would cover
+    #: another repair's fault.
+    acted: bool = True
 
 
 class NodeAction(BaseModel):
