@@ -8,6 +8,8 @@ for a failed rung: it reinstalled next, then bought a replacement.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError, WorkflowHandle
@@ -15,10 +17,12 @@ from temporalio.exceptions import CancelledError
 
 from activities.repair import fence_key
 from fleet.messages.join import JoinedNode
-from fleet.messages.repair import NodeStatus
+from fleet.messages.repair import GpuRepairResult, NodeStatus
 from fleet.repair_policy import Rung
+from sim.provider import SimProvider
 from tests.conftest import Stack
 from tests.details_helpers import current_details as _details
+from tests.details_helpers import held
 from tests.repair_helpers import eventually, exists, join_node, ladder, node_status, repair_handle, running_stack
 from tests.replay import replay_and_record
 
@@ -176,3 +180,44 @@ async def _ended_or_joined_again(handle: WorkflowHandle) -> bool:
 async def _waiting_for_boot(handle: WorkflowHandle) -> bool:
     return "wait_for_boot" in await _scheduled(handle)
 
+
+
+async def test_cancel_after_the_replacement_joined_retires_the_replaced_node(rstack: Stack, monkeypatch) -> None:
+    """A cancel that lands once the replacement joined stops nothing but the old node's retirement:
+    the old machine billed on beside its replacement, the repair said the node stayed cordoned for
+    a person and never named the replacement (or, with the delete in flight, which a cancel only
+    asks to stop, the machine went while it said so). Now the retirement runs to its end, and the
+    repair ends replaced, the cancel noted."""
+    node = await join_node(rstack)
+    deleting, deleted = held(monkeypatch, SimProvider, "delete_machine")
+    rstack.world.inject_fault(node.machine_id, 0, "remap_failure", clears_on="never")  # starts at replace
+    handle = repair_handle(rstack, node.node_name, 0)
+    await eventually(lambda: exists(handle), timeout=30)
+    await eventually(lambda: asyncio.to_thread(deleting.wait, 0.1), timeout=90)  # joined; retiring the old one
+
+    await handle.cancel()
+    await eventually(lambda: _cancel_requested(handle), timeout=30)
+    deleted.set()
+
+    result = GpuRepairResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+    assert result.outcome == "replaced" and result.replacement_node, result
+    assert [(a.rung, a.outcome) for a in result.attempts] == [(Rung.REPLACE, "replaced")]
+    assert "cancelled" in result.attempts[0].detail and "retired all the same" in result.attempts[0].detail, \
+        result.attempts[0].detail
+    assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
+    # One machine bills: the replacement. The old one is deleted and its node out of the cluster.
+    assert rstack.world.machine(node.machine_id)["deleted_at"] is not None
+    assert rstack.cluster.get_node(node.node_name) is None
+    assert rstack.cluster.get_node(result.replacement_node) is not None
+    details = await _details(handle)
+    assert f"replaced by {result.replacement_node}" in details and "stays fenced" not in details, details
+    # The old node's entity ends with its node gone, holding no GPU for a person.
+    entity = rstack.client.get_workflow_handle(f"node/{node.node_name}")
+    await asyncio.wait_for(entity.result(), 30)
+    assert (await node_status(rstack, node.node_name)).needs_person == {}
+    await replay_and_record(handle, "gpu_repair_cancelled_after_the_replacement_joined")
+
+
+async def _cancel_requested(handle: WorkflowHandle) -> bool:
+    history = await handle.fetch_history()
+    return any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED for e in history.events)

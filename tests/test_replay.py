@@ -388,6 +388,10 @@ EXPECTED = {
     # give-back as a reboot that ran.
     "gpu_repair_held_in_the_queue_gives_the_slot_back", "gpu_repair_held_in_the_queue_gives_the_slot_back_before",
     "node_entity_slot_given_back_unused", "node_entity_slot_given_back_unused_before",
+    # A cancel once the replacement joined retires the replaced node all the same and ends replaced
+    # (``repair-replace-retires-to-its-end``, tests/test_repair_cancel.py). ``_before``: the code
+    # before, which ended cancelled, the node "cordoned" while its delete went through.
+    "gpu_repair_cancelled_after_the_replacement_joined", "gpu_repair_cancelled_after_the_replacement_joined_before",
 }
 
 

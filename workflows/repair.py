@@ -14,7 +14,9 @@ Operators: updates ``hold`` / ``release`` / ``skip_to`` (validated), query
 node's slot that reaches it held goes back unused). A cancel
 (``temporal workflow cancel``, the UI) stops the ladder where it is: no next rung, no
 replacement bought, and the GPU stays fenced (a possibly broken GPU never serves again by a
-cancel) for a person, who is told so by the details and ``FleetState = "needs-person"``.
+cancel) for a person, who is told so by the details and ``FleetState = "needs-person"``. Once a
+replacement joined, a cancel is only noted: the node it replaced is retired all the same (it
+would bill beside its replacement) and the repair ends replaced.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ with workflow.unsafe.imports_passed_through():
         retire_machine,
         show_details,
         smoke_test_node,
+        to_its_end,
         until,
         until_in,
         until_run_began,
@@ -95,6 +98,13 @@ NODE_RETRY = RetryPolicy(maximum_attempts=2, non_retryable_error_types=["GpuRese
 #: Before it the rung ran on the grant, held or not: a reset, reboot or reinstall, or a replacement
 #: bought during the incident, while the details said "held (contained, doing nothing until released)".
 HOLD_AT_THE_GRANT_PATCH = "repair-holds-at-the-grant"
+#: Workflow patch, asked once the replacement joined: the old node's retirement (its facts, then
+#: ``retire_machine``) runs to its end when a cancel lands meanwhile, and the repair ends "replaced",
+#: the cancel noted. Before it such a cancel ended the repair cancelled, "node cordoned; a person
+#: decides": the replaced machine billed on beside its replacement, which the repair never named,
+#: and its Node entity held the GPU for a person; or the retirement in flight (a cancel is only a
+#: request to it) deleted the machine while the repair said the node stayed cordoned.
+REPLACE_RETIRES_TO_ITS_END_PATCH = "repair-replace-retires-to-its-end"
 
 
 @workflow.defn(name="GpuRepair")
@@ -359,8 +369,10 @@ class GpuRepair:
             s.attempts[-1].outcome, s.attempts[-1].finished_at = "cancelled", workflow.now()
         s.outcome, s.done, s.waiting_for = "cancelled", True, ""
         self._set_fleet_state("needs-person")
-        self._step("cancelled", f"{cancelled_words()} while {s.step}: GPU {s.gpu} stays "
-                                f"fenced and `{s.node_name}` cordoned; a person decides (nothing proved the GPU)")
+        # (A replacement that joined stays: the node's site's, as any node.)
+        replaced = f"; its replacement `{s.replacement_node}` joined and stays" if s.replacement_node else ""
+        self._step("cancelled", f"{cancelled_words()} while {s.step}: GPU {s.gpu} stays fenced and "
+                                f"`{s.node_name}` cordoned; a person decides (nothing proved the GPU){replaced}")
 
     def _finish(self, outcome: str) -> GpuRepairResult:
         self._state.outcome, self._state.done = outcome, True
@@ -581,10 +593,22 @@ class GpuRepair:
                                    non_retryable=True)
         self._state.replacement_node = joined.node_name
         self._step("recovering", f"replace: retiring {inp.node_name}")
+        if workflow.patched(REPLACE_RETIRES_TO_ITS_END_PATCH):
+            # The replacement serves (and bills) now: a cancel from here on stops nothing but the
+            # retirement of the machine it replaced, which would bill beside it for good.
+            await to_its_end(asyncio.ensure_future(self._retire_replaced()))
+        else:
+            await self._retire_replaced()
+        replaced = f"replaced by {joined.node_name} at {joined.site}"
+        if workflow.cancellation_reason() is not None:
+            replaced += f"; {cancelled_words()} after it joined: {inp.node_name} retired all the same"
+        return replaced
+
+    async def _retire_replaced(self) -> None:
+        inp = self._input
         facts = await self._facts()
         await retire_machine(inp.site, inp.node_name, facts.machine_id or inp.machine_id,
                              summary=f"retire {inp.node_name}: node out, machine deleted")
-        return f"replaced by {joined.node_name} at {joined.site}"
 
     # -- prove ----------------------------------------------------------------------------
     async def _prove(self) -> tuple[bool, str]:
