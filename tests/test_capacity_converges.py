@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
 import uuid
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -31,7 +33,7 @@ from fleet.messages.capacity import Catalog, CapacityProgress, CapacityResult, G
 from fleet.messages.join import JoinedNode, NodeJoinResult
 from fleet.placement import Constraints
 from tests.bad_input_helpers import invalid_input, task_failures
-from tests.capacity_fleet import CapStack, capacity_fleet, open_stack
+from tests.capacity_fleet import CapStack, capacity_fleet, details, open_stack
 from tests.conftest import wait_for
 from tests.repair_helpers import eventually
 from tests.replay import replay_and_record
@@ -257,6 +259,9 @@ class JoinStandIn:
     """A request's joins: the first fails its smoke test at once (one failure too many with
     ``max_other_failures: 0``); the others boot until told ``booted``, then deliver a node."""
 
+    #: The first join's failure: its type and message.
+    FIRST_FAILS = ("SmokeTestFailed", "smoke test failed")
+
     def __init__(self) -> None:
         self._booted = False
 
@@ -268,7 +273,8 @@ class JoinStandIn:
     async def run(self, raw: dict) -> NodeJoinResult:
         join_id = workflow.info().workflow_id
         if join_id.endswith("-1"):
-            raise ApplicationError("smoke test failed", type="SmokeTestFailed", non_retryable=True)
+            kind, message = self.FIRST_FAILS
+            raise ApplicationError(message, type=kind, non_retryable=True)
         await workflow.wait_condition(lambda: self._booted)
         return NodeJoinResult(nodes=[JoinedNode(node_name=f"node-{join_id[-1]}", machine_id=f"m-{join_id[-1]}",
                                                 site="s1", provider="lambda", gpus=2)])
@@ -364,6 +370,147 @@ async def test_a_request_keeps_its_newest_attempts_however_many_joins_failed(tem
     assert len(result.attempts) == ATTEMPTS_KEPT and progress.attempts == result.attempts
     assert all(a.outcome == "SmokeTestFailed" and len(a.message) == ATTEMPT_MESSAGE_CHARS for a in result.attempts)
     assert await task_failures(handle) == 0
+
+
+# -- a store away for minutes ends no request ------------------------------------------------
+@workflow.defn(name="NodeJoin", sandboxed=False)
+class OverQuotaJoin(JoinStandIn):
+    """The same, the first join refused over quota."""
+
+    FIRST_FAILS = ("OverQuota", "quota reached")
+
+    @workflow.run
+    async def run(self, raw: dict) -> NodeJoinResult:
+        return await super().run(raw)
+
+
+@asynccontextmanager
+async def stand_in_request(temporal_env: WorkflowEnvironment, name: str, request: dict, joins: type,
+                           activities: list) -> AsyncIterator[WorkflowHandle]:
+    """A request ``capacity/<name>-<uid>`` on a worker of its own: its joins ``joins``, its
+    activities ``activities``."""
+    from workflows.capacity import AcquireCapacity
+
+    client, uid = temporal_env.client, uuid.uuid4().hex[:6]
+    queue = f"capacity-{name}-{uid}"
+    async with Worker(client, task_queue=queue, workflows=[AcquireCapacity, joins], activities=activities,
+                      workflow_runner=UnsandboxedWorkflowRunner()):
+        yield await client.start_workflow("AcquireCapacity", request, id=f"capacity/{name}-{uid}", task_queue=queue)
+
+
+#: What a store's write raises once its retries are spent: the API server away (a control-plane
+#: upgrade), or a 403 after an RBAC mistake, which no retry helps (so the test need not wait out
+#: STORE_RETRY's three minutes).
+def store_away_error() -> ApplicationError:
+    return ApplicationError("the API server did not answer", type="ClusterUnavailable", non_retryable=True)
+
+
+async def test_an_account_report_that_fails_ends_no_request_nor_its_joins_in_flight(temporal_env) -> None:
+    """A join is refused over quota while another is in flight, and the account's store (or its
+    ProviderAccount entity) cannot be told: the request goes on, says so in that join's attempt,
+    and the join in flight delivers its node. Before, the report's failure failed the request, and
+    its parent-close policy cancelled the join in flight: a machine about to join was deleted."""
+    reports: list[str] = []
+
+    @activity.defn(name="report_account")
+    async def store_away(input) -> None:
+        reports.append(input["kind"] if isinstance(input, dict) else input.kind)
+        raise store_away_error()
+
+    request = {"constraints": {"sites": ["s1"]}, "count": 2, "concurrency": 2, "deadline_seconds": 15}
+    async with stand_in_request(temporal_env, "report-fails", request, OverQuotaJoin,
+                                [one_site_catalog, store_away]) as handle:
+        join = temporal_env.client.get_workflow_handle(f"join/s1/{handle.id.removeprefix('capacity/')}-2")
+
+        async def report_failed_and_taken() -> bool:
+            if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+                return True  # ended by it: the assertion below says so
+            progress = await handle.query("progress", result_type=CapacityProgress)
+            return any(a.outcome == "OverQuota" and "not told" in a.message for a in progress.attempts)
+
+        await eventually(report_failed_and_taken, timeout=20, interval=0.05)
+        assert reports == ["OverQuota"]
+        status = (await handle.describe()).status
+        assert status == WorkflowExecutionStatus.RUNNING, f"the request goes on, not {status.name}"
+        assert (await join.describe()).status == WorkflowExecutionStatus.RUNNING, "its join in flight too"
+        progress = await handle.query("progress", result_type=CapacityProgress)
+        (refused,) = [a for a in progress.attempts if a.outcome == "OverQuota"]
+        assert refused.message.endswith(
+            "quota reached; account a1 not told (ClusterUnavailable: the API server did not answer)"), refused
+        assert progress.joins == [join.id], progress
+        text = await details(handle)  # the UI's current details
+        assert "account a1 not told (ClusterUnavailable" in text, text
+
+        await join.signal("booted")
+        result = CapacityResult.model_validate(await handle.result())
+    assert [n.node_name for n in result.nodes] == ["node-2"], result
+    assert result.why[0] == "1 of 2 not joined by the deadline", result.why
+    assert await task_failures(handle) == 0
+    await replay_and_record(handle, "capacity_account_report_failed")
+
+
+def flaky_catalog(failures: int):
+    """``get_catalog`` whose first ``failures`` reads fail as the store away would, then answer."""
+    calls: list[float] = []
+
+    @activity.defn(name="get_catalog")
+    async def get_catalog(input: GetCatalogInput) -> Catalog:
+        calls.append(asyncio.get_running_loop().time())
+        if len(calls) <= failures:
+            raise store_away_error()
+        return await one_site_catalog(input)
+
+    return get_catalog, calls
+
+
+async def test_a_catalog_read_that_fails_is_shown_and_tried_again(temporal_env) -> None:
+    """The catalog (offers, each account's state from its store) cannot be read: the request says
+    so and when it tries again, then reads it and buys. Before, the failed read failed the request."""
+    get_catalog, calls = flaky_catalog(1)
+    # Its first join fails its smoke test at once: the offer is out of the ranking for a while.
+    request = {"constraints": {"sites": ["s1"]}, "deadline_seconds": 600}
+    async with stand_in_request(temporal_env, "catalog-fails", request, JoinStandIn, [get_catalog]) as handle:
+
+        async def shown() -> bool:
+            if (await handle.describe()).status != WorkflowExecutionStatus.RUNNING:
+                return True  # ended by it: the assertion below says so
+            return "could not read the catalog" in await details(handle)
+
+        await eventually(shown, timeout=20, interval=0.05)
+        status = (await handle.describe()).status
+        assert status == WorkflowExecutionStatus.RUNNING, f"the request goes on, not {status.name}"
+        text = await details(handle)
+        assert text.startswith("**reading the catalog**"), text
+        assert re.search(r"could not read the catalog \(ClusterUnavailable: the API server did not answer\); "
+                         r"next try at \d\d:\d\d:\d\d UTC", text), text
+
+        async def tried_a_join() -> bool:
+            progress = await handle.query("progress", result_type=CapacityProgress)
+            return bool(progress.attempts)
+
+        await eventually(tried_a_join, timeout=20, interval=0.1)
+        assert len(calls) == 2 and calls[1] - calls[0] >= 4, "read again after the pause (5 s)"
+        assert "could not read the catalog" not in await details(handle)
+        await handle.execute_update("cancel", "seen", result_type=CapacityProgress)
+        result = CapacityResult.model_validate(await handle.result())
+    assert result.cancelled == "seen"
+    assert await task_failures(handle) == 0
+    await replay_and_record(handle, "capacity_catalog_read_failed_then_read")
+
+
+async def test_a_catalog_never_read_by_the_deadline_ends_the_request_saying_so(temporal_env) -> None:
+    """Nothing was bought, and the request's result says why, at its deadline (not failed on the
+    first read, nor reading on past it)."""
+    get_catalog, calls = flaky_catalog(1000)
+    request = {"constraints": {"sites": ["s1"]}, "deadline_seconds": 8}
+    async with stand_in_request(temporal_env, "catalog-away", request, JoinStandIn, [get_catalog]) as handle:
+        result = CapacityResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+    assert result.nodes == [] and not result.complete
+    assert result.why == ["1 of 1 not joined by the deadline", result.why[1],
+                          "could not read the catalog: ClusterUnavailable: the API server did not answer"], result.why
+    assert result.why[1].startswith("the deadline passed at "), result.why
+    assert 2 <= len(calls) <= 3, "5 s, then the pause cut at the deadline: no read past it"
+    assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
 
 
 # -- the command line --------------------------------------------------------------------------

@@ -14,6 +14,14 @@ nodes at once (bounded) → on each failure apply the three-error rule:
   any workflow); next candidate.
 - InvalidRequest: the request is wrong; fail it with the reason.
 
+A call to our own stores that fails past its retries (the API server or Temporal away for
+minutes, a 403 after an RBAC mistake) does not end the request: an account not told of an
+OverQuota or BadCredentials is said in that join's attempt (the request goes on; its next
+catalog read shows what the account's store holds), and a catalog read that failed is shown
+("could not read the catalog (…); next try at …") and tried again after a growing pause, until
+the deadline or a cancel. Raised, either failed the request, and its joins in flight were
+cancelled with it: machines about to join deleted.
+
 When nothing qualifies it waits ("waiting for capacity": each offer it may not buy
 now and who can change that, e.g. a revoked account and the command a person runs),
 backing off 5 → 30 min, and looks again early when offers change (a catalog
@@ -42,7 +50,7 @@ from datetime import datetime, timedelta
 from typing import Any, NoReturn
 
 from temporalio import workflow
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError
 from temporalio.workflow import ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
@@ -71,7 +79,18 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import check_text, invalid_input, parse_input
     from fleet.messages.join import TOKEN_CHECKS, JoinedNode, NodeJoinResult
     from workflows.node_join import NodeJoin
-    from workflows.steps import PROVIDER_RETRY, QUICK, STORE_RETRY, failure_message, failure_type, show_details
+    from workflows.passes import FailedPasses
+    from workflows.steps import (
+        MAX_PROBLEM_SHOWN,
+        PROVIDER_RETRY,
+        QUICK,
+        STORE_RETRY,
+        cancelled_by_request,
+        failure_message,
+        failure_text,
+        failure_type,
+        show_details,
+    )
 
 #: Failures no other site can fix: a wrong request, and a cluster permission the control
 #: plane lacks (ClusterForbidden fails every join at every site alike, so trying the next
@@ -106,6 +125,11 @@ class AcquireCapacity:
         #: Joins in flight: task → (offer, join workflow id).
         self._in_flight: dict[asyncio.Task, tuple[Candidate, str]] = {}
         self._joined: list[JoinedNode] = []
+        #: The catalog last read (None until the first read went through) and its failed reads.
+        self._catalog_now: Catalog | None = None
+        self._catalog_reads = FailedPasses()
+        #: Why the last catalog read failed ("" once one went through).
+        self._catalog_failed = ""
 
     @workflow.signal
     def offers_changed(self, listed: Any = False) -> None:
@@ -174,10 +198,11 @@ class AcquireCapacity:
         lines += [f"- tried {a.offer}: {a.outcome}" + (f" ({a.message})" if a.message else "") for a in p.attempts[-10:]]
         show_details(step, *lines, detail=detail)
 
-    def _attempted(self, offer: str, outcome: str, message: str) -> None:
+    def _attempted(self, offer: str, outcome: str, message: str) -> JoinAttempt:
         """One join's outcome kept in ``attempts``: the newest ``ATTEMPTS_KEPT``, each message cut."""
-        append_bounded(self._progress.attempts,
-                       JoinAttempt(offer=offer, outcome=outcome, message=message[:ATTEMPT_MESSAGE_CHARS]), ATTEMPTS_KEPT)
+        attempt = JoinAttempt(offer=offer, outcome=outcome, message=message[:ATTEMPT_MESSAGE_CHARS])
+        append_bounded(self._progress.attempts, attempt, ATTEMPTS_KEPT)
+        return attempt
 
     def _track(self) -> None:
         self._progress.in_flight = [c.key for c, _ in self._in_flight.values()]
@@ -209,12 +234,13 @@ class AcquireCapacity:
         req = self._begin(raw)
         self._show("reading the catalog")
         # A continued run resumes right after a backoff, where the catalog is always read afresh.
-        await self._read_catalog(force=req.carry is not None)
-        if req.carry is None:  # a continued run was checked by its first
+        read = await self._read_catalog(force=req.carry is not None)
+        if read and req.carry is None:  # a continued run was checked by its first
             catalog = self._catalog_now
             self._refuse(request_problems(req.constraints, catalog.sites, catalog.offers))
             self._refuse(count_problems(req.count, req.constraints, catalog.sites, catalog.offers))
-        while (len(self._joined) < req.count and self._fatal is None
+        # No catalog (never read by the deadline or a cancel): nothing is bought, the run ends below.
+        while (self._catalog_now is not None and len(self._joined) < req.count and self._fatal is None
                and self._other_failures <= req.max_other_failures and not self._cancel):
             ranked = self._start_joins()
             if self._in_flight:
@@ -270,9 +296,29 @@ class AcquireCapacity:
         self._fatal_kind = ""
         return req
 
-    async def _read_catalog(self, *, force: bool) -> None:
-        self._catalog_now = await self._catalog(self._req.catalog_max_age_seconds, force=force)
-        self._accounts = dict(self._catalog_now.accounts)
+    async def _read_catalog(self, *, force: bool) -> bool:
+        """The offers and each account's state, read; whether a read went through. One that failed
+        past its retries (the API server or Temporal away for minutes, a 403 after an RBAC mistake)
+        is shown and tried again after a pause doubling from 5 s to 5 minutes, until the deadline or
+        a cancel (then False; a later read leaves the catalog read before). Nothing is in flight here."""
+        while True:
+            try:
+                self._catalog_now = await self._catalog(self._req.catalog_max_age_seconds, force=force)
+            except ActivityError as error:
+                if cancelled_by_request(error):
+                    raise
+                self._catalog_failed = failure_text(error)[:MAX_PROBLEM_SHOWN]
+                if workflow.now() >= self._deadline or self._cancel:
+                    return False
+                await self._catalog_reads.pause_after(
+                    error, step="read the catalog", until=self._deadline, wake=lambda: bool(self._cancel),
+                    show=lambda failing: self._show("reading the catalog", None, failing))
+                force = True  # a read that failed may have listed nothing
+                continue
+            self._catalog_reads.passed()
+            self._catalog_failed = ""
+            self._accounts = dict(self._catalog_now.accounts)
+            return True
 
     def _placement(self) -> Placement:
         """The offers ranked now: those out of the ranking left out, the spend cap counting the
@@ -373,7 +419,7 @@ class AcquireCapacity:
                 self._backoff = req.backoff_seconds
                 continue
             kind, message = failure_type(error), failure_message(error)
-            self._attempted(cand.key, kind, message)
+            attempt = self._attempted(cand.key, kind, message)
             now = workflow.now()
             if kind == "NoCapacity":
                 until = now + timedelta(seconds=req.unavailable_ttl_seconds)
@@ -381,10 +427,10 @@ class AcquireCapacity:
             elif kind == "OverQuota":
                 view = accounts.setdefault(cand.account, AccountView())
                 view.blocked_offers = [*view.blocked_offers, cand.key]
-                await self._report(cand.account, "OverQuota", cand.key, message)
+                await self._report(cand.account, "OverQuota", cand.key, message, attempt)
             elif kind == "BadCredentials":
                 accounts[cand.account] = AccountView(state=AccountState.CREDENTIALS_REVOKED)
-                await self._report(cand.account, "BadCredentials", cand.key, message)
+                await self._report(cand.account, "BadCredentials", cand.key, message, attempt)
             elif kind in FATAL:
                 self._fatal = f"{kind} at {cand.key}: {message}"
                 self._fatal_kind = kind
@@ -416,7 +462,6 @@ class AcquireCapacity:
         )
         summary = f"{len(joined)} of {req.count} joined, ${result.cost_per_hour:.2f}/h"
         if not result.complete:
-            final = self._placement()
             missing = f"{req.count - len(joined)} of {req.count} not joined"
             if workflow.now() >= self._deadline:
                 passed = f"the deadline passed at {self._deadline_text()}"
@@ -425,7 +470,10 @@ class AcquireCapacity:
             else:
                 result.why = [f"{missing}: too many failed joins"]
                 summary += "; stopped: too many failed joins"
-            result.why += final.reasons() or ["no offer qualifies"]
+            if self._catalog_failed:
+                result.why.append(f"could not read the catalog: {self._catalog_failed}")
+            if self._catalog_now is not None:
+                result.why += self._placement().reasons() or ["no offer qualifies"]
         self._state("done" if result.complete else "partial")
         self._show("done" if result.complete else "partial", None, summary)
         return result
@@ -496,12 +544,24 @@ class AcquireCapacity:
             summary="provider catalog: offers, account states",
         )
 
-    async def _report(self, account: str, kind: str, offer: str, message: str) -> None:
-        await workflow.execute_activity(
-            act.report_account, ReportAccountInput(account=account, kind=kind, offer=offer, message=message),
-            start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
-            summary=f"{kind}: tell account/{account}",
-        )
+    async def _report(self, account: str, kind: str, offer: str, message: str, attempt: JoinAttempt) -> None:
+        """Tell the account's store and entity. A report that failed past its retries (the API server
+        or Temporal away for minutes) is said in the join's attempt, and the request goes on: it
+        has blocked the offer or the account itself, its next catalog read shows what the store holds,
+        and the next call to that account is refused again and told again. Raised, it failed the
+        request and cancelled every join in flight."""
+        try:
+            await workflow.execute_activity(
+                act.report_account, ReportAccountInput(account=account, kind=kind, offer=offer, message=message),
+                start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
+                summary=f"{kind}: tell account/{account}",
+            )
+        except ActivityError as error:
+            if cancelled_by_request(error):
+                raise
+            note = f"; account {account} not told ({failure_text(error)[:MAX_PROBLEM_SHOWN]})"
+            workflow.logger.warning("%s at %s%s", kind, offer, note)
+            attempt.message = attempt.message[:ATTEMPT_MESSAGE_CHARS - len(note)] + note
 
 
 @workflow.defn(name="CatalogRefresh")

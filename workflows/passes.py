@@ -10,13 +10,14 @@ after a pause that doubles up to ``MAX_PAUSE``; the run and its state go on.
 
 Only an activity's failure is taken: a bug in the workflow's own code fails its workflow task
 (retried, the run intact, until a fixed worker runs it), and a cancel of the run stays the run's.
-(The Node entity's background loops restart the same way: ``Node._background``.)
+(The Node entity's background loops restart the same way: ``Node._background``. A capacity
+request's catalog read pauses the same way too, each pause cut at its deadline: ``until``.)
 """
 
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Awaitable, Callable
 
 from temporalio import workflow
@@ -69,13 +70,16 @@ class FailedPasses:
         return True
 
     async def pause_after(self, error: ActivityError, *, step: str | None = None,
-                          show: Callable[[str], None] | None = None, wake: Callable[[], bool] | None = None) -> None:
-        """Show the failure and wait until the next pass (cut short once ``wake()`` holds); the
-        run's own cancel is raised, not taken for a failed call."""
+                          show: Callable[[str], None] | None = None, wake: Callable[[], bool] | None = None,
+                          until: datetime | None = None) -> None:
+        """Show the failure and wait until the next pass (cut short once ``wake()`` holds, and at
+        ``until``: a request's deadline); the run's own cancel is raised, not taken for a failed call."""
         if cancelled_by_request(error):
             raise error
         self.failed += 1
         pause, self.pause = self.pause, min(self.pause * 2, MAX_PAUSE)
+        if until is not None:
+            pause = max(min(pause, until - workflow.now()), timedelta(seconds=1))
         step = step or self._steps.get(error.activity_type or "", f"run `{error.activity_type}`")
         self.failing = (f"could not {step} ({failure_text(error)[:MAX_PROBLEM_SHOWN]}); "
                         f"next try at {workflow.now() + pause:%H:%M:%S} UTC")
