@@ -125,6 +125,8 @@ class JoinCancelled:
     step: str = ""
     #: Its clean-up could not delete the machine (the join's history says why).
     needs_person: bool = False
+    #: The cancel came while the node was admitted, and the admit went through before the node was removed.
+    admitted: bool = False
 
     def summary(self) -> str:
         if self.status == "completed":
@@ -136,6 +138,9 @@ class JoinCancelled:
         if self.needs_person:
             return (f"cancelled {self.workflow_id}: machine {self.machine_id} could NOT be deleted "
                     "(FleetState needs-person; its history says why)")
+        if self.admitted:
+            return (f"cancelled {self.workflow_id}: node {self.node_name} was admitted as the cancel came, "
+                    f"then removed; machine {self.machine_id} deleted")
         return f"cancelled {self.workflow_id}: machine {self.machine_id} deleted, node {self.node_name} never admitted"
 
 
@@ -210,8 +215,9 @@ class FleetClient:
 
     async def cancel_join(self, workflow_id: str, reason: str = "") -> JoinCancelled:
         """Stop a join (Temporal's cancel): a machine it bought and has not admitted is deleted
-        (a fan-out's children each delete theirs); a node it already admitted stays. Returns once
-        the join has ended, saying which of those happened."""
+        (a fan-out's children each delete theirs; one whose admit was under way when the cancel came,
+        once the admit answered, its node removed too); a node it already admitted stays. Returns
+        once the join has ended, saying which of those happened."""
         _text("workflow_id", workflow_id)
         if not isinstance(reason, str):
             raise InvalidArgument([("reason", "must be a string")])
@@ -243,7 +249,7 @@ class FleetClient:
         state = description.typed_search_attributes.get(sa.FLEET_STATE) or ""
         return JoinCancelled(workflow_id=workflow_id, status=status, machine_id=progress.machine_id,
                              node_name=progress.node_name, step=progress.cancelled_while or progress.step,
-                             needs_person=state == "needs-person")
+                             needs_person=state == "needs-person", admitted=progress.admitted)
 
     def check_capacity_request(self, request: CapacityRequest | Mapping[str, Any]) -> CapacityRequest:
         """The request, or :class:`InvalidArgument` naming each field no configured site can

@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,7 +31,7 @@ from client import FleetClient, InvalidArgument
 from fleet.config import Site, load_config
 from fleet.feasibility import count_problems, request_problems
 from fleet.messages.capacity import Catalog, CapacityProgress, CapacityResult, GetCatalogInput
-from fleet.messages.join import JoinedNode, NodeJoinResult
+from fleet.messages.join import JoinedNode, JoinProgress, NodeJoinResult
 from fleet.placement import Constraints
 from tests.bad_input_helpers import invalid_input, task_failures
 from tests.capacity_fleet import CapStack, capacity_fleet, details, open_stack
@@ -246,6 +247,58 @@ async def test_a_cancel_after_the_end_is_refused_not_applied(cap: CapStack) -> N
     with pytest.raises((Rejected, NotFound)):
         await FleetClient(cap.settings, cap.client).cancel_capacity(handle.id)
     assert len(live(cap)) == 1, "the joined node stays"
+
+
+async def test_a_join_cancelled_while_its_node_is_admitted_cleans_up_after_the_admit(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request is cancelled while its join admits the node (the unproven taint lifted, the
+    Node entity and the Site still to be told). The admit hears no cancel and goes on, so the join
+    waits for its answer, then deletes the machine and removes the node, and says the node was
+    admitted. Before, the join deleted both at once while the admit went on: the Site could be told
+    "ready" for a node already gone, and the join said the node was never admitted."""
+    from fleet.cluster import UNPROVEN_TAINT
+    from sim.cluster import SimCluster
+
+    admitting, go_on = threading.Event(), threading.Event()
+    set_taints = SimCluster.set_taints
+
+    def admit_held(self, name: str, add: list[str] = (), remove: list[str] = ()):
+        node = set_taints(self, name, add, remove)
+        if UNPROVEN_TAINT in remove:  # the admit's first step: the rest of it waits for the test
+            admitting.set()
+            go_on.wait(60)
+        return node
+
+    monkeypatch.setattr(SimCluster, "set_taints", admit_held)
+    handle = await cap.request({"constraints": {"sites": [cap.site("cheap")]}})
+    await wait_for(admitting.is_set, timeout=60)
+    (join_id,) = (await handle.query("progress", result_type=CapacityProgress)).joins
+    join = cap.client.get_workflow_handle(join_id)
+    (machine,) = live(cap)
+    cancel = asyncio.ensure_future(FleetClient(cap.settings, cap.client).cancel_capacity(handle.id, "not needed"))
+    try:
+        await asyncio.sleep(3)
+        status = (await join.describe()).status
+        assert status == WorkflowExecutionStatus.RUNNING, f"the join waits for its admit's answer, not {status.name}"
+        assert live(cap) == [machine], "nothing deleted while the admit goes on"
+    finally:
+        go_on.set()
+    progress = await asyncio.wait_for(cancel, 60)
+    assert progress.released == [f"{join_id} ({cap.offer('cheap')}): machine deleted"], progress
+    assert live(cap) == [], "deleted once the admit answered"
+    assert cap.cluster.get_node(machine["name"]) is None, "and the node it admitted removed"
+    assert (await join.describe()).status == WorkflowExecutionStatus.CANCELED
+    text = await details(join)
+    assert f"node {machine['name']} was admitted as the cancel came, then removed; machine {machine['id']} deleted" \
+        in text, text
+    assert (await join.query("progress", result_type=JoinProgress)).admitted
+    said = (await FleetClient(cap.settings, cap.client).cancel_join(join_id)).summary()  # `gpufleet join` says
+    assert said == (f"cancelled {join_id}: node {machine['name']} was admitted as the cancel came, then removed; "
+                    f"machine {machine['id']} deleted"), said
+    history = await join.fetch_history()
+    assert not [e for e in history.events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED], \
+        "no cancel sent to the admit"
+    await replay_and_record(join, "node_join_cancelled_while_admitting")
 
 
 # -- a request that gave up on failed joins ---------------------------------------------------

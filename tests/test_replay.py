@@ -236,8 +236,10 @@ EXPECTED = {
     # A failed account report or catalog read ends no capacity request (nor its joins in flight): the
     # report said in its join's attempt, the read tried again after a pause (tests/
     # test_capacity_converges.py; no patch: the code before failed the run in the task that took the
-    # failure).
+    # failure). A join cancelled while its node is admitted waits for the admit's answer, then cleans
+    # up (``join-admits-to-its-end``); ``_before``, the code before's run, replays down the old branch.
     "capacity_account_report_failed", "capacity_catalog_read_failed_then_read",
+    "node_join_cancelled_while_admitting", "node_join_cancelled_while_admitting_before",
     "site_evacuation_restored_releases", "site_evacuation_aborted_restores", "site_evacuation_cancelled_restores",
     "site_evacuation_aborted_while_buying", "site_evacuation_aborted_restores_after_continue_as_new",
     "site_evacuation_aborted_in_its_first_task",

@@ -13,7 +13,9 @@ machine: a failed join leaks nothing and never admits the node.
 A cancel (``temporal workflow cancel``, ``gpufleet join`` interrupted, a parent request or
 repair cancelled) cleans up the same way, then ends the run cancelled, not failed:
 ``FleetState = "cancelled"`` (``needs-person`` when the machine could not be deleted), its
-details naming the step it stopped at and what it deleted.
+details naming the step it stopped at and what it deleted. One that lands while the node is
+admitted waits for the admit's answer first (the call hears no cancel), so the machine and node
+go only once it is done, and the details say whether the node was admitted.
 """
 
 from __future__ import annotations
@@ -70,6 +72,13 @@ with workflow.unsafe.imports_passed_through():
 #: parent's join is not asked: its parent checked the input at its own start (an AcquireCapacity's
 #: ``join_timeouts``, a fan-out's own input).
 JOIN_PATCHES_AT_START_4 = "join-patches-at-start-4"
+#: Workflow patch: a cancel that lands during the admit waits for its answer before the clean-up.
+#: ``admit_node`` hears no cancel (it does not heartbeat) and goes on: it lifts the unproven taint,
+#: starts the Node entity and tells the Site the node is ready. Runs before it cancelled the admit
+#: (TRY_CANCEL: at once) and deleted the machine and node while the call went on, so the Site could
+#: be told "ready" after the node was gone, and the join said the node was never admitted. Asked
+#: where a cancel lands during the admit, the first point where the two paths differ.
+ADMIT_TO_ITS_END_PATCH = "join-admits-to-its-end"
 
 
 @workflow.defn(name="NodeJoin")
@@ -363,12 +372,28 @@ class NodeJoin:
     async def _admit(self, site: Site, node_name: str, machine: Machine, smoke: SmokeResult) -> None:
         """5. The unproven taint lifted, the Site entity told."""
         self._step("admitting", "remove the unproven taint")
-        await workflow.execute_activity(
+        admitting = workflow.start_activity(
             act.admit_node, AdmitNodeInput(node_name=node_name, site=site.name, machine_id=machine.id,
                                            first_state=smoke.state),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary="admit: remove unproven taint, tell the Site entity",
         )
+        try:
+            await asyncio.shield(admitting)
+        except asyncio.CancelledError:
+            if not workflow.patched(ADMIT_TO_ITS_END_PATCH):
+                # The code before: the admit cancelled with the join (that raises), the call going on.
+                admitting.cancel()
+                await admitting
+                raise
+            # The call goes on whatever the join does: its answer (its retries too) is awaited, so
+            # the clean-up removes what it admitted rather than race it.
+            try:
+                await admitting
+                self._progress.admitted = True
+            except ActivityError:
+                pass  # not admitted; the clean-up removes the node all the same
+            raise asyncio.CancelledError() from None
 
     async def _release_provision(self, site_name: str, node_name: str, provision_key: str) -> None:
         step = self._progress.step
@@ -423,6 +448,10 @@ class NodeJoin:
         if self._left_behind:
             state = "needs-person"
             what = f"clean-up incomplete, a person looks: {'; '.join(self._left_behind)}"
+        elif p.machine_id and p.admitted:
+            state = "cancelled"
+            what = (f"node {p.node_name} was admitted as the cancel came, then removed; "
+                    f"machine {p.machine_id} deleted")
         elif p.machine_id:
             state = "cancelled"
             what = f"machine {p.machine_id} deleted, node {p.node_name} never admitted"
