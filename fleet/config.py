@@ -17,11 +17,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from fleet.config_checks import cross_check
 from fleet.incident import ControlPlaneSettings, IncidentSettings
-from fleet.models import PROVIDERS, CapacityType, CredentialsRef, MachineSpec, Offer
+from fleet.models import (
+    MAX_PRICE_PER_GPU_HOUR, MAX_SETTING_SECONDS, PROVIDERS, CapacityType, CredentialsRef, MachineSpec, Offer, Strict,
+)
 from fleet.naming import LABEL_VALUE_PATTERN, MAX_SITE_NAME, SITE_NAME_PATTERN, label_value_problem, site_name_problem
 from fleet.repair_policy import RepairSettings
 from fleet.routing import MAX_ROUTED_SITES
@@ -31,21 +33,17 @@ from fleet.settings import Settings
 DEFAULT_CONFIG = "default_sites.yaml"
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class SimSiteSettings(_Strict):
+class SimSiteSettings(Strict):
     """How the simulated provider behaves for one site (sim mode only)."""
 
     capacity: int = Field(8, ge=0, description="machines the site can still sell")
     quota: int = Field(16, ge=0, description="machines the account may run at this site")
     api_latency_ms: int = Field(0, ge=0)
-    boot_seconds: float = Field(1.0, ge=0)
+    boot_seconds: float = Field(1.0, ge=0, le=MAX_SETTING_SECONDS)
     interruption_risk: float = Field(0.0, ge=0, le=1)
 
 
-class Account(_Strict):
+class Account(Strict):
     name: str
     provider: Literal["aws", "lambda", "nebius", "hetzner", "own-dc"]
     credentials: CredentialsRef | None = None
@@ -58,7 +56,7 @@ class Account(_Strict):
         return default if value is None else value
 
 
-class ObjectStore(_Strict):
+class ObjectStore(Strict):
     """An S3-compatible bucket (AWS S3, Nebius, Hetzner object storage, MinIO...).
 
     ``credentials`` is a reference whose value is either JSON
@@ -83,7 +81,7 @@ class ObjectStore(_Strict):
 _LABEL_VALUE_SCHEMA = {"pattern": LABEL_VALUE_PATTERN, "minLength": 1, "maxLength": 63}
 
 
-class Site(_Strict):
+class Site(Strict):
     #: Names the site's nodes (``<name>-<8 hex digits>``, also their hostname label) and is a
     #: label on each: lowercase letters, digits and '-', at most 54 characters.
     name: str = Field(json_schema_extra={"pattern": SITE_NAME_PATTERN, "maxLength": MAX_SITE_NAME})
@@ -99,7 +97,7 @@ class Site(_Strict):
     gpus_per_machine: int = Field(ge=1)
     gpu_memory_gb: int = Field(0, ge=0)
     instance_type: str
-    price_per_gpu_hour: float = Field(ge=0)
+    price_per_gpu_hour: float = Field(ge=0, le=MAX_PRICE_PER_GPU_HOUR)
     capacity_type: CapacityType = CapacityType.ON_DEMAND
     min_nodes: int = Field(0, ge=0)
     max_nodes: int = Field(ge=0)
@@ -140,7 +138,7 @@ class Site(_Strict):
         return Offer(**(configured | reported))
 
 
-class SweepSettings(_Strict):
+class SweepSettings(Strict):
     """``sweep:`` in sites.yaml: FleetSweep, the bound on any leaked machine (README, "Leaks")."""
 
     #: A fleet-marked machine no join and no node accounts for is deleted once it is this old:
@@ -148,7 +146,7 @@ class SweepSettings(_Strict):
     grace_seconds: float = Field(1800, ge=60, le=7 * 86400, allow_inf_nan=False)
 
 
-class ServingPolicy(_Strict):
+class ServingPolicy(Strict):
     """``models.<name>:`` in sites.yaml: how one model's capacity is spread (README,
     "Capacity follows demand"). The demand loop buys by it; the front door routes by it.
 
@@ -183,7 +181,7 @@ class ServingPolicy(_Strict):
         return self
 
 
-class DemandSettings(_Strict):
+class DemandSettings(Strict):
     """``demand:`` in sites.yaml: the demand loop's batching and consolidation."""
 
     #: A batch closes after this long with no new Pending pod ...
@@ -201,7 +199,7 @@ class DemandSettings(_Strict):
 _CLUSTER_INTERNAL = (".svc", ".cluster.local", ".local", ".internal")
 
 
-class NodeGateway(_Strict):
+class NodeGateway(Strict):
     """``node_gateway:`` in sites.yaml: where node agents dial the control plane (the node
     gateway, README "Network model"). The node-agent DaemonSet reads it from the
     ``gpufleet-node-gateway`` ConfigMap that ``gpufleet cluster node-config`` renders."""
@@ -233,7 +231,7 @@ class NodeGateway(_Strict):
         return value
 
 
-class FleetConfig(_Strict):
+class FleetConfig(Strict):
     #: ``sim`` drives every site through the simulated provider and cluster.
     mode: Literal["sim", "real"] = "sim"
     #: POSTed (JSON) when a person must act, e.g. an account is quota-blocked or its credentials revoked.

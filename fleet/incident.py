@@ -30,10 +30,10 @@ from __future__ import annotations
 import math
 from typing import Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from fleet import replacement
-from fleet.models import Strict
+from fleet.models import MAX_SETTING_SECONDS, Strict
 
 
 class ControlPlaneSettings(Strict):
@@ -51,31 +51,29 @@ class ControlPlaneSettings(Strict):
     max_report_age_seconds: float = Field(120, gt=0, le=3600)
 
 
-class IncidentSettings(BaseModel):
+class IncidentSettings(Strict):
     """``incident:`` at the top of sites.yaml (every site) or on one site (replaces it for that site)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     #: False: never trip at this site (failures are always repaired one by one).
     enabled: bool = True
     #: Trip at max(min_nodes, ceil(fraction × site nodes)) failed nodes inside the window.
     min_nodes: int = Field(3, ge=1)
     fraction: float = Field(0.3, gt=0, le=1)
-    window_seconds: float = Field(300, gt=0)
+    window_seconds: float = Field(300, gt=0, le=MAX_SETTING_SECONDS)
     #: Every provider call for the site's account failing as Transient this long also trips.
-    api_failure_seconds: float = Field(600, gt=0)
+    api_failure_seconds: float = Field(600, gt=0, le=MAX_SETTING_SECONDS)
     #: A repair request waits this long for other failures at the site before it is admitted
     #: (node agents report every few seconds, unsynchronized: a burst is seen over a few seconds).
-    settle_seconds: float = Field(10, ge=0)
+    settle_seconds: float = Field(10, ge=0, le=MAX_SETTING_SECONDS)
     #: How often the Site entity looks for unreachable nodes and probes the provider API.
-    check_seconds: float = Field(30, gt=0)
+    check_seconds: float = Field(30, gt=0, le=24 * 3600)  # the site watch's ``api_check_seconds``
     #: SiteEvacuation: replicas elsewhere must be ready within this; nodes drain within drain_seconds.
-    ready_seconds: float = Field(900, gt=0)
-    drain_seconds: float = Field(300, ge=0)
+    ready_seconds: float = Field(900, gt=0, le=MAX_SETTING_SECONDS)
+    drain_seconds: float = Field(300, ge=0, le=MAX_SETTING_SECONDS)
     #: Replacement capacity: AcquireCapacity's deadline.
-    capacity_deadline_seconds: float = Field(1800, gt=0)
+    capacity_deadline_seconds: float = Field(1800, gt=0, le=MAX_SETTING_SECONDS)
     #: Recovery probe interval while the site is down.
-    probe_seconds: float = Field(30, gt=0)
+    probe_seconds: float = Field(30, gt=0, le=24 * 3600)  # the recovery watch's ``probe_seconds``
     #: SiteEvacuation probes inside one long activity (no Temporal action per probe) while its site
     #: is down and while nothing may take its replicas; that activity returns when the site is back
     #: or what nothing may take changes, else after this long (a fresh look, the details said again).
@@ -83,9 +81,9 @@ class IncidentSettings(BaseModel):
     #: Routing weight comes back in these steps (percent of the weight before the incident) ...
     restore_steps: list[int] = Field(default_factory=lambda: [10, 50, 100], min_length=1)
     #: ... with this long between steps.
-    bake_seconds: float = Field(300, ge=0)
+    bake_seconds: float = Field(300, ge=0, le=MAX_SETTING_SECONDS)
     #: Smoke test on each node before the site serves again.
-    smoke_test_seconds: float = Field(600, gt=0)
+    smoke_test_seconds: float = Field(600, gt=0, le=MAX_SETTING_SECONDS)
     #: Filled in from the top-level ``control_plane:`` block (``FleetConfig.incident_for``).
     control_plane: ControlPlaneSettings = Field(default_factory=ControlPlaneSettings)
 

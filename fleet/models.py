@@ -33,6 +33,13 @@ MAX_TEXT = 2000
 Text = Annotated[str, AfterValidator(lambda text: text[:MAX_TEXT])]
 #: Epoch seconds between 1970 and 2100.
 EpochSeconds = Annotated[float, Field(ge=0, le=4_102_444_800, allow_inf_nan=False)]
+#: The longest duration a setting in ``sites.yaml`` may name (a window, a timeout, a wait): longer
+#: is a typo, and workflow code adds these to times, where a huge one overflows ``timedelta``
+#: inside a handler (failing the entity's workflow task on every replay).
+MAX_SETTING_SECONDS = 30 * 86400
+#: The dearest GPU-hour a site may be configured at, or a provider may answer, in any currency:
+#: beyond it a price is a typo or garbage, and costs summed from it could overflow to infinity.
+MAX_PRICE_PER_GPU_HOUR = 100_000.0
 
 
 class Strict(BaseModel):
@@ -130,6 +137,9 @@ class CredentialsRef(Strict):
 
 class Offer(BaseModel):
     """Something a site can sell now."""
+
+    # Workflow data: an infinite price would be sent as null, which no workflow can decode.
+    model_config = ConfigDict(allow_inf_nan=False)
 
     site: str
     provider: str

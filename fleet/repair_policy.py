@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
-from fleet.models import GpuHealth
+from fleet.models import MAX_SETTING_SECONDS, GpuHealth, Strict
 
 
 class Rung(StrEnum):
@@ -182,16 +182,14 @@ def fingerprint(boot_id: str, gpus: list[GpuHealth]) -> str:
 MAX_XID_HITS_PER_GPU = 64
 
 
-class RepairThresholds(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class RepairThresholds(Strict):
     #: The same fatal XID on one GPU this many times inside the window → replace (no more than
     #: the Node entity keeps of a GPU's fatal XIDs).
     same_xid_limit: int = Field(5, ge=1, le=MAX_XID_HITS_PER_GPU)
-    same_xid_window_seconds: float = Field(24 * 3600, gt=0)
+    same_xid_window_seconds: float = Field(24 * 3600, gt=0, le=MAX_SETTING_SECONDS)
     #: This many remediations on one node inside the window → replace.
     node_remediation_limit: int = Field(5, ge=1)
-    node_remediation_window_seconds: float = Field(7 * 24 * 3600, gt=0)
+    node_remediation_window_seconds: float = Field(7 * 24 * 3600, gt=0, le=MAX_SETTING_SECONDS)
     #: Per-node repair stops at a site when more than this share of its nodes is unhealthy.
     site_unhealthy_fraction: float = Field(0.2, ge=0, le=1)
 
@@ -266,18 +264,16 @@ class Ledger(BaseModel):
         return finding.rung, ""
 
 
-class RepairTimeouts(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    contain_seconds: float = Field(300, gt=0)
+class RepairTimeouts(Strict):
+    contain_seconds: float = Field(300, gt=0, le=MAX_SETTING_SECONDS)
     #: How long a drain may wait on PodDisruptionBudgets before reporting blocked pods.
-    drain_seconds: float = Field(240, gt=0)
-    reset_seconds: float = Field(300, gt=0)
-    reboot_seconds: float = Field(900, gt=0)
-    reinstall_seconds: float = Field(3600, gt=0)
-    replace_seconds: float = Field(3600, gt=0)
-    smoke_test_seconds: float = Field(600, gt=0)
-    heartbeat_seconds: float = Field(30, gt=0)
+    drain_seconds: float = Field(240, gt=0, le=MAX_SETTING_SECONDS)
+    reset_seconds: float = Field(300, gt=0, le=MAX_SETTING_SECONDS)
+    reboot_seconds: float = Field(900, gt=0, le=MAX_SETTING_SECONDS)
+    reinstall_seconds: float = Field(3600, gt=0, le=MAX_SETTING_SECONDS)
+    replace_seconds: float = Field(3600, gt=0, le=MAX_SETTING_SECONDS)
+    smoke_test_seconds: float = Field(600, gt=0, le=MAX_SETTING_SECONDS)
+    heartbeat_seconds: float = Field(30, gt=0, le=MAX_SETTING_SECONDS)
     #: The health watch's heartbeat timeout (unset: twice ``heartbeat_seconds``). Every node's
     #: watch writes a heartbeat to the server about every 0.8x this, the fleet's steadiest load
     #: (at 1,250 nodes and 30 s, 52 writes a second); it is also how long a node whose agent
@@ -289,7 +285,7 @@ class RepairTimeouts(BaseModel):
     watch_pace_seconds: float = Field(5, gt=0, le=3600)
     watch_pace_max_seconds: float = Field(300, gt=0, le=86400)
     #: One provider API call (reboot/reinstall request): a crashed worker's call is retried after this.
-    provider_call_seconds: float = Field(120, gt=0)
+    provider_call_seconds: float = Field(120, gt=0, le=MAX_SETTING_SECONDS)
 
     def watch_heartbeat(self) -> float:
         return self.watch_heartbeat_seconds or 2 * self.heartbeat_seconds
@@ -301,10 +297,8 @@ class RepairTimeouts(BaseModel):
         }[rung]
 
 
-class RepairSettings(BaseModel):
+class RepairSettings(Strict):
     """``repair:`` in sites.yaml. Every number here is configurable (tests make them small)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     thresholds: RepairThresholds = Field(default_factory=RepairThresholds)
     timeouts: RepairTimeouts = Field(default_factory=RepairTimeouts)
@@ -313,7 +307,7 @@ class RepairSettings(BaseModel):
     #: ``provider`` (reimage through the provider API) or ``agent`` (driver reinstall on the node).
     reinstall_via: str = Field("provider", pattern="^(provider|agent)$")
     #: While a finding waits (node still joining, site over its cap), look again this often.
-    recheck_seconds: float = Field(30, gt=0)
+    recheck_seconds: float = Field(30, gt=0, le=MAX_SETTING_SECONDS)
     #: A watch result observed longer ago than this is ignored (set by ``control_plane:``).
     max_report_age_seconds: float = Field(120, gt=0, le=3600)
 

@@ -50,6 +50,7 @@ Quirks
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -65,7 +66,7 @@ from fleet.errors import (
     ProviderError,
     Transient,
 )
-from fleet.models import CapacityType, Machine, MachineSpec, Offer
+from fleet.models import MAX_PRICE_PER_GPU_HOUR, CapacityType, Machine, MachineSpec, Offer
 from providers.credentials import read_token
 from providers.http_api import error_object, send
 
@@ -327,7 +328,21 @@ class LambdaProvider:
         itype = entry.get("instance_type", {})
         gpus = int((itype.get("specs") or {}).get("gpus") or self.site.gpus_per_machine)
         cents = itype.get("price_cents_per_hour")
-        price = float(cents) / 100 / gpus if cents is not None else self.site.price_per_gpu_hour
+        price = _price_per_gpu_hour(cents, gpus) if cents is not None else self.site.price_per_gpu_hour
         regions = {r.get("name") for r in entry.get("regions_with_capacity_available", [])}
         return [self.site.offer(PROVIDER, gpus=gpus, price_per_gpu_hour=round(price, 4),
                                 capacity_type=CapacityType.ON_DEMAND, available=self.site.region in regions)]
+
+
+def _price_per_gpu_hour(cents: Any, gpus: int) -> float:
+    """Lambda's ``price_cents_per_hour`` per GPU, in dollars. An answer that is no price ("NaN",
+    "inf", 1e400, a negative or absurd number) is the site's error in the catalog: an infinite
+    price in an offer is sent to workflows as null, which none of them can decode."""
+    try:
+        price = float(cents) / 100 / gpus
+    except (TypeError, ValueError, ZeroDivisionError):
+        price = math.nan
+    if not (math.isfinite(price) and 0 <= price <= MAX_PRICE_PER_GPU_HOUR):
+        raise ProviderError(f"Lambda answered price_cents_per_hour={str(cents)[:40]!r} for {gpus} GPUs: not a price",
+                            provider=PROVIDER, code="bad-price")
+    return price

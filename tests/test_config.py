@@ -206,6 +206,42 @@ def test_an_own_rack_account_that_can_join_needs_its_seed_dir(tmp_path: Path) ->
     assert check(tmp_path, {**example, "mode": "sim"})[0] == 0
 
 
+#: (where in sites.yaml, the YAML written there, what the refusal says). Each loaded before and
+#: wedged every Site entity: an infinite number reaches workflows as null, which none can decode
+#: (``incident_settings``' result, an offer's price), and a huge finite wait overflowed
+#: ``timedelta`` inside the ``admit_repair`` handler.
+UNUSABLE_NUMBERS = [
+    ("incident.window_seconds", ".inf", "finite number"),
+    ("incident.window_seconds", "1.0e+400", "finite number"),
+    ("incident.settle_seconds", "1.0e+14", "less than or equal to 2592000"),
+    ("sites[1] (site-b).incident.settle_seconds", "1.0e+14", "less than or equal to 2592000"),
+    ("repair.timeouts.reset_seconds", ".inf", "finite number"),
+    ("repair.thresholds.same_xid_window_seconds", "1.0e+14", "less than or equal to 2592000"),
+    ("sites[0] (site-a).price_per_gpu_hour", ".inf", "finite number"),
+    ("sites[0] (site-a).price_per_gpu_hour", "1.0e+300", "less than or equal to 100000"),
+]
+
+
+@pytest.mark.parametrize("where, written, refusal", UNUSABLE_NUMBERS)
+def test_a_number_no_workflow_can_use_is_refused_naming_the_field(tmp_path: Path, where: str, written: str,
+                                                                 refusal: str) -> None:
+    fleet = copy.deepcopy(TEST_FLEET)
+    *parents, field = where.replace(" (site-a)", "").replace(" (site-b)", "").split(".")
+    block = fleet
+    for step in parents:
+        name, _, index = step.partition("[")
+        block = block.setdefault(name, {})
+        block = block[int(index.rstrip("]"))] if index else block
+    block[field] = "@number@"
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(fleet).replace("'@number@'", written))
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert any(p.startswith(f"{where}: ") and refusal in p for p in refused.value.problems), refused.value.problems
+    result = CliRunner().invoke(app, ["config", "check", str(path)])
+    assert result.exit_code == 2 and where in result.output, result.output
+
+
 def test_unreadable_and_non_yaml_files(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "missing.yaml")

@@ -221,3 +221,13 @@ def test_user_data_over_a_megabyte_is_refused_before_any_call_and_by_the_api(lam
     fits = "#cloud-config\n" + "#" * (MAX_USER_DATA_BYTES - 20)
     machine = lambda_harness.provider.create_machine(lambda_harness.spec, "k1", user_data=fits)
     assert lambda_harness.fake.user_data[machine.id] == fits
+
+
+@pytest.mark.parametrize("answer", ["inf", "NaN", float("inf"), -2392, "cheap"])
+def test_an_api_price_that_is_no_price_is_the_sites_error_not_an_offer(lambda_harness: LambdaHarness,
+                                                                       answer: object) -> None:
+    """An infinite price in an offer reached workflows as null, which none could decode (AcquireCapacity,
+    SpotReclaim failed their workflow task for good): the catalog records the site's error instead."""
+    lambda_harness.fake.instance_types["gpu_8x_h100_sxm5"]["instance_type"]["price_cents_per_hour"] = answer
+    with pytest.raises(ProviderError, match="price_cents_per_hour=.* for 8 GPUs: not a price"):
+        lambda_harness.provider.list_offers()
