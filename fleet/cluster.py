@@ -6,10 +6,10 @@ carry it."""
 from __future__ import annotations
 
 import hashlib
-from datetime import datetime
 
 from pydantic import BaseModel, Field
 
+from fleet.models import UtcDatetime
 from fleet.weights_pull import WeightsPull
 
 #: Taint every new node carries until its smoke test passes.
@@ -105,7 +105,7 @@ class JoinTokenRef(BaseModel):
 
     token_id: str
     node_name: str
-    expires_at: datetime
+    expires_at: UtcDatetime
 
 
 class NodeIdentity(BaseModel):

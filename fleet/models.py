@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timezone
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -40,6 +40,18 @@ MAX_SETTING_SECONDS = 30 * 86400
 #: The dearest GPU-hour a site may be configured at, or a provider may answer, in any currency:
 #: beyond it a price is a typo or garbage, and costs summed from it could overflow to infinity.
 MAX_PRICE_PER_GPU_HOUR = 100_000.0
+
+
+def _utc_if_naive(value: datetime) -> datetime:
+    # Workflow code compares times with ``workflow.now()``, which has a zone: a time without one
+    # (typed by hand, ``temporal workflow signal --input '{..."2026-12-06T10:00:00"}'``) raised
+    # TypeError there, in the workflow task, on every replay. Taken as UTC, as the fleet's times
+    # are; one with a zone is kept as given, so what recorded runs decoded is unchanged.
+    return value.replace(tzinfo=timezone.utc) if value.utcoffset() is None else value
+
+
+#: A time in a workflow's input, signal, update, carry or activity result: always aware.
+UtcDatetime = Annotated[datetime, AfterValidator(_utc_if_naive)]
 
 
 class Strict(BaseModel):
@@ -186,7 +198,7 @@ class Machine(BaseModel):
     #: pending, running, rebooting, stopped, terminated (provider words mapped).
     state: str = "pending"
     capacity_type: CapacityType = CapacityType.ON_DEMAND
-    created_at: datetime | None = None
+    created_at: UtcDatetime | None = None
     #: Whether it carries the fleet's ownership marker (each adapter defines its own: a tag,
     #: a label, a name prefix, an allocation record). The sweep never touches one without.
     owned: bool = False
@@ -196,7 +208,7 @@ class Machine(BaseModel):
 
 class XidEvent(BaseModel):
     xid: int
-    at: datetime
+    at: UtcDatetime
     message: str = ""
 
 
@@ -263,11 +275,11 @@ class Node(BaseModel):
     ready: bool = False
     #: When ``ready`` last changed (the Ready condition's ``lastTransitionTime``): for a NotReady
     #: node, when it stopped being Ready. None where the cluster did not say.
-    ready_changed_at: datetime | None = None
+    ready_changed_at: UtcDatetime | None = None
     unschedulable: bool = False
     boot_id: str = ""
     gpus_allocatable: int = 0
-    registered_at: datetime | None = None
+    registered_at: UtcDatetime | None = None
     #: What the kubelet reported: ``spec.providerID`` and ``status.addresses`` (IPs).
     provider_id: str = ""
     addresses: list[str] = Field(default_factory=list)

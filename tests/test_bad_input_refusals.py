@@ -11,6 +11,7 @@ a site nobody configured."""
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from typing import AsyncIterator
 
@@ -27,7 +28,7 @@ from temporalio.exceptions import ApplicationError
 from client import FleetClient, InvalidArgument
 from fleet.messages.repair import LadderState
 from fleet.repair_policy import Rung
-from tests.bad_input_helpers import idle_workflows, processed, raw, task_failures
+from tests.bad_input_helpers import idle_workflows, processed, raw, task_failures, wait_for_async
 from tests.conftest import Stack
 from tests.test_bad_input_property import valid_starts
 from workflows.repair import GpuRepair
@@ -138,6 +139,36 @@ async def test_a_rollout_refuses_for_its_state_with_a_type_of_its_own(idle_fleet
     again = await refused(rollout, "pause", '"look again"')
     assert again.type == "WrongState" and again.message == "already paused", again
     assert await task_failures(rollout) == 0
+
+
+async def _signals_received(handle: WorkflowHandle, name: str) -> list[dict]:
+    history = await handle.fetch_history()
+    return [json.loads(e.workflow_execution_signaled_event_attributes.input.payloads[0].data)
+            for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED
+            and e.workflow_execution_signaled_event_attributes.signal_name == name]
+
+
+async def test_a_slot_request_whose_detection_time_has_no_zone_is_read_as_utc(idle_fleet: Stack) -> None:
+    """``temporal workflow signal --name node_action_request --input '{..., "detected_at":
+    "2020-01-01T10:00:00"}'``: the entity compared the time with its actions' (which have a zone)
+    when the request's turn came, and failed its workflow task on every replay, the node's
+    entity stuck for good. Read as UTC, a reboot that ran since covers it, as for any request."""
+    node = await running(idle_fleet, "Node", {"node_name": "site-a-naive"},
+                         workflow_id=f"node/site-a-naive-{uuid.uuid4().hex[:6]}")
+    # The repairs the entity answers: any running workflow takes a signal.
+    rebooted, covered = await running(idle_fleet, "ModelRollout"), await running(idle_fleet, "ModelRollout")
+    await node.signal("node_action_request", raw(json.dumps(
+        {"repair_id": rebooted.id, "rung": "reboot", "detected_at": "2020-01-01T09:00:00+00:00"})))
+    await processed(node, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
+    await node.signal("node_action_done", raw(json.dumps({"repair_id": rebooted.id, "rung": "reboot"})))
+    await processed(node, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
+    await node.signal("node_action_request", raw(json.dumps(
+        {"repair_id": covered.id, "rung": "reset", "detected_at": "2020-01-01T10:00:00"})))
+    await processed(node, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
+    assert await task_failures(node) == 0
+    assert [g["go"] for g in await _signals_received(rebooted, "node_action_grant")] == [True]
+    grants = await wait_for_async(lambda: _signals_received(covered, "node_action_grant"), bool)
+    assert [(g["go"], g["covered_by"]) for g in grants] == [(False, "reboot")], grants
 
 
 @pytest.mark.parametrize("validator, argument", [

@@ -9,11 +9,10 @@ one inside the workflow sandbox (``CapacityRequestFields``) has no model left to
 
 from __future__ import annotations
 
-from datetime import datetime
 
 from pydantic import BaseModel, Field
 
-from fleet.models import DAY, Name, Strict, Text, fields_of
+from fleet.models import DAY, Name, Strict, Text, UtcDatetime, fields_of
 from fleet.placement import Constraints
 from fleet.messages.join import JoinedNode, JoinTimeouts
 
@@ -36,7 +35,7 @@ ATTEMPT_MESSAGE_CHARS = 1000
 
 class ExcludedOffer(BaseModel):
     offer: str
-    until: datetime
+    until: UtcDatetime
     reason: str
 
 
@@ -44,7 +43,7 @@ class CapacityCarry(BaseModel):
     """What AcquireCapacity carries over continue-as-new. Taken only while it waits with no
     join in flight, so the joins it started are all in ``joined`` or ``attempts``."""
 
-    deadline: datetime
+    deadline: UtcDatetime
     joined: list[JoinedNode] = Field(default_factory=list)
     #: node name → machine cost per hour (the spend cap counts them).
     costs: dict[str, float] = Field(default_factory=dict)

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from datetime import datetime
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.config import Site
-from fleet.models import AccountState, DAY, EpochSeconds, MaybeName, Name, Offer, Strict, Text, fields_of
+from fleet.models import AccountState, DAY, EpochSeconds, MaybeName, Name, Offer, Strict, Text, UtcDatetime, fields_of
 from fleet.placement import AccountView, Constraints
 from fleet.messages.acquire import (  # noqa: F401 - moved to ``acquire``, still imported from here
     ATTEMPT_MESSAGE_CHARS, ATTEMPTS_KEPT, CapacityCarry, CapacityRequest, CapacityRequestFields, ExcludedOffer,
@@ -117,7 +116,7 @@ class SiteNode(BaseModel):
     machine_id: str = ""
     ready: bool = False
     unproven: bool = False
-    registered_at: datetime | None = None
+    registered_at: UtcDatetime | None = None
     price_per_gpu_hour: float = 0.0
     #: Who holds the node, where someone does (``activities.capacity.who_holds``): a repair that
     #: fenced a GPU of it, a person's cordon mark. Never chosen as a site's surplus. Empty: free
@@ -202,11 +201,11 @@ class CapacityProgress(BaseModel):
     rejected: list[str] = Field(default_factory=list)
     attempts: list[JoinAttempt] = Field(default_factory=list)
     #: While it waits: when it looks again (sooner when offers change) ...
-    wait_until: datetime | None = None
+    wait_until: UtcDatetime | None = None
     #: ... what it waits for (each qualifying offer it may not buy now, and who can change
     #: that), and when it gives up (returning what joined).
     waiting_for: list[str] = Field(default_factory=list)
-    deadline: datetime | None = None
+    deadline: UtcDatetime | None = None
     #: The joins in flight by workflow id (``in_flight`` names their offers).
     joins: list[str] = Field(default_factory=list)
     #: Set once cancelled: why, and each join it stopped (its machine deleted by the join).

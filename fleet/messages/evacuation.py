@@ -3,7 +3,6 @@ state, repair admission, SiteEvacuation and its activities (one model each)."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Literal, get_args
 
 from pydantic import BaseModel, Field
@@ -12,7 +11,7 @@ from fleet.incident import Deficit, Failure, IncidentSettings, SiteFacts, Verdic
 from fleet.cluster import RoutingTable, ServingStatus
 from fleet.messages.join import JoinedNode
 from fleet.messages.acquire import CapacityRequestFields
-from fleet.models import Name, Strict, Text
+from fleet.models import Name, Strict, Text, UtcDatetime
 
 
 # -- repair admission (Node entity → Site entity) ---------------------------------------------
@@ -66,8 +65,8 @@ class ClosedEvacuationsInput(BaseModel):
 class IncidentRecord(BaseModel):
     id: str
     reason: str
-    opened_at: datetime
-    closed_at: datetime | None = None
+    opened_at: UtcDatetime
+    closed_at: UtcDatetime | None = None
     outcome: str = ""
 
 
@@ -287,7 +286,7 @@ class RecoveryProbe(BaseModel):
 
 class Step(BaseModel):
     name: str
-    at: datetime
+    at: UtcDatetime
     detail: str = ""
 
 

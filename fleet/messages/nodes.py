@@ -3,7 +3,6 @@ activity, so fields can be added without breaking callers."""
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated
 
 from pydantic import BaseModel, Field, StrictStr, StringConstraints
@@ -11,7 +10,7 @@ from pydantic import BaseModel, Field, StrictStr, StringConstraints
 from fleet.cluster import JoinTokenRef
 from fleet.config import Site
 from fleet.messages.repair import NodeWatchResult
-from fleet.models import CapacityType, GpuHealth, Machine, MachineSpec
+from fleet.models import CapacityType, GpuHealth, Machine, MachineSpec, UtcDatetime
 from fleet.repair_policy import RepairSettings
 
 
@@ -64,7 +63,7 @@ class AwaitRegistrationInput(BaseModel):
     provider_id: str
     join_id: str
     #: Absolute, so a retried attempt keeps the original deadline.
-    deadline: datetime
+    deadline: UtcDatetime
     poll_seconds: float = 1.0
     #: Once the registration is this join's machine: our labels and taints on the node.
     labels: dict[str, str] = Field(default_factory=dict)
@@ -105,7 +104,7 @@ class StartedEntity(BaseModel):
     #: How its last run closed ("terminated", "failed", "timed-out", "canceled", "completed"), or
     #: "none" where Temporal has no run of it on record (never started, or past its retention).
     was: str
-    closed_at: datetime | None = None
+    closed_at: UtcDatetime | None = None
 
 
 #: Node entities one sweep pass starts at most (a fleet whose entities were all terminated at once
@@ -284,7 +283,7 @@ class RestartMachineInput(BaseModel):
 class WaitForBootInput(BaseModel):
     node_name: str
     boot_id_before: str
-    deadline: datetime
+    deadline: UtcDatetime
     poll_seconds: float = 1.0
 
 

@@ -17,7 +17,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from fleet.models import EpochSeconds, GpuHealth, MaybeName, Name, Strict, Text, XidEvent, append_bounded
+from fleet.models import EpochSeconds, GpuHealth, MaybeName, Name, Strict, Text, UtcDatetime, XidEvent, append_bounded
 from fleet.repair_policy import Finding, Ledger, RepairSettings, Rung
 
 
@@ -123,8 +123,8 @@ Count = Annotated[int, Field(ge=0, le=MAX_REPORTED_COUNT)]
 
 
 def _epoch_datetime(value: datetime) -> datetime:
-    # The entity keys XID events by ``at.timestamp()``: a datetime it cannot convert (year 1 with
-    # no zone raises) or one outside 1970..2100 is refused here rather than raised in the entity.
+    # The entity keys XID events by ``at.timestamp()``: a datetime it cannot convert or one outside
+    # 1970..2100 is refused here rather than raised in the entity.
     try:
         seconds = value.timestamp()
     except (ValueError, OverflowError, OSError):
@@ -138,7 +138,7 @@ class ReportedXid(XidEvent):
     model_config = ConfigDict(allow_inf_nan=False)
 
     xid: Count
-    at: Annotated[datetime, AfterValidator(_epoch_datetime)]
+    at: Annotated[UtcDatetime, AfterValidator(_epoch_datetime)]
     message: NodeText = ""
 
 
@@ -219,7 +219,7 @@ class NodeActionRequest(BaseModel):
     rung: Rung
     #: When the fault was detected: another repair's node-wide action of at least this rung
     #: started later covers it.
-    detected_at: datetime
+    detected_at: UtcDatetime
 
 
 class NodeActionGrant(BaseModel):
@@ -236,17 +236,17 @@ class NodeActionWait(BaseModel):
     #: The repair (its workflow id) that holds the slot, its rung and since when.
     holder: Name
     rung: Rung
-    since: datetime
+    since: UtcDatetime
     #: When the holder is expected to give it back: ``since`` plus its rung's timeouts
     #: (``RepairSettings.slot_seconds``).
-    until: datetime
+    until: UtcDatetime
     #: Requests queued before this one, granted (or covered) first.
     ahead: int = 0
     #: With ``ahead``: the request right ahead of this one, and when this one's turn is expected at
     #: the latest (``until`` plus the slot times of those ahead; a covered one takes less). A repair
     #: further back is told once, as it queues, and again only once it is next in line.
     behind: MaybeName = ""
-    turn_by: datetime | None = None
+    turn_by: UtcDatetime | None = None
 
 
 class NodeActionDone(BaseModel):
@@ -262,8 +262,8 @@ class NodeActionDone(BaseModel):
 class NodeAction(BaseModel):
     repair_id: str
     rung: Rung
-    started_at: datetime
-    finished_at: datetime | None = None
+    started_at: UtcDatetime
+    finished_at: UtcDatetime | None = None
 
 
 class NodeStatus(BaseModel):
@@ -306,7 +306,7 @@ class NodeStatus(BaseModel):
     #: and when: set by the client from Temporal, not by the entity (a closed run's query answers
     #: with what it last knew, "ready" for a node it no longer watches).
     entity: str = "running"
-    entity_closed_at: datetime | None = None
+    entity_closed_at: UtcDatetime | None = None
 
 
 #: A person's words on a GPU the Node entity holds for a person (shown in its log and details).
@@ -367,7 +367,7 @@ class GpuRepairInput(BaseModel):
     rung: Rung = Rung.RESET
     reasons: list[Text] = Field(default_factory=list, max_length=1000)
     escalated_because: Text = ""
-    detected_at: datetime | None = None
+    detected_at: UtcDatetime | None = None
     settings: RepairSettings = Field(default_factory=RepairSettings)
 
     @model_validator(mode="after")
@@ -384,8 +384,8 @@ class GpuRepairInput(BaseModel):
 
 class Attempt(BaseModel):
     rung: Rung
-    started_at: datetime
-    finished_at: datetime | None = None
+    started_at: UtcDatetime
+    finished_at: UtcDatetime | None = None
     #: passed, failed (recovery or proof), covered (another repair's action did it), replaced,
     #: cancelled (the repair was cancelled during it).
     outcome: str = "running"
@@ -469,7 +469,7 @@ class LeftRepair(BaseModel):
     #: the slot (its rung's action runs); "": neither (containing, proving), or no Node entity is its parent.
     slot: str = ""
     #: When its fault was detected (the repair's start) or, "acting", when its action began.
-    since: datetime
+    since: UtcDatetime
 
 
 class NodeLeft(BaseModel):

@@ -3,11 +3,10 @@ serving), importable by workflows without the activity code behind them."""
 
 from __future__ import annotations
 
-from datetime import datetime
-
 from pydantic import BaseModel, Field
 
 from fleet.config import ObjectStore
+from fleet.models import UtcDatetime
 from fleet.rollout import Replication, RolloutInput, RolloutProgress, WeightFile
 from fleet.cluster import ServingSpec, ServingStatus
 
@@ -99,7 +98,7 @@ class WaitServingInput(BaseModel):
     model: str
     site: str
     #: Absolute, so a retried attempt keeps the original deadline.
-    deadline: datetime
+    deadline: UtcDatetime
     poll_seconds: float = 2.0
 
 
@@ -145,7 +144,7 @@ class EvacuationWaitInput(BaseModel):
     model: str
     seen: dict[str, str]
     #: Absolute, so a retried attempt keeps the original bound: then the rollout looks again.
-    until: datetime
+    until: UtcDatetime
     #: How often the worker reads the routes meanwhile (``strategy.evacuation_poll_seconds``).
     poll_seconds: float = 60
 
