@@ -98,9 +98,10 @@ class _SiteFailed(Exception):
 #: holding that marker is open.
 EVACUATION_WAIT_PATCH = "rollout-waits-out-evacuations-in-one-activity"
 #: Workflow patch: a pause (or an abort) that comes while the rollout waits out an evacuation, or
-#: while it asks which sites are evacuating, holds before the batch it was waiting for. Before, the
-#: pause was looked at only before that wait: the site that came back was updated anyway (a canary
-#: after hours of outage) while the progress said "paused".
+#: while it asks which sites are evacuating, holds before the batch it was waiting for, and once
+#: resumed the batch's sites are looked at again (one may have been evacuated while it was paused).
+#: Before, the pause was looked at only before that wait: the site that came back was updated anyway
+#: (a canary after hours of outage) while the progress said "paused".
 PAUSE_BEFORE_BATCH_PATCH = "rollout-pauses-before-each-batch"
 #: The longest one wait for evacuated sites lasts: then the rollout looks again itself (a lost
 #: answer, a route no look compares, cost at most this).
@@ -239,11 +240,16 @@ class ModelRollout:
             self._check_abort()
             self._phase(phase)
 
-    async def _checkpoint_before_batch(self) -> None:
+    async def _held_before_batch(self) -> bool:
         """``_checkpoint`` again right before a batch: the look at which sites are evacuating, and a
-        wait for one to come back (hours, for a canary), lie between the first and the batch."""
-        if workflow.patched(PAUSE_BEFORE_BATCH_PATCH):
-            await self._checkpoint()
+        wait for one to come back (hours, for a canary), lie between the first and the batch. Whether
+        it held (paused): the batch's sites are then looked at again, as one may have been evacuated
+        while it was paused."""
+        if not workflow.patched(PAUSE_BEFORE_BATCH_PATCH):
+            return False
+        held = self._paused
+        await self._checkpoint()
+        return held
 
     async def _wait_ready_unless_aborted(self, site: str, ready_by) -> None:
         """The site's Deployment ready by ``ready_by``; an abort meanwhile cancels the wait (the
@@ -427,7 +433,8 @@ class ModelRollout:
             await self._checkpoint()
             self._phase("canary")
             await self._wait_until_not_evacuating(canary)
-            await self._checkpoint_before_batch()
+            while await self._held_before_batch():
+                await self._wait_until_not_evacuating(canary)  # it may be evacuated again meanwhile
             await self._run_batch([canary])
         while queue:
             await self._checkpoint()
@@ -447,7 +454,8 @@ class ModelRollout:
             if not batch:
                 await self._wait_for_evacuations(evacuating, until)
                 continue
-            await self._checkpoint_before_batch()
+            if await self._held_before_batch():
+                continue  # a fresh look at which sites are evacuating: the pause may have lasted days
             await self._run_batch(batch)
             queue = [s for s in queue if s not in batch]
 

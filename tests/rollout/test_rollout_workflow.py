@@ -755,7 +755,8 @@ async def test_a_pause_while_the_canary_waits_out_an_evacuation_holds_when_it_co
         rollout_stack: RolloutStack) -> None:
     """Paused while its canary site was under evacuation (a wait of hours): the progress said
     "paused", yet when the site came back its Deployment was updated at once, the pause looked at
-    only before the wait. Now the rollout holds there until resumed."""
+    only before the wait. Now the rollout holds there until resumed, and resumed, it looks at the
+    site again: evacuated anew while paused, it waits again."""
     stack = rollout_stack
     stack.serve_v1(["site-a", "site-b"])
     stack.cluster.set_site_routes({"site-b": SiteRoute(weight=100),
@@ -768,7 +769,12 @@ async def test_a_pause_while_the_canary_waits_out_an_evacuation_holds_when_it_co
     for _ in range(10):  # five looks at the routes: the site is back
         assert stack.image("site-a") == "img:v1"
         await asyncio.sleep(0.1)
+    # Evacuated again while paused (the pause may last days): resumed, the canary is looked at again.
+    stack.cluster.set_site_routes({"site-a": SiteRoute(weight=0, healthy=False, draining=True, incident="inc-10")})
     await handle.execute_update("resume")
+    progress = await until(handle, lambda p: p.phase == "canary" and "inc-10" in p.site("site-a").detail)
+    assert states(progress)["site-a"] == "deferred" and stack.image("site-a") == "img:v1"
+    stack.end_evacuation(["site-a"])
     result = RolloutResult.model_validate(await handle.result())
     assert result.outcome == "completed" and stack.image("site-a") == "img:v2"
     await replay_and_record(handle, "rollout_pauses_before_a_canary_back_from_evacuation")
