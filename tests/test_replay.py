@@ -399,6 +399,9 @@ EXPECTED = {
     # (``repair-replace-retires-to-its-end``, tests/test_repair_cancel.py). ``_before``: the code
     # before, which ended cancelled, the node "cordoned" while its delete went through.
     "gpu_repair_cancelled_after_the_replacement_joined", "gpu_repair_cancelled_after_the_replacement_joined_before",
+    # The join's end and the cancel in one workflow task, its jobs applied as one batch (temporalio's
+    # logic flag 2): the join's result is taken, not lost to the cancel (tests/test_repair_cancel.py).
+    "gpu_repair_cancelled_in_the_task_the_replacement_joined",
 }
 
 
