@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from fleet.config_checks import cross_check
 from fleet.incident import ControlPlaneSettings, IncidentSettings
 from fleet.models import (
-    MAX_PRICE_PER_GPU_HOUR, MAX_SETTING_SECONDS, PROVIDERS, CapacityType, CredentialsRef, MachineSpec, Offer, Strict,
+    PROVIDERS, SITES_YAML, CapacityType, CredentialsRef, MachineSpec, Offer, SettingPrice, SettingSeconds, Strict,
 )
 from fleet.naming import LABEL_VALUE_PATTERN, MAX_SITE_NAME, SITE_NAME_PATTERN, label_value_problem, site_name_problem
 from fleet.repair_policy import RepairSettings
@@ -39,7 +39,7 @@ class SimSiteSettings(Strict):
     capacity: int = Field(8, ge=0, description="machines the site can still sell")
     quota: int = Field(16, ge=0, description="machines the account may run at this site")
     api_latency_ms: int = Field(0, ge=0)
-    boot_seconds: float = Field(1.0, ge=0, le=MAX_SETTING_SECONDS)
+    boot_seconds: SettingSeconds = Field(1.0, ge=0)
     interruption_risk: float = Field(0.0, ge=0, le=1)
 
 
@@ -97,7 +97,7 @@ class Site(Strict):
     gpus_per_machine: int = Field(ge=1)
     gpu_memory_gb: int = Field(0, ge=0)
     instance_type: str
-    price_per_gpu_hour: float = Field(ge=0, le=MAX_PRICE_PER_GPU_HOUR)
+    price_per_gpu_hour: SettingPrice = Field(ge=0)
     capacity_type: CapacityType = CapacityType.ON_DEMAND
     min_nodes: int = Field(0, ge=0)
     max_nodes: int = Field(ge=0)
@@ -316,7 +316,7 @@ def parse_config(raw: Any, source: str = "<config>") -> FleetConfig:
     if not isinstance(raw, dict):
         raise ConfigError(source, ["the file must be a mapping with 'sites' (and 'accounts')"])
     try:
-        config = FleetConfig.model_validate(raw)
+        config = FleetConfig.model_validate(raw, context={SITES_YAML: True})
     except ValidationError as exc:
         problems = []
         for err in exc.errors():

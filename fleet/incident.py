@@ -33,7 +33,14 @@ from typing import Literal, Mapping
 from pydantic import BaseModel, Field
 
 from fleet import replacement
-from fleet.models import MAX_SETTING_SECONDS, Strict
+from fleet.models import SettingSeconds, Strict, setting_seconds
+
+
+#: How often a watch looks (``check_seconds``, ``probe_seconds``): at most a day, the bound of the
+#: watch inputs workflow code builds from it (``SiteWatchInput``, ``RecoveryWatchInput``). Longer is
+#: refused in sites.yaml and taken as a day elsewhere: refused in that workflow code, it failed the
+#: workflow task on every replay.
+WatchSeconds = setting_seconds(24 * 3600, longest=24 * 3600)
 
 
 class ControlPlaneSettings(Strict):
@@ -59,21 +66,21 @@ class IncidentSettings(Strict):
     #: Trip at max(min_nodes, ceil(fraction × site nodes)) failed nodes inside the window.
     min_nodes: int = Field(3, ge=1)
     fraction: float = Field(0.3, gt=0, le=1)
-    window_seconds: float = Field(300, gt=0, le=MAX_SETTING_SECONDS)
+    window_seconds: SettingSeconds = Field(300, gt=0)
     #: Every provider call for the site's account failing as Transient this long also trips.
-    api_failure_seconds: float = Field(600, gt=0, le=MAX_SETTING_SECONDS)
+    api_failure_seconds: SettingSeconds = Field(600, gt=0)
     #: A repair request waits this long for other failures at the site before it is admitted
     #: (node agents report every few seconds, unsynchronized: a burst is seen over a few seconds).
-    settle_seconds: float = Field(10, ge=0, le=MAX_SETTING_SECONDS)
+    settle_seconds: SettingSeconds = Field(10, ge=0)
     #: How often the Site entity looks for unreachable nodes and probes the provider API.
-    check_seconds: float = Field(30, gt=0, le=24 * 3600)  # the site watch's ``api_check_seconds``
+    check_seconds: WatchSeconds = Field(30, gt=0)  # the site watch's ``api_check_seconds``
     #: SiteEvacuation: replicas elsewhere must be ready within this; nodes drain within drain_seconds.
-    ready_seconds: float = Field(900, gt=0, le=MAX_SETTING_SECONDS)
-    drain_seconds: float = Field(300, ge=0, le=MAX_SETTING_SECONDS)
+    ready_seconds: SettingSeconds = Field(900, gt=0)
+    drain_seconds: SettingSeconds = Field(300, ge=0)
     #: Replacement capacity: AcquireCapacity's deadline.
-    capacity_deadline_seconds: float = Field(1800, gt=0, le=MAX_SETTING_SECONDS)
+    capacity_deadline_seconds: SettingSeconds = Field(1800, gt=0)
     #: Recovery probe interval while the site is down.
-    probe_seconds: float = Field(30, gt=0, le=24 * 3600)  # the recovery watch's ``probe_seconds``
+    probe_seconds: WatchSeconds = Field(30, gt=0)  # the recovery watch's ``probe_seconds``
     #: SiteEvacuation probes inside one long activity (no Temporal action per probe) while its site
     #: is down and while nothing may take its replicas; that activity returns when the site is back
     #: or what nothing may take changes, else after this long (a fresh look, the details said again).
@@ -81,9 +88,9 @@ class IncidentSettings(Strict):
     #: Routing weight comes back in these steps (percent of the weight before the incident) ...
     restore_steps: list[int] = Field(default_factory=lambda: [10, 50, 100], min_length=1)
     #: ... with this long between steps.
-    bake_seconds: float = Field(300, ge=0, le=MAX_SETTING_SECONDS)
+    bake_seconds: SettingSeconds = Field(300, ge=0)
     #: Smoke test on each node before the site serves again.
-    smoke_test_seconds: float = Field(600, gt=0, le=MAX_SETTING_SECONDS)
+    smoke_test_seconds: SettingSeconds = Field(600, gt=0)
     #: Filled in from the top-level ``control_plane:`` block (``FleetConfig.incident_for``).
     control_plane: ControlPlaneSettings = Field(default_factory=ControlPlaneSettings)
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timezone
 from enum import StrEnum
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo
+from pydantic_core import PydanticKnownError
 
 # Bounds for what workflows take from outside (inputs, signals, updates): every number
 # has a range, every float is finite, every string a length.
@@ -34,12 +36,42 @@ Text = Annotated[str, AfterValidator(lambda text: text[:MAX_TEXT])]
 #: Epoch seconds between 1970 and 2100.
 EpochSeconds = Annotated[float, Field(ge=0, le=4_102_444_800, allow_inf_nan=False)]
 #: The longest duration a setting in ``sites.yaml`` may name (a window, a timeout, a wait): longer
-#: is a typo, and workflow code adds these to times, where a huge one overflows ``timedelta``
-#: inside a handler (failing the entity's workflow task on every replay).
+#: is a typo (``SettingSeconds``).
 MAX_SETTING_SECONDS = 30 * 86400
 #: The dearest GPU-hour a site may be configured at, or a provider may answer, in any currency:
 #: beyond it a price is a typo or garbage, and costs summed from it could overflow to infinity.
 MAX_PRICE_PER_GPU_HOUR = 100_000.0
+#: Validation context key: ``{SITES_YAML: True}`` holds the settings models to the caps a person's
+#: ``sites.yaml`` gets (``fleet.config.parse_config``: loading, ``gpufleet config check``). Workflows
+#: decode the same models from their inputs, carries and recorded activity results without it: a
+#: value an older release took (a 60-day window) must still decode there, or every open entity that
+#: recorded it fails its input on replay once the operator lowers the value to start the new workers.
+SITES_YAML = "sites_yaml"
+#: A century, longer than epoch time has run (so no age reaches it): a duration setting decodes as
+#: at most this, so workflow code may add it to a time (``timedelta`` overflows past 1e14 seconds,
+#: ``datetime`` past the year 9999). Clamped, not refused: what an older run recorded still decodes.
+LONGEST_SECONDS = 100 * 365 * DAY
+
+
+def _capped_in_sites_yaml(cap: float, longest: float) -> Any:
+    def check(value: float, info: ValidationInfo) -> float:
+        if value > cap and (info.context or {}).get(SITES_YAML):
+            raise PydanticKnownError("less_than_equal", {"le": cap})  # what ``le=cap`` raises
+        return min(value, longest)
+
+    return AfterValidator(check)
+
+
+def setting_seconds(cap: float = MAX_SETTING_SECONDS, longest: float = LONGEST_SECONDS) -> Any:
+    """A duration in ``sites.yaml`` that workflows also take (a window, a timeout, a wait): at most
+    ``cap`` in ``sites.yaml``; anywhere else at most ``longest``, longer taken as that."""
+    return Annotated[float, _capped_in_sites_yaml(cap, longest), Field(json_schema_extra={"maximum": cap})]
+
+
+SettingSeconds = setting_seconds()
+#: A site's configured price: at most ``MAX_PRICE_PER_GPU_HOUR`` in ``sites.yaml``, as given elsewhere.
+SettingPrice = Annotated[float, _capped_in_sites_yaml(MAX_PRICE_PER_GPU_HOUR, math.inf),
+                         Field(json_schema_extra={"maximum": MAX_PRICE_PER_GPU_HOUR})]
 
 
 def _utc_if_naive(value: datetime) -> datetime:

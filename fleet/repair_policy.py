@@ -29,7 +29,7 @@ from enum import StrEnum
 
 from pydantic import BaseModel, Field
 
-from fleet.models import MAX_SETTING_SECONDS, GpuHealth, Strict
+from fleet.models import GpuHealth, SettingSeconds, Strict
 
 
 class Rung(StrEnum):
@@ -186,10 +186,10 @@ class RepairThresholds(Strict):
     #: The same fatal XID on one GPU this many times inside the window → replace (no more than
     #: the Node entity keeps of a GPU's fatal XIDs).
     same_xid_limit: int = Field(5, ge=1, le=MAX_XID_HITS_PER_GPU)
-    same_xid_window_seconds: float = Field(24 * 3600, gt=0, le=MAX_SETTING_SECONDS)
+    same_xid_window_seconds: SettingSeconds = Field(24 * 3600, gt=0)
     #: This many remediations on one node inside the window → replace.
     node_remediation_limit: int = Field(5, ge=1)
-    node_remediation_window_seconds: float = Field(7 * 24 * 3600, gt=0, le=MAX_SETTING_SECONDS)
+    node_remediation_window_seconds: SettingSeconds = Field(7 * 24 * 3600, gt=0)
     #: Per-node repair stops at a site when more than this share of its nodes is unhealthy.
     site_unhealthy_fraction: float = Field(0.2, ge=0, le=1)
 
@@ -265,15 +265,15 @@ class Ledger(BaseModel):
 
 
 class RepairTimeouts(Strict):
-    contain_seconds: float = Field(300, gt=0, le=MAX_SETTING_SECONDS)
+    contain_seconds: SettingSeconds = Field(300, gt=0)
     #: How long a drain may wait on PodDisruptionBudgets before reporting blocked pods.
-    drain_seconds: float = Field(240, gt=0, le=MAX_SETTING_SECONDS)
-    reset_seconds: float = Field(300, gt=0, le=MAX_SETTING_SECONDS)
-    reboot_seconds: float = Field(900, gt=0, le=MAX_SETTING_SECONDS)
-    reinstall_seconds: float = Field(3600, gt=0, le=MAX_SETTING_SECONDS)
-    replace_seconds: float = Field(3600, gt=0, le=MAX_SETTING_SECONDS)
-    smoke_test_seconds: float = Field(600, gt=0, le=MAX_SETTING_SECONDS)
-    heartbeat_seconds: float = Field(30, gt=0, le=MAX_SETTING_SECONDS)
+    drain_seconds: SettingSeconds = Field(240, gt=0)
+    reset_seconds: SettingSeconds = Field(300, gt=0)
+    reboot_seconds: SettingSeconds = Field(900, gt=0)
+    reinstall_seconds: SettingSeconds = Field(3600, gt=0)
+    replace_seconds: SettingSeconds = Field(3600, gt=0)
+    smoke_test_seconds: SettingSeconds = Field(600, gt=0)
+    heartbeat_seconds: SettingSeconds = Field(30, gt=0)
     #: The health watch's heartbeat timeout (unset: twice ``heartbeat_seconds``). Every node's
     #: watch writes a heartbeat to the server about every 0.8x this, the fleet's steadiest load
     #: (at 1,250 nodes and 30 s, 52 writes a second); it is also how long a node whose agent
@@ -285,7 +285,7 @@ class RepairTimeouts(Strict):
     watch_pace_seconds: float = Field(5, gt=0, le=3600)
     watch_pace_max_seconds: float = Field(300, gt=0, le=86400)
     #: One provider API call (reboot/reinstall request): a crashed worker's call is retried after this.
-    provider_call_seconds: float = Field(120, gt=0, le=MAX_SETTING_SECONDS)
+    provider_call_seconds: SettingSeconds = Field(120, gt=0)
 
     def watch_heartbeat(self) -> float:
         return self.watch_heartbeat_seconds or 2 * self.heartbeat_seconds
@@ -307,7 +307,7 @@ class RepairSettings(Strict):
     #: ``provider`` (reimage through the provider API) or ``agent`` (driver reinstall on the node).
     reinstall_via: str = Field("provider", pattern="^(provider|agent)$")
     #: While a finding waits (node still joining, site over its cap), look again this often.
-    recheck_seconds: float = Field(30, gt=0, le=MAX_SETTING_SECONDS)
+    recheck_seconds: SettingSeconds = Field(30, gt=0)
     #: A watch result observed longer ago than this is ignored (set by ``control_plane:``).
     max_report_age_seconds: float = Field(120, gt=0, le=3600)
 

@@ -46,6 +46,10 @@ async def replay_and_record(handle: WorkflowHandle, name: str) -> None:
 
 
 async def replay_file(path: Path) -> None:
-    data = json.loads(path.read_text())
-    workflow_id = data["events"][0]["workflowExecutionStartedEventAttributes"].get("workflowId", path.stem)
+    await replay_history(json.loads(path.read_text()), path.stem)
+
+
+async def replay_history(data: dict, name: str) -> None:
+    """Replay a history as ``fetch_history().to_json_dict()`` gives it (a recorded file's content)."""
+    workflow_id = data["events"][0]["workflowExecutionStartedEventAttributes"].get("workflowId", name)
     await replayer().replay_workflow(WorkflowHistory.from_json(workflow_id, data))

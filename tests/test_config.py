@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,11 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from fleet.config import ConfigError, load_config, parse_config
+from fleet.messages.evacuation import SiteEvacuationInput
+from fleet.messages.repair import GpuRepairInput, NodeEntityInput
+from fleet.messages.watches import RecoveryWatchInput
 from tests.conftest import TEST_FLEET, write_fleet
+from workflows.inputs import MAX_NUMBER, parse_input
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -240,6 +245,30 @@ def test_a_number_no_workflow_can_use_is_refused_naming_the_field(tmp_path: Path
     assert any(p.startswith(f"{where}: ") and refusal in p for p in refused.value.problems), refused.value.problems
     result = CliRunner().invoke(app, ["config", "check", str(path)])
     assert result.exit_code == 2 and where in result.output, result.output
+
+
+def test_workflow_inputs_take_a_setting_past_the_cap_that_sites_yaml_refuses() -> None:
+    """The caps hold where a person writes the value. An input an older release recorded (a 60-day
+    window its sites.yaml had) must still parse on replay, or every open Node entity and repair that
+    recorded it is stuck once the operator lowers it; and a raw start's wait, however long the input
+    guard lets it be, parses as one workflow code can add to a time without overflowing, or pass
+    on to the watch it starts."""
+    settings = {"thresholds": {"node_remediation_window_seconds": 60 * 86400},
+                "timeouts": {"contain_seconds": float(MAX_NUMBER)}}
+    repair = parse_input(GpuRepairInput, {"node_name": "site-a-1a2b3c4d", "gpu": 0, "site": "site-a",
+                                          "settings": settings})
+    entity = parse_input(NodeEntityInput, {"node_name": "site-a-1a2b3c4d", "settings": settings})
+    evacuation = parse_input(SiteEvacuationInput, {"site": "site-a", "settings": {
+        "window_seconds": 60 * 86400, "settle_seconds": 1e14, "probe_seconds": 2 * 86400}})
+    assert repair.settings.thresholds.node_remediation_window_seconds == 60 * 86400
+    assert entity.settings is not None and evacuation.settings is not None
+    assert evacuation.settings.window_seconds == 60 * 86400
+    now = datetime.now(timezone.utc)
+    for wait in (repair.settings.timeouts.contain_seconds, entity.settings.timeouts.contain_seconds,
+                 evacuation.settings.settle_seconds):
+        assert now + timedelta(seconds=wait) > now + timedelta(days=365)
+    # As the evacuation builds its recovery watch (whose input takes no more than a day).
+    RecoveryWatchInput(site="site-a", probe_seconds=evacuation.settings.probe_seconds)
 
 
 def test_unreadable_and_non_yaml_files(tmp_path: Path) -> None:

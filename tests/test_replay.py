@@ -8,13 +8,16 @@ tests/histories/ together with the workflow change they belong to.
 
 from __future__ import annotations
 
+import base64
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from temporalio.client import WorkflowFailureError
 
 from tests.conftest import Stack, wait_for
-from tests.replay import HISTORIES, replay_and_record, replay_file
+from tests.replay import HISTORIES, replay_and_record, replay_file, replay_history
 
 #: Histories each workflow's tests must have recorded. Old ones stay while they guard runs that
 #: can be in flight, and go with the patch whose old path they took (docs/design/patches.md,
@@ -428,6 +431,58 @@ async def test_fresh_histories_replay(stack: Stack) -> None:
 @pytest.mark.parametrize("path", sorted(HISTORIES.glob("*.json")), ids=lambda p: p.stem)
 async def test_recorded_history_replays(path: Path) -> None:
     await replay_file(path)
+
+
+#: (history, a setting its run recorded, a value for it that an older release took from sites.yaml
+#: and today's refuses there): where it was recorded (start input, activity result, carry, child
+#: input). An operator lowers the setting to start the new workers; every open run that recorded
+#: the old value must still take it, or it fails its input on replay after the rolling restart.
+PAST_TODAYS_CAPS = [
+    ("gpu_repair_reset", "node_remediation_window_seconds", 60 * 86400),  # GpuRepairInput.settings
+    ("node_entity_two_repairs_patches_at_start", "node_remediation_window_seconds", 60 * 86400),  # NodeEntityInput
+    ("site_admit_known_nodes", "window_seconds", 60 * 86400),  # the incident_settings activity's result
+    # the evacuation_facts activity's result (EvacuationFacts.settings)
+    ("site_evacuation_cancelled_waiting_for_replicas_elsewhere", "capacity_deadline_seconds", 60 * 86400),
+    ("site_evacuation_cancelled_waiting_for_replicas_elsewhere", "check_seconds", 2 * 86400),
+    ("node_join_happy", "price_per_gpu_hour", 150_000.0),  # the provisioning activity's result (its Site)
+]
+
+
+def _with_setting(history: dict[str, Any], key: str, value: float) -> int:
+    """Sets ``key`` to ``value`` wherever a JSON payload of ``history`` holds it (at any depth); how
+    many it set."""
+    def rewrite(node: Any) -> int:
+        if isinstance(node, list):
+            return sum(rewrite(item) for item in node)
+        if not isinstance(node, dict):
+            return 0
+        count = int(key in node)
+        if count:
+            node[key] = value
+        return count + sum(rewrite(item) for item in node.values())
+
+    def walk(node: Any) -> int:
+        if isinstance(node, list):
+            return sum(walk(item) for item in node)
+        if not isinstance(node, dict):
+            return 0
+        count = 0
+        for payload in node.get("payloads") or []:
+            data = json.loads(base64.b64decode(payload.get("data", "")) or "null")
+            found = rewrite(data)
+            if found:
+                payload["data"] = base64.b64encode(json.dumps(data, separators=(",", ":")).encode()).decode()
+            count += found
+        return count + sum(walk(item) for field, item in node.items() if field != "payloads")
+
+    return walk(history["events"])
+
+
+@pytest.mark.parametrize("name, key, value", PAST_TODAYS_CAPS, ids=lambda v: str(v))
+async def test_a_history_that_recorded_a_setting_past_todays_cap_replays(name: str, key: str, value: float) -> None:
+    history = json.loads((HISTORIES / f"{name}.json").read_text())
+    assert _with_setting(history, key, value), f"{name} recorded no {key}"
+    await replay_history(history, name)
 
 
 def test_histories_are_recorded() -> None:
