@@ -125,10 +125,14 @@ class JoinCancelled:
     step: str = ""
     #: Its clean-up could not delete the machine (the join's history says why).
     needs_person: bool = False
-    #: The cancel came while the node was admitted, and the admit went through before the node was removed.
+    #: The cancel came while the node was admitted, and the admit went through: the join completed,
+    #: and its node stays.
     admitted: bool = False
 
     def summary(self) -> str:
+        if self.status == "completed" and self.admitted:
+            return (f"{self.workflow_id}: the cancel came while node {self.node_name} was admitted; the admit "
+                    f"went through, so that node stays (machine {self.machine_id})")
         if self.status == "completed":
             return f"{self.workflow_id} had joined {self.node_name} before the cancel: that node stays"
         if self.status == "failed":
@@ -138,9 +142,6 @@ class JoinCancelled:
         if self.needs_person:
             return (f"cancelled {self.workflow_id}: machine {self.machine_id} could NOT be deleted "
                     "(FleetState needs-person; its history says why)")
-        if self.admitted:
-            return (f"cancelled {self.workflow_id}: node {self.node_name} was admitted as the cancel came, "
-                    f"then removed; machine {self.machine_id} deleted")
         return f"cancelled {self.workflow_id}: machine {self.machine_id} deleted, node {self.node_name} never admitted"
 
 
@@ -215,9 +216,9 @@ class FleetClient:
 
     async def cancel_join(self, workflow_id: str, reason: str = "") -> JoinCancelled:
         """Stop a join (Temporal's cancel): a machine it bought and has not admitted is deleted
-        (a fan-out's children each delete theirs; one whose admit was under way when the cancel came,
-        once the admit answered, its node removed too); a node it already admitted stays. Returns
-        once the join has ended, saying which of those happened."""
+        (a fan-out's children each delete theirs); a node it already admitted stays, one whose admit
+        was under way as the cancel came too, once the admit went through. Returns once the join has
+        ended, saying which of those happened."""
         _text("workflow_id", workflow_id)
         if not isinstance(reason, str):
             raise InvalidArgument([("reason", "must be a string")])

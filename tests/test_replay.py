@@ -239,8 +239,8 @@ EXPECTED = {
     # A failed account report or catalog read ends no capacity request (nor its joins in flight): the
     # report said in its join's attempt, the read tried again after a pause (tests/
     # test_capacity_converges.py; no patch: the code before failed the run in the task that took the
-    # failure). A join cancelled while its node is admitted waits for the admit's answer, then cleans
-    # up (``join-admits-to-its-end``); ``_before``, the code before's run, replays down the old branch.
+    # failure). A join cancelled while its node is admitted waits for the admit's answer, then keeps
+    # the node it admitted (``join-admits-to-its-end``); ``_before``, the code before's run, replays down the old branch.
     "capacity_account_report_failed", "capacity_catalog_read_failed_then_read",
     "node_join_cancelled_while_admitting", "node_join_cancelled_while_admitting_before",
     "site_evacuation_restored_releases", "site_evacuation_aborted_restores", "site_evacuation_cancelled_restores",

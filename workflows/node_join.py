@@ -14,8 +14,9 @@ A cancel (``temporal workflow cancel``, ``gpufleet join`` interrupted, a parent 
 repair cancelled) cleans up the same way, then ends the run cancelled, not failed:
 ``FleetState = "cancelled"`` (``needs-person`` when the machine could not be deleted), its
 details naming the step it stopped at and what it deleted. One that lands while the node is
-admitted waits for the admit's answer first (the call hears no cancel), so the machine and node
-go only once it is done, and the details say whether the node was admitted.
+admitted waits for the admit's answer (the call hears no cancel): admitted, the node may already
+run pods, so the join has finished and ends ready, its node kept, the cancel noted; an admit that
+failed is cleaned up as any cancel is.
 """
 
 from __future__ import annotations
@@ -72,12 +73,14 @@ with workflow.unsafe.imports_passed_through():
 #: parent's join is not asked: its parent checked the input at its own start (an AcquireCapacity's
 #: ``join_timeouts``, a fan-out's own input).
 JOIN_PATCHES_AT_START_4 = "join-patches-at-start-4"
-#: Workflow patch: a cancel that lands during the admit waits for its answer before the clean-up.
-#: ``admit_node`` hears no cancel (it does not heartbeat) and goes on: it lifts the unproven taint,
-#: starts the Node entity and tells the Site the node is ready. Runs before it cancelled the admit
-#: (TRY_CANCEL: at once) and deleted the machine and node while the call went on, so the Site could
-#: be told "ready" after the node was gone, and the join said the node was never admitted. Asked
-#: where a cancel lands during the admit, the first point where the two paths differ.
+#: Workflow patch: a cancel that lands during the admit waits for its answer. ``admit_node`` hears
+#: no cancel (it does not heartbeat) and goes on: it lifts the unproven taint, starts the Node
+#: entity and tells the Site the node is ready, so pods may land on it. Admitted, the node stays and
+#: the join ends ready (deleting it then would take the pods' machine with no drain); an admit that
+#: failed is cleaned up. Runs before it cancelled the admit (TRY_CANCEL: at once) and deleted the
+#: machine and node while the call went on, so the Site could be told "ready" after the node was
+#: gone, and the join said the node was never admitted. Asked where a cancel lands during the
+#: admit, the first point where the two paths differ.
 ADMIT_TO_ITS_END_PATCH = "join-admits-to-its-end"
 
 
@@ -233,7 +236,7 @@ class NodeJoin:
             await self._await_registration(site, node_name, provisioned, join_id, request.timeouts)
             token = None  # deleted by the activity the moment the node registered
             smoke = await self._smoke_test(site, node_name, request.timeouts)
-            await self._admit(site, node_name, machine, smoke)
+            admitted_as_cancelled = await self._admit(site, node_name, machine, smoke)
         except (FailureError, asyncio.CancelledError):
             step = self._progress.step
             await self._clean_up(request.site, machine, node_name)
@@ -244,7 +247,9 @@ class NodeJoin:
                 await self._revoke_node_tokens(node_name)  # and any other a retried attempt issued
 
         workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("ready")])
-        self._step("ready", f"{site.gpus_per_machine}x {site.gpu}")
+        cancel = (f"; {cancelled_words()} while admitting: node {node_name} was admitted as the cancel came "
+                  f"and stays (machine {machine.id})" if admitted_as_cancelled else "")
+        self._step("ready", f"{site.gpus_per_machine}x {site.gpu}{cancel}")
         return JoinedNode(
             node_name=node_name, machine_id=machine.id, site=site.name, provider=site.provider,
             gpus=site.gpus_per_machine, account=site.account,
@@ -369,8 +374,9 @@ class NodeJoin:
             )
         return smoke
 
-    async def _admit(self, site: Site, node_name: str, machine: Machine, smoke: SmokeResult) -> None:
-        """5. The unproven taint lifted, the Site entity told."""
+    async def _admit(self, site: Site, node_name: str, machine: Machine, smoke: SmokeResult) -> bool:
+        """5. The unproven taint lifted, the Site entity told. True when a cancel came meanwhile and
+        the admit went through all the same: the join has finished, its node stays."""
         self._step("admitting", "remove the unproven taint")
         admitting = workflow.start_activity(
             act.admit_node, AdmitNodeInput(node_name=node_name, site=site.name, machine_id=machine.id,
@@ -386,14 +392,18 @@ class NodeJoin:
                 admitting.cancel()
                 await admitting
                 raise
-            # The call goes on whatever the join does: its answer (its retries too) is awaited, so
-            # the clean-up removes what it admitted rather than race it.
+            # The call goes on whatever the join does: its answer (its retries too) is awaited.
+            # Admitted, the node is schedulable and its Site counts it ready: pods may be on it, and
+            # deleting it now would take their machine with no drain. The join has finished: it
+            # keeps the node (a person who wants it gone drains it as any node). A failed admit is
+            # cleaned up, and the join ends cancelled, not failed on a step nobody wants any more.
             try:
                 await admitting
-                self._progress.admitted = True
             except ActivityError:
-                pass  # not admitted; the clean-up removes the node all the same
-            raise asyncio.CancelledError() from None
+                raise asyncio.CancelledError() from None
+            self._progress.admitted = True
+            return True
+        return False
 
     async def _release_provision(self, site_name: str, node_name: str, provision_key: str) -> None:
         step = self._progress.step
@@ -448,10 +458,6 @@ class NodeJoin:
         if self._left_behind:
             state = "needs-person"
             what = f"clean-up incomplete, a person looks: {'; '.join(self._left_behind)}"
-        elif p.machine_id and p.admitted:
-            state = "cancelled"
-            what = (f"node {p.node_name} was admitted as the cancel came, then removed; "
-                    f"machine {p.machine_id} deleted")
         elif p.machine_id:
             state = "cancelled"
             what = f"machine {p.machine_id} deleted, node {p.node_name} never admitted"

@@ -101,6 +101,6 @@ class JoinProgress(BaseModel):
     done: list[str] = Field(default_factory=list)
     #: The step a cancel stopped it at (then ``step`` is ``cancelled``); "" = not cancelled.
     cancelled_while: str = ""
-    #: A cancel came while the node was admitted, and the admit went through before the clean-up
-    #: removed the node (its Node entity and Site were told it was ready).
+    #: A cancel came while the node was admitted, and the admit went through: the join ended ready
+    #: and the node stays (its Node entity and Site were told it was ready; pods may be on it).
     admitted: bool = False
