@@ -572,6 +572,77 @@ async def test_a_catalog_never_read_by_the_deadline_ends_the_request_saying_so(t
     assert (await handle.describe()).status == WorkflowExecutionStatus.COMPLETED
 
 
+@workflow.defn(name="NodeJoin", sandboxed=False)
+class BadCredentialsJoin(JoinStandIn):
+    """The same, the first join refused: the account's credentials are revoked."""
+
+    FIRST_FAILS = ("BadCredentials", "the API key was revoked")
+
+    @workflow.run
+    async def run(self, raw: dict) -> NodeJoinResult:
+        return await super().run(raw)
+
+
+async def test_an_account_revoked_and_not_told_is_not_called_again(temporal_env) -> None:
+    """A join finds the account's credentials revoked, and its store cannot be told: the store
+    (each catalog read) still says the account is healthy. The request keeps it revoked over its
+    reads and starts no join there again, only waits (rule 6: no more calls to a revoked
+    account). Before, the read after its backoff took the store's word, and the next join called
+    the revoked account again."""
+    reads: list[GetCatalogInput] = []
+
+    @activity.defn(name="get_catalog")
+    async def get_catalog(input: GetCatalogInput) -> Catalog:
+        reads.append(input)
+        return await one_site_catalog(input)
+
+    @activity.defn(name="report_account")
+    async def store_away(input) -> None:
+        raise store_away_error()
+
+    request = {"constraints": {"sites": ["s1"]}, "deadline_seconds": 60, "backoff_seconds": 1}
+    async with stand_in_request(temporal_env, "revoked-not-told", request, BadCredentialsJoin,
+                                [get_catalog, store_away]) as handle:
+
+        async def read_twice_since_or_joining() -> bool:
+            progress = await handle.query("progress", result_type=CapacityProgress)
+            return len(reads) >= 3 or bool(progress.joins)
+
+        await eventually(read_twice_since_or_joining, timeout=30, interval=0.1)
+        progress = await handle.query("progress", result_type=CapacityProgress)
+        assert progress.joins == [], f"no join at the revoked account again: {progress.joins}"
+        assert [a.outcome for a in progress.attempts] == ["BadCredentials"], progress.attempts
+        assert "account a1 not told" in progress.attempts[0].message, progress.attempts
+        assert progress.step == "waiting for capacity" and any("a1" in w for w in progress.waiting_for), progress
+        await handle.execute_update("cancel", "seen", result_type=CapacityProgress)
+        result = CapacityResult.model_validate(await handle.result())
+    assert result.nodes == [] and result.cancelled == "seen", result
+    assert await task_failures(handle) == 0
+    await replay_and_record(handle, "capacity_account_revoked_not_told_stays_revoked")
+
+
+@pytest.mark.integration  # a dev server with a low continue-as-new threshold
+async def test_a_catalog_read_failing_on_continues_as_new_and_still_checks_the_request() -> None:
+    """The catalog cannot be read, and the server suggests continuing as new (a store away for days
+    of a 30-day deadline: each pause adds events, past Temporal's history limit otherwise): the
+    request continues as new between reads, and the run it continues as still checks the request
+    at its first read (a count more than the site's max_nodes is refused, naming the field).
+    Before, the retry loop never continued as new."""
+    from tests.can_server import runs, server_suggesting_continue_as_new
+
+    get_catalog, calls = flaky_catalog(1)
+    request = {"constraints": {"sites": ["s1"]}, "count": 9, "deadline_seconds": 600}
+    async with server_suggesting_continue_as_new(10) as env:
+        async with stand_in_request(env, "catalog-can", request, JoinStandIn, [get_catalog]) as handle:
+            cause = await asyncio.wait_for(invalid_input(handle, "count"), 60)
+            assert "9 nodes is more than" in cause.message, cause.message
+            assert len(calls) == 2, calls
+            assert await runs(env.client, handle.id) == 2, "continued as new between the reads"
+            await replay_and_record(handle, "capacity_catalog_read_failed_continued_as_new")
+            await replay_and_record(env.client.get_workflow_handle(handle.id),
+                                    "capacity_catalog_read_failed_continued_as_new_then_checked")
+
+
 # -- the command line --------------------------------------------------------------------------
 def gpufleet(cap: CapStack, *args: str) -> subprocess.Popen:
     env = {**os.environ, **cap.settings.env(), "COLUMNS": "250"}

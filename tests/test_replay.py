@@ -243,6 +243,10 @@ EXPECTED = {
     # the node it admitted (``join-admits-to-its-end``); ``_before``, the code before's run, replays down the old branch.
     "capacity_account_report_failed", "capacity_catalog_read_failed_then_read",
     "node_join_cancelled_while_admitting", "node_join_cancelled_while_admitting_before",
+    # An account a failed report could not tell stays revoked over the request's catalog reads; a
+    # catalog read failing on continues as new, the run it continued as checking the request.
+    "capacity_account_revoked_not_told_stays_revoked", "capacity_catalog_read_failed_continued_as_new",
+    "capacity_catalog_read_failed_continued_as_new_then_checked",
     "site_evacuation_restored_releases", "site_evacuation_aborted_restores", "site_evacuation_cancelled_restores",
     "site_evacuation_aborted_while_buying", "site_evacuation_aborted_restores_after_continue_as_new",
     "site_evacuation_aborted_in_its_first_task",

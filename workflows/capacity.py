@@ -16,11 +16,12 @@ nodes at once (bounded) → on each failure apply the three-error rule:
 
 A call to our own stores that fails past its retries (the API server or Temporal away for
 minutes, a 403 after an RBAC mistake) does not end the request: an account not told of an
-OverQuota or BadCredentials is said in that join's attempt (the request goes on; its next
-catalog read shows what the account's store holds), and a catalog read that failed is shown
-("could not read the catalog (…); next try at …") and tried again after a growing pause, until
-the deadline or a cancel. Raised, either failed the request, and its joins in flight were
-cancelled with it: machines about to join deleted.
+OverQuota or BadCredentials is said in that join's attempt, and the request goes on, keeping the
+offer blocked or the account revoked over its catalog reads (whose store still says otherwise)
+until one shows the store holds it; and a catalog read that failed is shown ("could not read the
+catalog (…); next try at …") and tried again after a growing pause, until the deadline or a
+cancel, continuing as new when the server suggests it. Raised, either failed the request, and
+its joins in flight were cancelled with it: machines about to join deleted.
 
 When nothing qualifies it waits ("waiting for capacity": each offer it may not buy
 now and who can change that, e.g. a revoked account and the command a person runs),
@@ -31,8 +32,9 @@ deliver its node) and the request returns what joined, its details and result na
 the deadline.
 The spend cap is checked against joined plus in-flight machines, so it is never
 exceeded. A long wait continues as new when the server suggests it, right
-after a backoff ends (no join in flight then), carrying what joined, every
-attempt, the excluded offers, the deadline and the join numbering.
+after a backoff ends or a failed catalog read's pause (no join in flight then), carrying what
+joined, every attempt, the excluded offers, the deadline, the join numbering and what its
+accounts' stores were not told.
 
 ``cancel`` (update; also Temporal's own cancel) stops buying: every join in
 flight is cancelled and deletes its machine, nodes already joined stay; the
@@ -130,6 +132,11 @@ class AcquireCapacity:
         self._catalog_reads = FailedPasses()
         #: Why the last catalog read failed ("" once one went through).
         self._catalog_failed = ""
+        #: Account → what this request saw of it (revoked, offers blocked over quota) that its store
+        #: could not be told (a report that failed): put over every catalog read, since the store
+        #: still says otherwise, and a read that took its word called a revoked account again (rule
+        #: 6: no more calls). Dropped once a read shows the store holds it: then a person's fix shows.
+        self._not_told: dict[str, AccountView] = {}
 
     @workflow.signal
     def offers_changed(self, listed: Any = False) -> None:
@@ -233,9 +240,11 @@ class AcquireCapacity:
         or wait for capacity when none can start; take each join's outcome as it ends."""
         req = self._begin(raw)
         self._show("reading the catalog")
-        # A continued run resumes right after a backoff, where the catalog is always read afresh.
+        # A continued run resumes right after a backoff or a failed read, where the catalog is
+        # always read afresh.
         read = await self._read_catalog(force=req.carry is not None)
-        if read and req.carry is None:  # a continued run was checked by its first
+        if read and self._unchecked:  # a continued run was checked by its first, once it read the catalog
+            self._unchecked = False
             catalog = self._catalog_now
             self._refuse(request_problems(req.constraints, catalog.sites, catalog.offers))
             self._refuse(count_problems(req.count, req.constraints, catalog.sites, catalog.offers))
@@ -292,6 +301,9 @@ class AcquireCapacity:
         self._other_failures = carry.other_failures
         self._seq = carry.seq
         self._backoff = carry.backoff_seconds
+        self._not_told = dict(carry.not_told)
+        #: The request is still to be checked against the catalog (its first run has read none).
+        self._unchecked = req.carry is None or carry.unchecked
         self._fatal: str | None = None
         self._fatal_kind = ""
         return req
@@ -300,7 +312,9 @@ class AcquireCapacity:
         """The offers and each account's state, read; whether a read went through. One that failed
         past its retries (the API server or Temporal away for minutes, a 403 after an RBAC mistake)
         is shown and tried again after a pause doubling from 5 s to 5 minutes, until the deadline or
-        a cancel (then False; a later read leaves the catalog read before). Nothing is in flight here."""
+        a cancel (then False; a later read leaves the catalog read before). Nothing is in flight here,
+        so after a pause the run continues as new when Temporal suggests it: a store away for days of
+        a 30-day deadline would otherwise grow one history past Temporal's limit."""
         while True:
             try:
                 self._catalog_now = await self._catalog(self._req.catalog_max_age_seconds, force=force)
@@ -313,12 +327,31 @@ class AcquireCapacity:
                 await self._catalog_reads.pause_after(
                     error, step="read the catalog", until=self._deadline, wake=lambda: bool(self._cancel),
                     show=lambda failing: self._show("reading the catalog", None, failing))
+                await self._continue_as_new_if_suggested()
                 force = True  # a read that failed may have listed nothing
                 continue
             self._catalog_reads.passed()
             self._catalog_failed = ""
-            self._accounts = dict(self._catalog_now.accounts)
+            self._accounts = self._accounts_read(self._catalog_now.accounts)
             return True
+
+    def _accounts_read(self, read: dict[str, AccountView]) -> dict[str, AccountView]:
+        """Each account as its store says, with what this request saw and could not tell it put
+        over it; what a read shows the store holds is dropped from ``_not_told``."""
+        accounts = dict(read)
+        for name, seen in list(self._not_told.items()):
+            stored = accounts.get(name) or AccountView()
+            revoked = (seen.state == AccountState.CREDENTIALS_REVOKED
+                       and stored.state != AccountState.CREDENTIALS_REVOKED)
+            blocked = [o for o in seen.blocked_offers if o not in stored.blocked_offers]
+            if not revoked and not blocked:
+                del self._not_told[name]  # told since (a catalog refresh, another request, a person)
+                continue
+            self._not_told[name] = AccountView(state=seen.state if revoked else AccountState.HEALTHY,
+                                               blocked_offers=blocked)
+            accounts[name] = AccountView(state=AccountState.CREDENTIALS_REVOKED if revoked else stored.state,
+                                         blocked_offers=[*stored.blocked_offers, *blocked])
+        return accounts
 
     def _placement(self) -> Placement:
         """The offers ranked now: those out of the ranking left out, the spend cap counting the
@@ -372,16 +405,20 @@ class AcquireCapacity:
         return self._wake_needs_listing
 
     async def _continue_as_new_if_suggested(self) -> None:
-        """Nothing in flight (no child join open to be cut off): the carry is the whole state."""
-        if not workflow.info().is_continue_as_new_suggested():
+        """Nothing in flight (no child join open to be cut off): the carry is the whole state. A
+        cancel meanwhile is taken here instead (its update waits for the run's end)."""
+        if self._cancel or not workflow.info().is_continue_as_new_suggested():
             return
-        await workflow.wait_condition(workflow.all_handlers_finished)
+        await workflow.wait_condition(lambda: workflow.all_handlers_finished() or bool(self._cancel))
+        if self._cancel:
+            return
         now = workflow.now()
         carry = CapacityCarry(
             deadline=self._deadline, joined=self._joined, costs=self._costs, attempts=self._progress.attempts,
             excluded=[ExcludedOffer(offer=k, until=until, reason=why)
                       for k, (until, why) in self._excluded.items() if until > now],
             other_failures=self._other_failures, seq=self._seq, backoff_seconds=self._backoff,
+            not_told=self._not_told, unchecked=self._unchecked,
         )
         workflow.continue_as_new(self._req.model_copy(update={"carry": carry}).model_dump(mode="json"))
 
@@ -427,10 +464,14 @@ class AcquireCapacity:
             elif kind == "OverQuota":
                 view = accounts.setdefault(cand.account, AccountView())
                 view.blocked_offers = [*view.blocked_offers, cand.key]
-                await self._report(cand.account, "OverQuota", cand.key, message, attempt)
+                if not await self._report(cand.account, "OverQuota", cand.key, message, attempt):
+                    untold = self._not_told.setdefault(cand.account, AccountView())
+                    untold.blocked_offers = [*untold.blocked_offers, cand.key]
             elif kind == "BadCredentials":
                 accounts[cand.account] = AccountView(state=AccountState.CREDENTIALS_REVOKED)
-                await self._report(cand.account, "BadCredentials", cand.key, message, attempt)
+                if not await self._report(cand.account, "BadCredentials", cand.key, message, attempt):
+                    untold = self._not_told.setdefault(cand.account, AccountView())
+                    untold.state = AccountState.CREDENTIALS_REVOKED
             elif kind in FATAL:
                 self._fatal = f"{kind} at {cand.key}: {message}"
                 self._fatal_kind = kind
@@ -544,11 +585,11 @@ class AcquireCapacity:
             summary="provider catalog: offers, account states",
         )
 
-    async def _report(self, account: str, kind: str, offer: str, message: str, attempt: JoinAttempt) -> None:
-        """Tell the account's store and entity. A report that failed past its retries (the API server
-        or Temporal away for minutes) is said in the join's attempt, and the request goes on: it
-        has blocked the offer or the account itself, its next catalog read shows what the store holds,
-        and the next call to that account is refused again and told again. Raised, it failed the
+    async def _report(self, account: str, kind: str, offer: str, message: str, attempt: JoinAttempt) -> bool:
+        """Tell the account's store and entity; whether it was told. A report that failed past its
+        retries (the API server or Temporal away for minutes) is said in the join's attempt, and the
+        request goes on: it has blocked the offer or the account itself, and keeps it so over its
+        catalog reads (``_not_told``), which show the store's older word. Raised, it failed the
         request and cancelled every join in flight."""
         try:
             await workflow.execute_activity(
@@ -562,6 +603,8 @@ class AcquireCapacity:
             note = f"; account {account} not told ({failure_text(error)[:MAX_PROBLEM_SHOWN]})"
             workflow.logger.warning("%s at %s%s", kind, offer, note)
             attempt.message = attempt.message[:ATTEMPT_MESSAGE_CHARS - len(note)] + note
+            return False
+        return True
 
 
 @workflow.defn(name="CatalogRefresh")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from fleet.models import DAY, Name, Strict, Text, UtcDatetime, fields_of
-from fleet.placement import Constraints
+from fleet.placement import AccountView, Constraints
 from fleet.messages.join import JoinedNode, JoinTimeouts
 
 
@@ -41,7 +41,8 @@ class ExcludedOffer(BaseModel):
 
 class CapacityCarry(BaseModel):
     """What AcquireCapacity carries over continue-as-new. Taken only while it waits with no
-    join in flight, so the joins it started are all in ``joined`` or ``attempts``."""
+    join in flight (for capacity, or to read the catalog again), so the joins it started are
+    all in ``joined`` or ``attempts``."""
 
     deadline: UtcDatetime
     joined: list[JoinedNode] = Field(default_factory=list)
@@ -53,6 +54,12 @@ class CapacityCarry(BaseModel):
     #: Joins started so far: the next join's id continues the numbering.
     seq: int = 0
     backoff_seconds: float
+    #: What the request saw of accounts whose store it could not tell (a failed report): kept over
+    #: every catalog read, so a revoked account is not called again (``AcquireCapacity._not_told``).
+    not_told: dict[str, AccountView] = Field(default_factory=dict)
+    #: The first run continued as new before any catalog read went through: the request is still
+    #: to be checked against the catalog (what no configured site can ever serve is refused).
+    unchecked: bool = False
 
 
 class Exclusion(Strict):
