@@ -388,15 +388,17 @@ PUT_BACK_SAFETY = "site_puts_back_a_persons_terminated_evacuation"
 PUT_BACK_SAFETY_BEFORE = f"{PUT_BACK_SAFETY}_before"
 
 
-async def _persons_evacuation_drained(inc: IncStack) -> tuple[WorkflowHandle, list[str]]:
+async def _persons_evacuation_drained(inc: IncStack, models: tuple[str, ...] = (MODEL,)) \
+        -> tuple[WorkflowHandle, list[str]]:
     """A person's evacuation of site ``a`` (``gpufleet evacuate start``: ``manual-<request>``, no Site
-    entity watches it), its four nodes drained and its one replica moved to d, waits for the provider
-    to recover. It, and the nodes by name."""
+    entity watches it), its four nodes drained and the one replica of each of ``models`` moved to d,
+    waits for the provider to recover. It, and the nodes by name."""
     a = inc.site("a")
     machines = await inc.join("a", 4)
-    await inc.join("d", 1)
-    inc.serve(MODEL, "a", replicas=1)
-    inc.serve(MODEL, "d", replicas=0)
+    await inc.join("d", len(models))
+    for model in models:
+        inc.serve(model, "a", replicas=1)
+        inc.serve(model, "d", replicas=0)
     inc.world.set_site(a, unreachable=1)
     handle = await inc.client.start_workflow(
         "SiteEvacuation", {"site": a, "reason": "test: a person's"}, id=f"evacuate/{a}/manual-t1",
@@ -407,11 +409,11 @@ async def _persons_evacuation_drained(inc: IncStack) -> tuple[WorkflowHandle, li
     return handle, names
 
 
-async def _persons_evacuation_terminated(inc: IncStack) -> tuple[str, list[str]]:
+async def _persons_evacuation_terminated(inc: IncStack, models: tuple[str, ...] = (MODEL,)) -> tuple[str, list[str]]:
     """``_persons_evacuation_drained``, then terminated; the provider is back. Its id and the nodes by
     name."""
     a = inc.site("a")
-    handle, names = await _persons_evacuation_drained(inc)
+    handle, names = await _persons_evacuation_drained(inc, models)
     await handle.terminate("test: stuck, an operator terminates it")
     inc.world.set_site(a, unreachable=0)
     return handle.id, names
@@ -598,6 +600,108 @@ async def test_a_put_back_that_stopped_at_the_replicas_elsewhere_is_finished_at_
     assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (50, True, False, "")
     assert inc.cluster.serving_status(MODEL, a).desired_replicas == 3
     await replay_and_record(site, PUT_BACK_FINISHED)
+
+
+#: A Site entity's run whose put-back of a person's terminated evacuation stops at scaling back one
+#: of the two Deployments it added replicas to at d, for good: the other is not scaled again, and after
+#: ``PUT_BACK_TRIES`` tries it is left to a person (``site-finishes-unfinished-put-backs``).
+PUT_BACK_GIVEN_UP = "site_leaves_an_unfinishable_put_back_to_a_person"
+
+
+async def test_a_put_back_refused_for_good_at_one_deployment_elsewhere_is_left_to_a_person(
+        inc: IncStack, monkeypatch) -> None:
+    """Review: the put-back's last step scales back each Deployment the evacuation added replicas to,
+    and a retry resumed that step from its first Deployment. With two (llm and llm2 at d) and llm2's
+    refused for good (a 403), every safety look set llm at d back to its count before the incident,
+    undoing the scaling a person (or the demand loop) did since, then failed at llm2 again: for ever,
+    activities at every look and nothing telling anyone. A retry skips the Deployments done; after
+    ``PUT_BACK_TRIES`` tries the put-back is left to a person: the site's status names the
+    evacuation, the Deployment that keeps refusing and the runbook, and it is not tried again."""
+    from fleet.errors import ClusterForbidden
+    from sim.cluster import SimCluster
+
+    d, other = inc.site("d"), f"{MODEL}2"
+    evacuation_id, _names = await _persons_evacuation_terminated(inc, (MODEL, other))
+    assert inc.cluster.serving_status(other, d).desired_replicas == 1
+    refused = {"tries": 0}
+    real_scale = SimCluster.scale_serving
+
+    def scale(self, model: str, site: str, replicas: int):
+        if (model, site) == (other, d):
+            refused["tries"] += 1
+            raise ClusterForbidden(f"PATCH deployments/{model}-{site}/scale: 403 Forbidden", code="403")
+        return real_scale(self, model, site, replicas)
+
+    monkeypatch.setattr(SimCluster, "scale_serving", scale)
+    site = await inc.start_site("a", reconcile_seconds=1)
+
+    async def tried(times: int):
+        return refused["tries"] >= times or None
+
+    await poll(lambda: tried(1), timeout=60)
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "llm at d scaled back at the first try"
+    inc.cluster.scale_serving(MODEL, d, 2)  # a person (or the demand loop) scales llm at d since
+    await poll(lambda: tried(3), timeout=60)
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 2, "the person's scaling stands"
+
+    async def given_up():
+        status = await site.query("status", result_type=SiteStatus)
+        return status.incident is not None and status.incident.put_back_given_up.get(evacuation_id) or None
+
+    from fleet.messages.evacuation import PUT_BACK_TRIES
+
+    note = await poll(given_up, timeout=60)
+    assert f"scale-elsewhere {other}@{d}" in note and "403" in note and "docs/operations.md" in note, note
+    assert refused["tries"] == PUT_BACK_TRIES
+    looks = len(await _activity_calls(site, "closed_evacuations"))
+
+    async def three_more_looks():
+        return len(await _activity_calls(site, "closed_evacuations")) >= looks + 3 or None
+
+    await poll(three_more_looks, timeout=60)
+    assert refused["tries"] == PUT_BACK_TRIES, "not tried again"
+    last_look = (await _activity_calls(site, "closed_evacuations"))[-1][1]
+    assert (last_look["put_back"], last_look["unfinished"]) == ([evacuation_id], []), last_look
+    scaled = [call for _, call in await _activity_calls(site, "scale_serving") if call["site"] == d]
+    assert [call["model"] for call in scaled] == [MODEL, *[other] * PUT_BACK_TRIES], "llm at d scaled once"
+    assert inc.cluster.serving_status(MODEL, d).desired_replicas == 2
+    await replay_and_record(site, PUT_BACK_GIVEN_UP)
+
+
+async def test_an_unfinished_put_back_pushed_out_of_the_carried_ones_is_left_to_a_person_not_dropped(
+        inc: IncStack, monkeypatch) -> None:
+    """Review: the Site entity carries at most ``PUT_BACK_UNFINISHED_KEPT`` unfinished put-backs, and
+    trimmed the oldest past them without a word: its last steps leave nothing to find it by, so it was
+    never tried again and nobody knew. The one pushed out is left to a person, said in the status."""
+    from fleet.errors import ClusterForbidden
+    from fleet.messages.evacuation import PUT_BACK_UNFINISHED_KEPT
+    from sim.cluster import SimCluster
+
+    a, d = inc.site("a"), inc.site("d")
+    evacuation_id, _names = await _persons_evacuation_terminated(inc)
+    real_scale = SimCluster.scale_serving
+
+    def scale(self, model: str, site: str, replicas: int):
+        if site == d:
+            raise ClusterForbidden(f"PATCH deployments/{model}-{site}/scale: 403 Forbidden", code="403")
+        return real_scale(self, model, site, replicas)
+
+    monkeypatch.setattr(SimCluster, "scale_serving", scale)
+    # Carried by the run before: as many unfinished as are kept, the oldest first (ids sorted after
+    # the terminated one's: the look's first ten hold it).
+    carried = {f"evacuate/{a}/manual-x{i}": {"step": "scale-elsewhere", "tries": 1}
+               for i in range(PUT_BACK_UNFINISHED_KEPT)}
+    site = await inc.start_site("a", reconcile_seconds=1,
+                                state={"status": {"site": a}, "incident": {"put_back_unfinished": carried}})
+
+    async def given_up():
+        status = await site.query("status", result_type=SiteStatus)
+        return status.incident is not None and status.incident.put_back_given_up or None
+
+    given = await poll(given_up, timeout=60)
+    assert list(given) == [f"evacuate/{a}/manual-x0"], given
+    assert f"more than {PUT_BACK_UNFINISHED_KEPT} put-backs unfinished" in given[f"evacuate/{a}/manual-x0"]
+    assert evacuation_id not in given
 
 
 async def test_no_put_back_while_another_evacuation_of_the_site_runs(inc: IncStack) -> None:

@@ -356,6 +356,9 @@ EXPECTED = {
     # tried again at the next safety looks until done (``site-finishes-unfinished-put-backs``,
     # tests/test_evacuation.py). ``_before``: the same run on the code before, which never tried again.
     "site_finishes_an_unfinished_put_back", "site_finishes_an_unfinished_put_back_before",
+    # ... and one refused for good at one of the Deployments elsewhere skips the one done and is left
+    # to a person after its tries (the same patch).
+    "site_leaves_an_unfinishable_put_back_to_a_person",
     # The Schedule's SiteSweep pass starts a Node entity that was terminated again
     # (``sweep-starts-node-entities``, tests/test_site_events.py). ``_before``: the same pass on the
     # code before, which started none (replayed without the patch, it fails: an activity where the

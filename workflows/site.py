@@ -160,7 +160,9 @@ with workflow.unsafe.imports_passed_through():
         IncidentView,
         PUT_BACK_KEPT,
         PUT_BACK_STEPS,
+        PUT_BACK_TRIES,
         PUT_BACK_UNFINISHED_KEPT,
+        PutBackProgress,
         PutBackStep,
         RepairDecision,
         ScaleInput,
@@ -262,14 +264,19 @@ REMOVED_PATCH = "site-ends-once-removed-from-config"
 #: elsewhere since taken away), undoing what people had changed since.
 PUT_BACK_RECORDED_PATCH = "site-records-put-backs-with-the-claim"
 #: Workflow patch: a put-back of a closed evacuation that did not finish (a step refused, or out of
-#: its tries) is remembered with the step it stopped at (``IncidentCarry.put_back_unfinished``) and
-#: tried again from that step at each safety look until done (``closed_evacuations`` is handed it): the
-#: steps done are not redone, which undid people's scaling and weight of the site every look. Asked
-#: where a put-back fails. Before, one that stopped after the site's routing was restored (scaling
-#: back the replicas it added elsewhere) was never found again, neither cordon nor routing entry
-#: naming it: those replicas stayed for good, their GPUs used for no one, their nodes never idle for
-#: the demand loop to give back.
+#: its tries) is remembered with the step it stopped at and the targets of it done
+#: (``IncidentCarry.put_back_unfinished``) and tried again from there at each safety look until done
+#: (``closed_evacuations`` is handed it): the steps and Deployments done are not redone, which undid
+#: people's and the demand loop's scaling and the site's weight every look. ``PUT_BACK_TRIES`` tries
+#: at most, then it is left to a person (``IncidentCarry.put_back_given_up``: logged at error, shown
+#: in the status), as is one pushed out of the ``PUT_BACK_UNFINISHED_KEPT`` carried. Asked where a
+#: put-back fails. Before, one that stopped after the site's routing was restored (scaling back the
+#: replicas it added elsewhere) was never found again, neither cordon nor routing entry naming it:
+#: those replicas stayed for good, their GPUs used for no one, their nodes never idle for the demand
+#: loop to give back.
 PUT_BACK_FINISHED_PATCH = "site-finishes-unfinished-put-backs"
+#: Put-backs left to a person the entity's details show (the newest): the ``status`` query has them all.
+PUT_BACK_SHOWN = 3
 #: Looks (``site_configured``) that must find the site unnamed, nothing left there, in a row, and
 #: span ``SiteInput.removed_seconds``, before the entity ends: one answer is not enough.
 REMOVED_LOOKS = 3
@@ -433,6 +440,7 @@ class SiteEntity(Entity[SiteState]):
         return state.status.model_copy(update={"incident": IncidentView(
             open=inc.open, failing=v.failing if v else [], threshold=v.threshold if v else 0,
             site_nodes=state.node_count, api_failing_since=inc.api_failing_since, history=inc.history,
+            put_back_given_up=inc.put_back_given_up,
             control_plane_returned_at=inc.returned_at,
             grace_until=(inc.returned_at + self._incident_settings.control_plane.return_grace_seconds
                          if inc.returned_at is not None else None),
@@ -868,13 +876,16 @@ class SiteEntity(Entity[SiteState]):
         site's routing entry), or what this entity's put-back of one did not finish: put back. One of a
         person's, or of an incident an entity reset forgot; the entity's own incidents are put back as
         they close. Each once (``IncidentCarry.put_back``), none while an evacuation of the site runs.
-        Bounded tries: the next safety look tries again (``IncidentCarry.put_back_unfinished``)."""
+        Bounded tries: the next safety look tries again (``IncidentCarry.put_back_unfinished``), until
+        one is left to a person (``IncidentCarry.put_back_given_up``), never tried again."""
         site = self._site.name
         inc = self.state.incident
+        # Left out: those put back, and those left to a person (never tried again).
+        ask = ClosedEvacuationsInput(site=site, put_back=[*inc.put_back, *inc.put_back_given_up],
+                                     unfinished=list(inc.put_back_unfinished))
         try:
             closed: list[str] = await workflow.execute_activity(
-                act.closed_evacuations, ClosedEvacuationsInput(site=site, put_back=inc.put_back,
-                                                               unfinished=list(inc.put_back_unfinished)),
+                act.closed_evacuations, ask,
                 start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
                 summary=f"evacuations of {site} no longer running that left something",
             )
@@ -894,20 +905,34 @@ class SiteEntity(Entity[SiteState]):
         the incident, the replicas it added elsewhere gone. Nodes it bought are their sites' (their
         max retires them). What the incident's outcome adds ("" when nothing was left).
 
-        An earlier try that stopped at a step (``IncidentCarry.put_back_unfinished``) is resumed at
-        that step: the steps it did are not done again, for people may have changed the site's scale
-        or weight since (``PUT_BACK_STEPS``)."""
+        An earlier try that stopped (``IncidentCarry.put_back_unfinished``) is resumed where it
+        stopped: the steps it did, and the Deployments of the step it stopped at that it scaled, are not
+        done again, for people or the demand loop may have changed them since (``PUT_BACK_STEPS``)."""
         site = self._site.name
-        resume: PutBackStep = self.state.incident.put_back_unfinished.get(evacuation_id, PUT_BACK_STEPS[0])
-        reached = resume
+        earlier = self.state.incident.put_back_unfinished.get(evacuation_id)
+        resume = earlier.step if earlier is not None else PUT_BACK_STEPS[0]
+        progress = earlier.model_copy(deep=True) if earlier is not None else PutBackProgress()
+        under_way = "reading what it left"  # for the note where it stops: the step, and its target
 
         def due(step: PutBackStep) -> bool:
             """Whether ``step`` is still to do (not done by an earlier try); if so, it is the one under way."""
-            nonlocal reached
-            if PUT_BACK_STEPS.index(step) < PUT_BACK_STEPS.index(resume):
+            nonlocal under_way
+            if PUT_BACK_STEPS.index(step) < PUT_BACK_STEPS.index(progress.step):
                 return False
-            reached = step
+            if step != progress.step:
+                progress.step, progress.done = step, []
+            under_way = step
             return True
+
+        async def scale_back(model: str, at: str, replicas: int) -> None:
+            """One Deployment of the step under way, unless an earlier try of the step scaled it."""
+            nonlocal under_way
+            target = f"{model}@{at}"
+            if target in progress.done:
+                return
+            under_way = f"{progress.step} {target}"
+            await self._scale(model, at, replicas, retry)
+            progress.done.append(target)
 
         released: list[str] = []
         late: list[str] = []
@@ -922,7 +947,7 @@ class SiteEntity(Entity[SiteState]):
                 if not left.running:
                     await self._put_back_once(evacuation_id)  # nothing to put back: not asked again
                 return ""
-            if resume == PUT_BACK_STEPS[0]:
+            if earlier is None:
                 workflow.logger.warning("site %s: %s closed without putting back what it changed: putting it back",
                                         site, evacuation_id)
             else:
@@ -936,7 +961,7 @@ class SiteEntity(Entity[SiteState]):
                 )
             if due("scale-here"):
                 for model, replicas in sorted(left.here.items()):
-                    await self._scale(model, site, replicas, retry)
+                    await scale_back(model, site, replicas)
             if due("wait-here"):
                 deadline = workflow.now() + timedelta(seconds=min(self._incident_settings.ready_seconds,
                                                                   PUT_BACK_READY_SECONDS))
@@ -965,23 +990,21 @@ class SiteEntity(Entity[SiteState]):
                 )
             if due("scale-elsewhere"):
                 for model, where in sorted(left.elsewhere.items()):
-                    for target, replicas in sorted(where.items()):
-                        await self._scale(model, target, replicas, retry)
+                    for at, replicas in sorted(where.items()):
+                        await scale_back(model, at, replicas)
         except ActivityError as error:
             workflow.logger.error("site %s: what %s left not all put back (%s): see the runbook", site,
                                   evacuation_id, failure_message(error))
             if workflow.patched(PUT_BACK_FINISHED_PATCH):
-                inc = self.state.incident
-                unfinished = {i: step for i, step in inc.put_back_unfinished.items() if i != evacuation_id}
-                unfinished[evacuation_id] = reached  # newest last
-                inc.put_back_unfinished = dict(list(unfinished.items())[-PUT_BACK_UNFINISHED_KEPT:])
-                return (f"; what it left not all put back ({failure_message(error)}): tried again from its {reached} "
-                        "step at the next safety look; see GpufleetIncidentOpen in docs/operations.md")
+                progress.tries += 1
+                # Cut: carried in the state (up to PUT_BACK_KEPT of them) and shown in the status.
+                progress.failing = f"{under_way}: {failure_message(error)}"[:500]
+                return self._put_back_stopped(evacuation_id, progress)
             return (f"; what it left not all put back ({failure_message(error)}): see GpufleetIncidentOpen in "
                     "docs/operations.md")
         await self._put_back_once(evacuation_id)
         elsewhere = sum(len(w) for w in left.elsewhere.values())
-        if resume == PUT_BACK_STEPS[0]:
+        if earlier is None:
             note = (f"; put back what it left: {len(released)} nodes uncordoned, {len(left.here)} models' replicas "
                     f"and routing at {site}, {elsewhere} scaled back elsewhere")
         else:
@@ -990,6 +1013,40 @@ class SiteEntity(Entity[SiteState]):
         if late:
             note += f"; not ready again by {deadline:%H:%M:%S} UTC: {', '.join(late)}"
         workflow.logger.warning("site %s: %s%s", site, evacuation_id, note)
+        return note
+
+    def _put_back_stopped(self, evacuation_id: str, progress: PutBackProgress) -> str:
+        """Remember how far the put-back of ``evacuation_id`` got, for the next safety look to go on
+        from, or leave it to a person once out of tries (``PUT_BACK_TRIES``); as is the oldest
+        unfinished one past ``PUT_BACK_UNFINISHED_KEPT``: never dropped unsaid. What the incident's
+        outcome adds."""
+        inc = self.state.incident
+        unfinished = {i: p for i, p in inc.put_back_unfinished.items() if i != evacuation_id}
+        if progress.tries >= PUT_BACK_TRIES:
+            inc.put_back_unfinished = unfinished
+            return f"; {self._give_up_put_back(evacuation_id, progress)}"
+        unfinished[evacuation_id] = progress  # newest last
+        while len(unfinished) > PUT_BACK_UNFINISHED_KEPT:
+            oldest = next(iter(unfinished))
+            self._give_up_put_back(oldest, unfinished.pop(oldest),
+                                   why=f"more than {PUT_BACK_UNFINISHED_KEPT} put-backs unfinished at once")
+        inc.put_back_unfinished = unfinished
+        return (f"; what it left not all put back ({progress.failing}): tried again from there at the next safety "
+                f"look (try {progress.tries} of {PUT_BACK_TRIES}); see GpufleetIncidentOpen in docs/operations.md")
+
+    def _give_up_put_back(self, evacuation_id: str, progress: PutBackProgress, why: str = "") -> str:
+        """Leave the put-back of ``evacuation_id`` to a person: logged at error, kept in the status
+        (``IncidentCarry.put_back_given_up``) and in the details, never tried again by this run. What
+        a person is told, after the evacuation's id."""
+        inc = self.state.incident
+        done = f"the steps before {progress.step}" + "".join(f", {t}" for t in progress.done)
+        note = (f"what it left not all put back, left to a person ({why or f'{progress.tries} tries'}): "
+                f"{progress.failing}; done: {done}; see \"Put-backs left to a person\" under GpufleetIncidentOpen "
+                "in docs/operations.md")
+        workflow.logger.error("site %s: %s %s", self._site.name, evacuation_id, note)
+        given_up = {i: n for i, n in inc.put_back_given_up.items() if i != evacuation_id}
+        given_up[evacuation_id] = note  # newest last
+        inc.put_back_given_up = dict(list(given_up.items())[-PUT_BACK_KEPT:])
         return note
 
     async def _put_back_once(self, evacuation_id: str) -> None:
@@ -1159,6 +1216,9 @@ class SiteEntity(Entity[SiteState]):
             lines.append(self._passes.failing)  # until a reconcile works, whatever else is shown
         if self._unnamed and self._unnamed != line:
             lines.append(self._unnamed)
+        # Left to a person: shown whatever else is (the status query lists them all).
+        given_up = list(self.state.incident.put_back_given_up.items())[-PUT_BACK_SHOWN:]
+        lines += [f"- put-back of {evacuation_id}: {note}" for evacuation_id, note in given_up]
         show_details(line, *lines)
 
     # -- the site taken out of the fleet config (``REMOVED_PATCH``) -----------------------------

@@ -40,9 +40,13 @@ class SiteRef(BaseModel):
 #: the entity's runs (``EvacuationActivities.evacuation_put_back``). Each is put back once, however
 #: long a repair keeps a node cordoned with its mark.
 PUT_BACK_KEPT = 50
-#: How many unfinished put-backs a Site entity carries (``IncidentCarry.put_back_unfinished``), newest
-#: kept: as many as ``closed_evacuations`` looks at.
+#: How many unfinished put-backs a Site entity carries (``IncidentCarry.put_back_unfinished``): as
+#: many as ``closed_evacuations`` looks at. One more, the oldest is left to a person, said as such.
 PUT_BACK_UNFINISHED_KEPT = 10
+#: Tries of one put-back that stop (as its incident closes, at safety looks) before the Site entity
+#: leaves it to a person (``IncidentCarry.put_back_given_up``): one a step refuses for good (a 403 on
+#: a Deployment) cost activities at every look, for ever, and told no one.
+PUT_BACK_TRIES = 5
 #: The steps of a Site entity's put-back of a closed evacuation, in order: its cordons lifted, the
 #: site's Deployments scaled back, waited for, the site's routing weight as before its incident, the
 #: routing event telling the models' Routing entities, the replicas it added elsewhere scaled back.
@@ -50,9 +54,25 @@ PutBackStep = Literal["uncordon", "scale-here", "wait-here", "weight", "routing-
 PUT_BACK_STEPS: tuple[PutBackStep, ...] = get_args(PutBackStep)
 
 
+class PutBackProgress(BaseModel):
+    """How far a Site entity's put-back of a closed evacuation got before it stopped."""
+
+    #: The step it stopped at: the steps before it are done.
+    step: PutBackStep = PUT_BACK_STEPS[0]
+    #: The targets of ``step`` done already (``<model>@<site>``: the scale steps set one Deployment
+    #: each): a try that resumes the step skips them. Each is set to an absolute count: set again, the
+    #: scaling a person or the demand loop did at one since was undone at every look.
+    done: list[str] = Field(default_factory=list)
+    #: Tries that stopped (``PUT_BACK_TRIES`` at most), and what stopped the last:
+    #: ``<step> <target>: <error>``.
+    tries: int = 0
+    failing: str = ""
+
+
 class ClosedEvacuationsInput(BaseModel):
     """``closed_evacuations``: the site, and the evacuations its Site entity has put back already
-    (``IncidentCarry.put_back``), which it leaves out."""
+    (``IncidentCarry.put_back``) or left to a person (``IncidentCarry.put_back_given_up``), which it
+    leaves out."""
 
     site: str
     put_back: list[str] = Field(default_factory=list, max_length=100)
@@ -96,13 +116,17 @@ class IncidentCarry(BaseModel):
     #: and the replicas elsewhere went back to before its incident, undoing what people changed since.
     put_back: list[str] = Field(default_factory=list)
     #: Evacuations whose put-back the entity began and did not finish (a step refused or out of its
-    #: tries), each with the step it stopped at, newest last and bounded (``PUT_BACK_UNFINISHED_KEPT``):
-    #: tried again at each safety look from that step on until done. Its last steps leave nothing for
-    #: ``closed_evacuations`` to find by (the cordons are lifted, the routing entry restored): one that
-    #: stopped at scaling back the replicas it added elsewhere left them there for good, their GPUs used
-    #: for no one. The steps done are not redone: each look scaled the site and set its weight back to
-    #: before the incident again, undoing what people had changed since.
-    put_back_unfinished: dict[str, PutBackStep] = Field(default_factory=dict)
+    #: tries), each with how far it got, newest last and bounded (``PUT_BACK_UNFINISHED_KEPT``): tried
+    #: again at each safety look from there on, ``PUT_BACK_TRIES`` times at most. Its last steps leave
+    #: nothing for ``closed_evacuations`` to find by (the cordons are lifted, the routing entry
+    #: restored): one that stopped at scaling back the replicas it added elsewhere left them there for
+    #: good, their GPUs used for no one. The steps and targets done are not redone: each look scaled the
+    #: site and set its weight back to before the incident again, undoing what people had changed since.
+    put_back_unfinished: dict[str, PutBackProgress] = Field(default_factory=dict)
+    #: Put-backs the entity stopped trying (out of tries, or pushed out of ``put_back_unfinished``),
+    #: left to a person: evacuation id → what is left and where to look (the ``status`` query and the
+    #: entity's details show it), newest last, ``PUT_BACK_KEPT`` kept. Never tried again by this run.
+    put_back_given_up: dict[str, str] = Field(default_factory=dict)
 
 
 class IncidentView(BaseModel):
@@ -118,6 +142,9 @@ class IncidentView(BaseModel):
     site_nodes: int = 0
     api_failing_since: float | None = None
     history: list[IncidentRecord] = Field(default_factory=list)
+    #: Put-backs of closed evacuations the entity gave up on, left to a person
+    #: (``IncidentCarry.put_back_given_up``): evacuation id → what failed and the runbook.
+    put_back_given_up: dict[str, str] = Field(default_factory=dict)
 
 
 class ProbeNode(BaseModel):
