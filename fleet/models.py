@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from datetime import datetime, timezone
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationInfo
-from pydantic_core import PydanticKnownError
+from pydantic_core import PydanticCustomError, PydanticKnownError
 
 # Bounds for what workflows take from outside (inputs, signals, updates): every number
 # has a range, every float is finite, every string a length.
@@ -100,9 +100,38 @@ def fields_of(model: type[BaseModel]) -> Any:
     as given, so what is merged, carried over continue-as-new and recorded is as before."""
     def check(value: dict[str, Any]) -> dict[str, Any]:
         model.model_validate(value)  # its errors name their fields under this one
+        carried = carried_by_caller(model, value)
+        if carried is not None:  # the child would refuse it at its start, after this workflow did its part
+            raise PydanticCustomError("carried_by_caller", f"{carried}: {CARRIED_BY_CALLER}")
         return value
 
     return Annotated[dict[str, Any], AfterValidator(check)]
+
+
+class _CarriedMark:
+    def __repr__(self) -> str:
+        return "CARRIED"
+
+
+_CARRIED = _CarriedMark()
+_T = TypeVar("_T")
+#: A workflow input's field that the workflow itself sets, in the input of the run it continues
+#: as new with (``carry: Carried[CapacityCarry | None] = None``): never a caller's. The input guard
+#: (workers/input_guard.py) refuses one a run that is no continuation got, before the workflow reads it.
+Carried = Annotated[_T, _CARRIED]
+
+
+CARRIED_BY_CALLER = "set by the workflow itself when it continues as new; never by a caller"
+
+
+def carried_by_caller(model: type[BaseModel], value: dict[str, Any]) -> str | None:
+    """The first of ``model``'s ``Carried`` fields that ``value`` (a caller's, not a continued
+    run's) sets to other than its default; else None."""
+    if not model.__pydantic_complete__:
+        model.model_rebuild()  # a field naming a model defined below it is read once that is resolved
+    return next((name for name, field in model.model_fields.items()
+                 if _CARRIED in field.metadata and name in value
+                 and value[name] != field.get_default(call_default_factory=True)), None)
 
 
 def listing(names: set[str] | list[str], limit: int = 12) -> str:

@@ -6,13 +6,23 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from datetime import timedelta
+from typing import Any, AsyncIterator, NoReturn
 
 from temporalio import activity
 from temporalio.client import Client, WorkflowHandle, WorkflowHistory
 from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor
+from temporalio.api.enums.v1 import EventType
+from temporalio.worker import (
+    ActivityInboundInterceptor,
+    ContinueAsNewInput,
+    ExecuteActivityInput,
+    Interceptor,
+    WorkflowInboundInterceptor,
+    WorkflowInterceptorClassInput,
+    WorkflowOutboundInterceptor,
+)
 
 from cli.dev import dev_server_tuning_flags, temporal_binary
 from fleet import search_attributes
@@ -74,3 +84,33 @@ class Hold(Interceptor):
                 return await super().execute_activity(input)
 
         return Inbound(next)
+
+
+class FirstTaskHeldBack(Interceptor):
+    """Each run continued as new starts its first workflow task ``seconds`` later (the server's
+    backoff, as a cron run's): long enough for a test's update to reach that first task, which a
+    worker otherwise takes the moment the run before continues."""
+
+    def __init__(self, seconds: float = 3.0) -> None:
+        self.seconds = seconds
+
+    def workflow_interceptor_class(self, input: WorkflowInterceptorClassInput) -> type[WorkflowInboundInterceptor]:
+        delay = timedelta(seconds=self.seconds)
+
+        class Outbound(WorkflowOutboundInterceptor):
+            def continue_as_new(self, input: ContinueAsNewInput) -> NoReturn:
+                input.backoff_start_interval = delay
+                super().continue_as_new(input)
+
+        class Inbound(WorkflowInboundInterceptor):
+            def init(self, outbound: WorkflowOutboundInterceptor) -> None:
+                super().init(Outbound(outbound))
+
+        return Inbound
+
+
+async def update_in_first_task(handle: WorkflowHandle) -> bool:
+    """Whether the run's first update was accepted by its first workflow task."""
+    kinds = [e.event_type for e in (await handle.fetch_history()).events]
+    accepted = kinds.index(EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED)
+    return kinds[:accepted].count(EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED) == 1

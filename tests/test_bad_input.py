@@ -22,6 +22,7 @@ from temporalio.exceptions import ApplicationError
 
 from cli.dev import temporal_binary
 from fleet.cluster import ServingSpec
+from fleet.messages.join import TOKEN_CHECKS
 from tests.bad_input_helpers import (
     idle_workflows,
     invalid_input,
@@ -32,8 +33,11 @@ from tests.bad_input_helpers import (
     wait_for_async,
 )
 from tests.capacity_fleet import details
-from tests.conftest import Stack
+from activities.env import FleetEnv
+from tests.conftest import Stack, terminate_running
+from workers.control_plane import build_worker
 from tests.replay import replay_and_record
+from workflows import ALL_WORKFLOWS
 
 
 @pytest.fixture
@@ -99,20 +103,57 @@ async def test_a_join_token_that_expires_before_registration_fails_before_provis
         await replay_and_record(handle, history)
 
 
-async def test_a_continued_request_and_its_joins_go_on_with_timeouts_its_start_took(stack: Stack) -> None:
-    """A request checks its join timeouts once, at its start: a continued run (its carry) whose
-    timeouts outlast the longest token goes on with them and its joins (each a new run) join. Checked in every run, its next run failed InvalidInput, losing what it had
-    carried (the fill or the purchase behind it failed with it), and every join it started was refused."""
-    from datetime import datetime, timedelta, timezone
-
-    deadline = (datetime.now(timezone.utc) + timedelta(minutes=10)).isoformat()
-    handle = await start_raw(stack, "AcquireCapacity", json.dumps({
+#: A start as a continued run's input looks (copied from the UI, or written by hand): each
+#: workflow type with state carried over continue-as-new, the field, and a start setting it.
+CARRIED_BY_A_CALLER = [
+    # A naive deadline failed every workflow task (compared with ``workflow.now()``), and the
+    # join timeouts past the longest token (a fresh start refuses them) went unchecked.
+    ("AcquireCapacity", "carry", {
         "constraints": {"sites": ["site-a"]}, "count": 1,
         "join_timeouts": {"provision_seconds": 1800, "registration_seconds": 1801},
-        "carry": {"deadline": deadline, "backoff_seconds": 300}}))
-    result = await asyncio.wait_for(handle.result(), 120)
-    assert result["complete"] and len(result["nodes"]) == 1, result
-    assert await task_failures(handle) == 0
+        "carry": {"deadline": "2027-01-01T00:00:00", "backoff_seconds": 300}}),
+    # The machines in ``acquired`` were retired at the evacuation's end, whatever they were.
+    ("SiteEvacuation", "carry", {"site": "site-a", "carry": {
+        "phase": "recovering", "progress": {"site": "site-a"}, "facts": {"site": {"name": "site-a"}, "settings": {}},
+        "settings": {}, "acquired": [{"node_name": "site-b-victim", "machine_id": "m-victim", "site": "site-b",
+                                     "provider": "lambda", "gpus": 8}]}}),
+    ("Node", "carry", {"node_name": "site-a-0badc0de", "carry": {"state": "needs-person", "needs_person": {"0": "?"}}}),
+    ("Demand", "carry", {"carry": {"seq": 41}}),
+    ("ProviderAccount", "status", {"account": "acct-a", "provider": "lambda", "status": {
+        "account": "acct-a", "provider": "lambda", "state": "quota-blocked",
+        "blocked_offers": {"site-a/gpu_8x_h100": "2027-01-01T00:00:00+00:00"}}}),
+    ("Routing", "state", {"model": "chat", "state": {}}),
+    ("Site", "state", {"site": "site-a", "state": {"status": {"site": "site-a", "nodes": {"site-a-gone": "ready"}}}}),
+    ("Site", "fills", {"site": "site-a", "fills": 41}),
+    ("ModelRollout", "carry", {
+        "model": "chat", "version": "v2", "image": "img:2", "sites": [{"site": "site-a", "replicas": 1}],
+        "weights": {"source": {"store": "models"}, "files": [{"path": "a.bin", "size": 1, "sha256": "0" * 64}]},
+        "carry": {"progress": {"rollout_id": "chat-v2", "model": "chat", "version": "v2"}, "stores": {}}}),
+]
+
+
+@pytest.mark.parametrize("workflow_type, field, start", CARRIED_BY_A_CALLER,
+                         ids=[f"{w}.{f}" for w, f, _ in CARRIED_BY_A_CALLER])
+async def test_state_carried_over_continue_as_new_is_refused_from_a_caller(
+        stack: Stack, workflow_type: str, field: str, start: dict) -> None:
+    """``temporal workflow start --type AcquireCapacity --input '{"count": 1, "carry": {...}}'``
+    (or a continued run's input copied from the UI and started again) was taken for a continued
+    run: every check of a fresh start was skipped, and the state was trusted as the workflow's own.
+    Now the start fails at once, naming the field, before anything is done."""
+    workflow = next(w for w in ALL_WORKFLOWS if w.__temporal_workflow_definition.name == workflow_type)
+    # A well-formed carry, as a continued run reads it (its start's checks not made again): only
+    # where it came from is wrong.
+    workflow.INPUT.model_validate(start, context={TOKEN_CHECKS: False})
+    victim = stack.world.add_foreign_machine("site-b", "victim")
+    text = json.dumps(start).replace("m-victim", victim)
+    handle = await start_raw(stack, workflow_type, text)
+    failure = await invalid_input(handle, f"invalid input: {field}: set by the workflow itself when it "
+                                          "continues as new; never by a caller")
+    assert failure.details == ({"fields": [field]},)
+    assert provider_calls(stack) == 0
+    assert [m["id"] for m in stack.world.machines(include_deleted=True)] == [victim], "nothing bought or deleted"
+    if workflow_type == "AcquireCapacity":
+        await replay_and_record(handle, "capacity_refused_a_callers_carry")
 
 
 #: Some of an AcquireCapacity request's fields that a workflow merges into the request it starts:
@@ -147,6 +188,23 @@ async def test_capacity_request_fields_to_pass_on_are_checked_at_the_start(
             continue
         await invalid_input(handle, ".".join(path) + ".constraints")
         assert await _ran(handle) == []
+
+
+@pytest.mark.parametrize("workflow_type, start, path", PASSED_ON, ids=[f"{w}.{'.'.join(p)}" for w, _, p in PASSED_ON])
+async def test_a_carry_to_pass_on_to_a_capacity_request_is_refused_at_the_start(
+        idle_fleet: Stack, workflow_type: str, start: dict, path: tuple[str, ...]) -> None:
+    """A carry among the fields merged into the AcquireCapacity a workflow starts made that
+    request a fresh start with a carry, which it refuses: the workflow found out only at its fill,
+    purchase or evacuation, after it had done its part (an evacuation's site already at weight 0).
+    Now its own start is refused, naming the field, with nothing run."""
+    if workflow_type == "SpotReclaim":
+        start = {**start, "terminate_at": time.time() + 3600}
+    fields = {"carry": {"deadline": "2027-01-01T00:00:00+00:00", "backoff_seconds": 300}}
+    for key in reversed(path):
+        fields = {key: fields}
+    handle = await start_raw(idle_fleet, workflow_type, json.dumps({**start, **fields}))
+    await invalid_input(handle, ".".join(path) + ": carry: set by the workflow itself when it continues as new")
+    assert await _ran(handle) == []
 
 
 async def _ran(handle: WorkflowHandle) -> list[str]:
@@ -211,26 +269,38 @@ async def test_an_entity_started_by_hand_for_what_the_fleet_lacks_is_refused_nam
         await replay_and_record(handle, history)
 
 
-async def test_an_entity_whose_account_or_model_left_the_config_runs_on_and_says_so(stack: Stack) -> None:
+async def test_an_entity_whose_account_or_model_left_the_config_runs_on_and_says_so(fleet_world: Stack) -> None:
     """A continued run (its state carried) of an account the config no longer has, or of a model
     no site serves any more, is not refused: it keeps what it holds (a blocked offer, overrides)
-    and its details say why nothing reaches it."""
-    blocked = {"site-x/big": "2026-12-01T00:00:00+00:00"}
-    account = await start_raw(stack, "ProviderAccount", json.dumps({
-        "account": "acct-gone", "provider": "lambda",
-        "status": {"account": "acct-gone", "provider": "lambda", "state": "quota-blocked", "blocked_offers": blocked},
-    }), workflow_id="account/lambda/acct-gone")
-    shown = await wait_for_async(lambda: details(account), lambda d: "not in the fleet config any more" in d)
-    assert "'acct-gone' is not in the fleet config (accounts: acct-a, acct-b)" in shown, shown
-    assert (await account.query("status"))["blocked_offers"] == blocked
-    routing = await start_raw(stack, "Routing", json.dumps({"model": "retired", "state": {}}),
-                              workflow_id="routing/retired")
-    await wait_for_async(lambda: details(routing), lambda d: "no site serves this model now: nothing to route" in d)
-    for handle in (account, routing):
-        assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING
-        assert await task_failures(handle) == 0
-    await replay_and_record(account, "account_not_in_config_any_more")
-    await replay_and_record(routing, "routing_model_served_nowhere_any_more")
+    and its details say why nothing reaches it. Each run continues as new for real (``renew``,
+    after a deploy whose config dropped the account and once its model's last Deployment went)."""
+    client, settings = fleet_world.client, fleet_world.settings
+    env = FleetEnv.from_settings(settings)
+    fleet_world.cluster.apply_serving(ServingSpec(model="retired", site="site-a", image="img", replicas=0))
+    blocked = "site-b/gpu-h100.2gpu"
+    async with build_worker(client, settings, env):
+        account = await start_raw(fleet_world, "ProviderAccount", json.dumps({"account": "acct-b", "provider": "nebius"}),
+                                  workflow_id="account/nebius/acct-b")
+        routing = await start_raw(fleet_world, "Routing", json.dumps({"model": "retired"}), workflow_id="routing/retired")
+        await account.signal("report", {"account": "acct-b", "kind": "OverQuota", "offer": blocked,
+                                        "message": "quota"})
+        await wait_for_async(lambda: account.query("status"), lambda s: blocked in s["blocked_offers"])
+        await wait_for_async(lambda: details(routing), lambda d: "retired" in d)
+        env.config = env.config.model_copy(update={"accounts": env.config.accounts[:1], "sites": env.config.sites[:1]})
+        fleet_world.cluster.delete_serving("retired", "site-a")
+        first_runs = {account.first_execution_run_id, routing.first_execution_run_id}
+        for handle in (account, routing):
+            await handle.signal("renew")
+        account, routing = (client.get_workflow_handle(h.id) for h in (account, routing))
+        shown = await wait_for_async(lambda: details(account), lambda d: "not in the fleet config any more" in d)
+        assert "'acct-b' is not in the fleet config (accounts: acct-a)" in shown, shown
+        assert blocked in (await account.query("status"))["blocked_offers"]
+        await wait_for_async(lambda: details(routing), lambda d: "no site serves this model now: nothing to route" in d)
+        for handle in (account, routing):
+            described = await handle.describe()
+            assert described.status == WorkflowExecutionStatus.RUNNING and described.run_id not in first_runs
+            assert await task_failures(handle) == 0
+        await terminate_running(client, settings.task_queue)
 
 
 @pytest.mark.parametrize("payload", ['{"x": 1}', '{"account": "acct-a", "kind": "Broken", "message": "?"}',

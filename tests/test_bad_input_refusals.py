@@ -91,14 +91,15 @@ async def test_account_updates_refuse_bad_input_and_the_wrong_state_apart(idle_f
     assert rotated.type == "WrongState" and "not revoked" in rotated.message, rotated.message
     assert await task_failures(account) == 0
 
-    # Blocked: started as a run continued as new starts (its status carried), since a report's
-    # loop waits here behind the run's first activity (the account's check against the config).
-    account = await running(idle_fleet, "ProviderAccount", {
-        "account": "acct-a", "provider": "lambda",
-        "status": {"account": "acct-a", "provider": "lambda", "state": "quota-blocked",
-                   "blocked_offers": {"site-a/gpu_2x_h100": "2026-12-05T00:00:00+00:00"}},
-    }, workflow_id=f"account/lambda/acct-a-{uuid.uuid4().hex[:6]}")
-    # Blocked now: an offer that is not blocked here is the caller's mistake, named.
+
+async def test_quota_raised_at_a_blocked_account_names_the_offers_not_blocked(stack: Stack) -> None:
+    """Blocked by a report (its loop runs past the run's first activity, the account's check
+    against the config, so with the real worker): an offer that is not blocked here is the
+    caller's mistake, named."""
+    account = await running(stack, "ProviderAccount", {"account": "acct-a", "provider": "lambda"},
+                            workflow_id=f"account/lambda/acct-a-{uuid.uuid4().hex[:6]}")
+    await account.signal("report", {"account": "acct-a", "kind": "OverQuota", "offer": "site-a/gpu_2x_h100"})
+    await wait_for_async(lambda: account.query("status"), lambda s: "site-a/gpu_2x_h100" in s["blocked_offers"])
     unknown = await refused(account, "quota_raised", '{"offers": ["site-a/gpu_8x_h100"]}')
     names_first(unknown, "offers")
     assert "not blocked: site-a/gpu_8x_h100" in unknown.message and "site-a/gpu_2x_h100" in unknown.message

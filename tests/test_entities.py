@@ -16,8 +16,10 @@ from typing import Any, AsyncIterator
 import pytest
 import yaml
 from temporalio import activity
-from temporalio.client import Client, WithStartWorkflowOperation, WorkflowUpdateFailedError
-from temporalio.common import WorkflowIDConflictPolicy
+from temporalio.api.common.v1 import WorkflowExecution
+from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
+from temporalio.api.workflowservice.v1 import ResetWorkflowExecutionRequest
+from temporalio.client import Client, WorkflowUpdateFailedError
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import ActivityInboundInterceptor, ExecuteActivityInput, Interceptor, Worker
 
@@ -28,11 +30,18 @@ from fleet.messages.capacity import AccountStatus, SiteStatus
 from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
 from fleet.models import AccountState
 from fleet.settings import Settings
-from tests.can_server import history_length, runs, server_suggesting_continue_as_new
+from tests.can_server import (
+    FirstTaskHeldBack,
+    history_length,
+    runs,
+    server_suggesting_continue_as_new,
+    update_in_first_task,
+)
 from tests.capacity_fleet import capacity_fleet
 from tests.evacuation_helpers import incident_fleet, open_incident_stack
 from tests.repair_helpers import eventually, exists, join_node, node_status, repair_handle, running_stack
 from tests.replay import replay_and_record
+from workers.control_plane import worker_interceptors
 from workers.workflow_runner import workflow_runner
 from workflows import ALL_WORKFLOWS
 
@@ -192,37 +201,49 @@ async def test_an_update_in_a_continued_accounts_first_task_sees_its_carried_sta
     first task (a person's ``gpufleet accounts rotated`` at that moment) met the state
     ``__init__`` made (none) and was refused: "credentials are not revoked: nothing to rotate",
     of an account whose credentials were revoked. Now it waits for ``run`` to take its state
-    (``Entity.until_started``). The run is started here as a continue-as-new starts it (the
-    carried status in its input), with the update in its first task (update-with-start)."""
+    (``Entity.until_started``). The run continues as new for real (``renew``), its first task
+    held back a moment (``FirstTaskHeldBack``) for the update to reach it."""
     uid = uuid.uuid4().hex[:6]
     account = f"a-{uid}"
-    carried = AccountStatus(account=account, provider="lambda", state=AccountState.CREDENTIALS_REVOKED,
-                            since="2026-12-05T00:00:00+00:00", reason="BadCredentials: 401")
     client = temporal_env.client
-    env, settings, worker = _account_worker(client, tmp_path, uid)
+    env, settings, worker = _account_worker(client, tmp_path, uid, *worker_interceptors(), FirstTaskHeldBack())
     async with worker:
-        start = WithStartWorkflowOperation(
-            "ProviderAccount", {"account": account, "provider": "lambda", "status": carried.model_dump(mode="json")},
-            id=f"account/lambda/{account}", task_queue=settings.task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
-        rotated = await client.execute_update_with_start_workflow(
-            "credentials_rotated", start_workflow_operation=start, result_type=AccountStatus)
+        handle = await client.start_workflow("ProviderAccount", {"account": account, "provider": "lambda"},
+                                             id=f"account/lambda/{account}", task_queue=settings.task_queue)
+        await handle.signal("report", {"account": account, "kind": "BadCredentials", "message": "401"})
+        await eventually(lambda: _has(lambda: handle.query("status", result_type=AccountStatus),
+                                      lambda s: s.state == AccountState.CREDENTIALS_REVOKED))
+        await handle.signal("renew")
+        await eventually(lambda: _more_runs(client, handle.id, 1))
+        latest = client.get_workflow_handle(handle.id)
+        rotated = await latest.execute_update("credentials_rotated", result_type=AccountStatus)
         assert rotated.state == AccountState.HEALTHY, rotated
         assert env.accounts.get(account).state == AccountState.HEALTHY, "the guard store says so too"
-        handle = await start.workflow_handle()
-        await replay_and_record(handle, "account_rotated_in_its_first_task")
+        assert await update_in_first_task(latest), "the update reached a later task, not the run's first"
         # And one that has nothing to act on is still refused, naming the state: checked in the
         # handler once the run has its state (the validator could not).
-        again = WithStartWorkflowOperation(
-            "ProviderAccount", {"account": f"b-{uid}", "provider": "lambda",
-                                "status": {"account": f"b-{uid}", "provider": "lambda"}},
-            id=f"account/lambda/b-{uid}", task_queue=settings.task_queue,
-            id_conflict_policy=WorkflowIDConflictPolicy.FAIL)
+        await latest.signal("renew")
+        await eventually(lambda: _more_runs(client, handle.id, 2))
         with pytest.raises(WorkflowUpdateFailedError) as refused:
-            await client.execute_update_with_start_workflow("credentials_rotated", start_workflow_operation=again)
+            await latest.execute_update("credentials_rotated")
         assert "nothing to rotate" in str(refused.value.cause), refused.value.cause
-        await handle.terminate("test over")
-        await (await again.workflow_handle()).terminate("test over")
+        assert await update_in_first_task(latest), "the update reached a later task, not the run's first"
+        # A reset keeps the run's start event: a continued run reset to its first task is judged as
+        # a continued run by the input guard, its carried status taken, not refused.
+        continued = (await latest.describe()).run_id
+        await client.workflow_service.reset_workflow_execution(ResetWorkflowExecutionRequest(
+            namespace=client.namespace, workflow_execution=WorkflowExecution(workflow_id=handle.id, run_id=continued),
+            reason="test: reset to the first task", workflow_task_finish_event_id=4, request_id=uuid.uuid4().hex))
+        reset = client.get_workflow_handle(handle.id)
+        await eventually(lambda: _has(lambda: reset.query("status", result_type=AccountStatus),
+                                      lambda s: s.state == AccountState.HEALTHY and s.account == account))
+        assert (await reset.describe()).run_id != continued
+        events = (await reset.fetch_history()).events
+        assert events[0].workflow_execution_started_event_attributes.continued_execution_run_id, "a continued run's"
+        failed = [e.workflow_task_failed_event_attributes.cause for e in events
+                  if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
+        assert failed == [WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_RESET_WORKFLOW], failed
+        await reset.terminate("test over")
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from fleet.contracts import workflows as flows
 from fleet.messages.repair import GpuDecision, GpuRepairResult, NodeCarry, NodeEntityInput, NodeStatus
 from fleet.repair_policy import Rung
 from tests.conftest import Stack
-from tests.repair_helpers import cluster_refuses_to_read, eventually, exists, node_status, repair_handle
+from tests.repair_helpers import cluster_refuses_to_read, eventually, running_stack, exists, node_status, repair_handle
 from tests.replay import replay_and_record
 from tests.test_cli import gpufleet
 from tests.test_repair_cancel import _told_a_person, repair_waiting_for_boot, rstack  # noqa: F401
@@ -171,12 +171,29 @@ async def test_a_retry_the_cluster_cannot_read_the_node_for_is_refused_saying_so
     await replay_and_record(_node_entity(rstack, node), "node_entity_retried_after_the_cluster_refused")
 
 
-async def test_a_return_in_a_continued_runs_first_task_sees_the_carried_hold(rstack: Stack) -> None:
+@pytest.fixture
+async def unguarded_stack(temporal_env, tmp_path, monkeypatch):
+    """``rstack`` without the input guard, which refuses a carry in a run that did not continue as
+    new: a test starts a run as a continue-as-new starts it (a Node entity whose GPU was held for a
+    person did not continue as new on ``renew`` when tried, so a real one is not waited for here)."""
+    from workers import control_plane
+    from workers.input_guard import InputGuard
+
+    interceptors = control_plane.worker_interceptors
+    monkeypatch.setattr(control_plane, "worker_interceptors",
+                        lambda: [i for i in interceptors() if not isinstance(i, InputGuard)])
+    async for stack in running_stack(temporal_env.client, tmp_path):
+        yield stack
+
+
+async def test_a_return_in_a_continued_runs_first_task_sees_the_carried_hold(unguarded_stack: Stack) -> None:
     """A run continued as new gets what the entity knows in its input (``carry``); a person's
     ``gpufleet repair return`` that reaches its first task met the empty state ``__init__`` made
     and was refused: "GPU 0 is not held for a person (held for a person: none)". Now it waits
     for ``run`` to take its state (``Entity.until_started``). The run is started here as a
-    continue-as-new starts it, its carry in its input, with the update in its first task."""
+    continue-as-new starts it, its carry in its input, with the update in its first task (on a
+    worker without the input guard, which refuses that start from any caller but the run before)."""
+    rstack = unguarded_stack
     node = await _held_for_a_person(rstack)
     entity = _node_entity(rstack, node)
     await entity.terminate("test: stands for the run that continued as new")

@@ -98,6 +98,12 @@ EXPECTED = {
     # token, refuse the start (``join-patches-at-start-4``, ``capacity-checks-join-tokens``;
     # tests/test_bad_input.py).
     "join_refused_a_token_that_expires_first", "capacity_refused_join_timeouts_past_a_token",
+    # A start that sets state a run carries over continue-as-new is refused, naming the field
+    # (``input-guard-refuses-callers-carry``, workers/input_guard.py; tests/test_bad_input.py). Runs
+    # started so before it replay without its marker: ``account_not_in_config_any_more``,
+    # ``routing_model_served_nowhere_any_more``, ``account_rotated_in_its_first_task`` and
+    # ``node_entity_gpu_returned_in_its_first_task`` (each started as a continued run by a test).
+    "capacity_refused_a_callers_carry",
     # The Routing entity on its watch, no timer (issue 37: ``routing-events``).
     "routing_events_and_samples_on_watch",
     # Started with its first event (signal-with-start): the event kept since ``start_with``; the

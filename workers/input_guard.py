@@ -20,6 +20,15 @@ for JSON) and this inbound interceptor checks their shape before workflow code:
 Every argument also passes ``workflows.inputs.first_problem`` (finite numbers,
 bounded strings and nesting). Valid input passes through untouched: no command
 changes, so recorded histories replay as before.
+
+A start input's ``Carried`` fields (``carry``, an entity's ``state``: what a run hands the run
+it continues as new with, ``INPUT`` on the workflow class names the model) are refused in a run
+that did not continue as new (``workflow.info().continued_run_id`` is None): a caller's carry
+made the workflow take the start for a continued one and skip every check of a fresh start (a
+join-token lifetime, a count the site can hold, constraints that name nothing), and its state
+was trusted as the workflow's own (a naive deadline failed every workflow task; an evacuation's
+``acquired`` machines were retired at its end). A reset run keeps its first run's start event,
+so it is judged as that run was; a cron or retry run holds its first run's input.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from temporalio.worker import (
     WorkflowInterceptorClassInput,
 )
 
+from fleet.models import CARRIED_BY_CALLER, carried_by_caller
 from workers.start_input import undecodable_reason
 from workflows.inputs import first_problem, invalid_input, json_kind
 
@@ -113,6 +123,21 @@ def problem_with(what: str, fn: Callable, args: typing.Sequence[Any], objects: b
     return first_problem(list(args) if len(args) != 1 else args[0])
 
 
+#: Asked only where a run that did not continue as new got a ``Carried`` field, before the
+#: refusal: runs started so before it (recorded ones among them: a run's first task sent an update
+#: against a state it was started with) replay without its marker and go on as they did.
+CALLER_CARRY_PATCH = "input-guard-refuses-callers-carry"
+
+
+def _carried_by_caller(workflow_class: type, args: typing.Sequence[Any]) -> str | None:
+    """The first ``Carried`` field of the workflow's ``INPUT`` that its start input sets, in a run
+    that did not continue as new; else None."""
+    model = getattr(workflow_class, "INPUT", None)
+    if model is None or len(args) != 1 or not isinstance(args[0], dict) or workflow.info().continued_run_id:
+        return None
+    return carried_by_caller(model, args[0])
+
+
 def _handler(kind: str, name: str) -> Callable | None:
     """The handler's own function: the SDK hands out bound wrappers whose signature is ``*args``."""
     defn = _Definition.from_class(type(workflow.instance()))
@@ -128,6 +153,9 @@ class _GuardInbound(WorkflowInboundInterceptor):
             field, message = problem
             raise invalid_input(f"invalid input: {message}" if field == "(input)" else f"invalid input: {field}: {message}",
                                 [field])
+        carried = _carried_by_caller(input.type, input.args)
+        if carried is not None and workflow.patched(CALLER_CARRY_PATCH):
+            raise invalid_input(f"invalid input: {carried}: {CARRIED_BY_CALLER}", [carried])
         return await super().execute_workflow(input)
 
     async def handle_signal(self, input: HandleSignalInput) -> None:

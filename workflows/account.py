@@ -79,6 +79,9 @@ CONFIG_CHECKED_PATCH = "account-checked-against-config"
 
 @workflow.defn(name="ProviderAccount")
 class ProviderAccount(Entity[AccountStatus | None]):
+    #: ``run``'s input: the input guard refuses its ``Carried`` fields in a run that did not continue as new.
+    INPUT = ProviderAccountInput
+
     def __init__(self) -> None:
         # The state (``run`` sets it: a report sent with the start is queued here until then, and
         # an update before it waits for it: ``Entity.until_started``).

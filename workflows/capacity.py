@@ -116,6 +116,9 @@ def _names_what(req: CapacityRequest) -> bool:
 
 @workflow.defn(name="AcquireCapacity")
 class AcquireCapacity:
+    #: ``run``'s input: the input guard refuses its ``Carried`` fields in a run that did not continue as new.
+    INPUT = CapacityRequest
+
     def __init__(self) -> None:
         self._progress = CapacityProgress(step="starting")
         self._offers_changed = 0

@@ -134,6 +134,9 @@ STEPS = {
 
 @workflow.defn(name="Demand")
 class Demand(Entity[DemandCarry]):
+    #: ``run``'s input: the input guard refuses its ``Carried`` fields in a run that did not continue as new.
+    INPUT = DemandInput
+
     def __init__(self) -> None:
         super().__init__(DemandCarry())
         #: What the last look found (Pending pods, the plan's verdicts, retirements in flight):

@@ -155,6 +155,9 @@ class Aborted(Exception):
 
 @workflow.defn(name="SiteEvacuation")
 class SiteEvacuation:
+    #: ``run``'s input: the input guard refuses its ``Carried`` fields in a run that did not continue as new.
+    INPUT = SiteEvacuationInput
+
     def __init__(self) -> None:
         self._progress: EvacuationProgress | None = None
         #: Whether this run knows if it follows another evacuation begun first (its first

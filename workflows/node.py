@@ -345,6 +345,9 @@ def _condition_words(gpu: GpuHealth) -> list[str]:
 
 @workflow.defn(name="Node")
 class NodeEntity(Entity[NodeCarry]):
+    #: ``run``'s input: the input guard refuses its ``Carried`` fields in a run that did not continue as new.
+    INPUT = NodeEntityInput
+
     def __init__(self) -> None:
         #: The state: everything the entity knows, carried over continue-as-new (findings on hold included).
         super().__init__(NodeCarry())

@@ -110,6 +110,9 @@ EVACUATION_WAIT = timedelta(hours=1)
 
 @workflow.defn(name="ModelRollout")
 class ModelRollout:
+    #: ``run``'s input: the input guard refuses its ``Carried`` fields in a run that did not continue as new.
+    INPUT = RolloutRunInput
+
     def __init__(self) -> None:
         self._p: RolloutProgress | None = None
         self._req: RolloutRunInput | None = None

@@ -91,6 +91,9 @@ MODEL_CHECK_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_a
 
 @workflow.defn(name="Routing")
 class RoutingEntity(Entity[RoutingState]):
+    #: ``run``'s input: the input guard refuses its ``Carried`` fields in a run that did not continue as new.
+    INPUT = RoutingInput
+
     def __init__(self) -> None:
         super().__init__(RoutingState())
         self._watch: workflow.ActivityHandle[RoutingWatchResult] | None = None

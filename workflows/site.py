@@ -327,6 +327,9 @@ def _starting_state(args: SiteInput) -> SiteState:
 
 @workflow.defn(name="Site")
 class SiteEntity(Entity[SiteState]):
+    #: ``run``'s input: the input guard refuses its ``Carried`` fields in a run that did not continue as new.
+    INPUT = SiteInput
+
     def __init__(self) -> None:
         #: Everything the entity knows, carried over continue-as-new (``run`` takes the real one).
         super().__init__(SiteState(status=SiteStatus(site="")))

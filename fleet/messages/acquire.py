@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from fleet.models import DAY, Name, Strict, Text, UtcDatetime, fields_of
+from fleet.models import DAY, Carried, Name, Strict, Text, UtcDatetime, fields_of
 from fleet.placement import AccountView, Constraints
 from fleet.messages.join import JoinedNode, JoinTimeouts
 
@@ -90,7 +90,7 @@ class CapacityRequest(Strict):
     #: Ask the Site entity after each join (set by Site itself).
     reason: Text = ""
     #: Set by the workflow itself when it continues as new; never by a caller.
-    carry: CapacityCarry | None = None
+    carry: Carried[CapacityCarry | None] = None
 
 
 #: Some of a ``CapacityRequest``'s fields, merged into the requests a workflow starts

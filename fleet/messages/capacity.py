@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from fleet.config import Site
-from fleet.models import AccountState, DAY, EpochSeconds, MaybeName, Name, Offer, Strict, Text, UtcDatetime, fields_of
+from fleet.models import AccountState, Carried, DAY, EpochSeconds, MaybeName, Name, Offer, Strict, Text, UtcDatetime, fields_of
 from fleet.placement import AccountView, Constraints
 from fleet.messages.acquire import (  # noqa: F401 - moved to ``acquire``, still imported from here
     ATTEMPT_MESSAGE_CHARS, ATTEMPTS_KEPT, CapacityCarry, CapacityRequest, CapacityRequestFields, ExcludedOffer,
@@ -232,7 +232,8 @@ class AccountStatus(BaseModel):
 class ProviderAccountInput(Strict):
     account: Name
     provider: Name
-    status: AccountStatus | None = None
+    #: Set by the entity itself when it continues as new; never by a caller.
+    status: Carried[AccountStatus | None] = None
 
 
 class QuotaRaised(BaseModel):
@@ -248,10 +249,10 @@ class QuotaRaised(BaseModel):
 class SiteInput(Strict):
     site: Name
     #: Set by the entity itself when it continues as new; never by a caller.
-    state: SiteState | None = None
+    state: Carried[SiteState | None] = None
     #: What runs before ``state`` carried (read when a run of theirs continues as new).
-    nodes: dict[str, str] = Field(default_factory=dict)
-    fills: int = Field(0, ge=0, le=10**9)
+    nodes: Carried[dict[str, str]] = Field(default_factory=dict)
+    fills: Carried[int] = Field(0, ge=0, le=10**9)
     #: Seconds between reconciles without a signal: a safety net, since the site's watch and its
     #: nodes' transitions wake it for every change (each reconcile is billed Temporal actions).
     reconcile_seconds: float = Field(1800, gt=0, le=DAY)
@@ -264,7 +265,7 @@ class SiteInput(Strict):
     removed_seconds: float = Field(300, ge=0, le=DAY)
     #: Provider incidents: state carried by runs before ``state``, and fields merged into the
     #: SiteEvacuation input it starts (``settings``, ``capacity_request``; tests shorten them).
-    incident: IncidentCarry | None = None
+    incident: Carried[IncidentCarry | None] = None
     evacuation: fields_of(EvacuationFields) = Field(default_factory=dict)
 
 

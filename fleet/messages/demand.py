@@ -7,7 +7,7 @@ from pydantic import BaseModel, Field
 from fleet.consolidation import IdleNode
 from fleet.demand_planner import DemandPlan, ModelUsage, NodeRoom, PlannedMachine
 from fleet.messages.acquire import CapacityRequestFields
-from fleet.models import CapacityType, DAY, Offer, Strict
+from fleet.models import CapacityType, Carried, DAY, Offer, Strict
 from fleet.placement import AccountView
 
 
@@ -224,7 +224,7 @@ class DemandInput(Strict):
     #: How often the watch lists Pending pods (a real watch would be pushed; the list is cheap).
     poll_seconds: float = Field(0.2, gt=0, le=60)
     #: Set by the workflow itself when it continues as new; never by a caller.
-    carry: DemandCarry | None = None
+    carry: Carried[DemandCarry | None] = None
 
 
 class DemandStatus(BaseModel):

@@ -11,7 +11,7 @@ from fleet.incident import Deficit, Failure, IncidentSettings, SiteFacts, Verdic
 from fleet.cluster import RoutingTable, ServingStatus
 from fleet.messages.join import JoinedNode
 from fleet.messages.acquire import CapacityRequestFields
-from fleet.models import Name, Strict, Text, UtcDatetime
+from fleet.models import Carried, Name, Strict, Text, UtcDatetime
 
 
 # -- repair admission (Node entity → Site entity) ---------------------------------------------
@@ -183,7 +183,7 @@ class SiteEvacuationInput(Strict):
     #: Merged into the AcquireCapacity request (e.g. join_timeouts, backoff_seconds).
     capacity_request: CapacityRequestFields = Field(default_factory=dict)
     #: Set by the workflow itself when it continues as new; never by a caller.
-    carry: EvacuationCarry | None = None
+    carry: Carried[EvacuationCarry | None] = None
 
 
 class EvacuationFields(Strict):

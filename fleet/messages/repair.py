@@ -17,7 +17,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from fleet.models import EpochSeconds, GpuHealth, MaybeName, Name, Strict, Text, UtcDatetime, XidEvent, append_bounded
+from fleet.models import Carried, EpochSeconds, GpuHealth, MaybeName, Name, Strict, Text, UtcDatetime, XidEvent, append_bounded
 from fleet.repair_policy import Finding, Ledger, RepairSettings, Rung
 
 
@@ -200,7 +200,8 @@ class NodeEntityInput(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     node_name: Name
-    carry: NodeCarry | None = None
+    #: Set by the entity itself when it continues as new; never by a caller.
+    carry: Carried[NodeCarry | None] = None
     #: From the join that admitted the node (its own record, never the node's): the site, the
     #: repair settings, and the state the node showed in its smoke test. With them the first
     #: run starts watching at once, with no activity to read them again.

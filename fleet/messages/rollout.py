@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import BaseModel, Field
 
 from fleet.config import ObjectStore
-from fleet.models import UtcDatetime
+from fleet.models import Carried, UtcDatetime
 from fleet.rollout import Replication, RolloutInput, RolloutProgress, WeightFile
 from fleet.cluster import ServingSpec, ServingStatus
 
@@ -171,5 +171,5 @@ class RolloutRunInput(RolloutInput):
     ``carry``: the client and ``gpufleet rollout start`` refuse one), and the state a run that
     continued as new hands its next run."""
 
-    carry: RolloutCarry | None = None
+    carry: Carried[RolloutCarry | None] = None
 

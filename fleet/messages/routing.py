@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from fleet.messages.watches import MAX_WATCH_SECONDS
-from fleet.models import Name, Strict, Text, append_bounded
+from fleet.models import Carried, Name, Strict, Text, append_bounded
 from fleet.routing import MAX_REASON, REASON_EVENTS, RoutingDocument, RoutingPolicy, SiteLoad, reason_for, shortened
 
 DAY = 86400
@@ -75,7 +75,7 @@ class RoutingInput(Strict):
     #: The watch returns unchanged after this long (the entity's safety look; ``routing-events``).
     watch_seconds: float = Field(1800, gt=0, le=MAX_WATCH_SECONDS)
     #: Set by the entity itself when it continues as new; never by a caller.
-    state: RoutingState | None = None
+    state: Carried[RoutingState | None] = None
 
 
 EventKind = Literal["incident", "restore", "rollout", "scale", "drain"]
