@@ -313,6 +313,7 @@ def test_a_fence_cordons_the_node_and_lifting_the_last_uncordons(real_cluster, k
     and the cordon; ``uncontain_gpu`` lifts them, uncordoning only when no GPU is fenced."""
     from fleet.messages.nodes import FenceInput, UncontainInput
     from activities.repair import RepairActivities, fence_key
+    from fleet.cluster import FENCE_ON_HOLD
 
     name = nodes(f"gpu-{unique}")
     repair = RepairActivities(FleetEnv(Settings(state_dir=tmp_path), load_config(write_fleet(tmp_path)), kube))
@@ -321,7 +322,7 @@ def test_a_fence_cordons_the_node_and_lifting_the_last_uncordons(real_cluster, k
     stored = _node(real_cluster, name)
     assert stored["spec"].get("unschedulable") is True
     assert {k: v for k, v in stored["metadata"]["annotations"].items() if k.startswith("gpufleet.io/fenced")} == {
-        fence_key(0): "reset", fence_key(1): "reboot"}
+        fence_key(0): "reset" + FENCE_ON_HOLD, fence_key(1): "reboot" + FENCE_ON_HOLD}  # the entity's, until a repair's
     first = ActivityEnvironment().run(repair.uncontain_gpu, UncontainInput(node_name=name, gpu=0))
     assert (first.uncordoned, first.still_fenced) == (False, [1])
     assert _node(real_cluster, name)["spec"].get("unschedulable") is True
