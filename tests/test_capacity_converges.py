@@ -36,6 +36,7 @@ from fleet.placement import Constraints
 from tests.bad_input_helpers import invalid_input, task_failures
 from tests.capacity_fleet import CapStack, capacity_fleet, details, open_stack
 from tests.conftest import wait_for
+from tests.one_task_helpers import JOB_MODES, in_one_task, jobs_applied, one_task_had_both
 from tests.repair_helpers import eventually
 from tests.replay import replay_and_record
 
@@ -255,8 +256,9 @@ async def test_a_join_cancelled_while_its_node_is_admitted_keeps_the_node_it_adm
     Node entity and the Site still to be told). The admit hears no cancel and goes on: once it
     went through, the node is schedulable and its Site counts it ready, so pods may be on it. The
     join waits for the admit's answer and ends ready, the node kept and the cancel noted; the
-    request counts it joined. Before, the join deleted the machine and removed the node (after the
-    admit, with no drain; earlier still, while the admit went on)."""
+    request counts it joined, and its cost. Before, the join deleted the machine and removed the node
+    (after the admit, with no drain; earlier still, while the admit went on); then the request's
+    result left the kept machine's cost out."""
     from fleet.cluster import UNPROVEN_TAINT
     from sim.cluster import SimCluster
 
@@ -301,10 +303,121 @@ async def test_a_join_cancelled_while_its_node_is_admitted_keeps_the_node_it_adm
                     f"through, so that node stays (machine {machine['id']})"), said
     result = CapacityResult.model_validate(await handle.result())
     assert [n.node_name for n in result.nodes] == [machine["name"]] and result.cancelled == "not needed", result
+    assert result.cost_per_hour == 4.0, "the kept machine bills: its 2 GPUs at $2.00/GPU-h"
     history = await join.fetch_history()
     assert not [e for e in history.events if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED], \
         "no cancel sent to the admit"
     await replay_and_record(join, "node_join_cancelled_while_admitting")
+
+
+async def test_a_fatal_failure_names_the_node_a_join_admitted_as_the_joins_were_stopped(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One join fails fatally (InvalidRequest) while another admits its node: the request stops
+    that join, which keeps its node (the admit went through), and fails naming that node and its
+    machine, which stay and bill. Before, the failure named only the InvalidRequest: the kept node
+    was named nowhere."""
+    from fleet.cluster import UNPROVEN_TAINT
+    from fleet.errors import InvalidRequest
+    from sim.cluster import SimCluster
+    from sim.provider import SimProvider
+
+    admitting, go_on = threading.Event(), threading.Event()
+    set_taints, create_machine = SimCluster.set_taints, SimProvider.create_machine
+    keys: list[str] = []
+
+    def admit_held(self, name: str, add: list[str] = (), remove: list[str] = ()):
+        if UNPROVEN_TAINT in remove and not admitting.is_set():  # the first join's admit waits
+            admitting.set()
+            go_on.wait(60)
+        return set_taints(self, name, add, remove)
+
+    def second_refused(self, spec, idempotency_key: str, user_data: str = ""):
+        keys.append(idempotency_key)
+        if idempotency_key != keys[0]:  # the second join's machine: refused once the first admits
+            admitting.wait(60)
+            raise InvalidRequest("test: the spec is wrong", provider=self.name)
+        return create_machine(self, spec, idempotency_key, user_data)
+
+    monkeypatch.setattr(SimCluster, "set_taints", admit_held)
+    monkeypatch.setattr(SimProvider, "create_machine", second_refused)
+    handle = await cap.request({"constraints": {"sites": [cap.site("cheap")]}, "count": 2})
+    try:
+        await wait_for(admitting.is_set, timeout=60)
+
+        async def join_cancelled() -> bool:  # the request stopped the admitting join
+            history = await handle.fetch_history()
+            return any(e.event_type == EventType.EVENT_TYPE_REQUEST_CANCEL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED
+                       for e in history.events)
+
+        await eventually(join_cancelled, timeout=60)
+    finally:
+        go_on.set()
+    with pytest.raises(WorkflowFailureError) as caught:
+        await asyncio.wait_for(handle.result(), 60)
+    (machine,) = live(cap)
+    failure = caught.value.cause
+    assert isinstance(failure, ApplicationError) and failure.type == "InvalidRequest", failure
+    assert f"{machine['name']} (machine {machine['id']}) joined as the joins in flight were stopped and stay" \
+        in failure.message, failure.message
+    assert (await handle.query("progress", result_type=CapacityProgress)).joined == 1
+
+
+@pytest.fixture(params=JOB_MODES)
+async def cap_jobs(request, temporal_env: WorkflowEnvironment, tmp_path: Path,
+                   monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[CapStack]:
+    """``cap`` whose worker runs an activation's jobs in sets or as one batch (``jobs_applied``)."""
+    jobs_applied(request.param, monkeypatch)
+    address = temporal_env.client.service_client.config.target_host
+    async for stack in open_stack(temporal_env.client, address, tmp_path):
+        yield stack
+
+
+@pytest.mark.parametrize("first", ["resolve_child_workflow_execution", "cancel_workflow"])
+async def test_a_temporal_cancel_in_the_task_a_join_ended_in_keeps_its_node(
+        cap_jobs: CapStack, monkeypatch: pytest.MonkeyPatch, request, first: str) -> None:
+    """The request's join ends with its node joined and Temporal's cancel of the request comes in
+    the same workflow task (either first): the request counts the node joined, not stopped. Before,
+    with the cancel first, the request cancelled a join that had ended and took it for one that
+    deleted its machine: "machine deleted" said of a node that joined and bills, named nowhere."""
+    from fleet.cluster import UNPROVEN_TAINT
+    from sim.cluster import SimCluster
+
+    cap = cap_jobs
+    admitting, go_on = threading.Event(), threading.Event()
+    set_taints = SimCluster.set_taints
+
+    def admit_held(self, name: str, add: list[str] = (), remove: list[str] = ()):
+        if UNPROVEN_TAINT in remove and first == "cancel_workflow":  # the join ends once the cancel came
+            admitting.set()
+            go_on.wait(60)
+        return set_taints(self, name, add, remove)
+
+    monkeypatch.setattr(SimCluster, "set_taints", admit_held)
+    handle = await cap.request({"constraints": {"sites": [cap.site("cheap")]}}, name="one-task")
+    then = "cancel_workflow" if first == "resolve_child_workflow_execution" else "resolve_child_workflow_execution"
+    held_one = in_one_task(monkeypatch, handle.id, first, then)
+    try:
+        if first == "cancel_workflow":  # the cancel lands while the join admits; the join ends after it
+            await wait_for(admitting.is_set, timeout=60)
+            await handle.cancel()
+            await eventually(lambda: asyncio.to_thread(held_one.wait, 0.1), timeout=60)
+        else:  # the join ended; the cancel lands before the request took it
+            await eventually(lambda: asyncio.to_thread(held_one.wait, 0.1), timeout=60)
+            await handle.cancel()
+    finally:
+        go_on.set()
+    with pytest.raises(WorkflowFailureError) as caught:
+        await asyncio.wait_for(handle.result(), 60)
+    assert isinstance(caught.value.cause, CancelledError)
+    assert await one_task_had_both(handle)
+    (machine,) = live(cap)
+    progress = await handle.query("progress", result_type=CapacityProgress)
+    assert progress.released == [], "the join was not stopped: it had ended"
+    assert progress.joined == 1 and progress.attempts[-1].outcome == "joined", progress
+    assert progress.attempts[-1].message == machine["name"], progress
+    assert cap.cluster.get_node(machine["name"]) is not None
+    if request.node.callspec.params["cap_jobs"] == "jobs-as-one-batch" and first == "cancel_workflow":
+        await replay_and_record(handle, "capacity_cancelled_in_the_task_a_join_ended")
 
 
 # -- a request that gave up on failed joins ---------------------------------------------------

@@ -9,8 +9,6 @@ for a failed rung: it reinstalled next, then bought a replacement.
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import pytest
 from temporalio.api.enums.v1 import EventType
@@ -25,9 +23,9 @@ from sim.provider import SimProvider
 from tests.conftest import Stack
 from tests.details_helpers import current_details as _details
 from tests.details_helpers import held
+from tests.one_task_helpers import JOB_MODES, in_one_task, jobs_applied, one_task_had_both
 from tests.repair_helpers import eventually, exists, join_node, ladder, node_status, repair_handle, running_stack
 from tests.replay import replay_and_record
-from workers.workflow_runner import _ContextFreeInstance
 
 #: The reboot's machine takes this long to come back: the cancel lands while the repair waits for it.
 SLOW_BOOT_SECONDS = 60
@@ -227,49 +225,12 @@ async def _cancel_requested(handle: WorkflowHandle) -> bool:
 
 
 
-@pytest.fixture(params=["jobs-in-sets", "jobs-as-one-batch"])
+@pytest.fixture(params=JOB_MODES)
 async def batched_stack(request, temporal_env, tmp_path, monkeypatch):
-    """A stack whose worker runs new workflow tasks as temporalio 1.35 does by default (an
-    activation's jobs applied in sets, each set then run), or applying all of an activation's jobs
-    before running any (its logic flag 2, PROCESS_WORKFLOW_ACTIVATION_JOBS_AS_SINGLE_BATCH, which
-    a later temporalio turns on by default: a child's end and a cancel in one task then raise the
-    cancel where the child is awaited)."""
-    if request.param == "jobs-as-one-batch":
-        from temporalio.worker import _workflow
-        from temporalio.worker._workflow_instance import _WorkflowLogicFlag
-
-        monkeypatch.setattr(_workflow, "_DEFAULT_ENABLED_WORKFLOW_LOGIC_FLAGS",
-                            frozenset({_WorkflowLogicFlag.PROCESS_WORKFLOW_ACTIVATION_JOBS_AS_SINGLE_BATCH}))
+    """A stack whose worker runs an activation's jobs in sets or as one batch (``jobs_applied``)."""
+    jobs_applied(request.param, monkeypatch)
     async for stack in running_stack(temporal_env.client, tmp_path):
         yield stack
-
-
-def _in_one_task(monkeypatch, workflow_id: str, first: str, then: str) -> threading.Event:
-    """Every workflow task of ``workflow_id`` whose activation carries a ``first`` job (a job's
-    variant: ``cancel_workflow``, ``resolve_child_workflow_execution``) and no ``then`` one fails,
-    so the server hands the run both in one task once ``then`` came. Returns: a task was held."""
-    held_one = threading.Event()
-    activate = _ContextFreeInstance.activate
-
-    def holding(self: _ContextFreeInstance, act):
-        jobs = {job.WhichOneof("variant") for job in act.jobs}
-        if self._context.workflow_id == workflow_id and first in jobs and then not in jobs:
-            held_one.set()
-            time.sleep(0.2)  # not spinning while `then` comes
-            raise RuntimeError(f"test: this task waits for {then}")
-        return activate(self, act)
-
-    monkeypatch.setattr(_ContextFreeInstance, "activate", holding)
-    return held_one
-
-
-async def _one_task_had_both(handle: WorkflowHandle) -> bool:
-    """The join's end and the cancel request came in one workflow task (with the failed ones)."""
-    kinds = [e.event_type for e in (await handle.fetch_history()).events]
-    ends = {EventType.EVENT_TYPE_CHILD_WORKFLOW_EXECUTION_COMPLETED,
-            EventType.EVENT_TYPE_WORKFLOW_EXECUTION_CANCEL_REQUESTED}
-    between = kinds[min(kinds.index(k) for k in ends):max(kinds.index(k) for k in ends)]
-    return EventType.EVENT_TYPE_WORKFLOW_TASK_COMPLETED not in between
 
 
 @pytest.mark.parametrize("first", ["resolve_child_workflow_execution", "cancel_workflow"])
@@ -283,7 +244,7 @@ async def test_a_cancel_in_the_task_the_replacement_joined_in_retires_the_replac
     node = await join_node(stack)
     handle = repair_handle(stack, node.node_name, 0)
     then = "cancel_workflow" if first == "resolve_child_workflow_execution" else "resolve_child_workflow_execution"
-    held_one = _in_one_task(monkeypatch, handle.id, first, then)
+    held_one = in_one_task(monkeypatch, handle.id, first, then)
     stack.world.inject_fault(node.machine_id, 0, "remap_failure", clears_on="never")  # starts at replace
     await eventually(lambda: exists(handle), timeout=30)
     if first == "cancel_workflow":  # the cancel lands while the join runs; the join ends before it is told
@@ -293,7 +254,7 @@ async def test_a_cancel_in_the_task_the_replacement_joined_in_retires_the_replac
     await handle.cancel()
 
     result = GpuRepairResult.model_validate(await asyncio.wait_for(handle.result(), 60))
-    assert held_one.is_set() and await _one_task_had_both(handle)
+    assert held_one.is_set() and await one_task_had_both(handle)
     assert result.outcome == "replaced" and result.replacement_node, result
     assert [(a.rung, a.outcome) for a in result.attempts] == [(Rung.REPLACE, "replaced")]
     assert "retired all the same" in result.attempts[0].detail, result.attempts[0].detail

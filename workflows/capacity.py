@@ -37,8 +37,9 @@ joined, every attempt, the excluded offers, the deadline, the join numbering and
 accounts' stores were not told.
 
 ``cancel`` (update; also Temporal's own cancel) stops buying: every join in
-flight is cancelled and deletes its machine, nodes already joined stay; the
-update answers once that is done, naming each join it stopped.
+flight is cancelled and deletes its machine, nodes already joined stay, and so
+does the node of a join that was admitting it as the cancel came (counted joined,
+its cost with it); the update answers once that is done, naming each join it stopped.
 
 CatalogRefresh (id ``catalog-refresh``, run by a Schedule): refresh every site's
 offers and, when they changed since its last run, wake the requests waiting for capacity
@@ -156,8 +157,9 @@ class AcquireCapacity:
 
     @workflow.update
     async def cancel(self, reason: Any = "") -> CapacityProgress:
-        """Stop buying: every join in flight is cancelled (each deletes its machine), nodes
-        already joined stay. Answers once that is done, with what it stopped."""
+        """Stop buying: every join in flight is cancelled (each deletes its machine, unless it was
+        admitting its node as the cancel came: that node stays), nodes already joined stay.
+        Answers once that is done, with what it stopped."""
         if not self._cancel and not self._progress.finished:
             self._cancel = reason or "cancelled"
         await workflow.wait_condition(lambda: self._progress.finished)
@@ -484,13 +486,17 @@ class AcquireCapacity:
                 self._excluded[cand.key] = (until, f"last join failed: {kind}")
 
     async def _fail(self) -> NoReturn:
-        """A fatal failure: the joins in flight stopped (each deletes its machine), then fail."""
-        for task in self._in_flight:
-            task.cancel()
-        await asyncio.gather(*self._in_flight, return_exceptions=True)
+        """A fatal failure: the joins in flight stopped (each deletes its machine), then fail,
+        naming each node one of them joined meanwhile or admitted as the cancel came: it stays
+        and bills."""
+        kept = await self._stop_joins(self._fatal)
+        message = self._fatal
+        if kept:
+            message += "; " + ", ".join(f"{n.node_name} (machine {n.machine_id})" for n in kept) + \
+                " joined as the joins in flight were stopped and stay"
         self._state("failed")
-        self._show("failed", None, self._fatal)
-        raise ApplicationError(self._fatal, type=self._fatal_kind, non_retryable=True)
+        self._show("failed", None, message)
+        raise ApplicationError(message, type=self._fatal_kind, non_retryable=True)
 
     async def _result(self) -> CapacityResult:
         """5. The nodes joined, their cost, and why any are missing."""
@@ -534,28 +540,41 @@ class AcquireCapacity:
         self._show("refused", None, text)
         raise invalid_input(f"invalid AcquireCapacity: {text}", [field for field, _ in problems])
 
-    async def _stop_joins(self, why: str) -> None:
+    async def _stop_joins(self, why: str) -> list[JoinedNode]:
         """Cancel every join in flight and wait until each has deleted its machine; a join that
-        finished meanwhile counts as joined."""
+        finished meanwhile (or was admitting its node as the cancel came) counts as joined, its
+        machine's cost with it. Returns the nodes kept that way."""
+        if not self._in_flight:
+            return []
+        # Conditions are checked once nothing else is ready to run: by then a join whose end came in
+        # this workflow task with the cancel has taken it (cancelled before, the SDK raised the
+        # cancel where the join awaited its child and its node was lost). No command.
+        await workflow.wait_condition(lambda: True)
         stopping = list(self._in_flight.items())
         for task, _ in stopping:
-            task.cancel()
+            if not task.done():
+                task.cancel()
         outcomes = await asyncio.gather(*(task for task, _ in stopping), return_exceptions=True)
+        kept: list[JoinedNode] = []
         for (task, (cand, join_id)), outcome in zip(stopping, outcomes):
             self._in_flight.pop(task, None)
             if isinstance(outcome, JoinedNode):
                 self._joined.append(outcome)
+                self._costs[outcome.node_name] = cand.machine_cost_per_hour
                 self._attempted(cand.key, "joined", outcome.node_name)
+                kept.append(outcome)
             else:
                 self._progress.released.append(f"{join_id} ({cand.key}): machine deleted")
                 self._attempted(cand.key, "cancelled", why)
         self._progress.joined = len(self._joined)
         self._track()
+        return kept
 
     async def _cancelled(self, req: CapacityRequest, costs: dict[str, float]) -> CapacityResult:
         p = self._progress
         p.cancelled = self._cancel
-        self._show("cancelling", None, f"{len(self._in_flight)} joins in flight: each deletes its machine")
+        self._show("cancelling", None, f"{len(self._in_flight)} joins in flight: each deletes its machine "
+                                         "(a node admitted as the cancel came stays)")
         await self._stop_joins(self._cancel)
         self._state("cancelled")
         kept = len(self._joined)
