@@ -128,8 +128,16 @@ class JoinCancelled:
     #: The cancel came while the node was admitted, and the admit went through: the join completed,
     #: and its node stays.
     admitted: bool = False
+    #: A fan-out's (``count`` > 1) joins, ``<workflow_id>/<i>``, each as it ended: they bought the
+    #: machines, not the fan-out.
+    joins: list[JoinCancelled] = field(default_factory=list)
 
     def summary(self) -> str:
+        if self.joins:
+            head = {"completed": f"{self.workflow_id} had ended before the cancel",
+                    "failed": f"{self.workflow_id} had failed before the cancel"}.get(
+                        self.status, f"cancelled {self.workflow_id} while {self.step}")
+            return head + f"; its {len(self.joins)} joins:" + "".join(f"\n  {j.summary()}" for j in self.joins)
         if self.status == "completed" and self.admitted:
             return (f"{self.workflow_id}: the cancel came while node {self.node_name} was admitted; the admit "
                     f"went through, so that node stays (machine {self.machine_id})")
@@ -229,6 +237,14 @@ class FleetClient:
         except RPCError as error:
             if error.status != RPCStatusCode.NOT_FOUND:  # "already completed" is fine: say how it ended
                 raise _rpc(workflow_id, error) from None
+        ended = await self._join_ended(handle)
+        if not ended.machine_id:  # a fan-out buys through its joins: each says what it bought
+            ended.joins = await self._fan_out_joins(client, workflow_id)
+        return ended
+
+    async def _join_ended(self, handle: WorkflowHandle) -> JoinCancelled:
+        """How a join that was cancelled (or had ended before) ended, once it has."""
+        workflow_id = handle.id
         status = "completed"
         try:
             await handle.result()
@@ -251,6 +267,20 @@ class FleetClient:
         return JoinCancelled(workflow_id=workflow_id, status=status, machine_id=progress.machine_id,
                              node_name=progress.node_name, step=progress.cancelled_while or progress.step,
                              needs_person=state == "needs-person", admitted=progress.admitted)
+
+    async def _fan_out_joins(self, client: Client, workflow_id: str) -> list[JoinCancelled]:
+        """A fan-out's joins (``<workflow_id>/<i>``, cancelled with it and ended before it), each as
+        it ended; none for a single join, or a fan-out cancelled before it started any."""
+        joins: list[JoinCancelled] = []
+        while True:
+            child = client.get_workflow_handle(f"{workflow_id}/{len(joins)}")
+            try:
+                await child.describe()
+            except RPCError as error:
+                if error.status == RPCStatusCode.NOT_FOUND:
+                    return joins
+                raise _rpc(child.id, error) from None
+            joins.append(await self._join_ended(child))
 
     def check_capacity_request(self, request: CapacityRequest | Mapping[str, Any]) -> CapacityRequest:
         """The request, or :class:`InvalidArgument` naming each field no configured site can

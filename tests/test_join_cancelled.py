@@ -125,6 +125,27 @@ async def test_a_cancelled_fan_out_ends_cancelled_once_each_join_deleted_its_mac
     assert "each deleted the machine it bought" in await _details(handle)
 
 
+async def test_cancel_join_of_a_fan_out_says_what_each_of_its_joins_bought(stack: Stack) -> None:
+    """What ``gpufleet join --count 2`` prints when it is interrupted: the fan-out bought nothing
+    itself, its joins each bought a machine (and delete it, or keep the node one admitted). Before,
+    it said "nothing was bought" of two machines bought."""
+    stack.world.set_site("site-a", boot_seconds=SLOW_BOOT_SECONDS)
+    handle = await stack.start_join({"site": "site-a", "count": 2}, request=f"fan-{uuid.uuid4().hex[:6]}")
+    machines = await wait_for(lambda: (m := stack.world.machines("site-a")) and len(m) == 2 and m, timeout=30)
+
+    said = (await FleetClient(stack.settings, temporal=stack.client).cancel_join(handle.id, "test")).summary()
+
+    lines = said.splitlines()
+    assert lines[0] == f"cancelled {handle.id} while joining; its 2 joins:", said
+    by_id = {m["id"]: m for m in machines}
+    deleted = sorted(lines[1:])
+    assert len(deleted) == 2 and all(line.startswith(f"  cancelled {handle.id}/") for line in deleted), said
+    for machine_id, machine in by_id.items():
+        assert any(f"machine {machine_id} deleted, node {machine['name']} never admitted" in line
+                   for line in deleted), said
+    assert "nothing was bought" not in said
+
+
 async def test_a_join_cancelled_during_its_smoke_test_ends_cancelled_not_with_a_failed_smoke_test(
         fleet_world: Stack, monkeypatch: pytest.MonkeyPatch) -> None:
     """The smoke test's activity cancelled with the join is not the node failing its test: before,
