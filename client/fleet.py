@@ -40,8 +40,8 @@ from fleet.messages.repair import (
     GpuDecision, HoldInput, LadderState, NodeStatus, RepairGpuInput, ReturnGpuInput, SkipToInput,
 )
 from fleet.naming import (
-    account_workflow_id, advisor_workflow_id, capacity_workflow_id, join_workflow_id, manual_evacuation_id,
-    site_workflow_id,
+    account_workflow_id, advisor_workflow_id, capacity_workflow_id, fan_out_join_id, join_workflow_id,
+    manual_evacuation_id, site_workflow_id,
 )
 from fleet.repair_policy import Rung
 from fleet.rollout import RolloutInput, RolloutProgress, RolloutResult, another_rollout_running
@@ -273,7 +273,7 @@ class FleetClient:
         it ended; none for a single join, or a fan-out cancelled before it started any."""
         joins: list[JoinCancelled] = []
         while True:
-            child = client.get_workflow_handle(f"{workflow_id}/{len(joins)}")
+            child = client.get_workflow_handle(fan_out_join_id(workflow_id, len(joins)))
             try:
                 await child.describe()
             except RPCError as error:

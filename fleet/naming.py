@@ -129,6 +129,11 @@ def join_workflow_id(site: str, request: str) -> str:
     return f"join/{site}/{request}"
 
 
+def fan_out_join_id(fan_out_id: str, index: int) -> str:
+    """The ``index``-th join of a fan-out ``NodeJoin`` (``count`` > 1), its child."""
+    return f"{fan_out_id}/{index}"
+
+
 def account_workflow_id(provider: str, account: str) -> str:
     return f"account/{provider}/{account}"
 

@@ -38,7 +38,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet import search_attributes as sa
     from fleet.config import Site
     from fleet.models import MACHINE_TAG_JOIN, MACHINE_TAG_SITE, Machine, Node
-    from fleet.naming import node_name_for, node_queue
+    from fleet.naming import fan_out_join_id, node_name_for, node_queue
     from fleet.cluster import UNPROVEN_TAINT, JoinTokenRef
     from fleet.demand import site_labels
     from workflows.inputs import parse_input
@@ -194,7 +194,7 @@ class NodeJoin:
         single = request.model_copy(update={"count": 1})
         children = [
             workflow.execute_child_workflow(
-                NodeJoin.run, single.model_dump(mode="json"), id=f"{base}/{i}",
+                NodeJoin.run, single.model_dump(mode="json"), id=fan_out_join_id(base, i),
                 static_summary=f"join node {i + 1} of {request.count} at {request.site}",
                 # Ending this join (terminated, cancelled) cancels its children, and each
                 # cancelled child deletes its machine: none keeps billing unowned.
