@@ -1065,6 +1065,10 @@ async def test_an_evacuation_keeps_a_node_it_bought_that_a_repair_holds(inc: Inc
 
     c = inc.site("c")
     repaired, free = await _two_bought_at_c(inc)
+    # Once the replicas it moved to c run: a node cordoned before its replica was placed there kept
+    # the evacuation waiting for it until ``ready_seconds``, which an abort does not cut short (the
+    # test then timed out about 1 run in 3).
+    await poll(lambda: _marked(inc, "replicas ready elsewhere"), timeout=60)
     inc.cluster.annotate_node(repaired, {fence_key(0): "reset"})  # as fence_gpu does
     inc.cluster.cordon(repaired, True)
     await inc.evacuation("a").execute_update("abort", "test: the provider says it was a blip")
@@ -1110,6 +1114,11 @@ async def _two_bought_at_c(inc: IncStack) -> list[str]:
     inc.world.set_site(inc.site("a"), unreachable=1)
     await poll(lambda: _joined_capacity(inc), timeout=60)
     return sorted(m["name"] for m in inc.world.machines(inc.site("c")))
+
+
+async def _marked(inc: IncStack, step: str):
+    progress = await inc.progress("a")
+    return progress if progress is not None and step in step_names(progress) else None
 
 
 async def _joined_capacity(inc: IncStack):
