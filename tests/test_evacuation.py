@@ -1122,8 +1122,7 @@ async def _marked(inc: IncStack, step: str):
 
 
 async def _joined_capacity(inc: IncStack):
-    progress = await inc.progress("a")
-    return progress if progress is not None and "capacity joined" in step_names(progress) else None
+    return await _marked(inc, "capacity joined")
 
 
 async def test_the_proof_says_until_when_and_a_cancel_during_it_puts_the_site_back(inc: IncStack) -> None:
