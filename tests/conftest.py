@@ -234,3 +234,15 @@ async def time_skipping_env() -> AsyncIterator[WorkflowEnvironment]:
         yield env
     finally:
         await env.shutdown()
+
+
+def without_input_guard(monkeypatch) -> None:
+    """The control plane's workers started from here on run without the input guard, which refuses
+    state carried over continue-as-new in a run that did not continue as new: for a test that starts
+    a run as a continue-as-new starts it, its state in its input."""
+    from workers import control_plane
+    from workers.input_guard import InputGuard
+
+    interceptors = control_plane.worker_interceptors
+    monkeypatch.setattr(control_plane, "worker_interceptors",
+                        lambda: [i for i in interceptors() if not isinstance(i, InputGuard)])

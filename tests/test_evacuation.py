@@ -48,7 +48,7 @@ from activities.watches import WatchActivities
 from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, HoldRepairsInput
 from fleet.rollout import RolloutProgress, RolloutResult
 from fleet.settings import Settings
-from tests.conftest import visibility_lagging, write_before_next_cordon
+from tests.conftest import without_input_guard, visibility_lagging, write_before_next_cordon
 from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3: the rollout's S3 stores (a fixture)
 from tests.test_watches import add_node
 
@@ -66,12 +66,7 @@ async def unguarded_inc(temporal_env, tmp_path, monkeypatch):
     """``inc`` without the input guard, which refuses state carried over continue-as-new in a run
     that did not continue as new: a test starts a Site run as a continue-as-new starts it, its state
     in its input, standing in for a run before that gathered it."""
-    from workers import control_plane
-    from workers.input_guard import InputGuard
-
-    interceptors = control_plane.worker_interceptors
-    monkeypatch.setattr(control_plane, "worker_interceptors",
-                        lambda: [i for i in interceptors() if not isinstance(i, InputGuard)])
+    without_input_guard(monkeypatch)
     async for stack in open_incident_stack(temporal_env.client, tmp_path):
         yield stack
 

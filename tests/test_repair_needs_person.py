@@ -24,7 +24,7 @@ from fleet.messages.join import JoinedNode
 from fleet.contracts import workflows as flows
 from fleet.messages.repair import GpuDecision, GpuRepairResult, NodeCarry, NodeEntityInput, NodeStatus
 from fleet.repair_policy import Rung
-from tests.conftest import Stack
+from tests.conftest import without_input_guard, Stack
 from tests.repair_helpers import cluster_refuses_to_read, eventually, running_stack, exists, node_status, repair_handle
 from tests.replay import replay_and_record
 from tests.test_cli import gpufleet
@@ -176,12 +176,7 @@ async def unguarded_stack(temporal_env, tmp_path, monkeypatch):
     """``rstack`` without the input guard, which refuses a carry in a run that did not continue as
     new: a test starts a run as a continue-as-new starts it (a Node entity whose GPU was held for a
     person did not continue as new on ``renew`` when tried, so a real one is not waited for here)."""
-    from workers import control_plane
-    from workers.input_guard import InputGuard
-
-    interceptors = control_plane.worker_interceptors
-    monkeypatch.setattr(control_plane, "worker_interceptors",
-                        lambda: [i for i in interceptors() if not isinstance(i, InputGuard)])
+    without_input_guard(monkeypatch)
     async for stack in running_stack(temporal_env.client, tmp_path):
         yield stack
 
