@@ -11,9 +11,12 @@ import asyncio
 import math
 import time
 from collections import defaultdict
+from datetime import datetime, timezone
 
 from temporalio import activity
-from temporalio.client import Client, WorkflowExecutionStatus, WorkflowQueryFailedError, WorkflowQueryRejectedError
+from temporalio.client import (
+    Client, WorkflowExecution, WorkflowExecutionStatus, WorkflowQueryFailedError, WorkflowQueryRejectedError,
+)
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.service import RPCError, RPCStatusCode
 
@@ -47,13 +50,17 @@ from fleet.messages.demand import (
 )
 from fleet.messages.join import JoinProgress
 from fleet.models import CapacityType
-from fleet.naming import capacity_workflow_id, purchase_workflow_id
+from fleet.naming import capacity_workflow_id, purchase_workflow_id, site_of_node_name
+from fleet.placement import offer_key
 from fleet.contracts import workflows as flows
 
 #: NodeJoin steps before the provider is asked for a machine: cancelling then buys nothing.
 BEFORE_PROVISIONING = ("starting", "resolving site")
 #: The AcquireCapacity a SpotReclaim starts for its replacement (``workflows/reclaim.py``).
 RECLAIM_REPLACEMENT_PREFIX = capacity_workflow_id("reclaim-")
+#: A reclaim's replacement that has not chosen where to buy this long after it started is not
+#: reading the catalog but failing to: the pods it would hold back are planned as any others.
+REPLACEMENT_CHOOSES_WITHIN_SECONDS = 120
 #: The memo key under which a purchase ``plan_and_buy`` started keeps what the loop follows it as.
 PURCHASE_MEMO = "demand_purchase"
 #: The catalog the loop plans on may be this old (a purchase reads its own again).
@@ -156,8 +163,8 @@ class DemandActivities:
     # -- planning -----------------------------------------------------------------------------
     async def _reclaim_replacements(self, input: PlanDemandInput) -> list[NodeRoom]:
         """The machines SpotReclaims are buying right now, as joining rooms. A reclaim's
-        evicted pods come back Pending while its replacement joins; counted as joining,
-        they wait for that machine instead of the loop buying a second one for them."""
+        evicted pods come back Pending while its replacement joins (or reads the catalog still);
+        counted as joining, they wait for that machine instead of the loop buying a second one."""
         sites = {s.name: s for s in self.env.config.sites}
         offers = {f"{o.site}/{o.instance_type}": o for o in input.offers}
         client = activity.client()
@@ -174,6 +181,12 @@ class DemandActivities:
             # Before its first join (reading the catalog, waiting for capacity) the best
             # candidate is where it will buy.
             keys = progress.in_flight or [c.split(" ", 1)[0] for c in progress.candidates[:1]]
+            if not keys and self._still_choosing(found, progress):
+                # It has not read the catalog yet: the machine it replaces stands in, so the pods
+                # that machine held (Pending again as the drain evicts them) wait for it rather than
+                # buy beside it. The next plan, once it has chosen, counts where it buys.
+                reclaimed = site_of_node_name(found.id.removeprefix(RECLAIM_REPLACEMENT_PREFIX))
+                keys = [offer_key(reclaimed, sites[reclaimed].instance_type)] if reclaimed in sites else []
             for key in keys[:wanted]:
                 site = sites.get(key.split("/", 1)[0])
                 if site is None:
@@ -182,6 +195,15 @@ class DemandActivities:
                 rooms.append(NodeRoom(name=found.id, site=site.name, labels=site_labels(site),
                                       gpus=offer.gpus if offer else site.gpus_per_machine, joining=True))
         return rooms
+
+    @staticmethod
+    def _still_choosing(found: WorkflowExecution, progress: CapacityProgress) -> bool:
+        """A reclaim's replacement that has not chosen where to buy yet, and is young enough that
+        it is reading the catalog rather than failing to (``REPLACEMENT_CHOOSES_WITHIN_SECONDS``)."""
+        if progress.finished or progress.candidates or progress.attempts or progress.wait_until is not None:
+            return False
+        age = (datetime.now(timezone.utc) - found.start_time).total_seconds()
+        return age <= REPLACEMENT_CHOOSES_WITHIN_SECONDS
 
     def _plan(self, input: PlanDemandInput, replacing: list[NodeRoom] | None = None) -> PlanDemandResult:
         config, cluster = self.env.config, self.env.cluster

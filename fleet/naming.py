@@ -120,6 +120,15 @@ def node_name_for(site: str, join_id: str, nonce: str = "") -> str:
     return f"{site}-{hashlib.sha256(seed.encode()).hexdigest()[:8]}"
 
 
+def site_of_node_name(node_name: str) -> str | None:
+    """The site a machine the fleet bought was bought at, read back from ``node_name_for``'s
+    name; None for a name it did not make (a rack's own names)."""
+    site, dash, suffix = node_name.rpartition("-")
+    if not site or not dash or not re.fullmatch(r"[0-9a-f]{8}", suffix):
+        return None
+    return site
+
+
 def node_workflow_id(node_name: str) -> str:
     """The node's ``Node`` entity (the same string as its queue: one per node)."""
     return f"node/{node_name}"

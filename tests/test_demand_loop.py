@@ -26,8 +26,10 @@ from fleet.demand import (
     GpuPod,
     Toleration,
 )
-from fleet.messages.capacity import CapacityResult
+from fleet.contracts import workflows as flows
+from fleet.messages.capacity import CapacityProgress, CapacityResult
 from fleet.messages.demand import DemandStatus
+from fleet.naming import capacity_workflow_id, node_name_for
 from tests.capacity_fleet import (
     FAST_JOIN,
     CapStack,
@@ -38,6 +40,7 @@ from tests.capacity_fleet import (
 from tests.conftest import terminate_running, wait_for, write_after_next_read, write_before_next_cordon
 from tests.details_helpers import current_details, until
 from tests.details_helpers import scheduled as watch_scheduled
+from tests.bad_input_helpers import wait_for_async
 from tests.evacuation_helpers import failed_pass, poll, refuse
 
 FAST = {"tick_seconds": 0.5, "batch_idle_seconds": 0.3, "batch_max_seconds": 2, "idle_ttl_seconds": 1,
@@ -1007,6 +1010,47 @@ async def test_after_a_spot_reclaim_its_replacement_is_not_bought_twice_and_the_
         reclaim = cap.client.get_workflow_handle(f"reclaim/{machine['name']}")
         await reclaim.result()
         await handle.terminate("test over")
+
+
+async def test_pods_wait_for_a_reclaim_replacement_that_is_still_reading_the_catalog(temporal_env, tmp_path):
+    """A SpotReclaim's replacement starts as the drain does; the pods the drain evicts may come back
+    Pending before it has read the catalog. Until it has chosen, the reclaimed machine stands in for
+    it: the pods wait for it, and nothing is bought beside it. Before, the loop counted it only once
+    it had candidates, and bought a second machine for the same pods whenever its plan came first
+    (the reclaim test failed so 1 run in 5 on a busy machine)."""
+    models = {"llm": {"mode": "active-active", "sites": ["spot", "cheap"], "spot_share": 0.5}}
+    calm = {"sim": {"capacity": 4, "quota": 8, "boot_seconds": 0.1, "interruption_risk": 0.0}}
+    async with demand_stack(temporal_env, tmp_path, models=models, spot=calm) as cap:
+        handle = await start_demand(cap)
+        await cap.refresh_catalog()  # the loop plans on the stored catalog
+        # The replacement reads every provider afresh, and one of them answers slowly.
+        cap.world.set_site(cap.site("dear"), api_latency_ms=16000)
+        try:
+            reclaimed = node_name_for(cap.site("spot"), "a-join")
+            replacement = await cap.client.start_workflow(
+                flows.AcquireCapacity.TYPE, {"count": 1, "constraints": {"gpu": "H100"}, "catalog_max_age_seconds": 0,
+                                             "reason": f"replace {reclaimed}",
+                                             "exclude": [{"offer": f"{cap.site('spot')}/spot.2xh100", "seconds": 600}]},
+                id=capacity_workflow_id(f"reclaim-{reclaimed}"), task_queue=cap.settings.task_queue)
+            await wait_for_async(lambda: replacement_progress(replacement), lambda p: p.step == "reading the catalog", 20)
+            for name in ("r0", "r1"):
+                cap.cluster.create_pod(demand_pod(name, model="llm"))
+            state = await until_status(handle, lambda s: all(f"ml/r{i}" in s.covered for i in range(2)))
+            assert all(state.covered[f"ml/r{i}"] == f"joining {replacement.id}" for i in range(2)), state.covered
+            assert not state.purchases, [p.workflow_id for p in state.purchases]
+            assert (await replacement_progress(replacement)).step == "reading the catalog", \
+                "the test's window closed before the loop planned"
+        finally:  # a slow provider would hold the stack's clean-up too
+            cap.world.set_site(cap.site("dear"), api_latency_ms=0)
+        # Once it has read the catalog it buys, and the pods run on its machine: still nothing bought.
+        await wait_for(lambda: len(bound(cap)) == 2, timeout=60)
+        assert not (await status(handle)).purchases
+        await replacement.result()
+        await handle.terminate("test over")
+
+
+async def replacement_progress(handle) -> CapacityProgress:
+    return await handle.query(flows.AcquireCapacity.progress, result_type=CapacityProgress)
 
 
 async def test_on_events_pods_buy_and_idle_nodes_go_back_with_no_tick(cap: CapStack):

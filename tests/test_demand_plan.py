@@ -208,3 +208,14 @@ def test_consolidation_leaves_a_node_someone_else_cordoned():
     chosen, kept = consolidate(nodes, {"a": 3}, {}, {}, now=100, settings=settings, cordoned={"a1"},
                                keep_warm={"a": 2})
     assert "cordoned" in kept["a1"] and "warm" in kept["a2"] and [r.node for r in chosen] == ["a3"]
+
+
+def test_a_machine_the_fleet_named_gives_back_its_site_and_no_other_name_does():
+    """A reclaim's replacement that has not chosen yet stands in at the reclaimed machine's site,
+    read back from the machine's name (``node_name_for``): a name the fleet did not make names no site."""
+    from fleet.naming import node_name_for, site_of_node_name
+
+    for site in ("spot", "eu-west-spot-2", "a"):
+        assert site_of_node_name(node_name_for(site, "join-1", nonce="run")) == site
+    for other in ("rack-12", "gpu-node", "spot-1234567", "spot-1234567G", "-0123abcd", "0123abcd"):
+        assert site_of_node_name(other) is None, other

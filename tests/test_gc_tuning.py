@@ -26,7 +26,9 @@ def test_a_collection_longer_than_the_limit_is_logged_with_its_generation(caplog
     timer = CollectionTimer(slow_seconds=0.0)  # every collection counts as slow here
     with timing(timer, caplog):
         gc.collect(2)
-    assert [generation for _, _, generation in timer.slow] == [2]
+    # Young collections may come too (the log line itself allocates, other threads run): the
+    # full collection asked for is the one that must be there.
+    assert 2 in [generation for _, _, generation in timer.slow], list(timer.slow)
     assert any("gc: generation 2 collection stopped this process for" in r.getMessage() for r in caplog.records)
 
 
