@@ -49,6 +49,7 @@ from activities import notify
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.ledger import record_retire
+from activities.waiting import heartbeat_or_stop
 from fleet import search_attributes as sa
 from fleet.errors import AccountRevoked, BadCredentials, FleetError, OfferBlocked, OverQuota, ProviderError
 from fleet.models import AccountState, listing
@@ -559,7 +560,7 @@ class CapacityActivities:
                     return DrainResult(node=input.node_name, held=held)
             # Its cordon leaves the mark just written (or whoever's lands since: the retire looks again).
             return self.env.cluster.drain_node(
-                input.node_name, input.deadline_seconds, force=input.force, heartbeat=activity.heartbeat,
+                input.node_name, input.deadline_seconds, force=input.force, heartbeat=heartbeat_or_stop,
             )
         except NodeNotFound:
             return DrainResult(node=input.node_name, completed=True)

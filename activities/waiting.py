@@ -13,7 +13,7 @@ from datetime import datetime, timezone
 from typing import Callable, TypeVar
 
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, CancelledError
 
 T = TypeVar("T")
 
@@ -42,6 +42,20 @@ class Liveness:
             activity.heartbeat(*details)
 
 
+def heartbeat_or_stop() -> None:
+    """A heartbeat for a wait in a worker thread, which then stops if its activity was cancelled
+    (the cancel comes in a heartbeat's answer: an evacuation's abort cuts its drain short). The SDK
+    raises the cancel in the thread too, wherever it is, where a cluster call's own ``except`` may
+    take it; here it is raised where the wait stands."""
+    activity.heartbeat()
+    stop_if_cancelled()
+
+
+def stop_if_cancelled() -> None:
+    if activity.is_cancelled():
+        raise CancelledError("cancelled while it waited")
+
+
 def poll_until(
     check: Callable[[], T | None],
     deadline: datetime,
@@ -60,5 +74,6 @@ def poll_until(
         if datetime.now(timezone.utc) >= deadline:
             raise timed_out()
         liveness.beat()
+        stop_if_cancelled()  # told at a heartbeat's answer: the wait is no longer wanted
         time.sleep(interval)
         interval = min(interval * 2, poll_seconds)

@@ -49,6 +49,7 @@ from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, Hold
 from fleet.rollout import RolloutProgress, RolloutResult
 from fleet.settings import Settings
 from tests.conftest import without_input_guard, visibility_lagging, write_before_next_cordon
+from tests.details_helpers import current_details
 from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3: the rollout's S3 stores (a fixture)
 from tests.test_watches import add_node
 
@@ -1220,6 +1221,157 @@ async def test_a_cancel_while_the_replicas_elsewhere_get_ready_puts_back_and_dra
         site = await poll(lambda: _closed(inc.client.get_workflow_handle(f"site/{a}")), timeout=15)
         assert "cancel" in site.incident.history[-1].outcome.lower(), site.incident.history[-1].outcome
         await replay_and_record(handle, "site_evacuation_cancelled_waiting_for_replicas_elsewhere")
+
+
+#: An evacuation aborted while it waited for its replica elsewhere to be ready, the wait cut short
+#: (``evacuation-abort-cuts-waits``); the same run on the code before, which waited the wait out
+#: (``ready_seconds`` short there, so it ended), replays too. One aborted while its drain was blocked.
+ABORTED_WAITING = "site_evacuation_aborted_waiting_for_replicas_elsewhere"
+ABORTED_WAITING_BEFORE = f"{ABORTED_WAITING}_before"
+ABORTED_DRAINING = "site_evacuation_aborted_while_draining"
+
+
+def never_ready_at(monkeypatch, cluster, model: str, site: str) -> None:
+    """As the evacuation scales ``model`` up at ``site``, that site's nodes are cordoned (a person
+    took them): its replica there never becomes ready."""
+    kind = type(cluster)
+    real = kind.scale_serving
+
+    def scale(self, scaled: str, where: str, replicas: int):
+        if (scaled, where) == (model, site) and replicas > 0:
+            for node in self.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": site}):
+                self.cordon(node.name, True)
+        return real(self, scaled, where, replicas)
+
+    monkeypatch.setattr(kind, "scale_serving", scale)
+
+
+async def _activity_ends(handle, activity_type: str) -> list[str]:
+    """How each ``activity_type`` of the run ended, in order: its completion's kind, or
+    "cancel requested" for one still open when the run asked to cancel it."""
+    history = await handle.fetch_history()
+    scheduled = {e.event_id: e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+                 if e.HasField("activity_task_scheduled_event_attributes")}
+    ended: dict[int, str] = {}
+    for e in history.events:
+        for field, kind in (("activity_task_cancel_requested_event_attributes", "cancel requested"),
+                            ("activity_task_canceled_event_attributes", "cancelled"),
+                            ("activity_task_completed_event_attributes", "completed"),
+                            ("activity_task_failed_event_attributes", "failed")):
+            if e.HasField(field):
+                ended[getattr(e, field).scheduled_event_id] = kind
+    return [ended.get(event_id, "open") for event_id, name in sorted(scheduled.items()) if name == activity_type]
+
+
+async def test_an_abort_while_the_replicas_elsewhere_get_ready_cuts_the_wait_short(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """An abort while the evacuation waited for its replicas elsewhere to be ready was looked at
+    only once that wait was over: up to ``ready_seconds`` (15 minutes by default) later, the site
+    at weight 0 all that time, before anything was put back. Now the abort cancels the wait and the
+    put-back begins at once; the timeline and the details say which wait it cut."""
+    uid = uuid.uuid4().hex[:6]
+    fleet = incident_fleet(uid, {"ready_seconds": 600})  # the wait the abort must not sit out
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, fleet, uid):
+        never_ready_at(monkeypatch, inc.cluster, MODEL, inc.site("d"))
+        a, d = await _a_lost(inc)
+
+        async def waiting_elsewhere():
+            p = await inc.progress("a")
+            return p if p is not None and p.step == "waiting for the replicas elsewhere" else None
+
+        await poll(waiting_elsewhere, timeout=30)
+        at_d = inc.cluster.serving_status(MODEL, d)
+        assert (at_d.desired_replicas, at_d.ready) == (1, False), at_d
+        handle = inc.evacuation("a")
+        inc.world.set_site(a, unreachable=0)  # a blip: the put-back finds the site's replica serving again
+        await handle.execute_update("abort", "test: the provider says it was a blip")
+        # Well within ready_seconds: the code before waited the 600 s out.
+        result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+        assert result.outcome == "aborted", result
+        names = [step.name for step in result.timeline]
+        assert "replicas ready elsewhere" not in names and "drained" not in names, names
+        assert names.index("abort taken while waiting") < names.index("routing restored") < names.index("aborted")
+        cut = next(step.detail for step in result.timeline if step.name == "abort taken while waiting")
+        assert re.fullmatch(rf"the wait for {MODEL} at {d} to be ready \(by \d\d:\d\d:\d\d UTC at most\) cut "
+                            "short: test: the provider says it was a blip", cut), cut
+        assert f"abort taken while waiting: {cut}" in await current_details(handle)
+        # The wait at d cancelled (it stops at its next heartbeat); the next one, the put-back's at a.
+        waits = await _activity_ends(handle, "wait_serving_ready")
+        assert waits[0] in ("cancel requested", "cancelled") and waits[1:] == ["completed"], waits
+        # What it changed is back: routing, the site's Deployment, the replica it added at d.
+        routes = inc.cluster.get_site_routes().sites[a]
+        assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+        assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1, "the site's Deployment kept its replica"
+        assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "the replica it added at d went"
+        assert await _cordoned(inc, a) == set(), "nothing cordoned"
+        await replay_and_record(handle, ABORTED_WAITING)
+
+
+def test_a_cancelled_wait_for_serving_stops_at_its_heartbeat(tmp_path) -> None:
+    """An abort cancels the evacuation's wait for its replicas elsewhere; the activity is told at a
+    heartbeat's answer and stops there, rather than poll on to its deadline in a worker thread."""
+    from datetime import datetime, timedelta, timezone
+
+    from fleet.cluster import ServingSpec
+    from fleet.messages.rollout import WaitServingInput
+
+    env = FleetEnv.from_settings(Settings(state_dir=tmp_path))
+    env.cluster.apply_serving(ServingSpec(model=MODEL, site="site-0", image="img:v1", replicas=1, gpus_per_replica=2))
+    deadline = datetime.now(timezone.utc) + timedelta(seconds=30)  # no node there: it is never ready
+    activities = ActivityEnvironment()
+    cancel = threading.Timer(1.5, activities.cancel)  # once it waits, past its first heartbeat
+    cancel.start()
+    try:
+        with pytest.raises(CancelledError):  # not ServingNotReady at the deadline
+            activities.run(ServingActivities(env).wait_serving_ready,
+                           WaitServingInput(model=MODEL, site="site-0", deadline=deadline, poll_seconds=0.2))
+    finally:
+        cancel.cancel()
+
+
+async def test_an_abort_while_the_site_drains_stops_the_drain_and_uncordons(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """An abort while the evacuation drained its site (a PodDisruptionBudget holding a node's drain
+    until ``drain_seconds``) was looked at only once every drain had ended. Now it cancels the drains;
+    each stops at its next heartbeat and the put-back, which waits for that, uncordons the nodes."""
+    uid = uuid.uuid4().hex[:6]
+    fleet = incident_fleet(uid, {"drain_seconds": 600})  # the drain the abort must not sit out
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, fleet, uid):
+        a, d = inc.site("a"), inc.site("d")
+        await inc.join("a", 3)
+        await inc.join("d", 1)
+        guarded = sorted(n.name for n in inc.cluster.list_nodes({"node-restriction.kubernetes.io/gpufleet-site": a}))[0]
+        inc.cluster.add_pod(guarded, "keeper", labels={"app": "keeper"})
+        inc.cluster.set_pdb("default", "keeper", {"app": "keeper"}, min_available=1)
+        inc.serve(MODEL, "a", replicas=1)
+        inc.serve(MODEL, "d", replicas=0)
+        await inc.start_site("a")
+        inc.world.set_site(a, unreachable=1)
+
+        async def draining():
+            p = await inc.progress("a")
+            return p if p is not None and p.step == "draining" and len(p.drained) == 2 else None
+
+        await poll(draining, timeout=60)  # the two nodes without the keeper drained; the third is held
+        handle = inc.evacuation("a")
+        inc.world.set_site(a, unreachable=0)  # a blip: the put-back finds the site's nodes ready again
+        await handle.execute_update("abort", "test: the provider says it was a blip")
+        result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+        assert result.outcome == "aborted", result
+        names = [step.name for step in result.timeline]
+        assert "drained" not in names and names.index("abort taken while waiting") < names.index("aborted"), names
+        cut = next(step.detail for step in result.timeline if step.name == "abort taken while waiting")
+        assert re.fullmatch(r"the wait for the drain of 3 nodes \(until \d\d:\d\d:\d\d UTC at most\) cut short: "
+                            "test: the provider says it was a blip", cut), cut
+        # The held drain heard the cancel (a heartbeat's answer) and stopped before the put-back began.
+        assert sorted(await _activity_ends(handle, "drain_within")) == ["cancelled", "completed", "completed"]
+        assert await _cordoned(inc, a) == set(), "the nodes it cordoned are uncordoned"
+        assert "keeper" in {pod.name for pod in inc.cluster.pods(guarded)}, "the guarded pod stays"
+        routes = inc.cluster.get_site_routes().sites[a]
+        assert (routes.weight, routes.healthy, routes.draining, routes.incident) == (100, True, False, "")
+        assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1, "the site's Deployment is back"
+        assert inc.cluster.serving_status(MODEL, d).desired_replicas == 0, "the replica it added at d went"
+        await replay_and_record(handle, ABORTED_DRAINING)
 
 
 async def test_a_cancel_during_its_first_step_ends_it_before_it_changes_anything(

@@ -273,6 +273,11 @@ EXPECTED = {
     # A full site's Deployments go to 0 before its drain, which then ends at once
     # (tests/test_evacuation.py).
     "site_evacuation_scales_down_before_draining",
+    # An abort cuts short the evacuation's wait for its replicas elsewhere, and its drain
+    # (``evacuation-abort-cuts-waits``, tests/test_evacuation.py); the run before it, which waited the
+    # wait for serving out, replays without its marker.
+    "site_evacuation_aborted_waiting_for_replicas_elsewhere", "site_evacuation_aborted_while_draining",
+    "site_evacuation_aborted_waiting_for_replicas_elsewhere_before",
     # While its site is down, and while nothing may take its replicas, an evacuation waits on one
     # ``watch_recovery`` that probes inside the activity, which ``recovered`` cuts short
     # (``evacuation-watches-recovery``, tests/test_evacuation.py). Every ``site_evacuation_*`` file

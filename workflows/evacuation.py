@@ -22,9 +22,11 @@ query):
    ``probe_seconds`` inside one long activity, ``watch_recovery``, that returns when the site is
    back (no Temporal action per probe), or the operator update ``declare_recovered``; ``abort``
    (update), at any step, ends it and puts back what it changed (so do Temporal's cancel and a failed
-   step): its capacity request stopped, the nodes it cordoned uncordoned (not one
-   cordoned before it began, nor one whose GPU a repair fences or whose cordon a person marked
-   theirs since: ``held`` says why),
+   step), cutting short the wait in flight rather than waiting it out (the replicas elsewhere
+   getting ready, the drain: its activity cancelled, a drain waited for until it stopped; the
+   timeline says "abort taken while waiting"): its capacity request stopped, the nodes it
+   cordoned uncordoned (not one cordoned before it began, nor one whose GPU a repair fences or
+   whose cordon a person marked theirs since: ``held`` says why),
    the site's Deployments and routing weights as they were, what it added elsewhere gone.
    A cancel that comes while it puts back stops nothing (nor the wait for the capacity request
    an abort stopped, whose joined nodes are then retired): the put-back runs to its end, then
@@ -59,13 +61,13 @@ from __future__ import annotations
 
 import asyncio
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from pydantic import ValidationError
 from temporalio import workflow
 from temporalio.common import RawValue, RetryPolicy
 from temporalio.exceptions import ActivityError, ApplicationError, ChildWorkflowError, FailureError
-from temporalio.workflow import ParentClosePolicy
+from temporalio.workflow import ActivityCancellationType, ParentClosePolicy
 
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import workflows as flows
@@ -142,6 +144,11 @@ with workflow.unsafe.imports_passed_through():
 #: Every evacuation open now started after it; the call stays, deprecated, as each of those waits
 #: begins, until no run holding its marker is open.
 RECOVERY_WATCH_PATCH = "evacuation-watches-recovery"
+#: An abort cuts short the waits of the way out, the replicas elsewhere getting ready (up to
+#: ``ready_seconds``, 15 minutes by default) and the drain (up to ``drain_seconds``): the step in
+#: flight is cancelled and the put-back begins. Runs before it looked at the abort only once
+#: the wait had ended, so the operator's abort waited for it, the site at weight 0 meanwhile.
+ABORT_CUTS_WAITS_PATCH = "evacuation-abort-cuts-waits"
 #: The timeline keeps its first steps (how the evacuation began) and its newest (the end of a
 #: restore fits whole); those between are counted. Each failed proof adds two steps: a site that
 #: flapped for days grew the timeline, carried whole over continue-as-new and shown in the details,
@@ -318,6 +325,48 @@ class SiteEvacuation:
     def _check(self) -> None:
         if self._abort:
             raise Aborted(self._abort)
+
+    def _abort_cuts_waits(self) -> bool:
+        """Whether an abort cuts the waits of the way out short (``_unless_aborted``); asked as the
+        first of them begins, so a run from before it replays its waits whole."""
+        return workflow.patched(ABORT_CUTS_WAITS_PATCH)
+
+    async def _unless_aborted(self, waiting_for: str, *steps: Awaitable[Any]) -> list[Any]:
+        """``steps``, a wait of the way out (the replicas elsewhere getting ready, the drains of the
+        site's nodes), to their end: their results, or the first failure. An abort meanwhile cancels
+        them and is taken at once: the timeline says which wait it cut, and ``Aborted`` goes to the
+        put-back, which restores what the evacuation changed so far. Before, the abort was looked at
+        once the wait was over (up to ``ready_seconds``, 15 minutes by default), the site at weight 0
+        all that time. The run's own cancel meanwhile cancels them too, and is raised (the put-back
+        follows, as for an abort)."""
+        if not self._abort_cuts_waits():
+            # A run from before: the wait awaited as it was (the one for serving, the drains gathered),
+            # the abort looked at once it is over.
+            return [await steps[0]] if len(steps) == 1 else await asyncio.gather(*steps)
+        running = [asyncio.ensure_future(step) for step in steps]
+        all_of = asyncio.gather(*running)
+        try:
+            await workflow.wait_condition(lambda: all_of.done() or bool(self._abort))
+        except asyncio.CancelledError:
+            await self._cut_short(running, all_of)
+            raise
+        if all_of.done():
+            return all_of.result()
+        await self._cut_short(running, all_of)
+        self._mark("abort taken while waiting", f"the wait for {waiting_for} cut short: {self._abort}")
+        raise Aborted(self._abort)
+
+    async def _cut_short(self, running: list[asyncio.Future], all_of: asyncio.Future) -> None:
+        """Cancel each step still running and wait until every one has ended: a wait for serving (a
+        read, ``TRY_CANCEL``) ends at once, a drain once its activity heard the cancel at a heartbeat
+        (``WAIT_CANCELLATION_COMPLETED``), so nothing it does lands after the put-back began. To the
+        end even when the run's cancel lands meanwhile (after an abort): the cancel is taken, and the
+        run ends as it asked once all is put back (``_cancel_taken``)."""
+        for step in running:
+            step.cancel()
+        await to_its_end_taking_cancel(self._take_cancel, asyncio.ensure_future(workflow.wait(running)))
+        if all_of.done() and not all_of.cancelled():
+            all_of.exception()  # how they ended (cancelled) is not wanted: taken, not left unretrieved
 
     def _cancelled(self, error: BaseException) -> bool:
         """Whether ``error`` is this evacuation's cancel reaching the step it was in: it then ends as
@@ -790,7 +839,9 @@ class SiteEvacuation:
                        f"{len(waits)} ready by {deadline:%H:%M:%S} UTC at most; then the site drains")
         for model, target in waits:
             try:
-                await wait_for_serving(model, target, deadline, poll_seconds=1.0, summary=f"wait for {model} at {target}")
+                await self._unless_aborted(f"{model} at {target} to be ready (by {deadline:%H:%M:%S} UTC at most)",
+                                           wait_for_serving(model, target, deadline, poll_seconds=1.0,
+                                                            summary=f"wait for {model} at {target}"))
             except ActivityError as error:
                 if self._cancelled(error):
                     raise
@@ -820,17 +871,23 @@ class SiteEvacuation:
         # marked: a node cordoned before keeps its cordon, and its mark or none, as it was.
         mine = workflow.info().workflow_id
 
+        # An abort cuts the drain short: the put-back that follows uncordons these nodes, so it waits
+        # for each drain to stop (at its next heartbeat) rather than race its evictions and cordon.
+        cancel = (ActivityCancellationType.WAIT_CANCELLATION_COMPLETED if self._abort_cuts_waits()
+                  else ActivityCancellationType.TRY_CANCEL)
+
         async def drain(name: str) -> None:
             self._cordoning.append(name)  # cordoned from here on, even if the drain then fails
             result = await drain_node(name, s.drain_seconds, summary=f"cordon and drain {name} (PDBs honoured)",
-                                      cordoned_by=mine, machine_goes=True)
+                                      cordoned_by=mine, machine_goes=True, cancellation_type=cancel)
             p.drained.append(name)
             blocked.extend(f"{b.key}: {b.reason}" for b in result.blocked)
 
         by = workflow.now() + timedelta(seconds=s.drain_seconds)
         self._show("draining", f"{len(self._facts.nodes)} nodes cordoned and drained, PodDisruptionBudgets honoured "
                                f"until {by:%H:%M:%S} UTC (then the pods left are named)")
-        await asyncio.gather(*(drain(n.name) for n in self._facts.nodes))
+        await self._unless_aborted(f"the drain of {len(self._facts.nodes)} nodes (until {by:%H:%M:%S} UTC at most)",
+                                   *(drain(n.name) for n in self._facts.nodes))
         self._check()
         self._mark("drained", f"{len(p.drained)} nodes" + (f"; blocked: {'; '.join(blocked)}" if blocked else ""))
 

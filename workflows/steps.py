@@ -280,19 +280,26 @@ def checked_smoke(node_name: str, answer: Any) -> SmokeResult:
 
 
 # -- node steps -----------------------------------------------------------------------------
+#: The SDK's default cancel of an activity: the caller goes on at once, the activity stops when told.
+TRY_CANCEL = workflow.ActivityCancellationType.TRY_CANCEL
+
+
 async def drain_node(node_name: str, deadline_seconds: float, *, summary: str,
-                     cordoned_by: str | None = None, machine_goes: bool = False) -> DrainResult:
+                     cordoned_by: str | None = None, machine_goes: bool = False,
+                     cancellation_type: workflow.ActivityCancellationType = TRY_CANCEL) -> DrainResult:
     """Cordon and evict within the deadline, PodDisruptionBudgets honoured (``DrainNodeInput``:
     ``cordoned_by`` marks the cordon, ``machine_goes`` drains a node someone else holds too).
 
     Retried as a cluster call: the drain activity is idempotent (a second cordon and the
     evictions of pods already gone change nothing) and returns what was left, never raises
-    for a blocked pod."""
+    for a blocked pod. It stops at its next heartbeat once cancelled; ``WAIT_CANCELLATION_COMPLETED``
+    makes a cancelled drain's caller wait for that stop (no eviction after it goes on)."""
     return await workflow.execute_activity(
         act.drain_within, DrainNodeInput(node_name=node_name, deadline_seconds=deadline_seconds,
                                          cordoned_by=cordoned_by, machine_goes=machine_goes),
         start_to_close_timeout=timedelta(seconds=deadline_seconds + 60),
         heartbeat_timeout=WAIT_HEARTBEAT, retry_policy=CLUSTER_RETRY, summary=summary,
+        cancellation_type=cancellation_type,
     )
 
 
