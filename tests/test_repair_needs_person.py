@@ -174,8 +174,9 @@ async def test_a_retry_the_cluster_cannot_read_the_node_for_is_refused_saying_so
 @pytest.fixture
 async def unguarded_stack(temporal_env, tmp_path, monkeypatch):
     """``rstack`` without the input guard, which refuses a carry in a run that did not continue as
-    new: a test starts a run as a continue-as-new starts it (a Node entity whose GPU was held for a
-    person did not continue as new on ``renew`` when tried, so a real one is not waited for here)."""
+    new: a test starts a run as a continue-as-new starts it, with an update in that run's first task.
+    (A real ``renew`` continues a Node whose GPU is held for a person as new too, the test below,
+    but no test can time an update to land in the continued run's first task by it.)"""
     without_input_guard(monkeypatch)
     async for stack in running_stack(temporal_env.client, tmp_path):
         yield stack
@@ -204,3 +205,33 @@ async def test_a_return_in_a_continued_runs_first_task_sees_the_carried_hold(ung
     assert fence_key(0) not in rstack.cluster.annotate_node(node.node_name, {})
     assert not rstack.cluster.get_node(node.node_name).unschedulable, "the node serves again"
     await replay_and_record(await start.workflow_handle(), "node_entity_gpu_returned_in_its_first_task")
+
+
+async def test_a_node_whose_gpu_is_held_for_a_person_renews_carrying_the_hold(rstack: Stack) -> None:
+    """``gpufleet patches renew`` (docs/operations.md, "Upgrading the control plane") sends ``renew``
+    to every entity run from before a deploy: a Node entity whose GPU is held for a person moves on
+    to a new run as an idle one does, the hold carried (the GPU still fenced, the node cordoned), and
+    the person's ``gpufleet repair return`` is taken by the new run."""
+    node = await _held_for_a_person(rstack)
+    entity = _node_entity(rstack, node)
+    first_run = (await entity.describe()).run_id
+
+    # ``flows.Node.renew``: the name the SDK routes by (``flows.Entity`` only declares it).
+    await entity.signal(flows.Node.renew)
+
+    async def continued() -> str | None:
+        run_id = (await entity.describe()).run_id
+        return run_id if run_id != first_run else None
+    await eventually(continued, timeout=30)
+    old = rstack.client.get_workflow_handle(entity.id, run_id=first_run)
+    assert (await old.describe()).status == WorkflowExecutionStatus.CONTINUED_AS_NEW
+    status = await node_status(rstack, node.node_name)
+    assert status.state == "needs-person" and set(status.needs_person) == {"0"}, status
+    assert fence_key(0) in rstack.cluster.annotate_node(node.node_name, {})
+    assert rstack.cluster.get_node(node.node_name).unschedulable
+
+    done = await gpufleet(rstack, "repair", "return", node.node_name, "0", "--reason", "checked after the deploy")
+    assert done.returncode == 0 and "un-fenced, node uncordoned" in done.stdout, (done.stdout, done.stderr)
+    assert fence_key(0) not in rstack.cluster.annotate_node(node.node_name, {})
+    assert not rstack.cluster.get_node(node.node_name).unschedulable, "the node serves again"
+    await replay_and_record(old, "node_entity_renewed_held_for_a_person")

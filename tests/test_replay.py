@@ -353,6 +353,9 @@ EXPECTED = {
     # was (without the patch the handler cut the watch, or continued as new, where they went on).
     "node_entity_renewed", "demand_renewed_in_its_watch",
     "node_entity_renewed_before", "demand_renewed_in_its_watch_before",
+    # ... a Node whose GPU is held for a person (its repair cancelled) too, the hold carried
+    # (tests/test_repair_needs_person.py; no patch: the same path).
+    "node_entity_renewed_held_for_a_person",
     # What an evacuation of the site left when it closed without putting back (terminated) is put back
     # by the Site entity: as its incident closes, and at a safety reconcile for a person's
     # (``site-puts-back-closed-evacuations``, tests/test_evacuation.py). ``_before``: the same
