@@ -200,3 +200,12 @@ def test_a_misspelt_name_is_caught(typo: str, tmp_path: Path) -> None:
     """The check itself: a name no worker registers is reported."""
     assert typo not in registered_activities(tmp_path)
     assert typo not in _declarations()
+
+
+def test_a_handler_declared_on_a_mixin_cannot_be_sent_by_mistake() -> None:
+    """``Entity.renew`` is declared once on the mixin and becomes a ``Name`` on each entity type.
+    The mixin's own is no name: the SDK ``str()``-s whatever is not callable, and sent a signal
+    named after the object's repr, which no run answers (a renew that silently did nothing)."""
+    with pytest.raises(TypeError, match=r"flows\.Node\.renew"):
+        str(declared_workflows.Entity.renew)
+    assert declared_workflows.Node.renew == "renew" and declared_workflows.Node.renew.of == "Node"

@@ -33,6 +33,12 @@ class _Handler:
     def __init__(self, kind: str) -> None:
         self.kind = kind
 
+    def __str__(self) -> str:
+        # Only a mixin's own (``Entity.renew``) is left one: the SDK takes whatever is not callable
+        # by ``str()``, and would send a signal named after this object that no handler answers.
+        raise TypeError(f"a {self.kind} declared on a mixin names no workflow type: use it through one "
+                        "(flows.Node.renew, not flows.Entity.renew)")
+
 
 def Signal() -> Any:
     return _Handler("signal")
