@@ -1374,6 +1374,49 @@ async def test_an_abort_while_the_site_drains_stops_the_drain_and_uncordons(
         await replay_and_record(handle, ABORTED_DRAINING)
 
 
+async def test_a_drain_that_fails_stops_the_other_drains_before_the_put_back(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """Review: one drain failing for good (the cluster refuses its evictions) ended the wait for the
+    drains at once and the put-back began, while the other drains ran on (one held by a
+    PodDisruptionBudget for ``drain_seconds``), still evicting on nodes the put-back had uncordoned,
+    and a retry of theirs would cordon them again. Now they are cancelled, and waited for, first."""
+    from fleet.errors import ClusterForbidden
+    from sim.cluster import SimCluster
+
+    uid = uuid.uuid4().hex[:6]
+    fleet = incident_fleet(uid, {"drain_seconds": 600})
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, fleet, uid):
+        a = inc.site("a")
+        await inc.join("a", 3)
+        await inc.join("d", 1)
+        guarded, refusing, _ = sorted(n.name for n in inc.cluster.list_nodes(
+            {"node-restriction.kubernetes.io/gpufleet-site": a}))
+        inc.cluster.add_pod(guarded, "keeper", labels={"app": "keeper"})
+        inc.cluster.set_pdb("default", "keeper", {"app": "keeper"}, min_available=1)
+        real_drain = SimCluster.drain_node
+
+        def drain_node(self, node_name: str, *args, **kwargs):
+            if node_name == refusing:
+                raise ClusterForbidden(f"POST pods/eviction on {node_name}: 403 Forbidden", code="403")
+            return real_drain(self, node_name, *args, **kwargs)
+
+        monkeypatch.setattr(SimCluster, "drain_node", drain_node)
+        inc.serve(MODEL, "a", replicas=1)
+        inc.serve(MODEL, "d", replicas=0)
+        await inc.start_site("a")
+        inc.world.set_site(a, unreachable=1)
+        await poll(lambda: inc.progress("a"), timeout=60)
+        handle = inc.evacuation("a")
+        inc.world.set_site(a, unreachable=0)  # the put-back finds the site's nodes ready again
+        with pytest.raises(WorkflowFailureError):  # the failed step ends it failed, once all is put back
+            await asyncio.wait_for(handle.result(), 60)
+        # The held drain was cancelled, and ended so, before the run ended; the refused one failed.
+        assert sorted(await _activity_ends(handle, "drain_within")) == ["cancelled", "completed", "failed"]
+        assert await _cordoned(inc, a) == set(), "the nodes it cordoned are uncordoned"
+        assert inc.cluster.serving_status(MODEL, a).desired_replicas == 1, "the site's Deployment is back"
+        await replay_and_record(handle, "site_evacuation_drain_failed_the_others_stopped")
+
+
 async def test_a_cancel_during_its_first_step_ends_it_before_it_changes_anything(
         temporal_env, tmp_path, monkeypatch) -> None:
     """A cancel while the evacuation asked whether another began first was taken for Temporal's

@@ -277,6 +277,7 @@ EXPECTED = {
     # (``evacuation-abort-cuts-waits``, tests/test_evacuation.py); the run before it, which waited the
     # wait for serving out, replays without its marker.
     "site_evacuation_aborted_waiting_for_replicas_elsewhere", "site_evacuation_aborted_while_draining",
+    "site_evacuation_drain_failed_the_others_stopped",
     "site_evacuation_aborted_waiting_for_replicas_elsewhere_before",
     # While its site is down, and while nothing may take its replicas, an evacuation waits on one
     # ``watch_recovery`` that probes inside the activity, which ``recovered`` cuts short

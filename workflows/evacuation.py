@@ -351,7 +351,15 @@ class SiteEvacuation:
             await self._cut_short(running, all_of)
             raise
         if all_of.done():
+            failed = all_of.exception()
+            if failed is not None:
+                # One step failed (a drain past its retries): the others are stopped before the
+                # put-back that follows uncordons their nodes, or a retry of theirs would cordon and
+                # evict there again after it.
+                await self._cut_short(running, all_of)
+                raise failed
             return all_of.result()
+        self._show("abort taken", f"stopping the wait for {waiting_for}, then putting back what it changed")
         await self._cut_short(running, all_of)
         self._mark("abort taken while waiting", f"the wait for {waiting_for} cut short: {self._abort}")
         raise Aborted(self._abort)
@@ -364,7 +372,8 @@ class SiteEvacuation:
         run ends as it asked once all is put back (``_cancel_taken``)."""
         for step in running:
             step.cancel()
-        await to_its_end_taking_cancel(self._take_cancel, asyncio.ensure_future(workflow.wait(running)))
+        if any(not step.done() for step in running):
+            await to_its_end_taking_cancel(self._take_cancel, asyncio.ensure_future(workflow.wait(running)))
         if all_of.done() and not all_of.cancelled():
             all_of.exception()  # how they ended (cancelled) is not wanted: taken, not left unretrieved
 
