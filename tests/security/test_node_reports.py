@@ -107,13 +107,23 @@ class HostileWatch:
                       activity_executor=executor, max_concurrent_activities=5)
 
     async def answer(self, forgery: Forgery) -> None:
-        """Forge the answer to the newest watch in flight; return once the entity scheduled the next."""
-        before = len(self.inputs)
+        """Forge the answer to the newest watch in flight (or the next one); return once the entity
+        took it and scheduled the watch after the one that answered. Not merely the next watch: the
+        honest agent may have answered the one in flight first (the forged digest differs from what
+        the node really has), and the watch that then takes the queued forgery is not yet answered
+        as it starts."""
+        answered_at: list[int] = []
+
+        def forge(input: NodeWatchInput) -> Payload | Payloads:
+            answered_at.append(len(self.inputs))  # the watches so far, the one answering among them
+            return forgery(input)
+
         if self._newest is not None and not self._newest.done():
-            self._newest.set_result(forgery)
+            self._newest.set_result(forge)
         else:
-            self._queued = forgery
-        await eventually(_async(lambda: len(self.inputs) > before), timeout=15, interval=0.02)
+            self._queued = forge
+        await eventually(_async(lambda: bool(answered_at) and len(self.inputs) > answered_at[0]),
+                         timeout=15, interval=0.02)
 
 
 def _async(check: Callable[[], bool]):
