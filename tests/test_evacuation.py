@@ -1246,6 +1246,17 @@ def never_ready_at(monkeypatch, cluster, model: str, site: str) -> None:
     monkeypatch.setattr(kind, "scale_serving", scale)
 
 
+async def _aborted_as_a_blip(inc: IncStack) -> tuple[WorkflowHandle, EvacuationResult]:
+    """Site a's evacuation aborted as the provider says it was a blip, the site reachable again (the
+    put-back finds its nodes and replica as before): its handle and result, within a minute."""
+    handle = inc.evacuation("a")
+    inc.world.set_site(inc.site("a"), unreachable=0)
+    await handle.execute_update("abort", "test: the provider says it was a blip")
+    result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+    assert result.outcome == "aborted", result
+    return handle, result
+
+
 async def _activity_ends(handle, activity_type: str) -> list[str]:
     """How each ``activity_type`` of the run ended, in order: its completion's kind, or
     "cancel requested" for one still open when the run asked to cancel it."""
@@ -1282,12 +1293,7 @@ async def test_an_abort_while_the_replicas_elsewhere_get_ready_cuts_the_wait_sho
         await poll(waiting_elsewhere, timeout=30)
         at_d = inc.cluster.serving_status(MODEL, d)
         assert (at_d.desired_replicas, at_d.ready) == (1, False), at_d
-        handle = inc.evacuation("a")
-        inc.world.set_site(a, unreachable=0)  # a blip: the put-back finds the site's replica serving again
-        await handle.execute_update("abort", "test: the provider says it was a blip")
-        # Well within ready_seconds: the code before waited the 600 s out.
-        result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
-        assert result.outcome == "aborted", result
+        handle, result = await _aborted_as_a_blip(inc)  # well within ready_seconds: before, 600 s
         names = [step.name for step in result.timeline]
         assert "replicas ready elsewhere" not in names and "drained" not in names, names
         assert names.index("abort taken while waiting") < names.index("routing restored") < names.index("aborted")
@@ -1353,11 +1359,7 @@ async def test_an_abort_while_the_site_drains_stops_the_drain_and_uncordons(
             return p if p is not None and p.step == "draining" and len(p.drained) == 2 else None
 
         await poll(draining, timeout=60)  # the two nodes without the keeper drained; the third is held
-        handle = inc.evacuation("a")
-        inc.world.set_site(a, unreachable=0)  # a blip: the put-back finds the site's nodes ready again
-        await handle.execute_update("abort", "test: the provider says it was a blip")
-        result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
-        assert result.outcome == "aborted", result
+        handle, result = await _aborted_as_a_blip(inc)  # well within drain_seconds
         names = [step.name for step in result.timeline]
         assert "drained" not in names and names.index("abort taken while waiting") < names.index("aborted"), names
         cut = next(step.detail for step in result.timeline if step.name == "abort taken while waiting")
