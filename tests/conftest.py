@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 import pytest
 import yaml
 
-from tests.plugins import ast_race, tiers
+from tests.plugins import ast_race, evict_on_shutdown, tiers
 from tests.ports import worker_port_range
 from tests.tools import require_marked
 
@@ -36,6 +36,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # This worker's own ports (tests/ports.py), for the servers the CLI starts too (and its children).
     os.environ["GPUFLEET_PORT_RANGE"] = "-".join(map(str, worker_port_range()))
     ast_race.install()  # CPython 3.11's gh-106905 under the suite's threads (tests/plugins/ast_race.py)
+    evict_on_shutdown.install()  # a worker shut down evicts its runs (tests/plugins/evict_on_shutdown.py)
     # A plugin module, not this conftest's hooks: its hook wrappers guard every test, also those
     # of directories with a conftest of their own. (It may be loaded already, by ``-p``.)
     if not config.pluginmanager.is_registered(tiers):

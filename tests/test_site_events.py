@@ -892,7 +892,10 @@ async def test_a_repair_whose_node_entity_was_terminated_waits_for_the_next_run_
         if (await repair.describe()).status.name != "RUNNING":
             return True  # the defect: the repair ended at its signal to no run
         ladder = await repair.query(flows.GpuRepair.ladder, result_type=LadderState)
-        return ladder if ladder.step == "waiting for the node" and ladder.rung == "reinstall" else False
+        # The step is taken as the request is signalled; why it waits is known once the signal failed
+        # (a later task), so a query between the two sees the step and no reason yet.
+        asking = ladder.step == "waiting for the node" and ladder.rung == "reinstall" and ladder.waiting_for
+        return ladder if asking else False
 
     ladder = await eventually(asking_for_the_reinstall, timeout=60)
     described = await repair.describe()
