@@ -11,7 +11,9 @@ What it does for a model's traffic (HAProxy 2.6, /work/shared/notes-platform.md)
   stuck ones (reweight); ``maint`` with ``option redispatch`` moves stuck ones too (drain);
 - ``retry-on conn-failure empty-response``: a request is retried (on another server) only
   while no byte of the answer has come back; a stream cut after some tokens is never
-  replayed (the client sees the error).
+  replayed (the client sees the error);
+- a replica that refuses a connection is marked down at once (``observe layer4``), so retries
+  go to live replicas; its next health check brings it back.
 
 Weight and drain changes go through the runtime API (a Unix socket) and take effect at
 once; a change in the set of replicas writes a new configuration and reloads.
@@ -125,7 +127,12 @@ def render_config(
             f"    stick on req.hdr({SESSION_HEADER})",
             f"    http-request replace-path ^/{re.escape(model)}(/.*) \\1",
             "    option httpchk GET /health",
-            f"    default-server inter {check_interval_ms} fastinter {max(100, check_interval_ms // 2)} fall 2 rise 1",
+            # A replica that refuses a connection is out at once, not at its next health check: a
+            # request's retries then go to live ones, never again to a dead one (with every retry
+            # free to land on another dead replica, a site's death could use all of them up and
+            # answer 503). Its health check brings it back (``rise 1``) once it answers.
+            f"    default-server inter {check_interval_ms} fastinter {max(100, check_interval_ms // 2)} fall 2 rise 1 "
+            "observe layer4 error-limit 1 on-error mark-down",
         ]
         for site in sorted(models[model]):
             draining = doc.sites[site].draining if site in doc.sites else False
@@ -269,6 +276,14 @@ class HAProxy:
 
     def stick_table(self, model: str) -> str:
         return runtime(self.socket_path, f"show table {backend_name(model)}")
+
+    def servers_up(self, model: str) -> dict[str, bool]:
+        """Each of the model's servers: whether HAProxy sends it traffic now (its health as HAProxy
+        judges it, checks and observed connections both)."""
+        answer = runtime(self.socket_path, f"show servers state {backend_name(model)}")
+        rows = [line.split() for line in answer.splitlines() if line and not line.startswith("#")]
+        # Columns (HAProxy 2.6): be_id be_name srv_id srv_name srv_addr srv_op_state ...; 0 is stopped.
+        return {row[3]: row[5] != "0" for row in rows if len(row) > 5}
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from fleet.routing import RoutingDocument, SiteRouteState
-from providers.haproxy import HAProxy, HAProxyError, Replica
+from providers.haproxy import HAProxy, HAProxyError, Replica, server_name
 from tests.tools import needs
 from sim.model_server import SimModelServer
 
@@ -147,6 +147,12 @@ async def test_a_refusing_site_fails_over_before_the_first_byte(tmp_path: Path):
         after = fd.requests()
         assert all(after[s.name] == before[s.name] for s in fd.servers["site-b"])
         assert sum(after.values()) - sum(before.values()) == 30  # each answered exactly once
+        # Out at their first refused connection, a minute before a health check would have seen it:
+        # no later request tries them (each try could land on one, and all of a request's on dead ones
+        # answered 503, as CI once saw).
+        up = await asyncio.to_thread(fd.proxy.servers_up, "llm")
+        assert up == {server_name("site-a", 0): True, server_name("site-a", 1): True,
+                      server_name("site-b", 0): False, server_name("site-b", 1): False}, up
     finally:
         await _close(fd)
 
