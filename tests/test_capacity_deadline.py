@@ -95,4 +95,5 @@ async def test_the_joins_in_flight_at_the_deadline_finish_and_say_so(cap: CapSta
     assert sorted(n.site for n in result.nodes) == [cap.site("cheap"), cap.site("mid")]
     assert [a.outcome for a in result.attempts].count("NoCapacity") == 1
     assert len(cap.world.machines(include_deleted=True)) == 2, "no third machine bought past the deadline"
-    await replayer().replay_workflow(await handle.fetch_history())
+    history = await handle.fetch_history()
+    await replayer(history).replay_workflow(history)
