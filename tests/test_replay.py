@@ -127,6 +127,10 @@ EXPECTED = {
     # the same commands, the inputs and results differ). csr_approver_paced_flood's run, whose
     # watches were told the names (``known``), replays too, and such an input is still honoured.
     "csr_approver_compact_flood",
+    # An approver cancelled while its first pass was in flight ends with what it decided
+    # (``approver-cancelled-in-its-first-pass-ends``, tests/cluster/test_csr_flood.py); the ``_before``
+    # run, recorded on the code before, ended cancelled there, and replays.
+    "csr_approver_cancelled_in_its_first_pass", "csr_approver_cancelled_in_its_first_pass_before",
     "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
     # An abort after a scale put v1 back (its rollback knows the templates: tests/rollout).
     "rollout_aborted_after_a_scale",

@@ -65,6 +65,10 @@ CSR_WATCH_SECONDS = 600.0
 CSR_WATCH_HEARTBEAT = timedelta(minutes=10)
 #: A run ends after this long at most; the Schedule's next pass starts the next one.
 CSR_RUN_SECONDS = 86400.0
+#: A run cancelled during its first pass ends with what it decided, as one cancelled later does
+#: (before: the first pass stood outside the run's cancel handling, and such a run ended cancelled,
+#: with no result). Asked where that cancel is taken: a run from before ended there.
+FIRST_PASS_CANCEL_PATCH = "approver-cancelled-in-its-first-pass-ends"
 
 
 @workflow.defn(name="CsrApprover")
@@ -76,14 +80,17 @@ class CsrApprover:
     @workflow.run
     async def run(self, raw: Any = None) -> CsrApproverResult:
         parse_input(CsrApproverInput, raw or {})
-        result = await self._pass("approve or deny pending kubelet CSRs of gpufleet's nodes")
-        started = workflow.now()
         mark: CsrMark | None = CsrMark()
         known: list[str] = []
         known_cut = False
         pace = CSR_PACE_SECONDS
-        decided = list(result.decided)
+        decided: list = []
+        first_pass = True
         try:
+            result = await self._pass("approve or deny pending kubelet CSRs of gpufleet's nodes")
+            first_pass = False
+            started = workflow.now()
+            decided = list(result.decided)
             while not workflow.info().is_continue_as_new_suggested() and \
                     workflow.now() - started < timedelta(seconds=CSR_RUN_SECONDS):
                 # The pace is an activity input, which replay does not compare: a run recorded before
@@ -107,7 +114,7 @@ class CsrApprover:
                 junk = seen.changed and not result.approved
                 pace = min(pace * 2, CSR_FLOOD_PACE_SECONDS) if junk else CSR_PACE_SECONDS
         except (asyncio.CancelledError, ActivityError) as error:
-            if not is_cancelled_exception(error):
+            if not is_cancelled_exception(error) or (first_pass and not workflow.patched(FIRST_PASS_CANCEL_PATCH)):
                 raise
             # Cancelled (an operator, or a test that has seen enough): the watch is stopped with the
             # run, and the run ends with what it decided. A pass in flight is cancelled too; every

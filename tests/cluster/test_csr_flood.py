@@ -464,6 +464,44 @@ async def test_a_steady_flood_of_junk_csrs_slows_the_approver_and_a_genuine_one_
     assert sum(approvals) == 1 and approvals.index(1) <= passes_at_post, (passes_at_post, approvals)
 
 
+async def test_an_approver_cancelled_in_its_first_pass_ends_with_what_it_decided(
+        env, fake, kube, monkeypatch, time_skipping_env: WorkflowEnvironment) -> None:
+    """A cancelled approver ends with what it decided (its docstring, `gpufleet` and the Schedule's
+    runs read that result); one cancelled while its first pass was in flight ended cancelled, with
+    no result, the first pass standing outside the run's cancel handling (the real-cluster tier's
+    pod test cancels the approver as soon as the node's renewal is approved, which the pass's
+    completion may not yet have told the run: it failed so). Behind
+    ``approver-cancelled-in-its-first-pass-ends`` it ends as a later cancel does."""
+    from fleet.messages.csr import CsrApproverResult
+    from tests.details_helpers import current_details
+
+    settings = Settings(address=time_skipping_env.client.service_client.config.target_host,
+                        task_queue=f"csr-cancel-{uuid.uuid4().hex[:8]}", state_dir=env.settings.state_dir)
+    client = time_skipping_env.client
+    review, in_pass, may_end = env.cluster.review_csrs, threading.Event(), threading.Event()
+
+    def slow_review(addresses):
+        in_pass.set()
+        may_end.wait(timeout=30)  # the pass is in flight until the run was cancelled
+        return review(addresses)
+
+    monkeypatch.setattr(env.cluster, "review_csrs", slow_review)
+    genuine(fake, kube)
+    async with build_worker(client, settings, env):
+        run = await client.start_workflow("CsrApprover", {}, id=f"csr-approver-{uuid.uuid4().hex[:6]}",
+                                          task_queue=settings.task_queue)
+        try:
+            assert await asyncio.to_thread(in_pass.wait, 30), "the first pass never began"
+            await run.cancel()
+            result = CsrApproverResult.model_validate(await asyncio.wait_for(run.result(), 30))
+        finally:
+            may_end.set()
+        assert (result.approved, result.denied) == (0, 0), result  # the pass in flight told it nothing
+        assert (await run.describe()).status.name == "COMPLETED"
+        assert "cancelled" in await current_details(run)
+        await replay_and_record(run, "csr_approver_cancelled_in_its_first_pass")
+
+
 #: What one round of ``CsrApprover`` (a watch and the pass it woke) may write to its history, however
 #: many CSRs nodes post and however long their names: the events' protobuf bytes, what Temporal counts
 #: against the 4 MB at which it suggests a new run.
