@@ -342,6 +342,14 @@ async def test_the_schedules_sweep_starts_a_terminated_node_entity_again_and_no_
         return len([w async for w in inc.client.list_workflows(query)]) == 3
 
     await poll(entities_listed, timeout=30)  # each join's admission started its node's entity
+
+    async def entities_know_their_site() -> bool:
+        # Each entity has run its first steps (an entity terminated before it learned its node's facts
+        # leaves a status with no site, which `gpufleet repair node` shows as "site unknown").
+        sites = [getattr(await node(inc, n), "site", "") for n in names]
+        return sites == [a] * len(names)
+
+    await poll(entities_know_their_site, timeout=30)
     entity = {n: inc.client.get_workflow_handle(naming.node_workflow_id(n)) for n in names}
     terminated = {n: (await entity[n].describe()).run_id for n in names}
     inc.cluster.cordon(retiring, True, by=CORDONED_BY_DEMAND)
