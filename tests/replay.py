@@ -28,8 +28,8 @@ RECORD = os.environ.get("GPUFLEET_RECORD") == "1"
 
 def replayer(history: WorkflowHistory | None = None) -> Replayer:
     """A replayer as the control plane's worker runs its workflows; for ``history``, of its workflow
-    type alone: a replayer checks each type it is given in the sandbox as it starts (seconds in all
-    for every type, a tenth of a second a replay; a history's replay runs its own type only)."""
+    type alone: a replayer checks each type it is given in the sandbox as it starts, and checking all
+    seventeen for every replay took most of its time (a history's replay runs its own type only)."""
     workflows = ALL_WORKFLOWS
     if history is not None:
         started = history.events[0].workflow_execution_started_event_attributes.workflow_type.name
