@@ -466,6 +466,10 @@ class FleetClient:
         closed = {"entity": closed_as(described.status), "entity_closed_at": described.close_time}
         if status.state != "gone":
             closed["state"] = "unwatched"
+        if not status.site:
+            # A run that ended before it learned its node's facts (terminated as it started) knows no
+            # site; the control plane started it with its site as a search attribute.
+            closed["site"] = described.typed_search_attributes.get(sa.SITE) or ""
         return status.model_copy(update=closed)
 
     @staticmethod

@@ -148,6 +148,29 @@ async def test_repair_and_node_calls_name_what_is_missing(stack: Stack) -> None:
     assert missing.value.workflow_id == "node/no-such-node"
 
 
+async def test_a_node_entity_terminated_before_its_first_step_is_shown_at_its_site(stack: Stack) -> None:
+    """A Node entity terminated before its first workflow task ran (an operator's slip the moment
+    it was listed) answers its status query with nothing it learned, its site among it: `gpufleet
+    repair node` said "site unknown". The control plane starts every entity with its site as a search
+    attribute, which the status now falls back on."""
+    from datetime import timedelta
+
+    from temporalio.common import SearchAttributePair, TypedSearchAttributes
+
+    from fleet.contracts import workflows as flows
+    from fleet.naming import node_workflow_id
+
+    node = node_name_for("site-a", f"early-{uuid.uuid4().hex[:6]}")
+    handle = await stack.client.start_workflow(
+        flows.Node.TYPE, {"node_name": node, "site": "site-a"}, id=node_workflow_id(node),
+        task_queue=stack.settings.task_queue, start_delay=timedelta(hours=1),  # its first task never runs
+        search_attributes=TypedSearchAttributes([SearchAttributePair(sa.SITE, "site-a"),
+                                                 SearchAttributePair(sa.NODE_NAME, node)]))
+    await handle.terminate("an operator's slip in the Temporal UI")
+    status = await FleetClient(stack.settings, stack.client).node_status(node)
+    assert (status.site, status.state, status.entity) == ("site-a", "unwatched", "terminated"), status
+
+
 @pytest.fixture
 async def inc(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncIterator[IncStack]:
     uid = uuid.uuid4().hex[:6]
