@@ -76,11 +76,62 @@ def _free_loopback_port() -> int:
 WORKER_HEARTBEAT = timedelta(seconds=60)
 
 
+#: Connections served at once; more are closed unanswered. Prometheus scrapes a target over one
+#: connection at a time, so the rest are someone else's: in a cluster any pod may dial this port, a
+#: GPU node's included, and a thread per connection would be theirs to multiply (each one, and the
+#: page it asks for, taken from the worker that runs the fleet's workflows in this process).
+MAX_CONNECTIONS = 8
+#: How long a connection has to send its whole request; then it is closed (Prometheus' own scrape
+#: timeout's default). Also the most a write to a reader that stopped reading may wait.
+REQUEST_TIMEOUT_S = 10.0
+#: A page is the answer to every scrape that asks within this long of it: any number of scrapers
+#: (two Prometheus replicas, or a node asking in a loop) cost one page a second, not one each.
+PAGE_REUSE_S = 1.0
+
+
+class _BoundedHTTPServer(ThreadingHTTPServer):
+    """A thread per connection, at most ``max_connections`` of them; a connection over the bound
+    is closed at once (counted in ``turned_away``)."""
+
+    daemon_threads = True
+    #: The listen backlog: connections over the bound are accepted and closed at once, so a
+    #: longer queue holds nothing for long, and a scrape is not dropped behind a flood's.
+    request_queue_size = 128
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], max_connections: int) -> None:
+        super().__init__(address, handler)
+        self.slots = threading.BoundedSemaphore(max_connections)
+        self.turned_away = 0
+
+    def process_request(self, request, client_address) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.turned_away += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()  # no thread started to give it back
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
 class MetricsServer:
-    """``GET /metrics``: this process's registry, then the SDK runtime's page."""
+    """``GET /metrics``: this process's registry, then the SDK runtime's page.
+
+    What a caller can take from the process is bounded: ``max_connections`` at once, each closed
+    if its request is not whole within ``request_timeout_s``, and one page per ``page_reuse_s``
+    however many ask (tests/security/test_metrics_endpoint.py)."""
 
     def __init__(self, port: int, service: str, host: str | None = None,
-                 registry: CollectorRegistry = REGISTRY, worker_heartbeats: bool = True) -> None:
+                 registry: CollectorRegistry = REGISTRY, worker_heartbeats: bool = True, *,
+                 max_connections: int = MAX_CONNECTIONS, request_timeout_s: float = REQUEST_TIMEOUT_S,
+                 page_reuse_s: float = PAGE_REUSE_S) -> None:
         self.sdk_port = _free_loopback_port()
         # Prometheus conventions: seconds, and counters end in _total.
         self.runtime = Runtime(telemetry=TelemetryConfig(
@@ -89,10 +140,36 @@ class MetricsServer:
             global_tags={"service": service},
         ), worker_heartbeat_interval=WORKER_HEARTBEAT if worker_heartbeats else None)
         self.registry = registry
+        self.page_reuse_s = page_reuse_s
+        self._page_lock = threading.Lock()
+        self._page: tuple[float, bytes] | None = None  # (when, page)
+        #: Pages rendered since start (each scrape within ``page_reuse_s`` of one shares it).
+        self.pages_rendered = 0
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = request_timeout_s  # each read and write of the connection's socket
+
+            def setup(self) -> None:
+                super().setup()
+                # The socket's timeout bounds one read; this bounds the whole request, which a
+                # caller sending a byte at a time would otherwise stretch for ever.
+                self._request_deadline = threading.Timer(request_timeout_s, self._give_up)
+                self._request_deadline.daemon = True
+                self._request_deadline.start()
+
+            def _give_up(self) -> None:
+                try:
+                    self.connection.shutdown(socket.SHUT_RDWR)  # the blocked read returns: the thread ends
+                except OSError:
+                    pass
+
+            def finish(self) -> None:
+                self._request_deadline.cancel()
+                super().finish()
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's name
+                self._request_deadline.cancel()  # the request is whole; a page may take its time
                 if self.path.split("?")[0] not in ("/metrics", "/"):
                     self.send_error(404)
                     return
@@ -106,13 +183,21 @@ class MetricsServer:
             def log_message(self, *args) -> None:  # a scrape a second would flood the log
                 pass
 
-        self.httpd = ThreadingHTTPServer((host or WorkerEnv.get("metrics_host"), port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _BoundedHTTPServer((host or WorkerEnv.get("metrics_host"), port), Handler, max_connections)
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="metrics", daemon=True)
         self._thread.start()
 
     def page(self) -> bytes:
+        """The page, rendered at most once per ``page_reuse_s``: scrapes that ask meanwhile (or
+        while it renders) get the same one."""
+        with self._page_lock:
+            if self._page is None or time.monotonic() - self._page[0] >= self.page_reuse_s:
+                self._page = (time.monotonic(), self._render())
+                self.pages_rendered += 1
+            return self._page[1]
+
+    def _render(self) -> bytes:
         # Always the 0.0.4 text format: two text pages concatenate, OpenMetrics pages (one # EOF) do not.
         ours = generate_latest(self.registry)
         try:
