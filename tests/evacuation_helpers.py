@@ -29,7 +29,7 @@ FAST_JOIN = {"registration_seconds": 15, "smoke_test_seconds": 10, "heartbeat_se
 #: Everything short: the sim boots in 0.1 s.
 INCIDENT = {
     "min_nodes": 3, "fraction": 0.3, "window_seconds": 30, "settle_seconds": 1.5, "check_seconds": 0.5,
-    "probe_seconds": 0.5, "bake_seconds": 0.3, "drain_seconds": 2, "ready_seconds": 30,
+    "probe_seconds": 0.5, "bake_seconds": 0.3, "drain_seconds": 2, "ready_seconds": 8,
     "capacity_deadline_seconds": 60, "smoke_test_seconds": 10,
 }
 REPAIR = {

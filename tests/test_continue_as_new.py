@@ -152,7 +152,7 @@ async def test_evacuation_continues_as_new_while_no_compliant_site_then_moves_on
     assert inc.cluster.serving_status("eu-only", d).desired_replicas == 1
 
     await handle.execute_update("abort", "test: stop here")
-    # The abort waits (up to ready_seconds, 30 s here) for b's replicas, which cannot come up while
+    # The abort waits (up to ready_seconds, 8 s here) for b's replicas, which cannot come up while
     # b is unreachable, before routing returns and the replicas elsewhere go.
     result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
     assert result.outcome == "aborted"
