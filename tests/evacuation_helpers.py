@@ -111,17 +111,24 @@ class IncStack:
     async def evacuate_with_a_liar(self, name: str, lies: Callable[[str], None]) -> tuple[WorkflowHandle, str]:
         """Four nodes join ``name``; three fail (an incident: the site goes to weight 0) and,
         once the evacuation is under way, recover; ``lies(node)`` is told the fourth's name
-        before its proof. Returns the evacuation and that node."""
+        before its proof. Returns the evacuation and that node.
+
+        The site's provider API is away from the faults until they are cleared: the evacuation's
+        recovery (its API back, its nodes Ready) waits for it, so its proof comes after the
+        faults are gone and the liar is named. Without it, a proof reached before this test
+        looked (a loaded machine) met the faults still there."""
         machines = await self.join(name, 4)
         await self.start_site(name)
         for machine in machines[:3]:
             self.world.inject_fault(machine, 0, "ecc", 1, clears_on="never")
+        self.world.set_site(self.site(name), unreachable=1)
         evacuation = self.evacuation(name)
         await poll(lambda: self.progress(name), timeout=60)
         for machine in machines[:3]:
             self.world.clear_faults(machine, "never")
         liar = self.world.machine(machines[3])["name"]
         lies(liar)
+        self.world.set_site(self.site(name), unreachable=0)
         return evacuation, liar
 
     async def progress(self, name: str, n: int = 1) -> EvacuationProgress | None:
