@@ -10,6 +10,7 @@ import re
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -282,6 +283,17 @@ async def test_an_event_sent_with_the_start_is_in_the_first_routes(temporal_env,
     await replay_and_record(handle, "routing_started_with_an_event")
 
 
+async def document_when(handle: WorkflowHandle, published: Callable[[RoutingDocument], bool]) -> RoutingDocument:
+    """The entity's document once it is the one ``published`` (the cluster's weights say so) picks.
+    The cluster has a document once its publish activity wrote it; the entity's query, once the
+    workflow task that takes the activity's completion has run (on a loaded machine, a while later)."""
+    async def taken() -> RoutingDocument | None:
+        doc = await handle.query(flows.Routing.document, result_type=RoutingDocument)
+        return doc if published(doc) else None
+
+    return await poll(taken, timeout=30)
+
+
 async def test_long_event_details_reach_the_routes_shortened(temporal_env, inc: IncStack):
     """An event's detail is free text of up to 2000 characters (a provider's error, a rollout's
     reason) and a document's reason holds 500: the reason is shortened to fit, each event's line
@@ -294,7 +306,7 @@ async def test_long_event_details_reach_the_routes_shortened(temporal_env, inc: 
     first = weights(inc, model)
     await handle.signal("site_event", {"kind": "incident", "site": a, "detail": "provider down: " + "x" * 2000})
     await wait_for(lambda: weights(inc, model) == {a: 0, c: TOTAL}, timeout=10)
-    doc = await handle.query(flows.Routing.document, result_type=RoutingDocument)
+    doc = await document_when(handle, lambda d: d.sites[a].weight == 0)
     assert doc.reason.startswith(f"incident at {a}: provider down: xxx") and doc.reason.endswith("…")
     assert len(doc.reason) == 500 and not doc.sites[a].healthy
 
@@ -303,7 +315,7 @@ async def test_long_event_details_reach_the_routes_shortened(temporal_env, inc: 
         await handle.signal("site_event", {"kind": "scale", "site": c, "detail": f"replica {n} Ready " + "r" * 100})
     await handle.signal("site_event", {"kind": "restore", "site": a, "detail": "provider back " + "b" * 100})
     await wait_for(lambda: weights(inc, model) == first, timeout=10)
-    doc = await handle.query(flows.Routing.document, result_type=RoutingDocument)
+    doc = await document_when(handle, lambda d: d.sites[a].weight > 0)
     assert len(doc.reason) <= 500 and doc.sites[a].healthy
     assert await task_failures(handle) == 0
     await replay_and_record(handle, "routing_long_event_details")
