@@ -142,9 +142,7 @@ class MetricsServer:
         self.registry = registry
         self.page_reuse_s = page_reuse_s
         self._page_lock = threading.Lock()
-        self._page: tuple[float, bytes] | None = None  # (when, page)
-        #: Pages rendered since start (each scrape within ``page_reuse_s`` of one shares it).
-        self.pages_rendered = 0
+        self._page: tuple[float, bytes] | None = None  # (rendered when, page)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -190,11 +188,11 @@ class MetricsServer:
 
     def page(self) -> bytes:
         """The page, rendered at most once per ``page_reuse_s``: scrapes that ask meanwhile (or
-        while it renders) get the same one."""
+        while it renders: its age counts from when it was done) get the same one."""
         with self._page_lock:
             if self._page is None or time.monotonic() - self._page[0] >= self.page_reuse_s:
-                self._page = (time.monotonic(), self._render())
-                self.pages_rendered += 1
+                page = self._render()
+                self._page = (time.monotonic(), page)
             return self._page[1]
 
     def _render(self) -> bytes:

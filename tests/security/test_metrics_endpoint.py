@@ -162,3 +162,32 @@ def test_scrapes_sent_in_a_loop_cost_one_page_a_second(served) -> None:
     rendered = counted.collected
     time.sleep(server.page_reuse_s)  # the page's age, not an assertion on timing
     assert f"gpufleet_test_pages_total {float(rendered + 1)}" in scrape(server)
+
+
+class SlowCollector(CountedCollector):
+    """A page that takes longer to render than it is reused for (the fleet's snapshot may take
+    seconds: visibility, the cluster, the providers)."""
+
+    def collect(self):
+        time.sleep(1.5)
+        yield from super().collect()
+
+
+def test_scrapes_that_waited_for_a_slow_page_are_answered_with_it() -> None:
+    """Five scrapes at once while a page takes 1.5 s to render (reused for 1 s): it is rendered
+    once and answers all five (its age counts from when it was done; from when it began, each
+    scrape that waited would render it again, one after the other)."""
+    registry = CollectorRegistry()
+    slow = SlowCollector()
+    registry.register(slow)
+    server = MetricsServer(0, "control-plane", host="127.0.0.1", registry=registry, worker_heartbeats=False)
+    try:
+        pages: list[str] = []
+        scrapers = [threading.Thread(target=lambda: pages.append(scrape(server))) for _ in range(5)]
+        for scraper in scrapers:
+            scraper.start()
+        for scraper in scrapers:
+            scraper.join(timeout=30)
+        assert len(pages) == 5 and slow.collected == 1, (len(pages), slow.collected)
+    finally:
+        server.close()
