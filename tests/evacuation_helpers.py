@@ -113,10 +113,10 @@ class IncStack:
         once the evacuation is under way, recover; ``lies(node)`` is told the fourth's name
         before its proof. Returns the evacuation and that node.
 
-        The site's provider API is away from the faults until they are cleared: the evacuation's
-        recovery (its API back, its nodes Ready) waits for it, so its proof comes after the
-        faults are gone and the liar is named. Without it, a proof reached before this test
-        looked (a loaded machine) met the faults still there."""
+        The site's provider API is away from the moment the faults come until they are cleared:
+        the evacuation's recovery (its API back, its nodes Ready) waits for it, so its proof comes
+        after the faults are gone and the liar is named. Without it, a proof reached before this
+        test looked (a loaded machine) met the faults still there."""
         machines = await self.join(name, 4)
         await self.start_site(name)
         for machine in machines[:3]:
