@@ -38,11 +38,16 @@ def replayer(history: WorkflowHistory | None = None) -> Replayer:
                     interceptors=[InputGuard()], workflow_runner=workflow_runner(pydantic_data_converter))
 
 
+async def replay(history: WorkflowHistory) -> None:
+    """Replay ``history`` against today's code (a replayer of its own workflow type)."""
+    await replayer(history).replay_workflow(history)
+
+
 async def replay_and_record(handle: WorkflowHandle, name: str) -> None:
     """Replay this run's history against today's code; keep it when recording."""
     history = await handle.fetch_history()
     try:
-        await replayer(history).replay_workflow(history)
+        await replay(history)
     except Exception as error:
         # The evidence of a nondeterminism: the history that did not replay, to replay by hand.
         kept = Path(tempfile.gettempdir()) / f"gpufleet-unreplayable-{name}-{os.getpid()}.json"
@@ -60,5 +65,4 @@ async def replay_file(path: Path) -> None:
 async def replay_history(data: dict, name: str) -> None:
     """Replay a history as ``fetch_history().to_json_dict()`` gives it (a recorded file's content)."""
     workflow_id = data["events"][0]["workflowExecutionStartedEventAttributes"].get("workflowId", name)
-    history = WorkflowHistory.from_json(workflow_id, data)
-    await replayer(history).replay_workflow(history)
+    await replay(WorkflowHistory.from_json(workflow_id, data))

@@ -12,7 +12,7 @@ from datetime import datetime
 from temporalio.client import WorkflowHandle
 
 from tests.capacity_fleet import CapStack
-from tests.replay import replay_and_record, replayer
+from tests.replay import replay, replay_and_record
 from tests.test_capacity import cap, progress, result_of  # noqa: F401 - cap: the fixture
 
 
@@ -95,5 +95,4 @@ async def test_the_joins_in_flight_at_the_deadline_finish_and_say_so(cap: CapSta
     assert sorted(n.site for n in result.nodes) == [cap.site("cheap"), cap.site("mid")]
     assert [a.outcome for a in result.attempts].count("NoCapacity") == 1
     assert len(cap.world.machines(include_deleted=True)) == 2, "no third machine bought past the deadline"
-    history = await handle.fetch_history()
-    await replayer(history).replay_workflow(history)
+    await replay(await handle.fetch_history())

@@ -38,9 +38,10 @@ class CountedCollector:
         yield CounterMetricFamily("gpufleet_test_pages", "Pages rendered.", value=self.collected)
 
 
-def metrics_server(**bounds) -> tuple[MetricsServer, CountedCollector]:
+def metrics_server(counted: CountedCollector | None = None, **bounds) -> tuple[MetricsServer, CountedCollector]:
+    """A server of a registry holding ``counted`` (a fresh ``CountedCollector`` by default)."""
     registry = CollectorRegistry()
-    counted = CountedCollector()
+    counted = counted or CountedCollector()
     registry.register(counted)
     server = MetricsServer(0, "control-plane", host="127.0.0.1", registry=registry, worker_heartbeats=False,
                            **bounds)
@@ -177,10 +178,7 @@ def test_scrapes_that_waited_for_a_slow_page_are_answered_with_it() -> None:
     """Five scrapes at once while a page takes 1.5 s to render (reused for 1 s): it is rendered
     once and answers all five (its age counts from when it was done; from when it began, each
     scrape that waited would render it again, one after the other)."""
-    registry = CollectorRegistry()
-    slow = SlowCollector()
-    registry.register(slow)
-    server = MetricsServer(0, "control-plane", host="127.0.0.1", registry=registry, worker_heartbeats=False)
+    server, slow = metrics_server(SlowCollector())
     try:
         pages: list[str] = []
         scrapers = [threading.Thread(target=lambda: pages.append(scrape(server))) for _ in range(5)]
