@@ -199,9 +199,9 @@ FULL_SUITE_WORKERS = 4
 
 
 def full_suite_workers(rest: list[str]) -> list[str]:
-    """Each test file's tests in one worker, each real tier's (tests/realk8s, tests/realtemporal)
-    in one: tests/conftest.py groups them for ``--dist loadgroup``."""
-    return [] if serial_asked(rest) else ["-n", str(FULL_SUITE_WORKERS), "--dist", "loadgroup"]
+    """Each test file's tests in one worker, each real tier's in one or two (their clusters start
+    once in each): tests/plugins/scheduling.py's scheduler for ``--dist loadscope``."""
+    return [] if serial_asked(rest) else ["-n", str(FULL_SUITE_WORKERS), "--dist", "loadscope"]
 
 
 def fast_tier(rest: list[str]) -> int:

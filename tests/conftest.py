@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 import pytest
 import yaml
 
-from tests.plugins import ast_race, evict_on_shutdown, tiers
+from tests.plugins import ast_race, evict_on_shutdown, scheduling, tiers
 from tests.ports import worker_port_range
 from tests.tools import require_marked
 
@@ -41,25 +41,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # of directories with a conftest of their own. (It may be loaded already, by ``-p``.)
     if not config.pluginmanager.is_registered(tiers):
         config.pluginmanager.register(tiers, "gpufleet-tiers")
+    # Which worker runs which tests (tests/plugins/scheduling.py); asked by pytest-xdist's controller.
+    if not config.pluginmanager.is_registered(scheduling):
+        config.pluginmanager.register(scheduling, "gpufleet-scheduling")
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     require_marked(item)
-
-
-#: Directories whose tests share one package-scoped server (a real control plane, a real Temporal
-#: cluster): all of a directory's tests go to one pytest-xdist worker, which starts it once.
-ONE_WORKER_PACKAGES = ("tests/realk8s/", "tests/realtemporal/")
-
-
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook reads the groups (``--dist loadgroup``)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The full suite runs in pytest-xdist workers (bootstrap.py ``test``): each file's tests in
-    one worker (its module-scoped fixtures start once), each real tier's in one."""
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        group = next((package for package in ONE_WORKER_PACKAGES if path.startswith(package)), path)
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 #: A small, fast simulated fleet: no API latency, sub-second boots.
