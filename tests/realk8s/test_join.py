@@ -380,9 +380,11 @@ def test_gpufleets_token_group_is_not_auto_approved_while_kubeadms_still_is(one:
         read_join_configuration(machine.user_data)["nodeRegistration"]["name"], "kubeadm-joined-node"),
         name="kubeadm-token").boot()
     other.wait_step("tls-bootstrapped", 60)
-    [auto] = [c for c in one.csrs() if KUBEADM_TOKEN_GROUP in c["spec"]["groups"]
-              and c["spec"]["username"] == f"system:bootstrap:{KUBEADM_TOKEN.split('.')[0]}"]
-    assert ("Approved", "AutoApproved") in conditions(auto)
+    # Two such CSRs were seen once, on a loaded run: the one its kubelet took its certificate from
+    # was approved by the controller-manager.
+    kubeadms = [c for c in one.csrs() if KUBEADM_TOKEN_GROUP in c["spec"]["groups"]
+                and c["spec"]["username"] == f"system:bootstrap:{KUBEADM_TOKEN.split('.')[0]}"]
+    assert any(("Approved", "AutoApproved") in conditions(c) for c in kubeadms), [conditions(c) for c in kubeadms]
 
 
 def test_registration_times_out_when_the_machine_never_gets_a_certificate(one: RealJoining) -> None:
