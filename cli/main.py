@@ -409,7 +409,8 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, ou
     """Every site: provider, GPUs, price, min/max; its nodes serving, cordoned (by what: repair,
     quarantine, evacuation, incident, demand loop, a mark's owner, operator), unwatched (Ready, or
     NotReady under a running repair, its Node entity not running: the site sweep starts it again),
-    joining; its last incident.
+    joining; its last incident, and how many put-backs of closed evacuations its Site entity left
+    to a person (each named after the list, with what failed and the runbook).
 
     A cordon nothing running holds is named by its mark (gpufleet.io/cordoned-by): the demand loop's
     retirement, or whoever a person wrote; ``operator`` without one. With the sim: its knobs too."""
@@ -435,7 +436,7 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, ou
                f"{here.serving}/{here.nodes}",
                f"[yellow]{escape(here.cordoned_cell())}[/]" if sum(here.cordoned.values()) else "0",
                "?" if here.unwatched is None else f"[red]{here.unwatched}[/]" if here.unwatched else "0",
-               str(here.joining), escape(here.last_incident)]
+               str(here.joining), escape(here.incident_cell())]
         if site.name in sim:
             s = sim[site.name]
             row += [str(s["capacity"]), str(s["quota"]), f"{s['api_latency_ms']} ms",
@@ -456,6 +457,11 @@ def sites(state_dir: StateDir = Path(".gpufleet"), config: ConfigPath = None, ou
     # or counts them, so say so, with what to do.
     for use in removed_sites_in_use(env.config, nodes):
         err.print(f"[yellow]warning[/]: {escape(removed_site_refusal(use, 'the fleet config'))}")
+    if output != "json" and holds is not None:
+        for site, notes in sorted(holds.put_backs_left.items()):
+            for evacuation, note in notes.items():
+                err.print(f"[yellow]warning[/]: site {escape(site)}: {escape(evacuation)}: {escape(note)}",
+                          soft_wrap=True)
 
 
 async def _site_holds(config: Settings, names: list[str], nodes: list):

@@ -1,13 +1,15 @@
 """What ``gpufleet sites`` says about each site now: nodes serving, cordoned (and what holds each
 cordoned node), unwatched (Ready, or NotReady under a running repair, its Node entity not running:
-``fleet.watched``), joining, and the site's last incident.
+``fleet.watched``), joining, the site's last incident, and the put-backs of closed evacuations
+its Site entity left to a person.
 
 Each fact comes from where the product keeps it: the cluster's nodes (ready, cordoned, the
 ``unproven`` taint), Temporal's visibility (running GPU repairs by ``NodeName``, running joins,
 every SiteEvacuation by ``Site``: the Site entity's own and those started by hand) and, only for
 a cordoned node nothing else explains, the entities' queries (a Node entity's log says a repair
-is a quarantine; a Site entity's status says its incident is open). Without Temporal the counts
-still come from the cluster, and what Temporal would have said reads ``?``.
+is a quarantine; a Site entity's status says its incident is open). A site with an evacuation on
+record is asked for its status too: whether its entity gave up putting one back. Without Temporal
+the counts still come from the cluster, and what Temporal would have said reads ``?``.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class Holds:
     watched: set[str] = field(default_factory=set)
     #: Nodes a GpuRepair runs on (by its id): a NotReady one waits for its entity (``fleet.watched``).
     under_repair: set[str] = field(default_factory=set)
+    #: site → evacuation id → the note its Site entity left when it gave up putting it back
+    #: (``IncidentView.put_back_given_up``): a person finishes it (docs/operations.md).
+    put_backs_left: dict[str, dict[str, str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +70,14 @@ class SiteNow:
     last_incident: str = "none"
     #: Nodes that must have a running Node entity and have none (``fleet.watched``; None: Temporal not asked).
     unwatched: int | None = 0
+    #: Put-backs of closed evacuations its Site entity gave up on (``Holds.put_backs_left``).
+    put_backs_left: int = 0
+
+    def incident_cell(self) -> str:
+        if not self.put_backs_left:
+            return self.last_incident
+        many = "s" if self.put_backs_left > 1 else ""
+        return f"{self.last_incident}; {self.put_backs_left} put-back{many} left to a person"
 
     def cordoned_cell(self) -> str:
         total = sum(self.cordoned.values())
@@ -145,6 +158,7 @@ def summarize(site_names: list[str], nodes: list, holds: Holds | None,
         if name in holds.last_incident:
             evacuation, state = holds.last_incident[name]
             now.last_incident = f"{evacuation} {state}"
+        now.put_backs_left = len(holds.put_backs_left.get(name, {}))
     return out
 
 
@@ -224,12 +238,26 @@ async def holds(client, task_queue: str, site_names: list[str], nodes: list, lim
         logged = set(status.log) if status else set()
         if any(f"quarantined: {r}" in logged or BAD_REPORTS_QUARANTINE in r for r in reasons):
             found.quarantined.add(node.name)
+    site_statuses: dict[str, SiteStatus | None] = {}
+
+    async def site_status(site: str) -> SiteStatus | None:
+        if site not in site_statuses:
+            site_statuses[site] = await query(site_workflow_id(site), flows.Site.status, SiteStatus)
+        return site_statuses[site]
+
     unexplained = {n.labels.get(LABEL_SITE) or n.site for n in cordoned
                    if n.name not in found.repairs} - found.evacuating
     for site in sorted(unexplained & set(site_names)):
-        status = await query(site_workflow_id(site), flows.Site.status, SiteStatus)
+        status = await site_status(site)
         if status is not None and status.incident is not None and status.incident.open is not None:
             found.incident_open.add(site)
+    # Only a site with an evacuation on record can have a put-back left to a person: only those
+    # are asked (each query is an action). One whose evacuations visibility no longer keeps (past
+    # the namespace's retention) is not; its status query still says.
+    for site in sorted(set(found.last_incident) & set(site_names)):
+        status = await site_status(site)
+        if status is not None and status.incident is not None and status.incident.put_back_given_up:
+            found.put_backs_left[site] = dict(status.incident.put_back_given_up)
     if found.unanswered:  # a fenced GPU or an open incident may hold these: not known, not "operator"
         found.unread = {n.name for n in cordoned if n.name not in found.repairs
                         and (n.labels.get(LABEL_SITE) or n.site) not in found.evacuating | found.incident_open}

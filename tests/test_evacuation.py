@@ -678,6 +678,29 @@ async def test_a_put_back_refused_for_good_at_one_deployment_elsewhere_is_left_t
     assert inc.cluster.serving_status(MODEL, d).desired_replicas == 2
     await replay_and_record(site, PUT_BACK_GIVEN_UP)
 
+    # `gpufleet sites` says so beside the site's last incident, and names it after the list.
+    a = inc.site("a")
+    table, as_json = await _gpufleet_sites(inc, "wide"), await _gpufleet_sites(inc, "json")
+    said = " ".join(table.output.split())
+    assert f"warning: site {a}: {evacuation_id}: {' '.join(note.split())}" in said, said
+    row = next(row for row in json.loads(as_json.stdout) if row["site"] == a)
+    assert row["last incident"].endswith("; 1 put-back left to a person"), row
+
+
+async def _gpufleet_sites(inc: IncStack, output: str):
+    """`gpufleet sites` as an operator runs it against the stack's fleet."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from fleet.settings import TASK_QUEUE_ENV
+
+    args = ["sites", "-o", output, "--address", inc.settings.address, "--state-dir", str(inc.settings.state_dir),
+            "--config", inc.settings.config]
+    shown = await asyncio.to_thread(CliRunner().invoke, app, args, env={TASK_QUEUE_ENV: inc.settings.task_queue,
+                                                                         "COLUMNS": "400"})
+    assert shown.exit_code == 0, shown.output
+    return shown
+
 
 async def test_an_unfinished_put_back_pushed_out_of_the_carried_ones_is_left_to_a_person_not_dropped(
         unguarded_inc: IncStack, monkeypatch) -> None:

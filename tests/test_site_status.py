@@ -137,6 +137,18 @@ def test_a_not_ready_node_a_repair_runs_on_needs_its_entity_unless_its_retiremen
     assert unwatched_nodes(WatchedCluster(marks), nodes, watched=set()) == [], "without a repair a NotReady node waits"
 
 
+def test_put_backs_left_to_a_person_are_counted_beside_the_last_incident() -> None:
+    """A Site entity that gave up putting back a closed evacuation says so only in its status and
+    log; `gpufleet sites` counts them beside the site's last incident (an older evacuation's too)."""
+    holds = Holds(last_incident={"a": ("evacuate/a/3", "restored"), "b": ("evacuate/b/1", "aborted")},
+                  put_backs_left={"a": {"evacuate/a/1": "what it left not all put back, left to a person",
+                                        "evacuate/a/2": "what it left not all put back, left to a person"}})
+    now = summarize(SITES, [], holds)
+    assert now["a"].incident_cell() == "evacuate/a/3 restored; 2 put-backs left to a person"
+    assert now["b"].incident_cell() == "evacuate/b/1 aborted"
+    assert summarize(SITES, [], None)["a"].incident_cell() == "?"
+
+
 def test_without_temporal_the_counts_stand_and_what_it_would_say_is_unknown() -> None:
     now = summarize(SITES, [node("x", cordoned=True), node("new", unproven=True)], None)["a"]
     assert now.cordoned_cell() == "1: ? 1" and now.joining == 1 and now.last_incident == "?"
