@@ -190,12 +190,11 @@ def bytecode_written() -> dict[str, str]:
 
 
 #: pytest-xdist workers for the full suite. Its tests mostly wait (timers, watches, servers
-#: starting) rather than compute: on the 2-core machine CI has, three workers kept the cores half
-#: busy (50% on average, sampled every 15 s) and four about two thirds, which took the run from
-#: 1,313 s to 1,065-1,087 s. The real tiers are each in one worker (their clusters start once);
-#: the real Kubernetes tier's group is the longest, some 15 minutes with four workers, so more
-#: workers would only wait for it.
-FULL_SUITE_WORKERS = 4
+#: starting) rather than compute. On the 2-core machine CI has, with each file's tests in one
+#: worker (tests/plugins/scheduling.py), four workers kept the cores about half busy (53% on
+#: average, sampled every 15 s) and took 974 s; five, 74% busy, took 826 s. The largest units
+#: (the real Kubernetes tier's two, tests/test_evacuation.py) take about 7 minutes each.
+FULL_SUITE_WORKERS = 5
 
 
 def full_suite_workers(rest: list[str]) -> list[str]:
