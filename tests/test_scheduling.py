@@ -47,3 +47,13 @@ def test_the_full_suites_workers_run_each_files_tests_together() -> None:
         workers[path].add(worker)
     assert set(workers) == set(files), run.stdout[-3000:]
     assert all(len(ran_in) == 1 for ran_in in workers.values()), dict(workers)
+
+
+@pytest.mark.integration  # pytest as a process of its own
+def test_a_serial_run_without_xdist_still_starts() -> None:
+    """`python3 bootstrap.py test -p no:xdist` (docs/getting-started.md) runs the suite serially:
+    the scheduler's hook must not stop pytest where xdist is not loaded."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
+                          "tests/test_scheduling.py::test_each_test_file_is_one_unit_and_each_cluster_package_a_few"],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]

@@ -4,8 +4,8 @@ passes ``--dist loadscope``; this module's scheduler takes that over).
 * Each test file's tests go to one worker, so its module-scoped fixtures (fakes, servers) start once.
 * A real tier's package starts a whole cluster in each worker that runs its tests (a package-scoped
   fixture), so its files go together: the real Temporal tier's to one worker, the real Kubernetes
-  tier's to two, each starting its own control plane. In one worker that tier alone took about
-  as long as the rest of the suite took on the other three.
+  tier's to two, each starting its own control plane. In one worker that tier's tests take some
+  13 minutes (their times add up to about 800 s), nearly a whole run's wall time on five workers.
 
 Why not pytest-xdist's own groups (``--dist loadgroup`` and the ``xdist_group`` mark, what the suite
 used before): xdist 3.8 groups by appending the group to each test's node id, and pytest 9 no
@@ -52,7 +52,7 @@ class FileAndClusterScheduling(LoadScopeScheduling):
         return work_unit(nodeid)
 
 
-@pytest.hookimpl
+@pytest.hookimpl(optionalhook=True)  # ``-p no:xdist`` (a serial run) declares no such hook
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadScopeScheduling | None:
     if config.getvalue("dist") == "loadscope":
         return FileAndClusterScheduling(config, log)
