@@ -138,8 +138,9 @@ def test_a_not_ready_node_a_repair_runs_on_needs_its_entity_unless_its_retiremen
 
 
 def test_put_backs_left_to_a_person_are_counted_beside_the_last_incident() -> None:
-    """A Site entity that gave up putting back a closed evacuation says so only in its status and
-    log; `gpufleet sites` counts them beside the site's last incident (an older evacuation's too)."""
+    """A Site entity that gave up putting back a closed evacuation said so only in its status query,
+    details and log; `gpufleet sites` counts them beside the site's last incident (an older
+    evacuation's too)."""
     holds = Holds(last_incident={"a": ("evacuate/a/3", "restored"), "b": ("evacuate/b/1", "aborted")},
                   put_backs_left={"a": {"evacuate/a/1": "what it left not all put back, left to a person",
                                         "evacuate/a/2": "what it left not all put back, left to a person"}})
