@@ -11,6 +11,7 @@ import base64
 import hashlib
 import re
 import time
+import warnings
 from typing import TYPE_CHECKING, Callable, Iterable, Literal, NamedTuple, Protocol, TypeVar, runtime_checkable
 
 from pydantic import BaseModel, Field
@@ -107,6 +108,13 @@ JUDGED_SIGNERS = frozenset(_USAGES)
 #: The most of the parser's message a denial of an unreadable request repeats: the reason lands
 #: on the CSR and in the pass's result, and the message describes bytes a node wrote.
 _PARSE_ERROR_CHARS = 120
+
+# A CSR's subject is the node's to write, and cryptography warns of each name longer than RFC 5280
+# allows when it reads one, the length in its message. Python prints a warning once per distinct
+# message and keeps each in a registry for good: a node posting CSRs with names of ever other
+# lengths would add log lines and memory to the control plane's worker, CSR by CSR. The denial
+# names them already (cut short).
+warnings.filterwarnings("ignore", message=r"Attribute's length must be >= 1 and <= 64", category=UserWarning)
 
 
 class UnparseableRequest(ValueError):

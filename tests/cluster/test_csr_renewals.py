@@ -8,9 +8,16 @@ tests/realk8s/test_adapter_objects.py (and with a real kubelet, tests/realk8s/te
 from __future__ import annotations
 
 import base64
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
 
 from providers.cluster.base import CLIENT_SIGNER, SERVING_SIGNER, csr_decision
 from tests.cluster.sim_kubelet import csr_pem
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def renewal(name: str, node: str, subject: str | None = None, signer: str = CLIENT_SIGNER) -> dict:
@@ -56,3 +63,32 @@ def test_a_denial_says_a_few_of_the_names_a_node_asked_for_each_cut_short() -> N
     denied = decide(serving)
     assert not denied.approve and "'0000-yyy" in denied.reason and "and 996 more" in denied.reason, denied.reason
     assert len(denied.reason) < 600, len(denied.reason)
+
+
+
+#: The approver's judgement of ten CSRs whose common names differ in length, in a process of its
+#: own (as the control plane's worker imports the approver: pytest resets warning filters per test).
+OVER_LONG_NAMES = """
+import warnings
+from providers.cluster.base import csr_decision
+from tests.cluster.test_csr_renewals import renewal
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")  # making them (the test's helper) is not what is checked
+    csrs = [renewal(f"r{n}", "gpu-live", subject="x" * n) for n in range(5000, 5010)]
+for csr in csrs:
+    assert not csr_decision(csr, lambda _t: None, {"gpu-live"}.__contains__, lambda _n: ["10.0.0.7"]).approve
+import providers.cluster.base as base
+print(len([key for key in getattr(base, "__warningregistry__", {}) if key != "version"]))
+"""
+
+
+@pytest.mark.integration  # a Python process of its own
+def test_over_long_names_a_node_writes_leave_no_warning_behind() -> None:
+    """cryptography warns of each over-long name it reads in a CSR's subject, the length in its
+    message, and Python prints a warning once per distinct message and keeps it in a registry: ten
+    CSRs whose common names differ in length put 30 warnings in the worker's log (three reads
+    each) and 30 entries in its memory, as many more as a node posts. None now; each is denied."""
+    run = subprocess.run([sys.executable, "-c", OVER_LONG_NAMES], cwd=REPO, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "UserWarning" not in run.stderr and run.stdout.split() == ["0"], (run.stdout, run.stderr[-2000:])
