@@ -56,7 +56,11 @@ def provider_loss(
     state_dir: StateDir = Path(".gpufleet"),
     config: ConfigPath = None,
 ) -> None:
-    """Lose one site's provider: detection → weight 0 → capacity elsewhere → drain → recovery → restore."""
+    """Lose one site's provider: detection → weight 0 → capacity elsewhere → drain → recovery → restore.
+
+    Refused before anything breaks (exit 2, naming the join that fixes it) where the site's incident
+    rule cannot trip: fewer nodes that can go unreachable (neither cordoned nor unproven) than it
+    trips at (incident.min_nodes, 3 by default), or its detection off."""
     _run_gameday(lambda cfg: [_known(cfg, site)], heal_after, timeout, json_out, address, state_dir, config)
 
 
@@ -70,7 +74,7 @@ def region_loss(
     state_dir: StateDir = Path(".gpufleet"),
     config: ConfigPath = None,
 ) -> None:
-    """Lose every site of a geography at once."""
+    """Lose every site of a geography at once (refused, as provider-loss is, where any of them cannot trip)."""
 
     def sites(cfg) -> list[str]:
         found = [s.name for s in cfg.sites if s.geography == geo]
@@ -87,6 +91,54 @@ def _known(cfg, site: str) -> str:
     except KeyError:
         fail(f"--site: unknown site {site!r}; known: {', '.join(s.name for s in cfg.sites)}", 2)
     return site
+
+
+def trip_refusal(cfg, site: str, nodes: list) -> str | None:
+    """Why breaking ``site`` cannot set off its incident rule, whose trip the game day waits for,
+    or None when it can. The break takes the site's nodes off the control plane only (the provider
+    API still answers), so the rule trips only when enough of ``nodes`` (the site's, as the cluster
+    lists them now) go NotReady: those neither cordoned nor unproven, which its Site entity counts
+    (``max(incident.min_nodes, incident.fraction x the site's nodes)``); or never, with detection
+    off. Otherwise the site would stay broken to --timeout, its nodes NotReady, and end ``not
+    detected``."""
+    from fleet.cluster import UNPROVEN_TAINT
+    from fleet.incident import trip_threshold
+
+    settings = cfg.incident_for(cfg.site(site))
+    if not settings.enabled:
+        return f"{site}: its incident detection is off (incident.enabled: false): breaking it sets off no evacuation"
+    can_fail = sum(not n.unschedulable and UNPROVEN_TAINT not in n.taints for n in nodes)
+    threshold = trip_threshold(len(nodes), settings)
+    if can_fail >= threshold:
+        return None
+    more = next((k for k in range(1, 1001) if can_fail + k >= trip_threshold(len(nodes) + k, settings)), None)
+    join = f"; join {more} more first (gpufleet join --site {site} --count {more})" if more else ""
+    return (f"{site}: its incident rule trips at {threshold} unreachable nodes (incident.min_nodes "
+            f"{settings.min_nodes}, fraction {settings.fraction:g} of its {len(nodes)}), and it has {can_fail} "
+            f"that can go unreachable (neither cordoned nor unproven): breaking it would leave them NotReady "
+            f"until --timeout and detect nothing{join}")
+
+
+def _check_can_trip(cfg, sites: list[str], state_dir, config) -> None:
+    """Refuse (exit 2, before anything is broken) a game day whose sites' incident rule cannot trip
+    (``trip_refusal``). A cluster that cannot be read from here is no reason to refuse."""
+    from cli.common import fleet_env
+    from fleet.cluster import LABEL_SITE
+
+    cluster = fleet_env(state_dir, config).cluster
+    problems = []
+    for site in sites:
+        try:
+            nodes = cluster.list_nodes({LABEL_SITE: site})
+        except Exception:  # noqa: BLE001 - the Site entity still counts them
+            continue
+        problem = trip_refusal(cfg, site, nodes)
+        if problem is not None:
+            problems.append(problem)
+    if problems:
+        from rich.markup import escape
+
+        fail(escape("; ".join(problems)), 2)
 
 
 def _sim_fleet(address, state_dir, config, breaks: str):
@@ -106,6 +158,7 @@ def _sim_fleet(address, state_dir, config, breaks: str):
 def _run_gameday(pick, heal_after, timeout, json_out, address, state_dir, config) -> None:
     config_, cfg = _sim_fleet(address, state_dir, config, "simulated sites")
     sites = pick(cfg)
+    _check_can_trip(cfg, sites, state_dir, config)
     report = _run_interruptible(_gameday(config_, sites, heal_after, timeout),
                                 f"{', '.join(sites)} reachable again")
     console.print(_durations_table(report))

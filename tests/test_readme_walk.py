@@ -400,6 +400,10 @@ def test_temporal_cli_fan_out_is_findable_and_refuses_more_than_max_nodes(dev_st
 
 def test_gameday_interrupted_leaves_the_site_reachable(dev_stack) -> None:
     env = dev_stack["env"]
+    # Enough nodes for the site's incident rule to trip (min_nodes 3): with fewer the game day is
+    # refused before it breaks anything.
+    joined = sh(env, "gpufleet join --site aws-us-east-1-spot --count 3")
+    assert joined.returncode == 0, joined.stdout + joined.stderr
     proc = subprocess.Popen(["gpufleet", "gameday", "provider-loss", "--site", "aws-us-east-1-spot", "--timeout", "120"],
                             env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     first = proc.stdout.readline()
