@@ -339,16 +339,22 @@ class FleetClient:
 
     # -- rollouts --------------------------------------------------------------------------
     async def start_rollout(self, request: RolloutInput | Mapping[str, Any]) -> WorkflowHandle[Any, RolloutResult]:
-        """Start ModelRollout ``rollout/<model>/<version>`` (the same version attaches)."""
+        """Start ModelRollout ``rollout/<model>/<version>`` (the same version attaches). A rollout
+        the fleet config rules out (an unknown object store or site, a site with no object store,
+        a replica wanting more GPUs than a site's machine has) is refused before anything starts."""
         args = validate(RolloutInput, request, "rollout")
         config = self.config()
         if config is not None:  # the workflow checks the same against its own config
-            from fleet.rollout import check_source
+            from fleet.rollout import check_sites, check_source
 
-            problems = check_source(args, config.object_stores)
+            sites = {s.name: s for s in config.sites}
+            asked = [t.site for t in args.sites if t.site in sites]
+            problems = check_source(args, config.object_stores) + check_sites(
+                args, {name: sites[name].object_store for name in asked}, sites,
+                {name: sites[name].gpus_per_machine for name in asked})
             if problems:
-                field, _, message = problems[0].partition(": ")
-                raise InvalidArgument([(field, message)], "rollout")
+                raise InvalidArgument([(field, message) for field, _, message in
+                                       (p.partition(": ") for p in problems)], "rollout")
         running = await self.running_rollout(args.model)
         if running is not None and running != args.rollout_id:  # the same version attaches
             field, _, message = another_rollout_running(running).partition(": ")

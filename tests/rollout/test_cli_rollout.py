@@ -47,6 +47,31 @@ async def test_cli_start_status_and_updates(rollout_stack: RolloutStack, tmp_pat
     assert result.exit_code == 1 and "rejected" in result.output
 
 
+async def test_cli_start_refuses_a_rollout_the_fleet_config_rules_out_before_starting_it(rollout_stack: RolloutStack,
+                                                                                           tmp_path) -> None:
+    """A target site the fleet config does not name, or a replica wanting more GPUs than a site's
+    machine has: `gpufleet rollout start` said `started rollout/llm/<v>` and exited 0, and the
+    rollout then failed at its first step (an operator without --wait saw success). Refused now
+    (exit 2, naming each field, as an unknown object store was), and nothing is started."""
+    stack = rollout_stack
+    env = {**stack.settings.env()}
+    cases = {
+        "unknown-site": ({**stack.request({"site-a": 1, "nowhere": 1}, version="u1")},
+                         "sites[1].site: unknown site 'nowhere'"),
+        "too-big": ({**stack.request({"site-a": 1}, version="u2"), "gpus_per_replica": 16},
+                    "gpus_per_replica: 16 GPUs per replica, more than one machine has at site-a (8 GPUs per machine)"),
+    }
+    for name, (spec, problem) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(spec))
+        result = await asyncio.to_thread(CliRunner().invoke, app, ["rollout", "start", str(path)], env=env)
+        said = " ".join(result.output.split())
+        assert result.exit_code == 2 and "invalid rollout" in said and problem in said, said
+        assert "started" not in said, said
+        with pytest.raises(RPCError):
+            await stack.client.get_workflow_handle(f"rollout/llm/{spec['version']}").describe()
+
+
 async def test_cli_start_refuses_a_second_rollout_of_a_model_naming_the_running_one(rollout_stack: RolloutStack,
                                                                                    tmp_path) -> None:
     """`gpufleet rollout start` of another version while one of the model runs (paused here) is
