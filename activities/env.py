@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from activities.address_memo import AddressMemo
+from activities.ready_flaps import ReadyFlaps
 from fleet.cluster import LABEL_SITE
 from fleet.config import FleetConfig, load_config
 from fleet.errors import AccountRevoked, InvalidRequest, NotFound, OfferBlocked
@@ -39,6 +40,8 @@ class FleetEnv:
     _accounts: "AccountStore | ClusterAccountStore | None" = None
     #: Each node's machine addresses as its provider reported them, kept across CSR passes.
     address_memo: AddressMemo = field(default_factory=AddressMemo)
+    #: Each node's Ready changes as the site watches saw them: a node flipping its own is taken as NotReady.
+    ready_flaps: ReadyFlaps = field(default_factory=ReadyFlaps)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "FleetEnv":

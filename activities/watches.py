@@ -44,6 +44,7 @@ from temporalio.service import RPCError, RPCStatusCode
 from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.evacuation import EvacuationActivities, provider_api_answers
+from activities.ready_flaps import FREE_CHANGES, HOLD_SECONDS, WINDOW_SECONDS, ReadyFlaps
 from fleet.cluster import LABEL_SITE, UNPROVEN_TAINT
 from fleet.errors import Transient
 from fleet.demand import opted_in, placement_drift, public_placement_labels
@@ -123,9 +124,24 @@ def busy_nodes(pods) -> set[str]:
     return set(sorted({p.node for p in pods if p.node})[:MAX_BUSY_NODES])
 
 
-def probe_nodes(nodes) -> list[ProbeNode]:
-    return [ProbeNode(name=n.name, ready=n.ready, unproven=UNPROVEN_TAINT in n.taints or not n.labels.get(LABEL_SITE),
+def probe_nodes(nodes, flaps: ReadyFlaps | None = None, site: str = "") -> list[ProbeNode]:
+    """The nodes as a site's entity acts on them; with ``flaps``, a node flipping its own Ready
+    condition again and again is taken as NotReady until it stays Ready (``activities.ready_flaps``):
+    each flip woke the site's watch, and so its entity."""
+    return [ProbeNode(name=n.name, ready=_ready(n, flaps, site),
+                      unproven=UNPROVEN_TAINT in n.taints or not n.labels.get(LABEL_SITE),
                       unschedulable=n.unschedulable, machine_id=n.machine_id) for n in nodes]
+
+
+def _ready(node, flaps: ReadyFlaps | None, site: str) -> bool:
+    if flaps is None:
+        return node.ready
+    ready, started = flaps.look(node.name, node.ready)
+    if started:
+        activity.logger.warning("site %s: node %s changed its Ready condition more than %d times in %g s: taken "
+                                "as NotReady until it stays Ready %g s", site, node.name, FREE_CHANGES,
+                                WINDOW_SECONDS, HOLD_SECONDS)
+    return ready
 
 
 class WatchActivities:
@@ -204,12 +220,12 @@ class WatchActivities:
                 return True
             if api[0] != input.api_ok or (not api[0] and api[1] != input.api_error_type):
                 return True
-            return {n.name: node_summary(n) for n in probe_nodes(nodes)} != input.known
+            return {n.name: node_summary(n) for n in probe_nodes(nodes, self.env.ready_flaps, site)} != input.known
 
         nodes = self.env.cluster.watch_nodes({LABEL_SITE: site}, until, input.max_wait_seconds, recheck_s=recheck,
                                              heartbeat=beat, poll_s=input.poll_seconds)
         put_back(nodes)  # the watch's last look may be one ``until`` did not see (its timeout)
-        found = probe_nodes(nodes)
+        found = probe_nodes(nodes, self.env.ready_flaps, site)
         ok, kind, message = api if api is not None else self._api(site)
         changed = ({n.name: node_summary(n) for n in found} != input.known or ok != input.api_ok
                    or (not ok and kind != input.api_error_type) or bool(self_labelled))
