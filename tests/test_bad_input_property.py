@@ -22,8 +22,10 @@ from typing import Any, AsyncIterator, Callable
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from temporalio.api.common.v1 import Payload
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowExecutionStatus, WorkflowHandle, WorkflowUpdateFailedError
+from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
 from temporalio.workflow import _Definition
 
@@ -219,4 +221,41 @@ async def test_bad_signals_are_dropped_and_bad_updates_refused(idle_fleet: Stack
                     cause = error.cause
                     assert isinstance(cause, ApplicationError) and cause.non_retryable, f"{what}: {cause}"
                     assert cause.type in ("InvalidInput", "WrongState"), f"{what}: {cause.type}: {cause.message}"
+            await still_well(handle, what)
+
+
+#: Payloads of encodings other than JSON, as ``temporal workflow signal --input-meta encoding=...``,
+#: the HTTP API or a client's ``None`` send them: the SDK hands each over as it decodes (None,
+#: bytes, a protobuf message) whatever the handler's parameter is typed with.
+OTHER_ENCODINGS = {
+    "binary/null": Payload(metadata={"encoding": b"binary/null"}),
+    "binary/plain": Payload(metadata={"encoding": b"binary/plain"}, data=b'{"node_name": "site-a-prop"}'),
+    "json/protobuf": Payload(metadata={"encoding": b"json/protobuf",
+                                       "messageType": b"temporal.api.common.v1.Payload"}, data=b"{}"),
+}
+
+
+async def test_signals_and_updates_in_other_encodings_never_fail_a_workflow_task(idle_fleet: Stack) -> None:
+    """A Node's ``health_report``, ``node_action_request`` and ``node_action_done`` take a model: sent
+    as binary/null or binary/plain, the handler got None or bytes and failed the workflow task, on
+    every retry, the node's entity wedged for good. Now every signal given such a payload is dropped
+    and every update refuses it (``InvalidInput``), the workflow carries on."""
+    stack = idle_fleet
+    handles: dict[str, WorkflowHandle] = {}
+    for target in [t for t in targets() if t.kind != "start" and t.params]:
+        if target.workflow not in handles:
+            handles[target.workflow] = await running(stack, target.workflow)
+        handle = handles[target.workflow]
+        for encoding, payload in OTHER_ENCODINGS.items():
+            what = f"{target} with {encoding}"
+            if target.kind == "signal":
+                await handle.signal(target.name, RawValue(payload))
+                await processed(handle, EventType.EVENT_TYPE_WORKFLOW_EXECUTION_SIGNALED)
+            else:
+                try:
+                    await asyncio.wait_for(handle.execute_update(target.name, RawValue(payload)), 15)
+                except WorkflowUpdateFailedError as error:
+                    cause = error.cause
+                    assert isinstance(cause, ApplicationError) and cause.non_retryable, f"{what}: {cause}"
+                    assert cause.type == "InvalidInput", f"{what}: {cause.type}: {cause.message}"
             await still_well(handle, what)

@@ -13,7 +13,9 @@ for JSON) and this inbound interceptor checks their shape before workflow code:
   then validates the object against its model the same way);
 - signal: the argument count; a bad signal is logged with the reason and dropped
   (handlers validate their payload with ``workflows.inputs.parse_signal``, or
-  take a model the SDK decodes, dropping what it cannot);
+  take a model the SDK decodes, dropping what it cannot; a payload of another
+  encoding than JSON, which the SDK hands over undecoded as None, bytes or a
+  protobuf message, is dropped here);
 - update: the argument count; a bad update is refused with ``InvalidInput``
   (validators check their payload with ``parse_input`` / ``check_text``).
 
@@ -63,6 +65,19 @@ class InputGuard(Interceptor):
         return _GuardInbound
 
 
+def _model(hint: Any) -> tuple[type[BaseModel] | None, bool]:
+    """A parameter typed with a model (``HealthReport``, optionally ``| None``): the model, and
+    whether it may be None; ``(None, True)`` for any other parameter."""
+    if isinstance(hint, type) and issubclass(hint, BaseModel):
+        return hint, False
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = typing.get_args(hint)
+        models = [a for a in args if isinstance(a, type) and issubclass(a, BaseModel)]
+        if len(models) == 1 and set(args) <= {models[0], type(None)}:
+            return models[0], type(None) in args
+    return None, True
+
+
 def _wants_object(hint: Any) -> bool:
     """A raw-JSON parameter (``Any``, ``dict``, optionally ``| None``): it must get a JSON object."""
     if hint is Any or hint is object or hint is dict or typing.get_origin(hint) is dict:
@@ -76,8 +91,9 @@ def _wants_object(hint: Any) -> bool:
 _shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _shape(fn: Callable) -> tuple[inspect.Signature, tuple[bool, ...], tuple[bool, ...]]:
-    """The function's signature without ``self``; per parameter: wants an object, is optional."""
+def _shape(fn: Callable) -> tuple[inspect.Signature, tuple[bool, ...], tuple[bool, ...], tuple[tuple[Any, bool], ...]]:
+    """The function's signature without ``self``; per parameter: wants an object, is optional,
+    the model it is typed with (see ``_model``)."""
     known = _shapes.get(fn)
     if known is not None:
         return known
@@ -89,12 +105,13 @@ def _shape(fn: Callable) -> tuple[inspect.Signature, tuple[bool, ...], tuple[boo
         hints = {}
     wants = tuple(_wants_object(hints.get(p.name, None)) for p in params)
     optional = tuple(p.default is not inspect.Parameter.empty for p in params)
-    _shapes[fn] = shape = (signature.replace(parameters=params), wants, optional)
+    models = tuple(_model(hints.get(p.name, None)) for p in params)
+    _shapes[fn] = shape = (signature.replace(parameters=params), wants, optional, models)
     return shape
 
 
 def _count_problem(what: str, fn: Callable, args: typing.Sequence[Any]) -> str | None:
-    signature, _, optional = _shape(getattr(fn, "__func__", fn))
+    signature, _, optional, _ = _shape(getattr(fn, "__func__", fn))
     try:
         signature.bind(*args)
     except TypeError:
@@ -116,10 +133,15 @@ def problem_with(what: str, fn: Callable, args: typing.Sequence[Any], objects: b
     count = _count_problem(what, fn, args)
     if count is not None:
         return "(input)", count
-    _, wants, optional = _shape(getattr(fn, "__func__", fn))
-    for want, opt, arg in zip(wants, optional, args):
+    _, wants, optional, models = _shape(getattr(fn, "__func__", fn))
+    for want, opt, (model, nullable), arg in zip(wants, optional, models, args):
         if objects and want and not isinstance(arg, (dict, BaseModel)) and not (arg is None and opt):
             return "(input)", f"{what} takes a JSON object, got {json_kind(arg)}"
+        # The SDK validates a JSON payload against the model, but a payload of another encoding
+        # (binary/null, binary/plain, a protobuf one: ``--input-meta encoding=...``, the HTTP API,
+        # a client's None) is handed over as it decoded, a None or bytes the handler then fails on.
+        if model is not None and not isinstance(arg, model) and not (arg is None and nullable):
+            return "(input)", f"{what} takes a JSON object ({model.__name__}), got {json_kind(arg)}"
     return first_problem(list(args) if len(args) != 1 else args[0])
 
 
