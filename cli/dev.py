@@ -553,6 +553,31 @@ class Interrupted(BaseException):
     the server (it was, and the stack went on to start every worker, then exited 0)."""
 
 
+#: What a TCP port can be (a bind to another number is Python's OverflowError, a traceback).
+TCP_PORTS = range(1, 65536)
+
+
+def _port_out_of_range(temporal: str, port: int, ports: DevPorts, wanted: dict[str, int]) -> str | None:
+    """The first of the stack's ports that is no TCP port, naming its flag; one derived from
+    ``--port`` (``--port 64000``: metrics at 66231) says so. Every listener the stack opens: the
+    flags' ports, the front door's (left off only when busy) and each metrics port."""
+    after = 5 if temporal == "cluster" else 2
+    for flag, number in {**wanted, "--front-door-port": ports.front_door, "--metrics-port": ports.metrics}.items():
+        last = number + (after if flag == "--metrics-port" else 0)
+        if number in TCP_PORTS and last in TCP_PORTS:
+            continue
+        name = flag.split()[0]
+        field = name.removeprefix("--").removesuffix("port").rstrip("-").replace("-", "_")
+        derived = field in PORT_OFFSETS and field not in ports.given
+        what = f"{number} (--port {port} + {number - port})" if derived else f"{number}"
+        if number in TCP_PORTS:  # a metrics port, its last neighbour past the end
+            what += f" and the next {'five' if after == 5 else 'two'} (up to {last})"
+        verb = "is not a TCP port" if number not in TCP_PORTS else "are not all TCP ports"
+        fix = f"; give {name} or a lower --port" if derived else ""
+        return f"{flag}: {what} {verb} (1-65535){fix}"
+    return None
+
+
 def _refused_flag(settings: Settings, temporal: str, port: int, ports: DevPorts, s3: dict,
                   cluster_port: int | None) -> str | None:
     """Why the flags cannot start a stack (a missing binary, a port taken or given twice), before
@@ -570,6 +595,9 @@ def _refused_flag(settings: Settings, temporal: str, port: int, ports: DevPorts,
               **({"--front-door-port": ports.front_door} if "front_door" in ports.given else {}),
               **({f"--cluster-port ({name})": number for name, number in ports.cluster_ports().items()}
                  if temporal == "cluster" else {})}
+    out_of_range = _port_out_of_range(temporal, port, ports, wanted)
+    if out_of_range is not None:
+        return out_of_range
     for flag, number in wanted.items():
         twice = [other for other, n in wanted.items() if n == number and other != flag]
         if twice:

@@ -157,7 +157,9 @@ CONFIG_ENV = Settings.variable("config")
 class WorkerEnv(EnvSettings):
     """Every worker process: the control plane's, a node agent, the node gateway."""
 
-    metrics_port: Optional[int] = envvar("GPUFLEET_METRICS_PORT", None,
+    # A number past 65535 (or below 1) passed as a port, and the worker died binding it with
+    # Python's OverflowError, a traceback naming no variable.
+    metrics_port: Annotated[Optional[int], Field(ge=1, le=65535)] = envvar("GPUFLEET_METRICS_PORT", None,
                                          "serve Prometheus /metrics here (--metrics-port first); unset: none",
                                          invalid="{name}: not a port number: {raw!r}")
     metrics_host: str = envvar("GPUFLEET_METRICS_HOST", "0.0.0.0",

@@ -77,6 +77,27 @@ def test_two_of_the_stacks_ports_on_one_number_are_refused_before_anything_start
     assert not (tmp_path / "state" / "temporal.db").exists()
 
 
+@pytest.mark.parametrize("flags, message", [
+    # --port 64000 is a port, but the metrics port derived from it (+ 2231) is not.
+    (["--port", "64000", "--ui-port", "{ui}"],
+     "--metrics-port: 66231 (--port 64000 + 2231) is not a TCP port (1-65535); give --metrics-port or a lower --port"),
+    (["--port", "{port}", "--ui-port", "70000"], "--ui-port: 70000 is not a TCP port (1-65535)"),
+    (["--port", "{port}", "--ui-port", "{ui}", "--metrics-port", "65534"],
+     "--metrics-port: 65534 and the next two (up to 65536) are not all TCP ports (1-65535)"),
+])
+def test_a_port_past_65535_is_refused_naming_its_flag_before_anything_starts(
+        tmp_path: Path, flags: list[str], message: str) -> None:
+    """A port past 65535, given or derived from --port, was bound as it came: Python's OverflowError
+    ("bind(): port must be 0-65535"), a traceback naming no flag. Now refused, naming the flag."""
+    port = free_dev_port()
+    env = builtin_fleet_env(tmp_path, port)
+    done = gpufleet(env, "dev", *(f.format(port=port, ui=free_port()) for f in flags), timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr and "is up" not in done.stdout
+    assert not (tmp_path / "state" / "temporal.db").exists()
+
+
 @pytest.mark.timeout(600)
 def test_a_killed_child_comes_back_and_ctrl_c_leaves_nothing_behind(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,7 +7,10 @@ naming the variable."""
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,6 +143,7 @@ def test_unset_or_blank_is_the_default_and_a_value_is_typed() -> None:
 @pytest.mark.parametrize(("model", "field", "raw", "message"), [
     (ControlPlaneEnv, "max_cached_workflows", "lots", "GPUFLEET_MAX_CACHED_WORKFLOWS: a whole number, not 'lots'"),
     (WorkerEnv, "metrics_port", "http", "GPUFLEET_METRICS_PORT: not a port number: 'http'"),
+    (WorkerEnv, "metrics_port", "99999", "GPUFLEET_METRICS_PORT: not a port number: '99999'"),
     (NodeAgentEnv, "health_seconds", "soon", "GPUFLEET_HEALTH_SECONDS: "),
     (ControlPlaneEnv, "orphan_grace_seconds", "ten", "GPUFLEET_ORPHAN_GRACE_SECONDS: "),
 ])
@@ -150,3 +154,24 @@ def test_a_bad_value_is_an_error_naming_the_variable(model, field, raw, message)
     assert str(caught.value).startswith(message) and repr(raw) in str(caught.value), str(caught.value)
     with pytest.raises(SettingsError, match=name):
         model.from_env({name: raw})
+
+
+@pytest.mark.integration  # the worker as a process
+@pytest.mark.parametrize("worker", ["workers.control_plane", "workers.node_agent"])
+@pytest.mark.parametrize("how", ["variable", "flag"])
+def test_a_worker_given_a_metrics_port_past_65535_stops_naming_it(worker: str, how: str) -> None:
+    """``GPUFLEET_METRICS_PORT=99999`` (or ``--metrics-port 99999``) went as it came to the metrics
+    server's bind: the worker died with Python's OverflowError ("bind(): port must be 0-65535"), a
+    traceback naming neither the variable nor the flag. Now it stops at once saying which."""
+    env = {k: v for k, v in os.environ.items() if k != "GPUFLEET_METRICS_PORT"}
+    args = [sys.executable, "-m", worker, *(["--sim"] if worker == "workers.node_agent" else [])]
+    if how == "variable":
+        env["GPUFLEET_METRICS_PORT"] = "99999"
+    else:
+        args += ["--metrics-port", "99999"]
+    done = subprocess.run(args, env={**env, "COLUMNS": "200"}, capture_output=True, text=True, timeout=60)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "Traceback" not in output and "OverflowError" not in output, output
+    assert ("GPUFLEET_METRICS_PORT: not a port number: '99999'" if how == "variable"
+            else "Invalid value for '--metrics-port'") in output, output

@@ -131,7 +131,7 @@ async def main(metrics_port: int | None = None) -> None:
 
 
 def cli(
-    metrics_port: Annotated[Optional[int], typer.Option(
+    metrics_port: Annotated[Optional[int], typer.Option(min=1, max=65535,
         help="serve Prometheus metrics on this port (default: $GPUFLEET_METRICS_PORT; unset: no metrics endpoint)")] = None,
 ) -> None:
     """The control-plane worker: every workflow, and the provider and cluster activities.

@@ -478,7 +478,7 @@ def cli(
         help="real mode: the node's client certificate (PEM; may hold the key too, as "
              "kubelet-client-current.pem does); read again when it changes")] = None,
     key: Annotated[Optional[str], typer.Option(help="its private key, when not in --cert")] = None,
-    metrics_port: Annotated[Optional[int], typer.Option(
+    metrics_port: Annotated[Optional[int], typer.Option(min=1, max=65535,
         help="serve Prometheus metrics on this port (default: $GPUFLEET_METRICS_PORT; unset: no metrics endpoint)")] = None,
 ) -> None:
     """The node agent: a GPU node's health watch and node-side activities on its own queue,

@@ -104,7 +104,7 @@ def cli(
         help="CA that signs node client certificates (the cluster CA)")] = None,
     dev: Annotated[bool, typer.Option("--dev", help="make/load a dev CA and certificate under the state dir")] = False,
     live_ttl: Annotated[float, typer.Option(help="seconds a node's liveness verdict is kept")] = 1.0,
-    metrics_port: Annotated[Optional[int], typer.Option(
+    metrics_port: Annotated[Optional[int], typer.Option(min=1, max=65535,
         help="serve /metrics here (default: GPUFLEET_METRICS_PORT; unset: none)")] = None,
 ) -> None:
     """Run the node gateway: mutual TLS in front of Temporal, the only door from a GPU node to it."""
