@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 from fleet.naming import CONTROL_PLANE_QUEUE
 
 
@@ -169,12 +169,19 @@ class WorkerEnv(EnvSettings):
 class ControlPlaneEnv(EnvSettings):
     """The control-plane worker (its activities: the providers, the cluster, the probes)."""
 
-    max_cached_workflows: int = envvar("GPUFLEET_MAX_CACHED_WORKFLOWS", 4000,
-                                       "workflows kept in memory between tasks (every Node entity is one; an "
-                                       "evicted one replays its history); above the SDK's 1,000 for 1,250 nodes",
-                                       invalid="{name}: a whole number, not {raw!r}")
-    orphan_grace_seconds: float = envvar("GPUFLEET_ORPHAN_GRACE_SECONDS", 600.0,
-                                         "seconds a machine without a node or a running join is not yet an orphan")
+    # The SDK takes a count: 0 caches none (every task replays its workflow's history), and a
+    # number below 0 went to it as it came.
+    max_cached_workflows: Annotated[int, Field(ge=0)] = envvar(
+        "GPUFLEET_MAX_CACHED_WORKFLOWS", 4000,
+        "workflows kept in memory between tasks (every Node entity is one; an evicted one replays its "
+        "history); above the SDK's 1,000 for 1,250 nodes; 0: none",
+        invalid="{name}: a whole number of workflows, 0 or more, not {raw!r}")
+    # A machine is an orphan once ``now - created >= grace`` (workers/metrics.py): nan made none
+    # ever one, inf the same, a negative number every machine one the moment it was bought.
+    orphan_grace_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = envvar(
+        "GPUFLEET_ORPHAN_GRACE_SECONDS", 600.0,
+        "seconds a machine without a node or a running join is not yet an orphan (0: at once)",
+        invalid="{name}: a number of seconds, 0 or more, not {raw!r}")
     serving_namespace: str = envvar("GPUFLEET_NAMESPACE", "gpufleet",
                                     "the Kubernetes namespace of the model servers the serving probe calls")
     serving_url: Optional[str] = envvar("GPUFLEET_SERVING_URL", None,
@@ -203,8 +210,11 @@ class NodeAgentEnv(EnvSettings):
                               "where spot reclaim notices come from: auto (the node's provider's, by the "
                               "providerID gpufleet gave it; the shipped DaemonSet's), aws or gcp metadata; "
                               "unset: none")
-    health_seconds: float = envvar("GPUFLEET_HEALTH_SECONDS", 5.0,
-                                   "a waiting health watch's probe interval, seconds (0: only when woken)")
+    # A waiting watch probes every interval when it is above 0 (activities/node_agent.py): nan,
+    # inf or a negative number silently meant 0, probing only when woken.
+    health_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = envvar(
+        "GPUFLEET_HEALTH_SECONDS", 5.0, "a waiting health watch's probe interval, seconds (0: only when woken)",
+        invalid="{name}: a number of seconds, 0 or more (0: probe only when woken), not {raw!r}")
     driver_reinstall_cmd: Optional[str] = envvar("GPUFLEET_DRIVER_REINSTALL_CMD", None,
                                                  "the site's driver reinstall command (a repair step); unset: none")
 
@@ -219,21 +229,22 @@ class NodeGatewayEnv(EnvSettings):
         "replica binds the task tokens it hands a node with) and, while rotating, previous (accepted too); "
         "required but with --dev")
     # Sized in workers/gateway/proxy.py (CALLS_PER_SECOND, CALL_BURST: what an honest agent sends).
-    calls_per_second: Annotated[float, Field(gt=0)] = envvar(
+    # inf: each call found its node's bucket full again (refilled by elapsed x inf), none refused.
+    calls_per_second: Annotated[float, Field(gt=0, allow_inf_nan=False)] = envvar(
         "GPUFLEET_GATEWAY_CALLS_PER_SECOND", 20.0,
         "calls one node may send upstream per second, on average (a task delivered to it pays for "
         "its poll and its result); beyond: RESOURCE_EXHAUSTED",
-        invalid="{name}: a number of calls above 0, not {raw!r}")
+        invalid="{name}: a finite number of calls above 0, not {raw!r}")
     call_burst: Annotated[int, Field(gt=0)] = envvar(
         "GPUFLEET_GATEWAY_CALL_BURST", 60, "calls one node may send upstream at once before its rate applies",
         invalid="{name}: a whole number above 0, not {raw!r}")
     # Sized in workers/gateway/proxy.py (UPSTREAM_CALLS_PER_SECOND: under the frontend's defaults).
-    upstream_calls_per_second: Annotated[float, Field(gt=0)] = envvar(
+    upstream_calls_per_second: Annotated[float, Field(gt=0, allow_inf_nan=False)] = envvar(
         "GPUFLEET_GATEWAY_UPSTREAM_CALLS_PER_SECOND", 1000.0,
         "calls every node together may send upstream per second, through all the gateway's replicas "
         "(each takes its part, GPUFLEET_GATEWAY_REPLICAS), shared fairly among the nodes calling; "
         "a node with its share answered RESOURCE_EXHAUSTED beyond",
-        invalid="{name}: a number of calls above 0, not {raw!r}")
+        invalid="{name}: a finite number of calls above 0, not {raw!r}")
     replicas: Annotated[int, Field(gt=0)] = envvar(
         "GPUFLEET_GATEWAY_REPLICAS", 1,
         "how many gateway replicas run: each sends upstream at most its part of "
@@ -259,6 +270,14 @@ class WeightsPullEnv(EnvSettings):
     weights: str = envvar("GPUFLEET_WEIGHTS", "", "the WeightsPull spec (JSON) the pod is given, when no file is")
 
 
+def _ports_low_high(value: str) -> str:
+    """``LOW-HIGH`` (the pattern checked): the ports LOW to HIGH - 1, each a TCP port."""
+    low, high = (int(part) for part in value.split("-", 1))
+    if not 1 <= low < high <= 65536:
+        raise ValueError("not 1 <= LOW < HIGH <= 65536")
+    return value
+
+
 class CliEnv(EnvSettings):
     """The ``gpufleet`` command line."""
 
@@ -267,10 +286,17 @@ class CliEnv(EnvSettings):
     realtemporal_cache: Optional[Path] = envvar("GPUFLEET_REALTEMPORAL_CACHE", None,
                                                 "where `gpufleet dev --temporal cluster` caches its binaries "
                                                 "(unset: ~/.cache/gpufleet/realtemporal)")
-    port_range: Annotated[str, StringConstraints(pattern=r"^[0-9]{4,5}-[0-9]{4,5}$")] = envvar("GPUFLEET_PORT_RANGE", "20000-32600",
-                             "LOW-HIGH: the loopback ports `gpufleet dev --temporal cluster` picks its services' "
-                             "from (processes starting servers side by side, the test suite's workers, give "
-                             "each its own)")
+    # cli/temporal_cluster.py picks a port from LOW to HIGH - 1: one past 65535 was bound as it came
+    # (Python's OverflowError), a HIGH not above LOW was random's ValueError (tracebacks naming
+    # nothing), a LOW of 0 handed out port 0.
+    port_range: Annotated[str, StringConstraints(pattern=r"^[0-9]{4,5}-[0-9]{4,5}$"),
+                          AfterValidator(_ports_low_high)] = envvar(
+        "GPUFLEET_PORT_RANGE", "20000-32600",
+        "LOW-HIGH: the loopback ports `gpufleet dev --temporal cluster` picks its services' "
+        "from (processes starting servers side by side, the test suite's workers, give "
+        "each its own)",
+        invalid="{name}: LOW-HIGH, the ports from LOW up to HIGH (not taken), 1 <= LOW < HIGH <= 65536, "
+                "not {raw!r}")
 
 
 #: The settings of every kind of process.

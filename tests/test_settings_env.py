@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from fleet import settings
-from fleet.settings import (ELSEWHERE, MODELS, ControlPlaneEnv, NodeAgentEnv, Settings, SettingsError, WorkerEnv,
-                            declared)
+from fleet.settings import (ELSEWHERE, MODELS, CliEnv, ControlPlaneEnv, NodeAgentEnv, NodeGatewayEnv, Settings,
+                            SettingsError, WorkerEnv, declared)
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The code: every package, the benches and bootstrap.py (tests/ sets its own GPUFLEET_TEST_* and
@@ -141,11 +141,30 @@ def test_unset_or_blank_is_the_default_and_a_value_is_typed() -> None:
 
 
 @pytest.mark.parametrize(("model", "field", "raw", "message"), [
-    (ControlPlaneEnv, "max_cached_workflows", "lots", "GPUFLEET_MAX_CACHED_WORKFLOWS: a whole number, not 'lots'"),
+    (ControlPlaneEnv, "max_cached_workflows", "lots", "GPUFLEET_MAX_CACHED_WORKFLOWS: a whole number of workflows"),
     (WorkerEnv, "metrics_port", "http", "GPUFLEET_METRICS_PORT: not a port number: 'http'"),
     (WorkerEnv, "metrics_port", "99999", "GPUFLEET_METRICS_PORT: not a port number: '99999'"),
     (NodeAgentEnv, "health_seconds", "soon", "GPUFLEET_HEALTH_SECONDS: "),
     (ControlPlaneEnv, "orphan_grace_seconds", "ten", "GPUFLEET_ORPHAN_GRACE_SECONDS: "),
+    # Numbers their use has no meaning for (nan, inf, below 0, 0 where it is no size): before, the
+    # health watch took each of nan, inf and -1 for 0 (probing only when woken), the orphan gauge
+    # read 0 with nan or inf and every machine at once with -1, the SDK was handed a cache size
+    # below 0, a gateway with inf calls a second refused no call, and a port range past 65535 or
+    # empty died in a bind or in random with a traceback naming nothing.
+    *[(NodeAgentEnv, "health_seconds", raw, "GPUFLEET_HEALTH_SECONDS: a number of seconds, 0 or more")
+      for raw in ("nan", "inf", "-inf", "-1", "-0.5")],
+    *[(ControlPlaneEnv, "orphan_grace_seconds", raw, "GPUFLEET_ORPHAN_GRACE_SECONDS: a number of seconds, 0 or more")
+      for raw in ("nan", "inf", "-inf", "-1")],
+    *[(ControlPlaneEnv, "max_cached_workflows", raw, "GPUFLEET_MAX_CACHED_WORKFLOWS: a whole number of workflows, "
+       "0 or more") for raw in ("-1", "-4000", "nan", "inf")],
+    *[(NodeGatewayEnv, field, raw, f"{NodeGatewayEnv.variable(field)}: a finite number of calls above 0")
+      for field in ("calls_per_second", "upstream_calls_per_second") for raw in ("nan", "inf", "-inf", "0", "-1")],
+    *[(NodeGatewayEnv, field, raw, f"{NodeGatewayEnv.variable(field)}: a whole number")
+      for field in ("call_burst", "replicas") for raw in ("0", "-1", "nan", "inf")],
+    (WorkerEnv, "metrics_port", "0", "GPUFLEET_METRICS_PORT: not a port number: '0'"),
+    (WorkerEnv, "metrics_port", "-1", "GPUFLEET_METRICS_PORT: not a port number: '-1'"),
+    *[(CliEnv, "port_range", raw, "GPUFLEET_PORT_RANGE: LOW-HIGH") for raw in
+      ("60000-70000", "30000-30000", "32600-20000", "0000-1000", "20000", "a-b")],
 ])
 def test_a_bad_value_is_an_error_naming_the_variable(model, field, raw, message) -> None:
     name = model.variable(field)
@@ -154,6 +173,49 @@ def test_a_bad_value_is_an_error_naming_the_variable(model, field, raw, message)
     assert str(caught.value).startswith(message) and repr(raw) in str(caught.value), str(caught.value)
     with pytest.raises(SettingsError, match=name):
         model.from_env({name: raw})
+
+
+@pytest.mark.parametrize(("model", "field", "raw", "value"), [
+    # What the repo sets (deploy/, the chart, the tests, the benches) and each bound itself.
+    (NodeAgentEnv, "health_seconds", "0", 0.0),  # only when woken (bench/join_overhead.py, bench/scale.py)
+    (NodeAgentEnv, "health_seconds", "3600", 3600.0),
+    (NodeAgentEnv, "health_seconds", "1", 1.0),
+    (ControlPlaneEnv, "orphan_grace_seconds", "0", 0.0),  # tests/test_observability.py
+    (ControlPlaneEnv, "orphan_grace_seconds", "600", 600.0),
+    (ControlPlaneEnv, "max_cached_workflows", "6000", 6000),  # tests/test_worker_cache.py
+    (ControlPlaneEnv, "max_cached_workflows", "0", 0),  # the SDK's "no cache"
+    (NodeGatewayEnv, "replicas", "2", 2),  # deploy/kubernetes/node-gateway.yaml
+    (NodeGatewayEnv, "upstream_calls_per_second", "1500", 1500.0),  # tests/test_helm.py
+    (NodeGatewayEnv, "calls_per_second", "0.5", 0.5),
+    (NodeGatewayEnv, "call_burst", "1", 1),
+    (WorkerEnv, "metrics_port", "1", 1),
+    (WorkerEnv, "metrics_port", "65535", 65535),
+    (CliEnv, "port_range", "20000-32600", "20000-32600"),  # tests/conftest.py's slices of it too
+    (CliEnv, "port_range", "1024-65536", "1024-65536"),  # HIGH is not taken
+])
+def test_a_value_in_bounds_is_taken_as_it_is(model, field, raw, value) -> None:
+    assert model.get(field, {model.variable(field): raw}) == value
+
+
+@pytest.mark.integration  # the worker as a process
+@pytest.mark.parametrize(("args", "name", "raw"), [
+    (["workers.control_plane"], "GPUFLEET_ORPHAN_GRACE_SECONDS", "nan"),
+    (["workers.control_plane"], "GPUFLEET_MAX_CACHED_WORKFLOWS", "-1"),
+    (["workers.node_agent", "--sim"], "GPUFLEET_HEALTH_SECONDS", "-1"),
+    (["workers.node_gateway", "--dev"], "GPUFLEET_GATEWAY_CALLS_PER_SECOND", "inf"),
+])
+def test_a_worker_given_a_number_out_of_bounds_stops_at_once_naming_it(args, name, raw, tmp_path) -> None:
+    """Before, the control plane took an orphan grace of nan (its orphan gauge then read 0) and
+    handed the SDK -1 workflows to cache, the node agent probed with a health interval of -1 as
+    with 0, and the gateway refused no call at inf calls a second. Now each stops before it
+    starts anything, its one line naming the variable (not a traceback)."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("GPUFLEET_")},
+           "GPUFLEET_STATE_DIR": str(tmp_path), name: raw}
+    done = subprocess.run([sys.executable, "-m", *args], env=env, capture_output=True, text=True, timeout=60)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0, output
+    assert "Traceback" not in output, output
+    assert f"{name}: " in output and repr(raw) in output, output
 
 
 @pytest.mark.integration  # the worker as a process

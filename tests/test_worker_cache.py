@@ -28,7 +28,7 @@ def test_a_bad_cache_size_is_named() -> None:
                           env={"GPUFLEET_MAX_CACHED_WORKFLOWS": "lots", "PATH": "/usr/bin:/bin"},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
-    assert "GPUFLEET_MAX_CACHED_WORKFLOWS: a whole number, not 'lots'" in done.stderr
+    assert "GPUFLEET_MAX_CACHED_WORKFLOWS: a whole number of workflows, 0 or more, not 'lots'" in done.stderr
 
 
 async def test_a_worker_shut_down_in_the_suite_leaves_no_run_to_wake_in_another_workflow(

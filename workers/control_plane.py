@@ -113,6 +113,10 @@ def build_worker(client: Client, settings: Settings, env: FleetEnv | None = None
 async def main(metrics_port: int | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s control-plane %(levelname)s %(message)s")
     settings = Settings.from_env()
+    try:  # its every variable checked before anything starts (the orphan grace is read only at a scrape)
+        ControlPlaneEnv.from_env()
+    except SettingsError as error:
+        raise SystemExit(str(error)) from None
     metrics = start_metrics(metrics_port, "control-plane")
     client = await connect(settings, runtime=metrics.runtime if metrics else None)
     env = FleetEnv.from_settings(settings)

@@ -43,7 +43,7 @@ from temporalio.worker import PollerBehaviorSimpleMaximum, Worker
 
 from activities.node_agent import NodeAgentActivities, NodeWatch
 from fleet.config import load_config
-from fleet.settings import NodeAgentEnv, Settings
+from fleet.settings import NodeAgentEnv, Settings, SettingsError
 from fleet.naming import node_queue
 from fleet.temporal import connect, tracing_interceptors
 from providers.gpu import GpuBackend
@@ -407,6 +407,10 @@ class AgentOptions:
 async def main(args: AgentOptions) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node-agent %(levelname)s %(message)s")
     settings = Settings.from_env()
+    try:  # its every variable checked before anything starts (--sim reads the health interval per agent)
+        NodeAgentEnv.from_env()
+    except SettingsError as error:
+        raise SystemExit(str(error)) from None
     # No SDK worker heartbeats: nothing reads a node agent's (its liveness is its health watch's
     # own heartbeat), and a fleet's agents would send the gateway and Temporal one per node a minute.
     metrics = start_metrics(args.metrics_port, "node-agent", worker_heartbeats=False)

@@ -41,7 +41,10 @@ async def main(args: GatewayOptions) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s node-gateway %(levelname)s %(message)s")
     settings = Settings.from_env()
-    rates = NodeGatewayEnv.from_env()
+    try:
+        rates = NodeGatewayEnv.from_env()
+    except SettingsError as error:
+        raise SystemExit(str(error)) from None
     token_keys = rates.token_keys
     if args.dev:
         files = dev_gateway_files(settings.state_dir)
