@@ -16,6 +16,7 @@ not declared here.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Any, Mapping, Optional
 
@@ -33,7 +34,24 @@ def temporal_profile():
     try:
         return ClientConfigProfile.load()
     except Exception as error:  # the bridge's ConfigError: a bad file or an unknown profile
-        raise ValueError(f"Temporal environment configuration (TEMPORAL_PROFILE / temporal.toml): {error}") from None
+        raise ValueError("Temporal environment configuration (TEMPORAL_PROFILE / temporal.toml): "
+                         f"{unquoted_config_error(error)}") from None
+
+
+#: A line of the TOML parser's excerpt of the file (``3 | api_key = "...``, ``  |   ^``).
+_EXCERPT = re.compile(r"^\s*\d*\s*\|")
+#: The value serde says it found (``invalid type: integer `5```, ``string "..."``).
+_FOUND = re.compile(r"(invalid (?:type|value): [a-z ]+?) (?:`[^`]*`|\"(?:[^\"\\]|\\.)*\")")
+
+
+def unquoted_config_error(error: BaseException) -> str:
+    """What a temporal.toml that does not load may say: where and why (``TOML parse error at
+    line 3, column 11; invalid basic string``), never the file's text. The parser quotes the line
+    it stopped at and the value it refused, and the file's values are the API key, TLS keys and
+    gRPC metadata: the message goes to every worker's log and the operator's terminal."""
+    lines = [_FOUND.sub(r"\1", line).strip() for line in str(error).splitlines()
+             if line.strip() and not _EXCERPT.match(line)]
+    return "; ".join(lines) or type(error).__name__
 
 
 # -- declaring a variable -------------------------------------------------------------------

@@ -141,3 +141,35 @@ async def test_the_proxy_refuses_a_client_without_its_certificate(tls_env) -> No
             monkeypatch.setenv(name, value)
     with pytest.raises(RuntimeError):
         await asyncio.wait_for(connect(Settings.from_env()), 30)
+
+
+#: temporal.toml files that do not load, each holding a secret on the line the parser stops at (or
+#: as the value it refuses): a quote left open, a key given twice while rotating, a number where a
+#: string goes, a key put where a table goes.
+BROKEN_TOML = {
+    "open quote": ('api_key = "{secret}\n', 3, "invalid basic string"),
+    "given twice": ('api_key = "sk-old"\napi_key = "{secret}"\n', 4, "duplicate key"),
+    "a number": ("api_key = {number}\n", 3, "invalid type: integer, expected a string"),
+    "key as the tls table": ('tls = "{secret}"\n', 3, "invalid type: string, expected struct"),
+    "metadata": ('[profile.default.grpc_meta]\nauthorization = "Bearer {secret}\x01"\n', 4, "invalid basic string"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN_TOML))
+def test_a_temporal_toml_that_does_not_load_is_named_without_quoting_its_secrets(case, tmp_path, monkeypatch) -> None:
+    """Every worker and CLI command reads temporal.toml first (Settings.from_env, the gateway's
+    upstream channel). The TOML parser's error quotes the line it stopped at, and the value it
+    refused: the API key, a TLS key's line, an authorization header, in the worker's log and the
+    operator's terminal. The error names the line and the reason, never the text."""
+    for name in TLS_VARS:
+        monkeypatch.delenv(name, raising=False)
+    secret, number = "sk-" + os.urandom(8).hex(), "7" + "".join(str(b % 10) for b in os.urandom(12))
+    body, line, reason = BROKEN_TOML[case]
+    path = tmp_path / "temporal.toml"
+    path.write_text('[profile.default]\naddress = "localhost:7233"\n' + body.format(secret=secret, number=number))
+    monkeypatch.setenv("TEMPORAL_CONFIG_FILE", str(path))
+    with pytest.raises(ValueError) as raised:
+        Settings.from_env()
+    message = str(raised.value)
+    assert secret not in message and number not in message, message
+    assert f"line {line}" in message and reason in message, message
