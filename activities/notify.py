@@ -41,6 +41,18 @@ class _HideWebhookUrls(logging.Filter):
 logging.getLogger("httpx").addFilter(_HideWebhookUrls())
 
 
+def _logged_forms(url: str) -> set[str]:
+    """``url`` and the form httpx writes it in its log line (the request's URL: scheme and host
+    lowered, a default port dropped, ``..`` resolved, some characters escaped), which a Teams /
+    Power Automate URL (``https://...logic.azure.com:443/...&sig=<secret>``) is not as given."""
+    forms = {url}
+    try:
+        forms.add(str(httpx.Request("POST", url).url))
+    except Exception:  # noqa: BLE001 - not a URL httpx takes: post() refuses it, nothing is logged
+        pass
+    return forms
+
+
 def _failed(ref: CredentialsRef, what: str, *, permanent: bool) -> ApplicationError:
     return ApplicationError(f"notify webhook {ref.describe()}: {what}", type="NotifyFailed", non_retryable=permanent)
 
@@ -54,7 +66,7 @@ async def post(ref: CredentialsRef | None, payload: dict) -> bool:
         url = await asyncio.to_thread(read_secret, ref)
     except FleetError as error:
         raise _failed(ref, str(error), permanent=True) from None
-    _urls.add(url)
+    _urls.update(_logged_forms(url))
     try:
         async with httpx.AsyncClient(timeout=TIMEOUT_SECONDS) as http:
             response = await http.post(url, json=payload)

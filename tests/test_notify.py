@@ -102,3 +102,42 @@ async def test_missing_webhook_reference_is_a_named_permanent_failure(
         await handle.terminate("test over")
     # Not retried: a reference that is not there does not appear by itself.
     assert sum(e.activity_task_started_event_attributes.attempt > 1 for e in history) == 0
+
+
+#: Webhook URLs as their services hand them out, which httpx writes otherwise in its log line
+#: (``HTTP Request: POST <url> ...``, INFO, which the control plane logs): a Teams / Power Automate
+#: workflow URL names its port (httpx drops ``:443``); a host or scheme in capitals (lowered).
+NORMALIZED_BY_HTTPX = {
+    "power automate": "https://prod-27.westus.logic.azure.com:443/workflows/0f1e2d3c4b5a/triggers/manual/paths/"
+                      "invoke?api-version=2016-06-01&sp=%2Ftriggers%2Fmanual%2Frun&sv=1.0&sig={secret}",
+    "host in capitals": "https://Hooks.Example.COM/services/T0001/B0001/{secret}",
+    "scheme in capitals": "HTTPS://hooks.example.com/services/T0001/B0001/{secret}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(NORMALIZED_BY_HTTPX))
+async def test_a_webhook_url_httpx_logs_in_another_form_is_hidden_too(
+        case: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    import httpx
+
+    from activities import notify
+
+    secret = "s1g-" + uuid.uuid4().hex
+    url = NORMALIZED_BY_HTTPX[case].format(secret=secret)
+    monkeypatch.setenv("GPUFLEET_TEST_WEBHOOK", url)
+    posted: list[httpx.Request] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        posted.append(request)
+        return httpx.Response(202)
+
+    real_client = httpx.AsyncClient
+    monkeypatch.setattr(httpx, "AsyncClient", lambda **kw: real_client(transport=httpx.MockTransport(answer), **kw))
+    caplog.set_level(logging.INFO)
+    from fleet.models import CredentialsRef
+
+    assert await notify.post(CredentialsRef(env="GPUFLEET_TEST_WEBHOOK"), {"text": "a person must act"})
+    assert len(posted) == 1 and secret in str(posted[0].url)  # it went where it was meant to
+    assert "HTTP Request: POST <notify webhook>" in caplog.text
+    assert secret not in caplog.text, caplog.text
