@@ -583,6 +583,12 @@ def _refused_flag(settings: Settings, temporal: str, port: int, ports: DevPorts,
     """Why the flags cannot start a stack (a missing binary, a port taken or given twice), before
     anything starts: a busy port would otherwise surface as a child that exits a second after
     "gpufleet dev is up". None when they can."""
+    from fleet.settings import CliEnv, SettingsError
+
+    try:  # GPUFLEET_PORT_RANGE is read only once the cluster's services are being started
+        CliEnv.from_env()
+    except SettingsError as error:
+        return str(error)
     if temporal == "cluster" and (missing := cluster_missing_line()):
         return missing
     if cluster_port is not None and temporal != "cluster":

@@ -656,11 +656,16 @@ def main() -> None:
     import os
     import traceback
 
+    from fleet.settings import SettingsError
+
     try:
         app()
         code = 0
     except SystemExit as exit_:
         code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    except SettingsError as error:  # a variable refused: the line naming it, as the workers print it
+        print(f"gpufleet: {error}", file=sys.stderr)
+        code = 2
     except BaseException:  # noqa: BLE001 - shown like the interpreter would, then a clean exit
         traceback.print_exc()
         code = 1

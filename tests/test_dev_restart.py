@@ -98,6 +98,18 @@ def test_a_port_past_65535_is_refused_naming_its_flag_before_anything_starts(
     assert not (tmp_path / "state" / "temporal.db").exists()
 
 
+def test_a_port_range_past_65535_is_refused_naming_its_variable_before_anything_starts(tmp_path: Path) -> None:
+    """GPUFLEET_PORT_RANGE is read once the real cluster's services are being started: a range past
+    65535 ended the command there with a traceback (the settings' error its last line). Now
+    refused first, the one line naming the variable, exit 2."""
+    port = free_dev_port()
+    env = {**builtin_fleet_env(tmp_path, port), "GPUFLEET_PORT_RANGE": "60000-70000"}
+    done = gpufleet(env, "dev", "--temporal", "cluster", "--port", str(port), timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "GPUFLEET_PORT_RANGE: LOW-HIGH" in done.stdout, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr and "is up" not in done.stdout
+
+
 @pytest.mark.timeout(600)
 def test_a_killed_child_comes_back_and_ctrl_c_leaves_nothing_behind(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
