@@ -13,7 +13,9 @@ from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 from fleet.messages.capacity import AccountStatus, CapacityProgress, CapacityResult
 from activities.control_plane import ControlPlaneActivities
 from fleet.messages.nodes import DeleteMachineInput
-from tests.capacity_fleet import FAST_JOIN, CapStack, failed_pass_cleared, failed_pass_shown, open_stack, replay_and_record
+from tests.capacity_fleet import (
+    FAST_JOIN, CapStack, details, failed_pass_cleared, failed_pass_shown, open_stack, replay_and_record,
+)
 from tests.bad_input_helpers import wait_for_async
 from tests.conftest import wait_for
 
@@ -181,6 +183,59 @@ async def test_an_account_whose_guard_store_refuses_its_write_stays_up_says_so_a
                 and e.activity_task_scheduled_event_attributes.activity_type.name == "notify_person"]
     assert len(notified) == 1, "a person is told once the record is written"
     await replay_and_record(account, "account_guard_write_refused_then_written")
+
+
+async def test_an_account_update_whose_guard_write_fails_changes_nothing_and_can_be_sent_again(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A person's ``credentials_rotated`` or ``quota_raised`` reaches the ProviderAccount entity while
+    its guard store refuses the write (a 403 after an RBAC mistake; the API server away past the
+    retries ends the same way). The update fails saying so, and the entity is as it was: still
+    revoked and blocked, ``needs-person``, equal to the guard, so the same update, sent again once the
+    store takes writes, is taken. Before, the entity said healthy while the guard still blocked every
+    call (revoked) or the offers (quota), and the update sent again was refused ("credentials are
+    not revoked", "has no quota-blocked offer"): the account stayed blocked for good."""
+    from activities.account_store import AccountStore
+    from fleet.errors import ClusterForbidden
+
+    a, put = cap.account("a"), AccountStore.put
+    refusing = [False]
+
+    def refused(self, record) -> None:
+        if refusing[0] and record.name == a:
+            raise ClusterForbidden('update configmaps "gpufleet-accounts" is forbidden', code="403")
+        put(self, record)
+
+    monkeypatch.setattr(AccountStore, "put", refused)
+    account = await cap.client.start_workflow(
+        "ProviderAccount", {"account": a, "provider": "lambda"}, id=cap.account_handle("lambda", "a").id,
+        task_queue=cap.settings.task_queue)
+    await account.signal("report", {"account": a, "kind": "OverQuota", "offer": cap.offer("cheap"),
+                                    "message": "quota reached"})
+    await account.signal("report", {"account": a, "kind": "BadCredentials", "message": "key revoked"})
+    await wait_for(lambda: cap.env.accounts.get(a).state == "credentials-revoked", timeout=30)
+
+    refusing[0] = True
+    for update, args in (("credentials_rotated", []), ("quota_raised", [{"all": True}])):
+        with pytest.raises(WorkflowUpdateFailedError) as failed:
+            await account.execute_update(update, args=args)
+        status = await account.query("status", result_type=AccountStatus)
+        assert status.state == "credentials-revoked", f"{update}: the entity is as before the update"
+        assert list(status.blocked_offers) == [cap.offer("cheap")]
+        assert cap.env.accounts.get(a).state == "credentials-revoked", "the guard was not written"
+        said = failed.value.cause.message
+        assert "could not write the account guard" in said and "ClusterForbidden" in said, said
+        assert f"nothing changed: send {update} again" in said, said
+    assert await cap.listed(f'WorkflowId = "{account.id}" AND FleetState = "needs-person"')
+    assert "credentials_rotated not taken: could not write the account guard" in await details(account)
+
+    refusing[0] = False  # the RBAC fixed: the same updates, sent again, are taken
+    rotated = AccountStatus.model_validate(await account.execute_update("credentials_rotated"))
+    assert rotated.state == "quota-blocked" and cap.env.accounts.get(a).state == "quota-blocked"
+    raised = AccountStatus.model_validate(await account.execute_update("quota_raised", {"all": True}))
+    assert raised.state == "healthy" and raised.blocked_offers == {}
+    assert cap.env.accounts.get(a).state == "healthy" and cap.env.accounts.get(a).blocked_offers == []
+    assert await cap.listed(f'WorkflowId = "{account.id}" AND FleetState = "healthy"')
+    await replay_and_record(account, "account_update_write_refused_puts_back")
 
 
 async def test_all_exhausted_waits_and_resumes_when_capacity_appears(cap: CapStack) -> None:

@@ -297,6 +297,10 @@ EXPECTED = {
     "account_quota_raised_all_explicit",
     # A report during the account's wait to continue as new is taken first (tests/test_account_gate.py).
     "account_continue_when_ready",
+    # An update whose guard write fails puts the account back as it was and can be sent again
+    # (``account-update-puts-back-on-a-failed-write``, tests/test_capacity.py); the old code's run,
+    # which kept the unwritten change, replays too.
+    "account_update_write_refused_puts_back", "account_update_write_refused_puts_back_before",
     # The entity gate (issue 38): a Node continues as new only once its watch loop rests, so the run
     # that took a spot notice starts the SpotReclaim (tests/test_entity_gate.py).
     "node_entity_continued_as_new_after_reclaim",

@@ -54,7 +54,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import invalid_input, parse_input, parse_signal, refusal
     from workflows.passes import FailedPasses
     from workflows.refusals import wrong_state
-    from workflows.steps import QUICK, STORE_RETRY, failure_message, show_details
+    from workflows.steps import QUICK, STORE_RETRY, failure_message, failure_text, show_details
 
 #: The credential check: one attempt per person's request (a wrong key is not transient).
 CHECK_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=["BadCredentials", "InvalidRequest"])
@@ -75,6 +75,14 @@ CONTINUE_WHEN_READY_PATCH = "account-continue-when-ready"
 #: naming the field; a continued run whose account left the config goes on and says so. Before
 #: it, such an entity ran for good, listed by ``gpufleet accounts`` as a healthy account.
 CONFIG_CHECKED_PATCH = "account-checked-against-config"
+#: Workflow patch, asked where an update's write of the guard store (``quota_raised``,
+#: ``credentials_rotated``) failed past its retries: the entity's state is put back as it was before
+#: the update (``FleetState`` too) and the update fails saying nothing changed, so the same update,
+#: sent again once the store takes writes, is taken. Before it the entity kept the change the guard
+#: never got: it said healthy while the guard still blocked every call (revoked) or the offers
+#: (quota), and the update sent again was refused ("credentials are not revoked", "has no
+#: quota-blocked offer"): the account stayed blocked for good.
+UPDATE_PUTS_BACK_PATCH = "account-update-puts-back-on-a-failed-write"
 
 
 @workflow.defn(name="ProviderAccount")
@@ -116,6 +124,7 @@ class ProviderAccount(Entity[AccountStatus | None]):
         status = self.state
         # Locked: a report's store write, still in flight, would land after this one and re-block the offers.
         async with self._locked():
+            before = status.model_copy(deep=True)
             if request.offers:
                 offers = request.offers
             elif request.all or not workflow.patched(QUOTA_ALL_EXPLICIT_PATCH):
@@ -127,7 +136,7 @@ class ProviderAccount(Entity[AccountStatus | None]):
             self._log(f"quota raised for {', '.join(offers)}")
             if status.state == AccountState.QUOTA_BLOCKED and not status.blocked_offers:
                 self._set(AccountState.HEALTHY, "")
-            await self._persist()
+            await self._persist_or_put_back(before, "quota_raised")
         await self._wake()
         return status
 
@@ -176,10 +185,11 @@ class ProviderAccount(Entity[AccountStatus | None]):
                     f"credentials for {status.account} still rejected: {failure_message(error)}",
                     type="BadCredentials", non_retryable=True,
                 ) from None
+            before = status.model_copy(deep=True)
             self._log(f"credentials rotated ({checked})")
             self._set(AccountState.QUOTA_BLOCKED if status.blocked_offers else AccountState.HEALTHY,
                       status.reason if status.blocked_offers else "")
-            await self._persist()
+            await self._persist_or_put_back(before, "credentials_rotated")
         # The queued deletes and the wake-up touch no entity state: no lock (reports go on meanwhile).
         deleted: list[str] = await workflow.execute_activity(
             act.run_queued_deletes, AccountInput(account=status.account),
@@ -345,6 +355,28 @@ class ProviderAccount(Entity[AccountStatus | None]):
                                blocked_offers=list(s.blocked_offers), reason=s.reason),
             start_to_close_timeout=QUICK, retry_policy=STORE_RETRY, summary=f"account guard: {s.state.value}",
         )
+
+    async def _persist_or_put_back(self, before: AccountStatus, update: str) -> None:
+        """An update's change written to the guard store; a write that failed past its retries
+        (``UPDATE_PUTS_BACK_PATCH``) puts the state back as it was ``before`` the update, the
+        guard's, and fails the update saying nothing changed. Called holding the state lock."""
+        try:
+            await self._persist()
+        except ActivityError as error:
+            if not workflow.patched(UPDATE_PUTS_BACK_PATCH):
+                raise  # a run from before: the change stays, unwritten
+            status, why = self.state, failure_text(error)
+            # What the updates change; the log and a webhook's failure noted meanwhile stay.
+            for field in ("state", "reason", "since", "blocked_offers"):
+                setattr(status, field, getattr(before, field))
+            self._log(f"{update} not taken: could not write the account guard ({why}); nothing changed")
+            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(self._fleet_state())])
+            self._show()
+            raise ApplicationError(
+                f"{update}: could not write the account guard ({why}); nothing changed: "
+                f"send {update} again once the guard store takes writes (account {status.account} is "
+                f"{status.state.value} as before)", type="GuardNotWritten", non_retryable=True,
+            ) from None
 
     async def _wake(self) -> None:
         await workflow.execute_activity(
