@@ -344,6 +344,10 @@ EXPECTED = {
     # running as its fill (``site-fill-ids-unique``, tests/test_site_reclaim.py); the code before
     # replays in ``site_fill_below_min``, ``site_reconcile_refused_then_fills``.
     "site_numbers_fills_past_those_on_record", "site_takes_a_running_fill_as_its_own",
+    # A fill that failed (the provider refusing every machine) holds the next back for a growing pause,
+    # saying why and until when; a person's ``reconcile_now`` starts it at once (``site-paces-failed-fills``,
+    # tests/test_site_reclaim.py). ``_before``: the code before, which started the next fill at once, replays.
+    "site_paces_a_failed_fill", "site_paces_a_failed_fill_before",
     # Two GPUs' resets queued one behind the other each get the slot: a reset covers no other GPU's
     # (``node-patches-at-start-7``, tests/test_node_slot_requests.py); ``_before``: the code before,
     # whose first reset "covered" the second, replays too. A continued Node run that changes nothing

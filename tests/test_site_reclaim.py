@@ -105,6 +105,55 @@ async def test_a_site_the_cluster_refuses_to_list_stays_up_says_so_and_fills_onc
     await replay_and_record(handle, "site_reconcile_refused_then_fills")
 
 
+async def test_a_fill_that_fails_holds_the_next_one_back_saying_why_and_until_when(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """cheap (min 2) while its provider refuses every machine as an ``InvalidRequest`` (an image the
+    account may not use: no retry and no other offer helps). Its fill fails; the entity says why and
+    when the next fill starts, in its status, details and ``FleetState``, and starts none before
+    (``site-paces-failed-fills``); the image fixed, a person's ``reconcile_now`` fills the site at once.
+    Before, the failed fill asked for a reconcile that started the next fill at once, for ever: about
+    five fills a second, each calling the provider, the details saying only "below min (0 < 2): acquiring 2"."""
+    from fleet.errors import InvalidRequest
+    from fleet.naming import fill_workflow_id
+    from sim.provider import SimProvider
+
+    cheap, created = cap.site("cheap"), SimProvider.create_machine
+    refusing = [True]
+
+    def create_machine(self, spec, idempotency_key, user_data=""):
+        if refusing[0] and self.site.name == cheap:
+            raise InvalidRequest("image gpufleet-node-1.4 is not available to this account", provider=self.name)
+        return created(self, spec, idempotency_key, user_data)
+
+    monkeypatch.setattr(SimProvider, "create_machine", create_machine)
+    handle = await start_site(cap, "cheap")
+
+    async def paused() -> SiteStatus | None:
+        status = await handle.query("status", result_type=SiteStatus)
+        return status if "next fill at" in status.last else None
+
+    status = await poll(paused, timeout=30)
+    first = fill_workflow_id(cheap, 1)
+    assert re.fullmatch(
+        rf"below min \(0 < 2\): fill {re.escape(first)} failed \(InvalidRequest: .*image gpufleet-node-1\.4 is not "
+        r"available to this account.*\); next fill at \d\d:\d\d:\d\d UTC \(`reconcile_now` starts one at once\)",
+        status.last), status.last
+    assert status.filling == ""
+    with pytest.raises(RPCError) as missing:  # no second fill started behind the failed one
+        await cap.client.get_workflow_handle(fill_workflow_id(cheap, 2)).describe()
+    assert missing.value.status == RPCStatusCode.NOT_FOUND
+    assert "next fill at" in await details(handle)
+    described = await handle.describe()
+    assert "fill-failed" in str(described.search_attributes.get("FleetState")), described.search_attributes
+    assert live(cap, "cheap") == []
+
+    refusing[0] = False  # the image fixed
+    answer = await handle.execute_update("reconcile_now", result_type=str)
+    assert "its last fill failed" in answer and "acquires 2 nodes now" in answer, answer
+    await wait_for(lambda: len(live(cap, "cheap")) == 2, timeout=60)
+    await replay_and_record(handle, "site_paces_a_failed_fill")
+
+
 async def test_above_max_retires_free_nodes_and_leaves_held_ones_to_their_holders(cap: CapStack) -> None:
     """mid (max 1) has three nodes: the newest is a repair's (a GPU fenced), the next a person's
     (marked theirs). The site retires the free one and says who holds the others, deleting neither;

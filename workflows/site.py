@@ -8,7 +8,9 @@ reconciles only when the count passes the max (patch ``count-joins``: a fleet
 coming up would otherwise list the whole site once per join); any other
 transition reconciles. Each reconcile counts the site's nodes in the cluster, then:
 
-- below min: an AcquireCapacity restricted to this site for the missing nodes;
+- below min: an AcquireCapacity restricted to this site for the missing nodes; after one that
+  failed, the next waits a pause doubling from 1 to 30 minutes, saying why and until when
+  (``FILL_PACED_PATCH``; a person's ``reconcile_now`` starts it at once);
 - above max: drain (PDBs honoured) and retire the surplus, most expensive first,
   then newest, never a node someone holds (a repair fenced a GPU of it, a person marked it
   theirs: ``SiteNode.held``). Held nodes count; with only held ones above the max the site
@@ -128,7 +130,9 @@ with workflow.unsafe.imports_passed_through():
         Retirement,
         drain_and_retire,
         drain_node,
+        MAX_PROBLEM_SHOWN,
         failure_message,
+        failure_text,
         failure_type,
         retire_drained,
         show_details,
@@ -275,6 +279,19 @@ PUT_BACK_RECORDED_PATCH = "site-records-put-backs-with-the-claim"
 #: those replicas stayed for good, their GPUs used for no one, their nodes never idle for the demand
 #: loop to give back.
 PUT_BACK_FINISHED_PATCH = "site-finishes-unfinished-put-backs"
+#: Workflow patch: a fill that failed (raised: refused at its start, a fatal join failure such as
+#: the provider refusing the machine as an ``InvalidRequest`` or the cluster a ``ClusterForbidden``, a
+#: person's terminate) holds the next fill back for a pause that doubles from ``FILL_FIRST_PAUSE`` to
+#: ``FILL_MAX_PAUSE`` (carried: ``SiteState.next_fill_at``), the details, ``last`` and ``FleetState``
+#: (``fill-failed``) saying why and until when; a fill that ends (however many joined) resets it, and
+#: a person's ``reconcile_now`` starts the next fill at once. Before, the failed fill asked for a
+#: reconcile that started the next at once, for ever: about five fills a second, each calling the
+#: provider (buying a machine, where the join failed past its create) while the details said only
+#: "below min: acquiring". Asked where a fill's failure is taken, in the loop on events only.
+FILL_PACED_PATCH = "site-paces-failed-fills"
+#: The pause after a failed fill, doubled by each that fails again, up to the safety reconcile's period.
+FILL_FIRST_PAUSE = 60.0
+FILL_MAX_PAUSE = 1800.0
 #: Put-backs left to a person the entity's details show (the newest): the ``status`` query has them all.
 PUT_BACK_SHOWN = 3
 #: Looks (``site_configured``) that must find the site unnamed, nothing left there, in a row, and
@@ -389,6 +406,7 @@ class SiteEntity(Entity[SiteState]):
         entity knows at this moment (the reconcile counts the site's nodes again first)."""
         answer = self._reconcile_answer()
         self.state.wanted = True
+        self.state.next_fill_at = None  # a person asks: a fill held back after a failed one starts now
         return answer
 
     def _reconcile_answer(self) -> str:
@@ -409,6 +427,9 @@ class SiteEntity(Entity[SiteState]):
         if s.filling:
             return (f"{head}; {s.filling} is still filling it: another fill starts only after that one ends, "
                     "if the site is still below its min")
+        if known < site.min_nodes and self._fill_paused():
+            return (f"{head}; below its min, its last fill failed ({self.state.fill_failed}): acquires "
+                    f"{site.min_nodes - known} nodes now, not waiting out the pause, unless the count finds more")
         if known < site.min_nodes:
             return f"{head}; below its min: acquires {site.min_nodes - known} nodes unless the count finds more"
         if known > site.max_nodes:
@@ -631,6 +652,8 @@ class SiteEntity(Entity[SiteState]):
                     self.state.wanted = safety = True  # the safety reconcile: what no event told
                 self._record_unreachable(now)  # a grace ended, or the API failed for its limit
                 self._evaluate()
+                if self.state.next_fill_at is not None and now >= self.state.next_fill_at:
+                    self.state.next_fill_at, self.state.wanted = None, True  # a failed fill's pause is over
             if self._seen is not None:
                 seen, self._seen = self._seen, None
                 await self._take(seen)
@@ -675,6 +698,8 @@ class SiteEntity(Entity[SiteState]):
             at = min(at, inc.api_failing_since + s.api_failure_seconds)
         if self._returns and inc.returned_at is not None and self._in_grace(workflow.now().timestamp()):
             at = min(at, inc.returned_at + s.control_plane.return_grace_seconds)
+        if self.state.next_fill_at is not None:  # the pause after a failed fill (``FILL_PACED_PATCH``)
+            at = min(at, self.state.next_fill_at)
         return at
 
     def _arm(self, at: float) -> None:
@@ -1217,6 +1242,8 @@ class SiteEntity(Entity[SiteState]):
         lines += [f"- retiring {n}" for n in s.retiring]
         if self._passes.failing and self._passes.failing != line:
             lines.append(self._passes.failing)  # until a reconcile works, whatever else is shown
+        if self._fill_paused() and self.state.fill_failed not in line:
+            lines.append(self.state.fill_failed)  # until its pause is over, whatever else is shown
         if self._unnamed and self._unnamed != line:
             lines.append(self._unnamed)
         # Left to a person: shown whatever else is (the status query lists them all).
@@ -1352,7 +1379,11 @@ class SiteEntity(Entity[SiteState]):
             self._show(f"{count} nodes; filling{released}")
             return
         if count < site.min_nodes:
-            if await self._start_fill(site.min_nodes - count):
+            if self._fill_paused():
+                # A fill failed a moment ago: the next waits out its pause (``FILL_PACED_PATCH``).
+                self._set_fleet_state("fill-failed")
+                self._show(f"below min ({count} < {site.min_nodes}): {self.state.fill_failed}{released}")
+            elif await self._start_fill(site.min_nodes - count):
                 self._show(f"below min ({count} < {site.min_nodes}): {self.state.status.filling} still filling it, "
                            f"begun before this run of the entity: waiting for it{released}")
             else:
@@ -1423,6 +1454,7 @@ class SiteEntity(Entity[SiteState]):
             self._adopt_fill(found.n)
             return True
         self.state.fills = found.n if found is not None else self.state.fills + 1
+        self.state.next_fill_at = None
         fill_id = fill_workflow_id(site.name, self.state.fills)
         request = {
             "count": need, "reason": f"site {site.name} below min",
@@ -1461,14 +1493,36 @@ class SiteEntity(Entity[SiteState]):
             try:
                 result = await ended
                 self.state.status.last = f"fill {fill_id}: {len(result.nodes)} of {result.requested} joined"
+                self.state.fills_failed, self.state.next_fill_at, self.state.fill_failed = 0, None, ""
             except Exception as error:  # noqa: BLE001 - a failed fill is retried by the next reconcile
                 self.state.status.last = f"fill {fill_id} failed: {failure_message(error)}"
+                if self._events and workflow.patched(FILL_PACED_PATCH):
+                    self._pace_fills(fill_id, error)
             finally:
                 self.state.status.filling = ""
                 self._fill = None
                 self.state.wanted = True
 
         self._fill = self.spawn(fill())
+
+    def _pace_fills(self, fill_id: str, error: BaseException) -> None:
+        """A fill failed (``FILL_PACED_PATCH``): the next one waits a pause doubling from
+        ``FILL_FIRST_PAUSE`` to ``FILL_MAX_PAUSE``, said with why. What failed it (a refusal, a
+        provider or cluster that refuses every join alike) fails the next one started at once the same way."""
+        state = self.state
+        state.fills_failed += 1
+        pause = min(FILL_FIRST_PAUSE * 2 ** min(state.fills_failed - 1, 10), FILL_MAX_PAUSE)
+        at = workflow.now() + timedelta(seconds=pause)
+        state.next_fill_at = at.timestamp()
+        times = f", {state.fills_failed} in a row" if state.fills_failed > 1 else ""
+        state.fill_failed = (f"fill {fill_id} failed ({failure_text(error)[:MAX_PROBLEM_SHOWN]}){times}; "
+                             f"next fill at {at:%H:%M:%S} UTC (`reconcile_now` starts one at once)")
+        workflow.logger.warning("site %s: %s", self._site.name, state.fill_failed)
+
+    def _fill_paused(self) -> bool:
+        """A failed fill's pause is on: no fill starts until ``next_fill_at`` (``FILL_PACED_PATCH``)."""
+        at = self.state.next_fill_at
+        return at is not None and workflow.now().timestamp() < at
 
     @staticmethod
     def _holders(held: list[SiteNode]) -> str:

@@ -305,6 +305,12 @@ class SiteState(BaseModel):
     #: What the site's watch last returned: node → ``fleet.messages.watches.node_summary``
     #: (Ready or not, cordoned, proven). Carried: a transition across continue-as-new is seen.
     watched: dict[str, str] = Field(default_factory=dict)
+    #: Fills in a row that failed (``workflows.site.FILL_PACED_PATCH``), when the next may start
+    #: (epoch seconds; None: at once) and what the details say until then. Carried: a continue-as-new
+    #: during the pause does not cut it.
+    fills_failed: int = 0
+    next_fill_at: float | None = None
+    fill_failed: str = ""
 
 
 class ReplacementRequest(CapacityRequest):
