@@ -238,14 +238,16 @@ def accounts_list(
     output: OutputFormat = "table",
     address: Address = "localhost:7233",
 ) -> None:
-    """Every ProviderAccount entity and its state."""
+    """Every ProviderAccount entity and its state (and since when deletes are owed: queued while
+    it was revoked, they failed after the rotation; the entity tries them again until they run)."""
     from fleet.naming import account_workflow_id
 
     statuses = run(fleet_client(_settings(address)).accounts(needs_person))
     rows = [[account_workflow_id(s.provider, s.account), s.state.value, str(s.since or ""),
-             ", ".join(s.blocked_offers), s.reason] for s in statuses]
-    show_rows("provider accounts", ["account", "state", "since", "quota-blocked offers", "reason"], rows, output,
-              drop_narrow=("since",))
+             ", ".join(s.blocked_offers), f"since {s.deletes_owed_since}" if s.deletes_owed_since else "", s.reason]
+            for s in statuses]
+    show_rows("provider accounts", ["account", "state", "since", "quota-blocked offers", "deletes owed", "reason"],
+              rows, output, drop_narrow=("since",))
 
 
 @accounts_app.command("quota-raised")
@@ -281,6 +283,10 @@ def _update(address: str, config: str | None, call) -> None:
         err.print(f"[red]rejected:[/] {error}")
         raise typer.Exit(1) from None
     console.print(f"{account_workflow_id(status.provider, status.account)}: [bold]{status.state.value}[/]")
+    if status.deletes_owed_since:  # the rotation was taken; the deletes queued while revoked were not run
+        console.print(f"deletes owed since {status.deletes_owed_since}: {status.deletes_failing}; the entity tries "
+                      "them again until they run (nothing to send again; `gpufleet accounts list` shows them)",
+                      markup=False, highlight=False, soft_wrap=True)
 
 
 # -- sim -----------------------------------------------------------------------------------

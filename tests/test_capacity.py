@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -236,6 +241,124 @@ async def test_an_account_update_whose_guard_write_fails_changes_nothing_and_can
     assert cap.env.accounts.get(a).state == "healthy" and cap.env.accounts.get(a).blocked_offers == []
     assert await cap.listed(f'WorkflowId = "{account.id}" AND FleetState = "healthy"')
     await replay_and_record(account, "account_update_write_refused_puts_back")
+
+
+async def test_a_rotation_whose_queued_deletes_fail_is_taken_and_the_entity_runs_them_until_they_do(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A machine's delete is queued while its account is revoked; a person rotates the credentials
+    (``credentials_rotated``, written to the guard) while the provider refuses the delete (a refusal no
+    retry helps; an outage past the retry policy ends the same way). The rotation is taken and the
+    update says the deletes are owed: the entity tries them again after a pause, each try shown
+    with why and when the next is, keeps them owed while the account is revoked again (the next
+    rotation runs them), and runs them once the provider takes them: the machine goes. Before, the
+    update failed ("Activity task failed") with the rotation saved, the same update sent again was
+    refused ("credentials are not revoked"), and nothing ran the deletes: the machine stayed up, billed."""
+    a, account, machine = await revoked_with_a_queued_delete(cap)
+    refusing = refuse_deletes(cap, monkeypatch)
+    cap.world.set_credentials_valid(a, True)
+
+    async def status() -> AccountStatus:
+        return await account.query("status", result_type=AccountStatus)
+
+    # The rotation is taken, and the update says the deletes are owed, why, and when they are tried.
+    rotated = AccountStatus.model_validate(await account.execute_update("credentials_rotated"))
+    assert rotated.state == "healthy" and cap.env.accounts.get(a).state == "healthy"
+    assert rotated.deletes_owed_since, "the deletes are owed"
+    assert re.search(r"could not run the deletes queued while revoked \(InvalidRequest: instance-operations/"
+                     r"terminate: 400 .*\); try 1, next try at \d\d:\d\d:\d\d UTC", rotated.deletes_failing), \
+        rotated.deletes_failing
+    assert cap.world.machine(machine.machine_id)["deleted_at"] is None
+    assert [p.machine_id for p in cap.env.accounts.pending_deletes(a)] == [machine.machine_id]
+    # Its loop tries them again after a pause, each try shown with why and when the next is.
+    shown = await wait_for_async(lambda: details(account), lambda text: "try 2, next try at" in text)
+    assert "deletes owed since" in shown and "nothing to send" in shown, shown
+    listed = await cap_cli(cap, "accounts", "list", "--output", "json")
+    assert listed.returncode == 0, listed.stderr
+    (row,) = [r for r in json.loads(listed.stdout) if r["account"] == account.id]
+    assert (row["state"], row["deletes owed"]) == ("healthy", f"since {rotated.deletes_owed_since}"), row
+    with pytest.raises(WorkflowUpdateFailedError) as refused:  # nothing to send again, and it says why
+        await account.execute_update("credentials_rotated")
+    assert "nothing to rotate (the deletes owed since" in refused.value.cause.message, refused.value.cause.message
+
+    # Revoked again meanwhile: still owed, tried no more until the next rotation, which runs them.
+    await account.signal("report", {"account": a, "kind": "BadCredentials", "message": "key revoked again"})
+    revoked = await wait_for_async(status, lambda s: s.state == "credentials-revoked")
+    assert revoked.deletes_owed_since == rotated.deletes_owed_since
+    assert "they run once the credentials are rotated" in await details(account)
+    again = AccountStatus.model_validate(await account.execute_update("credentials_rotated"))
+    assert again.state == "healthy" and again.deletes_owed_since == rotated.deletes_owed_since
+    assert "try 1, next try at" in again.deletes_failing, "a person's rotation starts the pauses again"
+
+    refusing[0] = False  # the provider takes the delete: the entity's next try runs it
+    await wait_for(lambda: cap.world.machine(machine.machine_id)["deleted_at"] is not None, timeout=30)
+    done = await wait_for_async(status, lambda s: not s.deletes_owed_since)
+    assert done.deletes_failing == "" and done.state == "healthy"
+    assert cap.env.accounts.pending_deletes(a) == []
+    assert any("the deletes owed since" in line and "ran" in line for line in done.history), done.history
+    assert "still up" not in await details(account), "no deletes owed shown any more"
+    await replay_and_record(account, "account_rotation_owes_failed_deletes")
+
+
+async def test_deletes_owed_are_carried_over_continue_as_new(cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deletes owed after a rotation are part of the account's state: a run that continues as
+    new (here asked by ``renew``, as by Temporal's suggestion) carries them, and its loop tries them
+    at once and until they run."""
+    a, account, machine = await revoked_with_a_queued_delete(cap)
+    refusing = refuse_deletes(cap, monkeypatch)
+    cap.world.set_credentials_valid(a, True)
+    rotated = AccountStatus.model_validate(await account.execute_update("credentials_rotated"))
+    assert rotated.deletes_owed_since
+    first = (await account.describe()).run_id
+    await account.signal("renew")
+    await wait_for_async(account.describe, lambda d: d.run_id != first, timeout=30)
+    carried = await account.query("status", result_type=AccountStatus)
+    assert (carried.state, carried.deletes_owed_since) == ("healthy", rotated.deletes_owed_since)
+    assert cap.world.machine(machine.machine_id)["deleted_at"] is None
+
+    refusing[0] = False
+    await wait_for(lambda: cap.world.machine(machine.machine_id)["deleted_at"] is not None, timeout=30)
+    done = await wait_for_async(lambda: account.query("status", result_type=AccountStatus),
+                                lambda s: not s.deletes_owed_since)
+    assert cap.env.accounts.pending_deletes(a) == [] and done.deletes_failing == ""
+    await replay_and_record(account, "account_deletes_owed_carried_over_continue_as_new")
+
+
+async def revoked_with_a_queued_delete(cap: CapStack):
+    """Account a revoked (a request's BadCredentials reported it), with the delete of a machine it
+    had queued meanwhile: (the account, its entity, the machine)."""
+    a = cap.account("a")
+    (machine,) = (await result_of(await cap.request({"constraints": {"sites": [cap.site("cheap")]}}))).nodes
+    cap.world.set_credentials_valid(a, False)
+    await result_of(await cap.request({"constraints": {"gpu": "H100"}, "count": 1}))  # reports BadCredentials
+    await wait_for(lambda: cap.env.accounts.get(a).state == "credentials-revoked")
+    await ActivityEnvironment().run(ControlPlaneActivities(cap.env).delete_machine,
+                                    DeleteMachineInput(site=cap.site("cheap"), machine_id=machine.machine_id))
+    assert [p.machine_id for p in cap.env.accounts.pending_deletes(a)] == [machine.machine_id], "queued"
+    return a, cap.account_handle("lambda", "a"), machine
+
+
+def refuse_deletes(cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Account a's provider refuses every delete (a refusal no retry helps) while ``[0]`` holds."""
+    from fleet.errors import InvalidRequest
+    from sim.provider import SimProvider
+
+    a, delete, refusing = cap.account("a"), SimProvider.delete_machine, [True]
+
+    def refused(self, machine_id: str) -> None:
+        if refusing[0] and self.account.name == a:
+            raise InvalidRequest("instance-operations/terminate: 400 instance is not in a state that can be "
+                                 "terminated", provider=self.name)
+        delete(self, machine_id)
+
+    monkeypatch.setattr(SimProvider, "delete_machine", refused)
+    return refusing
+
+
+async def cap_cli(cap: CapStack, *args: str) -> subprocess.CompletedProcess:
+    """``gpufleet <args>`` as an operator runs it against this stack."""
+    env = {**os.environ, **cap.settings.env(), "COLUMNS": "250"}
+    return await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", *args], env=env,
+                                   capture_output=True, text=True, timeout=120)
 
 
 async def test_all_exhausted_waits_and_resumes_when_capacity_appears(cap: CapStack) -> None:

@@ -301,6 +301,12 @@ EXPECTED = {
     # (``account-update-puts-back-on-a-failed-write``, tests/test_capacity.py); the old code's run,
     # which kept the unwritten change, replays too.
     "account_update_write_refused_puts_back", "account_update_write_refused_puts_back_before",
+    # A rotation whose queued deletes fail past their retries is taken, the deletes owed and tried
+    # again by the entity's loop until they run, kept while revoked again, and carried over
+    # continue-as-new (``account-owes-failed-deletes``, tests/test_capacity.py); the old code's run,
+    # whose update failed and whose second rotation was refused, the machine left up, replays too.
+    "account_rotation_owes_failed_deletes", "account_rotation_owes_failed_deletes_before",
+    "account_deletes_owed_carried_over_continue_as_new",
     # The entity gate (issue 38): a Node continues as new only once its watch loop rests, so the run
     # that took a spot notice starts the SpotReclaim (tests/test_entity_gate.py).
     "node_entity_continued_as_new_after_reclaim",

@@ -9,7 +9,10 @@ once). A person clears them with updates:
 - ``quota_raised`` {"offers": [...]} or {"all": true}: the offers sell again (no offer and
   no ``all`` is refused: "all" is never implied).
 - ``credentials_rotated``: accepted only after one cheap authenticated call
-  succeeds; then the deletes queued while revoked run.
+  succeeds; then the deletes queued while revoked run. Deletes that fail past their retries
+  do not undo the rotation: they are owed (``AccountStatus.deletes_owed_since``, carried over
+  continue-as-new), and the loop tries them again after a pause that doubles, until they run
+  (patch ``account-owes-failed-deletes``).
 
 Every change is written through to the guard store that activities check, the
 search attribute ``FleetState`` is ``needs-person`` while anything is blocked
@@ -28,8 +31,9 @@ order of the changes and the store ends equal to the entity.
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AbstractAsyncContextManager, nullcontext
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
@@ -52,9 +56,11 @@ with workflow.unsafe.imports_passed_through():
     from fleet.models import AccountState
     from workflows.entity import Entity
     from workflows.inputs import invalid_input, parse_input, parse_signal, refusal
-    from workflows.passes import FailedPasses
+    from workflows.passes import FIRST_PAUSE, MAX_PAUSE, FailedPasses
     from workflows.refusals import wrong_state
-    from workflows.steps import QUICK, STORE_RETRY, failure_message, failure_text, show_details
+    from workflows.steps import (
+        MAX_PROBLEM_SHOWN, QUICK, STORE_RETRY, cancelled_by_request, failure_message, failure_text, show_details,
+    )
 
 #: The credential check: one attempt per person's request (a wrong key is not transient).
 CHECK_RETRY = RetryPolicy(maximum_attempts=3, non_retryable_error_types=["BadCredentials", "InvalidRequest"])
@@ -83,6 +89,18 @@ CONFIG_CHECKED_PATCH = "account-checked-against-config"
 #: (quota), and the update sent again was refused ("credentials are not revoked", "has no
 #: quota-blocked offer"): the account stayed blocked for good.
 UPDATE_PUTS_BACK_PATCH = "account-update-puts-back-on-a-failed-write"
+#: Workflow patch, asked where ``credentials_rotated``'s run of the deletes queued while revoked
+#: (``run_queued_deletes``, after the rotation was written to the guard) failed past its retries (a
+#: provider outage longer than them, a refusal): the rotation stands and the update returns it, the
+#: deletes owed (``AccountStatus.deletes_owed_since``, ``deletes_failing``: carried over
+#: continue-as-new, shown by ``gpufleet accounts``); the loop tries them again after a pause that
+#: doubles from 5 s to 5 minutes, each failed try shown with why and when the next is, but not while
+#: the account is revoked again (the next rotation runs them), until they run. Before it the update
+#: failed with the rotation saved: sent again it was refused ("credentials are not revoked") and
+#: nothing else ran the deletes: the machines queued for deletion stayed up, billed, no one told.
+DELETES_OWED_PATCH = "account-owes-failed-deletes"
+#: What the owed deletes' try is called in the entity's details and log.
+DELETES_STEP = "run the deletes queued while revoked"
 
 
 @workflow.defn(name="ProviderAccount")
@@ -102,6 +120,14 @@ class ProviderAccount(Entity[AccountStatus | None]):
         self._passes = FailedPasses()
         #: Why the fleet config does not have this run's account (a continued run: shown); "" = it does.
         self._not_in_config = ""
+        #: ``run_queued_deletes`` is running (the update's or the loop's): the loop starts no second one.
+        self._deleting = False
+        #: Deletes owed (``AccountStatus.deletes_owed_since``): when the loop tries them next (None: at
+        #: once), the pause after the next failure, and the tries since a person's rotation. Not
+        #: carried: a run that continues as new tries them at once, then pauses from the first pause.
+        self._deletes_next: datetime | None = None
+        self._deletes_pause = FIRST_PAUSE
+        self._deletes_tries = 0
 
     # -- what workflows and people send ---------------------------------------------------
     @workflow.signal
@@ -190,14 +216,14 @@ class ProviderAccount(Entity[AccountStatus | None]):
             self._set(AccountState.QUOTA_BLOCKED if status.blocked_offers else AccountState.HEALTHY,
                       status.reason if status.blocked_offers else "")
             await self._persist_or_put_back(before, "credentials_rotated")
-        # The queued deletes and the wake-up touch no entity state: no lock (reports go on meanwhile).
-        deleted: list[str] = await workflow.execute_activity(
-            act.run_queued_deletes, AccountInput(account=status.account),
-            start_to_close_timeout=timedelta(minutes=10), heartbeat_timeout=timedelta(seconds=60),
-            retry_policy=STORE_RETRY, summary="run the deletes queued while revoked",
-        )
-        if deleted:
-            self._log(f"ran {len(deleted)} queued deletes: {', '.join(deleted)}")
+        # The queued deletes and the wake-up write no guard: no lock (reports go on meanwhile).
+        try:
+            await self._run_queued_deletes()
+        except ActivityError as error:
+            if cancelled_by_request(error) or not workflow.patched(DELETES_OWED_PATCH):
+                raise  # (a run from before: the update fails, the rotation kept, the deletes not run)
+            # The rotation stands (written): the deletes are owed, and the loop tries them again.
+            self._owe_deletes(error, rotated=True)
         await self._wake()
         return status
 
@@ -206,7 +232,10 @@ class ProviderAccount(Entity[AccountStatus | None]):
         if not self.started:  # the handler checks, once the run has its state
             return
         if self.state.state != AccountState.CREDENTIALS_REVOKED:
-            raise wrong_state("credentials are not revoked: nothing to rotate", self.state.state.value)
+            owed = self.state.deletes_owed_since
+            raise wrong_state("credentials are not revoked: nothing to rotate" + (
+                f" (the deletes owed since {owed} are tried again by the entity until they run)" if owed else ""
+            ), self.state.state.value)
 
     # -- the entity loop ------------------------------------------------------------------
     @workflow.run
@@ -226,9 +255,7 @@ class ProviderAccount(Entity[AccountStatus | None]):
         ])
         self._show()
         while True:
-            await workflow.wait_condition(
-                lambda: bool(self._reports) or self._unwritten or self.continue_as_new_suggested()
-            )
+            await self._until_work()
             # A write that failed (the store away, or refusing: a 403) is shown and tried again after
             # a pause: raised, it failed the entity, and with it the record a person fixes things from.
             shown = lambda _failing: self._show()  # noqa: E731 - ``_show`` adds what failed
@@ -238,6 +265,16 @@ class ProviderAccount(Entity[AccountStatus | None]):
             if self._reports:
                 await self._passes.attempt("write the account guard", lambda: self._apply(self._reports.pop(0)), shown)
                 continue
+            if self._deletes_due() and not self.continue_as_new_suggested():  # (else carried, tried at once)
+                try:
+                    await self._run_queued_deletes()
+                except ActivityError as error:
+                    if cancelled_by_request(error):
+                        raise
+                    self._owe_deletes(error)
+                continue
+            if not self.continue_as_new_suggested():
+                continue  # woken for owed deletes' new pause: wait for it
             carried = lambda: {"account": args.account, "provider": args.provider,  # noqa: E731
                                "status": self.state.model_dump(mode="json")}
             if takes_reports_at_gate:
@@ -245,6 +282,91 @@ class ProviderAccount(Entity[AccountStatus | None]):
                 await self.continue_as_new_when_ready(carried, unless=lambda: bool(self._reports))
             else:  # a run from before the patch (see it): an empty queue too, which a report made never
                 await self.continue_as_new_when_ready(carried, until=lambda: not self._reports)
+
+    def _has_work(self) -> bool:
+        return (bool(self._reports) or self._unwritten or self.continue_as_new_suggested()
+                or self._deletes_due())
+
+    async def _until_work(self) -> None:
+        """Wait for work for the loop: a report, a write to try again, continue-as-new, or the next
+        try of deletes owed (a timer only while some are owed and their pause runs). Deletes owed
+        meanwhile (an update's), or waiting again (revoked no more), end the wait: the loop waits
+        again, for their pause."""
+        plan = self._deletes_plan()
+        pause = self._deletes_pause_left()
+        woken = lambda: self._has_work() or self._deletes_plan() != plan  # noqa: E731
+        if pause is None:
+            await workflow.wait_condition(woken)
+            return
+        try:
+            await workflow.wait_condition(woken, timeout=pause,
+                                          timeout_summary=f"deletes owed: try {self._deletes_tries + 1}")
+        except asyncio.TimeoutError:
+            self._deletes_next = None  # the pause is over: try them
+
+    # -- deletes queued while revoked ---------------------------------------------------------
+    def _deletes_waiting(self) -> bool:
+        """Deletes are owed and may be tried: the account is not revoked (again: the next rotation
+        runs them) and no try is running."""
+        status = self.state
+        return (bool(status.deletes_owed_since) and status.state != AccountState.CREDENTIALS_REVOKED
+                and not self._deleting)
+
+    def _deletes_plan(self) -> tuple:
+        """What the loop's wait for owed deletes depends on (the same for a run that owes none)."""
+        return self._deletes_next, self._deletes_tries, self._deletes_waiting()
+
+    def _deletes_due(self) -> bool:
+        return self._deletes_waiting() and (self._deletes_next is None or workflow.now() >= self._deletes_next)
+
+    def _deletes_pause_left(self) -> timedelta | None:
+        if not self._deletes_waiting() or self._deletes_next is None:
+            return None
+        left = self._deletes_next - workflow.now()
+        return left if left > timedelta(0) else None
+
+    async def _run_queued_deletes(self) -> None:
+        """``run_queued_deletes``: the deletes queued while revoked, each done as it goes (a try that
+        fails leaves the rest queued). Ran: deletes owed are paid, and said so."""
+        status = self.state
+        self._deleting = True
+        try:
+            deleted: list[str] = await workflow.execute_activity(
+                act.run_queued_deletes, AccountInput(account=status.account),
+                start_to_close_timeout=timedelta(minutes=10), heartbeat_timeout=timedelta(seconds=60),
+                retry_policy=STORE_RETRY, summary=DELETES_STEP,
+            )
+        finally:
+            self._deleting = False
+        if deleted:
+            self._log(f"ran {len(deleted)} queued deletes: {', '.join(deleted)}")
+        if status.deletes_owed_since:
+            self._log(f"the deletes owed since {status.deletes_owed_since} ran")
+            status.deletes_owed_since = status.deletes_failing = ""
+            self._deletes_next, self._deletes_pause, self._deletes_tries = None, FIRST_PAUSE, 0
+            self._show()
+
+    def _owe_deletes(self, error: ActivityError, *, rotated: bool = False) -> None:
+        """A try of the queued deletes failed past its retries: they are owed, and tried again after
+        a pause that doubles up to ``MAX_PAUSE`` (a person's rotation starts again from the first);
+        the try, why and when the next is are shown, and logged (the entity's log: a rotation's and
+        the loop's first)."""
+        status, now = self.state, workflow.now()
+        if rotated:
+            self._deletes_pause, self._deletes_tries = FIRST_PAUSE, 0
+        self._deletes_tries += 1
+        pause, self._deletes_pause = self._deletes_pause, min(self._deletes_pause * 2, MAX_PAUSE)
+        self._deletes_next = now + pause
+        status.deletes_owed_since = status.deletes_owed_since or now.isoformat(timespec="seconds")
+        status.deletes_failing = (f"could not {DELETES_STEP} ({failure_text(error)[:MAX_PROBLEM_SHOWN]}); "
+                                  f"try {self._deletes_tries}, next try at {self._deletes_next:%H:%M:%S} UTC")
+        workflow.logger.warning("account %s: %s", status.account, status.deletes_failing)
+        if rotated:
+            self._log(f"credentials_rotated taken, but {status.deletes_failing}: the deletes are owed and the "
+                      "entity tries them again until they run (nothing to send again)")
+        elif self._deletes_tries <= 2:  # the loop's first tries (a streak: one line, the log stays readable)
+            self._log(status.deletes_failing)
+        self._show()
 
     async def _check_config(self, args: ProviderAccountInput) -> None:
         """Refuse a fresh start for an account the fleet config does not have; a continued run's
@@ -340,6 +462,12 @@ class ProviderAccount(Entity[AccountStatus | None]):
             lines.append("a person must rotate the credentials, then send the `credentials_rotated` update")
         elif s.blocked_offers:
             lines.append("a person must raise the quota, then send the `quota_raised` update")
+        if s.deletes_owed_since and s.state == AccountState.CREDENTIALS_REVOKED:
+            lines.append(f"deletes owed since {s.deletes_owed_since} (their machines are still up): they run once "
+                         f"the credentials are rotated; last try: {s.deletes_failing}")
+        elif s.deletes_owed_since:
+            lines.append(f"deletes owed since {s.deletes_owed_since} (their machines are still up): "
+                         f"{s.deletes_failing}; nothing to send: the entity tries them again until they run")
         if s.notify_failures:
             lines.append(f"webhook failed {s.notify_failures} time(s), last: {s.notify_error}")
         lines += [f"- {h}" for h in s.history[-5:]]

@@ -227,6 +227,14 @@ class AccountStatus(BaseModel):
     #: Webhook notifications that failed (each after its retries), and the last reason.
     notify_failures: int = 0
     notify_error: str = ""
+    #: Since when (ISO) the deletes queued while the account was revoked are owed: a rotation was
+    #: taken, but ``run_queued_deletes`` failed past its retries (a provider outage, a refusal), so
+    #: their machines are still up. The entity tries them again until they run (not while the
+    #: account is revoked again: the next rotation runs them). Empty: none owed (and in every status
+    #: carried before the field).
+    deletes_owed_since: str = ""
+    #: While deletes are owed: why the last try failed, which try it was and when the next is.
+    deletes_failing: str = ""
 
 
 class ProviderAccountInput(Strict):
