@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from fleet.models import JOIN_OPTIONS, PROVIDERS
+from fleet.models import JOIN_OPTIONS, MAX_REQUEST_COUNT, PROVIDERS
 from fleet.naming import kubernetes_name_clash, model_service_clash, serving_name_clash
 from fleet.replacement import may_move
 
@@ -57,6 +57,11 @@ def cross_check(raw: dict[str, Any]) -> list[str]:
         low, high = site.get("min_nodes", 0), site.get("max_nodes")
         if isinstance(low, int) and isinstance(high, int) and low > high:
             problems.append(f"{where}.min_nodes: min_nodes ({low}) is greater than max_nodes ({high})")
+        if isinstance(low, int) and low > MAX_REQUEST_COUNT:
+            # Checked here, not in the model: workflows decode a Site from recorded activity results.
+            problems.append(f"{where}.min_nodes: {low} is more than {MAX_REQUEST_COUNT}, the most one capacity "
+                            f"request buys: the site's entity fills its min with one request, which would be "
+                            f"refused every time")
         if site.get("compliance") is True and not site.get("geography"):
             problems.append(f"{where}.compliance: a compliance site needs a geography")
         account = site.get("account")

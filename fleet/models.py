@@ -26,6 +26,9 @@ JOIN_OPTIONS: dict[str, dict[str, str]] = {
     "own-dc": {"seed_dir": "the folder the worker writes each joining machine's bootstrap (NoCloud seed) to, "
                            "which the seed server (python -m providers.own_dc_seed) hands out"},
 }
+#: The most machines one capacity request asks for (``CapacityRequest.count``): also the most a site's
+#: ``min_nodes`` may be in ``sites.yaml``, since its Site entity fills it with one request.
+MAX_REQUEST_COUNT = 256
 #: Sites, accounts, nodes, machine ids, offer keys: Kubernetes' name limit is plenty.
 Name = Annotated[str, StringConstraints(min_length=1, max_length=253)]
 MaybeName = Annotated[str, StringConstraints(max_length=253)]

@@ -247,6 +247,29 @@ def test_a_number_no_workflow_can_use_is_refused_naming_the_field(tmp_path: Path
     assert result.exit_code == 2 and where in result.output, result.output
 
 
+def test_a_min_nodes_one_fill_cannot_buy_is_refused_naming_the_field(tmp_path: Path) -> None:
+    """A Site entity below its min starts one fill (AcquireCapacity) for the nodes it lacks, and a
+    capacity request buys at most 256 machines. Before, `min_nodes: 300` loaded (and `config check`
+    passed) and every fill of the site failed at its start ("invalid CapacityRequest: count: Input
+    should be less than or equal to 256"), one after another: the site never got a node."""
+    from fleet.messages.acquire import CapacityRequest
+
+    CapacityRequest(count=256)
+    with pytest.raises(ValueError):
+        CapacityRequest(count=257)
+    path = write_fleet(tmp_path, broken(lambda f: f["sites"][1].update(min_nodes=300, max_nodes=400)))
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert refused.value.problems == [
+        "sites[1] (site-b).min_nodes: 300 is more than 256, the most one capacity request buys: the site's "
+        "entity fills its min with one request, which would be refused every time"]
+    result = CliRunner().invoke(app, ["config", "check", str(path)])
+    assert result.exit_code == 2 and "sites[1] (site-b).min_nodes" in result.output, result.output
+    # As many as one request buys loads.
+    write_fleet(tmp_path, broken(lambda f: f["sites"][1].update(min_nodes=256, max_nodes=400)))
+    assert load_config(path).sites[1].min_nodes == 256
+
+
 def test_workflow_inputs_take_a_setting_past_the_cap_that_sites_yaml_refuses() -> None:
     """The caps hold where a person writes the value. An input an older release recorded (a 60-day
     window its sites.yaml had) must still parse on replay, or every open Node entity and repair that

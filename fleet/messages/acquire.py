@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, Field
 
-from fleet.models import DAY, Carried, Name, Strict, Text, UtcDatetime, fields_of
+from fleet.models import DAY, MAX_REQUEST_COUNT, Carried, Name, Strict, Text, UtcDatetime, fields_of
 from fleet.placement import AccountView, Constraints
 from fleet.messages.join import JoinedNode, JoinTimeouts
 
@@ -72,7 +72,7 @@ class CapacityRequest(Strict):
     """Start with plain JSON: ``{"constraints": {"gpu": "H100"}, "count": 4}``."""
 
     constraints: Constraints = Field(default_factory=Constraints)
-    count: int = Field(1, ge=1, le=256)
+    count: int = Field(1, ge=1, le=MAX_REQUEST_COUNT)
     #: Give up (returning what joined) this long after the start.
     deadline_seconds: float = Field(3600, gt=0, le=30 * DAY)
     #: Joins in flight at once.
