@@ -12,6 +12,7 @@ import ipaddress
 import os
 import re
 from dataclasses import dataclass
+from datetime import date
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -302,10 +303,10 @@ def _where(raw: dict[str, Any], loc: tuple[Any, ...]) -> str:
     parts: list[str] = []
     node: Any = raw
     for step in loc:
-        if isinstance(step, int):
-            name = node[step].get("name") if isinstance(node, list) and isinstance(node[step], dict) else None
+        if isinstance(step, int) and isinstance(node, list) and parts:
+            name = node[step].get("name") if step < len(node) and isinstance(node[step], dict) else None
             parts[-1] += f"[{step}]" + (f" ({name})" if name else "")
-            node = node[step] if isinstance(node, list) and step < len(node) else None
+            node = node[step] if step < len(node) else None
         else:
             if step in ("function-after",) or str(step).startswith(("function-", "literal[")):
                 continue
@@ -322,13 +323,25 @@ def parse_config(raw: Any, source: str = "<config>") -> FleetConfig:
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
-            where = _where(raw, err["loc"]) or "(top level)"
+            loc, kind = err["loc"], err["type"]
+            if kind == "invalid_key" or (loc and loc[-1] == "[key]"):
+                # A key YAML read as no string (``on:``, ``yes:``, ``1:``, a date): a block's
+                # (``invalid_key``, the key last) or a name's (``models``: the key, then "[key]").
+                where = _where(raw, loc[:-1] if kind == "invalid_key" else loc[:-2]) or "(top level)"
+                given = err.get("input")
+                what = {bool: "a boolean", int: "a number", float: "a number", type(None): "null"}.get(
+                    type(given), "a date" if isinstance(given, date) else type(given).__name__)
+                message = (f"the key {given} is {what} to YAML, not a string (so is an unquoted yes, no, on, off, "
+                           f"null, number or date): quote it")
+                problems.append(f"{where}: {message}")
+                continue
+            where = _where(raw, loc) or "(top level)"
             message = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "extra_forbidden":
+            if kind == "extra_forbidden":
                 message = "unknown key"
-            elif err["type"] == "literal_error" and err["loc"][-1] == "provider":
+            elif kind == "literal_error" and loc[-1] == "provider":
                 message = f"unknown provider {err.get('input')!r}; expected one of {', '.join(PROVIDERS)}"
-            elif err["type"] == "missing" and err["loc"][-1] == "account":
+            elif kind == "missing" and loc[-1] == "account":
                 message = "missing account reference"
             problems.append(f"{where}: {message}")
         # The cross-field checks read the raw mapping, so one `config check` names every
@@ -410,6 +423,62 @@ def load_config(path: str | os.PathLike[str] | None = None) -> FleetConfig:
         text = resources.files("fleet").joinpath(DEFAULT_CONFIG).read_text()
     try:
         raw = yaml.safe_load(text)
+        twice = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
     except yaml.YAMLError as exc:
         raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
-    return parse_config(raw, source)
+    except RecursionError:  # the parser's own: brackets nested some thousand deep
+        raise ConfigError(source, ["not valid YAML: nested too deeply"]) from None
+    try:
+        config = parse_config(raw, source)
+    except ConfigError as error:
+        raise ConfigError(source, twice + error.problems) from None
+    if twice:
+        raise ConfigError(source, twice)
+    return config
+
+
+_MERGE_KEY = "tag:yaml.org,2002:merge"
+
+
+def _name_of(node: yaml.Node) -> str:
+    """A list entry's ``name:`` as written, to say where it stands (``sites[2] (site-c)``)."""
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.value == "name" and isinstance(value, yaml.ScalarNode):
+                return str(value.value)
+    return ""
+
+
+def duplicate_keys(root: yaml.Node | None) -> list[str]:
+    """Each key a mapping of the YAML document gives twice (``sites.max_nodes``, or a second
+    ``sites:`` block): YAML keeps the last one's value without a word, the first is lost. Named
+    as parse errors name fields, with the lines of both. A merged mapping's key (``<<: *store``)
+    that the mapping sets again is an override, not a duplicate."""
+    problems: list[str] = []
+    seen: set[int] = set()  # a mapping an alias repeats is looked at once (no alias bomb)
+
+    def walk(node: yaml.Node, where: str) -> None:
+        if id(node) in seen:
+            return
+        seen.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE_KEY:
+                    name = (key.tag, key.value)
+                    at = f"{where}.{key.value}" if where else key.value
+                    if name in first:
+                        problems.append(f"{at}: given twice (lines {first[name] + 1} and {key.start_mark.line + 1}); "
+                                        f"YAML keeps only the last, so the first would be lost: keep one")
+                    first.setdefault(name, key.start_mark.line)
+                    walk(value, at)
+                else:
+                    walk(value, where)
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                name = _name_of(item)
+                walk(item, f"{where}[{i}]" + (f" ({name})" if name else ""))
+
+    if root is not None:
+        walk(root, "")
+    return problems

@@ -300,6 +300,63 @@ def test_unreadable_and_non_yaml_files(tmp_path: Path) -> None:
     (tmp_path / "bad.yaml").write_text("sites: [unclosed")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(tmp_path / "bad.yaml")
+    # Before: a RecursionError out of the parser, a traceback for `config check` and each worker.
+    (tmp_path / "deep.yaml").write_text("sites: " + "[" * 5000 + "]" * 5000)
+    with pytest.raises(ConfigError, match="not valid YAML: nested too deeply"):
+        load_config(tmp_path / "deep.yaml")
+
+
+def test_a_key_given_twice_is_refused_naming_both_lines(tmp_path: Path) -> None:
+    """YAML keeps a repeated key's last value without a word. Before, a second `sites:` block (a new
+    site pasted at the end, with its header) loaded as the fleet without every site of the first one,
+    and `config check` passed; a `max_nodes` given twice in a site took the second, the first lost."""
+    text = yaml.safe_dump(TEST_FLEET, sort_keys=False)
+    pasted = text + "sites:\n" + yaml.safe_dump([{**TEST_FLEET["sites"][0], "name": "site-c"}])
+    path = tmp_path / "sites.yaml"
+    path.write_text(pasted)
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    first, second = (i + 1 for i, line in enumerate(pasted.splitlines()) if line == "sites:")
+    assert refused.value.problems == [f"sites: given twice (lines {first} and {second}); YAML keeps only the last, "
+                                      "so the first would be lost: keep one"]
+    result = CliRunner().invoke(app, ["config", "check", str(path)])
+    assert result.exit_code == 2 and "sites: given twice" in result.output, result.output
+
+    # In a site, named as a field error is; said together with the file's other problems.
+    path.write_text(text.replace("  max_nodes: 8\n", "  max_nodes: 8\n  max_nodes: 80\n", 1)
+                    .replace("price_per_gpu_hour: 2.9", "price_per_gpu_hour: -1"))
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert refused.value.problems[0].startswith("sites[0] (site-a).max_nodes: given twice (lines "), refused.value.problems
+    assert any(p.startswith("sites[1] (site-b).price_per_gpu_hour: ") for p in refused.value.problems)
+
+    # A key a merged mapping (`<<: *store`) gives and the mapping sets again is an override.
+    fleet = copy.deepcopy(TEST_FLEET)
+    fleet["object_stores"] = {"w": "@store@"}
+    fleet["sites"][0]["object_store"] = "@site-store@"
+    path.write_text(yaml.safe_dump(fleet).replace("'@store@'", "&s3 {bucket: weights, region: eu-1}")
+                    .replace("'@site-store@'", "{<<: *s3, bucket: site-a-weights}"))
+    store = load_config(path).sites[0].object_store
+    assert store is not None and (store.bucket, store.region) == ("site-a-weights", "eu-1")
+
+
+@pytest.mark.parametrize("written, shown", [("on", "True is a boolean"), ("yes", "True is a boolean"),
+                                            ("1", "1 is a number"), ("2024-01-01", "2024-01-01 is a date")])
+def test_a_key_yaml_reads_as_no_string_is_refused_naming_where(tmp_path: Path, written: str, shown: str) -> None:
+    """Before, such a key at the top of the file ended `gpufleet config check` (and each worker's
+    start) with a traceback (IndexError in naming where the schema's error was); in `models` it was
+    named `models[1].[key]`, as if a list's entry."""
+    path = tmp_path / "sites.yaml"
+    text = yaml.safe_dump(TEST_FLEET)
+    path.write_text(f"{written}: true\n" + text)
+    result = CliRunner().invoke(app, ["config", "check", str(path)])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert f"(top level): the key {shown} to YAML, not a string" in " ".join(result.output.split()), result.output
+    path.write_text(text + f"models:\n  {written}: {{sites: [site-a]}}\n")
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    assert refused.value.problems[0].startswith(f"models: the key {shown} to YAML, not a string"), \
+        refused.value.problems
 
 
 def test_console_script_exit_code(tmp_path: Path) -> None:
