@@ -193,3 +193,89 @@ def test_every_line_of_the_threat_model_names_tests_that_exist():
             # recursion depth mismatch", gh-106905) while another thread of the process compiles.
             tests = set(re.findall(r"^\s*(?:async\s+)?def\s+(\w+)", source.read_text(), re.MULTILINE))
             assert name in tests, f"{path}::{name} (named by the threat model) does not exist"
+
+
+# -- what the operator pages name exists ------------------------------------------------------
+ALERTS = ROOT / "deploy" / "observability" / "alerts.yaml"
+OPERATOR_PAGES = [README, *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "deploy").rglob("README.md"))]
+
+
+def runbook_summary(alert: str) -> str:
+    """The italic line under an alert's runbook heading: "*Page; <expression> for <time>; labels ...*"."""
+    section = (DOCS / "operations.md").read_text().split(f"\n### {alert}\n", 1)[1]
+    return " ".join(section.strip().split("\n\n", 1)[0].split())
+
+
+def spoken(duration: str) -> str:
+    """Prometheus' ``for:`` as a runbook says it: 1m → "1 minute", 45m → "45 minutes"."""
+    number, unit = re.fullmatch(r"(\d+)([smh])", duration).groups()
+    word = {"s": "second", "m": "minute", "h": "hour"}[unit]
+    return f"{number} {word}" + ("" if number == "1" else "s")
+
+
+def test_each_runbook_says_what_its_alert_is():
+    """A runbook's first line says how the alert pages, for how long its condition held, and which
+    series: "Ticket" where the rule pages, "for 10 minutes" where it waits 15, or a metric the
+    rule does not read, send the operator to the wrong urgency or the wrong graph."""
+    rules = [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+    wrong = []
+    for rule in rules:
+        line = runbook_summary(rule["alert"])
+        severity = rule["labels"]["severity"]
+        if not line.startswith(f"*{severity.capitalize()};"):
+            wrong.append(f"{rule['alert']}: the rule's severity is {severity}: {line[:60]}")
+        if rule["for"] not in ("0m", "0s") and f"for {spoken(rule['for'])}" not in line:
+            wrong.append(f"{rule['alert']}: the rule waits {rule['for']} (\"for {spoken(rule['for'])}\"): {line}")
+        for metric in re.findall(r"`((?:gpufleet|temporal)_\w+)", line):
+            if metric not in rule["expr"]:
+                wrong.append(f"{rule['alert']}: the rule does not read {metric}")
+    assert not wrong, "\n".join(wrong)
+
+
+def declared_metrics() -> set[str]:
+    """Every metric family the control plane, the node agents and the gateway serve: the names their
+    code declares (``"gpufleet_..."``), a counter's with its ``_total`` too."""
+    found: set[str] = set()
+    for folder in ("workers", "workflows", "activities", "fleet", "cli"):
+        for path in (ROOT / folder).rglob("*.py"):
+            found |= set(re.findall(r"\"(gpufleet_[a-z_]+)\"", path.read_text()))
+    return found | {f"{name}_total" for name in found}
+
+
+def test_every_metric_the_docs_name_is_served():
+    """A query or a table row naming a series no one serves matches nothing, silently."""
+    metrics = declared_metrics()
+    assert {"gpufleet_nodes", "gpufleet_capacity_attempts_total", "gpufleet_gateway_refused"} <= metrics
+    wrong = []
+    for page in OPERATOR_PAGES:
+        for number, line in enumerate(page.read_text().splitlines(), 1):
+            # A test's name (tests/x.py::test_..._gpufleet_...) is not a series.
+            for name in re.findall(r"(?<![\w:/.])gpufleet_[a-z_]+", line):
+                if name not in metrics:
+                    wrong.append(f"{page.relative_to(ROOT)}:{number}: {name}")
+    assert not wrong, "series no gpufleet process serves:\n" + "\n".join(wrong)
+
+
+def test_every_variable_the_docs_name_is_read():
+    """A ``GPUFLEET_*`` the docs tell an operator to set is one a process reads (fleet/settings.py
+    declares each), or one the test suite reads (``GPUFLEET_RECORD``)."""
+    from fleet.settings import declared
+
+    tests = {name for path in (ROOT / "tests").rglob("*.py") for name in re.findall(
+        r"environ(?:\.get)?[\[(]\s*\"(GPUFLEET_[A-Z0-9_]+)\"", path.read_text())}
+    wrong = [f"{page.relative_to(ROOT)}: {name}" for page in OPERATOR_PAGES
+             for name in sorted(set(re.findall(r"\bGPUFLEET_[A-Z0-9_]*[A-Z0-9]", page.read_text())))
+             if name not in declared() and name not in tests]
+    assert not wrong, "variables nothing reads:\n" + "\n".join(wrong)
+
+
+def test_the_operations_metrics_table_lists_every_family_the_control_plane_serves():
+    """docs/operations.md's table is where an operator looks up a series an alert or a graph
+    shows: each family workers/metrics.py serves, and each one an alert reads, has its row."""
+    table = (DOCS / "operations.md").read_text().split("| metric | labels | from |", 1)[1].split("\n\n", 1)[0]
+    listed = set(re.findall(r"`(gpufleet_\w+)`", table))
+    served = set(re.findall(r"(?:GaugeMetricFamily|Gauge)\(\s*\"(gpufleet_\w+)\"", (ROOT / "workers" / "metrics.py").read_text()))
+    rules = [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
+    alerted = {name for rule in rules for name in re.findall(r"\b(gpufleet_\w+?)(?:_bucket)?\{", rule["expr"])}
+    assert len(served) > 15 and alerted
+    assert not (served | alerted) - listed, sorted((served | alerted) - listed)
