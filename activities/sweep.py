@@ -17,7 +17,7 @@ from temporalio import activity
 from activities.capacity import reports_account
 from activities.env import FleetEnv
 from activities.errors import typed_errors
-from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity
+from fleet.cluster import LABEL_SITE, NODE_IDENTITY_KIND, UNPROVEN_TAINT, NodeIdentity
 from fleet.contracts import workflows as flows
 from fleet.errors import AccountRevoked, FleetError, NotFound
 from fleet.messages.sweep import (
@@ -85,29 +85,39 @@ class SweepActivities:
     @activity.defn
     @typed_errors
     async def sweep_known(self) -> SweepKnown:
-        """The machines of the cluster's identified nodes, then the running joins' node names.
+        """The running joins' node names, then the machines of the cluster's identified, admitted nodes.
 
         A node accounts for a machine only through its identity record (what its join recorded),
         never through its Node object: a retired machine's kubelet, its certificate still valid,
         can create its Node again (NodeRestriction lets it), under its own name and with any
         providerID; that must not keep its own machine, or another orphan, from the sweep.
 
-        In this order: a join that ends meanwhile has registered its node and written its record
-        before it ended (seen in neither only if it ended after the listing: then its machine is young)."""
+        Nor does a node still tainted unproven whose join no longer runs (``SweepKnown.abandoned``):
+        its join was terminated (or reset, or timed out) after the node registered, and a terminate
+        runs no clean-up. Nothing admits it, no Node entity watches it, and its machine was billed
+        for good while the Site counted it toward its min.
+
+        In this order: a join running as the joins are listed keeps its node and machine; one that
+        ended before has admitted its node (the taint lifted) or cleaned up; one that started after
+        bought its machine after the listing (young)."""
         cluster = self.env.cluster
-        nodes = await asyncio.to_thread(cluster.list_nodes)
-        records = await asyncio.to_thread(cluster.list_state, NODE_IDENTITY_KIND)
         joining = set()
         async for wf in activity.client().list_workflows(RUNNING_JOINS):
             name = join_node_name(wf.id, wf.typed_search_attributes.get(NODE_NAME))
             if name:
                 joining.add(name)
+        nodes = await asyncio.to_thread(cluster.list_nodes)
+        records = await asyncio.to_thread(cluster.list_state, NODE_IDENTITY_KIND)
         identities = {n.name: NodeIdentity.from_state(records.get(n.name, {})) for n in nodes}
+        abandoned = {n.name: (identities[n.name].site if identities[n.name] else "") or n.labels.get(LABEL_SITE, "")
+                     for n in nodes if UNPROVEN_TAINT in n.taints and n.name not in joining}
         identified = {name: identity for name, identity in identities.items() if identity is not None}
-        return SweepKnown(node_names=sorted(identified),
-                          machine_ids=sorted(i.machine_id for i in identified.values() if i.machine_id),
+        admitted = {name: identity for name, identity in identified.items() if name not in abandoned}
+        return SweepKnown(node_names=sorted(admitted),
+                          machine_ids=sorted(i.machine_id for i in admitted.values() if i.machine_id),
                           joining=sorted(joining),
-                          unidentified=sorted(set(identities) - set(identified)))
+                          unidentified=sorted(set(identities) - set(identified)),
+                          abandoned=dict(sorted(abandoned.items())))
 
     @activity.defn
     @typed_errors
@@ -122,10 +132,13 @@ class SweepActivities:
             report.skipped = f"credentials revoked: {error}"
             return report
         grace = self.env.config.sweep.grace_seconds if input.grace_seconds is None else input.grace_seconds
-        orphans = classify(provider.list_machines(), input.known, time.time(), grace, input.first_seen, report)
+        machines = provider.list_machines()
+        orphans = classify(machines, input.known, time.time(), grace, input.first_seen, report)
         for machine in orphans:
             if input.dry_run:
                 report.deleted.append(machine.id)
+                if machine.name in input.known.abandoned:
+                    report.abandoned.append(machine.name)
                 continue
             try:
                 provider.delete_machine(machine.id)
@@ -143,7 +156,33 @@ class SweepActivities:
                 continue
             report.deleted.append(machine.id)
             activity.logger.warning("sweep deleted orphan %s (%s) at %s", machine.id, machine.name, site.name)
+            if machine.name in input.known.abandoned:
+                self._remove_abandoned(machine.name, report)
+        # A node its join left unproven whose machine is gone already (a person deleted it, an
+        # earlier pass removed the machine and not the Node): its Node and record go too.
+        live = {m.name for m in machines if m.state != "terminated"}
+        for name, at in input.known.abandoned.items():
+            if at == site.name and name not in live and name not in report.abandoned:
+                if input.dry_run:
+                    report.abandoned.append(name)
+                else:
+                    self._remove_abandoned(name, report)
         return report
+
+    def _remove_abandoned(self, name: str, report: SiteSweepReport) -> None:
+        """The Node of a join that no longer runs, left unproven, and its identity record: its
+        machine is gone. Counted by the Site toward its min, and by the demand loop as capacity on
+        its way, until then."""
+        try:
+            self.env.cluster.remove_node(name)
+        except FleetError as error:  # the next pass tries again; the others go on
+            report.failed.append(f"node {name}: {type(error).__name__}: {str(error)[:FAILURE_SHOWN]}")
+            return
+        except Exception as error:  # noqa: BLE001 - as a machine's: its own text may quote a request
+            report.failed.append(f"node {name}: {type(error).__name__}")
+            return
+        report.abandoned.append(name)
+        activity.logger.warning("sweep removed node %s, left unproven by a join that no longer runs", name)
 
     @activity.defn
     @typed_errors

@@ -3,7 +3,9 @@
 The runbook: list what accounts for machines (the cluster's nodes, the running
 joins) → for every site, list the account's machines there and delete the orphans:
 fleet-marked, accounted for by nothing, older than the grace period
-(``sweep.grace_seconds``, default 30 min). A machine without the fleet's marker is
+(``sweep.grace_seconds``, default 30 min); a node still unproven whose join no longer runs
+(terminated after its node registered: a terminate runs no clean-up) accounts for nothing, and
+goes with its machine, its Node and identity record removed. A machine without the fleet's marker is
 never touched; a revoked account is skipped without a call (rule 6), and a
 BadCredentials/OverQuota answer is reported to its ProviderAccount. What it found
 is its current details and its result. Then the node identity records whose Node is
@@ -133,6 +135,9 @@ class FleetSweep:
             parts.append(f"{len(r.young)} young: {', '.join(r.young)}")
         if r.deleted:
             parts.append(f"{verb}: {', '.join(r.deleted)}")
+        if r.abandoned:
+            removed = verb.replace("delete", "remove")
+            parts.append(f"{removed} nodes left unproven by a join no longer running: {', '.join(r.abandoned)}")
         if r.failed:
             parts.append(f"failed: {'; '.join(r.failed)}")
         return f"- `{r.site}`: " + ", ".join(parts)

@@ -18,7 +18,7 @@ class FleetSweepInput(Strict):
 
 class SweepKnown(BaseModel):
     """What accounts for a machine: a node in the cluster its join identified (its identity
-    record names the machine), or a join still running."""
+    record names the machine) and admitted, or a join still running."""
 
     node_names: list[str] = Field(default_factory=list)
     machine_ids: list[str] = Field(default_factory=list)
@@ -27,6 +27,11 @@ class SweepKnown(BaseModel):
     #: Nodes with no identity record: they account for no machine (a Node object is what any
     #: kubelet with a certificate can create, a retired one's included).
     unidentified: list[str] = Field(default_factory=list)
+    #: Nodes still tainted unproven whose join no longer runs (terminated, timed out: a terminate
+    #: runs no clean-up): nothing will admit them, and they account for no machine. Node name ->
+    #: its site ("" where neither its identity record nor its labels say). The sweep deletes such a
+    #: node's machine past the grace, then removes the Node and its identity record.
+    abandoned: dict[str, str] = Field(default_factory=dict)
 
 
 class SweepSiteInput(BaseModel):
@@ -54,6 +59,9 @@ class SiteSweepReport(BaseModel):
     deleted: list[str] = Field(default_factory=list)
     failed: list[str] = Field(default_factory=list)
     first_seen: dict[str, float] = Field(default_factory=dict)
+    #: Nodes a join left unproven and no longer runs (``SweepKnown.abandoned``) removed, with their
+    #: identity records, their machines deleted (in ``deleted``) or gone already.
+    abandoned: list[str] = Field(default_factory=list)
 
 
 class SweepIdentitiesInput(BaseModel):
