@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
-import yaml
+from rich.markup import escape
 
 from cli.common import (
     OUTPUT_FORMATS,
@@ -76,10 +76,16 @@ def advisor(
 
 
 def _read_constraints(path: Path) -> dict:
+    from fleet.yaml_input import NotYaml, read_yaml
+
     try:
-        data = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        fail(f"--constraints: cannot read {path}: {error}", 2)
+        loaded = read_yaml(path.read_text())
+    except (OSError, NotYaml) as error:
+        fail(f"--constraints: cannot read {escape(str(path))}: {escape(str(error))}", 2)
+    if loaded.problems:
+        # A model given twice: YAML keeps the last, the first one's constraints would be lost.
+        fail(f"--constraints: {escape(str(path))}: {escape('; '.join(loaded.problems))}", 2)
+    data = loaded.data
     if not isinstance(data, dict):
         fail(f"--constraints: {path} must hold a mapping of model -> constraints", 2)
     return data

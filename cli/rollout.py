@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
-import yaml
+from rich.markup import escape
 from rich.progress_bar import ProgressBar
 from rich.text import Text
 
@@ -38,12 +38,28 @@ def start(
 ) -> None:
     """Start a ModelRollout (idempotent: the same model/version attaches to the running one)."""
     from client import InvalidArgument
+    from fleet.yaml_input import NotYaml, read_yaml
 
     try:
-        raw = yaml.safe_load(file.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        err.print(f"[red]{file}: cannot read: {error}[/]")
-        raise typer.Exit(2) from None
+        spec = read_yaml(file.read_text())
+    except (OSError, NotYaml) as error:
+        _refuse(file, f"cannot read: {error}", [])
+    if spec.problems:
+        # A key given twice (a second `sites:` block: YAML keeps the last, the first's sites are
+        # lost) or YAML reads as no string: refused before anything starts, with the spec's other
+        # problems as the client names them.
+        from client.fleet import validate
+        from fleet.rollout import RolloutInput
+
+        problems = list(spec.problems)
+        try:
+            validate(RolloutInput, spec.data, "rollout")
+        except InvalidArgument as error:
+            # (A key that is no string is named above, where it stands.)
+            problems += [f"{'(top level)' if where == '(input)' else where}: {message}"
+                         for where, message in error.problems if message != "Keys should be strings"]
+        _refuse(file, "invalid rollout", problems)
+    raw = spec.data
     fleet = fleet_client(settings(address))
     try:
         handle = run(fleet.start_rollout(raw))
@@ -66,6 +82,14 @@ def start(
                       markup=False, highlight=False)
             raise typer.Exit(130) from None
         raise typer.Exit(code)
+
+
+def _refuse(file: Path, what: str, problems: list[str]) -> NoReturn:
+    """``<file>: <what>`` and each problem on a line of its own (as written: brackets are text), exit 2."""
+    err.print(f"[red]{escape(f'{file}: {what}')}[/]")
+    for problem in problems:
+        err.print(f"  {problem}", markup=False, highlight=False)
+    raise typer.Exit(2)
 
 
 def _phase_line(rollout_id: str, progress) -> str:

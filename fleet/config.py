@@ -17,7 +17,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from fleet.config_checks import cross_check
@@ -29,6 +28,7 @@ from fleet.naming import LABEL_VALUE_PATTERN, MAX_SITE_NAME, SITE_NAME_PATTERN, 
 from fleet.repair_policy import RepairSettings
 from fleet.routing import MAX_ROUTED_SITES
 from fleet.settings import Settings
+from fleet.yaml_input import NotYaml, read_yaml
 
 #: The built-in simulated fleet that ``gpufleet dev`` runs when no file is given.
 DEFAULT_CONFIG = "default_sites.yaml"
@@ -422,63 +422,15 @@ def load_config(path: str | os.PathLike[str] | None = None) -> FleetConfig:
         source = f"(built-in) {DEFAULT_CONFIG}"
         text = resources.files("fleet").joinpath(DEFAULT_CONFIG).read_text()
     try:
-        raw = yaml.safe_load(text)
-        twice = duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))
-    except yaml.YAMLError as exc:
-        raise ConfigError(source, [f"not valid YAML: {exc}"]) from None
-    except RecursionError:  # the parser's own: brackets nested some thousand deep
-        raise ConfigError(source, ["not valid YAML: nested too deeply"]) from None
+        document = read_yaml(text)
+    except NotYaml as exc:
+        raise ConfigError(source, [str(exc)]) from None
+    # A key YAML reads as no string is named by parse_config, with the schema's other problems.
+    twice = document.twice
     try:
-        config = parse_config(raw, source)
+        config = parse_config(document.data, source)
     except ConfigError as error:
         raise ConfigError(source, twice + error.problems) from None
     if twice:
         raise ConfigError(source, twice)
     return config
-
-
-_MERGE_KEY = "tag:yaml.org,2002:merge"
-
-
-def _name_of(node: yaml.Node) -> str:
-    """A list entry's ``name:`` as written, to say where it stands (``sites[2] (site-c)``)."""
-    if isinstance(node, yaml.MappingNode):
-        for key, value in node.value:
-            if isinstance(key, yaml.ScalarNode) and key.value == "name" and isinstance(value, yaml.ScalarNode):
-                return str(value.value)
-    return ""
-
-
-def duplicate_keys(root: yaml.Node | None) -> list[str]:
-    """Each key a mapping of the YAML document gives twice (``sites.max_nodes``, or a second
-    ``sites:`` block): YAML keeps the last one's value without a word, the first is lost. Named
-    as parse errors name fields, with the lines of both. A merged mapping's key (``<<: *store``)
-    that the mapping sets again is an override, not a duplicate."""
-    problems: list[str] = []
-    seen: set[int] = set()  # a mapping an alias repeats is looked at once (no alias bomb)
-
-    def walk(node: yaml.Node, where: str) -> None:
-        if id(node) in seen:
-            return
-        seen.add(id(node))
-        if isinstance(node, yaml.MappingNode):
-            first: dict[tuple[str, str], int] = {}
-            for key, value in node.value:
-                if isinstance(key, yaml.ScalarNode) and key.tag != _MERGE_KEY:
-                    name = (key.tag, key.value)
-                    at = f"{where}.{key.value}" if where else key.value
-                    if name in first:
-                        problems.append(f"{at}: given twice (lines {first[name] + 1} and {key.start_mark.line + 1}); "
-                                        f"YAML keeps only the last, so the first would be lost: keep one")
-                    first.setdefault(name, key.start_mark.line)
-                    walk(value, at)
-                else:
-                    walk(value, where)
-        elif isinstance(node, yaml.SequenceNode):
-            for i, item in enumerate(node.value):
-                name = _name_of(item)
-                walk(item, f"{where}[{i}]" + (f" ({name})" if name else ""))
-
-    if root is not None:
-        walk(root, "")
-    return problems

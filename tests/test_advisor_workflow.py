@@ -159,3 +159,24 @@ async def test_constraints_for_a_model_no_workload_serves_are_refused_naming_the
     assert cause.message.startswith("invalid AdvisorInput: constraints.chta: "), cause.message
     assert cause.details == ({"fields": ["constraints.chta"]},)
     await replay_and_record(handle, "advisor_refused_unserved_constraints")
+
+
+def test_constraints_yaml_would_read_wrong_are_refused_naming_where_before_asking(tmp_path: Path) -> None:
+    """`gpufleet advisor --constraints FILE`: a model given twice kept only the last one's constraints
+    (YAML drops the first without a word) and the report was asked for with them; a file nested some
+    thousand deep ended in a RecursionError traceback. Now each is refused (exit 2), naming where,
+    before Temporal is asked (the address here answers nothing)."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("chat:\n  capacity_types: [on-demand]\nbatch: {}\nchat:\n  capacity_types: [spot]\n")
+    deep = tmp_path / "deep.yaml"
+    deep.write_text("chat: " + "[" * 3000 + "]" * 3000 + "\n")
+    for path, said in [(twice, "chat: given twice (lines 1 and 4); YAML keeps only the last"),
+                       (deep, "not valid YAML: nested too deeply")]:
+        result = CliRunner().invoke(app, ["advisor", "--constraints", str(path), "--address", "127.0.0.1:1"])
+        shown = " ".join(result.output.split())
+        assert result.exit_code == 2 and "--constraints: " in shown and said in shown, (shown, result.exception)
+        assert "cannot reach Temporal" not in shown, shown

@@ -9,6 +9,7 @@ import re
 import uuid
 
 import pytest
+import yaml
 from rich.console import Console
 from rich.text import Text
 from temporalio.service import RPCError
@@ -70,6 +71,42 @@ async def test_cli_start_refuses_a_rollout_the_fleet_config_rules_out_before_sta
         assert "started" not in said, said
         with pytest.raises(RPCError):
             await stack.client.get_workflow_handle(f"rollout/llm/{spec['version']}").describe()
+
+
+async def test_cli_start_refuses_a_spec_yaml_would_read_wrong_naming_where_and_starts_nothing(
+        rollout_stack: RolloutStack, tmp_path) -> None:
+    """A spec YAML would read otherwise than written. Before, a second `sites:` block (a site pasted
+    at the end with its header) or `files:` list was taken alone, the first one dropped without a
+    word: `gpufleet rollout start` started the rollout to the second block's sites only, or with only
+    the second list's weight files; a spec nested some thousand deep ended in a RecursionError
+    traceback. Now each is refused (exit 2), naming where, and nothing is started."""
+    stack = rollout_stack
+    env = {**stack.settings.env()}
+    spec = stack.request({"site-a": 1}, version="y1")
+    files = yaml.safe_dump({"files": spec["weights"].pop("files")}, sort_keys=False)
+    base = yaml.safe_dump(spec, sort_keys=False)
+    written = base.replace("weights:\n", "weights:\n" + "".join(f"  {line}\n" for line in files.splitlines()), 1)
+    assert yaml.safe_load(written)["weights"]["files"] == [dict(f) for f in stack.files]
+    cases = {
+        "sites-twice": (written + "sites:\n- {site: site-b, replicas: 1}\n", "sites: given twice (lines "),
+        "files-twice": (written.replace("  source:", "  files:\n  - {path: a.bin, size: 1, sha256: " + "0" * 64
+                                        + "}\n  source:", 1), "weights.files: given twice (lines "),
+        "deep": (written + "env: " + "[" * 3000 + "]" * 3000 + "\n", "not valid YAML: nested too deeply"),
+    }
+    for name, (text, problem) in cases.items():
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(text)
+        result = await asyncio.to_thread(CliRunner().invoke, app, ["rollout", "start", str(path)], env=env)
+        said = " ".join(result.output.split())
+        assert result.exit_code == 2 and problem in said, (name, said, result.exception)
+        assert "keep one" in said or "nested" in said, said
+        with pytest.raises(RPCError):
+            await stack.client.get_workflow_handle("rollout/llm/y1").describe()
+    # Given once, the same spec starts.
+    path = tmp_path / "once.yaml"
+    path.write_text(written)
+    result = await asyncio.to_thread(CliRunner().invoke, app, ["rollout", "start", str(path)], env=env)
+    assert result.exit_code == 0 and "rollout/llm/y1" in result.output, result.output
 
 
 async def test_cli_start_refuses_a_second_rollout_of_a_model_naming_the_running_one(rollout_stack: RolloutStack,
