@@ -17,6 +17,12 @@ variables the config names), join tokens and the join-token key (Secrets in ``ku
 ``gpufleet-bootstrap``) and every private key stay where they are; state objects are ConfigMaps,
 and a client key's record holds the SHA-256 of a public key.
 
+The export writes a digest of what the document holds (``document_digest``) before its state:
+restore refuses a file that no longer matches it (cut short by a copy that stopped part way, or
+changed since), and one that YAML would read otherwise than written (a key given twice, nesting
+too deep: ``fleet.yaml_input``), before anything is written. A backup of a gpufleet before the
+digest has none to check.
+
 Restore refuses a document of another schema version, and, unless ``--force``, any object the
 target holds with other data than the file's: that is state written since the backup was taken
 (or by another fleet), which a restore would lose. What the target holds and the file does not is
@@ -208,9 +214,22 @@ def export_document(store: Store) -> tuple[dict[str, Any], dict[str, int]]:
         "taken_at": datetime.now(timezone.utc).isoformat(timespec="seconds").replace("+00:00", "Z"),
         "source": store.origin(),
         "secrets": NO_SECRETS,
-        "state": state,
     }
+    # Before ``state``, so a file cut short keeps it: whatever the cut leaves no longer matches it.
+    document["digest"] = document_digest({**document, "state": state})
+    document["state"] = state
     return document, left
+
+
+def document_digest(document: dict[str, Any]) -> str:
+    """``sha256:<hex>`` of the document but its ``digest``, as JSON with sorted keys: what it holds,
+    not how the YAML is laid out (comments, quoting, indentation). It catches a file cut short or
+    changed since the export (a copy that stopped part way, an edit); it is no signature."""
+    import hashlib
+
+    content = {key: value for key, value in document.items() if key != "digest"}
+    text = json.dumps(content, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def write_document(path: Path, document: dict[str, Any]) -> None:
@@ -263,8 +282,9 @@ class BadBackup(Exception):
 
 
 def read_document(path: Path) -> dict[str, Any]:
-    import yaml
     from pydantic import BaseModel, ConfigDict, ValidationError
+
+    from fleet.yaml_input import NotYaml, read_yaml
 
     class Document(BaseModel):
         model_config = ConfigDict(extra="forbid")
@@ -274,12 +294,20 @@ def read_document(path: Path) -> dict[str, Any]:
         taken_at: str
         source: dict[str, Any]
         secrets: str
+        #: None in a backup of a gpufleet before it (nothing to check).
+        digest: str | None = None
         state: dict[str, dict[str, dict[str, str]]]
 
     try:
-        raw = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as error:
-        raise BadBackup(f"{path}: not readable as YAML: {error}".splitlines()[0]) from None
+        loaded = read_yaml(path.read_text())
+    except OSError as error:
+        raise BadBackup(f"{path}: not readable: {error}".splitlines()[0]) from None
+    except NotYaml as error:
+        raise BadBackup(f"{path}: {error}".splitlines()[0]) from None
+    if loaded.problems:
+        # A key given twice: YAML keeps the last (a second ``account:`` would drop every account).
+        raise BadBackup("; ".join(loaded.problems))
+    raw = loaded.data
     if not isinstance(raw, dict) or raw.get("kind") != DOCUMENT_KIND:
         raise BadBackup(f"kind: {path} is not a gpufleet backup (kind {DOCUMENT_KIND} expected)")
     # The version first: a later layout may differ in any other field.
@@ -297,6 +325,10 @@ def read_document(path: Path) -> dict[str, Any]:
     if unknown:
         raise BadBackup(f"state.{unknown[0]}: not a kind schema version {SCHEMA_VERSION} holds "
                         f"(it holds {', '.join(BACKED_UP)})")
+    if raw.get("digest") is not None and document_digest(raw) != raw["digest"]:
+        raise BadBackup(f"digest: {path} does not hold what `gpufleet backup export` wrote: it was cut short "
+                        "(a copy that stopped part way) or changed since. Restore a whole copy; to restore a "
+                        "file changed on purpose, remove its digest line")
     return document
 
 

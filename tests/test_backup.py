@@ -255,6 +255,48 @@ def test_restore_refuses_what_is_not_a_backup_it_reads(source: Fleet, tmp_path: 
     assert fresh.env.accounts.all() == [] and fresh.env.cluster.list_state(NODE_IDENTITY_KIND) == {}
 
 
+def _cut_after_node_identity(text: str) -> str:
+    """The file as a copy that stopped part way leaves it: whole lines, the claims lost."""
+    return text[:text.index("  evacuation-claim:")]
+
+
+def _revoked_account_edited(text: str) -> str:
+    """A hand edit (or a flipped byte) in a record: it no longer reads as an account record."""
+    assert '"state":"credentials-revoked"' in text
+    return text.replace('"state":"credentials-revoked"', '"state":"revoked"', 1)
+
+
+@pytest.mark.parametrize("damage, said", [
+    # Before: a RecursionError traceback (exit 1).
+    (lambda t: t.replace("secrets:", "note: " + "[" * 3000 + "]" * 3000 + "\nsecrets:", 1),
+     "not valid YAML: nested too deeply"),
+    # Before: restored without the accounts, exit 0 (YAML kept the second, empty, account: block).
+    (lambda t: t + "  account: {}\n", "state.account: given twice (lines "),
+    # Before: restored without the claims, exit 0, as if the backup had none.
+    (_cut_after_node_identity, "digest: "),
+    # Before: acct-a restored, then "restore stopped part way, at account" (exit 2, half written).
+    (_revoked_account_edited, "digest: "),
+], ids=["nested-too-deep", "key-given-twice", "cut-short", "changed"])
+def test_restore_refuses_a_damaged_file_naming_why_before_writing_anything(source: Fleet, tmp_path: Path, damage,
+                                                                          said: str) -> None:
+    backup = tmp_path / "fleet.backup.yaml"
+    assert gpufleet("backup", "export", str(backup), *source.args()).exit_code == 0
+    text = backup.read_text()
+    backup.write_text(damage(text))
+    fresh = Fleet(tmp_path / "fresh")
+    refused = gpufleet("backup", "restore", str(backup), *fresh.args())
+    shown = " ".join(refused.output.split())
+    assert refused.exit_code == 2 and f"error: {said}" in shown.replace(f"{backup}: ", ""), (shown, refused.exception)
+    if said == "digest: ":
+        assert "cut short (a copy that stopped part way) or changed since" in shown, shown
+    assert fresh.env.accounts.all() == [] and fresh.env.cluster.list_state(NODE_IDENTITY_KIND) == {}, "nothing written"
+
+    # The file as exported restores; so does a backup without a digest (a gpufleet before it wrote none).
+    backup.write_text("".join(line for line in text.splitlines(keepends=True) if not line.startswith("digest: ")))
+    restored = gpufleet("backup", "restore", str(backup), *fresh.args())
+    assert restored.exit_code == 0 and "account: 2 restored" in restored.output, restored.output
+
+
 def test_export_names_the_state_it_does_not_know(source: Fleet, tmp_path: Path) -> None:
     source.env.cluster.update_state("added-later", "x", lambda _old: {"a": "b"})
     done = gpufleet("backup", "export", str(tmp_path / "b.yaml"), *source.args())
