@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 from fleet.config_checks import cross_check
 from fleet.incident import ControlPlaneSettings, IncidentSettings
 from fleet.models import (
-    MAX_REQUEST_COUNT, PROVIDERS, SITES_YAML, CapacityType, CredentialsRef, MachineSpec, Offer, SettingPrice, SettingSeconds, Strict,
+    MAX_REQUEST_COUNT, MAX_SITE_NODES, PROVIDERS, SITES_YAML, CapacityType, CredentialsRef, MachineSpec, Offer, SettingPrice, SettingSeconds, Strict,
 )
 from fleet.naming import LABEL_VALUE_PATTERN, MAX_SITE_NAME, SITE_NAME_PATTERN, label_value_problem, site_name_problem
 from fleet.repair_policy import RepairSettings
@@ -103,7 +103,9 @@ class Site(Strict):
     #: The Site entity keeps at least this many nodes, buying the missing ones in one capacity
     #: request, so at most 256 (a request's most).
     min_nodes: int = Field(0, ge=0, json_schema_extra={"maximum": MAX_REQUEST_COUNT})
-    max_nodes: int = Field(ge=0)
+    #: The Site entity keeps at most this many nodes, retiring the surplus; so at most 5,000, since
+    #: every site's nodes join the fleet's one Kubernetes cluster, which is built for that many.
+    max_nodes: int = Field(ge=0, json_schema_extra={"maximum": MAX_SITE_NODES})
     image: str = ""
     sim: SimSiteSettings = Field(default_factory=SimSiteSettings)
     #: Where this site's model weights are replicated to (rule 10); optional.

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
-from fleet.models import JOIN_OPTIONS, MAX_REQUEST_COUNT, PROVIDERS
+from fleet.models import JOIN_OPTIONS, MAX_REQUEST_COUNT, MAX_SITE_NODES, PROVIDERS
 from fleet.naming import kubernetes_name_clash, model_service_clash, serving_name_clash
 from fleet.replacement import may_move
 
@@ -62,6 +62,11 @@ def cross_check(raw: dict[str, Any]) -> list[str]:
             problems.append(f"{where}.min_nodes: {low} is more than {MAX_REQUEST_COUNT}, the most one capacity "
                             f"request buys: the site's entity fills its min with one request, which would be "
                             f"refused every time")
+        if isinstance(high, (int, float)) and not isinstance(high, bool) and high > MAX_SITE_NODES:
+            # Here, not in the model, as min_nodes's. A float too: the model takes 1.0e+17 as an int.
+            problems.append(f"{where}.max_nodes: {high} is more than {MAX_SITE_NODES}, the most nodes the fleet's "
+                            f"one Kubernetes cluster is built for (every site's nodes join it); the site's entity "
+                            f"carries its max over continue-as-new, where a number past 2**53 is refused")
         if site.get("compliance") is True and not site.get("geography"):
             problems.append(f"{where}.compliance: a compliance site needs a geography")
         account = site.get("account")

@@ -29,6 +29,11 @@ JOIN_OPTIONS: dict[str, dict[str, str]] = {
 #: The most machines one capacity request asks for (``CapacityRequest.count``): also the most a site's
 #: ``min_nodes`` may be in ``sites.yaml``, since its Site entity fills it with one request.
 MAX_REQUEST_COUNT = 256
+#: The most nodes a site's ``max_nodes`` may be in ``sites.yaml``: every site's nodes join the fleet's
+#: one Kubernetes cluster, which is built for at most 5,000 nodes (Kubernetes' "Considerations for
+#: large clusters"), so a site cannot hold more. Far below 2**53: the Site entity carries the number
+#: over continue-as-new, and the workers' input guard refuses a larger one at every workflow start.
+MAX_SITE_NODES = 5000
 #: Sites, accounts, nodes, machine ids, offer keys: Kubernetes' name limit is plenty.
 Name = Annotated[str, StringConstraints(min_length=1, max_length=253)]
 MaybeName = Annotated[str, StringConstraints(max_length=253)]

@@ -270,6 +270,41 @@ def test_a_min_nodes_one_fill_cannot_buy_is_refused_naming_the_field(tmp_path: P
     assert load_config(path).sites[1].min_nodes == 256
 
 
+@pytest.mark.parametrize("written", ["9007199254740993", "1.0e+17", "5001"])
+def test_a_max_nodes_past_what_the_cluster_holds_is_refused_naming_the_field(tmp_path: Path, written: str) -> None:
+    """Before, any max_nodes loaded and `config check` passed: one past 2**53 (or a float as big, which
+    the model takes as an int) went into the Site entity's state (SiteStatus.max_nodes), which the
+    workers' input guard refuses at every workflow start, so the entity would fail when it continued
+    as new. Now a site's max is at most 5,000, the nodes the fleet's one Kubernetes cluster is built
+    for; a Site decoded from a recorded activity result still takes any number."""
+    from fleet.config import Site
+    from fleet.messages.capacity import SiteInput, SiteState, SiteStatus
+    from workflows.inputs import first_problem
+
+    huge = 2**53 + 1
+    carried = SiteInput(site="site-b", state=SiteState(status=SiteStatus(site="site-b", max_nodes=huge)))
+    assert first_problem(carried.model_dump(mode="json")) == (
+        "state.status.max_nodes", f"must be between -{MAX_NUMBER} and {MAX_NUMBER}"), "what the entity would meet"
+    assert Site.model_validate({**TEST_FLEET["sites"][1], "max_nodes": huge}).max_nodes == huge
+
+    fleet = copy.deepcopy(TEST_FLEET)
+    fleet["sites"][1]["max_nodes"] = "@max@"
+    path = tmp_path / "sites.yaml"
+    path.write_text(yaml.safe_dump(fleet).replace("'@max@'", written))
+    with pytest.raises(ConfigError) as refused:
+        load_config(path)
+    shown = float(written) if "." in written else int(written)
+    assert refused.value.problems == [
+        f"sites[1] (site-b).max_nodes: {shown} is more than 5000, the most nodes the fleet's one Kubernetes "
+        "cluster is built for (every site's nodes join it); the site's entity carries its max over "
+        "continue-as-new, where a number past 2**53 is refused"]
+    result = CliRunner().invoke(app, ["config", "check", str(path)])
+    assert result.exit_code == 2 and "sites[1] (site-b).max_nodes: " in result.output, result.output
+    # As many as the cluster holds loads.
+    path.write_text(yaml.safe_dump(fleet).replace("'@max@'", "5000"))
+    assert load_config(path).sites[1].max_nodes == 5000
+
+
 def test_workflow_inputs_take_a_setting_past_the_cap_that_sites_yaml_refuses() -> None:
     """The caps hold where a person writes the value. An input an older release recorded (a 60-day
     window its sites.yaml had) must still parse on replay, or every open Node entity and repair that
