@@ -22,7 +22,17 @@ site's store, one file at a time, streaming (memory is bounded by
 - heartbeat details (``Checkpoint``) carry the finished files, bytes done and the
   open multipart upload with its finished parts: a retried attempt (the worker
   died) skips finished files without touching them and continues the open
-  upload after its last contiguous finished part.
+  upload after its last contiguous finished part;
+- a copy its rollout stops (an abort, Temporal's cancel: the activity hears
+  ``cancel_requested`` at its next heartbeat, as the rollout waits for it) aborts its
+  open multipart upload (AbortMultipartUpload) before it reports cancelled: no try
+  comes back to continue it, and its parts would stay stored, and billed, for good.
+  One cut short otherwise (its worker shutting down, its heartbeat timed out: the
+  attempt then hears ``not_found``, while the retry resumes the upload from the
+  heartbeat details; Temporal pausing or resetting it) keeps the upload for the try
+  that continues it. What a copy still leaves open (a stop that lands between tries,
+  an attempt that never answers) ``abort_weights_uploads`` aborts: the rollout lists
+  the uploads open under its own key prefix once every copy of it has ended.
 
 The store itself (client, credentials read at call time, error map) is
 ``providers.object_store``.
@@ -38,12 +48,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 from temporalio import activity
-from temporalio.exceptions import ApplicationError
+from temporalio.exceptions import ApplicationError, CancelledError
 
 from activities import metrics
 from activities.env import FleetEnv
 from activities.errors import typed_errors
-from fleet.messages.rollout import Checkpoint, OpenUpload, Part, ReplicateInput, ReplicateResult
+from fleet.messages.rollout import (
+    AbortUploadsInput, AbortedUploads, Checkpoint, OpenUpload, Part, ReplicateInput, ReplicateResult,
+)
 from fleet.config import ObjectStore
 from fleet.errors import InvalidRequest
 from fleet.rollout import WeightFile, part_size_for
@@ -75,6 +87,7 @@ class Replicator:
         dst_client: Any,
         checkpoint: Checkpoint | None = None,
         heartbeat: Callable[[Checkpoint], None] = lambda cp: None,
+        cancelled: Callable[[], bool] = lambda: False,
     ) -> None:
         self.input, self.dest, self.src, self.dst = input, dest, src_client, dst_client
         self.opts = input.options
@@ -83,7 +96,10 @@ class Replicator:
         self.cp.bytes_total = sum(f.size for f in input.files)
         self.cp.files_total = len(input.files)
         self._heartbeat = heartbeat
+        self._cancelled = cancelled
         self._last_beat = 0.0
+        #: The part uploads of the file being copied (``_upload_parts``), while they run.
+        self._parts: ThreadPoolExecutor | None = None
         self.throttle = Throttle(self.opts.bandwidth_limit_bytes_per_s)
         self.copied = self.skipped = 0
         self._listing: dict[str, int] | None = None
@@ -91,6 +107,12 @@ class Replicator:
 
     # -- helpers ----------------------------------------------------------------------
     def beat(self, force: bool = False) -> None:
+        """Heartbeat (at most every 0.5 s unless ``force``). A copy whose activity was cancelled stops
+        here, at a step's end, with what it has open known (``cp.current``): the activity runs it
+        shielded from the SDK's cancel, which would be raised wherever the copy is (inside a store
+        call it came out as that call's failure, or was taken for a listing refused)."""
+        if self._cancelled():
+            raise CancelledError("the copy was cancelled")
         now = time.monotonic()
         if force or now - self._last_beat >= 0.5:
             self._last_beat = now
@@ -280,6 +302,7 @@ class Replicator:
                 Bucket=bucket, Key=key, ChecksumAlgorithm="SHA256", Metadata={"sha256": f.sha256},
             )
             upload = OpenUpload(path=f.path, upload_id=created["UploadId"], part_size=part_size, attempt=attempt)
+            self.cp.current = upload  # open from here on: what ``abandon`` aborts
         return upload
 
     def _keep_contiguous_parts(self, upload: OpenUpload) -> int:
@@ -303,6 +326,7 @@ class Replicator:
         """Uploads the source from ``offset`` as parts, at most ``concurrency`` at a time,
         each finished part added to the upload and heartbeaten; returns the source's size."""
         with ThreadPoolExecutor(self.opts.concurrency, thread_name_prefix="s3-part") as pool:
+            self._parts = pool
             inflight: set[Future] = set()
             number = len(upload.parts) + 1
 
@@ -324,6 +348,7 @@ class Replicator:
 
             size = self._cut_parts(f, offset, part_size, digest, submit)
             collect(block=True)
+        self._parts = None
         return size
 
     def _cut_parts(self, f: WeightFile, offset: int, part_size: int, digest,
@@ -380,10 +405,24 @@ class Replicator:
         )
         return Part(number=number, etag=response["ETag"], checksum=checksum, size=len(data))
 
+    def abandon(self) -> str | None:
+        """The copy is stopped for good (its rollout cancelled it): abort the open multipart upload,
+        which no later try continues, once its part uploads in flight have ended (a part that lands
+        after the abort could be stored again). The key of the upload aborted, if one was open."""
+        if self._parts is not None:
+            self._parts.shutdown(wait=True, cancel_futures=True)
+        upload = self.cp.current
+        if upload is None:
+            return None
+        key = f"{self.input.dest_prefix}{upload.path}"
+        self._abort(self.dest.bucket, key, upload.upload_id)
+        self.cp.current = None
+        return key
+
     def _abort(self, bucket: str, key: str, upload_id: str) -> None:
         try:
             self.dst.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload_id)
-        except Exception:  # noqa: BLE001 - best effort; a lifecycle rule cleans up stragglers
+        except Exception:  # noqa: BLE001 - best effort: the rollout's abort_weights_uploads finds one left open
             pass
 
     def _read_back(self, f: WeightFile) -> None:
@@ -412,7 +451,7 @@ class WeightsActivities:
         self._lock = threading.Lock()
 
     def all(self) -> list:
-        return [self.replicate_weights]
+        return [self.replicate_weights, self.abort_weights_uploads]
 
     def client(self, store: ObjectStore, pool: int = 16):
         key = store.model_dump_json()
@@ -445,5 +484,61 @@ class WeightsActivities:
         replicator = Replicator(
             input, site.object_store, self.client(input.source, pool), self.client(site.object_store, pool),
             checkpoint=checkpoint, heartbeat=lambda cp: activity.heartbeat(cp.model_dump(mode="json")),
+            cancelled=activity.is_cancelled,
         )
-        return replicator.run()
+        # Shielded from the SDK's cancel, raised in this thread wherever the copy is: the copy looks at
+        # its next beat (``Replicator.beat``) and stops there; the cancel is raised as the shield ends.
+        with activity.shield_thread_cancel_exception():
+            try:
+                return replicator.run()
+            except BaseException:
+                stopped = activity.cancellation_details()
+                if stopped is None or not stopped.cancel_requested:
+                    raise  # a failure, or a try cut short (not_found, worker shutdown, paused): a retry resumes
+                # The rollout stopped the copy (its abort, its cancel) and waits for this: no try resumes
+                # the upload.
+                key = replicator.abandon()
+                activity.logger.info("%s: copy stopped by its rollout; %s", input.site,
+                                     f"open upload of {key} aborted" if key else "no upload was open")
+                raise CancelledError("copy stopped by its rollout"
+                                     + (f"; open upload of {key} aborted" if key else "")) from None
+
+    @activity.defn
+    @typed_errors
+    def abort_weights_uploads(self, input: AbortUploadsInput) -> AbortedUploads:
+        """Abort every multipart upload open under ``input.prefix`` in the site's store: what the
+        rollout's copies left (a stop that landed between two tries, a try that never answered, one
+        that failed for good). Run once no copy of the rollout runs; the model's rollout claim keeps
+        every other rollout off that prefix (``models/<model>/<version>/``)."""
+        site = self.env.site(input.site)
+        if site.object_store is None:
+            raise InvalidRequest(f"site {input.site} has no object_store configured")
+        store = site.object_store
+        return AbortedUploads(site=input.site, keys=abort_open_uploads(self.client(store), store.bucket, input.prefix))
+
+
+def abort_open_uploads(client: Any, bucket: str, prefix: str) -> list[str]:
+    """ListMultipartUploads under ``prefix`` (every page), AbortMultipartUpload of each: the keys
+    aborted. One already gone (NoSuchUpload) counts as aborted; the store refusing the list or an
+    abort fails as classified (a 403: the store's credentials lack s3:ListBucketMultipartUploads or
+    s3:AbortMultipartUpload)."""
+    if not prefix:
+        raise InvalidRequest("prefix: empty: would abort every upload in the bucket")
+    where = f"s3://{bucket}/{prefix}"
+    try:
+        pages = list(client.get_paginator("list_multipart_uploads").paginate(Bucket=bucket, Prefix=prefix))
+    except Exception as error:  # noqa: BLE001 - classified
+        raise classify(error, f"list open uploads under {where}") from cause(error)
+    aborted = []
+    for page in pages:
+        for upload in page.get("Uploads", []):
+            key = upload["Key"]
+            if not key.startswith(prefix):
+                continue  # a store that ignores Prefix
+            try:
+                client.abort_multipart_upload(Bucket=bucket, Key=key, UploadId=upload["UploadId"])
+            except Exception as error:  # noqa: BLE001 - classified
+                if getattr(error, "response", {}).get("Error", {}).get("Code") != "NoSuchUpload":
+                    raise classify(error, f"abort upload of s3://{bucket}/{key}") from cause(error)
+            aborted.append(key)
+    return aborted

@@ -166,6 +166,13 @@ EXPECTED = {
     # during the wait.
     "rollout_waits_out_an_evacuation_in_one_activity", "rollout_continued_as_new_while_deferred",
     "rollout_finished_after_continue_as_new",
+    # A copy the rollout stops (an abort, Temporal's cancel) aborts its open multipart upload, and the
+    # rollout waits for it; once every copy has ended, the uploads left open under the rollout's prefix
+    # at each site whose copy did not finish (one failed for good here) are aborted
+    # (``rollout-aborts-open-uploads``, tests/rollout/test_rollout_workflow.py). ``_before``: the code
+    # before, which went on at once and left the upload open, replays down the old branch.
+    "rollout_aborted_while_copying", "rollout_cancelled_while_copying", "rollout_copy_failed_aborts_its_upload",
+    "rollout_aborted_while_copying_before", "rollout_cancelled_while_copying_before",
     # The newest spot notice sets the deadline (tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # A cancelled reclaim uncordons its node and stops its replacement (``reclaim-cancel-puts-back``,

@@ -24,7 +24,10 @@ site x state table; search attributes ``Model``, ``ModelVersion``, ``FleetState`
 Temporal's cancel rolls back as ``abort`` does, then the run ends Canceled
 (phase ``cancelled``); one that lands while an abort rolls back stops no rollback,
 and the run then ends Canceled too, not aborted. One that lands while a site's
-Deployment is updated waits for the update's answer, then rolls that site back too.
+Deployment is updated waits for the update's answer, then rolls that site back too. An abort or a
+cancel while weights are copied stops each copy and waits (twice its heartbeat at most) for it to
+abort its open multipart upload; then the uploads left open under the rollout's key prefix at the
+sites whose copy did not finish are aborted (``OPEN_UPLOADS_PATCH``).
 """
 
 from __future__ import annotations
@@ -35,14 +38,15 @@ from typing import Any, Optional
 
 from temporalio import workflow
 from temporalio.common import RetryPolicy
-from temporalio.exceptions import ActivityError, ApplicationError
+from temporalio.exceptions import ActivityError, ApplicationError, is_cancelled_exception
+from temporalio.workflow import ActivityCancellationType
 
 with workflow.unsafe.imports_passed_through():
     from fleet.contracts import activities as act
     from fleet.messages.rollout import (
-        EvacuationInput, EvacuationWaitInput, ProbeServingInput, ReplicateInput, ReplicateResult,
-        ResolveRolloutSitesInput, RollbackSiteInput, RolloutCarry, RolloutRunInput, RolloutSites, ServingRef,
-        UpdateServingInput,
+        AbortedUploads, AbortUploadsInput, EvacuationInput, EvacuationWaitInput, ProbeServingInput, ReplicateInput,
+        ReplicateResult, ResolveRolloutSitesInput, RollbackSiteInput, RolloutCarry, RolloutRunInput, RolloutSites,
+        ServingRef, UpdateServingInput,
     )
     from fleet import search_attributes as sa
     from fleet.errors import NON_RETRYABLE_TYPES
@@ -66,8 +70,8 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import check_text, parse_input
     from workflows.refusals import wrong_state
     from workflows.steps import (
-        CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, PUT_BACK_RETRY, QUICK, WAIT_HEARTBEAT, cancelled_by_request,
-        cancelled_words, failure_text,
+        CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, PUT_BACK_RETRY, QUICK, STORE_RETRY, WAIT_HEARTBEAT,
+        cancelled_by_request, cancelled_words, failure_text,
         show_details, to_its_end, until_in, until_run_began, wait_for_serving,
     )
 
@@ -103,6 +107,18 @@ EVACUATION_WAIT_PATCH = "rollout-waits-out-evacuations-in-one-activity"
 #: Before, the pause was looked at only before that wait: the site that came back was updated anyway
 #: (a canary after hours of outage) while the progress said "paused".
 PAUSE_BEFORE_BATCH_PATCH = "rollout-pauses-before-each-batch"
+#: Workflow patch: a weights copy the rollout stops (its abort, Temporal's cancel) is cancelled with
+#: ``WAIT_CANCELLATION_COMPLETED``: the copy hears ``cancel_requested`` at its next heartbeat, aborts its
+#: open multipart upload and reports cancelled, and the rollout waits for that (twice the copy's
+#: heartbeat at most: one that does not answer is timed out), its details saying so. Once every copy
+#: has ended, the uploads still open under the rollout's key prefix at each site whose copy did not
+#: finish (stopped between two tries, not answering, failed for good) are aborted
+#: (``abort_weights_uploads``). Before: ``TRY_CANCEL``, the rollout went on at once, the copy heard
+#: ``not_found`` (what a timed-out try hears while its retry resumes the upload) and left the upload
+#: open, its parts stored and billed for good.
+OPEN_UPLOADS_PATCH = "rollout-aborts-open-uploads"
+#: How long the uploads a site's copy left open are looked for and aborted, retries included.
+UPLOADS_CLEAN_UP = timedelta(minutes=2)
 #: The longest one wait for evacuated sites lasts: then the rollout looks again itself (a lost
 #: answer, a route no look compares, cost at most this).
 EVACUATION_WAIT = timedelta(hours=1)
@@ -128,6 +144,10 @@ class ModelRollout:
         self._abort = False
         self._abort_reason = ""
         self._finished = False
+        #: Whether the copies are stopped and cleaned up (``OPEN_UPLOADS_PATCH``), and whether the
+        #: rollout is stopping them now.
+        self._clean_copies = False
+        self._stopping_copies = False
         #: The reason as the runbook last said it; the progress shows it with what a person
         #: must do after it (``_say``).
         self._reason = ""
@@ -365,24 +385,80 @@ class ModelRollout:
     # -- 1. weights -----------------------------------------------------------------------
     async def _replicate(self) -> None:
         self._phase("replicating")
-        tasks = [asyncio.ensure_future(self._replicate_site(t.site)) for t in self._req.sites]
+        # Asked before the copies start (how they are cancelled is decided as each is scheduled).
+        self._clean_copies = workflow.patched(OPEN_UPLOADS_PATCH)
+        tasks = {t.site: asyncio.ensure_future(self._replicate_site(t.site)) for t in self._req.sites}
         try:
-            await workflow.wait_condition(lambda: self._abort or all(t.done() for t in tasks))
+            await workflow.wait_condition(lambda: self._abort or all(t.done() for t in tasks.values()))
         except asyncio.CancelledError:
-            await self._stop_copies(tasks)  # a cancel stops the copies as an abort does
+            await self._stop_copies(tasks, cancelled_words())  # a cancel stops the copies as an abort does
             raise
         if self._abort:
-            await self._stop_copies(tasks)
+            await self._stop_copies(tasks, self._abort_reason)
             raise _Aborted()
+        if self._clean_copies:
+            await to_its_end(asyncio.ensure_future(
+                self._abort_open_uploads([s for s in tasks if self._p.site(s).state == SiteState.FAILED])))
+            if workflow.cancellation_reason() is not None:
+                raise asyncio.CancelledError()  # the run's cancel, taken as the uploads were aborted: rolls back
         failed = [s for s in self._req.canaries if self._p.site(s).state == SiteState.FAILED]
         if failed:
             raise _SiteFailed(failed[0], "weights replication: " + self._p.site(failed[0]).detail)
 
-    @staticmethod
-    async def _stop_copies(tasks: list[asyncio.Future]) -> None:
-        for task in tasks:
+    async def _stop_copies(self, tasks: dict[str, asyncio.Future], why: str) -> None:
+        """Stop the copies still running (an abort, the run's cancel). A run from before the patch
+        goes on at once (``TRY_CANCEL``), the copies left to hear it when they may. Now each copy
+        aborts its open upload as it stops, the rollout waits for that (a cancel of the run landing
+        meanwhile is taken: ``_finish_abort`` ends the run as it asked), then aborts what they left
+        open."""
+        if not self._clean_copies:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+            return
+        copying = [site for site, task in tasks.items() if not task.done()]
+        if copying:
+            by = until_in(2 * self._req.replication.heartbeat_seconds)
+            for site in copying:
+                self._p.site(site).detail = (f"stopping the copy: at its next heartbeat it aborts its open upload, "
+                                             f"which nothing would resume; waiting for that {by} at the latest")
+            self._say(f"{why}: waiting for the weights copies to {', '.join(copying)} to stop and abort their "
+                      f"open uploads (else stored and billed for good), {by} at the latest")
+            self._show()
+        self._stopping_copies = True
+        for task in tasks.values():
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await to_its_end(asyncio.gather(*tasks.values(), return_exceptions=True))
+        await to_its_end(asyncio.ensure_future(
+            self._abort_open_uploads([s for s in tasks if self._p.site(s).state != SiteState.REPLICATED])))
+
+    async def _abort_open_uploads(self, sites: list[str]) -> None:
+        """Abort the multipart uploads open under the rollout's key prefix at ``sites``, whose copies
+        ended without finishing (stopped, failed): what a stop that landed between two tries, a try
+        that never answered or one that failed for good left, which no copy resumes. Run once no
+        copy of the rollout runs; the model's claim keeps every other rollout off the prefix. Best
+        effort: a store that refuses it (its credentials lack s3:ListBucketMultipartUploads) is
+        named in the site's row, and the rollout goes on."""
+        async def one(site: str) -> None:
+            store, progress = self._stores[site], self._p.site(site)
+            prefix, base = self._req.dest_prefix(store), progress.detail
+            where = f"s3://{store.bucket}/{prefix}"
+            progress.detail = (f"{base}; aborting the uploads left open under {where} "
+                               f"{until_in(UPLOADS_CLEAN_UP.total_seconds())} at the latest")
+            self._show()
+            try:
+                done: AbortedUploads = await workflow.execute_activity(
+                    act.abort_weights_uploads, AbortUploadsInput(site=site, prefix=prefix),
+                    start_to_close_timeout=QUICK, schedule_to_close_timeout=UPLOADS_CLEAN_UP, retry_policy=STORE_RETRY,
+                    summary=f"abort the uploads left open under {where}",
+                )
+            except ActivityError as error:
+                progress.detail = f"{base}; uploads left open under {where} not aborted: {failure_text(error)}"
+            else:
+                progress.detail = base + (f"; {len(done.keys)} upload(s) left open aborted" if done.keys else "")
+            self._show()
+
+        await asyncio.gather(*(one(site) for site in sites))
 
     def _replicate_input(self, site: str, store) -> ReplicateInput:
         request, source = self._req, self._req.weights.source
@@ -404,8 +480,18 @@ class ModelRollout:
                 start_to_close_timeout=timedelta(seconds=options.timeout_seconds),
                 heartbeat_timeout=timedelta(seconds=options.heartbeat_seconds), retry_policy=REPLICATE_RETRY,
                 summary=f"copy {len(request.weights.files)} weight files to {site} (s3://{store.bucket})",
+                # A stopped copy aborts its open upload, and the rollout waits for it (_stop_copies).
+                cancellation_type=(ActivityCancellationType.WAIT_CANCELLATION_COMPLETED if self._clean_copies
+                                   else ActivityCancellationType.TRY_CANCEL),
             )
         except ActivityError as error:
+            if self._stopping_copies:
+                # Stopped by the rollout and waited for: cancelled (its upload aborted), or one that did
+                # not answer (timed out) or failed as it stopped.
+                self._p.site(site).detail = ("copy stopped" if is_cancelled_exception(error)
+                                             else f"copy stopped: {failure_text(error)}")
+                self._show()
+                return
             if cancelled_by_request(error):
                 self._p.site(site).detail = "copy stopped"  # no longer copying until then
                 raise  # the rollout's cancel, not the copy's failure

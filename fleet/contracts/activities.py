@@ -46,8 +46,8 @@ from fleet.messages.nodes import (
 )
 from fleet.messages.repair import GpuRepairResult, NodeLeft, NodeWatchInput, NodeWatchResult, RepairRef
 from fleet.messages.rollout import (
-    EvacuationInput, EvacuationWaitInput, ProbeServingInput, ReplicateInput, ReplicateResult,
-    ResolveRolloutSitesInput, RollbackSiteInput, RolloutSites, ServingRef, UpdateServingInput,
+    AbortUploadsInput, AbortedUploads, EvacuationInput, EvacuationWaitInput, ProbeServingInput, ReplicateInput,
+    ReplicateResult, ResolveRolloutSitesInput, RollbackSiteInput, RolloutSites, ServingRef, UpdateServingInput,
     WaitServingInput,
 )
 from fleet.messages.routing import (
@@ -69,6 +69,13 @@ from fleet.routing import RoutingDocument
 #: naming the field, never a workflow task that fails to decode. The body's own result type is
 #: the shape the check expects (``tests/test_registration.py`` reads it from the body).
 NodeAnswer = RawValue
+
+
+@activity.defn(name="abort_weights_uploads")
+async def abort_weights_uploads(input: AbortUploadsInput) -> AbortedUploads:
+    """Abort the multipart uploads open under a rollout's key prefix in a site's store (its copies
+    have ended). Body: ``activities/weights.py``, ``WeightsActivities.abort_weights_uploads``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
 
 
 @activity.defn(name="admit_node")

@@ -63,6 +63,20 @@ class ReplicateResult(BaseModel):
     resumed: bool = False
 
 
+class AbortUploadsInput(BaseModel):
+    """The multipart uploads open under ``prefix`` in ``site``'s store, to abort (``abort_weights_uploads``)."""
+
+    site: str
+    #: The rollout's own key prefix there (``RolloutInput.dest_prefix``); never empty.
+    prefix: str = Field(min_length=1)
+
+
+class AbortedUploads(BaseModel):
+    site: str
+    #: The keys whose open upload was aborted.
+    keys: list[str] = Field(default_factory=list)
+
+
 class ResolveRolloutSitesInput(BaseModel):
     sites: list[str]
     #: The rollout's model, claimed for the rollout (another of it running is refused), checked

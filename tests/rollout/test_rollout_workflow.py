@@ -10,6 +10,7 @@ from datetime import datetime, timedelta, timezone
 from typing import Callable, NamedTuple
 
 import pytest
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import (
     WithStartWorkflowOperation, WorkflowExecutionStatus, WorkflowFailureError, WorkflowUpdateFailedError,
 )
@@ -17,14 +18,16 @@ from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.service import RPCError
 
+from activities import weights
+from activities.weights import Replicator
 from fleet.cluster import ServingSpec, SiteRoute
-from fleet.errors import ClusterInvalid
+from fleet.errors import ClusterInvalid, InvalidRequest
 from activities.serving import ROLLOUT_CLAIM_KIND, ServingActivities
 from fleet.messages.rollout import RollbackSiteInput
 from fleet.rollout import RolloutProgress, RolloutResult
 from providers.cluster.kubernetes import render_pod_template
 from tests.conftest import visibility_lagging, wait_for
-from tests.details_helpers import current_details, scheduled
+from tests.details_helpers import current_details, decided, held, scheduled
 from tests.details_helpers import until as until_utc
 from tests.evacuation_helpers import activity_inputs, cancel_seen, poll
 from tests.replay import replay_and_record
@@ -559,6 +562,90 @@ async def test_a_site_copying_its_weights_says_until_when(rollout_stack: Rollout
         await handle.result()
     p = await progress(handle)
     assert p.phase == "cancelled" and [(s.state.value, s.detail) for s in p.sites] == [("skipped", "copy stopped")], p
+
+
+def open_uploads(stack: RolloutStack, site: str) -> list[str]:
+    """The keys of the multipart uploads open in ``site``'s store: parts the store keeps, and bills."""
+    store = stack.stores[site]
+    return [u["Key"] for u in stack.s3.client(store).list_multipart_uploads(Bucket=store.bucket).get("Uploads", [])]
+
+
+@pytest.mark.parametrize("stop", ["abort", "cancel"])
+async def test_a_copy_the_rollout_stops_aborts_its_open_upload_before_the_rollout_ends(
+        rollout_stack: RolloutStack, stop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An abort (or Temporal's cancel) while a site's file is part-way through its multipart upload
+    stops the copy, which aborts that upload as it stops (no try of it comes back to continue it),
+    and the rollout waits for that, saying so in its details and until when (twice the copy's
+    heartbeat: it hears the stop at its next one). Before, the rollout went on at once, the copy
+    heard the stop only as ``not_found`` (what a try whose heartbeat timed out hears while its retry
+    resumes the upload), and the upload stayed open, its parts stored and billed by the site's store
+    for good (no setup in the docs adds a lifecycle rule that would expire them)."""
+    stack = rollout_stack
+    raw = stack.request({"site-b": 1})
+    raw["replication"].update(bandwidth_limit_bytes_per_s=8 * 1024, heartbeat_seconds=10)  # a copy of ~45 s
+    handle = await stack.start(raw, f"{stop}-mid-copy")
+    # The copy's abort of its upload is held until the test has read what the rollout says meanwhile.
+    aborting, release = held(monkeypatch, Replicator, "_abort")
+    await wait_for(lambda: open_uploads(stack, "site-b"), timeout=30)
+    if stop == "abort":
+        await handle.execute_update("abort", "wrong weights")
+    else:
+        await handle.cancel()
+    p = await until(handle, lambda p: p.site("site-b").detail.startswith("stopping the copy"))
+    asked, _ = await decided(handle, lambda e: e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_CANCEL_REQUESTED)
+    by = until_utc(asked, 20)
+    assert p.site("site-b").detail == ("stopping the copy: at its next heartbeat it aborts its open upload, which "
+                                        f"nothing would resume; waiting for that {by} at the latest"), p
+    why = "wrong weights" if stop == "abort" else "cancelled"
+    assert p.reason == (f"{why}: waiting for the weights copies to site-b to stop and abort their open uploads "
+                        f"(else stored and billed for good), {by} at the latest"), p.reason
+    assert p.reason in await current_details(handle)
+    await wait_for(aborting.is_set, timeout=30)  # the copy heard the stop and aborts its upload ...
+    assert (await handle.describe()).status == WorkflowExecutionStatus.RUNNING  # ... and the rollout waits
+    release.set()
+    if stop == "abort":
+        assert RolloutResult.model_validate(await handle.result()).outcome == "aborted"
+    else:
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+    assert open_uploads(stack, "site-b") == []  # gone as the rollout ends: nothing stored, nothing billed
+    p = await progress(handle)
+    assert [(s.state.value, s.detail) for s in p.sites] == [("skipped", "copy stopped")], p
+    await replay_and_record(handle, {"abort": "rollout_aborted_while_copying",
+                                     "cancel": "rollout_cancelled_while_copying"}[stop])
+
+
+async def test_a_copy_that_fails_for_good_leaves_no_upload_open(
+        rollout_stack: RolloutStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A site's copy that fails for good part-way through a file (the store refusing a part) leaves its
+    multipart upload open, and no copy resumes it (the next rollout starts an upload of its own): once
+    every copy has ended, the rollout aborts the uploads open under its own key prefix at each site
+    whose copy did not finish (``abort_weights_uploads``; what a stop that lands between two tries of a
+    copy, or a try that never answers, leaves too), and only those: an upload under another version's
+    prefix stays. Before, the upload stayed open, stored and billed for good."""
+    stack = rollout_stack
+    store, s3 = stack.stores["site-b"], stack.s3.client(stack.stores["site-b"])
+    other = s3.create_multipart_upload(Bucket=store.bucket, Key=f"{store.prefix}models/{MODEL}/v20/config.json")
+    parts = 0
+
+    def refuse_the_second_part(site: str, path: str, attempt: int, data: bytes) -> bytes:
+        nonlocal parts
+        if site == "site-b" and path == "model-00001.safetensors":
+            parts += 1
+            if parts > 1:
+                raise InvalidRequest("upload part: 400 InvalidArgument")
+        return data
+
+    monkeypatch.setattr(weights, "TRANSIT_FAULT", refuse_the_second_part)
+    handle = await stack.start(stack.request({"site-b": 1}), "copy-fails")
+    failed = await failure_of(handle)
+    assert "weights replication" in failed.message and "InvalidRequest" in failed.message, failed.message
+    assert open_uploads(stack, "site-b") == [f"{store.prefix}models/{MODEL}/v20/config.json"]
+    p = await progress(handle)
+    assert p.site("site-b").detail.endswith("; 1 upload(s) left open aborted"), p.site("site-b").detail
+    s3.abort_multipart_upload(Bucket=store.bucket, Key=f"{store.prefix}models/{MODEL}/v20/config.json",
+                              UploadId=other["UploadId"])
+    await replay_and_record(handle, "rollout_copy_failed_aborts_its_upload")
 
 
 async def test_an_abort_cuts_the_readiness_wait_short(rollout_stack: RolloutStack) -> None:

@@ -9,13 +9,15 @@ import tracemalloc
 
 import pytest
 from botocore.exceptions import ClientError
-from temporalio.exceptions import ApplicationError
+from temporalio.activity import ActivityCancellationDetails
+from temporalio.exceptions import ApplicationError, CancelledError
 from temporalio.testing import ActivityEnvironment
 
 from activities import weights
 from activities.errors import typed_errors
 from activities.weights import Checkpoint, ReplicateInput, Replicator, WeightsActivities
 from fleet.config import ObjectStore
+from fleet.errors import InvalidRequest
 from fleet.rollout import Replication, WeightFile
 from providers.object_store import head
 from tests.providers.harness import stored_failure
@@ -139,6 +141,61 @@ def test_resume_from_heartbeat_details(moto_s3: MotoS3, source: ObjectStore, tmp
     import hashlib
     body = moto_s3.client(dest).get_object(Bucket=dest.bucket, Key="models/llm/v2/two.bin")["Body"].read()
     assert hashlib.sha256(body).hexdigest() == files[1]["sha256"]
+
+
+@pytest.mark.parametrize("heard", ["cancel_requested", "not_found"])
+def test_a_copy_aborts_its_open_upload_only_when_its_rollout_stops_it(
+        moto_s3: MotoS3, source: ObjectStore, heard: str) -> None:
+    """A copy cancelled part-way through a file's multipart upload: stopped by its rollout (the
+    activity hears ``cancel_requested``: an abort, Temporal's cancel) it aborts the upload, which no try
+    continues; cut short otherwise (``not_found``: its heartbeat timed out while a retry takes over)
+    it leaves the upload open, in its heartbeat details, and the retry continues it."""
+    files = put_files(moto_s3, source, {"two.bin": 640 * KiB}, seed=5)
+    dest = moto_s3.bucket(moto_s3.store(1))
+
+    class Env:  # the slice of FleetEnv the activity uses
+        def site(self, name):
+            return type("S", (), {"object_store": dest})()
+
+    acts = WeightsActivities(Env())  # type: ignore[arg-type]
+    input = make_input(source, files, concurrency=1)
+    stopped = ActivityEnvironment()
+    beats: list[dict] = []
+
+    def on_heartbeat(*details) -> None:
+        beats.append(details[0])
+        if len((details[0].get("current") or {}).get("parts", [])) >= 2:
+            stopped.cancel(ActivityCancellationDetails(**{heard: True}))
+
+    stopped.on_heartbeat = on_heartbeat
+    with pytest.raises(CancelledError):
+        stopped.run(acts.replicate_weights, input)
+    left = moto_s3.client(dest).list_multipart_uploads(Bucket=dest.bucket).get("Uploads", [])
+    if heard == "cancel_requested":
+        assert left == []
+        return
+    last = Checkpoint.model_validate(beats[-1])
+    assert [u["UploadId"] for u in left] == [last.current.upload_id] and len(last.current.parts) >= 2
+    retry = ActivityEnvironment()
+    retry.info = dataclasses.replace(retry.info, heartbeat_details=[beats[-1]])
+    result = retry.run(acts.replicate_weights, input)
+    assert result.resumed and result.files == {"two.bin": "copied"}
+    assert moto_s3.client(dest).list_multipart_uploads(Bucket=dest.bucket).get("Uploads", []) == []
+
+
+def test_abort_open_uploads_aborts_only_under_its_prefix(moto_s3: MotoS3) -> None:
+    """The rollout's clean-up (``abort_weights_uploads``) aborts the uploads open under its own key
+    prefix, and none of another version's (``v20`` after ``v2``)."""
+    dest = moto_s3.bucket(moto_s3.store(1))
+    client = moto_s3.client(dest)
+    mine = [f"models/llm/v2/shard-{i}.bin" for i in range(3)]
+    for key in [*mine, "models/llm/v20/shard-0.bin"]:
+        client.create_multipart_upload(Bucket=dest.bucket, Key=key)
+    assert sorted(weights.abort_open_uploads(client, dest.bucket, "models/llm/v2/")) == mine
+    assert [u["Key"] for u in client.list_multipart_uploads(Bucket=dest.bucket)["Uploads"]] == [
+        "models/llm/v20/shard-0.bin"]
+    with pytest.raises(InvalidRequest):
+        weights.abort_open_uploads(client, dest.bucket, "")
 
 
 def test_large_file_streams_in_constant_memory(moto_s3: MotoS3, source: ObjectStore) -> None:
