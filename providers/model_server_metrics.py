@@ -6,9 +6,9 @@ servers: a site whose queue grows is a site whose new sessions would wait.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -32,38 +32,76 @@ def waiting_requests(text: str, metric: str = QUEUE_METRIC) -> float:
     return min(total, MAX_SERVER_QUEUE)
 
 
-#: The most of one server's page read, and for how long: the page comes from a node, which could
-#: send an endless one or drip it a byte a second (each byte within the read timeout), and the
-#: worker that reads it samples every model's load. vLLM's own page is some hundreds of KB.
+#: The most of one server's page read, and for how long from the moment it is asked, its
+#: connection and its answer's headers included: the page comes from a node, which could send an
+#: endless one, drip it a byte a second (each byte within the read timeout), or drip its status
+#: line and headers that way (httpx's timeouts are per read: 100 KB of headers at a byte a second
+#: held the read for a day), and the sample waits on it. vLLM's own page is some hundreds of KB.
 MAX_PAGE_BYTES = 8 * 2**20
 PAGE_SECONDS = 5.0
+#: A site's servers are read at once, this many at a time: what one node's servers take is
+#: ``PAGE_SECONDS``, not ``PAGE_SECONDS`` each, and the sample is back well within its activity's
+#: timeout.
+READS_AT_ONCE = 32
+#: Of a page only the gauge's lines are kept as it comes, at most this much of them, and a line
+#: being read at most this long (past either a ValueError): pages read at once hold little each.
+MAX_LINE_BYTES = 64 * 2**10
 
 
 def queue_depth(urls: list[str], timeout_s: float = 2.0) -> float:
-    """Requests waiting across these servers. A server that does not answer, or answers no
-    count, adds nothing: a server that does not answer is not Ready either, and readiness
-    already takes it out of the weights; one that answers nonsense (or too much, or too
-    slowly: ``MAX_PAGE_BYTES``, ``PAGE_SECONDS``) must not stop the others counting."""
-    total = 0.0
-    with httpx.Client(timeout=timeout_s) as client:
-        for url in urls:
-            try:
-                total += waiting_requests(_page(client, url.rstrip("/") + "/metrics"))
-            except (httpx.HTTPError, ValueError) as error:
-                log.info("no load from %s: %s", url, error)
-    return total
+    """Requests waiting across these servers, read at once, each within ``PAGE_SECONDS``. A server
+    that does not answer, or answers no count, adds nothing: a server that does not answer is not
+    Ready either, and readiness already takes it out of the weights; one that answers nonsense
+    (or too much, or too slowly: ``MAX_PAGE_BYTES``, ``PAGE_SECONDS``) must not stop the others
+    counting. Called from a thread (the sample's), never from an event loop."""
+    if not urls:
+        return 0.0
+    return asyncio.run(_queue_depth(urls, timeout_s))
 
 
-def _page(client: httpx.Client, url: str) -> str:
-    """The page at ``url``, read up to ``MAX_PAGE_BYTES`` and ``PAGE_SECONDS`` (a ValueError past either)."""
-    deadline = time.monotonic() + PAGE_SECONDS
-    with client.stream("GET", url) as response:
+async def _queue_depth(urls: list[str], timeout_s: float) -> float:
+    at_once = asyncio.Semaphore(READS_AT_ONCE)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=READS_AT_ONCE)) as client:
+        async def one(url: str) -> float:
+            async with at_once:
+                try:
+                    async with asyncio.timeout(PAGE_SECONDS):
+                        return waiting_requests(await _waiting_lines(client, url.rstrip("/") + "/metrics"))
+                except TimeoutError:
+                    log.info("no load from %s: its page took over %g s", url, PAGE_SECONDS)
+                except (httpx.HTTPError, ValueError) as error:
+                    log.info("no load from %s: %s", url, error)
+                return 0.0
+
+        return sum(await asyncio.gather(*(one(url) for url in urls)))
+
+
+async def _waiting_lines(client: httpx.AsyncClient, url: str, metric: str = QUEUE_METRIC) -> str:
+    """The lines of the page at ``url`` that give ``metric`` a value, the page read up to
+    ``MAX_PAGE_BYTES`` (a ValueError past it, or past ``MAX_LINE_BYTES`` in one line or in the
+    lines kept)."""
+    starts = (f"{metric}{{".encode(), f"{metric} ".encode(), f"{metric}\t".encode())
+    kept: list[bytes] = []
+    line = bytearray()
+    read = held = 0
+    async with client.stream("GET", url) as response:
         response.raise_for_status()
-        body = bytearray()
-        for chunk in response.iter_bytes():
-            body += chunk
-            if len(body) > MAX_PAGE_BYTES:
+        async for chunk in response.aiter_bytes():
+            read += len(chunk)
+            if read > MAX_PAGE_BYTES:
                 raise ValueError(f"its page is over {MAX_PAGE_BYTES // 2**20} MiB")
-            if time.monotonic() > deadline:
-                raise ValueError(f"its page took over {PAGE_SECONDS:g} s")
-    return body.decode("utf-8", errors="replace")
+            *ended, rest = chunk.split(b"\n")
+            for part in ended:
+                line += part
+                if line.lstrip().startswith(starts):
+                    kept.append(bytes(line))
+                    held += len(line)
+                line.clear()
+            if held > MAX_LINE_BYTES:
+                raise ValueError(f"its page has over {MAX_LINE_BYTES // 2**10} KiB of {metric} lines")
+            line += rest
+            if len(line) > MAX_LINE_BYTES:
+                raise ValueError(f"its page has a line over {MAX_LINE_BYTES // 2**10} KiB")
+    if line.lstrip().startswith(starts):
+        kept.append(bytes(line))
+    return b"\n".join(kept + [b""]).decode("utf-8", errors="replace")

@@ -484,3 +484,121 @@ def test_a_model_server_sending_an_endless_or_dripping_page_leaves_the_sample_to
     reader.join(timeout=60)
     assert result == [6.0], "the sample never came back: the endless or the dripping page held it"
     assert sent["endless"] < 4 * MAX_PAGE_BYTES, sent
+
+
+class PageServer:
+    """A model server's ``/metrics`` as a hostile node may serve it, on a socket of its own:
+    ``honest`` (3 waiting), ``headers`` (its status line, then a header a byte every 0.2 s, each
+    within the reader's read timeout), ``body`` (a page a line every 0.2 s), or ``together``
+    (3 waiting, answered only once ``barrier``'s parties have all been asked)."""
+
+    def __init__(self, kind: str, barrier=None) -> None:
+        import socket
+        import threading
+
+        self.kind, self.barrier, self.stopped = kind, barrier, threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import threading
+
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn) -> None:
+        import threading
+
+        body = b"vllm:num_requests_waiting 3\n"
+        honest = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+        with conn:
+            try:
+                conn.recv(65536)
+                if self.kind == "honest":
+                    conn.sendall(honest)
+                elif self.kind == "together":
+                    self.barrier.wait()
+                    conn.sendall(honest)
+                else:
+                    conn.sendall(b"HTTP/1.1 200 OK\r\n" if self.kind == "headers"
+                                 else b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nvllm:num_requests_waiting 500\n")
+                    while not self.stopped.wait(0.2):
+                        conn.sendall(b"X" if self.kind == "headers" else b"# drip\n")
+            except (OSError, threading.BrokenBarrierError):
+                pass  # the reader hung up, or never asked the others
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.listener.close()
+
+
+def test_a_model_server_dripping_its_headers_leaves_the_sample_to_the_others() -> None:
+    """The page's deadline holds from the moment it is asked, its status line and headers
+    included: a server that sends its status line and then a header a byte at a time (each within
+    the read timeout) counts nothing after ``PAGE_SECONDS``, and the honest servers count. Before,
+    only the body was timed: httpx reads up to 100 KB of headers, so such a server held the sample
+    for days, and with it every site's routes of its model."""
+    import threading
+
+    from providers.model_server_metrics import queue_depth
+
+    servers = [PageServer("honest"), PageServer("headers"), PageServer("honest")]
+    result: list[float] = []
+    reader = threading.Thread(target=lambda: result.append(queue_depth([s.url for s in servers])), daemon=True)
+    try:
+        reader.start()
+        reader.join(timeout=60)
+    finally:
+        for server in servers:
+            server.stop()
+    assert result == [6.0], "the sample never came back: the dripped headers held it"
+
+
+def test_a_sites_model_servers_are_read_at_once() -> None:
+    """A site's servers are read together, each within ``PAGE_SECONDS`` of the sample asking, so
+    one node's eight servers dripping their pages cost a sample ``PAGE_SECONDS``, not eight times
+    it (two such nodes took the sample past its activity's minute before: every try timed out).
+    Here eight servers answer only once all eight were asked."""
+    import threading
+
+    from providers.model_server_metrics import queue_depth
+
+    together = threading.Barrier(8, timeout=4)
+    servers = [PageServer("together", together) for _ in range(8)]
+    try:
+        depth = queue_depth([s.url for s in servers])
+    finally:
+        for server in servers:
+            server.stop()
+    assert depth == 24.0
+
+
+async def test_a_model_server_dripping_its_answer_keeps_no_event_out_of_the_routes(temporal_env, inc: IncStack):
+    """A node's model server is the node's to run: one at site c that drips its page's headers
+    (and one that drips its page) leaves the model's routes to follow load and events. An
+    incident at site a reaches the routes. Before, each sample waited on the dripping server past
+    its activity's minute, every retry too, so no routes were written at all, the incident and an
+    evacuation's drain at any site of the model never reached them (the evacuation waiting on it),
+    and each try left a control-plane worker thread reading the drip."""
+    model = f"llm-{uuid.uuid4().hex[:6]}"
+    a, c = serve(inc, model, "a", 2), serve(inc, model, "c", 2)
+    servers = {a: [PageServer("honest"), PageServer("honest")], c: [PageServer("headers"), PageServer("body")]}
+    for site, running in servers.items():
+        inc.cluster.update_state(ENDPOINTS_KIND, endpoints_key(model, site),
+                                 lambda _, r=running: {f"server-{n}": s.url for n, s in enumerate(r)})
+    try:
+        handle = await start_routing(temporal_env.client, inc, model)
+        # The bounds only guard against a hang: each sample takes the page's deadline here.
+        await wait_for(lambda: len(weights(inc, model)) == 2 and all(weights(inc, model).values()), timeout=30)
+        await handle.signal("site_event", {"kind": "incident", "site": a, "detail": "provider down"})
+        await wait_for(lambda: weights(inc, model) == {a: 0, c: TOTAL}, timeout=30)
+        assert await task_failures(handle) == 0
+    finally:
+        for running in servers.values():
+            for server in running:
+                server.stop()
