@@ -58,3 +58,54 @@ def test_a_node_at_no_configured_site_is_left_as_it_reports() -> None:
     node = Node(name="n", gpus_allocatable=1000)
     assert node.believed(None).gpus_allocatable == 1000, "nothing to compare with: its own count (no site counts it)"
     assert node.believed(8).gpus_allocatable == 8
+
+
+#: The list runs in a child process: ``int`` of a number of ten million digits holds the GIL, so
+#: no bound in this one could cut the old code short.
+LIST_NODES = """
+import json, sys
+from kubernetes import client
+from providers.cluster.kubernetes import KubernetesCluster
+configuration = client.Configuration()
+configuration.host = sys.argv[1]
+nodes = KubernetesCluster(api_client=client.ApiClient(configuration), namespace="gpufleet").list_nodes()
+print(json.dumps({n.name: n.gpus_allocatable for n in nodes}))
+"""
+
+
+@pytest.mark.integration  # a process of its own: see LIST_NODES
+def test_a_node_writing_its_gpus_as_a_number_of_ten_million_digits_is_read_at_once() -> None:
+    """The real API server takes ``allocatable: {nvidia.com/gpu: 1e10000000}`` in a Node's status
+    (non-negative, and its integer check overflows to 0) and serves it as ``10e9999999``: its
+    kubelet may write that. The adapter made it an ``int``, ten million digits, over half an hour of
+    one core with the GIL held (a million digits took 23 s), so the control plane's worker stood
+    still, every workflow task, heartbeat and watch of the fleet, each time a list of nodes took the
+    node in. Now it is compared as a quantity first and counts as ``MOST_GPUS``, believed as one of
+    its site's machines."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from fleet.cluster import GPU_RESOURCE
+    from providers.cluster.kubernetes.gpu_pods import MOST_GPUS
+    from tests.cluster.fake_apiserver import FakeKube
+
+    fake = FakeKube().start()
+    try:
+        fake.add_node("honest", gpus=8)
+        fake.add_node("liar", gpus=8)
+        with fake.lock:
+            fake.store[("", "nodes", "", "liar")]["status"]["allocatable"][GPU_RESOURCE] = "10e9999999"
+        repo = str(Path(__file__).resolve().parents[2])
+        try:
+            listed = subprocess.run([sys.executable, "-c", LIST_NODES, fake.url], capture_output=True, text=True,
+                                    timeout=120, cwd=repo, env={**os.environ, "PYTHONPATH": repo})
+        except subprocess.TimeoutExpired:
+            pytest.fail("listing the nodes did not end: the liar's GPU count was being made a number")
+    finally:
+        fake.stop()
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout) == {"honest": 8, "liar": MOST_GPUS}
+    from fleet.models import Node
+    assert Node(name="liar", gpus_allocatable=MOST_GPUS).believed(8).gpus_allocatable == 8

@@ -14,18 +14,18 @@ from providers.cluster.kubernetes.watch import Watches
 
 #: What the kubelet writes on a static pod's mirror, the one kind of pod a node may create.
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
-#: More GPUs than any pod asks for in earnest. A node's own mirror pod may ask for any quantity
-#: ("1E" is 10^18; a quantity's exponent makes ``int`` run for ever): a larger one counts as
-#: this many, and what a node's pods hold is capped at its own GPUs (``fleet.demand.gpus_counted``).
+#: More GPUs than any pod asks for or any machine has in earnest. A node's own mirror pod may ask
+#: for any quantity, and its kubelet may write any as its Node's allocatable GPUs ("1E" is 10^18;
+#: the API server keeps 1e10000000 as "10e9999999", and ``int`` of it runs for some 40 minutes
+#: holding the GIL): a larger one counts as this many; what a node's pods hold is capped at its own
+#: GPUs (``fleet.demand.gpus_counted``), and what a node has at its site's machine
+#: (``fleet.models.Node.believed``).
 MOST_GPUS = 1 << 20
 
 
-def container_gpus(container: dict[str, Any]) -> int:
-    """The GPUs a container asks for: 0 for none, or for a value that is no quantity or below
-    zero; ``MOST_GPUS`` for more."""
-    resources = container.get("resources") or {}
-    # An extended resource may be given as a limit only: the request then equals it.
-    value = (resources.get("requests") or {}).get(GPU_RESOURCE, (resources.get("limits") or {}).get(GPU_RESOURCE, 0))
+def gpu_count(value: Any) -> int:
+    """A GPU quantity as a count, compared as a quantity before it is made one: 0 for a value
+    that is no quantity or not above zero, ``MOST_GPUS`` for more."""
     try:
         quantity = parse_quantity(str(value))
     except ValueError:
@@ -33,6 +33,15 @@ def container_gpus(container: dict[str, Any]) -> int:
     if not quantity.is_finite() or quantity <= 0:
         return 0
     return MOST_GPUS if quantity > MOST_GPUS else int(quantity)
+
+
+def container_gpus(container: dict[str, Any]) -> int:
+    """The GPUs a container asks for: 0 for none, or for a value that is no quantity or below
+    zero; ``MOST_GPUS`` for more."""
+    resources = container.get("resources") or {}
+    # An extended resource may be given as a limit only: the request then equals it.
+    return gpu_count((resources.get("requests") or {}).get(GPU_RESOURCE,
+                                                          (resources.get("limits") or {}).get(GPU_RESOURCE, 0)))
 
 
 def gpu_pod(pod: dict[str, Any]) -> GpuPod:

@@ -20,7 +20,6 @@ from datetime import datetime
 from typing import Any, Callable
 
 from kubernetes.client.exceptions import ApiException
-from kubernetes.utils import parse_quantity
 
 from fleet.cluster import (
     ANNOTATION_CORDONED_BY,
@@ -45,7 +44,7 @@ from providers.cluster.base import (
     EvictionDrain,
 )
 from providers.cluster.kubernetes.api import MERGE, PROVIDER, STRATEGIC, _Conflict, _message, _translate
-from providers.cluster.kubernetes.gpu_pods import MIRROR_ANNOTATION
+from providers.cluster.kubernetes.gpu_pods import MIRROR_ANNOTATION, gpu_count
 from providers.cluster.kubernetes.state import ControlPlaneState
 from providers.cluster.kubernetes.watch import Watches
 
@@ -83,7 +82,8 @@ class Nodes(EvictionDrain, Watches, ControlPlaneState):
             ready_changed_at=_timestamp(ready_changed),
             unschedulable=bool(spec.get("unschedulable")),
             boot_id=(status.get("nodeInfo") or {}).get("bootID", ""),
-            gpus_allocatable=int(parse_quantity(gpus)),
+            # The kubelet's word: any quantity the API server takes (see ``MOST_GPUS``).
+            gpus_allocatable=gpu_count(gpus),
             registered_at=_timestamp(created),
         )
 
