@@ -118,6 +118,10 @@ EXPECTED = {
     # whose answers make its entity continue as new, its pace carried (``node-patches-at-start-8``:
     # the run's first watch waits out the pause the run before was in).
     "node_watch_paced", "node_watch_paced_across_continue_as_new",
+    # A node failing every watch at once, paced (``node-paces-failed-watches``,
+    # tests/security/test_watch_pacing.py); the ``_before`` run, recorded on the code before (twelve
+    # failures, each watched again at once), replays.
+    "node_watch_failures_paced", "node_watch_failures_paced_before",
     # A flood of junk CSRs: the approver's watch paced ever slower while its passes only deny, back to
     # the base once one approves (tests/cluster/test_csr_flood.py; no patch: the same commands, a
     # watch's input differs).

@@ -320,6 +320,16 @@ NODE_TELLS_THE_QUEUE_ONCE = "node-tells-the-queue-once"
 #: replace) that never ran "covered" the repairs queued behind it, which skipped their own action
 #: (a covering replace: they ended "replaced" with the machine still there).
 NODE_SLOT_BACK_UNUSED = "node-slot-given-back-unused"
+#: Workflow patch, asked where a watch failed before its heartbeat timeout could have ended it (the
+#: node's agent failed it: an honest agent fails a watch by not answering, which takes that long),
+#: behind ``self._settled_7 and`` (such a run runs no local activity, so it may be asked there). Such
+#: a failure counts for the watch's pace as an early answer that changed nothing (``_pace_watch``):
+#: past ``WATCH_IDLE_FREE`` in a row the next watch waits a pause. Before it the entity read the
+#: node's facts and watched again at once: a node failing every watch non-retryably (the gateway
+#: forwards the flag) drove 419 round trips in 10 s, each a workflow task on the shared queue, two
+#: activities, two reads of the API server and a dozen history events (5,063 in 10 s), past
+#: continue-as-new while a repair of it runs (the entity continues only with none).
+NODE_PACES_FAILED_WATCHES = "node-paces-failed-watches"
 
 
 def _xid_key(gpu: GpuHealth, index: int) -> str:
@@ -912,6 +922,9 @@ class NodeEntity(Entity[NodeCarry]):
                     if self._rewatch:  # replaced on purpose (Ready again): no question to the cluster
                         self._rewatch = False
                         continue
+                    failed_in = workflow.now() - asked_at
+                    if failed_in < heartbeat and self._settled_7 and workflow.patched(NODE_PACES_FAILED_WATCHES):
+                        took = failed_in  # paced as an answer that changed nothing
                     try:
                         facts = await self._refresh_facts()
                     except ActivityError:

@@ -13,6 +13,9 @@ a change: the first ``WATCH_EARLY_FREE`` (30) are free. The pace was counted per
 padding alone passes the server's continue-as-new suggestion every ~9 answers (4 MiB of history),
 so every run started counting afresh and such a node was never paced. Since
 ``node-patches-at-start-8`` the counts and the pause go over continue-as-new with the entity's state.
+
+A node that fails every watch at once (non-retryable) instead of answering was not paced at all
+until ``node-paces-failed-watches``: each failure a facts read and the next watch at once.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import pytest
 from temporalio import activity
 from temporalio.api.common.v1 import Payload
 from temporalio.common import RawValue
+from temporalio.exceptions import ApplicationError
 from temporalio.worker import Worker
 
 import workers.node_agent
@@ -154,3 +158,53 @@ async def test_a_node_changing_its_digest_on_every_answer_stays_paced_across_con
     assert not [run for run in chain if any(e.HasField("workflow_task_failed_event_attributes")
                                             for e in run.events)]
     await replay_and_record(handle, "node_watch_paced_across_continue_as_new")
+
+
+
+class FailingWatch(EagerWatch):
+    """Fails every ``watch_node`` at once, non-retryable (the gateway forwards a failure's type and
+    flag), once armed."""
+
+    def build_agent(self, client, node_name, gpus, executor, watch=None) -> Worker:
+        agent = NodeAgentActivities(node_name, gpus, watch)
+
+        @activity.defn(name="watch_node")
+        async def watch_node(input: NodeWatchInput) -> Any:
+            self.inputs.append(input)
+            if not self.armed:
+                return await agent.watch_node(input)
+            raise ApplicationError("watch refused", non_retryable=True)
+
+        others = [a for a in agent.all() if getattr(a, "__name__", "") != "watch_node"]
+        return Worker(client, task_queue=node_queue(node_name), activities=[*others, watch_node],
+                      activity_executor=executor, max_concurrent_activities=5)
+
+
+@pytest.fixture
+async def failing(temporal_env, tmp_path, monkeypatch) -> AsyncIterator:
+    async for stack, node, watch in watched_by(FailingWatch(), temporal_env.client, tmp_path, monkeypatch):
+        yield stack, node, watch
+
+
+async def test_a_node_failing_every_watch_at_once_is_paced(failing) -> None:
+    """A watch that fails is followed by a facts read and the next watch. A node failing each one
+    at once (non-retryable, so no retry of the server's comes between) got them at once: 419 round
+    trips in 10 s, each a workflow task on the control plane's queue, two activities, two reads of
+    the API server and a dozen events of history (5,063 in 10 s; continue-as-new cannot cut it
+    while a repair of the node runs). Since ``node-paces-failed-watches`` a watch failed before its
+    heartbeat timeout counts as an early answer that changed nothing: past 3 in a row, paced."""
+    stack, node, watch = failing
+    before = len(watch.inputs)
+    watch.armed = True
+    stack.world.inject_fault(node.machine_id, 0, "xid", 13, clears_on="never")  # ends the watch in flight
+    await asyncio.sleep(SECONDS)
+    watch.armed = False
+    rounds = len(watch.inputs) - before
+    handle = stack.client.get_workflow_handle(f"node/{node.node_name}")
+    events = len((await handle.fetch_history()).events)
+    # The honest answer to the fault, 3 free failures, then pauses of 5 s, 10 s, ...
+    assert rounds <= 6, f"{rounds} watch rounds in {SECONDS:g} s ({events} events of history)"
+    assert not await task_failures(handle)
+    status = await handle.query(flows.Node.status, result_type=NodeStatus)
+    assert any("the next watches are paced" in line for line in status.log), status.log
+    await replay_and_record(handle, "node_watch_failures_paced")
