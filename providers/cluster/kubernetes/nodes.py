@@ -14,6 +14,7 @@ caller's to decide on again: ``NodeChanged``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 from datetime import datetime
@@ -81,7 +82,7 @@ class Nodes(EvictionDrain, Watches, ControlPlaneState):
             ready=any(c.get("type") == "Ready" and c.get("status") == "True" for c in conditions),
             ready_changed_at=_timestamp(ready_changed),
             unschedulable=bool(spec.get("unschedulable")),
-            boot_id=(status.get("nodeInfo") or {}).get("bootID", ""),
+            boot_id=_boot_id((status.get("nodeInfo") or {}).get("bootID", "")),
             # The kubelet's word: any quantity the API server takes (see ``MOST_GPUS``).
             gpus_allocatable=gpu_count(gpus),
             registered_at=_timestamp(created),
@@ -250,6 +251,18 @@ def _identified(node: Node, identity: NodeIdentity | None) -> Node:
         return node
     return node.model_copy(update={"machine_id": identity.machine_id, "provider": identity.provider,
                                    "account": identity.account, "site": identity.site})
+
+
+#: A boot id is a UUID (36 characters), and every read of a node's facts carries it into workflow
+#: history (its entity's, its repairs', their reboot's input and mark). Its kubelet may write any
+#: string there (the API server took 100,000 characters): a longer one is read as its digest, short
+#: and still telling one boot from another.
+MAX_BOOT_ID = 64
+
+
+def _boot_id(value: Any) -> str:
+    text = value if isinstance(value, str) else ""
+    return text if len(text) <= MAX_BOOT_ID else "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
 def _machine_from_provider_id(provider_id: str) -> str:
