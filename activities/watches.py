@@ -280,7 +280,8 @@ class WatchActivities:
     async def watch_demand_events(self, input: DemandWatchInput) -> DemandWake:
         """Until opted-in Pending GPU pods the loop has no answer for appear (then until the batch
         closes, as ``watch_demand`` did: ``batch_idle_seconds`` without another, at most
-        ``batch_max_seconds``), a pod a purchase was bought for goes, a purchase ends, or the
+        ``batch_max_seconds``), a pod a purchase was bought for goes (one not ``input.gone``
+        already), a purchase ends, or the
         nodes holding GPU pods change; after ``wait_seconds`` with nothing of that.
 
         A mirror pod (a static pod a node's kubelet wrote, bound to itself) counts for nothing
@@ -293,6 +294,7 @@ class WatchActivities:
         cluster = self.env.cluster
         beat = RareHeartbeat()
         known, tracked = set(input.known), set(input.tracked)
+        watched = tracked - set(input.gone)  # a pod the loop saw go ends no watch again
         busy_before = set(input.busy) if input.busy is not None else None
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -338,7 +340,7 @@ class WatchActivities:
                         why = "pods"
                         return True
                     return False
-                if tracked - {p.key for p in pods}:
+                if watched - {p.key for p in pods}:
                     why = "pods gone"
                     return True
                 if busy_before is not None and busy_nodes(pods) != busy_before:

@@ -365,6 +365,11 @@ EXPECTED = {
     # saying why and until when; a person's ``reconcile_now`` starts it at once (``site-paces-failed-fills``,
     # tests/test_site_reclaim.py). ``_before``: the code before, which started the next fill at once, replays.
     "site_paces_a_failed_fill", "site_paces_a_failed_fill_before",
+    # A purchase one of whose pods went while it bought buys on for the other, and the Demand loop's
+    # watch sleeps until the next change (tests/test_demand_loop.py; no patch: the watch is told the
+    # pods seen gone, an input, and the loop issues the same commands). ``_before``: the code before,
+    # whose watches returned "pods gone" at once, one after another, replays.
+    "demand_purchase_partly_gone", "demand_purchase_partly_gone_before",
     # Two GPUs' resets queued one behind the other each get the slot: a reset covers no other GPU's
     # (``node-patches-at-start-7``, tests/test_node_slot_requests.py); ``_before``: the code before,
     # whose first reset "covered" the second, replays too. A continued Node run that changes nothing

@@ -296,6 +296,7 @@ class Demand(Entity[DemandCarry]):
             act.watch_demand_events,
             DemandWatchInput(known=known, batch_idle_seconds=batch_idle, batch_max_seconds=batch_max,
                              wait_seconds=max(wait, 0.0), tracked=sorted({pod for p in buying for pod in p.pods}),
+                             gone=sorted({pod for p in buying for pod in p.gone}),
                              purchases=[p.workflow_id for p in self._followed()],
                              busy=self._busy if args.consolidate else None,
                              poll_seconds=args.poll_seconds),
@@ -351,6 +352,8 @@ class Demand(Entity[DemandCarry]):
                         self._log(f"{purchase.workflow_id}: pods gone; " + ("cancelled before provisioning"
                                                                             if outcome.cancelled else outcome.reason))
                     purchase.status = status
+                elif self._events and purchase.status == "buying":
+                    self._partly_gone(purchase, present)
                 continue
             if state.status == "completed":
                 purchase.status, purchase.nodes = "joined", state.nodes
@@ -371,6 +374,20 @@ class Demand(Entity[DemandCarry]):
         done = [p for p in self.state.purchases if p.workflow_id not in followed_ids]
         self.state.purchases = following + done[-50:]
         return [p.status for p in followed] != was
+
+    def _partly_gone(self, purchase: Purchase, present: set[str]) -> None:
+        """Some of the pods ``purchase`` was bought for went, the others still wait on it: it buys on
+        for them, and the next watch is told the gone ones (``Purchase.gone``), so their absence does
+        not end it again. Before, every watch returned "pods gone" at once for as long as the purchase
+        bought: a watch and a ``purchase_status`` each time, some 40 a second. A pod back under its
+        name is waited on again."""
+        gone = [pod for pod in purchase.pods if pod not in present]
+        new = [pod for pod in gone if pod not in purchase.gone]
+        if new:
+            left = len(purchase.pods) - len(gone)
+            self._log(f"{purchase.workflow_id}: {pods_named(new)} gone; buying on for the {left} "
+                      f"{'pod' if left == 1 else 'pods'} still waiting on it")
+        purchase.gone = gone
 
     def _joining_and_excluded(self) -> tuple[list[JoiningMachine], dict[str, str]]:
         """What the plan counts as joining (the purchases followed: a kept one may still bring its

@@ -153,6 +153,9 @@ class Purchase(BaseModel):
     status: str = "buying"
     nodes: list[str] = Field(default_factory=list)
     started_at: float = 0.0
+    #: Its pods the loop saw gone while it buys, the others still waiting on it (none left: it is
+    #: cancelled or kept): the loop's event watch is not woken for them again (``DemandWatchInput.gone``).
+    gone: list[str] = Field(default_factory=list)
 
     @classmethod
     def of(cls, machine: PlannedMachine, workflow_id: str, started_at: float) -> Purchase:

@@ -109,6 +109,11 @@ class DemandWatchInput(Strict):
     wait_seconds: float = Field(600, ge=0, le=DAY)
     #: The pods the purchases in flight were bought for: return when one of them is gone.
     tracked: list[str] = Field(default_factory=list)
+    #: Those of ``tracked`` the loop already saw gone (a purchase's pod deleted while the others it
+    #: was bought for wait on it): their absence returns nothing, else every watch after it returned
+    #: at once, for as long as the purchase bought (a watch and a ``purchase_status`` each time, some
+    #: 40 a second). One back (a pod made again under its name) is ``present`` again.
+    gone: list[str] = Field(default_factory=list)
     #: The purchases in flight (AcquireCapacity ids): return when one of them is no longer running.
     #: Each is waited on with Temporal's long poll on its close event: the watch returns as it closes.
     purchases: list[str] = Field(default_factory=list)
