@@ -91,7 +91,9 @@ class Site(Strict):
     #: The provider's region; also the nodes' ``topology.kubernetes.io/region`` label, so a
     #: Kubernetes label value (letters, digits, '-', '_', '.'; at most 63 characters).
     region: str = Field(json_schema_extra=_LABEL_VALUE_SCHEMA)
-    geography: str | None = None
+    #: Compliance and placement geography (``eu``, ``us-east``); also the nodes'
+    #: ``node-restriction.kubernetes.io/gpufleet-geography`` label, so a Kubernetes label value.
+    geography: str | None = Field(None, json_schema_extra=_LABEL_VALUE_SCHEMA)
     #: The GPU model (``H100``); also the nodes' ``nvidia.com/gpu.product`` label, so a Kubernetes
     #: label value (``H100-SXM``, not ``H100 SXM``).
     gpu: str = Field(json_schema_extra=_LABEL_VALUE_SCHEMA)
@@ -116,11 +118,13 @@ class Site(Strict):
     #: Provider-incident rule for this site; replaces the top-level ``incident:`` block.
     incident: IncidentSettings | None = None
 
-    # The join writes the name, region and GPU as node labels and names nodes after the site:
-    # a value the API server refuses would fail every join after its machine was bought.
-    @field_validator("name", "region", "gpu")
+    # The join writes the name, region, GPU and geography as node labels and names nodes after
+    # the site: a value the API server refuses would fail every join after its machine was bought.
+    @field_validator("name", "region", "gpu", "geography")
     @classmethod
-    def _kubernetes_name(cls, value: str, info: ValidationInfo) -> str:
+    def _kubernetes_name(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None or (info.field_name == "geography" and value == ""):
+            return value  # no geography: no label (``fleet.demand.site_labels``)
         problem = (site_name_problem if info.field_name == "name" else label_value_problem)(value)
         if problem:
             raise ValueError(problem)

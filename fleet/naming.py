@@ -43,7 +43,7 @@ def label_value_problem(value: str) -> str | None:
     they never fail a join after its machine is bought."""
     if len(value) > 63:
         return f"{value!r} is not a Kubernetes label value (at most 63 characters, not {len(value)})"
-    if not re.match(LABEL_VALUE_PATTERN, value):
+    if not re.fullmatch(LABEL_VALUE_PATTERN, value):  # fullmatch: ``$`` alone takes a trailing line break
         return (f"{value!r} is not a Kubernetes label value (letters, digits, '-', '_' and '.', "
                 "beginning and ending with a letter or digit)")
     return None
@@ -53,7 +53,7 @@ def site_name_problem(site: str) -> str | None:
     """Why ``site`` cannot name a site (None: it can): its nodes are named ``<site>-<8 hex>``,
     which must be a lowercase DNS name and fit the hostname label, and the site itself is
     a label value (``LABEL_SITE``, ``LABEL_ZONE``) on each of them."""
-    if not re.match(SITE_NAME_PATTERN, site):
+    if not re.fullmatch(SITE_NAME_PATTERN, site):
         return (f"{site!r} cannot name nodes: a site name is a lowercase DNS label (a-z, 0-9 and '-', "
                 "beginning and ending with a letter or digit)")
     if len(site) > MAX_SITE_NAME:

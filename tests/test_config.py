@@ -65,6 +65,17 @@ CASES = {
     "site name too long for its nodes' names": (lambda f: f["sites"][0].update(name="a" * 55),
                                                 [f"sites[0] ({'a' * 55}).name", "at most 54 characters, not 55",
                                                  "hostname label"]),
+    # What YAML's block scalar (``gpu: |``) or a quoted "\n" gives: no label value or node name ends
+    # in a line break (the checks' ``$`` took one before it).
+    "site name ending in a line break": (lambda f: f["sites"][0].update(name="site-a\n"),
+                                         [".name", "'site-a\\n' cannot name nodes"]),
+    "gpu ending in a line break": (lambda f: f["sites"][1].update(gpu="H100\n"),
+                                   ["sites[1] (site-b).gpu", "'H100\\n' is not a Kubernetes label value"]),
+    "region ending in a line break": (lambda f: f["sites"][1].update(region="eu-north1\n"),
+                                      ["sites[1] (site-b).region", "'eu-north1\\n' is not a Kubernetes label value"]),
+    # The join writes the geography as a node label too (``LABEL_GEOGRAPHY``).
+    "geography not a label value": (lambda f: f["sites"][1].update(geography="EU West"),
+                                    ["sites[1] (site-b).geography", "'EU West' is not a Kubernetes label value"]),
 }
 
 

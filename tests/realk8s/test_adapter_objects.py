@@ -600,14 +600,14 @@ def test_what_the_config_takes_for_node_names_and_labels_the_api_server_takes(re
                                                  (label_value_problem, gpu)))
     name = nodes(node_name_for(site, f"join/{site}/1"), {LABEL_SITE: site, LABEL_ZONE: site, LABEL_REGION: region,
                                                          LABEL_GPU_PRODUCT: gpu})
-    for refused in (site + "b", f"Site_{unique}"):
+    for refused in (site + "b", f"Site_{unique}", f"s{unique}\n"):
         assert site_name_problem(refused)
         node = node_name_for(refused, f"join/{refused}/1")
         status, answer = real_cluster.request("POST", "/api/v1/nodes", {
             "apiVersion": "v1", "kind": "Node",
             "metadata": {"name": node, "labels": {"kubernetes.io/hostname": node}}}, admin=True)
         assert status == 422, answer
-    for refused in ("H100 SXM", "r" * 64):
+    for refused in ("H100 SXM", "r" * 64, "H100\n"):
         assert label_value_problem(refused)
         with pytest.raises(ClusterInvalid, match="metadata.labels"):
             kube.label_node(name, {LABEL_GPU_PRODUCT: refused})
