@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from enum import StrEnum
 from typing import Any, Iterable, Mapping
 
@@ -29,6 +30,9 @@ DAY = 86400
 #: No model's weights come near this (1 PiB); a bigger number is a typo.
 MAX_BYTES = 2**50
 NAME = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+#: An environment variable name every supported Kubernetes takes (1.31's ``IsEnvVarName``; 1.32 on
+#: also take any printable ASCII but '=').
+ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 KiB = 1024
 #: What a rollout's own input (its weights manifest, image, args and env) may take of a serving
 #: pod template. The Kubernetes adapter keeps each template it writes, as JSON, in a Deployment
@@ -178,6 +182,17 @@ class RolloutInput(Strict):
     replication: Replication = Field(default_factory=Replication)
     #: Where the weights appear on the node (``<weights_root>/<model>/<version>``).
     weights_root: str = Field("/models", max_length=1024)
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        # Each key names a variable of the server's container: one the API server refuses would
+        # fail the canary's Deployment write (422), after the weights were copied to every site.
+        for name in env:
+            if not ENV_NAME.fullmatch(name):
+                raise ValueError(f"{name!r} is not an environment variable name Kubernetes takes (a letter, "
+                                 "'-', '.' or '_', then letters, digits, '-', '.' and '_')")
+        return env
 
     @model_validator(mode="after")
     def _check(self) -> "RolloutInput":

@@ -51,7 +51,7 @@ from fleet.config import load_config
 from fleet.errors import BadCredentials, ClusterForbidden, ClusterInvalid
 from fleet.messages.capacity import SiteNode, SiteNodesInput
 from fleet.naming import MAX_SITE_NAME, label_value_problem, node_name_for, site_name_problem
-from fleet.rollout import WeightFile
+from fleet.rollout import ENV_NAME, WeightFile
 from fleet.settings import Settings
 from fleet.cluster import NODE_KEYS_KEPT, NODE_KEYS_KIND, NodeIdentity, bound_keys
 from providers.cluster.base import CONTROL_PLANE_LABEL, SERVING_SIGNER, serving_name
@@ -518,6 +518,23 @@ def test_the_largest_manifest_a_rollout_takes_updates_a_deployment_and_its_repli
     with pytest.raises(ClusterInvalid, match="metadata.annotations: Too long") as caught:
         kube.apply_serving(rollout_spec(shards, "2" * 128, model, elsewhere))
     assert not caught.value.retryable
+
+
+def test_what_a_rollout_takes_for_env_names_the_api_server_takes(kube, unique, serving_cleanup):
+    """A rollout's ``env`` keys name the server container's variables: those ``RolloutInput`` takes
+    the real API server takes; those every Kubernetes refuses, it refuses too, after the copies
+    (``RolloutInput`` refuses them at start)."""
+    model = f"m-{unique}"
+    taken = {"HF_HOME": "/cache", "vllm.flag-x_1": "a=b\nc", "_X": ""}
+    assert all(ENV_NAME.fullmatch(k) for k in taken)
+    serving_cleanup.append(serving_name(model, f"ok-{unique}"))
+    kube.apply_serving(ServingSpec(model=model, site=f"ok-{unique}", image="img:1", env=taken))
+    for i, refused in enumerate(("A=B", "MODÈLE", "A\nB")):
+        assert not ENV_NAME.fullmatch(refused)
+        site = f"no{i}-{unique}"
+        serving_cleanup.append(serving_name(model, site))
+        with pytest.raises(ClusterInvalid, match=r"env\[\d+\]\.name"):
+            kube.apply_serving(ServingSpec(model=model, site=site, image="img:1", env={refused: "1"}))
 
 
 # -- errors -----------------------------------------------------------------------------------

@@ -170,6 +170,26 @@ def test_a_manifest_too_big_for_a_deployment_is_refused_naming_the_files_and_the
     assert RolloutInput.model_validate(raw(weights={"source": {"store": "src"}, "files": _shards(700)}))
 
 
+@pytest.mark.parametrize("name", ["", "A=B", "HF_TOKEN\n", "MODÈLE", "MY VAR", "1ST"])
+def test_an_env_name_kubernetes_refuses_is_refused_at_start_naming_the_field(name: str) -> None:
+    """Each key of ``env`` names an environment variable of the model server's container: one
+    Kubernetes refuses (empty, with '=', a line break or no ASCII, by every version; a space or a
+    leading digit, by 1.31, the oldest the fleet supports) failed the canary's
+    Deployment write (422), after the weights were copied to every site. Refused at start now."""
+    from client.errors import InvalidArgument
+    from client.fleet import validate
+
+    with pytest.raises(ValidationError) as caught:
+        RolloutInput.model_validate(raw(env={"HF_HOME": "/cache", name: "1"}))
+    (error,) = caught.value.errors()
+    assert error["loc"] == ("env",)
+    assert f"{name!r} is not an environment variable name Kubernetes takes" in error["msg"], error["msg"]
+    with pytest.raises(InvalidArgument) as refused:
+        validate(RolloutInput, raw(env={name: "1"}), "rollout")
+    assert refused.value.field == "env"
+    assert RolloutInput.model_validate(raw(env={"HF_HOME": "/cache", "vllm.flag-x_1": "a=b\nc", "_X": ""}))
+
+
 def test_args_and_env_count_with_the_manifest_against_the_same_limit() -> None:
     request = raw(weights={"source": {"store": "src"}, "files": _shards(700)}, args=["--chat-template", "x" * 20_000])
     with pytest.raises(ValidationError, match="weights.files, image, args and env together take .* at most 112 KiB"):
