@@ -55,7 +55,7 @@ _SAFE = re.compile(r"^[-._a-zA-Z0-9]{1,200}$")
 def value_key(machine_id: str, event: str) -> str:
     """A state value key (``[-._a-zA-Z0-9]+``) for the machine's event; ids with other
     characters keep a readable part and a digest, so two ids never share a key."""
-    if _SAFE.match(machine_id):
+    if _SAFE.fullmatch(machine_id):
         return f"{machine_id}.{event}"
     digest = hashlib.sha256(machine_id.encode()).hexdigest()[:12]
     readable = re.sub(r"[^-._a-zA-Z0-9]+", "_", machine_id)[:180]

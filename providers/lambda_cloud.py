@@ -129,7 +129,7 @@ def image_spec(image: str) -> dict[str, str] | None:
     kind, sep, value = image.partition(":")
     if sep and kind in ("id", "family") and value:
         return {kind: value}
-    return {"id": image} if _IMAGE_ID.match(image) else {"family": image}
+    return {"id": image} if _IMAGE_ID.fullmatch(image) else {"family": image}
 
 
 def classify(status: int, code: str, overrides: dict[str, type[ProviderError]] | None = None) -> type[ProviderError]:

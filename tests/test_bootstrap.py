@@ -156,6 +156,9 @@ def test_cloud_init_schema_can_fail(tmp_path) -> None:
     ("token", "abcdef.0123456789abcdeF"), ("token", 'abcdef.0123456789abcde"'),
     ("api_server", "10.0.0.1:6443\nruncmd: [evil]"), ("node_name", "Node_1"),
     ("provider_id", "gpufleet://aws/acct/x\n- rm"), ("ca_data", "bm90\nruncmd: [evil]"),
+    # A line break at the very end: a pattern's ``$`` takes one before it.
+    ("api_server", "10.0.0.1:6443\n"), ("node_name", "node-1\n"), ("provider_id", "gpufleet://aws/acct/x\n"),
+    ("ca_data", "bm90\n"),
 ])
 def test_a_value_that_could_break_the_document_is_refused_by_name(field, value) -> None:
     with pytest.raises(BootstrapError) as refused:

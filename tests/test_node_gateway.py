@@ -565,3 +565,13 @@ def test_the_dev_keys_are_their_owners_only_whatever_was_there(tmp_path) -> None
     assert {name: mode(files[name]) for name in ("ca_key", "key")} == {"ca_key": 0o600, "key": 0o600}
     assert mode(files["token_keys"] / "current") == 0o600
     assert mode(pki_dir) == 0o700 and mode(files["token_keys"]) == 0o700
+
+
+@pytest.mark.parametrize("common_name", ["system:node:node-1\n", "system:node:Node-1", "system:node:", "node-1"])
+def test_a_certificate_names_a_node_only_by_its_whole_name(common_name: str) -> None:
+    """The name after ``system:node:`` is taken whole: a pattern's ``$`` would take one line break
+    after it, and ``node-1\\n`` is not ``node-1``."""
+    from workers.gateway.node_identity import node_from_subject
+
+    assert node_from_subject(common_name) is None
+    assert node_from_subject("system:node:node-1") == "node-1"

@@ -492,7 +492,7 @@ def state_object_name(kind: str, key: str) -> str:
 def check_state_data(data: dict[str, str]) -> dict[str, str]:
     """Refuse what a state object cannot hold (a bug in the caller, never retried)."""
     for name, value in data.items():
-        if not isinstance(name, str) or not STATE_VALUE_KEY.match(name) or not isinstance(value, str):
+        if not isinstance(name, str) or not STATE_VALUE_KEY.fullmatch(name) or not isinstance(value, str):
             raise InvalidRequest(f"state data key {name!r}: keys are [-._a-zA-Z0-9]+, values strings",
                                  code="state-data")
     return data

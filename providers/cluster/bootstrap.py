@@ -112,7 +112,7 @@ class JoinParams:
     def checked(self) -> dict[str, str]:
         values = {name: getattr(self, name) for name in PATTERNS}
         for name, value in values.items():
-            if not isinstance(value, str) or not PATTERNS[name].match(value):
+            if not isinstance(value, str) or not PATTERNS[name].fullmatch(value):
                 raise BootstrapError(f"bootstrap {name}: not a valid value for the join document")
         return values
 

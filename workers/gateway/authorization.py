@@ -293,7 +293,7 @@ class NodeAuthorization:
             if poll.worker_control_task_queue:
                 raise self.refuse(node, name, "control queue %s", poll.worker_control_task_queue)
             instance = poll.worker_instance_key
-            if not _INSTANCE_KEY.match(instance):
+            if not _INSTANCE_KEY.fullmatch(instance):
                 instance = ""
             kept = self._polls.get(node)
             if kept is not None and kept[0] == instance:
@@ -345,7 +345,7 @@ class NodeAuthorization:
             forward = wsr.ShutdownWorkerRequest(namespace=self.namespace, identity=identity, task_queue=queue,
                                                 reason=bye.reason[:ECHO_CHARS],
                                                 task_queue_types=bye.task_queue_types)
-            if _INSTANCE_KEY.match(bye.worker_instance_key):
+            if _INSTANCE_KEY.fullmatch(bye.worker_instance_key):
                 forward.worker_instance_key = bye.worker_instance_key
             return forward.SerializeToString(), None
         if name == "RecordWorkerHeartbeat":

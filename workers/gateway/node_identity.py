@@ -24,7 +24,7 @@ def node_from_subject(common_name: str) -> str | None:
     if not common_name.startswith(NODE_PREFIX):
         return None
     name = common_name.removeprefix(NODE_PREFIX)
-    return name if _NAME.match(name) else None
+    return name if _NAME.fullmatch(name) else None
 
 
 def subject_name(cn: str, org: str | None = None):

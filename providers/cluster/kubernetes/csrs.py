@@ -173,7 +173,7 @@ class CsrApprover(Watches, ControlPlaneState):
     def _token_node(self, token_id: str, cache: dict[str, str | None]) -> str | None:
         """The node a gpufleet token was issued for, from its record (None: not one of gpufleet's)."""
         if token_id not in cache:
-            record = self.read_state(JOIN_TOKEN_KIND, token_id) if _TOKEN_ID.match(token_id) else {}
+            record = self.read_state(JOIN_TOKEN_KIND, token_id) if _TOKEN_ID.fullmatch(token_id) else {}
             cache[token_id] = record.get("node-name") or None
         return cache[token_id]
 

@@ -206,7 +206,7 @@ class JoinTokens(ControlPlaneState):
         if old is None:
             return
         old_id = ((old.get("metadata") or {}).get("labels") or {}).get(LABEL_TOKEN_ID, "")
-        if _TOKEN_ID.match(old_id) and old_id != token_id:
+        if _TOKEN_ID.fullmatch(old_id) and old_id != token_id:
             self._delete("revoke superseded token", self.core.delete_namespaced_secret,
                          f"bootstrap-token-{old_id}", TOKEN_NAMESPACE)
         self._delete("delete superseded bootstrap channel", self.core.delete_namespaced_secret,
@@ -230,7 +230,7 @@ class JoinTokens(ControlPlaneState):
         return base64.b64decode(value).decode() if value else None
 
     def revoke_join_token(self, token_id: str) -> None:
-        if not _TOKEN_ID.match(token_id):
+        if not _TOKEN_ID.fullmatch(token_id):
             raise ValueError(f"not a bootstrap token id: {token_id!r}")
         self._delete("revoke bootstrap token", self.core.delete_namespaced_secret,
                      f"bootstrap-token-{token_id}", TOKEN_NAMESPACE)
@@ -251,7 +251,7 @@ class JoinTokens(ControlPlaneState):
             # Reused while it has a minute left: the machine created with it may still be booting.
             # Its secret is derived again, never read back from kube-system.
             if (expires_at is not None and record.get("join") == join_key and record.get("node-name") == node_name
-                    and _TOKEN_ID.match(token_id) and expires_at.timestamp() > now + 60):
+                    and _TOKEN_ID.fullmatch(token_id) and expires_at.timestamp() > now + 60):
                 return BootstrapToken(token_id=token_id, node_name=node_name, expires_at=expires_at,
                                       secret=_token_secret(key, token_id, join_key, node_name))
         token_id, _ = new_token_parts()
@@ -271,7 +271,7 @@ class JoinTokens(ControlPlaneState):
         gone = []
         now = time.time()
         for token_id, record in self.list_state(JOIN_TOKEN_KIND).items():
-            if not _TOKEN_ID.match(token_id):
+            if not _TOKEN_ID.fullmatch(token_id):
                 continue
             if record.get("node-name") == node_name:
                 self.revoke_join_token(token_id)
