@@ -438,7 +438,14 @@ async def test_provider_loss_game_day_moves_traffic_through_the_routing_entity(t
         await door.stop()
 
 
-def test_a_model_server_sending_an_endless_or_dripping_page_leaves_the_sample_to_the_others() -> None:
+@pytest.fixture
+def quick_pages(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A page's deadline of 1 s, not 5: a test of a server that drips waits it out (the unit tier
+    has a minute for all of it)."""
+    monkeypatch.setattr("providers.model_server_metrics.PAGE_SECONDS", 1.0)
+
+
+def test_a_model_server_sending_an_endless_or_dripping_page_leaves_the_sample_to_the_others(quick_pages: None) -> None:
     """A model server's page is the node's to send: one that never ends, or comes a line at a time
     (each within the read timeout), is cut at ``MAX_PAGE_BYTES`` or ``PAGE_SECONDS`` and counts
     nothing; the honest servers still count. Before, the worker read either for as long as the
@@ -537,7 +544,7 @@ class PageServer:
         self.listener.close()
 
 
-def test_a_model_server_dripping_its_headers_leaves_the_sample_to_the_others() -> None:
+def test_a_model_server_dripping_its_headers_leaves_the_sample_to_the_others(quick_pages: None) -> None:
     """The page's deadline holds from the moment it is asked, its status line and headers
     included: a server that sends its status line and then a header a byte at a time (each within
     the read timeout) counts nothing after ``PAGE_SECONDS``, and the honest servers count. Before,

@@ -64,7 +64,7 @@ async def test_a_node_flipping_its_ready_condition_wakes_its_sites_watch_a_few_t
     for flip in range(FLIPS):
         clock.now += 1
         env.cluster.set_node_status("hostile", ready=flip % 2 == 1)
-        seen = await run(quiet_env(), watches.watch_site, site_input(known, wait=0.2))
+        seen = await run(quiet_env(), watches.watch_site, site_input(known, wait=0.05))
         woke += seen.changed
         known = {n.name: node_summary(n) for n in seen.nodes}
     # Its first changes are free (a reboot or two: NotReady, then Ready), the rest woke nothing.
