@@ -53,6 +53,19 @@ def unannounced_spot_warnings(config: FleetConfig) -> list[str]:
             if site.capacity_type == CapacityType.SPOT and site.provider not in SPOT_NOTICE_SOURCES]
 
 
+def node_key_warnings(config: FleetConfig) -> list[str]:
+    """One line per site whose store's key is a Secret and names no key for its nodes: its serving
+    pods pull weights with the node's own role, or fail to (a node is never given the control
+    plane's key, which writes and deletes every version there)."""
+    return [f"sites[{i}] ({site.name}).object_store: no pull_credentials: its nodes are given no key to the "
+            f"store (never its credentials, which write and delete the weights every node there loads), so "
+            f"their weights pull uses the machine's own role or fails; name a read-only key in a Secret of its "
+            f"own (docs/production/index.md, \"The weights store's keys\")"
+            for i, site in enumerate(config.sites)
+            if site.object_store is not None and site.object_store.credentials is not None
+            and site.object_store.credentials.secret and site.object_store.pull_credentials is None]
+
+
 # -- a config against the fleet running now ---------------------------------------------------
 class FleetUnreadable(Exception):
     """The fleet running now could not be read; the message says why, in one line."""

@@ -63,7 +63,13 @@ class ObjectStore(Strict):
     ``credentials`` is a reference whose value is either JSON
     ``{"access_key_id": ..., "secret_access_key": ..., "session_token": ...}`` or
     ``ACCESS_KEY_ID:SECRET_ACCESS_KEY``; without it boto3's default chain is used
-    (instance role, ``AWS_*`` env). Read inside activities only.
+    (instance role, ``AWS_*`` env). Read inside activities only: they are the control plane's,
+    which writes and deletes weights, and never reach a node.
+
+    ``pull_credentials`` is what a site's GPU nodes are given to pull weights from it: a
+    ``secret:`` reference put into each serving pod (its kubelet, so a hostile node, may read
+    that whole Secret). Make it read-only (``s3:GetObject`` on ``prefix``); without it a node
+    pulls with its own role (an instance profile) or anonymously.
     """
 
     endpoint_url: str | None = None
@@ -72,10 +78,22 @@ class ObjectStore(Strict):
     #: Key prefix inside the bucket ("" or ending in "/").
     prefix: str = ""
     credentials: CredentialsRef | None = None
+    #: The key a site's GPU nodes pull weights with (a ``secret: gpufleet/<name>#<key>`` in a Secret
+    #: of its own, read-only on this store): never ``credentials``, which the control plane writes with.
+    pull_credentials: CredentialsRef | None = None
     addressing_style: Literal["auto", "path", "virtual"] = "auto"
     #: ``store``: the store checks each upload's ChecksumSHA256 (AWS S3 does);
     #: ``read-back``: stream the copy back and hash it (stores that ignore checksums).
     checksum_verification: Literal["store", "read-back"] = "store"
+
+    @field_validator("pull_credentials")
+    @classmethod
+    def _pull_credentials_in_a_secret(cls, ref: CredentialsRef | None) -> CredentialsRef | None:
+        # An env or file reference names something of the control plane's process, never the node's.
+        if ref is not None and not (ref.secret and all(ref.secret_location())):
+            raise ValueError("a node is given its key only as `secret: gpufleet/<name>#<key>` "
+                             "(a Secret of its own, read-only on the store)")
+        return ref
 
 
 #: In the schema for editors only: loading checks these with messages that say why.

@@ -79,7 +79,36 @@ def cross_check(raw: dict[str, Any]) -> list[str]:
                                 f"site is {site.get('provider')}")
     if real:
         problems += _missing_join_options(account_entries, [site for _, site in _entries(raw, "sites")])
-    return problems + _check_models(raw)
+    return problems + _shared_node_secrets(raw) + _check_models(raw)
+
+
+#: The references a GPU node is given (its serving pods name the Secret): a hostile node reads them.
+NODE_CREDENTIALS = "pull_credentials"
+
+
+def _secret_references(value: Any, where: str = "") -> Iterator[tuple[str, str]]:
+    """(where, ``namespace/name``) of every ``secret:`` reference in the raw mapping."""
+    if isinstance(value, dict):
+        secret = value.get("secret")
+        if isinstance(secret, str):  # a credentials reference, wherever the config holds one
+            yield where, secret.partition("#")[0]
+        for key, item in value.items():
+            if isinstance(item, (dict, list)):
+                yield from _secret_references(item, f"{where}.{key}".lstrip("."))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            name = item.get("name") if isinstance(item, dict) else None
+            yield from _secret_references(item, f"{where}[{i}]" + (f" ({name})" if isinstance(name, str) else ""))
+
+
+def _shared_node_secrets(raw: dict[str, Any]) -> list[str]:
+    """A node's key in a Secret that also holds a key of the control plane's: a kubelet may read
+    the whole of every Secret its pods name, not the one key, so the node would read that too."""
+    references = list(_secret_references(raw))
+    others = {secret: where for where, secret in references if not where.endswith(f".{NODE_CREDENTIALS}")}
+    return [f"{where}: the Secret {secret} also holds {others[secret]}, which a node must never read (a node "
+            f"may read the whole of every Secret its pods name): give the node's key a Secret of its own"
+            for where, secret in references if where.endswith(f".{NODE_CREDENTIALS}") and secret in others]
 
 
 def _missing_join_options(accounts: list[tuple[str, dict[str, Any]]], sites: list[dict[str, Any]]) -> list[str]:

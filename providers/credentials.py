@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from fleet.config import ConfigError, FleetConfig
+from fleet.config_checks import NODE_CREDENTIALS
 from fleet.errors import BadCredentials
 from fleet.models import CredentialsRef
 from providers.cluster.base import AccessRule
@@ -106,6 +107,15 @@ ACCESS = (AccessRule(verb="get", group="", resource="secrets", namespace=CREDENT
 #: Config sections whose references the control plane never reads: ``node_gateway.ca`` is read by
 #: ``gpufleet cluster node-config``, run with the operator's own credentials.
 NOT_READ_BY_THE_CONTROL_PLANE = ("node_gateway",)
+#: Fields whose references only GPU nodes read (a store's ``pull_credentials``, named in serving
+#: pods): the control plane never gets them, so its Role does not grant them.
+NODE_ONLY_FIELDS = (NODE_CREDENTIALS,)
+
+
+def read_by_the_control_plane(where: str) -> bool:
+    """Whether the control plane reads the reference at ``where`` (``credential_references``)."""
+    return where.split(".", 1)[0] not in NOT_READ_BY_THE_CONTROL_PLANE \
+        and where.rsplit(".", 1)[-1] not in NODE_ONLY_FIELDS
 
 
 def credential_references(value: object, where: str = "") -> list[tuple[str, CredentialsRef]]:
@@ -139,7 +149,7 @@ def control_plane_secret_fields(config: FleetConfig, source: str = "<config>") -
     fields: dict[str, list[str]] = {}
     problems = []
     for where, ref in credential_references(config):
-        if not ref.secret or where.split(".", 1)[0] in NOT_READ_BY_THE_CONTROL_PLANE:
+        if not ref.secret or not read_by_the_control_plane(where):
             continue
         namespace, name, _ = ref.secret_location()
         if namespace != CREDENTIALS_NAMESPACE or not name:

@@ -271,9 +271,12 @@ def test_the_credentials_role_is_rendered_from_sites_config_as_the_cli_renders_i
     from providers.credentials import credentials_role
     from tests.cluster.test_manifests import every_reference_config
 
-    # The chart's template reads each of these by name: a new place needs it taught there too.
+    # The chart's template reads each of these by name: a new place needs it taught there too. A
+    # store's pull_credentials are its nodes' key, which the control plane never reads: not taught.
     assert _reference_fields(FleetConfig) == {"notify_webhook", "object_stores{}.credentials", "accounts[].credentials",
-                                              "sites[].object_store.credentials", "node_gateway.ca"}
+                                              "sites[].object_store.credentials", "node_gateway.ca",
+                                              "object_stores{}.pull_credentials",
+                                              "sites[].object_store.pull_credentials"}
     path = every_reference_config(tmp_path)
     rendered = credentials_objects(documents(template("--set-file", f"sites.config={path}")))
     assert sorted(rendered, key=lambda d: d["kind"]) == credentials_role(load_config(path))

@@ -15,7 +15,7 @@ from providers.cluster.base import ANNOTATION_MODEL, dns_label, serving_name
 from fleet.cluster import ANNOTATION_PREVIOUS_TEMPLATE, ANNOTATION_TEMPLATE, ServingSpec, SiteRoute
 from fleet.config import ObjectStore, load_config
 from fleet.models import CredentialsRef
-from providers.credentials import NOT_READ_BY_THE_CONTROL_PLANE, credential_references, credentials_role
+from providers.credentials import credential_references, credentials_role, read_by_the_control_plane
 from fleet.rollout import POD_TEMPLATE_BUDGET, RolloutInput, WeightFile, manifest_template_bytes
 from fleet.weights_pull import ENV as WEIGHTS_ENV
 from fleet.weights_pull import WeightsPull
@@ -214,7 +214,7 @@ def test_every_credential_a_shipped_config_names_resolves_in_the_shipped_control
     assert references, "the example names its credentials"
     unresolved = []
     for where, ref in references:
-        if where.split(".", 1)[0] in NOT_READ_BY_THE_CONTROL_PLANE:
+        if not read_by_the_control_plane(where):
             continue
         if ref.env:
             ok = ref.env in env
@@ -238,7 +238,9 @@ def every_reference_config(tmp_path: Path) -> Path:
     raw["node_gateway"] = {"endpoint": "gateway.fleet.example.com:443", "ca": {"secret": "gpufleet/gateway-ca#ca.crt"}}
     raw["object_stores"]["scratch"] = {"bucket": "scratch", "credentials": {"env": "SCRATCH_KEYS"}}
     site = next(s for s in raw["sites"] if s["name"] == "nebius-eu-north")
-    site["object_store"] = {"bucket": "nebius-cache", "credentials": {"secret": "gpufleet/nebius-store#credentials"}}
+    # Its nodes' read-only key too, which only they read (a serving pod names it): no Role names it.
+    site["object_store"] = {"bucket": "nebius-cache", "credentials": {"secret": "gpufleet/nebius-store#credentials"},
+                            "pull_credentials": {"secret": "gpufleet/nebius-store-read#credentials"}}
     shared = next(a for a in raw["accounts"] if a["name"] == "hetzner-prod")
     raw["accounts"].append({**shared, "name": "hetzner-staging", "credentials": {"secret": "gpufleet/hetzner-prod#staging"}})
     path = tmp_path / "every-reference.yaml"

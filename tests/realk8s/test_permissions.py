@@ -27,7 +27,7 @@ from providers.cluster.base import AccessRule
 from providers.cluster.check import CHECK_ACCESS, CHECK_NAMES, NAMED_GRANTS
 from providers.cluster.kubernetes import BOOTSTRAP_NAMESPACE, TOKEN_NAMESPACE, access_table
 from providers.credentials import ACCESS as CREDENTIALS_ACCESS
-from providers.credentials import NOT_READ_BY_THE_CONTROL_PLANE, control_plane_secrets, credential_references
+from providers.credentials import control_plane_secrets, credential_references, read_by_the_control_plane
 from tests.cluster.test_manifests import SHIPPED_CONFIGS
 from tests.realk8s.cluster import RealCluster
 from tests.realk8s.conftest import SHIPPED_SITES
@@ -100,9 +100,10 @@ def test_the_control_plane_may_get_every_secret_a_shipped_config_names(real_clus
     account = "gpufleet-control-plane"
     groups = ("system:serviceaccounts", "system:serviceaccounts:gpufleet", "system:authenticated")
     # ``node_gateway.ca`` is read by ``gpufleet cluster node-config``, with the operator's own
-    # credentials, never by the control plane (NOT_READ_BY_THE_CONTROL_PLANE).
+    # credentials, and a store's ``pull_credentials`` by its site's nodes, never by the control
+    # plane (read_by_the_control_plane).
     references = [(where, ref) for where, ref in credential_references(load_config(path))
-                  if where.split(".", 1)[0] not in NOT_READ_BY_THE_CONTROL_PLANE]
+                  if read_by_the_control_plane(where)]
     assert references
     refused = []
     for where, ref in references:

@@ -63,9 +63,9 @@ def test_a_corrupted_file_is_refused_and_the_server_never_starts(moto_s3: MotoS3
                                                                 tmp_path: Path, monkeypatch):
     client = moto_s3.client(store.store)
     client.put_object(Bucket=store.store.bucket, Key="model-00001.safetensors", Body=b"\0" * 300_000)
-    # The store's key reaches the pod from a Secret; here the same variable carries it.
+    # The nodes' key reaches the pod from a Secret; here the same variable carries it.
     spec = store.model_copy(update={"store": store.store.model_copy(
-        update={"credentials": CredentialsRef(secret="gpufleet/weights-key#key")})})
+        update={"pull_credentials": CredentialsRef(secret="gpufleet/weights-key#key")})})
     monkeypatch.setenv(KEY_ENV, "testing:testing")
     result = _init_step(spec, tmp_path)
     started = result.returncode == 0  # what the kubelet does: the server container only after a 0
@@ -112,7 +112,7 @@ def test_a_bad_partial_is_fetched_again_from_the_start(store: WeightsPull, tmp_p
 
 def test_the_serving_pod_has_the_init_step_and_the_readiness_probe(store: WeightsPull):
     spec = store.model_copy(update={"store": store.store.model_copy(
-        update={"credentials": CredentialsRef(secret="gpufleet/weights-key#key")})})
+        update={"pull_credentials": CredentialsRef(secret="gpufleet/weights-key#key")})})
     deployment = render_deployment(ServingSpec(model="llm", site="site-a", image="vllm", weights=spec), "gpufleet")
     pod = deployment["spec"]["template"]["spec"]
     (init,) = pod["initContainers"]

@@ -25,17 +25,21 @@ READINESS_PROBE = {"httpGet": {"path": "/health", "port": "http"}, "periodSecond
 
 def _weights_init(spec: ServingSpec) -> tuple[dict[str, Any], dict[str, Any], str]:
     """(init container, cache volume, path the server reads): the verified pull into the
-    node-local cache. A store key held in a Kubernetes Secret reaches the init container as
-    a secretKeyRef; the spec in the pod names only the variable."""
+    node-local cache. The pod is given only the store's ``pull_credentials`` (a node's key, read-only
+    on the store), as a secretKeyRef; the spec in the pod names only the variable. The store's
+    ``credentials`` are the control plane's, which write and delete every version at the site: a
+    kubelet may read each Secret its pods name, and a node is hostile, so no pod names them."""
     pull = spec.weights
     store = pull.store
     env: list[dict[str, Any]] = []
-    if store.credentials is not None and store.credentials.secret:
-        _, name, key = store.credentials.secret_location()
+    node_key = store.pull_credentials
+    if node_key is not None and node_key.secret:
+        _, name, key = node_key.secret_location()
         env.append({"name": WEIGHTS_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": name, "key": key}}})
-        store = store.model_copy(update={"credentials": CredentialsRef(env=WEIGHTS_KEY_ENV)})
-    else:  # a control-plane env/file reference means nothing on the node: the node's own role
-        store = store.model_copy(update={"credentials": None})
+        credentials: CredentialsRef | None = CredentialsRef(env=WEIGHTS_KEY_ENV)
+    else:  # no key for nodes: the node's own role (an instance profile), or an anonymous read
+        credentials = None
+    store = store.model_copy(update={"credentials": credentials, "pull_credentials": None})
     doc = pull.model_copy(update={"store": store}).model_dump_json(exclude_none=True)
     init = {
         "name": "weights",
