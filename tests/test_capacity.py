@@ -63,6 +63,42 @@ async def test_no_capacity_at_first_choice_uses_the_second(cap: CapStack) -> Non
     await replay_and_record(handle, "capacity_no_capacity_fallback")
 
 
+async def joins_of(handle) -> int:
+    """The joins (NodeJoin children) the request has started so far."""
+    return sum(1 for e in (await handle.fetch_history()).events
+               if e.HasField("start_child_workflow_execution_initiated_event_attributes"))
+
+
+async def test_an_offer_that_said_no_capacity_at_a_ttl_of_0_is_tried_again_only_after_a_wait(cap: CapStack) -> None:
+    """``unavailable_ttl_seconds: 0`` keeps no offer out past the request's next look at the offers,
+    but the offer that has just said NoCapacity is not joined again before that look: the request
+    waits for capacity (its backoff, or a wake), saying why and until when, then tries it again
+    at once. Before, the exclusion ended as it began, and a join started on the same offer at once,
+    again and again, each a NodeJoin and a provider create call, until the deadline (an hour by
+    default): NoCapacity counts toward no limit."""
+    site, account, offer = cap.site("cheap"), cap.account("a"), cap.offer("cheap")
+    await cap.refresh_catalog()  # the catalog still says the site has capacity
+    cap.world.set_site(site, capacity=0)
+    handle = await cap.request({"constraints": {"sites": [site]}, "unavailable_ttl_seconds": 0,
+                                "catalog_max_age_seconds": 600, "backoff_seconds": 600, "deadline_seconds": 120})
+    waiting = await cap.listed(f'WorkflowId = "{handle.id}" AND FleetState = "waiting-for-capacity"', timeout=5)
+    creates, joins = cap.world.calls(account, "create"), await joins_of(handle)
+    assert (creates, joins) == (1, 1), f"{creates} provider create calls and {joins} joins before it waited"
+    assert waiting, "the request waits for capacity"
+    now = await progress(handle)
+    assert now.waiting_for == [f"{offer}: no capacity (tried again at the next look at the offers)"], now
+    assert now.wait_until is not None and now.wait_until <= now.deadline
+    assert f"look again at {now.wait_until.isoformat(timespec='seconds')} or when offers change" in await details(handle)
+
+    cap.world.set_site(site, capacity=4)
+    await handle.signal("offers_changed")  # an account unblocked: the request lists the offers again
+    result = await result_of(handle)
+    assert result.complete and [n.site for n in result.nodes] == [site]
+    assert [(a.offer, a.outcome) for a in result.attempts] == [(offer, "NoCapacity"), (offer, "joined")]
+    assert cap.world.calls(account, "create") == 2
+    await replay_and_record(handle, "capacity_no_capacity_at_ttl_0_waits")
+
+
 async def test_over_quota_blocks_the_offer_until_a_person_raises_it(cap: CapStack) -> None:
     cap.world.set_site(cap.site("cheap"), quota=0)
     handle = await cap.request({"constraints": {"gpu": "H100"}, "count": 1})

@@ -469,6 +469,10 @@ EXPECTED = {
     # the jobs applied as one batch: the join's node is counted joined, not stopped
     # (tests/test_capacity_converges.py).
     "capacity_cancelled_in_the_task_a_join_ended",
+    # An offer that said NoCapacity at ``unavailable_ttl_seconds: 0`` is joined again only after the
+    # request's wait for capacity (``capacity-ttl-0-waits-before-trying-again``, tests/test_capacity.py).
+    # ``_before``: the code before, which joined it again at once (six joins, then a cancel).
+    "capacity_no_capacity_at_ttl_0_waits", "capacity_no_capacity_at_ttl_0_waits_before",
 }
 
 

@@ -7,7 +7,8 @@ empty request, an unknown site, GPU or geography, an impossible combination, a
 (fleet.placement) → join the best candidate through a NodeJoin child, several
 nodes at once (bounded) → on each failure apply the three-error rule:
 
-- NoCapacity: that offer is out of the ranking for a while (TTL); next candidate.
+- NoCapacity: that offer is out of the ranking for a while (TTL); next candidate. A TTL of 0
+  keeps it out until the next look at the offers, which comes after a wait for capacity.
 - OverQuota: the account's ProviderAccount entity blocks that offer until a
   person raises the quota; next candidate.
 - BadCredentials: the account is revoked (no activity calls it any more, from
@@ -107,6 +108,13 @@ FATAL = ("InvalidRequest", "InvalidInput", "ClusterForbidden")
 #: continues as (it is checked once, at its start) nor in its joins (NodeJoin checks only a join a
 #: person started).
 CHECKS_JOIN_TOKENS_PATCH = "capacity-checks-join-tokens"
+#: An offer that said NoCapacity under ``unavailable_ttl_seconds: 0`` is out of the ranking until the
+#: request next reads the catalog (after its wait for capacity: the backoff, or a wake), not joined
+#: again at once. Asked only where such an answer is taken. Before, its exclusion ended as it began
+#: and a join started on it at once, again and again until the deadline.
+TTL_0_WAITS_PATCH = "capacity-ttl-0-waits-before-trying-again"
+#: Why an offer is out of the ranking under that patch (its details and ``waiting_for``).
+NO_CAPACITY_UNTIL_NEXT_LOOK = "no capacity (tried again at the next look at the offers)"
 
 
 def _names_what(req: CapacityRequest) -> bool:
@@ -141,6 +149,10 @@ class AcquireCapacity:
         #: still says otherwise, and a read that took its word called a revoked account again (rule
         #: 6: no more calls). Dropped once a read shows the store holds it: then a person's fix shows.
         self._not_told: dict[str, AccountView] = {}
+        #: Offers that said NoCapacity under a TTL of 0 since the catalog was last read: out of the
+        #: ranking until the next read, which follows a wait for capacity. Not carried: a run
+        #: continues as new only before a read (after a wait, or a failed read's pause).
+        self._no_capacity_until_read: set[str] = set()
 
     @workflow.signal
     def offers_changed(self, listed: Any = False) -> None:
@@ -337,6 +349,7 @@ class AcquireCapacity:
                 continue
             self._catalog_reads.passed()
             self._catalog_failed = ""
+            self._no_capacity_until_read.clear()
             self._accounts = self._accounts_read(self._catalog_now.accounts)
             return True
 
@@ -363,6 +376,8 @@ class AcquireCapacity:
         joins in flight."""
         now, req, catalog = workflow.now(), self._req, self._catalog_now
         excluded = {k: why for k, (until, why) in self._excluded.items() if until > now}
+        for key in sorted(self._no_capacity_until_read):
+            excluded.setdefault(key, NO_CAPACITY_UNTIL_NEXT_LOOK)
         spent = sum(self._costs.values()) + sum(c.machine_cost_per_hour for c, _ in self._in_flight.values())
         cap = req.constraints.spend_cap_per_hour
         return rank(catalog.offers, catalog.sites, req.constraints, self._accounts, excluded,
@@ -463,7 +478,12 @@ class AcquireCapacity:
             kind, message = failure_type(error), failure_message(error)
             attempt = self._attempted(cand.key, kind, message)
             now = workflow.now()
-            if kind == "NoCapacity":
+            if kind == "NoCapacity" and req.unavailable_ttl_seconds == 0 and workflow.patched(TTL_0_WAITS_PATCH):
+                # Excluded until "now" it was joined again at once (a join and a provider call each
+                # time, until the deadline): out until the next look at the offers instead, so with no
+                # other candidate the request waits for capacity, backing off, as with any TTL.
+                self._no_capacity_until_read.add(cand.key)
+            elif kind == "NoCapacity":
                 until = now + timedelta(seconds=req.unavailable_ttl_seconds)
                 self._excluded[cand.key] = (until, f"no capacity (until {until.isoformat(timespec='seconds')})")
             elif kind == "OverQuota":

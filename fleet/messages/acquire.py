@@ -77,7 +77,8 @@ class CapacityRequest(Strict):
     deadline_seconds: float = Field(3600, gt=0, le=30 * DAY)
     #: Joins in flight at once.
     concurrency: int = Field(4, ge=1, le=64)
-    #: How long a NoCapacity answer keeps an offer out of the ranking.
+    #: How long a NoCapacity answer keeps an offer out of the ranking. 0: until the request next reads
+    #: the catalog, after its wait for capacity (the backoff, or a wake), never at once.
     unavailable_ttl_seconds: float = Field(180, ge=0, le=7 * DAY)
     #: Waiting for capacity: first backoff, doubling up to the max.
     backoff_seconds: float = Field(300, gt=0, le=DAY)
