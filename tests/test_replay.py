@@ -396,6 +396,8 @@ EXPECTED = {
     # (``site-puts-back-closed-evacuations``, tests/test_evacuation.py). ``_before``: the same
     # scenarios on the code before, which closed the incident (or looked) and left it all, replay too.
     "site_puts_back_a_terminated_evacuation", "site_puts_back_a_terminated_evacuation_before",
+    # A watch result telling more Node entities than one turn (``site-tells-nodes-in-turns``).
+    "site_tells_nodes_in_turns", "site_tells_nodes_in_turns_before",
     "site_puts_back_a_persons_terminated_evacuation", "site_puts_back_a_persons_terminated_evacuation_before",
     # ... and records each evacuation it put back with the site's evacuation claim, which a run started
     # again reads (``site-records-put-backs-with-the-claim``, tests/test_evacuation.py). ``_before``: the

@@ -289,6 +289,21 @@ PUT_BACK_FINISHED_PATCH = "site-finishes-unfinished-put-backs"
 #: provider (buying a machine, where the join failed past its create) while the details said only
 #: "below min: acquiring". Asked where a fill's failure is taken, in the loop on events only.
 FILL_PACED_PATCH = "site-paces-failed-fills"
+#: Temporal's per-run limit on signals a workflow has sent and not yet delivered (the server's
+#: ``limit.numPendingSignals.error``, 2,000 by default; fixed at 2,000 on Temporal Cloud): a workflow
+#: task that sends one past it fails (``PENDING_SIGNALS_LIMIT_EXCEEDED``), and fails again on every retry.
+TEMPORAL_PENDING_SIGNALS_LIMIT = 2000
+#: The most Node entities one watch result tells at once (``_take``): the rest are told in turns of
+#: this many, each once the one before is delivered. A site may hold up to ``MAX_SITE_NODES`` (5,000)
+#: nodes, and every one of them turning NotReady at once (the provider down) is one watch result.
+TELL_AT_ONCE = 250
+#: Telling more than ``TELL_AT_ONCE`` nodes, the entity tells them in turns. Before, one watch result
+#: told every node in one workflow task: past Temporal's 2,000 pending signals (a site of more than
+#: 2,000 nodes going NotReady at once: a provider outage) that task failed, and failed again on every
+#: retry, so the entity stopped (no incident, no evacuation, no reconcile) until the watch changed.
+#: Asked in ``_take`` only where a result tells more than ``TELL_AT_ONCE``: a run from before that told
+#: as many (up to 2,000) in one task replays that way.
+TELL_IN_TURNS_PATCH = "site-tells-nodes-in-turns"
 #: The pause after a failed fill, doubled by each that fails again, up to the safety reconcile's period.
 FILL_FIRST_PAUSE = 60.0
 FILL_MAX_PAUSE = 1800.0
@@ -778,7 +793,11 @@ class SiteEntity(Entity[SiteState]):
         if self._self_labels:
             told += [self._quarantine_self_labelled(name, changes) for name, changes in sorted(seen.self_labelled.items())
                      if name not in self._reported]
-        if told:
+        if len(told) > TELL_AT_ONCE and workflow.patched(TELL_IN_TURNS_PATCH):
+            # In turns: at most TELL_AT_ONCE signals in flight, far under Temporal's pending limit.
+            for at in range(0, len(told), TELL_AT_ONCE):
+                await asyncio.gather(*told[at:at + TELL_AT_ONCE])
+        elif told:
             await asyncio.gather(*told)
         self._api = (seen.api_ok, seen.api_error_type)
         if inc.open is None:
