@@ -13,7 +13,7 @@ one), and refuses a bad argument with :class:`InvalidArgument` naming the field
 before anything is started. ``gpufleet`` (cli/) is built on this client.
 """
 
-from client.errors import FleetClientError, InvalidArgument, NoWorker, NotFound, Rejected, Unreachable
+from client.errors import FleetClientError, InvalidArgument, NoWorker, NotFound, Rejected, Unreachable, UpdateNotTaken
 from client.fleet import FleetClient, Renewed, RolloutStatus, manual_evacuation_id, query_workflow
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "Renewed",
     "RolloutStatus",
     "Unreachable",
+    "UpdateNotTaken",
     "manual_evacuation_id",
     "query_workflow",
 ]

@@ -73,3 +73,18 @@ class NoWorker(FleetClientError, TimeoutError):
         self.seconds = seconds
         super().__init__(f"no worker answered `{query}` of `{workflow_id}` within {seconds:g} s: is the control "
                          f"plane running (its worker polls `{task_queue}`)? (gpufleet dev / kubectl -n gpufleet get pods)")
+
+
+class UpdateNotTaken(NoWorker):
+    """No worker took an update in time: an update is accepted (its validator run) by a worker
+    polling the workflow's task queue, so with the control plane down it waited for ever. Not
+    applied when raised; the server keeps it for a while, so a worker that comes back soon may
+    still take it: the message says to look before sending it again."""
+
+    def __init__(self, workflow_id: str, update: str, task_queue: str, seconds: float) -> None:
+        super().__init__(workflow_id, update, task_queue, seconds)
+        self.update = update
+        self.args = (f"no worker took the update `{update}` of `{workflow_id}` within {seconds:g} s: is the "
+                     f"control plane running (its worker polls `{task_queue}`)? (gpufleet dev / kubectl -n gpufleet "
+                     "get pods); it is not applied, but the server may still hand it to a worker that starts soon: "
+                     "look at the workflow before sending it again",)

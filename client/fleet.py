@@ -10,7 +10,8 @@ the same answer, only later.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from typing import Any, TypeVar
@@ -23,13 +24,15 @@ from temporalio.client import (
     WorkflowFailureError,
     WorkflowHandle,
     WorkflowUpdateFailedError,
+    WorkflowUpdateHandle,
+    WorkflowUpdateRPCTimeoutOrCancelledError,
     WorkflowUpdateStage,
 )
 from temporalio.common import SearchAttributePair, TypedSearchAttributes, WorkflowIDConflictPolicy
 from temporalio.exceptions import CancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
-from client.errors import InvalidArgument, NoWorker, NotFound, Rejected, Unreachable
+from client.errors import InvalidArgument, NoWorker, NotFound, Rejected, Unreachable, UpdateNotTaken
 from fleet import search_attributes as sa
 from fleet.config import ConfigError, FleetConfig, load_config
 from fleet.messages.advisor import AdvisorInput, AdvisorReport
@@ -61,6 +64,11 @@ QUERY_TIMEOUT = timedelta(seconds=10)
 #: How long naming the task queue of a workflow whose query went unanswered may take (a describe:
 #: the server answers it itself, no worker needed).
 DESCRIBE_TIMEOUT = timedelta(seconds=5)
+#: How long an update waits for a worker to take it (run its validator and accept it), as a query
+#: waits for its answer: a worker takes it with its next workflow task. Unbounded, an update to a
+#: workflow no worker polls for (the control plane down) waited for ever, and its command with it,
+#: saying nothing. Once taken, its handler runs on a live worker and is waited for to its end.
+UPDATE_TIMEOUT = QUERY_TIMEOUT
 
 
 def capacity_id(request: str) -> str:
@@ -326,9 +334,10 @@ class FleetClient:
         if not isinstance(reason, str):
             raise InvalidArgument([("reason", "must be a string")])
         client = await self.temporal()
+        handle = client.get_workflow_handle(workflow_id)
         try:
-            update = await client.get_workflow_handle(workflow_id).start_update(
-                flows.AcquireCapacity.cancel, reason, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=CapacityProgress)
+            update = await self._taken(handle, flows.AcquireCapacity.cancel, lambda: handle.start_update(
+                flows.AcquireCapacity.cancel, reason, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=CapacityProgress))
             if accepted is not None:
                 accepted()
             return await update.result()
@@ -546,8 +555,11 @@ class FleetClient:
         )
         workflow_id = site_workflow_id(args.site)
         try:
-            return await client.execute_update_with_start_workflow(
-                flows.Site.reconcile_now, start_workflow_operation=start, result_type=str)
+            update = await self._taken(client.get_workflow_handle(workflow_id), flows.Site.reconcile_now,
+                                       lambda: client.start_update_with_start_workflow(
+                                           flows.Site.reconcile_now, start_workflow_operation=start,
+                                           wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=str))
+            return await update.result()
         except WorkflowUpdateFailedError as error:
             raise Rejected(workflow_id, flows.Site.reconcile_now, str(error.cause)) from error
         except RPCError as error:
@@ -696,13 +708,30 @@ class FleetClient:
 
     async def _update(self, workflow_id: str, name: str, args: list[Any], result_type: type[M]) -> M:
         client = await self.temporal()
+        handle = client.get_workflow_handle(workflow_id)
         try:
-            return await client.get_workflow_handle(workflow_id).execute_update(name, args=args,
-                                                                                  result_type=result_type)
+            update = await self._taken(handle, name, lambda: handle.start_update(
+                name, args=args, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=result_type))
+            return await update.result()
         except WorkflowUpdateFailedError as error:
             raise Rejected(workflow_id, name, str(error.cause)) from error
         except RPCError as error:
             raise _rpc(workflow_id, error, name) from None
+
+    async def _taken(self, handle: WorkflowHandle, name: str,
+                     send: Callable[[], Awaitable[WorkflowUpdateHandle[Any]]]) -> WorkflowUpdateHandle[Any]:
+        """``send()``'s update once a worker has taken it, within ``UPDATE_TIMEOUT``; else
+        :class:`UpdateNotTaken` naming the workflow's task queue (the configured one when even
+        that cannot be read)."""
+        bound = asyncio.timeout(UPDATE_TIMEOUT.total_seconds())
+        try:
+            async with bound:
+                return await send()
+        except (TimeoutError, WorkflowUpdateRPCTimeoutOrCancelledError, asyncio.CancelledError):
+            if not bound.expired():
+                raise  # the caller's own cancel (Ctrl-C), or the server's deadline: not this bound
+        raise UpdateNotTaken(handle.id, name, await _task_queue(handle, self.settings.task_queue),
+                             UPDATE_TIMEOUT.total_seconds())
 
 
 async def query_workflow(client: Client, workflow_id: str, name: str, result_type: type[M], *, task_queue: str) -> M:
@@ -715,11 +744,16 @@ async def query_workflow(client: Client, workflow_id: str, name: str, result_typ
     except RPCError as error:
         if not _unanswered(error):
             raise _rpc(workflow_id, error) from None
+    raise NoWorker(workflow_id, name, await _task_queue(handle, task_queue), QUERY_TIMEOUT.total_seconds())
+
+
+async def _task_queue(handle: WorkflowHandle, configured: str) -> str:
+    """The task queue ``handle``'s workflow runs on, where the worker that did not answer should
+    poll; ``configured`` when even that cannot be read."""
     try:
-        task_queue = (await handle.describe(rpc_timeout=DESCRIBE_TIMEOUT)).task_queue or task_queue
+        return (await handle.describe(rpc_timeout=DESCRIBE_TIMEOUT)).task_queue or configured
     except RPCError:
-        pass  # the configured queue is the control plane's: where its worker would poll
-    raise NoWorker(workflow_id, name, task_queue, QUERY_TIMEOUT.total_seconds())
+        return configured  # the configured queue is the control plane's: where its worker would poll
 
 
 def _unanswered(error: RPCError) -> bool:

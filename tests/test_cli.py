@@ -17,7 +17,7 @@ from fleet.messages.nodes import ProbeGpusInput, SmokeTestInput
 from cli.dev import temporal_binary
 from activities.node_agent import NodeAgentActivities
 from sim.gpu import SimGpuBackend
-from tests.conftest import Stack
+from tests.conftest import TEST_FLEET, Stack, write_fleet
 from fleet.messages.join import NodeJoinResult
 
 
@@ -211,6 +211,44 @@ async def test_a_watched_request_with_no_worker_says_why_after_one_poll(fleet_wo
     said = capsys.readouterr().out
     assert said.startswith(no_worker_line(handle.id, "progress", fleet_world)), said
     assert said.endswith("; still watching; Ctrl-C to stop\n"), said
+
+
+@pytest.mark.parametrize("workflow_type, argv, update", [
+    ("ModelRollout", ["rollout", "pause", "rollout/no-worker/{tag}"], "pause"),  # FleetClient._update
+    ("Node", ["repair", "return", "lost-{tag}", "0", "--reason", "checked by hand"], "return_gpu"),
+    ("AcquireCapacity", ["capacity-cancel", "capacity/lost-{tag}"], "cancel"),  # start_update, then its result
+    ("Site", ["reconcile", "lost-{tag}"], "reconcile_now"),  # update-with-start: the CLI starts the Site itself
+])
+async def test_an_update_no_worker_takes_says_why_and_exits_non_zero(fleet_world: Stack, tmp_path, workflow_type,
+                                                                     argv, update) -> None:
+    """An update waits for a worker to take it: with the control plane down, `gpufleet rollout
+    pause`, `repair return`, `capacity-cancel` and `reconcile` waited for ever and printed nothing
+    (the SDK sends the update again each time the server says it is only admitted). Each now says,
+    within the query's bound, which update no worker took, where the worker should poll, and that
+    it may still be taken; exit 1."""
+    from fleet.naming import site_workflow_id
+
+    tag = uuid.uuid4().hex[:6]
+    argv = [a.format(tag=tag) for a in argv]
+    (tmp_path / "own").mkdir()
+    fleet = dict(TEST_FLEET, sites=[dict(TEST_FLEET["sites"][0], name=f"lost-{tag}")])  # an id no other test uses
+    env = {**fleet_world.settings_env(), "GPUFLEET_CONFIG": str(write_fleet(tmp_path / "own", fleet)), "COLUMNS": "400"}
+    workflow_id = {"ModelRollout": argv[-1], "Node": f"node/lost-{tag}", "AcquireCapacity": argv[-1],
+                   "Site": site_workflow_id(f"lost-{tag}")}[workflow_type]
+    if workflow_type != "Site":
+        await fleet_world.client.start_workflow(workflow_type, {}, id=workflow_id,
+                                                task_queue=fleet_world.settings.task_queue)
+    try:  # before: still waiting when this bound came
+        done = await asyncio.to_thread(subprocess.run, [sys.executable, "-m", "cli", *argv], env=env,
+                                       capture_output=True, text=True, timeout=90)
+    finally:
+        await fleet_world.client.get_workflow_handle(workflow_id).terminate()
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    said = " ".join(done.stderr.split())
+    assert said.startswith(f"error: no worker took the update `{update}` of `{workflow_id}` within 10 s: is the "
+                           f"control plane running (its worker polls `{fleet_world.settings.task_queue}`)? "), said
+    assert said.endswith("it is not applied, but the server may still hand it to a worker that starts soon: "
+                         "look at the workflow before sending it again"), said
 
 
 async def test_a_game_day_with_no_worker_says_why_and_until_when_and_watches_to_its_timeout(fleet_world: Stack,
