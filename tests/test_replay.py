@@ -398,6 +398,9 @@ EXPECTED = {
     "site_puts_back_a_terminated_evacuation", "site_puts_back_a_terminated_evacuation_before",
     # A watch result telling more Node entities than one turn (``site-tells-nodes-in-turns``).
     "site_tells_nodes_in_turns", "site_tells_nodes_in_turns_before",
+    # An evacuation draining more nodes than one turn (``evacuation-drains-in-turns``,
+    # tests/test_evacuation_many_nodes.py). ``_before``: the code before, which drained them all at once.
+    "evacuation_drains_in_turns", "evacuation_drains_in_turns_before",
     "site_puts_back_a_persons_terminated_evacuation", "site_puts_back_a_persons_terminated_evacuation_before",
     # ... and records each evacuation it put back with the site's evacuation claim, which a run started
     # again reads (``site-records-put-backs-with-the-claim``, tests/test_evacuation.py). ``_before``: the

@@ -16,7 +16,7 @@ query):
    site back) — never outside the geography;
 3. **replicas elsewhere**: those Deployments scale up and must be ready;
 4. **drain**: only then are the site's Deployments scaled to 0 and its nodes cordoned
-   and drained (PDBs, deadline): in that order, or each Deployment's own PodDisruptionBudget
+   and drained (PDBs, deadline; ``DRAIN_AT_ONCE`` at a time at most): in that order, or each Deployment's own PodDisruptionBudget
    would hold the drain of its replicas to the deadline;
 5. **wait for recovery**: a probe (provider API answers, every node's agent back) every
    ``probe_seconds`` inside one long activity, ``watch_recovery``, that returns when the site is
@@ -154,6 +154,22 @@ ABORT_CUTS_WAITS_PATCH = "evacuation-abort-cuts-waits"
 #: flapped for days grew the timeline, carried whole over continue-as-new and shown in the details,
 #: toward Temporal's 2 MiB payload limit.
 TIMELINE_FIRST, TIMELINE_NEWEST = 10, 40
+#: Temporal's per-run limit on activities scheduled and not yet closed (the server's
+#: ``limit.numPendingActivities.error``, 2,000 by default; fixed at 2,000 on Temporal Cloud): a
+#: workflow task that schedules one past it fails (``PENDING_ACTIVITIES_LIMIT_EXCEEDED``), and fails
+#: again on every retry.
+TEMPORAL_PENDING_ACTIVITIES_LIMIT = 2000
+#: The most drains (``_drain``) and proof smoke tests (``_prove``) the evacuation has in flight at
+#: once; the others start as those end. A site may hold up to ``MAX_SITE_NODES`` (5,000) nodes, one
+#: activity each: far under Temporal's pending-activities limit, yet enough that a site whose every
+#: drain a PodDisruptionBudget holds to ``drain_seconds`` drains in ten rounds at 5,000 nodes.
+DRAIN_AT_ONCE = 500
+#: More than ``DRAIN_AT_ONCE`` nodes to drain or smoke-test, the evacuation runs at most that many at
+#: once. Before, it started one activity per node of the site in one workflow task: past Temporal's
+#: 2,000 pending activities (a site of more than 2,000 nodes) that task failed on every retry, so such
+#: a site could not be evacuated (nor proven, had it been drained). Asked only where the site has more
+#: than ``DRAIN_AT_ONCE`` nodes: a run from before that drained as many (up to 2,000) at once replays so.
+DRAINS_IN_TURNS_PATCH = "evacuation-drains-in-turns"
 
 
 class Aborted(Exception):
@@ -885,20 +901,47 @@ class SiteEvacuation:
         cancel = (ActivityCancellationType.WAIT_CANCELLATION_COMPLETED if self._abort_cuts_waits()
                   else ActivityCancellationType.TRY_CANCEL)
 
-        async def drain(name: str) -> None:
+        total = len(self._facts.nodes)
+        # A large site drains DRAIN_AT_ONCE nodes at a time, under Temporal's pending-activities limit.
+        room = asyncio.Semaphore(DRAIN_AT_ONCE) if self._in_turns(total) else None
+
+        async def drain_one(name: str) -> None:
             self._cordoning.append(name)  # cordoned from here on, even if the drain then fails
             result = await drain_node(name, s.drain_seconds, summary=f"cordon and drain {name} (PDBs honoured)",
                                       cordoned_by=mine, machine_goes=True, cancellation_type=cancel)
             p.drained.append(name)
             blocked.extend(f"{b.key}: {b.reason}" for b in result.blocked)
 
+        def show_turns() -> None:
+            self._show("draining", f"draining {DRAIN_AT_ONCE} at a time: {len(p.drained):,} of {total:,} done "
+                                   f"(cordoned and drained, PodDisruptionBudgets honoured, each for {s.drain_seconds:g} s "
+                                   "at most, then the pods left are named)")
+
+        async def drain(name: str) -> None:
+            if room is None:
+                return await drain_one(name)
+            async with room:  # a node not yet started when an abort cuts the drain short is never started
+                if self._abort:
+                    return
+                await drain_one(name)
+                show_turns()
+
         by = workflow.now() + timedelta(seconds=s.drain_seconds)
-        self._show("draining", f"{len(self._facts.nodes)} nodes cordoned and drained, PodDisruptionBudgets honoured "
-                               f"until {by:%H:%M:%S} UTC (then the pods left are named)")
-        await self._unless_aborted(f"the drain of {len(self._facts.nodes)} nodes (until {by:%H:%M:%S} UTC at most)",
-                                   *(drain(n.name) for n in self._facts.nodes))
+        if room is None:
+            self._show("draining", f"{total} nodes cordoned and drained, PodDisruptionBudgets honoured "
+                                   f"until {by:%H:%M:%S} UTC (then the pods left are named)")
+            waiting_for = f"the drain of {total} nodes (until {by:%H:%M:%S} UTC at most)"
+        else:
+            show_turns()
+            waiting_for = f"the drain of {total:,} nodes ({DRAIN_AT_ONCE} at a time)"
+        await self._unless_aborted(waiting_for, *(drain(n.name) for n in self._facts.nodes))
         self._check()
         self._mark("drained", f"{len(p.drained)} nodes" + (f"; blocked: {'; '.join(blocked)}" if blocked else ""))
+
+    def _in_turns(self, nodes: int) -> bool:
+        """Whether ``nodes`` drains or smoke tests run ``DRAIN_AT_ONCE`` at a time: asked only past that
+        many, so a run of a smaller site, or one from before that drained as many at once, replays as it was."""
+        return nodes > DRAIN_AT_ONCE and workflow.patched(DRAINS_IN_TURNS_PATCH)
 
     async def _wait_recovery(self) -> None:
         self._state("waiting-for-recovery")
@@ -936,13 +979,33 @@ class SiteEvacuation:
             retry_policy=CLUSTER_RETRY, summary=f"nodes at {site}",
         )
         gpus = self._facts.site.gpus_per_machine
-        by = workflow.now() + timedelta(seconds=s.smoke_test_seconds)
-        self._show("smoke-testing the nodes", f"{len(nodes)} nodes at {site} until {by:%H:%M:%S} UTC at most (one "
-                                              "that has not answered by then fails its proof)")
         failures = []
         unproven: dict[str, str] = {}
+        # A large site is smoke-tested DRAIN_AT_ONCE nodes at a time, under Temporal's pending-activities limit.
+        room = asyncio.Semaphore(DRAIN_AT_ONCE) if self._in_turns(len(nodes)) else None
+        tested: list[str] = []
+
+        def show_turns() -> None:
+            self._show("smoke-testing the nodes", f"smoke-testing {DRAIN_AT_ONCE} at a time: {len(tested):,} of "
+                                                  f"{len(nodes):,} done (each answers within {s.smoke_test_seconds:g} s "
+                                                  "of its start or fails its proof)")
+
+        if room is None:
+            by = workflow.now() + timedelta(seconds=s.smoke_test_seconds)
+            self._show("smoke-testing the nodes", f"{len(nodes)} nodes at {site} until {by:%H:%M:%S} UTC at most (one "
+                                                  "that has not answered by then fails its proof)")
+        else:
+            show_turns()
 
         async def smoke(name: str) -> None:
+            if room is None:
+                return await smoke_one(name)
+            async with room:
+                await smoke_one(name)
+                tested.append(name)
+                show_turns()
+
+        async def smoke_one(name: str) -> None:
             try:
                 why = await self._smoke_checked(name, gpus)
                 if why:
