@@ -933,7 +933,10 @@ class SiteEvacuation:
             waiting_for = f"the drain of {total} nodes (until {by:%H:%M:%S} UTC at most)"
         else:
             show_turns()
-            waiting_for = f"the drain of {total:,} nodes ({DRAIN_AT_ONCE} at a time)"
+            # Each turn lasts a drain's deadline at most: the last ends by then.
+            last = workflow.now() + timedelta(seconds=s.drain_seconds * -(-total // DRAIN_AT_ONCE))
+            waiting_for = (f"the drain of {total:,} nodes ({DRAIN_AT_ONCE} at a time, until "
+                           f"{last:%H:%M:%S} UTC at most)")
         await self._unless_aborted(waiting_for, *(drain(n.name) for n in self._facts.nodes))
         self._check()
         self._mark("drained", f"{len(p.drained)} nodes" + (f"; blocked: {'; '.join(blocked)}" if blocked else ""))
