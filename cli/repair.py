@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
 from typing import Annotated
 
 import typer
@@ -130,9 +131,11 @@ def node_status(node: Node, output: OutputFormat = "table", address: Address = "
         console.print(f"  queued for the node's action slot, next first: {', '.join(s.slot_queue)}")
     for index, why in sorted(s.needs_person.items()):
         console.print(f"  GPU {index}: [yellow]needs a person[/]: {escape(why)}")
+    waits = (f" (its incident: next look at {datetime.fromtimestamp(s.held_until, timezone.utc):%H:%M:%S} UTC, "
+             "or as soon as it closes)" if s.held_until else "")
     for index in s.fenced:
         if str(index) not in s.needs_person:
-            console.print(f"  GPU {index}: fenced, node cordoned; its repair waits for site/{s.site}")
+            console.print(f"  GPU {index}: fenced, node cordoned; its repair waits for site/{s.site}{waits}")
     if s.app_xids:
         console.print("  application XIDs: " + ", ".join(f"{x}×{n}" for x, n in s.app_xids.items()))
     for line in s.log:

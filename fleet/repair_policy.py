@@ -306,7 +306,8 @@ class RepairSettings(Strict):
     max_rung: Rung = Rung.REPLACE
     #: ``provider`` (reimage through the provider API) or ``agent`` (driver reinstall on the node).
     reinstall_via: str = Field("provider", pattern="^(provider|agent)$")
-    #: While a finding waits (node still joining, site over its cap), look again this often.
+    #: While a finding waits (node still joining, site over its cap), look again this often; one
+    #: held for a provider incident: after a pause doubling from this to 10 minutes, or when it closes.
     recheck_seconds: SettingSeconds = Field(30, gt=0)
     #: A watch result observed longer ago than this is ignored (set by ``control_plane:``).
     max_report_age_seconds: float = Field(120, gt=0, le=3600)

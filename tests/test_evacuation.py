@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
 import re
 import threading
 import typing
 import uuid
 from collections import Counter
+from datetime import datetime, timezone
 from typing import Any
 
 import pytest
@@ -26,6 +28,7 @@ from temporalio.service import RPCError
 
 from tests.evacuation_helpers import (
     FAST_JOIN,
+    REPAIR,
     IncStack,
     activity_inputs,
     cancel_seen,
@@ -1934,6 +1937,80 @@ async def test_a_held_gpu_is_fenced_at_once_and_unfenced_when_it_heals(inc: IncS
 
     status = await poll(entity_unfenced, timeout=20)
     assert any("un-fenced" in line for line in status.log)
+
+
+async def test_a_gpu_held_for_an_incident_is_asked_about_ever_less_often_and_repaired_once_it_closes(
+        inc: IncStack) -> None:
+    """A Node entity whose repair its site holds for a provider incident asked the Site entity again
+    every ``recheck_seconds`` for as long as the incident lasted: a facts read, an ``admit_repair``
+    update on the Site entity and a log line each (30 s: about 360 Temporal actions an hour a held
+    GPU, for hours). Now the pause between two asks doubles (``recheck_seconds`` up to 10 minutes),
+    the node's details and status saying until when, and the Site entity tells each node it held when
+    the incident closes (``incident_closed``): the node asks at once, and its repair starts."""
+    from tests.repair_helpers import node_status
+
+    machines = await inc.join("a", 4)
+    site = await inc.start_site("a")
+    names = [inc.world.machine(m)["name"] for m in machines]
+    for machine in machines[:3]:  # three of four nodes fail: an incident (each held, healed at its close)
+        inc.world.inject_fault(machine, 0, "ecc", 1, clears_on="never")
+    incident = await poll(lambda: _open_incident(site), timeout=30)
+    inc.world.inject_fault(machines[3], 0, "xid", 79, clears_on="reboot")  # fatal: held, repaired at the close
+    await poll(lambda: _node_held(inc, machines[3]), timeout=20)
+    node = inc.client.get_workflow_handle(f"node/{names[3]}")
+    held_status, held_details = await node_status(inc, names[3]), await current_details(node)
+
+    async def held_for_12s() -> bool:  # the incident lasts a fixed while (the provider still failing)
+        asks = await _admissions(node)
+        return (datetime.now(timezone.utc) - asks[0][0]).total_seconds() >= 12
+
+    await poll(held_for_12s, timeout=30)
+    for machine in machines:
+        inc.world.clear_faults(machine, "never")  # the provider fixes its machines: the incident closes
+    await poll(lambda: _closed_incident(site, incident), timeout=60)
+    await poll(lambda: _repairs(inc, "a", 1), timeout=30)
+
+    asks = await _admissions(node)
+    held = [at for at, repair in asks if not repair]
+    admitted = next(at for at, repair in asks if repair)
+    span = (admitted - held[0]).total_seconds()
+    pause = REPAIR["recheck_seconds"]
+    most = 1 + math.floor(math.log2(span / pause + 1))  # the first ask, then one at the end of each pause
+    assert len(held) <= most, f"{len(held)} asks held in {span:.1f}s (a pause doubling from {pause}s: {most})"
+    # It asked again because it was told, not at the end of a pause (nothing fired between).
+    history = (await node.fetch_history()).events
+    told = [e for e in history if e.HasField("workflow_execution_signaled_event_attributes")
+            and e.workflow_execution_signaled_event_attributes.signal_name == "incident_closed"]
+    assert len(told) == 1 and told[0].event_time.ToDatetime(tzinfo=timezone.utc) <= admitted
+    between = [e.event_type for e in history if told[0].event_id < e.event_id
+               and e.event_time.ToDatetime(tzinfo=timezone.utc) < admitted]
+    assert EventType.EVENT_TYPE_TIMER_CANCELED in between and EventType.EVENT_TYPE_TIMER_FIRED not in between, \
+        [EventType.Name(kind) for kind in between]
+    assert [r.id for r in await inc.workflows("GpuRepair", "a")] == [f"repair/{names[3]}/gpu0"]
+    # The site told each node it held once, and no other.
+    signals = [e.signal_external_workflow_execution_initiated_event_attributes
+               async for e in site.fetch_history_events()
+               if e.HasField("signal_external_workflow_execution_initiated_event_attributes")]
+    assert sorted(s.workflow_execution.workflow_id for s in signals if s.signal_name == "incident_closed") == \
+        sorted(f"node/{name}" for name in names)
+    # While held, it said why and until when.
+    assert held_status.held_until is not None and held_status.deferred == [0]
+    assert re.search(rf"{incident}; no new repairs; next look at \d\d:\d\d:\d\d UTC, or as soon as "
+                     rf"site/{inc.site('a')} says it closed", held_details), held_details
+    await replay_and_record(node, "node_held_for_an_incident_told_when_it_closes")
+    await replay_and_record(site, "site_tells_held_nodes_when_the_incident_closes")
+
+
+async def _admissions(node) -> list[tuple[datetime, bool]]:
+    """When the Node entity asked its site to admit a repair (``admit_repair``), and whether it did."""
+    events = (await node.fetch_history()).events
+    asked = {e.event_id: e.event_time.ToDatetime(tzinfo=timezone.utc) for e in events
+             if e.HasField("activity_task_scheduled_event_attributes")
+             and e.activity_task_scheduled_event_attributes.activity_type.name == "admit_repair"}
+    return [(asked[done.scheduled_event_id], json.loads(done.result.payloads[0].data)["repair"])
+            for done in (e.activity_task_completed_event_attributes for e in events
+                         if e.HasField("activity_task_completed_event_attributes"))
+            if done.scheduled_event_id in asked]
 
 
 async def test_an_evacuation_started_beside_the_site_entitys_follows_it(inc: IncStack) -> None:

@@ -122,6 +122,12 @@ EXPECTED = {
     # tests/security/test_watch_pacing.py); the ``_before`` run, recorded on the code before (twelve
     # failures, each watched again at once), replays.
     "node_watch_failures_paced", "node_watch_failures_paced_before",
+    # A GPU held for its site's incident, asked about after a pause that doubles, and at once when the
+    # Site entity tells its node the incident closed (``node-paces-held-rechecks``, ``site-tells-held-nodes``,
+    # tests/test_evacuation.py); the ``_before`` runs, recorded on the code before (an ask every
+    # ``recheck_seconds``, nobody told), replay down the old branches.
+    "node_held_for_an_incident_told_when_it_closes", "node_held_for_an_incident_told_when_it_closes_before",
+    "site_tells_held_nodes_when_the_incident_closes", "site_tells_held_nodes_when_the_incident_closes_before",
     # A flood of junk CSRs: the approver's watch paced ever slower while its passes only deny, back to
     # the base once one approves (tests/cluster/test_csr_flood.py; no patch: the same commands, a
     # watch's input differs).

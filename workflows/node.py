@@ -23,7 +23,9 @@ reboot, reinstall or replace, and a node-wide action (not a reset: one GPU's) th
 a child's fault was detected covers that child (two GPUs failing together → one reboot). When
 too many of a site's nodes are unhealthy it stops repairing there and hands the
 decision to the Site entity: every repair is first admitted by ``site/<site>``
-(``admit_repair``), which holds it while its provider-incident rule is tripped. A GPU whose
+(``admit_repair``), which holds it while its provider-incident rule is tripped: the entity asks
+again after a pause that doubles up to ``HELD_RECHECK_MAX``, and at once when the site says the
+incident closed (``incident_closed``; ``NODE_PACES_HELD_RECHECKS``). A GPU whose
 repair ended unproven (cancelled, failed, terminated) stays fenced, held for a person
 (``needs_person``); the person's updates ``return_gpu`` (un-fence it) and ``repair_gpu`` (a new
 repair, admitted like any finding's) are the way out. The entity never ends because a cluster call
@@ -74,7 +76,7 @@ with workflow.unsafe.imports_passed_through():
         CLUSTER_RETRY, FOLLOW_WAIT, LONG_WATCH_HEARTBEAT, LONG_WATCH_RETRY, QUICK, count_bad_report, failure_message,
         failure_text, show_details,
     )
-    from fleet.messages.evacuation import AdmitRepairInput, RepairDecision
+    from fleet.messages.evacuation import AdmitRepairInput, IncidentClosed, RepairDecision
     from fleet.messages.watches import ClusterNodeState
     from fleet.messages.repair import (
         MAX_NODE_GPUS,
@@ -330,6 +332,21 @@ NODE_SLOT_BACK_UNUSED = "node-slot-given-back-unused"
 #: activities, two reads of the API server and a dozen history events (5,063 in 10 s), past
 #: continue-as-new while a repair of it runs (the entity continues only with none).
 NODE_PACES_FAILED_WATCHES = "node-paces-failed-watches"
+#: Workflow patch, asked where the site first holds a finding for its incident in a run
+#: (``_admitted_by_site``, after the ``admit_repair`` activity), behind ``self._settled_7 and`` (such
+#: a run runs no local activity, so it may be asked there). A finding held for an incident is
+#: looked at again after a pause that doubles from the settings' ``recheck_seconds`` up to
+#: ``HELD_RECHECK_MAX``, or at once when the Site entity says the incident closed (``incident_closed``,
+#: sent by a Site under ``site-tells-held-nodes``); the node's details and status say until when.
+#: Before it every held GPU was rechecked every ``recheck_seconds`` (30 s) for the whole incident: a
+#: facts read, an ``admit_repair`` update on the Site entity and a log line each, about 360 Temporal
+#: actions an hour per held GPU. Now a few an hour, and the repair is admitted within seconds of the
+#: close. A hold that names no incident (the site reconciling after the control plane came back) is
+#: short, and rechecked every ``recheck_seconds`` as before.
+NODE_PACES_HELD_RECHECKS = "node-paces-held-rechecks"
+#: The longest pause between two looks at a finding its site holds for an incident: a close the
+#: node was not told of (a Site entity reset mid-incident) is seen this late at the latest.
+HELD_RECHECK_MAX = timedelta(minutes=10)
 
 
 def _xid_key(gpu: GpuHealth, index: int) -> str:
@@ -426,6 +443,13 @@ class NodeEntity(Entity[NodeCarry]):
         #: this time, then the read is tried again (``_facts_or_wait``); the pause doubles each time.
         self._facts_retry_at: datetime | None = None
         self._facts_pause = timedelta(0)
+        #: ``NODE_PACES_HELD_RECHECKS``, asked where the site first holds a finding for an incident
+        #: (None: not yet asked). The next look at such findings, the pause it ends, and an
+        #: ``incident_closed`` from the site not yet acted on (the incident's id).
+        self._paces_holds: bool | None = None
+        self._held_until: datetime | None = None
+        self._held_pause = timedelta(0)
+        self._incident_closed = ""
 
     # -- signals and queries ---------------------------------------------------------------
     # No signal handler awaits: each changes the state in one step, most only queue for the loop.
@@ -459,6 +483,14 @@ class NodeEntity(Entity[NodeCarry]):
         self._log(f"quarantined: {reason}", warn=True)
         self._show(f"quarantined: {reason}")
         self._quarantine_node(reason)
+
+    @workflow.signal
+    def incident_closed(self, raw: Any) -> None:
+        """The Site entity that held this node's repairs for its incident says it closed: the
+        findings on hold are looked at now, not at the end of their pause (``NODE_PACES_HELD_RECHECKS``;
+        a run that rechecks every ``recheck_seconds`` takes no notice)."""
+        if (told := parse_signal(IncidentClosed, raw, "incident_closed")) is not None:
+            self._incident_closed = f"site/{told.site}: {told.incident} closed"
 
     @workflow.signal
     def cluster_state(self, raw: Any) -> None:
@@ -529,6 +561,7 @@ class NodeEntity(Entity[NodeCarry]):
             remediations=len(self.state.ledger.remediations), node_actions=self.state.actions,
             slot_queue=[r.repair_id for r in self._queued()],
             deferred=sorted(self.state.deferred), fenced=sorted(self.state.fenced), log=self.state.log,
+            held_until=self._held_until.timestamp() if self._held_until else None,
             bad_reports=self.state.bad_reports, bad_reports_in_a_row=self.state.bad_reports_in_a_row,
             last_bad_report=self._last_bad_report, loop_restarts=self._loop_restarts,
             not_ready_since=self.state.not_ready_since,
@@ -686,11 +719,18 @@ class NodeEntity(Entity[NodeCarry]):
                 await workflow.wait_condition(
                     lambda: bool(self._pending or self._wake or self._quarantine
                                  or (self._requests and self._holder is None)
-                                 or (self._settled_5 and self._queue_news())),
+                                 or (self._settled_5 and self._queue_news())
+                                 or (self._paces_holds and self._incident_closed)),
                     timeout=self._recheck_in(),
                 )
             except asyncio.TimeoutError:
                 recheck_at = workflow.now()
+            if self._paces_holds and self._incident_closed:
+                # The site's incident closed: what it held is asked again now, its pause over.
+                if self.state.deferred:
+                    self._log(f"{self._incident_closed}: asking again now")
+                    recheck_at = workflow.now()
+                self._incident_closed, self._held_until, self._held_pause = "", None, timedelta(0)
             self._wake = False
             await self._grant_next()
             if self._settled_5:
@@ -705,6 +745,8 @@ class NodeEntity(Entity[NodeCarry]):
                 if recheck_at is not None:
                     recheck_at = None
                     await self._recheck()
+                if not self.state.deferred:  # nothing held: the next hold's pause starts short again
+                    self._held_until, self._held_pause = None, timedelta(0)
             if self._gone and not self._active:
                 self._set_state("gone", "replaced or removed")
                 return self.status()
@@ -720,7 +762,8 @@ class NodeEntity(Entity[NodeCarry]):
                     # (``_active``: a person's ``repair_gpu`` during the wait started a repair, which
                     # the loop watches out; nothing else starts one while the loop waits here.)
                     unless=lambda: bool(self._pending or self._requests or self._quarantine is not None
-                                        or (self._gate_waits_watch and self._gone) or self._active),
+                                        or (self._gate_waits_watch and self._gone) or self._active
+                                        or (self._paces_holds and self._incident_closed)),
                 )
 
     # -- a run started again ----------------------------------------------------------------
@@ -1153,6 +1196,8 @@ class NodeEntity(Entity[NodeCarry]):
             return None
         if self._facts_retry_at is not None:
             return max(self._facts_retry_at - workflow.now(), timedelta(seconds=1))
+        if self._held_until is not None:  # held for an incident: to the end of the pause
+            return max(self._held_until - workflow.now(), timedelta(milliseconds=100))
         if self._facts is not None:
             return timedelta(seconds=self._facts.settings.recheck_seconds)
         return None
@@ -1259,11 +1304,33 @@ class NodeEntity(Entity[NodeCarry]):
         except ActivityError as error:
             decision = RepairDecision(repair=True, why=f"site/{facts.site} did not answer "
                                                        f"({failure_message(error)}): repairing")
-        if not decision.repair:
-            self.state.deferred[index] = finding
-            self._set_state("awaiting-site", f"{facts.site}: {decision.incident or decision.why}; no new repairs")
-            self._log(f"GPU {index}: held by site/{facts.site}: {decision.incident} {decision.why}".strip())
-        return decision.repair
+        if decision.repair:
+            self._held_until, self._held_pause = None, timedelta(0)
+            return True
+        self.state.deferred[index] = finding
+        held = f"GPU {index}: held by site/{facts.site}: {decision.incident} {decision.why}".strip()
+        if not decision.incident:  # a short hold (the site reconciles first): looked at every recheck_seconds
+            self._held_until, self._held_pause = None, timedelta(0)
+        elif self._paces_holds or (self._paces_holds is None and self._asks_paced()):
+            if self._held_until is None or workflow.now() >= self._held_until:
+                # The first hold, or the look its pause ended in: the next pause is twice as long.
+                first = timedelta(seconds=facts.settings.recheck_seconds)
+                self._held_pause = min(max(first, self._held_pause * 2), HELD_RECHECK_MAX)
+                self._held_until = workflow.now() + self._held_pause
+            # Else another GPU held within the pause: looked at with the others, at its end.
+            waits = f"next look at {self._held_until:%H:%M:%S} UTC, or as soon as site/{facts.site} says it closed"
+            self._set_state("awaiting-site", f"{facts.site}: {decision.incident}; no new repairs; {waits}")
+            self._log(f"{held}; {waits}")
+            return False
+        self._set_state("awaiting-site", f"{facts.site}: {decision.incident or decision.why}; no new repairs")
+        self._log(held)
+        return False
+
+    def _asks_paced(self) -> bool:
+        """``NODE_PACES_HELD_RECHECKS``, asked once a run (a run from before it keeps rechecking every
+        ``recheck_seconds``)."""
+        self._paces_holds = self._settled_7 and workflow.patched(NODE_PACES_HELD_RECHECKS)
+        return self._paces_holds
 
     async def _site_healthy_enough(self, facts: NodeFacts, finding: Finding) -> bool:
         """Runs from before ``ADMISSION_PATCH``: the node itself counts its site's unhealthy nodes

@@ -37,7 +37,8 @@ Provider incidents (product rule 5, ``fleet.incident``; recorded as patch
 - on a trip records the incident, holds the site's running GpuRepairs (each
   finishes its current rung), and starts SiteEvacuation ``evacuate/<site>/<n>``;
   a second trip while it runs starts nothing. When the evacuation ends the
-  incident closes and held repairs are released. No min/max fill or retire
+  incident closes, the nodes whose repairs it held are told (``incident_closed``,
+  ``TELLS_HELD_NODES_PATCH``) and held repairs are released. No min/max fill or retire
   while an incident is open.
 - numbers its incidents past every ``evacuate/<site>/<n>`` Temporal has on record, so an entity
   started again (terminated, reset) never puts a second run behind an earlier incident's id; one
@@ -160,6 +161,7 @@ with workflow.unsafe.imports_passed_through():
         EvacuationRef,
         HoldRepairsInput,
         IncidentCarry,
+        IncidentClosed,
         IncidentRecord,
         IncidentView,
         PUT_BACK_KEPT,
@@ -304,6 +306,13 @@ TELL_AT_ONCE = 250
 #: Asked in ``_take`` only where a result tells more than ``TELL_AT_ONCE``: a run from before that told
 #: as many (up to 2,000) in one task replays that way.
 TELL_IN_TURNS_PATCH = "site-tells-nodes-in-turns"
+#: Workflow patch: each node whose repair ``admit_repair`` held for the open incident is remembered
+#: (``IncidentCarry.held_nodes``, one entry a node) and its Node entity told when the incident closes,
+#: before the release of the running repairs (``incident_closed``, a signal each): it asks again now,
+#: where its pause between two looks (``node-paces-held-rechecks``) may be minutes. Asked where an
+#: admission is held for an incident. Before, nobody was told: each held GPU asked again every
+#: ``recheck_seconds`` (30 s) for the whole incident, an ``admit_repair`` update here each time.
+TELLS_HELD_NODES_PATCH = "site-tells-held-nodes"
 #: The pause after a failed fill, doubled by each that fails again, up to the safety reconcile's period.
 FILL_FIRST_PAUSE = 60.0
 FILL_MAX_PAUSE = 1800.0
@@ -500,7 +509,7 @@ class SiteEntity(Entity[SiteState]):
             return RepairDecision(repair=False, why=f"{req.node_name} is not a node of {self._site.name}: ignored")
         s, inc = self._incident_settings, self.state.incident  # the run's state is set by now
         if inc.open is not None:
-            return RepairDecision(repair=False, incident=inc.open.id, why="incident open: no new repairs here")
+            return self._hold(req.node_name, "incident open: no new repairs here")
         now = workflow.now().timestamp()
         if self._returns:
             # An admission can be the first task after an outage (before the entity's own timer's).
@@ -523,9 +532,32 @@ class SiteEntity(Entity[SiteState]):
             except asyncio.TimeoutError:
                 pass
         if inc.open is not None:
-            return RepairDecision(repair=False, incident=inc.open.id, why=inc.open.reason)
+            return self._hold(req.node_name, inc.open.reason)
         v = inc.verdict
         return RepairDecision(repair=True, why=f"{len(v.failing)} failing, trips at {v.threshold}")
+
+    def _hold(self, node_name: str, why: str) -> RepairDecision:
+        """Hold the node's repair for the open incident, the node remembered to be told when it closes."""
+        inc = self.state.incident
+        if workflow.patched(TELLS_HELD_NODES_PATCH) and node_name not in inc.held_nodes:
+            inc.held_nodes.append(node_name)
+        return RepairDecision(repair=False, incident=inc.open.id, why=why)
+
+    async def _tell_held_nodes(self, incident_id: str) -> None:
+        """The incident closed: each node whose repair it held asks again now (``TELLS_HELD_NODES_PATCH``),
+        all told at once. One not told (its entity not running) asks again at the end of its pause."""
+        inc, site = self.state.incident, self._site.name
+        nodes, inc.held_nodes = inc.held_nodes, []
+
+        async def tell(node: str) -> None:
+            try:
+                await workflow.get_external_workflow_handle(node_workflow_id(node)).signal(
+                    flows.Node.incident_closed, IncidentClosed(site=site, incident=incident_id))
+            except FailureError as error:
+                workflow.logger.info("site %s: node/%s not told %s closed (%s)", site, node, incident_id,
+                                     failure_message(error))
+
+        await asyncio.gather(*(tell(node) for node in nodes))
 
     @admit_repair.validator
     def _check_admit_repair(self, raw: Any) -> None:
@@ -1233,6 +1265,7 @@ class SiteEntity(Entity[SiteState]):
             inc.api_failing_since = None
             inc.open = None
             try:
+                await self._tell_held_nodes(incident.id)  # they ask again now, before the release
                 # Until done: a release that gave up left the site's repairs held for good, and the
                 # entity (this task never ending) unable to continue as new.
                 await workflow.execute_activity(

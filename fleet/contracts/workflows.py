@@ -132,6 +132,7 @@ class Node(Entity, Workflow, name="Node"):
 
     cluster_state: Name = Signal()
     health_report: Name = Signal()
+    incident_closed: Name = Signal()
     node_action_done: Name = Signal()
     node_action_request: Name = Signal()
     quarantine: Name = Signal()

@@ -31,6 +31,14 @@ class RepairDecision(BaseModel):
     why: str = ""
 
 
+class IncidentClosed(BaseModel):
+    """The Node entity's ``incident_closed`` signal: the Site entity that held its repairs for
+    ``incident`` says it closed; the findings on hold are rechecked now."""
+
+    site: Name
+    incident: Text
+
+
 class SiteRef(BaseModel):
     site: str
 
@@ -102,6 +110,9 @@ class IncidentCarry(BaseModel):
     open: IncidentRecord | None = None
     #: ``open`` still waits for its SiteEvacuation to start.
     evacuate: bool = False
+    #: The nodes whose repair ``admit_repair`` held for the open incident (only the site's own: one
+    #: entry a node): each Node entity is told when it closes (``incident_closed``), and rechecks now.
+    held_nodes: list[str] = Field(default_factory=list)
     #: The rule's last answer (the ``status`` query shows it).
     verdict: Verdict | None = None
     #: The entity's last workflow task (epoch seconds): a longer gap than it ever sleeps means the

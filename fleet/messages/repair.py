@@ -282,6 +282,10 @@ class NodeStatus(BaseModel):
     #: repair was told its place once, as it queued).
     slot_queue: list[str] = Field(default_factory=list)
     deferred: list[int] = Field(default_factory=list)
+    #: Until when the findings its site holds for an incident wait for their next look (epoch
+    #: seconds; a pause that doubles up to ``workflows.node.HELD_RECHECK_MAX``), unless the Site
+    #: entity says the incident closed first. None: none waits so.
+    held_until: float | None = None
     #: GPUs the entity fenced (node cordoned) whose repair has not started: held by the site.
     fenced: list[int] = Field(default_factory=list)
     #: The last few things the entity decided (ignored reports, deferrals...).
