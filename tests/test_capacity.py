@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import AsyncIterator
 
 import pytest
-from temporalio.client import WorkflowUpdateFailedError
+from temporalio.client import WorkflowHandle, WorkflowUpdateFailedError
 from temporalio.testing import ActivityEnvironment, WorkflowEnvironment
 
 from fleet.messages.capacity import AccountStatus, CapacityProgress, CapacityResult
@@ -180,23 +180,19 @@ async def test_revoked_credentials_stop_every_call_until_rotated(cap: CapStack) 
     await replay_and_record(account, "account_credentials_rotated")
 
 
-async def test_an_account_whose_guard_store_refuses_its_write_stays_up_says_so_and_writes_it_later(
-        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A report reaches the ProviderAccount entity while its guard store (the cluster, in a real
-    deployment) refuses the write: a 403 after an RBAC mistake, which no retry helps (the API server
-    away past the retries ends the same way). The entity stays up with what it was told, its
-    details saying what failed and when it tries again; once the store takes writes again the
-    record lands and a person is notified. Before, the failed write failed the entity: the record
-    a person fixes the account from was gone, and its updates had nothing to reach."""
+async def over_quota_beside_a_refusing_guard(cap: CapStack, monkeypatch: pytest.MonkeyPatch, *,
+                                             refusing: bool) -> tuple[str, list[bool], WorkflowHandle]:
+    """Account ``a``'s ProviderAccount entity, told one of its offers is over quota, beside a guard
+    store that refuses every write of its record while ``refusing[0]`` (as the cluster's store raises
+    a 403 after an RBAC mistake: providers/cluster/kubernetes/api.py)."""
     from activities.account_store import AccountStore
     from fleet.errors import ClusterForbidden
 
     a, put = cap.account("a"), AccountStore.put
-    refusing = [True]
+    flag = [refusing]
 
     def refused(self, record) -> None:
-        if refusing[0] and record.name == a:
-            # As the cluster's store raises a 403 (providers/cluster/kubernetes/api.py).
+        if flag[0] and record.name == a:
             raise ClusterForbidden('update configmaps "gpufleet-accounts" is forbidden: User '
                                    '"system:serviceaccount:gpufleet:control-plane" cannot update', code="403")
         put(self, record)
@@ -207,6 +203,18 @@ async def test_an_account_whose_guard_store_refuses_its_write_stays_up_says_so_a
         task_queue=cap.settings.task_queue)
     await account.signal("report", {"account": a, "kind": "OverQuota", "offer": cap.offer("cheap"),
                                     "message": "quota reached"})
+    return a, flag, account
+
+
+async def test_an_account_whose_guard_store_refuses_its_write_stays_up_says_so_and_writes_it_later(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A report reaches the ProviderAccount entity while its guard store (the cluster, in a real
+    deployment) refuses the write: a 403 after an RBAC mistake, which no retry helps (the API server
+    away past the retries ends the same way). The entity stays up with what it was told, its
+    details saying what failed and when it tries again; once the store takes writes again the
+    record lands and a person is notified. Before, the failed write failed the entity: the record
+    a person fixes the account from was gone, and its updates had nothing to reach."""
+    a, refusing, account = await over_quota_beside_a_refusing_guard(cap, monkeypatch, refusing=True)
 
     shown = await failed_pass_shown(account)
     assert re.search(r"could not write the account guard \(ClusterForbidden: update configmaps .*\); "
@@ -235,23 +243,7 @@ async def test_an_account_update_whose_guard_write_fails_changes_nothing_and_can
     store takes writes, is taken. Before, the entity said healthy while the guard still blocked every
     call (revoked) or the offers (quota), and the update sent again was refused ("credentials are
     not revoked", "has no quota-blocked offer"): the account stayed blocked for good."""
-    from activities.account_store import AccountStore
-    from fleet.errors import ClusterForbidden
-
-    a, put = cap.account("a"), AccountStore.put
-    refusing = [False]
-
-    def refused(self, record) -> None:
-        if refusing[0] and record.name == a:
-            raise ClusterForbidden('update configmaps "gpufleet-accounts" is forbidden', code="403")
-        put(self, record)
-
-    monkeypatch.setattr(AccountStore, "put", refused)
-    account = await cap.client.start_workflow(
-        "ProviderAccount", {"account": a, "provider": "lambda"}, id=cap.account_handle("lambda", "a").id,
-        task_queue=cap.settings.task_queue)
-    await account.signal("report", {"account": a, "kind": "OverQuota", "offer": cap.offer("cheap"),
-                                    "message": "quota reached"})
+    a, refusing, account = await over_quota_beside_a_refusing_guard(cap, monkeypatch, refusing=False)
     await account.signal("report", {"account": a, "kind": "BadCredentials", "message": "key revoked"})
     await wait_for(lambda: cap.env.accounts.get(a).state == "credentials-revoked", timeout=30)
 

@@ -16,7 +16,7 @@ import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 import typer
@@ -70,6 +70,24 @@ def command_words(segment: str) -> list[str] | None:
     return words[1:]
 
 
+def page_lines(page: Path) -> Iterator[tuple[int, str, bool]]:
+    """The lines of a Markdown page as (number, text, whether in a shell fence): a shell line
+    continued with a backslash comes whole, numbered by its last line; other fences' lines are left out."""
+    fence: str | None = None  # the open fence's language, or None outside one
+    pending = ""  # a shell line continued with a backslash
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("```"):
+            fence = None if fence is not None else stripped.strip("`").strip().split(" ")[0].lower()
+        elif fence is None:
+            yield number, line, False
+        elif fence in SHELL_FENCES:
+            text = pending + stripped
+            pending = text[:-1] + " " if text.endswith("\\") else ""
+            if not pending:
+                yield number, text, True
+
+
 def shown_commands(page: Path) -> list[tuple[Shown, list[str]]]:
     """Every gpufleet command line on the page, with its words after ``gpufleet``."""
     found: list[tuple[Shown, list[str]]] = []
@@ -81,21 +99,11 @@ def shown_commands(page: Path) -> list[tuple[Shown, list[str]]]:
             if words is not None:
                 found.append((Shown(name, number, segment.strip()), words))
 
-    fence: str | None = None  # the open fence's language, or None outside one
-    pending = ""  # a shell line continued with a backslash
-    for number, line in enumerate(page.read_text().splitlines(), 1):
-        stripped = line.strip()
-        if stripped.startswith("```"):
-            fence = None if fence is not None else stripped.strip("`").strip().split(" ")[0].lower()
+    for number, line, shell in page_lines(page):
+        if shell:
+            add(number, line)
             continue
-        if fence is not None:
-            if fence in SHELL_FENCES:
-                text = pending + stripped
-                pending = text[:-1] + " " if text.endswith("\\") else ""
-                if not pending:
-                    add(number, text)
-            continue
-        if stripped.startswith("#"):
+        if line.strip().startswith("#"):
             continue  # a heading names a command or a group (the reference's "## `gpufleet sim`")
         for span in re.findall(r"(?<!`)`([^`\n]+)`(?!`)", line):
             # A span that is only the program's name names it; "\|" is a pipe inside a table.

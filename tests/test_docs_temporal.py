@@ -28,7 +28,7 @@ from cli.dev import temporal_binary
 from fleet import naming
 from fleet import search_attributes as sa
 from fleet.naming import CONTROL_PLANE_QUEUE
-from tests.test_docs_commands import KUBECTL, SHELL_FENCES, pages
+from tests.test_docs_commands import KUBECTL, page_lines, pages
 
 pytestmark = pytest.mark.integration  # runs the `temporal` binary (its --help)
 
@@ -74,22 +74,12 @@ def shown(page: Path) -> list[tuple[str, list[str]]]:
             if words is not None:
                 found.append((f"{name}:{number}: {' '.join(command.split())}", words))
 
-    fence: str | None = None
-    pending = ""
     prose: list[tuple[int, str]] = []
-    for number, line in enumerate(page.read_text().splitlines(), 1):
-        stripped = line.strip()
-        if stripped.startswith("```"):
-            fence = None if fence is not None else stripped.strip("`").strip().split(" ")[0].lower()
-            continue
-        if fence is not None:
-            if fence in SHELL_FENCES:
-                text = pending + stripped
-                pending = text[:-1] + " " if text.endswith("\\") else ""
-                if not pending:
-                    add(number, text.removeprefix("$ "))
-            continue
-        prose.append((number, line))
+    for number, line, shell in page_lines(page):
+        if shell:
+            add(number, line.removeprefix("$ "))
+        else:
+            prose.append((number, line))
     # Inline code spans, one wrapped over lines included (CommonMark reads its line ending as a space).
     text = "\n".join(line for _, line in prose)
     starts = [0]

@@ -66,17 +66,21 @@ class EagerWatch:
                 result = await agent.watch_node(input)
                 self.boot_id = result.boot_id
                 return result
-            seq, digest = input.seq, input.digest
-            if self.new_digests:
-                seq, digest = seq + 1, f"padded-{len(self.inputs)}"
-            data = json.dumps({"node_name": input.node_name, "seq": seq, "digest": digest,
-                               "boot_id": self.boot_id, **PAD}).encode()
-            self.bytes += len(data)
-            return RawValue(Payload(metadata={"encoding": b"json/plain"}, data=data))
+            return self.armed_answer(input)
 
         others = [a for a in agent.all() if getattr(a, "__name__", "") != "watch_node"]
         return Worker(client, task_queue=node_queue(node_name), activities=[*others, watch_node],
                       activity_executor=executor, max_concurrent_activities=5)
+
+    def armed_answer(self, input: NodeWatchInput) -> Any:
+        """The node's answer once armed: at once, the node's GPUs unchanged."""
+        seq, digest = input.seq, input.digest
+        if self.new_digests:
+            seq, digest = seq + 1, f"padded-{len(self.inputs)}"
+        data = json.dumps({"node_name": input.node_name, "seq": seq, "digest": digest,
+                           "boot_id": self.boot_id, **PAD}).encode()
+        self.bytes += len(data)
+        return RawValue(Payload(metadata={"encoding": b"json/plain"}, data=data))
 
 
 async def watched_by(watch: EagerWatch, client, tmp_path, monkeypatch) -> AsyncIterator:
@@ -165,19 +169,8 @@ class FailingWatch(EagerWatch):
     """Fails every ``watch_node`` at once, non-retryable (the gateway forwards a failure's type and
     flag), once armed."""
 
-    def build_agent(self, client, node_name, gpus, executor, watch=None) -> Worker:
-        agent = NodeAgentActivities(node_name, gpus, watch)
-
-        @activity.defn(name="watch_node")
-        async def watch_node(input: NodeWatchInput) -> Any:
-            self.inputs.append(input)
-            if not self.armed:
-                return await agent.watch_node(input)
-            raise ApplicationError("watch refused", non_retryable=True)
-
-        others = [a for a in agent.all() if getattr(a, "__name__", "") != "watch_node"]
-        return Worker(client, task_queue=node_queue(node_name), activities=[*others, watch_node],
-                      activity_executor=executor, max_concurrent_activities=5)
+    def armed_answer(self, input: NodeWatchInput) -> Any:
+        raise ApplicationError("watch refused", non_retryable=True)
 
 
 @pytest.fixture
