@@ -22,7 +22,7 @@ import uuid
 
 import yaml
 
-from cli.dev import metrics_port, server_command
+from cli.dev import server_command
 from cli.front_door import DevFrontDoor
 from fleet import search_attributes
 from fleet.cluster import ServingSpec
@@ -31,6 +31,7 @@ from fleet.settings import Settings
 from fleet.temporal import connect
 from providers.haproxy import haproxy_binary
 from tests.conftest import sim_host, start_test_gateway, terminate_running, wait_for
+from tests.ports import free_port
 from tests.evacuation_helpers import FAST_JOIN, incident_fleet, poll
 from tests.replay import replay_and_record
 from workers.control_plane import build_worker
@@ -52,7 +53,8 @@ async def _server(settings: Settings) -> tuple[subprocess.Popen, object]:
     # A port found free can be taken by another test's process before the server binds it (it
     # then exits: "address already in use"): such a start is tried again on fresh ports.
     for _ in range(3):
-        port, ui, http = metrics_port(0), metrics_port(0), metrics_port(0)
+        # Below the ephemeral range (tests/ports.py): a port bind(0) found free can be a client's next.
+        port, ui, http = free_port(), free_port(), free_port()
         settings.address = f"127.0.0.1:{port}"
         proc = subprocess.Popen(server_command(settings, port, ui, http), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -100,7 +102,7 @@ async def test_gameday_control_plane_loss(tmp_path) -> None:
             for site in sites:  # one replica needs one node's 2 GPUs: the node the shadow spares
                 host.cluster.apply_serving(ServingSpec(model=f"llm-{uid}", site=site, image="vllm:1", replicas=1,
                                                        gpus_per_replica=2))
-            port = metrics_port(0)
+            port = free_port()
             door = await DevFrontDoor(host.cluster, tmp_path / "front-door", bind=f"127.0.0.1:{port}",
                                       first_token_ms=1).start()
         out = tmp_path / "gameday.json"

@@ -104,6 +104,18 @@ async def nodes(fleet_world: Stack) -> AsyncIterator[Stack]:
         await host
 
 
+async def polling(stack: Stack, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    """Until worker process ``proc`` polls the stack's task queue (its start-up done)."""
+    from tests.test_temporal_manifests import pollers
+
+    deadline = time.monotonic() + timeout
+    while not any(identity.startswith(f"{proc.pid}@") for identity in
+                  await pollers(stack.client, stack.settings.task_queue)):
+        assert proc.poll() is None and time.monotonic() < deadline, \
+            f"worker {proc.pid} never polled: {log.read_text()[-3000:]}"
+        await asyncio.sleep(0.2)
+
+
 def pid_of(pending) -> int:
     return int(pending.last_worker_identity.split("@")[0])  # the SDK's identity: pid@host
 
@@ -199,6 +211,9 @@ async def test_a_slow_alive_attempt_and_its_retry_buy_one_machine(nodes: Stack, 
             raise AssertionError(f"{error}\n{(tmp_path / 'worker-1.log').read_text()[-3000:]}") from None
         assert pid_of(first) == slow.pid
         workers.append(worker(stack, tmp_path / "worker-2.log"))
+        # Up before the first is stopped: a worker starting opens the simulated world's database,
+        # which a stopped process may hold locked ("database is locked": the second never polled).
+        await polling(stack, workers[-1], tmp_path / "worker-2.log")
         os.kill(slow.pid, signal.SIGSTOP)  # alive, but no heartbeat reaches the server
         await provisioning(handle, attempt=2, timeout=60, not_on=slow.pid)
         os.kill(slow.pid, signal.SIGCONT)  # the first attempt carries on: both create at once

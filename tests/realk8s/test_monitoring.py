@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,17 @@ def monitoring_crds(real_cluster: RealCluster) -> RealCluster:
         pytest.skip(reason)
     files = [arg for plural in PLURALS for arg in ("-f", str(crds.crd_path(plural)))]
     real_cluster.kubectl("apply", "--server-side", "--field-manager=prometheus-operator-crds", *files)
-    real_cluster.kubectl("wait", "--for=condition=Established", "--timeout=60s",
-                         *(f"crd/{plural}.monitoring.coreos.com" for plural in PLURALS))
+    wait = ("wait", "--for=condition=Established", "--timeout=60s",
+            *(f"crd/{plural}.monitoring.coreos.com" for plural in PLURALS))
+    for _ in range(20):
+        done = real_cluster.kubectl(*wait, check=False)
+        # kubectl's wait refuses at once a CRD whose status has no conditions yet, as one just created
+        # may ("<nil> is of the type <nil>"), rather than wait for them: asked again.
+        if done.returncode == 0 or ".status.conditions accessor error" not in done.stderr:
+            break
+        time.sleep(0.5)
+    if done.returncode != 0:
+        raise ClusterFailed(f"kubectl {' '.join(wait)}: {done.stderr.strip()}")
     return real_cluster
 
 
