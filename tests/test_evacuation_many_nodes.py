@@ -22,7 +22,8 @@ from fleet.messages.evacuation import EvacuationFacts, EvacuationProgress, Probe
 from fleet.models import MAX_SITE_NODES
 from tests.evacuation_helpers import IncStack, incident_fleet, open_incident_stack, poll
 from tests.replay import replay_and_record
-from workflows.evacuation import DRAIN_AT_ONCE, TEMPORAL_PENDING_ACTIVITIES_LIMIT
+from workflows.steps import TEMPORAL_PENDING_PER_RUN
+from workflows.evacuation import DRAIN_AT_ONCE
 
 
 def site_of(monkeypatch, count: int) -> None:
@@ -89,13 +90,13 @@ async def most_drains_at_once(handle: WorkflowHandle) -> int:
 def test_a_site_may_hold_more_nodes_than_temporal_lets_one_run_have_activities_in_flight() -> None:
     """The premise, from the code's own constants: a site's nodes outnumber the pending-activity
     limit, and the drains in flight at once stay well under it."""
-    assert MAX_SITE_NODES > TEMPORAL_PENDING_ACTIVITIES_LIMIT
-    assert DRAIN_AT_ONCE * 2 <= TEMPORAL_PENDING_ACTIVITIES_LIMIT
+    assert MAX_SITE_NODES > TEMPORAL_PENDING_PER_RUN
+    assert DRAIN_AT_ONCE * 2 <= TEMPORAL_PENDING_PER_RUN
 
 
 async def test_a_site_of_more_nodes_than_temporals_pending_activity_limit_drains(
         temporal_env, tmp_path, monkeypatch) -> None:
-    count = TEMPORAL_PENDING_ACTIVITIES_LIMIT + 100
+    count = TEMPORAL_PENDING_PER_RUN + 100
     site_of(monkeypatch, count)
     async for inc in fleet_stack(temporal_env, tmp_path):
         handle = await evacuate(inc)

@@ -24,7 +24,8 @@ from fleet.messages.watches import SiteWatchInput, SiteWatchResult
 from fleet.models import MAX_SITE_NODES
 from tests.evacuation_helpers import IncStack, incident_fleet, open_incident_stack, poll
 from tests.replay import replay_and_record
-from workflows.site import TELL_AT_ONCE, TEMPORAL_PENDING_SIGNALS_LIMIT
+from workflows.steps import TEMPORAL_PENDING_PER_RUN
+from workflows.site import TELL_AT_ONCE
 
 
 def silent_site(monkeypatch, count: int) -> None:
@@ -58,13 +59,13 @@ async def told_every_node(handle: WorkflowHandle, count: int) -> bool:
 def test_a_site_may_hold_more_nodes_than_temporal_lets_one_task_signal() -> None:
     """The premise, from the code's own constants: a site's nodes outnumber the pending-signal
     limit, and one turn stays well under it."""
-    assert MAX_SITE_NODES > TEMPORAL_PENDING_SIGNALS_LIMIT
-    assert TELL_AT_ONCE * 4 <= TEMPORAL_PENDING_SIGNALS_LIMIT
+    assert MAX_SITE_NODES > TEMPORAL_PENDING_PER_RUN
+    assert TELL_AT_ONCE * 4 <= TEMPORAL_PENDING_PER_RUN
 
 
 async def test_a_site_of_more_nodes_than_temporals_pending_signal_limit_tells_every_node_it_saw_go_silent(
         temporal_env, tmp_path, monkeypatch) -> None:
-    count = TEMPORAL_PENDING_SIGNALS_LIMIT + 100
+    count = TEMPORAL_PENDING_PER_RUN + 100
     silent_site(monkeypatch, count)
     async for inc in fleet_stack(temporal_env, tmp_path):
         handle = await inc.start_site("a", reconcile_seconds=3600)

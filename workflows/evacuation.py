@@ -154,11 +154,6 @@ ABORT_CUTS_WAITS_PATCH = "evacuation-abort-cuts-waits"
 #: flapped for days grew the timeline, carried whole over continue-as-new and shown in the details,
 #: toward Temporal's 2 MiB payload limit.
 TIMELINE_FIRST, TIMELINE_NEWEST = 10, 40
-#: Temporal's per-run limit on activities scheduled and not yet closed (the server's
-#: ``limit.numPendingActivities.error``, 2,000 by default; fixed at 2,000 on Temporal Cloud): a
-#: workflow task that schedules one past it fails (``PENDING_ACTIVITIES_LIMIT_EXCEEDED``), and fails
-#: again on every retry.
-TEMPORAL_PENDING_ACTIVITIES_LIMIT = 2000
 #: The most drains (``_drain``) and proof smoke tests (``_prove``) the evacuation has in flight at
 #: once; the others start as those end. A site may hold up to ``MAX_SITE_NODES`` (5,000) nodes, one
 #: activity each: far under Temporal's pending-activities limit, yet enough that a site whose every

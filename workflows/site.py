@@ -291,10 +291,6 @@ PUT_BACK_FINISHED_PATCH = "site-finishes-unfinished-put-backs"
 #: provider (buying a machine, where the join failed past its create) while the details said only
 #: "below min: acquiring". Asked where a fill's failure is taken, in the loop on events only.
 FILL_PACED_PATCH = "site-paces-failed-fills"
-#: Temporal's per-run limit on signals a workflow has sent and not yet delivered (the server's
-#: ``limit.numPendingSignals.error``, 2,000 by default; fixed at 2,000 on Temporal Cloud): a workflow
-#: task that sends one past it fails (``PENDING_SIGNALS_LIMIT_EXCEEDED``), and fails again on every retry.
-TEMPORAL_PENDING_SIGNALS_LIMIT = 2000
 #: The most Node entities one watch result tells at once (``_take``): the rest are told in turns of
 #: this many, each once the one before is delivered. A site may hold up to ``MAX_SITE_NODES`` (5,000)
 #: nodes, and every one of them turning NotReady at once (the provider down) is one watch result.

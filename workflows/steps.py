@@ -69,6 +69,12 @@ LONG_WATCH_RETRY = RetryPolicy(initial_interval=timedelta(seconds=1), maximum_in
 #: ... and one refused for good (an unknown site, a forbidden list) shown and tried again this
 #: much later.
 LONG_WATCH_PAUSE = timedelta(minutes=5)
+#: What one run may have in flight of each kind, Temporal's per-run limits (the server's
+#: ``limit.numPendingActivities.error``, ``numPendingSignals``, ``numPendingChildExecutions``,
+#: ``numPendingCancelRequests``: 2,000 each by default, fixed at 2,000 on Temporal Cloud): a workflow
+#: task that goes past one fails (``PENDING_..._LIMIT_EXCEEDED``), and fails again on every retry.
+#: What acts on every node of a site does it in turns (a site may hold ``MAX_SITE_NODES``).
+TEMPORAL_PENDING_PER_RUN = 2000
 #: How long one wait for another's evacuation (or fill) to end lasts (then it is asked again): one
 #: that follows the first, a Site entity's incident or fill begun by an earlier run of it.
 FOLLOW_WAIT = timedelta(days=1)
