@@ -31,10 +31,10 @@ from fleet.messages.routing import (
     SiteEventInput,
     apply_override,
 )
-from fleet.routing import ENDPOINTS_KIND, RoutingDocument, SiteLoad, endpoints_key, next_document
+from fleet.routing import ENDPOINTS_KIND, RoutingDocument, SiteLoad, endpoints_key, next_document, site_queue_depth
 from fleet.models import listing
 from fleet.naming import routing_workflow_id
-from providers.model_server_metrics import queue_depth
+from providers.model_server_metrics import server_queues
 from fleet.contracts import workflows as flows
 
 #: Round trip assumed to a site in the callers' geography, and to one elsewhere, until
@@ -72,8 +72,9 @@ class RoutingActivities:
     @typed_errors
     def routing_sample(self, input: RoutingSampleInput) -> RoutingSample:
         """Each site serving the model: Ready replicas, queue depth (``vllm:num_requests_waiting``
-        summed over the site's published model servers), latency, price, and what an
-        evacuation decided for the site (the fleet-wide site document)."""
+        of the site's published model servers, each weighing at most its part of the site:
+        ``site_queue_depth``), latency, price, and what an evacuation decided for the site (the
+        fleet-wide site document)."""
         return self._sample(input.model, input.geography)
 
     @activity.defn
@@ -121,7 +122,7 @@ class RoutingActivities:
             servers = cluster.read_state(ENDPOINTS_KIND, endpoints_key(model, status.site))
             sites.append(SiteLoad(
                 site=status.site, ready_replicas=status.available_replicas,
-                queue_depth=min(queue_depth(sorted(servers.values())), 1e9),
+                queue_depth=site_queue_depth(server_queues(sorted(servers.values())), status.available_replicas),
                 latency_ms=NEAR_MS if near else FAR_MS, price_per_gpu_hour=price,
                 healthy=route.healthy if route else True, draining=route.draining if route else False,
                 cap_percent=min(100, route.weight) if route else 100,

@@ -11,6 +11,7 @@ it on every site event and load sample and writes the result as one versioned
 
 from __future__ import annotations
 
+import math
 from enum import StrEnum
 from typing import Iterable
 
@@ -26,6 +27,8 @@ TOTAL = 1000
 #: backends, so more rules would not help: a model's serving policy and a rollout name at
 #: most this many sites.
 MAX_ROUTED_SITES = 16
+#: The most a site's ``queue_depth`` may be.
+MAX_SITE_QUEUE = 1e9
 
 
 class Strategy(StrEnum):
@@ -50,8 +53,10 @@ class SiteLoad(Strict):
     site: str = Field(min_length=1, max_length=253)
     #: Ready replicas only: a replica still loading its weights serves nothing.
     ready_replicas: int = Field(0, ge=0, le=100_000)
-    #: Requests waiting across the site's replicas (vLLM ``vllm:num_requests_waiting``).
-    queue_depth: float = Field(0, ge=0, le=1e9)
+    #: Requests waiting across the site's replicas (vLLM ``vllm:num_requests_waiting``); a load
+    #: sample's is ``site_queue_depth`` of its servers' figures, in which no one server weighs
+    #: more than its part of the site.
+    queue_depth: float = Field(0, ge=0, le=MAX_SITE_QUEUE)
     #: Round trip from the callers' geography to the site.
     latency_ms: float = Field(0, ge=0, le=600_000)
     price_per_gpu_hour: float = Field(0, ge=0, le=1e6)
@@ -82,7 +87,8 @@ class RoutingPolicy(Strict):
     hysteresis: float = Field(0.05, ge=0, le=0.5)
     #: Share a serving site never drops below (active-active): a warm site stays warm.
     warm_floor: float = Field(0.02, ge=0, le=0.5)
-    #: ``burst``: primaries count as saturated above this many waiting requests per replica.
+    #: ``burst``: primaries count as saturated above this many waiting requests per replica
+    #: (``queue_depth`` per replica, in which one server weighs its part: ``site_queue_depth``).
     burst_queue_per_replica: float = Field(8, gt=0, le=1e6)
     #: How sharply the strategy prefers its best site (share ~ (best/value) ** sharpness).
     sharpness: float = Field(4, ge=0, le=16)
@@ -247,11 +253,32 @@ def next_document(
 #: site, server name -> base URL, published by whoever runs them (the dev stack's front door),
 #: so a load sample can read each server's queue.
 ENDPOINTS_KIND = "serving-endpoints"
-#: The gauge a load sample sums over a site's servers (vLLM's name for it).
+#: The gauge a load sample reads from each of a site's servers (vLLM's name for it).
 QUEUE_METRIC = "vllm:num_requests_waiting"
-#: The most one server's gauge counts for, far above a real queue: the page is served from a
-#: node, and a claim of 1e300 must weigh like a full server, not overflow the site's sum.
+#: The most one server's gauge is read as, far above a real queue: the page is served from a
+#: node, and a claim of 1e300 must stay a number. What a server weighs in its site's figure is
+#: bounded by ``site_queue_depth``, not by this.
 MAX_SERVER_QUEUE = 1e6
+
+
+def site_queue_depth(server_queues: Iterable[float], ready_replicas: int) -> float:
+    """A site's ``queue_depth`` from the requests waiting at each of its model servers (those
+    that answered a count). Each figure is its node's word, so one server moves its site's figure
+    only by its own part of the site's serving, and never decides the traffic to the other nodes'
+    servers there: a server with ``q`` waiting is ``q / (1 + q)`` busy (0 idle, towards 1 full,
+    whatever it claims), the site is the mean of its servers, and its queue is the one that,
+    spread evenly over its Ready replicas, is that busy. So of N servers one claiming a million
+    waiting makes the site at most 1/N busier (as if that server were full, not as if every
+    server waited a quarter of a million), one claiming none at most 1/N idler. Load spread
+    evenly reads as its sum, as before: a site whose every server is saturated reads saturated
+    and loses its share. Uneven load counts each server for its part: one of four servers with
+    100 waiting, three idle, makes its site a quarter busy, a third of a request per replica
+    (the sum read 25)."""
+    queues = [min(q, MAX_SERVER_QUEUE) for q in server_queues]
+    if not queues or ready_replicas <= 0:
+        return 0.0
+    idle = math.fsum(1 / (1 + q) for q in queues) / len(queues)
+    return min((1 / idle - 1) * ready_replicas, MAX_SITE_QUEUE)
 
 
 def endpoints_key(model: str, site: str) -> str:

@@ -1,7 +1,9 @@
 """Reading a model server's load from its Prometheus ``/metrics`` (vLLM's exposition).
 
-The ``Routing`` entity's sample sums ``vllm:num_requests_waiting`` over a site's
-servers: a site whose queue grows is a site whose new sessions would wait.
+The ``Routing`` entity's sample reads ``vllm:num_requests_waiting`` from each of a site's
+servers: a site whose queue grows is a site whose new sessions would wait. Each figure is its
+node's word, so the site's load is made from them by ``fleet.routing.site_queue_depth``, in
+which one server weighs no more than its own part of the site.
 """
 
 from __future__ import annotations
@@ -48,21 +50,22 @@ READS_AT_ONCE = 32
 MAX_LINE_BYTES = 64 * 2**10
 
 
-def queue_depth(urls: list[str], timeout_s: float = 2.0) -> float:
-    """Requests waiting across these servers, read at once, each within ``PAGE_SECONDS``. A server
-    that does not answer, or answers no count, adds nothing: a server that does not answer is not
-    Ready either, and readiness already takes it out of the weights; one that answers nonsense
-    (or too much, or too slowly: ``MAX_PAGE_BYTES``, ``PAGE_SECONDS``) must not stop the others
-    counting. Called from a thread (the sample's), never from an event loop."""
+def server_queues(urls: list[str], timeout_s: float = 2.0) -> list[float]:
+    """The requests waiting at each of these servers that answered a count, in their order, read
+    at once, each within ``PAGE_SECONDS``. A server that does not answer, or answers no count, has
+    no figure: a server that does not answer is not Ready either, and readiness already takes it
+    out of the weights; one that answers nonsense (or too much, or too slowly: ``MAX_PAGE_BYTES``,
+    ``PAGE_SECONDS``) must not stop the others counting. Called from a thread (the sample's),
+    never from an event loop."""
     if not urls:
-        return 0.0
-    return asyncio.run(_queue_depth(urls, timeout_s))
+        return []
+    return asyncio.run(_server_queues(urls, timeout_s))
 
 
-async def _queue_depth(urls: list[str], timeout_s: float) -> float:
+async def _server_queues(urls: list[str], timeout_s: float) -> list[float]:
     at_once = asyncio.Semaphore(READS_AT_ONCE)
     async with httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=READS_AT_ONCE)) as client:
-        async def one(url: str) -> float:
+        async def one(url: str) -> float | None:
             async with at_once:
                 try:
                     async with asyncio.timeout(PAGE_SECONDS):
@@ -71,9 +74,10 @@ async def _queue_depth(urls: list[str], timeout_s: float) -> float:
                     log.info("no load from %s: its page took over %g s", url, PAGE_SECONDS)
                 except (httpx.HTTPError, ValueError) as error:
                     log.info("no load from %s: %s", url, error)
-                return 0.0
+                return None
 
-        return sum(await asyncio.gather(*(one(url) for url in urls)))
+        read = await asyncio.gather(*(one(url) for url in urls))
+        return [waiting for waiting in read if waiting is not None]
 
 
 async def _waiting_lines(client: httpx.AsyncClient, url: str, metric: str = QUEUE_METRIC) -> str:
