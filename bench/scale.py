@@ -240,6 +240,9 @@ class Step:
     fault_written: list[float] = field(default_factory=list)
     report_written: list[float] = field(default_factory=list)
     hops: dict[str, list[float]] = field(default_factory=dict)  # PATH_HOPS → s from the hop before
+    #: Faults seen cordoned only after ``LATE_AFTER`` seconds (counted in ``contain`` too), and
+    #: faults never seen cordoned within ``GIVE_UP_AFTER``.
+    late: int = 0
     not_contained: int = 0
     outcomes: dict[str, int] = field(default_factory=dict)
     steady_wall: float = 0.0
@@ -364,6 +367,14 @@ async def check_health_traffic(client, step: Step, rng: random.Random, sample: i
     step.health_checked = (seen, sent)
 
 
+#: A fault seen cordoned after this many seconds is late (a finding, printed); one not seen
+#: cordoned after ``GIVE_UP_AFTER`` never was. Containment takes well under a second (see the
+#: p99 rows), so only a fault the fleet lost reaches the second: the suite's smoke run asserts
+#: none did, and leaves lateness, which a loaded machine can cause, to the printed count.
+LATE_AFTER = 30
+GIVE_UP_AFTER = 120
+
+
 async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: random.Random,
                  used: set[tuple[str, int]], drill: int, minutes: float) -> list[str]:
     """The steady mix for ``minutes``: seeded faults (each timed from injection to
@@ -390,9 +401,10 @@ async def steady(fleet_env: FleetEnv, client, settings, step: Step, args, rng: r
             for name in await loop.run_in_executor(looker, cordoned_now) if pending else []:
                 start, injected_at, written_at = pending.pop(name)
                 step.contain.append(time.perf_counter() - start)
+                step.late += step.contain[-1] > LATE_AFTER
                 step.cordons.append((name, injected_at, written_at, time.time()))
             for name, (start, _, _) in list(pending.items()):
-                if time.perf_counter() > start + 30:
+                if time.perf_counter() > start + GIVE_UP_AFTER:
                     pending.pop(name)
                     step.not_contained += 1
             await asyncio.sleep(0.01)
@@ -796,8 +808,8 @@ def print_table(args, steps: list[Step]) -> None:
         if longest:
             print(f"  {'    the longest, at':48s}"
                   + ", ".join(f"{ms:.0f} ms (gen {gen}) +{at:.0f} s" for at, ms, gen in longest))
-    print(f"  {'faults contained / not within 30 s':48s}"
-          + "".join(f"{f'{len(s.contain)}/{s.not_contained}':>12s}" for s in steps))
+    print(f"  {f'faults contained / late (> {LATE_AFTER} s) / never':48s}"
+          + "".join(f"{f'{len(s.contain)}/{s.late}/{s.not_contained}':>12s}" for s in steps))
     row("spot reclaim notice -> replaced p50 (s)", [statistics.median(s.reclaims) if s.reclaims else nan
                                                     for s in steps], "{:.1f}")
     print(f"  {'spot reclaims replaced / failed':48s}"

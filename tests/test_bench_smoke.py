@@ -66,7 +66,7 @@ SMOKE: dict[str, Smoke] = {
     "bench.scale": Smoke(("--smoke",), (
         r"\[2 nodes: joined 2 in .* faults contained\]",
         r"\[4 nodes: joined 2 in .* faults contained\]",
-        rf"faults contained / not within 30 s\s+{NUMBER}/{NUMBER}\s+{NUMBER}/{NUMBER}",
+        rf"faults contained / late \(> 30 s\) / never\s+{NUMBER}/{NUMBER}/{NUMBER}\s+{NUMBER}/{NUMBER}/{NUMBER}",
         rf"capacity request -> result \(s\)\s+{NUMBER}",
         rf"incident: third fault -> routing weight 0 \(ms\)\s+{NUMBER}",
         r"target fault -> contained p99 at 4 within 5x of at 2: (met|NOT met) \([0-9.]+x",

@@ -30,7 +30,9 @@ async def test_the_scale_benchmark_runs_against_an_existing_cluster(real_tempora
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
         rows = {line[:50].strip(): line[50:].split() for line in done.stdout.splitlines() if len(line) > 50}
         assert rows["join failures"] == ["0"] * STEPS
-        assert rows["faults contained / not within 30 s"][0].endswith("/0")
+        # Every fault injected was contained (late ones, which load can cause, are printed, not judged).
+        contained, _late, never = rows["faults contained / late (> 30 s) / never"][0].split("/")
+        assert int(contained) > 0 and int(never) == 0
         assert f"Temporal: the cluster at {real_temporal.address}, namespace {BENCH_NAMESPACE}" in done.stdout
         # The cluster's own processes were measured (PostgreSQL's backends with them): numbers,
         # where no pids would read n/a.
