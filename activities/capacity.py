@@ -15,6 +15,7 @@ import logging
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from typing import Any, Awaitable, Callable, TypeVar
 
 from temporalio import activity
@@ -36,6 +37,7 @@ from fleet.messages.capacity import (
     FillRef,
     GetCatalogInput,
     NotifyInput,
+    QueuedDeletes,
     ReleaseCordonsInput,
     ReportAccountInput,
     RetireMachineInput,
@@ -298,6 +300,7 @@ class CapacityActivities:
             self.account_config_problems,
             self.check_credentials,
             self.run_queued_deletes,
+            self.queued_deletes,
             self.notify_person,
             self.wake_waiting_requests,
             self.drain_within,
@@ -417,6 +420,19 @@ class CapacityActivities:
             done.append(pending.machine_id)
             activity.heartbeat(len(done))
         return done
+
+    @activity.defn
+    def queued_deletes(self, input: AccountInput) -> QueuedDeletes:
+        """The deletes the guard store holds queued for the account, and whether it has the account
+        revoked: a ProviderAccount run started afresh (its run before terminated, owing them) reads
+        what it owes from here. Reads the store only."""
+        pending = self.env.accounts.pending_deletes(input.account)
+        revoked = self.env.accounts.get(input.account).state == AccountState.CREDENTIALS_REVOKED
+        oldest = min((p.queued_at for p in pending), default=None)
+        return QueuedDeletes(
+            machines=[p.machine_id for p in pending], revoked=revoked,
+            oldest="" if oldest is None else datetime.fromtimestamp(oldest, timezone.utc).isoformat(timespec="seconds"),
+        )
 
     @activity.defn
     async def notify_person(self, input: NotifyInput) -> bool:

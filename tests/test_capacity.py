@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -349,6 +350,50 @@ async def test_deletes_owed_are_carried_over_continue_as_new(cap: CapStack, monk
                                 lambda s: not s.deletes_owed_since)
     assert cap.env.accounts.pending_deletes(a) == [] and done.deletes_failing == ""
     await replay_and_record(account, "account_deletes_owed_carried_over_continue_as_new")
+
+
+async def test_deletes_owed_by_a_terminated_account_run_are_run_by_the_run_started_again(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An operator terminates the ProviderAccount entity (``temporal workflow terminate``) while it
+    owes deletes; the next report about the account (a request's OverQuota) starts it again, afresh,
+    with no state carried. The deletes are still queued in the account guard store: the new run reads
+    them there, owes them (since they were queued: ``gpufleet accounts list`` shows them), tries them
+    and runs them once the provider takes them, and the machine goes. Before, the new run started
+    owing nothing: the deletes stayed queued until the account was revoked and rotated again, and the
+    machine stayed up, billed, shown nowhere."""
+    a, account, machine = await revoked_with_a_queued_delete(cap)
+    refusing = refuse_deletes(cap, monkeypatch)
+    cap.world.set_credentials_valid(a, True)
+    rotated = AccountStatus.model_validate(await account.execute_update("credentials_rotated"))
+    assert rotated.state == "healthy" and rotated.deletes_owed_since, "the deletes are owed"
+    first = (await account.describe()).run_id
+    await account.terminate("by hand")
+    queued_at = cap.env.accounts.pending_deletes(a)[0].queued_at
+
+    # A request meets the account's quota: its report starts the entity again, afresh.
+    cap.world.set_site(cap.site("cheap"), quota=0)
+    await result_of(await cap.request({"constraints": {"gpu": "H100"}, "count": 1}))
+    again = await wait_for_async(account.describe, lambda d: d.run_id != first and d.status.name == "RUNNING",
+                                 timeout=30)
+    started = (await account.fetch_history()).events[0].workflow_execution_started_event_attributes
+    assert "status" not in json.loads(started.input.payloads[0].data), "a fresh run: nothing carried"
+
+    async def status() -> AccountStatus:
+        return await account.query("status", result_type=AccountStatus)
+
+    owing = await wait_for_async(status, lambda s: s.deletes_owed_since and s.state == "quota-blocked")
+    assert datetime.fromisoformat(owing.deletes_owed_since).timestamp() == pytest.approx(queued_at, abs=1)
+    shown = await wait_for_async(lambda: details(account), lambda text: "try 1, next try at" in text)
+    assert "deletes owed since" in shown and "still up" in shown, shown
+    assert cap.world.machine(machine.machine_id)["deleted_at"] is None, "the provider still refuses the delete"
+
+    refusing[0] = False  # the provider takes the delete: the new run's next try runs it
+    await wait_for(lambda: cap.world.machine(machine.machine_id)["deleted_at"] is not None, timeout=30)
+    done = await wait_for_async(status, lambda s: not s.deletes_owed_since)
+    assert cap.env.accounts.pending_deletes(a) == [] and done.deletes_failing == ""
+    assert any(f"ran 1 queued deletes: {machine.machine_id}" in line for line in done.history), done.history
+    assert (await account.describe()).run_id == again.run_id
+    await replay_and_record(account, "account_started_again_runs_the_deletes_owed")
 
 
 async def revoked_with_a_queued_delete(cap: CapStack):

@@ -324,6 +324,10 @@ EXPECTED = {
     # whose update failed and whose second rotation was refused, the machine left up, replays too.
     "account_rotation_owes_failed_deletes", "account_rotation_owes_failed_deletes_before",
     "account_deletes_owed_carried_over_continue_as_new",
+    # A run started afresh after its run before was terminated owing deletes reads them from the
+    # guard store, owes them and runs them (``account-started-afresh-takes-queued-deletes``,
+    # tests/test_capacity.py); the old code's fresh run, which owed nothing, the machine left up, replays too.
+    "account_started_again_runs_the_deletes_owed", "account_started_again_runs_the_deletes_owed_before",
     # The entity gate (issue 38): a Node continues as new only once its watch loop rests, so the run
     # that took a spot notice starts the SpotReclaim (tests/test_entity_gate.py).
     "node_entity_continued_as_new_after_reclaim",

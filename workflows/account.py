@@ -12,7 +12,10 @@ once). A person clears them with updates:
   succeeds; then the deletes queued while revoked run. Deletes that fail past their retries
   do not undo the rotation: they are owed (``AccountStatus.deletes_owed_since``, carried over
   continue-as-new), and the loop tries them again after a pause that doubles, until they run
-  (patch ``account-owes-failed-deletes``).
+  (patch ``account-owes-failed-deletes``). A run started afresh (its run before terminated by hand,
+  its state not carried) reads the deletes still queued in the guard store and owes them, unless the
+  guard has the account revoked (the next rotation runs them: patch
+  ``account-started-afresh-takes-queued-deletes``).
 
 Every change is written through to the guard store that activities check, the
 search attribute ``FleetState`` is ``needs-person`` while anything is blocked
@@ -49,11 +52,12 @@ with workflow.unsafe.imports_passed_through():
         AccountStatus,
         NotifyInput,
         ProviderAccountInput,
+        QueuedDeletes,
         QuotaRaised,
         ReportAccountInput,
     )
     from fleet import search_attributes as sa
-    from fleet.models import AccountState
+    from fleet.models import AccountState, listing
     from workflows.entity import Entity
     from workflows.inputs import invalid_input, parse_input, parse_signal, refusal
     from workflows.passes import FIRST_PAUSE, MAX_PAUSE, FailedPasses
@@ -99,6 +103,16 @@ UPDATE_PUTS_BACK_PATCH = "account-update-puts-back-on-a-failed-write"
 #: failed with the rotation saved: sent again it was refused ("credentials are not revoked") and
 #: nothing else ran the deletes: the machines queued for deletion stayed up, billed, no one told.
 DELETES_OWED_PATCH = "account-owes-failed-deletes"
+#: Workflow patch, asked in a run started afresh (no carried status: its run before was terminated,
+#: by hand, and the next report started it again), once the fleet config is checked: the run reads
+#: the deletes the guard store still holds queued for its account (``queued_deletes``). With the guard
+#: not revoking the account they are owed (since the oldest was queued), shown, and the loop runs
+#: them at once and tries them again as ``account-owes-failed-deletes`` does; a read that fails past
+#: its retries owes them too (the loop's try reads the store itself). Revoked, they wait for the next
+#: rotation, as before. Before it a fresh run started owing nothing: a terminated run's owed deletes
+#: stayed queued in the store until the account was revoked and rotated again, their machines up,
+#: billed, shown nowhere (the FleetSweep took those accounted for by nothing, once past its grace).
+TAKES_QUEUED_DELETES_PATCH = "account-started-afresh-takes-queued-deletes"
 #: What the owed deletes' try is called in the entity's details and log.
 DELETES_STEP = "run the deletes queued while revoked"
 
@@ -249,6 +263,8 @@ class ProviderAccount(Entity[AccountStatus | None]):
             # After the state is set: an update meanwhile is checked against it, not held until the check
             # ends (a fresh run's state refuses every update: nothing is blocked or revoked yet).
             await self._check_config(args)
+        if args.status is None and workflow.patched(TAKES_QUEUED_DELETES_PATCH):
+            await self._take_queued_deletes()
         workflow.upsert_search_attributes([
             sa.ACCOUNT.value_set(args.account), sa.PROVIDER.value_set(args.provider),
             sa.FLEET_STATE.value_set(self._fleet_state()),
@@ -345,6 +361,37 @@ class ProviderAccount(Entity[AccountStatus | None]):
             status.deletes_owed_since = status.deletes_failing = ""
             self._deletes_next, self._deletes_pause, self._deletes_tries = None, FIRST_PAUSE, 0
             self._show()
+
+    async def _take_queued_deletes(self) -> None:
+        """A run started afresh: the deletes the guard store still holds queued for the account,
+        which a run before it (terminated, its state not carried) may have owed. Owed (since the
+        oldest was queued) unless the guard has the account revoked: the loop runs them at once, after
+        any report that came with the start, and tries them again until they run."""
+        status = self.state
+        try:
+            queued: QueuedDeletes = await workflow.execute_activity(
+                act.queued_deletes, AccountInput(account=status.account),
+                start_to_close_timeout=QUICK, retry_policy=STORE_RETRY, summary="deletes queued in the account guard",
+            )
+        except ActivityError as error:
+            if cancelled_by_request(error):
+                raise
+            # Not known: owed, so none is left; the loop's try reads the store itself (none queued: none run).
+            status.deletes_owed_since = workflow.now().isoformat(timespec="seconds")
+            status.deletes_failing = (f"could not read the deletes queued in the account guard "
+                                      f"({failure_text(error)[:MAX_PROBLEM_SHOWN]}): tried as owed")
+            self._log(f"started afresh: {status.deletes_failing}")
+            return
+        if not queued.machines:
+            return
+        machines = f"{len(queued.machines)} deletes queued in the account guard since {queued.oldest}"
+        if queued.revoked:  # the guard refuses them: the next rotation runs them, as any queued while revoked
+            self._log(f"started afresh with {machines} ({listing(queued.machines)}): they run once the "
+                      "credentials are rotated")
+            return
+        status.deletes_owed_since = queued.oldest
+        status.deletes_failing = f"{machines}, owed by a run before this one (it ended without running them)"
+        self._log(f"started afresh owing {machines} ({listing(queued.machines)}): running them")
 
     def _owe_deletes(self, error: ActivityError, *, rotated: bool = False) -> None:
         """A try of the queued deletes failed past its retries: they are owed, and tried again after

@@ -20,8 +20,8 @@ from fleet.incident import IncidentSettings
 from fleet.messages.advisor import Usage
 from fleet.messages.capacity import (
     AccountConfigInput, AccountInput, AccountRecordInput, CapacityResult, Catalog, ChildNumber, ChildNumberInput,
-    DrainNodeInput, FillRef, GetCatalogInput, NotifyInput, ReleaseCordonsInput, ReportAccountInput, RetireMachineInput,
-    SignalSitesInput, SiteNode, SiteNodesInput, WakeRequestsInput,
+    DrainNodeInput, FillRef, GetCatalogInput, NotifyInput, QueuedDeletes, ReleaseCordonsInput, ReportAccountInput,
+    RetireMachineInput, SignalSitesInput, SiteNode, SiteNodesInput, WakeRequestsInput,
 )
 from fleet.messages.csr import CsrApproverResult
 from fleet.messages.demand import (
@@ -525,6 +525,14 @@ async def routing_model_problems(input: RoutingModelInput) -> list[tuple[str, st
     """``[("model", problem)]`` when no site serves the model (a Deployment of it, at any replica
     count) and the fleet config does not name it (``models:``); none otherwise. Body:
     ``activities/routing.py``, ``RoutingActivities.routing_model_problems``."""
+    raise NotImplementedError("a declaration: the worker registers the body")
+
+
+@activity.defn(name="queued_deletes")
+async def queued_deletes(input: AccountInput) -> QueuedDeletes:
+    """The deletes the account guard store holds queued for the account (and whether it has the
+    account revoked): read by a ProviderAccount run started afresh. Body: ``activities/capacity.py``,
+    ``CapacityActivities.queued_deletes``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 
 

@@ -237,6 +237,18 @@ class AccountStatus(BaseModel):
     deletes_failing: str = ""
 
 
+class QueuedDeletes(BaseModel):
+    """What the account guard store holds for an account, as a ProviderAccount run started afresh
+    reads it (``queued_deletes``): the deletes queued while it was revoked that have not run."""
+
+    #: The machines whose delete is queued, oldest first.
+    machines: list[str] = Field(default_factory=list)
+    #: When (ISO, UTC) the oldest of them was queued; empty when none is.
+    oldest: str = ""
+    #: Whether the guard has the account revoked (then the next rotation runs them).
+    revoked: bool = False
+
+
 class ProviderAccountInput(Strict):
     account: Name
     provider: Name
