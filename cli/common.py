@@ -54,26 +54,33 @@ def unreachable(error) -> NoReturn:
     fail(f"cannot reach Temporal at {error.address} ({error.reason}); is `gpufleet dev` running?")
 
 
-def fleet_client(config: Settings):
-    """The client every command steers workflows through (it connects on first use).
-    Imported here, not at the top: commands that never talk to Temporal start quicker."""
+def fleet_client(config: Settings, update_answer_timeout: float | None = None):
+    """The client every command steers workflows through (it connects on first use). An update
+    whose answer is slow to come is said on stderr, with until when it is waited for (the client's
+    ``UPDATE_ANSWER_TIMEOUT``, or ``update_answer_timeout`` seconds: a command's own --timeout; one
+    not above 0 leaves the default). Imported here, not at the top: commands that never talk to
+    Temporal start quicker."""
     from client import FleetClient
 
-    return FleetClient(config)
+    if update_answer_timeout is not None and not update_answer_timeout > 0:
+        update_answer_timeout = None
+    return FleetClient(config, update_answer_timeout=update_answer_timeout,
+                       waiting=lambda line: err.print(line, markup=False, highlight=False))
 
 
 def run(coro):
     """``asyncio.run`` for a command: an unreachable server exits 1 saying where it was expected; a
-    query no worker answered exits 1 saying which, and where the worker should have been."""
+    query no worker answered exits 1 saying which, and where the worker should have been; an update
+    taken but not answered in time exits 1 saying that it goes on, and how to look at it."""
     from rich.markup import escape
 
-    from client import NoWorker, Unreachable
+    from client import NoWorker, Unreachable, UpdateUnanswered
 
     try:
         return asyncio.run(coro)
     except Unreachable as error:
         unreachable(error)
-    except NoWorker as error:
+    except (NoWorker, UpdateUnanswered) as error:
         fail(escape(str(error)))
 
 

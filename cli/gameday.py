@@ -192,7 +192,7 @@ def _print_report(report: dict, json_out: Path | None) -> None:
 async def _gameday(settings, sites: list[str], heal_after: float, timeout: float) -> dict:
     from sim.world import SimWorld
 
-    fleet = fleet_client(settings)
+    fleet = fleet_client(settings, update_answer_timeout=timeout)
     await fleet.temporal()
     world = SimWorld(settings.sim_db)
     for site in sites:  # the Site entities watch their sites (the sweep would start them too)
@@ -546,7 +546,7 @@ class _ControlPlaneLoss:
         from sim.cluster import SimCluster
         from sim.world import SimWorld
 
-        self.fleet = fleet_client(self.settings)
+        self.fleet = fleet_client(self.settings, update_answer_timeout=self.timeout)
         self.client = await self.fleet.temporal()
         self.world = SimWorld(self.settings.sim_db)
         cluster = SimCluster(self.world)

@@ -13,7 +13,9 @@ one), and refuses a bad argument with :class:`InvalidArgument` naming the field
 before anything is started. ``gpufleet`` (cli/) is built on this client.
 """
 
-from client.errors import FleetClientError, InvalidArgument, NoWorker, NotFound, Rejected, Unreachable, UpdateNotTaken
+from client.errors import (
+    FleetClientError, InvalidArgument, NoWorker, NotFound, Rejected, Unreachable, UpdateNotTaken, UpdateUnanswered,
+)
 from client.fleet import FleetClient, Renewed, RolloutStatus, manual_evacuation_id, query_workflow
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "RolloutStatus",
     "Unreachable",
     "UpdateNotTaken",
+    "UpdateUnanswered",
     "manual_evacuation_id",
     "query_workflow",
 ]

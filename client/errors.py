@@ -88,3 +88,25 @@ class UpdateNotTaken(NoWorker):
                      f"control plane running (its worker polls `{task_queue}`)? (gpufleet dev / kubectl -n gpufleet "
                      "get pods); it is not applied, but the server may still hand it to a worker that starts soon: "
                      "look at the workflow before sending it again",)
+
+
+class UpdateUnanswered(FleetClientError, TimeoutError):
+    """A worker took an update (the workflow accepted it: it is in the workflow's history) but no
+    answer came in time: the worker stopped as it ran the handler (the next one to poll the queue
+    carries it on), or the handler itself waits long (a capacity cancel waits for its joins to
+    stop). Either way the workflow carries it out whether or not anyone waits: the message says so,
+    that it must not be sent again, and how to look (``temporal workflow update describe`` with its
+    update id, and ``look``, a gpufleet command showing the workflow, where one does)."""
+
+    def __init__(self, workflow_id: str, update: str, update_id: str, seconds: float, look: str = "") -> None:
+        self.workflow_id = workflow_id
+        self.update = update
+        self.update_id = update_id
+        self.seconds = seconds
+        self.look = look
+        shown = f" or `{look}`" if look else ""
+        super().__init__(
+            f"`{workflow_id}` accepted the update `{update}` but gave no answer within {seconds:g} s: it is "
+            "in the workflow's history and goes on there (its worker may have stopped as it ran it: the next "
+            "worker to poll the queue carries it on; or it waits on something slow), so do not send it again; "
+            f"look: `temporal workflow update describe --workflow-id {workflow_id} --update-id {update_id}`{shown}")

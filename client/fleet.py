@@ -11,6 +11,7 @@ the same answer, only later.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -32,7 +33,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes, Workfl
 from temporalio.exceptions import CancelledError
 from temporalio.service import RPCError, RPCStatusCode
 
-from client.errors import InvalidArgument, NoWorker, NotFound, Rejected, Unreachable, UpdateNotTaken
+from client.errors import InvalidArgument, NoWorker, NotFound, Rejected, Unreachable, UpdateNotTaken, UpdateUnanswered
 from fleet import search_attributes as sa
 from fleet.config import ConfigError, FleetConfig, load_config
 from fleet.messages.advisor import AdvisorInput, AdvisorReport
@@ -67,8 +68,19 @@ DESCRIBE_TIMEOUT = timedelta(seconds=5)
 #: How long an update waits for a worker to take it (run its validator and accept it), as a query
 #: waits for its answer: a worker takes it with its next workflow task. Unbounded, an update to a
 #: workflow no worker polls for (the control plane down) waited for ever, and its command with it,
-#: saying nothing. Once taken, its handler runs on a live worker and is waited for to its end.
+#: saying nothing.
 UPDATE_TIMEOUT = QUERY_TIMEOUT
+#: How long an update's answer is waited for once a worker has taken it (``FleetClient``'s
+#: ``update_answer_timeout``; a command with a --timeout of its own waits that). Its handler runs in
+#: the workflow, mostly in milliseconds; some wait on an activity or on other work: a capacity
+#: cancel for its joins to stop and delete their machines, a credentials check (60 s a try, three
+#: tries). Unbounded, a worker that stopped as it ran the handler, or a handler that waited long,
+#: left the command waiting for ever, saying nothing. Past it: :class:`UpdateUnanswered`, saying
+#: that the update goes on in the workflow and how to look at it.
+UPDATE_ANSWER_TIMEOUT = timedelta(minutes=5)
+#: An answer not back this soon is said to be waited for, and until when (``FleetClient``'s
+#: ``waiting``): most come back well within it.
+UPDATE_ANSWER_QUIET = timedelta(seconds=2)
 
 
 def capacity_id(request: str) -> str:
@@ -176,12 +188,26 @@ class Renewed:
 class FleetClient:
     """gpufleet's operator actions. Connects on first use with the same settings as every
     other entry point (``TEMPORAL_ADDRESS``, ``TEMPORAL_NAMESPACE``, ``GPUFLEET_TASK_QUEUE``,
-    ``GPUFLEET_CONFIG``), so an invalid argument is refused even without a server."""
+    ``GPUFLEET_CONFIG``), so an invalid argument is refused even without a server.
 
-    def __init__(self, settings: Settings | None = None, temporal: Client | None = None) -> None:
+    ``update_answer_timeout`` (a timedelta, or seconds): how long an update taken by a worker is
+    waited for (default ``UPDATE_ANSWER_TIMEOUT``). ``waiting``: told, in one line, of an update
+    whose answer has not come within ``UPDATE_ANSWER_QUIET`` (what is waited for, and until when)."""
+
+    def __init__(self, settings: Settings | None = None, temporal: Client | None = None, *,
+                 update_answer_timeout: timedelta | float | None = None,
+                 waiting: Callable[[str], None] | None = None) -> None:
         self.settings = settings or Settings.from_env()
         self._client = temporal
         self._config: FleetConfig | None = None
+        if update_answer_timeout is None:
+            update_answer_timeout = UPDATE_ANSWER_TIMEOUT
+        elif not isinstance(update_answer_timeout, timedelta):
+            update_answer_timeout = timedelta(seconds=update_answer_timeout)
+        if update_answer_timeout <= timedelta(0):
+            raise InvalidArgument([("update_answer_timeout", "must be more than 0 s")])
+        self.update_answer_timeout: timedelta = update_answer_timeout
+        self.waiting = waiting
 
     async def temporal(self) -> Client:
         """The Temporal client (pydantic payloads, tracing), connected once."""
@@ -328,7 +354,8 @@ class FleetClient:
                               accepted: Callable[[], None] | None = None) -> CapacityProgress:
         """Stop a capacity request (``capacity/<id>`` or its request id): every join in flight
         is cancelled and deletes its machine; nodes already joined stay. Returns once that is
-        done, naming each join it stopped (``released``). ``accepted`` is called as soon as the
+        done, naming each join it stopped (``released``); not done within ``update_answer_timeout``,
+        :class:`UpdateUnanswered` (the cancel goes on). ``accepted`` is called as soon as the
         request has taken the cancel (from then on it happens even if this caller goes away)."""
         workflow_id = capacity_id(_text("request", request))
         if not isinstance(reason, str):
@@ -340,7 +367,7 @@ class FleetClient:
                 flows.AcquireCapacity.cancel, reason, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=CapacityProgress))
             if accepted is not None:
                 accepted()
-            return await update.result()
+            return await self._answered(handle, flows.AcquireCapacity.cancel, update)
         except WorkflowUpdateFailedError as error:
             raise Rejected(workflow_id, flows.AcquireCapacity.cancel, str(error.cause)) from error
         except RPCError as error:
@@ -420,13 +447,19 @@ class FleetClient:
         return RolloutStatus(workflow_id, description.status, progress, live)
 
     async def pause_rollout(self, rollout: str, reason: str = "") -> RolloutProgress:
-        return await self._update(rollout_workflow_id(_text("rollout", rollout)), flows.ModelRollout.pause, [reason], RolloutProgress)
+        workflow_id = rollout_workflow_id(_text("rollout", rollout))
+        return await self._update(workflow_id, flows.ModelRollout.pause, [reason], RolloutProgress,
+                                  _rollout_look(workflow_id))
 
     async def resume_rollout(self, rollout: str, reason: str = "") -> RolloutProgress:
-        return await self._update(rollout_workflow_id(_text("rollout", rollout)), flows.ModelRollout.resume, [reason], RolloutProgress)
+        workflow_id = rollout_workflow_id(_text("rollout", rollout))
+        return await self._update(workflow_id, flows.ModelRollout.resume, [reason], RolloutProgress,
+                                  _rollout_look(workflow_id))
 
     async def abort_rollout(self, rollout: str, reason: str = "") -> RolloutProgress:
-        return await self._update(rollout_workflow_id(_text("rollout", rollout)), flows.ModelRollout.abort, [reason], RolloutProgress)
+        workflow_id = rollout_workflow_id(_text("rollout", rollout))
+        return await self._update(workflow_id, flows.ModelRollout.abort, [reason], RolloutProgress,
+                                  _rollout_look(workflow_id))
 
     # -- GPU repairs and nodes -------------------------------------------------------------
     async def repair_ladder(self, node: str, gpu: int) -> LadderState:
@@ -435,16 +468,19 @@ class FleetClient:
     async def hold_repair(self, node: str, gpu: int, reason: str = "") -> LadderState:
         """Stay contained and do nothing at the next step until released."""
         held = validate(HoldInput, {"reason": reason})
-        return await self._update(self._repair_id(node, gpu), flows.GpuRepair.hold, [_payload(held)], LadderState)
+        return await self._update(self._repair_id(node, gpu), flows.GpuRepair.hold, [_payload(held)], LadderState,
+                                  f"gpufleet repair show {node} {gpu}")
 
     async def release_repair(self, node: str, gpu: int, reason: str = "") -> LadderState:
         released = validate(HoldInput, {"reason": reason})
-        return await self._update(self._repair_id(node, gpu), flows.GpuRepair.release, [_payload(released)], LadderState)
+        return await self._update(self._repair_id(node, gpu), flows.GpuRepair.release, [_payload(released)],
+                                  LadderState, f"gpufleet repair show {node} {gpu}")
 
     async def skip_repair_to(self, node: str, gpu: int, rung: Rung | str | SkipToInput) -> LadderState:
         """Go to ``rung`` next (also re-enters an exhausted ladder)."""
         target = rung if isinstance(rung, SkipToInput) else validate(SkipToInput, {"rung": rung})
-        return await self._update(self._repair_id(node, gpu), flows.GpuRepair.skip_to, [target], LadderState)
+        return await self._update(self._repair_id(node, gpu), flows.GpuRepair.skip_to, [target], LadderState,
+                                  f"gpufleet repair show {node} {gpu}")
 
     async def return_gpu(self, node: str, gpu: int, reason: str) -> GpuDecision:
         """A GPU the node's entity holds for a person (its repair ended unproven: ``needs_person``
@@ -452,14 +488,16 @@ class FleetClient:
         unless another GPU of it is fenced. Refused (:class:`Rejected`, naming ``gpu``) for a GPU
         not held for a person; :class:`NotFound` when the node's entity is not running."""
         order = validate(ReturnGpuInput, {"gpu": gpu, "reason": reason})
-        return await self._update(self._node_id(node), flows.Node.return_gpu, [_payload(order)], GpuDecision)
+        return await self._update(self._node_id(node), flows.Node.return_gpu, [_payload(order)], GpuDecision,
+                                  f"gpufleet repair node {node}")
 
     async def retry_repair(self, node: str, gpu: int, reason: str, rung: Rung | str | None = None) -> GpuDecision:
         """A new GpuRepair of a GPU the node's entity holds for a person, admitted by its Site
         entity like any finding: at ``rung``, or (None) where the policy starts for the finding
         its ended repair was started for (a reset when none is known). Refused as ``return_gpu``."""
         order = validate(RepairGpuInput, {"gpu": gpu, "reason": reason, **({} if rung is None else {"rung": rung})})
-        return await self._update(self._node_id(node), flows.Node.repair_gpu, [_payload(order)], GpuDecision)
+        return await self._update(self._node_id(node), flows.Node.repair_gpu, [_payload(order)], GpuDecision,
+                                  f"gpufleet repair node {node}")
 
     async def node_status(self, node: str) -> NodeStatus:
         """The Node entity's status; where its run has closed (terminated, failed: nothing watches the
@@ -509,11 +547,12 @@ class FleetClient:
         request = offers if isinstance(offers, QuotaRaised) else \
             validate(QuotaRaised, {"offers": offers or [], "all": all})
         return await self._update(self._account_id(account, provider), flows.ProviderAccount.quota_raised,
-                                  [request.model_dump(mode="json")], AccountStatus)
+                                  [request.model_dump(mode="json")], AccountStatus, "gpufleet accounts list")
 
     async def credentials_rotated(self, account: str, *, provider: str | None = None) -> AccountStatus:
         """The credentials are fixed: accepted after one authenticated call succeeds."""
-        return await self._update(self._account_id(account, provider), flows.ProviderAccount.credentials_rotated, [], AccountStatus)
+        return await self._update(self._account_id(account, provider), flows.ProviderAccount.credentials_rotated, [],
+                                  AccountStatus, "gpufleet accounts list")
 
     async def account_status(self, account: str, *, provider: str | None = None) -> AccountStatus:
         return await self._query(self._account_id(account, provider), flows.ProviderAccount.status, AccountStatus)
@@ -555,11 +594,12 @@ class FleetClient:
         )
         workflow_id = site_workflow_id(args.site)
         try:
-            update = await self._taken(client.get_workflow_handle(workflow_id), flows.Site.reconcile_now,
+            handle = client.get_workflow_handle(workflow_id)
+            update = await self._taken(handle, flows.Site.reconcile_now,
                                        lambda: client.start_update_with_start_workflow(
                                            flows.Site.reconcile_now, start_workflow_operation=start,
                                            wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=str))
-            return await update.result()
+            return await self._answered(handle, flows.Site.reconcile_now, update, "gpufleet sites")
         except WorkflowUpdateFailedError as error:
             raise Rejected(workflow_id, flows.Site.reconcile_now, str(error.cause)) from error
         except RPCError as error:
@@ -706,13 +746,16 @@ class FleetClient:
         return await query_workflow(await self.temporal(), workflow_id, name, result_type,
                                     task_queue=self.settings.task_queue)
 
-    async def _update(self, workflow_id: str, name: str, args: list[Any], result_type: type[M]) -> M:
+    async def _update(self, workflow_id: str, name: str, args: list[Any], result_type: type[M], look: str = "") -> M:
+        """The answer to update ``name`` of ``workflow_id``: taken within ``UPDATE_TIMEOUT``, answered
+        within ``update_answer_timeout`` (``look``: a gpufleet command showing the workflow, named
+        when it is not)."""
         client = await self.temporal()
         handle = client.get_workflow_handle(workflow_id)
         try:
             update = await self._taken(handle, name, lambda: handle.start_update(
                 name, args=args, wait_for_stage=WorkflowUpdateStage.ACCEPTED, result_type=result_type))
-            return await update.result()
+            return await self._answered(handle, name, update, look)
         except WorkflowUpdateFailedError as error:
             raise Rejected(workflow_id, name, str(error.cause)) from error
         except RPCError as error:
@@ -732,6 +775,33 @@ class FleetClient:
                 raise  # the caller's own cancel (Ctrl-C), or the server's deadline: not this bound
         raise UpdateNotTaken(handle.id, name, await _task_queue(handle, self.settings.task_queue),
                              UPDATE_TIMEOUT.total_seconds())
+
+    async def _answered(self, handle: WorkflowHandle, name: str, update: WorkflowUpdateHandle[Any],
+                        look: str = "") -> Any:
+        """The answer of ``update``, which a worker has taken, within ``update_answer_timeout``; else
+        :class:`UpdateUnanswered` (the update goes on in the workflow). Not back within
+        ``UPDATE_ANSWER_QUIET``, ``waiting`` is told what is waited for, and until when. A refusal or
+        failure of the handler comes as the result's own error."""
+        bound = self.update_answer_timeout
+        until = datetime.now(timezone.utc) + bound
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + bound.total_seconds()
+        answer = asyncio.ensure_future(update.result())
+        try:
+            done, _ = await asyncio.wait({answer}, timeout=min(UPDATE_ANSWER_QUIET, bound).total_seconds())
+            if not done and deadline > loop.time():
+                if self.waiting is not None:
+                    self.waiting(f"`{handle.id}` accepted the update `{name}`; waiting for its answer until "
+                                 f"{until:%H:%M:%S} UTC (Ctrl-C stops the waiting, not the update)")
+                done, _ = await asyncio.wait({answer}, timeout=deadline - loop.time())
+            if done:
+                return answer.result()
+        finally:
+            if not answer.done():  # this bound, or the caller's own cancel (Ctrl-C)
+                answer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await answer
+        raise UpdateUnanswered(handle.id, name, update.id, bound.total_seconds(), look)
 
 
 async def query_workflow(client: Client, workflow_id: str, name: str, result_type: type[M], *, task_queue: str) -> M:
@@ -754,6 +824,10 @@ async def _task_queue(handle: WorkflowHandle, configured: str) -> str:
         return (await handle.describe(rpc_timeout=DESCRIBE_TIMEOUT)).task_queue or configured
     except RPCError:
         return configured  # the configured queue is the control plane's: where its worker would poll
+
+
+def _rollout_look(workflow_id: str) -> str:
+    return f"gpufleet rollout status {workflow_id}"
 
 
 def _unanswered(error: RPCError) -> bool:

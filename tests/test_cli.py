@@ -11,6 +11,7 @@ import time
 import uuid
 
 import pytest
+from temporalio import workflow
 from temporalio.testing import ActivityEnvironment
 
 from fleet.messages.nodes import ProbeGpusInput, SmokeTestInput
@@ -249,6 +250,94 @@ async def test_an_update_no_worker_takes_says_why_and_exits_non_zero(fleet_world
                            f"control plane running (its worker polls `{fleet_world.settings.task_queue}`)? "), said
     assert said.endswith("it is not applied, but the server may still hand it to a worker that starts soon: "
                          "look at the workflow before sending it again"), said
+
+
+@workflow.defn(name="AnswersWhenReleased")
+class AnswersWhenReleased:
+    """Takes the update ``pause`` at once (no validator) and answers it once the signal ``release``
+    has come: a worker that stops between the two leaves it taken and unanswered."""
+
+    def __init__(self) -> None:
+        self.released = False
+
+    @workflow.run
+    async def run(self) -> None:
+        await workflow.wait_condition(lambda: False)
+
+    @workflow.signal
+    def release(self) -> None:
+        self.released = True
+
+    @workflow.update
+    async def pause(self, reason: str) -> dict:
+        await workflow.wait_condition(lambda: self.released)
+        return {"rollout_id": workflow.info().workflow_id, "model": "m", "version": "v1", "phase": "paused",
+                "paused": True, "reason": reason}
+
+
+async def test_an_update_whose_worker_stops_after_taking_it_says_it_goes_on_and_exits_non_zero(fleet_world: Stack,
+                                                                                            capsys) -> None:
+    """A worker took `pause` and stopped before answering it: the update's taking was bounded, its
+    answer was not, so `gpufleet rollout pause` waited for ever, saying nothing. Within its bound (the
+    client's update_answer_timeout, a few seconds here; the commands' is UPDATE_ANSWER_TIMEOUT) it says
+    it waits and until when, then that the workflow took the update, that it goes on there and is not
+    to be sent again, and how to look at it; exit 1. A worker that polls again answers it, under the
+    update id the message names."""
+    from temporalio.api.enums.v1 import EventType
+    from temporalio.worker import UnsandboxedWorkflowRunner, Worker
+
+    import typer
+
+    from cli.common import run
+    from client import FleetClient, UpdateUnanswered
+    from fleet.rollout import RolloutProgress
+    from tests.evacuation_helpers import poll
+
+    client, tag = fleet_world.client, uuid.uuid4().hex[:6]
+    queue, workflow_id = f"answers-{tag}", f"rollout/stuck-{tag}/v1"
+    waited: list[str] = []
+    fleet = FleetClient(fleet_world.settings, client, update_answer_timeout=3, waiting=waited.append)
+
+    def worker() -> Worker:
+        return Worker(client, task_queue=queue, workflows=[AnswersWhenReleased],
+                      workflow_runner=UnsandboxedWorkflowRunner())
+
+    async def taken() -> bool:
+        return any(e.event_type == EventType.EVENT_TYPE_WORKFLOW_EXECUTION_UPDATE_ACCEPTED
+                   for e in (await handle.fetch_history()).events)
+
+    handle = await client.start_workflow("AnswersWhenReleased", id=workflow_id, task_queue=queue)
+    try:
+        async with worker():
+            paused = asyncio.ensure_future(fleet.pause_rollout(workflow_id, "hold on"))
+            await poll(taken)
+        await handle.signal("release")  # it would answer now, had it a worker
+        with pytest.raises(UpdateUnanswered) as unanswered:
+            await asyncio.wait_for(paused, 60)  # before: still waiting here (TimeoutError)
+        error = unanswered.value
+        assert re.fullmatch(rf"`{workflow_id}` accepted the update `pause`; waiting for its answer until "
+                            r"\d\d:\d\d:\d\d UTC \(Ctrl-C stops the waiting, not the update\)", " ".join(waited)), waited
+        assert str(error) == (
+            f"`{workflow_id}` accepted the update `pause` but gave no answer within 3 s: it is in the workflow's "
+            "history and goes on there (its worker may have stopped as it ran it: the next worker to poll the queue "
+            "carries it on; or it waits on something slow), so do not send it again; look: `temporal workflow "
+            f"update describe --workflow-id {workflow_id} --update-id {error.update_id}` or `gpufleet rollout status "
+            f"{workflow_id}`")
+
+        async def unanswered_command() -> None:  # the command's end: what `cli.common.run` makes of it
+            raise error
+
+        with pytest.raises(typer.Exit) as exited:
+            await asyncio.to_thread(run, unanswered_command())
+        assert exited.value.exit_code == 1
+        assert " ".join(capsys.readouterr().err.split()) == f"error: {error}"
+
+        async with worker():  # the update went on: a worker answers it
+            answer = await asyncio.wait_for(handle.get_update_handle(
+                error.update_id, result_type=RolloutProgress).result(), 60)
+        assert (answer.phase, answer.reason) == ("paused", "hold on")
+    finally:
+        await handle.terminate()
 
 
 async def test_a_game_day_with_no_worker_says_why_and_until_when_and_watches_to_its_timeout(fleet_world: Stack,
