@@ -113,11 +113,18 @@ async def owned(watch: Callable[[], Awaitable[T]], cancel: Callable[[str], Await
 
 async def answer_or_leave(what: Awaitable[T], seconds: float, still: str) -> T | None:
     """``what``'s answer within ``seconds``; None (having said ``still``) when it takes longer.
-    A second Ctrl-C leaves too: the request has the cancel by then and carries it out."""
+    A second Ctrl-C leaves too: the request has the cancel by then and carries it out. The
+    client's own time-outs are raised, not said as ``still``: an ``UpdateNotTaken`` (a
+    ``TimeoutError`` too) means no worker took the cancel, so it was not taken at all."""
+    from client import FleetClientError
+
+    bound = asyncio.timeout(seconds)
     try:
-        async with asyncio.timeout(seconds):
+        async with bound:
             return await what
-    except TimeoutError:
+    except TimeoutError as error:
+        if isinstance(error, FleetClientError) or not bound.expired():
+            raise
         err.print(still)
         return None
 

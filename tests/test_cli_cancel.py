@@ -14,6 +14,8 @@ import subprocess
 import sys
 import uuid
 
+import pytest
+
 from temporalio.client import WorkflowExecutionStatus
 
 from fleet.messages.join import NodeJoinResult
@@ -144,3 +146,21 @@ def test_the_ui_link_follows_the_frontend_and_the_override(monkeypatch) -> None:
     monkeypatch.setenv("GPUFLEET_UI_URL", "https://temporal.internal/")
     assert ui_link(Settings(namespace="fleet"), "evacuate/s/manual-1") == \
         "https://temporal.internal/namespaces/fleet/workflows/evacuate%2Fs%2Fmanual-1"
+
+
+async def test_a_cancel_no_worker_takes_is_not_said_to_be_taken(capsys) -> None:
+    """Ctrl-C on `gpufleet capacity` while the control plane is down: the client's cancel is not
+    taken (``UpdateNotTaken`` after its 10 s). The command said "cancel taken; the joins are still
+    stopping" (the error is a TimeoutError, and the 300 s wait took it for its own), and the request
+    went on buying unstopped; now the client's error reaches ``cli.common.run``, which says it was
+    not applied and exits 1."""
+    from cli.requests import cancel_capacity
+    from client import UpdateNotTaken
+
+    class ControlPlaneDown:
+        async def cancel_capacity(self, workflow_id, reason, accepted=None):
+            raise UpdateNotTaken(workflow_id, "cancel", "gpufleet", 10)
+
+    with pytest.raises(UpdateNotTaken):
+        await cancel_capacity(ControlPlaneDown(), "capacity/r1", "interrupted")
+    assert "cancel taken" not in capsys.readouterr().err
