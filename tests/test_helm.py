@@ -201,6 +201,7 @@ def test_a_temporal_connection_without_credentials_is_refused() -> None:
     ("metrics.ports.nodeAgent=70000", "/metrics/ports/nodeAgent"),
     ("nodeAgent.spotNotice=azure", "/nodeAgent/spotNotice"),     # a source the agent has not
     ("nodeGateway.upstreamCallsPerSecond=0", "/nodeGateway/upstreamCallsPerSecond"),
+    ("metrics.prometheusNamespace=Monitoring", "/metrics/prometheusNamespace"),  # no namespace's name
 ])
 def test_bad_values_are_refused_naming_the_field(value: str, field: str) -> None:
     done = helm("template", "gpufleet", str(CHART), "--set", value, check=False)
@@ -345,6 +346,30 @@ def test_the_gateways_network_policy_opens_the_ports_it_serves_and_the_peer_port
         assert ports.get("metrics") == metrics, values
         assert own == {"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "gpufleet-node-gateway"}}}],
                        "ports": [{"protocol": "TCP", "port": ports["peers"]}]}
+
+
+def test_the_control_planes_network_policy_admits_prometheus_to_its_metrics_port_only() -> None:
+    """The policy follows the control plane's metrics port and Prometheus's namespace (the default
+    rendering is the base's, whose policy tests/cluster/test_manifests.py judges); with metrics
+    off it admits nothing at all (the worker serves no port then)."""
+    for values, port, namespace in (((), 9464, "monitoring"),
+                                    (("--set", "metrics.ports.controlPlane=19464"), 19464, "monitoring"),
+                                    (("--set", "metrics.prometheusNamespace=observability"), 9464, "observability"),
+                                    (("--set", "metrics.enabled=false"), None, None)):
+        docs = documents(template(*values))
+        (worker,) = pod_of(workload(docs, "gpufleet-control-plane"))["containers"]
+        (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"
+                     and d["metadata"]["name"] == "gpufleet-control-plane"]
+        assert policy["spec"]["podSelector"] == {"matchLabels": {"app.kubernetes.io/name": "gpufleet-control-plane"}}
+        assert policy["spec"]["policyTypes"] == ["Ingress"]
+        assert [p["containerPort"] for p in worker.get("ports", [])] == ([port] if port else []), values
+        if port is None:
+            assert "ingress" not in policy["spec"], "no rule: nothing admitted"
+            continue
+        (rule,) = policy["spec"]["ingress"]
+        assert rule == {"from": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+                                  "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}],
+                        "ports": [{"protocol": "TCP", "port": port}]}, values
 
 
 def test_node_gateway_endpoint_and_namespaces() -> None:

@@ -129,16 +129,23 @@ def policy_admits(policy: dict, port: int, namespace: str | None, labels: dict[s
     """Whether the ingress NetworkPolicy ``policy`` admits a connection to ``port`` of the pods it
     selects from a pod of ``namespace`` with ``labels``, or from a host (``namespace`` None: a GPU
     node's own address, no pod's). Only what gpufleet's policies use: a rule with no ``from``
-    admits anyone; a peer is a ``podSelector`` of matchLabels in the policy's namespace."""
-    for rule in policy["spec"]["ingress"]:
+    admits anyone; a peer is a ``podSelector`` of matchLabels, in the policy's namespace or, with a
+    ``namespaceSelector`` of the namespace's name label, in that one."""
+    for rule in policy["spec"].get("ingress") or []:
         if "ports" in rule and port not in {p["port"] for p in rule["ports"] if p.get("protocol", "TCP") == "TCP"}:
             continue
         if "from" not in rule:
             return True
         for peer in rule["from"]:
-            assert set(peer) == {"podSelector"} and set(peer["podSelector"]) == {"matchLabels"}, f"teach this: {peer}"
-            if namespace == policy["metadata"]["namespace"] and \
-                    peer["podSelector"]["matchLabels"].items() <= labels.items():
+            assert set(peer) <= {"podSelector", "namespaceSelector"} and "podSelector" in peer, f"teach this: {peer}"
+            assert set(peer["podSelector"]) == {"matchLabels"}, f"teach this: {peer}"
+            where = policy["metadata"]["namespace"]
+            if "namespaceSelector" in peer:
+                names = peer["namespaceSelector"]
+                assert set(names) == {"matchLabels"} and set(names["matchLabels"]) == {"kubernetes.io/metadata.name"}, \
+                    f"teach this: {peer}"
+                where = names["matchLabels"]["kubernetes.io/metadata.name"]
+            if namespace == where and peer["podSelector"]["matchLabels"].items() <= labels.items():
                 return True
     return False
 
@@ -176,8 +183,48 @@ def test_only_the_gateways_own_pods_reach_its_peer_port_and_anyone_its_node_port
     assert set(ports) == {"nodes", "peers", "metrics"}, "a new port: say who may reach it"
 
 
+#: The labels the Prometheus Operator gives the pods of a Prometheus (kube-prometheus-stack's
+#: included) and the prometheus-community chart's server, as far as the control plane's policy reads them.
+PROMETHEUS_POD = {"app.kubernetes.io/name": "prometheus", "app.kubernetes.io/managed-by": "prometheus-operator",
+                  "app.kubernetes.io/instance": "k8s", "prometheus": "k8s"}
+
+
+def test_only_prometheus_reaches_the_control_planes_metrics_port_and_nothing_its_other_ports():
+    """The control plane's /metrics page is served by the process that runs the fleet's workflows,
+    and any pod or host could dial it: a GPU node's own, or its pods' (a node exporter, its model
+    servers). Its NetworkPolicy admits the metrics port from Prometheus's pods in `monitoring`
+    only, and no other port from anyone. (Enforcement is the CNI's; none runs in these tests:
+    tests/realk8s/test_control_plane_access.py has the real API server evaluate the selectors.)"""
+    docs = _docs("control-plane.yaml")
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (policy,) = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    assert policy["metadata"]["namespace"] == deployment["metadata"]["namespace"] == "gpufleet"
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    assert policy["spec"]["podSelector"] == deployment["spec"]["selector"], "every control-plane pod"
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert set(ports) == {"metrics"}, "a new port: say who may reach it"
+    (service,) = [d for d in _docs("monitoring.yaml") if d["metadata"]["name"] == "gpufleet-control-plane-metrics"]
+    assert service["spec"]["ports"][0]["targetPort"] == "metrics"
+
+    assert policy_admits(policy, ports["metrics"], "monitoring", PROMETHEUS_POD)
+    (agent,) = [d for d in _docs("node-agent.yaml") if d["kind"] == "DaemonSet"]
+    server = render_deployment(ServingSpec(model="m", site="site-a", image="i"), "gpufleet")
+    for who, namespace, labels in (
+            ("a GPU node's host", None, {}),
+            ("a node agent", "gpufleet", agent["spec"]["template"]["metadata"]["labels"]),
+            ("a model server", "gpufleet", server["spec"]["template"]["metadata"]["labels"]),
+            ("another pod of monitoring (a node exporter on every GPU node)", "monitoring",
+             {"app.kubernetes.io/name": "prometheus-node-exporter"}),
+            ("a pod labelled as Prometheus elsewhere", "default", PROMETHEUS_POD),
+            ("the control plane itself", "gpufleet", deployment["spec"]["template"]["metadata"]["labels"])):
+        assert not policy_admits(policy, ports["metrics"], namespace, labels), who
+    for port in (7233, 8000, 9465, 9466):
+        assert not policy_admits(policy, port, "monitoring", PROMETHEUS_POD), port
+
+
 def test_control_plane_deployment():
-    (deployment,) = _docs("control-plane.yaml")
+    (deployment,) = [d for d in _docs("control-plane.yaml") if d["kind"] == "Deployment"]
     pod = deployment["spec"]["template"]["spec"]
     assert pod["serviceAccountName"] == "gpufleet-control-plane"
     (container,) = pod["containers"]
@@ -200,7 +247,7 @@ def test_every_credential_a_shipped_config_names_resolves_in_the_shipped_control
     ``secret:`` only in full (a Secret's key, no default) where the credentials Role that
     ``gpufleet cluster credentials-role`` renders from the config grants get, by its name;
     tests/realk8s/test_permissions.py asks the real authorizer about each Secret."""
-    (deployment,) = _docs("control-plane.yaml")
+    (deployment,) = [d for d in _docs("control-plane.yaml") if d["kind"] == "Deployment"]
     pod = deployment["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     env = {e["name"] for e in container["env"]}

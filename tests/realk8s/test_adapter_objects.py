@@ -23,6 +23,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
+from urllib.parse import quote
 
 import pytest
 from temporalio import workflow
@@ -54,9 +55,10 @@ from fleet.naming import MAX_SITE_NAME, label_value_problem, node_name_for, site
 from fleet.rollout import ENV_NAME, WeightFile
 from fleet.settings import Settings
 from fleet.cluster import NODE_KEYS_KEPT, NODE_KEYS_KIND, NodeIdentity, bound_keys
-from providers.cluster.base import CONTROL_PLANE_LABEL, SERVING_SIGNER, serving_name
+from providers.cluster.base import CONTROL_PLANE_LABEL, SERVING_SIGNER, serving_labels, serving_name
 from providers.cluster.check import KUBEADM_BINDINGS
-from providers.cluster.kubernetes import NODE_IDENTITY_KIND, KubernetesCluster, bootstrap_secret_name
+from providers.cluster.kubernetes import NODE_IDENTITY_KIND, KubernetesCluster, bootstrap_secret_name, render_pod_template
+from providers.cluster.kubernetes.api import _canonical
 from providers.cluster.kubernetes.csrs import RENEWALS_PER_WINDOW, SERVING_PER_WINDOW
 from tests.cluster.sim_kubelet import csr_pem, unreadable_csr_pem
 from tests.cluster.test_manifests import largest_manifest, rollout_spec
@@ -64,6 +66,7 @@ from tests.cluster.test_csr_renewals import renewal
 from tests.conftest import write_fleet
 from tests.realk8s.test_blast_radius import kubeadm_bindings_restored  # noqa: F401 - a fixture
 from tests.realk8s.cluster import RealCluster
+from tests.realk8s.test_join import wait_for
 from tests.realk8s.test_adapter import _post, control_plane_less, kube, record_requests, unique  # noqa: F401
 
 BOOTSTRAP_NS = "gpufleet-bootstrap"
@@ -444,6 +447,69 @@ def test_serving_objects(real_cluster, kube, unique, serving_cleanup):
     service = _get(real_cluster, f"/api/v1/namespaces/gpufleet/services/{model}-{site}")
     assert service["spec"]["selector"] == labels
     assert service["spec"]["ports"][0]["port"] == 8000
+
+
+#: Where the ServiceAccount admission plugin mounts a pod's token.
+TOKEN_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+def token_mounts(pod: dict) -> list[str]:
+    """What of ``pod`` (as stored, after admission) holds its service account's token: each volume
+    projecting one, each container mounting one at the token's path."""
+    spec = pod["spec"]
+    volumes = [v["name"] for v in spec.get("volumes") or []
+               if any("serviceAccountToken" in source for source in (v.get("projected") or {}).get("sources") or [])]
+    mounts = [f"{c['name']}:{m['mountPath']}" for c in [*spec.get("initContainers", []), *spec["containers"]]
+              for m in c.get("volumeMounts") or [] if m["mountPath"] == TOKEN_PATH]
+    return volumes + mounts
+
+
+def _pods_of(real: RealCluster, model: str, site: str, image: str) -> list[dict]:
+    """The pods the Deployment controller made for a model at a site, running ``image``."""
+    selector = ",".join(f"{k}={v}" for k, v in serving_labels(model, site).items())
+    listed = _get(real, f"/api/v1/namespaces/gpufleet/pods?labelSelector={quote(selector)}")
+    return [p for p in listed["items"] if p["spec"]["containers"][0]["image"] == image]
+
+
+def test_a_model_servers_pods_hold_no_service_account_token(real_cluster, kube, unique, serving_cleanup):
+    """A model server calls no Kubernetes API, runs third-party model code, and runs on a GPU node,
+    which may be hostile: its pods mount no service-account token. The Deployment the adapter
+    writes says so, as the real API server stores it; the pods the real Deployment controller
+    makes from it pass the real ServiceAccount admission plugin (which mounts the token into a
+    pod that does not say so: asked here as a dry run) without one. A rollback to a template
+    written before (which did not say so) brings no token back; the annotation keeps that
+    template as written, the name a rollout knows it by. (Old code: the token was mounted.)"""
+    model, site = f"m-{unique}", f"site-{unique}"
+    name = serving_name(model, site)
+    serving_cleanup.append(name)
+    spec = ServingSpec(model=model, site=site, image="img:2")
+    kube.apply_serving(spec)
+    template = _deployment(real_cluster, name)["spec"]["template"]
+    assert template["spec"]["automountServiceAccountToken"] is False
+    pods = wait_for(lambda: _pods_of(real_cluster, model, site, "img:2"), 60, "the Deployment's pod")
+    assert token_mounts(pods[0]) == [], "no token in a model server's pod"
+    # The plugin runs on this server: the same pod, not saying so, is given the token.
+    bare = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": f"bare-{unique}"},
+            "spec": {k: v for k, v in template["spec"].items() if k != "automountServiceAccountToken"}}
+    status, admitted = real_cluster.request("POST", "/api/v1/namespaces/gpufleet/pods?dryRun=All", bare, admin=True)
+    assert status == 201, admitted
+    assert len(token_mounts(admitted)) == 2, admitted["spec"]
+
+    # A Deployment whose template before was written by the code before this one: the token mounted.
+    before = render_pod_template(spec.model_copy(update={"image": "img:1"}))
+    del before["spec"]["automountServiceAccountToken"]
+    status, answer = real_cluster.request(
+        "PATCH", f"/apis/apps/v1/namespaces/gpufleet/deployments/{name}",
+        {"metadata": {"annotations": {ANNOTATION_PREVIOUS_TEMPLATE: _canonical(before)}}},
+        admin=True, content_type="application/merge-patch+json")
+    assert status == 200, answer
+    kube.rollback_serving(model, site)
+    deployment = _deployment(real_cluster, name)
+    assert deployment["metadata"]["annotations"][ANNOTATION_TEMPLATE] == _canonical(before)
+    assert deployment["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
+    assert deployment["spec"]["template"]["spec"]["containers"][0]["image"] == "img:1"
+    pods = wait_for(lambda: _pods_of(real_cluster, model, site, "img:1"), 60, "the rolled-back pod")
+    assert token_mounts(pods[0]) == [], "no token after a rollback either"
 
 
 def test_update_and_rollback_keep_templates_in_annotations(real_cluster, kube, unique, serving_cleanup):

@@ -5,7 +5,8 @@ A machine joins from its user data and its real kubelet registers. With that kub
 certificate (what a hostile node holds), it creates pods as a kubelet publishes a static pod's
 mirror: bound to itself, owned by its Node. NodeRestriction allows any labels in any namespace, so
 without the policy such a pod joins the node gateway's LoadBalancer, is scraped as the control
-plane, serves another site's model, counts as one of Temporal's pods, or answers the site's DNS.
+plane, serves another site's model, counts as one of Temporal's pods, answers the site's DNS, or
+is let through to the control plane's metrics port as Prometheus.
 The policy refuses each; an operator's own static pod elsewhere still goes through, and the real
 kubelet still publishes the mirrors of its static pods there, reports their status, deletes
 them, and writes its Node's status.
@@ -57,6 +58,7 @@ def test_a_node_may_not_publish_its_own_pods_where_gpufleets_selectors_pick_them
     status, node = one.real.request("GET", f"/api/v1/nodes/{registered.name}", admin=True)
     assert status == 200, node
     ensure_namespace(one.real, OPERATORS)
+    ensure_namespace(one.real, "monitoring")
 
     def create(namespace: str, labels: dict[str, str]) -> tuple[int, dict]:
         """The node's own pod, created with its kubelet's certificate (a dry run: nothing is stored)."""
@@ -91,6 +93,8 @@ def test_a_node_may_not_publish_its_own_pods_where_gpufleets_selectors_pick_them
         "any pod in temporal": outcome(TEMPORAL_NAMESPACE, {"app": "debug"}),
         # The site's DNS: the kube-dns Service prefers a caller's own site.
         "the cluster DNS's label in kube-system": outcome("kube-system", {"k8s-app": "kube-dns"}),
+        # Let through to the control plane's metrics port by its NetworkPolicy.
+        "Prometheus's label in monitoring": outcome("monitoring", {"app.kubernetes.io/name": "prometheus"}),
         # Not gpufleet's: an operator's agent in its own namespace, a control-plane static pod.
         "an operator's agent in its own namespace": outcome(OPERATORS, {"app.kubernetes.io/name": "node-exporter"}),
         "a control-plane static pod in kube-system": outcome("kube-system", {"component": "kube-scheduler",
@@ -101,6 +105,7 @@ def test_a_node_may_not_publish_its_own_pods_where_gpufleets_selectors_pick_them
         "a model's and a site's labels in gpufleet": refused, "a model's and a site's labels elsewhere": refused,
         "a model's label alone elsewhere": refused, "the control plane's label elsewhere": refused,
         "any pod in temporal": refused, "the cluster DNS's label in kube-system": refused,
+        "Prometheus's label in monitoring": refused,
         "an operator's agent in its own namespace": "allowed", "a control-plane static pod in kube-system": "allowed",
     }, found
 

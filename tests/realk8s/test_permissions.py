@@ -83,6 +83,9 @@ def expected(rules) -> dict[str, set[Grant]]:
     ("gpufleet-control-plane", [*access_table("gpufleet"), *CREDENTIALS_ACCESS, *CHECK_ACCESS]),
     ("gpufleet-node-gateway", list(GATEWAY_ACCESS)),
     ("gpufleet-node-agent", []),
+    # The model servers' (render_pod_template mounts no token, but a GPU node's kubelet may ask one
+    # of it for a pod it runs): nothing.
+    ("default", []),
 ])
 def test_each_service_account_may_do_exactly_what_its_code_calls(real_cluster: RealCluster, account, rules) -> None:
     assert matrix(real_cluster, f"system:serviceaccount:gpufleet:{account}") == expected(rules)

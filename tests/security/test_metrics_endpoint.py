@@ -1,10 +1,11 @@
 """What a caller of a worker's ``/metrics`` port can take from the worker.
 
-In a cluster any pod may dial the control plane's, the gateway's or a node agent's metrics port
-(no NetworkPolicy can tell Prometheus from a GPU node's pods, which run where Prometheus may),
-and the control plane's worker runs the fleet's workflows in the same process. So the endpoint
-is the attacker's: connections it opens and never finishes, requests it trickles a byte at a
-time, scrapes it sends in a loop. Each is judged by what the process spends on it (threads,
+The control plane's worker runs the fleet's workflows in the same process that serves its
+metrics. Its NetworkPolicy admits only Prometheus's pods to that port
+(tests/realk8s/test_control_plane_access.py), but under a CNI that enforces no policy any pod may
+dial it, a GPU node's included, as any may dial the gateway's and a node agent's (left open to
+wherever Prometheus runs). So the endpoint is the attacker's: connections it opens and never
+finishes, requests it trickles a byte at a time, scrapes it sends in a loop. Each is judged by what the process spends on it (threads,
 pages rendered) and by whether a real scrape is still answered.
 """
 

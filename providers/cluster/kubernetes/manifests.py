@@ -84,6 +84,12 @@ def render_pod_template(spec: ServingSpec) -> dict[str, Any]:
         "readinessProbe": READINESS_PROBE,
     }
     pod: dict[str, Any] = {
+        # No service-account token in the pod: the server calls no Kubernetes API, runs
+        # third-party model code, and runs on a GPU node, which is hostile (root there reads every
+        # container's files). Its account is its namespace's `default`, granted nothing: the
+        # kubelet may still ask a token of it for the pod (TokenRequest), so it must stay so.
+        # rollback_serving sets this on a template it restores too (one written before it was here).
+        "automountServiceAccountToken": False,
         "nodeSelector": {LABEL_SITE: spec.site},
         # The GPU nodes' taints: the usual ``nvidia.com/gpu`` and the fleet taint every gpufleet
         # node keeps (what keeps the control plane off them).
