@@ -52,7 +52,8 @@ from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, Hold
 from fleet.rollout import RolloutProgress, RolloutResult
 from fleet.settings import Settings
 from tests.conftest import without_input_guard, visibility_lagging, write_before_next_cordon
-from tests.details_helpers import current_details
+from tests.details_helpers import current_details, scheduled, until
+from sim.cluster import SimCluster
 from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3: the rollout's S3 stores (a fixture)
 from tests.test_watches import add_node
 
@@ -1124,6 +1125,42 @@ async def test_an_evacuation_uncordons_a_node_it_bought_whose_drain_blocked(inc:
     assert inc.cluster.get_node(free) is None and not inc.cluster.get_node(guarded).unschedulable
     assert ANNOTATION_CORDONED_BY not in inc.cluster.annotate_node(guarded, {})
     await replay_and_record(inc.evacuation("a"), "site_evacuation_uncordons_a_bought_node_whose_drain_blocked")
+
+
+async def test_retiring_the_nodes_it_bought_says_which_and_until_when(inc: IncStack, monkeypatch) -> None:
+    """As it ends an evacuation drains and retires the nodes it bought, one after another, each drain
+    up to ``drain_seconds`` (5 minutes by default): its details name the node drained and until when.
+    Before, they went on saying the step before ("routing restored", "weight 100%"), with no bound."""
+    bought: set[str] = set()
+    entered, release = threading.Event(), threading.Event()
+    drain = SimCluster.drain_node
+
+    def held_for_bought_nodes(self, name, *args, **kwargs):
+        if name in bought:
+            entered.set()
+            release.wait(30)
+        return drain(self, name, *args, **kwargs)
+
+    monkeypatch.setattr(SimCluster, "drain_node", held_for_bought_nodes)
+    c = inc.site("c")
+    bought.update(await _two_bought_at_c(inc))
+    handle = inc.evacuation("a")
+    await handle.execute_update("abort", "test: the provider says it was a blip")
+    try:
+        assert await asyncio.to_thread(entered.wait, 30), "the drain of a node it bought began"
+        at, drained = await scheduled(handle, "drain_within", last=True)
+        details = await current_details(handle)
+    finally:
+        release.set()
+    node = drained["node_name"]
+    assert node in bought, drained
+    head = details.split("\n")[0]
+    assert head.startswith(f"**retiring the nodes it bought**: `{node}` at {c}: drained, "
+                           "PodDisruptionBudgets honoured, "), details
+    assert f"{until(at, drained['deadline_seconds'])} at most, then its machine deleted" in head, details
+    result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+    assert result.outcome == "aborted", result
+    assert {s.name: s.detail for s in result.timeline}["surplus drained"] == "2 nodes retired", result.timeline
 
 
 async def _two_bought_at_c(inc: IncStack) -> list[str]:

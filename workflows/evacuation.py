@@ -114,6 +114,7 @@ with workflow.unsafe.imports_passed_through():
         LONG_WATCH_RETRY,
         PROVIDER_RETRY,
         PUT_BACK_RETRY,
+        PUT_BACK_UNTIL,
         QUICK,
         SMOKE_RETRY,
         WAIT_HEARTBEAT,
@@ -1171,7 +1172,12 @@ class SiteEvacuation:
         if undo:
             self._mark("routing restored", f"weights as before the incident at {site}")
         # Surplus elsewhere back toward each site's min.
-        for model, where in self._moved().items():
+        moved = self._moved()
+        if moved:
+            self._show("scaling back the replicas it added elsewhere",
+                       ", ".join(f"{model} at {', '.join(where)}" for model, where in moved.items())
+                       + f"; each call {PUT_BACK_UNTIL}")
+        for model, where in moved.items():
             for target in where:
                 await self._scale(model, target, self._replicas_before(model, target))
         retired, kept = await self._retire_acquired()
@@ -1188,7 +1194,13 @@ class SiteEvacuation:
         is uncordoned: the evacuation ends, and nothing else would."""
         s = self._s
         retired, kept = 0, {}
-        for node in self._acquired:
+        for i, node in enumerate(self._acquired):
+            # Each one's wait said, with how many follow: before, the details went on saying the
+            # step before ("weight 100%", "routing restored") through drains of minutes each.
+            after = len(self._acquired) - i - 1
+            follows = f"; {after} more after it" if after else ""
+            self._show("retiring the nodes it bought", f"`{node.node_name}` at {node.site}: looking at its "
+                                                       f"site's min_nodes and who holds it{follows}")
             nodes = await workflow.execute_activity(
                 act.site_nodes, SiteNodesInput(site=node.site),
                 start_to_close_timeout=QUICK, retry_policy=self._cluster_retry(), summary=f"nodes at {node.site}",
@@ -1199,6 +1211,11 @@ class SiteEvacuation:
             if held:
                 kept[node.node_name] = held
                 continue
+            by = workflow.now() + timedelta(seconds=s.drain_seconds)
+            self._show("retiring the nodes it bought",
+                       f"`{node.node_name}` at {node.site}: drained, PodDisruptionBudgets honoured, until "
+                       f"{by:%H:%M:%S} UTC at most, then its machine deleted (a drain still blocked then keeps it, "
+                       f"uncordoned){follows}")
             outcome = await drain_and_retire(node.site, node.node_name, node.machine_id, s.drain_seconds,
                                              why="bought for the evacuation", cordoned_by=CORDONED_BY_EVACUATION)
             retired += outcome.retired

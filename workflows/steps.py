@@ -82,6 +82,8 @@ FOLLOW_WAIT = timedelta(days=1)
 #: policy as the long watch's, retried until done. A bounded retry would leave the change in place
 #: for good once the store it needs (Temporal's visibility) is away for a few minutes.
 PUT_BACK_RETRY = LONG_WATCH_RETRY
+#: What the details of a step waiting on such a call say of its bound: it has none, and why.
+PUT_BACK_UNTIL = "retried until the cluster answers (no deadline: a put-back that gave up would leave the change in place)"
 
 
 # -- failures -------------------------------------------------------------------------------
