@@ -25,6 +25,7 @@ from activities.env import FleetEnv
 from activities.errors import typed_errors
 from activities.waiting import poll_until
 from activities.watches import RECHECK_SECONDS, RareHeartbeat, stop_if_asked
+from activities.weights import missing_from_source
 from fleet.messages.rollout import (
     EvacuationInput,
     EvacuationWaitInput,
@@ -36,15 +37,19 @@ from fleet.messages.rollout import (
     UpdateServingInput,
     WaitServingInput,
 )
-from fleet.rollout import ProbeResult, RolloutProgress, another_rollout_running, check_routed_sites
+from fleet.rollout import ProbeResult, RolloutProgress, WeightsManifest, another_rollout_running, check_routed_sites
 from fleet.cluster import ServingSpec, ServingStatus
 from fleet.contracts import workflows as flows
 from fleet.naming import dns_label, kubernetes_name_clash, model_service_clash, serving_name_clash
 from providers.cluster.base import free_gpus_at
+from providers.object_store import make_s3_client
 
 
 #: Which ModelRollout acts on a model: state ``rollout-claim``/<the model's Kubernetes name> names it.
 ROLLOUT_CLAIM_KIND = "rollout-claim"
+#: How long the look for a rollout's weights in its source store may take (the activity answers
+#: within ``QUICK``, a minute): a store slower than that to list is not looked at.
+SOURCE_LOOK_SECONDS = 20
 #: A rollout's phases before it changes anything, and once it ended (a closed run the list still shows).
 NOT_ACTING = {"starting", "validating", "failed", "completed", "completed-with-failures", "aborted", "cancelled"}
 
@@ -87,12 +92,40 @@ class ServingActivities:
             problems = ([running] if running else []) + (
                 self._name_clashes(input.model, served) + self._serving_name_clashes(input, served)
                 + check_routed_sites(input.model, input.sites, served.get(input.model, [])))
+        if input.weights is not None:
+            try:
+                async with asyncio.timeout(SOURCE_LOOK_SECONDS):
+                    problems += await asyncio.to_thread(self._missing_weights, input.weights)
+            except TimeoutError:  # a store slow to list: the copies find out, as before the look
+                activity.logger.warning("weights source %s: no answer to its listing within %s s: its files "
+                                        "not looked for before the copies", input.weights.source.store,
+                                        SOURCE_LOOK_SECONDS)
         return RolloutSites(
             known=sorted(sites), stores={name: sites[name].object_store for name in asked},
             object_stores=sorted(self.env.config.object_stores),
             gpus_per_machine={name: sites[name].gpus_per_machine for name in asked},
             problems=problems,
         )
+
+    def _missing_weights(self, weights: WeightsManifest) -> list[str]:
+        """The manifest's files its source store does not hold as it says (``missing_from_source``):
+        refused before any copy. Nothing for a source the config does not name (``check_source``
+        names it) or one that will not list (logged: the copies find out)."""
+        store = self.env.config.object_stores.get(weights.source.store)
+        if store is None:
+            return []
+        prefix = store.prefix + weights.source.prefix
+        try:
+            client = make_s3_client(store)
+        except Exception as error:  # noqa: BLE001 - its credentials unreadable here: the copies say so
+            activity.logger.warning("weights source %s not looked at: %s", weights.source.store, error)
+            return []
+        missing = missing_from_source(client, store.bucket, prefix, weights.files)
+        if missing is None:
+            activity.logger.warning("weights source s3://%s/%s would not list: its files not looked for before "
+                                    "the copies", store.bucket, prefix)
+            return []
+        return missing
 
     def _name_clashes(self, model: str, served: dict[str, list[str]]) -> list[str]:
         """Another model, served or in the fleet config, under ``model``'s Kubernetes name: its

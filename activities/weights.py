@@ -517,6 +517,38 @@ class WeightsActivities:
         return AbortedUploads(site=input.site, keys=abort_open_uploads(self.client(store), store.bucket, input.prefix))
 
 
+#: The files a refusal names one by one; the rest are counted.
+MISSING_NAMED = 5
+
+
+def missing_from_source(client: Any, bucket: str, prefix: str, files: list[WeightFile]) -> list[str] | None:
+    """The manifest's files that are not under ``prefix`` in the source store as it says (absent,
+    or another size), each as ``weights.files[<i>].<field>: why``, the first ``MISSING_NAMED`` named
+    and the rest counted: a version whose weights are not there, which every site's copy would fail
+    on after copying the files before it. One paginated ListObjectsV2. None when the store will not
+    list (a role without s3:ListBucket, the store away): nothing is known, and the copies find out."""
+    try:
+        sizes: dict[str, int] = {}
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+            for obj in page.get("Contents", []):
+                sizes[obj["Key"]] = obj["Size"]
+    except Exception:  # noqa: BLE001 - nothing known: the copies look file by file
+        return None
+    problems = []
+    for i, f in enumerate(files):
+        where = f"s3://{bucket}/{prefix}{f.path}"
+        found = sizes.get(prefix + f.path)
+        if found is None:
+            problems.append(f"weights.files[{i}].path: {f.path!r} is not in the source store ({where})")
+        elif found != f.size:
+            problems.append(f"weights.files[{i}].size: {f.size} bytes in the manifest, {found} at {where}")
+    if len(problems) > MISSING_NAMED:
+        more = len(problems) - MISSING_NAMED
+        problems = problems[:MISSING_NAMED] + [f"weights.files: {more} more of the {len(files)} files not in the "
+                                               f"source store as the manifest says (s3://{bucket}/{prefix})"]
+    return problems
+
+
 def abort_open_uploads(client: Any, bucket: str, prefix: str) -> list[str]:
     """ListMultipartUploads under ``prefix`` (every page), AbortMultipartUpload of each: the keys
     aborted. One already gone (NoSuchUpload) counts as aborted; the store refusing the list or an

@@ -369,7 +369,7 @@ class ModelRollout:
         self._phase("validating")
         sites: RolloutSites = await workflow.execute_activity(
             act.resolve_rollout_sites, ResolveRolloutSitesInput(sites=[t.site for t in request.sites],
-                                                                model=request.model),
+                                                                model=request.model, weights=request.weights),
             start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
             summary="look up target sites and their object stores",
         )

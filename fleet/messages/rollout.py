@@ -7,7 +7,7 @@ from pydantic import BaseModel, Field
 
 from fleet.config import ObjectStore
 from fleet.models import Carried, UtcDatetime
-from fleet.rollout import Replication, RolloutInput, RolloutProgress, WeightFile
+from fleet.rollout import Replication, RolloutInput, RolloutProgress, WeightFile, WeightsManifest
 from fleet.cluster import ServingSpec, ServingStatus
 
 
@@ -83,6 +83,10 @@ class ResolveRolloutSitesInput(BaseModel):
     #: against the models the cluster serves and the fleet config names, and its route against
     #: the sites it is served at (none in an input recorded before it: nothing checked).
     model: str | None = None
+    #: The manifest, its files looked for in its source store: a version whose weights are not
+    #: there (or not at the manifest's sizes) is refused before any copy (none in an input
+    #: recorded before it: nothing checked).
+    weights: WeightsManifest | None = None
 
 
 class RolloutSites(BaseModel):

@@ -28,3 +28,29 @@ async def test_manifest_choosing_an_endpoint_is_refused(rollout_stack: RolloutSt
                                 "credentials": {"env": "ROLLOUT_S3_KEY"}}
     error = await failure_of(await stack.start(bad, "endpoint"))
     assert error.type == "InvalidInput" and "endpoint_url" in str(error)
+
+
+async def test_a_version_whose_weights_are_not_in_its_source_is_refused_before_copying(
+        rollout_stack: RolloutStack) -> None:
+    """A manifest naming files its source store does not hold (a version never uploaded, a file
+    left out, one uploaded at another size) is refused at the rollout's first step, naming each
+    file's field, and nothing is copied. Before, every site's copy went through the files before
+    the missing one (the whole version, bar the last shard), then failed; a file of another size
+    failed its checksum twice at every site."""
+    stack = rollout_stack
+    request = stack.request({"site-a": 1, "site-b": 1}, version="v9")
+    files = request["weights"]["files"]
+    files.append({"path": "model-00003.safetensors", "size": 10, "sha256": "0" * 64})
+    files[1]["size"] += 1
+    handle = await stack.start(request, "not-in-source")
+    error = await failure_of(handle)
+    source = f"s3://{stack.source.bucket}/{stack.source.prefix}"
+    assert error.type == "InvalidInput", error
+    assert (f"weights.files[3].path: 'model-00003.safetensors' is not in the source store "
+            f"({source}model-00003.safetensors)") in str(error), str(error)
+    assert (f"weights.files[1].size: {files[1]['size']} bytes in the manifest, {files[1]['size'] - 1} at "
+            f"{source}model-00001.safetensors") in str(error), str(error)
+    for site in ("site-a", "site-b"):
+        store = stack.stores[site]
+        assert stack.s3.client(store).list_objects_v2(Bucket=store.bucket).get("KeyCount", 0) == 0, site
+    await replay_and_record(handle, "rollout_weights_not_in_source")

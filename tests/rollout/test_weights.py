@@ -287,3 +287,34 @@ def test_a_store_transport_failure_quoting_the_session_token_stays_out_of_histor
         typed_errors(head)(client, "bucket", "models/llm/v2/config.json")
     assert failure.value.type == "Transient"
     assert token not in stored_failure(failure.value)
+
+
+def test_the_look_for_a_versions_weights_names_five_counts_the_rest_and_knows_nothing_unlisted() -> None:
+    """``missing_from_source``: each file absent or of another size under the prefix, the first five
+    named with their key and the rest counted (a version never uploaded would name every shard);
+    None when the store will not list (a role without s3:ListBucket): nothing known, no refusal."""
+    files = [WeightFile(path=f"model-{i:05d}.safetensors", size=10, sha256="0" * 64) for i in range(8)]
+
+    class Listing:
+        def __init__(self, pages):
+            self.pages = pages
+
+        def get_paginator(self, _name):
+            return self
+
+        def paginate(self, **_kwargs):
+            if self.pages is None:
+                raise ClientError({"Error": {"Code": "AccessDenied", "Message": "no"}}, "ListObjectsV2")
+            return self.pages
+
+    held = Listing([{"Contents": [{"Key": "v/model-00000.safetensors", "Size": 10},
+                                  {"Key": "v/model-00001.safetensors", "Size": 11}]}])
+    problems = weights.missing_from_source(held, "b", "v/", files)
+    assert problems[:2] == ["weights.files[1].size: 10 bytes in the manifest, 11 at s3://b/v/model-00001.safetensors",
+                            "weights.files[2].path: 'model-00002.safetensors' is not in the source store "
+                            "(s3://b/v/model-00002.safetensors)"], problems
+    assert len(problems) == 6 and problems[-1] == ("weights.files: 2 more of the 8 files not in the source store "
+                                                   "as the manifest says (s3://b/v/)"), problems
+    assert weights.missing_from_source(Listing([{"Contents": [{"Key": f"v/{f.path}", "Size": 10} for f in files]}]),
+                                       "b", "v/", files) == []
+    assert weights.missing_from_source(Listing(None), "b", "v/", files) is None
