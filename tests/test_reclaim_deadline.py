@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 from datetime import datetime, timezone
 
@@ -216,6 +217,40 @@ async def test_a_cancel_during_the_drain_uncordons_the_node_and_stops_the_replac
     await asyncio.sleep(3)  # time for anything still running to buy more (nothing must)
     assert [m["id"] for m in cap.world.machines()] == [machine_id]
     await replay_and_record(handle, "spot_reclaim_cancelled_while_draining")
+
+
+async def test_a_cancelled_reclaims_uncordon_says_it_has_no_deadline(cap: CapStack, monkeypatch) -> None:
+    """A cancelled reclaim's uncordon is retried until the cluster answers (nothing else ever uncordons
+    the node): its details say so, and why. Before: "uncordoning" and the node, nothing saying the run
+    waits on the cluster with no bound (an API server away for an hour: an hour of that)."""
+    import activities.capacity
+
+    node, machine_id = await a_spot_node_whose_pods_cannot_leave(cap, "uncordon")
+    uncordoning, go_on = threading.Event(), threading.Event()
+    uncordon = activities.capacity.uncordon_unless
+
+    def held(cluster, nodes, *args, **kwargs):
+        if node in nodes:
+            uncordoning.set()
+            go_on.wait(30)
+        return uncordon(cluster, nodes, *args, **kwargs)
+
+    monkeypatch.setattr(activities.capacity, "uncordon_unless", held)
+    handle = await start_reclaim(cap, node, machine_id, time.time() + 600)
+    await until_draining(handle)
+    await wait_for(lambda: cordon_mark(cap, node) == CORDONED_BY_RECLAIM, timeout=20)
+    await handle.cancel()
+    try:
+        assert await asyncio.to_thread(uncordoning.wait, 30), "the uncordon began"
+        shown = await details(handle)
+    finally:
+        go_on.set()
+    assert shown.split("\n")[0] == (
+        f"**uncordoning**: {node}: cancelled before the notice's time, the machine stays: its uncordon retried "
+        "until the cluster answers (no deadline: a put-back that gave up would leave the change in place)"), shown
+    with pytest.raises(WorkflowFailureError):
+        await asyncio.wait_for(handle.result(), 60)
+    assert not cap.cluster.get_node(node).unschedulable, "uncordoned"
 
 
 async def test_a_cancel_leaves_a_cordon_that_was_not_the_reclaims(cap: CapStack) -> None:

@@ -46,8 +46,8 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.capacity import ReleaseCordonsInput
     from workflows.inputs import parse_input, parse_signal
     from workflows.steps import (
-        PROVIDER_RETRY, PUT_BACK_RETRY, QUICK, cancelled_by_request, cancelled_words, drain_node, failure_message,
-        failure_text, retire_machine, show_details, to_its_end, to_its_end_taking_cancel,
+        PROVIDER_RETRY, PUT_BACK_RETRY, PUT_BACK_UNTIL, QUICK, cancelled_by_request, cancelled_words, drain_node,
+        failure_message, failure_text, retire_machine, show_details, to_its_end, to_its_end_taking_cancel,
     )
 
 
@@ -272,7 +272,8 @@ class SpotReclaim:
             self._show("marking the node gone", f"{node}: cancelled, but the notice's time has come")
             await self._retire(args.site, node, args.machine_id)
             return [f"{node} retired: the notice's time had come, the provider takes the machine"], "cancelled"
-        self._show("uncordoning", f"{node}: cancelled before the notice's time; the machine stays")
+        self._show("uncordoning", f"{node}: cancelled before the notice's time, the machine stays: its uncordon "
+                                  f"{PUT_BACK_UNTIL}")
         try:
             released: list[str] = await to_its_end(workflow.start_activity(
                 act.release_cordons, ReleaseCordonsInput(nodes=[node], cordoned_by=CORDONED_BY_RECLAIM),

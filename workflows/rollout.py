@@ -70,7 +70,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import check_text, parse_input
     from workflows.refusals import wrong_state
     from workflows.steps import (
-        CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, PUT_BACK_RETRY, QUICK, STORE_RETRY, WAIT_HEARTBEAT,
+        CLUSTER_RETRY, LONG_WATCH_HEARTBEAT, PUT_BACK_RETRY, PUT_BACK_UNTIL, QUICK, STORE_RETRY, WAIT_HEARTBEAT,
         cancelled_by_request, cancelled_words, failure_text,
         show_details, to_its_end, until_in, until_run_began, wait_for_serving,
     )
@@ -778,7 +778,11 @@ class ModelRollout:
         if not self._may_have_changed(site):
             self._set(site, SiteState.ROLLED_BACK, f"{reason} (the Deployment was not changed)")
             return True
-        progress = self._set(site, SiteState.ROLLING_BACK, reason)
+        progress = self._p.site(site)
+        # Retried until done: the row says so (before, only the reason: an API server away for an hour
+        # left the site "rolling-back" with nothing saying the rollout waits on it, nor until when).
+        back_to = progress.previous_image or "nothing (its Deployment removed)"
+        self._set(site, SiteState.ROLLING_BACK, f"{reason}; rolling back to {back_to}: {PUT_BACK_UNTIL}")
         rollback = workflow.start_activity(
             act.rollback_site,
             self._undo(site, had_previous=progress.previous_generation is not None),

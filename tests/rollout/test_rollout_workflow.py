@@ -541,6 +541,33 @@ async def test_the_readiness_wait_and_the_bake_say_until_when(rollout_stack: Rol
     await baking.result()
 
 
+async def test_a_site_rolling_back_says_what_to_and_that_it_has_no_deadline(rollout_stack: RolloutStack,
+                                                                            monkeypatch) -> None:
+    """A rollback is retried until the cluster answers (a put-back that gave up would leave the site
+    serving the version it was rolled back from): the site's row says what it is rolled back to and
+    that the wait has no deadline, and why. Before, only the abort's reason: an API server away for
+    an hour left the rollout "aborting", the site "rolling-back", nothing saying what it waited on."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a"])
+    rolling_back, go_on = held(monkeypatch, SimCluster, "rollback_serving")
+    handle = await stack.start(stack.request({"site-a": 2}, gate={"bake_seconds": 300}), "rollback-no-deadline")
+    await until(handle, lambda p: states(p)["site-a"] == "baking")
+    await handle.execute_update("abort", "bad numbers")
+    try:
+        assert await asyncio.to_thread(rolling_back.wait, 30), "the rollback began"
+        shown = await current_details(handle)
+        p = await progress(handle)
+    finally:
+        go_on.set()
+    detail = ("bad numbers; rolling back to img:v1: retried until the cluster answers (no deadline: a put-back "
+              "that gave up would leave the change in place)")
+    assert (states(p)["site-a"], p.site("site-a").detail) == ("rolling-back", detail), p
+    assert any(line.startswith("| site-a") and "| rolling-back |" in line and line.endswith(f"| {detail} |")
+               for line in shown.split("\n")), shown
+    result = RolloutResult.model_validate(await asyncio.wait_for(handle.result(), 30))
+    assert result.outcome == "aborted" and stack.image("site-a") == "img:v1", result
+
+
 async def test_a_site_copying_its_weights_says_until_when(rollout_stack: RolloutStack) -> None:
     """A site copies its weights for up to ``replication.timeout_seconds`` a try (6 h by default): its
     row says so, until when in UTC, where it was empty; and a copy the rollout's cancel stops no
