@@ -75,7 +75,7 @@ async def main(args: GatewayOptions) -> None:
 
     metrics = start_metrics(args.metrics_port, "node-gateway")
     if metrics is not None:
-        REGISTRY.register(GatewayCollector(running.gateway))
+        REGISTRY.register(GatewayCollector(running.gateway, running.peer_usage))
     from workers.gc_tuning import settle_garbage_collection
 
     settle_garbage_collection()

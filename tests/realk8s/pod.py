@@ -28,7 +28,11 @@ How it runs (needs root, as ``machine.py``):
   cgroup v2: ``memory.max``, ``cpu.weight``, ``cpu.max``), the process and its children in them.
 
 ``ServiceFront`` is a Service in front of several such pods: each new connection goes to the
-next ready one, a pod that stopped has no endpoint.
+next ready one, a pod that stopped has no endpoint. ``PodNetwork`` is the pod network between such
+pods: each one's own address (its ``status.podIP``) on an interface of its network namespace, all
+on one bridge, so a pod dials another at its address and is seen from there at its own, as across
+a cluster's pod network; a headless Service's name is then an ``/etc/hosts`` entry per address of
+its EndpointSlices (``dns``), what the cluster DNS answers for it.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
@@ -319,7 +324,8 @@ def _module_file(interpreter: str, env: dict[str, str], module: str) -> str:
 
 
 def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tuple[str, int]],
-            host_paths: dict[str, Path] | None = None, stand_in_modules: dict[str, Path] | None = None) -> RunningPod:
+            host_paths: dict[str, Path] | None = None, stand_in_modules: dict[str, Path] | None = None,
+            dns: dict[str, list[str]] | None = None, pod_network: "PodNetwork | None" = None) -> RunningPod:
     """Start the pod's one container as a process (see the module's docstring).
 
     ``upstreams``: ``host:port`` the container dials (the API server's Service is added here)
@@ -327,7 +333,9 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
     ``host_paths``: a ``hostPath`` volume's path on the pod's node → the folder that is that
     path on the test's node (bind-mounted itself, as the kubelet mounts the host's).
     ``stand_in_modules``: a Python module of the image → a test's stand-in for it, bind-mounted
-    read-only over the module's file: only for what this machine cannot have (a GPU's NVML)."""
+    read-only over the module's file: only for what this machine cannot have (a GPU's NVML).
+    ``dns``: a cluster DNS name → the addresses it answers (a headless Service's ready endpoints).
+    ``pod_network``: the pod network the pod joins at its ``status.podIP``."""
     spec = pod["spec"]
     (container,) = spec["containers"]
     security = {**(spec.get("securityContext") or {}), **(container.get("securityContext") or {})}
@@ -401,6 +409,8 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
             address = "127.0.0.1"
             hosts.append(f"{address} {host}")
         forward.append(f"--listen={address}:{port}={path}")
+    for name, addresses in (dns or {}).items():
+        hosts += [f"{address} {name}" for address in addresses]
     ports: dict[int, str] = {}
     for number, port in enumerate(p["containerPort"] for p in container.get("ports") or []):
         path = sockets / f"in{number}.sock"
@@ -475,9 +485,49 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
     log = root / "container.log"
     process = subprocess.Popen(["unshare", "--net", "--", "sh", "-c", outer], stdout=log.open("ab"),
                                stderr=subprocess.STDOUT, start_new_session=True, cwd=root)
+    if pod_network is not None:
+        pod_network.attach(process.pid, pod["status"]["podIP"])
     probe = (container.get("readinessProbe") or {}).get("tcpSocket", {}).get("port")
     named = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
     return RunningPod(process, log, ports, relays, sockets, named.get(probe, probe), cgroups)
+
+
+class PodNetwork:
+    """One bridge in the host's network namespace (no address of the host's on it), and per pod a
+    veth pair: one end on the bridge, the other the pod's ``eth0`` carrying its pod address, as a
+    CNI plugin wires a pod (bridge plugin). Traffic between pods stays on the bridge; the pods'
+    ends go with their network namespaces, the bridge with ``close``."""
+
+    PREFIX = 24
+
+    def __init__(self) -> None:
+        self.bridge = f"gfpn{uuid.uuid4().hex[:8]}"
+        self._pods = 0
+        subprocess.run(["ip", "link", "add", "name", self.bridge, "type", "bridge"], check=True, capture_output=True)
+        subprocess.run(["ip", "link", "set", self.bridge, "up"], check=True, capture_output=True)
+
+    def attach(self, pid: int, address: str, seconds: float = 10) -> None:
+        """``pid``'s network namespace (once it has its own) gets ``eth0`` at ``address``."""
+        host = os.readlink("/proc/self/ns/net")
+        deadline = time.monotonic() + seconds
+        while os.readlink(f"/proc/{pid}/ns/net") == host:  # unshare(2) not yet done
+            if time.monotonic() > deadline:
+                raise ClusterFailed(f"process {pid} has no network namespace of its own")
+            time.sleep(0.01)
+        outer, inner = f"{self.bridge}h{self._pods}", f"{self.bridge}p{self._pods}"
+        self._pods += 1
+        for command in (["ip", "link", "add", outer, "type", "veth", "peer", "name", inner],
+                        ["ip", "link", "set", outer, "master", self.bridge, "up"],
+                        ["ip", "link", "set", inner, "netns", str(pid)],
+                        ["nsenter", f"--net=/proc/{pid}/ns/net", "sh", "-c",
+                         f"ip link set {inner} name eth0 && ip addr add {address}/{self.PREFIX} dev eth0 "
+                         "&& ip link set eth0 up"]):
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise ClusterFailed(f"{' '.join(command)}: {done.stderr.strip()}")
+
+    def close(self) -> None:
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
 
 class ServiceFront:

@@ -15,7 +15,11 @@ the dashboard's "Node agents running" panel reads.
 
 The gateway is its own Deployment's processes too (``tests/realk8s/pod.py``): each of the
 Deployment's replicas, a Pod the real ReplicaSet controller made from
-``deploy/kubernetes/node-gateway.yaml``, in cgroups holding its ``resources``, its command and env,
+``deploy/kubernetes/node-gateway.yaml`` and the real scheduler bound to a control-plane host, on
+a pod network at the address its (stand-in) kubelet reported, where the name
+``GPUFLEET_GATEWAY_PEERS`` gives answers what the real EndpointSlice controller made of the shipped
+peer Service (so the replicas read each other's usage reports, as in a cluster, and serve
+``gpufleet_gateway_peers_heard``), in cgroups holding its ``resources``, its command and env,
 its Secrets and ConfigMap (created as an operator creates them, read back from the API server)
 bind-mounted at their mountPaths in a mount namespace of its own, and a real bound
 service-account token at ``/var/run/secrets/kubernetes.io/serviceaccount``, from which the
@@ -39,6 +43,7 @@ import urllib.request
 import uuid
 from datetime import timedelta
 from pathlib import Path
+from urllib.parse import quote
 
 import yaml
 from kubernetes.utils import parse_quantity
@@ -51,8 +56,9 @@ from fleet.cluster import LABEL_GPU_PRODUCT, LABEL_PROVIDER, LABEL_REGION, LABEL
 from fleet.messages.repair import NodeWatchInput, NodeWatchResult
 from fleet.naming import node_queue
 from tests.realk8s.cluster import RealCluster
-from tests.realk8s.pod import ServiceFront, created_pods, daemon_pod, run_pod
-from tests.realk8s.test_join import RealJoining, one  # noqa: F401
+from tests.realk8s.pod import PodNetwork, ServiceFront, created_pods, daemon_pod, run_pod
+from tests.realk8s.test_adapter_objects import nodes  # noqa: F401 - a fixture
+from tests.realk8s.test_join import RealJoining, one, wait_for  # noqa: F401
 from tests.test_observability import dashboard, referenced_metrics
 from tests.test_temporal_manifests import frontend_pki
 from tests.test_temporal_tls import start_tls_proxy
@@ -64,6 +70,10 @@ REPO = Path(__file__).resolve().parents[2]
 GATEWAY_ENDPOINT = "nodes.gpufleet.example:443"
 #: linux/capability.h
 CAP_SYS_ADMIN = 21
+#: kubeadm's label and taint of a control-plane host, where the gateway's pods run.
+CONTROL_PLANE_ROLE = "node-role.kubernetes.io/control-plane"
+#: The pod network's addresses the stand-in kubelet gives the gateway's pods (a CNI's pod CIDR).
+POD_ADDRESSES = "10.244.0.{}"
 
 #: The one thing not as on a real node: this machine has no GPU, so ``pynvml`` (which the
 #: agent's NvmlBackend imports) is a stand-in reporting two healthy GPUs, bind-mounted over the
@@ -195,6 +205,67 @@ def agents_running_gauge(address: str) -> float:
     return next(s.value for f in text_string_to_metric_families(page) for s in f.samples if s.name == metric)
 
 
+def served(address: str, metric: str) -> float | None:
+    """A sample's value on the page the worker at ``address`` serves (None: not on it)."""
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as answer:
+        page = answer.read().decode()
+    return next((s.value for f in text_string_to_metric_families(page) for s in f.samples if s.name == metric), None)
+
+
+async def until_served(address: str, metric: str, value: float, what: str, seconds: float = 30) -> None:
+    deadline = asyncio.get_running_loop().time() + seconds
+    while (now := await asyncio.to_thread(served, address, metric)) != value:
+        assert asyncio.get_running_loop().time() < deadline, f"{what}: {metric} is {now}, not {value}"
+        await asyncio.sleep(0.5)
+
+
+def scheduled_and_reported(cluster: RealCluster, pods: list[dict], host: str) -> list[dict]:
+    """The replicas once the real scheduler bound each to the control-plane host ``host``, each with
+    a pod address and Ready, as its kubelet reports them (a stand-in here, which reports them before
+    the processes start: each replica's cluster DNS is its /etc/hosts, written at its start)."""
+    reported = []
+    for number, pod in enumerate(pods):
+        path = f"/api/v1/namespaces/gpufleet/pods/{pod['metadata']['name']}"
+        wait_for(lambda: cluster.request("GET", path, admin=True)[1]["spec"].get("nodeName") == host, 60,
+                 f"{pod['metadata']['name']} bound to {host}")
+        address = POD_ADDRESSES.format(10 + number)
+        status, answer = cluster.request("PATCH", path + "/status", {"status": {
+            "phase": "Running", "podIP": address, "podIPs": [{"ip": address}],
+            "conditions": [{"type": "PodScheduled", "status": "True"}, {"type": "Ready", "status": "True"}]}},
+            admin=True, content_type="application/merge-patch+json")
+        assert status == 200, answer
+        reported.append(answer)
+    return reported
+
+
+def ready_addresses(cluster: RealCluster, name: str, count: int) -> list[str]:
+    """What the cluster DNS answers for the headless Service behind ``name``
+    (``<service>.<namespace>.svc``): its EndpointSlices' ready addresses, once there are ``count``."""
+    service, namespace = name.split(".")[:2]
+    query = quote(f"kubernetes.io/service-name={service}")
+
+    def found() -> list[str] | None:
+        status, slices = cluster.request(
+            "GET", f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices?labelSelector={query}", admin=True)
+        assert status == 200, slices
+        addresses = sorted(a for s in slices["items"] for e in s.get("endpoints") or []
+                           if (e.get("conditions") or {}).get("ready") for a in e["addresses"])
+        return addresses if len(addresses) == count else None
+
+    return wait_for(found, 60, f"{count} ready endpoints of {service}")
+
+
+def unbind(cluster: RealCluster, host: str) -> None:
+    """The host gone and the pods bound to it with it: their ReplicaSets make new, Pending ones
+    (the package's cluster has no control-plane host, as before)."""
+    cluster.request("DELETE", f"/api/v1/nodes/{host}", admin=True)
+    _, listed = cluster.request("GET", "/api/v1/namespaces/gpufleet/pods", admin=True)
+    for pod in listed["items"]:
+        if pod["spec"].get("nodeName") == host:
+            cluster.request("DELETE", f"/api/v1/namespaces/gpufleet/pods/{pod['metadata']['name']}"
+                                      "?gracePeriodSeconds=0", admin=True)
+
+
 def gateway_deployment() -> dict:
     """The Deployment as shipped (what kubectl applied unchanged), for what the test expects of it."""
     docs = yaml.safe_load_all((REPO / "deploy" / "kubernetes" / "node-gateway.yaml").read_text())
@@ -213,12 +284,15 @@ async def one_health_watch(client, queue: str, node_name: str, log: Path, gatewa
 
 
 async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watch_through_the_gateway(
-        one: RealJoining, temporal_env, tmp_path) -> None:
+        one: RealJoining, temporal_env, tmp_path, nodes) -> None:  # noqa: F811
     """Through either of the gateway Deployment's replicas: both Pods the ReplicaSet made run,
     each in cgroups holding the manifest's resources, behind one Service address; once the
     replica the agent reached stops (a rollout, a lost host), its next health watch goes
-    through the other. The agent's pod serves its metrics on the port its manifest names,
-    with the gauge the dashboard counts running agents by."""
+    through the other. Each replica reads the other's usage report at the name and port its
+    manifest gives (``GPUFLEET_GATEWAY_PEERS``: the peer Service's ready endpoints), so a node
+    calling both gets one share of the budget, and says so (``gpufleet_gateway_peers_heard``);
+    the one left stops counting the stopped one within seconds. The agent's pod serves its
+    metrics on the port its manifest names, with the gauge the dashboard counts running agents by."""
     # The join's activities run their own event loops (tests.providers.test_join_real.run).
     provisioned = await asyncio.to_thread(one.provision)
     machine = await asyncio.to_thread(lambda: one.machine(provisioned.machine.id).boot())
@@ -243,16 +317,43 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
     create_gateway_objects(one.real, tmp_path, gateway_pki, temporal_secret,
                            public_hosts=(GATEWAY_ENDPOINT.rpartition(":")[0],))
     frontend_host, _, port = manifest_env["TEMPORAL_ADDRESS"].rpartition(":")
-    gateways = await asyncio.gather(*(asyncio.to_thread(
-        run_pod, one.real, pod, tmp_path / f"gateway-pod-{number}",
-        {f"{frontend_host}:{port}": ("127.0.0.1", frontend_port)}) for number, pod in enumerate(gateway_pods)))
+    # A control-plane host for the real scheduler to bind the replicas to, each at its pod address;
+    # the peer name answers the peer Service's ready endpoints, as the cluster DNS does.
+    host = nodes(f"gateway-host-{uuid.uuid4().hex[:6]}", {"kubernetes.io/os": "linux", CONTROL_PLANE_ROLE: ""},
+                 taints=[{"key": CONTROL_PLANE_ROLE, "effect": "NoSchedule"}])
+    network = PodNetwork()
+    gateways: list = []
+    try:
+        gateway_pods = await asyncio.to_thread(scheduled_and_reported, one.real, gateway_pods, host)
+        peers = manifest_env["GPUFLEET_GATEWAY_PEERS"].rpartition(":")[0]
+        answered = await asyncio.to_thread(ready_addresses, one.real, peers, len(gateway_pods))
+        assert answered == sorted(pod["status"]["podIP"] for pod in gateway_pods)
+        started = await asyncio.gather(*(asyncio.to_thread(
+            run_pod, one.real, pod, tmp_path / f"gateway-pod-{number}",
+            {f"{frontend_host}:{port}": ("127.0.0.1", frontend_port)}, dns={peers: answered}, pod_network=network)
+            for number, pod in enumerate(gateway_pods)), return_exceptions=True)
+        gateways = [g for g in started if not isinstance(g, BaseException)]
+        for failed in started:
+            if isinstance(failed, BaseException):
+                raise failed
+    except BaseException:
+        for gateway in gateways:
+            gateway.stop()
+        network.close()
+        unbind(one.real, host)
+        raise
     (nodes_port,) = [p["containerPort"] for p in container["ports"] if p["name"] == "nodes"]
     service = ServiceFront([gateway.ports[nodes_port] for gateway in gateways])
+    gateway_metrics = int(manifest_env["GPUFLEET_METRICS_PORT"])
 
     agent = None
     codes: dict[int, int | None] = {}  # replica → its exit code once stopped
     try:
         await asyncio.gather(*(asyncio.to_thread(gateway.wait_ready, 90) for gateway in gateways))
+        # Each replica holds the other's fresh usage report: they share one upstream budget.
+        for number, gateway in enumerate(gateways):
+            await until_served(gateway.ports[gateway_metrics], "gpufleet_gateway_peers_heard", len(gateways) - 1,
+                               f"gateway {number}:\n{gateway.log_tail()}")
         limits, requests = shipped_container["resources"]["limits"], shipped_container["resources"]["requests"]
         for gateway in gateways:  # as the kubelet sets them on cgroup v1 (pod.py says v2's too)
             values = gateway.cgroup_values()
@@ -310,6 +411,10 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
         assert result.node_name == node.name and len(result.gpus) == 2, result
         assert service.backends[1 - reached] in service.chosen, "the other replica served the agent"
         assert agent.process.poll() is None, agent.log_tail()
+        # What the stopped replica said stops counting within seconds (its nodes, reconnected to
+        # the other, are judged by what they send from then on).
+        await until_served(gateways[1 - reached].ports[gateway_metrics], "gpufleet_gateway_peers_heard", 0,
+                           "the replica left")
     finally:
         agent_code = await asyncio.to_thread(agent.stop) if agent is not None else None
         service.close()
@@ -318,5 +423,7 @@ async def test_the_node_agent_started_from_its_daemonset_completes_a_health_watc
             if number not in codes:
                 codes[number] = await asyncio.to_thread(gateway.stop)
         frontend.close()
+        network.close()
+        unbind(one.real, host)
     assert codes == {0: 0, 1: 0}, [g.log_tail() for g in gateways]
     assert agent_code == 0, agent.log_tail()

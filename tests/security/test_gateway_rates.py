@@ -677,6 +677,7 @@ async def test_the_replicas_tell_each_other_what_they_forwarded_and_a_report_onl
         elsewhere = budgets[1].elsewhere
         assert elsewhere.get("busy", 0) > 5, elsewhere
         assert "honest" not in elsewhere, "a report under a key the replicas do not hold counts for nothing"
+        assert replicas[1].replicas_heard() == 1, "the one other replica (gpufleet_gateway_peers_heard)"
         await replicas[0].read_peers()
         assert "busy" not in budgets[0].elsewhere, "a replica's own report is not counted twice"
         await replicas[0].stop()
@@ -684,6 +685,7 @@ async def test_the_replicas_tell_each_other_what_they_forwarded_and_a_report_onl
         now[0] += STALE_SECONDS + 1
         await replicas[1].read_peers()
         assert budgets[1].elsewhere == {}, "what a replica gone said stops counting"
+        assert replicas[1].replicas_heard() == 0
     finally:
         for replica in replicas[1:]:
             await replica.stop()

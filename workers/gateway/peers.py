@@ -147,6 +147,13 @@ class PeerUsage:
             return None
         return replica, usage
 
+    def replicas_heard(self) -> int:
+        """How many other replicas this one holds a fresh report of now: the replicas less one
+        while every replica reaches every other's peer port; below that, a node calling a replica
+        not heard is judged by what it sends here alone (more than one share across them)."""
+        now = self.clock()
+        return sum(1 for when, _usage in self._heard.values() if 0 <= now - when <= STALE_SECONDS)
+
     async def start(self, host: str, port: int) -> int:
         """Serve this replica's report on ``host:port`` and read the others' every ``PEER_SECONDS``;
         the port served on."""

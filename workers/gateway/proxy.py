@@ -591,8 +591,9 @@ class GatewayCollector:
     """The gateway's own figures, read from its stats at scrape time: what an operator watches
     for a node trying what it may not (refusals) and for the held polls the frontend carries."""
 
-    def __init__(self, gateway: "NodeGateway") -> None:
+    def __init__(self, gateway: "NodeGateway", peer_usage: PeerUsage | None = None) -> None:
         self.gateway = gateway
+        self.peer_usage = peer_usage
 
     def describe(self) -> list:
         return []
@@ -632,6 +633,12 @@ class GatewayCollector:
                                 "Bytes charged for the calls held now, each its request and HELD_CALL_BYTES "
                                 "(bounded per node and in all).",
                                 value=stats.held_bytes)
+        if self.peer_usage is not None:  # GPUFLEET_GATEWAY_PEERS set: the replicas share one budget
+            yield GaugeMetricFamily("gpufleet_gateway_peers_heard",
+                                    "Other gateway replicas whose usage report this one holds fresh (read in the "
+                                    "last 3 s): the replicas less one, or a node calling several replicas gets "
+                                    "more than one share of the upstream budget.",
+                                    value=self.peer_usage.replicas_heard())
 
 
 @dataclass
