@@ -35,6 +35,7 @@ nodes reach the replicas through one address, as through the gateway's Service (
 from __future__ import annotations
 
 import asyncio
+import http.client
 import secrets
 import subprocess
 import sys
@@ -206,9 +207,13 @@ def agents_running_gauge(address: str) -> float:
 
 
 def served(address: str, metric: str) -> float | None:
-    """A sample's value on the page the worker at ``address`` serves (None: not on it)."""
-    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as answer:
-        page = answer.read().decode()
+    """A sample's value on the page the worker at ``address`` serves (None: not on it, or no page
+    yet: a gateway serves /metrics a moment after its nodes' port, which its readiness probes)."""
+    try:
+        with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as answer:
+            page = answer.read().decode()
+    except (OSError, http.client.HTTPException):
+        return None
     return next((s.value for f in text_string_to_metric_families(page) for s in f.samples if s.name == metric), None)
 
 
