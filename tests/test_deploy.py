@@ -186,3 +186,79 @@ def test_the_control_plane_worker_polls_every_partition_of_its_queue() -> None:
     nonsticky = worker.WORKFLOW_TASK_POLLS * worker.NONSTICKY_POLL_RATIO
     assert nonsticky >= 2 * worker.QUEUE_PARTITIONS
     assert worker.ACTIVITY_TASK_POLLS >= 2 * worker.QUEUE_PARTITIONS
+
+
+# -- own racks: the seed server beside the worker (deploy/own-racks) ---------------------------
+def seed_server_cli_args(command: list[str], monkeypatch: pytest.MonkeyPatch) -> dict:
+    """What ``python -m providers.own_dc_seed`` makes of ``command``'s arguments: its own CLI
+    parses them, and the server it would start is asked for with them."""
+    import typer
+    from typer.testing import CliRunner
+
+    from providers import own_dc_seed
+
+    asked: dict = {}
+
+    def server_for_account(config, account, url, listen):
+        asked.update(config=config, account=account, url=url, listen=listen)
+        raise SystemExit(0)
+
+    assert command[:3] == ["python", "-m", "providers.own_dc_seed"]
+    app = typer.Typer()
+    app.command()(own_dc_seed.cli)
+    monkeypatch.setattr(own_dc_seed, "server_for_account", server_for_account)
+    done = CliRunner().invoke(app, command[3:])
+    assert done.exit_code == 0 and asked, done.output
+    return asked
+
+
+def under(path: str, mounts: list[dict], volume: str) -> bool:
+    return any(m["name"] == volume and Path(path).is_relative_to(m["mountPath"]) for m in mounts)
+
+
+@pytest.mark.integration  # kubectl kustomize
+def test_the_own_racks_overlay_is_the_base_with_a_seed_server_on_the_workers_seed_dir(monkeypatch) -> None:
+    """deploy/own-racks changes only the control-plane pod: a second container runs the seed server
+    (deploy/bootstrap/README.md, own-rack.ipxe) from the worker's image, as locked down as the
+    worker, on the one in-memory volume both mount at the seed_dir of the own-dc account it serves
+    (deploy/sites.example.yaml's), reading the fleet config and the iPXE template from the
+    worker's ConfigMap mount, where the account's ipxe_template names it; it listens on the port
+    it publishes on its host. Its documented predecessor was a snippet no test applied, naming
+    the image without its version tag (a `:latest` that is never built)."""
+    from fleet.config import load_config
+
+    base, overlay = rendered(), rendered("own-racks")
+    def key(doc: dict) -> tuple[str, str, str]:
+        return doc["kind"], doc["metadata"].get("namespace", ""), doc["metadata"]["name"]
+
+    added_or_removed = {key(d) for d in overlay} ^ {key(d) for d in base}
+    differing = {key(d) for d in overlay if d not in base}
+    assert added_or_removed | differing == {("Deployment", "gpufleet", "gpufleet-control-plane")}
+
+    was = workloads(base)["gpufleet-control-plane"]["spec"]["template"]["spec"]
+    pod = workloads(overlay)["gpufleet-control-plane"]["spec"]["template"]["spec"]
+    worker, seeds = pod["containers"]
+    (was_worker,) = was["containers"]
+    assert seeds["name"] == "own-rack-seeds"
+    assert {k: v for k, v in worker.items() if k != "volumeMounts"} == {
+        k: v for k, v in was_worker.items() if k != "volumeMounts"}, "the worker is the base's"
+    assert seeds["image"] == worker["image"] and seeds["securityContext"] == worker["securityContext"]
+    assert {k: v for k, v in pod.items() if k not in ("containers", "volumes")} == {
+        k: v for k, v in was.items() if k not in ("containers", "volumes")}, "the pod runs where and as the base's"
+    (volume,) = [v for v in pod["volumes"] if v not in was["volumes"]]
+    assert volume["emptyDir"]["medium"] == "Memory", "a join token touches no disk"
+
+    asked = seed_server_cli_args(seeds["command"], monkeypatch)
+    config_path = {e["name"]: e.get("value") for e in worker["env"]}["GPUFLEET_CONFIG"]
+    assert asked["config"] == config_path and under(config_path, seeds["volumeMounts"], "config")
+    (account,) = [a for a in load_config(str(ROOT / "deploy" / "sites.example.yaml")).accounts
+                  if a.name == asked["account"]]
+    assert account.provider == "own-dc"
+    for container in (worker, seeds):
+        assert [m["mountPath"] for m in container["volumeMounts"] if m["name"] == volume["name"]] == [
+            account.options["seed_dir"]], container["name"]
+    template = account.options["ipxe_template"]
+    assert under(template, seeds["volumeMounts"], "config")
+    assert Path(template).name == "own-rack.ipxe" and (ROOT / "deploy" / "bootstrap" / "own-rack.ipxe").exists()
+    ((port,),) = [[p for p in seeds["ports"] if p["containerPort"] == asked["listen"][1]]]
+    assert port.get("hostPort") == port["containerPort"], "the machines' own addresses reach it unchanged"

@@ -7,6 +7,7 @@ bump in pyproject.toml that misses one of them fails here.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import tomllib
 from pathlib import Path
@@ -97,3 +98,26 @@ def test_the_base_and_the_chart_run_the_images_by_the_package_version() -> None:
     assert yaml.safe_load((chart / "Chart.yaml").read_text())["appVersion"] == version
     # An empty tag is the appVersion (tests/test_helm.py renders it so with the real helm).
     assert yaml.safe_load((chart / "values.yaml").read_text())["images"]["tag"] == ""
+
+
+#: ``image: [registry/]gpufleet-<image>[:tag]`` wherever a manifest or a page's snippet names one.
+IMAGE_LINE = re.compile(r"image:\s*[\"']?(?:[\w.\-]+/)*(gpufleet-(?:control-plane|node-agent))(:[\w.\-]+)?")
+
+
+def test_every_manifest_and_snippet_names_the_images_by_the_package_version() -> None:
+    """Not only the base: an overlay's patch and a page's YAML snippet an operator copies name the
+    images by the package version too. The own-rack seed server's snippet in
+    deploy/bootstrap/README.md named `gpufleet-control-plane` bare, a `:latest` never built or
+    pushed (the pod would wait in ImagePullBackOff); it is deploy/own-racks now."""
+    version = package_version()
+    paths = [p for p in (ROOT / "deploy").rglob("*") if p.suffix in (".yaml", ".yml", ".md") and "helm" not in p.parts]
+    paths += [*(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+    named, wrong = 0, []
+    for path in sorted(paths):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for image, tag in IMAGE_LINE.findall(line):
+                named += 1
+                if tag != f":{version}":
+                    wrong.append(f"{path.relative_to(ROOT)}:{number}: {image}{tag}")
+    assert named >= 4, "the base's three workloads and the seed server"
+    assert not wrong, "images not named by the package version:\n" + "\n".join(wrong)
