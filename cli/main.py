@@ -52,7 +52,7 @@ from cli.top import top
 from cli.weights import weights_app
 from fleet.config import ConfigError, load_config
 from fleet.settings import Settings
-from fleet.site_use import removed_site_refusal, removed_sites_in_use
+from fleet.site_use import join_refusal, removed_site_refusal, removed_sites_in_use
 
 app = typer.Typer(help="gpufleet: one Kubernetes cluster, GPU nodes at many providers, run by Temporal.",
                   no_args_is_help=True, pretty_exceptions_show_locals=False)
@@ -210,18 +210,17 @@ def _check_join(state_dir: Path, config: str | None, site: str, count: int) -> N
     """Refuse before anything starts: an unknown site, or more nodes than the site can still
     take (its max_nodes less the nodes it has; NodeJoin itself refuses count > max_nodes)."""
     env = fleet_env(state_dir, config)
-    try:
-        where = env.config.site(site)
-    except KeyError:
-        fail(f"--site: unknown site {site!r}; known: {', '.join(s.name for s in env.config.sites)}", 2)
-    try:
-        have = sum(n.labels.get("node-restriction.kubernetes.io/gpufleet-site") == site for n in env.cluster.list_nodes())
-    except Exception:  # noqa: BLE001 - the cluster cannot be read from here: the workflow still checks max_nodes
-        have = 0
-    room = max(where.max_nodes - have, 0)
-    if count > room:
-        fail(f"--count: {site} can take {room} more node(s) (max_nodes {where.max_nodes}, {have} there now); "
-             f"asked for {count}", 2)
+    have = None  # unknown: the client's check alone (a site the config does not name, max_nodes)
+    if any(s.name == site for s in env.config.sites):
+        try:
+            have = sum(n.labels.get("node-restriction.kubernetes.io/gpufleet-site") == site
+                       for n in env.cluster.list_nodes())
+        except Exception:  # noqa: BLE001 - the cluster cannot be read from here: max_nodes is still checked
+            pass
+    refused = join_refusal(env.config, site, count, have)
+    if refused is not None:
+        field, message = refused
+        fail(f"--{field}: {message}", 2)
 
 
 async def _join(settings: Settings, site: str, count: int, detach: bool, request: str) -> int:

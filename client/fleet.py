@@ -50,6 +50,7 @@ from fleet.naming import (
 from fleet.repair_policy import Rung
 from fleet.rollout import RolloutInput, RolloutProgress, RolloutResult, another_rollout_running
 from fleet.settings import Settings
+from fleet.site_use import join_refusal
 from fleet.contracts import workflows as flows
 from fleet.visibility import open_runs_query, utc_stamp
 from fleet.watched import closed_as
@@ -233,19 +234,24 @@ class FleetClient:
     # -- joins and capacity ----------------------------------------------------------------
     async def start_join(self, request: NodeJoinInput | Mapping[str, Any], *,
                          request_id: str) -> WorkflowHandle[Any, NodeJoinResult]:
-        """Start NodeJoin ``join/<site>/<request_id>`` (or attach to it)."""
+        """Start NodeJoin ``join/<site>/<request_id>`` (or attach to it).
+
+        Refused before anything starts (:class:`InvalidArgument`), as ``gpufleet join`` refuses it:
+        a site the fleet config does not name (``site``), and more nodes than the site's
+        ``max_nodes`` (``count``; 0 for a site being emptied), whose Site entity would retire each
+        machine bought past it. The nodes already there are not counted (no cluster is read here):
+        a node joined to a full site, say to replace a failing one, is the Site entity's to weigh."""
         args = validate(NodeJoinInput, request)
         _text("request_id", request_id)
         workflow_id = join_workflow_id(args.site, request_id)
         attributes = None
         config = self.config()
-        if config is not None:
-            try:
-                site = config.site(args.site)
-            except KeyError:
-                site = None  # the join itself fails naming the unknown site
-            if site is not None:
-                attributes = sa.join_start_attributes(site.name, site.provider, site.account, workflow_id)
+        if config is not None:  # none to read: the join itself names an unknown site, or max_nodes
+            refused = join_refusal(config, args.site, args.count)
+            if refused is not None:
+                raise InvalidArgument([refused])
+            site = config.site(args.site)
+            attributes = sa.join_start_attributes(site.name, site.provider, site.account, workflow_id)
         client = await self.temporal()
         return await client.start_workflow(
             flows.NodeJoin.TYPE, _payload(args), id=workflow_id, task_queue=self.settings.task_queue,

@@ -1,5 +1,6 @@
 """What the cluster still has at a site: what ``gpufleet config check --fleet`` refuses to drop, and
-what keeps a Site entity whose site the config no longer names running (``site_configured``)."""
+what keeps a Site entity whose site the config no longer names running (``site_configured``); and
+what a site can take, which refuses a join before anything is bought (``join_refusal``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fleet.cluster import LABEL_SITE, NodeIdentity
-from fleet.config import FleetConfig
+from fleet.config import FleetConfig, Site
 from fleet.models import Node
 
 
@@ -69,3 +70,36 @@ def removed_site_refusal(use: SiteInUse, file: str) -> str:
             "config nothing reconciles, sweeps or counts them, and their machines are billed until deleted by hand: "
             f"the config must name {use.site}, with min_nodes: 0 and max_nodes: 0, until it has none; then remove "
             f"it ({PROCEDURE})")
+
+
+def over_max_nodes(site: Site, count: int) -> str | None:
+    """Why ``count`` nodes can never join at ``site``, or None: more than its ``max_nodes`` (0 for a
+    site being emptied), which its Site entity retires down to whatever the cluster holds, so each
+    machine past it is bought for nothing. NodeJoin's own check and the client's, in one wording."""
+    if count > site.max_nodes:
+        return f"{count} is more than {site.name}'s max_nodes ({site.max_nodes})"
+    return None
+
+
+def join_refusal(config: FleetConfig, site: str, count: int, have: int | None = None) -> tuple[str, str] | None:
+    """``(field, message)`` refusing a join of ``count`` nodes at ``site`` before anything starts, or
+    None: an unknown site (``site``), or more nodes than it can take (``count``): more than its
+    ``max_nodes``; given ``have``, the nodes the cluster has there now, more than the room left.
+
+    ``gpufleet join`` passes ``have`` (it reads the cluster, and says the numbers to the person at
+    the terminal, who can raise max_nodes or remove a node first); the client does not (it reads no
+    cluster), and NodeJoin checks ``max_nodes`` alone (``over_max_nodes``): a count taken at the
+    start is stale by the time the machine registers (a node retired, reclaimed or replaced
+    meanwhile), and the Site entity retires whatever is above the max."""
+    try:
+        where = config.site(site)
+    except KeyError:
+        return "site", f"unknown site {site!r}; known: {', '.join(s.name for s in config.sites)}"
+    if have is None:
+        over = over_max_nodes(where, count)
+        return ("count", over) if over else None
+    room = max(where.max_nodes - have, 0)
+    if count > room:
+        return "count", (f"{site} can take {room} more node(s) (max_nodes {where.max_nodes}, {have} there now); "
+                         f"asked for {count}")
+    return None

@@ -4,6 +4,7 @@ call attaches, and a bad argument is refused, naming the field, before anything 
 
 from __future__ import annotations
 
+import copy
 import uuid
 from pathlib import Path
 from typing import AsyncIterator
@@ -21,7 +22,7 @@ from fleet.messages.join import NodeJoinResult
 from fleet.models import AccountState
 from fleet.naming import node_name_for
 from tests.capacity_fleet import FAST_JOIN, CapStack, open_stack
-from tests.conftest import Stack
+from tests.conftest import TEST_FLEET, Stack, write_fleet
 from tests.evacuation_helpers import IncStack, incident_fleet, open_incident_stack, poll
 
 
@@ -96,6 +97,50 @@ async def test_invalid_arguments_need_no_server() -> None:
         await fleet.evacuate_site({"site": ""}, request_id="x")
     assert refused.value.field == "site"
     assert fleet._client is None, "nothing was sent"
+
+
+async def test_a_join_its_site_cannot_take_is_refused_before_anything_starts(tmp_path: Path) -> None:
+    """As ``gpufleet join`` refuses it: a site the fleet config does not name, and more nodes than
+    the site's max_nodes (a site being emptied has 0), each of which its Site entity would retire.
+    Before, the client started the join: an unknown site failed in the workflow, and one node at a
+    site whose max_nodes is 0 was bought, joined and retired. Refused before the client connects
+    (nothing listens at this address)."""
+    from fleet.settings import Settings
+
+    fleet_config = copy.deepcopy(TEST_FLEET)
+    fleet_config["sites"][0].update(min_nodes=0, max_nodes=0)
+    fleet = FleetClient(Settings(address="127.0.0.1:1", config=str(write_fleet(tmp_path, fleet_config))))
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.start_join({"site": "atlantis"}, request_id="x")
+    assert refused.value.problems == [("site", "unknown site 'atlantis'; known: site-a, site-b")]
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.start_join({"site": "site-a"}, request_id="x")
+    assert refused.value.problems == [("count", "1 is more than site-a's max_nodes (0)")]
+    with pytest.raises(InvalidArgument) as refused:
+        await fleet.start_join({"site": "site-b", "count": 9}, request_id="x")
+    assert refused.value.problems == [("count", "9 is more than site-b's max_nodes (8)")]
+    assert fleet._client is None, "nothing was sent"
+
+
+def test_gpufleet_join_refuses_with_the_same_check_and_counts_the_nodes_there(tmp_path: Path) -> None:
+    """``gpufleet join`` shares the client's check (``fleet.site_use.join_refusal``), and also
+    counts the nodes the cluster has at the site: the person at the terminal is told the room left."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    fleet_config = copy.deepcopy(TEST_FLEET)
+    fleet_config["sites"][0].update(min_nodes=0, max_nodes=0)
+    config = str(write_fleet(tmp_path, fleet_config))
+    where = ["--address", "127.0.0.1:1", "--config", config, "--state-dir", str(tmp_path / "state")]
+    for asked, said in ((["--site", "atlantis"], "--site: unknown site 'atlantis'; known: site-a, site-b"),
+                        (["--site", "site-a"], "--count: site-a can take 0 more node(s) (max_nodes 0, 0 there now); "
+                                               "asked for 1"),
+                        (["--site", "site-b", "--count", "9"], "--count: site-b can take 8 more node(s) (max_nodes 8, "
+                                                               "0 there now); asked for 9")):
+        refused = CliRunner().invoke(app, ["join", *asked, *where], env={"COLUMNS": "250"})
+        assert refused.exit_code == 2, refused.output
+        assert said in refused.output, refused.output
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ from activities.node_agent import NodeAgentActivities
 from client import FleetClient
 from fleet import search_attributes as sa
 from fleet.messages.join import JoinProgress
-from fleet.messages.nodes import ProvisionJoinInput, SmokeTestInput
+from fleet.messages.nodes import ResolveSiteInput, SmokeTestInput
 from workers import control_plane
 from tests.conftest import Stack, wait_for
 from tests.repair_helpers import eventually
@@ -190,19 +190,22 @@ async def test_a_join_cancelled_while_its_progress_is_answered_during_the_site_l
     activity that ended while the worker answered such a query, the worker handed its result over
     a task late, with the cancel: the run ended cancelled at the lookup where a replay (the result
     from its marker, a task earlier) had scheduled the machine's create, so the history did not
-    replay and a query of the ended join failed (`gpufleet join` then named no step). The
-    provisioning activity looks the site up: the join runs no local activity, and one cancelled
-    in that window deletes what it bought and replays."""
+    replay and a query of the ended join failed (`gpufleet join` then named no step). The join
+    runs no local activity: a join by hand looks its site up in a regular activity,
+    ``resolve_site`` (``join-by-hand-refuses-max-nodes-0``), a parent's join in its provisioning
+    activity. One cancelled in that window buys nothing and replays. (The run of the code before
+    the patch, cancelled in its provisioning activity, is
+    ``tests/histories/node_join_cancelled_while_queried_in_site_lookup.json``; it still replays.)"""
     answering, cancelled = threading.Event(), threading.Event()
-    honest = ControlPlaneActivities.provision_joining_machine
+    honest = ControlPlaneActivities.resolve_site
 
-    @activity.defn(name="provision_joining_machine")
-    async def provision_joining_machine(self, input: ProvisionJoinInput) -> Any:  # no hint on self: the SDK skips it
+    @activity.defn(name="resolve_site")
+    async def resolve_site(self, input: ResolveSiteInput) -> Any:  # no hint on self: the SDK skips it
         # The lookup ends while the query is answered, after the cancel came.
         await asyncio.to_thread(answering.wait, 30)
         await asyncio.to_thread(cancelled.wait, 30)
         await asyncio.sleep(0.3)  # (as a regular activity, after the task that takes the cancel)
-        return await honest(self, input)
+        return honest(self, input)
 
     class SlowProgress(WorkflowInboundInterceptor):
         def handle_query(self, input: HandleQueryInput) -> Any:
@@ -215,7 +218,7 @@ async def test_a_join_cancelled_while_its_progress_is_answered_during_the_site_l
         def workflow_interceptor_class(self, input: Any) -> type[WorkflowInboundInterceptor]:
             return SlowProgress
 
-    monkeypatch.setattr(ControlPlaneActivities, "provision_joining_machine", provision_joining_machine)
+    monkeypatch.setattr(ControlPlaneActivities, "resolve_site", resolve_site)
     interceptors = control_plane.worker_interceptors
     monkeypatch.setattr(control_plane, "worker_interceptors", lambda: [*interceptors(), SlowProgressQueries()])
     from tests.plugins.stack import running_stack
@@ -229,19 +232,19 @@ async def test_a_join_cancelled_while_its_progress_is_answered_during_the_site_l
             await handle.cancel()
         finally:
             cancelled.set()
-        assert (await watching).step == "provisioning"
+        assert (await watching).step == "resolving site"
         with pytest.raises(WorkflowFailureError) as ended:
             await asyncio.wait_for(handle.result(), 60)
 
         assert isinstance(ended.value.cause, CancelledError), f"ended by {ended.value.cause!r}, not by the cancel"
-        assert stack.world.machines("site-a") == [], "the machine it bought is deleted"
+        assert stack.world.calls("acct-a") == 0 and stack.world.machines(include_deleted=True) == [], "nothing bought"
         markers = [e.marker_recorded_event_attributes.marker_name async for e in handle.fetch_history_events()
                    if e.HasField("marker_recorded_event_attributes")]
         assert "core_local_activity" not in markers, markers
         progress = await _progress(handle)  # a query of the ended join replays its history
-        assert progress.step == "cancelled" and progress.cancelled_while == "provisioning", progress
-        assert "deleted" in await _details(handle)
-        await replay_and_record(handle, "node_join_cancelled_while_queried_in_site_lookup")
+        assert progress.step == "cancelled" and progress.cancelled_while == "resolving site", progress
+        assert "nothing was bought" in await _details(handle)
+        await replay_and_record(handle, "node_join_cancelled_while_queried_in_site_lookup_by_hand")
 
 
 async def test_gpufleet_join_watching_a_join_cancelled_elsewhere_says_cancelled_not_failed(stack: Stack) -> None:

@@ -5,11 +5,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import copy
 import subprocess
 import sys
+import uuid
 from datetime import datetime, timedelta
+from pathlib import Path
 
 import pytest
+import yaml
 from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowExecutionStatus, WorkflowFailureError
 from temporalio.exceptions import ApplicationError, CancelledError
@@ -20,7 +24,7 @@ from providers.cluster.bootstrap import read_join_configuration
 from fleet.cluster import UNPROVEN_TAINT
 from fleet.config import load_config
 from fleet.demand import DEMAND_TAINT_KEY, LABEL_FLEET, LABEL_GEOGRAPHY, GpuPod, Toleration, site_labels
-from tests.conftest import Stack, run_node_host, wait_for
+from tests.conftest import TEST_FLEET, Stack, run_node_host, wait_for
 from tests.details_helpers import current_details, held, scheduled, until
 from tests.replay import replay_and_record
 from sim.gpu import SimGpuBackend
@@ -200,29 +204,88 @@ async def test_each_wait_of_a_join_says_until_when(stack: Stack, monkeypatch) ->
     assert NodeJoinResult.model_validate(await handle.result()).nodes
 
 
+def scheduled_activities(history) -> list[str]:
+    return [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
+            if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
+
+
 async def test_join_looks_its_site_up_in_its_provisioning_activity(stack: Stack) -> None:
-    """The provisioning activity looks the site up and returns its facts:
-    a join schedules no lookup of its own and runs no local activity (a local one's result could
-    reach the join a task late, with a cancel, and its history then did not replay), and it still
-    sets its search attributes from the site. An unknown site is refused by provisioning, naming
-    ``site``, before anything is bought."""
+    """The provisioning activity looks the site up and returns its facts: a join runs no local
+    activity (a local one's result could reach the join a task late, with a cancel, and its
+    history then did not replay), and it still sets its search attributes from the site. A join a
+    parent started (a fan-out's, AcquireCapacity's) schedules no lookup of its own; one started by
+    hand looks its site up first, as a regular activity, to refuse a site with no room
+    (``join-by-hand-refuses-max-nodes-0``). An unknown site is refused, naming ``site``, before
+    anything is bought."""
     handle = await stack.start_join({"site": "site-a"}, request="site-in-provisioning")
     await handle.result()
     history = await handle.fetch_history()
-    scheduled = [e.activity_task_scheduled_event_attributes.activity_type.name for e in history.events
-                 if e.event_type == EventType.EVENT_TYPE_ACTIVITY_TASK_SCHEDULED]
-    assert scheduled[0] == "provision_joining_machine" and "resolve_site" not in scheduled, scheduled
+    scheduled = scheduled_activities(history)
+    assert scheduled[:2] == ["resolve_site", "provision_joining_machine"], scheduled
     markers = [e.marker_recorded_event_attributes.marker_name for e in history.events
                if e.event_type == EventType.EVENT_TYPE_MARKER_RECORDED]
     assert "core_local_activity" not in markers, markers
     found = (await handle.describe()).typed_search_attributes
     assert (found[sa.PROVIDER], found[sa.ACCOUNT]) == ("lambda", "acct-a")
 
-    calls = provider_calls(stack)
+    fan_out = await stack.start_join({"site": "site-a", "count": 2}, request="site-in-provisioning-2")
+    await fan_out.result()
+    child = await stack.client.get_workflow_handle(f"{fan_out.id}/0").fetch_history()
+    assert scheduled_activities(child)[0] == "provision_joining_machine", scheduled_activities(child)
+    assert "resolve_site" not in scheduled_activities(child)
+
+    calls, bought = provider_calls(stack), len(stack.world.machines(include_deleted=True))
     error = await failure_of(await stack.start_join({"site": "atlantis"}, request="unknown-site"))
     assert error.type == "InvalidRequest" and error.non_retryable, error
-    assert error.message.startswith("InvalidRequest while provisioning: site: unknown site 'atlantis'"), error.message
-    assert provider_calls(stack) == calls and len(stack.world.machines(include_deleted=True)) == 1, "nothing bought"
+    assert error.message.startswith("InvalidRequest while resolving site: site: unknown site 'atlantis'"), error.message
+    assert provider_calls(stack) == calls and len(stack.world.machines(include_deleted=True)) == bought, "nothing bought"
+
+
+#: A join by hand at a site whose max_nodes is 0 (one being emptied), refused before it buys
+#: (``join-by-hand-refuses-max-nodes-0``); ``_before``, the code before, which bought the machine
+#: and joined it for the Site entity to retire, replays; and a join by hand with room, the new path.
+REFUSED_AT_MAX_0 = "node_join_by_hand_refused_at_max_nodes_0"
+REFUSED_AT_MAX_0_BEFORE = f"{REFUSED_AT_MAX_0}_before"
+LOOKS_ITS_SITE_UP = "node_join_by_hand_looks_its_site_up"
+
+
+def site_a_emptied(fleet_world: Stack) -> None:
+    """site-a at min_nodes 0, max_nodes 0 in the config the worker reads (the procedure that empties
+    a site before it leaves the config); site-b as before."""
+    fleet = copy.deepcopy(TEST_FLEET)
+    fleet["sites"][0].update(min_nodes=0, max_nodes=0)
+    Path(fleet_world.settings.config).write_text(yaml.safe_dump(fleet))
+
+
+async def test_a_join_by_hand_at_a_site_whose_max_nodes_is_0_is_refused_before_anything_is_bought(
+        fleet_world: Stack) -> None:
+    """A join of one node from code (a client, ``temporal workflow start``, a Schedule) at a site
+    whose max_nodes is 0 bought a machine, which the Site entity then retired above its max: paid
+    for nothing. Now the join refuses it before buying, non-retryable, naming ``count``; a join
+    with room still joins."""
+    from tests.plugins.stack import running_stack
+
+    site_a_emptied(fleet_world)
+    async with running_stack(fleet_world) as stack:
+        handle = await stack.start_join({"site": "site-a"}, request=f"emptied-{uuid.uuid4().hex[:6]}")
+        error = await failure_of(handle)
+        assert (error.type, error.non_retryable) == ("InvalidInput", True), error
+        assert error.message == "count: 1 is more than site-a's max_nodes (0)", error.message
+        assert error.details == ({"field": "count"},), error.details
+        assert stack.world.calls("acct-a") == 0 and stack.world.machines(include_deleted=True) == [], "nothing bought"
+        found = (await handle.describe()).typed_search_attributes
+        assert (found.get(sa.SITE), found.get(sa.FLEET_STATE)) == ("site-a", "failed")
+        progress = JoinProgress.model_validate(await handle.query("progress"))
+        assert progress.step == "failed" and progress.done == ["resolving site"], progress
+        await replay_and_record(handle, REFUSED_AT_MAX_0)
+
+        # A site with room: looked up, then bought and joined.
+        joined = await stack.start_join({"site": "site-b"}, request=f"room-{uuid.uuid4().hex[:6]}")
+        (node,) = NodeJoinResult.model_validate(await joined.result()).nodes
+        assert node.site == "site-b" and stack.cluster.get_node(node.node_name).ready
+        scheduled = scheduled_activities(await joined.fetch_history())
+        assert scheduled[:2] == ["resolve_site", "provision_joining_machine"], scheduled
+        await replay_and_record(joined, LOOKS_ITS_SITE_UP)
 
 
 async def test_join_fans_out_for_count(stack: Stack) -> None:

@@ -43,6 +43,15 @@ EXPECTED = {
     # (tests/test_join_cancelled.py; as a local activity the lookup's result came a task late, with
     # the cancel, and the history did not replay).
     "node_join_cancelled_while_queried_in_site_lookup",
+    # A join of one node by hand looks its site up first and refuses one whose max_nodes is 0 before
+    # it buys (``join-by-hand-refuses-max-nodes-0``, tests/test_node_join.py); ``_before``, the code
+    # before, which bought the machine and joined it, replays down the old branch.
+    "node_join_by_hand_refused_at_max_nodes_0", "node_join_by_hand_refused_at_max_nodes_0_before",
+    "node_join_by_hand_looks_its_site_up",
+    # The same cancel and query during the first task of a join by hand, whose lookup is now
+    # ``resolve_site``: it buys nothing and replays (tests/test_join_cancelled.py; the run above,
+    # of the code before, was cancelled in its provisioning activity).
+    "node_join_cancelled_while_queried_in_site_lookup_by_hand",
     "node_entity_health_watch", "node_entity_watch_from_join_state",
     "capacity_no_capacity_fallback", "capacity_over_quota", "capacity_bad_credentials", "capacity_wait_then_resume",
     # A catalog refresh wakes only the requests waiting for capacity, and only when its offers changed;

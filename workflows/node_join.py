@@ -41,6 +41,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.naming import fan_out_join_id, node_name_for, node_queue
     from fleet.cluster import UNPROVEN_TAINT, JoinTokenRef
     from fleet.demand import site_labels
+    from fleet.site_use import over_max_nodes
     from workflows.inputs import parse_input
     from workflows.steps import (
         CLUSTER_RETRY,
@@ -82,6 +83,13 @@ JOIN_PATCHES_AT_START_4 = "join-patches-at-start-4"
 #: gone, and the join said the node was never admitted. Asked where a cancel lands during the
 #: admit, the first point where the two paths differ.
 ADMIT_TO_ITS_END_PATCH = "join-admits-to-its-end"
+#: Workflow patch: a join of one node started by hand (no parent: a client, ``temporal workflow
+#: start``, a Schedule) looks its site up first (``resolve_site``) and refuses a site whose
+#: ``max_nodes`` is 0 (one being emptied) before anything is bought, ``InvalidInput`` naming
+#: ``count``, as a fan-out refuses a count above max_nodes. Runs before it went straight to the
+#: provisioning activity and bought the machine, which the Site entity then retired. Asked first,
+#: before any activity.
+REFUSES_NO_ROOM_PATCH = "join-by-hand-refuses-max-nodes-0"
 
 
 @workflow.defn(name="NodeJoin")
@@ -118,6 +126,10 @@ class NodeJoin:
         request = parse_input(NodeJoinInput, raw, context={TOKEN_CHECKS: by_hand})
         if request.count > 1:
             return await self._join_many(request)
+        if by_hand and workflow.patched(REFUSES_NO_ROOM_PATCH):
+            # A parent's join is not asked: an AcquireCapacity placed it within its sites' max_nodes,
+            # a fan-out checked its count, a repair's replacement takes its old node's place.
+            await self._check_site(request)
         try:
             return NodeJoinResult(nodes=[await self._join_one(request)])
         except (ActivityError, ApplicationError, asyncio.CancelledError) as error:
@@ -167,6 +179,20 @@ class NodeJoin:
                    if started_with.get(pair.key) is None]
         if missing:
             workflow.upsert_search_attributes(missing)
+        await self._check_site(request)
+
+    async def _check_site(self, request: NodeJoinInput) -> None:
+        """Before anything is bought: the site looked up (an unknown one refused), and ``count``
+        refused where it is more than the site's ``max_nodes``, which its Site entity retires down to.
+
+        The nodes already at the site are not counted, on purpose: a person joins one to a full
+        site to replace a failing node (removed once its replacement serves), or while one is being
+        retired or reclaimed, and a count read now is stale by the time the machine registers,
+        minutes later. What an operator expects is the join they asked for, not a refusal from a
+        count that may no longer hold; the Site entity, which owns the count, retires whatever is
+        still above its max at its next reconcile (most expensive first, then newest; never a held
+        node). ``gpufleet join``, at a terminal, counts them and says the room left. Only what can
+        never fit is refused here: more than max_nodes, whatever the cluster holds."""
         self._step("resolving site", request.site)
         try:
             site: Site = await workflow.execute_activity(
@@ -175,16 +201,19 @@ class NodeJoin:
             )
         except ActivityError as error:
             if self._cancelled(error):
-                self._cancelled_fan_out("nothing was bought")
+                self._say_cancelled("cancelled", self._progress.step, "nothing was bought")
                 raise
             kind = failure_type(error)
             message = failure_message(error).removeprefix(f"{kind}: ")
             workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("failed")])
             self._step("failed", f"{kind} while resolving site: {message}")
             raise ApplicationError(f"{kind} while resolving site: {message}", type=kind, non_retryable=True) from None
-        if request.count > site.max_nodes:
-            message = f"count: {request.count} is more than {site.name}'s max_nodes ({site.max_nodes})"
-            workflow.upsert_search_attributes([sa.FLEET_STATE.value_set("failed")])
+        over = over_max_nodes(site, request.count)
+        if over is not None:
+            message = f"count: {over}"
+            # Found by its Site however it was started (a fan-out set it at its start).
+            unnamed = [sa.SITE.value_set(site.name)] if workflow.info().typed_search_attributes.get(sa.SITE) is None else []
+            workflow.upsert_search_attributes([*unnamed, sa.FLEET_STATE.value_set("failed")])
             self._step("failed", f"InvalidInput: {message}")
             raise ApplicationError(message, {"field": "count"}, type="InvalidInput", non_retryable=True)
 
