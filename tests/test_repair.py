@@ -20,6 +20,7 @@ from temporalio.client import (
 from temporalio.common import WorkflowIDConflictPolicy
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
+from temporalio.api.enums.v1 import EventType
 
 from activities.env import FleetEnv
 from activities.evacuation import EvacuationActivities
@@ -33,7 +34,7 @@ from fleet.naming import node_queue
 from fleet.repair_policy import Rung
 from fleet.settings import Settings
 from tests.conftest import Stack, terminate_running, write_before_next_cordon
-from tests.details_helpers import held, scheduled, until
+from tests.details_helpers import decided, held, scheduled, until
 from tests.replay import replay_and_record
 from tests.test_repair_cancel import SLOW_BOOT_SECONDS, _details
 from tests.test_watches import add_node
@@ -59,6 +60,10 @@ from sim.provider import SimProvider
 from workers.control_plane import build_worker
 from workers.health_report import send_report
 from fleet.messages.repair import ATTEMPTS_KEPT, GpuRepairInput, LadderState, SkipToInput
+from fleet.messages.join import JoinTimeouts
+
+#: The event of a child workflow's start.
+START_CHILD = EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED
 
 
 @pytest.fixture
@@ -276,6 +281,56 @@ async def test_remap_failure_replaces_the_machine(rstack: Stack) -> None:
     assert rstack.world.machine(node.machine_id)["deleted_at"] is not None, "old machine deleted"
     entity = rstack.client.get_workflow_handle(f"node/{node.node_name}")
     await asyncio.wait_for(entity.result(), 30)  # the old node's entity ends: gone
+
+
+async def test_a_replacement_join_says_until_when_by_its_own_timeouts(rstack: Stack, monkeypatch) -> None:
+    """The replace rung waits for its NodeJoin (tens of minutes: a machine bought, booted, proved),
+    bounded by the join's own timeouts: its page says until when. Before: "replace: joining a node
+    at site-a", with no time (it overwrote the bound said just before)."""
+    node = await join_node(rstack)
+    buying, bought = held(monkeypatch, SimProvider, "create_machine")  # the replacement's create
+    rstack.world.inject_fault(node.machine_id, 0, "remap_failure", clears_on="never")  # starts at replace
+    handle = repair_handle(rstack, node.node_name, 0)
+    try:
+        await eventually(lambda: asyncio.to_thread(buying.wait, 0.1), timeout=30)
+        began, _ = await decided(handle, lambda e: e.event_type == START_CHILD)
+        shown = await _details(handle)
+    finally:
+        bought.set()
+    timeouts = JoinTimeouts()  # the join is started with its defaults
+    seconds = timeouts.provision_seconds + timeouts.registration_seconds + timeouts.smoke_test_seconds
+    assert shown.split("\n")[0] == (
+        f"**recovering at rung replace**: replace: joining a node at site-a {until(began, seconds)} (its timeouts: "
+        f"provision {timeouts.provision_seconds:g} s a try, registration {timeouts.registration_seconds:g} s, "
+        f"smoke test {timeouts.smoke_test_seconds:g} s), then {node.node_name} retired"), shown
+    result = await repair_result(rstack, node.node_name, 0, timeout=90)
+    assert result.outcome == "replaced", result
+
+
+async def test_an_exhausted_ladder_says_it_waits_for_a_person_with_no_deadline(temporal_env, tmp_path) -> None:
+    """No rung left: the GPU stays contained until a person decides. Its page says there is no
+    deadline and what the person may do, with the commands. Before: "node stays contained", nothing
+    saying who ends the wait, nor that nothing will."""
+    async for stack in running_stack(temporal_env.client, tmp_path, repair_fleet(max_rung="reset")):
+        node = await join_node(stack)
+        stack.world.inject_fault(node.machine_id, 0, "compute", clears_on="never")  # its proof fails
+        stack.world.inject_fault(node.machine_id, 0, "ecc", 3, clears_on="never")  # the finding
+        await eventually(lambda: _exhausted(stack, node.node_name), timeout=60)
+        handle = repair_handle(stack, node.node_name, 0)
+        shown = await _details(handle)
+        name = node.node_name
+        assert shown.split("\n")[0] == (
+            f"**exhausted at rung reset**: no rung above reset allowed (max reset); node stays contained. No "
+            f"deadline: a person decides: `gpufleet repair skip-to {name} 0 <rung>` re-enters the ladder, or cancel "
+            f"this repair (`temporal workflow cancel --workflow-id repair/{name}/gpu0`) and the GPU stays fenced, "
+            f"held for a person: `gpufleet repair return {name} 0 --reason ...` puts it back in service"), shown
+        await handle.cancel()
+        with pytest.raises(WorkflowFailureError):
+            await asyncio.wait_for(handle.result(), 30)
+        # What it says is so: cancelled, the GPU is held for a person, whom the command answers.
+        returned = await asyncio.to_thread(CliRunner().invoke, app, [
+            "repair", "return", name, "0", "--reason", "checked by hand", "--address", stack.settings.address])
+        assert returned.exit_code == 0 and "returned" in returned.output, returned.output
 
 
 async def test_application_xid_never_starts_a_repair(rstack: Stack) -> None:

@@ -59,7 +59,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.repair_policy import Rung
     from workflows.inputs import invalid_input, parse_input
     from workflows.refusals import wrong_state
-    from fleet.messages.join import NodeJoinResult
+    from fleet.messages.join import JoinTimeouts, NodeJoinResult
     from workflows.steps import (
         CLUSTER_RETRY,
         PROVIDER_RETRY,
@@ -68,6 +68,7 @@ with workflow.unsafe.imports_passed_through():
         count_bad_report,
         failure_text,
         failure_type,
+        join_until,
         node_answer,
         retire_machine,
         show_details,
@@ -344,11 +345,20 @@ class GpuRepair:
                 # Stay contained; a person decides (skip_to re-enters the ladder).
                 self._set_fleet_state("needs-person")
                 self._state.outcome = "exhausted"
-                self._step("exhausted", f"no rung above {rung} allowed (max {max_rung}); node stays contained")
+                self._step("exhausted", self._exhausted(rung, max_rung))
                 await workflow.wait_condition(lambda: self._state.skip_to is not None)
                 self._state.outcome = ""
                 continue
             rung = nxt
+
+    def _exhausted(self, rung: Rung, max_rung: Rung) -> str:
+        """What an exhausted ladder waits for: a person, with no deadline, and how they decide."""
+        node, gpu = self._input.node_name, self._input.gpu
+        return (f"no rung above {rung} allowed (max {max_rung}); node stays contained. No deadline: a person "
+                f"decides: `gpufleet repair skip-to {node} {gpu} <rung>` re-enters the ladder, or cancel this "
+                f"repair (`temporal workflow cancel --workflow-id {workflow.info().workflow_id}`) and the GPU "
+                f"stays fenced, held for a person: `gpufleet repair return {node} {gpu} --reason ...` puts it "
+                "back in service")
 
     def _cancelled(self, error: BaseException) -> bool:
         """Whether ``error`` ends the repair because it was cancelled, rather than failing a rung:
@@ -572,7 +582,9 @@ class GpuRepair:
         failures = []
         joined = None
         for site in sites:
-            self._step("recovering", f"replace: joining a node at {site}")
+            # The join's own timeouts bound it (the slot's "expected done by" does not).
+            self._step("recovering", f"replace: joining a node at {site} {join_until(workflow.now(), JoinTimeouts())}"
+                                     f", then {inp.node_name} retired")
             try:
                 join = await workflow.start_child_workflow(
                     flows.NodeJoin.TYPE, {"site": site},

@@ -27,6 +27,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.cluster import DrainResult, ServingStatus
     from fleet.errors import NON_RETRYABLE_TYPES
     from fleet.messages.capacity import DrainNodeInput, RetireMachineInput
+    from fleet.messages.join import JoinTimeouts
     from fleet.messages.repair import NodeReport, NodeWatchResult, SmokeReport
     from fleet.naming import node_queue
     from workflows.inputs import describe, first_problem
@@ -194,6 +195,14 @@ def until(at: datetime) -> str:
 def until_in(seconds: float) -> str:
     """``until HH:MM:SS UTC``, ``seconds`` from now: a wait bounded by a timeout that starts now."""
     return until(workflow.now() + timedelta(seconds=seconds))
+
+
+def join_until(started: datetime, timeouts: JoinTimeouts) -> str:
+    """The bound of a NodeJoin started at ``started``, by its own timeouts (``JoinTimeouts``: its
+    parent's deadline does not stop a join in flight): ``until HH:MM:SS UTC (its timeouts: ...)``."""
+    at = started + timedelta(seconds=timeouts.expected_seconds)
+    return (f"{until(at)} (its timeouts: provision {timeouts.provision_seconds:g} s a try, registration "
+            f"{timeouts.registration_seconds:g} s, smoke test {timeouts.smoke_test_seconds:g} s)")
 
 
 # -- what a node says -------------------------------------------------------------------------

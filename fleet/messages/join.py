@@ -40,6 +40,13 @@ class JoinTimeouts(Strict):
         the machine's create, then the registration wait."""
         return self.provision_seconds + self.registration_seconds
 
+    @property
+    def expected_seconds(self) -> float:
+        """How long a join runs by its own timeouts, from its start: its machine's create (one
+        try), the wait for it to register, the smoke test (the admit after them answers at once).
+        A create tried again after a provider's error runs past it."""
+        return self.provision_seconds + self.registration_seconds + self.smoke_test_seconds
+
     @model_validator(mode="after")
     def _registers_within_a_token(self, info: ValidationInfo) -> "JoinTimeouts":
         if not _checks_tokens(info):
