@@ -221,7 +221,13 @@ class ModelRollout:
         if self._p is not None:
             # The domain's rendering (fleet.rollout): its first line is the headline show_details writes.
             head, *rest = render_details(self._p).split("\n")
-            show_details(self._p.phase, *rest, detail=head.removeprefix(f"**{self._p.phase}**").strip())
+            detail = head.removeprefix(f"**{self._p.phase}**").strip()
+            if self._p.phase == "paused":
+                # Held between batches for a person: nothing ends the wait but them.
+                rollout_id = workflow.info().workflow_id
+                detail += (f"; no deadline: until `gpufleet rollout resume {rollout_id}` (or "
+                           f"`gpufleet rollout abort {rollout_id}`, which rolls back the sites updated)")
+            show_details(self._p.phase, *rest, detail=detail)
 
     def _say(self, reason: str) -> None:
         """The progress reason: once a person is needed, what they must do stays after it."""

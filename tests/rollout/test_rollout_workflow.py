@@ -865,6 +865,25 @@ async def test_pause_holds_and_resume_continues(rollout_stack: RolloutStack) -> 
         await handle.execute_update("resume")  # finished
 
 
+async def test_a_paused_rollout_says_it_has_no_deadline_and_what_ends_it(rollout_stack: RolloutStack) -> None:
+    """Paused, a rollout waits between batches for a person, for as long as they take: its page
+    says there is no deadline and which commands end the wait. Before: "paused", the operator's
+    reason, nothing saying who ends the wait nor that nothing else will."""
+    stack = rollout_stack
+    stack.serve_v1(["site-a", "site-b"])
+    handle = await stack.start(stack.request({"site-a": 1, "site-b": 1}, gate={"bake_seconds": 0}), "paused-says")
+    await until(handle, lambda p: p.phase != "starting")
+    await handle.execute_update("pause", "change freeze")
+    await until(handle, lambda p: p.phase == "paused")
+    head = (await current_details(handle)).split("\n")[0]
+    assert head.startswith("**paused**: (paused)"), head
+    assert head.endswith(f"; no deadline: until `gpufleet rollout resume {handle.id}` (or "
+                         f"`gpufleet rollout abort {handle.id}`, which rolls back the sites updated)"), head
+    await handle.execute_update("resume")
+    assert RolloutResult.model_validate(await handle.result()).outcome == "completed"
+    assert "no deadline" not in await current_details(handle)
+
+
 async def test_a_pause_while_the_canary_waits_out_an_evacuation_holds_when_it_comes_back(
         rollout_stack: RolloutStack) -> None:
     """Paused while its canary site was under evacuation (a wait of hours): the progress said
