@@ -2091,6 +2091,31 @@ async def test_an_evacuation_started_beside_the_site_entitys_follows_it(inc: Inc
     await replay_and_record(beside, "site_evacuation_followed")
 
 
+async def test_a_follower_says_it_has_no_deadline_and_where_to_look(inc: IncStack) -> None:
+    """An evacuation that follows another one waits for it to end, for as long as the outage lasts:
+    its page says there is no deadline, who ends the wait (the site's recovery, or a person with
+    the commands that act on the one it follows), and how to watch that one. Before: "ends when it
+    does", nothing saying until when nor why there is no bound."""
+    a, _d = await _a_lost_and_evacuated_to_d(inc)
+    first = inc.evacuation("a")
+    beside = await inc.client.start_workflow(
+        "SiteEvacuation", {"site": a, "reason": "test: started by hand as well"}, id=f"evacuate/{a}/manual-nd",
+        task_queue=inc.settings.task_queue)
+    await poll(lambda: _evacuation_state(beside, "following"), timeout=30)
+    head = (await current_details(beside)).split("\n")[0]
+    assert head == (
+        f"**following {first.id}**: {first.id} began evacuating {a} first: this one changes nothing and ends "
+        f"when it does. No deadline: that one ends once {a} recovers, or when a person ends it (`gpufleet "
+        f"evacuate recovered {a}`, `gpufleet evacuate abort {a}` act on it); watch it: `temporal workflow "
+        f"query --workflow-id {first.id} --type progress`"), head
+    # What it says is so: the command named acts on the one it follows, and this one ends with it.
+    from client import FleetClient
+
+    assert await FleetClient(inc.settings, inc.client).running_evacuation(a) == first.id
+    await beside.execute_update("abort", "test: over")
+    assert EvacuationResult.model_validate(await asyncio.wait_for(beside.result(), 30)).outcome == "aborted"
+
+
 async def test_two_evacuations_started_at_once_act_as_one(inc: IncStack, monkeypatch) -> None:
     """A person's `gpufleet evacuate start` and the Site entity's evacuation at the same outage,
     started within the visibility store's lag: each listed no other and both acted. One record

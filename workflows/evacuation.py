@@ -515,8 +515,13 @@ class SiteEvacuation:
         p.following = first
         self._state("following")
         self._mark("following", f"{first} began evacuating {site} first")
+        # No deadline of its own: it waits for the one it follows, which ends when the site recovers
+        # or a person ends it (the commands at the site act on that one).
         self._show(f"following {first}", f"{first} began evacuating {site} first: this one changes nothing "
-                                         "and ends when it does (its progress is the one to watch)")
+                                         f"and ends when it does. No deadline: that one ends once {site} recovers, "
+                                         f"or when a person ends it (`gpufleet evacuate recovered {site}`, "
+                                         f"`gpufleet evacuate abort {site}` act on it); watch it: "
+                                         f"`temporal workflow query --workflow-id {first} --type progress`")
         ended = workflow.start_activity(
             act.evacuation_end, EvacuationRef(site=site, workflow_id=first), start_to_close_timeout=FOLLOW_WAIT,
             heartbeat_timeout=LONG_WATCH_HEARTBEAT, retry_policy=LONG_WATCH_RETRY, summary=f"until {first} ends",
