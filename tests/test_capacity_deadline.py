@@ -9,9 +9,12 @@ from __future__ import annotations
 import asyncio
 from datetime import datetime
 
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
 
-from tests.capacity_fleet import CapStack
+from fleet.messages.join import JoinTimeouts
+from tests.capacity_fleet import FAST_JOIN, CapStack
+from tests.details_helpers import decided, until
 from tests.replay import replay, replay_and_record
 from tests.test_capacity import cap, progress, result_of  # noqa: F401 - cap: the fixture
 
@@ -28,6 +31,10 @@ async def joins_started(handle: WorkflowHandle) -> list[float]:
     first = events[0].event_time.ToDatetime()
     return [(e.event_time.ToDatetime() - first).total_seconds() for e in events
             if e.HasField("start_child_workflow_execution_initiated_event_attributes")]
+
+
+#: The event of a child workflow's start (a join).
+START_CHILD = EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED
 
 
 def at(deadline: datetime | None) -> str:
@@ -96,3 +103,41 @@ async def test_the_joins_in_flight_at_the_deadline_finish_and_say_so(cap: CapSta
     assert [a.outcome for a in result.attempts].count("NoCapacity") == 1
     assert len(cap.world.machines(include_deleted=True)) == 2, "no third machine bought past the deadline"
     await replay(await handle.fetch_history())
+
+
+async def test_the_joins_in_flight_say_until_when_by_their_own_timeouts(cap: CapStack) -> None:
+    """The deadline stops no join in flight: each runs to its own timeouts (``join_timeouts``). While
+    they run, and once the deadline has passed, the details say until when the last one started
+    runs by them, in UTC. Before: "joining: 2 in flight", then "it returns what joined once the joins
+    in flight (1) end", no time at all past the deadline."""
+    cap.world.set_site(cap.site("cheap"), capacity=1, boot_seconds=6)
+    cap.world.set_site(cap.site("mid"), boot_seconds=10)
+    handle = await cap.request({"constraints": {"sites": [cap.site("cheap"), cap.site("mid")]}, "count": 3,
+                                "concurrency": 2, "deadline_seconds": 4})
+    timeouts = JoinTimeouts.model_validate(FAST_JOIN)
+    said = ("(its timeouts: provision {p:g} s a try, registration {r:g} s, smoke test {s:g} s)"
+            .format(p=timeouts.provision_seconds, r=timeouts.registration_seconds, s=timeouts.smoke_test_seconds))
+    seconds = timeouts.provision_seconds + timeouts.registration_seconds + timeouts.smoke_test_seconds
+
+    async def head_once(step: str) -> str | None:
+        head = (await details(handle)).split("\n")[0]
+        return head if head.startswith(f"**{step}**") else None
+
+    head = await wait_for_async(lambda: head_once("joining"))
+    began, _ = await decided(handle, lambda e: e.event_type == START_CHILD, last=True)
+    assert head == f"**joining**: 2 in flight, the last {until(began, seconds)} {said}", head
+    head = await wait_for_async(lambda: head_once("finishing the joins in flight"))
+    assert head == ("**finishing the joins in flight**: no join starts past the deadline; it returns what joined "
+                    f"once the joins in flight (1) end, the last {until(began, seconds)} {said}"), head
+    result = await result_of(handle)
+    assert len(result.nodes) == 2, result
+
+
+async def wait_for_async(probe, timeout: float = 30):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        found = await probe()
+        if found:
+            return found
+        assert asyncio.get_running_loop().time() < deadline, "never came"
+        await asyncio.sleep(0.1)

@@ -81,7 +81,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.placement import AccountView, Candidate, Placement, rank
     from fleet.feasibility import EMPTY, count_problems, request_problems, waiting_for
     from workflows.inputs import check_text, invalid_input, parse_input
-    from fleet.messages.join import TOKEN_CHECKS, JoinedNode, NodeJoinResult
+    from fleet.messages.join import TOKEN_CHECKS, JoinedNode, JoinTimeouts, NodeJoinResult
     from workflows.node_join import NodeJoin
     from workflows.passes import FailedPasses
     from workflows.steps import (
@@ -93,6 +93,7 @@ with workflow.unsafe.imports_passed_through():
         failure_message,
         failure_text,
         failure_type,
+        join_until,
         show_details,
     )
 
@@ -138,6 +139,10 @@ class AcquireCapacity:
         self._cancel = ""
         #: Joins in flight: task → (offer, join workflow id).
         self._in_flight: dict[asyncio.Task, tuple[Candidate, str]] = {}
+        #: When each join in flight was started (its id → workflow time): what bounds it is its own
+        #: timeouts from then, not the request's deadline. Never carried: a run continues as new
+        #: only with no join in flight.
+        self._join_began: dict[str, datetime] = {}
         self._joined: list[JoinedNode] = []
         #: The catalog last read (None until the first read went through) and its failed reads.
         self._catalog_now: Catalog | None = None
@@ -231,6 +236,15 @@ class AcquireCapacity:
     def _track(self) -> None:
         self._progress.in_flight = [c.key for c, _ in self._in_flight.values()]
         self._progress.joins = [join_id for _, join_id in self._in_flight.values()]
+        self._join_began = {j: at for j, at in self._join_began.items() if j in self._progress.joins}
+
+    def _joins_until(self) -> str:
+        """The bound of the joins in flight: the last one's, by its own timeouts (the request's
+        deadline stops no join in flight)."""
+        began = [self._join_began[j] for _, j in self._in_flight.values() if j in self._join_began]
+        if not began:
+            return ""
+        return f", the last {join_until(max(began), self._req.join_timeouts or JoinTimeouts())}"
 
     # -- the runbook ----------------------------------------------------------------------
     @workflow.run
@@ -394,6 +408,7 @@ class AcquireCapacity:
             self._seq += 1
             join_id = join_workflow_id(best.offer.site, f"{self._request_id}-{self._seq}")
             in_flight[asyncio.create_task(self._join(best, join_id))] = (best, join_id)
+            self._join_began[join_id] = workflow.now()
             self._track()
             ranked = self._placement()
         return ranked
@@ -447,16 +462,17 @@ class AcquireCapacity:
         out of the ranking for a while, an account told, a fatal failure, or one more failure."""
         req, in_flight, accounts = self._req, self._in_flight, self._accounts
         self._progress.waiting_for = []
+        bound = self._joins_until()
         if self._other_failures > req.max_other_failures:
             self._show("finishing the joins in flight", ranked,
                        f"too many failed joins ({self._other_failures}): no join starts; it returns what "
-                       f"joined once the joins in flight ({len(in_flight)}) end")
+                       f"joined once the joins in flight ({len(in_flight)}) end{bound}")
         elif workflow.now() >= self._deadline:
             self._show("finishing the joins in flight", ranked,
                        "no join starts past the deadline; it returns what joined once the joins "
-                       f"in flight ({len(in_flight)}) end")
+                       f"in flight ({len(in_flight)}) end{bound}")
         else:
-            self._show("joining", ranked, f"{len(in_flight)} in flight")
+            self._show("joining", ranked, f"{len(in_flight)} in flight{bound}")
         cancelled = asyncio.ensure_future(workflow.wait_condition(lambda: bool(self._cancel)))
         done, _ = await workflow.wait([*in_flight, cancelled], return_when=asyncio.FIRST_COMPLETED)
         if not cancelled.done():
