@@ -25,7 +25,7 @@ from fleet.cluster import UNPROVEN_TAINT
 from fleet.config import load_config
 from fleet.demand import DEMAND_TAINT_KEY, LABEL_FLEET, LABEL_GEOGRAPHY, GpuPod, Toleration, site_labels
 from tests.conftest import TEST_FLEET, Stack, run_node_host, wait_for
-from tests.details_helpers import current_details, held, scheduled, until
+from tests.details_helpers import current_details, decided, held, scheduled, until
 from tests.replay import replay_and_record
 from sim.gpu import SimGpuBackend
 from sim.provider import SimProvider
@@ -34,6 +34,10 @@ from fleet.messages.join import JoinProgress, JoinTimeouts, NodeJoinResult
 from tests.repair_helpers import eventually
 
 FAST = {"timeouts": {"registration_seconds": 3, "smoke_test_seconds": 5, "heartbeat_seconds": 2}}
+
+
+#: The event of a child workflow's start.
+START_CHILD = EventType.EVENT_TYPE_START_CHILD_WORKFLOW_EXECUTION_INITIATED
 
 
 async def failure_of(handle) -> ApplicationError:
@@ -294,6 +298,26 @@ async def test_join_fans_out_for_count(stack: Stack) -> None:
     assert len({n.node_name for n in result.nodes}) == 3
     assert len(stack.world.machines("site-b")) == 3
     assert all(stack.cluster.get_node(n.node_name).ready for n in result.nodes)
+
+
+async def test_a_fan_out_says_until_when_its_joins_run(stack: Stack, monkeypatch) -> None:
+    """A join of several nodes waits for one child join per node, each bounded by its own timeouts
+    (tens of minutes by default): its details say until when, in UTC. Before: "joining: 2 nodes at
+    site-b", no time."""
+    creating, created = held(monkeypatch, SimProvider, "create_machine")
+    timeouts = {"provision_seconds": 120, "registration_seconds": 30, "smoke_test_seconds": 20}
+    handle = await stack.start_join({"site": "site-b", "count": 2, "timeouts": timeouts}, request="two-says")
+    try:
+        assert await asyncio.to_thread(creating.wait, 30), "a child began buying"
+        began, _ = await decided(handle, lambda e: e.event_type == START_CHILD)  # the children's task
+        shown = await current_details(handle)
+    finally:
+        created.set()
+    assert shown.split("\n")[0] == (
+        f"**joining**: 2 nodes at site-b, each {until(began, 170)} (its timeouts: provision 120 s a try, "
+        "registration 30 s, smoke test 20 s)"), shown
+    result = NodeJoinResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+    assert len(result.nodes) == 2, result
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ with workflow.unsafe.imports_passed_through():
         cancelled_words,
         failure_message,
         failure_type,
+        join_until,
         show_details,
         smoke_test_node,
         to_its_end,
@@ -218,7 +219,9 @@ class NodeJoin:
             raise ApplicationError(message, {"field": "count"}, type="InvalidInput", non_retryable=True)
 
     async def _fan_out(self, request: NodeJoinInput) -> NodeJoinResult:
-        self._step("joining", f"{request.count} nodes at {request.site}")
+        # Each child runs to its own timeouts, all started now.
+        self._step("joining", f"{request.count} nodes at {request.site}, each "
+                              f"{join_until(workflow.now(), request.timeouts)}")
         base = workflow.info().workflow_id
         single = request.model_copy(update={"count": 1})
         children = [
