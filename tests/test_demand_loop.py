@@ -7,6 +7,7 @@ cancels its purchase before provisioning."""
 from __future__ import annotations
 
 import asyncio
+import threading
 import re
 import uuid
 from contextlib import aclosing, asynccontextmanager
@@ -527,6 +528,19 @@ async def test_a_cancelled_loop_stops_the_purchase_its_failed_step_started(cap: 
         return handle
 
     monkeypatch.setattr(Client, "start_workflow", fails_after_the_start)
+    # The wind-down's look for what the failed step started is held while the test reads the details.
+    from temporalio import activity
+    from activities.demand import DemandActivities
+
+    looking, go_on, look = asyncio.Event(), asyncio.Event(), DemandActivities._started_earlier
+
+    async def held_look(self, *args, **kwargs):
+        if activity.info().activity_type == "started_purchases":
+            looking.set()
+            await asyncio.wait_for(go_on.wait(), 30)
+        return await look(self, *args, **kwargs)
+
+    monkeypatch.setattr(DemandActivities, "_started_earlier", held_look)
     # The purchase holds before its first join: its offer is out of its own ranking for 60 s.
     hold = {**FAST["capacity_request"], "exclude": [{"offer": cap.offer("cheap"), "seconds": 60}]}
     handle = await start_demand(cap, capacity_request=hold)
@@ -536,6 +550,15 @@ async def test_a_cancelled_loop_stops_the_purchase_its_failed_step_started(cap: 
         await poll(lambda: failed_pass(handle), timeout=10, interval=0.05)
     await handle.cancel()
     cancel_asked.set()
+    try:
+        await asyncio.wait_for(looking.wait(), 30)
+        # Retried until done, as a put-back (the wind-down must know what to stop): said so, with no
+        # deadline. Before: "cancelled: winding down", nothing else.
+        head = (await current_details(handle)).split("\n")[0]
+    finally:
+        go_on.set()
+    assert head == ("**cancelled: winding down**: looking for the purchases a failed step started: retried until "
+                    "the cluster answers (no deadline: a put-back that gave up would leave the change in place)"), head
     with pytest.raises(WorkflowFailureError) as ended:
         await handle.result()
     assert "cancel" in str(ended.value.cause).lower(), ended.value
@@ -699,6 +722,48 @@ async def test_a_cancelled_loop_uncordons_the_node_it_was_draining(temporal_env,
         assert [p.name for p in cap.cluster.pods(node)] == ["keeper"]
         assert logged(state, f"cancelled: no purchase was buying; uncordoned {node}"), state.log[-3:]
         await replay_and_record(handle, "demand_cancelled_uncordons_its_drain")
+
+
+async def test_the_waits_for_its_drains_and_its_wind_down_say_until_when(temporal_env, tmp_path, monkeypatch):
+    """Asked to continue as new (``renew``) while it drains an idle node, the loop waits for the
+    drain first (up to ``drain_seconds``): its page says so and until when. Cancelled then, it winds
+    down, and its uncordon is retried until the cluster answers: its page says so, and that it has
+    no deadline. Before: the last pass's "watching Pending pods until ..." (a time already past),
+    then "cancelled: winding down", nothing saying what it waited on nor until when."""
+    import activities.capacity
+
+    uncordoning, go_on = threading.Event(), threading.Event()
+    uncordon = activities.capacity.uncordon_unless
+
+    def held_uncordon(cluster, nodes, *args, **kwargs):
+        uncordoning.set()
+        go_on.wait(30)
+        return uncordon(cluster, nodes, *args, **kwargs)
+
+    monkeypatch.setattr(activities.capacity, "uncordon_unless", held_uncordon)
+    async with demand_stack(temporal_env, tmp_path) as cap:
+        node, _machine, handle = await draining(cap)
+        began, drain = await watch_scheduled(handle, "drain_within", last=True)
+        await handle.signal("renew")
+
+        async def head_line() -> str:
+            return (await current_details(handle)).split("\n")[0]
+        head = await wait_for_async(head_line, lambda h: h.startswith("**continuing as new**"), timeout=30)
+        assert head == (f"**continuing as new**: no new pass until its retirements in flight end: `{node}` drained "
+                        f"(PodDisruptionBudgets honoured) {until(began, drain['deadline_seconds'])} at most, then "
+                        "its machine deleted"), head
+
+        await handle.cancel()
+        try:
+            assert await asyncio.to_thread(uncordoning.wait, 30), "the uncordon began"
+            head = (await current_details(handle)).split("\n")[0]
+        finally:
+            go_on.set()
+        assert head == (f"**cancelled: winding down**: uncordoning {node}: retried until the cluster answers (no "
+                        "deadline: a put-back that gave up would leave the change in place)"), head
+        with pytest.raises(WorkflowFailureError):
+            await handle.result()
+        assert not cap.cluster.get_node(node).unschedulable, "uncordoned"
 
 
 async def test_a_retirement_keeps_a_node_a_person_took_right_before_its_drain(temporal_env, tmp_path, monkeypatch):

@@ -38,7 +38,7 @@ they have ended (it has no handler that awaits).
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from temporalio import workflow
@@ -67,6 +67,7 @@ with workflow.unsafe.imports_passed_through():
         CLUSTER_RETRY,
         PROVIDER_RETRY,
         PUT_BACK_RETRY,
+        PUT_BACK_UNTIL,
         QUICK,
         STORE_RETRY,
         WAIT_HEARTBEAT,
@@ -80,6 +81,7 @@ with workflow.unsafe.imports_passed_through():
         retire_drained,
         show_details,
         to_its_end,
+        until,
         until_in,
     )
 
@@ -161,7 +163,7 @@ class Demand(Entity[DemandCarry]):
         stamp = workflow.now().strftime("%H:%M:%S")
         self.state.log = [*self.state.log, f"{stamp} {line}"][-LOG_LINES:]
 
-    def _show(self, step: str) -> None:
+    def _show(self, step: str, detail: str = "") -> None:
         s = self.status()
         buying = [p for p in s.purchases if p.status == "buying"]
         lines = [f"{s.pending} Pending pods waiting on purchases; last batch window {s.window_seconds:.1f}s"]
@@ -171,7 +173,7 @@ class Demand(Entity[DemandCarry]):
         if self._retry.failing and self._retry.failing != step:  # a pass after a failed one: still say why
             lines.append(f"- the last pass: {self._retry.failing}")
         lines += [f"- {line}" for line in s.log[-8:]]
-        show_details(step, *lines)
+        show_details(step, *lines, detail=detail)
 
     @workflow.run
     async def run(self, raw: Any) -> None:
@@ -185,6 +187,8 @@ class Demand(Entity[DemandCarry]):
             self.state.series = workflow.info().first_execution_run_id.replace("-", "")[-8:]
         #: Node → its retirement (an own task: continue-as-new waits for it).
         self._retirements: dict[str, asyncio.Task] = {}
+        #: Node → when its retirement began (its drain's bound is ``drain_seconds`` from then).
+        self._retiring_since: dict[str, datetime] = {}
         #: The nodes whose retirement is at its drain (a cancel of the loop cancels those drains).
         self._draining: set[str] = set()
         #: Nodes holding GPU pods as the last watch saw them (``EVENTS_PATCH``).
@@ -216,8 +220,25 @@ class Demand(Entity[DemandCarry]):
                 full = False
             if self.continue_as_new_suggested():
                 # Blocks the loop until the retirements end (drains, in minutes), then continues.
+                self._show_continuing()
                 await self.continue_as_new_when_ready(
                     lambda: self._args.model_copy(update={"carry": self.state}).model_dump(mode="json"))
+
+    def _show_continuing(self) -> None:
+        """What the loop waits for before it continues as new: its retirements in flight, each
+        drain until its bound at most (no new pass meanwhile). Nothing in flight: it goes on at once."""
+        going = sorted(node for node, task in self._retirements.items() if not task.done())
+        if not going:
+            return
+        said = []
+        for node in going:
+            if node in self._draining and node in self._retiring_since:
+                at = self._retiring_since[node] + timedelta(seconds=self._args.drain_seconds)
+                said.append(f"`{node}` drained (PodDisruptionBudgets honoured) {until(at)} at most, "
+                            "then its machine deleted")
+            else:
+                said.append(f"`{node}`: its machine being deleted")
+        self._show("continuing as new", f"no new pass until its retirements in flight end: {'; '.join(said)}")
 
     async def _read_config(self) -> None:
         config: dict = await workflow.execute_activity(
@@ -515,8 +536,10 @@ class Demand(Entity[DemandCarry]):
         # The cancel's reason is a person's free text: cut for the details, and not passed on to the
         # purchases (``AcquireCapacity.stop`` drops a reason past MAX_NOTE, and the purchase bought on).
         why = shortened(f"the demand loop was {cancelled_words()}", MAX_NOTE)
-        self._show("cancelled: winding down")
+        self._show("cancelled: winding down", "stopping its purchases and drains, then uncordoning the nodes its "
+                                              f"drains cordoned: each put-back {PUT_BACK_UNTIL}")
         if self._unanswered:
+            self._show("cancelled: winding down", f"looking for the purchases a failed step started: {PUT_BACK_UNTIL}")
             await self._take_started()
         stopped, ended = await self._stop_purchases("the demand loop was cancelled")
         uncordoned, left = await self._release_drains()
@@ -581,6 +604,9 @@ class Demand(Entity[DemandCarry]):
         nodes = sorted({*draining, *self.state.left_cordoned})
         if not nodes:
             return [], ""
+        self._show("cancelled: winding down", f"uncordoning {', '.join(nodes[:5])}"
+                                              + (f" and {len(nodes) - 5} more" if len(nodes) > 5 else "")
+                                              + f": {PUT_BACK_UNTIL}")
         try:
             # Until done, as every put-back: no loop is left to try again.
             released: list[str] = await workflow.execute_activity(
@@ -599,6 +625,7 @@ class Demand(Entity[DemandCarry]):
         for node, task in list(self._retirements.items()):
             if task.done():
                 del self._retirements[node]
+                self._retiring_since.pop(node, None)
                 self._seen.retiring.pop(node, None)
         found: IdleNodesResult = await workflow.execute_activity(
             act.idle_nodes, start_to_close_timeout=QUICK, retry_policy=CLUSTER_RETRY,
@@ -626,6 +653,7 @@ class Demand(Entity[DemandCarry]):
         for retire in chosen:
             self._seen.retiring[retire.node] = f"{retire.site}: {retire.reason}"
             self._log(f"retire {retire.node} at {retire.site}: {retire.reason}")
+            self._retiring_since[retire.node] = workflow.now()
             self._retirements[retire.node] = self.spawn(self._retire(retire.site, retire.node,
                                                                      retire.machine_id, retire.reason))
 
