@@ -253,6 +253,44 @@ async def test_a_cancelled_reclaims_uncordon_says_it_has_no_deadline(cap: CapSta
     assert not cap.cluster.get_node(node).unschedulable, "uncordoned"
 
 
+async def test_a_cancelled_reclaim_says_it_waits_for_its_stopped_replacement(cap: CapStack, monkeypatch) -> None:
+    """Cancelled while its replacement's machine is being created, the reclaim uncordons the node, then
+    waits for the replacement request to end: its join awaits the create, then deletes the machine.
+    Its details say so, and until when (the create's one try). Before: still "uncordoning", the
+    uncordon long done, nothing naming the wait."""
+    from sim.provider import SimProvider
+    from tests.details_helpers import held
+
+    node, machine_id = await a_spot_node_whose_pods_cannot_leave(cap, "stopping")
+    creating, created = held(monkeypatch, SimProvider, "create_machine")  # the replacement's
+    handle = await start_reclaim(cap, node, machine_id, time.time() + 600)
+    await until_draining(handle)
+    try:
+        assert await asyncio.to_thread(creating.wait, 30), "the replacement's create began"
+        await handle.cancel()
+        shown = await until_details(handle, lambda text: not text.startswith(("**draining**", "**uncordoning**")))
+        events = (await handle.fetch_history()).events
+    finally:
+        created.set()
+    child = f"capacity/reclaim-{node}"
+    head = re.fullmatch(
+        rf"\*\*stopping the replacement\*\*: {node}: cancelled; waiting for {child} to end: told to stop, its "
+        r"joins in flight delete their machines \(a create under way is awaited first: its try ends until "
+        r"(\d\d:\d\d:\d\d) UTC at the latest\)", shown)
+    assert head is not None, shown
+    # The join's default provision_seconds (600) from the task that took the uncordon's answer.
+    uncordon = next(e.event_id for e in events if e.HasField("activity_task_scheduled_event_attributes")
+                    and e.activity_task_scheduled_event_attributes.activity_type.name == "release_cordons")
+    answered = next(e.event_id for e in events if e.HasField("activity_task_completed_event_attributes")
+                    and e.activity_task_completed_event_attributes.scheduled_event_id == uncordon)
+    task = next(e for e in events if e.event_id > answered and e.HasField("workflow_task_started_event_attributes"))
+    assert head.group(1) == utc(task.event_time.ToDatetime(tzinfo=timezone.utc).timestamp() + 600)[:8], head.group(1)
+    with pytest.raises(WorkflowFailureError):
+        await asyncio.wait_for(handle.result(), 60)
+    assert not cap.cluster.get_node(node).unschedulable, "uncordoned"
+    assert "the replacement request stopped" in await details(handle)
+
+
 async def test_a_cancel_leaves_a_cordon_that_was_not_the_reclaims(cap: CapStack) -> None:
     """A person had cordoned the node before the notice (``kubectl cordon``, no mark): the reclaim
     drains it all the same (the machine goes at the notice), marks nothing, and its cancel leaves

@@ -48,7 +48,10 @@ with workflow.unsafe.imports_passed_through():
     from workflows.steps import (
         PROVIDER_RETRY, PUT_BACK_RETRY, PUT_BACK_UNTIL, QUICK, cancelled_by_request, cancelled_words, drain_node,
         failure_message, failure_text, retire_machine, show_details, to_its_end, to_its_end_taking_cancel,
+        until_in,
     )
+    from fleet.messages.join import TOKEN_CHECKS, JoinTimeouts
+    from pydantic import ValidationError
 
 
 #: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): Temporal's
@@ -75,6 +78,15 @@ def replacement_request_constraints(site: Site, asked: dict[str, Any] | None) ->
         if key in rule:
             merged[key] = rule[key]
     return merged
+
+
+def replacement_join_timeouts(replacement: dict[str, Any]) -> JoinTimeouts:
+    """The timeouts the replacement request gives its joins: its own ``join_timeouts``, or a join's
+    defaults (a value the request would refuse shows the defaults: the request says why it refused)."""
+    try:
+        return JoinTimeouts.model_validate(replacement.get("join_timeouts") or {}, context={TOKEN_CHECKS: False})
+    except ValidationError:
+        return JoinTimeouts()
 
 
 def buying_seconds(replacement: dict[str, Any]) -> float:
@@ -256,7 +268,7 @@ class SpotReclaim:
                 pass
         await self._stop_replacement(args)
         said, state = await self._put_node_back(args)
-        said.append(await self._replacement_end())
+        said.append(await self._replacement_end(args))
         self._end(f"{cancelled_words()} while {where}: " + "; ".join(part for part in said if part), state)
 
     def _end(self, detail: str, state: str = "cancelled") -> None:
@@ -305,11 +317,19 @@ class SpotReclaim:
             if not replace.done():
                 replace.cancel()
 
-    async def _replacement_end(self) -> str:
+    async def _replacement_end(self, args: SpotReclaimInput) -> str:
         """Waits for the replacement request's end; what it did, as the details say it."""
         replace = self._replace
         if replace is None:
             return ""
+        if not replace.done():
+            # Stopped, it cancels its joins in flight: each deletes its machine, a create under way
+            # once it answers (its one try's bound), a node being admitted kept.
+            provision = replacement_join_timeouts(args.replacement).provision_seconds
+            self._show("stopping the replacement",
+                       f"{args.node_name}: cancelled; waiting for {capacity_workflow_id(f'reclaim-{args.node_name}')} "
+                       f"to end: told to stop, its joins in flight delete their machines (a create under way "
+                       f"is awaited first: its try ends {until_in(provision)} at the latest)")
         try:
             result = await to_its_end(replace)
         except (ChildWorkflowError, asyncio.CancelledError) as error:
