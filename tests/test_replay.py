@@ -131,6 +131,11 @@ EXPECTED = {
     # tests/security/test_watch_pacing.py); the ``_before`` run, recorded on the code before (twelve
     # failures, each watched again at once), replays.
     "node_watch_failures_paced", "node_watch_failures_paced_before",
+    # A node padding every watch answer while its repair runs (the run may not continue as new):
+    # past its history bound each next watch waits twice as long (``node-paces-a-long-history``,
+    # tests/security/test_history_limits.py); the ``_before`` run, recorded on the code before (no
+    # pause, terminated by the server at its history limit), replays.
+    "node_paces_a_long_history", "node_paces_a_long_history_before",
     # A GPU held for its site's incident, asked about after a pause that doubles, and at once when the
     # Site entity tells its node the incident closed (``node-paces-held-rechecks``, ``site-tells-held-nodes``,
     # tests/test_evacuation.py); the ``_before`` runs, recorded on the code before (an ask every

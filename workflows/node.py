@@ -332,6 +332,27 @@ NODE_SLOT_BACK_UNUSED = "node-slot-given-back-unused"
 #: activities, two reads of the API server and a dozen history events (5,063 in 10 s), past
 #: continue-as-new while a repair of it runs (the entity continues only with none).
 NODE_PACES_FAILED_WATCHES = "node-paces-failed-watches"
+#: Workflow patch, asked before a health watch where the run's history has passed
+#: ``repair.timeouts.watch_pace_history_mib`` (16 MiB) or ``WATCH_PACE_HISTORY_EVENTS`` events, behind
+#: ``self._settled_7 and`` (such a run runs no local activity, so it may be asked there). Only a run
+#: that may not continue as new gets there (the server suggests it at 4 MB or 4,096 events): a
+#: repair of the node runs, which the node itself can make last (it reports a fatal XID, holds its
+#: reset, fails its smoke tests up to a ladder exhausted that waits for a person), while each of its
+#: watch answers, a change or not, may add half a megabyte (the gateway's bound) to the history.
+#: Each next watch then waits a pause, from ``watch_pace_max_seconds`` doubling with every watch up
+#: to ``WATCH_PACE_HISTORY_MAX``, or until no repair of the node runs (the run may continue as new).
+#: Before it the pace let a node through 30 free answers a change each, again after every answer at
+#: half the watch's wait: about 15 MB of history every 15 minutes, and the server terminated the
+#: entity at 50 MB ("Workflow history size exceeds limit"): its node watched by nothing, its
+#: repairs' action slot answered by nobody, until the site sweep started it again.
+NODE_PACES_A_LONG_HISTORY = "node-paces-a-long-history"
+WATCH_PACE_HISTORY_EVENTS = 16_384
+#: The longest of those pauses, and the shortest first one (``watch_pace_max_seconds`` may be set
+#: lower): past the bound a node gets at most 17 answers more in the first year at the default pace
+#: (8.5 MB), then one a year, and at most 26 (13 MB) at any pace, so at the highest bound the
+#: settings allow (24 MiB) its history stays under 40 MB; Temporal's limits are 50 MB and 51,200 events.
+WATCH_PACE_HISTORY_MAX = timedelta(days=365)
+WATCH_PACE_HISTORY_FIRST = timedelta(seconds=0.5)
 #: Workflow patch, asked where the site first holds a finding for its incident in a run
 #: (``_admitted_by_site``, after the ``admit_repair`` activity), behind ``self._settled_7 and`` (such
 #: a run runs no local activity, so it may be asked there). A finding held for an incident is
@@ -439,6 +460,9 @@ class NodeEntity(Entity[NodeCarry]):
         self._done_while_taking: set[str] = set()
         #: ``NODE_PATCHES_AT_START_8`` (asked once, first): the watch's pace is carried.
         self._settled_8 = False
+        #: ``NODE_PACES_A_LONG_HISTORY``: the watches this run paused for its long history (each
+        #: pause twice the one before). Not carried: the next run's history starts short.
+        self._long_history_pauses = 0
         #: The cluster did not answer the last read of the node: findings wait on hold, unread, until
         #: this time, then the read is tried again (``_facts_or_wait``); the pause doubles each time.
         self._facts_retry_at: datetime | None = None
@@ -957,6 +981,7 @@ class NodeEntity(Entity[NodeCarry]):
             else:
                 if self._settled_2 and took is not None:
                     await self._pace_watch(took, moved)  # the last answer taken, before the next watch
+                await self._pace_long_history()
                 took, moved, asked_at = None, False, workflow.now()
                 try:
                     answer = await self._watch_once(carry, heartbeat)
@@ -1026,6 +1051,33 @@ class NodeEntity(Entity[NodeCarry]):
         carry.watch_paced_until = (workflow.now() + pause).timestamp()
         with self.resting():
             await workflow.sleep(pause, summary=f"pace {self._node}'s watch: it answers at once")
+
+    async def _pace_long_history(self) -> None:
+        """Past ``watch_pace_history_mib`` or ``WATCH_PACE_HISTORY_EVENTS`` of history (a run that
+        may not continue as new: a repair of the node runs), a pause before the next watch, doubling
+        from ``watch_pace_max_seconds`` with every watch up to ``WATCH_PACE_HISTORY_MAX``; it ends
+        early once no repair of the node runs (``NODE_PACES_A_LONG_HISTORY``). Not carried."""
+        info = workflow.info()
+        timeouts = (self._settings() or RepairSettings()).timeouts
+        size, events = info.get_current_history_size(), info.get_current_history_length()
+        if size < timeouts.watch_pace_history_mib * 2**20 and events < WATCH_PACE_HISTORY_EVENTS:
+            return
+        if not self._active or not (self._settled_7 and workflow.patched(NODE_PACES_A_LONG_HISTORY)):
+            return
+        # The doublings capped (a float's range), the pause capped far below that.
+        first = max(timeouts.watch_pace_max_seconds, WATCH_PACE_HISTORY_FIRST.total_seconds())
+        seconds = first * 2.0 ** min(self._long_history_pauses, 64)
+        pause = timedelta(seconds=min(seconds, WATCH_PACE_HISTORY_MAX.total_seconds()))
+        self._long_history_pauses += 1
+        self._log(f"history at {size / 1e6:.1f} MB and {events:,} events while a repair runs (it may not continue as "
+                  f"new until that ends): the next watch waits {pause.total_seconds():g}s, twice as long each "
+                  "watch, or until no repair runs", warn=self._long_history_pauses == 1)
+        with self.resting():
+            try:
+                await workflow.wait_condition(lambda: not self._active, timeout=pause,
+                                              timeout_summary=f"pace {self._node}'s watch: a long history")
+            except asyncio.TimeoutError:
+                pass
 
     async def _watch_once(self, carry: NodeCarry, heartbeat: timedelta) -> RawValue:
         # Undecoded: the node's answer is validated by ``_checked`` (see ``NODE_REPORTS_PATCH``).
