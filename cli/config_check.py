@@ -1,7 +1,8 @@
 """``gpufleet config check``'s warnings for ``mode: real``: what the file allows but a real
 fleet would trip over (sites whose machines boot a stock image without kubeadm, spot sites whose
-machines post no reclaim notice); and, against the fleet running now (``--fleet``), the sites it
-drops while the cluster still has nodes there."""
+machines post no reclaim notice, a driver reinstall the base's node agent may not run); and,
+against the fleet running now (``--fleet``), the sites it drops while the cluster still has
+nodes there."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 from fleet.cluster import NODE_IDENTITY_KIND
 from fleet.config import FleetConfig, stock_images
 from fleet.models import CapacityType, Node
+from fleet.repair_policy import DRIVER_REINSTALL_SCRIPT
 from providers.cluster.bootstrap import BootstrapError, load_node_install, node_install_path
 from workers.reclaim_watch import SOURCES as SPOT_NOTICE_SOURCES
 
@@ -64,6 +66,22 @@ def node_key_warnings(config: FleetConfig) -> list[str]:
             for i, site in enumerate(config.sites)
             if site.object_store is not None and site.object_store.credentials is not None
             and site.object_store.credentials.secret and site.object_store.pull_credentials is None]
+
+
+def driver_reinstall_warnings(config: FleetConfig) -> list[str]:
+    """One line where the repair ladder reinstalls drivers on the node (``reinstall_via: agent``):
+    the node agent runs its node image's script only where its DaemonSet allows it, which the
+    shipped one does not without deploy/driver-reinstall, and only on images that carry the
+    script; where either is missing, the rung fails at every node and the ladder climbs past it."""
+    if config.repair.reinstall_via != "agent":
+        return []
+    sites = ", ".join(site.name for site in config.sites) or "none yet"
+    return [f"repair.reinstall_via: agent: a driver reinstall runs {DRIVER_REINSTALL_SCRIPT} of the node's own "
+            f"image, in the host's namespaces, which the node agent may do only with the component "
+            f"deploy/driver-reinstall (Helm: nodeAgent.driverReinstall=true; it makes every agent privileged); "
+            f"without it, or on an image without the script, the rung fails and the ladder climbs past it "
+            f"(to replacing the machine, where max_rung allows). Every site's image needs the script "
+            f"(sites: {sites}; deploy/bootstrap/README.md, \"Driver reinstall\")"]
 
 
 # -- a config against the fleet running now ---------------------------------------------------

@@ -40,7 +40,12 @@ from cli.common import (
     sim_world,
 )
 from cli.common import connect as connect_or_exit
-from cli.config_check import node_key_warnings, stock_image_warnings, unannounced_spot_warnings
+from cli.config_check import (
+    driver_reinstall_warnings,
+    node_key_warnings,
+    stock_image_warnings,
+    unannounced_spot_warnings,
+)
 from cli import demand as demand_commands
 from cli.advisor import advisor
 from cli.patches import patches_app
@@ -158,7 +163,8 @@ def config_check(
         report_config(error)
     console.print(f"[green]ok[/]: {len(config.sites)} sites, {len(config.accounts)} accounts ({config.mode} mode)")
     if config.mode == "real":
-        for warning in stock_image_warnings(config) + unannounced_spot_warnings(config) + node_key_warnings(config):
+        for warning in (stock_image_warnings(config) + unannounced_spot_warnings(config) + node_key_warnings(config)
+                        + driver_reinstall_warnings(config)):
             err.print(f"[yellow]warning[/]: {escape(warning)}")
     if not fleet:
         return

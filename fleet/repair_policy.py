@@ -303,6 +303,14 @@ class RepairTimeouts(Strict):
         }[rung]
 
 
+#: What the REINSTALL rung runs with ``reinstall_via: agent``: this script of the node's own image
+#: (each site's image carries the reinstall its OS and driver need), run by the node agent in the
+#: host's namespaces, as deploy/driver-reinstall (the chart's ``nodeAgent.driverReinstall``) sets
+#: its ``GPUFLEET_DRIVER_REINSTALL_CMD``. The control plane decides whether it runs, never what:
+#: no command travels to a node (deploy/bootstrap/README.md, "Driver reinstall").
+DRIVER_REINSTALL_SCRIPT = "/usr/local/sbin/gpufleet-reinstall-driver"
+
+
 class RepairSettings(Strict):
     """``repair:`` in sites.yaml. Every number here is configurable (tests make them small)."""
 
@@ -310,7 +318,9 @@ class RepairSettings(Strict):
     timeouts: RepairTimeouts = Field(default_factory=RepairTimeouts)
     #: The highest rung the ladder may climb to; past it the GPU stays contained for a person.
     max_rung: Rung = Rung.REPLACE
-    #: ``provider`` (reimage through the provider API) or ``agent`` (driver reinstall on the node).
+    #: ``provider`` (reimage through the provider API) or ``agent`` (driver reinstall on the node:
+    #: the node image's ``DRIVER_REINSTALL_SCRIPT``, which the node agent runs only where its
+    #: DaemonSet allows it, deploy/driver-reinstall; ``gpufleet config check`` warns).
     reinstall_via: str = Field("provider", pattern="^(provider|agent)$")
     #: While a finding waits (node still joining, site over its cap), look again this often; one
     #: held for a provider incident: after a pause doubling from this to 10 minutes, or when it closes.

@@ -233,8 +233,14 @@ class NodeAgentEnv(EnvSettings):
     health_seconds: Annotated[float, Field(ge=0, allow_inf_nan=False)] = envvar(
         "GPUFLEET_HEALTH_SECONDS", 5.0, "a waiting health watch's probe interval, seconds (0: only when woken)",
         invalid="{name}: a number of seconds, 0 or more (0: probe only when woken), not {raw!r}")
-    driver_reinstall_cmd: Optional[str] = envvar("GPUFLEET_DRIVER_REINSTALL_CMD", None,
-                                                 "the site's driver reinstall command (a repair step); unset: none")
+    # One value for every node: what it runs is the node's own image's script (each site's image
+    # carries its own), through the command deploy/driver-reinstall sets (fleet/repair_policy.py,
+    # DRIVER_REINSTALL_SCRIPT).
+    driver_reinstall_cmd: Optional[str] = envvar(
+        "GPUFLEET_DRIVER_REINSTALL_CMD", None,
+        "the command that reinstalls the node's GPU driver (repair.reinstall_via: agent); "
+        "deploy/driver-reinstall: the node image's /usr/local/sbin/gpufleet-reinstall-driver in the host's "
+        "namespaces; unset: none (the rung fails)")
 
 
 class NodeGatewayEnv(EnvSettings):

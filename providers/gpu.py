@@ -145,7 +145,8 @@ class NvmlBackend:
         return done.stdout.strip() or f"GPU {index} reset"
 
     def reinstall_driver(self) -> str:
-        """Run the site's driver reinstall command (``GPUFLEET_DRIVER_REINSTALL_CMD``)."""
+        """Run the driver reinstall command (``GPUFLEET_DRIVER_REINSTALL_CMD``): as
+        deploy/driver-reinstall sets it, the node image's own script in the host's namespaces."""
         import shlex
         import subprocess
 
@@ -153,8 +154,13 @@ class NvmlBackend:
 
         command = NodeAgentEnv.get("driver_reinstall_cmd")
         if not command:
-            raise RuntimeError("no driver reinstall command configured (GPUFLEET_DRIVER_REINSTALL_CMD)")
-        done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=3600)
+            raise RuntimeError("no driver reinstall command configured (GPUFLEET_DRIVER_REINSTALL_CMD): the node "
+                               "agent's DaemonSet sets it with deploy/driver-reinstall (Helm: "
+                               "nodeAgent.driverReinstall=true)")
+        try:
+            done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=3600)
+        except OSError as error:  # no such program here: a failed rung, not a retried activity
+            raise RuntimeError(f"driver reinstall failed: {error}") from error
         if done.returncode != 0:
             raise RuntimeError(f"driver reinstall failed: {(done.stderr or done.stdout).strip()[-500:]}")
         return "driver reinstalled"

@@ -476,6 +476,30 @@ def test_real_mode_warns_of_a_spot_site_whose_machines_post_no_reclaim_notice(tm
     assert code == 0 and "warning" not in output
 
 
+def test_real_mode_warns_of_a_driver_reinstall_the_base_node_agent_may_not_run(tmp_path: Path) -> None:
+    """``reinstall_via: agent`` runs the node image's script through the node agent, which the
+    shipped DaemonSet may do only with deploy/driver-reinstall (the chart's
+    nodeAgent.driverReinstall); without it every such rung failed at the node with no word before.
+    The operator is told where they check the file, with what each site's image needs."""
+    from fleet.repair_policy import DRIVER_REINSTALL_SCRIPT
+
+    fleet = _real_fleet({"name": "aws", "provider": "aws", "account": "aw", "image": "ami-0123456789abcdef0"},
+                        {"name": "nb", "provider": "nebius", "account": "nb", "image": "computeimage-e00prepared"})
+    code, output = check(tmp_path, fleet)
+    assert code == 0 and "warning" not in output, output
+    fleet["repair"] = {"reinstall_via": "agent"}
+    code, output = check(tmp_path, fleet)
+    flat = " ".join(output.split())
+    assert code == 0, flat
+    assert flat.count("warning: ") == 1, flat
+    assert f"warning: repair.reinstall_via: agent: a driver reinstall runs {DRIVER_REINSTALL_SCRIPT}" in flat
+    assert "deploy/driver-reinstall" in flat and "nodeAgent.driverReinstall=true" in flat
+    assert "(sites: aws, nb;" in flat and "Driver reinstall" in flat
+    fleet["mode"] = "sim"  # the simulated agents reinstall without a DaemonSet
+    code, output = check(tmp_path, fleet)
+    assert code == 0 and "warning" not in output
+
+
 def test_stock_image_warning_follows_the_pins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from providers.cluster.bootstrap import DEFAULT_NODE_INSTALL
 

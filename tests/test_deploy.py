@@ -262,3 +262,117 @@ def test_the_own_racks_overlay_is_the_base_with_a_seed_server_on_the_workers_see
     assert Path(template).name == "own-rack.ipxe" and (ROOT / "deploy" / "bootstrap" / "own-rack.ipxe").exists()
     ((port,),) = [[p for p in seeds["ports"] if p["containerPort"] == asked["listen"][1]]]
     assert port.get("hostPort") == port["containerPort"], "the machines' own addresses reach it unchanged"
+
+
+def pods_at_once_in_a_rollout(deployment: dict) -> int:
+    """The most pods of ``deployment`` the Deployment controller keeps at once while it replaces
+    them: its replicas, plus its surge under RollingUpdate (the API server's default strategy,
+    maxSurge 25% rounded up, so one for one replica); Recreate deletes the old pods first."""
+    import math
+
+    replicas = deployment["spec"].get("replicas", 1)
+    strategy = deployment["spec"].get("strategy") or {}
+    if strategy.get("type", "RollingUpdate") == "Recreate":
+        return replicas
+    surge = (strategy.get("rollingUpdate") or {}).get("maxSurge", "25%")
+    if isinstance(surge, str):
+        surge = math.ceil(replicas * int(surge.rstrip("%")) / 100)
+    return replicas + surge
+
+
+@pytest.mark.integration  # kubectl kustomize
+def test_the_own_racks_control_plane_rolls_out_on_a_single_control_plane_host() -> None:
+    """The seed server publishes its host's port: a host holds one pod of the control plane at a
+    time. Under the default RollingUpdate the new pod was made first, beside the old one, and
+    with one control-plane host it stayed Pending on the port: every rollout of the overlay stuck.
+    maxSurge 0 stops the old pod first (the base, publishing no host port, keeps the default)."""
+    for folder in ("kubernetes", "own-racks"):
+        deployment = workloads(rendered(folder))["gpufleet-control-plane"]
+        pod = deployment["spec"]["template"]["spec"]
+        host_ports = [p for c in pod["containers"] for p in c.get("ports") or [] if p.get("hostPort")]
+        if folder == "kubernetes":
+            assert not host_ports and "strategy" not in deployment["spec"]
+            continue
+        assert host_ports, "the seed server's port is its host's"
+        assert pods_at_once_in_a_rollout(deployment) == 1, deployment["spec"].get("strategy")
+
+
+@pytest.mark.integration  # kubectl kustomize
+@pytest.mark.parametrize("folder", ["kubernetes", "own-racks"])
+def test_no_pod_shipped_or_rendered_gets_service_links(folder: str) -> None:
+    """The kubelet gives a pod's containers variables for every Service of its namespace
+    (``<NAME>_PORT=tcp://...``) unless it says ``enableServiceLinks: false``; the adapter writes
+    each model's Services into ``gpufleet``, where gpufleet's own pods and the model servers run,
+    so a model's name would set a worker's or a server's setting (tests/realk8s/test_service_links.py
+    runs the pods' environment on the real API server)."""
+    from fleet.cluster import ServingSpec
+    from providers.cluster.kubernetes import render_deployment
+
+    rendered_workloads = workloads(rendered(folder))
+    assert set(rendered_workloads) == {"gpufleet-control-plane", "gpufleet-node-agent", "gpufleet-node-gateway"}
+    serving = render_deployment(ServingSpec(model="m", site="s", image="img:1"), "gpufleet")
+    for name, workload in {**rendered_workloads, "a model server": serving}.items():
+        assert workload["spec"]["template"]["spec"].get("enableServiceLinks") is False, name
+
+
+# -- the driver reinstall of the repair ladder on the node (deploy/driver-reinstall) ------------
+def kustomization_with(tmp_path: Path, resources: list[str], components: list[str]) -> Path:
+    """A kustomization of an operator's own: these folders of deploy/ as its resources and
+    components, named by relative paths (kustomize takes no absolute one)."""
+    import os
+
+    folder = tmp_path / "mine"
+    folder.mkdir(parents=True)
+
+    def named(name: str) -> str:
+        return os.path.relpath(ROOT / "deploy" / name, folder)
+    (folder / "kustomization.yaml").write_text(yaml.safe_dump({
+        "apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization",
+        "resources": [named(n) for n in resources], "components": [named(n) for n in components]}))
+    return folder
+
+
+def rendered_at(folder: Path) -> list[dict]:
+    done = subprocess.run([require("kubectl"), "kustomize", str(folder)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def manifest_values(container: dict) -> dict[str, str]:
+    """The container's env entries that are values (the ones a test can read without a cluster)."""
+    return {e["name"]: e["value"] for e in container.get("env") or [] if "value" in e}
+
+
+@pytest.mark.integration  # kubectl kustomize
+@pytest.mark.parametrize("base_folder", ["kubernetes", "own-racks"])
+def test_the_driver_reinstall_component_lets_the_agent_run_the_node_images_script(tmp_path, base_folder) -> None:
+    """``reinstall_via: agent`` needs GPUFLEET_DRIVER_REINSTALL_CMD on the node agent, which the
+    shipped DaemonSet never set: the rung failed at every node ("no driver reinstall command
+    configured"). The component deploy/driver-reinstall, beside the base or the own-racks overlay,
+    changes only the node agent: its command runs the node image's DRIVER_REINSTALL_SCRIPT in the
+    host's namespaces (PID 1's, the host's init with hostPID), privileged; the base's agent keeps
+    CAP_SYS_ADMIN alone and no command. What the agent runs is the manifest's value alone: no
+    input of the activity names one (tests/test_driver_reinstall.py runs it)."""
+    import shlex
+
+    from fleet.messages.nodes import ReinstallDriverInput
+    from fleet.repair_policy import DRIVER_REINSTALL_SCRIPT
+    from fleet.settings import NodeAgentEnv
+
+    base = rendered(base_folder)
+    mine = rendered_at(kustomization_with(tmp_path, [base_folder], ["driver-reinstall"]))
+    changed = [d for d in mine if d not in base]
+    assert [(d["kind"], d["metadata"]["name"]) for d in changed] == [("DaemonSet", "gpufleet-node-agent")]
+    assert len(mine) == len(base)
+
+    (was,) = workloads(base)["gpufleet-node-agent"]["spec"]["template"]["spec"]["containers"]
+    assert NodeAgentEnv.from_env(manifest_values(was)).driver_reinstall_cmd is None
+    pod = workloads(mine)["gpufleet-node-agent"]["spec"]["template"]["spec"]
+    (agent,) = pod["containers"]
+    command = NodeAgentEnv.from_env(manifest_values(agent)).driver_reinstall_cmd
+    assert shlex.split(command) == ["nsenter", "--target", "1", "--mount", "--uts", "--ipc", "--net", "--pid",
+                                    "--", DRIVER_REINSTALL_SCRIPT]
+    assert pod["hostPID"] is True and agent["securityContext"]["privileged"] is True
+    assert {k: v for k, v in agent.items() if k not in ("env", "securityContext")} == {
+        k: v for k, v in was.items() if k not in ("env", "securityContext")}
+    assert ReinstallDriverInput.model_fields == {}, "the control plane names no command"

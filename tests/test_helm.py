@@ -128,6 +128,18 @@ def test_default_rendering_is_the_kustomize_base_object_by_object(tmp_path) -> N
 
 
 @needs("kubectl")
+def test_driver_reinstall_rendering_is_the_base_with_its_component(tmp_path) -> None:
+    """``nodeAgent.driverReinstall=true`` renders what the base with deploy/driver-reinstall
+    renders (the node agent's command, privileged, hostPID: tests/test_deploy.py says what it
+    runs); the default, the base alone."""
+    from tests.test_deploy import kustomization_with
+
+    (tmp_path / "chart").mkdir()
+    assert_same_objects(chart_as_kubectl_reads_it(tmp_path / "chart", "--set", "nodeAgent.driverReinstall=true"),
+                        kustomize(kustomization_with(tmp_path, ["kubernetes"], ["driver-reinstall"])))
+
+
+@needs("kubectl")
 def test_service_monitor_rendering_is_the_prometheus_operator_overlay(tmp_path) -> None:
     assert_same_objects(chart_as_kubectl_reads_it(tmp_path, "--set", "metrics.serviceMonitor.enabled=true"),
                         base("prometheus-operator"))
@@ -309,6 +321,18 @@ def test_metrics_off_serves_none_and_ports_move() -> None:
     assert worker["ports"] == [{"name": "metrics", "containerPort": 19464}]
     (service,) = [d for d in moved if d["metadata"]["name"] == "gpufleet-control-plane-metrics"]
     assert service["spec"]["ports"] == [{"name": "metrics", "port": 19464, "targetPort": "metrics"}]
+
+
+@pytest.mark.parametrize("values", [(), ("--set", "metrics.enabled=false")], ids=["default", "metrics-off"])
+def test_no_pod_gets_service_links(values: tuple[str, ...]) -> None:
+    """Every pod the chart renders says ``enableServiceLinks: false``, whatever the values: with
+    metrics off no manifest sets GPUFLEET_METRICS_PORT, and a model's Service named
+    ``gpufleet-metrics`` in ``gpufleet`` set it for the workers, which then refused to start
+    (tests/realk8s/test_service_links.py)."""
+    found = {d["metadata"]["name"]: d for d in documents(template(*values)) if d["kind"] in ("Deployment", "DaemonSet")}
+    assert set(found) == {"gpufleet-control-plane", "gpufleet-node-agent", "gpufleet-node-gateway"}
+    for name, obj in found.items():
+        assert pod_of(obj).get("enableServiceLinks") is False, name
 
 
 def test_node_agents_read_the_spot_notices_of_their_own_provider() -> None:

@@ -45,7 +45,11 @@ from tests.tools import require
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
-KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml"))
+KUSTOMIZATIONS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml")
+                        if yaml.safe_load(p.read_text()).get("kind") != "Component")
+#: Kustomize components: each renders only within a kustomization, here beside the base.
+COMPONENTS = sorted(p.parent for p in DEPLOY.rglob("kustomization.yaml")
+                    if yaml.safe_load(p.read_text()).get("kind") == "Component")
 runner = CliRunner()
 
 
@@ -55,12 +59,20 @@ def _render(directory: Path) -> list[dict]:
     kubectl = require("kubectl")
     done = subprocess.run([kubectl, "kustomize", str(directory)], capture_output=True, text=True, timeout=60,
                           check=False)
-    assert done.returncode == 0, f"{directory.relative_to(ROOT)}: {done.stderr}"
+    assert done.returncode == 0, f"{directory}: {done.stderr}"
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
-def _rendered() -> list[dict]:
-    return [doc for directory in KUSTOMIZATIONS for doc in _render(directory)]
+def _with_base(component: Path, tmp_path: Path) -> list[dict]:
+    from tests.test_deploy import kustomization_with
+
+    return _render(kustomization_with(tmp_path / component.name, ["kubernetes"], [component.name]))
+
+
+def _rendered(tmp_path: Path) -> list[dict]:
+    """Every kustomization's objects, and every component's beside the base."""
+    return [*(doc for directory in KUSTOMIZATIONS for doc in _render(directory)),
+            *(doc for component in COMPONENTS for doc in _with_base(component, tmp_path))]
 
 
 def _gpu_node_pods(docs: list[dict]) -> dict[str, dict]:
@@ -84,13 +96,20 @@ def test_every_kustomization_renders(directory: Path) -> None:
     assert _render(directory)
 
 
+@pytest.mark.integration  # kubectl kustomize
+@pytest.mark.parametrize("component", COMPONENTS, ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_every_component_renders_beside_the_base(component: Path, tmp_path: Path) -> None:
+    assert _with_base(component, tmp_path)
+
+
 def test_the_network_parts_are_kustomizations() -> None:
     assert {str(p.relative_to(DEPLOY)) for p in KUSTOMIZATIONS} >= {
         "kubernetes", "network/konnectivity", "network/dns"}
+    assert [str(p.relative_to(DEPLOY)) for p in COMPONENTS] == ["driver-reinstall"]
 
 
-def test_nothing_listens_on_a_gpu_node() -> None:
-    docs = _rendered()
+def test_nothing_listens_on_a_gpu_node(tmp_path: Path) -> None:
+    docs = _rendered(tmp_path)
     # A LoadBalancer opens a port on every node unless it sends to pods directly (no node ports).
     exposed = [(d["metadata"]["name"], d["spec"].get("type")) for d in docs if d["kind"] == "Service"
                and (d["spec"].get("type") == "NodePort" or d["spec"].get("type") == "LoadBalancer"
@@ -98,9 +117,13 @@ def test_nothing_listens_on_a_gpu_node() -> None:
     assert not exposed
     workloads = _gpu_node_pods(docs)
     assert {"DaemonSet/gpufleet-node-agent", "DaemonSet/konnectivity-agent"} <= set(workloads)
+    reinstalling = [d for d in _with_base(DEPLOY / "driver-reinstall", tmp_path / "again") if d["kind"] == "DaemonSet"]
     for name, doc in workloads.items():
         pod = doc["spec"]["template"]["spec"]
-        assert not any(pod.get(k) for k in ("hostNetwork", "hostPID", "hostIPC")), name
+        assert not any(pod.get(k) for k in ("hostNetwork", "hostIPC")), name
+        # The host's processes, no port: only the node agent the driver reinstall needs root on
+        # the host for (deploy/driver-reinstall, opted into) shares them.
+        assert not pod.get("hostPID") or doc in reinstalling, name
         for container in pod.get("containers", []) + pod.get("initContainers", []):
             assert not any("hostPort" in p for p in container.get("ports") or []), name
 
@@ -113,8 +136,8 @@ def _strings(value) -> list[str]:
     return [value] if isinstance(value, str) else []
 
 
-def test_nothing_on_a_node_dials_a_cluster_internal_name() -> None:
-    docs = _rendered()
+def test_nothing_on_a_node_dials_a_cluster_internal_name(tmp_path: Path) -> None:
+    docs = _rendered(tmp_path)
     configmaps = {d["metadata"]["name"]: d for d in docs if d["kind"] == "ConfigMap"}
     for name, doc in _gpu_node_pods(docs).items():
         pod = doc["spec"]["template"]["spec"]

@@ -4,7 +4,9 @@ as a process the way the kubelet would run its one container, minus the image.
 What is read back from the API server, never re-typed: the Pod (the Deployment's template as
 the ReplicaSet controller created it, with the ``kube-api-access-*`` projected volume the
 ServiceAccount admission plugin adds), the Secrets and ConfigMaps its volumes and ``env`` name,
-the ``kubernetes`` Service's ClusterIP and port.  The service-account token is a real bound
+the ``kubernetes`` Service's ClusterIP and port, and the Services the kubelet turns into the
+container's service-link variables (``service_link_env``: every Service of the pod's namespace
+unless the pod says ``enableServiceLinks: false``).  The service-account token is a real bound
 token for the Pod (TokenRequest with ``boundObjectRef``, as the kubelet asks for it).
 
 How it runs (needs root, as ``machine.py``):
@@ -167,9 +169,51 @@ def volume_files(cluster: RealCluster, pod: dict, volume: dict) -> dict[str, tup
     raise ClusterFailed(f"volume kind not handled here: {volume}")
 
 
-def container_env(cluster: RealCluster, pod: dict, container: dict) -> dict[str, str]:
-    """The container's ``env``, each ``valueFrom`` resolved against the real API server."""
+def _env_name(name: str) -> str:
+    return name.upper().replace("-", "_")
+
+
+def service_link_env(cluster: RealCluster, pod: dict) -> dict[str, str]:
+    """What the kubelet adds to every container's environment from Services (its
+    ``getServiceEnvVarMap`` and ``envvars.FromServices``): the ``kubernetes`` Service's always, and
+    every Service of the pod's namespace unless the pod says ``enableServiceLinks: false`` (the API
+    server defaults it to true). Per Service with a cluster IP: ``<NAME>_SERVICE_HOST``,
+    ``<NAME>_SERVICE_PORT`` (its first port) and ``_SERVICE_PORT_<PORT NAME>`` per named port, and
+    Docker's link variables, ``<NAME>_PORT=tcp://<ip>:<first port>`` and
+    ``<NAME>_PORT_<port>_<PROTO>[_PROTO|_PORT|_ADDR]`` per port; the name upper-cased, ``-`` as ``_``."""
     namespace = pod["metadata"]["namespace"]
+    services = {"kubernetes": _get(cluster, "/api/v1/namespaces/default/services/kubernetes")}
+    if pod["spec"].get("enableServiceLinks", True) is not False:
+        for service in _get(cluster, f"/api/v1/namespaces/{namespace}/services")["items"]:
+            services[service["metadata"]["name"]] = service
+    env: dict[str, str] = {}
+    for name, service in services.items():
+        address, ports = service["spec"].get("clusterIP"), service["spec"].get("ports") or []
+        if not address or address == "None" or not ports:  # headless, ExternalName
+            continue
+        prefix = _env_name(name)
+        env[f"{prefix}_SERVICE_HOST"] = address
+        env[f"{prefix}_SERVICE_PORT"] = str(ports[0]["port"])
+        for port in ports:
+            if port.get("name"):
+                env[f"{prefix}_SERVICE_PORT_{_env_name(port['name'])}"] = str(port["port"])
+        for number, port in enumerate(ports):
+            protocol = port.get("protocol") or "TCP"
+            url = f"{protocol.lower()}://{f'[{address}]' if ':' in address else address}:{port['port']}"
+            if number == 0:
+                env[f"{prefix}_PORT"] = url
+            each = f"{prefix}_PORT_{port['port']}_{protocol.upper()}"
+            env.update({each: url, f"{each}_PROTO": protocol.lower(), f"{each}_PORT": str(port["port"]),
+                        f"{each}_ADDR": address})
+    return env
+
+
+def container_env(cluster: RealCluster, pod: dict, container: dict) -> dict[str, str]:
+    """The container's environment as the kubelet makes it: its ``env``, each ``valueFrom``
+    resolved against the real API server and ``$(VAR)`` expanded from the variables before it and
+    the service links, then the service links it does not set itself (``service_link_env``)."""
+    namespace = pod["metadata"]["namespace"]
+    links = service_link_env(cluster, pod)
     env: dict[str, str] = {}
     for variable in container.get("env") or []:
         if "value" in variable:
@@ -182,10 +226,10 @@ def container_env(cluster: RealCluster, pod: dict, container: dict) -> dict[str,
         else:
             ref = variable["valueFrom"]["configMapKeyRef"]
             value = _config_map(cluster, namespace, ref["name"])[ref["key"]].decode()
-        for name, earlier in env.items():  # $(VAR) of an earlier variable, as the kubelet expands it
+        for name, earlier in {**links, **env}.items():  # $(VAR), as the kubelet expands it
             value = value.replace(f"$({name})", earlier)
         env[variable["name"]] = value
-    return env
+    return {**links, **env}
 
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -381,10 +425,9 @@ def run_pod(cluster: RealCluster, pod: dict, root: Path, upstreams: dict[str, tu
 
     # The image's Python install, WORKDIR and ENV (tests/realk8s/image.py), not the dev venv's.
     installed = image.for_container(container["image"])
+    # Its env and service links (KUBERNETES_SERVICE_HOST/PORT among them) over the image's ENV.
     env = {**installed.env, **container_env(cluster, pod, container)}
-    env.update(KUBERNETES_SERVICE_HOST=api_host, KUBERNETES_SERVICE_PORT=str(api_port),
-               KUBERNETES_SERVICE_PORT_HTTPS=str(api_port),
-               PATH=f"{installed.python.parent}{os.pathsep}{os.environ['PATH']}", HOME="/")
+    env.update(PATH=f"{installed.python.parent}{os.pathsep}{os.environ['PATH']}", HOME="/")
     command = [part for part in container["command"]]
     for name, value in env.items():
         command = [part.replace(f"$({name})", value) for part in command]

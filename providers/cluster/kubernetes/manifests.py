@@ -90,6 +90,11 @@ def render_pod_template(spec: ServingSpec) -> dict[str, Any]:
         # kubelet may still ask a token of it for the pod (TokenRequest), so it must stay so.
         # rollback_serving sets this on a template it restores too (one written before it was here).
         "automountServiceAccountToken": False,
+        # No service links: the kubelet would put <SERVICE>_PORT, <SERVICE>_SERVICE_HOST and the like
+        # of every Service in the namespace (each model's, gpufleet's own) into the server's
+        # environment, where a server reads them as its own settings (a model named vllm would set
+        # VLLM_PORT=tcp://..., which vLLM reads as its port). rollback_serving sets it too.
+        "enableServiceLinks": False,
         "nodeSelector": {LABEL_SITE: spec.site},
         # The GPU nodes' taints: the usual ``nvidia.com/gpu`` and the fleet taint every gpufleet
         # node keeps (what keeps the control plane off them).

@@ -181,10 +181,11 @@ class Serving(KubernetesApi):
                 **annotations, ANNOTATION_TEMPLATE: previous, ANNOTATION_PREVIOUS_TEMPLATE: live,
             }
             restored = json.loads(previous)
-            # One written before the server's pod mounted no token (render_pod_template) would
-            # mount it again: it comes back without. The annotation keeps the template as written,
-            # the name a rollout knows it by (RollbackSiteInput.previous_template).
-            restored.setdefault("spec", {})["automountServiceAccountToken"] = False
+            # One written before the server's pod mounted no token and got no service links
+            # (render_pod_template) would have them again: it comes back without. The annotation
+            # keeps the template as written, the name a rollout knows it by
+            # (RollbackSiteInput.previous_template).
+            restored.setdefault("spec", {}).update(automountServiceAccountToken=False, enableServiceLinks=False)
             current["spec"]["template"] = restored
             current.pop("status", None)
             deployment = self._write(f"roll back deployment {name}", self.apps.replace_namespaced_deployment,
