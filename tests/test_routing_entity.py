@@ -157,6 +157,21 @@ async def test_a_loaded_site_loses_weight_with_hysteresis(temporal_env, inc: Inc
         await asyncio.gather(*busy, return_exceptions=True)
 
 
+async def sample_of(inc: IncStack, model: str, servers: dict[str, list[SimModelServer]]):
+    """The routing sample of ``model`` with ``servers`` (site -> its running servers) published
+    as its sites' endpoints; the servers are stopped after it."""
+    for site, running in servers.items():
+        inc.cluster.update_state(ENDPOINTS_KIND, endpoints_key(model, site),
+                                 lambda _, r=running: {s.name: f"http://{s.address}" for s in r})
+    try:
+        acts = RoutingActivities(FleetEnv.from_settings(inc.settings))
+        return await asyncio.to_thread(ActivityEnvironment().run, acts.routing_sample, RoutingSampleInput(model=model))
+    finally:
+        for running in servers.values():
+            for server in running:
+                await server.stop()
+
+
 @pytest.mark.parametrize("claim", [float("nan"), -5.0, float("inf"), 1e300])
 async def test_one_model_server_answering_no_count_leaves_the_sample_to_the_others(inc: IncStack, claim):
     """A model server runs on a node, so its ``/metrics`` is the node's word: one page answering
@@ -174,17 +189,7 @@ async def test_one_model_server_answering_no_count_leaves_the_sample_to_the_othe
     for server in servers[a][:2] + servers[c]:
         server.waiting = 3
     servers[a][2].waiting = claim
-    for site, running in servers.items():
-        inc.cluster.update_state(ENDPOINTS_KIND, endpoints_key(model, site),
-                                 lambda _, r=running: {s.name: f"http://{s.address}" for s in r})
-    try:
-        acts = RoutingActivities(FleetEnv.from_settings(inc.settings))
-        sample = await asyncio.to_thread(
-            ActivityEnvironment().run, acts.routing_sample, RoutingSampleInput(model=model))
-    finally:
-        for running in servers.values():
-            for server in running:
-                await server.stop()
+    sample = await sample_of(inc, model, servers)
     depth = {s.site: s.queue_depth for s in sample.sites}
     # Three Ready replicas at a: the two honest servers' 3 each (the one with no count left out),
     # or with the claim one server of three full: the site 2/3 busy, 5 a replica.
@@ -206,17 +211,7 @@ async def test_one_model_server_claiming_a_full_queue_does_not_starve_its_sites_
         for server in servers[site]:
             server.waiting = waiting
     servers[a][0].waiting = MAX_SERVER_QUEUE
-    for site, running in servers.items():
-        inc.cluster.update_state(ENDPOINTS_KIND, endpoints_key(model, site),
-                                 lambda _, r=running: {s.name: f"http://{s.address}" for s in r})
-    try:
-        acts = RoutingActivities(FleetEnv.from_settings(inc.settings))
-        sample = await asyncio.to_thread(
-            ActivityEnvironment().run, acts.routing_sample, RoutingSampleInput(model=model))
-    finally:
-        for running in servers.values():
-            for server in running:
-                await server.stop()
+    sample = await sample_of(inc, model, servers)
     policy = RoutingPolicy()  # least-loaded, active-active: what an entity started plainly decides by
     routed = next_document(model, sample.sites, policy, None, "load sample").weights
     # The same sites with a's claiming server as honest as its neighbours: a and c alike.

@@ -40,14 +40,15 @@ from tests.gateway_keys import token_keys_as_deployed
 
 
 @asynccontextmanager
-async def session_temporal_env() -> AsyncIterator[WorkflowEnvironment]:
-    """The ``temporal_env`` fixture: the dev server and its node gateway."""
+async def session_temporal_env(*extra_args: str) -> AsyncIterator[WorkflowEnvironment]:
+    """The ``temporal_env`` fixture: the dev server (``extra_args`` added to its flags) and its
+    node gateway."""
     env = await WorkflowEnvironment.start_local(
         dev_server_existing_path=temporal_binary(),
         data_converter=pydantic_data_converter,
         search_attributes=search_attributes.ALL,
         dev_server_log_level="error",
-        dev_server_extra_args=dev_server_tuning_flags(),
+        dev_server_extra_args=[*dev_server_tuning_flags(), *extra_args],
     )
     gateway = await start_test_gateway(env.client)
     NODE_GATEWAYS[env.client.service_client.config.target_host] = gateway

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import pytest
@@ -34,14 +33,11 @@ from temporalio import activity
 from temporalio.api.common.v1 import Payload
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.common import RawValue
-from temporalio.contrib.pydantic import pydantic_data_converter
 from temporalio.testing import WorkflowEnvironment
 from temporalio.worker import Worker
 
 import workers.node_agent
 from activities.node_agent import NodeAgentActivities
-from cli.dev import dev_server_tuning_flags, temporal_binary
-from fleet import search_attributes
 from fleet.contracts import workflows as flows
 from fleet.messages.join import JoinedNode
 from fleet.messages.nodes import ResetGpuInput
@@ -49,7 +45,7 @@ from fleet.messages.repair import NodeStatus, NodeWatchInput, NodeWatchResult
 from fleet.naming import node_queue
 from tests.bad_input_helpers import task_failures
 from tests.conftest import Stack
-from tests.plugins.stack import NODE_GATEWAYS, start_test_gateway
+from tests.plugins.stack import session_temporal_env
 from tests.repair_helpers import REPAIR, eventually, join_node, repair_fleet, running_stack
 from tests.replay import replay_and_record
 
@@ -59,30 +55,17 @@ HISTORY_LIMIT = 800_000
 PAD = {"pad": ["x" * 60_000]}
 
 
-@asynccontextmanager
-async def server_with_history_limit(limit: int) -> AsyncIterator[WorkflowEnvironment]:
-    """A dev server of the test's own that terminates a run past ``limit`` bytes of history, with
-    a node gateway in front of it (every simulated agent reaches it through the gateway)."""
-    env = await WorkflowEnvironment.start_local(
-        dev_server_existing_path=temporal_binary(), data_converter=pydantic_data_converter,
-        search_attributes=search_attributes.ALL, dev_server_log_level="error",
-        dev_server_extra_args=[*dev_server_tuning_flags(),
-                               "--dynamic-config-value", f"limit.historySize.error={limit}",
-                               "--dynamic-config-value", f"limit.historySize.warn={limit // 2}"],
-    )
-    gateway = await start_test_gateway(env.client)
-    NODE_GATEWAYS[env.client.service_client.config.target_host] = gateway
-    try:
-        yield env
-    finally:
-        NODE_GATEWAYS.pop(env.client.service_client.config.target_host, None)
-        await gateway.running.stop(grace=None)
-        await env.shutdown()
+def history_limit_flags(limit: int) -> list[str]:
+    """The dev server's flags that terminate a run past ``limit`` bytes of history."""
+    return ["--dynamic-config-value", f"limit.historySize.error={limit}",
+            "--dynamic-config-value", f"limit.historySize.warn={limit // 2}"]
 
 
 @pytest.fixture(scope="module")
 async def limited_env() -> AsyncIterator[WorkflowEnvironment]:
-    async with server_with_history_limit(HISTORY_LIMIT) as env:
+    # A dev server of the module's own, a node gateway in front of it (every simulated agent
+    # reaches it through the gateway).
+    async with session_temporal_env(*history_limit_flags(HISTORY_LIMIT)) as env:
         yield env
 
 
