@@ -60,12 +60,12 @@ from fleet.contracts import workflows as flows
 RECLAIM_LEFT_TO_A_PERSON = timedelta(hours=6)
 
 
-def bootstrap_user_data(cluster, token: BootstrapToken, node_name: str, provider_id: str) -> str:
+def bootstrap_user_data(cluster, token: BootstrapToken, node_name: str, provider_id: str, site: str) -> str:
     """The machine's cloud-config (holds the token's secret: never returned, logged or raised)."""
     endpoint, ca_data = cluster.bootstrap_endpoint()
     try:
         return render_user_data(JoinParams(api_server=endpoint, ca_data=ca_data, token=token.value,
-                                           node_name=node_name, provider_id=provider_id))
+                                           node_name=node_name, provider_id=provider_id, site=site))
     except BootstrapError as error:
         raise InvalidRequest(str(error), code="bootstrap") from None
 
@@ -156,7 +156,7 @@ class ControlPlaneActivities:
         node_name = spec.name
         token = self.env.cluster.issue_bootstrap_token(node_name, input.idempotency_key, input.ttl_seconds)
         provider_id = gpufleet_provider_id(site.provider, site.account, node_name)
-        user_data = bootstrap_user_data(self.env.cluster, token, node_name, provider_id)
+        user_data = bootstrap_user_data(self.env.cluster, token, node_name, provider_id, input.site)
         with metrics.capacity_attempt(site.provider, input.site):
             machine = self.env.provider(input.site).create_machine(spec, input.idempotency_key, user_data=user_data)
         return ProvisionedMachine(machine=machine, token=token.ref, provider_id=provider_id, site=site)

@@ -325,7 +325,8 @@ class RepairActivities:
             token = cluster.issue_bootstrap_token(
                 input.node_name, f"reinstall/{input.node_name}/{input.boot_id_before}", MAX_JOIN_TOKEN_TTL_S)
             try:
-                user_data = bootstrap_user_data(cluster, token, input.node_name, identity.provider_id)
+                user_data = bootstrap_user_data(cluster, token, input.node_name, identity.provider_id,
+                                                identity.site)
                 if isinstance(provider, PowersOff):
                     # kubeadm refuses to join while a Ready Node of its name exists: the old
                     # kubelet must be gone, and seen gone, before the machine boots again. The

@@ -51,7 +51,8 @@ CA_DATA = base64.b64encode(b"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFI
 
 def params(**changes) -> JoinParams:
     values = dict(api_server="10.0.0.1:6443", ca_data=CA_DATA, token=TOKEN,
-                  node_name="aws-use1-1a2b3c4d", provider_id=gpufleet_provider_id("aws", "aws-main", "aws-use1-1a2b3c4d"))
+                  node_name="aws-use1-1a2b3c4d", provider_id=gpufleet_provider_id("aws", "aws-main", "aws-use1-1a2b3c4d"),
+                  site="aws-use1")
     values.update(changes)
     return JoinParams(**values)
 
@@ -69,6 +70,9 @@ def test_the_join_configuration_is_kubeadm_v1beta4() -> None:
     args = config["nodeRegistration"]["kubeletExtraArgs"]
     assert isinstance(args, list) and all(set(a) == V1BETA4["arg"] for a in args)
     assert kubelet_args(config)["provider-id"] == "gpufleet://aws/aws-main/aws-use1-1a2b3c4d"
+    # The Node registers in its site's topology zone (the real kubelet's registration under
+    # NodeRestriction: tests/realk8s/test_join.py).
+    assert kubelet_args(config)["node-labels"] == "topology.kubernetes.io/zone=aws-use1"
     # File discovery: the machine uses the address it was given after discovery too (token
     # discovery would switch to cluster-info's own `server`, which a remote machine may not reach).
     assert config["discovery"] == {"file": {"kubeConfigPath": DISCOVERY_CONFIG_PATH}, "tlsBootstrapToken": TOKEN}
@@ -159,6 +163,9 @@ def test_cloud_init_schema_can_fail(tmp_path) -> None:
     # A line break at the very end: a pattern's ``$`` takes one before it.
     ("api_server", "10.0.0.1:6443\n"), ("node_name", "node-1\n"), ("provider_id", "gpufleet://aws/acct/x\n"),
     ("ca_data", "bm90\n"),
+    # The site ends up in the kubelet's --node-labels: a comma or '=' would add a label of its choosing.
+    ("site", "aws-use1,node-role.kubernetes.io/control-plane=x"), ("site", "aws-use1\n"), ("site", "Aws-Use1"),
+    ("site", "a" * 55),
 ])
 def test_a_value_that_could_break_the_document_is_refused_by_name(field, value) -> None:
     with pytest.raises(BootstrapError) as refused:

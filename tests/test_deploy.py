@@ -123,7 +123,8 @@ def registered_taints() -> list[str]:
     from providers.cluster.bootstrap import JoinParams, read_join_configuration, registration_taints, render_user_data
 
     user_data = render_user_data(JoinParams(api_server="203.0.113.1:6443", ca_data="Y2E=", token="abcdef.0123456789abcdef",
-                                            node_name="n1", provider_id="gpufleet://aws/a/n1"))
+                                            node_name="n1", provider_id="gpufleet://aws/a/n1",
+                                            site="aws-use1"))
     return registration_taints(read_join_configuration(user_data))
 
 

@@ -18,7 +18,7 @@ from temporalio.testing import ActivityEnvironment
 
 from activities.capacity import CapacityActivities
 from activities.env import FleetEnv
-from fleet.cluster import FLEET_TAINT, LABEL_SITE, UNPROVEN_TAINT
+from fleet.cluster import FLEET_TAINT, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from fleet.messages.capacity import SiteNodesInput
 from fleet.messages.join import NodeJoinResult
 from fleet.repair_policy import Rung
@@ -47,6 +47,8 @@ async def test_a_join_records_the_machine_it_created(stack: Stack) -> None:
     node = stack.cluster.get_node(result.node_name)
     assert node.provider_id == identity.provider_id == kubelet_args(read_join_configuration(
         stack.world.user_data(result.machine_id)))["provider-id"]
+    assert kubelet_args(read_join_configuration(stack.world.user_data(result.machine_id)))["node-labels"] \
+        == f"{LABEL_ZONE}=site-a", "the kubelet registers in its site's zone"
     assert node.labels[LABEL_SITE] == "site-a"
     assert FLEET_TAINT in node.taints and UNPROVEN_TAINT not in node.taints, \
         "admitted: the unproven taint lifted, the fleet taint kept (the control plane never lands there)"
@@ -105,6 +107,8 @@ async def test_the_reinstall_rung_rebootstraps_with_a_fresh_token(rstack: Stack)
     fresh = rstack.world.user_data(node.machine_id)
     token = read_join_configuration(fresh)["discovery"]["tlsBootstrapToken"]
     assert fresh != first and token != read_join_configuration(first)["discovery"]["tlsBootstrapToken"]
+    # The reinstalled machine's kubelet registers in its site's zone again, as at its join.
+    assert kubelet_args(read_join_configuration(fresh))["node-labels"] == f"{LABEL_ZONE}=site-a"
     assert rstack.world.query("SELECT * FROM join_tokens") == [], "the fresh token is gone once the node is back"
     back = rstack.cluster.get_node(node.node_name)
     assert back.ready and back.machine_id == node.machine_id and back.labels[LABEL_SITE] == "site-a"
@@ -119,7 +123,7 @@ def test_a_bootstrap_template_without_the_fleet_taint_is_refused_before_any_mach
     register GPU nodes the control plane's pods could be scheduled onto."""
     template = DEFAULT_TEMPLATE.read_text()
     params = JoinParams(api_server="203.0.113.1:6443", ca_data="Y2E=", token="abcdef.0123456789abcdef",
-                        node_name="n1", provider_id="gpufleet://aws/a/n1")
+                        node_name="n1", provider_id="gpufleet://aws/a/n1", site="aws-use1")
     assert FLEET_TAINT in registration_taints(read_join_configuration(render_user_data(params, template)))
     without = template.replace("          - key: gpufleet.io/demand\n            effect: NoSchedule\n", "")
     assert without != template

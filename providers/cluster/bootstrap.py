@@ -32,6 +32,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from fleet.cluster import FLEET_TAINT, MAX_JOIN_TOKEN_TTL_S, UNPROVEN_TAINT, JoinTokenRef
+from fleet.naming import MAX_SITE_NAME, SITE_NAME_PATTERN
 from fleet.settings import ControlPlaneEnv
 
 #: Where the template lives in the repository (and in the control-plane image).
@@ -62,6 +63,8 @@ PATTERNS = {
     "token": TOKEN,
     "node_name": re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$"),
     "provider_id": re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:/-]{0,511}$"),
+    # The site the machine joins: a lowercase DNS label (fleet.naming), so a label value too.
+    "site": re.compile(rf"(?=.{{1,{MAX_SITE_NAME}}}$){SITE_NAME_PATTERN}"),
 }
 
 
@@ -108,6 +111,9 @@ class JoinParams:
     token: str = field(repr=False)
     node_name: str = ""
     provider_id: str = ""
+    #: The site the machine joins: its kubelet registers the Node in that topology zone
+    #: (``--node-labels=topology.kubernetes.io/zone=<site>``; NodeRestriction lets a kubelet set it).
+    site: str = ""
 
     def checked(self) -> dict[str, str]:
         values = {name: getattr(self, name) for name in PATTERNS}

@@ -200,7 +200,7 @@ def test_the_cluster_daemons_tolerate_the_taints_a_gpu_node_keeps() -> None:
 
     taints = read_join_configuration(render_user_data(JoinParams(
         api_server="10.0.0.1:6443", ca_data="Y2E=", token="abcdef.0123456789abcdef", node_name="gpu-1",
-        provider_id="probe://1")))["nodeRegistration"]["taints"]
+        provider_id="probe://1", site="probe")))["nodeRegistration"]["taints"]
     # The files as kustomize takes them (rendering them needs kubectl; the real tier renders them).
     (agent,) = [d for d in yaml.safe_load_all((DEPLOY / "network/konnectivity/agent.yaml").read_text())
                 if d and d["kind"] == "DaemonSet"]

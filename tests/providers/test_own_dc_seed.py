@@ -40,7 +40,7 @@ def seeded(own_dc_harness: OwnDcHarness, tmp_path):
 def user_data_for(harness: OwnDcHarness, token: str = TOKEN) -> str:
     name = harness.spec.name
     return render_user_data(JoinParams(api_server="10.0.0.1:6443", ca_data="Y2E=", token=token,
-                                       node_name=name, provider_id=f"gpufleet://own-dc/dc-fra/{name}"))
+                                       node_name=name, provider_id=f"gpufleet://own-dc/dc-fra/{name}", site="dc-fra"))
 
 
 def test_the_seed_goes_once_and_only_to_its_machine(seeded, caplog) -> None:

@@ -23,7 +23,7 @@ from temporalio.exceptions import ApplicationError
 
 from fleet.messages.nodes import AwaitRegistrationInput, NodeFactsInput, ProvisionJoinInput
 from activities.repair import RepairActivities
-from fleet.cluster import GPU_RESOURCE, LABEL_PROVIDER, LABEL_SITE, UNPROVEN_TAINT
+from fleet.cluster import GPU_RESOURCE, LABEL_PROVIDER, LABEL_SITE, LABEL_ZONE, UNPROVEN_TAINT
 from fleet.naming import node_name_for
 from providers.cluster.bootstrap import BOOTSTRAP_GROUP, read_join_configuration
 from providers.cluster.kubernetes import KubernetesCluster
@@ -433,6 +433,37 @@ def test_a_joined_nodes_spent_token_joins_nobody_and_its_kubelet_runs_pods_on_it
     one.real.request("DELETE", f"/api/v1/namespaces/default/pods/{name}?gracePeriodSeconds=0", admin=True)
     # Lease heartbeats: the kubelet renews its Lease every 10 s (a quarter of its 40 s duration).
     wait_for(lambda: node_lease(one, node.name)["spec"]["renewTime"] != first_renewal, 25, "a renewed Lease")
+
+
+def _managers_of(node: dict, *path: str) -> set[str]:
+    """The field managers of the Node that own the field at ``path`` (``f:`` keys of managedFields)."""
+    owners = set()
+    for entry in node["metadata"].get("managedFields") or []:
+        fields = entry.get("fieldsV1") or {}
+        for key in path:
+            fields = fields.get(f"f:{key}") if isinstance(fields, dict) else None
+        if fields is not None:
+            owners.add(entry["manager"])
+    return owners
+
+
+def test_the_kubelet_registers_its_node_in_its_sites_zone(one: RealJoining) -> None:
+    """The shipped bootstrap runs the kubelet with ``--node-labels=topology.kubernetes.io/zone=<site>``:
+    the Node is in its site's zone from its registration on (pods started before gpufleet labels
+    it already get their site's pod pool and same-site routing), written by the kubelet itself
+    (NodeRestriction admits the key from a kubelet), not by gpufleet, which set no label here."""
+    provisioned = one.provision()
+    one.machine(provisioned.machine.id).boot()
+    node = one.await_registration(provisioned)  # no labels handed over: gpufleet writes none
+    status, registered = one.real.request("GET", f"/api/v1/nodes/{node.name}", admin=True)
+    assert status == 200, registered
+    labels = registered["metadata"]["labels"]
+    assert labels.get(LABEL_ZONE) == one.site.name, labels
+    assert LABEL_SITE not in labels, "gpufleet labelled nothing: the zone is the kubelet's"
+    # The zone label's writer is the one that set the providerID: the kubelet registering the Node.
+    kubelet = _managers_of(registered, "spec", "providerID")
+    assert kubelet and _managers_of(registered, "metadata", "labels", LABEL_ZONE) == kubelet, \
+        registered["metadata"].get("managedFields")
 
 
 def test_a_machine_that_is_not_what_its_join_provisioned_is_refused_and_leaves_no_identity(

@@ -39,7 +39,7 @@ def registration_taints() -> list[dict]:
     """The taints a GPU node registers with: the JoinConfiguration of the shipped cloud-init."""
     user_data = render_user_data(JoinParams(api_server="10.0.0.1:6443", ca_data="Y2E=",
                                             token="abcdef.0123456789abcdef", node_name="gpu-probe",
-                                            provider_id="probe://1"))
+                                            provider_id="probe://1", site="probe"))
     taints = read_join_configuration(user_data)["nodeRegistration"]["taints"]
     assert {f"{t['key']}:{t['effect']}" for t in taints} >= {UNPROVEN_TAINT, FLEET_TAINT}
     return taints

@@ -111,7 +111,7 @@ def test_a_machine_booting_over_a_ready_node_of_its_name_is_refused_by_kubeadms_
 
         identity = world.cluster.node_identity(node.name)
         early = world.machine(provisioned.machine.id, bootstrap_user_data(
-            world.cluster, token, node.name, identity.provider_id), name="too-early").boot()
+            world.cluster, token, node.name, identity.provider_id, identity.site), name="too-early").boot()
         failed = early.failure(60)
         assert failed.step == "existing-node-check" and "status Ready already exists" in str(failed), failed
     finally:
