@@ -41,7 +41,15 @@ class GpuBackend(Protocol):
 
 class NvmlBackend:
     """A real node's GPUs. XID events are collected by a background waiter on
-    ``nvmlEventSetWait`` and reported (then forgotten) by the next probe."""
+    ``nvmlEventSetWait`` and reported (then forgotten) by the next probe.
+
+    A driver reinstall (``reinstall_driver``) needs the driver's kernel modules unloaded, which
+    NVML prevents while it is initialised (its device files stay open): for the script's run the
+    backend lets go of NVML (waiter stopped, event set freed, ``nvmlShutdown``) and takes it up
+    again afterwards, whatever the script did."""
+
+    #: How long ``nvmlEventSetWait`` blocks before the waiter looks whether it should stop.
+    XID_WAIT_MS = 5000
 
     def __init__(self, nvml=None) -> None:
         """``nvml``: the pynvml module (default); tests pass a fake with the same calls."""
@@ -50,46 +58,102 @@ class NvmlBackend:
 
         self.nvml = nvml
         nvml.nvmlInit()
+        #: nvmlInit calls this backend made and has not shut down: NVML counts them, and lets go
+        #: of the driver only once as many nvmlShutdown calls came.
+        self._inits = 1
         #: Called (from the waiter thread) after each XID event is recorded: the report loop
         #: wakes on it instead of waiting for its next interval.
         self.on_xid = None
         self._xids: dict[int, list[XidEvent]] = {}
         self._lock = threading.Lock()
         self._watcher: threading.Thread | None = None
+        self._watching = False  # watch_xids was asked for: a reinstall restarts the waiter
+        self._stop_watching = threading.Event()
+        #: Guards the NVML lifecycle: probes count themselves in (``_probing``) and a reinstall
+        #: waits for them to end before NVML is shut down; while ``_reinstalling`` no probe calls NVML.
+        self._driver = threading.Condition()
+        self._probing = 0
+        self._reinstalling = False
+        self._last_report: list[GpuHealth] | None = None
 
     def boot_id(self) -> str:
         return read_boot_id()
 
     def watch_xids(self) -> None:
         """Start the XID event waiter thread (once)."""
+        self._watching = True
         if self._watcher is None:
-            self._watcher = threading.Thread(target=self._wait_for_xids, name="nvml-xid", daemon=True)
-            self._watcher.start()
+            self._start_waiter()
+
+    def _start_waiter(self) -> None:
+        self._stop_watching.clear()
+        self._watcher = threading.Thread(target=self._wait_for_xids, name="nvml-xid", daemon=True)
+        self._watcher.start()
+
+    def _stop_waiter(self) -> None:
+        """Make the waiter return (at its next wait's timeout at the latest); it frees its event set."""
+        watcher = self._watcher
+        if watcher is None:
+            return
+        self._stop_watching.set()
+        watcher.join(timeout=self.XID_WAIT_MS / 1000 * 3)
+        if watcher.is_alive():
+            self._stop_watching.clear()  # it keeps watching: NVML cannot be shut down under it
+            raise RuntimeError("driver reinstall not started: the NVML XID waiter did not stop")
+        self._watcher = None
 
     def _wait_for_xids(self) -> None:
         nvml = self.nvml
         events = nvml.nvmlEventSetCreate()
-        for i in range(nvml.nvmlDeviceGetCount()):
+        try:
+            # Registered at each start: after a driver reinstall the GPUs' handles are new ones.
+            for i in range(nvml.nvmlDeviceGetCount()):
+                try:
+                    handle = nvml.nvmlDeviceGetHandleByIndex(i)
+                    nvml.nvmlDeviceRegisterEvents(handle, nvml.nvmlEventTypeXidCriticalError, events)
+                except nvml.NVMLError:
+                    continue  # some GPUs (or vGPUs) do not support XID events
+            while not self._stop_watching.is_set():
+                try:
+                    data = nvml.nvmlEventSetWait(events, self.XID_WAIT_MS)
+                except nvml.NVMLError_Timeout:
+                    continue
+                except nvml.NVMLError:
+                    return
+                index = nvml.nvmlDeviceGetIndex(data.device)
+                with self._lock:
+                    self._xids.setdefault(index, []).append(
+                        XidEvent(xid=int(data.eventData), at=datetime.now(timezone.utc),
+                                 message="nvmlEventTypeXidCriticalError")
+                    )
+                if self.on_xid is not None:
+                    self.on_xid()
+        finally:
             try:
-                nvml.nvmlDeviceRegisterEvents(nvml.nvmlDeviceGetHandleByIndex(i), nvml.nvmlEventTypeXidCriticalError, events)
+                nvml.nvmlEventSetFree(events)  # here, once no wait uses it any more
             except nvml.NVMLError:
-                continue  # some GPUs (or vGPUs) do not support XID events
-        while True:
-            try:
-                data = nvml.nvmlEventSetWait(events, 5000)
-            except nvml.NVMLError_Timeout:
-                continue
-            except nvml.NVMLError:
-                return
-            index = nvml.nvmlDeviceGetIndex(data.device)
-            with self._lock:
-                self._xids.setdefault(index, []).append(
-                    XidEvent(xid=int(data.eventData), at=datetime.now(timezone.utc), message="nvmlEventTypeXidCriticalError")
-                )
-            if self.on_xid is not None:
-                self.on_xid()
+                pass
 
     def probe(self) -> list[GpuHealth]:
+        with self._driver:
+            if self._reinstalling and self._last_report is not None:
+                # NVML is shut down for the driver reinstall: the GPUs as last seen, without XIDs
+                # (none are watched now); the reinstall's own smoke test follows it.
+                return [gpu.model_copy(update={"xid_events": []}) for gpu in self._last_report]
+            self._driver.wait_for(lambda: not self._reinstalling)  # never probed yet: after it
+            if not self._inits:  # NVML did not start again after a reinstall: try once more
+                self._take_up_nvml()
+            self._probing += 1
+        try:
+            report = self._probe()
+        finally:
+            with self._driver:
+                self._probing -= 1
+                self._driver.notify_all()
+        self._last_report = report
+        return report
+
+    def _probe(self) -> list[GpuHealth]:
         nvml = self.nvml
         report = []
         for i in range(nvml.nvmlDeviceGetCount()):
@@ -146,10 +210,14 @@ class NvmlBackend:
 
     def reinstall_driver(self) -> str:
         """Run the driver reinstall command (``GPUFLEET_DRIVER_REINSTALL_CMD``): as
-        deploy/driver-reinstall sets it, the node image's own script in the host's namespaces."""
-        import shlex
-        import subprocess
+        deploy/driver-reinstall sets it, the node image's own script in the host's namespaces.
 
+        For the script's run this process holds no NVML: the XID waiter stops (its event set
+        freed), NVML is shut down as often as it was initialised, so the script can unload the
+        kernel modules; then NVML starts again and the waiter registers every GPU anew (new
+        handles), whether the script succeeded or not. XID events while NVML is down are lost
+        by design: nothing watches the driver while it is being replaced, and the rung's smoke
+        test after it probes the GPUs afresh. Probes meanwhile answer the GPUs as last seen."""
         from fleet.settings import NodeAgentEnv
 
         command = NodeAgentEnv.get("driver_reinstall_cmd")
@@ -157,6 +225,51 @@ class NvmlBackend:
             raise RuntimeError("no driver reinstall command configured (GPUFLEET_DRIVER_REINSTALL_CMD): the node "
                                "agent's DaemonSet sets it with deploy/driver-reinstall (Helm: "
                                "nodeAgent.driverReinstall=true)")
+        with self._driver:
+            self._driver.wait_for(lambda: not self._reinstalling)  # one reinstall at a time
+            self._reinstalling = True
+            self._driver.wait_for(lambda: self._probing == 0)
+        try:
+            # XID events from here until the waiter is back are lost, by design: NVML is shut
+            # down so the script can unload the driver, and the rung's smoke test probes afresh.
+            self._stop_waiter()
+            try:
+                self._let_go_of_nvml()
+                return self._run_reinstall(command)
+            finally:
+                self._take_up_nvml()
+        finally:
+            with self._driver:
+                self._reinstalling = False
+                self._driver.notify_all()
+
+    def _let_go_of_nvml(self) -> None:
+        nvml = self.nvml
+        while self._inits:
+            try:
+                nvml.nvmlShutdown()
+            except nvml.NVMLError:
+                self._inits = 0  # NVML says it is not initialised: nothing more to let go of
+                break
+            self._inits -= 1
+
+    def _take_up_nvml(self) -> None:
+        """NVML again (it may fail: a driver the script left broken; the next reinstall or probe
+        says so), then the XID waiter, if one was watching."""
+        if not self._inits:
+            try:
+                self.nvml.nvmlInit()
+                self._inits = 1
+            except self.nvml.NVMLError:
+                return
+        if self._watching and self._watcher is None:
+            self._start_waiter()
+
+    @staticmethod
+    def _run_reinstall(command: str) -> str:
+        import shlex
+        import subprocess
+
         try:
             done = subprocess.run(shlex.split(command), capture_output=True, text=True, timeout=3600)
         except OSError as error:  # no such program here: a failed rung, not a retried activity

@@ -47,7 +47,9 @@ AGENT = r"""
 import json, os, types
 from providers.gpu import NvmlBackend
 
-backend = NvmlBackend(nvml=types.SimpleNamespace(nvmlInit=lambda: None))  # no GPU here: NVML only starts
+# No GPU here: NVML only starts, and stops for the script.
+backend = NvmlBackend(nvml=types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+                                                 NVMLError=Exception))
 answer = {"mnt": os.readlink("/proc/self/ns/mnt"), "sees_script": os.path.exists(os.environ["SCRIPT"])}
 try:
     answer["said"] = backend.reinstall_driver()
@@ -141,4 +143,5 @@ def test_a_command_that_is_not_there_fails_the_rung(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setenv("GPUFLEET_DRIVER_REINSTALL_CMD", f"{tmp_path / 'nsenter'} --target 1")
     with pytest.raises(RuntimeError, match="^driver reinstall failed: .*No such file or directory"):
-        NvmlBackend(nvml=types.SimpleNamespace(nvmlInit=lambda: None)).reinstall_driver()
+        NvmlBackend(nvml=types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+                                               NVMLError=Exception)).reinstall_driver()
