@@ -197,7 +197,8 @@ class NvmlBackend:
         return report
 
     def compute_check(self, index: int) -> str | None:
-        return cuda_memory_check(index)
+        """``cuda_memory_check`` in a child process of its own (``compute_check_in_child``)."""
+        return compute_check_in_child(index)
 
     def reset_gpu(self, index: int) -> str:
         """``nvidia-smi -r -i N``: fails while any process still holds the GPU."""
@@ -285,6 +286,36 @@ def _optional(call, *args):
         return call(*args)
     except Exception:  # noqa: BLE001 - NVMLError_NotSupported and friends
         return None
+
+
+#: How long the compute check's child process may take (64 MiB written and read back: about a second).
+COMPUTE_CHECK_SECONDS = 120
+_CHILD = "import sys; from providers.gpu import cuda_memory_check; print(cuda_memory_check(int(sys.argv[1])) or '')"
+
+
+def compute_check_in_child(index: int) -> str | None:
+    """``cuda_memory_check(index)`` run by a short-lived child process, its answer read back.
+
+    Not in the agent's own process: CUDA has no shutdown, so a process that once called
+    ``cuInit`` keeps the driver's device files open (``/dev/nvidiactl``, ``/dev/nvidia-uvm``) until
+    it exits, which would leave the agent holding the driver for good after its first smoke test:
+    ``nvidia-smi -r`` (the reset rung) refuses a GPU a process holds, and the reinstall rung's
+    script cannot unload the kernel modules (``reinstall_driver`` lets go of NVML for it, which
+    is all it can let go of)."""
+    import os
+    import subprocess
+    import sys
+
+    path = os.pathsep.join(entry for entry in sys.path if entry)  # the child imports providers.gpu as this process does
+    try:
+        done = subprocess.run([sys.executable, "-c", _CHILD, str(index)], capture_output=True, text=True,
+                              timeout=COMPUTE_CHECK_SECONDS, env={**os.environ, "PYTHONPATH": path})
+    except subprocess.TimeoutExpired:
+        return f"GPU {index}: the compute check did not end within {COMPUTE_CHECK_SECONDS} s"
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1][:500]
+        return f"GPU {index}: the compute check's process failed (exit {done.returncode}): {last}"
+    return done.stdout.strip() or None
 
 
 def cuda_memory_check(index: int, words: int = 1 << 24) -> str | None:

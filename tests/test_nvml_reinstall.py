@@ -258,3 +258,21 @@ def test_a_failed_script_still_gets_nvml_and_the_waiter_back(monkeypatch: pytest
     # NVML answers probes again.
     assert [gpu.uuid for gpu in agent.backend.probe()] == ["GPU-fake-0", "GPU-fake-1"]
     assert agent.nvml.problems == []
+
+
+def test_the_compute_check_runs_in_a_process_of_its_own(monkeypatch) -> None:
+    """CUDA has no shutdown: a process that called ``cuInit`` holds the driver's device files until
+    it exits. The agent's compute check (every smoke test) ran CUDA in the agent itself, so after
+    its first one the agent held the driver for good: the reset rung's ``nvidia-smi -r`` and the
+    reinstall script's module unload found the GPU in use. Here no libcuda loads in this process
+    (it fails the test if tried); the child loads its own (none on this machine: it says so)."""
+    import ctypes
+
+    def not_here(name, *args, **kwargs):
+        raise AssertionError(f"{name} loaded in the agent's own process")
+
+    monkeypatch.setattr(ctypes, "CDLL", not_here)
+    backend = NvmlBackend.__new__(NvmlBackend)  # no NVML needed for the compute check
+    answer = backend.compute_check(0)  # the old in-process check raised here
+    # Its child's answer: no libcuda here; on a GPU machine GPU 0's own (None where it computes).
+    assert answer is None or answer.startswith(("libcuda not loadable", "GPU 0: ")), answer
