@@ -119,6 +119,8 @@ def test_chart_lints_strictly() -> None:
     # Also with the non-default modes a user sets.
     helm("lint", "--strict", str(CHART), "--set", "temporal.apiKey.secretName=gpufleet-temporal-api-key",
          "--set", "metrics.serviceMonitor.enabled=true", "--set", "sites.config=mode: sim")
+    helm("lint", "--strict", str(CHART), "--set", "ownRacks.seedServer.enabled=true",
+         "--set", "ownRacks.seedServer.url=http://10.0.0.2:8470")
 
 
 # -- no drift from the kustomize base ------------------------------------------------------------
@@ -137,6 +139,94 @@ def test_driver_reinstall_rendering_is_the_base_with_its_component(tmp_path) -> 
     (tmp_path / "chart").mkdir()
     assert_same_objects(chart_as_kubectl_reads_it(tmp_path / "chart", "--set", "nodeAgent.driverReinstall=true"),
                         kustomize(kustomization_with(tmp_path, ["kubernetes"], ["driver-reinstall"])))
+
+
+def seed_server_values(overlay: list[dict[str, Any]]) -> tuple[str, ...]:
+    """The chart's values for the seed server deploy/own-racks runs: its account and URL, read
+    from the overlay's own command (an operator sets both there, or here)."""
+    (_, seeds) = pod_of(workload(overlay, "gpufleet-control-plane"))["containers"]
+    args = dict(zip(seeds["command"][3::2], seeds["command"][4::2]))
+    return ("--set", "ownRacks.seedServer.enabled=true", "--set", f"ownRacks.seedServer.account={args['--account']}",
+            "--set", f"ownRacks.seedServer.url={args['--url']}")
+
+
+@needs("kubectl")
+def test_own_racks_seed_server_rendering_is_the_own_racks_overlay(tmp_path) -> None:
+    """Own racks join only through the seed server beside the worker: ``ownRacks.seedServer``
+    on renders what ``kubectl apply -k deploy/own-racks`` does (the second container on the
+    worker's in-memory seed_dir, its host's port, the rollout one pod at a time; tests/test_deploy.py
+    says what each is for), object by object, so a Helm install needs no post-renderer; off, with
+    the other seed-server values set, the base alone."""
+    overlay = base("own-racks")
+    values = seed_server_values(overlay)
+    (tmp_path / "on").mkdir()
+    assert_same_objects(chart_as_kubectl_reads_it(tmp_path / "on", *values), overlay)
+    (tmp_path / "off").mkdir()
+    off = (*values, "--set", "ownRacks.seedServer.enabled=false")
+    assert_same_objects(chart_as_kubectl_reads_it(tmp_path / "off", *off), base("kubernetes"))
+
+
+def test_the_seed_server_values_reach_its_container(monkeypatch) -> None:
+    """The port moves what the server listens on and what its host publishes together; the
+    seed_dir moves both containers' mounts of the one volume; the server's own CLI takes the
+    command (tests/test_deploy.py). One control-plane replica only, and the URL is required."""
+    from tests.test_deploy import seed_server_cli_args
+
+    docs = documents(template("--set", "ownRacks.seedServer.enabled=true", "--set", "ownRacks.seedServer.account=dc-ber",
+                              "--set", "ownRacks.seedServer.url=http://192.0.2.7:9470", "--set",
+                              "ownRacks.seedServer.port=9470", "--set", "ownRacks.seedServer.seedDir=/run/seeds"))
+    pod = pod_of(workload(docs, "gpufleet-control-plane"))
+    worker, seeds = pod["containers"]
+    asked = seed_server_cli_args(seeds["command"], monkeypatch)
+    assert (asked["account"], asked["url"], asked["listen"]) == ("dc-ber", "http://192.0.2.7:9470", ("0.0.0.0", 9470))
+    assert seeds["ports"] == [{"name": "seeds", "containerPort": 9470, "hostPort": 9470}]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "seeds"]
+    assert volume["emptyDir"]["medium"] == "Memory"
+    for container in (worker, seeds):
+        assert [m["mountPath"] for m in container["volumeMounts"] if m["name"] == "seeds"] == ["/run/seeds"]
+
+    done = helm("template", "gpufleet", str(CHART), "--set", "ownRacks.seedServer.enabled=true", check=False)
+    assert done.returncode != 0 and "ownRacks.seedServer.url is required" in done.stderr, done.stderr
+    done = helm("template", "gpufleet", str(CHART), "--set", "ownRacks.seedServer.enabled=true",
+                "--set", "ownRacks.seedServer.url=http://10.0.0.2:8470", "--set", "controlPlane.replicas=2", check=False)
+    assert done.returncode != 0 and "controlPlane.replicas must be 1" in done.stderr, done.stderr
+
+
+def test_the_seed_server_follows_sites_config_and_carries_its_ipxe_template(tmp_path) -> None:
+    """With ``sites.config`` the chart holds the seed server to it: the account must be an own-dc
+    one whose seed_dir is the volume's (the worker writes where the server reads), and the iPXE
+    template the account names goes into the chart's ConfigMap under that name (a ConfigMap helm
+    owns takes no file added by hand); a changed template rolls the pod (the server reads it when
+    it starts)."""
+    sites = tmp_path / "sites.yaml"
+    sites.write_text((CHART.parents[1] / "sites.example.yaml").read_text())
+    ipxe = tmp_path / "own-rack.ipxe"
+    ipxe.write_text((CHART.parents[1] / "bootstrap" / "own-rack.ipxe").read_text())
+    on = ("--set-file", f"sites.config={sites}", "--set", "ownRacks.seedServer.enabled=true",
+          "--set", "ownRacks.seedServer.url=http://10.0.0.2:8470")
+    docs = documents(template(*on, "--set-file", f"ownRacks.seedServer.ipxeTemplate={ipxe}"))
+    (config,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert config["data"]["own-rack.ipxe"] == ipxe.read_text()
+    assert yaml.safe_load(config["data"]["sites.yaml"]) == yaml.safe_load(sites.read_text())
+    before = workload(docs, "gpufleet-control-plane")["spec"]["template"]["metadata"]["annotations"]
+    ipxe.write_text(ipxe.read_text() + "\n# changed\n")
+    after = workload(documents(template(*on, "--set-file", f"ownRacks.seedServer.ipxeTemplate={ipxe}")),
+                     "gpufleet-control-plane")["spec"]["template"]["metadata"]["annotations"]
+    assert before["gpufleet.io/own-rack-ipxe-sha256"] != after["gpufleet.io/own-rack-ipxe-sha256"]
+    assert before["gpufleet.io/sites-config-sha256"] == after["gpufleet.io/sites-config-sha256"]
+
+    def refused(*values: str) -> str:
+        done = helm("template", "gpufleet", str(CHART), *on, *values, check=False)
+        assert done.returncode != 0
+        return done.stderr
+    assert "ownRacks.seedServer.ipxeTemplate is required" in refused()
+    assert 'no own-dc account "lambda-prod"' in refused("--set", "ownRacks.seedServer.account=lambda-prod",
+                                                       "--set-file", f"ownRacks.seedServer.ipxeTemplate={ipxe}")
+    assert 'has seed_dir "/run/gpufleet/seeds"' in refused("--set", "ownRacks.seedServer.seedDir=/var/seeds",
+                                                          "--set-file", f"ownRacks.seedServer.ipxeTemplate={ipxe}")
+    done = helm("template", "gpufleet", str(CHART), "--set-file", f"ownRacks.seedServer.ipxeTemplate={ipxe}",
+                check=False)
+    assert done.returncode != 0 and "ownRacks.seedServer.enabled is not" in done.stderr, done.stderr
 
 
 @needs("kubectl")
@@ -214,6 +304,11 @@ def test_a_temporal_connection_without_credentials_is_refused() -> None:
     ("nodeAgent.spotNotice=azure", "/nodeAgent/spotNotice"),     # a source the agent has not
     ("nodeGateway.upstreamCallsPerSecond=0", "/nodeGateway/upstreamCallsPerSecond"),
     ("metrics.prometheusNamespace=Monitoring", "/metrics/prometheusNamespace"),  # no namespace's name
+    ("ownRacks.seedServer.enabled=yes", "/ownRacks/seedServer/enabled"),
+    ("ownRacks.seedServer.port=70000", "/ownRacks/seedServer/port"),
+    ("ownRacks.seedServer.seedDir=run/seeds", "/ownRacks/seedServer/seedDir"),  # the account's absolute seed_dir
+    ("ownRacks.seedServer.url=10.0.0.2:8470", "/ownRacks/seedServer/url"),     # no scheme: not a URL iPXE fetches
+    ("ownRacks.seedDir=/run/seeds", "seedDir"),
 ])
 def test_bad_values_are_refused_naming_the_field(value: str, field: str) -> None:
     done = helm("template", "gpufleet", str(CHART), "--set", value, check=False)

@@ -56,6 +56,41 @@ def test_the_default_rendering_is_accepted_by_the_real_api_server(real_cluster: 
     assert worker["image"] == f"gpufleet-control-plane:{version}"
 
 
+def test_the_own_racks_seed_server_rendering_is_accepted_by_the_real_api_server(real_cluster: RealCluster) -> None:
+    """``ownRacks.seedServer.enabled`` (deploy/own-racks through the chart, tests/test_helm.py): the
+    real API server validates and admits the control plane with its seed server over the base's
+    Deployment as the conftest applied it (a server-side dry run: no kubelet would run the pod),
+    its rollout one pod at a time over the rollingUpdate the server defaulted for the base."""
+    from tests.test_deploy import rendered as kustomized
+    from tests.test_helm import seed_server_values
+
+    rendered = template(*seed_server_values(kustomized("own-racks")))
+    done = real_cluster.kubectl("apply", "--server-side", "--dry-run=server", "--force-conflicts",
+                                "--field-manager=gpufleet-chart", "-o", "json", "-f", "-", input=rendered)
+    accepted = json.loads(done.stdout)
+    accepted = by_key(accepted["items"] if accepted.get("kind") == "List" else [accepted])
+    wanted = by_key(documents(rendered))
+    assert set(accepted) == set(wanted), "every object of the chart, validated and admitted"
+    (name,) = [k for k in wanted if k[1] == "Deployment" and k[3] == "gpufleet-control-plane"]
+    deployment, asked = accepted[name], wanted[name]
+    assert deployment["spec"]["strategy"] == {"type": "RollingUpdate",
+                                              "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    pod, asked_pod = deployment["spec"]["template"]["spec"], asked["spec"]["template"]["spec"]
+    assert [c["name"] for c in pod["containers"]] == ["worker", "own-rack-seeds"]
+    for container, want in zip(pod["containers"], asked_pod["containers"], strict=True):
+        assert container["command"] == want["command"] and container["image"] == want["image"]
+        assert container["securityContext"] == want["securityContext"], container["name"]
+        assert {(m["name"], m["mountPath"]) for m in container["volumeMounts"]} == {
+            (m["name"], m["mountPath"]) for m in want["volumeMounts"]}, container["name"]
+    (seeds,) = [c for c in pod["containers"] if c["name"] == "own-rack-seeds"]
+    assert [(p["containerPort"], p["hostPort"]) for p in seeds["ports"]] == [(8470, 8470)]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "seeds"]
+    assert volume["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Mi"}
+    # A dry run: the base's pod as the conftest applied it.
+    live_pod = live(real_cluster, "deployment", "gpufleet-control-plane")["spec"]["template"]["spec"]
+    assert [c["name"] for c in live_pod["containers"]] == ["worker"]
+
+
 def test_helm_takes_over_what_kubectl_apply_k_installed(real_cluster: RealCluster, helm_env, tmp_path: Path) -> None:
     flags, env = helm_env
     before = {(kind, name): live(real_cluster, kind, name) for kind, name in WORKLOADS}

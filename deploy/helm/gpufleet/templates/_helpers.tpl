@@ -70,12 +70,72 @@ connection). Mutual TLS from the Secret mounted at /etc/gpufleet/temporal, or an
 {{- end }}
 {{- end }}
 
-{{/* The pods' annotations: a changed inline sites.yaml rolls them. */}}
+{{/*
+The pods' annotations: a changed inline sites.yaml rolls them; the control plane's ("ipxe"), a
+changed own-rack iPXE template too (the seed server reads it when it starts).
+*/}}
 {{- define "gpufleet.podAnnotations" -}}
-{{- with .Values.sites.config }}
+{{- $values := .root.Values -}}
+{{- with $values.sites.config }}
 annotations:
   gpufleet.io/sites-config-sha256: {{ sha256sum . }}
+  {{- if and $.ipxe $values.ownRacks.seedServer.enabled $values.ownRacks.seedServer.ipxeTemplate }}
+  gpufleet.io/own-rack-ipxe-sha256: {{ sha256sum $values.ownRacks.seedServer.ipxeTemplate }}
+  {{- end }}
 {{- end }}
+{{- end }}
+
+{{/*
+Own racks' seed server (ownRacks.seedServer), checked, as JSON: the control-plane pod's second
+container, as deploy/own-racks renders it. With `sites.config` the account must be an own-dc
+account of it whose seed_dir is `seedDir` (the worker writes there, the server reads there), and
+its iPXE template, a file of the config's ConfigMap, comes from `ipxeTemplate`.
+*/}}
+{{- define "gpufleet.ownRackSeeds" -}}
+{{- $seeds := .Values.ownRacks.seedServer -}}
+{{- if $seeds.enabled -}}
+{{- $_ := required "ownRacks.seedServer.url is required: the URL your racks reach the seed server at (the control-plane host's address on the provisioning network and the port)" $seeds.url -}}
+{{- if gt (int .Values.controlPlane.replicas) 1 -}}
+{{- fail "ownRacks.seedServer.enabled: controlPlane.replicas must be 1 (or 0): the worker that writes the seeds and the server that hands them out share one pod's in-memory volume, and the server holds its host's port" -}}
+{{- end -}}
+{{- with .Values.sites.config -}}
+{{- $config := fromYaml . -}}
+{{- $account := dict -}}
+{{- range $config.accounts -}}
+{{- if eq (toString .name) $seeds.account }}{{ $account = . }}{{ end -}}
+{{- end -}}
+{{- if ne (toString $account.provider) "own-dc" -}}
+{{- fail (printf "ownRacks.seedServer.account: sites.config has no own-dc account %q" $seeds.account) -}}
+{{- end -}}
+{{- $seedDir := dig "options" "seed_dir" "" $account -}}
+{{- if ne (toString $seedDir) $seeds.seedDir -}}
+{{- fail (printf "ownRacks.seedServer.seedDir: %s, but sites.config's account %s has seed_dir %q: the worker writes the seeds there and the server must read the same directory" $seeds.seedDir $seeds.account (toString $seedDir)) -}}
+{{- end -}}
+{{- with dig "options" "ipxe_template" "" $account -}}
+{{- if ne (dir .) "/etc/gpufleet" -}}
+{{- fail (printf "sites.config: accounts.%s.options.ipxe_template: %s: the seed server reads it from the config's ConfigMap, mounted at /etc/gpufleet (e.g. /etc/gpufleet/own-rack.ipxe)" $seeds.account .) -}}
+{{- end -}}
+{{- if not $seeds.ipxeTemplate -}}
+{{- fail (printf "ownRacks.seedServer.ipxeTemplate is required: sites.config's account %s names the iPXE template %s, which the chart puts into its ConfigMap (--set-file ownRacks.seedServer.ipxeTemplate=own-rack.ipxe)" $seeds.account .) -}}
+{{- end -}}
+{{- end -}}
+{{- else -}}
+{{- if $seeds.ipxeTemplate -}}
+{{- fail "ownRacks.seedServer.ipxeTemplate goes into the chart's ConfigMap, which it makes only from sites.config: set sites.config too, or put the template into the ConfigMap you create" -}}
+{{- end -}}
+{{- end -}}
+{{- else if $seeds.ipxeTemplate -}}
+{{- fail "ownRacks.seedServer.ipxeTemplate is set but ownRacks.seedServer.enabled is not" -}}
+{{- end -}}
+{{- toJson $seeds -}}
+{{- end }}
+
+{{/* The key of the own-rack iPXE template in the chart's ConfigMap: the base name sites.config's account gives it. */}}
+{{- define "gpufleet.ownRackIpxeKey" -}}
+{{- $seeds := .Values.ownRacks.seedServer -}}
+{{- range (fromYaml .Values.sites.config).accounts -}}
+{{- if eq (toString .name) $seeds.account }}{{ base (dig "options" "ipxe_template" "" .) }}{{ end -}}
+{{- end -}}
 {{- end }}
 
 {{/*
