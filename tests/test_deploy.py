@@ -219,7 +219,8 @@ def under(path: str, mounts: list[dict], volume: str) -> bool:
 
 @pytest.mark.integration  # kubectl kustomize
 def test_the_own_racks_overlay_is_the_base_with_a_seed_server_on_the_workers_seed_dir(monkeypatch) -> None:
-    """deploy/own-racks changes only the control-plane pod: a second container runs the seed server
+    """deploy/own-racks changes only the control-plane pod, and its NetworkPolicy for the seed port
+    (tests/cluster/test_manifests.py): a second container runs the seed server
     (deploy/bootstrap/README.md, own-rack.ipxe) from the worker's image, as locked down as the
     worker, on the one in-memory volume both mount at the seed_dir of the own-dc account it serves
     (deploy/sites.example.yaml's), reading the fleet config and the iPXE template from the
@@ -234,7 +235,8 @@ def test_the_own_racks_overlay_is_the_base_with_a_seed_server_on_the_workers_see
 
     added_or_removed = {key(d) for d in overlay} ^ {key(d) for d in base}
     differing = {key(d) for d in overlay if d not in base}
-    assert added_or_removed | differing == {("Deployment", "gpufleet", "gpufleet-control-plane")}
+    assert added_or_removed | differing == {("Deployment", "gpufleet", "gpufleet-control-plane"),
+                                            ("NetworkPolicy", "gpufleet", "gpufleet-control-plane")}
 
     was = workloads(base)["gpufleet-control-plane"]["spec"]["template"]["spec"]
     pod = workloads(overlay)["gpufleet-control-plane"]["spec"]["template"]["spec"]

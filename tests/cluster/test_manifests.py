@@ -514,3 +514,24 @@ def test_the_largest_manifest_a_rollout_takes_fits_a_deployment_with_the_one_bef
     (init,) = after["spec"]["template"]["spec"]["initContainers"]
     (manifest,) = [e["value"] for e in init["env"] if e["name"] == WEIGHTS_ENV]
     assert len(f"{WEIGHTS_ENV}={manifest}".encode()) < 128 * 1024
+
+
+@pytest.mark.integration  # kubectl kustomize renders the overlay
+def test_own_racks_seed_port_is_admitted_by_the_control_planes_network_policy():
+    """deploy/own-racks publishes the seed server on its host's port 8470, in the control-plane
+    pod, whose NetworkPolicy admitted only Prometheus on the metrics port: on a CNI that enforces
+    it the racks' fetches were dropped before the server saw them, and no rack could join. The
+    overlay's policy admits the seed port from anywhere (a rack's host); the base's does not, and
+    the metrics port stays Prometheus's alone."""
+    from tests.test_deploy import rendered
+
+    def policy(folder: str) -> dict:
+        (found,) = [d for d in rendered(folder) if d["kind"] == "NetworkPolicy"
+                    and d["metadata"]["name"] == "gpufleet-control-plane"]
+        return found
+
+    own_racks, base = policy("own-racks"), policy("kubernetes")
+    assert policy_admits(own_racks, 8470, None, {})
+    assert not policy_admits(base, 8470, None, {})
+    assert not policy_admits(own_racks, 9464, None, {})
+    assert policy_admits(own_racks, 9464, "monitoring", {"app.kubernetes.io/name": "prometheus"})

@@ -22,7 +22,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_the_own_racks_overlay_is_accepted_over_the_applied_base(real_cluster: RealCluster) -> None:
-    done = real_cluster.kubectl("apply", "--server-side", "--dry-run=server", "-o", "json",
+    # --force-conflicts: the tier's Helm test takes the base's objects over (field manager helm),
+    # and this apply names them all; a dry run changes nothing, whoever owns them.
+    done = real_cluster.kubectl("apply", "--server-side", "--dry-run=server", "--force-conflicts", "-o", "json",
                                 "-k", str(REPO / "deploy" / "own-racks"))
     answered = json.loads(done.stdout)
     items = answered["items"] if answered.get("kind") == "List" else [answered]
@@ -36,7 +38,7 @@ def test_the_own_racks_overlay_is_accepted_over_the_applied_base(real_cluster: R
                                               "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     recreate = workloads(rendered("own-racks"))["gpufleet-control-plane"]
     recreate["spec"]["strategy"] = {"type": "Recreate"}
-    refused = real_cluster.kubectl("apply", "--server-side", "--dry-run=server", "-f", "-",
+    refused = real_cluster.kubectl("apply", "--server-side", "--dry-run=server", "--force-conflicts", "-f", "-",
                                    input=json.dumps(recreate), check=False)
     assert refused.returncode != 0 and "may not be specified when strategy `type` is 'Recreate'" in refused.stderr, \
         refused.stderr
