@@ -200,14 +200,19 @@ async def test_an_altered_or_forged_token_is_refused(temporal_env, nodes) -> Non
     async with Worker(client, task_queue=queue, workflows=[TokenTask]), \
             replicas(client, token_keys_as_deployed()) as (pki, gws), connected(pki, gws, a) as (channel,):
         handle, token = await deliver(client, queue, channel, a)
-        inner = token[1 + MAC_BYTES:]
+        kind_size = token[1 + MAC_BYTES]
+        kind, inner = token[2 + MAC_BYTES:2 + MAC_BYTES + kind_size], token[2 + MAC_BYTES + kind_size:]
+        assert kind, "the envelope names the task's activity type"
         forged = {
             "its MAC changed": token[:1] + bytes([token[1] ^ 1]) + token[2:],
             "the token inside changed": token[:-1] + bytes([token[-1] ^ 1]),
             "cut short": token[:-1],
             "Temporal's token bare": inner,
-            "another version": b"\x02" + token[1:],
-            "sealed with another key": TaskTokens(token_keys_as_deployed()).seal(a, inner),
+            "another version": b"\x03" + token[1:],
+            "the first version, its type left out": b"\x01" + token[1:1 + MAC_BYTES] + inner,
+            "another type": token[:2 + MAC_BYTES] + bytes([kind[0] ^ 1]) + token[3 + MAC_BYTES:],
+            "no type": token[:1 + MAC_BYTES] + b"\x00" + inner,
+            "sealed with another key": TaskTokens(token_keys_as_deployed()).seal(a, inner, kind.decode()),
             "empty": b"",
         }
         for what, made in forged.items():

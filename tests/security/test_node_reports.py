@@ -504,9 +504,10 @@ async def _app_xids(stack: Stack, node: JoinedNode) -> bool:
 
 
 # -- what a node's well-formed answers make the entity carry ----------------------------------
-#: The biggest answers the gateway lets through (512 KiB): five GPUs as large as ``NodeReport``
-#: allows (64 XID events of 1,000-character messages each).
-BLOATED_GPUS = 5
+#: The biggest answers the gateway lets through (the 128 KiB a watch answer may take,
+#: ``RESULT_LIMITS``; 512 KiB before, five GPUs): one GPU as large as ``NodeReport`` allows (64 XID
+#: events of 1,000-character messages each).
+BLOATED_GPUS = 1
 #: Continue-as-new's input is a 2 MiB blob at most; the carried state must stay far below it.
 CARRY_BOUND = 128 * 1024
 
@@ -536,7 +537,7 @@ async def test_well_formed_answers_cannot_grow_what_the_entity_carries(hostile) 
     handle = entity(stack, node)
     first_run = (await handle.describe()).run_id
     run_ids = {first_run}
-    for number in range(1, 80):  # about 12 answers fill a run's history to where the server asks
+    for number in range(1, 250):  # about 60 answers fill a run's history to where the server asks
         try:
             await watch.answer(bloated(number))
         except AssertionError:

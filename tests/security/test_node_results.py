@@ -235,20 +235,21 @@ async def test_a_malformed_join_smoke_test_fails_the_join_naming_the_field(hosti
 
 
 async def test_smoke_tests_failing_at_their_models_limits_leave_a_capacity_request_short_answers(hostile) -> None:
-    """A well-formed failed smoke test may name 256 failures of 1,000 characters each: about 512 KB,
-    all the node gateway lets a result be. Before, each join repeated them whole in its failure, and
-    AcquireCapacity kept each failed join's message in its attempts: six joins failing so made its
-    result about 3 MB, past Temporal's 2 MiB payload limit, and the request could not end. Now a
-    node's failures are summarised where its answer is checked (the first few, each cut, and how
-    many more), and the request ends with what it tried, in a few kilobytes."""
+    """A well-formed failed smoke test may name 256 failures (of up to 1,000 characters each), as
+    many as fit the 64 KiB the node gateway lets a smoke result be (``RESULT_LIMITS``; before it,
+    512 KiB). Before, each join repeated them whole in its failure, and AcquireCapacity kept each
+    failed join's message in its attempts: six joins failing so (at 512 KiB each) made its result
+    about 3 MB, past Temporal's 2 MiB payload limit, and the request could not end. Now a node's
+    failures are summarised where its answer is checked (the first few, each cut, and how many
+    more), and the request ends with what it tried, in a few kilobytes."""
     from fleet.messages.capacity import CapacityResult
-    from workers.gateway.proxy import RESULT_BYTES
+    from workers.gateway.authorization import RESULT_LIMITS
 
     stack, node, agent = hostile
-    failures = [f"GPU {i % 8}: " + "é" * 993 for i in range(256)]
+    failures = [f"GPU {i % 8}: " + "é" * 120 for i in range(256)]
     answer = {**smoke("ignored", node.gpus), "passed": False, "failures": failures}
     forged = json.dumps(answer, ensure_ascii=False).encode()  # what an agent's converter writes
-    assert RESULT_BYTES - 16 * 1024 < len(forged) < RESULT_BYTES
+    assert RESULT_LIMITS["smoke_test"] - 4 * 1024 < len(forged) <= RESULT_LIMITS["smoke_test"]
     request = f"verbose-{uuid.uuid4().hex[:6]}"
     joins = [f"join/{node.site}/{request}-{seq}" for seq in range(1, 7)]
     for join_id in joins:

@@ -43,7 +43,8 @@ from tests.replay import replay_and_record
 from workflows.node import WATCH_EARLY_FREE
 
 #: Extra fields the report model ignores: each string under first_problem's 64 KiB bound.
-PAD = {"pad": ["x" * 60_000] * 7}
+#: Two strings of 60 KB: under the 128 KiB a watch answer may take (``RESULT_LIMITS``).
+PAD = {"pad": ["x" * 60_000] * 2}
 SECONDS = 10.0
 
 

@@ -114,6 +114,32 @@ RESULT_ENCODING = b"json/plain"
 #: validation finds undecodable (a bad report, a failed smoke test or rung). Its data says why,
 #: for whoever reads the history.
 REFUSED_RESULT_ENCODING = b"binary/refused-by-node-gateway"
+#: The most bytes a result's data may take, by the activity type of its task (sealed in the task
+#: token the node was handed: ``task_tokens``); a larger one is replaced as a result in any other
+#: form is (``REFUSED_RESULT_ENCODING``): a bad report, a failed smoke test or rung. Every result
+#: lands in the history of the workflow that scheduled its activity, in the store every workflow
+#: shares; the gRPC bound (``proxy.RESULT_BYTES``, 512 KiB) let each watch answer carry half a
+#: megabyte: 30 early answers free under the watch's pace, again after each slow one, about 62 MiB
+#: an hour into a node's entity, ~20 GiB per node over the namespace's retention; and a site's
+#: evacuation took every node's smoke result whole (100 nodes: 50 MB in one proof round). What an
+#: honest agent (``activities/node_agent.py``, NVML's strings) sends, in JSON:
+#: - ``watch_node`` (and ``probe_gpus``, the same GPUs): about 300 bytes a GPU and 90 an XID event
+#:   it still holds (``MAX_XIDS``, 64 a GPU): 8 GPUs 3 KB, with full XID lists 52 KB; 16 GPUs with
+#:   full lists 104 KB; 64 GPUs (``MAX_NODE_GPUS``) 22 KB, 121 KB with 16 events each.
+#: - ``smoke_test``: its failures (one per problem and XID event of a GPU) and, for a join, the
+#:   node's state as a watch answers it; the workflow accepts at most 4 × ``MAX_NODE_GPUS``
+#:   failures (``SmokeReport``), so at most 256 XID events and 64 GPUs: about 53 KB.
+#: - ``reset_gpu``, ``reinstall_driver``: a tool's output, accepted up to 1,000 characters
+#:   (``NodeSaid``; 6,000 bytes as JSON escapes at worst).
+#: A type not listed (none runs on a node's queue; an envelope from before types were sealed)
+#: takes only the gRPC bound.
+RESULT_LIMITS = {
+    "watch_node": 128 * 1024,
+    "probe_gpus": 128 * 1024,
+    "smoke_test": 64 * 1024,
+    "reset_gpu": 8 * 1024,
+    "reinstall_driver": 8 * 1024,
+}
 
 
 class Refused(Exception):
@@ -162,16 +188,20 @@ def clean_failure(failure: Failure, causes: int = FAILURE_CAUSES) -> Failure:
     return clean
 
 
-def clean_result(result: Payloads | None) -> tuple[Payloads, str]:
+def clean_result(result: Payloads | None, kind: str = "") -> tuple[Payloads, str]:
     """What a node's activity result may be to the workflow: exactly one payload, its data and
     ``encoding: json/plain`` and nothing else (other metadata keys, ``external_payloads``, unknown
-    fields dropped); or, for any other form, one payload of ``REFUSED_RESULT_ENCODING``. Returns
-    it and why it was refused ("" when kept)."""
+    fields dropped), its data within its activity type's bound (``RESULT_LIMITS``, by ``kind``);
+    or, for any other form, one payload of ``REFUSED_RESULT_ENCODING``. Returns it and why it
+    was refused ("" when kept)."""
     payloads = result.payloads if result is not None else ()
+    limit = RESULT_LIMITS.get(kind)
     if len(payloads) != 1:
         why = f"{len(payloads)} payloads, not one"
     elif (encoding := payloads[0].metadata.get("encoding", b"")) != RESULT_ENCODING:
         why = f"encoding {echo(encoding.decode(errors='replace'))}, not {RESULT_ENCODING.decode()}"
+    elif limit is not None and len(payloads[0].data) > limit:
+        why = f"{len(payloads[0].data)} bytes, over the {limit} a {kind} result may take"
     else:
         return Payloads(payloads=[Payload(metadata={"encoding": RESULT_ENCODING}, data=payloads[0].data)]), ""
     refused = Payload(metadata={"encoding": REFUSED_RESULT_ENCODING}, data=f"a result of {why}".encode())
@@ -313,18 +343,20 @@ class NodeAuthorization:
         if name in _RESPONDS:
             message = _RESPONDS[name].FromString(request)
             self._namespace(node, name, message.namespace, empty_ok=True)
-            token = self.tokens.open(node, message.task_token)
-            if token is None:  # one reason for every kind of envelope refused: none tells a forger more
+            opened = self.tokens.open_task(node, message.task_token)
+            if opened is None:  # one reason for every kind of envelope refused: none tells a forger more
                 raise self.refuse(node, name, "a task token this gateway did not deliver to this node")
+            token, kind = opened
             message.task_token = token
             _only(message, _CLEARED[name])
             if name == "RespondActivityTaskFailed" and message.HasField("failure"):
                 message.failure.CopyFrom(clean_failure(message.failure))
             if name == "RespondActivityTaskCompleted":
-                result, why = clean_result(message.result if message.HasField("result") else None)
+                result, why = clean_result(message.result if message.HasField("result") else None, kind)
                 message.result.CopyFrom(result)
                 if why:
-                    self.node_log.warn(node, "results replaced", "not one json/plain payload",
+                    self.node_log.warn(node, "results replaced", "over its bound" if "bytes, over" in why
+                                       else "not one json/plain payload",
                                        "node %s: its result replaced: a result of %s", node, why)
             message.identity = identity
             return message.SerializeToString(), token

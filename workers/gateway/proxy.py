@@ -4,7 +4,8 @@ connection (the standard ``TEMPORAL_*`` settings: mTLS or API key).
 
 Per node, at most ``POLLS_PER_NODE`` polls and ``CALLS_PER_NODE`` calls go on at once,
 over at most ``CONNECTIONS_PER_NODE`` connections, each request at most
-``REQUEST_BYTES`` (results ``RESULT_BYTES``): a call over them is held, without going
+``REQUEST_BYTES`` (results ``RESULT_BYTES``, and each result's data the bound of its task's
+activity type, ``authorization.RESULT_LIMITS``): a call over them is held, without going
 upstream, and then answered (a poll with no task), up to ``HELD_CALLS_PER_NODE`` of them
 (refused at once beyond), so one node cannot take the frontend's poll budget or the
 gateway's memory from the others. At most ``CALLS_PER_SECOND`` of a node's calls a second go
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
+from temporalio.api.common.v1 import ActivityType
 from temporalio.api.workflowservice.v1 import request_response_pb2 as wsr
 
 from fleet.settings import NodeGatewayEnv, Settings, temporal_profile
@@ -480,8 +483,10 @@ class NodeGateway(grpc.GenericRpcHandler):
         if polling and response:
             delivered, rest = _task_token(response)
             if delivered:
-                # The node gets the token sealed for it: only it may answer, through any replica.
-                response = _with_task_token(self.authorization.tokens.seal(node, delivered), rest)
+                # The node gets the token sealed for it and the task's activity type (which bounds
+                # its result: ``RESULT_LIMITS``): only it may answer, through any replica.
+                sealed = self.authorization.tokens.seal(node, delivered, _activity_type(rest))
+                response = _with_task_token(sealed, rest)
                 self._calls.give(node, CALLS_PER_TASK)
                 # Each of the task's calls may start a liveness lookup, which takes from the
                 # budget too (``LiveCache``): the task pays for those as well.
@@ -550,6 +555,49 @@ def _task_token(response: bytes) -> tuple[bytes, bytes]:
     token = decoded.task_token
     decoded.ClearField("task_token")
     return token, decoded.SerializeToString()
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, i
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint too long")
+
+
+def _activity_type(rest: bytes) -> str:
+    """The task's activity type (``activity_type.name``, field 5) in a PollActivityTaskQueueResponse
+    (without its token), read by skipping the other fields undecoded (the input payloads)."""
+    try:
+        i = 0
+        while i < len(rest):
+            tag, i = _varint(rest, i)
+            number, wire = tag >> 3, tag & 7
+            if wire == 0:
+                _, i = _varint(rest, i)
+            elif wire == 1:
+                i += 8
+            elif wire == 5:
+                i += 4
+            elif wire == 2:
+                size, i = _varint(rest, i)
+                if number == 5:
+                    return ActivityType.FromString(rest[i:i + size]).name
+                i += size
+            else:
+                raise ValueError(f"wire type {wire}")
+        return ""
+    except (IndexError, ValueError, DecodeError):
+        pass
+    try:
+        return wsr.PollActivityTaskQueueResponse.FromString(rest).activity_type.name
+    except DecodeError:
+        return ""  # sealed with no type: the result takes the gRPC bound only
 
 
 def _with_task_token(token: bytes, rest: bytes) -> bytes:

@@ -1,7 +1,12 @@
 """Task tokens bound to the node they were delivered to, by a key every replica holds.
 
 A node is handed not Temporal's task token but an envelope: a version byte, an HMAC-SHA256 of
-the node's name and the token under the gateway's key, and the token. Each call that carries one
+the node's name, the task's activity type and the token under the gateway's key, the activity
+type (a length byte and its name) and the token. The type says which bound the task's result
+takes (``authorization.RESULT_LIMITS``): the gateway learns it from the poll that delivered the
+task, and the node cannot change it without breaking the MAC. An envelope of the first version
+(``VERSION``: no type; sealed by a replica from before the type was sealed, for a task still in
+flight after an upgrade) opens with no type: its result takes the gateway's general bound. Each call that carries one
 (a heartbeat, a completion, a failure, a cancellation) is forwarded with the token inside only
 when the envelope's MAC is right for the calling node (its name from its certificate) under the
 current key or the previous one. The key lives in a Secret every replica mounts
@@ -42,9 +47,14 @@ CURRENT, PREVIOUS = "current", "previous"
 #: A key holds at least this many bytes (``openssl rand -hex 32`` writes 64).
 MIN_KEY_BYTES = 32
 VERSION = b"\x01"
+#: An envelope that names its task's activity type (what every replica seals now).
+KIND_VERSION = b"\x02"
 MAC_BYTES = hashlib.sha256().digest_size
 #: What the MAC is of, before the node's name: no other use of the key could make the same bytes.
 _PURPOSE = b"gpufleet node gateway task token\x00"
+_KIND_PURPOSE = b"gpufleet node gateway typed task token\x00"
+#: An activity type name longer than this is sealed as none (no node activity's is near it).
+MAX_KIND_BYTES = 255
 
 
 @dataclass(frozen=True, repr=False)
@@ -106,18 +116,45 @@ class TaskTokens:
     def _mac(key: bytes, node: str, token: bytes) -> bytes:
         return hmac.new(key, _PURPOSE + node.encode() + b"\x00" + token, hashlib.sha256).digest()
 
-    def seal(self, node: str, token: bytes) -> bytes:
-        """The envelope of Temporal's ``token`` for ``node``, under the current key."""
-        return VERSION + self._mac(self._keys[0][1], node, token) + token
+    @staticmethod
+    def _kind_mac(key: bytes, node: str, kind: bytes, token: bytes) -> bytes:
+        return hmac.new(key, _KIND_PURPOSE + node.encode() + b"\x00" + bytes([len(kind)]) + kind + token,
+                        hashlib.sha256).digest()
+
+    def seal(self, node: str, token: bytes, kind: str = "") -> bytes:
+        """The envelope of Temporal's ``token`` for ``node`` and its task's activity type
+        ``kind``, under the current key."""
+        named = kind.encode()
+        if len(named) > MAX_KIND_BYTES:
+            named = b""
+        return KIND_VERSION + self._kind_mac(self._keys[0][1], node, named, token) + bytes([len(named)]) + named + token
 
     def open(self, node: str, envelope: bytes) -> bytes | None:
         """Temporal's token inside ``envelope`` when it was sealed for ``node`` under the current
         or the previous key; None for anything else."""
-        if len(envelope) <= 1 + MAC_BYTES or envelope[:1] != VERSION:
+        opened = self.open_task(node, envelope)
+        return opened[0] if opened is not None else None
+
+    def open_task(self, node: str, envelope: bytes) -> tuple[bytes, str] | None:
+        """Temporal's token inside ``envelope`` and the activity type sealed with it ("" for none),
+        when it was sealed for ``node`` under the current or the previous key; None for anything else."""
+        if len(envelope) <= 1 + MAC_BYTES:
             return None
-        mac, token = envelope[1:1 + MAC_BYTES], envelope[1 + MAC_BYTES:]
-        for name, key in self._keys:
-            if hmac.compare_digest(mac, self._mac(key, node, token)):
+        version, mac = envelope[:1], envelope[1:1 + MAC_BYTES]
+        if version == KIND_VERSION:
+            size = envelope[1 + MAC_BYTES]
+            start = 2 + MAC_BYTES + size
+            if len(envelope) <= start:
+                return None
+            named, token = envelope[2 + MAC_BYTES:start], envelope[start:]
+            macs = ((name, self._kind_mac(key, node, named, token)) for name, key in self._keys)
+        elif version == VERSION:
+            named, token = b"", envelope[1 + MAC_BYTES:]
+            macs = ((name, self._mac(key, node, token)) for name, key in self._keys)
+        else:
+            return None
+        for name, expected in macs:
+            if hmac.compare_digest(mac, expected):
                 self.opened[name] += 1
-                return token
+                return token, named.decode(errors="replace")
         return None
