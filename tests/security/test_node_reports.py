@@ -38,6 +38,7 @@ from fleet.naming import node_queue
 from sim.cluster import SimCluster
 from tests.bad_input_helpers import task_failures
 from tests.can_server import run_chain
+from tests.plugins.stack import session_temporal_env
 from tests.conftest import Stack
 from tests.details_helpers import decided
 from tests.repair_helpers import (
@@ -200,18 +201,44 @@ ATTACKS = st.tuples(st.sampled_from(FIELDS), HOSTILE_VALUES)
 EXAMPLES = 20
 
 
+#: Where a "small-history" server (``hostile``) suggests continue-as-new: at 600 KB of history, not
+#: Temporal's 4 MB, so the largest answers a watch may give (``RESULT_LIMITS``) fill a run in about
+#: ten, not sixty (four minutes a test).
+SMALL_HISTORY_SUGGESTION = 600_000
+
+
+@pytest.fixture(scope="module")
+async def small_history_env() -> AsyncIterator:
+    async with session_temporal_env("--dynamic-config-value",
+                                    f"limit.historySize.suggestContinueAsNew={SMALL_HISTORY_SUGGESTION}") as env:
+        yield env
+
+
 @pytest.fixture
 async def hostile(temporal_env, tmp_path, monkeypatch, request) -> AsyncIterator[tuple[Stack, JoinedNode, HostileWatch]]:
     """The node at site-a, an on-demand site; at a spot one where a test asks
     (``@pytest.mark.parametrize("hostile", ["spot"], indirect=True)``)."""
+    async for found in hostile_on(temporal_env.client, tmp_path, monkeypatch,
+                                  spot_site=getattr(request, "param", None) == "spot"):
+        yield found
+
+
+@pytest.fixture
+async def hostile_small_history(small_history_env, tmp_path, monkeypatch) -> AsyncIterator:
+    """``hostile`` on the module's server that suggests continue-as-new early."""
+    async for found in hostile_on(small_history_env.client, tmp_path, monkeypatch):
+        yield found
+
+
+async def hostile_on(client: Client, tmp_path, monkeypatch, spot_site: bool = False) -> AsyncIterator:
     watch = HostileWatch()
     monkeypatch.setattr(workers.node_agent, "build_agent", watch.build_agent)
     # Its answers come at once and most change nothing: the entity paces such a node's watches
     # (tests/security/test_watch_pacing.py), here by a hundredth of a second.
     fleet = repair_fleet(timeouts={**REPAIR["timeouts"], "watch_pace_seconds": 0.01, "watch_pace_max_seconds": 0.01})
-    if getattr(request, "param", None) == "spot":
+    if spot_site:
         fleet = spot(fleet)
-    async for stack in running_stack(temporal_env.client, tmp_path, fleet):
+    async for stack in running_stack(client, tmp_path, fleet):
         node = await join_node(stack)
         # The entity is up and its watch (after the join's state) waits at the node.
         await eventually(_async(lambda: bool(watch.inputs)), timeout=30)
@@ -526,18 +553,19 @@ def bloated(number: int) -> Forgery:
     return forge
 
 
-async def test_well_formed_answers_cannot_grow_what_the_entity_carries(hostile) -> None:
+@pytest.mark.integration  # a dev server of the module's own
+async def test_well_formed_answers_cannot_grow_what_the_entity_carries(hostile_small_history) -> None:
     """A node's answers that pass validation, as large as it allows and fresh every time (GPUs
     it does not have, 64 XIDs each with 1,000-character messages, fatal ones among them), made the
     Node entity's carried state 4 MB: its continue-as-new failed every workflow task after
     (PayloadsTooLarge) and the node's health went unwatched. Now the entity continues as new
     twice over with a small state, no workflow task fails, an answer past the model's limits is a
     bad report, and a real fault after all that is still repaired."""
-    stack, node, watch = hostile
+    stack, node, watch = hostile_small_history
     handle = entity(stack, node)
     first_run = (await handle.describe()).run_id
     run_ids = {first_run}
-    for number in range(1, 250):  # about 60 answers fill a run's history to where the server asks
+    for number in range(1, 80):  # about 10 answers fill a run's history to where this server asks
         try:
             await watch.answer(bloated(number))
         except AssertionError:
