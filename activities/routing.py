@@ -72,9 +72,8 @@ class RoutingActivities:
     @typed_errors
     def routing_sample(self, input: RoutingSampleInput) -> RoutingSample:
         """Each site serving the model: Ready replicas, queue depth (``vllm:num_requests_waiting``
-        of the site's published model servers, each weighing at most its part of the site:
-        ``site_queue_depth``), latency, price, and what an evacuation decided for the site (the
-        fleet-wide site document)."""
+        of the site's published model servers, which no one of them decides: ``site_queue_depth``),
+        latency, price, and what an evacuation decided for the site (the fleet-wide site document)."""
         return self._sample(input.model, input.geography)
 
     @activity.defn
@@ -122,7 +121,7 @@ class RoutingActivities:
             servers = cluster.read_state(ENDPOINTS_KIND, endpoints_key(model, status.site))
             sites.append(SiteLoad(
                 site=status.site, ready_replicas=status.available_replicas,
-                queue_depth=site_queue_depth(server_queues(sorted(servers.values())), status.available_replicas),
+                queue_depth=site_queue_depth(server_queues(sorted(servers.values()))),
                 latency_ms=NEAR_MS if near else FAR_MS, price_per_gpu_hour=price,
                 healthy=route.healthy if route else True, draining=route.draining if route else False,
                 cap_percent=min(100, route.weight) if route else 100,

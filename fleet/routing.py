@@ -54,8 +54,8 @@ class SiteLoad(Strict):
     #: Ready replicas only: a replica still loading its weights serves nothing.
     ready_replicas: int = Field(0, ge=0, le=100_000)
     #: Requests waiting across the site's replicas (vLLM ``vllm:num_requests_waiting``); a load
-    #: sample's is ``site_queue_depth`` of its servers' figures, in which no one server weighs
-    #: more than its part of the site.
+    #: sample's is ``site_queue_depth`` of its servers' figures, which no one server of three or
+    #: more decides.
     queue_depth: float = Field(0, ge=0, le=MAX_SITE_QUEUE)
     #: Round trip from the callers' geography to the site.
     latency_ms: float = Field(0, ge=0, le=600_000)
@@ -88,7 +88,7 @@ class RoutingPolicy(Strict):
     #: Share a serving site never drops below (active-active): a warm site stays warm.
     warm_floor: float = Field(0.02, ge=0, le=0.5)
     #: ``burst``: primaries count as saturated above this many waiting requests per replica
-    #: (``queue_depth`` per replica, in which one server weighs its part: ``site_queue_depth``).
+    #: (``queue_depth`` per replica, which no one server decides: ``site_queue_depth``).
     burst_queue_per_replica: float = Field(8, gt=0, le=1e6)
     #: How sharply the strategy prefers its best site (share ~ (best/value) ** sharpness).
     sharpness: float = Field(4, ge=0, le=16)
@@ -256,29 +256,30 @@ ENDPOINTS_KIND = "serving-endpoints"
 #: The gauge a load sample reads from each of a site's servers (vLLM's name for it).
 QUEUE_METRIC = "vllm:num_requests_waiting"
 #: The most one server's gauge is read as, far above a real queue: the page is served from a
-#: node, and a claim of 1e300 must stay a number. What a server weighs in its site's figure is
-#: bounded by ``site_queue_depth``, not by this.
+#: node, and a claim of 1e300 must stay a number. What a server's word does to its site's figure
+#: is bounded by ``site_queue_depth``, not by this.
 MAX_SERVER_QUEUE = 1e6
 
 
-def site_queue_depth(server_queues: Iterable[float], ready_replicas: int) -> float:
+def site_queue_depth(server_queues: Iterable[float]) -> float:
     """A site's ``queue_depth`` from the requests waiting at each of its model servers (those
-    that answered a count). Each figure is its node's word, so one server moves its site's figure
-    only by its own part of the site's serving, and never decides the traffic to the other nodes'
-    servers there: a server with ``q`` waiting is ``q / (1 + q)`` busy (0 idle, towards 1 full,
-    whatever it claims), the site is the mean of its servers, and its queue is the one that,
-    spread evenly over its Ready replicas, is that busy. So of N servers one claiming a million
-    waiting makes the site at most 1/N busier (as if that server were full, not as if every
-    server waited a quarter of a million), one claiming none at most 1/N idler. Load spread
-    evenly reads as its sum, as before: a site whose every server is saturated reads saturated
-    and loses its share. Uneven load counts each server for its part: one of four servers with
-    100 waiting, three idle, makes its site a quarter busy, a third of a request per replica
-    (the sum read 25)."""
-    queues = [min(q, MAX_SERVER_QUEUE) for q in server_queues]
-    if not queues or ready_replicas <= 0:
-        return 0.0
-    idle = math.fsum(1 / (1 + q) for q in queues) / len(queues)
-    return min((1 / idle - 1) * ready_replicas, MAX_SITE_QUEUE)
+    that answered a count). Each figure is its node's word, so at a site of three servers or more
+    no one of them decides the figure: the highest and the lowest are set aside and the site reads
+    as if every server waited the mean of the rest (that mean times the servers). Whatever one
+    server claims, a million waiting or none, its site reads within what its neighbours report;
+    two lying together move it within the others' range still, unless they are its extremes.
+
+    Load spread evenly reads as its sum, as it always did: a site whose every server is saturated
+    reads saturated and loses its share; one idle server beside saturated ones (a replica just
+    Ready) does not hide it (20, 20, 20 and 0 waiting read 20 a server). A lone outlier is not its
+    site's load: one server of four with 100 waiting and three idle reads idle, where the balancer
+    sends new sessions. At a site of one or two servers the figure is their sum, as before: there
+    each server's word is half its site or all of it (docs/security.md says so)."""
+    queues = sorted(min(q, MAX_SERVER_QUEUE) for q in server_queues)
+    if len(queues) >= 3:
+        kept = queues[1:-1]
+        return min(math.fsum(kept) / len(kept) * len(queues), MAX_SITE_QUEUE)
+    return min(math.fsum(queues), MAX_SITE_QUEUE)
 
 
 def endpoints_key(model: str, site: str) -> str:

@@ -2,8 +2,8 @@
 
 The ``Routing`` entity's sample reads ``vllm:num_requests_waiting`` from each of a site's
 servers: a site whose queue grows is a site whose new sessions would wait. Each figure is its
-node's word, so the site's load is made from them by ``fleet.routing.site_queue_depth``, in
-which one server weighs no more than its own part of the site.
+node's word, so the site's load is made from them by ``fleet.routing.site_queue_depth``, which
+no one server of three or more decides.
 """
 
 from __future__ import annotations
