@@ -276,7 +276,7 @@ class AnswersWhenReleased:
 
 
 async def test_an_update_whose_worker_stops_after_taking_it_says_it_goes_on_and_exits_non_zero(fleet_world: Stack,
-                                                                                            capsys) -> None:
+                                                                                            capsys, monkeypatch) -> None:
     """A worker took `pause` and stopped before answering it: the update's taking was bounded, its
     answer was not, so `gpufleet rollout pause` waited for ever, saying nothing. Within its bound (the
     client's update_answer_timeout, a few seconds here; the commands' is UPDATE_ANSWER_TIMEOUT) it says
@@ -296,6 +296,11 @@ async def test_an_update_whose_worker_stops_after_taking_it_says_it_goes_on_and_
     client, tag = fleet_world.client, uuid.uuid4().hex[:6]
     queue, workflow_id = f"answers-{tag}", f"rollout/stuck-{tag}/v1"
     waited: list[str] = []
+    from datetime import timedelta
+
+    # Told it waits well within its bound: with the default 2 s quiet period and a 3 s bound, a loop
+    # stalled a second (a loaded machine) passed the bound before the message, and none was said.
+    monkeypatch.setattr("client.fleet.UPDATE_ANSWER_QUIET", timedelta(seconds=0.2))
     fleet = FleetClient(fleet_world.settings, client, update_answer_timeout=3, waiting=waited.append)
 
     def worker() -> Worker:
