@@ -179,7 +179,9 @@ def agent(tmp_path: Path):
     backend.watch_xids()
     wait_for_line(log, "nvmlDeviceRegisterEvents gpu=1 generation=1")
     assert [gpu.uuid for gpu in backend.probe()] == ["GPU-fake-0", "GPU-fake-1"]
-    return SimpleNamespace(nvml=nvml, backend=backend, log=log, go=tmp_path / "go")
+    yield SimpleNamespace(nvml=nvml, backend=backend, log=log, go=tmp_path / "go")
+    # The waiter stopped: left, it would poll the fake library for the rest of the session.
+    backend._stop_waiter()
 
 
 def reinstall_with(monkeypatch: pytest.MonkeyPatch, agent, code: int) -> dict:
@@ -276,3 +278,5 @@ def test_the_compute_check_runs_in_a_process_of_its_own(monkeypatch) -> None:
     answer = backend.compute_check(0)  # the old in-process check raised here
     # Its child's answer: no libcuda here; on a GPU machine GPU 0's own (None where it computes).
     assert answer is None or answer.startswith(("libcuda not loadable", "GPU 0: ")), answer
+    # The child ran the check: one that could not (no providers.gpu to import, a crash) is not it.
+    assert answer is None or "the compute check's process failed" not in answer, answer
