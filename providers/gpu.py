@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from datetime import datetime, timezone
@@ -201,10 +202,13 @@ class NvmlBackend:
         return compute_check_in_child(index)
 
     def reset_gpu(self, index: int) -> str:
-        """``nvidia-smi -r -i N``: fails while any process still holds the GPU."""
+        """``nvidia-smi -r -i N``: fails while any process still holds the GPU, an NVML client with
+        events registered on it included (this agent's XID waiter), so it runs with the driver let
+        go of as the reinstall does (``_driver_let_go``)."""
         import subprocess
 
-        done = subprocess.run(["nvidia-smi", "-r", "-i", str(index)], capture_output=True, text=True, timeout=300)
+        with self._driver_let_go():
+            done = subprocess.run(["nvidia-smi", "-r", "-i", str(index)], capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"GPU {index}: nvidia-smi -r failed: {(done.stderr or done.stdout).strip()}")
         return done.stdout.strip() or f"GPU {index} reset"
@@ -226,17 +230,27 @@ class NvmlBackend:
             raise RuntimeError("no driver reinstall command configured (GPUFLEET_DRIVER_REINSTALL_CMD): the node "
                                "agent's DaemonSet sets it with deploy/driver-reinstall (Helm: "
                                "nodeAgent.driverReinstall=true)")
+        with self._driver_let_go():
+            return self._run_reinstall(command)
+
+    @contextlib.contextmanager
+    def _driver_let_go(self):
+        """This process holds no NVML for the block (a reinstall's script, a reset): the XID
+        waiter stops (its event set freed) and NVML is shut down as often as it was initialised;
+        after it NVML starts again and the waiter registers every GPU anew, whatever the block
+        did. One block at a time; probes meanwhile answer the GPUs as last seen."""
         with self._driver:
-            self._driver.wait_for(lambda: not self._reinstalling)  # one reinstall at a time
+            self._driver.wait_for(lambda: not self._reinstalling)  # one at a time
             self._reinstalling = True
             self._driver.wait_for(lambda: self._probing == 0)
         try:
             # XID events from here until the waiter is back are lost, by design: NVML is shut
-            # down so the script can unload the driver, and the rung's smoke test probes afresh.
+            # down so the driver can be unloaded or the GPU reset, and the rung's smoke test
+            # probes afresh.
             self._stop_waiter()
             try:
                 self._let_go_of_nvml()
-                return self._run_reinstall(command)
+                yield
             finally:
                 self._take_up_nvml()
         finally:

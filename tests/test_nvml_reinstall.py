@@ -10,6 +10,7 @@ happened. The script waits for the test to let it finish, so a probe can be made
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from pathlib import Path
@@ -190,11 +191,16 @@ def reinstall_with(monkeypatch: pytest.MonkeyPatch, agent, code: int) -> dict:
     script = agent.log.parent / "reinstall.sh"
     script.write_text(SCRIPT.format(log=agent.log, go=agent.go, code=code))
     monkeypatch.setenv("GPUFLEET_DRIVER_REINSTALL_CMD", f"sh {script}")
+    return while_the_script_runs(agent, agent.backend.reinstall_driver)
+
+
+def while_the_script_runs(agent, call) -> dict:
+    """``call()`` in a thread of its own; once its script runs, a probe; then the script let end."""
     answer: dict = {}
 
     def reinstall() -> None:
         try:
-            answer["said"] = agent.backend.reinstall_driver()
+            answer["said"] = call()
         except RuntimeError as error:
             answer["error"] = str(error)
 
@@ -260,6 +266,21 @@ def test_a_failed_script_still_gets_nvml_and_the_waiter_back(monkeypatch: pytest
     # NVML answers probes again.
     assert [gpu.uuid for gpu in agent.backend.probe()] == ["GPU-fake-0", "GPU-fake-1"]
     assert agent.nvml.problems == []
+
+
+def test_the_agent_lets_go_of_nvml_while_it_resets_a_gpu(monkeypatch: pytest.MonkeyPatch, agent) -> None:
+    """``nvidia-smi -r`` refuses a GPU any process holds, an NVML client with events registered on
+    it included: the agent's own XID waiter. The reset rung ran it with the waiter registered on
+    every GPU; it now lets go of NVML for it as the reinstall does, and takes it up after."""
+    smi = agent.log.parent / "bin" / "nvidia-smi"
+    smi.parent.mkdir()
+    smi.write_text(SCRIPT.format(log=agent.log, go=agent.go, code=0))
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{smi.parent}:{os.environ['PATH']}")
+    answer = while_the_script_runs(agent, lambda: agent.backend.reset_gpu(1))
+    assert answer.get("said") == "GPU 1 reset", answer
+    assert_let_go_then_taken_up(agent)
+    assert answer["probe_calls"] == []
 
 
 def test_the_compute_check_runs_in_a_process_of_its_own(monkeypatch) -> None:
