@@ -118,12 +118,11 @@ async def answer_or_leave(what: Awaitable[T], seconds: float, still: str) -> T |
     ``TimeoutError`` too) means no worker took the cancel, so it was not taken at all."""
     from client import FleetClientError
 
-    bound = asyncio.timeout(seconds)
     try:
-        async with bound:
+        async with asyncio.timeout(seconds):
             return await what
     except TimeoutError as error:
-        if isinstance(error, FleetClientError) or not bound.expired():
+        if isinstance(error, FleetClientError):
             raise
         err.print(still)
         return None

@@ -11,6 +11,7 @@ the same answer, only later.
 from __future__ import annotations
 
 import asyncio
+import math
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -204,6 +205,8 @@ class FleetClient:
         if update_answer_timeout is None:
             update_answer_timeout = UPDATE_ANSWER_TIMEOUT
         elif not isinstance(update_answer_timeout, timedelta):
+            if not math.isfinite(update_answer_timeout):
+                raise InvalidArgument([("update_answer_timeout", "must be a finite number of seconds")])
             update_answer_timeout = timedelta(seconds=update_answer_timeout)
         if update_answer_timeout <= timedelta(0):
             raise InvalidArgument([("update_answer_timeout", "must be more than 0 s")])

@@ -339,3 +339,12 @@ async def test_a_query_to_a_queue_whose_worker_went_away_is_no_worker() -> None:
     with pytest.raises(RPCError) as raised:
         await fleet_raising(other).site_status("site-a")
     assert not isinstance(raised.value, NoWorker) and raised.value.message == "something else"
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), float("nan"), 0, -1])
+def test_an_update_answer_timeout_that_is_no_bound_is_refused_naming_it(seconds) -> None:
+    """An infinite or NaN bound raised OverflowError or ValueError from timedelta: refused as
+    every bad argument is, naming it, before anything connects."""
+    with pytest.raises(InvalidArgument) as refused:
+        FleetClient(update_answer_timeout=seconds)
+    assert "update_answer_timeout" in str(refused.value)
