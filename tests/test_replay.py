@@ -136,6 +136,11 @@ EXPECTED = {
     # tests/security/test_history_limits.py); the ``_before`` run, recorded on the code before (no
     # pause, terminated by the server at its history limit), replays.
     "node_paces_a_long_history", "node_paces_a_long_history_before",
+    # A node padding every early watch answer to ~120 KB, a new digest each: each counts for the pace
+    # as 8 (one per 16 KiB begun), paced after 4 (``node-paces-answer-bytes``,
+    # tests/security/test_watch_pacing.py); the ``_before`` run, recorded on the code before (ten such
+    # answers, each counted once, none paced), replays down the old branch.
+    "node_paces_answer_bytes", "node_paces_answer_bytes_before",
     # A GPU held for its site's incident, asked about after a pause that doubles, and at once when the
     # Site entity tells its node the incident closed (``node-paces-held-rechecks``, ``site-tells-held-nodes``,
     # tests/test_evacuation.py); the ``_before`` runs, recorded on the code before (an ask every

@@ -293,6 +293,18 @@ NODE_LEFT_TIMEOUT = timedelta(minutes=3)
 NODE_LEFT_HEARTBEAT = timedelta(seconds=30)
 WATCH_IDLE_FREE = 3
 WATCH_EARLY_FREE = 30
+#: Workflow patch, asked where an early watch answer (back before half its wait) is larger than
+#: ``WATCH_FREE_BYTES`` (its payload's data, as the entity takes it undecoded), behind
+#: ``self._settled_7 and`` (such a run runs no local activity, so it may be asked there). Such an
+#: answer counts for the watch's pace as ``ceil(size / WATCH_FREE_BYTES)`` early answers (a 128 KiB
+#: one, the gateway's bound, as 8 of the ``WATCH_EARLY_FREE``). An honest answer is small (about 300
+#: bytes a GPU and 90 a pending XID event: 3 KB for 8 GPUs) and counts once, as before. Before it
+#: every answer counted once, whatever its size: a node padding each early answer to the gateway's
+#: bound and changing its digest wrote 30 of them free, again after every answer at half the
+#: watch's wait, about 16 MiB an hour of history into the store every workflow shares (14 days
+#: retention: ~5 GiB a node).
+NODE_PACES_ANSWER_BYTES = "node-paces-answer-bytes"
+WATCH_FREE_BYTES = 16 * 1024
 
 #: A finding the entity cannot act on because the cluster did not answer its read of the node (the
 #: API server away past the read's retries, a control-plane upgrade; or a refusal, ClusterForbidden
@@ -966,6 +978,7 @@ class NodeEntity(Entity[NodeCarry]):
                 pass
         took: timedelta | None = None  # how long the last watch took to answer ...
         moved = False  # ... and whether its answer changed what the entity knows
+        size = 0  # ... and its size (bytes of its payload's data)
         if self._settled_8 and (paced_until := self.state.watch_paced_until) is not None:
             if (left := paced_until - workflow.now().timestamp()) > 0:  # the run before's pause, to its end
                 with self.resting():
@@ -980,12 +993,13 @@ class NodeEntity(Entity[NodeCarry]):
                 answer, first = first, None
             else:
                 if self._settled_2 and took is not None:
-                    await self._pace_watch(took, moved)  # the last answer taken, before the next watch
+                    await self._pace_watch(took, moved, size)  # the last answer taken, before the next watch
                 await self._pace_long_history()
-                took, moved, asked_at = None, False, workflow.now()
+                took, moved, size, asked_at = None, False, 0, workflow.now()
                 try:
                     answer = await self._watch_once(carry, heartbeat)
                     took = workflow.now() - asked_at
+                    size = len(answer.payload.data) if isinstance(answer, RawValue) else 0
                 except ActivityError as error:
                     if self._rewatch:  # replaced on purpose (Ready again): no question to the cluster
                         self._rewatch = False
@@ -1026,16 +1040,21 @@ class NodeEntity(Entity[NodeCarry]):
         """How long a watch waits for a change before it answers unchanged (seconds)."""
         return WATCH_LONG_WAIT if self._told_by_cluster else WATCH_MAX_WAIT
 
-    async def _pace_watch(self, took: timedelta, moved: bool) -> None:
+    async def _pace_watch(self, took: timedelta, moved: bool, size: int = 0) -> None:
         """Past ``WATCH_IDLE_FREE`` answers in a row long before their wait that changed nothing,
         or ``WATCH_EARLY_FREE`` early ones of any kind, a pause before the next watch, doubling
-        while they go on (``NODE_PATCHES_AT_START_2``). Resting: the next run watches at once, or
-        (``NODE_PATCHES_AT_START_8``) once the pause is over, counting on from here."""
+        while they go on (``NODE_PATCHES_AT_START_2``). An early answer of ``size`` bytes counts as
+        one per ``WATCH_FREE_BYTES`` begun (``NODE_PACES_ANSWER_BYTES``). Resting: the next run
+        watches at once, or (``NODE_PATCHES_AT_START_8``) once the pause is over, counting on from here."""
         carry = self.state
         if took >= timedelta(seconds=self._watch_wait() / 2):
             carry.watch_early_answers = carry.watch_idle_answers = 0
             return
-        carry.watch_early_answers += 1
+        was = max(carry.watch_idle_answers - WATCH_IDLE_FREE, carry.watch_early_answers - WATCH_EARLY_FREE)
+        counts = -(-size // WATCH_FREE_BYTES)  # one per WATCH_FREE_BYTES begun
+        if counts <= 1 or not (self._settled_7 and workflow.patched(NODE_PACES_ANSWER_BYTES)):
+            counts = 1  # asked only where the count differs: an honest answer is far smaller
+        carry.watch_early_answers += counts
         carry.watch_idle_answers = 0 if moved else carry.watch_idle_answers + 1
         over = max(carry.watch_idle_answers - WATCH_IDLE_FREE, carry.watch_early_answers - WATCH_EARLY_FREE)
         if over <= 0:
@@ -1044,10 +1063,10 @@ class NodeEntity(Entity[NodeCarry]):
         # The doublings capped: the counts are carried, and days of answers at once would pass a float's range.
         doublings = min(over - 1, 32)
         pause = timedelta(seconds=min(timeouts.watch_pace_seconds * 2 ** doublings, timeouts.watch_pace_max_seconds))
-        if over == 1:
-            self._log(f"watch answers long before their wait ({carry.watch_early_answers} in a row, "
-                      f"{carry.watch_idle_answers} changing nothing): the next watches are paced, from "
-                      f"{pause.total_seconds():.0f}s", warn=True)
+        if over == 1 or was <= 0:  # the first past the free ones (a large answer may pass them by several)
+            self._log(f"watch answers long before their wait ({carry.watch_early_answers} in a row, one per "
+                      f"{WATCH_FREE_BYTES // 1024} KiB begun; {carry.watch_idle_answers} changing nothing): the "
+                      f"next watches are paced, from {pause.total_seconds():.0f}s", warn=True)
         carry.watch_paced_until = (workflow.now() + pause).timestamp()
         with self.resting():
             await workflow.sleep(pause, summary=f"pace {self._node}'s watch: it answers at once")

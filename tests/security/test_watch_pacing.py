@@ -16,6 +16,12 @@ so every run started counting afresh and such a node was never paced. Since
 
 A node that fails every watch at once (non-retryable) instead of answering was not paced at all
 until ``node-paces-failed-watches``: each failure a facts read and the next watch at once.
+
+Each answer lands in the Node entity's history, in the store every workflow shares (14 days
+retention), and the gateway bounds one to 128 KiB, not how many: the 30 free early answers of a
+node changing its digest each time were 30 answers of 128 KiB, again after every answer at half the
+watch's wait (about 16 MiB an hour). Since ``node-paces-answer-bytes`` an early answer counts as one
+per ``WATCH_FREE_BYTES`` (16 KiB) begun: a 128 KiB one as 8, an honest one (3 KB for 8 GPUs) as one.
 """
 
 from __future__ import annotations
@@ -40,21 +46,24 @@ from tests.bad_input_helpers import task_failures
 from tests.can_server import run_chain, server_suggesting_continue_as_new
 from tests.repair_helpers import eventually, join_node, running_stack
 from tests.replay import replay_and_record
-from workflows.node import WATCH_EARLY_FREE
+from workflows.node import WATCH_EARLY_FREE, WATCH_FREE_BYTES
 
 #: Extra fields the report model ignores: each string under first_problem's 64 KiB bound.
 #: Two strings of 60 KB: under the 128 KiB a watch answer may take (``RESULT_LIMITS``).
 PAD = {"pad": ["x" * 60_000] * 2}
+#: Padding that keeps an answer under ``WATCH_FREE_BYTES``: it counts as one early answer.
+SMALL_PAD = {"pad": ["x" * 12_000]}
 SECONDS = 10.0
 
 
 class EagerWatch:
-    def __init__(self, new_digests: bool = False) -> None:
+    def __init__(self, new_digests: bool = False, pad: dict = PAD) -> None:
         self.inputs: list[NodeWatchInput] = []
         self.armed = False
         self.bytes = 0
         #: Each answer a new digest (and sequence number), the node's GPUs unchanged.
         self.new_digests = new_digests
+        self.pad = pad
         self.boot_id = "b"
 
     def build_agent(self, client, node_name, gpus, executor, watch=None) -> Worker:
@@ -79,7 +88,7 @@ class EagerWatch:
         if self.new_digests:
             seq, digest = seq + 1, f"padded-{len(self.inputs)}"
         data = json.dumps({"node_name": input.node_name, "seq": seq, "digest": digest,
-                           "boot_id": self.boot_id, **PAD}).encode()
+                           "boot_id": self.boot_id, **self.pad}).encode()
         self.bytes += len(data)
         return RawValue(Payload(metadata={"encoding": b"json/plain"}, data=data))
 
@@ -131,7 +140,10 @@ async def can_env() -> AsyncIterator:
 
 @pytest.fixture
 async def eager_new_digests(can_env, tmp_path, monkeypatch) -> AsyncIterator:
-    async for stack, node, watch in watched_by(EagerWatch(new_digests=True), can_env.client, tmp_path, monkeypatch):
+    # Answers under WATCH_FREE_BYTES: each counts as one early answer (the server here suggests
+    # continue-as-new by events, not by bytes).
+    async for stack, node, watch in watched_by(EagerWatch(new_digests=True, pad=SMALL_PAD), can_env.client,
+                                               tmp_path, monkeypatch):
         yield stack, node, watch
 
 
@@ -164,6 +176,50 @@ async def test_a_node_changing_its_digest_on_every_answer_stays_paced_across_con
                                             for e in run.events)]
     await replay_and_record(handle, "node_watch_paced_across_continue_as_new")
 
+
+@pytest.fixture
+async def eager_padded(temporal_env, tmp_path, monkeypatch) -> AsyncIterator:
+    async for stack, node, watch in watched_by(EagerWatch(new_digests=True), temporal_env.client, tmp_path,
+                                               monkeypatch):
+        yield stack, node, watch
+
+
+def history_bytes(chain: list) -> int:
+    return sum(event.ByteSize() for history in chain for event in history.events)
+
+
+async def test_a_node_padding_every_early_answer_is_paced_by_its_bytes(eager_padded) -> None:
+    """A node answers every watch at once with a new digest, each answer padded to ~120 KB (under
+    the gateway's 128 KiB). Each early answer counted once: 30 free, 3.6 MB of history, again
+    after every answer at half the watch's wait. Since ``node-paces-answer-bytes`` each counts as
+    one per ``WATCH_FREE_BYTES`` begun (8): the watch is paced after 4 of them."""
+    stack, node, watch = eager_padded
+    handle = stack.client.get_workflow_handle(f"node/{node.node_name}")
+    first_run = (await handle.describe()).run_id
+    before, before_bytes = len(watch.inputs), history_bytes(await run_chain(stack.client, handle.id, first_run))
+    counts = -(-len(json.dumps(PAD)) // WATCH_FREE_BYTES)
+    assert counts == 8
+    most = WATCH_EARLY_FREE // counts + 1  # the free ones, then the one past them
+
+    async def paced_or_flooding() -> bool:
+        if len(watch.inputs) - before > most + 8:
+            return True
+        status = await handle.query(flows.Node.status, result_type=NodeStatus)  # the newest run
+        return any("the next watches are paced" in line for line in status.log)
+
+    watch.armed = True
+    stack.world.inject_fault(node.machine_id, 0, "xid", 13, clears_on="never")  # ends the watch in flight
+    await eventually(paced_or_flooding, timeout=60, interval=0.2)
+    watch.armed = False
+    rounds = len(watch.inputs) - before
+    chain = await run_chain(stack.client, handle.id, first_run)
+    written = history_bytes(chain) - before_bytes
+    # Before: paced after 30 such answers (3.6 MB), the next 30 free after one at half the wait.
+    assert rounds <= most, f"{rounds} padded answers ({written / 1e6:.2f} MB of history) before the watch was paced"
+    assert written < most * 140_000, f"{written / 1e6:.2f} MB of history for {rounds} answers"
+    assert not [run for run in chain if any(e.HasField("workflow_task_failed_event_attributes")
+                                            for e in run.events)]
+    await replay_and_record(handle, "node_paces_answer_bytes")
 
 
 class FailingWatch(EagerWatch):
