@@ -68,6 +68,11 @@ def _show_ladder(state) -> None:
         console.print("  why: " + "; ".join(state.reasons))
     if state.waiting_for:  # the node's action slot: who holds it, until when
         console.print("  waiting: " + escape(state.waiting_for))
+    if state.skip_to is not None and not state.done:
+        # A skip-to taken, not yet acted on: the ladder goes there once the rung it is on has not
+        # proved the GPU (and, held, once released). Said, or the command's answer looks unchanged.
+        console.print(f"  next: rung {state.skip_to.value} (an operator's skip-to), unless the "
+                      f"{state.rung.value} it is on proves the GPU" + ("; once released" if state.held else ""))
     show_rows("attempts", ["rung", "outcome", "started", "finished", "detail"],
               [[a.rung, a.outcome, f"{a.started_at:%H:%M:%S}", f"{a.finished_at:%H:%M:%S}" if a.finished_at else "",
                 a.detail] for a in state.attempts], drop_narrow=("started",))

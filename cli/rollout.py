@@ -107,7 +107,9 @@ def _live_view(rollout_id: str, progress):
 
     if progress is None:
         return Text(f"{rollout_id}: starting")
-    title = f"{rollout_id}: {progress.phase}" + (" (paused)" if progress.paused else "")
+    from fleet.rollout import paused_note
+
+    title = f"{rollout_id}: {progress.phase}" + paused_note(progress)
     if progress.batches:
         title += f", batch {progress.batch}/{progress.batches}"
     title += f" ({progress.reason})" if progress.reason else ""
@@ -203,7 +205,9 @@ def status(
     if as_json or output == "json":
         print(progress.model_dump_json(indent=2), flush=True)
         return
-    title = f"{progress.rollout_id}: {progress.phase}" + (" (paused)" if progress.paused else "")
+    from fleet.rollout import paused_note
+
+    title = f"{progress.rollout_id}: {progress.phase}" + paused_note(progress)
     if progress.batches:
         title += f", batch {progress.batch}/{progress.batches}"
     if piped_format(output) == "tsv":  # piped (or -o tsv): the rows as show_rows prints them

@@ -425,9 +425,21 @@ def _size(n: int) -> str:
     return str(n)
 
 
+#: Phases a pause does not describe: the hold itself (``paused``), a rollback, an end. A rollout
+#: aborted or cancelled while paused keeps ``paused`` set; "aborted (paused)" read as one a
+#: ``resume`` would go on with.
+NOT_PAUSED_PHASES = frozenset({"paused", "aborting", "aborted", "cancelling", "cancelled", "failed", "completed",
+                               "completed-with-failures"})
+
+
+def paused_note(progress: RolloutProgress) -> str:
+    """" (paused)" after the phase while a pause holds the rollout in it; "" otherwise."""
+    return " (paused)" if progress.paused and progress.phase not in NOT_PAUSED_PHASES else ""
+
+
 def render_details(progress: RolloutProgress) -> str:
     """Markdown for ``set_current_details``: the phase, then a site x state table."""
-    head = (f"**{progress.phase}**" + (" (paused)" if progress.paused else "")
+    head = (f"**{progress.phase}**" + paused_note(progress)
             + (" (aborting)" if progress.aborting else "") + (" (needs a person)" if progress.needs_person else ""))
     if progress.batches:
         head += f" - batch {progress.batch} of {progress.batches}"

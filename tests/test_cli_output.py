@@ -76,3 +76,72 @@ def test_demo_manifest_matches_the_seeded_demo_model() -> None:
     files = demo_model()
     assert {f["path"]: (f["size"], f["sha256"]) for f in manifest["weights"]["files"]} == {
         path: (len(data), hashlib.sha256(data).hexdigest()) for path, data in files.items()}
+
+
+class _Fleet:
+    """A FleetClient stand-in answering one call with a fixed state: what the command prints of it."""
+
+    def __init__(self, **answers) -> None:
+        for name, answer in answers.items():
+            async def answer_(*_args, answer=answer):
+                return answer
+            setattr(self, name, answer_)
+
+
+def test_repair_skip_to_says_where_the_ladder_goes_next(monkeypatch) -> None:
+    """`gpufleet repair skip-to N G replace` on a held repair (the GpufleetRepairStuckOnRung runbook,
+    step 4): the workflow took the skip, but the command printed the ladder as before (rung reboot,
+    held, the same attempts), so it read as not taken. It says where the ladder goes next, and when."""
+    from datetime import datetime, timezone
+
+    from typer.testing import CliRunner
+
+    import cli.repair
+    from cli.main import app
+    from fleet.messages.repair import Attempt, LadderState
+    from fleet.repair_policy import Rung
+
+    started = datetime(2026, 12, 7, 3, 0, tzinfo=timezone.utc)
+    ladder = LadderState(node_name="n1", gpu=4, rung=Rung.REBOOT, step="recovering", held=True, skip_to=Rung.REPLACE,
+                         reasons=["XID 48"], attempts=[Attempt(rung=Rung.RESET, started_at=started, outcome="failed"),
+                                                       Attempt(rung=Rung.REBOOT, started_at=started)])
+    monkeypatch.setattr(cli.repair, "_fleet", lambda address: _Fleet(skip_repair_to=ladder, repair_ladder=ladder))
+    for command in (["repair", "skip-to", "n1", "4", "replace"], ["repair", "show", "n1", "4"]):
+        result = CliRunner().invoke(app, command)
+        assert result.exit_code == 0, result.output
+        assert ("next: rung replace (an operator's skip-to), unless the reboot it is on proves the GPU; once released"
+                in " ".join(result.output.split())), result.output
+    released = ladder.model_copy(update={"held": False})
+    monkeypatch.setattr(cli.repair, "_fleet", lambda address: _Fleet(repair_ladder=released))
+    shown = " ".join(CliRunner().invoke(app, ["repair", "show", "n1", "4"]).output.split())
+    assert "next: rung replace (an operator's skip-to), unless the reboot it is on proves the GPU" in shown
+    assert "once released" not in shown
+    taken = ladder.model_copy(update={"held": False, "skip_to": None, "rung": Rung.REPLACE})  # acted on: no line
+    monkeypatch.setattr(cli.repair, "_fleet", lambda address: _Fleet(repair_ladder=taken))
+    assert "next:" not in CliRunner().invoke(app, ["repair", "show", "n1", "4"]).output
+
+
+def test_a_rollout_aborted_while_paused_is_not_shown_paused(monkeypatch) -> None:
+    """`gpufleet rollout abort` of a paused rollout: `rollout status` said "aborted (paused)" (and
+    "paused (paused)" while it was paused), the word a 3 am operator reads as a rollout `resume` goes
+    on with. "(paused)" is said only beside a phase a pause holds."""
+    from typer.testing import CliRunner
+
+    import cli.rollout
+    from cli.main import app
+    from client.fleet import RolloutStatus
+    from fleet.rollout import RolloutProgress, SiteProgress, render_details
+
+    def status_of(phase: str) -> str:
+        progress = RolloutProgress(rollout_id="rollout/m/v2", model="m", version="v2", phase=phase, paused=True,
+                                   batch=1, batches=2, sites=[SiteProgress(site="site-a", replicas=1, canary=True)])
+        monkeypatch.setattr(cli.rollout, "fleet_client", lambda settings: _Fleet(
+            rollout_status=RolloutStatus("rollout/m/v2", None, progress, {})))
+        result = CliRunner().invoke(app, ["rollout", "status", "rollout/m/v2"])
+        assert result.exit_code == 0, result.output
+        assert render_details(progress).splitlines()[0].startswith(f"**{phase}**")
+        return result.output.splitlines()[0] + " | " + render_details(progress).splitlines()[0]
+
+    for phase in ("aborted", "aborting", "cancelled", "failed", "completed", "paused"):
+        assert "(paused)" not in status_of(phase), phase
+    assert status_of("canary") == "rollout/m/v2: canary (paused), batch 1/2 | **canary** (paused) - batch 1 of 2"
