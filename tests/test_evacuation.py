@@ -52,6 +52,7 @@ from fleet.messages.evacuation import EvacuationProgress, EvacuationResult, Hold
 from fleet.rollout import RolloutProgress, RolloutResult
 from fleet.settings import Settings
 from tests.conftest import without_input_guard, visibility_lagging, write_before_next_cordon
+from tests.bad_input_helpers import task_failures
 from tests.details_helpers import current_details, scheduled, until
 from sim.cluster import SimCluster
 from tests.rollout.conftest import moto_s3, put_files  # noqa: F401 - moto_s3: the rollout's S3 stores (a fixture)
@@ -1810,6 +1811,60 @@ async def test_recovered_cuts_the_recovery_watch_short(temporal_env, tmp_path) -
         assert len(watches) == 2 and len(cut) == 1, (watches, cut)
         assert await _spent_waiting(handle, until="site_nodes") == {"watch_recovery": 2}
         await replay_and_record(handle, "site_evacuation_recovered_cuts_the_watch_short")
+
+
+async def test_a_site_none_of_whose_nodes_passes_restores_once_declared_recovered(temporal_env, tmp_path) -> None:
+    """The GpufleetIncidentOpen runbook at a small site: the incident tripped (here its three nodes
+    lost; in the field three nodes' GPU faults in the window, two of them since replaced), and what
+    is left of the site, one node, has a broken GPU. Its repair waits for the incident to close, and
+    the incident for a proof that node cannot pass: "no node passed" sent the site back to waiting,
+    and the operator's ``declare_recovered`` (the runbook's step 3) changed nothing, the next proof
+    failing the same way, for ever. Declared recovered, a proof whose failing nodes are fewer than
+    would trip an incident restores the site: the node stays cordoned and goes to its repair ladder,
+    which (the incident closed) repairs it, and it serves again. The restore does not wait for the
+    site's replicas back (``ready_seconds``): none can start before that repair, held until it ends."""
+    uid = uuid.uuid4().hex[:6]
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, incident_fleet(uid), uid):
+        a, _ = await _a_lost_and_evacuated_to_d(inc)
+        handle = inc.evacuation("a")
+        provider = FleetEnv.from_settings(inc.settings).provider(a, guard=False)
+        machines = [m["id"] for m in inc.world.machines(a)]
+        for lost in machines[1:]:  # gone with the outage: the provider lost them, their Nodes deleted
+            provider.delete_machine(lost)
+            inc.cluster.remove_node(inc.world.machine(lost)["name"])
+        left = inc.world.machine(machines[0])["name"]
+        inc.world.inject_fault(machines[0], 0, "ecc", 1, clears_on="reboot")
+        inc.world.set_site(a, unreachable=0)  # the provider is back; the one node left fails its proof
+
+        async def failed_proof() -> EvacuationProgress | None:
+            progress = await inc.progress("a")
+            return progress if progress and "smoke tests failed" in step_names(progress) else None
+
+        failed = await poll(failed_proof, timeout=60)
+        assert failed.state in ("waiting-for-recovery", "restoring"), failed
+        await handle.execute_update("declare_recovered", "test: the provider's ticket is closed")
+        # Before: the next proof failed as the first and the run waited on (this bound ran out).
+        result = EvacuationResult.model_validate(await asyncio.wait_for(handle.result(), 60))
+        assert result.outcome == "restored", result
+        proven = [s for s in result.timeline if s.name == "nodes proven"]
+        assert len(proven) == 1 and proven[0].detail.startswith(f"0 nodes passed smoke tests; unproven, left "
+                                                                f"cordoned: {left}: "), proven
+        assert [s.detail for s in result.timeline if s.name == "recovered"][-1] == "test: the provider's ticket is closed"
+        back = [s.detail for s in result.timeline if s.name == "replicas back"]
+        assert back == ["1 models at " + a + ", not waited for: no node there passed its proof (they start as its "
+                        "repairs prove the nodes)"], back
+        waited_here = [w for w in await activity_inputs(handle, "wait_serving_ready") if w["site"] == a]
+        assert not waited_here and not (await inc.progress("a")).needs_person
+        routes = inc.cluster.get_site_routes().sites[a]
+        assert (routes.weight, routes.healthy) == (100, True)
+        assert inc.cluster.get_node(left).unschedulable, "it failed its proof: it serves only once repaired"
+
+        async def serving() -> bool:  # the incident closed: its repair is admitted, a reboot fixes the GPU
+            return not inc.cluster.get_node(left).unschedulable
+
+        await poll(serving, timeout=90)
+        assert await task_failures(handle) == 0
+        await replay_and_record(handle, "site_evacuation_declared_recovered_restores_unproven")
 
 
 async def test_an_evacuation_goes_on_when_the_hold_of_running_repairs_is_refused(

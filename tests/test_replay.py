@@ -319,6 +319,11 @@ EXPECTED = {
     "site_evacuation_aborted_waiting_for_replicas_elsewhere", "site_evacuation_aborted_while_draining",
     "site_evacuation_drain_failed_the_others_stopped",
     "site_evacuation_aborted_waiting_for_replicas_elsewhere_before",
+    # Declared recovered, a proof no node passed, its failing nodes fewer than would trip an
+    # incident, restores the site and hands them to repair (``evacuation-declared-recovered-restores-
+    # unproven``, tests/test_evacuation.py); the old code's run, which waited on until aborted, replays.
+    "site_evacuation_declared_recovered_restores_unproven",
+    "site_evacuation_declared_recovered_restores_unproven_before",
     # While its site is down, and while nothing may take its replicas, an evacuation waits on one
     # ``watch_recovery`` that probes inside the activity, which ``recovered`` cuts short
     # (``evacuation-watches-recovery``, tests/test_evacuation.py). Every ``site_evacuation_*`` file

@@ -166,6 +166,14 @@ DRAIN_AT_ONCE = 500
 #: a site could not be evacuated (nor proven, had it been drained). Asked only where the site has more
 #: than ``DRAIN_AT_ONCE`` nodes: a run from before that drained as many (up to 2,000) at once replays so.
 DRAINS_IN_TURNS_PATCH = "evacuation-drains-in-turns"
+#: After an operator's ``declare_recovered``, a proof that no node passed restores the site when its
+#: failing nodes are fewer than would trip an incident on their own: they are single nodes' faults,
+#: handed to their Node entities (cordoned, the repair ladder decides) as when some node passed.
+#: Before, "no node passed" sent the site back to waiting whatever the operator said: a site of one
+#: or two nodes whose GPUs failed (three nodes' faults in the window trip the incident, replaced
+#: ones included) waited for ever, for proofs its nodes could not pass while the incident held the
+#: repairs that would fix them. Asked only there, so runs from before replay as they were.
+DECLARED_RECOVERED_PATCH = "evacuation-declared-recovered-restores-unproven"
 
 
 class Aborted(Exception):
@@ -183,6 +191,13 @@ class SiteEvacuation:
         #: activity asks): what ``declare_recovered`` is refused or taken against.
         self._follow_known = False
         self._recovered = ""
+        #: An operator's ``declare_recovered`` the next proof has not yet judged (``_prove``). Not
+        #: carried: the run never continues as new between the declaration and that proof.
+        self._declared = False
+        #: The proof that restores the site passed no node (declared recovered, under
+        #: ``DECLARED_RECOVERED_PATCH``): nothing there can serve until their repairs, which wait for
+        #: this evacuation to end, so ``_restore`` does not wait for the replicas back.
+        self._none_proven = False
         self._recovered_placing = False  # back before anything moved: nothing to move or drain
         self._abort = ""
         self._retry = 0
@@ -219,6 +234,7 @@ class SiteEvacuation:
         await until_run_began(lambda: self._follow_known)
         self._check_recoverable()
         self._recovered = note or "declared recovered by an operator"
+        self._declared = True
         return self._progress
 
     @declare_recovered.validator
@@ -1025,8 +1041,12 @@ class SiteEvacuation:
         self._check()
         proven = [n.node_name for n in nodes if n.node_name not in unproven]
         # Per node: the site waits only while its failing nodes would trip an incident on their
-        # own (the provider is not back); fewer than that are single nodes' faults (or lies).
-        too_many = not proven or len(unproven) >= trip_threshold(len(nodes), s)
+        # own (the provider is not back); fewer than that are single nodes' faults (or lies). With
+        # no node passing, it waits too, unless an operator declared the provider back.
+        declared, self._declared = self._declared, False
+        too_many = len(unproven) >= trip_threshold(len(nodes), s) or (
+            not proven and not (declared and unproven and workflow.patched(DECLARED_RECOVERED_PATCH)))
+        self._none_proven = not too_many and not proven
         if too_many:
             self._recovered = ""
             self._state("waiting-for-recovery")
@@ -1144,12 +1164,19 @@ class SiteEvacuation:
         deadline = workflow.now() + timedelta(seconds=s.ready_seconds)
         for here in self._facts.here:
             await self._scale(here.model, site, self._here_before(here))
-        if any(self._here_before(here) > 0 for here in self._facts.here):
+        # Every node there failed its proof (declared recovered): a replica can start only once a
+        # repair proves one, and the repairs wait for this evacuation to end. Waiting up to
+        # ``ready_seconds`` would only keep them waiting (the site's Deployments come back as the nodes do).
+        unservable = self._none_proven and not undo
+        if unservable:
+            self._mark("replicas back", f"{len(self._facts.here)} models at {site}, not waited for: no node there "
+                                        "passed its proof (they start as its repairs prove the nodes)")
+        elif any(self._here_before(here) > 0 for here in self._facts.here):
             # Routing returns, and the replicas elsewhere go, once the site serves again.
             self._show("waiting for the replicas back", f"at {site} until {deadline.isoformat(timespec='seconds')} "
                                                         "at most; then routing returns")
         for here in self._facts.here:
-            if self._here_before(here) <= 0:
+            if self._here_before(here) <= 0 or unservable:
                 continue
             try:
                 await wait_for_serving(here.model, site, deadline, poll_seconds=1.0,
@@ -1162,7 +1189,8 @@ class SiteEvacuation:
                 p.needs_person = f"{here.model} at {site} not ready again: {failure_message(error)}"
             if not undo:
                 self._check()
-        self._mark("replicas back", f"{len(self._facts.here)} models at {site}")
+        if not unservable:
+            self._mark("replicas back", f"{len(self._facts.here)} models at {site}")
         # Undone: the weights as they were at once (the operator ended it; nothing to bake).
         steps = [100] if undo else restore_percents(s.restore_steps)
         for i, percent in enumerate(steps):
