@@ -164,6 +164,16 @@ def test_every_kind_the_product_writes_is_backed_up_or_left_out_with_its_reason(
         f"written by nothing: {sorted((set(BACKED_UP) | set(LEFT_OUT)) - written)}")
 
 
+def test_the_production_page_names_every_kind_a_backup_holds() -> None:
+    """docs/production/index.md's table of what a backup holds is what the export writes: it lacked
+    ``rollout-claim`` while every export listed it."""
+    import re
+
+    page = (Path(__file__).parents[1] / "docs" / "production" / "index.md").read_text()
+    section = page.split("## Backup and restore", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"^\| `([a-z-]+)` \|", section, re.M) == list(BACKED_UP)
+
+
 def test_a_fresh_fleet_restored_from_a_backup_carries_on(source: Fleet, tmp_path: Path) -> None:
     backup = tmp_path / "fleet.backup.yaml"
     exported = gpufleet("backup", "export", str(backup), *source.args())
