@@ -56,6 +56,8 @@ SYSTEM_TOOLS = {
     "curl": "curl",  # the README's HTTP examples, run as written
     # The real Kubernetes tier's machines: a netns each; the install step's: a mount namespace each.
     "ip": "iproute2", "unshare": "util-linux",
+    # The node agent's driver reinstall enters the host's namespaces (deploy/driver-reinstall).
+    "nsenter": "util-linux",
     # The real Temporal tier's database. The server (initdb, postgres) sits off PATH under
     # /usr/lib/postgresql/<v>/bin: this is postgresql-common's wrapper, which comes with it.
     "pg_ctlcluster": "postgresql",
@@ -73,11 +75,14 @@ SKIPPED_WITHOUT = {
     "haproxy": ["tests/test_front_door.py", "tests/test_routing_entity.py", "tests/test_bench_smoke.py"],
     "curl": ["tests/test_readme_http.py"],
     "ip": ["the real Kubernetes tier (tests/realk8s)"],
-    "unshare": ["the real Kubernetes tier (tests/realk8s)", "tests/test_node_install.py"],
+    "unshare": ["the real Kubernetes tier (tests/realk8s)", "tests/test_node_install.py",
+                "tests/test_driver_reinstall.py"],
     "pg_ctlcluster": ["the real Temporal tier (tests/realtemporal)"],
     "openssl": ["tests/realtemporal/test_tls.py", "tests/security/test_gateway_tokens.py", "tests/test_node_gateway.py"],
     # Not a Debian package: built with the real Kubernetes tier (build_real_components).
-    "kubectl": ["tests/test_deploy.py", "tests/cluster/test_network.py", "tests/test_helm.py"],
+    "nsenter": ["tests/test_driver_reinstall.py"],
+    "kubectl": ["tests/test_deploy.py", "tests/cluster/test_network.py", "tests/test_helm.py",
+                "tests/test_driver_reinstall.py"],
 }
 SBIN = ("/usr/sbin", "/sbin")
 

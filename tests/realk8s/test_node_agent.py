@@ -227,12 +227,22 @@ async def until_served(address: str, metric: str, value: float, what: str, secon
 def scheduled_and_reported(cluster: RealCluster, pods: list[dict], host: str) -> list[dict]:
     """The replicas once the real scheduler bound each to the control-plane host ``host``, each with
     a pod address and Ready, as its kubelet reports them (a stand-in here, which reports them before
-    the processes start: each replica's cluster DNS is its /etc/hosts, written at its start)."""
+    the processes start: each replica's cluster DNS is its /etc/hosts, written at its start).
+
+    Found by their labels, not by ``pods``' names: a pod the ReplicaSet replaced meanwhile (the pod
+    garbage collector deleting one that the tier's earlier tests left bound to a host since gone)
+    is the replica now, of the same template."""
+    app = pods[0]["metadata"]["labels"]["app.kubernetes.io/name"]
+    listing = "/api/v1/namespaces/gpufleet/pods?labelSelector=" + quote(f"app.kubernetes.io/name={app}")
+
+    def bound() -> list[dict] | None:
+        found = [p for p in cluster.request("GET", listing, admin=True)[1].get("items", [])
+                 if p["spec"].get("nodeName") == host and not p["metadata"].get("deletionTimestamp")]
+        return sorted(found, key=lambda p: p["metadata"]["name"]) if len(found) == len(pods) else None
+
     reported = []
-    for number, pod in enumerate(pods):
+    for number, pod in enumerate(wait_for(bound, 60, f"{len(pods)} {app} pods bound to {host}")):
         path = f"/api/v1/namespaces/gpufleet/pods/{pod['metadata']['name']}"
-        wait_for(lambda: cluster.request("GET", path, admin=True)[1]["spec"].get("nodeName") == host, 60,
-                 f"{pod['metadata']['name']} bound to {host}")
         address = POD_ADDRESSES.format(10 + number)
         status, answer = cluster.request("PATCH", path + "/status", {"status": {
             "phase": "Running", "podIP": address, "podIPs": [{"ip": address}],
