@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 
 import pytest
 from temporalio import activity
@@ -34,15 +34,13 @@ from temporalio.api.common.v1 import Payload
 from temporalio.client import WorkflowExecutionStatus
 from temporalio.common import RawValue
 from temporalio.testing import WorkflowEnvironment
-from temporalio.worker import Worker
 
 import workers.node_agent
-from activities.node_agent import NodeAgentActivities
 from fleet.contracts import workflows as flows
 from fleet.messages.join import JoinedNode
 from fleet.messages.nodes import ResetGpuInput
-from fleet.messages.repair import NodeStatus, NodeWatchInput, NodeWatchResult
-from fleet.naming import node_queue
+from fleet.messages.repair import NodeStatus, NodeWatchInput
+from tests.security.armed_watch import ArmedWatch
 from tests.bad_input_helpers import task_failures
 from tests.conftest import Stack
 from tests.plugins.stack import session_temporal_env
@@ -69,31 +67,22 @@ async def limited_env() -> AsyncIterator[WorkflowEnvironment]:
         yield env
 
 
-class PaddingNode:
+class PaddingNode(ArmedWatch):
     """The node's agent, turned: once ``armed``, each watch answers at once, a new digest (a
     change, the node's GPUs as they were) padded to ``PAD``; its resets hold, heartbeating,
     until ``release``."""
 
     def __init__(self) -> None:
-        self.inputs: list[NodeWatchInput] = []
-        self.armed = False
+        super().__init__()
         self.answers = 0
         self.bytes = 0
-        self.last: NodeWatchResult | None = None
         self.resetting = asyncio.Event()
         self.release = asyncio.Event()
 
-    def build_agent(self, client, node_name, gpus, executor, watch=None) -> Worker:
-        agent = NodeAgentActivities(node_name, gpus, watch)
+    def armed_answer(self, input: NodeWatchInput) -> RawValue:
+        return self.padded(input)
 
-        @activity.defn(name="watch_node")
-        async def watch_node(input: NodeWatchInput) -> Any:
-            self.inputs.append(input)
-            if not self.armed:
-                self.last = await agent.watch_node(input)
-                return self.last
-            return self.padded(input)
-
+    def more_activities(self) -> list:
         @activity.defn(name="reset_gpu")
         async def reset_gpu(input: ResetGpuInput) -> str:
             self.resetting.set()
@@ -102,9 +91,7 @@ class PaddingNode:
                 await asyncio.sleep(0.5)
             return "reset"
 
-        others = [a for a in agent.all() if getattr(a, "__name__", "") not in ("watch_node", "reset_gpu")]
-        return Worker(client, task_queue=node_queue(node_name), activities=[*others, watch_node, reset_gpu],
-                      activity_executor=executor, max_concurrent_activities=5)
+        return [reset_gpu]
 
     def padded(self, input: NodeWatchInput) -> RawValue:
         assert self.last is not None

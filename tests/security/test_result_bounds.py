@@ -27,17 +27,16 @@ from temporalio.api.common.v1 import Payload, Payloads
 from temporalio.client import Client
 from temporalio.common import RawValue
 from temporalio.contrib.pydantic import pydantic_data_converter
-from temporalio.worker import Worker
 
 import workers.node_agent
-from activities.node_agent import MAX_XIDS, NodeAgentActivities
+from activities.node_agent import MAX_XIDS
 from fleet.contracts import workflows as flows
 from fleet.messages.evacuation import EvacuationResult
 from fleet.messages.join import JoinedNode
 from fleet.messages.nodes import SmokeResult
 from fleet.messages.repair import MAX_NODE_GPUS, NodeReport, NodeStatus, NodeWatchInput, NodeWatchResult, SmokeReport
 from fleet.models import GpuHealth, XidEvent
-from fleet.naming import node_queue
+from tests.security.armed_watch import ArmedWatch
 from tests.bad_input_helpers import task_failures
 from tests.conftest import Stack
 from tests.evacuation_helpers import open_incident_stack
@@ -156,34 +155,20 @@ async def test_a_padded_proof_does_not_reach_the_evacuations_history(temporal_en
         assert await task_failures(evacuation) == 0
 
 
-class PaddingWatch:
+class PaddingWatch(ArmedWatch):
     """The node's agent, except that once ``armed`` each watch answers at once, a change padded
     to ``PAD``."""
 
     def __init__(self) -> None:
-        self.inputs: list[NodeWatchInput] = []
-        self.armed = False
+        super().__init__()
         self.answers = 0
-        self.last: NodeWatchResult | None = None
 
-    def build_agent(self, client, node_name, gpus, executor, watch=None) -> Worker:
-        agent = NodeAgentActivities(node_name, gpus, watch)
-
-        @activity.defn(name="watch_node")
-        async def watch_node(input: NodeWatchInput) -> Any:
-            self.inputs.append(input)
-            if not self.armed:
-                self.last = await agent.watch_node(input)
-                return self.last
-            assert self.last is not None
-            self.answers += 1
-            return RawValue(Payload(metadata={"encoding": b"json/plain"}, data=json.dumps({
-                **self.last.model_dump(mode="json"), "seq": input.seq + 1, "digest": f"padded-{self.answers}",
-                **PAD}).encode()))
-
-        others = [a for a in agent.all() if getattr(a, "__name__", "") != "watch_node"]
-        return Worker(client, task_queue=node_queue(node_name), activities=[*others, watch_node],
-                      activity_executor=executor, max_concurrent_activities=5)
+    def armed_answer(self, input: NodeWatchInput) -> Any:
+        assert self.last is not None
+        self.answers += 1
+        return RawValue(Payload(metadata={"encoding": b"json/plain"}, data=json.dumps({
+            **self.last.model_dump(mode="json"), "seq": input.seq + 1, "digest": f"padded-{self.answers}",
+            **PAD}).encode()))
 
 
 @pytest.fixture

@@ -35,14 +35,12 @@ from temporalio import activity
 from temporalio.api.common.v1 import Payload
 from temporalio.common import RawValue
 from temporalio.exceptions import ApplicationError
-from temporalio.worker import Worker
 
 import workers.node_agent
-from activities.node_agent import NodeAgentActivities
 from fleet.contracts import workflows as flows
 from fleet.messages.repair import NodeStatus, NodeWatchInput
-from fleet.naming import node_queue
 from tests.bad_input_helpers import task_failures
+from tests.security.armed_watch import ArmedWatch
 from tests.can_server import run_chain, server_suggesting_continue_as_new
 from tests.repair_helpers import eventually, join_node, running_stack
 from tests.replay import replay_and_record
@@ -56,31 +54,17 @@ SMALL_PAD = {"pad": ["x" * 12_000]}
 SECONDS = 10.0
 
 
-class EagerWatch:
+class EagerWatch(ArmedWatch):
     def __init__(self, new_digests: bool = False, pad: dict = PAD) -> None:
-        self.inputs: list[NodeWatchInput] = []
-        self.armed = False
+        super().__init__()
         self.bytes = 0
         #: Each answer a new digest (and sequence number), the node's GPUs unchanged.
         self.new_digests = new_digests
         self.pad = pad
-        self.boot_id = "b"
 
-    def build_agent(self, client, node_name, gpus, executor, watch=None) -> Worker:
-        agent = NodeAgentActivities(node_name, gpus, watch)
-
-        @activity.defn(name="watch_node")
-        async def watch_node(input: NodeWatchInput) -> Any:
-            self.inputs.append(input)
-            if not self.armed:
-                result = await agent.watch_node(input)
-                self.boot_id = result.boot_id
-                return result
-            return self.armed_answer(input)
-
-        others = [a for a in agent.all() if getattr(a, "__name__", "") != "watch_node"]
-        return Worker(client, task_queue=node_queue(node_name), activities=[*others, watch_node],
-                      activity_executor=executor, max_concurrent_activities=5)
+    @property
+    def boot_id(self) -> str:
+        return self.last.boot_id if self.last is not None else "b"
 
     def armed_answer(self, input: NodeWatchInput) -> Any:
         """The node's answer once armed: at once, the node's GPUs unchanged."""
