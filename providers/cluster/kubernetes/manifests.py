@@ -64,6 +64,19 @@ def _metadata(name: str, namespace: str, labels: dict[str, str], model: str,
     }
 
 
+#: What every model server's pod spec carries, written by ``render_pod_template`` and put on a
+#: template ``rollback_serving`` restores (one written before a field was here):
+#: - no service-account token: the server calls no Kubernetes API, runs third-party model code,
+#:   and runs on a GPU node, which is hostile (root there reads every container's files). Its
+#:   account is its namespace's `default`, granted nothing: the kubelet may still ask a token of it
+#:   for the pod (TokenRequest), so it must stay so;
+#: - no service links: the kubelet would put <SERVICE>_PORT, <SERVICE>_SERVICE_HOST and the like of
+#:   every Service in the namespace (each model's, gpufleet's own) into the server's environment,
+#:   where a server reads them as its own settings (a model named vllm would set
+#:   VLLM_PORT=tcp://..., which vLLM reads as its port).
+SERVED_POD_HARDENING: dict[str, Any] = {"automountServiceAccountToken": False, "enableServiceLinks": False}
+
+
 def render_pod_template(spec: ServingSpec) -> dict[str, Any]:
     labels = {**serving_labels(spec.model, spec.site), "app.kubernetes.io/managed-by": "gpufleet"}
     env = [{"name": "MODEL_NAME", "value": spec.model}]
@@ -84,17 +97,7 @@ def render_pod_template(spec: ServingSpec) -> dict[str, Any]:
         "readinessProbe": READINESS_PROBE,
     }
     pod: dict[str, Any] = {
-        # No service-account token in the pod: the server calls no Kubernetes API, runs
-        # third-party model code, and runs on a GPU node, which is hostile (root there reads every
-        # container's files). Its account is its namespace's `default`, granted nothing: the
-        # kubelet may still ask a token of it for the pod (TokenRequest), so it must stay so.
-        # rollback_serving sets this on a template it restores too (one written before it was here).
-        "automountServiceAccountToken": False,
-        # No service links: the kubelet would put <SERVICE>_PORT, <SERVICE>_SERVICE_HOST and the like
-        # of every Service in the namespace (each model's, gpufleet's own) into the server's
-        # environment, where a server reads them as its own settings (a model named vllm would set
-        # VLLM_PORT=tcp://..., which vLLM reads as its port). rollback_serving sets it too.
-        "enableServiceLinks": False,
+        **SERVED_POD_HARDENING,
         "nodeSelector": {LABEL_SITE: spec.site},
         # The GPU nodes' taints: the usual ``nvidia.com/gpu`` and the fleet taint every gpufleet
         # node keeps (what keeps the control plane off them).

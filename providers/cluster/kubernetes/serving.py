@@ -26,7 +26,9 @@ from providers.cluster.base import ANNOTATION_MODEL, NoPreviousTemplate, Serving
 from providers.cluster.base import label_value as _label_value
 from providers.cluster.kubernetes.api import MERGE, PROVIDER, KubernetesApi, _canonical, _is_subset, _translate
 from providers.cluster.kubernetes.gpu_pods import container_gpus
-from providers.cluster.kubernetes.manifests import render_deployment, render_model_service, render_pdb, render_service
+from providers.cluster.kubernetes.manifests import (
+    SERVED_POD_HARDENING, render_deployment, render_model_service, render_pdb, render_service,
+)
 
 
 class Serving(KubernetesApi):
@@ -181,11 +183,10 @@ class Serving(KubernetesApi):
                 **annotations, ANNOTATION_TEMPLATE: previous, ANNOTATION_PREVIOUS_TEMPLATE: live,
             }
             restored = json.loads(previous)
-            # One written before the server's pod mounted no token and got no service links
-            # (render_pod_template) would have them again: it comes back without. The annotation
-            # keeps the template as written, the name a rollout knows it by
+            # One written before a field of SERVED_POD_HARDENING was there comes back with it. The
+            # annotation keeps the template as written, the name a rollout knows it by
             # (RollbackSiteInput.previous_template).
-            restored.setdefault("spec", {}).update(automountServiceAccountToken=False, enableServiceLinks=False)
+            restored.setdefault("spec", {}).update(SERVED_POD_HARDENING)
             current["spec"]["template"] = restored
             current.pop("status", None)
             deployment = self._write(f"roll back deployment {name}", self.apps.replace_namespaced_deployment,
