@@ -131,6 +131,22 @@ async def eager_new_digests(can_env, tmp_path, monkeypatch) -> AsyncIterator:
         yield stack, node, watch
 
 
+async def armed_until_paced(stack, node, handle, watch: EagerWatch, flooding_past: int, timeout: float) -> None:
+    """Arm ``watch`` and end the watch in flight (a fault), then wait until the Node entity logs
+    that it paces the watch, or the node has had more than ``flooding_past`` watches in all (not
+    paced in time: the test's own figures then say by how much)."""
+
+    async def paced_or_flooding() -> bool:
+        if len(watch.inputs) > flooding_past:
+            return True
+        status = await handle.query(flows.Node.status, result_type=NodeStatus)  # the newest run
+        return any("the next watches are paced" in line for line in status.log)
+
+    watch.armed = True
+    stack.world.inject_fault(node.machine_id, 0, "xid", 13, clears_on="never")  # ends the watch in flight
+    await eventually(paced_or_flooding, timeout=timeout, interval=0.2)
+
+
 async def test_a_node_changing_its_digest_on_every_answer_stays_paced_across_continue_as_new(
         eager_new_digests) -> None:
     stack, node, watch = eager_new_digests
@@ -138,15 +154,7 @@ async def test_a_node_changing_its_digest_on_every_answer_stays_paced_across_con
     first_run = (await handle.describe()).run_id
     before = len(watch.inputs)
 
-    async def paced_or_flooding() -> bool:
-        if len(watch.inputs) - before > WATCH_EARLY_FREE + 10:
-            return True
-        status = await handle.query(flows.Node.status, result_type=NodeStatus)  # the newest run
-        return any("the next watches are paced" in line for line in status.log)
-
-    watch.armed = True
-    stack.world.inject_fault(node.machine_id, 0, "xid", 13, clears_on="never")  # ends the watch in flight
-    await eventually(paced_or_flooding, timeout=90, interval=0.2)
+    await armed_until_paced(stack, node, handle, watch, flooding_past=before + WATCH_EARLY_FREE + 10, timeout=90)
     await asyncio.sleep(8)  # paced: a pause of 5 s, then of 10 s, whichever run it falls in
     watch.armed = False
     rounds = len(watch.inputs) - before
@@ -185,15 +193,7 @@ async def test_a_node_padding_every_early_answer_is_paced_by_its_bytes(eager_pad
     assert counts == 8
     most = WATCH_EARLY_FREE // counts + 1  # the free ones, then the one past them
 
-    async def paced_or_flooding() -> bool:
-        if len(watch.inputs) - before > most + 8:
-            return True
-        status = await handle.query(flows.Node.status, result_type=NodeStatus)  # the newest run
-        return any("the next watches are paced" in line for line in status.log)
-
-    watch.armed = True
-    stack.world.inject_fault(node.machine_id, 0, "xid", 13, clears_on="never")  # ends the watch in flight
-    await eventually(paced_or_flooding, timeout=60, interval=0.2)
+    await armed_until_paced(stack, node, handle, watch, flooding_past=before + most + 8, timeout=60)
     watch.armed = False
     rounds = len(watch.inputs) - before
     chain = await run_chain(stack.client, handle.id, first_run)
