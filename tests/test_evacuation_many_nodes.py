@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import AsyncIterator
 
-from temporalio.api.enums.v1 import EventType, WorkflowTaskFailedCause
+from temporalio.api.enums.v1 import EventType
 from temporalio.client import WorkflowHandle
 from temporalio.service import RPCError, RPCStatusCode
 from temporalio.testing import WorkflowEnvironment
@@ -21,7 +21,7 @@ from temporalio.testing import WorkflowEnvironment
 from activities.evacuation import EvacuationActivities
 from fleet.messages.evacuation import EvacuationFacts, EvacuationProgress, ProbeNode
 from fleet.models import MAX_SITE_NODES
-from tests.evacuation_helpers import IncStack, incident_fleet, open_incident_stack, poll
+from tests.evacuation_helpers import IncStack, failed_tasks, incident_fleet, open_incident_stack, poll
 from tests.replay import replay_and_record
 from workflows.steps import TEMPORAL_PENDING_PER_RUN
 from workflows.evacuation import DRAIN_AT_ONCE
@@ -54,14 +54,9 @@ async def evacuate(inc: IncStack) -> WorkflowHandle:
 
 
 async def drained(handle: WorkflowHandle, seen: list[str]) -> EvacuationProgress | None:
-    """The progress once the timeline says "drained"; fails at once on a failed workflow task. Not
-    one the server closed to flush the events that came meanwhile (``FORCE_CLOSE_COMMAND``: more than
-    ``history.maximumBufferedEventsBatch``, 100, drains ended while a task ran, as on a loaded test
-    machine): the next task takes them, and the run goes on."""
-    history = await handle.fetch_history()
-    flushed = WorkflowTaskFailedCause.WORKFLOW_TASK_FAILED_CAUSE_FORCE_CLOSE_COMMAND
-    failed = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED
-              and e.workflow_task_failed_event_attributes.cause != flushed]
+    """The progress once the timeline says "drained"; fails at once on a failed workflow task (not
+    one the server closed to flush events: ``failed_tasks``)."""
+    failed = failed_tasks(await handle.fetch_history())
     assert not failed, failed[0].workflow_task_failed_event_attributes.failure.message
     try:
         progress = await handle.query("progress", result_type=EvacuationProgress)

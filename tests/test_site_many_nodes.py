@@ -22,7 +22,7 @@ from activities.watches import WatchActivities
 from fleet.messages.evacuation import ProbeNode
 from fleet.messages.watches import SiteWatchInput, SiteWatchResult
 from fleet.models import MAX_SITE_NODES
-from tests.evacuation_helpers import IncStack, incident_fleet, open_incident_stack, poll
+from tests.evacuation_helpers import IncStack, failed_tasks, incident_fleet, open_incident_stack, poll
 from tests.replay import replay_and_record
 from workflows.steps import TEMPORAL_PENDING_PER_RUN
 from workflows.site import TELL_AT_ONCE
@@ -50,7 +50,7 @@ def fleet_stack(temporal_env: WorkflowEnvironment, tmp_path: Path) -> AsyncItera
 
 async def told_every_node(handle: WorkflowHandle, count: int) -> bool:
     history = await handle.fetch_history()
-    failed = [e for e in history.events if e.event_type == EventType.EVENT_TYPE_WORKFLOW_TASK_FAILED]
+    failed = failed_tasks(history)
     assert not failed, failed[0].workflow_task_failed_event_attributes.failure.message
     sent = sum(e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED for e in history.events)
     return sent >= count
