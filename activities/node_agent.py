@@ -31,7 +31,7 @@ from fleet.messages.nodes import (
 )
 from fleet.messages.repair import NodeWatchInput, NodeWatchResult
 from fleet.repair_policy import fingerprint
-from providers.gpu import GpuBackend
+from providers.gpu import ComputeCheckUnavailable, GpuBackend
 
 #: Spot-notice source: the termination time (epoch seconds), or None without a notice.
 Notice = Callable[[], "float | None"]
@@ -202,10 +202,18 @@ class NodeAgentActivities:
 
     @activity.defn
     def smoke_test(self, input: SmokeTestInput) -> SmokeResult:
-        """All GPUs visible, clean counters, and each GPU computes correctly."""
+        """All GPUs visible, clean counters, and each GPU computes correctly.
+
+        A compute check that cannot run on this node (``ComputeCheckUnavailable``: the agent's
+        image lacks libcuda, its child cannot start or import the check, the agent's own limits
+        killed it) is no verdict on any GPU: with nothing else wrong the test raises
+        ``ComputeCheckUnavailable`` (an ``ApplicationError``, retried only where it may pass next
+        time) instead of failing, so that no GPU is failed, and none repaired, for the agent's
+        problem, and none passes unproven either. What NVML found wrong still fails the test."""
         liveness = Liveness()
         gpus = self.gpus.probe()
         failures = []
+        unavailable: ComputeCheckUnavailable | None = None
         if len(gpus) != input.expected_gpus:
             failures.append(f"{len(gpus)} of {input.expected_gpus} GPUs visible")
         for gpu in gpus:
@@ -213,8 +221,23 @@ class NodeAgentActivities:
                 continue
             failures += [f"GPU {gpu.index}: {problem}" for problem in gpu.problems()]
             liveness.beat(gpu.index)
-            if not gpu.lost and (problem := self.gpus.compute_check(gpu.index)):
-                failures.append(problem)
+            if gpu.lost or unavailable is not None:  # one that cannot run here runs on no GPU of the node
+                continue
+            try:
+                if problem := self.gpus.compute_check(gpu.index):
+                    failures.append(problem)
+            except ComputeCheckUnavailable as error:
+                unavailable = error
+                activity.logger.error("node %s: the compute check cannot run on this node (no GPU verdict): %s",
+                                      self.node_name, error)
+        if unavailable is not None:
+            said = f"the compute check cannot run on {self.node_name}: {unavailable}"[:900]
+            if not failures:
+                raise ApplicationError(
+                    f"{said}; the node agent's problem (its image, its limits), not its GPUs': nothing proven",
+                    {"node": self.node_name, "problem": str(unavailable)[:500], "transient": unavailable.transient},
+                    type="ComputeCheckUnavailable", non_retryable=not unavailable.transient)
+            failures.append(f"{said} (not run)")  # NVML's findings fail the test; this says what was not checked
         state = None
         if input.include_state:
             seen = self.watch.observe()

@@ -22,13 +22,31 @@ def read_boot_id() -> str:
     return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
 
 
+class ComputeCheckUnavailable(RuntimeError):
+    """The compute check could not run on this node: its tooling is missing or broken (libcuda not
+    in the agent's image, ``providers.gpu`` not importable by the child, the interpreter not
+    starting), or the agent's own limits stopped it before it had an answer (the child killed by
+    SIGKILL: the memory limit's OOM kill; the child stuck before it reached the GPU). No verdict
+    on any GPU: the smoke test says so (``ComputeCheckUnavailable``), and the control plane
+    neither passes the GPU nor repairs it for it.
+
+    ``transient``: it may pass if tried again (a kill, a fork that failed for want of memory, a
+    hang before the GPU); otherwise the node's agent needs a person (its image, its config)."""
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+
 class GpuBackend(Protocol):
     def boot_id(self) -> str: ...
 
     def probe(self) -> list[GpuHealth]: ...
 
     def compute_check(self, index: int) -> str | None:
-        """None when GPU ``index`` computes correctly, else why not."""
+        """None when GPU ``index`` computes correctly, else why not (the GPU's verdict). Raises
+        ``ComputeCheckUnavailable`` when the check could not run on this node at all: that says
+        nothing about the GPU."""
         ...
 
     def reset_gpu(self, index: int) -> str:
@@ -198,7 +216,8 @@ class NvmlBackend:
         return report
 
     def compute_check(self, index: int) -> str | None:
-        """``cuda_memory_check`` in a child process of its own (``compute_check_in_child``)."""
+        """``cuda_memory_check`` in a child process of its own (``compute_check_in_child``); raises
+        ``ComputeCheckUnavailable`` where the check could not run."""
         return compute_check_in_child(index)
 
     def reset_gpu(self, index: int) -> str:
@@ -304,19 +323,78 @@ def _optional(call, *args):
 
 #: How long the compute check's child process may take (64 MiB written and read back: about a second).
 COMPUTE_CHECK_SECONDS = 120
-_CHILD = "import sys; from providers.gpu import cuda_memory_check; print(cuda_memory_check(int(sys.argv[1])) or '')"
+#: What the child writes to its stdout, each line this prefix and a JSON object: ``{"stage": "checking"}``
+#: once it imported the check and starts it (from there on a hang or a crash is the GPU's, as CUDA
+#: runs), then ``{"verdict": "ok" | "gpu" | "unavailable", "said": ...}``.
+CHILD_SAYS = "gpufleet-compute-check "
+#: The child: the check's module imported (a failure to is the agent image's, never a GPU's),
+#: then the check. What the check returns is the GPU's verdict; what it raises is not: GPU faults
+#: come back as CUDA error codes, which ``cuda_memory_check`` turns into its answer, so an
+#: exception is the check's own tooling (``ComputeCheckUnavailable``: no libcuda) or code (a
+#: ctypes symbol missing from a stub libcuda, a MemoryError under the agent's limit).
+_CHILD = f"""
+import json, sys
+def say(**said):
+    print({CHILD_SAYS!r} + json.dumps(said), flush=True)
+try:
+    from providers.gpu import cuda_memory_check
+except BaseException as error:
+    say(verdict="unavailable", said=f"cannot import the check (providers.gpu): {{type(error).__name__}}: {{error}}")
+    sys.exit(0)
+say(stage="checking")
+try:
+    said = cuda_memory_check(int(sys.argv[1]))
+except Exception as error:
+    name = type(error).__name__
+    say(verdict="unavailable", said=str(error) if name == "ComputeCheckUnavailable" else
+        f"the check's own code failed: {{name}}: {{error}}")
+    sys.exit(0)
+say(verdict="gpu" if said else "ok", said=said or "")
+"""
+
+
+def _child_said(output: str | bytes | None) -> tuple[bool, dict | None]:
+    """(whether the child reached the check, its verdict if it gave one) from its stdout so far."""
+    import json
+
+    if isinstance(output, bytes):
+        output = output.decode(errors="replace")
+    checking, verdict = False, None
+    for line in (output or "").splitlines():
+        if not line.startswith(CHILD_SAYS):
+            continue
+        try:
+            said = json.loads(line[len(CHILD_SAYS):])
+        except ValueError:
+            continue
+        if not isinstance(said, dict):
+            continue
+        checking = checking or said.get("stage") == "checking"
+        if said.get("verdict") in ("ok", "gpu", "unavailable"):
+            verdict = said
+    return checking, verdict
 
 
 def compute_check_in_child(index: int) -> str | None:
-    """``cuda_memory_check(index)`` run by a short-lived child process, its answer read back.
+    """``cuda_memory_check(index)`` run by a short-lived child process, its answer read back: None
+    (GPU ``index`` computes correctly) or why not. Raises ``ComputeCheckUnavailable`` when the
+    child could not run the check: that is the node agent's problem, not the GPU's.
 
     Not in the agent's own process: CUDA has no shutdown, so a process that once called
     ``cuInit`` keeps the driver's device files open (``/dev/nvidiactl``, ``/dev/nvidia-uvm``) until
     it exits, which would leave the agent holding the driver for good after its first smoke test:
     ``nvidia-smi -r`` (the reset rung) refuses a GPU a process holds, and the reinstall rung's
     script cannot unload the kernel modules (``reinstall_driver`` lets go of NVML for it, which
-    is all it can let go of)."""
+    is all it can let go of).
+
+    Which is which: the child says when it starts the check (``CHILD_SAYS``). Before that, nothing
+    touched a GPU, so a failure there (the interpreter, the imports, a hang, a kill) is the
+    agent's. After it, the check's answer is the GPU's verdict; a hang or a crash in it too (CUDA
+    stuck on the device, a fault in the driver while it ran), as before, except a SIGKILL: no GPU
+    sends one, the agent's memory limit (the OOM killer) does. A failure that every GPU of the
+    node would fail the same way must not send them all down the repair ladder."""
     import os
+    import signal
     import subprocess
     import sys
 
@@ -324,12 +402,37 @@ def compute_check_in_child(index: int) -> str | None:
     try:
         done = subprocess.run([sys.executable, "-c", _CHILD, str(index)], capture_output=True, text=True,
                               timeout=COMPUTE_CHECK_SECONDS, env={**os.environ, "PYTHONPATH": path})
-    except subprocess.TimeoutExpired:
-        return f"GPU {index}: the compute check did not end within {COMPUTE_CHECK_SECONDS} s"
-    if done.returncode != 0:
-        last = (done.stderr.strip().splitlines() or ["no output"])[-1][:500]
+    except subprocess.TimeoutExpired as expired:
+        checking, _ = _child_said(expired.stdout)
+        if checking:  # stuck in CUDA: the GPU's
+            return f"GPU {index}: the compute check did not end within {COMPUTE_CHECK_SECONDS} s"
+        raise ComputeCheckUnavailable(
+            f"the compute check's process did not reach the GPU within {COMPUTE_CHECK_SECONDS} s (its interpreter "
+            "or imports hung)", transient=True) from None
+    except OSError as error:  # no interpreter at sys.executable, no memory to fork: no child at all
+        raise ComputeCheckUnavailable(
+            f"the compute check's process could not start ({sys.executable}): {error}",
+            transient=not isinstance(error, (FileNotFoundError, PermissionError))) from error
+    checking, verdict = _child_said(done.stdout)
+    last = (done.stderr.strip().splitlines() or ["no output"])[-1][:500]
+    if verdict is not None and verdict["verdict"] == "unavailable":
+        raise ComputeCheckUnavailable(str(verdict.get("said") or "the check could not run")[:500])
+    if done.returncode == -signal.SIGKILL:
+        raise ComputeCheckUnavailable(
+            "the compute check's process was killed (SIGKILL: the agent's memory limit, the OOM killer)",
+            transient=True)
+    if not checking:
+        raise ComputeCheckUnavailable(
+            f"the compute check's process failed before it reached the GPU (exit {done.returncode}): {last}")
+    if done.returncode != 0:  # crashed in CUDA: the GPU's (or its driver's), as it always was
         return f"GPU {index}: the compute check's process failed (exit {done.returncode}): {last}"
-    return done.stdout.strip() or None
+    if verdict is None:
+        raise ComputeCheckUnavailable(f"the compute check's process ended without a verdict: {last}")
+    return str(verdict.get("said") or f"GPU {index}: the compute check failed") if verdict["verdict"] == "gpu" else None
+
+
+#: ``cuInit``'s answer where the libcuda loaded is the toolkit's stub (``libcuda.so`` in ``lib64/stubs``).
+CUDA_ERROR_STUB_LIBRARY = 34
 
 
 def cuda_memory_check(index: int, words: int = 1 << 24) -> str | None:
@@ -338,11 +441,17 @@ def cuda_memory_check(index: int, words: int = 1 << 24) -> str | None:
     Uses the CUDA driver API (libcuda, present wherever the driver is), so the
     agent needs no CUDA toolkit or framework. Note: ordinal ``index`` is CUDA's
     enumeration, which matches NVML's when CUDA_DEVICE_ORDER=PCI_BUS_ID.
+
+    Returns the GPU's verdict (None: it computed right); raises ``ComputeCheckUnavailable`` where
+    the check cannot run here (no libcuda, the toolkit's stub): no verdict at all.
     """
     try:
         cuda = ctypes.CDLL("libcuda.so.1")
     except OSError as error:
-        return f"libcuda not loadable: {error}"
+        # Not the GPU's: the driver's user-space library is not in the agent's container (the
+        # NVIDIA container toolkit mounts it with the "compute" capability), while NVML, which
+        # found the GPUs, works.
+        raise ComputeCheckUnavailable(f"libcuda not loadable in the node agent: {error}") from error
 
     def check(result: int, what: str) -> None:
         if result != 0:
@@ -351,7 +460,11 @@ def cuda_memory_check(index: int, words: int = 1 << 24) -> str | None:
     device, context, buffer = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
     pattern = 0x5A5AA5A5
     try:
-        check(cuda.cuInit(0), "cuInit")
+        if (result := cuda.cuInit(0)) == CUDA_ERROR_STUB_LIBRARY:
+            # The CUDA toolkit's stub libcuda, found before the driver's: the image's, not the GPU's.
+            raise ComputeCheckUnavailable("libcuda in the node agent is the CUDA toolkit's stub, not the driver's "
+                                          "(cuInit: CUDA_ERROR_STUB_LIBRARY)")
+        check(result, "cuInit")
         check(cuda.cuDeviceGet(ctypes.byref(device), index), "cuDeviceGet")
         check(cuda.cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
         try:

@@ -501,6 +501,11 @@ EXPECTED = {
     # (``repair-replace-retires-to-its-end``, tests/test_repair_cancel.py). ``_before``: the code
     # before, which ended cancelled, the node "cordoned" while its delete went through.
     "gpu_repair_cancelled_after_the_replacement_joined", "gpu_repair_cancelled_after_the_replacement_joined_before",
+    # A proof whose compute check cannot run on the node (its agent's ``ComputeCheckUnavailable``) holds
+    # the ladder at its rung for a person, and proves again once released
+    # (``repair-holds-when-the-check-cannot-run``, tests/test_compute_check.py). ``_before``: the code
+    # before, which took it for a failed proof and climbed reset, reboot, reinstall, replace.
+    "gpu_repair_held_when_the_check_cannot_run", "gpu_repair_held_when_the_check_cannot_run_before",
     # The join's end and the cancel in one workflow task, its jobs applied as one batch (temporalio's
     # logic flag 2): the join's result is taken, not lost to the cancel (tests/test_repair_cancel.py).
     "gpu_repair_cancelled_in_the_task_the_replacement_joined",

@@ -106,6 +106,20 @@ HOLD_AT_THE_GRANT_PATCH = "repair-holds-at-the-grant"
 #: and its Node entity held the GPU for a person; or the retirement in flight (a cancel is only a
 #: request to it) deleted the machine while the repair said the node stayed cordoned.
 REPLACE_RETIRES_TO_ITS_END_PATCH = "repair-replace-retires-to-its-end"
+#: Workflow patch, asked where a rung's proof could not run because the node's agent cannot run its
+#: compute check (the smoke test's ``ComputeCheckUnavailable``: libcuda not in its image, its child
+#: process unable to start or import the check, killed by the agent's own limits): no verdict on the
+#: GPU. The ladder neither passes (nothing proved the GPU) nor climbs (a reboot or reinstall for the
+#: agent's problem is a machine restarted for nothing, and at the top a GPU held as broken): it stays
+#: at its rung, contained, held for a person (``FleetState`` needs-person), its details and log
+#: naming the agent's problem; released, it proves again. Before it such a proof was a failed one:
+#: every GPU of a node with a broken agent image climbed reset, reboot, reinstall to exhausted.
+HOLDS_WHEN_THE_CHECK_CANNOT_RUN_PATCH = "repair-holds-when-the-check-cannot-run"
+#: The smoke test's error type where its compute check could not run on the node (``activities.node_agent``).
+CHECK_UNAVAILABLE = "ComputeCheckUnavailable"
+#: A proof that did not run is named by the node's own message, cut to this: it is repeated in the
+#: details, the ladder (its hold reason, its attempts) and the result.
+SMOKE_DID_NOT_RUN_CHARS = 1000
 
 
 @workflow.defn(name="GpuRepair")
@@ -324,7 +338,10 @@ class GpuRepair:
                 self._set_fleet_state("proving")
                 self._step("proving", f"smoke test on {node_queue(inp.node_name)} "
                                       f"{until_in(settings.timeouts.smoke_test_seconds)}")
-                proved, proof = await self._prove()
+                proved, proof, unavailable = await self._prove()
+                while unavailable and workflow.patched(HOLDS_WHEN_THE_CHECK_CANNOT_RUN_PATCH):
+                    attempt.detail = (f"{detail}; " if detail else "") + proof
+                    proved, proof, unavailable = await self._held_unproven(proof)
                 ok, detail = proved, (f"{detail}; " if detail else "") + proof
             attempt.finished_at = workflow.now()
             attempt.outcome = ("covered" if outcome == "covered" else "passed") if ok else "failed"
@@ -641,7 +658,34 @@ class GpuRepair:
                              summary=f"retire {inp.node_name}: node out, machine deleted")
 
     # -- prove ----------------------------------------------------------------------------
-    async def _prove(self) -> tuple[bool, str]:
+    async def _held_unproven(self, proof: str) -> tuple[bool, str, bool]:
+        """The node's agent could not run the compute check: nothing proved the GPU, nothing said it
+        is broken. Held, contained, for a person (the agent's problem is not one a rung fixes); once
+        released the GPU is proved again: ``_prove``'s answer. A ``skip_to`` meanwhile is taken
+        after the release, as on any held ladder (the proof counts as failed: the ladder goes there).
+
+        What the node said is only about this GPU's own ladder: a node that claims it cannot run
+        its check keeps its GPU fenced, and decides nothing about any other machine."""
+        s, inp = self._state, self._input
+        s.held = True
+        s.hold_reason = (f"{proof}. The node agent cannot run its compute check: GPU {inp.gpu} is neither proven nor "
+                         f"failed, and no rung is climbed for the agent's problem. Fix the node agent on "
+                         f"{inp.node_name} (its image, its limits), then `gpufleet repair release {inp.node_name} "
+                         f"{inp.gpu}` proves it again")
+        workflow.logger.warning("%s: held: %s", workflow.info().workflow_id, s.hold_reason)
+        self._set_fleet_state("needs-person")
+        self._step("held", "the proof could not run on the node (its agent's compute check)")
+        await workflow.wait_condition(lambda: not s.held)
+        if s.skip_to is not None:
+            return False, proof, False
+        self._set_fleet_state("proving")
+        self._step("proving", f"again, released: smoke test on {node_queue(inp.node_name)} "
+                              f"{until_in(inp.settings.timeouts.smoke_test_seconds)}")
+        return await self._prove()
+
+    async def _prove(self) -> tuple[bool, str, bool]:
+        """(proved, what the proof said, whether it could not run at all: the node's agent cannot
+        run its compute check, ``CHECK_UNAVAILABLE``, no verdict on the GPU)."""
         inp, timeouts = self._input, self._input.settings.timeouts
         try:
             smoke = await smoke_test_node(
@@ -652,7 +696,9 @@ class GpuRepair:
         except ActivityError as error:
             if self._cancelled(error):
                 raise
-            return False, f"smoke test did not run: {failure_text(error)}"
+            # The node's message, bounded: it is repeated in the details, the ladder and the result.
+            said = f"smoke test did not run: {failure_text(error)}"[:SMOKE_DID_NOT_RUN_CHARS]
+            return False, said, failure_type(error) == CHECK_UNAVAILABLE
         if smoke.passed:
-            return True, "smoke test passed"
-        return False, "smoke test failed: " + "; ".join(smoke.failures)
+            return True, "smoke test passed", False
+        return False, "smoke test failed: " + "; ".join(smoke.failures), False

@@ -101,7 +101,9 @@ FAILURE_CAUSES = 1
 #: sends arrives as ``NodeError``: workflows and retry policies decide on a failure's type, and
 #: some types mean something about more than the node ("BadCredentials" revokes a provider
 #: account, "OverQuota" blocks an offer, "InvalidRequest" ends a whole capacity request).
-NODE_FAILURE_TYPES = frozenset({"GpuResetFailed", "DriverReinstallFailed", "InvalidInput"})
+#: "ComputeCheckUnavailable" (the smoke test's compute check cannot run on the node: its agent's
+#: problem, no verdict on a GPU) is about that node alone: its own repair waits held for a person.
+NODE_FAILURE_TYPES = frozenset({"GpuResetFailed", "DriverReinstallFailed", "InvalidInput", "ComputeCheckUnavailable"})
 #: The one encoding a node's result keeps: what every node agent's converter writes (each node
 #: activity returns a pydantic model or a string, JSON either way). The workflows take the result
 #: undecoded (``RawValue``) and validate it in workflow code, but the SDK looks at a payload's
