@@ -137,10 +137,14 @@ def evaluate(
     if not settings.enabled:
         return Verdict(trip=False, failing=failing, threshold=threshold, reason="incident detection disabled")
     if len(failing) >= threshold:
+        # The window keeps the failures of nodes since replaced or removed (they count: the site lost
+        # them), so ``failing`` can outnumber the nodes at the site now: then not "3 of 1 nodes".
+        of = (f"{len(failing)} of {site_nodes} nodes" if len(failing) <= site_nodes else
+              f"{len(failing)} nodes (more than the {site_nodes} at the site now: those since replaced or "
+              "removed count too)")
         return Verdict(
             trip=True, failing=failing, threshold=threshold,
-            reason=f"{len(failing)} of {site_nodes} nodes unhealthy or unreachable within "
-                   f"{settings.window_seconds:g}s (threshold {threshold})",
+            reason=f"{of} unhealthy or unreachable within {settings.window_seconds:g}s (threshold {threshold})",
         )
     if api_failing_since is not None and now - api_failing_since >= settings.api_failure_seconds:
         return Verdict(

@@ -864,4 +864,8 @@ async def test_the_waiting_request_shows_why_in_its_details(cap: CapStack) -> No
     metadata = await handle.query("__temporal_workflow_metadata")  # the UI reads its details here
     text = metadata.current_details if hasattr(metadata, "current_details") else metadata["currentDetails"]
     assert "waiting for:" in text and "over quota" in text and "gives up at" in text, text
+    # The offer is listed once, under what it waits for (it was listed again as "- not <offer>: ...").
+    offer = why.split(": ", 1)[0]
+    listed = [line for line in text.splitlines() if line.startswith((f"- {offer}:", f"- not {offer}:"))]
+    assert listed == [f"- {why}"], text
     await FleetClient(cap.settings, cap.client).cancel_capacity(handle.id)

@@ -38,6 +38,16 @@ def test_four_of_eight_in_the_window_trips():
     assert "4 of 8" in v.reason
 
 
+def test_failures_of_nodes_since_gone_do_not_read_as_more_than_the_site_has():
+    """The runbook's small site: three nodes failed inside the window, two of them since replaced
+    or removed, one node at the site now. The incident's reason read "3 of 1 nodes"."""
+    v = evaluate(fails("a", "b", "c"), 1, now=100, settings=S)
+    assert v.trip and v.failing == ["a", "b", "c"]
+    assert "of 1 nodes" not in v.reason, v.reason
+    assert v.reason.startswith("3 nodes (more than the 1 at the site now: those since replaced or removed count "
+                               "too) unhealthy or unreachable within 300s (threshold 3)"), v.reason
+
+
 def test_one_or_two_failures_do_not_trip():
     assert not evaluate(fails("a"), 8, now=100, settings=S).trip
     assert not evaluate(fails("a", "b"), 8, now=100, settings=S).trip

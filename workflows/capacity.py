@@ -223,7 +223,9 @@ class AcquireCapacity:
             lines.append("stopped: " + ", ".join(p.released))
         if p.candidates:
             lines.append("candidates: " + "; ".join(p.candidates[:5]))
-        lines += [f"- not {r}" for r in p.rejected]
+        # An offer the request waits for is named there, with what ends the wait: not again here.
+        waited = {w.split(": ", 1)[0] for w in p.waiting_for}
+        lines += [f"- not {r}" for r in p.rejected if r.split(": ", 1)[0] not in waited]
         lines += [f"- tried {a.offer}: {a.outcome}" + (f" ({a.message})" if a.message else "") for a in p.attempts[-10:]]
         show_details(step, *lines, detail=detail)
 
