@@ -324,6 +324,11 @@ EXPECTED = {
     # unproven``, tests/test_evacuation.py); the old code's run, which waited on until aborted, replays.
     "site_evacuation_declared_recovered_restores_unproven",
     "site_evacuation_declared_recovered_restores_unproven_before",
+    # A node that fails the proof on GPU 3 is quarantined on GPU 3: that GPU is fenced and repaired,
+    # not GPU 0 (``evacuation-quarantines-the-failing-gpus``, tests/security/test_evacuation_proof.py);
+    # the old code's runs, which quarantined GPU 0, replay.
+    "site_evacuation_quarantines_the_failing_gpu", "site_evacuation_quarantines_the_failing_gpu_before",
+    "node_entity_quarantined_on_the_failing_gpu", "node_entity_quarantined_on_the_failing_gpu_before",
     # While its site is down, and while nothing may take its replicas, an evacuation waits on one
     # ``watch_recovery`` that probes inside the activity, which ``recovered`` cuts short
     # (``evacuation-watches-recovery``, tests/test_evacuation.py). Every ``site_evacuation_*`` file

@@ -33,7 +33,8 @@ query):
    an abort's run ends Canceled (a failed step's still fails);
 6. **restore**: the nodes smoke-test (as many failing as would trip an incident →
    back to 5; fewer: each one that fails or garbles its answer stays cordoned and goes
-   to its Node entity's repair ladder, and the site returns with the others), the site's
+   to its Node entity's repair ladder, on the GPUs its report named failing, else the whole
+   node, and the site returns with the others), the site's
    Deployments come back, the weight climbs in steps (10 → 50 → 100 % with a bake
    time between), the extra replicas elsewhere go, and the nodes bought for the
    evacuation are retired while their site is above its min, but not one someone holds (a
@@ -60,6 +61,7 @@ child or an activity is open.
 from __future__ import annotations
 
 import asyncio
+import re
 from datetime import timedelta
 from typing import Any, Awaitable, Callable
 
@@ -74,7 +76,7 @@ with workflow.unsafe.imports_passed_through():
     from fleet.naming import capacity_workflow_id, evacuation_workflow_id, node_queue, node_workflow_id
     from fleet.contracts import activities as act
     from fleet.messages.nodes import ResolveSiteInput, SmokeTestInput
-    from fleet.messages.repair import NodeQuarantine, SmokeReport
+    from fleet.messages.repair import MAX_NODE_GPUS, NodeQuarantine, SmokeReport
     from fleet.config import Site
     from fleet.models import append_bounded
     from fleet import search_attributes as sa
@@ -174,6 +176,39 @@ DRAINS_IN_TURNS_PATCH = "evacuation-drains-in-turns"
 #: ones included) waited for ever, for proofs its nodes could not pass while the incident held the
 #: repairs that would fix them. Asked only there, so runs from before replay as they were.
 DECLARED_RECOVERED_PATCH = "evacuation-declared-recovered-restores-unproven"
+#: A node that failed the proof is handed to its Node entity with the GPUs its smoke test found
+#: failing (``failing_gpus``, read from its validated report): those are fenced and repaired, each
+#: repair proving its own GPU. Before, the quarantine carried a reason alone and the entity fenced
+#: and repaired GPU 0, whatever GPU failed: a healthy GPU 0 was taken out of scheduling, and its
+#: repair's proof (that GPU's counters and compute) passed, so the node served again with the GPU
+#: that failed still broken. Asked in ``_quarantine_unproven`` only where a report named a GPU, so
+#: runs from before, and proofs naming none, send what they sent.
+QUARANTINES_FAILING_GPUS_PATCH = "evacuation-quarantines-the-failing-gpus"
+#: How the node agent's smoke test names the GPU a failure is about (``activities.node_agent.smoke_test``:
+#: its counters' problems and its compute check both begin so).
+_GPU_FAILURE = re.compile(r"GPU (\d{1,3}): ")
+#: A failure no GPU is named for that every GPU's repair proof finds again (its smoke test checks
+#: how many GPUs are visible whatever GPUs it tests): it asks for no more than those repairs.
+_VISIBLE_FAILURE = re.compile(r"\d+ of \d+ GPUs visible")
+
+
+def failing_gpus(failures: list[str], gpus: int) -> list[int] | None:
+    """The GPUs a node's failed smoke test names failing (``failures``: its validated report's), each
+    below ``gpus``, the site's count per machine (the control plane's, never the node's; at most
+    ``MAX_NODE_GPUS``). The node's word decides only about its own GPUs, and only within that count.
+    A failure that names no GPU, or one past the count (a node-wide fault, or a lie), adds GPU 0, the
+    whole node's fallback. None: no GPU named (the whole node, as a quarantine always was)."""
+    limit = min(gpus, MAX_NODE_GPUS)
+    named: set[int] = set()
+    whole_node = False
+    for failure in failures:
+        if (found := _GPU_FAILURE.match(failure)) is not None and int(found.group(1)) < limit:
+            named.add(int(found.group(1)))
+        elif _VISIBLE_FAILURE.fullmatch(failure) is None:
+            whole_node = True
+    if not named:
+        return None
+    return sorted(named | ({0} if whole_node else set()))
 
 
 class Aborted(Exception):
@@ -208,6 +243,8 @@ class SiteEvacuation:
         self._failed_proofs = 0
         #: Node → why it failed the proof that restored the site (it stays cordoned).
         self._unproven: dict[str, str] = {}
+        #: Node → the GPUs its last failed smoke test named failing (``failing_gpus``; none: not there).
+        self._failing_gpus: dict[str, list[int]] = {}
         #: The AcquireCapacity child while it runs (an abort stops it and waits for its result).
         self._capacity: asyncio.Task | None = None
         self._facts: EvacuationFacts | None = None
@@ -1004,6 +1041,7 @@ class SiteEvacuation:
         # A large site is smoke-tested DRAIN_AT_ONCE nodes at a time, under Temporal's pending-activities limit.
         room = asyncio.Semaphore(DRAIN_AT_ONCE) if self._in_turns(len(nodes)) else None
         tested: list[str] = []
+        self._failing_gpus = {}  # this proof's (``_smoke_checked``)
 
         def show_turns() -> None:
             self._show("smoke-testing the nodes", f"smoke-testing {DRAIN_AT_ONCE} at a time: {len(tested):,} of "
@@ -1084,15 +1122,24 @@ class SiteEvacuation:
             return f"bad report: undecodable ({type(error).__name__})"
         if report.passed:
             return ""
+        if (named := failing_gpus(report.failures, gpus)) is not None:
+            self._failing_gpus[name] = named
         return "; ".join(summarised(report.failures)) or "failed"
 
     async def _quarantine_unproven(self) -> None:
         """Each node that failed the proof goes to its Node entity: cordoned, the repair ladder
-        decides (held by the Site entity while its incident is open, then repaired)."""
+        decides (held by the Site entity while its incident is open, then repaired): the GPUs its
+        report named failing (``QUARANTINES_FAILING_GPUS_PATCH``), else the whole node."""
+        named = {name: gpus for name, gpus in self._failing_gpus.items() if name in self._unproven}
+        if not (named and workflow.patched(QUARANTINES_FAILING_GPUS_PATCH)):
+            named = {}
         for name, why in sorted(self._unproven.items()):
+            order = NodeQuarantine(reason=f"failed the smoke test of {workflow.info().workflow_id}: {why}"[:1000],
+                                   gpus=named.get(name))
             try:
-                await workflow.get_external_workflow_handle(node_workflow_id(name)).signal(flows.Node.quarantine, NodeQuarantine(
-                    reason=f"failed the smoke test of {workflow.info().workflow_id}: {why}"[:1000]))
+                # No ``gpus`` key where none is named: the payload a Node entity took before it existed.
+                await workflow.get_external_workflow_handle(node_workflow_id(name)).signal(
+                    flows.Node.quarantine, order.model_dump(mode="json", exclude_none=True))
             except FailureError as error:
                 self._mark("node not handed to repair", f"{name}: {failure_message(error)}")
 

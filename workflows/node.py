@@ -154,7 +154,8 @@ MAX_STALE_IN_A_ROW = 3
 #: Asked only when something is wrong, so runs with good reports record no marker.
 NODE_REPORTS_PATCH = "node-reports-checked"
 #: Bad reports in a row after which the node is quarantined: cordoned (its GPU 0 fenced, as any
-#: finding does) and handed to the repair ladder from a reboot, which escalates if it recurs.
+#: finding does, for the whole node) and handed to the repair ladder from a reboot, which escalates
+#: if it recurs. A quarantine that names GPUs (an evacuation's proof) fences and repairs those.
 MAX_BAD_REPORTS_IN_A_ROW = 3
 QUARANTINE_RUNG = Rung.REBOOT
 #: A background loop that failed is restarted after this pause, doubling up to the maximum: a
@@ -432,6 +433,8 @@ class NodeEntity(Entity[NodeCarry]):
         #: A quarantine queued for the loop (K bad reports in a row, or the ``quarantine`` signal),
         #: which acts on it like on any finding.
         self._quarantine: Finding | None = None
+        #: The GPUs that quarantine names (the ``quarantine`` signal's ``gpus``); empty: the whole node.
+        self._quarantine_gpus: list[int] = []
         self._last_bad_report = ""
         self._loop_restarts = 0
         #: ``NOT_READY_PATCH``: the watch in flight (replaced when the node is Ready again).
@@ -512,13 +515,14 @@ class NodeEntity(Entity[NodeCarry]):
         it and hands it to the repair ladder, like K bad reports in a row."""
         if (order := parse_signal(NodeQuarantine, raw, "quarantine")) is not None:
             # Once ``run`` took its state (one sent before its first task keeps its reason).
-            self.after_start(lambda: self._quarantined(order.reason))
+            self.after_start(lambda: self._quarantined(order.reason, order.gpus or []))
 
-    def _quarantined(self, reason: str) -> None:
+    def _quarantined(self, reason: str, gpus: list[int]) -> None:
         # Shown before the loop acts (its repair's details replace these), and kept in the log.
-        self._log(f"quarantined: {reason}", warn=True)
-        self._show(f"quarantined: {reason}")
-        self._quarantine_node(reason)
+        named = f" (failing: GPU {', '.join(map(str, gpus))})" if gpus else ""
+        self._log(f"quarantined{named}: {reason}", warn=True)
+        self._show(f"quarantined{named}: {reason}")
+        self._quarantine_node(reason, gpus)
 
     @workflow.signal
     def incident_closed(self, raw: Any) -> None:
@@ -777,7 +781,7 @@ class NodeEntity(Entity[NodeCarry]):
                     await self._handle(self._pending.pop(0))
                 if self._quarantine is not None:
                     finding, self._quarantine = self._quarantine, None
-                    await self._act(finding)
+                    await self._act_on_quarantine(finding)
                 if recheck_at is not None:
                     recheck_at = None
                     await self._recheck()
@@ -958,11 +962,45 @@ class NodeEntity(Entity[NodeCarry]):
             carry.bad_reports_in_a_row = 0
             self._quarantine_node(f"{MAX_BAD_REPORTS_IN_A_ROW} bad reports in a row from the node agent")
 
-    def _quarantine_node(self, reason: str) -> None:
-        """Cordon the node and hand it to the repair ladder (the loop acts: ``_act`` on GPU 0)."""
+    def _quarantine_node(self, reason: str, gpus: list[int] | None = None) -> None:
+        """Cordon the node and hand it to the repair ladder (the loop acts, ``_act_on_quarantine``:
+        on the GPUs named, else on GPU 0 for the whole node). One not yet acted on is not lost: where
+        either names GPUs, both are acted on (the whole node's as GPU 0)."""
+        named = list(gpus or [])
+        if self._quarantine is not None and (named or self._quarantine_gpus):
+            named = sorted({*(self._quarantine_gpus or [0]), *(named or [0])})
         self.state.quarantine_reasons = [*self.state.quarantine_reasons, reason][-MAX_LOG:]
         self._quarantine = Finding(index=0, rung=QUARANTINE_RUNG, reasons=[reason])
+        self._quarantine_gpus = named
         self._wake = True
+
+    async def _act_on_quarantine(self, finding: Finding) -> None:
+        """A quarantine: ``finding`` (GPU 0, the whole node) where it names no GPU, as always; else a
+        finding for each GPU it names that the node has by the cluster's count (read afresh; the last
+        read when the cluster does not answer, and ``_act`` reads again), each with its own reason kept
+        as a quarantine's (one held for an incident is not forgotten for a clean health snapshot: a
+        proof's failure, a compute check's, is not in it). None of them the node's: the whole node."""
+        gpus, self._quarantine_gpus = self._quarantine_gpus, []
+        if not gpus:
+            await self._act(finding)
+            return
+        facts = await self._facts_or_wait()
+        if facts is not None and not facts.found:
+            await self._act(finding)  # gone: ``_act`` says so
+            return
+        has = self._gpus_it_can_have()
+        named = [index for index in gpus if 0 <= index < has]
+        if not named:
+            self._log(f"quarantine names GPU {', '.join(map(str, gpus))}, none of the node's {has}: "
+                      "the whole node (GPU 0)", warn=True)
+            await self._act(finding)
+            return
+        reason = finding.reasons[0]
+        own = {index: reason if len(named) == 1 else f"{reason} (GPU {index})" for index in named}
+        self.state.quarantine_reasons = [*(r for r in self.state.quarantine_reasons if r != reason),
+                                         *own.values()][-MAX_LOG:]
+        for index in named:
+            await self._act(Finding(index=index, rung=finding.rung, reasons=[own[index]]))
 
     async def _watch_node(self) -> None:
         """One ``watch_node`` after another on the node's queue, for the entity's life.

@@ -184,6 +184,10 @@ class SmokeReport(BaseModel):
     failures: list[NodeText] = Field(default_factory=list, max_length=4 * MAX_NODE_GPUS)
 
 
+#: A GPU index as a message may name one: below the most a node may have.
+GpuIndex = Annotated[int, Field(ge=0, lt=MAX_NODE_GPUS)]
+
+
 class NodeQuarantine(BaseModel):
     """Signal ``quarantine`` to a Node entity, from the control plane (never from a node): the
     node failed a proof someone else ran (an evacuation's smoke test); cordon it and let the
@@ -192,6 +196,12 @@ class NodeQuarantine(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reason: Annotated[str, StringConstraints(min_length=1, max_length=1000)]
+    #: The GPUs the proof found failing, as the sender read them from the node's validated report
+    #: (``workflows.evacuation.failing_gpus``): those are fenced and repaired, each proving itself,
+    #: and the entity acts only on those below the node's GPU count in the cluster. None (left out
+    #: of the payload, as before it existed), or none of them the node's: the whole node, its
+    #: repair on GPU 0 (a failure no GPU is named for shows in every GPU's proof).
+    gpus: list[GpuIndex] | None = Field(None, min_length=1, max_length=MAX_NODE_GPUS)
 
 
 class NodeEntityInput(BaseModel):

@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import uuid
 from typing import Any
+
+import pytest
 
 from temporalio import activity
 from temporalio.api.common.v1 import Payload
@@ -17,13 +20,16 @@ from temporalio.worker import Worker
 import workers.node_agent
 from fleet.messages.nodes import SmokeTestInput
 from activities.node_agent import NodeAgentActivities
+from fleet.cluster import fenced_gpus
 from fleet.messages.evacuation import EvacuationResult
 from fleet.messages.repair import GpuRepairResult
 from fleet.naming import node_queue
 from tests.bad_input_helpers import task_failures
-from tests.evacuation_helpers import open_incident_stack, poll
-from tests.repair_helpers import exists
+from tests.evacuation_helpers import incident_fleet, open_incident_stack, poll
+from fleet.contracts import workflows as flows
+from tests.repair_helpers import eventually, exists, join_node, repair_handle, running_stack
 from tests.replay import replay_and_record
+from workflows.evacuation import failing_gpus
 
 
 #: A garbled proof: "yes" is not a boolean; a count that is no number.
@@ -133,3 +139,87 @@ async def test_a_proof_the_sdk_would_refuse_does_not_keep_the_site_at_weight_zer
         assert liar in proven.detail and "bad report: undecodable" in proven.detail, proven.detail
         assert inc.cluster.get_site_routes().sites[inc.site("a")].weight == 100
         assert inc.cluster.get_node(liar).unschedulable
+
+
+async def test_a_node_whose_gpu_3_fails_the_proof_has_gpu_3_fenced_and_repaired_not_gpu_0(
+        temporal_env, tmp_path) -> None:
+    """The incident runbook's defect: a node that failed an evacuation's proof was quarantined on GPU
+    0 whatever GPU failed. GPU 0, healthy, was fenced (out of scheduling) and repaired; its repair's
+    proof tested GPU 0 alone and passed, and the node served again with the GPU that failed still
+    computing wrong. Now the GPU the proof named is the one fenced and repaired: its repair proves
+    it, climbing the ladder until it computes right (a reboot does not fix this fault, a reinstall
+    does), and GPU 0 is never fenced. A compute fault is not in the node's health snapshot: only a
+    proof finds it."""
+    uid = uuid.uuid4().hex[:6]
+    fleet = incident_fleet(uid, a={"gpus_per_machine": 4})
+    async for inc in open_incident_stack(temporal_env.client, tmp_path, fleet, uid):
+        broken: dict[str, str] = {}
+
+        def breaks_gpu_3(name: str) -> None:
+            machine = next(m["id"] for m in inc.world.machines(inc.site("a")) if m["name"] == name)
+            inc.world.inject_fault(machine, 3, "compute", 1, clears_on="reinstall")
+            broken[name] = machine
+
+        evacuation, name = await inc.evacuate_with_a_liar("a", breaks_gpu_3)
+        result = EvacuationResult.model_validate(await asyncio.wait_for(evacuation.result(), 90))
+        assert result.outcome == "restored", result
+        proven = next(s for s in result.timeline if s.name == "nodes proven")
+        assert f"{name}: GPU 3: compute check produced wrong results" in proven.detail, proven.detail
+
+        repair = inc.client.get_workflow_handle(f"repair/{name}/gpu3")
+        await poll(lambda: exists(repair), timeout=30)  # before: repair/<node>/gpu0
+        fenced = fenced_gpus(inc.cluster.node_marks(name).annotations)
+        assert "0" not in fenced, f"GPU 0 is healthy: fenced {fenced}"
+        repaired = GpuRepairResult.model_validate(await asyncio.wait_for(repair.result(), 120))
+        assert (repaired.gpu, repaired.outcome) == (3, "repaired"), repaired
+        assert [a.outcome for a in repaired.attempts][-1] == "passed" and len(repaired.attempts) > 1, repaired
+        assert inc.world.compute_ok(broken[name], 3), "the GPU that failed computes right before the node serves"
+        assert not await exists(inc.client.get_workflow_handle(f"repair/{name}/gpu0"))
+
+        async def serving() -> bool:
+            return not inc.cluster.get_node(name).unschedulable
+
+        await poll(serving, timeout=30)
+        assert await task_failures(evacuation) == 0
+        await replay_and_record(evacuation, "site_evacuation_quarantines_the_failing_gpu")
+        await replay_and_record(inc.client.get_workflow_handle(f"node/{name}"), "node_entity_quarantined_on_the_failing_gpu")
+
+
+@pytest.mark.parametrize("failures, gpus, named", [
+    (["GPU 3: compute check produced wrong results"], 4, [3]),
+    (["GPU 1: XID 79", "GPU 1: 2 uncorrected ECC errors", "GPU 2: 1 NVLink links down"], 4, [1, 2]),
+    # Every repair's proof checks how many GPUs are visible: it names none, and asks for no more.
+    (["3 of 4 GPUs visible", "GPU 2: GPU is lost"], 4, [2]),
+    (["3 of 4 GPUs visible"], 4, None),
+    # A node-wide failure, or a GPU past the site's count (a lie): the whole node's GPU 0 as well.
+    (["GPU 3: x", "libcuda not loadable: no such file"], 4, [0, 3]),
+    (["GPU 3: x", "GPU 9: x"], 4, [0, 3]),
+    (["GPU 9: x", "GPU 63: x", "GPU 999: x"], 4, None),
+    (["no GPU named", "GPU x: y", " GPU 1: leading space"], 4, None),
+    ([f"GPU {i}: x" for i in range(100)], 8, list(range(8))),
+])
+def test_the_gpus_a_failed_proof_names_are_the_nodes_own_and_bounded(failures, gpus, named) -> None:
+    """What a node's report names decides only about its own GPUs, below the site's count per
+    machine; a report naming none keeps the whole-node quarantine (None)."""
+    assert failing_gpus(failures, gpus) == named
+
+
+async def test_a_quarantine_acts_only_on_gpus_the_node_has_by_the_clusters_count(temporal_env, tmp_path) -> None:
+    """The Node entity takes the GPUs a quarantine names as far as its node has them by the cluster's
+    count: on a 2-GPU node, GPU 1 named is GPU 1 fenced and repaired (not GPU 0); GPU 5 named (a report
+    within the message's bound, not the node's) is none of its own, so the whole node's GPU 0."""
+    async for stack in running_stack(temporal_env.client, tmp_path):
+        node = (await join_node(stack)).node_name
+        entity = stack.client.get_workflow_handle(f"node/{node}")
+        await entity.signal(flows.Node.quarantine, {"reason": "failed a proof: GPU 1: compute", "gpus": [1]})
+        one = repair_handle(stack, node, 1)
+        await eventually(lambda: exists(one), timeout=30)
+        assert "0" not in fenced_gpus(stack.cluster.node_marks(node).annotations)
+        assert GpuRepairResult.model_validate(await asyncio.wait_for(one.result(), 90)).outcome == "repaired"
+        assert not await exists(repair_handle(stack, node, 0))
+
+        await entity.signal(flows.Node.quarantine, {"reason": "failed a proof: GPU 5: compute", "gpus": [5]})
+        zero = repair_handle(stack, node, 0)
+        await eventually(lambda: exists(zero), timeout=30)
+        assert GpuRepairResult.model_validate(await asyncio.wait_for(zero.result(), 90)).outcome == "repaired"
+        assert await task_failures(entity) == 0
