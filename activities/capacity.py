@@ -37,6 +37,8 @@ from fleet.messages.capacity import (
     FillRef,
     GetCatalogInput,
     NotifyInput,
+    MAX_QUEUED_DELETES_SHOWN,
+    QueuedDelete,
     QueuedDeletes,
     ReleaseCordonsInput,
     ReportAccountInput,
@@ -425,13 +427,19 @@ class CapacityActivities:
     def queued_deletes(self, input: AccountInput) -> QueuedDeletes:
         """The deletes the guard store holds queued for the account, and whether it has the account
         revoked: a ProviderAccount run started afresh (its run before terminated, owing them) reads
-        what it owes from here. Reads the store only."""
+        what it owes from here, and a run shows them from here (``AccountStatus.deletes_queued``).
+        Reads the store only."""
         pending = self.env.accounts.pending_deletes(input.account)
         revoked = self.env.accounts.get(input.account).state == AccountState.CREDENTIALS_REVOKED
         oldest = min((p.queued_at for p in pending), default=None)
+
+        def iso(at: float) -> str:
+            return datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="seconds")
+
         return QueuedDeletes(
-            machines=[p.machine_id for p in pending], revoked=revoked,
-            oldest="" if oldest is None else datetime.fromtimestamp(oldest, timezone.utc).isoformat(timespec="seconds"),
+            machines=[p.machine_id for p in pending], revoked=revoked, oldest="" if oldest is None else iso(oldest),
+            queued=[QueuedDelete(machine_id=p.machine_id, site=p.site, queued_at=iso(p.queued_at))
+                    for p in pending[:MAX_QUEUED_DELETES_SHOWN]],
         )
 
     @activity.defn

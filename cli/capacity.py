@@ -238,16 +238,88 @@ def accounts_list(
     output: OutputFormat = "table",
     address: Address = "localhost:7233",
 ) -> None:
-    """Every ProviderAccount entity and its state (and since when deletes are owed: queued while
-    it was revoked, they failed after the rotation; the entity tries them again until they run)."""
+    """Every ProviderAccount entity and its state, how many of its machines are owed a delete
+    (queued while it was revoked: still up, billed; `gpufleet accounts show` names them) and since
+    when deletes are owed (they failed after the rotation; the entity tries them again until they run)."""
     from fleet.naming import account_workflow_id
 
     statuses = run(fleet_client(_settings(address)).accounts(needs_person))
     rows = [[account_workflow_id(s.provider, s.account), s.state.value, str(s.since or ""),
-             ", ".join(s.blocked_offers), f"since {s.deletes_owed_since}" if s.deletes_owed_since else "", s.reason]
+             ", ".join(s.blocked_offers), str(s.deletes_queued_count) if s.deletes_queued_count else "",
+             f"since {s.deletes_owed_since}" if s.deletes_owed_since else "", s.reason]
             for s in statuses]
-    show_rows("provider accounts", ["account", "state", "since", "quota-blocked offers", "deletes owed", "reason"],
+    show_rows("provider accounts",
+              ["account", "state", "since", "quota-blocked offers", "deletes queued", "deletes owed", "reason"],
               rows, output, drop_narrow=("since",))
+
+
+@accounts_app.command("show")
+def accounts_show(
+    account: str,
+    output: OutputFormat = "table",
+    address: Address = "localhost:7233", config: ConfigPath = None,
+) -> None:
+    """One account's state, its blocked offers, and each machine still owed a delete (queued while
+    it was revoked: still up, billed until the delete runs), with how long it has waited."""
+    import json
+    from datetime import datetime, timezone
+
+    from client import InvalidArgument, NotFound
+    from fleet.naming import account_workflow_id
+
+    try:
+        s = run(fleet_client(_settings(address, config=config)).account_status(account))
+    except InvalidArgument as error:
+        fail(str(error), 2)
+    except NotFound as error:
+        err.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+    now = datetime.now(timezone.utc)
+    waited = {d.machine_id: _waited(now, d.queued_at) for d in s.deletes_queued}
+    if output == "json":
+        print(json.dumps({**s.model_dump(mode="json"), "deletes_queued": [
+            {**d.model_dump(mode="json"), "waited": waited[d.machine_id]} for d in s.deletes_queued]}, indent=2),
+            flush=True)
+        return
+    plain = {"markup": False, "highlight": False, "soft_wrap": True}
+    console.print(f"{account_workflow_id(s.provider, s.account)}: {s.state.value}"
+                  + (f" since {s.since}" if s.since else "") + (f": {s.reason}" if s.reason else ""), **plain)
+    for offer, since in s.blocked_offers.items():
+        console.print(f"  quota-blocked: {offer} (since {since})", **plain)
+    if s.deletes_owed_since:
+        console.print(f"deletes owed since {s.deletes_owed_since}: {s.deletes_failing}", **plain)
+    if s.deletes_queued_count:
+        then = ("they run once the credentials are rotated (`gpufleet accounts credentials-rotated "
+                f"{s.account}`)" if s.state.value == "credentials-revoked" else "the entity runs them")
+        console.print(f"{s.deletes_queued_count} machine(s) owed a delete, queued in the account guard (still up, "
+                      f"billed; read {s.deletes_queued_read}): {then}", **plain)
+        rows = [[d.machine_id, d.site, d.queued_at, waited[d.machine_id]] for d in s.deletes_queued]
+        show_rows("machines owed a delete", ["machine", "site", "queued at", "waited"], rows, output)
+        more = s.deletes_queued_count - len(s.deletes_queued)
+        if more:
+            console.print(f"and {more} more (the oldest are shown)", **plain)
+    else:
+        read = f" (read {s.deletes_queued_read})" if s.deletes_queued_read else ""
+        console.print(f"no machine owed a delete{read}", **plain)
+    for line in s.history[-5:]:
+        console.print(f"  - {line}", **plain)
+
+
+def _waited(now, queued_at: str) -> str:
+    """How long since ``queued_at`` (ISO): ``2d 3h``, ``3h 12m``, ``4m 10s``; "" when not known."""
+    from datetime import datetime
+
+    if not queued_at:
+        return ""
+    seconds = max(0, int((now - datetime.fromisoformat(queued_at)).total_seconds()))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h"
+    if hours:
+        return f"{hours}h {minutes}m"
+    return f"{minutes}m {secs}s"
 
 
 @accounts_app.command("quota-raised")

@@ -396,6 +396,104 @@ async def test_deletes_owed_by_a_terminated_account_run_are_run_by_the_run_start
     await replay_and_record(account, "account_started_again_runs_the_deletes_owed")
 
 
+async def accounts_cli(cap: CapStack, *args: str) -> str:
+    """``gpufleet accounts <args>`` through the typer app, as an operator runs it against this stack."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    more = ["--config", cap.settings.config] if args[0] == "show" else []
+    ran = await asyncio.to_thread(CliRunner().invoke, app, ["accounts", *args, "--address", cap.settings.address,
+                                                            *more], env={**cap.settings.env(), "COLUMNS": "250"})
+    assert ran.exit_code == 0, ran.output
+    return ran.output
+
+
+async def listed_row(cap: CapStack, account: WorkflowHandle) -> dict:
+    (row,) = [r for r in json.loads(await accounts_cli(cap, "list", "--output", "json")) if r["account"] == account.id]
+    return row
+
+
+async def test_machines_owed_a_delete_while_revoked_are_shown_until_the_rotation_runs_them(
+        cap: CapStack) -> None:
+    """A machine's delete is queued while its account's credentials are revoked: the machine is
+    still up, billed, until a person rotates them. The operator sees it where they look: ``gpufleet
+    accounts list`` counts it, ``gpufleet accounts show`` names it, its site and how long it has
+    waited, and so do the entity's ``status`` and its details in the UI; a run that continues as new
+    shows it still. Once the rotation runs the delete, it is shown no more. Before, a delete queued
+    while revoked was shown nowhere: the entity never learnt of it."""
+    a, account, machine = await revoked_with_a_queued_delete(cap)
+    queued_at = cap.env.accounts.pending_deletes(a)[0].queued_at
+
+    async def status() -> AccountStatus:
+        return await account.query("status", result_type=AccountStatus)
+
+    shown = await wait_for_async(status, lambda s: s.deletes_queued_count == 1, timeout=30)
+    assert shown.state == "credentials-revoked"
+    assert [(d.machine_id, d.site) for d in shown.deletes_queued] == [(machine.machine_id, cap.site("cheap"))]
+    assert datetime.fromisoformat(shown.deletes_queued[0].queued_at).timestamp() == pytest.approx(queued_at, abs=1)
+    text = await details(account)
+    assert "1 machine(s) owed a delete" in text and machine.machine_id in text, text
+
+    row = await listed_row(cap, account)
+    assert (row["state"], row["deletes queued"]) == ("credentials-revoked", "1"), row
+    said = await accounts_cli(cap, "show", a)
+    assert "1 machine(s) owed a delete" in said and "they run once the credentials are rotated" in said, said
+    (line,) = [line for line in said.splitlines() if machine.machine_id in line and "ran " not in line
+               and "queued in the account guard:" not in line]
+    assert cap.site("cheap") in line and re.search(r"\d+m \d+s", line), said
+    (listed,) = json.loads(await accounts_cli(cap, "show", a, "--output", "json"))["deletes_queued"]
+    assert listed["machine_id"] == machine.machine_id and listed["waited"], listed
+
+    # A run that continues as new (asked by ``renew``, as by Temporal's suggestion) shows it still.
+    first = (await account.describe()).run_id
+    await account.signal("renew")
+    await wait_for_async(account.describe, lambda d: d.run_id != first, timeout=30)
+    carried = await status()
+    assert (carried.state, carried.deletes_queued_count) == ("credentials-revoked", 1), carried
+    assert (await listed_row(cap, account))["deletes queued"] == "1"
+
+    # The rotation runs the delete: the machine goes, and nothing is shown owed any more.
+    cap.world.set_credentials_valid(a, True)
+    rotated = AccountStatus.model_validate(await account.execute_update("credentials_rotated"))
+    assert cap.world.machine(machine.machine_id)["deleted_at"] is not None
+    assert (rotated.state, rotated.deletes_queued_count, rotated.deletes_queued) == ("healthy", 0, [])
+    assert (await listed_row(cap, account))["deletes queued"] == ""
+    assert "no machine owed a delete" in await accounts_cli(cap, "show", a)
+    assert "owed a delete" not in await details(account)
+    await replay_and_record(account, "account_shows_queued_deletes")
+    # The run that was revoked, read the store and continued as new.
+    await replay_and_record(cap.client.get_workflow_handle(account.id, run_id=first),
+                            "account_shows_queued_deletes_then_continued")
+
+
+async def test_a_run_started_afresh_while_revoked_shows_the_machines_owed_a_delete(cap: CapStack) -> None:
+    """An operator terminates the ProviderAccount entity while its account is revoked and a delete is
+    queued; a report starts it again, afresh, nothing carried. The new run reads the delete in the
+    guard store and shows it (``gpufleet accounts list`` counts it, ``show`` names it) until the
+    rotation runs it. Before, the fresh run logged it and showed nothing."""
+    a, account, machine = await revoked_with_a_queued_delete(cap)
+    await account.terminate("by hand")
+    await cap.client.start_workflow("ProviderAccount", {"account": a, "provider": "lambda"}, id=account.id,
+                                    task_queue=cap.settings.task_queue)
+    await account.signal("report", {"account": a, "kind": "BadCredentials", "message": "key revoked"})
+
+    async def status() -> AccountStatus:
+        return await account.query("status", result_type=AccountStatus)
+
+    shown = await wait_for_async(status, lambda s: s.state == "credentials-revoked" and s.deletes_queued_count == 1,
+                                 timeout=30)
+    assert [d.machine_id for d in shown.deletes_queued] == [machine.machine_id]
+    assert (await listed_row(cap, account))["deletes queued"] == "1"
+    assert machine.machine_id in await accounts_cli(cap, "show", a)
+
+    cap.world.set_credentials_valid(a, True)
+    rotated = AccountStatus.model_validate(await account.execute_update("credentials_rotated"))
+    assert cap.world.machine(machine.machine_id)["deleted_at"] is not None
+    assert rotated.deletes_queued_count == 0 and (await listed_row(cap, account))["deletes queued"] == ""
+    await replay_and_record(account, "account_started_afresh_shows_queued_deletes")
+
+
 async def revoked_with_a_queued_delete(cap: CapStack):
     """Account a revoked (a request's BadCredentials reported it), with the delete of a machine it
     had queued meanwhile: (the account, its entity, the machine)."""

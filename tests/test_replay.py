@@ -357,6 +357,12 @@ EXPECTED = {
     # guard store, owes them and runs them (``account-started-afresh-takes-queued-deletes``,
     # tests/test_capacity.py); the old code's fresh run, which owed nothing, the machine left up, replays too.
     "account_started_again_runs_the_deletes_owed", "account_started_again_runs_the_deletes_owed_before",
+    # The deletes queued while revoked are read from the guard store and shown (status, details,
+    # ``gpufleet accounts list`` and ``show``) until a rotation runs them, over continue-as-new and in a
+    # run started afresh (``account-shows-queued-deletes``, tests/test_capacity.py); the old code's
+    # run, which never read them, replays too.
+    "account_shows_queued_deletes", "account_shows_queued_deletes_then_continued",
+    "account_started_afresh_shows_queued_deletes", "account_shows_queued_deletes_before",
     # The entity gate (issue 38): a Node continues as new only once its watch loop rests, so the run
     # that took a spot notice starts the SpotReclaim (tests/test_entity_gate.py).
     "node_entity_continued_as_new_after_reclaim",

@@ -15,7 +15,9 @@ once). A person clears them with updates:
   (patch ``account-owes-failed-deletes``). A run started afresh (its run before terminated by hand,
   its state not carried) reads the deletes still queued in the guard store and owes them, unless the
   guard has the account revoked (the next rotation runs them: patch
-  ``account-started-afresh-takes-queued-deletes``).
+  ``account-started-afresh-takes-queued-deletes``). The deletes queued (which machines, where, since
+  when) are shown in the status and details, read from the guard store while revoked (patch
+  ``account-shows-queued-deletes``): ``gpufleet accounts list`` counts them, ``show`` names them.
 
 Every change is written through to the guard store that activities check, the
 search attribute ``FleetState`` is ``needs-person`` while anything is blocked
@@ -52,6 +54,8 @@ with workflow.unsafe.imports_passed_through():
         AccountStatus,
         NotifyInput,
         ProviderAccountInput,
+        MAX_QUEUED_DELETES_SHOWN,
+        QueuedDelete,
         QueuedDeletes,
         QuotaRaised,
         ReportAccountInput,
@@ -113,6 +117,18 @@ DELETES_OWED_PATCH = "account-owes-failed-deletes"
 #: stayed queued in the store until the account was revoked and rotated again, their machines up,
 #: billed, shown nowhere (the FleetSweep took those accounted for by nothing, once past its grace).
 TAKES_QUEUED_DELETES_PATCH = "account-started-afresh-takes-queued-deletes"
+#: Workflow patch, asked once at the start of every run: the run shows the deletes the account guard
+#: store holds queued for its account (``AccountStatus.deletes_queued``: which machines, at which site,
+#: queued when; ``deletes_queued_count``), in its ``status`` and details, so a person rotating the
+#: credentials sees which machines are still up, billed, owed a delete. While the account is revoked
+#: (or a run started afresh holds some the guard still refuses) the loop reads them
+#: (``queued_deletes``, the store only) 5 s after the revocation (at once in a run that continued as
+#: new), then again after a pause that doubles up to 5 minutes, from 5 s again when they changed; a
+#: try of them that failed reads them too (which are left), a try that ran them empties the list, and
+#: a run started afresh keeps what it read. Before it a delete queued while revoked was shown nowhere
+#: (``queued_deletes`` is the store's; the entity never learnt of it) until a rotation's try of it
+#: failed: a person rotating the credentials could not see which machines were still up, billed.
+SHOWS_QUEUED_PATCH = "account-shows-queued-deletes"
 #: What the owed deletes' try is called in the entity's details and log.
 DELETES_STEP = "run the deletes queued while revoked"
 
@@ -142,6 +158,16 @@ class ProviderAccount(Entity[AccountStatus | None]):
         self._deletes_next: datetime | None = None
         self._deletes_pause = FIRST_PAUSE
         self._deletes_tries = 0
+        #: ``SHOWS_QUEUED_PATCH``, decided at the start of the run.
+        self._shows_queued = False
+        #: The deletes queued, while watched (``_queued_watched``): when the loop reads them next (None:
+        #: at once), the pause after the next read that finds them unchanged, and why the last read
+        #: failed ("": it did not). Not carried: a run that continues as new reads them at once.
+        self._queued_next: datetime | None = None
+        self._queued_pause = FIRST_PAUSE
+        self._queued_failing = ""
+        #: Tries of the queued deletes that ended: a read that a try's end overtook is not kept.
+        self._deletes_runs = 0
 
     # -- what workflows and people send ---------------------------------------------------
     @workflow.signal
@@ -238,6 +264,7 @@ class ProviderAccount(Entity[AccountStatus | None]):
                 raise  # (a run from before: the update fails, the rotation kept, the deletes not run)
             # The rotation stands (written): the deletes are owed, and the loop tries them again.
             self._owe_deletes(error, rotated=True)
+            await self._read_queued()  # which are left
         await self._wake()
         return status
 
@@ -258,6 +285,7 @@ class ProviderAccount(Entity[AccountStatus | None]):
         workflow.patched(STATE_LOCK_PATCH)  # decided (and recorded) once, at the start of the run
         takes_reports_at_gate = workflow.patched(CONTINUE_WHEN_READY_PATCH)  # the same, before any activity
         checks_config = workflow.patched(CONFIG_CHECKED_PATCH)  # the same
+        self._shows_queued = workflow.patched(SHOWS_QUEUED_PATCH)  # the same
         self.start_with(args.status or AccountStatus(account=args.account, provider=args.provider))
         if checks_config:
             # After the state is set: an update meanwhile is checked against it, not held until the check
@@ -288,6 +316,10 @@ class ProviderAccount(Entity[AccountStatus | None]):
                     if cancelled_by_request(error):
                         raise
                     self._owe_deletes(error)
+                    await self._read_queued()  # which are left
+                continue
+            if self._queued_due() and not self.continue_as_new_suggested():  # (else read by the next run)
+                await self._read_queued()
                 continue
             if not self.continue_as_new_suggested():
                 continue  # woken for owed deletes' new pause: wait for it
@@ -301,7 +333,7 @@ class ProviderAccount(Entity[AccountStatus | None]):
 
     def _has_work(self) -> bool:
         return (bool(self._reports) or self._unwritten or self.continue_as_new_suggested()
-                or self._deletes_due())
+                or self._deletes_due() or self._queued_due())
 
     async def _until_work(self) -> None:
         """Wait for work for the loop: a report, a write to try again, continue-as-new, or the next
@@ -311,6 +343,13 @@ class ProviderAccount(Entity[AccountStatus | None]):
         plan = self._deletes_plan()
         pause = self._deletes_pause_left()
         woken = lambda: self._has_work() or self._deletes_plan() != plan  # noqa: E731
+        read = self._queued_pause_left()
+        if read is not None and (pause is None or read < pause):  # (never in a run from before the patch)
+            try:
+                await workflow.wait_condition(woken, timeout=read, timeout_summary="read the deletes queued again")
+            except asyncio.TimeoutError:
+                self._queued_next = None  # the pause is over: read them
+            return
         if pause is None:
             await workflow.wait_condition(woken)
             return
@@ -329,8 +368,10 @@ class ProviderAccount(Entity[AccountStatus | None]):
                 and not self._deleting)
 
     def _deletes_plan(self) -> tuple:
-        """What the loop's wait for owed deletes depends on (the same for a run that owes none)."""
-        return self._deletes_next, self._deletes_tries, self._deletes_waiting()
+        """What the loop's wait for owed deletes, and for the next read of those queued, depends on
+        (the same for a run that owes none and watches none)."""
+        return (self._deletes_next, self._deletes_tries, self._deletes_waiting(),
+                self._queued_next, self._queued_watched())
 
     def _deletes_due(self) -> bool:
         return self._deletes_waiting() and (self._deletes_next is None or workflow.now() >= self._deletes_next)
@@ -354,8 +395,12 @@ class ProviderAccount(Entity[AccountStatus | None]):
             )
         finally:
             self._deleting = False
+            self._deletes_runs += 1
         if deleted:
             self._log(f"ran {len(deleted)} queued deletes: {', '.join(deleted)}")
+        if status.deletes_queued_count:  # it ran every delete queued: none is left
+            status.deletes_queued, status.deletes_queued_count = [], 0
+            self._show()
         if status.deletes_owed_since:
             self._log(f"the deletes owed since {status.deletes_owed_since} ran")
             status.deletes_owed_since = status.deletes_failing = ""
@@ -382,6 +427,8 @@ class ProviderAccount(Entity[AccountStatus | None]):
                                       f"({failure_text(error)[:MAX_PROBLEM_SHOWN]}): tried as owed")
             self._log(f"started afresh: {status.deletes_failing}")
             return
+        if self._shows_queued:
+            self._take_read(queued)
         if not queued.machines:
             return
         machines = f"{len(queued.machines)} deletes queued in the account guard since {queued.oldest}"
@@ -392,6 +439,74 @@ class ProviderAccount(Entity[AccountStatus | None]):
         status.deletes_owed_since = queued.oldest
         status.deletes_failing = f"{machines}, owed by a run before this one (it ended without running them)"
         self._log(f"started afresh owing {machines} ({listing(queued.machines)}): running them")
+
+    # -- the deletes queued, shown ------------------------------------------------------------
+    def _queued_watched(self) -> bool:
+        """The loop reads the deletes queued (``SHOWS_QUEUED_PATCH``): while the account is revoked
+        (they are queued then), or while a run started afresh holds some that are not owed (the
+        guard had the account revoked), until they are gone."""
+        status = self.state
+        return self._shows_queued and (
+            status.state == AccountState.CREDENTIALS_REVOKED
+            or (status.deletes_queued_count > 0 and not status.deletes_owed_since))
+
+    def _queued_due(self) -> bool:
+        return (self._queued_watched() and not self._deleting
+                and (self._queued_next is None or workflow.now() >= self._queued_next))
+
+    def _queued_pause_left(self) -> timedelta | None:
+        if not self._queued_watched() or self._deleting or self._queued_next is None:
+            return None
+        left = self._queued_next - workflow.now()
+        return left if left > timedelta(0) else None
+
+    async def _read_queued(self) -> None:
+        """Read the deletes the guard store holds queued for the account (``queued_deletes``) and
+        show them; the next read (while watched) after a pause that doubles, from the first again when
+        they changed. A read that fails keeps what was read before, and says so."""
+        if not self._shows_queued:
+            return  # a run from before the patch: nothing read, nothing shown
+        runs = self._deletes_runs
+        try:
+            queued: QueuedDeletes = await workflow.execute_activity(
+                act.queued_deletes, AccountInput(account=self.state.account),
+                start_to_close_timeout=QUICK, retry_policy=STORE_RETRY, summary="deletes queued in the account guard",
+            )
+        except ActivityError as error:
+            if cancelled_by_request(error):
+                raise
+            self._queued_failing = (f"could not read the deletes queued in the account guard "
+                                    f"({failure_text(error)[:MAX_PROBLEM_SHOWN]}): shown as last read")
+            self._queued_later(changed=False)
+            self._show()
+            return
+        failed, self._queued_failing = self._queued_failing, ""
+        if runs != self._deletes_runs:  # a try of them ended meanwhile: what it left is shown already
+            self._queued_later(changed=True)
+            return
+        changed = self._take_read(queued)
+        self._queued_later(changed=changed)
+        if changed or failed:
+            self._show()
+
+    def _take_read(self, queued: QueuedDeletes) -> bool:
+        """The deletes queued as read (the first ``MAX_QUEUED_DELETES_SHOWN``, and how many in all)
+        into the state; whether they changed (then logged)."""
+        status = self.state
+        shown = queued.queued or [QueuedDelete(machine_id=m) for m in queued.machines[:MAX_QUEUED_DELETES_SHOWN]]
+        status.deletes_queued_read = workflow.now().isoformat(timespec="seconds")
+        if (shown, len(queued.machines)) == (status.deletes_queued, status.deletes_queued_count):
+            return False
+        status.deletes_queued, status.deletes_queued_count = shown, len(queued.machines)
+        self._log(f"deletes queued in the account guard: {len(queued.machines)}"
+                  + (f" ({listing(queued.machines)})" if queued.machines else ""))
+        return True
+
+    def _queued_later(self, *, changed: bool) -> None:
+        if changed:
+            self._queued_pause = FIRST_PAUSE
+        pause, self._queued_pause = self._queued_pause, min(self._queued_pause * 2, MAX_PAUSE)
+        self._queued_next = workflow.now() + pause
 
     def _owe_deletes(self, error: ActivityError, *, rotated: bool = False) -> None:
         """A try of the queued deletes failed past its retries: they are owed, and tried again after
@@ -488,6 +603,8 @@ class ProviderAccount(Entity[AccountStatus | None]):
         status = self.state
         if status.state != state:
             status.since = workflow.now().isoformat(timespec="seconds") if state != AccountState.HEALTHY else ""
+            if state == AccountState.CREDENTIALS_REVOKED and self._shows_queued:  # deletes queue from now: read soon
+                self._queued_next, self._queued_pause = workflow.now() + FIRST_PAUSE, FIRST_PAUSE * 2
         status.state, status.reason = state, reason
 
     def _log(self, line: str) -> None:
@@ -515,6 +632,14 @@ class ProviderAccount(Entity[AccountStatus | None]):
         elif s.deletes_owed_since:
             lines.append(f"deletes owed since {s.deletes_owed_since} (their machines are still up): "
                          f"{s.deletes_failing}; nothing to send: the entity tries them again until they run")
+        if s.deletes_queued_count:
+            shown = ", ".join(f"{d.machine_id}" + (f" at {d.site}" if d.site else "")
+                              + (f" (queued {d.queued_at})" if d.queued_at else "") for d in s.deletes_queued)
+            more = s.deletes_queued_count - len(s.deletes_queued)
+            lines.append(f"{s.deletes_queued_count} machine(s) owed a delete, queued in the account guard (still up, "
+                         f"billed; read {s.deletes_queued_read}): {shown}" + (f" and {more} more" if more else ""))
+        if self._queued_failing:
+            lines.append(self._queued_failing)
         if s.notify_failures:
             lines.append(f"webhook failed {s.notify_failures} time(s), last: {s.notify_error}")
         lines += [f"- {h}" for h in s.history[-5:]]

@@ -531,7 +531,8 @@ async def routing_model_problems(input: RoutingModelInput) -> list[tuple[str, st
 @activity.defn(name="queued_deletes")
 async def queued_deletes(input: AccountInput) -> QueuedDeletes:
     """The deletes the account guard store holds queued for the account (and whether it has the
-    account revoked): read by a ProviderAccount run started afresh. Body: ``activities/capacity.py``,
+    account revoked): read by a ProviderAccount run started afresh, and by a run while revoked or
+    after a try of them failed, to show them. Body: ``activities/capacity.py``,
     ``CapacityActivities.queued_deletes``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 

@@ -215,6 +215,20 @@ class CapacityProgress(BaseModel):
     finished: bool = False
 
 
+#: The most queued deletes an account's status names (``AccountStatus.deletes_queued``); the count
+#: is of them all.
+MAX_QUEUED_DELETES_SHOWN = 20
+
+
+class QueuedDelete(BaseModel):
+    """A machine whose delete the account guard store holds queued (queued while the account was revoked)."""
+
+    machine_id: str
+    site: str = ""
+    #: When (ISO, UTC) it was queued.
+    queued_at: str = ""
+
+
 class AccountStatus(BaseModel):
     account: str
     provider: str
@@ -235,6 +249,18 @@ class AccountStatus(BaseModel):
     deletes_owed_since: str = ""
     #: While deletes are owed: why the last try failed, which try it was and when the next is.
     deletes_failing: str = ""
+    #: The deletes the account guard store holds queued for the account (queued while it was
+    #: revoked; their machines are still up, billed), oldest first, as the entity last read them
+    #: (``deletes_queued_read``): at most ``MAX_QUEUED_DELETES_SHOWN`` of them; ``deletes_queued_count``
+    #: counts them all. The entity reads the store while the account is revoked (again after a pause
+    #: that doubles from 5 s to 5 minutes, from 5 s again when they changed), after a try of them
+    #: failed, and in a run started afresh; they are gone once a try ran them. Carried over
+    #: continue-as-new; empty in every status from before the fields (patch
+    #: ``account-shows-queued-deletes``).
+    deletes_queued: list[QueuedDelete] = Field(default_factory=list)
+    deletes_queued_count: int = 0
+    #: When (ISO, UTC) the entity last read them; empty: never.
+    deletes_queued_read: str = ""
 
 
 class QueuedDeletes(BaseModel):
@@ -247,6 +273,9 @@ class QueuedDeletes(BaseModel):
     oldest: str = ""
     #: Whether the guard has the account revoked (then the next rotation runs them).
     revoked: bool = False
+    #: The first ``MAX_QUEUED_DELETES_SHOWN`` of ``machines`` with their site and when each was
+    #: queued (empty from a worker from before the field: ``machines`` and ``oldest`` say it then).
+    queued: list[QueuedDelete] = Field(default_factory=list)
 
 
 class ProviderAccountInput(Strict):
