@@ -329,6 +329,10 @@ EXPECTED = {
     # the old code's runs, which quarantined GPU 0, replay.
     "site_evacuation_quarantines_the_failing_gpu", "site_evacuation_quarantines_the_failing_gpu_before",
     "node_entity_quarantined_on_the_failing_gpu", "node_entity_quarantined_on_the_failing_gpu_before",
+    # A node whose agent cannot run its compute check stays cordoned, unproven, for a person, and is
+    # not handed to the repair ladder (``evacuation-holds-where-the-check-cannot-run``,
+    # tests/security/test_evacuation_proof.py); the old code's run, which quarantined it, replays.
+    "site_evacuation_holds_where_the_check_cannot_run", "site_evacuation_holds_where_the_check_cannot_run_before",
     # While its site is down, and while nothing may take its replicas, an evacuation waits on one
     # ``watch_recovery`` that probes inside the activity, which ``recovered`` cuts short
     # (``evacuation-watches-recovery``, tests/test_evacuation.py). Every ``site_evacuation_*`` file

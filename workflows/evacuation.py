@@ -34,7 +34,8 @@ query):
 6. **restore**: the nodes smoke-test (as many failing as would trip an incident →
    back to 5; fewer: each one that fails or garbles its answer stays cordoned and goes
    to its Node entity's repair ladder, on the GPUs its report named failing, else the whole
-   node, and the site returns with the others), the site's
+   node, but for one whose node agent cannot run its compute check, which stays cordoned for a
+   person to fix the agent, no rung climbed for it; and the site returns with the others), the site's
    Deployments come back, the weight climbs in steps (10 → 50 → 100 % with a bake
    time between), the extra replicas elsewhere go, and the nodes bought for the
    evacuation are retired while their site is above its min, but not one someone holds (a
@@ -184,6 +185,21 @@ DECLARED_RECOVERED_PATCH = "evacuation-declared-recovered-restores-unproven"
 #: that failed still broken. Asked in ``_quarantine_unproven`` only where a report named a GPU, so
 #: runs from before, and proofs naming none, send what they sent.
 QUARANTINES_FAILING_GPUS_PATCH = "evacuation-quarantines-the-failing-gpus"
+#: A node whose proof ended ``ComputeCheckUnavailable`` (its node agent cannot run the compute check:
+#: its image, its limits; no verdict on any GPU) stays cordoned and unproven, the site restored
+#: without it, but is not handed to its Node entity's repair ladder: no rung fixes the agent, and
+#: the quarantine began at a reboot (the machine restarted for nothing before the repair's own
+#: hold, ``repair-holds-when-the-check-cannot-run``, caught its proof). Its reason (``progress.held``,
+#: the timeline) names the agent's problem and the way back: a person fixes the node agent, then
+#: uncordons the node. Before, it was quarantined like a node whose GPU failed. Asked in
+#: ``_quarantine_unproven`` only where such a node is among the unproven, so runs from before, and
+#: proofs with none, send what they sent. What the node says decides only about itself: it keeps
+#: itself out of service (as any failed proof would), and no other machine.
+HOLDS_WHERE_THE_CHECK_CANNOT_RUN_PATCH = "evacuation-holds-where-the-check-cannot-run"
+#: The smoke test's error type where its compute check cannot run on the node (``activities.node_agent``).
+CHECK_UNAVAILABLE = "ComputeCheckUnavailable"
+#: The node's own message about why its check cannot run, cut to this wherever it is repeated.
+CHECK_UNAVAILABLE_CHARS = 300
 #: How the node agent's smoke test names the GPU a failure is about (``activities.node_agent.smoke_test``:
 #: its counters' problems and its compute check both begin so).
 _GPU_FAILURE = re.compile(r"GPU (\d{1,3}): ")
@@ -233,6 +249,8 @@ class SiteEvacuation:
         #: ``DECLARED_RECOVERED_PATCH``): nothing there can serve until their repairs, which wait for
         #: this evacuation to end, so ``_restore`` does not wait for the replicas back.
         self._none_proven = False
+        #: How many nodes the last failed proof found whose agent cannot run its compute check (details only).
+        self._agent_cannot_check = 0
         self._recovered_placing = False  # back before anything moved: nothing to move or drain
         self._abort = ""
         self._retry = 0
@@ -245,6 +263,12 @@ class SiteEvacuation:
         self._unproven: dict[str, str] = {}
         #: Node → the GPUs its last failed smoke test named failing (``failing_gpus``; none: not there).
         self._failing_gpus: dict[str, list[int]] = {}
+        #: Node → what its agent said, where the last proof's smoke test could not run its compute
+        #: check there (``CHECK_UNAVAILABLE``): nothing proved the node, nothing said a GPU of it is broken.
+        self._cannot_check: dict[str, str] = {}
+        #: The unproven nodes left cordoned and not handed to the repair ladder (their agent cannot
+        #: run its check: ``HOLDS_WHERE_THE_CHECK_CANNOT_RUN_PATCH``).
+        self._not_handed: set[str] = set()
         #: The AcquireCapacity child while it runs (an abort stops it and waits for its result).
         self._capacity: asyncio.Task | None = None
         self._facts: EvacuationFacts | None = None
@@ -616,7 +640,9 @@ class SiteEvacuation:
             self._failed_proofs += 1
             backoff = min(self._s.probe_seconds * 2 ** self._failed_proofs, 600)
             at = workflow.now() + timedelta(seconds=backoff)
-            self._show("backing off before the next proof", f"proof {self._failed_proofs} failed; next at "
+            agent = (f" (the node agent cannot run its compute check on {self._agent_cannot_check} nodes: fix it)"
+                     if self._agent_cannot_check else "")
+            self._show("backing off before the next proof", f"proof {self._failed_proofs} failed{agent}; next at "
                                                              f"{at:%H:%M:%S} UTC (or at once on `recovered`)")
             await self._wait(backoff, lambda: bool(self._recovered), "back off before the next proof")
         await self._restore()
@@ -1042,6 +1068,7 @@ class SiteEvacuation:
         room = asyncio.Semaphore(DRAIN_AT_ONCE) if self._in_turns(len(nodes)) else None
         tested: list[str] = []
         self._failing_gpus = {}  # this proof's (``_smoke_checked``)
+        self._cannot_check = {}  # this proof's
 
         def show_turns() -> None:
             self._show("smoke-testing the nodes", f"smoke-testing {DRAIN_AT_ONCE} at a time: {len(tested):,} of "
@@ -1072,8 +1099,15 @@ class SiteEvacuation:
             except ActivityError as error:
                 if self._cancelled(error):
                     raise
-                failures.append(f"{name}: smoke test did not run ({failure_type(error)})")
                 unproven[name] = f"smoke test did not run ({failure_type(error)})"
+                if failure_type(error) == CHECK_UNAVAILABLE:
+                    # The node's own words (bounded): its agent, not a GPU, is what failed.
+                    said = failure_message(error)[:CHECK_UNAVAILABLE_CHARS]
+                    self._cannot_check[name] = said
+                    failures.append(f"{name}: smoke test did not run ({CHECK_UNAVAILABLE}): the node agent cannot "
+                                    f"run its compute check, its GPUs neither proven nor failed ({said})")
+                else:
+                    failures.append(f"{name}: smoke test did not run ({failure_type(error)})")
 
         await asyncio.gather(*(smoke(n.node_name) for n in nodes))
         self._check()
@@ -1085,11 +1119,23 @@ class SiteEvacuation:
         too_many = len(unproven) >= trip_threshold(len(nodes), s) or (
             not proven and not (declared and unproven and workflow.patched(DECLARED_RECOVERED_PATCH)))
         self._none_proven = not too_many and not proven
+        # A node whose agent cannot run its check counts among the unproven here too: nothing proved
+        # it. A site whose every node has a broken agent image (one image for all) then waits, and does
+        # not come back with each node cordoned for a person to lift by hand: it proves again after
+        # each back-off (10 minutes apart at most, or at once on `recovered`), and the first proof
+        # after the agent is fixed restores the site, its nodes uncordoned. So that this wait does
+        # not read as the provider still down, the timeline and details say it is the agent's.
+        cannot = sorted(name for name in unproven if name in self._cannot_check)
+        self._agent_cannot_check = len(cannot) if too_many else 0
         if too_many:
             self._recovered = ""
             self._state("waiting-for-recovery")
             # Every round that fails says this: a few nodes' failures, and how many more.
-            self._mark("smoke tests failed", "; ".join(summarised(failures)) or "no nodes")
+            if cannot and len(cannot) == len(unproven):
+                self._mark("compute check cannot run", self._agent_said(cannot, len(nodes))
+                           + ": " + "; ".join(summarised(failures)))
+            else:
+                self._mark("smoke tests failed", "; ".join(summarised(failures)) or "no nodes")
             return False
         if unproven:
             self._unproven = unproven
@@ -1097,6 +1143,13 @@ class SiteEvacuation:
         self._mark("nodes proven", f"{len(proven)} nodes passed smoke tests"
                    + (f"; unproven, left cordoned: {'; '.join(failures)}" if unproven else ""))
         return True
+
+    @staticmethod
+    def _agent_said(cannot: list[str], nodes: int) -> str:
+        """What a proof that waits because node agents cannot run their compute check says."""
+        return (f"the node agent cannot run its compute check on {len(cannot)} of {nodes} nodes (their GPUs neither "
+                "proven nor failed; not the provider's fault): fix the node agent (its image, its limits); the next "
+                "proof restores the site")
 
     async def _smoke_checked(self, name: str, gpus: int) -> str:
         """"" when the node proved itself, else why not. The answer comes from the node's own
@@ -1129,11 +1182,19 @@ class SiteEvacuation:
     async def _quarantine_unproven(self) -> None:
         """Each node that failed the proof goes to its Node entity: cordoned, the repair ladder
         decides (held by the Site entity while its incident is open, then repaired): the GPUs its
-        report named failing (``QUARANTINES_FAILING_GPUS_PATCH``), else the whole node."""
+        report named failing (``QUARANTINES_FAILING_GPUS_PATCH``), else the whole node. Not one
+        whose agent cannot run its compute check (``HOLDS_WHERE_THE_CHECK_CANNOT_RUN_PATCH``): it
+        stays cordoned, unproven, for a person."""
+        cannot = {name for name in self._unproven if name in self._cannot_check}
+        if cannot and workflow.patched(HOLDS_WHERE_THE_CHECK_CANNOT_RUN_PATCH):
+            # No rung fixes the agent: cordoned, unproven, for a person (``_release`` says so).
+            self._not_handed = cannot
         named = {name: gpus for name, gpus in self._failing_gpus.items() if name in self._unproven}
         if not (named and workflow.patched(QUARANTINES_FAILING_GPUS_PATCH)):
             named = {}
         for name, why in sorted(self._unproven.items()):
+            if name in self._not_handed:
+                continue
             order = NodeQuarantine(reason=f"failed the smoke test of {workflow.info().workflow_id}: {why}"[:1000],
                                    gpus=named.get(name))
             try:
@@ -1149,7 +1210,7 @@ class SiteEvacuation:
         began, or a repair holds a GPU of it."""
         p, site = self._progress, self._args.site
         before = {n.name for n in self._facts.nodes if n.unschedulable} if self._facts else set()
-        held = {name: f"failed the proof: {why}" for name, why in self._unproven.items()}
+        held = {name: self._held_unproven(name, why) for name, why in self._unproven.items()}
         cordoned = [*p.drained, *(name for name in self._cordoning if name not in p.drained)]
         release = [name for name in cordoned if name not in held and name not in before]
         keep = [name for name in cordoned if name not in held and name in before]
@@ -1166,6 +1227,15 @@ class SiteEvacuation:
         p.held = held
         if held:
             self._mark("nodes held", "; ".join(f"{node}: {why}" for node, why in sorted(held.items())))
+
+    def _held_unproven(self, name: str, why: str) -> str:
+        """Why a node that failed the proof stays cordoned (``progress.held``, the timeline)."""
+        if name not in self._not_handed:
+            return f"failed the proof: {why}"
+        return (f"unproven: the node agent cannot run its compute check ({self._cannot_check.get(name, why)}); not "
+                f"handed to the repair ladder (no rung fixes the agent: no reset or reboot for it). A person fixes "
+                f"the node agent on {name} (its image, its limits), then uncordons it (`kubectl uncordon {name}`): "
+                "nothing else lifts this cordon")
 
     async def _undo(self, why: str) -> None:
         """``_put_back``, to its end even when Temporal's cancel lands meanwhile (during an abort's

@@ -21,7 +21,7 @@ import workers.node_agent
 from fleet.messages.nodes import SmokeTestInput
 from activities.node_agent import NodeAgentActivities
 from fleet.cluster import fenced_gpus
-from fleet.messages.evacuation import EvacuationResult
+from fleet.messages.evacuation import EvacuationLeftovers, EvacuationProgress, EvacuationResult
 from fleet.messages.repair import GpuRepairResult
 from fleet.naming import node_queue
 from tests.bad_input_helpers import task_failures
@@ -29,6 +29,8 @@ from tests.evacuation_helpers import incident_fleet, open_incident_stack, poll
 from fleet.contracts import workflows as flows
 from tests.repair_helpers import eventually, exists, join_node, repair_handle, running_stack
 from tests.replay import replay_and_record
+from providers.gpu import ComputeCheckUnavailable
+from sim.gpu import SimGpuBackend
 from workflows.evacuation import failing_gpus
 
 
@@ -223,3 +225,116 @@ async def test_a_quarantine_acts_only_on_gpus_the_node_has_by_the_clusters_count
         await eventually(lambda: exists(zero), timeout=30)
         assert GpuRepairResult.model_validate(await asyncio.wait_for(zero.result(), 90)).outcome == "repaired"
         assert await task_failures(entity) == 0
+
+
+class AgentsThatCannotCheck:
+    """The node agents of the simulated machines in ``machines`` cannot run their compute check (their
+    image lacks libcuda): their smoke test raises ``ComputeCheckUnavailable``, no verdict on any GPU."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.machines: set[str] = set()
+        checked = SimGpuBackend.compute_check
+
+        def compute_check(backend: SimGpuBackend, index: int) -> str | None:
+            if backend.machine_id in self.machines:
+                raise ComputeCheckUnavailable("libcuda not loadable in the node agent: libcuda.so.1: cannot open "
+                                              "shared object file: No such file or directory")
+            return checked(backend, index)
+
+        monkeypatch.setattr(SimGpuBackend, "compute_check", compute_check)
+
+
+async def signals_to(handle, name: str) -> list[str]:
+    history = await handle.fetch_history()
+    return [e.workflow_execution_signaled_event_attributes.signal_name for e in history.events
+            if e.HasField("workflow_execution_signaled_event_attributes")
+            and e.workflow_execution_signaled_event_attributes.signal_name == name]
+
+
+async def test_a_node_whose_agent_cannot_run_its_check_stays_cordoned_for_a_person_and_is_not_rebooted(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """The proof meets a node whose agent cannot run its compute check (``ComputeCheckUnavailable``):
+    nothing proved it, nothing said a GPU of it is broken. It stays cordoned and unproven, its reason
+    naming the agent's problem and the way back (a person fixes the agent, then uncordons it), and
+    the site comes back with the three others. Before, it was quarantined like a node whose GPU
+    failed: its Node entity started a GpuRepair at the reboot rung, the machine restarted for the
+    agent's problem before the repair's own hold caught its proof."""
+    agents = AgentsThatCannotCheck(monkeypatch)
+    async for inc in open_incident_stack(temporal_env.client, tmp_path):
+        machine: dict[str, str] = {}
+
+        def cannot_check(name: str) -> None:
+            machine[name] = next(m["id"] for m in inc.world.machines(inc.site("a")) if m["name"] == name)
+            agents.machines.add(machine[name])
+
+        evacuation, name = await inc.evacuate_with_a_liar("a", cannot_check)
+        result = EvacuationResult.model_validate(await asyncio.wait_for(evacuation.result(), 90))
+        assert result.outcome == "restored", result
+        proven = next(s for s in result.timeline if s.name == "nodes proven")
+        assert proven.detail.startswith("3 nodes passed smoke tests"), proven.detail
+        assert f"{name}: smoke test did not run (ComputeCheckUnavailable): the node agent cannot run its compute " \
+               "check" in proven.detail and "libcuda not loadable in the node agent" in proven.detail, proven.detail
+        # Why it stays cordoned, as the evacuation leaves it (others may stay for a repair's fence:
+        # their faults, cleared by the provider, were found while the incident held their repairs).
+        held = (await evacuation.query("progress", result_type=EvacuationProgress)).held
+        assert "the node agent cannot run its compute check" in held[name], held
+        assert "libcuda not loadable in the node agent" in held[name], held
+        assert "not handed to the repair ladder" in held[name] and f"kubectl uncordon {name}" in held[name], held
+        assert not [node for node, why in held.items() if node != name and "node agent" in why], held
+        shown = next(s for s in result.timeline if s.name == "nodes held")
+        assert f"{name}: unproven: the node agent cannot run its compute check" in shown.detail, shown.detail
+        routes = inc.cluster.get_site_routes().sites[inc.site("a")]
+        assert (routes.weight, routes.healthy) == (100, True)
+        assert inc.cluster.get_node(name).unschedulable, "nothing proved it: it stays cordoned"
+
+        # Not handed to the repair ladder: the evacuation has ended, so what it sent its Node entity
+        # has arrived, and that was no quarantine; no repair, no reboot.
+        assert await signals_to(inc.client.get_workflow_handle(f"node/{name}"), "quarantine") == []
+        assert not await exists(inc.client.get_workflow_handle(f"repair/{name}/gpu0"))
+        assert (inc.world.machine(machine[name])["reboots"], inc.world.machine(machine[name])["reinstalls"]) == (0, 0)
+        assert await task_failures(evacuation) == 0
+        await replay_and_record(evacuation, "site_evacuation_holds_where_the_check_cannot_run")
+
+        # The way back the reason names: nothing of the evacuation's is left to put back (its Site
+        # entity's put-back of closed evacuations leaves this cordon), so the person's uncordon,
+        # once the agent is fixed, is what returns it, and nothing cordons it again.
+        left = await evacuation.query("leftovers", result_type=EvacuationLeftovers)
+        assert left.put_back and name not in left.cordoned, left
+        agents.machines.clear()
+        inc.cluster.cordon(name, False)
+        assert not inc.cluster.get_node(name).unschedulable
+        assert not await exists(inc.client.get_workflow_handle(f"repair/{name}/gpu0"))
+
+
+async def test_a_site_whose_every_agent_cannot_run_its_check_waits_saying_so_and_comes_back_once_fixed(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """One agent image for the whole site, broken: every node's proof cannot run. The site is not
+    restored with each node cordoned for a person to lift by hand, nor is its wait read as the
+    provider still down: the timeline says the node agent cannot run its check, and no node goes to
+    the repair ladder. The agent fixed, the next proof passes and the site comes back by itself."""
+    agents = AgentsThatCannotCheck(monkeypatch)
+    async for inc in open_incident_stack(temporal_env.client, tmp_path):
+        def every_agent_broken(_liar: str) -> None:
+            agents.machines.update(m["id"] for m in inc.world.machines(inc.site("a")))
+
+        evacuation, _ = await inc.evacuate_with_a_liar("a", every_agent_broken)
+
+        async def says_the_agent_cannot_check():
+            progress = await inc.progress("a")
+            return next((s for s in progress.timeline if s.name == "compute check cannot run"), None) \
+                if progress else None
+
+        said = await poll(says_the_agent_cannot_check, timeout=60)
+        assert said.detail.startswith("the node agent cannot run its compute check on 4 of 4 nodes"), said.detail
+        assert "fix the node agent" in said.detail, said.detail
+        names = [m["name"] for m in inc.world.machines(inc.site("a"))]
+        for name in names:
+            assert await signals_to(inc.client.get_workflow_handle(f"node/{name}"), "quarantine") == []
+
+        agents.machines.clear()  # the agent's image fixed
+        result = EvacuationResult.model_validate(await asyncio.wait_for(evacuation.result(), 90))
+        assert result.outcome == "restored", result
+        proven = next(s for s in result.timeline if s.name == "nodes proven")
+        assert proven.detail.startswith("4 nodes passed smoke tests"), proven.detail
+        assert inc.cluster.get_site_routes().sites[inc.site("a")].weight == 100
+        assert await task_failures(evacuation) == 0
