@@ -190,7 +190,8 @@ def recovered(
     config: ConfigPath = None,
 ) -> None:
     """Declare the site recovered: the evacuation restores now (each node still passes a smoke test first;
-    one that fails stays cordoned and goes to its repair, unless enough fail to trip an incident)."""
+    one that fails stays cordoned and goes to its repair, or waits for a person where its node agent cannot run
+    its compute check; unless enough fail to trip an incident)."""
     p = _ask(address, state_dir, config, site,
              lambda fleet: fleet.declare_site_recovered(site, note or "declared recovered by an operator"))
     console.print(f"{site} declared recovered (was {p.state}, {p.step}): smoke tests, then the weight climbs back",
