@@ -428,18 +428,22 @@ class CapacityActivities:
         """The deletes the guard store holds queued for the account, and whether it has the account
         revoked: a ProviderAccount run started afresh (its run before terminated, owing them) reads
         what it owes from here, and a run shows them from here (``AccountStatus.deletes_queued``).
-        Reads the store only."""
+        With them, the account's record in the store (its state, blocked offers, reason, since when),
+        which a run started afresh takes as its own. Reads the store only."""
         pending = self.env.accounts.pending_deletes(input.account)
-        revoked = self.env.accounts.get(input.account).state == AccountState.CREDENTIALS_REVOKED
+        record = self.env.accounts.get(input.account)
         oldest = min((p.queued_at for p in pending), default=None)
 
         def iso(at: float) -> str:
             return datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="seconds")
 
         return QueuedDeletes(
-            machines=[p.machine_id for p in pending], revoked=revoked, oldest="" if oldest is None else iso(oldest),
+            machines=[p.machine_id for p in pending], revoked=record.state == AccountState.CREDENTIALS_REVOKED,
+            oldest="" if oldest is None else iso(oldest),
             queued=[QueuedDelete(machine_id=p.machine_id, site=p.site, queued_at=iso(p.queued_at))
                     for p in pending[:MAX_QUEUED_DELETES_SHOWN]],
+            state=record.state, blocked_offers=sorted(record.blocked_offers), reason=record.reason,
+            since="" if record.since is None or record.state == AccountState.HEALTHY else iso(record.since),
         )
 
     @activity.defn

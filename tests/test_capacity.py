@@ -494,6 +494,92 @@ async def test_a_run_started_afresh_while_revoked_shows_the_machines_owed_a_dele
     await replay_and_record(account, "account_started_afresh_shows_queued_deletes")
 
 
+async def started_again_by_hand(cap: CapStack, account: WorkflowHandle) -> WorkflowHandle:
+    """An operator terminates the account's entity (stuck, say) and starts it again by hand, afresh:
+    nothing carried, and no report with it (every call to a revoked account or a blocked offer is
+    refused by the guard, which tells the entity nothing again)."""
+    a = account.id.rsplit("/", 1)[1]
+    await account.terminate("by hand")
+    return await cap.client.start_workflow("ProviderAccount", {"account": a, "provider": "lambda"}, id=account.id,
+                                           task_queue=cap.settings.task_queue)
+
+
+async def test_a_run_started_afresh_while_revoked_says_so_and_takes_the_rotation(cap: CapStack) -> None:
+    """The account is revoked in the guard store, a delete queued; an operator terminates its
+    ProviderAccount entity and starts it again by hand. The new run takes the guard's record as its
+    own: its ``status``, ``gpufleet accounts list`` and its details say credentials-revoked, the UI
+    lists it as needing a person (``FleetState``), and ``credentials_rotated`` is taken: the queued
+    delete runs and the account sells again. Before, the fresh run said healthy while the guard
+    refused every call to the account, and refused the rotation ("credentials are not revoked")
+    until a new bad-credentials report came, which no refused call sends: the account stayed
+    blocked, the machine up, billed."""
+    a, account, machine = await revoked_with_a_queued_delete(cap)
+    revoked_since = cap.env.accounts.get(a).since
+    account = await started_again_by_hand(cap, account)
+
+    async def status() -> AccountStatus:
+        return await account.query("status", result_type=AccountStatus)
+
+    shown = await wait_for_async(status, lambda s: s.state == "credentials-revoked" and s.deletes_queued_count == 1,
+                                 timeout=30)
+    assert datetime.fromisoformat(shown.since).timestamp() == pytest.approx(revoked_since, abs=1)
+    assert shown.reason, "the guard's reason"
+    assert await cap.listed(f'RunId = "{account.result_run_id}" AND FleetState = "needs-person"')
+    text = await details(account)
+    assert "send the `credentials_rotated` update" in text and machine.machine_id in text, text
+    assert (await listed_row(cap, account))["state"] == "credentials-revoked"
+    assert cap.env.accounts.get(a).state == "credentials-revoked", "the guard as it was"
+
+    cap.world.set_credentials_valid(a, True)
+    rotated = AccountStatus.model_validate(await account.execute_update("credentials_rotated"))
+    assert (rotated.state, rotated.deletes_queued_count) == ("healthy", 0)
+    assert cap.world.machine(machine.machine_id)["deleted_at"] is not None, "the queued delete ran"
+    assert cap.env.accounts.get(a).state == "healthy" and cap.env.accounts.pending_deletes(a) == []
+    assert await cap.listed(f'RunId = "{account.result_run_id}" AND FleetState = "healthy"')
+    # Capacity at the account is allowed again.
+    (node,) = (await result_of(await cap.request({"constraints": {"sites": [cap.site("cheap")]}}))).nodes
+    assert node.site == cap.site("cheap")
+    await replay_and_record(account, "account_started_afresh_takes_the_guard")
+
+
+async def test_a_run_started_afresh_takes_the_offers_the_guard_blocks_and_only_those(cap: CapStack) -> None:
+    """An offer is quota-blocked in the guard store; the operator terminates the account's entity and
+    starts it again by hand. The new run shows the offer blocked (``status``, ``FleetState``
+    needs-person, details), and ``quota_raised`` for it is taken: the offer sells again. Started
+    afresh once more, with the store blocking nothing now, it blocks nothing either. Before, the fresh
+    run said healthy and refused ``quota_raised`` ("has no quota-blocked offer") while the guard kept
+    the offer blocked for good."""
+    a, cheap = cap.account("a"), cap.offer("cheap")
+    cap.world.set_site(cap.site("cheap"), quota=0)
+    assert [n.site for n in (await result_of(await cap.request({"constraints": {"gpu": "H100"}}))).nodes] \
+        == [cap.site("mid")]
+    await wait_for(lambda: cap.env.accounts.get(a).blocked_offers == [cheap])
+    account = await started_again_by_hand(cap, cap.account_handle("lambda", "a"))
+
+    async def status() -> AccountStatus:
+        return await account.query("status", result_type=AccountStatus)
+
+    shown = await wait_for_async(status, lambda s: s.state == "quota-blocked", timeout=30)
+    assert list(shown.blocked_offers) == [cheap]
+    assert await cap.listed(f'RunId = "{account.result_run_id}" AND FleetState = "needs-person"')
+    assert f"- quota-blocked: {cheap}" in await details(account)
+
+    cap.world.set_site(cap.site("cheap"), quota=8)
+    raised = AccountStatus.model_validate(await account.execute_update("quota_raised", {"offers": [cheap]}))
+    assert (raised.state, raised.blocked_offers) == ("healthy", {})
+    assert cap.env.accounts.get(a).blocked_offers == [] and cap.env.accounts.get(a).state == "healthy"
+    assert [n.site for n in (await result_of(await cap.request({"constraints": {"gpu": "H100"}}))).nodes] \
+        == [cap.site("cheap")], "the offer sells again"
+    await replay_and_record(account, "account_started_afresh_takes_the_guard_quota")
+
+    # Started afresh again, the store blocking nothing: neither does the run.
+    again = await started_again_by_hand(cap, account)
+    fresh = await wait_for_async(lambda: again.query("status", result_type=AccountStatus),
+                                 lambda s: s.deletes_queued_read, timeout=30)
+    assert (fresh.state, fresh.blocked_offers) == ("healthy", {})
+    assert await cap.listed(f'RunId = "{again.result_run_id}" AND FleetState = "healthy"')
+
+
 async def revoked_with_a_queued_delete(cap: CapStack):
     """Account a revoked (a request's BadCredentials reported it), with the delete of a machine it
     had queued meanwhile: (the account, its entity, the machine)."""

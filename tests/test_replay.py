@@ -367,6 +367,12 @@ EXPECTED = {
     # run, which never read them, replays too.
     "account_shows_queued_deletes", "account_shows_queued_deletes_then_continued",
     "account_started_afresh_shows_queued_deletes", "account_shows_queued_deletes_before",
+    # A run started afresh takes the account as the guard store holds it (revoked, the offers blocked):
+    # it says so, and takes the rotation or the quota raised (``account-started-afresh-takes-the-guard``,
+    # tests/test_capacity.py); the old code's fresh run, which said healthy and refused the rotation
+    # until a report came, replays too.
+    "account_started_afresh_takes_the_guard", "account_started_afresh_takes_the_guard_quota",
+    "account_started_afresh_takes_the_guard_before",
     # The entity gate (issue 38): a Node continues as new only once its watch loop rests, so the run
     # that took a spot notice starts the SpotReclaim (tests/test_entity_gate.py).
     "node_entity_continued_as_new_after_reclaim",

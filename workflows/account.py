@@ -19,6 +19,10 @@ once). A person clears them with updates:
   when) are shown in the status and details, read from the guard store while revoked (patch
   ``account-shows-queued-deletes``): ``gpufleet accounts list`` counts them, ``show`` names them.
 
+A run started afresh first takes the account as the guard store holds it (revoked, the offers
+quota-blocked: patch ``account-started-afresh-takes-the-guard``): a call the guard refuses reports
+nothing, so its state would otherwise say healthy while the guard blocks, and refuse the updates.
+
 Every change is written through to the guard store that activities check, the
 search attribute ``FleetState`` is ``needs-person`` while anything is blocked
 (the UI lists them), a webhook is POSTed when a person is needed, and waiting
@@ -129,6 +133,21 @@ TAKES_QUEUED_DELETES_PATCH = "account-started-afresh-takes-queued-deletes"
 #: (``queued_deletes`` is the store's; the entity never learnt of it) until a rotation's try of it
 #: failed: a person rotating the credentials could not see which machines were still up, billed.
 SHOWS_QUEUED_PATCH = "account-shows-queued-deletes"
+#: Workflow patch, asked in a run started afresh (no carried status) once the fleet config is checked,
+#: before ``account-started-afresh-takes-queued-deletes``'s read of the guard store: the run takes the
+#: account's record there (``queued_deletes`` returns it: revoked, the offers quota-blocked, the reason
+#: and since when) as its own state, so its ``status``, ``FleetState`` (``needs-person``), details and
+#: a webhook to a person say what the guard enforces, and ``credentials_rotated`` / ``quota_raised``
+#: are taken. On a disagreement the store wins: it is what every activity enforces, and a fresh run
+#: knows nothing of its own (its run before, the store's writer, was terminated with its state). A
+#: read that fails past its retries leaves the run as it was (healthy) and the loop reads the store
+#: again (as it reads the deletes queued) until a read lands, then takes what it holds on top of what
+#: the run learnt meanwhile. A continued run carries its own state: it is the store's writer, and
+#: takes nothing. Before it a fresh run began healthy while the guard still refused every call to a
+#: revoked account, which no call reports again: the entity said healthy, ``credentials_rotated`` was
+#: refused ("credentials are not revoked") until a new bad-credentials report came, and the deletes
+#: queued while revoked never ran; an offer the guard blocked was not shown, nor could it be raised.
+TAKES_GUARD_PATCH = "account-started-afresh-takes-the-guard"
 #: What the owed deletes' try is called in the entity's details and log.
 DELETES_STEP = "run the deletes queued while revoked"
 
@@ -168,6 +187,10 @@ class ProviderAccount(Entity[AccountStatus | None]):
         self._queued_failing = ""
         #: Tries of the queued deletes that ended: a read that a try's end overtook is not kept.
         self._deletes_runs = 0
+        #: ``TAKES_GUARD_PATCH``, decided in a run started afresh; and whether the guard store's record
+        #: of the account is still to be read and taken (the start's read failed: the loop reads again).
+        self._takes_guard = False
+        self._guard_unread = False
 
     # -- what workflows and people send ---------------------------------------------------
     @workflow.signal
@@ -292,6 +315,7 @@ class ProviderAccount(Entity[AccountStatus | None]):
             # ends (a fresh run's state refuses every update: nothing is blocked or revoked yet).
             await self._check_config(args)
         if args.status is None and workflow.patched(TAKES_QUEUED_DELETES_PATCH):
+            self._takes_guard = workflow.patched(TAKES_GUARD_PATCH)  # decided before the read, in every fresh run
             await self._take_queued_deletes()
         workflow.upsert_search_attributes([
             sa.ACCOUNT.value_set(args.account), sa.PROVIDER.value_set(args.provider),
@@ -421,12 +445,16 @@ class ProviderAccount(Entity[AccountStatus | None]):
         except ActivityError as error:
             if cancelled_by_request(error):
                 raise
+            # The guard's record not known either: the loop reads the store again until it is (``_queued_watched``).
+            self._guard_unread = self._takes_guard
             # Not known: owed, so none is left; the loop's try reads the store itself (none queued: none run).
             status.deletes_owed_since = workflow.now().isoformat(timespec="seconds")
             status.deletes_failing = (f"could not read the deletes queued in the account guard "
                                       f"({failure_text(error)[:MAX_PROBLEM_SHOWN]}): tried as owed")
             self._log(f"started afresh: {status.deletes_failing}")
             return
+        if self._takes_guard:
+            await self._adopt_guard(queued)
         if self._shows_queued:
             self._take_read(queued)
         if not queued.machines:
@@ -440,14 +468,55 @@ class ProviderAccount(Entity[AccountStatus | None]):
         status.deletes_failing = f"{machines}, owed by a run before this one (it ended without running them)"
         self._log(f"started afresh owing {machines} ({listing(queued.machines)}): running them")
 
+    # -- the guard's record, taken by a run started afresh -------------------------------------
+    def _take_guard(self, queued: QueuedDeletes) -> bool:
+        """The account as the guard store holds it (``queued_deletes``' read), taken into the state of
+        a run started afresh (``TAKES_GUARD_PATCH``): revoked, and every offer it blocks, on top of
+        what the run holds (nothing, at its start: then the store's record is the state). The store
+        wins: it is what every activity enforces (a call to a revoked account is refused there, and no
+        report tells this entity again), and a fresh run knows nothing of its own. Whether anything
+        changed (then logged; the caller shows it and tells a person)."""
+        status, now = self.state, workflow.now().isoformat(timespec="seconds")
+        state = queued.state or (AccountState.CREDENTIALS_REVOKED if queued.revoked else AccountState.HEALTHY)
+        since = queued.since or now  # (the store keeps no time per offer: each is shown blocked since the account was)
+        before = (status.state, set(status.blocked_offers))
+        for offer in queued.blocked_offers:
+            status.blocked_offers.setdefault(offer or "(account)", since)  # (a report's "" offer, as ``_apply`` keys it)
+        reason = queued.reason or f"the account guard has the account {state.value}"
+        if state == AccountState.CREDENTIALS_REVOKED and status.state != state:
+            status.state, status.since, status.reason = state, since, reason
+            if self._shows_queued:  # deletes queue from now: read again soon (as ``_set`` does)
+                self._queued_next, self._queued_pause = workflow.now() + FIRST_PAUSE, FIRST_PAUSE * 2
+        elif status.state == AccountState.HEALTHY and status.blocked_offers:
+            status.state, status.since, status.reason = AccountState.QUOTA_BLOCKED, since, reason
+        if (status.state, set(status.blocked_offers)) == before:
+            return False
+        blocked = f"; quota-blocked: {listing(list(status.blocked_offers))}" if status.blocked_offers else ""
+        self._log(f"took the account guard's record: {status.state.value} since {status.since} ({reason}){blocked}")
+        return True
+
+    async def _adopt_guard(self, queued: QueuedDeletes) -> None:
+        """The guard's record taken (``_take_guard``, under the state lock: an update's put-back must
+        not undo it); when it changed anything, ``FleetState`` and the details say so and a person is
+        told (a run started afresh is a new record of the account: what it now says needs a person)."""
+        async with self._locked():
+            if not self._take_guard(queued):
+                return
+        workflow.upsert_search_attributes([sa.FLEET_STATE.value_set(self._fleet_state())])
+        self._show()
+        unwritten = self._unwritten  # (``_notify`` clears it: a report's write still to try again stays so)
+        await self._notify()
+        self._unwritten = self._unwritten or unwritten
+
     # -- the deletes queued, shown ------------------------------------------------------------
     def _queued_watched(self) -> bool:
         """The loop reads the deletes queued (``SHOWS_QUEUED_PATCH``): while the account is revoked
-        (they are queued then), or while a run started afresh holds some that are not owed (the
-        guard had the account revoked), until they are gone."""
+        (they are queued then), while a run started afresh holds some that are not owed (the
+        guard had the account revoked), until they are gone, or has still to take the guard's
+        record (``TAKES_GUARD_PATCH``: its first read failed), until a read lands."""
         status = self.state
         return self._shows_queued and (
-            status.state == AccountState.CREDENTIALS_REVOKED
+            status.state == AccountState.CREDENTIALS_REVOKED or self._guard_unread
             or (status.deletes_queued_count > 0 and not status.deletes_owed_since))
 
     def _queued_due(self) -> bool:
@@ -481,6 +550,9 @@ class ProviderAccount(Entity[AccountStatus | None]):
             self._show()
             return
         failed, self._queued_failing = self._queued_failing, ""
+        if self._guard_unread:  # a run started afresh whose first read failed: the guard's record, at last
+            self._guard_unread = False
+            await self._adopt_guard(queued)
         if runs != self._deletes_runs:  # a try of them ended meanwhile: what it left is shown already
             self._queued_later(changed=True)
             return

@@ -265,7 +265,8 @@ class AccountStatus(BaseModel):
 
 class QueuedDeletes(BaseModel):
     """What the account guard store holds for an account, as a ProviderAccount run started afresh
-    reads it (``queued_deletes``): the deletes queued while it was revoked that have not run."""
+    reads it (``queued_deletes``): the deletes queued while it was revoked that have not run, and the
+    account's record there (its state, blocked offers)."""
 
     #: The machines whose delete is queued, oldest first.
     machines: list[str] = Field(default_factory=list)
@@ -276,6 +277,14 @@ class QueuedDeletes(BaseModel):
     #: The first ``MAX_QUEUED_DELETES_SHOWN`` of ``machines`` with their site and when each was
     #: queued (empty from a worker from before the field: ``machines`` and ``oldest`` say it then).
     queued: list[QueuedDelete] = Field(default_factory=list)
+    #: The account as the guard holds it (what every activity enforces): its state, blocked offers,
+    #: the reason given and since when (ISO, UTC; empty while healthy). A ProviderAccount run started
+    #: afresh takes it as its own (patch ``account-started-afresh-takes-the-guard``). ``state`` is None
+    #: from a worker from before the fields (``revoked`` says as much as it knows then).
+    state: AccountState | None = None
+    blocked_offers: list[str] = Field(default_factory=list)
+    reason: str = ""
+    since: str = ""
 
 
 class ProviderAccountInput(Strict):
