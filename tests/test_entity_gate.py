@@ -19,9 +19,14 @@ from temporalio.client import Client, WorkflowExecutionStatus, WorkflowHandle, W
 from temporalio.testing import WorkflowEnvironment
 
 from fleet import search_attributes as sa
+from fleet.contracts import workflows as flows
+from fleet.messages.repair import NodeStatus, SkipToInput
 from fleet.naming import reclaim_workflow_id
+from fleet.repair_policy import Rung
 from tests.can_server import Hold, server_suggesting_continue_as_new
-from tests.repair_helpers import eventually, join_node, repair_fleet, running_stack, spot
+from tests.repair_helpers import (
+    REPAIR, eventually, join_node, ladder, node_status, repair_fleet, repair_handle, running_stack, spot,
+)
 from tests.test_node_join import own_upserts
 from tests.replay import replay_and_record
 
@@ -138,3 +143,78 @@ async def _watching(handle: WorkflowHandle) -> WorkflowHistory | None:
                    and e.activity_task_scheduled_event_attributes.activity_type.name == "watch_node"
                    for e in history.events)
     return history if watching else None
+
+
+async def test_a_node_whose_repair_waits_for_a_person_continues_as_new_and_follows_it(can_env, tmp_path: Path) -> None:
+    """GPU 0's ladder is exhausted and waits for a person, for weeks maybe, while GPU 1 keeps
+    reporting (application XIDs, each a change its watch answers). The entity continues as new when
+    the server suggests it, the repair running (``node-continues-while-repairing``): the next run
+    follows it, grants it the node's action slot when a person re-enters its ladder, and sees it end.
+    Before, the run continued only with no repair running: its history grew with every watch, and
+    past ``watch_pace_history_mib`` (here 0.06 MiB) every next watch of GPU 1 waited a pause
+    doubling up to a year."""
+    timeouts = {**REPAIR["timeouts"], "watch_pace_max_seconds": 0.5, "watch_pace_history_mib": PACE_HISTORY_MIB}
+    async for stack in running_stack(can_env.client, tmp_path, repair_fleet(max_rung="reset", timeouts=timeouts)):
+        node = await join_node(stack)
+        handle = stack.client.get_workflow_handle(f"node/{node.node_name}")
+        repair = repair_handle(stack, node.node_name, 0)
+        stack.world.inject_fault(node.machine_id, 0, "compute", clears_on="never")  # its proof fails
+        stack.world.inject_fault(node.machine_id, 0, "ecc", 3, clears_on="never")  # the finding
+        await eventually(lambda: _exhausted(stack, node.node_name), timeout=60)  # waits for a person, no deadline
+        waiting = (await handle.describe()).run_id  # the run the exhausted ladder waits in
+
+        for xids in range(1, 41):  # GPU 1's watch answers each; the history grows
+            stack.world.inject_fault(node.machine_id, 1, "xid", 13, clears_on="never")
+            try:
+                await eventually(lambda: _counted(stack, node.node_name, xids), timeout=20)
+            except AssertionError:
+                status = await handle.query(flows.Node.status, result_type=NodeStatus)
+                raise AssertionError(f"GPU 1's application XID #{xids} not taken in 20 s: its watch is paced "
+                                     f"({[line for line in status.log if 'history at' in line]})") from None
+            if (await handle.describe()).run_id != waiting:
+                break
+        continued = (await handle.describe()).run_id
+        assert continued != waiting, f"no continue-as-new in {xids} watch answers while the repair waits"
+        assert (await repair.describe()).status == WorkflowExecutionStatus.RUNNING
+        status = await eventually(lambda: node_status(stack, node.node_name), timeout=10)  # its first task run
+        assert status.active_repairs == {"0": repair.id}, "the continued run follows the repair"
+        assert not [line for line in status.log if "history at" in line], "GPU 1's watch was paced"
+        await replay_and_record(stack.client.get_workflow_handle(handle.id, run_id=waiting),
+                                "node_entity_continues_while_a_repair_waits")
+
+        # A person mends the GPU and re-enters the ladder: its reset asks the continued run for the
+        # node's action slot, and the run that started the repair is long gone.
+        resets = len(_resets(status, repair.id))
+        stack.world.clear_faults(node.machine_id, "never", gpu=0)
+        await repair.execute_update("skip_to", SkipToInput(rung=Rung.RESET))
+        assert (await asyncio.wait_for(repair.result(), 60))["outcome"] == "repaired"
+
+        async def ended() -> NodeStatus | None:
+            status = await node_status(stack, node.node_name)
+            return status if status and not status.active_repairs and status.state == "ready" else None
+
+        status = await eventually(ended, timeout=30)
+        granted = _resets(status, repair.id)
+        assert len(granted) == resets + 1 and granted[-1].finished_at is not None, status.node_actions
+        last = stack.client.get_workflow_handle(handle.id, run_id=(await handle.describe()).run_id)
+        await replay_and_record(last, "node_entity_follows_a_carried_repair_to_its_end")
+
+
+#: The history a run may have while a repair runs before its next watches are paced: here below what a
+#: run with an exhausted ladder reaches in the test's answers, far above what one that continues does.
+PACE_HISTORY_MIB = 0.06
+
+
+async def _counted(stack, node: str, xids: int) -> bool:
+    """The entity took ``xids`` application XIDs of GPU 1 (its newest run; None while it starts)."""
+    status = await node_status(stack, node)
+    return status is not None and status.app_xids.get("13", 0) >= xids
+
+
+def _resets(status: NodeStatus, repair_id: str) -> list:
+    return [a for a in status.node_actions if a.repair_id == repair_id and a.rung == Rung.RESET]
+
+
+async def _exhausted(stack, node: str) -> bool:
+    state = await ladder(stack, node, 0)
+    return bool(state and state.outcome == "exhausted")

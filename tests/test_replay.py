@@ -136,6 +136,13 @@ EXPECTED = {
     # tests/security/test_history_limits.py); the ``_before`` run, recorded on the code before (no
     # pause, terminated by the server at its history limit), replays.
     "node_paces_a_long_history", "node_paces_a_long_history_before",
+    # A node whose GPU 0 ladder is exhausted, waiting for a person, while GPU 1 keeps answering: the
+    # run continues as new with the repair running and the next run follows it, grants its reset and
+    # sees it end (``node-continues-while-repairing``, tests/test_entity_gate.py); the ``_before`` run,
+    # recorded on the code before (no continue-as-new, GPU 1's watch paced past the history bound),
+    # replays.
+    "node_entity_continues_while_a_repair_waits", "node_entity_continues_while_a_repair_waits_before",
+    "node_entity_follows_a_carried_repair_to_its_end",
     # A node padding every early watch answer to ~120 KB, a new digest each: each counts for the pace
     # as 8 (one per 16 KiB begun), paced after 4 (``node-paces-answer-bytes``,
     # tests/security/test_watch_pacing.py); the ``_before`` run, recorded on the code before (ten such

@@ -35,10 +35,13 @@ on hold and acted on once it does (``_facts_or_wait``), its details saying until
 An entity (``workflows.entity``, docs/design/entities.md): its one state is ``NodeCarry``
 (ledger, findings on hold, last health, recent node actions, what the watch last acknowledged).
 Each repair's watcher is an own task. It continues as new when the server suggests it, no
-repair is running and nothing waits for the loop, through the base's gate; runs since
-``NODE_WATCH_GATE_PATCH`` also wait until the health-watch loop rests at its watch, so a step
-it is in the middle of (a spot notice starting its SpotReclaim) finishes, and its writes to
-the state are carried, in the run that began it.
+repair is running and nothing waits for the loop, through the base's gate; since
+``NODE_CONTINUES_WHILE_REPAIRING`` also while repairs of its node run, none holding or waiting
+for the node's action slot: it carries them (``NodeCarry.repairs``) and the next run follows each
+to its end, as a run started again does (a ladder exhausted waits for a person for weeks, its
+node's health watched all the while). Runs since ``NODE_WATCH_GATE_PATCH`` also wait until the
+health-watch loop rests at its watch, so a step it is in the middle of (a spot notice starting its
+SpotReclaim) finishes, and its writes to the state are carried, in the run that began it.
 """
 
 from __future__ import annotations
@@ -100,6 +103,7 @@ with workflow.unsafe.imports_passed_through():
         RepairGpuInput,
         RepairRef,
         ReturnGpuInput,
+        RunningRepair,
     )
 
 #: Workflow patch: repairs are admitted by the Site entity (provider incidents, fleet.incident).
@@ -350,10 +354,13 @@ NODE_PACES_FAILED_WATCHES = "node-paces-failed-watches"
 #: ``self._settled_7 and`` (such a run runs no local activity, so it may be asked there). Only a run
 #: that may not continue as new gets there (the server suggests it at 4 MB or 4,096 events): a
 #: repair of the node runs, which the node itself can make last (it reports a fatal XID, holds its
-#: reset, fails its smoke tests up to a ladder exhausted that waits for a person), while each of its
-#: watch answers, a change or not, may add half a megabyte (the gateway's bound) to the history.
-#: Each next watch then waits a pause, from ``watch_pace_max_seconds`` doubling with every watch up
-#: to ``WATCH_PACE_HISTORY_MAX``, or until no repair of the node runs (the run may continue as new).
+#: reset), while each of its watch answers, a change or not, may add half a megabyte (the gateway's
+#: bound) to the history. Since ``NODE_CONTINUES_WHILE_REPAIRING`` the run continues while repairs
+#: run, so only one holding the node's action slot (or a request queued for it) keeps it: a ladder
+#: exhausted that waits for a person no longer does, and is not paced. Each next watch then waits a
+#: pause, from ``watch_pace_max_seconds`` doubling with every watch up to ``WATCH_PACE_HISTORY_MAX``,
+#: or until the run may continue as new (no repair of the node runs; since
+#: ``NODE_CONTINUES_WHILE_REPAIRING`` none holds or waits for the slot).
 #: Before it the pace let a node through 30 free answers a change each, again after every answer at
 #: half the watch's wait: about 15 MB of history every 15 minutes, and the server terminated the
 #: entity at 50 MB ("Workflow history size exceeds limit"): its node watched by nothing, its
@@ -381,6 +388,21 @@ NODE_PACES_HELD_RECHECKS = "node-paces-held-rechecks"
 #: The longest pause between two looks at a finding its site holds for an incident: a close the
 #: node was not told of (a Site entity reset mid-incident) is seen this late at the latest.
 HELD_RECHECK_MAX = timedelta(minutes=10)
+#: Workflow patch, asked at the continue-as-new gate where the server (or ``renew``) asks the run to
+#: continue while repairs of the node run, none holding or waiting for the node's action slot (and in
+#: ``_pace_long_history``, past its bound with a repair running), behind ``self._settled_7 and`` (such a
+#: run runs no local activity, so it may be asked there). The run continues as new all the same: each
+#: repair's watcher rests at its wait for the repair's end, and the repairs go with the state
+#: (``NodeCarry.repairs``: the repair id and the finding it was started for); the next run follows
+#: each to its end (``repair_end``, as a run started again does: an unproven end holds its GPU for a
+#: person), and the repairs' signals (``node_action_request``, ``node_action_done``) reach it, sent to
+#: the workflow id. One that ends as the run continues is seen ending by the next run's ``repair_end``.
+#: A repair acting with the slot, or a request queued for it, still holds the run (the holder and the
+#: queue are not carried): ``NODE_PACES_A_LONG_HISTORY`` is the backstop there. Before it the run
+#: continued only with no repair running: a ladder exhausted that waits for a person (weeks) kept it,
+#: and past ``watch_pace_history_mib`` or ``WATCH_PACE_HISTORY_EVENTS`` (about ten days of an honest
+#: node's watches) every next watch of its other GPUs waited a pause doubling up to a year.
+NODE_CONTINUES_WHILE_REPAIRING = "node-continues-while-repairing"
 
 
 def _xid_key(gpu: GpuHealth, index: int) -> str:
@@ -419,9 +441,15 @@ class NodeEntity(Entity[NodeCarry]):
         self._joined_site = ""
         self._joined_settings: RepairSettings | None = None
         # In flight: messages not yet handled, running repairs (each watched by an own task), the
-        # action slot. Continue-as-new waits until all are empty, so none of them needs carrying.
+        # action slot. Continue-as-new waits until all are empty, so none of them needs carrying; since
+        # ``NODE_CONTINUES_WHILE_REPAIRING`` all but the running repairs, which are carried
+        # (``NodeCarry.repairs``: each with the finding it was started for, ``_repaired_for``).
         self._pending: list[HealthReport] = []
         self._active: dict[int, str] = {}
+        self._repaired_for: dict[int, Finding] = {}
+        #: ``NODE_CONTINUES_WHILE_REPAIRING``, asked where the run could first continue with repairs
+        #: running (None: not yet asked).
+        self._continues_repairing: bool | None = None
         self._requests: list[NodeActionRequest] = []
         self._holder: str | None = None
         self._wake = False
@@ -506,7 +534,8 @@ class NodeEntity(Entity[NodeCarry]):
     def on_renewal_asked(self) -> None:
         # The loop's wait does not include the suggestion: it looks after each watch, which may
         # rest for hours on an idle node. Woken, it goes to its gate once nothing is in flight
-        # (a repair's end or the action slot's return wakes it again), where the watch is left.
+        # (a repair's end or the action slot's return wakes it again; since
+        # NODE_CONTINUES_WHILE_REPAIRING repairs running are carried), where the watch is left.
         self._wake = True
 
     @workflow.signal
@@ -737,6 +766,12 @@ class NodeEntity(Entity[NodeCarry]):
             self._log(f"{inp.started_again}; what that run knew (its repairs, GPUs held for a person) is not carried",
                       warn=True)
         self._upsert_search_attributes((sa.NODE_NAME, self._node), (sa.FLEET_STATE, self.state.state))
+        if self.state.repairs:  # the run before continued as new while they ran (NODE_CONTINUES_WHILE_REPAIRING)
+            carried, self.state.repairs = self.state.repairs, {}
+            for index, repair in sorted(carried.items()):
+                self._follow_to_its_end(index, repair.repair_id, repair.finding)
+                workflow.logger.info("node %s: GPU %d: %s still runs (carried over continue-as-new): following it",
+                                     self._node, index, repair.repair_id)
         if takes_what_was_left:
             self._log(f"{inp.started_again}: taking its fences and repairs from the cluster", warn=True)
             self._taking_what_was_left = self._took_what_was_left = True
@@ -792,19 +827,38 @@ class NodeEntity(Entity[NodeCarry]):
                 return self.status()
             if (
                 self.continue_as_new_suggested()
-                and not self._active and not self._pending and not self._requests and self._holder is None
+                and not self._pending and not self._requests and self._holder is None
                 and self._quarantine is None
+                # Repairs running (none holding or waiting for the slot): carried, and followed by the next run.
+                and (not self._active or self._continues_while_repairing())
             ):
                 # Returns when work for the loop came in while the gate waited: the loop takes it first
                 # (and a node found gone meanwhile ends the entity: for runs that wait for the watch).
                 await self.continue_as_new_when_ready(
-                    lambda: NodeEntityInput(node_name=self._node, carry=self.state).model_dump(mode="json"),
+                    self._carried,
                     # (``_active``: a person's ``repair_gpu`` during the wait started a repair, which
-                    # the loop watches out; nothing else starts one while the loop waits here.)
+                    # the loop watches out, unless the run continues while repairs run; nothing else
+                    # starts one while the loop waits here.)
                     unless=lambda: bool(self._pending or self._requests or self._quarantine is not None
-                                        or (self._gate_waits_watch and self._gone) or self._active
+                                        or (self._gate_waits_watch and self._gone)
+                                        or (self._active and not self._continues_repairing)
                                         or (self._paces_holds and self._incident_closed)),
                 )
+
+    def _continues_while_repairing(self) -> bool:
+        """``NODE_CONTINUES_WHILE_REPAIRING``: this run may continue as new while repairs of its node
+        run (asked once, where it first matters; runs under ``NODE_PATCHES_AT_START_7`` only)."""
+        if self._continues_repairing is None:
+            self._continues_repairing = self._settled_7 and workflow.patched(NODE_CONTINUES_WHILE_REPAIRING)
+        return self._continues_repairing
+
+    def _carried(self) -> dict:
+        """The next run's input: the state, with the repairs still running (none under the patch's old
+        path, whose gate waits until none runs), which the next run follows to their end."""
+        self.state.repairs = {index: RunningRepair(repair_id=repair_id,
+                                                   finding=self._repaired_for.get(index) or Finding(index=index))
+                              for index, repair_id in sorted(self._active.items())}
+        return NodeEntityInput(node_name=self._node, carry=self.state).model_dump(mode="json")
 
     # -- a run started again ----------------------------------------------------------------
     async def _take_what_was_left(self) -> None:
@@ -858,9 +912,6 @@ class NodeEntity(Entity[NodeCarry]):
         waiting for the node's action slot, its request (sent to the run before) is queued here; acting,
         it holds the slot until it says it is done."""
         index, repair_id = repair.gpu, repair.repair_id
-        self._active[index] = repair_id
-        if index in self.state.fenced:
-            self.state.fenced.remove(index)
         if repair.slot == "waiting" and all(r.repair_id != repair_id for r in self._requests):
             self._requests.append(NodeActionRequest(repair_id=repair_id, rung=repair.rung, detected_at=repair.since))
         elif (repair.slot == "acting" and self._holder is None and repair_id not in self._done_while_taking
@@ -868,17 +919,26 @@ class NodeEntity(Entity[NodeCarry]):
             self._holder = repair_id
             self.state.actions = [*self.state.actions, NodeAction(repair_id=repair_id, rung=repair.rung,
                                                                   started_at=repair.since)][-MAX_LOG:]
-        ended = workflow.execute_activity(
-            act.repair_end, RepairRef(repair_id=repair_id),
-            start_to_close_timeout=FOLLOW_WAIT, heartbeat_timeout=LONG_WATCH_HEARTBEAT,
-            retry_policy=LONG_WATCH_RETRY, summary=f"until {repair_id} ends",
-        )
-        finding = Finding(index=index, rung=repair.rung, reasons=repair.reasons)
+        self._follow_to_its_end(index, repair_id, Finding(index=index, rung=repair.rung, reasons=repair.reasons))
         self._log(f"GPU {index}: {repair_id} still runs (at {repair.rung}"
                   + (", waiting for the node's action slot" if repair.slot == "waiting" else "")
                   + (", holding the node's action slot" if self._holder == repair_id else "")
                   + (", its action done as this run read it" if repair_id in self._done_while_taking else "")
                   + "): following it")
+
+    def _follow_to_its_end(self, index: int, repair_id: str, finding: Finding) -> None:
+        """A repair a run before this one started, still running (taken from the cluster, or carried over
+        continue-as-new): this run's, watched to its end by ``repair_end``, whose failure says how it
+        ended; ``finding`` is what a person's retry starts from if it ends unproven."""
+        self._active[index] = repair_id
+        self._repaired_for[index] = finding
+        if index in self.state.fenced:
+            self.state.fenced.remove(index)
+        ended = workflow.execute_activity(
+            act.repair_end, RepairRef(repair_id=repair_id),
+            start_to_close_timeout=FOLLOW_WAIT, heartbeat_timeout=LONG_WATCH_HEARTBEAT,
+            retry_policy=LONG_WATCH_RETRY, summary=f"until {repair_id} ends",
+        )
         self.spawn(self._watch(index, repair_id, ended, finding, followed=True))
 
     # -- the pulled health watch -----------------------------------------------------------
@@ -1111,9 +1171,10 @@ class NodeEntity(Entity[NodeCarry]):
 
     async def _pace_long_history(self) -> None:
         """Past ``watch_pace_history_mib`` or ``WATCH_PACE_HISTORY_EVENTS`` of history (a run that
-        may not continue as new: a repair of the node runs), a pause before the next watch, doubling
+        may not continue as new: a repair of the node runs; since ``NODE_CONTINUES_WHILE_REPAIRING``
+        one that holds or waits for the node's action slot), a pause before the next watch, doubling
         from ``watch_pace_max_seconds`` with every watch up to ``WATCH_PACE_HISTORY_MAX``; it ends
-        early once no repair of the node runs (``NODE_PACES_A_LONG_HISTORY``). Not carried."""
+        early once the run may continue as new (``NODE_PACES_A_LONG_HISTORY``). Not carried."""
         info = workflow.info()
         timeouts = (self._settings() or RepairSettings()).timeouts
         size, events = info.get_current_history_size(), info.get_current_history_length()
@@ -1121,20 +1182,35 @@ class NodeEntity(Entity[NodeCarry]):
             return
         if not self._active or not (self._settled_7 and workflow.patched(NODE_PACES_A_LONG_HISTORY)):
             return
+        if self._continues_while_repairing() and not self._slot_busy():
+            return  # the repairs running keep it no longer: it continues as new at the loop's next look
         # The doublings capped (a float's range), the pause capped far below that.
         first = max(timeouts.watch_pace_max_seconds, WATCH_PACE_HISTORY_FIRST.total_seconds())
         seconds = first * 2.0 ** min(self._long_history_pauses, 64)
         pause = timedelta(seconds=min(seconds, WATCH_PACE_HISTORY_MAX.total_seconds()))
         self._long_history_pauses += 1
-        self._log(f"history at {size / 1e6:.1f} MB and {events:,} events while a repair runs (it may not continue as "
-                  f"new until that ends): the next watch waits {pause.total_seconds():g}s, twice as long each "
-                  "watch, or until no repair runs", warn=self._long_history_pauses == 1)
+        if self._continues_repairing:
+            self._log(f"history at {size / 1e6:.1f} MB and {events:,} events while a repair holds or waits for the "
+                      "node's action slot (it may not continue as new until the slot is free): the next watch waits "
+                      f"{pause.total_seconds():g}s, twice as long each watch, or until the slot is free",
+                      warn=self._long_history_pauses == 1)
+        else:
+            self._log(f"history at {size / 1e6:.1f} MB and {events:,} events while a repair runs (it may not continue "
+                      f"as new until that ends): the next watch waits {pause.total_seconds():g}s, twice as long each "
+                      "watch, or until no repair runs", warn=self._long_history_pauses == 1)
         with self.resting():
             try:
-                await workflow.wait_condition(lambda: not self._active, timeout=pause,
+                await workflow.wait_condition(lambda: not self._active or (bool(self._continues_repairing)
+                                                                           and not self._slot_busy()),
+                                              timeout=pause,
                                               timeout_summary=f"pace {self._node}'s watch: a long history")
             except asyncio.TimeoutError:
                 pass
+
+    def _slot_busy(self) -> bool:
+        """A repair holds the node's action slot or a request waits for it: what still keeps the run
+        from continuing as new while repairs run (the holder and the queue are not carried)."""
+        return self._holder is not None or bool(self._requests)
 
     async def _watch_once(self, carry: NodeCarry, heartbeat: timedelta) -> RawValue:
         # Undecoded: the node's answer is validated by ``_checked`` (see ``NODE_REPORTS_PATCH``).
@@ -1488,6 +1564,7 @@ class NodeEntity(Entity[NodeCarry]):
             if index in self.state.fenced:
                 self.state.fenced.remove(index)
         self._active[index] = repair_id
+        self._repaired_for[index] = finding
         self._ended.discard(repair_id)  # a new run under the id of one that ended: its requests count
         self.state.needs_person.pop(index, None)  # this repair owns the GPU's containment now
         self.state.left_findings.pop(index, None)
@@ -1538,9 +1615,12 @@ class NodeEntity(Entity[NodeCarry]):
 
     async def _watch(self, index: int, repair_id: str, handle, finding: Finding, followed: bool = False) -> None:
         """Until the repair ends: its child handle, or (``followed``: one the run before started)
-        ``repair_end``, whose failure says how it ended."""
+        ``repair_end``, whose failure says how it ended. Resting while it waits: a run that continues
+        as new meanwhile (``NODE_CONTINUES_WHILE_REPAIRING``) carries the repair, and its next run
+        follows it; the rest of this watcher runs in the task that sees the end, with no await."""
         try:
-            result: GpuRepairResult = await handle
+            with self.resting():
+                result: GpuRepairResult = await handle
             self._log(f"GPU {index}: {repair_id} ended {result.outcome}")
             if result.outcome == "replaced":
                 self._gone = True
@@ -1562,6 +1642,7 @@ class NodeEntity(Entity[NodeCarry]):
             self._log(f"GPU {index}: watching {repair_id} failed ({type(error).__name__}: "
                       f"{str(error)[:MAX_PROBLEM_SHOWN]}); taken as ended", warn=True)
         self._active.pop(index, None)
+        self._repaired_for.pop(index, None)
         if self._settled_3:
             self._forget_requests(index, repair_id)
         if self._holder == repair_id:

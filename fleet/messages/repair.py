@@ -21,9 +21,19 @@ from fleet.models import Carried, EpochSeconds, GpuHealth, MaybeName, Name, Stri
 from fleet.repair_policy import Finding, Ledger, RepairSettings, Rung
 
 
+class RunningRepair(BaseModel):
+    """A GpuRepair of the node still running when its Node entity continued as new
+    (``node-continues-while-repairing``): the next run follows it to its end (``repair_end``)."""
+
+    repair_id: str
+    #: The finding it was started for: a person's retry starts from it if the repair ends unproven.
+    finding: Finding
+
+
 class NodeCarry(BaseModel):
     """Everything a Node entity knows, handed whole to its next run on continue-as-new
-    (it continues only with no repair running, no action slot held and no message waiting)."""
+    (it continues only with no action slot held and no message waiting; since
+    ``node-continues-while-repairing`` with repairs of its node running, which it carries)."""
 
     ledger: Ledger = Field(default_factory=Ledger)
     seen_xids: list[str] = Field(default_factory=list)
@@ -74,6 +84,10 @@ class NodeCarry(BaseModel):
     #: GPU in ``needs_person`` → the finding its ended repair was started for: a person's
     #: ``repair_gpu`` with no rung starts where the policy would for it (none known: a reset).
     left_findings: dict[int, Finding] = Field(default_factory=dict)
+    #: GPU → its repair still running when the run continued as new (``node-continues-while-repairing``;
+    #: none of them holding or waiting for the node's action slot then): the next run follows each to
+    #: its end (``repair_end``) as the run before did. Written only as the run continues; empty meanwhile.
+    repairs: dict[int, RunningRepair] = Field(default_factory=dict)
 
 
 class NodeWatchInput(BaseModel):

@@ -16,7 +16,10 @@ the site sweep starts it again.
 
 Since ``node-paces-a-long-history`` a run whose history passed ``repair.timeouts.watch_pace_history_mib``
 (16 MiB) or 16,384 events while a repair runs waits before each next watch, twice as long each
-time (up to a year), or until no repair runs.
+time (up to a year), or until no repair runs. Since ``node-continues-while-repairing`` the run
+continues as new while repairs run (a ladder exhausted that waits for a person no longer keeps it:
+tests/test_entity_gate.py), but not while one holds the node's action slot, as the reset the node
+holds here does: the pace is the backstop there, until the slot is free.
 
 The test runs that with the limits scaled down (the server's history limit, the repair settings'
 pace and the entity's own bound) so it takes seconds: the node answers through the real gateway.
