@@ -285,10 +285,11 @@ class RepairTimeouts(Strict):
     watch_pace_seconds: float = Field(5, gt=0, le=3600)
     watch_pace_max_seconds: float = Field(300, gt=0, le=86400)
     #: A Node entity's run whose history passed this many MiB (or 16,384 events) while a repair of the
-    #: node runs (it may not continue as new until that ends) waits before each next watch, from
-    #: ``watch_pace_max_seconds`` doubling with every watch up to a year, or until no repair runs: a
-    #: node's answers (up to 512 KiB each) cannot take its entity to Temporal's limits (50 MB, 51,200
-    #: events), where the server terminates it.
+    #: node holds or waits for its action slot (it may not continue as new until the slot is free; repairs
+    #: that do neither, a ladder waiting for a person, are carried over continue-as-new) waits before each
+    #: next watch, from ``watch_pace_max_seconds`` doubling with every watch up to a year, or until the
+    #: slot is free: a node's answers (up to 512 KiB each) cannot take its entity to Temporal's limits
+    #: (50 MB, 51,200 events), where the server terminates it.
     watch_pace_history_mib: float = Field(16, gt=0, le=24)
     #: One provider API call (reboot/reinstall request): a crashed worker's call is retried after this.
     provider_call_seconds: SettingSeconds = Field(120, gt=0)
