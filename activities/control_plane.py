@@ -17,6 +17,7 @@ from temporalio.common import SearchAttributePair, TypedSearchAttributes, Workfl
 from temporalio.service import RPCError, RPCStatusCode
 
 from activities import metrics
+from activities.address_memo import Answer, Key
 from activities.capacity import heartbeating, reports_account
 from activities.env import FleetEnv
 from activities.errors import typed_errors
@@ -45,6 +46,7 @@ from fleet.messages.csr import CsrApproverResult, named_verdicts
 from fleet.messages.repair import NodeEntityInput
 from fleet.errors import FleetError, InvalidRequest, NotFound, ProviderError
 from fleet.cluster import NODE_IDENTITY_KIND, NodeIdentity, gpufleet_provider_id
+from providers.cluster.base import AddressLookup, Reported
 from providers.cluster.bootstrap import BootstrapError, BootstrapToken, JoinParams, render_user_data
 from fleet.models import CapacityType, Node
 from fleet.naming import node_workflow_id, reclaim_workflow_id, site_workflow_id
@@ -70,32 +72,61 @@ def bootstrap_user_data(cluster, token: BootstrapToken, node_name: str, provider
         raise InvalidRequest(str(error), code="bootstrap") from None
 
 
-def machine_addresses(env: FleetEnv, joining: dict[str, tuple[str, str]] | None = None):
+def machine_addresses(env: FleetEnv, joining: dict[str, tuple[str, str]] | None = None) -> "MachineAddresses":
     """node → the addresses the provider reports for its machine (None: not a gpufleet node,
     or nothing to check against). The machine comes from ``joining`` (a join in flight:
     node → (site, machine id)) or from the node's identity record, never from the node.
     The provider's answer is kept a while (``env.address_memo``): a pass runs every second for
     each wait in flight, and a node's requests decide which of them ask. ``fresh=True`` asks the
-    provider now (its answer kept for the passes after)."""
-    joining = joining or {}
+    provider now (its answer kept for the passes after). As a CSR pass's ``AddressLookup`` it says
+    which answers were kept, and rechecks one a serving request finds out of date."""
+    return MachineAddresses(env, joining or {})
 
-    def addresses(node_name: str, fresh: bool = False) -> list[str] | None:
-        site, machine_id = joining.get(node_name, ("", ""))
+
+class MachineAddresses(AddressLookup):
+    """``machine_addresses``: the provider's answers through the worker's ``AddressMemo``."""
+
+    def __init__(self, env: FleetEnv, joining: dict[str, tuple[str, str]]) -> None:
+        self.env, self.joining = env, joining
+
+    def __call__(self, node_name: str, fresh: bool = False) -> list[str] | None:
+        found = self._answer(node_name, fresh)
+        return found[1].addresses if found is not None else None
+
+    def reported(self, node: str) -> Reported:
+        found = self._answer(node)
+        if found is None:
+            return Reported()
+        key, answer = found
+        return Reported(tuple(answer.addresses or ()), kept=answer.kept, token=(key, answer))
+
+    def recheck(self, node: str, held: Reported) -> Reported:
+        if held.token is None:
+            return held  # not a gpufleet node's (nothing was asked)
+        key, answer = held.token
+        answer = self.env.address_memo.recheck(key, self._ask(key), answer)
+        return Reported(tuple(answer.addresses or ()), kept=answer.kept, token=(key, answer))
+
+    def _answer(self, node_name: str, fresh: bool = False) -> tuple[Key, Answer] | None:
+        site, machine_id = self.joining.get(node_name, ("", ""))
         if not machine_id:
-            identity = env.cluster.node_identity(node_name)
+            identity = self.env.cluster.node_identity(node_name)
             if identity is None:
                 return None
             site, machine_id = identity.site, identity.machine_id
+        key = (node_name, site, machine_id)
+        return key, self.env.address_memo.answer(key, self._ask(key), fresh=fresh)
+
+    def _ask(self, key: Key):
+        _node, site, machine_id = key
 
         def ask() -> list[str] | None:
             try:
-                return env.provider(site).get_machine(machine_id).addresses or None
+                return self.env.provider(site).get_machine(machine_id).addresses or None
             except (ProviderError, InvalidRequest):
                 return None
 
-        return env.address_memo.addresses((node_name, site, machine_id), ask, fresh=fresh)
-
-    return addresses
+        return ask
 
 
 class ControlPlaneActivities:

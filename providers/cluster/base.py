@@ -139,13 +139,50 @@ def read_csr(request: object) -> "x509.CertificateSigningRequest":
     return parsed
 
 
+class Reported(NamedTuple):
+    """What the provider reports for a node's machine, as a CSR pass judges the node's serving requests
+    on it: its ``addresses`` (none: nothing to judge them on), whether they were ``kept`` from an
+    earlier ask (activities/address_memo.py) rather than given for this judgment, and the lookup's
+    own ``token`` (which answer it was, for ``AddressLookup.recheck``)."""
+    addresses: tuple[str, ...] = ()
+    kept: bool = False
+    token: object = None
+
+
+class AddressLookup:
+    """node → what the provider reports for its machine, for ``Cluster.review_csrs``. This one asks
+    ``addresses`` (node → its addresses, None: not a gpufleet node or none reported) for every
+    judgment, each answer the provider's word; the activities' keeps answers a while, and says so."""
+
+    def __init__(self, addresses: Callable[[str], "list[str] | None"]) -> None:
+        self._addresses = addresses
+
+    def reported(self, node: str) -> Reported:
+        return Reported(tuple(self._addresses(node) or ()))
+
+    def recheck(self, node: str, held: Reported) -> Reported:
+        """A serving request of ``node`` names an address ``held`` (its ``reported``) lacks: the
+        answer to judge it on. Not ``kept``: denied if it lacks it too; kept: left open."""
+        return held
+
+
+def address_lookup(addresses: "Callable[[str], list[str] | None] | AddressLookup") -> AddressLookup:
+    """``addresses`` as a lookup: a plain callable's answers are the provider's for each judgment."""
+    return addresses if isinstance(addresses, AddressLookup) else AddressLookup(addresses)
+
+
+def _as_reported(found: "Reported | list[str] | None") -> Reported:
+    return found if isinstance(found, Reported) else Reported(tuple(found or ()))
+
+
 def csr_decision(
     csr: dict,
     token_node: Callable[[str], "str | None"],
     is_our_node: Callable[[str], bool],
-    addresses: Callable[[str], "list[str] | None"],
+    addresses: Callable[[str], "Reported | list[str] | None"],
     renewable: Callable[[str], bool] | None = None,
     serving_spent: Callable[[str], "str | None"] = lambda _node: None,
+    recheck: Callable[[str], "Reported | list[str] | None"] | None = None,
 ) -> CsrDecision | None:
     """Approve, deny, or ``None`` (not gpufleet's to judge: left to its usual approver).
 
@@ -158,7 +195,15 @@ def csr_decision(
     node's is denied, so a removed node's credential ends with its certificate.
 
     ``serving_spent(node)`` says why a node may get no more serving certificates now (None: it may):
-    its serving request is then denied without asking ``addresses``, each ask a provider call."""
+    its serving request is then denied without asking ``addresses``, each ask a provider call.
+
+    ``addresses(node)`` is what the provider reports for the node's machine (a list: its answer for
+    this judgment; a ``Reported`` says whether it was kept from an earlier ask instead). A serving
+    request naming an IP the answer lacks is denied only on an answer the provider gave for its
+    judgment: on a kept one it asks ``recheck(node)`` (the answer to judge it on: a list, or a
+    ``Reported`` still kept where the lookup will not ask again yet), and on one still kept it is
+    left open (None). Its names are judged first: one not the node's own, or no IP at all, is denied
+    whatever the provider says, without asking it."""
     from cryptography import x509
     from cryptography.x509.oid import NameOID
 
@@ -206,17 +251,37 @@ def csr_decision(
         return verdict(True, f"{user} asked for {subject}, the node it may be")
     if spent := serving_spent(want):
         return verdict(False, spent)
-    reported = addresses(want)
-    if not reported:
-        return None  # nothing to check the addresses against: no serving certificate from us
     dns = sans.get_values_for_type(x509.DNSName) if sans else []
     ips = [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] if sans else []
-    wrong = sorted({d for d in dns if d != want} | {ip for ip in ips if ip not in reported})
+    wrong = sorted({d for d in dns if d != want})
     if wrong or not ips:
-        named = ", ".join(_quoted(name) for name in wrong[:CSR_NAMES_SAID]) + \
-            (f" and {len(wrong) - CSR_NAMES_SAID} more" if len(wrong) > CSR_NAMES_SAID else "")
-        return verdict(False, f"serving names {named or 'without an address'} are not node {want}'s "
-                              f"(the provider reports {sorted(reported)})")
+        # Another name than the node's own, or no address: wrong whatever its machine reports, so
+        # denied at once, without a provider call.
+        return verdict(False, f"serving names {_named(wrong) or 'without an address'} are not node {want}'s")
+    reported = _as_reported(addresses(want))
+    if not reported.addresses:
+        return None  # nothing to check the addresses against: no serving certificate from us
+    lacking = sorted({ip for ip in ips if ip not in reported.addresses})
+    if lacking and recheck is not None:
+        # A kept answer may be out of date (the machine re-addressed since): the lookup asks afresh
+        # or says it will not yet (activities/address_memo.py); a fresh answer it marks denied on.
+        reported = _as_reported(recheck(want))
+        if not reported.addresses:
+            return None
+        lacking = sorted({ip for ip in ips if ip not in reported.addresses})
+    if lacking and reported.kept:
+        # Left open, not denied, on an answer kept from an earlier ask: a kubelet whose serving
+        # request is denied backs off (2 s doubling to 16 s, then every 32 s) and asks again, and one
+        # re-addressed went minutes without a certificate while the old answer was kept. An open one
+        # it waits on up to 15 minutes (client-go's certificate manager, ``certificateWaitTimeout``,
+        # k8s.io/client-go/util/certificate) before it gives up and asks again, and the lookup asks
+        # afresh on the first pass after its answer expires (``KEPT_SECONDS``, a minute): a join's
+        # wait passes every second, and ``CsrApprover`` at its next watch or its safety sweep
+        # (``CSR_WATCH_SECONDS``, 10 minutes), all within that.
+        return None
+    if lacking:
+        return verdict(False, f"serving names {_named(lacking)} are not node {want}'s "
+                              f"(the provider reports {sorted(reported.addresses)})")
     return verdict(True, f"serving names match node {want} and its machine's addresses")
 
 
@@ -224,6 +289,12 @@ def csr_decision(
 #: characters: the node wrote them (any number, any length), and the reason goes onto the CSR, into
 #: the approver's activity result and its history, and onto every join that waits on the pass.
 CSR_NAMES_SAID, CSR_NAME_SAID = 4, 64
+
+
+def _named(names: list[str]) -> str:
+    """The first ``CSR_NAMES_SAID`` of the names a request asked for, quoted, and how many more."""
+    return ", ".join(_quoted(name) for name in names[:CSR_NAMES_SAID]) + \
+        (f" and {len(names) - CSR_NAMES_SAID} more" if len(names) > CSR_NAMES_SAID else "")
 
 
 def _quoted(name: str) -> str:
@@ -295,8 +366,9 @@ class Cluster(WeightedRouting, Protocol):
         """(API server ``host:port`` machines join and then use, the cluster CA as base64 PEM)."""
         ...
 
-    def review_csrs(self, addresses: Callable[[str], "list[str] | None"]) -> list["CsrDecision"]:
-        """gpufleet's approver: judge every pending kubelet CSR that is gpufleet's to judge."""
+    def review_csrs(self, addresses: "Callable[[str], list[str] | None] | AddressLookup") -> list["CsrDecision"]:
+        """gpufleet's approver: judge every pending kubelet CSR that is gpufleet's to judge, serving
+        requests on what ``addresses`` (``address_lookup``) reports for each node's machine."""
         ...
 
     def node_identity(self, name: str) -> NodeIdentity | None:

@@ -16,7 +16,9 @@ its machine, and at most ``SERVING_PER_WINDOW`` of a node's in ``RENEWAL_WINDOW`
 number: a pass asks the provider for a node's addresses once, and not at all once its allowance
 is spent, and writes its approvals before its denials. Across passes the ``addresses`` the activities
 hand in keep each machine's answer a while (activities/address_memo.py), so what a node posts sets no
-pace of calls to its provider.
+pace of calls to its provider; a serving request is denied only on an answer the provider gave for
+it, and one that a kept answer does not cover (its machine re-addressed since) has the provider
+asked again once, or is left open until the answer expires.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from fleet.cluster import (
     client_key_fingerprint,
     with_key,
 )
-from providers.cluster.base import (CLIENT_SIGNER, CONTROL_PLANE_LABEL, SERVING_SIGNER, CsrDecision, JUDGED_SIGNERS,
-                                    OpenCsr, UnparseableRequest, csr_decision, read_csr)
+from providers.cluster.base import (CLIENT_SIGNER, CONTROL_PLANE_LABEL, SERVING_SIGNER, AddressLookup, CsrDecision,
+                                    JUDGED_SIGNERS, OpenCsr, Reported, UnparseableRequest, address_lookup,
+                                    csr_decision, read_csr)
 from providers.cluster.kubernetes.api import _translate
 from providers.cluster.kubernetes.state import ControlPlaneState
 from providers.cluster.kubernetes.tokens import _TOKEN_ID, JOIN_TOKEN_KIND
@@ -67,10 +70,11 @@ _CAPPED = {
 class CsrApprover(Watches, ControlPlaneState):
     """Judges the pending kubelet CSRs (``review_csrs``) and follows the open ones."""
 
-    def review_csrs(self, addresses: Callable[[str], list[str] | None]) -> list[CsrDecision]:
+    def review_csrs(self, addresses: Callable[[str], list[str] | None] | AddressLookup) -> list[CsrDecision]:
         """Approve or deny the pending kubelet CSRs that are gpufleet's to judge (see the
         module doc); ``addresses(node)`` is what the provider reports for that node's machine
-        (None: not a gpufleet node)."""
+        (None: not a gpufleet node), or an ``AddressLookup`` that says when it kept an answer."""
+        lookup = address_lookup(addresses)
         listed = self._do("list CSRs", self.certificates.list_certificate_signing_request)
         decisions = []
         tokens: dict[str, str | None] = {}
@@ -86,19 +90,26 @@ class CsrApprover(Watches, ControlPlaneState):
             return node in control_plane[0]
 
         keys: list[dict[str, dict[str, str]]] = []  # NODE_KEYS_KIND, listed when first needed
-        looked_up: dict[str, list[str] | None] = {}
+        looked_up: dict[str, Reported] = {}
 
-        def addresses_once(node: str) -> list[str] | None:
+        def addresses_once(node: str) -> Reported:
             """Asked once per node a pass, however many requests it posted: each ask is a call to the
             provider, against a rate limit its account's other machines and sites share."""
             if node not in looked_up:
-                looked_up[node] = addresses(node)
+                looked_up[node] = lookup.reported(node)
+            return looked_up[node]
+
+        def recheck(node: str) -> Reported:
+            """A request of the node names an address its answer lacks: the answer to judge it on,
+            asked afresh at most once (the lookup's rule), and the node's other requests this pass
+            judged on it too."""
+            looked_up[node] = lookup.recheck(node, addresses_once(node))
             return looked_up[node]
 
         def judge(csr: dict[str, Any]) -> CsrDecision | None:
             return csr_decision(csr, lambda token_id: self._token_node(token_id, tokens),
                                 lambda node: node in identities, addresses_once, renewable,
-                                lambda node: spent((SERVING_SIGNER, node)))
+                                lambda node: spent((SERVING_SIGNER, node)), recheck)
 
         def bind_key(node: str, fingerprint: str, csr: str) -> None:
             keys[0][node] = self.update_state(NODE_KEYS_KIND, node, lambda old: with_key(old, fingerprint, csr))
