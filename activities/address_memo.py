@@ -20,11 +20,14 @@ minutes. So a serving request is denied only on an answer the provider gave for 
 (``Answer.kept`` false). One naming an address a kept answer lacks is ``recheck``ed: the provider
 is asked afresh, once per kept answer, and its answer kept in place of the old one, so a machine
 re-addressed has its node's new request approved in the pass that sees it. Asking afresh for every
-such request would give a node a call a pass again, so an answer a request was denied on (or a
-recheck's own) is not rechecked: a request it lacks is left open until it expires, and the first
-pass after asks the provider (a kubelet waits 15 minutes on its request: providers/cluster/base.py,
-``csr_decision``). A node posting wrong addresses before every pass has the first denied on the
-answer its pass asked and the rest on the next, a minute on: still one call per ``KEPT_SECONDS``.
+such request would give a node a call a pass again, so an answer the provider gave once a request
+already lacked an address in it (a recheck's, or the pass's own ask that a request was denied on)
+is not rechecked: it is the provider's word on such requests until it expires, and they are denied
+on it. Not left open: ``CsrApprover`` passes when a new request comes (or at its 10-minute safety
+sweep), and a kubelet waits 15 minutes on an open one, while a denied kubelet asks again within 32 s
+(client-go's backoff), so a node whose provider was still catching up with its new address is asked
+about afresh within a minute and half, not at the sweep. A node posting wrong addresses before every
+pass has each denied, on one provider call per ``KEPT_SECONDS``.
 An answer no request was denied on comes from a pass in which every request of the node that
 asked matched it, its newest approved (``SERVING_PER_WINDOW`` an hour), or from a join's
 registration check: a recheck after one is a call that a node can add a few times an hour.
@@ -99,9 +102,10 @@ class AddressMemo:
         """A serving request names an address that ``held`` (this key's ``answer`` for a pass) lacks:
         the answer to judge it on. Not kept (``kept`` false): the provider's answer since the pass
         looked (``held`` itself where it was asked for the pass, or one another pass asked meanwhile),
-        the request denied if it lacks the address too. Kept: no more asking for now (a request was
-        denied on this answer already, or it is a recheck's), the request left open until it expires.
-        Otherwise the provider is asked afresh, once, and its answer kept in place of the old one.
+        the request denied if it lacks the address too; so also where the kept answer was given once a
+        request already lacked an address in it (a request was denied on it, or it is a recheck's):
+        no more asking until it expires. Otherwise the provider is asked afresh, once, and its answer
+        kept in place of the old one.
         Whichever is handed back is marked: a request found lacking against it asks no more."""
         with self._lock:
             kept = self._valid(key)
@@ -113,7 +117,9 @@ class AddressMemo:
                     kept.doubted = True  # the pass denies on it: a later wrong request waits for the next ask
                 return held
             if kept is not None and kept.doubted:
-                return held  # kept: left open, at most until it expires
+                # Asked once a request already lacked an address in it: the provider's word on such
+                # requests until it expires (denied, so the kubelet asks again within 32 s).
+                return Answer(_copied(kept.found), False, kept.serial)
         return self._ask(key, ask, doubted=True)
 
     def _valid(self, key: Key) -> _Kept | None:

@@ -162,7 +162,8 @@ class AddressLookup:
 
     def recheck(self, node: str, held: Reported) -> Reported:
         """A serving request of ``node`` names an address ``held`` (its ``reported``) lacks: the
-        answer to judge it on. Not ``kept``: denied if it lacks it too; kept: left open."""
+        answer to judge it on. Not ``kept``: denied if it lacks it too; kept: left open (this one
+        asks for every judgment, so what it holds is never kept)."""
         return held
 
 
@@ -270,14 +271,12 @@ def csr_decision(
             return None
         lacking = sorted({ip for ip in ips if ip not in reported.addresses})
     if lacking and reported.kept:
-        # Left open, not denied, on an answer kept from an earlier ask: a kubelet whose serving
-        # request is denied backs off (2 s doubling to 16 s, then every 32 s) and asks again, and one
-        # re-addressed went minutes without a certificate while the old answer was kept. An open one
-        # it waits on up to 15 minutes (client-go's certificate manager, ``certificateWaitTimeout``,
-        # k8s.io/client-go/util/certificate) before it gives up and asks again, and the lookup asks
-        # afresh on the first pass after its answer expires (``KEPT_SECONDS``, a minute): a join's
-        # wait passes every second, and ``CsrApprover`` at its next watch or its safety sweep
-        # (``CSR_WATCH_SECONDS``, 10 minutes), all within that.
+        # Left open, not denied, on an answer kept from an earlier ask that the lookup will not
+        # ask about again (the activities' memo hands back the answer it judges on instead: one
+        # given once a request already lacked an address in it, denied on). A kubelet waits up to
+        # 15 minutes on an open request (client-go's certificate manager,
+        # ``certificateWaitTimeout``, k8s.io/client-go/util/certificate) before it asks again;
+        # denied, it backs off 2 s doubling to 16 s, then every 32 s, and asks again.
         return None
     if lacking:
         return verdict(False, f"serving names {_named(lacking)} are not node {want}'s "
