@@ -148,6 +148,11 @@ EXPECTED = {
     # tests/security/test_watch_pacing.py); the ``_before`` run, recorded on the code before (ten such
     # answers, each counted once, none paced), replays down the old branch.
     "node_paces_answer_bytes", "node_paces_answer_bytes_before",
+    # A node padding every watch answer past its bytes budget (512 KiB, 256 KiB an hour, whatever the
+    # answers' timing): the next watch waits until they are paid for (``node-charges-every-answer-bytes``,
+    # tests/security/test_watch_pacing.py); the ``_before`` run, recorded on the code before (paced by
+    # counts alone, an answer at half the wait uncharged), replays down the old branch.
+    "node_charges_every_answer_bytes", "node_charges_every_answer_bytes_before",
     # A GPU held for its site's incident, asked about after a pause that doubles, and at once when the
     # Site entity tells its node the incident closed (``node-paces-held-rechecks``, ``site-tells-held-nodes``,
     # tests/test_evacuation.py); the ``_before`` runs, recorded on the code before (an ask every

@@ -310,6 +310,28 @@ WATCH_EARLY_FREE = 30
 #: retention: ~5 GiB a node).
 NODE_PACES_ANSWER_BYTES = "node-paces-answer-bytes"
 WATCH_FREE_BYTES = 16 * 1024
+#: Workflow patch, asked where the bytes a node's watch answers wrote outrun ``WATCH_BYTES_PER_HOUR``
+#: past a burst of ``WATCH_BYTES_BURST`` while the pace by counts would wait less (or not at all),
+#: behind ``self._settled_7 and`` (such a run runs no local activity, so it may be asked there). Every
+#: answer's bytes (its payload's data), early or at its wait, are charged against a budget that
+#: refills with time, not with the answer's timing: the entity keeps ``NodeCarry.watch_bytes_until``,
+#: the moment the bytes taken so far are paid for at that rate (a GCRA: each answer moves it
+#: ``size / rate`` on from now or from where it was, whichever is later), and where that is more than
+#: the burst's worth ahead of now, the next watch waits the difference (at most the largest answer's
+#: worth, 30 minutes). In any hour a node writes at most the burst, the hour's refill and the one
+#: answer that passed it (512 + 256 + 128 KiB: 0.9 MiB), and 256 KiB an hour for as long as it keeps
+#: at it (~85 MiB over the 14 days' retention). The count of early answers is kept as it was (it
+#: bounds round trips, not bytes). An honest node's answers (about 3 KB for 8 GPUs, 16 KiB at most)
+#: come at the watch's wait, at most 12 an hour (36 KB, 192 KiB for the largest), and early only for
+#: a change: a burst of the 30 free early ones is 90 KB (480 KiB at most), inside the burst, so the
+#: patch is never asked for it and it is never paced by its bytes. Before it an answer at half the
+#: watch's wait set the early answers' count back to 0 and was not charged at all: a node padding
+#: every answer to the gateway's 128 KiB answered 4 early (32 counts, a pause of 10 s), then one at
+#: half the wait, and again: about 20 answers of 128 KiB an hour, 2.5 MiB of history (~0.8 GiB a node
+#: over retention).
+NODE_CHARGES_EVERY_ANSWER_BYTES = "node-charges-every-answer-bytes"
+WATCH_BYTES_PER_HOUR = 16 * WATCH_FREE_BYTES
+WATCH_BYTES_BURST = 32 * WATCH_FREE_BYTES
 
 #: A finding the entity cannot act on because the cluster did not answer its read of the node (the
 #: API server away past the read's retries, a control-plane upgrade; or a refusal, ClusterForbidden
@@ -1142,32 +1164,51 @@ class NodeEntity(Entity[NodeCarry]):
         """Past ``WATCH_IDLE_FREE`` answers in a row long before their wait that changed nothing,
         or ``WATCH_EARLY_FREE`` early ones of any kind, a pause before the next watch, doubling
         while they go on (``NODE_PATCHES_AT_START_2``). An early answer of ``size`` bytes counts as
-        one per ``WATCH_FREE_BYTES`` begun (``NODE_PACES_ANSWER_BYTES``). Resting: the next run
-        watches at once, or (``NODE_PATCHES_AT_START_8``) once the pause is over, counting on from here."""
+        one per ``WATCH_FREE_BYTES`` begun (``NODE_PACES_ANSWER_BYTES``). Every answer's bytes, early
+        or not, are charged against a budget that refills with time; past it the pause is at least
+        what refills it (``NODE_CHARGES_EVERY_ANSWER_BYTES``). Resting: the next run watches at
+        once, or (``NODE_PATCHES_AT_START_8``) once the pause is over, counting on from here."""
         carry = self.state
+        # The bytes, charged whatever the answer's timing (kept in every run: it changes no command,
+        # and the patch is asked only where it paces where the counts would not).
+        now = workflow.now().timestamp()
+        rate = WATCH_BYTES_PER_HOUR / 3600.0
+        carry.watch_bytes_until = max(carry.watch_bytes_until or now, now) + size / rate
+        owed = carry.watch_bytes_until - now - WATCH_BYTES_BURST / rate  # seconds past the burst
+        pause = timedelta(0)
         if took >= timedelta(seconds=self._watch_wait() / 2):
             carry.watch_early_answers = carry.watch_idle_answers = 0
-            return
-        was = max(carry.watch_idle_answers - WATCH_IDLE_FREE, carry.watch_early_answers - WATCH_EARLY_FREE)
-        counts = -(-size // WATCH_FREE_BYTES)  # one per WATCH_FREE_BYTES begun
-        if counts <= 1 or not (self._settled_7 and workflow.patched(NODE_PACES_ANSWER_BYTES)):
-            counts = 1  # asked only where the count differs: an honest answer is far smaller
-        carry.watch_early_answers += counts
-        carry.watch_idle_answers = 0 if moved else carry.watch_idle_answers + 1
-        over = max(carry.watch_idle_answers - WATCH_IDLE_FREE, carry.watch_early_answers - WATCH_EARLY_FREE)
-        if over <= 0:
-            return
+            over = was = 0
+        else:
+            was = max(carry.watch_idle_answers - WATCH_IDLE_FREE, carry.watch_early_answers - WATCH_EARLY_FREE)
+            counts = -(-size // WATCH_FREE_BYTES)  # one per WATCH_FREE_BYTES begun
+            if counts <= 1 or not (self._settled_7 and workflow.patched(NODE_PACES_ANSWER_BYTES)):
+                counts = 1  # asked only where the count differs: an honest answer is far smaller
+            carry.watch_early_answers += counts
+            carry.watch_idle_answers = 0 if moved else carry.watch_idle_answers + 1
+            over = max(carry.watch_idle_answers - WATCH_IDLE_FREE, carry.watch_early_answers - WATCH_EARLY_FREE)
         timeouts = (self._settings() or RepairSettings()).timeouts
-        # The doublings capped: the counts are carried, and days of answers at once would pass a float's range.
-        doublings = min(over - 1, 32)
-        pause = timedelta(seconds=min(timeouts.watch_pace_seconds * 2 ** doublings, timeouts.watch_pace_max_seconds))
-        if over == 1 or was <= 0:  # the first past the free ones (a large answer may pass them by several)
-            self._log(f"watch answers long before their wait ({carry.watch_early_answers} in a row, one per "
-                      f"{WATCH_FREE_BYTES // 1024} KiB begun; {carry.watch_idle_answers} changing nothing): the "
-                      f"next watches are paced, from {pause.total_seconds():.0f}s", warn=True)
+        if over > 0:
+            # The doublings capped: the counts are carried, and days of answers at once would pass a float's range.
+            doublings = min(over - 1, 32)
+            pause = timedelta(seconds=min(timeouts.watch_pace_seconds * 2 ** doublings,
+                                          timeouts.watch_pace_max_seconds))
+            if over == 1 or was <= 0:  # the first past the free ones (a large answer may pass them by several)
+                self._log(f"watch answers long before their wait ({carry.watch_early_answers} in a row, one per "
+                          f"{WATCH_FREE_BYTES // 1024} KiB begun; {carry.watch_idle_answers} changing nothing): the "
+                          f"next watches are paced, from {pause.total_seconds():.0f}s", warn=True)
+        if owed > pause.total_seconds() and self._settled_7 and workflow.patched(NODE_CHARGES_EVERY_ANSWER_BYTES):
+            if owed - size / rate < -1.0:  # the first answer past the burst (not one at its pause's end)
+                self._log(f"watch answers past {WATCH_BYTES_BURST // 1024} KiB and {WATCH_BYTES_PER_HOUR // 1024} "
+                          f"KiB an hour (this one {size:,} bytes): the next watch waits {owed:.0f}s, until they are "
+                          "paid for", warn=True)
+            pause = timedelta(seconds=owed)
+        if pause <= timedelta(0):
+            return
         carry.watch_paced_until = (workflow.now() + pause).timestamp()
         with self.resting():
-            await workflow.sleep(pause, summary=f"pace {self._node}'s watch: it answers at once")
+            await workflow.sleep(pause, summary=f"pace {self._node}'s watch: it answers at once"
+                                 if pause.total_seconds() > owed else f"pace {self._node}'s watch: its answers' bytes")
 
     async def _pace_long_history(self) -> None:
         """Past ``watch_pace_history_mib`` or ``WATCH_PACE_HISTORY_EVENTS`` of history (a run that

@@ -242,3 +242,31 @@ async def test_a_node_failing_every_watch_at_once_is_paced(failing) -> None:
     status = await handle.query(flows.Node.status, result_type=NodeStatus)
     assert any("the next watches are paced" in line for line in status.log), status.log
     await replay_and_record(handle, "node_watch_failures_paced")
+
+
+async def test_a_node_padding_past_its_bytes_budget_waits_until_they_are_paid_for(eager_padded) -> None:
+    """Padded early answers (~120 KB, a new digest each) past the 512 KiB burst
+    (``node-charges-every-answer-bytes``): the next watch waits until their bytes are paid for at
+    256 KiB an hour, longer than the pace by counts (before: 4 answers, then a pause of 10 s, and
+    one at half the watch's wait set the count back to 0, uncharged)."""
+    stack, node, watch = eager_padded
+    handle = stack.client.get_workflow_handle(f"node/{node.node_name}")
+    before = len(watch.inputs)
+
+    async def paid_for_or_flooding() -> bool:
+        if len(watch.inputs) > before + 12:
+            return True
+        status = await handle.query(flows.Node.status, result_type=NodeStatus)
+        return any("until they are paid for" in line for line in status.log)
+
+    watch.armed = True
+    stack.world.inject_fault(node.machine_id, 0, "xid", 13, clears_on="never")  # ends the watch in flight
+    await eventually(paid_for_or_flooding, timeout=40, interval=0.2)
+    watch.armed = False
+    rounds = len(watch.inputs) - before
+    status = await handle.query(flows.Node.status, result_type=NodeStatus)
+    assert any("until they are paid for" in line for line in status.log), (rounds, status.log)
+    # The burst and the answer that passed it: 5 padded answers (4 free by counts, a pause of 10 s).
+    assert rounds <= 6, f"{rounds} padded answers"
+    assert not await task_failures(handle)
+    await replay_and_record(handle, "node_charges_every_answer_bytes")
