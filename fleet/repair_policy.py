@@ -291,6 +291,13 @@ class RepairTimeouts(Strict):
     #: slot is free: a node's answers (up to 512 KiB each) cannot take its entity to Temporal's limits
     #: (50 MB, 51,200 events), where the server terminates it.
     watch_pace_history_mib: float = Field(16, gt=0, le=24)
+    #: Every watch answer's bytes, early or at its wait, are charged against a budget of this many KiB
+    #: that refills at ``watch_bytes_kib_per_hour``; past it the next watch waits until they are paid
+    #: for (the node's answers are history in the store every workflow shares). An honest node's
+    #: answers (about 3 KB for 8 GPUs, at most 12 an hour at the watch's wait, early only on a change)
+    #: stay far inside the defaults; a node padding each to the gateway's 128 KiB gets 256 KiB an hour.
+    watch_bytes_burst_kib: float = Field(512, ge=0, le=1_048_576)
+    watch_bytes_kib_per_hour: float = Field(256, gt=0, le=1_048_576)
     #: One provider API call (reboot/reinstall request): a crashed worker's call is retried after this.
     provider_call_seconds: SettingSeconds = Field(120, gt=0)
 

@@ -310,8 +310,9 @@ WATCH_EARLY_FREE = 30
 #: retention: ~5 GiB a node).
 NODE_PACES_ANSWER_BYTES = "node-paces-answer-bytes"
 WATCH_FREE_BYTES = 16 * 1024
-#: Workflow patch, asked where the bytes a node's watch answers wrote outrun ``WATCH_BYTES_PER_HOUR``
-#: past a burst of ``WATCH_BYTES_BURST`` while the pace by counts would wait less (or not at all),
+#: Workflow patch, asked where the bytes a node's watch answers wrote outrun
+#: ``repair.timeouts.watch_bytes_kib_per_hour`` (256 KiB) past a burst of ``watch_bytes_burst_kib``
+#: (512 KiB) while the pace by counts would wait less (or not at all),
 #: behind ``self._settled_7 and`` (such a run runs no local activity, so it may be asked there). Every
 #: answer's bytes (its payload's data), early or at its wait, are charged against a budget that
 #: refills with time, not with the answer's timing: the entity keeps ``NodeCarry.watch_bytes_until``,
@@ -330,8 +331,6 @@ WATCH_FREE_BYTES = 16 * 1024
 #: half the wait, and again: about 20 answers of 128 KiB an hour, 2.5 MiB of history (~0.8 GiB a node
 #: over retention).
 NODE_CHARGES_EVERY_ANSWER_BYTES = "node-charges-every-answer-bytes"
-WATCH_BYTES_PER_HOUR = 16 * WATCH_FREE_BYTES
-WATCH_BYTES_BURST = 32 * WATCH_FREE_BYTES
 
 #: A finding the entity cannot act on because the cluster did not answer its read of the node (the
 #: API server away past the read's retries, a control-plane upgrade; or a refusal, ClusterForbidden
@@ -1171,10 +1170,12 @@ class NodeEntity(Entity[NodeCarry]):
         carry = self.state
         # The bytes, charged whatever the answer's timing (kept in every run: it changes no command,
         # and the patch is asked only where it paces where the counts would not).
+        timeouts = (self._settings() or RepairSettings()).timeouts
         now = workflow.now().timestamp()
-        rate = WATCH_BYTES_PER_HOUR / 3600.0
+        rate = timeouts.watch_bytes_kib_per_hour * 1024 / 3600.0
+        burst = timeouts.watch_bytes_burst_kib * 1024
         carry.watch_bytes_until = max(carry.watch_bytes_until or now, now) + size / rate
-        owed = carry.watch_bytes_until - now - WATCH_BYTES_BURST / rate  # seconds past the burst
+        owed = carry.watch_bytes_until - now - burst / rate  # seconds past the burst
         pause = timedelta(0)
         if took >= timedelta(seconds=self._watch_wait() / 2):
             carry.watch_early_answers = carry.watch_idle_answers = 0
@@ -1187,7 +1188,6 @@ class NodeEntity(Entity[NodeCarry]):
             carry.watch_early_answers += counts
             carry.watch_idle_answers = 0 if moved else carry.watch_idle_answers + 1
             over = max(carry.watch_idle_answers - WATCH_IDLE_FREE, carry.watch_early_answers - WATCH_EARLY_FREE)
-        timeouts = (self._settings() or RepairSettings()).timeouts
         if over > 0:
             # The doublings capped: the counts are carried, and days of answers at once would pass a float's range.
             doublings = min(over - 1, 32)
@@ -1199,8 +1199,8 @@ class NodeEntity(Entity[NodeCarry]):
                           f"next watches are paced, from {pause.total_seconds():.0f}s", warn=True)
         if owed > pause.total_seconds() and self._settled_7 and workflow.patched(NODE_CHARGES_EVERY_ANSWER_BYTES):
             if owed - size / rate < -1.0:  # the first answer past the burst (not one at its pause's end)
-                self._log(f"watch answers past {WATCH_BYTES_BURST // 1024} KiB and {WATCH_BYTES_PER_HOUR // 1024} "
-                          f"KiB an hour (this one {size:,} bytes): the next watch waits {owed:.0f}s, until they are "
+                self._log(f"watch answers past {timeouts.watch_bytes_burst_kib:g} KiB and "
+                          f"{timeouts.watch_bytes_kib_per_hour:g} KiB an hour (this one {size:,} bytes): the next watch waits {owed:.0f}s, until they are "
                           "paid for", warn=True)
             pause = timedelta(seconds=owed)
         if pause <= timedelta(0):

@@ -70,7 +70,7 @@ class NodeCarry(BaseModel):
     watch_early_answers: int = 0
     watch_idle_answers: int = 0
     watch_paced_until: float | None = None
-    #: Until when the bytes its watch answers wrote are paid for at ``workflows.node.WATCH_BYTES_PER_HOUR``
+    #: Until when the bytes its watch answers wrote are paid for at the repair settings' ``watch_bytes_kib_per_hour``
     #: (epoch seconds; ``_pace_watch``): every answer, early or not, moves it on by its size's worth.
     watch_bytes_until: float | None = None
     #: The reasons of quarantines not yet handed to a repair: such a finding is about the node's

@@ -233,9 +233,12 @@ async def hostile_small_history(small_history_env, tmp_path, monkeypatch) -> Asy
 async def hostile_on(client: Client, tmp_path, monkeypatch, spot_site: bool = False) -> AsyncIterator:
     watch = HostileWatch()
     monkeypatch.setattr(workers.node_agent, "build_agent", watch.build_agent)
-    # Its answers come at once and most change nothing: the entity paces such a node's watches
-    # (tests/security/test_watch_pacing.py), here by a hundredth of a second.
-    fleet = repair_fleet(timeouts={**REPAIR["timeouts"], "watch_pace_seconds": 0.01, "watch_pace_max_seconds": 0.01})
+    # Its answers come at once and most change nothing, some as large as a report may be: the entity
+    # paces such a node's watches by their count and by their bytes (tests/security/test_watch_pacing.py,
+    # test_watch_bytes.py), here by a hundredth of a second and not by bytes: these tests are about what
+    # the answers make the entity do and carry.
+    fleet = repair_fleet(timeouts={**REPAIR["timeouts"], "watch_pace_seconds": 0.01, "watch_pace_max_seconds": 0.01,
+                                   "watch_bytes_burst_kib": 1_048_576})
     if spot_site:
         fleet = spot(fleet)
     async for stack in running_stack(client, tmp_path, fleet):
