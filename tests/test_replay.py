@@ -143,6 +143,15 @@ EXPECTED = {
     # replays.
     "node_entity_continues_while_a_repair_waits", "node_entity_continues_while_a_repair_waits_before",
     "node_entity_follows_a_carried_repair_to_its_end",
+    # A node gone from the cluster (retired by its site, or deleted by hand): its Site entity tells its
+    # Node entity, which confirms it with the cluster and ends within seconds; a word reaching a node
+    # in the cluster again ends nothing (``site-tells-deleted-nodes``, ``node-ends-when-told-deleted``,
+    # tests/test_site_node_gone.py); the ``_before`` runs, recorded on the code before (nobody told,
+    # the entity running on; the word taken as NotReady), replay down the old branches.
+    "site_tells_a_retired_node_it_is_deleted", "site_tells_a_retired_node_it_is_deleted_before",
+    "node_entity_ends_when_its_site_saw_it_retired",
+    "node_entity_ends_when_its_site_saw_it_deleted", "node_entity_ends_when_its_site_saw_it_deleted_before",
+    "node_entity_told_deleted_while_in_the_cluster", "node_entity_told_deleted_while_in_the_cluster_before",
     # A node padding every early watch answer to ~120 KB, a new digest each: each counts for the pace
     # as 8 (one per 16 KiB begun), paced after 4 (``node-paces-answer-bytes``,
     # tests/security/test_watch_pacing.py); the ``_before`` run, recorded on the code before (ten such

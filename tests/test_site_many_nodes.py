@@ -83,3 +83,38 @@ async def test_a_site_tells_a_few_hundred_nodes_in_turns(temporal_env, tmp_path,
         await poll(lambda: told_every_node(handle, count), timeout=120, interval=0.5)
         await replay_and_record(handle, "site_tells_nodes_in_turns")
 
+
+
+def vanishing_site(monkeypatch, count: int) -> None:
+    """The site's watch sees ``count`` Ready nodes, then none of them (all deleted from the cluster
+    at once: a site retiring them, a person deleting them); then nothing changes."""
+    names = [f"node-{i:04d}" for i in range(count)]
+
+    @activity.defn(name="watch_site")
+    def watch_site(self, input: SiteWatchInput) -> SiteWatchResult:
+        if not input.known:
+            return SiteWatchResult(nodes=[ProbeNode(name=name, ready=True) for name in names], changed=True,
+                                   observed_at=time.time())
+        if len(input.known) < count:
+            time.sleep(1.0)  # nothing changes: the entity waits on its next watch
+        return SiteWatchResult(nodes=[], changed=bool(input.known), observed_at=time.time())
+
+    monkeypatch.setattr(WatchActivities, "watch_site", watch_site)
+
+
+async def test_a_site_whose_nodes_are_all_deleted_at_once_tells_each_entity_in_turns(
+        temporal_env, tmp_path, monkeypatch) -> None:
+    """More nodes than Temporal lets one workflow have signals in flight, all gone from the cluster
+    in one watch result: each Node entity is told it was deleted (``site-tells-deleted-nodes``), in
+    turns, and the site goes on (no failed workflow task)."""
+    count = TEMPORAL_PENDING_PER_RUN + 100
+    vanishing_site(monkeypatch, count)
+    async for inc in fleet_stack(temporal_env, tmp_path):
+        handle = await inc.start_site("a", reconcile_seconds=3600)
+        # The poll's bound only guards against a hang.
+        await poll(lambda: told_every_node(handle, count), timeout=180, interval=0.5)
+        history = await handle.fetch_history()
+        told = {e.signal_external_workflow_execution_initiated_event_attributes.workflow_execution.workflow_id
+                for e in history.events
+                if e.event_type == EventType.EVENT_TYPE_SIGNAL_EXTERNAL_WORKFLOW_EXECUTION_INITIATED}
+        assert told >= {f"node/node-{i:04d}" for i in range(count)}

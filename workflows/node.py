@@ -47,7 +47,7 @@ SpotReclaim) finishes, and its writes to the state are carried, in the run that 
 from __future__ import annotations
 
 import asyncio
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any, Awaitable, Callable
 
 from pydantic import BaseModel, ValidationError
@@ -424,6 +424,17 @@ HELD_RECHECK_MAX = timedelta(minutes=10)
 #: and past ``watch_pace_history_mib`` or ``WATCH_PACE_HISTORY_EVENTS`` (about ten days of an honest
 #: node's watches) every next watch of its other GPUs waited a pause doubling up to a year.
 NODE_CONTINUES_WHILE_REPAIRING = "node-continues-while-repairing"
+#: Workflow patch, asked where a ``cluster_state`` says the node was deleted from the cluster (its Site
+#: entity's watch saw its Node object go: retired, removed by hand; ``site-tells-deleted-nodes``), behind
+#: ``self._settled_7 and`` (such a run runs no local activity, so it may be asked there). The word alone
+#: ends nothing: the loop reads the node's facts, and only where the cluster does not know the node (a
+#: node that joined again under the name since is there again, and watched on) is the watch in flight
+#: cancelled and the entity ended, "replaced or removed", as for a watch that failed on a node the
+#: cluster no longer knows. A repair of the node still running decides as before (the word is logged).
+#: Before it (and in a run from before ``NODE_PATCHES_AT_START_7``) the word was taken as NotReady, and
+#: the entity ran on, its watch pending on a queue no agent polls, listed as a live node, until the
+#: watch's retries ran out (30 minutes' wait plus 3 heartbeat timeouts of 10: up to an hour).
+NODE_ENDS_WHEN_TOLD_DELETED = "node-ends-when-told-deleted"
 
 
 def _xid_key(gpu: GpuHealth, index: int) -> str:
@@ -489,6 +500,9 @@ class NodeEntity(Entity[NodeCarry]):
         #: ``NOT_READY_PATCH``: the watch in flight (replaced when the node is Ready again).
         self._told_by_cluster = False
         self._watch_handle: workflow.ActivityHandle | None = None
+        #: ``NODE_ENDS_WHEN_TOLD_DELETED``: its site saw the node deleted from the cluster (when, epoch
+        #: seconds), not yet confirmed by the loop. Not carried: the gate does not continue with it set.
+        self._told_deleted: float | None = None
         self._rewatch = False
         #: ``NODE_PATCHES_AT_START``: this run takes every patch's new path (asked once, first).
         self._settled = False
@@ -586,7 +600,8 @@ class NodeEntity(Entity[NodeCarry]):
     def cluster_state(self, raw: Any) -> None:
         """The node's Site entity saw it turn NotReady in the cluster (its kubelet fell silent) or
         Ready again. Ready after NotReady: the watch in flight may be held by an agent that is
-        gone (its heartbeat timeout is long), so it is replaced now."""
+        gone (its heartbeat timeout is long), so it is replaced now. Deleted from the cluster
+        (``NODE_ENDS_WHEN_TOLD_DELETED``): confirmed by the cluster's record, the entity ends."""
         if (told := parse_signal(ClusterNodeState, raw, "cluster_state")) is not None:
             # Once ``run`` took its state and decided ``_told_by_cluster`` (one sent before its
             # first task counts under ``NODE_PATCHES_AT_START_2``).
@@ -594,6 +609,11 @@ class NodeEntity(Entity[NodeCarry]):
 
     def _take_cluster_state(self, told: ClusterNodeState) -> None:
         if not self._told_by_cluster:
+            return
+        if told.deleted and self._settled_7 and workflow.patched(NODE_ENDS_WHEN_TOLD_DELETED):
+            # Confirmed by the loop (a facts read): a signal handler never awaits.
+            self._told_deleted = told.observed_at or workflow.now().timestamp()
+            self._wake = True
             return
         carry = self.state
         if not told.ready:
@@ -833,6 +853,9 @@ class NodeEntity(Entity[NodeCarry]):
                 await self._tell_the_queue()
             # Uncontended (no person's update running) the lock issues no command and never waits.
             async with self.state_lock:
+                if self._told_deleted is not None:
+                    observed_at, self._told_deleted = self._told_deleted, None
+                    await self._take_deleted(observed_at)
                 while self._pending:
                     await self._handle(self._pending.pop(0))
                 if self._quarantine is not None:
@@ -862,9 +885,38 @@ class NodeEntity(Entity[NodeCarry]):
                     # starts one while the loop waits here.)
                     unless=lambda: bool(self._pending or self._requests or self._quarantine is not None
                                         or (self._gate_waits_watch and self._gone)
+                                        or self._told_deleted is not None
                                         or (self._active and not self._continues_repairing)
                                         or (self._paces_holds and self._incident_closed)),
                 )
+
+    async def _take_deleted(self, observed_at: float) -> None:
+        """Its site saw the node deleted from the cluster (``NODE_ENDS_WHEN_TOLD_DELETED``): the
+        cluster's own record decides. Not there: the watch in flight is cancelled and the loop ends
+        the entity ("replaced or removed"). There (joined again under its name since the site saw
+        it go), or the cluster not answering: watched on, the word logged. A repair of the node
+        still running decides as before."""
+        if self._gone:
+            return
+        at = datetime.fromtimestamp(observed_at, timezone.utc)
+        seen = f"its site saw it deleted from the cluster at {at:%H:%M:%S} UTC"
+        if self._active:
+            self._log(f"{seen}, while {', '.join(sorted(self._active.values()))} runs: its repair decides")
+            return
+        try:
+            facts = await self._refresh_facts()
+        except ActivityError as error:
+            self._log(f"{seen}; not confirmed, the cluster did not answer ({failure_message(error)}): watching on",
+                      warn=True)
+            return
+        if facts.found:
+            self._log(f"{seen}, but the cluster has it again (machine {facts.machine_id or 'unknown'}): joined "
+                      "again under its name, watching on")
+            return
+        self._log(f"{seen}, and the cluster does not know it: removed, its watch cancelled")
+        self._gone = True
+        self._wake = True
+        self._replace_watch()
 
     def _continues_while_repairing(self) -> bool:
         """``NODE_CONTINUES_WHILE_REPAIRING``: this run may continue as new while repairs of its node

@@ -309,6 +309,14 @@ TELL_IN_TURNS_PATCH = "site-tells-nodes-in-turns"
 #: admission is held for an incident. Before, nobody was told: each held GPU asked again every
 #: ``recheck_seconds`` (30 s) for the whole incident, an ``admit_repair`` update here each time.
 TELLS_HELD_NODES_PATCH = "site-tells-held-nodes"
+#: Workflow patch: a node the watch saw go from the cluster (in the last result, not in this one:
+#: retired, removed by hand, ``kubectl delete node``) has its Node entity told (``cluster_state`` with
+#: ``deleted``), in turns with the rest (``TELL_AT_ONCE``); a node still being proven has no entity and
+#: is not told. The entity confirms it with the cluster's own record and ends within seconds
+#: (``node-ends-when-told-deleted``). Before, nobody told it: it ran on, its watch pending on a queue
+#: no agent polls, listed as a live node, until that watch's retries ran out (up to an hour) and a
+#: facts read found the node gone. Asked in ``_take`` only where a result lacks a node the last one had.
+TELLS_DELETED_PATCH = "site-tells-deleted-nodes"
 #: The pause after a failed fill, doubled by each that fails again, up to the safety reconcile's period.
 FILL_FIRST_PAUSE = 60.0
 FILL_MAX_PAUSE = 1800.0
@@ -787,8 +795,8 @@ class SiteEntity(Entity[SiteState]):
 
     async def _take(self, seen: SiteWatchResult) -> None:
         """A watch result: the control plane's absence it saw, node counts and transitions (each
-        Node entity told when its node turns NotReady or Ready), NotReady nodes and the provider
-        API into the incident rule."""
+        Node entity told when its node turns NotReady or Ready, or since ``TELLS_DELETED_PATCH`` is
+        deleted from the cluster), NotReady nodes and the provider API into the incident rule."""
         now, s, inc = workflow.now().timestamp(), self._incident_settings, self.state.incident
         if self._returns:
             # Nobody watched for a while (the watcher stopped, its attempt was lost), or the result
@@ -818,6 +826,10 @@ class SiteEntity(Entity[SiteState]):
             if n.unproven or (was is None and n.ready) or (was is not None and was.startswith("ready") == n.ready):
                 continue  # no transition (a node still being proven has no entity to tell yet)
             told.append(self._tell_node(n.name, n.ready, seen.observed_at))
+        # Gone from the cluster since the last result (a node still being proven has no entity yet).
+        deleted = sorted(name for name in set(before) - set(after) if "unproven" not in before[name].split(","))
+        if deleted and workflow.patched(TELLS_DELETED_PATCH):
+            told += [self._tell_node(name, False, seen.observed_at, deleted=True) for name in deleted]
         if self._self_labels:
             told += [self._quarantine_self_labelled(name, changes) for name, changes in sorted(seen.self_labelled.items())
                      if name not in self._reported]
@@ -847,15 +859,16 @@ class SiteEntity(Entity[SiteState]):
                 inc.failures = record(inc.failures, Failure(node=name, at=now, kind="unreachable", detail="NotReady"),
                                       now, s)
 
-    async def _tell_node(self, node: str, ready: bool, observed_at: float) -> None:
-        """The node's entity learns from the cluster that its node fell silent (or answers again):
-        it need not wait out a heartbeat timeout to know."""
+    async def _tell_node(self, node: str, ready: bool, observed_at: float, deleted: bool = False) -> None:
+        """The node's entity learns from the cluster that its node fell silent (or answers again),
+        or (``deleted``, ``TELLS_DELETED_PATCH``) that its Node object is gone: it need not wait out a
+        heartbeat timeout, or its watch's retries, to know."""
+        told = ClusterNodeState(ready=ready, observed_at=observed_at, deleted=deleted)
         try:
-            await workflow.get_external_workflow_handle(node_workflow_id(node)).signal(
-                flows.Node.cluster_state, ClusterNodeState(ready=ready, observed_at=observed_at))
+            await workflow.get_external_workflow_handle(node_workflow_id(node)).signal(flows.Node.cluster_state, told)
         except FailureError as error:
             workflow.logger.info("site %s: node/%s not told it is %s (%s)", self._site.name, node,
-                                 "Ready" if ready else "NotReady", failure_message(error))
+                                 "deleted" if deleted else "Ready" if ready else "NotReady", failure_message(error))
 
     async def _quarantine_self_labelled(self, node: str, changes: list[str]) -> None:
         """A node wrote its own placement labels (put back by the watch already): nobody else writes

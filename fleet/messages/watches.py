@@ -242,11 +242,16 @@ class CsrWatchResult(BaseModel):
 # -- the Node entity's word from the cluster ------------------------------------------------
 class ClusterNodeState(BaseModel):
     """The ``cluster_state`` signal a Site entity sends a Node entity when its watch saw the
-    node turn NotReady (its kubelet fell silent) or Ready again."""
+    node turn NotReady (its kubelet fell silent) or Ready again, or (``deleted``) saw its Node
+    object go from the cluster (retired, removed by hand)."""
 
     ready: bool
     #: When the Site entity's watch saw it (epoch seconds).
     observed_at: float = 0.0
+    #: The node is gone from the cluster (with ``ready`` false): the Node entity confirms it with the
+    #: cluster's own record before it ends (``node-ends-when-told-deleted``); a run of the code before
+    #: the field takes it as NotReady. Default false: every payload sent before it stays valid.
+    deleted: bool = False
 
 
 # -- watch_recovery -------------------------------------------------------------------------
