@@ -17,8 +17,10 @@ number: a pass asks the provider for a node's addresses once, and not at all onc
 is spent, and writes its approvals before its denials. Across passes the ``addresses`` the activities
 hand in keep each machine's answer a while (activities/address_memo.py), so what a node posts sets no
 pace of calls to its provider; a serving request is denied only on an answer the provider gave for
-it, and one that a kept answer does not cover (its machine re-addressed since) has the provider
-asked again once, or is left open until the answer expires.
+it (or given once a request already lacked an address in it), and one that a kept answer does not
+cover (its machine re-addressed since) has the provider asked again once. A serving request naming
+another name than the node's own, or no address, is denied whatever the provider reports (even
+nothing), without asking it.
 """
 
 from __future__ import annotations
