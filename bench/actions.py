@@ -302,8 +302,8 @@ def figures(idle: Window, sites: int, nodes: int, models: int = 0, evacuated: in
 
 
 def polled_recovery_per_hour(settings: IncidentSettings) -> float:
-    """What the wait for recovery cost before ``evacuation-watches-recovery``, by construction: a
-    ``recovery_probe`` and a timer every ``probe_seconds``."""
+    """What the wait for recovery cost when it polled (before ``watch_recovery``, whose patch is
+    retired), by construction: a ``recovery_probe`` and a timer every ``probe_seconds``."""
     return 2 * 3600 / settings.probe_seconds
 
 

@@ -142,7 +142,7 @@ async def test_an_open_run_started_before_the_deploy_keeps_its_types_patches_and
         while datetime.now(timezone.utc) <= after:
             await asyncio.sleep(0.05)
         join_ids = {p.id for p in scan_patches() if p.workflow_type == "NodeJoin"}
-        assert "join-patches-at-start-4" in join_ids
+        assert "join-by-hand-refuses-max-nodes-0" in join_ids
 
         rows = await asyncio.to_thread(gpufleet_patches, address, queue, after)
         verdicts = {(r["patch"], r["workflow"]): r["verdict"] for r in rows}

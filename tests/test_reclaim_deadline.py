@@ -1,5 +1,5 @@
 """SpotReclaim acts against the newest notice's termination time, and a cancel of it puts back what
-it changed (``reclaim-cancel-puts-back``).
+it changed.
 
 The provider may post a newer notice for a machine already being reclaimed (the Node entity signals
 it as ``notice``). Before, the run kept the time it read at its start: an earlier one left it

@@ -25,8 +25,8 @@ from tests.replay import HISTORIES, replay_and_record, replay_file, replay_histo
 #: ``rollout-source-from-config``, the sweep before ``sweep-identity-records``, the evacuations
 #: before ``evacuation-abort-restores``).
 EXPECTED = {
-    # NodeJoin: runs that hold the deprecated markers of patches since removed (replayed with no call
-    # for them) and ``join-patches-at-start-4``'s.
+    # NodeJoin: runs of the code since the fourth retirement (docs/design/patches.md), which asks no
+    # patch on these paths.
     "node_join_happy", "node_join_count2", "node_join_smoke_failed",
     # A join cancelled while waiting for registration deletes its machine and ends cancelled, not
     # failed (tests/test_join_cancelled.py; no patch: only the run's last command differs).
@@ -90,7 +90,7 @@ EXPECTED = {
     "site_incident_tripped",
     "advisor_report",
     # Constraints for a model no workload serves are refused, naming ``constraints.<model>``
-    # (``advisor-refuses-unserved-constraints``, tests/test_advisor_workflow.py).
+    # (tests/test_advisor_workflow.py).
     "advisor_refused_unserved_constraints",
     # Evacuations through the Routing entity; the Routing entity itself.
     "site_evacuation_resumed_routed",
@@ -104,8 +104,7 @@ EXPECTED = {
     "account_refused_not_in_config", "account_refused_not_in_config_before", "account_not_in_config_any_more",
     "routing_refused_unknown_model", "routing_refused_unknown_model_before", "routing_model_served_nowhere_any_more",
     # A join token that expires before the machine can register, or join timeouts past the longest
-    # token, refuse the start (``join-patches-at-start-4``, ``capacity-checks-join-tokens``;
-    # tests/test_bad_input.py).
+    # token, refuse the start (tests/test_bad_input.py).
     "join_refused_a_token_that_expires_first", "capacity_refused_join_timeouts_past_a_token",
     # A start that sets state a run carries over continue-as-new is refused, naming the field
     # (``input-guard-refuses-callers-carry``, workers/input_guard.py; tests/test_bad_input.py). Runs
@@ -211,9 +210,8 @@ EXPECTED = {
     # its result the refusal, so a run recorded before, with neither, takes the same path).
     "rollout_refused_kubernetes_name_clash",
     # Sites all under evacuation are waited for in one activity, and the rollout continues as new in
-    # that wait when told to (``rollout-waits-out-evacuations-in-one-activity``, tests/rollout/
-    # test_rollout_workflow.py): its first run, the run that finished after it, an abort and a cancel
-    # during the wait.
+    # that wait when told to (tests/rollout/test_rollout_workflow.py): its first run, the run that
+    # finished after it, an abort and a cancel during the wait.
     "rollout_waits_out_an_evacuation_in_one_activity", "rollout_continued_as_new_while_deferred",
     "rollout_finished_after_continue_as_new",
     # A copy the rollout stops (an abort, Temporal's cancel) aborts its open multipart upload, and the
@@ -225,9 +223,7 @@ EXPECTED = {
     "rollout_aborted_while_copying_before", "rollout_cancelled_while_copying_before",
     # The newest spot notice sets the deadline (tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
-    # A cancelled reclaim uncordons its node and stops its replacement (``reclaim-cancel-puts-back``,
-    # tests/test_reclaim_deadline.py): runs of the release before, which hold the patch's marker
-    # undeprecated (and a removed one's deprecated), as a reclaim open at its deprecation does.
+    # A cancelled reclaim uncordons its node and stops its replacement (tests/test_reclaim_deadline.py).
     "spot_reclaim_cancelled_while_draining", "spot_reclaim_cancelled_waiting_for_the_replacement",
     # The HTTP relay of an operator update (tests/test_entity_update.py).
     "entity_update_quota_raised", "entity_update_rejected",
@@ -356,9 +352,7 @@ EXPECTED = {
     "site_evacuation_holds_where_the_check_cannot_run", "site_evacuation_holds_where_the_check_cannot_run_before",
     # While its site is down, and while nothing may take its replicas, an evacuation waits on one
     # ``watch_recovery`` that probes inside the activity, which ``recovered`` cuts short
-    # (``evacuation-watches-recovery``, tests/test_evacuation.py). Every ``site_evacuation_*`` file
-    # is a run of the release before its deprecation (the markers of the patches since removed
-    # deprecated, its own not), as an evacuation open at that deploy is, and replays.
+    # (tests/test_evacuation.py).
     "site_evacuation_watches_recovery", "site_evacuation_recovered_cuts_the_watch_short",
     "site_evacuation_watches_the_needs_person_wait",
     # Patches decided at the start of a run (a patch asked after a local activity could not replay).

@@ -30,12 +30,6 @@ with workflow.unsafe.imports_passed_through():
 CATALOG_MAX_AGE = 3600.0
 #: Workload lines in the current details; the result holds them all.
 DETAIL_LINES = 40
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): constraints
-#: for a model no workload serves are refused, naming ``constraints.<model>``. An Advisor run ends
-#: within its activities' timeouts; every one open now started after it. The call stays,
-#: deprecated, where such constraints are found (after the workloads are read, an activity), until
-#: no run holding its marker is open.
-REFUSE_UNSERVED_PATCH = "advisor-refuses-unserved-constraints"
 
 
 @workflow.defn(name="Advisor")
@@ -63,7 +57,6 @@ class Advisor:
         )
         unserved = unserved_constraints(args.constraints, usage.workloads)
         if unserved:
-            workflow.deprecate_patch(REFUSE_UNSERVED_PATCH)
             self._step = "refused"
             refused = refusal("AdvisorInput", unserved)
             show_details("refused", detail=refused.message)

@@ -102,13 +102,6 @@ with workflow.unsafe.imports_passed_through():
 #: one only buys and deletes more machines).
 FATAL = ("InvalidRequest", "InvalidInput", "ClusterForbidden")
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): a request's
-#: first run refuses ``join_timeouts`` that outlast the longest join token (``JoinTimeouts``' token
-#: check) before any activity. Every request open now started after it and recorded its marker; the
-#: call stays, deprecated, until no run holding that marker is open. Not asked in the runs a request
-#: continues as (it is checked once, at its start) nor in its joins (NodeJoin checks only a join a
-#: person started).
-CHECKS_JOIN_TOKENS_PATCH = "capacity-checks-join-tokens"
 #: An offer that said NoCapacity under ``unavailable_ttl_seconds: 0`` is out of the ranking until the
 #: request next reads the catalog (after its wait for capacity: the backoff, or a wake), not joined
 #: again at once. Asked only where such an answer is taken. Before, its exclusion ended as it began
@@ -308,8 +301,6 @@ class AcquireCapacity:
         and the carry of an earlier run taken up."""
         # A request's first run only: a continued one was checked by its first.
         first_run = not (isinstance(raw, dict) and raw.get("carry") is not None)
-        if first_run:
-            workflow.deprecate_patch(CHECKS_JOIN_TOKENS_PATCH)
         req = parse_input(CapacityRequest, raw, context={TOKEN_CHECKS: first_run})
         self._req = req
         start = workflow.now()

@@ -140,14 +140,6 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.watches import RecoveryWatchInput, RecoveryWatchResult
 
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): while its
-#: site is down, and while nothing may take its replicas (the needs-person wait), the evacuation
-#: waits on one activity, ``watch_recovery``, that probes recovery every ``probe_seconds`` inside (no
-#: Temporal action) and returns when the site is back, when what nothing may take changes, or after
-#: ``recovery_watch_seconds`` (30 minutes); ``declare_recovered``, ``retry`` and an abort cancel it.
-#: Every evacuation open now started after it; the call stays, deprecated, as each of those waits
-#: begins, until no run holding its marker is open.
-RECOVERY_WATCH_PATCH = "evacuation-watches-recovery"
 #: An abort cuts short the waits of the way out, the replicas elsewhere getting ready (up to
 #: ``ready_seconds``, 15 minutes by default) and the drain (up to ``drain_seconds``): the step in
 #: flight is cancelled and the put-back begins. Runs before it looked at the abort only once
@@ -771,7 +763,6 @@ class SiteEvacuation:
                     for m, why in sorted(plan.impossible.items())
                 )
                 self._state("needs-person")
-                workflow.deprecate_patch(RECOVERY_WATCH_PATCH)
                 await self._watch_placing(sorted(plan.impossible))
                 if self._recovered:
                     self._back_while_placing()
@@ -1029,7 +1020,6 @@ class SiteEvacuation:
     async def _wait_recovery(self) -> None:
         self._state("waiting-for-recovery")
         self._show("waiting for recovery")
-        workflow.deprecate_patch(RECOVERY_WATCH_PATCH)
         await self._watch_until_recovered()
         self._check()
         self._mark("recovered", self._recovered)

@@ -67,14 +67,6 @@ with workflow.unsafe.imports_passed_through():
         NodeJoinResult,
     )
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): a join
-#: started by hand (no parent) checks its input against its join token (``NodeJoinInput``: a
-#: ``token_ttl_seconds`` that expires before the machine can register, timeouts that outlast the
-#: longest token) and refuses the start, nothing bought. Every join open now started after it and
-#: recorded its marker; the call stays, deprecated, until no run holding that marker is open. A
-#: parent's join is not asked: its parent checked the input at its own start (an AcquireCapacity's
-#: ``join_timeouts``, a fan-out's own input).
-JOIN_PATCHES_AT_START_4 = "join-patches-at-start-4"
 #: Workflow patch: a cancel that lands during the admit waits for its answer. ``admit_node`` hears
 #: no cancel (it does not heartbeat) and goes on: it lifts the unproven taint, starts the Node
 #: entity and tells the Site the node is ready, so pods may land on it. Admitted, the node stays and
@@ -122,8 +114,6 @@ class NodeJoin:
         # Only a join started by a person (or a client): one a parent started (AcquireCapacity, a
         # fan-out) has the input its parent checked at its own start.
         by_hand = workflow.info().parent is None
-        if by_hand:
-            workflow.deprecate_patch(JOIN_PATCHES_AT_START_4)  # first: before any activity
         request = parse_input(NodeJoinInput, raw, context={TOKEN_CHECKS: by_hand})
         if request.count > 1:
             return await self._join_many(request)

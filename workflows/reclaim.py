@@ -54,15 +54,6 @@ with workflow.unsafe.imports_passed_through():
     from pydantic import ValidationError
 
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): Temporal's
-#: cancel stops the reclaim and puts back what it changed (the module's docstring): the drain and the
-#: replacement request stopped, the node uncordoned while its cordon is still the reclaim's, or, once
-#: the notice's time has come or the machine's retirement began, retired to its end; the run ends
-#: Canceled, ``FleetState`` ``cancelled``. Every reclaim open now started after it; the call stays,
-#: deprecated, where a cancel of the run is seen, until no run holding its marker is open.
-CANCEL_PUTS_BACK_PATCH = "reclaim-cancel-puts-back"
-
-
 #: The most time a notice is believed to give: providers give minutes (AWS two, GCP and Azure
 #: thirty seconds); a later time is the node's word, and is cut to this after the run began.
 MAX_NOTICE_SECONDS = 3600
@@ -153,18 +144,10 @@ class SpotReclaim:
         # asyncio.CancelledError (a cancel in a wait) is a BaseException; GeneratorExit (Python closing
         # the run's coroutine after its worker stopped) is one too, and must pass untouched.
         except (Exception, asyncio.CancelledError) as error:
-            if not self._cancelled(error):
+            if not cancelled_by_request(error):
                 raise
             await self._put_back(args)
             raise  # the run ends Canceled: the SDK sees the cancel request and a cancel error
-
-    def _cancelled(self, error: BaseException) -> bool:
-        """Whether ``error`` is this run's cancel reaching the step it was in, to put back what the
-        reclaim changed."""
-        if not cancelled_by_request(error):
-            return False
-        workflow.deprecate_patch(CANCEL_PUTS_BACK_PATCH)
-        return True
 
     async def _reclaim(self, args: SpotReclaimInput) -> SpotReclaimResult:
         node = args.node_name
@@ -240,7 +223,6 @@ class SpotReclaim:
 
     def _take_cancel(self) -> None:
         """A cancel landed while the machine retires: kept in ``_cancel_taken``."""
-        workflow.deprecate_patch(CANCEL_PUTS_BACK_PATCH)
         self._cancel_taken = True
 
     async def _replacement_to_its_end(self, replace: asyncio.Task[CapacityResult]) -> CapacityResult:

@@ -92,15 +92,6 @@ class _SiteFailed(Exception):
         super().__init__(f"{site}: {reason}")
         self.site, self.reason = site, reason
 
-#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): a rollout
-#: whose next sites (or its canary) are all under evacuation waits for one of them to come back in
-#: one activity (``wait_site_evacuations``: the worker reads the routes every
-#: ``evacuation_poll_seconds``), for at most ``EVACUATION_WAIT``, then looks again; and there it
-#: continues as new when Temporal suggests it, carrying its state (``RolloutCarry``). Every rollout
-#: open now started after it and recorded its marker where it first waited; the call stays,
-#: deprecated, where a look finds every site the rollout waits for under evacuation, until no run
-#: holding that marker is open.
-EVACUATION_WAIT_PATCH = "rollout-waits-out-evacuations-in-one-activity"
 #: Workflow patch: a pause (or an abort) that comes while the rollout waits out an evacuation, or
 #: while it asks which sites are evacuating, holds before the batch it was waiting for, and once
 #: resumed the batch's sites are looked at again (one may have been evacuated while it was paused).
@@ -538,7 +529,6 @@ class ModelRollout:
             batch, deferred = next_batch(queue, evacuating, size)
             until = None
             if not batch:
-                workflow.deprecate_patch(EVACUATION_WAIT_PATCH)
                 until = self._evacuation_wait_ends()
             for site in queue:
                 if site in deferred:
@@ -579,7 +569,6 @@ class ModelRollout:
             evacuating = await self._evacuations([site])
             if site not in evacuating:
                 return
-            workflow.deprecate_patch(EVACUATION_WAIT_PATCH)
             until = self._evacuation_wait_ends()
             self._set(site, SiteState.DEFERRED, f"under evacuation ({evacuating[site]}); waiting until restored "
                                                 f"({self._next_look(until)})")
