@@ -1288,10 +1288,8 @@ async def test_a_cancel_while_the_replicas_elsewhere_get_ready_puts_back_and_dra
 
 
 #: An evacuation aborted while it waited for its replica elsewhere to be ready, the wait cut short
-#: (``evacuation-abort-cuts-waits``); the same run on the code before, which waited the wait out
-#: (``ready_seconds`` short there, so it ended), replays too. One aborted while its drain was blocked.
+#: (``evacuation-abort-cuts-waits``). One aborted while its drain was blocked.
 ABORTED_WAITING = "site_evacuation_aborted_waiting_for_replicas_elsewhere"
-ABORTED_WAITING_BEFORE = f"{ABORTED_WAITING}_before"
 ABORTED_DRAINING = "site_evacuation_aborted_while_draining"
 
 

@@ -117,8 +117,7 @@ async def test_a_site_of_more_nodes_than_temporals_pending_activity_limit_drains
 
 async def test_a_site_of_a_few_hundred_nodes_past_one_turn_drains_in_turns(
         temporal_env, tmp_path, monkeypatch) -> None:
-    """More than one turn (recorded: tests/test_replay.py replays it, and its ``_before`` twin, a
-    run of the code before that drained them all at once)."""
+    """More than one turn (recorded: tests/test_replay.py replays it)."""
     site_of(monkeypatch, DRAIN_AT_ONCE + 100)
     async for inc in fleet_stack(temporal_env, tmp_path):
         handle = await evacuate(inc)

@@ -67,10 +67,8 @@ RECORDED_QUEUE = "node_entity_tells_a_queue_of_five_once"
 RECORDED_RESETS = "node_entity_grants_each_gpu_its_own_reset"
 RECORDED_RESETS_BEFORE = f"{RECORDED_RESETS}_before"
 #: A repair held while queued for the slot (``repair-holds-at-the-grant``) and the Node run that took
-#: its slot back unused (``node-slot-given-back-unused``); ``_before``: the repair's run on the code
-#: before, which rebooted held on its grant.
+#: its slot back unused (``node-slot-given-back-unused``).
 RECORDED_HELD = "gpu_repair_held_in_the_queue_gives_the_slot_back"
-RECORDED_HELD_BEFORE = f"{RECORDED_HELD}_before"
 RECORDED_HELD_NODE = "node_entity_slot_given_back_unused"
 
 

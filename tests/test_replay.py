@@ -177,9 +177,8 @@ EXPECTED = {
     # watches were told the names (``known``), replays too, and such an input is still honoured.
     "csr_approver_compact_flood",
     # An approver cancelled while its first pass was in flight ends with what it decided
-    # (``approver-cancelled-in-its-first-pass-ends``, tests/cluster/test_csr_flood.py); the ``_before``
-    # run, recorded on the code before, ended cancelled there, and replays.
-    "csr_approver_cancelled_in_its_first_pass", "csr_approver_cancelled_in_its_first_pass_before",
+    # (``approver-cancelled-in-its-first-pass-ends``, deprecated; tests/cluster/test_csr_flood.py).
+    "csr_approver_cancelled_in_its_first_pass",
     "rollout_happy_routed", "rollout_canary_failed_routed", "rollout_aborted_routed",
     # An abort after a scale put v1 back (its rollback knows the templates: tests/rollout).
     "rollout_aborted_after_a_scale",
@@ -217,10 +216,8 @@ EXPECTED = {
     # A copy the rollout stops (an abort, Temporal's cancel) aborts its open multipart upload, and the
     # rollout waits for it; once every copy has ended, the uploads left open under the rollout's prefix
     # at each site whose copy did not finish (one failed for good here) are aborted
-    # (``rollout-aborts-open-uploads``, tests/rollout/test_rollout_workflow.py). ``_before``: the code
-    # before, which went on at once and left the upload open, replays down the old branch.
+    # (``rollout-aborts-open-uploads``, deprecated; tests/rollout/test_rollout_workflow.py).
     "rollout_aborted_while_copying", "rollout_cancelled_while_copying", "rollout_copy_failed_aborts_its_upload",
-    "rollout_aborted_while_copying_before", "rollout_cancelled_while_copying_before",
     # The newest spot notice sets the deadline (tests/test_reclaim_deadline.py).
     "spot_reclaim_earlier_notice", "spot_reclaim_later_notice",
     # A cancelled reclaim uncordons its node and stops its replacement (tests/test_reclaim_deadline.py).
@@ -303,9 +300,9 @@ EXPECTED = {
     # report said in its join's attempt, the read tried again after a pause (tests/
     # test_capacity_converges.py; no patch: the code before failed the run in the task that took the
     # failure). A join cancelled while its node is admitted waits for the admit's answer, then keeps
-    # the node it admitted (``join-admits-to-its-end``); ``_before``, the code before's run, replays down the old branch.
+    # the node it admitted (``join-admits-to-its-end``, deprecated).
     "capacity_account_report_failed", "capacity_catalog_read_failed_then_read",
-    "node_join_cancelled_while_admitting", "node_join_cancelled_while_admitting_before",
+    "node_join_cancelled_while_admitting",
     # An account a failed report could not tell stays revoked over the request's catalog reads; a
     # catalog read failing on continues as new, the run it continued as checking the request.
     "capacity_account_revoked_not_told_stays_revoked", "capacity_catalog_read_failed_continued_as_new",
@@ -331,11 +328,9 @@ EXPECTED = {
     # (tests/test_evacuation.py).
     "site_evacuation_scales_down_before_draining",
     # An abort cuts short the evacuation's wait for its replicas elsewhere, and its drain
-    # (``evacuation-abort-cuts-waits``, tests/test_evacuation.py); the run before it, which waited the
-    # wait for serving out, replays without its marker.
+    # (``evacuation-abort-cuts-waits``, deprecated; tests/test_evacuation.py).
     "site_evacuation_aborted_waiting_for_replicas_elsewhere", "site_evacuation_aborted_while_draining",
     "site_evacuation_drain_failed_the_others_stopped",
-    "site_evacuation_aborted_waiting_for_replicas_elsewhere_before",
     # Declared recovered, a proof no node passed, its failing nodes fewer than would trip an
     # incident, restores the site and hands them to repair (``evacuation-declared-recovered-restores-
     # unproven``, tests/test_evacuation.py); the old code's run, which waited on until aborted, replays.
@@ -468,9 +463,9 @@ EXPECTED = {
     "site_puts_back_a_terminated_evacuation", "site_puts_back_a_terminated_evacuation_before",
     # A watch result telling more Node entities than one turn (``site-tells-nodes-in-turns``).
     "site_tells_nodes_in_turns", "site_tells_nodes_in_turns_before",
-    # An evacuation draining more nodes than one turn (``evacuation-drains-in-turns``,
-    # tests/test_evacuation_many_nodes.py). ``_before``: the code before, which drained them all at once.
-    "evacuation_drains_in_turns", "evacuation_drains_in_turns_before",
+    # An evacuation draining more nodes than one turn (``evacuation-drains-in-turns``, deprecated;
+    # tests/test_evacuation_many_nodes.py).
+    "evacuation_drains_in_turns",
     "site_puts_back_a_persons_terminated_evacuation", "site_puts_back_a_persons_terminated_evacuation_before",
     # ... and records each evacuation it put back with the site's evacuation claim, which a run started
     # again reads (``site-records-put-backs-with-the-claim``, tests/test_evacuation.py). ``_before``: the
@@ -527,16 +522,14 @@ EXPECTED = {
     # (tests/test_site_events.py; no patch: the code before failed the run at that signal).
     "gpu_repair_outlives_its_node_entity",
     # A repair held while queued for its node's action slot gives the grant back unused and asks again
-    # once released (``repair-holds-at-the-grant``), and the Node run keeps no record of the action that
-    # never ran (``node-slot-given-back-unused``; tests/test_node_slot_requests.py). ``_before``: the
-    # repair on the code before, which rebooted held; the Node on the code before, which kept the
-    # give-back as a reboot that ran.
-    "gpu_repair_held_in_the_queue_gives_the_slot_back", "gpu_repair_held_in_the_queue_gives_the_slot_back_before",
+    # once released (``repair-holds-at-the-grant``, deprecated), and the Node run keeps no record of the
+    # action that never ran (``node-slot-given-back-unused``; tests/test_node_slot_requests.py).
+    # ``_before``: the Node on the code before, which kept the give-back as a reboot that ran.
+    "gpu_repair_held_in_the_queue_gives_the_slot_back",
     "node_entity_slot_given_back_unused", "node_entity_slot_given_back_unused_before",
     # A cancel once the replacement joined retires the replaced node all the same and ends replaced
-    # (``repair-replace-retires-to-its-end``, tests/test_repair_cancel.py). ``_before``: the code
-    # before, which ended cancelled, the node "cordoned" while its delete went through.
-    "gpu_repair_cancelled_after_the_replacement_joined", "gpu_repair_cancelled_after_the_replacement_joined_before",
+    # (``repair-replace-retires-to-its-end``, deprecated; tests/test_repair_cancel.py).
+    "gpu_repair_cancelled_after_the_replacement_joined",
     # A proof whose compute check cannot run on the node (its agent's ``ComputeCheckUnavailable``) holds
     # the ladder at its rung for a person, and proves again once released
     # (``repair-holds-when-the-check-cannot-run``, tests/test_compute_check.py). ``_before``: the code
@@ -550,9 +543,9 @@ EXPECTED = {
     # (tests/test_capacity_converges.py).
     "capacity_cancelled_in_the_task_a_join_ended",
     # An offer that said NoCapacity at ``unavailable_ttl_seconds: 0`` is joined again only after the
-    # request's wait for capacity (``capacity-ttl-0-waits-before-trying-again``, tests/test_capacity.py).
-    # ``_before``: the code before, which joined it again at once (six joins, then a cancel).
-    "capacity_no_capacity_at_ttl_0_waits", "capacity_no_capacity_at_ttl_0_waits_before",
+    # request's wait for capacity (``capacity-ttl-0-waits-before-trying-again``, deprecated;
+    # tests/test_capacity.py).
+    "capacity_no_capacity_at_ttl_0_waits",
 }
 
 

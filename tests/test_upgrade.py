@@ -8,7 +8,8 @@ NodeJoin with one more patch) starts.
   and stay open on the new worker: no workflow task of any of them failed;
 - ``gpufleet patches --deployed-since <when the old worker stopped>`` keeps NodeJoin's patches
   while that join is open and the entities' patches while their runs from before are open, and
-  says ``can deprecate`` for NodeJoin's once the join ended.
+  says ``can remove`` for NodeJoin's deprecated patch (``can deprecate`` for its other) once the
+  join ended.
 """
 
 from __future__ import annotations
@@ -82,6 +83,8 @@ async def test_a_new_release_takes_over_open_entities_and_a_join_mid_way(fleet_w
         rows = await asyncio.to_thread(gpufleet_patches, address, settings.task_queue, deployed)
         said = {(r["workflow"], r["patch"]): r["verdict"] for r in rows}
         since = _stamp(deployed)
+        assert said[("NodeJoin", "join-admits-to-its-end")] == \
+            f"keep deprecated: 1 open run of NodeJoin started before {since}"
         assert said[("NodeJoin", "join-by-hand-refuses-max-nodes-0")] == \
             f"keep: 1 open run of NodeJoin started before {since}"
         assert {v for (t, _), v in said.items() if t == "Node"} == {f"keep: 1 open run of Node started before {since}"}
@@ -112,9 +115,11 @@ async def test_a_new_release_takes_over_open_entities_and_a_join_mid_way(fleet_w
         for handle in (first, across, after, node, site):
             assert await _failed_tasks(handle) == 0, handle.id
 
-        # The join from before has ended: NodeJoin's patches can be deprecated; the entities' stay.
+        # The join from before has ended: NodeJoin's deprecated patch can go, its other be deprecated;
+        # the entities' stay.
         rows = await asyncio.to_thread(gpufleet_patches, address, settings.task_queue, deployed)
         said = {(r["workflow"], r["patch"]): r["verdict"] for r in rows}
+        assert said[("NodeJoin", "join-admits-to-its-end")] == "can remove"
         assert said[("NodeJoin", "join-by-hand-refuses-max-nodes-0")] == "can deprecate"
         assert {v for (t, _), v in said.items() if t == "Node"} == {f"keep: 1 open run of Node started before {since}"}
     finally:

@@ -102,10 +102,11 @@ with workflow.unsafe.imports_passed_through():
 #: one only buys and deletes more machines).
 FATAL = ("InvalidRequest", "InvalidInput", "ClusterForbidden")
 
-#: An offer that said NoCapacity under ``unavailable_ttl_seconds: 0`` is out of the ranking until the
-#: request next reads the catalog (after its wait for capacity: the backoff, or a wake), not joined
-#: again at once. Asked only where such an answer is taken. Before, its exclusion ended as it began
-#: and a join started on it at once, again and again until the deadline.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): an offer that
+#: said NoCapacity under ``unavailable_ttl_seconds: 0`` is out of the ranking until the request next
+#: reads the catalog (after its wait for capacity: the backoff, or a wake), not joined again at once.
+#: Every request open now started after it; the call stays, deprecated, where such an answer is
+#: taken, until no run holding its marker is open.
 TTL_0_WAITS_PATCH = "capacity-ttl-0-waits-before-trying-again"
 #: Why an offer is out of the ranking under that patch (its details and ``waiting_for``).
 NO_CAPACITY_UNTIL_NEXT_LOOK = "no capacity (tried again at the next look at the offers)"
@@ -487,10 +488,11 @@ class AcquireCapacity:
             kind, message = failure_type(error), failure_message(error)
             attempt = self._attempted(cand.key, kind, message)
             now = workflow.now()
-            if kind == "NoCapacity" and req.unavailable_ttl_seconds == 0 and workflow.patched(TTL_0_WAITS_PATCH):
+            if kind == "NoCapacity" and req.unavailable_ttl_seconds == 0:
                 # Excluded until "now" it was joined again at once (a join and a provider call each
                 # time, until the deadline): out until the next look at the offers instead, so with no
                 # other candidate the request waits for capacity, backing off, as with any TTL.
+                workflow.deprecate_patch(TTL_0_WAITS_PATCH)
                 self._no_capacity_until_read.add(cand.key)
             elif kind == "NoCapacity":
                 until = now + timedelta(seconds=req.unavailable_ttl_seconds)

@@ -65,9 +65,10 @@ CSR_WATCH_SECONDS = 600.0
 CSR_WATCH_HEARTBEAT = timedelta(minutes=10)
 #: A run ends after this long at most; the Schedule's next pass starts the next one.
 CSR_RUN_SECONDS = 86400.0
-#: A run cancelled during its first pass ends with what it decided, as one cancelled later does
-#: (before: the first pass stood outside the run's cancel handling, and such a run ended cancelled,
-#: with no result). Asked where that cancel is taken: a run from before ended there.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): a run cancelled
+#: during its first pass ends with what it decided, as one cancelled later does. Every run open now
+#: started after it (a run ends within a day); the call stays, deprecated, where that cancel is
+#: taken, until no run holding its marker is open.
 FIRST_PASS_CANCEL_PATCH = "approver-cancelled-in-its-first-pass-ends"
 
 
@@ -114,8 +115,10 @@ class CsrApprover:
                 junk = seen.changed and not result.approved
                 pace = min(pace * 2, CSR_FLOOD_PACE_SECONDS) if junk else CSR_PACE_SECONDS
         except (asyncio.CancelledError, ActivityError) as error:
-            if not is_cancelled_exception(error) or (first_pass and not workflow.patched(FIRST_PASS_CANCEL_PATCH)):
+            if not is_cancelled_exception(error):
                 raise
+            if first_pass:
+                workflow.deprecate_patch(FIRST_PASS_CANCEL_PATCH)
             # Cancelled (an operator, or a test that has seen enough): the watch is stopped with the
             # run, and the run ends with what it decided. A pass in flight is cancelled too; every
             # decision it made is on its CSR, and the next run's first pass sees the rest.

@@ -140,10 +140,11 @@ with workflow.unsafe.imports_passed_through():
     from fleet.messages.watches import RecoveryWatchInput, RecoveryWatchResult
 
 
-#: An abort cuts short the waits of the way out, the replicas elsewhere getting ready (up to
-#: ``ready_seconds``, 15 minutes by default) and the drain (up to ``drain_seconds``): the step in
-#: flight is cancelled and the put-back begins. Runs before it looked at the abort only once
-#: the wait had ended, so the operator's abort waited for it, the site at weight 0 meanwhile.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): an abort cuts
+#: short the waits of the way out, the replicas elsewhere getting ready (up to ``ready_seconds``, 15
+#: minutes by default) and the drain (up to ``drain_seconds``): the step in flight is cancelled and
+#: the put-back begins. Every evacuation open now started after it; the call stays, deprecated, as
+#: the first of those waits begins, until no run holding its marker is open.
 ABORT_CUTS_WAITS_PATCH = "evacuation-abort-cuts-waits"
 #: The timeline keeps its first steps (how the evacuation began) and its newest (the end of a
 #: restore fits whole); those between are counted. Each failed proof adds two steps: a site that
@@ -155,11 +156,12 @@ TIMELINE_FIRST, TIMELINE_NEWEST = 10, 40
 #: activity each: far under Temporal's pending-activities limit, yet enough that a site whose every
 #: drain a PodDisruptionBudget holds to ``drain_seconds`` drains in ten rounds at 5,000 nodes.
 DRAIN_AT_ONCE = 500
-#: More than ``DRAIN_AT_ONCE`` nodes to drain or smoke-test, the evacuation runs at most that many at
-#: once. Before, it started one activity per node of the site in one workflow task: past Temporal's
-#: 2,000 pending activities (a site of more than 2,000 nodes) that task failed on every retry, so such
-#: a site could not be evacuated (nor proven, had it been drained). Asked only where the site has more
-#: than ``DRAIN_AT_ONCE`` nodes: a run from before that drained as many (up to 2,000) at once replays so.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): more than
+#: ``DRAIN_AT_ONCE`` nodes to drain or smoke-test, the evacuation runs at most that many at once
+#: (before, one activity per node in one workflow task, past Temporal's 2,000 pending activities a
+#: task that failed on every retry). Every evacuation open now started after it; the call stays,
+#: deprecated, where the site has more than ``DRAIN_AT_ONCE`` nodes, until no run holding its marker
+#: is open.
 DRAINS_IN_TURNS_PATCH = "evacuation-drains-in-turns"
 #: After an operator's ``declare_recovered``, a proof that no node passed restores the site when its
 #: failing nodes are fewer than would trip an incident on their own: they are single nodes' faults,
@@ -407,10 +409,11 @@ class SiteEvacuation:
         if self._abort:
             raise Aborted(self._abort)
 
-    def _abort_cuts_waits(self) -> bool:
-        """Whether an abort cuts the waits of the way out short (``_unless_aborted``); asked as the
-        first of them begins, so a run from before it replays its waits whole."""
-        return workflow.patched(ABORT_CUTS_WAITS_PATCH)
+    @staticmethod
+    def _abort_cuts_waits() -> None:
+        """An abort cuts the waits of the way out short (``_unless_aborted``): the deprecated patch's
+        call, where the first of them begins."""
+        workflow.deprecate_patch(ABORT_CUTS_WAITS_PATCH)
 
     async def _unless_aborted(self, waiting_for: str, *steps: Awaitable[Any]) -> list[Any]:
         """``steps``, a wait of the way out (the replicas elsewhere getting ready, the drains of the
@@ -420,10 +423,7 @@ class SiteEvacuation:
         once the wait was over (up to ``ready_seconds``, 15 minutes by default), the site at weight 0
         all that time. The run's own cancel meanwhile cancels them too, and is raised (the put-back
         follows, as for an abort)."""
-        if not self._abort_cuts_waits():
-            # A run from before: the wait awaited as it was (the one for serving, the drains gathered),
-            # the abort looked at once it is over.
-            return [await steps[0]] if len(steps) == 1 else await asyncio.gather(*steps)
+        self._abort_cuts_waits()
         running = [asyncio.ensure_future(step) for step in steps]
         all_of = asyncio.gather(*running)
         try:
@@ -969,8 +969,8 @@ class SiteEvacuation:
 
         # An abort cuts the drain short: the put-back that follows uncordons these nodes, so it waits
         # for each drain to stop (at its next heartbeat) rather than race its evictions and cordon.
-        cancel = (ActivityCancellationType.WAIT_CANCELLATION_COMPLETED if self._abort_cuts_waits()
-                  else ActivityCancellationType.TRY_CANCEL)
+        self._abort_cuts_waits()
+        cancel = ActivityCancellationType.WAIT_CANCELLATION_COMPLETED
 
         total = len(self._facts.nodes)
         # A large site drains DRAIN_AT_ONCE nodes at a time, under Temporal's pending-activities limit.
@@ -1013,9 +1013,12 @@ class SiteEvacuation:
         self._mark("drained", f"{len(p.drained)} nodes" + (f"; blocked: {'; '.join(blocked)}" if blocked else ""))
 
     def _in_turns(self, nodes: int) -> bool:
-        """Whether ``nodes`` drains or smoke tests run ``DRAIN_AT_ONCE`` at a time: asked only past that
-        many, so a run of a smaller site, or one from before that drained as many at once, replays as it was."""
-        return nodes > DRAIN_AT_ONCE and workflow.patched(DRAINS_IN_TURNS_PATCH)
+        """Whether ``nodes`` drains or smoke tests run ``DRAIN_AT_ONCE`` at a time: past that many (the
+        deprecated patch's call only there, where it was asked)."""
+        if nodes <= DRAIN_AT_ONCE:
+            return False
+        workflow.deprecate_patch(DRAINS_IN_TURNS_PATCH)
+        return True
 
     async def _wait_recovery(self) -> None:
         self._state("waiting-for-recovery")

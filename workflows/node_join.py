@@ -67,14 +67,12 @@ with workflow.unsafe.imports_passed_through():
         NodeJoinResult,
     )
 
-#: Workflow patch: a cancel that lands during the admit waits for its answer. ``admit_node`` hears
-#: no cancel (it does not heartbeat) and goes on: it lifts the unproven taint, starts the Node
-#: entity and tells the Site the node is ready, so pods may land on it. Admitted, the node stays and
-#: the join ends ready (deleting it then would take the pods' machine with no drain); an admit that
-#: failed is cleaned up. Runs before it cancelled the admit (TRY_CANCEL: at once) and deleted the
-#: machine and node while the call went on, so the Site could be told "ready" after the node was
-#: gone, and the join said the node was never admitted. Asked where a cancel lands during the
-#: admit, the first point where the two paths differ.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): a cancel that
+#: lands during the admit waits for its answer. ``admit_node`` hears no cancel (it does not
+#: heartbeat) and goes on: it lifts the unproven taint, starts the Node entity and tells the Site the
+#: node is ready, so pods may land on it. Admitted, the node stays and the join ends ready; an admit
+#: that failed is cleaned up. Every join open now started after it; the call stays, deprecated, where
+#: a cancel lands during the admit, until no run holding its marker is open.
 ADMIT_TO_ITS_END_PATCH = "join-admits-to-its-end"
 #: Workflow patch: a join of one node started by hand (no parent: a client, ``temporal workflow
 #: start``, a Schedule) looks its site up first (``resolve_site``) and refuses a site whose
@@ -409,11 +407,7 @@ class NodeJoin:
         try:
             await asyncio.shield(admitting)
         except asyncio.CancelledError:
-            if not workflow.patched(ADMIT_TO_ITS_END_PATCH):
-                # The code before: the admit cancelled with the join (that raises), the call going on.
-                admitting.cancel()
-                await admitting
-                raise
+            workflow.deprecate_patch(ADMIT_TO_ITS_END_PATCH)
             # The call goes on whatever the join does: its answer (its retries too) is awaited.
             # Admitted, the node is schedulable and its Site counts it ready: pods may be on it, and
             # deleting it now would take their machine with no drain. The join has finished: it

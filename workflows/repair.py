@@ -93,18 +93,16 @@ with workflow.unsafe.imports_passed_through():
 
 NODE_RETRY = RetryPolicy(maximum_attempts=2, non_retryable_error_types=["GpuResetFailed", "DriverReinstallFailed"])
 
-#: Workflow patch, asked where the Node entity's grant of the action slot reaches a ladder held while
-#: it waited for it (an operator's ``hold``, or its site's for an incident): the slot goes back unused
-#: (``NodeActionDone.acted`` false), the ladder waits held, and asks for the slot again once released.
-#: Before it the rung ran on the grant, held or not: a reset, reboot or reinstall, or a replacement
-#: bought during the incident, while the details said "held (contained, doing nothing until released)".
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): where the Node
+#: entity's grant of the action slot reaches a ladder held while it waited for it (an operator's
+#: ``hold``, or its site's for an incident), the slot goes back unused (``NodeActionDone.acted``
+#: false), the ladder waits held, and asks for the slot again once released. Every repair open now
+#: started after it; the call stays, deprecated, there, until no run holding its marker is open.
 HOLD_AT_THE_GRANT_PATCH = "repair-holds-at-the-grant"
-#: Workflow patch, asked once the replacement joined: the old node's retirement (its facts, then
-#: ``retire_machine``) runs to its end when a cancel lands meanwhile, and the repair ends "replaced",
-#: the cancel noted. Before it such a cancel ended the repair cancelled, "node cordoned; a person
-#: decides": the replaced machine billed on beside its replacement, which the repair never named,
-#: and its Node entity held the GPU for a person; or the retirement in flight (a cancel is only a
-#: request to it) deleted the machine while the repair said the node stayed cordoned.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): once the
+#: replacement joined, the old node's retirement (its facts, then ``retire_machine``) runs to its end
+#: when a cancel lands meanwhile, and the repair ends "replaced", the cancel noted. Every repair open
+#: now started after it; the call stays, deprecated, there, until no run holding its marker is open.
 REPLACE_RETIRES_TO_ITS_END_PATCH = "repair-replace-retires-to-its-end"
 #: Workflow patch, asked where a rung's proof could not run because the node's agent cannot run its
 #: compute check (the smoke test's ``ComputeCheckUnavailable``: libcuda not in its image, its child
@@ -473,7 +471,8 @@ class GpuRepair:
     async def _recover(self, rung: Rung, attempt_no: int) -> tuple[bool, str, str]:
         """(recovered, outcome word, detail). Failures are outcomes, not exceptions."""
         grant = await self._acquire(rung)
-        while grant.go and self._state.held and workflow.patched(HOLD_AT_THE_GRANT_PATCH):
+        while grant.go and self._state.held:
+            workflow.deprecate_patch(HOLD_AT_THE_GRANT_PATCH)
             grant = await self._held_at_the_grant(rung)
         if not grant.go:
             if grant.covered_by == Rung.REPLACE:
@@ -623,12 +622,10 @@ class GpuRepair:
                                    non_retryable=True)
         self._state.replacement_node = joined.node_name
         self._step("recovering", f"replace: retiring {inp.node_name}")
-        if workflow.patched(REPLACE_RETIRES_TO_ITS_END_PATCH):
-            # The replacement serves (and bills) now: a cancel from here on stops nothing but the
-            # retirement of the machine it replaced, which would bill beside it for good.
-            await to_its_end(asyncio.ensure_future(self._retire_replaced()))
-        else:
-            await self._retire_replaced()
+        workflow.deprecate_patch(REPLACE_RETIRES_TO_ITS_END_PATCH)
+        # The replacement serves (and bills) now: a cancel from here on stops nothing but the
+        # retirement of the machine it replaced, which would bill beside it for good.
+        await to_its_end(asyncio.ensure_future(self._retire_replaced()))
         replaced = f"replaced by {joined.node_name} at {joined.site}"
         if workflow.cancellation_reason() is not None:
             replaced += f"; {cancelled_words()} after it joined: {inp.node_name} retired all the same"

@@ -27,7 +27,7 @@ and the run then ends Canceled too, not aborted. One that lands while a site's
 Deployment is updated waits for the update's answer, then rolls that site back too. An abort or a
 cancel while weights are copied stops each copy and waits (twice its heartbeat at most) for it to
 abort its open multipart upload; then the uploads left open under the rollout's key prefix at the
-sites whose copy did not finish are aborted (``OPEN_UPLOADS_PATCH``).
+sites whose copy did not finish are aborted.
 """
 
 from __future__ import annotations
@@ -92,21 +92,20 @@ class _SiteFailed(Exception):
         super().__init__(f"{site}: {reason}")
         self.site, self.reason = site, reason
 
-#: Workflow patch: a pause (or an abort) that comes while the rollout waits out an evacuation, or
-#: while it asks which sites are evacuating, holds before the batch it was waiting for, and once
-#: resumed the batch's sites are looked at again (one may have been evacuated while it was paused).
-#: Before, the pause was looked at only before that wait: the site that came back was updated anyway
-#: (a canary after hours of outage) while the progress said "paused".
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): a pause (or an
+#: abort) that comes while the rollout waits out an evacuation, or while it asks which sites are
+#: evacuating, holds before the batch it was waiting for, and once resumed the batch's sites are
+#: looked at again. Every rollout open now started after it; the call stays, deprecated, right before
+#: each batch, until no run holding its marker is open.
 PAUSE_BEFORE_BATCH_PATCH = "rollout-pauses-before-each-batch"
-#: Workflow patch: a weights copy the rollout stops (its abort, Temporal's cancel) is cancelled with
-#: ``WAIT_CANCELLATION_COMPLETED``: the copy hears ``cancel_requested`` at its next heartbeat, aborts its
-#: open multipart upload and reports cancelled, and the rollout waits for that (twice the copy's
-#: heartbeat at most: one that does not answer is timed out), its details saying so. Once every copy
-#: has ended, the uploads still open under the rollout's key prefix at each site whose copy did not
-#: finish (stopped between two tries, not answering, failed for good) are aborted
-#: (``abort_weights_uploads``). Before: ``TRY_CANCEL``, the rollout went on at once, the copy heard
-#: ``not_found`` (what a timed-out try hears while its retry resumes the upload) and left the upload
-#: open, its parts stored and billed for good.
+#: Deprecated, to be removed in a later release (docs/design/patches.md, "The rule"): a weights copy
+#: the rollout stops (its abort, Temporal's cancel) is cancelled with ``WAIT_CANCELLATION_COMPLETED``:
+#: the copy hears ``cancel_requested`` at its next heartbeat, aborts its open multipart upload and
+#: reports cancelled, and the rollout waits for that (twice the copy's heartbeat at most: one that
+#: does not answer is timed out), its details saying so. Once every copy has ended, the uploads still
+#: open under the rollout's key prefix at each site whose copy did not finish are aborted
+#: (``abort_weights_uploads``). Every rollout open now started after it; the call stays, deprecated,
+#: as the copies start, until no run holding its marker is open.
 OPEN_UPLOADS_PATCH = "rollout-aborts-open-uploads"
 #: How long the uploads a site's copy left open are looked for and aborted, retries included.
 UPLOADS_CLEAN_UP = timedelta(minutes=2)
@@ -135,9 +134,7 @@ class ModelRollout:
         self._abort = False
         self._abort_reason = ""
         self._finished = False
-        #: Whether the copies are stopped and cleaned up (``OPEN_UPLOADS_PATCH``), and whether the
-        #: rollout is stopping them now.
-        self._clean_copies = False
+        #: Whether the rollout is stopping the weights copies now.
         self._stopping_copies = False
         #: The reason as the runbook last said it; the progress shows it with what a person
         #: must do after it (``_say``).
@@ -265,8 +262,7 @@ class ModelRollout:
         wait for one to come back (hours, for a canary), lie between the first and the batch. Whether
         it held (paused): the batch's sites are then looked at again, as one may have been evacuated
         while it was paused."""
-        if not workflow.patched(PAUSE_BEFORE_BATCH_PATCH):
-            return False
+        workflow.deprecate_patch(PAUSE_BEFORE_BATCH_PATCH)
         held = self._paused
         await self._checkpoint()
         return held
@@ -383,7 +379,7 @@ class ModelRollout:
     async def _replicate(self) -> None:
         self._phase("replicating")
         # Asked before the copies start (how they are cancelled is decided as each is scheduled).
-        self._clean_copies = workflow.patched(OPEN_UPLOADS_PATCH)
+        workflow.deprecate_patch(OPEN_UPLOADS_PATCH)
         tasks = {t.site: asyncio.ensure_future(self._replicate_site(t.site)) for t in self._req.sites}
         try:
             await workflow.wait_condition(lambda: self._abort or all(t.done() for t in tasks.values()))
@@ -393,26 +389,18 @@ class ModelRollout:
         if self._abort:
             await self._stop_copies(tasks, self._abort_reason)
             raise _Aborted()
-        if self._clean_copies:
-            await to_its_end(asyncio.ensure_future(
-                self._abort_open_uploads([s for s in tasks if self._p.site(s).state == SiteState.FAILED])))
-            if workflow.cancellation_reason() is not None:
-                raise asyncio.CancelledError()  # the run's cancel, taken as the uploads were aborted: rolls back
+        await to_its_end(asyncio.ensure_future(
+            self._abort_open_uploads([s for s in tasks if self._p.site(s).state == SiteState.FAILED])))
+        if workflow.cancellation_reason() is not None:
+            raise asyncio.CancelledError()  # the run's cancel, taken as the uploads were aborted: rolls back
         failed = [s for s in self._req.canaries if self._p.site(s).state == SiteState.FAILED]
         if failed:
             raise _SiteFailed(failed[0], "weights replication: " + self._p.site(failed[0]).detail)
 
     async def _stop_copies(self, tasks: dict[str, asyncio.Future], why: str) -> None:
-        """Stop the copies still running (an abort, the run's cancel). A run from before the patch
-        goes on at once (``TRY_CANCEL``), the copies left to hear it when they may. Now each copy
-        aborts its open upload as it stops, the rollout waits for that (a cancel of the run landing
-        meanwhile is taken: ``_finish_abort`` ends the run as it asked), then aborts what they left
-        open."""
-        if not self._clean_copies:
-            for task in tasks.values():
-                task.cancel()
-            await asyncio.gather(*tasks.values(), return_exceptions=True)
-            return
+        """Stop the copies still running (an abort, the run's cancel). Each copy aborts its open
+        upload as it stops, the rollout waits for that (a cancel of the run landing meanwhile is
+        taken: ``_finish_abort`` ends the run as it asked), then aborts what they left open."""
         copying = [site for site, task in tasks.items() if not task.done()]
         if copying:
             by = until_in(2 * self._req.replication.heartbeat_seconds)
@@ -478,8 +466,7 @@ class ModelRollout:
                 heartbeat_timeout=timedelta(seconds=options.heartbeat_seconds), retry_policy=REPLICATE_RETRY,
                 summary=f"copy {len(request.weights.files)} weight files to {site} (s3://{store.bucket})",
                 # A stopped copy aborts its open upload, and the rollout waits for it (_stop_copies).
-                cancellation_type=(ActivityCancellationType.WAIT_CANCELLATION_COMPLETED if self._clean_copies
-                                   else ActivityCancellationType.TRY_CANCEL),
+                cancellation_type=ActivityCancellationType.WAIT_CANCELLATION_COMPLETED,
             )
         except ActivityError as error:
             if self._stopping_copies:
