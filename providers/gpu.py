@@ -482,6 +482,8 @@ def cuda_memory_check(index: int, words: int = 1 << 24) -> str | None:
                 cuda.cuCtxPopCurrent_v2(ctypes.byref(ctypes.c_void_p()))
         finally:
             cuda.cuDevicePrimaryCtxRelease_v2(device)
+    except ComputeCheckUnavailable:
+        raise  # a RuntimeError too, but no verdict on the GPU: not the handler's below
     except RuntimeError as error:
         return f"GPU {index}: {error}"
     return None

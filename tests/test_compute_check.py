@@ -117,6 +117,35 @@ def test_no_libcuda_in_the_agent_is_no_verdict_on_the_gpu() -> None:
         compute_check_in_child(0)
 
 
+def test_the_toolkits_stub_libcuda_is_no_verdict_on_the_gpu(monkeypatch) -> None:
+    """The agent's image finds the CUDA toolkit's stub libcuda before the driver's: ``cuInit``
+    answers CUDA_ERROR_STUB_LIBRARY (34). Not GPU 0's failure. Before, the ComputeCheckUnavailable
+    raised for it was a RuntimeError caught by the check's own CUDA-error handler: "GPU 0: libcuda
+    in the node agent is the CUDA toolkit's stub" failed GPU 0 and sent it down the ladder."""
+    calls: list[str] = []
+
+    class StubLibcuda:
+        def __init__(self, name: str) -> None:
+            assert name == "libcuda.so.1", name
+
+        def cuInit(self, flags: int) -> int:
+            calls.append("cuInit")
+            return gpu_module.CUDA_ERROR_STUB_LIBRARY
+
+        def __getattr__(self, name: str):
+            def called(*args) -> int:
+                calls.append(name)
+                return 0
+            return called
+
+    monkeypatch.setattr(gpu_module.ctypes, "CDLL", StubLibcuda)
+    with pytest.raises(ComputeCheckUnavailable, match="CUDA_ERROR_STUB_LIBRARY") as raised:
+        gpu_module.cuda_memory_check(0)
+    assert not str(raised.value).startswith("GPU 0"), raised.value
+    assert not raised.value.transient, "the image finds the stub next time too"
+    assert calls == ["cuInit"], calls  # no GPU was touched
+
+
 class NodeWhoseAgentImageLacksTheCheck:
     """Two clean GPUs as NVML sees them, and the real compute check (its child process)."""
 
