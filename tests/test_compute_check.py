@@ -10,16 +10,26 @@ working directory: ``python -c`` puts it before ``PYTHONPATH``), so each case is
 
 from __future__ import annotations
 
+import asyncio
 import sys
 from pathlib import Path
 
 import pytest
+from temporalio import activity
 from temporalio.exceptions import ApplicationError
 from temporalio.testing import ActivityEnvironment
 
 import providers.gpu as gpu_module
 from activities.node_agent import NodeAgentActivities
-from fleet.messages.nodes import SmokeTestInput
+from fleet.messages.nodes import (
+    ContainInput,
+    ContainResult,
+    NodeFacts,
+    NodeFactsInput,
+    SmokeTestInput,
+    UncontainInput,
+    UncontainResult,
+)
 from fleet.models import GpuHealth
 from providers.gpu import ComputeCheckUnavailable, NvmlBackend, compute_check_in_child
 
@@ -281,3 +291,210 @@ async def test_a_join_whose_check_cannot_run_is_not_admitted_and_says_why(rstack
                 if e.HasField("activity_task_started_event_attributes")
                 and scheduled[e.activity_task_started_event_attributes.scheduled_event_id] == "smoke_test"]
     assert attempts == [1], attempts  # not retried
+
+
+# -- the repair ladder: a proof that could not run for a reason that passes (time-skipping server) --
+class NodeWhoseCheckIsKilled:
+    """Two clean GPUs; GPU 0's compute check's child killed by the agent's memory limit (the OOM
+    killer: transient) for its first ``killed`` checks, then it runs and passes."""
+
+    def __init__(self, killed: int) -> None:
+        self.killed, self.checks, self.resets = killed, 0, 0
+
+    def boot_id(self) -> str:
+        return "boot-1"
+
+    def probe(self) -> list[GpuHealth]:
+        return [GpuHealth(index=0, uuid="GPU-0"), GpuHealth(index=1, uuid="GPU-1")]
+
+    def compute_check(self, index: int) -> str | None:
+        self.checks += 1
+        if self.checks <= self.killed:
+            raise ComputeCheckUnavailable("the compute check's process was killed (SIGKILL: the agent's memory "
+                                          "limit, the OOM killer)", transient=True)
+        return None
+
+    def reset_gpu(self, index: int) -> str:
+        self.resets += 1
+        return f"GPU {index} reset"
+
+
+def control_plane_activities():
+    """The repair's own activities, answered as for a node the cluster knows (two GPUs at site-a)."""
+    @activity.defn(name="node_facts")
+    async def node_facts(input: NodeFactsInput) -> NodeFacts:
+        return NodeFacts(node_name=input.node_name, found=True, site="site-a", gpus=2, boot_id="boot-1")
+
+    @activity.defn(name="contain_gpu")
+    async def contain_gpu(input: ContainInput) -> ContainResult:
+        return ContainResult()
+
+    @activity.defn(name="uncontain_gpu")
+    async def uncontain_gpu(input: UncontainInput) -> UncontainResult:
+        return UncontainResult(uncordoned=True)
+
+    return [node_facts, contain_gpu, uncontain_gpu]
+
+
+@pytest.fixture
+async def ladder_of(time_skipping_env):
+    """``ladder_of(node)``: a GpuRepair of GPU 0 at the reset rung, on the time-skipping server, its
+    proof run by the real node agent's smoke test on ``node``'s backend; yields its handle."""
+    import uuid
+    from concurrent.futures import ThreadPoolExecutor
+    from contextlib import AsyncExitStack
+
+    from temporalio.worker import Worker
+
+    from fleet.naming import node_queue, repair_workflow_id
+    from workers.control_plane import worker_interceptors
+    from workers.workflow_runner import workflow_runner
+    from workflows.repair import GpuRepair
+
+    client = time_skipping_env.client
+    async with AsyncExitStack() as workers:
+        async def start(node):
+            name = f"gpu-node-{uuid.uuid4().hex[:6]}"
+            queue = f"repair-{uuid.uuid4().hex[:6]}"
+            agent = NodeAgentActivities(name, node)
+            await workers.enter_async_context(Worker(
+                client, task_queue=queue, workflows=[GpuRepair], activities=control_plane_activities(),
+                interceptors=worker_interceptors(), workflow_runner=workflow_runner(client.data_converter)))
+            await workers.enter_async_context(Worker(
+                client, task_queue=node_queue(name), activities=[agent.smoke_test, agent.reset_gpu],
+                activity_executor=ThreadPoolExecutor(max_workers=2)))
+            return await client.start_workflow(
+                "GpuRepair", {"node_name": name, "gpu": 0, "site": "site-a", "gpus": 2, "rung": "reset",
+                              "reasons": ["XID 48 on GPU 0"]},
+                id=repair_workflow_id(name, 0), task_queue=queue)
+
+        yield start
+
+
+async def fleet_states(handle) -> list[str]:
+    """Every ``FleetState`` the run set, in order."""
+    import json
+
+    events = (await handle.fetch_history()).events
+    return [json.loads(e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields["FleetState"].data)
+            for e in events if e.HasField("upsert_workflow_search_attributes_event_attributes")
+            and "FleetState" in e.upsert_workflow_search_attributes_event_attributes.search_attributes.indexed_fields]
+
+
+async def timers(handle) -> list[float]:
+    events = (await handle.fetch_history()).events
+    return [e.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta().total_seconds()
+            for e in events if e.HasField("timer_started_event_attributes")]
+
+
+async def test_a_proof_that_could_not_run_once_for_a_transient_reason_is_tried_again_without_a_person(
+        ladder_of) -> None:
+    """The reset's proof meets an agent whose check's child the OOM killer took, every try of the
+    activity's retry policy (three): transient, the agent says. A minute later the ladder proves
+    again by itself; the check runs and passes: repaired, at the reset rung, no person asked, no
+    rung climbed. Before, it held for a person (FleetState needs-person) until one came."""
+    from fleet.messages.repair import GpuRepairResult
+    from fleet.repair_policy import Rung
+    from tests.repair_helpers import eventually
+    from tests.replay import replay_and_record
+
+    node = NodeWhoseCheckIsKilled(killed=3)
+    handle = await ladder_of(node)
+    ended = asyncio.ensure_future(handle.result())  # awaiting it lets the server skip the pause
+
+    async def ended_or_held():
+        if ended.done():
+            return True
+        state = await handle.query("ladder")
+        return state if state["held"] else None
+
+    settled = await eventually(ended_or_held, timeout=60)
+    assert settled is True, f"held for a person: {settled['hold_reason']}"
+    result = GpuRepairResult.model_validate(ended.result())
+    assert result.outcome == "repaired", result
+    assert [(a.rung, a.outcome) for a in result.attempts] == [(Rung.RESET, "passed")], result.attempts
+    assert result.attempts[0].detail.endswith("smoke test passed"), result.attempts[0].detail
+    assert node.resets == 1 and node.checks == 4, (node.resets, node.checks)
+    assert "needs-person" not in await fleet_states(handle)
+    assert await timers(handle) == [60]
+    await replay_and_record(handle, "gpu_repair_proves_again_after_a_transient_check")
+
+
+async def test_a_proof_that_stays_unable_to_run_is_tried_again_four_times_then_held_for_a_person(
+        ladder_of, time_skipping_env) -> None:
+    """The agent's check is killed every time: the ladder proves again after 1, 2, 4 and 8 minutes,
+    its details saying each time that it is transient, why, and when it proves again; then it holds
+    for a person (needs-person) as a check that cannot run at all does, still at the reset rung. A
+    person's release, the agent fixed, proves it again and it passes."""
+    import re
+    from datetime import timedelta
+
+    from fleet.messages.repair import GpuRepairResult
+    from fleet.repair_policy import Rung
+    from tests.repair_helpers import eventually
+    from tests.replay import replay_and_record
+
+    node = NodeWhoseCheckIsKilled(killed=10**6)
+    handle = await ladder_of(node)
+    said = []
+    for tried, pause in enumerate([60, 120, 240, 480], start=1):
+        async def waiting(tried=tried):
+            state = await handle.query("ladder")
+            assert not state["held"], f"held before it tried again {tried} times: {state['hold_reason']}"
+            return state if f"({tried} of 4)" in state["waiting_for"] else None
+
+        state = await eventually(waiting, timeout=60)
+        assert state["step"] == "waiting to prove again", state
+        assert state["waiting_for"].startswith("the node agent's check could not run (transient: "), state["waiting_for"]
+        assert "SIGKILL" in state["waiting_for"], state["waiting_for"]
+        assert re.search(r"; proving again at \d\d:\d\d:\d\d UTC \(\d of 4\)$", state["waiting_for"]), state["waiting_for"]
+        said.append(state["waiting_for"])
+        await time_skipping_env.sleep(timedelta(seconds=pause + 1))
+
+    async def held():
+        state = await handle.query("ladder")
+        return state if state["held"] and state["step"] == "held" else None
+
+    state = await eventually(held, timeout=60)
+    assert "transient" in state["hold_reason"] and "proved again 4 times" in state["hold_reason"], state["hold_reason"]
+    assert "release" in state["hold_reason"], state["hold_reason"]
+    assert [(a["rung"], a["outcome"]) for a in state["attempts"]] == [("reset", "running")], state["attempts"]
+    assert node.resets == 1 and node.checks == 15, (node.resets, node.checks)  # five proofs of three tries
+    assert (await fleet_states(handle))[-1] == "needs-person"
+    assert await timers(handle) == [60, 120, 240, 480]
+    # Each "proving again at" was when its pause ended, by the workflow's clock.
+    events = (await handle.fetch_history()).events
+    ends = [(e.event_time.ToDatetime() + e.timer_started_event_attributes.start_to_fire_timeout.ToTimedelta())
+            for e in events if e.HasField("timer_started_event_attributes")]
+    for text, end in zip(said, ends):
+        hh, mm, ss = map(int, re.search(r"at (\d\d):(\d\d):(\d\d) UTC", text).groups())
+        gap = abs((hh * 3600 + mm * 60 + ss) - (end.hour * 3600 + end.minute * 60 + end.second)) % 86400
+        assert min(gap, 86400 - gap) <= 2, (text, end)
+
+    node.killed = 0  # the agent's limit raised
+    await handle.execute_update("release", {"reason": "agent memory limit raised"})
+    result = GpuRepairResult.model_validate(await handle.result())
+    assert result.outcome == "repaired" and [(a.rung, a.outcome) for a in result.attempts] == [(Rung.RESET, "passed")]
+    assert node.resets == 1
+    await replay_and_record(handle, "gpu_repair_proves_again_after_a_transient_check_then_held")
+
+
+def test_what_a_node_says_is_transient_is_read_safely_and_otherwise_not_transient() -> None:
+    """The node is untrusted: its failure is transient only where it is retryable and its details,
+    where they came through (the node gateway drops them), are the agent's own; any other shape is
+    not transient (a person is asked at once), and none raises."""
+    from workflows.repair import CHECK_UNAVAILABLE, cannot_run
+
+    def said(*details, non_retryable=False, type=CHECK_UNAVAILABLE):
+        return cannot_run(ApplicationError("the compute check's process was killed (SIGKILL)", *details, type=type,
+                                           non_retryable=non_retryable))
+
+    assert said({"node": "n", "problem": "killed (SIGKILL)", "transient": True}).transient
+    assert said({"problem": "killed (SIGKILL)", "transient": True}).why == "killed (SIGKILL)"
+    assert said().transient, "the gateway forwards the type and the flag, not the details"
+    assert not said(non_retryable=True).transient
+    assert not said({"transient": True}, non_retryable=True).transient
+    for bad in ({"transient": "yes"}, {"transient": 1}, {}, ["transient"], "transient", None, 42):
+        assert not said(bad).transient, bad
+    assert said({"problem": 7, "transient": True}).why.startswith("the compute check's process was killed")
+    assert said({"transient": True}, type="NodeError") is None

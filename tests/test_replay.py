@@ -535,6 +535,11 @@ EXPECTED = {
     # (``repair-holds-when-the-check-cannot-run``, tests/test_compute_check.py). ``_before``: the code
     # before, which took it for a failed proof and climbed reset, reboot, reinstall, replace.
     "gpu_repair_held_when_the_check_cannot_run", "gpu_repair_held_when_the_check_cannot_run_before",
+    # A proof that could not run for a reason the agent calls transient is proved again after 1, 2, 4,
+    # 8 minutes, then held (``repair-proves-again-after-a-transient-check``, tests/test_compute_check.py).
+    # ``_before``: the code before, which held it for a person at once.
+    "gpu_repair_proves_again_after_a_transient_check", "gpu_repair_proves_again_after_a_transient_check_then_held",
+    "gpu_repair_proves_again_after_a_transient_check_before",
     # The join's end and the cancel in one workflow task, its jobs applied as one batch (temporalio's
     # logic flag 2): the join's result is taken, not lost to the cancel (tests/test_repair_cancel.py).
     "gpu_repair_cancelled_in_the_task_the_replacement_joined",

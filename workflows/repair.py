@@ -22,6 +22,7 @@ would bill beside its replacement) and the repair ends replaced.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -118,6 +119,57 @@ CHECK_UNAVAILABLE = "ComputeCheckUnavailable"
 #: A proof that did not run is named by the node's own message, cut to this: it is repeated in the
 #: details, the ladder (its hold reason, its attempts) and the result.
 SMOKE_DID_NOT_RUN_CHARS = 1000
+#: Workflow patch, asked where a proof could not run for a reason the node's agent calls transient
+#: (``ComputeCheckUnavailable`` retryable: its check's child killed by the agent's memory limit, a
+#: fork that failed for want of memory, a hang before the GPU), its activity retried to its policy's
+#: end: the ladder proves again by itself after a pause (``TRANSIENT_CHECK_PAUSE_SECONDS``, doubling)
+#: up to ``TRANSIENT_CHECK_TRIES`` times, its details saying why and when, and only then holds for a
+#: person as ``repair-holds-when-the-check-cannot-run`` does. A person's release (prove now),
+#: ``skip_to``, hold or a cancel during a pause is taken. Before it a passing blip held the ladder,
+#: contained, until a person came, its details not saying it was transient.
+PROVES_AGAIN_AFTER_A_TRANSIENT_CHECK_PATCH = "repair-proves-again-after-a-transient-check"
+#: The first pause before such a proof is tried again; each next one is twice the last (1, 2, 4, 8 min).
+TRANSIENT_CHECK_PAUSE_SECONDS = 60
+#: How many times a proof that could not run for a transient reason is tried again before a person is asked.
+TRANSIENT_CHECK_TRIES = 4
+#: What the node said was transient is named in the details, cut to this.
+TRANSIENT_WHY_CHARS = 300
+
+
+@dataclass(frozen=True)
+class CannotRun:
+    """A proof that could not run on the node (its agent's compute check, ``CHECK_UNAVAILABLE``):
+    whether the agent said it may pass next time, and why it did not run."""
+
+    transient: bool
+    why: str
+
+
+def cannot_run(error: BaseException) -> CannotRun | None:
+    """The proof's failure as ``CannotRun`` where it is ``CHECK_UNAVAILABLE``, else None. The node is
+    untrusted and what it sent is only validated here, never relied on: transient only where the
+    failure is retryable (its ``non_retryable`` flag, which the node gateway forwards) and its
+    details, where they came through (the gateway drops them), are the agent's own
+    (``{"transient": true, "problem": "..."}``); anything else, or anything unreadable, is not."""
+    if failure_type(error) != CHECK_UNAVAILABLE:
+        return None
+    try:
+        root = error
+        while isinstance(root, (ActivityError, ChildWorkflowError)) and root.cause is not None:
+            root = root.cause
+        why = root.message if isinstance(root, FailureError) and isinstance(root.message, str) else str(root)
+        if not isinstance(root, ApplicationError) or root.non_retryable:
+            return CannotRun(False, why[:TRANSIENT_WHY_CHARS])
+        details = list(root.details or ())
+        if not details:
+            return CannotRun(True, why[:TRANSIENT_WHY_CHARS])
+        said = details[0]
+        if not isinstance(said, dict) or said.get("transient") is not True:
+            return CannotRun(False, why[:TRANSIENT_WHY_CHARS])
+        problem = said.get("problem")
+        return CannotRun(True, (problem if isinstance(problem, str) and problem else why)[:TRANSIENT_WHY_CHARS])
+    except Exception:  # whatever the node sent: never a failed workflow task
+        return CannotRun(False, "")
 
 
 @workflow.defn(name="GpuRepair")
@@ -128,6 +180,8 @@ class GpuRepair:
         self._input: GpuRepairInput | None = None
         #: A hold that came before ``run`` built the ladder (see ``_require_running``).
         self._hold_at_start: HoldInput | None = None
+        #: How many releases came (a pause before a proof is tried again ends at one: prove now).
+        self._releases = 0
 
     # -- operator surface ---------------------------------------------------------------
     @workflow.query
@@ -170,6 +224,7 @@ class GpuRepair:
         await until_run_began(self._ladder_built)
         self._state.held = False
         self._state.hold_reason = parse_input(HoldInput, {} if raw is None else raw).reason
+        self._releases += 1
         self._show()
         return self._state
 
@@ -337,9 +392,17 @@ class GpuRepair:
                 self._step("proving", f"smoke test on {node_queue(inp.node_name)} "
                                       f"{until_in(settings.timeouts.smoke_test_seconds)}")
                 proved, proof, unavailable = await self._prove()
+                tried = 0  # proofs tried again by the ladder itself, the agent having said transient
                 while unavailable and workflow.patched(HOLDS_WHEN_THE_CHECK_CANNOT_RUN_PATCH):
                     attempt.detail = (f"{detail}; " if detail else "") + proof
-                    proved, proof, unavailable = await self._held_unproven(proof)
+                    # Asked only where a transient one happens: any other holds at once, as before.
+                    if (unavailable.transient and tried < TRANSIENT_CHECK_TRIES
+                            and workflow.patched(PROVES_AGAIN_AFTER_A_TRANSIENT_CHECK_PATCH)):
+                        tried += 1
+                        proved, proof, unavailable = await self._proves_again(proof, unavailable, tried)
+                        continue
+                    proved, proof, unavailable = await self._held_unproven(proof, tried)
+                    tried = 0  # a person released it: a transient one next is tried again as the first
                 ok, detail = proved, (f"{detail}; " if detail else "") + proof
             attempt.finished_at = workflow.now()
             attempt.outcome = ("covered" if outcome == "covered" else "passed") if ok else "failed"
@@ -655,7 +718,38 @@ class GpuRepair:
                              summary=f"retire {inp.node_name}: node out, machine deleted")
 
     # -- prove ----------------------------------------------------------------------------
-    async def _held_unproven(self, proof: str) -> tuple[bool, str, bool]:
+    async def _proves_again(self, proof: str, unavailable: CannotRun, tried: int) -> tuple[bool, str, CannotRun | None]:
+        """The node's agent said its check could not run for a reason that may pass (its child
+        killed by its memory limit, a fork without memory, a hang before the GPU), its activity
+        retried to the end of its policy: the ladder waits ``TRANSIENT_CHECK_PAUSE_SECONDS``,
+        doubling with each try (``tried`` of ``TRANSIENT_CHECK_TRIES``), its details saying why and
+        when, then proves again: ``_prove``'s answer. Not held: a person's release ends the pause
+        (prove now), a ``skip_to`` goes there (the proof counts as failed), a hold (a person's, its
+        site's) waits for its release, a cancel stops the ladder where it is."""
+        s, inp = self._state, self._input
+        pause = TRANSIENT_CHECK_PAUSE_SECONDS * 2 ** (tried - 1)
+        at = workflow.now() + timedelta(seconds=pause)
+        s.waiting_for = (f"the node agent's check could not run (transient: {unavailable.why}); proving again at "
+                         f"{at:%H:%M:%S} UTC ({tried} of {TRANSIENT_CHECK_TRIES})")
+        workflow.logger.warning("%s: %s", workflow.info().workflow_id, s.waiting_for)
+        self._step("waiting to prove again", "the proof could not run on the node (transient); `gpufleet repair "
+                                             f"release {inp.node_name} {inp.gpu}` proves it now")
+        releases = self._releases
+        try:
+            await workflow.wait_condition(lambda: s.held or s.skip_to is not None or self._releases != releases,
+                                          timeout=timedelta(seconds=pause))
+        except asyncio.TimeoutError:
+            pass
+        s.waiting_for = ""
+        await self._hold_point()
+        if s.skip_to is not None:
+            return False, proof, None
+        self._set_fleet_state("proving")
+        self._step("proving", f"again ({tried} of {TRANSIENT_CHECK_TRIES}, the last could not run): smoke test on "
+                              f"{node_queue(inp.node_name)} {until_in(inp.settings.timeouts.smoke_test_seconds)}")
+        return await self._prove()
+
+    async def _held_unproven(self, proof: str, tried: int = 0) -> tuple[bool, str, CannotRun | None]:
         """The node's agent could not run the compute check: nothing proved the GPU, nothing said it
         is broken. Held, contained, for a person (the agent's problem is not one a rung fixes); once
         released the GPU is proved again: ``_prove``'s answer. A ``skip_to`` meanwhile is taken
@@ -665,7 +759,10 @@ class GpuRepair:
         its check keeps its GPU fenced, and decides nothing about any other machine."""
         s, inp = self._state, self._input
         s.held = True
-        s.hold_reason = (f"{proof}. The node agent cannot run its compute check: GPU {inp.gpu} is neither proven nor "
+        again = (f" (the node's agent said it was transient: proved again {tried} times, after pauses of "
+                 f"{TRANSIENT_CHECK_PAUSE_SECONDS // 60} to {TRANSIENT_CHECK_PAUSE_SECONDS * 2 ** (tried - 1) // 60} "
+                 "minutes, and it could not run each time)") if tried else ""
+        s.hold_reason = (f"{proof}{again}. The node agent cannot run its compute check: GPU {inp.gpu} is neither proven nor "
                          f"failed, and no rung is climbed for the agent's problem. Fix the node agent on "
                          f"{inp.node_name} (its image, its limits), then `gpufleet repair release {inp.node_name} "
                          f"{inp.gpu}` proves it again")
@@ -674,15 +771,15 @@ class GpuRepair:
         self._step("held", "the proof could not run on the node (its agent's compute check)")
         await workflow.wait_condition(lambda: not s.held)
         if s.skip_to is not None:
-            return False, proof, False
+            return False, proof, None
         self._set_fleet_state("proving")
         self._step("proving", f"again, released: smoke test on {node_queue(inp.node_name)} "
                               f"{until_in(inp.settings.timeouts.smoke_test_seconds)}")
         return await self._prove()
 
-    async def _prove(self) -> tuple[bool, str, bool]:
+    async def _prove(self) -> tuple[bool, str, CannotRun | None]:
         """(proved, what the proof said, whether it could not run at all: the node's agent cannot
-        run its compute check, ``CHECK_UNAVAILABLE``, no verdict on the GPU)."""
+        run its compute check, ``CHECK_UNAVAILABLE``, no verdict on the GPU; None where it ran)."""
         inp, timeouts = self._input, self._input.settings.timeouts
         try:
             smoke = await smoke_test_node(
@@ -695,7 +792,7 @@ class GpuRepair:
                 raise
             # The node's message, bounded: it is repeated in the details, the ladder and the result.
             said = f"smoke test did not run: {failure_text(error)}"[:SMOKE_DID_NOT_RUN_CHARS]
-            return False, said, failure_type(error) == CHECK_UNAVAILABLE
+            return False, said, cannot_run(error)
         if smoke.passed:
-            return True, "smoke test passed", False
-        return False, "smoke test failed: " + "; ".join(smoke.failures), False
+            return True, "smoke test passed", None
+        return False, "smoke test failed: " + "; ".join(smoke.failures), None
