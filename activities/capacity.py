@@ -40,6 +40,7 @@ from fleet.messages.capacity import (
     MAX_QUEUED_DELETES_SHOWN,
     QueuedDelete,
     QueuedDeletes,
+    QueuedDeletesInput,
     ReleaseCordonsInput,
     ReportAccountInput,
     RetireMachineInput,
@@ -424,12 +425,15 @@ class CapacityActivities:
         return done
 
     @activity.defn
-    def queued_deletes(self, input: AccountInput) -> QueuedDeletes:
+    def queued_deletes(self, input: QueuedDeletesInput) -> QueuedDeletes:
         """The deletes the guard store holds queued for the account, and whether it has the account
         revoked: a ProviderAccount run started afresh (its run before terminated, owing them) reads
         what it owes from here, and a run shows them from here (``AccountStatus.deletes_queued``).
         With them, the account's record in the store (its state, blocked offers, reason, since when),
-        which a run started afresh takes as its own. Reads the store only."""
+        which a run started afresh takes as its own. Reads the store only. ``shown_only`` (how a run
+        reads them, every 5 s to 5 minutes while revoked): ``machines`` holds the first
+        ``MAX_QUEUED_DELETES_SHOWN`` only, ``count`` all of them, so what lands in the run's history
+        stays small however many are queued; else every machine."""
         pending = self.env.accounts.pending_deletes(input.account)
         record = self.env.accounts.get(input.account)
         oldest = min((p.queued_at for p in pending), default=None)
@@ -438,7 +442,8 @@ class CapacityActivities:
             return datetime.fromtimestamp(at, timezone.utc).isoformat(timespec="seconds")
 
         return QueuedDeletes(
-            machines=[p.machine_id for p in pending], revoked=record.state == AccountState.CREDENTIALS_REVOKED,
+            machines=[p.machine_id for p in (pending[:MAX_QUEUED_DELETES_SHOWN] if input.shown_only else pending)],
+            count=len(pending), revoked=record.state == AccountState.CREDENTIALS_REVOKED,
             oldest="" if oldest is None else iso(oldest),
             queued=[QueuedDelete(machine_id=p.machine_id, site=p.site, queued_at=iso(p.queued_at))
                     for p in pending[:MAX_QUEUED_DELETES_SHOWN]],

@@ -580,6 +580,100 @@ async def test_a_run_started_afresh_takes_the_offers_the_guard_blocks_and_only_t
     assert await cap.listed(f'RunId = "{again.result_run_id}" AND FleetState = "healthy"')
 
 
+async def test_a_run_started_afresh_asked_to_continue_before_it_reads_the_guard_still_takes_it(
+        cap: CapStack, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The account is revoked in the guard store, a delete queued; an operator starts its entity
+    again by hand while the store refuses reads (a 403 after an RBAC mistake), so the fresh run cannot
+    take the guard's record; before a read lands it is asked to continue as new (``gpufleet patches
+    renew``, or the server's suggestion). The next run still reads the store once it answers: it says
+    credentials-revoked, and ``credentials_rotated`` is taken, the queued delete run. Before, the
+    continued run (it carries a status) never read the guard: it said healthy while the guard refused
+    every call, refused the rotation ("credentials are not revoked"), and tried the deletes owed
+    against the refusing guard for good."""
+    from fleet.errors import ClusterForbidden
+
+    a, account, machine = await revoked_with_a_queued_delete(cap)
+    store = type(cap.env.accounts)
+    pending, refusing = store.pending_deletes, [True]
+
+    def refused(self, name: str | None = None):
+        if refusing[0] and name == a:
+            raise ClusterForbidden('get configmaps "gpufleet-accounts" is forbidden: User '
+                                   '"system:serviceaccount:gpufleet:control-plane" cannot get', code="403")
+        return pending(self, name)
+
+    monkeypatch.setattr(store, "pending_deletes", refused)
+    account = await started_again_by_hand(cap, account)
+    first = account.result_run_id
+
+    async def status() -> AccountStatus:
+        return await account.query("status", result_type=AccountStatus)
+
+    # The fresh run's read failed: it knows nothing of the guard's record yet (the deletes owed, unread).
+    unread = await wait_for_async(status, lambda s: bool(s.deletes_owed_since), timeout=30)
+    assert unread.state == "healthy", unread
+    await account.signal("renew")
+    second = (await wait_for_async(account.describe, lambda d: d.run_id != first, timeout=30)).run_id
+    assert (await status()).guard_unread, "the next run knows the guard's record is still to be read"
+
+    refusing[0] = False  # the store answers again: the continued run takes the guard's record
+    taken = await wait_for_async(status, lambda s: s.state == "credentials-revoked", timeout=30)
+    assert not taken.guard_unread and taken.deletes_queued_count == 1, taken
+    assert await cap.listed(f'RunId = "{second}" AND FleetState = "needs-person"')
+    assert "send the `credentials_rotated` update" in await details(account)
+
+    cap.world.set_credentials_valid(a, True)
+    rotated = AccountStatus.model_validate(await account.execute_update("credentials_rotated"))
+    assert rotated.state == "healthy"
+    assert cap.world.machine(machine.machine_id)["deleted_at"] is not None, "the queued delete ran"
+    assert cap.env.accounts.get(a).state == "healthy" and cap.env.accounts.pending_deletes(a) == []
+    done = await wait_for_async(status, lambda s: not s.deletes_owed_since, timeout=30)
+    assert done.deletes_queued_count == 0 and (await account.describe()).run_id == second
+    await replay_and_record(cap.client.get_workflow_handle(account.id, run_id=first),
+                            "account_carries_the_guard_unread")
+    await replay_and_record(account, "account_carries_the_guard_unread_then_read")
+
+
+async def test_the_entity_reads_of_many_deletes_queued_stay_small_in_its_history(cap: CapStack) -> None:
+    """500 machines' deletes are queued while the account is revoked. The entity, which reads them
+    every 5 s to 5 minutes while revoked, shows how many (500) and names the first 20; what each
+    read puts in its history is that, not every machine: its history does not grow with the
+    machines queued times the reads. A caller that asks for every machine still gets them all."""
+    from activities.capacity import CapacityActivities
+    from fleet.messages.capacity import AccountInput, MAX_QUEUED_DELETES_SHOWN, QueuedDeletes, QueuedDeletesInput
+
+    a, account, machine = await revoked_with_a_queued_delete(cap)
+    for i in range(499):
+        cap.env.accounts.queue_delete(cap.site("cheap"), a, f"{machine.machine_id}-gone-{i:03d}")
+
+    async def status() -> AccountStatus:
+        return await account.query("status", result_type=AccountStatus)
+
+    shown = await wait_for_async(status, lambda s: s.deletes_queued_count == 500, timeout=60)
+    assert len(shown.deletes_queued) == MAX_QUEUED_DELETES_SHOWN == 20
+    assert shown.deletes_queued[0].machine_id == machine.machine_id, "oldest first"
+    assert "500 machine(s) owed a delete" in (text := await details(account)) and "and 480 more" in text, text
+    assert (await listed_row(cap, account))["deletes queued"] == "500"
+
+    history = await account.fetch_history()
+    reads = {e.event_id for e in history.events
+             if e.HasField("activity_task_scheduled_event_attributes")
+             and e.activity_task_scheduled_event_attributes.activity_type.name == "queued_deletes"}
+    results = [e.activity_task_completed_event_attributes.result.payloads[0].data for e in history.events
+               if e.HasField("activity_task_completed_event_attributes")
+               and e.activity_task_completed_event_attributes.scheduled_event_id in reads]
+    assert results, "the entity read the deletes queued"
+    read = [QueuedDeletes.model_validate_json(data) for data in results]
+    assert all(len(r.machines) <= MAX_QUEUED_DELETES_SHOWN and len(r.queued) <= MAX_QUEUED_DELETES_SHOWN
+               for r in read), [len(r.machines) for r in read]
+    assert read[-1].total == 500 and max(len(data) for data in results) < 8192, [len(d) for d in results]
+
+    # A caller from before the flag (its payload: the account alone) gets every machine, as before.
+    every = ActivityEnvironment().run(CapacityActivities(cap.env).queued_deletes,  # (a sync activity)
+                                      QueuedDeletesInput.model_validate(AccountInput(account=a).model_dump()))
+    assert (len(every.machines), every.total) == (500, 500), "a caller asking for every machine gets them all"
+
+
 async def revoked_with_a_queued_delete(cap: CapStack):
     """Account a revoked (a request's BadCredentials reported it), with the delete of a machine it
     had queued meanwhile: (the account, its entity, the machine)."""

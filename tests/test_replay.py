@@ -383,6 +383,12 @@ EXPECTED = {
     # until a report came, replays too.
     "account_started_afresh_takes_the_guard", "account_started_afresh_takes_the_guard_quota",
     "account_started_afresh_takes_the_guard_before",
+    # A run started afresh whose read of the guard store failed, asked to continue as new before a read
+    # landed, carries that it has not read it: the next run reads it and takes the revocation
+    # (``account-carries-the-guard-unread``, tests/test_capacity.py); the old code's run, which carried
+    # nothing and left the next one healthy for good, replays too.
+    "account_carries_the_guard_unread", "account_carries_the_guard_unread_then_read",
+    "account_carries_the_guard_unread_before",
     # The entity gate (issue 38): a Node continues as new only once its watch loop rests, so the run
     # that took a spot notice starts the SpotReclaim (tests/test_entity_gate.py).
     "node_entity_continued_as_new_after_reclaim",

@@ -22,6 +22,10 @@ once). A person clears them with updates:
 A run started afresh first takes the account as the guard store holds it (revoked, the offers
 quota-blocked: patch ``account-started-afresh-takes-the-guard``): a call the guard refuses reports
 nothing, so its state would otherwise say healthy while the guard blocks, and refuse the updates.
+A read of the store that failed is tried again by the loop until one lands, in the next run too when
+the run continues as new first (``AccountStatus.guard_unread``, carried: patch
+``account-carries-the-guard-unread``). The runs read the deletes queued with ``shown_only``: how many,
+and the first ``MAX_QUEUED_DELETES_SHOWN``, never every machine, so a read's result stays small.
 
 Every change is written through to the guard store that activities check, the
 search attribute ``FleetState`` is ``needs-person`` while anything is blocked
@@ -61,6 +65,7 @@ with workflow.unsafe.imports_passed_through():
         MAX_QUEUED_DELETES_SHOWN,
         QueuedDelete,
         QueuedDeletes,
+        QueuedDeletesInput,
         QuotaRaised,
         ReportAccountInput,
     )
@@ -143,11 +148,22 @@ SHOWS_QUEUED_PATCH = "account-shows-queued-deletes"
 #: read that fails past its retries leaves the run as it was (healthy) and the loop reads the store
 #: again (as it reads the deletes queued) until a read lands, then takes what it holds on top of what
 #: the run learnt meanwhile. A continued run carries its own state: it is the store's writer, and
-#: takes nothing. Before it a fresh run began healthy while the guard still refused every call to a
+#: takes nothing (unless carried ``guard_unread``: ``CARRIES_GUARD_UNREAD_PATCH``). Before it a fresh
+#: run began healthy while the guard still refused every call to a
 #: revoked account, which no call reports again: the entity said healthy, ``credentials_rotated`` was
 #: refused ("credentials are not revoked") until a new bad-credentials report came, and the deletes
 #: queued while revoked never ran; an offer the guard blocked was not shown, nor could it be raised.
 TAKES_GUARD_PATCH = "account-started-afresh-takes-the-guard"
+#: Workflow patch, asked at the continue-as-new gate of a run that has not taken the account guard
+#: store's record yet (``AccountStatus.guard_unread``: started afresh, its read of the record failed
+#: and no read has landed since): the next run is carried ``guard_unread`` and its loop reads the
+#: store at once, and again after a pause that doubles, until a read lands, then takes the record
+#: (``TAKES_GUARD_PATCH``). Before it the flag was the run's own: asked to continue as new (the
+#: server's suggestion, ``gpufleet patches renew``) before a read landed, the next run, which carries
+#: a status, never read the guard: it said healthy while the guard enforced the revocation,
+#: ``credentials_rotated`` was refused, and the deletes owed were tried against the refusing guard
+#: for good.
+CARRIES_GUARD_UNREAD_PATCH = "account-carries-the-guard-unread"
 #: What the owed deletes' try is called in the entity's details and log.
 DELETES_STEP = "run the deletes queued while revoked"
 
@@ -187,10 +203,9 @@ class ProviderAccount(Entity[AccountStatus | None]):
         self._queued_failing = ""
         #: Tries of the queued deletes that ended: a read that a try's end overtook is not kept.
         self._deletes_runs = 0
-        #: ``TAKES_GUARD_PATCH``, decided in a run started afresh; and whether the guard store's record
-        #: of the account is still to be read and taken (the start's read failed: the loop reads again).
+        #: ``TAKES_GUARD_PATCH``, decided in a run started afresh (whether the guard store's record of the
+        #: account is still to be read and taken is ``AccountStatus.guard_unread``: ``_guard_unread``).
         self._takes_guard = False
-        self._guard_unread = False
 
     # -- what workflows and people send ---------------------------------------------------
     @workflow.signal
@@ -348,12 +363,20 @@ class ProviderAccount(Entity[AccountStatus | None]):
             if not self.continue_as_new_suggested():
                 continue  # woken for owed deletes' new pause: wait for it
             carried = lambda: {"account": args.account, "provider": args.provider,  # noqa: E731
-                               "status": self.state.model_dump(mode="json")}
+                               "status": self._carried_status()}
             if takes_reports_at_gate:
                 # A report that arrives while an update finishes is the loop's to take: take it, ask again.
                 await self.continue_as_new_when_ready(carried, unless=lambda: bool(self._reports))
             else:  # a run from before the patch (see it): an empty queue too, which a report made never
                 await self.continue_as_new_when_ready(carried, until=lambda: not self._reports)
+
+    def _carried_status(self) -> dict[str, Any]:
+        """The state the next run is carried: ``guard_unread`` only behind ``CARRIES_GUARD_UNREAD_PATCH``
+        (asked only where it is set: a run from before the patch carried it not)."""
+        status = self.state.model_dump(mode="json")
+        if status["guard_unread"] and not workflow.patched(CARRIES_GUARD_UNREAD_PATCH):
+            status["guard_unread"] = False
+        return status
 
     def _has_work(self) -> bool:
         return (bool(self._reports) or self._unwritten or self.continue_as_new_suggested()
@@ -439,14 +462,15 @@ class ProviderAccount(Entity[AccountStatus | None]):
         status = self.state
         try:
             queued: QueuedDeletes = await workflow.execute_activity(
-                act.queued_deletes, AccountInput(account=status.account),
+                act.queued_deletes, QueuedDeletesInput(account=status.account, shown_only=True),
                 start_to_close_timeout=QUICK, retry_policy=STORE_RETRY, summary="deletes queued in the account guard",
             )
         except ActivityError as error:
             if cancelled_by_request(error):
                 raise
-            # The guard's record not known either: the loop reads the store again until it is (``_queued_watched``).
-            self._guard_unread = self._takes_guard
+            # The guard's record not known either: the loop reads the store again until it is (``_queued_watched``),
+            # and so does the next run if this one continues as new first (``CARRIES_GUARD_UNREAD_PATCH``).
+            status.guard_unread = self._takes_guard
             # Not known: owed, so none is left; the loop's try reads the store itself (none queued: none run).
             status.deletes_owed_since = workflow.now().isoformat(timespec="seconds")
             status.deletes_failing = (f"could not read the deletes queued in the account guard "
@@ -457,16 +481,16 @@ class ProviderAccount(Entity[AccountStatus | None]):
             await self._adopt_guard(queued)
         if self._shows_queued:
             self._take_read(queued)
-        if not queued.machines:
+        if not queued.total:
             return
-        machines = f"{len(queued.machines)} deletes queued in the account guard since {queued.oldest}"
+        machines = f"{queued.total} deletes queued in the account guard since {queued.oldest}"
         if queued.revoked:  # the guard refuses them: the next rotation runs them, as any queued while revoked
-            self._log(f"started afresh with {machines} ({listing(queued.machines)}): they run once the "
+            self._log(f"started afresh with {machines} ({_named(queued)}): they run once the "
                       "credentials are rotated")
             return
         status.deletes_owed_since = queued.oldest
         status.deletes_failing = f"{machines}, owed by a run before this one (it ended without running them)"
-        self._log(f"started afresh owing {machines} ({listing(queued.machines)}): running them")
+        self._log(f"started afresh owing {machines} ({_named(queued)}): running them")
 
     # -- the guard's record, taken by a run started afresh -------------------------------------
     def _take_guard(self, queued: QueuedDeletes) -> bool:
@@ -509,6 +533,12 @@ class ProviderAccount(Entity[AccountStatus | None]):
         self._unwritten = self._unwritten or unwritten
 
     # -- the deletes queued, shown ------------------------------------------------------------
+    @property
+    def _guard_unread(self) -> bool:
+        """The account guard store's record is still to be read and taken (``AccountStatus.guard_unread``:
+        a run started afresh whose read failed, or the run it continued as new into)."""
+        return self.state.guard_unread
+
     def _queued_watched(self) -> bool:
         """The loop reads the deletes queued (``SHOWS_QUEUED_PATCH``): while the account is revoked
         (they are queued then), while a run started afresh holds some that are not owed (the
@@ -538,7 +568,7 @@ class ProviderAccount(Entity[AccountStatus | None]):
         runs = self._deletes_runs
         try:
             queued: QueuedDeletes = await workflow.execute_activity(
-                act.queued_deletes, AccountInput(account=self.state.account),
+                act.queued_deletes, QueuedDeletesInput(account=self.state.account, shown_only=True),
                 start_to_close_timeout=QUICK, retry_policy=STORE_RETRY, summary="deletes queued in the account guard",
             )
         except ActivityError as error:
@@ -550,8 +580,8 @@ class ProviderAccount(Entity[AccountStatus | None]):
             self._show()
             return
         failed, self._queued_failing = self._queued_failing, ""
-        if self._guard_unread:  # a run started afresh whose first read failed: the guard's record, at last
-            self._guard_unread = False
+        if self._guard_unread:  # a fresh run whose first read failed (or the run it continued into): at last
+            self.state.guard_unread = False
             await self._adopt_guard(queued)
         if runs != self._deletes_runs:  # a try of them ended meanwhile: what it left is shown already
             self._queued_later(changed=True)
@@ -567,11 +597,11 @@ class ProviderAccount(Entity[AccountStatus | None]):
         status = self.state
         shown = queued.queued or [QueuedDelete(machine_id=m) for m in queued.machines[:MAX_QUEUED_DELETES_SHOWN]]
         status.deletes_queued_read = workflow.now().isoformat(timespec="seconds")
-        if (shown, len(queued.machines)) == (status.deletes_queued, status.deletes_queued_count):
+        if (shown, queued.total) == (status.deletes_queued, status.deletes_queued_count):
             return False
-        status.deletes_queued, status.deletes_queued_count = shown, len(queued.machines)
-        self._log(f"deletes queued in the account guard: {len(queued.machines)}"
-                  + (f" ({listing(queued.machines)})" if queued.machines else ""))
+        status.deletes_queued, status.deletes_queued_count = shown, queued.total
+        self._log(f"deletes queued in the account guard: {queued.total}"
+                  + (f" ({_named(queued)})" if queued.machines else ""))
         return True
 
     def _queued_later(self, *, changed: bool) -> None:
@@ -755,3 +785,10 @@ class ProviderAccount(Entity[AccountStatus | None]):
             act.wake_waiting_requests, start_to_close_timeout=QUICK, retry_policy=STORE_RETRY,
             summary="offers changed: wake waiting requests",
         )
+
+
+def _named(queued: QueuedDeletes) -> str:
+    """The machines of a read of the deletes queued, for a log line: at most 12 (``listing``), then how
+    many in all (a read with ``shown_only`` holds the first ``MAX_QUEUED_DELETES_SHOWN`` only)."""
+    named = listing(queued.machines[:12])
+    return named + (f", … ({queued.total} in all)" if queued.total > min(len(queued.machines), 12) else "")

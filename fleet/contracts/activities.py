@@ -20,7 +20,7 @@ from fleet.incident import IncidentSettings
 from fleet.messages.advisor import Usage
 from fleet.messages.capacity import (
     AccountConfigInput, AccountInput, AccountRecordInput, CapacityResult, Catalog, ChildNumber, ChildNumberInput,
-    DrainNodeInput, FillRef, GetCatalogInput, NotifyInput, QueuedDeletes, ReleaseCordonsInput, ReportAccountInput,
+    DrainNodeInput, FillRef, GetCatalogInput, NotifyInput, QueuedDeletes, QueuedDeletesInput, ReleaseCordonsInput, ReportAccountInput,
     RetireMachineInput, SignalSitesInput, SiteNode, SiteNodesInput, WakeRequestsInput,
 )
 from fleet.messages.csr import CsrApproverResult
@@ -529,10 +529,12 @@ async def routing_model_problems(input: RoutingModelInput) -> list[tuple[str, st
 
 
 @activity.defn(name="queued_deletes")
-async def queued_deletes(input: AccountInput) -> QueuedDeletes:
+async def queued_deletes(input: QueuedDeletesInput) -> QueuedDeletes:
     """The deletes the account guard store holds queued for the account (and whether it has the
     account revoked): read by a ProviderAccount run started afresh, and by a run while revoked or
-    after a try of them failed, to show them. Body: ``activities/capacity.py``,
+    after a try of them failed, to show them. ``shown_only``: the first ``MAX_QUEUED_DELETES_SHOWN``
+    machines and the count (what a run reads: its history stays small however many are queued);
+    else every machine. Body: ``activities/capacity.py``,
     ``CapacityActivities.queued_deletes``."""
     raise NotImplementedError("a declaration: the worker registers the body")
 

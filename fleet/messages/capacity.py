@@ -81,6 +81,15 @@ class AccountInput(BaseModel):
     account: str
 
 
+class QueuedDeletesInput(AccountInput):
+    """``queued_deletes``' input: the account, and whether only the first ``MAX_QUEUED_DELETES_SHOWN``
+    machines are wanted (``QueuedDeletes.machines`` bounded, ``count`` all of them), as a
+    ProviderAccount run reads them: what lands in its history stays small however many are queued.
+    False (every caller from before the field): every machine queued."""
+
+    shown_only: bool = False
+
+
 class AccountConfigInput(BaseModel):
     """A ProviderAccount entity's account and provider, to check against the fleet config."""
 
@@ -261,6 +270,12 @@ class AccountStatus(BaseModel):
     deletes_queued_count: int = 0
     #: When (ISO, UTC) the entity last read them; empty: never.
     deletes_queued_read: str = ""
+    #: A run started afresh whose read of the account guard store's record failed (patch
+    #: ``account-started-afresh-takes-the-guard``) has not taken it yet: the loop reads the store again
+    #: until a read lands, then takes it. Carried over continue-as-new (patch
+    #: ``account-carries-the-guard-unread``), so the next run reads it too; False in every status from
+    #: before the field (and once read).
+    guard_unread: bool = False
 
 
 class QueuedDeletes(BaseModel):
@@ -268,8 +283,12 @@ class QueuedDeletes(BaseModel):
     reads it (``queued_deletes``): the deletes queued while it was revoked that have not run, and the
     account's record there (its state, blocked offers)."""
 
-    #: The machines whose delete is queued, oldest first.
+    #: The machines whose delete is queued, oldest first: all of them, or, read with ``shown_only``
+    #: (``QueuedDeletesInput``), the first ``MAX_QUEUED_DELETES_SHOWN``.
     machines: list[str] = Field(default_factory=list)
+    #: How many are queued in all; None from a worker from before the field, whose ``machines``
+    #: are all of them (``total``).
+    count: int | None = None
     #: When (ISO, UTC) the oldest of them was queued; empty when none is.
     oldest: str = ""
     #: Whether the guard has the account revoked (then the next rotation runs them).
@@ -285,6 +304,11 @@ class QueuedDeletes(BaseModel):
     blocked_offers: list[str] = Field(default_factory=list)
     reason: str = ""
     since: str = ""
+
+    @property
+    def total(self) -> int:
+        """How many deletes are queued in all (``count``; ``machines`` from a worker before it)."""
+        return len(self.machines) if self.count is None else self.count
 
 
 class ProviderAccountInput(Strict):
