@@ -345,6 +345,10 @@ EXPECTED = {
     # not handed to the repair ladder (``evacuation-holds-where-the-check-cannot-run``,
     # tests/security/test_evacuation_proof.py); the old code's run, which quarantined it, replays.
     "site_evacuation_holds_where_the_check_cannot_run", "site_evacuation_holds_where_the_check_cannot_run_before",
+    # ... and is told to its Node entity, which holds it for a person (needs-person, the alert) and
+    # starts no repair; `return_gpu` of GPU 0 uncordons it (``evacuation-tells-the-node-it-waits-for-a-person``);
+    # the run before, which told it nothing, is ``site_evacuation_holds_where_the_check_cannot_run``.
+    "site_evacuation_tells_the_node_it_waits_for_a_person", "node_entity_holds_for_a_person_where_the_check_cannot_run",
     # While its site is down, and while nothing may take its replicas, an evacuation waits on one
     # ``watch_recovery`` that probes inside the activity, which ``recovered`` cuts short
     # (tests/test_evacuation.py).

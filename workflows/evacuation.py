@@ -190,6 +190,15 @@ QUARANTINES_FAILING_GPUS_PATCH = "evacuation-quarantines-the-failing-gpus"
 #: proofs with none, send what they sent. What the node says decides only about itself: it keeps
 #: itself out of service (as any failed proof would), and no other machine.
 HOLDS_WHERE_THE_CHECK_CANNOT_RUN_PATCH = "evacuation-holds-where-the-check-cannot-run"
+#: Such a node (``HOLDS_WHERE_THE_CHECK_CANNOT_RUN_PATCH``) is still told to its Node entity: a
+#: ``quarantine`` with ``hold_for_person``, which starts no repair and holds the node (its GPU 0) for a
+#: person, the agent's words its reason: the entity's FleetState is ``needs-person`` (the
+#: ``gpufleet_nodes_needing_a_person`` metric, the ``GpufleetNodeNeedsPerson`` alert), and the
+#: person's ``gpufleet repair return <node> 0`` uncordons it once the agent is fixed. Before, the node
+#: was sent nothing: it stayed cordoned with no alert (the incident's cleared as the site came back)
+#: and only a ``kubectl uncordon`` nobody was reminded of brought it back. Asked in
+#: ``_quarantine_unproven`` only where such a node is held, so runs from before send nothing for it.
+TELLS_THE_NODE_IT_WAITS_PATCH = "evacuation-tells-the-node-it-waits-for-a-person"
 #: The smoke test's error type where its compute check cannot run on the node (``activities.node_agent``).
 CHECK_UNAVAILABLE = "ComputeCheckUnavailable"
 #: The node's own message about why its check cannot run, cut to this wherever it is repeated.
@@ -263,6 +272,8 @@ class SiteEvacuation:
         #: The unproven nodes left cordoned and not handed to the repair ladder (their agent cannot
         #: run its check: ``HOLDS_WHERE_THE_CHECK_CANNOT_RUN_PATCH``).
         self._not_handed: set[str] = set()
+        #: ``TELLS_THE_NODE_IT_WAITS_PATCH``: those were told to their Node entity, held for a person there.
+        self._tells_held = False
         #: The AcquireCapacity child while it runs (an abort stops it and waits for its result).
         self._capacity: asyncio.Task | None = None
         self._facts: EvacuationFacts | None = None
@@ -1185,15 +1196,25 @@ class SiteEvacuation:
         named = {name: gpus for name, gpus in self._failing_gpus.items() if name in self._unproven}
         if not (named and workflow.patched(QUARANTINES_FAILING_GPUS_PATCH)):
             named = {}
+        if self._not_handed and workflow.patched(TELLS_THE_NODE_IT_WAITS_PATCH):
+            self._tells_held = True
         for name, why in sorted(self._unproven.items()):
             if name in self._not_handed:
-                continue
-            order = NodeQuarantine(reason=f"failed the smoke test of {workflow.info().workflow_id}: {why}"[:1000],
-                                   gpus=named.get(name))
+                if not self._tells_held:
+                    continue
+                # No repair: its Node entity holds it for a person (FleetState needs-person, the alert).
+                order = NodeQuarantine(
+                    reason=(f"unproven by {workflow.info().workflow_id}: the node agent cannot run its compute check "
+                            f"({self._cannot_check.get(name, why)}); fix the node agent")[:1000],
+                    hold_for_person=True)
+            else:
+                order = NodeQuarantine(reason=f"failed the smoke test of {workflow.info().workflow_id}: {why}"[:1000],
+                                       gpus=named.get(name))
             try:
-                # No ``gpus`` key where none is named: the payload a Node entity took before it existed.
+                # No ``gpus`` or ``hold_for_person`` key where not set: the payload a Node entity took
+                # before they existed.
                 await workflow.get_external_workflow_handle(node_workflow_id(name)).signal(
-                    flows.Node.quarantine, order.model_dump(mode="json", exclude_none=True))
+                    flows.Node.quarantine, order.model_dump(mode="json", exclude_none=True, exclude_defaults=True))
             except FailureError as error:
                 self._mark("node not handed to repair", f"{name}: {failure_message(error)}")
 
@@ -1225,10 +1246,14 @@ class SiteEvacuation:
         """Why a node that failed the proof stays cordoned (``progress.held``, the timeline)."""
         if name not in self._not_handed:
             return f"failed the proof: {why}"
-        return (f"unproven: the node agent cannot run its compute check ({self._cannot_check.get(name, why)}); not "
-                f"handed to the repair ladder (no rung fixes the agent: no reset or reboot for it). A person fixes "
-                f"the node agent on {name} (its image, its limits), then uncordons it (`kubectl uncordon {name}`): "
-                "nothing else lifts this cordon")
+        said = f"unproven: the node agent cannot run its compute check ({self._cannot_check.get(name, why)}); not " \
+               f"handed to the repair ladder (no rung fixes the agent: no reset or reboot for it). "
+        if self._tells_held:
+            return (said + f"Its Node entity holds it for a person (needs-person, the GpufleetNodeNeedsPerson alert): "
+                    f"a person fixes the node agent on {name} (its image, its limits), then returns it "
+                    f"(`gpufleet repair return {name} 0 --reason ...`), which uncordons it")
+        return (said + f"A person fixes the node agent on {name} (its image, its limits), then uncordons it "
+                f"(`kubectl uncordon {name}`): nothing else lifts this cordon")
 
     async def _undo(self, why: str) -> None:
         """``_put_back``, to its end even when Temporal's cancel lands meanwhile (during an abort's

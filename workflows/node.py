@@ -495,6 +495,9 @@ class NodeEntity(Entity[NodeCarry]):
         self._quarantine: Finding | None = None
         #: The GPUs that quarantine names (the ``quarantine`` signal's ``gpus``); empty: the whole node.
         self._quarantine_gpus: list[int] = []
+        #: Quarantines that start no repair (``NodeQuarantine.hold_for_person``: the node's agent cannot
+        #: run its compute check), queued for the loop, which holds the node for a person.
+        self._person_holds: list[str] = []
         self._last_bad_report = ""
         self._loop_restarts = 0
         #: ``NOT_READY_PATCH``: the watch in flight (replaced when the node is Ready again).
@@ -578,6 +581,11 @@ class NodeEntity(Entity[NodeCarry]):
         """The node failed someone else's proof (an evacuation's smoke test): the loop cordons
         it and hands it to the repair ladder, like K bad reports in a row."""
         if (order := parse_signal(NodeQuarantine, raw, "quarantine")) is not None:
+            if order.hold_for_person:
+                # No repair: the loop holds the node for a person (``_hold_for_person``).
+                self._person_holds.append(order.reason)
+                self._wake = True
+                return
             # Once ``run`` took its state (one sent before its first task keeps its reason).
             self.after_start(lambda: self._quarantined(order.reason, order.gpus or []))
 
@@ -833,7 +841,7 @@ class NodeEntity(Entity[NodeCarry]):
         while True:
             try:
                 await workflow.wait_condition(
-                    lambda: bool(self._pending or self._wake or self._quarantine
+                    lambda: bool(self._pending or self._wake or self._quarantine or self._person_holds
                                  or (self._requests and self._holder is None)
                                  or (self._settled_5 and self._queue_news())
                                  or (self._paces_holds and self._incident_closed)),
@@ -861,6 +869,8 @@ class NodeEntity(Entity[NodeCarry]):
                 if self._quarantine is not None:
                     finding, self._quarantine = self._quarantine, None
                     await self._act_on_quarantine(finding)
+                while self._person_holds:
+                    self._hold_for_person(self._person_holds.pop(0))
                 if recheck_at is not None:
                     recheck_at = None
                     await self._recheck()
@@ -872,7 +882,7 @@ class NodeEntity(Entity[NodeCarry]):
             if (
                 self.continue_as_new_suggested()
                 and not self._pending and not self._requests and self._holder is None
-                and self._quarantine is None
+                and self._quarantine is None and not self._person_holds
                 # Repairs running (none holding or waiting for the slot): carried, and followed by the next run.
                 and (not self._active or self._continues_while_repairing())
             ):
@@ -884,6 +894,7 @@ class NodeEntity(Entity[NodeCarry]):
                     # the loop watches out, unless the run continues while repairs run; nothing else
                     # starts one while the loop waits here.)
                     unless=lambda: bool(self._pending or self._requests or self._quarantine is not None
+                                        or self._person_holds
                                         or (self._gate_waits_watch and self._gone)
                                         or self._told_deleted is not None
                                         or (self._active and not self._continues_repairing)
@@ -1106,6 +1117,23 @@ class NodeEntity(Entity[NodeCarry]):
         self._quarantine = Finding(index=0, rung=QUARANTINE_RUNG, reasons=[reason])
         self._quarantine_gpus = named
         self._wake = True
+
+    def _hold_for_person(self, reason: str) -> None:
+        """A quarantine that starts no repair (``NodeQuarantine.hold_for_person``: an evacuation's proof
+        could not run, the node agent cannot run its compute check; no rung fixes that): the node,
+        as its GPU 0, is held for a person with the sender's reason (``needs_person``, FleetState
+        ``needs-person``: the alert), cordoned as its sender left it. The person's ``return_gpu`` of GPU
+        0, once the agent is fixed, uncordons it (unless another GPU of it is fenced); ``repair_gpu``
+        starts a repair at a reset. A repair of GPU 0 running meanwhile keeps it (its end decides)."""
+        held = (f"{reason}; no repair started (no rung fixes the node agent), node cordoned: fix the node agent, "
+                f"then `gpufleet repair return {self._node} 0 --reason ...` uncordons it")
+        self.state.needs_person[0] = held[:1000]
+        self.state.left_findings[0] = Finding(index=0, rung=None, reasons=[reason])
+        self._log(f"held for a person: {reason}", warn=True)
+        if self._active:  # the last repair's end sets the state (``_idle_state``)
+            self._show(f"held for a person: {reason}")
+        else:
+            self._set_state("needs-person", f"held for a person: {reason}")
 
     async def _act_on_quarantine(self, finding: Finding) -> None:
         """A quarantine: ``finding`` (GPU 0, the whole node) where it names no GPU, as always; else a

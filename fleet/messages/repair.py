@@ -219,6 +219,14 @@ class NodeQuarantine(BaseModel):
     #: of the payload, as before it existed), or none of them the node's: the whole node, its
     #: repair on GPU 0 (a failure no GPU is named for shows in every GPU's proof).
     gpus: list[GpuIndex] | None = Field(None, min_length=1, max_length=MAX_NODE_GPUS)
+    #: The proof could not run on the node: its node agent cannot run its compute check (its image,
+    #: its limits; ``ComputeCheckUnavailable``), so nothing proved it and nothing said a GPU of it is
+    #: broken. No rung fixes the agent: the entity starts no repair, holds the node (its GPU 0) for a
+    #: person with this reason (``needs_person``: FleetState ``needs-person``, the
+    #: ``GpufleetNodeNeedsPerson`` alert) and leaves it cordoned, and the person's ``return_gpu`` of
+    #: GPU 0 (``gpufleet repair return <node> 0``), once the agent is fixed, uncordons it. False (left
+    #: out of the payload, as before it existed): the repair ladder, as ever.
+    hold_for_person: bool = False
 
 
 class NodeEntityInput(BaseModel):

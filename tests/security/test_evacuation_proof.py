@@ -22,7 +22,7 @@ from fleet.messages.nodes import SmokeTestInput
 from activities.node_agent import NodeAgentActivities
 from fleet.cluster import fenced_gpus
 from fleet.messages.evacuation import EvacuationLeftovers, EvacuationProgress, EvacuationResult
-from fleet.messages.repair import GpuRepairResult
+from fleet.messages.repair import GpuDecision, GpuRepairResult, NodeStatus
 from fleet.naming import node_queue
 from tests.bad_input_helpers import task_failures
 from tests.evacuation_helpers import incident_fleet, open_incident_stack, poll
@@ -255,10 +255,12 @@ async def test_a_node_whose_agent_cannot_run_its_check_stays_cordoned_for_a_pers
         temporal_env, tmp_path, monkeypatch) -> None:
     """The proof meets a node whose agent cannot run its compute check (``ComputeCheckUnavailable``):
     nothing proved it, nothing said a GPU of it is broken. It stays cordoned and unproven, its reason
-    naming the agent's problem and the way back (a person fixes the agent, then uncordons it), and
-    the site comes back with the three others. Before, it was quarantined like a node whose GPU
-    failed: its Node entity started a GpuRepair at the reboot rung, the machine restarted for the
-    agent's problem before the repair's own hold caught its proof."""
+    naming the agent's problem and the way back, and the site comes back with the three others.
+    Its Node entity is told and holds it for a person (needs-person: the alert), no repair; the
+    person's `return_gpu` of GPU 0, once the agent is fixed, uncordons it. Before: first it was
+    quarantined like a node whose GPU failed (a GpuRepair at the reboot rung, the machine restarted
+    for the agent's problem); then it was sent nothing, and nothing alerted anyone once the
+    incident cleared."""
     agents = AgentsThatCannotCheck(monkeypatch)
     async for inc in open_incident_stack(temporal_env.client, tmp_path):
         machine: dict[str, str] = {}
@@ -279,7 +281,8 @@ async def test_a_node_whose_agent_cannot_run_its_check_stays_cordoned_for_a_pers
         held = (await evacuation.query("progress", result_type=EvacuationProgress)).held
         assert "the node agent cannot run its compute check" in held[name], held
         assert "libcuda not loadable in the node agent" in held[name], held
-        assert "not handed to the repair ladder" in held[name] and f"kubectl uncordon {name}" in held[name], held
+        assert "not handed to the repair ladder" in held[name] and f"gpufleet repair return {name} 0" in held[name], held
+        assert "GpufleetNodeNeedsPerson" in held[name], held
         assert not [node for node, why in held.items() if node != name and "node agent" in why], held
         shown = next(s for s in result.timeline if s.name == "nodes held")
         assert f"{name}: unproven: the node agent cannot run its compute check" in shown.detail, shown.detail
@@ -287,23 +290,40 @@ async def test_a_node_whose_agent_cannot_run_its_check_stays_cordoned_for_a_pers
         assert (routes.weight, routes.healthy) == (100, True)
         assert inc.cluster.get_node(name).unschedulable, "nothing proved it: it stays cordoned"
 
-        # Not handed to the repair ladder: the evacuation has ended, so what it sent its Node entity
-        # has arrived, and that was no quarantine; no repair, no reboot.
-        assert await signals_to(inc.client.get_workflow_handle(f"node/{name}"), "quarantine") == []
+        # Not handed to the repair ladder, but told: its Node entity holds it for a person (FleetState
+        # needs-person: the GpufleetNodeNeedsPerson alert), the agent's words its reason, and starts
+        # no repair; no reboot. Before, it was sent nothing: no alert once the incident's cleared.
+        entity = inc.client.get_workflow_handle(f"node/{name}")
+        assert await signals_to(entity, "quarantine") == ["quarantine"]
+
+        async def held_for_a_person() -> NodeStatus | None:
+            status = await entity.query("status", result_type=NodeStatus)
+            return status if status.state == "needs-person" else None
+
+        status = await poll(held_for_a_person, timeout=30)
+        assert "libcuda not loadable in the node agent" in status.needs_person["0"], status.needs_person
+        assert f"gpufleet repair return {name} 0" in status.needs_person["0"], status.needs_person
+        assert not status.active_repairs and not status.fenced, status
         assert not await exists(inc.client.get_workflow_handle(f"repair/{name}/gpu0"))
         assert (inc.world.machine(machine[name])["reboots"], inc.world.machine(machine[name])["reinstalls"]) == (0, 0)
+        assert inc.cluster.get_node(name).unschedulable, "held for a person: still cordoned"
         assert await task_failures(evacuation) == 0
-        await replay_and_record(evacuation, "site_evacuation_holds_where_the_check_cannot_run")
+        assert await task_failures(entity) == 0
+        await replay_and_record(evacuation, "site_evacuation_tells_the_node_it_waits_for_a_person")
 
         # The way back the reason names: nothing of the evacuation's is left to put back (its Site
-        # entity's put-back of closed evacuations leaves this cordon), so the person's uncordon,
-        # once the agent is fixed, is what returns it, and nothing cordons it again.
+        # entity's put-back of closed evacuations leaves this cordon); once the agent is fixed, the
+        # person's `gpufleet repair return <node> 0` uncordons it, and nothing cordons it again.
         left = await evacuation.query("leftovers", result_type=EvacuationLeftovers)
         assert left.put_back and name not in left.cordoned, left
         agents.machines.clear()
-        inc.cluster.cordon(name, False)
+        decision = await entity.execute_update(flows.Node.return_gpu, {"gpu": 0, "reason": "node agent image fixed"},
+                                               result_type=GpuDecision)
+        assert (decision.outcome, decision.uncordoned, decision.state) == ("returned", True, "ready"), decision
         assert not inc.cluster.get_node(name).unschedulable
         assert not await exists(inc.client.get_workflow_handle(f"repair/{name}/gpu0"))
+        assert await task_failures(entity) == 0
+        await replay_and_record(entity, "node_entity_holds_for_a_person_where_the_check_cannot_run")
 
 
 async def test_a_site_whose_every_agent_cannot_run_its_check_waits_saying_so_and_comes_back_once_fixed(
