@@ -349,6 +349,10 @@ EXPECTED = {
     # starts no repair; `return_gpu` of GPU 0 uncordons it (``evacuation-tells-the-node-it-waits-for-a-person``);
     # the run before, which told it nothing, is ``site_evacuation_holds_where_the_check_cannot_run``.
     "site_evacuation_tells_the_node_it_waits_for_a_person", "node_entity_holds_for_a_person_where_the_check_cannot_run",
+    # A quarantine naming GPUs or a hold is taken behind the Node's own patch, asked in its handler
+    # (``node-quarantine-takes-gpus-and-holds``): a run whose worker of the release before dropped
+    # both payloads replays (``..._before``, recorded on a handler that drops them as that model did).
+    "node_entity_quarantine_takes_gpus_and_holds", "node_entity_quarantine_takes_gpus_and_holds_before",
     # While its site is down, and while nothing may take its replicas, an evacuation waits on one
     # ``watch_recovery`` that probes inside the activity, which ``recovered`` cuts short
     # (tests/test_evacuation.py).

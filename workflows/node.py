@@ -435,6 +435,15 @@ NODE_CONTINUES_WHILE_REPAIRING = "node-continues-while-repairing"
 #: the entity ran on, its watch pending on a queue no agent polls, listed as a live node, until the
 #: watch's retries ran out (30 minutes' wait plus 3 heartbeat timeouts of 10: up to an hour).
 NODE_ENDS_WHEN_TOLD_DELETED = "node-ends-when-told-deleted"
+#: Workflow patch, asked in the ``quarantine`` signal's handler where the signal names GPUs (``gpus``,
+#: ``evacuation-quarantines-the-failing-gpus``) or holds the node for a person (``hold_for_person``,
+#: ``evacuation-tells-the-node-it-waits-for-a-person``), not behind ``self._settled``: as
+#: ``entity-renews``, where the signal is taken (a first task's signal comes before ``run`` asks its
+#: at-start patches). A worker of the release before dropped such a payload (its ``NodeQuarantine``
+#: knew neither field, extra="forbid"); a new worker replaying that run later would have taken it and
+#: issued the fence and repair (or the hold) the history lacks: nondeterminism, the entity stuck.
+#: Without the marker the payload is dropped as it was; a plain quarantine (a reason alone) asks nothing.
+NODE_QUARANTINE_NAMES_PATCH = "node-quarantine-takes-gpus-and-holds"
 
 
 def _xid_key(gpu: GpuHealth, index: int) -> str:
@@ -581,6 +590,12 @@ class NodeEntity(Entity[NodeCarry]):
         """The node failed someone else's proof (an evacuation's smoke test): the loop cordons
         it and hands it to the repair ladder, like K bad reports in a row."""
         if (order := parse_signal(NodeQuarantine, raw, "quarantine")) is not None:
+            if (order.gpus or order.hold_for_person) and not workflow.patched(NODE_QUARANTINE_NAMES_PATCH):
+                # A worker of the release before dropped this payload (its model knew neither field,
+                # extra="forbid"): so does its replay, which issues nothing for it.
+                workflow.logger.warning("dropped signal quarantine: gpus or hold_for_person (a run from before %s)",
+                                        NODE_QUARANTINE_NAMES_PATCH)
+                return
             if order.hold_for_person:
                 # No repair: the loop holds the node for a person (``_hold_for_person``).
                 self._person_holds.append(order.reason)
@@ -870,7 +885,7 @@ class NodeEntity(Entity[NodeCarry]):
                     finding, self._quarantine = self._quarantine, None
                     await self._act_on_quarantine(finding)
                 while self._person_holds:
-                    self._hold_for_person(self._person_holds.pop(0))
+                    await self._hold_for_person(self._person_holds.pop(0))
                 if recheck_at is not None:
                     recheck_at = None
                     await self._recheck()
@@ -1118,15 +1133,18 @@ class NodeEntity(Entity[NodeCarry]):
         self._quarantine_gpus = named
         self._wake = True
 
-    def _hold_for_person(self, reason: str) -> None:
+    async def _hold_for_person(self, reason: str) -> None:
         """A quarantine that starts no repair (``NodeQuarantine.hold_for_person``: an evacuation's proof
         could not run, the node agent cannot run its compute check; no rung fixes that): the node,
         as its GPU 0, is held for a person with the sender's reason (``needs_person``, FleetState
-        ``needs-person``: the alert), cordoned as its sender left it. The person's ``return_gpu`` of GPU
-        0, once the agent is fixed, uncordons it (unless another GPU of it is fenced); ``repair_gpu``
-        starts a repair at a reset. A repair of GPU 0 running meanwhile keeps it (its end decides)."""
+        ``needs-person``: the alert), its GPU 0 fenced so that it stays cordoned (another GPU's repair
+        that ends uncordons only a node with no GPU fenced). The person's ``return_gpu`` of GPU 0, once
+        the agent is fixed, un-fences it and uncordons the node (unless another GPU of it is fenced);
+        ``repair_gpu`` starts a repair at a reset. A repair of GPU 0 running meanwhile holds the fence."""
         held = (f"{reason}; no repair started (no rung fixes the node agent), node cordoned: fix the node agent, "
                 f"then `gpufleet repair return {self._node} 0 --reason ...` uncordons it")
+        if 0 not in self._active and 0 not in self.state.fenced:
+            await self._fence(0, Finding(index=0, rung=None, reasons=[reason]))
         self.state.needs_person[0] = held[:1000]
         self.state.left_findings[0] = Finding(index=0, rung=None, reasons=[reason])
         self._log(f"held for a person: {reason}", warn=True)

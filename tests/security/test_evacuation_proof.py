@@ -303,7 +303,8 @@ async def test_a_node_whose_agent_cannot_run_its_check_stays_cordoned_for_a_pers
         status = await poll(held_for_a_person, timeout=30)
         assert "libcuda not loadable in the node agent" in status.needs_person["0"], status.needs_person
         assert f"gpufleet repair return {name} 0" in status.needs_person["0"], status.needs_person
-        assert not status.active_repairs and not status.fenced, status
+        assert not status.active_repairs, status
+        assert "0" in fenced_gpus(inc.cluster.node_marks(name).annotations), "fenced: no other repair's end uncordons it"
         assert not await exists(inc.client.get_workflow_handle(f"repair/{name}/gpu0"))
         assert (inc.world.machine(machine[name])["reboots"], inc.world.machine(machine[name])["reinstalls"]) == (0, 0)
         assert inc.cluster.get_node(name).unschedulable, "held for a person: still cordoned"
@@ -358,3 +359,29 @@ async def test_a_site_whose_every_agent_cannot_run_its_check_waits_saying_so_and
         assert proven.detail.startswith("4 nodes passed smoke tests"), proven.detail
         assert inc.cluster.get_site_routes().sites[inc.site("a")].weight == 100
         assert await task_failures(evacuation) == 0
+
+
+async def test_a_quarantine_naming_gpus_or_a_hold_is_taken_behind_the_nodes_own_patch(temporal_env, tmp_path) -> None:
+    """A quarantine that names GPUs, and one that holds the node for a person, are taken behind the
+    Node's own patch (``node-quarantine-takes-gpus-and-holds``), asked in the signal's handler: a
+    worker of the release before dropped both (its model knew neither field), and a run it handled
+    replays on today's code (``node_entity_quarantine_takes_gpus_and_holds_before``) where, without
+    the patch, today's code would fence and repair (and hold) what that history never did."""
+    async for stack in running_stack(temporal_env.client, tmp_path):
+        node = (await join_node(stack)).node_name
+        entity = stack.client.get_workflow_handle(f"node/{node}")
+        await entity.signal(flows.Node.quarantine, {"reason": "failed a proof: GPU 1: compute", "gpus": [1]})
+        await entity.signal(flows.Node.quarantine, {"reason": "the node agent cannot run its compute check",
+                                                    "hold_for_person": True})
+        one = repair_handle(stack, node, 1)
+        await eventually(lambda: exists(one), timeout=30)
+
+        async def held() -> NodeStatus | None:
+            status = await entity.query("status", result_type=NodeStatus)
+            return status if "0" in status.needs_person else None
+
+        status = await eventually(held, timeout=30)
+        assert "the node agent cannot run its compute check" in status.needs_person["0"], status
+        assert not await exists(repair_handle(stack, node, 0))
+        assert await task_failures(entity) == 0
+        await replay_and_record(entity, "node_entity_quarantine_takes_gpus_and_holds")
