@@ -209,6 +209,10 @@ _GPU_FAILURE = re.compile(r"GPU (\d{1,3}): ")
 #: A failure no GPU is named for that every GPU's repair proof finds again (its smoke test checks
 #: how many GPUs are visible whatever GPUs it tests): it asks for no more than those repairs.
 _VISIBLE_FAILURE = re.compile(r"\d+ of \d+ GPUs visible")
+#: The line a smoke test adds where its compute check cannot run but NVML found something
+#: (``activities.node_agent.smoke_test``: "the compute check cannot run on <node>: ... (not run)"): it
+#: says what was not checked, no fault of any GPU, so it asks for no GPU (not the whole node's GPU 0).
+_NOT_RUN_FAILURE = re.compile(r"the compute check cannot run on .*\(not run\)", re.DOTALL)
 
 
 def failing_gpus(failures: list[str], gpus: int) -> list[int] | None:
@@ -223,7 +227,7 @@ def failing_gpus(failures: list[str], gpus: int) -> list[int] | None:
     for failure in failures:
         if (found := _GPU_FAILURE.match(failure)) is not None and int(found.group(1)) < limit:
             named.add(int(found.group(1)))
-        elif _VISIBLE_FAILURE.fullmatch(failure) is None:
+        elif _VISIBLE_FAILURE.fullmatch(failure) is None and _NOT_RUN_FAILURE.fullmatch(failure) is None:
             whole_node = True
     if not named:
         return None

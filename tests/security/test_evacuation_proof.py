@@ -193,6 +193,9 @@ async def test_a_node_whose_gpu_3_fails_the_proof_has_gpu_3_fenced_and_repaired_
     # Every repair's proof checks how many GPUs are visible: it names none, and asks for no more.
     (["3 of 4 GPUs visible", "GPU 2: GPU is lost"], 4, [2]),
     (["3 of 4 GPUs visible"], 4, None),
+    # A compute check that cannot run names no GPU: it says what was not checked, it asks for no GPU.
+    (["GPU 2: XID 79", "the compute check cannot run on a-1: libcuda not loadable (not run)"], 4, [2]),
+    (["the compute check cannot run on a-1: libcuda not loadable (not run)"], 4, None),
     # A node-wide failure, or a GPU past the site's count (a lie): the whole node's GPU 0 as well.
     (["GPU 3: x", "libcuda not loadable: no such file"], 4, [0, 3]),
     (["GPU 3: x", "GPU 9: x"], 4, [0, 3]),
