@@ -151,6 +151,11 @@ EXPECTED = {
     "node_entity_ends_when_its_site_saw_it_retired",
     "node_entity_ends_when_its_site_saw_it_deleted", "node_entity_ends_when_its_site_saw_it_deleted_before",
     "node_entity_told_deleted_while_in_the_cluster", "node_entity_told_deleted_while_in_the_cluster_before",
+    # The word that came while a repair of the node ran, taken again once the repair was cancelled: the
+    # entity ends "gone" (``node-takes-told-deleted-after-its-repair``,
+    # tests/test_node_told_deleted_while_repairing.py); the ``_before`` run, recorded on the code before
+    # (the word dropped, the entity held for a person on a node the cluster no longer has), replays.
+    "node_entity_told_deleted_while_repairing", "node_entity_told_deleted_while_repairing_before",
     # A node padding every early watch answer to ~120 KB, a new digest each: each counts for the pace
     # as 8 (one per 16 KiB begun), paced after 4 (``node-paces-answer-bytes``,
     # tests/security/test_watch_pacing.py); the ``_before`` run, recorded on the code before (ten such

@@ -435,6 +435,15 @@ NODE_CONTINUES_WHILE_REPAIRING = "node-continues-while-repairing"
 #: the entity ran on, its watch pending on a queue no agent polls, listed as a live node, until the
 #: watch's retries ran out (30 minutes' wait plus 3 heartbeat timeouts of 10: up to an hour).
 NODE_ENDS_WHEN_TOLD_DELETED = "node-ends-when-told-deleted"
+#: Workflow patch, asked where ``NODE_ENDS_WHEN_TOLD_DELETED``'s word comes while a repair of the node
+#: runs, behind ``self._settled_7 and`` (such a run runs no local activity, so it may be asked there).
+#: The word is kept (``NodeCarry.deleted_seen_at``, carried over continue-as-new) and taken again once
+#: no repair runs: the facts read decides as for a word that came with none (the cluster does not know
+#: the node: the entity ends "replaced or removed"; it has it again: the word dropped). Before, the word
+#: was logged and dropped: a repair that ended other than replaced (a reset that failed and was
+#: cancelled, a ladder exhausted, a cancel) left the entity on a node the cluster no longer has, maybe
+#: holding it for a person (``GpufleetNodeNeedsPerson`` firing), until its watch's retries ran out.
+NODE_TAKES_TOLD_DELETED_AFTER_REPAIR = "node-takes-told-deleted-after-its-repair"
 #: Workflow patch, asked in the ``quarantine`` signal's handler where the signal names GPUs (``gpus``,
 #: ``evacuation-quarantines-the-failing-gpus``) or holds the node for a person (``hold_for_person``,
 #: ``evacuation-tells-the-node-it-waits-for-a-person``), not behind ``self._settled``: as
@@ -859,7 +868,8 @@ class NodeEntity(Entity[NodeCarry]):
                     lambda: bool(self._pending or self._wake or self._quarantine or self._person_holds
                                  or (self._requests and self._holder is None)
                                  or (self._settled_5 and self._queue_news())
-                                 or (self._paces_holds and self._incident_closed)),
+                                 or (self._paces_holds and self._incident_closed)
+                                 or self._deleted_to_take()),
                     timeout=self._recheck_in(),
                 )
             except asyncio.TimeoutError:
@@ -878,6 +888,10 @@ class NodeEntity(Entity[NodeCarry]):
             async with self.state_lock:
                 if self._told_deleted is not None:
                     observed_at, self._told_deleted = self._told_deleted, None
+                    await self._take_deleted(observed_at)
+                if self.state.deleted_seen_at is not None and not self._active:
+                    # Told deleted while a repair ran (NODE_TAKES_TOLD_DELETED_AFTER_REPAIR): none runs now.
+                    observed_at, self.state.deleted_seen_at = self.state.deleted_seen_at, None
                     await self._take_deleted(observed_at)
                 while self._pending:
                     await self._handle(self._pending.pop(0))
@@ -911,7 +925,7 @@ class NodeEntity(Entity[NodeCarry]):
                     unless=lambda: bool(self._pending or self._requests or self._quarantine is not None
                                         or self._person_holds
                                         or (self._gate_waits_watch and self._gone)
-                                        or self._told_deleted is not None
+                                        or self._told_deleted is not None or self._deleted_to_take()
                                         or (self._active and not self._continues_repairing)
                                         or (self._paces_holds and self._incident_closed)),
                 )
@@ -921,13 +935,19 @@ class NodeEntity(Entity[NodeCarry]):
         cluster's own record decides. Not there: the watch in flight is cancelled and the loop ends
         the entity ("replaced or removed"). There (joined again under its name since the site saw
         it go), or the cluster not answering: watched on, the word logged. A repair of the node
-        still running decides as before."""
+        still running: the word is kept and taken again once none runs (``NODE_TAKES_TOLD_DELETED_AFTER_REPAIR``;
+        before, its repair decided)."""
         if self._gone:
             return
         at = datetime.fromtimestamp(observed_at, timezone.utc)
         seen = f"its site saw it deleted from the cluster at {at:%H:%M:%S} UTC"
         if self._active:
-            self._log(f"{seen}, while {', '.join(sorted(self._active.values()))} runs: its repair decides")
+            running = ', '.join(sorted(self._active.values()))
+            if self._settled_7 and workflow.patched(NODE_TAKES_TOLD_DELETED_AFTER_REPAIR):
+                self.state.deleted_seen_at = observed_at
+                self._log(f"{seen}, while {running} runs: asking the cluster once no repair runs")
+                return
+            self._log(f"{seen}, while {running} runs: its repair decides")
             return
         try:
             facts = await self._refresh_facts()
@@ -943,6 +963,11 @@ class NodeEntity(Entity[NodeCarry]):
         self._gone = True
         self._wake = True
         self._replace_watch()
+
+    def _deleted_to_take(self) -> bool:
+        """A word that the node was deleted, kept while a repair ran (``NODE_TAKES_TOLD_DELETED_AFTER_REPAIR``),
+        and no repair runs now: the loop asks the cluster."""
+        return self.state.deleted_seen_at is not None and not self._active
 
     def _continues_while_repairing(self) -> bool:
         """``NODE_CONTINUES_WHILE_REPAIRING``: this run may continue as new while repairs of its node

@@ -91,6 +91,10 @@ class NodeCarry(BaseModel):
     #: none of them holding or waiting for the node's action slot then): the next run follows each to
     #: its end (``repair_end``) as the run before did. Written only as the run continues; empty meanwhile.
     repairs: dict[int, RunningRepair] = Field(default_factory=dict)
+    #: When its site saw the node deleted from the cluster (epoch seconds), told while a repair of it
+    #: ran (``node-takes-told-deleted-after-its-repair``): once none runs, the entity asks the cluster
+    #: and ends if it does not know the node. None: no such word waits.
+    deleted_seen_at: float | None = None
 
 
 class NodeWatchInput(BaseModel):
