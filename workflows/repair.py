@@ -742,11 +742,17 @@ class GpuRepair:
             pass
         s.waiting_for = ""
         await self._hold_point()
-        if s.skip_to is not None:
+        return await self._prove_again(proof, f" ({tried} of {TRANSIENT_CHECK_TRIES}, the last could not run)")
+
+    async def _prove_again(self, proof: str, how: str) -> tuple[bool, str, CannotRun | None]:
+        """After a pause or a hold on a proof that could not run: a ``skip_to`` that came meanwhile
+        is taken (the proof counts as failed: the ladder goes there), else the GPU is proved again."""
+        inp = self._input
+        if self._state.skip_to is not None:
             return False, proof, None
         self._set_fleet_state("proving")
-        self._step("proving", f"again ({tried} of {TRANSIENT_CHECK_TRIES}, the last could not run): smoke test on "
-                              f"{node_queue(inp.node_name)} {until_in(inp.settings.timeouts.smoke_test_seconds)}")
+        self._step("proving", f"again{how}: smoke test on {node_queue(inp.node_name)} "
+                              f"{until_in(inp.settings.timeouts.smoke_test_seconds)}")
         return await self._prove()
 
     async def _held_unproven(self, proof: str, tried: int = 0) -> tuple[bool, str, CannotRun | None]:
@@ -770,12 +776,7 @@ class GpuRepair:
         self._set_fleet_state("needs-person")
         self._step("held", "the proof could not run on the node (its agent's compute check)")
         await workflow.wait_condition(lambda: not s.held)
-        if s.skip_to is not None:
-            return False, proof, None
-        self._set_fleet_state("proving")
-        self._step("proving", f"again, released: smoke test on {node_queue(inp.node_name)} "
-                              f"{until_in(inp.settings.timeouts.smoke_test_seconds)}")
-        return await self._prove()
+        return await self._prove_again(proof, ", released")
 
     async def _prove(self) -> tuple[bool, str, CannotRun | None]:
         """(proved, what the proof said, whether it could not run at all: the node's agent cannot
