@@ -111,6 +111,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.inputs import check_text, describe, first_problem, parse_input
     from workflows.refusals import wrong_state
     from workflows.steps import (
+        CHECK_UNAVAILABLE,
         CLUSTER_RETRY,
         FOLLOW_WAIT,
         LONG_WATCH_HEARTBEAT,
@@ -199,8 +200,6 @@ HOLDS_WHERE_THE_CHECK_CANNOT_RUN_PATCH = "evacuation-holds-where-the-check-canno
 #: and only a ``kubectl uncordon`` nobody was reminded of brought it back. Asked in
 #: ``_quarantine_unproven`` only where such a node is held, so runs from before send nothing for it.
 TELLS_THE_NODE_IT_WAITS_PATCH = "evacuation-tells-the-node-it-waits-for-a-person"
-#: The smoke test's error type where its compute check cannot run on the node (``activities.node_agent``).
-CHECK_UNAVAILABLE = "ComputeCheckUnavailable"
 #: The node's own message about why its check cannot run, cut to this wherever it is repeated.
 CHECK_UNAVAILABLE_CHARS = 300
 #: How the node agent's smoke test names the GPU a failure is about (``activities.node_agent.smoke_test``:

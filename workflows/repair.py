@@ -62,6 +62,7 @@ with workflow.unsafe.imports_passed_through():
     from workflows.refusals import wrong_state
     from fleet.messages.join import JoinTimeouts, NodeJoinResult
     from workflows.steps import (
+        CHECK_UNAVAILABLE,
         CLUSTER_RETRY,
         PROVIDER_RETRY,
         QUICK,
@@ -114,8 +115,6 @@ REPLACE_RETIRES_TO_ITS_END_PATCH = "repair-replace-retires-to-its-end"
 #: naming the agent's problem; released, it proves again. Before it such a proof was a failed one:
 #: every GPU of a node with a broken agent image climbed reset, reboot, reinstall to exhausted.
 HOLDS_WHEN_THE_CHECK_CANNOT_RUN_PATCH = "repair-holds-when-the-check-cannot-run"
-#: The smoke test's error type where its compute check could not run on the node (``activities.node_agent``).
-CHECK_UNAVAILABLE = "ComputeCheckUnavailable"
 #: A proof that did not run is named by the node's own message, cut to this: it is repeated in the
 #: details, the ladder (its hold reason, its attempts) and the result.
 SMOKE_DID_NOT_RUN_CHARS = 1000

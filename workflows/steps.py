@@ -57,6 +57,9 @@ QUICK = timedelta(seconds=60)
 #: A smoke test gets 3 attempts: one lost agent poll or a GPU still settling after a reset must
 #: not fail a node, while a node that fails three times in a row is not going to pass.
 SMOKE_RETRY = RetryPolicy(maximum_attempts=3)
+#: The smoke test's error type where its compute check cannot run on the node (``activities.node_agent``:
+#: the node agent's problem, no verdict on any GPU).
+CHECK_UNAVAILABLE = "ComputeCheckUnavailable"
 #: Heartbeat of the activities that wait inside (drain, serving ready).
 WAIT_HEARTBEAT = timedelta(seconds=30)
 #: An entity's long watch of the cluster (a site's nodes, a model's load, the CSRs, the demand
